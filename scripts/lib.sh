@@ -1,0 +1,35 @@
+# Shared by scripts/test and scripts/demo: install what is missing, configure and build build/.
+# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args).
+
+zinf_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
+
+# Debian packages the build needs; docs/DEPENDENCIES.md says why each one is there.
+zinf_packages=(cmake g++ make pkg-config liburing-dev libtbb-dev libfmt-dev nlohmann-json3-dev
+               libcli11-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev)
+
+zinf_install_deps() {
+  local missing=()
+  for p in "${zinf_packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if [ ${#missing[@]} -gt 0 ]; then
+    echo "zinf: installing missing packages: ${missing[*]}"
+    local sudo=""
+    [ "$(id -u)" -ne 0 ] && sudo="sudo"
+    $sudo apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends \
+      "${missing[@]}"
+  fi
+}
+
+zinf_configure_and_build() {
+  local extra=("$@")
+  # nvcc lives outside PATH in a standard CUDA install; let CMake's AUTO detection see it.
+  if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+    export PATH="/usr/local/cuda/bin:$PATH"
+  fi
+  cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
+    ${ZINF_CMAKE_ARGS:-}
+  cmake --build "$zinf_build" -j "$(nproc)"
+}

@@ -1,0 +1,25 @@
+# Installs the zinf build in ZINF_BUILD_DIR into a fresh prefix, then builds and runs the consumer
+# project in ZINF_CONSUMER_SOURCE against it. Any failing step fails the test.
+file(REMOVE_RECURSE "${ZINF_WORK_DIR}")
+set(prefix "${ZINF_WORK_DIR}/prefix")
+set(build "${ZINF_WORK_DIR}/build")
+
+function(run_step what)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
+  endif()
+  message(STATUS "${what}: ok")
+  set(step_output "${out}" PARENT_SCOPE)
+endfunction()
+
+run_step("install" ${CMAKE_COMMAND} --install "${ZINF_BUILD_DIR}" --prefix "${prefix}")
+run_step("configure consumer" ${CMAKE_COMMAND} -S "${ZINF_CONSUMER_SOURCE}" -B "${build}"
+         -DCMAKE_PREFIX_PATH=${prefix} -DCMAKE_BUILD_TYPE=Release
+         -DCMAKE_CXX_COMPILER=${CMAKE_CXX_COMPILER})
+run_step("build consumer" ${CMAKE_COMMAND} --build "${build}")
+run_step("run consumer" "${build}/zinf_consumer")
+message(STATUS "consumer said: ${step_output}")
+if(NOT step_output MATCHES "zinf consumer ok")
+  message(FATAL_ERROR "consumer did not report success: ${step_output}")
+endif()
