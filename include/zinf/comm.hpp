@@ -1,0 +1,172 @@
+// Communicator: the collectives ZeRO needs across the ranks of a job, asynchronous on a Device
+// stream, shaped after NCCL so that `NcclComm` maps onto it one call for one call:
+//
+//   Communicator              NCCL
+//   all_gather                ncclAllGather   (send: element_count, recv: element_count * world)
+//   reduce_scatter            ncclReduceScatter (send: element_count * world, recv: element_count)
+//   all_reduce                ncclAllReduce   (element_count in and out; in place allowed)
+//   broadcast                 ncclBroadcast   (from `root`; in place allowed)
+//   group_start / group_end   ncclGroupStart / ncclGroupEnd
+//   wait(event, timeout)      cudaEventQuery polled with ncclCommGetAsyncError; ncclCommAbort on
+//                             timeout
+//   abort                     ncclCommAbort
+//
+// Every rank must issue the same collectives in the same order with the same element_count,
+// dtype, reduction and root (as NCCL requires). A collective is enqueued on `stream`: it starts
+// after the work issued on the stream before it, and work issued after it sees its result. To
+// wait for it on the host, record an event on the stream after it and call wait(event, timeout).
+//
+// Data: f32, bf16 or f16. Reductions of bf16 and f16 accumulate in f32 and round once
+// (LocalComm; NCCL rounds at its own points). kAverage is the sum divided by world_size().
+//
+// Errors and aborts: a call whose arguments are wrong returns kInvalidArgument naming the
+// collective and its `name`, and aborts the communicator, so the other ranks' matching collective
+// fails instead of waiting for a rank that will never arrive. A collective that fails on any rank
+// (a mismatch between ranks, a timeout, an abort) fails on every rank: its stream gets the error
+// (kCommError, kTimeout or kAborted) and wait() returns it. After that the communicator is
+// aborted: every later call returns kAborted with the first error's message. No collective waits
+// forever: LocalComm gives each one a timeout; wait() takes one.
+//
+// Thread-safety: issue collectives from one thread per communicator (their order defines the
+// matching between ranks). status(), abort() and wait() may be called from any thread.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string_view>
+#include <vector>
+
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+enum class ReduceOp : std::uint8_t {
+  kSum = 0,
+  kAverage = 1,  // sum / world_size
+  kMax = 2,      // NaN when any input is NaN
+  kMin = 3,      // NaN when any input is NaN
+};
+// "sum", "average", "max", "min".
+std::string_view reduce_op_name(ReduceOp op);
+
+enum class CollectiveKind : std::uint8_t {
+  kAllGather = 0,
+  kReduceScatter = 1,
+  kAllReduce = 2,
+  kBroadcast = 3,
+};
+// "all_gather", "reduce_scatter", "all_reduce", "broadcast".
+std::string_view collective_kind_name(CollectiveKind kind);
+
+// One collective call, as the backends receive it.
+struct Collective {
+  CollectiveKind kind = CollectiveKind::kAllReduce;
+  // Device pointers of this rank. See each convenience method for their sizes and the in-place
+  // forms allowed.
+  const void* send = nullptr;
+  void* recv = nullptr;
+  // all_gather: elements each rank sends; reduce_scatter: elements each rank receives;
+  // all_reduce and broadcast: elements of the whole buffer.
+  std::size_t element_count = 0;
+  DType dtype = DType::kF32;
+  ReduceOp op = ReduceOp::kSum;  // reduce_scatter and all_reduce only
+  int root = 0;                  // broadcast only
+  // What the data is (a tensor, a bucket), for errors and traces; may be empty. Only needs to
+  // live until the call returns.
+  std::string_view name;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  Communicator(const Communicator&) = delete;
+  Communicator& operator=(const Communicator&) = delete;
+
+  virtual int rank() const = 0;
+  virtual int world_size() const = 0;
+  // The device whose streams this communicator's collectives run on.
+  virtual Device& device() const = 0;
+  // For example "local rank 2 of 4" or "nccl rank 2 of 8".
+  virtual std::string_view name() const = 0;
+
+  // Enqueues `op` on `stream` (see the file comment). Returns kInvalidArgument for bad arguments,
+  // kAborted after an abort.
+  virtual Status issue(const Collective& op, Stream& stream) = 0;
+
+  // Collectives issued between group_start() and group_end() may be launched together
+  // (ncclGroupStart/End); a no-op grouping on LocalComm. Groups nest.
+  // group_end() without a matching group_start() is kFailedPrecondition.
+  virtual Status group_start() = 0;
+  virtual Status group_end() = 0;
+
+  // Blocks until every rank has called barrier(), or kTimeout (after which the communicator is
+  // aborted on every rank). Orders nothing on the device.
+  virtual Status barrier(std::chrono::milliseconds timeout = kWaitForever) = 0;
+
+  // Blocks until `event` (recorded after collectives of this communicator) is reached. Returns the
+  // first error of the work before it, or kTimeout after aborting the communicator on every rank.
+  virtual Status wait(Event& event, std::chrono::milliseconds timeout = kWaitForever) = 0;
+
+  // Fails the collectives in flight on every rank with `reason` and makes every later call
+  // return kAborted. Idempotent: the first reason wins.
+  // REQUIRES: !reason.is_ok().
+  virtual void abort(Status reason) = 0;
+  // OK, or the error that aborted this communicator.
+  virtual Status status() const = 0;
+
+  // recv[r * element_count + i] = send_of_rank_r[i] on every rank.
+  // In place: send == recv + rank() * element_count.
+  Status all_gather(const void* send, void* recv, std::size_t element_count, DType dtype,
+                    Stream& stream, std::string_view name = {}) {
+    return issue(
+        {CollectiveKind::kAllGather, send, recv, element_count, dtype, ReduceOp::kSum, 0, name},
+        stream);
+  }
+  // recv[i] = op over ranks r (in rank order) of send_of_rank_r[rank() * element_count + i].
+  // In place: recv == send + rank() * element_count.
+  Status reduce_scatter(const void* send, void* recv, std::size_t element_count, DType dtype,
+                        ReduceOp op, Stream& stream, std::string_view name = {}) {
+    return issue({CollectiveKind::kReduceScatter, send, recv, element_count, dtype, op, 0, name},
+                 stream);
+  }
+  // recv[i] = op over ranks r of send_of_rank_r[i]; every rank gets the same bits.
+  // In place: send == recv.
+  Status all_reduce(const void* send, void* recv, std::size_t element_count, DType dtype,
+                    ReduceOp op, Stream& stream, std::string_view name = {}) {
+    return issue({CollectiveKind::kAllReduce, send, recv, element_count, dtype, op, 0, name},
+                 stream);
+  }
+  // recv = send_of_rank_root on every rank. `send` is read on the root only. In place: send ==
+  // recv.
+  Status broadcast(const void* send, void* recv, std::size_t element_count, DType dtype, int root,
+                   Stream& stream, std::string_view name = {}) {
+    return issue(
+        {CollectiveKind::kBroadcast, send, recv, element_count, dtype, ReduceOp::kSum, root, name},
+        stream);
+  }
+
+ protected:
+  Communicator() = default;
+};
+
+// --- LocalComm ---------------------------------------------------------------------------------
+
+struct LocalCommOptions {
+  // How long a rank waits in a collective or barrier for the other ranks before the collective
+  // fails with kTimeout on every rank. Bounds every wait, so a lost rank never hangs a test.
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+};
+
+// World size devices.size() communicators, rank r on devices[r], all in this process: each rank
+// is meant to be driven by its own thread. Collectives move data through shared memory; sums run
+// in rank order, so results are the same bits on every rank and in every run.
+// Returns kInvalidArgument for no devices or a device that is not host_accessible().
+// REQUIRES: the devices outlive the communicators.
+Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
+    const std::vector<Device*>& devices, const LocalCommOptions& options = {});
+
+}  // namespace zinf
