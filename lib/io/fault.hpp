@@ -1,0 +1,79 @@
+// FaultInjector: seeded storage faults for tests, injected inside the engines.
+//
+// Set IoOptions::faults and every piece an engine completes is shown to the injector first,
+// which may turn its result into a fault. Because this happens where the backend reads the
+// completion (the io_uring CQE, the pread return value), injected short transfers, EINTR and
+// EAGAIN exercise the engine's own retry loop; a decorator above IoEngine could only fake it.
+//
+// What each fault does, and what the caller then sees (the documented contract the tests hold):
+//   eio         the piece fails with EIO           -> wait(): io_error, sys_code EIO, path+offset
+//   enospc      a write piece fails with ENOSPC    -> wait(): no_space, sys_code ENOSPC, path
+//   short_io    the piece moves fewer bytes        -> the engine resubmits the rest; wait(): OK
+//   eintr       the piece fails with EINTR         -> retried (at most retry_max times in a row);
+//   eagain      the piece fails with EAGAIN           OK, or io_error with that errno beyond it
+//   latency     the completion is delayed          -> OK, later (a wait may time out)
+//   bit_flip    one random bit of a read piece is  -> wait(): OK (the engine cannot know);
+//               flipped after a successful read       SwapSpace::wait(): corruption
+// Rates are probabilities per piece completion, drawn from one SplitMix64 stream seeded with
+// `seed` (the draw order follows completion order, which threads can reorder; a failing test
+// replays the same fault mix, not always the same sequence).
+//
+// Thread-safety: on_complete() may be called from any engine thread; counters are atomic.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <mutex>
+
+#include "base/random.hpp"
+#include "io/io_engine.hpp"
+
+namespace zinf {
+
+struct FaultSpec {
+  std::uint64_t seed = 1;
+  double eio_rate = 0;
+  double enospc_rate = 0;  // writes only
+  double short_rate = 0;
+  double eintr_rate = 0;
+  double eagain_rate = 0;
+  double latency_rate = 0;
+  std::chrono::microseconds latency{2000};
+  double bit_flip_rate = 0;  // reads only
+  // Restrict faults to reads or writes when set.
+  bool reads = true;
+  bool writes = true;
+};
+
+struct FaultCounts {
+  std::uint64_t eio = 0, enospc = 0, short_io = 0, eintr = 0, eagain = 0, latency = 0, bit_flip = 0;
+};
+
+class FaultInjector {
+ public:
+  explicit FaultInjector(const FaultSpec& spec) : spec_(spec), random_(spec.seed) {}
+
+  // Called by an engine when a piece of `op` on [offset, offset + requested_bytes) completed
+  // with `result` (bytes moved, or -errno) into / from `data`. Returns the result to act on:
+  // `result` unchanged, a smaller byte count (short), or -EIO / -ENOSPC / -EINTR / -EAGAIN.
+  // May sleep (latency) and may flip a bit in data[0, result) of a read.
+  long on_complete(IoOp op, std::uint64_t offset, std::size_t requested_bytes, void* data,
+                   long result);
+
+  // Turns injection on or off (e.g. off while a test writes its reference data).
+  void set_enabled(bool enabled) { enabled_.store(enabled, std::memory_order_relaxed); }
+  FaultCounts counts() const;
+  const FaultSpec& spec() const { return spec_; }
+
+ private:
+  FaultSpec spec_;
+  std::mutex mutex_;  // guards random_
+  SplitMix64 random_;
+  std::atomic<bool> enabled_{true};
+  std::atomic<std::uint64_t> eio_{0}, enospc_{0}, short_{0}, eintr_{0}, eagain_{0}, latency_{0},
+      bit_flip_{0};
+};
+
+}  // namespace zinf

@@ -1,0 +1,139 @@
+// SwapSpace: named extents ("rank0/group3/exp_avg" -> file, offset, bytes) in swap files that
+// are preallocated under one or more directories, read and written through an IoEngine, and
+// checksummed per block.
+//
+// Layout. At open, each directory gets one swap file of capacity_bytes / dirs (rounded up to a
+// block), preallocated with fallocate and opened with O_DIRECT. An extent is cut into units of
+// block_bytes; with several directories the units go round-robin over them (RAID-0 striping,
+// starting at a different directory for each extent so small extents spread too). Offsets and
+// lengths on disk are multiples of 4 KiB.
+//
+// Checksums. Every block (block_bytes, the last one of an extent possibly shorter, rounded up
+// to 4 KiB) has an xxh3-64 checksum (libxxhash), computed from the caller's memory when the
+// write is submitted and kept in memory in this object (one 8-byte word and one state byte
+// per block, allocated by create()); nothing is stored on disk, so a swap space lives as long
+// as the process, which is what an optimizer swap needs. wait() on a read verifies every block
+// it read and returns Status::corruption naming the key, the byte offset in the extent and the
+// file offset of the first bad block.
+//
+// Open-time checks. A directory that does not exist, is not writable, whose filesystem refuses
+// O_DIRECT, or that lacks room for its share of capacity_bytes fails open() with a Status that
+// names the path (not_found, io_error, unsupported, no_space), not a later write.
+//
+// Thread-safety: every method may be called from any thread. Reads and writes of disjoint
+// blocks may run concurrently; a read and a write of the same block, or two writes, must be
+// ordered by the caller (wait for one before submitting the other).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "io/io_engine.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+struct SwapOptions {
+  // Directories, one swap file each (put each on its own drive to stripe across drives).
+  std::vector<std::string> dirs;
+  // Total bytes for extents, split evenly over dirs, preallocated at open.
+  std::uint64_t capacity_bytes = 0;
+  // Checksum block and stripe unit. A multiple of 4096. Reads and writes of part of an extent
+  // start on a block boundary and cover whole blocks (or run to the end of the extent).
+  std::size_t block_bytes = std::size_t{1} << 20;
+  // Extents that may be created (the table is allocated at open).
+  std::uint32_t max_extents = 4096;
+  // Reads and writes that may be in flight (submitted, not yet waited for) at once.
+  std::uint32_t max_ops = 256;
+  // The largest single read or write, which bounds the engine tickets an op needs when
+  // striping (one per unit); with one directory an op is always one engine request.
+  std::uint64_t max_op_bytes = std::uint64_t{1} << 30;
+  // Swap file name inside each directory; "{pid}" is replaced by the process id.
+  std::string file_name = "zinf-swap-{pid}.bin";
+  // Delete the swap files when the SwapSpace is destroyed.
+  bool remove_files = true;
+};
+
+struct ExtentId {
+  std::uint32_t index = UINT32_MAX;
+  bool valid() const { return index != UINT32_MAX; }
+};
+
+struct ExtentInfo {
+  std::string key;
+  std::uint64_t bytes = 0;       // as created
+  std::uint64_t disk_bytes = 0;  // rounded up to 4 KiB
+  std::uint32_t block_count = 0;
+};
+
+struct SwapTicket {
+  std::uint32_t slot = 0;
+  std::uint32_t generation = 0;
+  bool valid() const { return generation != 0; }
+};
+
+class SwapSpace {
+ public:
+  // Creates and preallocates the swap files through `engine`, which must outlive this object.
+  static Result<std::unique_ptr<SwapSpace>> open(IoEngine& engine, const SwapOptions& options);
+  // Waits (bounded) for ops still in flight, closes and (remove_files) deletes the files.
+  ~SwapSpace();
+  SwapSpace(const SwapSpace&) = delete;
+  SwapSpace& operator=(const SwapSpace&) = delete;
+
+  // Reserves `bytes` (> 0) for `key`. Errors: invalid_argument when the key exists or is empty,
+  // no_space when the capacity is used up (message names the key and the directories),
+  // resource_exhausted beyond max_extents.
+  Result<ExtentId> create(std::string_view key, std::uint64_t bytes);
+  // not_found naming the key.
+  Result<ExtentId> find(std::string_view key) const;
+  // REQUIRES: id came from create() / find().
+  const ExtentInfo& info(ExtentId id) const;
+
+  // Writes [offset, offset + bytes) of the extent from `src`, checksumming it first.
+  // REQUIRES: offset a multiple of block_bytes; bytes a multiple of block_bytes or reaching
+  // the end of the extent; src 4096-aligned and readable for bytes rounded up to 4096 (the
+  // padding is written and checksummed as it is). Errors: invalid_argument (range), and the
+  // engine's submit errors, each naming the key.
+  Result<SwapTicket> write(ExtentId id, std::uint64_t offset, std::uint64_t bytes, const void* src);
+  // Reads the same kind of range into `dst` (writable for bytes rounded up to 4096). Errors:
+  // failed_precondition when a block in the range was never written, io_error when its last
+  // write failed (its content on disk is unknown).
+  Result<SwapTicket> read(ExtentId id, std::uint64_t offset, std::uint64_t bytes, void* dst);
+  // Whole-extent shorthands.
+  Result<SwapTicket> write(ExtentId id, const void* src) {
+    return write(id, 0, info(id).bytes, src);
+  }
+  Result<SwapTicket> read(ExtentId id, void* dst) { return read(id, 0, info(id).bytes, dst); }
+
+  // True once every engine request of the op finished; wait() then returns without blocking
+  // on I/O (it still verifies checksums).
+  bool poll(SwapTicket ticket) const;
+  // Waits for the op and redeems the ticket. For a read, verifies every block: corruption
+  // names key, extent offset and file. Engine errors come back with the key prepended. On
+  // timeout returns Status::timeout and the ticket stays unredeemed (wait again).
+  Status wait(SwapTicket ticket, std::chrono::milliseconds timeout);
+
+  Status write_sync(ExtentId id, const void* src,
+                    std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  Status read_sync(ExtentId id, void* dst,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+  const SwapOptions& options() const;
+  // The swap files, one per directory, in options().dirs order.
+  std::vector<std::string> file_paths() const;
+  std::uint64_t used_bytes() const;  // bytes reserved by create(), summed over dirs
+
+  struct Impl;
+
+ private:
+  explicit SwapSpace(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zinf
