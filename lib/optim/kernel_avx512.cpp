@@ -1,0 +1,281 @@
+// The AVX-512 path (F, BW, VL, DQ; BF16 where the CPU has it): 16 elements a vector, the tail
+// done with masked loads and stores, so every element goes through the same instructions and
+// the same operation order as the scalar path (kernel.hpp).
+//
+// bf16 outputs: VCVTNEPS2BF16 rounds to nearest even like f32_to_bf16, but treats denormal
+// inputs as zero and always sets the quiet bit of a NaN. Lanes holding a denormal or a NaN (one
+// VFPCLASSPS to find them; rare in practice) are redone with the integer rounding
+//   bf16 = (bits + 0x7fff + ((bits >> 16) & 1)) >> 16,
+// which is what runs everywhere on CPUs without AVX512-BF16.
+// f16 outputs: VCVTPS2PH with round-to-nearest-even; NaN lanes are redone in integers, to keep
+// f32_to_f16's payload rule.
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), which -Wmaybe-uninitialized
+// reports once inlined (GCC bug 105593); the values are fully defined.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include <bit>
+
+#include "optim/kernel.hpp"
+
+namespace zinf::optim {
+namespace {
+
+enum class Out { kNone, kBF16, kF16 };
+constexpr int kFpclassQnan = 0x01;
+constexpr int kFpclassDenormal = 0x20;
+constexpr int kFpclassSnan = 0x80;
+
+struct Consts {
+  __m512 beta1, beta2, omb1, omb2, neg_step, inv_sqrt_bc2, eps, l2, decay, grad_scale;
+  explicit Consts(const KernelArgs& a)
+      : beta1(_mm512_set1_ps(a.beta1)),
+        beta2(_mm512_set1_ps(a.beta2)),
+        omb1(_mm512_set1_ps(a.omb1)),
+        omb2(_mm512_set1_ps(a.omb2)),
+        neg_step(_mm512_set1_ps(-a.step_size)),
+        inv_sqrt_bc2(_mm512_set1_ps(a.inv_sqrt_bc2)),
+        eps(_mm512_set1_ps(a.eps)),
+        l2(_mm512_set1_ps(a.l2)),
+        decay(_mm512_set1_ps(a.decay)),
+        grad_scale(_mm512_set1_ps(a.grad_scale)) {}
+};
+
+template <bool kMasked>
+inline __m512 load_f32(const float* p, __mmask16 k) {
+  if constexpr (kMasked) return _mm512_maskz_loadu_ps(k, p);
+  return _mm512_loadu_ps(p);
+}
+template <bool kMasked>
+inline void store_f32(float* p, __mmask16 k, __m512 x) {
+  if constexpr (kMasked) {
+    _mm512_mask_storeu_ps(p, k, x);
+  } else {
+    _mm512_storeu_ps(p, x);
+  }
+}
+template <bool kMasked>
+inline __m256i load_u16(const std::uint16_t* p, __mmask16 k) {
+  if constexpr (kMasked) return _mm256_maskz_loadu_epi16(k, p);
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+template <bool kMasked>
+inline void store_u16(std::uint16_t* p, __mmask16 k, __m256i x) {
+  if constexpr (kMasked) {
+    _mm256_mask_storeu_epi16(p, k, x);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
+  }
+}
+
+template <DType G, bool kMasked>
+inline __m512 load_grad(const void* grads, std::size_t i, __mmask16 k) {
+  if constexpr (G == DType::kF32) {
+    return load_f32<kMasked>(static_cast<const float*>(grads) + i, k);
+  } else {
+    const __m256i h = load_u16<kMasked>(static_cast<const std::uint16_t*>(grads) + i, k);
+    if constexpr (G == DType::kBF16) {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    } else {
+      return _mm512_cvtph_ps(h);
+    }
+  }
+}
+
+// f32_to_bf16 in integers, for all 16 lanes.
+inline __m256i bf16_integer(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i hi = _mm512_srli_epi32(bits, 16);
+  const __m512i lsb = _mm512_and_si512(hi, _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  // NaN: keep the sign and the top payload bits; set the quiet bit only if none are left.
+  const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+  const __mmask16 empty = _mm512_testn_epi32_mask(hi, _mm512_set1_epi32(0x7f));
+  r = _mm512_mask_mov_epi32(r, nan, hi);
+  r = _mm512_mask_or_epi32(r, nan & empty, r, _mm512_set1_epi32(0x40));
+  return _mm512_cvtepi32_epi16(r);
+}
+
+template <bool kBf16Insn>
+inline __m256i to_bf16(__m512 x) {
+  if constexpr (kBf16Insn) {
+    __m256i h = std::bit_cast<__m256i>(_mm512_cvtneps_pbh(x));
+    const __mmask16 odd = _mm512_fpclass_ps_mask(x, kFpclassQnan | kFpclassSnan | kFpclassDenormal);
+    if (odd != 0) [[unlikely]]
+      h = _mm256_mask_blend_epi16(odd, h, bf16_integer(x));
+    return h;
+  } else {
+    return bf16_integer(x);
+  }
+}
+
+inline __m256i to_f16(__m512 x) {
+  __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __mmask16 nan = _mm512_fpclass_ps_mask(x, kFpclassQnan | kFpclassSnan);
+  if (nan != 0) [[unlikely]] {
+    // f32_to_f16 on NaN: sign | 0x7c00 | top 10 payload bits, or the quiet bit if they are 0.
+    const __m512i bits = _mm512_castps_si512(x);
+    const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x8000));
+    const __m512i payload =
+        _mm512_and_si512(_mm512_srli_epi32(bits, 13), _mm512_set1_epi32(0x03ff));
+    const __mmask16 empty = _mm512_testn_epi32_mask(payload, payload);
+    __m512i r = _mm512_or_si512(sign, _mm512_or_si512(payload, _mm512_set1_epi32(0x7c00)));
+    r = _mm512_mask_or_epi32(r, empty, r, _mm512_set1_epi32(0x0200));
+    h = _mm256_mask_blend_epi16(nan, h, _mm512_cvtepi32_epi16(r));
+  }
+  return h;
+}
+
+// sign(c) as torch.sign, NaN kept.
+inline __m512 sign_of(__m512 c) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 s =
+      _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+  s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+  return _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q), c);
+}
+
+template <OptimizerKind K, DType G, Out O, bool kBf16Insn, bool kMasked>
+inline void update_vector(const KernelArgs& a, const Consts& c, const OptimizerSpan& s,
+                          std::size_t i, __mmask16 k) {
+  __m512 g = _mm512_mul_ps(load_grad<G, kMasked>(s.grads, i, k), c.grad_scale);
+  __m512 p = load_f32<kMasked>(s.params + i, k);
+  if constexpr (K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW) {
+    if (a.has_l2) g = _mm512_fmadd_ps(c.l2, p, g);
+    const __m512 m =
+        _mm512_fmadd_ps(c.omb1, g, _mm512_mul_ps(c.beta1, load_f32<kMasked>(s.exp_avg + i, k)));
+    const __m512 v =
+        _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, g), g,
+                        _mm512_mul_ps(c.beta2, load_f32<kMasked>(s.exp_avg_sq + i, k)));
+    const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.inv_sqrt_bc2, c.eps);
+    if (a.has_decay) p = _mm512_mul_ps(p, c.decay);
+    p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, d), p);
+    store_f32<kMasked>(s.exp_avg + i, k, m);
+    store_f32<kMasked>(s.exp_avg_sq + i, k, v);
+  } else if constexpr (K == OptimizerKind::kAdagrad) {
+    if (a.has_l2) g = _mm512_fmadd_ps(c.l2, p, g);
+    const __m512 sum = _mm512_fmadd_ps(g, g, load_f32<kMasked>(s.exp_avg_sq + i, k));
+    const __m512 d = _mm512_add_ps(_mm512_sqrt_ps(sum), c.eps);
+    p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(g, d), p);
+    store_f32<kMasked>(s.exp_avg_sq + i, k, sum);
+  } else {
+    if (a.has_decay) p = _mm512_mul_ps(p, c.decay);
+    const __m512 m = load_f32<kMasked>(s.exp_avg + i, k);
+    const __m512 dir = _mm512_fmadd_ps(c.omb1, g, _mm512_mul_ps(c.beta1, m));
+    p = _mm512_fmadd_ps(c.neg_step, sign_of(dir), p);
+    store_f32<kMasked>(s.exp_avg + i, k, _mm512_fmadd_ps(c.omb2, g, _mm512_mul_ps(c.beta2, m)));
+  }
+  store_f32<kMasked>(s.params + i, k, p);
+  if constexpr (O == Out::kBF16) {
+    store_u16<kMasked>(static_cast<std::uint16_t*>(s.params_half) + i, k, to_bf16<kBf16Insn>(p));
+  } else if constexpr (O == Out::kF16) {
+    store_u16<kMasked>(static_cast<std::uint16_t*>(s.params_half) + i, k, to_f16(p));
+  }
+}
+
+template <OptimizerKind K, DType G, Out O, bool kBf16Insn>
+void update_range(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin, std::size_t end) {
+  const Consts c(a);
+  std::size_t i = begin;
+  for (; i + 16 <= end; i += 16) update_vector<K, G, O, kBf16Insn, false>(a, c, s, i, 0xffff);
+  if (i < end) {
+    const __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
+    update_vector<K, G, O, kBf16Insn, true>(a, c, s, i, k);
+  }
+}
+
+template <OptimizerKind K, DType G, bool kBf16Insn>
+UpdateFn pick_out(const OptimizerSpan& s) {
+  if (s.params_half == nullptr) return &update_range<K, G, Out::kNone, kBf16Insn>;
+  if (s.half_dtype == DType::kBF16) return &update_range<K, G, Out::kBF16, kBf16Insn>;
+  return &update_range<K, G, Out::kF16, kBf16Insn>;
+}
+
+template <OptimizerKind K, bool kBf16Insn>
+UpdateFn pick_grad(const OptimizerSpan& s) {
+  switch (s.grad_dtype) {
+    case DType::kF32:
+      return pick_out<K, DType::kF32, kBf16Insn>(s);
+    case DType::kBF16:
+      return pick_out<K, DType::kBF16, kBf16Insn>(s);
+    case DType::kF16:
+      return pick_out<K, DType::kF16, kBf16Insn>(s);
+  }
+  return nullptr;
+}
+
+template <bool kBf16Insn>
+void update(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin, std::size_t end) {
+  UpdateFn fn = nullptr;
+  switch (a.kind) {
+    case OptimizerKind::kAdam:
+      fn = pick_grad<OptimizerKind::kAdam, kBf16Insn>(s);
+      break;
+    case OptimizerKind::kAdamW:
+      fn = pick_grad<OptimizerKind::kAdamW, kBf16Insn>(s);
+      break;
+    case OptimizerKind::kAdagrad:
+      fn = pick_grad<OptimizerKind::kAdagrad, kBf16Insn>(s);
+      break;
+    case OptimizerKind::kLion:
+      fn = pick_grad<OptimizerKind::kLion, kBf16Insn>(s);
+      break;
+  }
+  fn(a, s, begin, end);
+}
+
+bool finite(const void* data, DType dtype, std::size_t begin, std::size_t end) {
+  if (dtype == DType::kF32) {
+    const float* f = static_cast<const float*>(data);
+    const __m512i exp = _mm512_set1_epi32(0x7f800000);
+    std::size_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+      const __m512i x = _mm512_and_si512(_mm512_loadu_si512(f + i), exp);
+      if (_mm512_cmpeq_epi32_mask(x, exp) != 0) return false;
+    }
+    if (i < end) {
+      const __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
+      const __m512i x = _mm512_and_si512(_mm512_maskz_loadu_epi32(k, f + i), exp);
+      return _mm512_mask_cmpeq_epi32_mask(k, x, exp) == 0;
+    }
+    return true;
+  }
+  const std::uint16_t* h = static_cast<const std::uint16_t*>(data);
+  const __m512i exp = _mm512_set1_epi16(dtype == DType::kBF16 ? 0x7f80 : 0x7c00);
+  std::size_t i = begin;
+  for (; i + 32 <= end; i += 32) {
+    const __m512i x = _mm512_and_si512(_mm512_loadu_si512(h + i), exp);
+    if (_mm512_cmpeq_epi16_mask(x, exp) != 0) return false;
+  }
+  if (i < end) {
+    const __mmask32 k = static_cast<__mmask32>((std::uint64_t{1} << (end - i)) - 1u);
+    const __m512i x = _mm512_and_si512(_mm512_maskz_loadu_epi16(k, h + i), exp);
+    return _mm512_mask_cmpeq_epi16_mask(k, x, exp) == 0;
+  }
+  return true;
+}
+
+template <bool kBf16Insn>
+void convert(const float* src, std::uint16_t* dst, DType dtype, std::size_t begin,
+             std::size_t end) {
+  std::size_t i = begin;
+  for (; i < end; i += 16) {
+    const std::size_t left = end - i;
+    const __mmask16 k =
+        left >= 16 ? static_cast<__mmask16>(0xffff) : static_cast<__mmask16>((1u << left) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(k, src + i);
+    const __m256i h = dtype == DType::kBF16 ? to_bf16<kBf16Insn>(x) : to_f16(x);
+    _mm256_mask_storeu_epi16(dst + i, k, h);
+  }
+}
+
+}  // namespace
+
+const KernelTable& kernels_avx512(bool use_bf16_instructions) {
+  static const KernelTable with_bf16{&update<true>, &finite, &convert<true>};
+  static const KernelTable without_bf16{&update<false>, &finite, &convert<false>};
+  return use_bf16_instructions ? with_bf16 : without_bf16;
+}
+
+}  // namespace zinf::optim
