@@ -1,0 +1,148 @@
+// The memory estimator: the bytes of each kind of training state on each tier (device, host,
+// NVMe), per rank and per machine, for a model, a training shape and an engine setup.
+//
+// Notation: P = parameters, N = ranks in the job (one per GPU), R = ranks per machine,
+// Pr = ceil(P / N) = one rank's shard, h = hidden, L = layers, a = heads, V = vocab,
+// s = sequence length, b = micro-batch. Half precision (bf16/f16) is 2 bytes, fp32 4.
+//
+// Per rank:
+//   half params     stage 1-2: 2·P on the device (every rank holds all of them)
+//                   stage 3:   2·Pr on the offload_param tier (device, host or NVMe)
+//   fp32 master     4·Pr on the optimizer tier (device, host, NVMe)
+//   moments (m, v)  8·Pr on the optimizer tier
+//   gradients       optimizer on the device: half, 2·P (stage 1) or 2·Pr (stages 2-3), device
+//                   optimizer offloaded: fp32, 4·Pr on the host, or on NVMe when spilled
+//                   (gradients_on_nvme, only with the optimizer on NVMe); stage 1 also keeps
+//                   the full half gradients 2·P on the device before they are reduced
+//   activations     device, per micro-batch (Korthikanti et al. 2022, "Reducing Activation
+//                   Recomputation in Large Transformer Models", eq. 1, 16-bit, no tensor or
+//                   sequence parallelism):
+//                     one layer   A1 = s·b·h·34 + 5·a·s²·b  (the second term is the attention
+//                                 score matrices; flash attention does not store them)
+//                     no checkpointing   L·A1
+//                     checkpointing      L·2·s·b·h (each layer's input) + A1 (one layer
+//                                        recomputed at a time)
+//                     plus logits        6·s·b·V (half logits and their fp32 softmax)
+//   pinned pool     host, page-locked: optimizer on NVMe: buffer_count · Sg · (12, or 16 when
+//                   gradients are spilled) bytes, Sg = sub_group_size (a buffer holds one
+//                   sub-group's master, m, v and gradient); params on NVMe: + param_buffer_count
+//                   · param_buffer_params · 2. Zero otherwise: host-resident state needs no
+//                   staging.
+//   gathered params stage 3 only, device: 2·(min(P, max_live_params) + prefetch_bucket_params)
+//                   for the layers being run and prefetched, + 2·persistent params (tensors
+//                   below stage3_param_persistence_threshold stay gathered: norms and biases)
+//   comm buckets    device: stage 2-3: 2·2·reduce_bucket_params (one bucket filling while one
+//                   is reduced); stage 1: the same for the all-reduce buckets
+//   reserved        device: device_reserved_bytes (CUDA context, cuBLAS workspace, allocator
+//                   slack), a fixed figure until the GPU backend measures it
+// Per machine: every tier's per-rank bytes × R (each rank holds an equal shard, and the R ranks
+// of a machine share its host memory and NVMe).
+//
+// Thread-safety: values and pure functions.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "plan/model.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf::plan {
+
+enum class Tier : std::uint8_t { kDevice = 0, kHost = 1, kNvme = 2 };
+inline constexpr int kTierCount = 3;
+// "device", "host", "nvme".
+std::string_view tier_name(Tier tier);
+
+// Where a kind of offloadable state lives; the names are DeepSpeed's `device` values.
+enum class Offload : std::uint8_t { kNone = 0, kCpu = 1, kNvme = 2 };
+// "none", "cpu", "nvme".
+std::string_view offload_name(Offload offload);
+// Parses "none", "cpu" (or "host"), "nvme"; false for anything else.
+bool parse_offload(std::string_view text, Offload* offload);
+Tier offload_tier(Offload offload);
+
+enum class StateKind : std::uint8_t {
+  kHalfParams = 0,
+  kMasterParams,
+  kMoments,
+  kGradients,
+  kActivations,
+  kPinnedPool,
+  kGatheredParams,
+  kCommBuckets,
+  kReserved,
+};
+inline constexpr int kStateKindCount = 9;
+// "half_params", "fp32_master", "moments", "gradients", "activations", "pinned_pool",
+// "gathered_params", "comm_buckets", "reserved".
+std::string_view state_kind_name(StateKind kind);
+
+struct TrainingShape {
+  std::uint64_t seq_len = 2048;
+  std::uint64_t micro_batch = 1;
+  std::uint64_t grad_accum_steps = 1;
+  bool checkpoint_activations = false;
+  // Flash attention does not keep the a·s² score matrices for backward.
+  bool flash_attention = true;
+};
+
+// The engine's knobs that change memory or time. The defaults are DeepSpeed's.
+struct EngineSetup {
+  int stage = 3;                        // ZeRO stage 1, 2 or 3
+  std::uint64_t world_size = 1;         // N: ranks (GPUs) in the job
+  std::uint64_t ranks_per_machine = 1;  // R: GPUs per machine
+  Offload optimizer = Offload::kNone;   // fp32 master, m, v
+  Offload params = Offload::kNone;      // half params; stage 3 only
+  // Gradients spilled to NVMe between backward and the step (only with optimizer on NVMe).
+  bool gradients_on_nvme = false;
+  std::uint64_t sub_group_params = 1'000'000'000;  // Sg: parameters the optimizer steps at once
+  std::uint64_t buffer_count = 4;        // sub-group buffers in the pinned pool (optimizer on NVMe)
+  std::uint64_t param_buffer_count = 5;  // half-param staging buffers (params on NVMe)
+  std::uint64_t param_buffer_params = 100'000'000;
+  std::uint64_t reduce_bucket_params = 500'000'000;
+  std::uint64_t prefetch_bucket_params = 50'000'000;
+  std::uint64_t max_live_params = 1'000'000'000;
+  std::uint64_t persistence_threshold_params = 100'000;
+  std::uint64_t device_reserved_bytes = std::uint64_t{1} << 30;
+  std::uint64_t io_block_bytes = std::uint64_t{1} << 20;
+  std::uint64_t io_queue_depth = 32;
+};
+
+// OK when `setup` is one the engine can run: stage in 1..3, params offloaded only at stage 3,
+// gradients_on_nvme only with the optimizer on NVMe, world_size a nonzero multiple of
+// ranks_per_machine, and at least 2 sub-group buffers when the optimizer is on NVMe.
+Status validate_setup(const EngineSetup& setup);
+
+// Bytes of the optimizer state one sub-group buffer holds per parameter: 12 (fp32 master, m, v),
+// or 16 when gradients are spilled to NVMe and travel with the state.
+std::uint64_t sub_group_bytes_per_param(const EngineSetup& setup);
+// Pinned-pool bytes the setup needs (the formula above).
+std::uint64_t pinned_pool_bytes(const EngineSetup& setup);
+
+struct MemoryEstimate {
+  // bytes[kind][tier] for one rank.
+  std::array<std::array<std::uint64_t, kTierCount>, kStateKindCount> rank_bytes{};
+  std::uint64_t ranks_per_machine = 1;
+  std::uint64_t param_count = 0;
+  std::uint64_t shard_params = 0;  // Pr
+
+  std::uint64_t bytes(StateKind kind, Tier tier) const {
+    return rank_bytes[static_cast<int>(kind)][static_cast<int>(tier)];
+  }
+  std::uint64_t rank_tier_bytes(Tier tier) const;
+  std::uint64_t machine_tier_bytes(Tier tier) const {
+    return rank_tier_bytes(tier) * ranks_per_machine;
+  }
+};
+
+// Activation bytes of one micro-batch on one rank (the formula above), logits included.
+std::uint64_t activation_bytes(const ModelShape& model, const TrainingShape& training);
+
+// REQUIRES: validate_setup(setup) is OK.
+MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,
+                               const EngineSetup& setup);
+
+}  // namespace zinf::plan

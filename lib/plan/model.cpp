@@ -1,0 +1,155 @@
+#include "plan/model.hpp"
+
+#include <algorithm>
+#include <array>
+#include <cctype>
+
+#include "base/assert.hpp"
+
+namespace zinf::plan {
+namespace {
+
+ModelShape gpt2(std::string name, std::uint64_t hidden, std::uint64_t layers, std::uint64_t heads,
+                std::uint64_t published, std::string source) {
+  ModelShape m;
+  m.name = std::move(name);
+  m.vocab = 50257;
+  m.hidden = hidden;
+  m.intermediate = 4 * hidden;
+  m.layers = layers;
+  m.heads = heads;
+  m.kv_heads = heads;
+  m.positions = 1024;
+  m.gated_mlp = false;
+  m.biases = true;
+  m.layer_norm = true;
+  m.tied_embeddings = true;
+  m.published_param_count = published;
+  m.source = std::move(source);
+  return m;
+}
+
+ModelShape llama(std::string name, std::uint64_t vocab, std::uint64_t hidden,
+                 std::uint64_t intermediate, std::uint64_t layers, std::uint64_t heads,
+                 std::uint64_t kv_heads, std::uint64_t published, std::string source) {
+  ModelShape m;
+  m.name = std::move(name);
+  m.vocab = vocab;
+  m.hidden = hidden;
+  m.intermediate = intermediate;
+  m.layers = layers;
+  m.heads = heads;
+  m.kv_heads = kv_heads;
+  m.positions = 0;
+  m.gated_mlp = true;
+  m.biases = false;
+  m.layer_norm = false;
+  m.tied_embeddings = false;
+  m.published_param_count = published;
+  m.source = std::move(source);
+  return m;
+}
+
+// Shapes are the published config.json of each checkpoint; the published counts are the
+// parameter counts listed for the released weights (the Hugging Face hub's safetensors
+// metadata, which counts every stored tensor). The GPT-2 paper's own table (117M, 345M, 762M,
+// 1542M) undercounted; OpenAI's later release notes give 124M, 355M, 774M and 1.5B.
+const std::array<ModelShape, 10>& presets() {
+  static const std::array<ModelShape, 10> kPresets = {
+      gpt2("gpt2", 768, 12, 12, 124'439'808, "openai-community/gpt2 config.json"),
+      gpt2("gpt2-medium", 1024, 24, 16, 354'823'168, "openai-community/gpt2-medium config.json"),
+      gpt2("gpt2-large", 1280, 36, 20, 774'030'080, "openai-community/gpt2-large config.json"),
+      gpt2("gpt2-xl", 1600, 48, 25, 1'557'611'200, "openai-community/gpt2-xl config.json"),
+      llama("llama-2-7b", 32000, 4096, 11008, 32, 32, 32, 6'738'415'616,
+            "meta-llama/Llama-2-7b-hf config.json"),
+      llama("llama-2-13b", 32000, 5120, 13824, 40, 40, 40, 13'015'864'320,
+            "meta-llama/Llama-2-13b-hf config.json"),
+      llama("llama-2-70b", 32000, 8192, 28672, 80, 64, 8, 68'976'648'192,
+            "meta-llama/Llama-2-70b-hf config.json"),
+      llama("llama-3-8b", 128256, 4096, 14336, 32, 32, 8, 8'030'261'248,
+            "meta-llama/Meta-Llama-3-8B config.json"),
+      llama("llama-3-70b", 128256, 8192, 28672, 80, 64, 8, 70'553'706'496,
+            "meta-llama/Meta-Llama-3-70B config.json"),
+      llama("mistral-7b", 32000, 4096, 14336, 32, 32, 8, 7'241'732'096,
+            "mistralai/Mistral-7B-v0.1 config.json"),
+  };
+  return kPresets;
+}
+
+// Lowercase, with '-', '_' and '.' dropped, so "Llama-2-7B", "llama2_7b" and "llama2-7b" match.
+std::string normalise(std::string_view name) {
+  std::string out;
+  for (char c : name) {
+    if (c == '-' || c == '_' || c == '.' || c == ' ') continue;
+    out += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  }
+  return out;
+}
+
+}  // namespace
+
+std::uint64_t layer_params(const ModelShape& m) {
+  if (m.param_count_override != 0) {
+    const std::uint64_t embeddings = 2 * m.vocab * m.hidden;
+    const std::uint64_t rest =
+        m.param_count_override > embeddings ? m.param_count_override - embeddings : 0;
+    return m.layers > 0 ? rest / m.layers : rest;
+  }
+  ZINF_ASSERT(m.heads > 0 && m.kv_heads > 0 && m.hidden % m.heads == 0);
+  const std::uint64_t h = m.hidden;
+  const std::uint64_t head_width = h / m.heads;
+  const std::uint64_t kv_width = m.kv_heads * head_width;
+  std::uint64_t attention = 2 * h * h + 2 * h * kv_width;  // q, out; k, v
+  if (m.biases) attention += 2 * h + 2 * kv_width;
+  std::uint64_t mlp = (m.gated_mlp ? 3 : 2) * h * m.intermediate;
+  if (m.biases) mlp += (m.gated_mlp ? 2 : 1) * m.intermediate + h;
+  const std::uint64_t norm = m.layer_norm ? 2 * h : h;
+  return attention + mlp + 2 * norm;
+}
+
+std::uint64_t param_count(const ModelShape& m) {
+  if (m.param_count_override != 0) return m.param_count_override;
+  const std::uint64_t h = m.hidden;
+  const std::uint64_t norm = m.layer_norm ? 2 * h : h;
+  std::uint64_t total = m.vocab * h + m.positions * h + m.layers * layer_params(m) + norm;
+  if (!m.tied_embeddings) total += m.vocab * h;
+  return total;
+}
+
+std::uint64_t largest_tensor_params(const ModelShape& m) {
+  return std::max(m.vocab * m.hidden, m.hidden * m.intermediate);
+}
+
+std::uint64_t small_tensor_params(const ModelShape& m) {
+  const std::uint64_t h = m.hidden;
+  const std::uint64_t norm = m.layer_norm ? 2 * h : h;
+  std::uint64_t per_layer = 2 * norm;
+  if (m.biases) per_layer += 4 * h + m.intermediate + h;
+  return m.layers * per_layer + norm;
+}
+
+std::span<const ModelShape> model_presets() { return presets(); }
+
+std::optional<ModelShape> find_model_preset(std::string_view name) {
+  const std::string key = normalise(name);
+  for (const ModelShape& m : presets()) {
+    if (normalise(m.name) == key) return m;
+  }
+  return std::nullopt;
+}
+
+ModelShape custom_model(std::uint64_t params, std::uint64_t layers, std::uint64_t hidden) {
+  ModelShape m;
+  m.name = "custom";
+  m.vocab = 32000;
+  m.hidden = hidden;
+  m.intermediate = 4 * hidden;
+  m.layers = layers;
+  m.heads = std::max<std::uint64_t>(1, hidden / 128);
+  m.kv_heads = m.heads;
+  m.param_count_override = params;
+  m.source = "--params/--layers/--hidden";
+  return m;
+}
+
+}  // namespace zinf::plan

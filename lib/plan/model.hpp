@@ -1,0 +1,73 @@
+// Model shapes for the planner: a decoder-only transformer described by its layer shapes, the
+// parameter count those shapes give, and presets taken from published configs.
+//
+// Parameter count of a decoder-only transformer, V = vocab, h = hidden, I = intermediate (MLP)
+// width, L = layers, a = attention heads, k = key/value heads, d = h / a (head width),
+// T = learned positions (0 for rotary):
+//
+//   embeddings   V·h  (+ T·h learned positions)
+//   per layer    attention: q h·h, k and v h·(k·d) each, out h·h   (+ biases when `biases`)
+//                MLP: 2·h·I (up, down), 3·h·I when gated (SwiGLU: gate, up, down)
+//                norms: 2·h (RMSNorm) or 4·h (LayerNorm: weight and bias)
+//   final norm   h or 2·h
+//   output head  V·h unless tied to the embeddings
+//
+// GPT-2 (LayerNorm, biases, 4h GeLU MLP, learned positions, tied head) and Llama / Mistral
+// (RMSNorm, no biases, SwiGLU, rotary, untied head) both fit this description.
+// Thread-safety: values and pure functions.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+
+namespace zinf::plan {
+
+struct ModelShape {
+  std::string name;                // preset name, or "custom"
+  std::uint64_t vocab = 0;         // V
+  std::uint64_t hidden = 0;        // h
+  std::uint64_t intermediate = 0;  // I: MLP width
+  std::uint64_t layers = 0;        // L
+  std::uint64_t heads = 0;         // a
+  std::uint64_t kv_heads = 0;      // k (== heads without grouped-query attention)
+  std::uint64_t positions = 0;     // T: learned position embeddings (0 for rotary)
+  bool gated_mlp = false;          // SwiGLU: three MLP matrices instead of two
+  bool biases = false;             // linear layers carry biases
+  bool layer_norm = false;         // LayerNorm (weight + bias) rather than RMSNorm (weight)
+  bool tied_embeddings = false;    // output head shares the embedding matrix
+  // When nonzero, the model is given by its count alone (`zinf plan --params`): the shape
+  // fields above only serve the activation and working-set estimates.
+  std::uint64_t param_count_override = 0;
+  // The count its publisher lists for the released checkpoint; 0 for custom shapes.
+  std::uint64_t published_param_count = 0;
+  std::string source;  // where the shape and the published count come from
+};
+
+// Parameter count from the layer shapes (see the formula above), or param_count_override.
+std::uint64_t param_count(const ModelShape& model);
+
+// Parameters of the largest single tensor (embedding V·h or one MLP matrix h·I): stage 3 must
+// gather at least this much at once.
+std::uint64_t largest_tensor_params(const ModelShape& model);
+
+// Parameters of one transformer layer (attention + MLP + its norms); for a model given by count
+// alone, (count − 2·V·h) / L.
+std::uint64_t layer_params(const ModelShape& model);
+
+// Parameters in norms and biases: tensors small enough to stay gathered in stage 3 (below
+// stage3_param_persistence_threshold when that is at least h).
+std::uint64_t small_tensor_params(const ModelShape& model);
+
+// The presets: GPT-2 124M/355M/774M/1.5B, Llama-2 7B/13B/70B, Llama-3 8B/70B, Mistral 7B.
+std::span<const ModelShape> model_presets();
+// Looks `name` up among the presets (case-insensitive; "llama2-7b" and "llama-2-7b" both work).
+std::optional<ModelShape> find_model_preset(std::string_view name);
+
+// A model known only by parameter count, layers and hidden size (heads = hidden / 128, MLP 4h,
+// vocab 32000): enough for activation and working-set estimates.
+ModelShape custom_model(std::uint64_t params, std::uint64_t layers, std::uint64_t hidden);
+
+}  // namespace zinf::plan

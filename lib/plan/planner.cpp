@@ -1,0 +1,262 @@
+#include "plan/planner.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "base/assert.hpp"
+
+namespace zinf::plan {
+namespace {
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+
+std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024 * 1024)); }
+
+std::uint64_t usable(std::uint64_t budget, double headroom) {
+  return static_cast<std::uint64_t>(static_cast<double>(budget) * (1.0 - headroom));
+}
+
+// How much a candidate offloads: the tie-breaker between candidates of equal time.
+int offload_score(const EngineSetup& s) {
+  return static_cast<int>(s.optimizer) + static_cast<int>(s.params) + (s.gradients_on_nvme ? 1 : 0);
+}
+
+// Sum over short tiers of shortfall / usable: how far a candidate is from fitting.
+double distance(const Candidate& c) {
+  double d = 0;
+  for (const TierUse& u : c.use) {
+    if (u.fits()) continue;
+    d += static_cast<double>(u.shortfall_bytes()) /
+         static_cast<double>(std::max<std::uint64_t>(u.usable_bytes, std::uint64_t{1} << 30));
+  }
+  return d;
+}
+
+// True when `a` is the better of two fitting candidates.
+bool better(const Candidate& a, const Candidate& b) {
+  const double ta = a.time.step_s;
+  const double tb = b.time.step_s;
+  if (std::abs(ta - tb) > 0.01 * std::min(ta, tb)) return ta < tb;
+  const int oa = offload_score(a.setup);
+  const int ob = offload_score(b.setup);
+  if (oa != ob) return oa < ob;
+  if (a.setup.stage != b.setup.stage) return a.setup.stage < b.setup.stage;
+  return pinned_pool_bytes(a.setup) < pinned_pool_bytes(b.setup);
+}
+
+}  // namespace
+
+bool Candidate::fits() const {
+  return std::all_of(use.begin(), use.end(), [](const TierUse& u) { return u.fits(); });
+}
+
+void size_buckets(const ModelShape& model, EngineSetup* s) {
+  const std::uint64_t h = model.hidden;
+  s->reduce_bucket_params = h * h;
+  s->prefetch_bucket_params = h * h * 9 / 10;
+  s->persistence_threshold_params = 10 * h;
+  s->max_live_params = std::max(2 * layer_params(model), largest_tensor_params(model));
+  // DeepSpeed's param staging buffers must hold the largest tensor.
+  s->param_buffer_params = std::max<std::uint64_t>(100'000'000, largest_tensor_params(model));
+}
+
+Candidate evaluate(const ModelShape& model, const TrainingShape& training, const EngineSetup& setup,
+                   const Budgets& budgets, const MachineProfile& profile) {
+  Candidate c;
+  c.setup = setup;
+  c.memory = estimate_memory(model, training, setup);
+  c.time = predict_step(model, training, setup, profile);
+  const std::uint64_t budget[kTierCount] = {budgets.gpu_mem_bytes, budgets.host_mem_bytes,
+                                            budgets.nvme_bytes};
+  for (int t = 0; t < kTierCount; ++t) {
+    const Tier tier = static_cast<Tier>(t);
+    TierUse& u = c.use[t];
+    u.tier = tier;
+    u.need_bytes =
+        tier == Tier::kDevice ? c.memory.rank_tier_bytes(tier) : c.memory.machine_tier_bytes(tier);
+    u.budget_bytes = budget[t];
+    u.usable_bytes = usable(budget[t], budgets.headroom);
+  }
+  return c;
+}
+
+NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape& training,
+                                    const Budgets& budgets) {
+  NoOffloadComparison out;
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 1;
+  s.ranks_per_machine = 1;
+  size_buckets(model, &s);
+  const MemoryEstimate e = estimate_memory(model, training, s);
+  const std::uint64_t p = param_count(model);
+  out.state_bytes = 16 * p;
+  out.usable_bytes = usable(budgets.gpu_mem_bytes, budgets.headroom);
+  out.activation_bytes = e.bytes(StateKind::kActivations, Tier::kDevice);
+  out.gathered_bytes = e.bytes(StateKind::kGatheredParams, Tier::kDevice);
+  out.bucket_bytes = e.bytes(StateKind::kCommBuckets, Tier::kDevice);
+  out.reserved_bytes = e.bytes(StateKind::kReserved, Tier::kDevice);
+  out.fixed_bytes =
+      out.activation_bytes + out.gathered_bytes + out.bucket_bytes + out.reserved_bytes;
+  const std::string fixed_parts = fmt::format(
+      "activations {} + gathered params {} + comm buckets {} + reserved {}",
+      gib(static_cast<double>(out.activation_bytes)), gib(static_cast<double>(out.gathered_bytes)),
+      gib(static_cast<double>(out.bucket_bytes)), gib(static_cast<double>(out.reserved_bytes)));
+  const std::string state =
+      fmt::format("16 B/param x {:.3f}e9 params = {} of model state", static_cast<double>(p) / 1e9,
+                  gib(static_cast<double>(out.state_bytes)));
+  if (out.fixed_bytes >= out.usable_bytes) {
+    out.gpus_needed = 0;
+    out.arithmetic = fmt::format(
+        "{}; but per GPU the fixed part alone, {} ({}), exceeds the {} usable: no GPU count "
+        "fits without offload (use activation checkpointing or a smaller micro-batch)",
+        state, gib(static_cast<double>(out.fixed_bytes)), fixed_parts,
+        gib(static_cast<double>(out.usable_bytes)));
+    return out;
+  }
+  const std::uint64_t for_state = out.usable_bytes - out.fixed_bytes;
+  out.gpus_needed = ceil_div(out.state_bytes, for_state);
+  out.arithmetic = fmt::format(
+      "{}; per GPU {} usable ({} less {:.0f}% headroom) - {} fixed ({}) = {} for state; "
+      "ceil({} / {}) = {} GPUs",
+      state, gib(static_cast<double>(out.usable_bytes)),
+      gib(static_cast<double>(budgets.gpu_mem_bytes)), budgets.headroom * 100,
+      gib(static_cast<double>(out.fixed_bytes)), fixed_parts, gib(static_cast<double>(for_state)),
+      gib(static_cast<double>(out.state_bytes)), gib(static_cast<double>(for_state)),
+      out.gpus_needed);
+  return out;
+}
+
+Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& training,
+                             const Budgets& budgets, const MachineProfile& profile,
+                             const PlanConstraints& constraints) {
+  if (budgets.gpus == 0) return Status::invalid_argument("--gpus: must be at least 1");
+  if (budgets.gpu_mem_bytes == 0) return Status::invalid_argument("--gpu-mem: must be positive");
+  const std::uint64_t per_machine =
+      budgets.gpus_per_machine == 0 ? budgets.gpus : budgets.gpus_per_machine;
+  if (budgets.gpus % per_machine != 0) {
+    return Status::invalid_argument(fmt::format(
+        "--gpus {} is not a multiple of --gpus-per-machine {}", budgets.gpus, per_machine));
+  }
+  if (!(budgets.headroom >= 0 && budgets.headroom < 1)) {
+    return Status::invalid_argument(
+        fmt::format("--headroom {}: must be in [0, 1)", budgets.headroom));
+  }
+  if (profile.mem_adam_gbps <= 0) {
+    return Status::invalid_argument("machine profile: mem_adam_pattern_gbps is missing");
+  }
+  const bool nvme_usable =
+      budgets.nvme_bytes > 0 && profile.nvme_read_gbps > 0 && profile.nvme_write_gbps > 0;
+  auto nvme_wanted = [&](std::optional<Offload> o) { return o && *o == Offload::kNvme; };
+  if ((nvme_wanted(constraints.optimizer) || nvme_wanted(constraints.params)) && !nvme_usable) {
+    return Status::invalid_argument(
+        "offload to nvme asked for, but there is no --nvme-capacity or no NVMe rates in the "
+        "machine profile");
+  }
+  if (constraints.stage && (*constraints.stage < 1 || *constraints.stage > 3)) {
+    return Status::invalid_argument(
+        fmt::format("--stage {}: must be 1, 2 or 3", *constraints.stage));
+  }
+  if (constraints.params && *constraints.params != Offload::kNone && constraints.stage &&
+      *constraints.stage != 3) {
+    return Status::invalid_argument("--offload-param needs --stage 3");
+  }
+
+  std::vector<int> stages = {1, 2, 3};
+  if (constraints.stage) stages = {*constraints.stage};
+  std::vector<Offload> offloads = {Offload::kNone, Offload::kCpu};
+  if (nvme_usable) offloads.push_back(Offload::kNvme);
+  std::vector<std::uint64_t> sub_groups;
+  for (int shift = 22; shift <= 28; ++shift) sub_groups.push_back(std::uint64_t{1} << shift);
+  if (constraints.sub_group_params) sub_groups = {*constraints.sub_group_params};
+  std::vector<std::uint64_t> buffer_counts = {2, 3, 4, 6, 8};
+  if (constraints.buffer_count) buffer_counts = {*constraints.buffer_count};
+
+  EngineSetup base;
+  base.world_size = budgets.gpus;
+  base.ranks_per_machine = per_machine;
+  size_buckets(model, &base);
+  const std::uint64_t shard = ceil_div(param_count(model), budgets.gpus);
+
+  PlanResult result;
+  bool have_best = false;
+  bool have_closest = false;
+  Candidate closest;
+  auto consider = [&](const EngineSetup& s) {
+    if (!validate_setup(s).is_ok()) return;
+    Candidate c = evaluate(model, training, s, budgets, profile);
+    ++result.candidates_considered;
+    if (c.fits()) {
+      ++result.candidates_fitting;
+      if (!have_best || better(c, result.best)) {
+        result.best = std::move(c);
+        have_best = true;
+      }
+    } else if (!have_closest || distance(c) < distance(closest)) {
+      closest = std::move(c);
+      have_closest = true;
+    }
+  };
+  for (int stage : stages) {
+    for (Offload optimizer : offloads) {
+      if (constraints.optimizer && *constraints.optimizer != optimizer) continue;
+      for (Offload params : offloads) {
+        if (constraints.params && *constraints.params != params) continue;
+        if (params != Offload::kNone && stage != 3) continue;
+        EngineSetup s = base;
+        s.stage = stage;
+        s.optimizer = optimizer;
+        s.params = params;
+        if (optimizer != Offload::kNvme) {
+          // Host or device state needs no staging; one sub-group bounds the update's working
+          // set, as DeepSpeed's default does.
+          s.sub_group_params = std::min<std::uint64_t>(1'000'000'000, shard);
+          consider(s);
+          continue;
+        }
+        for (bool spill : {false, true}) {
+          s.gradients_on_nvme = spill;
+          for (std::uint64_t sub_group : sub_groups) {
+            // Sub-groups beyond the shard only cost pool memory.
+            if (sub_group > 2 * shard && sub_group != sub_groups.front()) continue;
+            s.sub_group_params = sub_group;
+            for (std::uint64_t buffers : buffer_counts) {
+              s.buffer_count = buffers;
+              consider(s);
+            }
+          }
+        }
+      }
+    }
+  }
+  result.fits = have_best;
+  if (!have_best) {
+    ZINF_ASSERT(have_closest);
+    result.best = std::move(closest);
+  }
+  result.no_offload = no_offload_gpus(model, training, budgets);
+  return result;
+}
+
+std::string shortfall_message(const PlanResult& result) {
+  if (result.fits) return "";
+  std::string out = "nothing fits";
+  const Candidate& c = result.best;
+  out += fmt::format(" (closest: stage {}, optimizer on {}, params on {}{}):", c.setup.stage,
+                     offload_name(c.setup.optimizer), offload_name(c.setup.params),
+                     c.setup.gradients_on_nvme ? ", gradients on nvme" : "");
+  for (const TierUse& u : c.use) {
+    if (u.fits()) continue;
+    const char* unit = u.tier == Tier::kDevice ? "per GPU" : "per machine";
+    out += fmt::format("\n  {} is short by {}: needs {} {} of {} usable ({} budget less headroom)",
+                       tier_name(u.tier), gib(static_cast<double>(u.shortfall_bytes())),
+                       gib(static_cast<double>(u.need_bytes)), unit,
+                       gib(static_cast<double>(u.usable_bytes)),
+                       gib(static_cast<double>(u.budget_bytes)));
+  }
+  return out;
+}
+
+}  // namespace zinf::plan

@@ -1,0 +1,115 @@
+// The planner: for given memory budgets, the placement that fits with headroom and has the
+// lowest predicted step time; when nothing fits, which tier is short and by how much; and how
+// many GPUs the same job would need with everything on the GPUs.
+//
+// Search: every ZeRO stage (1, 2, 3), optimizer state on device / host / NVMe, half params
+// (stage 3) on device / host / NVMe, gradients on the host or spilled to NVMe (optimizer on
+// NVMe), and for state on NVMe the sub-group size (2^22 .. 2^28 parameters) and buffer count
+// (2, 3, 4, 6, 8). Bucket and prefetch sizes follow DeepSpeed's recipe for `auto` in its
+// Hugging Face integration: reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h²,
+// stage3_param_persistence_threshold = 10·h; stage3_max_live_parameters = two layers or the
+// largest tensor, whichever is more. A candidate fits when, per rank, device bytes ≤ (1 −
+// headroom)·gpu_mem, and per machine host bytes ≤ (1 − headroom)·host_mem and NVMe bytes ≤
+// (1 − headroom)·nvme_capacity. Among those that fit the lowest predicted step time wins; times
+// within 1% count as equal and then the one with less offloaded (then the lower stage) wins.
+//
+// No-offload comparison: ZeRO-3 with everything on the device needs, per GPU,
+//   16·P / N  (2 half params + 2 half gradients + 12 fp32 master, m, v, per parameter)
+//   + fixed   (activations + gathered params + comm buckets + reserved)
+// ≤ (1 − headroom)·gpu_mem, so N = ceil(16·P / ((1 − headroom)·gpu_mem − fixed)).
+//
+// Thread-safety: values and pure functions.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "plan/estimate.hpp"
+#include "plan/model.hpp"
+#include "plan/time_model.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf::plan {
+
+struct Budgets {
+  std::uint64_t gpus = 1;              // GPUs in the job (= ranks)
+  std::uint64_t gpus_per_machine = 0;  // 0: all GPUs on one machine
+  std::uint64_t gpu_mem_bytes = 0;     // per GPU
+  std::uint64_t host_mem_bytes = 0;    // per machine
+  std::uint64_t nvme_bytes = 0;        // per machine (0: no NVMe)
+  double headroom = 0.10;              // fraction of each budget left unplanned
+};
+
+// Choices the user fixed (zinf plan --stage, --offload-optimizer, --offload-param); the planner
+// searches only the rest.
+struct PlanConstraints {
+  std::optional<int> stage;
+  std::optional<Offload> optimizer;
+  std::optional<Offload> params;
+  std::optional<std::uint64_t> sub_group_params;
+  std::optional<std::uint64_t> buffer_count;
+};
+
+struct TierUse {
+  Tier tier = Tier::kDevice;
+  std::uint64_t need_bytes = 0;    // per rank for the device, per machine otherwise
+  std::uint64_t budget_bytes = 0;  // the same unit
+  std::uint64_t usable_bytes = 0;  // budget less headroom
+  bool fits() const { return need_bytes <= usable_bytes; }
+  std::uint64_t shortfall_bytes() const { return fits() ? 0 : need_bytes - usable_bytes; }
+};
+
+struct Candidate {
+  EngineSetup setup;
+  MemoryEstimate memory;
+  StepPrediction time;
+  std::array<TierUse, kTierCount> use{};
+  bool fits() const;
+};
+
+struct NoOffloadComparison {
+  std::uint64_t state_bytes = 0;       // 16·P
+  std::uint64_t usable_bytes = 0;      // (1 − headroom)·gpu_mem
+  std::uint64_t fixed_bytes = 0;       // activations + gathered + buckets + reserved
+  std::uint64_t activation_bytes = 0;  // the parts of fixed_bytes
+  std::uint64_t gathered_bytes = 0;
+  std::uint64_t bucket_bytes = 0;
+  std::uint64_t reserved_bytes = 0;
+  std::uint64_t gpus_needed = 0;  // 0 when fixed_bytes alone exceed usable_bytes
+  std::string arithmetic;         // the sum written out, one line
+};
+
+struct PlanResult {
+  bool fits = false;
+  // The chosen candidate when fits; otherwise the candidate closest to fitting (least total
+  // relative shortfall), whose `use` says which tiers are short.
+  Candidate best;
+  NoOffloadComparison no_offload;
+  std::uint64_t candidates_considered = 0;
+  std::uint64_t candidates_fitting = 0;
+};
+
+// Sets bucket, prefetch and persistence sizes from the model (DeepSpeed's `auto` recipe above).
+void size_buckets(const ModelShape& model, EngineSetup* setup);
+
+// Checks `setup` against `budgets`: bytes per tier, fits, shortfalls.
+Candidate evaluate(const ModelShape& model, const TrainingShape& training, const EngineSetup& setup,
+                   const Budgets& budgets, const MachineProfile& profile);
+
+NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape& training,
+                                    const Budgets& budgets);
+
+// Fails with invalid_argument for budgets that make no sense (no GPUs, no GPU memory, GPUs not a
+// multiple of gpus_per_machine) or constraints that contradict each other; otherwise returns a
+// result whether or not anything fits.
+Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& training,
+                             const Budgets& budgets, const MachineProfile& profile,
+                             const PlanConstraints& constraints = {});
+
+// For a plan that does not fit: one line per short tier, "<tier> is short by <bytes>: needs
+// <need> of <usable> usable (<budget> less <headroom>% headroom)", naming what is there.
+std::string shortfall_message(const PlanResult& result);
+
+}  // namespace zinf::plan

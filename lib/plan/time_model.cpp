@@ -1,0 +1,146 @@
+#include "plan/time_model.hpp"
+
+#include <algorithm>
+
+#include "base/assert.hpp"
+
+namespace zinf::plan {
+namespace {
+
+constexpr double kGiga = 1e9;
+
+std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
+
+double seconds(double bytes, double gbps) { return gbps > 0 ? bytes / (gbps * kGiga) : 0.0; }
+
+// The optimizer pipeline over one machine's shards (see the header for the formula).
+void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
+                      const MachineProfile& profile, StepPrediction* out) {
+  const double ranks = static_cast<double>(s.ranks_per_machine);
+  const bool on_device = s.optimizer == Offload::kNone;
+  const double adam_bytes_per_param = on_device ? 28.0 : 30.0;
+  const double adam_gbps = on_device ? profile.gpu_mem_gbps : profile.mem_adam_gbps;
+  ZINF_ASSERT_MSG(adam_gbps > 0, "predict_step: no memory bandwidth for the optimizer");
+  out->adam_memory_bytes =
+      static_cast<std::uint64_t>(ranks * static_cast<double>(shard_params) * adam_bytes_per_param);
+  // Device optimizers run per GPU, in parallel; the CPU optimizer of R ranks shares one memory.
+  out->update_alone_s =
+      on_device ? seconds(static_cast<double>(shard_params) * adam_bytes_per_param, adam_gbps)
+                : seconds(static_cast<double>(out->adam_memory_bytes), adam_gbps);
+
+  if (s.optimizer != Offload::kNvme) {
+    out->sub_groups = ceil_div(shard_params, s.sub_group_params);
+    out->buffers = 0;
+    out->pipeline_s = out->update_alone_s;
+    return;
+  }
+  ZINF_ASSERT_MSG(profile.nvme_read_gbps > 0 && profile.nvme_write_gbps > 0,
+                  "predict_step: no NVMe rates for state on NVMe");
+  const double read_per_param = s.gradients_on_nvme ? 16.0 : 12.0;
+  // With the half params' home on NVMe too, the update writes them in the same pass.
+  const double write_per_param = s.params == Offload::kNvme ? 14.0 : 12.0;
+  const double params = ranks * static_cast<double>(shard_params);
+  out->nvme_read_bytes += static_cast<std::uint64_t>(params * read_per_param);
+  out->nvme_write_bytes += static_cast<std::uint64_t>(params * write_per_param);
+  out->io_read_s = seconds(params * read_per_param, profile.nvme_read_gbps);
+  out->io_write_s = seconds(params * write_per_param, profile.nvme_write_gbps);
+  out->io_alone_s = out->io_read_s + out->io_write_s;
+
+  const std::uint64_t n = ceil_div(shard_params, s.sub_group_params);
+  out->sub_groups = n;
+  out->buffers = s.buffer_count;
+  // Per sub-group times: every rank of the machine steps its own sub-group at once, so one
+  // "sub-group time" covers R sub-groups sharing the drive and the memory.
+  const double fraction = 1.0 / static_cast<double>(n);
+  const double r = out->io_read_s * fraction;
+  const double w = out->io_write_s * fraction;
+  const double u = out->update_alone_s * fraction;
+  const double per_sub_group = std::max(
+      {r + w, u, (r + u + w) / static_cast<double>(std::max<std::uint64_t>(1, s.buffer_count))});
+  out->pipeline_s = static_cast<double>(n - 1) * per_sub_group + (r + u + w);
+}
+
+}  // namespace
+
+StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
+                            const EngineSetup& s, const MachineProfile& profile) {
+  ZINF_ASSERT_MSG(validate_setup(s).is_ok(), "predict_step: invalid setup");
+  StepPrediction out;
+  const std::uint64_t p = param_count(model);
+  const std::uint64_t pr = ceil_div(p, s.world_size);
+  const double ranks = static_cast<double>(s.ranks_per_machine);
+  const double n = static_cast<double>(s.world_size);
+
+  predict_pipeline(pr, s, profile, &out);
+  // The new half params go to their home: uploaded to the device when the optimizer ran on the
+  // host; downloaded when it ran on the device but the params live offloaded; written to NVMe
+  // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe.
+  const double half_bytes = 2.0 * static_cast<double>(pr);
+  if (s.optimizer != Offload::kNone && s.params == Offload::kNone) {
+    out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
+  } else if (s.optimizer == Offload::kNone && s.params != Offload::kNone) {
+    out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
+  }
+  if (s.params == Offload::kNvme && s.optimizer != Offload::kNvme) {
+    out.nvme_write_bytes += static_cast<std::uint64_t>(ranks * half_bytes);
+    out.param_upload_s =
+        std::max(out.param_upload_s, seconds(ranks * half_bytes, profile.nvme_write_gbps));
+  }
+  out.optimizer_step_s = std::max(out.pipeline_s, out.param_upload_s);
+
+  // Forward and backward of one micro-batch.
+  const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
+  double flops = (6.0 * static_cast<double>(p) +
+                  12.0 * static_cast<double>(model.layers * model.hidden * training.seq_len)) *
+                 tokens;
+  if (training.checkpoint_activations) flops *= 4.0 / 3.0;
+  out.compute_s = profile.gpu_tflops > 0 ? flops / (profile.gpu_tflops * 1e12) : 0.0;
+
+  const double collective_bytes = (s.stage == 3 ? 3.0 : 2.0) * 2.0 * static_cast<double>(p);
+  out.collectives_s = seconds(collective_bytes * (n - 1.0) / n, profile.gpu_link_gbps);
+
+  if (s.stage == 3 && s.params != Offload::kNone) {
+    const double fetch_bytes = 2.0 * 2.0 * static_cast<double>(pr);
+    out.param_fetch_s = seconds(fetch_bytes, profile.h2d_gbps);
+    if (s.params == Offload::kNvme) {
+      out.nvme_read_bytes += static_cast<std::uint64_t>(ranks * fetch_bytes);
+      out.param_fetch_s =
+          std::max(out.param_fetch_s, seconds(ranks * fetch_bytes, profile.nvme_read_gbps));
+    }
+  }
+  if (s.optimizer != Offload::kNone) {
+    out.grad_offload_s = seconds(2.0 * static_cast<double>(pr), profile.h2d_gbps);
+    if (s.gradients_on_nvme) {
+      const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
+      out.nvme_write_bytes += static_cast<std::uint64_t>(spill_bytes);
+      out.grad_offload_s =
+          std::max(out.grad_offload_s, seconds(spill_bytes, profile.nvme_write_gbps));
+    }
+  }
+  out.forward_backward_s =
+      static_cast<double>(training.grad_accum_steps) *
+      std::max({out.compute_s, out.collectives_s, out.param_fetch_s, out.grad_offload_s});
+  out.step_s = out.forward_backward_s + out.optimizer_step_s;
+  return out;
+}
+
+StepPrediction predict_optimizer_step(std::uint64_t params, Offload tier,
+                                      std::uint64_t sub_group_params, std::uint64_t pool_bytes,
+                                      const MachineProfile& profile) {
+  ZINF_ASSERT(tier != Offload::kNone && sub_group_params > 0);
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 1;
+  s.ranks_per_machine = 1;
+  s.optimizer = tier;
+  s.params = Offload::kNone;
+  s.sub_group_params = sub_group_params;
+  s.buffer_count = std::max<std::uint64_t>(2, pool_bytes / (12 * sub_group_params));
+  StepPrediction out;
+  predict_pipeline(params, s, profile, &out);
+  out.optimizer_step_s = out.pipeline_s;
+  out.step_s = out.pipeline_s;
+  return out;
+}
+
+}  // namespace zinf::plan

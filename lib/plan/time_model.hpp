@@ -1,0 +1,106 @@
+// The time model: a training step's time from the bytes each tier must move and the machine's
+// measured rates, overlapped the way the engine overlaps them (the max of overlapped parts, not
+// their sum).
+//
+// Notation as in estimate.hpp; R ranks share one machine's memory bandwidth and NVMe, each rank
+// has its own host↔device link. Rates are 1e9 bytes/s (GB/s).
+//
+// Optimizer step (what `zinf bench step` measures), per machine, over Pr·R parameters:
+//   update   U = R·Pr·A / mem_adam_gbps, A = bytes the CPU Adam moves a parameter: read g
+//            (4, fp32), read and write p, m, v (24), write the half copy (2): 30 B. On the
+//            device (optimizer not offloaded) the gradient is half: 28 B at gpu_mem_gbps.
+//   NVMe     reads  R·Pr·(12 + 4 if gradients are on NVMe)   at nvme_read_gbps
+//            writes R·Pr·12                                   at nvme_write_gbps
+//            io = reads/read_rate + writes/write_rate: one drive serves both directions, so
+//            the pipeline overlaps them with the update, not with each other.
+//   pipeline over n = ceil(Pr / Sg) sub-groups with B buffers, per sub-group r, u, w (its
+//            read, update and write): a buffer cycles read → update → write, so the rate is
+//            bounded by the drive (r + w), the CPU (u) and the buffers ((r + u + w) / B):
+//              T = max(r + w, u, (r + u + w) / B)
+//              pipeline = (n − 1)·T + (r + u + w)     (the first read and last write are
+//                                                      not overlapped)
+//            State on the host: pipeline = U (no I/O).
+//   upload   new half params to the device, 2·Pr at h2d_gbps (overlaps the pipeline)
+//   optimizer_step = max(pipeline, upload)
+//
+// Forward and backward, per rank, for grad_accum_steps micro-batches each:
+//   compute        F = (6·P + 12·L·h·s)·s·b FLOPs per micro-batch (PaLM, Chowdhery et al.
+//                  2022, appendix B), × 4/3 with activation checkpointing (one more forward);
+//                  compute = F / (gpu_tflops·1e12). Not modelled (0) when gpu_tflops is 0.
+//   collectives    stage 3: all-gather 2·P twice (forward, backward) and reduce-scatter 2·P;
+//                  stages 1-2: reduce-scatter and all-gather 2·P; each moves (N−1)/N of its
+//                  bytes per rank at gpu_link_gbps. Not modelled (0) when gpu_link_gbps is 0.
+//   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)
+//                  at h2d_gbps; from NVMe also R·2·2·Pr read at nvme_read_gbps (overlapped
+//                  with the copy)
+//   grad offload   optimizer offloaded: 2·Pr device→host at h2d_gbps; spilled gradients also
+//                  R·4·Pr written at nvme_write_gbps
+//   forward_backward = grad_accum_steps · max(compute, collectives, param fetch, grad offload)
+//                  (the engine prefetches and reduces while modules compute)
+// step = forward_backward + optimizer_step.
+//
+// Thread-safety: values and pure functions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "plan/estimate.hpp"
+#include "plan/model.hpp"
+
+namespace zinf::plan {
+
+// What a machine can do; every rate in GB/s (1e9 bytes/s). Zero means unknown.
+struct MachineProfile {
+  double mem_adam_gbps = 0;   // the fp32 Adam access pattern (zinf probe: mem_adam_pattern_gbps)
+  double nvme_read_gbps = 0;  // the machine's NVMe path, all drives together
+  double nvme_write_gbps = 0;
+  double h2d_gbps = 20;        // per GPU, host↔device (PCIe 4.0 x16 in practice)
+  double gpu_mem_gbps = 1000;  // device memory bandwidth, for the optimizer on the device
+  double gpu_tflops = 0;       // achieved dense half-precision TFLOP/s; 0 = not modelled
+  double gpu_link_gbps = 0;    // collective bus bandwidth per GPU; 0 = not modelled
+  int cpu_cores = 0;
+  // Where each figure came from, for the output ("file ~/.cache/zinf/machine.json",
+  // "measured now", "--nvme-read-gbps").
+  std::string memory_source;
+  std::string nvme_source;
+  std::string gpu_source = "defaults (pass --h2d-gbps, --gpu-mem-gbps, --gpu-tflops)";
+};
+
+struct StepPrediction {
+  // Optimizer step.
+  double update_alone_s = 0;  // U
+  double io_read_s = 0;
+  double io_write_s = 0;
+  double io_alone_s = 0;  // io_read_s + io_write_s
+  double pipeline_s = 0;
+  double param_upload_s = 0;
+  double optimizer_step_s = 0;
+  std::uint64_t sub_groups = 0;
+  std::uint64_t buffers = 0;
+  // Forward and backward.
+  double compute_s = 0;
+  double collectives_s = 0;
+  double param_fetch_s = 0;
+  double grad_offload_s = 0;
+  double forward_backward_s = 0;
+  double step_s = 0;
+  // Traffic per step, per machine.
+  std::uint64_t nvme_read_bytes = 0;
+  std::uint64_t nvme_write_bytes = 0;
+  std::uint64_t adam_memory_bytes = 0;
+};
+
+// REQUIRES: validate_setup(setup) is OK; profile.mem_adam_gbps > 0; NVMe rates > 0 when any
+// state is on NVMe.
+StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
+                            const EngineSetup& setup, const MachineProfile& profile);
+
+// The optimizer step alone for `params` parameters on one rank with the state on `tier` (host
+// or NVMe), the run `zinf bench step --params N --tier T --sub-group S --pool P` makes.
+// `pool_bytes` sets the buffer count: pool_bytes / (12·sub_group_params).
+StepPrediction predict_optimizer_step(std::uint64_t params, Offload tier,
+                                      std::uint64_t sub_group_params, std::uint64_t pool_bytes,
+                                      const MachineProfile& profile);
+
+}  // namespace zinf::plan
