@@ -89,7 +89,10 @@ class Event {
 // Work run on a stream's worker (HostDevice) or CUDA's callback thread (cudaLaunchHostFunc), in
 // stream order. It must not call Device or Communicator methods (CUDA forbids it in callbacks)
 // and should be short. A non-OK return becomes the stream's sticky error.
-using HostFunc = Status (*)(void* user);
+// It runs even when earlier work on the stream failed, so that it can release what `user` holds
+// and tell others (a collective tells the other ranks): `upstream` is then that error, and the
+// return value is ignored. `upstream` is OK otherwise.
+using HostFunc = Status (*)(void* user, const Status& upstream);
 
 enum class CopyKind : std::uint8_t {
   kHostToDevice = 0,    // src in host memory (pinned for a truly asynchronous CUDA copy)
@@ -161,7 +164,8 @@ class Device {
   // Runs `func(user)` in stream order (see HostFunc). `user` must stay valid until it has run.
   virtual Status launch_host_func(Stream& stream, HostFunc func, void* user) = 0;
 
-  // Convenience over launch_host_func for a closure (allocates: not for hot paths).
+  // Convenience over launch_host_func for a closure (allocates: not for hot paths). The closure
+  // is skipped (destroyed without running) when earlier work on the stream failed.
   Status launch_host(Stream& stream, std::function<Status()> func);
 
   Status copy_h2d(void* device_dst, const void* host_src, std::size_t bytes, Stream& stream) {
