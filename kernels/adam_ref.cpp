@@ -5,6 +5,15 @@
 #include "kernels/adam.h"
 #include "zinf/dtype.hpp"
 
+// The reference must round after every operation, as the kernel does (it uses _rn intrinsics),
+// so that the two agree bit for bit. GCC contracts a * b + c into an FMA by default in C++ when
+// the target has FMA (-march=native, say); turn that off for this file.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
+
 namespace zinf::kernels {
 
 AdamStepArgs adam_step_args(const AdamHyper& hyper, std::int64_t step) {
