@@ -1,0 +1,116 @@
+// ThreadEngine: IoEngine on pread / pwrite and a fixed pool of threads.
+//
+// rings * queue_depth threads (at most kMaxThreads) share one FIFO of requests. A thread takes
+// the next piece of the request at the front (under the queue mutex), moves it with
+// pread / pwrite outside the mutex, loops on short transfers and EINTR / EAGAIN through the
+// same check as the uring backend, and accounts the piece under the mutex again. The pool
+// keeps as many pieces in flight as it has threads, which is the queue depth.
+//
+// Unlike DeepSpeed's thread engine, which splits each request evenly over its threads, pieces
+// are handed out one block at a time, so one slow piece never holds up a thread's whole share.
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "io/engine_core.hpp"
+
+namespace zinf::io_detail {
+namespace {
+
+class ThreadEngine final : public EngineCore {
+ public:
+  explicit ThreadEngine(const IoOptions& options) : EngineCore(options) {
+    active_.reset(options_.max_requests);
+  }
+
+  ~ThreadEngine() override {
+    begin_shutdown();
+    {
+      std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    work_cv_.notify_all();
+    for (std::thread& thread : threads_) thread.join();
+  }
+
+  void start() {
+    const std::uint32_t count =
+        std::min<std::uint32_t>(options_.rings * options_.queue_depth, kMaxThreads);
+    threads_.reserve(count);
+    for (std::uint32_t i = 0; i < count; ++i) threads_.emplace_back([this] { run(); });
+  }
+
+  EngineKind kind() const override { return EngineKind::kThread; }
+
+ protected:
+  Status file_opened(int, int) override { return Status::ok(); }
+  void file_closed(int) override {}
+  Status region_registered(int, const Region&) override { return Status::ok(); }
+  void region_unregistered(int) override {}
+
+  void enqueue(std::uint32_t slot_index) override {
+    {
+      std::lock_guard lock(mutex_);
+      active_.push(slot_index);
+    }
+    work_cv_.notify_one();
+  }
+
+ private:
+  void run() {
+    for (;;) {
+      Piece piece;
+      bool more = false;
+      {
+        std::unique_lock lock(mutex_);
+        for (;;) {
+          work_cv_.wait(lock, [&] { return stop_ || !active_.empty(); });
+          if (active_.empty()) return;  // stop_ and nothing left: drained
+          const std::uint32_t slot_index = active_.front();
+          if (!next_piece(slot_index, &piece)) {
+            active_.pop();
+            continue;
+          }
+          if (!slot(slot_index).queued) active_.pop();
+          more = !active_.empty();
+          break;
+        }
+      }
+      // More pieces may be waiting for another thread.
+      if (more) work_cv_.notify_one();
+      Status error;
+      const int fd = fd_of(piece.file_index);
+      for (;;) {
+        const ssize_t moved =
+            piece.op == IoOp::kRead
+                ? ::pread(fd, piece.data, piece.bytes, static_cast<off_t>(piece.offset))
+                : ::pwrite(fd, piece.data, piece.bytes, static_cast<off_t>(piece.offset));
+        const long result = moved < 0 ? -static_cast<long>(errno) : static_cast<long>(moved);
+        if (check_piece(piece, result, &error) != PieceStep::kResubmit) break;
+      }
+      std::lock_guard lock(mutex_);
+      piece_finished(piece.slot, std::move(error));
+    }
+  }
+
+  std::mutex mutex_;
+  std::condition_variable work_cv_;
+  bool stop_ = false;
+  BoundedQueue<std::uint32_t> active_;  // guarded by mutex_
+  std::vector<std::thread> threads_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<IoEngine>> make_thread_engine(const IoOptions& options) {
+  auto engine = std::make_unique<ThreadEngine>(options);
+  engine->start();
+  return std::unique_ptr<IoEngine>(std::move(engine));
+}
+
+}  // namespace zinf::io_detail
