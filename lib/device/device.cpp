@@ -1,0 +1,36 @@
+#include "zinf/device.hpp"
+
+#include <memory>
+#include <utility>
+
+namespace zinf {
+
+std::string_view device_kind_name(DeviceKind kind) {
+  switch (kind) {
+    case DeviceKind::kHost:
+      return "host";
+    case DeviceKind::kCuda:
+      return "cuda";
+  }
+  return "unknown";
+}
+
+namespace {
+
+// Runs and frees the boxed closure of Device::launch_host; a failed stream only frees it.
+Status run_boxed_closure(void* user, const Status& upstream) {
+  std::unique_ptr<std::function<Status()>> func(static_cast<std::function<Status()>*>(user));
+  if (!upstream.is_ok()) return Status::ok();
+  return (*func)();
+}
+
+}  // namespace
+
+Status Device::launch_host(Stream& stream, std::function<Status()> func) {
+  auto boxed = std::make_unique<std::function<Status()>>(std::move(func));
+  Status status = launch_host_func(stream, &run_boxed_closure, boxed.get());
+  if (status.is_ok()) (void)boxed.release();  // the stream owns it now
+  return status;
+}
+
+}  // namespace zinf

@@ -1,0 +1,461 @@
+#include "device/host_device.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
+#include <utility>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+namespace {
+
+// cudaMalloc aligns to 256 bytes; matching it keeps alignment assumptions honest on both.
+constexpr std::size_t kAllocAlignment = 256;
+
+// Waits on `cv` until `pred` or `timeout`; a timeout of a day or more waits without limit
+// (kWaitForever would overflow a deadline). Returns pred().
+template <typename Pred>
+bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+              std::chrono::milliseconds timeout, Pred pred) {
+  if (timeout >= std::chrono::hours(24)) {
+    cv.wait(lock, pred);
+    return true;
+  }
+  return cv.wait_for(lock, timeout, pred);
+}
+
+}  // namespace
+
+// --- HostEvent -----------------------------------------------------------------------------------
+
+HostEvent::~HostEvent() {
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  --owner_->live_events_;
+}
+
+void HostEvent::complete(std::uint64_t generation, const Status& error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (generation > completed_) {
+      completed_ = generation;
+      error_ = error;
+    }
+  }
+  cv_.notify_all();
+}
+
+// --- HostStream ----------------------------------------------------------------------------------
+
+HostStream::HostStream(HostDevice* owner, std::string name, std::uint32_t index)
+    : owner_(owner),
+      name_(std::move(name)),
+      jitter_(owner->options_.jitter_seed ^ (0x9e3779b97f4a7c15ull * (index + 1))),
+      jitter_max_us_(owner->options_.jitter_max_us),
+      ring_(owner->options_.stream_queue_depth) {
+  worker_ = std::thread([this] { run(); });
+}
+
+HostStream::~HostStream() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  work_cv_.notify_all();
+  worker_.join();
+  std::lock_guard<std::mutex> lock(owner_->mu_);
+  --owner_->live_streams_;
+}
+
+Status HostStream::enqueue(const Op& op) {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    // Bounded: the issuer waits for room, as a full GPU launch queue makes it wait.
+    space_cv_.wait(lock, [&] { return count_ < ring_.size() || stop_; });
+    if (stop_) return Status::failed_precondition(fmt::format("stream '{}' is closing", name_));
+    ring_[(head_ + count_) % ring_.size()] = op;
+    ++count_;
+    ++issued_;
+  }
+  work_cv_.notify_one();
+  return Status::ok();
+}
+
+Status HostStream::synchronize(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  const std::uint64_t target = issued_;
+  if (!wait_for(space_cv_, lock, timeout, [&] { return completed_ >= target; })) {
+    return Status::timeout(fmt::format("synchronize stream '{}' on {}: not done after {} ms", name_,
+                                       owner_->name(), timeout.count()));
+  }
+  return error_;
+}
+
+void HostStream::run() {
+  for (;;) {
+    Op op;
+    Status upstream;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      // The ring drains before stop takes effect: destroying a stream waits for its work.
+      work_cv_.wait(lock, [&] { return count_ > 0 || stop_; });
+      if (count_ == 0) return;
+      op = ring_[head_];
+      upstream = error_;
+    }
+    if (jitter_max_us_ != 0) {
+      const auto sleep_us = jitter_.next() % (std::uint64_t{jitter_max_us_} + 1);
+      std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+    }
+    Status failure = execute(op, upstream);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failure.is_ok() && error_.is_ok()) error_ = std::move(failure);
+      head_ = (head_ + 1) % ring_.size();
+      --count_;
+      ++completed_;
+    }
+    space_cv_.notify_all();
+  }
+}
+
+Status HostStream::execute(const Op& op, const Status& upstream) {
+  using Type = Op::Type;
+  switch (op.type) {
+    case Type::kRecord:
+      // Runs on a failed stream too, so that waiters wake up and learn the error.
+      op.event->complete(op.generation, upstream);
+      return Status::ok();
+    case Type::kWait: {
+      std::unique_lock<std::mutex> lock(op.event->mu_);
+      // No timeout: the record this waits for was issued before the wait (generations are taken
+      // at issue time), so it cannot depend on this stream's later work and always completes.
+      op.event->cv_.wait(lock, [&] { return op.event->completed_ >= op.generation; });
+      // Work that depends on failed work must not run on garbage: inherit the error.
+      if (upstream.is_ok() && !op.event->error_.is_ok()) {
+        return op.event->error_.with_context(
+            fmt::format("stream '{}' waited on an event after failed work", name_));
+      }
+      return Status::ok();
+    }
+    case Type::kFree:
+      // Frees even after a failure: releasing memory is always safe once the stream got here.
+      return owner_->free_now(op.dst);
+    case Type::kHostFunc: {
+      Status status = op.func(op.user, upstream);
+      if (!upstream.is_ok()) return Status::ok();
+      return status;
+    }
+    case Type::kCopy:
+      if (upstream.is_ok()) std::memcpy(op.dst, op.src, op.bytes);
+      return Status::ok();
+    case Type::kMemset:
+      if (upstream.is_ok()) std::memset(op.dst, op.value, op.bytes);
+      return Status::ok();
+  }
+  return Status::internal("unknown stream operation");
+}
+
+// --- HostDevice ----------------------------------------------------------------------------------
+
+HostDevice::HostDevice(const HostDeviceOptions& options)
+    : options_(options), name_(fmt::format("host:{}", options.ordinal)) {}
+
+HostDevice::~HostDevice() {
+  std::lock_guard<std::mutex> lock(mu_);
+  ZINF_ASSERT_MSG(live_streams_ == 0 && live_events_ == 0,
+                  "HostDevice destroyed before its streams and events");
+  for (const auto& [base, bytes] : allocations_) std::free(reinterpret_cast<void*>(base));
+}
+
+HostStream& HostDevice::host_stream(Stream& stream) const {
+  auto* host = dynamic_cast<HostStream*>(&stream);
+  ZINF_ASSERT_MSG(host != nullptr && host->owner_ == this, "stream of another device");
+  return *host;
+}
+
+HostEvent& HostDevice::host_event(Event& event) const {
+  auto* host = dynamic_cast<HostEvent*>(&event);
+  ZINF_ASSERT_MSG(host != nullptr && host->owner_ == this, "event of another device");
+  return *host;
+}
+
+Result<void*> HostDevice::allocate(std::size_t bytes) {
+  if (bytes == 0) return Status::invalid_argument(fmt::format("{}: allocate of 0 bytes", name_));
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (bytes > options_.memory_limit_bytes - used_bytes_) {
+      return Status::resource_exhausted(
+          fmt::format("{}: allocating {} bytes would exceed the device memory limit ({} of {} "
+                      "bytes in use)",
+                      name_, bytes, used_bytes_, options_.memory_limit_bytes));
+    }
+    used_bytes_ += bytes;
+  }
+  const std::size_t rounded = (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
+  void* ptr = std::aligned_alloc(kAllocAlignment, rounded);
+  if (ptr == nullptr) {
+    std::lock_guard<std::mutex> lock(mu_);
+    used_bytes_ -= bytes;
+    return Status::resource_exhausted(
+        fmt::format("{}: host memory for {} bytes of device memory is exhausted", name_, bytes));
+  }
+  if (options_.poison_allocations) std::memset(ptr, 0xff, rounded);
+  std::lock_guard<std::mutex> lock(mu_);
+  allocations_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
+  return ptr;
+}
+
+Status HostDevice::free_now(void* ptr) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto key = reinterpret_cast<std::uintptr_t>(ptr);
+    auto it = allocations_.find(key);
+    if (it == allocations_.end()) {
+      return Status::invalid_argument(fmt::format(
+          "{}: free of {} which this device did not allocate (or freed already)", name_, ptr));
+    }
+    used_bytes_ -= it->second;
+    allocations_.erase(it);
+    pending_frees_.erase(key);
+  }
+  std::free(ptr);
+  return Status::ok();
+}
+
+Status HostDevice::free(void* ptr) {
+  if (ptr == nullptr) return Status::ok();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (pending_frees_.count(reinterpret_cast<std::uintptr_t>(ptr)) != 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: free of {} which a free_async already releases", name_, ptr));
+    }
+  }
+  return free_now(ptr);
+}
+
+Result<void*> HostDevice::allocate_async(std::size_t bytes, Stream& stream) {
+  (void)host_stream(stream);
+  // Host memory exists at once, which is a valid (earlier) point in the stream's order.
+  return allocate(bytes);
+}
+
+Status HostDevice::free_async(void* ptr, Stream& stream) {
+  HostStream& host = host_stream(stream);
+  if (ptr == nullptr) return Status::ok();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto key = reinterpret_cast<std::uintptr_t>(ptr);
+    if (allocations_.count(key) == 0 || pending_frees_.count(key) != 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: free_async of {} which this device did not allocate (or frees already)",
+                      name_, ptr));
+    }
+    pending_frees_.insert(key);
+  }
+  HostStream::Op op;
+  op.type = HostStream::Op::Type::kFree;
+  op.dst = ptr;
+  return host.enqueue(op);
+}
+
+std::size_t HostDevice::memory_used_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return used_bytes_;
+}
+
+Status HostDevice::register_host(void* ptr, std::size_t bytes) {
+  if (ptr == nullptr || bytes == 0) {
+    return Status::invalid_argument(
+        fmt::format("{}: register_host needs a non-null pointer and bytes > 0", name_));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+  auto next = registered_.lower_bound(begin);
+  const bool overlaps_next = next != registered_.end() && next->first < begin + bytes;
+  bool overlaps_prev = false;
+  if (next != registered_.begin()) {
+    auto prev = std::prev(next);
+    overlaps_prev = prev->first + prev->second > begin;
+  }
+  if (overlaps_next || overlaps_prev) {
+    return Status::invalid_argument(fmt::format(
+        "{}: register_host of {} ({} bytes) overlaps a registered range", name_, ptr, bytes));
+  }
+  registered_.emplace(begin, bytes);
+  return Status::ok();
+}
+
+Status HostDevice::unregister_host(void* ptr) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (registered_.erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0) {
+    return Status::invalid_argument(
+        fmt::format("{}: unregister_host of {} which is not registered", name_, ptr));
+  }
+  return Status::ok();
+}
+
+bool HostDevice::contains(const void* ptr, std::size_t bytes) const {
+  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = allocations_.upper_bound(begin);
+  if (it == allocations_.begin()) return false;
+  --it;
+  return begin >= it->first && begin + bytes <= it->first + it->second;
+}
+
+Result<std::unique_ptr<Stream>> HostDevice::create_stream(std::string_view name) {
+  std::uint32_t index;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    index = streams_created_++;
+    ++live_streams_;
+  }
+  std::string full =
+      name.empty() ? fmt::format("{}/stream{}", name_, index) : fmt::format("{}/{}", name_, name);
+  return std::unique_ptr<Stream>(new HostStream(this, std::move(full), index));
+}
+
+Result<std::unique_ptr<Event>> HostDevice::create_event() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++live_events_;
+  }
+  return std::unique_ptr<Event>(new HostEvent(this));
+}
+
+Status HostDevice::record(Event& event, Stream& stream) {
+  HostEvent& host_ev = host_event(event);
+  HostStream& host = host_stream(stream);
+  HostStream::Op op;
+  op.type = HostStream::Op::Type::kRecord;
+  op.event = &host_ev;
+  {
+    std::lock_guard<std::mutex> lock(host_ev.mu_);
+    op.generation = ++host_ev.recorded_;
+  }
+  return host.enqueue(op);
+}
+
+Status HostDevice::wait(Stream& stream, Event& event) {
+  HostEvent& host_ev = host_event(event);
+  HostStream& host = host_stream(stream);
+  HostStream::Op op;
+  op.type = HostStream::Op::Type::kWait;
+  op.event = &host_ev;
+  {
+    std::lock_guard<std::mutex> lock(host_ev.mu_);
+    op.generation = host_ev.recorded_;
+  }
+  if (op.generation == 0) return Status::ok();  // never recorded: nothing to wait for
+  return host.enqueue(op);
+}
+
+Result<bool> HostDevice::query(Event& event) {
+  HostEvent& host_ev = host_event(event);
+  std::lock_guard<std::mutex> lock(host_ev.mu_);
+  if (host_ev.completed_ < host_ev.recorded_) return false;
+  if (!host_ev.error_.is_ok()) return host_ev.error_;
+  return true;
+}
+
+Status HostDevice::synchronize(Event& event, std::chrono::milliseconds timeout) {
+  HostEvent& host_ev = host_event(event);
+  std::unique_lock<std::mutex> lock(host_ev.mu_);
+  const std::uint64_t target = host_ev.recorded_;
+  if (!wait_for(host_ev.cv_, lock, timeout, [&] { return host_ev.completed_ >= target; })) {
+    return Status::timeout(
+        fmt::format("{}: synchronize event: not reached after {} ms", name_, timeout.count()));
+  }
+  return host_ev.error_;
+}
+
+Status HostDevice::synchronize(Stream& stream, std::chrono::milliseconds timeout) {
+  return host_stream(stream).synchronize(timeout);
+}
+
+Status HostDevice::copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                              Stream& stream) {
+  HostStream& host = host_stream(stream);
+  if (bytes == 0) return Status::ok();
+  const bool dst_on_device = kind != CopyKind::kDeviceToHost;
+  const bool src_on_device = kind != CopyKind::kHostToDevice;
+  const char* kind_name = kind == CopyKind::kHostToDevice   ? "host-to-device"
+                          : kind == CopyKind::kDeviceToHost ? "device-to-host"
+                                                            : "device-to-device";
+  if (dst == nullptr || src == nullptr || (dst_on_device && !contains(dst, bytes)) ||
+      (src_on_device && !contains(src, bytes))) {
+    return Status::invalid_argument(fmt::format(
+        "{}: {} copy of {} bytes from {} to {} on stream '{}': the device side is not inside "
+        "memory this device allocated",
+        name_, kind_name, bytes, src, dst, host.name()));
+  }
+  const auto d = reinterpret_cast<std::uintptr_t>(dst);
+  const auto s = reinterpret_cast<std::uintptr_t>(src);
+  if (d < s + bytes && s < d + bytes) {
+    return Status::invalid_argument(
+        fmt::format("{}: {} copy of {} bytes from {} to {}: the "
+                    "ranges overlap",
+                    name_, kind_name, bytes, src, dst));
+  }
+  HostStream::Op op;
+  op.type = HostStream::Op::Type::kCopy;
+  op.dst = dst;
+  op.src = src;
+  op.bytes = bytes;
+  return host.enqueue(op);
+}
+
+Status HostDevice::memset_async(void* dst, int value, std::size_t bytes, Stream& stream) {
+  HostStream& host = host_stream(stream);
+  if (bytes == 0) return Status::ok();
+  if (dst == nullptr || !contains(dst, bytes)) {
+    return Status::invalid_argument(
+        fmt::format("{}: memset of {} bytes at {} on stream '{}': not inside memory this device "
+                    "allocated",
+                    name_, bytes, dst, host.name()));
+  }
+  HostStream::Op op;
+  op.type = HostStream::Op::Type::kMemset;
+  op.dst = dst;
+  op.value = value & 0xff;
+  op.bytes = bytes;
+  return host.enqueue(op);
+}
+
+Status HostDevice::launch_host_func(Stream& stream, HostFunc func, void* user) {
+  HostStream& host = host_stream(stream);
+  if (func == nullptr) {
+    return Status::invalid_argument(
+        fmt::format("{}: launch_host_func with a null function on "
+                    "stream '{}'",
+                    name_, host.name()));
+  }
+  HostStream::Op op;
+  op.type = HostStream::Op::Type::kHostFunc;
+  op.func = func;
+  op.user = user;
+  return host.enqueue(op);
+}
+
+int HostDevice::live_stream_count() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return live_streams_;
+}
+
+Result<std::unique_ptr<Device>> make_host_device(const HostDeviceOptions& options) {
+  if (options.stream_queue_depth == 0) {
+    return Status::invalid_argument("HostDeviceOptions.stream_queue_depth must be at least 1");
+  }
+  if (options.memory_limit_bytes == 0) {
+    return Status::invalid_argument("HostDeviceOptions.memory_limit_bytes must be at least 1");
+  }
+  return std::unique_ptr<Device>(new HostDevice(options));
+}
+
+}  // namespace zinf

@@ -1,0 +1,159 @@
+// HostDevice: a Device whose memory is host memory and whose streams are worker threads.
+//
+// Each stream owns one thread and a bounded ring of operations that it runs in issue order; an
+// issuing call blocks while the ring is full. Events carry a generation count: record() bumps it
+// and queues "reach generation g" on the stream; wait() captures the generation current at the
+// call and queues "block until the event reaches it". So the engine's cross-stream ordering is
+// enforced exactly where a GPU would enforce it, and with jitter enabled (random sleeps before
+// each operation) a missing wait() corrupts results instead of passing by luck.
+//
+// Thread-safety: as Device (every method from any thread).
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <string_view>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "zinf/device.hpp"
+
+namespace zinf {
+
+class HostDevice;
+
+class HostEvent final : public Event {
+ public:
+  explicit HostEvent(HostDevice* owner) : owner_(owner) {}
+  ~HostEvent() override;
+  void* native_handle() const override { return nullptr; }
+
+ private:
+  friend class HostDevice;
+  friend class HostStream;
+  // Marks generation `generation` reached, by a stream whose error is `error`.
+  void complete(std::uint64_t generation, const Status& error);
+
+  HostDevice* owner_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  // Generations: recorded_ counts record() calls; completed_ is the highest one reached.
+  // A record that completes after a later one (on another stream) does not move completed_ back.
+  std::uint64_t recorded_ = 0;
+  std::uint64_t completed_ = 0;
+  Status error_;  // the error of the stream when it reached completed_
+};
+
+class HostStream final : public Stream {
+ public:
+  struct Op {
+    enum class Type : std::uint8_t { kCopy, kMemset, kHostFunc, kRecord, kWait, kFree };
+    Type type = Type::kCopy;
+    void* dst = nullptr;
+    const void* src = nullptr;
+    std::size_t bytes = 0;
+    int value = 0;
+    HostFunc func = nullptr;
+    void* user = nullptr;
+    HostEvent* event = nullptr;
+    std::uint64_t generation = 0;
+  };
+
+  HostStream(HostDevice* owner, std::string name, std::uint32_t index);
+  ~HostStream() override;
+
+  std::string_view name() const override { return name_; }
+  void* native_handle() const override { return nullptr; }
+
+ private:
+  friend class HostDevice;
+  // Queues `op`, blocking while the ring is full.
+  Status enqueue(const Op& op);
+  Status synchronize(std::chrono::milliseconds timeout);
+  void run();
+  // Runs one operation; returns its error (OK when fine).
+  Status execute(const Op& op, const Status& upstream);
+
+  HostDevice* owner_;
+  std::string name_;
+  SplitMix64 jitter_;
+  std::uint32_t jitter_max_us_;
+
+  std::mutex mu_;
+  std::condition_variable work_cv_;   // the worker waits for work
+  std::condition_variable space_cv_;  // issuers wait for room and synchronize() for completion
+  std::vector<Op> ring_;
+  std::size_t head_ = 0;
+  std::size_t count_ = 0;  // queued, including the one running
+  std::uint64_t issued_ = 0;
+  std::uint64_t completed_ = 0;
+  Status error_;  // sticky: the first failure
+  bool stop_ = false;
+  std::thread worker_;
+};
+
+class HostDevice final : public Device {
+ public:
+  explicit HostDevice(const HostDeviceOptions& options);
+  // REQUIRES: every stream and event created by this device has been destroyed.
+  ~HostDevice() override;
+
+  DeviceKind kind() const override { return DeviceKind::kHost; }
+  std::string_view name() const override { return name_; }
+  bool host_accessible() const override { return true; }
+
+  Result<void*> allocate(std::size_t bytes) override;
+  Status free(void* ptr) override;
+  Result<void*> allocate_async(std::size_t bytes, Stream& stream) override;
+  Status free_async(void* ptr, Stream& stream) override;
+  std::size_t memory_used_bytes() const override;
+  std::size_t memory_limit_bytes() const override { return options_.memory_limit_bytes; }
+  Status register_host(void* ptr, std::size_t bytes) override;
+  Status unregister_host(void* ptr) override;
+
+  Result<std::unique_ptr<Stream>> create_stream(std::string_view name) override;
+  Result<std::unique_ptr<Event>> create_event() override;
+  Status record(Event& event, Stream& stream) override;
+  Status wait(Stream& stream, Event& event) override;
+  Result<bool> query(Event& event) override;
+  Status synchronize(Event& event, std::chrono::milliseconds timeout) override;
+  Status synchronize(Stream& stream, std::chrono::milliseconds timeout) override;
+
+  Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                    Stream& stream) override;
+  Status memset_async(void* dst, int value, std::size_t bytes, Stream& stream) override;
+  Status launch_host_func(Stream& stream, HostFunc func, void* user) override;
+
+  // Streams alive now (each is one thread).
+  int live_stream_count() const;
+
+ private:
+  friend class HostStream;
+  friend class HostEvent;
+  HostStream& host_stream(Stream& stream) const;
+  HostEvent& host_event(Event& event) const;
+  // True when [ptr, ptr + bytes) lies inside one live allocation.
+  bool contains(const void* ptr, std::size_t bytes) const;
+  Status free_now(void* ptr);
+
+  HostDeviceOptions options_;
+  std::string name_;
+
+  mutable std::mutex mu_;
+  std::map<std::uintptr_t, std::size_t> allocations_;  // base -> bytes
+  std::set<std::uintptr_t> pending_frees_;             // queued by free_async, not yet run
+  std::map<std::uintptr_t, std::size_t> registered_;   // register_host ranges
+  std::size_t used_bytes_ = 0;
+  std::uint32_t streams_created_ = 0;
+  int live_streams_ = 0;
+  int live_events_ = 0;
+};
+
+}  // namespace zinf
