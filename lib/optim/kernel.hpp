@@ -67,4 +67,9 @@ const KernelTable& kernels_avx512(bool use_bf16_instructions);
 // when the CPU has them.
 const KernelTable& kernels_for(Simd simd);
 
+// optimizer_step() on the given kernels, reported as path `simd` (tests force a variant with it).
+// options.simd is ignored.
+Result<StepResult> step_with(const KernelTable& kernels, Simd simd, const OptimizerParams& params,
+                             const OptimizerSpan& span, const StepOptions& options);
+
 }  // namespace zinf::optim

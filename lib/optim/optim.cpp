@@ -260,24 +260,32 @@ bool all_finite_with(const optim::KernelTable& kernels, const void* data, DType 
 
 }  // namespace
 
-Result<StepResult> optimizer_step(const OptimizerParams& params, const OptimizerSpan& span,
-                                  const StepOptions& options) {
+namespace optim {
+
+Result<StepResult> step_with(const KernelTable& kernels, Simd simd, const OptimizerParams& params,
+                             const OptimizerSpan& span, const StepOptions& options) {
   ZINF_RETURN_IF_ERROR(validate(params, span, options));
-  ZINF_ASSIGN_OR_RETURN(const Simd simd, resolve_simd(options.simd));
   StepResult result;
   result.simd = simd;
   if (span.count == 0) return result;
-  const optim::KernelTable& kernels = optim::kernels_for(simd);
   if (options.check_overflow &&
       !all_finite_with(kernels, span.grads, span.grad_dtype, span.count, options)) {
     result.overflow = true;
     return result;
   }
-  const optim::KernelArgs args = make_args(params, options);
+  const KernelArgs args = make_args(params, options);
   for_each_tile(span.count, options, [&](std::size_t begin, std::size_t end) {
     kernels.update(args, span, begin, end);
   });
   return result;
+}
+
+}  // namespace optim
+
+Result<StepResult> optimizer_step(const OptimizerParams& params, const OptimizerSpan& span,
+                                  const StepOptions& options) {
+  ZINF_ASSIGN_OR_RETURN(const Simd simd, resolve_simd(options.simd));
+  return optim::step_with(optim::kernels_for(simd), simd, params, span, options);
 }
 
 Result<bool> all_finite(const void* data, DType dtype, std::size_t count,
