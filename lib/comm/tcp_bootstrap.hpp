@@ -1,0 +1,63 @@
+// TCP bootstrap: hands one small opaque blob (the 128-byte ncclUniqueId) from rank 0 to every
+// rank of a job, using the environment a launcher such as torchrun sets.
+//
+// Rank 0 listens on MASTER_PORT; every other rank connects to MASTER_ADDR:MASTER_PORT (retrying
+// while rank 0 is not up yet) and says hello with its rank and world size. Once all
+// WORLD_SIZE - 1 ranks have arrived, rank 0 sends the blob to each and waits for each to
+// acknowledge it, so a successful return on rank 0 means every rank holds the blob. If a rank
+// never arrives, rank 0 gives up at the deadline, tells the ranks that did arrive, and all of
+// them return kTimeout naming the missing ranks; a rank that cannot reach rank 0 returns
+// kTimeout at its own deadline. Nothing waits past the timeout, except that a connected rank
+// waits up to 0.5 s more for rank 0's verdict.
+//
+// Protocol (little-endian u32 fields): hello = "ZINF" magic, version, rank, world_size;
+// reply = magic, status (0 ok, 1 timeout, 2 mismatch), payload_bytes, payload (the blob on
+// success, the error message otherwise); ack = one byte. IPv4 only.
+//
+// Thread-safety: free functions; each call uses its own sockets.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+// Where this process sits in the job, as torchrun describes it.
+struct LaunchEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  std::uint16_t master_port = 29500;
+};
+
+// Reads RANK, WORLD_SIZE, LOCAL_RANK (defaults to RANK when unset), MASTER_ADDR and MASTER_PORT
+// through `lookup` (nullopt for an unset variable). Returns kInvalidArgument naming the variable
+// that is missing or malformed, or when RANK is not in [0, WORLD_SIZE).
+Result<LaunchEnv> parse_launch_env(
+    const std::function<std::optional<std::string>(const char* name)>& lookup);
+// parse_launch_env over the process environment (getenv).
+Result<LaunchEnv> launch_env_from_environment();
+
+// The largest blob tcp_broadcast_blob carries; bounds what a rank allocates for a peer's reply.
+constexpr std::size_t kTcpBootstrapMaxBlobBytes = std::size_t{1} << 20;
+
+// On rank 0 sends `blob` to every other rank and returns a copy of it; on the other ranks
+// ignores `blob` and returns what rank 0 sent. Every rank must call it with the same
+// world_size, master address and port. Errors: kTimeout when some rank did not arrive (or rank
+// 0 did not answer) within `timeout`; kInvalidArgument for a world size or rank that disagrees
+// with rank 0's, or a blob over kTcpBootstrapMaxBlobBytes; kIoError for socket errors (binding a
+// port in use, say); kCommError for a peer that breaks the protocol or hangs up.
+Result<std::vector<std::byte>> tcp_broadcast_blob(const LaunchEnv& env,
+                                                  std::span<const std::byte> blob,
+                                                  std::chrono::milliseconds timeout);
+
+}  // namespace zinf

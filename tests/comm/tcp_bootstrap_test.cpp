@@ -1,0 +1,218 @@
+// The TCP bootstrap with real processes on loopback: 2 and 4 ranks receive rank 0's blob; a rank
+// that never starts makes the others return kTimeout (never hang); a missing rank 0 times out
+// the rest; disagreeing world sizes fail everywhere. Each rank is a fork()ed child that reports
+// through its exit code; the parent kills any child still running after a generous bound, so a
+// hang fails the test instead of stalling it.
+#include "comm/tcp_bootstrap.hpp"
+
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+
+namespace zinf {
+namespace {
+
+using std::chrono::milliseconds;
+
+constexpr int kExitOk = 0;
+constexpr int kExitTimeout = 10;
+constexpr int kExitOtherError = 11;
+constexpr int kExitWrongBlob = 12;
+constexpr int kExitInvalid = 13;
+constexpr int kExitKilled = -1;
+
+// A port that was free a moment ago: bind port 0, read it back, close.
+std::uint16_t free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  EXPECT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  socklen_t len = sizeof(addr);
+  EXPECT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::vector<std::byte> make_blob(std::uint64_t seed) {
+  std::vector<std::byte> blob(128);  // The size of an ncclUniqueId.
+  fill_random_bytes(blob.data(), blob.size(), seed);
+  return blob;
+}
+
+struct RankSpec {
+  int rank;
+  int world_size;
+  milliseconds start_delay{0};
+};
+
+// Runs each spec in its own child process; returns rank -> exit code (kExitKilled if it had to
+// be killed after `bound`).
+std::map<int, int> run_ranks(const std::vector<RankSpec>& specs, std::uint16_t port,
+                             milliseconds timeout, std::uint64_t seed, milliseconds bound) {
+  std::map<pid_t, int> children;
+  for (const RankSpec& spec : specs) {
+    std::fflush(nullptr);
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      std::this_thread::sleep_for(spec.start_delay);
+      LaunchEnv env;
+      env.rank = spec.rank;
+      env.world_size = spec.world_size;
+      env.local_rank = spec.rank;
+      env.master_addr = "127.0.0.1";
+      env.master_port = port;
+      const std::vector<std::byte> blob = make_blob(seed);
+      const std::vector<std::byte> empty;
+      Result<std::vector<std::byte>> got = tcp_broadcast_blob(
+          env,
+          spec.rank == 0 ? std::span<const std::byte>(blob) : std::span<const std::byte>(empty),
+          timeout);
+      int code = kExitOk;
+      if (!got.is_ok()) {
+        std::fprintf(stderr, "rank %d: %s\n", spec.rank, got.status().to_string().c_str());
+        code = got.status().code() == Code::kTimeout           ? kExitTimeout
+               : got.status().code() == Code::kInvalidArgument ? kExitInvalid
+                                                               : kExitOtherError;
+      } else if (*got != blob) {
+        code = kExitWrongBlob;
+      }
+      std::fflush(nullptr);
+      ::_exit(code);
+    }
+    EXPECT_GT(pid, 0) << "fork failed";
+    children[pid] = spec.rank;
+  }
+  std::map<int, int> codes;
+  const auto stop = std::chrono::steady_clock::now() + bound;
+  while (!children.empty()) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, WNOHANG);
+    if (pid > 0 && children.count(pid) != 0) {
+      codes[children[pid]] = WIFEXITED(status) ? WEXITSTATUS(status) : kExitKilled;
+      children.erase(pid);
+      continue;
+    }
+    if (std::chrono::steady_clock::now() > stop) {
+      for (const auto& [child, rank] : children) {
+        ::kill(child, SIGKILL);
+        ::waitpid(child, nullptr, 0);
+        codes[rank] = kExitKilled;
+      }
+      children.clear();
+      break;
+    }
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  return codes;
+}
+
+class TcpBootstrapWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(TcpBootstrapWorld, EveryRankGetsRankZerosBlob) {
+  const int world = GetParam();
+  const std::uint64_t seed = 0x7c9 + static_cast<std::uint64_t>(world);
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::vector<RankSpec> specs;
+  // Rank 0 starts last, so the others exercise the connect retry.
+  for (int r = world - 1; r >= 0; --r) {
+    specs.push_back({r, world, r == 0 ? milliseconds(200) : milliseconds(0)});
+  }
+  const auto codes = run_ranks(specs, free_port(), milliseconds(10000), seed, milliseconds(30000));
+  ASSERT_EQ(codes.size(), static_cast<std::size_t>(world));
+  for (const auto& [rank, code] : codes) EXPECT_EQ(code, kExitOk) << "rank " << rank;
+}
+
+INSTANTIATE_TEST_SUITE_P(Loopback, TcpBootstrapWorld, ::testing::Values(2, 4));
+
+TEST(TcpBootstrap, RankThatNeverArrivesTimesOutTheOthers) {
+  // World of 4, rank 3 never starts.
+  const auto began = std::chrono::steady_clock::now();
+  const auto codes =
+      run_ranks({{0, 4}, {1, 4}, {2, 4}}, free_port(), milliseconds(1500), 3, milliseconds(20000));
+  const auto took = std::chrono::steady_clock::now() - began;
+  for (int r = 0; r < 3; ++r) EXPECT_EQ(codes.at(r), kExitTimeout) << "rank " << r;
+  EXPECT_GE(took, milliseconds(1400));
+  EXPECT_LT(took, milliseconds(10000)) << "a timeout of 1.5 s must not take this long";
+}
+
+TEST(TcpBootstrap, MissingRankZeroTimesOutTheOthers) {
+  const auto codes =
+      run_ranks({{1, 3}, {2, 3}}, free_port(), milliseconds(800), 4, milliseconds(20000));
+  EXPECT_EQ(codes.at(1), kExitTimeout);
+  EXPECT_EQ(codes.at(2), kExitTimeout);
+}
+
+TEST(TcpBootstrap, DisagreeingWorldSizeFailsEveryRank) {
+  const auto codes =
+      run_ranks({{0, 2}, {1, 3}}, free_port(), milliseconds(5000), 5, milliseconds(20000));
+  EXPECT_EQ(codes.at(0), kExitInvalid);
+  EXPECT_EQ(codes.at(1), kExitInvalid);
+}
+
+TEST(TcpBootstrap, WorldOfOneNeedsNoNetwork) {
+  LaunchEnv env;
+  env.master_port = 1;  // Nothing listens there; nothing must try.
+  const std::vector<std::byte> blob = make_blob(6);
+  Result<std::vector<std::byte>> got = tcp_broadcast_blob(env, blob, milliseconds(100));
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_EQ(*got, blob);
+}
+
+TEST(LaunchEnv, ParsesTorchrunVariables) {
+  std::map<std::string, std::string> vars = {{"RANK", "3"},
+                                             {"WORLD_SIZE", "8"},
+                                             {"LOCAL_RANK", "1"},
+                                             {"MASTER_ADDR", "10.0.0.7"},
+                                             {"MASTER_PORT", "29501"}};
+  auto lookup = [&](const char* name) -> std::optional<std::string> {
+    auto it = vars.find(name);
+    if (it == vars.end()) return std::nullopt;
+    return it->second;
+  };
+  Result<LaunchEnv> env = parse_launch_env(lookup);
+  ASSERT_TRUE(env.is_ok()) << env.status().to_string();
+  EXPECT_EQ(env->rank, 3);
+  EXPECT_EQ(env->world_size, 8);
+  EXPECT_EQ(env->local_rank, 1);
+  EXPECT_EQ(env->master_addr, "10.0.0.7");
+  EXPECT_EQ(env->master_port, 29501);
+
+  vars.erase("LOCAL_RANK");
+  env = parse_launch_env(lookup);
+  ASSERT_TRUE(env.is_ok());
+  EXPECT_EQ(env->local_rank, 3) << "LOCAL_RANK defaults to RANK";
+
+  vars["RANK"] = "8";
+  env = parse_launch_env(lookup);
+  ASSERT_FALSE(env.is_ok());
+  EXPECT_EQ(env.status().code(), Code::kInvalidArgument);
+  EXPECT_NE(env.status().message().find("RANK"), std::string_view::npos);
+
+  vars["RANK"] = "2";
+  vars["MASTER_PORT"] = "http";
+  env = parse_launch_env(lookup);
+  ASSERT_FALSE(env.is_ok());
+  EXPECT_NE(env.status().message().find("MASTER_PORT"), std::string_view::npos);
+
+  vars.erase("MASTER_ADDR");
+  vars["MASTER_PORT"] = "1234";
+  env = parse_launch_env(lookup);
+  ASSERT_FALSE(env.is_ok());
+  EXPECT_NE(env.status().message().find("MASTER_ADDR"), std::string_view::npos);
+}
+
+}  // namespace
+}  // namespace zinf
