@@ -1,0 +1,493 @@
+#include "comm/local_comm.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <utility>
+
+#include "base/assert.hpp"
+#include "zinf/dtype.hpp"
+
+namespace zinf {
+namespace {
+
+// f32 accumulators per tile: 2 KiB on the stack, a few L1 lines per source.
+constexpr std::size_t kTileElements = 512;
+
+std::string describe(const Collective& op, std::uint64_t sequence) {
+  if (op.name.empty()) return fmt::format("{} #{}", collective_kind_name(op.kind), sequence);
+  return fmt::format("{} #{} '{}'", collective_kind_name(op.kind), sequence, op.name);
+}
+
+// What a rank asked for, for mismatch messages.
+std::string describe_call(const Collective& op) {
+  std::string text = fmt::format("{} of {} {}", collective_kind_name(op.kind), op.element_count,
+                                 dtype_name(op.dtype));
+  if (op.kind == CollectiveKind::kReduceScatter || op.kind == CollectiveKind::kAllReduce) {
+    text += fmt::format(" ({})", reduce_op_name(op.op));
+  }
+  if (op.kind == CollectiveKind::kBroadcast) text += fmt::format(" (root {})", op.root);
+  if (!op.name.empty()) text += fmt::format(" '{}'", op.name);
+  return text;
+}
+
+std::string rank_list(const std::vector<int>& ranks) {
+  std::string text;
+  for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
+  return text;
+}
+
+void load_f32(const std::byte* src, DType dtype, std::size_t first, std::size_t count, float* out) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(out, src + first * 4, count * 4);
+      return;
+    case DType::kBF16:
+      convert_bf16_to_f32(reinterpret_cast<const std::uint16_t*>(src) + first, out, count);
+      return;
+    case DType::kF16:
+      convert_f16_to_f32(reinterpret_cast<const std::uint16_t*>(src) + first, out, count);
+      return;
+  }
+}
+
+void store_f32(const float* in, DType dtype, std::size_t first, std::size_t count, std::byte* dst) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst + first * 4, in, count * 4);
+      return;
+    case DType::kBF16:
+      convert_f32_to_bf16(in, reinterpret_cast<std::uint16_t*>(dst) + first, count);
+      return;
+    case DType::kF16:
+      convert_f32_to_f16(in, reinterpret_cast<std::uint16_t*>(dst) + first, count);
+      return;
+  }
+}
+
+// dst[i] = op over r in rank order of srcs[r][i], for i in [0, count), accumulated in f32 and
+// rounded once. Each tile is read in full before it is written, so dst may be one of the
+// sources (reduce_scatter in place).
+void reduce_range(const std::vector<const std::byte*>& srcs, std::size_t src_first, std::byte* dst,
+                  std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op) {
+  float acc[kTileElements];
+  float next[kTileElements];
+  const int world = static_cast<int>(srcs.size());
+  for (std::size_t base = 0; base < count; base += kTileElements) {
+    const std::size_t tile = std::min(kTileElements, count - base);
+    load_f32(srcs[0], dtype, src_first + base, tile, acc);
+    for (int r = 1; r < world; ++r) {
+      load_f32(srcs[static_cast<std::size_t>(r)], dtype, src_first + base, tile, next);
+      switch (op) {
+        case ReduceOp::kSum:
+        case ReduceOp::kAverage:
+          for (std::size_t i = 0; i < tile; ++i) acc[i] += next[i];
+          break;
+        case ReduceOp::kMax:
+          // A NaN anywhere wins: a NaN acc is never replaced, a NaN input always is taken.
+          for (std::size_t i = 0; i < tile; ++i) {
+            if (next[i] > acc[i] || std::isnan(next[i])) acc[i] = next[i];
+          }
+          break;
+        case ReduceOp::kMin:
+          for (std::size_t i = 0; i < tile; ++i) {
+            if (next[i] < acc[i] || std::isnan(next[i])) acc[i] = next[i];
+          }
+          break;
+      }
+    }
+    if (op == ReduceOp::kAverage) {
+      const float ranks = static_cast<float>(world);
+      for (std::size_t i = 0; i < tile; ++i) acc[i] /= ranks;
+    }
+    store_f32(acc, dtype, dst_first + base, tile, dst);
+  }
+}
+
+struct CollectiveTask {
+  std::shared_ptr<LocalGroup> group;
+  int rank;
+  std::uint64_t sequence;
+  Collective op;
+  std::string name;  // owns op.name
+};
+
+Status run_collective(void* user, const Status& upstream) {
+  std::unique_ptr<CollectiveTask> task(static_cast<CollectiveTask*>(user));
+  task->op.name = task->name;
+  if (!upstream.is_ok()) {
+    // This rank will not take part: tell the others now rather than let them time out.
+    task->group->fail(
+        upstream.with_context(fmt::format("{} on local rank {}: earlier work on the stream failed",
+                                          describe(task->op, task->sequence), task->rank)));
+    return Status::ok();
+  }
+  return task->group->run(task->rank, task->sequence, task->op);
+}
+
+template <typename Pred>
+bool wait_until_or_forever(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
+                           std::chrono::milliseconds timeout, Pred pred) {
+  if (timeout >= std::chrono::hours(24)) {
+    cv.wait(lock, pred);
+    return true;
+  }
+  return cv.wait_for(lock, timeout, pred);
+}
+
+}  // namespace
+
+// --- LocalGroup ----------------------------------------------------------------------------------
+
+LocalGroup::LocalGroup(int world_size, std::chrono::milliseconds timeout)
+    : world_size_(world_size), timeout_(timeout) {}
+
+void LocalGroup::fail(Status reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  fail_locked(std::move(reason));
+}
+
+void LocalGroup::fail_locked(Status reason) {
+  ZINF_ASSERT(!reason.is_ok());
+  if (error_.is_ok()) error_ = std::move(reason);
+  cv_.notify_all();
+}
+
+Status LocalGroup::error() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return error_;
+}
+
+Status LocalGroup::error_for(std::string_view label, int rank) const {
+  // The first error usually names this collective already; only add it when it does not.
+  if (error_.message().find(label) != std::string_view::npos) return error_;
+  return error_.with_context(fmt::format("{} on local rank {} of {}", label, rank, world_size_));
+}
+
+Status LocalGroup::check_agreement(const Slot& slot, std::uint64_t sequence) const {
+  const Collective& first = slot.ops[0];
+  for (int r = 1; r < world_size_; ++r) {
+    const Collective& other = slot.ops[static_cast<std::size_t>(r)];
+    const bool reduces =
+        first.kind == CollectiveKind::kReduceScatter || first.kind == CollectiveKind::kAllReduce;
+    if (other.kind != first.kind || other.element_count != first.element_count ||
+        other.dtype != first.dtype || (reduces && other.op != first.op) ||
+        (first.kind == CollectiveKind::kBroadcast && other.root != first.root)) {
+      return Status::comm_error(
+          fmt::format("collective #{}: ranks disagree: rank 0 issued {}, rank {} issued {}",
+                      sequence, describe_call(first), r, describe_call(other)));
+    }
+  }
+  return Status::ok();
+}
+
+template <typename Pred, typename Describe>
+bool LocalGroup::wait_or_fail(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
+                              Pred pred, Describe describe_missing) {
+  const bool ready =
+      wait_until_or_forever(cv_, lock, timeout, [&] { return pred() || !error_.is_ok(); });
+  if (!ready) fail_locked(Status::timeout(describe_missing()));
+  return error_.is_ok();
+}
+
+void LocalGroup::compute(int rank, const Slot& slot, const Collective& op, int phase) {
+  const std::size_t element_bytes = dtype_bytes(op.dtype);
+  const std::size_t chunk_bytes = op.element_count * element_bytes;
+  auto* recv = static_cast<std::byte*>(op.recv);
+  std::vector<const std::byte*> sends(static_cast<std::size_t>(world_size_));
+  for (int r = 0; r < world_size_; ++r) {
+    sends[static_cast<std::size_t>(r)] =
+        static_cast<const std::byte*>(slot.ops[static_cast<std::size_t>(r)].send);
+  }
+  switch (op.kind) {
+    case CollectiveKind::kAllGather:
+      for (int r = 0; r < world_size_; ++r) {
+        std::byte* dst = recv + static_cast<std::size_t>(r) * chunk_bytes;
+        const std::byte* src = sends[static_cast<std::size_t>(r)];
+        if (dst != src && chunk_bytes != 0) std::memcpy(dst, src, chunk_bytes);
+      }
+      return;
+    case CollectiveKind::kReduceScatter:
+      reduce_range(sends, static_cast<std::size_t>(rank) * op.element_count, recv, 0,
+                   op.element_count, op.dtype, op.op);
+      return;
+    case CollectiveKind::kBroadcast: {
+      const std::byte* src = sends[static_cast<std::size_t>(op.root)];
+      if (src != recv && chunk_bytes != 0) std::memcpy(recv, src, chunk_bytes);
+      return;
+    }
+    case CollectiveKind::kAllReduce: {
+      auto* result = const_cast<std::byte*>(slot.result.data());
+      if (phase == 0) {
+        // This rank's share of the result: elements [first, first + count).
+        const std::size_t share = (op.element_count + static_cast<std::size_t>(world_size_) - 1) /
+                                  static_cast<std::size_t>(world_size_);
+        const std::size_t first =
+            std::min(op.element_count, static_cast<std::size_t>(rank) * share);
+        const std::size_t count = std::min(share, op.element_count - first);
+        reduce_range(sends, first, result, first, count, op.dtype, op.op);
+      } else if (chunk_bytes != 0) {
+        std::memcpy(recv, result, chunk_bytes);
+      }
+      return;
+    }
+  }
+}
+
+Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
+  const std::string label = describe(op, sequence);
+  const auto urank = static_cast<std::size_t>(rank);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!error_.is_ok()) return error_for(label, rank);
+  Slot& slot = slots_[sequence];
+  if (slot.ops.empty()) {
+    slot.ops.resize(static_cast<std::size_t>(world_size_));
+    slot.names.resize(static_cast<std::size_t>(world_size_));
+    slot.arrived.assign(static_cast<std::size_t>(world_size_), 0);
+  }
+  slot.names[urank] = std::string(op.name);
+  slot.ops[urank] = op;
+  slot.ops[urank].name = slot.names[urank];
+  slot.arrived[urank] = 1;
+  if (++slot.arrived_count == world_size_) {
+    Status agreement = check_agreement(slot, sequence);
+    if (!agreement.is_ok()) {
+      fail_locked(std::move(agreement));
+    } else if (op.kind == CollectiveKind::kAllReduce) {
+      slot.result.resize(op.element_count * dtype_bytes(op.dtype));
+    }
+    cv_.notify_all();
+  }
+
+  // Leaves the slot once nobody reads shared buffers any more (reading is plain computation,
+  // so this wait is short and bounded), and drops it when the last rank leaves.
+  auto leave = [&]() {
+    cv_.wait(lock, [&] { return slot.readers == 0; });
+    if (++slot.departed_count == world_size_) slots_.erase(sequence);
+  };
+  auto missing = [&](auto&& counted, std::string_view what) {
+    return [&, counted, what]() {
+      std::vector<int> ranks;
+      for (int r = 0; r < world_size_; ++r) {
+        if (!counted(r)) ranks.push_back(r);
+      }
+      return fmt::format("{}: local rank {} of {} waited {} ms for rank(s) {} to {}", label, rank,
+                         world_size_, timeout_.count(), rank_list(ranks), what);
+    };
+  };
+
+  if (!wait_or_fail(
+          lock, timeout_, [&] { return slot.arrived_count == world_size_; },
+          missing([&](int r) { return slot.arrived[static_cast<std::size_t>(r)] != 0; },
+                  "arrive"))) {
+    leave();
+    return error_for(label, rank);
+  }
+
+  ++slot.readers;
+  lock.unlock();
+  compute(rank, slot, op, 0);
+  lock.lock();
+  --slot.readers;
+  cv_.notify_all();
+
+  if (op.kind == CollectiveKind::kAllReduce) {
+    ++slot.reduced_count;
+    cv_.notify_all();
+    if (!wait_or_fail(
+            lock, timeout_, [&] { return slot.reduced_count == world_size_; },
+            [&] {
+              return fmt::format("{}: local rank {} of {} waited {} ms for the others' reductions",
+                                 label, rank, world_size_, timeout_.count());
+            })) {
+      leave();
+      return error_for(label, rank);
+    }
+    ++slot.readers;
+    lock.unlock();
+    compute(rank, slot, op, 1);
+    lock.lock();
+    --slot.readers;
+    cv_.notify_all();
+  }
+
+  ++slot.done_count;
+  cv_.notify_all();
+  const bool ok = wait_or_fail(
+      lock, timeout_, [&] { return slot.done_count == world_size_; },
+      [&] {
+        return fmt::format("{}: local rank {} of {} waited {} ms for the others to finish", label,
+                           rank, world_size_, timeout_.count());
+      });
+  leave();
+  return ok ? Status::ok() : error_for(label, rank);
+}
+
+Status LocalGroup::barrier(int rank, std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (!error_.is_ok()) return error_for("barrier", rank);
+  const std::uint64_t generation = barrier_generation_;
+  if (++barrier_arrived_ == world_size_) {
+    barrier_arrived_ = 0;
+    ++barrier_generation_;
+    cv_.notify_all();
+    return Status::ok();
+  }
+  const int arrived = barrier_arrived_;
+  if (!wait_or_fail(
+          lock, timeout, [&] { return barrier_generation_ != generation; },
+          [&] {
+            return fmt::format("barrier: local rank {} of {} waited {} ms; {} of {} ranks arrived",
+                               rank, world_size_, timeout.count(), arrived, world_size_);
+          })) {
+    return error_for("barrier", rank);
+  }
+  return Status::ok();
+}
+
+// --- LocalComm -----------------------------------------------------------------------------------
+
+LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, Device* device)
+    : group_(std::move(group)),
+      rank_(rank),
+      device_(device),
+      name_(fmt::format("local rank {} of {}", rank, group_->world_size())) {}
+
+Status LocalComm::validate(const Collective& op, std::string_view label) const {
+  const std::size_t world = static_cast<std::size_t>(group_->world_size());
+  const std::size_t element_bytes = dtype_bytes(op.dtype);
+  const std::size_t chunk_bytes = op.element_count * element_bytes;
+  if (op.element_count > std::numeric_limits<std::size_t>::max() / (element_bytes * world)) {
+    return Status::invalid_argument(
+        fmt::format("{} on {}: element_count {} overflows", label, name_, op.element_count));
+  }
+  std::size_t send_bytes = chunk_bytes;
+  std::size_t recv_bytes = chunk_bytes;
+  if (op.kind == CollectiveKind::kAllGather) recv_bytes = chunk_bytes * world;
+  if (op.kind == CollectiveKind::kReduceScatter) send_bytes = chunk_bytes * world;
+  const bool needs_send = op.kind != CollectiveKind::kBroadcast || op.root == rank_;
+  if (op.kind == CollectiveKind::kBroadcast && (op.root < 0 || op.root >= group_->world_size())) {
+    return Status::invalid_argument(fmt::format("{} on {}: root {} is not a rank of {}", label,
+                                                name_, op.root, group_->world_size()));
+  }
+  if (op.element_count == 0) return Status::ok();
+  if ((needs_send && op.send == nullptr) || op.recv == nullptr) {
+    return Status::invalid_argument(fmt::format("{} on {}: null {} buffer for {} elements", label,
+                                                name_, op.recv == nullptr ? "recv" : "send",
+                                                op.element_count));
+  }
+  if (!needs_send) return Status::ok();
+  const auto send = reinterpret_cast<std::uintptr_t>(op.send);
+  const auto recv = reinterpret_cast<std::uintptr_t>(op.recv);
+  if (send < recv + recv_bytes && recv < send + send_bytes) {
+    // Overlap is allowed only in NCCL's in-place forms.
+    const std::size_t own_offset = static_cast<std::size_t>(rank_) * chunk_bytes;
+    const bool in_place =
+        (op.kind == CollectiveKind::kAllGather && send == recv + own_offset) ||
+        (op.kind == CollectiveKind::kReduceScatter && recv == send + own_offset) ||
+        ((op.kind == CollectiveKind::kAllReduce || op.kind == CollectiveKind::kBroadcast) &&
+         send == recv);
+    if (!in_place) {
+      return Status::invalid_argument(fmt::format(
+          "{} on {}: send and recv buffers overlap and are not the in-place form", label, name_));
+    }
+  }
+  return Status::ok();
+}
+
+Status LocalComm::issue(const Collective& op, Stream& stream) {
+  const std::uint64_t sequence = next_sequence_;
+  const std::string label = describe(op, sequence);
+  Status error = group_->error();
+  if (!error.is_ok()) {
+    return Status::aborted(
+        fmt::format("{} on {}: the communicator was aborted: {}", label, name_, error.to_string()));
+  }
+  Status valid = validate(op, label);
+  if (!valid.is_ok()) {
+    group_->fail(valid);
+    return valid;
+  }
+  ++next_sequence_;
+  auto task = std::make_unique<CollectiveTask>();
+  task->group = group_;
+  task->rank = rank_;
+  task->sequence = sequence;
+  task->op = op;
+  task->name = std::string(op.name);
+  Status launched = device_->launch_host_func(stream, &run_collective, task.get());
+  if (!launched.is_ok()) {
+    Status failure = launched.with_context(fmt::format("{} on {}", label, name_));
+    group_->fail(failure);
+    return failure;
+  }
+  (void)task.release();  // run_collective owns it now
+  return Status::ok();
+}
+
+Status LocalComm::group_start() {
+  ++group_depth_;
+  return Status::ok();
+}
+
+Status LocalComm::group_end() {
+  if (group_depth_ == 0) {
+    return Status::failed_precondition(
+        fmt::format("{}: group_end() without a matching group_start()", name_));
+  }
+  --group_depth_;
+  return Status::ok();
+}
+
+Status LocalComm::barrier(std::chrono::milliseconds timeout) {
+  return group_->barrier(rank_, timeout);
+}
+
+Status LocalComm::wait(Event& event, std::chrono::milliseconds timeout) {
+  Status status = device_->synchronize(event, timeout);
+  // A kTimeout may also be the error of a collective before the event (a rank that never
+  // arrived); only an event still not reached means that this wait ran out.
+  Result<bool> reached = device_->query(event);
+  if (status.code() == Code::kTimeout && reached.is_ok() && !*reached) {
+    Status failure = Status::timeout(
+        fmt::format("{}: wait for collectives: not done after {} ms", name_, timeout.count()));
+    group_->fail(failure);
+    return failure;
+  }
+  return status;
+}
+
+void LocalComm::abort(Status reason) {
+  ZINF_ASSERT(!reason.is_ok());
+  group_->fail(std::move(reason));
+}
+
+Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
+    const std::vector<Device*>& devices, const LocalCommOptions& options) {
+  if (devices.empty()) {
+    return Status::invalid_argument("make_local_comm_group: no devices (world size 0)");
+  }
+  if (options.timeout <= std::chrono::milliseconds(0)) {
+    return Status::invalid_argument("LocalCommOptions.timeout must be positive");
+  }
+  for (std::size_t r = 0; r < devices.size(); ++r) {
+    if (devices[r] == nullptr || !devices[r]->host_accessible()) {
+      return Status::invalid_argument(fmt::format(
+          "make_local_comm_group: device of rank {} is {}; LocalComm needs host-accessible device "
+          "memory (HostDevice)",
+          r, devices[r] == nullptr ? "null" : std::string(devices[r]->name())));
+    }
+  }
+  auto group = std::make_shared<LocalGroup>(static_cast<int>(devices.size()), options.timeout);
+  std::vector<std::unique_ptr<Communicator>> comms;
+  comms.reserve(devices.size());
+  for (std::size_t r = 0; r < devices.size(); ++r) {
+    comms.push_back(std::make_unique<LocalComm>(group, static_cast<int>(r), devices[r]));
+  }
+  return comms;
+}
+
+}  // namespace zinf

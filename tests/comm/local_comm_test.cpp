@@ -1,0 +1,593 @@
+// LocalComm against a plain serial computation over ranks, for world sizes 1..5, every dtype and
+// reduction, in and out of place; and its failure modes: ranks that disagree, a rank that never
+// arrives, an abort, bad arguments, a failed stream, a wait past its timeout. Every failure must
+// reach every rank quickly, never hang.
+#include "comm/local_comm.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <limits>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+
+namespace zinf {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+// N HostDevices (with jitter, so that timing differs between ranks and runs) and their LocalComm
+// group; run() drives each rank from its own thread, as a multi-GPU job drives one GPU per
+// process.
+class World {
+ public:
+  explicit World(int world_size, milliseconds timeout = std::chrono::seconds(30),
+                 std::uint64_t seed = 1) {
+    std::vector<Device*> raw;
+    for (int r = 0; r < world_size; ++r) {
+      HostDeviceOptions options;
+      options.ordinal = r;
+      options.jitter_max_us = 100;
+      options.jitter_seed = seed * 131 + static_cast<std::uint64_t>(r);
+      Result<std::unique_ptr<Device>> device = make_host_device(options);
+      EXPECT_TRUE(device.is_ok());
+      devices_.push_back(std::move(device).value());
+      raw.push_back(devices_.back().get());
+    }
+    LocalCommOptions options;
+    options.timeout = timeout;
+    Result<std::vector<std::unique_ptr<Communicator>>> comms = make_local_comm_group(raw, options);
+    EXPECT_TRUE(comms.is_ok()) << comms.status().to_string();
+    comms_ = std::move(comms).value();
+  }
+
+  int world_size() const { return static_cast<int>(devices_.size()); }
+  Device& device(int rank) { return *devices_[static_cast<std::size_t>(rank)]; }
+  Communicator& comm(int rank) { return *comms_[static_cast<std::size_t>(rank)]; }
+
+  // Runs body(rank) on one thread per rank and returns each rank's Status.
+  std::vector<Status> run(const std::function<Status(int)>& body) {
+    std::vector<Status> statuses(devices_.size());
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world_size(); ++r) {
+      threads.emplace_back([&, r] { statuses[static_cast<std::size_t>(r)] = body(r); });
+    }
+    for (auto& thread : threads) thread.join();
+    return statuses;
+  }
+
+ private:
+  std::vector<std::unique_ptr<Device>> devices_;
+  std::vector<std::unique_ptr<Communicator>> comms_;
+};
+
+// Random values of `dtype` as raw bytes, from a seed (never zeros).
+std::vector<std::byte> random_data(std::size_t count, DType dtype, std::uint64_t seed) {
+  std::vector<float> values(count);
+  fill_uniform(values.data(), count, seed, -4.0f, 4.0f);
+  std::vector<std::byte> bytes(count * dtype_bytes(dtype));
+  for (std::size_t i = 0; i < count; ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(bytes.data() + i * 4, &values[i], 4);
+    } else {
+      const std::uint16_t half =
+          dtype == DType::kBF16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
+      std::memcpy(bytes.data() + i * 2, &half, 2);
+    }
+  }
+  return bytes;
+}
+
+float element(const std::vector<std::byte>& data, DType dtype, std::size_t index) {
+  if (dtype == DType::kF32) {
+    float value;
+    std::memcpy(&value, data.data() + index * 4, 4);
+    return value;
+  }
+  std::uint16_t half;
+  std::memcpy(&half, data.data() + index * 2, 2);
+  return dtype == DType::kBF16 ? bf16_to_f32(half) : f16_to_f32(half);
+}
+
+void set_element(std::vector<std::byte>& data, DType dtype, std::size_t index, float value) {
+  if (dtype == DType::kF32) {
+    std::memcpy(data.data() + index * 4, &value, 4);
+    return;
+  }
+  const std::uint16_t half = dtype == DType::kBF16 ? f32_to_bf16(value) : f32_to_f16(value);
+  std::memcpy(data.data() + index * 2, &half, 2);
+}
+
+// The contract written out serially: element by element, ranks in order, f32 accumulation,
+// one rounding at the end.
+std::vector<std::byte> serial_reduce(const std::vector<std::vector<std::byte>>& inputs,
+                                     std::size_t first, std::size_t count, DType dtype,
+                                     ReduceOp op) {
+  std::vector<std::byte> out(count * dtype_bytes(dtype));
+  for (std::size_t i = 0; i < count; ++i) {
+    float acc = element(inputs[0], dtype, first + i);
+    for (std::size_t r = 1; r < inputs.size(); ++r) {
+      const float x = element(inputs[r], dtype, first + i);
+      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) acc = acc + x;
+      if (op == ReduceOp::kMax) acc = (std::isnan(acc) || std::isnan(x)) ? NAN : std::max(acc, x);
+      if (op == ReduceOp::kMin) acc = (std::isnan(acc) || std::isnan(x)) ? NAN : std::min(acc, x);
+    }
+    if (op == ReduceOp::kAverage) acc = acc / static_cast<float>(inputs.size());
+    set_element(out, dtype, i, acc);
+  }
+  return out;
+}
+
+// One rank's device-side scratch for a collective: copies in, runs `issue`, copies out, waits.
+struct RankBuffers {
+  Device& device;
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<Event> done;
+  DeviceBuffer send;
+  DeviceBuffer recv;
+
+  RankBuffers(Device& d, std::size_t send_bytes, std::size_t recv_bytes) : device(d) {
+    stream = std::move(d.create_stream("comm")).value();
+    done = std::move(d.create_event()).value();
+    send = std::move(DeviceBuffer::allocate(d, send_bytes)).value();
+    recv = std::move(DeviceBuffer::allocate(d, recv_bytes)).value();
+  }
+};
+
+const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMax, ReduceOp::kMin};
+
+class LocalCommWorld : public ::testing::TestWithParam<int> {};
+
+TEST_P(LocalCommWorld, AllReduceMatchesTheSerialReferenceBitForBit) {
+  const int world_size = GetParam();
+  World world(world_size, std::chrono::seconds(30), 10 + static_cast<std::uint64_t>(world_size));
+  const std::size_t count = 1037;  // divisible by no world size here but 1
+  std::uint64_t seed = 1000;
+  for (DType dtype : kDTypes) {
+    for (ReduceOp op : kOps) {
+      for (bool in_place : {false, true}) {
+        std::vector<std::vector<std::byte>> inputs;
+        for (int r = 0; r < world_size; ++r) inputs.push_back(random_data(count, dtype, ++seed));
+        const std::vector<std::byte> expected = serial_reduce(inputs, 0, count, dtype, op);
+        const std::size_t bytes = count * dtype_bytes(dtype);
+        std::vector<std::vector<std::byte>> outputs(static_cast<std::size_t>(world_size),
+                                                    std::vector<std::byte>(bytes));
+        std::vector<Status> statuses = world.run([&](int rank) -> Status {
+          Device& device = world.device(rank);
+          RankBuffers b(device, bytes, bytes);
+          void* recv = in_place ? b.send.data() : b.recv.data();
+          ZINF_RETURN_IF_ERROR(device.copy_h2d(
+              b.send.data(), inputs[static_cast<std::size_t>(rank)].data(), bytes, *b.stream));
+          ZINF_RETURN_IF_ERROR(world.comm(rank).all_reduce(b.send.data(), recv, count, dtype, op,
+                                                           *b.stream, "grads"));
+          ZINF_RETURN_IF_ERROR(device.copy_d2h(outputs[static_cast<std::size_t>(rank)].data(), recv,
+                                               bytes, *b.stream));
+          ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+          return world.comm(rank).wait(*b.done, std::chrono::seconds(30));
+        });
+        for (int r = 0; r < world_size; ++r) {
+          ASSERT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
+              << statuses[static_cast<std::size_t>(r)].to_string();
+          ASSERT_EQ(outputs[static_cast<std::size_t>(r)], expected)
+              << "rank " << r << " dtype " << dtype_name(dtype) << " op " << reduce_op_name(op)
+              << " in_place " << in_place;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(LocalCommWorld, ReduceScatterGivesEachRankItsReducedChunk) {
+  const int world_size = GetParam();
+  World world(world_size, std::chrono::seconds(30), 20 + static_cast<std::uint64_t>(world_size));
+  const std::size_t chunk = 517;
+  std::uint64_t seed = 2000;
+  for (DType dtype : kDTypes) {
+    for (ReduceOp op : {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMax}) {
+      for (bool in_place : {false, true}) {
+        const std::size_t total = chunk * static_cast<std::size_t>(world_size);
+        const std::size_t element_bytes = dtype_bytes(dtype);
+        std::vector<std::vector<std::byte>> inputs;
+        for (int r = 0; r < world_size; ++r) inputs.push_back(random_data(total, dtype, ++seed));
+        std::vector<std::vector<std::byte>> outputs(static_cast<std::size_t>(world_size),
+                                                    std::vector<std::byte>(chunk * element_bytes));
+        std::vector<Status> statuses = world.run([&](int rank) -> Status {
+          Device& device = world.device(rank);
+          RankBuffers b(device, total * element_bytes, chunk * element_bytes);
+          void* recv = in_place ? b.send.as<std::byte>() +
+                                      static_cast<std::size_t>(rank) * chunk * element_bytes
+                                : b.recv.data();
+          ZINF_RETURN_IF_ERROR(device.copy_h2d(b.send.data(),
+                                               inputs[static_cast<std::size_t>(rank)].data(),
+                                               total * element_bytes, *b.stream));
+          ZINF_RETURN_IF_ERROR(world.comm(rank).reduce_scatter(b.send.data(), recv, chunk, dtype,
+                                                               op, *b.stream, "bucket"));
+          ZINF_RETURN_IF_ERROR(device.copy_d2h(outputs[static_cast<std::size_t>(rank)].data(), recv,
+                                               chunk * element_bytes, *b.stream));
+          ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+          return world.comm(rank).wait(*b.done);
+        });
+        for (int r = 0; r < world_size; ++r) {
+          ASSERT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
+              << statuses[static_cast<std::size_t>(r)].to_string();
+          const std::vector<std::byte> expected =
+              serial_reduce(inputs, static_cast<std::size_t>(r) * chunk, chunk, dtype, op);
+          ASSERT_EQ(outputs[static_cast<std::size_t>(r)], expected)
+              << "rank " << r << " dtype " << dtype_name(dtype) << " op " << reduce_op_name(op)
+              << " in_place " << in_place;
+        }
+      }
+    }
+  }
+}
+
+TEST_P(LocalCommWorld, AllGatherAndBroadcastCopyEveryRanksData) {
+  const int world_size = GetParam();
+  World world(world_size, std::chrono::seconds(30), 30 + static_cast<std::uint64_t>(world_size));
+  const std::size_t chunk = 333;
+  std::uint64_t seed = 3000;
+  for (DType dtype : kDTypes) {
+    for (bool in_place : {false, true}) {
+      const std::size_t element_bytes = dtype_bytes(dtype);
+      const std::size_t chunk_bytes = chunk * element_bytes;
+      const std::size_t total_bytes = chunk_bytes * static_cast<std::size_t>(world_size);
+      std::vector<std::vector<std::byte>> inputs;
+      for (int r = 0; r < world_size; ++r) inputs.push_back(random_data(chunk, dtype, ++seed));
+      const int root = world_size - 1;
+      std::vector<std::vector<std::byte>> gathered(static_cast<std::size_t>(world_size),
+                                                   std::vector<std::byte>(total_bytes));
+      std::vector<std::vector<std::byte>> broadcast(static_cast<std::size_t>(world_size),
+                                                    std::vector<std::byte>(chunk_bytes));
+      std::vector<Status> statuses = world.run([&](int rank) -> Status {
+        Device& device = world.device(rank);
+        Communicator& comm = world.comm(rank);
+        const auto urank = static_cast<std::size_t>(rank);
+        RankBuffers b(device, chunk_bytes, total_bytes);
+        const void* send = b.send.data();
+        if (in_place) send = b.recv.as<std::byte>() + urank * chunk_bytes;
+        ZINF_RETURN_IF_ERROR(
+            device.copy_h2d(const_cast<void*>(send), inputs[urank].data(), chunk_bytes, *b.stream));
+        ZINF_RETURN_IF_ERROR(comm.all_gather(send, b.recv.data(), chunk, dtype, *b.stream));
+        ZINF_RETURN_IF_ERROR(
+            device.copy_d2h(gathered[urank].data(), b.recv.data(), total_bytes, *b.stream));
+        // Broadcast the root's chunk, in place into `send` when asked.
+        ZINF_RETURN_IF_ERROR(
+            device.copy_h2d(b.send.data(), inputs[urank].data(), chunk_bytes, *b.stream));
+        void* recv = in_place ? b.send.data() : b.recv.data();
+        ZINF_RETURN_IF_ERROR(
+            comm.broadcast(b.send.data(), recv, chunk, dtype, root, *b.stream, "weights"));
+        ZINF_RETURN_IF_ERROR(
+            device.copy_d2h(broadcast[urank].data(), recv, chunk_bytes, *b.stream));
+        ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+        return comm.wait(*b.done);
+      });
+      std::vector<std::byte> expected;
+      for (const auto& input : inputs) expected.insert(expected.end(), input.begin(), input.end());
+      for (int r = 0; r < world_size; ++r) {
+        ASSERT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
+            << statuses[static_cast<std::size_t>(r)].to_string();
+        EXPECT_EQ(gathered[static_cast<std::size_t>(r)], expected) << "rank " << r;
+        EXPECT_EQ(broadcast[static_cast<std::size_t>(r)], inputs[static_cast<std::size_t>(root)])
+            << "rank " << r;
+      }
+    }
+  }
+}
+
+// Twenty collectives issued back to back, alternating between two streams per rank, complete in
+// any interleaving the jitter produces and each still matches its own reference.
+TEST_P(LocalCommWorld, ManyCollectivesOnTwoStreamsStayMatched) {
+  const int world_size = GetParam();
+  World world(world_size, std::chrono::seconds(30), 40 + static_cast<std::uint64_t>(world_size));
+  constexpr int kCalls = 20;
+  const std::size_t count = 257;
+  std::vector<std::vector<std::vector<std::byte>>> inputs(kCalls);
+  for (int c = 0; c < kCalls; ++c) {
+    for (int r = 0; r < world_size; ++r) {
+      inputs[static_cast<std::size_t>(c)].push_back(
+          random_data(count, DType::kF32, 5000 + static_cast<std::uint64_t>(c * 16 + r)));
+    }
+  }
+  std::vector<std::vector<std::vector<std::byte>>> outputs(
+      kCalls, std::vector<std::vector<std::byte>>(static_cast<std::size_t>(world_size),
+                                                  std::vector<std::byte>(count * 4)));
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    Device& device = world.device(rank);
+    Communicator& comm = world.comm(rank);
+    const auto urank = static_cast<std::size_t>(rank);
+    auto a = std::move(device.create_stream("a")).value();
+    auto b = std::move(device.create_stream("b")).value();
+    auto a_done = std::move(device.create_event()).value();
+    auto b_done = std::move(device.create_event()).value();
+    std::vector<DeviceBuffer> buffers;
+    for (int c = 0; c < kCalls; ++c) {
+      buffers.push_back(std::move(DeviceBuffer::allocate(device, count * 4)).value());
+    }
+    ZINF_RETURN_IF_ERROR(comm.group_start());
+    for (int c = 0; c < kCalls; ++c) {
+      const auto uc = static_cast<std::size_t>(c);
+      Stream& stream = (c % 2 == 0) ? *a : *b;
+      ZINF_RETURN_IF_ERROR(
+          device.copy_h2d(buffers[uc].data(), inputs[uc][urank].data(), count * 4, stream));
+      ZINF_RETURN_IF_ERROR(comm.all_reduce(buffers[uc].data(), buffers[uc].data(), count,
+                                           DType::kF32, ReduceOp::kSum, stream));
+      ZINF_RETURN_IF_ERROR(
+          device.copy_d2h(outputs[uc][urank].data(), buffers[uc].data(), count * 4, stream));
+    }
+    ZINF_RETURN_IF_ERROR(comm.group_end());
+    ZINF_RETURN_IF_ERROR(device.record(*a_done, *a));
+    ZINF_RETURN_IF_ERROR(device.record(*b_done, *b));
+    ZINF_RETURN_IF_ERROR(comm.wait(*a_done));
+    return comm.wait(*b_done);
+  });
+  for (int r = 0; r < world_size; ++r) {
+    ASSERT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
+        << statuses[static_cast<std::size_t>(r)].to_string();
+  }
+  for (int c = 0; c < kCalls; ++c) {
+    const auto uc = static_cast<std::size_t>(c);
+    const std::vector<std::byte> expected =
+        serial_reduce(inputs[uc], 0, count, DType::kF32, ReduceOp::kSum);
+    for (int r = 0; r < world_size; ++r) {
+      ASSERT_EQ(outputs[uc][static_cast<std::size_t>(r)], expected)
+          << "call " << c << " rank " << r;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, LocalCommWorld, ::testing::Values(1, 2, 3, 4, 5));
+
+TEST(LocalComm, MaxAndMinPropagateNaN) {
+  World world(3);
+  const std::size_t count = 64;
+  std::vector<std::vector<float>> results(3, std::vector<float>(count));
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    Device& device = world.device(rank);
+    RankBuffers b(device, count * 4, count * 4);
+    std::vector<float> input(count);
+    fill_uniform(input.data(), count, 77 + static_cast<std::uint64_t>(rank));
+    if (rank == 1) input[5] = NAN;  // an overflow marker on one rank
+    ZINF_RETURN_IF_ERROR(device.copy_h2d(b.send.data(), input.data(), count * 4, *b.stream));
+    ZINF_RETURN_IF_ERROR(world.comm(rank).all_reduce(b.send.data(), b.recv.data(), count,
+                                                     DType::kF32, ReduceOp::kMax, *b.stream));
+    ZINF_RETURN_IF_ERROR(world.comm(rank).all_reduce(b.send.data(), b.send.data(), count,
+                                                     DType::kF32, ReduceOp::kMin, *b.stream));
+    ZINF_RETURN_IF_ERROR(device.synchronize(*b.stream));
+    for (std::size_t i = 0; i < count; ++i) {
+      const float mx = b.recv.as<float>()[i];
+      const float mn = b.send.as<float>()[i];
+      if ((i == 5) != std::isnan(mx) || (i == 5) != std::isnan(mn)) {
+        return Status::internal("NaN not propagated at " + std::to_string(i));
+      }
+      if (i != 5 && !(mn <= mx)) return Status::internal("min > max");
+    }
+    return Status::ok();
+  });
+  for (const Status& s : statuses) EXPECT_TRUE(s.is_ok()) << s.to_string();
+}
+
+// --- Failures --------------------------------------------------------------------------------
+
+// Issues one all_reduce of `count` elements on `rank` and waits for it.
+Status one_all_reduce(World& world, int rank, std::size_t count, std::string_view name) {
+  Device& device = world.device(rank);
+  RankBuffers b(device, 4096 * 4, 4096 * 4);
+  ZINF_RETURN_IF_ERROR(world.comm(rank).all_reduce(b.send.data(), b.recv.data(), count, DType::kF32,
+                                                   ReduceOp::kSum, *b.stream, name));
+  ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+  return world.comm(rank).wait(*b.done, std::chrono::seconds(30));
+}
+
+TEST(LocalComm, RanksThatDisagreeFailEveryRankNamingTheCollective) {
+  World world(4);
+  std::vector<Status> statuses = world.run([&](int rank) {
+    return one_all_reduce(world, rank, rank == 1 ? 101 : 100, "grads.bucket7");
+  });
+  for (int r = 0; r < 4; ++r) {
+    const Status& s = statuses[static_cast<std::size_t>(r)];
+    EXPECT_EQ(s.code(), Code::kCommError) << s.to_string();
+    EXPECT_NE(s.message().find("ranks disagree"), std::string_view::npos) << s.to_string();
+    EXPECT_NE(s.message().find("rank 1 issued all_reduce of 101 f32"), std::string_view::npos)
+        << s.to_string();
+    EXPECT_NE(s.message().find("grads.bucket7"), std::string_view::npos) << s.to_string();
+  }
+  // Sticky: the next call on any rank is refused with the first error.
+  Status later = one_all_reduce(world, 2, 100, "next");
+  EXPECT_EQ(later.code(), Code::kAborted);
+  EXPECT_NE(later.message().find("ranks disagree"), std::string_view::npos) << later.to_string();
+  EXPECT_EQ(world.comm(0).status().code(), Code::kCommError);
+}
+
+TEST(LocalComm, ARankThatNeverArrivesTimesOutOnEveryRank) {
+  World world(3, milliseconds(200));
+  const auto start = Clock::now();
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    if (rank == 2) return Status::ok();  // this rank skips the collective
+    return one_all_reduce(world, rank, 100, "params.layer3");
+  });
+  const auto elapsed = Clock::now() - start;
+  for (int r = 0; r < 2; ++r) {
+    const Status& s = statuses[static_cast<std::size_t>(r)];
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+    EXPECT_NE(s.message().find("rank(s) 2 to arrive"), std::string_view::npos) << s.to_string();
+    EXPECT_NE(s.message().find("params.layer3"), std::string_view::npos) << s.to_string();
+  }
+  EXPECT_LT(elapsed, std::chrono::seconds(5));
+  // The late rank is refused at once instead of waiting for ranks that gave up.
+  EXPECT_EQ(one_all_reduce(world, 2, 100, "params.layer3").code(), Code::kAborted);
+}
+
+TEST(LocalComm, AbortOnOneRankFailsTheOthersPromptly) {
+  World world(4);  // 30 s timeout: only the abort can end this quickly
+  const auto start = Clock::now();
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    if (rank == 1) {
+      std::this_thread::sleep_for(milliseconds(20));
+      world.comm(rank).abort(Status::device_error("rank 1 lost its device"));
+      return Status::ok();
+    }
+    return one_all_reduce(world, rank, 100, "x");
+  });
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  for (int r : {0, 2, 3}) {
+    const Status& s = statuses[static_cast<std::size_t>(r)];
+    EXPECT_EQ(s.code(), Code::kDeviceError) << s.to_string();
+    EXPECT_NE(s.message().find("rank 1 lost its device"), std::string_view::npos) << s.to_string();
+  }
+}
+
+TEST(LocalComm, BadArgumentsOnOneRankFailEveryRankPromptly) {
+  struct Case {
+    const char* what;
+    std::function<Status(Communicator&, Device&, RankBuffers&)> bad_call;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {"null recv",
+       [](Communicator& c, Device&, RankBuffers& b) {
+         return c.all_reduce(b.send.data(), nullptr, 100, DType::kF32, ReduceOp::kSum, *b.stream,
+                             "w");
+       },
+       "null recv"},
+      {"root out of range",
+       [](Communicator& c, Device&, RankBuffers& b) {
+         return c.broadcast(b.send.data(), b.recv.data(), 100, DType::kF32, 9, *b.stream, "w");
+       },
+       "root 9"},
+      {"overlap not in place",
+       [](Communicator& c, Device&, RankBuffers& b) {
+         return c.all_reduce(b.send.data(), b.send.as<float>() + 1, 100, DType::kF32,
+                             ReduceOp::kSum, *b.stream, "w");
+       },
+       "overlap"},
+  };
+  for (const Case& c : cases) {
+    World world(3);
+    const auto start = Clock::now();
+    std::vector<Status> statuses = world.run([&](int rank) -> Status {
+      if (rank != 0) return one_all_reduce(world, rank, 100, "w");
+      Device& device = world.device(rank);
+      RankBuffers b(device, 4096, 4096);
+      return c.bad_call(world.comm(rank), device, b);
+    });
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(5)) << c.what;
+    EXPECT_EQ(statuses[0].code(), Code::kInvalidArgument) << c.what;
+    for (int r = 0; r < 3; ++r) {
+      // The others fail in their collective, or are refused as they issue it if rank 0 failed
+      // first; either way with rank 0's reason.
+      const Status& s = statuses[static_cast<std::size_t>(r)];
+      EXPECT_TRUE(s.code() == Code::kInvalidArgument || s.code() == Code::kAborted)
+          << c.what << ": " << s.to_string();
+      EXPECT_NE(s.message().find(c.expected), std::string_view::npos)
+          << c.what << ": " << s.to_string();
+    }
+  }
+}
+
+TEST(LocalComm, AFailedStreamOnOneRankFailsTheCollectiveEverywhere) {
+  World world(3);
+  const auto start = Clock::now();
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    Device& device = world.device(rank);
+    RankBuffers b(device, 4096, 4096);
+    if (rank == 0) {
+      ZINF_RETURN_IF_ERROR(device.launch_host(
+          *b.stream, [] { return Status::io_error("read of grads shard failed"); }));
+    }
+    ZINF_RETURN_IF_ERROR(world.comm(rank).all_reduce(b.send.data(), b.recv.data(), 100, DType::kF32,
+                                                     ReduceOp::kSum, *b.stream));
+    ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+    return world.comm(rank).wait(*b.done);
+  });
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  for (const Status& s : statuses) {
+    EXPECT_EQ(s.code(), Code::kIoError) << s.to_string();
+    EXPECT_NE(s.message().find("read of grads shard failed"), std::string_view::npos)
+        << s.to_string();
+  }
+}
+
+TEST(LocalComm, WaitPastItsTimeoutAbortsTheGroup) {
+  World world(2);
+  std::atomic<bool> release{false};
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    Device& device = world.device(rank);
+    RankBuffers b(device, 4096, 4096);
+    if (rank == 0) {
+      ZINF_RETURN_IF_ERROR(device.launch_host(*b.stream, [&release] {
+        while (!release.load()) std::this_thread::yield();
+        return Status::ok();
+      }));
+    }
+    ZINF_RETURN_IF_ERROR(world.comm(rank).all_reduce(b.send.data(), b.recv.data(), 100, DType::kF32,
+                                                     ReduceOp::kSum, *b.stream));
+    ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+    Status s = world.comm(rank).wait(*b.done, milliseconds(rank == 0 ? 50 : 30000));
+    if (rank == 0) release = true;  // let the stream finish so that it can be destroyed
+    return s;
+  });
+  EXPECT_EQ(statuses[0].code(), Code::kTimeout) << statuses[0].to_string();
+  EXPECT_NE(statuses[0].message().find("not done after 50 ms"), std::string_view::npos);
+  EXPECT_EQ(statuses[1].code(), Code::kTimeout) << statuses[1].to_string();
+}
+
+TEST(LocalComm, BarrierWaitsForEveryRankOrTimesOut) {
+  World world(4);
+  std::atomic<int> before{0};
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    std::this_thread::sleep_for(milliseconds(5 * rank));
+    ++before;
+    ZINF_RETURN_IF_ERROR(world.comm(rank).barrier(std::chrono::seconds(30)));
+    if (before.load() != 4) return Status::internal("left the barrier before all arrived");
+    return world.comm(rank).barrier(std::chrono::seconds(30));
+  });
+  for (const Status& s : statuses) EXPECT_TRUE(s.is_ok()) << s.to_string();
+
+  World partial(3);
+  statuses = partial.run([&](int rank) -> Status {
+    if (rank == 0) return Status::ok();
+    return partial.comm(rank).barrier(milliseconds(100));
+  });
+  for (int r : {1, 2}) {
+    const Status& s = statuses[static_cast<std::size_t>(r)];
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+    EXPECT_NE(s.message().find("barrier"), std::string_view::npos) << s.to_string();
+  }
+}
+
+TEST(LocalComm, GroupCallsNestAndMustMatch) {
+  World world(1);
+  Communicator& comm = world.comm(0);
+  EXPECT_EQ(comm.group_end().code(), Code::kFailedPrecondition);
+  EXPECT_TRUE(comm.group_start().is_ok());
+  EXPECT_TRUE(comm.group_start().is_ok());
+  EXPECT_TRUE(comm.group_end().is_ok());
+  EXPECT_TRUE(comm.group_end().is_ok());
+  EXPECT_EQ(comm.rank(), 0);
+  EXPECT_EQ(comm.world_size(), 1);
+  EXPECT_EQ(comm.name(), "local rank 0 of 1");
+}
+
+TEST(LocalComm, FactoryRejectsBadDevicesAndOptions) {
+  EXPECT_EQ(make_local_comm_group({}).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ(make_local_comm_group({nullptr}).status().code(), Code::kInvalidArgument);
+  auto device = std::move(make_host_device()).value();
+  LocalCommOptions options;
+  options.timeout = milliseconds(0);
+  EXPECT_EQ(make_local_comm_group({device.get()}, options).status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace zinf
