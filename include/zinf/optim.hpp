@@ -54,23 +54,27 @@ enum class OptimizerKind : std::uint8_t { kAdam = 0, kAdamW = 1, kAdagrad = 2, k
 std::string_view optimizer_name(OptimizerKind kind);
 bool parse_optimizer(std::string_view text, OptimizerKind* kind);
 
-// Hyper-parameters. Defaults are torch.optim.AdamW's; set the torch defaults of the other
-// optimizers yourself (Adagrad: lr 1e-2, eps 1e-10; Lion: lr 1e-4, beta2 0.99).
+// Hyper-parameters, in double like torch's Python floats: each per-call constant (1 - beta1,
+// lr / (1 - beta1^t), 1 - lr * weight_decay, ...) is computed in double and rounded to float
+// once, as torch does when it applies a Python scalar to a float tensor. (With float fields,
+// 1.0f - 0.999f would be 1.3e-5 away from torch's 0.001.) Defaults are torch.optim.AdamW's; set
+// the torch defaults of the other optimizers yourself (Adagrad: lr 1e-2, eps 1e-10; Lion: lr
+// 1e-4, beta2 0.99).
 struct OptimizerParams {
   OptimizerKind kind = OptimizerKind::kAdamW;
-  float lr = 1e-3f;
+  double lr = 1e-3;
   // Adam/AdamW: decay of the first moment. Lion: interpolation weight of the update direction.
-  float beta1 = 0.9f;
+  double beta1 = 0.9;
   // Adam/AdamW: decay of the second moment. Lion: decay of the momentum.
-  float beta2 = 0.999f;
+  double beta2 = 0.999;
   // Adam/AdamW/Adagrad: added to the denominator.
-  float eps = 1e-8f;
+  double eps = 1e-8;
   // Adam and Adagrad: L2 (added to the gradient); AdamW and Lion: decoupled (shrinks p).
-  float weight_decay = 1e-2f;
+  double weight_decay = 1e-2;
   // Adam/AdamW only.
   bool bias_correction = true;
   // Adagrad only.
-  float lr_decay = 0.0f;
+  double lr_decay = 0.0;
 };
 
 // Which instruction set runs the kernel.

@@ -30,7 +30,7 @@ namespace zinf::optim {
 struct KernelArgs {
   OptimizerKind kind = OptimizerKind::kAdamW;
   float beta1 = 0, beta2 = 0;
-  float omb1 = 0, omb2 = 0;  // 1 - beta1, 1 - beta2 (exact in float for beta in [0.5, 1))
+  float omb1 = 0, omb2 = 0;  // 1 - beta1, 1 - beta2, computed in double
   float step_size = 0;       // Adam: lr / (1 - beta1^t); Adagrad: clr; Lion: lr
   float inv_sqrt_bc2 = 1;    // Adam: 1 / sqrt(1 - beta2^t)
   float eps = 0;

@@ -113,7 +113,7 @@ namespace {
 
 constexpr std::size_t kDefaultTileElements = 16 * 1024;
 
-bool finite_nonnegative(float x) { return std::isfinite(x) && x >= 0.0f; }
+bool finite_nonnegative(double x) { return std::isfinite(x) && x >= 0.0; }
 
 Status validate(const OptimizerParams& params, const OptimizerSpan& span,
                 const StepOptions& options) {
@@ -136,8 +136,8 @@ Status validate(const OptimizerParams& params, const OptimizerSpan& span,
         fmt::format("{}: lr_decay = {} (must be finite, >= 0)", name, params.lr_decay));
   }
   if (params.kind != OptimizerKind::kAdagrad) {
-    for (float beta : {params.beta1, params.beta2}) {
-      if (!(beta >= 0.0f && beta < 1.0f)) {
+    for (double beta : {params.beta1, params.beta2}) {
+      if (!(beta >= 0.0 && beta < 1.0)) {
         return Status::invalid_argument(fmt::format("{}: betas = ({}, {}) (each must be in [0, 1))",
                                                     name, params.beta1, params.beta2));
       }
@@ -175,13 +175,15 @@ Status validate(const OptimizerParams& params, const OptimizerSpan& span,
 }
 
 optim::KernelArgs make_args(const OptimizerParams& params, const StepOptions& options) {
+  // Every constant is computed in double and rounded to float once.
+  auto f = [](double x) { return static_cast<float>(x); };
   optim::KernelArgs a;
   a.kind = params.kind;
-  a.beta1 = params.beta1;
-  a.beta2 = params.beta2;
-  a.omb1 = 1.0f - params.beta1;
-  a.omb2 = 1.0f - params.beta2;
-  a.eps = params.eps;
+  a.beta1 = f(params.beta1);
+  a.beta2 = f(params.beta2);
+  a.omb1 = f(1.0 - params.beta1);
+  a.omb2 = f(1.0 - params.beta2);
+  a.eps = f(params.eps);
   a.grad_scale = options.grad_scale;
   const double lr = params.lr;
   const double wd = params.weight_decay;
@@ -192,29 +194,29 @@ optim::KernelArgs make_args(const OptimizerParams& params, const StepOptions& op
       double step_size = lr;
       double inv_sqrt_bc2 = 1.0;
       if (params.bias_correction) {
-        step_size = lr / (1.0 - std::pow(static_cast<double>(params.beta1), t));
-        inv_sqrt_bc2 = 1.0 / std::sqrt(1.0 - std::pow(static_cast<double>(params.beta2), t));
+        step_size = lr / (1.0 - std::pow(params.beta1, t));
+        inv_sqrt_bc2 = 1.0 / std::sqrt(1.0 - std::pow(params.beta2, t));
       }
-      a.step_size = static_cast<float>(step_size);
-      a.inv_sqrt_bc2 = static_cast<float>(inv_sqrt_bc2);
+      a.step_size = f(step_size);
+      a.inv_sqrt_bc2 = f(inv_sqrt_bc2);
       if (params.kind == OptimizerKind::kAdam) {
         a.has_l2 = wd != 0.0;
-        a.l2 = params.weight_decay;
+        a.l2 = f(wd);
       } else {
         a.has_decay = wd != 0.0;
-        a.decay = static_cast<float>(1.0 - lr * wd);
+        a.decay = f(1.0 - lr * wd);
       }
       break;
     }
     case OptimizerKind::kAdagrad:
-      a.step_size = static_cast<float>(lr / (1.0 + (t - 1.0) * params.lr_decay));
+      a.step_size = f(lr / (1.0 + (t - 1.0) * params.lr_decay));
       a.has_l2 = wd != 0.0;
-      a.l2 = params.weight_decay;
+      a.l2 = f(wd);
       break;
     case OptimizerKind::kLion:
-      a.step_size = params.lr;
+      a.step_size = f(lr);
       a.has_decay = wd != 0.0;
-      a.decay = static_cast<float>(1.0 - lr * wd);
+      a.decay = f(1.0 - lr * wd);
       break;
   }
   return a;

@@ -51,13 +51,13 @@ std::vector<Case> make_cases(OptimizerKind kind, DType grad_dtype, std::uint64_t
       Case c;
       c.hp.kind = kind;
       // Large rates and decays in some cases, so a wrong constant shows above the tolerance.
-      c.hp.lr = (index % 2 ? 0.1f : 1.0f) * (kind == OptimizerKind::kLion ? 1e-4f : 1e-3f);
-      if (index % 4 == 1) c.hp.lr = 0.1f;
-      c.hp.beta2 = kind == OptimizerKind::kLion ? 0.99f : 0.999f;
-      c.hp.eps = kind == OptimizerKind::kAdagrad ? 1e-10f : 1e-8f;
-      c.hp.weight_decay = (index % 3 == 2) ? 0.0f : (index % 3 == 1 ? 0.5f : 0.01f);
+      c.hp.lr = (index % 2 ? 0.1 : 1.0) * (kind == OptimizerKind::kLion ? 1e-4 : 1e-3);
+      if (index % 4 == 1) c.hp.lr = 0.1;
+      c.hp.beta2 = kind == OptimizerKind::kLion ? 0.99 : 0.999;
+      c.hp.eps = kind == OptimizerKind::kAdagrad ? 1e-10 : 1e-8;
+      c.hp.weight_decay = (index % 3 == 2) ? 0.0 : (index % 3 == 1 ? 0.5 : 0.01);
       c.hp.bias_correction = index % 4 != 3;
-      c.hp.lr_decay = kind == OptimizerKind::kAdagrad && index % 2 ? 0.01f : 0.0f;
+      c.hp.lr_decay = kind == OptimizerKind::kAdagrad && index % 2 ? 0.01 : 0.0;
       c.step = steps[rng.next() % 4];
       c.grad_scale = index % 5 == 4 ? 1.0f / 1024.0f : 1.0f;
       c.magnitudes = mag;
@@ -222,8 +222,8 @@ TEST(HalfConversion, UpdateWritesExactRoundingOfSpecialParams) {
       std::vector<float> before(problem.params(), problem.params() + count);
       OptimizerParams hp;
       hp.kind = OptimizerKind::kAdam;
-      hp.lr = 0.0f;
-      hp.weight_decay = 0.0f;
+      hp.lr = 0.0;
+      hp.weight_decay = 0.0;
       OptimizerSpan span = problem.span();
       ASSERT_TRUE(optim::step_with(*path.table, path.simd, hp, span, {}).is_ok());
       for (std::size_t i = 0; i < count; ++i) {
