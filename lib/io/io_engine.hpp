@@ -81,7 +81,7 @@ struct IoOptions {
 
   // Injects faults on every piece when set (tests only). Shared so the test can read its
   // counters while the engine runs.
-  std::shared_ptr<FaultInjector> faults;
+  std::shared_ptr<FaultInjector> faults = nullptr;
 };
 
 // A file opened through the engine. A small value; valid until close_file().

@@ -40,7 +40,7 @@ namespace zinf {
 
 struct SwapOptions {
   // Directories, one swap file each (put each on its own drive to stripe across drives).
-  std::vector<std::string> dirs;
+  std::vector<std::string> dirs = {};
   // Total bytes for extents, split evenly over dirs, preallocated at open.
   std::uint64_t capacity_bytes = 0;
   // Checksum block and stripe unit. A multiple of 4096. Reads and writes of part of an extent

@@ -1,0 +1,228 @@
+// Every injected fault gives its documented Status (lib/io/fault.hpp), never a hang or a crash,
+// and the data of the requests that succeeded is intact. Each test prints its seed.
+#include "io/fault.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "base/random.hpp"
+#include "io_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+using io_test::must_open;
+using io_test::random_buffer;
+using io_test::read_file_plain;
+using io_test::ScratchDir;
+
+constexpr std::size_t kRequestBytes = 64 << 10;  // two pieces of 32 KiB
+constexpr int kRequests = 200;
+constexpr std::size_t kTotal = kRequestBytes * kRequests;
+
+class FaultTest : public ::testing::TestWithParam<EngineKind> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
+      GTEST_SKIP() << "io_uring unavailable here: " << why;
+    }
+  }
+
+  // An engine with `spec` injected (disabled until the reference data is on disk), a file
+  // holding kTotal random bytes, and those bytes in `source_`.
+  void open(const FaultSpec& spec, const std::string& name) {
+    std::printf("fault test %s: seed %llu\n", name.c_str(),
+                static_cast<unsigned long long>(spec.seed));
+    dir_ = std::make_unique<ScratchDir>(name);
+    path_ = dir_->file("data.bin");
+    faults_ = std::make_shared<FaultInjector>(spec);
+    faults_->set_enabled(false);
+    IoOptions options;
+    options.block_bytes = 32 << 10;
+    options.queue_depth = 16;
+    options.rings = 2;
+    options.max_requests = 512;
+    options.retry_max = 8;
+    options.faults = faults_;
+    engine_ = must_open(GetParam(), options);
+    ASSERT_TRUE(engine_);
+    Result<FileHandle> file = engine_->open_file(path_, {.create = true});
+    ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+    file_ = *file;
+    source_ = random_buffer(kTotal, spec.seed ^ 0x5eed);
+    ASSERT_TRUE(engine_->write_sync(file_, 0, kTotal, source_.data()).is_ok());
+    faults_->set_enabled(true);
+  }
+
+  // Submits every request before waiting for any; returns each request's Status.
+  std::vector<Status> run_all(IoOp op, std::byte* memory) {
+    std::vector<Ticket> tickets;
+    for (int i = 0; i < kRequests; ++i) {
+      Result<Ticket> t = engine_->submit(
+          IoRequest{op, file_, i * kRequestBytes, kRequestBytes, memory + i * kRequestBytes});
+      EXPECT_TRUE(t.is_ok()) << t.status().to_string();
+      tickets.push_back(*t);
+    }
+    std::vector<Status> out;
+    for (Ticket t : tickets) out.push_back(engine_->wait(t, std::chrono::seconds(60)));
+    return out;
+  }
+
+  bool request_intact(const std::byte* got, int i) const {
+    return std::memcmp(got + i * kRequestBytes, source_.data() + i * kRequestBytes,
+                       kRequestBytes) == 0;
+  }
+
+  // Names the file and an offset, as every I/O error must.
+  void expect_names_place(const Status& s) const {
+    EXPECT_NE(s.message().find(path_), std::string::npos) << s.to_string();
+    EXPECT_NE(s.message().find("offset "), std::string::npos) << s.to_string();
+  }
+
+  std::unique_ptr<ScratchDir> dir_;
+  std::string path_;
+  std::shared_ptr<FaultInjector> faults_;
+  std::unique_ptr<IoEngine> engine_;
+  FileHandle file_;
+  AlignedBuffer source_;
+};
+
+std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
+  return std::string(engine_kind_name(info.param));
+}
+
+TEST_P(FaultTest, EioFailsItsRequestAndLeavesOthersIntact) {
+  open({.seed = 101, .eio_rate = 0.2}, "eio");
+  AlignedBuffer back(kTotal);
+  std::memset(back.data(), 0, kTotal);
+  std::vector<Status> results = run_all(IoOp::kRead, back.data());
+  int failed = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    if (results[i].is_ok()) {
+      EXPECT_TRUE(request_intact(back.data(), i)) << "request " << i;
+    } else {
+      ++failed;
+      EXPECT_EQ(results[i].code(), Code::kIoError) << results[i].to_string();
+      EXPECT_EQ(results[i].sys_code(), EIO);
+      expect_names_place(results[i]);
+    }
+  }
+  EXPECT_GT(failed, 0);
+  EXPECT_LT(failed, kRequests);
+  EXPECT_GE(faults_->counts().eio, static_cast<std::uint64_t>(failed));
+  EXPECT_EQ(engine_->stats().failed_requests, static_cast<std::uint64_t>(failed));
+}
+
+TEST_P(FaultTest, EnospcOnWriteIsNoSpaceNamingThePath) {
+  open({.seed = 202, .enospc_rate = 0.2}, "enospc");
+  AlignedBuffer fresh = random_buffer(kTotal, 0xf7e5);
+  std::vector<Status> results = run_all(IoOp::kWrite, fresh.data());
+  faults_->set_enabled(false);
+  const std::string on_disk = read_file_plain(path_);
+  ASSERT_EQ(on_disk.size(), kTotal);
+  int failed = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    if (results[i].is_ok()) {
+      EXPECT_EQ(std::memcmp(on_disk.data() + i * kRequestBytes, fresh.data() + i * kRequestBytes,
+                            kRequestBytes),
+                0)
+          << "request " << i;
+    } else {
+      ++failed;
+      EXPECT_EQ(results[i].code(), Code::kNoSpace) << results[i].to_string();
+      EXPECT_EQ(results[i].sys_code(), ENOSPC);
+      expect_names_place(results[i]);
+    }
+  }
+  EXPECT_GT(failed, 0);
+}
+
+TEST_P(FaultTest, ShortTransfersAreResumed) {
+  open({.seed = 303, .short_rate = 0.5}, "short");
+  AlignedBuffer back(kTotal);
+  std::memset(back.data(), 0, kTotal);
+  for (const Status& s : run_all(IoOp::kRead, back.data())) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(std::memcmp(back.data(), source_.data(), kTotal), 0);
+  AlignedBuffer fresh = random_buffer(kTotal, 0x3030);
+  for (const Status& s : run_all(IoOp::kWrite, fresh.data())) {
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+  }
+  EXPECT_EQ(std::memcmp(read_file_plain(path_).data(), fresh.data(), kTotal), 0);
+  EXPECT_GT(faults_->counts().short_io, 0u);
+  EXPECT_EQ(engine_->stats().short_resubmits, faults_->counts().short_io);
+}
+
+TEST_P(FaultTest, EintrAndEagainAreRetried) {
+  open({.seed = 404, .eintr_rate = 0.1, .eagain_rate = 0.1}, "eintr");
+  AlignedBuffer back(kTotal);
+  std::memset(back.data(), 0, kTotal);
+  for (const Status& s : run_all(IoOp::kRead, back.data())) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(std::memcmp(back.data(), source_.data(), kTotal), 0);
+  const FaultCounts counts = faults_->counts();
+  EXPECT_GT(counts.eintr, 0u);
+  EXPECT_GT(counts.eagain, 0u);
+  EXPECT_EQ(engine_->stats().retries, counts.eintr + counts.eagain);
+}
+
+// Retries are bounded: an EINTR that never stops becomes an error after retry_max tries.
+TEST_P(FaultTest, EndlessEintrGivesUpWithErrno) {
+  open({.seed = 505, .eintr_rate = 1.0}, "eintr-forever");
+  AlignedBuffer back(kRequestBytes);
+  Status s = engine_->read_sync(file_, 0, kRequestBytes, back.data());
+  EXPECT_EQ(s.code(), Code::kIoError) << s.to_string();
+  EXPECT_EQ(s.sys_code(), EINTR);
+  expect_names_place(s);
+}
+
+// The engine cannot see a flipped bit; the injector flips exactly one bit per piece read.
+TEST_P(FaultTest, BitFlipsChangeExactlyOneBitPerPiece) {
+  open({.seed = 606, .bit_flip_rate = 1.0}, "flip");
+  AlignedBuffer back(kTotal);
+  for (const Status& s : run_all(IoOp::kRead, back.data())) EXPECT_TRUE(s.is_ok());
+  std::uint64_t bits = 0;
+  const auto* a = reinterpret_cast<const unsigned char*>(back.data());
+  const auto* b = reinterpret_cast<const unsigned char*>(source_.data());
+  for (std::size_t i = 0; i < kTotal; ++i) bits += __builtin_popcount(a[i] ^ b[i]);
+  EXPECT_EQ(bits, faults_->counts().bit_flip);
+  EXPECT_EQ(bits, static_cast<std::uint64_t>(kTotal / (32 << 10)));
+}
+
+// Everything at once, with latency: no hang, every failure one of the documented codes, every
+// success intact.
+TEST_P(FaultTest, MixedFaultsNeverHangAndKeepSuccessesIntact) {
+  open({.seed = 707,
+        .eio_rate = 0.05,
+        .enospc_rate = 0.05,
+        .short_rate = 0.2,
+        .eintr_rate = 0.1,
+        .eagain_rate = 0.1,
+        .latency_rate = 0.05,
+        .latency = std::chrono::microseconds(500)},
+       "mixed");
+  AlignedBuffer back(kTotal);
+  std::memset(back.data(), 0, kTotal);
+  std::vector<Status> results = run_all(IoOp::kRead, back.data());
+  int ok = 0;
+  for (int i = 0; i < kRequests; ++i) {
+    if (results[i].is_ok()) {
+      ++ok;
+      EXPECT_TRUE(request_intact(back.data(), i)) << "request " << i;
+    } else {
+      EXPECT_EQ(results[i].code(), Code::kIoError) << results[i].to_string();
+      expect_names_place(results[i]);
+    }
+  }
+  EXPECT_GT(ok, kRequests / 2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, FaultTest,
+                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+
+}  // namespace
+}  // namespace zinf

@@ -1,0 +1,55 @@
+// Helpers shared by the io tests: scratch paths, seeded data, engines of each kind, and a small
+// filesystem mounted for full-disk and O_DIRECT-refusal tests when the process may mount.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "base/aligned.hpp"
+#include "io/io_engine.hpp"
+
+namespace zinf::io_test {
+
+// A fresh directory under $ZINF_TEST_TMPDIR (or /tmp), removed with its files on destruction.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& name);
+  ~ScratchDir();
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// A small filesystem (`type`: tmpfs or ramfs, `options` e.g. "size=2m,ro") mounted under a
+// scratch directory; ok() is false, with reason(), when mounting is not allowed here.
+class ScratchMount {
+ public:
+  ScratchMount(const std::string& name, const std::string& type, const std::string& options);
+  ~ScratchMount();
+  bool ok() const { return mounted_; }
+  const std::string& reason() const { return reason_; }
+  const std::string& path() const { return dir_.path(); }
+
+ private:
+  ScratchDir dir_;
+  bool mounted_ = false;
+  std::string reason_;
+};
+
+// 4096-aligned random bytes from `seed`.
+AlignedBuffer random_buffer(std::size_t bytes, std::uint64_t seed);
+
+// Whether this kernel lets us create an io_uring; when not, `why` says why.
+bool uring_available(std::string* why);
+
+// Opens an engine of `kind` with `options` (kind overridden); fails the test on error.
+std::unique_ptr<IoEngine> must_open(EngineKind kind, IoOptions options = {});
+
+// Reads the whole file with plain pread (no engine): the independent reference.
+std::string read_file_plain(const std::string& path);
+
+}  // namespace zinf::io_test

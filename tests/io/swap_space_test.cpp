@@ -1,0 +1,362 @@
+// SwapSpace: extents round-trip through one and several directories; every flipped bit, on
+// disk or in flight, is caught by the checksum and named by key and offset; bad paths and full
+// disks fail at open naming the path.
+#include "io/swap_space.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "base/random.hpp"
+#include "io/fault.hpp"
+#include "io_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+using io_test::must_open;
+using io_test::random_buffer;
+using io_test::ScratchDir;
+using io_test::ScratchMount;
+
+constexpr std::size_t kBlock = 64 << 10;
+
+class SwapTest : public ::testing::TestWithParam<EngineKind> {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
+      GTEST_SKIP() << "io_uring unavailable here: " << why;
+    }
+  }
+  std::unique_ptr<IoEngine> engine(std::shared_ptr<FaultInjector> faults = nullptr) {
+    IoOptions options;
+    options.block_bytes = 32 << 10;
+    options.queue_depth = 8;
+    options.max_requests = 2048;
+    options.faults = std::move(faults);
+    return must_open(GetParam(), options);
+  }
+};
+
+std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
+  return std::string(engine_kind_name(info.param));
+}
+
+// Extents of awkward sizes, several in flight at once, over 1 and 3 directories.
+TEST_P(SwapTest, ExtentsRoundTripAcrossDirectories) {
+  for (std::size_t dir_count : {1u, 3u}) {
+    const std::uint64_t seed = 0x5a0 + dir_count;
+    std::printf("swap round trip over %zu dirs: seed %llu\n", dir_count,
+                static_cast<unsigned long long>(seed));
+    ScratchDir root("swap-rt");
+    SwapOptions options;
+    for (std::size_t d = 0; d < dir_count; ++d) {
+      options.dirs.push_back(root.path() + "/d" + std::to_string(d));
+      std::filesystem::create_directories(options.dirs.back());
+    }
+    options.capacity_bytes = 16 << 20;
+    options.block_bytes = kBlock;
+    auto io = engine();
+    ASSERT_TRUE(io);
+    Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(*io, options);
+    ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+    const std::vector<std::uint64_t> sizes = {1000, kBlock, 3 * kBlock + 4096 * 5 + 17, 5 * kBlock,
+                                              12345678 / 8};
+    std::vector<ExtentId> ids;
+    std::vector<AlignedBuffer> data;
+    std::vector<SwapTicket> tickets;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      Result<ExtentId> id =
+          (*swap)->create("rank0/group" + std::to_string(i) + "/exp_avg", sizes[i]);
+      ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+      ids.push_back(*id);
+      data.push_back(random_buffer((sizes[i] + 4095) / 4096 * 4096, seed + i));
+      Result<SwapTicket> t = (*swap)->write(*id, data.back().data());
+      ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+      tickets.push_back(*t);
+    }
+    for (SwapTicket t : tickets) ASSERT_TRUE((*swap)->wait(t, std::chrono::seconds(30)).is_ok());
+    tickets.clear();
+    std::vector<AlignedBuffer> back;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      back.emplace_back((sizes[i] + 4095) / 4096 * 4096);
+      Result<SwapTicket> t = (*swap)->read(ids[i], back.back().data());
+      ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+      tickets.push_back(*t);
+    }
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      ASSERT_TRUE((*swap)->wait(tickets[i], std::chrono::seconds(30)).is_ok());
+      EXPECT_EQ(std::memcmp(back[i].data(), data[i].data(), sizes[i]), 0) << "extent " << i;
+    }
+    // A part of an extent: its second and third blocks.
+    Result<ExtentId> found = (*swap)->find("rank0/group3/exp_avg");
+    ASSERT_TRUE(found.is_ok());
+    AlignedBuffer part(2 * kBlock);
+    Result<SwapTicket> t = (*swap)->read(*found, kBlock, 2 * kBlock, part.data());
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    ASSERT_TRUE((*swap)->wait(*t, std::chrono::seconds(30)).is_ok());
+    EXPECT_EQ(std::memcmp(part.data(), data[3].data() + kBlock, 2 * kBlock), 0);
+    // Rewrite one block of it and read the whole extent back.
+    AlignedBuffer patch = random_buffer(kBlock, seed * 7);
+    t = (*swap)->write(*found, 4 * kBlock, kBlock, patch.data());
+    ASSERT_TRUE(t.is_ok());
+    ASSERT_TRUE((*swap)->wait(*t, std::chrono::seconds(30)).is_ok());
+    std::memcpy(data[3].data() + 4 * kBlock, patch.data(), kBlock);
+    ASSERT_TRUE((*swap)->read_sync(*found, back[3].data()).is_ok());
+    EXPECT_EQ(std::memcmp(back[3].data(), data[3].data(), sizes[3]), 0);
+    // Each directory holds a share of the data when striped.
+    for (const std::string& path : (*swap)->file_paths()) {
+      EXPECT_TRUE(std::filesystem::exists(path)) << path;
+    }
+  }
+}
+
+TEST_P(SwapTest, RangeAndKeyErrors) {
+  ScratchDir root("swap-args");
+  auto io = engine();
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
+      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+  ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+  Result<ExtentId> id = (*swap)->create("a", 3 * kBlock);
+  ASSERT_TRUE(id.is_ok());
+  EXPECT_EQ((*swap)->create("a", 10).status().code(), Code::kInvalidArgument);
+  EXPECT_EQ((*swap)->find("b").status().code(), Code::kNotFound);
+  EXPECT_NE((*swap)->find("b").status().message().find("b"), std::string::npos);
+  AlignedBuffer buffer(3 * kBlock);
+  // Never written: reading is an error naming key and offset, not garbage.
+  Result<SwapTicket> unwritten = (*swap)->read(*id, buffer.data());
+  ASSERT_FALSE(unwritten.is_ok());
+  EXPECT_EQ(unwritten.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(unwritten.status().message().find("a at offset 0"), std::string::npos)
+      << unwritten.status().to_string();
+  // Ranges must start on a block and cover whole blocks.
+  EXPECT_EQ((*swap)->write(*id, 4096, kBlock, buffer.data()).status().code(),
+            Code::kInvalidArgument);
+  EXPECT_EQ((*swap)->write(*id, 0, kBlock + 4096, buffer.data()).status().code(),
+            Code::kInvalidArgument);
+  // Capacity: 1 MiB holds 16 blocks of 64 KiB; 3 are used.
+  Result<ExtentId> too_big = (*swap)->create("big", 14 * kBlock);
+  ASSERT_FALSE(too_big.is_ok());
+  EXPECT_EQ(too_big.status().code(), Code::kNoSpace);
+  EXPECT_NE(too_big.status().message().find("big"), std::string::npos);
+  EXPECT_NE(too_big.status().message().find(root.path()), std::string::npos);
+  EXPECT_TRUE((*swap)->create("fits", 13 * kBlock).is_ok());
+}
+
+// Flip bits in the swap file behind the engine's back: the read that covers them reports
+// corruption naming key and offset, and reads of other blocks are unaffected.
+TEST_P(SwapTest, BitFlippedOnDiskIsCaught) {
+  const std::uint64_t seed = 0xb17;
+  std::printf("on-disk bit flips: seed %llu\n", static_cast<unsigned long long>(seed));
+  ScratchDir root("swap-flip");
+  auto io = engine();
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
+      *io, {.dirs = {root.path()}, .capacity_bytes = 4 << 20, .block_bytes = kBlock});
+  ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+  (void)(*swap)->create("pad", 2 * kBlock);  // so the extent does not start at file offset 0
+  const std::uint64_t bytes = 8 * kBlock;
+  Result<ExtentId> id = (*swap)->create("rank1/group0/param", bytes);
+  ASSERT_TRUE(id.is_ok());
+  AlignedBuffer data = random_buffer(bytes, seed);
+  ASSERT_TRUE((*swap)->write_sync(*id, data.data()).is_ok());
+
+  const std::string file = (*swap)->file_paths()[0];
+  const int fd = ::open(file.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  SplitMix64 random(seed);
+  AlignedBuffer back(bytes);
+  for (int trial = 0; trial < 40; ++trial) {
+    const std::uint64_t block = random.next() % 8;
+    const std::uint64_t bit = random.next() % (kBlock * 8);
+    const off_t at = static_cast<off_t>(2 * kBlock + block * kBlock + bit / 8);
+    unsigned char byte;
+    ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+    byte ^= static_cast<unsigned char>(1u << (bit % 8));
+    ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+    ::fsync(fd);
+    Status s = (*swap)->read_sync(*id, back.data());
+    ASSERT_EQ(s.code(), Code::kCorruption) << "trial " << trial << ": " << s.to_string();
+    EXPECT_NE(s.message().find("rank1/group0/param"), std::string::npos) << s.to_string();
+    EXPECT_NE(s.message().find("extent offset " + std::to_string(block * kBlock)),
+              std::string::npos)
+        << s.to_string();
+    EXPECT_NE(s.message().find(file), std::string::npos) << s.to_string();
+    // The other blocks still read clean.
+    const std::uint64_t other = (block + 1) % 8;
+    Result<SwapTicket> t = (*swap)->read(*id, other * kBlock, kBlock, back.data());
+    ASSERT_TRUE(t.is_ok());
+    EXPECT_TRUE((*swap)->wait(*t, std::chrono::seconds(10)).is_ok());
+    EXPECT_EQ(std::memcmp(back.data(), data.data() + other * kBlock, kBlock), 0);
+    // Undo the flip.
+    byte ^= static_cast<unsigned char>(1u << (bit % 8));
+    ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+    ::fsync(fd);
+  }
+  ::close(fd);
+  ASSERT_TRUE((*swap)->read_sync(*id, back.data()).is_ok());
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), bytes), 0);
+}
+
+// Bits flipped in flight by the fault injector: every read op that got one is caught.
+TEST_P(SwapTest, EveryBitFlippedInFlightIsCaught) {
+  const std::uint64_t seed = 0xf11b;
+  std::printf("in-flight bit flips: seed %llu\n", static_cast<unsigned long long>(seed));
+  ScratchDir root("swap-flight");
+  auto faults = std::make_shared<FaultInjector>(FaultSpec{.seed = seed, .bit_flip_rate = 0.3});
+  faults->set_enabled(false);
+  auto io = engine(faults);
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
+      *io, {.dirs = {root.path()}, .capacity_bytes = 8 << 20, .block_bytes = kBlock});
+  ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+  constexpr int kExtents = 32;
+  const std::uint64_t bytes = 2 * kBlock;  // 4 engine pieces of 32 KiB each
+  std::vector<ExtentId> ids;
+  std::vector<AlignedBuffer> data;
+  for (int i = 0; i < kExtents; ++i) {
+    ids.push_back(*(*swap)->create(fmt::format("e{}", i), bytes));
+    data.push_back(random_buffer(bytes, seed + i));
+    ASSERT_TRUE((*swap)->write_sync(ids.back(), data.back().data()).is_ok());
+  }
+  faults->set_enabled(true);
+  std::uint64_t corrupt_ops = 0;
+  for (int round = 0; round < 10; ++round) {
+    std::vector<AlignedBuffer> back;
+    std::vector<SwapTicket> tickets;
+    for (int i = 0; i < kExtents; ++i) {
+      back.emplace_back(bytes);
+      tickets.push_back(*(*swap)->read(ids[i], back.back().data()));
+    }
+    for (int i = 0; i < kExtents; ++i) {
+      Status s = (*swap)->wait(tickets[i], std::chrono::seconds(30));
+      const bool differs = std::memcmp(back[i].data(), data[i].data(), bytes) != 0;
+      if (differs) {
+        ++corrupt_ops;
+        EXPECT_EQ(s.code(), Code::kCorruption) << "extent " << i << " round " << round;
+        EXPECT_NE(s.message().find(fmt::format("e{}", i)), std::string::npos);
+      } else {
+        EXPECT_TRUE(s.is_ok()) << s.to_string();
+      }
+    }
+  }
+  EXPECT_GT(faults->counts().bit_flip, 0u);
+  EXPECT_GT(corrupt_ops, 0u);
+}
+
+// A failed write leaves its blocks unknown: the next read says so instead of returning them.
+TEST_P(SwapTest, FailedWriteMarksBlocksLost) {
+  const std::uint64_t seed = 0xe10;
+  std::printf("failed write: seed %llu\n", static_cast<unsigned long long>(seed));
+  ScratchDir root("swap-lost");
+  auto faults = std::make_shared<FaultInjector>(FaultSpec{.seed = seed, .eio_rate = 1.0});
+  faults->set_enabled(false);
+  auto io = engine(faults);
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
+      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+  ASSERT_TRUE(swap.is_ok());
+  ExtentId id = *(*swap)->create("k", kBlock);
+  AlignedBuffer data = random_buffer(kBlock, seed);
+  ASSERT_TRUE((*swap)->write_sync(id, data.data()).is_ok());
+  faults->set_enabled(true);
+  Status failed = (*swap)->write_sync(id, data.data());
+  EXPECT_EQ(failed.code(), Code::kIoError);
+  EXPECT_NE(failed.message().find("swap extent k"), std::string::npos) << failed.to_string();
+  faults->set_enabled(false);
+  Result<SwapTicket> t = (*swap)->read(id, data.data());
+  ASSERT_FALSE(t.is_ok());
+  EXPECT_EQ(t.status().code(), Code::kIoError);
+}
+
+INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest,
+                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+
+TEST(SwapOpen, MissingDirectoryNamesIt) {
+  auto io = must_open(EngineKind::kAuto);
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> swap =
+      SwapSpace::open(*io, {.dirs = {"/nonexistent-zinf-swap"}, .capacity_bytes = 1 << 20});
+  ASSERT_FALSE(swap.is_ok());
+  EXPECT_EQ(swap.status().code(), Code::kNotFound);
+  EXPECT_NE(swap.status().message().find("/nonexistent-zinf-swap"), std::string::npos);
+}
+
+// Asking for more than the disk has fails at open (fallocate), naming the path.
+TEST(SwapOpen, MoreThanTheDiskHoldsIsNoSpaceAtOpen) {
+  ScratchDir root("swap-full");
+  struct statvfs vfs {};
+  ASSERT_EQ(::statvfs(root.path().c_str(), &vfs), 0);
+  const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+  auto io = must_open(EngineKind::kAuto);
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
+      *io, {.dirs = {root.path()}, .capacity_bytes = free_bytes + (std::uint64_t{1} << 40)});
+  ASSERT_FALSE(swap.is_ok());
+  EXPECT_EQ(swap.status().code(), Code::kNoSpace) << swap.status().to_string();
+  EXPECT_NE(swap.status().message().find(root.path()), std::string::npos);
+  // Nothing is left behind.
+  EXPECT_TRUE(std::filesystem::is_empty(root.path()));
+}
+
+// A real full filesystem: a 2 MiB tmpfs. Writing past its size is no_space naming the file.
+TEST(FullDisk, WriteOnFullFilesystemIsNoSpaceNamingThePath) {
+  ScratchMount mount("full", "tmpfs", "size=2m");
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  for (EngineKind kind : {EngineKind::kUring, EngineKind::kThread}) {
+    std::string why;
+    if (kind == EngineKind::kUring && !io_test::uring_available(&why)) continue;
+    auto io = must_open(kind, {.block_bytes = 256 << 10});
+    ASSERT_TRUE(io);
+    const std::string path = mount.path() + "/" + std::string(engine_kind_name(kind)) + ".bin";
+    Result<FileHandle> file = io->open_file(path, {.create = true, .direct = false});
+    ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+    AlignedBuffer data = random_buffer(4 << 20, 99);
+    Status s = io->write_sync(*file, 0, 4 << 20, data.data());
+    EXPECT_EQ(s.code(), Code::kNoSpace) << s.to_string();
+    EXPECT_EQ(s.sys_code(), ENOSPC);
+    EXPECT_NE(s.message().find(path), std::string::npos) << s.to_string();
+    ASSERT_TRUE(io->close_file(*file).is_ok());
+    std::filesystem::remove(path);
+  }
+}
+
+// Swap files on a filesystem that refuses O_DIRECT (ramfs), or a read-only one, fail at open.
+TEST(SwapOpen, RefusedODirectAndReadOnlyFailAtOpen) {
+  auto io = must_open(EngineKind::kAuto);
+  ASSERT_TRUE(io);
+  {
+    ScratchMount ramfs("ramfs", "ramfs", "");
+    if (!ramfs.ok()) GTEST_SKIP() << ramfs.reason();
+    Result<std::unique_ptr<SwapSpace>> swap =
+        SwapSpace::open(*io, {.dirs = {ramfs.path()}, .capacity_bytes = 1 << 20});
+    ASSERT_FALSE(swap.is_ok());
+    EXPECT_EQ(swap.status().code(), Code::kUnsupported) << swap.status().to_string();
+    EXPECT_NE(swap.status().message().find("O_DIRECT"), std::string::npos);
+    EXPECT_NE(swap.status().message().find(ramfs.path()), std::string::npos);
+  }
+  {
+    ScratchMount readonly("ro", "tmpfs", "size=1m,ro");
+    if (!readonly.ok()) GTEST_SKIP() << readonly.reason();
+    Result<std::unique_ptr<SwapSpace>> swap =
+        SwapSpace::open(*io, {.dirs = {readonly.path()}, .capacity_bytes = 1 << 20});
+    ASSERT_FALSE(swap.is_ok());
+    EXPECT_EQ(swap.status().code(), Code::kIoError) << swap.status().to_string();
+    EXPECT_NE(swap.status().message().find("not writable"), std::string::npos);
+    EXPECT_NE(swap.status().message().find(readonly.path()), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace zinf
