@@ -443,7 +443,8 @@ TEST(LocalComm, AbortOnOneRankFailsTheOthersPromptly) {
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
   for (int r : {0, 2, 3}) {
     const Status& s = statuses[static_cast<std::size_t>(r)];
-    EXPECT_EQ(s.code(), Code::kDeviceError) << s.to_string();
+    // kAborted when the abort came before this rank issued its call.
+    EXPECT_TRUE(s.code() == Code::kDeviceError || s.code() == Code::kAborted) << s.to_string();
     EXPECT_NE(s.message().find("rank 1 lost its device"), std::string_view::npos) << s.to_string();
   }
 }
@@ -512,8 +513,10 @@ TEST(LocalComm, AFailedStreamOnOneRankFailsTheCollectiveEverywhere) {
     return world.comm(rank).wait(*b.done);
   });
   EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  EXPECT_EQ(statuses[0].code(), Code::kIoError) << statuses[0].to_string();
   for (const Status& s : statuses) {
-    EXPECT_EQ(s.code(), Code::kIoError) << s.to_string();
+    // A rank that issues after rank 0 failed is refused at once (kAborted), with the reason.
+    EXPECT_TRUE(s.code() == Code::kIoError || s.code() == Code::kAborted) << s.to_string();
     EXPECT_NE(s.message().find("read of grads shard failed"), std::string_view::npos)
         << s.to_string();
   }
@@ -540,7 +543,9 @@ TEST(LocalComm, WaitPastItsTimeoutAbortsTheGroup) {
   });
   EXPECT_EQ(statuses[0].code(), Code::kTimeout) << statuses[0].to_string();
   EXPECT_NE(statuses[0].message().find("not done after 50 ms"), std::string_view::npos);
-  EXPECT_EQ(statuses[1].code(), Code::kTimeout) << statuses[1].to_string();
+  EXPECT_TRUE(statuses[1].code() == Code::kTimeout || statuses[1].code() == Code::kAborted)
+      << statuses[1].to_string();
+  EXPECT_NE(statuses[1].message().find("not done after 50 ms"), std::string_view::npos);
 }
 
 TEST(LocalComm, BarrierWaitsForEveryRankOrTimesOut) {

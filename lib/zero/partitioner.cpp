@@ -1,0 +1,298 @@
+#include "zero/partitioner.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstring>
+#include <utility>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+namespace {
+
+constexpr bool is_power_of_two(std::size_t value) {
+  return value != 0 && (value & (value - 1)) == 0;
+}
+
+constexpr std::size_t round_up(std::size_t value, std::size_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// Element counts stay below 2^62 so that offsets times 4 bytes and sums of groups never overflow.
+constexpr std::size_t kMaxElements = std::size_t{1} << 62;
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+void hash_bytes(XXH3_state_t* state, const void* data, std::size_t bytes) {
+  XXH3_64bits_update(state, data, bytes);
+}
+
+void hash_string(XXH3_state_t* state, std::string_view text) {
+  const std::uint64_t length = text.size();
+  hash_bytes(state, &length, sizeof(length));
+  hash_bytes(state, text.data(), text.size());
+}
+
+}  // namespace
+
+std::string_view state_kind_name(StateKind kind) {
+  switch (kind) {
+    case StateKind::kOptimizerState:
+      return "optimizer_state";
+    case StateKind::kGradients:
+      return "gradients";
+    case StateKind::kParameters:
+      return "parameters";
+  }
+  return "unknown";
+}
+
+Result<Partitioner> Partitioner::create(const PartitionerOptions& options) {
+  if (options.world_size < 1 || options.world_size > 65536) {
+    return Status::invalid_argument(
+        fmt::format("partitioner: world_size {} is not in 1..65536", options.world_size));
+  }
+  const int stage = static_cast<int>(options.stage);
+  if (stage < 1 || stage > 3) {
+    return Status::invalid_argument(
+        fmt::format("partitioner: zero stage {} is not one of 1, 2, 3", stage));
+  }
+  if (!is_power_of_two(options.alignment_elements) || options.alignment_elements > 65536) {
+    return Status::invalid_argument(
+        fmt::format("partitioner: alignment_elements {} is not a power of two up to 65536",
+                    options.alignment_elements));
+  }
+  if (!is_power_of_two(options.param_alignment_elements) ||
+      options.param_alignment_elements > options.alignment_elements) {
+    return Status::invalid_argument(
+        fmt::format("partitioner: param_alignment_elements {} is not a power of two up to "
+                    "alignment_elements ({})",
+                    options.param_alignment_elements, options.alignment_elements));
+  }
+  if (options.group_max_elements == 0 || options.group_max_elements >= kMaxElements) {
+    return Status::invalid_argument(fmt::format(
+        "partitioner: group_max_elements {} is not in 1..2^62", options.group_max_elements));
+  }
+  return Partitioner(options);
+}
+
+Result<ParamId> Partitioner::add(ParamSpec spec) {
+  if (finalized_) {
+    return Status::failed_precondition(fmt::format(
+        "partitioner: parameter '{}' registered after the layout was finalized", spec.name));
+  }
+  if (spec.name.empty()) {
+    return Status::invalid_argument(fmt::format(
+        "partitioner: a parameter of shape {} has an empty name", shape_text(spec.shape)));
+  }
+  if (by_name_.count(spec.name) != 0) {
+    return Status::invalid_argument(
+        fmt::format("partitioner: parameter '{}' is registered twice", spec.name));
+  }
+  const int dtype = static_cast<int>(spec.dtype);
+  if (dtype < 0 || dtype > static_cast<int>(DType::kBF16)) {
+    return Status::invalid_argument(
+        fmt::format("partitioner: parameter '{}' has an unknown dtype {}", spec.name, dtype));
+  }
+  std::size_t element_count = 1;
+  for (std::int64_t dim : spec.shape) {
+    if (dim <= 0) {
+      return Status::invalid_argument(
+          fmt::format("partitioner: parameter '{}' has shape {}: every dimension must be positive",
+                      spec.name, shape_text(spec.shape)));
+    }
+    if (element_count > kMaxElements / static_cast<std::size_t>(dim)) {
+      return Status::invalid_argument(
+          fmt::format("partitioner: parameter '{}' of shape {} has too many elements", spec.name,
+                      shape_text(spec.shape)));
+    }
+    element_count *= static_cast<std::size_t>(dim);
+  }
+  const auto id = static_cast<ParamId>(params_.size());
+  by_name_.emplace(spec.name, id);
+  ParamLocation location;
+  location.element_count = element_count;
+  locations_.push_back(location);
+  params_.push_back(std::move(spec));
+  return id;
+}
+
+Status Partitioner::finalize() {
+  if (finalized_) return Status::failed_precondition("partitioner: finalize() called twice");
+  if (params_.empty()) {
+    return Status::failed_precondition("partitioner: finalize() with no parameters registered");
+  }
+  const std::size_t world = static_cast<std::size_t>(options_.world_size);
+  const std::size_t slice_multiple = world * options_.alignment_elements;
+
+  auto close_group = [&](GroupInfo& group) {
+    group.padded_element_count =
+        round_up(std::max<std::size_t>(group.used_element_count, 1), slice_multiple);
+    group.shard_element_count = group.padded_element_count / world;
+    groups_.push_back(group);
+  };
+
+  GroupInfo current;
+  bool open = false;
+  for (ParamId id = 0; id < params_.size(); ++id) {
+    const ParamSpec& spec = params_[id];
+    ParamLocation& location = locations_[id];
+    if (open) {
+      const std::size_t start =
+          round_up(current.used_element_count, options_.param_alignment_elements);
+      const bool new_module = options_.group_by_module && spec.module != current.module;
+      const bool too_big = start + location.element_count > options_.group_max_elements;
+      if (spec.dtype != current.dtype || new_module || too_big) {
+        close_group(current);
+        open = false;
+      }
+    }
+    if (!open) {
+      current = GroupInfo{};
+      current.index = static_cast<std::uint32_t>(groups_.size());
+      current.dtype = spec.dtype;
+      current.module = spec.module;
+      current.first_param = id;
+      open = true;
+    }
+    const std::size_t start =
+        round_up(current.used_element_count, options_.param_alignment_elements);
+    location.group = current.index;
+    location.group_offset = start;
+    current.used_element_count = start + location.element_count;
+    current.param_element_count += location.element_count;
+    ++current.param_count;
+    auto& module_list = module_groups_[spec.module];
+    if (module_list.empty()) modules_.push_back(spec.module);
+    if (module_list.empty() || module_list.back() != current.index) {
+      module_list.push_back(current.index);
+    }
+  }
+  close_group(current);
+
+  XXH3_state_t* state = XXH3_createState();
+  ZINF_ASSERT(state != nullptr);
+  XXH3_64bits_reset(state);
+  const std::uint64_t option_words[] = {static_cast<std::uint64_t>(options_.world_size),
+                                        static_cast<std::uint64_t>(options_.stage),
+                                        options_.alignment_elements,
+                                        options_.param_alignment_elements,
+                                        options_.group_max_elements,
+                                        options_.group_by_module ? 1u : 0u};
+  hash_bytes(state, option_words, sizeof(option_words));
+  for (const ParamSpec& spec : params_) {
+    hash_string(state, spec.name);
+    hash_string(state, spec.module);
+    const std::uint64_t rank_and_dtype[] = {spec.shape.size(),
+                                            static_cast<std::uint64_t>(spec.dtype)};
+    hash_bytes(state, rank_and_dtype, sizeof(rank_and_dtype));
+    hash_bytes(state, spec.shape.data(), spec.shape.size() * sizeof(std::int64_t));
+  }
+  fingerprint_ = XXH3_64bits_digest(state);
+  XXH3_freeState(state);
+  finalized_ = true;
+  return Status::ok();
+}
+
+const ParamSpec& Partitioner::spec(ParamId id) const {
+  ZINF_ASSERT(finalized_ && id < params_.size());
+  return params_[id];
+}
+
+const ParamLocation& Partitioner::location(ParamId id) const {
+  ZINF_ASSERT(finalized_ && id < locations_.size());
+  return locations_[id];
+}
+
+Result<ParamId> Partitioner::find(std::string_view name) const {
+  auto it = by_name_.find(name);
+  if (it == by_name_.end()) {
+    return Status::not_found(fmt::format("partitioner: no parameter named '{}'", name));
+  }
+  return it->second;
+}
+
+const GroupInfo& Partitioner::group(std::uint32_t index) const {
+  ZINF_ASSERT(finalized_ && index < groups_.size());
+  return groups_[index];
+}
+
+Result<std::vector<std::uint32_t>> Partitioner::module_groups(std::string_view module) const {
+  ZINF_ASSERT(finalized_);
+  auto it = module_groups_.find(module);
+  if (it == module_groups_.end()) {
+    return Status::not_found(fmt::format("partitioner: no module named '{}'", module));
+  }
+  return it->second;
+}
+
+std::size_t Partitioner::shard_offset(std::uint32_t index, int rank) const {
+  ZINF_ASSERT(rank >= 0 && rank < options_.world_size);
+  return group(index).shard_element_count * static_cast<std::size_t>(rank);
+}
+
+std::optional<ParamPiece> Partitioner::param_piece(ParamId id, int rank) const {
+  const ParamLocation& loc = location(id);
+  const std::size_t shard_begin = shard_offset(loc.group, rank);
+  const std::size_t shard_end = shard_begin + groups_[loc.group].shard_element_count;
+  const std::size_t begin = std::max(loc.group_offset, shard_begin);
+  const std::size_t end = std::min(loc.group_offset + loc.element_count, shard_end);
+  if (begin >= end) return std::nullopt;
+  ParamPiece piece;
+  piece.param = id;
+  piece.param_offset = begin - loc.group_offset;
+  piece.shard_offset = begin - shard_begin;
+  piece.element_count = end - begin;
+  return piece;
+}
+
+std::pair<int, int> Partitioner::param_owners(ParamId id) const {
+  const ParamLocation& loc = location(id);
+  const std::size_t shard = groups_[loc.group].shard_element_count;
+  const auto first = static_cast<int>(loc.group_offset / shard);
+  const auto last = static_cast<int>((loc.group_offset + loc.element_count - 1) / shard);
+  return {first, last};
+}
+
+std::vector<ParamPiece> Partitioner::shard_pieces(std::uint32_t index, int rank) const {
+  const GroupInfo& info = group(index);
+  std::vector<ParamPiece> pieces;
+  for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+    std::optional<ParamPiece> piece = param_piece(id, rank);
+    if (piece) pieces.push_back(*piece);
+  }
+  return pieces;
+}
+
+void Partitioner::fill_shard(std::uint32_t index, int rank, std::span<const void* const> param_data,
+                             void* shard) const {
+  const GroupInfo& info = group(index);
+  ZINF_ASSERT(param_data.size() >= params_.size());
+  const std::size_t element_bytes = dtype_bytes(info.dtype);
+  auto* out = static_cast<std::byte*>(shard);
+  // Zero first: padding must read as zero (it joins sums and norms), and it is cheap next to
+  // the copies.
+  std::memset(out, 0, info.shard_element_count * element_bytes);
+  for (const ParamPiece& piece : shard_pieces(index, rank)) {
+    const auto* src = static_cast<const std::byte*>(param_data[piece.param]);
+    ZINF_ASSERT_MSG(src != nullptr, "fill_shard: missing data of a parameter in the group");
+    std::memcpy(out + piece.shard_offset * element_bytes, src + piece.param_offset * element_bytes,
+                piece.element_count * element_bytes);
+  }
+}
+
+std::size_t Partitioner::rank_element_count(StateKind kind) const {
+  ZINF_ASSERT(finalized_);
+  std::size_t total = 0;
+  for (const GroupInfo& info : groups_) {
+    total += partitions(kind) ? info.shard_element_count : info.padded_element_count;
+  }
+  return total;
+}
+
+}  // namespace zinf

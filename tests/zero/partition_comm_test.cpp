@@ -1,0 +1,148 @@
+// The Partitioner's layout driving real collectives on HostDevice + LocalComm, as stage 3 uses it:
+// shards all-gathered give back every parameter; per-rank gradients laid out in the group and
+// reduce-scattered (average) give each rank the mean over ranks of exactly its slice.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "zero/partitioner.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+
+namespace zinf {
+namespace {
+
+class PartitionComm : public ::testing::TestWithParam<int> {};
+
+TEST_P(PartitionComm, GatherRebuildsParametersAndReduceScatterAveragesSlices) {
+  const int world_size = GetParam();
+  const std::uint64_t seed = 9000 + static_cast<std::uint64_t>(world_size);
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  PartitionerOptions options;
+  options.world_size = world_size;
+  Result<Partitioner> created = Partitioner::create(options);
+  ASSERT_TRUE(created.is_ok());
+  Partitioner& p = *created;
+  const std::vector<std::vector<std::int64_t>> shapes = {{37, 11}, {5}, {}, {129}, {3, 3, 7}};
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    ASSERT_TRUE(
+        p.add({fmt::format("m{}.p{}", i / 2, i), fmt::format("m{}", i / 2), shapes[i], DType::kF32})
+            .is_ok());
+  }
+  ASSERT_TRUE(p.finalize().is_ok());
+
+  // Initial parameter values (the same on every rank) and one gradient per rank per parameter.
+  std::vector<std::vector<float>> values(p.param_count());
+  std::vector<std::vector<std::vector<float>>> grads(static_cast<std::size_t>(world_size));
+  for (ParamId id = 0; id < p.param_count(); ++id) {
+    values[id].resize(p.location(id).element_count);
+    fill_uniform(values[id].data(), values[id].size(), seed * 31 + id);
+  }
+  for (int r = 0; r < world_size; ++r) {
+    for (ParamId id = 0; id < p.param_count(); ++id) {
+      grads[static_cast<std::size_t>(r)].emplace_back(p.location(id).element_count);
+      fill_uniform(grads[static_cast<std::size_t>(r)][id].data(), p.location(id).element_count,
+                   seed * 977 + static_cast<std::uint64_t>(r) * 101 + id);
+    }
+  }
+
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < world_size; ++r) {
+    HostDeviceOptions device_options;
+    device_options.ordinal = r;
+    device_options.jitter_max_us = 50;
+    devices.push_back(std::move(make_host_device(device_options)).value());
+    raw.push_back(devices.back().get());
+  }
+  auto comms = std::move(make_local_comm_group(raw)).value();
+
+  std::vector<Status> statuses(static_cast<std::size_t>(world_size));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world_size; ++rank) {
+    threads.emplace_back([&, rank] {
+      const auto urank = static_cast<std::size_t>(rank);
+      Device& device = *devices[urank];
+      Communicator& comm = *comms[urank];
+      auto body = [&]() -> Status {
+        ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("zero"));
+        ZINF_ASSIGN_OR_RETURN(auto done, device.create_event());
+        std::vector<const void*> value_ptrs, grad_ptrs;
+        for (ParamId id = 0; id < p.param_count(); ++id) {
+          value_ptrs.push_back(values[id].data());
+          grad_ptrs.push_back(grads[urank][id].data());
+        }
+        for (std::uint32_t g = 0; g < p.group_count(); ++g) {
+          const GroupInfo& info = p.group(g);
+          const std::size_t shard = info.shard_element_count;
+          std::vector<float> host_shard(shard);
+          std::vector<float> host_full(info.padded_element_count);
+          std::vector<float> host_grads(info.padded_element_count);
+          // The full gradient of this rank in the group's layout: its slice from each "rank".
+          for (int owner = 0; owner < world_size; ++owner) {
+            p.fill_shard(g, owner, grad_ptrs, host_grads.data() + p.shard_offset(g, owner));
+          }
+          p.fill_shard(g, rank, value_ptrs, host_shard.data());
+          ZINF_ASSIGN_OR_RETURN(DeviceBuffer full,
+                                DeviceBuffer::allocate(device, info.padded_element_count * 4));
+          ZINF_ASSIGN_OR_RETURN(DeviceBuffer grad,
+                                DeviceBuffer::allocate(device, info.padded_element_count * 4));
+          float* own = full.as<float>() + p.shard_offset(g, rank);
+          ZINF_RETURN_IF_ERROR(device.copy_h2d(own, host_shard.data(), shard * 4, *stream));
+          ZINF_RETURN_IF_ERROR(
+              comm.all_gather(own, full.data(), shard, DType::kF32, *stream, "params"));
+          ZINF_RETURN_IF_ERROR(device.copy_h2d(grad.data(), host_grads.data(),
+                                               info.padded_element_count * 4, *stream));
+          float* grad_slice = grad.as<float>() + p.shard_offset(g, rank);
+          ZINF_RETURN_IF_ERROR(comm.reduce_scatter(grad.data(), grad_slice, shard, DType::kF32,
+                                                   ReduceOp::kAverage, *stream, "grads"));
+          ZINF_RETURN_IF_ERROR(device.copy_d2h(host_full.data(), full.data(),
+                                               info.padded_element_count * 4, *stream));
+          ZINF_RETURN_IF_ERROR(device.copy_d2h(host_shard.data(), grad_slice, shard * 4, *stream));
+          ZINF_RETURN_IF_ERROR(device.record(*done, *stream));
+          ZINF_RETURN_IF_ERROR(comm.wait(*done, std::chrono::seconds(30)));
+          for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+            const ParamLocation& loc = p.location(id);
+            if (std::memcmp(host_full.data() + loc.group_offset, values[id].data(),
+                            loc.element_count * 4) != 0) {
+              return Status::internal(
+                  fmt::format("gathered parameter {} differs", p.spec(id).name));
+            }
+          }
+          // The mean over ranks, summed in rank order, for every element this rank owns;
+          // padding stays zero.
+          std::vector<float> expected(shard, 0.0f);
+          for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
+            for (std::size_t i = 0; i < piece.element_count; ++i) {
+              float sum = 0.0f;
+              for (int r = 0; r < world_size; ++r) {
+                const float x =
+                    grads[static_cast<std::size_t>(r)][piece.param][piece.param_offset + i];
+                sum = r == 0 ? x : sum + x;
+              }
+              expected[piece.shard_offset + i] = sum / static_cast<float>(world_size);
+            }
+          }
+          if (host_shard != expected) return Status::internal("averaged gradient slice differs");
+        }
+        return Status::ok();
+      };
+      statuses[urank] = body();
+    });
+  }
+  for (auto& thread : threads) thread.join();
+  for (int r = 0; r < world_size; ++r) {
+    EXPECT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
+        << "rank " << r << ": " << statuses[static_cast<std::size_t>(r)].to_string();
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, PartitionComm, ::testing::Values(1, 2, 3, 4, 5));
+
+}  // namespace
+}  // namespace zinf
