@@ -171,7 +171,7 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   std::vector<std::uint64_t> sub_groups;
   for (int shift = 22; shift <= 28; ++shift) sub_groups.push_back(std::uint64_t{1} << shift);
   if (constraints.sub_group_params) sub_groups = {*constraints.sub_group_params};
-  std::vector<std::uint64_t> buffer_counts = {2, 3, 4, 6, 8};
+  std::vector<std::uint64_t> buffer_counts = {3, 4, 6, 8};
   if (constraints.buffer_count) buffer_counts = {*constraints.buffer_count};
 
   EngineSetup base;
@@ -181,6 +181,12 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   const std::uint64_t shard = ceil_div(param_count(model), budgets.gpus);
 
   PlanResult result;
+  // Per tier: the least need over all candidates, and over candidates fitting the other tiers.
+  std::array<std::uint64_t, kTierCount> least_any;
+  std::array<std::uint64_t, kTierCount> least_others_fit;
+  least_any.fill(UINT64_MAX);
+  least_others_fit.fill(UINT64_MAX);
+  std::array<TierUse, kTierCount> budget_use{};
   bool have_best = false;
   bool have_closest = false;
   Candidate closest;
@@ -188,6 +194,13 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
     if (!validate_setup(s).is_ok()) return;
     Candidate c = evaluate(model, training, s, budgets, profile);
     ++result.candidates_considered;
+    budget_use = c.use;
+    for (int t = 0; t < kTierCount; ++t) {
+      least_any[t] = std::min(least_any[t], c.use[t].need_bytes);
+      bool others_fit = true;
+      for (int o = 0; o < kTierCount; ++o) others_fit = others_fit && (o == t || c.use[o].fits());
+      if (others_fit) least_others_fit[t] = std::min(least_others_fit[t], c.use[t].need_bytes);
+    }
     if (c.fits()) {
       ++result.candidates_fitting;
       if (!have_best || better(c, result.best)) {
@@ -235,6 +248,24 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   if (!have_best) {
     ZINF_ASSERT(have_closest);
     result.best = std::move(closest);
+    auto add_shortfalls = [&](const std::array<std::uint64_t, kTierCount>& least, bool every) {
+      for (int t = 0; t < kTierCount; ++t) {
+        if (least[t] == UINT64_MAX || least[t] <= budget_use[t].usable_bytes) continue;
+        Shortfall f;
+        f.tier = static_cast<Tier>(t);
+        f.need_bytes = least[t];
+        f.usable_bytes = budget_use[t].usable_bytes;
+        f.budget_bytes = budget_use[t].budget_bytes;
+        f.every_placement = every;
+        result.shortfalls.push_back(f);
+      }
+    };
+    add_shortfalls(least_any, true);
+    if (result.shortfalls.empty()) add_shortfalls(least_others_fit, false);
+    std::sort(result.shortfalls.begin(), result.shortfalls.end(),
+              [](const Shortfall& a, const Shortfall& b) {
+                return a.shortfall_bytes() < b.shortfall_bytes();
+              });
   }
   result.no_offload = no_offload_gpus(model, training, budgets);
   return result;
@@ -242,19 +273,45 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
 
 std::string shortfall_message(const PlanResult& result) {
   if (result.fits) return "";
-  std::string out = "nothing fits";
-  const Candidate& c = result.best;
-  out += fmt::format(" (closest: stage {}, optimizer on {}, params on {}{}):", c.setup.stage,
-                     offload_name(c.setup.optimizer), offload_name(c.setup.params),
-                     c.setup.gradients_on_nvme ? ", gradients on nvme" : "");
-  for (const TierUse& u : c.use) {
-    if (u.fits()) continue;
-    const char* unit = u.tier == Tier::kDevice ? "per GPU" : "per machine";
-    out += fmt::format("\n  {} is short by {}: needs {} {} of {} usable ({} budget less headroom)",
-                       tier_name(u.tier), gib(static_cast<double>(u.shortfall_bytes())),
-                       gib(static_cast<double>(u.need_bytes)), unit,
-                       gib(static_cast<double>(u.usable_bytes)),
-                       gib(static_cast<double>(u.budget_bytes)));
+  auto unit = [](Tier tier) { return tier == Tier::kDevice ? "per GPU" : "per machine"; };
+  std::string out = "nothing fits the budgets:";
+  for (const Shortfall& f : result.shortfalls) {
+    std::string others;
+    for (int t = 0; t < kTierCount; ++t) {
+      if (static_cast<Tier>(t) == f.tier) continue;
+      others += others.empty() ? "" : " and ";
+      others += tier_name(static_cast<Tier>(t));
+    }
+    out += fmt::format(
+        "\n  {} is short by {}: {} needs at least {} {} there, {} usable ({} budget "
+        "less headroom)",
+        tier_name(f.tier), gib(static_cast<double>(f.shortfall_bytes())),
+        f.every_placement ? "every placement" : fmt::format("a placement that fits {}", others),
+        gib(static_cast<double>(f.need_bytes)), unit(f.tier),
+        gib(static_cast<double>(f.usable_bytes)), gib(static_cast<double>(f.budget_bytes)));
+    if (f.tier == Tier::kDevice && f.every_placement) {
+      out += "; activations take " +
+             gib(static_cast<double>(
+                 result.best.memory.bytes(StateKind::kActivations, Tier::kDevice))) +
+             " of it (--checkpoint-activations or a smaller --micro-batch / --seq shrink them)";
+    }
+  }
+  if (result.shortfalls.empty()) {
+    // Each tier fits some placement, but none fits two of them at once: show the closest.
+    const Candidate& c = result.best;
+    out += fmt::format(
+        "\n  the closest placement (stage {}, optimizer state on {}, params on {}{}) "
+        "is short on",
+        c.setup.stage, tier_name(offload_tier(c.setup.optimizer)),
+        tier_name(offload_tier(c.setup.params)),
+        c.setup.gradients_on_nvme ? ", gradients on nvme" : "");
+    for (const TierUse& u : c.use) {
+      if (u.fits()) continue;
+      out += fmt::format("\n    {} by {}: needs {} {} of {} usable", tier_name(u.tier),
+                         gib(static_cast<double>(u.shortfall_bytes())),
+                         gib(static_cast<double>(u.need_bytes)), unit(u.tier),
+                         gib(static_cast<double>(u.usable_bytes)));
+    }
   }
   return out;
 }

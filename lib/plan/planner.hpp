@@ -5,13 +5,14 @@
 // Search: every ZeRO stage (1, 2, 3), optimizer state on device / host / NVMe, half params
 // (stage 3) on device / host / NVMe, gradients on the host or spilled to NVMe (optimizer on
 // NVMe), and for state on NVMe the sub-group size (2^22 .. 2^28 parameters) and buffer count
-// (2, 3, 4, 6, 8). Bucket and prefetch sizes follow DeepSpeed's recipe for `auto` in its
-// Hugging Face integration: reduce_bucket_size = h², stage3_prefetch_bucket_size = 0.9·h²,
-// stage3_param_persistence_threshold = 10·h; stage3_max_live_parameters = two layers or the
-// largest tensor, whichever is more. A candidate fits when, per rank, device bytes ≤ (1 −
-// headroom)·gpu_mem, and per machine host bytes ≤ (1 − headroom)·host_mem and NVMe bytes ≤
-// (1 − headroom)·nvme_capacity. Among those that fit the lowest predicted step time wins; times
-// within 1% count as equal and then the one with less offloaded (then the lower stage) wins.
+// (3, 4, 6, 8: read i+1, update i and write i-1 need three). Bucket and prefetch sizes follow
+// DeepSpeed's recipe for `auto` in its Hugging Face integration: reduce_bucket_size = h²,
+// stage3_prefetch_bucket_size = 0.9·h², stage3_param_persistence_threshold = 10·h;
+// stage3_max_live_parameters = two layers or the largest tensor, whichever is more. A candidate
+// fits when, per rank, device bytes ≤ (1 − headroom)·gpu_mem, and per machine host bytes ≤ (1 −
+// headroom)·host_mem and NVMe bytes ≤ (1 − headroom)·nvme_capacity. Among those that fit the lowest
+// predicted step time wins; times within 1% count as equal and then the one with less offloaded
+// (then the lower stage) wins.
 //
 // No-offload comparison: ZeRO-3 with everything on the device needs, per GPU,
 //   16·P / N  (2 half params + 2 half gradients + 12 fp32 master, m, v, per parameter)
@@ -81,8 +82,24 @@ struct NoOffloadComparison {
   std::string arithmetic;         // the sum written out, one line
 };
 
+// A tier that no placement fits, and by how much.
+struct Shortfall {
+  Tier tier = Tier::kDevice;
+  std::uint64_t need_bytes = 0;  // the least any placement needs (see `every_placement`)
+  std::uint64_t usable_bytes = 0;
+  std::uint64_t budget_bytes = 0;
+  // True: every placement needs at least need_bytes here, whatever the other tiers hold.
+  // False: only placements that fit the other tiers were counted; more of this tier makes the
+  // plan fit.
+  bool every_placement = false;
+  std::uint64_t shortfall_bytes() const { return need_bytes - usable_bytes; }
+};
+
 struct PlanResult {
   bool fits = false;
+  // When nothing fits: the short tiers (see Shortfall), least short first. Empty when each
+  // tier fits some placement alone and no placement fits all but one; then `best` tells.
+  std::vector<Shortfall> shortfalls;
   // The chosen candidate when fits; otherwise the candidate closest to fitting (least total
   // relative shortfall), whose `use` says which tiers are short.
   Candidate best;
@@ -108,8 +125,8 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
                              const Budgets& budgets, const MachineProfile& profile,
                              const PlanConstraints& constraints = {});
 
-// For a plan that does not fit: one line per short tier, "<tier> is short by <bytes>: needs
-// <need> of <usable> usable (<budget> less <headroom>% headroom)", naming what is there.
+// For a plan that does not fit: "nothing fits", then one line per short tier, "<tier> is short
+// by <bytes>: ..." with the least it needs and what is usable; "" when the plan fits.
 std::string shortfall_message(const PlanResult& result);
 
 }  // namespace zinf::plan

@@ -1,0 +1,229 @@
+#include "plan/profile.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <thread>
+#include <vector>
+
+#include "base/aligned.hpp"
+#include "base/membw.hpp"
+#include "base/random.hpp"
+
+namespace zinf::plan {
+namespace {
+
+using nlohmann::json;
+
+Status read_rate(const json& object, const char* key, const std::string& path, double* out) {
+  if (!object.contains(key)) return Status::ok();
+  const json& v = object.at(key);
+  if (!v.is_number() || v.get<double>() < 0) {
+    return Status::invalid_argument(
+        fmt::format("{}{}: {} is not a non-negative number", path, key, v.dump()));
+  }
+  *out = v.get<double>();
+  return Status::ok();
+}
+
+// Picks NVMe rates out of an io tune sweep: the entry at the engine's block size and depth, or
+// the best read and best write.
+Status read_sweep(const json& results, std::uint64_t block_bytes, std::uint64_t queue_depth,
+                  double* read_gbps, double* write_gbps) {
+  if (!results.is_array()) return Status::invalid_argument("io.results: is not an array");
+  double best_read = 0;
+  double best_write = 0;
+  for (const json& entry : results) {
+    if (!entry.is_object()) return Status::invalid_argument("io.results[]: is not an object");
+    double r = 0;
+    double w = 0;
+    ZINF_RETURN_IF_ERROR(read_rate(entry, "read_gbps", "io.results[].", &r));
+    ZINF_RETURN_IF_ERROR(read_rate(entry, "write_gbps", "io.results[].", &w));
+    const bool match = entry.value("block_bytes", std::uint64_t{0}) == block_bytes &&
+                       entry.value("queue_depth", std::uint64_t{0}) == queue_depth;
+    if (match && r > 0 && w > 0) {
+      *read_gbps = r;
+      *write_gbps = w;
+      return Status::ok();
+    }
+    best_read = std::max(best_read, r);
+    best_write = std::max(best_write, w);
+  }
+  if (best_read > 0) *read_gbps = best_read;
+  if (best_write > 0) *write_gbps = best_write;
+  return Status::ok();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+std::string default_profile_path() {
+  if (const char* p = std::getenv("ZINF_MACHINE_PROFILE"); p != nullptr && *p != '\0') return p;
+  if (const char* p = std::getenv("XDG_CACHE_HOME"); p != nullptr && *p != '\0') {
+    return std::string(p) + "/zinf/machine.json";
+  }
+  if (const char* p = std::getenv("HOME"); p != nullptr && *p != '\0') {
+    return std::string(p) + "/.cache/zinf/machine.json";
+  }
+  return ".zinf-machine.json";
+}
+
+Status parse_machine_profile(std::string_view text, const std::string& source,
+                             std::uint64_t io_block_bytes, std::uint64_t io_queue_depth,
+                             MachineProfile* profile) {
+  json root = json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (root.is_discarded() || !root.is_object()) {
+    return Status::invalid_argument(fmt::format("{}: not a JSON object", source));
+  }
+  MachineProfile p = *profile;
+  const double adam_before = p.mem_adam_gbps;
+  ZINF_RETURN_IF_ERROR(read_rate(root, "mem_adam_pattern_gbps", "", &p.mem_adam_gbps));
+  if (p.mem_adam_gbps != adam_before) p.memory_source = source;
+  if (root.contains("cpu_cores") && root.at("cpu_cores").is_number_integer()) {
+    p.cpu_cores = root.at("cpu_cores").get<int>();
+  }
+  double read = 0;
+  double write = 0;
+  ZINF_RETURN_IF_ERROR(read_rate(root, "nvme_read_gbps", "", &read));
+  ZINF_RETURN_IF_ERROR(read_rate(root, "nvme_write_gbps", "", &write));
+  if (root.contains("io")) {
+    const json& io = root.at("io");
+    if (!io.is_object())
+      return Status::invalid_argument(fmt::format("{}: io is not an object", source));
+    ZINF_RETURN_IF_ERROR(read_rate(io, "read_gbps", "io.", &read));
+    ZINF_RETURN_IF_ERROR(read_rate(io, "write_gbps", "io.", &write));
+    if (io.contains("results")) {
+      ZINF_RETURN_IF_ERROR(
+          read_sweep(io.at("results"), io_block_bytes, io_queue_depth, &read, &write));
+    }
+  }
+  if (read > 0 && write > 0) {
+    p.nvme_read_gbps = read;
+    p.nvme_write_gbps = write;
+    p.nvme_source = source;
+  }
+  bool gpu_given = false;
+  for (auto [key, field] :
+       {std::pair{"h2d_gbps", &p.h2d_gbps}, std::pair{"gpu_mem_gbps", &p.gpu_mem_gbps},
+        std::pair{"gpu_tflops", &p.gpu_tflops}, std::pair{"gpu_link_gbps", &p.gpu_link_gbps}}) {
+    if (root.contains(key)) gpu_given = true;
+    ZINF_RETURN_IF_ERROR(read_rate(root, key, "", field));
+  }
+  if (gpu_given) p.gpu_source = source;
+  *profile = p;
+  return Status::ok();
+}
+
+Status load_machine_profile(const std::string& path, std::uint64_t io_block_bytes,
+                            std::uint64_t io_queue_depth, MachineProfile* profile) {
+  std::ifstream file(path);
+  if (!file) return status_from_errno(fmt::format("machine profile {}", path), errno);
+  std::stringstream text;
+  text << file.rdbuf();
+  return parse_machine_profile(text.str(), fmt::format("file {}", path), io_block_bytes,
+                               io_queue_depth, profile);
+}
+
+double measure_adam_gbps(std::uint64_t bytes_per_stream, int reps) {
+  // Read g; read and write p, m, v; write the half copy.
+  const StreamPattern pattern{{4}, {4, 4, 4}, {2}};
+  BandwidthProbe probe(pattern, bytes_per_stream / 4, 0);
+  probe.run_once();  // warm-up: page faults, frequency
+  std::vector<double> gbps;
+  for (int r = 0; r < std::max(reps, 1); ++r) gbps.push_back(probe.run_once());
+  return median(gbps);
+}
+
+Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
+                               std::uint64_t block_bytes, int threads) {
+  if (block_bytes == 0 || block_bytes % 4096 != 0 || threads < 1) {
+    return Status::invalid_argument("measure_disk: block_bytes must be a multiple of 4096");
+  }
+  const std::uint64_t blocks_per_thread =
+      std::max<std::uint64_t>(1, file_bytes / block_bytes / static_cast<std::uint64_t>(threads));
+  const std::uint64_t total_bytes =
+      blocks_per_thread * block_bytes * static_cast<std::uint64_t>(threads);
+  std::string path = dir + "/.zinf-plan-disk-XXXXXX";
+  const int fd = mkstemp(path.data());
+  if (fd < 0) return status_from_errno(fmt::format("create a scratch file in {}", dir), errno);
+  close(fd);
+  const int dfd = open(path.c_str(), O_RDWR | O_DIRECT);
+  if (dfd < 0) {
+    const int err = errno;
+    unlink(path.c_str());
+    return Status::unsupported(
+        fmt::format("{}: O_DIRECT refused ({}); give --nvme-read-gbps and --nvme-write-gbps", dir,
+                    std::strerror(err)),
+        err);
+  }
+  if (ftruncate(dfd, static_cast<off_t>(total_bytes)) != 0) {
+    const int err = errno;
+    close(dfd);
+    unlink(path.c_str());
+    return status_from_errno(fmt::format("ftruncate {}", path), err);
+  }
+  std::vector<AlignedBuffer> buffers;
+  for (int t = 0; t < threads; ++t) {
+    buffers.emplace_back(block_bytes, 4096);
+    fill_random_bytes(buffers.back().data(), block_bytes, 0x9e3779b9u + static_cast<unsigned>(t));
+  }
+  std::atomic<int> first_error{0};
+  auto pass = [&](bool write) {
+    const auto start = std::chrono::steady_clock::now();
+    std::vector<std::thread> workers;
+    for (int t = 0; t < threads; ++t) {
+      workers.emplace_back([&, t] {
+        for (std::uint64_t b = 0; b < blocks_per_thread; ++b) {
+          const auto offset = static_cast<off_t>(
+              (static_cast<std::uint64_t>(t) * blocks_per_thread + b) * block_bytes);
+          std::byte* data = buffers[static_cast<std::size_t>(t)].data();
+          std::uint64_t done = 0;
+          while (done < block_bytes) {
+            const ssize_t n = write ? pwrite(dfd, data + done, block_bytes - done,
+                                             offset + static_cast<off_t>(done))
+                                    : pread(dfd, data + done, block_bytes - done,
+                                            offset + static_cast<off_t>(done));
+            if (n < 0 && errno == EINTR) continue;
+            if (n <= 0) {
+              int expected = 0;
+              first_error.compare_exchange_strong(expected, n < 0 ? errno : EIO);
+              return;
+            }
+            done += static_cast<std::uint64_t>(n);
+          }
+        }
+      });
+    }
+    for (auto& w : workers) w.join();
+    if (write) fdatasync(dfd);
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return static_cast<double>(total_bytes) / s / 1e9;
+  };
+  DiskRates rates;
+  rates.write_gbps = pass(true);
+  rates.read_gbps = pass(false);
+  close(dfd);
+  unlink(path.c_str());
+  if (first_error.load() != 0) {
+    return status_from_errno(fmt::format("O_DIRECT I/O on {}", path), first_error.load());
+  }
+  return rates;
+}
+
+}  // namespace zinf::plan

@@ -1,0 +1,61 @@
+// The machine profile the time model reads: where it is kept, which keys it needs, and how to
+// measure the missing figures now.
+//
+// A profile is one JSON object. The planner reads these keys and ignores the rest, so the
+// output of `zinf probe --json` is a valid profile, and `zinf io tune` can add its results:
+//   mem_adam_pattern_gbps   the fp32 Adam access pattern's bandwidth (zinf probe)
+//   cpu_cores               (zinf probe)
+//   nvme_read_gbps, nvme_write_gbps    NVMe rates at the engine's block size and depth
+//   io: {"read_gbps": R, "write_gbps": W}   the same, as a section
+//   io: {"results": [{"block_bytes": B, "queue_depth": D, "read_gbps": R, "write_gbps": W},
+//        ...]}          io tune's sweep: the entry at the engine's block size and depth is used
+//                       when there is one, else the best read and the best write
+//   h2d_gbps, gpu_mem_gbps, gpu_tflops, gpu_link_gbps   GPU figures, when measured
+// Rates are GB/s (1e9 bytes/s).
+//
+// Default location: $ZINF_MACHINE_PROFILE, else $XDG_CACHE_HOME/zinf/machine.json, else
+// $HOME/.cache/zinf/machine.json.
+// Thread-safety: functions; the measurements must not overlap other heavy work in time.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "plan/time_model.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf::plan {
+
+std::string default_profile_path();
+
+// Reads the keys above from the JSON text into `profile`, leaving fields the text does not
+// have as they are; `source` names the file in profile->*_source. `io_block_bytes` and
+// `io_queue_depth` pick the io tune entry. invalid_argument naming the key on a bad value.
+Status parse_machine_profile(std::string_view text, const std::string& source,
+                             std::uint64_t io_block_bytes, std::uint64_t io_queue_depth,
+                             MachineProfile* profile);
+
+// Reads `path` with parse_machine_profile(); not_found when the file does not exist.
+Status load_machine_profile(const std::string& path, std::uint64_t io_block_bytes,
+                            std::uint64_t io_queue_depth, MachineProfile* profile);
+
+// Bandwidth of the CPU Adam's access pattern with the half copy (read g; read and write p, m,
+// v; write the half params: 30 B an element), `bytes_per_stream` per stream, all cores, median
+// of `reps` passes after a warm-up. GB/s.
+double measure_adam_gbps(std::uint64_t bytes_per_stream, int reps);
+
+struct DiskRates {
+  double read_gbps = 0;
+  double write_gbps = 0;
+};
+
+// A simple sequential O_DIRECT write then read of a `file_bytes` scratch file in `dir`, in
+// `block_bytes` requests from `threads` threads (each its own stretch, so `threads` requests
+// are in flight), with seeded random data. The file is removed afterwards. unsupported when
+// O_DIRECT is refused (tmpfs); io_error naming the file on a failed call. Not io tune: one
+// block size and depth, a short run; good enough for a first estimate.
+Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
+                               std::uint64_t block_bytes, int threads);
+
+}  // namespace zinf::plan

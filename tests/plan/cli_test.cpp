@@ -1,0 +1,157 @@
+// `zinf plan` as a user runs it: JSON keys, the table, the written config, and the exit code and
+// message when nothing fits. Runs the zinf binary of the same build (bin/zinf beside tests/);
+// skips, saying so, when it has not been built.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "plan/config.hpp"
+
+namespace zinf::plan {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string zinf_binary() {
+  const fs::path exe = fs::read_symlink("/proc/self/exe");
+  for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path();
+       dir = dir.parent_path()) {
+    if (fs::exists(dir / "bin" / "zinf")) return (dir / "bin" / "zinf").string();
+  }
+  return "";
+}
+
+struct CliRun {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs `zinf <args>` with a fixed machine profile so nothing is measured.
+CliRun run_zinf(const std::string& args) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string dir = tmp != nullptr ? tmp : "/tmp";
+  fs::create_directories(dir);
+  const std::string err_path = dir + "/plan_cli_test.err";
+  const std::string cmd = zinf_binary() + " " + args + " 2>" + err_path;
+  CliRun run;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return run;
+  std::array<char, 4096> chunk;
+  while (std::fgets(chunk.data(), chunk.size(), pipe) != nullptr) run.out += chunk.data();
+  const int status = pclose(pipe);
+  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  std::ifstream err(err_path);
+  std::stringstream text;
+  text << err.rdbuf();
+  run.err = text.str();
+  return run;
+}
+
+constexpr const char* kRates =
+    " --mem-adam-gbps 50 --nvme-read-gbps 6 --nvme-write-gbps 4 --measure";
+
+class PlanCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (zinf_binary().empty()) GTEST_SKIP() << "bin/zinf is not built: build target zinf_cli";
+  }
+};
+
+TEST_F(PlanCli, JsonHasFitsBytesPerTierAndTheStepParts) {
+  const CliRun r = run_zinf(
+      "plan --model llama-2-70b --gpus 4 --gpu-mem 48GB --host-mem 256GB --nvme-capacity 4TB "
+      "--seq 4096 --checkpoint-activations --json" +
+      std::string(kRates));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("fits"), true);
+  for (const char* tier : {"device", "host", "nvme"}) {
+    EXPECT_GT(j.at("bytes_per_tier").at(tier).get<double>(), 0) << tier;
+  }
+  EXPECT_GT(j.at("predicted_step_s").get<double>(), 0);
+  for (const char* part : {"forward_backward_s", "optimizer_step_s", "io_alone_s", "update_alone_s",
+                           "param_fetch_s", "pipeline_s"}) {
+    EXPECT_TRUE(j.at("parts").contains(part)) << part;
+  }
+  EXPECT_EQ(j.at("no_offload").at("gpus_needed"), 36);
+  EXPECT_EQ(j.at("placement").at("offload_optimizer"), "nvme");
+}
+
+TEST_F(PlanCli, TableShowsTiersTimeAndTheNoOffloadArithmetic) {
+  const CliRun r = run_zinf(
+      "plan --model llama-2-70b --gpus 4 --gpu-mem 48GB --host-mem 256GB --nvme-capacity 4TB "
+      "--seq 4096 --checkpoint-activations" +
+      std::string(kRates));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  for (const char* text : {"device/GPU", "host/machine", "nvme/machine", "fp32_master",
+                           "predicted step", "without offload: 36 GPUs", "ceil("}) {
+    EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
+  }
+}
+
+TEST_F(PlanCli, OutWritesAConfigTheParserAccepts) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_cli_config.json";
+  const CliRun r = run_zinf(
+      "plan --model llama-3-8b --gpus 1 --gpu-mem 24GB --host-mem 64GB --nvme-capacity 1TB "
+      "--nvme-path /mnt/nvme --checkpoint-activations --out " +
+      path + kRates);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  auto config = config_from_json(text.str());
+  ASSERT_TRUE(config.is_ok()) << config.status().to_string() << "\n" << text.str();
+  // 8B params x 16 B of state do not fit 64 GB of host memory: the optimizer goes to NVMe.
+  EXPECT_EQ(config->setup.optimizer, Offload::kNvme);
+  EXPECT_EQ(config->nvme_path, "/mnt/nvme");
+  std::remove(path.c_str());
+}
+
+TEST_F(PlanCli, NothingFitsExitsTwoNamingTheShortTier) {
+  const CliRun r = run_zinf(
+      "plan --model llama-2-70b --gpus 4 --gpu-mem 48GB --host-mem 256GB --nvme-capacity 512GB "
+      "--seq 4096 --checkpoint-activations" +
+      std::string(kRates));
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("nothing fits"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("nvme is short by 598.68 GiB"), std::string::npos) << r.err;
+}
+
+TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {
+  const CliRun r =
+      run_zinf("plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB --json" +
+               std::string(kRates));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  for (const char* key :
+       {"step_s", "io_alone_s", "update_alone_s", "read_gbps", "write_gbps", "host_bytes"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  // 1e9 params: 12e9 B read at 6 GB/s + 12e9 B written at 4 GB/s.
+  EXPECT_DOUBLE_EQ(j.at("io_alone_s").get<double>(), 2.0 + 3.0);
+  EXPECT_DOUBLE_EQ(j.at("update_alone_s").get<double>(), 30e9 / 50e9);
+  EXPECT_EQ(j.at("params"), 1'000'000'000);
+}
+
+TEST_F(PlanCli, BadOptionsExitOneWithAMessage) {
+  CliRun r = run_zinf("plan --model gpt-17 --gpu-mem 8GB --host-mem 8GB" + std::string(kRates));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--model gpt-17"), std::string::npos) << r.err;
+  r = run_zinf("plan --model gpt2 --gpu-mem lots --host-mem 8GB" + std::string(kRates));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--gpu-mem lots"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace zinf::plan

@@ -1,0 +1,177 @@
+// The engine config the planner writes: DeepSpeed's keys, read back unchanged, and errors that
+// name the key.
+#include "plan/config.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+
+#include "plan/profile.hpp"
+
+namespace zinf::plan {
+namespace {
+
+PlanConfig sample() {
+  PlanConfig c;
+  c.setup.stage = 3;
+  c.setup.world_size = 8;
+  c.setup.ranks_per_machine = 4;
+  c.setup.optimizer = Offload::kNvme;
+  c.setup.params = Offload::kCpu;
+  c.setup.gradients_on_nvme = true;
+  c.setup.sub_group_params = 1 << 24;
+  c.setup.buffer_count = 6;
+  c.setup.reduce_bucket_params = 67'108'864;
+  c.setup.prefetch_bucket_params = 60'397'977;
+  c.setup.max_live_params = 1'711'308'800;
+  c.setup.persistence_threshold_params = 81'920;
+  c.setup.io_block_bytes = 1 << 20;
+  c.setup.io_queue_depth = 16;
+  c.micro_batch = 2;
+  c.grad_accum_steps = 8;
+  c.nvme_path = "/local_nvme";
+  c.pinned_pool_bytes = pinned_pool_bytes(c.setup);
+  return c;
+}
+
+TEST(Config, UsesDeepSpeedKeys) {
+  const nlohmann::json j = nlohmann::json::parse(config_to_json(sample()));
+  const auto& zero = j.at("zero_optimization");
+  EXPECT_EQ(zero.at("stage"), 3);
+  EXPECT_EQ(zero.at("offload_optimizer").at("device"), "nvme");
+  EXPECT_EQ(zero.at("offload_optimizer").at("nvme_path"), "/local_nvme");
+  EXPECT_EQ(zero.at("offload_optimizer").at("buffer_count"), 6);
+  EXPECT_EQ(zero.at("offload_param").at("device"), "cpu");
+  EXPECT_EQ(zero.at("sub_group_size"), 1 << 24);
+  EXPECT_EQ(zero.at("reduce_bucket_size"), 67'108'864);
+  EXPECT_EQ(zero.at("stage3_prefetch_bucket_size"), 60'397'977);
+  EXPECT_EQ(zero.at("stage3_max_live_parameters"), 1'711'308'800);
+  EXPECT_EQ(zero.at("stage3_param_persistence_threshold"), 81'920);
+  EXPECT_EQ(j.at("train_micro_batch_size_per_gpu"), 2);
+  EXPECT_EQ(j.at("gradient_accumulation_steps"), 8);
+  EXPECT_EQ(j.at("aio").at("block_size"), 1 << 20);
+  EXPECT_EQ(j.at("aio").at("queue_depth"), 16);
+  // 6 buffers of 2^24 params x 16 B (master, m, v, spilled gradient).
+  EXPECT_EQ(j.at("zinf").at("pinned_pool_bytes"), 6ull * (1 << 24) * 16);
+  EXPECT_EQ(j.at("zinf").at("gradients_on_nvme"), true);
+  EXPECT_EQ(j.at("zinf").at("world_size"), 8);
+}
+
+TEST(Config, RoundTrips) {
+  const PlanConfig a = sample();
+  auto b = config_from_json(config_to_json(a));
+  ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+  EXPECT_EQ(config_to_json(*b), config_to_json(a));
+  EXPECT_EQ(b->setup.optimizer, Offload::kNvme);
+  EXPECT_EQ(b->setup.params, Offload::kCpu);
+  EXPECT_EQ(b->nvme_path, "/local_nvme");
+  EXPECT_EQ(b->pinned_pool_bytes, a.pinned_pool_bytes);
+}
+
+TEST(Config, ReadsAHandWrittenDeepSpeedConfig) {
+  // DeepSpeed configs write counts as floats (1e9) and leave most keys out.
+  const char* text = R"({
+    "train_micro_batch_size_per_gpu": 4,
+    "zero_optimization": {
+      "stage": 2,
+      "offload_optimizer": {"device": "cpu", "pin_memory": true},
+      "sub_group_size": 1e9,
+      "reduce_bucket_size": 5e8
+    }
+  })";
+  auto c = config_from_json(text);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->setup.stage, 2);
+  EXPECT_EQ(c->setup.optimizer, Offload::kCpu);
+  EXPECT_EQ(c->setup.sub_group_params, 1'000'000'000u);
+  EXPECT_EQ(c->setup.reduce_bucket_params, 500'000'000u);
+  EXPECT_EQ(c->micro_batch, 4u);
+}
+
+TEST(Config, ErrorsNameTheKey) {
+  struct Case {
+    const char* text;
+    const char* key;
+  };
+  const Case cases[] = {
+      {R"({"zero_optimization": {"stage": 5}})", "zero_optimization.stage"},
+      {R"({"zero_optimization": {"stage": "three"}})", "zero_optimization.stage"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "disk"}}})",
+       "zero_optimization.offload_optimizer.device"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})",
+       "offload_optimizer.nvme_path"},
+      {R"({"zero_optimization": {"stage": 1, "offload_param": {"device": "cpu"}}})",
+       "offload_param"},
+      {R"({"zinf": {"gradients_on_nvme": 1}})", "zinf.gradients_on_nvme"},
+      {R"({"aio": {"queue_depth": -4}})", "aio.queue_depth"},
+      {"[1, 2]", "not a JSON object"},
+  };
+  for (const Case& c : cases) {
+    auto r = config_from_json(c.text);
+    ASSERT_FALSE(r.is_ok()) << c.text;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << c.text;
+    EXPECT_NE(r.status().message().find(c.key), std::string_view::npos)
+        << c.text << " -> " << r.status().to_string();
+  }
+}
+
+TEST(Config, WriteConfigWritesTheFileOrNamesThePath) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string dir = tmp != nullptr ? tmp : "/tmp";
+  const std::string path = dir + "/plan_config_test.json";
+  ASSERT_TRUE(write_config(sample(), path).is_ok());
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  EXPECT_EQ(text.str(), config_to_json(sample()));
+  std::remove(path.c_str());
+  const Status bad = write_config(sample(), dir + "/no/such/dir/config.json");
+  EXPECT_FALSE(bad.is_ok());
+  EXPECT_NE(bad.message().find("no/such/dir"), std::string_view::npos) << bad.to_string();
+}
+
+TEST(Profile, ReadsProbeOutputAndIoTuneResults) {
+  // `zinf probe --json` output with an io tune sweep added.
+  const char* text = R"({"cpu_cores": 16, "mem_triad_gbps": 80.5, "mem_adam_pattern_gbps": 61.25,
+    "io": {"results": [
+      {"block_bytes": 131072, "queue_depth": 8, "read_gbps": 2.5, "write_gbps": 1.5},
+      {"block_bytes": 1048576, "queue_depth": 32, "read_gbps": 6.5, "write_gbps": 3.25},
+      {"block_bytes": 4194304, "queue_depth": 64, "read_gbps": 7.0, "write_gbps": 3.0}]}})";
+  MachineProfile p;
+  ASSERT_TRUE(parse_machine_profile(text, "file x.json", 1 << 20, 32, &p).is_ok());
+  EXPECT_DOUBLE_EQ(p.mem_adam_gbps, 61.25);
+  EXPECT_EQ(p.cpu_cores, 16);
+  // The entry at the engine's block size and depth.
+  EXPECT_DOUBLE_EQ(p.nvme_read_gbps, 6.5);
+  EXPECT_DOUBLE_EQ(p.nvme_write_gbps, 3.25);
+  EXPECT_EQ(p.nvme_source, "file x.json");
+  // No matching entry: the best read and the best write.
+  MachineProfile q;
+  ASSERT_TRUE(parse_machine_profile(text, "f", 65536, 4, &q).is_ok());
+  EXPECT_DOUBLE_EQ(q.nvme_read_gbps, 7.0);
+  EXPECT_DOUBLE_EQ(q.nvme_write_gbps, 3.25);
+}
+
+TEST(Profile, KeepsWhatTheFileLacksAndNamesBadKeys) {
+  MachineProfile p;
+  p.h2d_gbps = 24;
+  ASSERT_TRUE(
+      parse_machine_profile(R"({"nvme_read_gbps": 3, "nvme_write_gbps": 2})", "f", 1 << 20, 32, &p)
+          .is_ok());
+  EXPECT_DOUBLE_EQ(p.nvme_read_gbps, 3);
+  EXPECT_DOUBLE_EQ(p.h2d_gbps, 24);
+  EXPECT_DOUBLE_EQ(p.mem_adam_gbps, 0);
+  const Status bad =
+      parse_machine_profile(R"({"mem_adam_pattern_gbps": "fast"})", "f", 1 << 20, 32, &p);
+  EXPECT_EQ(bad.code(), Code::kInvalidArgument);
+  EXPECT_NE(bad.message().find("mem_adam_pattern_gbps"), std::string_view::npos);
+  EXPECT_EQ(load_machine_profile("/nonexistent/zinf/machine.json", 1 << 20, 32, &p).code(),
+            Code::kNotFound);
+}
+
+}  // namespace
+}  // namespace zinf::plan

@@ -1,0 +1,134 @@
+// The estimator against the arithmetic of the ZeRO paper (Rajbhandari et al. 2020: 2 + 2 + 12
+// bytes a parameter, divided by N where partitioned) and of Korthikanti et al. 2022 for
+// activations, written out independently here.
+#include "plan/estimate.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+
+#include "plan/model.hpp"
+
+namespace zinf::plan {
+namespace {
+
+constexpr Tier kDev = Tier::kDevice;
+constexpr Tier kHost = Tier::kHost;
+constexpr Tier kNvme = Tier::kNvme;
+
+ModelShape llama7b() { return *find_model_preset("llama-2-7b"); }
+
+TEST(Estimate, StagesPartitionWhatThePaperSays) {
+  const ModelShape m = llama7b();
+  const std::uint64_t p = param_count(m);
+  const std::uint64_t n = 8;
+  const std::uint64_t pr = (p + n - 1) / n;
+  TrainingShape t;
+  for (int stage = 1; stage <= 3; ++stage) {
+    EngineSetup s;
+    s.stage = stage;
+    s.world_size = n;
+    s.ranks_per_machine = n;
+    const MemoryEstimate e = estimate_memory(m, t, s);
+    // Stage 1: only optimizer state partitioned. Stage 2: + gradients. Stage 3: + params.
+    EXPECT_EQ(e.bytes(StateKind::kHalfParams, kDev), stage == 3 ? 2 * pr : 2 * p) << stage;
+    EXPECT_EQ(e.bytes(StateKind::kGradients, kDev), stage == 1 ? 2 * p : 2 * pr) << stage;
+    EXPECT_EQ(e.bytes(StateKind::kMasterParams, kDev), 4 * pr);
+    EXPECT_EQ(e.bytes(StateKind::kMoments, kDev), 8 * pr);
+    EXPECT_EQ(e.rank_tier_bytes(kHost), 0u);
+    EXPECT_EQ(e.rank_tier_bytes(kNvme), 0u);
+    EXPECT_EQ(e.bytes(StateKind::kGatheredParams, kDev) > 0, stage == 3);
+  }
+}
+
+TEST(Estimate, OffloadMovesStateAndGradientsToTheirTiers) {
+  const ModelShape m = llama7b();
+  const std::uint64_t p = param_count(m);
+  const std::uint64_t pr = (p + 3) / 4;
+  TrainingShape t;
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 4;
+  s.ranks_per_machine = 2;  // two machines of two GPUs
+  s.optimizer = Offload::kNvme;
+  s.params = Offload::kCpu;
+  s.gradients_on_nvme = true;
+  s.sub_group_params = 1 << 24;
+  s.buffer_count = 4;
+  const MemoryEstimate e = estimate_memory(m, t, s);
+  EXPECT_EQ(e.bytes(StateKind::kHalfParams, kHost), 2 * pr);
+  EXPECT_EQ(e.bytes(StateKind::kMasterParams, kNvme), 4 * pr);
+  EXPECT_EQ(e.bytes(StateKind::kMoments, kNvme), 8 * pr);
+  EXPECT_EQ(e.bytes(StateKind::kGradients, kNvme), 4 * pr);
+  EXPECT_EQ(e.bytes(StateKind::kGradients, kHost), 0u);
+  // A buffer holds master, m, v and the spilled gradient of one sub-group: 16 B a parameter.
+  EXPECT_EQ(e.bytes(StateKind::kPinnedPool, kHost), 4u * (1u << 24) * 16u);
+  EXPECT_EQ(e.rank_tier_bytes(kNvme), 16 * pr);
+  // Per machine: two ranks' worth.
+  EXPECT_EQ(e.machine_tier_bytes(kNvme), 2 * 16 * pr);
+  EXPECT_EQ(e.machine_tier_bytes(kHost), 2 * e.rank_tier_bytes(kHost));
+  // Every kind sums to its tier total.
+  for (Tier tier : {kDev, kHost, kNvme}) {
+    std::uint64_t sum = 0;
+    for (int k = 0; k < kStateKindCount; ++k) sum += e.bytes(static_cast<StateKind>(k), tier);
+    EXPECT_EQ(sum, e.rank_tier_bytes(tier));
+  }
+}
+
+TEST(Estimate, ActivationsFollowKorthikanti) {
+  const ModelShape m = llama7b();  // h 4096, a 32, L 32, V 32000
+  TrainingShape t;
+  t.seq_len = 4096;
+  t.micro_batch = 2;
+  t.flash_attention = false;
+  const double s = 4096, b = 2, h = 4096, a = 32, layers = 32, v = 32000;
+  const double one_layer = s * b * h * (34 + 5 * a * s / h);
+  const double logits = 6 * s * b * v;
+  EXPECT_DOUBLE_EQ(static_cast<double>(activation_bytes(m, t)), layers * one_layer + logits);
+  t.checkpoint_activations = true;
+  EXPECT_DOUBLE_EQ(static_cast<double>(activation_bytes(m, t)),
+                   layers * 2 * s * b * h + one_layer + logits);
+  t.flash_attention = true;
+  EXPECT_DOUBLE_EQ(static_cast<double>(activation_bytes(m, t)),
+                   layers * 2 * s * b * h + s * b * h * 34 + logits);
+}
+
+TEST(Estimate, ValidateNamesTheBadKey) {
+  EngineSetup s;
+  s.stage = 4;
+  Status st = validate_setup(s);
+  EXPECT_EQ(st.code(), Code::kInvalidArgument);
+  EXPECT_NE(st.message().find("zero_optimization.stage"), std::string_view::npos);
+  s.stage = 2;
+  s.params = Offload::kCpu;
+  st = validate_setup(s);
+  EXPECT_NE(st.message().find("offload_param"), std::string_view::npos) << st.to_string();
+  s.params = Offload::kNone;
+  s.gradients_on_nvme = true;
+  EXPECT_NE(validate_setup(s).message().find("gradients_on_nvme"), std::string_view::npos);
+  s.gradients_on_nvme = false;
+  s.world_size = 6;
+  s.ranks_per_machine = 4;
+  EXPECT_NE(validate_setup(s).message().find("world_size"), std::string_view::npos);
+  s.world_size = 8;
+  s.optimizer = Offload::kNvme;
+  s.buffer_count = 1;
+  EXPECT_NE(validate_setup(s).message().find("buffer_count"), std::string_view::npos);
+  s.buffer_count = 2;
+  EXPECT_TRUE(validate_setup(s).is_ok());
+}
+
+TEST(Estimate, OffloadNamesRoundTrip) {
+  for (Offload o : {Offload::kNone, Offload::kCpu, Offload::kNvme}) {
+    Offload back = Offload::kNone;
+    ASSERT_TRUE(parse_offload(offload_name(o), &back));
+    EXPECT_EQ(back, o);
+  }
+  Offload o = Offload::kNone;
+  EXPECT_TRUE(parse_offload("HOST", &o));
+  EXPECT_EQ(o, Offload::kCpu);
+  EXPECT_FALSE(parse_offload("disk", &o));
+}
+
+}  // namespace
+}  // namespace zinf::plan

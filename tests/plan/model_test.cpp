@@ -1,0 +1,114 @@
+// Presets: parameter counts from layer shapes against the published counts, and against sums of
+// the released checkpoints' tensor shapes written out by hand.
+#include "plan/model.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <numeric>
+#include <vector>
+
+namespace zinf::plan {
+namespace {
+
+TEST(ModelPresets, EveryPresetWithinOnePercentOfItsPublishedCount) {
+  ASSERT_GE(model_presets().size(), 10u);
+  for (const ModelShape& m : model_presets()) {
+    ASSERT_GT(m.published_param_count, 0u) << m.name;
+    const double ours = static_cast<double>(param_count(m));
+    const double published = static_cast<double>(m.published_param_count);
+    EXPECT_LT(std::abs(ours - published) / published, 0.01)
+        << m.name << ": " << ours << " from shapes vs " << published << " published";
+  }
+}
+
+TEST(ModelPresets, NominalSizesAreRoughlyRight) {
+  // The names promise sizes; a wrong shape (e.g. hidden and intermediate swapped) would be far
+  // off these even if a published figure were mistyped too.
+  const std::pair<const char*, double> nominal[] = {
+      {"gpt2", 0.124e9},     {"gpt2-medium", 0.355e9}, {"gpt2-large", 0.774e9}, {"gpt2-xl", 1.5e9},
+      {"llama-2-7b", 7e9},   {"llama-2-13b", 13e9},    {"llama-2-70b", 70e9},   {"llama-3-8b", 8e9},
+      {"llama-3-70b", 70e9}, {"mistral-7b", 7.2e9}};
+  for (const auto& [name, size] : nominal) {
+    auto m = find_model_preset(name);
+    ASSERT_TRUE(m.has_value()) << name;
+    EXPECT_LT(std::abs(static_cast<double>(param_count(*m)) - size) / size, 0.05) << name;
+  }
+}
+
+std::uint64_t sum_of_shapes(const std::vector<std::vector<std::uint64_t>>& shapes) {
+  std::uint64_t total = 0;
+  for (const auto& shape : shapes) {
+    total += std::accumulate(shape.begin(), shape.end(), std::uint64_t{1},
+                             std::multiplies<std::uint64_t>());
+  }
+  return total;
+}
+
+TEST(ModelPresets, Gpt2MatchesItsStateDictTensorShapes) {
+  // openai-community/gpt2: the tensors of the checkpoint (Conv1D weights are [in, out]).
+  std::vector<std::vector<std::uint64_t>> shapes = {{50257, 768}, {1024, 768}};
+  for (int layer = 0; layer < 12; ++layer) {
+    shapes.insert(shapes.end(), {{768},
+                                 {768},  // ln_1
+                                 {768, 2304},
+                                 {2304},  // attn.c_attn
+                                 {768, 768},
+                                 {768},  // attn.c_proj
+                                 {768},
+                                 {768},  // ln_2
+                                 {768, 3072},
+                                 {3072},  // mlp.c_fc
+                                 {3072, 768},
+                                 {768}});  // mlp.c_proj
+  }
+  shapes.insert(shapes.end(), {{768}, {768}});  // ln_f; lm_head is tied to wte
+  EXPECT_EQ(param_count(*find_model_preset("gpt2")), sum_of_shapes(shapes));
+  EXPECT_EQ(sum_of_shapes(shapes), 124'439'808u);
+}
+
+TEST(ModelPresets, LlamaWithGroupedQueryAttentionMatchesTensorShapes) {
+  // meta-llama/Meta-Llama-3-8B: 8 KV heads of width 128, so k_proj and v_proj are 1024 x 4096.
+  std::vector<std::vector<std::uint64_t>> shapes = {{128256, 4096}};
+  for (int layer = 0; layer < 32; ++layer) {
+    shapes.insert(shapes.end(), {{4096, 4096},
+                                 {1024, 4096},
+                                 {1024, 4096},
+                                 {4096, 4096},
+                                 {14336, 4096},
+                                 {14336, 4096},
+                                 {4096, 14336},
+                                 {4096},
+                                 {4096}});
+  }
+  shapes.insert(shapes.end(), {{4096}, {128256, 4096}});  // norm, untied lm_head
+  EXPECT_EQ(param_count(*find_model_preset("llama-3-8b")), sum_of_shapes(shapes));
+}
+
+TEST(ModelPresets, LookupIgnoresCaseAndSeparators) {
+  for (const char* name : {"Llama-2-7B", "llama2_7b", "llama27b", "LLAMA-2-7b"}) {
+    auto m = find_model_preset(name);
+    ASSERT_TRUE(m.has_value()) << name;
+    EXPECT_EQ(m->name, "llama-2-7b");
+  }
+  EXPECT_FALSE(find_model_preset("llama-9-1t").has_value());
+}
+
+TEST(ModelShapes, CustomModelUsesTheGivenCount) {
+  const ModelShape m = custom_model(1'000'000'000, 24, 2048);
+  EXPECT_EQ(param_count(m), 1'000'000'000u);
+  // (count - 2·V·h) / L with the default vocab 32000.
+  EXPECT_EQ(layer_params(m), (1'000'000'000u - 2u * 32000u * 2048u) / 24u);
+}
+
+TEST(ModelShapes, LargestTensorIsTheEmbeddingOrAnMlpMatrix) {
+  const ModelShape l3 = *find_model_preset("llama-3-70b");
+  EXPECT_EQ(largest_tensor_params(l3), 128256u * 8192u);
+  ModelShape narrow_vocab = l3;
+  narrow_vocab.vocab = 1000;
+  EXPECT_EQ(largest_tensor_params(narrow_vocab), 8192u * 28672u);
+}
+
+}  // namespace
+}  // namespace zinf::plan

@@ -1,0 +1,198 @@
+// The planner: the 70B-on-4x48GB case, the no-offload GPU count, shortfall messages, and that
+// the chosen placement is the fastest of those that fit.
+#include "plan/planner.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+
+#include "plan/estimate.hpp"
+#include "plan/model.hpp"
+
+namespace zinf::plan {
+namespace {
+
+MachineProfile machine() {
+  MachineProfile p;
+  p.mem_adam_gbps = 50;
+  p.nvme_read_gbps = 6;
+  p.nvme_write_gbps = 4;
+  return p;
+}
+
+TrainingShape seq4096_checkpointed() {
+  TrainingShape t;
+  t.seq_len = 4096;
+  t.micro_batch = 1;
+  t.checkpoint_activations = true;
+  return t;
+}
+
+Budgets four_48gb_gpus(std::uint64_t nvme_bytes) {
+  Budgets b;
+  b.gpus = 4;
+  b.gpu_mem_bytes = 48'000'000'000;
+  b.host_mem_bytes = 256'000'000'000;
+  b.nvme_bytes = nvme_bytes;
+  return b;
+}
+
+TEST(Planner, Llama70bFitsOnFour48GbGpusWith256GbHostAndNvme) {
+  const ModelShape m = *find_model_preset("llama-2-70b");
+  auto plan = make_plan(m, seq4096_checkpointed(), four_48gb_gpus(4'000'000'000'000), machine());
+  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+  ASSERT_TRUE(plan->fits) << shortfall_message(*plan);
+  const Candidate& c = plan->best;
+  EXPECT_EQ(c.setup.stage, 3);
+  // 12 B/param of optimizer state cannot be in 4·48 GB of GPUs nor in 256 GB of host memory.
+  EXPECT_EQ(c.setup.optimizer, Offload::kNvme);
+  for (const TierUse& u : c.use) EXPECT_LE(u.need_bytes, u.usable_bytes) << tier_name(u.tier);
+  // Every byte of model state is somewhere: half params 2, fp32 gradients 4, master and moments
+  // 12 bytes a parameter, over the machine's four ranks.
+  const std::uint64_t p = param_count(m);
+  std::uint64_t state = 0;
+  for (StateKind k : {StateKind::kHalfParams, StateKind::kGradients, StateKind::kMasterParams,
+                      StateKind::kMoments}) {
+    for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) state += c.memory.bytes(k, t) * 4;
+  }
+  EXPECT_GE(state, 18 * p);
+  EXPECT_LT(state, 18 * p + 18 * 4);  // only the rounding of ceil(P / 4)
+  EXPECT_GT(c.time.step_s, 0);
+  EXPECT_GE(c.time.optimizer_step_s, c.time.io_alone_s);
+}
+
+TEST(Planner, NoOffloadGpuCountWithItsArithmetic) {
+  const ModelShape m = *find_model_preset("llama-2-70b");
+  const TrainingShape t = seq4096_checkpointed();
+  const Budgets b = four_48gb_gpus(4'000'000'000'000);
+  const NoOffloadComparison n = no_offload_gpus(m, t, b);
+  // Worked by hand for Llama-2-70B (P = 68,976,648,192), s = 4096, b = 1, checkpointing:
+  //   activations  80·2·4096·8192 + 34·4096·8192 + 6·4096·32000        =  7,295,991,808
+  //   gathered     2·(2·855,654,400 + 60,397,977) + 2·(80·2·8192 + 8192) =  3,546,051,378
+  //   buckets      2·2·8192²                                            =    268,435,456
+  //   reserved     2^30                                                 =  1,073,741,824
+  //   fixed                                                             = 12,184,220,466
+  //   usable 0.9·48e9 = 43,200,000,000; for state 31,015,779,534
+  //   16·P = 1,103,626,371,072; / 31,015,779,534 = 35.58 -> 36 GPUs
+  EXPECT_EQ(n.activation_bytes, 7'295'991'808u);
+  EXPECT_EQ(n.gathered_bytes, 3'546'051'378u);
+  EXPECT_EQ(n.fixed_bytes, 12'184'220'466u);
+  EXPECT_EQ(n.state_bytes, 1'103'626'371'072u);
+  EXPECT_EQ(n.gpus_needed, 36u);
+  EXPECT_NE(n.arithmetic.find("= 36 GPUs"), std::string::npos) << n.arithmetic;
+  EXPECT_NE(n.arithmetic.find("16 B/param"), std::string::npos) << n.arithmetic;
+  // And the estimator agrees: ZeRO-3 without offload fits 36 GPUs' device memory, not 35.
+  for (std::uint64_t gpus : {35u, 36u}) {
+    EngineSetup s;
+    s.stage = 3;
+    s.world_size = gpus;
+    s.ranks_per_machine = 1;
+    size_buckets(m, &s);
+    Budgets one = b;
+    one.gpus = gpus;
+    const Candidate c = evaluate(m, t, s, one, machine());
+    EXPECT_EQ(c.use[0].fits(), gpus == 36u) << gpus << " GPUs need " << c.use[0].need_bytes;
+  }
+}
+
+TEST(Planner, ShortNvmeIsNamedWithTheShortfall) {
+  const ModelShape m = *find_model_preset("llama-2-70b");
+  const Budgets b = four_48gb_gpus(512'000'000'000);
+  auto plan = make_plan(m, seq4096_checkpointed(), b, machine());
+  ASSERT_TRUE(plan.is_ok());
+  ASSERT_FALSE(plan->fits);
+  // Host (230.4 GB usable) holds the half params (138 GB) but not the fp32 gradients (276 GB),
+  // so they spill: NVMe must take master, m, v and gradients, 16·P.
+  const std::uint64_t p = param_count(m);
+  const Shortfall* nvme = nullptr;
+  for (const Shortfall& f : plan->shortfalls) {
+    if (f.tier == Tier::kNvme) nvme = &f;
+  }
+  ASSERT_NE(nvme, nullptr) << shortfall_message(*plan);
+  EXPECT_EQ(nvme->need_bytes, 16 * p);
+  EXPECT_EQ(nvme->usable_bytes, 460'800'000'000u);
+  EXPECT_EQ(nvme->shortfall_bytes(), 16 * p - 460'800'000'000u);
+  const std::string message = shortfall_message(*plan);
+  EXPECT_NE(message.find("nvme is short by 598.68 GiB"), std::string::npos) << message;
+}
+
+TEST(Planner, ShortDeviceBlamesActivationsWhenEveryPlacementIsShort) {
+  const ModelShape m = *find_model_preset("llama-2-70b");
+  TrainingShape t;  // seq 2048, no checkpointing: 43 GiB of activations per GPU
+  auto plan = make_plan(m, t, four_48gb_gpus(4'000'000'000'000), machine());
+  ASSERT_TRUE(plan.is_ok());
+  ASSERT_FALSE(plan->fits);
+  ASSERT_EQ(plan->shortfalls.size(), 1u) << shortfall_message(*plan);
+  const Shortfall& f = plan->shortfalls[0];
+  EXPECT_EQ(f.tier, Tier::kDevice);
+  EXPECT_TRUE(f.every_placement);
+  // The least a GPU can hold: everything offloaded, so the fixed part alone.
+  EXPECT_EQ(f.need_bytes, no_offload_gpus(m, t, four_48gb_gpus(0)).fixed_bytes);
+  const std::string message = shortfall_message(*plan);
+  EXPECT_NE(message.find("device is short by"), std::string::npos) << message;
+  EXPECT_NE(message.find("every placement"), std::string::npos) << message;
+  EXPECT_NE(message.find("--checkpoint-activations"), std::string::npos) << message;
+}
+
+TEST(Planner, SmallModelStaysOnTheGpus) {
+  // GPT-2 124M fits one 24 GB GPU whole: offloading could only slow it down.
+  const ModelShape m = *find_model_preset("gpt2");
+  Budgets b;
+  b.gpus = 1;
+  b.gpu_mem_bytes = 24'000'000'000;
+  b.host_mem_bytes = 64'000'000'000;
+  b.nvme_bytes = 1'000'000'000'000;
+  auto plan = make_plan(m, TrainingShape{}, b, machine());
+  ASSERT_TRUE(plan.is_ok());
+  ASSERT_TRUE(plan->fits);
+  EXPECT_EQ(plan->best.setup.optimizer, Offload::kNone);
+  EXPECT_EQ(plan->best.setup.params, Offload::kNone);
+  EXPECT_EQ(plan->best.setup.stage, 1);
+  EXPECT_EQ(plan->no_offload.gpus_needed, 1u);
+}
+
+TEST(Planner, ChosenPlanIsTheFastestThatFits) {
+  // Llama-2-7B on one 24 GB GPU: the state (16 B/param = 108 GB) must leave the GPU; with
+  // 256 GB of host memory the host is faster than NVMe.
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  Budgets b;
+  b.gpus = 1;
+  b.gpu_mem_bytes = 24'000'000'000;
+  b.host_mem_bytes = 256'000'000'000;
+  b.nvme_bytes = 2'000'000'000'000;
+  TrainingShape t;
+  t.checkpoint_activations = true;
+  auto plan = make_plan(m, t, b, machine());
+  ASSERT_TRUE(plan.is_ok());
+  ASSERT_TRUE(plan->fits);
+  EXPECT_EQ(plan->best.setup.optimizer, Offload::kCpu);
+  // Forcing NVMe gives a slower plan.
+  PlanConstraints nvme;
+  nvme.optimizer = Offload::kNvme;
+  auto slower = make_plan(m, t, b, machine(), nvme);
+  ASSERT_TRUE(slower.is_ok());
+  ASSERT_TRUE(slower->fits);
+  EXPECT_GT(slower->best.time.step_s, plan->best.time.step_s);
+  EXPECT_GT(plan->candidates_fitting, 1u);
+}
+
+TEST(Planner, RejectsBudgetsThatMakeNoSense) {
+  const ModelShape m = *find_model_preset("gpt2");
+  Budgets b;
+  b.gpus = 0;
+  b.gpu_mem_bytes = 1;
+  EXPECT_EQ(make_plan(m, {}, b, machine()).status().code(), Code::kInvalidArgument);
+  b.gpus = 6;
+  b.gpus_per_machine = 4;
+  auto r = make_plan(m, {}, b, machine());
+  EXPECT_NE(r.status().message().find("--gpus-per-machine"), std::string_view::npos);
+  b.gpus = 4;
+  PlanConstraints c;
+  c.optimizer = Offload::kNvme;
+  b.nvme_bytes = 0;
+  EXPECT_EQ(make_plan(m, {}, b, machine(), c).status().code(), Code::kInvalidArgument);
+}
+
+}  // namespace
+}  // namespace zinf::plan

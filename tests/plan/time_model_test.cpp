@@ -1,0 +1,118 @@
+// The time model against hand-worked numbers: the optimizer pipeline's bottleneck and fill, the
+// overlap of forward/backward parts (max, not sum), and per-machine sharing of drive and memory.
+#include "plan/time_model.hpp"
+
+#include <gtest/gtest.h>
+
+#include "plan/estimate.hpp"
+#include "plan/model.hpp"
+
+namespace zinf::plan {
+namespace {
+
+MachineProfile profile(double adam, double read, double write) {
+  MachineProfile p;
+  p.mem_adam_gbps = adam;
+  p.nvme_read_gbps = read;
+  p.nvme_write_gbps = write;
+  return p;
+}
+
+TEST(TimeModel, NvmeBoundStepIsIoPlusOneSubGroupsFill) {
+  // 1e9 params, sub-group 2^24, 1 GiB pool -> 5 buffers of 12·2^24 bytes; 60 sub-groups.
+  // read 12e9 B at 2 GB/s = 6 s, write 12e9 B at 1 GB/s = 12 s, update 30e9 B at 20 GB/s = 1.5 s.
+  // Per sub-group r = 0.1, w = 0.2, u = 0.025: T = r + w = 0.3; step = 59·0.3 + 0.325.
+  const StepPrediction t =
+      predict_optimizer_step(1'000'000'000, Offload::kNvme, 1 << 24, 1 << 30, profile(20, 2, 1));
+  EXPECT_EQ(t.buffers, 5u);
+  EXPECT_EQ(t.sub_groups, 60u);
+  EXPECT_DOUBLE_EQ(t.io_read_s, 6.0);
+  EXPECT_DOUBLE_EQ(t.io_write_s, 12.0);
+  EXPECT_DOUBLE_EQ(t.io_alone_s, 18.0);
+  EXPECT_DOUBLE_EQ(t.update_alone_s, 1.5);
+  EXPECT_NEAR(t.step_s, 59 * 0.3 + 0.325, 1e-9);
+  EXPECT_EQ(t.nvme_read_bytes, 12'000'000'000u);
+  EXPECT_EQ(t.nvme_write_bytes, 12'000'000'000u);
+}
+
+TEST(TimeModel, CpuBoundStepIsUpdatePlusFill) {
+  // Same run with 1 GB/s of memory bandwidth: update 30 s, u = 0.5 per sub-group.
+  const StepPrediction t =
+      predict_optimizer_step(1'000'000'000, Offload::kNvme, 1 << 24, 1 << 30, profile(1, 2, 1));
+  EXPECT_DOUBLE_EQ(t.update_alone_s, 30.0);
+  EXPECT_NEAR(t.step_s, 59 * 0.5 + 0.8, 1e-9);
+  // Never below max(io, update), never above their sum.
+  EXPECT_GE(t.step_s, std::max(t.io_alone_s, t.update_alone_s));
+  EXPECT_LE(t.step_s, t.io_alone_s + t.update_alone_s);
+}
+
+TEST(TimeModel, HostTierIsTheUpdateAlone) {
+  const StepPrediction t =
+      predict_optimizer_step(256'000'000, Offload::kCpu, 1 << 24, 1 << 30, profile(12, 0, 0));
+  EXPECT_DOUBLE_EQ(t.io_alone_s, 0.0);
+  EXPECT_DOUBLE_EQ(t.step_s, 256e6 * 30 / 12e9);
+  EXPECT_EQ(t.nvme_read_bytes, 0u);
+}
+
+TEST(TimeModel, OneSubGroupRunsSerially) {
+  // A sub-group as large as the shard leaves nothing to overlap: read + update + write.
+  const StepPrediction t = predict_optimizer_step(1 << 24, Offload::kNvme, 1 << 24,
+                                                  std::uint64_t{12} << 26, profile(10, 2, 1));
+  EXPECT_EQ(t.sub_groups, 1u);
+  EXPECT_NEAR(t.step_s, t.io_read_s + t.io_write_s + t.update_alone_s, 1e-12);
+}
+
+TEST(TimeModel, RanksOfAMachineShareTheDriveAndTheMemory) {
+  const ModelShape m = custom_model(8'000'000'000, 32, 4096);
+  TrainingShape tr;
+  EngineSetup s;
+  s.stage = 3;
+  s.optimizer = Offload::kNvme;
+  s.sub_group_params = 1 << 24;
+  s.buffer_count = 4;
+  s.world_size = 8;
+  s.ranks_per_machine = 8;
+  const StepPrediction one_machine = predict_step(m, tr, s, profile(40, 6, 4));
+  s.ranks_per_machine = 1;  // eight machines, one GPU each
+  const StepPrediction eight_machines = predict_step(m, tr, s, profile(40, 6, 4));
+  EXPECT_NEAR(one_machine.io_alone_s, 8 * eight_machines.io_alone_s, 1e-9);
+  EXPECT_NEAR(one_machine.update_alone_s, 8 * eight_machines.update_alone_s, 1e-9);
+  // 1e9 params a rank, 8 ranks on one drive: 8·12e9 / 6e9 + 8·12e9 / 4e9.
+  EXPECT_NEAR(one_machine.io_alone_s, 96e9 / 6e9 + 96e9 / 4e9, 1e-9);
+}
+
+TEST(TimeModel, ForwardBackwardPartsOverlap) {
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  TrainingShape tr;
+  tr.seq_len = 2048;
+  tr.micro_batch = 4;
+  tr.grad_accum_steps = 2;
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 8;
+  s.ranks_per_machine = 8;
+  s.optimizer = Offload::kCpu;
+  s.params = Offload::kCpu;
+  MachineProfile p = profile(40, 0, 0);
+  p.gpu_tflops = 200;
+  p.gpu_link_gbps = 100;
+  p.h2d_gbps = 25;
+  const StepPrediction t = predict_step(m, tr, s, p);
+  const double params = static_cast<double>(param_count(m));
+  const double flops = (6 * params + 12.0 * 32 * 4096 * 2048) * 2048 * 4;
+  EXPECT_NEAR(t.compute_s, flops / 200e12, 1e-9);
+  EXPECT_NEAR(t.collectives_s, 3 * 2 * params * 7 / 8 / 100e9, 1e-9);
+  const double shard = static_cast<double>((param_count(m) + 7) / 8);
+  EXPECT_NEAR(t.param_fetch_s, 4 * shard / 25e9, 1e-9);
+  EXPECT_NEAR(t.grad_offload_s, 2 * shard / 25e9, 1e-9);
+  EXPECT_NEAR(t.forward_backward_s,
+              2 * std::max({t.compute_s, t.collectives_s, t.param_fetch_s, t.grad_offload_s}),
+              1e-12);
+  EXPECT_NEAR(t.step_s, t.forward_backward_s + t.optimizer_step_s, 1e-12);
+  // Checkpointing recomputes the forward: 4/3 of the FLOPs.
+  tr.checkpoint_activations = true;
+  EXPECT_NEAR(predict_step(m, tr, s, p).compute_s, t.compute_s * 4 / 3, 1e-9);
+}
+
+}  // namespace
+}  // namespace zinf::plan

@@ -1,0 +1,597 @@
+// zinf plan: does this model fit these machines, where does each byte go, and what does a step
+// cost in time. See docs/PLAN.md; the formulas are in lib/plan/{estimate,time_model,planner}.hpp.
+//
+// Exit codes: 0 a plan fits (or --step-only predicted); 1 bad options or a failed measurement;
+// 2 nothing fits the budgets (stderr names the short tier and the shortfall).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <memory>
+#include <string>
+
+#include "command.hpp"
+#include "plan/config.hpp"
+#include "plan/estimate.hpp"
+#include "plan/model.hpp"
+#include "plan/planner.hpp"
+#include "plan/profile.hpp"
+#include "plan/time_model.hpp"
+
+namespace zinf::cli {
+namespace {
+
+using namespace zinf::plan;
+
+// `zinf bench step --sub-group S`: S is the bytes of one sub-group's fp32 master parameters.
+constexpr std::uint64_t kSubGroupBytesPerParam = 4;
+
+struct PlanOptions {
+  std::string model;
+  std::string params;
+  std::uint64_t layers = 0;
+  std::uint64_t hidden = 0;
+  std::uint64_t vocab = 32000;
+  std::uint64_t seq = 2048;
+  std::uint64_t micro_batch = 1;
+  std::uint64_t grad_accum = 1;
+  bool checkpoint_activations = false;
+  bool no_flash_attention = false;
+  std::uint64_t gpus = 1;
+  std::uint64_t gpus_per_machine = 0;
+  std::string gpu_mem;
+  std::string host_mem;
+  std::string nvme_capacity = "0";
+  std::string nvme_path;
+  double headroom = 0.10;
+  int stage = 0;
+  std::string offload_optimizer;
+  std::string offload_param;
+  std::string machine_profile;
+  bool measure = false;
+  double mem_adam_gbps = 0;
+  double nvme_read_gbps = 0;
+  double nvme_write_gbps = 0;
+  double h2d_gbps = 0;
+  double gpu_mem_gbps = 0;
+  double gpu_tflops = 0;
+  double gpu_link_gbps = 0;
+  std::string out;
+  bool json = false;
+  bool list_models = false;
+  // --step-only: the flags of `zinf bench step`.
+  bool step_only = false;
+  std::string tier = "nvme";
+  std::string path;
+  std::string sub_group = "64MiB";
+  std::string pool = "1GiB";
+};
+
+std::string gib(double bytes) { return format_bytes(bytes); }
+std::string secs(double s) { return s > 0 ? fmt::format("{:.3f} s", s) : "-"; }
+
+bool parse_size_option(const std::string& flag, const std::string& text, std::uint64_t* out,
+                       bool decimal = false) {
+  std::size_t value = 0;
+  if (!parse_size(text, &value, decimal)) {
+    fail(fmt::format("{} {}: not a size (e.g. 48GB, 256GiB, 4TB)", flag, text));
+    return false;
+  }
+  *out = value;
+  return true;
+}
+
+// Builds the machine profile: defaults, then the profile file, then command-line figures, then
+// measures now whatever is still missing and needed. Returns false after fail() on error.
+bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nvme_dir,
+                     MachineProfile* p, nlohmann::json* notes) {
+  const bool explicit_file = !o.machine_profile.empty();
+  const std::string path = explicit_file ? o.machine_profile : default_profile_path();
+  if (!o.measure) {
+    const Status s = load_machine_profile(path, 1 << 20, 32, p);
+    if (!s.is_ok() && (explicit_file || s.code() != Code::kNotFound)) {
+      fail(fmt::format("--machine-profile: {}", s.to_string()));
+      return false;
+    }
+    if (!s.is_ok()) notes->push_back(fmt::format("no machine profile at {}", path));
+  }
+  auto given = [](double v, double* field, std::string* source, const char* flag) {
+    if (v > 0) {
+      *field = v;
+      if (source != nullptr) *source = flag;
+    }
+  };
+  given(o.mem_adam_gbps, &p->mem_adam_gbps, &p->memory_source, "--mem-adam-gbps");
+  if (o.nvme_read_gbps > 0 && o.nvme_write_gbps > 0) {
+    p->nvme_read_gbps = o.nvme_read_gbps;
+    p->nvme_write_gbps = o.nvme_write_gbps;
+    p->nvme_source = "--nvme-read-gbps/--nvme-write-gbps";
+  }
+  std::string gpu_flags;
+  given(o.h2d_gbps, &p->h2d_gbps, &gpu_flags, "options");
+  given(o.gpu_mem_gbps, &p->gpu_mem_gbps, &gpu_flags, "options");
+  given(o.gpu_tflops, &p->gpu_tflops, &gpu_flags, "options");
+  given(o.gpu_link_gbps, &p->gpu_link_gbps, &gpu_flags, "options");
+  if (!gpu_flags.empty()) p->gpu_source = "options (--h2d-gbps etc.), defaults for the rest";
+
+  if (p->mem_adam_gbps <= 0) {
+    p->mem_adam_gbps = measure_adam_gbps(std::uint64_t{128} << 20, 3);
+    p->memory_source = "measured now (Adam pattern, 30 B/param, 128 MiB streams, median of 3)";
+    notes->push_back("memory bandwidth measured now: save `zinf probe --json` as " + path +
+                     " to skip this");
+  }
+  if (need_nvme && (p->nvme_read_gbps <= 0 || p->nvme_write_gbps <= 0)) {
+    if (nvme_dir.empty()) {
+      fail(
+          "no NVMe rates: give --nvme-path DIR to measure them now, --nvme-read-gbps and "
+          "--nvme-write-gbps, or a machine profile with nvme_read_gbps/nvme_write_gbps");
+      return false;
+    }
+    Result<DiskRates> rates = measure_disk(nvme_dir, std::uint64_t{512} << 20, 1 << 20, 4);
+    if (!rates.is_ok()) {
+      fail(fmt::format("measuring NVMe rates: {}", rates.status().to_string()));
+      return false;
+    }
+    p->nvme_read_gbps = rates->read_gbps;
+    p->nvme_write_gbps = rates->write_gbps;
+    p->nvme_source = fmt::format(
+        "measured now on {} (sequential O_DIRECT, 512 MiB, 1 MiB blocks, 4 threads)", nvme_dir);
+    notes->push_back(
+        "NVMe rates measured now with a short simple test: `zinf io tune` gives better ones");
+  }
+  return true;
+}
+
+nlohmann::json profile_json(const MachineProfile& p) {
+  return {{"mem_adam_gbps", p.mem_adam_gbps},     {"nvme_read_gbps", p.nvme_read_gbps},
+          {"nvme_write_gbps", p.nvme_write_gbps}, {"h2d_gbps", p.h2d_gbps},
+          {"gpu_mem_gbps", p.gpu_mem_gbps},       {"gpu_tflops", p.gpu_tflops},
+          {"gpu_link_gbps", p.gpu_link_gbps},     {"memory_source", p.memory_source},
+          {"nvme_source", p.nvme_source},         {"gpu_source", p.gpu_source}};
+}
+
+nlohmann::json parts_json(const StepPrediction& t) {
+  return {{"forward_backward_s", t.forward_backward_s},
+          {"compute_s", t.compute_s},
+          {"collectives_s", t.collectives_s},
+          {"param_fetch_s", t.param_fetch_s},
+          {"grad_offload_s", t.grad_offload_s},
+          {"optimizer_step_s", t.optimizer_step_s},
+          {"pipeline_s", t.pipeline_s},
+          {"io_alone_s", t.io_alone_s},
+          {"io_read_s", t.io_read_s},
+          {"io_write_s", t.io_write_s},
+          {"update_alone_s", t.update_alone_s},
+          {"param_upload_s", t.param_upload_s},
+          {"sub_groups", t.sub_groups},
+          {"buffers", t.buffers},
+          {"nvme_read_bytes", t.nvme_read_bytes},
+          {"nvme_write_bytes", t.nvme_write_bytes},
+          {"adam_memory_bytes", t.adam_memory_bytes}};
+}
+
+void run_step_only(const PlanOptions& o) {
+  std::uint64_t params = 0;
+  std::uint64_t sub_group_bytes = 0;
+  std::uint64_t pool_bytes = 0;
+  if (o.params.empty()) {
+    fail("--step-only needs --params N (e.g. 1G)");
+    return;
+  }
+  if (!parse_size_option("--params", o.params, &params, /*decimal=*/true) ||
+      !parse_size_option("--sub-group", o.sub_group, &sub_group_bytes) ||
+      !parse_size_option("--pool", o.pool, &pool_bytes)) {
+    return;
+  }
+  Offload tier = Offload::kNone;
+  if (!parse_offload(o.tier, &tier) || tier == Offload::kNone) {
+    fail(fmt::format("--tier {}: must be nvme or host", o.tier));
+    return;
+  }
+  const std::uint64_t sub_group_params = sub_group_bytes / kSubGroupBytesPerParam;
+  if (params == 0 || sub_group_params == 0) {
+    fail("--params and --sub-group must be positive");
+    return;
+  }
+  if (tier == Offload::kNvme && pool_bytes < 2 * 12 * sub_group_params) {
+    fail(fmt::format("--pool {} holds fewer than 2 sub-group buffers of {} (12 B/param of state)",
+                     o.pool, format_bytes(12.0 * static_cast<double>(sub_group_params))));
+    return;
+  }
+  nlohmann::json notes = nlohmann::json::array();
+  MachineProfile profile;
+  if (!resolve_profile(o, tier == Offload::kNvme, o.path.empty() ? o.nvme_path : o.path, &profile,
+                       &notes)) {
+    return;
+  }
+  const StepPrediction t =
+      predict_optimizer_step(params, tier, sub_group_params, pool_bytes, profile);
+  // Host memory of the run: fp32 gradients (4 B) and half params (2 B) for every parameter,
+  // plus the pool (NVMe) or the whole fp32 state (host).
+  const double p = static_cast<double>(params);
+  const double state_bytes =
+      tier == Offload::kNvme ? static_cast<double>(t.buffers * 12 * sub_group_params) : 12.0 * p;
+  const double host_bytes = 6.0 * p + state_bytes;
+  const double read_bytes = tier == Offload::kNvme ? 12.0 * p : 0;
+  const double write_bytes = tier == Offload::kNvme ? 12.0 * p : 0;
+  nlohmann::json out = {{"params", params},
+                        {"tier", std::string(tier_name(offload_tier(tier)))},
+                        {"sub_group_params", sub_group_params},
+                        {"pool_bytes", pool_bytes},
+                        {"buffers", t.buffers},
+                        {"sub_groups", t.sub_groups},
+                        {"step_s", t.step_s},
+                        {"io_alone_s", t.io_alone_s},
+                        {"update_alone_s", t.update_alone_s},
+                        {"read_gbps", tier == Offload::kNvme ? profile.nvme_read_gbps : 0.0},
+                        {"write_gbps", tier == Offload::kNvme ? profile.nvme_write_gbps : 0.0},
+                        {"nvme_read_bytes", read_bytes},
+                        {"nvme_write_bytes", write_bytes},
+                        {"host_bytes", host_bytes},
+                        {"profile", profile_json(profile)},
+                        {"notes", notes}};
+  if (o.json) {
+    print_json(out);
+    return;
+  }
+  fmt::print("predicted optimizer step: {} params, state on {}, sub-group {} params, {} buffers\n",
+             params, tier_name(offload_tier(tier)), sub_group_params, t.buffers);
+  Table table({"part", "predicted", "from"});
+  table.add_row({"step", secs(t.step_s),
+                 tier == Offload::kNvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "update"});
+  if (tier == Offload::kNvme) {
+    table.add_row(
+        {"io alone", secs(t.io_alone_s),
+         fmt::format("{} read at {:.2f} GB/s + {} written at {:.2f} GB/s", format_bytes(read_bytes),
+                     profile.nvme_read_gbps, format_bytes(write_bytes), profile.nvme_write_gbps)});
+  }
+  table.add_row({"update alone", secs(t.update_alone_s),
+                 fmt::format("30 B/param at {:.1f} GB/s", profile.mem_adam_gbps)});
+  table.add_row({"host memory", format_bytes(host_bytes),
+                 tier == Offload::kNvme ? "6 B/param + pool" : "18 B/param"});
+  table.print();
+  fmt::print("memory: {}\n", profile.memory_source);
+  if (tier == Offload::kNvme) fmt::print("nvme:   {}\n", profile.nvme_source);
+  for (const auto& n : notes) fmt::print("note: {}\n", n.get<std::string>());
+}
+
+void list_models() {
+  Table table({"model", "params", "published", "layers", "hidden", "heads/kv", "vocab"});
+  for (const ModelShape& m : model_presets()) {
+    table.add_row({m.name, fmt::format("{:.3f}e9", static_cast<double>(param_count(m)) / 1e9),
+                   fmt::format("{:.3f}e9", static_cast<double>(m.published_param_count) / 1e9),
+                   std::to_string(m.layers), std::to_string(m.hidden),
+                   fmt::format("{}/{}", m.heads, m.kv_heads), std::to_string(m.vocab)});
+  }
+  table.print();
+}
+
+std::string placement_line(const EngineSetup& s) {
+  std::string line =
+      fmt::format("stage {}, optimizer state on {}", s.stage, tier_name(offload_tier(s.optimizer)));
+  if (s.optimizer == Offload::kNvme) {
+    line += fmt::format(" (sub-group {} params, {} buffers, pinned pool {})", s.sub_group_params,
+                        s.buffer_count, format_bytes(static_cast<double>(pinned_pool_bytes(s))));
+  }
+  line += fmt::format(", half params on {}",
+                      s.stage == 3 ? tier_name(offload_tier(s.params)) : "device (replicated)");
+  if (s.optimizer != Offload::kNone) {
+    line += fmt::format(", gradients on {}", s.gradients_on_nvme ? "nvme" : "host");
+  }
+  return line;
+}
+
+void run_plan(const PlanOptions& o) {
+  if (o.list_models) {
+    list_models();
+    return;
+  }
+  if (o.step_only) {
+    run_step_only(o);
+    return;
+  }
+  ModelShape model;
+  if (!o.model.empty()) {
+    auto preset = find_model_preset(o.model);
+    if (!preset) {
+      std::string names;
+      for (const ModelShape& m : model_presets()) names += " " + m.name;
+      fail(fmt::format("--model {}: no such preset; one of:{}", o.model, names));
+      return;
+    }
+    model = *preset;
+  } else {
+    std::uint64_t params = 0;
+    if (o.params.empty() || o.layers == 0 || o.hidden == 0) {
+      fail("give --model NAME, or --params N --layers L --hidden H");
+      return;
+    }
+    if (!parse_size_option("--params", o.params, &params, /*decimal=*/true)) return;
+    model = custom_model(params, o.layers, o.hidden);
+    model.vocab = o.vocab;
+  }
+  TrainingShape training;
+  training.seq_len = o.seq;
+  training.micro_batch = o.micro_batch;
+  training.grad_accum_steps = o.grad_accum;
+  training.checkpoint_activations = o.checkpoint_activations;
+  training.flash_attention = !o.no_flash_attention;
+
+  Budgets budgets;
+  budgets.gpus = o.gpus;
+  budgets.gpus_per_machine = o.gpus_per_machine;
+  budgets.headroom = o.headroom;
+  if (o.gpu_mem.empty() || o.host_mem.empty()) {
+    fail("give --gpu-mem and --host-mem (e.g. --gpu-mem 48GB --host-mem 256GB)");
+    return;
+  }
+  if (!parse_size_option("--gpu-mem", o.gpu_mem, &budgets.gpu_mem_bytes) ||
+      !parse_size_option("--host-mem", o.host_mem, &budgets.host_mem_bytes) ||
+      !parse_size_option("--nvme-capacity", o.nvme_capacity, &budgets.nvme_bytes)) {
+    return;
+  }
+  PlanConstraints constraints;
+  if (o.stage != 0) constraints.stage = o.stage;
+  for (auto [flag, text, field] :
+       {std::tuple{"--offload-optimizer", &o.offload_optimizer, &constraints.optimizer},
+        std::tuple{"--offload-param", &o.offload_param, &constraints.params}}) {
+    if (text->empty()) continue;
+    Offload value = Offload::kNone;
+    if (!parse_offload(*text, &value)) {
+      fail(fmt::format("{} {}: must be none, cpu or nvme", flag, *text));
+      return;
+    }
+    *field = value;
+  }
+
+  nlohmann::json notes = nlohmann::json::array();
+  MachineProfile profile;
+  if (!resolve_profile(o, budgets.nvme_bytes > 0, o.nvme_path, &profile, &notes)) return;
+  Result<PlanResult> planned = make_plan(model, training, budgets, profile, constraints);
+  if (!planned.is_ok()) {
+    fail(planned.status().to_string());
+    return;
+  }
+  const PlanResult& plan = *planned;
+  const Candidate& c = plan.best;
+  const std::uint64_t per_machine = c.setup.ranks_per_machine;
+
+  nlohmann::json by_state = nlohmann::json::object();
+  for (int k = 0; k < kStateKindCount; ++k) {
+    const auto kind = static_cast<StateKind>(k);
+    nlohmann::json row = nlohmann::json::object();
+    for (int t = 0; t < kTierCount; ++t) {
+      row[std::string(tier_name(static_cast<Tier>(t)))] =
+          c.memory.bytes(kind, static_cast<Tier>(t));
+    }
+    by_state[std::string(state_kind_name(kind))] = row;
+  }
+  nlohmann::json tiers = nlohmann::json::object();
+  nlohmann::json budget_json = nlohmann::json::object();
+  nlohmann::json shortfall = nlohmann::json::array();
+  for (const TierUse& u : c.use) {
+    const std::string name(tier_name(u.tier));
+    tiers[name] = u.need_bytes;
+    budget_json[name] = {
+        {"budget_bytes", u.budget_bytes}, {"usable_bytes", u.usable_bytes}, {"fits", u.fits()}};
+  }
+  for (const Shortfall& f : plan.shortfalls) {
+    shortfall.push_back({{"tier", std::string(tier_name(f.tier))},
+                         {"shortfall_bytes", f.shortfall_bytes()},
+                         {"need_bytes", f.need_bytes},
+                         {"usable_bytes", f.usable_bytes},
+                         {"every_placement", f.every_placement}});
+  }
+  if (!plan.fits && plan.shortfalls.empty()) {
+    for (const TierUse& u : c.use) {
+      if (u.fits()) continue;
+      shortfall.push_back({{"tier", std::string(tier_name(u.tier))},
+                           {"shortfall_bytes", u.shortfall_bytes()},
+                           {"need_bytes", u.need_bytes},
+                           {"usable_bytes", u.usable_bytes},
+                           {"every_placement", false}});
+    }
+  }
+  const nlohmann::json out = {{"fits", plan.fits},
+                              {"model",
+                               {{"name", model.name},
+                                {"params", c.memory.param_count},
+                                {"layers", model.layers},
+                                {"hidden", model.hidden}}},
+                              {"placement",
+                               {{"stage", c.setup.stage},
+                                {"offload_optimizer", std::string(offload_name(c.setup.optimizer))},
+                                {"offload_param", std::string(offload_name(c.setup.params))},
+                                {"gradients_on_nvme", c.setup.gradients_on_nvme},
+                                {"sub_group_size", c.setup.sub_group_params},
+                                {"buffer_count", c.setup.buffer_count},
+                                {"pinned_pool_bytes", pinned_pool_bytes(c.setup)}}},
+                              {"bytes_per_tier", tiers},
+                              {"bytes_per_tier_unit", "device: per GPU; host, nvme: per machine"},
+                              {"bytes_per_state_per_rank", by_state},
+                              {"budget_per_tier", budget_json},
+                              {"shortfall", shortfall},
+                              {"predicted_step_s", c.time.step_s},
+                              {"parts", parts_json(c.time)},
+                              {"no_offload",
+                               {{"gpus_needed", plan.no_offload.gpus_needed},
+                                {"state_bytes", plan.no_offload.state_bytes},
+                                {"per_gpu_fixed_bytes", plan.no_offload.fixed_bytes},
+                                {"per_gpu_usable_bytes", plan.no_offload.usable_bytes},
+                                {"arithmetic", plan.no_offload.arithmetic}}},
+                              {"candidates_considered", plan.candidates_considered},
+                              {"candidates_fitting", plan.candidates_fitting},
+                              {"profile", profile_json(profile)},
+                              {"notes", notes}};
+
+  if (o.json) {
+    print_json(out);
+  } else {
+    fmt::print("model     {}: {:.3f}e9 params, {} layers, hidden {}\n", model.name,
+               static_cast<double>(c.memory.param_count) / 1e9, model.layers, model.hidden);
+    fmt::print("training  seq {}, micro-batch {}, grad accumulation {}, checkpointing {}\n",
+               training.seq_len, training.micro_batch, training.grad_accum_steps,
+               training.checkpoint_activations ? "on" : "off");
+    fmt::print(
+        "budgets   {} GPUs ({} per machine) x {}, host {} and NVMe {} per machine, "
+        "{:.0f}% headroom\n",
+        budgets.gpus, per_machine, gib(static_cast<double>(budgets.gpu_mem_bytes)),
+        gib(static_cast<double>(budgets.host_mem_bytes)),
+        gib(static_cast<double>(budgets.nvme_bytes)), budgets.headroom * 100);
+    fmt::print("{}      {}\n", plan.fits ? "plan" : "closest", placement_line(c.setup));
+    Table table({"state", "device/GPU", "host/machine", "nvme/machine"});
+    auto cell = [&](std::uint64_t bytes) {
+      return bytes == 0 ? std::string("-") : gib(static_cast<double>(bytes));
+    };
+    for (int k = 0; k < kStateKindCount; ++k) {
+      const auto kind = static_cast<StateKind>(k);
+      const std::uint64_t d = c.memory.bytes(kind, Tier::kDevice);
+      const std::uint64_t h = c.memory.bytes(kind, Tier::kHost) * per_machine;
+      const std::uint64_t n = c.memory.bytes(kind, Tier::kNvme) * per_machine;
+      if (d + h + n == 0) continue;
+      table.add_row({std::string(state_kind_name(kind)), cell(d), cell(h), cell(n)});
+    }
+    table.add_row({"total", gib(static_cast<double>(c.use[0].need_bytes)),
+                   gib(static_cast<double>(c.use[1].need_bytes)),
+                   gib(static_cast<double>(c.use[2].need_bytes))});
+    table.add_row({"usable (budget less headroom)", gib(static_cast<double>(c.use[0].usable_bytes)),
+                   gib(static_cast<double>(c.use[1].usable_bytes)),
+                   gib(static_cast<double>(c.use[2].usable_bytes))});
+    auto fit_cell = [](const TierUse& u) {
+      return u.fits() ? std::string("yes")
+                      : "SHORT " + gib(static_cast<double>(u.shortfall_bytes()));
+    };
+    table.add_row({"fits", fit_cell(c.use[0]), fit_cell(c.use[1]), fit_cell(c.use[2])});
+    table.print();
+    const StepPrediction& t = c.time;
+    fmt::print("\npredicted step {} = forward+backward {} + optimizer step {}\n", secs(t.step_s),
+               secs(t.forward_backward_s), secs(t.optimizer_step_s));
+    Table time({"part", "time", "what"});
+    time.add_row(
+        {"forward+backward", secs(t.forward_backward_s),
+         fmt::format("{} x max of the four below (overlapped)", training.grad_accum_steps)});
+    time.add_row({"  compute", secs(t.compute_s),
+                  profile.gpu_tflops > 0 ? fmt::format("at {:.0f} TFLOP/s", profile.gpu_tflops)
+                                         : "not modelled: pass --gpu-tflops"});
+    time.add_row({"  collectives", secs(t.collectives_s),
+                  profile.gpu_link_gbps > 0 ? fmt::format("at {:.0f} GB/s", profile.gpu_link_gbps)
+                                            : "not modelled: pass --gpu-link-gbps"});
+    time.add_row({"  param fetch", secs(t.param_fetch_s), "offloaded params to the GPU, twice"});
+    time.add_row({"  grad offload", secs(t.grad_offload_s), "gradients to the host / NVMe"});
+    time.add_row({"optimizer step", secs(t.optimizer_step_s), "max(pipeline, param upload)"});
+    time.add_row({"  pipeline", secs(t.pipeline_s),
+                  c.setup.optimizer == Offload::kNvme
+                      ? fmt::format("{} sub-groups, {} buffers", t.sub_groups, t.buffers)
+                      : "the update alone"});
+    time.add_row({"  io alone", secs(t.io_alone_s),
+                  fmt::format("NVMe {} read, {} written",
+                              format_bytes(static_cast<double>(t.nvme_read_bytes)),
+                              format_bytes(static_cast<double>(t.nvme_write_bytes)))});
+    time.add_row(
+        {"  update alone", secs(t.update_alone_s),
+         fmt::format("{} through memory", format_bytes(static_cast<double>(t.adam_memory_bytes)))});
+    time.add_row({"  param upload", secs(t.param_upload_s), "new half params to their home"});
+    time.print();
+    fmt::print("\nwithout offload: {}\n", plan.no_offload.gpus_needed > 0
+                                              ? fmt::format("{} GPUs", plan.no_offload.gpus_needed)
+                                              : std::string("not possible"));
+    fmt::print("  {}\n", plan.no_offload.arithmetic);
+    fmt::print("\nmemory:  {} ({:.1f} GB/s)\n", profile.memory_source, profile.mem_adam_gbps);
+    if (profile.nvme_read_gbps > 0) {
+      fmt::print("nvme:    {} (read {:.2f}, write {:.2f} GB/s)\n", profile.nvme_source,
+                 profile.nvme_read_gbps, profile.nvme_write_gbps);
+    }
+    fmt::print("gpu:     {} (h2d {:.0f} GB/s, device memory {:.0f} GB/s)\n", profile.gpu_source,
+               profile.h2d_gbps, profile.gpu_mem_gbps);
+    for (const auto& n : notes) fmt::print("note:    {}\n", n.get<std::string>());
+  }
+
+  if (!plan.fits) {
+    std::string message = shortfall_message(plan);
+    if (budgets.nvme_bytes == 0) {
+      message += "\n  (no --nvme-capacity given: placements on NVMe were not considered)";
+    }
+    std::fprintf(stderr, "zinf: %s\n", message.c_str());
+    set_exit_code(2);
+    return;
+  }
+  if (!o.out.empty()) {
+    PlanConfig config;
+    config.setup = c.setup;
+    config.micro_batch = training.micro_batch;
+    config.grad_accum_steps = training.grad_accum_steps;
+    config.nvme_path = o.nvme_path.empty() && (c.setup.optimizer == Offload::kNvme ||
+                                               c.setup.params == Offload::kNvme)
+                           ? "/local_nvme"
+                           : o.nvme_path;
+    config.pinned_pool_bytes = pinned_pool_bytes(c.setup);
+    const Status s = write_config(config, o.out);
+    if (!s.is_ok()) {
+      fail(s.to_string());
+      return;
+    }
+    if (!o.json) fmt::print("config:  written to {}\n", o.out);
+  }
+}
+
+void setup_plan(CLI::App& app) {
+  auto o = std::make_shared<PlanOptions>();
+  CLI::App* sub = app.add_subcommand(
+      "plan", "Does a model fit these machines: bytes per tier, predicted step time, config");
+  sub->add_option("--model", o->model, "Preset (see --list-models)");
+  sub->add_flag("--list-models", o->list_models, "List the presets and their parameter counts");
+  sub->add_option("--params", o->params, "Parameter count (1.5G = 1.5e9), without --model");
+  sub->add_option("--layers", o->layers, "Layers, without --model");
+  sub->add_option("--hidden", o->hidden, "Hidden size, without --model");
+  sub->add_option("--vocab", o->vocab, "Vocabulary, without --model")->capture_default_str();
+  sub->add_option("--seq", o->seq, "Sequence length")->capture_default_str();
+  sub->add_option("--micro-batch", o->micro_batch, "Micro-batch per GPU")->capture_default_str();
+  sub->add_option("--grad-accum", o->grad_accum, "Micro-batches per step")->capture_default_str();
+  sub->add_flag("--checkpoint-activations", o->checkpoint_activations,
+                "Activation checkpointing (recompute each layer in backward)");
+  sub->add_flag("--no-flash-attention", o->no_flash_attention,
+                "Attention keeps its a*s^2 score matrices for backward");
+  sub->add_option("--gpus", o->gpus, "GPUs in the job")->capture_default_str();
+  sub->add_option("--gpus-per-machine", o->gpus_per_machine, "GPUs per machine (0: all on one)");
+  sub->add_option("--gpu-mem", o->gpu_mem, "Memory per GPU (48GB, 80GiB)");
+  sub->add_option("--host-mem", o->host_mem, "Host memory per machine");
+  sub->add_option("--nvme-capacity", o->nvme_capacity, "NVMe space per machine (0: none)")
+      ->capture_default_str();
+  sub->add_option("--nvme-path", o->nvme_path,
+                  "NVMe directory: measured when no rates are known, "
+                  "written into the config");
+  sub->add_option("--headroom", o->headroom, "Fraction of each budget left unplanned")
+      ->capture_default_str();
+  sub->add_option("--stage", o->stage, "Fix the ZeRO stage (1-3) instead of searching");
+  sub->add_option("--offload-optimizer", o->offload_optimizer, "Fix it: none, cpu or nvme");
+  sub->add_option("--offload-param", o->offload_param, "Fix it: none, cpu or nvme");
+  sub->add_option("--machine-profile", o->machine_profile,
+                  "Profile JSON (default $ZINF_MACHINE_PROFILE or ~/.cache/zinf/machine.json)");
+  sub->add_flag("--measure", o->measure,
+                "Ignore any profile file: measure now what the options do not give");
+  sub->add_option("--mem-adam-gbps", o->mem_adam_gbps, "CPU Adam-pattern memory bandwidth");
+  sub->add_option("--nvme-read-gbps", o->nvme_read_gbps, "NVMe read rate per machine");
+  sub->add_option("--nvme-write-gbps", o->nvme_write_gbps, "NVMe write rate per machine");
+  sub->add_option("--h2d-gbps", o->h2d_gbps, "Host-device rate per GPU (default 20)");
+  sub->add_option("--gpu-mem-gbps", o->gpu_mem_gbps, "GPU memory bandwidth (default 1000)");
+  sub->add_option("--gpu-tflops", o->gpu_tflops, "Achieved half-precision TFLOP/s per GPU");
+  sub->add_option("--gpu-link-gbps", o->gpu_link_gbps, "Collective bus bandwidth per GPU");
+  sub->add_option("--out", o->out, "Write the plan as an engine config (JSON)");
+  sub->add_flag("--json", o->json, "Print one JSON object");
+  sub->add_flag("--step-only", o->step_only,
+                "Predict `zinf bench step` with the same flags (--params --tier --path "
+                "--sub-group --pool)");
+  sub->add_option("--tier", o->tier, "--step-only: nvme or host")->capture_default_str();
+  sub->add_option("--path", o->path, "--step-only: NVMe directory (measured if no rates)");
+  sub->add_option("--sub-group", o->sub_group, "--step-only: fp32 master bytes per sub-group")
+      ->capture_default_str();
+  sub->add_option("--pool", o->pool, "--step-only: pinned pool bytes")->capture_default_str();
+  sub->callback([o] { run_plan(*o); });
+}
+
+}  // namespace
+
+ZINF_COMMAND("plan", setup_plan);
+
+}  // namespace zinf::cli
