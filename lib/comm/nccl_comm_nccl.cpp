@@ -1,0 +1,384 @@
+// NcclComm (see nccl_comm.hpp).
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+#include <nccl.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <string>
+#include <thread>
+
+#include "base/assert.hpp"
+#include "comm/nccl_comm.hpp"
+#include "zinf/log.hpp"
+
+namespace zinf {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// How long a call that returns ncclInProgress (non-blocking communicators) may take to settle,
+// and how long the destructor lets ncclCommFinalize flush before it aborts instead.
+constexpr auto kSettleTimeout = std::chrono::minutes(5);
+constexpr auto kFinalizeTimeout = std::chrono::seconds(30);
+
+// A backoff for polling loops: a yield, then sleeps doubling from 10 us up to 1 ms.
+class Backoff {
+ public:
+  void pause() {
+    if (sleep_.count() == 0) {
+      std::this_thread::yield();
+      sleep_ = std::chrono::microseconds(10);
+      return;
+    }
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min<std::chrono::microseconds>(sleep_ * 2, std::chrono::milliseconds(1));
+  }
+
+ private:
+  std::chrono::microseconds sleep_{0};
+};
+
+// Polls the communicator's state until it leaves ncclInProgress or the deadline passes.
+ncclResult_t settle_state(ncclComm_t comm, Clock::time_point deadline) {
+  ncclResult_t state = ncclInProgress;
+  Backoff backoff;
+  for (;;) {
+    if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) return ncclInternalError;
+    if (state != ncclInProgress || Clock::now() >= deadline) return state;
+    backoff.pause();
+  }
+}
+
+Result<ncclDataType_t> nccl_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kF16:
+      return ncclFloat16;
+    case DType::kBF16:
+      return ncclBfloat16;
+  }
+  return Status::invalid_argument("unknown dtype");
+}
+
+Result<ncclRedOp_t> nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return ncclSum;
+    case ReduceOp::kAverage:
+      return ncclAvg;
+    case ReduceOp::kMax:
+      return ncclMax;
+    case ReduceOp::kMin:
+      return ncclMin;
+  }
+  return Status::invalid_argument("unknown reduction");
+}
+
+class NcclComm final : public Communicator {
+ public:
+  NcclComm(ncclComm_t comm, Device& device, bool owned, int rank, int world_size)
+      : comm_(comm),
+        device_(device),
+        owned_(owned),
+        rank_(rank),
+        world_size_(world_size),
+        name_(fmt::format("nccl rank {} of {}", rank, world_size)) {}
+
+  // Creates what barrier() needs: a stream, an event and one float of device memory.
+  Status open_barrier() {
+    ZINF_ASSIGN_OR_RETURN(barrier_stream_, device_.create_stream("nccl barrier"));
+    ZINF_ASSIGN_OR_RETURN(barrier_event_, device_.create_event());
+    ZINF_ASSIGN_OR_RETURN(barrier_buffer_, DeviceBuffer::allocate(device_, sizeof(float)));
+    ZINF_RETURN_IF_ERROR(
+        device_.memset_async(barrier_buffer_.data(), 0, sizeof(float), *barrier_stream_));
+    return device_.synchronize(*barrier_stream_);
+  }
+
+  ~NcclComm() override {
+    if (barrier_stream_ != nullptr) (void)device_.synchronize(*barrier_stream_);
+    barrier_buffer_.reset();
+    barrier_event_.reset();
+    barrier_stream_.reset();
+    std::lock_guard<std::mutex> lock(mu_);
+    if (comm_ == nullptr || !owned_) return;
+    // Flush what was issued, then free; a finalize that fails or does not finish is aborted so
+    // that the destructor cannot hang.
+    ncclResult_t r = ncclCommFinalize(comm_);
+    if (r == ncclInProgress || r == ncclSuccess)
+      r = settle_state(comm_, Clock::now() + kFinalizeTimeout);
+    if (r == ncclSuccess) {
+      (void)ncclCommDestroy(comm_);
+    } else {
+      log_warn("{}: ncclCommFinalize did not finish ({}); aborting", name_, ncclGetErrorString(r));
+      (void)ncclCommAbort(comm_);
+    }
+    comm_ = nullptr;
+  }
+
+  int rank() const override { return rank_; }
+  int world_size() const override { return world_size_; }
+  Device& device() const override { return device_; }
+  std::string_view name() const override { return name_; }
+
+  Status issue(const Collective& op, Stream& stream) override {
+    const std::string_view kind = collective_kind_name(op.kind);
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_.is_ok()) return aborted_status(kind, op.name);
+      comm = comm_;
+    }
+    if (op.element_count == 0) return Status::ok();
+    Status bad = check_args(op, stream);
+    if (!bad.is_ok()) {
+      abort(bad);
+      return bad;
+    }
+    ZINF_ASSIGN_OR_RETURN(const ncclDataType_t dtype, nccl_dtype(op.dtype));
+    ZINF_ASSIGN_OR_RETURN(const ncclRedOp_t red, nccl_op(op.op));
+    auto* s = static_cast<cudaStream_t>(stream.native_handle());
+    ncclResult_t r = ncclSuccess;
+    switch (op.kind) {
+      case CollectiveKind::kAllGather:
+        r = ncclAllGather(op.send, op.recv, op.element_count, dtype, comm, s);
+        break;
+      case CollectiveKind::kReduceScatter:
+        r = ncclReduceScatter(op.send, op.recv, op.element_count, dtype, red, comm, s);
+        break;
+      case CollectiveKind::kAllReduce:
+        r = ncclAllReduce(op.send, op.recv, op.element_count, dtype, red, comm, s);
+        break;
+      case CollectiveKind::kBroadcast:
+        r = ncclBroadcast(op.send, op.recv, op.element_count, dtype, op.root, comm, s);
+        break;
+    }
+    return settle(r, comm, fmt::format("{} '{}' of {} elements", kind, op.name, op.element_count));
+  }
+
+  Status group_start() override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_.is_ok()) return aborted_status("group_start", {});
+    }
+    ZINF_RETURN_IF_ERROR(
+        status_from_nccl(fmt::format("{}: ncclGroupStart", name_), ncclGroupStart()));
+    ++group_depth_;
+    return Status::ok();
+  }
+
+  Status group_end() override {
+    if (group_depth_ == 0) {
+      return Status::failed_precondition(
+          fmt::format("{}: group_end() without a matching group_start()", name_));
+    }
+    --group_depth_;
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      comm = comm_;
+    }
+    return settle(ncclGroupEnd(), comm, "ncclGroupEnd");
+  }
+
+  Status barrier(std::chrono::milliseconds timeout) override {
+    ZINF_RETURN_IF_ERROR(all_reduce(barrier_buffer_.data(), barrier_buffer_.data(), 1, DType::kF32,
+                                    ReduceOp::kSum, *barrier_stream_, "barrier"));
+    ZINF_RETURN_IF_ERROR(device_.record(*barrier_event_, *barrier_stream_));
+    return wait(*barrier_event_, timeout);
+  }
+
+  Status wait(Event& event, std::chrono::milliseconds timeout) override {
+    const bool forever = timeout >= std::chrono::hours(24);
+    const auto deadline = forever ? Clock::time_point::max() : Clock::now() + timeout;
+    Backoff backoff;
+    for (;;) {
+      Result<bool> reached = device_.query(event);
+      if (!reached.is_ok()) {
+        abort(reached.status());
+        return reached.status();
+      }
+      if (*reached) return status();
+      ncclComm_t comm = nullptr;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!error_.is_ok()) return error_;  // Aborted meanwhile: the GPU work is failing out.
+        comm = comm_;
+      }
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+      if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+        Status failed = nccl_status("collective failed", r != ncclSuccess ? r : async, comm);
+        abort(failed);
+        return failed;
+      }
+      if (Clock::now() >= deadline) {
+        Status late = Status::timeout(fmt::format(
+            "{}: collectives not done after {} ms; communicator aborted", name_, timeout.count()));
+        abort(late);
+        return late;
+      }
+      backoff.pause();
+    }
+  }
+
+  void abort(Status reason) override {
+    ZINF_ASSERT(!reason.is_ok());
+    ncclComm_t comm = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!error_.is_ok()) return;
+      error_ = std::move(reason);
+      comm = std::exchange(comm_, nullptr);
+    }
+    log_warn("{}: aborting: {}", name_, error_.to_string());
+    // ncclCommAbort makes the kernels of this communicator's collectives in flight return, on
+    // this rank; the other ranks' collectives then fail on their own (their peers are gone), and
+    // their wait() sees it through ncclCommGetAsyncError or its timeout.
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+  }
+
+  Status status() const override {
+    std::lock_guard<std::mutex> lock(mu_);
+    return error_;
+  }
+
+ private:
+  Status aborted_status(std::string_view what, std::string_view tensor) const {
+    return Status::aborted(fmt::format("{} '{}' on {}: the communicator was aborted: {}", what,
+                                       tensor, name_, error_.to_string()));
+  }
+
+  Status check_args(const Collective& op, Stream& stream) const {
+    const std::string_view kind = collective_kind_name(op.kind);
+    if (stream.native_handle() == nullptr) {
+      return Status::invalid_argument(fmt::format("{} '{}' on {}: stream '{}' is not a CUDA stream",
+                                                  kind, op.name, name_, stream.name()));
+    }
+    if (op.recv == nullptr ||
+        (op.send == nullptr && (op.kind != CollectiveKind::kBroadcast || op.root == rank_))) {
+      return Status::invalid_argument(
+          fmt::format("{} '{}' on {}: null buffer", kind, op.name, name_));
+    }
+    if (op.kind == CollectiveKind::kBroadcast && (op.root < 0 || op.root >= world_size_)) {
+      return Status::invalid_argument(fmt::format("{} '{}' on {}: root {} is not a rank of {}",
+                                                  kind, op.name, name_, op.root, world_size_));
+    }
+    return Status::ok();
+  }
+
+  Status nccl_status(std::string_view what, ncclResult_t r, ncclComm_t comm) const {
+    if (r == ncclSuccess) return Status::ok();
+    const char* detail = comm != nullptr ? ncclGetLastError(comm) : nullptr;
+    return Status::comm_error(
+        fmt::format("{}: {}: {}{}{}", name_, what, ncclGetErrorString(r),
+                    detail != nullptr && *detail != 0 ? ": " : "", detail != nullptr ? detail : ""),
+        static_cast<int>(r));
+  }
+
+  // Completes a call that may return ncclInProgress (non-blocking communicators); an error
+  // aborts the communicator, so the other ranks do not wait for this one.
+  Status settle(ncclResult_t r, ncclComm_t comm, std::string_view what) {
+    if (r == ncclInProgress) r = settle_state(comm, Clock::now() + kSettleTimeout);
+    if (r == ncclSuccess) return Status::ok();
+    Status failed = r == ncclInProgress
+                        ? Status::timeout(fmt::format("{}: {} did not settle", name_, what))
+                        : nccl_status(what, r, comm);
+    abort(failed);
+    return failed;
+  }
+
+  ncclComm_t comm_;  // null once aborted or destroyed
+  Device& device_;
+  const bool owned_;
+  const int rank_;
+  const int world_size_;
+  const std::string name_;
+  int group_depth_ = 0;  // only touched by the issuing thread
+  mutable std::mutex mu_;
+  Status error_;  // sticky: the reason of the first abort
+  std::unique_ptr<Stream> barrier_stream_;
+  std::unique_ptr<Event> barrier_event_;
+  DeviceBuffer barrier_buffer_;
+};
+
+}  // namespace
+
+Status status_from_nccl(std::string_view context, int result) {
+  if (result == ncclSuccess) return Status::ok();
+  return Status::comm_error(
+      fmt::format("{}: {}", context, ncclGetErrorString(static_cast<ncclResult_t>(result))),
+      result);
+}
+
+Result<std::unique_ptr<Communicator>> wrap_nccl_comm(void* nccl_comm, Device& device,
+                                                     bool take_ownership) {
+  if (nccl_comm == nullptr) return Status::invalid_argument("wrap_nccl_comm: null ncclComm_t");
+  if (device.kind() != DeviceKind::kCuda) {
+    return Status::invalid_argument(
+        fmt::format("wrap_nccl_comm: device {} is not a CUDA device", device.name()));
+  }
+  auto comm = static_cast<ncclComm_t>(nccl_comm);
+  int rank = 0, world = 0;
+  ZINF_RETURN_IF_ERROR(
+      status_from_nccl("wrap_nccl_comm: ncclCommUserRank", ncclCommUserRank(comm, &rank)));
+  ZINF_RETURN_IF_ERROR(
+      status_from_nccl("wrap_nccl_comm: ncclCommCount", ncclCommCount(comm, &world)));
+  auto out = std::make_unique<NcclComm>(comm, device, take_ownership, rank, world);
+  ZINF_RETURN_IF_ERROR(out->open_barrier());
+  return std::unique_ptr<Communicator>(std::move(out));
+}
+
+Result<std::unique_ptr<Communicator>> make_nccl_comm(const LaunchEnv& env, Device& device,
+                                                     const NcclBootstrapOptions& options) {
+  const auto start = Clock::now();
+  const auto deadline = start + options.init_timeout;
+  if (device.kind() != DeviceKind::kCuda) {
+    return Status::invalid_argument(
+        fmt::format("make_nccl_comm: device {} is not a CUDA device", device.name()));
+  }
+  ncclUniqueId id;
+  std::memset(&id, 0, sizeof(id));
+  if (env.rank == 0) {
+    ZINF_RETURN_IF_ERROR(status_from_nccl("make_nccl_comm: ncclGetUniqueId", ncclGetUniqueId(&id)));
+  }
+  ZINF_ASSIGN_OR_RETURN(
+      const std::vector<std::byte> blob,
+      tcp_broadcast_blob(env, std::as_bytes(std::span<const ncclUniqueId>(&id, 1)),
+                         options.init_timeout));
+  if (blob.size() != sizeof(id)) {
+    return Status::comm_error(
+        fmt::format("make_nccl_comm: rank 0 sent {} bytes, not an ncclUniqueId of {}", blob.size(),
+                    sizeof(id)));
+  }
+  std::memcpy(&id, blob.data(), sizeof(id));
+
+  const int ordinal = options.cuda_ordinal >= 0 ? options.cuda_ordinal : env.local_rank;
+  const cudaError_t cuda_err = cudaSetDevice(ordinal);
+  if (cuda_err != cudaSuccess) {
+    return Status::device_error(
+        fmt::format("make_nccl_comm: cudaSetDevice({}): {}", ordinal, cudaGetErrorString(cuda_err)),
+        static_cast<int>(cuda_err));
+  }
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;  // So that initialisation can be bounded by the timeout.
+  ncclComm_t comm = nullptr;
+  ncclResult_t r = ncclCommInitRankConfig(&comm, env.world_size, id, env.rank, &config);
+  if (r == ncclInProgress) r = settle_state(comm, deadline);
+  if (r != ncclSuccess) {
+    if (comm != nullptr) (void)ncclCommAbort(comm);
+    if (r == ncclInProgress) {
+      return Status::timeout(
+          fmt::format("make_nccl_comm: rank {} of {}: ncclCommInitRankConfig not done within {} ms",
+                      env.rank, env.world_size, options.init_timeout.count()));
+    }
+    return status_from_nccl(fmt::format("make_nccl_comm: rank {} of {}: ncclCommInitRankConfig",
+                                        env.rank, env.world_size),
+                            r);
+  }
+  return wrap_nccl_comm(comm, device, /*take_ownership=*/true);
+}
+
+}  // namespace zinf
