@@ -1,0 +1,102 @@
+// Shared by the GPU benchmarks: the no-device skip, round-by-round ratio bookkeeping, and the
+// summary lines scripts/gpu-check collects into its table.
+//
+// Every benchmark here measures a zinf operation and its limit in the same run, interleaved
+// round by round (the order alternating each round), and reports the median of the per-round
+// ratios, so a noisy machine moves both sides together instead of biasing one.
+#pragma once
+
+#include <benchmark/benchmark.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace zinf::gpu_bench {
+
+inline std::string no_device_reason() {
+  int count = 0;
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) return std::string("cudaGetDeviceCount: ") + cudaGetErrorString(err);
+  if (count == 0) return "cudaGetDeviceCount returned 0 devices";
+  return {};
+}
+
+inline double median(std::vector<double> v) {
+  if (v.empty()) return 0.0;
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// One line of the summary, printed after the benchmarks have run.
+struct Row {
+  std::string name;
+  double bytes;  // bytes counted per operation (see each benchmark)
+  double ours_gbps;
+  std::string limit_name;
+  double limit_gbps;
+  double ratio;  // median over rounds of ours_time^-1 / limit_time^-1
+};
+
+inline std::vector<Row>& rows() {
+  static std::vector<Row> all;
+  return all;
+}
+
+// Records per-round times of the operation and its limit; `bytes` is what one run moves.
+class Rounds {
+ public:
+  explicit Rounds(double bytes) : bytes_(bytes) {}
+  void add(double ours_s, double limit_s) {
+    ours_.push_back(ours_s);
+    limit_.push_back(limit_s);
+    ratios_.push_back(limit_s / ours_s);  // >1 would mean ours is faster than its limit
+  }
+  void report(benchmark::State& state, const std::string& name, const std::string& limit_name) {
+    const double ours = bytes_ / median(ours_) / 1e9;
+    const double limit = bytes_ / median(limit_) / 1e9;
+    const double ratio = median(ratios_);
+    state.counters["GB/s"] = ours;
+    state.counters["limit_GB/s"] = limit;
+    state.counters["ratio"] = ratio;
+    rows().push_back(Row{name, bytes_, ours, limit_name, limit, ratio});
+  }
+
+ private:
+  double bytes_;
+  std::vector<double> ours_, limit_, ratios_;
+};
+
+inline void print_rows(const char* binary) {
+  for (const Row& r : rows()) {
+    if (r.limit_gbps > 0) {
+      std::printf("zinf-gpu-bench | %-36s | %8.1f MB | %8.1f GB/s | %-20s | %8.1f GB/s | %.3f\n",
+                  r.name.c_str(), r.bytes / 1e6, r.ours_gbps, r.limit_name.c_str(), r.limit_gbps,
+                  r.ratio);
+    } else {
+      std::printf("zinf-gpu-bench | %-36s | %8.1f MB | %8.1f GB/s | %-20s | %13s | %5s\n",
+                  r.name.c_str(), r.bytes / 1e6, r.ours_gbps, "(context only)", "-", "-");
+    }
+  }
+  if (rows().empty()) std::printf("zinf-gpu-bench | %s: no results\n", binary);
+}
+
+// main(): skips cleanly (exit 0, reason printed) without a device.
+inline int run_main(int argc, char** argv, const char* binary) {
+  const std::string reason = no_device_reason();
+  if (!reason.empty()) {
+    std::printf("%s: skipped: no CUDA device: %s\n", binary, reason.c_str());
+    return 0;
+  }
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  benchmark::RunSpecifiedBenchmarks();
+  benchmark::Shutdown();
+  print_rows(binary);
+  return 0;
+}
+
+}  // namespace zinf::gpu_bench
