@@ -178,6 +178,10 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   base.world_size = budgets.gpus;
   base.ranks_per_machine = per_machine;
   size_buckets(model, &base);
+  if (profile.nvme_block_bytes > 0 && profile.nvme_queue_depth > 0) {
+    base.io_block_bytes = profile.nvme_block_bytes;
+    base.io_queue_depth = profile.nvme_queue_depth;
+  }
   const std::uint64_t shard = ceil_div(param_count(model), budgets.gpus);
 
   PlanResult result;

@@ -64,6 +64,45 @@ Status read_sweep(const json& results, std::uint64_t block_bytes, std::uint64_t 
   return Status::ok();
 }
 
+// Reads `zinf io tune`'s saved sweep: "points" (op, block_bytes, queue_depth, rings, gbps) and
+// "best" per op. The engine runs one block size and depth for both directions, so the read's
+// best point sets them, and the write rate is the best write at that same point (over ring
+// counts), or the best write anywhere when the sweep has none there.
+Status read_io_tune(const json& root, MachineProfile* p) {
+  if (!root.contains("best") || !root.at("best").is_object()) {
+    return Status::invalid_argument("best: missing or not an object");
+  }
+  const json& best = root.at("best");
+  if (!best.contains("read") || !best.contains("write")) {
+    return Status::invalid_argument("best: needs both read and write");
+  }
+  double read = 0;
+  double write = 0;
+  ZINF_RETURN_IF_ERROR(read_rate(best.at("read"), "gbps", "best.read.", &read));
+  ZINF_RETURN_IF_ERROR(read_rate(best.at("write"), "gbps", "best.write.", &write));
+  const std::uint64_t block = best.at("read").value("block_bytes", std::uint64_t{0});
+  const std::uint64_t depth = best.at("read").value("queue_depth", std::uint64_t{0});
+  double write_there = 0;
+  if (root.contains("points") && root.at("points").is_array()) {
+    for (const json& point : root.at("points")) {
+      if (!point.is_object() || point.value("op", std::string()) != "write") continue;
+      if (point.value("block_bytes", std::uint64_t{0}) != block ||
+          point.value("queue_depth", std::uint64_t{0}) != depth) {
+        continue;
+      }
+      double gbps = 0;
+      ZINF_RETURN_IF_ERROR(read_rate(point, "gbps", "points[].", &gbps));
+      write_there = std::max(write_there, gbps);
+    }
+  }
+  if (read <= 0 || write <= 0) return Status::ok();
+  p->nvme_read_gbps = read;
+  p->nvme_write_gbps = write_there > 0 ? write_there : write;
+  p->nvme_block_bytes = block;
+  p->nvme_queue_depth = depth;
+  return Status::ok();
+}
+
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   const std::size_t n = v.size();
@@ -81,6 +120,17 @@ std::string default_profile_path() {
     return std::string(p) + "/.cache/zinf/machine.json";
   }
   return ".zinf-machine.json";
+}
+
+std::string default_io_tune_path() {
+  if (const char* p = std::getenv("ZINF_IO_TUNE_FILE"); p != nullptr && *p != '\0') return p;
+  if (const char* p = std::getenv("XDG_CACHE_HOME"); p != nullptr && *p != '\0') {
+    return std::string(p) + "/zinf/io-tune.json";
+  }
+  if (const char* p = std::getenv("HOME"); p != nullptr && *p != '\0') {
+    return std::string(p) + "/.cache/zinf/io-tune.json";
+  }
+  return ".zinf-io-tune.json";
 }
 
 Status parse_machine_profile(std::string_view text, const std::string& source,
@@ -116,6 +166,11 @@ Status parse_machine_profile(std::string_view text, const std::string& source,
     p.nvme_read_gbps = read;
     p.nvme_write_gbps = write;
     p.nvme_source = source;
+  }
+  if (root.contains("best")) {
+    const double before = p.nvme_read_gbps;
+    ZINF_RETURN_IF_ERROR(read_io_tune(root, &p).with_context(source));
+    if (p.nvme_read_gbps != before) p.nvme_source = source + " (zinf io tune)";
   }
   bool gpu_given = false;
   for (auto [key, field] :

@@ -8,8 +8,14 @@
 //   nvme_read_gbps, nvme_write_gbps    NVMe rates at the engine's block size and depth
 //   io: {"read_gbps": R, "write_gbps": W}   the same, as a section
 //   io: {"results": [{"block_bytes": B, "queue_depth": D, "read_gbps": R, "write_gbps": W},
-//        ...]}          io tune's sweep: the entry at the engine's block size and depth is used
-//                       when there is one, else the best read and the best write
+//        ...]}          a sweep: the entry at the engine's block size and depth is used when
+//                       there is one, else the best read and the best write
+//   points: [{"op": "read"|"write", "block_bytes": B, "queue_depth": D, "gbps": G}, ...],
+//   best: {"read": {"block_bytes": B, "queue_depth": D, "gbps": G}, "write": {...}}
+//                       what `zinf io tune` saves (default $ZINF_IO_TUNE_FILE, else
+//                       ~/.cache/zinf/io-tune.json): the best read's block size and depth,
+//                       which the plan then uses (aio.block_size, aio.queue_depth), its read
+//                       rate, and the best write rate at that block size and depth
 //   h2d_gbps, gpu_mem_gbps, gpu_tflops, gpu_link_gbps   GPU figures, when measured
 // Rates are GB/s (1e9 bytes/s).
 //
@@ -28,6 +34,9 @@
 namespace zinf::plan {
 
 std::string default_profile_path();
+// Where `zinf io tune` saves its sweep: $ZINF_IO_TUNE_FILE, else $XDG_CACHE_HOME/zinf/io-tune.json,
+// else $HOME/.cache/zinf/io-tune.json.
+std::string default_io_tune_path();
 
 // Reads the keys above from the JSON text into `profile`, leaving fields the text does not
 // have as they are; `source` names the file in profile->*_source. `io_block_bytes` and

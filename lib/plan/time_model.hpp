@@ -55,6 +55,10 @@ struct MachineProfile {
   double mem_adam_gbps = 0;   // the fp32 Adam access pattern (zinf probe: mem_adam_pattern_gbps)
   double nvme_read_gbps = 0;  // the machine's NVMe path, all drives together
   double nvme_write_gbps = 0;
+  // The request size and queue depth those rates were measured at (0: unknown); the plan
+  // configures the engine's I/O the same way.
+  std::uint64_t nvme_block_bytes = 0;
+  std::uint64_t nvme_queue_depth = 0;
   double h2d_gbps = 20;        // per GPU, host↔device (PCIe 4.0 x16 in practice)
   double gpu_mem_gbps = 1000;  // device memory bandwidth, for the optimizer on the device
   double gpu_tflops = 0;       // achieved dense half-precision TFLOP/s; 0 = not modelled

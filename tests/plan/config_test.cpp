@@ -156,6 +156,32 @@ TEST(Profile, ReadsProbeOutputAndIoTuneResults) {
   EXPECT_DOUBLE_EQ(q.nvme_write_gbps, 3.25);
 }
 
+TEST(Profile, ReadsWhatZinfIoTuneSaves) {
+  // The shape of ~/.cache/zinf/io-tune.json: every point, and the best per op.
+  const char* text = R"({"path": "/nvme", "engine": "uring", "seconds_per_point": 0.3,
+    "points": [
+      {"op": "read", "block_bytes": 1048576, "queue_depth": 16, "rings": 1, "gbps": 5.5},
+      {"op": "read", "block_bytes": 1048576, "queue_depth": 32, "rings": 2, "gbps": 6.25},
+      {"op": "write", "block_bytes": 1048576, "queue_depth": 32, "rings": 1, "gbps": 2.5},
+      {"op": "write", "block_bytes": 1048576, "queue_depth": 32, "rings": 2, "gbps": 2.75},
+      {"op": "write", "block_bytes": 4194304, "queue_depth": 8, "rings": 1, "gbps": 3.5}],
+    "best": {
+      "read": {"op": "read", "block_bytes": 1048576, "queue_depth": 32, "rings": 2, "gbps": 6.25},
+      "write": {"op": "write", "block_bytes": 4194304, "queue_depth": 8, "rings": 1, "gbps": 3.5}}})";
+  MachineProfile p;
+  ASSERT_TRUE(parse_machine_profile(text, "file t.json", 1 << 20, 32, &p).is_ok());
+  // The read's best point sets block and depth; the write rate is the best at that point.
+  EXPECT_DOUBLE_EQ(p.nvme_read_gbps, 6.25);
+  EXPECT_DOUBLE_EQ(p.nvme_write_gbps, 2.75);
+  EXPECT_EQ(p.nvme_block_bytes, 1u << 20);
+  EXPECT_EQ(p.nvme_queue_depth, 32u);
+  EXPECT_NE(p.nvme_source.find("io tune"), std::string::npos);
+  const Status bad =
+      parse_machine_profile(R"({"best": {"read": {"gbps": 1}}})", "file t.json", 1 << 20, 32, &p);
+  EXPECT_EQ(bad.code(), Code::kInvalidArgument);
+  EXPECT_NE(bad.message().find("t.json"), std::string_view::npos) << bad.to_string();
+}
+
 TEST(Profile, KeepsWhatTheFileLacksAndNamesBadKeys) {
   MachineProfile p;
   p.h2d_gbps = 24;

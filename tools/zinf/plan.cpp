@@ -49,6 +49,7 @@ struct PlanOptions {
   std::string offload_optimizer;
   std::string offload_param;
   std::string machine_profile;
+  std::string io_profile;
   bool measure = false;
   double mem_adam_gbps = 0;
   double nvme_read_gbps = 0;
@@ -95,6 +96,16 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
       return false;
     }
     if (!s.is_ok()) notes->push_back(fmt::format("no machine profile at {}", path));
+    if (need_nvme && (p->nvme_read_gbps <= 0 || p->nvme_write_gbps <= 0)) {
+      const bool explicit_tune = !o.io_profile.empty();
+      const std::string tune = explicit_tune ? o.io_profile : default_io_tune_path();
+      const Status t = load_machine_profile(tune, 1 << 20, 32, p);
+      if (!t.is_ok() && (explicit_tune || t.code() != Code::kNotFound)) {
+        fail(fmt::format("--io-profile: {}", t.to_string()));
+        return false;
+      }
+      if (!t.is_ok()) notes->push_back(fmt::format("no zinf io tune results at {}", tune));
+    }
   }
   auto given = [](double v, double* field, std::string* source, const char* flag) {
     if (v > 0) {
@@ -135,6 +146,8 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
     }
     p->nvme_read_gbps = rates->read_gbps;
     p->nvme_write_gbps = rates->write_gbps;
+    p->nvme_block_bytes = 1 << 20;
+    p->nvme_queue_depth = 4;
     p->nvme_source = fmt::format(
         "measured now on {} (sequential O_DIRECT, 512 MiB, 1 MiB blocks, 4 threads)", nvme_dir);
     notes->push_back(
@@ -144,11 +157,12 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
 }
 
 nlohmann::json profile_json(const MachineProfile& p) {
-  return {{"mem_adam_gbps", p.mem_adam_gbps},     {"nvme_read_gbps", p.nvme_read_gbps},
-          {"nvme_write_gbps", p.nvme_write_gbps}, {"h2d_gbps", p.h2d_gbps},
-          {"gpu_mem_gbps", p.gpu_mem_gbps},       {"gpu_tflops", p.gpu_tflops},
-          {"gpu_link_gbps", p.gpu_link_gbps},     {"memory_source", p.memory_source},
-          {"nvme_source", p.nvme_source},         {"gpu_source", p.gpu_source}};
+  return {{"mem_adam_gbps", p.mem_adam_gbps},       {"nvme_read_gbps", p.nvme_read_gbps},
+          {"nvme_block_bytes", p.nvme_block_bytes}, {"nvme_queue_depth", p.nvme_queue_depth},
+          {"nvme_write_gbps", p.nvme_write_gbps},   {"h2d_gbps", p.h2d_gbps},
+          {"gpu_mem_gbps", p.gpu_mem_gbps},         {"gpu_tflops", p.gpu_tflops},
+          {"gpu_link_gbps", p.gpu_link_gbps},       {"memory_source", p.memory_source},
+          {"nvme_source", p.nvme_source},           {"gpu_source", p.gpu_source}};
 }
 
 nlohmann::json parts_json(const StepPrediction& t) {
@@ -568,6 +582,9 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--offload-param", o->offload_param, "Fix it: none, cpu or nvme");
   sub->add_option("--machine-profile", o->machine_profile,
                   "Profile JSON (default $ZINF_MACHINE_PROFILE or ~/.cache/zinf/machine.json)");
+  sub->add_option(
+      "--io-profile", o->io_profile,
+      "zinf io tune results (default $ZINF_IO_TUNE_FILE or ~/.cache/zinf/io-tune.json)");
   sub->add_flag("--measure", o->measure,
                 "Ignore any profile file: measure now what the options do not give");
   sub->add_option("--mem-adam-gbps", o->mem_adam_gbps, "CPU Adam-pattern memory bandwidth");
