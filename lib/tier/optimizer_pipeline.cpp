@@ -1,0 +1,489 @@
+#include "tier/optimizer_pipeline.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <thread>
+
+#include "base/assert.hpp"
+#include "zinf/log.hpp"
+
+namespace zinf {
+
+namespace {
+
+constexpr auto kPollInterval = std::chrono::microseconds(100);
+
+}  // namespace
+
+// One sub-group in flight: its block, and the swap tickets of its pieces' reads or writes.
+struct OptimizerPipeline::Entry {
+  enum class Phase : std::uint8_t { kIdle, kReading, kInBlock, kWriting };
+  Phase phase = Phase::kIdle;
+  std::size_t sub_group = 0;
+  PinnedPool::Lease lease;
+  std::array<SwapTicket, kPieceCount> tickets{};
+  std::array<bool, kPieceCount> pending{};  // ticket not yet redeemed
+  bool write_failed = false;                // some write of this sub-group failed
+  bool wrote_any = false;                   // some write was submitted
+  std::int64_t start_ns = 0;                // submission of the reads / writes
+  std::int64_t done_ns = 0;                 // when a poll first saw them all complete; 0: not yet
+};
+
+OptimizerPipeline::OptimizerPipeline(StateStore& store, PinnedPool* pool,
+                                     const PipelineOptions& options)
+    : store_(store), pool_(pool), options_(options) {}
+
+OptimizerPipeline::~OptimizerPipeline() = default;
+
+Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& store,
+                                                                   PinnedPool* pool,
+                                                                   const PipelineOptions& options) {
+  if (options.optimizer.kind != store.options().optimizer) {
+    return Status::invalid_argument(fmt::format(
+        "OptimizerPipeline: optimizer {} but the store holds the state of {}",
+        optimizer_name(options.optimizer.kind), optimizer_name(store.options().optimizer)));
+  }
+  std::unique_ptr<OptimizerPipeline> p(new OptimizerPipeline(store, pool, options));
+  for (std::size_t k = 0; k < kPieceCount; ++k) {
+    const auto piece = static_cast<Piece>(k);
+    if (!store.on_nvme(piece)) continue;
+    if (piece != Piece::kParamsHalf) p->read_pieces_.push_back(piece);
+    if (piece != Piece::kGrads) p->write_pieces_.push_back(piece);
+  }
+  if (store.block_bytes() > 0) {
+    if (pool == nullptr) {
+      return Status::invalid_argument("OptimizerPipeline: state on nvme needs a PinnedPool");
+    }
+    if (pool->block_bytes() < store.block_bytes()) {
+      return Status::invalid_argument(fmt::format(
+          "OptimizerPipeline: pool blocks of {} bytes cannot hold a sub-group's nvme pieces ({} "
+          "bytes); raise the pool's block_bytes or lower sub_group_bytes",
+          pool->block_bytes(), store.block_bytes()));
+    }
+    p->block_limit_ = options.max_blocks == 0 ? pool->block_count()
+                                              : std::min(options.max_blocks, pool->block_count());
+    if (p->block_limit_ < 2) {
+      return Status::invalid_argument(
+          "OptimizerPipeline: the step needs at least 2 pool blocks (one updated while another "
+          "reads or writes)");
+    }
+    const std::size_t ops_needed = p->block_limit_ * (kPieceCount - 1);
+    if (store.swap()->options().max_ops < ops_needed) {
+      return Status::invalid_argument(
+          fmt::format("OptimizerPipeline: {} blocks may have {} swap ops in flight, above the swap "
+                      "space's max_ops {}",
+                      p->block_limit_, ops_needed, store.swap()->options().max_ops));
+    }
+    p->entries_.resize(p->block_limit_);
+  }
+  p->arena_ = std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads
+                                                                    : tbb::task_arena::automatic);
+  if (options.trace != nullptr) {
+    p->read_track_ = options.trace->track("read");
+    p->update_track_ = options.trace->track("update");
+    p->write_track_ = options.trace->track("write");
+  }
+  return p;
+}
+
+OptimizerPipeline::Entry& OptimizerPipeline::entry(std::size_t i) {
+  Entry& e = entries_[i % entries_.size()];
+  ZINF_DASSERT(e.sub_group == i || e.phase == Entry::Phase::kIdle);
+  return e;
+}
+
+void OptimizerPipeline::trace_span(int track, const char* what, std::size_t i,
+                                   std::int64_t start_ns, std::int64_t end_ns) {
+  if (options_.trace == nullptr) return;
+  options_.trace->add(track, fmt::format("{} sg{}", what, i), start_ns, end_ns,
+                      fmt::format("{{\"sub_group\":{}}}", i));
+}
+
+Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
+  if (!error_.is_ok()) return error_;
+  if (args.step < 1) {
+    return Status::invalid_argument(fmt::format("OptimizerPipeline: step {} < 1", args.step));
+  }
+  if (args.mode == StepMode::kFull) {
+    for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
+      if (store_.torn(i) || store_.stored_step(i) != args.step - 1) {
+        return Status::failed_precondition(fmt::format(
+            "optimizer step {}: sub-group {} holds {} step {}, not step {}", args.step, i,
+            store_.torn(i) ? "a torn" : "the state of", store_.stored_step(i), args.step - 1));
+      }
+    }
+  }
+  stats_ = StepStats{};
+  stats_.step = args.step;
+  stats_.sub_groups = store_.sub_group_count();
+  const std::int64_t start = Trace::now_ns();
+  Status status;
+  if (args.mode == StepMode::kUpdateOnly) {
+    status = run_update_only(args);
+  } else if (store_.block_bytes() == 0) {
+    status = args.mode == StepMode::kIoOnly ? Status::ok() : run_host_only(args);
+  } else {
+    status = run_pipelined(args);
+  }
+  stats_.wall_ns = Trace::now_ns() - start;
+  if (!status.is_ok()) {
+    error_ = status;
+    return status;
+  }
+  return stats_;
+}
+
+Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs& args) {
+  auto where = [&](Piece piece) -> std::byte* {
+    if (!store_.has(piece)) return nullptr;
+    if (store_.tier(piece) == Tier::kHost) return store_.host_data(piece, i);
+    return block + store_.slot_offset(piece);
+  };
+  OptimizerSpan span;
+  span.params = reinterpret_cast<float*>(where(Piece::kParams));
+  span.exp_avg = reinterpret_cast<float*>(where(Piece::kExpAvg));
+  span.exp_avg_sq = reinterpret_cast<float*>(where(Piece::kExpAvgSq));
+  span.grads = where(Piece::kGrads);
+  span.grad_dtype = store_.dtype(Piece::kGrads);
+  span.params_half = where(Piece::kParamsHalf);
+  span.half_dtype = store_.options().half_dtype;
+  span.count = store_.sub_group_size(i);
+  StepOptions step_options;
+  step_options.step = args.step;
+  step_options.grad_scale = args.grad_scale;
+  step_options.check_overflow = false;
+  step_options.simd = options_.simd;
+  step_options.threads = 0;  // in arena_
+  step_options.tile_elements = options_.tile_elements;
+  const std::int64_t start = Trace::now_ns();
+  Status status;
+  arena_->execute([&] {
+    Result<StepResult> r = optimizer_step(options_.optimizer, span, step_options);
+    if (!r.is_ok()) status = r.status();
+  });
+  const std::int64_t end = Trace::now_ns();
+  stats_.update_ns += end - start;
+  trace_span(update_track_, "update", i, start, end);
+  if (!status.is_ok()) {
+    return status.with_context(
+        fmt::format("optimizer step {}: sub-group {}: update", args.step, i));
+  }
+  return Status::ok();
+}
+
+Status OptimizerPipeline::run_host_only(const StepArgs& args) {
+  for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
+    ZINF_RETURN_IF_ERROR(update(i, nullptr, args));
+    store_.set_stored(i, args.step);
+  }
+  return Status::ok();
+}
+
+Status OptimizerPipeline::run_update_only(const StepArgs& args) {
+  // Benchmark mode: the same updates on the blocks as they are, sub-group i in block i mod B.
+  if (store_.block_bytes() == 0) {
+    for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
+      ZINF_RETURN_IF_ERROR(update(i, nullptr, args));
+    }
+    return Status::ok();
+  }
+  for (Entry& e : entries_) {
+    std::optional<PinnedPool::Lease> lease = pool_->try_acquire();
+    if (!lease) break;
+    e.lease = std::move(*lease);
+  }
+  std::size_t leased = 0;
+  while (leased < entries_.size() && entries_[leased].lease.valid()) ++leased;
+  stats_.blocks_peak = leased;
+  Status status = leased == 0 ? Status::resource_exhausted("OptimizerPipeline: no free pool block")
+                              : Status::ok();
+  for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
+    status = update(i, entries_[i % leased].lease.data(), args);
+  }
+  for (Entry& e : entries_) e.lease.release();
+  return status;
+}
+
+Status OptimizerPipeline::start_read(std::size_t i, PinnedPool::Lease lease, const StepArgs& args) {
+  Entry& e = entry(i);
+  ZINF_ASSERT(e.phase == Entry::Phase::kIdle && !e.lease.valid());
+  e.phase = Entry::Phase::kReading;
+  e.sub_group = i;
+  e.lease = std::move(lease);
+  e.pending.fill(false);
+  e.write_failed = false;
+  e.wrote_any = false;
+  e.start_ns = Trace::now_ns();
+  e.done_ns = 0;
+  ++held_;
+  stats_.blocks_peak = std::max(stats_.blocks_peak, held_);
+  for (Piece piece : read_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    store_.begin_read(piece, i);
+    Result<SwapTicket> ticket =
+        store_.swap()->read(store_.extent(piece, i), e.lease.data() + store_.slot_offset(piece));
+    if (!ticket.is_ok()) {
+      store_.end_read(piece, i, false);
+      return ticket.status().with_context(
+          fmt::format("optimizer step {}: sub-group {}: starting the read of {}", args.step, i,
+                      piece_name(piece)));
+    }
+    e.tickets[k] = *ticket;
+    e.pending[k] = true;
+  }
+  return Status::ok();
+}
+
+bool OptimizerPipeline::reads_done(std::size_t i) {
+  Entry& e = entry(i);
+  if (e.done_ns != 0) return true;
+  for (Piece piece : read_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    if (e.pending[k] && !store_.swap()->poll(e.tickets[k])) return false;
+  }
+  e.done_ns = Trace::now_ns();
+  return true;
+}
+
+Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
+  Entry& e = entry(i);
+  ZINF_ASSERT(e.phase == Entry::Phase::kReading);
+  Status first;
+  for (Piece piece : read_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    if (!e.pending[k]) continue;
+    Status status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
+    while (status.code() == Code::kTimeout) {
+      // The read may still land in the block: keep waiting before anything reuses it.
+      if (first.is_ok()) first = status;
+      log_warn("tier: {}", status.to_string());
+      status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
+    }
+    e.pending[k] = false;
+    store_.end_read(piece, i, status.is_ok());
+    if (status.is_ok()) {
+      stats_.read_bytes += store_.piece_bytes(piece, i);
+    } else if (first.is_ok()) {
+      first = status.with_context(fmt::format("optimizer step {}: sub-group {}: reading {}",
+                                              args.step, i, piece_name(piece)));
+    }
+  }
+  if (e.done_ns == 0) e.done_ns = Trace::now_ns();
+  trace_span(read_track_, "read", i, e.start_ns, e.done_ns);
+  e.phase = Entry::Phase::kInBlock;
+  return first;
+}
+
+Status OptimizerPipeline::start_write(std::size_t i, const StepArgs& args) {
+  Entry& e = entry(i);
+  ZINF_ASSERT(e.phase == Entry::Phase::kInBlock);
+  e.phase = Entry::Phase::kWriting;
+  e.start_ns = Trace::now_ns();
+  e.done_ns = 0;
+  for (Piece piece : read_pieces_) {
+    if (piece == Piece::kGrads) store_.drop_block(piece, i);  // read-only: the disk copy stands
+  }
+  for (Piece piece : write_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    store_.begin_write(piece, i);
+    e.wrote_any = true;
+    Result<SwapTicket> ticket =
+        store_.swap()->write(store_.extent(piece, i), e.lease.data() + store_.slot_offset(piece));
+    if (!ticket.is_ok()) {
+      // The swap space marks the blocks of a write it could not submit as lost.
+      store_.end_write(piece, i, false);
+      e.write_failed = true;
+      // Pieces not yet submitted keep their old value on disk.
+      for (Piece rest : write_pieces_) {
+        if (store_.residency(rest, i) == Residency::kInBlock) store_.drop_block(rest, i);
+      }
+      return ticket.status().with_context(
+          fmt::format("optimizer step {}: sub-group {}: starting the write of {}", args.step, i,
+                      piece_name(piece)));
+    }
+    e.tickets[k] = *ticket;
+    e.pending[k] = true;
+  }
+  return Status::ok();
+}
+
+bool OptimizerPipeline::writes_done(std::size_t i) {
+  Entry& e = entry(i);
+  if (e.done_ns != 0) return true;
+  for (Piece piece : write_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    if (e.pending[k] && !store_.swap()->poll(e.tickets[k])) return false;
+  }
+  e.done_ns = Trace::now_ns();
+  return true;
+}
+
+Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
+  Entry& e = entry(i);
+  ZINF_ASSERT(e.phase == Entry::Phase::kWriting);
+  Status first;
+  for (Piece piece : write_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    if (!e.pending[k]) continue;
+    Status status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
+    while (status.code() == Code::kTimeout) {
+      if (first.is_ok()) first = status;
+      log_warn("tier: {}", status.to_string());
+      status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
+    }
+    e.pending[k] = false;
+    store_.end_write(piece, i, status.is_ok());
+    if (status.is_ok()) {
+      stats_.write_bytes += store_.piece_bytes(piece, i);
+    } else {
+      e.write_failed = true;
+      if (first.is_ok()) {
+        first = status.with_context(fmt::format("optimizer step {}: sub-group {}: writing {}",
+                                                args.step, i, piece_name(piece)));
+      }
+    }
+  }
+  if (e.done_ns == 0) e.done_ns = Trace::now_ns();
+  trace_span(write_track_, "write", i, e.start_ns, e.done_ns);
+  // What the sub-group now holds. In io-only mode the values written are the ones read, so a
+  // successful write leaves the version as it was.
+  if (e.write_failed) {
+    store_.set_torn(i);
+  } else if (args.mode == StepMode::kFull) {
+    store_.set_stored(i, args.step);
+  }
+  e.phase = Entry::Phase::kIdle;
+  e.lease.release();
+  --held_;
+  return first;
+}
+
+Status OptimizerPipeline::pump(const StepArgs& args) {
+  // Writes land roughly in submission order; return blocks from the oldest on.
+  for (std::size_t i = released_; i < updated_; ++i) {
+    if (!writes_done(i)) continue;
+    if (i == released_) {
+      ZINF_RETURN_IF_ERROR(finish_write(i, args));
+      ++released_;
+    }
+  }
+  for (std::size_t i = updated_; i < read_; ++i) (void)reads_done(i);
+  while (read_ < store_.sub_group_count() && read_ - released_ < block_limit_) {
+    std::optional<PinnedPool::Lease> lease = pool_->try_acquire();
+    if (!lease) break;
+    const std::size_t i = read_++;
+    ZINF_RETURN_IF_ERROR(start_read(i, std::move(*lease), args));
+  }
+  return Status::ok();
+}
+
+Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
+  released_ = updated_ = read_ = 0;
+  held_ = 0;
+  const std::size_t n = store_.sub_group_count();
+  Status status;
+  while (status.is_ok() && updated_ < n) {
+    status = pump(args);
+    if (!status.is_ok()) break;
+    const std::int64_t wait_start = Trace::now_ns();
+    if (read_ == updated_) {
+      // Every block the step may hold is waiting for a write: wait for the oldest.
+      if (released_ == updated_) {
+        // Blocks are held elsewhere (another user of the pool): wait for one to come back.
+        Result<PinnedPool::Lease> lease = pool_->acquire(options_.io_timeout);
+        if (!lease.is_ok()) {
+          status = lease.status().with_context(fmt::format(
+              "optimizer step {}: sub-group {}: waiting for a block", args.step, updated_));
+          break;
+        }
+        const std::size_t i = read_++;
+        status = start_read(i, std::move(*lease), args);
+      } else {
+        status = finish_write(released_, args);
+        ++released_;
+      }
+      stats_.io_wait_ns += Trace::now_ns() - wait_start;
+      continue;
+    }
+    // Wait for the next sub-group's reads, keeping the queue fed meanwhile.
+    const auto deadline = std::chrono::steady_clock::now() + options_.io_timeout;
+    while (!reads_done(updated_)) {
+      status = pump(args);
+      if (!status.is_ok()) break;
+      if (std::chrono::steady_clock::now() > deadline) {
+        status = Status::timeout(
+            fmt::format("optimizer step {}: sub-group {}: reads not done within {} ms", args.step,
+                        updated_, options_.io_timeout.count()));
+        break;
+      }
+      std::this_thread::sleep_for(kPollInterval);
+    }
+    if (!status.is_ok()) break;
+    const std::size_t i = updated_;
+    status = finish_read(i, args);
+    stats_.io_wait_ns += Trace::now_ns() - wait_start;
+    if (!status.is_ok()) break;
+    Entry& e = entry(i);
+    if (args.mode == StepMode::kFull) {
+      status = update(i, e.lease.data(), args);
+      if (!status.is_ok()) break;
+    }
+    ++updated_;  // from here on i is among the writing sub-groups, even if a write fails
+    if (write_pieces_.empty()) {
+      // Nothing to write back (only gradients on nvme): the sub-group is done.
+      (void)start_write(i, args).is_ok();
+      status = finish_write(i, args);
+      ++released_;
+      continue;
+    }
+    status = start_write(i, args);
+  }
+  if (status.is_ok()) {
+    // The last writes.
+    const std::int64_t wait_start = Trace::now_ns();
+    while (status.is_ok() && released_ < updated_) {
+      status = finish_write(released_, args);
+      ++released_;
+    }
+    stats_.io_wait_ns += Trace::now_ns() - wait_start;
+  }
+  if (!status.is_ok()) drain(args);
+  ZINF_ASSERT(held_ == 0);
+  return status;
+}
+
+void OptimizerPipeline::drain(const StepArgs& args) {
+  // Writes first (their outcome decides versions), then reads whose data is discarded.
+  for (std::size_t i = released_; i < read_; ++i) {
+    Entry& e = entry(i);
+    switch (e.phase) {
+      case Entry::Phase::kWriting:
+        (void)finish_write(i, args);
+        break;
+      case Entry::Phase::kReading:
+        (void)finish_read(i, args);
+        [[fallthrough]];
+      case Entry::Phase::kInBlock:
+        // Read (maybe updated) but not written: the disk holds the old values, unless a host
+        // piece was updated in place, which makes the sub-group torn (host new, disk old).
+        for (Piece piece : read_pieces_) {
+          if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
+        }
+        for (Piece piece : write_pieces_) {
+          if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
+        }
+        if (i < updated_ && e.write_failed) store_.set_torn(i);
+        e.phase = Entry::Phase::kIdle;
+        e.lease.release();
+        --held_;
+        break;
+      case Entry::Phase::kIdle:
+        break;
+    }
+  }
+  released_ = updated_ = read_;
+}
+
+}  // namespace zinf

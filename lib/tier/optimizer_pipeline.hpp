@@ -1,0 +1,159 @@
+// OptimizerPipeline: the optimizer step over a StateStore, sub-group by sub-group, in the fixed
+// memory of a PinnedPool:
+//
+//   read sub-group i+1, i+2, ...  ||  update i  ||  write i-1, i-2, ...
+//
+// Each sub-group's NVMe pieces (StateStore) are read into one pool block, updated there by
+// optimizer_step() (host pieces are updated in place, gradients read from wherever they are),
+// and the pieces the step changes (fp32 master, moments, half-precision parameters) are written
+// back from the same block; the block returns to the pool when its writes have landed, and is
+// then used for the next sub-group's reads. Reads run ahead by as many sub-groups as there are
+// free blocks, so with B blocks up to B - 1 sub-groups are being read or written while one is
+// updated. Nothing is allocated per step: the in-flight records are sized at open() to the
+// pool's block count, leases come from the pool, tickets from the swap space's fixed table.
+//
+// How it waits: one driver thread (the caller's) submits I/O, polls completions (reaping
+// finished writes and starting reads in the blocks they free) and runs each update in a
+// oneTBB arena of `threads` threads; while it waits for the next sub-group's reads it polls every
+// 100 us, so a block freed by a write starts its next read within about that long.
+//
+// Errors: a failure anywhere (a read or write's Status, a checksum mismatch, a timeout, the
+// update itself) stops the step: no new I/O is started, every I/O in flight is waited for (never
+// is a block reused while I/O into it may still land), and the step returns a Status naming the
+// step, the sub-group and what failed. The error is sticky: every later step() returns it, so
+// training cannot continue on half-updated state. The store then says, for every sub-group,
+// whether it holds the old step, the new step, or is torn (some of its writes failed): a sub-group
+// is new only when all of its writes landed, old when none was submitted.
+//
+// Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
+// submission to the poll that saw it complete), update and write, on tracks "read", "update" and
+// "write". Tracing formats a span name per span, so it allocates; leave it off for timing runs
+// that care.
+//
+// Thread-safety: one thread calls step() at a time; the pipeline runs its own update threads.
+#pragma once
+
+#include <tbb/task_arena.h>
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "device/pinned_pool.hpp"
+#include "tier/state_store.hpp"
+#include "zinf/optim.hpp"
+#include "zinf/status.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+
+struct PipelineOptions {
+  OptimizerParams optimizer;  // its kind must match StateStoreOptions::optimizer
+  // Threads of the update arena; 0: every core.
+  int threads = 0;
+  Simd simd = Simd::kAuto;
+  std::size_t tile_elements = 0;  // 0: optimizer_step's default
+  // Longest wait for one sub-group's I/O before the step fails with Status::timeout.
+  std::chrono::milliseconds io_timeout = std::chrono::seconds(120);
+  // Blocks of the pool the step may hold at once; 0: all of them. At least 2.
+  std::size_t max_blocks = 0;
+  // Spans for every read, update and write when set; must outlive the pipeline.
+  Trace* trace = nullptr;
+};
+
+enum class StepMode : std::uint8_t {
+  kFull = 0,  // read, update, write: the optimizer step
+  // Benchmarks only. kIoOnly: the identical reads and writes with no update (the values written
+  // are those read, and the half-precision piece gets whatever the block held). kUpdateOnly: the
+  // identical updates, sub-group by sub-group, on the pool's blocks as they are (sub-group i in
+  // block i mod blocks) with no I/O; host pieces are updated in place. Neither changes the
+  // versions the store records.
+  kIoOnly = 1,
+  kUpdateOnly = 2,
+};
+
+struct StepArgs {
+  std::int64_t step = 1;  // t, counting from 1 (see StepOptions::step)
+  // 1 / loss scale times the clipping coefficient, decided before the step (the overflow check
+  // and the gradient norm happen before any state is touched).
+  float grad_scale = 1.0f;
+  StepMode mode = StepMode::kFull;
+};
+
+struct StepStats {
+  std::int64_t step = 0;
+  std::size_t sub_groups = 0;
+  std::uint64_t read_bytes = 0;   // bytes read from NVMe
+  std::uint64_t write_bytes = 0;  // bytes written to NVMe
+  std::int64_t io_wait_ns = 0;    // the driver waiting for reads, for a block, or the last writes
+  std::int64_t update_ns = 0;     // inside optimizer_step
+  std::int64_t wall_ns = 0;
+  std::size_t blocks_peak = 0;  // most pool blocks held at once
+};
+
+class OptimizerPipeline {
+ public:
+  // Checks that the pool fits the store (block_bytes >= store.block_bytes(), at least 2 blocks
+  // when anything is on NVMe, enough swap ops for every block's pieces) and makes the update
+  // arena. The store and pool must outlive the pipeline; the pool should be registered with the
+  // swap space's engine. Errors: invalid_argument naming the mismatch.
+  static Result<std::unique_ptr<OptimizerPipeline>> open(StateStore& store, PinnedPool* pool,
+                                                         const PipelineOptions& options);
+  ~OptimizerPipeline();
+  OptimizerPipeline(const OptimizerPipeline&) = delete;
+  OptimizerPipeline& operator=(const OptimizerPipeline&) = delete;
+
+  // One step over every sub-group (see the file comment). REQUIRES (kFull): every NVMe piece the
+  // step reads is on disk (written by write_piece or an earlier step) and every sub-group holds
+  // step args.step - 1. Returns the stats, or the step's error (then sticky).
+  Result<StepStats> step(const StepArgs& args);
+
+  // The sticky error (OK until a step fails).
+  const Status& error() const { return error_; }
+  const StepStats& last_stats() const { return stats_; }
+
+  struct Entry;
+
+ private:
+  OptimizerPipeline(StateStore& store, PinnedPool* pool, const PipelineOptions& options);
+  Status run_host_only(const StepArgs& args);
+  Status run_update_only(const StepArgs& args);
+  Status run_pipelined(const StepArgs& args);
+  Status update(std::size_t i, std::byte* block, const StepArgs& args);
+  // The non-blocking part of the loop: notes finished I/O, returns the blocks of sub-groups
+  // whose writes landed, starts reads into free blocks.
+  Status pump(const StepArgs& args);
+  Status start_read(std::size_t i, PinnedPool::Lease lease, const StepArgs& args);
+  bool reads_done(std::size_t i);
+  Status finish_read(std::size_t i, const StepArgs& args);
+  Status start_write(std::size_t i, const StepArgs& args);
+  bool writes_done(std::size_t i);
+  // Redeems i's write tickets, records its version, returns its block. Blocks for at most
+  // io_timeout per ticket when `block` (then a timeout is an error, and the wait goes on).
+  Status finish_write(std::size_t i, const StepArgs& args);
+  // After a failure: waits for every I/O in flight, records versions, returns every block.
+  void drain(const StepArgs& args);
+  Entry& entry(std::size_t i);
+  void trace_span(int track, const char* what, std::size_t i, std::int64_t start_ns,
+                  std::int64_t end_ns);
+
+  StateStore& store_;
+  PinnedPool* pool_;
+  PipelineOptions options_;
+  std::unique_ptr<tbb::task_arena> arena_;
+  std::size_t block_limit_ = 0;
+  std::vector<Entry> entries_;       // ring of block_limit_ records; sub-group i uses i % size
+  std::vector<Piece> read_pieces_;   // NVMe pieces the step reads
+  std::vector<Piece> write_pieces_;  // NVMe pieces the step writes
+  // Sub-groups [released_, updated_) are writing (or written, not yet reaped), [updated_, read_)
+  // reading or read; below released_ done; from read_ on untouched.
+  std::size_t released_ = 0, updated_ = 0, read_ = 0;
+  std::size_t held_ = 0;
+  Status error_;
+  StepStats stats_;
+  int read_track_ = -1, update_track_ = -1, write_track_ = -1;
+};
+
+}  // namespace zinf

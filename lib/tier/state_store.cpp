@@ -1,0 +1,320 @@
+#include "tier/state_store.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+
+namespace {
+
+constexpr std::size_t kPage = 4096;
+// Sub-groups sized from sub_group_bytes hold a multiple of this many parameters, so that every
+// f32 piece is whole 4 KiB pages and a half piece whole 2 KiB halves of pages.
+constexpr std::size_t kParamQuantum = 1024;
+
+std::size_t round_up(std::size_t value, std::size_t unit) {
+  return (value + unit - 1) / unit * unit;
+}
+
+Piece piece_at(std::size_t index) { return static_cast<Piece>(index); }
+
+}  // namespace
+
+std::string_view tier_name(Tier tier) { return tier == Tier::kHost ? "host" : "nvme"; }
+
+bool parse_tier(std::string_view text, Tier* tier) {
+  if (text == "host") {
+    *tier = Tier::kHost;
+  } else if (text == "nvme") {
+    *tier = Tier::kNvme;
+  } else {
+    return false;
+  }
+  return true;
+}
+
+std::string_view piece_name(Piece piece) {
+  switch (piece) {
+    case Piece::kParams:
+      return "params";
+    case Piece::kExpAvg:
+      return "exp_avg";
+    case Piece::kExpAvgSq:
+      return "exp_avg_sq";
+    case Piece::kGrads:
+      return "grads";
+    case Piece::kParamsHalf:
+      return "params_half";
+  }
+  return "unknown";
+}
+
+std::string_view residency_name(Residency residency) {
+  switch (residency) {
+    case Residency::kAbsent:
+      return "absent";
+    case Residency::kHost:
+      return "host";
+    case Residency::kDisk:
+      return "disk";
+    case Residency::kReading:
+      return "reading";
+    case Residency::kInBlock:
+      return "in_block";
+    case Residency::kWriting:
+      return "writing";
+    case Residency::kLost:
+      return "lost";
+  }
+  return "unknown";
+}
+
+std::string_view version_name(Version version) {
+  switch (version) {
+    case Version::kOld:
+      return "old";
+    case Version::kNew:
+      return "new";
+    case Version::kTorn:
+      return "torn";
+  }
+  return "unknown";
+}
+
+StateStore::~StateStore() = default;
+
+Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& options,
+                                                     SwapSpace* swap) {
+  if (options.param_count == 0) {
+    return Status::invalid_argument("StateStoreOptions: param_count must be > 0");
+  }
+  if (options.grad_dtype != DType::kF32 && options.grad_dtype != DType::kBF16 &&
+      options.grad_dtype != DType::kF16) {
+    return Status::invalid_argument("StateStoreOptions: grad_dtype must be f32, bf16 or f16");
+  }
+  if (options.with_half && options.half_dtype != DType::kBF16 &&
+      options.half_dtype != DType::kF16) {
+    return Status::invalid_argument("StateStoreOptions: half_dtype must be bf16 or f16");
+  }
+  std::unique_ptr<StateStore> store(new StateStore());
+  store->options_ = options;
+  StateStore& s = *store;
+  s.has_[static_cast<std::size_t>(Piece::kParams)] = true;
+  s.has_[static_cast<std::size_t>(Piece::kExpAvg)] = options.optimizer != OptimizerKind::kAdagrad;
+  s.has_[static_cast<std::size_t>(Piece::kExpAvgSq)] = options.optimizer != OptimizerKind::kLion;
+  s.has_[static_cast<std::size_t>(Piece::kGrads)] = true;
+  s.has_[static_cast<std::size_t>(Piece::kParamsHalf)] = options.with_half;
+
+  if (options.sub_group_params > 0) {
+    s.sub_group_params_ = options.sub_group_params;
+  } else {
+    const std::size_t quantum_bytes = kParamQuantum * s.bytes_per_param();
+    if (options.sub_group_bytes < quantum_bytes) {
+      return Status::invalid_argument(fmt::format(
+          "StateStoreOptions: sub_group_bytes {} is below the smallest sub-group ({} parameters, "
+          "{} bytes)",
+          options.sub_group_bytes, kParamQuantum, quantum_bytes));
+    }
+    s.sub_group_params_ = options.sub_group_bytes / quantum_bytes * kParamQuantum;
+  }
+  s.sub_group_params_ = std::min(s.sub_group_params_, options.param_count);
+  s.sub_group_count_ = (options.param_count + s.sub_group_params_ - 1) / s.sub_group_params_;
+
+  bool any_nvme = false;
+  std::size_t offset = 0;
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    const Piece piece = piece_at(p);
+    if (!s.has(piece)) continue;
+    const std::size_t piece_bytes = s.sub_group_params_ * dtype_bytes(s.dtype(piece));
+    if (s.tier(piece) == Tier::kNvme) {
+      any_nvme = true;
+      s.slot_offset_[p] = offset;
+      offset += round_up(piece_bytes, kPage);
+    } else {
+      // One array for the whole partition; its pages are touched by whoever fills it.
+      s.host_[p] =
+          AlignedBuffer(round_up(options.param_count * dtype_bytes(s.dtype(piece)), kPage), kPage);
+    }
+  }
+  s.block_bytes_ = offset;
+  if (any_nvme && swap == nullptr) {
+    return Status::invalid_argument("StateStore: pieces on the nvme tier need a SwapSpace");
+  }
+  s.swap_ = swap;
+  s.extents_.assign(s.sub_group_count_ * kPieceCount, ExtentId{});
+  s.states_.assign(s.sub_group_count_ * kPieceCount, static_cast<std::uint8_t>(Residency::kAbsent));
+  s.records_.assign(s.sub_group_count_, Record{});
+  for (std::size_t i = 0; i < s.sub_group_count_; ++i) {
+    for (std::size_t p = 0; p < kPieceCount; ++p) {
+      const Piece piece = piece_at(p);
+      if (!s.has(piece)) continue;
+      if (s.tier(piece) == Tier::kHost) {
+        s.state(piece, i) = static_cast<std::uint8_t>(Residency::kHost);
+        continue;
+      }
+      const std::size_t bytes = s.piece_bytes(piece, i);
+      if (round_up(bytes, kPage) > swap->options().max_op_bytes) {
+        return Status::invalid_argument(fmt::format(
+            "StateStore: a sub-group's {} is {} bytes, above the swap space's max_op_bytes {}",
+            piece_name(piece), bytes, swap->options().max_op_bytes));
+      }
+      const std::string key =
+          fmt::format("{}/group{}/{}", options.key_prefix, i, piece_name(piece));
+      ZINF_ASSIGN_OR_RETURN(s.extents_[i * kPieceCount + p], swap->create(key, bytes));
+    }
+  }
+  return store;
+}
+
+std::size_t StateStore::sub_group_first(std::size_t i) const {
+  ZINF_ASSERT(i < sub_group_count_);
+  return i * sub_group_params_;
+}
+
+std::size_t StateStore::sub_group_size(std::size_t i) const {
+  ZINF_ASSERT(i < sub_group_count_);
+  return std::min(sub_group_params_, options_.param_count - i * sub_group_params_);
+}
+
+std::size_t StateStore::bytes_per_param() const {
+  std::size_t bytes = 0;
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    if (has_[p]) bytes += dtype_bytes(dtype(piece_at(p)));
+  }
+  return bytes;
+}
+
+DType StateStore::dtype(Piece piece) const {
+  switch (piece) {
+    case Piece::kGrads:
+      return options_.grad_dtype;
+    case Piece::kParamsHalf:
+      return options_.half_dtype;
+    default:
+      return DType::kF32;
+  }
+}
+
+std::size_t StateStore::piece_bytes(Piece piece, std::size_t i) const {
+  return sub_group_size(i) * dtype_bytes(dtype(piece));
+}
+
+std::size_t StateStore::slot_offset(Piece piece) const {
+  ZINF_ASSERT(on_nvme(piece));
+  return slot_offset_[static_cast<std::size_t>(piece)];
+}
+
+std::byte* StateStore::host_data(Piece piece) const {
+  ZINF_ASSERT(has(piece) && tier(piece) == Tier::kHost);
+  return const_cast<std::byte*>(host_[static_cast<std::size_t>(piece)].data());
+}
+
+std::byte* StateStore::host_data(Piece piece, std::size_t i) const {
+  return host_data(piece) + sub_group_first(i) * dtype_bytes(dtype(piece));
+}
+
+ExtentId StateStore::extent(Piece piece, std::size_t i) const {
+  ZINF_ASSERT(on_nvme(piece) && i < sub_group_count_);
+  return extents_[i * kPieceCount + static_cast<std::size_t>(piece)];
+}
+
+std::uint8_t& StateStore::state(Piece piece, std::size_t i) {
+  ZINF_ASSERT(i < sub_group_count_);
+  return states_[i * kPieceCount + static_cast<std::size_t>(piece)];
+}
+
+std::uint8_t StateStore::state(Piece piece, std::size_t i) const {
+  ZINF_ASSERT(i < sub_group_count_);
+  return states_[i * kPieceCount + static_cast<std::size_t>(piece)];
+}
+
+Residency StateStore::residency(Piece piece, std::size_t i) const {
+  return static_cast<Residency>(state(piece, i));
+}
+
+Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
+  ZINF_ASSERT(has(piece));
+  if (tier(piece) == Tier::kHost) {
+    std::memcpy(host_data(piece, i), data, piece_bytes(piece, i));
+    return Status::ok();
+  }
+  const Residency r = residency(piece, i);
+  if (r == Residency::kReading || r == Residency::kWriting) {
+    return Status::failed_precondition(fmt::format("{}/group{}/{}: {} is in flight",
+                                                   options_.key_prefix, i, piece_name(piece),
+                                                   residency_name(r)));
+  }
+  state(piece, i) = static_cast<std::uint8_t>(Residency::kWriting);
+  Status status = swap_->write_sync(extent(piece, i), data);
+  state(piece, i) = static_cast<std::uint8_t>(status.is_ok() ? Residency::kDisk : Residency::kLost);
+  return status;
+}
+
+Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
+  ZINF_ASSERT(has(piece));
+  if (tier(piece) == Tier::kHost) {
+    std::memcpy(data, host_data(piece, i), piece_bytes(piece, i));
+    return Status::ok();
+  }
+  const Residency r = residency(piece, i);
+  if (r != Residency::kDisk && r != Residency::kInBlock && r != Residency::kLost) {
+    return Status::failed_precondition(fmt::format("{}/group{}/{}: {}", options_.key_prefix, i,
+                                                   piece_name(piece), residency_name(r)));
+  }
+  // A kLost piece is still handed to the swap space, which answers io_error for it.
+  return swap_->read_sync(extent(piece, i), data);
+}
+
+Version StateStore::version(std::size_t i, std::int64_t step) const {
+  const Record& r = records_[i];
+  if (r.torn) return Version::kTorn;
+  ZINF_ASSERT_MSG(r.step == step || r.step == step - 1,
+                  "StateStore::version: sub-group holds neither step t nor t - 1");
+  return r.step == step ? Version::kNew : Version::kOld;
+}
+
+void StateStore::begin_read(Piece piece, std::size_t i) {
+  ZINF_ASSERT_MSG(residency(piece, i) == Residency::kDisk,
+                  "StateStore: a piece must be on disk to be read");
+  state(piece, i) = static_cast<std::uint8_t>(Residency::kReading);
+}
+
+void StateStore::end_read(Piece piece, std::size_t i, bool ok) {
+  ZINF_ASSERT(residency(piece, i) == Residency::kReading);
+  state(piece, i) = static_cast<std::uint8_t>(ok ? Residency::kInBlock : Residency::kDisk);
+}
+
+void StateStore::begin_write(Piece piece, std::size_t i) {
+  const Residency r = residency(piece, i);
+  ZINF_ASSERT_MSG(r != Residency::kReading && r != Residency::kWriting && r != Residency::kHost,
+                  "StateStore: a piece written while in flight, or a host piece");
+  state(piece, i) = static_cast<std::uint8_t>(Residency::kWriting);
+}
+
+void StateStore::end_write(Piece piece, std::size_t i, bool ok) {
+  ZINF_ASSERT(residency(piece, i) == Residency::kWriting);
+  state(piece, i) = static_cast<std::uint8_t>(ok ? Residency::kDisk : Residency::kLost);
+}
+
+void StateStore::drop_block(Piece piece, std::size_t i) {
+  ZINF_ASSERT_MSG(residency(piece, i) == Residency::kInBlock,
+                  "StateStore: dropping a piece that is not in a block");
+  state(piece, i) = static_cast<std::uint8_t>(Residency::kDisk);
+}
+
+void StateStore::set_stored(std::size_t i, std::int64_t step) {
+  ZINF_ASSERT(i < sub_group_count_);
+  records_[i].step = step;
+  records_[i].torn = false;
+}
+
+void StateStore::set_torn(std::size_t i) {
+  ZINF_ASSERT(i < sub_group_count_);
+  records_[i].torn = true;
+}
+
+}  // namespace zinf

@@ -1,0 +1,203 @@
+// StateStore: where each piece of one rank's optimizer state lives, sub-group by sub-group.
+//
+// A partition of `param_count` parameters is cut into sub-groups of sub_group_params()
+// consecutive parameters (the last one may be shorter). Each sub-group has up to five pieces:
+//
+//   piece          dtype                 read by the step   written by the step
+//   params         f32 (master)          yes                yes
+//   exp_avg        f32 (Adam/AdamW/Lion) yes                yes
+//   exp_avg_sq     f32 (Adam/AdamW/Adagrad) yes             yes
+//   grads          f32, bf16 or f16      yes                no
+//   params_half    bf16 or f16, optional no                 yes (produced by the same pass)
+//
+// Each kind of piece sits on one tier, chosen by StateStoreOptions::tiers:
+//   kHost  one DRAM array for the whole partition, allocated at open(); the step updates it in
+//          place and the caller reads/writes it directly through host_data();
+//   kNvme  one SwapSpace extent per sub-group and piece, keyed "<prefix>/group<i>/<piece>"
+//          (for example "rank0/group3/exp_avg"), moved through the pool blocks by the step.
+//
+// sub_group_bytes, the knob that sizes everything: the bytes of *all* the pieces of one
+// sub-group, whatever their tier, i.e. sub_group_params = sub_group_bytes / bytes_per_param()
+// (rounded down to a multiple of 1024 parameters, so f32 pieces fill whole 4 KiB pages). One
+// pool block holds the NVMe-resident pieces of one sub-group, each at a 4 KiB-aligned slot:
+// block_bytes() <= sub_group_bytes + 4 KiB per piece. With everything on NVMe, block_bytes() is
+// sub_group_bytes (rounded to pages).
+//
+// Residency: every (sub-group, piece) has a state (Residency below) that says where its current
+// value is and what is in flight; the pipeline moves it through begin_/end_ calls that assert the
+// legal transitions, so a read of a piece being written, or a block released with a write still
+// in flight, is an assertion failure, not silent corruption.
+//
+// Versions: every sub-group records the step its stored state belongs to, and whether it is
+// torn (an update was applied but its write failed or was cut short, so the stored pieces mix
+// steps or are unknown). After a failed step each sub-group is exactly one of: the old step, the
+// new step, or torn.
+//
+// Thread-safety: one thread at a time (the pipeline's driver); the SwapSpace it uses is
+// thread-safe on its own.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "base/aligned.hpp"
+#include "io/swap_space.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/optim.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+enum class Tier : std::uint8_t { kHost = 0, kNvme = 1 };
+std::string_view tier_name(Tier tier);  // "host", "nvme"
+bool parse_tier(std::string_view text, Tier* tier);
+
+enum class Piece : std::uint8_t {
+  kParams = 0,
+  kExpAvg = 1,
+  kExpAvgSq = 2,
+  kGrads = 3,
+  kParamsHalf = 4,
+};
+inline constexpr std::size_t kPieceCount = 5;
+// "params", "exp_avg", "exp_avg_sq", "grads", "params_half": the last part of extent keys.
+std::string_view piece_name(Piece piece);
+
+// Where a (sub-group, piece)'s current value is.
+enum class Residency : std::uint8_t {
+  kAbsent = 0,   // NVMe piece never written (or a piece this store does not have)
+  kHost = 1,     // in the host array (host tier; always)
+  kDisk = 2,     // on NVMe, and the SwapSpace holds its checksums
+  kReading = 3,  // a read into a pool block is in flight
+  kInBlock = 4,  // in a pool block (the disk copy is still the previous value)
+  kWriting = 5,  // a write from a pool block is in flight
+  kLost = 6,     // the last write failed: the disk content is unknown
+};
+std::string_view residency_name(Residency residency);
+
+// What a sub-group's stored state is, relative to a step t that was attempted.
+enum class Version : std::uint8_t { kOld = 0, kNew = 1, kTorn = 2 };
+std::string_view version_name(Version version);  // "old", "new", "torn"
+
+struct StateStoreOptions {
+  // Parameters in this rank's partition (> 0).
+  std::size_t param_count = 0;
+  // Bytes of all the pieces of one sub-group (see the file comment). Ignored when
+  // sub_group_params is set.
+  std::size_t sub_group_bytes = std::size_t{64} << 20;
+  // Parameters per sub-group, any positive number (tests use sizes that do not divide the
+  // partition); overrides sub_group_bytes when > 0.
+  std::size_t sub_group_params = 0;
+  // Decides which moments exist: Adam/AdamW both, Adagrad exp_avg_sq only, Lion exp_avg only.
+  OptimizerKind optimizer = OptimizerKind::kAdamW;
+  DType grad_dtype = DType::kF32;  // f32, bf16 or f16
+  // Whether the step produces half-precision parameters, and in which dtype (bf16 or f16).
+  bool with_half = true;
+  DType half_dtype = DType::kBF16;
+  // Tier of each piece, indexed by Piece.
+  std::array<Tier, kPieceCount> tiers = {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kNvme,
+                                         Tier::kNvme};
+  // First part of extent keys: one rank's store per prefix.
+  std::string key_prefix = "rank0";
+};
+
+class StateStore {
+ public:
+  // Allocates the host arrays and creates one extent per NVMe piece and sub-group in `swap`
+  // (which must outlive the store; it may be null when no piece is on NVMe). Nothing is written:
+  // NVMe pieces start kAbsent, host arrays hold unspecified bytes. Errors: invalid_argument (bad
+  // options, NVMe pieces with no swap space, a sub-group too large for the swap space's
+  // max_op_bytes), and swap.create()'s (no_space, resource_exhausted) naming the key.
+  static Result<std::unique_ptr<StateStore>> open(const StateStoreOptions& options,
+                                                  SwapSpace* swap);
+  ~StateStore();
+  StateStore(const StateStore&) = delete;
+  StateStore& operator=(const StateStore&) = delete;
+
+  const StateStoreOptions& options() const { return options_; }
+  std::size_t param_count() const { return options_.param_count; }
+  std::size_t sub_group_count() const { return sub_group_count_; }
+  // Parameters per sub-group (all but possibly the last).
+  std::size_t sub_group_params() const { return sub_group_params_; }
+  // REQUIRES: i < sub_group_count().
+  std::size_t sub_group_first(std::size_t i) const;  // index of its first parameter
+  std::size_t sub_group_size(std::size_t i) const;   // its parameter count
+  // Bytes per parameter over every piece this store has, whatever its tier.
+  std::size_t bytes_per_param() const;
+
+  bool has(Piece piece) const { return has_[static_cast<std::size_t>(piece)]; }
+  Tier tier(Piece piece) const { return options_.tiers[static_cast<std::size_t>(piece)]; }
+  bool on_nvme(Piece piece) const { return has(piece) && tier(piece) == Tier::kNvme; }
+  DType dtype(Piece piece) const;
+  // Bytes of `piece` in sub-group i (elements times dtype bytes).
+  std::size_t piece_bytes(Piece piece, std::size_t i) const;
+
+  // The pool block layout: bytes one block needs for the NVMe pieces of the largest sub-group
+  // (0 when nothing is on NVMe), and where each NVMe piece starts in it (4 KiB-aligned).
+  std::size_t block_bytes() const { return block_bytes_; }
+  std::size_t slot_offset(Piece piece) const;
+
+  // Host tier: the partition-wide array of `piece` (element 0 is parameter 0), and the part of
+  // sub-group i. REQUIRES: has(piece) && tier(piece) == kHost.
+  std::byte* host_data(Piece piece) const;
+  std::byte* host_data(Piece piece, std::size_t i) const;
+
+  // NVMe tier: the extent of (i, piece). REQUIRES: on_nvme(piece).
+  ExtentId extent(Piece piece, std::size_t i) const;
+  SwapSpace* swap() const { return swap_; }
+
+  // Writes / reads one piece of sub-group i synchronously, whatever its tier (for loading the
+  // initial state, putting gradients in place, checkpoints and tests; not the step's path). For
+  // NVMe pieces `data` must be 4096-aligned and hold piece_bytes rounded up to 4096. A write
+  // makes the piece kDisk and leaves the sub-group's version alone. Errors: the swap space's,
+  // naming the key; failed_precondition when the piece is in flight.
+  Status write_piece(Piece piece, std::size_t i, const void* data);
+  Status read_piece(Piece piece, std::size_t i, void* data) const;
+
+  Residency residency(Piece piece, std::size_t i) const;
+  // The step whose state sub-group i holds (0 before any step), and whether it is torn.
+  std::int64_t stored_step(std::size_t i) const { return records_[i].step; }
+  bool torn(std::size_t i) const { return records_[i].torn; }
+  // Version of sub-group i relative to attempted step t: kTorn, kNew when it holds step t,
+  // kOld when it holds step t - 1. REQUIRES: it holds one of those.
+  Version version(std::size_t i, std::int64_t step) const;
+
+  // --- Transitions, for OptimizerPipeline (each asserts the state it leaves). -----------------
+  void begin_read(Piece piece, std::size_t i);         // kDisk -> kReading
+  void end_read(Piece piece, std::size_t i, bool ok);  // -> kInBlock, or back to kDisk
+  void begin_write(Piece piece, std::size_t i);  // kInBlock / kAbsent / kDisk / kLost -> kWriting
+  void end_write(Piece piece, std::size_t i, bool ok);  // -> kDisk, or kLost
+  void drop_block(Piece piece, std::size_t i);          // kInBlock -> kDisk (read-only piece)
+  // Records that sub-group i now holds `step` (all its writes landed), or that it is torn.
+  void set_stored(std::size_t i, std::int64_t step);
+  void set_torn(std::size_t i);
+
+ private:
+  struct Record {
+    std::int64_t step = 0;
+    bool torn = false;
+  };
+  StateStore() = default;
+  std::uint8_t& state(Piece piece, std::size_t i);
+  std::uint8_t state(Piece piece, std::size_t i) const;
+
+  StateStoreOptions options_;
+  SwapSpace* swap_ = nullptr;
+  std::size_t sub_group_count_ = 0;
+  std::size_t sub_group_params_ = 0;
+  std::array<bool, kPieceCount> has_{};
+  std::array<std::size_t, kPieceCount> slot_offset_{};
+  std::size_t block_bytes_ = 0;
+  std::array<AlignedBuffer, kPieceCount> host_{};
+  // Per sub-group: extents (kPieceCount each, unused entries invalid), residency states, records.
+  std::vector<ExtentId> extents_;
+  std::vector<std::uint8_t> states_;
+  std::vector<Record> records_;
+};
+
+}  // namespace zinf
