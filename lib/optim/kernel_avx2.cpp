@@ -17,6 +17,20 @@ namespace {
 
 enum class Out { kNone, kBF16, kF16 };
 
+// Loop invariants copied out of the arguments into locals: stores through the intrinsics'
+// may_alias vector types would otherwise force the compiler to reload them every iteration.
+struct Flags {
+  bool has_l2;
+  bool has_decay;
+};
+struct Streams {
+  float* params;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grads;
+  void* params_half;
+};
+
 struct Consts {
   __m256 beta1, beta2, omb1, omb2, neg_step, inv_sqrt_bc2, eps, l2, decay, grad_scale;
   explicit Consts(const KernelArgs& a)
@@ -88,8 +102,7 @@ inline __m256 sign_of(__m256 c) {
 }
 
 template <OptimizerKind K, DType G, Out O>
-inline void update_vector(const KernelArgs& a, const Consts& c, const OptimizerSpan& s,
-                          std::size_t i) {
+inline void update_vector(const Flags& a, const Consts& c, const Streams& s, std::size_t i) {
   __m256 g = _mm256_mul_ps(load_grad<G>(s.grads, i), c.grad_scale);
   __m256 p = _mm256_loadu_ps(s.params + i);
   if constexpr (K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW) {
@@ -126,8 +139,10 @@ inline void update_vector(const KernelArgs& a, const Consts& c, const OptimizerS
 template <OptimizerKind K, DType G, Out O>
 void update_range(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin, std::size_t end) {
   const Consts c(a);
+  const Flags f{a.has_l2, a.has_decay};
+  const Streams st{s.params, s.exp_avg, s.exp_avg_sq, s.grads, s.params_half};
   std::size_t i = begin;
-  for (; i + 8 <= end; i += 8) update_vector<K, G, O>(a, c, s, i);
+  for (; i + 8 <= end; i += 8) update_vector<K, G, O>(f, c, st, i);
   if (i == end) return;
   // Tail: run the vector code on padded copies (zeros beyond the end) and copy the results back.
   const std::size_t left = end - i;
@@ -138,14 +153,8 @@ void update_range(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin
   if (s.exp_avg != nullptr) std::memcpy(m, s.exp_avg + i, left * 4);
   if (s.exp_avg_sq != nullptr) std::memcpy(v, s.exp_avg_sq + i, left * 4);
   std::memcpy(g, static_cast<const std::byte*>(s.grads) + i * grad_bytes, left * grad_bytes);
-  OptimizerSpan local = s;
-  local.params = p;
-  local.exp_avg = m;
-  local.exp_avg_sq = v;
-  local.grads = g;
-  local.params_half = half;
-  local.count = 8;
-  update_vector<K, G, O>(a, c, local, 0);
+  const Streams local{p, m, v, g, half};
+  update_vector<K, G, O>(f, c, local, 0);
   std::memcpy(s.params + i, p, left * 4);
   if (s.exp_avg != nullptr) std::memcpy(s.exp_avg + i, m, left * 4);
   if (s.exp_avg_sq != nullptr) std::memcpy(s.exp_avg_sq + i, v, left * 4);

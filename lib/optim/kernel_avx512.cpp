@@ -26,6 +26,20 @@ constexpr int kFpclassQnan = 0x01;
 constexpr int kFpclassDenormal = 0x20;
 constexpr int kFpclassSnan = 0x80;
 
+// Loop invariants copied out of the arguments into locals: stores through the intrinsics'
+// may_alias vector types would otherwise force the compiler to reload them every iteration.
+struct Flags {
+  bool has_l2;
+  bool has_decay;
+};
+struct Streams {
+  float* params;
+  float* exp_avg;
+  float* exp_avg_sq;
+  const void* grads;
+  void* params_half;
+};
+
 struct Consts {
   __m512 beta1, beta2, omb1, omb2, neg_step, inv_sqrt_bc2, eps, l2, decay, grad_scale;
   explicit Consts(const KernelArgs& a)
@@ -137,8 +151,8 @@ inline __m512 sign_of(__m512 c) {
 }
 
 template <OptimizerKind K, DType G, Out O, bool kBf16Insn, bool kMasked>
-inline void update_vector(const KernelArgs& a, const Consts& c, const OptimizerSpan& s,
-                          std::size_t i, __mmask16 k) {
+inline void update_vector(const Flags& a, const Consts& c, const Streams& s, std::size_t i,
+                          __mmask16 k) {
   __m512 g = _mm512_mul_ps(load_grad<G, kMasked>(s.grads, i, k), c.grad_scale);
   __m512 p = load_f32<kMasked>(s.params + i, k);
   if constexpr (K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW) {
@@ -177,11 +191,13 @@ inline void update_vector(const KernelArgs& a, const Consts& c, const OptimizerS
 template <OptimizerKind K, DType G, Out O, bool kBf16Insn>
 void update_range(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin, std::size_t end) {
   const Consts c(a);
+  const Flags f{a.has_l2, a.has_decay};
+  const Streams st{s.params, s.exp_avg, s.exp_avg_sq, s.grads, s.params_half};
   std::size_t i = begin;
-  for (; i + 16 <= end; i += 16) update_vector<K, G, O, kBf16Insn, false>(a, c, s, i, 0xffff);
+  for (; i + 16 <= end; i += 16) update_vector<K, G, O, kBf16Insn, false>(f, c, st, i, 0xffff);
   if (i < end) {
     const __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
-    update_vector<K, G, O, kBf16Insn, true>(a, c, s, i, k);
+    update_vector<K, G, O, kBf16Insn, true>(f, c, st, i, k);
   }
 }
 
