@@ -12,50 +12,44 @@
 #include "base/aligned.hpp"
 #include "base/assert.hpp"
 #include "base/cpu.hpp"
+#include "base/membw_kernel.hpp"
 #include "base/random.hpp"
 #include "zinf/trace.hpp"
 
 namespace zinf {
 namespace {
 
-// Work is done in blocks small enough to stay in L1: first the read streams are summed into a
-// block-sized accumulator, then each written stream is updated from it. Each loop is a plain
-// vectorisable pass, so the memory traffic is exactly one read or write per stream element.
+// Blocks of elements handed to the threads; inside a block all streams advance together in
+// groups of membw::kGroupElements (membw_kernel.hpp).
 constexpr std::size_t kBlockElements = 2048;
+static_assert(kBlockElements % membw::kGroupElements == 0);
 
 struct Stream {
   AlignedBuffer buffer;
   int elem_bytes;
+  // Each stream starts at a different offset within a 4 KiB page, so that a load of one stream
+  // never waits on a recent store to another at the same page offset (4K aliasing), which
+  // arrays that all start page-aligned would suffer and measure instead of the memory.
+  std::size_t offset_bytes;
+  std::byte* data() { return buffer.data() + offset_bytes; }
 };
+constexpr std::size_t kStreamStaggerBytes = 576;  // 9 cache lines: distinct mod 4 KiB for 7 streams
 
-void accumulate(const Stream& s, std::size_t begin, std::size_t count, float* acc) {
-  if (s.elem_bytes == 4) {
-    const float* p = s.buffer.as<float>() + begin;
-    for (std::size_t i = 0; i < count; ++i) acc[i] += p[i];
-  } else {
-    const std::uint16_t* p = s.buffer.as<std::uint16_t>() + begin;
-    for (std::size_t i = 0; i < count; ++i) acc[i] += static_cast<float>(p[i]);
-  }
+using Vec16 = long long __attribute__((vector_size(16)));
+
+void pass_range_sse2(const membw::StreamView* reads, int read_count,
+                     const membw::StreamView* in_place, int in_place_count,
+                     const membw::StreamView* writes, int write_count, std::size_t begin,
+                     std::size_t end) {
+  membw::pass_range<Vec16>(reads, read_count, in_place, in_place_count, writes, write_count, begin,
+                           end);
 }
 
-void update_in_place(Stream& s, std::size_t begin, std::size_t count, const float* acc) {
-  if (s.elem_bytes == 4) {
-    float* p = s.buffer.as<float>() + begin;
-    for (std::size_t i = 0; i < count; ++i) p[i] = p[i] * 0.5f + acc[i];
-  } else {
-    std::uint16_t* p = s.buffer.as<std::uint16_t>() + begin;
-    for (std::size_t i = 0; i < count; ++i) p[i] = static_cast<std::uint16_t>(p[i] + 1);
-  }
-}
-
-void write_only(Stream& s, std::size_t begin, std::size_t count, const float* acc) {
-  if (s.elem_bytes == 4) {
-    float* p = s.buffer.as<float>() + begin;
-    for (std::size_t i = 0; i < count; ++i) p[i] = acc[i];
-  } else {
-    std::uint16_t* p = s.buffer.as<std::uint16_t>() + begin;
-    for (std::size_t i = 0; i < count; ++i) p[i] = static_cast<std::uint16_t>(acc[i]);
-  }
+// The widest the CPU has, as the kernels measured against it use.
+membw::PassRangeFn pick_pass_range() {
+  if (cpu_features().has_avx512_path()) return &membw::pass_range_avx512;
+  if (cpu_features().has_avx2_path()) return &membw::pass_range_avx2;
+  return &pass_range_sse2;
 }
 
 }  // namespace
@@ -73,23 +67,31 @@ struct BandwidthProbe::Impl {
   std::size_t elements;
   std::vector<Stream> reads, in_place, writes;
   tbb::task_arena arena;
+  std::vector<membw::StreamView> read_views, in_place_views, write_views;
+  membw::PassRangeFn pass_range = pick_pass_range();
 
   Impl(const StreamPattern& p, std::size_t n, int threads)
       : pattern(p), elements(n), arena(threads > 0 ? threads : cpu_count()) {
     std::uint64_t seed = 0x5eed;
+    std::size_t stream_index = 0;
     auto make = [&](int elem_bytes) {
       ZINF_ASSERT(elem_bytes == 2 || elem_bytes == 4);
-      Stream s{AlignedBuffer(elements * static_cast<std::size_t>(elem_bytes), 64), elem_bytes};
+      const std::size_t offset = (stream_index++ % 7) * kStreamStaggerBytes;
+      Stream s{AlignedBuffer(elements * static_cast<std::size_t>(elem_bytes) + offset, 64),
+               elem_bytes, offset};
       fill_random_bytes(s.buffer.data(), s.buffer.bytes(), ++seed);
       if (elem_bytes == 4) {
         // Finite values, so no NaN/denormal slow paths.
-        fill_uniform(s.buffer.as<float>(), elements, seed, -1.0f, 1.0f);
+        fill_uniform(reinterpret_cast<float*>(s.data()), elements, seed, -1.0f, 1.0f);
       }
       return s;
     };
     for (int b : pattern.read_only_bytes) reads.push_back(make(b));
     for (int b : pattern.in_place_bytes) in_place.push_back(make(b));
     for (int b : pattern.write_only_bytes) writes.push_back(make(b));
+    for (Stream& s : reads) read_views.push_back({s.data(), s.elem_bytes});
+    for (Stream& s : in_place) in_place_views.push_back({s.data(), s.elem_bytes});
+    for (Stream& s : writes) write_views.push_back({s.data(), s.elem_bytes});
   }
 
   void pass() {
@@ -98,15 +100,11 @@ struct BandwidthProbe::Impl {
       tbb::parallel_for(
           tbb::blocked_range<std::size_t>(0, blocks, 64),
           [&](const tbb::blocked_range<std::size_t>& range) {
-            alignas(64) float acc[kBlockElements];
-            for (std::size_t b = range.begin(); b != range.end(); ++b) {
-              const std::size_t begin = b * kBlockElements;
-              const std::size_t count = std::min(kBlockElements, elements - begin);
-              std::memset(acc, 0, sizeof(float) * count);
-              for (const Stream& s : reads) accumulate(s, begin, count, acc);
-              for (Stream& s : in_place) update_in_place(s, begin, count, acc);
-              for (Stream& s : writes) write_only(s, begin, count, acc);
-            }
+            const std::size_t begin = range.begin() * kBlockElements;
+            const std::size_t end = std::min(elements, range.end() * kBlockElements);
+            pass_range(read_views.data(), static_cast<int>(read_views.size()),
+                       in_place_views.data(), static_cast<int>(in_place_views.size()),
+                       write_views.data(), static_cast<int>(write_views.size()), begin, end);
           },
           tbb::static_partitioner());
     });
