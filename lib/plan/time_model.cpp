@@ -13,6 +13,32 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / 
 
 double seconds(double bytes, double gbps) { return gbps > 0 ? bytes / (gbps * kGiga) : 0.0; }
 
+// The NVMe pipeline over `params` parameters (all ranks of a machine) in `sub_groups` sub-groups
+// with `buffers` blocks; out->update_alone_s must be set. See the header for the formula.
+void nvme_pipeline(double params, std::uint64_t sub_groups, std::uint64_t buffers,
+                   double read_per_param, double write_per_param, const MachineProfile& profile,
+                   StepPrediction* out) {
+  ZINF_ASSERT_MSG(profile.nvme_read_gbps > 0 && profile.nvme_write_gbps > 0,
+                  "predict_step: no NVMe rates for state on NVMe");
+  ZINF_ASSERT(sub_groups > 0);
+  out->nvme_read_bytes += static_cast<std::uint64_t>(params * read_per_param);
+  out->nvme_write_bytes += static_cast<std::uint64_t>(params * write_per_param);
+  out->io_read_s = seconds(params * read_per_param, profile.nvme_read_gbps);
+  out->io_write_s = seconds(params * write_per_param, profile.nvme_write_gbps);
+  out->io_alone_s = out->io_read_s + out->io_write_s;
+  out->sub_groups = sub_groups;
+  out->buffers = buffers;
+  // Per sub-group times: every rank of the machine steps its own sub-group at once, so one
+  // "sub-group time" covers R sub-groups sharing the drive and the memory.
+  const double fraction = 1.0 / static_cast<double>(sub_groups);
+  const double r = out->io_read_s * fraction;
+  const double w = out->io_write_s * fraction;
+  const double u = out->update_alone_s * fraction;
+  const double per_sub_group =
+      std::max({r + w, u, (r + u + w) / static_cast<double>(std::max<std::uint64_t>(1, buffers))});
+  out->pipeline_s = static_cast<double>(sub_groups - 1) * per_sub_group + (r + u + w);
+}
+
 // The optimizer pipeline over one machine's shards (see the header for the formula).
 void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
                       const MachineProfile& profile, StepPrediction* out) {
@@ -34,32 +60,13 @@ void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
     out->pipeline_s = out->update_alone_s;
     return;
   }
-  ZINF_ASSERT_MSG(profile.nvme_read_gbps > 0 && profile.nvme_write_gbps > 0,
-                  "predict_step: no NVMe rates for state on NVMe");
   const double read_per_param = s.gradients_on_nvme ? 16.0 : 12.0;
   // With the half params' home on NVMe too, the update writes them in the same pass.
   const double write_per_param = s.params == Offload::kNvme ? 14.0 : 12.0;
-  const double params = ranks * static_cast<double>(shard_params);
-  out->nvme_read_bytes += static_cast<std::uint64_t>(params * read_per_param);
-  out->nvme_write_bytes += static_cast<std::uint64_t>(params * write_per_param);
-  out->io_read_s = seconds(params * read_per_param, profile.nvme_read_gbps);
-  out->io_write_s = seconds(params * write_per_param, profile.nvme_write_gbps);
-  out->io_alone_s = out->io_read_s + out->io_write_s;
-
-  const std::uint64_t n = ceil_div(shard_params, s.sub_group_params);
-  out->sub_groups = n;
-  out->buffers = s.buffer_count;
-  // Per sub-group times: every rank of the machine steps its own sub-group at once, so one
-  // "sub-group time" covers R sub-groups sharing the drive and the memory.
-  const double fraction = 1.0 / static_cast<double>(n);
-  const double r = out->io_read_s * fraction;
-  const double w = out->io_write_s * fraction;
-  const double u = out->update_alone_s * fraction;
-  const double per_sub_group = std::max(
-      {r + w, u, (r + u + w) / static_cast<double>(std::max<std::uint64_t>(1, s.buffer_count))});
-  out->pipeline_s = static_cast<double>(n - 1) * per_sub_group + (r + u + w);
+  nvme_pipeline(ranks * static_cast<double>(shard_params),
+                ceil_div(shard_params, s.sub_group_params), s.buffer_count, read_per_param,
+                write_per_param, profile, out);
 }
-
 }  // namespace
 
 StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
@@ -124,20 +131,45 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   return out;
 }
 
-StepPrediction predict_optimizer_step(std::uint64_t params, Offload tier,
-                                      std::uint64_t sub_group_params, std::uint64_t pool_bytes,
-                                      const MachineProfile& profile) {
-  ZINF_ASSERT(tier != Offload::kNone && sub_group_params > 0);
-  EngineSetup s;
-  s.stage = 3;
-  s.world_size = 1;
-  s.ranks_per_machine = 1;
-  s.optimizer = tier;
-  s.params = Offload::kNone;
-  s.sub_group_params = sub_group_params;
-  s.buffer_count = std::max<std::uint64_t>(2, pool_bytes / (12 * sub_group_params));
+StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
+  StepOnlyLayout l;
+  const bool nvme = spec.tier == Offload::kNvme;
+  const std::uint64_t grads_bytes = 4;
+  const std::uint64_t half_bytes = 2;
+  l.bytes_per_param = 12 + grads_bytes + half_bytes;
+  l.sub_group_params = spec.sub_group_bytes / l.bytes_per_param / 1024 * 1024;
+  if (l.sub_group_params == 0) return l;
+  l.sub_groups = ceil_div(spec.params, l.sub_group_params);
+  if (!nvme) return l;
+  // A block holds the sub-group's NVMe pieces, each at a 4 KiB-aligned slot.
+  auto slot = [&](std::uint64_t bytes_per_param) {
+    return (l.sub_group_params * bytes_per_param + 4095) / 4096 * 4096;
+  };
+  l.block_bytes = 3 * slot(4);
+  if (spec.grads_on_nvme) l.block_bytes += slot(grads_bytes);
+  if (spec.half_on_nvme) l.block_bytes += slot(half_bytes);
+  l.blocks = spec.pool_bytes / l.block_bytes;
+  l.read_per_param = 12 + (spec.grads_on_nvme ? grads_bytes : 0);
+  l.write_per_param = 12 + (spec.half_on_nvme ? half_bytes : 0);
+  return l;
+}
+
+StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile) {
+  const StepOnlyLayout l = step_only_layout(spec);
+  ZINF_ASSERT(l.sub_group_params > 0);
+  ZINF_ASSERT(spec.tier != Offload::kNvme || l.blocks >= 2);
+  ZINF_ASSERT_MSG(profile.mem_adam_gbps > 0, "predict_optimizer_step: no memory bandwidth");
   StepPrediction out;
-  predict_pipeline(params, s, profile, &out);
+  const double params = static_cast<double>(spec.params);
+  out.adam_memory_bytes = static_cast<std::uint64_t>(params * 30.0);
+  out.update_alone_s = seconds(params * 30.0, profile.mem_adam_gbps);
+  out.sub_groups = l.sub_groups;
+  if (spec.tier == Offload::kNvme) {
+    nvme_pipeline(params, l.sub_groups, l.blocks, static_cast<double>(l.read_per_param),
+                  static_cast<double>(l.write_per_param), profile, &out);
+  } else {
+    out.pipeline_s = out.update_alone_s;
+  }
   out.optimizer_step_s = out.pipeline_s;
   out.step_s = out.pipeline_s;
   return out;

@@ -100,11 +100,40 @@ struct StepPrediction {
 StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
                             const EngineSetup& setup, const MachineProfile& profile);
 
-// The optimizer step alone for `params` parameters on one rank with the state on `tier` (host
-// or NVMe), the run `zinf bench step --params N --tier T --sub-group S --pool P` makes.
-// `pool_bytes` sets the buffer count: pool_bytes / (12·sub_group_params).
-StepPrediction predict_optimizer_step(std::uint64_t params, Offload tier,
-                                      std::uint64_t sub_group_params, std::uint64_t pool_bytes,
-                                      const MachineProfile& profile);
+// The optimizer step alone on one rank, as `zinf bench step --params N --tier T --sub-group S
+// --pool P` runs it over a StateStore (lib/tier/state_store.hpp), whose sizing this follows:
+//   pieces per parameter: fp32 master, m, v (12 B), fp32 gradient (4 B), bf16 half copy (2 B):
+//                         18 B, of which `tier` nvme puts master, m, v and, as flagged, the
+//                         gradient and the half copy on NVMe
+//   sub-group            sub_group_bytes counts every piece, whatever its tier:
+//                         Sg = floor(S / 18 / 1024)·1024 parameters
+//   block                the NVMe pieces of one sub-group, each rounded up to 4 KiB;
+//                         B = floor(P / block) blocks in the pool
+//   NVMe traffic         reads 12 (+4 gradient) B, writes 12 (+2 half) B a parameter
+//   update               30 B a parameter through memory at mem_adam_gbps
+struct StepOnlySpec {
+  std::uint64_t params = 0;
+  Offload tier = Offload::kNvme;  // kNvme or kCpu (everything in host memory)
+  std::uint64_t sub_group_bytes = std::uint64_t{64} << 20;
+  std::uint64_t pool_bytes = std::uint64_t{1} << 30;
+  bool grads_on_nvme = true;  // StateStore's default puts every piece on NVMe
+  bool half_on_nvme = true;
+};
+
+struct StepOnlyLayout {
+  std::uint64_t bytes_per_param = 0;
+  std::uint64_t sub_group_params = 0;  // 0: sub_group_bytes is too small
+  std::uint64_t sub_groups = 0;
+  std::uint64_t block_bytes = 0;  // 0 on the host tier
+  std::uint64_t blocks = 0;
+  std::uint64_t read_per_param = 0;
+  std::uint64_t write_per_param = 0;
+};
+
+StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
+
+// REQUIRES: step_only_layout(spec).sub_group_params > 0, at least 2 blocks on NVMe,
+// profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme.
+StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile);
 
 }  // namespace zinf::plan

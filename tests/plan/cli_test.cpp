@@ -138,8 +138,10 @@ TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {
        {"step_s", "io_alone_s", "update_alone_s", "read_gbps", "write_gbps", "host_bytes"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
-  // 1e9 params: 12e9 B read at 6 GB/s + 12e9 B written at 4 GB/s.
-  EXPECT_DOUBLE_EQ(j.at("io_alone_s").get<double>(), 2.0 + 3.0);
+  // 1e9 params, every piece on NVMe: 16e9 B read at 6 GB/s + 14e9 B written at 4 GB/s.
+  EXPECT_DOUBLE_EQ(j.at("io_alone_s").get<double>(), 16.0 / 6.0 + 14.0 / 4.0);
+  EXPECT_EQ(j.at("sub_group_params"), 3'727'360);
+  EXPECT_EQ(j.at("blocks"), 16);
   EXPECT_DOUBLE_EQ(j.at("update_alone_s").get<double>(), 30e9 / 50e9);
   EXPECT_EQ(j.at("params"), 1'000'000'000);
 }

@@ -18,12 +18,47 @@ MachineProfile profile(double adam, double read, double write) {
   return p;
 }
 
+// A bench-step run with state only (master, m, v) on NVMe and sub-groups of exactly 2^24
+// parameters: sub_group_bytes counts all 18 B a parameter, so 18·2^24.
+StepOnlySpec state_only(std::uint64_t params, std::uint64_t pool_bytes) {
+  StepOnlySpec spec;
+  spec.params = params;
+  spec.tier = Offload::kNvme;
+  spec.sub_group_bytes = 18u << 24;
+  spec.pool_bytes = pool_bytes;
+  spec.grads_on_nvme = false;
+  spec.half_on_nvme = false;
+  return spec;
+}
+
+TEST(TimeModel, StepOnlyLayoutFollowsTheStateStore) {
+  // --sub-group 64MiB: floor(64 MiB / 18 B / 1024)·1024 = 3,727,360 params a sub-group. With
+  // every piece on NVMe a block holds 4 fp32 pieces of 14,909,440 B (whole pages) and the bf16
+  // piece of 7,454,720 B: 67,092,480 B, 16 of them in 1 GiB.
+  StepOnlySpec spec;
+  spec.params = 1'000'000'000;
+  spec.sub_group_bytes = 64u << 20;
+  spec.pool_bytes = 1u << 30;
+  const StepOnlyLayout l = step_only_layout(spec);
+  EXPECT_EQ(l.bytes_per_param, 18u);
+  EXPECT_EQ(l.sub_group_params, 3'727'360u);
+  EXPECT_EQ(l.sub_groups, 269u);
+  EXPECT_EQ(l.block_bytes, 67'092'480u);
+  EXPECT_EQ(l.blocks, 16u);
+  EXPECT_EQ(l.read_per_param, 16u);
+  EXPECT_EQ(l.write_per_param, 14u);
+  spec.grads_on_nvme = false;
+  spec.half_on_nvme = false;
+  EXPECT_EQ(step_only_layout(spec).block_bytes, 3u * 14'909'440u);
+  EXPECT_EQ(step_only_layout(spec).read_per_param, 12u);
+}
+
 TEST(TimeModel, NvmeBoundStepIsIoPlusOneSubGroupsFill) {
-  // 1e9 params, sub-group 2^24, 1 GiB pool -> 5 buffers of 12·2^24 bytes; 60 sub-groups.
+  // 1e9 params, sub-group 2^24, 1 GiB pool -> 5 blocks of 12·2^24 bytes; 60 sub-groups.
   // read 12e9 B at 2 GB/s = 6 s, write 12e9 B at 1 GB/s = 12 s, update 30e9 B at 20 GB/s = 1.5 s.
   // Per sub-group r = 0.1, w = 0.2, u = 0.025: T = r + w = 0.3; step = 59·0.3 + 0.325.
   const StepPrediction t =
-      predict_optimizer_step(1'000'000'000, Offload::kNvme, 1 << 24, 1 << 30, profile(20, 2, 1));
+      predict_optimizer_step(state_only(1'000'000'000, 1u << 30), profile(20, 2, 1));
   EXPECT_EQ(t.buffers, 5u);
   EXPECT_EQ(t.sub_groups, 60u);
   EXPECT_DOUBLE_EQ(t.io_read_s, 6.0);
@@ -33,12 +68,18 @@ TEST(TimeModel, NvmeBoundStepIsIoPlusOneSubGroupsFill) {
   EXPECT_NEAR(t.step_s, 59 * 0.3 + 0.325, 1e-9);
   EXPECT_EQ(t.nvme_read_bytes, 12'000'000'000u);
   EXPECT_EQ(t.nvme_write_bytes, 12'000'000'000u);
+  // Every piece on NVMe: 16 B read, 14 B written a parameter.
+  StepOnlySpec all = state_only(1'000'000'000, 1u << 30);
+  all.grads_on_nvme = true;
+  all.half_on_nvme = true;
+  const StepPrediction a = predict_optimizer_step(all, profile(20, 2, 1));
+  EXPECT_DOUBLE_EQ(a.io_alone_s, 16e9 / 2e9 + 14e9 / 1e9);
 }
 
 TEST(TimeModel, CpuBoundStepIsUpdatePlusFill) {
   // Same run with 1 GB/s of memory bandwidth: update 30 s, u = 0.5 per sub-group.
   const StepPrediction t =
-      predict_optimizer_step(1'000'000'000, Offload::kNvme, 1 << 24, 1 << 30, profile(1, 2, 1));
+      predict_optimizer_step(state_only(1'000'000'000, 1u << 30), profile(1, 2, 1));
   EXPECT_DOUBLE_EQ(t.update_alone_s, 30.0);
   EXPECT_NEAR(t.step_s, 59 * 0.5 + 0.8, 1e-9);
   // Never below max(io, update), never above their sum.
@@ -47,17 +88,19 @@ TEST(TimeModel, CpuBoundStepIsUpdatePlusFill) {
 }
 
 TEST(TimeModel, HostTierIsTheUpdateAlone) {
-  const StepPrediction t =
-      predict_optimizer_step(256'000'000, Offload::kCpu, 1 << 24, 1 << 30, profile(12, 0, 0));
+  StepOnlySpec spec;
+  spec.params = 256'000'000;
+  spec.tier = Offload::kCpu;
+  const StepPrediction t = predict_optimizer_step(spec, profile(12, 0, 0));
   EXPECT_DOUBLE_EQ(t.io_alone_s, 0.0);
   EXPECT_DOUBLE_EQ(t.step_s, 256e6 * 30 / 12e9);
   EXPECT_EQ(t.nvme_read_bytes, 0u);
 }
 
 TEST(TimeModel, OneSubGroupRunsSerially) {
-  // A sub-group as large as the shard leaves nothing to overlap: read + update + write.
-  const StepPrediction t = predict_optimizer_step(1 << 24, Offload::kNvme, 1 << 24,
-                                                  std::uint64_t{12} << 26, profile(10, 2, 1));
+  // A sub-group as large as the run leaves nothing to overlap: read + update + write.
+  const StepPrediction t =
+      predict_optimizer_step(state_only(1 << 24, std::uint64_t{12} << 26), profile(10, 2, 1));
   EXPECT_EQ(t.sub_groups, 1u);
   EXPECT_NEAR(t.step_s, t.io_read_s + t.io_write_s + t.update_alone_s, 1e-12);
 }

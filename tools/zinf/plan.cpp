@@ -24,9 +24,6 @@ namespace {
 
 using namespace zinf::plan;
 
-// `zinf bench step --sub-group S`: S is the bytes of one sub-group's fp32 master parameters.
-constexpr std::uint64_t kSubGroupBytesPerParam = 4;
-
 struct PlanOptions {
   std::string model;
   std::string params;
@@ -67,6 +64,8 @@ struct PlanOptions {
   std::string path;
   std::string sub_group = "64MiB";
   std::string pool = "1GiB";
+  std::string grads_tier = "nvme";
+  std::string half_tier = "nvme";
 };
 
 std::string gib(double bytes) { return format_bytes(bytes); }
@@ -186,87 +185,102 @@ nlohmann::json parts_json(const StepPrediction& t) {
 }
 
 void run_step_only(const PlanOptions& o) {
-  std::uint64_t params = 0;
-  std::uint64_t sub_group_bytes = 0;
-  std::uint64_t pool_bytes = 0;
+  StepOnlySpec spec;
   if (o.params.empty()) {
     fail("--step-only needs --params N (e.g. 1G)");
     return;
   }
-  if (!parse_size_option("--params", o.params, &params, /*decimal=*/true) ||
-      !parse_size_option("--sub-group", o.sub_group, &sub_group_bytes) ||
-      !parse_size_option("--pool", o.pool, &pool_bytes)) {
+  if (!parse_size_option("--params", o.params, &spec.params, /*decimal=*/true) ||
+      !parse_size_option("--sub-group", o.sub_group, &spec.sub_group_bytes) ||
+      !parse_size_option("--pool", o.pool, &spec.pool_bytes)) {
     return;
   }
-  Offload tier = Offload::kNone;
-  if (!parse_offload(o.tier, &tier) || tier == Offload::kNone) {
+  if (!parse_offload(o.tier, &spec.tier) || spec.tier == Offload::kNone) {
     fail(fmt::format("--tier {}: must be nvme or host", o.tier));
     return;
   }
-  const std::uint64_t sub_group_params = sub_group_bytes / kSubGroupBytesPerParam;
-  if (params == 0 || sub_group_params == 0) {
-    fail("--params and --sub-group must be positive");
+  for (auto [flag, text, field] : {std::tuple{"--grads-tier", &o.grads_tier, &spec.grads_on_nvme},
+                                   std::tuple{"--half-tier", &o.half_tier, &spec.half_on_nvme}}) {
+    Offload t = Offload::kNone;
+    if (!parse_offload(*text, &t) || t == Offload::kNone) {
+      fail(fmt::format("{} {}: must be nvme or host", flag, *text));
+      return;
+    }
+    *field = spec.tier == Offload::kNvme && t == Offload::kNvme;
+  }
+  const bool nvme = spec.tier == Offload::kNvme;
+  const StepOnlyLayout layout = step_only_layout(spec);
+  if (spec.params == 0 || layout.sub_group_params == 0) {
+    fail(
+        fmt::format("--params and --sub-group must be positive; --sub-group {} is under one "
+                    "sub-group of 1024 params (18 KiB)",
+                    o.sub_group));
     return;
   }
-  if (tier == Offload::kNvme && pool_bytes < 2 * 12 * sub_group_params) {
-    fail(fmt::format("--pool {} holds fewer than 2 sub-group buffers of {} (12 B/param of state)",
-                     o.pool, format_bytes(12.0 * static_cast<double>(sub_group_params))));
+  if (nvme && layout.blocks < 2) {
+    fail(
+        fmt::format("--pool {} holds {} blocks of {} (one sub-group's NVMe pieces); the step "
+                    "needs at least 2",
+                    o.pool, layout.blocks, format_bytes(static_cast<double>(layout.block_bytes))));
     return;
   }
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
-  if (!resolve_profile(o, tier == Offload::kNvme, o.path.empty() ? o.nvme_path : o.path, &profile,
-                       &notes)) {
-    return;
+  if (!resolve_profile(o, nvme, o.path.empty() ? o.nvme_path : o.path, &profile, &notes)) return;
+  const StepPrediction t = predict_optimizer_step(spec, profile);
+  // Host memory of the run: the pieces kept on the host, plus the pool on the NVMe tier.
+  const double p = static_cast<double>(spec.params);
+  double host_bytes = 18.0 * p;
+  if (nvme) {
+    host_bytes = static_cast<double>(layout.blocks * layout.block_bytes) +
+                 (spec.grads_on_nvme ? 0.0 : 4.0 * p) + (spec.half_on_nvme ? 0.0 : 2.0 * p);
   }
-  const StepPrediction t =
-      predict_optimizer_step(params, tier, sub_group_params, pool_bytes, profile);
-  // Host memory of the run: fp32 gradients (4 B) and half params (2 B) for every parameter,
-  // plus the pool (NVMe) or the whole fp32 state (host).
-  const double p = static_cast<double>(params);
-  const double state_bytes =
-      tier == Offload::kNvme ? static_cast<double>(t.buffers * 12 * sub_group_params) : 12.0 * p;
-  const double host_bytes = 6.0 * p + state_bytes;
-  const double read_bytes = tier == Offload::kNvme ? 12.0 * p : 0;
-  const double write_bytes = tier == Offload::kNvme ? 12.0 * p : 0;
-  nlohmann::json out = {{"params", params},
-                        {"tier", std::string(tier_name(offload_tier(tier)))},
-                        {"sub_group_params", sub_group_params},
-                        {"pool_bytes", pool_bytes},
-                        {"buffers", t.buffers},
-                        {"sub_groups", t.sub_groups},
-                        {"step_s", t.step_s},
-                        {"io_alone_s", t.io_alone_s},
-                        {"update_alone_s", t.update_alone_s},
-                        {"read_gbps", tier == Offload::kNvme ? profile.nvme_read_gbps : 0.0},
-                        {"write_gbps", tier == Offload::kNvme ? profile.nvme_write_gbps : 0.0},
-                        {"nvme_read_bytes", read_bytes},
-                        {"nvme_write_bytes", write_bytes},
-                        {"host_bytes", host_bytes},
-                        {"profile", profile_json(profile)},
-                        {"notes", notes}};
+  const nlohmann::json out = {{"params", spec.params},
+                              {"tier", std::string(tier_name(offload_tier(spec.tier)))},
+                              {"grads_on_nvme", spec.grads_on_nvme},
+                              {"half_on_nvme", spec.half_on_nvme},
+                              {"sub_group_params", layout.sub_group_params},
+                              {"sub_groups", t.sub_groups},
+                              {"block_bytes", layout.block_bytes},
+                              {"blocks", layout.blocks},
+                              {"pool_bytes", spec.pool_bytes},
+                              {"step_s", t.step_s},
+                              {"io_alone_s", t.io_alone_s},
+                              {"update_alone_s", t.update_alone_s},
+                              {"read_gbps", nvme ? profile.nvme_read_gbps : 0.0},
+                              {"write_gbps", nvme ? profile.nvme_write_gbps : 0.0},
+                              {"nvme_read_bytes", t.nvme_read_bytes},
+                              {"nvme_write_bytes", t.nvme_write_bytes},
+                              {"host_bytes", host_bytes},
+                              {"profile", profile_json(profile)},
+                              {"notes", notes}};
   if (o.json) {
     print_json(out);
     return;
   }
-  fmt::print("predicted optimizer step: {} params, state on {}, sub-group {} params, {} buffers\n",
-             params, tier_name(offload_tier(tier)), sub_group_params, t.buffers);
+  fmt::print("predicted optimizer step: {} params, state on {}, {} sub-groups of {} params, {}\n",
+             spec.params, tier_name(offload_tier(spec.tier)), t.sub_groups, layout.sub_group_params,
+             nvme ? fmt::format("{} blocks of {}", layout.blocks,
+                                format_bytes(static_cast<double>(layout.block_bytes)))
+                  : std::string("no I/O"));
   Table table({"part", "predicted", "from"});
-  table.add_row({"step", secs(t.step_s),
-                 tier == Offload::kNvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "update"});
-  if (tier == Offload::kNvme) {
+  table.add_row(
+      {"step", secs(t.step_s), nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone"});
+  if (nvme) {
     table.add_row(
         {"io alone", secs(t.io_alone_s),
-         fmt::format("{} read at {:.2f} GB/s + {} written at {:.2f} GB/s", format_bytes(read_bytes),
-                     profile.nvme_read_gbps, format_bytes(write_bytes), profile.nvme_write_gbps)});
+         fmt::format("{} read at {:.2f} GB/s + {} written at {:.2f} GB/s",
+                     format_bytes(static_cast<double>(t.nvme_read_bytes)), profile.nvme_read_gbps,
+                     format_bytes(static_cast<double>(t.nvme_write_bytes)),
+                     profile.nvme_write_gbps)});
   }
   table.add_row({"update alone", secs(t.update_alone_s),
                  fmt::format("30 B/param at {:.1f} GB/s", profile.mem_adam_gbps)});
   table.add_row({"host memory", format_bytes(host_bytes),
-                 tier == Offload::kNvme ? "6 B/param + pool" : "18 B/param"});
+                 nvme ? "pool + host-resident pieces" : "18 B/param"});
   table.print();
   fmt::print("memory: {}\n", profile.memory_source);
-  if (tier == Offload::kNvme) fmt::print("nvme:   {}\n", profile.nvme_source);
+  if (nvme) fmt::print("nvme:   {}\n", profile.nvme_source);
   for (const auto& n : notes) fmt::print("note: {}\n", n.get<std::string>());
 }
 
@@ -285,8 +299,9 @@ std::string placement_line(const EngineSetup& s) {
   std::string line =
       fmt::format("stage {}, optimizer state on {}", s.stage, tier_name(offload_tier(s.optimizer)));
   if (s.optimizer == Offload::kNvme) {
-    line += fmt::format(" (sub-group {} params, {} buffers, pinned pool {})", s.sub_group_params,
-                        s.buffer_count, format_bytes(static_cast<double>(pinned_pool_bytes(s))));
+    line += fmt::format(" (sub-group {} params, {} buffers, pinned pool {} per GPU)",
+                        s.sub_group_params, s.buffer_count,
+                        format_bytes(static_cast<double>(pinned_pool_bytes(s))));
   }
   line += fmt::format(", half params on {}",
                       s.stage == 3 ? tier_name(offload_tier(s.params)) : "device (replicated)");
@@ -601,9 +616,14 @@ void setup_plan(CLI::App& app) {
                 "--sub-group --pool)");
   sub->add_option("--tier", o->tier, "--step-only: nvme or host")->capture_default_str();
   sub->add_option("--path", o->path, "--step-only: NVMe directory (measured if no rates)");
-  sub->add_option("--sub-group", o->sub_group, "--step-only: fp32 master bytes per sub-group")
+  sub->add_option("--sub-group", o->sub_group,
+                  "--step-only: bytes of all pieces of a sub-group (18 B/param)")
       ->capture_default_str();
   sub->add_option("--pool", o->pool, "--step-only: pinned pool bytes")->capture_default_str();
+  sub->add_option("--grads-tier", o->grads_tier, "--step-only: gradients on nvme or host")
+      ->capture_default_str();
+  sub->add_option("--half-tier", o->half_tier, "--step-only: half params on nvme or host")
+      ->capture_default_str();
   sub->callback([o] { run_plan(*o); });
 }
 
