@@ -38,15 +38,16 @@ HostEvent::~HostEvent() {
   --owner_->live_events_;
 }
 
-void HostEvent::complete(std::uint64_t generation, const Status& error) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (generation > completed_) {
-      completed_ = generation;
-      error_ = error;
-    }
+void HostEventState::complete(std::uint64_t generation, const Status& stream_error) {
+  // Notify under the lock: once a waiter sees `completed` it may destroy the event, so nothing
+  // here may touch the state after the unlock (the shared_ptr in the operation keeps it alive
+  // anyway; this keeps the rule simple).
+  std::lock_guard<std::mutex> lock(mu);
+  if (generation > completed) {
+    completed = generation;
+    error = stream_error;
   }
-  cv_.notify_all();
+  cv.notify_all();
 }
 
 // --- HostStream ----------------------------------------------------------------------------------
@@ -104,7 +105,7 @@ void HostStream::run() {
       // The ring drains before stop takes effect: destroying a stream waits for its work.
       work_cv_.wait(lock, [&] { return count_ > 0 || stop_; });
       if (count_ == 0) return;
-      op = ring_[head_];
+      op = std::move(ring_[head_]);
       upstream = error_;
     }
     if (jitter_max_us_ != 0) {
@@ -131,13 +132,13 @@ Status HostStream::execute(const Op& op, const Status& upstream) {
       op.event->complete(op.generation, upstream);
       return Status::ok();
     case Type::kWait: {
-      std::unique_lock<std::mutex> lock(op.event->mu_);
+      std::unique_lock<std::mutex> lock(op.event->mu);
       // No timeout: the record this waits for was issued before the wait (generations are taken
       // at issue time), so it cannot depend on this stream's later work and always completes.
-      op.event->cv_.wait(lock, [&] { return op.event->completed_ >= op.generation; });
+      op.event->cv.wait(lock, [&] { return op.event->completed >= op.generation; });
       // Work that depends on failed work must not run on garbage: inherit the error.
-      if (upstream.is_ok() && !op.event->error_.is_ok()) {
-        return op.event->error_.with_context(
+      if (upstream.is_ok() && !op.event->error.is_ok()) {
+        return op.event->error.with_context(
             fmt::format("stream '{}' waited on an event after failed work", name_));
       }
       return Status::ok();
@@ -334,10 +335,10 @@ Status HostDevice::record(Event& event, Stream& stream) {
   HostStream& host = host_stream(stream);
   HostStream::Op op;
   op.type = HostStream::Op::Type::kRecord;
-  op.event = &host_ev;
+  op.event = host_ev.state_;
   {
-    std::lock_guard<std::mutex> lock(host_ev.mu_);
-    op.generation = ++host_ev.recorded_;
+    std::lock_guard<std::mutex> lock(host_ev.state_->mu);
+    op.generation = ++host_ev.state_->recorded;
   }
   return host.enqueue(op);
 }
@@ -347,32 +348,32 @@ Status HostDevice::wait(Stream& stream, Event& event) {
   HostStream& host = host_stream(stream);
   HostStream::Op op;
   op.type = HostStream::Op::Type::kWait;
-  op.event = &host_ev;
+  op.event = host_ev.state_;
   {
-    std::lock_guard<std::mutex> lock(host_ev.mu_);
-    op.generation = host_ev.recorded_;
+    std::lock_guard<std::mutex> lock(host_ev.state_->mu);
+    op.generation = host_ev.state_->recorded;
   }
   if (op.generation == 0) return Status::ok();  // never recorded: nothing to wait for
   return host.enqueue(op);
 }
 
 Result<bool> HostDevice::query(Event& event) {
-  HostEvent& host_ev = host_event(event);
-  std::lock_guard<std::mutex> lock(host_ev.mu_);
-  if (host_ev.completed_ < host_ev.recorded_) return false;
-  if (!host_ev.error_.is_ok()) return host_ev.error_;
+  HostEventState& state = *host_event(event).state_;
+  std::lock_guard<std::mutex> lock(state.mu);
+  if (state.completed < state.recorded) return false;
+  if (!state.error.is_ok()) return state.error;
   return true;
 }
 
 Status HostDevice::synchronize(Event& event, std::chrono::milliseconds timeout) {
-  HostEvent& host_ev = host_event(event);
-  std::unique_lock<std::mutex> lock(host_ev.mu_);
-  const std::uint64_t target = host_ev.recorded_;
-  if (!wait_for(host_ev.cv_, lock, timeout, [&] { return host_ev.completed_ >= target; })) {
+  HostEventState& state = *host_event(event).state_;
+  std::unique_lock<std::mutex> lock(state.mu);
+  const std::uint64_t target = state.recorded;
+  if (!wait_for(state.cv, lock, timeout, [&] { return state.completed >= target; })) {
     return Status::timeout(
         fmt::format("{}: synchronize event: not reached after {} ms", name_, timeout.count()));
   }
-  return host_ev.error_;
+  return state.error;
 }
 
 Status HostDevice::synchronize(Stream& stream, std::chrono::milliseconds timeout) {

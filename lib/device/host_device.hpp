@@ -29,26 +29,32 @@ namespace zinf {
 
 class HostDevice;
 
+// What an event's records reach. Shared between the event and the stream operations that refer
+// to it, so that destroying an event with records still queued is safe, as in CUDA.
+struct HostEventState {
+  std::mutex mu;
+  std::condition_variable cv;
+  // Generations: recorded counts record() calls; completed is the highest one reached.
+  // A record that completes after a later one (on another stream) does not move completed back.
+  std::uint64_t recorded = 0;
+  std::uint64_t completed = 0;
+  Status error;  // the error of the stream when it reached `completed`
+
+  // Marks generation `generation` reached, by a stream whose error is `stream_error`.
+  void complete(std::uint64_t generation, const Status& stream_error);
+};
+
 class HostEvent final : public Event {
  public:
-  explicit HostEvent(HostDevice* owner) : owner_(owner) {}
+  explicit HostEvent(HostDevice* owner)
+      : owner_(owner), state_(std::make_shared<HostEventState>()) {}
   ~HostEvent() override;
   void* native_handle() const override { return nullptr; }
 
  private:
   friend class HostDevice;
-  friend class HostStream;
-  // Marks generation `generation` reached, by a stream whose error is `error`.
-  void complete(std::uint64_t generation, const Status& error);
-
   HostDevice* owner_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  // Generations: recorded_ counts record() calls; completed_ is the highest one reached.
-  // A record that completes after a later one (on another stream) does not move completed_ back.
-  std::uint64_t recorded_ = 0;
-  std::uint64_t completed_ = 0;
-  Status error_;  // the error of the stream when it reached completed_
+  std::shared_ptr<HostEventState> state_;
 };
 
 class HostStream final : public Stream {
@@ -62,7 +68,7 @@ class HostStream final : public Stream {
     int value = 0;
     HostFunc func = nullptr;
     void* user = nullptr;
-    HostEvent* event = nullptr;
+    std::shared_ptr<HostEventState> event;
     std::uint64_t generation = 0;
   };
 
