@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "base/assert.hpp"
+#include "base/cpu.hpp"
 #include "zinf/log.hpp"
 
 namespace zinf {
@@ -78,8 +79,8 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
     }
     p->entries_.resize(p->block_limit_);
   }
-  p->arena_ = std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads
-                                                                    : tbb::task_arena::automatic);
+  p->arena_ =
+      std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads : cpu_count());
   if (options.trace != nullptr) {
     p->read_track_ = options.trace->track("read");
     p->update_track_ = options.trace->track("update");

@@ -13,8 +13,8 @@ namespace {
 
 constexpr std::size_t kPage = 4096;
 // Sub-groups sized from sub_group_bytes hold a multiple of this many parameters, so that every
-// f32 piece is whole 4 KiB pages and a half piece whole 2 KiB halves of pages.
-constexpr std::size_t kParamQuantum = 1024;
+// piece, f32 or 16-bit, is whole 4 KiB pages.
+constexpr std::size_t kParamQuantum = 2048;
 
 std::size_t round_up(std::size_t value, std::size_t unit) {
   return (value + unit - 1) / unit * unit;

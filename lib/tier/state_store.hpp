@@ -18,7 +18,7 @@
 //
 // sub_group_bytes, the knob that sizes everything: the bytes of *all* the pieces of one
 // sub-group, whatever their tier, i.e. sub_group_params = sub_group_bytes / bytes_per_param()
-// (rounded down to a multiple of 1024 parameters, so f32 pieces fill whole 4 KiB pages). One
+// (rounded down to a multiple of 2048 parameters, so every piece fills whole 4 KiB pages). One
 // pool block holds the NVMe-resident pieces of one sub-group, each at a 4 KiB-aligned slot:
 // block_bytes() <= sub_group_bytes + 4 KiB per piece. With everything on NVMe, block_bytes() is
 // sub_group_bytes (rounded to pages).

@@ -1,0 +1,359 @@
+// The tiered optimizer step against the same optimizer run in memory, bit for bit; faults
+// injected mid-step; the host tier; telemetry and trace spans.
+#include "tier/optimizer_pipeline.hpp"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <map>
+#include <set>
+#include <string>
+
+#include "io/fault.hpp"
+#include "tier_test_util.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+namespace {
+
+using tier_test::Reference;
+using tier_test::Rig;
+using tier_test::RigOptions;
+
+OptimizerParams adamw() {
+  OptimizerParams hp;
+  hp.kind = OptimizerKind::kAdamW;
+  hp.lr = 1e-2;  // large enough that every step changes every value
+  hp.weight_decay = 0.05;
+  return hp;
+}
+
+struct Case {
+  std::size_t param_count;
+  std::size_t sub_group_params;
+  std::size_t pool_blocks;
+  DType grad_dtype;
+  OptimizerKind kind;
+};
+
+// K steps through the pipeline; after each, every sub-group read back from NVMe equals the
+// in-memory run.
+void run_equality(const Case& c, const std::array<Tier, kPieceCount>& tiers, int steps) {
+  const std::uint64_t seed = 0x7e57 + c.param_count + c.sub_group_params;
+  std::printf("equality: %zu params, sub-groups of %zu, %zu blocks, seed %llu\n", c.param_count,
+              c.sub_group_params, c.pool_blocks, static_cast<unsigned long long>(seed));
+  RigOptions so;
+  so.store.param_count = c.param_count;
+  so.store.sub_group_params = c.sub_group_params;
+  so.store.grad_dtype = c.grad_dtype;
+  so.store.optimizer = c.kind;
+  so.store.tiers = tiers;
+  so.pool_blocks = c.pool_blocks;
+  so.pipeline.optimizer = adamw();
+  so.pipeline.optimizer.kind = c.kind;
+  so.pipeline.threads = 2;
+  Rig s;
+  Status opened = tier_test::open_rig("equal", so, &s);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  Reference ref;
+  ref.init(c.param_count, seed);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  for (int t = 1; t <= steps; ++t) {
+    ref.make_grads(c.grad_dtype, seed * 31 + t);
+    ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+    const float grad_scale = 1.0f / static_cast<float>(t + 1);
+    Result<StepStats> stats = s.pipeline->step({.step = t, .grad_scale = grad_scale});
+    ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
+    ref.step(so.pipeline.optimizer, so.store, t, grad_scale);
+    EXPECT_EQ(stats->sub_groups, s.store->sub_group_count());
+    EXPECT_LE(stats->blocks_peak, c.pool_blocks);
+    for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+      ASSERT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << "step " << t << " sg " << i;
+      EXPECT_EQ(s.store->version(i, t), Version::kNew);
+      EXPECT_EQ(s.store->stored_step(i), t);
+    }
+  }
+}
+
+constexpr std::array<Tier, kPieceCount> kAllNvme = {Tier::kNvme, Tier::kNvme, Tier::kNvme,
+                                                    Tier::kNvme, Tier::kNvme};
+constexpr std::array<Tier, kPieceCount> kAllHost = {Tier::kHost, Tier::kHost, Tier::kHost,
+                                                    Tier::kHost, Tier::kHost};
+
+TEST(OptimizerPipeline, NvmeStateEqualsInMemoryRunForSubGroupSizes) {
+  // Sub-group sizes that divide the partition, that do not (a short last sub-group), of one
+  // parameter fewer than a page's worth, and one sub-group for everything.
+  const std::size_t count = 3 * 4096 * 8 + 777;
+  for (std::size_t sub : {std::size_t{4096}, std::size_t{10007}, std::size_t{1023}, count}) {
+    run_equality({count, sub, 3, DType::kF32, OptimizerKind::kAdamW}, kAllNvme, 3);
+  }
+}
+
+TEST(OptimizerPipeline, TwoBlocksManyBlocksAndHalfGradients) {
+  run_equality({50'000, 4000, 2, DType::kBF16, OptimizerKind::kAdamW}, kAllNvme, 2);
+  run_equality({50'000, 3001, 12, DType::kF16, OptimizerKind::kAdam}, kAllNvme, 2);
+}
+
+TEST(OptimizerPipeline, OtherOptimizersHaveTheirPiecesOnly) {
+  run_equality({30'000, 7000, 3, DType::kF32, OptimizerKind::kLion}, kAllNvme, 2);
+  run_equality({30'000, 7000, 3, DType::kF32, OptimizerKind::kAdagrad}, kAllNvme, 2);
+}
+
+TEST(OptimizerPipeline, HostTierAndMixedTiers) {
+  run_equality({40'000, 9000, 3, DType::kF32, OptimizerKind::kAdamW}, kAllHost, 3);
+  // Master on the host, moments on NVMe, gradients on the host, half output on NVMe.
+  run_equality({40'000, 9000, 3, DType::kBF16, OptimizerKind::kAdamW},
+               {Tier::kHost, Tier::kNvme, Tier::kNvme, Tier::kHost, Tier::kNvme}, 3);
+  // Only the gradients on NVMe: nothing to write back.
+  run_equality({40'000, 9000, 2, DType::kF32, OptimizerKind::kAdamW},
+               {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kHost}, 2);
+}
+
+TEST(OptimizerPipeline, ThreadEngineGivesTheSameState) {
+  RigOptions so;
+  so.engine = EngineKind::kThread;
+  so.store.param_count = 20'000;
+  so.store.sub_group_params = 5000;
+  so.pipeline.optimizer = adamw();
+  Rig s;
+  ASSERT_TRUE(tier_test::open_rig("thread", so, &s).is_ok());
+  Reference ref;
+  ref.init(so.store.param_count, 99);
+  ref.make_grads(DType::kF32, 100);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
+  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << i;
+  }
+}
+
+TEST(OptimizerPipeline, TelemetryCountsBytesAndTraceHasSpansPerSubGroup) {
+  Trace trace;
+  RigOptions so;
+  so.store.param_count = 30'000;
+  so.store.sub_group_params = 4096;
+  so.store.grad_dtype = DType::kBF16;
+  so.pipeline.optimizer = adamw();
+  so.pipeline.trace = &trace;
+  Rig s;
+  ASSERT_TRUE(tier_test::open_rig("trace", so, &s).is_ok());
+  Reference ref;
+  ref.init(so.store.param_count, 5);
+  ref.make_grads(DType::kBF16, 6);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Result<StepStats> stats = s.pipeline->step({.step = 1});
+  ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
+  const std::uint64_t n = so.store.param_count;
+  EXPECT_EQ(stats->read_bytes, n * (4 + 4 + 4 + 2));   // master, moments, bf16 gradients
+  EXPECT_EQ(stats->write_bytes, n * (4 + 4 + 4 + 2));  // master, moments, bf16 half
+  EXPECT_GT(stats->update_ns, 0);
+  EXPECT_GE(stats->wall_ns, stats->update_ns);
+  EXPECT_GE(stats->wall_ns, stats->io_wait_ns);
+  const std::size_t groups = s.store->sub_group_count();
+  ASSERT_EQ(groups, 8u);
+  const std::vector<std::string> tracks = trace.track_names();
+  std::map<std::string, std::set<std::string>> spans;
+  for (const Trace::Event& e : trace.events()) {
+    spans[tracks[static_cast<std::size_t>(e.track)]].insert(e.name);
+    EXPECT_GE(e.duration_ns, 0);
+  }
+  for (const char* track : {"read", "update", "write"}) {
+    EXPECT_EQ(spans[track].size(), groups) << track;
+    EXPECT_EQ(spans[track].count(std::string(track) + " sg7"), 1u) << track;
+  }
+  const std::string json = trace.to_json();
+  EXPECT_NE(json.find("\"traceEvents\""), std::string::npos);
+}
+
+TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
+  RigOptions so;
+  so.store.param_count = 20'000;
+  so.store.sub_group_params = 3000;
+  so.pipeline.optimizer = adamw();
+  Rig s;
+  ASSERT_TRUE(tier_test::open_rig("modes", so, &s).is_ok());
+  Reference ref;
+  ref.init(so.store.param_count, 17);
+  ref.make_grads(DType::kF32, 18);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Result<StepStats> io = s.pipeline->step({.step = 1, .mode = StepMode::kIoOnly});
+  ASSERT_TRUE(io.is_ok()) << io.status().to_string();
+  EXPECT_EQ(io->update_ns, 0);
+  EXPECT_EQ(io->read_bytes, 20'000u * 16);
+  Result<StepStats> up = s.pipeline->step({.step = 1, .mode = StepMode::kUpdateOnly});
+  ASSERT_TRUE(up.is_ok()) << up.status().to_string();
+  EXPECT_EQ(up->read_bytes + up->write_bytes, 0u);
+  EXPECT_GT(up->update_ns, 0);
+  // The master and moments on disk are still the initial ones (io-only wrote back what it read).
+  Reference initial;
+  initial.init(so.store.param_count, 17);
+  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+    EXPECT_EQ(s.store->version(i, 1), Version::kOld);
+    AlignedBuffer buffer(16384 * 4, 4096);
+    ASSERT_TRUE(s.store->read_piece(Piece::kParams, i, buffer.data()).is_ok());
+    EXPECT_EQ(std::memcmp(buffer.data(), initial.params.data() + s.store->sub_group_first(i),
+                          s.store->piece_bytes(Piece::kParams, i)),
+              0);
+  }
+  // And a real step afterwards is still step 1.
+  ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
+  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << i;
+  }
+}
+
+TEST(OptimizerPipeline, StepOutOfOrderIsRefusedWithoutTouchingState) {
+  RigOptions so;
+  so.store.param_count = 10'000;
+  so.store.sub_group_params = 4096;
+  so.pipeline.optimizer = adamw();
+  Rig s;
+  ASSERT_TRUE(tier_test::open_rig("order", so, &s).is_ok());
+  Reference ref;
+  ref.init(so.store.param_count, 3);
+  ref.make_grads(DType::kF32, 4);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Result<StepStats> r = s.pipeline->step({.step = 2});
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(r.status().code(), Code::kFailedPrecondition);
+  EXPECT_NE(r.status().to_string().find("sub-group 0"), std::string::npos);
+}
+
+// Faults mid-step, many seeds: the step fails with a Status naming the sub-group, later calls
+// return the same error, nothing hangs, and each sub-group reads back (with faults off) as
+// exactly the version the store records: old, new, or torn where its own write failed.
+struct FaultTally {
+  int failed_steps = 0, torn = 0, old_groups = 0, new_groups = 0;
+};
+
+void run_fault_seed(std::uint64_t seed, const FaultSpec& base, FaultTally* tally) {
+  std::printf("fault seed %llu\n", static_cast<unsigned long long>(seed));
+  FaultSpec spec = base;
+  spec.seed = seed;
+  auto faults = std::make_shared<FaultInjector>(spec);
+  faults->set_enabled(false);
+  RigOptions so;
+  so.faults = faults;
+  so.io_block_bytes = 16 << 10;
+  so.store.param_count = 24'000 + seed % 5 * 1000;
+  so.store.sub_group_params = 2048 + seed % 3 * 1500;
+  so.store.grad_dtype = DType::kBF16;
+  so.pool_blocks = 3 + seed % 3;
+  so.pipeline.optimizer = adamw();
+  so.pipeline.threads = 1;
+  so.pipeline.io_timeout = std::chrono::seconds(20);
+  Rig s;
+  Status opened = tier_test::open_rig("fault", so, &s);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  Reference ref;
+  ref.init(so.store.param_count, seed);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  for (std::int64_t t = 1; t <= 3; ++t) {
+    ref.make_grads(DType::kBF16, seed + 100 * static_cast<std::uint64_t>(t));
+    ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+    Reference old = ref;
+    ref.step(so.pipeline.optimizer, so.store, t, 1.0f);
+    faults->set_enabled(true);
+    Result<StepStats> r = s.pipeline->step({.step = t});
+    faults->set_enabled(false);
+    if (r.is_ok()) {
+      for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+        ASSERT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << "seed " << seed;
+      }
+      continue;
+    }
+    ++tally->failed_steps;
+    const std::string message = r.status().to_string();
+    EXPECT_NE(message.find(fmt::format("optimizer step {}: sub-group ", t)), std::string::npos)
+        << message;
+    // Sticky: the same error, whatever is asked next.
+    Result<StepStats> again = s.pipeline->step({.step = t + 1});
+    ASSERT_FALSE(again.is_ok());
+    EXPECT_EQ(again.status().to_string(), message);
+    EXPECT_EQ(s.pipeline->error().to_string(), message);
+    for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+      const Version v = s.store->version(i, t);
+      for (std::size_t p = 0; p < kPieceCount; ++p) {
+        const auto piece = static_cast<Piece>(p);
+        const Residency res = s.store->residency(piece, i);
+        EXPECT_TRUE(res == Residency::kDisk || res == Residency::kLost) << residency_name(res);
+        // Only a sub-group whose write failed may hold a lost piece.
+        if (res == Residency::kLost) {
+          EXPECT_EQ(v, Version::kTorn) << "sg " << i;
+        }
+      }
+      if (v == Version::kTorn) {
+        ++tally->torn;
+        // Its own write failed: at least one piece is lost, or reads back as neither version.
+        bool lost = false;
+        for (std::size_t p = 0; p < kPieceCount; ++p) {
+          lost |= s.store->residency(static_cast<Piece>(p), i) == Residency::kLost;
+        }
+        EXPECT_TRUE(lost) << "seed " << seed << " sg " << i;
+        continue;
+      }
+      const Reference& expect = v == Version::kNew ? ref : old;
+      v == Version::kNew ? ++tally->new_groups : ++tally->old_groups;
+      EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, expect), "")
+          << "seed " << seed << " sg " << i << " says " << version_name(v);
+    }
+    return;
+  }
+}
+
+TEST(OptimizerPipelineFaults, EioOnReadsAndWritesManySeeds) {
+  FaultSpec spec;
+  spec.eio_rate = 0.004;
+  spec.short_rate = 0.05;
+  spec.eintr_rate = 0.02;
+  FaultTally tally;
+  for (std::uint64_t seed = 1; seed <= 40; ++seed) {
+    run_fault_seed(seed, spec, &tally);
+    if (HasFatalFailure()) return;
+  }
+  std::printf("failed steps %d, sub-groups torn %d, old %d, new %d\n", tally.failed_steps,
+              tally.torn, tally.old_groups, tally.new_groups);
+  // The test must have exercised failures, and of every outcome.
+  EXPECT_GE(tally.failed_steps, 5);
+  EXPECT_GT(tally.torn, 0);
+  EXPECT_GT(tally.old_groups, 0);
+  EXPECT_GT(tally.new_groups, 0);
+}
+
+TEST(OptimizerPipelineFaults, WriteFaultsAndFullDiskManySeeds) {
+  FaultSpec spec;
+  spec.reads = false;
+  spec.eio_rate = 0.003;
+  spec.enospc_rate = 0.003;
+  spec.latency_rate = 0.01;
+  spec.latency = std::chrono::microseconds(500);
+  FaultTally tally;
+  for (std::uint64_t seed = 101; seed <= 130; ++seed) {
+    run_fault_seed(seed, spec, &tally);
+    if (HasFatalFailure()) return;
+  }
+  std::printf("failed steps %d, sub-groups torn %d, old %d, new %d\n", tally.failed_steps,
+              tally.torn, tally.old_groups, tally.new_groups);
+  EXPECT_GE(tally.failed_steps, 5);
+  EXPECT_GT(tally.torn, 0);
+}
+
+TEST(OptimizerPipelineFaults, BitFlipOnReadIsCorruptionAndLeavesOldState) {
+  FaultSpec spec;
+  spec.writes = false;
+  spec.bit_flip_rate = 0.01;
+  FaultTally tally;
+  for (std::uint64_t seed = 201; seed <= 215; ++seed) {
+    run_fault_seed(seed, spec, &tally);
+    if (HasFatalFailure()) return;
+  }
+  EXPECT_GE(tally.failed_steps, 5);
+  EXPECT_EQ(tally.torn, 0);  // reads never tear anything
+}
+
+}  // namespace
+}  // namespace zinf

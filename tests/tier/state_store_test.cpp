@@ -1,0 +1,108 @@
+// StateStore: sizing from sub_group_bytes, block layout, extent keys, piece round trips and the
+// residency bookkeeping.
+#include "tier/state_store.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "base/aligned.hpp"
+#include "base/random.hpp"
+#include "tier_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+TEST(StateStore, SubGroupBytesCountsEveryPieceAndTheBlockHoldsTheNvmeOnes) {
+  tier_test::RigOptions so;
+  so.store.param_count = 1'000'000;
+  so.store.sub_group_bytes = 4 << 20;  // 4 MiB of master + moments + f32 grads + bf16 half
+  so.pipeline.optimizer.kind = OptimizerKind::kAdamW;
+  tier_test::Rig s;
+  ASSERT_TRUE(tier_test::open_rig("sizing", so, &s).is_ok());
+  const StateStore& st = *s.store;
+  EXPECT_EQ(st.bytes_per_param(), 18u);
+  // floor(4 MiB / 18 B) = 233016, rounded down to a multiple of 2048.
+  EXPECT_EQ(st.sub_group_params(), 231424u);
+  EXPECT_EQ(st.sub_group_count(), 5u);  // 4 full, one of 74304
+  EXPECT_EQ(st.sub_group_size(4), 1'000'000u - 4 * 231424u);
+  EXPECT_LE(st.block_bytes(), std::size_t{4} << 20);
+  EXPECT_EQ(st.block_bytes(), 231424u * 18);
+  // Slots are page-aligned and in piece order.
+  EXPECT_EQ(st.slot_offset(Piece::kParams), 0u);
+  EXPECT_EQ(st.slot_offset(Piece::kExpAvg), 231424u * 4);
+  EXPECT_EQ(st.slot_offset(Piece::kParamsHalf) % 4096, 0u);
+  // Keys name rank, group and piece.
+  Result<ExtentId> id = s.swap->find("rank0/group3/exp_avg");
+  ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+  EXPECT_EQ(s.swap->info(*id).bytes, 231424u * 4);
+  EXPECT_TRUE(s.swap->find("rank0/group4/params_half").is_ok());
+  EXPECT_FALSE(s.swap->find("rank0/group5/params").is_ok());
+}
+
+TEST(StateStore, PiecesRoundTripOnBothTiersAndTrackResidency) {
+  tier_test::RigOptions so;
+  so.store.param_count = 10'000;
+  so.store.sub_group_params = 3000;
+  so.store.tiers = {Tier::kNvme, Tier::kHost, Tier::kNvme, Tier::kHost, Tier::kNvme};
+  tier_test::Rig s;
+  ASSERT_TRUE(tier_test::open_rig("roundtrip", so, &s).is_ok());
+  StateStore& st = *s.store;
+  EXPECT_EQ(st.residency(Piece::kParams, 1), Residency::kAbsent);
+  EXPECT_EQ(st.residency(Piece::kExpAvg, 1), Residency::kHost);
+  AlignedBuffer data(16384, 4096), back(16384, 4096);
+  for (Piece piece : {Piece::kParams, Piece::kExpAvg}) {
+    for (std::size_t i = 0; i < st.sub_group_count(); ++i) {
+      fill_random_bytes(data.data(), st.piece_bytes(piece, i), 1000 + i);
+      ASSERT_TRUE(st.write_piece(piece, i, data.data()).is_ok());
+      ASSERT_TRUE(st.read_piece(piece, i, back.data()).is_ok());
+      EXPECT_EQ(std::memcmp(data.data(), back.data(), st.piece_bytes(piece, i)), 0);
+    }
+  }
+  EXPECT_EQ(st.residency(Piece::kParams, 3), Residency::kDisk);
+  EXPECT_EQ(st.sub_group_size(3), 1000u);
+  // The host array is the partition in order: sub-group 2 starts at parameter 6000.
+  fill_random_bytes(data.data(), st.piece_bytes(Piece::kExpAvg, 2), 1002);
+  EXPECT_EQ(std::memcmp(st.host_data(Piece::kExpAvg) + 6000 * 4, data.data(), 3000 * 4), 0);
+  // Reading a never-written NVMe piece is refused, not garbage.
+  EXPECT_EQ(st.read_piece(Piece::kExpAvgSq, 0, back.data()).code(), Code::kFailedPrecondition);
+  // Transitions.
+  st.begin_read(Piece::kParams, 0);
+  EXPECT_EQ(st.residency(Piece::kParams, 0), Residency::kReading);
+  st.end_read(Piece::kParams, 0, true);
+  EXPECT_EQ(st.residency(Piece::kParams, 0), Residency::kInBlock);
+  st.begin_write(Piece::kParams, 0);
+  st.end_write(Piece::kParams, 0, false);
+  EXPECT_EQ(st.residency(Piece::kParams, 0), Residency::kLost);
+  st.set_torn(0);
+  EXPECT_EQ(st.version(0, 1), Version::kTorn);
+  st.set_stored(1, 1);
+  EXPECT_EQ(st.version(1, 1), Version::kNew);
+  EXPECT_EQ(st.version(2, 1), Version::kOld);
+}
+
+TEST(StateStoreDeathTest, ReadingAPieceInFlightIsAnAssertion) {
+  tier_test::RigOptions so;
+  so.store.param_count = 4096;
+  so.store.sub_group_params = 4096;
+  tier_test::Rig s;
+  ASSERT_TRUE(tier_test::open_rig("death", so, &s).is_ok());
+  EXPECT_DEATH(s.store->begin_read(Piece::kParams, 0), "on disk");
+}
+
+TEST(StateStore, BadOptionsAreInvalidArgument) {
+  StateStoreOptions o;
+  o.param_count = 100;
+  EXPECT_EQ(StateStore::open(o, nullptr).status().code(), Code::kInvalidArgument);  // no swap
+  o.param_count = 0;
+  o.tiers.fill(Tier::kHost);
+  EXPECT_EQ(StateStore::open(o, nullptr).status().code(), Code::kInvalidArgument);
+  o.param_count = 100;
+  o.sub_group_bytes = 100;  // below 2048 parameters
+  EXPECT_EQ(StateStore::open(o, nullptr).status().code(), Code::kInvalidArgument);
+  o.sub_group_bytes = 1 << 20;
+  EXPECT_TRUE(StateStore::open(o, nullptr).is_ok());
+}
+
+}  // namespace
+}  // namespace zinf

@@ -1,0 +1,181 @@
+#include "tier_test_util.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+
+#include "base/aligned.hpp"
+#include "base/random.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/optim.hpp"
+
+namespace zinf::tier_test {
+
+ScratchDir::ScratchDir(const std::string& name) {
+  const char* root = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
+  path_ = base + "/tier-" + name + "-" + std::to_string(::getpid());
+  std::filesystem::remove_all(path_);
+  std::filesystem::create_directories(path_);
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
+Status open_rig(const std::string& name, const RigOptions& options, Rig* s) {
+  s->dir = std::make_unique<ScratchDir>(name);
+  IoOptions io;
+  io.kind = options.engine;
+  io.block_bytes = options.io_block_bytes;
+  io.queue_depth = 16;
+  io.faults = options.faults;
+  ZINF_ASSIGN_OR_RETURN(s->engine, open_engine(io));
+  // Room for every NVMe piece of the partition, each rounded to pages.
+  const StateStoreOptions& so = options.store;
+  std::uint64_t per_param = 0;
+  const DType grad = so.grad_dtype;
+  per_param += 4;
+  if (so.optimizer != OptimizerKind::kAdagrad) per_param += 4;
+  if (so.optimizer != OptimizerKind::kLion) per_param += 4;
+  per_param += dtype_bytes(grad);
+  if (so.with_half) per_param += 2;
+  SwapOptions swap;
+  swap.dirs = {s->dir->path()};
+  swap.block_bytes = options.io_block_bytes;
+  swap.capacity_bytes = per_param * so.param_count + (std::uint64_t{8} << 20) +
+                        (so.param_count / 64 + 16) * 4096 * kPieceCount;
+  swap.max_ops = 64;
+  ZINF_ASSIGN_OR_RETURN(s->swap, SwapSpace::open(*s->engine, swap));
+  ZINF_ASSIGN_OR_RETURN(s->store, StateStore::open(so, s->swap.get()));
+  if (s->store->block_bytes() > 0) {
+    PinnedPoolOptions pool;
+    pool.block_bytes = (s->store->block_bytes() + 4095) / 4096 * 4096;
+    pool.block_count = options.pool_blocks;
+    pool.huge_pages = HugePages::kNone;  // small test pools: leave the huge pages to others
+    ZINF_ASSIGN_OR_RETURN(s->pool, PinnedPool::create(pool));
+    ZINF_RETURN_IF_ERROR(s->pool->register_with(*s->engine));
+  }
+  PipelineOptions po = options.pipeline;
+  po.optimizer.kind = so.optimizer;
+  ZINF_ASSIGN_OR_RETURN(s->pipeline, OptimizerPipeline::open(*s->store, s->pool.get(), po));
+  return Status::ok();
+}
+
+void Reference::init(std::size_t param_count, std::uint64_t seed) {
+  count = param_count;
+  params.resize(count);
+  exp_avg.resize(count);
+  exp_avg_sq.resize(count);
+  half.resize(count);
+  fill_uniform(params.data(), count, seed, -1.0f, 1.0f);
+  fill_uniform(exp_avg.data(), count, seed + 1, -0.1f, 0.1f);
+  fill_uniform(exp_avg_sq.data(), count, seed + 2, 1e-4f, 1e-2f);
+  for (std::size_t i = 0; i < count; ++i) half[i] = f32_to_bf16(-params[i]);
+}
+
+void Reference::make_grads(DType dtype, std::uint64_t seed) {
+  std::vector<float> g(count);
+  fill_uniform(g.data(), count, seed, -1.0f, 1.0f);
+  grads.resize(count * dtype_bytes(dtype));
+  if (dtype == DType::kF32) {
+    std::memcpy(grads.data(), g.data(), grads.size());
+  } else if (dtype == DType::kBF16) {
+    convert_f32_to_bf16(g.data(), reinterpret_cast<std::uint16_t*>(grads.data()), count);
+  } else {
+    convert_f32_to_f16(g.data(), reinterpret_cast<std::uint16_t*>(grads.data()), count);
+  }
+}
+
+void Reference::step(const OptimizerParams& hp, const StateStoreOptions& store, std::int64_t t,
+                     float grad_scale) {
+  OptimizerSpan span;
+  span.params = params.data();
+  span.exp_avg = store.optimizer != OptimizerKind::kAdagrad ? exp_avg.data() : nullptr;
+  span.exp_avg_sq = store.optimizer != OptimizerKind::kLion ? exp_avg_sq.data() : nullptr;
+  span.grads = grads.data();
+  span.grad_dtype = store.grad_dtype;
+  span.params_half = store.with_half ? half.data() : nullptr;
+  span.half_dtype = store.half_dtype;
+  span.count = count;
+  StepOptions options;
+  options.step = t;
+  options.grad_scale = grad_scale;
+  // A different thread count and tile than the pipeline's: the result must not depend on them.
+  options.threads = 1;
+  options.tile_elements = 3000;
+  Result<StepResult> r = optimizer_step(hp, span, options);
+  ZINF_ASSERT_MSG(r.is_ok(), "reference optimizer_step failed");
+}
+
+namespace {
+
+const void* ref_data(const Reference& ref, Piece piece, std::size_t first, DType dtype) {
+  const std::size_t at = first * dtype_bytes(dtype);
+  switch (piece) {
+    case Piece::kParams:
+      return reinterpret_cast<const std::byte*>(ref.params.data()) + at;
+    case Piece::kExpAvg:
+      return reinterpret_cast<const std::byte*>(ref.exp_avg.data()) + at;
+    case Piece::kExpAvgSq:
+      return reinterpret_cast<const std::byte*>(ref.exp_avg_sq.data()) + at;
+    case Piece::kGrads:
+      return ref.grads.data() + at;
+    case Piece::kParamsHalf:
+      return reinterpret_cast<const std::byte*>(ref.half.data()) + at;
+  }
+  return nullptr;
+}
+
+Status load_piece(StateStore& store, const Reference& ref, Piece piece) {
+  for (std::size_t i = 0; i < store.sub_group_count(); ++i) {
+    const std::size_t bytes = store.piece_bytes(piece, i);
+    AlignedBuffer buffer((bytes + 4095) / 4096 * 4096, 4096);
+    std::memset(buffer.data(), 0, buffer.bytes());
+    std::memcpy(buffer.data(), ref_data(ref, piece, store.sub_group_first(i), store.dtype(piece)),
+                bytes);
+    ZINF_RETURN_IF_ERROR(store.write_piece(piece, i, buffer.data()));
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status load_store(StateStore& store, const Reference& ref) {
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    const auto piece = static_cast<Piece>(p);
+    if (piece == Piece::kGrads && ref.grads.empty()) continue;  // load_grads() puts them later
+    if (store.has(piece)) ZINF_RETURN_IF_ERROR(load_piece(store, ref, piece));
+  }
+  return Status::ok();
+}
+
+Status load_grads(StateStore& store, const Reference& ref) {
+  return load_piece(store, ref, Piece::kGrads);
+}
+
+std::string compare_sub_group(StateStore& store, std::size_t i, const Reference& ref) {
+  std::string out;
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    const auto piece = static_cast<Piece>(p);
+    if (!store.has(piece) || piece == Piece::kGrads) continue;
+    const std::size_t bytes = store.piece_bytes(piece, i);
+    AlignedBuffer buffer((bytes + 4095) / 4096 * 4096, 4096);
+    Status status = store.read_piece(piece, i, buffer.data());
+    if (!status.is_ok()) return "read error: " + status.to_string();
+    const auto* expect = static_cast<const std::byte*>(
+        ref_data(ref, piece, store.sub_group_first(i), store.dtype(piece)));
+    if (std::memcmp(buffer.data(), expect, bytes) != 0) {
+      std::size_t at = 0;
+      while (buffer.data()[at] == expect[at]) ++at;
+      out += fmt::format("{} differs at byte {}; ", piece_name(piece), at);
+    }
+  }
+  return out;
+}
+
+}  // namespace zinf::tier_test
