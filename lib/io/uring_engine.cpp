@@ -1,20 +1,18 @@
 // UringEngine: IoEngine on liburing.
 //
-// Each ring has its own thread, which owns the ring: it takes requests from the ring's inbox,
-// cuts them into pieces, keeps at most queue_depth pieces in flight, submits them in one
-// io_uring_enter per loop turn, reaps completions in batches and resubmits short transfers and
-// EINTR / EAGAIN at once. Submitting threads never touch the ring; they push a slot index into
-// the inbox and write the ring's eventfd only when its thread sleeps with room for more pieces
-// (the thread keeps a read of that eventfd armed in the ring, so one io_uring_enter waits for
-// both new work and completions).
+// Each ring has a mutex over its submission side and its piece table, and one thread that
+// reaps its completions. A submitting thread takes the ring's mutex, queues its request, cuts
+// pieces while fewer than queue_depth are in flight, and submits them itself with one
+// io_uring_enter, as fio does; no hand-off to another thread and no wake-up on the way in. The
+// ring's thread sleeps in io_uring_enter until completions arrive, then (under the mutex)
+// checks them in a batch, resubmits short transfers and EINTR / EAGAIN at once, completes
+// finished requests, and cuts the next pieces of queued requests into the room that freed.
 //
 // Files are registered in every ring (a sparse fixed-file table of max_files) and memory as
 // fixed buffers (a sparse table of kMaxRegisteredBuffers), so a piece inside registered memory
 // goes out as READ_FIXED / WRITE_FIXED on a fixed file: no per-request page pinning or fd
 // lookup in the kernel.
-#include <fmt/format.h>
 #include <liburing.h>
-#include <sys/eventfd.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -44,15 +42,21 @@ class UringEngine final : public EngineCore {
   ~UringEngine() override {
     begin_shutdown();
     for (auto& ring : rings_) {
-      ring->stop.store(true, std::memory_order_release);
-      wake(*ring);
+      if (!ring->thread.joinable()) continue;
+      std::lock_guard lock(ring->mutex);
+      ring->stop = true;
+      // A no-op completion wakes the ring's thread, which then drains what is in flight.
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring->ring);
+      ZINF_ASSERT(sqe != nullptr);
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kWakeTag);
+      io_uring_submit(&ring->ring);
     }
     for (auto& ring : rings_) {
       if (ring->thread.joinable()) ring->thread.join();
     }
     for (auto& ring : rings_) {
       if (ring->initialized) io_uring_queue_exit(&ring->ring);
-      if (ring->wake_fd >= 0) ::close(ring->wake_fd);
     }
   }
 
@@ -61,7 +65,7 @@ class UringEngine final : public EngineCore {
     for (std::uint32_t i = 0; i < options_.rings; ++i) {
       rings_.push_back(std::make_unique<Ring>());
       Ring& ring = *rings_.back();
-      // Room for queue_depth pieces and the eventfd read.
+      // Room for queue_depth pieces and the shutdown no-op.
       const unsigned entries = round_up_pow2(options_.queue_depth + 2);
       io_uring_params params{};
       params.flags = IORING_SETUP_CQSIZE;
@@ -85,9 +89,6 @@ class UringEngine final : public EngineCore {
         log_warn("io: io_uring refused a fixed-buffer table ({}); using plain reads and writes",
                  std::strerror(-brc));
       }
-      ring.wake_fd = eventfd(0, EFD_CLOEXEC);
-      if (ring.wake_fd < 0) return status_from_errno("eventfd", errno);
-      ring.inbox.reset(options_.max_requests);
       ring.active.reset(options_.max_requests);
       ring.pieces.resize(options_.queue_depth);
       ring.free_pieces.reserve(options_.queue_depth);
@@ -150,12 +151,9 @@ class UringEngine final : public EngineCore {
   void enqueue(std::uint32_t slot_index) override {
     const std::uint32_t n = next_ring_.fetch_add(1, std::memory_order_relaxed);
     Ring& ring = *rings_[n % rings_.size()];
-    {
-      std::lock_guard lock(ring.inbox_mutex);
-      ring.inbox.push(slot_index);
-      ring.inbox_count.store(ring.inbox.size(), std::memory_order_seq_cst);
-    }
-    if (ring.sleeping.load(std::memory_order_seq_cst)) wake(ring);
+    std::lock_guard lock(ring.mutex);
+    ring.active.push(slot_index);
+    if (fill(ring) > 0) submit(ring);
   }
 
  private:
@@ -163,31 +161,24 @@ class UringEngine final : public EngineCore {
     io_uring ring{};
     bool initialized = false;
     std::thread thread;
-    int wake_fd = -1;
-    std::uint64_t wake_value = 0;
-    std::atomic<bool> sleeping{false};
-    std::atomic<bool> stop{false};
-    std::mutex inbox_mutex;
-    BoundedQueue<std::uint32_t> inbox;  // guarded by inbox_mutex
-    std::atomic<std::size_t> inbox_count{0};
-    // Owned by the ring thread.
-    BoundedQueue<std::uint32_t> active;
+    // Guards the submission queue and everything below it. The completion queue is read only
+    // by the ring's thread.
+    std::mutex mutex;
+    bool stop = false;
+    BoundedQueue<std::uint32_t> active;  // requests with pieces left to cut, oldest first
     std::vector<Piece> pieces;
     std::vector<std::uint32_t> free_pieces;
     std::uint32_t in_flight = 0;
+    std::uint32_t resubmits = 0;  // pieces handle() prepped again, not yet submitted
   };
 
-  void wake(Ring& ring) {
-    const std::uint64_t one = 1;
-    // An eventfd write only fails when the counter would overflow, which cannot happen here.
-    [[maybe_unused]] const ssize_t rc = ::write(ring.wake_fd, &one, sizeof(one));
-  }
-
-  void arm_wake(Ring& ring) {
-    io_uring_sqe* sqe = io_uring_get_sqe(&ring.ring);
-    ZINF_ASSERT(sqe != nullptr);
-    io_uring_prep_read(sqe, ring.wake_fd, &ring.wake_value, sizeof(ring.wake_value), 0);
-    io_uring_sqe_set_data64(sqe, kWakeTag);
+  void submit(Ring& ring) {
+    const int rc = io_uring_submit(&ring.ring);
+    // Entries the kernel did not take stay queued and go with the next submit; a hard error
+    // here means the ring itself is broken, which no request can recover from.
+    if (rc < 0 && rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) {
+      log_error("io: io_uring_submit failed: {}", std::strerror(-rc));
+    }
   }
 
   void prep(Ring& ring, std::uint32_t piece_index) {
@@ -214,7 +205,9 @@ class UringEngine final : public EngineCore {
   }
 
   // Cuts and preps pieces until queue_depth are in flight or no request has pieces left.
-  void fill(Ring& ring) {
+  // Returns how many were prepped. REQUIRES: ring.mutex held.
+  std::uint32_t fill(Ring& ring) {
+    std::uint32_t prepped = 0;
     while (ring.in_flight < options_.queue_depth && !ring.active.empty()) {
       const std::uint32_t slot_index = ring.active.front();
       Piece piece;
@@ -229,14 +222,9 @@ class UringEngine final : public EngineCore {
       ring.pieces[piece_index] = piece;
       prep(ring, piece_index);
       ++ring.in_flight;
+      ++prepped;
     }
-  }
-
-  void take_inbox(Ring& ring) {
-    if (ring.inbox_count.load(std::memory_order_seq_cst) == 0) return;
-    std::lock_guard lock(ring.inbox_mutex);
-    while (!ring.inbox.empty()) ring.active.push(ring.inbox.pop());
-    ring.inbox_count.store(0, std::memory_order_seq_cst);
+    return prepped;
   }
 
   void handle(Ring& ring, std::uint32_t piece_index, int result) {
@@ -245,6 +233,7 @@ class UringEngine final : public EngineCore {
     switch (check_piece(piece, result, &error)) {
       case PieceStep::kResubmit:
         prep(ring, piece_index);
+        ++ring.resubmits;
         return;
       case PieceStep::kDone:
       case PieceStep::kFailed:
@@ -257,54 +246,36 @@ class UringEngine final : public EngineCore {
   }
 
   void run(Ring& ring) {
-    arm_wake(ring);
     io_uring_cqe* cqes[kReapBatch];
+    bool stopping = false;
     for (;;) {
-      take_inbox(ring);
-      fill(ring);
-      const bool stopping = ring.stop.load(std::memory_order_acquire);
-      if (stopping && ring.in_flight == 0 && ring.active.empty() &&
-          ring.inbox_count.load(std::memory_order_seq_cst) == 0) {
-        break;
-      }
-      // Sleep until a completion or, when there is room for more pieces, new work.
-      const bool room = ring.in_flight < options_.queue_depth;
-      if (room) {
-        ring.sleeping.store(true, std::memory_order_seq_cst);
-        if (ring.inbox_count.load(std::memory_order_seq_cst) != 0) {
-          ring.sleeping.store(false, std::memory_order_relaxed);
-          io_uring_submit(&ring.ring);
-          continue;
-        }
-      }
+      io_uring_cqe* first = nullptr;
       int rc;
       if (stopping) {
-        // A drive that never answers must not hang the destructor forever: wait in slices.
+        // A drive that never answers must not hang the destructor: wait in slices.
         __kernel_timespec ts{0, 100 * 1000 * 1000};
-        io_uring_cqe* cqe = nullptr;
-        rc = io_uring_submit_and_wait_timeout(&ring.ring, &cqe, 1, &ts, nullptr);
+        rc = io_uring_wait_cqe_timeout(&ring.ring, &first, &ts);
       } else {
-        rc = io_uring_submit_and_wait(&ring.ring, 1);
+        rc = io_uring_wait_cqe(&ring.ring, &first);
       }
-      ring.sleeping.store(false, std::memory_order_relaxed);
-      if (rc < 0 && rc != -EINTR && rc != -ETIME && rc != -EAGAIN && rc != -EBUSY) {
-        log_error("io: io_uring_enter failed: {}", std::strerror(-rc));
+      if (rc < 0 && rc != -EINTR && rc != -ETIME && rc != -EAGAIN) {
+        log_error("io: waiting for io_uring completions failed: {}", std::strerror(-rc));
       }
-      bool rearm = false;
+      std::lock_guard lock(ring.mutex);
       for (;;) {
         const unsigned count = io_uring_peek_batch_cqe(&ring.ring, cqes, kReapBatch);
         if (count == 0) break;
         for (unsigned i = 0; i < count; ++i) {
           const std::uint64_t tag = io_uring_cqe_get_data64(cqes[i]);
-          if (tag == kWakeTag) {
-            rearm = true;
-          } else {
-            handle(ring, static_cast<std::uint32_t>(tag), cqes[i]->res);
-          }
+          if (tag != kWakeTag) handle(ring, static_cast<std::uint32_t>(tag), cqes[i]->res);
         }
         io_uring_cq_advance(&ring.ring, count);
       }
-      if (rearm) arm_wake(ring);
+      const std::uint32_t resubmitted = ring.resubmits;
+      ring.resubmits = 0;
+      if (fill(ring) + resubmitted > 0) submit(ring);
+      stopping = ring.stop;
+      if (stopping && ring.in_flight == 0 && ring.active.empty()) break;
     }
   }
 
