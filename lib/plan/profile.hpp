@@ -59,9 +59,9 @@ struct DiskRates {
   double write_gbps = 0;
 };
 
-// A simple sequential O_DIRECT write then read of a `file_bytes` scratch file in `dir`, in
-// `block_bytes` requests from `threads` threads (each its own stretch, so `threads` requests
-// are in flight), with seeded random data. The file is removed afterwards. unsupported when
+// A simple sequential O_DIRECT write then read of a preallocated `file_bytes` scratch file in
+// `dir`, in `block_bytes` requests from `threads` threads (each its own stretch, so `threads`
+// requests are in flight), with seeded random data. The file is removed afterwards. unsupported when
 // O_DIRECT is refused (tmpfs); io_error naming the file on a failed call. Not io tune: one
 // block size and depth, a short run; good enough for a first estimate.
 Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
