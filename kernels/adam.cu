@@ -47,9 +47,10 @@ __global__ void adam_vec4(float4* __restrict__ param, const float4* __restrict__
     exp_avg[i] = m;
     exp_avg_sq[i] = v;
     if constexpr (kHalf != HalfType::kNone) {
-      param_half[i] =
-          make_uint2(static_cast<std::uint32_t>(to_half<kHalf>(p.x)) | (to_half<kHalf>(p.y) << 16),
-                     static_cast<std::uint32_t>(to_half<kHalf>(p.z)) | (to_half<kHalf>(p.w) << 16));
+      // Widen before shifting: a uint16_t promotes to int, and int << 16 can overflow.
+      const std::uint32_t h0 = to_half<kHalf>(p.x), h1 = to_half<kHalf>(p.y);
+      const std::uint32_t h2 = to_half<kHalf>(p.z), h3 = to_half<kHalf>(p.w);
+      param_half[i] = make_uint2(h0 | (h1 << 16), h2 | (h3 << 16));
     }
   }
 }
