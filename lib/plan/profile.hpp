@@ -61,8 +61,8 @@ struct DiskRates {
 
 // A simple sequential O_DIRECT write then read of a preallocated `file_bytes` scratch file in
 // `dir`, in `block_bytes` requests from `threads` threads (each its own stretch, so `threads`
-// requests are in flight), with seeded random data. The file is removed afterwards. unsupported when
-// O_DIRECT is refused (tmpfs); io_error naming the file on a failed call. Not io tune: one
+// requests are in flight), with seeded random data. The file is removed afterwards. unsupported
+// when O_DIRECT is refused (tmpfs); io_error naming the file on a failed call. Not io tune: one
 // block size and depth, a short run; good enough for a first estimate.
 Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
                                std::uint64_t block_bytes, int threads);

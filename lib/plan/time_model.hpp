@@ -106,7 +106,7 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
 //                         18 B, of which `tier` nvme puts master, m, v and, as flagged, the
 //                         gradient and the half copy on NVMe
 //   sub-group            sub_group_bytes counts every piece, whatever its tier:
-//                         Sg = floor(S / 18 / 1024)·1024 parameters
+//                         Sg = min(floor(S / (18·2048))·2048, N) parameters
 //   block                the NVMe pieces of one sub-group, each rounded up to 4 KiB;
 //                         B = floor(P / block) blocks in the pool
 //   NVMe traffic         reads 12 (+4 gradient) B, writes 12 (+2 half) B a parameter
@@ -122,7 +122,7 @@ struct StepOnlySpec {
 
 struct StepOnlyLayout {
   std::uint64_t bytes_per_param = 0;
-  std::uint64_t sub_group_params = 0;  // 0: sub_group_bytes is too small
+  std::uint64_t sub_group_params = 0;  // 0: sub_group_bytes is under 2048 parameters
   std::uint64_t sub_groups = 0;
   std::uint64_t block_bytes = 0;  // 0 on the host tier
   std::uint64_t blocks = 0;

@@ -32,7 +32,7 @@ StepOnlySpec state_only(std::uint64_t params, std::uint64_t pool_bytes) {
 }
 
 TEST(TimeModel, StepOnlyLayoutFollowsTheStateStore) {
-  // --sub-group 64MiB: floor(64 MiB / 18 B / 1024)·1024 = 3,727,360 params a sub-group. With
+  // --sub-group 64MiB: floor(64 MiB / (18 B·2048))·2048 = 3,727,360 params a sub-group. With
   // every piece on NVMe a block holds 4 fp32 pieces of 14,909,440 B (whole pages) and the bf16
   // piece of 7,454,720 B: 67,092,480 B, 16 of them in 1 GiB.
   StepOnlySpec spec;

@@ -213,7 +213,7 @@ void run_step_only(const PlanOptions& o) {
   if (spec.params == 0 || layout.sub_group_params == 0) {
     fail(
         fmt::format("--params and --sub-group must be positive; --sub-group {} is under one "
-                    "sub-group of 1024 params (18 KiB)",
+                    "sub-group of 2048 params (36 KiB)",
                     o.sub_group));
     return;
   }
