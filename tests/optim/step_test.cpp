@@ -5,9 +5,11 @@
 #include <gtest/gtest.h>
 #include <tbb/task_arena.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
+#include <new>
 #include <vector>
 
 #include "base/cpu.hpp"
@@ -346,6 +348,60 @@ TEST(Step, FirstAdamStepMovesEveryParameterByLr) {
     const double moved = static_cast<double>(before[i]) - problem.params()[i];
     EXPECT_NEAR(moved, hp.lr * (problem.grad(i) > 0 ? 1.0 : -1.0), 1e-3 * hp.lr) << i;
   }
+}
+
+// The step path allocates nothing once warm (DESIGN: nothing allocated on hot paths), when run
+// in the caller's arena (threads = 0).
+std::atomic<bool> g_count_allocations{false};
+std::atomic<int> g_allocations{0};
+
+}  // namespace
+}  // namespace zinf::optim_test
+
+// The replacement pair is malloc/free throughout; GCC cannot see that and warns.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
+void* operator new(std::size_t bytes) {
+  if (zinf::optim_test::g_count_allocations.load(std::memory_order_relaxed)) {
+    zinf::optim_test::g_allocations.fetch_add(1);
+  }
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+#pragma GCC diagnostic pop
+
+namespace zinf::optim_test {
+namespace {
+
+TEST(Step, AllocatesNothingWhenWarm) {
+  Problem problem(100000, DType::kBF16, true, DType::kBF16, 0, {}, 0xa110c);
+  OptimizerSpan span = problem.span();
+  StepOptions options;
+  options.check_overflow = true;
+  options.tile_elements = 4096;
+  // The counter does see an allocation.
+  g_count_allocations = true;
+  delete new std::vector<int>(3);
+  g_count_allocations = false;
+  ASSERT_GE(g_allocations.load(), 1);
+  tbb::task_arena arena(2);
+  arena.execute([&] {
+    ASSERT_TRUE(optimizer_step({}, span, options).is_ok());  // warm-up
+    g_allocations = 0;
+    g_count_allocations = true;
+    for (int step = 2; step < 5; ++step) {
+      options.step = step;
+      const bool ok = optimizer_step({}, span, options).is_ok();
+      g_count_allocations = false;
+      ASSERT_TRUE(ok);
+      g_count_allocations = true;
+    }
+    g_count_allocations = false;
+  });
+  EXPECT_EQ(g_allocations.load(), 0);
 }
 
 }  // namespace
