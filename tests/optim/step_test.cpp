@@ -63,6 +63,19 @@ TEST(Step, BitwiseIdenticalForAnyThreadCountAndTileSize) {
             << optimizer_name(variant.kind) << " threads " << threads << " tile " << tile;
       }
     }
+    // The other paths, tiled, agree with it too.
+    for (Simd simd : {Simd::kAvx2, Simd::kScalar}) {
+      if (!resolve_simd(simd).is_ok()) continue;
+      Problem problem(count, variant.grad_dtype, variant.half, DType::kBF16, 3, {}, seed);
+      StepOptions forced = options;
+      forced.simd = simd;
+      forced.threads = 2;
+      forced.tile_elements = 1001;
+      span = problem.span();
+      ASSERT_TRUE(optimizer_step(hp, span, forced).is_ok());
+      EXPECT_TRUE(problem.same_bits(reference))
+          << optimizer_name(variant.kind) << " " << simd_name(simd) << " tiled";
+    }
     // threads = 0 runs in the caller's arena.
     Problem problem(count, variant.grad_dtype, variant.half, DType::kBF16, 3, {}, seed);
     options.threads = 0;
