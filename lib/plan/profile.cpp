@@ -5,20 +5,20 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cerrno>
-#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include "base/aligned.hpp"
 #include "base/membw.hpp"
 #include "base/random.hpp"
+#include "io/buffer_pool.hpp"
+#include "io/io_bench.hpp"
+#include "io/io_engine.hpp"
 
 namespace zinf::plan {
 namespace {
@@ -205,82 +205,69 @@ double measure_adam_gbps(std::uint64_t bytes_per_stream, int reps) {
 }
 
 Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
-                               std::uint64_t block_bytes, int threads) {
-  if (block_bytes == 0 || block_bytes % 4096 != 0 || threads < 1) {
-    return Status::invalid_argument("measure_disk: block_bytes must be a multiple of 4096");
+                               std::uint64_t block_bytes, std::uint32_t queue_depth) {
+  if (block_bytes == 0 || block_bytes % 4096 != 0 || queue_depth == 0) {
+    return Status::invalid_argument(fmt::format(
+        "measure_disk: block_bytes {} must be a positive multiple of 4096, queue_depth {} "
+        "positive",
+        block_bytes, queue_depth));
   }
-  const std::uint64_t blocks_per_thread =
-      std::max<std::uint64_t>(1, file_bytes / block_bytes / static_cast<std::uint64_t>(threads));
   const std::uint64_t total_bytes =
-      blocks_per_thread * block_bytes * static_cast<std::uint64_t>(threads);
+      std::max(file_bytes / block_bytes, std::uint64_t{1}) * block_bytes;
   std::string path = dir + "/.zinf-plan-disk-XXXXXX";
   const int fd = mkstemp(path.data());
   if (fd < 0) return status_from_errno(fmt::format("create a scratch file in {}", dir), errno);
-  close(fd);
-  const int dfd = open(path.c_str(), O_RDWR | O_DIRECT);
-  if (dfd < 0) {
-    const int err = errno;
-    unlink(path.c_str());
-    return Status::unsupported(
-        fmt::format("{}: O_DIRECT refused ({}); give --nvme-read-gbps and --nvme-write-gbps", dir,
-                    std::strerror(err)),
-        err);
-  }
   // Preallocated, as the swap files are (SwapSpace uses fallocate): writes into a sparse file
   // would time block allocation too.
-  const int alloc_err = posix_fallocate(dfd, 0, static_cast<off_t>(total_bytes));
-  if (alloc_err != 0 && ftruncate(dfd, static_cast<off_t>(total_bytes)) != 0) {
-    const int err = errno;
-    close(dfd);
-    unlink(path.c_str());
-    return status_from_errno(fmt::format("allocate {} bytes for {}", total_bytes, path), err);
+  const int alloc_err = posix_fallocate(fd, 0, static_cast<off_t>(total_bytes));
+  close(fd);
+  struct Cleanup {
+    std::string path;
+    ~Cleanup() { unlink(path.c_str()); }
+  } cleanup{path};
+  if (alloc_err != 0) {
+    return status_from_errno(fmt::format("allocate {} bytes for {}", total_bytes, path), alloc_err);
   }
-  std::vector<AlignedBuffer> buffers;
-  for (int t = 0; t < threads; ++t) {
-    buffers.emplace_back(block_bytes, 4096);
-    fill_random_bytes(buffers.back().data(), block_bytes, 0x9e3779b9u + static_cast<unsigned>(t));
+
+  // The engine the step uses, set up as `zinf io bench` sets it up.
+  IoOptions io;
+  io.block_bytes = static_cast<std::size_t>(block_bytes);
+  io.queue_depth = queue_depth;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine, open_engine(io));
+  BufferPoolOptions pool_options;
+  pool_options.block_bytes = io.block_bytes;
+  pool_options.block_count = io_bench_pool_blocks(io);
+  pool_options.huge_pages = HugePages::kNone;
+  pool_options.lock = false;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<BufferPool> pool, BufferPool::create(pool_options));
+  ZINF_RETURN_IF_ERROR(pool->register_with(*engine));
+  for (std::size_t b = 0; b < pool->block_count(); ++b) {
+    fill_random_bytes(pool->block(b), pool->block_bytes(), 0x9e3779b9u + b);
   }
-  std::atomic<int> first_error{0};
-  auto pass = [&](bool write) {
-    const auto start = std::chrono::steady_clock::now();
-    std::vector<std::thread> workers;
-    for (int t = 0; t < threads; ++t) {
-      workers.emplace_back([&, t] {
-        for (std::uint64_t b = 0; b < blocks_per_thread; ++b) {
-          const auto offset = static_cast<off_t>(
-              (static_cast<std::uint64_t>(t) * blocks_per_thread + b) * block_bytes);
-          std::byte* data = buffers[static_cast<std::size_t>(t)].data();
-          std::uint64_t done = 0;
-          while (done < block_bytes) {
-            const ssize_t n = write ? pwrite(dfd, data + done, block_bytes - done,
-                                             offset + static_cast<off_t>(done))
-                                    : pread(dfd, data + done, block_bytes - done,
-                                            offset + static_cast<off_t>(done));
-            if (n < 0 && errno == EINTR) continue;
-            if (n <= 0) {
-              int expected = 0;
-              first_error.compare_exchange_strong(expected, n < 0 ? errno : EIO);
-              return;
-            }
-            done += static_cast<std::uint64_t>(n);
-          }
-        }
-      });
+  Result<FileHandle> file = engine->open_file(path, OpenFileOptions{});
+  if (!file.is_ok()) {
+    if (file.status().code() == Code::kUnsupported || file.status().sys_code() == EINVAL) {
+      return Status::unsupported(
+          fmt::format("{}: O_DIRECT refused ({}); give --nvme-read-gbps and --nvme-write-gbps", dir,
+                      file.status().to_string()),
+          file.status().sys_code());
     }
-    for (auto& w : workers) w.join();
-    if (write) fdatasync(dfd);
-    const double s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return static_cast<double>(total_bytes) / s / 1e9;
-  };
-  DiskRates rates;
-  rates.write_gbps = pass(true);
-  rates.read_gbps = pass(false);
-  close(dfd);
-  unlink(path.c_str());
-  if (first_error.load() != 0) {
-    return status_from_errno(fmt::format("O_DIRECT I/O on {}", path), first_error.load());
+    return file.status();
   }
+  DiskRates rates;
+  IoBenchConfig config;
+  config.bytes = total_bytes;
+  config.file_bytes = total_bytes;
+  config.op = IoOp::kWrite;
+  Result<IoBenchResult> written = run_io_bench(*engine, *file, *pool, config);
+  config.op = IoOp::kRead;
+  Result<IoBenchResult> read =
+      written.is_ok() ? run_io_bench(*engine, *file, *pool, config) : Status::aborted("");
+  (void)engine->close_file(*file);
+  if (!written.is_ok()) return written.status().with_context(path);
+  if (!read.is_ok()) return read.status().with_context(path);
+  rates.write_gbps = written->gbps();
+  rates.read_gbps = read->gbps();
   return rates;
 }
 

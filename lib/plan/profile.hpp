@@ -59,12 +59,13 @@ struct DiskRates {
   double write_gbps = 0;
 };
 
-// A simple sequential O_DIRECT write then read of a preallocated `file_bytes` scratch file in
-// `dir`, in `block_bytes` requests from `threads` threads (each its own stretch, so `threads`
-// requests are in flight), with seeded random data. The file is removed afterwards. unsupported
-// when O_DIRECT is refused (tmpfs); io_error naming the file on a failed call. Not io tune: one
-// block size and depth, a short run; good enough for a first estimate.
+// Sequential write then read of a preallocated `file_bytes` scratch file in `dir` through the
+// engine the step uses (io_uring, O_DIRECT, `block_bytes` pieces, `queue_depth` in flight; the
+// thread engine where io_uring is refused), with seeded random data, by run_io_bench() as `zinf
+// io bench` runs it. The file is removed afterwards. unsupported when O_DIRECT is refused
+// (tmpfs); the engine's errors naming the file otherwise. One block size and depth, a short
+// run: `zinf io tune` sweeps them.
 Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
-                               std::uint64_t block_bytes, int threads);
+                               std::uint64_t block_bytes, std::uint32_t queue_depth);
 
 }  // namespace zinf::plan

@@ -138,7 +138,7 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
           "--nvme-write-gbps, or a machine profile with nvme_read_gbps/nvme_write_gbps");
       return false;
     }
-    Result<DiskRates> rates = measure_disk(nvme_dir, std::uint64_t{512} << 20, 1 << 20, 4);
+    Result<DiskRates> rates = measure_disk(nvme_dir, std::uint64_t{1} << 30, 1 << 20, 32);
     if (!rates.is_ok()) {
       fail(fmt::format("measuring NVMe rates: {}", rates.status().to_string()));
       return false;
@@ -146,9 +146,11 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
     p->nvme_read_gbps = rates->read_gbps;
     p->nvme_write_gbps = rates->write_gbps;
     p->nvme_block_bytes = 1 << 20;
-    p->nvme_queue_depth = 4;
+    p->nvme_queue_depth = 32;
     p->nvme_source = fmt::format(
-        "measured now on {} (sequential O_DIRECT, 512 MiB, 1 MiB blocks, 4 threads)", nvme_dir);
+        "measured now on {} (sequential O_DIRECT through the I/O engine, 1 GiB, 1 MiB pieces, "
+        "depth 32)",
+        nvme_dir);
     notes->push_back(
         "NVMe rates measured now with a short simple test: `zinf io tune` gives better ones");
   }
