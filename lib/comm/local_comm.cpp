@@ -80,21 +80,27 @@ void reduce_range(const std::vector<const std::byte*>& srcs, std::size_t src_fir
     const std::size_t tile = std::min(kTileElements, count - base);
     load_f32(srcs[0], dtype, src_first + base, tile, acc);
     for (int r = 1; r < world; ++r) {
-      load_f32(srcs[static_cast<std::size_t>(r)], dtype, src_first + base, tile, next);
+      // f32 sources are read in place; half types are widened into `next` first.
+      const float* x = next;
+      if (dtype == DType::kF32) {
+        x = reinterpret_cast<const float*>(srcs[static_cast<std::size_t>(r)]) + src_first + base;
+      } else {
+        load_f32(srcs[static_cast<std::size_t>(r)], dtype, src_first + base, tile, next);
+      }
       switch (op) {
         case ReduceOp::kSum:
         case ReduceOp::kAverage:
-          for (std::size_t i = 0; i < tile; ++i) acc[i] += next[i];
+          for (std::size_t i = 0; i < tile; ++i) acc[i] += x[i];
           break;
         case ReduceOp::kMax:
           // A NaN anywhere wins: a NaN acc is never replaced, a NaN input always is taken.
           for (std::size_t i = 0; i < tile; ++i) {
-            if (next[i] > acc[i] || std::isnan(next[i])) acc[i] = next[i];
+            if (x[i] > acc[i] || std::isnan(x[i])) acc[i] = x[i];
           }
           break;
         case ReduceOp::kMin:
           for (std::size_t i = 0; i < tile; ++i) {
-            if (next[i] < acc[i] || std::isnan(next[i])) acc[i] = next[i];
+            if (x[i] < acc[i] || std::isnan(x[i])) acc[i] = x[i];
           }
           break;
       }
