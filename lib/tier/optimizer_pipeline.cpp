@@ -98,8 +98,12 @@ OptimizerPipeline::Entry& OptimizerPipeline::entry(std::size_t i) {
 void OptimizerPipeline::trace_span(int track, const char* what, std::size_t i,
                                    std::int64_t start_ns, std::int64_t end_ns) {
   if (options_.trace == nullptr) return;
-  options_.trace->add(track, fmt::format("{} sg{}", what, i), start_ns, end_ns,
-                      fmt::format("{{\"sub_group\":{}}}", i));
+  // Benchmark modes are marked so they are not mistaken for the step's spans.
+  const char* mode = mode_ == StepMode::kIoOnly       ? " (io alone)"
+                     : mode_ == StepMode::kUpdateOnly ? " (update alone)"
+                                                      : "";
+  options_.trace->add(track, fmt::format("{} sg{}{}", what, i, mode), start_ns, end_ns,
+                      fmt::format("{{\"sub_group\":{},\"step\":{}}}", i, stats_.step));
 }
 
 Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
@@ -118,6 +122,7 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   }
   stats_ = StepStats{};
   stats_.step = args.step;
+  mode_ = args.mode;
   stats_.sub_groups = store_.sub_group_count();
   const std::int64_t start = Trace::now_ns();
   Status status;

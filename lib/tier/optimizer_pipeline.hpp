@@ -27,8 +27,8 @@
 //
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
-// "write". Tracing formats a span name per span, so it allocates; leave it off for timing runs
-// that care.
+// "write", named "read sg<i>" etc. ("... (io alone)" / "(update alone)" in the benchmark modes).
+// Tracing formats a span name per span, so it allocates; leave it off for timing runs that care.
 //
 // Thread-safety: one thread calls step() at a time; the pipeline runs its own update threads.
 #pragma once
@@ -153,6 +153,7 @@ class OptimizerPipeline {
   std::size_t held_ = 0;
   Status error_;
   StepStats stats_;
+  StepMode mode_ = StepMode::kFull;
   int read_track_ = -1, update_track_ = -1, write_track_ = -1;
 };
 

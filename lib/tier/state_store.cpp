@@ -87,8 +87,32 @@ std::string_view version_name(Version version) {
 
 StateStore::~StateStore() = default;
 
-Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& options,
-                                                     SwapSpace* swap) {
+namespace {
+
+std::array<bool, kPieceCount> pieces_of(const StateStoreOptions& options) {
+  std::array<bool, kPieceCount> has{};
+  has[static_cast<std::size_t>(Piece::kParams)] = true;
+  has[static_cast<std::size_t>(Piece::kExpAvg)] = options.optimizer != OptimizerKind::kAdagrad;
+  has[static_cast<std::size_t>(Piece::kExpAvgSq)] = options.optimizer != OptimizerKind::kLion;
+  has[static_cast<std::size_t>(Piece::kGrads)] = true;
+  has[static_cast<std::size_t>(Piece::kParamsHalf)] = options.with_half;
+  return has;
+}
+
+DType dtype_of(const StateStoreOptions& options, Piece piece) {
+  switch (piece) {
+    case Piece::kGrads:
+      return options.grad_dtype;
+    case Piece::kParamsHalf:
+      return options.half_dtype;
+    default:
+      return DType::kF32;
+  }
+}
+
+}  // namespace
+
+Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
   if (options.param_count == 0) {
     return Status::invalid_argument("StateStoreOptions: param_count must be > 0");
   }
@@ -100,29 +124,49 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
       options.half_dtype != DType::kF16) {
     return Status::invalid_argument("StateStoreOptions: half_dtype must be bf16 or f16");
   }
-  std::unique_ptr<StateStore> store(new StateStore());
-  store->options_ = options;
-  StateStore& s = *store;
-  s.has_[static_cast<std::size_t>(Piece::kParams)] = true;
-  s.has_[static_cast<std::size_t>(Piece::kExpAvg)] = options.optimizer != OptimizerKind::kAdagrad;
-  s.has_[static_cast<std::size_t>(Piece::kExpAvgSq)] = options.optimizer != OptimizerKind::kLion;
-  s.has_[static_cast<std::size_t>(Piece::kGrads)] = true;
-  s.has_[static_cast<std::size_t>(Piece::kParamsHalf)] = options.with_half;
-
+  const std::array<bool, kPieceCount> has = pieces_of(options);
+  std::size_t bytes_per_param = 0;
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    if (has[p]) bytes_per_param += dtype_bytes(dtype_of(options, piece_at(p)));
+  }
+  StoreLayout out;
   if (options.sub_group_params > 0) {
-    s.sub_group_params_ = options.sub_group_params;
+    out.sub_group_params = options.sub_group_params;
   } else {
-    const std::size_t quantum_bytes = kParamQuantum * s.bytes_per_param();
+    const std::size_t quantum_bytes = kParamQuantum * bytes_per_param;
     if (options.sub_group_bytes < quantum_bytes) {
       return Status::invalid_argument(fmt::format(
           "StateStoreOptions: sub_group_bytes {} is below the smallest sub-group ({} parameters, "
           "{} bytes)",
           options.sub_group_bytes, kParamQuantum, quantum_bytes));
     }
-    s.sub_group_params_ = options.sub_group_bytes / quantum_bytes * kParamQuantum;
+    out.sub_group_params = options.sub_group_bytes / quantum_bytes * kParamQuantum;
   }
-  s.sub_group_params_ = std::min(s.sub_group_params_, options.param_count);
-  s.sub_group_count_ = (options.param_count + s.sub_group_params_ - 1) / s.sub_group_params_;
+  out.sub_group_params = std::min(out.sub_group_params, options.param_count);
+  out.sub_group_count = (options.param_count + out.sub_group_params - 1) / out.sub_group_params;
+  const std::size_t last = options.param_count - (out.sub_group_count - 1) * out.sub_group_params;
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    if (!has[p] || options.tiers[p] != Tier::kNvme) continue;
+    const std::size_t bytes = dtype_bytes(dtype_of(options, piece_at(p)));
+    out.block_bytes += round_up(out.sub_group_params * bytes, kPage);
+    out.nvme_bytes += (out.sub_group_count - 1) * round_up(out.sub_group_params * bytes, kPage) +
+                      round_up(last * bytes, kPage);
+    out.nvme_extents += out.sub_group_count;
+    out.largest_piece_bytes = std::max<std::uint64_t>(
+        out.largest_piece_bytes, round_up(out.sub_group_params * bytes, kPage));
+  }
+  return out;
+}
+
+Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& options,
+                                                     SwapSpace* swap) {
+  ZINF_ASSIGN_OR_RETURN(const StoreLayout layout, StateStore::layout(options));
+  std::unique_ptr<StateStore> store(new StateStore());
+  store->options_ = options;
+  StateStore& s = *store;
+  s.has_ = pieces_of(options);
+  s.sub_group_params_ = layout.sub_group_params;
+  s.sub_group_count_ = layout.sub_group_count;
 
   bool any_nvme = false;
   std::size_t offset = 0;
@@ -141,6 +185,7 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
     }
   }
   s.block_bytes_ = offset;
+  ZINF_ASSERT(s.block_bytes_ == layout.block_bytes);
   if (any_nvme && swap == nullptr) {
     return Status::invalid_argument("StateStore: pieces on the nvme tier need a SwapSpace");
   }
@@ -188,16 +233,7 @@ std::size_t StateStore::bytes_per_param() const {
   return bytes;
 }
 
-DType StateStore::dtype(Piece piece) const {
-  switch (piece) {
-    case Piece::kGrads:
-      return options_.grad_dtype;
-    case Piece::kParamsHalf:
-      return options_.half_dtype;
-    default:
-      return DType::kF32;
-  }
-}
+DType StateStore::dtype(Piece piece) const { return dtype_of(options_, piece); }
 
 std::size_t StateStore::piece_bytes(Piece piece, std::size_t i) const {
   return sub_group_size(i) * dtype_bytes(dtype(piece));

@@ -106,8 +106,21 @@ struct StateStoreOptions {
   std::string key_prefix = "rank0";
 };
 
+// The sizes StateStore::open() will use, computable before any swap space exists (to size it).
+struct StoreLayout {
+  std::size_t sub_group_params = 0;
+  std::size_t sub_group_count = 0;
+  std::size_t block_bytes = 0;            // StateStore::block_bytes()
+  std::uint64_t nvme_bytes = 0;           // swap capacity the NVMe pieces take, pages rounded
+  std::size_t nvme_extents = 0;           // extents they take
+  std::uint64_t largest_piece_bytes = 0;  // the swap space's max_op_bytes must be at least this
+};
+
 class StateStore {
  public:
+  // The layout open() would give `options`; invalid_argument as open() for bad options.
+  static Result<StoreLayout> layout(const StateStoreOptions& options);
+
   // Allocates the host arrays and creates one extent per NVMe piece and sub-group in `swap`
   // (which must outlive the store; it may be null when no piece is on NVMe). Nothing is written:
   // NVMe pieces start kAbsent, host arrays hold unspecified bytes. Errors: invalid_argument (bad
