@@ -10,8 +10,10 @@
 // the stream's cudaStream_t; kAverage is ncclAvg; group_start/end are ncclGroupStart/End, for
 // buckets). No call waits forever: wait() polls the event and ncclCommGetAsyncError, and on an
 // NCCL error or at the timeout calls ncclCommAbort, which makes the collectives in flight on
-// every rank fail rather than hang. barrier() is an all-reduce of one float on an internal
-// stream, waited on with its timeout.
+// every rank fail rather than hang. A rank whose peer has died learns it from NCCL's own error
+// (a broken connection) or from its own timeout, so pass wait() a timeout: with kWaitForever it
+// waits as long as NCCL does. barrier() is an all-reduce of one float on an internal stream,
+// waited on with its timeout.
 //
 // Thread-safety: as Communicator.
 #pragma once
