@@ -67,12 +67,15 @@ inline __m128i to_bf16(__m256 x) {
   const __m256i lsb = _mm256_and_si256(hi, _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(
       _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
-  // NaN: keep the sign and the top payload bits; set the quiet bit only if none are left.
-  const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
-  const __m256i empty =
-      _mm256_cmpeq_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(0x7f)), _mm256_setzero_si256());
-  const __m256i nan_bits = _mm256_or_si256(hi, _mm256_and_si256(empty, _mm256_set1_epi32(0x40)));
-  r = _mm256_blendv_epi8(r, nan_bits, nan);
+  // NaN (rare, so behind a branch): keep the sign and the top payload bits; set the quiet bit
+  // only if none are left.
+  const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
+  if (_mm256_movemask_ps(nan) != 0) [[unlikely]] {
+    const __m256i empty =
+        _mm256_cmpeq_epi32(_mm256_and_si256(hi, _mm256_set1_epi32(0x7f)), _mm256_setzero_si256());
+    const __m256i nan_bits = _mm256_or_si256(hi, _mm256_and_si256(empty, _mm256_set1_epi32(0x40)));
+    r = _mm256_blendv_epi8(r, nan_bits, _mm256_castps_si256(nan));
+  }
   // Every lane is in [0, 0xffff], so the unsigned saturating pack is a plain narrowing.
   return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
 }
