@@ -1,0 +1,154 @@
+// Config: what an Engine is asked to do, read from a DeepSpeed-style JSON config.
+//
+// The format is the one `zinf plan --out` writes (docs/PLAN.md): DeepSpeed's keys where DeepSpeed
+// has them, zinf's own knobs in a "zinf" section. Every key is optional; a missing key takes the
+// default written beside its field below. docs/ENGINE.md lists every key.
+//
+//   {
+//     "train_micro_batch_size_per_gpu": 1,
+//     "gradient_accumulation_steps": 1,
+//     "gradient_clipping": 1.0,
+//     "fp16": {"enabled": false, "loss_scale": 0, "initial_scale_power": 16,
+//              "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1},
+//     "bf16": {"enabled": true},
+//     "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8,
+//                                              "weight_decay": 0.01}},
+//     "zero_optimization": {
+//       "stage": 3,
+//       "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": true,
+//                             "buffer_count": 4},
+//       "offload_param": {"device": "cpu", "nvme_path": "/nvme", "pin_memory": true,
+//                         "buffer_count": 5, "buffer_size": 100000000},
+//       "sub_group_size": 67108864,
+//       "reduce_bucket_size": 67108864,
+//       "stage3_prefetch_bucket_size": 60397977,
+//       "stage3_max_live_parameters": 1000000000,
+//       "stage3_param_persistence_threshold": 81920,
+//       "overlap_comm": true, "contiguous_gradients": true
+//     },
+//     "aio": {"block_size": 1048576, "queue_depth": 32},
+//     "zinf": {"world_size": 4, "ranks_per_machine": 4, "pinned_pool_bytes": 4294967296,
+//              "gradients_on_nvme": false, "device_reserved_bytes": 1073741824,
+//              "cpu_threads": 0, "collective_timeout_ms": 60000}
+//   }
+//
+// Counts (`*_size`, `*_parameters`, `*_threshold`) are numbers of parameters (elements), as in
+// DeepSpeed; zinf's `*_bytes` are bytes. Offload devices are "none", "cpu" (or "host") and
+// "nvme". Numbers may be written as floats (1e9), as DeepSpeed configs often do.
+//
+// Errors: parse_config() and validate() return kInvalidArgument whose message starts with the
+// dotted key that is wrong ("zero_optimization.stage: 4 is not 1, 2 or 3"), and kNotFound /
+// kIoError naming the file for load_config().
+//
+// Thread-safety: plain values and pure functions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "zinf/optim.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+// Where a kind of state lives when it is not on the device.
+enum class OffloadDevice : std::uint8_t {
+  kNone = 0,  // on the device (the accelerator's memory; host memory on HostDevice)
+  kHost = 1,  // host DRAM ("cpu" in DeepSpeed configs)
+  kNvme = 2,  // swap files under nvme_path, moved through the pinned pool
+};
+// "none", "cpu", "nvme" (the names DeepSpeed configs use).
+std::string_view offload_device_name(OffloadDevice device);
+// Accepts "none", "cpu", "host", "nvme".
+bool parse_offload_device(std::string_view text, OffloadDevice* device);
+
+struct OffloadConfig {
+  OffloadDevice device = OffloadDevice::kNone;
+  // Directory of the swap files when device is kNvme (the Env's nvme_paths override it).
+  std::string nvme_path;
+  // Pinned-pool blocks: optimizer sub-groups in flight (>= 2), or parameter shards staged from
+  // NVMe at once (>= 1, bounding the stage-3 prefetch of NVMe-resident shards).
+  std::size_t buffer_count = 4;
+  // offload_param only: DeepSpeed's staging buffer size in parameters. Accepted and reported; the
+  // engine sizes each staging block to the largest parameter shard instead.
+  std::size_t buffer_size = 100'000'000;
+  bool pin_memory = true;
+};
+
+struct ZeroConfig {
+  // 1: optimizer state partitioned; 2: also gradients; 3: also parameters.
+  int stage = 3;
+  OffloadConfig offload_optimizer;
+  // Stage 3 only (a stage-1/2 config with offload_param other than "none" is rejected).
+  OffloadConfig offload_param;
+  // Parameters per optimizer sub-group: the unit the optimizer steps and moves at once.
+  std::size_t sub_group_size = 1'000'000'000;
+  // Elements per rank in one reduce-scatter bucket: gradients are reduced in buckets of at most
+  // reduce_bucket_size elements of the whole group (each rank receiving 1/world of it).
+  std::size_t reduce_bucket_size = 500'000'000;
+  // Stage 3: elements of parameters the coordinator may have gathered ahead of use.
+  std::size_t stage3_prefetch_bucket_size = 50'000'000;
+  // Stage 3: elements of gathered (not persistent) parameters alive at once, prefetched or in
+  // use. A gather() that cannot fit even after dropping prefetched modules fails.
+  std::size_t stage3_max_live_parameters = 1'000'000'000;
+  // Stage 3: a parameter of at most this many elements stays gathered on every rank (it is
+  // gathered once, and again after each step); DeepSpeed's threshold.
+  std::size_t stage3_param_persistence_threshold = 100'000;
+  // The largest partitioner group (one stage-3 gather unit) in elements; 0: no limit but the
+  // module. zinf key "zinf.group_max_elements".
+  std::size_t group_max_elements = 0;
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  // 0: dynamic loss scaling; > 0: this static scale.
+  double loss_scale = 0.0;
+  // The dynamic scale starts at 2^initial_scale_power.
+  int initial_scale_power = 16;
+  // Good steps in a row after which the dynamic scale doubles.
+  std::int64_t loss_scale_window = 1000;
+  // Overflowing steps in a row tolerated before the scale is lowered (DeepSpeed's hysteresis):
+  // with 1, every overflow halves the scale.
+  int hysteresis = 2;
+  double min_loss_scale = 1.0;
+};
+
+struct Config {
+  // Informational (the engine counts the micro-batches handed to it between steps).
+  std::size_t train_micro_batch_size_per_gpu = 1;
+  std::size_t gradient_accumulation_steps = 1;
+  // Clip the global gradient norm (over every rank) to this; 0 turns clipping off.
+  double gradient_clipping = 0.0;
+  Fp16Config fp16;
+  bool bf16_enabled = false;  // informational: each parameter's device dtype is given at
+                              // registration
+  // "optimizer": {"type": "Adam" | "AdamW" | "Adagrad" | "Lion", "params": {...}}.
+  OptimizerParams optimizer;
+  ZeroConfig zero;
+  // "aio": I/O request size and queue depth of the engine's IoEngine.
+  std::size_t aio_block_size = std::size_t{1} << 20;
+  std::size_t aio_queue_depth = 32;
+  // "zinf": zinf's own section. world_size 0: any (else it must equal the communicator's).
+  int world_size = 0;
+  int ranks_per_machine = 0;
+  std::uint64_t pinned_pool_bytes = 0;  // informational: the pool is sized from buffer_count
+  bool gradients_on_nvme = false;       // accepted; gradients stay in host memory in this version
+  std::uint64_t device_reserved_bytes = 0;
+  // Threads of the CPU optimizer (0: every core).
+  int cpu_threads = 0;
+  // Longest wait for a collective or an I/O before the engine gives up with kTimeout.
+  std::int64_t collective_timeout_ms = 60'000;
+};
+
+// Parses JSON text. Missing keys keep the defaults above; the result is validate()d.
+Result<Config> parse_config(std::string_view json_text);
+// Reads and parses a file; errors name the path.
+Result<Config> load_config(const std::string& path);
+// Checks ranges and combinations (for configs built in code); errors name the key.
+Status validate(const Config& config);
+// The config as JSON in the same format (2-space indented); parse_config() reads it back equal.
+std::string config_to_json(const Config& config);
+
+}  // namespace zinf

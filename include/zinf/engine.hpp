@@ -1,0 +1,238 @@
+// Engine: one rank's share of ZeRO training (stages 1-3), the public face of zinf.
+//
+// A training program opens one Engine per rank (on LocalComm, one thread per rank), registers its
+// parameters once with their initial values, and then for every micro-batch:
+//
+//   forward, for each module m in order:   gather(m); parameter(name) -> device pointers;
+//                                          compute; release(m)
+//   backward, for each module in reverse:  gather(m); compute the gradients;
+//                                          reduce_gradients(m, {name -> device gradient});
+//                                          release(m)
+//
+// and after the last micro-batch of a batch, step(). What each stage does:
+//   stage 1  every rank keeps all parameters on the device; gradients accumulate in full on each
+//            rank and are reduce-scattered (averaged) into their owners' slices at step(); each
+//            rank steps the optimizer over its slice of the fp32 master state only, and the
+//            updated slices are all-gathered back into every rank's parameters.
+//   stage 2  as stage 1, but reduce_gradients() reduce-scatters each module's gradients at once
+//            (in buckets of reduce_bucket_size) into the owner's fp32 accumulator, so no rank
+//            holds the full gradients.
+//   stage 3  as stage 2, and each rank keeps only its slice of the parameters (on the device, in
+//            host memory or on NVMe); gather(m) all-gathers module m's parameters, release(m)
+//            frees them. After the first step the coordinator knows the order of the modules
+//            and, at each gather, issues the gathers of the modules that follow while the current
+//            one computes, within stage3_prefetch_bucket_size and stage3_max_live_parameters.
+//            Parameters of at most stage3_param_persistence_threshold elements stay gathered.
+//
+// The optimizer state (fp32 master, moments) and the reduced gradients of the rank's slice live
+// on the device (offload_optimizer "none": the CPU optimizer runs on the device memory, which
+// HostDevice makes host memory), in host memory ("cpu") or on NVMe ("nvme"), stepped by the tier's
+// OptimizerPipeline in sub-groups of sub_group_size.
+//
+// Numerics. Every rank's gradients are averaged over ranks (kAverage: the sum in rank order, then
+// divided by the world size) and summed over the micro-batches of the step; the optimizer sees
+// their mean over micro-batches, divided by the loss scale, times the clipping coefficient
+// (gradient_clipping / (norm + 1e-6) when the global norm exceeds gradient_clipping). The global
+// norm, the overflow check (any inf or NaN on any rank) and the loss-scale update all happen
+// before any parameter or optimizer state changes, so a skipped step changes nothing but the
+// loss scale. With f32 device parameters the result equals a single-process optimizer run on the
+// mean gradient (the equivalence tests check 1e-6 relative).
+//
+// Errors. Bad input (an unknown module or parameter, a gradient of the wrong size, registering
+// after finalize) returns kInvalidArgument / kNotFound / kFailedPrecondition naming what was
+// wrong, before anything changes: the engine stays usable. Operating errors (a collective that
+// failed or timed out, an I/O error) are sticky: every later call returns the first one.
+// Collectives: gather(), release() (no collective, but keeps the order), reduce_gradients(),
+// step(), finalize() and read_parameters() issue collectives, so every rank must make the same
+// calls in the same order; a call rejected for bad input on one rank only leaves the other ranks
+// waiting in their next collective until collective_timeout_ms, then failing with kTimeout.
+//
+// Device support: this version computes casts, accumulations and the optimizer on the host, so
+// the device must be host_accessible() (HostDevice); open() returns kUnsupported otherwise.
+//
+// Thread-safety: call an Engine from one thread (its rank's); the engine runs its own stream,
+// I/O and optimizer threads. Different ranks' engines run on different threads concurrently.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/status.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+
+// What an engine runs on; everything here must outlive the engine.
+struct Env {
+  Device* device = nullptr;      // this rank's device (required)
+  Communicator* comm = nullptr;  // this rank's communicator, on `device` (required)
+  // When not empty, the swap directories for everything on NVMe, overriding the config's
+  // nvme_path keys (several directories stripe across drives).
+  std::vector<std::string> nvme_paths;
+  // When set, spans on tracks "engine" (gather, release, reduce, step phases) and the
+  // pipeline's "read"/"update"/"write"; each rank's engine may share one Trace.
+  Trace* trace = nullptr;
+};
+
+struct ParameterSpec {
+  std::string name;                 // unique, for example "layers.3.attn.qkv.weight"
+  std::string module;               // the module that uses it, for example "layers.3"; not empty
+  std::vector<std::int64_t> shape;  // {} is a scalar; every dimension > 0
+  DType dtype = DType::kF32;        // the dtype of the device copy the model computes with
+  // element_count(shape) fp32 values, read during the call (they become the fp32 master and,
+  // rounded to `dtype`, the device copy). REQUIRES: the same values on every rank.
+  const float* initial_values = nullptr;
+};
+
+// A parameter's device copy, valid while its module is gathered (always, at stages 1 and 2).
+struct TensorView {
+  void* data = nullptr;  // device pointer
+  DType dtype = DType::kF32;
+  std::size_t element_count = 0;
+  std::vector<std::int64_t> shape;
+};
+
+// One parameter's gradient for reduce_gradients(): element_count elements of `dtype` (f32, bf16
+// or f16) at device pointer `data`, read before reduce_gradients() returns.
+struct GradientRef {
+  std::string_view name;
+  const void* data = nullptr;
+  std::size_t element_count = 0;
+  DType dtype = DType::kF32;
+};
+
+// What one step() did.
+struct StepReport {
+  std::int64_t step = 0;         // optimizer steps applied so far (counting this one)
+  bool skipped = false;          // an overflow (inf/NaN gradient on some rank): nothing changed
+  int micro_batches = 0;         // reduce_gradients() rounds averaged into this step
+  double loss_scale = 1.0;       // the scale this step's gradients carried
+  double next_loss_scale = 1.0;  // the scale for the next micro-batches
+  double grad_norm = 0.0;        // global L2 norm of the mean unscaled gradient, before clipping
+  double clip_coef = 1.0;        // the factor clipping applied (1: none)
+  // Wall time of each phase, nanoseconds.
+  std::int64_t reduce_ns = 0;     // stage 1's reduce-scatter of the accumulated gradients
+  std::int64_t norm_ns = 0;       // local norms and the all-reduce of norm and overflow flag
+  std::int64_t optimizer_ns = 0;  // the optimizer step over this rank's slice
+  std::int64_t publish_ns = 0;    // new parameters to the device copies / shards (and gathers)
+  std::int64_t wall_ns = 0;
+  // Bytes the optimizer step moved to and from NVMe (fp32 master, moments), and bytes of
+  // parameter shards written to NVMe (stage 3, offload_param "nvme").
+  std::uint64_t optimizer_nvme_read_bytes = 0;
+  std::uint64_t optimizer_nvme_write_bytes = 0;
+  std::uint64_t param_nvme_write_bytes = 0;
+};
+
+// Bytes of this rank's state on each tier, fixed at finalize().
+struct MemoryReport {
+  std::uint64_t device_bytes = 0;  // parameters (full or shard), gradient accumulators, buckets
+  std::uint64_t host_bytes = 0;    // host-tier optimizer state and shards, pinned pools
+  std::uint64_t nvme_bytes = 0;    // swap extents
+};
+
+// Running totals since open().
+struct EngineCounters {
+  std::uint64_t gathers = 0;               // gather() calls
+  std::uint64_t gathers_issued = 0;        // module all-gathers issued (demand + prefetch)
+  std::uint64_t prefetches_issued = 0;     // issued ahead of their gather()
+  std::uint64_t prefetch_hits = 0;         // gather() found its module prefetched
+  std::uint64_t prefetches_dropped = 0;    // prefetched, then freed unused (max_live or step)
+  std::uint64_t order_misses = 0;          // gather() of a module off the recorded order
+  std::uint64_t live_elements = 0;         // gathered elements now (persistent ones excluded)
+  std::uint64_t live_elements_peak = 0;    // most at once since open()
+  std::uint64_t persistent_elements = 0;   // elements kept gathered (stage 3)
+  std::uint64_t all_gather_bytes = 0;      // bytes received by all-gathers (this rank)
+  std::uint64_t reduce_scatter_bytes = 0;  // bytes sent into reduce-scatters (this rank)
+  std::uint64_t buckets_reduced = 0;
+  std::uint64_t param_nvme_read_bytes = 0;
+  std::uint64_t param_nvme_write_bytes = 0;
+  std::uint64_t steps = 0;
+  std::uint64_t skipped_steps = 0;
+};
+
+class Engine {
+ public:
+  // Checks the config (validate(), errors naming the key), the Env (device, communicator, world
+  // size against zinf.world_size) and each NVMe directory (that a file can be created there:
+  // errors name the key and the path). Buffers are sized at finalize(), when the parameters are
+  // known.
+  static Result<std::unique_ptr<Engine>> open(const Config& config, const Env& env);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Registers one parameter. kInvalidArgument (naming it) for an empty or duplicate name, an
+  // empty module, a bad shape or null initial values; kFailedPrecondition after finalize().
+  Status register_parameter(const ParameterSpec& spec);
+
+  // Lays out the partitions, checks with every rank that all registered the same parameters
+  // (kInvalidArgument naming the first parameter that differs and the ranks), allocates every
+  // buffer, opens swap space, and places the initial values. Called by the first gather(),
+  // reduce_gradients() or step() if not before. Collective. On failure the engine stays
+  // unfinalized and every later call returns the same error.
+  Status finalize();
+  bool finalized() const;
+
+  // Makes `module`'s parameters available on the device; on return they are ready to read.
+  // kNotFound for an unknown module (nothing changes); kFailedPrecondition when it is gathered
+  // already; kResourceExhausted when it does not fit stage3_max_live_parameters beside the
+  // modules still gathered. A no-op (beyond checks) at stages 1 and 2.
+  Status gather(std::string_view module);
+  // The device copy of a parameter of a gathered module. kNotFound for an unknown parameter,
+  // kFailedPrecondition when its module is not gathered.
+  Result<TensorView> parameter(std::string_view name) const;
+  // Frees the module's gathered parameters (stage 3; persistent ones stay). kNotFound for an
+  // unknown module, kFailedPrecondition when it is not gathered.
+  Status release(std::string_view module);
+
+  // Reduces this micro-batch's gradients of every parameter of `module`, exactly once each:
+  // averaged over ranks into the owners' slices and added to what earlier micro-batches left.
+  // Validates everything first: kNotFound for an unknown module or a parameter not in it,
+  // kInvalidArgument for a missing or repeated parameter, a wrong element count or a null
+  // pointer (each names the parameter). Blocks until the gradients have been read.
+  Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients);
+
+  // Applies the optimizer to the gradients reduced since the last step (see the file comment).
+  // REQUIRES: every parameter's gradients were reduced the same number (>= 1) of times since the
+  // last step (else kFailedPrecondition naming a parameter). Releases any prefetched modules.
+  Result<StepReport> step();
+
+  // The fp32 master values of parameter `name` (element_count floats into `out`). Collective
+  // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
+  // unknown name.
+  Status read_parameters(std::string_view name, float* out);
+
+  // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
+  // before the backward pass (1 unless fp16 is enabled).
+  double loss_scale() const;
+  // Changes the learning rate for the following steps (a schedule's job).
+  void set_learning_rate(double lr);
+
+  int rank() const;
+  int world_size() const;
+  const Config& config() const;
+  // Module names in order of first registration.
+  std::vector<std::string> modules() const;
+  // The recorded gather order (empty before the first step).
+  std::vector<std::string> recorded_order() const;
+  const EngineCounters& counters() const;
+  // REQUIRES: finalized().
+  MemoryReport memory() const;
+
+  class Impl;
+
+ private:
+  explicit Engine(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace zinf
