@@ -19,7 +19,8 @@
 //   v  = beta2 * v + (1 - beta2) * g * g                       exp_avg_sq
 //   p  = p - lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)
 //   With bias_correction = false both (1 - beta^t) factors are 1 (DeepSpeed's option; torch
-//   always corrects).
+//   always corrects). The division by sqrt(1 - beta2^t) is done as a multiplication by its
+//   reciprocal (one rounding away from torch's division), to keep one divide per element.
 // AdamW, decoupled weight decay (torch.optim.AdamW): as Adam without the L2 term, after first
 //   p  = p * (1 - lr * weight_decay)
 // Adagrad (torch.optim.Adagrad; exp_avg_sq holds torch's state_sum; exp_avg is unused):
