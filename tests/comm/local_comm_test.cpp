@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <limits>
@@ -130,12 +131,14 @@ std::vector<std::byte> serial_reduce(const std::vector<std::vector<std::byte>>& 
 }
 
 // One rank's device-side scratch for a collective: copies in, runs `issue`, copies out, waits.
+// The buffers come first so that they are destroyed last: destroying the stream first waits
+// for work still queued on it (after an early error return) that may use them.
 struct RankBuffers {
   Device& device;
-  std::unique_ptr<Stream> stream;
-  std::unique_ptr<Event> done;
   DeviceBuffer send;
   DeviceBuffer recv;
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<Event> done;
 
   RankBuffers(Device& d, std::size_t send_bytes, std::size_t recv_bytes) : device(d) {
     stream = std::move(d.create_stream("comm")).value();
@@ -569,6 +572,90 @@ TEST(LocalComm, BarrierWaitsForEveryRankOrTimesOut) {
     const Status& s = statuses[static_cast<std::size_t>(r)];
     EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
     EXPECT_NE(s.message().find("barrier"), std::string_view::npos) << s.to_string();
+  }
+}
+
+// Seeded faults: a random rank fails a random one of a run of all_reduces in a random way
+// (stops issuing, aborts, issues a different size, passes a null buffer). The calls before it
+// must succeed with exact results on every rank; that call must fail on every rank; nothing
+// hangs. Each case prints its seed.
+TEST(LocalComm, SeededFaultsReachEveryRankAndSpareEarlierCalls) {
+  const char* kFaultNames[] = {"stops issuing", "aborts", "issues another size",
+                               "passes a null buffer"};
+  constexpr int kCalls = 6;
+  const std::size_t count = 300;
+  for (std::uint64_t seed = 1; seed <= 12; ++seed) {
+    SplitMix64 rng(seed);
+    const int world_size = 2 + static_cast<int>(rng.next() % 4);
+    const int fail_at = static_cast<int>(rng.next() % kCalls);
+    const int fail_rank = static_cast<int>(rng.next() % static_cast<std::uint64_t>(world_size));
+    const int fault = static_cast<int>(rng.next() % 4);
+    std::printf("seed %llu: world %d, rank %d %s at call %d\n",
+                static_cast<unsigned long long>(seed), world_size, fail_rank, kFaultNames[fault],
+                fail_at);
+    SCOPED_TRACE(testing::Message() << "seed " << seed);
+    World world(world_size, milliseconds(500), seed);
+    std::vector<std::vector<std::vector<std::byte>>> inputs(kCalls);
+    for (int c = 0; c < kCalls; ++c) {
+      for (int r = 0; r < world_size; ++r) {
+        inputs[static_cast<std::size_t>(c)].push_back(
+            random_data(count, DType::kF32, seed * 1000 + static_cast<std::uint64_t>(c * 8 + r)));
+      }
+    }
+    // Per rank: the index of the first call that failed (kCalls when none), and results.
+    std::vector<int> failed_at(static_cast<std::size_t>(world_size), kCalls);
+    std::vector<std::vector<std::vector<std::byte>>> outputs(
+        static_cast<std::size_t>(world_size), std::vector<std::vector<std::byte>>(kCalls));
+    const auto start = Clock::now();
+    world.run([&](int rank) -> Status {
+      const auto urank = static_cast<std::size_t>(rank);
+      Device& device = world.device(rank);
+      Communicator& comm = world.comm(rank);
+      RankBuffers b(device, 4096, 4096);
+      for (int c = 0; c < kCalls; ++c) {
+        const auto uc = static_cast<std::size_t>(c);
+        std::size_t elements = count;
+        void* recv = b.recv.data();
+        if (rank == fail_rank && c == fail_at) {
+          if (fault == 0) return Status::ok();
+          if (fault == 1) {
+            comm.abort(Status::aborted("injected abort"));
+            return Status::ok();
+          }
+          if (fault == 2) elements = count + 1;
+          if (fault == 3) recv = nullptr;
+        }
+        Status s = device.copy_h2d(b.send.data(), inputs[uc][urank].data(), count * 4, *b.stream);
+        if (s.is_ok()) {
+          s = comm.all_reduce(b.send.data(), recv, elements, DType::kF32, ReduceOp::kSum, *b.stream,
+                              "step");
+        }
+        if (s.is_ok()) s = device.record(*b.done, *b.stream);
+        if (s.is_ok()) s = comm.wait(*b.done, std::chrono::seconds(30));
+        if (!s.is_ok()) {
+          failed_at[urank] = c;
+          return s;
+        }
+        outputs[urank][uc].resize(count * 4);
+        std::memcpy(outputs[urank][uc].data(), b.recv.data(), count * 4);
+      }
+      return Status::ok();
+    });
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+    for (int r = 0; r < world_size; ++r) {
+      if (r == fail_rank && (fault == 0 || fault == 1)) continue;  // it left on purpose
+      EXPECT_EQ(failed_at[static_cast<std::size_t>(r)], fail_at) << "rank " << r;
+    }
+    for (int c = 0; c < fail_at; ++c) {
+      const auto uc = static_cast<std::size_t>(c);
+      const std::vector<std::byte> expected =
+          serial_reduce(inputs[uc], 0, count, DType::kF32, ReduceOp::kSum);
+      for (int r = 0; r < world_size; ++r) {
+        EXPECT_EQ(outputs[static_cast<std::size_t>(r)][uc], expected)
+            << "call " << c << " rank " << r;
+      }
+    }
+    EXPECT_FALSE(world.comm(0).status().is_ok());
   }
 }
 
