@@ -10,16 +10,24 @@
 
 namespace zinf {
 
-std::size_t io_bench_pool_blocks(const IoOptions& options) {
-  const std::size_t in_flight = static_cast<std::size_t>(options.queue_depth) * options.rings;
-  return in_flight + std::max<std::size_t>(2, in_flight / 2);
+std::size_t io_bench_request_bytes(const IoOptions& options) {
+  return options.block_bytes * std::max<std::size_t>(1, options.queue_depth / 4);
+}
+
+std::size_t io_bench_pool_blocks(const IoOptions& options, std::size_t request_bytes) {
+  if (request_bytes == 0) request_bytes = options.block_bytes;
+  const std::size_t in_flight_bytes =
+      static_cast<std::size_t>(options.queue_depth) * options.rings * options.block_bytes;
+  const std::size_t requests = (in_flight_bytes + request_bytes - 1) / request_bytes;
+  return requests + std::max<std::size_t>(2, requests / 2);
 }
 
 Result<IoBenchResult> run_io_bench(IoEngine& engine, FileHandle file, BufferPool& pool,
                                    const IoBenchConfig& config) {
-  const std::uint64_t block = pool.block_bytes();
-  if (block != engine.options().block_bytes) {
-    return Status::invalid_argument("run_io_bench: pool and engine block sizes differ");
+  const std::uint64_t block = pool.block_bytes();  // one request
+  if (block % engine.options().block_bytes != 0) {
+    return Status::invalid_argument(
+        "run_io_bench: the pool's blocks are not a multiple of the engine's block_bytes");
   }
   const std::uint64_t total = config.bytes / block * block;
   const std::uint64_t span = (config.file_bytes == 0 ? total : config.file_bytes) / block * block;

@@ -191,14 +191,17 @@ TEST_P(HotPathTest, IoBenchMovesWhatItReports) {
   options.max_requests = 64;
   auto engine = must_open(GetParam(), options);
   ASSERT_TRUE(engine);
-  Result<std::unique_ptr<BufferPool>> pool = BufferPool::create(
-      {.block_bytes = options.block_bytes, .block_count = io_bench_pool_blocks(options)});
+  Result<std::unique_ptr<BufferPool>> pool =
+      BufferPool::create({.block_bytes = 2 * options.block_bytes,
+                          .block_count = io_bench_pool_blocks(options, 2 * options.block_bytes)});
   ASSERT_TRUE(pool.is_ok());
   ASSERT_TRUE((*pool)->register_with(*engine).is_ok());
-  // Every block holds the same random pattern, so the whole file must equal it repeated.
-  fill_random_bytes((*pool)->block(0), options.block_bytes, 77);
+  // Every request (two engine blocks) holds the same random pattern, so the whole file must
+  // equal it repeated.
+  const std::size_t request = (*pool)->block_bytes();
+  fill_random_bytes((*pool)->block(0), request, 77);
   for (std::size_t b = 1; b < (*pool)->block_count(); ++b) {
-    std::memcpy((*pool)->block(b), (*pool)->block(0), options.block_bytes);
+    std::memcpy((*pool)->block(b), (*pool)->block(0), request);
   }
   Result<FileHandle> file = engine->open_file(dir.file("b.bin"), {.create = true});
   ASSERT_TRUE(file.is_ok());
@@ -211,8 +214,8 @@ TEST_P(HotPathTest, IoBenchMovesWhatItReports) {
   EXPECT_GT(written->gbps(), 0);
   const std::string on_disk = read_file_plain(dir.file("b.bin"));
   ASSERT_EQ(on_disk.size(), 8u << 20);
-  for (std::size_t at = 0; at < on_disk.size(); at += options.block_bytes) {
-    ASSERT_EQ(std::memcmp(on_disk.data() + at, (*pool)->block(0), options.block_bytes), 0) << at;
+  for (std::size_t at = 0; at < on_disk.size(); at += request) {
+    ASSERT_EQ(std::memcmp(on_disk.data() + at, (*pool)->block(0), request), 0) << at;
   }
   config.op = IoOp::kRead;
   config.bytes = 32 << 20;  // wraps over the 8 MiB file four times

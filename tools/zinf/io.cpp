@@ -104,20 +104,27 @@ struct Setup {
   std::unique_ptr<BufferPool> pool;
 };
 
+// `request_bytes` 0 picks io_bench_request_bytes().
 Result<Setup> make_setup(EngineKind kind, std::size_t block, std::uint32_t depth,
-                         std::uint32_t rings, HugePages huge, std::uint64_t seed) {
+                         std::uint32_t rings, HugePages huge, std::uint64_t seed,
+                         std::size_t request_bytes = 0) {
   IoOptions options;
   options.kind = kind;
   options.block_bytes = block;
   options.queue_depth = depth;
   options.rings = rings;
-  options.max_requests = static_cast<std::uint32_t>(io_bench_pool_blocks(options) + 16);
+  if (request_bytes == 0) request_bytes = io_bench_request_bytes(options);
+  if (request_bytes % block != 0) {
+    return Status::invalid_argument(
+        fmt::format("--request {}: not a multiple of --block {}", request_bytes, block));
+  }
+  const std::size_t requests = io_bench_pool_blocks(options, request_bytes);
+  options.max_requests = static_cast<std::uint32_t>(requests + 16);
   Setup setup;
   ZINF_ASSIGN_OR_RETURN(setup.engine, open_engine(options));
-  ZINF_ASSIGN_OR_RETURN(setup.pool,
-                        BufferPool::create({.block_bytes = block,
-                                            .block_count = io_bench_pool_blocks(options),
-                                            .huge_pages = huge}));
+  ZINF_ASSIGN_OR_RETURN(
+      setup.pool, BufferPool::create(
+                      {.block_bytes = request_bytes, .block_count = requests, .huge_pages = huge}));
   ZINF_RETURN_IF_ERROR(setup.pool->register_with(*setup.engine));
   // Writes carry random data: never time zeros.
   fill_random_bytes(setup.pool->data(), setup.pool->bytes(), seed);
@@ -128,6 +135,7 @@ struct BenchOptions {
   std::string path;
   std::string bytes = "4GiB";
   std::string block = "1MiB";
+  std::string request = "auto";
   std::uint32_t depth = 32;
   std::uint32_t rings = 1;
   std::string op = "read";
@@ -137,19 +145,22 @@ struct BenchOptions {
 };
 
 void run_bench(const BenchOptions& o) {
-  std::size_t bytes = 0, block = 0;
+  std::size_t bytes = 0, block = 0, request = 0;
   EngineKind kind;
   HugePages huge;
   if (!parse_size(o.bytes, &bytes) || !parse_size(o.block, &block)) {
     return fail(
         fmt::format("--bytes {} / --block {}: not sizes (e.g. 4GiB, 1MiB)", o.bytes, o.block));
   }
+  if (o.request != "auto" && !parse_size(o.request, &request)) {
+    return fail(fmt::format("--request {}: not a size", o.request));
+  }
   if (o.op != "read" && o.op != "write") return fail("--op: read or write");
   if (!parse_engine_kind(o.engine, &kind)) return fail("--engine: auto, uring or thread");
   if (!parse_huge(o.huge, &huge)) return fail("--huge: auto, hugetlb, thp or none");
   const IoOp op = o.op == "read" ? IoOp::kRead : IoOp::kWrite;
 
-  Result<Setup> setup = make_setup(kind, block, o.depth, o.rings, huge, 0x10b);
+  Result<Setup> setup = make_setup(kind, block, o.depth, o.rings, huge, 0x10b, request);
   if (!setup.is_ok()) return fail(setup.status().to_string());
   BenchFile file;
   Status opened = file.open(*setup->engine, o.path, bytes, op == IoOp::kRead, *setup->pool);
@@ -169,6 +180,7 @@ void run_bench(const BenchOptions& o) {
   out["op"] = o.op;
   out["engine"] = engine_kind_name(setup->engine->kind());
   out["block_bytes"] = block;
+  out["request_bytes"] = setup->pool->block_bytes();
   out["queue_depth"] = o.depth;
   out["rings"] = o.rings;
   out["bytes"] = result->bytes;
@@ -315,6 +327,9 @@ void setup_io(CLI::App& app) {
       ->required();
   b->add_option("--bytes", bench->bytes, "Bytes to move")->capture_default_str();
   b->add_option("--block", bench->block, "Request size")->capture_default_str();
+  b->add_option("--request", bench->request,
+                "Bytes per engine request, cut into --block pieces (auto: block x depth/4)")
+      ->capture_default_str();
   b->add_option("--depth", bench->depth, "Requests in flight per ring")->capture_default_str();
   b->add_option("--rings", bench->rings, "io_uring instances (threads)")->capture_default_str();
   b->add_option("--op", bench->op, "read or write")->capture_default_str();
