@@ -9,8 +9,9 @@
 namespace zinf {
 
 // OK for 0 (cudaSuccess). Otherwise "<context>: <cudaGetErrorName>: <cudaGetErrorString>" with
-// sys_code() = err and the code: kResourceExhausted for out-of-memory, kUnsupported when there
-// is no device or the driver is too old, kDeviceError for everything else.
+// sys_code() = err and the code: kResourceExhausted for out-of-memory, kUnsupported (sys_code 0,
+// as Status prints that code's sys_code as an errno) when there is no device or the driver is too
+// old, kDeviceError for everything else.
 Status status_from_cuda(std::string_view context, int err);
 
 }  // namespace zinf

@@ -16,7 +16,8 @@ Status status_from_cuda(std::string_view context, int err) {
     case cudaErrorNoDevice:
     case cudaErrorInsufficientDriver:
     case cudaErrorNotSupported:
-      return Status(Code::kUnsupported, err, std::move(message));
+      // No sys_code: Status prints a kUnsupported code as an errno; the name is in the message.
+      return Status(Code::kUnsupported, 0, std::move(message));
     default:
       return Status(Code::kDeviceError, err, std::move(message));
   }

@@ -2,6 +2,10 @@
 
 #if defined(ZINF_HAVE_CUDA)
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <bit>
 #include <cmath>
 #include <limits>
@@ -27,6 +31,22 @@ DeviceMemory::DeviceMemory(std::size_t bytes) {
 
 DeviceMemory::~DeviceMemory() {
   if (data_ != nullptr) (void)cudaFree(data_);
+}
+
+std::uint16_t free_tcp_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  std::uint16_t port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0) {
+    port = ntohs(addr.sin_port);
+  }
+  ::close(fd);
+  return port;
 }
 
 std::vector<float> awkward_floats(std::size_t count, std::uint64_t seed) {

@@ -58,6 +58,10 @@ cudaError_t download(std::vector<T>& host, const T* device) {
   return cudaMemcpy(host.data(), device, host.size() * sizeof(T), cudaMemcpyDeviceToHost);
 }
 
+// A loopback TCP port that was free a moment ago (bind port 0, read it, close), for
+// MASTER_PORT in bootstrap tests.
+std::uint16_t free_tcp_port();
+
 // Random floats that exercise rounding and special values: any bit pattern, values over a wide
 // exponent range, exact 16-bit ties, zeros, infinities and NaNs.
 std::vector<float> awkward_floats(std::size_t count, std::uint64_t seed);

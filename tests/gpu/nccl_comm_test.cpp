@@ -6,10 +6,6 @@
 
 #if defined(ZINF_HAVE_NCCL)
 
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdint>
 #include <vector>
@@ -29,18 +25,6 @@ namespace zinf {
 namespace {
 
 using std::chrono::milliseconds;
-
-std::uint16_t free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  (void)::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  socklen_t len = sizeof(addr);
-  (void)::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
 
 #define ASSERT_OK(expr)                                  \
   do {                                                   \
@@ -85,7 +69,7 @@ TEST(NcclComm, BootstrapFromLaunchEnvironment) {
   Result<std::unique_ptr<Device>> device = make_cuda_device();
   ASSERT_TRUE(device.is_ok()) << device.status().to_string();
   LaunchEnv env;
-  env.master_port = free_port();
+  env.master_port = gpu_test::free_tcp_port();
   NcclBootstrapOptions options;
   options.init_timeout = milliseconds(120000);
   Result<std::unique_ptr<Communicator>> comm = make_nccl_comm(env, **device, options);
@@ -98,7 +82,7 @@ TEST(NcclComm, BadArgumentsAbortWithStatus) {
   Result<std::unique_ptr<Device>> device = make_cuda_device();
   ASSERT_TRUE(device.is_ok()) << device.status().to_string();
   LaunchEnv env;
-  env.master_port = free_port();
+  env.master_port = gpu_test::free_tcp_port();
   Result<std::unique_ptr<Communicator>> comm = make_nccl_comm(env, **device);
   ASSERT_TRUE(comm.is_ok()) << comm.status().to_string();
   Result<std::unique_ptr<Stream>> stream = (*device)->create_stream("bad");
