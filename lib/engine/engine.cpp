@@ -1,0 +1,1018 @@
+// Engine: wires the Partitioner, the ParamCoordinator, the GradReducer, the optimizer state
+// (in device memory, or a StateStore + OptimizerPipeline on host or NVMe) and the LossScaler
+// into the calls of include/zinf/engine.hpp.
+//
+// This rank's optimizer partition is its slice of every group, end to end (GradReducer's
+// partition offsets); the fp32 master, moments and fp32 gradient accumulator all use that
+// layout, so a step is one pass over the partition whatever the stage.
+#include "zinf/engine.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <set>
+
+#include "base/aligned.hpp"
+#include "base/assert.hpp"
+#include "device/pinned_pool.hpp"
+#include "io/io_engine.hpp"
+#include "io/swap_space.hpp"
+#include "tier/optimizer_pipeline.hpp"
+#include "tier/state_store.hpp"
+#include "zero/grad_reducer.hpp"
+#include "zero/loss_scaler.hpp"
+#include "zero/param_coordinator.hpp"
+#include "zero/partitioner.hpp"
+#include "zinf/log.hpp"
+
+namespace zinf {
+namespace {
+
+constexpr std::size_t kPage = 4096;
+constexpr std::string_view kPersistentSuffix = "#persistent";
+
+std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+// Creates and removes a small file in `dir`, so that an unwritable directory fails at open()
+// naming the key, not at the first swap write.
+Status probe_directory(const std::string& key, const std::string& dir, int rank) {
+  const std::string path = fmt::format("{}/.zinf-probe-{}-{}", dir, ::getpid(), rank);
+  const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
+  if (fd < 0) {
+    return status_from_errno(fmt::format("{}: cannot create a file in '{}'", key, dir), errno);
+  }
+  ::close(fd);
+  ::unlink(path.c_str());
+  return Status::ok();
+}
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
+// dst (count elements of dtype) <- src floats.
+void narrow(const float* src, std::size_t count, DType dtype, void* dst) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, count * sizeof(float));
+      break;
+    case DType::kBF16:
+      convert_f32_to_bf16(src, static_cast<std::uint16_t*>(dst), count);
+      break;
+    case DType::kF16:
+      convert_f32_to_f16(src, static_cast<std::uint16_t*>(dst), count);
+      break;
+  }
+}
+
+}  // namespace
+
+class Engine::Impl {
+ public:
+  Impl(const Config& config, const Env& env)
+      : config_(config),
+        env_(env),
+        device_(*env.device),
+        comm_(*env.comm),
+        rank_(env.comm->rank()),
+        world_(env.comm->world_size()),
+        timeout_(std::chrono::milliseconds(config.collective_timeout_ms)) {}
+
+  ~Impl() {
+    // The coordinator and reducer wait for their streams; then the optimizer side goes, then the
+    // swap space, then its engine.
+    coord_.reset();
+    reducer_.reset();
+    pipeline_.reset();
+    opt_pool_.reset();
+    store_.reset();
+    swap_.reset();
+    io_.reset();
+    if (stream_ != nullptr) (void)device_.synchronize(*stream_, timeout_);
+  }
+
+  Status init() {
+    if (env_.trace != nullptr) track_ = env_.trace->track(fmt::format("rank{} engine", rank_));
+    const ZeroConfig& z = config_.zero;
+    LossScalerOptions ls;
+    ls.dynamic = config_.fp16.enabled && config_.fp16.loss_scale == 0.0;
+    ls.initial_scale = !config_.fp16.enabled ? 1.0
+                       : ls.dynamic          ? std::ldexp(1.0, config_.fp16.initial_scale_power)
+                                             : config_.fp16.loss_scale;
+    ls.window = config_.fp16.loss_scale_window;
+    ls.hysteresis = config_.fp16.hysteresis;
+    ls.min_scale = config_.fp16.min_loss_scale;
+    scaler_ = LossScaler(ls);
+    // The swap directories, and a probe of each.
+    const bool opt_nvme = z.offload_optimizer.device == OffloadDevice::kNvme;
+    const bool param_nvme = z.offload_param.device == OffloadDevice::kNvme;
+    if (opt_nvme || param_nvme) {
+      std::string key = opt_nvme ? "zero_optimization.offload_optimizer.nvme_path"
+                                 : "zero_optimization.offload_param.nvme_path";
+      if (!env_.nvme_paths.empty()) {
+        key = "Env::nvme_paths";
+        nvme_dirs_ = env_.nvme_paths;
+      } else {
+        std::set<std::string> dirs;
+        if (opt_nvme) {
+          if (z.offload_optimizer.nvme_path.empty()) {
+            return Status::invalid_argument(
+                fmt::format("{}: empty, and the optimizer state is offloaded to nvme", key));
+          }
+          dirs.insert(z.offload_optimizer.nvme_path);
+        }
+        if (param_nvme) {
+          const std::string& p = z.offload_param.nvme_path.empty() ? z.offload_optimizer.nvme_path
+                                                                   : z.offload_param.nvme_path;
+          if (p.empty()) {
+            return Status::invalid_argument(
+                "zero_optimization.offload_param.nvme_path: empty, and the parameters are "
+                "offloaded to nvme");
+          }
+          dirs.insert(p);
+        }
+        nvme_dirs_.assign(dirs.begin(), dirs.end());
+      }
+      for (const std::string& dir : nvme_dirs_) {
+        ZINF_RETURN_IF_ERROR(probe_directory(key, dir, rank_));
+      }
+    }
+    ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("engine"));
+    ZINF_ASSIGN_OR_RETURN(event_, device_.create_event());
+    ZINF_ASSIGN_OR_RETURN(scratch_, DeviceBuffer::allocate(device_, 256 * sizeof(float)));
+    return Status::ok();
+  }
+
+  // --- Registration --------------------------------------------------------------------------
+  Status register_parameter(const ParameterSpec& spec) {
+    const std::string what = fmt::format("register_parameter('{}')", spec.name);
+    if (finalized_ || !finalize_error_.is_ok()) {
+      return Status::failed_precondition(fmt::format(
+          "{}: registration is closed (the engine was finalized by finalize() or by the first "
+          "gather, reduce_gradients or step)",
+          what));
+    }
+    if (spec.name.empty()) return Status::invalid_argument("register_parameter: empty name");
+    if (by_name_.count(spec.name) != 0) {
+      return Status::invalid_argument(fmt::format("{}: registered already", what));
+    }
+    if (spec.module.empty()) {
+      return Status::invalid_argument(fmt::format("{}: empty module name", what));
+    }
+    if (spec.module.ends_with(kPersistentSuffix)) {
+      return Status::invalid_argument(
+          fmt::format("{}: module names may not end in '{}'", what, kPersistentSuffix));
+    }
+    std::size_t count = 1;
+    for (std::int64_t d : spec.shape) {
+      if (d <= 0) {
+        return Status::invalid_argument(
+            fmt::format("{}: shape {} has a dimension <= 0", what, shape_text(spec.shape)));
+      }
+      if (count > (std::size_t{1} << 48) / static_cast<std::size_t>(d)) {
+        return Status::invalid_argument(
+            fmt::format("{}: shape {} is too large", what, shape_text(spec.shape)));
+      }
+      count *= static_cast<std::size_t>(d);
+    }
+    if (spec.initial_values == nullptr) {
+      return Status::invalid_argument(fmt::format("{}: initial_values is null", what));
+    }
+    Registered r;
+    r.spec = spec;
+    r.spec.initial_values = nullptr;
+    r.element_count = count;
+    r.values.assign(spec.initial_values, spec.initial_values + count);
+    by_name_[spec.name] = regs_.size();
+    if (module_index_.count(spec.module) == 0) {
+      module_index_[spec.module] = module_names_.size();
+      module_names_.push_back(spec.module);
+      module_params_.emplace_back();
+    }
+    module_params_[module_index_[spec.module]].push_back(regs_.size());
+    regs_.push_back(std::move(r));
+    return Status::ok();
+  }
+
+  // --- Finalize --------------------------------------------------------------------------------
+  Status finalize() {
+    if (finalized_) return Status::ok();
+    ZINF_RETURN_IF_ERROR(finalize_error_);
+    Status st = finalize_impl();
+    if (!st.is_ok()) {
+      finalize_error_ = st;
+      // Give back what was built, so the engine holds nothing half made.
+      coord_.reset();
+      reducer_.reset();
+      pipeline_.reset();
+      opt_pool_.reset();
+      store_.reset();
+      swap_.reset();
+      io_.reset();
+    }
+    return st;
+  }
+
+  Status finalize_impl() {
+    if (regs_.empty()) return Status::failed_precondition("finalize: no parameters registered");
+    const ZeroConfig& z = config_.zero;
+    PartitionerOptions po;
+    po.world_size = world_;
+    po.stage = static_cast<ZeroStage>(z.stage);
+    if (z.group_max_elements != 0) po.group_max_elements = z.group_max_elements;
+    ZINF_ASSIGN_OR_RETURN(Partitioner p, Partitioner::create(po));
+    part_.emplace(std::move(p));
+    const bool stage3 = z.stage == 3;
+    for (const Registered& r : regs_) {
+      ParamSpec spec;
+      spec.name = r.spec.name;
+      spec.module = r.spec.module;
+      // Small parameters get groups of their own at stage 3, which stay gathered.
+      if (stage3 && r.element_count <= z.stage3_param_persistence_threshold) {
+        spec.module += kPersistentSuffix;
+      }
+      spec.shape = r.spec.shape;
+      spec.dtype = r.spec.dtype;
+      ZINF_ASSIGN_OR_RETURN(ParamId id, part_->add(std::move(spec)));
+      ZINF_ASSERT(id + 1 == part_->param_count());
+    }
+    ZINF_RETURN_IF_ERROR(part_->finalize());
+    ZINF_RETURN_IF_ERROR(check_ranks_agree());
+
+    // Groups per module, and which stay gathered.
+    const std::uint32_t groups = part_->group_count();
+    std::vector<bool> persistent(groups, !stage3);
+    std::vector<CoordinatorModule> modules;
+    for (const std::string& name : module_names_) {
+      CoordinatorModule m;
+      m.name = name;
+      for (const std::string& key : {name, name + std::string(kPersistentSuffix)}) {
+        Result<std::vector<std::uint32_t>> gs = part_->module_groups(key);
+        if (!gs.is_ok()) continue;
+        for (std::uint32_t g : *gs) {
+          m.groups.push_back(g);
+          if (key != name) persistent[g] = true;
+        }
+      }
+      module_groups_.push_back(m.groups);
+      modules.push_back(std::move(m));
+    }
+    partition_elements_ = GradReducer::partition_element_count(*part_);
+    std::size_t offset = 0, byte_offset = 0;
+    bool all_same_half = true;
+    std::optional<DType> half;
+    for (std::uint32_t g = 0; g < groups; ++g) {
+      const GroupInfo& info = part_->group(g);
+      offsets_.push_back(offset);
+      byte_offsets_.push_back(byte_offset);
+      offset += info.shard_element_count;
+      byte_offset += info.shard_element_count * dtype_bytes(info.dtype);
+      if (info.dtype == DType::kF32) {
+        all_same_half = false;
+      } else if (!half.has_value()) {
+        half = info.dtype;
+      } else if (*half != info.dtype) {
+        all_same_half = false;
+      }
+    }
+    new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
+    with_half_ = all_same_half && half.has_value();
+    half_dtype_ = half.value_or(DType::kBF16);
+
+    // Swap space for everything on NVMe.
+    const OffloadDevice opt = z.offload_optimizer.device;
+    const bool param_nvme = stage3 && z.offload_param.device == OffloadDevice::kNvme;
+    StateStoreOptions so;
+    if (opt != OffloadDevice::kNone) {
+      so.param_count = partition_elements_;
+      so.sub_group_params = std::min(z.sub_group_size, partition_elements_);
+      so.optimizer = config_.optimizer.kind;
+      so.grad_dtype = DType::kF32;
+      so.with_half = with_half_;
+      so.half_dtype = half_dtype_;
+      const Tier state_tier = opt == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
+      so.tiers = {state_tier, state_tier, state_tier, Tier::kHost, Tier::kHost};
+      so.key_prefix = fmt::format("rank{}/opt", rank_);
+    }
+    if (opt == OffloadDevice::kNvme || param_nvme) {
+      std::uint64_t capacity = 0;
+      std::uint32_t extents = 0;
+      if (opt == OffloadDevice::kNvme) {
+        ZINF_ASSIGN_OR_RETURN(StoreLayout layout, StateStore::layout(so));
+        capacity += layout.nvme_bytes;
+        extents += static_cast<std::uint32_t>(layout.nvme_extents);
+      }
+      if (param_nvme) {
+        for (std::uint32_t g = 0; g < groups; ++g) {
+          if (persistent[g]) continue;
+          const GroupInfo& info = part_->group(g);
+          capacity += round_page(info.shard_element_count * dtype_bytes(info.dtype));
+          ++extents;
+        }
+      }
+      IoOptions io;
+      io.block_bytes = config_.aio_block_size;
+      io.queue_depth = static_cast<std::uint32_t>(config_.aio_queue_depth);
+      ZINF_ASSIGN_OR_RETURN(io_, open_engine(io));
+      SwapOptions swap;
+      swap.dirs = nvme_dirs_;
+      swap.block_bytes = config_.aio_block_size;
+      // Striping rounds each extent's share of each directory up to a block.
+      swap.capacity_bytes =
+          capacity + std::uint64_t{extents + 4} * config_.aio_block_size * nvme_dirs_.size();
+      swap.max_extents = extents + 16;
+      swap.file_name = fmt::format("zinf-swap-{{pid}}-rank{}.bin", rank_);
+      Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io_, swap);
+      if (!opened.is_ok()) {
+        return opened.status().with_context(
+            fmt::format("swap space in {}", fmt::join(nvme_dirs_, ", ")));
+      }
+      swap_ = std::move(opened).value();
+    }
+
+    // The initial fp32 master of this rank's partition.
+    std::vector<float> master(partition_elements_, 0.0f);
+    for (std::uint32_t g = 0; g < groups; ++g) {
+      for (const ParamPiece& piece : part_->shard_pieces(g, rank_)) {
+        std::memcpy(master.data() + offsets_[g] + piece.shard_offset,
+                    regs_[piece.param].values.data() + piece.param_offset,
+                    piece.element_count * sizeof(float));
+      }
+    }
+
+    // Optimizer state.
+    float* accumulator = nullptr;
+    if (opt == OffloadDevice::kNone) {
+      if (!device_.host_accessible()) {
+        return Status::unsupported(
+            "zero_optimization.offload_optimizer.device: \"none\" needs a host-accessible device "
+            "in this version (the GPU Adam is not wired in yet)");
+      }
+      const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
+      ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device_, bytes));
+      ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device_, bytes));
+      ZINF_ASSIGN_OR_RETURN(exp_avg_sq_, DeviceBuffer::allocate(device_, bytes));
+      ZINF_ASSIGN_OR_RETURN(grads_, DeviceBuffer::allocate(device_, bytes));
+      std::memcpy(master_.data(), master.data(), partition_elements_ * sizeof(float));
+      std::memset(exp_avg_.data(), 0, bytes);
+      std::memset(exp_avg_sq_.data(), 0, bytes);
+      accumulator = grads_.as<float>();
+    } else {
+      ZINF_ASSIGN_OR_RETURN(store_, StateStore::open(so, swap_.get()));
+      if (store_->block_bytes() > 0) {
+        PinnedPoolOptions pool;
+        pool.block_bytes = round_page(store_->block_bytes());
+        pool.block_count = std::max<std::size_t>(2, z.offload_optimizer.buffer_count);
+        pool.huge_pages =
+            pool.block_bytes < (std::size_t{2} << 20) ? HugePages::kNone : HugePages::kAuto;
+        pool.device = &device_;
+        ZINF_ASSIGN_OR_RETURN(opt_pool_, PinnedPool::create(pool));
+        ZINF_RETURN_IF_ERROR(opt_pool_->register_with(*io_));
+      }
+      ZINF_ASSIGN_OR_RETURN(pipeline_,
+                            OptimizerPipeline::open(*store_, opt_pool_.get(), pipeline_options()));
+      ZINF_RETURN_IF_ERROR(load_store(master));
+      accumulator = reinterpret_cast<float*>(store_->host_data(Piece::kGrads));
+    }
+
+    GradReducerOptions ro;
+    ro.bucket_elements = z.reduce_bucket_size;
+    ro.timeout = timeout_;
+    ro.trace = env_.trace;
+    ro.trace_track = track_;
+    ZINF_ASSIGN_OR_RETURN(
+        reducer_, GradReducer::create(*part_, rank_, device_, comm_, accumulator, ro, &counters_));
+
+    ParamCoordinatorOptions co;
+    co.shard_tier = stage3 ? z.offload_param.device : OffloadDevice::kNone;
+    co.prefetch_elements = z.stage3_prefetch_bucket_size;
+    co.max_live_elements = z.stage3_max_live_parameters;
+    co.staging_blocks = z.offload_param.buffer_count;
+    co.timeout = timeout_;
+    co.trace = env_.trace;
+    co.trace_track = track_;
+    ZINF_ASSIGN_OR_RETURN(
+        coord_, ParamCoordinator::create(*part_, rank_, device_, comm_, std::move(modules),
+                                         persistent, co, swap_.get(), io_.get(), &counters_));
+    // The device copies: every group's shard is the master rounded to the group's dtype.
+    narrow_master(0, partition_elements_, master.data(), /*all_groups=*/true);
+    ZINF_RETURN_IF_ERROR(write_shards());
+    for (Registered& r : regs_) std::vector<float>().swap(r.values);
+    finalized_ = true;
+    return Status::ok();
+  }
+
+  // Every rank must have registered the same parameters (names, modules, shapes, dtypes, in
+  // order). Ranks exchange (count, fingerprint); when they differ, per-parameter hashes, so the
+  // error names the first parameter that differs. Every rank computes the same error.
+  Status check_ranks_agree() {
+    const std::uint64_t fingerprint = part_->fingerprint();
+    const std::uint64_t count = part_->param_count();
+    std::uint64_t mine[2] = {count, fingerprint};
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> all, exchange(mine, 2));
+    int differs = -1;
+    for (int r = 0; r < world_ && differs < 0; ++r) {
+      if (all[2 * r] != count || all[2 * r + 1] != fingerprint) differs = r;
+    }
+    if (differs < 0) return Status::ok();
+    for (int r = 1; r < world_; ++r) {
+      if (all[2 * r] != all[0]) {
+        return Status::invalid_argument(
+            fmt::format("finalize: ranks registered different parameters: rank 0 registered {} "
+                        "parameters, rank {} registered {}",
+                        all[0], r, all[2 * r]));
+      }
+    }
+    std::vector<std::uint64_t> hashes(count);
+    for (ParamId id = 0; id < count; ++id) {
+      const ParamSpec& s = part_->spec(id);
+      std::string text =
+          fmt::format("{}\n{}\n{}\n{}", s.name, s.module, shape_text(s.shape), dtype_name(s.dtype));
+      hashes[id] = XXH3_64bits(text.data(), text.size());
+    }
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> every, exchange(hashes.data(), count));
+    for (ParamId id = 0; id < count; ++id) {
+      for (int r = 1; r < world_; ++r) {
+        if (every[r * count + id] != every[id]) {
+          const ParamSpec& s = part_->spec(id);
+          return Status::invalid_argument(fmt::format(
+              "finalize: ranks registered different parameters: parameter {} differs between "
+              "rank 0 and rank {} (name, module, shape or dtype); this rank ({}) has '{}' in "
+              "module '{}', shape {}, {}",
+              id, r, rank_, s.name, regs_[id].spec.module, shape_text(s.shape),
+              dtype_name(s.dtype)));
+        }
+      }
+    }
+    return Status::invalid_argument(
+        "finalize: ranks registered different partitioner options (world size, stage)");
+  }
+
+  // All-gathers `count` 64-bit words from every rank (as f32 pairs, which all_gather copies bit
+  // for bit).
+  Result<std::vector<std::uint64_t>> exchange(const std::uint64_t* words, std::size_t count) {
+    const std::size_t bytes = count * 8;
+    ZINF_ASSIGN_OR_RETURN(DeviceBuffer send, DeviceBuffer::allocate(device_, bytes));
+    ZINF_ASSIGN_OR_RETURN(
+        DeviceBuffer recv,
+        DeviceBuffer::allocate(device_, bytes * static_cast<std::size_t>(world_)));
+    ZINF_RETURN_IF_ERROR(device_.copy_h2d(send.data(), words, bytes, *stream_));
+    ZINF_RETURN_IF_ERROR(comm_.all_gather(send.data(), recv.data(), count * 2, DType::kF32,
+                                          *stream_, "parameter fingerprints"));
+    std::vector<std::uint64_t> out(count * static_cast<std::size_t>(world_));
+    ZINF_RETURN_IF_ERROR(device_.copy_d2h(out.data(), recv.data(), out.size() * 8, *stream_));
+    ZINF_RETURN_IF_ERROR(device_.record(*event_, *stream_));
+    ZINF_RETURN_IF_ERROR(comm_.wait(*event_, timeout_));
+    return out;
+  }
+
+  PipelineOptions pipeline_options() const {
+    PipelineOptions pipe;
+    pipe.optimizer = config_.optimizer;
+    pipe.threads = config_.cpu_threads;
+    pipe.io_timeout = timeout_;
+    pipe.trace = env_.trace;
+    return pipe;
+  }
+
+  // Writes the initial master and zero moments into the store.
+  Status load_store(const std::vector<float>& master) {
+    StateStore& s = *store_;
+    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      const std::size_t first = s.sub_group_first(i);
+      const std::size_t size = s.sub_group_size(i);
+      for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
+        if (!s.has(piece)) continue;
+        std::memset(block.data(), 0, block.bytes());
+        if (piece == Piece::kParams) {
+          std::memcpy(block.data(), master.data() + first, size * sizeof(float));
+        }
+        if (s.tier(piece) == Tier::kHost) {
+          std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
+        } else {
+          ZINF_RETURN_IF_ERROR(s.write_piece(piece, i, block.data()));
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  // new_params_ of the groups overlapping partition elements [first, first + count) <- src
+  // rounded to each group's dtype. With all_groups false only the groups the step does not
+  // already produce in their dtype (f32 groups, or all when the store has no half piece).
+  void narrow_master(std::size_t first, std::size_t count, const float* src, bool all_groups) {
+    const std::size_t end = first + count;
+    for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+      const GroupInfo& info = part_->group(g);
+      if (!all_groups && !needs_master_copy(info.dtype)) continue;
+      const std::size_t lo = std::max(first, offsets_[g]);
+      const std::size_t hi = std::min(end, offsets_[g] + info.shard_element_count);
+      if (lo >= hi) continue;
+      narrow(src + (lo - first), hi - lo, info.dtype,
+             new_params_.data() + byte_offsets_[g] + (lo - offsets_[g]) * dtype_bytes(info.dtype));
+    }
+  }
+
+  bool needs_master_copy(DType dtype) const {
+    if (dtype == DType::kF32) return true;
+    // The in-memory step writes every half group's copy itself; the store only when it has one
+    // half dtype.
+    if (store_ == nullptr) return false;
+    return !with_half_;
+  }
+
+  Status write_shards() {
+    for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+      ZINF_RETURN_IF_ERROR(coord_->write_shard(g, new_params_.data() + byte_offsets_[g]));
+    }
+    return coord_->publish();
+  }
+
+  // Calls fn(first, count, master) over the whole partition's fp32 master, in pieces.
+  template <typename Fn>
+  Status for_each_master(Fn fn) {
+    if (store_ == nullptr) {
+      fn(std::size_t{0}, partition_elements_, master_.as<const float>());
+      return Status::ok();
+    }
+    StateStore& s = *store_;
+    if (s.tier(Piece::kParams) == Tier::kHost) {
+      fn(std::size_t{0}, partition_elements_,
+         reinterpret_cast<const float*>(s.host_data(Piece::kParams)));
+      return Status::ok();
+    }
+    if (master_read_.bytes() == 0) {
+      master_read_ = AlignedBuffer(round_page(s.sub_group_params() * sizeof(float)));
+    }
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      ZINF_RETURN_IF_ERROR(s.read_piece(Piece::kParams, i, master_read_.data()));
+      master_read_bytes_ += round_page(s.piece_bytes(Piece::kParams, i));
+      fn(s.sub_group_first(i), s.sub_group_size(i), master_read_.as<const float>());
+    }
+    return Status::ok();
+  }
+
+  Status ensure_finalized() {
+    ZINF_RETURN_IF_ERROR(sticky_);
+    return finalize();
+  }
+
+  Status fail(Status st) {
+    if (!st.is_ok() && sticky_.is_ok()) sticky_ = st;
+    return st;
+  }
+
+  Result<std::size_t> find_module(std::string_view call, std::string_view module) const {
+    auto it = module_index_.find(std::string(module));
+    if (it == module_index_.end()) {
+      return Status::not_found(fmt::format("{}('{}'): unknown module (registered: {})", call,
+                                           module, fmt::join(module_names_, ", ")));
+    }
+    return it->second;
+  }
+
+  // --- Gather / release ------------------------------------------------------------------------
+  Status gather(std::string_view module) {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_ASSIGN_OR_RETURN(std::size_t m, find_module("gather", module));
+    Status st = coord_->gather(m);
+    if (!st.is_ok() && st.code() != Code::kFailedPrecondition &&
+        st.code() != Code::kResourceExhausted) {
+      return fail(st);
+    }
+    return st;
+  }
+
+  Status release(std::string_view module) {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_ASSIGN_OR_RETURN(std::size_t m, find_module("release", module));
+    return coord_->release(m);
+  }
+
+  Result<TensorView> parameter(std::string_view name) const {
+    auto it = by_name_.find(std::string(name));
+    if (it == by_name_.end()) {
+      return Status::not_found(fmt::format("parameter('{}'): unknown parameter", name));
+    }
+    const Registered& r = regs_[it->second];
+    if (!finalized_) {
+      return Status::failed_precondition(fmt::format(
+          "parameter('{}'): the engine is not finalized (gather its module first)", name));
+    }
+    const std::size_t m = module_index_.at(r.spec.module);
+    if (!coord_->gathered(m)) {
+      return Status::failed_precondition(
+          fmt::format("parameter('{}'): its module '{}' is not gathered", name, r.spec.module));
+    }
+    const ParamLocation& loc = part_->location(static_cast<ParamId>(it->second));
+    TensorView view;
+    view.data = static_cast<std::byte*>(coord_->group_data(loc.group)) +
+                loc.group_offset * dtype_bytes(r.spec.dtype);
+    view.dtype = r.spec.dtype;
+    view.element_count = r.element_count;
+    view.shape = r.spec.shape;
+    return view;
+  }
+
+  // --- Gradients -------------------------------------------------------------------------------
+  Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_ASSIGN_OR_RETURN(std::size_t m, find_module("reduce_gradients", module));
+    // Validate everything before anything moves.
+    std::vector<GradSource> sources(part_->param_count());
+    for (const GradientRef& g : gradients) {
+      auto it = by_name_.find(std::string(g.name));
+      if (it == by_name_.end()) {
+        return Status::not_found(
+            fmt::format("reduce_gradients('{}'): unknown parameter '{}'", module, g.name));
+      }
+      const Registered& r = regs_[it->second];
+      if (r.spec.module != module) {
+        return Status::invalid_argument(
+            fmt::format("reduce_gradients('{}'): parameter '{}' belongs to module '{}'", module,
+                        g.name, r.spec.module));
+      }
+      if (sources[it->second].data != nullptr) {
+        return Status::invalid_argument(
+            fmt::format("reduce_gradients('{}'): gradient of '{}' given twice", module, g.name));
+      }
+      if (g.element_count != r.element_count) {
+        return Status::invalid_argument(fmt::format(
+            "reduce_gradients('{}'): gradient of '{}' has {} elements; the parameter has {} "
+            "(shape {})",
+            module, g.name, g.element_count, r.element_count, shape_text(r.spec.shape)));
+      }
+      if (g.data == nullptr) {
+        return Status::invalid_argument(
+            fmt::format("reduce_gradients('{}'): gradient of '{}' is null", module, g.name));
+      }
+      sources[it->second] = {g.data, g.dtype};
+    }
+    for (std::size_t id : module_params_[m]) {
+      if (sources[id].data == nullptr) {
+        return Status::invalid_argument(fmt::format(
+            "reduce_gradients('{}'): no gradient for '{}' (every parameter of the module needs "
+            "one)",
+            module, regs_[id].spec.name));
+      }
+    }
+    Trace::Span span(env_.trace, track_, fmt::format("reduce {}", module));
+    return fail(reducer_->reduce(module_groups_[m], sources));
+  }
+
+  // --- Step ------------------------------------------------------------------------------------
+  Result<StepReport> step() {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    const std::int64_t start = Trace::now_ns();
+    const long in_use = coord_->first_in_use();
+    if (in_use >= 0) {
+      return Status::failed_precondition(
+          fmt::format("step: module '{}' is still gathered (release it first)",
+                      module_names_[static_cast<std::size_t>(in_use)]));
+    }
+    ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
+    coord_->freeze_order();
+    Status st = step_impl(micro, start);
+    if (!st.is_ok()) return fail(st);
+    return report_;
+  }
+
+  Status step_impl(int micro, std::int64_t start) {
+    StepReport& rep = report_;
+    rep = StepReport{};
+    rep.micro_batches = micro;
+    rep.loss_scale = scaler_.scale();
+    ZINF_RETURN_IF_ERROR(coord_->drop_prefetched());
+
+    std::int64_t t0 = Trace::now_ns();
+    {
+      Trace::Span span(env_.trace, track_, "step reduce");
+      ZINF_RETURN_IF_ERROR(reducer_->reduce_accumulated());
+    }
+    std::int64_t t1 = Trace::now_ns();
+    rep.reduce_ns = t1 - t0;
+
+    // The global norm and the overflow flag, before any state changes. The local sum of squares
+    // is of the gradients as the optimizer will see them (mean over micro-batches, unscaled).
+    const float* acc = accumulator();
+    const double unscale = 1.0 / (static_cast<double>(micro) * scaler_.scale());
+    double sumsq = 0.0;
+    bool overflow = false;
+    for (std::size_t i = 0; i < partition_elements_; ++i) {
+      const double x = static_cast<double>(acc[i]);
+      if (!std::isfinite(x)) overflow = true;
+      sumsq += x * x;
+    }
+    sumsq *= unscale * unscale;
+    {
+      Trace::Span span(env_.trace, track_, "step norm");
+      float* buf = scratch_.as<float>();
+      buf[0] = overflow ? 1.0f : 0.0f;
+      buf[1] = overflow ? 0.0f : static_cast<float>(sumsq);
+      ZINF_RETURN_IF_ERROR(
+          comm_.all_reduce(buf, buf, 2, DType::kF32, ReduceOp::kSum, *stream_, "grad norm"));
+      ZINF_RETURN_IF_ERROR(device_.record(*event_, *stream_));
+      ZINF_RETURN_IF_ERROR(comm_.wait(*event_, timeout_));
+      overflow = buf[0] != 0.0f || !std::isfinite(buf[1]);
+      rep.grad_norm = overflow ? std::numeric_limits<double>::infinity()
+                               : std::sqrt(static_cast<double>(buf[1]));
+    }
+    std::int64_t t2 = Trace::now_ns();
+    rep.norm_ns = t2 - t1;
+
+    if (overflow) {
+      scaler_.update(true);
+      reducer_->zero();
+      rep.skipped = true;
+      rep.step = t_;
+      rep.next_loss_scale = scaler_.scale();
+      rep.wall_ns = Trace::now_ns() - start;
+      ++counters_.steps;
+      ++counters_.skipped_steps;
+      return Status::ok();
+    }
+    double coef = 1.0;
+    if (config_.gradient_clipping > 0.0 && rep.grad_norm > config_.gradient_clipping) {
+      coef = config_.gradient_clipping / (rep.grad_norm + 1e-6);
+    }
+    rep.clip_coef = coef;
+    const float grad_scale = static_cast<float>(coef * unscale);
+    ++t_;
+    {
+      Trace::Span span(env_.trace, track_, "step optimizer");
+      if (store_ == nullptr) {
+        ZINF_RETURN_IF_ERROR(step_in_memory(grad_scale));
+      } else {
+        if (lr_changed_) {
+          // The pipeline copies its hyper-parameters at open and holds no state of its own
+          // between steps (the store does), so a new learning rate is a new pipeline.
+          pipeline_.reset();
+          ZINF_ASSIGN_OR_RETURN(
+              pipeline_, OptimizerPipeline::open(*store_, opt_pool_.get(), pipeline_options()));
+          lr_changed_ = false;
+        }
+        ZINF_ASSIGN_OR_RETURN(StepStats stats,
+                              pipeline_->step({.step = t_, .grad_scale = grad_scale}));
+        rep.optimizer_nvme_read_bytes = stats.read_bytes;
+        rep.optimizer_nvme_write_bytes = stats.write_bytes;
+      }
+    }
+    std::int64_t t3 = Trace::now_ns();
+    rep.optimizer_ns = t3 - t2;
+    {
+      Trace::Span span(env_.trace, track_, "step publish");
+      const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
+      if (store_ != nullptr && with_half_) {
+        // The pass wrote the half copy of every (half) group into the store's host array.
+        const std::byte* half = store_->host_data(Piece::kParamsHalf);
+        for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+          const GroupInfo& info = part_->group(g);
+          std::memcpy(new_params_.data() + byte_offsets_[g], half + offsets_[g] * 2,
+                      info.shard_element_count * 2);
+        }
+      }
+      bool any = false;
+      for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+        any = any || needs_master_copy(part_->group(g).dtype);
+      }
+      if (any) {
+        ZINF_RETURN_IF_ERROR(
+            for_each_master([&](std::size_t first, std::size_t count, const float* src) {
+              narrow_master(first, count, src, /*all_groups=*/false);
+            }));
+      }
+      ZINF_RETURN_IF_ERROR(write_shards());
+      rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
+    }
+    rep.publish_ns = Trace::now_ns() - t3;
+    reducer_->zero();
+    scaler_.update(false);
+    rep.step = t_;
+    rep.next_loss_scale = scaler_.scale();
+    rep.wall_ns = Trace::now_ns() - start;
+    ++counters_.steps;
+    return Status::ok();
+  }
+
+  // offload_optimizer "none": the optimizer over the partition in device memory, one call per
+  // group so each half group's copy is written in its own dtype by the same pass.
+  Status step_in_memory(float grad_scale) {
+    StepOptions so;
+    so.step = t_;
+    so.grad_scale = grad_scale;
+    so.threads = config_.cpu_threads;
+    for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+      const GroupInfo& info = part_->group(g);
+      OptimizerSpan span;
+      span.params = master_.as<float>() + offsets_[g];
+      span.exp_avg = exp_avg_.as<float>() + offsets_[g];
+      span.exp_avg_sq = exp_avg_sq_.as<float>() + offsets_[g];
+      span.grads = grads_.as<float>() + offsets_[g];
+      span.grad_dtype = DType::kF32;
+      if (info.dtype != DType::kF32) {
+        span.params_half = new_params_.data() + byte_offsets_[g];
+        span.half_dtype = info.dtype;
+      }
+      span.count = info.shard_element_count;
+      ZINF_ASSIGN_OR_RETURN(StepResult r, optimizer_step(config_.optimizer, span, so));
+      (void)r;
+    }
+    return Status::ok();
+  }
+
+  const float* accumulator() const {
+    if (store_ == nullptr) return grads_.as<const float>();
+    return reinterpret_cast<const float*>(store_->host_data(Piece::kGrads));
+  }
+
+  // --- Read back -------------------------------------------------------------------------------
+  Status read_parameters(std::string_view name, float* out) {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    auto it = by_name_.find(std::string(name));
+    if (it == by_name_.end()) {
+      return Status::not_found(fmt::format("read_parameters('{}'): unknown parameter", name));
+    }
+    if (out == nullptr) {
+      return Status::invalid_argument(fmt::format("read_parameters('{}'): out is null", name));
+    }
+    const ParamLocation& loc = part_->location(static_cast<ParamId>(it->second));
+    const GroupInfo& info = part_->group(loc.group);
+    const std::size_t shard = info.shard_element_count;
+    // This rank's master slice of the group, then an all-gather of the whole group in f32.
+    std::vector<float> slice(shard);
+    const std::size_t first = offsets_[loc.group];
+    ZINF_RETURN_IF_ERROR(
+        fail(for_each_master([&](std::size_t f, std::size_t count, const float* src) {
+          const std::size_t lo = std::max(f, first);
+          const std::size_t hi = std::min(f + count, first + shard);
+          if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
+        })));
+    Result<DeviceBuffer> full = DeviceBuffer::allocate(device_, info.padded_element_count * 4);
+    if (!full.is_ok()) return full.status();
+    float* own = full->as<float>() + part_->shard_offset(loc.group, rank_);
+    Status st = device_.copy_h2d(own, slice.data(), shard * 4, *stream_);
+    if (st.is_ok()) {
+      st = comm_.all_gather(own, full->data(), shard, DType::kF32, *stream_, "read_parameters");
+    }
+    if (st.is_ok()) {
+      st = device_.copy_d2h(out, full->as<float>() + loc.group_offset, loc.element_count * 4,
+                            *stream_);
+    }
+    if (st.is_ok()) st = device_.record(*event_, *stream_);
+    if (st.is_ok()) st = comm_.wait(*event_, timeout_);
+    return fail(st);
+  }
+
+  MemoryReport memory() const {
+    MemoryReport m;
+    m.device_bytes = coord_->device_bytes() + master_.bytes() + exp_avg_.bytes() +
+                     exp_avg_sq_.bytes() + grads_.bytes();
+    if (!part_->partitions(StateKind::kGradients)) {
+      for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+        m.device_bytes += part_->group(g).padded_element_count * 4;  // stage 1's full gradients
+      }
+    }
+    m.host_bytes = coord_->host_bytes() + (opt_pool_ != nullptr ? opt_pool_->bytes() : 0);
+    if (store_ != nullptr) {
+      for (std::size_t p = 0; p < kPieceCount; ++p) {
+        const auto piece = static_cast<Piece>(p);
+        if (store_->has(piece) && store_->tier(piece) == Tier::kHost) {
+          m.host_bytes += partition_elements_ * dtype_bytes(store_->dtype(piece));
+        }
+      }
+    }
+    // The swap space holds the optimizer's extents and the parameter shards' alike.
+    m.nvme_bytes = swap_ != nullptr ? swap_->used_bytes() : 0;
+    return m;
+  }
+
+  struct Registered {
+    ParameterSpec spec;
+    std::size_t element_count = 0;
+    std::vector<float> values;  // until finalize()
+  };
+
+  Config config_;
+  Env env_;
+  Device& device_;
+  Communicator& comm_;
+  const int rank_;
+  const int world_;
+  const std::chrono::milliseconds timeout_;
+  int track_ = 0;
+  Status sticky_;
+  Status finalize_error_;
+  bool finalized_ = false;
+
+  std::vector<Registered> regs_;
+  std::map<std::string, std::size_t, std::less<>> by_name_;
+  std::map<std::string, std::size_t, std::less<>> module_index_;
+  std::vector<std::string> module_names_;
+  std::vector<std::vector<std::size_t>> module_params_;
+  std::vector<std::vector<std::uint32_t>> module_groups_;
+  std::vector<std::string> nvme_dirs_;
+
+  std::optional<Partitioner> part_;
+  std::size_t partition_elements_ = 0;
+  std::vector<std::size_t> offsets_;       // per group: first element in the partition
+  std::vector<std::size_t> byte_offsets_;  // per group: first byte in new_params_
+  AlignedBuffer new_params_;  // the partition's new device-dtype values, group after group
+  bool with_half_ = false;
+  DType half_dtype_ = DType::kBF16;
+
+  std::unique_ptr<IoEngine> io_;
+  std::unique_ptr<SwapSpace> swap_;
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<PinnedPool> opt_pool_;
+  std::unique_ptr<OptimizerPipeline> pipeline_;
+  AlignedBuffer master_read_;
+  std::uint64_t master_read_bytes_ = 0;
+  DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
+  std::unique_ptr<GradReducer> reducer_;
+  std::unique_ptr<ParamCoordinator> coord_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> event_;
+  DeviceBuffer scratch_;
+
+  LossScaler scaler_;
+  bool lr_changed_ = false;
+  std::int64_t t_ = 0;
+  EngineCounters counters_;
+  StepReport report_;
+};
+
+// --- Engine -------------------------------------------------------------------------------------
+
+Engine::Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Engine::~Engine() = default;
+
+Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& env) {
+  ZINF_RETURN_IF_ERROR(validate(config));
+  if (env.device == nullptr) return Status::invalid_argument("Env::device: null");
+  if (env.comm == nullptr) return Status::invalid_argument("Env::comm: null");
+  if (&env.comm->device() != env.device) {
+    return Status::invalid_argument("Env::comm: runs on another device than Env::device");
+  }
+  if (!env.device->host_accessible()) {
+    return Status::unsupported(fmt::format(
+        "Env::device: {} is not host-accessible; this version of the engine runs its casts, "
+        "reductions and optimizer on the host",
+        env.device->name()));
+  }
+  if (config.world_size != 0 && config.world_size != env.comm->world_size()) {
+    return Status::invalid_argument(
+        fmt::format("zinf.world_size: {} but the communicator has {} ranks", config.world_size,
+                    env.comm->world_size()));
+  }
+  auto impl = std::make_unique<Impl>(config, env);
+  ZINF_RETURN_IF_ERROR(impl->init());
+  return std::unique_ptr<Engine>(new Engine(std::move(impl)));
+}
+
+Status Engine::register_parameter(const ParameterSpec& spec) {
+  return impl_->register_parameter(spec);
+}
+Status Engine::finalize() { return impl_->finalize(); }
+bool Engine::finalized() const { return impl_->finalized_; }
+Status Engine::gather(std::string_view module) { return impl_->gather(module); }
+Result<TensorView> Engine::parameter(std::string_view name) const { return impl_->parameter(name); }
+Status Engine::release(std::string_view module) { return impl_->release(module); }
+Status Engine::reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
+  return impl_->reduce_gradients(module, gradients);
+}
+Result<StepReport> Engine::step() { return impl_->step(); }
+Status Engine::read_parameters(std::string_view name, float* out) {
+  return impl_->read_parameters(name, out);
+}
+double Engine::loss_scale() const { return impl_->scaler_.scale(); }
+void Engine::set_learning_rate(double lr) {
+  impl_->config_.optimizer.lr = lr;
+  impl_->lr_changed_ = true;
+}
+int Engine::rank() const { return impl_->rank_; }
+int Engine::world_size() const { return impl_->world_; }
+const Config& Engine::config() const { return impl_->config_; }
+std::vector<std::string> Engine::modules() const { return impl_->module_names_; }
+std::vector<std::string> Engine::recorded_order() const {
+  std::vector<std::string> out;
+  if (impl_->coord_ == nullptr || !impl_->coord_->order_frozen()) return out;
+  for (std::size_t m : impl_->coord_->order()) out.push_back(impl_->module_names_[m]);
+  return out;
+}
+const EngineCounters& Engine::counters() const { return impl_->counters_; }
+MemoryReport Engine::memory() const {
+  ZINF_ASSERT(impl_->finalized_);
+  return impl_->memory();
+}
+
+}  // namespace zinf

@@ -1,0 +1,231 @@
+#include "zero/grad_reducer.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+namespace {
+
+// dst[i] = float(src[offset + i]) for `count` elements of `dtype`.
+void widen(const void* src, DType dtype, std::size_t offset, std::size_t count, float* dst) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, static_cast<const float*>(src) + offset, count * sizeof(float));
+      break;
+    case DType::kBF16:
+      convert_bf16_to_f32(static_cast<const std::uint16_t*>(src) + offset, dst, count);
+      break;
+    case DType::kF16:
+      convert_f16_to_f32(static_cast<const std::uint16_t*>(src) + offset, dst, count);
+      break;
+  }
+}
+
+// dst[i] += float(src[i]).
+void widen_add(const void* src, DType dtype, std::size_t count, float* dst) {
+  switch (dtype) {
+    case DType::kF32: {
+      const float* s = static_cast<const float*>(src);
+      for (std::size_t i = 0; i < count; ++i) dst[i] += s[i];
+      break;
+    }
+    case DType::kBF16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      for (std::size_t i = 0; i < count; ++i) dst[i] += bf16_to_f32(s[i]);
+      break;
+    }
+    case DType::kF16: {
+      const auto* s = static_cast<const std::uint16_t*>(src);
+      for (std::size_t i = 0; i < count; ++i) dst[i] += f16_to_f32(s[i]);
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+std::size_t GradReducer::partition_element_count(const Partitioner& partitioner) {
+  std::size_t total = 0;
+  for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
+    total += partitioner.group(g).shard_element_count;
+  }
+  return total;
+}
+
+GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& device,
+                         Communicator& comm, float* accumulator, const GradReducerOptions& options,
+                         EngineCounters* counters)
+    : partitioner_(partitioner),
+      rank_(rank),
+      world_(partitioner.world_size()),
+      device_(device),
+      comm_(comm),
+      accumulator_(accumulator),
+      options_(options),
+      counters_(counters) {}
+
+GradReducer::~GradReducer() {
+  if (stream_ != nullptr) (void)device_.synchronize(*stream_, options_.timeout);
+}
+
+Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& partitioner, int rank,
+                                                         Device& device, Communicator& comm,
+                                                         float* accumulator,
+                                                         const GradReducerOptions& options,
+                                                         EngineCounters* counters) {
+  ZINF_ASSERT(partitioner.finalized());
+  if (!device.host_accessible()) {
+    return Status::unsupported(
+        fmt::format("GradReducer: device {} is not host-accessible", device.name()));
+  }
+  std::unique_ptr<GradReducer> r(
+      new GradReducer(partitioner, rank, device, comm, accumulator, options, counters));
+  std::size_t offset = 0;
+  std::size_t largest_shard = 1;
+  for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
+    r->offsets_.push_back(offset);
+    offset += partitioner.group(g).shard_element_count;
+    largest_shard = std::max(largest_shard, partitioner.group(g).shard_element_count);
+  }
+  r->partition_elements_ = offset;
+  // A chunk larger than the largest shard would only waste bucket memory.
+  r->chunk_elements_ = std::clamp<std::size_t>(
+      options.bucket_elements / static_cast<std::size_t>(r->world_), 1, largest_shard);
+  r->counts_.assign(partitioner.param_count(), 0);
+  ZINF_ASSIGN_OR_RETURN(r->stream_, device.create_stream("grad_reduce"));
+  ZINF_ASSIGN_OR_RETURN(r->done_, device.create_event());
+  const std::size_t bucket_bytes =
+      r->chunk_elements_ * static_cast<std::size_t>(r->world_) * sizeof(float);
+  for (int k = 0; k < 2; ++k) {
+    ZINF_ASSIGN_OR_RETURN(r->buckets_[k], DeviceBuffer::allocate(device, bucket_bytes));
+    ZINF_ASSIGN_OR_RETURN(r->recv_[k],
+                          DeviceBuffer::allocate(device, r->chunk_elements_ * sizeof(float)));
+    ZINF_ASSIGN_OR_RETURN(r->bucket_free_[k], device.create_event());
+  }
+  if (!partitioner.partitions(StateKind::kGradients)) {
+    for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
+      ZINF_ASSIGN_OR_RETURN(
+          DeviceBuffer full,
+          DeviceBuffer::allocate(device, partitioner.group(g).padded_element_count * 4));
+      r->full_.push_back(std::move(full));
+    }
+  }
+  r->zero();
+  return r;
+}
+
+void GradReducer::zero() {
+  std::memset(accumulator_, 0, partition_elements_ * sizeof(float));
+  for (DeviceBuffer& full : full_) std::memset(full.data(), 0, full.bytes());
+  std::fill(counts_.begin(), counts_.end(), 0u);
+}
+
+Result<int> GradReducer::micro_batches() const {
+  const std::uint32_t first = counts_.empty() ? 0 : counts_[0];
+  for (ParamId id = 0; id < counts_.size(); ++id) {
+    if (counts_[id] != first || first == 0) {
+      return Status::failed_precondition(fmt::format(
+          "step: parameter '{}' had {} gradient(s) reduced since the last step, '{}' had {}; "
+          "every parameter needs the same number (>= 1)",
+          partitioner_.spec(id).name, counts_[id], partitioner_.spec(0).name, first));
+    }
+  }
+  return static_cast<int>(first);
+}
+
+template <typename Fill>
+Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t shard = info.shard_element_count;
+  const std::string name = fmt::format("grads group {}", g);
+  for (std::size_t c0 = 0; c0 < shard; c0 += chunk_elements_) {
+    const std::size_t count = std::min(chunk_elements_, shard - c0);
+    const int k = next_bucket_;
+    next_bucket_ ^= 1;
+    // The bucket's previous reduce-scatter and accumulation must be done before it is refilled.
+    ZINF_RETURN_IF_ERROR(device_.synchronize(*bucket_free_[k], options_.timeout));
+    float* bucket = buckets_[k].as<float>();
+    for (int q = 0; q < world_; ++q) {
+      fill(bucket + static_cast<std::size_t>(q) * count, partitioner_.shard_offset(g, q) + c0,
+           count);
+    }
+    float* recv = recv_[k].as<float>();
+    ZINF_RETURN_IF_ERROR(
+        comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
+    float* acc = accumulator_ + offsets_[g] + c0;
+    ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [acc, recv, count]() {
+      for (std::size_t i = 0; i < count; ++i) acc[i] += recv[i];
+      return Status::ok();
+    }));
+    ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
+    if (counters_ != nullptr) {
+      ++counters_->buckets_reduced;
+      counters_->reduce_scatter_bytes += count * static_cast<std::size_t>(world_) * 4;
+    }
+  }
+  return Status::ok();
+}
+
+Status GradReducer::wait_all() {
+  ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
+  return comm_.wait(*done_, options_.timeout);
+}
+
+Status GradReducer::reduce(std::span<const std::uint32_t> groups,
+                           std::span<const GradSource> sources) {
+  ZINF_ASSERT(sources.size() == partitioner_.param_count());
+  if (!partitioner_.partitions(StateKind::kGradients)) {
+    // Stage 1: accumulate locally; the reduce-scatter waits for the step.
+    for (std::uint32_t g : groups) {
+      const GroupInfo& info = partitioner_.group(g);
+      float* full = full_[g].as<float>();
+      for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+        const ParamLocation& loc = partitioner_.location(id);
+        ZINF_ASSERT(sources[id].data != nullptr);
+        widen_add(sources[id].data, sources[id].dtype, loc.element_count, full + loc.group_offset);
+        ++counts_[id];
+      }
+    }
+    return Status::ok();
+  }
+  for (std::uint32_t g : groups) {
+    const GroupInfo& info = partitioner_.group(g);
+    Status st = reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
+      std::memset(dst, 0, count * sizeof(float));
+      const std::size_t end = begin + count;
+      for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+        const ParamLocation& loc = partitioner_.location(id);
+        const std::size_t lo = std::max(begin, loc.group_offset);
+        const std::size_t hi = std::min(end, loc.group_offset + loc.element_count);
+        if (lo >= hi) continue;
+        ZINF_ASSERT(sources[id].data != nullptr);
+        widen(sources[id].data, sources[id].dtype, lo - loc.group_offset, hi - lo,
+              dst + (lo - begin));
+      }
+    });
+    ZINF_RETURN_IF_ERROR(st);
+    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+      ++counts_[id];
+    }
+  }
+  return wait_all();
+}
+
+Status GradReducer::reduce_accumulated() {
+  if (partitioner_.partitions(StateKind::kGradients)) return Status::ok();
+  for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+    const float* full = full_[g].as<float>();
+    ZINF_RETURN_IF_ERROR(reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
+      std::memcpy(dst, full + begin, count * sizeof(float));
+    }));
+  }
+  ZINF_RETURN_IF_ERROR(wait_all());
+  for (DeviceBuffer& f : full_) std::memset(f.data(), 0, f.bytes());
+  return Status::ok();
+}
+
+}  // namespace zinf

@@ -1,0 +1,117 @@
+// GradReducer: one rank's gradients, reduce-scattered over ranks into the owner of each slice.
+//
+// Every rank owns a slice of every partitioner group (Partitioner), and its fp32 gradient
+// accumulator is those slices laid end to end: group g's slice starts at partition_offset(g)
+// (the sum of the earlier groups' shard_element_count). Two ways in, by stage:
+//
+//   stages 2, 3  reduce(): the module's gradients are cut in buckets; a bucket takes the same
+//                `chunk` elements from every rank's slice of the group (so it is world * chunk
+//                elements, at most reduce_bucket_elements), is reduce-scattered (kAverage) so
+//                rank r receives the mean of its own chunk, and the result is added to the
+//                accumulator. Two buckets alternate: bucket k+1 is filled while k is reduced.
+//   stage 1      reduce() adds the gradients into a full-size fp32 copy of each group on this
+//                rank; reduce_accumulated() (at the step) reduce-scatters those in the same
+//                buckets into the accumulator and zeroes them.
+//
+// Gradients may be f32, bf16 or f16; they are widened to f32 in the bucket, so the averages and
+// the sums over micro-batches are f32 whatever the parameter's dtype. Padding stays zero.
+// The reducer counts, per parameter, the micro-batches reduced since zero(), so the step can
+// check that every parameter got the same number.
+//
+// Host work: buckets are filled and results accumulated by host code, so the device must be
+// host_accessible() (HostDevice); the collectives run on the reducer's stream.
+//
+// Thread-safety: one thread (the rank's).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "zero/partitioner.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/status.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+
+struct GradReducerOptions {
+  // Elements of one bucket over all ranks (DeepSpeed's reduce_bucket_size); each rank's chunk is
+  // this divided by the world size, at least one element.
+  std::size_t bucket_elements = 500'000'000;
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  Trace* trace = nullptr;
+  int trace_track = 0;
+};
+
+// One parameter's gradient as the reducer reads it (host-accessible device memory).
+struct GradSource {
+  const void* data = nullptr;  // null: no gradient for this parameter in this call
+  DType dtype = DType::kF32;
+};
+
+class GradReducer {
+ public:
+  // `accumulator`: partition_element_count() floats of host-accessible memory, owned by the
+  // caller; zeroed here. `counters` (optional) receives bucket and byte counts.
+  static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
+                                                     Device& device, Communicator& comm,
+                                                     float* accumulator,
+                                                     const GradReducerOptions& options,
+                                                     EngineCounters* counters);
+  ~GradReducer();
+
+  // The accumulator's size and where group g's slice starts in it.
+  static std::size_t partition_element_count(const Partitioner& partitioner);
+  std::size_t partition_offset(std::uint32_t group) const { return offsets_[group]; }
+  std::size_t chunk_elements() const { return chunk_elements_; }
+
+  // Reduces the gradients of the parameters of `groups` (sources indexed by ParamId; every
+  // parameter of these groups must have one). Collective over `groups` at stages 2 and 3; local
+  // at stage 1. Blocks until the sources have been read.
+  Status reduce(std::span<const std::uint32_t> groups, std::span<const GradSource> sources);
+  // Stage 1: reduce-scatters the full accumulators into the partition accumulator. Collective.
+  Status reduce_accumulated();
+
+  // The micro-batches every parameter was reduced in since zero(); kFailedPrecondition naming a
+  // parameter when they differ or are 0.
+  Result<int> micro_batches() const;
+  // Zeroes the accumulator(s) and the counts.
+  void zero();
+
+ private:
+  GradReducer(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
+              float* accumulator, const GradReducerOptions& options, EngineCounters* counters);
+  // Reduce-scatters group g, bucket by bucket; `fill(dst, group_offset, count)` writes `count`
+  // f32 gradient elements of the group starting at `group_offset` into `dst`.
+  template <typename Fill>
+  Status reduce_group(std::uint32_t g, Fill fill);
+  Status wait_all();
+
+  const Partitioner& partitioner_;
+  const int rank_;
+  const int world_;
+  Device& device_;
+  Communicator& comm_;
+  float* accumulator_;
+  GradReducerOptions options_;
+  EngineCounters* counters_;
+  std::vector<std::size_t> offsets_;
+  std::size_t partition_elements_ = 0;
+  std::size_t chunk_elements_ = 1;
+  std::vector<std::uint32_t> counts_;  // per parameter: micro-batches reduced
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> done_;
+  DeviceBuffer buckets_[2];
+  DeviceBuffer recv_[2];
+  std::unique_ptr<Event> bucket_free_[2];
+  int next_bucket_ = 0;
+  std::vector<DeviceBuffer> full_;  // stage 1: per group, padded_element_count floats
+};
+
+}  // namespace zinf

@@ -1,0 +1,62 @@
+// LossScaler: the dynamic loss scale of f16 training (Micikevicius et al. 2018, "Mixed
+// Precision Training", section 3.2; DeepSpeed's DynamicLossScaler).
+//
+// The loss is multiplied by scale() before the backward pass so that small f16 gradients do not
+// flush to zero; the step divides it out again. When a step's gradients overflow (an inf or NaN
+// on any rank) the step is skipped and, once `hysteresis` overflowing steps have been seen since
+// the last good run, the scale is divided by 2 (never below min_scale); after `window` good steps
+// in a row it is multiplied by 2. A static scaler (dynamic = false) never changes.
+//
+// Thread-safety: a value; not shared.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+namespace zinf {
+
+struct LossScalerOptions {
+  bool dynamic = true;
+  double initial_scale = 65536.0;
+  std::int64_t window = 1000;
+  int hysteresis = 2;
+  double min_scale = 1.0;
+};
+
+class LossScaler {
+ public:
+  LossScaler() = default;
+  explicit LossScaler(const LossScalerOptions& options)
+      : options_(options), scale_(options.initial_scale), hysteresis_left_(options.hysteresis) {}
+
+  double scale() const { return scale_; }
+  std::int64_t good_steps() const { return good_steps_; }
+
+  // Records the outcome of one step (called on every rank with the same, all-reduced, flag).
+  void update(bool overflow) {
+    if (!options_.dynamic) return;
+    if (overflow) {
+      good_steps_ = 0;
+      if (hysteresis_left_ <= 1) {
+        scale_ = std::max(scale_ / 2.0, options_.min_scale);
+      } else {
+        --hysteresis_left_;
+      }
+      return;
+    }
+    ++good_steps_;
+    if (good_steps_ >= options_.window) {
+      scale_ *= 2.0;
+      good_steps_ = 0;
+      hysteresis_left_ = options_.hysteresis;
+    }
+  }
+
+ private:
+  LossScalerOptions options_;
+  double scale_ = 1.0;
+  int hysteresis_left_ = 1;
+  std::int64_t good_steps_ = 0;
+};
+
+}  // namespace zinf

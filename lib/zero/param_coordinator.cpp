@@ -1,0 +1,396 @@
+#include "zero/param_coordinator.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+namespace {
+
+constexpr std::size_t kPage = 4096;
+std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+}  // namespace
+
+ParamCoordinator::ParamCoordinator(const Partitioner& partitioner, int rank, Device& device,
+                                   Communicator& comm, const ParamCoordinatorOptions& options,
+                                   SwapSpace* swap, EngineCounters* counters)
+    : partitioner_(partitioner),
+      rank_(rank),
+      device_(device),
+      comm_(comm),
+      options_(options),
+      swap_(swap),
+      counters_(counters) {}
+
+ParamCoordinator::~ParamCoordinator() {
+  if (stream_ != nullptr) (void)device_.synchronize(*stream_, options_.timeout);
+}
+
+Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
+    const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
+    std::vector<CoordinatorModule> modules, std::vector<bool> persistent,
+    const ParamCoordinatorOptions& options, SwapSpace* swap, IoEngine* io,
+    EngineCounters* counters) {
+  ZINF_ASSERT(partitioner.finalized());
+  ZINF_ASSERT(persistent.size() == partitioner.group_count());
+  if (!device.host_accessible()) {
+    return Status::unsupported(
+        fmt::format("ParamCoordinator: device {} is not host-accessible", device.name()));
+  }
+  std::unique_ptr<ParamCoordinator> c(
+      new ParamCoordinator(partitioner, rank, device, comm, options, swap, counters));
+  c->persistent_ = std::move(persistent);
+  const std::uint32_t groups = partitioner.group_count();
+  c->full_.resize(groups);
+  c->device_shard_.resize(groups);
+  c->host_shard_.resize(groups);
+  c->extent_.resize(groups);
+  std::size_t largest_shard_bytes = 0;
+  bool any_nvme = false;
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    const GroupInfo& info = partitioner.group(g);
+    const std::size_t bytes = dtype_bytes(info.dtype);
+    if (c->persistent_[g]) {
+      ZINF_ASSIGN_OR_RETURN(c->full_[g],
+                            DeviceBuffer::allocate(device, info.padded_element_count * bytes));
+      continue;
+    }
+    const std::size_t shard_bytes = info.shard_element_count * bytes;
+    switch (options.shard_tier) {
+      case OffloadDevice::kNone: {
+        ZINF_ASSIGN_OR_RETURN(c->device_shard_[g], DeviceBuffer::allocate(device, shard_bytes));
+        break;
+      }
+      case OffloadDevice::kHost:
+        c->host_shard_[g] = AlignedBuffer(round_page(shard_bytes));
+        break;
+      case OffloadDevice::kNvme: {
+        if (swap == nullptr) return Status::internal("ParamCoordinator: NVMe shards, no swap");
+        ZINF_ASSIGN_OR_RETURN(
+            c->extent_[g], swap->create(fmt::format("rank{}/param/group{}", rank, g), shard_bytes));
+        largest_shard_bytes = std::max(largest_shard_bytes, shard_bytes);
+        any_nvme = true;
+        break;
+      }
+    }
+  }
+  if (any_nvme) {
+    PinnedPoolOptions pool;
+    pool.block_bytes = round_page(largest_shard_bytes);
+    pool.block_count = std::max<std::size_t>(1, options.staging_blocks);
+    // Small staging blocks do not need huge pages; leave those to the optimizer's pool.
+    pool.huge_pages =
+        pool.block_bytes < (std::size_t{2} << 20) ? HugePages::kNone : HugePages::kAuto;
+    pool.device = &device;
+    ZINF_ASSIGN_OR_RETURN(c->staging_, PinnedPool::create(pool));
+    if (io != nullptr) ZINF_RETURN_IF_ERROR(c->staging_->register_with(*io));
+  }
+  for (CoordinatorModule& m : modules) {
+    Module mod;
+    mod.name = std::move(m.name);
+    mod.groups = std::move(m.groups);
+    for (std::uint32_t g : mod.groups) {
+      if (!c->persistent_[g]) {
+        mod.partitioned.push_back(g);
+        mod.elements += partitioner.group(g).padded_element_count;
+      }
+    }
+    ZINF_ASSIGN_OR_RETURN(mod.ready, device.create_event());
+    c->modules_.push_back(std::move(mod));
+  }
+  ZINF_ASSIGN_OR_RETURN(c->stream_, device.create_stream("param_gather"));
+  ZINF_ASSIGN_OR_RETURN(c->done_, device.create_event());
+  if (counters != nullptr) {
+    for (std::uint32_t g = 0; g < groups; ++g) {
+      if (c->persistent_[g] && partitioner.partitions(StateKind::kParameters)) {
+        counters->persistent_elements += partitioner.group(g).padded_element_count;
+      }
+    }
+  }
+  return c;
+}
+
+void ParamCoordinator::instant(const std::string& what) {
+  if (options_.trace == nullptr) return;
+  const std::int64_t now = Trace::now_ns();
+  options_.trace->add(options_.trace_track, what, now, now);
+}
+
+void ParamCoordinator::note_live() {
+  if (counters_ == nullptr) return;
+  counters_->live_elements = live_elements_;
+  counters_->live_elements_peak =
+      std::max<std::uint64_t>(counters_->live_elements_peak, live_elements_);
+}
+
+Status ParamCoordinator::write_shard(std::uint32_t g, const void* shard) {
+  ZINF_RETURN_IF_ERROR(error_);
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t bytes = dtype_bytes(info.dtype);
+  const std::size_t shard_bytes = info.shard_element_count * bytes;
+  if (persistent_[g]) {
+    std::byte* own = full_[g].as<std::byte>() + partitioner_.shard_offset(g, rank_) * bytes;
+    return device_.copy_h2d(own, shard, shard_bytes, *stream_);
+  }
+  switch (options_.shard_tier) {
+    case OffloadDevice::kNone:
+      return device_.copy_h2d(device_shard_[g].data(), shard, shard_bytes, *stream_);
+    case OffloadDevice::kHost:
+      std::memcpy(host_shard_[g].data(), shard, shard_bytes);
+      return Status::ok();
+    case OffloadDevice::kNvme: {
+      ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
+      std::memcpy(lease.data(), shard, shard_bytes);
+      std::memset(lease.data() + shard_bytes, 0, round_page(shard_bytes) - shard_bytes);
+      ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, swap_->write(extent_[g], lease.data()));
+      Status st = swap_->wait(ticket, options_.timeout);
+      if (!st.is_ok()) {
+        error_ = st;
+        return st;
+      }
+      if (counters_ != nullptr) counters_->param_nvme_write_bytes += round_page(shard_bytes);
+      return Status::ok();
+    }
+  }
+  return Status::ok();
+}
+
+Status ParamCoordinator::publish() {
+  ZINF_RETURN_IF_ERROR(error_);
+  for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+    if (!persistent_[g]) continue;
+    const GroupInfo& info = partitioner_.group(g);
+    const std::size_t bytes = dtype_bytes(info.dtype);
+    std::byte* full = full_[g].as<std::byte>();
+    Status st = comm_.all_gather(full + partitioner_.shard_offset(g, rank_) * bytes, full,
+                                 info.shard_element_count, info.dtype, *stream_,
+                                 fmt::format("params group {}", g));
+    if (!st.is_ok()) {
+      error_ = st;
+      return st;
+    }
+    if (counters_ != nullptr) counters_->all_gather_bytes += info.padded_element_count * bytes;
+  }
+  Status st = device_.record(*done_, *stream_);
+  if (st.is_ok()) st = comm_.wait(*done_, options_.timeout);
+  if (!st.is_ok()) error_ = st;
+  return st;
+}
+
+Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
+  Module& mod = modules_[m];
+  for (std::uint32_t g : mod.partitioned) {
+    const GroupInfo& info = partitioner_.group(g);
+    const std::size_t bytes = dtype_bytes(info.dtype);
+    const std::size_t shard_bytes = info.shard_element_count * bytes;
+    ZINF_ASSIGN_OR_RETURN(full_[g],
+                          DeviceBuffer::allocate(device_, info.padded_element_count * bytes));
+    std::byte* full = full_[g].as<std::byte>();
+    std::byte* own = full + partitioner_.shard_offset(g, rank_) * bytes;
+    switch (options_.shard_tier) {
+      case OffloadDevice::kNone:
+        ZINF_RETURN_IF_ERROR(device_.copy_d2d(own, device_shard_[g].data(), shard_bytes, *stream_));
+        break;
+      case OffloadDevice::kHost:
+        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, host_shard_[g].data(), shard_bytes, *stream_));
+        break;
+      case OffloadDevice::kNvme: {
+        // The read starts now; the stream waits for it, copies the block up and returns it, so
+        // the block is busy only while its shard moves.
+        ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
+        ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, swap_->read(extent_[g], lease.data()));
+        auto held = std::make_shared<PinnedPool::Lease>(std::move(lease));
+        SwapSpace* swap = swap_;
+        const std::chrono::milliseconds timeout = options_.timeout;
+        ZINF_RETURN_IF_ERROR(device_.launch_host(
+            *stream_, [swap, ticket, timeout]() { return swap->wait(ticket, timeout); }));
+        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, held->data(), shard_bytes, *stream_));
+        ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [held]() {
+          held->release();
+          return Status::ok();
+        }));
+        if (counters_ != nullptr) counters_->param_nvme_read_bytes += round_page(shard_bytes);
+        break;
+      }
+    }
+    ZINF_RETURN_IF_ERROR(comm_.all_gather(own, full, info.shard_element_count, info.dtype, *stream_,
+                                          fmt::format("params group {}", g)));
+    if (counters_ != nullptr) counters_->all_gather_bytes += info.padded_element_count * bytes;
+  }
+  ZINF_RETURN_IF_ERROR(device_.record(*mod.ready, *stream_));
+  live_elements_ += mod.elements;
+  note_live();
+  if (counters_ != nullptr) {
+    ++counters_->gathers_issued;
+    if (prefetch) ++counters_->prefetches_issued;
+  }
+  instant("issue " + mod.name);
+  return Status::ok();
+}
+
+Status ParamCoordinator::wait_ready(std::size_t m) {
+  Trace::Span span(options_.trace, options_.trace_track, "wait " + modules_[m].name);
+  Status st = comm_.wait(*modules_[m].ready, options_.timeout);
+  if (!st.is_ok()) error_ = st;
+  return st;
+}
+
+void ParamCoordinator::free_module(std::size_t m) {
+  Module& mod = modules_[m];
+  for (std::uint32_t g : mod.partitioned) full_[g].reset();
+  if (mod.state != State::kIdle) live_elements_ -= mod.elements;
+  mod.state = State::kIdle;
+  note_live();
+  instant("release " + mod.name);
+}
+
+void ParamCoordinator::prefetch_after(std::size_t position) {
+  if (!frozen_) return;
+  for (std::size_t k = position; k < order_.size() && error_.is_ok(); ++k) {
+    const std::size_t p = order_[k];
+    Module& mod = modules_[p];
+    if (mod.state != State::kIdle || mod.elements == 0) continue;
+    if (prefetched_elements_ + mod.elements > options_.prefetch_elements) break;
+    if (live_elements_ + mod.elements > options_.max_live_elements) break;
+    Status st = issue(p, /*prefetch=*/true);
+    if (!st.is_ok()) {
+      error_ = st;
+      return;
+    }
+    mod.state = State::kPrefetched;
+    prefetched_.push_back(p);
+    prefetched_elements_ += mod.elements;
+  }
+}
+
+Status ParamCoordinator::gather(std::size_t m) {
+  ZINF_RETURN_IF_ERROR(error_);
+  Module& mod = modules_[m];
+  if (mod.state == State::kInUse) {
+    return Status::failed_precondition(
+        fmt::format("gather('{}'): the module is gathered already (release it first)", mod.name));
+  }
+  // Room for it, before anything changes: only prefetched modules may be dropped for it.
+  if (mod.state == State::kIdle) {
+    std::size_t droppable = 0;
+    for (std::size_t p : prefetched_) droppable += modules_[p].elements;
+    if (live_elements_ - droppable + mod.elements > options_.max_live_elements) {
+      return Status::resource_exhausted(fmt::format(
+          "gather('{}'): its {} elements do not fit stage3_max_live_parameters {} beside the {} "
+          "elements of modules still gathered",
+          mod.name, mod.elements, options_.max_live_elements, live_elements_ - droppable));
+    }
+  }
+  if (counters_ != nullptr) ++counters_->gathers;
+  if (!frozen_) {
+    order_.push_back(m);
+  } else if (cursor_ < order_.size() && order_[cursor_] == m) {
+    ++cursor_;
+  } else {
+    // Off the recorded order: look further on, then from the start (a new micro-batch).
+    auto it = std::find(order_.begin() + static_cast<std::ptrdiff_t>(cursor_), order_.end(), m);
+    if (it == order_.end()) it = std::find(order_.begin(), order_.end(), m);
+    if (it != order_.end()) {
+      cursor_ = static_cast<std::size_t>(it - order_.begin()) + 1;
+    }
+    const bool restart = it != order_.end() && it == order_.begin();
+    if (!restart && counters_ != nullptr) ++counters_->order_misses;
+  }
+  if (mod.state == State::kPrefetched) {
+    if (counters_ != nullptr) ++counters_->prefetch_hits;
+    prefetched_.erase(std::find(prefetched_.begin(), prefetched_.end(), m));
+    prefetched_elements_ -= mod.elements;
+    mod.state = State::kInUse;
+  } else {
+    while (live_elements_ + mod.elements > options_.max_live_elements && !prefetched_.empty()) {
+      const std::size_t p = prefetched_.back();
+      prefetched_.pop_back();
+      prefetched_elements_ -= modules_[p].elements;
+      ZINF_RETURN_IF_ERROR(wait_ready(p));
+      free_module(p);
+      if (counters_ != nullptr) ++counters_->prefetches_dropped;
+    }
+    if (mod.elements > 0) {
+      Status st = issue(m, /*prefetch=*/false);
+      if (!st.is_ok()) {
+        error_ = st;
+        return st;
+      }
+    }
+    mod.state = State::kInUse;
+  }
+  prefetch_after(cursor_);
+  return wait_ready(m);
+}
+
+Status ParamCoordinator::release(std::size_t m) {
+  ZINF_RETURN_IF_ERROR(error_);
+  Module& mod = modules_[m];
+  if (mod.state != State::kInUse) {
+    return Status::failed_precondition(
+        fmt::format("release('{}'): the module is not gathered", mod.name));
+  }
+  free_module(m);
+  return Status::ok();
+}
+
+bool ParamCoordinator::gathered(std::size_t module) const {
+  return modules_[module].state == State::kInUse;
+}
+
+void* ParamCoordinator::group_data(std::uint32_t g) const { return full_[g].data(); }
+
+Status ParamCoordinator::drop_prefetched() {
+  Status first;
+  for (std::size_t p : prefetched_) {
+    Status st = wait_ready(p);
+    if (first.is_ok() && !st.is_ok()) first = st;
+    free_module(p);
+    if (counters_ != nullptr) ++counters_->prefetches_dropped;
+  }
+  prefetched_.clear();
+  prefetched_elements_ = 0;
+  cursor_ = 0;
+  return first;
+}
+
+void ParamCoordinator::freeze_order() {
+  frozen_ = true;
+  cursor_ = 0;
+}
+
+long ParamCoordinator::first_in_use() const {
+  for (std::size_t m = 0; m < modules_.size(); ++m) {
+    if (modules_[m].state == State::kInUse) return static_cast<long>(m);
+  }
+  return -1;
+}
+
+std::uint64_t ParamCoordinator::device_bytes() const {
+  std::uint64_t total = 0;
+  for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+    if (persistent_[g]) total += full_[g].bytes();
+    total += device_shard_[g].bytes();
+  }
+  return total;
+}
+
+std::uint64_t ParamCoordinator::host_bytes() const {
+  std::uint64_t total = staging_ != nullptr ? staging_->bytes() : 0;
+  for (const AlignedBuffer& b : host_shard_) total += b.bytes();
+  return total;
+}
+
+std::uint64_t ParamCoordinator::nvme_bytes() const {
+  std::uint64_t total = 0;
+  for (const ExtentId& e : extent_) {
+    if (e.valid()) total += swap_->info(e).disk_bytes;
+  }
+  return total;
+}
+
+}  // namespace zinf

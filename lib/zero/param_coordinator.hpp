@@ -1,0 +1,161 @@
+// ParamCoordinator: where each rank's parameters live and when the full ones exist on the device.
+//
+// Groups come in two kinds (Partitioner groups; a module has one or more of each):
+//   persistent   the full group stays on the device all the time; the rank's slice of it is the
+//                rank's shard. Every group at stages 1 and 2; at stage 3 the groups of small
+//                parameters (<= stage3_param_persistence_threshold elements each).
+//   partitioned  stage 3: only the rank's shard is kept, on the device, in host memory or on
+//                NVMe (one swap extent per group); gather() all-gathers the group into a device
+//                buffer allocated for it, release() frees it.
+//
+// Order and prefetch. Until freeze_order() (the engine calls it at the first step), every gather
+// appends its module to the recorded order. Afterwards a cursor follows the order; each gather
+// issues, behind its own all-gather on the coordinator's stream, the all-gathers of the modules
+// that come next in the order, as long as (a) the prefetched, unclaimed elements stay within
+// prefetch_elements and (b) all gathered elements (in use plus prefetched) stay within
+// max_live_elements. A gather of a module that was prefetched only waits for it (a hit). A
+// gather that does not fit drops prefetched modules, the furthest first, then fails with
+// kResourceExhausted naming the module and the sizes. Every decision depends only on the order
+// of calls and the sizes, never on timing, so every rank issues the same collectives.
+//
+// NVMe shards are read into pinned staging blocks (PinnedPool, offload_param.buffer_count
+// blocks, each one shard): the read is submitted when the gather is issued, the stream waits for
+// it, copies the block to the device and returns the block, so reads of the next modules overlap
+// the current module's compute.
+//
+// Trace (track given at create): an instant "issue <module>" when a module's all-gather is
+// issued, "release <module>" when it is freed, and a span "wait <module>" for gather()'s wait.
+//
+// Host work: NVMe staging and shard writes use host code, so the device must be
+// host_accessible() (HostDevice).
+//
+// Thread-safety: one thread (the rank's).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/aligned.hpp"
+#include "device/pinned_pool.hpp"
+#include "io/swap_space.hpp"
+#include "zero/partitioner.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/status.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+
+struct ParamCoordinatorOptions {
+  // Where partitioned shards live (stage 3); ignored when no group is partitioned.
+  OffloadDevice shard_tier = OffloadDevice::kNone;
+  std::size_t prefetch_elements = 50'000'000;
+  std::size_t max_live_elements = 1'000'000'000;
+  // Pinned staging blocks for NVMe shards (>= 1).
+  std::size_t staging_blocks = 4;
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+  Trace* trace = nullptr;
+  int trace_track = 0;
+};
+
+struct CoordinatorModule {
+  std::string name;
+  std::vector<std::uint32_t> groups;  // partitioner groups, persistent and partitioned
+};
+
+class ParamCoordinator {
+ public:
+  // `persistent[g]` says which groups stay gathered. `swap` (required when shard_tier is kNvme
+  // and some group is partitioned) gets one extent per partitioned group, and `io` the staging
+  // pool's registration. Allocates every persistent buffer and every device/host shard.
+  static Result<std::unique_ptr<ParamCoordinator>> create(const Partitioner& partitioner, int rank,
+                                                          Device& device, Communicator& comm,
+                                                          std::vector<CoordinatorModule> modules,
+                                                          std::vector<bool> persistent,
+                                                          const ParamCoordinatorOptions& options,
+                                                          SwapSpace* swap, IoEngine* io,
+                                                          EngineCounters* counters);
+  ~ParamCoordinator();
+
+  // Stores this rank's new shard of group g (shard_element_count elements of the group's dtype,
+  // host memory, read before the call returns or before publish() returns). For persistent
+  // groups it lands in the rank's slice of the full buffer, to be all-gathered by publish().
+  // REQUIRES: no gather in flight or in use (after drop_prefetched(), nothing gathered).
+  Status write_shard(std::uint32_t g, const void* shard);
+  // All-gathers every persistent group (after write_shard of each). Collective.
+  Status publish();
+
+  // See the file comment. module indexes modules as given to create().
+  Status gather(std::size_t module);
+  Status release(std::size_t module);
+  bool gathered(std::size_t module) const;
+  // The full group's device buffer when it is available (persistent, or its module gathered);
+  // nullptr otherwise.
+  void* group_data(std::uint32_t g) const;
+
+  // Waits for and frees every prefetched (unclaimed) module. Returns the first error.
+  Status drop_prefetched();
+  // Stops recording; later gathers follow and prefetch the recorded order.
+  void freeze_order();
+  bool order_frozen() const { return frozen_; }
+  const std::vector<std::size_t>& order() const { return order_; }
+  // The first module in use, or -1.
+  long first_in_use() const;
+
+  // Bytes of parameters kept per tier.
+  std::uint64_t device_bytes() const;
+  std::uint64_t host_bytes() const;
+  std::uint64_t nvme_bytes() const;
+
+ private:
+  enum class State : std::uint8_t { kIdle, kPrefetched, kInUse };
+  struct Module {
+    std::string name;
+    std::vector<std::uint32_t> groups;       // all
+    std::vector<std::uint32_t> partitioned;  // the ones gather() moves
+    std::size_t elements = 0;                // padded elements of `partitioned`
+    State state = State::kIdle;
+    std::unique_ptr<Event> ready;
+  };
+  ParamCoordinator(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
+                   const ParamCoordinatorOptions& options, SwapSpace* swap,
+                   EngineCounters* counters);
+  Status issue(std::size_t m, bool prefetch);
+  Status wait_ready(std::size_t m);
+  void free_module(std::size_t m);
+  void prefetch_after(std::size_t position);
+  void note_live();
+  void instant(const std::string& what);
+
+  const Partitioner& partitioner_;
+  const int rank_;
+  Device& device_;
+  Communicator& comm_;
+  ParamCoordinatorOptions options_;
+  SwapSpace* swap_;
+  EngineCounters* counters_;
+  std::vector<Module> modules_;
+  std::vector<bool> persistent_;
+  std::vector<DeviceBuffer> full_;          // per group: persistent, or gathered
+  std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
+  std::vector<AlignedBuffer> host_shard_;   // per partitioned group, shard tier host
+  std::vector<ExtentId> extent_;            // per partitioned group, shard tier nvme
+  std::unique_ptr<PinnedPool> staging_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> done_;
+  std::vector<std::size_t> order_;
+  std::vector<std::size_t> prefetched_;  // modules in kPrefetched, in issue order
+  std::size_t cursor_ = 0;
+  bool frozen_ = false;
+  std::size_t live_elements_ = 0;
+  std::size_t prefetched_elements_ = 0;
+  Status error_;
+};
+
+}  // namespace zinf
