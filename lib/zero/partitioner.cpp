@@ -177,26 +177,36 @@ Status Partitioner::finalize() {
 
   XXH3_state_t* state = XXH3_createState();
   ZINF_ASSERT(state != nullptr);
-  XXH3_64bits_reset(state);
   const std::uint64_t option_words[] = {static_cast<std::uint64_t>(options_.world_size),
                                         static_cast<std::uint64_t>(options_.stage),
                                         options_.alignment_elements,
                                         options_.param_alignment_elements,
                                         options_.group_max_elements,
                                         options_.group_by_module ? 1u : 0u};
-  hash_bytes(state, option_words, sizeof(option_words));
+  options_hash_ = XXH3_64bits(option_words, sizeof(option_words));
+  param_hashes_.clear();
   for (const ParamSpec& spec : params_) {
+    XXH3_64bits_reset(state);
     hash_string(state, spec.name);
     hash_string(state, spec.module);
     const std::uint64_t rank_and_dtype[] = {spec.shape.size(),
                                             static_cast<std::uint64_t>(spec.dtype)};
     hash_bytes(state, rank_and_dtype, sizeof(rank_and_dtype));
     hash_bytes(state, spec.shape.data(), spec.shape.size() * sizeof(std::int64_t));
+    param_hashes_.push_back(XXH3_64bits_digest(state));
   }
+  XXH3_64bits_reset(state);
+  hash_bytes(state, &options_hash_, sizeof(options_hash_));
+  hash_bytes(state, param_hashes_.data(), param_hashes_.size() * sizeof(std::uint64_t));
   fingerprint_ = XXH3_64bits_digest(state);
   XXH3_freeState(state);
   finalized_ = true;
   return Status::ok();
+}
+
+std::uint64_t Partitioner::param_hash(ParamId id) const {
+  ZINF_ASSERT(finalized_ && id < param_hashes_.size());
+  return param_hashes_[id];
 }
 
 const ParamSpec& Partitioner::spec(ParamId id) const {
@@ -293,6 +303,100 @@ std::size_t Partitioner::rank_element_count(StateKind kind) const {
     total += partitions(kind) ? info.shard_element_count : info.padded_element_count;
   }
   return total;
+}
+
+namespace {
+
+// All-gathers `words` 64-bit values from every rank through device memory. The collectives move
+// bytes, so the values travel as pairs of f32 elements bit for bit (no arithmetic touches them).
+Result<std::vector<std::uint64_t>> all_gather_words(Communicator& comm, Stream& stream, Event& done,
+                                                    const std::vector<std::uint64_t>& words,
+                                                    std::string_view name,
+                                                    std::chrono::milliseconds timeout) {
+  Device& device = comm.device();
+  const std::size_t world = static_cast<std::size_t>(comm.world_size());
+  const std::size_t bytes = words.size() * sizeof(std::uint64_t);
+  std::vector<std::uint64_t> gathered(words.size() * world);
+  if (words.empty()) return gathered;
+  ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::allocate(device, bytes * world));
+  std::byte* own = buffer.as<std::byte>() + static_cast<std::size_t>(comm.rank()) * bytes;
+  ZINF_RETURN_IF_ERROR(device.copy_h2d(own, words.data(), bytes, stream));
+  ZINF_RETURN_IF_ERROR(
+      comm.all_gather(own, buffer.data(), words.size() * 2, DType::kF32, stream, name));
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(gathered.data(), buffer.data(), bytes * world, stream));
+  ZINF_RETURN_IF_ERROR(device.record(done, stream));
+  ZINF_RETURN_IF_ERROR(comm.wait(done, timeout));
+  return gathered;
+}
+
+}  // namespace
+
+Status check_layout_agreement(const Partitioner& p, Communicator& comm,
+                              std::chrono::milliseconds timeout) {
+  ZINF_ASSERT(p.finalized());
+  Device& device = comm.device();
+  ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("layout_check"));
+  ZINF_ASSIGN_OR_RETURN(auto done, device.create_event());
+  const int world = comm.world_size();
+  const int rank = comm.rank();
+  auto context = [&](const Status& s) {
+    return s.with_context(fmt::format("checking the parameter layout on rank {}", rank));
+  };
+
+  // Round 1: every rank's fingerprint, options and parameter count.
+  const std::vector<std::uint64_t> header = {p.fingerprint(), p.options_hash(), p.param_count()};
+  Result<std::vector<std::uint64_t>> headers =
+      all_gather_words(comm, *stream, *done, header, "layout.header", timeout);
+  if (!headers.is_ok()) return context(headers.status());
+  std::uint64_t min_count = header[2];
+  bool all_equal = true;
+  for (int r = 0; r < world; ++r) {
+    const std::uint64_t* other = headers->data() + 3 * static_cast<std::size_t>(r);
+    all_equal = all_equal && other[0] == header[0];
+    min_count = std::min(min_count, other[2]);
+  }
+  if (all_equal) return Status::ok();
+  if (p.world_size() != world) {
+    return Status::invalid_argument(fmt::format(
+        "parameter layout: rank {} partitions over {} ranks but the communicator has {}", rank,
+        p.world_size(), world));
+  }
+  for (int r = 0; r < world; ++r) {
+    if ((*headers)[3 * static_cast<std::size_t>(r) + 1] != header[1]) {
+      return Status::invalid_argument(fmt::format(
+          "parameter layout: partitioner options (stage, alignment, group size) differ between "
+          "rank {} and rank {}",
+          rank, r));
+    }
+  }
+
+  // Round 2: the hash of each parameter both sides have, to name the first that differs.
+  std::vector<std::uint64_t> hashes;
+  for (ParamId id = 0; id < min_count; ++id) hashes.push_back(p.param_hash(id));
+  Result<std::vector<std::uint64_t>> all_hashes =
+      all_gather_words(comm, *stream, *done, hashes, "layout.params", timeout);
+  if (!all_hashes.is_ok()) return context(all_hashes.status());
+  for (ParamId id = 0; id < min_count; ++id) {
+    for (int r = 0; r < world; ++r) {
+      if ((*all_hashes)[static_cast<std::size_t>(r) * min_count + id] != hashes[id]) {
+        const ParamSpec& spec = p.spec(id);
+        return Status::invalid_argument(fmt::format(
+            "parameter layout: parameter #{} is '{}' (module '{}', shape {}, {}) on rank {} but "
+            "rank {} registered a different name, module, shape or dtype",
+            id, spec.name, spec.module, shape_text(spec.shape), dtype_name(spec.dtype), rank, r));
+      }
+    }
+  }
+  for (int r = 0; r < world; ++r) {
+    const std::uint64_t count = (*headers)[3 * static_cast<std::size_t>(r) + 2];
+    if (count != header[2]) {
+      return Status::invalid_argument(fmt::format(
+          "parameter layout: rank {} registered {} parameters, rank {} registered {} (the first "
+          "{} agree)",
+          rank, header[2], r, count, min_count));
+    }
+  }
+  return Status::internal("parameter layout: fingerprints differ but every part agrees");
 }
 
 }  // namespace zinf

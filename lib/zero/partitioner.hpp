@@ -17,7 +17,8 @@
 // ranks' data). The cost is at most world_size * 128 - 1 padding elements a group.
 //
 // The layout depends only on the options and the registration order, never on the rank, so every
-// rank computes the same one; fingerprint() lets ranks check that with one all-reduce.
+// rank computes the same one; check_layout_agreement() verifies that over a Communicator and names
+// the first parameter registered differently.
 //
 // The stage records which kinds of state are partitioned (stage 1: optimizer state; stage 2:
 // also gradients; stage 3: also parameters); the layout is the same for every stage.
@@ -26,6 +27,7 @@
 // and every const method may be called from any thread.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -35,6 +37,7 @@
 #include <string_view>
 #include <vector>
 
+#include "zinf/comm.hpp"
 #include "zinf/dtype.hpp"
 #include "zinf/status.hpp"
 
@@ -162,6 +165,9 @@ class Partitioner {
   // A 64-bit hash of the options and every registered parameter (name, module, shape, dtype), in
   // order. Equal on every rank exactly when their layouts are equal.
   std::uint64_t fingerprint() const { return fingerprint_; }
+  // A hash of the options alone, and of parameter `id`'s name, module, shape and dtype.
+  std::uint64_t options_hash() const { return options_hash_; }
+  std::uint64_t param_hash(ParamId id) const;
 
  private:
   explicit Partitioner(const PartitionerOptions& options) : options_(options) {}
@@ -175,6 +181,17 @@ class Partitioner {
   std::vector<std::string> modules_;
   std::map<std::string, std::vector<std::uint32_t>, std::less<>> module_groups_;
   std::uint64_t fingerprint_ = 0;
+  std::uint64_t options_hash_ = 0;
+  std::vector<std::uint64_t> param_hashes_;
 };
+
+// Checks with collectives over `comm` that every rank finalized the same layout: same options,
+// same parameters (name, module, shape, dtype) in the same order. Returns OK on every rank, or
+// kInvalidArgument on every rank naming the first parameter that differs (or the differing option
+// set or parameter count), so that a job whose ranks disagree fails before any state is sharded.
+// Collective errors come back as they are.
+// REQUIRES: p.finalized(); every rank of `comm` calls it; not between group_start/group_end.
+Status check_layout_agreement(const Partitioner& p, Communicator& comm,
+                              std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 }  // namespace zinf

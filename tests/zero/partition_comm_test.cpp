@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <thread>
 #include <vector>
 
@@ -143,6 +144,95 @@ TEST_P(PartitionComm, GatherRebuildsParametersAndReduceScatterAveragesSlices) {
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, PartitionComm, ::testing::Values(1, 2, 3, 4, 5));
+
+}  // namespace
+}  // namespace zinf
+
+namespace zinf {
+namespace {
+
+// Ranks that register different parameters get the same clear error on every rank, naming the
+// first parameter that differs; ranks that agree get OK.
+TEST(PartitionComm, LayoutAgreementNamesTheFirstDifferingParameter) {
+  using Tweak = std::function<void(int rank, PartitionerOptions&, std::vector<ParamSpec>&)>;
+  struct Case {
+    const char* what;
+    Tweak tweak;
+    const char* expected;  // empty: agreement
+  };
+  const std::vector<Case> cases = {
+      {"same", [](int, PartitionerOptions&, std::vector<ParamSpec>&) {}, ""},
+      {"shape",
+       [](int rank, PartitionerOptions&, std::vector<ParamSpec>& specs) {
+         if (rank == 2) specs[3].shape = {4, 5};
+       },
+       "parameter #3 is 'm1.p3'"},
+      {"dtype",
+       [](int rank, PartitionerOptions&, std::vector<ParamSpec>& specs) {
+         if (rank == 0) specs[1].dtype = DType::kBF16;
+       },
+       "parameter #1 is 'm0.p1'"},
+      {"extra parameter",
+       [](int rank, PartitionerOptions&, std::vector<ParamSpec>& specs) {
+         if (rank == 1) specs.push_back({"m9.extra", "m9", {7}, DType::kF32});
+       },
+       "registered 5"},
+      {"options",
+       [](int rank, PartitionerOptions& options, std::vector<ParamSpec>&) {
+         if (rank == 1) options.stage = ZeroStage::kStage2;
+       },
+       "options"},
+  };
+  const int world_size = 3;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.what);
+    std::vector<std::unique_ptr<Device>> devices;
+    std::vector<Device*> raw;
+    for (int r = 0; r < world_size; ++r) {
+      HostDeviceOptions device_options;
+      device_options.ordinal = r;
+      devices.push_back(std::move(make_host_device(device_options)).value());
+      raw.push_back(devices.back().get());
+    }
+    auto comms = std::move(make_local_comm_group(raw)).value();
+    std::vector<Status> statuses(world_size);
+    std::vector<std::thread> threads;
+    for (int rank = 0; rank < world_size; ++rank) {
+      threads.emplace_back([&, rank] {
+        PartitionerOptions options;
+        options.world_size = world_size;
+        std::vector<ParamSpec> specs = {{"m0.p0", "m0", {3, 4}, DType::kF32},
+                                        {"m0.p1", "m0", {5}, DType::kF32},
+                                        {"m1.p2", "m1", {}, DType::kF32},
+                                        {"m1.p3", "m1", {4, 4}, DType::kF32}};
+        c.tweak(rank, options, specs);
+        Result<Partitioner> p = Partitioner::create(options);
+        if (!p.is_ok()) {
+          statuses[static_cast<std::size_t>(rank)] = p.status();
+          return;
+        }
+        for (const ParamSpec& spec : specs) (void)p->add(spec);
+        if (Status s = p->finalize(); !s.is_ok()) {
+          statuses[static_cast<std::size_t>(rank)] = s;
+          return;
+        }
+        statuses[static_cast<std::size_t>(rank)] = check_layout_agreement(
+            *p, *comms[static_cast<std::size_t>(rank)], std::chrono::seconds(30));
+      });
+    }
+    for (auto& thread : threads) thread.join();
+    for (int r = 0; r < world_size; ++r) {
+      const Status& s = statuses[static_cast<std::size_t>(r)];
+      if (std::string_view(c.expected).empty()) {
+        EXPECT_TRUE(s.is_ok()) << s.to_string();
+        continue;
+      }
+      EXPECT_EQ(s.code(), Code::kInvalidArgument) << "rank " << r << ": " << s.to_string();
+      EXPECT_NE(s.message().find(c.expected), std::string_view::npos)
+          << "rank " << r << ": " << s.to_string();
+    }
+  }
+}
 
 }  // namespace
 }  // namespace zinf
