@@ -148,7 +148,9 @@ class Engine::Impl {
     }
     ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("engine"));
     ZINF_ASSIGN_OR_RETURN(event_, device_.create_event());
-    ZINF_ASSIGN_OR_RETURN(scratch_, DeviceBuffer::allocate(device_, 256 * sizeof(float)));
+    // The norm exchange: this rank's double, then every rank's.
+    ZINF_ASSIGN_OR_RETURN(
+        scratch_, DeviceBuffer::allocate(device_, (1 + static_cast<std::size_t>(world_)) * 8));
     return Status::ok();
   }
 
@@ -715,17 +717,19 @@ class Engine::Impl {
     }
     sumsq *= unscale * unscale;
     {
+      // Each rank's sum of squares travels as a double (all-gathered bit for bit) and every rank
+      // adds them in rank order in double, so the norm carries no f32 rounding of the reduction
+      // and is the same bits everywhere. An overflow travels as an infinity.
       Trace::Span span(env_.trace, track_, "step norm");
-      float* buf = scratch_.as<float>();
-      buf[0] = overflow ? 1.0f : 0.0f;
-      buf[1] = overflow ? 0.0f : static_cast<float>(sumsq);
-      ZINF_RETURN_IF_ERROR(
-          comm_.all_reduce(buf, buf, 2, DType::kF32, ReduceOp::kSum, *stream_, "grad norm"));
+      double* buf = scratch_.as<double>();
+      buf[0] = overflow ? std::numeric_limits<double>::infinity() : sumsq;
+      ZINF_RETURN_IF_ERROR(comm_.all_gather(buf, buf + 1, 2, DType::kF32, *stream_, "grad norm"));
       ZINF_RETURN_IF_ERROR(device_.record(*event_, *stream_));
       ZINF_RETURN_IF_ERROR(comm_.wait(*event_, timeout_));
-      overflow = buf[0] != 0.0f || !std::isfinite(buf[1]);
-      rep.grad_norm = overflow ? std::numeric_limits<double>::infinity()
-                               : std::sqrt(static_cast<double>(buf[1]));
+      double total = 0.0;
+      for (int r = 0; r < world_; ++r) total += buf[1 + r];
+      overflow = !std::isfinite(total);
+      rep.grad_norm = overflow ? std::numeric_limits<double>::infinity() : std::sqrt(total);
     }
     std::int64_t t2 = Trace::now_ns();
     rep.norm_ns = t2 - t1;

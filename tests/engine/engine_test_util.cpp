@@ -1,0 +1,333 @@
+#include "engine_test_util.hpp"
+
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <thread>
+
+#include "base/random.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/optim.hpp"
+
+namespace zinf::engine_test {
+
+ScratchDir::ScratchDir(const std::string& name) {
+  const char* root = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
+  path_ = base + "/engine-" + name + "-" + std::to_string(::getpid());
+  std::filesystem::remove_all(path_);
+  std::filesystem::create_directories(path_);
+}
+
+ScratchDir::~ScratchDir() {
+  std::error_code ignored;
+  std::filesystem::remove_all(path_, ignored);
+}
+
+std::size_t ParamDef::element_count() const {
+  std::size_t n = 1;
+  for (std::int64_t d : shape) n *= static_cast<std::size_t>(d);
+  return n;
+}
+
+Model make_model(DType dtype, std::uint64_t seed) {
+  Model m;
+  m.modules = {"embed", "block0", "block1", "block2", "head"};
+  m.params = {
+      {"embed.w", "embed", {37, 13}, dtype},   {"block0.w", "block0", {29, 31}, dtype},
+      {"block0.b", "block0", {29}, dtype},     {"block1.w", "block1", {41, 7}, dtype},
+      {"block1.b", "block1", {41}, dtype},     {"block1.scale", "block1", {}, dtype},
+      {"block2.w", "block2", {23, 19}, dtype}, {"block2.b", "block2", {23}, dtype},
+      {"head.w", "head", {13, 37}, dtype},     {"head.b", "head", {13}, dtype},
+  };
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v(m.params[p].element_count());
+    fill_uniform(v.data(), v.size(), seed * 1000 + p, -1.0f, 1.0f);
+    m.initial.push_back(std::move(v));
+  }
+  return m;
+}
+
+Ranks make_ranks(int world, std::chrono::milliseconds timeout, std::uint32_t jitter_max_us) {
+  Ranks r;
+  std::vector<Device*> raw;
+  for (int i = 0; i < world; ++i) {
+    HostDeviceOptions o;
+    o.ordinal = i;
+    o.jitter_max_us = jitter_max_us;
+    o.jitter_seed = 77 + static_cast<std::uint64_t>(i);
+    r.devices.push_back(std::move(make_host_device(o)).value());
+    raw.push_back(r.devices.back().get());
+  }
+  LocalCommOptions co;
+  co.timeout = timeout;
+  r.comms = std::move(make_local_comm_group(raw, co)).value();
+  return r;
+}
+
+std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn) {
+  std::vector<Status> statuses(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] { statuses[static_cast<std::size_t>(r)] = fn(r); });
+  }
+  for (std::thread& t : threads) t.join();
+  return statuses;
+}
+
+namespace {
+
+float round_to(float x, DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return x;
+    case DType::kBF16:
+      return bf16_to_f32(f32_to_bf16(x));
+    case DType::kF16:
+      return f16_to_f32(f32_to_f16(x));
+  }
+  return x;
+}
+
+std::vector<float> widen_view(const TensorView& view) {
+  std::vector<float> out(view.element_count);
+  switch (view.dtype) {
+    case DType::kF32:
+      std::memcpy(out.data(), view.data, out.size() * 4);
+      break;
+    case DType::kBF16:
+      convert_bf16_to_f32(static_cast<const std::uint16_t*>(view.data), out.data(), out.size());
+      break;
+    case DType::kF16:
+      convert_f16_to_f32(static_cast<const std::uint16_t*>(view.data), out.data(), out.size());
+      break;
+  }
+  return out;
+}
+
+}  // namespace
+
+std::vector<float> make_grad(const ParamDef& def, const std::vector<float>& w, int rank, int step,
+                             int micro, std::size_t p) {
+  std::vector<float> target(w.size());
+  const std::uint64_t seed =
+      (static_cast<std::uint64_t>(rank) * 1'000'003 + static_cast<std::uint64_t>(step) * 1009 +
+       static_cast<std::uint64_t>(micro) * 101 + p) *
+      2654435761ull;
+  fill_uniform(target.data(), target.size(), seed, -1.0f, 1.0f);
+  std::vector<float> g(w.size());
+  for (std::size_t i = 0; i < w.size(); ++i) g[i] = round_to((w[i] - target[i]) * 0.5f, def.dtype);
+  return g;
+}
+
+Status register_model(Engine& engine, const Model& model) {
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    const ParamDef& d = model.params[p];
+    ZINF_RETURN_IF_ERROR(
+        engine.register_parameter({d.name, d.module, d.shape, d.dtype, model.initial[p].data()}));
+  }
+  return Status::ok();
+}
+
+Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptions& options,
+                  const std::vector<std::vector<std::vector<float>>>* reference_device,
+                  std::vector<StepReport>* reports) {
+  if (!engine.finalized()) ZINF_RETURN_IF_ERROR(register_model(engine, model));
+  const std::size_t count = model.params.size();
+  for (int step = 1; step <= options.steps; ++step) {
+    for (int micro = 0; micro < options.micro_batches; ++micro) {
+      std::vector<std::vector<float>> w(count);
+      for (const std::string& m : model.modules) {
+        ZINF_RETURN_IF_ERROR(engine.gather(m));
+        for (std::size_t p = 0; p < count; ++p) {
+          if (model.params[p].module != m) continue;
+          ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(model.params[p].name));
+          w[p] = widen_view(view);
+          if (options.check_gathered && reference_device != nullptr) {
+            const std::vector<float>& want =
+                (*reference_device)[static_cast<std::size_t>(step - 1)][p];
+            const bool same = options.gathered_tolerance > 0
+                                  ? max_rel_diff(w[p], want) <= options.gathered_tolerance
+                                  : std::memcmp(want.data(), w[p].data(), want.size() * 4) == 0;
+            if (!same) {
+              std::size_t i = 0;
+              while (i + 1 < want.size() && std::memcmp(&want[i], &w[p][i], 4) == 0) ++i;
+              return Status::internal(fmt::format(
+                  "rank {} step {} micro {}: gathered '{}'[{}] = {} but the reference has {}", rank,
+                  step, micro, model.params[p].name, i, w[p][i], want[i]));
+            }
+          }
+        }
+        ZINF_RETURN_IF_ERROR(engine.release(m));
+      }
+      for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+        ZINF_RETURN_IF_ERROR(engine.gather(*it));
+        std::vector<std::vector<float>> grads32;
+        std::vector<std::vector<std::uint16_t>> grads16;
+        std::vector<GradientRef> refs;
+        for (std::size_t p = 0; p < count; ++p) {
+          const ParamDef& d = model.params[p];
+          if (d.module != *it) continue;
+          // The backward pass computes with the values gathered now.
+          ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
+          std::vector<float> g = make_grad(d, widen_view(view), rank, step, micro, p);
+          if (d.dtype == DType::kF32) {
+            grads32.push_back(std::move(g));
+          } else {
+            std::vector<std::uint16_t> h(g.size());
+            if (d.dtype == DType::kBF16) {
+              convert_f32_to_bf16(g.data(), h.data(), g.size());
+            } else {
+              convert_f32_to_f16(g.data(), h.data(), g.size());
+            }
+            grads16.push_back(std::move(h));
+          }
+        }
+        std::size_t i32 = 0, i16 = 0;
+        for (std::size_t p = 0; p < count; ++p) {
+          const ParamDef& d = model.params[p];
+          if (d.module != *it) continue;
+          const void* data = d.dtype == DType::kF32
+                                 ? static_cast<const void*>(grads32[i32++].data())
+                                 : grads16[i16++].data();
+          refs.push_back({d.name, data, d.element_count(), d.dtype});
+        }
+        ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
+        ZINF_RETURN_IF_ERROR(engine.release(*it));
+      }
+    }
+    ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
+    if (reports != nullptr) reports->push_back(report);
+  }
+  return Status::ok();
+}
+
+Reference run_reference(const Config& config, const Model& model, int world,
+                        const TrainOptions& options) {
+  const std::size_t count = model.params.size();
+  Reference ref;
+  ref.master = model.initial;
+  std::vector<std::vector<float>> m(count), v(count);
+  for (std::size_t p = 0; p < count; ++p) {
+    m[p].assign(model.initial[p].size(), 0.0f);
+    v[p].assign(model.initial[p].size(), 0.0f);
+  }
+  const int micro_count = options.micro_batches;
+  for (int step = 1; step <= options.steps; ++step) {
+    std::vector<std::vector<float>> device(count);
+    for (std::size_t p = 0; p < count; ++p) {
+      device[p].resize(ref.master[p].size());
+      for (std::size_t i = 0; i < device[p].size(); ++i) {
+        device[p][i] = round_to(ref.master[p][i], model.params[p].dtype);
+      }
+    }
+    std::vector<std::vector<float>> acc(count);
+    for (std::size_t p = 0; p < count; ++p) {
+      const std::size_t n = device[p].size();
+      acc[p].assign(n, 0.0f);
+      // grads[r][k]
+      std::vector<std::vector<std::vector<float>>> g(static_cast<std::size_t>(world));
+      for (int r = 0; r < world; ++r) {
+        for (int k = 0; k < micro_count; ++k) {
+          g[static_cast<std::size_t>(r)].push_back(
+              make_grad(model.params[p], device[p], r, step, k, p));
+        }
+      }
+      if (config.zero.stage == 1) {
+        // Each rank sums its micro-batches, then the average over ranks, in rank order.
+        std::vector<std::vector<float>> full(static_cast<std::size_t>(world),
+                                             std::vector<float>(n, 0.0f));
+        for (int r = 0; r < world; ++r) {
+          for (int k = 0; k < micro_count; ++k) {
+            for (std::size_t i = 0; i < n; ++i) {
+              full[static_cast<std::size_t>(r)][i] +=
+                  g[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)][i];
+            }
+          }
+        }
+        for (std::size_t i = 0; i < n; ++i) {
+          float s = full[0][i];
+          for (int r = 1; r < world; ++r) s += full[static_cast<std::size_t>(r)][i];
+          acc[p][i] = 0.0f + s / static_cast<float>(world);
+        }
+      } else {
+        for (int k = 0; k < micro_count; ++k) {
+          for (std::size_t i = 0; i < n; ++i) {
+            float s = g[0][static_cast<std::size_t>(k)][i];
+            for (int r = 1; r < world; ++r) {
+              s += g[static_cast<std::size_t>(r)][static_cast<std::size_t>(k)][i];
+            }
+            acc[p][i] += s / static_cast<float>(world);
+          }
+        }
+      }
+    }
+    ref.device_per_step.push_back(device);
+    double unscale = 1.0 / static_cast<double>(micro_count);
+    double coef = 1.0;
+    if (config.gradient_clipping > 0.0) {
+      double sumsq = 0.0;
+      for (const auto& a : acc) {
+        for (float x : a) sumsq += static_cast<double>(x) * x;
+      }
+      const double norm = std::sqrt(sumsq * unscale * unscale);
+      if (norm > config.gradient_clipping) coef = config.gradient_clipping / (norm + 1e-6);
+    }
+    StepOptions so;
+    so.step = step;
+    so.grad_scale = static_cast<float>(coef * unscale);
+    so.threads = 1;
+    for (std::size_t p = 0; p < count; ++p) {
+      OptimizerSpan span;
+      span.params = ref.master[p].data();
+      span.exp_avg = m[p].data();
+      span.exp_avg_sq = v[p].data();
+      span.grads = acc[p].data();
+      span.count = acc[p].size();
+      Result<StepResult> r = optimizer_step(config.optimizer, span, so);
+      if (!r.is_ok()) std::abort();
+    }
+  }
+  return ref;
+}
+
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor) {
+  double worst = 0.0;
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    const double d = std::fabs(static_cast<double>(a[i]) - b[i]) /
+                     std::max(std::fabs(static_cast<double>(b[i])), floor);
+    if (!(d <= worst)) worst = d;  // NaN wins
+  }
+  return a.size() == b.size() ? worst : 1e30;
+}
+
+Config small_config(int stage, OffloadDevice optimizer, OffloadDevice params,
+                    const std::string& nvme_path) {
+  Config c;
+  c.optimizer.kind = OptimizerKind::kAdamW;
+  c.optimizer.lr = 1e-2;  // large enough that every step moves every value
+  c.optimizer.weight_decay = 0.05;
+  c.zero.stage = stage;
+  c.zero.offload_optimizer.device = optimizer;
+  c.zero.offload_optimizer.nvme_path = nvme_path;
+  c.zero.offload_optimizer.buffer_count = 3;
+  c.zero.offload_param.device = params;
+  c.zero.offload_param.nvme_path = nvme_path;
+  c.zero.offload_param.buffer_count = 2;
+  c.zero.sub_group_size = 700;
+  c.zero.reduce_bucket_size = 600;
+  c.zero.stage3_prefetch_bucket_size = 1600;
+  c.zero.stage3_max_live_parameters = 2500;
+  c.zero.stage3_param_persistence_threshold = 30;
+  c.aio_block_size = 65536;
+  c.aio_queue_depth = 8;
+  c.cpu_threads = 1;
+  c.collective_timeout_ms = 30'000;
+  return c;
+}
+
+}  // namespace zinf::engine_test

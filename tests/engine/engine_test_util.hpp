@@ -1,0 +1,107 @@
+// Helpers for the engine tests: N ranks as threads on HostDevice + LocalComm, a small multi-module
+// model, a training loop through the Engine, and a plain single-process reference that trains
+// the same model with optimizer_step on whole parameters.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/engine.hpp"
+
+namespace zinf::engine_test {
+
+// A scratch directory under $ZINF_TEST_TMPDIR (or /tmp), removed when destroyed.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& name);
+  ~ScratchDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+struct ParamDef {
+  std::string name;
+  std::string module;
+  std::vector<std::int64_t> shape;
+  DType dtype = DType::kF32;
+  std::size_t element_count() const;
+};
+
+struct Model {
+  std::vector<std::string> modules;  // forward order
+  std::vector<ParamDef> params;      // registration order (grouped by module)
+  std::vector<std::vector<float>> initial;
+};
+
+// Five modules; parameter counts that 2, 3 and 4 do not divide; small parameters (biases, a
+// scalar) beside larger ones. All parameters of dtype `dtype`.
+Model make_model(DType dtype, std::uint64_t seed);
+
+// Devices and a LocalComm group of `world` ranks.
+struct Ranks {
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<std::unique_ptr<Communicator>> comms;
+};
+Ranks make_ranks(int world, std::chrono::milliseconds timeout = std::chrono::seconds(30),
+                 std::uint32_t jitter_max_us = 0);
+
+// Runs fn(rank) on one thread per rank; returns each rank's Status.
+std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn);
+
+// The gradient rank `rank` hands for parameter `p` at step `step`, micro-batch `micro`, from the
+// parameter values `w` it computed with (f32, widened from the device copy):
+//   g = (w - target) * 0.5, target uniform in [-1, 1) from a seed of (rank, step, micro, p),
+// rounded to the parameter's dtype. It depends on w, so a stale or wrong gather shows up.
+std::vector<float> make_grad(const ParamDef& def, const std::vector<float>& w, int rank, int step,
+                             int micro, std::size_t p);
+
+struct TrainOptions {
+  int steps = 20;
+  int micro_batches = 1;
+  // When set, each gathered parameter is compared with `expected_device` (the reference's
+  // master rounded to the dtype) before use; a mismatch fails the run.
+  bool check_gathered = true;
+  // 0: the gathered values must be the same bits; else the largest relative difference allowed
+  // (for runs whose step arithmetic differs from the reference's in the last bit, as clipping's
+  // norm does).
+  double gathered_tolerance = 0.0;
+};
+
+// Trains `model` on one rank through `engine` (registered already or not: registers it when
+// not finalized), checking gathered values against `reference_device[step][p]` when given.
+// Returns the step reports.
+Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptions& options,
+                  const std::vector<std::vector<std::vector<float>>>* reference_device,
+                  std::vector<StepReport>* reports);
+
+Status register_model(Engine& engine, const Model& model);
+
+// The single-process reference: AdamW (or config.optimizer) on whole parameters, gradients
+// averaged over `world` ranks in rank order and accumulated over micro-batches exactly as the
+// stage does (stage 1 sums micro-batches per rank before the average, stages 2-3 average per
+// micro-batch and sum). Returns the final fp32 masters, and for each step (0 .. steps - 1) the
+// device-dtype values the model computes with during that step (widened to f32).
+struct Reference {
+  std::vector<std::vector<float>> master;
+  std::vector<std::vector<std::vector<float>>> device_per_step;
+};
+Reference run_reference(const Config& config, const Model& model, int world,
+                        const TrainOptions& options);
+
+// max |a - b| / max(|b|, floor) over all elements.
+double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
+
+// A config for small test models: tiny buckets, sub-groups and prefetch so that every path runs
+// with several pieces.
+Config small_config(int stage, OffloadDevice optimizer, OffloadDevice params,
+                    const std::string& nvme_path);
+
+}  // namespace zinf::engine_test
