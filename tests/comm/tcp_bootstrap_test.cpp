@@ -46,9 +46,12 @@ std::uint16_t free_port() {
   return ntohs(addr.sin_port);
 }
 
+// SplitMix64 directly rather than fill_random_bytes: that one may use oneTBB, whose thread pool
+// does not survive fork() into the rank processes.
 std::vector<std::byte> make_blob(std::uint64_t seed) {
   std::vector<std::byte> blob(128);  // The size of an ncclUniqueId.
-  fill_random_bytes(blob.data(), blob.size(), seed);
+  SplitMix64 rng(seed);
+  for (std::byte& b : blob) b = static_cast<std::byte>(rng.next() >> 56);
   return blob;
 }
 
