@@ -405,6 +405,10 @@ Status LocalComm::validate(const Collective& op, std::string_view label) const {
 }
 
 Status LocalComm::issue(const Collective& op, Stream& stream) {
+  // Held across numbering and enqueueing, so that calls from several threads cannot corrupt the
+  // numbering. Their order is still the callers' race, which the other ranks do not share: the
+  // contract asks for one issuing thread, and a breach shows up as "ranks disagree".
+  std::lock_guard<std::mutex> lock(issue_mu_);
   const std::uint64_t sequence = next_sequence_;
   const std::string label = describe(op, sequence);
   Status error = group_->error();
@@ -435,11 +439,13 @@ Status LocalComm::issue(const Collective& op, Stream& stream) {
 }
 
 Status LocalComm::group_start() {
+  std::lock_guard<std::mutex> lock(issue_mu_);
   ++group_depth_;
   return Status::ok();
 }
 
 Status LocalComm::group_end() {
+  std::lock_guard<std::mutex> lock(issue_mu_);
   if (group_depth_ == 0) {
     return Status::failed_precondition(
         fmt::format("{}: group_end() without a matching group_start()", name_));

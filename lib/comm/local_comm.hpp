@@ -104,8 +104,9 @@ class LocalComm final : public Communicator {
   const int rank_;
   Device* device_;
   std::string name_;
-  std::uint64_t next_sequence_ = 0;
-  int group_depth_ = 0;
+  std::mutex issue_mu_;
+  std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_
+  int group_depth_ = 0;              // guarded by issue_mu_
 };
 
 }  // namespace zinf
