@@ -206,7 +206,7 @@ struct TuneOptions {
   std::vector<std::uint32_t> depths = {1, 2, 4, 8, 16, 32, 64, 128};
   std::vector<std::uint32_t> rings = {1, 2, 4};
   std::string file_bytes = "1GiB";
-  std::string max_in_flight = "1GiB";
+  std::string max_in_flight = "256MiB";
   double seconds = 0.3;
   std::string engine = "auto";
   std::string out;
