@@ -239,13 +239,13 @@ Status ParamCoordinator::wait_ready(std::size_t m) {
   return st;
 }
 
-void ParamCoordinator::free_module(std::size_t m) {
+void ParamCoordinator::free_module(std::size_t m, const char* what) {
   Module& mod = modules_[m];
   for (std::uint32_t g : mod.partitioned) full_[g].reset();
   if (mod.state != State::kIdle) live_elements_ -= mod.elements;
   mod.state = State::kIdle;
   note_live();
-  instant("release " + mod.name);
+  instant(what + mod.name);
 }
 
 void ParamCoordinator::prefetch_after(std::size_t position) {
@@ -311,7 +311,7 @@ Status ParamCoordinator::gather(std::size_t m) {
       prefetched_.pop_back();
       prefetched_elements_ -= modules_[p].elements;
       ZINF_RETURN_IF_ERROR(wait_ready(p));
-      free_module(p);
+      free_module(p, "drop ");
       if (counters_ != nullptr) ++counters_->prefetches_dropped;
     }
     if (mod.elements > 0) {
@@ -334,7 +334,7 @@ Status ParamCoordinator::release(std::size_t m) {
     return Status::failed_precondition(
         fmt::format("release('{}'): the module is not gathered", mod.name));
   }
-  free_module(m);
+  free_module(m, "release ");
   return Status::ok();
 }
 
@@ -349,7 +349,7 @@ Status ParamCoordinator::drop_prefetched() {
   for (std::size_t p : prefetched_) {
     Status st = wait_ready(p);
     if (first.is_ok() && !st.is_ok()) first = st;
-    free_module(p);
+    free_module(p, "drop ");
     if (counters_ != nullptr) ++counters_->prefetches_dropped;
   }
   prefetched_.clear();

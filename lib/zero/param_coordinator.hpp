@@ -24,7 +24,8 @@
 // the current module's compute.
 //
 // Trace (track given at create): an instant "issue <module>" when a module's all-gather is
-// issued, "release <module>" when it is freed, and a span "wait <module>" for gather()'s wait.
+// issued, "release <module>" when release() frees it, "drop <module>" when a prefetched module
+// is freed unused, and a span "wait <module>" for gather()'s wait.
 //
 // Host work: NVMe staging and shard writes use host code, so the device must be
 // host_accessible() (HostDevice).
@@ -128,7 +129,8 @@ class ParamCoordinator {
                    EngineCounters* counters);
   Status issue(std::size_t m, bool prefetch);
   Status wait_ready(std::size_t m);
-  void free_module(std::size_t m);
+  // Frees a module's gathered buffers; the trace instant is `what` + its name.
+  void free_module(std::size_t m, const char* what);
   void prefetch_after(std::size_t position);
   void note_live();
   void instant(const std::string& what);

@@ -138,7 +138,7 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
                   std::vector<StepReport>* reports) {
   if (!engine.finalized()) ZINF_RETURN_IF_ERROR(register_model(engine, model));
   const std::size_t count = model.params.size();
-  for (int step = 1; step <= options.steps; ++step) {
+  for (int step = options.first_step; step <= options.steps; ++step) {
     for (int micro = 0; micro < options.micro_batches; ++micro) {
       std::vector<std::vector<float>> w(count);
       for (const std::string& m : model.modules) {

@@ -65,6 +65,8 @@ std::vector<float> make_grad(const ParamDef& def, const std::vector<float>& w, i
 
 struct TrainOptions {
   int steps = 20;
+  // train_rank() runs steps first_step .. steps (to resume after something done in between).
+  int first_step = 1;
   int micro_batches = 1;
   // When set, each gathered parameter is compared with `expected_device` (the reference's
   // master rounded to the dtype) before use; a mismatch fails the run.

@@ -1,0 +1,578 @@
+// The engine's behaviour beyond the equivalence matrix: prefetch in the recorded order within the
+// live-parameter bound, f16 overflow (every rank skips, the scale halves, nothing changes), and
+// bad input (each a clear Status naming what was wrong, the engine still training correctly).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <set>
+#include <string>
+
+#include "engine_test_util.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+using engine_test::ParamDef;
+using engine_test::Reference;
+using engine_test::TrainOptions;
+
+bool contains(const Status& st, std::string_view text) {
+  return st.message().find(text) != std::string_view::npos;
+}
+
+Env env_for(engine_test::Ranks& ranks, int rank, Trace* trace = nullptr) {
+  Env env;
+  env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+  env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+  env.trace = trace;
+  return env;
+}
+
+// Final masters of every parameter, read on this rank.
+Status read_all(Engine& engine, const Model& model, std::vector<std::vector<float>>* out) {
+  out->clear();
+  for (const ParamDef& d : model.params) {
+    std::vector<float> v(d.element_count());
+    ZINF_RETURN_IF_ERROR(engine.read_parameters(d.name, v.data()));
+    out->push_back(std::move(v));
+  }
+  return Status::ok();
+}
+
+double worst_diff(const std::vector<std::vector<float>>& a,
+                  const std::vector<std::vector<float>>& b) {
+  double worst = 0.0;
+  for (std::size_t p = 0; p < a.size(); ++p) {
+    worst = std::max(worst, engine_test::max_rel_diff(a[p], b[p]));
+  }
+  return worst;
+}
+
+// --- Prefetch --------------------------------------------------------------------------------
+
+// Replays rank 0's "issue <module>" and "release <module>" instants from the trace: from the
+// second step on, when module order[k] is released, module order[k + 1] (when it differs) must
+// have been issued already and not released since.
+void check_prefetch_in_trace(const Trace& trace, const std::vector<std::string>& order,
+                             int steps_after_first) {
+  const std::vector<std::string> tracks = trace.track_names();
+  std::vector<Trace::Event> events;
+  std::int64_t first_step_end = 0;
+  for (const Trace::Event& e : trace.events()) {
+    if (tracks[static_cast<std::size_t>(e.track)] != "rank0 engine") continue;
+    if (e.name == "step publish" && first_step_end == 0)
+      first_step_end = e.start_ns + e.duration_ns;
+    if (e.name.starts_with("issue ") || e.name.starts_with("release ")) events.push_back(e);
+  }
+  ASSERT_GT(first_step_end, 0);
+  std::stable_sort(events.begin(), events.end(), [](const Trace::Event& a, const Trace::Event& b) {
+    return a.start_ns < b.start_ns;
+  });
+  std::set<std::string> issued;
+  std::size_t releases = 0;
+  std::size_t checked = 0;
+  for (const Trace::Event& e : events) {
+    const bool issue = e.name.starts_with("issue ");
+    const std::string module = e.name.substr(issue ? 6 : 8);
+    if (issue) {
+      issued.insert(module);
+      continue;
+    }
+    if (e.start_ns > first_step_end) {
+      const std::size_t k = releases % order.size();
+      ASSERT_EQ(order[k], module) << "release " << releases;
+      if (k + 1 < order.size() && order[k + 1] != module) {
+        EXPECT_EQ(issued.count(order[k + 1]), 1u) << "release of " << module << " (position " << k
+                                                  << ") before " << order[k + 1] << " was issued";
+        ++checked;
+      }
+      ++releases;
+    }
+    issued.erase(module);
+  }
+  EXPECT_EQ(releases, order.size() * static_cast<std::size_t>(steps_after_first));
+  EXPECT_EQ(checked, (order.size() - 2) * static_cast<std::size_t>(steps_after_first));
+}
+
+TEST(EnginePrefetch, NextModuleIsIssuedBeforeTheCurrentIsReleasedWithinMaxLive) {
+  const int world = 2;
+  engine_test::ScratchDir dir("prefetch");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNvme, dir.path());
+  const Model model = engine_test::make_model(DType::kBF16, 21);
+  TrainOptions options;
+  options.steps = 4;
+  const Reference ref = engine_test::run_reference(config, model, world, options);
+  Trace trace;
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<EngineCounters> counters(world);
+  std::vector<std::vector<std::string>> orders(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank, &trace)));
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, options, &ref.device_per_step, nullptr));
+    counters[static_cast<std::size_t>(rank)] = engine->counters();
+    orders[static_cast<std::size_t>(rank)] = engine->recorded_order();
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const std::vector<std::string> order = {"embed", "block0", "block1", "block2", "head",
+                                          "head",  "block2", "block1", "block0", "embed"};
+  EXPECT_EQ(orders[0], order);
+  EXPECT_EQ(orders[1], order);
+  check_prefetch_in_trace(trace, order, options.steps - 1);
+  const EngineCounters& c = counters[0];
+  std::printf("gathers %llu issued %llu prefetched %llu hits %llu dropped %llu peak %llu\n",
+              static_cast<unsigned long long>(c.gathers),
+              static_cast<unsigned long long>(c.gathers_issued),
+              static_cast<unsigned long long>(c.prefetches_issued),
+              static_cast<unsigned long long>(c.prefetch_hits),
+              static_cast<unsigned long long>(c.prefetches_dropped),
+              static_cast<unsigned long long>(c.live_elements_peak));
+  EXPECT_EQ(c.gathers, order.size() * static_cast<std::size_t>(options.steps));
+  EXPECT_GT(c.prefetch_hits, 0u);
+  EXPECT_LE(c.live_elements_peak, config.zero.stage3_max_live_parameters);
+  EXPECT_EQ(c.order_misses, 0u);
+  EXPECT_GT(c.param_nvme_read_bytes, 0u);
+}
+
+// A bound that leaves no room for a prefetch beside the largest module: gathered elements never
+// pass it, and training is still exact.
+TEST(EnginePrefetch, TightMaxLiveIsNeverExceeded) {
+  const int world = 2;
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  // At world 2 the largest module (block0.w, 899 elements) is padded to 1024.
+  config.zero.stage3_max_live_parameters = 1100;
+  const Model model = engine_test::make_model(DType::kF32, 22);
+  TrainOptions options;
+  options.steps = 3;
+  const Reference ref = engine_test::run_reference(config, model, world, options);
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<EngineCounters> counters(world);
+  std::vector<std::vector<std::vector<float>>> finals(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, options, &ref.device_per_step, nullptr));
+    counters[static_cast<std::size_t>(rank)] = engine->counters();
+    return read_all(*engine, model, &finals[static_cast<std::size_t>(rank)]);
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_LE(counters[0].live_elements_peak, 1100u);
+  EXPECT_GE(counters[0].live_elements_peak, 1024u);
+  EXPECT_GT(counters[0].prefetches_issued, 0u);  // the small modules still prefetch
+  EXPECT_EQ(worst_diff(finals[0], ref.master), 0.0);
+}
+
+TEST(EnginePrefetch, ModuleLargerThanMaxLiveIsResourceExhausted) {
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  config.zero.stage3_max_live_parameters = 600;
+  const Model model = engine_test::make_model(DType::kF32, 23);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  ASSERT_TRUE(engine_test::run_ranks(
+                  1,
+                  [&](int rank) -> Status {
+                    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+                    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+                    ZINF_RETURN_IF_ERROR(engine->gather("embed"));
+                    Status big = engine->gather("block0");
+                    EXPECT_EQ(big.code(), Code::kResourceExhausted) << big.to_string();
+                    EXPECT_TRUE(contains(big, "block0")) << big.to_string();
+                    EXPECT_TRUE(contains(big, "stage3_max_live_parameters")) << big.to_string();
+                    // Nothing changed: embed is still gathered and usable.
+                    ZINF_RETURN_IF_ERROR(engine->parameter("embed.w").status());
+                    return engine->release("embed");
+                  })[0]
+                  .is_ok());
+}
+
+// --- Overflow --------------------------------------------------------------------------------
+
+// One micro-batch and a step on one rank, with f16 gradients of the loss scaled by the engine's
+// loss scale; `inject` puts an inf into one gradient element.
+Status scaled_step(Engine& engine, const Model& model, int rank, int data_step, bool inject,
+                   StepReport* report) {
+  const float scale = static_cast<float>(engine.loss_scale());
+  for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+    ZINF_RETURN_IF_ERROR(engine.gather(*it));
+    std::vector<std::vector<std::uint16_t>> grads;
+    std::vector<GradientRef> refs;
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      const ParamDef& d = model.params[p];
+      if (d.module != *it) continue;
+      ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
+      std::vector<float> w(view.element_count);
+      convert_f16_to_f32(static_cast<const std::uint16_t*>(view.data), w.data(), w.size());
+      std::vector<float> g = engine_test::make_grad(d, w, rank, data_step, 0, p);
+      // Scaling an f16 value by a power of two is exact, so the step sees the same gradients
+      // whatever the scale.
+      for (float& x : g) x *= scale;
+      if (inject && d.name == "block1.w") g[5] = std::numeric_limits<float>::infinity();
+      std::vector<std::uint16_t> h(g.size());
+      convert_f32_to_f16(g.data(), h.data(), g.size());
+      grads.push_back(std::move(h));
+      refs.push_back({d.name, grads.back().data(), d.element_count(), DType::kF16});
+    }
+    ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
+    ZINF_RETURN_IF_ERROR(engine.release(*it));
+  }
+  ZINF_ASSIGN_OR_RETURN(*report, engine.step());
+  return Status::ok();
+}
+
+struct OverflowCase {
+  int stage;
+  OffloadDevice optimizer;
+};
+
+class EngineOverflow : public ::testing::TestWithParam<OverflowCase> {};
+
+TEST_P(EngineOverflow, InfOnOneRankSkipsEveryRankHalvesTheScaleAndChangesNothing) {
+  const int world = 3;
+  const OverflowCase oc = GetParam();
+  const std::uint64_t seed = 31 + static_cast<std::uint64_t>(oc.stage);
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  engine_test::ScratchDir dir(fmt::format("overflow{}", oc.stage));
+  Config config =
+      engine_test::small_config(oc.stage, oc.optimizer, OffloadDevice::kNone, dir.path());
+  config.fp16.enabled = true;
+  config.fp16.initial_scale_power = 8;
+  config.fp16.hysteresis = 1;
+  const Model model = engine_test::make_model(DType::kF16, seed);
+  // The reference never sees the bad batch: data steps 1, 2, 3 as optimizer steps 1, 2, 3.
+  TrainOptions options;
+  options.steps = 3;
+  const Reference ref = engine_test::run_reference(config, model, world, options);
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<StepReport> bad(world);
+  std::vector<std::vector<std::vector<float>>> before(world), after(world), finals(world);
+  std::vector<double> scale_after(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    if (engine->loss_scale() != 256.0) return Status::internal("initial scale is not 2^8");
+    StepReport report;
+    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 1, false, &report));
+    ZINF_RETURN_IF_ERROR(read_all(*engine, model, &before[r]));
+    // Rank 1 alone hands an inf.
+    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 1000, rank == 1, &bad[r]));
+    ZINF_RETURN_IF_ERROR(read_all(*engine, model, &after[r]));
+    scale_after[r] = engine->loss_scale();
+    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 2, false, &report));
+    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 3, false, &report));
+    if (report.step != 3) return Status::internal(fmt::format("step {} != 3", report.step));
+    return read_all(*engine, model, &finals[r]);
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (int r = 0; r < world; ++r) {
+    const auto u = static_cast<std::size_t>(r);
+    EXPECT_TRUE(bad[u].skipped) << "rank " << r;
+    EXPECT_EQ(bad[u].loss_scale, 256.0);
+    EXPECT_EQ(bad[u].next_loss_scale, 128.0);
+    EXPECT_EQ(scale_after[u], 128.0);
+    EXPECT_EQ(bad[u].step, 1);  // the optimizer step count did not move
+    // No parameter changed, to the bit.
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      EXPECT_EQ(std::memcmp(before[u][p].data(), after[u][p].data(), before[u][p].size() * 4), 0)
+          << model.params[p].name;
+    }
+    // And no optimizer state either: continuing gives exactly the run that never saw the batch
+    // (moments or step counts touched by the skipped step would show here).
+    EXPECT_EQ(worst_diff(finals[u], ref.master), 0.0) << "rank " << r;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, EngineOverflow,
+                         ::testing::Values(OverflowCase{1, OffloadDevice::kNone},
+                                           OverflowCase{2, OffloadDevice::kHost},
+                                           OverflowCase{3, OffloadDevice::kNvme}),
+                         [](const ::testing::TestParamInfo<OverflowCase>& info) {
+                           return fmt::format("stage{}_{}", info.param.stage,
+                                              offload_device_name(info.param.optimizer));
+                         });
+
+TEST(EngineLossScale, GrowsAfterAWindowOfGoodSteps) {
+  Config config = engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  config.fp16.enabled = true;
+  config.fp16.initial_scale_power = 4;
+  config.fp16.loss_scale_window = 2;
+  const Model model = engine_test::make_model(DType::kF16, 41);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  ASSERT_TRUE(engine_test::run_ranks(
+                  1,
+                  [&](int rank) -> Status {
+                    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+                    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+                    StepReport report;
+                    std::vector<double> scales;
+                    for (int s = 1; s <= 4; ++s) {
+                      ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, s, false, &report));
+                      scales.push_back(engine->loss_scale());
+                    }
+                    EXPECT_EQ(scales, (std::vector<double>{16, 32, 32, 64}));
+                    return Status::ok();
+                  })[0]
+                  .is_ok());
+}
+
+// --- Bad input -------------------------------------------------------------------------------
+
+// Every bad call in the middle of training on both ranks: each returns a Status naming what was
+// wrong, and the training that continues afterwards ends exactly where the reference does.
+TEST(EngineBadInput, EachCallFailsClearlyAndTrainingContinuesExactly) {
+  const int world = 2;
+  engine_test::ScratchDir dir("badinput");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kHost, dir.path());
+  const Model model = engine_test::make_model(DType::kF32, 51);
+  TrainOptions options;
+  options.steps = 6;
+  const Reference ref = engine_test::run_reference(config, model, world, options);
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<std::vector<std::vector<float>>> finals(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    TrainOptions first = options;
+    first.steps = 3;
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, first, &ref.device_per_step, nullptr));
+
+    // Registering after the first step.
+    std::vector<float> values(10, 0.5f);
+    Status s = engine->register_parameter({"late.w", "late", {10}, DType::kF32, values.data()});
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+    EXPECT_TRUE(contains(s, "late.w")) << s.to_string();
+    // Gathering (and releasing) an unknown module.
+    s = engine->gather("blokc1");
+    EXPECT_EQ(s.code(), Code::kNotFound) << s.to_string();
+    EXPECT_TRUE(contains(s, "blokc1")) << s.to_string();
+    s = engine->release("nope");
+    EXPECT_EQ(s.code(), Code::kNotFound) << s.to_string();
+    // Releasing a module that is not gathered; gathering one twice.
+    s = engine->release("head");
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+    ZINF_RETURN_IF_ERROR(engine->gather("head"));
+    s = engine->gather("head");
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+    // A parameter of a module that is not gathered; an unknown parameter.
+    s = engine->parameter("embed.w").status();
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+    EXPECT_TRUE(contains(s, "embed")) << s.to_string();
+    EXPECT_EQ(engine->parameter("embed.x").status().code(), Code::kNotFound);
+    // A step while a module is gathered.
+    s = engine->step().status();
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+    EXPECT_TRUE(contains(s, "head")) << s.to_string();
+    ZINF_RETURN_IF_ERROR(engine->release("head"));
+    // A step with no gradients reduced.
+    s = engine->step().status();
+    EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+    // Gradients: the wrong size, missing, twice, of another module, null, unknown.
+    std::vector<float> g(481, 0.25f);
+    std::vector<float> gb(13, 0.25f);
+    std::vector<GradientRef> wrong = {{"head.w", g.data(), 480, DType::kF32},
+                                      {"head.b", gb.data(), 13, DType::kF32}};
+    s = engine->reduce_gradients("head", wrong);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_TRUE(contains(s, "head.w") && contains(s, "480") && contains(s, "481")) << s.to_string();
+    std::vector<GradientRef> missing = {{"head.w", g.data(), 481, DType::kF32}};
+    s = engine->reduce_gradients("head", missing);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_TRUE(contains(s, "head.b")) << s.to_string();
+    std::vector<GradientRef> twice = {{"head.w", g.data(), 481, DType::kF32},
+                                      {"head.w", g.data(), 481, DType::kF32}};
+    EXPECT_EQ(engine->reduce_gradients("head", twice).code(), Code::kInvalidArgument);
+    std::vector<GradientRef> other = {{"embed.w", g.data(), 481, DType::kF32}};
+    s = engine->reduce_gradients("head", other);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_TRUE(contains(s, "embed")) << s.to_string();
+    std::vector<GradientRef> null = {{"head.w", nullptr, 481, DType::kF32},
+                                     {"head.b", gb.data(), 13, DType::kF32}};
+    EXPECT_EQ(engine->reduce_gradients("head", null).code(), Code::kInvalidArgument);
+    std::vector<GradientRef> unknown = {{"head.q", g.data(), 481, DType::kF32}};
+    EXPECT_EQ(engine->reduce_gradients("head", unknown).code(), Code::kNotFound);
+    EXPECT_EQ(engine->reduce_gradients("heads", unknown).code(), Code::kNotFound);
+
+    // The engine is unharmed: the rest of the training ends exactly at the reference.
+    TrainOptions rest = options;
+    rest.first_step = 4;
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, rest, &ref.device_per_step, nullptr));
+    return read_all(*engine, model, &finals[static_cast<std::size_t>(rank)]);
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(worst_diff(finals[0], ref.master), 0.0);
+  EXPECT_EQ(worst_diff(finals[1], ref.master), 0.0);
+}
+
+TEST(EngineBadInput, RanksRegisteringDifferentShapesFailOnEveryRankNamingTheParameter) {
+  const int world = 3;
+  const Model model = engine_test::make_model(DType::kF32, 61);
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<Status> errors(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    Model mine = model;
+    if (rank == 2) mine.params[3].shape = {41, 8};  // block1.w, one column more
+    mine.initial[3].resize(mine.params[3].element_count(), 0.0f);
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, mine));
+    errors[static_cast<std::size_t>(rank)] = engine->finalize();
+    // The error sticks: later calls say the same, and nothing runs on a bad layout.
+    Status again = engine->gather("embed");
+    EXPECT_EQ(again.to_string(), errors[static_cast<std::size_t>(rank)].to_string());
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (int r = 0; r < world; ++r) {
+    const Status& e = errors[static_cast<std::size_t>(r)];
+    EXPECT_EQ(e.code(), Code::kInvalidArgument) << e.to_string();
+    EXPECT_TRUE(contains(e, "parameter 3")) << e.to_string();
+    EXPECT_TRUE(contains(e, "rank 2")) << e.to_string();
+    EXPECT_TRUE(contains(e, "block1.w")) << e.to_string();
+  }
+}
+
+TEST(EngineBadInput, RanksRegisteringDifferentCountsFail) {
+  const int world = 2;
+  const Model model = engine_test::make_model(DType::kF32, 62);
+  Config config = engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<Status> errors(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    std::vector<float> extra(7, 1.0f);
+    if (rank == 1) {
+      ZINF_RETURN_IF_ERROR(
+          engine->register_parameter({"extra.w", "extra", {7}, DType::kF32, extra.data()}));
+    }
+    errors[static_cast<std::size_t>(rank)] = engine->finalize();
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (const Status& e : errors) {
+    EXPECT_EQ(e.code(), Code::kInvalidArgument) << e.to_string();
+    EXPECT_TRUE(contains(e, "rank 0 registered 10 parameters, rank 1 registered 11"))
+        << e.to_string();
+  }
+}
+
+TEST(EngineBadInput, UnwritableNvmePathFailsAtOpenNamingKeyAndPath) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  engine_test::ScratchDir dir("unwritable");
+  // A regular file where a directory should be: nobody, root included, can create files in it.
+  const std::string file = dir.path() + "/not-a-dir";
+  std::FILE* f = std::fopen(file.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fclose(f);
+  for (const std::string& path : {file, dir.path() + "/missing", std::string("/proc/zinf")}) {
+    Config config = engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, path);
+    Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+    ASSERT_FALSE(engine.is_ok()) << path;
+    const Status& s = engine.status();
+    EXPECT_TRUE(contains(s, "zero_optimization.offload_optimizer.nvme_path")) << s.to_string();
+    EXPECT_TRUE(contains(s, path)) << s.to_string();
+    std::printf("%s\n", s.to_string().c_str());
+  }
+  // Parameters on NVMe with no path anywhere.
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNvme, "");
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+  ASSERT_FALSE(engine.is_ok());
+  EXPECT_TRUE(contains(engine.status(), "zero_optimization.offload_param.nvme_path"))
+      << engine.status().to_string();
+  // The same directory given through Env::nvme_paths is named as such.
+  config.zero.offload_param.nvme_path = "";
+  Env env = env_for(ranks, 0);
+  env.nvme_paths = {file};
+  engine = Engine::open(config, env);
+  ASSERT_FALSE(engine.is_ok());
+  EXPECT_TRUE(contains(engine.status(), "Env::nvme_paths")) << engine.status().to_string();
+}
+
+TEST(EngineBadInput, RegistrationErrorsNameTheParameter) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  Result<std::unique_ptr<Engine>> opened = Engine::open(config, env_for(ranks, 0));
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  Engine& engine = **opened;
+  std::vector<float> v(12, 1.0f);
+  ASSERT_TRUE(engine.register_parameter({"a.w", "a", {3, 4}, DType::kF32, v.data()}).is_ok());
+  Status s = engine.register_parameter({"a.w", "a", {3, 4}, DType::kF32, v.data()});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_TRUE(contains(s, "a.w") && contains(s, "registered already")) << s.to_string();
+  s = engine.register_parameter({"a.b", "a", {3, 0}, DType::kF32, v.data()});
+  EXPECT_TRUE(contains(s, "a.b") && contains(s, "[3, 0]")) << s.to_string();
+  s = engine.register_parameter({"a.c", "", {3}, DType::kF32, v.data()});
+  EXPECT_TRUE(contains(s, "a.c") && contains(s, "module")) << s.to_string();
+  s = engine.register_parameter({"a.d", "a", {3}, DType::kF32, nullptr});
+  EXPECT_TRUE(contains(s, "a.d") && contains(s, "initial_values")) << s.to_string();
+  // A step before anything was reduced names the parameter that lacks gradients.
+  s = engine.step().status();
+  EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+  EXPECT_TRUE(contains(s, "a.w")) << s.to_string();
+}
+
+TEST(EngineBadInput, OpenChecksTheEnvAndTheWorldSize) {
+  engine_test::Ranks ranks = engine_test::make_ranks(2);
+  Config config = engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  config.world_size = 4;
+  Result<std::unique_ptr<Engine>> e = Engine::open(config, env_for(ranks, 0));
+  ASSERT_FALSE(e.is_ok());
+  EXPECT_TRUE(contains(e.status(), "zinf.world_size")) << e.status().to_string();
+  config.world_size = 0;
+  Env env;
+  EXPECT_EQ(Engine::open(config, env).status().code(), Code::kInvalidArgument);
+  config.zero.stage = 4;
+  e = Engine::open(config, env_for(ranks, 0));
+  EXPECT_TRUE(contains(e.status(), "zero_optimization.stage")) << e.status().to_string();
+}
+
+// --- Telemetry -------------------------------------------------------------------------------
+
+TEST(EngineTelemetry, ReportsAndMemoryPerTier) {
+  const int world = 2;
+  engine_test::ScratchDir dir("telemetry");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNvme, dir.path());
+  const Model model = engine_test::make_model(DType::kBF16, 71);
+  TrainOptions options;
+  options.steps = 2;
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<std::vector<StepReport>> reports(world);
+  std::vector<MemoryReport> memory(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, options, nullptr,
+                                                 &reports[static_cast<std::size_t>(rank)]));
+    memory[static_cast<std::size_t>(rank)] = engine->memory();
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const StepReport& r = reports[0].back();
+  EXPECT_EQ(r.step, 2);
+  EXPECT_GT(r.grad_norm, 0.0);
+  EXPECT_EQ(r.clip_coef, 1.0);
+  EXPECT_EQ(r.loss_scale, 1.0);
+  // The masters and moments (12 bytes a parameter of this rank's partition) went to NVMe and
+  // back; bf16 shards went to NVMe after the step.
+  EXPECT_GT(r.optimizer_nvme_read_bytes, 0u);
+  EXPECT_EQ(r.optimizer_nvme_read_bytes, r.optimizer_nvme_write_bytes);
+  EXPECT_GT(r.param_nvme_write_bytes, 0u);
+  EXPECT_GE(r.wall_ns, r.optimizer_ns);
+  EXPECT_GT(memory[0].nvme_bytes, r.optimizer_nvme_read_bytes);
+  EXPECT_GT(memory[0].host_bytes, 0u);
+  EXPECT_GT(memory[0].device_bytes, 0u);  // the persistent small parameters
+}
+
+}  // namespace
+}  // namespace zinf
