@@ -1,0 +1,199 @@
+#include "options.hpp"
+
+#include <CLI/CLI.hpp>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <sstream>
+
+namespace train_lm {
+namespace {
+
+bool parse_scaled(const std::string& text, bool binary, std::uint64_t* value) {
+  std::size_t used = 0;
+  double number = 0;
+  try {
+    number = std::stod(text, &used);
+  } catch (...) {
+    return false;
+  }
+  if (!(number >= 0) || !std::isfinite(number)) return false;
+  std::string suffix = text.substr(used);
+  for (char& c : suffix) c = char(std::tolower(static_cast<unsigned char>(c)));
+  if (binary && !suffix.empty() && suffix.back() == 'b') suffix.pop_back();  // "gib", "gb"
+  if (binary && !suffix.empty() && suffix.back() == 'i') suffix.pop_back();  // "gi"
+  double scale = 1;
+  const double k = binary ? 1024.0 : 1000.0;
+  if (suffix.empty()) {
+    scale = 1;
+  } else if (suffix == "k") {
+    scale = k;
+  } else if (suffix == "m") {
+    scale = k * k;
+  } else if (suffix == "g" || (!binary && suffix == "b")) {
+    scale = k * k * k;
+  } else if (suffix == "t") {
+    scale = k * k * k * k;
+  } else {
+    return false;
+  }
+  const double result = number * scale;
+  if (result > 1.8e19) return false;
+  *value = static_cast<std::uint64_t>(std::llround(result));
+  return true;
+}
+
+// A CLI11 option whose text is a count or a byte size with a suffix.
+CLI::Option* add_scaled(CLI::App& app, const std::string& name, std::uint64_t* target, bool binary,
+                        const std::string& help) {
+  return app
+      .add_option_function<std::string>(
+          name,
+          [=](const std::string& text) {
+            if (!parse_scaled(text, binary, target)) {
+              throw CLI::ValidationError(
+                  name, "'" + text + "' is not a " +
+                            (binary ? "byte size like 4GiB" : "count like 10M or 1B"));
+            }
+          },
+          help)
+      ->default_str(binary ? format_bytes(double(*target)) : format_count(double(*target)));
+}
+
+}  // namespace
+
+bool parse_count(const std::string& text, std::uint64_t* value) {
+  return parse_scaled(text, false, value);
+}
+bool parse_bytes(const std::string& text, std::uint64_t* value) {
+  return parse_scaled(text, true, value);
+}
+
+std::string format_count(double value) {
+  char buffer[32];
+  if (value >= 1e9) {
+    std::snprintf(buffer, sizeof(buffer), "%.2fB", value / 1e9);
+  } else if (value >= 1e6) {
+    std::snprintf(buffer, sizeof(buffer), "%.2fM", value / 1e6);
+  } else if (value >= 1e3) {
+    std::snprintf(buffer, sizeof(buffer), "%.1fk", value / 1e3);
+  } else {
+    std::snprintf(buffer, sizeof(buffer), "%.0f", value);
+  }
+  return buffer;
+}
+
+std::string format_bytes(double bytes) {
+  const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+  int unit = 0;
+  while (bytes >= 1024 && unit < 4) {
+    bytes /= 1024;
+    ++unit;
+  }
+  char buffer[32];
+  std::snprintf(buffer, sizeof(buffer), unit == 0 ? "%.0f %s" : "%.1f %s", bytes, units[unit]);
+  return buffer;
+}
+
+int parse_options(int argc, char** argv, Options* o, std::string* error) {
+  CLI::App app(
+      "train_lm: trains a byte-level language model with zinf (ZeRO-3, AdamW, optimizer state on "
+      "NVMe) and writes its loss curve.",
+      "train_lm");
+  app.option_defaults()->always_capture_default();
+  add_scaled(app, "--params", &o->params, false,
+             "model size in parameters: 1M, 10M, 1B, ...; the hidden width follows");
+  app.add_option("--layers", o->layers, "hidden blocks")->check(CLI::Range(1, 64));
+  app.add_option("--context", o->context_bytes, "bytes before each target the model sees")
+      ->check(CLI::Range(1, 256));
+  app.add_option("--embed", o->embed_dim, "byte embedding width")->check(CLI::Range(1, 4096));
+  app.add_option("--steps", o->steps, "optimizer steps")->check(CLI::Range(1, 100'000'000));
+  app.add_option("--batch", o->batch, "sequences a step, over all ranks")
+      ->check(CLI::Range(1, 1'000'000));
+  app.add_option("--seq-len", o->seq_len, "targets a sequence")->check(CLI::Range(1, 1'000'000));
+  app.add_option("--lr", o->lr, "peak learning rate (linear warmup, cosine decay to 10%)")
+      ->check(CLI::Range(0.0, 10.0));
+  app.add_option("--warmup", o->warmup_steps, "learning-rate warmup steps")
+      ->check(CLI::Range(0, 100'000'000));
+  app.add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--grad-clip", o->grad_clip, "clip the global gradient norm (0: off)")
+      ->check(CLI::Range(0.0, 1e9));
+  app.add_option("--seed", o->seed, "seed of the initial weights and of the batches");
+  app.add_option("--eval-every", o->eval_every, "steps between validation losses")
+      ->check(CLI::Range(1, 100'000'000));
+  app.add_option("--eval-tokens", o->eval_tokens, "validation targets")
+      ->check(CLI::Range(64, 10'000'000));
+  app.add_option("--time-limit", o->time_limit_s,
+                 "stop after this many seconds of training, with a final validation (0: none)")
+      ->check(CLI::Range(0.0, 1e9));
+  std::string engine = o->use_engine ? "on" : "off";
+  app.add_option("--engine", engine, "on: train through zinf's Engine; off: a plain fp32 loop")
+      ->check(CLI::IsMember({"on", "off"}));
+  app.add_option("--world-size", o->world_size, "ranks, each a LocalComm thread")
+      ->check(CLI::Range(1, 64));
+  app.add_option("--stage", o->stage, "ZeRO stage")->check(CLI::IsMember({1, 2, 3}));
+  app.add_option("--offload-optimizer", o->offload_optimizer,
+                 "where fp32 master weights and Adam moments live")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}));
+  app.add_option("--offload-param", o->offload_param,
+                 "where each rank's parameter shards live between gathers (stage 3)")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}));
+  app.add_option("--param-dtype", o->param_dtype, "dtype of the parameters the model computes with")
+      ->check(CLI::IsMember({"bf16", "f32"}));
+  app.add_option("--nvme-path", o->nvme_path, "directory for the NVMe swap files");
+  add_scaled(app, "--device-memory", &o->device_memory_bytes, true,
+             "device memory budget per rank (0: 16 GiB)");
+  add_scaled(app, "--host-memory", &o->host_memory_bytes, true,
+             "host memory budget of the process (0: 90% of physical memory)");
+  add_scaled(app, "--sub-group-size", &o->sub_group_size, false,
+             "parameters the optimizer moves and steps at once (0: chosen)");
+  app.add_option("--out", o->out_dir, "directory for loss.csv, loss.svg and summary.txt");
+  app.add_option("--trace", o->trace_path, "write the run as a Perfetto (Chrome JSON) trace");
+  app.add_option("--data", o->data_path, "training text (default: the bundled KJV Pentateuch)");
+  bool no_progress = false;
+  app.add_flag("--no-progress", no_progress, "no progress bar (one line per validation instead)");
+  app.add_flag("--quiet", o->quiet, "print the summary only");
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    std::fputs(app.help().c_str(), stdout);
+    return -1;
+  } catch (const CLI::ParseError& e) {
+    std::string message = e.what();
+    // CLI11 may spread one error over lines; the user gets one.
+    for (char& c : message) {
+      if (c == '\n') c = ' ';
+    }
+    *error = message;
+    return 2;
+  }
+  o->use_engine = engine == "on";
+  o->progress = !no_progress;
+  if (o->params < 1000) {
+    *error = "--params: " + std::to_string(o->params) + " is below the smallest model (1k)";
+    return 2;
+  }
+  if (o->batch % std::size_t(o->world_size) != 0) {
+    *error = "--batch " + std::to_string(o->batch) + " does not split evenly over --world-size " +
+             std::to_string(o->world_size) + " ranks";
+    return 2;
+  }
+  if (!o->use_engine && o->world_size != 1) {
+    *error = "--engine off trains in one process: it takes --world-size 1 only";
+    return 2;
+  }
+  if (o->stage != 3 && o->offload_param != "none") {
+    *error = "--offload-param " + o->offload_param + " needs --stage 3 (stage " +
+             std::to_string(o->stage) + " keeps all parameters on every rank's device)";
+    return 2;
+  }
+  if (o->out_dir.empty()) {
+    *error = "--out: an empty directory name";
+    return 2;
+  }
+  return 0;
+}
+
+}  // namespace train_lm

@@ -1,0 +1,61 @@
+// train_lm's command line: every option with its default, parsed into Options, and checked so
+// that a bad value is one line of error before anything is created on disk.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace train_lm {
+
+struct Options {
+  // Model.
+  std::uint64_t params = 1'000'000;  // --params: 1M, 10M, 1B, ... (the hidden width follows)
+  std::size_t layers = 4;            // --layers: hidden blocks
+  std::size_t context_bytes = 16;    // --context: bytes the model sees before each target
+  std::size_t embed_dim = 16;        // --embed
+  // Training.
+  std::int64_t steps = 600;        // --steps
+  std::size_t batch = 32;          // --batch: sequences a step, over all ranks
+  std::size_t seq_len = 64;        // --seq-len: targets a sequence
+  double lr = 3e-3;                // --lr: peak learning rate
+  std::int64_t warmup_steps = 30;  // --warmup
+  double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)
+  double grad_clip = 1.0;          // --grad-clip (0: off)
+  std::uint64_t seed = 1;          // --seed
+  std::int64_t eval_every = 50;    // --eval-every: steps between validation losses
+  std::size_t eval_tokens = 8192;  // --eval-tokens
+  double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
+  // zinf.
+  bool use_engine = true;                     // --engine on|off (off: a plain fp32 loop, no zinf)
+  int world_size = 1;                         // --world-size: ranks, as LocalComm threads
+  int stage = 3;                              // --stage 1|2|3
+  std::string offload_optimizer = "nvme";     // --offload-optimizer none|cpu|nvme
+  std::string offload_param = "none";         // --offload-param none|cpu|nvme (stage 3)
+  std::string param_dtype = "bf16";           // --param-dtype bf16|f32 (the device copy)
+  std::string nvme_path = "build/demo/nvme";  // --nvme-path
+  std::uint64_t device_memory_bytes = 0;      // --device-memory: per-rank budget (0: 16 GiB)
+  std::uint64_t host_memory_bytes = 0;        // --host-memory: process budget (0: 90% of RAM)
+  std::uint64_t sub_group_size = 0;           // --sub-group-size (params; 0: chosen)
+  // Output.
+  std::string out_dir = "build/demo";  // --out: loss.csv, loss.svg, summary.txt
+  std::string trace_path;              // --trace FILE: Perfetto/Chrome trace JSON
+  std::string data_path;               // --data (default: the bundled text)
+  bool progress = true;                // --no-progress turns the bar off
+  bool quiet = false;                  // --quiet: only the summary
+};
+
+// Parses argv. On success returns 0 and fills `options`; for --help prints the usage and
+// returns -1 (the caller exits 0); on a bad argument sets `error` to one line and returns 2.
+int parse_options(int argc, char** argv, Options* options, std::string* error);
+
+// "1M", "10M", "1.5B", "350k", "4096" -> count; "4GiB", "512MiB", "16G" -> bytes (G = 2^30 for
+// byte sizes, 10^9 for counts). Returns false on anything else.
+bool parse_count(const std::string& text, std::uint64_t* value);
+bool parse_bytes(const std::string& text, std::uint64_t* value);
+
+// "1.0M", "1.2B"; "512 MiB", "11.2 GiB".
+std::string format_count(double value);
+std::string format_bytes(double bytes);
+
+}  // namespace train_lm

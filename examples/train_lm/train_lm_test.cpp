@@ -1,0 +1,337 @@
+// Tests of train_lm's parts: the backward pass against finite differences, the data split and
+// batches, the option parsing, the CSV and SVG files, and the program's errors.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "data.hpp"
+#include "gemm.hpp"
+#include "model.hpp"
+#include "options.hpp"
+#include "report.hpp"
+#include "rng.hpp"
+
+namespace train_lm {
+namespace {
+
+namespace fs = std::filesystem;
+
+// All parameters of a model in one vector, handed to the model module by module.
+class FlatParams final : public ParamAccess {
+ public:
+  FlatParams(const ModelShape& shape, std::uint64_t seed) : specs_(module_specs(shape)) {
+    for (const ModuleSpec& spec : specs_) {
+      offsets_.push_back(params_.size());
+      params_.resize(params_.size() + spec.param_count());
+    }
+    grads_.assign(params_.size(), 0.0f);
+    for (std::size_t m = 0; m < specs_.size(); ++m)
+      init_module(shape, m, seed, &params_[offsets_[m]]);
+  }
+  const float* acquire(std::size_t m) override {
+    ++acquired_;
+    return &params_[offsets_[m]];
+  }
+  void release(std::size_t) override { ++released_; }
+  float* gradient_buffer(std::size_t m) override { return &grads_[offsets_[m]]; }
+  void gradient_ready(std::size_t m) override { ready_order_.push_back(m); }
+
+  std::vector<float> params_, grads_;
+  std::vector<std::size_t> offsets_;
+  std::vector<std::size_t> ready_order_;
+  int acquired_ = 0, released_ = 0;
+
+ private:
+  std::vector<ModuleSpec> specs_;
+};
+
+TEST(Gemm, MatchesNaiveProductsOnRandomData) {
+  const std::uint64_t seed = 11;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  Rng rng(seed);
+  // Odd sizes, so every remainder path runs.
+  const std::size_t rows = 37, in = 29, out = 301;
+  std::vector<float> x(rows * in), w(in * out), b(out), dy(rows * out);
+  for (float& v : x) v = rng.normal();
+  for (float& v : w) v = rng.normal();
+  for (float& v : b) v = rng.normal();
+  for (float& v : dy) v = rng.normal();
+  std::vector<float> y(rows * out), dx(rows * in), dw(in * out, 7.0f), db(out, 7.0f);
+  linear_forward(x.data(), w.data(), b.data(), y.data(), rows, in, out);
+  linear_backward_input(dy.data(), w.data(), dx.data(), rows, in, out);
+  linear_backward_weight(x.data(), dy.data(), dw.data(), db.data(), rows, in, out);
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t o = 0; o < out; ++o) {
+      double ref = b[o];
+      for (std::size_t i = 0; i < in; ++i) ref += double(x[r * in + i]) * w[i * out + o];
+      ASSERT_NEAR(y[r * out + o], ref, 1e-4 + 1e-5 * std::fabs(ref)) << r << "," << o;
+    }
+    for (std::size_t i = 0; i < in; ++i) {
+      double ref = 0;
+      for (std::size_t o = 0; o < out; ++o) ref += double(dy[r * out + o]) * w[i * out + o];
+      ASSERT_NEAR(dx[r * in + i], ref, 1e-3 + 1e-5 * std::fabs(ref)) << r << "," << i;
+    }
+  }
+  for (std::size_t i = 0; i < in; ++i) {
+    for (std::size_t o = 0; o < out; ++o) {
+      double ref = 0;
+      for (std::size_t r = 0; r < rows; ++r) ref += double(x[r * in + i]) * dy[r * out + o];
+      ASSERT_NEAR(dw[i * out + o], ref, 1e-3 + 1e-5 * std::fabs(ref)) << i << "," << o;
+    }
+  }
+  for (std::size_t o = 0; o < out; ++o) {
+    double ref = 0;
+    for (std::size_t r = 0; r < rows; ++r) ref += dy[r * out + o];
+    ASSERT_NEAR(db[o], ref, 1e-4 + 1e-5 * std::fabs(ref));
+  }
+}
+
+// Central differences in double around fp32 parameters: d loss / d p ~ (L(p+h) - L(p-h)) / 2h.
+TEST(Model, BackwardMatchesFiniteDifferences) {
+  const std::uint64_t seed = 5;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  ModelShape shape;
+  shape.context_bytes = 3;
+  shape.embed_dim = 4;
+  shape.hidden = 16;
+  shape.ffn = 24;
+  shape.blocks = 2;
+  const std::size_t tokens = 6;
+  Rng rng(seed);
+  std::vector<std::uint8_t> contexts(tokens * shape.context_bytes), targets(tokens);
+  for (auto& c : contexts) c = std::uint8_t(rng.below(8));  // few bytes: embedding rows repeat
+  for (auto& t : targets) t = std::uint8_t(rng.below(256));
+  FlatParams params(shape, seed);
+  // Biases start at 0 and the output weights small; perturb everything so every path carries
+  // gradient (a zero bias would hide a wrong sign in its gradient's use downstream).
+  for (float& p : params.params_) p += 0.3f * rng.normal();
+
+  Model model(shape, tokens);
+  const float scale = 1.0f / float(tokens);
+  model.forward(contexts.data(), targets.data(), tokens, params);
+  model.backward(scale, params);
+  const std::size_t modules = module_specs(shape).size();
+  // Gradients arrive in reverse module order, once each.
+  ASSERT_EQ(params.ready_order_.size(), modules);
+  for (std::size_t i = 0; i < modules; ++i) EXPECT_EQ(params.ready_order_[i], modules - 1 - i);
+  EXPECT_EQ(params.acquired_, params.released_);
+
+  auto loss_at = [&](std::size_t index, float value) {
+    const float saved = params.params_[index];
+    params.params_[index] = value;
+    const double loss = model.forward(contexts.data(), targets.data(), tokens, params) * scale;
+    params.params_[index] = saved;
+    return loss;
+  };
+  // Every parameter of the small modules and a random sample of the rest.
+  int checked = 0;
+  double worst = 0;
+  for (std::size_t index = 0; index < params.params_.size(); ++index) {
+    if (params.params_.size() > 2000 && rng.below(4) != 0) continue;
+    const float p = params.params_[index];
+    const float h = 1e-2f * std::max(1.0f, std::fabs(p));
+    const double numeric = (loss_at(index, p + h) - loss_at(index, p - h)) / (2.0 * double(h));
+    const double analytic = params.grads_[index];
+    const double err =
+        std::fabs(numeric - analytic) / std::max(1e-2, std::fabs(numeric) + std::fabs(analytic));
+    worst = std::max(worst, err);
+    ASSERT_LT(err, 2e-2) << "parameter " << index << " numeric " << numeric << " analytic "
+                         << analytic;
+    ++checked;
+  }
+  std::printf("checked %d parameters, worst relative error %.2e\n", checked, worst);
+  EXPECT_GT(checked, 500);
+}
+
+TEST(Model, FirstLossIsCloseToUniform) {
+  ModelShape shape;
+  Rng rng(3);
+  const std::size_t tokens = 256;
+  std::vector<std::uint8_t> contexts(tokens * shape.context_bytes), targets(tokens);
+  for (auto& c : contexts) c = std::uint8_t(rng.below(256));
+  for (auto& t : targets) t = std::uint8_t(rng.below(256));
+  FlatParams params(shape, 3);
+  Model model(shape, tokens);
+  const double loss = model.forward(contexts.data(), targets.data(), tokens, params) / tokens;
+  EXPECT_NEAR(loss, std::log(256.0), 0.3);
+}
+
+TEST(Model, ShapeForParamsLandsNearTheTarget) {
+  ModelShape base;
+  for (std::uint64_t target : {1'000'000ull, 10'000'000ull, 1'000'000'000ull}) {
+    const ModelShape shape = shape_for_params(target, base);
+    const double ratio = double(param_count(shape)) / double(target);
+    EXPECT_NEAR(ratio, 1.0, 0.1) << target;
+    EXPECT_EQ(shape.hidden % 16, 0u);
+    EXPECT_EQ(shape.ffn, 4 * shape.hidden);
+  }
+}
+
+TEST(Data, SplitsTrainAndValidationAndBatchesAreSeeded) {
+  std::string text(100000, ' ');
+  Rng fill(9);
+  for (char& c : text) c = char('a' + fill.below(26));
+  Corpus corpus;
+  corpus.assign(text);
+  EXPECT_EQ(corpus.split_offset(), 90000u);
+  TokenBatch a, b;
+  Rng r1(4), r2(4);
+  corpus.sample_train(r1, 8, 32, 5, &a);
+  corpus.sample_train(r2, 8, 32, 5, &b);
+  EXPECT_EQ(a.contexts, b.contexts);
+  EXPECT_EQ(a.targets, b.targets);
+  ASSERT_EQ(a.token_count(), 8u * 32u);
+  // Each target's context is the 5 bytes before it in the text, all in the train split.
+  for (std::size_t t = 0; t < a.token_count(); ++t) {
+    const std::string ctx(a.contexts.begin() + long(t * 5), a.contexts.begin() + long(t * 5 + 5));
+    const std::string window = ctx + char(a.targets[t]);
+    const std::size_t at = text.find(window);
+    ASSERT_NE(at, std::string::npos);
+    EXPECT_LT(at + 5, corpus.split_offset());
+  }
+  TokenBatch val;
+  corpus.validation_batch(1000, 5, &val);
+  ASSERT_EQ(val.token_count(), 1000u);
+  // Validation targets come from the validation split.
+  for (std::size_t t = 0; t < val.token_count(); t += 97) {
+    const std::string window =
+        std::string(val.contexts.begin() + long(t * 5), val.contexts.begin() + long(t * 5 + 5)) +
+        char(val.targets[t]);
+    EXPECT_GE(text.rfind(window) + 5, corpus.split_offset());
+  }
+}
+
+TEST(Options, ParsesSizesAndRejectsBadValues) {
+  std::uint64_t value = 0;
+  EXPECT_TRUE(parse_count("10M", &value));
+  EXPECT_EQ(value, 10'000'000u);
+  EXPECT_TRUE(parse_count("1B", &value));
+  EXPECT_EQ(value, 1'000'000'000u);
+  EXPECT_TRUE(parse_count("1.5k", &value));
+  EXPECT_EQ(value, 1500u);
+  EXPECT_FALSE(parse_count("ten", &value));
+  EXPECT_FALSE(parse_count("10X", &value));
+  EXPECT_TRUE(parse_bytes("4GiB", &value));
+  EXPECT_EQ(value, std::uint64_t{4} << 30);
+  EXPECT_TRUE(parse_bytes("512M", &value));
+  EXPECT_EQ(value, std::uint64_t{512} << 20);
+
+  auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
+    args.insert(args.begin(), "train_lm");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return parse_options(int(argv.size()), argv.data(), o, error);
+  };
+  Options o;
+  std::string error;
+  ASSERT_EQ(
+      parse({"--params", "10M", "--world-size", "4", "--stage", "3", "--offload-param", "cpu"}, &o,
+            &error),
+      0)
+      << error;
+  EXPECT_EQ(o.params, 10'000'000u);
+  EXPECT_EQ(o.world_size, 4);
+  EXPECT_EQ(o.offload_param, "cpu");
+  for (const auto& bad :
+       std::vector<std::vector<std::string>>{{"--bogus"},
+                                             {"--params", "lots"},
+                                             {"--stage", "4"},
+                                             {"--offload-optimizer", "tape"},
+                                             {"--batch", "30", "--world-size", "4"},
+                                             {"--stage", "2", "--offload-param", "cpu"}}) {
+    Options fresh;
+    error.clear();
+    EXPECT_EQ(parse(bad, &fresh, &error), 2) << bad[0];
+    EXPECT_FALSE(error.empty());
+    EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+  }
+}
+
+TEST(Report, CsvHasTheHeaderAndEmptyValidationCells) {
+  const fs::path dir =
+      fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /
+      "train_lm_report";
+  fs::create_directories(dir);
+  std::vector<CurvePoint> points = {{1, 5.5, std::nullopt, 1000}, {2, 4.25, 4.5, 1200.5}};
+  std::string error;
+  ASSERT_TRUE(write_curve_csv((dir / "loss.csv").string(), points, &error)) << error;
+  std::ifstream csv(dir / "loss.csv");
+  std::string header, first, second;
+  std::getline(csv, header);
+  std::getline(csv, first);
+  std::getline(csv, second);
+  EXPECT_EQ(header, "step,train_loss,val_loss,tokens_per_s");
+  EXPECT_EQ(first, "1,5.500000,,1000.0");
+  EXPECT_EQ(second, "2,4.250000,4.500000,1200.5");
+  ASSERT_TRUE(write_curve_svg((dir / "loss.svg").string(), points, "t", &error)) << error;
+  std::ifstream svg(dir / "loss.svg");
+  std::stringstream text;
+  text << svg.rdbuf();
+  EXPECT_NE(text.str().find("<svg"), std::string::npos);
+  EXPECT_NE(text.str().find("</svg>"), std::string::npos);
+  EXPECT_NE(text.str().find("<circle"), std::string::npos);  // the validation point
+  fs::remove_all(dir);
+}
+
+// Runs the program; returns its exit code and its stderr.
+int run_program(const std::string& args, std::string* err) {
+  const std::string err_path =
+      fs::temp_directory_path() / ("train_lm_err_" + std::to_string(getpid()));
+  const std::string command = std::string(TRAIN_LM_BIN) + " " + args + " >/dev/null 2>" + err_path;
+  const int status = std::system(command.c_str());
+  std::ifstream file(err_path);
+  std::stringstream text;
+  text << file.rdbuf();
+  *err = text.str();
+  fs::remove(err_path);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+TEST(Program, BadArgumentsGiveOneLineAndLeaveNothingBehind) {
+  const fs::path base =
+      fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /
+      "train_lm_bad_args";
+  fs::remove_all(base);
+  fs::create_directories(base);
+  const std::string where =
+      " --out " + (base / "out").string() + " --nvme-path " + (base / "nvme").string();
+  for (const std::string& args : {
+           std::string("--no-such-option"),
+           std::string("--params 1B --device-memory 1GiB"),
+           std::string("--params 1B --host-memory 2GiB --device-memory 64GiB"),
+           std::string("--params 100B"),
+       }) {
+    std::string err;
+    EXPECT_NE(run_program(args + where, &err), 0) << args;
+    ASSERT_FALSE(err.empty()) << args;
+    // One line, the error; nothing else.
+    EXPECT_EQ(err.rfind("train_lm: error: ", 0), 0u) << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << args << ": " << err;
+    EXPECT_FALSE(fs::exists(base / "out")) << args;
+    EXPECT_FALSE(fs::exists(base / "nvme")) << args;
+  }
+  // A read-only place for the swap files (skipped as root, who may write anywhere).
+  if (geteuid() != 0) {
+    fs::create_directories(base / "ro");
+    fs::permissions(base / "ro", fs::perms::owner_read | fs::perms::owner_exec);
+    std::string err;
+    EXPECT_NE(run_program("--steps 1 --out " + (base / "out").string() + " --nvme-path " +
+                              (base / "ro" / "nvme").string(),
+                          &err),
+              0);
+    EXPECT_NE(err.find("--nvme-path"), std::string::npos) << err;
+    EXPECT_FALSE(fs::exists(base / "out"));
+    fs::permissions(base / "ro", fs::perms::owner_all);
+  }
+  fs::remove_all(base);
+}
+
+}  // namespace
+}  // namespace train_lm

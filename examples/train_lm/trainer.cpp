@@ -1,0 +1,762 @@
+#include "trainer.hpp"
+
+#include <sys/resource.h>
+#include <sys/statvfs.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_for.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <barrier>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "data.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/trace.hpp"
+
+namespace train_lm {
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Linear warmup to the peak, then a cosine down to 10% of it at the last step.
+double learning_rate(const Options& o, std::int64_t step) {
+  if (o.warmup_steps > 0 && step <= o.warmup_steps) {
+    return o.lr * double(step) / double(o.warmup_steps);
+  }
+  const double span = double(std::max<std::int64_t>(1, o.steps - o.warmup_steps));
+  const double progress = std::min(1.0, double(step - o.warmup_steps) / span);
+  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(3.141592653589793 * progress)));
+}
+
+std::size_t max_module_params(const std::vector<ModuleSpec>& specs) {
+  std::size_t most = 0;
+  for (const ModuleSpec& spec : specs) most = std::max(most, spec.param_count());
+  return most;
+}
+
+std::uint64_t peak_rss_bytes() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  return std::uint64_t(usage.ru_maxrss) * 1024;
+}
+
+// Activation floats of one Model sized for `tokens`.
+std::uint64_t activation_bytes(const ModelShape& s, std::size_t tokens) {
+  const std::uint64_t per_token = s.context_bytes * s.embed_dim * 2 +    // x0, dx0
+                                  (s.blocks + 1) * (2 * s.hidden + 1) +  // h, norm, inv_rms
+                                  s.blocks * s.ffn + 256 + 2 * s.hidden +
+                                  std::max<std::size_t>(s.ffn, 256);
+  return per_token * 4 * tokens;
+}
+
+zinf::OffloadDevice offload_device(const std::string& name) {
+  zinf::OffloadDevice device = zinf::OffloadDevice::kNone;
+  zinf::parse_offload_device(name, &device);
+  return device;
+}
+
+std::uint64_t sub_group_params(const Options& o, std::uint64_t param_count) {
+  if (o.sub_group_size != 0) return o.sub_group_size;
+  // About eight sub-groups a rank, so the NVMe reads of one overlap the update of another, in
+  // multiples of 2048 parameters, between 64Ki and 16Mi (a 16Mi sub-group is 256 MiB of fp32
+  // master, moments and gradient in the pinned pool).
+  const std::uint64_t per_rank = (param_count + std::uint64_t(o.world_size) - 1) / o.world_size;
+  std::uint64_t sub = (per_rank / 8 + 2047) / 2048 * 2048;
+  return std::clamp<std::uint64_t>(sub, 65536, std::uint64_t{16} << 20);
+}
+
+constexpr std::size_t kOptimizerBuffers = 4;
+
+// The nearest existing directory at or above `path`.
+fs::path existing_ancestor(fs::path path) {
+  std::error_code ec;
+  path = fs::absolute(path, ec);
+  while (!path.empty() && !fs::exists(path, ec)) {
+    if (path == path.parent_path()) break;
+    path = path.parent_path();
+  }
+  return path;
+}
+
+// Checks that a directory can be made at `path` and hold `bytes`; one line of error otherwise.
+bool check_writable_dir(const std::string& option, const std::string& path, std::uint64_t bytes,
+                        std::string* error) {
+  std::error_code ec;
+  if (fs::exists(path, ec) && !fs::is_directory(path, ec)) {
+    *error = option + " " + path + ": exists and is not a directory";
+    return false;
+  }
+  const fs::path base = existing_ancestor(path);
+  struct statvfs info {};
+  if (statvfs(base.c_str(), &info) != 0) {
+    *error = option + " " + path + ": cannot stat " + base.string() + ": " + std::strerror(errno);
+    return false;
+  }
+  if ((info.f_flag & ST_RDONLY) != 0 || access(base.c_str(), W_OK) != 0) {
+    *error = option + " " + path + ": " + base.string() + " is on a read-only filesystem or " +
+             "not writable";
+    return false;
+  }
+  const std::uint64_t free_bytes = std::uint64_t(info.f_bavail) * info.f_frsize;
+  if (bytes > free_bytes) {
+    *error = option + " " + path + ": needs " + format_bytes(double(bytes)) + " but " +
+             base.string() + " has " + format_bytes(double(free_bytes)) + " free";
+    return false;
+  }
+  return true;
+}
+
+// Directories this run created, removed again (with what is in them) when the run fails, so a
+// failed run leaves nothing behind.
+class CreatedDirs {
+ public:
+  bool make(const std::string& option, const std::string& path, std::string* error) {
+    std::error_code ec;
+    fs::path missing = fs::absolute(path, ec);
+    // Remember the topmost directory that did not exist, to remove the whole chain later.
+    fs::path top;
+    for (fs::path p = missing; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+      top = p;
+      if (p == p.parent_path()) break;
+    }
+    fs::create_directories(path, ec);
+    if (ec) {
+      *error = option + " " + path + ": cannot create it: " + ec.message();
+      return false;
+    }
+    if (!top.empty()) created_.push_back(top);
+    return true;
+  }
+  void remove_all() {
+    for (auto it = created_.rbegin(); it != created_.rend(); ++it) {
+      std::error_code ec;
+      fs::remove_all(*it, ec);
+    }
+    created_.clear();
+  }
+  const std::vector<fs::path>& created() const { return created_; }
+
+ private:
+  std::vector<fs::path> created_;
+};
+
+// --- The plain fp32 path: parameters, gradients and AdamW state in this program ---------------
+
+class PlainAccess final : public ParamAccess {
+ public:
+  PlainAccess(const ModelShape& shape, std::uint64_t seed) : specs_(module_specs(shape)) {
+    std::size_t total = 0;
+    for (const ModuleSpec& spec : specs_) {
+      offsets_.push_back(total);
+      total += spec.param_count();
+    }
+    params_.resize(total);
+    grads_.assign(total, 0.0f);
+    m_.assign(total, 0.0f);
+    v_.assign(total, 0.0f);
+    for (std::size_t i = 0; i < specs_.size(); ++i)
+      init_module(shape, i, seed, &params_[offsets_[i]]);
+  }
+  const float* acquire(std::size_t m) override { return &params_[offsets_[m]]; }
+  void release(std::size_t) override {}
+  float* gradient_buffer(std::size_t m) override { return &grads_[offsets_[m]]; }
+  void gradient_ready(std::size_t) override {}
+
+  // AdamW (Loshchilov and Hutter, 2019) with bias correction, after clipping the global norm to
+  // `clip`, as zinf's engine does it.
+  void step(const Options& o, double lr) {
+    ++t_;
+    double sum_sq = 0;
+    for (float g : grads_) sum_sq += double(g) * g;
+    const double norm = std::sqrt(sum_sq);
+    const double coef = o.grad_clip > 0 && norm > o.grad_clip ? o.grad_clip / (norm + 1e-6) : 1.0;
+    const double beta1 = 0.9, beta2 = 0.99, eps = 1e-8;
+    const double c1 = 1.0 - std::pow(beta1, double(t_)), c2 = 1.0 - std::pow(beta2, double(t_));
+    const float step_size = float(lr / c1), decay = float(1.0 - lr * o.weight_decay);
+    const float b1 = float(beta1), b2 = float(beta2), cf = float(coef);
+    const float inv_sqrt_c2 = float(1.0 / std::sqrt(c2));
+    tbb::parallel_for(tbb::blocked_range<std::size_t>(0, params_.size(), 16384),
+                      [&](const tbb::blocked_range<std::size_t>& range) {
+                        for (std::size_t i = range.begin(); i < range.end(); ++i) {
+                          const float g = grads_[i] * cf;
+                          m_[i] = b1 * m_[i] + (1 - b1) * g;
+                          v_[i] = b2 * v_[i] + (1 - b2) * g * g;
+                          params_[i] =
+                              params_[i] * decay -
+                              step_size * m_[i] / (std::sqrt(v_[i]) * inv_sqrt_c2 + float(eps));
+                        }
+                      });
+  }
+  std::uint64_t state_bytes() const { return 16 * params_.size(); }
+
+ private:
+  std::vector<ModuleSpec> specs_;
+  std::vector<std::size_t> offsets_;
+  std::vector<float> params_, grads_, m_, v_;
+  std::int64_t t_ = 0;
+};
+
+// --- The zinf path: one Engine per rank ----------------------------------------------------------
+
+std::string weight_name(const ModuleSpec& spec) { return spec.name + ".weight"; }
+std::string bias_name(const ModuleSpec& spec) { return spec.name + ".bias"; }
+
+void parallel_to_f32(const void* src, zinf::DType dtype, float* dst, std::size_t count) {
+  constexpr std::size_t kChunk = 1 << 16;
+  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, count, kChunk),
+                    [&](const tbb::blocked_range<std::size_t>& r) {
+                      if (dtype == zinf::DType::kF32) {
+                        std::memcpy(dst + r.begin(), static_cast<const float*>(src) + r.begin(),
+                                    r.size() * sizeof(float));
+                      } else {
+                        zinf::convert_bf16_to_f32(
+                            static_cast<const std::uint16_t*>(src) + r.begin(), dst + r.begin(),
+                            r.size());
+                      }
+                    });
+}
+
+// Hands the model each module's parameters from the engine (gathered, then cast to fp32 in a
+// scratch buffer the size of the largest module) and its gradients to reduce_gradients().
+// The model cannot take errors, so the first one is kept and every later call does nothing; the
+// caller checks status() after each pass.
+class EngineAccess final : public ParamAccess {
+ public:
+  EngineAccess(zinf::Engine& engine, const ModelShape& shape, TimeSplit* time)
+      : engine_(engine), specs_(module_specs(shape)), time_(time) {
+    const std::size_t most = max_module_params(specs_);
+    params_.resize(most);
+    grads_.resize(most);
+  }
+  const float* acquire(std::size_t m) override {
+    const auto start = Clock::now();
+    if (status_.is_ok()) status_ = acquire_into(specs_[m]);
+    time_->gather_s += seconds_since(start);
+    return params_.data();
+  }
+  void release(std::size_t m) override {
+    const auto start = Clock::now();
+    if (status_.is_ok()) status_ = engine_.release(specs_[m].name);
+    time_->gather_s += seconds_since(start);
+  }
+  float* gradient_buffer(std::size_t) override { return grads_.data(); }
+  void gradient_ready(std::size_t m) override {
+    const auto start = Clock::now();
+    if (status_.is_ok()) {
+      const ModuleSpec& spec = specs_[m];
+      const std::string weight = weight_name(spec), bias = bias_name(spec);
+      zinf::GradientRef refs[2] = {
+          {weight, grads_.data(), spec.in * spec.out, zinf::DType::kF32},
+          {bias, grads_.data() + spec.in * spec.out, spec.out, zinf::DType::kF32}};
+      status_ = engine_.reduce_gradients(
+          spec.name, std::span<const zinf::GradientRef>(refs, spec.has_bias ? 2 : 1));
+    }
+    time_->reduce_s += seconds_since(start);
+  }
+  const zinf::Status& status() const { return status_; }
+
+ private:
+  zinf::Status acquire_into(const ModuleSpec& spec) {
+    ZINF_RETURN_IF_ERROR(engine_.gather(spec.name));
+    ZINF_ASSIGN_OR_RETURN(zinf::TensorView w, engine_.parameter(weight_name(spec)));
+    parallel_to_f32(w.data, w.dtype, params_.data(), spec.in * spec.out);
+    if (spec.has_bias) {
+      ZINF_ASSIGN_OR_RETURN(zinf::TensorView b, engine_.parameter(bias_name(spec)));
+      parallel_to_f32(b.data, b.dtype, params_.data() + spec.in * spec.out, spec.out);
+    }
+    return zinf::Status::ok();
+  }
+
+  zinf::Engine& engine_;
+  std::vector<ModuleSpec> specs_;
+  TimeSplit* time_;
+  std::vector<float> params_, grads_;
+  zinf::Status status_;
+};
+
+zinf::Status register_model(zinf::Engine& engine, const ModelShape& shape, std::uint64_t seed,
+                            zinf::DType dtype) {
+  const std::vector<ModuleSpec> specs = module_specs(shape);
+  std::vector<float> initial(max_module_params(specs));
+  for (std::size_t m = 0; m < specs.size(); ++m) {
+    const ModuleSpec& spec = specs[m];
+    init_module(shape, m, seed, initial.data());
+    zinf::ParameterSpec weight;
+    weight.name = weight_name(spec);
+    weight.module = spec.name;
+    weight.shape = {std::int64_t(spec.in), std::int64_t(spec.out)};
+    weight.dtype = dtype;
+    weight.initial_values = initial.data();
+    ZINF_RETURN_IF_ERROR(engine.register_parameter(weight));
+    if (spec.has_bias) {
+      zinf::ParameterSpec bias = weight;
+      bias.name = bias_name(spec);
+      bias.shape = {std::int64_t(spec.out)};
+      bias.initial_values = initial.data() + spec.in * spec.out;
+      ZINF_RETURN_IF_ERROR(engine.register_parameter(bias));
+    }
+  }
+  return engine.finalize();
+}
+
+zinf::Config engine_config(const Options& o, std::uint64_t param_count) {
+  zinf::Config c;
+  c.train_micro_batch_size_per_gpu = o.batch / std::size_t(o.world_size);
+  c.gradient_clipping = o.grad_clip;
+  c.bf16_enabled = o.param_dtype == "bf16";
+  c.optimizer.kind = zinf::OptimizerKind::kAdamW;
+  c.optimizer.lr = o.lr;
+  c.optimizer.beta1 = 0.9;
+  c.optimizer.beta2 = 0.99;
+  c.optimizer.eps = 1e-8;
+  c.optimizer.weight_decay = o.weight_decay;
+  c.zero.stage = o.stage;
+  c.zero.offload_optimizer.device = offload_device(o.offload_optimizer);
+  c.zero.offload_optimizer.nvme_path = o.nvme_path;
+  c.zero.offload_optimizer.buffer_count = kOptimizerBuffers;
+  c.zero.offload_param.device = offload_device(o.offload_param);
+  c.zero.offload_param.nvme_path = o.nvme_path;
+  c.zero.sub_group_size = sub_group_params(o, param_count);
+  c.world_size = o.world_size;
+  c.collective_timeout_ms = 300'000;
+  return c;
+}
+
+// What the ranks share: the step barrier, each rank's loss sums, the stop flag and the first
+// error. The barrier's completion (run by one thread when every rank has arrived) turns the sums
+// into the curve and the progress bar.
+struct Shared;
+struct StepDone {
+  Shared* shared;
+  void operator()() noexcept;
+};
+
+struct Shared {
+  Shared(const Options& o, const ModelShape& s, const Corpus& c, RunSummary* sum)
+      : options(o),
+        shape(s),
+        corpus(c),
+        summary(sum),
+        world(o.world_size),
+        sync(o.world_size, StepDone{this}),
+        train_sum(std::size_t(o.world_size)),
+        val_sum(std::size_t(o.world_size)),
+        memory(std::size_t(o.world_size)),
+        nvme_read(std::size_t(o.world_size)),
+        nvme_write(std::size_t(o.world_size)),
+        progress(stderr, o.steps, o.progress && !o.quiet) {}
+
+  void fail(int rank, const std::string& message) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (error.empty())
+      error = world > 1 ? "rank " + std::to_string(rank) + ": " + message : message;
+    failed = true;
+  }
+
+  const Options& options;
+  const ModelShape& shape;
+  const Corpus& corpus;
+  RunSummary* summary;
+  int world;
+  std::barrier<StepDone> sync;
+  // Written by each rank before the barrier, read in its completion.
+  std::vector<double> train_sum, val_sum;
+  std::vector<zinf::MemoryReport> memory;
+  std::vector<std::uint64_t> nvme_read, nvme_write;
+  std::int64_t step = 0;  // the step the ranks are finishing (0: the first validation)
+  bool has_val = false;
+  std::atomic<bool> stop{false};
+  std::atomic<bool> failed{false};
+  std::mutex mutex;
+  std::string error;
+  Clock::time_point start = Clock::now();
+  Clock::time_point last_step_end = Clock::now();
+  double train_s = 0;  // wall time inside steps, for tokens/s
+  double last_val = 0;
+  ProgressBar progress;
+  zinf::Trace* trace = nullptr;
+};
+
+void StepDone::operator()() noexcept {
+  Shared& s = *shared;
+  const Options& o = s.options;
+  if (s.failed) return;
+  double val = 0;
+  if (s.has_val) {
+    for (double v : s.val_sum) val += v;
+    val /= double(o.eval_tokens / std::size_t(o.world_size) * std::size_t(o.world_size));
+    s.last_val = val;
+  }
+  RunSummary& sum = *s.summary;
+  if (s.step == 0) {
+    sum.first_val_loss = val;
+    if (!o.quiet) {
+      std::fprintf(stderr, "step 0: validation loss %.3f nats/byte (ln 256 = 5.545)\n", val);
+    }
+    s.last_step_end = Clock::now();
+    return;
+  }
+  double train = 0;
+  for (double v : s.train_sum) train += v;
+  const std::size_t tokens = o.batch * o.seq_len;
+  train /= double(tokens);
+  sum.tokens_seen += tokens;
+  sum.steps_done = s.step;
+  sum.final_train_loss = train;
+  const double step_s = seconds_since(s.last_step_end);
+  s.last_step_end = Clock::now();
+  s.train_s += step_s;
+  CurvePoint point;
+  point.step = s.step;
+  point.train_loss = train;
+  if (s.has_val) {
+    point.val_loss = val;
+    sum.final_val_loss = val;
+  }
+  point.tokens_per_s = double(tokens) / std::max(step_s, 1e-9);
+  sum.curve.push_back(point);
+  const double elapsed = seconds_since(s.start);
+  const double mean_rate = double(sum.tokens_seen) / std::max(s.train_s, 1e-9);
+  char extra[64];
+  std::snprintf(extra, sizeof(extra), "val %.3f", s.last_val);
+  s.progress.update(s.step, train, mean_rate, elapsed, extra);
+  if (o.time_limit_s > 0 && elapsed > o.time_limit_s) s.stop = true;
+}
+
+// One rank's whole run. `engine` is null on the plain path.
+void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator* comm) {
+  const Options& o = shared.options;
+  const ModelShape& shape = shared.shape;
+  const std::size_t world = std::size_t(o.world_size);
+  const std::size_t local_sequences = o.batch / world;
+  const std::size_t local_tokens = local_sequences * o.seq_len;
+  const std::size_t eval_local = o.eval_tokens / world;
+  const std::size_t chunk_tokens = std::max<std::size_t>(local_tokens, 1);
+  Model model(shape, chunk_tokens);
+  TimeSplit local_time;
+  TimeSplit& time = rank == 0 ? shared.summary->time : local_time;
+
+  std::unique_ptr<PlainAccess> plain;
+  std::unique_ptr<EngineAccess> through_engine;
+  ParamAccess* access = nullptr;
+  if (engine == nullptr) {
+    plain = std::make_unique<PlainAccess>(shape, o.seed);
+    access = plain.get();
+  } else {
+    through_engine = std::make_unique<EngineAccess>(*engine, shape, &time);
+    access = through_engine.get();
+  }
+  const int track =
+      shared.trace != nullptr ? shared.trace->track("train_lm rank " + std::to_string(rank)) : 0;
+  auto check = [&](const char* what) {
+    if (through_engine && !through_engine->status().is_ok()) {
+      shared.fail(rank, std::string(what) + ": " + through_engine->status().to_string());
+      return false;
+    }
+    return true;
+  };
+  auto fail_out = [&]() {
+    if (comm != nullptr) comm->abort(zinf::Status::aborted("another rank failed"));
+    shared.sync.arrive_and_drop();
+  };
+
+  TokenBatch val_batch, batch;
+  shared.corpus.validation_batch(eval_local * world, shape.context_bytes, &val_batch);
+  auto evaluate = [&]() {
+    zinf::Trace::Span span(shared.trace, track, "validation");
+    const auto start = Clock::now();
+    const double gather_before = time.gather_s;
+    double sum = 0;
+    // Every rank runs the same number of forward passes (so the same gathers), some maybe short.
+    const std::size_t first = std::size_t(rank) * eval_local;
+    for (std::size_t done = 0; done < eval_local; done += chunk_tokens) {
+      const std::size_t count = std::min(chunk_tokens, eval_local - done);
+      sum += model.forward(&val_batch.contexts[(first + done) * shape.context_bytes],
+                           &val_batch.targets[first + done], count, *access);
+      if (!check("validation")) return false;
+    }
+    shared.val_sum[std::size_t(rank)] = sum;
+    time.eval_s += seconds_since(start) - (time.gather_s - gather_before);
+    return true;
+  };
+
+  // Only rank 0 writes what the barrier's completion reads; every rank decides the same locally.
+  if (rank == 0) {
+    shared.step = 0;
+    shared.has_val = true;
+  }
+  if (!evaluate()) return fail_out();
+  shared.sync.arrive_and_wait();
+  if (shared.failed) return;
+
+  // Every rank draws the same global batch and trains on its slice of it, so the world size
+  // changes only how the sums are split, not what is learned.
+  Rng rng(o.seed ^ 0xD1B54A32D192ED03ull);
+  for (std::int64_t step = 1; step <= o.steps; ++step) {
+    const auto step_start = Clock::now();
+    const double lr = learning_rate(o, step);
+    if (engine != nullptr) engine->set_learning_rate(lr);
+    shared.corpus.sample_train(rng, o.batch, o.seq_len, shape.context_bytes, &batch);
+    const std::size_t first = std::size_t(rank) * local_tokens;
+
+    double gather_before = time.gather_s;
+    auto start = Clock::now();
+    double loss_sum = 0;
+    {
+      zinf::Trace::Span span(shared.trace, track, "forward");
+      loss_sum = model.forward(&batch.contexts[first * shape.context_bytes], &batch.targets[first],
+                               local_tokens, *access);
+    }
+    time.forward_s += seconds_since(start) - (time.gather_s - gather_before);
+    if (!check("forward")) return fail_out();
+
+    gather_before = time.gather_s;
+    const double reduce_before = time.reduce_s;
+    start = Clock::now();
+    {
+      zinf::Trace::Span span(shared.trace, track, "backward");
+      // Each rank's gradient is of its mean loss; the engine averages them over ranks.
+      model.backward(1.0f / float(local_tokens), *access);
+    }
+    time.backward_s +=
+        seconds_since(start) - (time.gather_s - gather_before) - (time.reduce_s - reduce_before);
+    if (!check("backward")) return fail_out();
+
+    start = Clock::now();
+    if (engine != nullptr) {
+      zinf::Result<zinf::StepReport> report = engine->step();
+      if (!report.is_ok()) {
+        shared.fail(rank, "step " + std::to_string(step) + ": " + report.status().to_string());
+        return fail_out();
+      }
+      const zinf::StepReport& r = report.value();
+      time.optimizer_s += double(r.optimizer_ns) * 1e-9;
+      shared.nvme_read[std::size_t(rank)] += r.optimizer_nvme_read_bytes;
+      shared.nvme_write[std::size_t(rank)] +=
+          r.optimizer_nvme_write_bytes + r.param_nvme_write_bytes;
+    } else {
+      plain->step(o, lr);
+    }
+    time.step_s += seconds_since(start);
+
+    shared.train_sum[std::size_t(rank)] = loss_sum;
+    // The time limit is decided at the previous barrier; a stopping run ends on a validation.
+    const bool stopping = shared.stop;
+    const bool validate = step % o.eval_every == 0 || step == o.steps || stopping;
+    if (validate && !evaluate()) return fail_out();
+    if (rank == 0) {
+      shared.step = step;
+      shared.has_val = validate;
+    }
+    time.total_s += seconds_since(step_start);
+    shared.sync.arrive_and_wait();
+    if (shared.failed) return;
+    if (stopping) break;
+  }
+  if (engine != nullptr) {
+    shared.memory[std::size_t(rank)] = engine->memory();
+    const zinf::EngineCounters& counters = engine->counters();
+    shared.nvme_read[std::size_t(rank)] += counters.param_nvme_read_bytes;
+  }
+}
+
+}  // namespace
+
+Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
+  const std::vector<ModuleSpec> specs = module_specs(shape);
+  const std::uint64_t params = param_count(shape);
+  const std::uint64_t world = std::uint64_t(o.world_size);
+  const std::uint64_t slice = (params + world - 1) / world;
+  const std::uint64_t largest = max_module_params(specs);
+  const std::uint64_t dtype_bytes = o.param_dtype == "bf16" ? 2 : 4;
+  const std::uint64_t local_tokens = o.batch / world * o.seq_len;
+  Footprint f;
+  if (!o.use_engine) {
+    f.host_bytes = 16 * params + activation_bytes(shape, local_tokens);
+    return f;
+  }
+  std::uint64_t device = 0;
+  if (o.stage == 3) {
+    if (o.offload_param == "none") device += slice * dtype_bytes;
+    device += std::min<std::uint64_t>(params, 3 * largest) * dtype_bytes;  // gathered modules
+  } else {
+    device += params * dtype_bytes;
+  }
+  device += (o.stage == 1 ? params : slice) * 4;  // fp32 gradient accumulators
+  if (o.offload_optimizer == "none") device += 12 * slice;
+  f.device_bytes_per_rank = device;
+  std::uint64_t host = world * device;
+  host += world * (2 * largest * 4 + activation_bytes(shape, local_tokens));
+  if (o.offload_optimizer == "cpu") host += 12 * params;
+  if (o.offload_param == "cpu") host += params * dtype_bytes;
+  if (o.offload_optimizer == "nvme") {
+    host += world * kOptimizerBuffers * 16 * sub_group_params(o, params);
+    f.nvme_bytes += 12 * params;
+  }
+  if (o.offload_param == "nvme") f.nvme_bytes += params * dtype_bytes;
+  f.host_bytes = host;
+  return f;
+}
+
+int run_training(const Options& o, const ModelShape& shape, const std::string& banner,
+                 RunSummary* summary, std::string* error) {
+  summary->shape = shape;
+  summary->param_count = param_count(shape);
+  const auto wall_start = Clock::now();
+
+  // Everything that can be checked is checked before anything is created.
+  Corpus corpus;
+  const std::string data_path = o.data_path.empty() ? TRAIN_LM_DEFAULT_DATA : o.data_path;
+  if (!corpus.load(data_path, error)) return 1;
+  if (corpus.split_offset() <= shape.context_bytes + o.seq_len + 1) {
+    *error = "--seq-len " + std::to_string(o.seq_len) + " is longer than the train split of " +
+             data_path;
+    return 1;
+  }
+  const Footprint need = estimate_footprint(o, shape);
+  const std::uint64_t device_budget =
+      o.device_memory_bytes != 0 ? o.device_memory_bytes : std::uint64_t{16} << 30;
+  const std::uint64_t host_budget =
+      o.host_memory_bytes != 0
+          ? o.host_memory_bytes
+          : std::uint64_t(double(sysconf(_SC_PHYS_PAGES)) * double(sysconf(_SC_PAGE_SIZE)) * 0.9);
+  const std::string model_text = format_count(double(summary->param_count)) + " parameters";
+  const std::string placement = o.use_engine ? "at --stage " + std::to_string(o.stage) +
+                                                   " --offload-optimizer " + o.offload_optimizer +
+                                                   " --offload-param " + o.offload_param
+                                             : "with --engine off";
+  if (need.device_bytes_per_rank > device_budget) {
+    *error = "the model (" + model_text + ") needs about " +
+             format_bytes(double(need.device_bytes_per_rank)) + " of device memory per rank " +
+             placement + ", above the budget of " + format_bytes(double(device_budget)) +
+             " (--device-memory)";
+    return 1;
+  }
+  if (need.host_bytes > host_budget) {
+    *error = "the model (" + model_text + ") needs about " + format_bytes(double(need.host_bytes)) +
+             " of host memory " + placement + ", above the budget of " +
+             format_bytes(double(host_budget)) + " (--host-memory)";
+    return 1;
+  }
+  const bool uses_nvme =
+      o.use_engine && (o.offload_optimizer == "nvme" || o.offload_param == "nvme");
+  if (uses_nvme && !check_writable_dir("--nvme-path", o.nvme_path, need.nvme_bytes, error)) {
+    return 1;
+  }
+  if (!check_writable_dir("--out", o.out_dir, 1 << 20, error)) return 1;
+
+  CreatedDirs created;
+  auto fail = [&](const std::string& message) {
+    *error = message;
+    created.remove_all();
+    return 1;
+  };
+  if (!created.make("--out", o.out_dir, error)) return fail(*error);
+  if (uses_nvme && !created.make("--nvme-path", o.nvme_path, error)) return fail(*error);
+  // A directory of our own inside the NVMe path, so that the swap files of this run are removed
+  // with it whatever the path held before.
+  const std::string swap_dir = (fs::path(o.nvme_path) / "train_lm.swap").string();
+  if (uses_nvme && !created.make("--nvme-path", swap_dir, error)) return fail(*error);
+
+  if (!o.quiet) std::fputs(banner.c_str(), stderr);
+  std::unique_ptr<zinf::Trace> trace;
+  if (!o.trace_path.empty()) trace = std::make_unique<zinf::Trace>();
+
+  Shared shared(o, shape, corpus, summary);
+  shared.trace = trace.get();
+  if (!o.use_engine) {
+    run_rank(shared, 0, nullptr, nullptr);
+  } else {
+    std::vector<std::unique_ptr<zinf::Device>> devices;
+    std::vector<zinf::Device*> device_ptrs;
+    for (int r = 0; r < o.world_size; ++r) {
+      zinf::HostDeviceOptions device_options;
+      device_options.ordinal = r;
+      device_options.memory_limit_bytes = device_budget;
+      zinf::Result<std::unique_ptr<zinf::Device>> device = zinf::make_host_device(device_options);
+      if (!device.is_ok()) return fail("device: " + device.status().to_string());
+      device_ptrs.push_back(device.value().get());
+      devices.push_back(std::move(device).value());
+    }
+    zinf::LocalCommOptions comm_options;
+    comm_options.timeout = std::chrono::milliseconds(300'000);
+    zinf::Result<std::vector<std::unique_ptr<zinf::Communicator>>> comms =
+        zinf::make_local_comm_group(device_ptrs, comm_options);
+    if (!comms.is_ok()) return fail("communicator: " + comms.status().to_string());
+    zinf::Config config = engine_config(o, summary->param_count);
+    config.zero.offload_optimizer.nvme_path = swap_dir;
+    config.zero.offload_param.nvme_path = swap_dir;
+    {
+      std::vector<std::thread> threads;
+      for (int r = 0; r < o.world_size; ++r) {
+        threads.emplace_back([&, r] {
+          zinf::Env env;
+          env.device = device_ptrs[std::size_t(r)];
+          env.comm = comms.value()[std::size_t(r)].get();
+          if (uses_nvme) env.nvme_paths = {swap_dir};
+          env.trace = trace.get();
+          zinf::Result<std::unique_ptr<zinf::Engine>> engine = zinf::Engine::open(config, env);
+          if (!engine.is_ok()) {
+            shared.fail(r, "engine: " + engine.status().to_string());
+            env.comm->abort(zinf::Status::aborted("another rank failed"));
+            shared.sync.arrive_and_drop();
+            return;
+          }
+          zinf::Status registered =
+              register_model(*engine.value(), shape, o.seed,
+                             o.param_dtype == "bf16" ? zinf::DType::kBF16 : zinf::DType::kF32);
+          if (!registered.is_ok()) {
+            shared.fail(r, "engine: " + registered.to_string());
+            env.comm->abort(zinf::Status::aborted("another rank failed"));
+            shared.sync.arrive_and_drop();
+            return;
+          }
+          run_rank(shared, r, engine.value().get(), env.comm);
+        });
+      }
+      for (std::thread& t : threads) t.join();
+    }
+    for (int r = 0; r < o.world_size; ++r) {
+      summary->device_bytes += shared.memory[std::size_t(r)].device_bytes;
+      summary->host_bytes += shared.memory[std::size_t(r)].host_bytes;
+      summary->nvme_bytes += shared.memory[std::size_t(r)].nvme_bytes;
+      summary->nvme_read_bytes += shared.nvme_read[std::size_t(r)];
+      summary->nvme_write_bytes += shared.nvme_write[std::size_t(r)];
+    }
+  }
+  shared.progress.finish_line();
+  if (shared.failed) return fail(shared.error);
+  // The swap files are scratch: they go with the run.
+  if (uses_nvme) {
+    std::error_code ec;
+    fs::remove_all(swap_dir, ec);
+  }
+
+  summary->wall_s = seconds_since(wall_start);
+  summary->peak_rss_bytes = peak_rss_bytes();
+  if (trace) {
+    zinf::Status written = trace->write_json(o.trace_path);
+    if (!written.is_ok()) return fail("--trace: " + written.to_string());
+  }
+  return 0;
+}
+
+}  // namespace train_lm

@@ -1,0 +1,61 @@
+// The training run: checks the options against the machine and the budgets, then trains the
+// model through zinf's Engine (one Engine per rank, ranks as LocalComm threads) or, with
+// --engine off, through a plain fp32 AdamW loop in this program, and reports what happened.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model.hpp"
+#include "options.hpp"
+#include "report.hpp"
+
+namespace train_lm {
+
+// Seconds spent in each part of the step, summed over the run on rank 0.
+struct TimeSplit {
+  double forward_s = 0;    // forward compute
+  double backward_s = 0;   // backward compute
+  double gather_s = 0;     // Engine::gather / release and the bf16 -> fp32 cast of the weights
+  double reduce_s = 0;     // Engine::reduce_gradients (averaged over ranks into the owners)
+  double step_s = 0;       // Engine::step (or the plain AdamW): norm, optimizer, publish
+  double optimizer_s = 0;  //   of which the optimizer over the rank's slice (NVMe I/O included)
+  double eval_s = 0;       // validation
+  double total_s = 0;      // the steps' wall time, all of the above and the rest (batches)
+};
+
+struct RunSummary {
+  ModelShape shape;
+  std::uint64_t param_count = 0;
+  std::int64_t steps_done = 0;
+  std::uint64_t tokens_seen = 0;
+  double first_val_loss = 0;
+  double final_val_loss = 0;
+  double final_train_loss = 0;
+  double wall_s = 0;
+  TimeSplit time;
+  // Bytes of state on each tier, all ranks together, from the engines' MemoryReports.
+  std::uint64_t device_bytes = 0;
+  std::uint64_t host_bytes = 0;
+  std::uint64_t nvme_bytes = 0;
+  std::uint64_t nvme_read_bytes = 0;  // optimizer + parameter traffic, all ranks, whole run
+  std::uint64_t nvme_write_bytes = 0;
+  std::uint64_t peak_rss_bytes = 0;
+  std::vector<CurvePoint> curve;
+};
+
+// Everything the run would need, estimated before anything is allocated.
+struct Footprint {
+  std::uint64_t device_bytes_per_rank = 0;
+  std::uint64_t host_bytes = 0;  // the whole process, HostDevice memory included
+  std::uint64_t nvme_bytes = 0;
+};
+Footprint estimate_footprint(const Options& options, const ModelShape& shape);
+
+// Trains, after printing `banner` on stderr once the checks have passed. Returns 0, or 1 with
+// `error` set to one line (nothing created is left behind).
+int run_training(const Options& options, const ModelShape& shape, const std::string& banner,
+                 RunSummary* summary, std::string* error);
+
+}  // namespace train_lm
