@@ -36,7 +36,66 @@ OptimizerPipeline::OptimizerPipeline(StateStore& store, PinnedPool* pool,
                                      const PipelineOptions& options)
     : store_(store), pool_(pool), options_(options) {}
 
-OptimizerPipeline::~OptimizerPipeline() = default;
+OptimizerPipeline::~OptimizerPipeline() {
+  if (updater_.joinable()) {
+    {
+      std::lock_guard lock(update_mutex_);
+      updater_stop_ = true;
+    }
+    update_wake_.notify_one();
+    updater_.join();
+  }
+}
+
+void OptimizerPipeline::updater_main() {
+  std::unique_lock lock(update_mutex_);
+  for (;;) {
+    update_wake_.wait(lock, [&] { return update_pending_ || updater_stop_; });
+    if (updater_stop_) return;
+    const std::size_t i = update_sub_group_;
+    std::byte* block = update_block_;
+    const StepArgs args = update_args_;
+    lock.unlock();
+    std::int64_t ns = 0;
+    Status status = update(i, block, args, &ns);
+    lock.lock();
+    update_status_ = std::move(status);
+    update_ns_ = ns;
+    update_pending_ = false;
+    update_finished_ = true;
+    update_done_.notify_one();
+  }
+}
+
+void OptimizerPipeline::start_update(std::size_t i, std::byte* block, const StepArgs& args) {
+  {
+    std::lock_guard lock(update_mutex_);
+    ZINF_ASSERT(!update_pending_ && !update_finished_);
+    update_sub_group_ = i;
+    update_block_ = block;
+    update_args_ = args;
+    update_pending_ = true;
+  }
+  update_wake_.notify_one();
+}
+
+bool OptimizerPipeline::update_done() {
+  std::lock_guard lock(update_mutex_);
+  return update_finished_;
+}
+
+bool OptimizerPipeline::wait_update(std::chrono::microseconds timeout) {
+  std::unique_lock lock(update_mutex_);
+  return update_done_.wait_for(lock, timeout, [&] { return update_finished_; });
+}
+
+Status OptimizerPipeline::take_update_result() {
+  std::lock_guard lock(update_mutex_);
+  ZINF_ASSERT(update_finished_);
+  update_finished_ = false;
+  stats_.update_ns += update_ns_;
+  return std::move(update_status_);
+}
 
 Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& store,
                                                                    PinnedPool* pool,
@@ -78,6 +137,7 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
                       p->block_limit_, ops_needed, store.swap()->options().max_ops));
     }
     p->entries_.resize(p->block_limit_);
+    p->updater_ = std::thread([raw = p.get()] { raw->updater_main(); });
   }
   p->arena_ =
       std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads : cpu_count());
@@ -141,7 +201,8 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   return stats_;
 }
 
-Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs& args) {
+Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs& args,
+                                 std::int64_t* ns) {
   auto where = [&](Piece piece) -> std::byte* {
     if (!store_.has(piece)) return nullptr;
     if (store_.tier(piece) == Tier::kHost) return store_.host_data(piece, i);
@@ -170,7 +231,7 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
     if (!r.is_ok()) status = r.status();
   });
   const std::int64_t end = Trace::now_ns();
-  stats_.update_ns += end - start;
+  *ns = end - start;
   trace_span(update_track_, "update", i, start, end);
   if (!status.is_ok()) {
     return status.with_context(
@@ -181,7 +242,10 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
 
 Status OptimizerPipeline::run_host_only(const StepArgs& args) {
   for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
-    ZINF_RETURN_IF_ERROR(update(i, nullptr, args));
+    std::int64_t ns = 0;
+    Status status = update(i, nullptr, args, &ns);
+    stats_.update_ns += ns;
+    ZINF_RETURN_IF_ERROR(status);
     store_.set_stored(i, args.step);
   }
   return Status::ok();
@@ -191,7 +255,10 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
   // Benchmark mode: the same updates on the blocks as they are, sub-group i in block i mod B.
   if (store_.block_bytes() == 0) {
     for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
-      ZINF_RETURN_IF_ERROR(update(i, nullptr, args));
+      std::int64_t ns = 0;
+      Status status = update(i, nullptr, args, &ns);
+      stats_.update_ns += ns;
+      ZINF_RETURN_IF_ERROR(status);
     }
     return Status::ok();
   }
@@ -206,7 +273,9 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
   Status status = leased == 0 ? Status::resource_exhausted("OptimizerPipeline: no free pool block")
                               : Status::ok();
   for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
-    status = update(i, entries_[i % leased].lease.data(), args);
+    std::int64_t ns = 0;
+    status = update(i, entries_[i % leased].lease.data(), args, &ns);
+    stats_.update_ns += ns;
   }
   for (Entry& e : entries_) e.lease.release();
   return status;
@@ -375,7 +444,7 @@ Status OptimizerPipeline::pump(const StepArgs& args) {
       ++released_;
     }
   }
-  for (std::size_t i = updated_; i < read_; ++i) (void)reads_done(i);
+  for (std::size_t i = verified_; i < read_; ++i) (void)reads_done(i);
   while (read_ < store_.sub_group_count() && read_ - released_ < block_limit_) {
     std::optional<PinnedPool::Lease> lease = pool_->try_acquire();
     if (!lease) break;
@@ -386,65 +455,102 @@ Status OptimizerPipeline::pump(const StepArgs& args) {
 }
 
 Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
-  released_ = updated_ = read_ = 0;
+  released_ = updated_ = verified_ = read_ = 0;
   held_ = 0;
   const std::size_t n = store_.sub_group_count();
+  const bool full = args.mode == StepMode::kFull;
+  bool updating = false;
   Status status;
+  auto last_progress = std::chrono::steady_clock::now();
+  // Sub-group i's update is over (or there was none): write back what it changed.
+  auto written_back = [&](std::size_t i) {
+    ++updated_;  // from here on i is among the writing sub-groups, even if a write fails
+    Status s = start_write(i, args);
+    if (s.is_ok() && write_pieces_.empty()) {
+      // Nothing to write back (only gradients on nvme): the sub-group is done.
+      s = finish_write(i, args);
+      ++released_;
+    }
+    return s;
+  };
   while (status.is_ok() && updated_ < n) {
     status = pump(args);
     if (!status.is_ok()) break;
+    bool progressed = false;
+    if (updating && update_done()) {
+      updating = false;
+      progressed = true;
+      status = take_update_result();
+      if (!status.is_ok()) break;
+      status = written_back(updated_);
+      if (!status.is_ok()) break;
+    }
+    // Check finished reads in order (checksums) while the update runs.
+    while (verified_ < read_ && reads_done(verified_)) {
+      status = finish_read(verified_, args);
+      ++verified_;
+      progressed = true;
+      if (!status.is_ok()) break;
+    }
+    if (!status.is_ok()) break;
+    if (!updating && updated_ < verified_) {
+      progressed = true;
+      if (full) {
+        start_update(updated_, entry(updated_).lease.data(), args);
+        updating = true;
+      } else {
+        status = written_back(updated_);
+        if (!status.is_ok()) break;
+      }
+    }
+    if (progressed) {
+      last_progress = std::chrono::steady_clock::now();
+      continue;
+    }
     const std::int64_t wait_start = Trace::now_ns();
-    if (read_ == updated_) {
-      // Every block the step may hold is waiting for a write: wait for the oldest.
-      if (released_ == updated_) {
-        // Blocks are held elsewhere (another user of the pool): wait for one to come back.
+    if (!updating && read_ == updated_) {
+      // No block to read the next sub-group into: every block the step may hold is waiting for
+      // a write, so wait for the oldest; or blocks are held by another user of the pool.
+      if (released_ < updated_) {
+        status = finish_write(released_, args);
+        ++released_;
+      } else {
         Result<PinnedPool::Lease> lease = pool_->acquire(options_.io_timeout);
         if (!lease.is_ok()) {
           status = lease.status().with_context(fmt::format(
               "optimizer step {}: sub-group {}: waiting for a block", args.step, updated_));
-          break;
+        } else {
+          const std::size_t i = read_++;
+          status = start_read(i, std::move(*lease), args);
         }
-        const std::size_t i = read_++;
-        status = start_read(i, std::move(*lease), args);
-      } else {
-        status = finish_write(released_, args);
-        ++released_;
       }
       stats_.io_wait_ns += Trace::now_ns() - wait_start;
+      last_progress = std::chrono::steady_clock::now();
       continue;
     }
-    // Wait for the next sub-group's reads, keeping the queue fed meanwhile.
-    const auto deadline = std::chrono::steady_clock::now() + options_.io_timeout;
-    while (!reads_done(updated_)) {
-      status = pump(args);
-      if (!status.is_ok()) break;
-      if (std::chrono::steady_clock::now() > deadline) {
-        status = Status::timeout(
-            fmt::format("optimizer step {}: sub-group {}: reads not done within {} ms", args.step,
-                        updated_, options_.io_timeout.count()));
-        break;
-      }
-      std::this_thread::sleep_for(kPollInterval);
+    if (updating) {
+      (void)wait_update(kPollInterval);
+      last_progress = std::chrono::steady_clock::now();
+      continue;
     }
-    if (!status.is_ok()) break;
-    const std::size_t i = updated_;
-    status = finish_read(i, args);
+    // Nothing to update until the next sub-group's reads land.
+    if (std::chrono::steady_clock::now() - last_progress > options_.io_timeout) {
+      status = Status::timeout(
+          fmt::format("optimizer step {}: sub-group {}: reads not done within {} ms", args.step,
+                      verified_, options_.io_timeout.count()));
+      break;
+    }
+    std::this_thread::sleep_for(kPollInterval);
     stats_.io_wait_ns += Trace::now_ns() - wait_start;
-    if (!status.is_ok()) break;
-    Entry& e = entry(i);
-    if (args.mode == StepMode::kFull) {
-      status = update(i, e.lease.data(), args);
-      if (!status.is_ok()) break;
+  }
+  if (updating) {
+    // Failed elsewhere while an update ran: let it end (it is using a block), then write it back
+    // so that it is new rather than half-there (its host pieces may already be updated).
+    while (!wait_update(std::chrono::milliseconds(100))) {
     }
-    ++updated_;  // from here on i is among the writing sub-groups, even if a write fails
-    if (write_pieces_.empty()) {
-      // Nothing to write back (only gradients on nvme): the sub-group is done.
-      (void)start_write(i, args).is_ok();
-      status = finish_write(i, args);
-      ++released_;
-      continue;
-    }
-    status = start_write(i, args);
+    Status s = take_update_result();
+    if (s.is_ok()) s = written_back(updated_);
+    if (status.is_ok()) status = s;
   }
   if (status.is_ok()) {
     // The last writes.
@@ -461,7 +567,8 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
 }
 
 void OptimizerPipeline::drain(const StepArgs& args) {
-  // Writes first (their outcome decides versions), then reads whose data is discarded.
+  // Every I/O still in flight is waited for before its block goes back; writes decide versions,
+  // reads are discarded.
   for (std::size_t i = released_; i < read_; ++i) {
     Entry& e = entry(i);
     switch (e.phase) {
@@ -472,15 +579,11 @@ void OptimizerPipeline::drain(const StepArgs& args) {
         (void)finish_read(i, args);
         [[fallthrough]];
       case Entry::Phase::kInBlock:
-        // Read (maybe updated) but not written: the disk holds the old values, unless a host
-        // piece was updated in place, which makes the sub-group torn (host new, disk old).
+        // Read but not updated (or its update failed, which writes nothing): the disk and the
+        // host pieces still hold the old step.
         for (Piece piece : read_pieces_) {
           if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
         }
-        for (Piece piece : write_pieces_) {
-          if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
-        }
-        if (i < updated_ && e.write_failed) store_.set_torn(i);
         e.phase = Entry::Phase::kIdle;
         e.lease.release();
         --held_;
@@ -489,7 +592,7 @@ void OptimizerPipeline::drain(const StepArgs& args) {
         break;
     }
   }
-  released_ = updated_ = read_;
+  released_ = updated_ = verified_ = read_;
 }
 
 }  // namespace zinf

@@ -12,10 +12,12 @@
 // updated. Nothing is allocated per step: the in-flight records are sized at open() to the
 // pool's block count, leases come from the pool, tickets from the swap space's fixed table.
 //
-// How it waits: one driver thread (the caller's) submits I/O, polls completions (reaping
-// finished writes and starting reads in the blocks they free) and runs each update in a
-// oneTBB arena of `threads` threads; while it waits for the next sub-group's reads it polls every
-// 100 us, so a block freed by a write starts its next read within about that long.
+// Threads: the caller's thread drives the I/O (submits reads and writes, which checksums them,
+// verifies reads, reaps finished writes and starts reads in the blocks they free); an update
+// thread, started at open(), runs each sub-group's update in a oneTBB arena of `threads` threads.
+// So the I/O queue is fed while an update runs, not only between updates. When the driver has
+// nothing to do it waits at most 100 us (or until the update ends) before polling again, so a
+// block freed by a write starts its next read within about that long.
 //
 // Errors: a failure anywhere (a read or write's Status, a checksum mismatch, a timeout, the
 // update itself) stops the step: no new I/O is started, every I/O in flight is waited for (never
@@ -36,9 +38,12 @@
 #include <tbb/task_arena.h>
 
 #include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <vector>
 
 #include "device/pinned_pool.hpp"
@@ -121,7 +126,16 @@ class OptimizerPipeline {
   Status run_host_only(const StepArgs& args);
   Status run_update_only(const StepArgs& args);
   Status run_pipelined(const StepArgs& args);
-  Status update(std::size_t i, std::byte* block, const StepArgs& args);
+  // Runs sub-group i's update (on the calling thread, in arena_); returns its duration in ns
+  // through `ns`.
+  Status update(std::size_t i, std::byte* block, const StepArgs& args, std::int64_t* ns);
+  // The update thread: hands one update over, and takes its result when it is done.
+  void updater_main();
+  void start_update(std::size_t i, std::byte* block, const StepArgs& args);
+  bool update_done();
+  // Waits until the update ends or `timeout` passes; true when it ended.
+  bool wait_update(std::chrono::microseconds timeout);
+  Status take_update_result();
   // The non-blocking part of the loop: notes finished I/O, returns the blocks of sub-groups
   // whose writes landed, starts reads into free blocks.
   Status pump(const StepArgs& args);
@@ -149,8 +163,20 @@ class OptimizerPipeline {
   std::vector<Piece> write_pieces_;  // NVMe pieces the step writes
   // Sub-groups [released_, updated_) are writing (or written, not yet reaped), [updated_, read_)
   // reading or read; below released_ done; from read_ on untouched.
-  std::size_t released_ = 0, updated_ = 0, read_ = 0;
+  // [updated_, verified_) are read and checked, waiting for (or in) their update.
+  std::size_t released_ = 0, updated_ = 0, verified_ = 0, read_ = 0;
   std::size_t held_ = 0;
+  // Update thread state, guarded by update_mutex_.
+  std::thread updater_;
+  std::mutex update_mutex_;
+  std::condition_variable update_wake_, update_done_;
+  bool update_pending_ = false, update_finished_ = false, updater_stop_ = false;
+  std::size_t update_sub_group_ = 0;
+  std::byte* update_block_ = nullptr;
+  StepArgs update_args_;
+  Status update_status_;
+  std::int64_t update_ns_ = 0;
+
   Status error_;
   StepStats stats_;
   StepMode mode_ = StepMode::kFull;
