@@ -1,0 +1,204 @@
+// Config: reads what `zinf plan --out` writes and hand-written DeepSpeed configs; every error
+// names the key and the reason; config_to_json round-trips.
+#include "zinf/config.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <string>
+
+#include "engine_test_util.hpp"
+#include "plan/config.hpp"
+
+namespace zinf {
+namespace {
+
+// The planner's example from docs/PLAN.md, verbatim.
+constexpr const char* kPlanExample = R"({
+  "train_micro_batch_size_per_gpu": 1,
+  "gradient_accumulation_steps": 1,
+  "bf16": {"enabled": true},
+  "zero_optimization": {
+    "stage": 3,
+    "offload_optimizer": {"device": "nvme", "nvme_path": "/local_nvme", "pin_memory": true,
+                          "buffer_count": 3},
+    "offload_param": {"device": "cpu", "pin_memory": true},
+    "sub_group_size": 4194304,
+    "reduce_bucket_size": 67108864,
+    "stage3_prefetch_bucket_size": 60397977,
+    "stage3_max_live_parameters": 1711308800,
+    "stage3_param_persistence_threshold": 81920,
+    "overlap_comm": true, "contiguous_gradients": true
+  },
+  "aio": {"block_size": 1048576, "queue_depth": 32},
+  "zinf": {"world_size": 4, "ranks_per_machine": 4, "pinned_pool_bytes": 201326592,
+           "gradients_on_nvme": true, "device_reserved_bytes": 1073741824}
+})";
+
+TEST(Config, ReadsThePlannersExample) {
+  Result<Config> c = parse_config(kPlanExample);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->zero.stage, 3);
+  EXPECT_EQ(c->zero.offload_optimizer.device, OffloadDevice::kNvme);
+  EXPECT_EQ(c->zero.offload_optimizer.nvme_path, "/local_nvme");
+  EXPECT_EQ(c->zero.offload_optimizer.buffer_count, 3u);
+  EXPECT_EQ(c->zero.offload_param.device, OffloadDevice::kHost);
+  EXPECT_EQ(c->zero.sub_group_size, 4194304u);
+  EXPECT_EQ(c->zero.reduce_bucket_size, 67108864u);
+  EXPECT_EQ(c->zero.stage3_prefetch_bucket_size, 60397977u);
+  EXPECT_EQ(c->zero.stage3_max_live_parameters, 1711308800u);
+  EXPECT_EQ(c->zero.stage3_param_persistence_threshold, 81920u);
+  EXPECT_EQ(c->aio_block_size, 1048576u);
+  EXPECT_EQ(c->aio_queue_depth, 32u);
+  EXPECT_EQ(c->world_size, 4);
+  EXPECT_EQ(c->ranks_per_machine, 4);
+  EXPECT_EQ(c->pinned_pool_bytes, 201326592u);
+  EXPECT_TRUE(c->gradients_on_nvme);
+  EXPECT_EQ(c->device_reserved_bytes, 1073741824u);
+  EXPECT_TRUE(c->bf16_enabled);
+}
+
+// Whatever the planner's writer produces, the engine reads, for every placement it can choose.
+TEST(Config, ReadsEveryPlanWriterOutput) {
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (plan::Offload opt : {plan::Offload::kNone, plan::Offload::kCpu, plan::Offload::kNvme}) {
+      for (plan::Offload param :
+           {plan::Offload::kNone, plan::Offload::kCpu, plan::Offload::kNvme}) {
+        if (stage != 3 && param != plan::Offload::kNone) continue;
+        plan::PlanConfig pc;
+        pc.setup.stage = stage;
+        pc.setup.optimizer = opt;
+        pc.setup.params = param;
+        pc.setup.world_size = 8;
+        pc.setup.ranks_per_machine = 4;
+        pc.setup.sub_group_params = 1 << 22;
+        pc.nvme_path = "/nvme0";
+        const std::string text = plan::config_to_json(pc);
+        Result<Config> c = parse_config(text);
+        ASSERT_TRUE(c.is_ok()) << c.status().to_string() << "\n" << text;
+        EXPECT_EQ(c->zero.stage, stage);
+        EXPECT_EQ(static_cast<int>(c->zero.offload_optimizer.device), static_cast<int>(opt));
+        EXPECT_EQ(static_cast<int>(c->zero.offload_param.device), static_cast<int>(param));
+        EXPECT_EQ(c->zero.sub_group_size, std::size_t{1} << 22);
+        EXPECT_EQ(c->world_size, 8);
+        if (opt == plan::Offload::kNvme) {
+          EXPECT_EQ(c->zero.offload_optimizer.nvme_path, "/nvme0");
+        }
+      }
+    }
+  }
+}
+
+TEST(Config, ReadsDeepSpeedOptimizerFp16AndFloatCounts) {
+  Result<Config> c = parse_config(R"({
+    "gradient_clipping": 1.0,
+    "fp16": {"enabled": true, "loss_scale": 0, "initial_scale_power": 12,
+             "loss_scale_window": 500, "hysteresis": 1, "min_loss_scale": 0.5},
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
+                                             "weight_decay": 0.1}},
+    "scheduler": {"type": "WarmupLR"},
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}
+  })");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->gradient_clipping, 1.0);
+  EXPECT_TRUE(c->fp16.enabled);
+  EXPECT_EQ(c->fp16.initial_scale_power, 12);
+  EXPECT_EQ(c->fp16.loss_scale_window, 500);
+  EXPECT_EQ(c->fp16.hysteresis, 1);
+  EXPECT_EQ(c->fp16.min_loss_scale, 0.5);
+  EXPECT_EQ(c->optimizer.kind, OptimizerKind::kAdamW);
+  EXPECT_EQ(c->optimizer.lr, 3e-4);
+  EXPECT_EQ(c->optimizer.beta1, 0.8);
+  EXPECT_EQ(c->optimizer.beta2, 0.95);
+  EXPECT_EQ(c->optimizer.eps, 1e-6);
+  EXPECT_EQ(c->optimizer.weight_decay, 0.1);
+  EXPECT_EQ(c->zero.stage, 2);
+  EXPECT_EQ(c->zero.reduce_bucket_size, 500'000'000u);
+}
+
+struct BadCase {
+  const char* json;
+  const char* key;  // the message must start with this
+  const char* why;  // and contain this
+};
+
+TEST(Config, ErrorsNameTheKeyAndTheReason) {
+  const BadCase cases[] = {
+      {R"({"zero_optimization": {"stage": 4}})", "zero_optimization.stage", "not 1, 2 or 3"},
+      {R"({"zero_optimization": {"stage": "3"}})", "zero_optimization.stage", "whole number"},
+      {R"({"zero_optimization": {"stage": -1}})", "zero_optimization.stage", "non-negative"},
+      {R"({"zero_optimization": {"stage": 2.5}})", "zero_optimization.stage", "whole number"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "gpu"}}})",
+       "zero_optimization.offload_optimizer.device", "\"none\", \"cpu\" or \"nvme\""},
+      {R"({"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}})",
+       "zero_optimization.offload_optimizer.devcie", "unknown key"},
+      {R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}}})",
+       "zero_optimization.offload_param.device", "needs stage 3"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "buffer_count": 1}}})",
+       "zero_optimization.offload_optimizer.buffer_count", "below 2"},
+      {R"({"zero_optimization": {"sub_group_size": 0}})", "zero_optimization.sub_group_size",
+       "below 1"},
+      {R"({"zero_optimization": {"stage3_max_live_paramters": 5}})",
+       "zero_optimization.stage3_max_live_paramters", "unknown key"},
+      {R"({"zero_optimization": 3})", "zero_optimization", "not an object"},
+      {R"({"fp16": {"enabled": true}, "bf16": {"enabled": true}})", "fp16.enabled", "both"},
+      {R"({"fp16": {"enabled": "yes"}})", "fp16.enabled", "true or false"},
+      {R"({"fp16": {"hysteresis": 0}})", "fp16.hysteresis", "below 1"},
+      {R"({"gradient_clipping": -1})", "gradient_clipping", ">= 0"},
+      {R"({"optimizer": {"type": "SGD"}})", "optimizer.type", "\"Adam\""},
+      {R"({"optimizer": {"params": {"betas": [0.9]}}})", "optimizer.params.betas", "pair"},
+      {R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", "optimizer.params.betas", "[0, 1)"},
+      {R"({"optimizer": {"params": {"amsgrad": true}}})", "optimizer.params.amsgrad",
+       "not supported"},
+      {R"({"aio": {"block_size": 1000}})", "aio.block_size", "multiple of 4096"},
+      {R"({"zinf": {"world_sise": 4}})", "zinf.world_sise", "unknown key"},
+      {R"({"zinf": {"collective_timeout_ms": 0}})", "zinf.collective_timeout_ms", "below 1"},
+      {R"([1, 2])", "config", "not a JSON object"},
+      {R"({"zero_optimization": {)", "config", "not valid JSON"},
+  };
+  for (const BadCase& c : cases) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << c.json;
+    const std::string message(r.status().message());
+    EXPECT_EQ(message.rfind(c.key, 0), 0u) << message;
+    EXPECT_NE(message.find(c.why), std::string::npos) << message;
+  }
+}
+
+TEST(Config, RoundTripsThroughJson) {
+  Config c = engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kHost, "/x/y");
+  c.fp16.enabled = true;
+  c.fp16.hysteresis = 3;
+  c.gradient_clipping = 0.75;
+  c.optimizer.kind = OptimizerKind::kLion;
+  c.optimizer.beta2 = 0.99;
+  c.world_size = 2;
+  c.zero.group_max_elements = 12345;
+  Result<Config> back = parse_config(config_to_json(c));
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(config_to_json(*back), config_to_json(c));
+  EXPECT_EQ(back->optimizer.kind, OptimizerKind::kLion);
+  EXPECT_EQ(back->zero.offload_param.device, OffloadDevice::kHost);
+  EXPECT_EQ(back->zero.group_max_elements, 12345u);
+}
+
+TEST(Config, LoadConfigNamesTheFile) {
+  Result<Config> missing = load_config("/nonexistent/zinf.json");
+  ASSERT_FALSE(missing.is_ok());
+  EXPECT_NE(missing.status().message().find("/nonexistent/zinf.json"), std::string::npos);
+  engine_test::ScratchDir dir("config");
+  const std::string path = dir.path() + "/bad.json";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs(R"({"zero_optimization": {"stage": 0}})", f);
+  std::fclose(f);
+  Result<Config> bad = load_config(path);
+  ASSERT_FALSE(bad.is_ok());
+  const std::string message(bad.status().message());
+  EXPECT_NE(message.find(path), std::string::npos) << message;
+  EXPECT_NE(message.find("zero_optimization.stage"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace zinf
