@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
@@ -26,6 +27,12 @@ constexpr std::uint64_t kPage = 4096;
 std::uint64_t round_up(std::uint64_t value, std::uint64_t unit) {
   return (value + unit - 1) / unit * unit;
 }
+
+// Lets find() look a key up by string_view without building a std::string.
+struct KeyHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view key) const { return std::hash<std::string_view>{}(key); }
+};
 
 enum BlockState : std::uint8_t {
   kNeverWritten = 0,
@@ -72,7 +79,7 @@ struct SwapSpace::Impl {
   std::vector<Dir> dirs;
 
   mutable std::mutex mutex;  // create / find / used bytes
-  std::unordered_map<std::string, std::uint32_t> keys;
+  std::unordered_map<std::string, std::uint32_t, KeyHash, std::equal_to<>> keys;
   std::vector<std::unique_ptr<Extent>> extents;  // reserved to max_extents: never reallocates
   std::atomic<std::uint32_t> extent_count{0};
 
@@ -442,7 +449,7 @@ Result<ExtentId> SwapSpace::create(std::string_view key, std::uint64_t bytes) {
     return Status::invalid_argument("SwapSpace::create: empty key or zero bytes");
   }
   std::lock_guard lock(m.mutex);
-  if (m.keys.count(std::string(key)) != 0) {
+  if (m.keys.find(key) != m.keys.end()) {
     return Status::invalid_argument(fmt::format("swap extent {} already exists", key));
   }
   const std::uint32_t count = m.extent_count.load(std::memory_order_relaxed);
@@ -490,7 +497,7 @@ Result<ExtentId> SwapSpace::create(std::string_view key, std::uint64_t bytes) {
 
 Result<ExtentId> SwapSpace::find(std::string_view key) const {
   std::lock_guard lock(impl_->mutex);
-  auto it = impl_->keys.find(std::string(key));
+  auto it = impl_->keys.find(key);
   if (it == impl_->keys.end()) {
     return Status::not_found(fmt::format("swap extent {} does not exist", key));
   }

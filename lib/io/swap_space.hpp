@@ -90,7 +90,8 @@ class SwapSpace {
   // no_space when the capacity is used up (message names the key and the directories),
   // resource_exhausted beyond max_extents.
   Result<ExtentId> create(std::string_view key, std::uint64_t bytes);
-  // not_found naming the key.
+  // not_found naming the key. Allocates nothing when the key exists, so a caller may look
+  // extents up by key on the step path (keeping the ExtentId is cheaper still).
   Result<ExtentId> find(std::string_view key) const;
   // REQUIRES: id came from create() / find().
   const ExtentInfo& info(ExtentId id) const;

@@ -118,6 +118,8 @@ TEST_P(HotPathTest, SwapReadWriteAllocateNothing) {
   g_counting = true;
   bool all_ok = true;
   for (int round = 0; round < 20; ++round) {
+    Result<ExtentId> found = (*swap)->find("rank0/group0/exp_avg_sq");  // by key, too
+    all_ok = all_ok && found.is_ok() && found->index == id.index;
     Result<SwapTicket> w = (*swap)->write(id, (*pool)->block(0));
     all_ok = all_ok && w.is_ok() && (*swap)->wait(*w, std::chrono::seconds(10)).is_ok();
     Result<SwapTicket> r = (*swap)->read(id, (*pool)->block(1));
