@@ -1,0 +1,187 @@
+// GradReducer on HostDevice + LocalComm: for bucket sizes smaller than, equal to and larger than
+// a shard, stages 1 and 2, f32 and bf16 gradients, each rank's accumulator holds the mean over
+// ranks (summed over two micro-batches) of exactly its slice, in the number of buckets the
+// bucket size implies.
+#include "zero/grad_reducer.hpp"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+
+namespace zinf {
+namespace {
+
+struct Case {
+  int world;
+  ZeroStage stage;
+  std::size_t bucket_elements;
+  DType grad_dtype;
+};
+
+class GradReducerTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
+  const Case c = GetParam();
+  const std::uint64_t seed = 500 + c.bucket_elements + static_cast<std::uint64_t>(c.world);
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  PartitionerOptions po;
+  po.world_size = c.world;
+  po.stage = c.stage;
+  Partitioner p = std::move(Partitioner::create(po)).value();
+  const std::vector<std::vector<std::int64_t>> shapes = {{37, 11}, {5}, {}, {1029}, {3, 3, 7}};
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    ASSERT_TRUE(
+        p.add({fmt::format("p{}", i), fmt::format("m{}", i / 2), shapes[i], DType::kBF16}).is_ok());
+  }
+  ASSERT_TRUE(p.finalize().is_ok());
+  const int micro_batches = 2;
+  // grads[rank][micro][param], already rounded to the gradient dtype.
+  std::vector<std::vector<std::vector<std::vector<float>>>> grads(
+      static_cast<std::size_t>(c.world));
+  for (int r = 0; r < c.world; ++r) {
+    for (int k = 0; k < micro_batches; ++k) {
+      std::vector<std::vector<float>> per;
+      for (ParamId id = 0; id < p.param_count(); ++id) {
+        std::vector<float> g(p.location(id).element_count);
+        fill_uniform(g.data(), g.size(), seed * 7919 + r * 131 + k * 17 + id, -1.0f, 1.0f);
+        if (c.grad_dtype == DType::kBF16) {
+          for (float& x : g) x = bf16_to_f32(f32_to_bf16(x));
+        }
+        per.push_back(std::move(g));
+      }
+      grads[static_cast<std::size_t>(r)].push_back(std::move(per));
+    }
+  }
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < c.world; ++r) {
+    HostDeviceOptions o;
+    o.ordinal = r;
+    o.jitter_max_us = 30;  // a missing wait between a bucket's fill and its reduce shows up
+    devices.push_back(std::move(make_host_device(o)).value());
+    raw.push_back(devices.back().get());
+  }
+  auto comms = std::move(make_local_comm_group(raw)).value();
+  const std::size_t partition = GradReducer::partition_element_count(p);
+  std::vector<std::vector<float>> acc(static_cast<std::size_t>(c.world),
+                                      std::vector<float>(partition));
+  std::vector<EngineCounters> counters(static_cast<std::size_t>(c.world));
+  std::vector<Status> st(static_cast<std::size_t>(c.world));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < c.world; ++rank) {
+    threads.emplace_back([&, rank] {
+      const auto r = static_cast<std::size_t>(rank);
+      st[r] = [&]() -> Status {
+        GradReducerOptions ro;
+        ro.bucket_elements = c.bucket_elements;
+        ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, *devices[r], *comms[r],
+                                                                acc[r].data(), ro, &counters[r]));
+        for (int k = 0; k < micro_batches; ++k) {
+          std::vector<std::vector<std::uint16_t>> halves;
+          std::vector<GradSource> sources(p.param_count());
+          for (ParamId id = 0; id < p.param_count(); ++id) {
+            const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+            if (c.grad_dtype == DType::kF32) {
+              sources[id] = {g.data(), DType::kF32};
+            } else {
+              halves.emplace_back(g.size());
+              convert_f32_to_bf16(g.data(), halves.back().data(), g.size());
+            }
+          }
+          if (c.grad_dtype != DType::kF32) {
+            for (ParamId id = 0; id < p.param_count(); ++id) {
+              sources[id] = {halves[id].data(), DType::kBF16};
+            }
+          }
+          // Module by module, backward order.
+          for (int m = 2; m >= 0; --m) {
+            ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(fmt::format("m{}", m)));
+            ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
+          }
+        }
+        ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
+        ZINF_ASSIGN_OR_RETURN(int micro, reducer->micro_batches());
+        if (micro != micro_batches) return Status::internal("micro-batch count");
+        return Status::ok();
+      }();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+
+  for (int rank = 0; rank < c.world; ++rank) {
+    std::vector<float> expected(partition, 0.0f);
+    std::size_t offset = 0;
+    std::size_t buckets = 0;
+    for (std::uint32_t g = 0; g < p.group_count(); ++g) {
+      const std::size_t shard = p.group(g).shard_element_count;
+      const std::size_t chunk =
+          std::clamp<std::size_t>(c.bucket_elements / static_cast<std::size_t>(c.world), 1, [&] {
+            std::size_t largest = 1;
+            for (std::uint32_t h = 0; h < p.group_count(); ++h) {
+              largest = std::max(largest, p.group(h).shard_element_count);
+            }
+            return largest;
+          }());
+      buckets += (shard + chunk - 1) / chunk;
+      for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
+        for (std::size_t i = 0; i < piece.element_count; ++i) {
+          float total = 0.0f;
+          if (c.stage == ZeroStage::kStage1) {
+            // Each rank sums its micro-batches; then the mean over ranks in rank order.
+            std::vector<float> full(static_cast<std::size_t>(c.world), 0.0f);
+            for (int q = 0; q < c.world; ++q) {
+              for (int k = 0; k < micro_batches; ++k) {
+                full[static_cast<std::size_t>(q)] +=
+                    grads[static_cast<std::size_t>(q)][static_cast<std::size_t>(k)][piece.param]
+                         [piece.param_offset + i];
+              }
+            }
+            float s = full[0];
+            for (int q = 1; q < c.world; ++q) s += full[static_cast<std::size_t>(q)];
+            total = s / static_cast<float>(c.world);
+          } else {
+            for (int k = 0; k < micro_batches; ++k) {
+              float s = grads[0][static_cast<std::size_t>(k)][piece.param][piece.param_offset + i];
+              for (int q = 1; q < c.world; ++q) {
+                s += grads[static_cast<std::size_t>(q)][static_cast<std::size_t>(k)][piece.param]
+                          [piece.param_offset + i];
+              }
+              total += s / static_cast<float>(c.world);
+            }
+          }
+          expected[offset + piece.shard_offset + i] = total;
+        }
+      }
+      offset += shard;
+    }
+    const std::vector<float>& got = acc[static_cast<std::size_t>(rank)];
+    EXPECT_EQ(std::memcmp(got.data(), expected.data(), partition * 4), 0) << "rank " << rank;
+    const std::size_t rounds = c.stage == ZeroStage::kStage1 ? 1 : micro_batches;
+    EXPECT_EQ(counters[static_cast<std::size_t>(rank)].buckets_reduced, buckets * rounds)
+        << "rank " << rank;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Buckets, GradReducerTest,
+                         ::testing::Values(Case{3, ZeroStage::kStage2, 300, DType::kF32},
+                                           Case{3, ZeroStage::kStage2, 1 << 20, DType::kBF16},
+                                           Case{4, ZeroStage::kStage3, 12, DType::kF32},
+                                           Case{2, ZeroStage::kStage1, 1000, DType::kBF16},
+                                           Case{1, ZeroStage::kStage2, 128, DType::kF32}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return fmt::format("w{}_stage{}_bucket{}_{}", info.param.world,
+                                              static_cast<int>(info.param.stage),
+                                              info.param.bucket_elements,
+                                              dtype_name(info.param.grad_dtype));
+                         });
+
+}  // namespace
+}  // namespace zinf
