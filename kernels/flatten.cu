@@ -51,10 +51,12 @@ __global__ void batched_copy_kernel(CopyBatch batch) {
 
 LaunchError batched_copy(const CopySegment* segments, std::size_t segment_count, Stream stream) {
   auto* s = static_cast<cudaStream_t>(stream);
-  for (std::size_t begin = 0; begin < segment_count; begin += kCopySegmentsPerLaunch) {
+  std::size_t i = 0;
+  while (i < segment_count) {
+    // The next (up to) kCopySegmentsPerLaunch non-empty segments.
     CopyBatch batch{};
     std::size_t max_words = 0;
-    for (std::size_t i = begin; i < segment_count && batch.count < kCopySegmentsPerLaunch; ++i) {
+    for (; i < segment_count && batch.count < kCopySegmentsPerLaunch; ++i) {
       if (segments[i].bytes == 0) continue;
       batch.segments[batch.count++] = segments[i];
       const std::size_t words = (segments[i].bytes + 15) / 16;
