@@ -537,6 +537,43 @@ TEST(EngineBadInput, OpenChecksTheEnvAndTheWorldSize) {
   EXPECT_TRUE(contains(e.status(), "zero_optimization.stage")) << e.status().to_string();
 }
 
+// --- Learning rate ---------------------------------------------------------------------------
+
+// With the learning rate set to 0, AdamW moves nothing (p * (1 - 0 * wd) - 0 * update), on the
+// in-memory path and through the pipeline (which is reopened with the new rate); a rate set back
+// moves the masters again.
+TEST(EngineLearningRate, SetLearningRateTakesEffectAtTheNextStep) {
+  for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kNvme}) {
+    engine_test::ScratchDir dir("lr");
+    Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
+    const Model model = engine_test::make_model(DType::kF32, 81);
+    engine_test::Ranks ranks = engine_test::make_ranks(2);
+    std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      TrainOptions o;
+      o.steps = 1;
+      o.check_gathered = false;
+      ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
+      std::vector<std::vector<float>> a, b, c;
+      ZINF_RETURN_IF_ERROR(read_all(*engine, model, &a));
+      engine->set_learning_rate(0.0);
+      o.first_step = 2;
+      o.steps = 2;
+      ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
+      ZINF_RETURN_IF_ERROR(read_all(*engine, model, &b));
+      engine->set_learning_rate(1e-2);
+      o.first_step = 3;
+      o.steps = 3;
+      ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
+      ZINF_RETURN_IF_ERROR(read_all(*engine, model, &c));
+      EXPECT_EQ(worst_diff(b, a), 0.0) << offload_device_name(opt);
+      EXPECT_GT(worst_diff(c, b), 1e-4) << offload_device_name(opt);
+      return Status::ok();
+    });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+}
+
 // --- Telemetry -------------------------------------------------------------------------------
 
 TEST(EngineTelemetry, ReportsAndMemoryPerTier) {
