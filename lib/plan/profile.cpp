@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -16,8 +17,6 @@
 #include "base/aligned.hpp"
 #include "base/membw.hpp"
 #include "base/random.hpp"
-#include "io/buffer_pool.hpp"
-#include "io/io_bench.hpp"
 #include "io/io_engine.hpp"
 
 namespace zinf::plan {
@@ -151,6 +150,7 @@ Status parse_machine_profile(std::string_view text, const std::string& source,
   double write = 0;
   ZINF_RETURN_IF_ERROR(read_rate(root, "nvme_read_gbps", "", &read));
   ZINF_RETURN_IF_ERROR(read_rate(root, "nvme_write_gbps", "", &write));
+  ZINF_RETURN_IF_ERROR(read_rate(root, "nvme_duplex_gbps", "", &p.nvme_duplex_gbps));
   if (root.contains("io")) {
     const json& io = root.at("io");
     if (!io.is_object())
@@ -229,21 +229,29 @@ Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
     return status_from_errno(fmt::format("allocate {} bytes for {}", total_bytes, path), alloc_err);
   }
 
-  // The engine the step uses, set up as `zinf io bench` sets it up.
+  // The engine the step uses. Requests are the size of a sub-group's tensor (the step reads and
+  // writes whole pieces; the engine cuts them into block_bytes pieces at queue_depth).
   IoOptions io;
   io.block_bytes = static_cast<std::size_t>(block_bytes);
   io.queue_depth = queue_depth;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine, open_engine(io));
-  BufferPoolOptions pool_options;
-  pool_options.block_bytes = io.block_bytes;
-  pool_options.block_count = io_bench_pool_blocks(io);
-  pool_options.huge_pages = HugePages::kNone;
-  pool_options.lock = false;
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<BufferPool> pool, BufferPool::create(pool_options));
-  ZINF_RETURN_IF_ERROR(pool->register_with(*engine));
-  for (std::size_t b = 0; b < pool->block_count(); ++b) {
-    fill_random_bytes(pool->block(b), pool->block_bytes(), 0x9e3779b9u + b);
-  }
+  const std::uint64_t request_bytes = std::min<std::uint64_t>(total_bytes, block_bytes * 16);
+  const std::uint64_t span = total_bytes / request_bytes * request_bytes;
+  // Enough requests to keep queue_depth pieces in flight in each direction, plus one.
+  const std::size_t slots = static_cast<std::size_t>(
+      2 * ((queue_depth * block_bytes + request_bytes - 1) / request_bytes + 1));
+  AlignedBuffer memory(slots * request_bytes, 4096);
+  fill_random_bytes(memory.data(), memory.bytes(), 0x9e3779b9u);
+  ZINF_RETURN_IF_ERROR(engine->register_memory(memory.data(), memory.bytes()));
+  struct Registered {
+    IoEngine* engine;
+    void* base;
+    FileHandle file;
+    ~Registered() {
+      if (file.valid()) (void)engine->close_file(file);
+      (void)engine->unregister_memory(base);
+    }
+  } registered{engine.get(), memory.data(), FileHandle{}};
   Result<FileHandle> file = engine->open_file(path, OpenFileOptions{});
   if (!file.is_ok()) {
     if (file.status().code() == Code::kUnsupported || file.status().sys_code() == EINVAL) {
@@ -254,20 +262,69 @@ Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
     }
     return file.status();
   }
+  registered.file = *file;
+
+  // Streams requests over the file: reads, writes, or both at once (slot i reads when i is
+  // even), each slot resubmitted as soon as it completes, until `bytes` moved or `limit` passed.
+  // Returns bytes per second (1e9).
+  auto stream = [&](bool reads, bool writes, std::uint64_t bytes,
+                    std::chrono::milliseconds limit) -> Result<double> {
+    std::vector<Ticket> tickets(slots);
+    std::vector<bool> busy(slots, false);
+    std::uint64_t next_offset[2] = {0, span / 2 / request_bytes * request_bytes};
+    std::uint64_t submitted = 0;
+    std::uint64_t done = 0;
+    const auto start = std::chrono::steady_clock::now();
+    auto more = [&] {
+      return submitted < bytes &&
+             (limit.count() == 0 || std::chrono::steady_clock::now() - start < limit);
+    };
+    auto submit = [&](std::size_t i) -> Status {
+      const bool read = reads && (!writes || i % 2 == 0);
+      std::uint64_t& offset = next_offset[read ? 0 : 1];
+      ZINF_ASSIGN_OR_RETURN(
+          tickets[i], engine->submit(IoRequest{read ? IoOp::kRead : IoOp::kWrite, *file, offset,
+                                               static_cast<std::size_t>(request_bytes),
+                                               memory.data() + i * request_bytes}));
+      offset = (offset + request_bytes) % span;
+      busy[i] = true;
+      submitted += request_bytes;
+      return Status::ok();
+    };
+    Status first_error;
+    for (std::size_t i = 0; i < slots && more(); ++i) {
+      first_error = submit(i);
+      if (!first_error.is_ok()) break;
+    }
+    // Oldest first: slots complete roughly in submission order.
+    for (bool any = true; any;) {
+      any = false;
+      for (std::size_t i = 0; i < slots; ++i) {
+        if (!busy[i]) continue;
+        any = true;
+        Status st = engine->wait(tickets[i], std::chrono::seconds(60));
+        if (st.code() == Code::kTimeout) return st.with_context(path);
+        busy[i] = false;
+        if (!st.is_ok()) {
+          if (first_error.is_ok()) first_error = st;
+          continue;
+        }
+        done += request_bytes;
+        if (first_error.is_ok() && more()) first_error = submit(i);
+      }
+    }
+    if (!first_error.is_ok()) return first_error.with_context(path);
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return static_cast<double>(done) / s / 1e9;
+  };
+  // The first write allocates the blocks of a thin-provisioned or virtual disk; the step
+  // overwrites extents its load wrote, so only the second write is timed.
+  ZINF_RETURN_IF_ERROR(stream(false, true, span, {}).status());
   DiskRates rates;
-  IoBenchConfig config;
-  config.bytes = total_bytes;
-  config.file_bytes = total_bytes;
-  config.op = IoOp::kWrite;
-  Result<IoBenchResult> written = run_io_bench(*engine, *file, *pool, config);
-  config.op = IoOp::kRead;
-  Result<IoBenchResult> read =
-      written.is_ok() ? run_io_bench(*engine, *file, *pool, config) : Status::aborted("");
-  (void)engine->close_file(*file);
-  if (!written.is_ok()) return written.status().with_context(path);
-  if (!read.is_ok()) return read.status().with_context(path);
-  rates.write_gbps = written->gbps();
-  rates.read_gbps = read->gbps();
+  ZINF_ASSIGN_OR_RETURN(rates.write_gbps, stream(false, true, span, {}));
+  ZINF_ASSIGN_OR_RETURN(rates.read_gbps, stream(true, false, span, {}));
+  ZINF_ASSIGN_OR_RETURN(rates.duplex_gbps, stream(true, true, span, {}));
   return rates;
 }
 

@@ -6,6 +6,8 @@
 //   mem_adam_pattern_gbps   the fp32 Adam access pattern's bandwidth (zinf probe)
 //   cpu_cores               (zinf probe)
 //   nvme_read_gbps, nvme_write_gbps    NVMe rates at the engine's block size and depth
+//   nvme_duplex_gbps    bytes read + written per second with reads and writes at once (0 or
+//                       absent: unknown, the drive is taken to share one budget between them)
 //   io: {"read_gbps": R, "write_gbps": W}   the same, as a section
 //   io: {"results": [{"block_bytes": B, "queue_depth": D, "read_gbps": R, "write_gbps": W},
 //        ...]}          a sweep: the entry at the engine's block size and depth is used when
@@ -57,14 +59,17 @@ double measure_adam_gbps(std::uint64_t bytes_per_stream, int reps);
 struct DiskRates {
   double read_gbps = 0;
   double write_gbps = 0;
+  double duplex_gbps = 0;  // bytes read + written per second with both running at once
 };
 
-// Sequential write then read of a preallocated `file_bytes` scratch file in `dir` through the
-// engine the step uses (io_uring, O_DIRECT, `block_bytes` pieces, `queue_depth` in flight; the
-// thread engine where io_uring is refused), with seeded random data, by run_io_bench() as `zinf
-// io bench` runs it. The file is removed afterwards. unsupported when O_DIRECT is refused
-// (tmpfs); the engine's errors naming the file otherwise. One block size and depth, a short
-// run: `zinf io tune` sweeps them.
+// Sequential write, then read, then both at once (half the requests each) over a preallocated
+// `file_bytes` scratch file in `dir`, through the engine the step uses (io_uring, O_DIRECT,
+// `block_bytes` pieces, `queue_depth` in flight; the thread engine where io_uring is refused),
+// in requests of 16 blocks (the step reads and writes whole tensors of a sub-group), from
+// registered memory filled with seeded random bytes. A first, untimed write allocates the
+// file's blocks (the step overwrites blocks its load wrote). The file is removed afterwards.
+// unsupported when O_DIRECT is refused (tmpfs); the engine's errors naming the file otherwise.
+// One block size and depth, a short run: `zinf io tune` sweeps them.
 Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
                                std::uint64_t block_bytes, std::uint32_t queue_depth);
 

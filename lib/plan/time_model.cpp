@@ -25,7 +25,11 @@ void nvme_pipeline(double params, std::uint64_t sub_groups, std::uint64_t buffer
   out->nvme_write_bytes += static_cast<std::uint64_t>(params * write_per_param);
   out->io_read_s = seconds(params * read_per_param, profile.nvme_read_gbps);
   out->io_write_s = seconds(params * write_per_param, profile.nvme_write_gbps);
-  out->io_alone_s = out->io_read_s + out->io_write_s;
+  const double both_bytes = params * (read_per_param + write_per_param);
+  out->io_alone_s = profile.nvme_duplex_gbps > 0
+                        ? std::max({out->io_read_s, out->io_write_s,
+                                    seconds(both_bytes, profile.nvme_duplex_gbps)})
+                        : out->io_read_s + out->io_write_s;
   out->sub_groups = sub_groups;
   out->buffers = buffers;
   // Per sub-group times: every rank of the machine steps its own sub-group at once, so one
@@ -34,8 +38,9 @@ void nvme_pipeline(double params, std::uint64_t sub_groups, std::uint64_t buffer
   const double r = out->io_read_s * fraction;
   const double w = out->io_write_s * fraction;
   const double u = out->update_alone_s * fraction;
+  const double io = out->io_alone_s * fraction;
   const double per_sub_group =
-      std::max({r + w, u, (r + u + w) / static_cast<double>(std::max<std::uint64_t>(1, buffers))});
+      std::max({io, u, (r + u + w) / static_cast<double>(std::max<std::uint64_t>(1, buffers))});
   out->pipeline_s = static_cast<double>(sub_groups - 1) * per_sub_group + (r + u + w);
 }
 

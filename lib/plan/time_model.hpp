@@ -11,12 +11,15 @@
 //            device (optimizer not offloaded) the gradient is half: 28 B at gpu_mem_gbps.
 //   NVMe     reads  R·Pr·(12 + 4 if gradients are on NVMe)   at nvme_read_gbps
 //            writes R·Pr·12                                   at nvme_write_gbps
-//            io = reads/read_rate + writes/write_rate: one drive serves both directions, so
-//            the pipeline overlaps them with the update, not with each other.
+//            the pipeline runs reads and writes at once, so
+//              io = max(reads/read_rate, writes/write_rate, (reads + writes)/duplex_rate)
+//            with the duplex rate measured with both running; unknown, the drive is taken to
+//            serve both from one budget: io = reads/read_rate + writes/write_rate.
 //   pipeline over n = ceil(Pr / Sg) sub-groups with B buffers, per sub-group r, u, w (its
-//            read, update and write): a buffer cycles read → update → write, so the rate is
-//            bounded by the drive (r + w), the CPU (u) and the buffers ((r + u + w) / B):
-//              T = max(r + w, u, (r + u + w) / B)
+//            read, update and write alone) and i = io / n: a buffer cycles read → update →
+//            write, so the rate is bounded by the drive (i), the CPU (u) and the buffers
+//            ((r + u + w) / B):
+//              T = max(i, u, (r + u + w) / B)
 //              pipeline = (n − 1)·T + (r + u + w)     (the first read and last write are
 //                                                      not overlapped)
 //            State on the host: pipeline = U (no I/O).
@@ -55,6 +58,9 @@ struct MachineProfile {
   double mem_adam_gbps = 0;   // the fp32 Adam access pattern (zinf probe: mem_adam_pattern_gbps)
   double nvme_read_gbps = 0;  // the machine's NVMe path, all drives together
   double nvme_write_gbps = 0;
+  // Bytes read + written per second with reads and writes at once; 0 = unknown, and the drive
+  // is taken to serve them from one budget (io = reads/read_rate + writes/write_rate).
+  double nvme_duplex_gbps = 0;
   // The request size and queue depth those rates were measured at (0: unknown); the plan
   // configures the engine's I/O the same way.
   std::uint64_t nvme_block_bytes = 0;

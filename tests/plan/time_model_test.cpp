@@ -76,6 +76,22 @@ TEST(TimeModel, NvmeBoundStepIsIoPlusOneSubGroupsFill) {
   EXPECT_DOUBLE_EQ(a.io_alone_s, 16e9 / 2e9 + 14e9 / 1e9);
 }
 
+TEST(TimeModel, DuplexRateBoundsReadsAndWritesAtOnce) {
+  // The same reads (12e9 B at 2 GB/s alone = 6 s) and writes (12e9 B at 1 GB/s alone = 12 s),
+  // on a drive that moves 2.5 GB/s with both at once: io = max(6, 12, 24e9 / 2.5e9 = 9.6) = 12.
+  MachineProfile p = profile(20, 2, 1);
+  p.nvme_duplex_gbps = 2.5;
+  StepPrediction t = predict_optimizer_step(state_only(1'000'000'000, 1u << 30), p);
+  EXPECT_DOUBLE_EQ(t.io_alone_s, 12.0);
+  // A drive whose reads and writes share 1.6 GB/s: 24e9 / 1.6e9 = 15 s.
+  p.nvme_duplex_gbps = 1.6;
+  t = predict_optimizer_step(state_only(1'000'000'000, 1u << 30), p);
+  EXPECT_DOUBLE_EQ(t.io_alone_s, 15.0);
+  // Per sub-group the drive takes io / n = 0.25 s; the first read (0.1) and last write (0.2)
+  // are alone: step = 59·0.25 + 0.1 + 0.025 + 0.2.
+  EXPECT_NEAR(t.step_s, 59 * 0.25 + 0.325, 1e-9);
+}
+
 TEST(TimeModel, CpuBoundStepIsUpdatePlusFill) {
   // Same run with 1 GB/s of memory bandwidth: update 30 s, u = 0.5 per sub-group.
   const StepPrediction t =

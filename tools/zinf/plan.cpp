@@ -51,6 +51,7 @@ struct PlanOptions {
   double mem_adam_gbps = 0;
   double nvme_read_gbps = 0;
   double nvme_write_gbps = 0;
+  double nvme_duplex_gbps = 0;
   double h2d_gbps = 0;
   double gpu_mem_gbps = 0;
   double gpu_tflops = 0;
@@ -116,6 +117,7 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
   if (o.nvme_read_gbps > 0 && o.nvme_write_gbps > 0) {
     p->nvme_read_gbps = o.nvme_read_gbps;
     p->nvme_write_gbps = o.nvme_write_gbps;
+    p->nvme_duplex_gbps = o.nvme_duplex_gbps;
     p->nvme_source = "--nvme-read-gbps/--nvme-write-gbps";
   }
   std::string gpu_flags;
@@ -145,6 +147,7 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
     }
     p->nvme_read_gbps = rates->read_gbps;
     p->nvme_write_gbps = rates->write_gbps;
+    p->nvme_duplex_gbps = rates->duplex_gbps;
     p->nvme_block_bytes = 1 << 20;
     p->nvme_queue_depth = 32;
     p->nvme_source = fmt::format(
@@ -158,12 +161,19 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
 }
 
 nlohmann::json profile_json(const MachineProfile& p) {
-  return {{"mem_adam_gbps", p.mem_adam_gbps},       {"nvme_read_gbps", p.nvme_read_gbps},
-          {"nvme_block_bytes", p.nvme_block_bytes}, {"nvme_queue_depth", p.nvme_queue_depth},
-          {"nvme_write_gbps", p.nvme_write_gbps},   {"h2d_gbps", p.h2d_gbps},
-          {"gpu_mem_gbps", p.gpu_mem_gbps},         {"gpu_tflops", p.gpu_tflops},
-          {"gpu_link_gbps", p.gpu_link_gbps},       {"memory_source", p.memory_source},
-          {"nvme_source", p.nvme_source},           {"gpu_source", p.gpu_source}};
+  return {{"mem_adam_gbps", p.mem_adam_gbps},
+          {"nvme_read_gbps", p.nvme_read_gbps},
+          {"nvme_block_bytes", p.nvme_block_bytes},
+          {"nvme_queue_depth", p.nvme_queue_depth},
+          {"nvme_write_gbps", p.nvme_write_gbps},
+          {"nvme_duplex_gbps", p.nvme_duplex_gbps},
+          {"h2d_gbps", p.h2d_gbps},
+          {"gpu_mem_gbps", p.gpu_mem_gbps},
+          {"gpu_tflops", p.gpu_tflops},
+          {"gpu_link_gbps", p.gpu_link_gbps},
+          {"memory_source", p.memory_source},
+          {"nvme_source", p.nvme_source},
+          {"gpu_source", p.gpu_source}};
 }
 
 nlohmann::json parts_json(const StepPrediction& t) {
@@ -607,6 +617,9 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--mem-adam-gbps", o->mem_adam_gbps, "CPU Adam-pattern memory bandwidth");
   sub->add_option("--nvme-read-gbps", o->nvme_read_gbps, "NVMe read rate per machine");
   sub->add_option("--nvme-write-gbps", o->nvme_write_gbps, "NVMe write rate per machine");
+  sub->add_option("--nvme-duplex-gbps", o->nvme_duplex_gbps,
+                  "NVMe bytes read + written per second with both at once (default: their "
+                  "rates share one budget)");
   sub->add_option("--h2d-gbps", o->h2d_gbps, "Host-device rate per GPU (default 20)");
   sub->add_option("--gpu-mem-gbps", o->gpu_mem_gbps, "GPU memory bandwidth (default 1000)");
   sub->add_option("--gpu-tflops", o->gpu_tflops, "Achieved half-precision TFLOP/s per GPU");
