@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "base/assert.hpp"
 #include "base/cpu.hpp"
 #include "optim/kernel.hpp"
 
@@ -97,6 +98,7 @@ Result<Simd> resolve_simd(Simd requested) {
 namespace optim {
 
 const KernelTable& kernels_for(Simd simd) {
+  ZINF_ASSERT_MSG(simd != Simd::kAuto, "kernels_for() takes a resolved path");
   switch (simd) {
     case Simd::kAvx512:
       return kernels_avx512(cpu_features().avx512bf16);
