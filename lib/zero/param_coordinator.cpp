@@ -187,8 +187,7 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
     const GroupInfo& info = partitioner_.group(g);
     const std::size_t bytes = dtype_bytes(info.dtype);
     const std::size_t shard_bytes = info.shard_element_count * bytes;
-    ZINF_ASSIGN_OR_RETURN(full_[g],
-                          DeviceBuffer::allocate(device_, info.padded_element_count * bytes));
+    ZINF_ASSIGN_OR_RETURN(full_[g], take_buffer(info.padded_element_count * bytes));
     std::byte* full = full_[g].as<std::byte>();
     std::byte* own = full + partitioner_.shard_offset(g, rank_) * bytes;
     switch (options_.shard_tier) {
@@ -239,9 +238,25 @@ Status ParamCoordinator::wait_ready(std::size_t m) {
   return st;
 }
 
+Result<DeviceBuffer> ParamCoordinator::take_buffer(std::size_t bytes) {
+  auto it = spare_.find(bytes);
+  if (it == spare_.end()) return DeviceBuffer::allocate(device_, bytes);
+  DeviceBuffer buffer = std::move(it->second);
+  spare_.erase(it);
+  spare_bytes_ -= bytes;
+  return buffer;
+}
+
 void ParamCoordinator::free_module(std::size_t m, const char* what) {
   Module& mod = modules_[m];
-  for (std::uint32_t g : mod.partitioned) full_[g].reset();
+  for (std::uint32_t g : mod.partitioned) {
+    const std::size_t bytes = full_[g].bytes();
+    if (spare_bytes_ + bytes <= options_.max_live_elements * 4) {
+      spare_bytes_ += bytes;
+      spare_.emplace(bytes, std::move(full_[g]));
+    }
+    full_[g].reset();
+  }
   if (mod.state != State::kIdle) live_elements_ -= mod.elements;
   mod.state = State::kIdle;
   note_live();

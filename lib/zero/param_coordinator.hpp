@@ -36,6 +36,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -129,6 +130,8 @@ class ParamCoordinator {
                    EngineCounters* counters);
   Status issue(std::size_t m, bool prefetch);
   Status wait_ready(std::size_t m);
+  // A device buffer of `bytes` for a gather: a spare one of that size, else a new one.
+  Result<DeviceBuffer> take_buffer(std::size_t bytes);
   // Frees a module's gathered buffers; the trace instant is `what` + its name.
   void free_module(std::size_t m, const char* what);
   void prefetch_after(std::size_t position);
@@ -144,7 +147,11 @@ class ParamCoordinator {
   EngineCounters* counters_;
   std::vector<Module> modules_;
   std::vector<bool> persistent_;
-  std::vector<DeviceBuffer> full_;          // per group: persistent, or gathered
+  std::vector<DeviceBuffer> full_;  // per group: persistent, or gathered
+  // Gather buffers freed by release(), kept for the next gather of a group of the same size so
+  // that the steady state allocates nothing: at most max_live_elements * 4 bytes in all.
+  std::multimap<std::size_t, DeviceBuffer> spare_;
+  std::size_t spare_bytes_ = 0;
   std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
   std::vector<AlignedBuffer> host_shard_;   // per partitioned group, shard tier host
   std::vector<ExtentId> extent_;            // per partitioned group, shard tier nvme
