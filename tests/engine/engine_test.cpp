@@ -537,6 +537,47 @@ TEST(EngineBadInput, OpenChecksTheEnvAndTheWorldSize) {
   EXPECT_TRUE(contains(e.status(), "zero_optimization.stage")) << e.status().to_string();
 }
 
+// --- Stream ordering ---------------------------------------------------------------------------
+
+// With every HostDevice stream sleeping a random time before each operation, a missing event
+// wait between the engine's streams (gathers, reductions, norm, publish) would let a reader see
+// stale or poisoned data; the masters must still equal the reference to the bit.
+TEST(EngineJitter, RandomStreamDelaysChangeNothing) {
+  struct Run {
+    int stage;
+    OffloadDevice optimizer;
+    OffloadDevice params;
+  };
+  for (const Run& run : {Run{3, OffloadDevice::kNvme, OffloadDevice::kNvme},
+                         Run{3, OffloadDevice::kNone, OffloadDevice::kNone},
+                         Run{1, OffloadDevice::kHost, OffloadDevice::kNone},
+                         Run{2, OffloadDevice::kNone, OffloadDevice::kNone}}) {
+    const int world = 3;
+    engine_test::ScratchDir dir("jitter");
+    Config config = engine_test::small_config(run.stage, run.optimizer, run.params, dir.path());
+    const Model model = engine_test::make_model(DType::kBF16, 91);
+    TrainOptions options;
+    options.steps = 4;
+    options.micro_batches = 2;
+    const Reference ref = engine_test::run_reference(config, model, world, options);
+    engine_test::Ranks ranks =
+        engine_test::make_ranks(world, std::chrono::seconds(30), /*jitter_max_us=*/200);
+    std::vector<std::vector<std::vector<float>>> finals(world);
+    std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      ZINF_RETURN_IF_ERROR(
+          engine_test::train_rank(*engine, model, rank, options, &ref.device_per_step, nullptr));
+      return read_all(*engine, model, &finals[static_cast<std::size_t>(rank)]);
+    });
+    for (const Status& s : st)
+      ASSERT_TRUE(s.is_ok()) << "stage " << run.stage << ": " << s.to_string();
+    for (int r = 0; r < world; ++r) {
+      EXPECT_EQ(worst_diff(finals[static_cast<std::size_t>(r)], ref.master), 0.0)
+          << "stage " << run.stage << " rank " << r;
+    }
+  }
+}
+
 // --- Learning rate ---------------------------------------------------------------------------
 
 // With the learning rate set to 0, AdamW moves nothing (p * (1 - 0 * wd) - 0 * update), on the
