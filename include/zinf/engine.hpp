@@ -198,7 +198,9 @@ class Engine {
   // averaged over ranks into the owners' slices and added to what earlier micro-batches left.
   // Validates everything first: kNotFound for an unknown module or a parameter not in it,
   // kInvalidArgument for a missing or repeated parameter, a wrong element count or a null
-  // pointer (each names the parameter). Blocks until the gradients have been read.
+  // pointer (each names the parameter). Returns once the gradients have been read (copied into
+  // the reduce buckets), so their memory may be reused at once; the last buckets' reduce-scatters
+  // go on behind the caller's next work (an error there is returned by a later call).
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients);
 
   // Applies the optimizer to the gradients reduced since the last step (see the file comment).

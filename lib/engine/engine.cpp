@@ -699,6 +699,8 @@ class Engine::Impl {
     std::int64_t t0 = Trace::now_ns();
     {
       Trace::Span span(env_.trace, track_, "step reduce");
+      // The last buckets of the backward pass may still be reducing.
+      ZINF_RETURN_IF_ERROR(reducer_->wait());
       ZINF_RETURN_IF_ERROR(reducer_->reduce_accumulated());
     }
     std::int64_t t1 = Trace::now_ns();

@@ -119,6 +119,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
 }
 
 void GradReducer::zero() {
+  // Callers wait() first: a reduce-scatter still adding into the accumulator would race.
   std::memset(accumulator_, 0, partition_elements_ * sizeof(float));
   for (DeviceBuffer& full : full_) std::memset(full.data(), 0, full.bytes());
   std::fill(counts_.begin(), counts_.end(), 0u);
@@ -170,7 +171,7 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
   return Status::ok();
 }
 
-Status GradReducer::wait_all() {
+Status GradReducer::wait() {
   ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
   return comm_.wait(*done_, options_.timeout);
 }
@@ -212,7 +213,7 @@ Status GradReducer::reduce(std::span<const std::uint32_t> groups,
       ++counts_[id];
     }
   }
-  return wait_all();
+  return Status::ok();
 }
 
 Status GradReducer::reduce_accumulated() {
@@ -223,7 +224,7 @@ Status GradReducer::reduce_accumulated() {
       std::memcpy(dst, full + begin, count * sizeof(float));
     }));
   }
-  ZINF_RETURN_IF_ERROR(wait_all());
+  ZINF_RETURN_IF_ERROR(wait());
   for (DeviceBuffer& f : full_) std::memset(f.data(), 0, f.bytes());
   return Status::ok();
 }

@@ -73,8 +73,11 @@ class GradReducer {
 
   // Reduces the gradients of the parameters of `groups` (sources indexed by ParamId; every
   // parameter of these groups must have one). Collective over `groups` at stages 2 and 3; local
-  // at stage 1. Blocks until the sources have been read.
+  // at stage 1. Returns once the sources have been read (copied into buckets); the last buckets'
+  // reduce-scatters may still run, overlapping the caller's next work, until wait().
   Status reduce(std::span<const std::uint32_t> groups, std::span<const GradSource> sources);
+  // Waits for every reduce-scatter issued so far (and its accumulation); their first error.
+  Status wait();
   // Stage 1: reduce-scatters the full accumulators into the partition accumulator. Collective.
   Status reduce_accumulated();
 
@@ -91,7 +94,6 @@ class GradReducer {
   // f32 gradient elements of the group starting at `group_offset` into `dst`.
   template <typename Fill>
   Status reduce_group(std::uint32_t g, Fill fill);
-  Status wait_all();
 
   const Partitioner& partitioner_;
   const int rank_;

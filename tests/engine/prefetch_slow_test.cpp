@@ -141,7 +141,9 @@ TEST(PrefetchOverlap, PrefetchHidesGatherTimeBehindCompute) {
         median(on_ratio), median(off_ratio), median(off_over_on), median(gather_on),
         median(gather_off));
     // Only the NVMe case has a gather slow enough to tell apart reliably on a loaded machine.
-    if (tier == OffloadDevice::kNvme) EXPECT_LT(median(gather_on), median(gather_off));
+    if (tier == OffloadDevice::kNvme) {
+      EXPECT_LT(median(gather_on), median(gather_off));
+    }
   }
 }
 
