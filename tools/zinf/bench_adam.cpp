@@ -211,6 +211,7 @@ void run_bench_adam(const BenchAdamOptions& o) {
   out["ratio"] = median(ratios);
   out["ratio_min"] = *std::min_element(ratios.begin(), ratios.end());
   out["ratio_max"] = *std::max_element(ratios.begin(), ratios.end());
+  out["round_ratios"] = ratios;  // in the order measured
   if (o.json) {
     print_json(out);
     return;
