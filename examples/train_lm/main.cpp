@@ -35,7 +35,9 @@ std::string describe_run(const Options& o, const ModelShape& s, std::uint64_t pa
                      std::to_string(s.blocks) + " blocks, hidden " + std::to_string(s.hidden) +
                      ", context " + std::to_string(s.context_bytes) + " bytes), " +
                      std::to_string(o.steps) + " steps of " + std::to_string(o.batch) + " x " +
-                     std::to_string(o.seq_len) + " bytes, seed " + std::to_string(o.seed) + "\n";
+                     std::to_string(o.seq_len) + " bytes (" + std::to_string(o.micro_batches) +
+                     " micro-batch" + (o.micro_batches == 1 ? "" : "es") + " a rank), seed " +
+                     std::to_string(o.seed) + "\n";
   if (!o.use_engine) return text + "  plain fp32 AdamW loop in this process (--engine off)\n";
   text += "  zinf: ZeRO-" + std::to_string(o.stage) + " over " + std::to_string(o.world_size) +
           (o.world_size == 1 ? " rank" : " ranks") + " (LocalComm threads on HostDevice), " +

@@ -111,6 +111,9 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_option("--batch", o->batch, "sequences a step, over all ranks")
       ->check(CLI::Range(1, 1'000'000));
   app.add_option("--seq-len", o->seq_len, "targets a sequence")->check(CLI::Range(1, 1'000'000));
+  app.add_option("--micro-batches", o->micro_batches,
+                 "forward/backward passes per rank and step (0: 4 / world size, or 1)")
+      ->check(CLI::Range(0, 1'000'000));
   app.add_option("--lr", o->lr, "peak learning rate (linear warmup, cosine decay to 10%)")
       ->check(CLI::Range(0.0, 10.0));
   app.add_option("--warmup", o->warmup_steps, "learning-rate warmup steps")
@@ -175,9 +178,14 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
     *error = "--params: " + std::to_string(o->params) + " is below the smallest model (1k)";
     return 2;
   }
-  if (o->batch % std::size_t(o->world_size) != 0) {
+  if (o->micro_batches == 0) {
+    o->micro_batches = 4 % o->world_size == 0 ? std::size_t(4 / o->world_size) : 1;
+    if (o->batch % (std::size_t(o->world_size) * o->micro_batches) != 0) o->micro_batches = 1;
+  }
+  if (o->batch % (std::size_t(o->world_size) * o->micro_batches) != 0) {
     *error = "--batch " + std::to_string(o->batch) + " does not split evenly over --world-size " +
-             std::to_string(o->world_size) + " ranks";
+             std::to_string(o->world_size) + " ranks x --micro-batches " +
+             std::to_string(o->micro_batches);
     return 2;
   }
   if (!o->use_engine && o->world_size != 1) {

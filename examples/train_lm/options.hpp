@@ -15,9 +15,13 @@ struct Options {
   std::size_t context_bytes = 16;    // --context: bytes the model sees before each target
   std::size_t embed_dim = 16;        // --embed
   // Training.
-  std::int64_t steps = 600;        // --steps
-  std::size_t batch = 32;          // --batch: sequences a step, over all ranks
-  std::size_t seq_len = 64;        // --seq-len: targets a sequence
+  std::int64_t steps = 600;  // --steps
+  std::size_t batch = 32;    // --batch: sequences a step, over all ranks
+  std::size_t seq_len = 64;  // --seq-len: targets a sequence
+  // --micro-batches: forward/backward passes a rank makes per step (gradient accumulation).
+  // 0 (auto): 4 / world_size when the world size divides 4, else 1, so that runs on 1, 2 and 4
+  // ranks cut the batch into the same 4 slices and add the same gradients in the same order.
+  std::size_t micro_batches = 0;
   double lr = 3e-3;                // --lr: peak learning rate
   std::int64_t warmup_steps = 30;  // --warmup
   double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)

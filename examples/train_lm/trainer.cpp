@@ -170,6 +170,7 @@ class PlainAccess final : public ParamAccess {
     }
     params_.resize(total);
     grads_.assign(total, 0.0f);
+    micro_grads_.assign(total, 0.0f);
     m_.assign(total, 0.0f);
     v_.assign(total, 0.0f);
     for (std::size_t i = 0; i < specs_.size(); ++i)
@@ -177,21 +178,26 @@ class PlainAccess final : public ParamAccess {
   }
   const float* acquire(std::size_t m) override { return &params_[offsets_[m]]; }
   void release(std::size_t) override {}
-  float* gradient_buffer(std::size_t m) override { return &grads_[offsets_[m]]; }
-  void gradient_ready(std::size_t) override {}
+  float* gradient_buffer(std::size_t m) override { return &micro_grads_[offsets_[m]]; }
+  // Micro-batches add up in order, as in the engine's accumulator.
+  void gradient_ready(std::size_t m) override {
+    const std::size_t end = offsets_[m] + specs_[m].param_count();
+    for (std::size_t i = offsets_[m]; i < end; ++i) grads_[i] += micro_grads_[i];
+  }
 
   // AdamW (Loshchilov and Hutter, 2019) with bias correction, after clipping the global norm to
   // `clip`, as zinf's engine does it.
-  void step(const Options& o, double lr) {
+  void step(const Options& o, double lr, std::size_t micro_batches) {
     ++t_;
+    const double unscale = 1.0 / double(micro_batches);
     double sum_sq = 0;
     for (float g : grads_) sum_sq += double(g) * g;
-    const double norm = std::sqrt(sum_sq);
+    const double norm = std::sqrt(sum_sq) * unscale;
     const double coef = o.grad_clip > 0 && norm > o.grad_clip ? o.grad_clip / (norm + 1e-6) : 1.0;
     const double beta1 = 0.9, beta2 = 0.99, eps = 1e-8;
     const double c1 = 1.0 - std::pow(beta1, double(t_)), c2 = 1.0 - std::pow(beta2, double(t_));
     const float step_size = float(lr / c1), decay = float(1.0 - lr * o.weight_decay);
-    const float b1 = float(beta1), b2 = float(beta2), cf = float(coef);
+    const float b1 = float(beta1), b2 = float(beta2), cf = float(coef * unscale);
     const float inv_sqrt_c2 = float(1.0 / std::sqrt(c2));
     tbb::parallel_for(tbb::blocked_range<std::size_t>(0, params_.size(), 16384),
                       [&](const tbb::blocked_range<std::size_t>& range) {
@@ -210,7 +216,7 @@ class PlainAccess final : public ParamAccess {
  private:
   std::vector<ModuleSpec> specs_;
   std::vector<std::size_t> offsets_;
-  std::vector<float> params_, grads_, m_, v_;
+  std::vector<float> params_, grads_, micro_grads_, m_, v_;
   std::int64_t t_ = 0;
 };
 
@@ -319,7 +325,8 @@ zinf::Status register_model(zinf::Engine& engine, const ModelShape& shape, std::
 
 zinf::Config engine_config(const Options& o, std::uint64_t param_count) {
   zinf::Config c;
-  c.train_micro_batch_size_per_gpu = o.batch / std::size_t(o.world_size);
+  c.train_micro_batch_size_per_gpu = o.batch / (std::size_t(o.world_size) * o.micro_batches);
+  c.gradient_accumulation_steps = o.micro_batches;
   c.gradient_clipping = o.grad_clip;
   c.bf16_enabled = o.param_dtype == "bf16";
   c.optimizer.kind = zinf::OptimizerKind::kAdamW;
@@ -446,10 +453,13 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator
   const Options& o = shared.options;
   const ModelShape& shape = shared.shape;
   const std::size_t world = std::size_t(o.world_size);
-  const std::size_t local_sequences = o.batch / world;
-  const std::size_t local_tokens = local_sequences * o.seq_len;
+  // The global batch is cut into world * micro_batches equal slices, rank r taking slices
+  // r * micro_batches ... (r + 1) * micro_batches - 1 in turn. With 4 slices, one rank with 4
+  // micro-batches and four ranks with one each add the same gradients in the same order.
+  const std::size_t micro_batches = o.micro_batches;
+  const std::size_t micro_tokens = o.batch / (world * micro_batches) * o.seq_len;
   const std::size_t eval_local = o.eval_tokens / world;
-  const std::size_t chunk_tokens = std::max<std::size_t>(local_tokens, 1);
+  const std::size_t chunk_tokens = std::max<std::size_t>(micro_tokens, 1);
   Model model(shape, chunk_tokens);
   TimeSplit local_time;
   TimeSplit& time = rank == 0 ? shared.summary->time : local_time;
@@ -515,32 +525,34 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator
     const double lr = learning_rate(o, step);
     if (engine != nullptr) engine->set_learning_rate(lr);
     shared.corpus.sample_train(rng, o.batch, o.seq_len, shape.context_bytes, &batch);
-    const std::size_t first = std::size_t(rank) * local_tokens;
-
-    double gather_before = time.gather_s;
-    auto start = Clock::now();
     double loss_sum = 0;
-    {
-      zinf::Trace::Span span(shared.trace, track, "forward");
-      loss_sum = model.forward(&batch.contexts[first * shape.context_bytes], &batch.targets[first],
-                               local_tokens, *access);
-    }
-    time.forward_s += seconds_since(start) - (time.gather_s - gather_before);
-    if (!check("forward")) return fail_out();
+    for (std::size_t micro = 0; micro < micro_batches; ++micro) {
+      const std::size_t first = (std::size_t(rank) * micro_batches + micro) * micro_tokens;
+      double gather_before = time.gather_s;
+      auto start = Clock::now();
+      {
+        zinf::Trace::Span span(shared.trace, track, "forward");
+        loss_sum += model.forward(&batch.contexts[first * shape.context_bytes],
+                                  &batch.targets[first], micro_tokens, *access);
+      }
+      time.forward_s += seconds_since(start) - (time.gather_s - gather_before);
+      if (!check("forward")) return fail_out();
 
-    gather_before = time.gather_s;
-    const double reduce_before = time.reduce_s;
-    start = Clock::now();
-    {
-      zinf::Trace::Span span(shared.trace, track, "backward");
-      // Each rank's gradient is of its mean loss; the engine averages them over ranks.
-      model.backward(1.0f / float(local_tokens), *access);
+      gather_before = time.gather_s;
+      const double reduce_before = time.reduce_s;
+      start = Clock::now();
+      {
+        zinf::Trace::Span span(shared.trace, track, "backward");
+        // The gradient of this micro-batch's mean loss; the engine sums the micro-batches of a
+        // step, averages over ranks and divides by the micro-batch count.
+        model.backward(1.0f / float(micro_tokens), *access);
+      }
+      time.backward_s +=
+          seconds_since(start) - (time.gather_s - gather_before) - (time.reduce_s - reduce_before);
+      if (!check("backward")) return fail_out();
     }
-    time.backward_s +=
-        seconds_since(start) - (time.gather_s - gather_before) - (time.reduce_s - reduce_before);
-    if (!check("backward")) return fail_out();
 
-    start = Clock::now();
+    const auto step_call = Clock::now();
     if (engine != nullptr) {
       zinf::Result<zinf::StepReport> report = engine->step();
       if (!report.is_ok()) {
@@ -553,9 +565,9 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator
       shared.nvme_write[std::size_t(rank)] +=
           r.optimizer_nvme_write_bytes + r.param_nvme_write_bytes;
     } else {
-      plain->step(o, lr);
+      plain->step(o, lr, micro_batches);
     }
-    time.step_s += seconds_since(start);
+    time.step_s += seconds_since(step_call);
 
     shared.train_sum[std::size_t(rank)] = loss_sum;
     // The time limit is decided at the previous barrier; a stopping run ends on a validation.
@@ -587,7 +599,7 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   const std::uint64_t slice = (params + world - 1) / world;
   const std::uint64_t largest = max_module_params(specs);
   const std::uint64_t dtype_bytes = o.param_dtype == "bf16" ? 2 : 4;
-  const std::uint64_t local_tokens = o.batch / world * o.seq_len;
+  const std::uint64_t local_tokens = o.batch / (world * o.micro_batches) * o.seq_len;
   Footprint f;
   if (!o.use_engine) {
     f.host_bytes = 16 * params + activation_bytes(shape, local_tokens);
@@ -748,6 +760,10 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   if (uses_nvme) {
     std::error_code ec;
     fs::remove_all(swap_dir, ec);
+    // And the NVMe directory too when this run made it and nothing else is in it.
+    for (const fs::path& dir : created.created()) {
+      if (fs::is_directory(dir, ec) && fs::is_empty(dir, ec)) fs::remove(dir, ec);
+    }
   }
 
   summary->wall_s = seconds_since(wall_start);
