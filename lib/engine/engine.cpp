@@ -540,9 +540,11 @@ class Engine::Impl {
     return coord_->publish();
   }
 
-  // Calls fn(first, count, master) over the whole partition's fp32 master, in pieces.
+  // Calls fn(first, count, master) over the partition's fp32 master, in pieces, covering at
+  // least elements [begin, end) (NVMe sub-groups outside it are not read).
   template <typename Fn>
-  Status for_each_master(Fn fn) {
+  Status for_each_master(Fn fn, std::size_t begin = 0,
+                         std::size_t end = std::numeric_limits<std::size_t>::max()) {
     if (store_ == nullptr) {
       fn(std::size_t{0}, partition_elements_, master_.as<const float>());
       return Status::ok();
@@ -557,6 +559,8 @@ class Engine::Impl {
       master_read_ = AlignedBuffer(round_page(s.sub_group_params() * sizeof(float)));
     }
     for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      const std::size_t first = s.sub_group_first(i);
+      if (first >= end || first + s.sub_group_size(i) <= begin) continue;
       ZINF_RETURN_IF_ERROR(s.read_piece(Piece::kParams, i, master_read_.data()));
       master_read_bytes_ += round_page(s.piece_bytes(Piece::kParams, i));
       fn(s.sub_group_first(i), s.sub_group_size(i), master_read_.as<const float>());
@@ -857,12 +861,13 @@ class Engine::Impl {
     // This rank's master slice of the group, then an all-gather of the whole group in f32.
     std::vector<float> slice(shard);
     const std::size_t first = offsets_[loc.group];
-    ZINF_RETURN_IF_ERROR(
-        fail(for_each_master([&](std::size_t f, std::size_t count, const float* src) {
+    ZINF_RETURN_IF_ERROR(fail(for_each_master(
+        [&](std::size_t f, std::size_t count, const float* src) {
           const std::size_t lo = std::max(f, first);
           const std::size_t hi = std::min(f + count, first + shard);
           if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
-        })));
+        },
+        first, first + shard)));
     Result<DeviceBuffer> full = DeviceBuffer::allocate(device_, info.padded_element_count * 4);
     if (!full.is_ok()) return full.status();
     float* own = full->as<float>() + part_->shard_offset(loc.group, rank_);
