@@ -615,6 +615,85 @@ TEST(EngineLearningRate, SetLearningRateTakesEffectAtTheNextStep) {
   }
 }
 
+// --- Memory per placement ----------------------------------------------------------------------
+
+// Bytes per rank on each tier for every placement, for 8 modules of 65536 bf16 parameters on 4
+// ranks (P = 524288, Pr = 131072): each offload choice moves its state where docs/ENGINE.md says,
+// and the table printed here is the one in that file.
+TEST(EngineMemory, EachPlacementPutsItsStateOnItsTier) {
+  const int world = 4;
+  Model model;
+  for (int i = 0; i < 8; ++i) {
+    const std::string name = fmt::format("layer{}", i);
+    model.modules.push_back(name);
+    model.params.push_back({name + ".w", name, {256, 256}, DType::kBF16});
+    model.initial.emplace_back(65536, 0.5f);
+  }
+  struct Row {
+    int stage;
+    OffloadDevice optimizer;
+    OffloadDevice params;
+    MemoryReport memory;
+  };
+  std::vector<Row> rows;
+  const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (OffloadDevice opt : tiers) {
+      for (OffloadDevice param : tiers) {
+        if (stage != 3 && param != OffloadDevice::kNone) continue;
+        engine_test::ScratchDir dir("memory");
+        Config config = engine_test::small_config(stage, opt, param, dir.path());
+        config.zero.sub_group_size = 1 << 14;
+        config.zero.reduce_bucket_size = 1 << 16;
+        config.zero.stage3_max_live_parameters = 1 << 18;
+        engine_test::Ranks ranks = engine_test::make_ranks(world);
+        std::vector<MemoryReport> memory(world);
+        std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+          ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+          ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+          ZINF_RETURN_IF_ERROR(engine->finalize());
+          memory[static_cast<std::size_t>(rank)] = engine->memory();
+          return Status::ok();
+        });
+        for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+        rows.push_back({stage, opt, param, memory[0]});
+      }
+    }
+  }
+  std::printf("stage  optimizer  params   device_bytes  host_bytes  nvme_bytes\n");
+  for (const Row& r : rows) {
+    std::printf("%5d  %9s  %6s  %13llu  %10llu  %10llu\n", r.stage,
+                std::string(offload_device_name(r.optimizer)).c_str(),
+                std::string(offload_device_name(r.params)).c_str(),
+                static_cast<unsigned long long>(r.memory.device_bytes),
+                static_cast<unsigned long long>(r.memory.host_bytes),
+                static_cast<unsigned long long>(r.memory.nvme_bytes));
+  }
+  auto find = [&](int stage, OffloadDevice opt, OffloadDevice param) {
+    for (const Row& r : rows) {
+      if (r.stage == stage && r.optimizer == opt && r.params == param) return r.memory;
+    }
+    return MemoryReport{};
+  };
+  const std::uint64_t p = 8 * 65536, pr = p / world;
+  const auto none = OffloadDevice::kNone, host = OffloadDevice::kHost, nvme = OffloadDevice::kNvme;
+  // Stage 1: bf16 parameters 2P, full f32 gradients 4P, optimizer state and accumulator 16 Pr.
+  EXPECT_EQ(find(1, none, none).device_bytes, 2 * p + 4 * p + 16 * pr);
+  // Stage 2 drops the full gradients; stage 3 keeps a 2 Pr shard instead of 2P.
+  EXPECT_EQ(find(2, none, none).device_bytes, 2 * p + 16 * pr);
+  EXPECT_EQ(find(3, none, none).device_bytes, 2 * pr + 16 * pr);
+  // Offloading the optimizer takes its 16 Pr off the device.
+  EXPECT_EQ(find(3, host, none).device_bytes, 2 * pr);
+  EXPECT_EQ(find(3, host, host).device_bytes, 0u);
+  EXPECT_EQ(find(3, nvme, nvme).device_bytes, 0u);
+  // On NVMe: the master and moments (12 Pr), plus the 2 Pr shard when the parameters go too.
+  EXPECT_GE(find(3, nvme, none).nvme_bytes, 12 * pr);
+  EXPECT_GE(find(3, nvme, nvme).nvme_bytes, 14 * pr);
+  EXPECT_EQ(find(3, none, nvme).nvme_bytes, 2 * pr);
+  // The host then holds gradients and half copies (6 Pr) and the pinned blocks, not 16 Pr.
+  EXPECT_LT(find(3, nvme, none).host_bytes, find(3, host, none).host_bytes);
+}
+
 // --- Telemetry -------------------------------------------------------------------------------
 
 TEST(EngineTelemetry, ReportsAndMemoryPerTier) {
