@@ -578,6 +578,49 @@ TEST(EngineJitter, RandomStreamDelaysChangeNothing) {
   }
 }
 
+// --- A failed rank -------------------------------------------------------------------------------
+
+// When one rank fails mid-training (its communicator aborted), the other ranks' next collective
+// call returns an error instead of hanging, the error sticks, and the engines close cleanly.
+TEST(EngineFailure, AnAbortedRankFailsTheOthersInsteadOfHanging) {
+  for (int stage : {1, 3}) {
+    const int world = 3;
+    engine_test::ScratchDir dir("abort");
+    Config config =
+        engine_test::small_config(stage, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+    config.collective_timeout_ms = 20'000;
+    const Model model = engine_test::make_model(DType::kF32, 101);
+    engine_test::Ranks ranks = engine_test::make_ranks(world, std::chrono::seconds(20));
+    std::vector<Status> later(world);
+    std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      TrainOptions o;
+      o.steps = 2;
+      o.check_gathered = false;
+      ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
+      if (rank == 2) {
+        ranks.comms[2]->abort(Status::aborted("rank 2 lost its device"));
+        return Status::ok();
+      }
+      o.first_step = 3;
+      o.steps = 4;
+      Status failed = engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr);
+      later[static_cast<std::size_t>(rank)] = failed;
+      // Sticky: the next call says so too.
+      Status again = engine->step().status();
+      if (again.is_ok()) return Status::internal("a step after the failure succeeded");
+      return Status::ok();
+    });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+    for (int r = 0; r < 2; ++r) {
+      const Status& e = later[static_cast<std::size_t>(r)];
+      EXPECT_FALSE(e.is_ok()) << "stage " << stage << " rank " << r;
+      EXPECT_NE(e.message().find("rank 2 lost its device"), std::string_view::npos)
+          << e.to_string();
+    }
+  }
+}
+
 // --- Learning rate ---------------------------------------------------------------------------
 
 // With the learning rate set to 0, AdamW moves nothing (p * (1 - 0 * wd) - 0 * update), on the
