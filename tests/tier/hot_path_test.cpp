@@ -1,0 +1,68 @@
+// The step allocates nothing after warm-up: every buffer, in-flight record and ticket is sized
+// at open(). Global operator new is replaced in this test binary to count allocations made by
+// any thread while the counter is armed.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <new>
+
+#include "tier_test_util.hpp"
+
+namespace {
+std::atomic<bool> g_armed{false};
+std::atomic<std::uint64_t> g_allocations{0};
+}  // namespace
+
+void* operator new(std::size_t bytes) {
+  if (g_armed.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
+  void* p = std::malloc(bytes == 0 ? 1 : bytes);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void* operator new[](std::size_t bytes) { return operator new(bytes); }
+void operator delete(void* p) noexcept { std::free(p); }
+void operator delete[](void* p) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+
+namespace zinf {
+namespace {
+
+TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
+  // The counter counts: one allocation while armed is seen.
+  g_allocations.store(0);
+  g_armed.store(true);
+  auto* probe = new std::uint64_t(42);
+  g_armed.store(false);
+  EXPECT_EQ(g_allocations.load(), 1u);
+  delete probe;
+  tier_test::RigOptions so;
+  so.store.param_count = 60'000;
+  so.store.sub_group_params = 7000;  // a short last sub-group too
+  so.store.grad_dtype = DType::kBF16;
+  so.pool_blocks = 3;
+  so.pipeline.threads = 2;
+  tier_test::Rig s;
+  Status opened = tier_test::open_rig("hot", so, &s);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  tier_test::Reference ref;
+  ref.init(so.store.param_count, 77);
+  ref.make_grads(DType::kBF16, 78);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());  // warm-up: threads, arenas, caches
+  for (std::int64_t t = 2; t <= 4; ++t) {
+    g_allocations.store(0);
+    g_armed.store(true);
+    Result<StepStats> stats = s.pipeline->step({.step = t});
+    g_armed.store(false);
+    ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
+    std::printf("step %lld: %llu allocations\n", static_cast<long long>(t),
+                static_cast<unsigned long long>(g_allocations.load()));
+    EXPECT_EQ(g_allocations.load(), 0u) << "step " << t;
+  }
+}
+
+}  // namespace
+}  // namespace zinf
