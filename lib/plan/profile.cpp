@@ -17,7 +17,9 @@
 #include "base/aligned.hpp"
 #include "base/membw.hpp"
 #include "base/random.hpp"
+#include "io/buffer_pool.hpp"
 #include "io/io_engine.hpp"
+#include "io/swap_space.hpp"
 
 namespace zinf::plan {
 namespace {
@@ -212,119 +214,111 @@ Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
         "positive",
         block_bytes, queue_depth));
   }
-  const std::uint64_t total_bytes =
-      std::max(file_bytes / block_bytes, std::uint64_t{1}) * block_bytes;
-  std::string path = dir + "/.zinf-plan-disk-XXXXXX";
-  const int fd = mkstemp(path.data());
-  if (fd < 0) return status_from_errno(fmt::format("create a scratch file in {}", dir), errno);
-  // Preallocated, as the swap files are (SwapSpace uses fallocate): writes into a sparse file
-  // would time block allocation too.
-  const int alloc_err = posix_fallocate(fd, 0, static_cast<off_t>(total_bytes));
-  close(fd);
-  struct Cleanup {
-    std::string path;
-    ~Cleanup() { unlink(path.c_str()); }
-  } cleanup{path};
-  if (alloc_err != 0) {
-    return status_from_errno(fmt::format("allocate {} bytes for {}", total_bytes, path), alloc_err);
-  }
+  // Extents the size of a sub-group's tensor: the step reads and writes whole pieces, which the
+  // swap space checksums per block and the engine cuts into block_bytes pieces at queue_depth.
+  const std::uint64_t extent_bytes = block_bytes * 16;
+  const std::uint64_t extents = std::max<std::uint64_t>(2, file_bytes / extent_bytes);
+  // Enough extents in flight to keep queue_depth pieces at the drive in each direction, + one.
+  const std::size_t slots = static_cast<std::size_t>(
+      2 * ((queue_depth * block_bytes + extent_bytes - 1) / extent_bytes + 1));
 
-  // The engine the step uses. Requests are the size of a sub-group's tensor (the step reads and
-  // writes whole pieces; the engine cuts them into block_bytes pieces at queue_depth).
   IoOptions io;
   io.block_bytes = static_cast<std::size_t>(block_bytes);
   io.queue_depth = queue_depth;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> engine, open_engine(io));
-  const std::uint64_t request_bytes = std::min<std::uint64_t>(total_bytes, block_bytes * 16);
-  const std::uint64_t span = total_bytes / request_bytes * request_bytes;
-  // Enough requests to keep queue_depth pieces in flight in each direction, plus one.
-  const std::size_t slots = static_cast<std::size_t>(
-      2 * ((queue_depth * block_bytes + request_bytes - 1) / request_bytes + 1));
-  AlignedBuffer memory(slots * request_bytes, 4096);
-  fill_random_bytes(memory.data(), memory.bytes(), 0x9e3779b9u);
-  ZINF_RETURN_IF_ERROR(engine->register_memory(memory.data(), memory.bytes()));
-  struct Registered {
-    IoEngine* engine;
-    void* base;
-    FileHandle file;
-    ~Registered() {
-      if (file.valid()) (void)engine->close_file(file);
-      (void)engine->unregister_memory(base);
-    }
-  } registered{engine.get(), memory.data(), FileHandle{}};
-  Result<FileHandle> file = engine->open_file(path, OpenFileOptions{});
-  if (!file.is_ok()) {
-    if (file.status().code() == Code::kUnsupported || file.status().sys_code() == EINVAL) {
+  SwapOptions swap_options;
+  swap_options.dirs = {dir};
+  swap_options.capacity_bytes = extents * extent_bytes;
+  swap_options.block_bytes = static_cast<std::size_t>(block_bytes);
+  swap_options.max_extents = static_cast<std::uint32_t>(extents);
+  swap_options.max_ops = static_cast<std::uint32_t>(slots + 8);
+  swap_options.file_name = "zinf-plan-disk-{pid}.bin";
+  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*engine, swap_options);
+  if (!opened.is_ok()) {
+    if (opened.status().code() == Code::kUnsupported) {
       return Status::unsupported(
-          fmt::format("{}: O_DIRECT refused ({}); give --nvme-read-gbps and --nvme-write-gbps", dir,
-                      file.status().to_string()),
-          file.status().sys_code());
+          fmt::format("{}; give --nvme-read-gbps and --nvme-write-gbps", opened.status().message()),
+          opened.status().sys_code());
     }
-    return file.status();
+    return opened.status();
   }
-  registered.file = *file;
+  std::unique_ptr<SwapSpace> swap = std::move(opened).value();
+  std::vector<ExtentId> ids;
+  for (std::uint64_t e = 0; e < extents; ++e) {
+    ZINF_ASSIGN_OR_RETURN(ExtentId id, swap->create(fmt::format("plan/disk{}", e), extent_bytes));
+    ids.push_back(id);
+  }
+  // Huge pages, locked and registered, as the step's PinnedPool has them: with 4 KiB pages the
+  // kernel's per-page work showed as a slower disk on a busy 2-core machine.
+  BufferPoolOptions pool_options;
+  pool_options.block_bytes = static_cast<std::size_t>(extent_bytes);
+  pool_options.block_count = slots;
+  pool_options.huge_pages = HugePages::kAuto;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<BufferPool> pool, BufferPool::create(pool_options));
+  for (std::size_t b = 0; b < slots; ++b) {
+    fill_random_bytes(pool->block(b), pool->block_bytes(), 0x9e3779b9u + b);
+  }
+  ZINF_RETURN_IF_ERROR(pool->register_with(*engine));
 
-  // Streams requests over the file: reads, writes, or both at once (slot i reads when i is
-  // even), each slot resubmitted as soon as it completes, until `bytes` moved or `limit` passed.
-  // Returns bytes per second (1e9).
-  auto stream = [&](bool reads, bool writes, std::uint64_t bytes,
-                    std::chrono::milliseconds limit) -> Result<double> {
-    std::vector<Ticket> tickets(slots);
+  // Streams whole extents: reads, writes, or both at once (slot i reads when i is even, reads
+  // from the first extents, writes to the second half), each slot resubmitted as soon as its
+  // op completes, until `ops` were submitted. Returns bytes per second (1e9).
+  std::vector<bool> written(extents, false);
+  auto stream = [&](bool reads, bool writes, std::uint64_t ops) -> Result<double> {
+    std::vector<SwapTicket> tickets(slots);
     std::vector<bool> busy(slots, false);
-    std::uint64_t next_offset[2] = {0, span / 2 / request_bytes * request_bytes};
+    std::uint64_t next[2] = {0, writes && reads ? extents / 2 : 0};
     std::uint64_t submitted = 0;
     std::uint64_t done = 0;
     const auto start = std::chrono::steady_clock::now();
-    auto more = [&] {
-      return submitted < bytes &&
-             (limit.count() == 0 || std::chrono::steady_clock::now() - start < limit);
-    };
     auto submit = [&](std::size_t i) -> Status {
       const bool read = reads && (!writes || i % 2 == 0);
-      std::uint64_t& offset = next_offset[read ? 0 : 1];
-      ZINF_ASSIGN_OR_RETURN(
-          tickets[i], engine->submit(IoRequest{read ? IoOp::kRead : IoOp::kWrite, *file, offset,
-                                               static_cast<std::size_t>(request_bytes),
-                                               memory.data() + i * request_bytes}));
-      offset = (offset + request_bytes) % span;
+      std::uint64_t& e = next[read ? 0 : 1];
+      // Reads only touch extents already written (the swap space refuses others).
+      if (read && !written[e]) e = 0;
+      Result<SwapTicket> t =
+          read ? swap->read(ids[e], pool->block(i)) : swap->write(ids[e], pool->block(i));
+      if (!t.is_ok()) return t.status();
+      if (!read) written[e] = true;
+      tickets[i] = *t;
+      e = (e + 1) % extents;
       busy[i] = true;
-      submitted += request_bytes;
+      ++submitted;
       return Status::ok();
     };
     Status first_error;
-    for (std::size_t i = 0; i < slots && more(); ++i) {
+    for (std::size_t i = 0; i < slots && submitted < ops; ++i) {
       first_error = submit(i);
       if (!first_error.is_ok()) break;
     }
-    // Oldest first: slots complete roughly in submission order.
     for (bool any = true; any;) {
       any = false;
       for (std::size_t i = 0; i < slots; ++i) {
         if (!busy[i]) continue;
         any = true;
-        Status st = engine->wait(tickets[i], std::chrono::seconds(60));
-        if (st.code() == Code::kTimeout) return st.with_context(path);
+        Status st = swap->wait(tickets[i], std::chrono::seconds(60));
+        if (st.code() == Code::kTimeout) return st;  // still in flight: cannot go on
         busy[i] = false;
         if (!st.is_ok()) {
           if (first_error.is_ok()) first_error = st;
           continue;
         }
-        done += request_bytes;
-        if (first_error.is_ok() && more()) first_error = submit(i);
+        ++done;
+        if (first_error.is_ok() && submitted < ops) first_error = submit(i);
       }
     }
-    if (!first_error.is_ok()) return first_error.with_context(path);
+    ZINF_RETURN_IF_ERROR(first_error);
     const double s =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return static_cast<double>(done) / s / 1e9;
+    return static_cast<double>(done * extent_bytes) / s / 1e9;
   };
   // The first write allocates the blocks of a thin-provisioned or virtual disk; the step
   // overwrites extents its load wrote, so only the second write is timed.
-  ZINF_RETURN_IF_ERROR(stream(false, true, span, {}).status());
+  ZINF_RETURN_IF_ERROR(stream(false, true, extents).status());
   DiskRates rates;
-  ZINF_ASSIGN_OR_RETURN(rates.write_gbps, stream(false, true, span, {}));
-  ZINF_ASSIGN_OR_RETURN(rates.read_gbps, stream(true, false, span, {}));
-  ZINF_ASSIGN_OR_RETURN(rates.duplex_gbps, stream(true, true, span, {}));
+  ZINF_ASSIGN_OR_RETURN(rates.write_gbps, stream(false, true, extents));
+  ZINF_ASSIGN_OR_RETURN(rates.read_gbps, stream(true, false, extents));
+  ZINF_ASSIGN_OR_RETURN(rates.duplex_gbps, stream(true, true, extents));
   return rates;
 }
 

@@ -62,13 +62,14 @@ struct DiskRates {
   double duplex_gbps = 0;  // bytes read + written per second with both running at once
 };
 
-// Sequential write, then read, then both at once (half the requests each) over a preallocated
-// `file_bytes` scratch file in `dir`, through the engine the step uses (io_uring, O_DIRECT,
-// `block_bytes` pieces, `queue_depth` in flight; the thread engine where io_uring is refused),
-// in requests of 16 blocks (the step reads and writes whole tensors of a sub-group), from
-// registered memory filled with seeded random bytes. A first, untimed write allocates the
-// file's blocks (the step overwrites blocks its load wrote). The file is removed afterwards.
-// unsupported when O_DIRECT is refused (tmpfs); the engine's errors naming the file otherwise.
+// Sequential write, then read, then both at once (half the ops each) of `file_bytes` in a swap
+// space under `dir`: the path the step's I/O takes (SwapSpace: preallocated O_DIRECT file,
+// xxh3 checksums per block; the engine: io_uring, `block_bytes` pieces, `queue_depth` in flight,
+// the thread engine where io_uring is refused), in extents of 16 blocks (the step reads and
+// writes whole tensors of a sub-group) from huge-page registered memory filled with seeded
+// random bytes. A first, untimed write allocates the file's blocks (the step overwrites blocks
+// its load wrote). The swap file is removed afterwards. unsupported when O_DIRECT is refused
+// (tmpfs), not_found / io_error / no_space naming the path as SwapSpace::open() gives them.
 // One block size and depth, a short run: `zinf io tune` sweeps them.
 Result<DiskRates> measure_disk(const std::string& dir, std::uint64_t file_bytes,
                                std::uint64_t block_bytes, std::uint32_t queue_depth);

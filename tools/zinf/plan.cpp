@@ -48,6 +48,7 @@ struct PlanOptions {
   std::string machine_profile;
   std::string io_profile;
   bool measure = false;
+  std::string measure_bytes = "2GiB";
   double mem_adam_gbps = 0;
   double nvme_read_gbps = 0;
   double nvme_write_gbps = 0;
@@ -140,7 +141,9 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
           "--nvme-write-gbps, or a machine profile with nvme_read_gbps/nvme_write_gbps");
       return false;
     }
-    Result<DiskRates> rates = measure_disk(nvme_dir, std::uint64_t{1} << 30, 1 << 20, 32);
+    std::uint64_t measure_bytes = 0;
+    if (!parse_size_option("--measure-bytes", o.measure_bytes, &measure_bytes)) return false;
+    Result<DiskRates> rates = measure_disk(nvme_dir, measure_bytes, 1 << 20, 32);
     if (!rates.is_ok()) {
       fail(fmt::format("measuring NVMe rates: {}", rates.status().to_string()));
       return false;
@@ -151,9 +154,9 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
     p->nvme_block_bytes = 1 << 20;
     p->nvme_queue_depth = 32;
     p->nvme_source = fmt::format(
-        "measured now on {} (sequential O_DIRECT through the I/O engine, 1 GiB, 1 MiB pieces, "
+        "measured now on {} (sequential O_DIRECT through the I/O engine, {}, 1 MiB pieces, "
         "depth 32)",
-        nvme_dir);
+        nvme_dir, o.measure_bytes);
     notes->push_back(
         "NVMe rates measured now with a short simple test: `zinf io tune` gives better ones");
   }
@@ -614,6 +617,8 @@ void setup_plan(CLI::App& app) {
       "zinf io tune results (default $ZINF_IO_TUNE_FILE or ~/.cache/zinf/io-tune.json)");
   sub->add_flag("--measure", o->measure,
                 "Ignore any profile file: measure now what the options do not give");
+  sub->add_option("--measure-bytes", o->measure_bytes, "File size for measuring the disk now")
+      ->capture_default_str();
   sub->add_option("--mem-adam-gbps", o->mem_adam_gbps, "CPU Adam-pattern memory bandwidth");
   sub->add_option("--nvme-read-gbps", o->nvme_read_gbps, "NVMe read rate per machine");
   sub->add_option("--nvme-write-gbps", o->nvme_write_gbps, "NVMe write rate per machine");
