@@ -157,6 +157,8 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   bool no_progress = false;
   app.add_flag("--no-progress", no_progress, "no progress bar (one line per validation instead)");
   app.add_flag("--quiet", o->quiet, "print the summary only");
+  app.add_flag("--step-times", o->step_times,
+               "a line per step saying where its time went (automatic for steps over 2 s)");
 
   try {
     app.parse(argc, argv);

@@ -47,6 +47,8 @@ struct Options {
   std::string data_path;               // --data (default: the bundled text)
   bool progress = true;                // --no-progress turns the bar off
   bool quiet = false;                  // --quiet: only the summary
+  bool step_times = false;             // --step-times: a line per step with its time split
+                                       // (automatic for steps over 2 s)
 };
 
 // Parses argv. On success returns 0 and fills `options`; for --help prints the usage and

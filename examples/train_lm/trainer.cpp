@@ -323,7 +323,8 @@ zinf::Status register_model(zinf::Engine& engine, const ModelShape& shape, std::
   return engine.finalize();
 }
 
-zinf::Config engine_config(const Options& o, std::uint64_t param_count) {
+zinf::Config engine_config(const Options& o, std::uint64_t param_count,
+                           std::size_t largest_module) {
   zinf::Config c;
   c.train_micro_batch_size_per_gpu = o.batch / (std::size_t(o.world_size) * o.micro_batches);
   c.gradient_accumulation_steps = o.micro_batches;
@@ -342,6 +343,12 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count) {
   c.zero.offload_param.device = offload_device(o.offload_param);
   c.zero.offload_param.nvme_path = o.nvme_path;
   c.zero.sub_group_size = sub_group_params(o, param_count);
+  // The model holds one module gathered at a time; allow one more in flight (the prefetch) and
+  // keep the reduce buckets small, so that a large model's transient buffers stay small next to
+  // its state: 16Mi elements a bucket is 64 MiB of fp32 a rank.
+  c.zero.reduce_bucket_size = std::size_t{16} << 20;
+  c.zero.stage3_prefetch_bucket_size = largest_module;
+  c.zero.stage3_max_live_parameters = 2 * largest_module;
   c.world_size = o.world_size;
   c.collective_timeout_ms = 300'000;
   return c;
@@ -398,6 +405,8 @@ struct Shared {
   Clock::time_point last_step_end = Clock::now();
   double train_s = 0;  // wall time inside steps, for tokens/s
   double last_val = 0;
+  TimeSplit last_time;  // rank 0's split at the previous step, for the per-step lines
+  std::uint64_t last_nvme_bytes = 0;
   ProgressBar progress;
   zinf::Trace* trace = nullptr;
 };
@@ -441,6 +450,29 @@ void StepDone::operator()() noexcept {
   point.tokens_per_s = double(tokens) / std::max(step_s, 1e-9);
   sum.curve.push_back(point);
   const double elapsed = seconds_since(s.start);
+  // Slow steps (a large model) get a line each saying where their time went.
+  if (!o.quiet && (o.step_times || step_s > 2.0)) {
+    const TimeSplit& now = sum.time;
+    const TimeSplit& was = s.last_time;
+    std::uint64_t nvme_bytes = 0;
+    for (int r = 0; r < s.world; ++r) {
+      nvme_bytes += s.nvme_read[std::size_t(r)] + s.nvme_write[std::size_t(r)];
+    }
+    const double optimizer_s = now.optimizer_s - was.optimizer_s;
+    s.progress.finish_line();
+    std::fprintf(stderr,
+                 "step %lld: %.2fs = forward %.2fs + backward %.2fs + gather %.2fs + reduce "
+                 "%.2fs + step %.2fs (AdamW+NVMe %.2fs, %s NVMe traffic, %.2f GB/s) + eval "
+                 "%.2fs; loss %.3f\n",
+                 static_cast<long long>(s.step), step_s, now.forward_s - was.forward_s,
+                 now.backward_s - was.backward_s, now.gather_s - was.gather_s,
+                 now.reduce_s - was.reduce_s, now.step_s - was.step_s, optimizer_s,
+                 format_bytes(double(nvme_bytes - s.last_nvme_bytes)).c_str(),
+                 optimizer_s > 0 ? double(nvme_bytes - s.last_nvme_bytes) / optimizer_s / 1e9 : 0.0,
+                 now.eval_s - was.eval_s, train);
+    s.last_time = now;
+    s.last_nvme_bytes = nvme_bytes;
+  }
   const double mean_rate = double(sum.tokens_seen) / std::max(s.train_s, 1e-9);
   char extra[64];
   std::snprintf(extra, sizeof(extra), "val %.3f", s.last_val);
@@ -682,6 +714,8 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     return 1;
   };
   if (!created.make("--out", o.out_dir, error)) return fail(*error);
+  std::error_code exists_ec;
+  const bool nvme_created = uses_nvme && !fs::exists(o.nvme_path, exists_ec);
   if (uses_nvme && !created.make("--nvme-path", o.nvme_path, error)) return fail(*error);
   // A directory of our own inside the NVMe path, so that the swap files of this run are removed
   // with it whatever the path held before.
@@ -713,7 +747,8 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     zinf::Result<std::vector<std::unique_ptr<zinf::Communicator>>> comms =
         zinf::make_local_comm_group(device_ptrs, comm_options);
     if (!comms.is_ok()) return fail("communicator: " + comms.status().to_string());
-    zinf::Config config = engine_config(o, summary->param_count);
+    zinf::Config config =
+        engine_config(o, summary->param_count, max_module_params(module_specs(shape)));
     config.zero.offload_optimizer.nvme_path = swap_dir;
     config.zero.offload_param.nvme_path = swap_dir;
     {
@@ -761,9 +796,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     std::error_code ec;
     fs::remove_all(swap_dir, ec);
     // And the NVMe directory too when this run made it and nothing else is in it.
-    for (const fs::path& dir : created.created()) {
-      if (fs::is_directory(dir, ec) && fs::is_empty(dir, ec)) fs::remove(dir, ec);
-    }
+    if (nvme_created && fs::is_empty(o.nvme_path, ec)) fs::remove(o.nvme_path, ec);
   }
 
   summary->wall_s = seconds_since(wall_start);
