@@ -130,6 +130,9 @@ struct StepReport {
   std::uint64_t optimizer_nvme_read_bytes = 0;
   std::uint64_t optimizer_nvme_write_bytes = 0;
   std::uint64_t param_nvme_write_bytes = 0;
+  // Bytes of fp32 master read back from NVMe to publish parameters the optimizer pass does not
+  // write in their dtype (f32 parameters, or a mix of half dtypes).
+  std::uint64_t master_nvme_read_bytes = 0;
 };
 
 // Bytes of this rank's state on each tier, fixed at finalize().

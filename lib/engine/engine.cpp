@@ -782,6 +782,7 @@ class Engine::Impl {
     {
       Trace::Span span(env_.trace, track_, "step publish");
       const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
+      const std::uint64_t master_reads = master_read_bytes_;
       if (store_ != nullptr && with_half_) {
         // The pass wrote the half copy of every (half) group into the store's host array.
         const std::byte* half = store_->host_data(Piece::kParamsHalf);
@@ -803,6 +804,7 @@ class Engine::Impl {
       }
       ZINF_RETURN_IF_ERROR(write_shards());
       rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
+      rep.master_nvme_read_bytes = master_read_bytes_ - master_reads;
     }
     rep.publish_ns = Trace::now_ns() - t3;
     reducer_->zero();

@@ -578,46 +578,48 @@ TEST(EngineJitter, RandomStreamDelaysChangeNothing) {
   }
 }
 
-// --- A failed rank -------------------------------------------------------------------------------
+// --- A lost rank -------------------------------------------------------------------------------
 
-// When one rank fails mid-training (its communicator aborted), the other ranks' next collective
-// call returns an error instead of hanging, the error sticks, and the engines close cleanly.
-TEST(EngineFailure, AnAbortedRankFailsTheOthersInsteadOfHanging) {
+// When one rank stops taking part mid-training (it closes its engine and leaves), the other
+// ranks' next collective call fails within the collective timeout instead of hanging, the error
+// sticks, and the engines close cleanly.
+TEST(EngineFailure, ALostRankFailsTheOthersWithinTheTimeout) {
   for (int stage : {1, 3}) {
     const int world = 3;
-    engine_test::ScratchDir dir("abort");
+    engine_test::ScratchDir dir("lost");
     Config config =
         engine_test::small_config(stage, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
-    config.collective_timeout_ms = 20'000;
+    config.collective_timeout_ms = 1000;
     const Model model = engine_test::make_model(DType::kF32, 101);
-    engine_test::Ranks ranks = engine_test::make_ranks(world, std::chrono::seconds(20));
+    engine_test::Ranks ranks = engine_test::make_ranks(world, std::chrono::milliseconds(1000));
     std::vector<Status> later(world);
+    const std::int64_t start = Trace::now_ns();
     std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
       ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
       TrainOptions o;
       o.steps = 2;
       o.check_gathered = false;
       ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
-      if (rank == 2) {
-        ranks.comms[2]->abort(Status::aborted("rank 2 lost its device"));
-        return Status::ok();
-      }
+      if (rank == 2) return Status::ok();  // gone
       o.first_step = 3;
       o.steps = 4;
-      Status failed = engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr);
-      later[static_cast<std::size_t>(rank)] = failed;
-      // Sticky: the next call says so too.
-      Status again = engine->step().status();
-      if (again.is_ok()) return Status::internal("a step after the failure succeeded");
+      later[static_cast<std::size_t>(rank)] =
+          engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr);
+      // Sticky: the next call fails too.
+      if (engine->step().status().is_ok()) {
+        return Status::internal("a step after the failure succeeded");
+      }
       return Status::ok();
     });
+    const double seconds = static_cast<double>(Trace::now_ns() - start) / 1e9;
     for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
     for (int r = 0; r < 2; ++r) {
       const Status& e = later[static_cast<std::size_t>(r)];
-      EXPECT_FALSE(e.is_ok()) << "stage " << stage << " rank " << r;
-      EXPECT_NE(e.message().find("rank 2 lost its device"), std::string_view::npos)
-          << e.to_string();
+      EXPECT_TRUE(e.code() == Code::kTimeout || e.code() == Code::kAborted)
+          << "stage " << stage << " rank " << r << ": " << e.to_string();
     }
+    std::printf("stage %d: %s (%.2f s)\n", stage, later[0].to_string().c_str(), seconds);
+    EXPECT_LT(seconds, 20.0);
   }
 }
 
@@ -768,6 +770,7 @@ TEST(EngineTelemetry, ReportsAndMemoryPerTier) {
   EXPECT_GT(r.optimizer_nvme_read_bytes, 0u);
   EXPECT_EQ(r.optimizer_nvme_read_bytes, r.optimizer_nvme_write_bytes);
   EXPECT_GT(r.param_nvme_write_bytes, 0u);
+  EXPECT_EQ(r.master_nvme_read_bytes, 0u);  // bf16 everywhere: the pass writes the half copy
   EXPECT_GE(r.wall_ns, r.optimizer_ns);
   EXPECT_GT(memory[0].nvme_bytes, r.optimizer_nvme_read_bytes);
   EXPECT_GT(memory[0].host_bytes, 0u);
