@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
 
@@ -164,8 +165,22 @@ TEST(OptimizerPipeline, TelemetryCountsBytesAndTraceHasSpansPerSubGroup) {
     EXPECT_EQ(spans[track].size(), groups) << track;
     EXPECT_EQ(spans[track].count(std::string(track) + " sg7"), 1u) << track;
   }
-  const std::string json = trace.to_json();
-  EXPECT_NE(json.find("\"traceEvents\""), std::string::npos);
+  // The file Perfetto opens: complete events with a thread per track, named by metadata.
+  const nlohmann::json json = nlohmann::json::parse(trace.to_json());
+  std::map<int, std::string> thread_names;
+  std::size_t complete = 0;
+  for (const nlohmann::json& e : json.at("traceEvents")) {
+    if (e.at("ph") == "M" && e.at("name") == "thread_name") {
+      thread_names[e.at("tid").get<int>()] = e.at("args").at("name").get<std::string>();
+    } else if (e.at("ph") == "X") {
+      ++complete;
+      EXPECT_TRUE(e.contains("ts") && e.contains("dur") && e.contains("tid"));
+    }
+  }
+  EXPECT_EQ(complete, 3 * groups);
+  std::set<std::string> named;
+  for (const auto& [tid, name] : thread_names) named.insert(name);
+  EXPECT_EQ(named, (std::set<std::string>{"read", "update", "write"}));
 }
 
 TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
