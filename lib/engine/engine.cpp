@@ -146,6 +146,11 @@ class Engine::Impl {
         ZINF_RETURN_IF_ERROR(probe_directory(key, dir, rank_));
       }
     }
+    if (config_.gradients_on_nvme && rank_ == 0) {
+      log_warn(
+          "zinf.gradients_on_nvme: accepted, but gradients stay in host memory in this "
+          "version");
+    }
     ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("engine"));
     ZINF_ASSIGN_OR_RETURN(event_, device_.create_event());
     // The norm exchange: this rank's double, then every rank's.
