@@ -48,7 +48,7 @@ struct PlanOptions {
   std::string machine_profile;
   std::string io_profile;
   bool measure = false;
-  std::string measure_bytes = "2GiB";
+  std::string measure_bytes = "auto";
   double mem_adam_gbps = 0;
   double nvme_read_gbps = 0;
   double nvme_write_gbps = 0;
@@ -86,8 +86,11 @@ bool parse_size_option(const std::string& flag, const std::string& text, std::ui
 
 // Builds the machine profile: defaults, then the profile file, then command-line figures, then
 // measures now whatever is still missing and needed. Returns false after fail() on error.
+// `working_set_bytes`: the NVMe bytes the predicted run touches, the size the disk is measured
+// at under --measure-bytes auto (caches below O_DIRECT, of a virtual disk's host or a drive's
+// SLC, hold a small test file but not a large working set).
 bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nvme_dir,
-                     MachineProfile* p, nlohmann::json* notes) {
+                     std::uint64_t working_set_bytes, MachineProfile* p, nlohmann::json* notes) {
   const bool explicit_file = !o.machine_profile.empty();
   const std::string path = explicit_file ? o.machine_profile : default_profile_path();
   if (!o.measure) {
@@ -142,7 +145,12 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
       return false;
     }
     std::uint64_t measure_bytes = 0;
-    if (!parse_size_option("--measure-bytes", o.measure_bytes, &measure_bytes)) return false;
+    if (o.measure_bytes == "auto") {
+      measure_bytes = std::clamp<std::uint64_t>(working_set_bytes, std::uint64_t{2} << 30,
+                                                std::uint64_t{32} << 30);
+    } else if (!parse_size_option("--measure-bytes", o.measure_bytes, &measure_bytes)) {
+      return false;
+    }
     Result<DiskRates> rates = measure_disk(nvme_dir, measure_bytes, 1 << 20, 32);
     if (!rates.is_ok()) {
       fail(fmt::format("measuring NVMe rates: {}", rates.status().to_string()));
@@ -156,7 +164,7 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
     p->nvme_source = fmt::format(
         "measured now on {} (sequential O_DIRECT through the I/O engine, {}, 1 MiB pieces, "
         "depth 32)",
-        nvme_dir, o.measure_bytes);
+        nvme_dir, format_bytes(static_cast<double>(measure_bytes)));
     notes->push_back(
         "NVMe rates measured now with a short simple test: `zinf io tune` gives better ones");
   }
@@ -241,7 +249,13 @@ void run_step_only(const PlanOptions& o) {
   }
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
-  if (!resolve_profile(o, nvme, o.path.empty() ? o.nvme_path : o.path, &profile, &notes)) return;
+  const std::uint64_t working_set =
+      layout.sub_groups > 0 ? (layout.read_per_param + (spec.half_on_nvme ? 2 : 0)) * spec.params
+                            : 0;
+  if (!resolve_profile(o, nvme, o.path.empty() ? o.nvme_path : o.path, working_set, &profile,
+                       &notes)) {
+    return;
+  }
   const StepPrediction t = predict_optimizer_step(spec, profile);
   // Host memory of the run: the pieces kept on the host, plus the pool on the NVMe tier.
   const double p = static_cast<double>(spec.params);
@@ -391,7 +405,9 @@ void run_plan(const PlanOptions& o) {
 
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
-  if (!resolve_profile(o, budgets.nvme_bytes > 0, o.nvme_path, &profile, &notes)) return;
+  // The plan's NVMe working set is unknown until it is made; a drive serving training state
+  // holds far more than any cache, so the default measures 2 GiB.
+  if (!resolve_profile(o, budgets.nvme_bytes > 0, o.nvme_path, 0, &profile, &notes)) return;
   Result<PlanResult> planned = make_plan(model, training, budgets, profile, constraints);
   if (!planned.is_ok()) {
     fail(planned.status().to_string());
