@@ -10,6 +10,8 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <tbb/blocked_range.h>
+#include <tbb/parallel_reduce.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -38,6 +40,28 @@ namespace zinf {
 namespace {
 
 constexpr std::size_t kPage = 4096;
+
+// The sum of x * x in double over `count` floats, in tiles of fixed size summed in tile order, so
+// the result does not depend on the thread count or scheduling (the same bits every run).
+double sum_of_squares(const float* x, std::size_t count) {
+  constexpr std::size_t kTile = std::size_t{1} << 16;
+  return tbb::parallel_deterministic_reduce(
+      tbb::blocked_range<std::size_t>(0, count, kTile), 0.0,
+      [x](const tbb::blocked_range<std::size_t>& r, double init) {
+        // Four accumulators let the compiler keep several multiply-adds in flight.
+        double a[4] = {0.0, 0.0, 0.0, 0.0};
+        std::size_t i = r.begin();
+        for (; i + 4 <= r.end(); i += 4) {
+          for (int k = 0; k < 4; ++k) {
+            const double v = static_cast<double>(x[i + static_cast<std::size_t>(k)]);
+            a[k] += v * v;
+          }
+        }
+        for (; i < r.end(); ++i) a[0] += static_cast<double>(x[i]) * x[i];
+        return init + ((a[0] + a[1]) + (a[2] + a[3]));
+      },
+      [](double a, double b) { return a + b; });
+}
 constexpr std::string_view kPersistentSuffix = "#persistent";
 
 std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
@@ -719,13 +743,10 @@ class Engine::Impl {
     // is of the gradients as the optimizer will see them (mean over micro-batches, unscaled).
     const float* acc = accumulator();
     const double unscale = 1.0 / (static_cast<double>(micro) * scaler_.scale());
-    double sumsq = 0.0;
-    bool overflow = false;
-    for (std::size_t i = 0; i < partition_elements_; ++i) {
-      const double x = static_cast<double>(acc[i]);
-      if (!std::isfinite(x)) overflow = true;
-      sumsq += x * x;
-    }
+    double sumsq = sum_of_squares(acc, partition_elements_);
+    // An inf or NaN anywhere makes the sum inf or NaN (the square of a finite float never
+    // overflows a double), so the sum is the overflow check too.
+    bool overflow = !std::isfinite(sumsq);
     sumsq *= unscale * unscale;
     {
       // Each rank's sum of squares travels as a double (all-gathered bit for bit) and every rank
