@@ -78,7 +78,8 @@ std::string summary_text(const Options& o, const RunSummary& r) {
       {"NVMe (swap files)", format_bytes(double(r.nvme_bytes))},
       {"NVMe read / written",
        format_bytes(double(r.nvme_read_bytes)) + " / " + format_bytes(double(r.nvme_write_bytes))},
-      {"peak RSS of the process", format_bytes(double(r.peak_rss_bytes))},
+      {"peak RSS, setting up", format_bytes(double(r.setup_peak_rss_bytes))},
+      {"peak RSS, training steps", format_bytes(double(r.peak_rss_bytes))},
       {"fp32 master + Adam moments", format_bytes(state_fp32)},
   };
   text += "\nwhere the state lived (all ranks)\n" + format_table({"tier", "bytes"}, tiers);

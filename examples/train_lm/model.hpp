@@ -67,7 +67,8 @@ class ParamAccess {
   virtual const float* acquire(std::size_t module_index) = 0;
   virtual void release(std::size_t module_index) = 0;
   // Where backward() writes the module's gradient (overwriting it), and the call that says it is
-  // complete. Modules arrive in reverse forward order.
+  // complete. Modules arrive in reverse forward order. The model never holds a gradient buffer
+  // and acquired parameters at the same time, so one scratch buffer may serve both.
   virtual float* gradient_buffer(std::size_t module_index) = 0;
   virtual void gradient_ready(std::size_t module_index) = 0;
 };

@@ -10,13 +10,13 @@ namespace train_lm {
 
 struct Options {
   // Model.
-  std::uint64_t params = 1'000'000;  // --params: 1M, 10M, 1B, ... (the hidden width follows)
-  std::size_t layers = 4;            // --layers: hidden blocks
-  std::size_t context_bytes = 16;    // --context: bytes the model sees before each target
-  std::size_t embed_dim = 16;        // --embed
+  std::uint64_t params = 500'000;  // --params: 1M, 10M, 1B, ... (the hidden width follows)
+  std::size_t layers = 4;          // --layers: hidden blocks
+  std::size_t context_bytes = 16;  // --context: bytes the model sees before each target
+  std::size_t embed_dim = 16;      // --embed
   // Training.
-  std::int64_t steps = 600;  // --steps
-  std::size_t batch = 32;    // --batch: sequences a step, over all ranks
+  std::int64_t steps = 400;  // --steps
+  std::size_t batch = 16;    // --batch: sequences a step, over all ranks
   std::size_t seq_len = 64;  // --seq-len: targets a sequence
   // --micro-batches: forward/backward passes a rank makes per step (gradient accumulation).
   // 0 (auto): 4 / world_size when the world size divides 4, else 1, so that runs on 1, 2 and 4
@@ -27,7 +27,7 @@ struct Options {
   double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)
   double grad_clip = 1.0;          // --grad-clip (0: off)
   std::uint64_t seed = 1;          // --seed
-  std::int64_t eval_every = 50;    // --eval-every: steps between validation losses
+  std::int64_t eval_every = 25;    // --eval-every: steps between validation losses
   std::size_t eval_tokens = 8192;  // --eval-tokens
   double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
   // zinf.

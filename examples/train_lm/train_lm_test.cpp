@@ -36,12 +36,25 @@ class FlatParams final : public ParamAccess {
       init_module(shape, m, seed, &params_[offsets_[m]]);
   }
   const float* acquire(std::size_t m) override {
+    EXPECT_FALSE(held_ || writing_) << "module " << m;  // one thing at a time (see ParamAccess)
+    held_ = true;
     ++acquired_;
     return &params_[offsets_[m]];
   }
-  void release(std::size_t) override { ++released_; }
-  float* gradient_buffer(std::size_t m) override { return &grads_[offsets_[m]]; }
-  void gradient_ready(std::size_t m) override { ready_order_.push_back(m); }
+  void release(std::size_t) override {
+    held_ = false;
+    ++released_;
+  }
+  float* gradient_buffer(std::size_t m) override {
+    EXPECT_FALSE(held_ || writing_) << "module " << m;
+    writing_ = true;
+    return &grads_[offsets_[m]];
+  }
+  void gradient_ready(std::size_t m) override {
+    writing_ = false;
+    ready_order_.push_back(m);
+  }
+  bool held_ = false, writing_ = false;
 
   std::vector<float> params_, grads_;
   std::vector<std::size_t> offsets_;

@@ -14,6 +14,7 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -52,10 +53,24 @@ std::size_t max_module_params(const std::vector<ModuleSpec>& specs) {
   return most;
 }
 
+// The process's peak resident set since start, or since the last reset_peak_rss(): VmHWM of
+// /proc/self/status (getrusage's ru_maxrss cannot be reset).
 std::uint64_t peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
   rusage usage{};
   getrusage(RUSAGE_SELF, &usage);
   return std::uint64_t(usage.ru_maxrss) * 1024;
+}
+
+// Writing 5 to clear_refs resets VmHWM to the current RSS (proc(5)), so that the peak of the
+// training steps can be told apart from the peak of setting up.
+void reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
 }
 
 // Activation floats of one Model sized for `tokens`.
@@ -76,11 +91,11 @@ zinf::OffloadDevice offload_device(const std::string& name) {
 std::uint64_t sub_group_params(const Options& o, std::uint64_t param_count) {
   if (o.sub_group_size != 0) return o.sub_group_size;
   // About eight sub-groups a rank, so the NVMe reads of one overlap the update of another, in
-  // multiples of 2048 parameters, between 64Ki and 16Mi (a 16Mi sub-group is 256 MiB of fp32
-  // master, moments and gradient in the pinned pool).
+  // multiples of 2048 parameters, between 64Ki and 4Mi (a 4Mi sub-group is 64 MiB of fp32
+  // master, moments and gradient in each pinned block).
   const std::uint64_t per_rank = (param_count + std::uint64_t(o.world_size) - 1) / o.world_size;
   std::uint64_t sub = (per_rank / 8 + 2047) / 2048 * 2048;
-  return std::clamp<std::uint64_t>(sub, 65536, std::uint64_t{16} << 20);
+  return std::clamp<std::uint64_t>(sub, 65536, std::uint64_t{4} << 20);
 }
 
 constexpr std::size_t kOptimizerBuffers = 4;
@@ -248,30 +263,29 @@ class EngineAccess final : public ParamAccess {
  public:
   EngineAccess(zinf::Engine& engine, const ModelShape& shape, TimeSplit* time)
       : engine_(engine), specs_(module_specs(shape)), time_(time) {
-    const std::size_t most = max_module_params(specs_);
-    params_.resize(most);
-    grads_.resize(most);
+    // One buffer serves parameters and gradients: the model never holds both at once.
+    scratch_.resize(max_module_params(specs_));
   }
   const float* acquire(std::size_t m) override {
     const auto start = Clock::now();
     if (status_.is_ok()) status_ = acquire_into(specs_[m]);
     time_->gather_s += seconds_since(start);
-    return params_.data();
+    return scratch_.data();
   }
   void release(std::size_t m) override {
     const auto start = Clock::now();
     if (status_.is_ok()) status_ = engine_.release(specs_[m].name);
     time_->gather_s += seconds_since(start);
   }
-  float* gradient_buffer(std::size_t) override { return grads_.data(); }
+  float* gradient_buffer(std::size_t) override { return scratch_.data(); }
   void gradient_ready(std::size_t m) override {
     const auto start = Clock::now();
     if (status_.is_ok()) {
       const ModuleSpec& spec = specs_[m];
       const std::string weight = weight_name(spec), bias = bias_name(spec);
       zinf::GradientRef refs[2] = {
-          {weight, grads_.data(), spec.in * spec.out, zinf::DType::kF32},
-          {bias, grads_.data() + spec.in * spec.out, spec.out, zinf::DType::kF32}};
+          {weight, scratch_.data(), spec.in * spec.out, zinf::DType::kF32},
+          {bias, scratch_.data() + spec.in * spec.out, spec.out, zinf::DType::kF32}};
       status_ = engine_.reduce_gradients(
           spec.name, std::span<const zinf::GradientRef>(refs, spec.has_bias ? 2 : 1));
     }
@@ -283,10 +297,10 @@ class EngineAccess final : public ParamAccess {
   zinf::Status acquire_into(const ModuleSpec& spec) {
     ZINF_RETURN_IF_ERROR(engine_.gather(spec.name));
     ZINF_ASSIGN_OR_RETURN(zinf::TensorView w, engine_.parameter(weight_name(spec)));
-    parallel_to_f32(w.data, w.dtype, params_.data(), spec.in * spec.out);
+    parallel_to_f32(w.data, w.dtype, scratch_.data(), spec.in * spec.out);
     if (spec.has_bias) {
       ZINF_ASSIGN_OR_RETURN(zinf::TensorView b, engine_.parameter(bias_name(spec)));
-      parallel_to_f32(b.data, b.dtype, params_.data() + spec.in * spec.out, spec.out);
+      parallel_to_f32(b.data, b.dtype, scratch_.data() + spec.in * spec.out, spec.out);
     }
     return zinf::Status::ok();
   }
@@ -294,7 +308,7 @@ class EngineAccess final : public ParamAccess {
   zinf::Engine& engine_;
   std::vector<ModuleSpec> specs_;
   TimeSplit* time_;
-  std::vector<float> params_, grads_;
+  std::vector<float> scratch_;
   zinf::Status status_;
 };
 
@@ -428,6 +442,9 @@ void StepDone::operator()() noexcept {
       std::fprintf(stderr, "step 0: validation loss %.3f nats/byte (ln 256 = 5.545)\n", val);
     }
     s.last_step_end = Clock::now();
+    s.last_time = sum.time;
+    sum.setup_peak_rss_bytes = peak_rss_bytes();
+    reset_peak_rss();
     return;
   }
   double train = 0;
@@ -648,7 +665,7 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   if (o.offload_optimizer == "none") device += 12 * slice;
   f.device_bytes_per_rank = device;
   std::uint64_t host = world * device;
-  host += world * (2 * largest * 4 + activation_bytes(shape, local_tokens));
+  host += world * (largest * 4 + activation_bytes(shape, local_tokens));
   if (o.offload_optimizer == "cpu") host += 12 * params;
   if (o.offload_param == "cpu") host += params * dtype_bytes;
   if (o.offload_optimizer == "nvme") {
