@@ -137,10 +137,12 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
                       p->block_limit_, ops_needed, store.swap()->options().max_ops));
     }
     p->entries_.resize(p->block_limit_);
-    p->updater_ = std::thread([raw = p.get()] { raw->updater_main(); });
   }
   p->arena_ =
       std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads : cpu_count());
+  if (store.block_bytes() > 0) {
+    p->updater_ = std::thread([raw = p.get()] { raw->updater_main(); });
+  }
   if (options.trace != nullptr) {
     p->read_track_ = options.trace->track("read");
     p->update_track_ = options.trace->track("update");
