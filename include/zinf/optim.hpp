@@ -118,8 +118,9 @@ struct StepOptions {
   // kAuto as in resolve_simd().
   Simd simd = Simd::kAuto;
   // 0: run in the caller's current oneTBB arena (call it inside your arena.execute() to choose
-  // the threads; outside any arena this is TBB's default arena, all cores). N > 0: run on a new
-  // arena of N threads made for this call.
+  // the threads; outside any arena this is TBB's default arena, all cores). N > 0: run in an
+  // arena of N threads that zinf makes on the first such call and keeps for later ones (up to
+  // 256 threads), shared by concurrent callers asking for the same N.
   int threads = 0;
   // Elements per unit of parallel work; 0 picks a default (16Ki). Does not change the result.
   std::size_t tile_elements = 0;

@@ -9,9 +9,11 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdlib>
+#include <mutex>
 #include <string>
 
 #include "base/assert.hpp"
@@ -224,6 +226,22 @@ optim::KernelArgs make_args(const OptimizerParams& params, const StepOptions& op
   return a;
 }
 
+// The arena for `threads` > 0 threads, made on first use and kept, so a caller that asks for a
+// thread count every step does not build an arena (and wake its threads) every step. Arenas are
+// never destroyed: the table is small and lives as long as the process.
+tbb::task_arena& arena_for(int threads) {
+  constexpr int kCachedMax = 256;
+  static std::mutex mutex;
+  static std::array<tbb::task_arena*, kCachedMax + 1> arenas{};
+  ZINF_ASSERT(threads > 0);
+  const int key = std::min(threads, kCachedMax);
+  std::lock_guard<std::mutex> lock(mutex);
+  if (arenas[static_cast<std::size_t>(key)] == nullptr) {
+    arenas[static_cast<std::size_t>(key)] = new tbb::task_arena(key);
+  }
+  return *arenas[static_cast<std::size_t>(key)];
+}
+
 // Runs body(begin, end) over the tiles of [0, count) in the arena the options ask for.
 template <typename Body>
 void for_each_tile(std::size_t count, const StepOptions& options, const Body& body) {
@@ -245,8 +263,7 @@ void for_each_tile(std::size_t count, const StepOptions& options, const Body& bo
   if (tiles <= 1) {
     if (tiles == 1) body(0, count);
   } else if (options.threads > 0) {
-    tbb::task_arena arena(options.threads);
-    arena.execute(run);
+    arena_for(options.threads).execute(run);
   } else {
     run();
   }

@@ -415,6 +415,15 @@ TEST(Step, AllocatesNothingWhenWarm) {
     g_count_allocations = false;
   });
   EXPECT_EQ(g_allocations.load(), 0);
+  // And with a thread count, which uses an arena kept from the first call.
+  options.threads = 2;
+  ASSERT_TRUE(optimizer_step({}, span, options).is_ok());  // warm-up: makes the arena
+  g_allocations = 0;
+  g_count_allocations = true;
+  const bool ok = optimizer_step({}, span, options).is_ok();
+  g_count_allocations = false;
+  ASSERT_TRUE(ok);
+  EXPECT_EQ(g_allocations.load(), 0);
 }
 
 }  // namespace
