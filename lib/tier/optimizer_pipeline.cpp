@@ -151,6 +151,16 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
   return p;
 }
 
+Status OptimizerPipeline::set_optimizer_params(const OptimizerParams& params) {
+  if (params.kind != store_.options().optimizer) {
+    return Status::invalid_argument(
+        fmt::format("OptimizerPipeline: optimizer {} but the store holds the state of {}",
+                    optimizer_name(params.kind), optimizer_name(store_.options().optimizer)));
+  }
+  options_.optimizer = params;
+  return Status::ok();
+}
+
 OptimizerPipeline::Entry& OptimizerPipeline::entry(std::size_t i) {
   Entry& e = entries_[i % entries_.size()];
   ZINF_DASSERT(e.sub_group == i || e.phase == Entry::Phase::kIdle);

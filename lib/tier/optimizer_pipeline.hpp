@@ -115,6 +115,11 @@ class OptimizerPipeline {
   // step args.step - 1. Returns the stats, or the step's error (then sticky).
   Result<StepStats> step(const StepArgs& args);
 
+  // Replaces the hyper-parameters for the following steps (a learning-rate schedule), without
+  // re-opening: the pool, arena and update thread stay. REQUIRES: no step() is running.
+  // Errors: invalid_argument when params.kind differs from the store's optimizer.
+  Status set_optimizer_params(const OptimizerParams& params);
+
   // The sticky error (OK until a step fails).
   const Status& error() const { return error_; }
   const StepStats& last_stats() const { return stats_; }

@@ -221,6 +221,32 @@ TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
   }
 }
 
+TEST(OptimizerPipeline, NewLearningRateTakesEffectWithoutReopening) {
+  RigOptions so;
+  so.store.param_count = 20'000;
+  so.store.sub_group_params = 6000;
+  so.pipeline.optimizer = adamw();
+  Rig s;
+  ASSERT_TRUE(tier_test::open_rig("lr", so, &s).is_ok());
+  Reference ref;
+  ref.init(so.store.param_count, 41);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  OptimizerParams hp = so.pipeline.optimizer;
+  for (std::int64_t t = 1; t <= 3; ++t) {
+    hp.lr = 1e-2 / static_cast<double>(t);  // a schedule
+    ASSERT_TRUE(s.pipeline->set_optimizer_params(hp).is_ok());
+    ref.make_grads(DType::kF32, 42 + static_cast<std::uint64_t>(t));
+    ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+    ASSERT_TRUE(s.pipeline->step({.step = t}).is_ok());
+    ref.step(hp, so.store, t, 1.0f);
+  }
+  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << i;
+  }
+  hp.kind = OptimizerKind::kLion;
+  EXPECT_EQ(s.pipeline->set_optimizer_params(hp).code(), Code::kInvalidArgument);
+}
+
 TEST(OptimizerPipeline, StepOutOfOrderIsRefusedWithoutTouchingState) {
   RigOptions so;
   so.store.param_count = 10'000;
