@@ -1,0 +1,301 @@
+/* zinf.h: the C ABI of zinf, for embedding the engine in other languages (Python via ctypes or
+ * cffi, Rust, Julia, C).
+ *
+ * It is a thin layer over the C++ API (include/zinf/engine.hpp, config.hpp, device.hpp,
+ * comm.hpp): each handle owns one C++ object, each call forwards to one C++ call, and the
+ * numbers are the same bits as through C++. See docs/CAPI.md for an example.
+ *
+ * Errors. Every function that can fail returns a zinf_code_t whose values map zinf::Code one for
+ * one (ZINF_OK is 0). The status of the last such call on the calling thread is kept in
+ * thread-local storage: zinf_last_error_code(), zinf_last_error_sys_code() (the raw errno,
+ * cudaError_t or ncclResult_t behind it, 0 when none) and zinf_last_error_message() (the message
+ * alone: it names the config key, module, parameter, file or path involved; "" after success).
+ * A failed call changes nothing it was given: out-parameters keep their values and handles stay
+ * usable, except where the engine's errors are sticky (see zinf_engine_open). Nothing is thrown
+ * across this ABI: an exception inside (for example std::bad_alloc) becomes
+ * ZINF_RESOURCE_EXHAUSTED or ZINF_INTERNAL with its message. Passing a null handle or a null
+ * pointer where one is required returns ZINF_INVALID_ARGUMENT naming the argument.
+ *
+ * Ownership. Objects made by a *_create / *_open / *_from_* function belong to the caller, who
+ * frees them with the matching *_destroy / *_close function (each accepts NULL). A handle that
+ * others depend on refuses to be destroyed while they live, returning ZINF_FAILED_PRECONDITION
+ * and destroying nothing: a device while a communicator group or an engine uses it, a
+ * communicator group while an engine uses one of its communicators. So close engines first,
+ * then communicator groups, then devices; a garbage-collected embedder may simply retry later.
+ * Strings passed in are read during the call only; strings returned are owned by the library and
+ * valid as stated at each function.
+ *
+ * Thread-safety. zinf_last_error_* read the calling thread's own state. Configs are immutable
+ * values: any thread may read one concurrently. Devices may be used from any thread. An engine
+ * must be called from one thread at a time (normally its rank's thread); engines of different
+ * ranks run on different threads at once. Create and destroy handles from one thread at a time
+ * each; never destroy a handle while another thread is inside a call that uses it.
+ *
+ * Collectives. As in C++, zinf_engine_finalize, _gather, _reduce_gradients, _step and
+ * _read_parameters are collective: every rank makes the same calls in the same order. A call
+ * refused for bad input on one rank only leaves the other ranks waiting in their next collective
+ * until zinf.collective_timeout_ms, after which they fail with ZINF_TIMEOUT.
+ *
+ * The header is C99 and C++ (extern "C"); it uses no C++ types. Structs that may grow carry a
+ * struct_size field, which the caller sets to sizeof(the struct) as it was compiled; the
+ * library reads or writes only that many bytes, so an older caller keeps working with a newer
+ * library. */
+#ifndef ZINF_ZINF_H_
+#define ZINF_ZINF_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#if defined(__GNUC__) || defined(__clang__)
+#define ZINF_C_API __attribute__((visibility("default")))
+#else
+#define ZINF_C_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* The version of this C ABI: raised when a function or struct changes incompatibly. */
+#define ZINF_C_ABI_VERSION 1
+
+/* ---- Status --------------------------------------------------------------------------------- */
+
+/* One for one with zinf::Code (include/zinf/status.hpp). */
+typedef enum zinf_code {
+  ZINF_OK = 0,
+  ZINF_INVALID_ARGUMENT = 1,    /* a caller-supplied value is wrong (config key, shape, size) */
+  ZINF_NOT_FOUND = 2,           /* a named thing (file, key, module, parameter) does not exist */
+  ZINF_IO_ERROR = 3,            /* a read, write, open or sync failed; sys_code holds errno */
+  ZINF_CORRUPTION = 4,          /* data read back does not match its checksum or format */
+  ZINF_NO_SPACE = 5,            /* a filesystem or device ran out of space */
+  ZINF_RESOURCE_EXHAUSTED = 6,  /* a bounded pool or memory budget is used up (or out of memory) */
+  ZINF_TIMEOUT = 7,             /* a wait ran out (a rank did not arrive in a collective) */
+  ZINF_UNSUPPORTED = 8,         /* the platform or this version refuses a feature */
+  ZINF_FAILED_PRECONDITION = 9, /* the call is not allowed in the object's current state */
+  ZINF_DEVICE_ERROR = 10,       /* a device (CUDA) call failed; sys_code holds cudaError_t */
+  ZINF_COMM_ERROR = 11,         /* a collective failed; sys_code holds ncclResult_t from NCCL */
+  ZINF_ABORTED = 12,            /* stopped because an earlier (sticky) error happened elsewhere */
+  ZINF_INTERNAL = 13            /* a bug in zinf, or an unexpected exception at the boundary */
+} zinf_code_t;
+
+/* The stable lowercase name of `code` ("ok", "invalid_argument", ...; "unknown" for a value
+ * outside the enum). Static storage. Thread-safe. */
+ZINF_C_API const char* zinf_code_name(zinf_code_t code);
+
+/* The status of the last zinf call on this thread that returns a zinf_code_t (these three
+ * functions do not change it). The message is owned by the thread's state and valid until the
+ * thread's next such call; copy it to keep it. */
+ZINF_C_API zinf_code_t zinf_last_error_code(void);
+ZINF_C_API int zinf_last_error_sys_code(void);
+ZINF_C_API const char* zinf_last_error_message(void);
+
+/* The library version, "MAJOR.MINOR.PATCH" (static storage), and ZINF_C_ABI_VERSION as the
+ * library was built (compare with the header's to detect a mismatch). Thread-safe. */
+ZINF_C_API const char* zinf_version(void);
+ZINF_C_API int zinf_c_abi_version(void);
+
+/* ---- Element types -------------------------------------------------------------------------- */
+
+/* One for one with zinf::DType. */
+typedef enum zinf_dtype {
+  ZINF_DTYPE_F32 = 0, /* IEEE binary32 */
+  ZINF_DTYPE_F16 = 1, /* IEEE binary16 */
+  ZINF_DTYPE_BF16 = 2 /* bfloat16 (the top 16 bits of a binary32) */
+} zinf_dtype_t;
+
+/* ---- Config --------------------------------------------------------------------------------- */
+
+/* A parsed and validated engine config (the DeepSpeed-style JSON of include/zinf/config.hpp and
+ * docs/ENGINE.md). Immutable; an engine copies it at open, so it may be destroyed after. */
+typedef struct zinf_config zinf_config_t;
+
+/* Parses `json_bytes` bytes of JSON text at `json`. ZINF_INVALID_ARGUMENT whose message starts
+ * with the dotted key that is wrong ("zero_optimization.stage: 4 is not 1, 2 or 3"), or says
+ * where the JSON is malformed. On success *out is a new config owned by the caller. */
+ZINF_C_API zinf_code_t zinf_config_from_json(const char* json, size_t json_bytes,
+                                             zinf_config_t** out);
+/* Reads and parses the file at `path` (NUL-terminated). ZINF_NOT_FOUND or ZINF_IO_ERROR naming
+ * the path; parse errors as zinf_config_from_json. */
+ZINF_C_API zinf_code_t zinf_config_load(const char* path, zinf_config_t** out);
+/* Writes the config as JSON (the format parse reads back equal), NUL-terminated, into `buffer`
+ * of `buffer_bytes` bytes, and the bytes it needs (with the NUL) into *needed_bytes when not
+ * NULL. `buffer` may be NULL when buffer_bytes is 0, to ask for the size.
+ * ZINF_RESOURCE_EXHAUSTED (writing nothing) when the buffer is too small. */
+ZINF_C_API zinf_code_t zinf_config_to_json(const zinf_config_t* config, char* buffer,
+                                           size_t buffer_bytes, size_t* needed_bytes);
+ZINF_C_API void zinf_config_destroy(zinf_config_t* config);
+
+/* ---- Devices and communicators -------------------------------------------------------------- */
+
+/* One rank's device. */
+typedef struct zinf_device zinf_device_t;
+
+/* A HostDevice: device memory is host memory, streams are worker threads (how zinf runs every
+ * stage, tier and rank count on a CPU-only machine). `ordinal` names it ("host:<ordinal>");
+ * allocations beyond `memory_limit_bytes` (0: the default, 16 GiB) fail with
+ * ZINF_RESOURCE_EXHAUSTED as a full GPU would. */
+ZINF_C_API zinf_code_t zinf_host_device_create(int ordinal, uint64_t memory_limit_bytes,
+                                               zinf_device_t** out);
+/* ZINF_FAILED_PRECONDITION while a communicator group or an engine uses the device. */
+ZINF_C_API zinf_code_t zinf_device_destroy(zinf_device_t* device);
+
+/* A group of `world_size` ranks' communicators in this process (LocalComm): rank r runs on
+ * devices[r] and is meant to be driven by its own thread. Collectives move data through shared
+ * memory and sum in rank order, so results are the same bits on every rank and in every run. */
+typedef struct zinf_comm_group zinf_comm_group_t;
+/* One rank's communicator; owned by its group. */
+typedef struct zinf_comm zinf_comm_t;
+
+/* `timeout_ms`: how long a rank waits in a collective for the others before it fails with
+ * ZINF_TIMEOUT on every rank (0: the default, 60 s). REQUIRES: the devices are distinct
+ * HostDevices; they must outlive the group (enforced, see zinf_device_destroy). */
+ZINF_C_API zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int world_size,
+                                                    int64_t timeout_ms, zinf_comm_group_t** out);
+/* Rank `rank`'s communicator (borrowed: valid until the group is destroyed).
+ * ZINF_INVALID_ARGUMENT when rank is outside [0, world_size). */
+ZINF_C_API zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, zinf_comm_t** out);
+ZINF_C_API zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group, int* world_size);
+/* ZINF_FAILED_PRECONDITION while an engine uses one of its communicators. */
+ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
+
+/* ---- Engine --------------------------------------------------------------------------------- */
+
+/* One rank's share of ZeRO training (include/zinf/engine.hpp). */
+typedef struct zinf_engine zinf_engine_t;
+
+/* What an engine runs on (zinf::Env). Set struct_size = sizeof(zinf_env_t). */
+typedef struct zinf_env {
+  size_t struct_size;
+  zinf_device_t* device; /* this rank's device (required) */
+  zinf_comm_t* comm;     /* this rank's communicator, on `device` (required) */
+  /* When nvme_path_count > 0, the swap directories for everything on NVMe, overriding the
+   * config's nvme_path keys (several stripe across drives). Read during the call. */
+  const char* const* nvme_paths;
+  size_t nvme_path_count;
+} zinf_env_t;
+
+/* Opens an engine on `env` with a copy of `config`. Checks the config, the env (the
+ * communicator runs on the device, the world size against zinf.world_size) and each NVMe
+ * directory, with errors naming the key and the path. The device and the communicator's group
+ * must outlive the engine (enforced by their destroy functions).
+ * Errors of a collective or of I/O are sticky: once one happens every later call on the engine
+ * returns it; bad input (an unknown name, a wrong size) changes nothing and the engine stays
+ * usable. */
+ZINF_C_API zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
+                                        zinf_engine_t** out);
+/* Closes the engine: waits for its background work and frees its memory. Accepts NULL. */
+ZINF_C_API void zinf_engine_close(zinf_engine_t* engine);
+
+ZINF_C_API zinf_code_t zinf_engine_rank(const zinf_engine_t* engine, int* rank);
+ZINF_C_API zinf_code_t zinf_engine_world_size(const zinf_engine_t* engine, int* world_size);
+
+/* Registers one parameter: `name` unique (for example "layers.3.attn.qkv.weight"), `module` the
+ * module that uses it (not empty), `shape` of `ndim` dimensions each > 0 (ndim 0: a scalar;
+ * shape may then be NULL), `dtype` of the device copy the model computes with, and
+ * `initial_values`: product(shape) fp32 values read during the call, the same on every rank.
+ * ZINF_INVALID_ARGUMENT naming the parameter for an empty or duplicate name, an empty module, a
+ * bad shape or dtype, or null values; ZINF_FAILED_PRECONDITION after finalize. */
+ZINF_C_API zinf_code_t zinf_engine_register_parameter(zinf_engine_t* engine, const char* name,
+                                                      const char* module, const int64_t* shape,
+                                                      size_t ndim, zinf_dtype_t dtype,
+                                                      const float* initial_values);
+
+/* Lays out the partitions, checks that every rank registered the same parameters, allocates
+ * every buffer and places the initial values. Collective. Done by the first gather,
+ * reduce_gradients or step when not called before. */
+ZINF_C_API zinf_code_t zinf_engine_finalize(zinf_engine_t* engine);
+
+/* Makes `module`'s parameters available on the device (stage 3 all-gathers them; a check only
+ * at stages 1 and 2). ZINF_NOT_FOUND for an unknown module; ZINF_FAILED_PRECONDITION when it is
+ * gathered already; ZINF_RESOURCE_EXHAUSTED when it does not fit
+ * stage3_max_live_parameters. */
+ZINF_C_API zinf_code_t zinf_engine_gather(zinf_engine_t* engine, const char* module);
+/* Frees the module's gathered parameters. ZINF_NOT_FOUND for an unknown module,
+ * ZINF_FAILED_PRECONDITION when it is not gathered. */
+ZINF_C_API zinf_code_t zinf_engine_release(zinf_engine_t* engine, const char* module);
+
+/* The device copy of parameter `name` of a gathered module: *data (a device pointer, valid
+ * while the module is gathered: until it is released at stage 3, always at stages 1 and 2),
+ * *dtype and *element_count; any out-pointer may be NULL. ZINF_NOT_FOUND for an
+ * unknown parameter, ZINF_FAILED_PRECONDITION when its module is not gathered. */
+ZINF_C_API zinf_code_t zinf_engine_parameter(zinf_engine_t* engine, const char* name, void** data,
+                                             zinf_dtype_t* dtype, size_t* element_count);
+
+/* One parameter's gradient: element_count elements of `dtype` (f32, bf16 or f16) at device
+ * pointer `data`. */
+typedef struct zinf_gradient {
+  const char* name;
+  const void* data;
+  size_t element_count;
+  zinf_dtype_t dtype;
+} zinf_gradient_t;
+
+/* Reduces this micro-batch's gradients of every parameter of `module`, exactly once each: the
+ * array holds `gradient_count` entries. Validates everything before anything changes:
+ * ZINF_NOT_FOUND for an unknown module or a parameter not in it, ZINF_INVALID_ARGUMENT (naming
+ * the parameter) for a missing or repeated parameter, a wrong element count or a null pointer.
+ * Returns once the gradients have been read, so their memory may be reused at once. */
+ZINF_C_API zinf_code_t zinf_engine_reduce_gradients(zinf_engine_t* engine, const char* module,
+                                                    const zinf_gradient_t* gradients,
+                                                    size_t gradient_count);
+
+/* What one step did (zinf::StepReport). Set struct_size = sizeof(zinf_step_report_t). */
+typedef struct zinf_step_report {
+  size_t struct_size;
+  int64_t step;           /* optimizer steps applied so far (counting this one) */
+  int32_t skipped;        /* 1: an overflow (inf/NaN gradient on some rank); nothing changed */
+  int32_t micro_batches;  /* reduce_gradients rounds averaged into this step */
+  double loss_scale;      /* the scale this step's gradients carried */
+  double next_loss_scale; /* the scale for the next micro-batches */
+  double grad_norm;       /* global L2 norm of the mean unscaled gradient, before clipping */
+  double clip_coef;       /* the factor clipping applied (1: none) */
+  /* Wall time of each phase, nanoseconds. */
+  int64_t reduce_ns;
+  int64_t norm_ns;
+  int64_t optimizer_ns;
+  int64_t publish_ns;
+  int64_t wall_ns;
+  /* Bytes moved to and from NVMe by this step. */
+  uint64_t optimizer_nvme_read_bytes;
+  uint64_t optimizer_nvme_write_bytes;
+  uint64_t param_nvme_write_bytes;
+  uint64_t master_nvme_read_bytes;
+} zinf_step_report_t;
+
+/* Applies the optimizer to the gradients reduced since the last step. When `report` is not
+ * NULL, fills its first report->struct_size bytes (ZINF_INVALID_ARGUMENT, before stepping, when
+ * struct_size is smaller than the struct_size field itself). REQUIRES: every parameter's
+ * gradients were reduced the same number (>= 1) of times since the last step (else
+ * ZINF_FAILED_PRECONDITION naming a parameter) and no module is gathered. Collective. */
+ZINF_C_API zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report);
+
+/* The fp32 master values of parameter `name` into `out`, which holds `out_count` floats: exactly
+ * the parameter's element count (else ZINF_INVALID_ARGUMENT, before the collective). Collective:
+ * every rank calls it with the same name. ZINF_NOT_FOUND for an unknown name. */
+ZINF_C_API zinf_code_t zinf_engine_read_parameters(zinf_engine_t* engine, const char* name,
+                                                   float* out, size_t out_count);
+
+/* The scale the next micro-batches' loss must be multiplied by before the backward pass (1
+ * unless fp16 is enabled). */
+ZINF_C_API zinf_code_t zinf_engine_loss_scale(const zinf_engine_t* engine, double* loss_scale);
+/* The learning rate of the following steps. ZINF_INVALID_ARGUMENT unless finite and >= 0. */
+ZINF_C_API zinf_code_t zinf_engine_set_learning_rate(zinf_engine_t* engine, double learning_rate);
+
+/* Bytes of this rank's state on each tier, fixed at finalize (zinf::MemoryReport). Set
+ * struct_size = sizeof(zinf_memory_report_t). */
+typedef struct zinf_memory_report {
+  size_t struct_size;
+  uint64_t device_bytes;
+  uint64_t host_bytes;
+  uint64_t nvme_bytes;
+} zinf_memory_report_t;
+/* ZINF_FAILED_PRECONDITION before finalize. */
+ZINF_C_API zinf_code_t zinf_engine_memory(const zinf_engine_t* engine,
+                                          zinf_memory_report_t* report);
+
+#ifdef __cplusplus
+} /* extern "C" */
+#endif
+
+#endif /* ZINF_ZINF_H_ */

@@ -1,0 +1,610 @@
+// The C API (include/zinf/zinf.h): handles that own the C++ objects, and one guarded forwarding
+// function per C call. The layer adds only what C needs: null checks naming the argument, the
+// thread-local last error, use counts that keep a device or a communicator group alive while
+// something depends on it, and the element counts of registered parameters (to check the size
+// of a caller's read buffer, which C cannot carry with the pointer).
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+#include "capi/capi_internal.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/version.hpp"
+#include "zinf/zinf.h"
+
+// The C codes and dtypes are the C++ ones, value for value, so conversions are casts.
+static_assert(ZINF_OK == static_cast<int>(zinf::Code::kOk));
+static_assert(ZINF_INVALID_ARGUMENT == static_cast<int>(zinf::Code::kInvalidArgument));
+static_assert(ZINF_NOT_FOUND == static_cast<int>(zinf::Code::kNotFound));
+static_assert(ZINF_IO_ERROR == static_cast<int>(zinf::Code::kIoError));
+static_assert(ZINF_CORRUPTION == static_cast<int>(zinf::Code::kCorruption));
+static_assert(ZINF_NO_SPACE == static_cast<int>(zinf::Code::kNoSpace));
+static_assert(ZINF_RESOURCE_EXHAUSTED == static_cast<int>(zinf::Code::kResourceExhausted));
+static_assert(ZINF_TIMEOUT == static_cast<int>(zinf::Code::kTimeout));
+static_assert(ZINF_UNSUPPORTED == static_cast<int>(zinf::Code::kUnsupported));
+static_assert(ZINF_FAILED_PRECONDITION == static_cast<int>(zinf::Code::kFailedPrecondition));
+static_assert(ZINF_DEVICE_ERROR == static_cast<int>(zinf::Code::kDeviceError));
+static_assert(ZINF_COMM_ERROR == static_cast<int>(zinf::Code::kCommError));
+static_assert(ZINF_ABORTED == static_cast<int>(zinf::Code::kAborted));
+static_assert(ZINF_INTERNAL == static_cast<int>(zinf::Code::kInternal));
+static_assert(ZINF_DTYPE_F32 == static_cast<int>(zinf::DType::kF32));
+static_assert(ZINF_DTYPE_F16 == static_cast<int>(zinf::DType::kF16));
+static_assert(ZINF_DTYPE_BF16 == static_cast<int>(zinf::DType::kBF16));
+
+struct zinf_config {
+  zinf::Config config;
+};
+
+struct zinf_device {
+  std::unique_ptr<zinf::Device> device;
+  // Communicator groups and engines running on this device.
+  std::atomic<int> users{0};
+};
+
+struct zinf_comm {
+  zinf_comm_group* group = nullptr;
+  zinf_device* device = nullptr;
+  zinf::Communicator* comm = nullptr;
+};
+
+struct zinf_comm_group {
+  std::vector<zinf_device*> devices;
+  std::vector<std::unique_ptr<zinf::Communicator>> comms;
+  std::vector<zinf_comm> handles;  // one per rank, pointing into comms
+  // Engines open on one of the communicators.
+  std::atomic<int> users{0};
+};
+
+struct zinf_engine {
+  std::unique_ptr<zinf::Engine> engine;
+  zinf_device* device = nullptr;
+  zinf_comm_group* group = nullptr;
+  // Element counts of the registered parameters, for read_parameters' buffer check.
+  std::unordered_map<std::string, std::size_t> element_counts;
+  // Reused by reduce_gradients so that a training loop allocates nothing after its first step.
+  std::vector<zinf::GradientRef> gradient_refs;
+};
+
+namespace zinf::capi {
+namespace {
+
+struct LastError {
+  zinf_code_t code = ZINF_OK;
+  int sys_code = 0;
+  std::string message;
+};
+
+LastError& last_error() {
+  thread_local LastError error;
+  return error;
+}
+
+void store(zinf_code_t code, int sys_code, std::string_view message) noexcept {
+  LastError& e = last_error();
+  e.code = code;
+  e.sys_code = sys_code;
+  try {
+    e.message.assign(message);
+  } catch (...) {
+    // The message alone did not fit in memory; keep the code and say so (no allocation:
+    // clear() keeps the capacity, and the literal fits in the small-string buffer or less).
+    e.message.clear();
+    e.message.shrink_to_fit();
+    try {
+      e.message.assign("out of memory");
+    } catch (...) {
+    }
+  }
+}
+
+// Checks for the null pointers C callers can pass; `what` names the argument.
+Status require(const void* pointer, const char* where, const char* what) {
+  if (pointer != nullptr) return Status::ok();
+  return Status::invalid_argument(fmt::format("{}: {} is null", where, what));
+}
+
+bool valid_dtype(zinf_dtype_t dtype) {
+  return dtype == ZINF_DTYPE_F32 || dtype == ZINF_DTYPE_F16 || dtype == ZINF_DTYPE_BF16;
+}
+
+}  // namespace
+
+zinf_code_t record(const Status& status) noexcept {
+  const auto code = static_cast<zinf_code_t>(status.code());
+  store(code, status.sys_code(), status.message());
+  return code;
+}
+
+zinf_code_t record_exception(const char* where, std::exception_ptr error) noexcept {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::bad_alloc& e) {
+    store(ZINF_RESOURCE_EXHAUSTED, 0, "out of memory");
+    // A second try with the context: the first store() made sure something is recorded.
+    try {
+      store(ZINF_RESOURCE_EXHAUSTED, 0, fmt::format("{}: out of memory ({})", where, e.what()));
+    } catch (...) {
+    }
+    return ZINF_RESOURCE_EXHAUSTED;
+  } catch (const std::exception& e) {
+    try {
+      store(ZINF_INTERNAL, 0, fmt::format("{}: unexpected exception: {}", where, e.what()));
+    } catch (...) {
+      store(ZINF_INTERNAL, 0, "unexpected exception");
+    }
+  } catch (...) {
+    try {
+      store(ZINF_INTERNAL, 0, fmt::format("{}: unexpected exception of unknown type", where));
+    } catch (...) {
+      store(ZINF_INTERNAL, 0, "unexpected exception");
+    }
+  }
+  return ZINF_INTERNAL;
+}
+
+}  // namespace zinf::capi
+
+using zinf::Status;
+using zinf::capi::guard;
+using zinf::capi::require;
+using zinf::capi::valid_dtype;
+
+// ---- Status ------------------------------------------------------------------------------------
+
+const char* zinf_code_name(zinf_code_t code) {
+  if (code < ZINF_OK || code > ZINF_INTERNAL) return "unknown";
+  // code_name() returns views of string literals, so data() is NUL-terminated.
+  return zinf::code_name(static_cast<zinf::Code>(code)).data();
+}
+
+zinf_code_t zinf_last_error_code(void) { return zinf::capi::last_error().code; }
+int zinf_last_error_sys_code(void) { return zinf::capi::last_error().sys_code; }
+const char* zinf_last_error_message(void) { return zinf::capi::last_error().message.c_str(); }
+
+const char* zinf_version(void) { return zinf::version(); }
+int zinf_c_abi_version(void) { return ZINF_C_ABI_VERSION; }
+
+// ---- Config ------------------------------------------------------------------------------------
+
+zinf_code_t zinf_config_from_json(const char* json, size_t json_bytes, zinf_config_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(json, fn, "json"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    ZINF_ASSIGN_OR_RETURN(zinf::Config config,
+                          zinf::parse_config(std::string_view(json, json_bytes)));
+    *out = new zinf_config{std::move(config)};
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_config_load(const char* path, zinf_config_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(path, fn, "path"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    ZINF_ASSIGN_OR_RETURN(zinf::Config config, zinf::load_config(path));
+    *out = new zinf_config{std::move(config)};
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_config_to_json(const zinf_config_t* config, char* buffer, size_t buffer_bytes,
+                                size_t* needed_bytes) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(config, fn, "config"));
+    if (buffer_bytes > 0) ZINF_RETURN_IF_ERROR(require(buffer, fn, "buffer"));
+    const std::string json = zinf::config_to_json(config->config);
+    if (needed_bytes != nullptr) *needed_bytes = json.size() + 1;
+    if (buffer_bytes < json.size() + 1) {
+      return Status::resource_exhausted(fmt::format(
+          "{}: the JSON needs {} bytes, the buffer holds {}", fn, json.size() + 1, buffer_bytes));
+    }
+    std::memcpy(buffer, json.c_str(), json.size() + 1);
+    return Status::ok();
+  });
+}
+
+void zinf_config_destroy(zinf_config_t* config) { delete config; }
+
+// ---- Devices and communicators -----------------------------------------------------------------
+
+zinf_code_t zinf_host_device_create(int ordinal, uint64_t memory_limit_bytes, zinf_device_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    zinf::HostDeviceOptions options;
+    options.ordinal = ordinal;
+    if (memory_limit_bytes != 0) options.memory_limit_bytes = memory_limit_bytes;
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Device> device, zinf::make_host_device(options));
+    auto handle = std::make_unique<zinf_device>();
+    handle->device = std::move(device);
+    *out = handle.release();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_device_destroy(zinf_device_t* device) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (device == nullptr) return Status::ok();
+    const int users = device->users.load();
+    if (users > 0) {
+      return Status::failed_precondition(
+          fmt::format("{}: {} is still used by {} communicator group(s) or engine(s); destroy "
+                      "them first",
+                      fn, device->device->name(), users));
+    }
+    delete device;
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int world_size,
+                                         int64_t timeout_ms, zinf_comm_group_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(devices, fn, "devices"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    if (world_size <= 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: world_size is {}; it must be positive", fn, world_size));
+    }
+    if (timeout_ms < 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: timeout_ms is {}; it must be >= 0", fn, timeout_ms));
+    }
+    auto group = std::make_unique<zinf_comm_group>();
+    std::vector<zinf::Device*> raw;
+    for (int r = 0; r < world_size; ++r) {
+      zinf_device* d = devices[r];
+      if (d == nullptr) {
+        return Status::invalid_argument(fmt::format("{}: devices[{}] is null", fn, r));
+      }
+      group->devices.push_back(d);
+      raw.push_back(d->device.get());
+    }
+    zinf::LocalCommOptions options;
+    if (timeout_ms > 0) options.timeout = std::chrono::milliseconds(timeout_ms);
+    ZINF_ASSIGN_OR_RETURN(group->comms, zinf::make_local_comm_group(raw, options));
+    group->handles.resize(group->comms.size());
+    for (std::size_t r = 0; r < group->comms.size(); ++r) {
+      group->handles[r] = zinf_comm{group.get(), group->devices[r], group->comms[r].get()};
+    }
+    for (zinf_device* d : group->devices) d->users.fetch_add(1);
+    *out = group.release();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, zinf_comm_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(group, fn, "group"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    if (rank < 0 || static_cast<std::size_t>(rank) >= group->handles.size()) {
+      return Status::invalid_argument(
+          fmt::format("{}: rank {} is outside [0, {})", fn, rank, group->handles.size()));
+    }
+    *out = &group->handles[static_cast<std::size_t>(rank)];
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group, int* world_size) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(group, fn, "group"));
+    ZINF_RETURN_IF_ERROR(require(world_size, fn, "world_size"));
+    *world_size = static_cast<int>(group->handles.size());
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (group == nullptr) return Status::ok();
+    const int users = group->users.load();
+    if (users > 0) {
+      return Status::failed_precondition(fmt::format(
+          "{}: {} engine(s) still use this group's communicators; close them first", fn, users));
+    }
+    // The communicators go first: they run on the devices.
+    group->handles.clear();
+    group->comms.clear();
+    for (zinf_device* d : group->devices) d->users.fetch_sub(1);
+    delete group;
+    return Status::ok();
+  });
+}
+
+// ---- Engine ------------------------------------------------------------------------------------
+
+zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
+                             zinf_engine_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(config, fn, "config"));
+    ZINF_RETURN_IF_ERROR(require(env, fn, "env"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    // Read only the bytes the caller's struct has; later fields keep their zero defaults.
+    if (env->struct_size < offsetof(zinf_env_t, comm) + sizeof(env->comm)) {
+      return Status::invalid_argument(fmt::format(
+          "{}: env->struct_size is {}; set it to sizeof(zinf_env_t)", fn, env->struct_size));
+    }
+    zinf_env_t e{};
+    std::memcpy(&e, env, std::min(env->struct_size, sizeof(zinf_env_t)));
+    ZINF_RETURN_IF_ERROR(require(e.device, fn, "env->device"));
+    ZINF_RETURN_IF_ERROR(require(e.comm, fn, "env->comm"));
+    if (e.comm->device != e.device) {
+      return Status::invalid_argument(fmt::format("{}: env->comm runs on {}, not on env->device {}",
+                                                  fn, e.comm->device->device->name(),
+                                                  e.device->device->name()));
+    }
+    zinf::Env cpp_env;
+    cpp_env.device = e.device->device.get();
+    cpp_env.comm = e.comm->comm;
+    if (e.nvme_path_count > 0) {
+      ZINF_RETURN_IF_ERROR(require(e.nvme_paths, fn, "env->nvme_paths"));
+      for (std::size_t i = 0; i < e.nvme_path_count; ++i) {
+        if (e.nvme_paths[i] == nullptr) {
+          return Status::invalid_argument(fmt::format("{}: env->nvme_paths[{}] is null", fn, i));
+        }
+        cpp_env.nvme_paths.emplace_back(e.nvme_paths[i]);
+      }
+    }
+    auto handle = std::make_unique<zinf_engine>();
+    ZINF_ASSIGN_OR_RETURN(handle->engine, zinf::Engine::open(config->config, cpp_env));
+    handle->device = e.device;
+    handle->group = e.comm->group;
+    handle->device->users.fetch_add(1);
+    handle->group->users.fetch_add(1);
+    *out = handle.release();
+    return Status::ok();
+  });
+}
+
+void zinf_engine_close(zinf_engine_t* engine) {
+  if (engine == nullptr) return;
+  // The engine's destructor joins its threads and frees device memory; it does not throw.
+  engine->engine.reset();
+  engine->group->users.fetch_sub(1);
+  engine->device->users.fetch_sub(1);
+  delete engine;
+}
+
+zinf_code_t zinf_engine_rank(const zinf_engine_t* engine, int* rank) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(rank, fn, "rank"));
+    *rank = engine->engine->rank();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_world_size(const zinf_engine_t* engine, int* world_size) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(world_size, fn, "world_size"));
+    *world_size = engine->engine->world_size();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_register_parameter(zinf_engine_t* engine, const char* name,
+                                           const char* module, const int64_t* shape, size_t ndim,
+                                           zinf_dtype_t dtype, const float* initial_values) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
+    ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
+    if (ndim > 0 && shape == nullptr) {
+      return Status::invalid_argument(
+          fmt::format("{}: parameter \"{}\": shape is null with ndim {}", fn, name, ndim));
+    }
+    if (!valid_dtype(dtype)) {
+      return Status::invalid_argument(
+          fmt::format("{}: parameter \"{}\": dtype {} is not f32 (0), "
+                      "f16 (1) or bf16 (2)",
+                      fn, name, static_cast<int>(dtype)));
+    }
+    zinf::ParameterSpec spec;
+    spec.name = name;
+    spec.module = module;
+    spec.shape.assign(shape, shape + ndim);
+    spec.dtype = static_cast<zinf::DType>(dtype);
+    spec.initial_values = initial_values;
+    // Reserve the map entry first, so that a registration the engine accepted is always known
+    // here (the engine has no "unregister" to undo it if this allocation failed after).
+    engine->element_counts.reserve(engine->element_counts.size() + 1);
+    ZINF_RETURN_IF_ERROR(engine->engine->register_parameter(spec));
+    std::size_t element_count = 1;
+    for (std::int64_t d : spec.shape) element_count *= static_cast<std::size_t>(d);
+    engine->element_counts[spec.name] = element_count;
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_finalize(zinf_engine_t* engine) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    return engine->engine->finalize();
+  });
+}
+
+zinf_code_t zinf_engine_gather(zinf_engine_t* engine, const char* module) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
+    return engine->engine->gather(module);
+  });
+}
+
+zinf_code_t zinf_engine_release(zinf_engine_t* engine, const char* module) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
+    return engine->engine->release(module);
+  });
+}
+
+zinf_code_t zinf_engine_parameter(zinf_engine_t* engine, const char* name, void** data,
+                                  zinf_dtype_t* dtype, size_t* element_count) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
+    ZINF_ASSIGN_OR_RETURN(zinf::TensorView view, engine->engine->parameter(name));
+    if (data != nullptr) *data = view.data;
+    if (dtype != nullptr) *dtype = static_cast<zinf_dtype_t>(view.dtype);
+    if (element_count != nullptr) *element_count = view.element_count;
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_reduce_gradients(zinf_engine_t* engine, const char* module,
+                                         const zinf_gradient_t* gradients, size_t gradient_count) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
+    if (gradient_count > 0) ZINF_RETURN_IF_ERROR(require(gradients, fn, "gradients"));
+    std::vector<zinf::GradientRef>& refs = engine->gradient_refs;
+    refs.clear();
+    for (std::size_t i = 0; i < gradient_count; ++i) {
+      const zinf_gradient_t& g = gradients[i];
+      if (g.name == nullptr) {
+        return Status::invalid_argument(
+            fmt::format("{}: module \"{}\": gradients[{}].name is null", fn, module, i));
+      }
+      if (!valid_dtype(g.dtype)) {
+        return Status::invalid_argument(
+            fmt::format("{}: gradient of \"{}\": dtype {} is not f32 (0), f16 (1) or bf16 (2)", fn,
+                        g.name, static_cast<int>(g.dtype)));
+      }
+      refs.push_back({g.name, g.data, g.element_count, static_cast<zinf::DType>(g.dtype)});
+    }
+    return engine->engine->reduce_gradients(module, refs);
+  });
+}
+
+zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    if (report != nullptr && report->struct_size < sizeof(report->struct_size)) {
+      return Status::invalid_argument(
+          fmt::format("{}: report->struct_size is {}; set it to sizeof(zinf_step_report_t)", fn,
+                      report->struct_size));
+    }
+    ZINF_ASSIGN_OR_RETURN(zinf::StepReport r, engine->engine->step());
+    if (report == nullptr) return Status::ok();
+    zinf_step_report_t full{};
+    full.struct_size = report->struct_size;
+    full.step = r.step;
+    full.skipped = r.skipped ? 1 : 0;
+    full.micro_batches = r.micro_batches;
+    full.loss_scale = r.loss_scale;
+    full.next_loss_scale = r.next_loss_scale;
+    full.grad_norm = r.grad_norm;
+    full.clip_coef = r.clip_coef;
+    full.reduce_ns = r.reduce_ns;
+    full.norm_ns = r.norm_ns;
+    full.optimizer_ns = r.optimizer_ns;
+    full.publish_ns = r.publish_ns;
+    full.wall_ns = r.wall_ns;
+    full.optimizer_nvme_read_bytes = r.optimizer_nvme_read_bytes;
+    full.optimizer_nvme_write_bytes = r.optimizer_nvme_write_bytes;
+    full.param_nvme_write_bytes = r.param_nvme_write_bytes;
+    full.master_nvme_read_bytes = r.master_nvme_read_bytes;
+    // An older caller's struct is a prefix of ours: write only what it has.
+    std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_read_parameters(zinf_engine_t* engine, const char* name, float* out,
+                                        size_t out_count) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    const auto it = engine->element_counts.find(name);
+    if (it == engine->element_counts.end()) {
+      return Status::not_found(fmt::format("{}: no parameter \"{}\"", fn, name));
+    }
+    if (out_count != it->second) {
+      return Status::invalid_argument(fmt::format(
+          "{}: parameter \"{}\" has {} elements; out holds {}", fn, name, it->second, out_count));
+    }
+    return engine->engine->read_parameters(name, out);
+  });
+}
+
+zinf_code_t zinf_engine_loss_scale(const zinf_engine_t* engine, double* loss_scale) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(loss_scale, fn, "loss_scale"));
+    *loss_scale = engine->engine->loss_scale();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_set_learning_rate(zinf_engine_t* engine, double learning_rate) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    if (!std::isfinite(learning_rate) || learning_rate < 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: learning_rate {} is not a finite number >= 0", fn, learning_rate));
+    }
+    engine->engine->set_learning_rate(learning_rate);
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_memory(const zinf_engine_t* engine, zinf_memory_report_t* report) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(report, fn, "report"));
+    if (report->struct_size < sizeof(report->struct_size)) {
+      return Status::invalid_argument(
+          fmt::format("{}: report->struct_size is {}; set it to sizeof(zinf_memory_report_t)", fn,
+                      report->struct_size));
+    }
+    if (!engine->engine->finalized()) {
+      return Status::failed_precondition(
+          fmt::format("{}: the engine is not finalized (its buffers are sized at finalize)", fn));
+    }
+    const zinf::MemoryReport m = engine->engine->memory();
+    zinf_memory_report_t full{};
+    full.struct_size = report->struct_size;
+    full.device_bytes = m.device_bytes;
+    full.host_bytes = m.host_bytes;
+    full.nvme_bytes = m.nvme_bytes;
+    std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
+    return Status::ok();
+  });
+}

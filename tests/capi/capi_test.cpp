@@ -1,0 +1,594 @@
+// The C API (include/zinf/zinf.h): a model trained through it from C (capi_c_part.c, compiled as
+// C99) on 1 and 2 ranks ends with the same bits in every fp32 master as the same run through
+// zinf::Engine in C++; errors come back with the right code and a message naming the key,
+// module or parameter; nothing is thrown across the boundary; versioned structs are written
+// only as far as the caller's struct_size.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstddef>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "capi/capi_internal.hpp"
+#include "capi_c_part.h"
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/version.hpp"
+#include "zinf/zinf.h"
+
+namespace zinf {
+namespace {
+
+// A scratch directory under $ZINF_TEST_TMPDIR (or /tmp), removed when destroyed.
+class ScratchDir {
+ public:
+  explicit ScratchDir(const std::string& name) {
+    const char* root = std::getenv("ZINF_TEST_TMPDIR");
+    const std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
+    path_ = fmt::format("{}/capi-{}-{}", base, name, ::getpid());
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~ScratchDir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+struct Case {
+  const char* name;
+  int world;
+  int stage;
+  const char* optimizer;  // offload_optimizer.device
+  const char* params;     // offload_param.device
+  int micro_batches;
+  bool fp16;
+  double clipping;
+};
+
+std::string case_json(const Case& c, const std::string& nvme_dir) {
+  return fmt::format(
+      R"({{
+  "gradient_clipping": {},
+  "fp16": {{"enabled": {}, "initial_scale_power": 4}},
+  "optimizer": {{"type": "AdamW", "params": {{"lr": 0.01, "weight_decay": 0.01}}}},
+  "zero_optimization": {{
+    "stage": {},
+    "offload_optimizer": {{"device": "{}", "nvme_path": "{}", "buffer_count": 3}},
+    "offload_param": {{"device": "{}", "nvme_path": "{}", "buffer_count": 2}},
+    "sub_group_size": 200, "reduce_bucket_size": 128,
+    "stage3_prefetch_bucket_size": 600, "stage3_max_live_parameters": 100000,
+    "stage3_param_persistence_threshold": 16
+  }},
+  "aio": {{"block_size": 4096, "queue_depth": 8}},
+  "zinf": {{"cpu_threads": 1, "collective_timeout_ms": 20000}}
+}})",
+      c.clipping, c.fp16 ? "true" : "false", c.stage, c.optimizer, nvme_dir, c.params, nvme_dir);
+}
+
+constexpr std::uint64_t kSeed = 20261130;
+constexpr int kSteps = 6;
+constexpr int kLrChangeStep = 4;
+constexpr double kLrChangeValue = 0.004;
+
+// The same training loop as capi_c_part.c's train_rank(), through zinf::Engine directly.
+Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
+                      const std::string& nvme_dir, const Case& c,
+                      std::vector<std::vector<float>>* finals, StepReport* last) {
+  Env env;
+  env.device = &device;
+  env.comm = &comm;
+  if (!nvme_dir.empty()) env.nvme_paths = {nvme_dir};
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+  const std::size_t param_count = capi_model_param_count();
+  std::vector<std::vector<float>> grads(param_count);
+  for (std::size_t p = 0; p < param_count; ++p) {
+    const capi_param_def_t* d = capi_model_param(p);
+    std::vector<float> initial(capi_model_element_count(p));
+    capi_model_initial(p, kSeed, initial.data());
+    ZINF_RETURN_IF_ERROR(engine->register_parameter(
+        {d->name, d->module, std::vector<std::int64_t>(d->shape, d->shape + d->ndim),
+         static_cast<DType>(d->dtype), initial.data()}));
+    grads[p].resize(initial.size());
+  }
+  ZINF_RETURN_IF_ERROR(engine->finalize());
+  const std::size_t module_count = capi_model_module_count();
+  for (int step = 1; step <= kSteps; ++step) {
+    if (step == kLrChangeStep) engine->set_learning_rate(kLrChangeValue);
+    for (int micro = 0; micro < c.micro_batches; ++micro) {
+      const double loss_scale = engine->loss_scale();
+      for (std::size_t m = 0; m < module_count; ++m) {
+        ZINF_RETURN_IF_ERROR(engine->gather(capi_model_module(m)));
+        ZINF_RETURN_IF_ERROR(engine->release(capi_model_module(m)));
+      }
+      for (std::size_t m = module_count; m-- > 0;) {
+        const std::string module = capi_model_module(m);
+        ZINF_RETURN_IF_ERROR(engine->gather(module));
+        std::vector<GradientRef> refs;
+        for (std::size_t p = 0; p < param_count; ++p) {
+          const capi_param_def_t* d = capi_model_param(p);
+          if (module != d->module) continue;
+          ZINF_ASSIGN_OR_RETURN(TensorView view, engine->parameter(d->name));
+          capi_model_grad(p, view.data, comm.rank(), step, micro, loss_scale, grads[p].data());
+          refs.push_back({d->name, grads[p].data(), view.element_count, view.dtype});
+        }
+        ZINF_RETURN_IF_ERROR(engine->reduce_gradients(module, refs));
+        ZINF_RETURN_IF_ERROR(engine->release(module));
+      }
+    }
+    ZINF_ASSIGN_OR_RETURN(*last, engine->step());
+  }
+  for (std::size_t p = 0; p < param_count; ++p) {
+    std::vector<float> out(capi_model_element_count(p));
+    ZINF_RETURN_IF_ERROR(engine->read_parameters(capi_model_param(p)->name, out.data()));
+    finals->push_back(std::move(out));
+  }
+  return Status::ok();
+}
+
+class CApiTraining : public ::testing::TestWithParam<Case> {};
+
+TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
+  const Case& c = GetParam();
+  std::printf("case %s seed %llu\n", c.name, static_cast<unsigned long long>(kSeed));
+  ScratchDir dir(c.name);
+  const std::string json = case_json(c, dir.path());
+  const std::size_t param_count = capi_model_param_count();
+  const auto world = static_cast<std::size_t>(c.world);
+
+  // Through C.
+  std::vector<std::vector<float>> c_finals(world * param_count);
+  std::vector<float*> c_final_ptrs;
+  for (std::size_t i = 0; i < c_finals.size(); ++i) {
+    c_finals[i].assign(capi_model_element_count(i % param_count), std::nanf(""));
+    c_final_ptrs.push_back(c_finals[i].data());
+  }
+  std::vector<zinf_step_report_t> c_reports(world);
+  capi_run_t run{};
+  run.config_json = json.c_str();
+  run.nvme_dir = dir.path().c_str();
+  run.world_size = c.world;
+  run.steps = kSteps;
+  run.micro_batches = c.micro_batches;
+  run.seed = kSeed;
+  run.lr_change_step = kLrChangeStep;
+  run.lr_change_value = kLrChangeValue;
+  run.finals = c_final_ptrs.data();
+  run.reports = c_reports.data();
+  char error[2048] = {0};
+  ASSERT_EQ(capi_c_train(&run, error, sizeof error), 0) << error;
+
+  // Through C++.
+  Result<Config> config = parse_config(json);
+  ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < c.world; ++r) {
+    HostDeviceOptions o;
+    o.ordinal = r;
+    devices.push_back(std::move(make_host_device(o)).value());
+    raw.push_back(devices.back().get());
+  }
+  LocalCommOptions co;
+  co.timeout = std::chrono::seconds(20);
+  std::vector<std::unique_ptr<Communicator>> comms =
+      std::move(make_local_comm_group(raw, co)).value();
+  std::vector<std::vector<std::vector<float>>> cpp_finals(world);
+  std::vector<StepReport> cpp_reports(world);
+  std::vector<Status> statuses(world);
+  std::vector<std::thread> threads;
+  for (std::size_t r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      statuses[r] = train_cpp_rank(*config, *devices[r], *comms[r], dir.path(), c, &cpp_finals[r],
+                                   &cpp_reports[r]);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (std::size_t r = 0; r < world; ++r) {
+    ASSERT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
+  }
+
+  for (std::size_t r = 0; r < world; ++r) {
+    for (std::size_t p = 0; p < param_count; ++p) {
+      const std::vector<float>& got = c_finals[r * param_count + p];
+      const std::vector<float>& want = cpp_finals[r][p];
+      ASSERT_EQ(got.size(), want.size());
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size() * sizeof(float)), 0)
+          << "rank " << r << " parameter " << capi_model_param(p)->name;
+      // The run trained something: the masters left their initial values.
+      std::vector<float> initial(got.size());
+      capi_model_initial(p, kSeed, initial.data());
+      double moved = 0.0;
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(std::isfinite(got[i]));
+        moved = std::max(moved, static_cast<double>(std::fabs(got[i] - initial[i])));
+      }
+      EXPECT_GT(moved, 1e-3) << capi_model_param(p)->name;
+    }
+    const zinf_step_report_t& cr = c_reports[r];
+    const StepReport& pr = cpp_reports[r];
+    EXPECT_EQ(cr.struct_size, sizeof(zinf_step_report_t));
+    EXPECT_EQ(cr.step, pr.step);
+    EXPECT_EQ(cr.step, kSteps);
+    EXPECT_EQ(cr.skipped, pr.skipped ? 1 : 0);
+    EXPECT_EQ(cr.micro_batches, c.micro_batches);
+    EXPECT_EQ(cr.grad_norm, pr.grad_norm);
+    EXPECT_GT(cr.grad_norm, 0.0);
+    EXPECT_EQ(cr.clip_coef, pr.clip_coef);
+    EXPECT_EQ(cr.loss_scale, pr.loss_scale);
+    EXPECT_EQ(cr.next_loss_scale, pr.next_loss_scale);
+    if (c.fp16) {
+      EXPECT_EQ(cr.loss_scale, 16.0);
+    }
+    if (c.clipping > 0) {
+      EXPECT_LT(cr.clip_coef, 1.0);
+    }
+    if (std::string(c.optimizer) == "nvme") {
+      EXPECT_GT(cr.optimizer_nvme_read_bytes, 0u);
+      EXPECT_EQ(cr.optimizer_nvme_read_bytes, pr.optimizer_nvme_read_bytes);
+    }
+    EXPECT_GE(cr.wall_ns, 0);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, CApiTraining,
+    ::testing::Values(Case{"w1_s2_none_mb2", 1, 2, "none", "none", 2, false, 0.0},
+                      Case{"w1_s3_nvme_opt", 1, 3, "nvme", "cpu", 1, false, 0.0},
+                      Case{"w2_s3_cpu_cpu_fp16_clip", 2, 3, "cpu", "cpu", 1, true, 0.05},
+                      Case{"w2_s1_nvme", 2, 1, "nvme", "none", 2, false, 0.0},
+                      Case{"w2_s3_none_nvme_params", 2, 3, "none", "nvme", 1, false, 0.0}),
+    [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+TEST(CApi, ErrorPathsFromC) {
+  char error[2048] = {0};
+  EXPECT_EQ(capi_c_error_paths(error, sizeof error), 0) << error;
+}
+
+TEST(CApi, CodesAndDtypesMapOneForOne) {
+  for (int code = 0; code <= 13; ++code) {
+    EXPECT_EQ(std::string(zinf_code_name(static_cast<zinf_code_t>(code))),
+              std::string(code_name(static_cast<Code>(code))));
+  }
+  EXPECT_STREQ(zinf_code_name(static_cast<zinf_code_t>(14)), "unknown");
+  EXPECT_STREQ(zinf_code_name(static_cast<zinf_code_t>(-1)), "unknown");
+  EXPECT_STREQ(zinf_code_name(ZINF_FAILED_PRECONDITION), "failed_precondition");
+  EXPECT_STREQ(zinf_version(), version());
+  EXPECT_EQ(zinf_c_abi_version(), ZINF_C_ABI_VERSION);
+}
+
+// Runs a C call and checks its code and that the message contains `part`.
+#define EXPECT_CODE(call, code, part)                                                      \
+  do {                                                                                     \
+    const zinf_code_t got_ = (call);                                                       \
+    EXPECT_EQ(got_, code) << #call << ": " << zinf_code_name(got_) << ": "                 \
+                          << zinf_last_error_message();                                    \
+    EXPECT_EQ(zinf_last_error_code(), code);                                               \
+    EXPECT_NE(std::string(zinf_last_error_message()).find(part), std::string::npos)        \
+        << #call << ": message \"" << zinf_last_error_message() << "\" lacks \"" << (part) \
+        << "\"";                                                                           \
+  } while (0)
+
+TEST(CApi, ConfigErrorsNameTheKeyAndFile) {
+  zinf_config_t* config = nullptr;
+  const std::string unknown_key = R"({"zero_optimization": {"stage": 2, "bogus_knob": 1}})";
+  EXPECT_CODE(zinf_config_from_json(unknown_key.data(), unknown_key.size(), &config),
+              ZINF_INVALID_ARGUMENT, "zero_optimization.bogus_knob");
+  EXPECT_EQ(config, nullptr);
+  const std::string bad_type = R"({"optimizer": {"params": {"lr": "fast"}}})";
+  EXPECT_CODE(zinf_config_from_json(bad_type.data(), bad_type.size(), &config),
+              ZINF_INVALID_ARGUMENT, "optimizer.params.lr");
+  const std::string malformed = R"({"zero_optimization": )";
+  EXPECT_CODE(zinf_config_from_json(malformed.data(), malformed.size(), &config),
+              ZINF_INVALID_ARGUMENT, "");
+  EXPECT_NE(std::string(zinf_last_error_message()), "");
+  // Only json_bytes bytes are read: a valid prefix of a longer buffer parses.
+  const std::string padded = R"({"zero_optimization": {"stage": 1}}garbage)";
+  ASSERT_EQ(zinf_config_from_json(padded.data(), padded.size() - 7, &config), ZINF_OK)
+      << zinf_last_error_message();
+  EXPECT_CODE(zinf_config_from_json(nullptr, 0, &config), ZINF_INVALID_ARGUMENT, "json is null");
+
+  zinf_config_t* missing = nullptr;
+  EXPECT_CODE(zinf_config_load("/nonexistent/capi/ds_config.json", &missing), ZINF_NOT_FOUND,
+              "/nonexistent/capi/ds_config.json");
+  EXPECT_EQ(missing, nullptr);
+
+  // to_json: ask the size, then write; a small buffer is refused whole.
+  std::size_t needed = 0;
+  EXPECT_CODE(zinf_config_to_json(config, nullptr, 0, &needed), ZINF_RESOURCE_EXHAUSTED, "bytes");
+  ASSERT_GT(needed, 1u);
+  std::string small(needed - 1, 'x');
+  EXPECT_EQ(zinf_config_to_json(config, small.data(), small.size(), nullptr),
+            ZINF_RESOURCE_EXHAUSTED);
+  EXPECT_EQ(small, std::string(needed - 1, 'x'));
+  std::vector<char> buffer(needed);
+  ASSERT_EQ(zinf_config_to_json(config, buffer.data(), buffer.size(), nullptr), ZINF_OK);
+  Result<Config> back = parse_config(buffer.data());
+  ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+  EXPECT_EQ(back->zero.stage, 1);
+
+  // A file written from it loads back.
+  ScratchDir dir("config");
+  const std::string path = dir.path() + "/ds_config.json";
+  FILE* f = std::fopen(path.c_str(), "w");
+  ASSERT_NE(f, nullptr);
+  std::fputs(buffer.data(), f);
+  std::fclose(f);
+  zinf_config_t* loaded = nullptr;
+  ASSERT_EQ(zinf_config_load(path.c_str(), &loaded), ZINF_OK) << zinf_last_error_message();
+  std::vector<char> again(needed);
+  ASSERT_EQ(zinf_config_to_json(loaded, again.data(), again.size(), nullptr), ZINF_OK);
+  EXPECT_STREQ(again.data(), buffer.data());
+  zinf_config_destroy(loaded);
+  zinf_config_destroy(config);
+  zinf_config_destroy(nullptr);
+}
+
+// One rank's engine on a fresh device and group, closed in the right order by the destructor.
+class OneRank {
+ public:
+  explicit OneRank(const std::string& json) {
+    EXPECT_EQ(zinf_config_from_json(json.data(), json.size(), &config_), ZINF_OK)
+        << zinf_last_error_message();
+    EXPECT_EQ(zinf_host_device_create(0, 0, &device_), ZINF_OK);
+    EXPECT_EQ(zinf_local_comm_group_create(&device_, 1, 5000, &group_), ZINF_OK);
+    EXPECT_EQ(zinf_comm_group_get(group_, 0, &comm_), ZINF_OK);
+    env_.struct_size = sizeof env_;
+    env_.device = device_;
+    env_.comm = comm_;
+  }
+  ~OneRank() {
+    zinf_engine_close(engine_);
+    EXPECT_EQ(zinf_comm_group_destroy(group_), ZINF_OK) << zinf_last_error_message();
+    EXPECT_EQ(zinf_device_destroy(device_), ZINF_OK) << zinf_last_error_message();
+    zinf_config_destroy(config_);
+  }
+  zinf_code_t open() { return zinf_engine_open(config_, &env_, &engine_); }
+
+  zinf_config_t* config_ = nullptr;
+  zinf_device_t* device_ = nullptr;
+  zinf_comm_group_t* group_ = nullptr;
+  zinf_comm_t* comm_ = nullptr;
+  zinf_env_t env_{};
+  zinf_engine_t* engine_ = nullptr;
+};
+
+constexpr const char* kStage2 =
+    R"({"zero_optimization": {"stage": 2}, "zinf": {"cpu_threads": 1}})";
+
+TEST(CApi, EngineErrorsNameWhatWasWrongAndChangeNothing) {
+  OneRank one(kStage2);
+  zinf_env_t bad_env = one.env_;
+  bad_env.struct_size = 0;
+  zinf_engine_t* engine = nullptr;
+  EXPECT_CODE(zinf_engine_open(one.config_, &bad_env, &engine), ZINF_INVALID_ARGUMENT,
+              "struct_size");
+  bad_env = one.env_;
+  bad_env.comm = nullptr;
+  EXPECT_CODE(zinf_engine_open(one.config_, &bad_env, &engine), ZINF_INVALID_ARGUMENT,
+              "env->comm is null");
+  EXPECT_EQ(engine, nullptr);
+  ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+  zinf_engine_t* e = one.engine_;
+
+  const std::int64_t shape[2] = {3, 4};
+  std::vector<float> values(12);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.1f * static_cast<float>(i) - 0.5f;
+  EXPECT_CODE(
+      zinf_engine_register_parameter(e, nullptr, "m", shape, 2, ZINF_DTYPE_F32, values.data()),
+      ZINF_INVALID_ARGUMENT, "name is null");
+  EXPECT_CODE(zinf_engine_register_parameter(e, "m.w", "m", shape, 2, static_cast<zinf_dtype_t>(7),
+                                             values.data()),
+              ZINF_INVALID_ARGUMENT, "m.w");
+  EXPECT_CODE(
+      zinf_engine_register_parameter(e, "m.w", "m", nullptr, 2, ZINF_DTYPE_F32, values.data()),
+      ZINF_INVALID_ARGUMENT, "shape is null");
+  const std::int64_t bad_shape[2] = {3, -4};
+  EXPECT_CODE(
+      zinf_engine_register_parameter(e, "m.w", "m", bad_shape, 2, ZINF_DTYPE_F32, values.data()),
+      ZINF_INVALID_ARGUMENT, "m.w");
+  ASSERT_EQ(zinf_engine_register_parameter(e, "m.w", "m", shape, 2, ZINF_DTYPE_F32, values.data()),
+            ZINF_OK);
+  EXPECT_EQ(zinf_last_error_code(), ZINF_OK);
+  EXPECT_STREQ(zinf_last_error_message(), "");
+  EXPECT_CODE(
+      zinf_engine_register_parameter(e, "m.w", "m", shape, 2, ZINF_DTYPE_F32, values.data()),
+      ZINF_INVALID_ARGUMENT, "m.w");
+  const float scalar = 2.0f;
+  ASSERT_EQ(zinf_engine_register_parameter(e, "m.s", "m", nullptr, 0, ZINF_DTYPE_F32, &scalar),
+            ZINF_OK);
+
+  zinf_memory_report_t memory{};
+  memory.struct_size = sizeof memory;
+  EXPECT_CODE(zinf_engine_memory(e, &memory), ZINF_FAILED_PRECONDITION, "finalized");
+  ASSERT_EQ(zinf_engine_finalize(e), ZINF_OK) << zinf_last_error_message();
+  EXPECT_CODE(
+      zinf_engine_register_parameter(e, "m.late", "m", shape, 2, ZINF_DTYPE_F32, values.data()),
+      ZINF_FAILED_PRECONDITION, "");
+  ASSERT_EQ(zinf_engine_memory(e, &memory), ZINF_OK);
+  // Stage 2, optimizer on the device: all state is device memory (the 13 parameters' f32 copy,
+  // master, moments and accumulator at least).
+  EXPECT_GE(memory.device_bytes, 13u * 16u);
+  EXPECT_EQ(memory.host_bytes, 0u);
+  EXPECT_EQ(memory.nvme_bytes, 0u);
+
+  EXPECT_CODE(zinf_engine_gather(e, "no_such_module"), ZINF_NOT_FOUND, "no_such_module");
+  void* data = reinterpret_cast<void*>(0x1);
+  EXPECT_CODE(zinf_engine_parameter(e, "no_such_param", &data, nullptr, nullptr), ZINF_NOT_FOUND,
+              "no_such_param");
+  EXPECT_EQ(data, reinterpret_cast<void*>(0x1));  // untouched on failure
+
+  // Gradients: wrong size, missing one, unknown module, null name. Nothing is reduced by any.
+  std::vector<float> grad(12, 0.25f);
+  zinf_gradient_t refs[2] = {{"m.w", grad.data(), 11, ZINF_DTYPE_F32},
+                             {"m.s", grad.data(), 1, ZINF_DTYPE_F32}};
+  EXPECT_CODE(zinf_engine_reduce_gradients(e, "m", refs, 2), ZINF_INVALID_ARGUMENT, "m.w");
+  refs[0].element_count = 12;
+  EXPECT_CODE(zinf_engine_reduce_gradients(e, "m", refs, 1), ZINF_INVALID_ARGUMENT, "m.s");
+  EXPECT_CODE(zinf_engine_reduce_gradients(e, "nope", refs, 2), ZINF_NOT_FOUND, "nope");
+  refs[1].name = nullptr;
+  EXPECT_CODE(zinf_engine_reduce_gradients(e, "m", refs, 2), ZINF_INVALID_ARGUMENT,
+              "gradients[1].name is null");
+  refs[1].name = "m.s";
+  EXPECT_CODE(zinf_engine_reduce_gradients(e, "m", nullptr, 2), ZINF_INVALID_ARGUMENT,
+              "gradients is null");
+  // A step before any gradient: refused, naming a parameter.
+  zinf_step_report_t report{};
+  report.struct_size = sizeof report;
+  EXPECT_CODE(zinf_engine_step(e, &report), ZINF_FAILED_PRECONDITION, "m.");
+  report.struct_size = 0;
+  EXPECT_CODE(zinf_engine_step(e, &report), ZINF_INVALID_ARGUMENT, "struct_size");
+  EXPECT_CODE(zinf_engine_set_learning_rate(e, std::nan("")), ZINF_INVALID_ARGUMENT,
+              "learning_rate");
+  EXPECT_CODE(zinf_engine_set_learning_rate(e, -1.0), ZINF_INVALID_ARGUMENT, "learning_rate");
+
+  // Still usable: the good calls go through, and the step sees exactly one micro-batch.
+  ASSERT_EQ(zinf_engine_reduce_gradients(e, "m", refs, 2), ZINF_OK) << zinf_last_error_message();
+  report.struct_size = sizeof report;
+  ASSERT_EQ(zinf_engine_step(e, &report), ZINF_OK) << zinf_last_error_message();
+  EXPECT_EQ(report.step, 1);
+  EXPECT_EQ(report.micro_batches, 1);
+  // The gradient norm of a constant 0.25 over 13 elements.
+  EXPECT_NEAR(report.grad_norm, 0.25 * std::sqrt(13.0), 1e-6);
+
+  std::vector<float> out(12, -7.0f);
+  EXPECT_CODE(zinf_engine_read_parameters(e, "m.w", out.data(), 11), ZINF_INVALID_ARGUMENT,
+              "12 elements");
+  EXPECT_EQ(out[0], -7.0f);
+  EXPECT_CODE(zinf_engine_read_parameters(e, "m.zzz", out.data(), 12), ZINF_NOT_FOUND, "m.zzz");
+  ASSERT_EQ(zinf_engine_read_parameters(e, "m.w", out.data(), 12), ZINF_OK);
+  // AdamW's first step moves each weight by lr (1e-3 by default) against the gradient's sign,
+  // plus the decay lr * wd * w.
+  for (std::size_t i = 0; i < out.size(); ++i) {
+    EXPECT_NEAR(out[i], values[i] - 1e-3f - 1e-3f * 0.01f * values[i], 1e-6f) << i;
+  }
+  double scale = 0.0;
+  ASSERT_EQ(zinf_engine_loss_scale(e, &scale), ZINF_OK);
+  EXPECT_EQ(scale, 1.0);
+}
+
+TEST(CApi, OpenChecksTheWorldSizeKey) {
+  OneRank one(R"({"zero_optimization": {"stage": 3}, "zinf": {"world_size": 2}})");
+  EXPECT_CODE(one.open(), ZINF_INVALID_ARGUMENT, "zinf.world_size");
+  EXPECT_EQ(one.engine_, nullptr);
+}
+
+TEST(CApi, HandlesRefuseToGoWhileUsed) {
+  zinf_device_t* devices[2] = {nullptr, nullptr};
+  ASSERT_EQ(zinf_host_device_create(0, 0, &devices[0]), ZINF_OK);
+  ASSERT_EQ(zinf_host_device_create(1, 0, &devices[1]), ZINF_OK);
+  zinf_comm_group_t* group = nullptr;
+  EXPECT_CODE(zinf_local_comm_group_create(devices, 0, 0, &group), ZINF_INVALID_ARGUMENT,
+              "world_size");
+  zinf_device_t* with_null[2] = {devices[0], nullptr};
+  EXPECT_CODE(zinf_local_comm_group_create(with_null, 2, 0, &group), ZINF_INVALID_ARGUMENT,
+              "devices[1]");
+  EXPECT_EQ(group, nullptr);
+  ASSERT_EQ(zinf_local_comm_group_create(devices, 2, 0, &group), ZINF_OK);
+  int world = 0;
+  ASSERT_EQ(zinf_comm_group_world_size(group, &world), ZINF_OK);
+  EXPECT_EQ(world, 2);
+  zinf_comm_t* comm = nullptr;
+  EXPECT_CODE(zinf_comm_group_get(group, 2, &comm), ZINF_INVALID_ARGUMENT, "rank 2");
+  EXPECT_CODE(zinf_comm_group_get(group, -1, &comm), ZINF_INVALID_ARGUMENT, "rank -1");
+  ASSERT_EQ(zinf_comm_group_get(group, 1, &comm), ZINF_OK);
+  EXPECT_CODE(zinf_device_destroy(devices[1]), ZINF_FAILED_PRECONDITION, "host:1");
+
+  // An env whose communicator runs on another device.
+  zinf_config_t* config = nullptr;
+  const std::string json = kStage2;
+  ASSERT_EQ(zinf_config_from_json(json.data(), json.size(), &config), ZINF_OK);
+  zinf_env_t env{};
+  env.struct_size = sizeof env;
+  env.device = devices[0];
+  env.comm = comm;
+  zinf_engine_t* engine = nullptr;
+  EXPECT_CODE(zinf_engine_open(config, &env, &engine), ZINF_INVALID_ARGUMENT, "host:1");
+  zinf_config_destroy(config);
+
+  ASSERT_EQ(zinf_comm_group_destroy(group), ZINF_OK);
+  EXPECT_EQ(zinf_device_destroy(devices[0]), ZINF_OK);
+  EXPECT_EQ(zinf_device_destroy(devices[1]), ZINF_OK);
+  EXPECT_EQ(zinf_device_destroy(nullptr), ZINF_OK);
+  EXPECT_EQ(zinf_comm_group_destroy(nullptr), ZINF_OK);
+  zinf_engine_close(nullptr);
+}
+
+TEST(CApi, LastErrorBelongsToTheThread) {
+  const std::string bad = R"({"zero_optimization": {"stage": 9}})";
+  zinf_config_t* config = nullptr;
+  ASSERT_EQ(zinf_config_from_json(bad.data(), bad.size(), &config), ZINF_INVALID_ARGUMENT);
+  std::string other_message = "unset";
+  zinf_code_t other_code = ZINF_INTERNAL;
+  std::thread([&] {
+    other_code = zinf_last_error_code();
+    other_message = zinf_last_error_message();
+  }).join();
+  EXPECT_EQ(other_code, ZINF_OK);
+  EXPECT_EQ(other_message, "");
+  EXPECT_EQ(zinf_last_error_code(), ZINF_INVALID_ARGUMENT);
+  EXPECT_NE(std::string(zinf_last_error_message()).find("zero_optimization.stage"),
+            std::string::npos);
+}
+
+TEST(CApi, ExceptionsBecomeCodesAtTheBoundary) {
+  EXPECT_EQ(capi::guard("f", []() -> Status { throw std::bad_alloc(); }), ZINF_RESOURCE_EXHAUSTED);
+  EXPECT_EQ(zinf_last_error_code(), ZINF_RESOURCE_EXHAUSTED);
+  EXPECT_NE(std::string(zinf_last_error_message()).find("f: out of memory"), std::string::npos);
+  EXPECT_EQ(capi::guard("g", []() -> Status { throw std::runtime_error("boom"); }), ZINF_INTERNAL);
+  EXPECT_STREQ(zinf_last_error_message(), "g: unexpected exception: boom");
+  EXPECT_EQ(capi::guard("h", []() -> Status { throw 42; }), ZINF_INTERNAL);
+  EXPECT_NE(std::string(zinf_last_error_message()).find("h: unexpected exception"),
+            std::string::npos);
+  EXPECT_EQ(capi::guard("i", []() -> Status { return Status::io_error("disk gone", 5); }),
+            ZINF_IO_ERROR);
+  EXPECT_EQ(zinf_last_error_sys_code(), 5);
+  EXPECT_STREQ(zinf_last_error_message(), "disk gone");
+}
+
+TEST(CApi, StepReportIsWrittenOnlyAsFarAsTheCallersStruct) {
+  OneRank one(kStage2);
+  ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+  const float values[3] = {1.0f, -2.0f, 0.5f};
+  const std::int64_t shape[1] = {3};
+  ASSERT_EQ(zinf_engine_register_parameter(one.engine_, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+            ZINF_OK);
+  const float grad[3] = {0.5f, 0.25f, -1.0f};
+  const zinf_gradient_t ref = {"w", grad, 3, ZINF_DTYPE_F32};
+  ASSERT_EQ(zinf_engine_reduce_gradients(one.engine_, "m", &ref, 1), ZINF_OK)
+      << zinf_last_error_message();
+  // An "older" caller whose struct ends before loss_scale.
+  zinf_step_report_t report;
+  std::memset(&report, 0xab, sizeof report);
+  report.struct_size = offsetof(zinf_step_report_t, loss_scale);
+  ASSERT_EQ(zinf_engine_step(one.engine_, &report), ZINF_OK) << zinf_last_error_message();
+  EXPECT_EQ(report.struct_size, offsetof(zinf_step_report_t, loss_scale));
+  EXPECT_EQ(report.step, 1);
+  EXPECT_EQ(report.skipped, 0);
+  EXPECT_EQ(report.micro_batches, 1);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&report);
+  for (std::size_t i = offsetof(zinf_step_report_t, loss_scale); i < sizeof report; ++i) {
+    ASSERT_EQ(bytes[i], 0xab) << "byte " << i << " written past the caller's struct";
+  }
+  // A null report is allowed.
+  ASSERT_EQ(zinf_engine_reduce_gradients(one.engine_, "m", &ref, 1), ZINF_OK);
+  ASSERT_EQ(zinf_engine_step(one.engine_, nullptr), ZINF_OK) << zinf_last_error_message();
+}
+
+}  // namespace
+}  // namespace zinf
