@@ -590,5 +590,59 @@ TEST(CApi, StepReportIsWrittenOnlyAsFarAsTheCallersStruct) {
   ASSERT_EQ(zinf_engine_step(one.engine_, nullptr), ZINF_OK) << zinf_last_error_message();
 }
 
+// A rank refused for bad input leaves the other waiting in its next collective until the
+// collective timeout; that rank's error is an operating error, sticky from then on.
+TEST(CApi, ARankLeftWaitingTimesOutAndStaysFailed) {
+  const std::string json =
+      R"({"zero_optimization": {"stage": 2}, "zinf": {"cpu_threads": 1, "collective_timeout_ms": 300}})";
+  zinf_config_t* config = nullptr;
+  ASSERT_EQ(zinf_config_from_json(json.data(), json.size(), &config), ZINF_OK);
+  zinf_device_t* devices[2] = {nullptr, nullptr};
+  ASSERT_EQ(zinf_host_device_create(0, 0, &devices[0]), ZINF_OK);
+  ASSERT_EQ(zinf_host_device_create(1, 0, &devices[1]), ZINF_OK);
+  zinf_comm_group_t* group = nullptr;
+  ASSERT_EQ(zinf_local_comm_group_create(devices, 2, 2000, &group), ZINF_OK);
+  zinf_code_t codes[2][3] = {};
+  std::string messages[2];
+  std::vector<std::thread> threads;
+  for (int r = 0; r < 2; ++r) {
+    threads.emplace_back([&, r] {
+      zinf_comm_t* comm = nullptr;
+      zinf_engine_t* engine = nullptr;
+      zinf_env_t env{};
+      env.struct_size = sizeof env;
+      env.device = devices[r];
+      ASSERT_EQ(zinf_comm_group_get(group, r, &comm), ZINF_OK);
+      env.comm = comm;
+      ASSERT_EQ(zinf_engine_open(config, &env, &engine), ZINF_OK) << zinf_last_error_message();
+      const float values[6] = {0.5f, -1.0f, 0.25f, 2.0f, -0.75f, 1.5f};
+      const std::int64_t shape[1] = {6};
+      ASSERT_EQ(zinf_engine_register_parameter(engine, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+                ZINF_OK);
+      ASSERT_EQ(zinf_engine_finalize(engine), ZINF_OK) << zinf_last_error_message();
+      // Rank 1 hands a gradient of the wrong size and is refused; rank 0 goes on to the step.
+      const zinf_gradient_t ref = {"w", values, r == 1 ? 5u : 6u, ZINF_DTYPE_F32};
+      const auto i = static_cast<std::size_t>(r);
+      codes[i][0] = zinf_engine_reduce_gradients(engine, "m", &ref, 1);
+      if (r == 0) {
+        codes[i][1] = zinf_engine_step(engine, nullptr);
+        messages[i] = zinf_last_error_message();
+        codes[i][2] = zinf_engine_step(engine, nullptr);
+      }
+      zinf_engine_close(engine);
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(codes[1][0], ZINF_INVALID_ARGUMENT);
+  EXPECT_EQ(codes[0][0], ZINF_OK);
+  EXPECT_EQ(codes[0][1], ZINF_TIMEOUT) << zinf_code_name(codes[0][1]) << ": " << messages[0];
+  EXPECT_NE(messages[0], "");
+  EXPECT_EQ(codes[0][2], codes[0][1]) << "the error is sticky";
+  EXPECT_EQ(zinf_comm_group_destroy(group), ZINF_OK) << zinf_last_error_message();
+  EXPECT_EQ(zinf_device_destroy(devices[0]), ZINF_OK);
+  EXPECT_EQ(zinf_device_destroy(devices[1]), ZINF_OK);
+  zinf_config_destroy(config);
+}
+
 }  // namespace
 }  // namespace zinf
