@@ -1,5 +1,6 @@
 // train_lm: trains a byte-level language model through zinf's Engine, as a user's program would,
 // and shows where time and memory went. scripts/demo runs it; docs/DEMO.md shows its output.
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -89,13 +90,25 @@ std::string summary_text(const Options& o, const RunSummary& r) {
        num(r.first_val_loss, 3) + " -> " + num(r.final_val_loss, 3) + " nats/byte"},
       {"train loss (last step)", num(r.final_train_loss, 3)},
       {"steps", std::to_string(r.steps_done)},
-      {"tokens/s", num(tokens_per_s, 0)},
+      {"tokens/s", num(tokens_per_s, tokens_per_s < 100 ? 1 : 0)},
       {"wall time", num(r.wall_s, 1) + " s"},
       {"outputs", o.out_dir + "/loss.csv, " + o.out_dir + "/loss.svg" +
                       (o.trace_path.empty() ? "" : ", " + o.trace_path)},
   };
   text += "\nsummary\n" + format_table({"", ""}, results);
   return text;
+}
+
+// The curve with the validation before the first step in front, for the picture.
+std::vector<CurvePoint> with_start(const RunSummary& r) {
+  std::vector<CurvePoint> points;
+  CurvePoint start;
+  start.step = 0;
+  start.train_loss = std::nan("");
+  start.val_loss = r.first_val_loss;
+  points.push_back(start);
+  points.insert(points.end(), r.curve.begin(), r.curve.end());
+  return points;
 }
 
 }  // namespace
@@ -129,7 +142,7 @@ int main(int argc, char** argv) {
                                 options.offload_optimizer
                           : std::string("plain fp32 loop"));
   if (!write_curve_csv(csv, summary.curve, &error) ||
-      !write_curve_svg(svg, summary.curve, title, &error)) {
+      !write_curve_svg(svg, with_start(summary), title, &error)) {
     std::fprintf(stderr, "train_lm: error: %s\n", error.c_str());
     return 1;
   }

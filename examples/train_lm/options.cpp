@@ -100,7 +100,10 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
       "train_lm: trains a byte-level language model with zinf (ZeRO-3, AdamW, optimizer state on "
       "NVMe) and writes its loss curve.",
       "train_lm");
-  app.option_defaults()->always_capture_default();
+  // A later value wins, so that a script's defaults (scripts/demo) can be overridden by its
+  // caller's arguments.
+  app.option_defaults()->always_capture_default()->multi_option_policy(
+      CLI::MultiOptionPolicy::TakeLast);
   add_scaled(app, "--params", &o->params, false,
              "model size in parameters: 1M, 10M, 1B, ...; the hidden width follows");
   app.add_option("--layers", o->layers, "hidden blocks")->check(CLI::Range(1, 64));

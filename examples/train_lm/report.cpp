@@ -59,8 +59,10 @@ bool write_curve_svg(const std::string& path, const std::vector<CurvePoint>& poi
   double lo = 1e30, hi = -1e30;
   for (const CurvePoint& p : points) {
     max_step = std::max(max_step, p.step);
-    lo = std::min(lo, p.train_loss);
-    hi = std::max(hi, p.train_loss);
+    if (!std::isnan(p.train_loss)) {
+      lo = std::min(lo, p.train_loss);
+      hi = std::max(hi, p.train_loss);
+    }
     if (p.val_loss) {
       lo = std::min(lo, *p.val_loss);
       hi = std::max(hi, *p.val_loss);
@@ -104,6 +106,7 @@ bool write_curve_svg(const std::string& path, const std::vector<CurvePoint>& poi
   // The curves.
   svg << "<polyline fill=\"none\" stroke=\"#7aa6d6\" stroke-width=\"1\" points=\"";
   for (const CurvePoint& p : points) {
+    if (std::isnan(p.train_loss)) continue;
     svg << fixed(x_of(double(p.step)), 1) << "," << fixed(y_of(p.train_loss), 1) << " ";
   }
   svg << "\"/>\n<polyline fill=\"none\" stroke=\"#d9534f\" stroke-width=\"2\" points=\"";
@@ -146,9 +149,10 @@ void ProgressBar::update(std::int64_t step, double loss, double tokens_per_s, do
   std::string bar(std::size_t(filled), '#');
   bar.resize(kBarWidth, '.');
   const double eta_s = step > 0 ? elapsed_s * double(total_ - step) / double(step) : 0;
-  std::fprintf(out_, "%s[%s] step %lld/%lld  loss %.3f  %s  %.0f tok/s  ETA %.0fs   ",
+  std::fprintf(out_, "%s[%s] step %lld/%lld  loss %.3f  %s  %.*f tok/s  ETA %.0fs   ",
                tty_ ? "\r" : "", bar.c_str(), static_cast<long long>(step),
-               static_cast<long long>(total_), loss, extra.c_str(), tokens_per_s, eta_s);
+               static_cast<long long>(total_), loss, extra.c_str(), tokens_per_s < 100 ? 1 : 0,
+               tokens_per_s, eta_s);
   if (!tty_) std::fputc('\n', out_);
   open_line_ = tty_;
   std::fflush(out_);

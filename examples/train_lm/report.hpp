@@ -23,7 +23,8 @@ bool write_curve_csv(const std::string& path, const std::vector<CurvePoint>& poi
                      std::string* error);
 
 // A self-contained SVG: train loss (thin line), validation loss (dots and thicker line), axes with
-// ticks, the title given, in nats per byte against steps.
+// ticks, the title given, in nats per byte against steps. A point whose train_loss is NaN (the
+// validation before the first step) adds only its validation loss.
 bool write_curve_svg(const std::string& path, const std::vector<CurvePoint>& points,
                      const std::string& title, std::string* error);
 
