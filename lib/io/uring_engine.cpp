@@ -28,6 +28,8 @@ namespace {
 
 constexpr std::uint64_t kWakeTag = ~std::uint64_t{0};
 constexpr unsigned kReapBatch = 64;
+// How long the destructor waits for a drive to finish what is in flight before giving up.
+constexpr std::chrono::seconds kDrainLimit{30};
 
 unsigned round_up_pow2(unsigned value) {
   unsigned out = 1;
@@ -248,6 +250,7 @@ class UringEngine final : public EngineCore {
   void run(Ring& ring) {
     io_uring_cqe* cqes[kReapBatch];
     bool stopping = false;
+    std::chrono::steady_clock::time_point stop_deadline;
     for (;;) {
       io_uring_cqe* first = nullptr;
       int rc;
@@ -274,8 +277,19 @@ class UringEngine final : public EngineCore {
       const std::uint32_t resubmitted = ring.resubmits;
       ring.resubmits = 0;
       if (fill(ring) + resubmitted > 0) submit(ring);
-      stopping = ring.stop;
+      if (ring.stop && !stopping) {
+        stopping = true;
+        stop_deadline = std::chrono::steady_clock::now() + kDrainLimit;
+      }
       if (stopping && ring.in_flight == 0 && ring.active.empty()) break;
+      if (stopping && std::chrono::steady_clock::now() > stop_deadline) {
+        // Closing the ring cancels what the drive still holds; its memory is the caller's
+        // problem only if the caller frees it before the process ends, which it was told not
+        // to do while a wait returned timeout.
+        log_error("io: closing a ring with {} pieces still in flight after {} s", ring.in_flight,
+                  std::chrono::duration_cast<std::chrono::seconds>(kDrainLimit).count());
+        break;
+      }
     }
   }
 
