@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <ostream>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -60,6 +61,9 @@ struct Case {
   bool fp16;
   double clipping;
 };
+
+// gtest prints a case by its name rather than its bytes.
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
 
 std::string case_json(const Case& c, const std::string& nvme_dir) {
   return fmt::format(
