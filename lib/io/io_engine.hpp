@@ -15,6 +15,12 @@
 //   ThreadEngine  pread / pwrite on a pool of threads; chosen by EngineKind::kAuto, with one log
 //                 line, when the kernel refuses io_uring (EPERM / ENOSYS, as in some containers).
 //
+// On UringEngine the thread that calls submit() issues the first pieces itself, and the kernel
+// delivers their completions through that thread (io_uring task work, an interrupt of it when
+// it runs, a wake-up when it sleeps); pieces that the ring's own thread issues complete through
+// it. A submitting thread that blocks uninterruptibly for long (not in wait()) delays its
+// pieces' completions by as much.
+//
 // Everything a request needs (request slots, piece records, ring entries, the file table) is
 // allocated at open_engine(); submit() and wait() allocate nothing unless they return an error.
 //
