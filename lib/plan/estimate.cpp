@@ -86,6 +86,8 @@ std::string_view state_kind_name(StateKind kind) {
       return "comm_buckets";
     case StateKind::kReserved:
       return "reserved";
+    case StateKind::kHalfCopy:
+      return "half_copy";
   }
   return "?";
 }
@@ -130,8 +132,17 @@ std::uint64_t pinned_pool_bytes(const EngineSetup& s) {
   if (s.optimizer == Offload::kNvme) {
     bytes += s.buffer_count * s.sub_group_params * sub_group_bytes_per_param(s);
   }
-  if (s.params == Offload::kNvme) bytes += s.param_buffer_count * s.param_buffer_params * 2;
+  if (s.params == Offload::kNvme) bytes += s.param_buffer_count * s.param_staging_params * 2;
   return bytes;
+}
+
+std::uint64_t MemoryEstimate::engine_bytes(Tier tier) const {
+  std::uint64_t total = 0;
+  for (StateKind k : {StateKind::kHalfParams, StateKind::kMasterParams, StateKind::kMoments,
+                      StateKind::kGradients, StateKind::kHalfCopy, StateKind::kPinnedPool}) {
+    total += bytes(k, tier);
+  }
+  return total;
 }
 
 std::uint64_t MemoryEstimate::rank_tier_bytes(Tier tier) const {
@@ -174,14 +185,18 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   add(StateKind::kMoments, optimizer_tier, 8 * pr);
 
   if (s.optimizer == Offload::kNone) {
-    add(StateKind::kGradients, Tier::kDevice, s.stage == 1 ? 2 * p : 2 * pr);
+    add(StateKind::kGradients, Tier::kDevice, 4 * pr);
   } else {
     add(StateKind::kGradients, s.gradients_on_nvme ? Tier::kNvme : Tier::kHost, 4 * pr);
-    if (s.stage == 1) add(StateKind::kGradients, Tier::kDevice, 2 * p);
+    add(StateKind::kHalfCopy, Tier::kHost, 2 * pr);
   }
+  if (s.stage == 1) add(StateKind::kGradients, Tier::kDevice, 4 * p);
 
   add(StateKind::kActivations, Tier::kDevice, activation_bytes(model, training));
-  add(StateKind::kPinnedPool, Tier::kHost, pinned_pool_bytes(s));
+  // The engine's store never makes a sub-group larger than the shard.
+  EngineSetup capped = s;
+  capped.sub_group_params = std::min(s.sub_group_params, pr);
+  add(StateKind::kPinnedPool, Tier::kHost, pinned_pool_bytes(capped));
 
   if (s.stage == 3) {
     const std::uint64_t live = std::min(p, s.max_live_params) + s.prefetch_bucket_params;

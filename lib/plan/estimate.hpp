@@ -5,15 +5,17 @@
 // Pr = ceil(P / N) = one rank's shard, h = hidden, L = layers, a = heads, V = vocab,
 // s = sequence length, b = micro-batch. Half precision (bf16/f16) is 2 bytes, fp32 4.
 //
-// Per rank:
+// Per rank, as the engine allocates it (docs/ENGINE.md, "What each option costs"):
 //   half params     stage 1-2: 2·P on the device (every rank holds all of them)
 //                   stage 3:   2·Pr on the offload_param tier (device, host or NVMe)
 //   fp32 master     4·Pr on the optimizer tier (device, host, NVMe)
 //   moments (m, v)  8·Pr on the optimizer tier
-//   gradients       optimizer on the device: half, 2·P (stage 1) or 2·Pr (stages 2-3), device
-//                   optimizer offloaded: fp32, 4·Pr on the host, or on NVMe when spilled
-//                   (gradients_on_nvme, only with the optimizer on NVMe); stage 1 also keeps
-//                   the full half gradients 2·P on the device before they are reduced
+//   gradients       the engine accumulates them in fp32: 4·Pr on the device with the optimizer
+//                   there, else on the host (or on NVMe when spilled: gradients_on_nvme, only
+//                   with the optimizer on NVMe); stage 1 also keeps the full fp32 gradients,
+//                   4·P, on the device until the step reduces them
+//   half copy       optimizer offloaded: 2·Pr on the host, the new half params the CPU
+//                   optimizer writes beside the master before they go to their home
 //   activations     device, per micro-batch (Korthikanti et al. 2022, "Reducing Activation
 //                   Recomputation in Large Transformer Models", eq. 1, 16-bit, no tensor or
 //                   sequence parallelism):
@@ -26,15 +28,17 @@
 //   pinned pool     host, page-locked: optimizer on NVMe: buffer_count · Sg · (12, or 16 when
 //                   gradients are spilled) bytes, Sg = sub_group_size (a buffer holds one
 //                   sub-group's master, m, v and gradient); params on NVMe: + param_buffer_count
-//                   · param_buffer_params · 2. Zero otherwise: host-resident state needs no
-//                   staging.
+//                   staging blocks of one shard of the largest module each,
+//                   2·ceil(max(layer, largest tensor) / N). Zero otherwise.
 //   gathered params stage 3 only, device: 2·(min(P, max_live_params) + prefetch_bucket_params)
 //                   for the layers being run and prefetched, + 2·persistent params (tensors
 //                   below stage3_param_persistence_threshold stay gathered: norms and biases)
-//   comm buckets    device: stage 2-3: 2·2·reduce_bucket_params (one bucket filling while one
-//                   is reduced); stage 1: the same for the all-reduce buckets
+//   comm buckets    device: 2·2·reduce_bucket_params (one bucket filling while one is reduced)
 //   reserved        device: device_reserved_bytes (CUDA context, cuBLAS workspace, allocator
 //                   slack), a fixed figure until the GPU backend measures it
+// The engine's MemoryReport counts half params, master, moments, gradients, half copy and
+// pinned pool (engine_bytes()); activations belong to the training code, gathered params and
+// buckets are transient, and the reserved bytes to the runtime.
 // Per machine: every tier's per-rank bytes × R (each rank holds an equal shard, and the R ranks
 // of a machine share its host memory and NVMe).
 //
@@ -74,10 +78,11 @@ enum class StateKind : std::uint8_t {
   kGatheredParams,
   kCommBuckets,
   kReserved,
+  kHalfCopy,
 };
-inline constexpr int kStateKindCount = 9;
+inline constexpr int kStateKindCount = 10;
 // "half_params", "fp32_master", "moments", "gradients", "activations", "pinned_pool",
-// "gathered_params", "comm_buckets", "reserved".
+// "gathered_params", "comm_buckets", "reserved", "half_copy".
 std::string_view state_kind_name(StateKind kind);
 
 struct TrainingShape {
@@ -101,7 +106,9 @@ struct EngineSetup {
   std::uint64_t sub_group_params = 1'000'000'000;  // Sg: parameters the optimizer steps at once
   std::uint64_t buffer_count = 4;        // sub-group buffers in the pinned pool (optimizer on NVMe)
   std::uint64_t param_buffer_count = 5;  // half-param staging buffers (params on NVMe)
-  std::uint64_t param_buffer_params = 100'000'000;
+  std::uint64_t param_buffer_params = 100'000'000;  // DeepSpeed's buffer_size (informational)
+  // Parameters of one staging block for params on NVMe: one shard of the largest module.
+  std::uint64_t param_staging_params = 0;
   std::uint64_t reduce_bucket_params = 500'000'000;
   std::uint64_t prefetch_bucket_params = 50'000'000;
   std::uint64_t max_live_params = 1'000'000'000;
@@ -136,6 +143,9 @@ struct MemoryEstimate {
   std::uint64_t machine_tier_bytes(Tier tier) const {
     return rank_tier_bytes(tier) * ranks_per_machine;
   }
+  // The part of rank_tier_bytes(tier) the engine allocates and reports (MemoryReport): half
+  // params, master, moments, gradients, half copy, pinned pool.
+  std::uint64_t engine_bytes(Tier tier) const;
 };
 
 // Activation bytes of one micro-batch on one rank (the formula above), logits included.

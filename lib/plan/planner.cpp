@@ -58,8 +58,11 @@ void size_buckets(const ModelShape& model, EngineSetup* s) {
   s->prefetch_bucket_params = h * h * 9 / 10;
   s->persistence_threshold_params = 10 * h;
   s->max_live_params = std::max(2 * layer_params(model), largest_tensor_params(model));
-  // DeepSpeed's param staging buffers must hold the largest tensor.
+  // DeepSpeed's param staging buffers must hold the largest tensor; the engine's hold one shard
+  // of the largest module (a layer, or the embedding).
   s->param_buffer_params = std::max<std::uint64_t>(100'000'000, largest_tensor_params(model));
+  const std::uint64_t largest_module = std::max(layer_params(model), largest_tensor_params(model));
+  s->param_staging_params = (largest_module + s->world_size - 1) / s->world_size;
 }
 
 Candidate evaluate(const ModelShape& model, const TrainingShape& training, const EngineSetup& setup,
@@ -92,7 +95,7 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
   size_buckets(model, &s);
   const MemoryEstimate e = estimate_memory(model, training, s);
   const std::uint64_t p = param_count(model);
-  out.state_bytes = 16 * p;
+  out.state_bytes = 18 * p;
   out.usable_bytes = usable(budgets.gpu_mem_bytes, budgets.headroom);
   out.activation_bytes = e.bytes(StateKind::kActivations, Tier::kDevice);
   out.gathered_bytes = e.bytes(StateKind::kGatheredParams, Tier::kDevice);
@@ -105,7 +108,7 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
       gib(static_cast<double>(out.activation_bytes)), gib(static_cast<double>(out.gathered_bytes)),
       gib(static_cast<double>(out.bucket_bytes)), gib(static_cast<double>(out.reserved_bytes)));
   const std::string state =
-      fmt::format("16 B/param x {:.3f}e9 params = {} of model state", static_cast<double>(p) / 1e9,
+      fmt::format("18 B/param x {:.3f}e9 params = {} of model state", static_cast<double>(p) / 1e9,
                   gib(static_cast<double>(out.state_bytes)));
   if (out.fixed_bytes >= out.usable_bytes) {
     out.gpus_needed = 0;
@@ -234,11 +237,16 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
           continue;
         }
         for (bool spill : {false, true}) {
+          if (spill && !constraints.allow_gradient_spill) continue;
           s.gradients_on_nvme = spill;
+          bool whole_shard_done = false;
           for (std::uint64_t sub_group : sub_groups) {
-            // Sub-groups beyond the shard only cost pool memory.
-            if (sub_group > 2 * shard && sub_group != sub_groups.front()) continue;
-            s.sub_group_params = sub_group;
+            // The engine never makes a sub-group larger than the shard.
+            if (sub_group >= shard) {
+              if (whole_shard_done) continue;
+              whole_shard_done = true;
+            }
+            s.sub_group_params = std::min(sub_group, shard);
             for (std::uint64_t buffers : buffer_counts) {
               s.buffer_count = buffers;
               consider(s);

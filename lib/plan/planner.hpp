@@ -15,9 +15,11 @@
 // (then the lower stage) wins.
 //
 // No-offload comparison: ZeRO-3 with everything on the device needs, per GPU,
-//   16·P / N  (2 half params + 2 half gradients + 12 fp32 master, m, v, per parameter)
+//   18·P / N  (2 half params + 4 fp32 gradient accumulator + 12 fp32 master, m, v, per
+//              parameter: the engine accumulates gradients in fp32, where the ZeRO paper's
+//              16 B keeps them in half precision)
 //   + fixed   (activations + gathered params + comm buckets + reserved)
-// ≤ (1 − headroom)·gpu_mem, so N = ceil(16·P / ((1 − headroom)·gpu_mem − fixed)).
+// ≤ (1 − headroom)·gpu_mem, so N = ceil(18·P / ((1 − headroom)·gpu_mem − fixed)).
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -51,6 +53,9 @@ struct PlanConstraints {
   std::optional<Offload> params;
   std::optional<std::uint64_t> sub_group_params;
   std::optional<std::uint64_t> buffer_count;
+  // Whether gradients may spill to NVMe (the engine accepts the key but keeps gradients in host
+  // memory in this version).
+  bool allow_gradient_spill = true;
 };
 
 struct TierUse {
@@ -71,7 +76,7 @@ struct Candidate {
 };
 
 struct NoOffloadComparison {
-  std::uint64_t state_bytes = 0;       // 16·P
+  std::uint64_t state_bytes = 0;       // 18·P
   std::uint64_t usable_bytes = 0;      // (1 − headroom)·gpu_mem
   std::uint64_t fixed_bytes = 0;       // activations + gathered + buckets + reserved
   std::uint64_t activation_bytes = 0;  // the parts of fixed_bytes

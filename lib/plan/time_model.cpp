@@ -49,7 +49,8 @@ void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
                       const MachineProfile& profile, StepPrediction* out) {
   const double ranks = static_cast<double>(s.ranks_per_machine);
   const bool on_device = s.optimizer == Offload::kNone;
-  const double adam_bytes_per_param = on_device ? 28.0 : 30.0;
+  // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2).
+  const double adam_bytes_per_param = 30.0;
   const double adam_gbps = on_device ? profile.gpu_mem_gbps : profile.mem_adam_gbps;
   ZINF_ASSERT_MSG(adam_gbps > 0, "predict_step: no memory bandwidth for the optimizer");
   out->adam_memory_bytes =

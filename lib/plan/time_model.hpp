@@ -7,8 +7,8 @@
 //
 // Optimizer step (what `zinf bench step` measures), per machine, over Pr·R parameters:
 //   update   U = R·Pr·A / mem_adam_gbps, A = bytes the CPU Adam moves a parameter: read g
-//            (4, fp32), read and write p, m, v (24), write the half copy (2): 30 B. On the
-//            device (optimizer not offloaded) the gradient is half: 28 B at gpu_mem_gbps.
+//            (4, fp32), read and write p, m, v (24), write the half copy (2): 30 B; on the
+//            device (optimizer not offloaded) the same 30 B at gpu_mem_gbps.
 //   NVMe     reads  R·Pr·(12 + 4 if gradients are on NVMe)   at nvme_read_gbps
 //            writes R·Pr·12                                   at nvme_write_gbps
 //            the pipeline runs reads and writes at once, so

@@ -83,7 +83,7 @@ TEST_F(PlanCli, JsonHasFitsBytesPerTierAndTheStepParts) {
                            "param_fetch_s", "pipeline_s"}) {
     EXPECT_TRUE(j.at("parts").contains(part)) << part;
   }
-  EXPECT_EQ(j.at("no_offload").at("gpus_needed"), 36);
+  EXPECT_EQ(j.at("no_offload").at("gpus_needed"), 41);
   EXPECT_EQ(j.at("placement").at("offload_optimizer"), "nvme");
 }
 
@@ -94,7 +94,7 @@ TEST_F(PlanCli, TableShowsTiersTimeAndTheNoOffloadArithmetic) {
       std::string(kRates));
   ASSERT_EQ(r.exit_code, 0) << r.err;
   for (const char* text : {"device/GPU", "host/machine", "nvme/machine", "fp32_master",
-                           "predicted step", "without offload: 36 GPUs", "ceil("}) {
+                           "predicted step", "without offload: 41 GPUs", "ceil("}) {
     EXPECT_NE(r.out.find(text), std::string::npos) << text << "\n" << r.out;
   }
 }
@@ -125,7 +125,7 @@ TEST_F(PlanCli, NothingFitsExitsTwoNamingTheShortTier) {
       std::string(kRates));
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("nothing fits"), std::string::npos) << r.err;
-  EXPECT_NE(r.err.find("nvme is short by 598.68 GiB"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("nvme is short by 727.16 GiB"), std::string::npos) << r.err;
 }
 
 TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {

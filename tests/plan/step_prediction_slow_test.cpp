@@ -3,10 +3,12 @@
 // the machine now (memory bandwidth, the disk through the step's engine) and predicts, then runs
 // the bench (its median of 3 steps: a process's first step also pays the page faults of the
 // half-precision output, which the load leaves untouched); the ratios predicted/measured are
-// taken round by round and their median is checked. Slow (label `slow`): the 1G NVMe case writes 18 GB per round.
+// taken round by round and their median is checked. Slow (label `slow`): the 1G NVMe case writes 18
+// GB per round.
 //
 // Runs the zinf binary of the same build; skips, saying why, when it has no `bench step`, when
 // the scratch filesystem lacks the room, or when the host lacks the memory for a case.
+#include <gtest/gtest.h>
 #include <sys/statvfs.h>
 #include <sys/wait.h>
 
@@ -16,12 +18,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 namespace zinf::plan {
 namespace {
