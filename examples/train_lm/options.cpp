@@ -154,6 +154,8 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
              "host memory budget of the process (0: 90% of physical memory)");
   add_scaled(app, "--sub-group-size", &o->sub_group_size, false,
              "parameters the optimizer moves and steps at once (0: chosen)");
+  add_scaled(app, "--persistence-threshold", &o->persistence_threshold, false,
+             "stage 3: parameters of at most this many elements stay gathered (0: none)");
   app.add_option("--out", o->out_dir, "directory for loss.csv, loss.svg and summary.txt");
   app.add_option("--trace", o->trace_path, "write the run as a Perfetto (Chrome JSON) trace");
   app.add_option("--data", o->data_path, "training text (default: the bundled KJV Pentateuch)");

@@ -41,6 +41,10 @@ struct Options {
   std::uint64_t device_memory_bytes = 0;      // --device-memory: per-rank budget (0: 16 GiB)
   std::uint64_t host_memory_bytes = 0;        // --host-memory: process budget (0: 90% of RAM)
   std::uint64_t sub_group_size = 0;           // --sub-group-size (params; 0: chosen)
+  // --persistence-threshold: stage 3 keeps parameters of at most this many elements gathered on
+  // every rank (DeepSpeed's stage3_param_persistence_threshold, 1e5 there). 0 here, so that even
+  // the demo's small model is gathered, released and offloaded module by module.
+  std::uint64_t persistence_threshold = 0;
   // Output.
   std::string out_dir = "build/demo";  // --out: loss.csv, loss.svg, summary.txt
   std::string trace_path;              // --trace FILE: Perfetto/Chrome trace JSON

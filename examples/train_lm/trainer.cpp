@@ -363,6 +363,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.zero.reduce_bucket_size = std::size_t{16} << 20;
   c.zero.stage3_prefetch_bucket_size = largest_module;
   c.zero.stage3_max_live_parameters = 2 * largest_module;
+  c.zero.stage3_param_persistence_threshold = o.persistence_threshold;
   c.world_size = o.world_size;
   c.collective_timeout_ms = 300'000;
   return c;
