@@ -153,6 +153,10 @@ zinf_code_t record_exception(const char* where, std::exception_ptr error) noexce
   return ZINF_INTERNAL;
 }
 
+Engine* engine_of(zinf_engine_t* engine) noexcept {
+  return engine == nullptr ? nullptr : engine->engine.get();
+}
+
 }  // namespace zinf::capi
 
 using zinf::Status;

@@ -12,6 +12,10 @@
 #include "zinf/status.hpp"
 #include "zinf/zinf.h"
 
+namespace zinf {
+class Engine;
+}  // namespace zinf
+
 namespace zinf::capi {
 
 // Stores `status` as this thread's last error and returns its code. Never throws: when the
@@ -20,6 +24,9 @@ zinf_code_t record(const Status& status) noexcept;
 // Stores an exception that reached the boundary: std::bad_alloc as ZINF_RESOURCE_EXHAUSTED,
 // anything else as ZINF_INTERNAL, with `where` and the exception's what() in the message.
 zinf_code_t record_exception(const char* where, std::exception_ptr error) noexcept;
+
+// The Engine a C handle wraps (for tests that time the same engine through both APIs).
+Engine* engine_of(zinf_engine_t* engine) noexcept;
 
 // Runs `body` (returning a Status) and records its outcome; `where` is the C function's name.
 template <typename Body>
