@@ -284,10 +284,12 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
   stats_.blocks_peak = leased;
   Status status = leased == 0 ? Status::resource_exhausted("OptimizerPipeline: no free pool block")
                               : Status::ok();
+  // On the update thread, as in the step, so the two are timed the same way.
   for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
-    std::int64_t ns = 0;
-    status = update(i, entries_[i % leased].lease.data(), args, &ns);
-    stats_.update_ns += ns;
+    start_update(i, entries_[i % leased].lease.data(), args);
+    while (!wait_update(std::chrono::milliseconds(100))) {
+    }
+    status = take_update_result();
   }
   for (Entry& e : entries_) e.lease.release();
   return status;
