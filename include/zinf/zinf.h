@@ -76,7 +76,8 @@ typedef enum zinf_code {
   ZINF_DEVICE_ERROR = 10,       /* a device (CUDA) call failed; sys_code holds cudaError_t */
   ZINF_COMM_ERROR = 11,         /* a collective failed; sys_code holds ncclResult_t from NCCL */
   ZINF_ABORTED = 12,            /* stopped because an earlier (sticky) error happened elsewhere */
-  ZINF_INTERNAL = 13            /* a bug in zinf, or an unexpected exception at the boundary */
+  ZINF_INTERNAL = 13,           /* a bug in zinf, or an unexpected exception at the boundary */
+  ZINF_CODE_MAX_ENUM = 0x7fffffff /* not a code: keeps the enum int-sized on every compiler */
 } zinf_code_t;
 
 /* The stable lowercase name of `code` ("ok", "invalid_argument", ...; "unknown" for a value
@@ -99,9 +100,10 @@ ZINF_C_API int zinf_c_abi_version(void);
 
 /* One for one with zinf::DType. */
 typedef enum zinf_dtype {
-  ZINF_DTYPE_F32 = 0, /* IEEE binary32 */
-  ZINF_DTYPE_F16 = 1, /* IEEE binary16 */
-  ZINF_DTYPE_BF16 = 2 /* bfloat16 (the top 16 bits of a binary32) */
+  ZINF_DTYPE_F32 = 0,              /* IEEE binary32 */
+  ZINF_DTYPE_F16 = 1,              /* IEEE binary16 */
+  ZINF_DTYPE_BF16 = 2,             /* bfloat16 (the top 16 bits of a binary32) */
+  ZINF_DTYPE_MAX_ENUM = 0x7fffffff /* not a dtype: keeps the enum int-sized */
 } zinf_dtype_t;
 
 /* ---- Config --------------------------------------------------------------------------------- */

@@ -270,7 +270,8 @@ TEST(CApi, CodesAndDtypesMapOneForOne) {
               std::string(code_name(static_cast<Code>(code))));
   }
   EXPECT_STREQ(zinf_code_name(static_cast<zinf_code_t>(14)), "unknown");
-  EXPECT_STREQ(zinf_code_name(static_cast<zinf_code_t>(-1)), "unknown");
+  EXPECT_STREQ(zinf_code_name(ZINF_CODE_MAX_ENUM), "unknown");
+  static_assert(sizeof(zinf_code_t) == sizeof(int) && sizeof(zinf_dtype_t) == sizeof(int));
   EXPECT_STREQ(zinf_code_name(ZINF_FAILED_PRECONDITION), "failed_precondition");
   EXPECT_STREQ(zinf_version(), version());
   EXPECT_EQ(zinf_c_abi_version(), ZINF_C_ABI_VERSION);
