@@ -10,11 +10,14 @@
  * thread-local storage: zinf_last_error_code(), zinf_last_error_sys_code() (the raw errno,
  * cudaError_t or ncclResult_t behind it, 0 when none) and zinf_last_error_message() (the message
  * alone: it names the config key, module, parameter, file or path involved; "" after success).
- * A failed call changes nothing it was given: out-parameters keep their values and handles stay
- * usable, except where the engine's errors are sticky (see zinf_engine_open). Nothing is thrown
- * across this ABI: an exception inside (for example std::bad_alloc) becomes
- * ZINF_RESOURCE_EXHAUSTED or ZINF_INTERNAL with its message. Passing a null handle or a null
- * pointer where one is required returns ZINF_INVALID_ARGUMENT naming the argument.
+ * A call refused for bad input (a null pointer, an unknown name, a wrong size) changes nothing:
+ * out-parameters keep their values (but zinf_config_to_json's needed_bytes, which says how much
+ * to allocate) and handles stay usable. An operating error (I/O, a collective) may leave an
+ * output buffer partly written, and an engine's operating errors are sticky (see
+ * zinf_engine_open). Nothing is thrown across this ABI: an exception inside (for example
+ * std::bad_alloc) becomes ZINF_RESOURCE_EXHAUSTED or ZINF_INTERNAL with its message. Passing a
+ * null handle or a null pointer where one is required returns ZINF_INVALID_ARGUMENT naming the
+ * argument.
  *
  * Ownership. Objects made by a *_create / *_open / *_from_* function belong to the caller, who
  * frees them with the matching *_destroy / *_close function (each accepts NULL). A handle that
