@@ -411,6 +411,21 @@ TEST(Program, BadArgumentsGiveOneLineAndLeaveNothingBehind) {
     EXPECT_FALSE(fs::exists(base / "out")) << args;
     EXPECT_FALSE(fs::exists(base / "nvme")) << args;
   }
+  // NVMe paths that cannot take the swap files: too small a filesystem for 100B parameters'
+  // optimizer state (1.2 TB), and a place where no directory can be made (procfs, which refuses
+  // even root). The --out directory made before the failure is removed again.
+  for (const std::string& args : {
+           std::string("--params 100B --device-memory 1000TiB --host-memory 1000TiB --nvme-path ") +
+               (base / "nvme").string(),
+           std::string("--steps 1 --nvme-path /proc/train_lm_nvme"),
+       }) {
+    std::string err;
+    EXPECT_NE(run_program(args + " --out " + (base / "out").string(), &err), 0) << args;
+    EXPECT_EQ(err.rfind("train_lm: error: --nvme-path", 0), 0u) << err;
+    EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << args << ": " << err;
+    EXPECT_FALSE(fs::exists(base / "out")) << args;
+    EXPECT_FALSE(fs::exists(base / "nvme")) << args;
+  }
   // A read-only place for the swap files (skipped as root, who may write anywhere).
   if (geteuid() != 0) {
     fs::create_directories(base / "ro");
