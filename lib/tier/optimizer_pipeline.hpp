@@ -14,14 +14,16 @@
 //
 // Threads: the caller's thread drives the I/O (submits reads and writes, which checksums them,
 // verifies reads, reaps finished writes and starts reads in the blocks they free); an update
-// thread, started at open(), runs each sub-group's update in a oneTBB arena of `threads` threads.
-// So the I/O queue is fed while an update runs, not only between updates. When the driver has
-// nothing to do it waits at most 100 us (or until the update ends) before polling again, so a
-// block freed by a write starts its next read within about that long.
+// thread, started at open() when anything is on NVMe (else the caller updates in place), runs each
+// sub-group's update in a oneTBB arena of `threads` threads. So the I/O queue is fed while an
+// update runs, not only between updates. When the driver has nothing to do it waits at most 100 us
+// (or until the update ends) before polling again, so a block freed by a write starts its next read
+// within about that long.
 //
 // Errors: a failure anywhere (a read or write's Status, a checksum mismatch, a timeout, the
-// update itself) stops the step: no new I/O is started, every I/O in flight is waited for (never
-// is a block reused while I/O into it may still land), and the step returns a Status naming the
+// update itself) stops the step: no new I/O is started, an update already running is let finish
+// and its sub-group written back, every I/O in flight is waited for (never is a block reused
+// while I/O into it may still land), and the step returns a Status naming the
 // step, the sub-group and what failed. The error is sticky: every later step() returns it, so
 // training cannot continue on half-updated state. The store then says, for every sub-group,
 // whether it holds the old step, the new step, or is torn (some of its writes failed): a sub-group
@@ -73,8 +75,8 @@ enum class StepMode : std::uint8_t {
   // Benchmarks only. kIoOnly: the identical reads and writes with no update (the values written
   // are those read, and the half-precision piece gets whatever the block held). kUpdateOnly: the
   // identical updates, sub-group by sub-group, on the pool's blocks as they are (sub-group i in
-  // block i mod blocks) with no I/O; host pieces are updated in place. Neither changes the
-  // versions the store records.
+  // block i mod blocks) on the update thread, with no I/O; host pieces are updated in place.
+  // Neither changes the versions the store records.
   kIoOnly = 1,
   kUpdateOnly = 2,
 };
