@@ -443,6 +443,8 @@ void StepDone::operator()() noexcept {
       std::fprintf(stderr, "step 0: validation loss %.3f nats/byte (ln 256 = 5.545)\n", val);
     }
     s.last_step_end = Clock::now();
+    // The split covers the steps: the first validation (and its gathers) is setting up.
+    sum.time = TimeSplit{};
     s.last_time = sum.time;
     sum.setup_peak_rss_bytes = peak_rss_bytes();
     reset_peak_rss();
