@@ -293,12 +293,28 @@ void run_tune(const TuneOptions& o) {
   file.reset();
   filler = Status::aborted("done");
 
+  // The knee: the point with the fewest bytes in flight (block x depth x rings, which is the
+  // pinned memory the step needs) that reaches 95% of the best rate.
+  nlohmann::json knee = nlohmann::json::object();
+  for (const auto& point : points) {
+    const std::string op_name = point["op"].get<std::string>();
+    if (point["gbps"].get<double>() < 0.95 * best[op_name]["gbps"].get<double>()) continue;
+    auto in_flight = [](const nlohmann::json& p) {
+      return p["block_bytes"].get<double>() * p["queue_depth"].get<double>() *
+             p["rings"].get<double>();
+    };
+    if (!knee.contains(op_name) || in_flight(point) < in_flight(knee[op_name])) {
+      knee[op_name] = point;
+    }
+  }
+
   nlohmann::json out;
   out["path"] = o.path;
   out["engine"] = engine_name;
   out["seconds_per_point"] = o.seconds;
   out["points"] = points;
   out["best"] = best;
+  out["knee"] = knee;
   const std::string out_path = o.out.empty() ? default_tune_file() : o.out;
   std::error_code ec;
   std::filesystem::create_directories(std::filesystem::path(out_path).parent_path(), ec);
@@ -314,6 +330,15 @@ void run_tune(const TuneOptions& o) {
     fmt::print("best {:<5}  block {}, depth {}, rings {}: {:.3f} GB/s\n", op_name,
                format_bytes(b["block_bytes"].get<double>()), b["queue_depth"].get<int>(),
                b["rings"].get<int>(), b["gbps"].get<double>());
+  }
+  for (const char* op_name : {"read", "write"}) {
+    if (!knee.contains(op_name)) continue;
+    const auto& k = knee[op_name];
+    fmt::print(
+        "knee {:<5}  block {}, depth {}, rings {}: {:.3f} GB/s (>= 95% of best with the "
+        "fewest bytes in flight)\n",
+        op_name, format_bytes(k["block_bytes"].get<double>()), k["queue_depth"].get<int>(),
+        k["rings"].get<int>(), k["gbps"].get<double>());
   }
   fmt::print("saved to {}\n", out_path);
 }
