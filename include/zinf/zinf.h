@@ -164,6 +164,31 @@ ZINF_C_API zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group
 /* ZINF_FAILED_PRECONDITION while an engine uses one of its communicators. */
 ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
 
+/* ---- Traces -------------------------------------------------------------------------------- */
+
+/* Timed spans on named tracks, written as Chrome trace JSON (Perfetto and chrome://tracing open
+ * it): the engine's gather, reduce and step phases, the optimizer pipeline's reads, updates and
+ * writes, and any spans the embedder adds. Engines of several ranks may share one trace. At most
+ * `max_events` spans are kept (later ones are counted as dropped). Thread-safe: every function
+ * may be called from any thread. */
+typedef struct zinf_trace zinf_trace_t;
+
+/* max_events 0: the default (1 Mi spans). */
+ZINF_C_API zinf_code_t zinf_trace_create(size_t max_events, zinf_trace_t** out);
+/* The trace's clock (CLOCK_MONOTONIC), nanoseconds: the time base of zinf_trace_add. */
+ZINF_C_API int64_t zinf_trace_now_ns(void);
+/* Records a finished span `name` on the track `track` (created on first use), for example the
+ * embedder's forward and backward passes beside the engine's spans. */
+ZINF_C_API zinf_code_t zinf_trace_add(zinf_trace_t* trace, const char* track, const char* name,
+                                      int64_t start_ns, int64_t end_ns);
+/* Spans kept so far, and spans dropped beyond max_events. */
+ZINF_C_API zinf_code_t zinf_trace_event_count(const zinf_trace_t* trace, size_t* kept,
+                                              size_t* dropped);
+/* Writes the trace as Chrome trace JSON to `path`; the error names the path. */
+ZINF_C_API zinf_code_t zinf_trace_write_json(const zinf_trace_t* trace, const char* path);
+/* ZINF_FAILED_PRECONDITION while an engine records into it. */
+ZINF_C_API zinf_code_t zinf_trace_destroy(zinf_trace_t* trace);
+
 /* ---- Engine --------------------------------------------------------------------------------- */
 
 /* One rank's share of ZeRO training (include/zinf/engine.hpp). */
@@ -178,6 +203,10 @@ typedef struct zinf_env {
    * config's nvme_path keys (several stripe across drives). Read during the call. */
   const char* const* nvme_paths;
   size_t nvme_path_count;
+  /* When not NULL, the engine records its spans here (on track "rank<r> engine", and the
+   * optimizer pipeline's "read", "update", "write"). The trace must outlive the engine (enforced,
+   * see zinf_trace_destroy). */
+  zinf_trace_t* trace;
 } zinf_env_t;
 
 /* Opens an engine on `env` with a copy of `config`. Checks the config, the env (the
@@ -295,6 +324,30 @@ typedef struct zinf_memory_report {
   uint64_t host_bytes;
   uint64_t nvme_bytes;
 } zinf_memory_report_t;
+/* Running totals since open (zinf::EngineCounters). Set struct_size =
+ * sizeof(zinf_engine_counters_t). */
+typedef struct zinf_engine_counters {
+  size_t struct_size;
+  uint64_t gathers;              /* zinf_engine_gather calls */
+  uint64_t gathers_issued;       /* module all-gathers issued (on demand + prefetch) */
+  uint64_t prefetches_issued;    /* issued ahead of their gather */
+  uint64_t prefetch_hits;        /* a gather found its module prefetched */
+  uint64_t prefetches_dropped;   /* prefetched, then freed unused */
+  uint64_t order_misses;         /* a gather of a module off the recorded order */
+  uint64_t live_elements;        /* gathered elements now (persistent ones excluded) */
+  uint64_t live_elements_peak;   /* most at once since open */
+  uint64_t persistent_elements;  /* elements kept gathered (stage 3) */
+  uint64_t all_gather_bytes;     /* bytes received by all-gathers (this rank) */
+  uint64_t reduce_scatter_bytes; /* bytes sent into reduce-scatters (this rank) */
+  uint64_t buckets_reduced;
+  uint64_t param_nvme_read_bytes;
+  uint64_t param_nvme_write_bytes;
+  uint64_t steps;
+  uint64_t skipped_steps;
+} zinf_engine_counters_t;
+ZINF_C_API zinf_code_t zinf_engine_counters(const zinf_engine_t* engine,
+                                            zinf_engine_counters_t* counters);
+
 /* ZINF_FAILED_PRECONDITION before finalize. */
 ZINF_C_API zinf_code_t zinf_engine_memory(const zinf_engine_t* engine,
                                           zinf_memory_report_t* report);

@@ -20,6 +20,7 @@
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
 #include "zinf/engine.hpp"
+#include "zinf/trace.hpp"
 #include "zinf/version.hpp"
 #include "zinf/zinf.h"
 
@@ -66,10 +67,18 @@ struct zinf_comm_group {
   std::atomic<int> users{0};
 };
 
+struct zinf_trace {
+  explicit zinf_trace(std::size_t max_events) : trace(max_events) {}
+  zinf::Trace trace;
+  // Engines recording into it.
+  std::atomic<int> users{0};
+};
+
 struct zinf_engine {
   std::unique_ptr<zinf::Engine> engine;
   zinf_device* device = nullptr;
   zinf_comm_group* group = nullptr;
+  zinf_trace* trace = nullptr;  // may be null
   // Element counts of the registered parameters, for read_parameters' buffer check.
   std::unordered_map<std::string, std::size_t> element_counts;
   // Reused by reduce_gradients so that a training loop allocates nothing after its first step.
@@ -335,6 +344,70 @@ zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group) {
   });
 }
 
+// ---- Traces ------------------------------------------------------------------------------------
+
+zinf_code_t zinf_trace_create(size_t max_events, zinf_trace_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    *out = new zinf_trace(max_events == 0 ? std::size_t{1} << 20 : max_events);
+    return Status::ok();
+  });
+}
+
+int64_t zinf_trace_now_ns(void) { return zinf::Trace::now_ns(); }
+
+zinf_code_t zinf_trace_add(zinf_trace_t* trace, const char* track, const char* name,
+                           int64_t start_ns, int64_t end_ns) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(trace, fn, "trace"));
+    ZINF_RETURN_IF_ERROR(require(track, fn, "track"));
+    ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
+    if (end_ns < start_ns) {
+      return Status::invalid_argument(
+          fmt::format("{}: span \"{}\" ends ({} ns) before it starts "
+                      "({} ns)",
+                      fn, name, end_ns, start_ns));
+    }
+    trace->trace.add(trace->trace.track(track), name, start_ns, end_ns);
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_trace_event_count(const zinf_trace_t* trace, size_t* kept, size_t* dropped) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(trace, fn, "trace"));
+    if (kept != nullptr) *kept = trace->trace.event_count();
+    if (dropped != nullptr) *dropped = trace->trace.dropped_count();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_trace_write_json(const zinf_trace_t* trace, const char* path) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(trace, fn, "trace"));
+    ZINF_RETURN_IF_ERROR(require(path, fn, "path"));
+    return trace->trace.write_json(path);
+  });
+}
+
+zinf_code_t zinf_trace_destroy(zinf_trace_t* trace) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (trace == nullptr) return Status::ok();
+    const int users = trace->users.load();
+    if (users > 0) {
+      return Status::failed_precondition(fmt::format(
+          "{}: {} engine(s) still record into this trace; close them first", fn, users));
+    }
+    delete trace;
+    return Status::ok();
+  });
+}
+
 // ---- Engine ------------------------------------------------------------------------------------
 
 zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
@@ -370,12 +443,15 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
         cpp_env.nvme_paths.emplace_back(e.nvme_paths[i]);
       }
     }
+    if (e.trace != nullptr) cpp_env.trace = &e.trace->trace;
     auto handle = std::make_unique<zinf_engine>();
     ZINF_ASSIGN_OR_RETURN(handle->engine, zinf::Engine::open(config->config, cpp_env));
     handle->device = e.device;
     handle->group = e.comm->group;
+    handle->trace = e.trace;
     handle->device->users.fetch_add(1);
     handle->group->users.fetch_add(1);
+    if (handle->trace != nullptr) handle->trace->users.fetch_add(1);
     *out = handle.release();
     return Status::ok();
   });
@@ -387,6 +463,7 @@ void zinf_engine_close(zinf_engine_t* engine) {
   engine->engine.reset();
   engine->group->users.fetch_sub(1);
   engine->device->users.fetch_sub(1);
+  if (engine->trace != nullptr) engine->trace->users.fetch_sub(1);
   delete engine;
 }
 
@@ -584,6 +661,40 @@ zinf_code_t zinf_engine_set_learning_rate(zinf_engine_t* engine, double learning
           fmt::format("{}: learning_rate {} is not a finite number >= 0", fn, learning_rate));
     }
     engine->engine->set_learning_rate(learning_rate);
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_counters(const zinf_engine_t* engine, zinf_engine_counters_t* counters) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(counters, fn, "counters"));
+    if (counters->struct_size < sizeof(counters->struct_size)) {
+      return Status::invalid_argument(
+          fmt::format("{}: counters->struct_size is {}; set it to sizeof(zinf_engine_counters_t)",
+                      fn, counters->struct_size));
+    }
+    const zinf::EngineCounters& c = engine->engine->counters();
+    zinf_engine_counters_t full{};
+    full.struct_size = counters->struct_size;
+    full.gathers = c.gathers;
+    full.gathers_issued = c.gathers_issued;
+    full.prefetches_issued = c.prefetches_issued;
+    full.prefetch_hits = c.prefetch_hits;
+    full.prefetches_dropped = c.prefetches_dropped;
+    full.order_misses = c.order_misses;
+    full.live_elements = c.live_elements;
+    full.live_elements_peak = c.live_elements_peak;
+    full.persistent_elements = c.persistent_elements;
+    full.all_gather_bytes = c.all_gather_bytes;
+    full.reduce_scatter_bytes = c.reduce_scatter_bytes;
+    full.buckets_reduced = c.buckets_reduced;
+    full.param_nvme_read_bytes = c.param_nvme_read_bytes;
+    full.param_nvme_write_bytes = c.param_nvme_write_bytes;
+    full.steps = c.steps;
+    full.skipped_steps = c.skipped_steps;
+    std::memcpy(counters, &full, std::min(counters->struct_size, sizeof(full)));
     return Status::ok();
   });
 }

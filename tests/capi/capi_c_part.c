@@ -144,6 +144,8 @@ static void train_rank(rank_task_t* task) {
   int micro;
   int rank = -1;
   int world = 0;
+  char track[32];
+  int64_t span_start_ns = 0;
 
   CHECK(zinf_comm_group_get(task->group, task->rank, &comm));
   memset(&env, 0, sizeof env);
@@ -154,6 +156,8 @@ static void train_rank(rank_task_t* task) {
     env.nvme_paths = &run->nvme_dir;
     env.nvme_path_count = 1;
   }
+  env.trace = run->trace;
+  snprintf(track, sizeof track, "rank %d", task->rank);
   CHECK(zinf_engine_open(task->config, &env, &engine));
   CHECK(zinf_engine_rank(engine, &rank));
   CHECK(zinf_engine_world_size(engine, &world));
@@ -183,6 +187,7 @@ static void train_rank(rank_task_t* task) {
       double loss_scale = 0.0;
       CHECK(zinf_engine_loss_scale(engine, &loss_scale));
       /* Forward: every module's parameters are there, of the registered dtype and size. */
+      span_start_ns = zinf_trace_now_ns();
       for (m = 0; m < CAPI_MODULES; ++m) {
         CHECK(zinf_engine_gather(engine, kModules[m]));
         for (p = 0; p < CAPI_PARAMS; ++p) {
@@ -195,7 +200,11 @@ static void train_rank(rank_task_t* task) {
         }
         CHECK(zinf_engine_release(engine, kModules[m]));
       }
+      if (run->trace != NULL) {
+        CHECK(zinf_trace_add(run->trace, track, "forward", span_start_ns, zinf_trace_now_ns()));
+      }
       /* Backward, in reverse: gradients from the gathered values. */
+      span_start_ns = zinf_trace_now_ns();
       for (m = CAPI_MODULES; m-- > 0;) {
         size_t ref_count = 0;
         CHECK(zinf_engine_gather(engine, kModules[m]));
@@ -213,6 +222,9 @@ static void train_rank(rank_task_t* task) {
         CHECK(zinf_engine_reduce_gradients(engine, kModules[m], refs, ref_count));
         CHECK(zinf_engine_release(engine, kModules[m]));
       }
+      if (run->trace != NULL) {
+        CHECK(zinf_trace_add(run->trace, track, "backward", span_start_ns, zinf_trace_now_ns()));
+      }
     }
     memset(&report, 0, sizeof report);
     report.struct_size = sizeof report;
@@ -225,6 +237,12 @@ static void train_rank(rank_task_t* task) {
     CHECK(zinf_engine_read_parameters(engine, kParams[p].name,
                                       run->finals[(size_t)task->rank * CAPI_PARAMS + p],
                                       capi_model_element_count(p)));
+  }
+  if (run->counters != NULL) {
+    zinf_engine_counters_t* counters = &run->counters[task->rank];
+    memset(counters, 0, sizeof *counters);
+    counters->struct_size = sizeof *counters;
+    CHECK(zinf_engine_counters(engine, counters));
   }
   task->code = 0;
 

@@ -50,6 +50,11 @@ typedef struct capi_run {
    * allocated by the caller; reports[rank] is each rank's last step report. */
   float** finals;
   zinf_step_report_t* reports;
+  /* When not NULL, every rank's engine records into it, and each rank adds its "forward" and
+   * "backward" spans on a track "rank <r>". */
+  zinf_trace_t* trace;
+  /* Out: counters[rank], each rank's engine counters at the end. */
+  zinf_engine_counters_t* counters;
 } capi_run_t;
 
 /* Trains through the C API only. Returns 0, or the failing zinf_code_t with its call and

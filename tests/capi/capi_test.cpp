@@ -13,7 +13,11 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
 #include <ostream>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
@@ -93,7 +97,8 @@ constexpr double kLrChangeValue = 0.004;
 // The same training loop as capi_c_part.c's train_rank(), through zinf::Engine directly.
 Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
                       const std::string& nvme_dir, const Case& c,
-                      std::vector<std::vector<float>>* finals, StepReport* last) {
+                      std::vector<std::vector<float>>* finals, StepReport* last,
+                      EngineCounters* counters) {
   Env env;
   env.device = &device;
   env.comm = &comm;
@@ -142,6 +147,7 @@ Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
     ZINF_RETURN_IF_ERROR(engine->read_parameters(capi_model_param(p)->name, out.data()));
     finals->push_back(std::move(out));
   }
+  *counters = engine->counters();
   return Status::ok();
 }
 
@@ -163,7 +169,12 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
     c_final_ptrs.push_back(c_finals[i].data());
   }
   std::vector<zinf_step_report_t> c_reports(world);
+  std::vector<zinf_engine_counters_t> c_counters(world);
+  zinf_trace_t* trace = nullptr;
+  ASSERT_EQ(zinf_trace_create(0, &trace), ZINF_OK);
   capi_run_t run{};
+  run.trace = trace;
+  run.counters = c_counters.data();
   run.config_json = json.c_str();
   run.nvme_dir = dir.path().c_str();
   run.world_size = c.world;
@@ -176,6 +187,42 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
   run.reports = c_reports.data();
   char error[2048] = {0};
   ASSERT_EQ(capi_c_train(&run, error, sizeof error), 0) << error;
+  // The engines' spans and the C ranks' own, in one Chrome trace file.
+  std::size_t kept = 0, dropped = 0;
+  ASSERT_EQ(zinf_trace_event_count(trace, &kept, &dropped), ZINF_OK);
+  EXPECT_EQ(dropped, 0u);
+  const std::string trace_path = dir.path() + "/trace.json";
+  ASSERT_EQ(zinf_trace_write_json(trace, trace_path.c_str()), ZINF_OK) << zinf_last_error_message();
+  ASSERT_EQ(zinf_trace_destroy(trace), ZINF_OK) << zinf_last_error_message();
+  {
+    std::ifstream in(trace_path);
+    const nlohmann::json doc = nlohmann::json::parse(in);
+    std::set<std::string> tracks;
+    std::map<int, std::string> track_of_tid;
+    std::map<std::string, int> user_spans;  // rank tracks' spans by name
+    std::size_t spans = 0;
+    for (const nlohmann::json& ev : doc.at("traceEvents")) {
+      if (ev.at("ph") == "M" && ev.at("name") == "thread_name") {
+        const std::string name = ev.at("args").at("name").get<std::string>();
+        tracks.insert(name);
+        track_of_tid[ev.at("tid").get<int>()] = name;
+      }
+    }
+    for (const nlohmann::json& ev : doc.at("traceEvents")) {
+      if (ev.at("ph") != "X") continue;
+      ++spans;
+      if (track_of_tid[ev.at("tid").get<int>()].rfind("rank ", 0) == 0) {
+        ++user_spans[ev.at("name").get<std::string>()];
+      }
+    }
+    EXPECT_EQ(spans, kept);
+    for (int r = 0; r < c.world; ++r) {
+      EXPECT_TRUE(tracks.count(fmt::format("rank{} engine", r))) << "no engine track of " << r;
+    }
+    for (int r = 0; r < c.world; ++r) EXPECT_TRUE(tracks.count(fmt::format("rank {}", r)));
+    EXPECT_EQ(user_spans["forward"], c.world * kSteps * c.micro_batches);
+    EXPECT_EQ(user_spans["backward"], c.world * kSteps * c.micro_batches);
+  }
 
   // Through C++.
   Result<Config> config = parse_config(json);
@@ -194,12 +241,13 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
       std::move(make_local_comm_group(raw, co)).value();
   std::vector<std::vector<std::vector<float>>> cpp_finals(world);
   std::vector<StepReport> cpp_reports(world);
+  std::vector<EngineCounters> cpp_counters(world);
   std::vector<Status> statuses(world);
   std::vector<std::thread> threads;
   for (std::size_t r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       statuses[r] = train_cpp_rank(*config, *devices[r], *comms[r], dir.path(), c, &cpp_finals[r],
-                                   &cpp_reports[r]);
+                                   &cpp_reports[r], &cpp_counters[r]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -247,6 +295,20 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
       EXPECT_EQ(cr.optimizer_nvme_read_bytes, pr.optimizer_nvme_read_bytes);
     }
     EXPECT_GE(cr.wall_ns, 0);
+    // Counters that do not depend on timing: the calls made and the bytes reduced.
+    const zinf_engine_counters_t& cc = c_counters[r];
+    const EngineCounters& pc = cpp_counters[r];
+    EXPECT_EQ(cc.struct_size, sizeof(zinf_engine_counters_t));
+    EXPECT_EQ(cc.gathers,
+              static_cast<std::uint64_t>(kSteps * c.micro_batches * 2) * capi_model_module_count());
+    EXPECT_EQ(cc.gathers, pc.gathers);
+    EXPECT_EQ(cc.steps, static_cast<std::uint64_t>(kSteps));
+    EXPECT_EQ(cc.steps, pc.steps);
+    EXPECT_EQ(cc.skipped_steps, pc.skipped_steps);
+    EXPECT_EQ(cc.reduce_scatter_bytes, pc.reduce_scatter_bytes);
+    EXPECT_EQ(cc.buckets_reduced, pc.buckets_reduced);
+    EXPECT_EQ(cc.persistent_elements, pc.persistent_elements);
+    EXPECT_EQ(cc.live_elements, 0u);
   }
 }
 
@@ -532,6 +594,46 @@ TEST(CApi, HandlesRefuseToGoWhileUsed) {
   EXPECT_EQ(zinf_device_destroy(nullptr), ZINF_OK);
   EXPECT_EQ(zinf_comm_group_destroy(nullptr), ZINF_OK);
   zinf_engine_close(nullptr);
+}
+
+TEST(CApi, TraceRecordsTheEngineAndRefusesToGoWhileUsed) {
+  zinf_trace_t* trace = nullptr;
+  ASSERT_EQ(zinf_trace_create(4, &trace), ZINF_OK);
+  EXPECT_CODE(zinf_trace_add(trace, "mine", "backwards", 10, 5), ZINF_INVALID_ARGUMENT,
+              "backwards");
+  EXPECT_CODE(zinf_trace_add(trace, nullptr, "x", 0, 1), ZINF_INVALID_ARGUMENT, "track is null");
+  {
+    OneRank one(kStage2);
+    one.env_.trace = trace;
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    EXPECT_CODE(zinf_trace_destroy(trace), ZINF_FAILED_PRECONDITION, "engine");
+    const float values[2] = {1.0f, 2.0f};
+    const std::int64_t shape[1] = {2};
+    ASSERT_EQ(
+        zinf_engine_register_parameter(one.engine_, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+        ZINF_OK);
+    const zinf_gradient_t g = {"w", values, 2, ZINF_DTYPE_F32};
+    for (int step = 0; step < 3; ++step) {
+      ASSERT_EQ(zinf_engine_reduce_gradients(one.engine_, "m", &g, 1), ZINF_OK);
+      ASSERT_EQ(zinf_engine_step(one.engine_, nullptr), ZINF_OK);
+    }
+    zinf_engine_counters_t counters{};
+    counters.struct_size = sizeof counters;
+    ASSERT_EQ(zinf_engine_counters(one.engine_, &counters), ZINF_OK);
+    EXPECT_EQ(counters.steps, 3u);
+    counters.struct_size = 0;
+    EXPECT_CODE(zinf_engine_counters(one.engine_, &counters), ZINF_INVALID_ARGUMENT, "struct_size");
+  }
+  // Only 4 spans are kept; the rest are counted.
+  std::size_t kept = 0, dropped = 0;
+  ASSERT_EQ(zinf_trace_event_count(trace, &kept, &dropped), ZINF_OK);
+  EXPECT_EQ(kept, 4u);
+  EXPECT_GT(dropped, 0u);
+  EXPECT_CODE(zinf_trace_write_json(trace, "/nonexistent/capi/trace.json"), ZINF_NOT_FOUND,
+              "/nonexistent/capi/trace.json");
+  EXPECT_EQ(zinf_trace_destroy(trace), ZINF_OK) << zinf_last_error_message();
+  EXPECT_EQ(zinf_trace_destroy(nullptr), ZINF_OK);
+  EXPECT_GT(zinf_trace_now_ns(), 0);
 }
 
 TEST(CApi, LastErrorBelongsToTheThread) {
