@@ -21,6 +21,7 @@ ZINF_DTYPE_F32 = 0
 
 
 class Env(C.Structure):
+    # zinf_env_t without its last field (trace): struct_size tells the library how much there is.
     _fields_ = [("struct_size", C.c_size_t), ("device", C.c_void_p), ("comm", C.c_void_p),
                 ("nvme_paths", C.POINTER(C.c_char_p)), ("nvme_path_count", C.c_size_t)]
 
