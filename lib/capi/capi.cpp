@@ -106,8 +106,9 @@ void store(zinf_code_t code, int sys_code, std::string_view message) noexcept {
   try {
     e.message.assign(message);
   } catch (...) {
-    // The message alone did not fit in memory; keep the code and say so (no allocation:
-    // clear() keeps the capacity, and the literal fits in the small-string buffer or less).
+    // The message did not fit in memory; keep the code and say so. shrink_to_fit() frees the
+    // old buffer, after which the 13-character literal fits the small-string buffer (no
+    // allocation in libstdc++ and libc++).
     e.message.clear();
     e.message.shrink_to_fit();
     try {
