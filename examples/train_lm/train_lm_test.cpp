@@ -388,6 +388,26 @@ TEST(Program, OneRankAndFourRanksEndAtTheSameLoss) {
   fs::remove_all(dir);
 }
 
+// The engine (fp32 parameters, stage 3, optimizer state on NVMe) against the program's own plain
+// fp32 AdamW loop: the same training, so the same loss up to rounding (the engine's kernel uses
+// fused multiply-adds).
+TEST(Program, EngineMatchesThePlainLoop) {
+  const fs::path dir = scratch_dir("train_lm_plain");
+  const std::string common =
+      "--params 60k --steps 20 --batch 8 --seq-len 32 --eval-every 20 --seed 3 --no-progress ";
+  std::string err, plain, engine;
+  ASSERT_EQ(run_program(common + "--engine off --out " + (dir / "plain").string(), &err, &plain), 0)
+      << err;
+  ASSERT_EQ(run_program(common + "--param-dtype f32 --offload-optimizer nvme --out " +
+                            (dir / "engine").string() + " --nvme-path " + (dir / "nvme").string(),
+                        &err, &engine),
+            0)
+      << err;
+  std::printf("seed 3: plain %.6f, engine %.6f\n", final_val_loss(plain), final_val_loss(engine));
+  EXPECT_NEAR(final_val_loss(plain), final_val_loss(engine), 1e-3);
+  fs::remove_all(dir);
+}
+
 TEST(Program, BadArgumentsGiveOneLineAndLeaveNothingBehind) {
   const fs::path base =
       fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /

@@ -223,6 +223,7 @@ class PlainAccess final : public ParamAccess {
                           params_[i] =
                               params_[i] * decay -
                               step_size * m_[i] / (std::sqrt(v_[i]) * inv_sqrt_c2 + float(eps));
+                          grads_[i] = 0.0f;  // the next step accumulates afresh
                         }
                       });
   }
