@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -194,6 +195,40 @@ Status load_machine_profile(const std::string& path, std::uint64_t io_block_byte
   text << file.rdbuf();
   return parse_machine_profile(text.str(), fmt::format("file {}", path), io_block_bytes,
                                io_queue_depth, profile);
+}
+
+Status save_machine_profile(const std::string& path, const MachineProfile& profile) {
+  json root = json::object();
+  {
+    std::ifstream in(path);
+    if (in) {
+      std::stringstream text;
+      text << in.rdbuf();
+      if (!text.str().empty()) {
+        root = json::parse(text.str(), nullptr, /*allow_exceptions=*/false);
+        if (root.is_discarded() || !root.is_object()) {
+          return Status::invalid_argument(fmt::format("{}: not a JSON object", path));
+        }
+      }
+    }
+  }
+  auto put = [&](const char* key, double value) {
+    if (value > 0) root[key] = value;
+  };
+  put("mem_adam_pattern_gbps", profile.mem_adam_gbps);
+  put("nvme_read_gbps", profile.nvme_read_gbps);
+  put("nvme_write_gbps", profile.nvme_write_gbps);
+  put("nvme_duplex_gbps", profile.nvme_duplex_gbps);
+  if (profile.cpu_cores > 0) root["cpu_cores"] = profile.cpu_cores;
+  std::error_code ec;
+  const std::filesystem::path parent = std::filesystem::path(path).parent_path();
+  if (!parent.empty()) std::filesystem::create_directories(parent, ec);
+  std::ofstream out(path, std::ios::out | std::ios::trunc);
+  if (!out) return status_from_errno(fmt::format("open {}", path), errno);
+  out << root.dump(2) << "\n";
+  out.close();
+  if (!out) return status_from_errno(fmt::format("write {}", path), errno);
+  return Status::ok();
 }
 
 double measure_adam_gbps(std::uint64_t bytes_per_stream, int reps) {

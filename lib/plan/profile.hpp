@@ -51,6 +51,11 @@ Status parse_machine_profile(std::string_view text, const std::string& source,
 Status load_machine_profile(const std::string& path, std::uint64_t io_block_bytes,
                             std::uint64_t io_queue_depth, MachineProfile* profile);
 
+// Writes the measured figures of `profile` (the keys above, those that are nonzero) into the
+// JSON object at `path`, keeping its other keys, creating the file and its directory if needed.
+// io_error naming the path on failure; invalid_argument when the file is not a JSON object.
+Status save_machine_profile(const std::string& path, const MachineProfile& profile);
+
 // Bandwidth of the CPU Adam's access pattern with the half copy (read g; read and write p, m,
 // v; write the half params: 30 B an element), `bytes_per_stream` per stream, all cores, median
 // of `reps` passes after a warm-up. GB/s.

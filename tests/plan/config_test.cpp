@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -180,6 +181,38 @@ TEST(Profile, ReadsWhatZinfIoTuneSaves) {
       parse_machine_profile(R"({"best": {"read": {"gbps": 1}}})", "file t.json", 1 << 20, 32, &p);
   EXPECT_EQ(bad.code(), Code::kInvalidArgument);
   EXPECT_NE(bad.message().find("t.json"), std::string_view::npos) << bad.to_string();
+}
+
+TEST(Profile, SaveKeepsOtherKeysAndReadsBack) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string path =
+      std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_profile_save/sub/machine.json";
+  std::filesystem::remove_all(std::filesystem::path(path).parent_path().parent_path());
+  MachineProfile p;
+  p.mem_adam_gbps = 23.5;
+  p.nvme_read_gbps = 3.25;
+  p.nvme_write_gbps = 5.5;
+  p.nvme_duplex_gbps = 4.75;
+  p.cpu_cores = 2;
+  ASSERT_TRUE(save_machine_profile(path, p).is_ok());
+  // Another tool's key survives a second save.
+  {
+    std::ifstream in(path);
+    nlohmann::json j = nlohmann::json::parse(in);
+    j["mem_triad_gbps"] = 11.0;
+    std::ofstream(path) << j.dump();
+  }
+  p.mem_adam_gbps = 24.5;
+  ASSERT_TRUE(save_machine_profile(path, p).is_ok());
+  MachineProfile back;
+  ASSERT_TRUE(load_machine_profile(path, 1 << 20, 32, &back).is_ok());
+  EXPECT_DOUBLE_EQ(back.mem_adam_gbps, 24.5);
+  EXPECT_DOUBLE_EQ(back.nvme_read_gbps, 3.25);
+  EXPECT_DOUBLE_EQ(back.nvme_write_gbps, 5.5);
+  EXPECT_DOUBLE_EQ(back.nvme_duplex_gbps, 4.75);
+  EXPECT_EQ(back.cpu_cores, 2);
+  std::ifstream in(path);
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(in).at("mem_triad_gbps").get<double>(), 11.0);
 }
 
 TEST(Profile, KeepsWhatTheFileLacksAndNamesBadKeys) {

@@ -11,6 +11,7 @@
 #include <memory>
 #include <string>
 
+#include "base/cpu.hpp"
 #include "command.hpp"
 #include "plan/config.hpp"
 #include "plan/estimate.hpp"
@@ -47,6 +48,7 @@ struct PlanOptions {
   std::string offload_param;
   std::string machine_profile;
   std::string io_profile;
+  std::string save_profile;
   bool measure = false;
   bool no_gradient_spill = false;
   std::string measure_bytes = "auto";
@@ -135,8 +137,8 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
   if (p->mem_adam_gbps <= 0) {
     p->mem_adam_gbps = measure_adam_gbps(std::uint64_t{128} << 20, 3);
     p->memory_source = "measured now (Adam pattern, 30 B/param, 128 MiB streams, median of 3)";
-    notes->push_back("memory bandwidth measured now: save `zinf probe --json` as " + path +
-                     " to skip this");
+    notes->push_back("memory bandwidth measured now: --save-profile " + path +
+                     " (or zinf probe --json saved there) skips this next time");
   }
   if (need_nvme && (p->nvme_read_gbps <= 0 || p->nvme_write_gbps <= 0)) {
     if (nvme_dir.empty()) {
@@ -163,11 +165,20 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
     p->nvme_block_bytes = 1 << 20;
     p->nvme_queue_depth = 32;
     p->nvme_source = fmt::format(
-        "measured now on {} (sequential O_DIRECT through the I/O engine, {}, 1 MiB pieces, "
-        "depth 32)",
+        "measured now on {} (a swap space through the I/O engine: writes, reads, both at once; "
+        "{}, 1 MiB pieces, depth 32)",
         nvme_dir, format_bytes(static_cast<double>(measure_bytes)));
     notes->push_back(
         "NVMe rates measured now with a short simple test: `zinf io tune` gives better ones");
+  }
+  if (p->cpu_cores <= 0) p->cpu_cores = cpu_count();
+  if (!o.save_profile.empty()) {
+    const Status s = save_machine_profile(o.save_profile, *p);
+    if (!s.is_ok()) {
+      fail(fmt::format("--save-profile: {}", s.to_string()));
+      return false;
+    }
+    notes->push_back(fmt::format("machine profile saved to {}", o.save_profile));
   }
   return true;
 }
@@ -642,6 +653,8 @@ void setup_plan(CLI::App& app) {
   sub->add_option(
       "--io-profile", o->io_profile,
       "zinf io tune results (default $ZINF_IO_TUNE_FILE or ~/.cache/zinf/io-tune.json)");
+  sub->add_option("--save-profile", o->save_profile,
+                  "Write the figures used (measured or given) into this profile file");
   sub->add_flag("--measure", o->measure,
                 "Ignore any profile file: measure now what the options do not give");
   sub->add_option("--measure-bytes", o->measure_bytes, "File size for measuring the disk now")
