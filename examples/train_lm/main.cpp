@@ -66,6 +66,7 @@ std::string summary_text(const Options& o, const RunSummary& r) {
       {"gradient reduction", ms(t.reduce_s, n), pct(t.reduce_s, t.total_s)},
       {"optimizer step", ms(t.step_s, n), pct(t.step_s, t.total_s)},
       {"  of which AdamW + NVMe I/O", ms(t.optimizer_s, n), pct(t.optimizer_s, t.total_s)},
+      {"    of which I/O wait", ms(t.io_wait_s, n), pct(t.io_wait_s, t.total_s)},
       {"validation", ms(t.eval_s, n), pct(t.eval_s, t.total_s)},
       {"other (batches, sync)", ms(other, n), pct(other, t.total_s)},
       {"total", ms(t.total_s, n), "100%"},

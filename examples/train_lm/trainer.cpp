@@ -173,6 +173,19 @@ class CreatedDirs {
   std::vector<fs::path> created_;
 };
 
+// Seconds of the optimizer pipeline's "update" spans (AdamW on a sub-group) that started at or
+// after `since_ns`, summed over every rank's pipeline. The rest of the optimizer phase is time the
+// step waited for NVMe (or host) reads and writes.
+double update_seconds(const zinf::Trace& trace, std::int64_t since_ns) {
+  double total = 0;
+  const std::vector<std::string> tracks = trace.track_names();
+  for (const zinf::Trace::Event& e : trace.events()) {
+    if (e.start_ns < since_ns || e.track < 0 || std::size_t(e.track) >= tracks.size()) continue;
+    if (tracks[std::size_t(e.track)] == "update") total += double(e.duration_ns) * 1e-9;
+  }
+  return total;
+}
+
 // --- The plain fp32 path: parameters, gradients and AdamW state in this program ---------------
 
 class PlainAccess final : public ParamAccess {
@@ -425,6 +438,10 @@ struct Shared {
   std::uint64_t last_nvme_bytes = 0;
   ProgressBar progress;
   zinf::Trace* trace = nullptr;
+  // The optimizer pipeline's spans are in `trace` (the optimizer state is offloaded): the I/O wait
+  // can be told from the update time.
+  bool pipeline_traced = false;
+  std::int64_t first_step_ns = 0, last_step_end_ns = 0;
 };
 
 void StepDone::operator()() noexcept {
@@ -447,6 +464,7 @@ void StepDone::operator()() noexcept {
     // The split covers the steps: the first validation (and its gathers) is setting up.
     sum.time = TimeSplit{};
     s.last_time = sum.time;
+    s.first_step_ns = s.last_step_end_ns = zinf::Trace::now_ns();
     sum.setup_peak_rss_bytes = peak_rss_bytes();
     reset_peak_rss();
     return;
@@ -480,20 +498,25 @@ void StepDone::operator()() noexcept {
       nvme_bytes += s.nvme_read[std::size_t(r)] + s.nvme_write[std::size_t(r)];
     }
     const double optimizer_s = now.optimizer_s - was.optimizer_s;
+    const double io_wait_s =
+        s.pipeline_traced
+            ? std::max(0.0, optimizer_s - update_seconds(*s.trace, s.last_step_end_ns) / s.world)
+            : 0.0;
     s.progress.finish_line();
     std::fprintf(stderr,
                  "step %lld: %.2fs = forward %.2fs + backward %.2fs + gather %.2fs + reduce "
-                 "%.2fs + step %.2fs (AdamW+NVMe %.2fs, %s NVMe traffic, %.2f GB/s) + eval "
-                 "%.2fs; loss %.3f\n",
+                 "%.2fs + step %.2fs (AdamW+NVMe %.2fs of which I/O wait %.2fs, %s NVMe "
+                 "traffic, %.2f GB/s) + eval %.2fs; loss %.3f\n",
                  static_cast<long long>(s.step), step_s, now.forward_s - was.forward_s,
                  now.backward_s - was.backward_s, now.gather_s - was.gather_s,
-                 now.reduce_s - was.reduce_s, now.step_s - was.step_s, optimizer_s,
+                 now.reduce_s - was.reduce_s, now.step_s - was.step_s, optimizer_s, io_wait_s,
                  format_bytes(double(nvme_bytes - s.last_nvme_bytes)).c_str(),
                  optimizer_s > 0 ? double(nvme_bytes - s.last_nvme_bytes) / optimizer_s / 1e9 : 0.0,
                  now.eval_s - was.eval_s, train);
     s.last_time = now;
     s.last_nvme_bytes = nvme_bytes;
   }
+  s.last_step_end_ns = zinf::Trace::now_ns();
   const double mean_rate = double(sum.tokens_seen) / std::max(s.train_s, 1e-9);
   char extra[64];
   std::snprintf(extra, sizeof(extra), "val %.3f", s.last_val);
@@ -744,11 +767,15 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   if (uses_nvme && !created.make("--nvme-path", swap_dir, error)) return fail(*error);
 
   if (!o.quiet) std::fputs(banner.c_str(), stderr);
+  // A trace is kept when asked for, and whenever the optimizer state is offloaded: its pipeline's
+  // spans tell the AdamW time from the time spent waiting for I/O.
+  const bool pipeline = o.use_engine && o.offload_optimizer != "none";
   std::unique_ptr<zinf::Trace> trace;
-  if (!o.trace_path.empty()) trace = std::make_unique<zinf::Trace>();
+  if (!o.trace_path.empty() || pipeline) trace = std::make_unique<zinf::Trace>();
 
   Shared shared(o, shape, corpus, summary);
   shared.trace = trace.get();
+  shared.pipeline_traced = pipeline;
   if (!o.use_engine) {
     run_rank(shared, 0, nullptr, nullptr);
   } else {
@@ -822,7 +849,12 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
 
   summary->wall_s = seconds_since(wall_start);
   summary->peak_rss_bytes = peak_rss_bytes();
-  if (trace) {
+  if (pipeline && summary->steps_done > 0) {
+    summary->time.io_wait_s =
+        std::max(0.0, summary->time.optimizer_s -
+                          update_seconds(*trace, shared.first_step_ns) / o.world_size);
+  }
+  if (trace && !o.trace_path.empty()) {
     zinf::Status written = trace->write_json(o.trace_path);
     if (!written.is_ok()) return fail("--trace: " + written.to_string());
   }

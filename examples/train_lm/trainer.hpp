@@ -21,6 +21,7 @@ struct TimeSplit {
   double reduce_s = 0;     // Engine::reduce_gradients (averaged over ranks into the owners)
   double step_s = 0;       // Engine::step (or the plain AdamW): norm, optimizer, publish
   double optimizer_s = 0;  //   of which the optimizer over the rank's slice (NVMe I/O included)
+  double io_wait_s = 0;    //     of which waiting for reads and writes (not updating)
   double eval_s = 0;       // validation
   double total_s = 0;      // the steps' wall time, all of the above and the rest (batches)
 };
