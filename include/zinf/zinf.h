@@ -112,7 +112,9 @@ typedef enum zinf_dtype {
 /* ---- Config --------------------------------------------------------------------------------- */
 
 /* A parsed and validated engine config (the DeepSpeed-style JSON of include/zinf/config.hpp and
- * docs/ENGINE.md). Immutable; an engine copies it at open, so it may be destroyed after. */
+ * docs/ENGINE.md). Immutable; an engine copies it at open, so it may be destroyed after.
+ * Thread-safety: any number of threads may read one config at once (zinf_engine_open,
+ * zinf_config_to_json); destroy it once no call uses it. */
 typedef struct zinf_config zinf_config_t;
 
 /* Parses `json_bytes` bytes of JSON text at `json`. ZINF_INVALID_ARGUMENT whose message starts
@@ -133,7 +135,8 @@ ZINF_C_API void zinf_config_destroy(zinf_config_t* config);
 
 /* ---- Devices and communicators -------------------------------------------------------------- */
 
-/* One rank's device. */
+/* One rank's device. Thread-safety: usable from any thread (engines and communicators of its
+ * rank run their own threads on it); destroy it from one thread, after its users. */
 typedef struct zinf_device zinf_device_t;
 
 /* A HostDevice: device memory is host memory, streams are worker threads (how zinf runs every
@@ -149,7 +152,9 @@ ZINF_C_API zinf_code_t zinf_device_destroy(zinf_device_t* device);
  * devices[r] and is meant to be driven by its own thread. Collectives move data through shared
  * memory and sum in rank order, so results are the same bits on every rank and in every run. */
 typedef struct zinf_comm_group zinf_comm_group_t;
-/* One rank's communicator; owned by its group. */
+/* One rank's communicator; owned by its group. Thread-safety: zinf_comm_group_get and
+ * zinf_comm_group_world_size may be called from any thread; each communicator belongs to the
+ * one engine (and thread) of its rank. */
 typedef struct zinf_comm zinf_comm_t;
 
 /* `timeout_ms`: how long a rank waits in a collective for the others before it fails with
@@ -191,7 +196,9 @@ ZINF_C_API zinf_code_t zinf_trace_destroy(zinf_trace_t* trace);
 
 /* ---- Engine --------------------------------------------------------------------------------- */
 
-/* One rank's share of ZeRO training (include/zinf/engine.hpp). */
+/* One rank's share of ZeRO training (include/zinf/engine.hpp). Thread-safety: every
+ * zinf_engine_* call on one engine must come from one thread at a time (its rank's); the engine
+ * runs its own stream, I/O and optimizer threads, and different ranks' engines run at once. */
 typedef struct zinf_engine zinf_engine_t;
 
 /* What an engine runs on (zinf::Env). Set struct_size = sizeof(zinf_env_t). */
