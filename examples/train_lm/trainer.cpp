@@ -850,9 +850,12 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   summary->wall_s = seconds_since(wall_start);
   summary->peak_rss_bytes = peak_rss_bytes();
   if (pipeline && summary->steps_done > 0) {
+    // A trace that filled up dropped spans: the update time would be short, so say nothing.
     summary->time.io_wait_s =
-        std::max(0.0, summary->time.optimizer_s -
-                          update_seconds(*trace, shared.first_step_ns) / o.world_size);
+        trace->dropped_count() > 0
+            ? std::nan("")
+            : std::max(0.0, summary->time.optimizer_s -
+                                update_seconds(*trace, shared.first_step_ns) / o.world_size);
   }
   if (trace && !o.trace_path.empty()) {
     zinf::Status written = trace->write_json(o.trace_path);
