@@ -370,15 +370,17 @@ class Engine::Impl {
       swap_ = std::move(opened).value();
     }
 
-    // The initial fp32 master of this rank's partition.
-    std::vector<float> master(partition_elements_, 0.0f);
+    // The initial fp32 master of this rank's partition is never held whole in host memory: it
+    // is built from the registered values one sub-group at a time (fill_master), so setting up a
+    // model whose state lives on NVMe costs no more host memory than its registered values.
     for (std::uint32_t g = 0; g < groups; ++g) {
       for (const ParamPiece& piece : part_->shard_pieces(g, rank_)) {
-        std::memcpy(master.data() + offsets_[g] + piece.shard_offset,
-                    regs_[piece.param].values.data() + piece.param_offset,
-                    piece.element_count * sizeof(float));
+        master_pieces_.push_back({offsets_[g] + piece.shard_offset, piece.param, piece.param_offset,
+                                  piece.element_count});
       }
     }
+    std::sort(master_pieces_.begin(), master_pieces_.end(),
+              [](const MasterPiece& a, const MasterPiece& b) { return a.first < b.first; });
 
     // Optimizer state.
     float* accumulator = nullptr;
@@ -393,7 +395,7 @@ class Engine::Impl {
       ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(exp_avg_sq_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(grads_, DeviceBuffer::allocate(device_, bytes));
-      std::memcpy(master_.data(), master.data(), partition_elements_ * sizeof(float));
+      fill_master(0, partition_elements_, master_.as<float>());
       std::memset(exp_avg_.data(), 0, bytes);
       std::memset(exp_avg_sq_.data(), 0, bytes);
       accumulator = grads_.as<float>();
@@ -411,7 +413,7 @@ class Engine::Impl {
       }
       ZINF_ASSIGN_OR_RETURN(pipeline_,
                             OptimizerPipeline::open(*store_, opt_pool_.get(), pipeline_options()));
-      ZINF_RETURN_IF_ERROR(load_store(master));
+      ZINF_RETURN_IF_ERROR(load_store());
       accumulator = reinterpret_cast<float*>(store_->host_data(Piece::kGrads));
     }
 
@@ -435,9 +437,20 @@ class Engine::Impl {
         coord_, ParamCoordinator::create(*part_, rank_, device_, comm_, std::move(modules),
                                          persistent, co, swap_.get(), io_.get(), &counters_));
     // The device copies: every group's shard is the master rounded to the group's dtype.
-    narrow_master(0, partition_elements_, master.data(), /*all_groups=*/true);
+    if (master_.bytes() > 0) {
+      narrow_master(0, partition_elements_, master_.as<const float>(), /*all_groups=*/true);
+    } else {
+      const std::size_t chunk = std::max<std::size_t>(store_->sub_group_params(), 1);
+      AlignedBuffer piece(round_page(chunk * sizeof(float)));
+      for (std::size_t first = 0; first < partition_elements_; first += chunk) {
+        const std::size_t count = std::min(chunk, partition_elements_ - first);
+        fill_master(first, count, piece.as<float>());
+        narrow_master(first, count, piece.as<const float>(), /*all_groups=*/true);
+      }
+    }
     ZINF_RETURN_IF_ERROR(write_shards());
     for (Registered& r : regs_) std::vector<float>().swap(r.values);
+    std::vector<MasterPiece>().swap(master_pieces_);
     finalized_ = true;
     return Status::ok();
   }
@@ -516,7 +529,7 @@ class Engine::Impl {
   }
 
   // Writes the initial master and zero moments into the store.
-  Status load_store(const std::vector<float>& master) {
+  Status load_store() {
     StateStore& s = *store_;
     AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
     for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
@@ -525,9 +538,7 @@ class Engine::Impl {
       for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
         if (!s.has(piece)) continue;
         std::memset(block.data(), 0, block.bytes());
-        if (piece == Piece::kParams) {
-          std::memcpy(block.data(), master.data() + first, size * sizeof(float));
-        }
+        if (piece == Piece::kParams) fill_master(first, size, block.as<float>());
         if (s.tier(piece) == Tier::kHost) {
           std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
         } else {
@@ -536,6 +547,33 @@ class Engine::Impl {
       }
     }
     return Status::ok();
+  }
+
+  // One registered parameter's run of elements inside this rank's partition.
+  struct MasterPiece {
+    std::size_t first;  // partition element where the run starts
+    std::size_t param;  // index into regs_
+    std::size_t param_offset;
+    std::size_t element_count;
+  };
+
+  // out[0, count) <- the initial master of partition elements [first, first + count), from the
+  // registered values; padding is zero. REQUIRES: before the registered values are dropped.
+  void fill_master(std::size_t first, std::size_t count, float* out) const {
+    std::memset(out, 0, count * sizeof(float));
+    const std::size_t end = first + count;
+    auto it =
+        std::upper_bound(master_pieces_.begin(), master_pieces_.end(), first,
+                         [](std::size_t value, const MasterPiece& p) { return value < p.first; });
+    if (it != master_pieces_.begin()) --it;
+    for (; it != master_pieces_.end() && it->first < end; ++it) {
+      const std::size_t lo = std::max(first, it->first);
+      const std::size_t hi = std::min(end, it->first + it->element_count);
+      if (lo >= hi) continue;
+      std::memcpy(out + (lo - first),
+                  regs_[it->param].values.data() + it->param_offset + (lo - it->first),
+                  (hi - lo) * sizeof(float));
+    }
   }
 
   // new_params_ of the groups overlapping partition elements [first, first + count) <- src
@@ -975,6 +1013,7 @@ class Engine::Impl {
   std::unique_ptr<PinnedPool> opt_pool_;
   std::unique_ptr<OptimizerPipeline> pipeline_;
   AlignedBuffer master_read_;
+  std::vector<MasterPiece> master_pieces_;  // sorted by first; until finalize() ends
   std::uint64_t master_read_bytes_ = 0;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
   std::unique_ptr<GradReducer> reducer_;
