@@ -1,8 +1,8 @@
 // Memory bandwidth of the patterns the optimizer answers to, as Google Benchmark cases.
 // bytes_per_second is counted as StreamPattern::bytes_per_element() per element.
-#include <benchmark/benchmark.h>
-
 #include "base/membw.hpp"
+
+#include <benchmark/benchmark.h>
 
 namespace {
 
@@ -17,9 +17,15 @@ void run(benchmark::State& state, const zinf::StreamPattern& pattern) {
 void BM_Triad(benchmark::State& state) { run(state, zinf::StreamPattern::triad()); }
 void BM_AdamPattern(benchmark::State& state) { run(state, zinf::StreamPattern::adam_f32()); }
 
-BENCHMARK(BM_Triad)->Args({1 << 26, 1})->Args({1 << 26, 2})->Unit(benchmark::kMillisecond)
+BENCHMARK(BM_Triad)
+    ->Args({1 << 26, 1})
+    ->Args({1 << 26, 2})
+    ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
-BENCHMARK(BM_AdamPattern)->Args({1 << 26, 1})->Args({1 << 26, 2})->Unit(benchmark::kMillisecond)
+BENCHMARK(BM_AdamPattern)
+    ->Args({1 << 26, 1})
+    ->Args({1 << 26, 2})
+    ->Unit(benchmark::kMillisecond)
     ->UseRealTime();
 
 }  // namespace

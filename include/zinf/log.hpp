@@ -6,11 +6,11 @@
 // from different threads do not interleave.
 #pragma once
 
+#include <fmt/format.h>
+
 #include <optional>
 #include <string_view>
 #include <utility>
-
-#include <fmt/format.h>
 
 namespace zinf {
 

@@ -125,17 +125,17 @@ template <typename T>
 class [[nodiscard]] Result {
  public:
   // REQUIRES: !status.is_ok().
-  Result(Status status) : status_(std::move(status)), has_value_(false) {}  // NOLINT
+  Result(Status status) : status_(std::move(status)), has_value_(false) {}     // NOLINT
   Result(T value) : has_value_(true) { new (&storage_) T(std::move(value)); }  // NOLINT
-  template <typename U,
-            typename = std::enable_if_t<std::is_convertible_v<U&&, T> &&
-                                        !std::is_same_v<std::decay_t<U>, Status> &&
-                                        !std::is_same_v<std::decay_t<U>, T>>>
+  template <typename U, typename = std::enable_if_t<std::is_convertible_v<U&&, T> &&
+                                                    !std::is_same_v<std::decay_t<U>, Status> &&
+                                                    !std::is_same_v<std::decay_t<U>, T>>>
   Result(U&& value) : has_value_(true) {  // NOLINT
     new (&storage_) T(std::forward<U>(value));
   }
 
-  Result(Result&& other) noexcept : status_(std::move(other.status_)), has_value_(other.has_value_) {
+  Result(Result&& other) noexcept
+      : status_(std::move(other.status_)), has_value_(other.has_value_) {
     if (has_value_) new (&storage_) T(std::move(*other.ptr()));
   }
   Result& operator=(Result&& other) noexcept {
@@ -198,9 +198,9 @@ void Result<T>::bad_access(const Status& status) {
 }  // namespace zinf
 
 // Returns early from the enclosing function when `expr` (a Status) is not OK.
-#define ZINF_RETURN_IF_ERROR(expr)              \
-  do {                                          \
-    ::zinf::Status zinf_status_ = (expr);       \
+#define ZINF_RETURN_IF_ERROR(expr)                  \
+  do {                                              \
+    ::zinf::Status zinf_status_ = (expr);           \
     if (!zinf_status_.is_ok()) return zinf_status_; \
   } while (0)
 

@@ -9,16 +9,16 @@ namespace zinf::detail {
 [[noreturn]] void assert_fail(const char* expr, const char* file, int line, const char* message);
 }  // namespace zinf::detail
 
-#define ZINF_ASSERT(cond)                                                      \
-  do {                                                                         \
-    if (__builtin_expect(!(cond), 0))                                          \
-      ::zinf::detail::assert_fail(#cond, __FILE__, __LINE__, nullptr);         \
+#define ZINF_ASSERT(cond)                                              \
+  do {                                                                 \
+    if (__builtin_expect(!(cond), 0))                                  \
+      ::zinf::detail::assert_fail(#cond, __FILE__, __LINE__, nullptr); \
   } while (0)
 
-#define ZINF_ASSERT_MSG(cond, message)                                         \
-  do {                                                                         \
-    if (__builtin_expect(!(cond), 0))                                          \
-      ::zinf::detail::assert_fail(#cond, __FILE__, __LINE__, (message));       \
+#define ZINF_ASSERT_MSG(cond, message)                                   \
+  do {                                                                   \
+    if (__builtin_expect(!(cond), 0))                                    \
+      ::zinf::detail::assert_fail(#cond, __FILE__, __LINE__, (message)); \
   } while (0)
 
 #if defined(ZINF_DEBUG_ASSERTS) || !defined(NDEBUG)

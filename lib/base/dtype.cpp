@@ -4,9 +4,12 @@ namespace zinf {
 
 std::string_view dtype_name(DType dtype) {
   switch (dtype) {
-    case DType::kF32: return "f32";
-    case DType::kF16: return "f16";
-    case DType::kBF16: return "bf16";
+    case DType::kF32:
+      return "f32";
+    case DType::kF16:
+      return "f16";
+    case DType::kBF16:
+      return "bf16";
   }
   return "unknown";
 }

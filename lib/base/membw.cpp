@@ -1,13 +1,13 @@
 #include "base/membw.hpp"
 
-#include <algorithm>
-#include <cstring>
-#include <memory>
-
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
 #include <tbb/partitioner.h>
 #include <tbb/task_arena.h>
+
+#include <algorithm>
+#include <cstring>
+#include <memory>
 
 #include "base/aligned.hpp"
 #include "base/assert.hpp"

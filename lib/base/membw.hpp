@@ -39,8 +39,8 @@ struct BandwidthResult {
 
 // Runs `pattern` over `elements` elements per stream on `threads` threads (0 = all cores),
 // `reps` timed repetitions after one warm-up. Arrays are filled with seeded random data.
-BandwidthResult measure_bandwidth(const StreamPattern& pattern, std::size_t elements,
-                                  int threads, int reps);
+BandwidthResult measure_bandwidth(const StreamPattern& pattern, std::size_t elements, int threads,
+                                  int reps);
 
 // Opaque handle for interleaving: allocate once, time one repetition at a time.
 class BandwidthProbe {

@@ -1,8 +1,8 @@
 #include "base/random.hpp"
 
-#include <cstring>
-
 #include <tbb/parallel_for.h>
+
+#include <cstring>
 
 namespace zinf {
 namespace {

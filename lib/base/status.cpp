@@ -1,30 +1,44 @@
 #include "zinf/status.hpp"
 
+#include <fmt/format.h>
+
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
-#include <fmt/format.h>
-
 namespace zinf {
 
 std::string_view code_name(Code code) {
   switch (code) {
-    case Code::kOk: return "ok";
-    case Code::kInvalidArgument: return "invalid_argument";
-    case Code::kNotFound: return "not_found";
-    case Code::kIoError: return "io_error";
-    case Code::kCorruption: return "corruption";
-    case Code::kNoSpace: return "no_space";
-    case Code::kResourceExhausted: return "resource_exhausted";
-    case Code::kTimeout: return "timeout";
-    case Code::kUnsupported: return "unsupported";
-    case Code::kFailedPrecondition: return "failed_precondition";
-    case Code::kDeviceError: return "device_error";
-    case Code::kCommError: return "comm_error";
-    case Code::kAborted: return "aborted";
-    case Code::kInternal: return "internal";
+    case Code::kOk:
+      return "ok";
+    case Code::kInvalidArgument:
+      return "invalid_argument";
+    case Code::kNotFound:
+      return "not_found";
+    case Code::kIoError:
+      return "io_error";
+    case Code::kCorruption:
+      return "corruption";
+    case Code::kNoSpace:
+      return "no_space";
+    case Code::kResourceExhausted:
+      return "resource_exhausted";
+    case Code::kTimeout:
+      return "timeout";
+    case Code::kUnsupported:
+      return "unsupported";
+    case Code::kFailedPrecondition:
+      return "failed_precondition";
+    case Code::kDeviceError:
+      return "device_error";
+    case Code::kCommError:
+      return "comm_error";
+    case Code::kAborted:
+      return "aborted";
+    case Code::kInternal:
+      return "internal";
   }
   return "unknown";
 }

@@ -4,7 +4,6 @@
 
 #include <cerrno>
 #include <cstdio>
-
 #include <nlohmann/json.hpp>
 
 namespace zinf {
@@ -85,13 +84,19 @@ std::string Trace::to_json() const {
   std::lock_guard<std::mutex> lock(mutex_);
   using nlohmann::json;
   json events = json::array();
-  events.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", 1},
-                    {"args", {{"name", "zinf"}}}});
+  events.push_back(
+      {{"name", "process_name"}, {"ph", "M"}, {"pid", 1}, {"args", {{"name", "zinf"}}}});
   for (std::size_t i = 0; i < tracks_.size(); ++i) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1},
-                      {"tid", static_cast<int>(i)}, {"args", {{"name", tracks_[i]}}}});
-    events.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", 1},
-                      {"tid", static_cast<int>(i)}, {"args", {{"sort_index", static_cast<int>(i)}}}});
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", static_cast<int>(i)},
+                      {"args", {{"name", tracks_[i]}}}});
+    events.push_back({{"name", "thread_sort_index"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", static_cast<int>(i)},
+                      {"args", {{"sort_index", static_cast<int>(i)}}}});
   }
   for (const Event& e : events_) {
     json event = {{"name", e.name},

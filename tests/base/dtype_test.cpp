@@ -3,13 +3,13 @@
 // definition of round-to-nearest-even, and (for f16) the compiler's own _Float16 conversion.
 #include "zinf/dtype.hpp"
 
+#include <gtest/gtest.h>
+
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
-
-#include <gtest/gtest.h>
 
 #include "base/random.hpp"
 
@@ -58,7 +58,10 @@ std::uint16_t reference_round(float x, int exp_bits) {
   std::uint16_t lo = 0, hi = max_finite;
   while (lo < hi) {
     const std::uint16_t mid = static_cast<std::uint16_t>((lo + hi + 1) / 2);
-    if (half_value(mid, exp_bits) <= a) lo = mid; else hi = static_cast<std::uint16_t>(mid - 1);
+    if (half_value(mid, exp_bits) <= a)
+      lo = mid;
+    else
+      hi = static_cast<std::uint16_t>(mid - 1);
   }
   if (half_value(lo, exp_bits) == a) return sign | lo;
   const std::uint16_t up = static_cast<std::uint16_t>(lo + 1);
@@ -75,7 +78,10 @@ TEST(DType, EveryBf16PatternRoundTrips) {
     const float f = bf16_to_f32(bits);
     ASSERT_EQ(f32_to_bf16(f), bits) << "bf16 0x" << std::hex << h;
     if ((bits & 0x7f80u) == 0x7f80u) {
-      if (bits & 0x7fu) ASSERT_TRUE(std::isnan(f)); else ASSERT_TRUE(std::isinf(f));
+      if (bits & 0x7fu)
+        ASSERT_TRUE(std::isnan(f));
+      else
+        ASSERT_TRUE(std::isinf(f));
     } else {
       ASSERT_EQ(static_cast<double>(f), half_value(bits, 8)) << std::hex << h;
     }
@@ -88,7 +94,10 @@ TEST(DType, EveryF16PatternRoundTrips) {
     const float f = f16_to_f32(bits);
     ASSERT_EQ(f32_to_f16(f), bits) << "f16 0x" << std::hex << h;
     if ((bits & 0x7c00u) == 0x7c00u) {
-      if (bits & 0x3ffu) ASSERT_TRUE(std::isnan(f)); else ASSERT_TRUE(std::isinf(f));
+      if (bits & 0x3ffu)
+        ASSERT_TRUE(std::isnan(f));
+      else
+        ASSERT_TRUE(std::isinf(f));
     } else {
       ASSERT_EQ(static_cast<double>(f), half_value(bits, 5)) << std::hex << h;
     }
@@ -96,13 +105,23 @@ TEST(DType, EveryF16PatternRoundTrips) {
 }
 
 std::vector<float> edge_values() {
-  std::vector<float> v = {0.0f, -0.0f, 1.0f, -1.0f, 65504.0f, 65519.99f, 65520.0f, 65536.0f,
-                          -65520.0f, 1e-8f, 5.960464477539063e-08f /* 2^-24 */,
+  std::vector<float> v = {0.0f,
+                          -0.0f,
+                          1.0f,
+                          -1.0f,
+                          65504.0f,
+                          65519.99f,
+                          65520.0f,
+                          65536.0f,
+                          -65520.0f,
+                          1e-8f,
+                          5.960464477539063e-08f /* 2^-24 */,
                           2.9802322387695312e-08f /* 2^-25: tie to zero */,
                           4.470348358154297e-08f /* 1.5 * 2^-25 */,
                           6.103515625e-05f /* smallest normal f16 */,
                           6.097555160522461e-05f /* largest subnormal f16 */,
-                          std::numeric_limits<float>::max(), std::numeric_limits<float>::min(),
+                          std::numeric_limits<float>::max(),
+                          std::numeric_limits<float>::min(),
                           std::numeric_limits<float>::denorm_min(),
                           std::numeric_limits<float>::infinity(),
                           -std::numeric_limits<float>::infinity(),

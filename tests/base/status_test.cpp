@@ -1,10 +1,10 @@
 #include "zinf/status.hpp"
 
+#include <gtest/gtest.h>
+
 #include <cerrno>
 #include <memory>
 #include <string>
-
-#include <gtest/gtest.h>
 
 namespace zinf {
 namespace {

@@ -1,16 +1,16 @@
 #include "zinf/trace.hpp"
 
+#include <gtest/gtest.h>
+
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
-
-#include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include "base/assert.hpp"
 #include "zinf/log.hpp"

@@ -1,7 +1,6 @@
 // Uses the installed public headers and library as a user would; prints "zinf consumer ok".
 #include <cstdio>
 #include <string>
-
 #include <zinf/dtype.hpp>
 #include <zinf/status.hpp>
 #include <zinf/trace.hpp>

@@ -1,11 +1,11 @@
 #include "command.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdio>
 #include <iostream>
-
-#include <fmt/format.h>
 
 namespace zinf::cli {
 namespace {
@@ -109,7 +109,7 @@ bool parse_size(std::string_view text, std::size_t* bytes, bool decimal) {
   }
   if (suffix == "kib" || suffix == "mib" || suffix == "gib" || suffix == "tib") {
     // An explicit binary unit is binary even for counts.
-    multiplier = suffix == "kib" ? 1024.0
+    multiplier = suffix == "kib"   ? 1024.0
                  : suffix == "mib" ? 1048576.0
                  : suffix == "gib" ? 1073741824.0
                                    : 1099511627776.0;

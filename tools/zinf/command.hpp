@@ -6,12 +6,11 @@
 // stdout with --json; errors are one line on stderr starting "zinf: ".
 #pragma once
 
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <string_view>
 #include <vector>
-
-#include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
 
 namespace zinf::cli {
 
@@ -61,6 +60,6 @@ std::string format_bytes(double bytes);
 
 #define ZINF_COMMAND_CONCAT_INNER_(a, b) a##b
 #define ZINF_COMMAND_CONCAT_(a, b) ZINF_COMMAND_CONCAT_INNER_(a, b)
-#define ZINF_COMMAND(name, setup)                                                         \
-  static ::zinf::cli::CommandRegistrar ZINF_COMMAND_CONCAT_(zinf_command_registrar_, \
-                                                                 __LINE__)(name, setup)
+#define ZINF_COMMAND(name, setup)                                                               \
+  static ::zinf::cli::CommandRegistrar ZINF_COMMAND_CONCAT_(zinf_command_registrar_, __LINE__)( \
+      name, setup)

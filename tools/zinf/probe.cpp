@@ -1,6 +1,8 @@
 // zinf probe: what the machine a user is about to train on can do — cores and SIMD features,
 // memory bandwidth (STREAM triad and the fp32 Adam access pattern), and the filesystem of a path.
 #include <fcntl.h>
+#include <fmt/format.h>
+#include <linux/magic.h>
 #include <sys/statfs.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -9,9 +11,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
-
-#include <fmt/format.h>
-#include <linux/magic.h>
 
 #include "base/cpu.hpp"
 #include "base/membw.hpp"
@@ -30,16 +29,26 @@ struct ProbeOptions {
 
 std::string fs_name(long type) {
   switch (static_cast<unsigned long>(type)) {
-    case EXT4_SUPER_MAGIC: return "ext4";  // also ext2/ext3: they share the magic
-    case XFS_SUPER_MAGIC: return "xfs";
-    case BTRFS_SUPER_MAGIC: return "btrfs";
-    case TMPFS_MAGIC: return "tmpfs";
-    case OVERLAYFS_SUPER_MAGIC: return "overlay";
-    case NFS_SUPER_MAGIC: return "nfs";
-    case 0x65735546: return "fuse";
-    case 0x2fc12fc1: return "zfs";
-    case 0xf2f52010: return "f2fs";
-    default: return fmt::format("0x{:x}", static_cast<unsigned long>(type));
+    case EXT4_SUPER_MAGIC:
+      return "ext4";  // also ext2/ext3: they share the magic
+    case XFS_SUPER_MAGIC:
+      return "xfs";
+    case BTRFS_SUPER_MAGIC:
+      return "btrfs";
+    case TMPFS_MAGIC:
+      return "tmpfs";
+    case OVERLAYFS_SUPER_MAGIC:
+      return "overlay";
+    case NFS_SUPER_MAGIC:
+      return "nfs";
+    case 0x65735546:
+      return "fuse";
+    case 0x2fc12fc1:
+      return "zfs";
+    case 0xf2f52010:
+      return "f2fs";
+    default:
+      return fmt::format("0x{:x}", static_cast<unsigned long>(type));
   }
 }
 
@@ -131,8 +140,9 @@ void run_probe(const ProbeOptions& options) {
   fmt::print("cpu        {} ({} cores)\n", out["cpu_model"].get<std::string>(), cpu_count());
   fmt::print("simd       {}\n", features);
   Table table({"measure", "GB/s", "bytes/elem", "threads"});
-  table.add_row({"memory: triad a=b+s*c", fmt::format("{:.1f}", out["mem_triad_gbps"].get<double>()),
-                 "12", std::to_string(threads)});
+  table.add_row({"memory: triad a=b+s*c",
+                 fmt::format("{:.1f}", out["mem_triad_gbps"].get<double>()), "12",
+                 std::to_string(threads)});
   table.add_row({"memory: adam pattern (4R/3W)",
                  fmt::format("{:.1f}", out["mem_adam_pattern_gbps"].get<double>()), "28",
                  std::to_string(threads)});
@@ -141,8 +151,9 @@ void run_probe(const ProbeOptions& options) {
     fmt::print("path       {} ({}), {} free, O_DIRECT {}\n", options.path,
                out["path_fs"].get<std::string>(),
                format_bytes(out["path_free_bytes"].get<double>()),
-               out["path_o_direct"].get<bool>() ? "works"
-                                                : "fails: " + out["path_o_direct_error"].get<std::string>());
+               out["path_o_direct"].get<bool>()
+                   ? "works"
+                   : "fails: " + out["path_o_direct_error"].get<std::string>());
   }
 }
 
