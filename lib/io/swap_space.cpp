@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -354,6 +355,19 @@ Status prepare_file(SwapSpace::Impl::Dir& d, std::uint64_t bytes) {
           fmt::format("swap directory {}: not writable ({})", d.dir, std::strerror(err)), err);
     }
     return status_from_errno(fmt::format("swap file {}", d.path), err);
+  }
+  // Refuse at once what cannot fit: ext4 keeps the blocks of a fallocate that fails part-way
+  // until the file is removed, so asking it for more than the disk holds would fill the disk for
+  // everyone else (other ranks' swap files, the user's checkpoints) while it runs.
+  struct statvfs vfs {};
+  if (::fstatvfs(d.fd, &vfs) == 0) {
+    const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
+    if (bytes > free_bytes) {
+      return Status::no_space(
+          fmt::format("swap file {}: the filesystem has no room for {} bytes ({} free)", d.path,
+                      bytes, free_bytes),
+          ENOSPC);
+    }
   }
   const int rc = ::fallocate(d.fd, 0, 0, static_cast<off_t>(bytes));
   if (rc != 0) {

@@ -56,7 +56,8 @@ class FaultTest : public ::testing::TestWithParam<EngineKind> {
     ASSERT_TRUE(file.is_ok()) << file.status().to_string();
     file_ = *file;
     source_ = random_buffer(kTotal, spec.seed ^ 0x5eed);
-    ASSERT_TRUE(engine_->write_sync(file_, 0, kTotal, source_.data()).is_ok());
+    const Status written = engine_->write_sync(file_, 0, kTotal, source_.data());
+    ASSERT_TRUE(written.is_ok()) << written.to_string();
     faults_->set_enabled(true);
   }
 
