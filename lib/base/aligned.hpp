@@ -3,6 +3,8 @@
 // Thread-safety: a value; not shared.
 #pragma once
 
+#include <sys/mman.h>
+
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -24,19 +26,37 @@ class AlignedBuffer {
     ZINF_ASSERT_MSG(posix_memalign(&p, alignment, rounded) == 0, "out of host memory");
     data_ = static_cast<std::byte*>(p);
   }
+  // A page-aligned buffer of zeros from an anonymous mapping: its pages take no memory until
+  // they are first written, so a large array that is filled piece by piece (or stays zero for a
+  // while, like a gradient accumulator before the first backward pass) does not count in the
+  // resident set before it is used.
+  static AlignedBuffer zeroed_pages(std::size_t bytes) {
+    AlignedBuffer buffer;
+    if (bytes == 0) return buffer;
+    void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    ZINF_ASSERT_MSG(p != MAP_FAILED, "out of host memory (mmap)");
+    buffer.data_ = static_cast<std::byte*>(p);
+    buffer.bytes_ = bytes;
+    buffer.mapped_ = true;
+    return buffer;
+  }
+
   AlignedBuffer(AlignedBuffer&& other) noexcept
-      : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)) {}
+      : data_(std::exchange(other.data_, nullptr)),
+        bytes_(std::exchange(other.bytes_, 0)),
+        mapped_(std::exchange(other.mapped_, false)) {}
   AlignedBuffer& operator=(AlignedBuffer&& other) noexcept {
     if (this != &other) {
-      std::free(data_);
+      release();
       data_ = std::exchange(other.data_, nullptr);
       bytes_ = std::exchange(other.bytes_, 0);
+      mapped_ = std::exchange(other.mapped_, false);
     }
     return *this;
   }
   AlignedBuffer(const AlignedBuffer&) = delete;
   AlignedBuffer& operator=(const AlignedBuffer&) = delete;
-  ~AlignedBuffer() { std::free(data_); }
+  ~AlignedBuffer() { release(); }
 
   std::byte* data() { return data_; }
   const std::byte* data() const { return data_; }
@@ -51,8 +71,20 @@ class AlignedBuffer {
   std::size_t bytes() const { return bytes_; }
 
  private:
+  void release() {
+    if (mapped_) {
+      ::munmap(data_, bytes_);
+    } else {
+      std::free(data_);
+    }
+    data_ = nullptr;
+    bytes_ = 0;
+    mapped_ = false;
+  }
+
   std::byte* data_ = nullptr;
   std::size_t bytes_ = 0;
+  bool mapped_ = false;  // from zeroed_pages(): munmap, not free
 };
 
 }  // namespace zinf

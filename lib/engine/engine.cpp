@@ -422,6 +422,8 @@ class Engine::Impl {
     ro.timeout = timeout_;
     ro.trace = env_.trace;
     ro.trace_track = track_;
+    // The store's host pieces are fresh zero pages (the kNone path's device buffer is not).
+    ro.accumulator_zeroed = store_ != nullptr;
     ZINF_ASSIGN_OR_RETURN(
         reducer_, GradReducer::create(*part_, rank_, device_, comm_, accumulator, ro, &counters_));
 

@@ -179,9 +179,10 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
       s.slot_offset_[p] = offset;
       offset += round_up(piece_bytes, kPage);
     } else {
-      // One array for the whole partition; its pages are touched by whoever fills it.
-      s.host_[p] =
-          AlignedBuffer(round_up(options.param_count * dtype_bytes(s.dtype(piece)), kPage), kPage);
+      // One array for the whole partition, of zero pages that take memory only once written,
+      // so a piece nobody fills before the first step (the gradients) costs nothing at open.
+      s.host_[p] = AlignedBuffer::zeroed_pages(
+          round_up(options.param_count * dtype_bytes(s.dtype(piece)), kPage));
     }
   }
   s.block_bytes_ = offset;

@@ -47,6 +47,9 @@ struct GradReducerOptions {
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
   Trace* trace = nullptr;
   int trace_track = 0;
+  // The accumulator is known to hold zeros already (fresh zero pages): create() then skips
+  // clearing it, so its pages stay out of the resident set until the first gradients arrive.
+  bool accumulator_zeroed = false;
 };
 
 // One parameter's gradient as the reducer reads it (host-accessible device memory).
@@ -58,7 +61,8 @@ struct GradSource {
 class GradReducer {
  public:
   // `accumulator`: partition_element_count() floats of host-accessible memory, owned by the
-  // caller; zeroed here. `counters` (optional) receives bucket and byte counts.
+  // caller; zeroed here unless options.accumulator_zeroed says it is already. `counters` (optional)
+  // receives bucket and byte counts.
   static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
