@@ -13,31 +13,15 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/counting_new.hpp"
 #include "io/buffer_pool.hpp"
 #include "io/io_bench.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
 #include "io_test_util.hpp"
 
-// Counts heap allocations made while g_counting is set, on any thread. GCC sees the malloc /
-// free pairs through inlining and cannot tell they are this file's own new / delete.
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-namespace {
-std::atomic<bool> g_counting{false};
-std::atomic<long> g_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t bytes) {
-  if (g_counting.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
-  void* p = std::malloc(bytes == 0 ? 1 : bytes);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-void* operator new[](std::size_t bytes) { return operator new(bytes); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+using zinf::test::g_allocations;
+using zinf::test::g_count_allocations;
 
 namespace zinf {
 namespace {
@@ -76,7 +60,7 @@ TEST_P(HotPathTest, SubmitAndWaitAllocateNothing) {
   ASSERT_TRUE(engine->write_sync(*file, 0, 4 << 20, (*pool)->data()).is_ok());
 
   g_allocations = 0;
-  g_counting = true;
+  g_count_allocations = true;
   bool all_ok = true;
   for (int round = 0; round < 20; ++round) {
     Ticket tickets[4];
@@ -89,9 +73,9 @@ TEST_P(HotPathTest, SubmitAndWaitAllocateNothing) {
     }
     for (Ticket t : tickets) all_ok = all_ok && engine->wait(t, std::chrono::seconds(10)).is_ok();
   }
-  g_counting = false;
+  g_count_allocations = false;
   EXPECT_TRUE(all_ok);
-  EXPECT_EQ(g_allocations.load(), 0);
+  EXPECT_EQ(g_allocations.load(), 0u);
 }
 
 TEST_P(HotPathTest, SwapReadWriteAllocateNothing) {
@@ -115,7 +99,7 @@ TEST_P(HotPathTest, SwapReadWriteAllocateNothing) {
   ASSERT_TRUE((*swap)->write_sync(id, (*pool)->block(0)).is_ok());
 
   g_allocations = 0;
-  g_counting = true;
+  g_count_allocations = true;
   bool all_ok = true;
   for (int round = 0; round < 20; ++round) {
     Result<ExtentId> found = (*swap)->find("rank0/group0/exp_avg_sq");  // by key, too
@@ -125,9 +109,9 @@ TEST_P(HotPathTest, SwapReadWriteAllocateNothing) {
     Result<SwapTicket> r = (*swap)->read(id, (*pool)->block(1));
     all_ok = all_ok && r.is_ok() && (*swap)->wait(*r, std::chrono::seconds(10)).is_ok();
   }
-  g_counting = false;
+  g_count_allocations = false;
   EXPECT_TRUE(all_ok);
-  EXPECT_EQ(g_allocations.load(), 0);
+  EXPECT_EQ(g_allocations.load(), 0u);
   EXPECT_EQ(std::memcmp((*pool)->block(0), (*pool)->block(1), (1 << 20) - 4096), 0);
 }
 

@@ -14,6 +14,7 @@
 
 #include "base/cpu.hpp"
 #include "base/random.hpp"
+#include "common/counting_new.hpp"
 #include "optim/optim_util.hpp"
 
 namespace zinf::optim_test {
@@ -365,29 +366,8 @@ TEST(Step, FirstAdamStepMovesEveryParameterByLr) {
 
 // The step path allocates nothing once warm (DESIGN: nothing allocated on hot paths), when run
 // in the caller's arena (threads = 0).
-std::atomic<bool> g_count_allocations{false};
-std::atomic<int> g_allocations{0};
-
-}  // namespace
-}  // namespace zinf::optim_test
-
-// The replacement pair is malloc/free throughout; GCC cannot see that and warns.
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wmismatched-new-delete"
-void* operator new(std::size_t bytes) {
-  if (zinf::optim_test::g_count_allocations.load(std::memory_order_relaxed)) {
-    zinf::optim_test::g_allocations.fetch_add(1);
-  }
-  void* p = std::malloc(bytes == 0 ? 1 : bytes);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-#pragma GCC diagnostic pop
-
-namespace zinf::optim_test {
-namespace {
+using zinf::test::g_allocations;
+using zinf::test::g_count_allocations;
 
 TEST(Step, AllocatesNothingWhenWarm) {
   Problem problem(100000, DType::kBF16, true, DType::kBF16, 0, {}, 0xa110c);
@@ -399,7 +379,7 @@ TEST(Step, AllocatesNothingWhenWarm) {
   g_count_allocations = true;
   delete new std::vector<int>(3);
   g_count_allocations = false;
-  ASSERT_GE(g_allocations.load(), 1);
+  ASSERT_GE(g_allocations.load(), 1u);
   tbb::task_arena arena(2);
   arena.execute([&] {
     ASSERT_TRUE(optimizer_step({}, span, options).is_ok());  // warm-up
@@ -414,7 +394,7 @@ TEST(Step, AllocatesNothingWhenWarm) {
     }
     g_count_allocations = false;
   });
-  EXPECT_EQ(g_allocations.load(), 0);
+  EXPECT_EQ(g_allocations.load(), 0u);
   // And with a thread count, which uses an arena kept from the first call.
   options.threads = 2;
   ASSERT_TRUE(optimizer_step({}, span, options).is_ok());  // warm-up: makes the arena
@@ -423,7 +403,7 @@ TEST(Step, AllocatesNothingWhenWarm) {
   const bool ok = optimizer_step({}, span, options).is_ok();
   g_count_allocations = false;
   ASSERT_TRUE(ok);
-  EXPECT_EQ(g_allocations.load(), 0);
+  EXPECT_EQ(g_allocations.load(), 0u);
 }
 
 }  // namespace

@@ -8,24 +8,11 @@
 #include <cstdlib>
 #include <new>
 
+#include "common/counting_new.hpp"
 #include "tier_test_util.hpp"
 
-namespace {
-std::atomic<bool> g_armed{false};
-std::atomic<std::uint64_t> g_allocations{0};
-}  // namespace
-
-void* operator new(std::size_t bytes) {
-  if (g_armed.load(std::memory_order_relaxed)) g_allocations.fetch_add(1);
-  void* p = std::malloc(bytes == 0 ? 1 : bytes);
-  if (p == nullptr) throw std::bad_alloc();
-  return p;
-}
-void* operator new[](std::size_t bytes) { return operator new(bytes); }
-void operator delete(void* p) noexcept { std::free(p); }
-void operator delete[](void* p) noexcept { std::free(p); }
-void operator delete(void* p, std::size_t) noexcept { std::free(p); }
-void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+using zinf::test::g_allocations;
+using zinf::test::g_count_allocations;
 
 namespace zinf {
 namespace {
@@ -33,9 +20,9 @@ namespace {
 TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
   // The counter counts: one allocation while armed is seen.
   g_allocations.store(0);
-  g_armed.store(true);
+  g_count_allocations.store(true);
   auto* probe = new std::uint64_t(42);
-  g_armed.store(false);
+  g_count_allocations.store(false);
   EXPECT_EQ(g_allocations.load(), 1u);
   delete probe;
   tier_test::RigOptions so;
@@ -54,9 +41,9 @@ TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
   ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());  // warm-up: threads, arenas, caches
   for (std::int64_t t = 2; t <= 4; ++t) {
     g_allocations.store(0);
-    g_armed.store(true);
+    g_count_allocations.store(true);
     Result<StepStats> stats = s.pipeline->step({.step = t});
-    g_armed.store(false);
+    g_count_allocations.store(false);
     ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
     std::printf("step %lld: %llu allocations\n", static_cast<long long>(t),
                 static_cast<unsigned long long>(g_allocations.load()));
