@@ -325,15 +325,28 @@ Status OptimizerPipeline::start_read(std::size_t i, PinnedPool::Lease lease, con
   return Status::ok();
 }
 
-bool OptimizerPipeline::reads_done(std::size_t i) {
+bool OptimizerPipeline::reads_done(std::size_t i) { return pieces_done(i, read_pieces_); }
+
+bool OptimizerPipeline::pieces_done(std::size_t i, const std::vector<Piece>& pieces) {
   Entry& e = entry(i);
   if (e.done_ns != 0) return true;
-  for (Piece piece : read_pieces_) {
+  for (Piece piece : pieces) {
     const auto k = static_cast<std::size_t>(piece);
     if (e.pending[k] && !store_.swap()->poll(e.tickets[k])) return false;
   }
   e.done_ns = Trace::now_ns();
   return true;
+}
+
+Status OptimizerPipeline::wait_landed(SwapTicket ticket, Status* first) {
+  Status status = store_.swap()->wait(ticket, options_.io_timeout);
+  while (status.code() == Code::kTimeout) {
+    // The transfer may still land in the block: keep waiting before anything reuses it.
+    if (first->is_ok()) *first = status;
+    log_warn("tier: {}", status.to_string());
+    status = store_.swap()->wait(ticket, options_.io_timeout);
+  }
+  return status;
 }
 
 Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
@@ -343,13 +356,7 @@ Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
   for (Piece piece : read_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
     if (!e.pending[k]) continue;
-    Status status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
-    while (status.code() == Code::kTimeout) {
-      // The read may still land in the block: keep waiting before anything reuses it.
-      if (first.is_ok()) first = status;
-      log_warn("tier: {}", status.to_string());
-      status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
-    }
+    const Status status = wait_landed(e.tickets[k], &first);
     e.pending[k] = false;
     store_.end_read(piece, i, status.is_ok());
     if (status.is_ok()) {
@@ -398,16 +405,7 @@ Status OptimizerPipeline::start_write(std::size_t i, const StepArgs& args) {
   return Status::ok();
 }
 
-bool OptimizerPipeline::writes_done(std::size_t i) {
-  Entry& e = entry(i);
-  if (e.done_ns != 0) return true;
-  for (Piece piece : write_pieces_) {
-    const auto k = static_cast<std::size_t>(piece);
-    if (e.pending[k] && !store_.swap()->poll(e.tickets[k])) return false;
-  }
-  e.done_ns = Trace::now_ns();
-  return true;
-}
+bool OptimizerPipeline::writes_done(std::size_t i) { return pieces_done(i, write_pieces_); }
 
 Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
   Entry& e = entry(i);
@@ -416,12 +414,7 @@ Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
   for (Piece piece : write_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
     if (!e.pending[k]) continue;
-    Status status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
-    while (status.code() == Code::kTimeout) {
-      if (first.is_ok()) first = status;
-      log_warn("tier: {}", status.to_string());
-      status = store_.swap()->wait(e.tickets[k], options_.io_timeout);
-    }
+    const Status status = wait_landed(e.tickets[k], &first);
     e.pending[k] = false;
     store_.end_write(piece, i, status.is_ok());
     if (status.is_ok()) {

@@ -151,6 +151,11 @@ class OptimizerPipeline {
   Status finish_read(std::size_t i, const StepArgs& args);
   Status start_write(std::size_t i, const StepArgs& args);
   bool writes_done(std::size_t i);
+  // True once every pending ticket of `pieces` for sub-group i has finished.
+  bool pieces_done(std::size_t i, const std::vector<Piece>& pieces);
+  // Waits for one transfer until it has really ended (a timeout is noted in *first, once, and
+  // the wait goes on: the block may still be under DMA), and returns its Status.
+  Status wait_landed(SwapTicket ticket, Status* first);
   // Redeems i's write tickets, records its version, returns its block. Blocks for at most
   // io_timeout per ticket when `block` (then a timeout is an error, and the wait goes on).
   Status finish_write(std::size_t i, const StepArgs& args);
