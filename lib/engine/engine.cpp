@@ -438,17 +438,10 @@ class Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(
         coord_, ParamCoordinator::create(*part_, rank_, device_, comm_, std::move(modules),
                                          persistent, co, swap_.get(), io_.get(), &counters_));
-    // The device copies: every group's shard is the master rounded to the group's dtype.
+    // The device copies: every group's shard is the master rounded to the group's dtype
+    // (load_store() did it sub-group by sub-group when the state is in the store).
     if (master_.bytes() > 0) {
       narrow_master(0, partition_elements_, master_.as<const float>(), /*all_groups=*/true);
-    } else {
-      const std::size_t chunk = std::max<std::size_t>(store_->sub_group_params(), 1);
-      AlignedBuffer piece(round_page(chunk * sizeof(float)));
-      for (std::size_t first = 0; first < partition_elements_; first += chunk) {
-        const std::size_t count = std::min(chunk, partition_elements_ - first);
-        fill_master(first, count, piece.as<float>());
-        narrow_master(first, count, piece.as<const float>(), /*all_groups=*/true);
-      }
     }
     ZINF_RETURN_IF_ERROR(write_shards());
     for (Registered& r : regs_) std::vector<float>().swap(r.values);
@@ -530,9 +523,11 @@ class Engine::Impl {
     return pipe;
   }
 
-  // Writes the initial master and zero moments into the store.
+  // Writes the initial master and zero moments into the store, and rounds the master into the
+  // device copies (new_params_) from the same block, so the registered values are read once.
   Status load_store() {
     StateStore& s = *store_;
+    ZINF_ASSERT(s.has(Piece::kParams));  // the master always lives in the store
     AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
     for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
       const std::size_t first = s.sub_group_first(i);
@@ -540,7 +535,10 @@ class Engine::Impl {
       for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
         if (!s.has(piece)) continue;
         std::memset(block.data(), 0, block.bytes());
-        if (piece == Piece::kParams) fill_master(first, size, block.as<float>());
+        if (piece == Piece::kParams) {
+          fill_master(first, size, block.as<float>());
+          narrow_master(first, size, block.as<const float>(), /*all_groups=*/true);
+        }
         if (s.tier(piece) == Tier::kHost) {
           std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
         } else {
