@@ -1,8 +1,9 @@
 // Internal interface between the optimizer step (optim.cpp: validation, constants, tiling,
 // threads) and the per-ISA kernels (kernel_scalar.cpp, kernel_avx2.cpp, kernel_avx512.cpp).
 //
-// Every path computes each element with the same sequence of float operations (written out in
-// kernel_math.hpp, which is the scalar path), so all paths give bitwise identical results:
+// Every path computes each element with the same sequence of float operations (written out once
+// in kernel_update.hpp, which each path instantiates with its own vector type), so all paths give
+// bitwise identical results:
 //   Adam/AdamW:  g = grad * grad_scale
 //                if has_l2:    g = fma(l2, p, g)
 //                m = fma(omb1, g, beta1 * m)

@@ -17,43 +17,14 @@
 #include <bit>
 
 #include "optim/kernel.hpp"
+#include "optim/kernel_update.hpp"
 
 namespace zinf::optim {
 namespace {
 
-enum class Out { kNone, kBF16, kF16 };
 constexpr int kFpclassQnan = 0x01;
 constexpr int kFpclassDenormal = 0x20;
 constexpr int kFpclassSnan = 0x80;
-
-// Loop invariants copied out of the arguments into locals: stores through the intrinsics'
-// may_alias vector types would otherwise force the compiler to reload them every iteration.
-struct Flags {
-  bool has_l2;
-  bool has_decay;
-};
-struct Streams {
-  float* params;
-  float* exp_avg;
-  float* exp_avg_sq;
-  const void* grads;
-  void* params_half;
-};
-
-struct Consts {
-  __m512 beta1, beta2, omb1, omb2, neg_step, inv_sqrt_bc2, eps, l2, decay, grad_scale;
-  explicit Consts(const KernelArgs& a)
-      : beta1(_mm512_set1_ps(a.beta1)),
-        beta2(_mm512_set1_ps(a.beta2)),
-        omb1(_mm512_set1_ps(a.omb1)),
-        omb2(_mm512_set1_ps(a.omb2)),
-        neg_step(_mm512_set1_ps(-a.step_size)),
-        inv_sqrt_bc2(_mm512_set1_ps(a.inv_sqrt_bc2)),
-        eps(_mm512_set1_ps(a.eps)),
-        l2(_mm512_set1_ps(a.l2)),
-        decay(_mm512_set1_ps(a.decay)),
-        grad_scale(_mm512_set1_ps(a.grad_scale)) {}
-};
 
 template <bool kMasked>
 inline __m512 load_f32(const float* p, __mmask16 k) {
@@ -79,20 +50,6 @@ inline void store_u16(std::uint16_t* p, __mmask16 k, __m256i x) {
     _mm256_mask_storeu_epi16(p, k, x);
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), x);
-  }
-}
-
-template <DType G, bool kMasked>
-inline __m512 load_grad(const void* grads, std::size_t i, __mmask16 k) {
-  if constexpr (G == DType::kF32) {
-    return load_f32<kMasked>(static_cast<const float*>(grads) + i, k);
-  } else {
-    const __m256i h = load_u16<kMasked>(static_cast<const std::uint16_t*>(grads) + i, k);
-    if constexpr (G == DType::kBF16) {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    } else {
-      return _mm512_cvtph_ps(h);
-    }
   }
 }
 
@@ -141,105 +98,69 @@ inline __m256i to_f16(__m512 x) {
   return h;
 }
 
-// sign(c) as torch.sign, NaN kept.
-inline __m512 sign_of(__m512 c) {
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 s =
-      _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
-  s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
-  return _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q), c);
-}
-
-template <OptimizerKind K, DType G, Out O, bool kBf16Insn, bool kMasked>
-inline void update_vector(const Flags& a, const Consts& c, const Streams& s, std::size_t i,
-                          __mmask16 k) {
-  __m512 g = _mm512_mul_ps(load_grad<G, kMasked>(s.grads, i, k), c.grad_scale);
-  __m512 p = load_f32<kMasked>(s.params + i, k);
-  if constexpr (K == OptimizerKind::kAdam || K == OptimizerKind::kAdamW) {
-    if (a.has_l2) g = _mm512_fmadd_ps(c.l2, p, g);
-    const __m512 m =
-        _mm512_fmadd_ps(c.omb1, g, _mm512_mul_ps(c.beta1, load_f32<kMasked>(s.exp_avg + i, k)));
-    const __m512 v =
-        _mm512_fmadd_ps(_mm512_mul_ps(c.omb2, g), g,
-                        _mm512_mul_ps(c.beta2, load_f32<kMasked>(s.exp_avg_sq + i, k)));
-    const __m512 d = _mm512_fmadd_ps(_mm512_sqrt_ps(v), c.inv_sqrt_bc2, c.eps);
-    if (a.has_decay) p = _mm512_mul_ps(p, c.decay);
-    p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(m, d), p);
-    store_f32<kMasked>(s.exp_avg + i, k, m);
-    store_f32<kMasked>(s.exp_avg_sq + i, k, v);
-  } else if constexpr (K == OptimizerKind::kAdagrad) {
-    if (a.has_l2) g = _mm512_fmadd_ps(c.l2, p, g);
-    const __m512 sum = _mm512_fmadd_ps(g, g, load_f32<kMasked>(s.exp_avg_sq + i, k));
-    const __m512 d = _mm512_add_ps(_mm512_sqrt_ps(sum), c.eps);
-    p = _mm512_fmadd_ps(c.neg_step, _mm512_div_ps(g, d), p);
-    store_f32<kMasked>(s.exp_avg_sq + i, k, sum);
-  } else {
-    if (a.has_decay) p = _mm512_mul_ps(p, c.decay);
-    const __m512 m = load_f32<kMasked>(s.exp_avg + i, k);
-    const __m512 dir = _mm512_fmadd_ps(c.omb1, g, _mm512_mul_ps(c.beta1, m));
-    p = _mm512_fmadd_ps(c.neg_step, sign_of(dir), p);
-    store_f32<kMasked>(s.exp_avg + i, k, _mm512_fmadd_ps(c.omb2, g, _mm512_mul_ps(c.beta2, m)));
+struct Isa {
+  using Vec = __m512;
+  static __m512 set1(float x) { return _mm512_set1_ps(x); }
+  static __m512 mul(__m512 a, __m512 b) { return _mm512_mul_ps(a, b); }
+  static __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+  static __m512 div(__m512 a, __m512 b) { return _mm512_div_ps(a, b); }
+  static __m512 sqrt(__m512 a) { return _mm512_sqrt_ps(a); }
+  static __m512 fma(__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }
+  // sign(c) as torch.sign, NaN kept.
+  static __m512 sign(__m512 c) {
+    const __m512 zero = _mm512_setzero_ps();
+    __m512 s =
+        _mm512_mask_mov_ps(zero, _mm512_cmp_ps_mask(c, zero, _CMP_GT_OQ), _mm512_set1_ps(1.0f));
+    s = _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(c, zero, _CMP_LT_OQ), _mm512_set1_ps(-1.0f));
+    return _mm512_mask_mov_ps(s, _mm512_cmp_ps_mask(c, c, _CMP_UNORD_Q), c);
   }
-  store_f32<kMasked>(s.params + i, k, p);
-  if constexpr (O == Out::kBF16) {
-    store_u16<kMasked>(static_cast<std::uint16_t*>(s.params_half) + i, k, to_bf16<kBf16Insn>(p));
-  } else if constexpr (O == Out::kF16) {
-    store_u16<kMasked>(static_cast<std::uint16_t*>(s.params_half) + i, k, to_f16(p));
-  }
-}
+};
 
-template <OptimizerKind K, DType G, Out O, bool kBf16Insn>
-void update_range(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin, std::size_t end) {
-  const Consts c(a);
-  const Flags f{a.has_l2, a.has_decay};
-  const Streams st{s.params, s.exp_avg, s.exp_avg_sq, s.grads, s.params_half};
-  std::size_t i = begin;
-  for (; i + 16 <= end; i += 16) update_vector<K, G, O, kBf16Insn, false>(f, c, st, i, 0xffff);
-  if (i < end) {
-    const __mmask16 k = static_cast<__mmask16>((1u << (end - i)) - 1u);
-    update_vector<K, G, O, kBf16Insn, true>(f, c, st, i, k);
+// Elements [i, i + 16) of every stream, or the lanes of mask k when kMasked (the tail).
+template <bool kBf16Insn, bool kMasked>
+struct Lanes {
+  std::size_t i;
+  __mmask16 k;
+  __m512 load(const float* base) const { return load_f32<kMasked>(base + i, k); }
+  void store(float* base, __m512 x) const { store_f32<kMasked>(base + i, k, x); }
+  template <DType G>
+  __m512 load_grad(const void* grads) const {
+    if constexpr (G == DType::kF32) {
+      return load_f32<kMasked>(static_cast<const float*>(grads) + i, k);
+    } else {
+      const __m256i h = load_u16<kMasked>(static_cast<const std::uint16_t*>(grads) + i, k);
+      if constexpr (G == DType::kBF16) {
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+      } else {
+        return _mm512_cvtph_ps(h);
+      }
+    }
   }
-}
-
-template <OptimizerKind K, DType G, bool kBf16Insn>
-UpdateFn pick_out(const OptimizerSpan& s) {
-  if (s.params_half == nullptr) return &update_range<K, G, Out::kNone, kBf16Insn>;
-  if (s.half_dtype == DType::kBF16) return &update_range<K, G, Out::kBF16, kBf16Insn>;
-  return &update_range<K, G, Out::kF16, kBf16Insn>;
-}
-
-template <OptimizerKind K, bool kBf16Insn>
-UpdateFn pick_grad(const OptimizerSpan& s) {
-  switch (s.grad_dtype) {
-    case DType::kF32:
-      return pick_out<K, DType::kF32, kBf16Insn>(s);
-    case DType::kBF16:
-      return pick_out<K, DType::kBF16, kBf16Insn>(s);
-    case DType::kF16:
-      return pick_out<K, DType::kF16, kBf16Insn>(s);
+  template <Out O>
+  void store_half(void* half, __m512 p) const {
+    const __m256i h = O == Out::kBF16 ? to_bf16<kBf16Insn>(p) : to_f16(p);
+    store_u16<kMasked>(static_cast<std::uint16_t*>(half) + i, k, h);
   }
-  return nullptr;
-}
+};
 
 template <bool kBf16Insn>
-void update(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin, std::size_t end) {
-  UpdateFn fn = nullptr;
-  switch (a.kind) {
-    case OptimizerKind::kAdam:
-      fn = pick_grad<OptimizerKind::kAdam, kBf16Insn>(s);
-      break;
-    case OptimizerKind::kAdamW:
-      fn = pick_grad<OptimizerKind::kAdamW, kBf16Insn>(s);
-      break;
-    case OptimizerKind::kAdagrad:
-      fn = pick_grad<OptimizerKind::kAdagrad, kBf16Insn>(s);
-      break;
-    case OptimizerKind::kLion:
-      fn = pick_grad<OptimizerKind::kLion, kBf16Insn>(s);
-      break;
+struct Ops {
+  template <OptimizerKind K, DType G, Out O>
+  static void range(const KernelArgs& a, const OptimizerSpan& s, std::size_t begin,
+                    std::size_t end) {
+    const Consts<Isa> c(a);
+    const Flags f{a.has_l2, a.has_decay};
+    const Streams st{s.params, s.exp_avg, s.exp_avg_sq, s.grads, s.params_half};
+    std::size_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+      update_lanes<Isa, K, G, O>(f, c, st, Lanes<kBf16Insn, false>{i, 0xffff});
+    }
+    if (i < end) {
+      const auto k = static_cast<__mmask16>((1u << (end - i)) - 1u);
+      update_lanes<Isa, K, G, O>(f, c, st, Lanes<kBf16Insn, true>{i, k});
+    }
   }
-  fn(a, s, begin, end);
-}
+};
 
 bool finite(const void* data, DType dtype, std::size_t begin, std::size_t end) {
   if (dtype == DType::kF32) {
@@ -289,8 +210,8 @@ void convert(const float* src, std::uint16_t* dst, DType dtype, std::size_t begi
 }  // namespace
 
 const KernelTable& kernels_avx512(bool use_bf16_instructions) {
-  static const KernelTable with_bf16{&update<true>, &finite, &convert<true>};
-  static const KernelTable without_bf16{&update<false>, &finite, &convert<false>};
+  static const KernelTable with_bf16{&update<Ops<true>>, &finite, &convert<true>};
+  static const KernelTable without_bf16{&update<Ops<false>>, &finite, &convert<false>};
   return use_bf16_instructions ? with_bf16 : without_bf16;
 }
 
