@@ -229,6 +229,38 @@ Status EngineCore::wait(Ticket ticket, std::chrono::milliseconds timeout) {
   return status;
 }
 
+Status EngineCore::cancel(Ticket ticket) {
+  ZINF_ASSERT(ticket.slot < options_.max_requests);
+  Slot& s = slots_[ticket.slot];
+  ZINF_ASSERT_MSG(s.generation.load(std::memory_order_acquire) == ticket.generation,
+                  "cancel: stale or redeemed ticket");
+  if (!s.done.load(std::memory_order_acquire)) cancel_request(ticket.slot);
+  return Status::ok();
+}
+
+void EngineCore::stop_cutting(std::uint32_t index) {
+  Slot& s = slots_[index];
+  // Pieces already cut report their own result (ECANCELED when the cancel reached them), so a
+  // request whose bytes all moved still succeeds.
+  if (s.failed || !s.queued) return;
+  s.failed = true;
+  s.status = status_from_errno(
+      fmt::format("{} of {} at offset {} ({} bytes): cancelled", io_op_name(s.request.op),
+                  files_[s.request.file.index].path, s.request.offset, s.request.bytes),
+      ECANCELED);
+}
+
+Status EngineCore::cancelled_status(const Piece& piece) const {
+  return status_from_errno(
+      fmt::format("{} of {} at offset {} ({} bytes): cancelled", io_op_name(piece.op),
+                  files_[piece.file_index].path, piece.offset, piece.bytes),
+      ECANCELED);
+}
+
+bool EngineCore::hung_cancellable() const {
+  return options_.faults == nullptr || !options_.faults->spec().hang_ignores_cancel;
+}
+
 bool EngineCore::next_piece(std::uint32_t index, Piece* piece) {
   Slot& s = slots_[index];
   if (!s.queued) return false;
@@ -258,6 +290,7 @@ PieceStep EngineCore::check_piece(Piece& piece, long result, Status* error) {
   if (options_.faults) {
     result = options_.faults->on_complete(piece.op, piece.offset, piece.bytes, piece.data, result);
   }
+  if (result == FaultInjector::kHang) return PieceStep::kHung;
   auto fail = [&](int err, std::string_view what) {
     const std::string context =
         fmt::format("{} of {} at offset {} ({} bytes)", io_op_name(piece.op),

@@ -73,7 +73,10 @@ struct Piece {
   IoOp op = IoOp::kRead;
 };
 
-enum class PieceStep { kDone, kResubmit, kFailed };
+// kHung: the fault injector swallowed the completion (FaultInjector::kHang). The backend keeps the
+// piece in flight, unfinished, until cancel_request() names its slot (when hung_cancellable())
+// or the engine closes, and then finishes it with cancelled_status().
+enum class PieceStep { kDone, kResubmit, kFailed, kHung };
 
 struct FileEntry {
   bool used = false;
@@ -103,6 +106,7 @@ class EngineCore : public IoEngine {
   Result<Ticket> submit(const IoRequest& request) override;
   bool poll(Ticket ticket) const override;
   Status wait(Ticket ticket, std::chrono::milliseconds timeout) override;
+  Status cancel(Ticket ticket) override;
   const IoOptions& options() const override { return options_; }
   IoEngineStats stats() const override;
 
@@ -119,7 +123,8 @@ class EngineCore : public IoEngine {
     bool failed = false;
     std::uint64_t cut_bytes = 0;
     std::uint32_t pieces_in_flight = 0;
-    Status status;  // the first error
+    std::uint32_t queue = 0;  // which of the backend's queues (rings) holds the request
+    Status status;            // the first error
   };
 
   // Backend hooks.
@@ -129,6 +134,10 @@ class EngineCore : public IoEngine {
   virtual void region_unregistered(int index) = 0;
   // Hands a new request (its slot is filled, queued = true) to the backend.
   virtual void enqueue(std::uint32_t slot) = 0;
+  // Stops the request in `slot` (not done, ticket live): under the backend's lock over the slot,
+  // calls stop_cutting(), cancels its pieces in flight where it can, and finishes its hung pieces
+  // with cancelled_status() when hung_cancellable().
+  virtual void cancel_request(std::uint32_t slot) = 0;
   // Called once by the destructor of the concrete engine before its threads are joined.
   void begin_shutdown() { shutting_down_.store(true, std::memory_order_release); }
 
@@ -142,6 +151,14 @@ class EngineCore : public IoEngine {
   PieceStep check_piece(Piece& piece, long result, Status* error);
   // Accounts a piece that is done or failed; completes the request after its last piece.
   void piece_finished(std::uint32_t slot, Status error);
+  // When the request still has pieces to cut, marks it failed (ECANCELED) so that next_piece()
+  // cuts nothing more of it; it completes once its pieces in flight have finished. REQUIRES: the
+  // backend's lock over the slot.
+  void stop_cutting(std::uint32_t slot);
+  // The error a cancelled piece finishes with: io_error, ECANCELED, naming op, path and offset.
+  Status cancelled_status(const Piece& piece) const;
+  // Whether cancel() releases pieces the fault injector hung (FaultSpec::hang_ignores_cancel).
+  bool hung_cancellable() const;
 
   Slot& slot(std::uint32_t index) { return slots_[index]; }
   int fd_of(int file_index) const { return files_[file_index].fd; }

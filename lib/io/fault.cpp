@@ -26,6 +26,16 @@ long FaultInjector::on_complete(IoOp op, std::uint64_t /*offset*/, std::size_t r
   }
   // One draw picks at most one of the exclusive faults, by cumulative rate.
   double x = fault_draw;
+  if (x < spec_.hang_rate) {
+    // Counted against hang_max without a lock: a compare-exchange loop on the counter.
+    std::uint64_t hung = hang_.load(std::memory_order_relaxed);
+    while (spec_.hang_max == 0 || hung < spec_.hang_max) {
+      if (hang_.compare_exchange_weak(hung, hung + 1, std::memory_order_relaxed)) return kHang;
+    }
+    x = 2;  // hangs used up: this draw picks no other exclusive fault
+  } else {
+    x -= spec_.hang_rate;
+  }
   if (x < spec_.eio_rate) {
     eio_.fetch_add(1, std::memory_order_relaxed);
     return -EIO;
@@ -74,6 +84,7 @@ FaultCounts FaultInjector::counts() const {
   c.eagain = eagain_.load(std::memory_order_relaxed);
   c.latency = latency_.load(std::memory_order_relaxed);
   c.bit_flip = bit_flip_.load(std::memory_order_relaxed);
+  c.hang = hang_.load(std::memory_order_relaxed);
   return c;
 }
 

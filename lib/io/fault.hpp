@@ -14,6 +14,12 @@
 //   latency     the completion is delayed          -> OK, later (a wait may time out)
 //   bit_flip    one random bit of a read piece is  -> wait(): OK (the engine cannot know);
 //               flipped after a successful read       SwapSpace::wait(): corruption
+//   hang        the completion never arrives: the  -> wait(): timeout, again and again, until
+//               engine keeps the piece in flight      cancel(); then the request fails with
+//               (a drive that stopped answering)      ECANCELED (io_error). With
+//                                                     hang_ignores_cancel, cancel() does not
+//                                                     reach it either: it stays in flight until
+//                                                     the engine closes
 // Rates are probabilities per piece completion, drawn from one SplitMix64 stream seeded with
 // `seed` (the draw order follows completion order, which threads can reorder; a failing test
 // replays the same fault mix, not always the same sequence).
@@ -23,6 +29,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
@@ -42,22 +49,30 @@ struct FaultSpec {
   double latency_rate = 0;
   std::chrono::microseconds latency{2000};
   double bit_flip_rate = 0;  // reads only
+  double hang_rate = 0;
+  std::uint32_t hang_max = 0;        // at most this many pieces hang; 0: no limit
+  bool hang_ignores_cancel = false;  // a hung piece is not released by IoEngine::cancel()
   // Restrict faults to reads or writes when set.
   bool reads = true;
   bool writes = true;
 };
 
 struct FaultCounts {
-  std::uint64_t eio = 0, enospc = 0, short_io = 0, eintr = 0, eagain = 0, latency = 0, bit_flip = 0;
+  std::uint64_t eio = 0, enospc = 0, short_io = 0, eintr = 0, eagain = 0, latency = 0, bit_flip = 0,
+                hang = 0;
 };
 
 class FaultInjector {
  public:
+  static constexpr long kHang = LONG_MIN;
+
   explicit FaultInjector(const FaultSpec& spec) : spec_(spec), random_(spec.seed) {}
 
   // Called by an engine when a piece of `op` on [offset, offset + requested_bytes) completed
   // with `result` (bytes moved, or -errno) into / from `data`. Returns the result to act on:
-  // `result` unchanged, a smaller byte count (short), or -EIO / -ENOSPC / -EINTR / -EAGAIN.
+  // `result` unchanged, a smaller byte count (short), -EIO / -ENOSPC / -EINTR / -EAGAIN, or
+  // kHang: the engine must then keep the piece in flight, unfinished, until it is cancelled
+  // (IoEngine::cancel, unless spec().hang_ignores_cancel) or the engine closes.
   // May sleep (latency) and may flip a bit in data[0, result) of a read.
   long on_complete(IoOp op, std::uint64_t offset, std::size_t requested_bytes, void* data,
                    long result);
@@ -73,7 +88,7 @@ class FaultInjector {
   SplitMix64 random_;
   std::atomic<bool> enabled_{true};
   std::atomic<std::uint64_t> eio_{0}, enospc_{0}, short_{0}, eintr_{0}, eagain_{0}, latency_{0},
-      bit_flip_{0};
+      bit_flip_{0}, hang_{0};
 };
 
 }  // namespace zinf

@@ -182,6 +182,17 @@ class IoEngine {
   // must not be reused until a later wait() returns something other than timeout.
   virtual Status wait(Ticket ticket, std::chrono::milliseconds timeout) = 0;
 
+  // Asks the engine to stop a request that has not finished (typically after wait() timed out
+  // on it): pieces not yet issued are dropped, and pieces in flight are cancelled where the
+  // backend can (UringEngine: IORING_OP_ASYNC_CANCEL; ThreadEngine: a pread / pwrite already
+  // running cannot be stopped). A cancelled request fails with ECANCELED (io_error) naming the
+  // file and offset, unless all its bytes had already moved. Does not redeem the ticket: wait()
+  // on it as before. Best effort: a piece the device never completes, and the kernel cannot
+  // cancel, stays in flight, and its memory must stay unused until a wait() returns something
+  // other than timeout, or the engine is destroyed. Returns OK (also when the request already
+  // finished). REQUIRES: `ticket` came from submit() and was not yet redeemed.
+  virtual Status cancel(Ticket ticket) = 0;
+
   // Submits and waits (timeout per request), for code off the hot path.
   Status read_sync(FileHandle file, std::uint64_t offset, std::size_t bytes, void* dst,
                    std::chrono::milliseconds timeout = std::chrono::seconds(60));

@@ -72,6 +72,7 @@ struct SwapSpace::Impl {
     std::uint32_t ticket_count = 0;
     std::uint32_t tickets_done = 0;  // redeemed by earlier waits that timed out
     Ticket* tickets = nullptr;       // into Impl::tickets
+    bool abandoned = false;          // given up by abandon(): never redeemed, never reused
     Status status;                   // first engine error among redeemed tickets
   };
 
@@ -97,7 +98,7 @@ struct SwapSpace::Impl {
     // Redeem whatever is still in flight so no write lands after the files are gone.
     for (std::uint32_t i = 0; ops != nullptr && i < options.max_ops; ++i) {
       Op& op = ops[i];
-      if (op.generation.load() == 0) continue;
+      if (op.generation.load() == 0 || op.abandoned) continue;
       for (std::uint32_t t = op.tickets_done; t < op.ticket_count; ++t) {
         Status s = engine.wait(op.tickets[t], std::chrono::seconds(30));
         if (s.code() == Code::kTimeout) log_error("io: swap space closing: {}", s.to_string());
@@ -242,6 +243,7 @@ struct SwapSpace::Impl {
     op.offset = offset;
     op.bytes = bytes;
     op.data = data;
+    op.abandoned = false;
     op.status = Status();
     if (kind == IoOp::kWrite) {
       // Checksum before the write: what is recorded is what the caller handed over.
@@ -541,6 +543,32 @@ bool SwapSpace::poll(SwapTicket ticket) const {
 
 Status SwapSpace::wait(SwapTicket ticket, std::chrono::milliseconds timeout) {
   return impl_->wait(ticket, timeout);
+}
+
+void SwapSpace::cancel(SwapTicket ticket) {
+  Impl::Op& op = impl_->checked_op(ticket);
+  for (std::uint32_t t = op.tickets_done; t < op.ticket_count; ++t) {
+    (void)impl_->engine.cancel(op.tickets[t]);
+  }
+}
+
+void SwapSpace::abandon(SwapTicket ticket) {
+  Impl::Op& op = impl_->checked_op(ticket);
+  Impl::Extent& e = *impl_->extents[op.extent];
+  if (op.op == IoOp::kWrite) {
+    const std::uint64_t block_bytes = impl_->options.block_bytes;
+    const std::uint64_t first_block = op.offset / block_bytes;
+    const std::uint64_t end_block = (op.offset + op.bytes + block_bytes - 1) / block_bytes;
+    std::fill(e.states.begin() + static_cast<std::ptrdiff_t>(first_block),
+              e.states.begin() + static_cast<std::ptrdiff_t>(end_block), kLost);
+  }
+  log_error(
+      "io: swap extent {}: giving up on a {} of {} bytes at extent offset {} that never "
+      "completed; its memory stays off limits",
+      e.info.key, io_op_name(op.op), op.bytes, op.offset);
+  op.abandoned = true;
+  // The generation changes so that the ticket is no longer valid; the entry is not given back.
+  op.generation.store(UINT32_MAX, std::memory_order_release);
 }
 
 Status SwapSpace::write_sync(ExtentId id, const void* src, std::chrono::milliseconds timeout) {

@@ -120,6 +120,18 @@ class SwapSpace {
   // timeout returns Status::timeout and the ticket stays unredeemed (wait again).
   Status wait(SwapTicket ticket, std::chrono::milliseconds timeout);
 
+  // Asks the engine to cancel the op's requests still in flight (IoEngine::cancel), typically
+  // after wait() timed out on it. Does not redeem the ticket: wait() on it again; a cancelled
+  // write fails and its blocks are lost (read() then refuses them), as any failed write.
+  // REQUIRES: `ticket` came from read() / write() and was not yet redeemed.
+  void cancel(SwapTicket ticket);
+  // Gives up on an op that a cancel did not end either (the device holds it): the ticket is
+  // released without waiting, a write's blocks are marked lost, and the op's table entry stays
+  // taken (one fewer for max_ops) until this object is destroyed, which does not wait for it.
+  // The op's memory may still be written by the device at any time: the caller must never
+  // reuse it while the engine is open. REQUIRES: as cancel().
+  void abandon(SwapTicket ticket);
+
   Status write_sync(ExtentId id, const void* src,
                     std::chrono::milliseconds timeout = std::chrono::seconds(60));
   Status read_sync(ExtentId id, void* dst,

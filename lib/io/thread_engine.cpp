@@ -35,6 +35,7 @@ class ThreadEngine final : public EngineCore {
       stop_ = true;
     }
     work_cv_.notify_all();
+    hung_cv_.notify_all();
     for (std::thread& thread : threads_) thread.join();
   }
 
@@ -42,7 +43,8 @@ class ThreadEngine final : public EngineCore {
     const std::uint32_t count =
         std::min<std::uint32_t>(options_.rings * options_.queue_depth, kMaxThreads);
     threads_.reserve(count);
-    for (std::uint32_t i = 0; i < count; ++i) threads_.emplace_back([this] { run(); });
+    hung_.assign(count, Hung{});
+    for (std::uint32_t i = 0; i < count; ++i) threads_.emplace_back([this, i] { run(i); });
   }
 
   EngineKind kind() const override { return EngineKind::kThread; }
@@ -61,8 +63,42 @@ class ThreadEngine final : public EngineCore {
     work_cv_.notify_one();
   }
 
+  void cancel_request(std::uint32_t slot_index) override {
+    {
+      std::lock_guard lock(mutex_);
+      if (slot(slot_index).done.load(std::memory_order_acquire)) return;
+      stop_cutting(slot_index);
+      if (hung_cancellable()) {
+        for (Hung& h : hung_) {
+          if (h.active && h.slot == slot_index) h.cancelled = true;
+        }
+      }
+    }
+    // A queued request with nothing in flight completes when a thread next looks at it.
+    work_cv_.notify_one();
+    hung_cv_.notify_all();
+  }
+
  private:
-  void run() {
+  // A thread whose piece the fault injector hung waits here, as a thread stuck in pread would,
+  // until the request is cancelled or the engine closes.
+  struct Hung {
+    bool active = false;
+    bool cancelled = false;
+    std::uint32_t slot = 0;
+  };
+
+  // Waits until the hung piece is released; returns the error it finishes with.
+  Status wait_hung(std::uint32_t thread_index, const Piece& piece) {
+    std::unique_lock lock(mutex_);
+    Hung& h = hung_[thread_index];
+    h = Hung{true, false, piece.slot};
+    hung_cv_.wait(lock, [&] { return h.cancelled || stop_; });
+    h.active = false;
+    return cancelled_status(piece);
+  }
+
+  void run(std::uint32_t thread_index) {
     for (;;) {
       Piece piece;
       bool more = false;
@@ -91,7 +127,9 @@ class ThreadEngine final : public EngineCore {
                 ? ::pread(fd, piece.data, piece.bytes, static_cast<off_t>(piece.offset))
                 : ::pwrite(fd, piece.data, piece.bytes, static_cast<off_t>(piece.offset));
         const long result = moved < 0 ? -static_cast<long>(errno) : static_cast<long>(moved);
-        if (check_piece(piece, result, &error) != PieceStep::kResubmit) break;
+        const PieceStep step = check_piece(piece, result, &error);
+        if (step == PieceStep::kHung) error = wait_hung(thread_index, piece);
+        if (step != PieceStep::kResubmit) break;
       }
       std::lock_guard lock(mutex_);
       piece_finished(piece.slot, std::move(error));
@@ -100,6 +138,8 @@ class ThreadEngine final : public EngineCore {
 
   std::mutex mutex_;
   std::condition_variable work_cv_;
+  std::condition_variable hung_cv_;
+  std::vector<Hung> hung_;  // one per thread, guarded by mutex_
   bool stop_ = false;
   BoundedQueue<std::uint32_t> active_;  // guarded by mutex_
   std::vector<std::thread> threads_;

@@ -28,6 +28,10 @@ namespace {
 
 constexpr std::uint64_t kWakeTag = ~std::uint64_t{0};
 constexpr unsigned kReapBatch = 64;
+// Where each entry of a ring's piece table is.
+constexpr std::uint8_t kPieceFree = 0;
+constexpr std::uint8_t kPieceInKernel = 1;
+constexpr std::uint8_t kPieceHung = 2;  // completion swallowed by the fault injector
 // How long the destructor waits for a drive to finish what is in flight before giving up.
 constexpr std::chrono::seconds kDrainLimit{30};
 
@@ -93,6 +97,7 @@ class UringEngine final : public EngineCore {
       }
       ring.active.reset(options_.max_requests);
       ring.pieces.resize(options_.queue_depth);
+      ring.piece_state.assign(options_.queue_depth, kPieceFree);
       ring.free_pieces.reserve(options_.queue_depth);
       for (std::uint32_t p = options_.queue_depth; p-- > 0;) ring.free_pieces.push_back(p);
     }
@@ -153,9 +158,41 @@ class UringEngine final : public EngineCore {
   void enqueue(std::uint32_t slot_index) override {
     const std::uint32_t n = next_ring_.fetch_add(1, std::memory_order_relaxed);
     Ring& ring = *rings_[n % rings_.size()];
+    slot(slot_index).queue = n % static_cast<std::uint32_t>(rings_.size());
     std::lock_guard lock(ring.mutex);
     ring.active.push(slot_index);
     if (fill(ring) > 0) submit(ring);
+  }
+
+  void cancel_request(std::uint32_t slot_index) override {
+    Ring& ring = *rings_[slot(slot_index).queue];
+    std::lock_guard lock(ring.mutex);
+    if (slot(slot_index).done.load(std::memory_order_acquire)) return;
+    stop_cutting(slot_index);
+    bool cancels = false;
+    for (std::uint32_t p = 0; p < ring.pieces.size(); ++p) {
+      if (ring.piece_state[p] == kPieceFree || ring.pieces[p].slot != slot_index) continue;
+      if (ring.piece_state[p] == kPieceHung) {
+        if (hung_cancellable()) finish(ring, p, cancelled_status(ring.pieces[p]));
+        continue;
+      }
+      // In the kernel: it completes with -ECANCELED if the cancel reaches it, else as it would
+      // have. The cancel's own completion carries kWakeTag and is ignored.
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring.ring);
+      if (sqe == nullptr) {
+        submit(ring);
+        sqe = io_uring_get_sqe(&ring.ring);
+      }
+      if (sqe == nullptr) {
+        log_warn("io: no submission entry left to cancel a piece; it stays in flight");
+        continue;
+      }
+      io_uring_prep_cancel64(sqe, p, 0);
+      io_uring_sqe_set_data64(sqe, kWakeTag);
+      cancels = true;
+    }
+    // A request with no piece left in flight completes when the ring next looks at it.
+    if (fill(ring) > 0 || cancels) submit(ring);
   }
 
  private:
@@ -169,6 +206,7 @@ class UringEngine final : public EngineCore {
     bool stop = false;
     BoundedQueue<std::uint32_t> active;  // requests with pieces left to cut, oldest first
     std::vector<Piece> pieces;
+    std::vector<std::uint8_t> piece_state;  // kPieceFree / kPieceInKernel / kPieceHung
     std::vector<std::uint32_t> free_pieces;
     std::uint32_t in_flight = 0;
     std::uint32_t resubmits = 0;  // pieces handle() prepped again, not yet submitted
@@ -222,6 +260,7 @@ class UringEngine final : public EngineCore {
       const std::uint32_t piece_index = ring.free_pieces.back();
       ring.free_pieces.pop_back();
       ring.pieces[piece_index] = piece;
+      ring.piece_state[piece_index] = kPieceInKernel;
       prep(ring, piece_index);
       ++ring.in_flight;
       ++prepped;
@@ -237,11 +276,21 @@ class UringEngine final : public EngineCore {
         prep(ring, piece_index);
         ++ring.resubmits;
         return;
+      case PieceStep::kHung:
+        // Stays in flight (holding its entry and its place in queue_depth) until cancelled.
+        ring.piece_state[piece_index] = kPieceHung;
+        return;
       case PieceStep::kDone:
       case PieceStep::kFailed:
         break;
     }
-    const std::uint32_t slot_index = piece.slot;
+    finish(ring, piece_index, std::move(error));
+  }
+
+  // Frees a piece's entry and accounts it. REQUIRES: ring.mutex held.
+  void finish(Ring& ring, std::uint32_t piece_index, Status error) {
+    const std::uint32_t slot_index = ring.pieces[piece_index].slot;
+    ring.piece_state[piece_index] = kPieceFree;
     ring.free_pieces.push_back(piece_index);
     --ring.in_flight;
     piece_finished(slot_index, std::move(error));
@@ -280,6 +329,10 @@ class UringEngine final : public EngineCore {
       if (ring.stop && !stopping) {
         stopping = true;
         stop_deadline = std::chrono::steady_clock::now() + kDrainLimit;
+        // A hung (fault-injected) piece lasts until the engine closes.
+        for (std::uint32_t p = 0; p < ring.pieces.size(); ++p) {
+          if (ring.piece_state[p] == kPieceHung) finish(ring, p, cancelled_status(ring.pieces[p]));
+        }
       }
       if (stopping && ring.in_flight == 0 && ring.active.empty()) break;
       if (stopping && std::chrono::steady_clock::now() > stop_deadline) {

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/random.hpp"
@@ -220,6 +221,58 @@ TEST_P(FaultTest, MixedFaultsNeverHangAndKeepSuccessesIntact) {
     }
   }
   EXPECT_GT(ok, kRequests / 2);
+}
+
+// A piece whose completion never arrives: wait() times out, again and again, until cancel();
+// the request then fails with ECANCELED naming the file and offset, and the engine goes on.
+TEST_P(FaultTest, HungPieceTimesOutUntilCancelled) {
+  open({.seed = 808, .hang_rate = 1.0, .hang_max = 1}, "hang");
+  AlignedBuffer back(kRequestBytes);
+  Result<Ticket> ticket = engine_->read(file_, kRequestBytes, kRequestBytes, back.data());
+  ASSERT_TRUE(ticket.is_ok()) << ticket.status().to_string();
+  for (int i = 0; i < 3; ++i) {
+    const Status s = engine_->wait(*ticket, std::chrono::milliseconds(30));
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+    expect_names_place(s);
+  }
+  EXPECT_FALSE(engine_->poll(*ticket));
+  EXPECT_EQ(faults_->counts().hang, 1u);
+  EXPECT_TRUE(engine_->cancel(*ticket).is_ok());
+  const auto start = std::chrono::steady_clock::now();
+  const Status s = engine_->wait(*ticket, std::chrono::seconds(10));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(s.code(), Code::kIoError) << s.to_string();
+  EXPECT_EQ(s.sys_code(), ECANCELED);
+  EXPECT_NE(s.message().find("cancelled"), std::string::npos) << s.to_string();
+  expect_names_place(s);
+  // hang_max is used up: the same read now succeeds, with the file's bytes.
+  std::memset(back.data(), 0, kRequestBytes);
+  const Status again = engine_->read_sync(file_, kRequestBytes, kRequestBytes, back.data());
+  ASSERT_TRUE(again.is_ok()) << again.to_string();
+  EXPECT_EQ(std::memcmp(back.data(), source_.data() + kRequestBytes, kRequestBytes), 0);
+  // Cancelling a request that already finished changes nothing.
+  Result<Ticket> done = engine_->read(file_, 0, kRequestBytes, back.data());
+  ASSERT_TRUE(done.is_ok());
+  while (!engine_->poll(*done)) std::this_thread::yield();
+  EXPECT_TRUE(engine_->cancel(*done).is_ok());
+  EXPECT_TRUE(engine_->wait(*done, std::chrono::seconds(10)).is_ok());
+  EXPECT_EQ(std::memcmp(back.data(), source_.data(), kRequestBytes), 0);
+}
+
+// A device that ignores the cancel too: the request stays in flight (its memory off limits),
+// and closing the engine still returns.
+TEST_P(FaultTest, HungPieceThatIgnoresCancelEndsWithTheEngine) {
+  open({.seed = 909, .hang_rate = 1.0, .hang_max = 1, .hang_ignores_cancel = true}, "hang-stuck");
+  AlignedBuffer fresh = random_buffer(kRequestBytes, 0x909);
+  Result<Ticket> ticket = engine_->write(file_, 0, kRequestBytes, fresh.data());
+  ASSERT_TRUE(ticket.is_ok()) << ticket.status().to_string();
+  EXPECT_EQ(engine_->wait(*ticket, std::chrono::milliseconds(30)).code(), Code::kTimeout);
+  EXPECT_TRUE(engine_->cancel(*ticket).is_ok());
+  EXPECT_EQ(engine_->wait(*ticket, std::chrono::milliseconds(100)).code(), Code::kTimeout);
+  EXPECT_FALSE(engine_->poll(*ticket));
+  const auto start = std::chrono::steady_clock::now();
+  engine_.reset();
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, FaultTest,
