@@ -28,8 +28,11 @@ struct OptimizerPipeline::Entry {
   std::array<bool, kPieceCount> pending{};  // ticket not yet redeemed
   bool write_failed = false;                // some write of this sub-group failed
   bool wrote_any = false;                   // some write was submitted
-  std::int64_t start_ns = 0;                // submission of the reads / writes
-  std::int64_t done_ns = 0;                 // when a poll first saw them all complete; 0: not yet
+  // A transfer of this sub-group was abandoned (SwapSpace::abandon): the device may still write
+  // into the block, so it goes to quarantine_ instead of back to the pool.
+  bool quarantined = false;
+  std::int64_t start_ns = 0;  // submission of the reads / writes
+  std::int64_t done_ns = 0;   // when a poll first saw them all complete; 0: not yet
 };
 
 OptimizerPipeline::OptimizerPipeline(StateStore& store, PinnedPool* pool,
@@ -37,6 +40,12 @@ OptimizerPipeline::OptimizerPipeline(StateStore& store, PinnedPool* pool,
     : store_(store), pool_(pool), options_(options) {}
 
 OptimizerPipeline::~OptimizerPipeline() {
+  if (!quarantine_.empty()) {
+    // The pool refuses to be destroyed with blocks still leased, so they go back now: whoever
+    // destroys the pipeline after such an error should close the pool and the engine with it.
+    log_error("tier: returning {} pool block(s) whose I/O never completed to the pool",
+              quarantine_.size());
+  }
   if (updater_.joinable()) {
     {
       std::lock_guard lock(update_mutex_);
@@ -137,6 +146,7 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
                       p->block_limit_, ops_needed, store.swap()->options().max_ops));
     }
     p->entries_.resize(p->block_limit_);
+    p->quarantine_.reserve(p->block_limit_);
   }
   p->arena_ =
       std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads : cpu_count());
@@ -304,6 +314,7 @@ Status OptimizerPipeline::start_read(std::size_t i, PinnedPool::Lease lease, con
   e.pending.fill(false);
   e.write_failed = false;
   e.wrote_any = false;
+  e.quarantined = false;
   e.start_ns = Trace::now_ns();
   e.done_ns = 0;
   ++held_;
@@ -338,15 +349,61 @@ bool OptimizerPipeline::pieces_done(std::size_t i, const std::vector<Piece>& pie
   return true;
 }
 
-Status OptimizerPipeline::wait_landed(SwapTicket ticket, Status* first) {
-  Status status = store_.swap()->wait(ticket, options_.io_timeout);
+Status OptimizerPipeline::wait_landed(std::size_t i, Piece piece, const char* what,
+                                      const StepArgs& args, Status* first) {
+  Entry& e = entry(i);
+  const SwapTicket ticket = e.tickets[static_cast<std::size_t>(piece)];
+  SwapSpace& swap = *store_.swap();
+  Status status = swap.wait(ticket, options_.io_timeout);
+  std::uint32_t timeouts = 0;
+  bool named_here = false;  // *first is this transfer's timeout
   while (status.code() == Code::kTimeout) {
-    // The transfer may still land in the block: keep waiting before anything reuses it.
-    if (first->is_ok()) *first = status;
+    // The transfer may still land in the block: keep waiting before anything reuses it, up to
+    // io_timeouts_max waits.
+    status = status.with_context(fmt::format("optimizer step {}: sub-group {}: {} {}", args.step, i,
+                                             what, piece_name(piece)));
+    if (first->is_ok()) {
+      *first = status;
+      named_here = true;
+    }
     log_warn("tier: {}", status.to_string());
-    status = store_.swap()->wait(ticket, options_.io_timeout);
+    if (options_.io_timeouts_max == 0 || ++timeouts < options_.io_timeouts_max) {
+      status = swap.wait(ticket, options_.io_timeout);
+      continue;
+    }
+    // Give up: ask the engine to cancel it, and wait once more for the cancellation to land.
+    swap.cancel(ticket);
+    status = swap.wait(ticket, options_.io_timeout);
+    const bool landed = status.code() != Code::kTimeout;
+    if (!landed) {
+      // Not even a cancel ends it: the device may still write into the block at any time, so
+      // the block never goes back to the pool (see Entry::quarantined); a write's blocks are
+      // lost on disk.
+      swap.abandon(ticket);
+      e.quarantined = true;
+      status = Status::timeout(
+          fmt::format("optimizer step {}: sub-group {}: {} {}: abandoned after a cancel", args.step,
+                      i, what, piece_name(piece)));
+    }
+    if (named_here) {
+      *first = Status::timeout(fmt::format(
+          "{}; gave up after {} waits of {} ms: {}", first->message(), timeouts,
+          options_.io_timeout.count(),
+          landed ? "cancelled" : "a cancel did not end it either; its block is quarantined"));
+    }
+    return status;
   }
   return status;
+}
+
+void OptimizerPipeline::return_block(Entry& e) {
+  if (e.quarantined) {
+    ZINF_ASSERT(quarantine_.size() < quarantine_.capacity());  // reserved at open: no allocation
+    quarantine_.push_back(std::move(e.lease));
+    e.quarantined = false;
+  } else {
+    e.lease.release();
+  }
 }
 
 Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
@@ -356,7 +413,7 @@ Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
   for (Piece piece : read_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
     if (!e.pending[k]) continue;
-    const Status status = wait_landed(e.tickets[k], &first);
+    const Status status = wait_landed(i, piece, "reading", args, &first);
     e.pending[k] = false;
     store_.end_read(piece, i, status.is_ok());
     if (status.is_ok()) {
@@ -414,7 +471,7 @@ Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
   for (Piece piece : write_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
     if (!e.pending[k]) continue;
-    const Status status = wait_landed(e.tickets[k], &first);
+    const Status status = wait_landed(i, piece, "writing", args, &first);
     e.pending[k] = false;
     store_.end_write(piece, i, status.is_ok());
     if (status.is_ok()) {
@@ -437,7 +494,7 @@ Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
     store_.set_stored(i, args.step);
   }
   e.phase = Entry::Phase::kIdle;
-  e.lease.release();
+  return_block(e);
   --held_;
   return first;
 }
@@ -468,6 +525,7 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
   const bool full = args.mode == StepMode::kFull;
   bool updating = false;
   Status status;
+  bool stalled = false;  // the driver waited io_timeout for reads
   auto last_progress = std::chrono::steady_clock::now();
   // Sub-group i's update is over (or there was none): write back what it changed.
   auto written_back = [&](std::size_t i) {
@@ -542,9 +600,8 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
     }
     // Nothing to update until the next sub-group's reads land.
     if (std::chrono::steady_clock::now() - last_progress > options_.io_timeout) {
-      status = Status::timeout(
-          fmt::format("optimizer step {}: sub-group {}: reads not done within {} ms", args.step,
-                      verified_, options_.io_timeout.count()));
+      status = stalled_read(verified_, args);
+      stalled = true;
       break;
     }
     std::this_thread::sleep_for(kPollInterval);
@@ -568,22 +625,47 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
     }
     stats_.io_wait_ns += Trace::now_ns() - wait_start;
   }
-  if (!status.is_ok()) drain(args);
+  if (!status.is_ok()) {
+    const Status drained = drain(args);
+    // The drain waited the stalled read out (or gave up on it): its timeout names the extent,
+    // file and offset, and how the transfer ended.
+    if (stalled && drained.code() == Code::kTimeout) status = drained;
+  }
   ZINF_ASSERT(held_ == 0);
   return status;
 }
 
-void OptimizerPipeline::drain(const StepArgs& args) {
+Status OptimizerPipeline::stalled_read(std::size_t i, const StepArgs& args) {
+  // Name the first piece still in flight (and its extent), as a timeout of wait() would.
+  Entry& e = entry(i);
+  std::string which = "reads";
+  for (Piece piece : read_pieces_) {
+    const auto k = static_cast<std::size_t>(piece);
+    if (e.pending[k] && !store_.swap()->poll(e.tickets[k])) {
+      which = fmt::format("reading {} (swap extent {})", piece_name(piece),
+                          store_.swap()->info(store_.extent(piece, i)).key);
+      break;
+    }
+  }
+  return Status::timeout(fmt::format("optimizer step {}: sub-group {}: {} not done within {} ms",
+                                     args.step, i, which, options_.io_timeout.count()));
+}
+
+Status OptimizerPipeline::drain(const StepArgs& args) {
+  Status first;
+  auto note = [&](Status s) {
+    if (first.is_ok()) first = std::move(s);
+  };
   // Every I/O still in flight is waited for before its block goes back; writes decide versions,
   // reads are discarded.
   for (std::size_t i = released_; i < read_; ++i) {
     Entry& e = entry(i);
     switch (e.phase) {
       case Entry::Phase::kWriting:
-        (void)finish_write(i, args);
+        note(finish_write(i, args));
         break;
       case Entry::Phase::kReading:
-        (void)finish_read(i, args);
+        note(finish_read(i, args));
         [[fallthrough]];
       case Entry::Phase::kInBlock:
         // Read but not updated (or its update failed, which writes nothing): the disk and the
@@ -592,7 +674,7 @@ void OptimizerPipeline::drain(const StepArgs& args) {
           if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
         }
         e.phase = Entry::Phase::kIdle;
-        e.lease.release();
+        return_block(e);
         --held_;
         break;
       case Entry::Phase::kIdle:
@@ -600,6 +682,7 @@ void OptimizerPipeline::drain(const StepArgs& args) {
     }
   }
   released_ = updated_ = verified_ = read_;
+  return first;
 }
 
 }  // namespace zinf

@@ -29,6 +29,20 @@
 // whether it holds the old step, the new step, or is torn (some of its writes failed): a sub-group
 // is new only when all of its writes landed, old when none was submitted.
 //
+// A transfer that never completes. A read or write that has not landed after io_timeout fails
+// the step with Status::timeout, but its block may still be under DMA, so the pipeline keeps
+// waiting, at most io_timeouts_max waits of io_timeout in all; then it cancels the transfer
+// (SwapSpace::cancel, IORING_OP_ASYNC_CANCEL on uring) and waits io_timeout once more. A
+// cancelled write fails, so its pieces are lost and its sub-group torn; a cancelled read leaves
+// the sub-group old. If even the cancel does not end it, the transfer is abandoned
+// (SwapSpace::abandon: a write's pieces are lost, the sub-group torn) and its block is kept out
+// of the pool (quarantined) for the pipeline's life, never reused while the device may write
+// into it. The sticky error is then a timeout naming the step, sub-group, piece, swap extent
+// key, file and offset, and how it ended ("cancelled" or "its block is quarantined"). So one
+// stuck transfer holds the step for at most (io_timeouts_max + 1) * io_timeout (plus
+// io_timeout when it is a read the driver was polling for); the drain after the error waits for
+// each other transfer in flight under the same bound.
+//
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
 // "write", named "read sg<i>" etc. ("... (io alone)" / "(update alone)" in the benchmark modes).
@@ -64,6 +78,10 @@ struct PipelineOptions {
   std::size_t tile_elements = 0;  // 0: optimizer_step's default
   // Longest wait for one sub-group's I/O before the step fails with Status::timeout.
   std::chrono::milliseconds io_timeout = std::chrono::seconds(120);
+  // Waits of io_timeout that one read or write may run out before the pipeline gives up on it:
+  // it asks the engine to cancel the transfer and waits io_timeout once more. 0: wait forever
+  // (warning after each io_timeout). See "A transfer that never completes" above.
+  std::uint32_t io_timeouts_max = 3;
   // Blocks of the pool the step may hold at once; 0: all of them. At least 2.
   std::size_t max_blocks = 0;
   // Spans for every read, update and write when set; must outlive the pipeline.
@@ -153,14 +171,22 @@ class OptimizerPipeline {
   bool writes_done(std::size_t i);
   // True once every pending ticket of `pieces` for sub-group i has finished.
   bool pieces_done(std::size_t i, const std::vector<Piece>& pieces);
-  // Waits for one transfer until it has really ended (a timeout is noted in *first, once, and
-  // the wait goes on: the block may still be under DMA), and returns its Status.
-  Status wait_landed(SwapTicket ticket, Status* first);
+  // Waits for sub-group i's transfer of `piece` (`what`: "reading" / "writing") until it has
+  // really ended, or gives up on it after io_timeouts_max timeouts (see the file comment); a
+  // timeout is noted in *first, named, once. Returns the transfer's Status.
+  Status wait_landed(std::size_t i, Piece piece, const char* what, const StepArgs& args,
+                     Status* first);
+  // Returns the entry's block to the pool, or to quarantine_ when a transfer into it was
+  // abandoned.
+  void return_block(Entry& e);
+  // The timeout of a step whose driver waited io_timeout for sub-group i's reads.
+  Status stalled_read(std::size_t i, const StepArgs& args);
   // Redeems i's write tickets, records its version, returns its block. Blocks for at most
   // io_timeout per ticket when `block` (then a timeout is an error, and the wait goes on).
   Status finish_write(std::size_t i, const StepArgs& args);
-  // After a failure: waits for every I/O in flight, records versions, returns every block.
-  void drain(const StepArgs& args);
+  // After a failure: waits for every I/O in flight, records versions, returns every block (or
+  // quarantines it). Returns the first error seen.
+  Status drain(const StepArgs& args);
   Entry& entry(std::size_t i);
   void trace_span(int track, const char* what, std::size_t i, std::int64_t start_ns,
                   std::int64_t end_ns);
@@ -170,7 +196,10 @@ class OptimizerPipeline {
   PipelineOptions options_;
   std::unique_ptr<tbb::task_arena> arena_;
   std::size_t block_limit_ = 0;
-  std::vector<Entry> entries_;       // ring of block_limit_ records; sub-group i uses i % size
+  std::vector<Entry> entries_;  // ring of block_limit_ records; sub-group i uses i % size
+  // Blocks into which an abandoned transfer may still land: never reused; returned to the pool
+  // only when the pipeline is destroyed (a PinnedPool cannot be destroyed with leases out).
+  std::vector<PinnedPool::Lease> quarantine_;
   std::vector<Piece> read_pieces_;   // NVMe pieces the step reads
   std::vector<Piece> write_pieces_;  // NVMe pieces the step writes
   // Sub-groups [released_, updated_) are writing (or written, not yet reaped), [updated_, read_)

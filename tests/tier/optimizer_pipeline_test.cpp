@@ -271,6 +271,9 @@ struct FaultTally {
   int failed_steps = 0, torn = 0, old_groups = 0, new_groups = 0;
 };
 
+void check_failed_step(Rig& s, std::int64_t t, const Status& error, const Reference& ref,
+                       const Reference& old, std::uint64_t seed, FaultTally* tally);
+
 void run_fault_seed(std::uint64_t seed, const FaultSpec& base, FaultTally* tally) {
   std::printf("fault seed %llu\n", static_cast<unsigned long long>(seed));
   FaultSpec spec = base;
@@ -308,7 +311,18 @@ void run_fault_seed(std::uint64_t seed, const FaultSpec& base, FaultTally* tally
       continue;
     }
     ++tally->failed_steps;
-    const std::string message = r.status().to_string();
+    check_failed_step(s, t, r.status(), ref, old, seed, tally);
+    return;
+  }
+}
+
+// After step t failed with `error`: the error names the step and sub-group and is sticky, and
+// each sub-group reads back (faults off) as exactly the version the store records: old, new, or
+// torn where its own write failed.
+void check_failed_step(Rig& s, std::int64_t t, const Status& error, const Reference& ref,
+                       const Reference& old, std::uint64_t seed, FaultTally* tally) {
+  {
+    const std::string message = error.to_string();
     EXPECT_NE(message.find(fmt::format("optimizer step {}: sub-group ", t)), std::string::npos)
         << message;
     // Sticky: the same error, whatever is asked next.
@@ -342,7 +356,6 @@ void run_fault_seed(std::uint64_t seed, const FaultSpec& base, FaultTally* tally
       EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, expect), "")
           << "seed " << seed << " sg " << i << " says " << version_name(v);
     }
-    return;
   }
 }
 
@@ -394,6 +407,95 @@ TEST(OptimizerPipelineFaults, BitFlipOnReadIsCorruptionAndLeavesOldState) {
   }
   EXPECT_GE(tally.failed_steps, 5);
   EXPECT_EQ(tally.torn, 0);  // reads never tear anything
+}
+
+// A read or write that never completes: the step gives up on it within the bound
+// ((io_timeouts_max + 1) * io_timeout, plus one io_timeout for a read the driver polls), with a
+// timeout naming the sub-group, the piece and its swap extent and how it ended; the error is
+// sticky and the versions exact. When the cancel does not end it either, its block stays out of
+// the pool.
+struct HangCase {
+  bool reads;         // hang a read (else a write)
+  bool cancel_works;  // else FaultSpec::hang_ignores_cancel
+  EngineKind engine;
+};
+
+void run_hang(const HangCase& c, std::uint64_t seed) {
+  std::printf("hang: %s, cancel %s, engine %s, seed %llu\n", c.reads ? "read" : "write",
+              c.cancel_works ? "works" : "ignored", engine_kind_name(c.engine).data(),
+              static_cast<unsigned long long>(seed));
+  FaultSpec spec;
+  spec.seed = seed;
+  spec.hang_rate = 1.0;
+  spec.hang_max = 1;
+  spec.hang_ignores_cancel = !c.cancel_works;
+  spec.reads = c.reads;
+  spec.writes = !c.reads;
+  auto faults = std::make_shared<FaultInjector>(spec);
+  faults->set_enabled(false);
+  RigOptions so;
+  so.engine = c.engine;
+  so.faults = faults;
+  so.io_block_bytes = 16 << 10;
+  so.store.param_count = 20'000;
+  so.store.sub_group_params = 3000;
+  so.pool_blocks = 3;
+  so.pipeline.optimizer = adamw();
+  so.pipeline.threads = 1;
+  so.pipeline.io_timeout = std::chrono::milliseconds(50);
+  so.pipeline.io_timeouts_max = 2;
+  Rig s;
+  Status opened = tier_test::open_rig("hang", so, &s);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  Reference ref;
+  ref.init(so.store.param_count, seed);
+  ref.make_grads(DType::kF32, seed + 1);
+  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  const Reference old = ref;
+  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+  faults->set_enabled(true);
+  const auto start = std::chrono::steady_clock::now();
+  Result<StepStats> r = s.pipeline->step({.step = 1});
+  const auto took = std::chrono::steady_clock::now() - start;
+  faults->set_enabled(false);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(faults->counts().hang, 1u);
+  const Status& error = r.status();
+  EXPECT_EQ(error.code(), Code::kTimeout) << error.to_string();
+  const std::string message = error.to_string();
+  for (const char* part : {c.reads ? ": reading " : ": writing ", "swap extent rank0/",
+                           c.cancel_works ? "gave up after 2 waits of 50 ms: cancelled"
+                                          : "its block is quarantined"}) {
+    EXPECT_NE(message.find(part), std::string::npos) << "no '" << part << "' in " << message;
+  }
+  // It waited as configured, and no longer than the bound (with room for a loaded machine).
+  // (Each wait's own deadline is rounded down to whole milliseconds: allow 10 ms less.)
+  EXPECT_GE(took, 2 * so.pipeline.io_timeout - std::chrono::milliseconds(10));
+  EXPECT_LT(took, std::chrono::seconds(3));
+  std::printf(
+      "step failed after %lld ms: %s\n",
+      static_cast<long long>(std::chrono::duration_cast<std::chrono::milliseconds>(took).count()),
+      message.c_str());
+  EXPECT_EQ(s.pool->free_count(), s.pool->block_count() - (c.cancel_works ? 0 : 1));
+  FaultTally tally;
+  check_failed_step(s, 1, error, ref, old, seed, &tally);
+  // A hung write tears its own sub-group only; a hung read tears nothing.
+  EXPECT_EQ(tally.torn, c.reads ? 0 : 1);
+}
+
+TEST(OptimizerPipelineFaults, WriteThatNeverCompletesIsCancelledWithinTheBound) {
+  run_hang({.reads = false, .cancel_works = true, .engine = EngineKind::kAuto}, 301);
+  run_hang({.reads = false, .cancel_works = true, .engine = EngineKind::kThread}, 302);
+}
+
+TEST(OptimizerPipelineFaults, ReadThatNeverCompletesIsCancelledWithinTheBound) {
+  run_hang({.reads = true, .cancel_works = true, .engine = EngineKind::kAuto}, 303);
+  run_hang({.reads = true, .cancel_works = true, .engine = EngineKind::kThread}, 304);
+}
+
+TEST(OptimizerPipelineFaults, TransferThatIgnoresCancelQuarantinesItsBlock) {
+  run_hang({.reads = false, .cancel_works = false, .engine = EngineKind::kAuto}, 305);
+  run_hang({.reads = true, .cancel_works = false, .engine = EngineKind::kThread}, 306);
 }
 
 }  // namespace
