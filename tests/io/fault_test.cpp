@@ -26,15 +26,8 @@ constexpr std::size_t kRequestBytes = 64 << 10;  // two pieces of 32 KiB
 constexpr int kRequests = 200;
 constexpr std::size_t kTotal = kRequestBytes * kRequests;
 
-class FaultTest : public ::testing::TestWithParam<EngineKind> {
+class FaultTest : public io_test::EngineKindTest {
  protected:
-  void SetUp() override {
-    std::string why;
-    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
-      GTEST_SKIP() << "io_uring unavailable here: " << why;
-    }
-  }
-
   // An engine with `spec` injected (disabled until the reference data is on disk), a file
   // holding kTotal random bytes, and those bytes in `source_`.
   void open(const FaultSpec& spec, const std::string& name) {
@@ -94,10 +87,6 @@ class FaultTest : public ::testing::TestWithParam<EngineKind> {
   FileHandle file_;
   AlignedBuffer source_;
 };
-
-std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
-  return std::string(engine_kind_name(info.param));
-}
 
 TEST_P(FaultTest, EioFailsItsRequestAndLeavesOthersIntact) {
   open({.seed = 101, .eio_rate = 0.2}, "eio");
@@ -275,8 +264,7 @@ TEST_P(FaultTest, HungPieceThatIgnoresCancelEndsWithTheEngine) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, FaultTest,
-                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+INSTANTIATE_TEST_SUITE_P(Kinds, FaultTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 }  // namespace
 }  // namespace zinf

@@ -31,19 +31,7 @@ using io_test::random_buffer;
 using io_test::read_file_plain;
 using io_test::ScratchDir;
 
-class HotPathTest : public ::testing::TestWithParam<EngineKind> {
- protected:
-  void SetUp() override {
-    std::string why;
-    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
-      GTEST_SKIP() << "io_uring unavailable here: " << why;
-    }
-  }
-};
-
-std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
-  return std::string(engine_kind_name(info.param));
-}
+class HotPathTest : public io_test::EngineKindTest {};
 
 TEST_P(HotPathTest, SubmitAndWaitAllocateNothing) {
   ScratchDir dir("noalloc");
@@ -211,8 +199,7 @@ TEST_P(HotPathTest, IoBenchMovesWhatItReports) {
   EXPECT_EQ(read->bytes, 32u << 20);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, HotPathTest,
-                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+INSTANTIATE_TEST_SUITE_P(Kinds, HotPathTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 }  // namespace
 }  // namespace zinf

@@ -24,19 +24,7 @@ using io_test::random_buffer;
 using io_test::read_file_plain;
 using io_test::ScratchDir;
 
-class EngineTest : public ::testing::TestWithParam<EngineKind> {
- protected:
-  void SetUp() override {
-    std::string why;
-    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
-      GTEST_SKIP() << "io_uring unavailable here: " << why;
-    }
-  }
-};
-
-std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
-  return std::string(engine_kind_name(info.param));
-}
+class EngineTest : public io_test::EngineKindTest {};
 
 // Requests of random sizes (multiples of 4 KiB, mostly not of the 64 KiB block) at random
 // distinct places of one file, all submitted before any wait: 300 in flight with a queue depth
@@ -240,8 +228,7 @@ TEST_P(EngineTest, WaitTimesOutWithoutHanging) {
   EXPECT_TRUE(engine->wait(*t, std::chrono::seconds(10)).is_ok());
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, EngineTest,
-                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+INSTANTIATE_TEST_SUITE_P(Kinds, EngineTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 TEST(EngineOptions, RejectsOutOfRangeOptions) {
   EXPECT_EQ(open_engine({.block_bytes = 1000}).status().code(), Code::kInvalidArgument);

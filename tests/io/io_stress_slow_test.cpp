@@ -25,19 +25,7 @@ using io_test::must_open;
 using io_test::random_buffer;
 using io_test::ScratchDir;
 
-class StressTest : public ::testing::TestWithParam<EngineKind> {
- protected:
-  void SetUp() override {
-    std::string why;
-    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
-      GTEST_SKIP() << "io_uring unavailable here: " << why;
-    }
-  }
-};
-
-std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
-  return std::string(engine_kind_name(info.param));
-}
+class StressTest : public io_test::EngineKindTest {};
 
 TEST_P(StressTest, ManySeedsOfMixedFaults) {
   constexpr std::size_t kRegion = 8 << 20;
@@ -178,8 +166,7 @@ TEST_P(StressTest, StripedSwapRandomTraffic) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, StressTest,
-                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+INSTANTIATE_TEST_SUITE_P(Kinds, StressTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 }  // namespace
 }  // namespace zinf

@@ -64,6 +64,17 @@ bool uring_available(std::string* why) {
   return true;
 }
 
+void EngineKindTest::SetUp() {
+  std::string why;
+  if (GetParam() == EngineKind::kUring && !uring_available(&why)) {
+    GTEST_SKIP() << "io_uring unavailable here: " << why;
+  }
+}
+
+std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
+  return std::string(engine_kind_name(info.param));
+}
+
 std::unique_ptr<IoEngine> must_open(EngineKind kind, IoOptions options) {
   options.kind = kind;
   Result<std::unique_ptr<IoEngine>> engine = open_engine(options);

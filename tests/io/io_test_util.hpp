@@ -1,6 +1,9 @@
-// Helpers shared by the io tests: scratch paths, seeded data, engines of each kind, and a small
-// filesystem mounted for full-disk and O_DIRECT-refusal tests when the process may mount.
+// Helpers shared by the io tests: scratch paths, seeded data, engines of each kind (and the
+// fixture that runs a test on each), and a small filesystem mounted for full-disk and
+// O_DIRECT-refusal tests when the process may mount.
 #pragma once
+
+#include <gtest/gtest.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -45,6 +48,17 @@ AlignedBuffer random_buffer(std::size_t bytes, std::uint64_t seed);
 
 // Whether this kernel lets us create an io_uring; when not, `why` says why.
 bool uring_available(std::string* why);
+
+// The fixture of a test run once per engine kind (the parameter): skips the uring run, naming
+// the reason, where the kernel refuses io_uring. Instantiate with
+//   INSTANTIATE_TEST_SUITE_P(Kinds, MyTest, io_test::kAllEngineKinds, io_test::kind_name);
+class EngineKindTest : public ::testing::TestWithParam<EngineKind> {
+ protected:
+  void SetUp() override;
+};
+inline const auto kAllEngineKinds = ::testing::Values(EngineKind::kUring, EngineKind::kThread);
+// "uring" / "thread": the parameterized test's name suffix.
+std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info);
 
 // Opens an engine of `kind` with `options` (kind overridden); fails the test on error.
 std::unique_ptr<IoEngine> must_open(EngineKind kind, IoOptions options = {});

@@ -30,14 +30,8 @@ using io_test::ScratchMount;
 
 constexpr std::size_t kBlock = 64 << 10;
 
-class SwapTest : public ::testing::TestWithParam<EngineKind> {
+class SwapTest : public io_test::EngineKindTest {
  protected:
-  void SetUp() override {
-    std::string why;
-    if (GetParam() == EngineKind::kUring && !io_test::uring_available(&why)) {
-      GTEST_SKIP() << "io_uring unavailable here: " << why;
-    }
-  }
   std::unique_ptr<IoEngine> engine(std::shared_ptr<FaultInjector> faults = nullptr) {
     IoOptions options;
     options.block_bytes = 32 << 10;
@@ -47,10 +41,6 @@ class SwapTest : public ::testing::TestWithParam<EngineKind> {
     return must_open(GetParam(), options);
   }
 };
-
-std::string kind_name(const ::testing::TestParamInfo<EngineKind>& info) {
-  return std::string(engine_kind_name(info.param));
-}
 
 // Extents of awkward sizes, several in flight at once, over 1 and 3 directories.
 TEST_P(SwapTest, ExtentsRoundTripAcrossDirectories) {
@@ -280,8 +270,7 @@ TEST_P(SwapTest, FailedWriteMarksBlocksLost) {
   EXPECT_EQ(t.status().code(), Code::kIoError);
 }
 
-INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest,
-                         ::testing::Values(EngineKind::kUring, EngineKind::kThread), kind_name);
+INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 TEST(SwapOpen, MissingDirectoryNamesIt) {
   auto io = must_open(EngineKind::kAuto);
