@@ -32,12 +32,9 @@ TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
   so.pool_blocks = 3;
   so.pipeline.threads = 2;
   tier_test::Rig s;
-  Status opened = tier_test::open_rig("hot", so, &s);
-  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   tier_test::Reference ref;
-  ref.init(so.store.param_count, 77);
-  ref.make_grads(DType::kBF16, 78);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Status opened = tier_test::open_loaded_rig("hot", so, 77, 78, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());  // warm-up: threads, arenas, caches
   for (std::int64_t t = 2; t <= 4; ++t) {
     g_allocations.store(0);

@@ -56,11 +56,9 @@ void run_equality(const Case& c, const std::array<Tier, kPieceCount>& tiers, int
   so.pipeline.optimizer.kind = c.kind;
   so.pipeline.threads = 2;
   Rig s;
-  Status opened = tier_test::open_rig("equal", so, &s);
-  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   Reference ref;
-  ref.init(c.param_count, seed);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Status opened = tier_test::open_loaded_rig("equal", so, seed, 0, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   for (int t = 1; t <= steps; ++t) {
     ref.make_grads(c.grad_dtype, seed * 31 + t);
     ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
@@ -119,16 +117,11 @@ TEST(OptimizerPipeline, ThreadEngineGivesTheSameState) {
   so.store.sub_group_params = 5000;
   so.pipeline.optimizer = adamw();
   Rig s;
-  ASSERT_TRUE(tier_test::open_rig("thread", so, &s).is_ok());
   Reference ref;
-  ref.init(so.store.param_count, 99);
-  ref.make_grads(DType::kF32, 100);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(tier_test::open_loaded_rig("thread", so, 99, 100, &s, &ref).is_ok());
   ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
   ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
-  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
-    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << i;
-  }
+  EXPECT_EQ(tier_test::compare_all(*s.store, ref), "");
 }
 
 TEST(OptimizerPipeline, TelemetryCountsBytesAndTraceHasSpansPerSubGroup) {
@@ -140,11 +133,8 @@ TEST(OptimizerPipeline, TelemetryCountsBytesAndTraceHasSpansPerSubGroup) {
   so.pipeline.optimizer = adamw();
   so.pipeline.trace = &trace;
   Rig s;
-  ASSERT_TRUE(tier_test::open_rig("trace", so, &s).is_ok());
   Reference ref;
-  ref.init(so.store.param_count, 5);
-  ref.make_grads(DType::kBF16, 6);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(tier_test::open_loaded_rig("trace", so, 5, 6, &s, &ref).is_ok());
   Result<StepStats> stats = s.pipeline->step({.step = 1});
   ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
   const std::uint64_t n = so.store.param_count;
@@ -189,11 +179,8 @@ TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
   so.store.sub_group_params = 3000;
   so.pipeline.optimizer = adamw();
   Rig s;
-  ASSERT_TRUE(tier_test::open_rig("modes", so, &s).is_ok());
   Reference ref;
-  ref.init(so.store.param_count, 17);
-  ref.make_grads(DType::kF32, 18);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(tier_test::open_loaded_rig("modes", so, 17, 18, &s, &ref).is_ok());
   Result<StepStats> io = s.pipeline->step({.step = 1, .mode = StepMode::kIoOnly});
   ASSERT_TRUE(io.is_ok()) << io.status().to_string();
   EXPECT_EQ(io->update_ns, 0);
@@ -216,9 +203,7 @@ TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
   // And a real step afterwards is still step 1.
   ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
   ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
-  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
-    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << i;
-  }
+  EXPECT_EQ(tier_test::compare_all(*s.store, ref), "");
 }
 
 TEST(OptimizerPipeline, NewLearningRateTakesEffectWithoutReopening) {
@@ -227,10 +212,8 @@ TEST(OptimizerPipeline, NewLearningRateTakesEffectWithoutReopening) {
   so.store.sub_group_params = 6000;
   so.pipeline.optimizer = adamw();
   Rig s;
-  ASSERT_TRUE(tier_test::open_rig("lr", so, &s).is_ok());
   Reference ref;
-  ref.init(so.store.param_count, 41);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(tier_test::open_loaded_rig("lr", so, 41, 0, &s, &ref).is_ok());
   OptimizerParams hp = so.pipeline.optimizer;
   for (std::int64_t t = 1; t <= 3; ++t) {
     hp.lr = 1e-2 / static_cast<double>(t);  // a schedule
@@ -240,9 +223,7 @@ TEST(OptimizerPipeline, NewLearningRateTakesEffectWithoutReopening) {
     ASSERT_TRUE(s.pipeline->step({.step = t}).is_ok());
     ref.step(hp, so.store, t, 1.0f);
   }
-  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
-    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << i;
-  }
+  EXPECT_EQ(tier_test::compare_all(*s.store, ref), "");
   hp.kind = OptimizerKind::kLion;
   EXPECT_EQ(s.pipeline->set_optimizer_params(hp).code(), Code::kInvalidArgument);
 }
@@ -253,11 +234,8 @@ TEST(OptimizerPipeline, StepOutOfOrderIsRefusedWithoutTouchingState) {
   so.store.sub_group_params = 4096;
   so.pipeline.optimizer = adamw();
   Rig s;
-  ASSERT_TRUE(tier_test::open_rig("order", so, &s).is_ok());
   Reference ref;
-  ref.init(so.store.param_count, 3);
-  ref.make_grads(DType::kF32, 4);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  ASSERT_TRUE(tier_test::open_loaded_rig("order", so, 3, 4, &s, &ref).is_ok());
   Result<StepStats> r = s.pipeline->step({.step = 2});
   ASSERT_FALSE(r.is_ok());
   EXPECT_EQ(r.status().code(), Code::kFailedPrecondition);
@@ -291,11 +269,9 @@ void run_fault_seed(std::uint64_t seed, const FaultSpec& base, FaultTally* tally
   so.pipeline.threads = 1;
   so.pipeline.io_timeout = std::chrono::seconds(20);
   Rig s;
-  Status opened = tier_test::open_rig("fault", so, &s);
-  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   Reference ref;
-  ref.init(so.store.param_count, seed);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Status opened = tier_test::open_loaded_rig("fault", so, seed, 0, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   for (std::int64_t t = 1; t <= 3; ++t) {
     ref.make_grads(DType::kBF16, seed + 100 * static_cast<std::uint64_t>(t));
     ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
@@ -305,9 +281,7 @@ void run_fault_seed(std::uint64_t seed, const FaultSpec& base, FaultTally* tally
     Result<StepStats> r = s.pipeline->step({.step = t});
     faults->set_enabled(false);
     if (r.is_ok()) {
-      for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
-        ASSERT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << "seed " << seed;
-      }
+      ASSERT_EQ(tier_test::compare_all(*s.store, ref), "") << "seed " << seed;
       continue;
     }
     ++tally->failed_steps;
@@ -445,12 +419,9 @@ void run_hang(const HangCase& c, std::uint64_t seed) {
   so.pipeline.io_timeout = std::chrono::milliseconds(50);
   so.pipeline.io_timeouts_max = 2;
   Rig s;
-  Status opened = tier_test::open_rig("hang", so, &s);
-  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   Reference ref;
-  ref.init(so.store.param_count, seed);
-  ref.make_grads(DType::kF32, seed + 1);
-  ASSERT_TRUE(tier_test::load_store(*s.store, ref).is_ok());
+  Status opened = tier_test::open_loaded_rig("hang", so, seed, seed + 1, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
   const Reference old = ref;
   ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
   faults->set_enabled(true);

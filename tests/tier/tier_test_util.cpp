@@ -178,4 +178,21 @@ std::string compare_sub_group(StateStore& store, std::size_t i, const Reference&
   return out;
 }
 
+std::string compare_all(StateStore& store, const Reference& ref) {
+  std::string out;
+  for (std::size_t i = 0; i < store.sub_group_count(); ++i) {
+    const std::string diff = compare_sub_group(store, i, ref);
+    if (!diff.empty()) out += fmt::format("sg {}: {}\n", i, diff);
+  }
+  return out;
+}
+
+Status open_loaded_rig(const std::string& name, const RigOptions& options, std::uint64_t seed,
+                       std::uint64_t grads_seed, Rig* setup, Reference* ref) {
+  ZINF_RETURN_IF_ERROR(open_rig(name, options, setup));
+  ref->init(options.store.param_count, seed);
+  if (grads_seed != 0) ref->make_grads(options.store.grad_dtype, grads_seed);
+  return load_store(*setup->store, *ref);
+}
+
 }  // namespace zinf::tier_test

@@ -51,6 +51,13 @@ struct Rig {
 };
 Status open_rig(const std::string& name, const RigOptions& options, Rig* setup);
 
+struct Reference;
+// open_rig(), then the seeded reference every test starts from, loaded into the store:
+// ref->init(param_count, seed), ref->make_grads(options.store.grad_dtype, grads_seed) unless
+// grads_seed is 0 (the test makes its gradients per step), load_store().
+Status open_loaded_rig(const std::string& name, const RigOptions& options, std::uint64_t seed,
+                       std::uint64_t grads_seed, Rig* setup, Reference* ref);
+
 // The whole partition's state in memory, as one would hold it without any tiering: the
 // reference the store is compared with, bit for bit.
 struct Reference {
@@ -78,5 +85,8 @@ Status load_grads(StateStore& store, const Reference& ref);
 // Returns "" when all equal bit for bit, else what differs; a read error is returned as
 // "read error: <status>".
 std::string compare_sub_group(StateStore& store, std::size_t i, const Reference& ref);
+// compare_sub_group() for every sub-group: "" when all equal, else "sg <i>: <what differs>" for
+// each that does not.
+std::string compare_all(StateStore& store, const Reference& ref);
 
 }  // namespace zinf::tier_test
