@@ -4,6 +4,7 @@
 #include "io/io_engine.hpp"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstdlib>
@@ -229,6 +230,45 @@ TEST_P(EngineTest, WaitTimesOutWithoutHanging) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, EngineTest, io_test::kAllEngineKinds, io_test::kind_name);
+
+// A read the kernel really holds (an empty pipe with a writer that never writes): cancel()
+// reaches it through IORING_OP_ASYNC_CANCEL, and it fails with ECANCELED naming the place.
+// (ThreadEngine cannot stop a running pread; its cancel is tested with the hang fault.)
+TEST(UringCancel, ReadBlockedInTheKernelIsCancelled) {
+  std::string why;
+  if (!io_test::uring_available(&why)) GTEST_SKIP() << "io_uring unavailable here: " << why;
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0) << std::strerror(errno);
+  auto engine = must_open(EngineKind::kUring, {.block_bytes = 4096, .queue_depth = 4});
+  ASSERT_TRUE(engine);
+  Result<FileHandle> file = engine->adopt_fd(fds[0], "test-pipe", /*direct=*/false);
+  ASSERT_TRUE(file.is_ok()) << file.status().to_string();
+  AlignedBuffer buffer(4096, 4096);
+  Result<Ticket> t = engine->read(*file, 0, 4096, buffer.data());
+  ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+  EXPECT_EQ(engine->wait(*t, std::chrono::milliseconds(50)).code(), Code::kTimeout);
+  EXPECT_TRUE(engine->cancel(*t).is_ok());
+  const auto start = std::chrono::steady_clock::now();
+  const Status s = engine->wait(*t, std::chrono::seconds(10));
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(2));
+  EXPECT_EQ(s.code(), Code::kIoError) << s.to_string();
+  EXPECT_EQ(s.sys_code(), ECANCELED) << s.to_string();
+  EXPECT_NE(s.message().find("read of test-pipe at offset 0"), std::string::npos) << s.to_string();
+  // The ring goes on: the pipe now has data, and a new read gets it.
+  const char hello[] = "hello";
+  ASSERT_EQ(::write(fds[1], hello, sizeof(hello)), static_cast<ssize_t>(sizeof(hello)));
+  Result<Ticket> again = engine->read(*file, 0, 4096, buffer.data());
+  ASSERT_TRUE(again.is_ok());
+  // A pipe read returns what is there: a short transfer, then the engine waits for the rest,
+  // which never comes; cancel that too, and check the bytes that did arrive.
+  EXPECT_EQ(engine->wait(*again, std::chrono::milliseconds(50)).code(), Code::kTimeout);
+  EXPECT_EQ(std::memcmp(buffer.data(), hello, sizeof(hello)), 0);
+  EXPECT_TRUE(engine->cancel(*again).is_ok());
+  EXPECT_EQ(engine->wait(*again, std::chrono::seconds(10)).sys_code(), ECANCELED);
+  ASSERT_TRUE(engine->close_file(*file).is_ok());
+  ::close(fds[0]);
+  ::close(fds[1]);
+}
 
 TEST(EngineOptions, RejectsOutOfRangeOptions) {
   EXPECT_EQ(open_engine({.block_bytes = 1000}).status().code(), Code::kInvalidArgument);
