@@ -290,12 +290,15 @@ class Engine::Impl {
         all_same_half = false;
       }
     }
-    new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
     with_half_ = all_same_half && half.has_value();
     half_dtype_ = half.value_or(DType::kBF16);
+    const OffloadDevice opt = z.offload_optimizer.device;
+    // When every group is half of one dtype, the store's host half array has new_params_'s
+    // layout (byte_offsets_[g] == 2 * offsets_[g]) and the step fills it: publish from there.
+    publish_from_store_ = opt != OffloadDevice::kNone && with_half_;
+    if (!publish_from_store_) new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
 
     // Swap space for everything on NVMe.
-    const OffloadDevice opt = z.offload_optimizer.device;
     const bool param_nvme = stage3 && z.offload_param.device == OffloadDevice::kNvme;
     StateStoreOptions so;
     if (opt != OffloadDevice::kNone) {
@@ -573,8 +576,15 @@ class Engine::Impl {
       const std::size_t hi = std::min(end, offsets_[g] + info.shard_element_count);
       if (lo >= hi) continue;
       narrow(src + (lo - first), hi - lo, info.dtype,
-             new_params_.data() + byte_offsets_[g] + (lo - offsets_[g]) * dtype_bytes(info.dtype));
+             new_values(g) + (lo - offsets_[g]) * dtype_bytes(info.dtype));
     }
+  }
+
+  // Group g's new device-dtype values: in the store's half array (publish_from_store_), else in
+  // new_params_.
+  std::byte* new_values(std::uint32_t g) {
+    if (publish_from_store_) return store_->host_data(Piece::kParamsHalf) + offsets_[g] * 2;
+    return new_params_.data() + byte_offsets_[g];
   }
 
   bool needs_master_copy(DType dtype) const {
@@ -587,7 +597,7 @@ class Engine::Impl {
 
   Status write_shards() {
     for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
-      ZINF_RETURN_IF_ERROR(coord_->write_shard(g, new_params_.data() + byte_offsets_[g]));
+      ZINF_RETURN_IF_ERROR(coord_->write_shard(g, new_values(g)));
     }
     return coord_->publish();
   }
@@ -831,15 +841,8 @@ class Engine::Impl {
       Trace::Span span(env_.trace, track_, "step publish");
       const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
       const std::uint64_t master_reads = master_read_bytes_;
-      if (store_ != nullptr && with_half_) {
-        // The pass wrote the half copy of every (half) group into the store's host array.
-        const std::byte* half = store_->host_data(Piece::kParamsHalf);
-        for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
-          const GroupInfo& info = part_->group(g);
-          std::memcpy(new_params_.data() + byte_offsets_[g], half + offsets_[g] * 2,
-                      info.shard_element_count * 2);
-        }
-      }
+      // With publish_from_store_ the pass wrote every group's new values into the store's half
+      // array, which is where write_shards() reads them.
       bool any = false;
       for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
         any = any || needs_master_copy(part_->group(g).dtype);
@@ -958,6 +961,9 @@ class Engine::Impl {
     }
     m.host_bytes = coord_->host_bytes() + (opt_pool_ != nullptr ? opt_pool_->bytes() : 0);
     if (spill_ != nullptr) m.host_bytes += spill_->host_bytes();
+    // The publish copy of the new values, when the store's half array cannot serve (f32 or
+    // mixed dtypes, or no store).
+    m.host_bytes += new_params_.bytes();
     if (store_ != nullptr) {
       for (std::size_t p = 0; p < kPieceCount; ++p) {
         const auto piece = static_cast<Piece>(p);
@@ -1001,7 +1007,8 @@ class Engine::Impl {
   std::size_t partition_elements_ = 0;
   std::vector<std::size_t> offsets_;       // per group: first element in the partition
   std::vector<std::size_t> byte_offsets_;  // per group: first byte in new_params_
-  AlignedBuffer new_params_;  // the partition's new device-dtype values, group after group
+  AlignedBuffer new_params_;         // the partition's new device-dtype values, group after group
+  bool publish_from_store_ = false;  // new_params_ unused: the store's half array serves
   bool with_half_ = false;
   DType half_dtype_ = DType::kBF16;
 

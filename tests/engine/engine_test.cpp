@@ -742,6 +742,11 @@ TEST(EngineMemory, EachPlacementPutsItsStateOnItsTier) {
   EXPECT_EQ(find(3, none, nvme).nvme_bytes, 2 * pr);
   // The host then holds gradients and half copies (6 Pr) and the pinned blocks, not 16 Pr.
   EXPECT_LT(find(3, nvme, none).host_bytes, find(3, host, none).host_bytes);
+  // Host state: master, moments, gradients (16 Pr) and the store's half array (2 Pr), from which
+  // the new values are published without a second copy. With the optimizer in device memory the
+  // publish copy is the host's only engine-owned bytes.
+  EXPECT_EQ(find(3, host, none).host_bytes, 18 * pr);
+  EXPECT_EQ(find(2, none, none).host_bytes, 2 * pr);
 }
 
 // --- Telemetry -------------------------------------------------------------------------------
