@@ -138,10 +138,8 @@ Result<int> SpillAccumulator::open(std::size_t i) {
     std::memset(buf.data.data(), 0, bytes);
   } else {
     ZINF_RETURN_IF_ERROR(fail(store_.read_piece(Piece::kGrads, i, buf.data.data())));
-    if (counters_ != nullptr) {
-      ++counters_->grad_spill_read_backs;
-      counters_->grad_spill_read_bytes += round_page(bytes);
-    }
+    ++counts_.read_backs;
+    counts_.read_bytes += round_page(bytes);
   }
   buf.sub_group = static_cast<long>(i);
   buf.dirty = false;
@@ -173,7 +171,7 @@ Result<int> SpillAccumulator::take_buffer() {
       }
     }
     ZINF_RETURN_IF_ERROR(write(pick));
-    if (counters_ != nullptr) ++counters_->grad_spill_evictions;
+    ++counts_.evictions;
   }
   if (buffers_[static_cast<std::size_t>(pick)].writing) ZINF_RETURN_IF_ERROR(write_done(pick));
   detach(pick);
@@ -195,7 +193,7 @@ Status SpillAccumulator::write(int b) {
   buf.ticket = *t;
   buf.writing = true;
   buf.dirty = false;
-  if (counters_ != nullptr) counters_->grad_spill_write_bytes += round_page(count * sizeof(float));
+  counts_.write_bytes += round_page(count * sizeof(float));
   return Status::ok();
 }
 
@@ -220,7 +218,21 @@ void SpillAccumulator::detach(int b) {
   buf.sub_group = -1;
 }
 
+void SpillAccumulator::publish_counts() {
+  if (counters_ == nullptr) return;
+  counters_->grad_spill_write_bytes = counts_.write_bytes;
+  counters_->grad_spill_read_bytes = counts_.read_bytes;
+  counters_->grad_spill_read_backs = counts_.read_backs;
+  counters_->grad_spill_evictions = counts_.evictions;
+}
+
 Status SpillAccumulator::flush() {
+  Status st = flush_all();
+  publish_counts();
+  return st;
+}
+
+Status SpillAccumulator::flush_all() {
   ZINF_RETURN_IF_ERROR(status_);
   for (std::size_t b = 0; b < buffers_.size(); ++b) {
     if (buffers_[b].sub_group >= 0 && buffers_[b].dirty) {
@@ -252,6 +264,7 @@ void SpillAccumulator::zero() {
   }
   // Nothing is read back or written: every sub-group starts from zeros again.
   for (SubGroup& s : sub_groups_) s = SubGroup{};
+  publish_counts();
 }
 
 }  // namespace zinf

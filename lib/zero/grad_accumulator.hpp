@@ -87,7 +87,8 @@ struct SpillOptions {
 class SpillAccumulator final : public GradAccumulator {
  public:
   // REQUIRES: store.on_nvme(Piece::kGrads), its dtype f32; `store` outlives this object.
-  // `counters` (optional) receives grad_spill_* counts.
+  // `counters` (optional) receives the grad_spill_* counts at each flush() and zero() (on the
+  // rank's thread, so a reader of the counters never races the reduce stream).
   static Result<std::unique_ptr<SpillAccumulator>> create(StateStore& store,
                                                           const SpillOptions& options,
                                                           EngineCounters* counters);
@@ -141,10 +142,19 @@ class SpillAccumulator final : public GradAccumulator {
   // Detaches buffer b (its sub-group must be clean): the sub-group is on disk only.
   void detach(int b);
   Status fail(Status st);
+  Status flush_all();
+
+  // Totals since create(), kept here on the reduce stream and copied to counters_ by
+  // publish_counts().
+  struct Counts {
+    std::uint64_t write_bytes = 0, read_bytes = 0, read_backs = 0, evictions = 0;
+  };
+  void publish_counts();
 
   StateStore& store_;
   SpillOptions options_;
   EngineCounters* counters_;
+  Counts counts_;
   std::vector<SubGroup> sub_groups_;
   std::vector<Buffer> buffers_;
   std::size_t buffer_bytes_ = 0;
