@@ -330,7 +330,12 @@ Status validate(const Config& c) {
                                "\"{}\"): the gradients spill into the optimizer's NVMe store",
                                offload_device_name(z.offload_optimizer.device)));
   }
-  if (c.gradient_spill_buffers == 0) return invalid("zinf.gradient_spill_buffers", "0 is below 1");
+  if (c.gradient_spill_buffers == 0 || c.gradient_spill_buffers > 64) {
+    // Each buffer may have one write in flight; the swap space's op table is shared with the
+    // optimizer pipeline and the parameter staging.
+    return invalid("zinf.gradient_spill_buffers",
+                   fmt::format("{} is not in 1..64", c.gradient_spill_buffers));
+  }
   if (z.reduce_bucket_size == 0) {
     return invalid("zero_optimization.reduce_bucket_size", "0 is below 1");
   }

@@ -109,8 +109,9 @@ Status validate_setup(const EngineSetup& s) {
   if (s.gradients_on_nvme && s.stage == 1) {
     return Status::invalid_argument("zinf.gradients_on_nvme: needs stage 2 or 3");
   }
-  if (s.gradients_on_nvme && s.gradient_spill_buffers == 0) {
-    return Status::invalid_argument("zinf.gradient_spill_buffers: 0 is below 1");
+  if (s.gradients_on_nvme && (s.gradient_spill_buffers == 0 || s.gradient_spill_buffers > 64)) {
+    return Status::invalid_argument(
+        fmt::format("zinf.gradient_spill_buffers: {} is not in 1..64", s.gradient_spill_buffers));
   }
   if (s.world_size == 0 || s.ranks_per_machine == 0 || s.world_size % s.ranks_per_machine != 0) {
     return Status::invalid_argument(

@@ -224,9 +224,13 @@ TEST(SpillConfig, UnsupportedCombinationsNameTheKey) {
   EXPECT_NE(st.message().find("offload_optimizer.device"), std::string::npos) << st.to_string();
   c.zero.offload_optimizer.device = OffloadDevice::kNvme;
   EXPECT_TRUE(validate(c).is_ok());
-  c.gradient_spill_buffers = 0;
-  st = validate(c);
-  EXPECT_NE(st.message().find("zinf.gradient_spill_buffers"), std::string::npos) << st.to_string();
+  for (std::size_t buffers : {0, 65}) {
+    c.gradient_spill_buffers = buffers;
+    st = validate(c);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << buffers;
+    EXPECT_NE(st.message().find("zinf.gradient_spill_buffers"), std::string::npos)
+        << st.to_string();
+  }
   Result<Config> parsed = parse_config(R"({"zero_optimization": {"stage": 3,
       "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
       "zinf": {"gradients_on_nvme": true, "gradient_spill_buffers": 2}})");
