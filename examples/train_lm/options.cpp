@@ -148,6 +148,8 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_option("--param-dtype", o->param_dtype, "dtype of the parameters the model computes with")
       ->check(CLI::IsMember({"bf16", "f32"}));
   app.add_option("--nvme-path", o->nvme_path, "directory for the NVMe swap files");
+  app.add_flag("--gradients-on-nvme", o->gradients_on_nvme,
+               "accumulate the fp32 gradients on NVMe (stages 2-3, --offload-optimizer nvme)");
   add_scaled(app, "--device-memory", &o->device_memory_bytes, true,
              "device memory budget per rank (0: 16 GiB)");
   add_scaled(app, "--host-memory", &o->host_memory_bytes, true,
@@ -202,6 +204,10 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   if (o->stage != 3 && o->offload_param != "none") {
     *error = "--offload-param " + o->offload_param + " needs --stage 3 (stage " +
              std::to_string(o->stage) + " keeps all parameters on every rank's device)";
+    return 2;
+  }
+  if (o->gradients_on_nvme && (o->stage == 1 || o->offload_optimizer != "nvme")) {
+    *error = "--gradients-on-nvme needs --stage 2 or 3 and --offload-optimizer nvme";
     return 2;
   }
   if (o->out_dir.empty()) {

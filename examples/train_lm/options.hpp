@@ -38,6 +38,7 @@ struct Options {
   std::string offload_param = "none";         // --offload-param none|cpu|nvme (stage 3)
   std::string param_dtype = "bf16";           // --param-dtype bf16|f32 (the device copy)
   std::string nvme_path = "build/demo/nvme";  // --nvme-path
+  bool gradients_on_nvme = false;             // --gradients-on-nvme (zinf.gradients_on_nvme)
   std::uint64_t device_memory_bytes = 0;      // --device-memory: per-rank budget (0: 16 GiB)
   std::uint64_t host_memory_bytes = 0;        // --host-memory: process budget (0: 90% of RAM)
   std::uint64_t sub_group_size = 0;           // --sub-group-size (params; 0: chosen)

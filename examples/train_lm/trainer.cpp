@@ -371,6 +371,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.zero.offload_param.device = offload_device(o.offload_param);
   c.zero.offload_param.nvme_path = o.nvme_path;
   c.zero.sub_group_size = sub_group_params(o, param_count);
+  c.gradients_on_nvme = o.gradients_on_nvme;
   // The model holds one module gathered at a time; allow one more in flight (the prefetch) and
   // keep the reduce buckets small, so that a large model's transient buffers stay small next to
   // its state: 16Mi elements a bucket is 64 MiB of fp32 a rank.

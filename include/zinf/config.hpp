@@ -28,7 +28,8 @@
 //     },
 //     "aio": {"block_size": 1048576, "queue_depth": 32},
 //     "zinf": {"world_size": 4, "ranks_per_machine": 4, "pinned_pool_bytes": 4294967296,
-//              "gradients_on_nvme": false, "device_reserved_bytes": 1073741824,
+//              "gradients_on_nvme": false, "gradient_spill_buffers": 4,
+//              "device_reserved_bytes": 1073741824,
 //              "cpu_threads": 0, "collective_timeout_ms": 60000}
 //   }
 //
@@ -134,7 +135,11 @@ struct Config {
   int world_size = 0;
   int ranks_per_machine = 0;
   std::uint64_t pinned_pool_bytes = 0;  // informational: the pool is sized from buffer_count
-  bool gradients_on_nvme = false;       // accepted; gradients stay in host memory in this version
+  // The fp32 gradient accumulator lives on NVMe (one extent per optimizer sub-group) with only
+  // gradient_spill_buffers sub-group-sized host buffers; needs stage 2 or 3 and
+  // offload_optimizer "nvme".
+  bool gradients_on_nvme = false;
+  std::size_t gradient_spill_buffers = 4;
   std::uint64_t device_reserved_bytes = 0;
   // Threads of the CPU optimizer (0: every core).
   int cpu_threads = 0;

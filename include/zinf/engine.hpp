@@ -160,6 +160,12 @@ struct EngineCounters {
   std::uint64_t param_nvme_write_bytes = 0;
   std::uint64_t steps = 0;
   std::uint64_t skipped_steps = 0;
+  // zinf.gradients_on_nvme: fp32 gradient sub-groups written to and read back from NVMe, and
+  // the writes that were evictions (every spill buffer held partial sums of another sub-group).
+  std::uint64_t grad_spill_write_bytes = 0;
+  std::uint64_t grad_spill_read_bytes = 0;
+  std::uint64_t grad_spill_read_backs = 0;
+  std::uint64_t grad_spill_evictions = 0;
 };
 
 class Engine {

@@ -246,14 +246,17 @@ Status parse_root(const json& root, Config* c) {
   }
   ZINF_RETURN_IF_ERROR(read_section(root, "", "zinf", &s));
   if (s != nullptr) {
-    ZINF_RETURN_IF_ERROR(check_keys(
-        *s, "zinf",
-        {"world_size", "ranks_per_machine", "pinned_pool_bytes", "gradients_on_nvme",
-         "device_reserved_bytes", "cpu_threads", "collective_timeout_ms", "group_max_elements"}));
+    ZINF_RETURN_IF_ERROR(
+        check_keys(*s, "zinf",
+                   {"world_size", "ranks_per_machine", "pinned_pool_bytes", "gradients_on_nvme",
+                    "gradient_spill_buffers", "device_reserved_bytes", "cpu_threads",
+                    "collective_timeout_ms", "group_max_elements"}));
     ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "world_size", &c->world_size));
     ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "ranks_per_machine", &c->ranks_per_machine));
     ZINF_RETURN_IF_ERROR(read_count(*s, "zinf", "pinned_pool_bytes", &c->pinned_pool_bytes));
     ZINF_RETURN_IF_ERROR(read_bool(*s, "zinf", "gradients_on_nvme", &c->gradients_on_nvme));
+    ZINF_RETURN_IF_ERROR(
+        read_count_as(*s, "zinf", "gradient_spill_buffers", &c->gradient_spill_buffers));
     ZINF_RETURN_IF_ERROR(
         read_count(*s, "zinf", "device_reserved_bytes", &c->device_reserved_bytes));
     ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "cpu_threads", &c->cpu_threads));
@@ -316,6 +319,23 @@ Status validate(const Config& c) {
     return invalid("zero_optimization.offload_param.buffer_count", "0 is below 1");
   }
   if (z.sub_group_size == 0) return invalid("zero_optimization.sub_group_size", "0 is below 1");
+  if (c.gradients_on_nvme && z.stage == 1) {
+    return invalid("zinf.gradients_on_nvme",
+                   "needs stage 2 or 3 (stage 1 keeps full fp32 gradients on the device until the "
+                   "step)");
+  }
+  if (c.gradients_on_nvme && z.offload_optimizer.device != OffloadDevice::kNvme) {
+    return invalid("zinf.gradients_on_nvme",
+                   fmt::format("needs zero_optimization.offload_optimizer.device \"nvme\" (it is "
+                               "\"{}\"): the gradients spill into the optimizer's NVMe store",
+                               offload_device_name(z.offload_optimizer.device)));
+  }
+  if (c.gradient_spill_buffers == 0 || c.gradient_spill_buffers > 64) {
+    // Each buffer may have one write in flight; the swap space's op table is shared with the
+    // optimizer pipeline and the parameter staging.
+    return invalid("zinf.gradient_spill_buffers",
+                   fmt::format("{} is not in 1..64", c.gradient_spill_buffers));
+  }
   if (z.reduce_bucket_size == 0) {
     return invalid("zero_optimization.reduce_bucket_size", "0 is below 1");
   }
@@ -443,6 +463,7 @@ std::string config_to_json(const Config& c) {
                  {"ranks_per_machine", c.ranks_per_machine},
                  {"pinned_pool_bytes", c.pinned_pool_bytes},
                  {"gradients_on_nvme", c.gradients_on_nvme},
+                 {"gradient_spill_buffers", c.gradient_spill_buffers},
                  {"device_reserved_bytes", c.device_reserved_bytes},
                  {"cpu_threads", c.cpu_threads},
                  {"collective_timeout_ms", c.collective_timeout_ms},

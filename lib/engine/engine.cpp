@@ -10,8 +10,6 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <tbb/blocked_range.h>
-#include <tbb/parallel_reduce.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -30,6 +28,7 @@
 #include "io/swap_space.hpp"
 #include "tier/optimizer_pipeline.hpp"
 #include "tier/state_store.hpp"
+#include "zero/grad_accumulator.hpp"
 #include "zero/grad_reducer.hpp"
 #include "zero/loss_scaler.hpp"
 #include "zero/param_coordinator.hpp"
@@ -41,27 +40,6 @@ namespace {
 
 constexpr std::size_t kPage = 4096;
 
-// The sum of x * x in double over `count` floats, in tiles of fixed size summed in tile order, so
-// the result does not depend on the thread count or scheduling (the same bits every run).
-double sum_of_squares(const float* x, std::size_t count) {
-  constexpr std::size_t kTile = std::size_t{1} << 16;
-  return tbb::parallel_deterministic_reduce(
-      tbb::blocked_range<std::size_t>(0, count, kTile), 0.0,
-      [x](const tbb::blocked_range<std::size_t>& r, double init) {
-        // Four accumulators let the compiler keep several multiply-adds in flight.
-        double a[4] = {0.0, 0.0, 0.0, 0.0};
-        std::size_t i = r.begin();
-        for (; i + 4 <= r.end(); i += 4) {
-          for (int k = 0; k < 4; ++k) {
-            const double v = static_cast<double>(x[i + static_cast<std::size_t>(k)]);
-            a[k] += v * v;
-          }
-        }
-        for (; i < r.end(); ++i) a[0] += static_cast<double>(x[i]) * x[i];
-        return init + ((a[0] + a[1]) + (a[2] + a[3]));
-      },
-      [](double a, double b) { return a + b; });
-}
 constexpr std::string_view kPersistentSuffix = "#persistent";
 
 std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
@@ -116,6 +94,7 @@ class Engine::Impl {
     // swap space, then its engine.
     coord_.reset();
     reducer_.reset();
+    spill_.reset();
     pipeline_.reset();
     opt_pool_.reset();
     store_.reset();
@@ -169,11 +148,6 @@ class Engine::Impl {
       for (const std::string& dir : nvme_dirs_) {
         ZINF_RETURN_IF_ERROR(probe_directory(key, dir, rank_));
       }
-    }
-    if (config_.gradients_on_nvme && rank_ == 0) {
-      log_warn(
-          "zinf.gradients_on_nvme: accepted, but gradients stay in host memory in this "
-          "version");
     }
     ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("engine"));
     ZINF_ASSIGN_OR_RETURN(event_, device_.create_event());
@@ -244,6 +218,7 @@ class Engine::Impl {
       // Give back what was built, so the engine holds nothing half made.
       coord_.reset();
       reducer_.reset();
+      spill_.reset();
       pipeline_.reset();
       opt_pool_.reset();
       store_.reset();
@@ -315,12 +290,15 @@ class Engine::Impl {
         all_same_half = false;
       }
     }
-    new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
     with_half_ = all_same_half && half.has_value();
     half_dtype_ = half.value_or(DType::kBF16);
+    const OffloadDevice opt = z.offload_optimizer.device;
+    // When every group is half of one dtype, the store's host half array has new_params_'s
+    // layout (byte_offsets_[g] == 2 * offsets_[g]) and the step fills it: publish from there.
+    publish_from_store_ = opt != OffloadDevice::kNone && with_half_;
+    if (!publish_from_store_) new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
 
     // Swap space for everything on NVMe.
-    const OffloadDevice opt = z.offload_optimizer.device;
     const bool param_nvme = stage3 && z.offload_param.device == OffloadDevice::kNvme;
     StateStoreOptions so;
     if (opt != OffloadDevice::kNone) {
@@ -331,7 +309,9 @@ class Engine::Impl {
       so.with_half = with_half_;
       so.half_dtype = half_dtype_;
       const Tier state_tier = opt == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
-      so.tiers = {state_tier, state_tier, state_tier, Tier::kHost, Tier::kHost};
+      // validate() allows gradients_on_nvme only with the optimizer state on NVMe.
+      const Tier grad_tier = config_.gradients_on_nvme ? Tier::kNvme : Tier::kHost;
+      so.tiers = {state_tier, state_tier, state_tier, grad_tier, Tier::kHost};
       so.key_prefix = fmt::format("rank{}/opt", rank_);
     }
     if (opt == OffloadDevice::kNvme || param_nvme) {
@@ -414,7 +394,14 @@ class Engine::Impl {
       ZINF_ASSIGN_OR_RETURN(pipeline_,
                             OptimizerPipeline::open(*store_, opt_pool_.get(), pipeline_options()));
       ZINF_RETURN_IF_ERROR(load_store());
-      accumulator = reinterpret_cast<float*>(store_->host_data(Piece::kGrads));
+      if (store_->on_nvme(Piece::kGrads)) {
+        SpillOptions spill;
+        spill.buffer_count = config_.gradient_spill_buffers;
+        spill.timeout = timeout_;
+        ZINF_ASSIGN_OR_RETURN(spill_, SpillAccumulator::create(*store_, spill, &counters_));
+      } else {
+        accumulator = reinterpret_cast<float*>(store_->host_data(Piece::kGrads));
+      }
     }
 
     GradReducerOptions ro;
@@ -424,6 +411,7 @@ class Engine::Impl {
     ro.trace_track = track_;
     // The store's host pieces are fresh zero pages (the kNone path's device buffer is not).
     ro.accumulator_zeroed = store_ != nullptr;
+    ro.accumulator = spill_.get();
     ZINF_ASSIGN_OR_RETURN(
         reducer_, GradReducer::create(*part_, rank_, device_, comm_, accumulator, ro, &counters_));
 
@@ -588,8 +576,15 @@ class Engine::Impl {
       const std::size_t hi = std::min(end, offsets_[g] + info.shard_element_count);
       if (lo >= hi) continue;
       narrow(src + (lo - first), hi - lo, info.dtype,
-             new_params_.data() + byte_offsets_[g] + (lo - offsets_[g]) * dtype_bytes(info.dtype));
+             new_values(g) + (lo - offsets_[g]) * dtype_bytes(info.dtype));
     }
+  }
+
+  // Group g's new device-dtype values: in the store's half array (publish_from_store_), else in
+  // new_params_.
+  std::byte* new_values(std::uint32_t g) {
+    if (publish_from_store_) return store_->host_data(Piece::kParamsHalf) + offsets_[g] * 2;
+    return new_params_.data() + byte_offsets_[g];
   }
 
   bool needs_master_copy(DType dtype) const {
@@ -602,7 +597,7 @@ class Engine::Impl {
 
   Status write_shards() {
     for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
-      ZINF_RETURN_IF_ERROR(coord_->write_shard(g, new_params_.data() + byte_offsets_[g]));
+      ZINF_RETURN_IF_ERROR(coord_->write_shard(g, new_values(g)));
     }
     return coord_->publish();
   }
@@ -779,9 +774,8 @@ class Engine::Impl {
 
     // The global norm and the overflow flag, before any state changes. The local sum of squares
     // is of the gradients as the optimizer will see them (mean over micro-batches, unscaled).
-    const float* acc = accumulator();
     const double unscale = 1.0 / (static_cast<double>(micro) * scaler_.scale());
-    double sumsq = sum_of_squares(acc, partition_elements_);
+    double sumsq = local_sum_of_squares();
     // An inf or NaN anywhere makes the sum inf or NaN (the square of a finite float never
     // overflows a double), so the sum is the overflow check too.
     bool overflow = !std::isfinite(sumsq);
@@ -847,15 +841,8 @@ class Engine::Impl {
       Trace::Span span(env_.trace, track_, "step publish");
       const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
       const std::uint64_t master_reads = master_read_bytes_;
-      if (store_ != nullptr && with_half_) {
-        // The pass wrote the half copy of every (half) group into the store's host array.
-        const std::byte* half = store_->host_data(Piece::kParamsHalf);
-        for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
-          const GroupInfo& info = part_->group(g);
-          std::memcpy(new_params_.data() + byte_offsets_[g], half + offsets_[g] * 2,
-                      info.shard_element_count * 2);
-        }
-      }
+      // With publish_from_store_ the pass wrote every group's new values into the store's half
+      // array, which is where write_shards() reads them.
       bool any = false;
       for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
         any = any || needs_master_copy(part_->group(g).dtype);
@@ -906,9 +893,22 @@ class Engine::Impl {
     return Status::ok();
   }
 
-  const float* accumulator() const {
-    if (store_ == nullptr) return grads_.as<const float>();
-    return reinterpret_cast<const float*>(store_->host_data(Piece::kGrads));
+  // This rank's sum of squares of the accumulated gradients. With a store, per sub-group
+  // (sum_of_squares over its elements) added in sub-group order, whether the gradients are in the
+  // host array or spilled (the spill computed each sub-group's as it wrote it), so both give the
+  // same bits; without one, over the whole partition.
+  double local_sum_of_squares() const {
+    if (store_ == nullptr) return sum_of_squares(grads_.as<const float>(), partition_elements_);
+    const auto* host = store_->on_nvme(Piece::kGrads)
+                           ? nullptr
+                           : reinterpret_cast<const float*>(store_->host_data(Piece::kGrads));
+    double total = 0.0;
+    for (std::size_t i = 0; i < store_->sub_group_count(); ++i) {
+      total += host != nullptr
+                   ? sum_of_squares(host + store_->sub_group_first(i), store_->sub_group_size(i))
+                   : spill_->sum_of_squares(i);
+    }
+    return total;
   }
 
   // --- Read back -------------------------------------------------------------------------------
@@ -960,6 +960,10 @@ class Engine::Impl {
       }
     }
     m.host_bytes = coord_->host_bytes() + (opt_pool_ != nullptr ? opt_pool_->bytes() : 0);
+    if (spill_ != nullptr) m.host_bytes += spill_->host_bytes();
+    // The publish copy of the new values, when the store's half array cannot serve (f32 or
+    // mixed dtypes, or no store).
+    m.host_bytes += new_params_.bytes();
     if (store_ != nullptr) {
       for (std::size_t p = 0; p < kPieceCount; ++p) {
         const auto piece = static_cast<Piece>(p);
@@ -1003,7 +1007,8 @@ class Engine::Impl {
   std::size_t partition_elements_ = 0;
   std::vector<std::size_t> offsets_;       // per group: first element in the partition
   std::vector<std::size_t> byte_offsets_;  // per group: first byte in new_params_
-  AlignedBuffer new_params_;  // the partition's new device-dtype values, group after group
+  AlignedBuffer new_params_;         // the partition's new device-dtype values, group after group
+  bool publish_from_store_ = false;  // new_params_ unused: the store's half array serves
   bool with_half_ = false;
   DType half_dtype_ = DType::kBF16;
 
@@ -1016,6 +1021,7 @@ class Engine::Impl {
   std::vector<MasterPiece> master_pieces_;  // sorted by first; until finalize() ends
   std::uint64_t master_read_bytes_ = 0;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
+  std::unique_ptr<SpillAccumulator> spill_;  // gradients_on_nvme
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ParamCoordinator> coord_;
   std::unique_ptr<Stream> stream_;

@@ -104,6 +104,7 @@ std::string config_to_json(const PlanConfig& c) {
                  {"ranks_per_machine", s.ranks_per_machine},
                  {"pinned_pool_bytes", std::max(c.pinned_pool_bytes, pinned_pool_bytes(s))},
                  {"gradients_on_nvme", s.gradients_on_nvme},
+                 {"gradient_spill_buffers", s.gradient_spill_buffers},
                  {"device_reserved_bytes", s.device_reserved_bytes}};
   return out.dump(2) + "\n";
 }
@@ -153,6 +154,8 @@ Result<PlanConfig> config_from_json(std::string_view text) {
     ZINF_RETURN_IF_ERROR(read_count(z, "ranks_per_machine", "zinf", &s.ranks_per_machine));
     ZINF_RETURN_IF_ERROR(read_count(z, "pinned_pool_bytes", "zinf", &c.pinned_pool_bytes));
     ZINF_RETURN_IF_ERROR(read_bool(z, "gradients_on_nvme", "zinf", &s.gradients_on_nvme));
+    ZINF_RETURN_IF_ERROR(
+        read_count(z, "gradient_spill_buffers", "zinf", &s.gradient_spill_buffers));
     ZINF_RETURN_IF_ERROR(read_count(z, "device_reserved_bytes", "zinf", &s.device_reserved_bytes));
   }
   ZINF_RETURN_IF_ERROR(validate_setup(s));

@@ -106,6 +106,13 @@ Status validate_setup(const EngineSetup& s) {
     return Status::invalid_argument(
         "zinf.gradients_on_nvme: needs zero_optimization.offload_optimizer.device nvme");
   }
+  if (s.gradients_on_nvme && s.stage == 1) {
+    return Status::invalid_argument("zinf.gradients_on_nvme: needs stage 2 or 3");
+  }
+  if (s.gradients_on_nvme && (s.gradient_spill_buffers == 0 || s.gradient_spill_buffers > 64)) {
+    return Status::invalid_argument(
+        fmt::format("zinf.gradient_spill_buffers: {} is not in 1..64", s.gradient_spill_buffers));
+  }
   if (s.world_size == 0 || s.ranks_per_machine == 0 || s.world_size % s.ranks_per_machine != 0) {
     return Status::invalid_argument(
         fmt::format("zinf.world_size {} is not a nonzero multiple of zinf.ranks_per_machine {}",
@@ -184,11 +191,17 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   add(StateKind::kMasterParams, optimizer_tier, 4 * pr);
   add(StateKind::kMoments, optimizer_tier, 8 * pr);
 
+  // The new half params wait on the host before they go to their home, whatever the tier.
+  add(StateKind::kHalfCopy, Tier::kHost, 2 * pr);
   if (s.optimizer == Offload::kNone) {
     add(StateKind::kGradients, Tier::kDevice, 4 * pr);
+  } else if (s.gradients_on_nvme) {
+    add(StateKind::kGradients, Tier::kNvme, 4 * pr);
+    const std::uint64_t sub_group = std::min(s.sub_group_params, pr);
+    const std::uint64_t buffers = std::min(s.gradient_spill_buffers, ceil_div(pr, sub_group));
+    add(StateKind::kGradients, Tier::kHost, buffers * ((4 * sub_group + 4095) / 4096 * 4096));
   } else {
-    add(StateKind::kGradients, s.gradients_on_nvme ? Tier::kNvme : Tier::kHost, 4 * pr);
-    add(StateKind::kHalfCopy, Tier::kHost, 2 * pr);
+    add(StateKind::kGradients, Tier::kHost, 4 * pr);
   }
   if (s.stage == 1) add(StateKind::kGradients, Tier::kDevice, 4 * p);
 

@@ -11,11 +11,15 @@
 //   fp32 master     4·Pr on the optimizer tier (device, host, NVMe)
 //   moments (m, v)  8·Pr on the optimizer tier
 //   gradients       the engine accumulates them in fp32: 4·Pr on the device with the optimizer
-//                   there, else on the host (or on NVMe when spilled: gradients_on_nvme, only
-//                   with the optimizer on NVMe); stage 1 also keeps the full fp32 gradients,
-//                   4·P, on the device until the step reduces them
-//   half copy       optimizer offloaded: 2·Pr on the host, the new half params the CPU
-//                   optimizer writes beside the master before they go to their home
+//                   there, else on the host; spilled (gradients_on_nvme, stages 2-3 with the
+//                   optimizer on NVMe) 4·Pr on NVMe, one extent per sub-group, and on the host
+//                   min(gradient_spill_buffers, ceil(Pr / Sg')) buffers of 4·Sg' bytes rounded
+//                   up to 4 KiB, Sg' = min(Sg, Pr); stage 1 also keeps the full fp32
+//                   gradients, 4·P, on the device until the step reduces them
+//   half copy       2·Pr on the host, the new half params before they go to their home: the
+//                   CPU optimizer writes them beside the master (optimizer offloaded), or the
+//                   in-memory step's publish copy (optimizer on the device of this version,
+//                   which runs it on the host)
 //   activations     device, per micro-batch (Korthikanti et al. 2022, "Reducing Activation
 //                   Recomputation in Large Transformer Models", eq. 1, 16-bit, no tensor or
 //                   sequence parallelism):
@@ -101,8 +105,10 @@ struct EngineSetup {
   std::uint64_t ranks_per_machine = 1;  // R: GPUs per machine
   Offload optimizer = Offload::kNone;   // fp32 master, m, v
   Offload params = Offload::kNone;      // half params; stage 3 only
-  // Gradients spilled to NVMe between backward and the step (only with optimizer on NVMe).
+  // Gradients accumulated on NVMe (only with optimizer on NVMe, stages 2-3), through
+  // gradient_spill_buffers sub-group-sized host buffers.
   bool gradients_on_nvme = false;
+  std::uint64_t gradient_spill_buffers = 4;
   std::uint64_t sub_group_params = 1'000'000'000;  // Sg: parameters the optimizer steps at once
   std::uint64_t buffer_count = 4;        // sub-group buffers in the pinned pool (optimizer on NVMe)
   std::uint64_t param_buffer_count = 5;  // half-param staging buffers (params on NVMe)
@@ -119,7 +125,7 @@ struct EngineSetup {
 };
 
 // OK when `setup` is one the engine can run: stage in 1..3, params offloaded only at stage 3,
-// gradients_on_nvme only with the optimizer on NVMe, world_size a nonzero multiple of
+// gradients_on_nvme only at stages 2-3 with the optimizer on NVMe, world_size a nonzero multiple of
 // ranks_per_machine, and at least 2 sub-group buffers when the optimizer is on NVMe.
 Status validate_setup(const EngineSetup& setup);
 

@@ -121,18 +121,31 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
           std::max(out.param_fetch_s, seconds(ranks * fetch_bytes, profile.nvme_read_gbps));
     }
   }
+  const double micro_batches =
+      static_cast<double>(std::max<std::uint64_t>(1, training.grad_accum_steps));
+  // Gradient offload of the first micro-batch and of each later one (they differ when spilled:
+  // later micro-batches read the sums back before adding).
+  double offload_first_s = 0.0, offload_later_s = 0.0;
   if (s.optimizer != Offload::kNone) {
-    out.grad_offload_s = seconds(2.0 * static_cast<double>(pr), profile.h2d_gbps);
+    offload_first_s = offload_later_s = seconds(2.0 * static_cast<double>(pr), profile.h2d_gbps);
     if (s.gradients_on_nvme) {
       const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
-      out.nvme_write_bytes += static_cast<std::uint64_t>(spill_bytes);
-      out.grad_offload_s =
-          std::max(out.grad_offload_s, seconds(spill_bytes, profile.nvme_write_gbps));
+      out.nvme_write_bytes += static_cast<std::uint64_t>(micro_batches * spill_bytes);
+      out.nvme_read_bytes += static_cast<std::uint64_t>((micro_batches - 1.0) * spill_bytes);
+      const double write_s = seconds(spill_bytes, profile.nvme_write_gbps);
+      const double read_s = seconds(spill_bytes, profile.nvme_read_gbps);
+      const double both_s =
+          profile.nvme_duplex_gbps > 0
+              ? std::max({read_s, write_s, seconds(2.0 * spill_bytes, profile.nvme_duplex_gbps)})
+              : read_s + write_s;
+      offload_first_s = std::max(offload_first_s, write_s);
+      offload_later_s = std::max(offload_later_s, both_s);
     }
   }
-  out.forward_backward_s =
-      static_cast<double>(training.grad_accum_steps) *
-      std::max({out.compute_s, out.collectives_s, out.param_fetch_s, out.grad_offload_s});
+  out.grad_offload_s = (offload_first_s + (micro_batches - 1.0) * offload_later_s) / micro_batches;
+  const double others_s = std::max({out.compute_s, out.collectives_s, out.param_fetch_s});
+  out.forward_backward_s = std::max(others_s, offload_first_s) +
+                           (micro_batches - 1.0) * std::max(others_s, offload_later_s);
   out.step_s = out.forward_backward_s + out.optimizer_step_s;
   return out;
 }

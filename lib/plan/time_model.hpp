@@ -36,10 +36,16 @@
 //   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)
 //                  at h2d_gbps; from NVMe also R·2·2·Pr read at nvme_read_gbps (overlapped
 //                  with the copy)
-//   grad offload   optimizer offloaded: 2·Pr device→host at h2d_gbps; spilled gradients also
-//                  R·4·Pr written at nvme_write_gbps
-//   forward_backward = grad_accum_steps · max(compute, collectives, param fetch, grad offload)
-//                  (the engine prefetches and reduces while modules compute)
+//   grad offload   optimizer offloaded: 2·Pr device→host at h2d_gbps. Spilled gradients
+//                  (gradients_on_nvme) also go to NVMe as the engine's SpillAccumulator moves
+//                  them: every micro-batch writes each completed sub-group, R·4·Pr at
+//                  nvme_write_gbps; every later micro-batch first reads the sums back, R·4·Pr
+//                  at nvme_read_gbps, at the same time as the writes (io as for the pipeline:
+//                  max(r, w, (r + w)/duplex), or r + w with no duplex rate). grad_offload_s is
+//                  the mean over the micro-batches.
+//   forward_backward = Σ over micro-batches of max(compute, collectives, param fetch, that
+//                  micro-batch's grad offload) (the engine prefetches and reduces while
+//                  modules compute)
 // step = forward_backward + optimizer_step.
 //
 // Thread-safety: values and pure functions.

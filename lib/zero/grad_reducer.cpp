@@ -64,9 +64,15 @@ GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& devic
       world_(partitioner.world_size()),
       device_(device),
       comm_(comm),
-      accumulator_(accumulator),
+      accumulator_(options.accumulator),
       options_(options),
-      counters_(counters) {}
+      counters_(counters) {
+  if (accumulator_ == nullptr) {
+    memory_accumulator_ =
+        std::make_unique<MemoryAccumulator>(accumulator, partition_element_count(partitioner));
+    accumulator_ = memory_accumulator_.get();
+  }
+}
 
 GradReducer::~GradReducer() {
   if (stream_ != nullptr) (void)device_.synchronize(*stream_, options_.timeout);
@@ -126,7 +132,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
 
 void GradReducer::zero() {
   // Callers wait() first: a reduce-scatter still adding into the accumulator would race.
-  std::memset(accumulator_, 0, partition_elements_ * sizeof(float));
+  accumulator_->zero();
   for (DeviceBuffer& full : full_) std::memset(full.data(), 0, full.bytes());
   std::fill(counts_.begin(), counts_.end(), 0u);
 }
@@ -163,11 +169,10 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
     float* recv = recv_[k].as<float>();
     ZINF_RETURN_IF_ERROR(
         comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
-    float* acc = accumulator_ + offsets_[g] + c0;
-    ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [acc, recv, count]() {
-      for (std::size_t i = 0; i < count; ++i) acc[i] += recv[i];
-      return Status::ok();
-    }));
+    GradAccumulator* acc = accumulator_;
+    const std::size_t first = offsets_[g] + c0;
+    ZINF_RETURN_IF_ERROR(device_.launch_host(
+        *stream_, [acc, first, recv, count]() { return acc->add(first, count, recv); }));
     ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
     if (counters_ != nullptr) {
       ++counters_->buckets_reduced;
@@ -179,7 +184,8 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
 
 Status GradReducer::wait() {
   ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
-  return comm_.wait(*done_, options_.timeout);
+  ZINF_RETURN_IF_ERROR(comm_.wait(*done_, options_.timeout));
+  return accumulator_->flush();
 }
 
 Status GradReducer::reduce(std::span<const std::uint32_t> groups,

@@ -31,6 +31,7 @@
 #include <span>
 #include <vector>
 
+#include "zero/grad_accumulator.hpp"
 #include "zero/partitioner.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
@@ -50,6 +51,9 @@ struct GradReducerOptions {
   // The accumulator is known to hold zeros already (fresh zero pages): create() then skips
   // clearing it, so its pages stay out of the resident set until the first gradients arrive.
   bool accumulator_zeroed = false;
+  // When set, reduced chunks are added into this (lib/zero/grad_accumulator.hpp, e.g. one that
+  // spills to NVMe) instead of the float array given to create(); it must outlive the reducer.
+  GradAccumulator* accumulator = nullptr;
 };
 
 // One parameter's gradient as the reducer reads it (host-accessible device memory).
@@ -61,7 +65,8 @@ struct GradSource {
 class GradReducer {
  public:
   // `accumulator`: partition_element_count() floats of host-accessible memory, owned by the
-  // caller; zeroed here unless options.accumulator_zeroed says it is already. `counters` (optional)
+  // caller; zeroed here unless options.accumulator_zeroed says it is already. Ignored (may be
+  // null) when options.accumulator is set. `counters` (optional)
   // receives bucket and byte counts.
   static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
                                                      Device& device, Communicator& comm,
@@ -80,7 +85,8 @@ class GradReducer {
   // at stage 1. Returns once the sources have been read (copied into buckets); the last buckets'
   // reduce-scatters may still run, overlapping the caller's next work, until wait().
   Status reduce(std::span<const std::uint32_t> groups, std::span<const GradSource> sources);
-  // Waits for every reduce-scatter issued so far (and its accumulation); their first error.
+  // Waits for every reduce-scatter issued so far (and its accumulation), then flushes the
+  // accumulator (a spilling one writes its open sub-groups); their first error.
   Status wait();
   // Stage 1: reduce-scatters the full accumulators into the partition accumulator. Collective.
   Status reduce_accumulated();
@@ -104,7 +110,8 @@ class GradReducer {
   const int world_;
   Device& device_;
   Communicator& comm_;
-  float* accumulator_;
+  std::unique_ptr<MemoryAccumulator> memory_accumulator_;  // when options have none
+  GradAccumulator* accumulator_;
   GradReducerOptions options_;
   EngineCounters* counters_;
   std::vector<std::size_t> offsets_;

@@ -231,6 +231,7 @@ Status scaled_step(Engine& engine, const Model& model, int rank, int data_step, 
 struct OverflowCase {
   int stage;
   OffloadDevice optimizer;
+  bool gradients_on_nvme = false;
 };
 
 class EngineOverflow : public ::testing::TestWithParam<OverflowCase> {};
@@ -240,12 +241,14 @@ TEST_P(EngineOverflow, InfOnOneRankSkipsEveryRankHalvesTheScaleAndChangesNothing
   const OverflowCase oc = GetParam();
   const std::uint64_t seed = 31 + static_cast<std::uint64_t>(oc.stage);
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
-  engine_test::ScratchDir dir(fmt::format("overflow{}", oc.stage));
+  engine_test::ScratchDir dir(
+      fmt::format("overflow{}{}", oc.stage, oc.gradients_on_nvme ? "spill" : ""));
   Config config =
       engine_test::small_config(oc.stage, oc.optimizer, OffloadDevice::kNone, dir.path());
   config.fp16.enabled = true;
   config.fp16.initial_scale_power = 8;
   config.fp16.hysteresis = 1;
+  config.gradients_on_nvme = oc.gradients_on_nvme;
   const Model model = engine_test::make_model(DType::kF16, seed);
   // The reference never sees the bad batch: data steps 1, 2, 3 as optimizer steps 1, 2, 3.
   TrainOptions options;
@@ -294,10 +297,12 @@ TEST_P(EngineOverflow, InfOnOneRankSkipsEveryRankHalvesTheScaleAndChangesNothing
 INSTANTIATE_TEST_SUITE_P(Stages, EngineOverflow,
                          ::testing::Values(OverflowCase{1, OffloadDevice::kNone},
                                            OverflowCase{2, OffloadDevice::kHost},
-                                           OverflowCase{3, OffloadDevice::kNvme}),
+                                           OverflowCase{3, OffloadDevice::kNvme},
+                                           OverflowCase{2, OffloadDevice::kNvme, true}),
                          [](const ::testing::TestParamInfo<OverflowCase>& info) {
-                           return fmt::format("stage{}_{}", info.param.stage,
-                                              offload_device_name(info.param.optimizer));
+                           return fmt::format("stage{}_{}{}", info.param.stage,
+                                              offload_device_name(info.param.optimizer),
+                                              info.param.gradients_on_nvme ? "_spill" : "");
                          });
 
 TEST(EngineLossScale, GrowsAfterAWindowOfGoodSteps) {
@@ -737,6 +742,11 @@ TEST(EngineMemory, EachPlacementPutsItsStateOnItsTier) {
   EXPECT_EQ(find(3, none, nvme).nvme_bytes, 2 * pr);
   // The host then holds gradients and half copies (6 Pr) and the pinned blocks, not 16 Pr.
   EXPECT_LT(find(3, nvme, none).host_bytes, find(3, host, none).host_bytes);
+  // Host state: master, moments, gradients (16 Pr) and the store's half array (2 Pr), from which
+  // the new values are published without a second copy. With the optimizer in device memory the
+  // publish copy is the host's only engine-owned bytes.
+  EXPECT_EQ(find(3, host, none).host_bytes, 18 * pr);
+  EXPECT_EQ(find(2, none, none).host_bytes, 2 * pr);
 }
 
 // --- Telemetry -------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 // choose, the plan (forced to that placement) is written as JSON by config_to_json(), parsed by
 // the engine's own parse_config(), and opened on 4 ranks (HostDevice + LocalComm); rank 0's
 // MemoryReport after finalize() is compared with the estimate's engine-owned bytes per tier.
+// Placements with the optimizer on NVMe at stages 2-3 run both with and without
+// zinf.gradients_on_nvme.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -52,6 +54,7 @@ struct Placement {
   int stage;
   Offload optimizer;
   Offload params;
+  bool gradients_on_nvme = false;
 };
 
 TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
@@ -80,10 +83,11 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
       for (Offload params : tiers) {
         if (stage != 3 && params != Offload::kNone) continue;
         placements.push_back({stage, opt, params});
+        if (opt == Offload::kNvme && stage >= 2) placements.push_back({stage, opt, params, true});
       }
     }
   }
-  std::printf("stage optimizer params  tier    predicted     engine\n");
+  std::printf("stage optimizer params spill tier    predicted     engine\n");
   for (const Placement& pl : placements) {
     PlanConstraints forced;
     forced.stage = pl.stage;
@@ -95,14 +99,14 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
     ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
     ASSERT_TRUE(plan->fits);
     EngineSetup setup = plan->best.setup;
-    // Gradients stay in host memory in this engine version (docs/ENGINE.md): compare the
-    // placement it runs.
-    setup.gradients_on_nvme = false;
+    setup.gradients_on_nvme = pl.gradients_on_nvme;
+    setup.gradient_spill_buffers = 3;
     setup.param_buffer_count = 2;
     const MemoryEstimate estimate = estimate_memory(model, TrainingShape{}, setup);
 
-    const std::string dir = fmt::format("{}/s{}_{}_{}", root, pl.stage, offload_name(pl.optimizer),
-                                        offload_name(pl.params));
+    const std::string dir =
+        fmt::format("{}/s{}_{}_{}{}", root, pl.stage, offload_name(pl.optimizer),
+                    offload_name(pl.params), pl.gradients_on_nvme ? "_spill" : "");
     fs::create_directories(dir);
     PlanConfig plan_config;
     plan_config.setup = setup;
@@ -153,14 +157,15 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
       const Tier tier = static_cast<Tier>(t);
       const double predicted = static_cast<double>(estimate.engine_bytes(tier));
       const double actual = static_cast<double>(engine_bytes[t]);
-      std::printf("%5d %9s %6s  %-6s %10.0f %10.0f\n", pl.stage,
+      std::printf("%5d %9s %6s %5s  %-6s %10.0f %10.0f\n", pl.stage,
                   std::string(offload_name(pl.optimizer)).c_str(),
-                  std::string(offload_name(pl.params)).c_str(),
+                  std::string(offload_name(pl.params)).c_str(), pl.gradients_on_nvme ? "yes" : "no",
                   std::string(tier_name(tier)).c_str(), predicted, actual);
       EXPECT_LE(relative_error(predicted, actual), 0.05)
           << "stage " << pl.stage << ", optimizer " << offload_name(pl.optimizer) << ", params "
-          << offload_name(pl.params) << ", " << tier_name(tier) << ": predicted " << predicted
-          << " B, the engine allocated " << actual;
+          << offload_name(pl.params) << (pl.gradients_on_nvme ? ", gradients on nvme" : "") << ", "
+          << tier_name(tier) << ": predicted " << predicted << " B, the engine allocated "
+          << actual;
     }
     std::error_code ignored;
     fs::remove_all(dir, ignored);

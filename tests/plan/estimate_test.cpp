@@ -37,7 +37,10 @@ TEST(Estimate, StagesPartitionAsTheEngineDoes) {
     EXPECT_EQ(e.bytes(StateKind::kGradients, kDev), stage == 1 ? 4 * p + 4 * pr : 4 * pr) << stage;
     EXPECT_EQ(e.bytes(StateKind::kMasterParams, kDev), 4 * pr);
     EXPECT_EQ(e.bytes(StateKind::kMoments, kDev), 8 * pr);
-    EXPECT_EQ(e.rank_tier_bytes(kHost), 0u);
+    // The host holds only the engine's publish copy of the new half params (its in-memory step
+    // runs on the host in this version).
+    EXPECT_EQ(e.rank_tier_bytes(kHost), 2 * pr);
+    EXPECT_EQ(e.bytes(StateKind::kHalfCopy, kHost), 2 * pr);
     EXPECT_EQ(e.rank_tier_bytes(kNvme), 0u);
     EXPECT_EQ(e.bytes(StateKind::kGatheredParams, kDev) > 0, stage == 3);
   }
@@ -62,7 +65,8 @@ TEST(Estimate, OffloadMovesStateAndGradientsToTheirTiers) {
   EXPECT_EQ(e.bytes(StateKind::kMasterParams, kNvme), 4 * pr);
   EXPECT_EQ(e.bytes(StateKind::kMoments, kNvme), 8 * pr);
   EXPECT_EQ(e.bytes(StateKind::kGradients, kNvme), 4 * pr);
-  EXPECT_EQ(e.bytes(StateKind::kGradients, kHost), 0u);
+  // On the host only the spill buffers: gradient_spill_buffers (4) sub-groups of 4 B a parameter.
+  EXPECT_EQ(e.bytes(StateKind::kGradients, kHost), 4u * (1u << 24) * 4u);
   // The CPU optimizer's half-precision output, on the host beside the state it came from.
   EXPECT_EQ(e.bytes(StateKind::kHalfCopy, kHost), 2 * pr);
   // A buffer holds master, m, v and the spilled gradient of one sub-group: 16 B a parameter.

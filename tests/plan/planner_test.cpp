@@ -56,6 +56,8 @@ TEST(Planner, Llama70bFitsOnFour48GbGpusWith256GbHostAndNvme) {
                       StateKind::kMoments}) {
     for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) state += c.memory.bytes(k, t) * 4;
   }
+  // With gradients on NVMe the host also holds the spill buffers, working space beside them.
+  if (c.setup.gradients_on_nvme) state -= c.memory.bytes(StateKind::kGradients, Tier::kHost) * 4;
   EXPECT_GE(state, 18 * p);
   EXPECT_LT(state, 18 * p + 18 * 4);  // only the rounding of ceil(P / 4)
   EXPECT_GT(c.time.step_s, 0);

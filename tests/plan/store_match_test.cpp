@@ -101,6 +101,7 @@ TEST(StoreMatch, PlannedNvmeAndPoolBytesAreWhatTheStoreAllocates) {
   for (bool spill : {false, true}) {
     PlanConstraints constraints;
     constraints.optimizer = Offload::kNvme;
+    constraints.stage = 3;  // gradients spill at stages 2-3 only
     auto plan = make_plan(model, TrainingShape{}, budgets, profile, constraints);
     ASSERT_TRUE(plan.is_ok() && plan->fits);
     EngineSetup setup = plan->best.setup;

@@ -173,5 +173,36 @@ TEST(TimeModel, ForwardBackwardPartsOverlap) {
   EXPECT_NEAR(predict_step(m, tr, s, p).compute_s, t.compute_s * 4 / 3, 1e-9);
 }
 
+// gradients_on_nvme as the engine runs it: each micro-batch writes the shard's fp32 gradients,
+// and every later one reads them back while it writes (no duplex rate: one budget).
+TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 4;
+  s.ranks_per_machine = 4;
+  s.optimizer = Offload::kNvme;
+  s.gradients_on_nvme = true;
+  s.sub_group_params = 1 << 24;
+  MachineProfile p = profile(40, 6, 4);
+  p.h2d_gbps = 1000;  // the drive, not the link, bounds the offload
+  const double shard = static_cast<double>((param_count(m) + 3) / 4);
+  const double spill = 4 * 4 * shard;  // R * 4 B * Pr
+  for (std::uint64_t micro : {1u, 3u}) {
+    TrainingShape tr;
+    tr.grad_accum_steps = micro;
+    const StepPrediction t = predict_step(m, tr, s, p);
+    const double first = spill / 4e9;
+    const double later = spill / 6e9 + spill / 4e9;
+    const double k = static_cast<double>(micro);
+    EXPECT_NEAR(t.forward_backward_s, first + (k - 1) * later, 1e-9) << micro;
+    EXPECT_NEAR(t.grad_offload_s, (first + (k - 1) * later) / k, 1e-9) << micro;
+    // The pipeline reads master, m, v and the gradients (16 B) and writes 12 B a parameter.
+    EXPECT_NEAR(static_cast<double>(t.nvme_write_bytes), 4 * 12 * shard + k * spill, 1e3) << micro;
+    EXPECT_NEAR(static_cast<double>(t.nvme_read_bytes), 4 * 16 * shard + (k - 1) * spill, 1e3)
+        << micro;
+  }
+}
+
 }  // namespace
 }  // namespace zinf::plan

@@ -428,13 +428,6 @@ void run_plan(const PlanOptions& o) {
   }
   const PlanResult& plan = *planned;
   const Candidate& c = plan.best;
-  if (plan.fits && c.setup.gradients_on_nvme) {
-    notes.push_back(fmt::format(
-        "this plan spills gradients to NVMe; the engine does not yet (docs/ENGINE.md) and keeps "
-        "them in host memory, {} more per machine: --no-gradient-spill plans without it",
-        format_bytes(static_cast<double>(c.memory.bytes(StateKind::kGradients, Tier::kNvme) *
-                                         c.setup.ranks_per_machine))));
-  }
   const std::uint64_t per_machine = c.setup.ranks_per_machine;
 
   nlohmann::json by_state = nlohmann::json::object();
@@ -647,7 +640,7 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--offload-optimizer", o->offload_optimizer, "Fix it: none, cpu or nvme");
   sub->add_option("--offload-param", o->offload_param, "Fix it: none, cpu or nvme");
   sub->add_flag("--no-gradient-spill", o->no_gradient_spill,
-                "Keep gradients in host memory (the engine does not spill them yet)");
+                "Keep the fp32 gradients in host memory (no zinf.gradients_on_nvme)");
   sub->add_option("--machine-profile", o->machine_profile,
                   "Profile JSON (default $ZINF_MACHINE_PROFILE or ~/.cache/zinf/machine.json)");
   sub->add_option(

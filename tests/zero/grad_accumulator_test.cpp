@@ -1,0 +1,242 @@
+// SpillAccumulator (zinf.gradients_on_nvme): chunks added in any order, over several
+// micro-batches, with fewer buffers than open sub-groups, must leave on NVMe exactly the sums an
+// in-memory float array would hold (same bits: each element gets the same adds in the same
+// order), with the per-sub-group sums of squares of those values, while holding only
+// buffer_count sub-groups in host memory. A write fault comes back as a Status naming the extent.
+#include "zero/grad_accumulator.hpp"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "base/random.hpp"
+#include "io/fault.hpp"
+#include "io/io_engine.hpp"
+#include "io/swap_space.hpp"
+#include "tier/state_store.hpp"
+
+namespace zinf {
+namespace {
+
+constexpr std::size_t kParams = 9'001;  // not a multiple of the sub-group size
+constexpr std::size_t kSubGroup = 700;  // 13 sub-groups, the last one short
+
+class Dir {
+ public:
+  explicit Dir(const std::string& name) {
+    const char* root = std::getenv("ZINF_TEST_TMPDIR");
+    path_ = std::string(root != nullptr && root[0] != '\0' ? root : "/tmp") + "/zero-" + name +
+            "-" + std::to_string(::getpid());
+    std::filesystem::remove_all(path_);
+    std::filesystem::create_directories(path_);
+  }
+  ~Dir() {
+    std::error_code ignored;
+    std::filesystem::remove_all(path_, ignored);
+  }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+// An engine, a swap space and a store whose only NVMe piece is the fp32 gradients.
+struct Rig {
+  std::unique_ptr<Dir> dir;
+  std::unique_ptr<IoEngine> io;
+  std::unique_ptr<SwapSpace> swap;
+  std::unique_ptr<StateStore> store;
+};
+
+Status open_rig(const std::string& name, std::shared_ptr<FaultInjector> faults, Rig* rig) {
+  rig->dir = std::make_unique<Dir>(name);
+  IoOptions io;
+  io.block_bytes = 64 << 10;
+  io.queue_depth = 8;
+  io.faults = std::move(faults);
+  ZINF_ASSIGN_OR_RETURN(rig->io, open_engine(io));
+  StateStoreOptions so;
+  so.param_count = kParams;
+  so.sub_group_params = kSubGroup;
+  so.tiers = {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kHost};
+  so.key_prefix = "rank0/opt";
+  ZINF_ASSIGN_OR_RETURN(StoreLayout layout, StateStore::layout(so));
+  SwapOptions swap;
+  swap.dirs = {rig->dir->path()};
+  swap.block_bytes = 64 << 10;
+  swap.capacity_bytes = layout.nvme_bytes + (std::uint64_t{1} << 20);
+  ZINF_ASSIGN_OR_RETURN(rig->swap, SwapSpace::open(*rig->io, swap));
+  ZINF_ASSIGN_OR_RETURN(rig->store, StateStore::open(so, rig->swap.get()));
+  return Status::ok();
+}
+
+// One micro-batch: every element exactly once, in chunks of 1..1500 elements taken in a
+// shuffled order (so sub-groups open and complete out of order, as with stage-3 persistent
+// groups far from their module's main group).
+struct Chunk {
+  std::size_t first, count;
+};
+std::vector<Chunk> shuffled_chunks(SplitMix64& rng) {
+  std::vector<Chunk> chunks;
+  for (std::size_t first = 0; first < kParams;) {
+    const std::size_t count = std::min<std::size_t>(kParams - first, 1 + rng.next() % 1500);
+    chunks.push_back({first, count});
+    first += count;
+  }
+  for (std::size_t i = chunks.size(); i > 1; --i) {
+    std::swap(chunks[i - 1], chunks[rng.next() % i]);
+  }
+  return chunks;
+}
+
+// Adds `micro_batches` passes of seeded random gradients to `acc` and to `reference`.
+Status add_micro_batches(GradAccumulator& acc, std::vector<float>& reference, int micro_batches,
+                         std::uint64_t seed) {
+  SplitMix64 rng(seed);
+  std::vector<float> grads(kParams);
+  for (int m = 0; m < micro_batches; ++m) {
+    fill_uniform(grads.data(), kParams, seed * 31 + static_cast<std::uint64_t>(m));
+    for (const Chunk& c : shuffled_chunks(rng)) {
+      ZINF_RETURN_IF_ERROR(acc.add(c.first, c.count, grads.data() + c.first));
+      for (std::size_t i = c.first; i < c.first + c.count; ++i) reference[i] += grads[i];
+    }
+  }
+  return Status::ok();
+}
+
+// Reads every sub-group's extent and compares it with the reference, bit for bit.
+void expect_on_disk(StateStore& store, const std::vector<float>& reference) {
+  AlignedBuffer block((kSubGroup * 4 + 4095) / 4096 * 4096);
+  for (std::size_t i = 0; i < store.sub_group_count(); ++i) {
+    ASSERT_EQ(store.residency(Piece::kGrads, i), Residency::kDisk) << "sub-group " << i;
+    Status st = store.read_piece(Piece::kGrads, i, block.data());
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    const std::size_t first = store.sub_group_first(i);
+    EXPECT_EQ(std::memcmp(block.data(), reference.data() + first, store.sub_group_size(i) * 4), 0)
+        << "sub-group " << i;
+  }
+}
+
+TEST(SpillAccumulator, SumsOnNvmeEqualAnInMemoryAccumulatorWithEvictions) {
+  const std::uint64_t seed = 20261130;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  Rig rig;
+  Status st = open_rig("spill", nullptr, &rig);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EngineCounters counters;
+  SpillOptions options;
+  options.buffer_count = 2;
+  auto acc = SpillAccumulator::create(*rig.store, options, &counters);
+  ASSERT_TRUE(acc.is_ok()) << acc.status().to_string();
+  // Bounded host memory: two sub-groups, not the partition's fp32 array.
+  EXPECT_EQ((*acc)->host_bytes(), 2 * ((kSubGroup * 4 + 4095) / 4096 * 4096));
+  EXPECT_LT((*acc)->host_bytes() * 4, kParams * 4);
+
+  std::vector<float> reference(kParams, 0.0f);
+  for (int step = 0; step < 2; ++step) {
+    st = add_micro_batches(**acc, reference, 3, seed + static_cast<std::uint64_t>(step));
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    ASSERT_TRUE((*acc)->flush().is_ok());
+    EXPECT_EQ((*acc)->open_count(), 2u);  // clean, cached until zero() or a new sub-group
+    expect_on_disk(*rig.store, reference);
+    // The norm's parts are those of the final sums, whichever write was last.
+    for (std::size_t i = 0; i < rig.store->sub_group_count(); ++i) {
+      const double want = sum_of_squares(reference.data() + rig.store->sub_group_first(i),
+                                         rig.store->sub_group_size(i));
+      EXPECT_EQ((*acc)->sum_of_squares(i), want) << "sub-group " << i;
+      EXPECT_GT(want, 0.0);
+    }
+    // The next step starts from zeros, without reading anything back.
+    const std::uint64_t read_backs = counters.grad_spill_read_backs;
+    (*acc)->zero();
+    EXPECT_EQ(counters.grad_spill_read_backs, read_backs);
+    std::fill(reference.begin(), reference.end(), 0.0f);
+  }
+  std::printf("writes %llu B, read-backs %llu (%llu B), evictions %llu\n",
+              static_cast<unsigned long long>(counters.grad_spill_write_bytes),
+              static_cast<unsigned long long>(counters.grad_spill_read_backs),
+              static_cast<unsigned long long>(counters.grad_spill_read_bytes),
+              static_cast<unsigned long long>(counters.grad_spill_evictions));
+  EXPECT_GT(counters.grad_spill_evictions, 0u);
+  EXPECT_GT(counters.grad_spill_read_backs, 0u);
+  EXPECT_GE(counters.grad_spill_write_bytes, 2u * 3u * kParams * 4u);
+}
+
+TEST(SpillAccumulator, InOrderChunksWriteEachSubGroupOncePerMicroBatch) {
+  Rig rig;
+  Status st = open_rig("inorder", nullptr, &rig);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EngineCounters counters;
+  SpillOptions options;
+  options.buffer_count = 2;
+  auto acc = SpillAccumulator::create(*rig.store, options, &counters);
+  ASSERT_TRUE(acc.is_ok()) << acc.status().to_string();
+  // Backward order: chunks from the end of the partition to its start, one micro-batch.
+  std::vector<float> grads(kParams), reference(kParams, 0.0f);
+  fill_uniform(grads.data(), kParams, 7);
+  const std::size_t chunk = 600;
+  for (std::size_t end = kParams; end > 0;) {
+    const std::size_t first = end > chunk ? end - chunk : 0;
+    ASSERT_TRUE((*acc)->add(first, end - first, grads.data() + first).is_ok());
+    end = first;
+  }
+  ASSERT_TRUE((*acc)->flush().is_ok());
+  for (std::size_t i = 0; i < kParams; ++i) reference[i] = 0.0f + grads[i];
+  expect_on_disk(*rig.store, reference);
+  EXPECT_EQ(counters.grad_spill_evictions, 0u);
+  EXPECT_EQ(counters.grad_spill_read_backs, 0u);
+  std::size_t pages = 0;
+  for (std::size_t i = 0; i < rig.store->sub_group_count(); ++i) {
+    pages += (rig.store->sub_group_size(i) * 4 + 4095) / 4096;
+  }
+  EXPECT_EQ(counters.grad_spill_write_bytes, pages * 4096);
+}
+
+TEST(SpillAccumulator, WriteFaultIsANamedStatusAndSticks) {
+  const std::uint64_t seed = 99;
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  FaultSpec spec;
+  spec.seed = seed;
+  spec.eio_rate = 1.0;
+  spec.reads = false;
+  auto faults = std::make_shared<FaultInjector>(spec);
+  Rig rig;
+  Status st = open_rig("fault", faults, &rig);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  SpillOptions options;
+  options.buffer_count = 2;
+  auto acc = SpillAccumulator::create(*rig.store, options, nullptr);
+  ASSERT_TRUE(acc.is_ok()) << acc.status().to_string();
+  std::vector<float> reference(kParams, 0.0f);
+  st = add_micro_batches(**acc, reference, 1, seed);
+  if (st.is_ok()) st = (*acc)->flush();
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_EQ(st.code(), Code::kIoError) << st.to_string();
+  EXPECT_NE(st.message().find("rank0/opt/group"), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find("grads"), std::string::npos) << st.to_string();
+  // Sticky: nothing is added after a lost write.
+  std::vector<float> more(10, 1.0f);
+  EXPECT_EQ((*acc)->add(0, 10, more.data()).code(), Code::kIoError);
+  EXPECT_EQ((*acc)->flush().code(), Code::kIoError);
+  // The store knows which gradients are lost: a read of one fails rather than returning them.
+  std::size_t lost = 0;
+  AlignedBuffer block((kSubGroup * 4 + 4095) / 4096 * 4096);
+  for (std::size_t i = 0; i < rig.store->sub_group_count(); ++i) {
+    if (rig.store->residency(Piece::kGrads, i) != Residency::kLost) continue;
+    ++lost;
+    EXPECT_FALSE(rig.store->read_piece(Piece::kGrads, i, block.data()).is_ok());
+  }
+  EXPECT_GT(lost, 0u);
+  EXPECT_GT(faults->counts().eio, 0u);
+}
+
+}  // namespace
+}  // namespace zinf
