@@ -47,8 +47,14 @@
 // calls in the same order; a call rejected for bad input on one rank only leaves the other ranks
 // waiting in their next collective until collective_timeout_ms, then failing with kTimeout.
 //
-// Device support: this version computes casts, accumulations and the optimizer on the host, so
-// the device must be host_accessible() (HostDevice); open() returns kUnsupported otherwise.
+// Device support: any Device. On one that is not host_accessible() (CudaDevice) the engine
+// touches device memory only through the device's copies, its collectives and stream operations
+// (lib/device/device_ops.hpp: gradients widened into fp32 buckets on the device, reduced chunks
+// copied back to host memory and accumulated there); the parameters handed out by parameter()
+// and the gradients given to reduce_gradients() are device pointers and are never dereferenced
+// by the host. There the optimizer state must live in host memory or on NVMe (offload_optimizer
+// "cpu" / "nvme"): open() returns kUnsupported naming zero_optimization.offload_optimizer.device
+// for "none".
 //
 // Thread-safety: call an Engine from one thread (its rank's); the engine runs its own stream,
 // I/O and optimizer threads. Different ranks' engines run on different threads concurrently.

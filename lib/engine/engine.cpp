@@ -25,6 +25,7 @@
 
 #include "base/aligned.hpp"
 #include "base/assert.hpp"
+#include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
@@ -180,6 +181,7 @@ class Engine::Impl {
     // The norm exchange: this rank's double, then every rank's.
     ZINF_ASSIGN_OR_RETURN(
         scratch_, DeviceBuffer::allocate(device_, (1 + static_cast<std::size_t>(world_)) * 8));
+    ZINF_ASSIGN_OR_RETURN(norm_host_, RegisteredBuffer::allocate(device_, scratch_.bytes()));
     return Status::ok();
   }
 
@@ -385,11 +387,7 @@ class Engine::Impl {
     // Optimizer state.
     float* accumulator = nullptr;
     if (opt == OffloadDevice::kNone) {
-      if (!device_.host_accessible()) {
-        return Status::unsupported(
-            "zero_optimization.offload_optimizer.device: \"none\" needs a host-accessible device "
-            "in this version (the GPU Adam is not wired in yet)");
-      }
+      ZINF_ASSERT(device_.host_accessible());  // Engine::open() refuses the others
       const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
       ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device_, bytes));
@@ -791,9 +789,14 @@ class Engine::Impl {
       // adds them in rank order in double, so the norm carries no f32 rounding of the reduction
       // and is the same bits everywhere. An overflow travels as an infinity.
       Trace::Span span(env_.trace, track_, "step norm");
-      double* buf = scratch_.as<double>();
+      // Through host staging and copies: device memory may not be host-accessible.
+      double* buf = norm_host_.as<double>();
+      double* dev = scratch_.as<double>();
+      const std::size_t all_bytes = static_cast<std::size_t>(world_) * sizeof(double);
       buf[0] = overflow ? std::numeric_limits<double>::infinity() : sumsq;
-      ZINF_RETURN_IF_ERROR(comm_.all_gather(buf, buf + 1, 2, DType::kF32, *stream_, "grad norm"));
+      ZINF_RETURN_IF_ERROR(device_.copy_h2d(dev, buf, sizeof(double), *stream_));
+      ZINF_RETURN_IF_ERROR(comm_.all_gather(dev, dev + 1, 2, DType::kF32, *stream_, "grad norm"));
+      ZINF_RETURN_IF_ERROR(device_.copy_d2h(buf + 1, dev + 1, all_bytes, *stream_));
       ZINF_RETURN_IF_ERROR(device_.record(*event_, *stream_));
       ZINF_RETURN_IF_ERROR(comm_.wait(*event_, timeout_));
       double total = 0.0;
@@ -1021,6 +1024,7 @@ class Engine::Impl {
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> event_;
   DeviceBuffer scratch_;
+  RegisteredBuffer norm_host_;  // host side of scratch_
 
   LossScaler scaler_;
   bool lr_changed_ = false;
@@ -1041,10 +1045,12 @@ Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& en
   if (&env.comm->device() != env.device) {
     return Status::invalid_argument("Env::comm: runs on another device than Env::device");
   }
-  if (!env.device->host_accessible()) {
+  if (!env.device->host_accessible() &&
+      config.zero.offload_optimizer.device == OffloadDevice::kNone) {
     return Status::unsupported(fmt::format(
-        "Env::device: {} is not host-accessible; this version of the engine runs its casts, "
-        "reductions and optimizer on the host",
+        "zero_optimization.offload_optimizer.device: \"none\" keeps the optimizer state in device "
+        "memory, which this version supports only on a host-accessible device, and {} is not; "
+        "use \"cpu\" or \"nvme\"",
         env.device->name()));
   }
   if (config.world_size != 0 && config.world_size != env.comm->world_size()) {

@@ -18,8 +18,14 @@
 // The reducer counts, per parameter, the micro-batches reduced since zero(), so the step can
 // check that every parameter got the same number.
 //
-// Host work: buckets are filled and results accumulated by host code, so the device must be
-// host_accessible() (HostDevice); the collectives run on the reducer's stream.
+// Host work: on a host_accessible() device (HostDevice) buckets are filled by host code on the
+// calling thread and results accumulated by host functions; the collectives run on the reducer's
+// stream. On any other device (CudaDevice, an opaque HostDevice) the gradients and buckets are
+// never touched by host code (see reduce_group_on_device): buckets are filled by DeviceOps on a
+// fill stream (memset for padding, widen for gradients), each reduced chunk comes back by
+// copy_d2h into a registered (pinned) host staging buffer and is added into the accumulator,
+// which is host memory there, by a host function; stage 1's full-size gradients are device
+// memory, summed by widen with accumulate.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -31,6 +37,7 @@
 #include <span>
 #include <vector>
 
+#include "device/device_ops.hpp"
 #include "zero/partitioner.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
@@ -99,6 +106,14 @@ class GradReducer {
   template <typename Fill>
   Status reduce_group(std::uint32_t g, Fill fill);
 
+  // Not host_accessible() devices: the same bucket schedule, with `fill(dst, group_offset,
+  // count)` enqueueing work on fill_stream_ and returning its Status.
+  Status create_device_side();
+  Status reduce_on_device(std::span<const std::uint32_t> groups,
+                          std::span<const GradSource> sources);
+  template <typename Fill>
+  Status reduce_group_on_device(std::uint32_t g, Fill fill);
+
   const Partitioner& partitioner_;
   const int rank_;
   const int world_;
@@ -118,6 +133,11 @@ class GradReducer {
   std::unique_ptr<Event> bucket_free_[2];
   int next_bucket_ = 0;
   std::vector<DeviceBuffer> full_;  // stage 1: per group, padded_element_count floats
+  // Not host_accessible() devices only (ops_ set): see reduce_group_on_device.
+  std::unique_ptr<DeviceOps> ops_;
+  std::unique_ptr<Stream> fill_stream_;
+  std::unique_ptr<Event> filled_[2];
+  RegisteredBuffer recv_host_[2];
 };
 
 }  // namespace zinf

@@ -37,10 +37,6 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
     EngineCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
   ZINF_ASSERT(persistent.size() == partitioner.group_count());
-  if (!device.host_accessible()) {
-    return Status::unsupported(
-        fmt::format("ParamCoordinator: device {} is not host-accessible", device.name()));
-  }
   std::unique_ptr<ParamCoordinator> c(
       new ParamCoordinator(partitioner, rank, device, comm, options, swap, counters));
   c->persistent_ = std::move(persistent);
@@ -65,9 +61,11 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
         ZINF_ASSIGN_OR_RETURN(c->device_shard_[g], DeviceBuffer::allocate(device, shard_bytes));
         break;
       }
-      case OffloadDevice::kHost:
-        c->host_shard_[g] = AlignedBuffer(round_page(shard_bytes));
+      case OffloadDevice::kHost: {
+        // Registered, so that the gather's host-to-device copy is asynchronous on a GPU.
+        ZINF_ASSIGN_OR_RETURN(c->host_shard_[g], RegisteredBuffer::allocate(device, shard_bytes));
         break;
+      }
       case OffloadDevice::kNvme: {
         if (swap == nullptr) return Status::internal("ParamCoordinator: NVMe shards, no swap");
         ZINF_ASSIGN_OR_RETURN(
@@ -396,7 +394,7 @@ std::uint64_t ParamCoordinator::device_bytes() const {
 
 std::uint64_t ParamCoordinator::host_bytes() const {
   std::uint64_t total = staging_ != nullptr ? staging_->bytes() : 0;
-  for (const AlignedBuffer& b : host_shard_) total += b.bytes();
+  for (const RegisteredBuffer& b : host_shard_) total += b.bytes();
   return total;
 }
 

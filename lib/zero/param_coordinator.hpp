@@ -27,8 +27,9 @@
 // issued, "release <module>" when release() frees it, "drop <module>" when a prefetched module
 // is freed unused, and a span "wait <module>" for gather()'s wait.
 //
-// Host work: NVMe staging and shard writes use host code, so the device must be
-// host_accessible() (HostDevice).
+// Device memory is touched only by the device's own operations (copies, all-gathers), so any
+// Device works, host-accessible or not: shards in host memory and the NVMe staging blocks are
+// registered with the device (pinned on CUDA) and copied up; write_shard() takes host memory.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -42,6 +43,7 @@
 #include <vector>
 
 #include "base/aligned.hpp"
+#include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
 #include "io/swap_space.hpp"
 #include "zero/partitioner.hpp"
@@ -152,9 +154,9 @@ class ParamCoordinator {
   // that the steady state allocates nothing: at most max_live_elements * 4 bytes in all.
   std::multimap<std::size_t, DeviceBuffer> spare_;
   std::size_t spare_bytes_ = 0;
-  std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
-  std::vector<AlignedBuffer> host_shard_;   // per partitioned group, shard tier host
-  std::vector<ExtentId> extent_;            // per partitioned group, shard tier nvme
+  std::vector<DeviceBuffer> device_shard_;    // per partitioned group, shard tier none
+  std::vector<RegisteredBuffer> host_shard_;  // per partitioned group, shard tier host
+  std::vector<ExtentId> extent_;              // per partitioned group, shard tier nvme
   std::unique_ptr<PinnedPool> staging_;
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> done_;

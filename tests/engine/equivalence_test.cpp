@@ -29,12 +29,15 @@ struct Case {
   DType dtype = DType::kF32;
   int micro_batches = 1;
   double clipping = 0.0;
+  // Opaque HostDevices: the engine takes the path of a device that is not host-accessible.
+  bool opaque = false;
 };
 
 std::string case_name(const Case& c) {
-  return fmt::format("w{}_s{}_opt_{}_param_{}_{}_mb{}{}", c.world, c.stage,
+  return fmt::format("w{}_s{}_opt_{}_param_{}_{}_mb{}{}{}", c.world, c.stage,
                      offload_device_name(c.optimizer), offload_device_name(c.params),
-                     dtype_name(c.dtype), c.micro_batches, c.clipping > 0 ? "_clip" : "");
+                     dtype_name(c.dtype), c.micro_batches, c.clipping > 0 ? "_clip" : "",
+                     c.opaque ? "_opaque" : "");
 }
 
 // Trains on every rank and compares; returns the reports of rank 0.
@@ -52,7 +55,8 @@ void run_case(const Case& c) {
   if (c.clipping > 0) options.gathered_tolerance = 1e-5;
   const Reference ref = engine_test::run_reference(config, model, c.world, options);
 
-  engine_test::Ranks ranks = engine_test::make_ranks(c.world);
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
   std::vector<std::vector<std::vector<float>>> finals(static_cast<std::size_t>(c.world));
   std::vector<std::vector<StepReport>> reports(static_cast<std::size_t>(c.world));
   std::vector<EngineCounters> counters(static_cast<std::size_t>(c.world));
@@ -62,8 +66,10 @@ void run_case(const Case& c) {
     env.device = ranks.devices[r].get();
     env.comm = ranks.comms[r].get();
     ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(
-        engine_test::train_rank(*engine, model, rank, options, &ref.device_per_step, &reports[r]));
+    TrainOptions rank_options = options;
+    rank_options.device = env.device;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, rank_options,
+                                                 &ref.device_per_step, &reports[r]));
     for (const engine_test::ParamDef& d : model.params) {
       std::vector<float> out(d.element_count());
       ZINF_RETURN_IF_ERROR(engine->read_parameters(d.name, out.data()));
@@ -151,6 +157,58 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{3, 3, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF32, 1, 0.5},
                       Case{2, 1, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kF32, 2, 0.5}),
     [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// On opaque HostDevices (not host-accessible; host code that dereferences device memory faults)
+// the engine moves everything by copies, device ops and collectives, as on a GPU. Every stage and
+// placement with the optimizer state in host memory or on NVMe (the ZeRO-Infinity case; "none"
+// needs the GPU optimizer, see the test below), 1 to 4 ranks, micro-batches, half dtypes and
+// clipping: the same bits as the reference.
+std::vector<Case> opaque_cases() {
+  std::vector<Case> cases;
+  const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+      for (OffloadDevice param : tiers) {
+        if (stage != 3 && param != OffloadDevice::kNone) continue;
+        Case c{2, stage, opt, param};
+        c.opaque = true;
+        cases.push_back(c);
+      }
+    }
+  }
+  for (Case c : {Case{1, 1, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF32, 2},
+                 Case{3, 1, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kBF16, 2},
+                 Case{3, 2, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF16, 2},
+                 Case{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme, DType::kBF16, 1},
+                 Case{3, 3, OffloadDevice::kHost, OffloadDevice::kHost, DType::kF32, 2, 0.5}}) {
+    c.opaque = true;
+    cases.push_back(c);
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Opaque, Equivalence, ::testing::ValuesIn(opaque_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return case_name(info.param);
+                         });
+
+// offload_optimizer "none" on a device that is not host-accessible is refused at open(), naming
+// the key and the device.
+TEST(EquivalenceOpaque, OptimizerStateOnTheDeviceIsRefusedNamingTheKey) {
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(1, std::chrono::seconds(30), /*jitter_max_us=*/0, /*opaque=*/true);
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  Env env;
+  env.device = ranks.devices[0].get();
+  env.comm = ranks.comms[0].get();
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env);
+  ASSERT_FALSE(engine.is_ok());
+  EXPECT_EQ(engine.status().code(), Code::kUnsupported);
+  EXPECT_NE(engine.status().message().find("zero_optimization.offload_optimizer.device"),
+            std::string_view::npos)
+      << engine.status().to_string();
+  EXPECT_NE(engine.status().message().find("host:0"), std::string_view::npos);
+}
 
 }  // namespace
 }  // namespace zinf
