@@ -59,7 +59,8 @@ struct GradReducerOptions {
   bool accumulator_zeroed = false;
 };
 
-// One parameter's gradient as the reducer reads it (host-accessible device memory).
+// One parameter's gradient as the reducer reads it (device memory; read by host code only when
+// the device is host_accessible()).
 struct GradSource {
   const void* data = nullptr;  // null: no gradient for this parameter in this call
   DType dtype = DType::kF32;
@@ -67,9 +68,10 @@ struct GradSource {
 
 class GradReducer {
  public:
-  // `accumulator`: partition_element_count() floats of host-accessible memory, owned by the
-  // caller; zeroed here unless options.accumulator_zeroed says it is already. `counters` (optional)
-  // receives bucket and byte counts.
+  // `accumulator`: partition_element_count() floats that host code may write (host memory, or
+  // device memory of a host-accessible device), owned by the caller; zeroed here unless
+  // options.accumulator_zeroed says it is already. `counters` (optional) receives bucket and byte
+  // counts.
   static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
