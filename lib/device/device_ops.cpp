@@ -6,6 +6,8 @@
 #include <algorithm>
 
 #include "device/host_device.hpp"
+#include "kernels/sq_norm.h"
+#include "kernels/unscale.h"
 #include "kernels/widen.h"
 
 namespace zinf {
@@ -47,6 +49,47 @@ class HostDeviceOps final : public DeviceOps {
     const kernels::HalfType type = half_type(src_dtype);
     return device_.launch_host(stream, [s, type, d, count, accumulate] {
       kernels::widen_to_f32_ref(s, type, d, count, accumulate);
+      return Status::ok();
+    });
+  }
+
+  Status scale(float* x, std::size_t count, float factor, std::int32_t* found_inf,
+               Stream& stream) override {
+    if (count == 0) return Status::ok();
+    auto* h = static_cast<float*>(device_.host_address(x));
+    auto* flag = static_cast<std::int32_t*>(device_.host_address(found_inf));
+    return device_.launch_host(stream, [h, count, factor, flag] {
+      kernels::unscale_grads_ref(h, count, factor, flag);
+      return Status::ok();
+    });
+  }
+
+  Status sum_of_squares(const float* x, std::size_t count, float* partials, float* out,
+                        Stream& stream) override {
+    (void)partials;  // the reference sums in one pass
+    const void* h = device_.host_address(x);
+    auto* o = static_cast<float*>(device_.host_address(out));
+    return device_.launch_host(stream, [h, count, o] {
+      *o = kernels::sq_norm_ref(h, kernels::HalfType::kNone, count);
+      return Status::ok();
+    });
+  }
+
+  Status adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                   void* param_half, DType half_dtype, std::size_t count,
+                   const kernels::AdamStepArgs& args, Stream& stream) override {
+    if (count == 0) return Status::ok();
+    auto* p = static_cast<float*>(device_.host_address(param));
+    auto* g = static_cast<const float*>(device_.host_address(grad));
+    auto* m = static_cast<float*>(device_.host_address(exp_avg));
+    auto* v = static_cast<float*>(device_.host_address(exp_avg_sq));
+    const kernels::HalfType type =
+        half_dtype == DType::kF32 ? kernels::HalfType::kNone : half_type(half_dtype);
+    auto* half = type == kernels::HalfType::kNone
+                     ? nullptr
+                     : static_cast<std::uint16_t*>(device_.host_address(param_half));
+    return device_.launch_host(stream, [=] {
+      kernels::adam_step_ref(p, g, m, v, half, type, count, args);
       return Status::ok();
     });
   }

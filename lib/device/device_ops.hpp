@@ -8,6 +8,10 @@
 //   widen       dst[i] = float(src[i]), or dst[i] += float(src[i]), for f32 / bf16 / f16 sources
 //               (kernels/widen.h): a bucket filled from the gradients, micro-batches added into
 //               stage 1's full-size fp32 gradients, and (f32 source with accumulate) an f32 add.
+//   scale       x[i] *= factor, flagging inf/NaN (kernels/unscale.h): the step's gradient scale.
+//   sum_of_squares  sum x[i]^2 in fp64, as one float (kernels/sq_norm.h): the gradient norm.
+//   adam_step   Adam / AdamW over state in device memory, writing the bf16/f16 copy in the same
+//               pass (kernels/adam.h): the optimizer of offload_optimizer "none".
 //
 // Fills are Device::memset_async and moves are Device::copy_async; what comes back to the host
 // (reduced gradient chunks, bound for the fp32 accumulator in host memory or on NVMe) comes
@@ -22,10 +26,12 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <memory>
 #include <utility>
 
 #include "base/aligned.hpp"
+#include "kernels/adam.h"
 #include "zinf/device.hpp"
 #include "zinf/dtype.hpp"
 #include "zinf/status.hpp"
@@ -43,6 +49,20 @@ class DeviceOps {
   // REQUIRES: the ranges do not overlap and stay valid until the stream has run the op.
   virtual Status widen(const void* src, DType src_dtype, float* dst, std::size_t count,
                        bool accumulate, Stream& stream) = 0;
+  // Enqueues x[i] *= factor for i < count; sets *found_inf (device int32) to 1 when an input is
+  // inf or NaN, never clears it.
+  virtual Status scale(float* x, std::size_t count, float factor, std::int32_t* found_inf,
+                       Stream& stream) = 0;
+  // Enqueues *out = sum x[i]^2 (deterministic; summed in fp64, rounded to float once). `partials`
+  // is kernels::kSqNormPartials floats of device scratch, `out` one device float.
+  virtual Status sum_of_squares(const float* x, std::size_t count, float* partials, float* out,
+                                Stream& stream) = 0;
+  // Enqueues one Adam/AdamW step (kernels/adam.h) over `count` elements of device memory; with
+  // half_dtype bf16 or f16 the new parameters are also written, rounded, to `param_half`
+  // (half_dtype kF32: no copy, param_half may be null).
+  virtual Status adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                           void* param_half, DType half_dtype, std::size_t count,
+                           const kernels::AdamStepArgs& args, Stream& stream) = 0;
 
  protected:
   DeviceOps() = default;
