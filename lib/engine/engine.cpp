@@ -27,6 +27,7 @@
 #include "base/assert.hpp"
 #include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
+#include "engine/device_optimizer.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
 #include "tier/optimizer_pipeline.hpp"
@@ -117,6 +118,7 @@ class Engine::Impl {
     // swap space, then its engine.
     coord_.reset();
     reducer_.reset();
+    device_opt_.reset();
     pipeline_.reset();
     opt_pool_.reset();
     store_.reset();
@@ -246,6 +248,7 @@ class Engine::Impl {
       // Give back what was built, so the engine holds nothing half made.
       coord_.reset();
       reducer_.reset();
+      device_opt_.reset();
       pipeline_.reset();
       opt_pool_.reset();
       store_.reset();
@@ -386,8 +389,10 @@ class Engine::Impl {
 
     // Optimizer state.
     float* accumulator = nullptr;
-    if (opt == OffloadDevice::kNone) {
-      ZINF_ASSERT(device_.host_accessible());  // Engine::open() refuses the others
+    if (opt == OffloadDevice::kNone && !device_.host_accessible()) {
+      ZINF_RETURN_IF_ERROR(open_device_optimizer());
+      accumulator = device_opt_->grads();
+    } else if (opt == OffloadDevice::kNone) {
       const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
       ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device_, bytes));
@@ -422,6 +427,7 @@ class Engine::Impl {
     ro.trace_track = track_;
     // The store's host pieces are fresh zero pages (the kNone path's device buffer is not).
     ro.accumulator_zeroed = store_ != nullptr;
+    ro.accumulator_on_device = device_opt_ != nullptr;
     ZINF_ASSIGN_OR_RETURN(
         reducer_, GradReducer::create(*part_, rank_, device_, comm_, accumulator, ro, &counters_));
 
@@ -521,6 +527,24 @@ class Engine::Impl {
     return pipe;
   }
 
+  // offload_optimizer "none" on a device that is not host-accessible: the state in device memory
+  // (DeviceOptimizer), the initial master built on the host once, uploaded and rounded into the
+  // device copies (new_params_).
+  Status open_device_optimizer() {
+    std::vector<DeviceOptimizer::Group> groups;
+    for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+      const GroupInfo& info = part_->group(g);
+      groups.push_back({offsets_[g], info.shard_element_count, byte_offsets_[g], info.dtype});
+    }
+    AlignedBuffer master(std::max<std::size_t>(partition_elements_, 1) * sizeof(float));
+    fill_master(0, partition_elements_, master.as<float>());
+    narrow_master(0, partition_elements_, master.as<const float>(), /*all_groups=*/true);
+    ZINF_ASSIGN_OR_RETURN(device_opt_,
+                          DeviceOptimizer::create(device_, std::move(groups), partition_elements_,
+                                                  master.as<const float>(), timeout_));
+    return Status::ok();
+  }
+
   // Writes the initial master and zero moments into the store, and rounds the master into the
   // device copies (new_params_) from the same block, so the registered values are read once.
   Status load_store() {
@@ -591,6 +615,8 @@ class Engine::Impl {
   }
 
   bool needs_master_copy(DType dtype) const {
+    // DeviceOptimizer hands over every group's new values in its dtype.
+    if (device_opt_ != nullptr) return false;
     if (dtype == DType::kF32) return true;
     // The in-memory step writes every half group's copy itself; the store only when it has one
     // half dtype.
@@ -610,6 +636,15 @@ class Engine::Impl {
   template <typename Fn>
   Status for_each_master(Fn fn, std::size_t begin = 0,
                          std::size_t end = std::numeric_limits<std::size_t>::max()) {
+    if (device_opt_ != nullptr) {
+      // Only the elements asked for come down.
+      const std::size_t lo = std::min(begin, partition_elements_);
+      const std::size_t hi = std::min(end, partition_elements_);
+      std::vector<float> values(hi - lo);
+      ZINF_RETURN_IF_ERROR(device_opt_->read_master(lo, hi - lo, values.data()));
+      fn(lo, hi - lo, values.data());
+      return Status::ok();
+    }
     if (store_ == nullptr) {
       fn(std::size_t{0}, partition_elements_, master_.as<const float>());
       return Status::ok();
@@ -779,7 +814,12 @@ class Engine::Impl {
     // is of the gradients as the optimizer will see them (mean over micro-batches, unscaled).
     const float* acc = accumulator();
     const double unscale = 1.0 / (static_cast<double>(micro) * scaler_.scale());
-    double sumsq = sum_of_squares(acc, partition_elements_);
+    double sumsq = 0.0;
+    if (device_opt_ != nullptr) {
+      ZINF_ASSIGN_OR_RETURN(sumsq, device_opt_->sum_of_squares());
+    } else {
+      sumsq = sum_of_squares(acc, partition_elements_);
+    }
     // An inf or NaN anywhere makes the sum inf or NaN (the square of a finite float never
     // overflows a double), so the sum is the overflow check too.
     bool overflow = !std::isfinite(sumsq);
@@ -850,6 +890,9 @@ class Engine::Impl {
       Trace::Span span(env_.trace, track_, "step publish");
       const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
       const std::uint64_t master_reads = master_read_bytes_;
+      if (device_opt_ != nullptr) {
+        ZINF_RETURN_IF_ERROR(device_opt_->download_values(new_params_.data()));
+      }
       if (store_ != nullptr && with_half_) {
         // The pass wrote the half copy of every (half) group into the store's host array.
         const std::byte* half = store_->host_data(Piece::kParamsHalf);
@@ -886,6 +929,7 @@ class Engine::Impl {
   // offload_optimizer "none": the optimizer over the partition in device memory, one call per
   // group so each half group's copy is written in its own dtype by the same pass.
   Status step_in_memory(float grad_scale) {
+    if (device_opt_ != nullptr) return device_opt_->step(t_, grad_scale, config_.optimizer);
     StepOptions so;
     so.step = t_;
     so.grad_scale = grad_scale;
@@ -956,7 +1000,8 @@ class Engine::Impl {
   MemoryReport memory() const {
     MemoryReport m;
     m.device_bytes = coord_->device_bytes() + master_.bytes() + exp_avg_.bytes() +
-                     exp_avg_sq_.bytes() + grads_.bytes();
+                     exp_avg_sq_.bytes() + grads_.bytes() +
+                     (device_opt_ != nullptr ? device_opt_->device_bytes() : 0);
     if (!part_->partitions(StateKind::kGradients)) {
       for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
         m.device_bytes += part_->group(g).padded_element_count * 4;  // stage 1's full gradients
@@ -1019,6 +1064,7 @@ class Engine::Impl {
   std::vector<MasterPiece> master_pieces_;  // sorted by first; until finalize() ends
   std::uint64_t master_read_bytes_ = 0;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
+  std::unique_ptr<DeviceOptimizer> device_opt_;  // "none" on a device not host-accessible
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ParamCoordinator> coord_;
   std::unique_ptr<Stream> stream_;
@@ -1047,11 +1093,7 @@ Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& en
   }
   if (!env.device->host_accessible() &&
       config.zero.offload_optimizer.device == OffloadDevice::kNone) {
-    return Status::unsupported(fmt::format(
-        "zero_optimization.offload_optimizer.device: \"none\" keeps the optimizer state in device "
-        "memory, which this version supports only on a host-accessible device, and {} is not; "
-        "use \"cpu\" or \"nvme\"",
-        env.device->name()));
+    ZINF_RETURN_IF_ERROR(DeviceOptimizer::check(config.optimizer, *env.device));
   }
   if (config.world_size != 0 && config.world_size != env.comm->world_size()) {
     return Status::invalid_argument(

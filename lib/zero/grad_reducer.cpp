@@ -111,6 +111,8 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
       r->full_.push_back(std::move(full));
     }
   }
+  ZINF_ASSERT(!options.accumulator_on_device || !device.host_accessible());
+  r->group_reduced_.assign(partitioner.group_count(), false);
   if (!device.host_accessible()) ZINF_RETURN_IF_ERROR(r->create_device_side());
   if (options.accumulator_zeroed) {
     // The same as zero() without touching the accumulator's pages.
@@ -126,7 +128,11 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
 
 void GradReducer::zero() {
   // Callers wait() first: a reduce-scatter still adding into the accumulator would race.
-  std::memset(accumulator_, 0, partition_elements_ * sizeof(float));
+  if (options_.accumulator_on_device) {
+    group_reduced_.assign(partitioner_.group_count(), false);  // see reduce_group_on_device
+  } else {
+    std::memset(accumulator_, 0, partition_elements_ * sizeof(float));
+  }
   // On a device that is not host-accessible stage 1's full gradients are not cleared: the first
   // gradient of each parameter after this overwrites its range (reduce_on_device).
   if (ops_ == nullptr) {
@@ -351,19 +357,26 @@ Status GradReducer::reduce_group_on_device(std::uint32_t g, Fill fill) {
     float* recv = recv_[k].as<float>();
     ZINF_RETURN_IF_ERROR(
         comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
-    float* staged = recv_host_[k].as<float>();
-    ZINF_RETURN_IF_ERROR(device_.copy_d2h(staged, recv, count * sizeof(float), *stream_));
     float* acc = accumulator_ + offsets_[g] + c0;
-    ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [acc, staged, count]() {
-      for (std::size_t i = 0; i < count; ++i) acc[i] += staged[i];
-      return Status::ok();
-    }));
+    if (options_.accumulator_on_device) {
+      // The group's first reduction since zero() overwrites its slice of the accumulator.
+      ZINF_RETURN_IF_ERROR(ops_->widen(recv, DType::kF32, acc, count,
+                                       /*accumulate=*/group_reduced_[g], *stream_));
+    } else {
+      float* staged = recv_host_[k].as<float>();
+      ZINF_RETURN_IF_ERROR(device_.copy_d2h(staged, recv, count * sizeof(float), *stream_));
+      ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [acc, staged, count]() {
+        for (std::size_t i = 0; i < count; ++i) acc[i] += staged[i];
+        return Status::ok();
+      }));
+    }
     ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
     if (counters_ != nullptr) {
       ++counters_->buckets_reduced;
       counters_->reduce_scatter_bytes += count * static_cast<std::size_t>(world_) * 4;
     }
   }
+  if (options_.accumulator_on_device) group_reduced_[g] = true;
   return Status::ok();
 }
 

@@ -57,6 +57,10 @@ struct GradReducerOptions {
   // The accumulator is known to hold zeros already (fresh zero pages): create() then skips
   // clearing it, so its pages stay out of the resident set until the first gradients arrive.
   bool accumulator_zeroed = false;
+  // The accumulator is device memory of a device that is not host-accessible (offload_optimizer
+  // "none" on a GPU): reduced chunks are added into it on the device, and a group's first chunk
+  // since zero() overwrites instead, so nothing has to clear it.
+  bool accumulator_on_device = false;
 };
 
 // One parameter's gradient as the reducer reads it (device memory; read by host code only when
@@ -140,6 +144,7 @@ class GradReducer {
   std::unique_ptr<Stream> fill_stream_;
   std::unique_ptr<Event> filled_[2];
   RegisteredBuffer recv_host_[2];
+  std::vector<bool> group_reduced_;  // accumulator_on_device: group reduced since zero()
 };
 
 }  // namespace zinf

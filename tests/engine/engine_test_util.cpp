@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "base/random.hpp"
+#include "kernels/adam.h"
 #include "zinf/dtype.hpp"
 #include "zinf/optim.hpp"
 
@@ -328,6 +329,22 @@ Reference run_reference(const Config& config, const Model& model, int world,
     so.step = step;
     so.grad_scale = static_cast<float>(coef * unscale);
     so.threads = 1;
+    if (options.device_adam) {
+      kernels::AdamHyper hyper;
+      hyper.lr = static_cast<float>(config.optimizer.lr);
+      hyper.beta1 = static_cast<float>(config.optimizer.beta1);
+      hyper.beta2 = static_cast<float>(config.optimizer.beta2);
+      hyper.eps = static_cast<float>(config.optimizer.eps);
+      hyper.weight_decay = static_cast<float>(config.optimizer.weight_decay);
+      hyper.adamw = config.optimizer.kind == OptimizerKind::kAdamW;
+      const kernels::AdamStepArgs args = kernels::adam_step_args(hyper, step);
+      for (std::size_t p = 0; p < count; ++p) {
+        for (float& g : acc[p]) g = g * so.grad_scale;
+        kernels::adam_step_ref(ref.master[p].data(), acc[p].data(), m[p].data(), v[p].data(),
+                               nullptr, kernels::HalfType::kNone, acc[p].size(), args);
+      }
+      continue;
+    }
     for (std::size_t p = 0; p < count; ++p) {
       OptimizerSpan span;
       span.params = ref.master[p].data();

@@ -82,6 +82,10 @@ struct TrainOptions {
   // in device memory, as a training program on a GPU does; else (or null) both are read and
   // written in place.
   Device* device = nullptr;
+  // run_reference(): step with the device's Adam/AdamW (kernels::adam_step_ref with
+  // kernels::adam_step_args, every operation rounded) on the scaled gradients, as the engine's
+  // DeviceOptimizer does, instead of the CPU optimizer (optimizer_step, fused multiply-adds).
+  bool device_adam = false;
 };
 
 // Trains `model` on one rank through `engine` (registered already or not: registers it when

@@ -2,12 +2,14 @@
 // torchrun would, on loopback), the five-module model of tests/engine trained 20 AdamW steps with
 // the parameters read from and the gradients handed over in GPU memory, for every stage and
 // placement of the optimizer state in host memory or on NVMe (the ZeRO-Infinity case) and of the
-// parameters (stage 3), f32 and half dtypes, micro-batches and clipping. The final fp32 masters
-// must equal the single-process reference (engine_test_util.cpp) within 1e-6 relative (the same
-// bits, as on the CPU: the widening is exact, NCCL's average over one rank is the identity and the
-// optimizer runs on the host), and every gathered parameter the reference's master rounded to its
-// dtype at every step. offload_optimizer "none" (state on the GPU) is refused, naming the key.
-// Without a CUDA device every test skips with the reason.
+// parameters (stage 3), f32 and half dtypes, micro-batches and clipping; and with the state on the
+// GPU (offload_optimizer "none": the kernels' Adam, norm and accumulation). The final fp32 masters
+// must equal the single-process reference (engine_test_util.cpp; for state on the GPU, the
+// reference steps with the kernel's reference Adam) within 1e-6 relative: the same bits are
+// expected, as on the CPU (the widening is exact, NCCL's average over one rank is the identity,
+// the Adam kernel matches its reference bit for bit), and every gathered parameter must be the
+// reference's master rounded to its dtype at every step. An optimizer the GPU cannot step (Lion)
+// is refused, naming the key. Without a CUDA device every test skips with the reason.
 #include <gtest/gtest.h>
 
 #if defined(ZINF_HAVE_CUDA) && defined(ZINF_HAVE_NCCL)
@@ -78,6 +80,7 @@ TEST_P(EngineGpu, MastersEqualSingleProcessAdamW) {
   options.steps = 20;
   options.micro_batches = c.micro_batches;
   if (c.clipping > 0) options.gathered_tolerance = 1e-5;
+  options.device_adam = c.optimizer == OffloadDevice::kNone;
   const Reference ref = engine_test::run_reference(config, model, 1, options);
 
   Result<OneGpu> gpu = open_one_gpu();
@@ -106,7 +109,9 @@ TEST_P(EngineGpu, MastersEqualSingleProcessAdamW) {
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     const double d = engine_test::max_rel_diff(finals[p], ref.master[p]);
     worst = std::max(worst, d);
-    EXPECT_LE(d, 1e-6) << model.params[p].name;
+    // With clipping and the state on the GPU the norm is a float (kernels/sq_norm), and the
+    // clipping coefficient differs from the reference's double one in the seventh digit.
+    EXPECT_LE(d, options.device_adam && c.clipping > 0 ? 2e-5 : 1e-6) << model.params[p].name;
     // The masters moved: a run that trained nothing would pass the comparison trivially.
     EXPECT_GT(engine_test::max_rel_diff(finals[p], model.initial[p]), 1e-3) << model.params[p].name;
   }
@@ -120,7 +125,7 @@ std::vector<GpuCase> gpu_cases() {
   std::vector<GpuCase> cases;
   const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
   for (int stage = 1; stage <= 3; ++stage) {
-    for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+    for (OffloadDevice opt : tiers) {
       for (OffloadDevice param : tiers) {
         if (stage != 3 && param != OffloadDevice::kNone) continue;
         cases.push_back({stage, opt, param});
@@ -131,6 +136,9 @@ std::vector<GpuCase> gpu_cases() {
   cases.push_back({2, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kF16, 2});
   cases.push_back({3, OffloadDevice::kNvme, OffloadDevice::kNvme, DType::kBF16, 1});
   cases.push_back({3, OffloadDevice::kHost, OffloadDevice::kHost, DType::kF32, 2, 0.5});
+  cases.push_back({2, OffloadDevice::kNone, OffloadDevice::kNone, DType::kBF16, 2});
+  cases.push_back({3, OffloadDevice::kNone, OffloadDevice::kNvme, DType::kF16, 1});
+  cases.push_back({1, OffloadDevice::kNone, OffloadDevice::kNone, DType::kF32, 2, 0.5});
   return cases;
 }
 
@@ -139,19 +147,19 @@ INSTANTIATE_TEST_SUITE_P(OneGpu, EngineGpu, ::testing::ValuesIn(gpu_cases()),
                            return case_name(info.param);
                          });
 
-TEST(EngineGpuRefusals, OptimizerStateOnTheGpuIsRefusedNamingTheKey) {
+TEST(EngineGpuRefusals, AnOptimizerTheGpuCannotStepIsRefusedNamingTheKey) {
   ZINF_REQUIRE_CUDA_DEVICE();
   Result<OneGpu> gpu = open_one_gpu();
   ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
   Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  config.optimizer.kind = OptimizerKind::kLion;
   Env env;
   env.device = gpu->device.get();
   env.comm = gpu->comm.get();
   Result<std::unique_ptr<Engine>> engine = Engine::open(config, env);
   ASSERT_FALSE(engine.is_ok());
   EXPECT_EQ(engine.status().code(), Code::kUnsupported);
-  EXPECT_NE(engine.status().message().find("zero_optimization.offload_optimizer.device"),
-            std::string_view::npos)
+  EXPECT_NE(engine.status().message().find("optimizer.type"), std::string_view::npos)
       << engine.status().to_string();
 }
 
