@@ -23,9 +23,9 @@
 // stream. On any other device (CudaDevice, an opaque HostDevice) the gradients and buckets are
 // never touched by host code (see reduce_group_on_device): buckets are filled by DeviceOps on a
 // fill stream (memset for padding, widen for gradients), each reduced chunk comes back by
-// copy_d2h into a registered (pinned) host staging buffer and is added into the accumulator,
-// which is host memory there, by a host function; stage 1's full-size gradients are device
-// memory, summed by widen with accumulate.
+// copy_d2h into a registered (pinned) host staging buffer and is added into the accumulator in
+// host memory by a host function, or, with options.accumulator_on_device, added on the device by
+// widen; stage 1's full-size gradients are device memory, summed by widen with accumulate.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
