@@ -102,15 +102,10 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale, const Optimize
   return device_.synchronize(*stream_, timeout_);
 }
 
-Status DeviceOptimizer::download_values(std::byte* host_values) {
-  for (const Group& g : groups_) {
-    const void* src = g.dtype == DType::kF32
-                          ? static_cast<const void*>(master_.as<float>() + g.offset)
-                          : static_cast<const void*>(half_.as<std::byte>() + g.byte_offset);
-    ZINF_RETURN_IF_ERROR(device_.copy_d2h(host_values + g.byte_offset, src,
-                                          g.count * dtype_bytes(g.dtype), *stream_));
-  }
-  return device_.synchronize(*stream_, timeout_);
+const void* DeviceOptimizer::values(std::uint32_t g) const {
+  const Group& group = groups_[g];
+  if (group.dtype == DType::kF32) return master_.as<float>() + group.offset;
+  return half_.as<std::byte>() + group.byte_offset;
 }
 
 Status DeviceOptimizer::read_master(std::size_t first, std::size_t count, float* out) {

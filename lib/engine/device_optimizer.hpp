@@ -6,8 +6,9 @@
 // accumulator is the GradReducer's (it adds reduced chunks on the device), the norm is
 // sum_of_squares on the device, and a step is, per group, scale (the grad_scale of the step) then
 // adam_step, which writes the group's bf16/f16 copy into a device buffer in the same pass. The
-// host sees only what it asks for: the norm (one float) and, for publishing or read-back, the
-// new values copied down.
+// host sees only what it asks for: the norm (one float) and, for read-back, the master; the new
+// values go to the parameter shards from device memory (ParamCoordinator::
+// write_shard_from_device).
 //
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
@@ -55,8 +56,9 @@ class DeviceOptimizer {
   Result<double> sum_of_squares();
   // One optimizer step at step number `step` (from 1): grads *= grad_scale, then Adam/AdamW.
   Status step(std::int64_t step, float grad_scale, const OptimizerParams& params);
-  // host_values <- every group's new values in its dtype, at its byte_offset (packed).
-  Status download_values(std::byte* host_values);
+  // Group g's new values in its dtype (device memory): the master for f32 groups, else the half
+  // copy the step wrote. Valid after step() until the next one.
+  const void* values(std::uint32_t g) const;
   // out[0, count) <- master elements [first, first + count).
   Status read_master(std::size_t first, std::size_t count, float* out);
   std::uint64_t device_bytes() const;

@@ -890,9 +890,6 @@ class Engine::Impl {
       Trace::Span span(env_.trace, track_, "step publish");
       const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
       const std::uint64_t master_reads = master_read_bytes_;
-      if (device_opt_ != nullptr) {
-        ZINF_RETURN_IF_ERROR(device_opt_->download_values(new_params_.data()));
-      }
       if (store_ != nullptr && with_half_) {
         // The pass wrote the half copy of every (half) group into the store's host array.
         const std::byte* half = store_->host_data(Piece::kParamsHalf);
@@ -912,7 +909,15 @@ class Engine::Impl {
               narrow_master(first, count, src, /*all_groups=*/false);
             }));
       }
-      ZINF_RETURN_IF_ERROR(write_shards());
+      if (device_opt_ != nullptr) {
+        // The new values go from the device optimizer's buffers straight into the shards.
+        for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+          ZINF_RETURN_IF_ERROR(coord_->write_shard_from_device(g, device_opt_->values(g)));
+        }
+        ZINF_RETURN_IF_ERROR(coord_->publish());
+      } else {
+        ZINF_RETURN_IF_ERROR(write_shards());
+      }
       rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
       rep.master_nvme_read_bytes = master_read_bytes_ - master_reads;
     }

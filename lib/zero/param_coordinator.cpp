@@ -157,6 +157,40 @@ Status ParamCoordinator::write_shard(std::uint32_t g, const void* shard) {
   return Status::ok();
 }
 
+Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* device_shard) {
+  ZINF_RETURN_IF_ERROR(error_);
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t bytes = dtype_bytes(info.dtype);
+  const std::size_t shard_bytes = info.shard_element_count * bytes;
+  Status st;
+  if (persistent_[g]) {
+    std::byte* own = full_[g].as<std::byte>() + partitioner_.shard_offset(g, rank_) * bytes;
+    st = device_.copy_d2d(own, device_shard, shard_bytes, *stream_);
+  } else if (options_.shard_tier == OffloadDevice::kNone) {
+    st = device_.copy_d2d(device_shard_[g].data(), device_shard, shard_bytes, *stream_);
+  } else if (options_.shard_tier == OffloadDevice::kHost) {
+    // On the stream: a later gather's copy up from the same host shard comes after it.
+    st = device_.copy_d2h(host_shard_[g].data(), device_shard, shard_bytes, *stream_);
+  } else {
+    ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
+    std::memset(lease.data() + shard_bytes, 0, round_page(shard_bytes) - shard_bytes);
+    st = device_.copy_d2h(lease.data(), device_shard, shard_bytes, *stream_);
+    if (st.is_ok()) st = device_.synchronize(*stream_, options_.timeout);
+    if (!st.is_ok()) {
+      error_ = st;
+      return st;
+    }
+    // The host half of write_shard: the staged block goes to the swap file.
+    ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, swap_->write(extent_[g], lease.data()));
+    st = swap_->wait(ticket, options_.timeout);
+    if (st.is_ok() && counters_ != nullptr) {
+      counters_->param_nvme_write_bytes += round_page(shard_bytes);
+    }
+  }
+  if (!st.is_ok()) error_ = st;
+  return st;
+}
+
 Status ParamCoordinator::publish() {
   ZINF_RETURN_IF_ERROR(error_);
   for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {

@@ -92,6 +92,10 @@ class ParamCoordinator {
   // groups it lands in the rank's slice of the full buffer, to be all-gathered by publish().
   // REQUIRES: no gather in flight or in use (after drop_prefetched(), nothing gathered).
   Status write_shard(std::uint32_t g, const void* shard);
+  // The same from device memory of this device (a GPU-resident optimizer's new values), read
+  // before publish() returns: device-to-device into device shards and persistent groups, down
+  // into host shards, and through a staging block to NVMe.
+  Status write_shard_from_device(std::uint32_t g, const void* device_shard);
   // All-gathers every persistent group (after write_shard of each). Collective.
   Status publish();
 
