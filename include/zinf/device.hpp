@@ -249,6 +249,14 @@ struct HostDeviceOptions {
   std::uint64_t jitter_seed = 1;
   // Fill new allocations with 0xff bytes (a NaN in f32, f16 and bf16).
   bool poison_allocations = true;
+  // An "opaque" device: host_accessible() is false, so the engine takes the path it takes on a
+  // GPU (copies, stream operations, collectives, never host code on device memory), and device
+  // pointers are the memory's host address with bit 52 set, beyond the user address space, so a
+  // host load or store through one faults (SIGSEGV) instead of passing unnoticed. Only the
+  // device's own operations (copies, memsets, LocalComm's collectives, the device ops of
+  // lib/device/device_ops.hpp) reach the memory. Pointer arithmetic on device pointers works as
+  // on a GPU.
+  bool opaque = false;
 };
 
 // A Device whose memory is host memory and whose streams are worker threads.

@@ -25,9 +25,9 @@
 //            Parameters of at most stage3_param_persistence_threshold elements stay gathered.
 //
 // The optimizer state (fp32 master, moments) and the reduced gradients of the rank's slice live
-// on the device (offload_optimizer "none": the CPU optimizer runs on the device memory, which
-// HostDevice makes host memory), in host memory ("cpu") or on NVMe ("nvme"), stepped by the tier's
-// OptimizerPipeline in sub-groups of sub_group_size.
+// on the device (offload_optimizer "none": on HostDevice the CPU optimizer runs on the device
+// memory, which is host memory; on a GPU the kernels' Adam/AdamW), in host memory ("cpu") or on
+// NVMe ("nvme"), stepped by the tier's OptimizerPipeline in sub-groups of sub_group_size.
 //
 // Numerics. Every rank's gradients are averaged over ranks (kAverage: the sum in rank order, then
 // divided by the world size) and summed over the micro-batches of the step; the optimizer sees
@@ -47,8 +47,16 @@
 // calls in the same order; a call rejected for bad input on one rank only leaves the other ranks
 // waiting in their next collective until collective_timeout_ms, then failing with kTimeout.
 //
-// Device support: this version computes casts, accumulations and the optimizer on the host, so
-// the device must be host_accessible() (HostDevice); open() returns kUnsupported otherwise.
+// Device support: any Device. On one that is not host_accessible() (CudaDevice) the engine
+// touches device memory only through the device's copies, its collectives and stream operations
+// (lib/device/device_ops.hpp: gradients widened into fp32 buckets on the device, reduced chunks
+// copied back to host memory and accumulated there, or with offload_optimizer "none" accumulated,
+// normed and stepped on the device); the parameters handed out by parameter() and the gradients
+// given to reduce_gradients() are device pointers and are never dereferenced by the host. With
+// "none" there, the optimizer must be Adam or AdamW with bias correction (the device's Adam
+// kernel): open() returns kUnsupported naming optimizer.type (or
+// optimizer.params.bias_correction) otherwise. That Adam rounds every operation where the CPU
+// optimizer fuses multiply-adds, so results match a CPU run to float rounding, not to the bit.
 //
 // Thread-safety: call an Engine from one thread (its rank's); the engine runs its own stream,
 // I/O and optimizer threads. Different ranks' engines run on different threads concurrently.

@@ -360,6 +360,7 @@ LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, Device* device
     : group_(std::move(group)),
       rank_(rank),
       device_(device),
+      host_device_(dynamic_cast<HostDevice*>(device)),
       name_(fmt::format("local rank {} of {}", rank, group_->world_size())) {}
 
 Status LocalComm::validate(const Collective& op, std::string_view label) const {
@@ -427,6 +428,10 @@ Status LocalComm::issue(const Collective& op, Stream& stream) {
   task->rank = rank_;
   task->sequence = sequence;
   task->op = op;
+  // The collective runs as host code: it reads and writes the buffers at their host addresses
+  // (an opaque HostDevice's pointers are not dereferenceable as given).
+  task->op.send = host_device_->host_address(op.send);
+  task->op.recv = host_device_->host_address(op.recv);
   task->name = std::string(op.name);
   Status launched = device_->launch_host_func(stream, &run_collective, task.get());
   if (!launched.is_ok()) {
@@ -486,10 +491,10 @@ Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
     return Status::invalid_argument("LocalCommOptions.timeout must be positive");
   }
   for (std::size_t r = 0; r < devices.size(); ++r) {
-    if (devices[r] == nullptr || !devices[r]->host_accessible()) {
+    if (devices[r] == nullptr || dynamic_cast<HostDevice*>(devices[r]) == nullptr) {
       return Status::invalid_argument(fmt::format(
-          "make_local_comm_group: device of rank {} is {}; LocalComm needs host-accessible device "
-          "memory (HostDevice)",
+          "make_local_comm_group: device of rank {} is {}; LocalComm needs device memory that is "
+          "host memory (HostDevice, opaque or not)",
           r, devices[r] == nullptr ? "null" : std::string(devices[r]->name())));
     }
   }

@@ -27,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "device/host_device.hpp"
 #include "zinf/comm.hpp"
 
 namespace zinf {
@@ -103,6 +104,7 @@ class LocalComm final : public Communicator {
   std::shared_ptr<LocalGroup> group_;
   const int rank_;
   Device* device_;
+  HostDevice* host_device_;  // device_, whose host addresses the collectives use
   std::string name_;
   std::mutex issue_mu_;
   std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_

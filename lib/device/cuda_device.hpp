@@ -46,6 +46,11 @@ struct CudaDeviceOptions {
 // REQUIRES: every stream and event it creates is destroyed before it.
 Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options = {});
 
+// Makes `device` current on the calling thread (cudaSetDevice), as every CudaDevice call does
+// first, so that a kernel launched on one of its streams goes to that GPU. kInvalidArgument when
+// `device` is not a CudaDevice.
+Status make_cuda_device_current(Device& device);
+
 }  // namespace zinf
 
 #endif  // ZINF_HAVE_CUDA

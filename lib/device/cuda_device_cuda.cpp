@@ -345,11 +345,11 @@ class CudaDevice final : public Device {
     return Status::ok();
   }
 
- private:
   Status make_current() const {
     return cuda_status(cudaSetDevice(options_.ordinal), "{}: cudaSetDevice", name_);
   }
 
+ private:
   // Every stream and event this device hands out is one of ours; a foreign one is a bug.
   static CudaStream& cuda_stream(Stream& stream) {
     auto* s = dynamic_cast<CudaStream*>(&stream);
@@ -410,6 +410,15 @@ class CudaDevice final : public Device {
 };
 
 }  // namespace
+
+Status make_cuda_device_current(Device& device) {
+  auto* cuda = dynamic_cast<CudaDevice*>(&device);
+  if (cuda == nullptr) {
+    return Status::invalid_argument(
+        fmt::format("make_cuda_device_current: {} is not a CUDA device", device.name()));
+  }
+  return cuda->make_current();
+}
 
 Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options) {
   int count = 0;

@@ -16,6 +16,10 @@ namespace {
 
 // cudaMalloc aligns to 256 bytes; matching it keeps alignment assumptions honest on both.
 constexpr std::size_t kAllocAlignment = 256;
+// Set in an opaque device's pointers: user-space addresses on x86-64 and AArch64 (48-bit virtual
+// addresses; 5-level paging only maps above 2^47 when asked to) stay below it, so an address with
+// it set is either non-canonical or unmapped, and a host access faults.
+constexpr std::uintptr_t kOpaqueBit = std::uintptr_t{1} << 52;
 
 // Waits on `cv` until `pred` or `timeout`; a timeout of a day or more waits without limit
 // (kWaitForever would overflow a deadline). Returns pred().
@@ -164,7 +168,9 @@ Status HostStream::execute(const Op& op, const Status& upstream) {
 // --- HostDevice ----------------------------------------------------------------------------------
 
 HostDevice::HostDevice(const HostDeviceOptions& options)
-    : options_(options), name_(fmt::format("host:{}", options.ordinal)) {}
+    : options_(options),
+      name_(fmt::format("host:{}", options.ordinal)),
+      opaque_bit_(options.opaque ? kOpaqueBit : 0) {}
 
 HostDevice::~HostDevice() {
   std::lock_guard<std::mutex> lock(mu_);
@@ -206,19 +212,23 @@ Result<void*> HostDevice::allocate(std::size_t bytes) {
         fmt::format("{}: host memory for {} bytes of device memory is exhausted", name_, bytes));
   }
   if (options_.poison_allocations) std::memset(ptr, 0xff, rounded);
+  ZINF_ASSERT((reinterpret_cast<std::uintptr_t>(ptr) & kOpaqueBit) == 0);
   std::lock_guard<std::mutex> lock(mu_);
   allocations_.emplace(reinterpret_cast<std::uintptr_t>(ptr), bytes);
-  return ptr;
+  return device_address(ptr);
 }
 
-Status HostDevice::free_now(void* ptr) {
+Status HostDevice::free_now(void* device_ptr) {
+  void* ptr = host_address(device_ptr);
   {
+    // An opaque device's memory is freed by its device pointer only.
     std::lock_guard<std::mutex> lock(mu_);
     const auto key = reinterpret_cast<std::uintptr_t>(ptr);
     auto it = allocations_.find(key);
-    if (it == allocations_.end()) {
-      return Status::invalid_argument(fmt::format(
-          "{}: free of {} which this device did not allocate (or freed already)", name_, ptr));
+    if (it == allocations_.end() || device_address(ptr) != device_ptr) {
+      return Status::invalid_argument(
+          fmt::format("{}: free of {} which this device did not allocate (or freed already)", name_,
+                      device_ptr));
     }
     used_bytes_ -= it->second;
     allocations_.erase(it);
@@ -232,7 +242,7 @@ Status HostDevice::free(void* ptr) {
   if (ptr == nullptr) return Status::ok();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (pending_frees_.count(reinterpret_cast<std::uintptr_t>(ptr)) != 0) {
+    if (pending_frees_.count(reinterpret_cast<std::uintptr_t>(host_address(ptr))) != 0) {
       return Status::invalid_argument(
           fmt::format("{}: free of {} which a free_async already releases", name_, ptr));
     }
@@ -251,8 +261,9 @@ Status HostDevice::free_async(void* ptr, Stream& stream) {
   if (ptr == nullptr) return Status::ok();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    const auto key = reinterpret_cast<std::uintptr_t>(ptr);
-    if (allocations_.count(key) == 0 || pending_frees_.count(key) != 0) {
+    const auto key = reinterpret_cast<std::uintptr_t>(host_address(ptr));
+    if (allocations_.count(key) == 0 || pending_frees_.count(key) != 0 ||
+        device_address(host_address(ptr)) != ptr) {
       return Status::invalid_argument(
           fmt::format("{}: free_async of {} which this device did not allocate (or frees already)",
                       name_, ptr));
@@ -302,7 +313,9 @@ Status HostDevice::unregister_host(void* ptr) {
 }
 
 bool HostDevice::contains(const void* ptr, std::size_t bytes) const {
-  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+  // A host address of an opaque device's memory is not a device pointer.
+  if (opaque_bit_ != 0 && (reinterpret_cast<std::uintptr_t>(ptr) & opaque_bit_) == 0) return false;
+  const auto begin = reinterpret_cast<std::uintptr_t>(host_address(ptr));
   std::lock_guard<std::mutex> lock(mu_);
   auto it = allocations_.upper_bound(begin);
   if (it == allocations_.begin()) return false;
@@ -396,6 +409,8 @@ Status HostDevice::copy_async(void* dst, const void* src, std::size_t bytes, Cop
         "memory this device allocated",
         name_, kind_name, bytes, src, dst, host.name()));
   }
+  if (dst_on_device) dst = host_address(dst);
+  if (src_on_device) src = host_address(src);
   const auto d = reinterpret_cast<std::uintptr_t>(dst);
   const auto s = reinterpret_cast<std::uintptr_t>(src);
   if (d < s + bytes && s < d + bytes) {
@@ -423,7 +438,7 @@ Status HostDevice::memset_async(void* dst, int value, std::size_t bytes, Stream&
   }
   HostStream::Op op;
   op.type = HostStream::Op::Type::kMemset;
-  op.dst = dst;
+  op.dst = host_address(dst);
   op.value = value & 0xff;
   op.bytes = bytes;
   return host.enqueue(op);

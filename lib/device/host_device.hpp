@@ -7,6 +7,10 @@
 // enforced exactly where a GPU would enforce it, and with jitter enabled (random sleeps before
 // each operation) a missing wait() corrupts results instead of passing by luck.
 //
+// Opaque mode (HostDeviceOptions::opaque): device pointers are host addresses with bit 52 set, so
+// host code that dereferences one faults; every method takes device pointers and translates them
+// (host_address), and the allocation table is keyed by host addresses.
+//
 // Thread-safety: as Device (every method from any thread).
 #pragma once
 
@@ -113,7 +117,7 @@ class HostDevice final : public Device {
 
   DeviceKind kind() const override { return DeviceKind::kHost; }
   std::string_view name() const override { return name_; }
-  bool host_accessible() const override { return true; }
+  bool host_accessible() const override { return !options_.opaque; }
 
   Result<void*> allocate(std::size_t bytes) override;
   Status free(void* ptr) override;
@@ -140,6 +144,17 @@ class HostDevice final : public Device {
   // Streams alive now (each is one thread).
   int live_stream_count() const;
 
+  // The host address of device pointer `ptr` (`ptr` itself unless the device is opaque; see
+  // HostDeviceOptions::opaque). For the code that plays the device's part on the host: LocalComm's
+  // collectives and the device ops' scalar implementations.
+  void* host_address(const void* ptr) const {
+    return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ptr) & ~opaque_bit_);
+  }
+  // The device pointer of host address `ptr` inside one of this device's allocations.
+  void* device_address(void* ptr) const {
+    return reinterpret_cast<void*>(reinterpret_cast<std::uintptr_t>(ptr) | opaque_bit_);
+  }
+
  private:
   friend class HostStream;
   friend class HostEvent;
@@ -151,6 +166,8 @@ class HostDevice final : public Device {
 
   HostDeviceOptions options_;
   std::string name_;
+  // Set in device pointers of an opaque device (see HostDeviceOptions::opaque), else 0.
+  std::uintptr_t opaque_bit_ = 0;
 
   mutable std::mutex mu_;
   std::map<std::uintptr_t, std::size_t> allocations_;  // base -> bytes

@@ -23,7 +23,9 @@
 
 #include "base/aligned.hpp"
 #include "base/assert.hpp"
+#include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
+#include "engine/device_optimizer.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
 #include "tier/optimizer_pipeline.hpp"
@@ -95,6 +97,7 @@ class Engine::Impl {
     coord_.reset();
     reducer_.reset();
     spill_.reset();
+    device_opt_.reset();
     pipeline_.reset();
     opt_pool_.reset();
     store_.reset();
@@ -154,6 +157,7 @@ class Engine::Impl {
     // The norm exchange: this rank's double, then every rank's.
     ZINF_ASSIGN_OR_RETURN(
         scratch_, DeviceBuffer::allocate(device_, (1 + static_cast<std::size_t>(world_)) * 8));
+    ZINF_ASSIGN_OR_RETURN(norm_host_, RegisteredBuffer::allocate(device_, scratch_.bytes()));
     return Status::ok();
   }
 
@@ -219,6 +223,7 @@ class Engine::Impl {
       coord_.reset();
       reducer_.reset();
       spill_.reset();
+      device_opt_.reset();
       pipeline_.reset();
       opt_pool_.reset();
       store_.reset();
@@ -364,12 +369,10 @@ class Engine::Impl {
 
     // Optimizer state.
     float* accumulator = nullptr;
-    if (opt == OffloadDevice::kNone) {
-      if (!device_.host_accessible()) {
-        return Status::unsupported(
-            "zero_optimization.offload_optimizer.device: \"none\" needs a host-accessible device "
-            "in this version (the GPU Adam is not wired in yet)");
-      }
+    if (opt == OffloadDevice::kNone && !device_.host_accessible()) {
+      ZINF_RETURN_IF_ERROR(open_device_optimizer());
+      accumulator = device_opt_->grads();
+    } else if (opt == OffloadDevice::kNone) {
       const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
       ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device_, bytes));
@@ -412,6 +415,7 @@ class Engine::Impl {
     // The store's host pieces are fresh zero pages (the kNone path's device buffer is not).
     ro.accumulator_zeroed = store_ != nullptr;
     ro.accumulator = spill_.get();
+    ro.accumulator_on_device = device_opt_ != nullptr;
     ZINF_ASSIGN_OR_RETURN(
         reducer_, GradReducer::create(*part_, rank_, device_, comm_, accumulator, ro, &counters_));
 
@@ -511,6 +515,24 @@ class Engine::Impl {
     return pipe;
   }
 
+  // offload_optimizer "none" on a device that is not host-accessible: the state in device memory
+  // (DeviceOptimizer), the initial master built on the host once, uploaded and rounded into the
+  // device copies (new_params_).
+  Status open_device_optimizer() {
+    std::vector<DeviceOptimizer::Group> groups;
+    for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+      const GroupInfo& info = part_->group(g);
+      groups.push_back({offsets_[g], info.shard_element_count, byte_offsets_[g], info.dtype});
+    }
+    AlignedBuffer master(std::max<std::size_t>(partition_elements_, 1) * sizeof(float));
+    fill_master(0, partition_elements_, master.as<float>());
+    narrow_master(0, partition_elements_, master.as<const float>(), /*all_groups=*/true);
+    ZINF_ASSIGN_OR_RETURN(device_opt_,
+                          DeviceOptimizer::create(device_, std::move(groups), partition_elements_,
+                                                  master.as<const float>(), timeout_));
+    return Status::ok();
+  }
+
   // Writes the initial master and zero moments into the store, and rounds the master into the
   // device copies (new_params_) from the same block, so the registered values are read once.
   Status load_store() {
@@ -588,6 +610,8 @@ class Engine::Impl {
   }
 
   bool needs_master_copy(DType dtype) const {
+    // DeviceOptimizer hands over every group's new values in its dtype.
+    if (device_opt_ != nullptr) return false;
     if (dtype == DType::kF32) return true;
     // The in-memory step writes every half group's copy itself; the store only when it has one
     // half dtype.
@@ -607,6 +631,15 @@ class Engine::Impl {
   template <typename Fn>
   Status for_each_master(Fn fn, std::size_t begin = 0,
                          std::size_t end = std::numeric_limits<std::size_t>::max()) {
+    if (device_opt_ != nullptr) {
+      // Only the elements asked for come down.
+      const std::size_t lo = std::min(begin, partition_elements_);
+      const std::size_t hi = std::min(end, partition_elements_);
+      std::vector<float> values(hi - lo);
+      ZINF_RETURN_IF_ERROR(device_opt_->read_master(lo, hi - lo, values.data()));
+      fn(lo, hi - lo, values.data());
+      return Status::ok();
+    }
     if (store_ == nullptr) {
       fn(std::size_t{0}, partition_elements_, master_.as<const float>());
       return Status::ok();
@@ -775,7 +808,12 @@ class Engine::Impl {
     // The global norm and the overflow flag, before any state changes. The local sum of squares
     // is of the gradients as the optimizer will see them (mean over micro-batches, unscaled).
     const double unscale = 1.0 / (static_cast<double>(micro) * scaler_.scale());
-    double sumsq = local_sum_of_squares();
+    double sumsq = 0.0;
+    if (device_opt_ != nullptr) {
+      ZINF_ASSIGN_OR_RETURN(sumsq, device_opt_->sum_of_squares());
+    } else {
+      sumsq = local_sum_of_squares();
+    }
     // An inf or NaN anywhere makes the sum inf or NaN (the square of a finite float never
     // overflows a double), so the sum is the overflow check too.
     bool overflow = !std::isfinite(sumsq);
@@ -785,9 +823,14 @@ class Engine::Impl {
       // adds them in rank order in double, so the norm carries no f32 rounding of the reduction
       // and is the same bits everywhere. An overflow travels as an infinity.
       Trace::Span span(env_.trace, track_, "step norm");
-      double* buf = scratch_.as<double>();
+      // Through host staging and copies: device memory may not be host-accessible.
+      double* buf = norm_host_.as<double>();
+      double* dev = scratch_.as<double>();
+      const std::size_t all_bytes = static_cast<std::size_t>(world_) * sizeof(double);
       buf[0] = overflow ? std::numeric_limits<double>::infinity() : sumsq;
-      ZINF_RETURN_IF_ERROR(comm_.all_gather(buf, buf + 1, 2, DType::kF32, *stream_, "grad norm"));
+      ZINF_RETURN_IF_ERROR(device_.copy_h2d(dev, buf, sizeof(double), *stream_));
+      ZINF_RETURN_IF_ERROR(comm_.all_gather(dev, dev + 1, 2, DType::kF32, *stream_, "grad norm"));
+      ZINF_RETURN_IF_ERROR(device_.copy_d2h(buf + 1, dev + 1, all_bytes, *stream_));
       ZINF_RETURN_IF_ERROR(device_.record(*event_, *stream_));
       ZINF_RETURN_IF_ERROR(comm_.wait(*event_, timeout_));
       double total = 0.0;
@@ -853,7 +896,15 @@ class Engine::Impl {
               narrow_master(first, count, src, /*all_groups=*/false);
             }));
       }
-      ZINF_RETURN_IF_ERROR(write_shards());
+      if (device_opt_ != nullptr) {
+        // The new values go from the device optimizer's buffers straight into the shards.
+        for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
+          ZINF_RETURN_IF_ERROR(coord_->write_shard_from_device(g, device_opt_->values(g)));
+        }
+        ZINF_RETURN_IF_ERROR(coord_->publish());
+      } else {
+        ZINF_RETURN_IF_ERROR(write_shards());
+      }
       rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
       rep.master_nvme_read_bytes = master_read_bytes_ - master_reads;
     }
@@ -870,6 +921,7 @@ class Engine::Impl {
   // offload_optimizer "none": the optimizer over the partition in device memory, one call per
   // group so each half group's copy is written in its own dtype by the same pass.
   Status step_in_memory(float grad_scale) {
+    if (device_opt_ != nullptr) return device_opt_->step(t_, grad_scale, config_.optimizer);
     StepOptions so;
     so.step = t_;
     so.grad_scale = grad_scale;
@@ -953,7 +1005,8 @@ class Engine::Impl {
   MemoryReport memory() const {
     MemoryReport m;
     m.device_bytes = coord_->device_bytes() + master_.bytes() + exp_avg_.bytes() +
-                     exp_avg_sq_.bytes() + grads_.bytes();
+                     exp_avg_sq_.bytes() + grads_.bytes() +
+                     (device_opt_ != nullptr ? device_opt_->device_bytes() : 0);
     if (!part_->partitions(StateKind::kGradients)) {
       for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
         m.device_bytes += part_->group(g).padded_element_count * 4;  // stage 1's full gradients
@@ -1021,12 +1074,14 @@ class Engine::Impl {
   std::vector<MasterPiece> master_pieces_;  // sorted by first; until finalize() ends
   std::uint64_t master_read_bytes_ = 0;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
-  std::unique_ptr<SpillAccumulator> spill_;  // gradients_on_nvme
+  std::unique_ptr<SpillAccumulator> spill_;      // gradients_on_nvme
+  std::unique_ptr<DeviceOptimizer> device_opt_;  // "none" on a device not host-accessible
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ParamCoordinator> coord_;
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> event_;
   DeviceBuffer scratch_;
+  RegisteredBuffer norm_host_;  // host side of scratch_
 
   LossScaler scaler_;
   bool lr_changed_ = false;
@@ -1047,11 +1102,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& en
   if (&env.comm->device() != env.device) {
     return Status::invalid_argument("Env::comm: runs on another device than Env::device");
   }
-  if (!env.device->host_accessible()) {
-    return Status::unsupported(fmt::format(
-        "Env::device: {} is not host-accessible; this version of the engine runs its casts, "
-        "reductions and optimizer on the host",
-        env.device->name()));
+  if (!env.device->host_accessible() &&
+      config.zero.offload_optimizer.device == OffloadDevice::kNone) {
+    ZINF_RETURN_IF_ERROR(DeviceOptimizer::check(config.optimizer, *env.device));
   }
   if (config.world_size != 0 && config.world_size != env.comm->world_size()) {
     return Status::invalid_argument(

@@ -67,7 +67,10 @@ GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& devic
       accumulator_(options.accumulator),
       options_(options),
       counters_(counters) {
-  if (accumulator_ == nullptr) {
+  if (options.accumulator_on_device) {
+    // Device memory host code may not touch: reduce_group_on_device adds into it on the device.
+    device_accumulator_ = accumulator;
+  } else if (accumulator_ == nullptr) {
     memory_accumulator_ =
         std::make_unique<MemoryAccumulator>(accumulator, partition_element_count(partitioner));
     accumulator_ = memory_accumulator_.get();
@@ -75,6 +78,7 @@ GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& devic
 }
 
 GradReducer::~GradReducer() {
+  if (fill_stream_ != nullptr) (void)device_.synchronize(*fill_stream_, options_.timeout);
   if (stream_ != nullptr) (void)device_.synchronize(*stream_, options_.timeout);
 }
 
@@ -84,10 +88,6 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
                                                          const GradReducerOptions& options,
                                                          EngineCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
-  if (!device.host_accessible()) {
-    return Status::unsupported(
-        fmt::format("GradReducer: device {} is not host-accessible", device.name()));
-  }
   std::unique_ptr<GradReducer> r(
       new GradReducer(partitioner, rank, device, comm, accumulator, options, counters));
   std::size_t offset = 0;
@@ -120,9 +120,14 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
       r->full_.push_back(std::move(full));
     }
   }
+  ZINF_ASSERT(!options.accumulator_on_device || !device.host_accessible());
+  r->group_reduced_.assign(partitioner.group_count(), false);
+  if (!device.host_accessible()) ZINF_RETURN_IF_ERROR(r->create_device_side());
   if (options.accumulator_zeroed) {
     // The same as zero() without touching the accumulator's pages.
-    for (DeviceBuffer& full : r->full_) std::memset(full.data(), 0, full.bytes());
+    if (r->ops_ == nullptr) {
+      for (DeviceBuffer& full : r->full_) std::memset(full.data(), 0, full.bytes());
+    }
     std::fill(r->counts_.begin(), r->counts_.end(), 0u);
   } else {
     r->zero();
@@ -132,8 +137,16 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
 
 void GradReducer::zero() {
   // Callers wait() first: a reduce-scatter still adding into the accumulator would race.
-  accumulator_->zero();
-  for (DeviceBuffer& full : full_) std::memset(full.data(), 0, full.bytes());
+  if (options_.accumulator_on_device) {
+    group_reduced_.assign(partitioner_.group_count(), false);  // see reduce_group_on_device
+  } else {
+    accumulator_->zero();
+  }
+  // On a device that is not host-accessible stage 1's full gradients are not cleared: the first
+  // gradient of each parameter after this overwrites its range (reduce_on_device).
+  if (ops_ == nullptr) {
+    for (DeviceBuffer& full : full_) std::memset(full.data(), 0, full.bytes());
+  }
   std::fill(counts_.begin(), counts_.end(), 0u);
 }
 
@@ -185,12 +198,13 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
 Status GradReducer::wait() {
   ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
   ZINF_RETURN_IF_ERROR(comm_.wait(*done_, options_.timeout));
-  return accumulator_->flush();
+  return accumulator_ != nullptr ? accumulator_->flush() : Status::ok();
 }
 
 Status GradReducer::reduce(std::span<const std::uint32_t> groups,
                            std::span<const GradSource> sources) {
   ZINF_ASSERT(sources.size() == partitioner_.param_count());
+  if (ops_ != nullptr) return reduce_on_device(groups, sources);
   if (!partitioner_.partitions(StateKind::kGradients)) {
     // Stage 1: accumulate locally; the reduce-scatter waits for the step.
     for (std::uint32_t g : groups) {
@@ -230,6 +244,17 @@ Status GradReducer::reduce(std::span<const std::uint32_t> groups,
 
 Status GradReducer::reduce_accumulated() {
   if (partitioner_.partitions(StateKind::kGradients)) return Status::ok();
+  if (ops_ != nullptr) {
+    for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+      float* full = full_[g].as<float>();
+      ZINF_RETURN_IF_ERROR(
+          reduce_group_on_device(g, [&](float* dst, std::size_t begin, std::size_t count) {
+            return device_.copy_d2d(dst, full + begin, count * sizeof(float), *fill_stream_);
+          }));
+    }
+    // The full gradients stay as they are: see zero().
+    return wait();
+  }
   for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
     const float* full = full_[g].as<float>();
     ZINF_RETURN_IF_ERROR(reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
@@ -238,6 +263,128 @@ Status GradReducer::reduce_accumulated() {
   }
   ZINF_RETURN_IF_ERROR(wait());
   for (DeviceBuffer& f : full_) std::memset(f.data(), 0, f.bytes());
+  return Status::ok();
+}
+
+// --- Devices that are not host-accessible ------------------------------------------------------
+
+Status GradReducer::create_device_side() {
+  ZINF_ASSIGN_OR_RETURN(ops_, make_device_ops(device_));
+  ZINF_ASSIGN_OR_RETURN(fill_stream_, device_.create_stream("grad_fill"));
+  for (int k = 0; k < 2; ++k) {
+    ZINF_ASSIGN_OR_RETURN(filled_[k], device_.create_event());
+    ZINF_ASSIGN_OR_RETURN(recv_host_[k],
+                          RegisteredBuffer::allocate(device_, chunk_elements_ * sizeof(float)));
+  }
+  // Stage 1's padding is never written after this.
+  for (DeviceBuffer& full : full_) {
+    ZINF_RETURN_IF_ERROR(device_.memset_async(full.data(), 0, full.bytes(), *fill_stream_));
+  }
+  return device_.synchronize(*fill_stream_, options_.timeout);
+}
+
+Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
+                                     std::span<const GradSource> sources) {
+  if (!partitioner_.partitions(StateKind::kGradients)) {
+    // Stage 1: add into the full gradients on the device. A parameter's first gradient since
+    // zero() overwrites its range, so nothing has to clear the full gradients between steps.
+    for (std::uint32_t g : groups) {
+      const GroupInfo& info = partitioner_.group(g);
+      float* full = full_[g].as<float>();
+      for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+        const ParamLocation& loc = partitioner_.location(id);
+        ZINF_ASSERT(sources[id].data != nullptr);
+        ZINF_RETURN_IF_ERROR(ops_->widen(sources[id].data, sources[id].dtype,
+                                         full + loc.group_offset, loc.element_count,
+                                         /*accumulate=*/counts_[id] > 0, *fill_stream_));
+        ++counts_[id];
+      }
+    }
+  } else {
+    for (std::uint32_t g : groups) {
+      const GroupInfo& info = partitioner_.group(g);
+      // Each rank's slot of the bucket: the gradients that overlap it, widened, and zeros in
+      // between (padding). Parameters lie in a group in increasing offsets.
+      Status st = reduce_group_on_device(
+          g, [&](float* dst, std::size_t begin, std::size_t count) -> Status {
+            const std::size_t end = begin + count;
+            std::size_t cursor = begin;
+            for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+              const ParamLocation& loc = partitioner_.location(id);
+              const std::size_t lo = std::max(begin, loc.group_offset);
+              const std::size_t hi = std::min(end, loc.group_offset + loc.element_count);
+              if (lo >= hi) continue;
+              ZINF_ASSERT(sources[id].data != nullptr && lo >= cursor);
+              if (lo > cursor) {
+                ZINF_RETURN_IF_ERROR(device_.memset_async(
+                    dst + (cursor - begin), 0, (lo - cursor) * sizeof(float), *fill_stream_));
+              }
+              const auto* src = static_cast<const std::byte*>(sources[id].data) +
+                                (lo - loc.group_offset) * dtype_bytes(sources[id].dtype);
+              ZINF_RETURN_IF_ERROR(ops_->widen(src, sources[id].dtype, dst + (lo - begin), hi - lo,
+                                               /*accumulate=*/false, *fill_stream_));
+              cursor = hi;
+            }
+            if (cursor < end) {
+              return device_.memset_async(dst + (cursor - begin), 0, (end - cursor) * sizeof(float),
+                                          *fill_stream_);
+            }
+            return Status::ok();
+          });
+      ZINF_RETURN_IF_ERROR(st);
+      for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+        ++counts_[id];
+      }
+    }
+  }
+  // As on the host path, the call returns once the gradients have been read.
+  return device_.synchronize(*fill_stream_, options_.timeout);
+}
+
+// The schedule of reduce_group with the host kept out of the data: the fill stream waits for the
+// bucket's previous reduce-scatter (an event, not a host wait) and fills it; the reducer's stream
+// waits for the fill, reduce-scatters, copies the rank's reduced chunk into a pinned staging
+// buffer and adds it into the (host) accumulator in a host function. Two buckets, two staging
+// buffers: bucket k+1 fills while k reduces.
+template <typename Fill>
+Status GradReducer::reduce_group_on_device(std::uint32_t g, Fill fill) {
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t shard = info.shard_element_count;
+  const std::string name = fmt::format("grads group {}", g);
+  for (std::size_t c0 = 0; c0 < shard; c0 += chunk_elements_) {
+    const std::size_t count = std::min(chunk_elements_, shard - c0);
+    const int k = next_bucket_;
+    next_bucket_ ^= 1;
+    ZINF_RETURN_IF_ERROR(device_.wait(*fill_stream_, *bucket_free_[k]));
+    float* bucket = buckets_[k].as<float>();
+    for (int q = 0; q < world_; ++q) {
+      ZINF_RETURN_IF_ERROR(fill(bucket + static_cast<std::size_t>(q) * count,
+                                partitioner_.shard_offset(g, q) + c0, count));
+    }
+    ZINF_RETURN_IF_ERROR(device_.record(*filled_[k], *fill_stream_));
+    ZINF_RETURN_IF_ERROR(device_.wait(*stream_, *filled_[k]));
+    float* recv = recv_[k].as<float>();
+    ZINF_RETURN_IF_ERROR(
+        comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
+    const std::size_t first = offsets_[g] + c0;
+    if (options_.accumulator_on_device) {
+      // The group's first reduction since zero() overwrites its slice of the accumulator.
+      ZINF_RETURN_IF_ERROR(ops_->widen(recv, DType::kF32, device_accumulator_ + first, count,
+                                       /*accumulate=*/group_reduced_[g], *stream_));
+    } else {
+      float* staged = recv_host_[k].as<float>();
+      ZINF_RETURN_IF_ERROR(device_.copy_d2h(staged, recv, count * sizeof(float), *stream_));
+      GradAccumulator* acc = accumulator_;
+      ZINF_RETURN_IF_ERROR(device_.launch_host(
+          *stream_, [acc, first, staged, count]() { return acc->add(first, count, staged); }));
+    }
+    ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
+    if (counters_ != nullptr) {
+      ++counters_->buckets_reduced;
+      counters_->reduce_scatter_bytes += count * static_cast<std::size_t>(world_) * 4;
+    }
+  }
+  if (options_.accumulator_on_device) group_reduced_[g] = true;
   return Status::ok();
 }
 

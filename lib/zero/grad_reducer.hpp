@@ -18,8 +18,14 @@
 // The reducer counts, per parameter, the micro-batches reduced since zero(), so the step can
 // check that every parameter got the same number.
 //
-// Host work: buckets are filled and results accumulated by host code, so the device must be
-// host_accessible() (HostDevice); the collectives run on the reducer's stream.
+// Host work: on a host_accessible() device (HostDevice) buckets are filled by host code on the
+// calling thread and results accumulated by host functions; the collectives run on the reducer's
+// stream. On any other device (CudaDevice, an opaque HostDevice) the gradients and buckets are
+// never touched by host code (see reduce_group_on_device): buckets are filled by DeviceOps on a
+// fill stream (memset for padding, widen for gradients), each reduced chunk comes back by
+// copy_d2h into a registered (pinned) host staging buffer and is added into the accumulator in
+// host memory by a host function, or, with options.accumulator_on_device, added on the device by
+// widen; stage 1's full-size gradients are device memory, summed by widen with accumulate.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -31,6 +37,7 @@
 #include <span>
 #include <vector>
 
+#include "device/device_ops.hpp"
 #include "zero/grad_accumulator.hpp"
 #include "zero/partitioner.hpp"
 #include "zinf/comm.hpp"
@@ -54,9 +61,14 @@ struct GradReducerOptions {
   // When set, reduced chunks are added into this (lib/zero/grad_accumulator.hpp, e.g. one that
   // spills to NVMe) instead of the float array given to create(); it must outlive the reducer.
   GradAccumulator* accumulator = nullptr;
+  // The accumulator is device memory of a device that is not host-accessible (offload_optimizer
+  // "none" on a GPU): reduced chunks are added into it on the device, and a group's first chunk
+  // since zero() overwrites instead, so nothing has to clear it. Excludes `accumulator`.
+  bool accumulator_on_device = false;
 };
 
-// One parameter's gradient as the reducer reads it (host-accessible device memory).
+// One parameter's gradient as the reducer reads it (device memory; read by host code only when
+// the device is host_accessible()).
 struct GradSource {
   const void* data = nullptr;  // null: no gradient for this parameter in this call
   DType dtype = DType::kF32;
@@ -64,10 +76,10 @@ struct GradSource {
 
 class GradReducer {
  public:
-  // `accumulator`: partition_element_count() floats of host-accessible memory, owned by the
-  // caller; zeroed here unless options.accumulator_zeroed says it is already. Ignored (may be
-  // null) when options.accumulator is set. `counters` (optional)
-  // receives bucket and byte counts.
+  // `accumulator`: partition_element_count() floats that host code may write (host memory, or
+  // device memory of a host-accessible device), owned by the caller; zeroed here unless
+  // options.accumulator_zeroed says it is already. Ignored (may be null) when
+  // options.accumulator is set. `counters` (optional) receives bucket and byte counts.
   static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
@@ -105,13 +117,22 @@ class GradReducer {
   template <typename Fill>
   Status reduce_group(std::uint32_t g, Fill fill);
 
+  // Not host_accessible() devices: the same bucket schedule, with `fill(dst, group_offset,
+  // count)` enqueueing work on fill_stream_ and returning its Status.
+  Status create_device_side();
+  Status reduce_on_device(std::span<const std::uint32_t> groups,
+                          std::span<const GradSource> sources);
+  template <typename Fill>
+  Status reduce_group_on_device(std::uint32_t g, Fill fill);
+
   const Partitioner& partitioner_;
   const int rank_;
   const int world_;
   Device& device_;
   Communicator& comm_;
   std::unique_ptr<MemoryAccumulator> memory_accumulator_;  // when options have none
-  GradAccumulator* accumulator_;
+  GradAccumulator* accumulator_;         // null with options.accumulator_on_device
+  float* device_accumulator_ = nullptr;  // options.accumulator_on_device: the device array
   GradReducerOptions options_;
   EngineCounters* counters_;
   std::vector<std::size_t> offsets_;
@@ -125,6 +146,12 @@ class GradReducer {
   std::unique_ptr<Event> bucket_free_[2];
   int next_bucket_ = 0;
   std::vector<DeviceBuffer> full_;  // stage 1: per group, padded_element_count floats
+  // Not host_accessible() devices only (ops_ set): see reduce_group_on_device.
+  std::unique_ptr<DeviceOps> ops_;
+  std::unique_ptr<Stream> fill_stream_;
+  std::unique_ptr<Event> filled_[2];
+  RegisteredBuffer recv_host_[2];
+  std::vector<bool> group_reduced_;  // accumulator_on_device: group reduced since zero()
 };
 
 }  // namespace zinf

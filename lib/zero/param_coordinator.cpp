@@ -37,10 +37,6 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
     EngineCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
   ZINF_ASSERT(persistent.size() == partitioner.group_count());
-  if (!device.host_accessible()) {
-    return Status::unsupported(
-        fmt::format("ParamCoordinator: device {} is not host-accessible", device.name()));
-  }
   std::unique_ptr<ParamCoordinator> c(
       new ParamCoordinator(partitioner, rank, device, comm, options, swap, counters));
   c->persistent_ = std::move(persistent);
@@ -65,9 +61,11 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
         ZINF_ASSIGN_OR_RETURN(c->device_shard_[g], DeviceBuffer::allocate(device, shard_bytes));
         break;
       }
-      case OffloadDevice::kHost:
-        c->host_shard_[g] = AlignedBuffer(round_page(shard_bytes));
+      case OffloadDevice::kHost: {
+        // Registered, so that the gather's host-to-device copy is asynchronous on a GPU.
+        ZINF_ASSIGN_OR_RETURN(c->host_shard_[g], RegisteredBuffer::allocate(device, shard_bytes));
         break;
+      }
       case OffloadDevice::kNvme: {
         if (swap == nullptr) return Status::internal("ParamCoordinator: NVMe shards, no swap");
         ZINF_ASSIGN_OR_RETURN(
@@ -157,6 +155,40 @@ Status ParamCoordinator::write_shard(std::uint32_t g, const void* shard) {
     }
   }
   return Status::ok();
+}
+
+Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* device_shard) {
+  ZINF_RETURN_IF_ERROR(error_);
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t bytes = dtype_bytes(info.dtype);
+  const std::size_t shard_bytes = info.shard_element_count * bytes;
+  Status st;
+  if (persistent_[g]) {
+    std::byte* own = full_[g].as<std::byte>() + partitioner_.shard_offset(g, rank_) * bytes;
+    st = device_.copy_d2d(own, device_shard, shard_bytes, *stream_);
+  } else if (options_.shard_tier == OffloadDevice::kNone) {
+    st = device_.copy_d2d(device_shard_[g].data(), device_shard, shard_bytes, *stream_);
+  } else if (options_.shard_tier == OffloadDevice::kHost) {
+    // On the stream: a later gather's copy up from the same host shard comes after it.
+    st = device_.copy_d2h(host_shard_[g].data(), device_shard, shard_bytes, *stream_);
+  } else {
+    ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
+    std::memset(lease.data() + shard_bytes, 0, round_page(shard_bytes) - shard_bytes);
+    st = device_.copy_d2h(lease.data(), device_shard, shard_bytes, *stream_);
+    if (st.is_ok()) st = device_.synchronize(*stream_, options_.timeout);
+    if (!st.is_ok()) {
+      error_ = st;
+      return st;
+    }
+    // The host half of write_shard: the staged block goes to the swap file.
+    ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, swap_->write(extent_[g], lease.data()));
+    st = swap_->wait(ticket, options_.timeout);
+    if (st.is_ok() && counters_ != nullptr) {
+      counters_->param_nvme_write_bytes += round_page(shard_bytes);
+    }
+  }
+  if (!st.is_ok()) error_ = st;
+  return st;
 }
 
 Status ParamCoordinator::publish() {
@@ -396,7 +428,7 @@ std::uint64_t ParamCoordinator::device_bytes() const {
 
 std::uint64_t ParamCoordinator::host_bytes() const {
   std::uint64_t total = staging_ != nullptr ? staging_->bytes() : 0;
-  for (const AlignedBuffer& b : host_shard_) total += b.bytes();
+  for (const RegisteredBuffer& b : host_shard_) total += b.bytes();
   return total;
 }
 

@@ -27,8 +27,9 @@
 // issued, "release <module>" when release() frees it, "drop <module>" when a prefetched module
 // is freed unused, and a span "wait <module>" for gather()'s wait.
 //
-// Host work: NVMe staging and shard writes use host code, so the device must be
-// host_accessible() (HostDevice).
+// Device memory is touched only by the device's own operations (copies, all-gathers), so any
+// Device works, host-accessible or not: shards in host memory and the NVMe staging blocks are
+// registered with the device (pinned on CUDA) and copied up; write_shard() takes host memory.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -42,6 +43,7 @@
 #include <vector>
 
 #include "base/aligned.hpp"
+#include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
 #include "io/swap_space.hpp"
 #include "zero/partitioner.hpp"
@@ -90,6 +92,10 @@ class ParamCoordinator {
   // groups it lands in the rank's slice of the full buffer, to be all-gathered by publish().
   // REQUIRES: no gather in flight or in use (after drop_prefetched(), nothing gathered).
   Status write_shard(std::uint32_t g, const void* shard);
+  // The same from device memory of this device (a GPU-resident optimizer's new values), read
+  // before publish() returns: device-to-device into device shards and persistent groups, down
+  // into host shards, and through a staging block to NVMe.
+  Status write_shard_from_device(std::uint32_t g, const void* device_shard);
   // All-gathers every persistent group (after write_shard of each). Collective.
   Status publish();
 
@@ -152,9 +158,9 @@ class ParamCoordinator {
   // that the steady state allocates nothing: at most max_live_elements * 4 bytes in all.
   std::multimap<std::size_t, DeviceBuffer> spare_;
   std::size_t spare_bytes_ = 0;
-  std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
-  std::vector<AlignedBuffer> host_shard_;   // per partitioned group, shard tier host
-  std::vector<ExtentId> extent_;            // per partitioned group, shard tier nvme
+  std::vector<DeviceBuffer> device_shard_;    // per partitioned group, shard tier none
+  std::vector<RegisteredBuffer> host_shard_;  // per partitioned group, shard tier host
+  std::vector<ExtentId> extent_;              // per partitioned group, shard tier nvme
   std::unique_ptr<PinnedPool> staging_;
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> done_;

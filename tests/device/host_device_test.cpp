@@ -346,6 +346,43 @@ TEST(HostDevice, DestroyingAStreamFinishesItsWork) {
   EXPECT_EQ(static_cast<HostDevice&>(*device).live_stream_count(), 0);
 }
 
+// An opaque HostDevice behaves as a GPU does for host code: host_accessible() is false and its
+// pointers cannot be dereferenced (a host read faults), while its own copies and memsets reach the
+// memory, and a host address of that memory is not accepted as a device pointer.
+TEST(HostDevice, AnOpaqueDeviceHandsOutPointersOnlyItsOperationsReach) {
+  HostDeviceOptions options;
+  options.opaque = true;
+  auto device = make_device(options);
+  EXPECT_FALSE(device->host_accessible());
+  auto stream = make_stream(*device);
+  const std::vector<float> in = random_floats(1000, 41);
+  Result<DeviceBuffer> buffer = DeviceBuffer::allocate(*device, in.size() * 4);
+  ASSERT_TRUE(buffer.is_ok());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(buffer->data()) % 256, 0u);
+  ASSERT_TRUE(device->copy_h2d(buffer->data(), in.data(), in.size() * 4, *stream).is_ok());
+  // Device pointer arithmetic works as on a GPU: the second half via an offset pointer.
+  std::vector<float> out(in.size(), 0.0f);
+  ASSERT_TRUE(device->copy_d2h(out.data(), buffer->as<float>() + 500, 500 * 4, *stream).is_ok());
+  ASSERT_TRUE(device->memset_async(buffer->as<float>() + 500, 0, 4, *stream).is_ok());
+  ASSERT_TRUE(device->copy_d2h(out.data() + 500, buffer->as<float>() + 500, 8, *stream).is_ok());
+  ASSERT_TRUE(device->synchronize(*stream).is_ok());
+  EXPECT_EQ(std::memcmp(out.data(), in.data() + 500, 500 * 4), 0);
+  EXPECT_EQ(out[500], 0.0f);
+  EXPECT_EQ(std::memcmp(&out[501], &in[501], 4), 0);
+
+  // The memory's host address is not a device pointer of this device.
+  auto& host = static_cast<HostDevice&>(*device);
+  void* host_address = host.host_address(buffer->data());
+  EXPECT_NE(host_address, buffer->data());
+  EXPECT_EQ(device->copy_h2d(host_address, in.data(), 4, *stream).code(), Code::kInvalidArgument);
+  EXPECT_EQ(device->free(host_address).code(), Code::kInvalidArgument);
+
+  // Host code reading device memory dies, as it would (or would read garbage) on a GPU.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  const volatile float* device_floats = buffer->as<float>();
+  EXPECT_DEATH((void)device_floats[0], "");
+}
+
 TEST(HostDevice, RejectsBadOptions) {
   HostDeviceOptions options;
   options.stream_queue_depth = 0;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "base/random.hpp"
+#include "kernels/adam.h"
 #include "zinf/dtype.hpp"
 #include "zinf/optim.hpp"
 
@@ -52,7 +53,8 @@ Model make_model(DType dtype, std::uint64_t seed) {
   return m;
 }
 
-Ranks make_ranks(int world, std::chrono::milliseconds timeout, std::uint32_t jitter_max_us) {
+Ranks make_ranks(int world, std::chrono::milliseconds timeout, std::uint32_t jitter_max_us,
+                 bool opaque) {
   Ranks r;
   std::vector<Device*> raw;
   for (int i = 0; i < world; ++i) {
@@ -60,6 +62,7 @@ Ranks make_ranks(int world, std::chrono::milliseconds timeout, std::uint32_t jit
     o.ordinal = i;
     o.jitter_max_us = jitter_max_us;
     o.jitter_seed = 77 + static_cast<std::uint64_t>(i);
+    o.opaque = opaque;
     r.devices.push_back(std::move(make_host_device(o)).value());
     raw.push_back(r.devices.back().get());
   }
@@ -109,6 +112,46 @@ std::vector<float> widen_view(const TensorView& view) {
   return out;
 }
 
+// What the training program sees of the device: a copy stream when the device memory is not
+// host-accessible. Reads gathered parameters and writes gradients through it.
+class DeviceAccess {
+ public:
+  static Result<DeviceAccess> open(Device* device) {
+    DeviceAccess access;
+    if (device == nullptr || device->host_accessible()) return access;
+    access.device_ = device;
+    ZINF_ASSIGN_OR_RETURN(access.stream_, device->create_stream("test io"));
+    return access;
+  }
+
+  Result<std::vector<float>> read(const TensorView& view) {
+    if (device_ == nullptr) return widen_view(view);
+    std::vector<std::byte> raw(view.element_count * dtype_bytes(view.dtype));
+    ZINF_RETURN_IF_ERROR(device_->copy_d2h(raw.data(), view.data, raw.size(), *stream_));
+    ZINF_RETURN_IF_ERROR(device_->synchronize(*stream_, std::chrono::seconds(30)));
+    TensorView host = view;
+    host.data = raw.data();
+    return widen_view(host);
+  }
+
+  // Device memory holding `bytes` bytes of `data` (in place when host-accessible).
+  Result<const void*> upload(const void* data, std::size_t bytes) {
+    if (device_ == nullptr) return data;
+    ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::allocate(*device_, bytes));
+    ZINF_RETURN_IF_ERROR(device_->copy_h2d(buffer.data(), data, bytes, *stream_));
+    ZINF_RETURN_IF_ERROR(device_->synchronize(*stream_, std::chrono::seconds(30)));
+    uploads_.push_back(std::move(buffer));
+    return uploads_.back().data();
+  }
+  // Frees what upload() made (after the engine has read it).
+  void clear() { uploads_.clear(); }
+
+ private:
+  Device* device_ = nullptr;
+  std::unique_ptr<Stream> stream_;
+  std::vector<DeviceBuffer> uploads_;
+};
+
 }  // namespace
 
 std::vector<float> make_grad(const ParamDef& def, const std::vector<float>& w, int rank, int step,
@@ -138,6 +181,7 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
                   std::vector<StepReport>* reports) {
   if (!engine.finalized()) ZINF_RETURN_IF_ERROR(register_model(engine, model));
   const std::size_t count = model.params.size();
+  ZINF_ASSIGN_OR_RETURN(DeviceAccess access, DeviceAccess::open(options.device));
   for (int step = options.first_step; step <= options.steps; ++step) {
     for (int micro = 0; micro < options.micro_batches; ++micro) {
       std::vector<std::vector<float>> w(count);
@@ -146,7 +190,7 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
         for (std::size_t p = 0; p < count; ++p) {
           if (model.params[p].module != m) continue;
           ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(model.params[p].name));
-          w[p] = widen_view(view);
+          ZINF_ASSIGN_OR_RETURN(w[p], access.read(view));
           if (options.check_gathered && reference_device != nullptr) {
             const std::vector<float>& want =
                 (*reference_device)[static_cast<std::size_t>(step - 1)][p];
@@ -174,7 +218,8 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
           if (d.module != *it) continue;
           // The backward pass computes with the values gathered now.
           ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
-          std::vector<float> g = make_grad(d, widen_view(view), rank, step, micro, p);
+          ZINF_ASSIGN_OR_RETURN(std::vector<float> values, access.read(view));
+          std::vector<float> g = make_grad(d, values, rank, step, micro, p);
           if (d.dtype == DType::kF32) {
             grads32.push_back(std::move(g));
           } else {
@@ -194,9 +239,12 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
           const void* data = d.dtype == DType::kF32
                                  ? static_cast<const void*>(grads32[i32++].data())
                                  : grads16[i16++].data();
+          ZINF_ASSIGN_OR_RETURN(data,
+                                access.upload(data, d.element_count() * dtype_bytes(d.dtype)));
           refs.push_back({d.name, data, d.element_count(), d.dtype});
         }
         ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
+        access.clear();  // reduce_gradients() has read them
         ZINF_RETURN_IF_ERROR(engine.release(*it));
       }
     }
@@ -281,6 +329,22 @@ Reference run_reference(const Config& config, const Model& model, int world,
     so.step = step;
     so.grad_scale = static_cast<float>(coef * unscale);
     so.threads = 1;
+    if (options.device_adam) {
+      kernels::AdamHyper hyper;
+      hyper.lr = static_cast<float>(config.optimizer.lr);
+      hyper.beta1 = static_cast<float>(config.optimizer.beta1);
+      hyper.beta2 = static_cast<float>(config.optimizer.beta2);
+      hyper.eps = static_cast<float>(config.optimizer.eps);
+      hyper.weight_decay = static_cast<float>(config.optimizer.weight_decay);
+      hyper.adamw = config.optimizer.kind == OptimizerKind::kAdamW;
+      const kernels::AdamStepArgs args = kernels::adam_step_args(hyper, step);
+      for (std::size_t p = 0; p < count; ++p) {
+        for (float& g : acc[p]) g = g * so.grad_scale;
+        kernels::adam_step_ref(ref.master[p].data(), acc[p].data(), m[p].data(), v[p].data(),
+                               nullptr, kernels::HalfType::kNone, acc[p].size(), args);
+      }
+      continue;
+    }
     for (std::size_t p = 0; p < count; ++p) {
       OptimizerSpan span;
       span.params = ref.master[p].data();

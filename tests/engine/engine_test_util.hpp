@@ -50,8 +50,10 @@ struct Ranks {
   std::vector<std::unique_ptr<Device>> devices;
   std::vector<std::unique_ptr<Communicator>> comms;
 };
+// With `opaque`, the HostDevices are opaque (HostDeviceOptions::opaque): not host-accessible,
+// their pointers fault when host code dereferences them, as a GPU's would.
 Ranks make_ranks(int world, std::chrono::milliseconds timeout = std::chrono::seconds(30),
-                 std::uint32_t jitter_max_us = 0);
+                 std::uint32_t jitter_max_us = 0, bool opaque = false);
 
 // Runs fn(rank) on one thread per rank; returns each rank's Status.
 std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn);
@@ -75,6 +77,15 @@ struct TrainOptions {
   // (for runs whose step arithmetic differs from the reference's in the last bit, as clipping's
   // norm does).
   double gathered_tolerance = 0.0;
+  // The rank's device. When it is not host-accessible (CudaDevice, an opaque HostDevice) the
+  // gathered parameters are read by device-to-host copies and the gradients handed to the engine
+  // in device memory, as a training program on a GPU does; else (or null) both are read and
+  // written in place.
+  Device* device = nullptr;
+  // run_reference(): step with the device's Adam/AdamW (kernels::adam_step_ref with
+  // kernels::adam_step_args, every operation rounded) on the scaled gradients, as the engine's
+  // DeviceOptimizer does, instead of the CPU optimizer (optimizer_step, fused multiply-adds).
+  bool device_adam = false;
 };
 
 // Trains `model` on one rank through `engine` (registered already or not: registers it when

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <string>
@@ -28,12 +29,15 @@ struct SpillCase {
   int micro_batches = 1;
   double clipping = 0.0;
   std::size_t spill_buffers = 4;
+  // The spilled run on opaque HostDevices (the GPU path: reduced chunks come back through pinned
+  // staging before the spill adds them); the run without spill stays on plain ones.
+  bool opaque = false;
 };
 
 std::string case_name(const SpillCase& c) {
-  return fmt::format("w{}_s{}_param_{}_{}_mb{}{}_buf{}", c.world, c.stage,
+  return fmt::format("w{}_s{}_param_{}_{}_mb{}{}_buf{}{}", c.world, c.stage,
                      offload_device_name(c.params), dtype_name(c.dtype), c.micro_batches,
-                     c.clipping > 0 ? "_clip" : "", c.spill_buffers);
+                     c.clipping > 0 ? "_clip" : "", c.spill_buffers, c.opaque ? "_opaque" : "");
 }
 
 struct RunResult {
@@ -44,8 +48,9 @@ struct RunResult {
 };
 
 void train(const Config& config, const Model& model, int world, const TrainOptions& options,
-           const Reference& ref, RunResult* run) {
-  engine_test::Ranks ranks = engine_test::make_ranks(world);
+           const Reference& ref, RunResult* run, bool opaque = false) {
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(world, std::chrono::seconds(30), /*jitter_max_us=*/0, opaque);
   const auto w = static_cast<std::size_t>(world);
   run->finals.assign(w, {});
   run->reports.assign(w, {});
@@ -57,8 +62,10 @@ void train(const Config& config, const Model& model, int world, const TrainOptio
     env.device = ranks.devices[r].get();
     env.comm = ranks.comms[r].get();
     ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, options,
-                                                 &ref.device_per_step, &run->reports[r]));
+    TrainOptions mine = options;
+    if (opaque) mine.device = env.device;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, mine, &ref.device_per_step,
+                                                 &run->reports[r]));
     for (const engine_test::ParamDef& d : model.params) {
       std::vector<float> out(d.element_count());
       ZINF_RETURN_IF_ERROR(engine->read_parameters(d.name, out.data()));
@@ -96,7 +103,7 @@ TEST_P(Spill, MastersAndNormsEqualTheRunWithoutSpill) {
   RunResult a, b;
   train(plain, model, c.world, options, ref, &a);
   if (HasFatalFailure()) return;
-  train(spill, model, c.world, options, ref, &b);
+  train(spill, model, c.world, options, ref, &b, c.opaque);
   if (HasFatalFailure()) return;
 
   for (std::size_t p = 0; p < model.params.size(); ++p) {
@@ -156,7 +163,9 @@ INSTANTIATE_TEST_SUITE_P(
                       SpillCase{1, 3, OffloadDevice::kNone, DType::kF32, 3},
                       SpillCase{2, 3, OffloadDevice::kHost, DType::kBF16, 1},
                       SpillCase{4, 3, OffloadDevice::kNvme, DType::kF32, 3, 0.0, 1},
-                      SpillCase{2, 3, OffloadDevice::kNone, DType::kBF16, 3, 0.5, 2}),
+                      SpillCase{2, 3, OffloadDevice::kNone, DType::kBF16, 3, 0.5, 2},
+                      SpillCase{2, 3, OffloadDevice::kNvme, DType::kBF16, 3, 0.5, 2, true},
+                      SpillCase{2, 2, OffloadDevice::kNone, DType::kF32, 3, 0.0, 1, true}),
     [](const ::testing::TestParamInfo<SpillCase>& info) { return case_name(info.param); });
 
 // Host memory: a model whose fp32 gradients are many sub-groups; the spilled engine holds

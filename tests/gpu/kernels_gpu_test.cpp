@@ -22,6 +22,7 @@
 #include "kernels/flatten.h"
 #include "kernels/sq_norm.h"
 #include "kernels/unscale.h"
+#include "kernels/widen.h"
 
 namespace zinf::kernels {
 namespace {
@@ -74,6 +75,52 @@ TEST_P(CastGpu, MatchesReferenceBitForBit) {
   }
 }
 INSTANTIATE_TEST_SUITE_P(Shapes, CastGpu, kShapes, shape_name);
+
+class WidenGpu : public ::testing::TestWithParam<Shape> {};
+
+// Every source format, copy and accumulate, against the reference bit for bit (the widening is
+// exact and the accumulation one correctly rounded addition on both sides); the half sources
+// are random bit patterns, NaNs and infinities included, and a NaN only has to stay a NaN.
+TEST_P(WidenGpu, MatchesReferenceBitForBit) {
+  ZINF_REQUIRE_CUDA_DEVICE();
+  const Shape s = GetParam();
+  const std::vector<float> src32 = gpu_test::awkward_floats(s.count, 0x1de + s.count);
+  std::vector<std::uint16_t> src16(s.count);
+  SplitMix64 rng(0x16 + s.count);
+  for (std::uint16_t& h : src16) h = static_cast<std::uint16_t>(rng.next());
+  std::vector<float> base(s.count);
+  fill_uniform(base.data(), s.count, 0xba5e + s.count, -4.0f, 4.0f);
+  DeviceMemory d_src(s.count * 4 + s.offset_bytes), d_dst(s.count * 4 + s.offset_bytes);
+  ASSERT_TRUE(d_src.ok() && d_dst.ok());
+  float* dst = d_dst.as<float>(s.offset_bytes);
+  for (HalfType type : {HalfType::kNone, HalfType::kBf16, HalfType::kF16}) {
+    void* src = d_src.as<void>(s.offset_bytes);
+    const void* host_src = type == HalfType::kNone ? static_cast<const void*>(src32.data())
+                                                   : static_cast<const void*>(src16.data());
+    if (type == HalfType::kNone) {
+      ZINF_CUDA_OK(upload(static_cast<float*>(src), src32));
+    } else {
+      ZINF_CUDA_OK(upload(static_cast<std::uint16_t*>(src), src16));
+    }
+    for (bool accumulate : {false, true}) {
+      ZINF_CUDA_OK(upload(dst, base));
+      ASSERT_EQ(widen_to_f32(src, type, dst, s.count, accumulate, nullptr), 0);
+      ZINF_CUDA_OK(cudaDeviceSynchronize());
+      std::vector<float> got(s.count), want = base;
+      ZINF_CUDA_OK(download(got, dst));
+      widen_to_f32_ref(host_src, type, want.data(), s.count, accumulate);
+      for (std::size_t i = 0; i < s.count; ++i) {
+        if (std::isnan(want[i])) {
+          ASSERT_TRUE(std::isnan(got[i])) << "i=" << i;
+        } else {
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(want[i]))
+              << "type " << static_cast<int>(type) << " accumulate " << accumulate << " i=" << i;
+        }
+      }
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Shapes, WidenGpu, kShapes, shape_name);
 
 class UnscaleGpu : public ::testing::TestWithParam<Shape> {};
 

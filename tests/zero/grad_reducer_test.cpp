@@ -1,7 +1,9 @@
 // GradReducer on HostDevice + LocalComm: for bucket sizes smaller than, equal to and larger than
 // a shard, stages 1 and 2, f32 and bf16 gradients, each rank's accumulator holds the mean over
 // ranks (summed over two micro-batches) of exactly its slice, in the number of buckets the
-// bucket size implies.
+// bucket size implies. On opaque HostDevices (not host-accessible, as a GPU) the gradients are
+// handed over in device memory and the reducer takes its device path (fill stream, device ops,
+// staged copies back), with the same bits; stream jitter shows a missing wait on either path.
 #include "zero/grad_reducer.hpp"
 
 #include <fmt/format.h>
@@ -23,6 +25,7 @@ struct Case {
   ZeroStage stage;
   std::size_t bucket_elements;
   DType grad_dtype;
+  bool opaque = false;
 };
 
 class GradReducerTest : public ::testing::TestWithParam<Case> {};
@@ -65,6 +68,8 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
     HostDeviceOptions o;
     o.ordinal = r;
     o.jitter_max_us = 30;  // a missing wait between a bucket's fill and its reduce shows up
+    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
+    o.opaque = c.opaque;
     devices.push_back(std::move(make_host_device(o)).value());
     raw.push_back(devices.back().get());
   }
@@ -99,6 +104,21 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
             for (ParamId id = 0; id < p.param_count(); ++id) {
               sources[id] = {halves[id].data(), DType::kBF16};
             }
+          }
+          // A device that is not host-accessible reads gradients from its own memory.
+          std::vector<DeviceBuffer> uploads;
+          if (c.opaque) {
+            ZINF_ASSIGN_OR_RETURN(auto stream, devices[r]->create_stream("upload"));
+            for (ParamId id = 0; id < p.param_count(); ++id) {
+              const std::size_t bytes = p.location(id).element_count * dtype_bytes(c.grad_dtype);
+              ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
+                                    DeviceBuffer::allocate(*devices[r], bytes));
+              ZINF_RETURN_IF_ERROR(
+                  devices[r]->copy_h2d(buffer.data(), sources[id].data, bytes, *stream));
+              sources[id].data = buffer.data();
+              uploads.push_back(std::move(buffer));
+            }
+            ZINF_RETURN_IF_ERROR(devices[r]->synchronize(*stream));
           }
           // Module by module, backward order.
           for (int m = 2; m >= 0; --m) {
@@ -175,12 +195,18 @@ INSTANTIATE_TEST_SUITE_P(Buckets, GradReducerTest,
                                            Case{3, ZeroStage::kStage2, 1 << 20, DType::kBF16},
                                            Case{4, ZeroStage::kStage3, 12, DType::kF32},
                                            Case{2, ZeroStage::kStage1, 1000, DType::kBF16},
-                                           Case{1, ZeroStage::kStage2, 128, DType::kF32}),
+                                           Case{1, ZeroStage::kStage2, 128, DType::kF32},
+                                           Case{3, ZeroStage::kStage2, 300, DType::kF32, true},
+                                           Case{2, ZeroStage::kStage3, 1 << 20, DType::kBF16, true},
+                                           Case{4, ZeroStage::kStage3, 12, DType::kF32, true},
+                                           Case{2, ZeroStage::kStage1, 1000, DType::kBF16, true},
+                                           Case{3, ZeroStage::kStage1, 40, DType::kF32, true}),
                          [](const ::testing::TestParamInfo<Case>& info) {
-                           return fmt::format("w{}_stage{}_bucket{}_{}", info.param.world,
+                           return fmt::format("w{}_stage{}_bucket{}_{}{}", info.param.world,
                                               static_cast<int>(info.param.stage),
                                               info.param.bucket_elements,
-                                              dtype_name(info.param.grad_dtype));
+                                              dtype_name(info.param.grad_dtype),
+                                              info.param.opaque ? "_opaque" : "");
                          });
 
 }  // namespace

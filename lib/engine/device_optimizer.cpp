@@ -1,0 +1,121 @@
+// DeviceOptimizer (see device_optimizer.hpp).
+#include "engine/device_optimizer.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "kernels/sq_norm.h"
+
+namespace zinf {
+namespace {
+
+// The kernel's per-step scalars (kernels/adam.h: the hyper-parameters as floats, the bias
+// corrections in double).
+kernels::AdamStepArgs adam_args(const OptimizerParams& params, std::int64_t step) {
+  kernels::AdamHyper hyper;
+  hyper.lr = static_cast<float>(params.lr);
+  hyper.beta1 = static_cast<float>(params.beta1);
+  hyper.beta2 = static_cast<float>(params.beta2);
+  hyper.eps = static_cast<float>(params.eps);
+  hyper.weight_decay = static_cast<float>(params.weight_decay);
+  hyper.adamw = params.kind == OptimizerKind::kAdamW;
+  return kernels::adam_step_args(hyper, step);
+}
+
+constexpr std::size_t kScratchFloats = kernels::kSqNormPartials + 2;  // partials, sum, flag
+
+}  // namespace
+
+Status DeviceOptimizer::check(const OptimizerParams& params, const Device& device) {
+  if (params.kind == OptimizerKind::kAdam || params.kind == OptimizerKind::kAdamW) {
+    if (params.bias_correction) return Status::ok();
+    return Status::unsupported(fmt::format(
+        "optimizer.params.bias_correction: false with zero_optimization.offload_optimizer.device "
+        "\"none\" on {} (not host-accessible): the device's Adam always corrects the bias",
+        device.name()));
+  }
+  return Status::unsupported(fmt::format(
+      "optimizer.type: {} with zero_optimization.offload_optimizer.device \"none\" on {} (not "
+      "host-accessible): only Adam and AdamW run on the device; offload the optimizer to \"cpu\" "
+      "or \"nvme\"",
+      optimizer_name(params.kind), device.name()));
+}
+
+Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
+    Device& device, std::vector<Group> groups, std::size_t partition_elements, const float* master,
+    std::chrono::milliseconds timeout) {
+  std::unique_ptr<DeviceOptimizer> o(new DeviceOptimizer(device, timeout));
+  o->groups_ = std::move(groups);
+  o->partition_elements_ = partition_elements;
+  ZINF_ASSIGN_OR_RETURN(o->ops_, make_device_ops(device));
+  ZINF_ASSIGN_OR_RETURN(o->stream_, device.create_stream("optimizer"));
+  const std::size_t bytes = std::max<std::size_t>(partition_elements, 1) * sizeof(float);
+  ZINF_ASSIGN_OR_RETURN(o->master_, DeviceBuffer::allocate(device, bytes));
+  ZINF_ASSIGN_OR_RETURN(o->exp_avg_, DeviceBuffer::allocate(device, bytes));
+  ZINF_ASSIGN_OR_RETURN(o->exp_avg_sq_, DeviceBuffer::allocate(device, bytes));
+  ZINF_ASSIGN_OR_RETURN(o->grads_, DeviceBuffer::allocate(device, bytes));
+  std::size_t half_bytes = 0;
+  for (const Group& g : o->groups_) {
+    if (g.dtype != DType::kF32) half_bytes = std::max(half_bytes, g.byte_offset + g.count * 2);
+  }
+  if (half_bytes > 0) {
+    ZINF_ASSIGN_OR_RETURN(o->half_, DeviceBuffer::allocate(device, half_bytes));
+  }
+  ZINF_ASSIGN_OR_RETURN(o->scratch_, DeviceBuffer::allocate(device, kScratchFloats * 4));
+  ZINF_ASSIGN_OR_RETURN(o->result_, RegisteredBuffer::allocate(device, sizeof(float)));
+  Stream& s = *o->stream_;
+  ZINF_RETURN_IF_ERROR(device.copy_h2d(o->master_.data(), master, partition_elements * 4, s));
+  ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, bytes, s));
+  ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, bytes, s));
+  ZINF_RETURN_IF_ERROR(device.memset_async(o->grads_.data(), 0, bytes, s));
+  ZINF_RETURN_IF_ERROR(device.synchronize(s, timeout));
+  return o;
+}
+
+DeviceOptimizer::~DeviceOptimizer() {
+  if (stream_ != nullptr) (void)device_.synchronize(*stream_, timeout_);
+}
+
+Result<double> DeviceOptimizer::sum_of_squares() {
+  float* scratch = scratch_.as<float>();
+  float* sum = scratch + kernels::kSqNormPartials;
+  ZINF_RETURN_IF_ERROR(ops_->sum_of_squares(grads(), partition_elements_, scratch, sum, *stream_));
+  ZINF_RETURN_IF_ERROR(device_.copy_d2h(result_.data(), sum, sizeof(float), *stream_));
+  ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+  return static_cast<double>(*result_.as<float>());
+}
+
+Status DeviceOptimizer::step(std::int64_t step, float grad_scale, const OptimizerParams& params) {
+  const kernels::AdamStepArgs args = adam_args(params, step);
+  auto* flag = reinterpret_cast<std::int32_t*>(scratch_.as<float>() + kernels::kSqNormPartials + 1);
+  for (const Group& g : groups_) {
+    float* grads = grads_.as<float>() + g.offset;
+    // The overflow check ran before the step: the flag is not read.
+    ZINF_RETURN_IF_ERROR(ops_->scale(grads, g.count, grad_scale, flag, *stream_));
+    void* half = g.dtype == DType::kF32 ? nullptr : half_.as<std::byte>() + g.byte_offset;
+    ZINF_RETURN_IF_ERROR(ops_->adam_step(
+        master_.as<float>() + g.offset, grads, exp_avg_.as<float>() + g.offset,
+        exp_avg_sq_.as<float>() + g.offset, half, g.dtype, g.count, args, *stream_));
+  }
+  return device_.synchronize(*stream_, timeout_);
+}
+
+const void* DeviceOptimizer::values(std::uint32_t g) const {
+  const Group& group = groups_[g];
+  if (group.dtype == DType::kF32) return master_.as<float>() + group.offset;
+  return half_.as<std::byte>() + group.byte_offset;
+}
+
+Status DeviceOptimizer::read_master(std::size_t first, std::size_t count, float* out) {
+  ZINF_RETURN_IF_ERROR(
+      device_.copy_d2h(out, master_.as<float>() + first, count * sizeof(float), *stream_));
+  return device_.synchronize(*stream_, timeout_);
+}
+
+std::uint64_t DeviceOptimizer::device_bytes() const {
+  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes();
+}
+
+}  // namespace zinf

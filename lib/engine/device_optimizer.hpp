@@ -1,0 +1,82 @@
+// DeviceOptimizer: offload_optimizer "none" on a device that is not host-accessible (a GPU).
+//
+// This rank's fp32 master, Adam moments and fp32 gradient accumulator stay in device memory, in
+// the partition layout the engine uses everywhere (group g's slice at offset(g)), and everything
+// on them runs as device stream work (DeviceOps: the kernels of kernels/ on CUDA): the gradient
+// accumulator is the GradReducer's (it adds reduced chunks on the device), the norm is
+// sum_of_squares on the device, and a step is, per group, scale (the grad_scale of the step) then
+// adam_step, which writes the group's bf16/f16 copy into a device buffer in the same pass. The
+// host sees only what it asks for: the norm (one float) and, for read-back, the master; the new
+// values go to the parameter shards from device memory (ParamCoordinator::
+// write_shard_from_device).
+//
+// Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
+// kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
+// multiply-adds, so results agree with a CPU run to within float rounding, not to the bit.
+//
+// Thread-safety: one thread (the engine's).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "device/device_ops.hpp"
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/optim.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+class DeviceOptimizer {
+ public:
+  struct Group {
+    std::size_t offset = 0;       // first element in the partition
+    std::size_t count = 0;        // elements (the rank's shard of the group)
+    std::size_t byte_offset = 0;  // first byte of its values in the device dtype, packed
+    DType dtype = DType::kF32;    // the group's device dtype
+  };
+
+  // kUnsupported naming optimizer.type for an optimizer the device cannot step.
+  static Status check(const OptimizerParams& params, const Device& device);
+  // Allocates the state for `partition_elements` elements and uploads `master` (host memory,
+  // partition_elements floats); the moments start at zero.
+  static Result<std::unique_ptr<DeviceOptimizer>> create(Device& device, std::vector<Group> groups,
+                                                         std::size_t partition_elements,
+                                                         const float* master,
+                                                         std::chrono::milliseconds timeout);
+  ~DeviceOptimizer();
+
+  // The fp32 gradient accumulator (device memory, partition_elements floats).
+  float* grads() const { return grads_.as<float>(); }
+  // The sum of squares of the accumulator (inf or NaN when an element is).
+  Result<double> sum_of_squares();
+  // One optimizer step at step number `step` (from 1): grads *= grad_scale, then Adam/AdamW.
+  Status step(std::int64_t step, float grad_scale, const OptimizerParams& params);
+  // Group g's new values in its dtype (device memory): the master for f32 groups, else the half
+  // copy the step wrote. Valid after step() until the next one.
+  const void* values(std::uint32_t g) const;
+  // out[0, count) <- master elements [first, first + count).
+  Status read_master(std::size_t first, std::size_t count, float* out);
+  std::uint64_t device_bytes() const;
+
+ private:
+  DeviceOptimizer(Device& device, std::chrono::milliseconds timeout)
+      : device_(device), timeout_(timeout) {}
+
+  Device& device_;
+  std::chrono::milliseconds timeout_;
+  std::vector<Group> groups_;
+  std::size_t partition_elements_ = 0;
+  std::unique_ptr<DeviceOps> ops_;
+  std::unique_ptr<Stream> stream_;
+  DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
+  DeviceBuffer half_;     // the half groups' new values, packed as the engine packs them
+  DeviceBuffer scratch_;  // sum-of-squares partials, its result, the scale's inf flag
+  RegisteredBuffer result_;
+};
+
+}  // namespace zinf
