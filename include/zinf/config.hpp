@@ -134,7 +134,10 @@ struct Config {
   // "zinf": zinf's own section. world_size 0: any (else it must equal the communicator's).
   int world_size = 0;
   int ranks_per_machine = 0;
-  std::uint64_t pinned_pool_bytes = 0;  // informational: the pool is sized from buffer_count
+  // When not 0, the most bytes of pinned blocks one rank may map (the optimizer step's pool,
+  // sized buffer_count x one sub-group, and the NVMe parameter staging blocks): finalize() fails
+  // with kResourceExhausted naming this key instead of mapping more.
+  std::uint64_t pinned_pool_bytes = 0;
   // The fp32 gradient accumulator lives on NVMe (one extent per optimizer sub-group) with only
   // gradient_spill_buffers sub-group-sized host buffers; needs stage 2 or 3 and
   // offload_optimizer "nvme".
@@ -145,6 +148,11 @@ struct Config {
   int cpu_threads = 0;
   // Longest wait for a collective or an I/O before the engine gives up with kTimeout.
   std::int64_t collective_timeout_ms = 60'000;
+  // The optimizer step's wait for one NVMe read or write: after io_timeouts_max waits of
+  // io_timeout_ms the transfer is cancelled and the step fails with kTimeout naming the extent
+  // (0: wait forever, warning after each wait).
+  std::int64_t io_timeout_ms = 60'000;
+  std::uint32_t io_timeouts_max = 3;
 };
 
 // Parses JSON text. Missing keys keep the defaults above; the result is validate()d.

@@ -79,6 +79,8 @@
 
 namespace zinf {
 
+class FaultInjector;
+
 // What an engine runs on; everything here must outlive the engine.
 struct Env {
   Device* device = nullptr;      // this rank's device (required)
@@ -89,6 +91,8 @@ struct Env {
   // When set, spans on tracks "engine" (gather, release, reduce, step phases) and the
   // pipeline's "read"/"update"/"write"; each rank's engine may share one Trace.
   Trace* trace = nullptr;
+  // Tests only: faults injected into every NVMe transfer of this engine (lib/io/fault.hpp).
+  std::shared_ptr<FaultInjector> io_faults;
 };
 
 struct ParameterSpec {

@@ -246,11 +246,11 @@ Status parse_root(const json& root, Config* c) {
   }
   ZINF_RETURN_IF_ERROR(read_section(root, "", "zinf", &s));
   if (s != nullptr) {
-    ZINF_RETURN_IF_ERROR(
-        check_keys(*s, "zinf",
-                   {"world_size", "ranks_per_machine", "pinned_pool_bytes", "gradients_on_nvme",
-                    "gradient_spill_buffers", "device_reserved_bytes", "cpu_threads",
-                    "collective_timeout_ms", "group_max_elements"}));
+    ZINF_RETURN_IF_ERROR(check_keys(
+        *s, "zinf",
+        {"world_size", "ranks_per_machine", "pinned_pool_bytes", "gradients_on_nvme",
+         "gradient_spill_buffers", "device_reserved_bytes", "cpu_threads", "collective_timeout_ms",
+         "io_timeout_ms", "io_timeouts_max", "group_max_elements"}));
     ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "world_size", &c->world_size));
     ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "ranks_per_machine", &c->ranks_per_machine));
     ZINF_RETURN_IF_ERROR(read_count(*s, "zinf", "pinned_pool_bytes", &c->pinned_pool_bytes));
@@ -262,6 +262,8 @@ Status parse_root(const json& root, Config* c) {
     ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "cpu_threads", &c->cpu_threads));
     ZINF_RETURN_IF_ERROR(
         read_count_as(*s, "zinf", "collective_timeout_ms", &c->collective_timeout_ms));
+    ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "io_timeout_ms", &c->io_timeout_ms));
+    ZINF_RETURN_IF_ERROR(read_count_as(*s, "zinf", "io_timeouts_max", &c->io_timeouts_max));
     ZINF_RETURN_IF_ERROR(
         read_count_as(*s, "zinf", "group_max_elements", &c->zero.group_max_elements));
   }
@@ -391,6 +393,9 @@ Status validate(const Config& c) {
     return invalid("zinf.collective_timeout_ms",
                    fmt::format("{} is below 1", c.collective_timeout_ms));
   }
+  if (c.io_timeout_ms < 1) {
+    return invalid("zinf.io_timeout_ms", fmt::format("{} is below 1", c.io_timeout_ms));
+  }
   return Status::ok();
 }
 
@@ -467,6 +472,8 @@ std::string config_to_json(const Config& c) {
                  {"device_reserved_bytes", c.device_reserved_bytes},
                  {"cpu_threads", c.cpu_threads},
                  {"collective_timeout_ms", c.collective_timeout_ms},
+                 {"io_timeout_ms", c.io_timeout_ms},
+                 {"io_timeouts_max", c.io_timeouts_max},
                  {"group_max_elements", z.group_max_elements}};
   return out.dump(2) + "\n";
 }

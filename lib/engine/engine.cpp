@@ -328,16 +328,24 @@ class Engine::Impl {
         extents += static_cast<std::uint32_t>(layout.nvme_extents);
       }
       if (param_nvme) {
+        std::size_t largest = 0;
         for (std::uint32_t g = 0; g < groups; ++g) {
           if (persistent[g]) continue;
           const GroupInfo& info = part_->group(g);
-          capacity += round_page(info.shard_element_count * dtype_bytes(info.dtype));
+          const std::size_t bytes = round_page(info.shard_element_count * dtype_bytes(info.dtype));
+          capacity += bytes;
+          largest = std::max(largest, bytes);
           ++extents;
+        }
+        // The coordinator's staging blocks: one shard of the largest group each.
+        if (largest > 0) {
+          param_staging_bytes_ = largest * std::max<std::size_t>(1, z.offload_param.buffer_count);
         }
       }
       IoOptions io;
       io.block_bytes = config_.aio_block_size;
       io.queue_depth = static_cast<std::uint32_t>(config_.aio_queue_depth);
+      io.faults = env_.io_faults;
       ZINF_ASSIGN_OR_RETURN(io_, open_engine(io));
       SwapOptions swap;
       swap.dirs = nvme_dirs_;
@@ -391,6 +399,8 @@ class Engine::Impl {
         pool.huge_pages =
             pool.block_bytes < (std::size_t{2} << 20) ? HugePages::kNone : HugePages::kAuto;
         pool.device = &device_;
+        ZINF_RETURN_IF_ERROR(
+            check_pinned_limit(pool.block_bytes * pool.block_count, param_staging_bytes_));
         ZINF_ASSIGN_OR_RETURN(opt_pool_, PinnedPool::create(pool));
         ZINF_RETURN_IF_ERROR(opt_pool_->register_with(*io_));
       }
@@ -430,6 +440,9 @@ class Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(
         coord_, ParamCoordinator::create(*part_, rank_, device_, comm_, std::move(modules),
                                          persistent, co, swap_.get(), io_.get(), &counters_));
+    // Only the staging blocks are left to check when there is no optimizer pool.
+    if (opt_pool_ == nullptr) ZINF_RETURN_IF_ERROR(check_pinned_limit(0, param_staging_bytes_));
+    ZINF_ASSERT(coord_->staging_bytes() == param_staging_bytes_);
     // The device copies: every group's shard is the master rounded to the group's dtype
     // (load_store() did it sub-group by sub-group when the state is in the store).
     if (master_.bytes() > 0) {
@@ -506,11 +519,26 @@ class Engine::Impl {
     return out;
   }
 
+  // zinf.pinned_pool_bytes, when set, bounds the pinned blocks the engine maps: the optimizer
+  // step's pool and the NVMe parameter shards' staging blocks. Checked before each is mapped.
+  Status check_pinned_limit(std::uint64_t optimizer_pool, std::uint64_t param_staging) const {
+    const std::uint64_t limit = config_.pinned_pool_bytes;
+    const std::uint64_t need = optimizer_pool + param_staging;
+    if (limit == 0 || need <= limit) return Status::ok();
+    return Status::resource_exhausted(fmt::format(
+        "zinf.pinned_pool_bytes: {} bytes, but this rank's pinned blocks need {} (optimizer "
+        "pool {} = offload_optimizer.buffer_count x one sub-group's NVMe pieces; parameter "
+        "staging {}); lower zero_optimization.sub_group_size or the buffer counts, or raise the "
+        "limit",
+        limit, need, optimizer_pool, param_staging));
+  }
+
   PipelineOptions pipeline_options() const {
     PipelineOptions pipe;
     pipe.optimizer = config_.optimizer;
     pipe.threads = config_.cpu_threads;
-    pipe.io_timeout = timeout_;
+    pipe.io_timeout = std::chrono::milliseconds(config_.io_timeout_ms);
+    pipe.io_timeouts_max = config_.io_timeouts_max;
     pipe.trace = env_.trace;
     return pipe;
   }
@@ -1069,6 +1097,7 @@ class Engine::Impl {
   std::unique_ptr<SwapSpace> swap_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<PinnedPool> opt_pool_;
+  std::uint64_t param_staging_bytes_ = 0;  // the coordinator's staging blocks, known before
   std::unique_ptr<OptimizerPipeline> pipeline_;
   AlignedBuffer master_read_;
   std::vector<MasterPiece> master_pieces_;  // sorted by first; until finalize() ends

@@ -426,8 +426,12 @@ std::uint64_t ParamCoordinator::device_bytes() const {
   return total;
 }
 
+std::uint64_t ParamCoordinator::staging_bytes() const {
+  return staging_ != nullptr ? staging_->bytes() : 0;
+}
+
 std::uint64_t ParamCoordinator::host_bytes() const {
-  std::uint64_t total = staging_ != nullptr ? staging_->bytes() : 0;
+  std::uint64_t total = staging_bytes();
   for (const RegisteredBuffer& b : host_shard_) total += b.bytes();
   return total;
 }

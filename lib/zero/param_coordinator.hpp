@@ -120,6 +120,8 @@ class ParamCoordinator {
   std::uint64_t device_bytes() const;
   std::uint64_t host_bytes() const;
   std::uint64_t nvme_bytes() const;
+  // Bytes of the pinned staging blocks for NVMe shards (part of host_bytes()).
+  std::uint64_t staging_bytes() const;
 
  private:
   enum class State : std::uint8_t { kIdle, kPrefetched, kInUse };

@@ -153,6 +153,8 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
       {R"({"aio": {"block_size": 1000}})", "aio.block_size", "multiple of 4096"},
       {R"({"zinf": {"world_sise": 4}})", "zinf.world_sise", "unknown key"},
       {R"({"zinf": {"collective_timeout_ms": 0}})", "zinf.collective_timeout_ms", "below 1"},
+      {R"({"zinf": {"io_timeout_ms": 0}})", "zinf.io_timeout_ms", "below 1"},
+      {R"({"zinf": {"io_timeouts_max": -2}})", "zinf.io_timeouts_max", "non-negative"},
       {R"([1, 2])", "config", "not a JSON object"},
       {R"({"zero_optimization": {)", "config", "not valid JSON"},
   };
@@ -173,6 +175,9 @@ TEST(Config, RoundTripsThroughJson) {
   c.gradient_clipping = 0.75;
   c.optimizer.kind = OptimizerKind::kLion;
   c.optimizer.beta2 = 0.99;
+  c.io_timeout_ms = 1234;
+  c.io_timeouts_max = 0;
+  c.pinned_pool_bytes = 1 << 30;
   c.world_size = 2;
   c.zero.group_max_elements = 12345;
   Result<Config> back = parse_config(config_to_json(c));
@@ -181,6 +186,9 @@ TEST(Config, RoundTripsThroughJson) {
   EXPECT_EQ(back->optimizer.kind, OptimizerKind::kLion);
   EXPECT_EQ(back->zero.offload_param.device, OffloadDevice::kHost);
   EXPECT_EQ(back->zero.group_max_elements, 12345u);
+  EXPECT_EQ(back->io_timeout_ms, 1234);
+  EXPECT_EQ(back->io_timeouts_max, 0u);
+  EXPECT_EQ(back->pinned_pool_bytes, std::uint64_t{1} << 30);
 }
 
 TEST(Config, LoadConfigNamesTheFile) {

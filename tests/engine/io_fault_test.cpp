@@ -1,0 +1,129 @@
+// The engine over a drive that misbehaves during the optimizer step: a transfer that never
+// completes ends the step with kTimeout naming the extent within zinf.io_timeout_ms x
+// (zinf.io_timeouts_max + 1) (plus the drain), a failed read or write with io_error naming it,
+// and either way the engine stays failed (sticky) instead of training on. Also
+// zinf.pinned_pool_bytes, the bound on the pinned blocks the engine maps.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "engine_test_util.hpp"
+#include "io/fault.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+using engine_test::TrainOptions;
+
+struct FaultRun {
+  Status first_step;   // train_rank()'s status: the faulty step's
+  Status later_call;   // a gather after it
+  double seconds = 0;  // how long the faulty step took
+  FaultCounts counts;
+};
+
+// One rank, stage 2, AdamW state on NVMe; faults off while finalize() writes the initial state
+// and while step 1 runs, on for step 2.
+FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name) {
+  engine_test::ScratchDir dir(dir_name);
+  Config config =
+      engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  config.io_timeout_ms = 50;
+  config.io_timeouts_max = 2;
+  const Model model = engine_test::make_model(DType::kF32, 4242);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  auto faults = std::make_shared<FaultInjector>(spec);
+  faults->set_enabled(false);
+  Env env;
+  env.device = ranks.devices[0].get();
+  env.comm = ranks.comms[0].get();
+  env.io_faults = faults;
+  FaultRun run;
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env);
+  EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
+  if (!engine.is_ok()) return run;
+  TrainOptions options;
+  options.check_gathered = false;
+  options.steps = 1;
+  std::vector<StepReport> reports;
+  Status st = engine_test::train_rank(**engine, model, 0, options, nullptr, &reports);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  faults->set_enabled(true);
+  options.first_step = 2;
+  options.steps = 2;
+  const auto start = std::chrono::steady_clock::now();
+  run.first_step = engine_test::train_rank(**engine, model, 0, options, nullptr, &reports);
+  run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  run.later_call = (*engine)->gather(model.modules[0]);
+  run.counts = faults->counts();
+  return run;
+}
+
+TEST(EngineIoFault, AWriteThatNeverCompletesEndsTheStepWithTimeoutNamingTheExtent) {
+  FaultSpec spec;
+  spec.seed = 7;
+  spec.hang_rate = 1.0;
+  spec.hang_max = 1;
+  spec.reads = false;
+  const FaultRun run = run_with_faults(spec, "io_fault_hang");
+  EXPECT_EQ(run.counts.hang, 1u);
+  EXPECT_EQ(run.first_step.code(), Code::kTimeout) << run.first_step.to_string();
+  EXPECT_NE(run.first_step.message().find("rank0/opt/group"), std::string::npos)
+      << run.first_step.to_string();
+  // Two waits of 50 ms (each may end a millisecond early), the cancel: well under a second,
+  // and not forever.
+  EXPECT_GE(run.seconds, 0.09);
+  EXPECT_LT(run.seconds, 5.0);
+  EXPECT_EQ(run.later_call.code(), Code::kTimeout) << run.later_call.to_string();
+}
+
+TEST(EngineIoFault, AFailedReadIsAnIoErrorNamingTheExtentAndSticks) {
+  FaultSpec spec;
+  spec.seed = 11;
+  spec.eio_rate = 1.0;
+  spec.writes = false;
+  const FaultRun run = run_with_faults(spec, "io_fault_eio");
+  EXPECT_GT(run.counts.eio, 0u);
+  EXPECT_EQ(run.first_step.code(), Code::kIoError) << run.first_step.to_string();
+  EXPECT_NE(run.first_step.message().find("rank0/opt/group"), std::string::npos)
+      << run.first_step.to_string();
+  EXPECT_EQ(run.later_call.code(), Code::kIoError) << run.later_call.to_string();
+}
+
+// Finalizes one rank of a stage-3 model with everything on NVMe under `limit`.
+Status finalize_with_pinned_limit(std::uint64_t limit) {
+  engine_test::ScratchDir dir("pinned_limit");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNvme, dir.path());
+  config.pinned_pool_bytes = limit;
+  const Model model = engine_test::make_model(DType::kBF16, 99);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Env env;
+  env.device = ranks.devices[0].get();
+  env.comm = ranks.comms[0].get();
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+  ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+  return engine->finalize();
+}
+
+TEST(EnginePinnedLimit, TheLimitIsExactAndTheErrorNamesTheKey) {
+  const Status small = finalize_with_pinned_limit(4096);
+  ASSERT_EQ(small.code(), Code::kResourceExhausted) << small.to_string();
+  EXPECT_NE(small.message().find("zinf.pinned_pool_bytes: 4096 bytes"), std::string::npos)
+      << small.to_string();
+  // "... pinned blocks need N (optimizer pool ..." : N is what this config maps.
+  const std::string_view text = small.message();
+  const std::size_t at = text.find("need ");
+  ASSERT_NE(at, std::string::npos) << small.to_string();
+  const std::uint64_t need = std::stoull(std::string(text.substr(at + 5)));
+  EXPECT_GT(need, 4096u);
+  EXPECT_TRUE(finalize_with_pinned_limit(need).is_ok());
+  EXPECT_TRUE(finalize_with_pinned_limit(0).is_ok());  // 0: no limit
+  EXPECT_EQ(finalize_with_pinned_limit(need - 1).code(), Code::kResourceExhausted);
+}
+
+}  // namespace
+}  // namespace zinf
