@@ -26,6 +26,7 @@ class ThreadEngine final : public EngineCore {
  public:
   explicit ThreadEngine(const IoOptions& options) : EngineCore(options) {
     active_.reset(options_.max_requests);
+    cancel_requested_.assign(options_.max_requests, 0);
   }
 
   ~ThreadEngine() override {
@@ -58,6 +59,7 @@ class ThreadEngine final : public EngineCore {
   void enqueue(std::uint32_t slot_index) override {
     {
       std::lock_guard lock(mutex_);
+      cancel_requested_[slot_index] = 0;  // a new request in this slot
       active_.push(slot_index);
     }
     work_cv_.notify_one();
@@ -69,6 +71,9 @@ class ThreadEngine final : public EngineCore {
       if (slot(slot_index).done.load(std::memory_order_acquire)) return;
       stop_cutting(slot_index);
       if (hung_cancellable()) {
+        // A piece of this request whose thread has not reached wait_hung() yet (the injector
+        // may still be sleeping in it) sees the flag there.
+        cancel_requested_[slot_index] = 1;
         for (Hung& h : hung_) {
           if (h.active && h.slot == slot_index) h.cancelled = true;
         }
@@ -92,7 +97,7 @@ class ThreadEngine final : public EngineCore {
   Status wait_hung(std::uint32_t thread_index, const Piece& piece) {
     std::unique_lock lock(mutex_);
     Hung& h = hung_[thread_index];
-    h = Hung{true, false, piece.slot};
+    h = Hung{true, cancel_requested_[piece.slot] != 0, piece.slot};
     hung_cv_.wait(lock, [&] { return h.cancelled || stop_; });
     h.active = false;
     return cancelled_status(piece);
@@ -140,6 +145,8 @@ class ThreadEngine final : public EngineCore {
   std::condition_variable work_cv_;
   std::condition_variable hung_cv_;
   std::vector<Hung> hung_;  // one per thread, guarded by mutex_
+  // Per slot: cancel() reached the request while it was in flight; guarded by mutex_.
+  std::vector<std::uint8_t> cancel_requested_;
   bool stop_ = false;
   BoundedQueue<std::uint32_t> active_;  // guarded by mutex_
   std::vector<std::thread> threads_;

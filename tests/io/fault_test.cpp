@@ -264,6 +264,26 @@ TEST_P(FaultTest, HungPieceThatIgnoresCancelEndsWithTheEngine) {
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(5));
 }
 
+// A cancel that arrives while the injector still holds the piece (before the engine has marked it
+// hung) must still release it: the thread engine once lost such a cancel and kept the piece in
+// flight until the engine closed.
+TEST_P(FaultTest, ACancelBeforeThePieceHangsStillReleasesIt) {
+  open({.seed = 808,
+        .latency_rate = 1.0,
+        .latency = std::chrono::microseconds(300000),
+        .hang_rate = 1.0,
+        .hang_max = 1},
+       "hang-cancel-early");
+  AlignedBuffer back(kRequestBytes);
+  Result<Ticket> ticket = engine_->read(file_, kRequestBytes, kRequestBytes, back.data());
+  ASSERT_TRUE(ticket.is_ok()) << ticket.status().to_string();
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_TRUE(engine_->cancel(*ticket).is_ok());
+  const Status s = engine_->wait(*ticket, std::chrono::seconds(3));
+  EXPECT_EQ(s.code(), Code::kIoError) << s.to_string();
+  EXPECT_EQ(s.sys_code(), ECANCELED);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, FaultTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 }  // namespace
