@@ -571,14 +571,31 @@ void SwapSpace::abandon(SwapTicket ticket) {
   op.generation.store(UINT32_MAX, std::memory_order_release);
 }
 
+// A synchronous op returns with its ticket redeemed whatever happens, so the caller may reuse
+// its memory: past the timeout it cancels the op and waits once more; an op not even the cancel
+// ends is abandoned (a write's blocks are lost) and the error says so.
+Status SwapSpace::finish_sync(SwapTicket ticket, std::chrono::milliseconds timeout) {
+  Status st = wait(ticket, timeout);
+  if (st.code() != Code::kTimeout) return st;
+  cancel(ticket);
+  Status again = wait(ticket, timeout);
+  if (again.is_ok()) return again;  // it landed just after the timeout
+  if (again.code() != Code::kTimeout) {
+    return Status::timeout(fmt::format("{}; it was cancelled", st.message()));
+  }
+  abandon(ticket);
+  return Status::timeout(
+      fmt::format("{}; cancelling it did not end it either, so it was abandoned", st.message()));
+}
+
 Status SwapSpace::write_sync(ExtentId id, const void* src, std::chrono::milliseconds timeout) {
   ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, write(id, src));
-  return wait(ticket, timeout);
+  return finish_sync(ticket, timeout);
 }
 
 Status SwapSpace::read_sync(ExtentId id, void* dst, std::chrono::milliseconds timeout) {
   ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, read(id, dst));
-  return wait(ticket, timeout);
+  return finish_sync(ticket, timeout);
 }
 
 const SwapOptions& SwapSpace::options() const { return impl_->options; }

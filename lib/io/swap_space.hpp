@@ -132,6 +132,10 @@ class SwapSpace {
   // reuse it while the engine is open. REQUIRES: as cancel().
   void abandon(SwapTicket ticket);
 
+  // write() / read() and wait(), with the ticket always redeemed on return: past `timeout` the
+  // op is cancelled and waited for once more (kTimeout either way); one the cancel does not end
+  // either is abandon()ed (kTimeout saying so; a write's blocks are lost). After an abandoned
+  // read the device may still write into `dst`.
   Status write_sync(ExtentId id, const void* src,
                     std::chrono::milliseconds timeout = std::chrono::seconds(60));
   Status read_sync(ExtentId id, void* dst,
@@ -146,6 +150,7 @@ class SwapSpace {
 
  private:
   explicit SwapSpace(std::unique_ptr<Impl> impl);
+  Status finish_sync(SwapTicket ticket, std::chrono::milliseconds timeout);
   std::unique_ptr<Impl> impl_;
 };
 

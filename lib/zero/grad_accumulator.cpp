@@ -76,9 +76,30 @@ Result<std::unique_ptr<SpillAccumulator>> SpillAccumulator::create(StateStore& s
 
 SpillAccumulator::~SpillAccumulator() {
   // No write may outlive its buffer.
-  for (std::size_t b = 0; b < buffers_.size(); ++b) {
-    if (buffers_[b].writing) (void)write_done(static_cast<int>(b));
+  for (std::size_t b = 0; b < buffers_.size(); ++b) settle(static_cast<int>(b));
+}
+
+void SpillAccumulator::settle(int b) {
+  Buffer& buf = buffers_[static_cast<std::size_t>(b)];
+  if (!buf.writing) return;
+  SwapSpace& swap = *store_.swap();
+  Status st = swap.wait(buf.ticket, options_.timeout);
+  if (st.code() == Code::kTimeout) {
+    // A drive that stopped answering: cancel, and give the cancel one more wait.
+    swap.cancel(buf.ticket);
+    st = swap.wait(buf.ticket, options_.timeout);
   }
+  if (st.code() == Code::kTimeout) {
+    // Not even the cancel ended it: give the write up (its blocks are lost) and keep its buffer
+    // out of use until this object goes, since the device may still read it.
+    swap.abandon(buf.ticket);
+    abandoned_.push_back(std::move(buf.data));
+    buf.data = AlignedBuffer(buffer_bytes_);
+    std::memset(buf.data.data(), 0, buf.data.bytes());
+  }
+  buf.writing = false;
+  store_.end_write(Piece::kGrads, static_cast<std::size_t>(buf.sub_group), st.is_ok());
+  (void)fail(st);
 }
 
 std::size_t SpillAccumulator::host_bytes() const { return buffers_.size() * buffer_bytes_; }
@@ -258,7 +279,7 @@ Status SpillAccumulator::flush_all() {
 void SpillAccumulator::zero() {
   for (std::size_t b = 0; b < buffers_.size(); ++b) {
     Buffer& buf = buffers_[b];
-    if (buf.writing) (void)write_done(static_cast<int>(b));
+    settle(static_cast<int>(b));
     buf.sub_group = -1;
     buf.dirty = false;
   }

@@ -130,6 +130,9 @@ class SpillAccumulator final : public GradAccumulator {
 
   SpillAccumulator(StateStore& store, const SpillOptions& options, EngineCounters* counters)
       : store_(store), options_(options), counters_(counters) {}
+  // Ends buffer b's write, if any, whatever it takes (wait; cancel and wait; abandon), so the
+  // buffer can be reused or freed. Errors become the sticky status.
+  void settle(int b);
   // Puts sub-group i into a buffer (zeros or read back), returns its index.
   Result<int> open(std::size_t i);
   // A buffer for a new sub-group: a free one, else one holding a clean sub-group (waiting for
@@ -157,6 +160,7 @@ class SpillAccumulator final : public GradAccumulator {
   Counts counts_;
   std::vector<SubGroup> sub_groups_;
   std::vector<Buffer> buffers_;
+  std::vector<AlignedBuffer> abandoned_;  // buffers of writes given up on (settle)
   std::size_t buffer_bytes_ = 0;
   std::uint64_t clock_ = 0;
   Status status_;

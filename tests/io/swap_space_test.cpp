@@ -270,6 +270,45 @@ TEST_P(SwapTest, FailedWriteMarksBlocksLost) {
   EXPECT_EQ(t.status().code(), Code::kIoError);
 }
 
+// A synchronous read the drive never answers returns kTimeout with its ticket redeemed: cancelled
+// when the cancel reaches it, abandoned when not even that does; either way the swap space goes
+// on serving other ops, and an abandoned write's blocks read back as lost.
+TEST_P(SwapTest, SyncOpsPastTheirTimeoutAreCancelledOrAbandoned) {
+  for (const bool ignores_cancel : {false, true}) {
+    const std::uint64_t seed = 0x5e7c + (ignores_cancel ? 1 : 0);
+    ScratchDir root("swap-sync-hang");
+    auto faults = std::make_shared<FaultInjector>(
+        FaultSpec{.seed = seed, .hang_rate = 1.0, .hang_ignores_cancel = ignores_cancel});
+    faults->set_enabled(false);
+    auto io = engine(faults);
+    ASSERT_TRUE(io);
+    Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
+        *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+    ASSERT_TRUE(swap.is_ok());
+    ExtentId a = *(*swap)->create("a", kBlock);
+    ExtentId b = *(*swap)->create("b", kBlock);
+    AlignedBuffer data = random_buffer(kBlock, seed);
+    ASSERT_TRUE((*swap)->write_sync(a, data.data()).is_ok());
+    ASSERT_TRUE((*swap)->write_sync(b, data.data()).is_ok());
+    faults->set_enabled(true);
+    AlignedBuffer back(kBlock);
+    const Status read = (*swap)->read_sync(a, back.data(), std::chrono::milliseconds(30));
+    EXPECT_EQ(read.code(), Code::kTimeout) << read.to_string();
+    EXPECT_NE(read.message().find(ignores_cancel ? "abandoned" : "cancelled"), std::string::npos)
+        << read.to_string();
+    const Status write = (*swap)->write_sync(b, data.data(), std::chrono::milliseconds(30));
+    EXPECT_EQ(write.code(), Code::kTimeout) << write.to_string();
+    faults->set_enabled(false);
+    // The space still works; the hung write's blocks are lost, the other extent intact.
+    AlignedBuffer again(kBlock);
+    ASSERT_TRUE((*swap)->read_sync(a, again.data()).is_ok());
+    EXPECT_EQ(std::memcmp(again.data(), data.data(), kBlock), 0);
+    Result<SwapTicket> lost = (*swap)->read(b, again.data());
+    ASSERT_FALSE(lost.is_ok());
+    EXPECT_EQ(lost.status().code(), Code::kIoError) << lost.status().to_string();
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 TEST(SwapOpen, MissingDirectoryNamesIt) {
