@@ -212,7 +212,9 @@ class Engine {
   // kFailedPrecondition when its module is not gathered.
   Result<TensorView> parameter(std::string_view name) const;
   // Frees the module's gathered parameters (stage 3; persistent ones stay). kNotFound for an
-  // unknown module, kFailedPrecondition when it is not gathered.
+  // unknown module, kFailedPrecondition when it is not gathered. On a device that is not
+  // host-accessible the caller's work reading them must have finished (its stream synchronised):
+  // the next gather may write into the freed buffers on the engine's stream.
   Status release(std::string_view module);
 
   // Reduces this micro-batch's gradients of every parameter of `module`, exactly once each:

@@ -9,7 +9,9 @@
 //               (kernels/widen.h): a bucket filled from the gradients, micro-batches added into
 //               stage 1's full-size fp32 gradients, and (f32 source with accumulate) an f32 add.
 //   scale       x[i] *= factor, flagging inf/NaN (kernels/unscale.h): the step's gradient scale.
-//   sum_of_squares  sum x[i]^2 in fp64, as one float (kernels/sq_norm.h): the gradient norm.
+//   sum_of_squares  sum x[i]^2 as one float (kernels/sq_norm.h): the gradient norm. On CUDA each
+//               block sums its share in fp32 and the block partials are added in fp64; the
+//               HostDevice ops use the scalar reference, which sums in fp64 throughout.
 //   adam_step   Adam / AdamW over state in device memory, writing the bf16/f16 copy in the same
 //               pass (kernels/adam.h): the optimizer of offload_optimizer "none".
 //
@@ -53,8 +55,9 @@ class DeviceOps {
   // inf or NaN, never clears it.
   virtual Status scale(float* x, std::size_t count, float factor, std::int32_t* found_inf,
                        Stream& stream) = 0;
-  // Enqueues *out = sum x[i]^2 (deterministic; summed in fp64, rounded to float once). `partials`
-  // is kernels::kSqNormPartials floats of device scratch, `out` one device float.
+  // Enqueues *out = sum x[i]^2 (deterministic for a given count; block sums in fp32 on CUDA,
+  // added in fp64, rounded to float once; a sum beyond FLT_MAX is inf, read as an overflow).
+  // `partials` is kernels::kSqNormPartials floats of device scratch, `out` one device float.
   virtual Status sum_of_squares(const float* x, std::size_t count, float* partials, float* out,
                                 Stream& stream) = 0;
   // Enqueues one Adam/AdamW step (kernels/adam.h) over `count` elements of device memory; with
