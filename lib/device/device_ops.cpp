@@ -17,9 +17,7 @@ namespace zinf {
 std::unique_ptr<DeviceOps> make_cuda_device_ops(Device& device);
 #endif
 
-namespace {
-
-kernels::HalfType half_type(DType dtype) {
+kernels::HalfType kernel_half_type(DType dtype) {
   switch (dtype) {
     case DType::kF32:
       return kernels::HalfType::kNone;
@@ -30,6 +28,8 @@ kernels::HalfType half_type(DType dtype) {
   }
   return kernels::HalfType::kNone;
 }
+
+namespace {
 
 // The references as host functions in stream order, on the memory's host addresses. The
 // closure allocates (Device::launch_host); this is the test backend, not a hot path.
@@ -46,7 +46,7 @@ class HostDeviceOps final : public DeviceOps {
     }
     const void* s = device_.host_address(src);
     auto* d = static_cast<float*>(device_.host_address(dst));
-    const kernels::HalfType type = half_type(src_dtype);
+    const kernels::HalfType type = kernel_half_type(src_dtype);
     return device_.launch_host(stream, [s, type, d, count, accumulate] {
       kernels::widen_to_f32_ref(s, type, d, count, accumulate);
       return Status::ok();
@@ -84,7 +84,7 @@ class HostDeviceOps final : public DeviceOps {
     auto* m = static_cast<float*>(device_.host_address(exp_avg));
     auto* v = static_cast<float*>(device_.host_address(exp_avg_sq));
     const kernels::HalfType type =
-        half_dtype == DType::kF32 ? kernels::HalfType::kNone : half_type(half_dtype);
+        half_dtype == DType::kF32 ? kernels::HalfType::kNone : kernel_half_type(half_dtype);
     auto* half = type == kernels::HalfType::kNone
                      ? nullptr
                      : static_cast<std::uint16_t*>(device_.host_address(param_half));

@@ -40,6 +40,9 @@
 
 namespace zinf {
 
+// The kernels' name for a parameter dtype (f32: kNone).
+kernels::HalfType kernel_half_type(DType dtype);
+
 class DeviceOps {
  public:
   virtual ~DeviceOps() = default;

@@ -11,18 +11,6 @@
 namespace zinf {
 namespace {
 
-kernels::HalfType half_type(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return kernels::HalfType::kNone;
-    case DType::kBF16:
-      return kernels::HalfType::kBf16;
-    case DType::kF16:
-      return kernels::HalfType::kF16;
-  }
-  return kernels::HalfType::kNone;
-}
-
 class CudaDeviceOps final : public DeviceOps {
  public:
   explicit CudaDeviceOps(Device& device) : device_(device) {}
@@ -32,7 +20,7 @@ class CudaDeviceOps final : public DeviceOps {
     if (count == 0) return Status::ok();
     // Kernels launch on the calling thread's current device; the stream belongs to this one.
     ZINF_RETURN_IF_ERROR(make_cuda_device_current(device_));
-    const int err = kernels::widen_to_f32(src, half_type(src_dtype), dst, count, accumulate,
+    const int err = kernels::widen_to_f32(src, kernel_half_type(src_dtype), dst, count, accumulate,
                                           stream.native_handle());
     if (err == 0) return Status::ok();
     return status_from_cuda(
@@ -62,9 +50,9 @@ class CudaDeviceOps final : public DeviceOps {
                    const kernels::AdamStepArgs& args, Stream& stream) override {
     if (count == 0) return Status::ok();
     ZINF_RETURN_IF_ERROR(make_cuda_device_current(device_));
-    return launched(kernels::adam_step(param, grad, exp_avg, exp_avg_sq,
-                                       static_cast<std::uint16_t*>(param_half),
-                                       half_type(half_dtype), count, args, stream.native_handle()),
+    return launched(kernels::adam_step(
+                        param, grad, exp_avg, exp_avg_sq, static_cast<std::uint16_t*>(param_half),
+                        kernel_half_type(half_dtype), count, args, stream.native_handle()),
                     "adam step", count, stream);
   }
 
