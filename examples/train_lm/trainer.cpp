@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -326,25 +327,47 @@ class EngineAccess final : public ParamAccess {
   zinf::Status status_;
 };
 
+// Registers the model through initializers, so that its initial values are never held whole:
+// the engine asks each rank for its partition's ranges during finalize(), in registration order,
+// and the rank's cache generates one module at a time (init_module, seeded per module, so the
+// values are the same bits as generating the whole model) and serves the ranges from it. Memory:
+// the largest module's fp32 values, freed when finalize() drops the initializers.
 zinf::Status register_model(zinf::Engine& engine, const ModelShape& shape, std::uint64_t seed,
                             zinf::DType dtype) {
+  struct ModuleCache {
+    std::size_t module = std::numeric_limits<std::size_t>::max();
+    std::vector<float> values;  // the cached module's weights then biases
+  };
   const std::vector<ModuleSpec> specs = module_specs(shape);
-  std::vector<float> initial(max_module_params(specs));
+  auto cache = std::make_shared<ModuleCache>();
+  const std::size_t largest = max_module_params(specs);
+  // The initializer of the parameter at `base` in module m's values.
+  auto initializer = [&](std::size_t m, std::size_t base) {
+    return [cache, shape, seed, largest, m, base](std::size_t first_element,
+                                                  std::size_t element_count, float* out) {
+      if (cache->module != m) {
+        cache->values.resize(largest);
+        init_module(shape, m, seed, cache->values.data());
+        cache->module = m;
+      }
+      std::memcpy(out, cache->values.data() + base + first_element, element_count * sizeof(float));
+      return zinf::Status::ok();
+    };
+  };
   for (std::size_t m = 0; m < specs.size(); ++m) {
     const ModuleSpec& spec = specs[m];
-    init_module(shape, m, seed, initial.data());
     zinf::ParameterSpec weight;
     weight.name = weight_name(spec);
     weight.module = spec.name;
     weight.shape = {std::int64_t(spec.in), std::int64_t(spec.out)};
     weight.dtype = dtype;
-    weight.initial_values = initial.data();
+    weight.initializer = initializer(m, 0);
     ZINF_RETURN_IF_ERROR(engine.register_parameter(weight));
     if (spec.has_bias) {
       zinf::ParameterSpec bias = weight;
       bias.name = bias_name(spec);
       bias.shape = {std::int64_t(spec.out)};
-      bias.initial_values = initial.data() + spec.in * spec.out;
+      bias.initializer = initializer(m, spec.in * spec.out);
       ZINF_RETURN_IF_ERROR(engine.register_parameter(bias));
     }
   }

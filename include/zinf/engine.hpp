@@ -1,7 +1,8 @@
 // Engine: one rank's share of ZeRO training (stages 1-3), the public face of zinf.
 //
 // A training program opens one Engine per rank (on LocalComm, one thread per rank), registers its
-// parameters once with their initial values, and then for every micro-batch:
+// parameters once with their initial values (or an initializer that produces them at finalize()),
+// and then for every micro-batch:
 //
 //   forward, for each module m in order:   gather(m); parameter(name) -> device pointers;
 //                                          compute; release(m)
@@ -64,6 +65,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -95,14 +97,35 @@ struct Env {
   std::shared_ptr<FaultInjector> io_faults;
 };
 
+// Writes the initial fp32 values of elements [first_element, first_element + element_count) of
+// one parameter (flattened in row-major order of its shape) to out[0, element_count), and returns
+// OK, or an error that fails finalize(). See ParameterSpec::initializer.
+using ParameterInitializer =
+    std::function<Status(std::size_t first_element, std::size_t element_count, float* out)>;
+
+// A parameter to register. Its initial values come from exactly one of `initial_values` (copied
+// at registration) or `initializer` (asked for them during finalize()).
 struct ParameterSpec {
   std::string name;                 // unique, for example "layers.3.attn.qkv.weight"
   std::string module;               // the module that uses it, for example "layers.3"; not empty
   std::vector<std::int64_t> shape;  // {} is a scalar; every dimension > 0
   DType dtype = DType::kF32;        // the dtype of the device copy the model computes with
   // element_count(shape) fp32 values, read during the call (they become the fp32 master and,
-  // rounded to `dtype`, the device copy). REQUIRES: the same values on every rank.
+  // rounded to `dtype`, the device copy). The engine keeps a copy (4 bytes an element) until
+  // finalize() ends. REQUIRES: the same values on every rank.
   const float* initial_values = nullptr;
+  // Instead of initial_values: called during finalize(), on the thread that runs it, for exactly
+  // the elements of this parameter in this rank's partition (its slice of the fp32 master), each
+  // element once and never outside [0, element_count(shape)): one call per run of the
+  // parameter's elements in each piece the engine fills (a sub-group of sub_group_size elements
+  // when the optimizer state is offloaded, else the whole partition). Nothing is copied at
+  // registration, so a model need never be held whole in host memory.
+  // REQUIRES: deterministic, the same value for an element on every rank whatever the order or
+  // the split of the calls (ranks ask for different pieces, and the pieces change with the world
+  // size, stage and sub_group_size); the function must not throw. An error it returns fails
+  // finalize() with that code, naming the parameter and the elements. The engine drops the
+  // function (and what it captured) when finalize() ends, successful or not.
+  ParameterInitializer initializer = nullptr;
 };
 
 // A parameter's device copy, valid while its module is gathered (always, at stages 1 and 2).
@@ -192,14 +215,15 @@ class Engine {
   Engine& operator=(const Engine&) = delete;
 
   // Registers one parameter. kInvalidArgument (naming it) for an empty or duplicate name, an
-  // empty module, a bad shape or null initial values; kFailedPrecondition after finalize().
+  // empty module, a bad shape, or neither or both of initial_values and initializer set;
+  // kFailedPrecondition after finalize().
   Status register_parameter(const ParameterSpec& spec);
 
   // Lays out the partitions, checks with every rank that all registered the same parameters
   // (kInvalidArgument naming the first parameter that differs and the ranks), allocates every
-  // buffer, opens swap space, and places the initial values. Called by the first gather(),
-  // reduce_gradients() or step() if not before. Collective. On failure the engine stays
-  // unfinalized and every later call returns the same error.
+  // buffer, opens swap space, and places the initial values (calling the initializers). Called
+  // by the first gather(), reduce_gradients() or step() if not before. Collective. On failure
+  // the engine stays unfinalized and every later call returns the same error.
   Status finalize();
   bool finalized() const;
 

@@ -242,6 +242,27 @@ ZINF_C_API zinf_code_t zinf_engine_register_parameter(zinf_engine_t* engine, con
                                                       size_t ndim, zinf_dtype_t dtype,
                                                       const float* initial_values);
 
+/* Writes the initial fp32 values of elements [first_element, first_element + element_count) of
+ * one parameter (flattened in row-major order of its shape) to out[0, element_count), and
+ * returns ZINF_OK, or another code that fails zinf_engine_finalize. `user` is the pointer given
+ * at registration. */
+typedef zinf_code_t (*zinf_initializer_fn)(void* user, size_t first_element, size_t element_count,
+                                           float* out);
+
+/* As zinf_engine_register_parameter, but nothing is copied at registration: during
+ * zinf_engine_finalize (or the first gather, reduce_gradients or step) the engine calls
+ * `initializer(user, ...)`, on the thread making that call, for exactly the elements of this
+ * parameter in this rank's partition, each once, never outside [0, product(shape)); so a model
+ * need never be held whole in host memory. The function must be deterministic: the same value
+ * for an element on every rank whatever the order or split of the calls (they change with the
+ * world size, stage and sub_group_size). A code other than ZINF_OK fails finalize with that code
+ * and a message naming the parameter and the elements. `user` must stay valid until finalize
+ * returns; the engine does not use it afterwards. ZINF_INVALID_ARGUMENT as for
+ * zinf_engine_register_parameter, and for a null initializer. */
+ZINF_C_API zinf_code_t zinf_engine_register_parameter_with_initializer(
+    zinf_engine_t* engine, const char* name, const char* module, const int64_t* shape, size_t ndim,
+    zinf_dtype_t dtype, zinf_initializer_fn initializer, void* user);
+
 /* Lays out the partitions, checks that every rank registered the same parameters, allocates
  * every buffer and places the initial values. Collective. Done by the first gather,
  * reduce_gradients or step when not called before. */

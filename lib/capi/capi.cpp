@@ -488,38 +488,75 @@ zinf_code_t zinf_engine_world_size(const zinf_engine_t* engine, int* world_size)
   });
 }
 
+namespace {
+
+// The checks and the bookkeeping of both registration functions; `spec` holds the initial values
+// or the initializer.
+Status register_spec(zinf_engine_t* engine, const char* fn, const char* name, const char* module,
+                     const int64_t* shape, size_t ndim, zinf_dtype_t dtype,
+                     zinf::ParameterSpec& spec) {
+  ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+  ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
+  ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
+  if (ndim > 0 && shape == nullptr) {
+    return Status::invalid_argument(
+        fmt::format("{}: parameter \"{}\": shape is null with ndim {}", fn, name, ndim));
+  }
+  if (!valid_dtype(dtype)) {
+    return Status::invalid_argument(
+        fmt::format("{}: parameter \"{}\": dtype {} is not f32 (0), "
+                    "f16 (1) or bf16 (2)",
+                    fn, name, static_cast<int>(dtype)));
+  }
+  spec.name = name;
+  spec.module = module;
+  spec.shape.assign(shape, shape + ndim);
+  spec.dtype = static_cast<zinf::DType>(dtype);
+  // Reserve the map entry first, so that a registration the engine accepted is always known
+  // here (the engine has no "unregister" to undo it if this allocation failed after).
+  engine->element_counts.reserve(engine->element_counts.size() + 1);
+  ZINF_RETURN_IF_ERROR(engine->engine->register_parameter(spec));
+  std::size_t element_count = 1;
+  for (std::int64_t d : spec.shape) element_count *= static_cast<std::size_t>(d);
+  engine->element_counts[spec.name] = element_count;
+  return Status::ok();
+}
+
+}  // namespace
+
 zinf_code_t zinf_engine_register_parameter(zinf_engine_t* engine, const char* name,
                                            const char* module, const int64_t* shape, size_t ndim,
                                            zinf_dtype_t dtype, const float* initial_values) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
-    ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
-    ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
-    if (ndim > 0 && shape == nullptr) {
-      return Status::invalid_argument(
-          fmt::format("{}: parameter \"{}\": shape is null with ndim {}", fn, name, ndim));
-    }
-    if (!valid_dtype(dtype)) {
-      return Status::invalid_argument(
-          fmt::format("{}: parameter \"{}\": dtype {} is not f32 (0), "
-                      "f16 (1) or bf16 (2)",
-                      fn, name, static_cast<int>(dtype)));
+    zinf::ParameterSpec spec;
+    spec.initial_values = initial_values;
+    return register_spec(engine, fn, name, module, shape, ndim, dtype, spec);
+  });
+}
+
+zinf_code_t zinf_engine_register_parameter_with_initializer(
+    zinf_engine_t* engine, const char* name, const char* module, const int64_t* shape, size_t ndim,
+    zinf_dtype_t dtype, zinf_initializer_fn initializer, void* user) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (initializer == nullptr) {
+      // Named here: the engine would say "neither of initial_values and initializer".
+      return Status::invalid_argument(fmt::format("{}: parameter \"{}\": initializer is null", fn,
+                                                  name != nullptr ? name : "(null)"));
     }
     zinf::ParameterSpec spec;
-    spec.name = name;
-    spec.module = module;
-    spec.shape.assign(shape, shape + ndim);
-    spec.dtype = static_cast<zinf::DType>(dtype);
-    spec.initial_values = initial_values;
-    // Reserve the map entry first, so that a registration the engine accepted is always known
-    // here (the engine has no "unregister" to undo it if this allocation failed after).
-    engine->element_counts.reserve(engine->element_counts.size() + 1);
-    ZINF_RETURN_IF_ERROR(engine->engine->register_parameter(spec));
-    std::size_t element_count = 1;
-    for (std::int64_t d : spec.shape) element_count *= static_cast<std::size_t>(d);
-    engine->element_counts[spec.name] = element_count;
-    return Status::ok();
+    // A C function cannot carry a message: the code comes back with one that names it, and the
+    // engine adds the parameter and the elements.
+    spec.initializer = [initializer, user](std::size_t first_element, std::size_t element_count,
+                                           float* out) -> Status {
+      const zinf_code_t code = initializer(user, first_element, element_count, out);
+      if (code == ZINF_OK) return Status::ok();
+      const bool known = code > ZINF_OK && code <= ZINF_INTERNAL;
+      return Status(known ? static_cast<zinf::Code>(code) : zinf::Code::kInternal, 0,
+                    fmt::format("the C initializer returned code {}", static_cast<int>(code)));
+    };
+    return register_spec(engine, fn, name, module, shape, ndim, dtype, spec);
   });
 }
 

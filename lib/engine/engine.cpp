@@ -193,14 +193,18 @@ class Engine::Impl {
       }
       count *= static_cast<std::size_t>(d);
     }
-    if (spec.initial_values == nullptr) {
-      return Status::invalid_argument(fmt::format("{}: initial_values is null", what));
+    if ((spec.initial_values == nullptr) == (spec.initializer == nullptr)) {
+      return Status::invalid_argument(
+          fmt::format("{}: {} of initial_values and initializer are set (exactly one must be)",
+                      what, spec.initial_values == nullptr ? "neither" : "both"));
     }
     Registered r;
     r.spec = spec;
     r.spec.initial_values = nullptr;
     r.element_count = count;
-    r.values.assign(spec.initial_values, spec.initial_values + count);
+    if (spec.initial_values != nullptr) {
+      r.values.assign(spec.initial_values, spec.initial_values + count);
+    }
     by_name_[spec.name] = regs_.size();
     if (module_index_.count(spec.module) == 0) {
       module_index_[spec.module] = module_names_.size();
@@ -217,6 +221,11 @@ class Engine::Impl {
     if (finalized_) return Status::ok();
     ZINF_RETURN_IF_ERROR(finalize_error_);
     Status st = finalize_impl();
+    // The initial values are placed (or will never be): drop the copies and the initializers.
+    for (Registered& r : regs_) {
+      std::vector<float>().swap(r.values);
+      r.spec.initializer = nullptr;
+    }
     if (!st.is_ok()) {
       finalize_error_ = st;
       // Give back what was built, so the engine holds nothing half made.
@@ -364,8 +373,9 @@ class Engine::Impl {
     }
 
     // The initial fp32 master of this rank's partition is never held whole in host memory: it
-    // is built from the registered values one sub-group at a time (fill_master), so setting up a
-    // model whose state lives on NVMe costs no more host memory than its registered values.
+    // is built from the registered values or initializers one sub-group at a time (fill_master),
+    // so setting up a model whose state lives on NVMe costs no more host memory than its
+    // registered values (nothing, with initializers, beyond what they hold).
     for (std::uint32_t g = 0; g < groups; ++g) {
       for (const ParamPiece& piece : part_->shard_pieces(g, rank_)) {
         master_pieces_.push_back({offsets_[g] + piece.shard_offset, piece.param, piece.param_offset,
@@ -386,7 +396,7 @@ class Engine::Impl {
       ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(exp_avg_sq_, DeviceBuffer::allocate(device_, bytes));
       ZINF_ASSIGN_OR_RETURN(grads_, DeviceBuffer::allocate(device_, bytes));
-      fill_master(0, partition_elements_, master_.as<float>());
+      ZINF_RETURN_IF_ERROR(fill_master(0, partition_elements_, master_.as<float>()));
       std::memset(exp_avg_.data(), 0, bytes);
       std::memset(exp_avg_sq_.data(), 0, bytes);
       accumulator = grads_.as<float>();
@@ -449,7 +459,6 @@ class Engine::Impl {
       narrow_master(0, partition_elements_, master_.as<const float>(), /*all_groups=*/true);
     }
     ZINF_RETURN_IF_ERROR(write_shards());
-    for (Registered& r : regs_) std::vector<float>().swap(r.values);
     std::vector<MasterPiece>().swap(master_pieces_);
     finalized_ = true;
     return Status::ok();
@@ -553,7 +562,7 @@ class Engine::Impl {
       groups.push_back({offsets_[g], info.shard_element_count, byte_offsets_[g], info.dtype});
     }
     AlignedBuffer master(std::max<std::size_t>(partition_elements_, 1) * sizeof(float));
-    fill_master(0, partition_elements_, master.as<float>());
+    ZINF_RETURN_IF_ERROR(fill_master(0, partition_elements_, master.as<float>()));
     narrow_master(0, partition_elements_, master.as<const float>(), /*all_groups=*/true);
     ZINF_ASSIGN_OR_RETURN(device_opt_,
                           DeviceOptimizer::create(device_, std::move(groups), partition_elements_,
@@ -574,7 +583,7 @@ class Engine::Impl {
         if (!s.has(piece)) continue;
         std::memset(block.data(), 0, block.bytes());
         if (piece == Piece::kParams) {
-          fill_master(first, size, block.as<float>());
+          ZINF_RETURN_IF_ERROR(fill_master(first, size, block.as<float>()));
           narrow_master(first, size, block.as<const float>(), /*all_groups=*/true);
         }
         if (s.tier(piece) == Tier::kHost) {
@@ -596,8 +605,9 @@ class Engine::Impl {
   };
 
   // out[0, count) <- the initial master of partition elements [first, first + count), from the
-  // registered values; padding is zero. REQUIRES: before the registered values are dropped.
-  void fill_master(std::size_t first, std::size_t count, float* out) const {
+  // registered values or initializers; padding is zero. An initializer's error names the
+  // parameter and its elements. REQUIRES: before the registered values are dropped.
+  Status fill_master(std::size_t first, std::size_t count, float* out) const {
     std::memset(out, 0, count * sizeof(float));
     const std::size_t end = first + count;
     auto it =
@@ -608,10 +618,21 @@ class Engine::Impl {
       const std::size_t lo = std::max(first, it->first);
       const std::size_t hi = std::min(end, it->first + it->element_count);
       if (lo >= hi) continue;
-      std::memcpy(out + (lo - first),
-                  regs_[it->param].values.data() + it->param_offset + (lo - it->first),
-                  (hi - lo) * sizeof(float));
+      const Registered& r = regs_[it->param];
+      const std::size_t param_first = it->param_offset + (lo - it->first);
+      ZINF_ASSERT(param_first + (hi - lo) <= r.element_count);
+      if (r.spec.initializer == nullptr) {
+        std::memcpy(out + (lo - first), r.values.data() + param_first, (hi - lo) * sizeof(float));
+        continue;
+      }
+      Status st = r.spec.initializer(param_first, hi - lo, out + (lo - first));
+      if (!st.is_ok()) {
+        return st.with_context(
+            fmt::format("finalize: the initializer of parameter '{}' failed for elements [{}, {})",
+                        r.spec.name, param_first, param_first + (hi - lo)));
+      }
     }
+    return Status::ok();
   }
 
   // new_params_ of the groups overlapping partition elements [first, first + count) <- src
@@ -1061,7 +1082,7 @@ class Engine::Impl {
   struct Registered {
     ParameterSpec spec;
     std::size_t element_count = 0;
-    std::vector<float> values;  // until finalize()
+    std::vector<float> values;  // until finalize(); empty with spec.initializer
   };
 
   Config config_;

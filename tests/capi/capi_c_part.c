@@ -130,6 +130,33 @@ typedef struct rank_task {
     }                                                                                            \
   } while (0)
 
+/* The user data of one parameter's initializer. */
+typedef struct initializer_data {
+  size_t param;
+  uint64_t seed;
+  uint32_t* asked; /* NULL: not counted */
+} initializer_data_t;
+
+/* Serves elements [first_element, first_element + element_count) of capi_model_initial's values,
+ * generating the whole parameter each time (the test's parameters are small). */
+static zinf_code_t serve_initial(void* user, size_t first_element, size_t element_count,
+                                 float* out) {
+  const initializer_data_t* data = (const initializer_data_t*)user;
+  const size_t count = capi_model_element_count(data->param);
+  float* all = NULL;
+  size_t i;
+  if (first_element > count || element_count > count - first_element) return ZINF_INTERNAL;
+  all = (float*)malloc(count * sizeof(float));
+  if (all == NULL) return ZINF_RESOURCE_EXHAUSTED;
+  capi_model_initial(data->param, data->seed, all);
+  memcpy(out, all + first_element, element_count * sizeof(float));
+  free(all);
+  if (data->asked != NULL) {
+    for (i = 0; i < element_count; ++i) ++data->asked[first_element + i];
+  }
+  return ZINF_OK;
+}
+
 static void train_rank(rank_task_t* task) {
   const capi_run_t* run = task->run;
   zinf_engine_t* engine = NULL;
@@ -138,6 +165,7 @@ static void train_rank(rank_task_t* task) {
   void* grads[CAPI_PARAMS] = {NULL};
   zinf_gradient_t refs[CAPI_PARAMS];
   float* initial = NULL;
+  initializer_data_t init_data[CAPI_PARAMS];
   size_t p;
   size_t m;
   int step;
@@ -165,14 +193,25 @@ static void train_rank(rank_task_t* task) {
 
   for (p = 0; p < CAPI_PARAMS; ++p) {
     const size_t count = capi_model_element_count(p);
-    initial = (float*)malloc(count * sizeof(float));
-    EXPECT(initial != NULL);
-    capi_model_initial(p, run->seed, initial);
-    CHECK(zinf_engine_register_parameter(engine, kParams[p].name, kParams[p].module,
-                                         kParams[p].shape, kParams[p].ndim, kParams[p].dtype,
-                                         initial));
-    free(initial);
-    initial = NULL;
+    if (run->use_initializer) {
+      /* init_data lives until finalize below returns, as zinf.h requires. */
+      init_data[p].param = p;
+      init_data[p].seed = run->seed;
+      init_data[p].asked =
+          run->asked != NULL ? run->asked[(size_t)task->rank * CAPI_PARAMS + p] : NULL;
+      CHECK(zinf_engine_register_parameter_with_initializer(
+          engine, kParams[p].name, kParams[p].module, kParams[p].shape, kParams[p].ndim,
+          kParams[p].dtype, serve_initial, &init_data[p]));
+    } else {
+      initial = (float*)malloc(count * sizeof(float));
+      EXPECT(initial != NULL);
+      capi_model_initial(p, run->seed, initial);
+      CHECK(zinf_engine_register_parameter(engine, kParams[p].name, kParams[p].module,
+                                           kParams[p].shape, kParams[p].ndim, kParams[p].dtype,
+                                           initial));
+      free(initial);
+      initial = NULL;
+    }
     grads[p] = malloc(count * sizeof(float));
     EXPECT(grads[p] != NULL);
   }

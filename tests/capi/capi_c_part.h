@@ -55,6 +55,13 @@ typedef struct capi_run {
   zinf_trace_t* trace;
   /* Out: counters[rank], each rank's engine counters at the end. */
   zinf_engine_counters_t* counters;
+  /* When not 0, parameters are registered through zinf_engine_register_parameter_with_initializer
+   * with a C function that serves capi_model_initial's values, and (when `asked` is not NULL)
+   * counts each element it is asked for in asked[rank * capi_model_param_count() + p][i]
+   * (caller-allocated, zeroed, capi_model_element_count(p) entries). A range outside the
+   * parameter is refused with ZINF_INTERNAL. */
+  int use_initializer;
+  uint32_t** asked;
 } capi_run_t;
 
 /* Trains through the C API only. Returns 0, or the failing zinf_code_t with its call and

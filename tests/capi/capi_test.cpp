@@ -1,6 +1,7 @@
 // The C API (include/zinf/zinf.h): a model trained through it from C (capi_c_part.c, compiled as
 // C99) on 1 and 2 ranks ends with the same bits in every fp32 master as the same run through
-// zinf::Engine in C++; errors come back with the right code and a message naming the key,
+// zinf::Engine in C++ (also when C registers through a C initializer function instead of
+// initial values); errors come back with the right code and a message naming the key,
 // module or parameter; nothing is thrown across the boundary; versioned structs are written
 // only as far as the caller's struct_size.
 #include <fmt/format.h>
@@ -64,6 +65,9 @@ struct Case {
   int micro_batches;
   bool fp16;
   double clipping;
+  // The C run registers through zinf_engine_register_parameter_with_initializer (the C++ run
+  // always through initial values).
+  bool initializer = false;
 };
 
 // gtest prints a case by its name rather than its bytes.
@@ -185,8 +189,26 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
   run.lr_change_value = kLrChangeValue;
   run.finals = c_final_ptrs.data();
   run.reports = c_reports.data();
+  run.use_initializer = c.initializer ? 1 : 0;
+  std::vector<std::vector<std::uint32_t>> asked(world * param_count);
+  std::vector<std::uint32_t*> asked_ptrs;
+  for (std::size_t i = 0; i < asked.size(); ++i) {
+    asked[i].assign(capi_model_element_count(i % param_count), 0);
+    asked_ptrs.push_back(asked[i].data());
+  }
+  run.asked = asked_ptrs.data();
   char error[2048] = {0};
   ASSERT_EQ(capi_c_train(&run, error, sizeof error), 0) << error;
+  if (c.initializer) {
+    // Over all ranks, every element of every parameter was asked for exactly once.
+    for (std::size_t p = 0; p < param_count; ++p) {
+      for (std::size_t i = 0; i < capi_model_element_count(p); ++i) {
+        std::uint32_t total = 0;
+        for (std::size_t r = 0; r < world; ++r) total += asked[r * param_count + p][i];
+        ASSERT_EQ(total, 1u) << capi_model_param(p)->name << " element " << i;
+      }
+    }
+  }
   // The engines' spans and the C ranks' own, in one Chrome trace file.
   std::size_t kept = 0, dropped = 0;
   ASSERT_EQ(zinf_trace_event_count(trace, &kept, &dropped), ZINF_OK);
@@ -318,7 +340,9 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{"w1_s3_nvme_opt", 1, 3, "nvme", "cpu", 1, false, 0.0},
                       Case{"w2_s3_cpu_cpu_fp16_clip", 2, 3, "cpu", "cpu", 1, true, 0.05},
                       Case{"w2_s1_nvme", 2, 1, "nvme", "none", 2, false, 0.0},
-                      Case{"w2_s3_none_nvme_params", 2, 3, "none", "nvme", 1, false, 0.0}),
+                      Case{"w2_s3_none_nvme_params", 2, 3, "none", "nvme", 1, false, 0.0},
+                      Case{"w1_s2_none_initializer", 1, 2, "none", "none", 1, false, 0.0, true},
+                      Case{"w2_s3_nvme_initializer", 2, 3, "nvme", "cpu", 2, false, 0.0, true}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
 TEST(CApi, ErrorPathsFromC) {
@@ -549,6 +573,68 @@ TEST(CApi, EngineErrorsNameWhatWasWrongAndChangeNothing) {
   double scale = 0.0;
   ASSERT_EQ(zinf_engine_loss_scale(e, &scale), ZINF_OK);
   EXPECT_EQ(scale, 1.0);
+}
+
+// A C initializer: user points at the parameter's values, or at nothing to fail with
+// ZINF_IO_ERROR.
+zinf_code_t initializer_from(void* user, size_t first_element, size_t element_count, float* out) {
+  if (user == nullptr) return ZINF_IO_ERROR;
+  std::memcpy(out, static_cast<const float*>(user) + first_element, element_count * sizeof(float));
+  return ZINF_OK;
+}
+
+TEST(CApi, InitializerGivesTheSameMastersAndItsErrorsAreNamed) {
+  const int64_t shape[] = {3, 4};
+  std::vector<float> values(12);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.37f * float(i) - 1.9f;
+  {
+    OneRank one(kStage2);
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    EXPECT_CODE(zinf_engine_register_parameter_with_initializer(one.engine_, "m.w", "m", shape, 2,
+                                                                ZINF_DTYPE_BF16, nullptr, nullptr),
+                ZINF_INVALID_ARGUMENT, "\"m.w\": initializer is null");
+    EXPECT_CODE(
+        zinf_engine_register_parameter_with_initializer(
+            one.engine_, "m.w", "", shape, 2, ZINF_DTYPE_BF16, initializer_from, values.data()),
+        ZINF_INVALID_ARGUMENT, "m.w");
+    ASSERT_EQ(
+        zinf_engine_register_parameter_with_initializer(
+            one.engine_, "m.w", "m", shape, 2, ZINF_DTYPE_BF16, initializer_from, values.data()),
+        ZINF_OK)
+        << zinf_last_error_message();
+    ASSERT_EQ(zinf_engine_register_parameter(one.engine_, "m.v", "m", shape, 2, ZINF_DTYPE_BF16,
+                                             values.data()),
+              ZINF_OK);
+    ASSERT_EQ(zinf_engine_finalize(one.engine_), ZINF_OK) << zinf_last_error_message();
+    // The master is the initial values, bit for bit, the same as through initial_values.
+    std::vector<float> from_init(12, -7.0f), from_values(12, -7.0f);
+    ASSERT_EQ(zinf_engine_read_parameters(one.engine_, "m.w", from_init.data(), 12), ZINF_OK);
+    ASSERT_EQ(zinf_engine_read_parameters(one.engine_, "m.v", from_values.data(), 12), ZINF_OK);
+    EXPECT_EQ(std::memcmp(from_init.data(), values.data(), 12 * sizeof(float)), 0);
+    EXPECT_EQ(std::memcmp(from_init.data(), from_values.data(), 12 * sizeof(float)), 0);
+    // So is the device copy: the values rounded to bf16.
+    ASSERT_EQ(zinf_engine_gather(one.engine_, "m"), ZINF_OK);
+    void* w = nullptr;
+    void* v = nullptr;
+    ASSERT_EQ(zinf_engine_parameter(one.engine_, "m.w", &w, nullptr, nullptr), ZINF_OK);
+    ASSERT_EQ(zinf_engine_parameter(one.engine_, "m.v", &v, nullptr, nullptr), ZINF_OK);
+    for (std::size_t i = 0; i < 12; ++i) {
+      EXPECT_EQ(static_cast<const std::uint16_t*>(w)[i], f32_to_bf16(values[i])) << i;
+    }
+    EXPECT_EQ(std::memcmp(w, v, 12 * 2), 0);
+  }
+  {
+    OneRank one(kStage2);
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    ASSERT_EQ(zinf_engine_register_parameter_with_initializer(
+                  one.engine_, "m.bad", "m", shape, 2, ZINF_DTYPE_F32, initializer_from, nullptr),
+              ZINF_OK);
+    EXPECT_CODE(zinf_engine_finalize(one.engine_), ZINF_IO_ERROR,
+                "initializer of parameter 'm.bad' failed for elements [0, 12): the C initializer "
+                "returned code 3");
+    // Sticky, as any finalize error.
+    EXPECT_CODE(zinf_engine_gather(one.engine_, "m"), ZINF_IO_ERROR, "m.bad");
+  }
 }
 
 TEST(CApi, OpenChecksTheWorldSizeKey) {
