@@ -460,6 +460,9 @@ class Engine::Impl {
     }
     ZINF_RETURN_IF_ERROR(write_shards());
     std::vector<MasterPiece>().swap(master_pieces_);
+    // A GPU-resident optimizer publishes from device memory (write_shard_from_device): the host
+    // copy served the initial placement only.
+    if (device_opt_ != nullptr) new_params_ = AlignedBuffer();
     finalized_ = true;
     return Status::ok();
   }
