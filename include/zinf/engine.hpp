@@ -155,10 +155,12 @@ struct StepReport {
   double grad_norm = 0.0;        // global L2 norm of the mean unscaled gradient, before clipping
   double clip_coef = 1.0;        // the factor clipping applied (1: none)
   // Wall time of each phase, nanoseconds.
-  std::int64_t reduce_ns = 0;     // the backward's last buckets, and stage 1's reduce-scatter
-  std::int64_t norm_ns = 0;       // local norms and the all-reduce of norm and overflow flag
-  std::int64_t optimizer_ns = 0;  // the optimizer step over this rank's slice
-  std::int64_t publish_ns = 0;    // new parameters to the device copies / shards (and gathers)
+  std::int64_t reduce_ns = 0;  // the backward's last buckets, and stage 1's reduce-scatter
+  std::int64_t norm_ns = 0;    // local norms and the all-reduce of norm and overflow flag
+  // The optimizer step over this rank's slice; with the state on NVMe and bf16/f16 parameters
+  // whose shards are not in host memory, also the shards' writes, which stream with the pass.
+  std::int64_t optimizer_ns = 0;
+  std::int64_t publish_ns = 0;  // new parameters to the device copies / shards (and gathers)
   std::int64_t wall_ns = 0;
   // Bytes the optimizer step moved to and from NVMe (fp32 master, moments), and bytes of
   // parameter shards written to NVMe (stage 3, offload_param "nvme").

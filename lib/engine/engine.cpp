@@ -307,10 +307,24 @@ class Engine::Impl {
     with_half_ = all_same_half && half.has_value();
     half_dtype_ = half.value_or(DType::kBF16);
     const OffloadDevice opt = z.offload_optimizer.device;
-    // When every group is half of one dtype, the store's host half array has new_params_'s
-    // layout (byte_offsets_[g] == 2 * offsets_[g]) and the step fills it: publish from there.
-    publish_from_store_ = opt != OffloadDevice::kNone && with_half_;
-    if (!publish_from_store_) new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
+    // With the optimizer state on NVMe and the shards not in host memory (on NVMe, or on the
+    // device), the step's half output streams from the pool blocks into the shards, one group at
+    // a time through half_stage_ (stream_half()): host memory stays bounded by the pools. With
+    // the shards in host memory (offload_param cpu) or the state on the host, the store keeps a
+    // host half array instead, which has new_params_'s layout when every group is half of one
+    // dtype (byte_offsets_[g] == 2 * offsets_[g]); the step fills it and publish reads it.
+    const bool shards_on_host = stage3 && z.offload_param.device == OffloadDevice::kHost;
+    half_stream_ = opt == OffloadDevice::kNvme && with_half_ && !shards_on_host;
+    publish_from_store_ = opt != OffloadDevice::kNone && with_half_ && !half_stream_;
+    if (half_stream_) {
+      std::size_t largest = 0;
+      for (std::uint32_t g = 0; g < groups; ++g) {
+        largest = std::max(largest, part_->group(g).shard_element_count * dtype_bytes(half_dtype_));
+      }
+      half_stage_ = AlignedBuffer(std::max<std::size_t>(largest, 64));
+    } else if (!publish_from_store_) {
+      new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
+    }
 
     // Swap space for everything on NVMe.
     const bool param_nvme = stage3 && z.offload_param.device == OffloadDevice::kNvme;
@@ -325,7 +339,8 @@ class Engine::Impl {
       const Tier state_tier = opt == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
       // validate() allows gradients_on_nvme only with the optimizer state on NVMe.
       const Tier grad_tier = config_.gradients_on_nvme ? Tier::kNvme : Tier::kHost;
-      so.tiers = {state_tier, state_tier, state_tier, grad_tier, Tier::kHost};
+      so.tiers = {state_tier, state_tier, state_tier, grad_tier,
+                  half_stream_ ? Tier::kBlock : Tier::kHost};
       so.key_prefix = fmt::format("rank{}/opt", rank_);
     }
     if (opt == OffloadDevice::kNvme || param_nvme) {
@@ -552,6 +567,12 @@ class Engine::Impl {
     pipe.io_timeout = std::chrono::milliseconds(config_.io_timeout_ms);
     pipe.io_timeouts_max = config_.io_timeouts_max;
     pipe.trace = env_.trace;
+    if (half_stream_) {
+      // The pipeline hands each sub-group's half output over from its block (stream_half()).
+      pipe.half_done = [self = const_cast<Impl*>(this)](std::size_t i, const std::byte* half) {
+        return self->stream_half(i, half);
+      };
+    }
     return pipe;
   }
 
@@ -642,6 +663,9 @@ class Engine::Impl {
   // rounded to each group's dtype. With all_groups false only the groups the step does not
   // already produce in their dtype (f32 groups, or all when the store has no half piece).
   void narrow_master(std::size_t first, std::size_t count, const float* src, bool all_groups) {
+    // Streaming, there is no partition-wide copy: finalize's write_shards() narrows the master
+    // group by group through half_stage_, and each step streams its own output.
+    if (half_stream_) return;
     const std::size_t end = first + count;
     for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
       const GroupInfo& info = part_->group(g);
@@ -657,6 +681,7 @@ class Engine::Impl {
   // Group g's new device-dtype values: in the store's half array (publish_from_store_), else in
   // new_params_.
   std::byte* new_values(std::uint32_t g) {
+    ZINF_ASSERT(!half_stream_);
     if (publish_from_store_) return store_->host_data(Piece::kParamsHalf) + offsets_[g] * 2;
     return new_params_.data() + byte_offsets_[g];
   }
@@ -672,10 +697,78 @@ class Engine::Impl {
   }
 
   Status write_shards() {
+    if (half_stream_) {
+      // The shards from the fp32 master (finalize), rounded group by group in half_stage_.
+      restart_half_stream();
+      Status st;
+      ZINF_RETURN_IF_ERROR(
+          for_each_master([&](std::size_t first, std::size_t count, const float* src) {
+            if (!st.is_ok()) return;
+            st = stage_half(first, count, [&](std::size_t lo, std::size_t hi, std::byte* dst) {
+              narrow(src + (lo - first), hi - lo, half_dtype_, dst);
+            });
+          }));
+      ZINF_RETURN_IF_ERROR(st);
+      ZINF_ASSERT(half_group_ == part_->group_count());
+      master_read_ = AlignedBuffer();  // the read-back buffer is made again when needed
+      return coord_->publish();
+    }
     for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
       ZINF_RETURN_IF_ERROR(coord_->write_shard(g, new_values(g)));
     }
     return coord_->publish();
+  }
+
+  // --- The half output streamed into the shards (half_stream_) ------------------------------
+  // A step's (or finalize's) new half values arrive in partition order, in ranges that need not
+  // match the groups (sub-groups); each group is assembled in half_stage_ (the largest group's
+  // shard) and written with write_shard() once its last element is in. A group is written only
+  // when every one of its elements was filled in this pass, so no shard is ever written from a
+  // half-filled buffer; a pass that fails part way leaves the groups before it new and the rest
+  // old, and the engine is sticky-failed.
+  void restart_half_stream() {
+    half_next_ = 0;
+    half_group_ = 0;
+    half_filled_ = 0;
+  }
+
+  // Partition elements [first, first + count): fill(lo, hi, dst) writes elements [lo, hi) at dst.
+  // REQUIRES: first is where the previous range ended (0 after restart_half_stream()).
+  template <typename Fill>
+  Status stage_half(std::size_t first, std::size_t count, Fill fill) {
+    ZINF_ASSERT_MSG(first == half_next_, "stage_half: ranges out of partition order");
+    const std::size_t end = first + count;
+    const std::size_t bytes = dtype_bytes(half_dtype_);
+    while (half_group_ < part_->group_count()) {
+      const std::uint32_t g = half_group_;
+      const std::size_t group_first = offsets_[g];
+      const std::size_t group_count = part_->group(g).shard_element_count;
+      const std::size_t lo = std::max(first, group_first);
+      const std::size_t hi = std::min(end, group_first + group_count);
+      if (lo < hi) {
+        fill(lo, hi, half_stage_.data() + (lo - group_first) * bytes);
+        half_filled_ += hi - lo;
+      }
+      if (group_first + group_count > end) break;  // it goes on in the next range
+      ZINF_ASSERT_MSG(half_filled_ == group_count, "stage_half: a group written half filled");
+      ZINF_RETURN_IF_ERROR(coord_->write_shard(g, half_stage_.data()));
+      // half_stage_ is refilled by the next group: the copy up must have read it.
+      ZINF_RETURN_IF_ERROR(coord_->wait_writes());
+      half_filled_ = 0;
+      ++half_group_;
+    }
+    half_next_ = end;
+    return Status::ok();
+  }
+
+  // The pipeline's half_done: sub-group i's new half values, from its pool block.
+  Status stream_half(std::size_t i, const std::byte* half) {
+    const std::size_t first = store_->sub_group_first(i);
+    const std::size_t bytes = dtype_bytes(half_dtype_);
+    return stage_half(first, store_->sub_group_size(i),
+                      [&](std::size_t lo, std::size_t hi, std::byte* dst) {
+                        std::memcpy(dst, half + (lo - first) * bytes, (hi - lo) * bytes);
+                      });
   }
 
   // Calls fn(first, count, master) over the partition's fp32 master, in pieces, covering at
@@ -911,6 +1004,8 @@ class Engine::Impl {
     rep.clip_coef = coef;
     const float grad_scale = static_cast<float>(coef * unscale);
     ++t_;
+    // Streaming (half_stream_), the shards are written during the optimizer pass.
+    const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
     {
       Trace::Span span(env_.trace, track_, "step optimizer");
       if (store_ == nullptr) {
@@ -924,6 +1019,8 @@ class Engine::Impl {
               pipeline_, OptimizerPipeline::open(*store_, opt_pool_.get(), pipeline_options()));
           lr_changed_ = false;
         }
+        // With half_stream_ the pass writes the shards as it goes (stream_half()).
+        restart_half_stream();
         ZINF_ASSIGN_OR_RETURN(StepStats stats,
                               pipeline_->step({.step = t_, .grad_scale = grad_scale}));
         rep.optimizer_nvme_read_bytes = stats.read_bytes;
@@ -934,7 +1031,6 @@ class Engine::Impl {
     rep.optimizer_ns = t3 - t2;
     {
       Trace::Span span(env_.trace, track_, "step publish");
-      const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
       const std::uint64_t master_reads = master_read_bytes_;
       // With publish_from_store_ the pass wrote every group's new values into the store's half
       // array, which is where write_shards() reads them.
@@ -953,6 +1049,10 @@ class Engine::Impl {
         for (std::uint32_t g = 0; g < part_->group_count(); ++g) {
           ZINF_RETURN_IF_ERROR(coord_->write_shard_from_device(g, device_opt_->values(g)));
         }
+        ZINF_RETURN_IF_ERROR(coord_->publish());
+      } else if (half_stream_) {
+        // The pass wrote every shard; the persistent groups' all-gather is left.
+        ZINF_ASSERT(half_group_ == part_->group_count());
         ZINF_RETURN_IF_ERROR(coord_->publish());
       } else {
         ZINF_RETURN_IF_ERROR(write_shards());
@@ -1067,8 +1167,8 @@ class Engine::Impl {
     m.host_bytes = coord_->host_bytes() + (opt_pool_ != nullptr ? opt_pool_->bytes() : 0);
     if (spill_ != nullptr) m.host_bytes += spill_->host_bytes();
     // The publish copy of the new values, when the store's half array cannot serve (f32 or
-    // mixed dtypes, or no store).
-    m.host_bytes += new_params_.bytes();
+    // mixed dtypes, or no store), or the one-group staging buffer of the streamed half output.
+    m.host_bytes += new_params_.bytes() + half_stage_.bytes();
     if (store_ != nullptr) {
       for (std::size_t p = 0; p < kPieceCount; ++p) {
         const auto piece = static_cast<Piece>(p);
@@ -1114,6 +1214,12 @@ class Engine::Impl {
   std::vector<std::size_t> byte_offsets_;  // per group: first byte in new_params_
   AlignedBuffer new_params_;         // the partition's new device-dtype values, group after group
   bool publish_from_store_ = false;  // new_params_ unused: the store's half array serves
+  // The step's half output streams into the shards through half_stage_ (see stage_half()).
+  bool half_stream_ = false;
+  AlignedBuffer half_stage_;      // one group's new shard, the largest group's size
+  std::size_t half_next_ = 0;     // the partition element the next range starts at
+  std::uint32_t half_group_ = 0;  // the group being assembled
+  std::size_t half_filled_ = 0;   // its elements filled so far
   bool with_half_ = false;
   DType half_dtype_ = DType::kBF16;
 

@@ -130,8 +130,12 @@ Status validate_setup(const EngineSetup& s) {
   return Status::ok();
 }
 
+bool streams_half(const EngineSetup& s) {
+  return s.optimizer == Offload::kNvme && !(s.stage == 3 && s.params == Offload::kCpu);
+}
+
 std::uint64_t sub_group_bytes_per_param(const EngineSetup& setup) {
-  return setup.gradients_on_nvme ? 16 : 12;
+  return (setup.gradients_on_nvme ? 16 : 12) + (streams_half(setup) ? 2 : 0);
 }
 
 std::uint64_t pinned_pool_bytes(const EngineSetup& s) {
@@ -191,8 +195,9 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   add(StateKind::kMasterParams, optimizer_tier, 4 * pr);
   add(StateKind::kMoments, optimizer_tier, 8 * pr);
 
-  // The new half params wait on the host before they go to their home, whatever the tier.
-  add(StateKind::kHalfCopy, Tier::kHost, 2 * pr);
+  // The new half params on the host before they go to their home: streamed one group at a time
+  // with the optimizer on NVMe and the shards not in host memory, else the whole shard.
+  add(StateKind::kHalfCopy, Tier::kHost, streams_half(s) ? 2 * s.param_staging_params : 2 * pr);
   if (s.optimizer == Offload::kNone) {
     add(StateKind::kGradients, Tier::kDevice, 4 * pr);
   } else if (s.gradients_on_nvme) {

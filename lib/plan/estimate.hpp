@@ -16,10 +16,14 @@
 //                   min(gradient_spill_buffers, ceil(Pr / Sg')) buffers of 4·Sg' bytes rounded
 //                   up to 4 KiB, Sg' = min(Sg, Pr); stage 1 also keeps the full fp32
 //                   gradients, 4·P, on the device until the step reduces them
-//   half copy       2·Pr on the host, the new half params before they go to their home: the
-//                   CPU optimizer writes them beside the master (optimizer offloaded), or the
-//                   in-memory step's publish copy (optimizer on the device of this version,
-//                   which runs it on the host)
+//   half copy       the new half params on the host before they go to their home. Streamed
+//                   (optimizer on NVMe, shards not in host memory: offload_param nvme or none,
+//                   or stages 1-2): each sub-group's half output goes from its pool buffer into
+//                   the shards, one group at a time through a buffer of the largest group's
+//                   shard, 2·ceil(max(layer, largest tensor) / N) (= 2·param_staging_params).
+//                   Otherwise 2·Pr: the CPU optimizer writes them beside the master (optimizer
+//                   on the host, or shards in host memory), or the in-memory step's publish
+//                   copy (optimizer on the device of this version, which runs it on the host)
 //   activations     device, per micro-batch (Korthikanti et al. 2022, "Reducing Activation
 //                   Recomputation in Large Transformer Models", eq. 1, 16-bit, no tensor or
 //                   sequence parallelism):
@@ -30,8 +34,9 @@
 //                                        recomputed at a time)
 //                     plus logits        6·s·b·V (half logits and their fp32 softmax)
 //   pinned pool     host, page-locked: optimizer on NVMe: buffer_count · Sg · (12, or 16 when
-//                   gradients are spilled) bytes, Sg = sub_group_size (a buffer holds one
-//                   sub-group's master, m, v and gradient); params on NVMe: + param_buffer_count
+//                   gradients are spilled, + 2 when the half output streams) bytes,
+//                   Sg = sub_group_size (a buffer holds one sub-group's master, m, v, gradient
+//                   and half output); params on NVMe: + param_buffer_count
 //                   staging blocks of one shard of the largest module each,
 //                   2·ceil(max(layer, largest tensor) / N). Zero otherwise.
 //   gathered params stage 3 only, device: 2·(min(P, max_live_params) + prefetch_bucket_params)
@@ -129,8 +134,11 @@ struct EngineSetup {
 // ranks_per_machine, and at least 2 sub-group buffers when the optimizer is on NVMe.
 Status validate_setup(const EngineSetup& setup);
 
-// Bytes of the optimizer state one sub-group buffer holds per parameter: 12 (fp32 master, m, v),
-// or 16 when gradients are spilled to NVMe and travel with the state.
+// Whether the step streams its half output into the shards (optimizer on NVMe, shards not in
+// host memory) instead of keeping a host copy of the whole shard.
+bool streams_half(const EngineSetup& setup);
+// Bytes one sub-group buffer holds per parameter: 12 (fp32 master, m, v), 16 when gradients are
+// spilled to NVMe and travel with the state, + 2 for the half output's slot when it streams.
 std::uint64_t sub_group_bytes_per_param(const EngineSetup& setup);
 // Pinned-pool bytes the setup needs (the formula above).
 std::uint64_t pinned_pool_bytes(const EngineSetup& setup);

@@ -121,7 +121,23 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
     if (piece != Piece::kParamsHalf) p->read_pieces_.push_back(piece);
     if (piece != Piece::kGrads) p->write_pieces_.push_back(piece);
   }
-  if (store.block_bytes() > 0) {
+  p->any_nvme_ = !p->read_pieces_.empty() || !p->write_pieces_.empty();
+  if (store.streams_half() && !options.half_done) {
+    return Status::invalid_argument(
+        "OptimizerPipeline: the store's params_half is on the block tier but "
+        "PipelineOptions::half_done is not set");
+  }
+  if (store.block_bytes() > 0 && !p->any_nvme_) {
+    // Only the half output's slot: one block, for the host-only step.
+    if (pool == nullptr || pool->block_bytes() < store.block_bytes()) {
+      return Status::invalid_argument(fmt::format(
+          "OptimizerPipeline: the half output on the block tier needs a PinnedPool with blocks of "
+          "at least {} bytes",
+          store.block_bytes()));
+    }
+    p->block_limit_ = 1;
+    p->entries_.resize(1);
+  } else if (store.block_bytes() > 0) {
     if (pool == nullptr) {
       return Status::invalid_argument("OptimizerPipeline: state on nvme needs a PinnedPool");
     }
@@ -150,7 +166,7 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
   }
   p->arena_ =
       std::make_unique<tbb::task_arena>(options.threads > 0 ? options.threads : cpu_count());
-  if (store.block_bytes() > 0) {
+  if (p->any_nvme_) {
     p->updater_ = std::thread([raw = p.get()] { raw->updater_main(); });
   }
   if (options.trace != nullptr) {
@@ -210,7 +226,7 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   Status status;
   if (args.mode == StepMode::kUpdateOnly) {
     status = run_update_only(args);
-  } else if (store_.block_bytes() == 0) {
+  } else if (!any_nvme_) {
     status = args.mode == StepMode::kIoOnly ? Status::ok() : run_host_only(args);
   } else {
     status = run_pipelined(args);
@@ -263,12 +279,39 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
 }
 
 Status OptimizerPipeline::run_host_only(const StepArgs& args) {
-  for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
+  // A block only for the half output's slot, when it streams.
+  std::byte* block = nullptr;
+  if (store_.block_bytes() > 0) {
+    const std::int64_t wait_start = Trace::now_ns();
+    Result<PinnedPool::Lease> lease = pool_->acquire(options_.io_timeout);
+    stats_.io_wait_ns += Trace::now_ns() - wait_start;
+    if (!lease.is_ok()) {
+      return lease.status().with_context(
+          fmt::format("optimizer step {}: waiting for a block", args.step));
+    }
+    entries_[0].lease = std::move(*lease);
+    block = entries_[0].lease.data();
+    stats_.blocks_peak = 1;
+  }
+  Status status;
+  for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
     std::int64_t ns = 0;
-    Status status = update(i, nullptr, args, &ns);
+    status = update(i, block, args, &ns);
     stats_.update_ns += ns;
-    ZINF_RETURN_IF_ERROR(status);
+    if (!status.is_ok()) break;
     store_.set_stored(i, args.step);
+    status = hand_half(i, block, args);
+  }
+  if (block != nullptr) entries_[0].lease.release();
+  return status;
+}
+
+Status OptimizerPipeline::hand_half(std::size_t i, const std::byte* block, const StepArgs& args) {
+  if (!store_.streams_half()) return Status::ok();
+  Status status = options_.half_done(i, block + store_.slot_offset(Piece::kParamsHalf));
+  if (!status.is_ok()) {
+    return status.with_context(
+        fmt::format("optimizer step {}: sub-group {}: handing over the half output", args.step, i));
   }
   return Status::ok();
 }
@@ -528,9 +571,12 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
   bool stalled = false;  // the driver waited io_timeout for reads
   auto last_progress = std::chrono::steady_clock::now();
   // Sub-group i's update is over (or there was none): write back what it changed.
-  auto written_back = [&](std::size_t i) {
+  // With `hand_over`, its half output goes to half_done once its writes are submitted (the slot
+  // is not among them), while the block is still held.
+  auto written_back = [&](std::size_t i, bool hand_over) {
     ++updated_;  // from here on i is among the writing sub-groups, even if a write fails
     Status s = start_write(i, args);
+    if (s.is_ok() && hand_over) s = hand_half(i, entry(i).lease.data(), args);
     if (s.is_ok() && write_pieces_.empty()) {
       // Nothing to write back (only gradients on nvme): the sub-group is done.
       s = finish_write(i, args);
@@ -547,7 +593,7 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
       progressed = true;
       status = take_update_result();
       if (!status.is_ok()) break;
-      status = written_back(updated_);
+      status = written_back(updated_, /*hand_over=*/true);
       if (!status.is_ok()) break;
     }
     // Check finished reads in order (checksums) while the update runs.
@@ -564,7 +610,7 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
         start_update(updated_, entry(updated_).lease.data(), args);
         updating = true;
       } else {
-        status = written_back(updated_);
+        status = written_back(updated_, /*hand_over=*/false);
         if (!status.is_ok()) break;
       }
     }
@@ -613,7 +659,7 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
     while (!wait_update(std::chrono::milliseconds(100))) {
     }
     Status s = take_update_result();
-    if (s.is_ok()) s = written_back(updated_);
+    if (s.is_ok()) s = written_back(updated_, /*hand_over=*/false);
     if (status.is_ok()) status = s;
   }
   if (status.is_ok()) {

@@ -43,6 +43,15 @@
 // io_timeout when it is a read the driver was polling for); the drain after the error waits for
 // each other transfer in flight under the same bound.
 //
+// The half-precision output on the block tier (StateStore::streams_half()): the update writes
+// sub-group i's new bf16/f16 parameters into the block's params_half slot, which is never written
+// to disk; the driver hands the slot to PipelineOptions::half_done (on the thread that called
+// step(), in sub-group order, once per sub-group of a full step) after submitting the sub-group's
+// writes and before its block can go back to the pool. So the partition's half copy never exists
+// whole: the caller (the engine) streams it into the parameter shards. A half_done error fails
+// the step like an update error; a sub-group whose update finished only because the step was
+// already failing is written back but not handed over.
+//
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
 // "write", named "read sg<i>" etc. ("... (io alone)" / "(update alone)" in the benchmark modes).
@@ -57,6 +66,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <thread>
@@ -86,6 +96,11 @@ struct PipelineOptions {
   std::size_t max_blocks = 0;
   // Spans for every read, update and write when set; must outlive the pipeline.
   Trace* trace = nullptr;
+  // Required when the store's half piece is on the block tier (see the file comment): takes
+  // sub-group i's new half-precision parameters (store.sub_group_size(i) elements), valid only
+  // during the call. Called on the step()'s thread; must not allocate if steps are to stay
+  // allocation-free. An error fails the step.
+  std::function<Status(std::size_t sub_group, const std::byte* half)> half_done;
 };
 
 enum class StepMode : std::uint8_t {
@@ -169,6 +184,8 @@ class OptimizerPipeline {
   Status finish_read(std::size_t i, const StepArgs& args);
   Status start_write(std::size_t i, const StepArgs& args);
   bool writes_done(std::size_t i);
+  // Hands sub-group i's half output in `block` to options_.half_done (when it streams).
+  Status hand_half(std::size_t i, const std::byte* block, const StepArgs& args);
   // True once every pending ticket of `pieces` for sub-group i has finished.
   bool pieces_done(std::size_t i, const std::vector<Piece>& pieces);
   // Waits for sub-group i's transfer of `piece` (`what`: "reading" / "writing") until it has
@@ -196,6 +213,7 @@ class OptimizerPipeline {
   PipelineOptions options_;
   std::unique_ptr<tbb::task_arena> arena_;
   std::size_t block_limit_ = 0;
+  bool any_nvme_ = false;  // some piece is on NVMe: the pipelined step (else the host-only one)
   std::vector<Entry> entries_;  // ring of block_limit_ records; sub-group i uses i % size
   // Blocks into which an abandoned transfer may still land: never reused; returned to the pool
   // only when the pipeline is destroyed (a PinnedPool cannot be destroyed with leases out).

@@ -24,7 +24,17 @@ Piece piece_at(std::size_t index) { return static_cast<Piece>(index); }
 
 }  // namespace
 
-std::string_view tier_name(Tier tier) { return tier == Tier::kHost ? "host" : "nvme"; }
+std::string_view tier_name(Tier tier) {
+  switch (tier) {
+    case Tier::kHost:
+      return "host";
+    case Tier::kNvme:
+      return "nvme";
+    case Tier::kBlock:
+      return "block";
+  }
+  return "unknown";
+}
 
 bool parse_tier(std::string_view text, Tier* tier) {
   if (text == "host") {
@@ -124,6 +134,13 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
       options.half_dtype != DType::kF16) {
     return Status::invalid_argument("StateStoreOptions: half_dtype must be bf16 or f16");
   }
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    if (options.tiers[p] == Tier::kBlock && piece_at(p) != Piece::kParamsHalf) {
+      return Status::invalid_argument(
+          fmt::format("StateStoreOptions: {} cannot be on the block tier (only params_half)",
+                      piece_name(piece_at(p))));
+    }
+  }
   const std::array<bool, kPieceCount> has = pieces_of(options);
   std::size_t bytes_per_param = 0;
   for (std::size_t p = 0; p < kPieceCount; ++p) {
@@ -146,9 +163,10 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
   out.sub_group_count = (options.param_count + out.sub_group_params - 1) / out.sub_group_params;
   const std::size_t last = options.param_count - (out.sub_group_count - 1) * out.sub_group_params;
   for (std::size_t p = 0; p < kPieceCount; ++p) {
-    if (!has[p] || options.tiers[p] != Tier::kNvme) continue;
+    if (!has[p] || options.tiers[p] == Tier::kHost) continue;
     const std::size_t bytes = dtype_bytes(dtype_of(options, piece_at(p)));
     out.block_bytes += round_up(out.sub_group_params * bytes, kPage);
+    if (options.tiers[p] == Tier::kBlock) continue;  // a slot only: never stored
     out.nvme_bytes += (out.sub_group_count - 1) * round_up(out.sub_group_params * bytes, kPage) +
                       round_up(last * bytes, kPage);
     out.nvme_extents += out.sub_group_count;
@@ -174,8 +192,8 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
     const Piece piece = piece_at(p);
     if (!s.has(piece)) continue;
     const std::size_t piece_bytes = s.sub_group_params_ * dtype_bytes(s.dtype(piece));
-    if (s.tier(piece) == Tier::kNvme) {
-      any_nvme = true;
+    if (s.tier(piece) != Tier::kHost) {
+      any_nvme = any_nvme || s.tier(piece) == Tier::kNvme;
       s.slot_offset_[p] = offset;
       offset += round_up(piece_bytes, kPage);
     } else {
@@ -202,6 +220,7 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
         s.state(piece, i) = static_cast<std::uint8_t>(Residency::kHost);
         continue;
       }
+      if (s.tier(piece) == Tier::kBlock) continue;  // kAbsent for good
       const std::size_t bytes = s.piece_bytes(piece, i);
       if (round_up(bytes, kPage) > swap->options().max_op_bytes) {
         return Status::invalid_argument(fmt::format(
@@ -241,7 +260,7 @@ std::size_t StateStore::piece_bytes(Piece piece, std::size_t i) const {
 }
 
 std::size_t StateStore::slot_offset(Piece piece) const {
-  ZINF_ASSERT(on_nvme(piece));
+  ZINF_ASSERT(in_block(piece));
   return slot_offset_[static_cast<std::size_t>(piece)];
 }
 
@@ -275,6 +294,11 @@ Residency StateStore::residency(Piece piece, std::size_t i) const {
 
 Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
   ZINF_ASSERT(has(piece));
+  if (tier(piece) == Tier::kBlock) {
+    return Status::failed_precondition(
+        fmt::format("{}/group{}/{}: on the block tier, the store does not keep it",
+                    options_.key_prefix, i, piece_name(piece)));
+  }
   if (tier(piece) == Tier::kHost) {
     std::memcpy(host_data(piece, i), data, piece_bytes(piece, i));
     return Status::ok();
@@ -293,6 +317,11 @@ Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
 
 Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
   ZINF_ASSERT(has(piece));
+  if (tier(piece) == Tier::kBlock) {
+    return Status::failed_precondition(
+        fmt::format("{}/group{}/{}: on the block tier, the store does not keep it",
+                    options_.key_prefix, i, piece_name(piece)));
+  }
   if (tier(piece) == Tier::kHost) {
     std::memcpy(data, host_data(piece, i), piece_bytes(piece, i));
     return Status::ok();

@@ -15,11 +15,16 @@
 //          place and the caller reads/writes it directly through host_data();
 //   kNvme  one SwapSpace extent per sub-group and piece, keyed "<prefix>/group<i>/<piece>"
 //          (for example "rank0/group3/exp_avg"), moved through the pool blocks by the step.
+//   kBlock only for params_half: a slot in the pool block and nothing else, no host array and
+//          no extent. The step writes the sub-group's half output there and hands it to
+//          PipelineOptions::half_done before the block is reused; the store never keeps it
+//          (the engine streams it into the parameter shards). Its residency stays kAbsent.
 //
 // sub_group_bytes, the knob that sizes everything: the bytes of *all* the pieces of one
 // sub-group, whatever their tier, i.e. sub_group_params = sub_group_bytes / bytes_per_param()
 // (rounded down to a multiple of 2048 parameters, so every piece fills whole 4 KiB pages). One
-// pool block holds the NVMe-resident pieces of one sub-group, each at a 4 KiB-aligned slot:
+// pool block holds the NVMe-resident (and kBlock) pieces of one sub-group, each at a 4 KiB-aligned
+// slot:
 // block_bytes() <= sub_group_bytes + 4 KiB per piece. With everything on NVMe, block_bytes() is
 // sub_group_bytes (rounded to pages).
 //
@@ -53,8 +58,8 @@
 
 namespace zinf {
 
-enum class Tier : std::uint8_t { kHost = 0, kNvme = 1 };
-std::string_view tier_name(Tier tier);  // "host", "nvme"
+enum class Tier : std::uint8_t { kHost = 0, kNvme = 1, kBlock = 2 };
+std::string_view tier_name(Tier tier);  // "host", "nvme", "block"
 bool parse_tier(std::string_view text, Tier* tier);
 
 enum class Piece : std::uint8_t {
@@ -99,7 +104,7 @@ struct StateStoreOptions {
   // Whether the step produces half-precision parameters, and in which dtype (bf16 or f16).
   bool with_half = true;
   DType half_dtype = DType::kBF16;
-  // Tier of each piece, indexed by Piece.
+  // Tier of each piece, indexed by Piece. kBlock is allowed for kParamsHalf only.
   std::array<Tier, kPieceCount> tiers = {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kNvme,
                                          Tier::kNvme};
   // First part of extent keys: one rank's store per prefix.
@@ -146,12 +151,19 @@ class StateStore {
   bool has(Piece piece) const { return has_[static_cast<std::size_t>(piece)]; }
   Tier tier(Piece piece) const { return options_.tiers[static_cast<std::size_t>(piece)]; }
   bool on_nvme(Piece piece) const { return has(piece) && tier(piece) == Tier::kNvme; }
+  // Whether `piece` has a slot in the pool block (on NVMe, or kBlock).
+  bool in_block(Piece piece) const { return has(piece) && tier(piece) != Tier::kHost; }
+  // Whether the half output is handed over per sub-group (kBlock) rather than kept.
+  bool streams_half() const {
+    return has(Piece::kParamsHalf) && tier(Piece::kParamsHalf) == Tier::kBlock;
+  }
   DType dtype(Piece piece) const;
   // Bytes of `piece` in sub-group i (elements times dtype bytes).
   std::size_t piece_bytes(Piece piece, std::size_t i) const;
 
-  // The pool block layout: bytes one block needs for the NVMe pieces of the largest sub-group
-  // (0 when nothing is on NVMe), and where each NVMe piece starts in it (4 KiB-aligned).
+  // The pool block layout: bytes one block needs for the NVMe and kBlock pieces of the largest
+  // sub-group (0 when every piece is on the host), and where each such piece starts in it
+  // (4 KiB-aligned). REQUIRES (slot_offset): in_block(piece).
   std::size_t block_bytes() const { return block_bytes_; }
   std::size_t slot_offset(Piece piece) const;
 
@@ -165,7 +177,8 @@ class StateStore {
   SwapSpace* swap() const { return swap_; }
 
   // Writes / reads one piece of sub-group i synchronously, whatever its tier (for loading the
-  // initial state, putting gradients in place, checkpoints and tests; not the step's path). For
+  // initial state, putting gradients in place, checkpoints and tests; not the step's path; not
+  // for kBlock pieces, which the store does not keep: failed_precondition). For
   // NVMe pieces `data` must be 4096-aligned and hold piece_bytes rounded up to 4096. A write
   // makes the piece kDisk and leaves the sub-group's version alone. Errors: the swap space's,
   // naming the key; failed_precondition when the piece is in flight.

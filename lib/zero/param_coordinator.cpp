@@ -157,6 +157,15 @@ Status ParamCoordinator::write_shard(std::uint32_t g, const void* shard) {
   return Status::ok();
 }
 
+Status ParamCoordinator::wait_writes() {
+  ZINF_RETURN_IF_ERROR(error_);
+  // Copies up to device shards and persistent groups are on the stream; host and NVMe shards
+  // were copied (or staged) before write_shard() returned.
+  Status st = device_.synchronize(*stream_, options_.timeout);
+  if (!st.is_ok()) error_ = st;
+  return st;
+}
+
 Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* device_shard) {
   ZINF_RETURN_IF_ERROR(error_);
   const GroupInfo& info = partitioner_.group(g);

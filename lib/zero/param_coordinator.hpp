@@ -96,6 +96,9 @@ class ParamCoordinator {
   // before publish() returns: device-to-device into device shards and persistent groups, down
   // into host shards, and through a staging block to NVMe.
   Status write_shard_from_device(std::uint32_t g, const void* device_shard);
+  // Waits until every write_shard() so far has read its host memory, so the caller may reuse it
+  // before publish() (the engine streams a step's shards through one staging buffer).
+  Status wait_writes();
   // All-gathers every persistent group (after write_shard of each). Collective.
   Status publish();
 

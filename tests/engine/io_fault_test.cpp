@@ -1,11 +1,13 @@
 // The engine over a drive that misbehaves during the optimizer step: a transfer that never
 // completes ends the step with kTimeout naming the extent within zinf.io_timeout_ms x
 // (zinf.io_timeouts_max + 1) (plus the drain), a failed read or write with io_error naming it,
-// and either way the engine stays failed (sticky) instead of training on. Also
+// and either way the engine stays failed (sticky) instead of training on, also when the failed
+// write is a parameter shard's while the half output streams into the shards. Also
 // zinf.pinned_pool_bytes, the bound on the pinned blocks the engine maps.
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -25,15 +27,21 @@ struct FaultRun {
   FaultCounts counts;
 };
 
-// One rank, stage 2, AdamW state on NVMe; faults off while finalize() writes the initial state
-// and while step 1 runs, on for step 2.
-FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name) {
+// One rank, stage 2, AdamW state on NVMe (f32 parameters, or as given); faults off while
+// finalize() writes the initial state and while step 1 runs, on for step 2.
+struct FaultSetup {
+  int stage = 2;
+  OffloadDevice params = OffloadDevice::kNone;
+  DType dtype = DType::kF32;
+};
+FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name,
+                         const FaultSetup& setup = {}) {
   engine_test::ScratchDir dir(dir_name);
   Config config =
-      engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+      engine_test::small_config(setup.stage, OffloadDevice::kNvme, setup.params, dir.path());
   config.io_timeout_ms = 50;
   config.io_timeouts_max = 2;
-  const Model model = engine_test::make_model(DType::kF32, 4242);
+  const Model model = engine_test::make_model(setup.dtype, 4242);
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   auto faults = std::make_shared<FaultInjector>(spec);
   faults->set_enabled(false);
@@ -91,6 +99,35 @@ TEST(EngineIoFault, AFailedReadIsAnIoErrorNamingTheExtentAndSticks) {
   EXPECT_NE(run.first_step.message().find("rank0/opt/group"), std::string::npos)
       << run.first_step.to_string();
   EXPECT_EQ(run.later_call.code(), Code::kIoError) << run.later_call.to_string();
+}
+
+TEST(EngineIoFault, AFailedWriteWhileTheHalfOutputStreamsIntoNvmeShardsSticks) {
+  // bf16 parameters with their shards on NVMe: the step writes each group's new shard as the
+  // pass goes (from one staging buffer, only once the group is complete). Writes fail at
+  // random, the optimizer's and the shards' alike; whichever fails first ends the step, and the
+  // engine stays failed. (A shard written from a half-filled buffer would trip an assertion.)
+  bool shard_write_failed = false;  // some seed hit a shard's write rather than the optimizer's
+  for (std::uint64_t seed : {21u, 22u, 23u, 24u}) {
+    FaultSpec spec;
+    spec.seed = seed;
+    spec.eio_rate = 0.2;
+    spec.reads = false;
+    std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+    const FaultRun run =
+        run_with_faults(spec, "io_fault_half_stream", {3, OffloadDevice::kNvme, DType::kBF16});
+    std::printf("  %s\n", run.first_step.to_string().c_str());
+    EXPECT_GT(run.counts.eio, 0u) << "seed " << seed;
+    EXPECT_EQ(run.first_step.code(), Code::kIoError) << run.first_step.to_string();
+    EXPECT_TRUE(run.first_step.message().find("rank0/opt/group") != std::string::npos ||
+                run.first_step.message().find("rank0/param/group") != std::string::npos)
+        << run.first_step.to_string();
+    EXPECT_EQ(run.later_call.code(), Code::kIoError) << run.later_call.to_string();
+    if (run.first_step.message().find("handing over the half output: swap extent rank0/param/") !=
+        std::string::npos) {
+      shard_write_failed = true;
+    }
+  }
+  EXPECT_TRUE(shard_write_failed);
 }
 
 // Finalizes one rank of a stage-3 model with everything on NVMe under `limit`.

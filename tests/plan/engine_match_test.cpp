@@ -4,7 +4,8 @@
 // the engine's own parse_config(), and opened on 4 ranks (HostDevice + LocalComm); rank 0's
 // MemoryReport after finalize() is compared with the estimate's engine-owned bytes per tier.
 // Placements with the optimizer on NVMe at stages 2-3 run both with and without
-// zinf.gradients_on_nvme.
+// zinf.gradients_on_nvme. The two agree to the byte (the issue asked for 5%), which the test
+// requires, so a change to what the engine allocates must come with the estimator's.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -43,11 +44,6 @@ ModelShape planner_model() {
   m.vocab = kSide;
   m.intermediate = kSide;
   return m;
-}
-
-double relative_error(double predicted, double actual) {
-  if (predicted == actual) return 0;
-  return std::abs(predicted - actual) / std::max(actual, 1.0);
 }
 
 struct Placement {
@@ -161,7 +157,8 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
                   std::string(offload_name(pl.optimizer)).c_str(),
                   std::string(offload_name(pl.params)).c_str(), pl.gradients_on_nvme ? "yes" : "no",
                   std::string(tier_name(tier)).c_str(), predicted, actual);
-      EXPECT_LE(relative_error(predicted, actual), 0.05)
+      // To the byte: the estimator follows the engine's allocations, pages and pools included.
+      EXPECT_EQ(predicted, actual)
           << "stage " << pl.stage << ", optimizer " << offload_name(pl.optimizer) << ", params "
           << offload_name(pl.params) << (pl.gradients_on_nvme ? ", gradients on nvme" : "") << ", "
           << tier_name(tier) << ": predicted " << predicted << " B, the engine allocated "

@@ -17,7 +17,7 @@ using zinf::test::g_count_allocations;
 namespace zinf {
 namespace {
 
-TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
+void steps_allocate_nothing(bool stream_half) {
   // The counter counts: one allocation while armed is seen.
   g_allocations.store(0);
   g_count_allocations.store(true);
@@ -31,6 +31,15 @@ TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
   so.store.grad_dtype = DType::kBF16;
   so.pool_blocks = 3;
   so.pipeline.threads = 2;
+  std::size_t handed = 0;
+  if (stream_half) {
+    // The half output handed over from the blocks (what the engine streams into its shards).
+    so.store.tiers[static_cast<std::size_t>(Piece::kParamsHalf)] = Tier::kBlock;
+    so.pipeline.half_done = [&](std::size_t, const std::byte*) {
+      ++handed;
+      return Status::ok();
+    };
+  }
   tier_test::Rig s;
   tier_test::Reference ref;
   Status opened = tier_test::open_loaded_rig("hot", so, 77, 78, &s, &ref);
@@ -46,6 +55,15 @@ TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) {
                 static_cast<unsigned long long>(g_allocations.load()));
     EXPECT_EQ(g_allocations.load(), 0u) << "step " << t;
   }
+  if (stream_half) {
+    EXPECT_EQ(handed, 4u * s.store->sub_group_count());  // every sub-group of the 4 steps
+  }
+}
+
+TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) { steps_allocate_nothing(false); }
+
+TEST(OptimizerPipelineHotPath, StreamingTheHalfOutputAllocatesNothing) {
+  steps_allocate_nothing(true);
 }
 
 }  // namespace

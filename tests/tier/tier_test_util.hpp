@@ -81,7 +81,8 @@ Status load_store(StateStore& store, const Reference& ref);
 // Copies the reference's gradients into the store's grads pieces.
 Status load_grads(StateStore& store, const Reference& ref);
 
-// Compares sub-group i of every piece the step writes (params, moments, half) with `ref`.
+// Compares sub-group i of every piece the step writes (params, moments, half) with `ref` (a half
+// piece on the block tier is not kept by the store, so not compared here).
 // Returns "" when all equal bit for bit, else what differs; a read error is returned as
 // "read error: <status>".
 std::string compare_sub_group(StateStore& store, std::size_t i, const Reference& ref);
