@@ -352,8 +352,8 @@ class EngineAccess final : public ParamAccess {
     return zinf::Status::ok();
   }
 
-  // The parameter's values as fp32 at `dst`: read in place, or copied down into the staging
-  // buffer at `staging_offset` bytes by copy_down() and widened by widen_down().
+  // Gathers the module and widens its weights, then biases, to fp32 in the scratch buffer: read
+  // in place, or from the staging buffer they are first copied down into.
   zinf::Status acquire_into(const ModuleSpec& spec) {
     ZINF_RETURN_IF_ERROR(engine_.gather(spec.name));
     ZINF_ASSIGN_OR_RETURN(zinf::TensorView w, engine_.parameter(weight_name(spec)));
