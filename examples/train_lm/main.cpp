@@ -40,9 +40,13 @@ std::string describe_run(const Options& o, const ModelShape& s, std::uint64_t pa
                      " micro-batch" + (o.micro_batches == 1 ? "" : "es") + " a rank), seed " +
                      std::to_string(o.seed) + "\n";
   if (!o.use_engine) return text + "  plain fp32 AdamW loop in this process (--engine off)\n";
+  const std::string where =
+      o.device == "cuda"     ? "one GPU (CudaDevice, NcclComm); the model computes on the CPU"
+      : o.device == "opaque" ? "LocalComm threads on opaque HostDevices, read through copies"
+                             : "LocalComm threads on HostDevice";
   text += "  zinf: ZeRO-" + std::to_string(o.stage) + " over " + std::to_string(o.world_size) +
-          (o.world_size == 1 ? " rank" : " ranks") + " (LocalComm threads on HostDevice), " +
-          o.param_dtype + " parameters" +
+          (o.world_size == 1 ? " rank" : " ranks") + " (" + where + "), " + o.param_dtype +
+          " parameters" +
           (o.stage == 3 && o.offload_param != "none"
                ? " offloaded to " + std::string(o.offload_param == "cpu" ? "host memory" : "NVMe")
                : " on the device") +
@@ -76,7 +80,8 @@ std::string summary_text(const Options& o, const RunSummary& r) {
                      format_table({"phase", "ms/step", "share"}, rows);
   const double state_fp32 = 12.0 * double(r.param_count);
   std::vector<std::vector<std::string>> tiers = {
-      {"device (HostDevice)", format_bytes(double(r.device_bytes))},
+      {o.device == "cuda" ? "device (GPU)" : "device (HostDevice)",
+       format_bytes(double(r.device_bytes))},
       {"host (pinned pool, host tier)", format_bytes(double(r.host_bytes))},
       {"NVMe (swap files)", format_bytes(double(r.nvme_bytes))},
       {"NVMe read / written",

@@ -138,6 +138,10 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
       ->check(CLI::IsMember({"on", "off"}));
   app.add_option("--world-size", o->world_size, "ranks, each a LocalComm thread")
       ->check(CLI::Range(1, 64));
+  app.add_option("--device", o->device,
+                 "the engine's device: host (HostDevice, read in place), opaque (a HostDevice "
+                 "read through copies, as a GPU), cuda (one GPU; the model computes on the CPU)")
+      ->check(CLI::IsMember({"host", "opaque", "cuda"}));
   app.add_option("--stage", o->stage, "ZeRO stage")->check(CLI::IsMember({1, 2, 3}));
   app.add_option("--offload-optimizer", o->offload_optimizer,
                  "where fp32 master weights and Adam moments live")
@@ -199,6 +203,16 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   }
   if (!o->use_engine && o->world_size != 1) {
     *error = "--engine off trains in one process: it takes --world-size 1 only";
+    return 2;
+  }
+  if (!o->use_engine && o->device != "host") {
+    *error = "--device " + o->device + " needs --engine on (--engine off trains without a device)";
+    return 2;
+  }
+  // One GPU, one rank: several ranks would need one process (or one GPU) each.
+  if (o->device == "cuda" && o->world_size != 1) {
+    *error = "--device cuda trains on one GPU: it takes --world-size 1 only, not --world-size " +
+             std::to_string(o->world_size);
     return 2;
   }
   if (o->stage != 3 && o->offload_param != "none") {

@@ -31,8 +31,13 @@ struct Options {
   std::size_t eval_tokens = 8192;  // --eval-tokens
   double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
   // zinf.
-  bool use_engine = true;                     // --engine on|off (off: a plain fp32 loop, no zinf)
-  int world_size = 1;                         // --world-size: ranks, as LocalComm threads
+  bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
+  int world_size = 1;      // --world-size: ranks, as LocalComm threads
+  // --device host|opaque|cuda: the engine's device. host: a HostDevice, whose memory the model
+  // reads and writes in place; opaque: a HostDevice whose pointers host code cannot dereference,
+  // and cuda: the GPU (one rank, NCCL), where the model (still on the CPU) copies each parameter
+  // down from device memory and each gradient up into it.
+  std::string device = "host";
   int stage = 3;                              // --stage 1|2|3
   std::string offload_optimizer = "nvme";     // --offload-optimizer none|cpu|nvme
   std::string offload_param = "none";         // --offload-param none|cpu|nvme (stage 3)

@@ -258,13 +258,27 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
                                              {"--stage", "4"},
                                              {"--offload-optimizer", "tape"},
                                              {"--batch", "30", "--world-size", "4"},
-                                             {"--stage", "2", "--offload-param", "cpu"}}) {
+                                             {"--stage", "2", "--offload-param", "cpu"},
+                                             {"--device", "tpu"},
+                                             {"--device", "opaque", "--engine", "off"},
+                                             {"--device", "cuda", "--world-size", "2"}}) {
     Options fresh;
     error.clear();
     EXPECT_EQ(parse(bad, &fresh, &error), 2) << bad[0];
     EXPECT_FALSE(error.empty());
     EXPECT_EQ(error.find('\n'), std::string::npos) << error;
+    // The error names the option at fault.
+    EXPECT_NE(error.find(bad[0]), std::string::npos) << error;
   }
+  // More than one GPU rank is refused naming both options.
+  Options cuda;
+  ASSERT_EQ(parse({"--device", "cuda", "--world-size", "2"}, &cuda, &error), 2);
+  EXPECT_NE(error.find("--device cuda"), std::string::npos) << error;
+  EXPECT_NE(error.find("--world-size 2"), std::string::npos) << error;
+  ASSERT_EQ(parse({"--device", "opaque"}, &cuda, &error), 0) << error;
+  EXPECT_EQ(cuda.device, "opaque");
+  Options defaults;
+  EXPECT_EQ(defaults.device, "host");
 }
 
 TEST(Report, CsvHasTheHeaderAndEmptyValidationCells) {
@@ -406,6 +420,84 @@ TEST(Program, EngineMatchesThePlainLoop) {
   std::printf("seed 3: plain %.6f, engine %.6f\n", final_val_loss(plain), final_val_loss(engine));
   EXPECT_NEAR(final_val_loss(plain), final_val_loss(engine), 1e-3);
   fs::remove_all(dir);
+}
+
+// The loss columns of a loss.csv (step, train_loss, val_loss), without the tokens/s column,
+// which is a measured time.
+std::vector<std::string> loss_rows(const fs::path& csv) {
+  std::istringstream lines(read_all(csv));
+  std::vector<std::string> rows;
+  std::string line;
+  while (std::getline(lines, line)) rows.push_back(line.substr(0, line.rfind(',')));
+  return rows;
+}
+
+// On an opaque HostDevice (whose pointers host code cannot dereference, as a GPU's) the program
+// reads every parameter through a device-to-host copy and hands every gradient over from device
+// memory, and the engine takes its GPU path; the training is the same, so the losses are the same
+// bits as on a plain HostDevice, row by row, with one rank and with two.
+TEST(Program, OpaqueDeviceGivesTheSameLossesAsHost) {
+  const fs::path dir = scratch_dir("train_lm_opaque");
+  const std::string common =
+      "--params 60k --steps 12 --batch 8 --seq-len 32 --eval-every 6 --seed 5 --lr 1e-2 --warmup 2 "
+      "--no-progress "
+      "--stage 3 --offload-optimizer nvme --nvme-path " +
+      (dir / "nvme").string();
+  for (const std::string& ranks :
+       {std::string("--world-size 1"), std::string("--world-size 2 --offload-param cpu")}) {
+    std::string err, host_out, opaque_out;
+    ASSERT_EQ(
+        run_program(common + " " + ranks + " --out " + (dir / "host").string(), &err, &host_out), 0)
+        << err;
+    ASSERT_EQ(
+        run_program(common + " " + ranks + " --device opaque --out " + (dir / "opaque").string(),
+                    &err, &opaque_out),
+        0)
+        << err;
+    const std::vector<std::string> host = loss_rows(dir / "host" / "loss.csv");
+    const std::vector<std::string> opaque = loss_rows(dir / "opaque" / "loss.csv");
+    std::printf("seed 5, %s: host %.6f, opaque %.6f\n", ranks.c_str(), final_val_loss(host_out),
+                final_val_loss(opaque_out));
+    ASSERT_EQ(host.size(), 13u) << ranks;  // the header and 12 steps
+    EXPECT_EQ(host, opaque) << ranks;
+    // The run trained: the loss fell from ln 256 = 5.55.
+    EXPECT_LT(final_val_loss(host_out), 5.0) << host_out;
+    EXPECT_EQ(final_val_loss(host_out), final_val_loss(opaque_out));
+    EXPECT_NE(opaque_out.find("device (HostDevice)"), std::string::npos) << opaque_out;
+    fs::remove_all(dir / "host");
+    fs::remove_all(dir / "opaque");
+  }
+  fs::remove_all(dir);
+}
+
+// --device cuda without a GPU (or in a build without CUDA) fails before anything is created, in
+// one line naming the device error. Where a GPU is present the run succeeds instead, and
+// scripts/gpu-check is what checks it.
+TEST(Program, CudaWithoutAGpuFailsCleanly) {
+  const fs::path base = scratch_dir("train_lm_cuda");
+  fs::create_directories(base);
+  std::string err, out;
+  const int rc = run_program(
+      "--device cuda --params 60k --steps 2 --batch 8 --seq-len 32 "
+      "--eval-every 2 --no-progress --out " +
+          (base / "out").string() + " --nvme-path " + (base / "nvme").string(),
+      &err, &out);
+#if defined(ZINF_HAVE_CUDA)
+  if (rc == 0) {
+    fs::remove_all(base);
+    GTEST_SKIP() << "a CUDA device is present: --device cuda trained (scripts/gpu-check checks it)";
+  }
+#endif
+  EXPECT_NE(rc, 0);
+  EXPECT_EQ(err.rfind("train_lm: error: --device cuda: ", 0), 0u) << err;
+  EXPECT_EQ(std::count(err.begin(), err.end(), '\n'), 1) << err;
+#if !defined(ZINF_HAVE_CUDA)
+  EXPECT_NE(err.find("built without CUDA"), std::string::npos) << err;
+#endif
+  std::printf("%s", err.c_str());
+  EXPECT_FALSE(fs::exists(base / "out"));
+  EXPECT_FALSE(fs::exists(base / "nvme"));
+  fs::remove_all(base);
 }
 
 TEST(Program, BadArgumentsGiveOneLineAndLeaveNothingBehind) {

@@ -28,6 +28,16 @@
 #include "zinf/engine.hpp"
 #include "zinf/trace.hpp"
 
+// --device cuda opens the GPU and its communicator through the library's implementation headers
+// (lib/): the public API takes any Device and Communicator but makes only HostDevice and
+// LocalComm itself.
+#if defined(ZINF_HAVE_CUDA)
+#include "device/cuda_device.hpp"
+#endif
+#if defined(ZINF_HAVE_NCCL)
+#include "comm/nccl_comm.hpp"
+#endif
+
 namespace train_lm {
 namespace {
 
@@ -272,15 +282,42 @@ void parallel_to_f32(const void* src, zinf::DType dtype, float* dst, std::size_t
 
 // Hands the model each module's parameters from the engine (gathered, then cast to fp32 in a
 // scratch buffer the size of the largest module) and its gradients to reduce_gradients().
+//
+// On a host-accessible device (HostDevice) the engine's device memory is host memory: the
+// parameters are read in place and the gradients handed over from the scratch buffer. On any
+// other (CudaDevice, an opaque HostDevice) the model still computes on the CPU, so every
+// parameter comes down by a device-to-host copy into a host staging buffer (then widened to fp32
+// as before), and every gradient goes up by a host-to-device copy into a device buffer the size
+// of the largest module, whose pointers reduce_gradients() gets. Both copies run on a stream of
+// the rank's device and are synchronised before the engine may touch that memory again: before
+// release() (the next gather may overwrite the freed buffers) and before reduce_gradients()
+// (the engine reads the gradients on its own stream). The host buffers are registered with the
+// device, so that CUDA copies them asynchronously without a bounce buffer.
+//
 // The model cannot take errors, so the first one is kept and every later call does nothing; the
-// caller checks status() after each pass.
+// caller checks status() after construction and after each pass.
 class EngineAccess final : public ParamAccess {
  public:
-  EngineAccess(zinf::Engine& engine, const ModelShape& shape, TimeSplit* time)
-      : engine_(engine), specs_(module_specs(shape)), time_(time) {
+  EngineAccess(zinf::Engine& engine, zinf::Device& device, const ModelShape& shape,
+               zinf::DType param_dtype, int rank, TimeSplit* time)
+      : engine_(engine),
+        device_(device),
+        specs_(module_specs(shape)),
+        time_(time),
+        copies_(!device.host_accessible()) {
     // One buffer serves parameters and gradients: the model never holds both at once.
-    scratch_.resize(max_module_params(specs_));
+    const std::size_t largest = max_module_params(specs_);
+    scratch_.resize(largest);
+    if (copies_) status_ = open_copies(largest, param_dtype, rank);
   }
+  ~EngineAccess() override {
+    // Every copy was synchronised when issued, so nothing is in flight on the stream.
+    if (scratch_registered_) (void)device_.unregister_host(scratch_.data());
+    if (staging_registered_) (void)device_.unregister_host(staging_.data());
+  }
+  EngineAccess(const EngineAccess&) = delete;
+  EngineAccess& operator=(const EngineAccess&) = delete;
+
   const float* acquire(std::size_t m) override {
     const auto start = Clock::now();
     if (status_.is_ok()) status_ = acquire_into(specs_[m]);
@@ -295,35 +332,86 @@ class EngineAccess final : public ParamAccess {
   float* gradient_buffer(std::size_t) override { return scratch_.data(); }
   void gradient_ready(std::size_t m) override {
     const auto start = Clock::now();
-    if (status_.is_ok()) {
-      const ModuleSpec& spec = specs_[m];
-      const std::string weight = weight_name(spec), bias = bias_name(spec);
-      zinf::GradientRef refs[2] = {
-          {weight, scratch_.data(), spec.in * spec.out, zinf::DType::kF32},
-          {bias, scratch_.data() + spec.in * spec.out, spec.out, zinf::DType::kF32}};
-      status_ = engine_.reduce_gradients(
-          spec.name, std::span<const zinf::GradientRef>(refs, spec.has_bias ? 2 : 1));
-    }
+    if (status_.is_ok()) status_ = reduce_from(specs_[m]);
     time_->reduce_s += seconds_since(start);
   }
   const zinf::Status& status() const { return status_; }
 
  private:
-  zinf::Status acquire_into(const ModuleSpec& spec) {
-    ZINF_RETURN_IF_ERROR(engine_.gather(spec.name));
-    ZINF_ASSIGN_OR_RETURN(zinf::TensorView w, engine_.parameter(weight_name(spec)));
-    parallel_to_f32(w.data, w.dtype, scratch_.data(), spec.in * spec.out);
-    if (spec.has_bias) {
-      ZINF_ASSIGN_OR_RETURN(zinf::TensorView b, engine_.parameter(bias_name(spec)));
-      parallel_to_f32(b.data, b.dtype, scratch_.data() + spec.in * spec.out, spec.out);
-    }
+  // Copies take at most this long before the run fails with kTimeout (a hung device).
+  static constexpr std::chrono::milliseconds kCopyTimeout{120'000};
+
+  zinf::Status open_copies(std::size_t largest, zinf::DType param_dtype, int rank) {
+    staging_.resize(largest * zinf::dtype_bytes(param_dtype));
+    ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("train_lm rank " + std::to_string(rank)));
+    ZINF_ASSIGN_OR_RETURN(gradients_, zinf::DeviceBuffer::allocate(device_, largest * 4));
+    ZINF_RETURN_IF_ERROR(device_.register_host(staging_.data(), staging_.size()));
+    staging_registered_ = true;
+    ZINF_RETURN_IF_ERROR(device_.register_host(scratch_.data(), scratch_.size() * 4));
+    scratch_registered_ = true;
     return zinf::Status::ok();
   }
 
+  // Gathers the module and widens its weights, then biases, to fp32 in the scratch buffer: read
+  // in place, or from the staging buffer they are first copied down into.
+  zinf::Status acquire_into(const ModuleSpec& spec) {
+    ZINF_RETURN_IF_ERROR(engine_.gather(spec.name));
+    ZINF_ASSIGN_OR_RETURN(zinf::TensorView w, engine_.parameter(weight_name(spec)));
+    zinf::TensorView b;
+    if (spec.has_bias) {
+      ZINF_ASSIGN_OR_RETURN(b, engine_.parameter(bias_name(spec)));
+    }
+    float* bias_dst = scratch_.data() + spec.in * spec.out;
+    if (!copies_) {
+      parallel_to_f32(w.data, w.dtype, scratch_.data(), spec.in * spec.out);
+      if (spec.has_bias) parallel_to_f32(b.data, b.dtype, bias_dst, spec.out);
+      return zinf::Status::ok();
+    }
+    const std::size_t w_bytes = w.element_count * zinf::dtype_bytes(w.dtype);
+    const std::size_t b_bytes = spec.has_bias ? b.element_count * zinf::dtype_bytes(b.dtype) : 0;
+    ZINF_RETURN_IF_ERROR(device_.copy_d2h(staging_.data(), w.data, w_bytes, *stream_));
+    if (spec.has_bias) {
+      ZINF_RETURN_IF_ERROR(device_.copy_d2h(staging_.data() + w_bytes, b.data, b_bytes, *stream_));
+    }
+    // Before the widening reads the staging buffer, and before release() frees the module.
+    ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, kCopyTimeout));
+    parallel_to_f32(staging_.data(), w.dtype, scratch_.data(), spec.in * spec.out);
+    if (spec.has_bias) parallel_to_f32(staging_.data() + w_bytes, b.dtype, bias_dst, spec.out);
+    return zinf::Status::ok();
+  }
+
+  // Hands the fp32 gradients in the scratch buffer (weights, then biases) to the engine, from
+  // host memory in place or from the device buffer they are copied up into.
+  zinf::Status reduce_from(const ModuleSpec& spec) {
+    const std::size_t count = spec.param_count();
+    const float* data = scratch_.data();
+    if (copies_) {
+      ZINF_RETURN_IF_ERROR(
+          device_.copy_h2d(gradients_.data(), scratch_.data(), count * 4, *stream_));
+      // The engine reads the gradients on its own stream: they must be there when it is called.
+      ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, kCopyTimeout));
+      data = gradients_.as<const float>();
+    }
+    // GradientRef holds the names as views: they must outlive the call.
+    const std::string weight = weight_name(spec), bias = bias_name(spec);
+    zinf::GradientRef refs[2] = {{weight, data, spec.in * spec.out, zinf::DType::kF32},
+                                 {bias, data + spec.in * spec.out, spec.out, zinf::DType::kF32}};
+    return engine_.reduce_gradients(
+        spec.name, std::span<const zinf::GradientRef>(refs, spec.has_bias ? 2 : 1));
+  }
+
   zinf::Engine& engine_;
+  zinf::Device& device_;
   std::vector<ModuleSpec> specs_;
   TimeSplit* time_;
+  const bool copies_;  // the device is not host-accessible: parameters and gradients are copied
   std::vector<float> scratch_;
+  // Only on a device that is not host-accessible: the copies' stream, the parameters' staging
+  // buffer (the largest module in the parameter dtype) and the gradients' device buffer.
+  std::unique_ptr<zinf::Stream> stream_;
+  std::vector<std::byte> staging_;
+  zinf::DeviceBuffer gradients_;
+  bool staging_registered_ = false, scratch_registered_ = false;
   zinf::Status status_;
 };
 
@@ -548,8 +636,9 @@ void StepDone::operator()() noexcept {
   if (o.time_limit_s > 0 && elapsed > o.time_limit_s) s.stop = true;
 }
 
-// One rank's whole run. `engine` is null on the plain path.
-void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator* comm) {
+// One rank's whole run. `engine` (and `device`, `comm`) are null on the plain path.
+void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* device,
+              zinf::Communicator* comm) {
   const Options& o = shared.options;
   const ModelShape& shape = shared.shape;
   const std::size_t world = std::size_t(o.world_size);
@@ -571,7 +660,9 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator
     plain = std::make_unique<PlainAccess>(shape, o.seed);
     access = plain.get();
   } else {
-    through_engine = std::make_unique<EngineAccess>(*engine, shape, &time);
+    through_engine = std::make_unique<EngineAccess>(
+        *engine, *device, shape, o.param_dtype == "bf16" ? zinf::DType::kBF16 : zinf::DType::kF32,
+        rank, &time);
     access = through_engine.get();
   }
   const int track =
@@ -587,6 +678,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator
     if (comm != nullptr) comm->abort(zinf::Status::aborted("another rank failed"));
     shared.sync.arrive_and_drop();
   };
+
+  if (!check("device")) return fail_out();
 
   TokenBatch val_batch, batch;
   shared.corpus.validation_batch(eval_local * world, shape.context_bytes, &val_batch);
@@ -690,6 +783,77 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Communicator
   }
 }
 
+// Each rank's device and communicator. Declared in this order so that the communicators, which
+// run on the devices, are destroyed first.
+struct Ranks {
+  std::vector<std::unique_ptr<zinf::Device>> devices;
+  std::vector<std::unique_ptr<zinf::Communicator>> comms;
+};
+
+// Opens --device for every rank and the communicator between them: HostDevices (opaque or not)
+// with LocalComm, or one GPU with a world-1 NcclComm (no bootstrap is needed for one rank).
+// One line of error naming the device otherwise.
+bool open_ranks(const Options& o, std::uint64_t device_budget, Ranks* ranks, std::string* error) {
+  if (o.device == "cuda") {
+#if defined(ZINF_HAVE_CUDA) && defined(ZINF_HAVE_NCCL)
+    zinf::CudaDeviceOptions device_options;
+    device_options.ordinal = 0;
+    device_options.memory_limit_bytes = o.device_memory_bytes;  // 0: the whole GPU
+    zinf::Result<std::unique_ptr<zinf::Device>> device = zinf::make_cuda_device(device_options);
+    if (!device.is_ok()) {
+      *error = "--device cuda: " + device.status().to_string();
+      return false;
+    }
+    zinf::LaunchEnv env;  // rank 0 of 1
+    zinf::NcclBootstrapOptions comm_options;
+    comm_options.init_timeout = std::chrono::milliseconds(120'000);
+    zinf::Result<std::unique_ptr<zinf::Communicator>> comm =
+        zinf::make_nccl_comm(env, *device.value(), comm_options);
+    if (!comm.is_ok()) {
+      *error = "--device cuda: communicator: " + comm.status().to_string();
+      return false;
+    }
+    ranks->devices.push_back(std::move(device).value());
+    ranks->comms.push_back(std::move(comm).value());
+    return true;
+#elif defined(ZINF_HAVE_CUDA)
+    *error =
+        "--device cuda: this train_lm was built without NCCL (configure with "
+        "-DZINF_WITH_NCCL=ON where NCCL is installed)";
+    return false;
+#else
+    *error =
+        "--device cuda: this train_lm was built without CUDA (configure with "
+        "-DZINF_WITH_CUDA=ON where nvcc is installed)";
+    return false;
+#endif
+  }
+  std::vector<zinf::Device*> device_ptrs;
+  for (int r = 0; r < o.world_size; ++r) {
+    zinf::HostDeviceOptions device_options;
+    device_options.ordinal = r;
+    device_options.memory_limit_bytes = device_budget;
+    device_options.opaque = o.device == "opaque";
+    zinf::Result<std::unique_ptr<zinf::Device>> device = zinf::make_host_device(device_options);
+    if (!device.is_ok()) {
+      *error = "--device " + o.device + ": " + device.status().to_string();
+      return false;
+    }
+    device_ptrs.push_back(device.value().get());
+    ranks->devices.push_back(std::move(device).value());
+  }
+  zinf::LocalCommOptions comm_options;
+  comm_options.timeout = std::chrono::milliseconds(300'000);
+  zinf::Result<std::vector<std::unique_ptr<zinf::Communicator>>> comms =
+      zinf::make_local_comm_group(device_ptrs, comm_options);
+  if (!comms.is_ok()) {
+    *error = "communicator: " + comms.status().to_string();
+    return false;
+  }
+  ranks->comms = std::move(comms).value();
+  return true;
+}
+
 }  // namespace
 
 Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
@@ -715,8 +879,11 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   device += (o.stage == 1 ? params : slice) * 4;  // fp32 gradient accumulators
   if (o.offload_optimizer == "none") device += 12 * slice;
   f.device_bytes_per_rank = device;
-  std::uint64_t host = world * device;
+  // HostDevice memory is host memory; a GPU's is not.
+  std::uint64_t host = o.device == "cuda" ? 0 : world * device;
   host += world * (largest * 4 + activation_bytes(shape, local_tokens));
+  // Without host access the parameters come down through a staging buffer.
+  if (o.device != "host") host += world * largest * dtype_bytes;
   if (o.offload_optimizer == "cpu") host += 12 * params;
   if (o.offload_param == "cpu") host += params * dtype_bytes;
   if (o.offload_optimizer == "nvme") {
@@ -774,6 +941,10 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     return 1;
   }
   if (!check_writable_dir("--out", o.out_dir, 1 << 20, error)) return 1;
+  // The devices and communicators are opened before anything is created on disk, so that a run
+  // without the device asked for (no GPU) leaves nothing behind.
+  Ranks ranks;
+  if (o.use_engine && !open_ranks(o, device_budget, &ranks, error)) return 1;
 
   CreatedDirs created;
   auto fail = [&](const std::string& message) {
@@ -801,24 +972,8 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   shared.trace = trace.get();
   shared.pipeline_traced = pipeline;
   if (!o.use_engine) {
-    run_rank(shared, 0, nullptr, nullptr);
+    run_rank(shared, 0, nullptr, nullptr, nullptr);
   } else {
-    std::vector<std::unique_ptr<zinf::Device>> devices;
-    std::vector<zinf::Device*> device_ptrs;
-    for (int r = 0; r < o.world_size; ++r) {
-      zinf::HostDeviceOptions device_options;
-      device_options.ordinal = r;
-      device_options.memory_limit_bytes = device_budget;
-      zinf::Result<std::unique_ptr<zinf::Device>> device = zinf::make_host_device(device_options);
-      if (!device.is_ok()) return fail("device: " + device.status().to_string());
-      device_ptrs.push_back(device.value().get());
-      devices.push_back(std::move(device).value());
-    }
-    zinf::LocalCommOptions comm_options;
-    comm_options.timeout = std::chrono::milliseconds(300'000);
-    zinf::Result<std::vector<std::unique_ptr<zinf::Communicator>>> comms =
-        zinf::make_local_comm_group(device_ptrs, comm_options);
-    if (!comms.is_ok()) return fail("communicator: " + comms.status().to_string());
     zinf::Config config =
         engine_config(o, summary->param_count, max_module_params(module_specs(shape)));
     config.zero.offload_optimizer.nvme_path = swap_dir;
@@ -828,8 +983,8 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
       for (int r = 0; r < o.world_size; ++r) {
         threads.emplace_back([&, r] {
           zinf::Env env;
-          env.device = device_ptrs[std::size_t(r)];
-          env.comm = comms.value()[std::size_t(r)].get();
+          env.device = ranks.devices[std::size_t(r)].get();
+          env.comm = ranks.comms[std::size_t(r)].get();
           if (uses_nvme) env.nvme_paths = {swap_dir};
           env.trace = trace.get();
           zinf::Result<std::unique_ptr<zinf::Engine>> engine = zinf::Engine::open(config, env);
@@ -848,7 +1003,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
             shared.sync.arrive_and_drop();
             return;
           }
-          run_rank(shared, r, engine.value().get(), env.comm);
+          run_rank(shared, r, engine.value().get(), env.device, env.comm);
         });
       }
       for (std::thread& t : threads) t.join();
