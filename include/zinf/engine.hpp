@@ -257,6 +257,25 @@ class Engine {
   // last step (else kFailedPrecondition naming a parameter). Releases any prefetched modules.
   Result<StepReport> step();
 
+  // Checkpoints (docs/ENGINE.md "Checkpoints"). Collective: every rank calls them with the same
+  // directory, which all ranks can reach. Both finalize the engine if it is not yet.
+  //
+  // save_checkpoint writes this rank's fp32 master and optimizer moments (wherever they live),
+  // the step count and the loss scaler to <dir>/rank<r>.zinfckpt, and rank 0 then writes
+  // <dir>/manifest.json (world size, stage, optimizer, layout fingerprint, step, each file's
+  // size and xxh3-64). Each file is written under a temporary name, synced and renamed, and the
+  // manifest last, so a save cut short never leaves a checkpoint that loads. Creates `dir` if
+  // needed. Gradients are not saved: kFailedPrecondition when gradients were reduced since the
+  // last step or a module is gathered.
+  Status save_checkpoint(std::string_view dir);
+  // load_checkpoint replaces the state (registered or trained) with the checkpoint's and
+  // republishes the parameters from the loaded master, as a step would. kInvalidArgument naming
+  // both values when the world size, stage, optimizer or parameter layout differs; kCorruption
+  // naming the file when a file's size or checksum does not match the manifest; the file error
+  // (kNotFound, naming the manifest) when there is no complete checkpoint in `dir`. Those leave
+  // the engine as it was; an error while the state is being replaced is sticky.
+  Status load_checkpoint(std::string_view dir);
+
   // The fp32 master values of parameter `name` (element_count floats into `out`). Collective
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
   // unknown name.

@@ -61,6 +61,10 @@ class DeviceOptimizer {
   const void* values(std::uint32_t g) const;
   // out[0, count) <- master elements [first, first + count).
   Status read_master(std::size_t first, std::size_t count, float* out);
+  // Checkpoints: elements [first, first + count) of the master (which 0), exp_avg (1) or
+  // exp_avg_sq (2), read into or written from host memory; both return when the copy is done.
+  Status read_state(int which, std::size_t first, std::size_t count, float* out);
+  Status write_state(int which, std::size_t first, std::size_t count, const float* in);
   std::uint64_t device_bytes() const;
 
  private:

@@ -17,7 +17,9 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <set>
 
@@ -25,6 +27,7 @@
 #include "base/assert.hpp"
 #include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
+#include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
@@ -325,6 +328,7 @@ class Engine::Impl {
     } else if (!publish_from_store_) {
       new_params_ = AlignedBuffer(std::max<std::size_t>(byte_offset, 64));
     }
+    device_copy_bytes_ = byte_offset;
 
     // Swap space for everything on NVMe.
     const bool param_nvme = stage3 && z.offload_param.device == OffloadDevice::kNvme;
@@ -913,6 +917,7 @@ class Engine::Impl {
       }
     }
     Trace::Span span(env_.trace, track_, fmt::format("reduce {}", module));
+    grads_pending_ = true;
     return fail(reducer_->reduce(module_groups_[m], sources));
   }
 
@@ -989,6 +994,7 @@ class Engine::Impl {
     if (overflow) {
       scaler_.update(true);
       reducer_->zero();
+      grads_pending_ = false;
       rep.skipped = true;
       rep.step = t_;
       rep.next_loss_scale = scaler_.scale();
@@ -1062,6 +1068,7 @@ class Engine::Impl {
     }
     rep.publish_ns = Trace::now_ns() - t3;
     reducer_->zero();
+    grads_pending_ = false;
     scaler_.update(false);
     rep.step = t_;
     rep.next_loss_scale = scaler_.scale();
@@ -1113,6 +1120,350 @@ class Engine::Impl {
                    : spill_->sum_of_squares(i);
     }
     return total;
+  }
+
+  // --- Checkpoints -----------------------------------------------------------------------------
+  // The pieces a checkpoint holds: the master and the moments the optimizer has (as StateStore
+  // keeps them), whatever tier they are on.
+  std::vector<Piece> checkpoint_pieces() const {
+    switch (config_.optimizer.kind) {
+      case OptimizerKind::kAdam:
+      case OptimizerKind::kAdamW:
+        return {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq};
+      case OptimizerKind::kAdagrad:
+        return {Piece::kParams, Piece::kExpAvgSq};
+      case OptimizerKind::kLion:
+        return {Piece::kParams, Piece::kExpAvg};
+    }
+    return {Piece::kParams};
+  }
+
+  static int piece_index(Piece piece) {
+    return piece == Piece::kParams ? 0 : piece == Piece::kExpAvg ? 1 : 2;
+  }
+
+  // Calls fn(first, count, values) -> Status over `piece` of the partition, in pieces: device
+  // memory comes down in bounded chunks, NVMe one sub-group at a time.
+  template <typename Fn>
+  Status read_state(Piece piece, Fn fn) {
+    constexpr std::size_t kChunkElements = std::size_t{4} << 20;
+    if (device_opt_ != nullptr) {
+      std::vector<float> chunk(
+          std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1)));
+      for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
+        const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
+        ZINF_RETURN_IF_ERROR(
+            device_opt_->read_state(piece_index(piece), first, count, chunk.data()));
+        ZINF_RETURN_IF_ERROR(fn(first, count, static_cast<const float*>(chunk.data())));
+      }
+      return Status::ok();
+    }
+    if (store_ == nullptr) {
+      const DeviceBuffer& b = piece == Piece::kParams   ? master_
+                              : piece == Piece::kExpAvg ? exp_avg_
+                                                        : exp_avg_sq_;
+      return fn(std::size_t{0}, partition_elements_, b.as<const float>());
+    }
+    StateStore& s = *store_;
+    ZINF_ASSERT(s.has(piece));
+    if (s.tier(piece) == Tier::kHost) {
+      return fn(std::size_t{0}, partition_elements_,
+                reinterpret_cast<const float*>(s.host_data(piece)));
+    }
+    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      ZINF_RETURN_IF_ERROR(s.read_piece(piece, i, block.data()));
+      ZINF_RETURN_IF_ERROR(fn(s.sub_group_first(i), s.sub_group_size(i), block.as<const float>()));
+    }
+    return Status::ok();
+  }
+
+  // The reverse: fill(first, count, out) -> Status writes elements [first, first + count) of
+  // `piece`, in partition order, and they are put where the config keeps them.
+  template <typename Fill>
+  Status write_state(Piece piece, Fill fill) {
+    constexpr std::size_t kChunkElements = std::size_t{4} << 20;
+    if (device_opt_ != nullptr) {
+      std::vector<float> chunk(
+          std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1)));
+      for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
+        const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
+        ZINF_RETURN_IF_ERROR(fill(first, count, chunk.data()));
+        ZINF_RETURN_IF_ERROR(
+            device_opt_->write_state(piece_index(piece), first, count, chunk.data()));
+      }
+      return Status::ok();
+    }
+    if (store_ == nullptr) {
+      DeviceBuffer& b = piece == Piece::kParams   ? master_
+                        : piece == Piece::kExpAvg ? exp_avg_
+                                                  : exp_avg_sq_;
+      return fill(std::size_t{0}, partition_elements_, b.as<float>());
+    }
+    StateStore& s = *store_;
+    ZINF_ASSERT(s.has(piece));
+    if (s.tier(piece) == Tier::kHost) {
+      return fill(std::size_t{0}, partition_elements_,
+                  reinterpret_cast<float*>(s.host_data(piece)));
+    }
+    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      std::memset(block.data(), 0, block.bytes());
+      ZINF_RETURN_IF_ERROR(fill(s.sub_group_first(i), s.sub_group_size(i), block.as<float>()));
+      ZINF_RETURN_IF_ERROR(s.write_piece(piece, i, block.data()));
+    }
+    return Status::ok();
+  }
+
+  // A checkpoint is taken between steps: nothing gathered, no gradients reduced since the last
+  // step.
+  Status checkpoint_precondition(std::string_view call) const {
+    const long in_use = coord_->first_in_use();
+    if (in_use >= 0) {
+      return Status::failed_precondition(
+          fmt::format("{}: module '{}' is gathered (release it first)", call,
+                      module_names_[static_cast<std::size_t>(in_use)]));
+    }
+    if (grads_pending_) {
+      return Status::failed_precondition(fmt::format(
+          "{}: gradients were reduced since the last step (a checkpoint is taken between steps; "
+          "call step() first)",
+          call));
+    }
+    return Status::ok();
+  }
+
+  // Every rank's outcome of a local phase: this rank's error, else kAborted naming the first
+  // rank that failed, so no rank goes on into a collective the others left.
+  Status agree(std::string_view call, Status local) {
+    const std::uint64_t mine = static_cast<std::uint64_t>(local.code());
+    Result<std::vector<std::uint64_t>> all = exchange(&mine, 1);
+    if (!all.is_ok()) return fail(all.status());
+    if (!local.is_ok()) return local;
+    for (int r = 0; r < world_; ++r) {
+      if ((*all)[r] != 0) {
+        return Status::aborted(fmt::format("{}: rank {} failed ({}); see its error", call, r,
+                                           code_name(static_cast<Code>((*all)[r]))));
+      }
+    }
+    return Status::ok();
+  }
+
+  CheckpointHeader checkpoint_header() const {
+    CheckpointHeader h;
+    h.rank = static_cast<std::uint32_t>(rank_);
+    h.world_size = static_cast<std::uint32_t>(world_);
+    h.stage = static_cast<std::uint32_t>(config_.zero.stage);
+    h.optimizer = static_cast<std::uint32_t>(config_.optimizer.kind);
+    for (Piece p : checkpoint_pieces()) h.piece_mask |= 1u << static_cast<unsigned>(p);
+    h.partition_elements = partition_elements_;
+    h.fingerprint = part_->fingerprint();
+    h.step = t_;
+    h.loss_scale = scaler_.scale();
+    h.loss_scale_good_steps = scaler_.good_steps();
+    h.loss_scale_hysteresis_left = scaler_.hysteresis_left();
+    return h;
+  }
+
+  Status save_checkpoint(std::string_view dir_view) {
+    const std::string call = fmt::format("save_checkpoint('{}')", dir_view);
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    const std::string dir(dir_view);
+    Status local = checkpoint_precondition(call);
+    if (local.is_ok() && rank_ == 0) {
+      // The directory, and no manifest in it until every rank file of this save is in place.
+      std::error_code ec;
+      std::filesystem::create_directories(dir, ec);
+      if (ec) {
+        local = status_from_errno(fmt::format("{}: cannot create the directory", call), ec.value());
+      } else if (::unlink(fmt::format("{}/{}", dir, kCheckpointManifest).c_str()) != 0 &&
+                 errno != ENOENT) {
+        local = status_from_errno(fmt::format("{}: cannot remove the old manifest", call), errno);
+      }
+    }
+    ZINF_RETURN_IF_ERROR(agree(call, local));
+
+    // This rank's file.
+    std::uint64_t file[2] = {0, 0};
+    local = [&]() -> Status {
+      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
+                            CheckpointWriter::create(checkpoint_rank_path(dir, rank_)));
+      std::vector<std::byte> head(kCheckpointHeaderBytes);
+      const CheckpointHeader h = checkpoint_header();
+      std::memcpy(head.data(), &h, sizeof(h));
+      ZINF_RETURN_IF_ERROR(w->append(head.data(), head.size()));
+      for (Piece piece : checkpoint_pieces()) {
+        ZINF_RETURN_IF_ERROR(
+            read_state(piece, [&](std::size_t, std::size_t count, const float* values) {
+              return w->append(values, count * sizeof(float));
+            }));
+      }
+      ZINF_RETURN_IF_ERROR(w->commit());
+      file[0] = w->bytes();
+      file[1] = w->digest();
+      return Status::ok();
+    }();
+    ZINF_RETURN_IF_ERROR(agree(call, local));
+    Result<std::vector<std::uint64_t>> files = exchange(file, 2);
+    if (!files.is_ok()) return fail(files.status());
+
+    // Rank 0's manifest, written last: its presence says the checkpoint is complete.
+    local = Status::ok();
+    if (rank_ == 0) {
+      nlohmann::json m;
+      m["format"] = "zinf-checkpoint";
+      m["version"] = kCheckpointVersion;
+      m["world_size"] = world_;
+      m["stage"] = config_.zero.stage;
+      m["optimizer"] = std::string(optimizer_name(config_.optimizer.kind));
+      m["fingerprint"] = fmt::format("{:016x}", part_->fingerprint());
+      m["partition_elements"] = partition_elements_;
+      m["step"] = t_;
+      nlohmann::json ranks = nlohmann::json::array();
+      for (int r = 0; r < world_; ++r) {
+        ranks.push_back({{"file", fmt::format("rank{}.zinfckpt", r)},
+                         {"bytes", (*files)[2 * r]},
+                         {"xxh3", fmt::format("{:016x}", (*files)[2 * r + 1])}});
+      }
+      m["ranks"] = ranks;
+      local = write_file_atomically(fmt::format("{}/{}", dir, kCheckpointManifest), m.dump(2));
+    }
+    return agree(call, local);
+  }
+
+  // Checks the manifest against this engine and this rank's file against the manifest; on
+  // success `reader` is positioned after the header.
+  Status check_checkpoint(const std::string& call, const std::string& dir,
+                          std::unique_ptr<CheckpointReader>* reader, CheckpointHeader* header) {
+    const std::string manifest_path = fmt::format("{}/{}", dir, kCheckpointManifest);
+    Result<std::string> text = read_text_file(manifest_path);
+    if (!text.is_ok()) {
+      return text.status().with_context(
+          fmt::format("{}: no complete checkpoint (the manifest is written last)", call));
+    }
+    nlohmann::json m = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+    const auto bad_manifest = [&](std::string_view what) {
+      return Status::corruption(fmt::format("{}: '{}': {}", call, manifest_path, what));
+    };
+    if (m.is_discarded() || !m.is_object()) return bad_manifest("not a JSON object");
+    for (const char* key : {"format", "version", "world_size", "stage", "optimizer", "fingerprint",
+                            "partition_elements", "step", "ranks"}) {
+      if (!m.contains(key)) return bad_manifest(fmt::format("no key '{}'", key));
+    }
+    if (!m["format"].is_string() || m["format"].get<std::string>() != "zinf-checkpoint" ||
+        !m["version"].is_number_unsigned() ||
+        m["version"].get<std::uint32_t>() != kCheckpointVersion) {
+      return bad_manifest(fmt::format("not a zinf checkpoint of version {}", kCheckpointVersion));
+    }
+    const auto differs = [&](std::string_view what, const auto& theirs, const auto& ours) {
+      return Status::invalid_argument(
+          fmt::format("{}: the checkpoint was saved with {} {}, this engine has {} {}", call, what,
+                      theirs, what, ours));
+    };
+    try {
+      const int world = m["world_size"].get<int>();
+      if (world != world_) return differs("world_size", world, world_);
+      const int stage = m["stage"].get<int>();
+      if (stage != config_.zero.stage)
+        return differs("zero_optimization.stage", stage, config_.zero.stage);
+      const std::string opt = m["optimizer"].get<std::string>();
+      if (opt != optimizer_name(config_.optimizer.kind)) {
+        return differs("optimizer.type", opt, optimizer_name(config_.optimizer.kind));
+      }
+      const std::string fp = m["fingerprint"].get<std::string>();
+      const std::string ours = fmt::format("{:016x}", part_->fingerprint());
+      if (fp != ours) {
+        return differs("parameter layout fingerprint (names, modules, shapes, dtypes)", fp, ours);
+      }
+      const std::size_t elements = m["partition_elements"].get<std::size_t>();
+      if (elements != partition_elements_) {
+        return differs("partition element count", elements, partition_elements_);
+      }
+      const nlohmann::json& ranks = m["ranks"];
+      if (!ranks.is_array() || ranks.size() != static_cast<std::size_t>(world_)) {
+        return bad_manifest(fmt::format("'ranks' is not an array of {} entries", world_));
+      }
+      const nlohmann::json& entry = ranks[static_cast<std::size_t>(rank_)];
+      const std::string path = fmt::format("{}/{}", dir, entry.at("file").get<std::string>());
+      const std::uint64_t bytes = entry.at("bytes").get<std::uint64_t>();
+      const std::string digest = entry.at("xxh3").get<std::string>();
+      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
+      if (r->file_bytes() != bytes) {
+        return Status::corruption(fmt::format("{}: '{}' has {} bytes; the manifest says {}", call,
+                                              path, r->file_bytes(), bytes));
+      }
+      ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
+      if (fmt::format("{:016x}", sum) != digest) {
+        return Status::corruption(
+            fmt::format("{}: '{}' does not match its checksum (xxh3 {:016x}, the manifest says {})",
+                        call, path, sum, digest));
+      }
+      std::vector<std::byte> head(kCheckpointHeaderBytes);
+      ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
+      CheckpointHeader h;
+      std::memcpy(&h, head.data(), sizeof(h));
+      const CheckpointHeader want = checkpoint_header();
+      if (h.magic != kCheckpointMagic || h.version != kCheckpointVersion || h.rank != want.rank ||
+          h.world_size != want.world_size || h.stage != want.stage ||
+          h.optimizer != want.optimizer || h.piece_mask != want.piece_mask ||
+          h.partition_elements != want.partition_elements || h.fingerprint != want.fingerprint) {
+        return Status::corruption(fmt::format(
+            "{}: '{}': its header does not match the manifest or this rank", call, path));
+      }
+      const std::uint64_t expect =
+          kCheckpointHeaderBytes + checkpoint_pieces().size() * partition_elements_ * sizeof(float);
+      if (bytes != expect) {
+        return Status::corruption(
+            fmt::format("{}: '{}' has {} bytes, the layout needs {}", call, path, bytes, expect));
+      }
+      *reader = std::move(r);
+      *header = h;
+    } catch (const nlohmann::json::exception& e) {
+      return bad_manifest(e.what());
+    }
+    return Status::ok();
+  }
+
+  Status load_checkpoint(std::string_view dir_view) {
+    const std::string call = fmt::format("load_checkpoint('{}')", dir_view);
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    const std::string dir(dir_view);
+    std::unique_ptr<CheckpointReader> reader;
+    CheckpointHeader h;
+    Status local = checkpoint_precondition(call);
+    if (local.is_ok()) local = check_checkpoint(call, dir, &reader, &h);
+    ZINF_RETURN_IF_ERROR(agree(call, local));
+    // From here on the state is being replaced: an error leaves it mixed, so it is sticky.
+    for (Piece piece : checkpoint_pieces()) {
+      ZINF_RETURN_IF_ERROR(fail(write_state(piece, [&](std::size_t, std::size_t count, float* out) {
+        return reader->read(out, count * sizeof(float));
+      })));
+    }
+    t_ = h.step;
+    scaler_.restore(h.loss_scale, h.loss_scale_good_steps, h.loss_scale_hysteresis_left);
+    if (store_ != nullptr) {
+      for (std::size_t i = 0; i < store_->sub_group_count(); ++i) store_->set_stored(i, t_);
+    }
+    return fail(republish());
+  }
+
+  // The device copies / shards from the master, as finalize() places them.
+  Status republish() {
+    ZINF_RETURN_IF_ERROR(coord_->drop_prefetched());
+    if (device_opt_ != nullptr) {
+      // finalize()'s path: the master rounded on the host into new_params_, freed again after.
+      new_params_ = AlignedBuffer(std::max<std::size_t>(device_copy_bytes_, 64));
+    }
+    // Streaming, write_shards() reads the master back and rounds it group by group itself.
+    if (!half_stream_) {
+      ZINF_RETURN_IF_ERROR(
+          for_each_master([&](std::size_t first, std::size_t count, const float* src) {
+            narrow_master(first, count, src, /*all_groups=*/true);
+          }));
+    }
+    Status st = write_shards();
+    if (device_opt_ != nullptr) new_params_ = AlignedBuffer();
+    return st;
   }
 
   // --- Read back -------------------------------------------------------------------------------
@@ -1212,8 +1563,9 @@ class Engine::Impl {
   std::size_t partition_elements_ = 0;
   std::vector<std::size_t> offsets_;       // per group: first element in the partition
   std::vector<std::size_t> byte_offsets_;  // per group: first byte in new_params_
-  AlignedBuffer new_params_;         // the partition's new device-dtype values, group after group
-  bool publish_from_store_ = false;  // new_params_ unused: the store's half array serves
+  AlignedBuffer new_params_;           // the partition's new device-dtype values, group after group
+  std::size_t device_copy_bytes_ = 0;  // new_params_'s size when it has one
+  bool publish_from_store_ = false;    // new_params_ unused: the store's half array serves
   // The step's half output streams into the shards through half_stage_ (see stage_half()).
   bool half_stream_ = false;
   AlignedBuffer half_stage_;      // one group's new shard, the largest group's size
@@ -1244,6 +1596,7 @@ class Engine::Impl {
 
   LossScaler scaler_;
   bool lr_changed_ = false;
+  bool grads_pending_ = false;  // reduce_gradients() was called since the last step
   std::int64_t t_ = 0;
   EngineCounters counters_;
   StepReport report_;
@@ -1287,6 +1640,8 @@ Status Engine::reduce_gradients(std::string_view module, std::span<const Gradien
   return impl_->reduce_gradients(module, gradients);
 }
 Result<StepReport> Engine::step() { return impl_->step(); }
+Status Engine::save_checkpoint(std::string_view dir) { return impl_->save_checkpoint(dir); }
+Status Engine::load_checkpoint(std::string_view dir) { return impl_->load_checkpoint(dir); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
 }

@@ -31,6 +31,13 @@ class LossScaler {
 
   double scale() const { return scale_; }
   std::int64_t good_steps() const { return good_steps_; }
+  int hysteresis_left() const { return hysteresis_left_; }
+  // Puts back a state read from a checkpoint (the options stay this scaler's).
+  void restore(double scale, std::int64_t good_steps, int hysteresis_left) {
+    scale_ = scale;
+    good_steps_ = good_steps;
+    hysteresis_left_ = hysteresis_left;
+  }
 
   // Records the outcome of one step (called on every rank with the same, all-reduced, flag).
   void update(bool overflow) {

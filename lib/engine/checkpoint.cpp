@@ -1,0 +1,181 @@
+// Checkpoint files (checkpoint.hpp): crash-safe writes and checksummed reads with plain POSIX
+// I/O. A checkpoint is written once between steps, so it goes through the page cache and one
+// fsync per file rather than the step's io_uring path.
+#include "engine/checkpoint.hpp"
+
+#include <fcntl.h>
+#include <fmt/format.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <vector>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+namespace {
+
+std::string parent_dir(const std::string& path) {
+  const std::size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// The rename into place is durable only once the directory entry is.
+Status sync_dir(const std::string& dir) {
+  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) return status_from_errno(fmt::format("checkpoint: open directory '{}'", dir), errno);
+  const int rc = ::fsync(fd);
+  const int err = errno;
+  ::close(fd);
+  if (rc != 0) return status_from_errno(fmt::format("checkpoint: fsync directory '{}'", dir), err);
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string checkpoint_rank_path(const std::string& dir, int rank) {
+  return fmt::format("{}/rank{}.zinfckpt", dir, rank);
+}
+
+Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(std::string path) {
+  std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(std::move(path)));
+  w->temp_path_ = w->path_ + ".tmp";
+  w->fd_ = ::open(w->temp_path_.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+  if (w->fd_ < 0) {
+    return status_from_errno(fmt::format("checkpoint: create '{}'", w->temp_path_), errno);
+  }
+  w->hash_ = XXH3_createState();
+  ZINF_ASSERT(w->hash_ != nullptr);
+  XXH3_64bits_reset(w->hash_);
+  return w;
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(temp_path_.c_str());
+  }
+  if (hash_ != nullptr) XXH3_freeState(hash_);
+}
+
+Status CheckpointWriter::append(const void* data, std::size_t bytes) {
+  ZINF_ASSERT(fd_ >= 0);
+  XXH3_64bits_update(hash_, data, bytes);
+  const auto* p = static_cast<const std::byte*>(data);
+  std::size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::write(fd_, p + done, bytes - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return status_from_errno(
+          fmt::format("checkpoint: write '{}' at offset {}", temp_path_, bytes_ + done),
+          n < 0 ? errno : EIO);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  bytes_ += bytes;
+  return Status::ok();
+}
+
+Status CheckpointWriter::commit() {
+  ZINF_ASSERT(fd_ >= 0);
+  if (::fsync(fd_) != 0) {
+    return status_from_errno(fmt::format("checkpoint: fsync '{}'", temp_path_), errno);
+  }
+  const int rc = ::close(fd_);
+  fd_ = -1;
+  if (rc != 0) {
+    const int err = errno;
+    ::unlink(temp_path_.c_str());
+    return status_from_errno(fmt::format("checkpoint: close '{}'", temp_path_), err);
+  }
+  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temp_path_.c_str());
+    return status_from_errno(fmt::format("checkpoint: rename '{}' to '{}'", temp_path_, path_),
+                             err);
+  }
+  return sync_dir(parent_dir(path_));
+}
+
+Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(std::string path) {
+  std::unique_ptr<CheckpointReader> r(new CheckpointReader(std::move(path)));
+  r->fd_ = ::open(r->path_.c_str(), O_RDONLY | O_CLOEXEC);
+  if (r->fd_ < 0) return status_from_errno(fmt::format("checkpoint: open '{}'", r->path_), errno);
+  struct stat st {};
+  if (::fstat(r->fd_, &st) != 0) {
+    return status_from_errno(fmt::format("checkpoint: stat '{}'", r->path_), errno);
+  }
+  r->file_bytes_ = static_cast<std::uint64_t>(st.st_size);
+  return r;
+}
+
+CheckpointReader::~CheckpointReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+Status CheckpointReader::read(void* out, std::size_t bytes) {
+  auto* p = static_cast<std::byte*>(out);
+  std::size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd_, p + done, bytes - done, static_cast<off_t>(offset_ + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return status_from_errno(
+          fmt::format("checkpoint: read '{}' at offset {}", path_, offset_ + done), errno);
+    }
+    if (n == 0) {
+      return Status::corruption(fmt::format("checkpoint: '{}' ends at offset {}, {} bytes short",
+                                            path_, offset_ + done, bytes - done));
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  offset_ += bytes;
+  return Status::ok();
+}
+
+Result<std::uint64_t> CheckpointReader::checksum() const {
+  constexpr std::size_t kChunkBytes = std::size_t{8} << 20;
+  std::vector<std::byte> chunk(kChunkBytes);
+  XXH3_state_t* hash = XXH3_createState();
+  ZINF_ASSERT(hash != nullptr);
+  XXH3_64bits_reset(hash);
+  std::uint64_t offset = 0;
+  Status st;
+  while (offset < file_bytes_) {
+    const ssize_t n = ::pread(fd_, chunk.data(), kChunkBytes, static_cast<off_t>(offset));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      st = n < 0 ? status_from_errno(
+                       fmt::format("checkpoint: read '{}' at offset {}", path_, offset), errno)
+                 : Status::corruption(fmt::format("checkpoint: '{}' shrank to {} bytes while read",
+                                                  path_, offset));
+      break;
+    }
+    XXH3_64bits_update(hash, chunk.data(), static_cast<std::size_t>(n));
+    offset += static_cast<std::uint64_t>(n);
+  }
+  const std::uint64_t digest = XXH3_64bits_digest(hash);
+  XXH3_freeState(hash);
+  if (!st.is_ok()) return st;
+  return digest;
+}
+
+Status write_file_atomically(const std::string& path, const std::string& text) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w, CheckpointWriter::create(path));
+  ZINF_RETURN_IF_ERROR(w->append(text.data(), text.size()));
+  return w->commit();
+}
+
+Result<std::string> read_text_file(const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
+  std::string text(r->file_bytes(), '\0');
+  ZINF_RETURN_IF_ERROR(r->read(text.data(), text.size()));
+  return text;
+}
+
+}  // namespace zinf

@@ -1,0 +1,101 @@
+// Checkpoint files: the format of one rank's state file and the manifest, and the plain-file
+// I/O that writes them crash-safely (a temporary name, fsync, rename, fsync of the directory) and
+// reads them back with their xxh3-64 checksum. The engine (engine.cpp) decides what goes in.
+//
+// Layout of <dir>/rank<r>.zinfckpt (little-endian): a 4096-byte header (CheckpointHeader, zero
+// padded), then for each saved piece in Piece order (the fp32 master, then the moments the
+// optimizer has) partition_elements f32 values. Nothing depends on where the state lived, so a
+// checkpoint saved with the state on NVMe loads into an engine that keeps it in host memory.
+//
+// Thread-safety: values and single-owner objects.
+#pragma once
+
+#include <xxhash.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+inline constexpr std::uint64_t kCheckpointMagic = 0x31544B43464E495AULL;  // "ZINFCKT1"
+inline constexpr std::uint32_t kCheckpointVersion = 1;
+inline constexpr std::size_t kCheckpointHeaderBytes = 4096;
+inline constexpr std::string_view kCheckpointManifest = "manifest.json";
+
+struct CheckpointHeader {
+  std::uint64_t magic = kCheckpointMagic;
+  std::uint32_t version = kCheckpointVersion;
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 0;
+  std::uint32_t stage = 0;
+  std::uint32_t optimizer = 0;   // OptimizerKind
+  std::uint32_t piece_mask = 0;  // bit p: Piece p saved
+  std::uint64_t partition_elements = 0;
+  std::uint64_t fingerprint = 0;  // Partitioner::fingerprint()
+  std::int64_t step = 0;          // optimizer steps applied
+  double loss_scale = 1.0;
+  std::int64_t loss_scale_good_steps = 0;
+  std::int32_t loss_scale_hysteresis_left = 0;
+  std::uint32_t reserved = 0;
+};
+static_assert(sizeof(CheckpointHeader) <= kCheckpointHeaderBytes);
+
+// "<dir>/rank<r>.zinfckpt".
+std::string checkpoint_rank_path(const std::string& dir, int rank);
+
+// Writes one file under a temporary name ("<path>.tmp"), hashing what it appends; commit()
+// syncs it, renames it to `path` and syncs the directory. Destroyed uncommitted, it removes the
+// temporary file, so a crash or an error never leaves a file under the final name.
+class CheckpointWriter {
+ public:
+  static Result<std::unique_ptr<CheckpointWriter>> create(std::string path);
+  ~CheckpointWriter();
+  CheckpointWriter(const CheckpointWriter&) = delete;
+  CheckpointWriter& operator=(const CheckpointWriter&) = delete;
+
+  Status append(const void* data, std::size_t bytes);
+  Status commit();
+  std::uint64_t bytes() const { return bytes_; }
+  std::uint64_t digest() const { return XXH3_64bits_digest(hash_); }
+
+ private:
+  explicit CheckpointWriter(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+  std::string temp_path_;
+  int fd_ = -1;
+  std::uint64_t bytes_ = 0;
+  XXH3_state_t* hash_ = nullptr;
+};
+
+// Reads a file front to back.
+class CheckpointReader {
+ public:
+  static Result<std::unique_ptr<CheckpointReader>> open(std::string path);
+  ~CheckpointReader();
+  CheckpointReader(const CheckpointReader&) = delete;
+  CheckpointReader& operator=(const CheckpointReader&) = delete;
+
+  // The next `bytes` bytes; kCorruption naming the file and offset when it ends first.
+  Status read(void* out, std::size_t bytes);
+  std::uint64_t file_bytes() const { return file_bytes_; }
+  // The whole file's xxh3-64, read in bounded chunks (the read position is left alone).
+  Result<std::uint64_t> checksum() const;
+  const std::string& path() const { return path_; }
+
+ private:
+  explicit CheckpointReader(std::string path) : path_(std::move(path)) {}
+  std::string path_;
+  int fd_ = -1;
+  std::uint64_t file_bytes_ = 0;
+  std::uint64_t offset_ = 0;
+};
+
+// Writes `text` to `path` crash-safely (as CheckpointWriter).
+Status write_file_atomically(const std::string& path, const std::string& text);
+Result<std::string> read_text_file(const std::string& path);
+
+}  // namespace zinf
