@@ -332,6 +332,24 @@ typedef struct zinf_step_report {
  * ZINF_FAILED_PRECONDITION naming a parameter) and no module is gathered. Collective. */
 ZINF_C_API zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report);
 
+/* Checkpoints (docs/ENGINE.md "Checkpoints"). Collective: every rank calls them with the same
+ * directory `dir` (a NUL-terminated path all ranks can reach); both finalize the engine if it is
+ * not yet.
+ *
+ * save: writes this rank's fp32 master, optimizer moments, step count and loss scaler to
+ * <dir>/rank<r>.zinfckpt and (rank 0, last) <dir>/manifest.json with each file's size and xxh3-64;
+ * each file under a temporary name, synced and renamed, so a save cut short leaves no checkpoint
+ * that loads. Creates `dir` if needed. Gradients are not saved: ZINF_FAILED_PRECONDITION when
+ * gradients were reduced since the last step or a module is gathered. */
+ZINF_C_API zinf_code_t zinf_engine_save_checkpoint(zinf_engine_t* engine, const char* dir);
+
+/* load: replaces the engine's state with the checkpoint's and republishes the parameters from the
+ * loaded master. ZINF_INVALID_ARGUMENT naming both values when the world size, stage, optimizer
+ * or parameter layout differs; ZINF_CORRUPTION naming the file when its size or checksum does not
+ * match the manifest; ZINF_NOT_FOUND naming <dir>/manifest.json when there is no complete
+ * checkpoint. These leave the engine as it was. */
+ZINF_C_API zinf_code_t zinf_engine_load_checkpoint(zinf_engine_t* engine, const char* dir);
+
 /* The fp32 master values of parameter `name` into `out`, which holds `out_count` floats: exactly
  * the parameter's element count (else ZINF_INVALID_ARGUMENT, before the collective). Collective:
  * every rank calls it with the same name. ZINF_NOT_FOUND for an unknown name. */

@@ -785,6 +785,60 @@ TEST(CApi, StepReportIsWrittenOnlyAsFarAsTheCallersStruct) {
   ASSERT_EQ(zinf_engine_step(one.engine_, nullptr), ZINF_OK) << zinf_last_error_message();
 }
 
+// A checkpoint through the C API: 2 steps, save, 1 more; a new engine registers the same
+// parameter, loads and takes the same step: the same bits. And the errors a C caller meets.
+TEST(CApi, CheckpointResumesToTheSameBits) {
+  ScratchDir scratch("checkpoint");
+  const std::string dir = scratch.path() + "/ckpt";
+  const float values[5] = {1.0f, -2.0f, 0.5f, 0.125f, 3.0f};
+  const std::int64_t shape[1] = {5};
+  const float grads[3][5] = {{0.5f, 0.25f, -1.0f, 2.0f, -0.75f},
+                             {-0.5f, 1.25f, 0.5f, -2.0f, 0.375f},
+                             {0.125f, -0.25f, 1.5f, 0.0625f, -1.0f}};
+  const auto step = [&](zinf_engine_t* engine, int i) {
+    const zinf_gradient_t ref = {"w", grads[i], 5, ZINF_DTYPE_F32};
+    EXPECT_EQ(zinf_engine_reduce_gradients(engine, "m", &ref, 1), ZINF_OK)
+        << zinf_last_error_message();
+    EXPECT_EQ(zinf_engine_step(engine, nullptr), ZINF_OK) << zinf_last_error_message();
+  };
+  float a[5] = {}, b[5] = {};
+  {
+    OneRank one(kStage2);
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    ASSERT_EQ(
+        zinf_engine_register_parameter(one.engine_, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+        ZINF_OK);
+    step(one.engine_, 0);
+    // Gradients reduced since the last step: refused, nothing written.
+    const zinf_gradient_t ref = {"w", grads[1], 5, ZINF_DTYPE_F32};
+    ASSERT_EQ(zinf_engine_reduce_gradients(one.engine_, "m", &ref, 1), ZINF_OK);
+    EXPECT_CODE(zinf_engine_save_checkpoint(one.engine_, dir.c_str()), ZINF_FAILED_PRECONDITION,
+                "gradients were reduced");
+    ASSERT_EQ(zinf_engine_step(one.engine_, nullptr), ZINF_OK) << zinf_last_error_message();
+    EXPECT_CODE(zinf_engine_save_checkpoint(one.engine_, nullptr), ZINF_INVALID_ARGUMENT, "dir");
+    ASSERT_EQ(zinf_engine_save_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
+        << zinf_last_error_message();
+    step(one.engine_, 2);
+    ASSERT_EQ(zinf_engine_read_parameters(one.engine_, "w", a, 5), ZINF_OK);
+  }
+  {
+    OneRank one(kStage2);
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    ASSERT_EQ(
+        zinf_engine_register_parameter(one.engine_, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+        ZINF_OK);
+    const std::string missing = scratch.path() + "/none";
+    EXPECT_CODE(zinf_engine_load_checkpoint(one.engine_, missing.c_str()), ZINF_NOT_FOUND,
+                missing + "/manifest.json");
+    ASSERT_EQ(zinf_engine_load_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
+        << zinf_last_error_message();
+    step(one.engine_, 2);
+    ASSERT_EQ(zinf_engine_read_parameters(one.engine_, "w", b, 5), ZINF_OK);
+  }
+  EXPECT_EQ(std::memcmp(a, b, sizeof a), 0);
+  EXPECT_NE(std::memcmp(a, values, sizeof a), 0);
+}
+
 // A rank refused for bad input leaves the other waiting in its next collective until the
 // collective timeout; that rank's error is an operating error, sticky from then on.
 TEST(CApi, ARankLeftWaitingTimesOutAndStaysFailed) {
