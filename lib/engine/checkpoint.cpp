@@ -8,8 +8,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <vector>
 
 #include "base/assert.hpp"
@@ -37,6 +39,8 @@ Status sync_dir(const std::string& dir) {
 
 }  // namespace
 
+constexpr std::size_t kBlockBytes = std::size_t{8} << 20;
+
 std::string checkpoint_rank_path(const std::string& dir, int rank) {
   return fmt::format("{}/rank{}.zinfckpt", dir, rank);
 }
@@ -44,10 +48,15 @@ std::string checkpoint_rank_path(const std::string& dir, int rank) {
 Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(std::string path) {
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(std::move(path)));
   w->temp_path_ = w->path_ + ".tmp";
-  w->fd_ = ::open(w->temp_path_.c_str(), O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC, 0644);
+  constexpr int kFlags = O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC;
+  w->fd_ = ::open(w->temp_path_.c_str(), kFlags | O_DIRECT, 0644);
+  w->direct_ = w->fd_ >= 0;
+  // tmpfs and some others refuse O_DIRECT: buffered then.
+  if (w->fd_ < 0 && errno == EINVAL) w->fd_ = ::open(w->temp_path_.c_str(), kFlags, 0644);
   if (w->fd_ < 0) {
     return status_from_errno(fmt::format("checkpoint: create '{}'", w->temp_path_), errno);
   }
+  w->block_ = AlignedBuffer(kBlockBytes);
   w->hash_ = XXH3_createState();
   ZINF_ASSERT(w->hash_ != nullptr);
   XXH3_64bits_reset(w->hash_);
@@ -68,21 +77,48 @@ Status CheckpointWriter::append(const void* data, std::size_t bytes) {
   const auto* p = static_cast<const std::byte*>(data);
   std::size_t done = 0;
   while (done < bytes) {
-    const ssize_t n = ::write(fd_, p + done, bytes - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return status_from_errno(
-          fmt::format("checkpoint: write '{}' at offset {}", temp_path_, bytes_ + done),
-          n < 0 ? errno : EIO);
-    }
-    done += static_cast<std::size_t>(n);
+    const std::size_t take = std::min(bytes - done, block_.bytes() - block_used_);
+    std::memcpy(block_.data() + block_used_, p + done, take);
+    block_used_ += take;
+    done += take;
+    if (block_used_ == block_.bytes()) ZINF_RETURN_IF_ERROR(flush(block_used_));
   }
   bytes_ += bytes;
   return Status::ok();
 }
 
+Status CheckpointWriter::flush(std::size_t bytes) {
+  std::size_t done = 0;
+  while (done < bytes) {
+    const ssize_t n =
+        ::pwrite(fd_, block_.data() + done, bytes - done, static_cast<off_t>(written_ + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      return status_from_errno(
+          fmt::format("checkpoint: write '{}' at offset {}", temp_path_, written_ + done),
+          n < 0 ? errno : EIO);
+    }
+    done += static_cast<std::size_t>(n);
+  }
+  written_ += bytes;
+  // Keep what was not written (the partial page a direct flush leaves) at the block's start.
+  std::memmove(block_.data(), block_.data() + bytes, block_used_ - bytes);
+  block_used_ -= bytes;
+  return Status::ok();
+}
+
 Status CheckpointWriter::commit() {
   ZINF_ASSERT(fd_ >= 0);
+  // The whole pages directly, then the tail (not a page multiple) through the page cache.
+  const std::size_t pages = direct_ ? block_used_ / 4096 * 4096 : block_used_;
+  ZINF_RETURN_IF_ERROR(flush(pages));
+  if (block_used_ > 0) {
+    if (::fcntl(fd_, F_SETFL, O_WRONLY) != 0) {
+      return status_from_errno(fmt::format("checkpoint: fcntl '{}'", temp_path_), errno);
+    }
+    direct_ = false;
+    ZINF_RETURN_IF_ERROR(flush(block_used_));
+  }
   if (::fsync(fd_) != 0) {
     return status_from_errno(fmt::format("checkpoint: fsync '{}'", temp_path_), errno);
   }
