@@ -140,13 +140,15 @@ Status CheckpointWriter::commit() {
 
 Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(std::string path) {
   std::unique_ptr<CheckpointReader> r(new CheckpointReader(std::move(path)));
-  r->fd_ = ::open(r->path_.c_str(), O_RDONLY | O_CLOEXEC);
+  r->fd_ = ::open(r->path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+  if (r->fd_ < 0 && errno == EINVAL) r->fd_ = ::open(r->path_.c_str(), O_RDONLY | O_CLOEXEC);
   if (r->fd_ < 0) return status_from_errno(fmt::format("checkpoint: open '{}'", r->path_), errno);
   struct stat st {};
   if (::fstat(r->fd_, &st) != 0) {
     return status_from_errno(fmt::format("checkpoint: stat '{}'", r->path_), errno);
   }
   r->file_bytes_ = static_cast<std::uint64_t>(st.st_size);
+  r->block_ = AlignedBuffer(kBlockBytes);
   return r;
 }
 
@@ -154,46 +156,64 @@ CheckpointReader::~CheckpointReader() {
   if (fd_ >= 0) ::close(fd_);
 }
 
+Status CheckpointReader::read_block(std::byte* buffer, std::size_t bytes, std::uint64_t at,
+                                    std::size_t* got) const {
+  ZINF_ASSERT(at % 4096 == 0 && bytes % 4096 == 0);
+  std::size_t done = 0;
+  // Stops at the end of the file: a direct read from the unaligned offset a short read leaves
+  // there would be refused.
+  while (done < bytes && at + done < file_bytes_) {
+    const ssize_t n = ::pread(fd_, buffer + done, bytes - done, static_cast<off_t>(at + done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      return status_from_errno(fmt::format("checkpoint: read '{}' at offset {}", path_, at + done),
+                               errno);
+    }
+    if (n == 0) break;
+    done += static_cast<std::size_t>(n);
+  }
+  *got = done;
+  return Status::ok();
+}
+
 Status CheckpointReader::read(void* out, std::size_t bytes) {
   auto* p = static_cast<std::byte*>(out);
   std::size_t done = 0;
   while (done < bytes) {
-    const ssize_t n = ::pread(fd_, p + done, bytes - done, static_cast<off_t>(offset_ + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      return status_from_errno(
-          fmt::format("checkpoint: read '{}' at offset {}", path_, offset_ + done), errno);
+    if (offset_ < block_first_ || offset_ >= block_first_ + block_valid_) {
+      block_first_ = offset_ / 4096 * 4096;
+      ZINF_RETURN_IF_ERROR(read_block(block_.data(), block_.bytes(), block_first_, &block_valid_));
+      if (offset_ >= block_first_ + block_valid_) {
+        return Status::corruption(fmt::format("checkpoint: '{}' ends at offset {}, {} bytes short",
+                                              path_, block_first_ + block_valid_, bytes - done));
+      }
     }
-    if (n == 0) {
-      return Status::corruption(fmt::format("checkpoint: '{}' ends at offset {}, {} bytes short",
-                                            path_, offset_ + done, bytes - done));
-    }
-    done += static_cast<std::size_t>(n);
+    const std::size_t at = static_cast<std::size_t>(offset_ - block_first_);
+    const std::size_t take = std::min(bytes - done, block_valid_ - at);
+    std::memcpy(p + done, block_.data() + at, take);
+    done += take;
+    offset_ += take;
   }
-  offset_ += bytes;
   return Status::ok();
 }
 
 Result<std::uint64_t> CheckpointReader::checksum() const {
-  constexpr std::size_t kChunkBytes = std::size_t{8} << 20;
-  std::vector<std::byte> chunk(kChunkBytes);
+  AlignedBuffer chunk(kBlockBytes);
   XXH3_state_t* hash = XXH3_createState();
   ZINF_ASSERT(hash != nullptr);
   XXH3_64bits_reset(hash);
   std::uint64_t offset = 0;
   Status st;
   while (offset < file_bytes_) {
-    const ssize_t n = ::pread(fd_, chunk.data(), kChunkBytes, static_cast<off_t>(offset));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      st = n < 0 ? status_from_errno(
-                       fmt::format("checkpoint: read '{}' at offset {}", path_, offset), errno)
-                 : Status::corruption(fmt::format("checkpoint: '{}' shrank to {} bytes while read",
-                                                  path_, offset));
-      break;
+    std::size_t got = 0;
+    st = read_block(chunk.data(), chunk.bytes(), offset, &got);
+    if (st.is_ok() && got == 0) {
+      st = Status::corruption(
+          fmt::format("checkpoint: '{}' shrank to {} bytes while read", path_, offset));
     }
-    XXH3_64bits_update(hash, chunk.data(), static_cast<std::size_t>(n));
-    offset += static_cast<std::uint64_t>(n);
+    if (!st.is_ok()) break;
+    XXH3_64bits_update(hash, chunk.data(), got);
+    offset += got;
   }
   const std::uint64_t digest = XXH3_64bits_digest(hash);
   XXH3_freeState(hash);

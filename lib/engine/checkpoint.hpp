@@ -82,7 +82,8 @@ class CheckpointWriter {
   XXH3_state_t* hash_ = nullptr;
 };
 
-// Reads a file front to back.
+// Reads a file front to back, through an 8 MiB aligned block read with O_DIRECT where the
+// filesystem allows it (a checkpoint is read once; caching it would only evict other data).
 class CheckpointReader {
  public:
   static Result<std::unique_ptr<CheckpointReader>> open(std::string path);
@@ -99,10 +100,17 @@ class CheckpointReader {
 
  private:
   explicit CheckpointReader(std::string path) : path_(std::move(path)) {}
+  // buffer[0, *got) <- the file from `at` (4096-aligned), up to `bytes` (a 4096 multiple) or
+  // the end of the file.
+  Status read_block(std::byte* buffer, std::size_t bytes, std::uint64_t at, std::size_t* got) const;
+
   std::string path_;
   int fd_ = -1;
   std::uint64_t file_bytes_ = 0;
-  std::uint64_t offset_ = 0;
+  std::uint64_t offset_ = 0;  // the next byte read() returns
+  AlignedBuffer block_;       // the file from block_first_, block_valid_ bytes
+  std::uint64_t block_first_ = 0;
+  std::size_t block_valid_ = 0;
 };
 
 // Writes `text` to `path` crash-safely (as CheckpointWriter).
