@@ -41,7 +41,10 @@ CliRun run_zinf(const std::string& args) {
   const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
   const std::string dir = tmp != nullptr ? tmp : "/tmp";
   fs::create_directories(dir);
-  const std::string err_path = dir + "/plan_cli_test.err";
+  // One file per process and call: ctest runs this binary's tests in parallel processes.
+  static int calls = 0;
+  const std::string err_path =
+      dir + "/plan_cli_test-" + std::to_string(::getpid()) + "-" + std::to_string(calls++) + ".err";
   const std::string cmd = zinf_binary() + " " + args + " 2>" + err_path;
   CliRun run;
   FILE* pipe = popen(cmd.c_str(), "r");
@@ -54,6 +57,7 @@ CliRun run_zinf(const std::string& args) {
   std::stringstream text;
   text << err.rdbuf();
   run.err = text.str();
+  fs::remove(err_path);
   return run;
 }
 
