@@ -19,22 +19,85 @@ std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage *
 
 }  // namespace
 
+namespace {
+
+// sum_of_squares's tile: at most kSquareTile elements a leaf of its reduction tree.
+constexpr std::size_t kSquareTile = std::size_t{1} << 16;
+
+// One leaf's running state: four lanes, element k of the leaf going to lane k mod 4 (the tail
+// past the last whole quad to lane 0). Four accumulators let the compiler keep several
+// multiply-adds in flight. Fed in pieces whose lengths are multiples of 4 (all but the last), it
+// adds the same values in the same order as one call over the whole leaf.
+struct SquareLanes {
+  double a[4] = {0.0, 0.0, 0.0, 0.0};
+
+  void add(const float* x, std::size_t count) {
+    std::size_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+      for (int k = 0; k < 4; ++k) {
+        const double v = static_cast<double>(x[i + static_cast<std::size_t>(k)]);
+        a[k] += v * v;
+      }
+    }
+    for (; i < count; ++i) a[0] += static_cast<double>(x[i]) * x[i];
+  }
+  // The leaf's value as parallel_deterministic_reduce folds it: identity + body.
+  double total() const { return 0.0 + ((a[0] + a[1]) + (a[2] + a[3])); }
+};
+
+double square_leaf(const float* x, std::size_t count) {
+  SquareLanes lanes;
+  lanes.add(x, count);
+  return lanes.total();
+}
+
+// The leaves of sum_of_squares's tree over [first, first + count), in order: the range halved
+// (blocked_range's split, the middle rounded down) until a part is at most kSquareTile long.
+template <typename F>
+void for_each_square_leaf(std::size_t first, std::size_t count, F&& leaf) {
+  if (count <= kSquareTile) {
+    leaf(first, count);
+    return;
+  }
+  const std::size_t half = count / 2;
+  for_each_square_leaf(first, half, leaf);
+  for_each_square_leaf(first + half, count - half, leaf);
+}
+
+std::size_t square_leaf_count(std::size_t count) {
+  std::size_t leaves = 0;
+  if (count > 0) for_each_square_leaf(0, count, [&leaves](std::size_t, std::size_t) { ++leaves; });
+  return leaves;
+}
+
+// acc[0, count) += src[0, count). A plain loop: GCC vectorises it (with a run-time overlap
+// check), and each element gets one IEEE add whatever the width, so the bits are those of the
+// scalar loop.
+void add_floats(float* acc, const float* src, std::size_t count) {
+  for (std::size_t i = 0; i < count; ++i) acc[i] += src[i];
+}
+
+// Folds leaf values (in leaf order, from *next on) as sum_of_squares's tree does: each inner
+// node is left + right.
+double fold_square_leaves(std::size_t count, const double*& next) {
+  if (count <= kSquareTile) return *next++;
+  const std::size_t half = count / 2;
+  const double left = fold_square_leaves(half, next);
+  const double right = fold_square_leaves(count - half, next);
+  return left + right;
+}
+
+}  // namespace
+
 double sum_of_squares(const float* x, std::size_t count) {
-  constexpr std::size_t kTile = std::size_t{1} << 16;
+  // parallel_deterministic_reduce with the simple partitioner halves the range until a part is at
+  // most kSquareTile long and folds the leaves' values pairwise in that tree, whatever thread ran
+  // them. SpillAccumulator rebuilds the same tree from leaves computed as chunks arrive
+  // (for_each_square_leaf, fold_square_leaves): change one, change the other.
   return tbb::parallel_deterministic_reduce(
-      tbb::blocked_range<std::size_t>(0, count, kTile), 0.0,
+      tbb::blocked_range<std::size_t>(0, count, kSquareTile), 0.0,
       [x](const tbb::blocked_range<std::size_t>& r, double init) {
-        // Four accumulators let the compiler keep several multiply-adds in flight.
-        double a[4] = {0.0, 0.0, 0.0, 0.0};
-        std::size_t i = r.begin();
-        for (; i + 4 <= r.end(); i += 4) {
-          for (int k = 0; k < 4; ++k) {
-            const double v = static_cast<double>(x[i + static_cast<std::size_t>(k)]);
-            a[k] += v * v;
-          }
-        }
-        for (; i < r.end(); ++i) a[0] += static_cast<double>(x[i]) * x[i];
-        return init + ((a[0] + a[1]) + (a[2] + a[3]));
+        return init + square_leaf(x + r.begin(), r.size());
       },
       [](double a, double b) { return a + b; });
 }
@@ -43,8 +106,7 @@ double sum_of_squares(const float* x, std::size_t count) {
 
 Status MemoryAccumulator::add(std::size_t first, std::size_t count, const float* src) {
   ZINF_ASSERT(first + count <= element_count_);
-  float* acc = data_ + first;
-  for (std::size_t i = 0; i < count; ++i) acc[i] += src[i];
+  add_floats(data_ + first, src, count);
   return Status::ok();
 }
 
@@ -66,8 +128,12 @@ Result<std::unique_ptr<SpillAccumulator>> SpillAccumulator::create(StateStore& s
   const std::size_t buffers = std::min(options.buffer_count, store.sub_group_count());
   s->buffer_bytes_ = round_page(store.sub_group_params() * sizeof(float));
   s->buffers_.resize(buffers);
+  s->scratch_.resize(square_leaf_count(store.sub_group_params()));
+  const std::size_t leaves = square_leaf_count(store.sub_group_params());
   for (Buffer& b : s->buffers_) {
     b.data = AlignedBuffer(s->buffer_bytes_);
+    // The largest sub-group has the most leaves (a shorter one never has more).
+    b.leaves.reserve(leaves);
     // The page padding past a short last sub-group is written too; keep it defined.
     std::memset(b.data.data(), 0, b.data.bytes());
   }
@@ -126,9 +192,7 @@ Status SpillAccumulator::add(std::size_t first, std::size_t count, const float* 
     const std::size_t sg_size = store_.sub_group_size(i);
     const std::size_t n = std::min(end, sg_first + sg_size) - first;
     ZINF_ASSIGN_OR_RETURN(int b, open(i));
-    float* acc = buffers_[static_cast<std::size_t>(b)].data.as<float>() + (first - sg_first);
-    for (std::size_t k = 0; k < n; ++k) acc[k] += src[k];
-    buffers_[static_cast<std::size_t>(b)].dirty = true;
+    add_to(buffers_[static_cast<std::size_t>(b)], first - sg_first, n, src);
     SubGroup& s = sub_groups_[i];
     s.arrived += n;
     if (s.arrived >= sg_size) {
@@ -164,6 +228,7 @@ Result<int> SpillAccumulator::open(std::size_t i) {
   }
   buf.sub_group = static_cast<long>(i);
   buf.dirty = false;
+  reset_leaves(buf, store_.sub_group_size(i));
   buf.last_use = ++clock_;
   s.where = Where::kBuffer;
   s.buffer = b;
@@ -204,7 +269,7 @@ Status SpillAccumulator::write(int b) {
   ZINF_ASSERT(buf.sub_group >= 0 && !buf.writing);
   const auto i = static_cast<std::size_t>(buf.sub_group);
   const std::size_t count = store_.sub_group_size(i);
-  sub_groups_[i].sumsq = zinf::sum_of_squares(buf.data.as<const float>(), count);
+  sub_groups_[i].sumsq = leaf_sum_of_squares(buf);
   store_.begin_write(Piece::kGrads, i);
   Result<SwapTicket> t = store_.swap()->write(store_.extent(Piece::kGrads, i), buf.data.data());
   if (!t.is_ok()) {
@@ -227,6 +292,72 @@ Status SpillAccumulator::write_done(int b) {
   buf.writing = false;
   store_.end_write(Piece::kGrads, i, st.is_ok());
   return fail(st);
+}
+
+void SpillAccumulator::reset_leaves(Buffer& buf, std::size_t count) {
+  buf.leaves.clear();
+  for_each_square_leaf(0, count, [&buf](std::size_t first, std::size_t leaf_count) {
+    buf.leaves.push_back(Leaf{first, leaf_count, 0, 0.0, false});
+  });
+}
+
+void SpillAccumulator::add_to(Buffer& buf, std::size_t at, std::size_t count, const float* src) {
+  // A cache-sized block: added, then squared while it is still in L1.
+  constexpr std::size_t kBlock = 4096;
+  static_assert(kBlock % 4 == 0, "SquareLanes takes whole quads until the leaf's last piece");
+  float* acc = buf.data.as<float>();
+  const std::size_t end = at + count;
+  // The leaf holding `at`: the last one starting at or before it.
+  auto leaf = std::upper_bound(buf.leaves.begin(), buf.leaves.end(), at,
+                               [](std::size_t v, const Leaf& l) { return v < l.first; });
+  ZINF_ASSERT(leaf != buf.leaves.begin());
+  --leaf;
+  while (at < end) {
+    ZINF_ASSERT(leaf != buf.leaves.end());
+    Leaf& l = *leaf;
+    const std::size_t leaf_end = l.first + l.count;
+    const std::size_t hi = std::min(end, leaf_end);
+    l.arrived += hi - at;
+    if (at == l.first && hi == leaf_end && l.arrived == l.count) {
+      // The whole leaf in this chunk, none of it before: add and square in one pass.
+      SquareLanes lanes;
+      for (std::size_t p = at; p < hi; p += kBlock) {
+        const std::size_t q = std::min(hi, p + kBlock);
+        add_floats(acc + p, src + (p - at), q - p);
+        lanes.add(acc + p, q - p);
+      }
+      l.sumsq = lanes.total();
+      l.valid = true;
+    } else {
+      add_floats(acc + at, src, hi - at);
+      // Every element of the leaf has had its add since the buffer was last written: its sum of
+      // squares is final unless another add touches it (which clears `valid` again).
+      l.valid = l.arrived == l.count;
+      if (l.valid) l.sumsq = square_leaf(acc + l.first, l.count);
+    }
+    src += hi - at;
+    at = hi;
+    ++leaf;
+  }
+  buf.dirty = true;
+}
+
+double SpillAccumulator::leaf_sum_of_squares(Buffer& buf) {
+  const float* x = buf.data.as<const float>();
+  std::size_t count = 0;
+  for (Leaf& l : buf.leaves) {
+    // Not every element arrived since the last write (an eviction, or a read-back's partial
+    // sums): square it from the buffer now.
+    if (!l.valid) l.sumsq = square_leaf(x + l.first, l.count);
+    l.valid = true;
+    l.arrived = 0;  // the next micro-batch's adds start counting again
+    scratch_[count++] = l.sumsq;
+  }
+  if (count == 0) return 0.0;
+  const double* next = scratch_.data();
+  const double sum = fold_square_leaves(buf.leaves.back().first + buf.leaves.back().count, next);
+  ZINF_ASSERT(next == scratch_.data() + count);
+  return sum;
 }
 
 void SpillAccumulator::detach(int b) {

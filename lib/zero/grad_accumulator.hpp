@@ -119,8 +119,16 @@ class SpillAccumulator final : public GradAccumulator {
     std::size_t arrived = 0;  // elements added since it was last complete
     double sumsq = 0.0;
   };
+  // One leaf of sum_of_squares's reduction tree over the buffer's sub-group (offsets in it).
+  struct Leaf {
+    std::size_t first = 0, count = 0;
+    std::size_t arrived = 0;  // elements added since the buffer was last written
+    double sumsq = 0.0;       // the leaf's value, when valid
+    bool valid = false;       // sumsq is of the buffer as it is now
+  };
   struct Buffer {
     AlignedBuffer data;
+    std::vector<Leaf> leaves;
     long sub_group = -1;  // -1: free
     bool dirty = false;   // holds sums not yet written
     bool writing = false;
@@ -142,6 +150,14 @@ class SpillAccumulator final : public GradAccumulator {
   Status write(int b);
   // Waits for buffer b's write; on success its sub-group's disk copy is current.
   Status write_done(int b);
+  // Lays out buffer b's leaves for a sub-group of `count` elements, none summed.
+  void reset_leaves(Buffer& buf, std::size_t count);
+  // buf's sub-group [at, at + count) += src; a leaf whose every element has now arrived gets its
+  // sum of squares, in the same pass as the add when the chunk covers it whole.
+  void add_to(Buffer& buf, std::size_t at, std::size_t count, const float* src);
+  // zinf::sum_of_squares over buf's sub-group, to the bit, from the leaves' sums (squaring only
+  // leaves not summed since their last add). Starts the leaves' arrival counts again.
+  double leaf_sum_of_squares(Buffer& buf);
   // Detaches buffer b (its sub-group must be clean): the sub-group is on disk only.
   void detach(int b);
   Status fail(Status st);
@@ -160,6 +176,7 @@ class SpillAccumulator final : public GradAccumulator {
   Counts counts_;
   std::vector<SubGroup> sub_groups_;
   std::vector<Buffer> buffers_;
+  std::vector<double> scratch_;           // leaf values for leaf_sum_of_squares, sized at create()
   std::vector<AlignedBuffer> abandoned_;  // buffers of writes given up on (settle)
   std::size_t buffer_bytes_ = 0;
   std::uint64_t clock_ = 0;
