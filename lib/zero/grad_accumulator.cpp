@@ -147,7 +147,7 @@ SpillAccumulator::~SpillAccumulator() {
 
 void SpillAccumulator::settle(int b) {
   Buffer& buf = buffers_[static_cast<std::size_t>(b)];
-  if (!buf.writing) return;
+  if (!buf.writing && !buf.reading) return;
   SwapSpace& swap = *store_.swap();
   Status st = swap.wait(buf.ticket, options_.timeout);
   if (st.code() == Code::kTimeout) {
@@ -156,15 +156,21 @@ void SpillAccumulator::settle(int b) {
     st = swap.wait(buf.ticket, options_.timeout);
   }
   if (st.code() == Code::kTimeout) {
-    // Not even the cancel ended it: give the write up (its blocks are lost) and keep its buffer
-    // out of use until this object goes, since the device may still read it.
+    // Not even the cancel ended it: give the op up (a write's blocks are lost) and keep its
+    // buffer out of use until this object goes, since the device may still use it.
     swap.abandon(buf.ticket);
     abandoned_.push_back(std::move(buf.data));
     buf.data = AlignedBuffer(buffer_bytes_);
     std::memset(buf.data.data(), 0, buf.data.bytes());
   }
-  buf.writing = false;
-  store_.end_write(Piece::kGrads, static_cast<std::size_t>(buf.sub_group), st.is_ok());
+  if (buf.writing) {
+    buf.writing = false;
+    store_.end_write(Piece::kGrads, static_cast<std::size_t>(buf.sub_group), st.is_ok());
+  } else {
+    // A read-ahead: whatever the buffer holds now, its sub-group is on disk only.
+    buf.reading = false;
+    detach(b);
+  }
   (void)fail(st);
 }
 
@@ -193,6 +199,13 @@ Status SpillAccumulator::add(std::size_t first, std::size_t count, const float* 
     const std::size_t n = std::min(end, sg_first + sg_size) - first;
     ZINF_ASSIGN_OR_RETURN(int b, open(i));
     add_to(buffers_[static_cast<std::size_t>(b)], first - sg_first, n, src);
+    if (read_ahead_next_) {
+      // A later micro-batch reached a sub-group on disk. Backward hands chunks over from the
+      // partition's end to its start, so the one below is most likely next: read it while
+      // this one is summed (after the add, so this sub-group's buffer is dirty and stays).
+      read_ahead_next_ = false;
+      if (i > 0) read_ahead(i - 1);
+    }
     SubGroup& s = sub_groups_[i];
     s.arrived += n;
     if (s.arrived >= sg_size) {
@@ -213,6 +226,12 @@ Result<int> SpillAccumulator::open(std::size_t i) {
     Buffer& buf = buffers_[static_cast<std::size_t>(b)];
     // Its write reads the buffer: it must land before the sums change.
     if (buf.writing) ZINF_RETURN_IF_ERROR(write_done(b));
+    if (buf.reading) {
+      // Read ahead: backward is walking down the partition, read the next one ahead too.
+      ZINF_RETURN_IF_ERROR(read_done(b));
+      ++counts_.read_ahead_hits;
+      read_ahead_next_ = true;
+    }
     buf.last_use = ++clock_;
     return b;
   }
@@ -225,6 +244,7 @@ Result<int> SpillAccumulator::open(std::size_t i) {
     ZINF_RETURN_IF_ERROR(fail(store_.read_piece(Piece::kGrads, i, buf.data.data())));
     ++counts_.read_backs;
     counts_.read_bytes += round_page(bytes);
+    read_ahead_next_ = true;
   }
   buf.sub_group = static_cast<long>(i);
   buf.dirty = false;
@@ -240,14 +260,17 @@ Result<int> SpillAccumulator::take_buffer() {
   for (std::size_t b = 0; b < buffers_.size(); ++b) {
     if (buffers_[b].sub_group < 0) return static_cast<int>(b);
   }
-  // A clean one (written, or being written): the oldest, whose write most likely landed.
+  // A clean one (written, or being written): the oldest, whose write most likely landed; one
+  // read ahead only when no other is clean.
   int pick = -1;
   for (std::size_t b = 0; b < buffers_.size(); ++b) {
     const Buffer& buf = buffers_[b];
     if (buf.dirty) continue;
-    if (pick < 0 || buf.last_use < buffers_[static_cast<std::size_t>(pick)].last_use) {
-      pick = static_cast<int>(b);
+    if (pick >= 0) {
+      const Buffer& p = buffers_[static_cast<std::size_t>(pick)];
+      if (buf.reading != p.reading ? buf.reading : buf.last_use >= p.last_use) continue;
     }
+    pick = static_cast<int>(b);
   }
   if (pick < 0) {
     // Every buffer holds partial sums: evict the least recently used.
@@ -260,13 +283,64 @@ Result<int> SpillAccumulator::take_buffer() {
     ++counts_.evictions;
   }
   if (buffers_[static_cast<std::size_t>(pick)].writing) ZINF_RETURN_IF_ERROR(write_done(pick));
+  if (buffers_[static_cast<std::size_t>(pick)].reading) ZINF_RETURN_IF_ERROR(read_done(pick));
   detach(pick);
   return pick;
 }
 
+void SpillAccumulator::read_ahead(std::size_t i) {
+  SubGroup& s = sub_groups_[i];
+  // Only a sub-group on disk whose extent holds data (a lost one is left to the synchronous read
+  // in open(), which reports it).
+  if (s.where != Where::kDisk || store_.residency(Piece::kGrads, i) != Residency::kDisk) return;
+  SwapSpace& swap = *store_.swap();
+  // Only a buffer that costs nothing now: a free one, else the oldest clean one whose write has
+  // landed. Never an eviction, never a wait: a wrong guess must not slow the right path.
+  int pick = -1;
+  for (std::size_t b = 0; pick < 0 && b < buffers_.size(); ++b) {
+    if (buffers_[b].sub_group < 0) pick = static_cast<int>(b);
+  }
+  for (std::size_t b = 0; b < buffers_.size(); ++b) {
+    if (pick >= 0 && buffers_[static_cast<std::size_t>(pick)].sub_group < 0) break;
+    const Buffer& buf = buffers_[b];
+    if (buf.dirty || buf.reading || (buf.writing && !swap.poll(buf.ticket))) continue;
+    if (pick < 0 || buf.last_use < buffers_[static_cast<std::size_t>(pick)].last_use) {
+      pick = static_cast<int>(b);
+    }
+  }
+  if (pick < 0) return;
+  Buffer& buf = buffers_[static_cast<std::size_t>(pick)];
+  if (buf.writing && !write_done(pick).is_ok()) return;  // landed already: no wait
+  detach(pick);
+  Result<SwapTicket> t = swap.read(store_.extent(Piece::kGrads, i), buf.data.data());
+  if (!t.is_ok()) return;  // the synchronous read in open() will meet the error and report it
+  buf.ticket = *t;
+  buf.reading = true;
+  buf.sub_group = static_cast<long>(i);
+  buf.dirty = false;
+  reset_leaves(buf, store_.sub_group_size(i));
+  buf.last_use = ++clock_;
+  s.where = Where::kBuffer;
+  s.buffer = pick;
+  ++counts_.read_backs;
+  ++counts_.read_aheads;
+  counts_.read_bytes += round_page(store_.sub_group_size(i) * sizeof(float));
+}
+
+Status SpillAccumulator::read_done(int b) {
+  Buffer& buf = buffers_[static_cast<std::size_t>(b)];
+  ZINF_ASSERT(buf.reading);
+  Status st = store_.swap()->wait(buf.ticket, options_.timeout);
+  if (st.code() == Code::kTimeout) return fail(st);  // still in flight: keep the buffer
+  buf.reading = false;
+  // A failed read leaves the buffer undefined: the sub-group is on disk only.
+  if (!st.is_ok()) detach(b);
+  return fail(st);
+}
+
 Status SpillAccumulator::write(int b) {
   Buffer& buf = buffers_[static_cast<std::size_t>(b)];
-  ZINF_ASSERT(buf.sub_group >= 0 && !buf.writing);
+  ZINF_ASSERT(buf.sub_group >= 0 && !buf.writing && !buf.reading);
   const auto i = static_cast<std::size_t>(buf.sub_group);
   const std::size_t count = store_.sub_group_size(i);
   sub_groups_[i].sumsq = leaf_sum_of_squares(buf);
@@ -362,7 +436,7 @@ double SpillAccumulator::leaf_sum_of_squares(Buffer& buf) {
 
 void SpillAccumulator::detach(int b) {
   Buffer& buf = buffers_[static_cast<std::size_t>(b)];
-  ZINF_ASSERT(!buf.dirty && !buf.writing);
+  ZINF_ASSERT(!buf.dirty && !buf.writing && !buf.reading);
   if (buf.sub_group < 0) return;
   SubGroup& s = sub_groups_[static_cast<std::size_t>(buf.sub_group)];
   s.where = Where::kDisk;
@@ -386,6 +460,10 @@ Status SpillAccumulator::flush() {
 
 Status SpillAccumulator::flush_all() {
   ZINF_RETURN_IF_ERROR(status_);
+  // Reads ahead that no chunk came for: nothing of this object stays in flight past here.
+  for (std::size_t b = 0; b < buffers_.size(); ++b) {
+    if (buffers_[b].reading) ZINF_RETURN_IF_ERROR(read_done(static_cast<int>(b)));
+  }
   for (std::size_t b = 0; b < buffers_.size(); ++b) {
     if (buffers_[b].sub_group >= 0 && buffers_[b].dirty) {
       ZINF_RETURN_IF_ERROR(write(static_cast<int>(b)));

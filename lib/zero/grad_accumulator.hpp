@@ -104,6 +104,10 @@ class SpillAccumulator final : public GradAccumulator {
   // Sub-group i's sum of squares as of its last write since zero() (0 when none).
   // REQUIRES: after flush().
   double sum_of_squares(std::size_t i) const { return sub_groups_[i].sumsq; }
+  // Read-backs started ahead of their sub-group's first chunk (counted in read_backs too), and
+  // those a chunk then came for, since create().
+  std::uint64_t read_ahead_count() const { return counts_.read_aheads; }
+  std::uint64_t read_ahead_hit_count() const { return counts_.read_ahead_hits; }
   // Sub-groups open in a buffer now.
   std::size_t open_count() const;
 
@@ -132,6 +136,7 @@ class SpillAccumulator final : public GradAccumulator {
     long sub_group = -1;  // -1: free
     bool dirty = false;   // holds sums not yet written
     bool writing = false;
+    bool reading = false;  // a read ahead in flight (never together with writing)
     SwapTicket ticket;
     std::uint64_t last_use = 0;
   };
@@ -146,6 +151,11 @@ class SpillAccumulator final : public GradAccumulator {
   // A buffer for a new sub-group: a free one, else one holding a clean sub-group (waiting for
   // its write), else the least recently used open one written out (an eviction).
   Result<int> take_buffer();
+  // Starts reading sub-group i (on disk) into a buffer, if one is free or clean with its write
+  // landed; otherwise, or on a submit error, does nothing (open() reads it when it comes).
+  void read_ahead(std::size_t i);
+  // Waits for buffer b's read ahead; a failed one leaves its sub-group on disk only.
+  Status read_done(int b);
   // Submits the write of buffer b's sub-group.
   Status write(int b);
   // Waits for buffer b's write; on success its sub-group's disk copy is current.
@@ -167,6 +177,7 @@ class SpillAccumulator final : public GradAccumulator {
   // publish_counts().
   struct Counts {
     std::uint64_t write_bytes = 0, read_bytes = 0, read_backs = 0, evictions = 0;
+    std::uint64_t read_aheads = 0, read_ahead_hits = 0;  // not in EngineCounters (yet)
   };
   void publish_counts();
 
@@ -180,6 +191,7 @@ class SpillAccumulator final : public GradAccumulator {
   std::vector<AlignedBuffer> abandoned_;  // buffers of writes given up on (settle)
   std::size_t buffer_bytes_ = 0;
   std::uint64_t clock_ = 0;
+  bool read_ahead_next_ = false;  // open() read a sub-group back, or met one read ahead
   Status status_;
 };
 
