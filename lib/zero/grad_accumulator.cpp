@@ -204,7 +204,7 @@ Status SpillAccumulator::add(std::size_t first, std::size_t count, const float* 
       // partition's end to its start, so the one below is most likely next: read it while
       // this one is summed (after the add, so this sub-group's buffer is dirty and stays).
       read_ahead_next_ = false;
-      if (i > 0) read_ahead(i - 1);
+      if (i > 0 && options_.read_ahead) read_ahead(i - 1);
     }
     SubGroup& s = sub_groups_[i];
     s.arrived += n;

@@ -80,6 +80,9 @@ class MemoryAccumulator final : public GradAccumulator {
 struct SpillOptions {
   // Sub-group-sized host buffers (>= 1).
   std::size_t buffer_count = 4;
+  // Read the next sub-group ahead in later micro-batches (off: every read-back synchronous, for
+  // benchmarks to compare against).
+  bool read_ahead = true;
   // Longest wait for one read or write.
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
 };
