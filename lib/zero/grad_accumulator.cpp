@@ -17,10 +17,6 @@ constexpr std::size_t kPage = 4096;
 
 std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
-}  // namespace
-
-namespace {
-
 // sum_of_squares's tile: at most kSquareTile elements a leaf of its reduction tree.
 constexpr std::size_t kSquareTile = std::size_t{1} << 16;
 
@@ -128,8 +124,8 @@ Result<std::unique_ptr<SpillAccumulator>> SpillAccumulator::create(StateStore& s
   const std::size_t buffers = std::min(options.buffer_count, store.sub_group_count());
   s->buffer_bytes_ = round_page(store.sub_group_params() * sizeof(float));
   s->buffers_.resize(buffers);
-  s->scratch_.resize(square_leaf_count(store.sub_group_params()));
   const std::size_t leaves = square_leaf_count(store.sub_group_params());
+  s->scratch_.resize(leaves);
   for (Buffer& b : s->buffers_) {
     b.data = AlignedBuffer(s->buffer_bytes_);
     // The largest sub-group has the most leaves (a shorter one never has more).

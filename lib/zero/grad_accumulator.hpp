@@ -12,7 +12,10 @@
 // sub_group_size elements since it was opened is complete for this micro-batch: its buffer is
 // written to the sub-group's extent (asynchronously, through the SwapSpace) and becomes free once
 // the write lands. A sub-group touched again later (the next micro-batch of the same step) is
-// read back first; one not written since zero() starts from zeros without a read. When every
+// read back first; one not written since zero() starts from zeros without a read. When a chunk
+// reaches a sub-group that was read back (or read ahead), the sub-group below it, backward's
+// next, is read ahead into a buffer that is free or clean with its write landed (never an
+// eviction, never a wait), so a read-back overlaps the adds into the sub-group above it. When every
 // buffer holds an open sub-group, the least recently used one is evicted: its partial sums are
 // written and read back when it is touched again. So memory stays buffer_count sub-groups
 // whatever the order of the chunks; correctness never depends on the completion count (it only
@@ -20,10 +23,13 @@
 // so normally one to three sub-groups are open at once.
 //
 // The norm. sum_of_squares(i) is the sum of x*x in double over sub-group i's elements as of its
-// last write (computed from the buffer as it is written, so the step never reads the gradients
-// back for the norm). The engine adds those in sub-group order, and for the host kGrads array
-// the same function over the same ranges in the same order, so a spilled and a non-spilled run
-// of one config give the same bits.
+// last write (computed from the buffer, so the step never reads the gradients back for the
+// norm): each buffer keeps zinf::sum_of_squares's leaves (64 Ki-element tiles), a leaf is
+// squared when its last element arrives (in the add's own pass when one chunk covers it), and
+// the write folds the leaves in zinf::sum_of_squares's tree, so the bits are that function's. The
+// engine adds those in sub-group order, and for the host kGrads array the same function over the
+// same ranges in the same order, so a spilled and a non-spilled run of one config give the same
+// bits.
 //
 // Thread-safety: add() runs on the reducer's stream (one thread, in issue order); flush(),
 // zero() and the accessors from the rank's thread while no add() runs (after GradReducer::wait).
