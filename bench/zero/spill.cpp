@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -57,12 +58,13 @@ struct Rig {
     store.reset();
     swap.reset();
     io.reset();
-    std::string cmd = "rm -rf '" + dir + "'";
-    (void)std::system(cmd.c_str());
+    std::error_code ignored;
+    std::filesystem::remove_all(dir, ignored);
   }
   Status open() {
-    std::string cmd = "mkdir -p '" + dir + "'";
-    if (std::system(cmd.c_str()) != 0) return Status::io_error("bench: cannot create " + dir);
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) return Status::io_error("bench: cannot create " + dir);
     IoOptions io_options;
     io_options.queue_depth = 32;
     ZINF_ASSIGN_OR_RETURN(io, open_engine(io_options));

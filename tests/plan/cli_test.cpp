@@ -2,11 +2,8 @@
 // message when nothing fits. Runs the zinf binary of the same build (bin/zinf beside tests/);
 // skips, saying so, when it has not been built.
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
-#include <array>
-#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,21 +11,13 @@
 #include <sstream>
 #include <string>
 
+#include "cli_test_util.hpp"
 #include "plan/config.hpp"
 
 namespace zinf::plan {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string zinf_binary() {
-  const fs::path exe = fs::read_symlink("/proc/self/exe");
-  for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path();
-       dir = dir.parent_path()) {
-    if (fs::exists(dir / "bin" / "zinf")) return (dir / "bin" / "zinf").string();
-  }
-  return "";
-}
 
 struct CliRun {
   int exit_code = -1;
@@ -47,12 +36,7 @@ CliRun run_zinf(const std::string& args) {
       dir + "/plan_cli_test-" + std::to_string(::getpid()) + "-" + std::to_string(calls++) + ".err";
   const std::string cmd = zinf_binary() + " " + args + " 2>" + err_path;
   CliRun run;
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return run;
-  std::array<char, 4096> chunk;
-  while (std::fgets(chunk.data(), chunk.size(), pipe) != nullptr) run.out += chunk.data();
-  const int status = pclose(pipe);
-  run.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  run.exit_code = run_command(cmd, &run.out);
   std::ifstream err(err_path);
   std::stringstream text;
   text << err.rdbuf();

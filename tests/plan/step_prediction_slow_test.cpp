@@ -10,10 +10,8 @@
 // the scratch filesystem lacks the room, or when the host lacks the memory for a case.
 #include <gtest/gtest.h>
 #include <sys/statvfs.h>
-#include <sys/wait.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -23,30 +21,12 @@
 #include <string>
 #include <vector>
 
+#include "cli_test_util.hpp"
+
 namespace zinf::plan {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string zinf_binary() {
-  const fs::path exe = fs::read_symlink("/proc/self/exe");
-  for (fs::path dir = exe.parent_path(); !dir.empty() && dir != dir.root_path();
-       dir = dir.parent_path()) {
-    if (fs::exists(dir / "bin" / "zinf")) return (dir / "bin" / "zinf").string();
-  }
-  return "";
-}
-
-// Runs a command; returns its exit code and stdout.
-int run(const std::string& cmd, std::string* out) {
-  FILE* pipe = popen(cmd.c_str(), "r");
-  if (pipe == nullptr) return -1;
-  std::array<char, 4096> chunk;
-  out->clear();
-  while (std::fgets(chunk.data(), chunk.size(), pipe) != nullptr) *out += chunk.data();
-  const int status = pclose(pipe);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 std::uint64_t mem_available_bytes() {
   std::ifstream in("/proc/meminfo");
@@ -69,7 +49,7 @@ void check_prediction(const std::string& params, double param_count, const std::
   const std::string zinf = zinf_binary();
   if (zinf.empty()) GTEST_SKIP() << "bin/zinf is not built";
   std::string out;
-  if (run(zinf + " bench step --help >/dev/null 2>&1", &out) != 0) {
+  if (run_command(zinf + " bench step --help >/dev/null 2>&1", &out) != 0) {
     GTEST_SKIP() << "this zinf has no `bench step`";
   }
   const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
@@ -96,9 +76,9 @@ void check_prediction(const std::string& params, double param_count, const std::
                             " --sub-group 64MiB --pool 1GiB --json";
   std::vector<double> ratios;
   for (int round = 0; round < 3; ++round) {
-    ASSERT_EQ(run(zinf + " plan --step-only --measure" + flags, &out), 0) << out;
+    ASSERT_EQ(run_command(zinf + " plan --step-only --measure" + flags, &out), 0) << out;
     const nlohmann::json predicted = nlohmann::json::parse(out);
-    ASSERT_EQ(run(zinf + " bench step --steps 3" + flags, &out), 0) << out;
+    ASSERT_EQ(run_command(zinf + " bench step --steps 3" + flags, &out), 0) << out;
     const nlohmann::json measured = nlohmann::json::parse(out);
     const double p = predicted.at("step_s").get<double>();
     const double m = measured.at("step_s").get<double>();
