@@ -83,8 +83,7 @@ class HostDeviceOps final : public DeviceOps {
     auto* g = static_cast<const float*>(device_.host_address(grad));
     auto* m = static_cast<float*>(device_.host_address(exp_avg));
     auto* v = static_cast<float*>(device_.host_address(exp_avg_sq));
-    const kernels::HalfType type =
-        half_dtype == DType::kF32 ? kernels::HalfType::kNone : kernel_half_type(half_dtype);
+    const kernels::HalfType type = kernel_half_type(half_dtype);
     auto* half = type == kernels::HalfType::kNone
                      ? nullptr
                      : static_cast<std::uint16_t*>(device_.host_address(param_half));

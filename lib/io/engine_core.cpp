@@ -14,6 +14,13 @@ namespace zinf::io_detail {
 namespace {
 // The kernel caps one registered buffer at 1 GiB.
 constexpr std::size_t kMaxRegionBytes = std::size_t{1} << 30;
+
+// The error a cancelled request or piece finishes with: the same words for both.
+Status cancelled(IoOp op, std::string_view path, std::uint64_t offset, std::uint64_t bytes) {
+  return status_from_errno(fmt::format("{} of {} at offset {} ({} bytes): cancelled",
+                                       io_op_name(op), path, offset, bytes),
+                           ECANCELED);
+}
 }  // namespace
 
 EngineCore::EngineCore(const IoOptions& options) : options_(options) {
@@ -244,17 +251,12 @@ void EngineCore::stop_cutting(std::uint32_t index) {
   // request whose bytes all moved still succeeds.
   if (s.failed || !s.queued) return;
   s.failed = true;
-  s.status = status_from_errno(
-      fmt::format("{} of {} at offset {} ({} bytes): cancelled", io_op_name(s.request.op),
-                  files_[s.request.file.index].path, s.request.offset, s.request.bytes),
-      ECANCELED);
+  s.status =
+      cancelled(s.request.op, files_[s.request.file.index].path, s.request.offset, s.request.bytes);
 }
 
 Status EngineCore::cancelled_status(const Piece& piece) const {
-  return status_from_errno(
-      fmt::format("{} of {} at offset {} ({} bytes): cancelled", io_op_name(piece.op),
-                  files_[piece.file_index].path, piece.offset, piece.bytes),
-      ECANCELED);
+  return cancelled(piece.op, files_[piece.file_index].path, piece.offset, piece.bytes);
 }
 
 bool EngineCore::hung_cancellable() const {

@@ -99,6 +99,14 @@ StateStore::~StateStore() = default;
 
 namespace {
 
+// What write_piece() and read_piece() answer for a piece on the block tier, which only ever
+// lives in the pipeline's block.
+Status not_kept(std::string_view key_prefix, std::size_t i, Piece piece) {
+  return Status::failed_precondition(
+      fmt::format("{}/group{}/{}: on the block tier, the store does not keep it", key_prefix, i,
+                  piece_name(piece)));
+}
+
 std::array<bool, kPieceCount> pieces_of(const StateStoreOptions& options) {
   std::array<bool, kPieceCount> has{};
   has[static_cast<std::size_t>(Piece::kParams)] = true;
@@ -294,11 +302,7 @@ Residency StateStore::residency(Piece piece, std::size_t i) const {
 
 Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
   ZINF_ASSERT(has(piece));
-  if (tier(piece) == Tier::kBlock) {
-    return Status::failed_precondition(
-        fmt::format("{}/group{}/{}: on the block tier, the store does not keep it",
-                    options_.key_prefix, i, piece_name(piece)));
-  }
+  if (tier(piece) == Tier::kBlock) return not_kept(options_.key_prefix, i, piece);
   if (tier(piece) == Tier::kHost) {
     std::memcpy(host_data(piece, i), data, piece_bytes(piece, i));
     return Status::ok();
@@ -317,11 +321,7 @@ Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
 
 Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
   ZINF_ASSERT(has(piece));
-  if (tier(piece) == Tier::kBlock) {
-    return Status::failed_precondition(
-        fmt::format("{}/group{}/{}: on the block tier, the store does not keep it",
-                    options_.key_prefix, i, piece_name(piece)));
-  }
+  if (tier(piece) == Tier::kBlock) return not_kept(options_.key_prefix, i, piece);
   if (tier(piece) == Tier::kHost) {
     std::memcpy(data, host_data(piece, i), piece_bytes(piece, i));
     return Status::ok();
