@@ -98,6 +98,14 @@ bool OptimizerPipeline::wait_update(std::chrono::microseconds timeout) {
   return update_done_.wait_for(lock, timeout, [&] { return update_finished_; });
 }
 
+Status OptimizerPipeline::finish_update() {
+  {
+    std::unique_lock lock(update_mutex_);
+    update_done_.wait(lock, [&] { return update_finished_; });
+  }
+  return take_update_result();
+}
+
 Status OptimizerPipeline::take_update_result() {
   std::lock_guard lock(update_mutex_);
   ZINF_ASSERT(update_finished_);
@@ -340,9 +348,7 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
   // On the update thread, as in the step, so the two are timed the same way.
   for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
     start_update(i, entries_[i % leased].lease.data(), args);
-    while (!wait_update(std::chrono::milliseconds(100))) {
-    }
-    status = take_update_result();
+    status = finish_update();
   }
   for (Entry& e : entries_) e.lease.release();
   return status;
@@ -656,9 +662,7 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
   if (updating) {
     // Failed elsewhere while an update ran: let it end (it is using a block), then write it back
     // so that it is new rather than half-there (its host pieces may already be updated).
-    while (!wait_update(std::chrono::milliseconds(100))) {
-    }
-    Status s = take_update_result();
+    Status s = finish_update();
     if (s.is_ok()) s = written_back(updated_, /*hand_over=*/false);
     if (status.is_ok()) status = s;
   }

@@ -176,6 +176,8 @@ class OptimizerPipeline {
   // Waits until the update ends or `timeout` passes; true when it ended.
   bool wait_update(std::chrono::microseconds timeout);
   Status take_update_result();
+  // Waits for the update to end and takes its result.
+  Status finish_update();
   // The non-blocking part of the loop: notes finished I/O, returns the blocks of sub-groups
   // whose writes landed, starts reads into free blocks.
   Status pump(const StepArgs& args);
