@@ -68,10 +68,10 @@ class CheckpointWriter {
 
  private:
   explicit CheckpointWriter(std::string path) : path_(std::move(path)) {}
-  std::string path_;
-  Status flush(
-      std::size_t bytes);  // the first `bytes` of block_ (a multiple of 4096 with O_DIRECT)
+  // Writes the first `bytes` of block_ (a multiple of 4096 with O_DIRECT).
+  Status flush(std::size_t bytes);
 
+  std::string path_;
   std::string temp_path_;
   int fd_ = -1;
   bool direct_ = false;

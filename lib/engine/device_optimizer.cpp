@@ -110,25 +110,24 @@ const void* DeviceOptimizer::values(std::uint32_t g) const {
 }
 
 Status DeviceOptimizer::read_master(std::size_t first, std::size_t count, float* out) {
-  ZINF_RETURN_IF_ERROR(
-      device_.copy_d2h(out, master_.as<float>() + first, count * sizeof(float), *stream_));
-  return device_.synchronize(*stream_, timeout_);
+  return read_state(0, first, count, out);
+}
+
+DeviceBuffer& DeviceOptimizer::state(int which, std::size_t first, std::size_t count) {
+  ZINF_ASSERT(which >= 0 && which <= 2 && first + count <= partition_elements_);
+  return which == 0 ? master_ : which == 1 ? exp_avg_ : exp_avg_sq_;
 }
 
 Status DeviceOptimizer::read_state(int which, std::size_t first, std::size_t count, float* out) {
-  ZINF_ASSERT(which >= 0 && which <= 2 && first + count <= partition_elements_);
-  const DeviceBuffer& state = which == 0 ? master_ : which == 1 ? exp_avg_ : exp_avg_sq_;
-  ZINF_RETURN_IF_ERROR(
-      device_.copy_d2h(out, state.as<float>() + first, count * sizeof(float), *stream_));
+  const float* src = state(which, first, count).as<const float>() + first;
+  ZINF_RETURN_IF_ERROR(device_.copy_d2h(out, src, count * sizeof(float), *stream_));
   return device_.synchronize(*stream_, timeout_);
 }
 
 Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t count,
                                     const float* in) {
-  ZINF_ASSERT(which >= 0 && which <= 2 && first + count <= partition_elements_);
-  DeviceBuffer& state = which == 0 ? master_ : which == 1 ? exp_avg_ : exp_avg_sq_;
-  ZINF_RETURN_IF_ERROR(
-      device_.copy_h2d(state.as<float>() + first, in, count * sizeof(float), *stream_));
+  float* dst = state(which, first, count).as<float>() + first;
+  ZINF_RETURN_IF_ERROR(device_.copy_h2d(dst, in, count * sizeof(float), *stream_));
   return device_.synchronize(*stream_, timeout_);
 }
 

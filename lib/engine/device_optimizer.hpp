@@ -70,6 +70,9 @@ class DeviceOptimizer {
  private:
   DeviceOptimizer(Device& device, std::chrono::milliseconds timeout)
       : device_(device), timeout_(timeout) {}
+  // The buffer read_state() and write_state() mean by `which`, once [first, first + count) is
+  // checked to lie inside the partition.
+  DeviceBuffer& state(int which, std::size_t first, std::size_t count);
 
   Device& device_;
   std::chrono::milliseconds timeout_;

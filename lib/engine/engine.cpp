@@ -1142,14 +1142,24 @@ class Engine::Impl {
     return piece == Piece::kParams ? 0 : piece == Piece::kExpAvg ? 1 : 2;
   }
 
+  // The buffer that holds `piece` when neither a device optimizer nor a store keeps the state.
+  DeviceBuffer& host_state(Piece piece) {
+    return piece == Piece::kParams ? master_ : piece == Piece::kExpAvg ? exp_avg_ : exp_avg_sq_;
+  }
+
+  // read_state() and write_state() move device-resident state through a host chunk of at most
+  // 4 Mi elements (16 MiB), never more than the partition holds.
+  std::size_t state_chunk_elements() const {
+    constexpr std::size_t kChunkElements = std::size_t{4} << 20;
+    return std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1));
+  }
+
   // Calls fn(first, count, values) -> Status over `piece` of the partition, in pieces: device
   // memory comes down in bounded chunks, NVMe one sub-group at a time.
   template <typename Fn>
   Status read_state(Piece piece, Fn fn) {
-    constexpr std::size_t kChunkElements = std::size_t{4} << 20;
     if (device_opt_ != nullptr) {
-      std::vector<float> chunk(
-          std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1)));
+      std::vector<float> chunk(state_chunk_elements());
       for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
         const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
         ZINF_RETURN_IF_ERROR(
@@ -1159,10 +1169,7 @@ class Engine::Impl {
       return Status::ok();
     }
     if (store_ == nullptr) {
-      const DeviceBuffer& b = piece == Piece::kParams   ? master_
-                              : piece == Piece::kExpAvg ? exp_avg_
-                                                        : exp_avg_sq_;
-      return fn(std::size_t{0}, partition_elements_, b.as<const float>());
+      return fn(std::size_t{0}, partition_elements_, host_state(piece).as<const float>());
     }
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
@@ -1182,10 +1189,8 @@ class Engine::Impl {
   // `piece`, in partition order, and they are put where the config keeps them.
   template <typename Fill>
   Status write_state(Piece piece, Fill fill) {
-    constexpr std::size_t kChunkElements = std::size_t{4} << 20;
     if (device_opt_ != nullptr) {
-      std::vector<float> chunk(
-          std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1)));
+      std::vector<float> chunk(state_chunk_elements());
       for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
         const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
         ZINF_RETURN_IF_ERROR(fill(first, count, chunk.data()));
@@ -1195,10 +1200,7 @@ class Engine::Impl {
       return Status::ok();
     }
     if (store_ == nullptr) {
-      DeviceBuffer& b = piece == Piece::kParams   ? master_
-                        : piece == Piece::kExpAvg ? exp_avg_
-                                                  : exp_avg_sq_;
-      return fill(std::size_t{0}, partition_elements_, b.as<float>());
+      return fill(std::size_t{0}, partition_elements_, host_state(piece).as<float>());
     }
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));

@@ -242,20 +242,30 @@ Result<int> SpillAccumulator::open(std::size_t i) {
     counts_.read_bytes += round_page(bytes);
     read_ahead_next_ = true;
   }
+  attach(b, i);
+  return b;
+}
+
+int SpillAccumulator::free_buffer() const {
+  for (std::size_t b = 0; b < buffers_.size(); ++b) {
+    if (buffers_[b].sub_group < 0) return static_cast<int>(b);
+  }
+  return -1;
+}
+
+void SpillAccumulator::attach(int b, std::size_t i) {
+  Buffer& buf = buffers_[static_cast<std::size_t>(b)];
   buf.sub_group = static_cast<long>(i);
   buf.dirty = false;
   reset_leaves(buf, store_.sub_group_size(i));
   buf.last_use = ++clock_;
+  SubGroup& s = sub_groups_[i];
   s.where = Where::kBuffer;
   s.buffer = b;
-  return b;
 }
 
 Result<int> SpillAccumulator::take_buffer() {
-  // A free buffer.
-  for (std::size_t b = 0; b < buffers_.size(); ++b) {
-    if (buffers_[b].sub_group < 0) return static_cast<int>(b);
-  }
+  if (const int b = free_buffer(); b >= 0) return b;
   // A clean one (written, or being written): the oldest, whose write most likely landed; one
   // read ahead only when no other is clean.
   int pick = -1;
@@ -292,16 +302,14 @@ void SpillAccumulator::read_ahead(std::size_t i) {
   SwapSpace& swap = *store_.swap();
   // Only a buffer that costs nothing now: a free one, else the oldest clean one whose write has
   // landed. Never an eviction, never a wait: a wrong guess must not slow the right path.
-  int pick = -1;
-  for (std::size_t b = 0; pick < 0 && b < buffers_.size(); ++b) {
-    if (buffers_[b].sub_group < 0) pick = static_cast<int>(b);
-  }
-  for (std::size_t b = 0; b < buffers_.size(); ++b) {
-    if (pick >= 0 && buffers_[static_cast<std::size_t>(pick)].sub_group < 0) break;
-    const Buffer& buf = buffers_[b];
-    if (buf.dirty || buf.reading || (buf.writing && !swap.poll(buf.ticket))) continue;
-    if (pick < 0 || buf.last_use < buffers_[static_cast<std::size_t>(pick)].last_use) {
-      pick = static_cast<int>(b);
+  int pick = free_buffer();
+  if (pick < 0) {
+    for (std::size_t b = 0; b < buffers_.size(); ++b) {
+      const Buffer& buf = buffers_[b];
+      if (buf.dirty || buf.reading || (buf.writing && !swap.poll(buf.ticket))) continue;
+      if (pick < 0 || buf.last_use < buffers_[static_cast<std::size_t>(pick)].last_use) {
+        pick = static_cast<int>(b);
+      }
     }
   }
   if (pick < 0) return;
@@ -312,12 +320,7 @@ void SpillAccumulator::read_ahead(std::size_t i) {
   if (!t.is_ok()) return;  // the synchronous read in open() will meet the error and report it
   buf.ticket = *t;
   buf.reading = true;
-  buf.sub_group = static_cast<long>(i);
-  buf.dirty = false;
-  reset_leaves(buf, store_.sub_group_size(i));
-  buf.last_use = ++clock_;
-  s.where = Where::kBuffer;
-  s.buffer = pick;
+  attach(pick, i);
   ++counts_.read_backs;
   ++counts_.read_aheads;
   counts_.read_bytes += round_page(store_.sub_group_size(i) * sizeof(float));

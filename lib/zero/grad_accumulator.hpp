@@ -160,6 +160,11 @@ class SpillAccumulator final : public GradAccumulator {
   // A buffer for a new sub-group: a free one, else one holding a clean sub-group (waiting for
   // its write), else the least recently used open one written out (an eviction).
   Result<int> take_buffer();
+  // The first buffer holding no sub-group, or -1.
+  int free_buffer() const;
+  // Puts sub-group i in buffer b, clean, with its leaves laid out afresh and b the most recently
+  // used.
+  void attach(int b, std::size_t i);
   // Starts reading sub-group i (on disk) into a buffer, if one is free or clean with its write
   // landed; otherwise, or on a submit error, does nothing (open() reads it when it comes).
   void read_ahead(std::size_t i);

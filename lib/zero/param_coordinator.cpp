@@ -112,10 +112,11 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
   return c;
 }
 
-void ParamCoordinator::instant(const std::string& what) {
+void ParamCoordinator::instant(const char* what, const std::string& module_name) {
+  // The name is built only when tracing: gather() and release() run every micro-batch.
   if (options_.trace == nullptr) return;
   const std::int64_t now = Trace::now_ns();
-  options_.trace->add(options_.trace_track, what, now, now);
+  options_.trace->add(options_.trace_track, what + module_name, now, now);
 }
 
 void ParamCoordinator::note_live() {
@@ -268,7 +269,7 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
     ++counters_->gathers_issued;
     if (prefetch) ++counters_->prefetches_issued;
   }
-  instant("issue " + mod.name);
+  instant("issue ", mod.name);
   return Status::ok();
 }
 
@@ -301,7 +302,7 @@ void ParamCoordinator::free_module(std::size_t m, const char* what) {
   if (mod.state != State::kIdle) live_elements_ -= mod.elements;
   mod.state = State::kIdle;
   note_live();
-  instant(what + mod.name);
+  instant(what, mod.name);
 }
 
 void ParamCoordinator::prefetch_after(std::size_t position) {

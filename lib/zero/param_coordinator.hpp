@@ -147,7 +147,8 @@ class ParamCoordinator {
   void free_module(std::size_t m, const char* what);
   void prefetch_after(std::size_t position);
   void note_live();
-  void instant(const std::string& what);
+  // A trace instant named `what` + `module_name`.
+  void instant(const char* what, const std::string& module_name);
 
   const Partitioner& partitioner_;
   const int rank_;
