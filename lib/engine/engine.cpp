@@ -781,12 +781,15 @@ class Engine::Impl {
   Status for_each_master(Fn fn, std::size_t begin = 0,
                          std::size_t end = std::numeric_limits<std::size_t>::max()) {
     if (device_opt_ != nullptr) {
-      // Only the elements asked for come down.
+      // Only the elements asked for come down, in bounded chunks.
       const std::size_t lo = std::min(begin, partition_elements_);
       const std::size_t hi = std::min(end, partition_elements_);
-      std::vector<float> values(hi - lo);
-      ZINF_RETURN_IF_ERROR(device_opt_->read_master(lo, hi - lo, values.data()));
-      fn(lo, hi - lo, values.data());
+      std::vector<float> values(std::min(hi - lo, state_chunk_elements()));
+      for (std::size_t first = lo; first < hi; first += values.size()) {
+        const std::size_t count = std::min(values.size(), hi - first);
+        ZINF_RETURN_IF_ERROR(device_opt_->read_master(first, count, values.data()));
+        fn(first, count, static_cast<const float*>(values.data()));
+      }
       return Status::ok();
     }
     if (store_ == nullptr) {
