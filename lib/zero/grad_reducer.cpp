@@ -58,7 +58,7 @@ std::size_t GradReducer::partition_element_count(const Partitioner& partitioner)
 
 GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& device,
                          Communicator& comm, float* accumulator, const GradReducerOptions& options,
-                         EngineCounters* counters)
+                         ZeroCounters* counters)
     : partitioner_(partitioner),
       rank_(rank),
       world_(partitioner.world_size()),
@@ -86,7 +86,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
                                                          Device& device, Communicator& comm,
                                                          float* accumulator,
                                                          const GradReducerOptions& options,
-                                                         EngineCounters* counters) {
+                                                         ZeroCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
   std::unique_ptr<GradReducer> r(
       new GradReducer(partitioner, rank, device, comm, accumulator, options, counters));

@@ -42,7 +42,7 @@
 #include "zero/partitioner.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
-#include "zinf/engine.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/status.hpp"
 #include "zinf/trace.hpp"
 
@@ -84,7 +84,7 @@ class GradReducer {
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
                                                      const GradReducerOptions& options,
-                                                     EngineCounters* counters);
+                                                     ZeroCounters* counters);
   ~GradReducer();
 
   // The accumulator's size and where group g's slice starts in it.
@@ -111,7 +111,7 @@ class GradReducer {
 
  private:
   GradReducer(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
-              float* accumulator, const GradReducerOptions& options, EngineCounters* counters);
+              float* accumulator, const GradReducerOptions& options, ZeroCounters* counters);
   // Reduce-scatters group g, bucket by bucket; `fill(dst, group_offset, count)` writes `count`
   // f32 gradient elements of the group starting at `group_offset` into `dst`.
   template <typename Fill>
@@ -134,7 +134,7 @@ class GradReducer {
   GradAccumulator* accumulator_;         // null with options.accumulator_on_device
   float* device_accumulator_ = nullptr;  // options.accumulator_on_device: the device array
   GradReducerOptions options_;
-  EngineCounters* counters_;
+  ZeroCounters* counters_;
   std::vector<std::size_t> offsets_;
   std::size_t partition_elements_ = 0;
   std::size_t chunk_elements_ = 1;
