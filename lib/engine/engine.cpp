@@ -217,6 +217,10 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(check_pinned_limit(config_, state_->pinned_bytes(), param_staging_bytes_));
     ZINF_ASSERT(coord_->staging_bytes() == param_staging_bytes_);
     publisher_.set_coordinator(coord_.get());
+    sources_.resize(layout_.partitioner().param_count());
+    for (const std::string& name : layout_.module_names()) {
+      reduce_span_names_.push_back(fmt::format("reduce {}", name));
+    }
     // The device copies: every group's shard is the master rounded to the group's dtype.
     ZINF_RETURN_IF_ERROR(state_->place_initial());
     finalized_ = true;
@@ -327,8 +331,10 @@ class Engine::Impl {
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
-    // Validate everything before anything moves.
-    std::vector<GradSource> sources(layout_.partitioner().param_count());
+    // Validate everything before anything moves. sources_ (one entry per parameter, made at
+    // finalize) is cleared first, so the call allocates nothing.
+    std::vector<GradSource>& sources = sources_;
+    std::fill(sources.begin(), sources.end(), GradSource{});
     for (const GradientRef& g : gradients) {
       const std::optional<std::size_t> id = layout_.find_param(g.name);
       if (!id.has_value()) {
@@ -365,7 +371,7 @@ class Engine::Impl {
             module, layout_.param(id).spec.name));
       }
     }
-    Trace::Span span(env_.trace, track_, fmt::format("reduce {}", module));
+    Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
     grads_pending_ = true;
     return fail(reducer_->reduce(layout_.module_groups(m), sources));
   }
@@ -605,6 +611,9 @@ class Engine::Impl {
   std::optional<RankExchange> exchange_;
   std::optional<StepNumerics> numerics_;
 
+  // reduce_gradients()'s per-parameter sources and its span names (per module), made at finalize.
+  std::vector<GradSource> sources_;
+  std::vector<std::string> reduce_span_names_;
   bool grads_pending_ = false;  // reduce_gradients() was called since the last step
   std::int64_t t_ = 0;
   ZeroCounters counters_;  // the zero layer's; counters() copies them out
