@@ -153,6 +153,12 @@ class Engine::Impl {
           "finalize() or by the first gather, reduce_gradients or step)",
           spec.name));
     }
+    if (config_.bf16_enabled && spec.dtype != DType::kBF16) {
+      return Status::invalid_argument(fmt::format(
+          "register_parameter('{}'): dtype {}, but bf16.enabled is true (every parameter is bf16 "
+          "then)",
+          spec.name, dtype_name(spec.dtype)));
+    }
     return layout_.add(spec);
   }
 
@@ -257,16 +263,16 @@ class Engine::Impl {
       }
     }
     IoOptions io;
-    io.block_bytes = config_.aio_block_size;
+    io.block_bytes = config_.aio_block_bytes;
     io.queue_depth = static_cast<std::uint32_t>(config_.aio_queue_depth);
     io.faults = env_.io_faults;
     ZINF_ASSIGN_OR_RETURN(io_, open_engine(io));
     SwapOptions swap;
     swap.dirs = nvme_dirs_;
-    swap.block_bytes = config_.aio_block_size;
+    swap.block_bytes = config_.aio_block_bytes;
     // Striping rounds each extent's share of each directory up to a block.
     swap.capacity_bytes =
-        capacity + std::uint64_t{extents + 4} * config_.aio_block_size * nvme_dirs_.size();
+        capacity + std::uint64_t{extents + 4} * config_.aio_block_bytes * nvme_dirs_.size();
     swap.max_extents = extents + 16;
     swap.file_name = fmt::format("zinf-swap-{{pid}}-rank{}.bin", rank_);
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io_, swap);
