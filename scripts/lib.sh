@@ -1,5 +1,6 @@
 # Shared by scripts/test and scripts/demo: install what is missing, configure and build build/.
-# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args).
+# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args)
+# and ZINF_BUILD_TARGETS (build only these targets, space-separated; default all).
 
 zinf_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
@@ -31,5 +32,10 @@ zinf_configure_and_build() {
   fi
   cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
     ${ZINF_CMAKE_ARGS:-}
-  cmake --build "$zinf_build" -j "$(nproc)"
+  if [ -n "${ZINF_BUILD_TARGETS:-}" ]; then
+    # shellcheck disable=SC2086  # a space-separated list of targets
+    cmake --build "$zinf_build" -j "$(nproc)" --target ${ZINF_BUILD_TARGETS}
+  else
+    cmake --build "$zinf_build" -j "$(nproc)"
+  fi
 }
