@@ -84,3 +84,15 @@ def test_bf16_converges_with_fp32(tmp_path, torch_reference):
     print(f"bf16 final loss {losses[-1]:.4f}, fp32 {fp32_final:.4f}")
     assert losses[-1] < 0.8 * losses[0]
     assert losses[-1] == pytest.approx(fp32_final, rel=0.02)
+
+
+def test_fp16_scales_the_loss_and_trains(tmp_path):
+    config = zinf_config(2, "cpu")
+    config["fp16"] = {"enabled": True, "initial_scale_power": 12}
+    engine, optimizer, _, _ = open_engine(config)
+    assert engine.loss_scale == 4096.0 and optimizer.loss_scale == 4096.0
+    assert next(engine.module.parameters()).dtype == torch.float16
+    losses = train_zinf(engine, make_batches(8))
+    report = engine.last_step_report
+    assert report["loss_scale"] == 4096.0 and not report["skipped"]
+    assert losses[-1] < 0.9 * losses[0]

@@ -129,3 +129,17 @@ def test_autograd_keeps_no_view_of_released_memory(tmp_path):
                 if t.numel() and any(lo <= t.data_ptr() < hi for lo, hi in gathered)]
     assert not aliasing
     engine.backward(loss)
+
+
+def test_gathered_parameters_shows_the_trained_values(tmp_path):
+    engine, model = open_stage3(tmp_path)
+    train_zinf(engine, make_batches(3))
+    with zinf.torch.GatheredParameters(model.parameters()):
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), engine.read_parameter(name)), name
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert engine.counters()["live_elements"] == 0
+    # Training goes on after it, with its prefetch order intact.
+    train_zinf(engine, make_batches(1, seed=9))
+    with pytest.raises(NotImplementedError, match="modifier_rank"):
+        zinf.torch.GatheredParameters(model.parameters(), modifier_rank=0)

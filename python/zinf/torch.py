@@ -34,6 +34,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import weakref
 from typing import Any, Iterable
 
 import torch
@@ -41,7 +42,7 @@ from torch import nn
 
 from . import _zinf
 
-__all__ = ["initialize", "ZinfEngine", "ZinfOptimizer", "Error"]
+__all__ = ["initialize", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
 
 Error = _zinf.Error
 
@@ -247,6 +248,7 @@ class ZinfEngine(nn.Module):
                     "model_parameters must be all of the model's parameters in one group "
                     f"(not given: {missing[:3]})")
         for pid, param in self._params.items():
+            param._zinf_engine = weakref.ref(self)
             values = param.detach().to(device="cpu", dtype=torch.float32).contiguous()
             self._core.register_parameter(self._names[pid], self._owner[pid],
                                           list(param.shape), self.dtype_name, values)
@@ -529,6 +531,46 @@ class ZinfEngine(nn.Module):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_path))
         self._refresh_views()
         return path, torch.load(os.path.join(path, "client_state.pt"))
+
+
+class GatheredParameters:
+    """deepspeed.zero.GatheredParameters with modifier_rank=None (its default): inside the
+    `with` block the given parameters hold their full values (at stage 3 their engine modules
+    are gathered; at stages 1 and 2 they always do), for reading, for example to export weights.
+
+        with zinf.torch.GatheredParameters(model.lm_head.parameters()):
+            weights = model.lm_head.weight.detach().clone()
+
+    Changes made inside the block are not written back to the engine (modifier_rank=None means
+    the same in DeepSpeed); writing back is not supported yet. Parameters not trained by a zinf
+    engine are left as they are."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
+        if modifier_rank is not None:
+            raise NotImplementedError("GatheredParameters: modifier_rank (writing changes back "
+                                      "to the engine) is not supported yet")
+        self._params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._enabled = enabled
+        self._held: list[tuple[ZinfEngine, str]] = []
+
+    def __enter__(self):
+        if not self._enabled:
+            return self
+        for param in self._params:
+            ref = getattr(param, "_zinf_engine", None)
+            engine = ref() if ref is not None else None
+            if engine is None or engine.stage < 3:
+                continue
+            owner = engine._owner[id(param)]
+            engine._acquire(owner)
+            self._held.append((engine, owner))
+        return self
+
+    def __exit__(self, *exc):
+        while self._held:
+            engine, owner = self._held.pop()
+            engine._release(owner)
+        return False
 
 
 def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
