@@ -7,7 +7,8 @@ zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
 
 # Debian packages the build needs; docs/DEPENDENCIES.md says why each one is there.
 zinf_packages=(cmake g++ make pkg-config liburing-dev libtbb-dev libfmt-dev nlohmann-json3-dev
-               libcli11-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev)
+               libcli11-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
+               python3-dev python3-venv)
 
 zinf_install_deps() {
   local missing=()
@@ -38,4 +39,20 @@ zinf_configure_and_build() {
   local target_args=()
   for t in "${zinf_targets[@]}" ${ZINF_BUILD_TARGETS:-}; do target_args+=(--target "$t"); done
   cmake --build "$zinf_build" -j "$(nproc)" "${target_args[@]}"
+}
+
+# The Python package (docs/PYTHON.md): a virtual environment in $zinf_build/venv with torch,
+# transformers, pytest and safetensors from PyPI (what is installed already stays), then the
+# package built from python/ with warnings as errors. ZINF_PYTHON picks the interpreter that makes
+# the environment (default python3); CMAKE_ARGS adds configure arguments (a compiler launcher).
+zinf_python_install() {
+  zinf_venv="$zinf_build/venv"
+  if [ ! -x "$zinf_venv/bin/python" ]; then
+    "${ZINF_PYTHON:-python3}" -m venv "$zinf_venv"
+  fi
+  "$zinf_venv/bin/pip" install --quiet torch transformers pytest safetensors numpy \
+    scikit-build-core nanobind
+  # The build requirements are installed above, so pip need not make an isolated environment.
+  CMAKE_ARGS="-DZINF_WERROR=ON ${CMAKE_ARGS:-}" "$zinf_venv/bin/pip" install --quiet \
+    --no-build-isolation "$zinf_root/python"
 }
