@@ -53,6 +53,10 @@ zinf_python_install() {
   "$zinf_venv/bin/pip" install --quiet torch transformers pytest safetensors numpy \
     scikit-build-core nanobind
   # The build requirements are installed above, so pip need not make an isolated environment.
-  CMAKE_ARGS="-DZINF_WERROR=ON ${CMAKE_ARGS:-}" "$zinf_venv/bin/pip" install --quiet \
+  # With ZINF_PYTHON_PREFIX (an installed static zinf), the package links that library instead of
+  # compiling it again (python/CMakeLists.txt).
+  local prefix_arg=""
+  [ -n "${ZINF_PYTHON_PREFIX:-}" ] && prefix_arg="-DZINF_PREFIX=$ZINF_PYTHON_PREFIX"
+  CMAKE_ARGS="-DZINF_WERROR=ON $prefix_arg ${CMAKE_ARGS:-}" "$zinf_venv/bin/pip" install --quiet \
     --no-build-isolation "$zinf_root/python"
 }
