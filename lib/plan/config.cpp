@@ -7,33 +7,6 @@
 #include <fstream>
 
 namespace zinf::plan {
-namespace {
-
-OffloadDevice to_device(Offload offload) {
-  switch (offload) {
-    case Offload::kNone:
-      return OffloadDevice::kNone;
-    case Offload::kCpu:
-      return OffloadDevice::kHost;
-    case Offload::kNvme:
-      return OffloadDevice::kNvme;
-  }
-  return OffloadDevice::kNone;
-}
-
-Offload from_device(OffloadDevice device) {
-  switch (device) {
-    case OffloadDevice::kNone:
-      return Offload::kNone;
-    case OffloadDevice::kHost:
-      return Offload::kCpu;
-    case OffloadDevice::kNvme:
-      return Offload::kNvme;
-  }
-  return Offload::kNone;
-}
-
-}  // namespace
 
 Config engine_config(const PlanConfig& c) {
   const EngineSetup& s = c.setup;
@@ -43,10 +16,10 @@ Config engine_config(const PlanConfig& c) {
   e.bf16_enabled = true;
   ZeroConfig& z = e.zero;
   z.stage = s.stage;
-  z.offload_optimizer.device = to_device(s.optimizer);
+  z.offload_optimizer.device = s.optimizer;
   z.offload_optimizer.nvme_path = c.nvme_path;
   z.offload_optimizer.buffer_count = s.buffer_count;
-  z.offload_param.device = to_device(s.params);
+  z.offload_param.device = s.params;
   z.offload_param.nvme_path = c.nvme_path;
   z.offload_param.buffer_count = s.param_buffer_count;
   z.offload_param.buffer_params = s.param_buffer_params;
@@ -73,9 +46,9 @@ Result<PlanConfig> plan_config(const Config& e) {
   c.micro_batch = e.train_micro_batch_size_per_gpu;
   c.grad_accum_steps = e.gradient_accumulation_steps;
   s.stage = z.stage;
-  s.optimizer = from_device(z.offload_optimizer.device);
+  s.optimizer = z.offload_optimizer.device;
   s.buffer_count = z.offload_optimizer.buffer_count;
-  s.params = from_device(z.offload_param.device);
+  s.params = z.offload_param.device;
   s.param_buffer_count = z.offload_param.buffer_count;
   s.param_buffer_params = z.offload_param.buffer_params;
   s.sub_group_params = z.sub_group_size;
@@ -95,8 +68,8 @@ Result<PlanConfig> plan_config(const Config& e) {
   ZINF_RETURN_IF_ERROR(validate_setup(s));
   const std::string& opt_path = z.offload_optimizer.nvme_path;
   const std::string& param_path = z.offload_param.nvme_path;
-  const bool opt_nvme = s.optimizer == Offload::kNvme;
-  const bool param_nvme = s.params == Offload::kNvme;
+  const bool opt_nvme = s.optimizer == OffloadDevice::kNvme;
+  const bool param_nvme = s.params == OffloadDevice::kNvme;
   if (opt_nvme && param_nvme && opt_path != param_path) {
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_param.nvme_path: \"{}\" differs from offload_optimizer's "

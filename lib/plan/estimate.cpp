@@ -15,78 +15,51 @@ std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / 
 
 }  // namespace
 
-std::string_view tier_name(Tier tier) {
+std::string_view memory_tier_name(MemoryTier tier) {
   switch (tier) {
-    case Tier::kDevice:
+    case MemoryTier::kDevice:
       return "device";
-    case Tier::kHost:
+    case MemoryTier::kHost:
       return "host";
-    case Tier::kNvme:
+    case MemoryTier::kNvme:
       return "nvme";
   }
   return "?";
 }
 
-std::string_view offload_name(Offload offload) {
+MemoryTier memory_tier(OffloadDevice offload) {
   switch (offload) {
-    case Offload::kNone:
-      return "none";
-    case Offload::kCpu:
-      return "cpu";
-    case Offload::kNvme:
-      return "nvme";
+    case OffloadDevice::kNone:
+      return MemoryTier::kDevice;
+    case OffloadDevice::kHost:
+      return MemoryTier::kHost;
+    case OffloadDevice::kNvme:
+      return MemoryTier::kNvme;
   }
-  return "?";
+  return MemoryTier::kDevice;
 }
 
-bool parse_offload(std::string_view text, Offload* offload) {
-  std::string lower;
-  for (char c : text) lower += static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  if (lower == "none" || lower == "device" || lower == "gpu") {
-    *offload = Offload::kNone;
-  } else if (lower == "cpu" || lower == "host") {
-    *offload = Offload::kCpu;
-  } else if (lower == "nvme") {
-    *offload = Offload::kNvme;
-  } else {
-    return false;
-  }
-  return true;
-}
-
-Tier offload_tier(Offload offload) {
-  switch (offload) {
-    case Offload::kNone:
-      return Tier::kDevice;
-    case Offload::kCpu:
-      return Tier::kHost;
-    case Offload::kNvme:
-      return Tier::kNvme;
-  }
-  return Tier::kDevice;
-}
-
-std::string_view state_kind_name(StateKind kind) {
+std::string_view memory_use_name(MemoryUse kind) {
   switch (kind) {
-    case StateKind::kHalfParams:
+    case MemoryUse::kHalfParams:
       return "half_params";
-    case StateKind::kMasterParams:
+    case MemoryUse::kMasterParams:
       return "fp32_master";
-    case StateKind::kMoments:
+    case MemoryUse::kMoments:
       return "moments";
-    case StateKind::kGradients:
+    case MemoryUse::kGradients:
       return "gradients";
-    case StateKind::kActivations:
+    case MemoryUse::kActivations:
       return "activations";
-    case StateKind::kPinnedPool:
+    case MemoryUse::kPinnedPool:
       return "pinned_pool";
-    case StateKind::kGatheredParams:
+    case MemoryUse::kGatheredParams:
       return "gathered_params";
-    case StateKind::kCommBuckets:
+    case MemoryUse::kCommBuckets:
       return "comm_buckets";
-    case StateKind::kReserved:
+    case MemoryUse::kReserved:
       return "reserved";
-    case StateKind::kHalfCopy:
+    case MemoryUse::kHalfCopy:
       return "half_copy";
   }
   return "?";
@@ -97,12 +70,12 @@ Status validate_setup(const EngineSetup& s) {
     return Status::invalid_argument(
         fmt::format("zero_optimization.stage: {} is not 1, 2 or 3", s.stage));
   }
-  if (s.params != Offload::kNone && s.stage != 3) {
+  if (s.params != OffloadDevice::kNone && s.stage != 3) {
     return Status::invalid_argument(
         fmt::format("zero_optimization.offload_param.device: {} needs stage 3, not {}",
-                    offload_name(s.params), s.stage));
+                    offload_device_name(s.params), s.stage));
   }
-  if (s.gradients_on_nvme && s.optimizer != Offload::kNvme) {
+  if (s.gradients_on_nvme && s.optimizer != OffloadDevice::kNvme) {
     return Status::invalid_argument(
         "zinf.gradients_on_nvme: needs zero_optimization.offload_optimizer.device nvme");
   }
@@ -121,7 +94,7 @@ Status validate_setup(const EngineSetup& s) {
   if (s.sub_group_params == 0) {
     return Status::invalid_argument("zero_optimization.sub_group_size: must be positive");
   }
-  if (s.optimizer == Offload::kNvme && s.buffer_count < 2) {
+  if (s.optimizer == OffloadDevice::kNvme && s.buffer_count < 2) {
     return Status::invalid_argument(fmt::format(
         "zero_optimization.offload_optimizer.buffer_count: {} is below 2 (one buffer cannot "
         "overlap I/O with the update)",
@@ -131,7 +104,7 @@ Status validate_setup(const EngineSetup& s) {
 }
 
 bool streams_half(const EngineSetup& s) {
-  return s.optimizer == Offload::kNvme && !(s.stage == 3 && s.params == Offload::kCpu);
+  return s.optimizer == OffloadDevice::kNvme && !(s.stage == 3 && s.params == OffloadDevice::kHost);
 }
 
 std::uint64_t sub_group_bytes_per_param(const EngineSetup& setup) {
@@ -140,23 +113,23 @@ std::uint64_t sub_group_bytes_per_param(const EngineSetup& setup) {
 
 std::uint64_t pinned_pool_bytes(const EngineSetup& s) {
   std::uint64_t bytes = 0;
-  if (s.optimizer == Offload::kNvme) {
+  if (s.optimizer == OffloadDevice::kNvme) {
     bytes += s.buffer_count * s.sub_group_params * sub_group_bytes_per_param(s);
   }
-  if (s.params == Offload::kNvme) bytes += s.param_buffer_count * s.param_staging_params * 2;
+  if (s.params == OffloadDevice::kNvme) bytes += s.param_buffer_count * s.param_staging_params * 2;
   return bytes;
 }
 
-std::uint64_t MemoryEstimate::engine_bytes(Tier tier) const {
+std::uint64_t MemoryEstimate::engine_bytes(MemoryTier tier) const {
   std::uint64_t total = 0;
-  for (StateKind k : {StateKind::kHalfParams, StateKind::kMasterParams, StateKind::kMoments,
-                      StateKind::kGradients, StateKind::kHalfCopy, StateKind::kPinnedPool}) {
+  for (MemoryUse k : {MemoryUse::kHalfParams, MemoryUse::kMasterParams, MemoryUse::kMoments,
+                      MemoryUse::kGradients, MemoryUse::kHalfCopy, MemoryUse::kPinnedPool}) {
     total += bytes(k, tier);
   }
   return total;
 }
 
-std::uint64_t MemoryEstimate::rank_tier_bytes(Tier tier) const {
+std::uint64_t MemoryEstimate::rank_tier_bytes(MemoryTier tier) const {
   std::uint64_t total = 0;
   for (const auto& row : rank_bytes) total += row[static_cast<int>(tier)];
   return total;
@@ -182,48 +155,49 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   e.param_count = p;
   e.shard_params = pr;
   e.ranks_per_machine = s.ranks_per_machine;
-  auto add = [&e](StateKind kind, Tier tier, std::uint64_t bytes) {
+  auto add = [&e](MemoryUse kind, MemoryTier tier, std::uint64_t bytes) {
     e.rank_bytes[static_cast<int>(kind)][static_cast<int>(tier)] += bytes;
   };
-  const Tier optimizer_tier = offload_tier(s.optimizer);
+  const MemoryTier optimizer_tier = memory_tier(s.optimizer);
 
   if (s.stage == 3) {
-    add(StateKind::kHalfParams, offload_tier(s.params), 2 * pr);
+    add(MemoryUse::kHalfParams, memory_tier(s.params), 2 * pr);
   } else {
-    add(StateKind::kHalfParams, Tier::kDevice, 2 * p);
+    add(MemoryUse::kHalfParams, MemoryTier::kDevice, 2 * p);
   }
-  add(StateKind::kMasterParams, optimizer_tier, 4 * pr);
-  add(StateKind::kMoments, optimizer_tier, 8 * pr);
+  add(MemoryUse::kMasterParams, optimizer_tier, 4 * pr);
+  add(MemoryUse::kMoments, optimizer_tier, 8 * pr);
 
   // The new half params on the host before they go to their home: streamed one group at a time
   // with the optimizer on NVMe and the shards not in host memory, else the whole shard.
-  add(StateKind::kHalfCopy, Tier::kHost, streams_half(s) ? 2 * s.param_staging_params : 2 * pr);
-  if (s.optimizer == Offload::kNone) {
-    add(StateKind::kGradients, Tier::kDevice, 4 * pr);
+  add(MemoryUse::kHalfCopy, MemoryTier::kHost,
+      streams_half(s) ? 2 * s.param_staging_params : 2 * pr);
+  if (s.optimizer == OffloadDevice::kNone) {
+    add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * pr);
   } else if (s.gradients_on_nvme) {
-    add(StateKind::kGradients, Tier::kNvme, 4 * pr);
+    add(MemoryUse::kGradients, MemoryTier::kNvme, 4 * pr);
     const std::uint64_t sub_group = std::min(s.sub_group_params, pr);
     const std::uint64_t buffers = std::min(s.gradient_spill_buffers, ceil_div(pr, sub_group));
-    add(StateKind::kGradients, Tier::kHost, buffers * ((4 * sub_group + 4095) / 4096 * 4096));
+    add(MemoryUse::kGradients, MemoryTier::kHost, buffers * ((4 * sub_group + 4095) / 4096 * 4096));
   } else {
-    add(StateKind::kGradients, Tier::kHost, 4 * pr);
+    add(MemoryUse::kGradients, MemoryTier::kHost, 4 * pr);
   }
-  if (s.stage == 1) add(StateKind::kGradients, Tier::kDevice, 4 * p);
+  if (s.stage == 1) add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * p);
 
-  add(StateKind::kActivations, Tier::kDevice, activation_bytes(model, training));
+  add(MemoryUse::kActivations, MemoryTier::kDevice, activation_bytes(model, training));
   // The engine's store never makes a sub-group larger than the shard.
   EngineSetup capped = s;
   capped.sub_group_params = std::min(s.sub_group_params, pr);
-  add(StateKind::kPinnedPool, Tier::kHost, pinned_pool_bytes(capped));
+  add(MemoryUse::kPinnedPool, MemoryTier::kHost, pinned_pool_bytes(capped));
 
   if (s.stage == 3) {
     const std::uint64_t live = std::min(p, s.max_live_params) + s.prefetch_bucket_params;
     const std::uint64_t persistent =
         s.persistence_threshold_params >= model.hidden ? small_tensor_params(model) : 0;
-    add(StateKind::kGatheredParams, Tier::kDevice, 2 * std::min(p, live) + 2 * persistent);
+    add(MemoryUse::kGatheredParams, MemoryTier::kDevice, 2 * std::min(p, live) + 2 * persistent);
   }
-  add(StateKind::kCommBuckets, Tier::kDevice, 2 * 2 * s.reduce_bucket_params);
-  add(StateKind::kReserved, Tier::kDevice, s.device_reserved_bytes);
+  add(MemoryUse::kCommBuckets, MemoryTier::kDevice, 2 * 2 * s.reduce_bucket_params);
+  add(MemoryUse::kReserved, MemoryTier::kDevice, s.device_reserved_bytes);
   return e;
 }
 

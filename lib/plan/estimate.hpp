@@ -60,24 +60,20 @@
 #include <string_view>
 
 #include "plan/model.hpp"
+#include "zinf/config.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf::plan {
 
-enum class Tier : std::uint8_t { kDevice = 0, kHost = 1, kNvme = 2 };
-inline constexpr int kTierCount = 3;
+enum class MemoryTier : std::uint8_t { kDevice = 0, kHost = 1, kNvme = 2 };
+inline constexpr int kMemoryTierCount = 3;
 // "device", "host", "nvme".
-std::string_view tier_name(Tier tier);
+std::string_view memory_tier_name(MemoryTier tier);
 
-// Where a kind of offloadable state lives; the names are DeepSpeed's `device` values.
-enum class Offload : std::uint8_t { kNone = 0, kCpu = 1, kNvme = 2 };
-// "none", "cpu", "nvme".
-std::string_view offload_name(Offload offload);
-// Parses "none", "cpu" (or "host"), "nvme"; false for anything else.
-bool parse_offload(std::string_view text, Offload* offload);
-Tier offload_tier(Offload offload);
+// The memory tier where offloaded state of `device` lives (none: the device).
+MemoryTier memory_tier(OffloadDevice offload);
 
-enum class StateKind : std::uint8_t {
+enum class MemoryUse : std::uint8_t {
   kHalfParams = 0,
   kMasterParams,
   kMoments,
@@ -89,10 +85,10 @@ enum class StateKind : std::uint8_t {
   kReserved,
   kHalfCopy,
 };
-inline constexpr int kStateKindCount = 10;
+inline constexpr int kMemoryUseCount = 10;
 // "half_params", "fp32_master", "moments", "gradients", "activations", "pinned_pool",
 // "gathered_params", "comm_buckets", "reserved", "half_copy".
-std::string_view state_kind_name(StateKind kind);
+std::string_view memory_use_name(MemoryUse kind);
 
 struct TrainingShape {
   std::uint64_t seq_len = 2048;
@@ -105,11 +101,11 @@ struct TrainingShape {
 
 // The engine's knobs that change memory or time. The defaults are DeepSpeed's.
 struct EngineSetup {
-  int stage = 3;                        // ZeRO stage 1, 2 or 3
-  std::uint64_t world_size = 1;         // N: ranks (GPUs) in the job
-  std::uint64_t ranks_per_machine = 1;  // R: GPUs per machine
-  Offload optimizer = Offload::kNone;   // fp32 master, m, v
-  Offload params = Offload::kNone;      // half params; stage 3 only
+  int stage = 3;                                   // ZeRO stage 1, 2 or 3
+  std::uint64_t world_size = 1;                    // N: ranks (GPUs) in the job
+  std::uint64_t ranks_per_machine = 1;             // R: GPUs per machine
+  OffloadDevice optimizer = OffloadDevice::kNone;  // fp32 master, m, v
+  OffloadDevice params = OffloadDevice::kNone;     // half params; stage 3 only
   // Gradients accumulated on NVMe (only with optimizer on NVMe, stages 2-3), through
   // gradient_spill_buffers sub-group-sized host buffers.
   bool gradients_on_nvme = false;
@@ -145,21 +141,21 @@ std::uint64_t pinned_pool_bytes(const EngineSetup& setup);
 
 struct MemoryEstimate {
   // bytes[kind][tier] for one rank.
-  std::array<std::array<std::uint64_t, kTierCount>, kStateKindCount> rank_bytes{};
+  std::array<std::array<std::uint64_t, kMemoryTierCount>, kMemoryUseCount> rank_bytes{};
   std::uint64_t ranks_per_machine = 1;
   std::uint64_t param_count = 0;
   std::uint64_t shard_params = 0;  // Pr
 
-  std::uint64_t bytes(StateKind kind, Tier tier) const {
+  std::uint64_t bytes(MemoryUse kind, MemoryTier tier) const {
     return rank_bytes[static_cast<int>(kind)][static_cast<int>(tier)];
   }
-  std::uint64_t rank_tier_bytes(Tier tier) const;
-  std::uint64_t machine_tier_bytes(Tier tier) const {
+  std::uint64_t rank_tier_bytes(MemoryTier tier) const;
+  std::uint64_t machine_tier_bytes(MemoryTier tier) const {
     return rank_tier_bytes(tier) * ranks_per_machine;
   }
   // The part of rank_tier_bytes(tier) the engine allocates and reports (MemoryReport): half
   // params, master, moments, gradients, half copy, pinned pool.
-  std::uint64_t engine_bytes(Tier tier) const;
+  std::uint64_t engine_bytes(MemoryTier tier) const;
 };
 
 // Activation bytes of one micro-batch on one rank (the formula above), logits included.

@@ -71,14 +71,14 @@ Candidate evaluate(const ModelShape& model, const TrainingShape& training, const
   c.setup = setup;
   c.memory = estimate_memory(model, training, setup);
   c.time = predict_step(model, training, setup, profile);
-  const std::uint64_t budget[kTierCount] = {budgets.gpu_mem_bytes, budgets.host_mem_bytes,
-                                            budgets.nvme_bytes};
-  for (int t = 0; t < kTierCount; ++t) {
-    const Tier tier = static_cast<Tier>(t);
+  const std::uint64_t budget[kMemoryTierCount] = {budgets.gpu_mem_bytes, budgets.host_mem_bytes,
+                                                  budgets.nvme_bytes};
+  for (int t = 0; t < kMemoryTierCount; ++t) {
+    const MemoryTier tier = static_cast<MemoryTier>(t);
     TierUse& u = c.use[t];
     u.tier = tier;
-    u.need_bytes =
-        tier == Tier::kDevice ? c.memory.rank_tier_bytes(tier) : c.memory.machine_tier_bytes(tier);
+    u.need_bytes = tier == MemoryTier::kDevice ? c.memory.rank_tier_bytes(tier)
+                                               : c.memory.machine_tier_bytes(tier);
     u.budget_bytes = budget[t];
     u.usable_bytes = usable(budget[t], budgets.headroom);
   }
@@ -97,10 +97,10 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
   const std::uint64_t p = param_count(model);
   out.state_bytes = 18 * p;
   out.usable_bytes = usable(budgets.gpu_mem_bytes, budgets.headroom);
-  out.activation_bytes = e.bytes(StateKind::kActivations, Tier::kDevice);
-  out.gathered_bytes = e.bytes(StateKind::kGatheredParams, Tier::kDevice);
-  out.bucket_bytes = e.bytes(StateKind::kCommBuckets, Tier::kDevice);
-  out.reserved_bytes = e.bytes(StateKind::kReserved, Tier::kDevice);
+  out.activation_bytes = e.bytes(MemoryUse::kActivations, MemoryTier::kDevice);
+  out.gathered_bytes = e.bytes(MemoryUse::kGatheredParams, MemoryTier::kDevice);
+  out.bucket_bytes = e.bytes(MemoryUse::kCommBuckets, MemoryTier::kDevice);
+  out.reserved_bytes = e.bytes(MemoryUse::kReserved, MemoryTier::kDevice);
   out.fixed_bytes =
       out.activation_bytes + out.gathered_bytes + out.bucket_bytes + out.reserved_bytes;
   const std::string fixed_parts = fmt::format(
@@ -152,7 +152,9 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   }
   const bool nvme_usable =
       budgets.nvme_bytes > 0 && profile.nvme_read_gbps > 0 && profile.nvme_write_gbps > 0;
-  auto nvme_wanted = [&](std::optional<Offload> o) { return o && *o == Offload::kNvme; };
+  auto nvme_wanted = [&](std::optional<OffloadDevice> o) {
+    return o && *o == OffloadDevice::kNvme;
+  };
   if ((nvme_wanted(constraints.optimizer) || nvme_wanted(constraints.params)) && !nvme_usable) {
     return Status::invalid_argument(
         "offload to nvme asked for, but there is no --nvme-capacity or no NVMe rates in the "
@@ -162,15 +164,15 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
     return Status::invalid_argument(
         fmt::format("--stage {}: must be 1, 2 or 3", *constraints.stage));
   }
-  if (constraints.params && *constraints.params != Offload::kNone && constraints.stage &&
+  if (constraints.params && *constraints.params != OffloadDevice::kNone && constraints.stage &&
       *constraints.stage != 3) {
     return Status::invalid_argument("--offload-param needs --stage 3");
   }
 
   std::vector<int> stages = {1, 2, 3};
   if (constraints.stage) stages = {*constraints.stage};
-  std::vector<Offload> offloads = {Offload::kNone, Offload::kCpu};
-  if (nvme_usable) offloads.push_back(Offload::kNvme);
+  std::vector<OffloadDevice> offloads = {OffloadDevice::kNone, OffloadDevice::kHost};
+  if (nvme_usable) offloads.push_back(OffloadDevice::kNvme);
   std::vector<std::uint64_t> sub_groups;
   for (int shift = 22; shift <= 28; ++shift) sub_groups.push_back(std::uint64_t{1} << shift);
   if (constraints.sub_group_params) sub_groups = {*constraints.sub_group_params};
@@ -189,11 +191,11 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
 
   PlanResult result;
   // Per tier: the least need over all candidates, and over candidates fitting the other tiers.
-  std::array<std::uint64_t, kTierCount> least_any;
-  std::array<std::uint64_t, kTierCount> least_others_fit;
+  std::array<std::uint64_t, kMemoryTierCount> least_any;
+  std::array<std::uint64_t, kMemoryTierCount> least_others_fit;
   least_any.fill(UINT64_MAX);
   least_others_fit.fill(UINT64_MAX);
-  std::array<TierUse, kTierCount> budget_use{};
+  std::array<TierUse, kMemoryTierCount> budget_use{};
   bool have_best = false;
   bool have_closest = false;
   Candidate closest;
@@ -202,10 +204,11 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
     Candidate c = evaluate(model, training, s, budgets, profile);
     ++result.candidates_considered;
     budget_use = c.use;
-    for (int t = 0; t < kTierCount; ++t) {
+    for (int t = 0; t < kMemoryTierCount; ++t) {
       least_any[t] = std::min(least_any[t], c.use[t].need_bytes);
       bool others_fit = true;
-      for (int o = 0; o < kTierCount; ++o) others_fit = others_fit && (o == t || c.use[o].fits());
+      for (int o = 0; o < kMemoryTierCount; ++o)
+        others_fit = others_fit && (o == t || c.use[o].fits());
       if (others_fit) least_others_fit[t] = std::min(least_others_fit[t], c.use[t].need_bytes);
     }
     if (c.fits()) {
@@ -220,16 +223,16 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
     }
   };
   for (int stage : stages) {
-    for (Offload optimizer : offloads) {
+    for (OffloadDevice optimizer : offloads) {
       if (constraints.optimizer && *constraints.optimizer != optimizer) continue;
-      for (Offload params : offloads) {
+      for (OffloadDevice params : offloads) {
         if (constraints.params && *constraints.params != params) continue;
-        if (params != Offload::kNone && stage != 3) continue;
+        if (params != OffloadDevice::kNone && stage != 3) continue;
         EngineSetup s = base;
         s.stage = stage;
         s.optimizer = optimizer;
         s.params = params;
-        if (optimizer != Offload::kNvme) {
+        if (optimizer != OffloadDevice::kNvme) {
           // Host or device state needs no staging; one sub-group bounds the update's working
           // set, as DeepSpeed's default does.
           s.sub_group_params = std::min<std::uint64_t>(1'000'000'000, shard);
@@ -260,11 +263,12 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   if (!have_best) {
     ZINF_ASSERT(have_closest);
     result.best = std::move(closest);
-    auto add_shortfalls = [&](const std::array<std::uint64_t, kTierCount>& least, bool every) {
-      for (int t = 0; t < kTierCount; ++t) {
+    auto add_shortfalls = [&](const std::array<std::uint64_t, kMemoryTierCount>& least,
+                              bool every) {
+      for (int t = 0; t < kMemoryTierCount; ++t) {
         if (least[t] == UINT64_MAX || least[t] <= budget_use[t].usable_bytes) continue;
         Shortfall f;
-        f.tier = static_cast<Tier>(t);
+        f.tier = static_cast<MemoryTier>(t);
         f.need_bytes = least[t];
         f.usable_bytes = budget_use[t].usable_bytes;
         f.budget_bytes = budget_use[t].budget_bytes;
@@ -285,26 +289,28 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
 
 std::string shortfall_message(const PlanResult& result) {
   if (result.fits) return "";
-  auto unit = [](Tier tier) { return tier == Tier::kDevice ? "per GPU" : "per machine"; };
+  auto unit = [](MemoryTier tier) {
+    return tier == MemoryTier::kDevice ? "per GPU" : "per machine";
+  };
   std::string out = "nothing fits the budgets:";
   for (const Shortfall& f : result.shortfalls) {
     std::string others;
-    for (int t = 0; t < kTierCount; ++t) {
-      if (static_cast<Tier>(t) == f.tier) continue;
+    for (int t = 0; t < kMemoryTierCount; ++t) {
+      if (static_cast<MemoryTier>(t) == f.tier) continue;
       others += others.empty() ? "" : " and ";
-      others += tier_name(static_cast<Tier>(t));
+      others += memory_tier_name(static_cast<MemoryTier>(t));
     }
     out += fmt::format(
         "\n  {} is short by {}: {} needs at least {} {} there, {} usable ({} budget "
         "less headroom)",
-        tier_name(f.tier), gib(static_cast<double>(f.shortfall_bytes())),
+        memory_tier_name(f.tier), gib(static_cast<double>(f.shortfall_bytes())),
         f.every_placement ? "every placement" : fmt::format("a placement that fits {}", others),
         gib(static_cast<double>(f.need_bytes)), unit(f.tier),
         gib(static_cast<double>(f.usable_bytes)), gib(static_cast<double>(f.budget_bytes)));
-    if (f.tier == Tier::kDevice && f.every_placement) {
+    if (f.tier == MemoryTier::kDevice && f.every_placement) {
       out += "; activations take " +
              gib(static_cast<double>(
-                 result.best.memory.bytes(StateKind::kActivations, Tier::kDevice))) +
+                 result.best.memory.bytes(MemoryUse::kActivations, MemoryTier::kDevice))) +
              " of it (--checkpoint-activations or a smaller --micro-batch / --seq shrink them)";
     }
   }
@@ -314,12 +320,12 @@ std::string shortfall_message(const PlanResult& result) {
     out += fmt::format(
         "\n  the closest placement (stage {}, optimizer state on {}, params on {}{}) "
         "is short on",
-        c.setup.stage, tier_name(offload_tier(c.setup.optimizer)),
-        tier_name(offload_tier(c.setup.params)),
+        c.setup.stage, memory_tier_name(memory_tier(c.setup.optimizer)),
+        memory_tier_name(memory_tier(c.setup.params)),
         c.setup.gradients_on_nvme ? ", gradients on nvme" : "");
     for (const TierUse& u : c.use) {
       if (u.fits()) continue;
-      out += fmt::format("\n    {} by {}: needs {} {} of {} usable", tier_name(u.tier),
+      out += fmt::format("\n    {} by {}: needs {} {} of {} usable", memory_tier_name(u.tier),
                          gib(static_cast<double>(u.shortfall_bytes())),
                          gib(static_cast<double>(u.need_bytes)), unit(u.tier),
                          gib(static_cast<double>(u.usable_bytes)));

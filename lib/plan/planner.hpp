@@ -49,8 +49,8 @@ struct Budgets {
 // searches only the rest.
 struct PlanConstraints {
   std::optional<int> stage;
-  std::optional<Offload> optimizer;
-  std::optional<Offload> params;
+  std::optional<OffloadDevice> optimizer;
+  std::optional<OffloadDevice> params;
   std::optional<std::uint64_t> sub_group_params;
   std::optional<std::uint64_t> buffer_count;
   // Whether gradients may spill to NVMe (the engine accepts the key but keeps gradients in host
@@ -59,7 +59,7 @@ struct PlanConstraints {
 };
 
 struct TierUse {
-  Tier tier = Tier::kDevice;
+  MemoryTier tier = MemoryTier::kDevice;
   std::uint64_t need_bytes = 0;    // per rank for the device, per machine otherwise
   std::uint64_t budget_bytes = 0;  // the same unit
   std::uint64_t usable_bytes = 0;  // budget less headroom
@@ -71,7 +71,7 @@ struct Candidate {
   EngineSetup setup;
   MemoryEstimate memory;
   StepPrediction time;
-  std::array<TierUse, kTierCount> use{};
+  std::array<TierUse, kMemoryTierCount> use{};
   bool fits() const;
 };
 
@@ -89,7 +89,7 @@ struct NoOffloadComparison {
 
 // A tier that no placement fits, and by how much.
 struct Shortfall {
-  Tier tier = Tier::kDevice;
+  MemoryTier tier = MemoryTier::kDevice;
   std::uint64_t need_bytes = 0;  // the least any placement needs (see `every_placement`)
   std::uint64_t usable_bytes = 0;
   std::uint64_t budget_bytes = 0;

@@ -48,7 +48,7 @@ void nvme_pipeline(double params, std::uint64_t sub_groups, std::uint64_t buffer
 void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
                       const MachineProfile& profile, StepPrediction* out) {
   const double ranks = static_cast<double>(s.ranks_per_machine);
-  const bool on_device = s.optimizer == Offload::kNone;
+  const bool on_device = s.optimizer == OffloadDevice::kNone;
   // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2).
   const double adam_bytes_per_param = 30.0;
   const double adam_gbps = on_device ? profile.gpu_mem_gbps : profile.mem_adam_gbps;
@@ -60,7 +60,7 @@ void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
       on_device ? seconds(static_cast<double>(shard_params) * adam_bytes_per_param, adam_gbps)
                 : seconds(static_cast<double>(out->adam_memory_bytes), adam_gbps);
 
-  if (s.optimizer != Offload::kNvme) {
+  if (s.optimizer != OffloadDevice::kNvme) {
     out->sub_groups = ceil_div(shard_params, s.sub_group_params);
     out->buffers = 0;
     out->pipeline_s = out->update_alone_s;
@@ -68,7 +68,7 @@ void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
   }
   const double read_per_param = s.gradients_on_nvme ? 16.0 : 12.0;
   // With the half params' home on NVMe too, the update writes them in the same pass.
-  const double write_per_param = s.params == Offload::kNvme ? 14.0 : 12.0;
+  const double write_per_param = s.params == OffloadDevice::kNvme ? 14.0 : 12.0;
   nvme_pipeline(ranks * static_cast<double>(shard_params),
                 ceil_div(shard_params, s.sub_group_params), s.buffer_count, read_per_param,
                 write_per_param, profile, out);
@@ -89,12 +89,12 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // host; downloaded when it ran on the device but the params live offloaded; written to NVMe
   // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe.
   const double half_bytes = 2.0 * static_cast<double>(pr);
-  if (s.optimizer != Offload::kNone && s.params == Offload::kNone) {
+  if (s.optimizer != OffloadDevice::kNone && s.params == OffloadDevice::kNone) {
     out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
-  } else if (s.optimizer == Offload::kNone && s.params != Offload::kNone) {
+  } else if (s.optimizer == OffloadDevice::kNone && s.params != OffloadDevice::kNone) {
     out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
   }
-  if (s.params == Offload::kNvme && s.optimizer != Offload::kNvme) {
+  if (s.params == OffloadDevice::kNvme && s.optimizer != OffloadDevice::kNvme) {
     out.nvme_write_bytes += static_cast<std::uint64_t>(ranks * half_bytes);
     out.param_upload_s =
         std::max(out.param_upload_s, seconds(ranks * half_bytes, profile.nvme_write_gbps));
@@ -112,10 +112,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double collective_bytes = (s.stage == 3 ? 3.0 : 2.0) * 2.0 * static_cast<double>(p);
   out.collectives_s = seconds(collective_bytes * (n - 1.0) / n, profile.gpu_link_gbps);
 
-  if (s.stage == 3 && s.params != Offload::kNone) {
+  if (s.stage == 3 && s.params != OffloadDevice::kNone) {
     const double fetch_bytes = 2.0 * 2.0 * static_cast<double>(pr);
     out.param_fetch_s = seconds(fetch_bytes, profile.h2d_gbps);
-    if (s.params == Offload::kNvme) {
+    if (s.params == OffloadDevice::kNvme) {
       out.nvme_read_bytes += static_cast<std::uint64_t>(ranks * fetch_bytes);
       out.param_fetch_s =
           std::max(out.param_fetch_s, seconds(ranks * fetch_bytes, profile.nvme_read_gbps));
@@ -126,7 +126,7 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // Gradient offload of the first micro-batch and of each later one (they differ when spilled:
   // later micro-batches read the sums back before adding).
   double offload_first_s = 0.0, offload_later_s = 0.0;
-  if (s.optimizer != Offload::kNone) {
+  if (s.optimizer != OffloadDevice::kNone) {
     offload_first_s = offload_later_s = seconds(2.0 * static_cast<double>(pr), profile.h2d_gbps);
     if (s.gradients_on_nvme) {
       const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
@@ -152,7 +152,7 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
 
 StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
   StepOnlyLayout l;
-  const bool nvme = spec.tier == Offload::kNvme;
+  const bool nvme = spec.tier == OffloadDevice::kNvme;
   const std::uint64_t grads_bytes = 4;
   const std::uint64_t half_bytes = 2;
   l.bytes_per_param = 12 + grads_bytes + half_bytes;
@@ -180,14 +180,14 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
 StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile) {
   const StepOnlyLayout l = step_only_layout(spec);
   ZINF_ASSERT(l.sub_group_params > 0);
-  ZINF_ASSERT(spec.tier != Offload::kNvme || l.blocks >= 2);
+  ZINF_ASSERT(spec.tier != OffloadDevice::kNvme || l.blocks >= 2);
   ZINF_ASSERT_MSG(profile.mem_adam_gbps > 0, "predict_optimizer_step: no memory bandwidth");
   StepPrediction out;
   const double params = static_cast<double>(spec.params);
   out.adam_memory_bytes = static_cast<std::uint64_t>(params * 30.0);
   out.update_alone_s = seconds(params * 30.0, profile.mem_adam_gbps);
   out.sub_groups = l.sub_groups;
-  if (spec.tier == Offload::kNvme) {
+  if (spec.tier == OffloadDevice::kNvme) {
     nvme_pipeline(params, l.sub_groups, l.blocks, static_cast<double>(l.read_per_param),
                   static_cast<double>(l.write_per_param), profile, &out);
   } else {

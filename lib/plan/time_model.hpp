@@ -125,7 +125,7 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
 //   update               30 B a parameter through memory at mem_adam_gbps
 struct StepOnlySpec {
   std::uint64_t params = 0;
-  Offload tier = Offload::kNvme;  // kNvme or kCpu (everything in host memory)
+  OffloadDevice tier = OffloadDevice::kNvme;  // kNvme or kHost (everything in host memory)
   std::uint64_t sub_group_bytes = std::uint64_t{64} << 20;
   std::uint64_t pool_bytes = std::uint64_t{1} << 30;
   bool grads_on_nvme = true;  // StateStore's default puts every piece on NVMe

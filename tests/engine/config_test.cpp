@@ -62,10 +62,10 @@ TEST(Config, ReadsThePlannersExample) {
 // Whatever the planner's writer produces, the engine reads, for every placement it can choose.
 TEST(Config, ReadsEveryPlanWriterOutput) {
   for (int stage = 1; stage <= 3; ++stage) {
-    for (plan::Offload opt : {plan::Offload::kNone, plan::Offload::kCpu, plan::Offload::kNvme}) {
-      for (plan::Offload param :
-           {plan::Offload::kNone, plan::Offload::kCpu, plan::Offload::kNvme}) {
-        if (stage != 3 && param != plan::Offload::kNone) continue;
+    for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+      for (OffloadDevice param :
+           {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+        if (stage != 3 && param != OffloadDevice::kNone) continue;
         plan::PlanConfig pc;
         pc.setup.stage = stage;
         pc.setup.optimizer = opt;
@@ -82,7 +82,7 @@ TEST(Config, ReadsEveryPlanWriterOutput) {
         EXPECT_EQ(static_cast<int>(c->zero.offload_param.device), static_cast<int>(param));
         EXPECT_EQ(c->zero.sub_group_size, std::size_t{1} << 22);
         EXPECT_EQ(c->world_size, 8);
-        if (opt == plan::Offload::kNvme) {
+        if (opt == OffloadDevice::kNvme) {
           EXPECT_EQ(c->zero.offload_optimizer.nvme_path, "/nvme0");
         }
       }

@@ -101,7 +101,7 @@ TEST_F(PlanCli, OutWritesAConfigTheParserAccepts) {
   auto config = config_from_json(text.str());
   ASSERT_TRUE(config.is_ok()) << config.status().to_string() << "\n" << text.str();
   // 8B params x 16 B of state do not fit 64 GB of host memory: the optimizer goes to NVMe.
-  EXPECT_EQ(config->setup.optimizer, Offload::kNvme);
+  EXPECT_EQ(config->setup.optimizer, OffloadDevice::kNvme);
   EXPECT_EQ(config->nvme_path, "/mnt/nvme");
   std::remove(path.c_str());
 }

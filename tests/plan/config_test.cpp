@@ -22,8 +22,8 @@ PlanConfig sample() {
   c.setup.stage = 3;
   c.setup.world_size = 8;
   c.setup.ranks_per_machine = 4;
-  c.setup.optimizer = Offload::kNvme;
-  c.setup.params = Offload::kCpu;
+  c.setup.optimizer = OffloadDevice::kNvme;
+  c.setup.params = OffloadDevice::kHost;
   c.setup.gradients_on_nvme = true;
   c.setup.sub_group_params = 1 << 24;
   c.setup.buffer_count = 6;
@@ -68,8 +68,8 @@ TEST(Config, RoundTrips) {
   auto b = config_from_json(config_to_json(a));
   ASSERT_TRUE(b.is_ok()) << b.status().to_string();
   EXPECT_EQ(config_to_json(*b), config_to_json(a));
-  EXPECT_EQ(b->setup.optimizer, Offload::kNvme);
-  EXPECT_EQ(b->setup.params, Offload::kCpu);
+  EXPECT_EQ(b->setup.optimizer, OffloadDevice::kNvme);
+  EXPECT_EQ(b->setup.params, OffloadDevice::kHost);
   EXPECT_EQ(b->nvme_path, "/local_nvme");
   EXPECT_EQ(b->pinned_pool_bytes, a.pinned_pool_bytes);
 }
@@ -88,7 +88,7 @@ TEST(Config, ReadsAHandWrittenDeepSpeedConfig) {
   auto c = config_from_json(text);
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
   EXPECT_EQ(c->setup.stage, 2);
-  EXPECT_EQ(c->setup.optimizer, Offload::kCpu);
+  EXPECT_EQ(c->setup.optimizer, OffloadDevice::kHost);
   EXPECT_EQ(c->setup.sub_group_params, 1'000'000'000u);
   EXPECT_EQ(c->setup.reduce_bucket_params, 500'000'000u);
   EXPECT_EQ(c->micro_batch, 4u);
@@ -125,14 +125,15 @@ TEST(Config, ErrorsNameTheKey) {
 // back as the same plan, for every placement the planner can choose.
 TEST(Config, PlannerAndEngineRoundTripThroughEachOther) {
   for (int stage = 1; stage <= 3; ++stage) {
-    for (Offload opt : {Offload::kNone, Offload::kCpu, Offload::kNvme}) {
-      for (Offload param : {Offload::kNone, Offload::kCpu, Offload::kNvme}) {
-        if (stage != 3 && param != Offload::kNone) continue;
+    for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+      for (OffloadDevice param :
+           {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+        if (stage != 3 && param != OffloadDevice::kNone) continue;
         PlanConfig a = sample();
         a.setup.stage = stage;
         a.setup.optimizer = opt;
         a.setup.params = param;
-        a.setup.gradients_on_nvme = opt == Offload::kNvme && stage > 1;
+        a.setup.gradients_on_nvme = opt == OffloadDevice::kNvme && stage > 1;
         a.pinned_pool_bytes = pinned_pool_bytes(a.setup);
         const std::string plan_text = config_to_json(a);
         // The planner's text, read by the engine's parser...
@@ -158,7 +159,7 @@ TEST(Config, PlannerAndEngineRoundTripThroughEachOther) {
         EXPECT_EQ(b->grad_accum_steps, a.grad_accum_steps);
         EXPECT_EQ(b->pinned_pool_bytes, a.pinned_pool_bytes);
         EXPECT_EQ(b->nvme_path,
-                  opt == Offload::kNvme || param == Offload::kNvme ? a.nvme_path : "");
+                  opt == OffloadDevice::kNvme || param == OffloadDevice::kNvme ? a.nvme_path : "");
         EXPECT_EQ(engine_text, plan_text);
       }
     }

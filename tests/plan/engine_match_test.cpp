@@ -48,8 +48,8 @@ ModelShape planner_model() {
 
 struct Placement {
   int stage;
-  Offload optimizer;
-  Offload params;
+  OffloadDevice optimizer;
+  OffloadDevice params;
   bool gradients_on_nvme = false;
 };
 
@@ -72,14 +72,15 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
   profile.nvme_read_gbps = 2;
   profile.nvme_write_gbps = 1;
 
-  const Offload tiers[] = {Offload::kNone, Offload::kCpu, Offload::kNvme};
+  const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
   std::vector<Placement> placements;
   for (int stage = 1; stage <= 3; ++stage) {
-    for (Offload opt : tiers) {
-      for (Offload params : tiers) {
-        if (stage != 3 && params != Offload::kNone) continue;
+    for (OffloadDevice opt : tiers) {
+      for (OffloadDevice params : tiers) {
+        if (stage != 3 && params != OffloadDevice::kNone) continue;
         placements.push_back({stage, opt, params});
-        if (opt == Offload::kNvme && stage >= 2) placements.push_back({stage, opt, params, true});
+        if (opt == OffloadDevice::kNvme && stage >= 2)
+          placements.push_back({stage, opt, params, true});
       }
     }
   }
@@ -101,8 +102,8 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
     const MemoryEstimate estimate = estimate_memory(model, TrainingShape{}, setup);
 
     const std::string dir =
-        fmt::format("{}/s{}_{}_{}{}", root, pl.stage, offload_name(pl.optimizer),
-                    offload_name(pl.params), pl.gradients_on_nvme ? "_spill" : "");
+        fmt::format("{}/s{}_{}_{}{}", root, pl.stage, offload_device_name(pl.optimizer),
+                    offload_device_name(pl.params), pl.gradients_on_nvme ? "_spill" : "");
     fs::create_directories(dir);
     PlanConfig plan_config;
     plan_config.setup = setup;
@@ -147,22 +148,23 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
     for (const Status& s : status) ASSERT_TRUE(s.is_ok()) << s.to_string();
 
     const MemoryReport& got = memory[0];
-    const std::uint64_t engine_bytes[kTierCount] = {got.device_bytes, got.host_bytes,
-                                                    got.nvme_bytes};
-    for (int t = 0; t < kTierCount; ++t) {
-      const Tier tier = static_cast<Tier>(t);
+    const std::uint64_t engine_bytes[kMemoryTierCount] = {got.device_bytes, got.host_bytes,
+                                                          got.nvme_bytes};
+    for (int t = 0; t < kMemoryTierCount; ++t) {
+      const MemoryTier tier = static_cast<MemoryTier>(t);
       const double predicted = static_cast<double>(estimate.engine_bytes(tier));
       const double actual = static_cast<double>(engine_bytes[t]);
       std::printf("%5d %9s %6s %5s  %-6s %10.0f %10.0f\n", pl.stage,
-                  std::string(offload_name(pl.optimizer)).c_str(),
-                  std::string(offload_name(pl.params)).c_str(), pl.gradients_on_nvme ? "yes" : "no",
-                  std::string(tier_name(tier)).c_str(), predicted, actual);
+                  std::string(offload_device_name(pl.optimizer)).c_str(),
+                  std::string(offload_device_name(pl.params)).c_str(),
+                  pl.gradients_on_nvme ? "yes" : "no", std::string(memory_tier_name(tier)).c_str(),
+                  predicted, actual);
       // To the byte: the estimator follows the engine's allocations, pages and pools included.
       EXPECT_EQ(predicted, actual)
-          << "stage " << pl.stage << ", optimizer " << offload_name(pl.optimizer) << ", params "
-          << offload_name(pl.params) << (pl.gradients_on_nvme ? ", gradients on nvme" : "") << ", "
-          << tier_name(tier) << ": predicted " << predicted << " B, the engine allocated "
-          << actual;
+          << "stage " << pl.stage << ", optimizer " << offload_device_name(pl.optimizer)
+          << ", params " << offload_device_name(pl.params)
+          << (pl.gradients_on_nvme ? ", gradients on nvme" : "") << ", " << memory_tier_name(tier)
+          << ": predicted " << predicted << " B, the engine allocated " << actual;
     }
     std::error_code ignored;
     fs::remove_all(dir, ignored);

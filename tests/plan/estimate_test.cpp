@@ -13,9 +13,9 @@
 namespace zinf::plan {
 namespace {
 
-constexpr Tier kDev = Tier::kDevice;
-constexpr Tier kHost = Tier::kHost;
-constexpr Tier kNvme = Tier::kNvme;
+constexpr MemoryTier kDev = MemoryTier::kDevice;
+constexpr MemoryTier kHost = MemoryTier::kHost;
+constexpr MemoryTier kNvme = MemoryTier::kNvme;
 
 ModelShape llama7b() { return *find_model_preset("llama-2-7b"); }
 
@@ -32,17 +32,17 @@ TEST(Estimate, StagesPartitionAsTheEngineDoes) {
     s.ranks_per_machine = n;
     const MemoryEstimate e = estimate_memory(m, t, s);
     // Stage 1: only optimizer state partitioned. Stage 2: + gradients. Stage 3: + params.
-    EXPECT_EQ(e.bytes(StateKind::kHalfParams, kDev), stage == 3 ? 2 * pr : 2 * p) << stage;
+    EXPECT_EQ(e.bytes(MemoryUse::kHalfParams, kDev), stage == 3 ? 2 * pr : 2 * p) << stage;
     // fp32 accumulators of the shard; stage 1 also holds the full fp32 gradients.
-    EXPECT_EQ(e.bytes(StateKind::kGradients, kDev), stage == 1 ? 4 * p + 4 * pr : 4 * pr) << stage;
-    EXPECT_EQ(e.bytes(StateKind::kMasterParams, kDev), 4 * pr);
-    EXPECT_EQ(e.bytes(StateKind::kMoments, kDev), 8 * pr);
+    EXPECT_EQ(e.bytes(MemoryUse::kGradients, kDev), stage == 1 ? 4 * p + 4 * pr : 4 * pr) << stage;
+    EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kDev), 4 * pr);
+    EXPECT_EQ(e.bytes(MemoryUse::kMoments, kDev), 8 * pr);
     // The host holds only the engine's publish copy of the new half params (its in-memory step
     // runs on the host in this version).
     EXPECT_EQ(e.rank_tier_bytes(kHost), 2 * pr);
-    EXPECT_EQ(e.bytes(StateKind::kHalfCopy, kHost), 2 * pr);
+    EXPECT_EQ(e.bytes(MemoryUse::kHalfCopy, kHost), 2 * pr);
     EXPECT_EQ(e.rank_tier_bytes(kNvme), 0u);
-    EXPECT_EQ(e.bytes(StateKind::kGatheredParams, kDev) > 0, stage == 3);
+    EXPECT_EQ(e.bytes(MemoryUse::kGatheredParams, kDev) > 0, stage == 3);
   }
 }
 
@@ -55,30 +55,30 @@ TEST(Estimate, OffloadMovesStateAndGradientsToTheirTiers) {
   s.stage = 3;
   s.world_size = 4;
   s.ranks_per_machine = 2;  // two machines of two GPUs
-  s.optimizer = Offload::kNvme;
-  s.params = Offload::kCpu;
+  s.optimizer = OffloadDevice::kNvme;
+  s.params = OffloadDevice::kHost;
   s.gradients_on_nvme = true;
   s.sub_group_params = 1 << 24;
   s.buffer_count = 4;
   const MemoryEstimate e = estimate_memory(m, t, s);
-  EXPECT_EQ(e.bytes(StateKind::kHalfParams, kHost), 2 * pr);
-  EXPECT_EQ(e.bytes(StateKind::kMasterParams, kNvme), 4 * pr);
-  EXPECT_EQ(e.bytes(StateKind::kMoments, kNvme), 8 * pr);
-  EXPECT_EQ(e.bytes(StateKind::kGradients, kNvme), 4 * pr);
+  EXPECT_EQ(e.bytes(MemoryUse::kHalfParams, kHost), 2 * pr);
+  EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kNvme), 4 * pr);
+  EXPECT_EQ(e.bytes(MemoryUse::kMoments, kNvme), 8 * pr);
+  EXPECT_EQ(e.bytes(MemoryUse::kGradients, kNvme), 4 * pr);
   // On the host only the spill buffers: gradient_spill_buffers (4) sub-groups of 4 B a parameter.
-  EXPECT_EQ(e.bytes(StateKind::kGradients, kHost), 4u * (1u << 24) * 4u);
+  EXPECT_EQ(e.bytes(MemoryUse::kGradients, kHost), 4u * (1u << 24) * 4u);
   // The CPU optimizer's half-precision output, on the host beside the state it came from.
-  EXPECT_EQ(e.bytes(StateKind::kHalfCopy, kHost), 2 * pr);
+  EXPECT_EQ(e.bytes(MemoryUse::kHalfCopy, kHost), 2 * pr);
   // A buffer holds master, m, v and the spilled gradient of one sub-group: 16 B a parameter.
-  EXPECT_EQ(e.bytes(StateKind::kPinnedPool, kHost), 4u * (1u << 24) * 16u);
+  EXPECT_EQ(e.bytes(MemoryUse::kPinnedPool, kHost), 4u * (1u << 24) * 16u);
   EXPECT_EQ(e.rank_tier_bytes(kNvme), 16 * pr);
   // Per machine: two ranks' worth.
   EXPECT_EQ(e.machine_tier_bytes(kNvme), 2 * 16 * pr);
   EXPECT_EQ(e.machine_tier_bytes(kHost), 2 * e.rank_tier_bytes(kHost));
   // Every kind sums to its tier total.
-  for (Tier tier : {kDev, kHost, kNvme}) {
+  for (MemoryTier tier : {kDev, kHost, kNvme}) {
     std::uint64_t sum = 0;
-    for (int k = 0; k < kStateKindCount; ++k) sum += e.bytes(static_cast<StateKind>(k), tier);
+    for (int k = 0; k < kMemoryUseCount; ++k) sum += e.bytes(static_cast<MemoryUse>(k), tier);
     EXPECT_EQ(sum, e.rank_tier_bytes(tier));
   }
 }
@@ -108,10 +108,10 @@ TEST(Estimate, ValidateNamesTheBadKey) {
   EXPECT_EQ(st.code(), Code::kInvalidArgument);
   EXPECT_NE(st.message().find("zero_optimization.stage"), std::string_view::npos);
   s.stage = 2;
-  s.params = Offload::kCpu;
+  s.params = OffloadDevice::kHost;
   st = validate_setup(s);
   EXPECT_NE(st.message().find("offload_param"), std::string_view::npos) << st.to_string();
-  s.params = Offload::kNone;
+  s.params = OffloadDevice::kNone;
   s.gradients_on_nvme = true;
   EXPECT_NE(validate_setup(s).message().find("gradients_on_nvme"), std::string_view::npos);
   s.gradients_on_nvme = false;
@@ -119,23 +119,27 @@ TEST(Estimate, ValidateNamesTheBadKey) {
   s.ranks_per_machine = 4;
   EXPECT_NE(validate_setup(s).message().find("world_size"), std::string_view::npos);
   s.world_size = 8;
-  s.optimizer = Offload::kNvme;
+  s.optimizer = OffloadDevice::kNvme;
   s.buffer_count = 1;
   EXPECT_NE(validate_setup(s).message().find("buffer_count"), std::string_view::npos);
   s.buffer_count = 2;
   EXPECT_TRUE(validate_setup(s).is_ok());
 }
 
-TEST(Estimate, OffloadNamesRoundTrip) {
-  for (Offload o : {Offload::kNone, Offload::kCpu, Offload::kNvme}) {
-    Offload back = Offload::kNone;
-    ASSERT_TRUE(parse_offload(offload_name(o), &back));
+TEST(Estimate, OffloadNamesRoundTripInDeepSpeedsSpelling) {
+  for (OffloadDevice o : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+    OffloadDevice back = OffloadDevice::kNone;
+    ASSERT_TRUE(parse_offload_device(offload_device_name(o), &back));
     EXPECT_EQ(back, o);
   }
-  Offload o = Offload::kNone;
-  EXPECT_TRUE(parse_offload("HOST", &o));
-  EXPECT_EQ(o, Offload::kCpu);
-  EXPECT_FALSE(parse_offload("disk", &o));
+  // One vocabulary with the engine: DeepSpeed's values, case-sensitive.
+  OffloadDevice o = OffloadDevice::kNone;
+  EXPECT_FALSE(parse_offload_device("HOST", &o));
+  EXPECT_FALSE(parse_offload_device("CPU", &o));
+  EXPECT_FALSE(parse_offload_device("gpu", &o));
+  EXPECT_FALSE(parse_offload_device("disk", &o));
+  EXPECT_EQ(memory_tier(OffloadDevice::kHost), MemoryTier::kHost);
+  EXPECT_EQ(memory_tier(OffloadDevice::kNone), MemoryTier::kDevice);
 }
 
 }  // namespace

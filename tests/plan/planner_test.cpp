@@ -46,18 +46,21 @@ TEST(Planner, Llama70bFitsOnFour48GbGpusWith256GbHostAndNvme) {
   const Candidate& c = plan->best;
   EXPECT_EQ(c.setup.stage, 3);
   // 12 B/param of optimizer state cannot be in 4·48 GB of GPUs nor in 256 GB of host memory.
-  EXPECT_EQ(c.setup.optimizer, Offload::kNvme);
-  for (const TierUse& u : c.use) EXPECT_LE(u.need_bytes, u.usable_bytes) << tier_name(u.tier);
+  EXPECT_EQ(c.setup.optimizer, OffloadDevice::kNvme);
+  for (const TierUse& u : c.use)
+    EXPECT_LE(u.need_bytes, u.usable_bytes) << memory_tier_name(u.tier);
   // Every byte of model state is somewhere: half params 2, fp32 gradients 4, master and moments
   // 12 bytes a parameter, over the machine's four ranks.
   const std::uint64_t p = param_count(m);
   std::uint64_t state = 0;
-  for (StateKind k : {StateKind::kHalfParams, StateKind::kGradients, StateKind::kMasterParams,
-                      StateKind::kMoments}) {
-    for (Tier t : {Tier::kDevice, Tier::kHost, Tier::kNvme}) state += c.memory.bytes(k, t) * 4;
+  for (MemoryUse k : {MemoryUse::kHalfParams, MemoryUse::kGradients, MemoryUse::kMasterParams,
+                      MemoryUse::kMoments}) {
+    for (MemoryTier t : {MemoryTier::kDevice, MemoryTier::kHost, MemoryTier::kNvme})
+      state += c.memory.bytes(k, t) * 4;
   }
   // With gradients on NVMe the host also holds the spill buffers, working space beside them.
-  if (c.setup.gradients_on_nvme) state -= c.memory.bytes(StateKind::kGradients, Tier::kHost) * 4;
+  if (c.setup.gradients_on_nvme)
+    state -= c.memory.bytes(MemoryUse::kGradients, MemoryTier::kHost) * 4;
   EXPECT_GE(state, 18 * p);
   EXPECT_LT(state, 18 * p + 18 * 4);  // only the rounding of ceil(P / 4)
   EXPECT_GT(c.time.step_s, 0);
@@ -111,7 +114,7 @@ TEST(Planner, ShortNvmeIsNamedWithTheShortfall) {
   const std::uint64_t p = param_count(m);
   const Shortfall* nvme = nullptr;
   for (const Shortfall& f : plan->shortfalls) {
-    if (f.tier == Tier::kNvme) nvme = &f;
+    if (f.tier == MemoryTier::kNvme) nvme = &f;
   }
   ASSERT_NE(nvme, nullptr) << shortfall_message(*plan);
   EXPECT_EQ(nvme->need_bytes, 18 * p);
@@ -133,7 +136,7 @@ TEST(Planner, WithoutGradientSpillThe70bCaseIsShortOfHostMemory) {
   ASSERT_FALSE(plan->fits);
   ASSERT_FALSE(plan->shortfalls.empty());
   const Shortfall& host = plan->shortfalls.front();
-  EXPECT_EQ(host.tier, Tier::kHost) << shortfall_message(*plan);
+  EXPECT_EQ(host.tier, MemoryTier::kHost) << shortfall_message(*plan);
   // The least host any placement needs: fp32 gradients 4·P, with params and optimizer state on
   // NVMe, plus the smallest pool (4 ranks x 3 buffers x 2^22 x 14 B: master, m, v and the
   // streamed half output's slot). The half output streams into the shards through one buffer
@@ -154,7 +157,7 @@ TEST(Planner, ShortDeviceBlamesActivationsWhenEveryPlacementIsShort) {
   ASSERT_FALSE(plan->fits);
   ASSERT_EQ(plan->shortfalls.size(), 1u) << shortfall_message(*plan);
   const Shortfall& f = plan->shortfalls[0];
-  EXPECT_EQ(f.tier, Tier::kDevice);
+  EXPECT_EQ(f.tier, MemoryTier::kDevice);
   EXPECT_TRUE(f.every_placement);
   // The least a GPU can hold: everything offloaded, so the fixed part alone.
   EXPECT_EQ(f.need_bytes, no_offload_gpus(m, t, four_48gb_gpus(0)).fixed_bytes);
@@ -175,8 +178,8 @@ TEST(Planner, SmallModelStaysOnTheGpus) {
   auto plan = make_plan(m, TrainingShape{}, b, machine());
   ASSERT_TRUE(plan.is_ok());
   ASSERT_TRUE(plan->fits);
-  EXPECT_EQ(plan->best.setup.optimizer, Offload::kNone);
-  EXPECT_EQ(plan->best.setup.params, Offload::kNone);
+  EXPECT_EQ(plan->best.setup.optimizer, OffloadDevice::kNone);
+  EXPECT_EQ(plan->best.setup.params, OffloadDevice::kNone);
   EXPECT_EQ(plan->best.setup.stage, 1);
   EXPECT_EQ(plan->no_offload.gpus_needed, 1u);
 }
@@ -195,10 +198,10 @@ TEST(Planner, ChosenPlanIsTheFastestThatFits) {
   auto plan = make_plan(m, t, b, machine());
   ASSERT_TRUE(plan.is_ok());
   ASSERT_TRUE(plan->fits);
-  EXPECT_EQ(plan->best.setup.optimizer, Offload::kCpu);
+  EXPECT_EQ(plan->best.setup.optimizer, OffloadDevice::kHost);
   // Forcing NVMe gives a slower plan.
   PlanConstraints nvme;
-  nvme.optimizer = Offload::kNvme;
+  nvme.optimizer = OffloadDevice::kNvme;
   auto slower = make_plan(m, t, b, machine(), nvme);
   ASSERT_TRUE(slower.is_ok());
   ASSERT_TRUE(slower->fits);
@@ -218,7 +221,7 @@ TEST(Planner, RejectsBudgetsThatMakeNoSense) {
   EXPECT_NE(r.status().message().find("--gpus-per-machine"), std::string_view::npos);
   b.gpus = 4;
   PlanConstraints c;
-  c.optimizer = Offload::kNvme;
+  c.optimizer = OffloadDevice::kNvme;
   b.nvme_bytes = 0;
   EXPECT_EQ(make_plan(m, {}, b, machine(), c).status().code(), Code::kInvalidArgument);
 }

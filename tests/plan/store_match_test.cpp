@@ -99,7 +99,7 @@ TEST(StoreMatch, PlannedNvmeAndPoolBytesAreWhatTheStoreAllocates) {
   profile.nvme_write_gbps = 1;
   for (bool spill : {false, true}) {
     PlanConstraints constraints;
-    constraints.optimizer = Offload::kNvme;
+    constraints.optimizer = OffloadDevice::kNvme;
     constraints.stage = 3;  // gradients spill at stages 2-3 only
     auto plan = make_plan(model, TrainingShape{}, budgets, profile, constraints);
     ASSERT_TRUE(plan.is_ok() && plan->fits);
@@ -114,12 +114,13 @@ TEST(StoreMatch, PlannedNvmeAndPoolBytesAreWhatTheStoreAllocates) {
         streams_half(setup) ? zinf::Tier::kBlock : zinf::Tier::kHost, setup.buffer_count, &o);
     if (s.code() == Code::kUnsupported) GTEST_SKIP() << s.to_string();
     ASSERT_TRUE(s.is_ok()) << s.to_string();
-    const double nvme_predicted = static_cast<double>(e.rank_tier_bytes(Tier::kNvme));
+    const double nvme_predicted = static_cast<double>(e.rank_tier_bytes(MemoryTier::kNvme));
     const double nvme_allocated = static_cast<double>(o.swap->used_bytes());
     EXPECT_LT(relative_error(nvme_predicted, nvme_allocated), 0.05)
         << "spill " << spill << ": predicted " << nvme_predicted << " B on NVMe, swap holds "
         << nvme_allocated;
-    const double pool_predicted = static_cast<double>(e.bytes(StateKind::kPinnedPool, Tier::kHost));
+    const double pool_predicted =
+        static_cast<double>(e.bytes(MemoryUse::kPinnedPool, MemoryTier::kHost));
     const double pool_allocated = static_cast<double>(o.pool->bytes());
     EXPECT_LT(relative_error(pool_predicted, pool_allocated), 0.05)
         << "spill " << spill << ": predicted pool " << pool_predicted << " B, allocated "

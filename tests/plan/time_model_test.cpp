@@ -23,7 +23,7 @@ MachineProfile profile(double adam, double read, double write) {
 StepOnlySpec state_only(std::uint64_t params, std::uint64_t pool_bytes) {
   StepOnlySpec spec;
   spec.params = params;
-  spec.tier = Offload::kNvme;
+  spec.tier = OffloadDevice::kNvme;
   spec.sub_group_bytes = 18u << 24;
   spec.pool_bytes = pool_bytes;
   spec.grads_on_nvme = false;
@@ -106,7 +106,7 @@ TEST(TimeModel, CpuBoundStepIsUpdatePlusFill) {
 TEST(TimeModel, HostTierIsTheUpdateAlone) {
   StepOnlySpec spec;
   spec.params = 256'000'000;
-  spec.tier = Offload::kCpu;
+  spec.tier = OffloadDevice::kHost;
   const StepPrediction t = predict_optimizer_step(spec, profile(12, 0, 0));
   EXPECT_DOUBLE_EQ(t.io_alone_s, 0.0);
   EXPECT_DOUBLE_EQ(t.step_s, 256e6 * 30 / 12e9);
@@ -126,7 +126,7 @@ TEST(TimeModel, RanksOfAMachineShareTheDriveAndTheMemory) {
   TrainingShape tr;
   EngineSetup s;
   s.stage = 3;
-  s.optimizer = Offload::kNvme;
+  s.optimizer = OffloadDevice::kNvme;
   s.sub_group_params = 1 << 24;
   s.buffer_count = 4;
   s.world_size = 8;
@@ -150,8 +150,8 @@ TEST(TimeModel, ForwardBackwardPartsOverlap) {
   s.stage = 3;
   s.world_size = 8;
   s.ranks_per_machine = 8;
-  s.optimizer = Offload::kCpu;
-  s.params = Offload::kCpu;
+  s.optimizer = OffloadDevice::kHost;
+  s.params = OffloadDevice::kHost;
   MachineProfile p = profile(40, 0, 0);
   p.gpu_tflops = 200;
   p.gpu_link_gbps = 100;
@@ -181,7 +181,7 @@ TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {
   s.stage = 3;
   s.world_size = 4;
   s.ranks_per_machine = 4;
-  s.optimizer = Offload::kNvme;
+  s.optimizer = OffloadDevice::kNvme;
   s.gradients_on_nvme = true;
   s.sub_group_params = 1 << 24;
   MachineProfile p = profile(40, 6, 4);

@@ -23,6 +23,15 @@
 namespace zinf::cli {
 namespace {
 
+// --tier, --grads-tier, --half-tier: "nvme" or "host" ("cpu" too, DeepSpeed's word for host).
+bool parse_tier_flag(std::string_view text, OffloadDevice* device) {
+  if (text == "host") {
+    *device = OffloadDevice::kHost;
+    return true;
+  }
+  return parse_offload_device(text, device) && *device != OffloadDevice::kNone;
+}
+
 using namespace zinf::plan;
 
 struct PlanOptions {
@@ -230,20 +239,20 @@ void run_step_only(const PlanOptions& o) {
       !parse_size_option("--pool", o.pool, &spec.pool_bytes)) {
     return;
   }
-  if (!parse_offload(o.tier, &spec.tier) || spec.tier == Offload::kNone) {
+  if (!parse_tier_flag(o.tier, &spec.tier)) {
     fail(fmt::format("--tier {}: must be nvme or host", o.tier));
     return;
   }
   for (auto [flag, text, field] : {std::tuple{"--grads-tier", &o.grads_tier, &spec.grads_on_nvme},
                                    std::tuple{"--half-tier", &o.half_tier, &spec.half_on_nvme}}) {
-    Offload t = Offload::kNone;
-    if (!parse_offload(*text, &t) || t == Offload::kNone) {
+    OffloadDevice t = OffloadDevice::kNone;
+    if (!parse_tier_flag(*text, &t)) {
       fail(fmt::format("{} {}: must be nvme or host", flag, *text));
       return;
     }
-    *field = spec.tier == Offload::kNvme && t == Offload::kNvme;
+    *field = spec.tier == OffloadDevice::kNvme && t == OffloadDevice::kNvme;
   }
-  const bool nvme = spec.tier == Offload::kNvme;
+  const bool nvme = spec.tier == OffloadDevice::kNvme;
   const StepOnlyLayout layout = step_only_layout(spec);
   if (spec.params == 0 || layout.sub_group_params == 0) {
     fail(
@@ -277,7 +286,7 @@ void run_step_only(const PlanOptions& o) {
                  (spec.grads_on_nvme ? 0.0 : 4.0 * p) + (spec.half_on_nvme ? 0.0 : 2.0 * p);
   }
   const nlohmann::json out = {{"params", spec.params},
-                              {"tier", std::string(tier_name(offload_tier(spec.tier)))},
+                              {"tier", std::string(memory_tier_name(memory_tier(spec.tier)))},
                               {"grads_on_nvme", spec.grads_on_nvme},
                               {"half_on_nvme", spec.half_on_nvme},
                               {"sub_group_params", layout.sub_group_params},
@@ -300,7 +309,8 @@ void run_step_only(const PlanOptions& o) {
     return;
   }
   fmt::print("predicted optimizer step: {} params, state on {}, {} sub-groups of {} params, {}\n",
-             spec.params, tier_name(offload_tier(spec.tier)), t.sub_groups, layout.sub_group_params,
+             spec.params, memory_tier_name(memory_tier(spec.tier)), t.sub_groups,
+             layout.sub_group_params,
              nvme ? fmt::format("{} blocks of {}", layout.blocks,
                                 format_bytes(static_cast<double>(layout.block_bytes)))
                   : std::string("no I/O"));
@@ -337,16 +347,16 @@ void list_models() {
 }
 
 std::string placement_line(const EngineSetup& s) {
-  std::string line =
-      fmt::format("stage {}, optimizer state on {}", s.stage, tier_name(offload_tier(s.optimizer)));
-  if (s.optimizer == Offload::kNvme) {
+  std::string line = fmt::format("stage {}, optimizer state on {}", s.stage,
+                                 memory_tier_name(memory_tier(s.optimizer)));
+  if (s.optimizer == OffloadDevice::kNvme) {
     line += fmt::format(" (sub-group {} params, {} buffers, pinned pool {} per GPU)",
                         s.sub_group_params, s.buffer_count,
                         format_bytes(static_cast<double>(pinned_pool_bytes(s))));
   }
-  line += fmt::format(", half params on {}",
-                      s.stage == 3 ? tier_name(offload_tier(s.params)) : "device (replicated)");
-  if (s.optimizer != Offload::kNone) {
+  line += fmt::format(", half params on {}", s.stage == 3 ? memory_tier_name(memory_tier(s.params))
+                                                          : "device (replicated)");
+  if (s.optimizer != OffloadDevice::kNone) {
     line += fmt::format(", gradients on {}", s.gradients_on_nvme ? "nvme" : "host");
   }
   return line;
@@ -408,8 +418,8 @@ void run_plan(const PlanOptions& o) {
        {std::tuple{"--offload-optimizer", &o.offload_optimizer, &constraints.optimizer},
         std::tuple{"--offload-param", &o.offload_param, &constraints.params}}) {
     if (text->empty()) continue;
-    Offload value = Offload::kNone;
-    if (!parse_offload(*text, &value)) {
+    OffloadDevice value = OffloadDevice::kNone;
+    if (!parse_offload_device(*text, &value)) {
       fail(fmt::format("{} {}: must be none, cpu or nvme", flag, *text));
       return;
     }
@@ -431,26 +441,26 @@ void run_plan(const PlanOptions& o) {
   const std::uint64_t per_machine = c.setup.ranks_per_machine;
 
   nlohmann::json by_state = nlohmann::json::object();
-  for (int k = 0; k < kStateKindCount; ++k) {
-    const auto kind = static_cast<StateKind>(k);
+  for (int k = 0; k < kMemoryUseCount; ++k) {
+    const auto kind = static_cast<MemoryUse>(k);
     nlohmann::json row = nlohmann::json::object();
-    for (int t = 0; t < kTierCount; ++t) {
-      row[std::string(tier_name(static_cast<Tier>(t)))] =
-          c.memory.bytes(kind, static_cast<Tier>(t));
+    for (int t = 0; t < kMemoryTierCount; ++t) {
+      row[std::string(memory_tier_name(static_cast<MemoryTier>(t)))] =
+          c.memory.bytes(kind, static_cast<MemoryTier>(t));
     }
-    by_state[std::string(state_kind_name(kind))] = row;
+    by_state[std::string(memory_use_name(kind))] = row;
   }
   nlohmann::json tiers = nlohmann::json::object();
   nlohmann::json budget_json = nlohmann::json::object();
   nlohmann::json shortfall = nlohmann::json::array();
   for (const TierUse& u : c.use) {
-    const std::string name(tier_name(u.tier));
+    const std::string name(memory_tier_name(u.tier));
     tiers[name] = u.need_bytes;
     budget_json[name] = {
         {"budget_bytes", u.budget_bytes}, {"usable_bytes", u.usable_bytes}, {"fits", u.fits()}};
   }
   for (const Shortfall& f : plan.shortfalls) {
-    shortfall.push_back({{"tier", std::string(tier_name(f.tier))},
+    shortfall.push_back({{"tier", std::string(memory_tier_name(f.tier))},
                          {"shortfall_bytes", f.shortfall_bytes()},
                          {"need_bytes", f.need_bytes},
                          {"usable_bytes", f.usable_bytes},
@@ -459,44 +469,45 @@ void run_plan(const PlanOptions& o) {
   if (!plan.fits && plan.shortfalls.empty()) {
     for (const TierUse& u : c.use) {
       if (u.fits()) continue;
-      shortfall.push_back({{"tier", std::string(tier_name(u.tier))},
+      shortfall.push_back({{"tier", std::string(memory_tier_name(u.tier))},
                            {"shortfall_bytes", u.shortfall_bytes()},
                            {"need_bytes", u.need_bytes},
                            {"usable_bytes", u.usable_bytes},
                            {"every_placement", false}});
     }
   }
-  const nlohmann::json out = {{"fits", plan.fits},
-                              {"model",
-                               {{"name", model.name},
-                                {"params", c.memory.param_count},
-                                {"layers", model.layers},
-                                {"hidden", model.hidden}}},
-                              {"placement",
-                               {{"stage", c.setup.stage},
-                                {"offload_optimizer", std::string(offload_name(c.setup.optimizer))},
-                                {"offload_param", std::string(offload_name(c.setup.params))},
-                                {"gradients_on_nvme", c.setup.gradients_on_nvme},
-                                {"sub_group_size", c.setup.sub_group_params},
-                                {"buffer_count", c.setup.buffer_count},
-                                {"pinned_pool_bytes", pinned_pool_bytes(c.setup)}}},
-                              {"bytes_per_tier", tiers},
-                              {"bytes_per_tier_unit", "device: per GPU; host, nvme: per machine"},
-                              {"bytes_per_state_per_rank", by_state},
-                              {"budget_per_tier", budget_json},
-                              {"shortfall", shortfall},
-                              {"predicted_step_s", c.time.step_s},
-                              {"parts", parts_json(c.time)},
-                              {"no_offload",
-                               {{"gpus_needed", plan.no_offload.gpus_needed},
-                                {"state_bytes", plan.no_offload.state_bytes},
-                                {"per_gpu_fixed_bytes", plan.no_offload.fixed_bytes},
-                                {"per_gpu_usable_bytes", plan.no_offload.usable_bytes},
-                                {"arithmetic", plan.no_offload.arithmetic}}},
-                              {"candidates_considered", plan.candidates_considered},
-                              {"candidates_fitting", plan.candidates_fitting},
-                              {"profile", profile_json(profile)},
-                              {"notes", notes}};
+  const nlohmann::json out = {
+      {"fits", plan.fits},
+      {"model",
+       {{"name", model.name},
+        {"params", c.memory.param_count},
+        {"layers", model.layers},
+        {"hidden", model.hidden}}},
+      {"placement",
+       {{"stage", c.setup.stage},
+        {"offload_optimizer", std::string(offload_device_name(c.setup.optimizer))},
+        {"offload_param", std::string(offload_device_name(c.setup.params))},
+        {"gradients_on_nvme", c.setup.gradients_on_nvme},
+        {"sub_group_size", c.setup.sub_group_params},
+        {"buffer_count", c.setup.buffer_count},
+        {"pinned_pool_bytes", pinned_pool_bytes(c.setup)}}},
+      {"bytes_per_tier", tiers},
+      {"bytes_per_tier_unit", "device: per GPU; host, nvme: per machine"},
+      {"bytes_per_state_per_rank", by_state},
+      {"budget_per_tier", budget_json},
+      {"shortfall", shortfall},
+      {"predicted_step_s", c.time.step_s},
+      {"parts", parts_json(c.time)},
+      {"no_offload",
+       {{"gpus_needed", plan.no_offload.gpus_needed},
+        {"state_bytes", plan.no_offload.state_bytes},
+        {"per_gpu_fixed_bytes", plan.no_offload.fixed_bytes},
+        {"per_gpu_usable_bytes", plan.no_offload.usable_bytes},
+        {"arithmetic", plan.no_offload.arithmetic}}},
+      {"candidates_considered", plan.candidates_considered},
+      {"candidates_fitting", plan.candidates_fitting},
+      {"profile", profile_json(profile)},
+      {"notes", notes}};
 
   if (o.json) {
     print_json(out);
@@ -517,13 +528,13 @@ void run_plan(const PlanOptions& o) {
     auto cell = [&](std::uint64_t bytes) {
       return bytes == 0 ? std::string("-") : gib(static_cast<double>(bytes));
     };
-    for (int k = 0; k < kStateKindCount; ++k) {
-      const auto kind = static_cast<StateKind>(k);
-      const std::uint64_t d = c.memory.bytes(kind, Tier::kDevice);
-      const std::uint64_t h = c.memory.bytes(kind, Tier::kHost) * per_machine;
-      const std::uint64_t n = c.memory.bytes(kind, Tier::kNvme) * per_machine;
+    for (int k = 0; k < kMemoryUseCount; ++k) {
+      const auto kind = static_cast<MemoryUse>(k);
+      const std::uint64_t d = c.memory.bytes(kind, MemoryTier::kDevice);
+      const std::uint64_t h = c.memory.bytes(kind, MemoryTier::kHost) * per_machine;
+      const std::uint64_t n = c.memory.bytes(kind, MemoryTier::kNvme) * per_machine;
       if (d + h + n == 0) continue;
-      table.add_row({std::string(state_kind_name(kind)), cell(d), cell(h), cell(n)});
+      table.add_row({std::string(memory_use_name(kind)), cell(d), cell(h), cell(n)});
     }
     table.add_row({"total", gib(static_cast<double>(c.use[0].need_bytes)),
                    gib(static_cast<double>(c.use[1].need_bytes)),
@@ -554,7 +565,7 @@ void run_plan(const PlanOptions& o) {
     time.add_row({"  grad offload", secs(t.grad_offload_s), "gradients to the host / NVMe"});
     time.add_row({"optimizer step", secs(t.optimizer_step_s), "max(pipeline, param upload)"});
     time.add_row({"  pipeline", secs(t.pipeline_s),
-                  c.setup.optimizer == Offload::kNvme
+                  c.setup.optimizer == OffloadDevice::kNvme
                       ? fmt::format("{} sub-groups, {} buffers", t.sub_groups, t.buffers)
                       : "the update alone"});
     time.add_row({"  io alone", secs(t.io_alone_s),
@@ -594,8 +605,8 @@ void run_plan(const PlanOptions& o) {
     config.setup = c.setup;
     config.micro_batch = training.micro_batch;
     config.grad_accum_steps = training.grad_accum_steps;
-    config.nvme_path = o.nvme_path.empty() && (c.setup.optimizer == Offload::kNvme ||
-                                               c.setup.params == Offload::kNvme)
+    config.nvme_path = o.nvme_path.empty() && (c.setup.optimizer == OffloadDevice::kNvme ||
+                                               c.setup.params == OffloadDevice::kNvme)
                            ? "/local_nvme"
                            : o.nvme_path;
     config.pinned_pool_bytes = pinned_pool_bytes(c.setup);
