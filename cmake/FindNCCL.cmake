@@ -1,6 +1,6 @@
 # Finds NCCL: NCCL_INCLUDE_DIR, NCCL_LIBRARY and the imported target NCCL::nccl. Looks under
 # NCCL_ROOT (a CMake or environment variable), then beside the CUDA toolkit when CUDAToolkit was
-# found, then in the default places.
+# found, then in the default places. A bare libnccl.so.2 (pip's NCCL ships no libnccl.so) will do.
 set(_nccl_hints ${NCCL_ROOT} $ENV{NCCL_ROOT})
 if(CUDAToolkit_BIN_DIR)
   get_filename_component(_nccl_cuda_root "${CUDAToolkit_BIN_DIR}" DIRECTORY)
@@ -8,7 +8,7 @@ if(CUDAToolkit_BIN_DIR)
 endif()
 find_path(NCCL_INCLUDE_DIR nccl.h HINTS ${_nccl_hints} ${CUDAToolkit_INCLUDE_DIRS}
           PATH_SUFFIXES include)
-find_library(NCCL_LIBRARY nccl HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
+find_library(NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_nccl_hints} ${CUDAToolkit_LIBRARY_DIR}
              PATH_SUFFIXES lib lib64)
 include(FindPackageHandleStandardArgs)
 find_package_handle_standard_args(NCCL REQUIRED_VARS NCCL_LIBRARY NCCL_INCLUDE_DIR)
