@@ -100,12 +100,15 @@ TEST(RunLocal, FirstErrorNamesItsRankAndStopsTheOthers) {
   const auto start = std::chrono::steady_clock::now();
   const Status status = run_local(kWorld, stage3_config(), [&](Engine& engine, int rank) {
     count_this_thread_end();
-    std::vector<float> w, b;
-    ZINF_RETURN_IF_ERROR(register_fc(engine, w, b));
-    ZINF_RETURN_IF_ERROR(engine.finalize());
-    if (rank == 1) return Status::not_found("rank one's data file is missing");
-    // The others go on into a collective that rank 1 never joins.
-    Status s = engine.gather("fc");
+    const Status s = [&]() -> Status {
+      std::vector<float> w, b;
+      ZINF_RETURN_IF_ERROR(register_fc(engine, w, b));
+      ZINF_RETURN_IF_ERROR(engine.finalize());
+      if (rank == 1) return Status::not_found("rank one's data file is missing");
+      // The others go on into a collective that rank 1 never joins. (A rank still inside
+      // finalize's last collective when rank 1 fails is aborted there instead.)
+      return engine.gather("fc");
+    }();
     std::lock_guard lock(mutex);
     seen[static_cast<std::size_t>(rank)] = s;
     return s;

@@ -54,16 +54,16 @@ if(ZINF_HIDE_CUDA)
 endif()
 # The program runs where a user would run it: its NVMe directory is relative to the working one.
 file(MAKE_DIRECTORY "${ZINF_WORK_DIR}/run")
-if(NOT ZINF_ENGINE_CREATES_NVME_DIR)
-  # Until Engine::open creates a missing NVMe directory itself.
-  file(MAKE_DIRECTORY "${ZINF_WORK_DIR}/run/hello-nvme")
-endif()
+# hello-nvme does not exist: Engine::open creates it, as the README says.
 execute_process(COMMAND ${CMAKE_COMMAND} -E env ${env} "${build}/hello"
                 WORKING_DIRECTORY "${ZINF_WORK_DIR}/run"
                 RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message(STATUS "hello said:\n${out}${err}")
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "hello failed (${rc})")
+endif()
+if(NOT IS_DIRECTORY "${ZINF_WORK_DIR}/run/hello-nvme")
+  message(FATAL_ERROR "hello ran without making its NVMe directory")
 endif()
 
 # "step   1  loss 0.2861": the first and the last loss, in units of 1e-4.
