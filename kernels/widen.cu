@@ -94,10 +94,9 @@ LaunchError widen_launch(const void* src, float* dst, std::size_t count, Stream 
     }
   }
   if (err == cudaSuccess && done < count) {
-    err = detail::launch(widen_scalar<kType, kAccumulate>, detail::blocks_for(count - done),
-                         detail::kThreads, s,
-                         static_cast<const unsigned char*>(src) + done * element_bytes, dst + done,
-                         count - done);
+    err = detail::launch(
+        widen_scalar<kType, kAccumulate>, detail::blocks_for(count - done), detail::kThreads, s,
+        static_cast<const unsigned char*>(src) + done * element_bytes, dst + done, count - done);
   }
   return static_cast<LaunchError>(err);
 }

@@ -1,12 +1,14 @@
 # Shared by scripts/test and scripts/demo: install what is missing, configure and build build/.
-# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args).
+# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args)
+# and ZINF_BUILD_TARGETS (build only these targets, space-separated; default all).
 
 zinf_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
 
 # Debian packages the build needs; docs/DEPENDENCIES.md says why each one is there.
 zinf_packages=(cmake g++ make pkg-config liburing-dev libtbb-dev libfmt-dev nlohmann-json3-dev
-               libcli11-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev)
+               libcli11-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
+               python3-dev python3-venv)
 
 zinf_install_deps() {
   local missing=()
@@ -23,6 +25,9 @@ zinf_install_deps() {
   fi
 }
 
+# Configures build/ with the given extra arguments, then builds with all cores: every target, or
+# only those named in the array zinf_targets or in ZINF_BUILD_TARGETS (space-separated) when set
+# (scripts/demo builds just train_lm and what it links, not the tests, benchmarks and tools).
 zinf_configure_and_build() {
   local extra=("$@")
   # nvcc lives outside PATH in a standard CUDA install; let CMake's AUTO detection see it.
@@ -31,5 +36,23 @@ zinf_configure_and_build() {
   fi
   cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
     ${ZINF_CMAKE_ARGS:-}
-  cmake --build "$zinf_build" -j "$(nproc)"
+  local target_args=()
+  for t in "${zinf_targets[@]}" ${ZINF_BUILD_TARGETS:-}; do target_args+=(--target "$t"); done
+  cmake --build "$zinf_build" -j "$(nproc)" "${target_args[@]}"
+}
+
+# The Python package (docs/PYTHON.md): a virtual environment in $zinf_build/venv with torch,
+# transformers, pytest and safetensors from PyPI (what is installed already stays), then the
+# package built from python/ with warnings as errors. ZINF_PYTHON picks the interpreter that makes
+# the environment (default python3); CMAKE_ARGS adds configure arguments (a compiler launcher).
+zinf_python_install() {
+  zinf_venv="$zinf_build/venv"
+  if [ ! -x "$zinf_venv/bin/python" ]; then
+    "${ZINF_PYTHON:-python3}" -m venv "$zinf_venv"
+  fi
+  "$zinf_venv/bin/pip" install --quiet torch transformers pytest safetensors numpy \
+    scikit-build-core nanobind
+  # The build requirements are installed above, so pip need not make an isolated environment.
+  CMAKE_ARGS="-DZINF_WERROR=ON ${CMAKE_ARGS:-}" "$zinf_venv/bin/pip" install --quiet \
+    --no-build-isolation "$zinf_root/python"
 }

@@ -123,8 +123,8 @@ class AbortableHandle {
   const Handle handle_;
   const std::function<void(Handle)> release_;
   mutable std::mutex mu_;
-  std::size_t borrows_ = 0;      // calls in flight with the handle
-  bool live_ = true;             // false once aborted or taken
+  std::size_t borrows_ = 0;       // calls in flight with the handle
+  bool live_ = true;              // false once aborted or taken
   bool release_pending_ = false;  // aborted while borrowed: the last borrow releases
   std::atomic<bool> aborted_{false};
 };

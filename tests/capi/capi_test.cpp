@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "capi/capi_internal.hpp"
+#include "common/scratch_dir.hpp"
 #include "capi_c_part.h"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
@@ -36,25 +37,7 @@
 namespace zinf {
 namespace {
 
-// A scratch directory under $ZINF_TEST_TMPDIR (or /tmp), removed when destroyed.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& name) {
-    const char* root = std::getenv("ZINF_TEST_TMPDIR");
-    const std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
-    path_ = fmt::format("{}/capi-{}-{}", base, name, ::getpid());
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::ScratchDir;
 
 struct Case {
   const char* name;
@@ -122,7 +105,7 @@ Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
   ZINF_RETURN_IF_ERROR(engine->finalize());
   const std::size_t module_count = capi_model_module_count();
   for (int step = 1; step <= kSteps; ++step) {
-    if (step == kLrChangeStep) engine->set_learning_rate(kLrChangeValue);
+    if (step == kLrChangeStep) ZINF_RETURN_IF_ERROR(engine->set_learning_rate(kLrChangeValue));
     for (int micro = 0; micro < c.micro_batches; ++micro) {
       const double loss_scale = engine->loss_scale();
       for (std::size_t m = 0; m < module_count; ++m) {

@@ -1,0 +1,309 @@
+// zinf._zinf: the Python binding over zinf's public C++ API (include/zinf/*.hpp), built with
+// nanobind. It is deliberately thin: one class, Engine, that owns a rank's device, communicator
+// and zinf::Engine, and hands parameters out as DLPack arrays over the engine's own memory
+// (torch.from_dlpack() makes a tensor of them without a copy). Everything torch-shaped lives in
+// Python (python/zinf/torch.py).
+//
+// Errors: every zinf::Status that is not OK becomes a zinf.Error (a RuntimeError) whose message is
+// Status::to_string(), "<code name>: <message>", so the code and the named file, key, module or
+// parameter reach the Python caller. Calls that may block (gather, reduce, step, checkpoints,
+// finalize) release the GIL.
+//
+// Thread-safety: as zinf::Engine, call one Engine from one thread.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "zinf/comm.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/status.hpp"
+#include "zinf/version.hpp"
+
+namespace nb = nanobind;
+
+namespace {
+
+// Carries a failed Status to Python as zinf.Error.
+class ZinfError : public std::runtime_error {
+ public:
+  explicit ZinfError(const zinf::Status& status) : std::runtime_error(status.to_string()) {}
+};
+
+void check(const zinf::Status& status) {
+  if (!status.is_ok()) throw ZinfError(status);
+}
+
+template <typename T>
+T take(zinf::Result<T>&& result) {
+  check(result.status());
+  return std::move(result).value();
+}
+
+zinf::DType dtype_from_name(const std::string& name) {
+  const auto dtype = zinf::parse_dtype(name);
+  if (!dtype) {
+    throw ZinfError(zinf::Status::invalid_argument("dtype: '" + name +
+                                                   "' is not f32, f16 or bf16"));
+  }
+  return *dtype;
+}
+
+// DLPack's type codes (dlpack.h DLDataTypeCode): kDLFloat = 2, kDLBfloat = 4.
+nb::dlpack::dtype dlpack_dtype(zinf::DType dtype) {
+  switch (dtype) {
+    case zinf::DType::kF32:
+      return nb::dtype<float>();
+    case zinf::DType::kF16:
+      return nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float), 16, 1};
+    case zinf::DType::kBF16:
+      return nb::dlpack::dtype{static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat), 16, 1};
+  }
+  throw std::logic_error("unknown dtype");
+}
+
+bool dtype_from_dlpack(nb::dlpack::dtype type, zinf::DType* dtype) {
+  if (type.lanes != 1) return false;
+  if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
+    if (type.bits == 32) *dtype = zinf::DType::kF32;
+    else if (type.bits == 16) *dtype = zinf::DType::kF16;
+    else return false;
+    return true;
+  }
+  if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && type.bits == 16) {
+    *dtype = zinf::DType::kBF16;
+    return true;
+  }
+  return false;
+}
+
+using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
+using FloatArray = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
+
+// One rank of a single-process job: a HostDevice, a LocalComm group of one, and the engine.
+// Members are destroyed in reverse order: the engine before the communicator before the device.
+class PyEngine {
+ public:
+  PyEngine(const std::string& config_json, const std::vector<std::string>& nvme_paths,
+           std::uint64_t device_memory_limit_bytes) {
+    const zinf::Config config = take(zinf::parse_config(config_json));
+    zinf::HostDeviceOptions device_options;
+    if (device_memory_limit_bytes != 0) device_options.memory_limit_bytes = device_memory_limit_bytes;
+    device_ = take(zinf::make_host_device(device_options));
+    zinf::LocalCommOptions comm_options;
+    comm_options.timeout = std::chrono::milliseconds(config.collective_timeout_ms);
+    comms_ = take(zinf::make_local_comm_group({device_.get()}, comm_options));
+    zinf::Env env;
+    env.device = device_.get();
+    env.comm = comms_[0].get();
+    env.nvme_paths = nvme_paths;
+    engine_ = take(zinf::Engine::open(config, env));
+  }
+
+  void register_parameter(const std::string& name, const std::string& module,
+                          const std::vector<std::int64_t>& shape, const std::string& dtype,
+                          const FloatArray& values) {
+    zinf::ParameterSpec spec;
+    spec.name = name;
+    spec.module = module;
+    spec.shape = shape;
+    spec.dtype = dtype_from_name(dtype);
+    std::size_t element_count = 1;
+    for (const std::int64_t dim : shape) element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
+    if (values.size() != element_count) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "parameter '" + name + "': " + std::to_string(values.size()) +
+          " initial values for a shape of " + std::to_string(element_count) + " elements"));
+    }
+    spec.initial_values = values.data();
+    check(engine().register_parameter(spec));
+    element_counts_[name] = element_count;
+  }
+
+  // The parameter's device copy as a DLPack array over the engine's memory, owned by `self`
+  // (the Python Engine), which stays alive while any tensor made from it does. Valid while the
+  // parameter's module is gathered (always at stages 1 and 2).
+  static nb::ndarray<> parameter(nb::handle self, const std::string& name) {
+    PyEngine& engine = nb::cast<PyEngine&>(self);
+    const zinf::TensorView view = take(engine.engine().parameter(name));
+    std::vector<std::size_t> shape(view.shape.begin(), view.shape.end());
+    return nb::ndarray<>(view.data, shape.size(), shape.data(), self, nullptr,
+                         dlpack_dtype(view.dtype), nb::device::cpu::value, 0);
+  }
+
+  // One GradientRef per (name, array); the arrays are read before this returns.
+  void reduce_gradients(const std::string& module, const std::vector<std::string>& names,
+                        const std::vector<HostArray>& gradients) {
+    if (names.size() != gradients.size()) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "reduce_gradients('" + module + "'): " + std::to_string(names.size()) + " names and " +
+          std::to_string(gradients.size()) + " gradients"));
+    }
+    std::vector<zinf::GradientRef> refs(names.size());
+    for (std::size_t i = 0; i < names.size(); ++i) {
+      zinf::DType dtype;
+      if (!dtype_from_dlpack(gradients[i].dtype(), &dtype)) {
+        throw ZinfError(zinf::Status::invalid_argument(
+            "gradient of '" + names[i] + "': dtype is not float32, float16 or bfloat16"));
+      }
+      refs[i] = zinf::GradientRef{names[i], gradients[i].data(), gradients[i].size(), dtype};
+    }
+    nb::gil_scoped_release release;
+    check(engine().reduce_gradients(module, refs));
+  }
+
+  nb::dict step() {
+    zinf::StepReport report;
+    {
+      nb::gil_scoped_release release;
+      report = take(engine().step());
+    }
+    nb::dict out;
+    out["step"] = report.step;
+    out["skipped"] = report.skipped;
+    out["micro_batches"] = report.micro_batches;
+    out["loss_scale"] = report.loss_scale;
+    out["next_loss_scale"] = report.next_loss_scale;
+    out["grad_norm"] = report.grad_norm;
+    out["clip_coef"] = report.clip_coef;
+    out["wall_ns"] = report.wall_ns;
+    out["optimizer_ns"] = report.optimizer_ns;
+    out["optimizer_nvme_read_bytes"] = report.optimizer_nvme_read_bytes;
+    out["optimizer_nvme_write_bytes"] = report.optimizer_nvme_write_bytes;
+    out["param_nvme_write_bytes"] = report.param_nvme_write_bytes;
+    return out;
+  }
+
+  // The fp32 master of parameter `name` into `out`, which must hold exactly its elements.
+  void read_parameters(const std::string& name, FloatArray out) {
+    const auto it = element_counts_.find(name);
+    if (it == element_counts_.end()) {
+      throw ZinfError(zinf::Status::not_found("read_parameters: no parameter '" + name + "'"));
+    }
+    if (out.size() != it->second) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "read_parameters('" + name + "'): out holds " + std::to_string(out.size()) +
+          " floats, the parameter " + std::to_string(it->second)));
+    }
+    float* data = out.data();
+    nb::gil_scoped_release release;
+    check(engine().read_parameters(name, data));
+  }
+
+  nb::dict counters() const {
+    const zinf::EngineCounters& c = engine_->counters();
+    nb::dict out;
+    out["gathers"] = c.gathers;
+    out["gathers_issued"] = c.gathers_issued;
+    out["prefetches_issued"] = c.prefetches_issued;
+    out["prefetch_hits"] = c.prefetch_hits;
+    out["prefetches_dropped"] = c.prefetches_dropped;
+    out["order_misses"] = c.order_misses;
+    out["live_elements"] = c.live_elements;
+    out["live_elements_peak"] = c.live_elements_peak;
+    out["persistent_elements"] = c.persistent_elements;
+    out["all_gather_bytes"] = c.all_gather_bytes;
+    out["reduce_scatter_bytes"] = c.reduce_scatter_bytes;
+    out["param_nvme_read_bytes"] = c.param_nvme_read_bytes;
+    out["param_nvme_write_bytes"] = c.param_nvme_write_bytes;
+    out["steps"] = c.steps;
+    out["skipped_steps"] = c.skipped_steps;
+    return out;
+  }
+
+  nb::dict memory() const {
+    const zinf::MemoryReport m = engine_->memory();
+    nb::dict out;
+    out["device_bytes"] = m.device_bytes;
+    out["host_bytes"] = m.host_bytes;
+    out["nvme_bytes"] = m.nvme_bytes;
+    return out;
+  }
+
+  zinf::Engine& engine() { return *engine_; }
+  const zinf::Engine& engine() const { return *engine_; }
+
+ private:
+  std::unique_ptr<zinf::Device> device_;
+  std::vector<std::unique_ptr<zinf::Communicator>> comms_;
+  std::unique_ptr<zinf::Engine> engine_;
+  std::unordered_map<std::string, std::size_t> element_counts_;
+};
+
+}  // namespace
+
+NB_MODULE(_zinf, m) {
+  m.doc() = "zinf's C++ engine (include/zinf/engine.hpp); see zinf.torch for the torch front end";
+  nb::exception<ZinfError>(m, "Error", PyExc_RuntimeError);
+  // Parameters' tensors own a reference to their Engine (the DLPack owner), and torch may keep
+  // such tensors until interpreter shutdown, after nanobind's leak check.
+  nb::set_leak_warnings(false);
+  m.attr("__version__") = std::string(zinf::version());
+
+  m.def(
+      "normalize_config",
+      [](const std::string& json) { return zinf::config_to_json(take(zinf::parse_config(json))); },
+      nb::arg("json"),
+      "Parses a DeepSpeed-style JSON config and returns it with every default written out.");
+
+  nb::class_<PyEngine>(m, "Engine")
+      .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t>(),
+           nb::arg("config_json"), nb::arg("nvme_paths") = std::vector<std::string>{},
+           nb::arg("device_memory_limit_bytes") = 0)
+      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"),
+           nb::arg("module"), nb::arg("shape"), nb::arg("dtype"), nb::arg("values"))
+      .def("finalize",
+           [](PyEngine& e) {
+             nb::gil_scoped_release release;
+             check(e.engine().finalize());
+           })
+      .def_prop_ro("finalized", [](const PyEngine& e) { return e.engine().finalized(); })
+      .def("gather",
+           [](PyEngine& e, const std::string& module) {
+             nb::gil_scoped_release release;
+             check(e.engine().gather(module));
+           })
+      .def("release",
+           [](PyEngine& e, const std::string& module) {
+             nb::gil_scoped_release release;
+             check(e.engine().release(module));
+           })
+      .def("parameter", &PyEngine::parameter, nb::arg("name"))
+      .def("reduce_gradients", &PyEngine::reduce_gradients, nb::arg("module"), nb::arg("names"),
+           nb::arg("gradients"))
+      .def("step", &PyEngine::step)
+      .def("save_checkpoint",
+           [](PyEngine& e, const std::string& dir) {
+             nb::gil_scoped_release release;
+             check(e.engine().save_checkpoint(dir));
+           })
+      .def("load_checkpoint",
+           [](PyEngine& e, const std::string& dir) {
+             nb::gil_scoped_release release;
+             check(e.engine().load_checkpoint(dir));
+           })
+      .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
+      .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
+      .def("set_learning_rate",
+           [](PyEngine& e, double lr) { e.engine().set_learning_rate(lr); })
+      .def_prop_ro("rank", [](const PyEngine& e) { return e.engine().rank(); })
+      .def_prop_ro("world_size", [](const PyEngine& e) { return e.engine().world_size(); })
+      .def("config_json",
+           [](const PyEngine& e) { return zinf::config_to_json(e.engine().config()); })
+      .def("modules", [](const PyEngine& e) { return e.engine().modules(); })
+      .def("recorded_order", [](const PyEngine& e) { return e.engine().recorded_order(); })
+      .def("counters", &PyEngine::counters)
+      .def("memory", &PyEngine::memory);
+}

@@ -1,0 +1,76 @@
+"""Shared helpers of the zinf package's tests: the example's model and data, and plain torch's
+run of them (the oracle)."""
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+sys.path.insert(0, os.path.join(ROOT, "examples", "torch_gpt"))
+
+import gpt  # noqa: E402
+
+# The oracle's problem: the example's GPT-2 (2 blocks of 64, tied embeddings, 120,576
+# parameters), 20 steps of AdamW on batches of 4 x 32 bytes, the global norm clipped to 1.
+STEPS = 20
+BATCH, SEQUENCE = 4, 32
+LR, BETAS, EPS, WEIGHT_DECAY, CLIP = 3e-3, (0.9, 0.999), 1e-8, 0.01, 1.0
+
+torch.set_num_threads(1)
+
+
+def make_model():
+    return gpt.make_model(seed=1, layers=2, width=64, heads=4, context=SEQUENCE)
+
+
+def make_batches(steps=STEPS, seed=2):
+    data = gpt.batches(gpt.read_text(), BATCH, SEQUENCE, seed=seed)
+    return [next(data) for _ in range(steps)]
+
+
+def zinf_config(stage, offload="none", offload_param="none", nvme_path=None, bf16=False, **zero):
+    config = {
+        "train_micro_batch_size_per_gpu": BATCH,
+        "gradient_clipping": CLIP,
+        "bf16": {"enabled": bf16},
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                  "weight_decay": WEIGHT_DECAY}},
+        "zero_optimization": {"stage": stage,
+                              "offload_optimizer": {"device": offload},
+                              "offload_param": {"device": offload_param}},
+        "zinf": {"cpu_threads": 1},
+    }
+    if nvme_path is not None:
+        config["zero_optimization"]["offload_optimizer"]["nvme_path"] = str(nvme_path)
+        config["zero_optimization"]["offload_param"]["nvme_path"] = str(nvme_path)
+    config["zero_optimization"].update(zero)
+    return config
+
+
+def train_zinf(engine, batches):
+    losses = []
+    for ids, labels in batches:
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.fixture(scope="session")
+def torch_reference():
+    """Plain torch: the same model and batches, torch.optim.AdamW, clip_grad_norm_. Returns
+    (per-step losses, final parameters by name)."""
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    losses = []
+    for ids, labels in make_batches():
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

@@ -1,0 +1,80 @@
+"""zinf._zinf, the binding: parameters cross as DLPack arrays over the engine's memory, dtypes
+map both ways, and errors carry the engine's code and the name involved."""
+import json
+
+import pytest
+import torch
+
+import zinf
+
+
+def open_engine(stage=1, dtype="f32", values=None, **zero):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": stage, **zero}, "zinf": {"cpu_threads": 1}}
+    engine = zinf.Engine(json.dumps(config))
+    generator = torch.Generator().manual_seed(5)
+    values = torch.randn(3, 4, generator=generator) if values is None else values
+    engine.register_parameter("w", "layer", [3, 4], dtype, values)
+    engine.finalize()
+    return engine, values
+
+
+def test_parameter_is_the_engines_memory_without_a_copy():
+    engine, values = open_engine()
+    engine.gather("layer")  # bookkeeping at stage 1: the device copy is always there
+    first = torch.from_dlpack(engine.parameter("w"))
+    second = torch.from_dlpack(engine.parameter("w"))
+    assert first.shape == (3, 4) and first.dtype == torch.float32
+    assert torch.equal(first, values)
+    # Two views of the same engine memory: a write through one shows in the other.
+    assert first.data_ptr() == second.data_ptr()
+    first[1, 2] = 42.0
+    assert second[1, 2].item() == 42.0
+
+
+@pytest.mark.parametrize("dtype,torch_dtype", [("bf16", torch.bfloat16), ("f16", torch.float16)])
+def test_half_parameters_round_the_initial_values(dtype, torch_dtype):
+    engine, values = open_engine(dtype=dtype)
+    engine.gather("layer")
+    tensor = torch.from_dlpack(engine.parameter("w"))
+    assert tensor.dtype == torch_dtype
+    assert torch.equal(tensor, values.to(torch_dtype))
+
+
+def test_step_applies_adamw_to_the_reduced_gradient():
+    engine, values = open_engine()
+    grad = torch.randn(3, 4, generator=torch.Generator().manual_seed(6))
+    engine.reduce_gradients("layer", ["w"], [grad])
+    report = engine.step()
+    assert report["step"] == 1 and not report["skipped"]
+    # AdamW's first step with weight decay 0: p - lr * g / (|g| + eps) = p - lr * sign(g).
+    expected = values - 0.1 * grad / (grad.abs() + 1e-8)
+    out = torch.empty(3, 4)
+    engine.read_parameters("w", out)
+    torch.testing.assert_close(out, expected, rtol=1e-6, atol=1e-7)
+    engine.gather("layer")
+    torch.testing.assert_close(torch.from_dlpack(engine.parameter("w")), expected, rtol=1e-6,
+                               atol=1e-7)
+
+
+def test_stage3_parameter_exists_only_while_gathered():
+    engine, values = open_engine(stage=3, stage3_param_persistence_threshold=0)
+    with pytest.raises(zinf.Error, match="failed_precondition.*w"):
+        engine.parameter("w")
+    engine.gather("layer")
+    assert torch.equal(torch.from_dlpack(engine.parameter("w")), values)
+    assert engine.counters()["live_elements"] >= 12  # padded to the gather alignment
+    engine.release("layer")
+    assert engine.counters()["live_elements"] == 0
+
+
+def test_errors_name_what_was_wrong():
+    engine, _ = open_engine()
+    with pytest.raises(zinf.Error, match="not_found.*nowhere"):
+        engine.gather("nowhere")
+    with pytest.raises(zinf.Error, match="invalid_argument.*w"):
+        engine.reduce_gradients("layer", ["w"], [torch.zeros(5)])
+    with pytest.raises(zinf.Error, match="zero_optimization.stage"):
+        zinf.Engine(json.dumps({"zero_optimization": {"stage": 4}}))
+    with pytest.raises(zinf.Error, match="read_parameters.*2 floats"):
+        engine.read_parameters("w", torch.empty(2))

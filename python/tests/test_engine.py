@@ -1,0 +1,98 @@
+"""zinf.torch's engine in DeepSpeed's call shape: config from a JSON file, the learning rate
+(set directly and by a torch scheduler), the loss scale, checkpoints, gradient accumulation, and
+bf16 mixed precision."""
+import json
+
+import pytest
+import torch
+
+import zinf.torch
+from conftest import LR, make_batches, make_model, train_zinf, zinf_config
+
+
+def open_engine(config, **kwargs):
+    model = make_model()
+    return zinf.torch.initialize(model=model, config=config, model_parameters=model.parameters(),
+                                 **kwargs)
+
+
+def test_config_from_a_json_path_and_the_returned_tuple(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(zinf_config(2)))
+    engine, optimizer, loader, scheduler = open_engine(str(path))
+    assert isinstance(engine.module, torch.nn.Module) and engine.stage == 2
+    assert optimizer.param_groups[0]["lr"] == LR and engine.get_lr() == [LR]
+    assert loader is None and scheduler is None
+    assert engine.loss_scale == 1.0
+
+
+def test_a_scheduler_sets_the_learning_rate_of_each_step(tmp_path):
+    batches = make_batches(2)
+    # A learning rate of 0 for the second step must leave the parameters as they were.
+    engine, _, _, scheduler = open_engine(
+        zinf_config(3, "cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s))
+    train_zinf(engine, batches[:1])
+    assert engine.get_lr() == [0.0]
+    before = engine.read_parameter("transformer.wte.weight")
+    train_zinf(engine, batches[1:])
+    assert torch.equal(engine.read_parameter("transformer.wte.weight"), before)
+    assert engine.global_steps == 2
+
+
+def test_checkpoint_resumes_the_same_trajectory(tmp_path):
+    batches = make_batches(8)
+    config = zinf_config(3, "nvme", "cpu", tmp_path / "swap", stage3_param_persistence_threshold=0)
+    engine, _, _, _ = open_engine(config)
+    train_zinf(engine, batches[:4])
+    engine.save_checkpoint(str(tmp_path / "ckpt"), client_state={"epoch": 3})
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step4"
+    expected = train_zinf(engine, batches[4:])
+
+    resumed, _, _, _ = open_engine(config)
+    path, client_state = resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert path.endswith("global_step4") and client_state == {"epoch": 3}
+    assert resumed.global_steps == 4
+    assert train_zinf(resumed, batches[4:]) == expected
+
+
+def test_gradient_accumulation_steps_at_the_boundary_on_the_mean(tmp_path, torch_reference):
+    # Two micro-batches of 2 rows stepping once equal one batch of 4 rows (the loss is a mean
+    # over tokens, and every row has the same number of tokens).
+    config = zinf_config(2)
+    config["gradient_accumulation_steps"] = 2
+    engine, _, _, _ = open_engine(config)
+    losses = []
+    for ids, labels in make_batches(3):
+        total = 0.0
+        for half in (slice(0, 2), slice(2, 4)):
+            loss = engine(input_ids=ids[half], labels=labels[half]).loss
+            engine.backward(loss)
+            engine.step()
+            total += loss.item() / 2
+        losses.append(total)
+    assert engine.global_steps == 3
+    assert losses == pytest.approx(torch_reference[0][:3], rel=1e-5)
+
+
+def test_bf16_converges_with_fp32(tmp_path, torch_reference):
+    engine, _, _, _ = open_engine(zinf_config(3, "cpu", "cpu", tmp_path, bf16=True,
+                                              stage3_param_persistence_threshold=0))
+    losses = train_zinf(engine, make_batches())
+    assert next(engine.module.parameters()).dtype == torch.bfloat16
+    fp32_final = torch_reference[0][-1]
+    print(f"bf16 final loss {losses[-1]:.4f}, fp32 {fp32_final:.4f}")
+    assert losses[-1] < 0.8 * losses[0]
+    assert losses[-1] == pytest.approx(fp32_final, rel=0.02)
+
+
+def test_fp16_scales_the_loss_and_trains(tmp_path):
+    config = zinf_config(2, "cpu")
+    config["fp16"] = {"enabled": True, "initial_scale_power": 12}
+    engine, optimizer, _, _ = open_engine(config)
+    assert engine.loss_scale == 4096.0 and optimizer.loss_scale == 4096.0
+    assert next(engine.module.parameters()).dtype == torch.float16
+    losses = train_zinf(engine, make_batches(8))
+    report = engine.last_step_report
+    assert report["loss_scale"] == 4096.0 and not report["skipped"]
+    assert losses[-1] < 0.9 * losses[0]

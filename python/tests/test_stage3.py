@@ -1,0 +1,145 @@
+"""Stage 3 through module hooks: parameters exist only while their module is gathered, the
+backward gathers them again, gradients are handed over and freed as autograd makes them, and
+live parameters stay within stage3_max_live_parameters."""
+import math
+
+import pytest
+import torch
+
+import zinf.torch
+from conftest import make_batches, make_model, train_zinf, zinf_config
+
+
+def open_stage3(tmp_path, **zero):
+    model = make_model()
+    config = zinf_config(3, "cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0, **zero)
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config,
+                                            model_parameters=model.parameters())
+    return engine, model
+
+
+def test_parameters_are_placeholders_outside_their_module(tmp_path):
+    engine, model = open_stage3(tmp_path)
+    seen = {}
+
+    def record(module, inputs):
+        seen[module] = [p.numel() for p in module.parameters(recurse=False)]
+
+    handles = [m.register_forward_pre_hook(record) for m in model.modules()
+               if list(m.parameters(recurse=False))]
+    ids, labels = make_batches(1)[0]
+    loss = engine(input_ids=ids, labels=labels).loss
+    # Inside its forward every module saw its full parameters (hooks run after zinf's) ...
+    for module, counts in seen.items():
+        assert counts == [math.prod(engine._shapes[id(p)]) for p in engine._uses[module]]
+    # ... and after the forward every parameter is an empty placeholder again.
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine.backward(loss)
+    assert all(p.numel() == 0 and p.grad is None for p in model.parameters())
+    assert engine.counters()["live_elements"] == 0
+    for h in handles:
+        h.remove()
+
+
+def test_gradients_are_freed_as_they_are_handed_over(tmp_path):
+    engine, model = open_stage3(tmp_path)
+    params = list(model.parameters())
+    total = sum(math.prod(engine._shapes[id(p)]) for p in params)
+    live = []
+
+    def count(_):
+        live.append(sum(p.grad.numel() for p in params if p.grad is not None))
+
+    # Registered after zinf's hooks, so each runs once zinf has handed that gradient over.
+    for p in params:
+        p.register_post_accumulate_grad_hook(count)
+    ids, labels = make_batches(1)[0]
+    engine.backward(engine(input_ids=ids, labels=labels).loss)
+    assert len(live) == len(params)
+    # Without the hand-over every gradient would be alive at the end (120,576 elements); with
+    # it, at most one module's gradients wait for their siblings.
+    assert max(live) <= 64 * 256, live
+    assert max(live) < total / 4
+
+
+def test_live_parameters_stay_within_max_live(tmp_path, torch_reference):
+    # Room for the largest module (the 256 x 64 embedding) and a little more: the engine frees
+    # and reuses gathered memory constantly, so a saved tensor still pointing at released memory
+    # would change the losses.
+    max_live = 256 * 64 + 64 * 256 + 256
+    engine, _ = open_stage3(tmp_path, stage3_max_live_parameters=max_live)
+    steps = 6
+    losses = train_zinf(engine, make_batches(steps))
+    assert losses == pytest.approx(torch_reference[0][:steps], rel=1e-5)
+    counters = engine.counters()
+    assert 0 < counters["live_elements_peak"] <= max_live
+    assert counters["prefetch_hits"] > 0
+
+
+def test_eval_forward_gathers_and_releases_without_a_graph(tmp_path):
+    engine, model = open_stage3(tmp_path)
+    ids, labels = make_batches(1)[0]
+    with torch.no_grad():
+        loss = engine(input_ids=ids, labels=labels).loss
+    reference = make_model()
+    with torch.no_grad():
+        expected = reference(input_ids=ids, labels=labels).loss
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert engine.counters()["live_elements"] == 0
+
+
+def saved_tensors(loss):
+    """Every tensor autograd saved for the backward of loss, as autograd would unpack it now
+    (None where unpacking fails)."""
+    seen, stack, found = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for attr in dir(node):
+            if attr.startswith("_saved_"):
+                try:
+                    value = getattr(node, attr)
+                except RuntimeError:
+                    value = None
+                if isinstance(value, torch.Tensor):
+                    found.append(value)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return found
+
+
+def test_autograd_keeps_no_view_of_released_memory(tmp_path):
+    # The output projection is an nn.Linear: its matmul saves weight.t(), a view of the gathered
+    # (tied) embedding. Saved as-is it would point at memory the engine has released and may
+    # have reused by the time the backward reads it.
+    engine, model = open_stage3(tmp_path)
+    gathered = []
+
+    def record(module, inputs):
+        for p in module.parameters(recurse=False):
+            gathered.append((p.data_ptr(), p.data_ptr() + p.numel() * p.element_size()))
+
+    for m in model.modules():
+        if list(m.parameters(recurse=False)):
+            m.register_forward_pre_hook(record)
+    ids, labels = make_batches(1)[0]
+    loss = engine(input_ids=ids, labels=labels).loss
+    aliasing = [t.shape for t in saved_tensors(loss)
+                if t.numel() and any(lo <= t.data_ptr() < hi for lo, hi in gathered)]
+    assert not aliasing
+    engine.backward(loss)
+
+
+def test_gathered_parameters_shows_the_trained_values(tmp_path):
+    engine, model = open_stage3(tmp_path)
+    train_zinf(engine, make_batches(3))
+    with zinf.torch.GatheredParameters(model.parameters()):
+        for name, param in model.named_parameters():
+            assert torch.equal(param.detach(), engine.read_parameter(name)), name
+    assert all(p.numel() == 0 for p in model.parameters())
+    assert engine.counters()["live_elements"] == 0
+    # Training goes on after it, with its prefetch order intact.
+    train_zinf(engine, make_batches(1, seed=9))
+    with pytest.raises(NotImplementedError, match="modifier_rank"):
+        zinf.torch.GatheredParameters(model.parameters(), modifier_rank=0)

@@ -1,0 +1,609 @@
+"""zinf.torch: train a torch.nn.Module with zinf's engine, in DeepSpeed's call shape.
+
+    engine, optimizer, _, _ = zinf.torch.initialize(model=model, config=config,
+                                                   model_parameters=model.parameters())
+    for batch in batches:
+        loss = engine(batch)          # forward
+        engine.backward(loss)         # gradients handed to the engine as autograd makes them
+        engine.step()                 # the optimizer, at each gradient-accumulation boundary
+
+How the model's tensors meet the engine (docs/PYTHON.md):
+- Every nn.Module that owns parameters directly is one engine module, named by its qualified
+  name ("transformer.h.0.attn.c_attn"; "(root)" for the model itself). A parameter shared by
+  several modules (tied embeddings) belongs to the first module that owns it; the others gather
+  that module when they run.
+- Parameters' `.data` are torch tensors over the engine's own memory, made by torch.from_dlpack
+  without a copy. At stages 1 and 2 they stay for the engine's life. At stage 3 a module's
+  parameters are gathered by a forward pre-hook and released by a forward hook, after which each
+  parameter's `.data` is an empty placeholder of its dtype; the module's backward gathers them
+  again (an autograd function on the module's outputs), and releases them once autograd has
+  accumulated the gradients of every parameter the module uses. Tensors that autograd saves for
+  the backward and that view a gathered parameter (Linear saves weight.t()) are saved as
+  (parameter, size, stride, offset) and rebuilt over the re-gathered memory, so nothing keeps
+  released memory alive or reads it.
+- Each parameter's gradient is handed to the engine from register_post_accumulate_grad_hook: when
+  every parameter of an engine module has its gradient, reduce_gradients() copies them into the
+  engine's buckets and the gradients are dropped (param.grad = None), so gradient memory is freed
+  as it is handed over. Parameters that got no gradient in a backward are reduced as zeros at the
+  end of engine.backward().
+- The engine records the order of the gathers on the first step and prefetches in that order
+  afterwards (stage3_prefetch_bucket_size, stage3_max_live_parameters), as in C++.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import weakref
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from . import _zinf
+
+__all__ = ["initialize", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
+
+Error = _zinf.Error
+
+_ROOT_MODULE = "(root)"
+_TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+def _read_config(config: dict | str | os.PathLike) -> dict:
+    """A DeepSpeed-style config from a dict (copied) or the path of a JSON file."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    raise TypeError(f"config: expected a dict or the path of a JSON file, got {type(config)}")
+
+
+def _compute_dtype(config: dict) -> str:
+    if config.get("bf16", {}).get("enabled", False):
+        return "bf16"
+    if config.get("fp16", {}).get("enabled", False):
+        return "f16"
+    return "f32"
+
+
+class _SavedParameterView:
+    """What autograd keeps, at stage 3, of a saved tensor that views a gathered parameter."""
+
+    __slots__ = ("param", "name", "size", "stride", "offset")
+
+    def __init__(self, param, name, tensor):
+        self.param = param
+        self.name = name
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+        self.offset = tensor.storage_offset()
+
+
+class _GatherForBackward(torch.autograd.Function):
+    """Identity on a module's outputs; its backward gathers the module's parameters before
+    autograd runs the module's own backward (which needs them)."""
+
+    @staticmethod
+    def forward(ctx, engine, module, *tensors):
+        ctx.engine = engine
+        ctx.module = module
+        # New tensor objects over the same memory (and version counter), so that in-place
+        # changes of the outputs are still checked by autograd.
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._gather_for_backward(ctx.module)
+        return (None, None) + grads
+
+
+def _map_tensors(value, fn):
+    """Applies fn to the list of tensors found in value (a tensor, or tuples, lists and dicts of
+    them), and returns value with each replaced by fn's result, in the same order."""
+    found = []
+
+    def collect(v):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, (tuple, list)):
+            for x in v:
+                collect(x)
+        elif isinstance(v, dict):
+            for x in v.values():
+                collect(x)
+
+    collect(value)
+    if not found:
+        return value
+    replaced = iter(fn(found))
+
+    def rebuild(v):
+        if isinstance(v, torch.Tensor):
+            return next(replaced)
+        if isinstance(v, tuple):
+            items = [rebuild(x) for x in v]
+            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
+        if isinstance(v, list):
+            return [rebuild(x) for x in v]
+        if isinstance(v, dict):
+            for k in list(v.keys()):
+                v[k] = rebuild(v[k])
+            return v
+        return v
+
+    return rebuild(value)
+
+
+class ZinfOptimizer(torch.optim.Optimizer):
+    """The optimizer as torch sees it: one parameter group whose "lr" the engine reads before
+    each step, so torch's LR schedulers drive it. The update itself runs in the engine."""
+
+    def __init__(self, params, engine: "ZinfEngine", defaults: dict):
+        super().__init__(params, defaults)
+        self._engine = engine
+
+    def step(self, closure=None):
+        """Applies the engine's optimizer step to the gradients reduced since the last one.
+        engine.step() calls it at each gradient-accumulation boundary (so torch's schedulers see
+        the optimizer step before theirs)."""
+        loss = closure() if closure is not None else None
+        self._engine._apply_step()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Nothing to do: gradients are handed to the engine and dropped during backward."""
+
+    @property
+    def loss_scale(self) -> float:
+        return self._engine.loss_scale
+
+    cur_scale = loss_scale
+
+
+class ZinfEngine(nn.Module):
+    """A model trained by zinf: call it as the model, then backward(loss) and step()."""
+
+    def __init__(self, model: nn.Module, config: dict, model_parameters=None, lr_scheduler=None,
+                 device_memory_limit_bytes: int = 0):
+        super().__init__()
+        self.module = model
+        self._config = config
+        # DeepSpeed creates the swap directories it is given; so do we.
+        zero = config.get("zero_optimization", {})
+        for key in ("offload_optimizer", "offload_param"):
+            section = zero.get(key) or {}
+            if section.get("device") == "nvme" and section.get("nvme_path"):
+                os.makedirs(section["nvme_path"], exist_ok=True)
+        self._core = _zinf.Engine(json.dumps(config), [], device_memory_limit_bytes)
+        resolved = json.loads(self._core.config_json())
+        self.stage = int(resolved["zero_optimization"]["stage"])
+        self.gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
+        self.dtype_name = _compute_dtype(config)
+        self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self.global_steps = 0
+        self.micro_steps = 0
+        self.last_step_report: dict | None = None
+
+        self._register(model, model_parameters)
+        self._core.finalize()
+        self._place_parameters()
+        for buffer_owner in model.modules():
+            for key, buffer in buffer_owner._buffers.items():
+                if buffer is not None and buffer.is_floating_point():
+                    buffer_owner._buffers[key] = buffer.to(self.dtype)
+
+        opt_params = resolved["optimizer"]["params"]
+        defaults = {"lr": float(opt_params["lr"]),
+                    "betas": tuple(opt_params.get("betas", (0.9, 0.999))),
+                    "eps": float(opt_params.get("eps", 1e-8)),
+                    "weight_decay": float(opt_params.get("weight_decay", 0.0))}
+        self.optimizer = ZinfOptimizer(list(self._params.values()), self, defaults)
+        self._lr_pushed = defaults["lr"]
+        if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
+            lr_scheduler = lr_scheduler(self.optimizer)
+        self.lr_scheduler = lr_scheduler
+        self._install_hooks()
+
+    # ---- registration -------------------------------------------------------------------------
+
+    def _register(self, model: nn.Module, model_parameters):
+        # pid -> parameter, its name and the engine module that owns it.
+        self._params: dict[int, nn.Parameter] = {}
+        self._names: dict[int, str] = {}
+        self._owner: dict[int, str] = {}
+        self._owned: dict[str, list[nn.Parameter]] = {}  # engine module -> its parameters
+        self._uses: dict[nn.Module, list[nn.Parameter]] = {}  # torch module -> params it uses
+        self._users: dict[int, list[nn.Module]] = {}  # pid -> torch modules that use it
+        for module_name, module in model.named_modules():
+            direct = list(module.named_parameters(recurse=False))
+            if not direct:
+                continue
+            engine_module = module_name or _ROOT_MODULE
+            self._uses[module] = [p for _, p in direct]
+            for param_name, param in direct:
+                self._users.setdefault(id(param), []).append(module)
+                if id(param) in self._params:
+                    continue  # shared with a module seen before: that one owns it
+                full_name = f"{module_name}.{param_name}" if module_name else param_name
+                if not param.requires_grad:
+                    raise NotImplementedError(
+                        f"parameter '{full_name}' does not require grad: frozen parameters are "
+                        "not supported yet")
+                self._params[id(param)] = param
+                self._names[id(param)] = full_name
+                self._owner[id(param)] = engine_module
+                self._owned.setdefault(engine_module, []).append(param)
+        if model_parameters is not None:
+            given = []
+            for item in model_parameters:
+                if isinstance(item, dict):
+                    given.extend(item["params"])
+                else:
+                    given.append(item)
+            missing = [self._names[pid] for pid in self._params if pid not in {id(p) for p in given}]
+            if missing or len({id(p) for p in given}) != len(self._params):
+                raise NotImplementedError(
+                    "model_parameters must be all of the model's parameters in one group "
+                    f"(not given: {missing[:3]})")
+        for pid, param in self._params.items():
+            param._zinf_engine = weakref.ref(self)
+            values = param.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            self._core.register_parameter(self._names[pid], self._owner[pid],
+                                          list(param.shape), self.dtype_name, values)
+        # Per engine module: how many of its parameters have their gradient this backward.
+        self._shapes = {pid: tuple(p.shape) for pid, p in self._params.items()}
+
+    def _place_parameters(self):
+        """Points every parameter at the engine's copy (stages 1, 2) or at an empty placeholder
+        (stage 3, where a module's parameters exist only while it is gathered)."""
+        if self.stage < 3:
+            self._refresh_views()
+            return
+        for param in self._params.values():
+            param.data = torch.empty(0, dtype=self.dtype)
+
+    def _install_hooks(self):
+        self._gather_count: dict[str, int] = {m: 0 for m in self._owned}
+        self._gathered_ptrs: dict[int, tuple[nn.Parameter, str]] = {}
+        self._backward_holds: dict[nn.Module, int] = {}
+        self._ready: dict[str, list[nn.Parameter]] = {m: [] for m in self._owned}
+        self._reduced: set[str] = set()
+        self._accumulated: set[int] = set()
+        self._hook_handles = []
+        for param in self._params.values():
+            self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        if self.stage == 3:
+            for module in self._uses:
+                self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward))
+                self._hook_handles.append(module.register_forward_hook(self._post_forward))
+
+    # ---- stage 3: gather and release ----------------------------------------------------------
+
+    def _modules_needed(self, module: nn.Module) -> list[str]:
+        needed = []
+        for param in self._uses[module]:
+            owner = self._owner[id(param)]
+            if owner not in needed:
+                needed.append(owner)
+        return needed
+
+    def _acquire(self, engine_module: str):
+        count = self._gather_count[engine_module]
+        if count == 0:
+            self._core.gather(engine_module)
+            for param in self._owned[engine_module]:
+                name = self._names[id(param)]
+                param.data = torch.from_dlpack(self._core.parameter(name))
+                self._gathered_ptrs[param.data.untyped_storage().data_ptr()] = (param, name)
+        self._gather_count[engine_module] = count + 1
+
+    def _release(self, engine_module: str):
+        count = self._gather_count[engine_module] - 1
+        assert count >= 0, engine_module
+        self._gather_count[engine_module] = count
+        if count == 0:
+            for param in self._owned[engine_module]:
+                self._gathered_ptrs.pop(param.data.untyped_storage().data_ptr(), None)
+                param.data = torch.empty(0, dtype=self.dtype)
+            self._core.release(engine_module)
+
+    def _pre_forward(self, module, inputs):
+        for engine_module in self._modules_needed(module):
+            self._acquire(engine_module)
+
+    def _post_forward(self, module, inputs, output):
+        for engine_module in self._modules_needed(module):
+            self._release(engine_module)
+        if not (torch.is_grad_enabled() and self.training):
+            return output
+
+        def wrap(tensors):
+            wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
+            if not wanted:
+                return tensors
+            wrapped = _GatherForBackward.apply(self, module, *[tensors[i] for i in wanted])
+            out = list(tensors)
+            for i, t in zip(wanted, wrapped):
+                out[i] = t
+            return out
+
+        return _map_tensors(output, wrap)
+
+    def _gather_for_backward(self, module: nn.Module):
+        for engine_module in self._modules_needed(module):
+            self._acquire(engine_module)
+        self._backward_holds[module] = self._backward_holds.get(module, 0) + 1
+
+    def _pack_saved(self, tensor):
+        try:
+            ptr = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):
+            return tensor
+        found = self._gathered_ptrs.get(ptr)
+        if found is None:
+            return tensor
+        return _SavedParameterView(found[0], found[1], tensor)
+
+    @staticmethod
+    def _unpack_saved(saved):
+        if not isinstance(saved, _SavedParameterView):
+            return saved
+        data = saved.param.data
+        if data.numel() == 0:
+            raise RuntimeError(f"zinf: parameter '{saved.name}' is needed by the backward but "
+                               "its module is not gathered")
+        return data.as_strided(saved.size, saved.stride, saved.offset)
+
+    # ---- gradients ----------------------------------------------------------------------------
+
+    def _grad_ready(self, param: nn.Parameter):
+        pid = id(param)
+        if pid in self._accumulated:
+            return  # a second accumulation in one backward (retain_graph): reduced at the end
+        self._accumulated.add(pid)
+        owner = self._owner[pid]
+        ready = self._ready[owner]
+        ready.append(param)
+        if len(ready) == len(self._owned[owner]):
+            self._reduce(owner)
+        if self.stage == 3:
+            for module in self._users[pid]:
+                holds = self._backward_holds.get(module, 0)
+                if holds and all(id(p) in self._accumulated for p in self._uses[module]):
+                    del self._backward_holds[module]
+                    for _ in range(holds):
+                        for engine_module in self._modules_needed(module):
+                            self._release(engine_module)
+
+    def _reduce(self, engine_module: str):
+        names, grads = [], []
+        for param in self._owned[engine_module]:
+            grad = param.grad
+            if grad is None:
+                grad = torch.zeros(self._shapes[id(param)], dtype=self.dtype)
+            names.append(self._names[id(param)])
+            grads.append(grad.detach().contiguous())
+        self._core.reduce_gradients(engine_module, names, grads)
+        for param in self._owned[engine_module]:
+            param.grad = None
+        self._ready[engine_module] = []
+        self._reduced.add(engine_module)
+
+    def _finish_backward(self):
+        """Reduces the modules whose parameters autograd did not reach (zeros for those without
+        a gradient), and releases what the backward still holds."""
+        for engine_module in self._owned:
+            if engine_module not in self._reduced:
+                self._reduce(engine_module)
+        for module, holds in list(self._backward_holds.items()):
+            for _ in range(holds):
+                for engine_module in self._modules_needed(module):
+                    self._release(engine_module)
+        self._backward_holds.clear()
+        self._reduced.clear()
+        self._accumulated.clear()
+        leaked = [m for m, c in self._gather_count.items() if c]
+        assert not leaked, f"modules still gathered after backward: {leaked[:3]}"
+
+    # ---- DeepSpeed's call shape ---------------------------------------------------------------
+
+    def forward(self, *args, **kwargs):
+        if self.stage < 3:
+            return self.module(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+            return self.module(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False):
+        """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
+        scale = self._core.loss_scale
+        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+        self._finish_backward()
+        self.micro_steps += 1
+        return loss
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return self.micro_steps % self.gradient_accumulation_steps == 0
+
+    def step(self):
+        """Applies the optimizer when gradient_accumulation_steps micro-batches were reduced since
+        the last step (else does nothing, as DeepSpeed's engine.step())."""
+        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+            return
+        self.optimizer.step()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+
+    def _apply_step(self):
+        lr = float(self.optimizer.param_groups[0]["lr"])
+        if lr != self._lr_pushed:
+            self._core.set_learning_rate(lr)
+            self._lr_pushed = lr
+        self.last_step_report = self._core.step()
+        self.global_steps += 1
+        self._refresh_views()
+
+    def zero_grad(self, set_to_none: bool = True):
+        """Nothing to do: gradients are dropped as they are handed to the engine."""
+
+    def _refresh_views(self):
+        """Stages 1 and 2: points each parameter at the engine's full device copy, which lives as
+        long as the engine (gather and release are bookkeeping there, so the views outlast the
+        release)."""
+        if self.stage == 3:
+            return
+        for engine_module, params in self._owned.items():
+            self._core.gather(engine_module)
+            for param in params:
+                fresh = torch.from_dlpack(self._core.parameter(self._names[id(param)]))
+                if fresh.data_ptr() != param.data.data_ptr():
+                    param.data = fresh
+            self._core.release(engine_module)
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    @property
+    def loss_scale(self) -> float:
+        """The scale engine.backward() multiplies the loss by (1 unless fp16 is enabled)."""
+        return self._core.loss_scale
+
+    def counters(self) -> dict:
+        """The engine's running counters (gathers, prefetches, live elements, bytes moved)."""
+        return self._core.counters()
+
+    def memory(self) -> dict:
+        """Bytes of this rank's state on each tier."""
+        return self._core.memory()
+
+    def read_parameter(self, name: str) -> torch.Tensor:
+        """The fp32 master of a parameter (by its qualified name), as a new tensor."""
+        pid = next((pid for pid, n in self._names.items() if n == name), None)
+        if pid is None:
+            raise KeyError(f"no parameter '{name}'")
+        out = torch.empty(self._shapes[pid], dtype=torch.float32)
+        self._core.read_parameters(name, out)
+        return out
+
+    def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
+                        save_latest: bool = True) -> bool:
+        """Writes <save_dir>/<tag>/ (default tag "global_step<N>") and, with save_latest, the tag
+        to <save_dir>/latest, as DeepSpeed does. The engine's part is crash-safe (the manifest is
+        written last); the torch side writes zinf_torch.json (steps, learning rate) and
+        client_state.pt."""
+        tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        path = os.path.join(save_dir, tag)
+        self._core.save_checkpoint(path)
+        state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                 "lr": self.get_lr()}
+        if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(path, "lr_scheduler.pt"))
+        with open(os.path.join(path, "zinf_torch.json"), "w") as f:
+            json.dump(state, f)
+        torch.save(client_state or {}, os.path.join(path, "client_state.pt"))
+        if save_latest:
+            with open(os.path.join(save_dir, "latest"), "w") as f:
+                f.write(tag)
+        return True
+
+    def load_checkpoint(self, load_dir: str, tag: Any = None, **_ignored):
+        """Loads <load_dir>/<tag> (default: the tag in <load_dir>/latest). Returns (path,
+        client_state), or (None, None) when there is no latest tag, as DeepSpeed does."""
+        if tag is None:
+            latest = os.path.join(load_dir, "latest")
+            if not os.path.exists(latest):
+                return None, None
+            with open(latest) as f:
+                tag = f.read().strip()
+        path = os.path.join(load_dir, str(tag))
+        self._core.load_checkpoint(path)
+        with open(os.path.join(path, "zinf_torch.json")) as f:
+            state = json.load(f)
+        self.global_steps = state["global_steps"]
+        self.micro_steps = state["micro_steps"]
+        for group, lr in zip(self.optimizer.param_groups, state["lr"]):
+            group["lr"] = lr
+        self._core.set_learning_rate(state["lr"][0])
+        self._lr_pushed = state["lr"][0]
+        scheduler_path = os.path.join(path, "lr_scheduler.pt")
+        if self.lr_scheduler is not None and os.path.exists(scheduler_path):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler_path))
+        self._refresh_views()
+        return path, torch.load(os.path.join(path, "client_state.pt"))
+
+
+class GatheredParameters:
+    """deepspeed.zero.GatheredParameters with modifier_rank=None (its default): inside the
+    `with` block the given parameters hold their full values (at stage 3 their engine modules
+    are gathered; at stages 1 and 2 they always do), for reading, for example to export weights.
+
+        with zinf.torch.GatheredParameters(model.lm_head.parameters()):
+            weights = model.lm_head.weight.detach().clone()
+
+    Changes made inside the block are not written back to the engine (modifier_rank=None means
+    the same in DeepSpeed); writing back is not supported yet. Parameters not trained by a zinf
+    engine are left as they are."""
+
+    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
+        if modifier_rank is not None:
+            raise NotImplementedError("GatheredParameters: modifier_rank (writing changes back "
+                                      "to the engine) is not supported yet")
+        self._params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._enabled = enabled
+        self._held: list[tuple[ZinfEngine, str]] = []
+
+    def __enter__(self):
+        if not self._enabled:
+            return self
+        for param in self._params:
+            ref = getattr(param, "_zinf_engine", None)
+            engine = ref() if ref is not None else None
+            if engine is None or engine.stage < 3:
+                continue
+            owner = engine._owner[id(param)]
+            engine._acquire(owner)
+            self._held.append((engine, owner))
+        return self
+
+    def __exit__(self, *exc):
+        while self._held:
+            engine, owner = self._held.pop()
+            engine._release(owner)
+        return False
+
+
+def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
+               model_parameters: Iterable | None = None, optimizer=None, lr_scheduler=None,
+               training_data=None, config_params=None, **kwargs):
+    """zinf's deepspeed.initialize: returns (engine, optimizer, training_dataloader,
+    lr_scheduler).
+
+    model: the torch.nn.Module to train, its parameters on the CPU with their initial values
+        (they are copied into the engine, and the model's own copies are released).
+    config: a dict or the path of a JSON file with DeepSpeed's keys (docs/ENGINE.md lists them):
+        the optimizer comes from its "optimizer" section, the stage and offload from
+        "zero_optimization"; "bf16" / "fp16" choose the dtype the model computes in.
+    model_parameters: the parameters to train (all of the model's, in one group, for now).
+    lr_scheduler: a torch LR scheduler over the returned optimizer, or a callable that makes one
+        from it; stepped after each optimizer step.
+    training_data: a torch Dataset; a DataLoader over it with train_micro_batch_size_per_gpu is
+        returned.
+    """
+    if config is None:
+        config = config_params
+    if config is None:
+        raise ValueError("initialize: config (a dict or a JSON path) is required")
+    if optimizer is not None:
+        raise NotImplementedError("initialize: pass the optimizer in the config's \"optimizer\" "
+                                  "section; a client optimizer object is not supported")
+    unknown = set(kwargs) - {"args", "mpu", "dist_init_required", "collate_fn"}
+    if unknown:
+        raise TypeError(f"initialize: unexpected arguments {sorted(unknown)}")
+    engine = ZinfEngine(model, _read_config(config), model_parameters, lr_scheduler)
+    loader = None
+    if training_data is not None:
+        batch = int(json.loads(engine._core.config_json())["train_micro_batch_size_per_gpu"])
+        loader = torch.utils.data.DataLoader(training_data, batch_size=batch,
+                                             collate_fn=kwargs.get("collate_fn"))
+    return engine, engine.optimizer, loader, engine.lr_scheduler
