@@ -309,8 +309,8 @@ class Engine {
   // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
   // before the backward pass (1 unless fp16 is enabled).
   double loss_scale() const;
-  // Changes the learning rate for the following steps, overriding the config's schedule (if
-  // any) from then on; each group runs at lr times its lr_scale. Cheap enough to call before
+  // Changes the learning rate for the following steps, overriding the schedule (if any) from
+  // then on; each group runs at lr times its lr_scale. Cheap enough to call before
   // every step. kInvalidArgument naming the value for a NaN, infinite or negative rate (nothing
   // changes).
   [[nodiscard]] Status set_learning_rate(double lr);
@@ -323,8 +323,8 @@ class Engine {
   // groups; kFailedPrecondition after finalize().
   Status add_param_group(const ParamGroup& group);
 
-  // Replaces the learning-rate schedule (by default the config's `scheduler` section; none:
-  // the optimizer's lr). DeepSpeed's semantics (include/zinf/schedule.hpp): the k-th applied
+  // Replaces the learning-rate schedule (by default none: the optimizer's lr; the config
+  // parser still refuses a `scheduler` section, so a program passes it here). DeepSpeed's semantics (include/zinf/schedule.hpp): the k-th applied
   // step (a step skipped for overflow does not count) runs with lr_at(last_batch_iteration +
   // k - 1), last_batch_iteration -1 unless the config sets it, so a checkpoint (which keeps the
   // step count) resumes the same curve. kInvalidArgument naming the scheduler.params key that is
