@@ -79,6 +79,7 @@
 #include "zinf/device.hpp"
 #include "zinf/dtype.hpp"
 #include "zinf/log.hpp"
+#include "zinf/schedule.hpp"
 #include "zinf/status.hpp"
 #include "zinf/trace.hpp"
 
@@ -129,6 +130,22 @@ struct ParameterSpec {
   // finalize() with that code, naming the parameter and the elements. The engine drops the
   // function (and what it captured) when finalize() ends, successful or not.
   ParameterInitializer initializer = nullptr;
+  // The parameter group (add_param_group()) whose hyper-parameters step this parameter; "" is
+  // the default group, the optimizer's own. A name no add_param_group() defined fails
+  // finalize() naming the parameter and the group.
+  std::string group = {};
+};
+
+// A parameter group, as torch's param_groups (DeepSpeed takes them from the torch optimizer):
+// its parameters step with the optimizer's hyper-parameters except those set here. The usual
+// "no decay" group of biases and normalisation weights is {"no_decay", 0.0}.
+struct ParamGroup {
+  std::string name;  // not empty, unique
+  // The group's weight decay; < 0: the optimizer's.
+  double weight_decay = -1.0;
+  // The group's learning rate is the optimizer's (as scheduled, or set_learning_rate()'s) times
+  // this (>= 0). A group with its own lr in torch has lr_scale = its lr / the optimizer's lr.
+  double lr_scale = 1.0;
 };
 
 // A parameter's device copy, valid while its module is gathered (always, at stages 1 and 2).
@@ -292,10 +309,27 @@ class Engine {
   // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
   // before the backward pass (1 unless fp16 is enabled).
   double loss_scale() const;
-  // Changes the learning rate for the following steps (a schedule's job); cheap enough to call
-  // before every step. kInvalidArgument naming the value for a NaN, infinite or negative rate
-  // (nothing changes).
+  // Changes the learning rate for the following steps, overriding the schedule (if any) from
+  // then on; each group runs at lr times its lr_scale. Cheap enough to call before
+  // every step. kInvalidArgument naming the value for a NaN, infinite or negative rate (nothing
+  // changes).
   [[nodiscard]] Status set_learning_rate(double lr);
+  // The learning rate the next step runs with (the default group's): the schedule's, or the
+  // last set_learning_rate()'s.
+  double learning_rate() const;
+
+  // Defines a parameter group (see ParamGroup). REQUIRES: before finalize(). kInvalidArgument
+  // for an empty or repeated name, a weight_decay or lr_scale that is not finite, more than 63
+  // groups; kFailedPrecondition after finalize().
+  Status add_param_group(const ParamGroup& group);
+
+  // Replaces the learning-rate schedule (by default none: the optimizer's lr; the config
+  // parser still refuses a `scheduler` section, so a program passes it here). DeepSpeed's semantics (include/zinf/schedule.hpp): the k-th applied
+  // step (a step skipped for overflow does not count) runs with lr_at(last_batch_iteration +
+  // k - 1), last_batch_iteration -1 unless the config sets it, so a checkpoint (which keeps the
+  // step count) resumes the same curve. kInvalidArgument naming the scheduler.params key that is
+  // out of range.
+  Status set_lr_schedule(const ScheduleConfig& schedule);
 
   int rank() const;
   int world_size() const;

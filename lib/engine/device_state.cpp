@@ -23,7 +23,7 @@ class DeviceState final : public OptimizerState {
       : ctx_(ctx),
         layout_(*ctx.layout),
         pub_(*ctx.publisher),
-        params_(ctx.config->optimizer),
+        groups_(context_groups(ctx)),
         partition_elements_(layout_.partition_elements()) {}
 
   // The initial master built on the host once, uploaded, and rounded into the publisher's
@@ -39,20 +39,21 @@ class DeviceState final : public OptimizerState {
     ZINF_RETURN_IF_ERROR(layout_.fill_master(0, partition_elements_, master.as<float>()));
     pub_.allocate_buffer();
     narrow_all(0, partition_elements_, master.as<const float>());
-    ZINF_ASSIGN_OR_RETURN(
-        opt_, DeviceOptimizer::create(*ctx_.device, std::move(groups), partition_elements_,
-                                      master.as<const float>(), ctx_.timeout));
+    ZINF_ASSIGN_OR_RETURN(opt_, DeviceOptimizer::create(
+                                    *ctx_.device, std::move(groups), partition_elements_,
+                                    master.as<const float>(), ctx_.timeout, context_ranges(ctx_)));
     return Status::ok();
   }
 
   GradTarget grad_target() override { return {.accumulator = opt_->grads(), .on_device = true}; }
   Result<double> local_sum_of_squares() override { return opt_->sum_of_squares(); }
-  Status set_optimizer_params(const OptimizerParams& params) override {
-    params_ = params;
+  Status set_group_params(std::span<const OptimizerParams> groups) override {
+    ZINF_RETURN_IF_ERROR(check_group_params(groups, groups_.size(), groups_[0].kind));
+    std::copy(groups.begin(), groups.end(), groups_.begin());
     return Status::ok();
   }
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
-    ZINF_RETURN_IF_ERROR(opt_->step(step, grad_scale, params_));
+    ZINF_RETURN_IF_ERROR(opt_->step(step, grad_scale, groups_));
     return StepStats{};
   }
   Status publish_step() override {
@@ -134,7 +135,7 @@ class DeviceState final : public OptimizerState {
   StateContext ctx_;
   const ParameterLayout& layout_;
   Publisher& pub_;
-  OptimizerParams params_;
+  std::vector<OptimizerParams> groups_;
   const std::size_t partition_elements_;
   std::unique_ptr<DeviceOptimizer> opt_;
 };

@@ -27,6 +27,7 @@
 #include "engine/device_optimizer.hpp"
 #include "engine/layout.hpp"
 #include "engine/optimizer_state.hpp"
+#include "engine/param_groups.hpp"
 #include "engine/publisher.hpp"
 #include "engine/rank_exchange.hpp"
 #include "engine/step.hpp"
@@ -98,6 +99,7 @@ class Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(StepNumerics numerics,
                           StepNumerics::create(config_, device_, comm_, timeout_));
     numerics_.emplace(std::move(numerics));
+    ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(ScheduleConfig{}, config_.optimizer.lr));
     return Status::ok();
   }
 
@@ -194,6 +196,11 @@ class Engine::Impl {
     sc.io = io_.get();
     sc.swap = swap_.get();
     sc.param_staging_bytes = param_staging_bytes_;
+    ZINF_ASSIGN_OR_RETURN(group_ranges_, partition_group_ranges(layout_, rank_, param_groups_));
+    group_params_.resize(param_groups_.size() + 1);
+    set_step_params(t_ + 1);
+    sc.group_ranges = group_ranges_;
+    sc.groups = group_params_;
     ZINF_ASSIGN_OR_RETURN(state_, open_optimizer_state(sc));
 
     const GradTarget target = state_->grad_target();
@@ -444,6 +451,9 @@ class Engine::Impl {
     }
     rep.clip_coef = d.clip_coef;
     ++t_;
+    // The schedule's (or set_learning_rate()'s) hyper-parameters for this step.
+    set_step_params(t_);
+    ZINF_RETURN_IF_ERROR(state_->set_group_params(group_params_));
     // Streaming the half output, the shards are written during the optimizer pass.
     const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
     {
@@ -470,6 +480,65 @@ class Engine::Impl {
     rep.wall_ns = Trace::now_ns() - start;
     ++steps_;
     return Status::ok();
+  }
+
+  // --- Parameter groups and the schedule ------------------------------------------------------
+  Status add_param_group(const ParamGroup& group) {
+    if (finalized_ || !finalize_error_.is_ok()) {
+      return Status::failed_precondition(fmt::format(
+          "add_param_group('{}'): the engine is finalized (define groups before)", group.name));
+    }
+    if (group.name.empty()) return Status::invalid_argument("add_param_group: empty name");
+    for (const ParamGroup& g : param_groups_) {
+      if (g.name == group.name) {
+        return Status::invalid_argument(
+            fmt::format("add_param_group('{}'): defined already", group.name));
+      }
+    }
+    if (!std::isfinite(group.weight_decay)) {
+      return Status::invalid_argument(
+          fmt::format("add_param_group('{}'): weight_decay {}", group.name, group.weight_decay));
+    }
+    if (!(std::isfinite(group.lr_scale) && group.lr_scale >= 0)) {
+      return Status::invalid_argument(fmt::format(
+          "add_param_group('{}'): lr_scale {} (finite, >= 0)", group.name, group.lr_scale));
+    }
+    if (param_groups_.size() + 1 >= kMaxOptimizerGroups) {
+      return Status::invalid_argument(fmt::format("add_param_group('{}'): at most {} groups",
+                                                  group.name, kMaxOptimizerGroups - 1));
+    }
+    param_groups_.push_back(group);
+    return Status::ok();
+  }
+
+  // The default group's lr for applied step `step` (from 1): DeepSpeed's, the k-th applied step
+  // runs with the schedule's lr_at(start + k - 1) (start = its last_batch_iteration, -1).
+  double lr_for_step(std::int64_t step) const {
+    if (lr_override_) return config_.optimizer.lr;
+    return schedule_.lr_at(schedule_.config().last_batch_iteration + step - 1);
+  }
+
+  // group_params_ for applied step `step`. Allocates nothing.
+  void set_step_params(std::int64_t step) {
+    OptimizerParams base = config_.optimizer;
+    const ScheduledBetas betas =
+        schedule_.betas_at(schedule_.config().last_batch_iteration + step - 1);
+    if (betas.set) {
+      base.beta1 = betas.beta1;
+      base.beta2 = betas.beta2;
+    }
+    group_params(base, lr_for_step(step), param_groups_, &group_params_);
+  }
+
+  Status set_lr_schedule(const ScheduleConfig& config) {
+    ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(config, config_.optimizer.lr));
+    lr_override_ = false;
+    return Status::ok();
+  }
+
+  void set_learning_rate(double lr) {
+    config_.optimizer.lr = lr;
+    lr_override_ = true;
   }
 
   // --- Checkpoints -----------------------------------------------------------------------------
@@ -622,7 +691,14 @@ class Engine::Impl {
   std::vector<std::string> reduce_span_names_;
   bool grads_pending_ = false;  // reduce_gradients() was called since the last step
   std::int64_t t_ = 0;
-  ZeroCounters counters_;  // the zero layer's; counters() copies them out
+  // Parameter groups: as defined, this rank's partition runs, and each group's
+  // hyper-parameters for the next step (sized at finalize).
+  std::vector<ParamGroup> param_groups_;
+  std::vector<OptimizerRange> group_ranges_;
+  std::vector<OptimizerParams> group_params_;
+  LrSchedule schedule_;
+  bool lr_override_ = false;  // set_learning_rate() was called: it replaces the schedule
+  ZeroCounters counters_;     // the zero layer's; counters() copies them out
   std::uint64_t steps_ = 0;
   std::uint64_t skipped_steps_ = 0;
   mutable EngineCounters counters_out_;
@@ -678,11 +754,14 @@ Status Engine::set_learning_rate(double lr) {
     return Status::invalid_argument(
         fmt::format("set_learning_rate: {} is not a finite number >= 0", lr));
   }
-  impl_->config_.optimizer.lr = lr;
-  // Before finalize the state is built from the config; after, it takes the new rate for the
-  // next step (the store's pipeline keeps its pool, arena and threads).
-  if (impl_->state_ == nullptr) return Status::ok();
-  return impl_->fail(impl_->state_->set_optimizer_params(impl_->config_.optimizer));
+  // The state takes it (every group at lr times its lr_scale) at the next step.
+  impl_->set_learning_rate(lr);
+  return Status::ok();
+}
+double Engine::learning_rate() const { return impl_->lr_for_step(impl_->t_ + 1); }
+Status Engine::add_param_group(const ParamGroup& group) { return impl_->add_param_group(group); }
+Status Engine::set_lr_schedule(const ScheduleConfig& schedule) {
+  return impl_->set_lr_schedule(schedule);
 }
 int Engine::rank() const { return impl_->rank_; }
 int Engine::world_size() const { return impl_->world_; }

@@ -5,6 +5,7 @@
 #include <cstring>
 
 #include "engine/optimizer_state.hpp"
+#include "engine/param_groups.hpp"
 #include "zinf/optim.hpp"
 
 namespace zinf {
@@ -16,7 +17,7 @@ class HostState final : public OptimizerState {
       : ctx_(ctx),
         layout_(*ctx.layout),
         pub_(*ctx.publisher),
-        params_(ctx.config->optimizer),
+        groups_(context_groups(ctx)),
         partition_elements_(layout_.partition_elements()) {}
 
   Status open() {
@@ -30,6 +31,11 @@ class HostState final : public OptimizerState {
     std::memset(exp_avg_.data(), 0, bytes);
     std::memset(exp_avg_sq_.data(), 0, bytes);
     pub_.allocate_buffer();
+    const std::vector<OptimizerRange> ranges = context_ranges(ctx_);
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      group_ranges_.push_back(
+          slice_ranges(ranges, layout_.offset(g), layout_.group(g).shard_element_count));
+    }
     return Status::ok();
   }
 
@@ -38,8 +44,9 @@ class HostState final : public OptimizerState {
   Result<double> local_sum_of_squares() override {
     return sum_of_squares(grads_.as<const float>(), partition_elements_);
   }
-  Status set_optimizer_params(const OptimizerParams& params) override {
-    params_ = params;
+  Status set_group_params(std::span<const OptimizerParams> groups) override {
+    ZINF_RETURN_IF_ERROR(check_group_params(groups, groups_.size(), groups_[0].kind));
+    std::copy(groups.begin(), groups.end(), groups_.begin());
     return Status::ok();
   }
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
@@ -61,7 +68,7 @@ class HostState final : public OptimizerState {
         span.half_dtype = info.dtype;
       }
       span.count = info.shard_element_count;
-      ZINF_ASSIGN_OR_RETURN(StepResult r, optimizer_step(params_, span, so));
+      ZINF_ASSIGN_OR_RETURN(StepResult r, optimizer_step(groups_, group_ranges_[g], span, so));
       (void)r;
     }
     return StepStats{};
@@ -107,7 +114,9 @@ class HostState final : public OptimizerState {
   StateContext ctx_;
   const ParameterLayout& layout_;
   Publisher& pub_;
-  OptimizerParams params_;
+  std::vector<OptimizerParams> groups_;
+  // Per dtype group: the parameter groups' runs in it, relative to its offset.
+  std::vector<std::vector<OptimizerRange>> group_ranges_;
   const std::size_t partition_elements_;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
 };

@@ -31,6 +31,31 @@ Status check_pinned_limit(const Config& config, std::uint64_t optimizer_pool,
       limit, need, optimizer_pool, param_staging));
 }
 
+std::vector<OptimizerParams> context_groups(const StateContext& ctx) {
+  if (ctx.groups.empty()) return {ctx.config->optimizer};
+  return {ctx.groups.begin(), ctx.groups.end()};
+}
+
+std::vector<OptimizerRange> context_ranges(const StateContext& ctx) {
+  if (ctx.group_ranges.empty()) return {OptimizerRange{}};
+  return {ctx.group_ranges.begin(), ctx.group_ranges.end()};
+}
+
+Status check_group_params(std::span<const OptimizerParams> groups, std::size_t count,
+                          OptimizerKind kind) {
+  if (groups.size() != count) {
+    return Status::invalid_argument(fmt::format(
+        "optimizer state: {} parameter groups given, {} at finalize", groups.size(), count));
+  }
+  for (const OptimizerParams& g : groups) {
+    if (g.kind != kind) {
+      return Status::invalid_argument(fmt::format("optimizer state: a group of {}, the state of {}",
+                                                  optimizer_name(g.kind), optimizer_name(kind)));
+    }
+  }
+  return Status::ok();
+}
+
 Result<std::unique_ptr<OptimizerState>> open_optimizer_state(const StateContext& ctx) {
   if (ctx.config->zero.offload_optimizer.device != OffloadDevice::kNone) {
     return open_store_state(ctx);

@@ -26,6 +26,8 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
+#include <vector>
 
 #include "engine/function_ref.hpp"
 #include "engine/layout.hpp"
@@ -58,6 +60,10 @@ struct StateContext {
   // The coordinator's pinned staging blocks, which zinf.pinned_pool_bytes bounds together with
   // the optimizer's pool.
   std::uint64_t param_staging_bytes = 0;
+  // Parameter groups (param_groups.hpp): the runs of the partition and each group's
+  // hyper-parameters for the first step. Empty: one group, config->optimizer.
+  std::span<const OptimizerRange> group_ranges;
+  std::span<const OptimizerParams> groups;
 };
 
 // Where the GradReducer adds the reduced gradients.
@@ -81,8 +87,13 @@ class OptimizerState {
   virtual GradTarget grad_target() = 0;
   // This rank's sum of squares of the accumulated gradients (inf or NaN when any is).
   virtual Result<double> local_sum_of_squares() = 0;
-  // The hyper-parameters for the following steps (kind unchanged).
-  virtual Status set_optimizer_params(const OptimizerParams& params) = 0;
+  // Each parameter group's hyper-parameters for the following steps (as many groups as the
+  // context gave, kind unchanged). Allocates nothing.
+  virtual Status set_group_params(std::span<const OptimizerParams> groups) = 0;
+  // The same for a state of one group.
+  Status set_optimizer_params(const OptimizerParams& params) {
+    return set_group_params(std::span<const OptimizerParams>(&params, 1));
+  }
   // One optimizer step at step number `step` (from 1), the gradients times grad_scale.
   virtual Result<StepStats> step(std::int64_t step, float grad_scale) = 0;
   // After step(): the new parameters into every shard, and the gathered groups published.
@@ -120,6 +131,13 @@ Status check_pinned_limit(const Config& config, std::uint64_t optimizer_pool,
 
 // The store's options for this rank's partition (offload_optimizer "cpu" or "nvme").
 StateStoreOptions store_options(const Config& config, const ParameterLayout& layout, int rank);
+
+// The context's groups and ranges, or one group (config->optimizer) over one range.
+std::vector<OptimizerParams> context_groups(const StateContext& ctx);
+std::vector<OptimizerRange> context_ranges(const StateContext& ctx);
+// kInvalidArgument when `groups` is not as many as the state was opened with or changes kind.
+Status check_group_params(std::span<const OptimizerParams> groups, std::size_t count,
+                          OptimizerKind kind);
 
 // Builds the state for ctx.config on ctx.device: allocates it and loads the initial master
 // (ctx.layout.fill_master) and zero moments. The engine calls place_initial() once the

@@ -66,6 +66,8 @@ class StoreState final : public OptimizerState {
     }
     PipelineOptions pipe;
     pipe.optimizer = config.optimizer;
+    pipe.groups = context_groups(ctx_);
+    pipe.ranges = context_ranges(ctx_);
     pipe.threads = config.cpu_threads;
     pipe.io_timeout = std::chrono::milliseconds(config.io_timeout_ms);
     pipe.io_timeouts_max = config.io_timeouts_max;
@@ -115,8 +117,8 @@ class StoreState final : public OptimizerState {
 
   // The pipeline holds no state of its own between steps (the store does): new
   // hyper-parameters are handed to it, with its pool, arena and threads left as they are.
-  Status set_optimizer_params(const OptimizerParams& params) override {
-    return pipeline_->set_optimizer_params(params);
+  Status set_group_params(std::span<const OptimizerParams> groups) override {
+    return pipeline_->set_group_params(groups);
   }
 
   Result<StepStats> step(std::int64_t step, float grad_scale) override {

@@ -1,0 +1,78 @@
+// Parameter groups in the engine (see param_groups.hpp).
+#include "engine/param_groups.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+
+Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout& layout, int rank,
+                                                           std::span<const ParamGroup> groups) {
+  const Partitioner& part = layout.partitioner();
+  // Each parameter's group index, checked once.
+  std::vector<std::uint32_t> param_group(part.param_count(), 0);
+  for (std::uint32_t id = 0; id < part.param_count(); ++id) {
+    const std::string& name = layout.param(id).spec.group;
+    if (name.empty()) continue;
+    auto it = std::find_if(groups.begin(), groups.end(),
+                           [&](const ParamGroup& g) { return g.name == name; });
+    if (it == groups.end()) {
+      return Status::invalid_argument(
+          fmt::format("parameter '{}': group '{}' was not defined by add_param_group()",
+                      layout.param(id).spec.name, name));
+    }
+    param_group[id] = static_cast<std::uint32_t>(it - groups.begin()) + 1;
+  }
+  std::vector<OptimizerRange> ranges;
+  // A run of `group` from element `begin` (runs arrive in order, never empty).
+  auto run = [&](std::size_t begin, std::uint32_t group) {
+    if (!ranges.empty() && ranges.back().group == group) return;
+    ranges.push_back({begin, group});
+  };
+  for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
+    const std::size_t base = layout.offset(g);
+    const std::size_t end = base + layout.group(g).shard_element_count;
+    std::size_t at = base;
+    for (const ParamPiece& piece : part.shard_pieces(g, rank)) {
+      const std::size_t begin = base + piece.shard_offset;
+      if (begin > at) run(at, 0);  // padding
+      run(begin, param_group[piece.param]);
+      at = begin + piece.element_count;
+    }
+    if (at < end) run(at, 0);
+  }
+  if (ranges.empty()) ranges.push_back({0, 0});
+  ZINF_ASSERT(ranges[0].begin == 0);
+  return ranges;
+}
+
+std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges, std::size_t first,
+                                         std::size_t count) {
+  std::vector<OptimizerRange> out;
+  const std::size_t end = first + count;
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    const std::size_t stop = r + 1 < ranges.size() ? ranges[r + 1].begin : SIZE_MAX;
+    if (stop <= first || ranges[r].begin >= end) continue;
+    out.push_back({std::max(ranges[r].begin, first) - first, ranges[r].group});
+  }
+  if (out.empty()) out.push_back({0, 0});
+  return out;
+}
+
+void group_params(const OptimizerParams& base, double lr, std::span<const ParamGroup> groups,
+                  std::vector<OptimizerParams>* out) {
+  ZINF_ASSERT(out->size() == groups.size() + 1);
+  (*out)[0] = base;
+  (*out)[0].lr = lr;
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    OptimizerParams& p = (*out)[i + 1];
+    p = base;
+    p.lr = lr * groups[i].lr_scale;
+    if (groups[i].weight_decay >= 0) p.weight_decay = groups[i].weight_decay;
+  }
+}
+
+}  // namespace zinf

@@ -1,0 +1,38 @@
+// Parameter groups in the engine: which run of this rank's optimizer partition steps with which
+// group's hyper-parameters, and those hyper-parameters for one step.
+//
+// Group 0 is the default group (the optimizer's own hyper-parameters, ParameterSpec::group ""),
+// group i + 1 is the i-th add_param_group(). Padding in the partition goes with group 0 (its
+// values and gradients are zero, so any group leaves it zero).
+//
+// Thread-safety: pure functions.
+#pragma once
+
+#include <cstddef>
+#include <span>
+#include <vector>
+
+#include "engine/layout.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/optim.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+// Rank `rank`'s partition (ParameterLayout's, after lay_out()) cut into runs of one group, as
+// optimizer_step()'s ranges over the whole partition (first begins at 0; neighbours differ in
+// group). kInvalidArgument naming the parameter and the group when a parameter names a group
+// `groups` does not define.
+Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout& layout, int rank,
+                                                           std::span<const ParamGroup> groups);
+
+// The ranges of elements [first, first + count) of the partition, relative to `first`.
+std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges, std::size_t first,
+                                         std::size_t count);
+
+// out[0] = base with lr; out[i + 1] = base with lr * groups[i].lr_scale and groups[i]'s
+// weight_decay when set. REQUIRES: out->size() == groups.size() + 1 (nothing is allocated).
+void group_params(const OptimizerParams& base, double lr, std::span<const ParamGroup> groups,
+                  std::vector<OptimizerParams>* out);
+
+}  // namespace zinf
