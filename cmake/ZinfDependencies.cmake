@@ -5,7 +5,7 @@ find_package(TBB REQUIRED)
 find_package(nlohmann_json 3.10 REQUIRED)
 find_package(Liburing REQUIRED)
 find_package(XxHash REQUIRED)
-if(ZINF_BUILD_TOOLS)
+if(ZINF_BUILD_TOOLS OR ZINF_BUILD_TESTS)  # the fuzz tests parse `zinf plan` options too
   find_package(CLI11 REQUIRED)
 endif()
 if(ZINF_BUILD_TESTS)

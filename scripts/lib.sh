@@ -1,5 +1,6 @@
 # Shared by scripts/test and scripts/demo: install what is missing, configure and build build/.
-# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args).
+# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args)
+# and ZINF_BUILD_TARGETS (build only these targets, space-separated; default all).
 
 zinf_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
@@ -25,8 +26,8 @@ zinf_install_deps() {
 }
 
 # Configures build/ with the given extra arguments, then builds with all cores: every target, or
-# only those named in the array zinf_targets when it is set (scripts/demo builds just train_lm and
-# what it links, not the tests, benchmarks and tools).
+# only those named in the array zinf_targets or in ZINF_BUILD_TARGETS (space-separated) when set
+# (scripts/demo builds just train_lm and what it links, not the tests, benchmarks and tools).
 zinf_configure_and_build() {
   local extra=("$@")
   # nvcc lives outside PATH in a standard CUDA install; let CMake's AUTO detection see it.
@@ -36,7 +37,7 @@ zinf_configure_and_build() {
   cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
     ${ZINF_CMAKE_ARGS:-}
   local target_args=()
-  for t in "${zinf_targets[@]}"; do target_args+=(--target "$t"); done
+  for t in "${zinf_targets[@]}" ${ZINF_BUILD_TARGETS:-}; do target_args+=(--target "$t"); done
   cmake --build "$zinf_build" -j "$(nproc)" "${target_args[@]}"
 }
 

@@ -93,7 +93,7 @@ void BM_Spill(benchmark::State& state) {
   if (!r.status.is_ok()) return state.SkipWithError(r.status.to_string().c_str());
   SpillOptions options;
   options.read_ahead = state.range(1) != 0;
-  EngineCounters counters;
+  ZeroCounters counters;
   auto acc = SpillAccumulator::create(*r.store, options, &counters);
   if (!acc.is_ok()) return state.SkipWithError(acc.status().to_string().c_str());
   const auto micro_batches = static_cast<int>(state.range(0));

@@ -716,7 +716,13 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   for (std::int64_t step = 1; step <= o.steps; ++step) {
     const auto step_start = Clock::now();
     const double lr = learning_rate(o, step);
-    if (engine != nullptr) engine->set_learning_rate(lr);
+    if (engine != nullptr) {
+      zinf::Status st = engine->set_learning_rate(lr);
+      if (!st.is_ok()) {
+        shared.fail(rank, "step " + std::to_string(step) + ": " + st.to_string());
+        return fail_out();
+      }
+    }
     shared.corpus.sample_train(rng, o.batch, o.seq_len, shape.context_bytes, &batch);
     double loss_sum = 0;
     for (std::size_t micro = 0; micro < micro_batches; ++micro) {

@@ -1,8 +1,9 @@
-// Config: what an Engine is asked to do, read from a DeepSpeed-style JSON config.
+// Config: what an Engine is asked to do, read from a DeepSpeed JSON config.
 //
-// The format is the one `zinf plan --out` writes (docs/PLAN.md): DeepSpeed's keys where DeepSpeed
-// has them, zinf's own knobs in a "zinf" section. Every key is optional; a missing key takes the
-// default written beside its field below. docs/ENGINE.md lists every key.
+// One schema for the engine, the planner (`zinf plan --out` writes it) and the command line
+// (`zinf config check FILE` reports on it): DeepSpeed's keys mean what DeepSpeed documents, zinf's
+// own knobs are in a "zinf" section. Every key is optional; a missing key takes the default
+// written beside its field below. docs/ENGINE.md lists every key and what zinf does with it.
 //
 //   {
 //     "train_micro_batch_size_per_gpu": 1,
@@ -15,16 +16,13 @@
 //                                              "weight_decay": 0.01}},
 //     "zero_optimization": {
 //       "stage": 3,
-//       "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": true,
-//                             "buffer_count": 4},
-//       "offload_param": {"device": "cpu", "nvme_path": "/nvme", "pin_memory": true,
-//                         "buffer_count": 5, "buffer_size": 100000000},
+//       "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 4},
+//       "offload_param": {"device": "cpu", "nvme_path": "/nvme", "buffer_count": 5},
 //       "sub_group_size": 67108864,
 //       "reduce_bucket_size": 67108864,
 //       "stage3_prefetch_bucket_size": 60397977,
 //       "stage3_max_live_parameters": 1000000000,
-//       "stage3_param_persistence_threshold": 81920,
-//       "overlap_comm": true, "contiguous_gradients": true
+//       "stage3_param_persistence_threshold": 81920
 //     },
 //     "aio": {"block_size": 1048576, "queue_depth": 32},
 //     "zinf": {"world_size": 4, "ranks_per_machine": 4, "pinned_pool_bytes": 4294967296,
@@ -33,9 +31,18 @@
 //              "cpu_threads": 0, "collective_timeout_ms": 60000}
 //   }
 //
-// Counts (`*_size`, `*_parameters`, `*_threshold`) are numbers of parameters (elements), as in
-// DeepSpeed; zinf's `*_bytes` are bytes. Offload devices are "none", "cpu" (or "host") and
-// "nvme". Numbers may be written as floats (1e9), as DeepSpeed configs often do.
+// Every key is either used, accepted with no effect in zinf (DeepSpeed keys for the training
+// program's side: batch bookkeeping, logging, and knobs whose only value is what zinf always
+// does), or refused; check_config() says which, and why, for each key of a file. Keys are
+// case-sensitive, as DeepSpeed's are. An unknown or refused key fails parse_config() with a
+// message that starts with its dotted name. "auto" (the Hugging Face Trainer's placeholder) is
+// refused for a key zinf uses: nothing fills it in.
+//
+// Units: DeepSpeed's `*_size`, `*_parameters` and `*_threshold` keys count parameters
+// (elements), except aio.block_size, which is bytes (DeepSpeed's own meaning); zinf's `*_bytes`
+// are bytes. The fields below say their unit in their name where DeepSpeed's key does not.
+// Offload devices are "none", "cpu" and "nvme". Numbers may be written as floats (1e9), as
+// DeepSpeed configs often do.
 //
 // Errors: parse_config() and validate() return kInvalidArgument whose message starts with the
 // dotted key that is wrong ("zero_optimization.stage: 4 is not 1, 2 or 3"), and kNotFound /
@@ -48,6 +55,7 @@
 #include <cstdint>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "zinf/optim.hpp"
 #include "zinf/status.hpp"
@@ -62,7 +70,7 @@ enum class OffloadDevice : std::uint8_t {
 };
 // "none", "cpu", "nvme" (the names DeepSpeed configs use).
 std::string_view offload_device_name(OffloadDevice device);
-// Accepts "none", "cpu", "host", "nvme".
+// Accepts "none", "cpu", "nvme" (DeepSpeed's values, case-sensitive as in DeepSpeed).
 bool parse_offload_device(std::string_view text, OffloadDevice* device);
 
 struct OffloadConfig {
@@ -72,9 +80,10 @@ struct OffloadConfig {
   // Pinned-pool blocks: optimizer sub-groups in flight (>= 2), or parameter shards staged from
   // NVMe at once (>= 1, bounding the stage-3 prefetch of NVMe-resident shards).
   std::size_t buffer_count = 4;
-  // offload_param only: DeepSpeed's staging buffer size in parameters. Accepted and reported; the
-  // engine sizes each staging block to the largest parameter shard instead.
-  std::size_t buffer_size = 100'000'000;
+  // offload_param only ("buffer_size"): DeepSpeed's staging buffer size in parameters. Accepted
+  // with no effect: the engine sizes each staging block to the largest parameter shard instead.
+  std::size_t buffer_params = 100'000'000;
+  // Accepted with no effect: the engine pins exactly its staging blocks (the pinned pool).
   bool pin_memory = true;
 };
 
@@ -117,23 +126,30 @@ struct Fp16Config {
 };
 
 struct Config {
-  // Informational (the engine counts the micro-batches handed to it between steps).
+  // No effect in the engine (it accumulates the micro-batches handed to it between steps);
+  // `zinf plan` reads them for activation memory.
   std::size_t train_micro_batch_size_per_gpu = 1;
   std::size_t gradient_accumulation_steps = 1;
   // Clip the global gradient norm (over every rank) to this; 0 turns clipping off.
   double gradient_clipping = 0.0;
   Fp16Config fp16;
-  bool bf16_enabled = false;  // informational: each parameter's device dtype is given at
-                              // registration
-  // "optimizer": {"type": "Adam" | "AdamW" | "Adagrad" | "Lion", "params": {...}}.
+  // "bf16": {"enabled"}. When set, every registered parameter must be bf16 (and f16 with
+  // fp16.enabled): register_parameter() refuses another dtype naming this key.
+  bool bf16_enabled = false;
+  // "optimizer": {"type": "Adam" | "AdamW" | "Adagrad" | "Lion" (any case), "params": {...}}.
+  // Type "Adam" is AdamW (decoupled decay) unless params.adam_w_mode is false, as in DeepSpeed;
+  // missing params take deepspeed_optimizer_defaults(type). Without an optimizer section the
+  // defaults are OptimizerParams' (torch.optim.AdamW's).
   OptimizerParams optimizer;
   ZeroConfig zero;
-  // "aio": I/O request size and queue depth of the engine's IoEngine.
-  std::size_t aio_block_size = std::size_t{1} << 20;
+  // "aio": I/O request size ("block_size", bytes) and queue depth of the engine's IoEngine.
+  std::size_t aio_block_bytes = std::size_t{1} << 20;
   std::size_t aio_queue_depth = 32;
   // "zinf": zinf's own section. world_size 0: any (else it must equal the communicator's).
   int world_size = 0;
-  int ranks_per_machine = 0;
+  // Ranks sharing one machine's host memory and NVMe. Read by `zinf plan` only (its per-machine
+  // sums); must divide world_size when that is set.
+  int ranks_per_machine = 1;
   // When not 0, the most bytes of pinned blocks one rank may map (the optimizer step's pool,
   // sized buffer_count x one sub-group, and the NVMe parameter staging blocks): finalize() fails
   // with kResourceExhausted naming this key instead of mapping more.
@@ -143,7 +159,9 @@ struct Config {
   // offload_optimizer "nvme".
   bool gradients_on_nvme = false;
   std::size_t gradient_spill_buffers = 4;
-  std::uint64_t device_reserved_bytes = 0;
+  // Device memory the planner sets aside for the runtime (CUDA context, workspaces). Read by
+  // `zinf plan` only; the engine allocates nothing for it.
+  std::uint64_t device_reserved_bytes = std::uint64_t{1} << 30;
   // Threads of the CPU optimizer (0: every core).
   int cpu_threads = 0;
   // Longest wait for a collective or an I/O before the engine gives up with kTimeout.
@@ -154,6 +172,32 @@ struct Config {
   std::int64_t io_timeout_ms = 60'000;
   std::uint32_t io_timeouts_max = 3;
 };
+
+// The defaults DeepSpeed gives each optimizer type when the config leaves a parameter out
+// (DeepSpeedCPUAdam / FusedAdam, DeepSpeedCPUAdagrad, DeepSpeedCPULion), or torch.optim's with
+// torch_adam (torch.optim.AdamW: weight_decay 0.01). docs/ENGINE.md tables them.
+OptimizerParams deepspeed_optimizer_defaults(OptimizerKind kind, bool torch_adam = false);
+
+// What zinf does with one key of a config file.
+enum class KeyUse : std::uint8_t {
+  kUsed = 0,      // read into Config, with DeepSpeed's meaning
+  kNoEffect = 1,  // accepted; nothing in zinf changes with it (why says why)
+  kRefused = 2,   // parse_config() fails on it (why says why)
+};
+// "used", "accepted, no effect in zinf", "refused".
+std::string_view key_use_name(KeyUse use);
+
+struct KeyReport {
+  std::string key;  // dotted: "zero_optimization.offload_optimizer.device"
+  KeyUse use = KeyUse::kUsed;
+  std::string why;  // empty for kUsed
+};
+
+// Every key of `json_text` (sections' keys, not the sections) in file order, with what zinf does
+// with it. When no key is refused but validate() refuses the combination, the key it names is
+// reported refused. parse_config() fails with "<key>: <why>" of the first refused key. Fails only
+// when the text is not a JSON object.
+Result<std::vector<KeyReport>> check_config(std::string_view json_text);
 
 // Parses JSON text. Missing keys keep the defaults above; the result is validate()d.
 Result<Config> parse_config(std::string_view json_text);

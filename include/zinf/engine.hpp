@@ -292,8 +292,10 @@ class Engine {
   // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
   // before the backward pass (1 unless fp16 is enabled).
   double loss_scale() const;
-  // Changes the learning rate for the following steps (a schedule's job).
-  void set_learning_rate(double lr);
+  // Changes the learning rate for the following steps (a schedule's job); cheap enough to call
+  // before every step. kInvalidArgument naming the value for a NaN, infinite or negative rate
+  // (nothing changes).
+  [[nodiscard]] Status set_learning_rate(double lr);
 
   int rank() const;
   int world_size() const;
@@ -302,6 +304,8 @@ class Engine {
   std::vector<std::string> modules() const;
   // The recorded gather order (empty before the first step).
   std::vector<std::string> recorded_order() const;
+  // A snapshot of the running totals, taken by each call (the reference stays valid for the
+  // engine's life and is refreshed by the next call).
   const EngineCounters& counters() const;
   // REQUIRES: finalized().
   MemoryReport memory() const;

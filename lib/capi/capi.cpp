@@ -713,12 +713,12 @@ zinf_code_t zinf_engine_set_learning_rate(zinf_engine_t* engine, double learning
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    // The engine refuses such a rate too; this message names the C parameter.
     if (!std::isfinite(learning_rate) || learning_rate < 0) {
       return Status::invalid_argument(
           fmt::format("{}: learning_rate {} is not a finite number >= 0", fn, learning_rate));
     }
-    engine->engine->set_learning_rate(learning_rate);
-    return Status::ok();
+    return engine->engine->set_learning_rate(learning_rate);
   });
 }
 

@@ -1,6 +1,10 @@
 // Checkpoint files (checkpoint.hpp): crash-safe writes and checksummed reads with plain POSIX
-// I/O. A checkpoint is written once between steps, so it goes through the page cache and one
-// fsync per file rather than the step's io_uring path.
+// I/O. A checkpoint is written once between steps, so it takes synchronous pwrite/pread calls and
+// one fsync per file rather than the step's io_uring path. Both sides open the file with
+// O_DIRECT where the filesystem allows it and move it in 8 MiB aligned blocks, bypassing the
+// page cache (buffered writes of gigabytes are throttled by dirty-page writeback, and a cached
+// checkpoint would only evict other data); only a write's last partial page, and everything on
+// a filesystem that refuses O_DIRECT (tmpfs), go through the page cache.
 #include "engine/checkpoint.hpp"
 
 #include <fcntl.h>

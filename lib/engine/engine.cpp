@@ -18,6 +18,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <optional>
 #include <set>
 
@@ -33,6 +34,7 @@
 #include "io/swap_space.hpp"
 #include "zero/grad_reducer.hpp"
 #include "zero/param_coordinator.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/log.hpp"
 
 namespace zinf {
@@ -90,7 +92,9 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(find_nvme_dirs());
     ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("engine"));
     ZINF_ASSIGN_OR_RETURN(event_, device_.create_event());
-    exchange_.emplace(device_, comm_, *stream_, *event_, timeout_, sticky_);
+    ZINF_ASSIGN_OR_RETURN(RankExchange exchange, RankExchange::create(device_, comm_, *stream_,
+                                                                      *event_, timeout_, sticky_));
+    exchange_.emplace(std::move(exchange));
     ZINF_ASSIGN_OR_RETURN(StepNumerics numerics,
                           StepNumerics::create(config_, device_, comm_, timeout_));
     numerics_.emplace(std::move(numerics));
@@ -130,6 +134,12 @@ class Engine::Impl {
       nvme_dirs_.assign(dirs.begin(), dirs.end());
     }
     for (const std::string& dir : nvme_dirs_) {
+      // A missing directory is made, parents and all, as DeepSpeed does; one that cannot be
+      // made fails the probe, which names the key and the path.
+      std::error_code ec;
+      if (!std::filesystem::exists(dir, ec) && std::filesystem::create_directories(dir, ec)) {
+        log_warn("{}: created the missing directory '{}'", key, dir);
+      }
       ZINF_RETURN_IF_ERROR(probe_directory(key, dir, rank_));
     }
     return Status::ok();
@@ -142,6 +152,12 @@ class Engine::Impl {
           "register_parameter('{}'): registration is closed (the engine was finalized by "
           "finalize() or by the first gather, reduce_gradients or step)",
           spec.name));
+    }
+    if (config_.bf16_enabled && spec.dtype != DType::kBF16) {
+      return Status::invalid_argument(fmt::format(
+          "register_parameter('{}'): dtype {}, but bf16.enabled is true (every parameter is bf16 "
+          "then)",
+          spec.name, dtype_name(spec.dtype)));
     }
     return layout_.add(spec);
   }
@@ -207,6 +223,10 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(check_pinned_limit(config_, state_->pinned_bytes(), param_staging_bytes_));
     ZINF_ASSERT(coord_->staging_bytes() == param_staging_bytes_);
     publisher_.set_coordinator(coord_.get());
+    sources_.resize(layout_.partitioner().param_count());
+    for (const std::string& name : layout_.module_names()) {
+      reduce_span_names_.push_back(fmt::format("reduce {}", name));
+    }
     // The device copies: every group's shard is the master rounded to the group's dtype.
     ZINF_RETURN_IF_ERROR(state_->place_initial());
     finalized_ = true;
@@ -243,16 +263,16 @@ class Engine::Impl {
       }
     }
     IoOptions io;
-    io.block_bytes = config_.aio_block_size;
+    io.block_bytes = config_.aio_block_bytes;
     io.queue_depth = static_cast<std::uint32_t>(config_.aio_queue_depth);
     io.faults = env_.io_faults;
     ZINF_ASSIGN_OR_RETURN(io_, open_engine(io));
     SwapOptions swap;
     swap.dirs = nvme_dirs_;
-    swap.block_bytes = config_.aio_block_size;
+    swap.block_bytes = config_.aio_block_bytes;
     // Striping rounds each extent's share of each directory up to a block.
     swap.capacity_bytes =
-        capacity + std::uint64_t{extents + 4} * config_.aio_block_size * nvme_dirs_.size();
+        capacity + std::uint64_t{extents + 4} * config_.aio_block_bytes * nvme_dirs_.size();
     swap.max_extents = extents + 16;
     swap.file_name = fmt::format("zinf-swap-{{pid}}-rank{}.bin", rank_);
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io_, swap);
@@ -317,8 +337,10 @@ class Engine::Impl {
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
-    // Validate everything before anything moves.
-    std::vector<GradSource> sources(layout_.partitioner().param_count());
+    // Validate everything before anything moves. sources_ (one entry per parameter, made at
+    // finalize) is cleared first, so the call allocates nothing.
+    std::vector<GradSource>& sources = sources_;
+    std::fill(sources.begin(), sources.end(), GradSource{});
     for (const GradientRef& g : gradients) {
       const std::optional<std::size_t> id = layout_.find_param(g.name);
       if (!id.has_value()) {
@@ -355,7 +377,7 @@ class Engine::Impl {
             module, layout_.param(id).spec.name));
       }
     }
-    Trace::Span span(env_.trace, track_, fmt::format("reduce {}", module));
+    Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
     grads_pending_ = true;
     return fail(reducer_->reduce(layout_.module_groups(m), sources));
   }
@@ -416,8 +438,8 @@ class Engine::Impl {
       rep.step = t_;
       rep.next_loss_scale = scaler.scale();
       rep.wall_ns = Trace::now_ns() - start;
-      ++counters_.steps;
-      ++counters_.skipped_steps;
+      ++steps_;
+      ++skipped_steps_;
       return Status::ok();
     }
     rep.clip_coef = d.clip_coef;
@@ -446,7 +468,7 @@ class Engine::Impl {
     rep.step = t_;
     rep.next_loss_scale = scaler.scale();
     rep.wall_ns = Trace::now_ns() - start;
-    ++counters_.steps;
+    ++steps_;
     return Status::ok();
   }
 
@@ -518,17 +540,25 @@ class Engine::Impl {
     const ParamLocation& loc = part.location(static_cast<ParamId>(*id));
     const GroupInfo& info = part.group(loc.group);
     const std::size_t shard = info.shard_element_count;
-    // This rank's master slice of the group, then an all-gather of the whole group in f32.
-    std::vector<float> slice(shard);
-    const std::size_t first = layout_.offset(loc.group);
-    ZINF_RETURN_IF_ERROR(fail(state_->read_master(
-        first, first + shard, [&](std::size_t f, std::size_t count, const float* src) {
-          const std::size_t lo = std::max(f, first);
-          const std::size_t hi = std::min(f + count, first + shard);
-          if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
-        })));
+    // This rank's master slice of the group, then an all-gather of the whole group in f32. The
+    // buffer and the slice come first and every rank learns whether every rank has them, so a
+    // rank that cannot allocate fails every rank at once instead of leaving them waiting in the
+    // all-gather until the collective timeout.
     Result<DeviceBuffer> full = DeviceBuffer::allocate(device_, info.padded_element_count * 4);
-    if (!full.is_ok()) return full.status();
+    Status local = full.status();
+    std::vector<float> slice;
+    const std::size_t first = layout_.offset(loc.group);
+    if (local.is_ok()) {
+      slice.resize(shard);
+      local = fail(state_->read_master(
+          first, first + shard, [&](std::size_t f, std::size_t count, const float* src) {
+            const std::size_t lo = std::max(f, first);
+            const std::size_t hi = std::min(f + count, first + shard);
+            if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
+          }));
+    }
+    ZINF_RETURN_IF_ERROR(
+        exchange_->agree(fmt::format("read_parameters('{}')", name), std::move(local)));
     float* own = full->as<float>() + part.shard_offset(loc.group, rank_);
     Status st = device_.copy_h2d(own, slice.data(), shard * 4, *stream_);
     if (st.is_ok()) {
@@ -587,9 +617,15 @@ class Engine::Impl {
   std::optional<RankExchange> exchange_;
   std::optional<StepNumerics> numerics_;
 
+  // reduce_gradients()'s per-parameter sources and its span names (per module), made at finalize.
+  std::vector<GradSource> sources_;
+  std::vector<std::string> reduce_span_names_;
   bool grads_pending_ = false;  // reduce_gradients() was called since the last step
   std::int64_t t_ = 0;
-  EngineCounters counters_;
+  ZeroCounters counters_;  // the zero layer's; counters() copies them out
+  std::uint64_t steps_ = 0;
+  std::uint64_t skipped_steps_ = 0;
+  mutable EngineCounters counters_out_;
   StepReport report_;
 };
 
@@ -637,12 +673,16 @@ Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
 }
 double Engine::loss_scale() const { return impl_->numerics_->scaler().scale(); }
-void Engine::set_learning_rate(double lr) {
-  impl_->config_.optimizer.lr = lr;
-  // Before finalize the state is built from the config; after, it takes the new rate.
-  if (impl_->state_ != nullptr) {
-    (void)impl_->fail(impl_->state_->set_optimizer_params(impl_->config_.optimizer));
+Status Engine::set_learning_rate(double lr) {
+  if (!std::isfinite(lr) || lr < 0) {
+    return Status::invalid_argument(
+        fmt::format("set_learning_rate: {} is not a finite number >= 0", lr));
   }
+  impl_->config_.optimizer.lr = lr;
+  // Before finalize the state is built from the config; after, it takes the new rate for the
+  // next step (the store's pipeline keeps its pool, arena and threads).
+  if (impl_->state_ == nullptr) return Status::ok();
+  return impl_->fail(impl_->state_->set_optimizer_params(impl_->config_.optimizer));
 }
 int Engine::rank() const { return impl_->rank_; }
 int Engine::world_size() const { return impl_->world_; }
@@ -654,7 +694,31 @@ std::vector<std::string> Engine::recorded_order() const {
   for (std::size_t m : impl_->coord_->order()) out.push_back(impl_->layout_.module_names()[m]);
   return out;
 }
-const EngineCounters& Engine::counters() const { return impl_->counters_; }
+const EngineCounters& Engine::counters() const {
+  const ZeroCounters& z = impl_->counters_;
+  EngineCounters& c = impl_->counters_out_;
+  c.gathers = z.gathers;
+  c.gathers_issued = z.gathers_issued;
+  c.prefetches_issued = z.prefetches_issued;
+  c.prefetch_hits = z.prefetch_hits;
+  c.prefetches_dropped = z.prefetches_dropped;
+  c.order_misses = z.order_misses;
+  c.live_elements = z.live_elements;
+  c.live_elements_peak = z.live_elements_peak;
+  c.persistent_elements = z.persistent_elements;
+  c.all_gather_bytes = z.all_gather_bytes;
+  c.reduce_scatter_bytes = z.reduce_scatter_bytes;
+  c.buckets_reduced = z.buckets_reduced;
+  c.param_nvme_read_bytes = z.param_nvme_read_bytes;
+  c.param_nvme_write_bytes = z.param_nvme_write_bytes;
+  c.steps = impl_->steps_;
+  c.skipped_steps = impl_->skipped_steps_;
+  c.grad_spill_write_bytes = z.grad_spill_write_bytes;
+  c.grad_spill_read_bytes = z.grad_spill_read_bytes;
+  c.grad_spill_read_backs = z.grad_spill_read_backs;
+  c.grad_spill_evictions = z.grad_spill_evictions;
+  return c;
+}
 MemoryReport Engine::memory() const {
   ZINF_ASSERT(impl_->finalized_);
   return impl_->memory();

@@ -10,6 +10,7 @@
 
 #include "base/assert.hpp"
 #include "zero/grad_reducer.hpp"
+#include "zinf/log.hpp"
 
 namespace zinf {
 namespace {
@@ -113,6 +114,16 @@ Status ParameterLayout::lay_out(const Config& config, int rank, int world, RankE
     }
     module_groups_.push_back(m.groups);
     coord_modules_.push_back(std::move(m));
+  }
+  if (stage3 && rank == 0 &&
+      std::all_of(persistent_.begin(), persistent_.end(), [](bool p) { return p; })) {
+    std::size_t largest = 0;
+    for (const Registered& r : regs_) largest = std::max(largest, r.element_count);
+    log_warn(
+        "zero_optimization.stage3_param_persistence_threshold: {} elements keeps every "
+        "parameter of this stage-3 model gathered on every rank (the largest has {}), so nothing "
+        "is sharded; set it below {} to shard the large ones",
+        z.stage3_param_persistence_threshold, largest, largest);
   }
   partition_elements_ = GradReducer::partition_element_count(*part_);
   std::size_t offset = 0, byte_offset = 0;

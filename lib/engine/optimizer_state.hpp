@@ -35,6 +35,7 @@
 #include "tier/optimizer_pipeline.hpp"
 #include "tier/state_store.hpp"
 #include "zero/grad_accumulator.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
 #include "zinf/engine.hpp"
@@ -50,7 +51,7 @@ struct StateContext {
   Publisher* publisher = nullptr;
   int rank = 0;
   std::chrono::milliseconds timeout{60'000};
-  EngineCounters* counters = nullptr;
+  ZeroCounters* counters = nullptr;
   Trace* trace = nullptr;
   IoEngine* io = nullptr;     // with the swap space
   SwapSpace* swap = nullptr;  // when anything is on NVMe

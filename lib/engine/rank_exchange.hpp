@@ -14,6 +14,7 @@
 #include <string_view>
 #include <vector>
 
+#include "device/device_ops.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 #include "zinf/status.hpp"
@@ -35,15 +36,11 @@ class StickyError {
 
 class RankExchange {
  public:
-  // Everything must outlive this object; `stream` and `event` are the engine's.
-  RankExchange(Device& device, Communicator& comm, Stream& stream, Event& event,
-               std::chrono::milliseconds timeout, StickyError& sticky)
-      : device_(device),
-        comm_(comm),
-        stream_(stream),
-        event_(event),
-        timeout_(timeout),
-        sticky_(sticky) {}
+  // Everything must outlive this object; `stream` and `event` are the engine's. Allocates
+  // agree()'s buffers, so agree() needs no memory when a rank has none left.
+  static Result<RankExchange> create(Device& device, Communicator& comm, Stream& stream,
+                                     Event& event, std::chrono::milliseconds timeout,
+                                     StickyError& sticky);
 
   // All-gathers `count` 64-bit words from every rank (as f32 pairs, which all_gather copies bit
   // for bit): rank r's words at [r * count, (r + 1) * count). Collective.
@@ -54,12 +51,27 @@ class RankExchange {
   Status agree(std::string_view call, Status local);
 
  private:
-  Device& device_;
-  Communicator& comm_;
-  Stream& stream_;
-  Event& event_;
+  RankExchange(Device& device, Communicator& comm, Stream& stream, Event& event,
+               std::chrono::milliseconds timeout, StickyError& sticky)
+      : device_(&device),
+        comm_(&comm),
+        stream_(&stream),
+        event_(&event),
+        timeout_(timeout),
+        sticky_(&sticky) {}
+  // out[0, count * world) <- every rank's `count` words, through send/recv.
+  Status exchange_into(const std::uint64_t* words, std::size_t count, DeviceBuffer& send,
+                       DeviceBuffer& recv, std::uint64_t* out);
+
+  Device* device_;
+  Communicator* comm_;
+  Stream* stream_;
+  Event* event_;
   std::chrono::milliseconds timeout_;
-  StickyError& sticky_;
+  StickyError* sticky_;
+  // agree()'s one word each way, and every rank's on the host.
+  DeviceBuffer agree_send_, agree_recv_;
+  std::vector<std::uint64_t> agree_codes_;
 };
 
 }  // namespace zinf

@@ -1,31 +1,10 @@
-// The engine config the planner writes (`zinf plan --out config.json`) and reads back: a
-// DeepSpeed-style JSON file whose `zero_optimization` section uses DeepSpeed's keys, with zinf's
-// own knobs in a `zinf` section. docs/PLAN.md lists every key; in brief:
+// The planner's view of the engine config: the knobs `zinf plan` chooses (EngineSetup) and the
+// batch shape, converted to and from zinf::Config. There is one parser and one writer
+// (parse_config() and config_to_json() in zinf/config.hpp); the functions here only convert, so
+// the planner reads and writes exactly what the engine does, with the same errors. docs/PLAN.md
+// lists the keys the planner sets.
 //
-//   {
-//     "train_micro_batch_size_per_gpu": 1,
-//     "gradient_accumulation_steps": 1,
-//     "bf16": {"enabled": true},
-//     "zero_optimization": {
-//       "stage": 3,
-//       "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme", "pin_memory": true,
-//                             "buffer_count": 4},
-//       "offload_param": {"device": "cpu", "nvme_path": "/nvme", "pin_memory": true,
-//                         "buffer_count": 5, "buffer_size": 100000000},
-//       "sub_group_size": 67108864,
-//       "reduce_bucket_size": 67108864,
-//       "stage3_prefetch_bucket_size": 60397977,
-//       "stage3_max_live_parameters": 1000000000,
-//       "stage3_param_persistence_threshold": 81920,
-//       "overlap_comm": true, "contiguous_gradients": true
-//     },
-//     "aio": {"block_size": 1048576, "queue_depth": 32},
-//     "zinf": {"world_size": 4, "ranks_per_machine": 4, "pinned_pool_bytes": 4294967296,
-//              "gradients_on_nvme": false, "device_reserved_bytes": 1073741824}
-//   }
-//
-// Counts (`*_size`, `*_parameters`, `*_threshold`) are parameters, as in DeepSpeed; zinf's
-// `*_bytes` are bytes. Thread-safety: pure functions.
+// Thread-safety: pure functions.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +12,7 @@
 #include <string_view>
 
 #include "plan/estimate.hpp"
+#include "zinf/config.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf::plan {
@@ -46,12 +26,20 @@ struct PlanConfig {
   std::uint64_t pinned_pool_bytes = 0;
 };
 
-// The config as JSON text (2-space indented, keys as above).
+// The engine config of a plan: the plan's knobs set, bf16 on, every other key at Config's
+// default. pinned_pool_bytes is at least pinned_pool_bytes(config.setup).
+Config engine_config(const PlanConfig& config);
+
+// The plan of an engine config. Fails with invalid_argument naming the key when the planner
+// cannot represent it: a setup validate_setup() refuses, state on NVMe with no nvme_path, or two
+// different nvme_paths.
+Result<PlanConfig> plan_config(const Config& config);
+
+// config_to_json(engine_config(config)): the engine's writer.
 std::string config_to_json(const PlanConfig& config);
 
-// Parses a config written by config_to_json() or by hand. Missing keys take EngineSetup's
-// defaults. Fails with invalid_argument naming the key for a wrong type or value, and with the
-// validate_setup() error for a setup the engine cannot run.
+// plan_config(parse_config(text)): the engine's parser, so the same keys are refused with the
+// same messages.
 Result<PlanConfig> config_from_json(std::string_view text);
 
 // Writes config_to_json() to `path`; io_error naming the path on failure.

@@ -112,7 +112,7 @@ void MemoryAccumulator::zero() { std::memset(data_, 0, element_count_ * sizeof(f
 
 Result<std::unique_ptr<SpillAccumulator>> SpillAccumulator::create(StateStore& store,
                                                                    const SpillOptions& options,
-                                                                   EngineCounters* counters) {
+                                                                   ZeroCounters* counters) {
   ZINF_ASSERT(store.on_nvme(Piece::kGrads));
   ZINF_ASSERT(store.dtype(Piece::kGrads) == DType::kF32);
   if (options.buffer_count == 0) {

@@ -43,7 +43,7 @@
 
 #include "base/aligned.hpp"
 #include "io/swap_space.hpp"
-#include "zinf/engine.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf {
@@ -100,7 +100,7 @@ class SpillAccumulator final : public GradAccumulator {
   // rank's thread, so a reader of the counters never races the reduce stream).
   static Result<std::unique_ptr<SpillAccumulator>> create(StateStore& store,
                                                           const SpillOptions& options,
-                                                          EngineCounters* counters);
+                                                          ZeroCounters* counters);
   ~SpillAccumulator() override;
 
   // Errors: the swap space's (naming the extent's key), sticky; after one, the kGrads pieces it
@@ -150,7 +150,7 @@ class SpillAccumulator final : public GradAccumulator {
     std::uint64_t last_use = 0;
   };
 
-  SpillAccumulator(StateStore& store, const SpillOptions& options, EngineCounters* counters)
+  SpillAccumulator(StateStore& store, const SpillOptions& options, ZeroCounters* counters)
       : store_(store), options_(options), counters_(counters) {}
   // Ends buffer b's write, if any, whatever it takes (wait; cancel and wait; abandon), so the
   // buffer can be reused or freed. Errors become the sticky status.
@@ -191,13 +191,13 @@ class SpillAccumulator final : public GradAccumulator {
   // publish_counts().
   struct Counts {
     std::uint64_t write_bytes = 0, read_bytes = 0, read_backs = 0, evictions = 0;
-    std::uint64_t read_aheads = 0, read_ahead_hits = 0;  // not in EngineCounters (yet)
+    std::uint64_t read_aheads = 0, read_ahead_hits = 0;  // not in ZeroCounters (yet)
   };
   void publish_counts();
 
   StateStore& store_;
   SpillOptions options_;
-  EngineCounters* counters_;
+  ZeroCounters* counters_;
   Counts counts_;
   std::vector<SubGroup> sub_groups_;
   std::vector<Buffer> buffers_;

@@ -58,7 +58,7 @@ std::size_t GradReducer::partition_element_count(const Partitioner& partitioner)
 
 GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& device,
                          Communicator& comm, float* accumulator, const GradReducerOptions& options,
-                         EngineCounters* counters)
+                         ZeroCounters* counters)
     : partitioner_(partitioner),
       rank_(rank),
       world_(partitioner.world_size()),
@@ -86,7 +86,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
                                                          Device& device, Communicator& comm,
                                                          float* accumulator,
                                                          const GradReducerOptions& options,
-                                                         EngineCounters* counters) {
+                                                         ZeroCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
   std::unique_ptr<GradReducer> r(
       new GradReducer(partitioner, rank, device, comm, accumulator, options, counters));
@@ -102,6 +102,9 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
   r->chunk_elements_ = std::clamp<std::size_t>(
       options.bucket_elements / static_cast<std::size_t>(r->world_), 1, largest_shard);
   r->counts_.assign(partitioner.param_count(), 0);
+  for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
+    r->group_names_.push_back(fmt::format("grads group {}", g));
+  }
   ZINF_ASSIGN_OR_RETURN(r->stream_, device.create_stream("grad_reduce"));
   ZINF_ASSIGN_OR_RETURN(r->done_, device.create_event());
   const std::size_t bucket_bytes =
@@ -167,7 +170,7 @@ template <typename Fill>
 Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
   const GroupInfo& info = partitioner_.group(g);
   const std::size_t shard = info.shard_element_count;
-  const std::string name = fmt::format("grads group {}", g);
+  const std::string& name = group_names_[g];
   for (std::size_t c0 = 0; c0 < shard; c0 += chunk_elements_) {
     const std::size_t count = std::min(chunk_elements_, shard - c0);
     const int k = next_bucket_;
@@ -182,10 +185,10 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
     float* recv = recv_[k].as<float>();
     ZINF_RETURN_IF_ERROR(
         comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
-    GradAccumulator* acc = accumulator_;
-    const std::size_t first = offsets_[g] + c0;
-    ZINF_RETURN_IF_ERROR(device_.launch_host(
-        *stream_, [acc, first, recv, count]() { return acc->add(first, count, recv); }));
+    // The bucket's previous add has run (bucket_free_[k] was waited for above).
+    add_chunks_[k] = {accumulator_, offsets_[g] + c0, recv, count};
+    ZINF_RETURN_IF_ERROR(
+        device_.launch_host_func(*stream_, &GradReducer::add_chunk, &add_chunks_[k]));
     ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
     if (counters_ != nullptr) {
       ++counters_->buckets_reduced;
@@ -193,6 +196,13 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
     }
   }
   return Status::ok();
+}
+
+Status GradReducer::add_chunk(void* chunk, const Status& upstream) {
+  // After a failure upstream the chunk holds nothing worth adding.
+  if (!upstream.is_ok()) return upstream;
+  const auto* c = static_cast<const AddChunk*>(chunk);
+  return c->accumulator->add(c->first, c->count, c->values);
 }
 
 Status GradReducer::wait() {
@@ -350,7 +360,7 @@ template <typename Fill>
 Status GradReducer::reduce_group_on_device(std::uint32_t g, Fill fill) {
   const GroupInfo& info = partitioner_.group(g);
   const std::size_t shard = info.shard_element_count;
-  const std::string name = fmt::format("grads group {}", g);
+  const std::string& name = group_names_[g];
   for (std::size_t c0 = 0; c0 < shard; c0 += chunk_elements_) {
     const std::size_t count = std::min(chunk_elements_, shard - c0);
     const int k = next_bucket_;
@@ -374,6 +384,8 @@ Status GradReducer::reduce_group_on_device(std::uint32_t g, Fill fill) {
     } else {
       float* staged = recv_host_[k].as<float>();
       ZINF_RETURN_IF_ERROR(device_.copy_d2h(staged, recv, count * sizeof(float), *stream_));
+      // The host does not wait for the bucket here (only the fill stream does), so each chunk
+      // carries its own closure.
       GradAccumulator* acc = accumulator_;
       ZINF_RETURN_IF_ERROR(device_.launch_host(
           *stream_, [acc, first, staged, count]() { return acc->add(first, count, staged); }));

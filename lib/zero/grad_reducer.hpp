@@ -35,14 +35,15 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "device/device_ops.hpp"
 #include "zero/grad_accumulator.hpp"
 #include "zero/partitioner.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
-#include "zinf/engine.hpp"
 #include "zinf/status.hpp"
 #include "zinf/trace.hpp"
 
@@ -84,7 +85,7 @@ class GradReducer {
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
                                                      const GradReducerOptions& options,
-                                                     EngineCounters* counters);
+                                                     ZeroCounters* counters);
   ~GradReducer();
 
   // The accumulator's size and where group g's slice starts in it.
@@ -111,7 +112,7 @@ class GradReducer {
 
  private:
   GradReducer(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
-              float* accumulator, const GradReducerOptions& options, EngineCounters* counters);
+              float* accumulator, const GradReducerOptions& options, ZeroCounters* counters);
   // Reduce-scatters group g, bucket by bucket; `fill(dst, group_offset, count)` writes `count`
   // f32 gradient elements of the group starting at `group_offset` into `dst`.
   template <typename Fill>
@@ -134,11 +135,22 @@ class GradReducer {
   GradAccumulator* accumulator_;         // null with options.accumulator_on_device
   float* device_accumulator_ = nullptr;  // options.accumulator_on_device: the device array
   GradReducerOptions options_;
-  EngineCounters* counters_;
+  ZeroCounters* counters_;
   std::vector<std::size_t> offsets_;
   std::size_t partition_elements_ = 0;
   std::size_t chunk_elements_ = 1;
-  std::vector<std::uint32_t> counts_;  // per parameter: micro-batches reduced
+  std::vector<std::uint32_t> counts_;     // per parameter: micro-batches reduced
+  std::vector<std::string> group_names_;  // "grads group <g>", the collectives' names
+  // A reduced chunk bound for the accumulator, added by a host function on stream_: one record
+  // per bucket, reused once the bucket's previous work has run, so a chunk allocates nothing.
+  struct AddChunk {
+    GradAccumulator* accumulator = nullptr;
+    std::size_t first = 0;
+    const float* values = nullptr;
+    std::size_t count = 0;
+  };
+  static Status add_chunk(void* chunk, const Status& upstream);
+  AddChunk add_chunks_[2];
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> done_;
   DeviceBuffer buckets_[2];

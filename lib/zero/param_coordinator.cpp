@@ -17,7 +17,7 @@ std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage *
 
 ParamCoordinator::ParamCoordinator(const Partitioner& partitioner, int rank, Device& device,
                                    Communicator& comm, const ParamCoordinatorOptions& options,
-                                   SwapSpace* swap, EngineCounters* counters)
+                                   SwapSpace* swap, ZeroCounters* counters)
     : partitioner_(partitioner),
       rank_(rank),
       device_(device),
@@ -34,7 +34,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
     const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
     std::vector<CoordinatorModule> modules, std::vector<bool> persistent,
     const ParamCoordinatorOptions& options, SwapSpace* swap, IoEngine* io,
-    EngineCounters* counters) {
+    ZeroCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
   ZINF_ASSERT(persistent.size() == partitioner.group_count());
   std::unique_ptr<ParamCoordinator> c(

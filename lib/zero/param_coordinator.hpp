@@ -50,7 +50,7 @@
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
-#include "zinf/engine.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/status.hpp"
 #include "zinf/trace.hpp"
 
@@ -84,7 +84,7 @@ class ParamCoordinator {
                                                           std::vector<bool> persistent,
                                                           const ParamCoordinatorOptions& options,
                                                           SwapSpace* swap, IoEngine* io,
-                                                          EngineCounters* counters);
+                                                          ZeroCounters* counters);
   ~ParamCoordinator();
 
   // Stores this rank's new shard of group g (shard_element_count elements of the group's dtype,
@@ -138,7 +138,7 @@ class ParamCoordinator {
   };
   ParamCoordinator(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
                    const ParamCoordinatorOptions& options, SwapSpace* swap,
-                   EngineCounters* counters);
+                   ZeroCounters* counters);
   Status issue(std::size_t m, bool prefetch);
   Status wait_ready(std::size_t m);
   // A device buffer of `bytes` for a gather: a spare one of that size, else a new one.
@@ -156,7 +156,7 @@ class ParamCoordinator {
   Communicator& comm_;
   ParamCoordinatorOptions options_;
   SwapSpace* swap_;
-  EngineCounters* counters_;
+  ZeroCounters* counters_;
   std::vector<Module> modules_;
   std::vector<bool> persistent_;
   std::vector<DeviceBuffer> full_;  // per group: persistent, or gathered

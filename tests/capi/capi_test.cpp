@@ -105,7 +105,7 @@ Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
   ZINF_RETURN_IF_ERROR(engine->finalize());
   const std::size_t module_count = capi_model_module_count();
   for (int step = 1; step <= kSteps; ++step) {
-    if (step == kLrChangeStep) engine->set_learning_rate(kLrChangeValue);
+    if (step == kLrChangeStep) ZINF_RETURN_IF_ERROR(engine->set_learning_rate(kLrChangeValue));
     for (int micro = 0; micro < c.micro_batches; ++micro) {
       const double loss_scale = engine->loss_scale();
       for (std::size_t m = 0; m < module_count; ++m) {

@@ -2,6 +2,7 @@
 // names the key and the reason; config_to_json round-trips.
 #include "zinf/config.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -48,7 +49,7 @@ TEST(Config, ReadsThePlannersExample) {
   EXPECT_EQ(c->zero.stage3_prefetch_bucket_size, 60397977u);
   EXPECT_EQ(c->zero.stage3_max_live_parameters, 1711308800u);
   EXPECT_EQ(c->zero.stage3_param_persistence_threshold, 81920u);
-  EXPECT_EQ(c->aio_block_size, 1048576u);
+  EXPECT_EQ(c->aio_block_bytes, 1048576u);
   EXPECT_EQ(c->aio_queue_depth, 32u);
   EXPECT_EQ(c->world_size, 4);
   EXPECT_EQ(c->ranks_per_machine, 4);
@@ -96,7 +97,6 @@ TEST(Config, ReadsDeepSpeedOptimizerFp16AndFloatCounts) {
              "loss_scale_window": 500, "hysteresis": 1, "min_loss_scale": 0.5},
     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.8, 0.95], "eps": 1e-6,
                                              "weight_decay": 0.1}},
-    "scheduler": {"type": "WarmupLR"},
     "zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}
   })");
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
@@ -147,6 +147,28 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
       {R"({"gradient_clipping": -1})", "gradient_clipping", ">= 0"},
       {R"({"optimizer": {"type": "SGD"}})", "optimizer.type", "\"Adam\""},
       {R"({"optimizer": {"params": {"betas": [0.9]}}})", "optimizer.params.betas", "pair"},
+      {R"({"optimizer": {"type": "Adagrad", "params": {"betas": [0.9, 0.99]}}})",
+       "optimizer.params.betas", "not a parameter of DeepSpeed's Adagrad"},
+      {R"({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})", "optimizer.params.eps",
+       "not a parameter of DeepSpeed's Lion"},
+      {R"({"optimizer": {"type": "Adam", "params": {"max_grad_norm": 1.0}}})",
+       "optimizer.params.max_grad_norm", "gradient_clipping"},
+      {R"({"optimizer": {"type": "Adam", "params": {"torch_adam": true, "bias_correction": false}}})",
+       "optimizer.params.bias_correction", "torch.optim.Adam"},
+      {R"({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}})", "optimizer.params.lr",
+       "Hugging Face"},
+      {R"({"zero_optimization": {"stage": "auto"}})", "zero_optimization.stage", "Hugging Face"},
+      {R"({"scheduler": {"type": "WarmupLR"}})", "scheduler", "set_learning_rate"},
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "CPU"}}})",
+       "zero_optimization.offload_optimizer.device", "\"none\", \"cpu\" or \"nvme\""},
+      {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.3}}})",
+       "zero_optimization.offload_optimizer.ratio", "all of the optimizer state"},
+      {R"({"fp16": {"consecutive_hysteresis": true}})", "fp16.consecutive_hysteresis",
+       "not supported"},
+      {R"({"aio": {"use_gds": true}})", "aio.use_gds", "GPUDirect"},
+      {R"({"zinf": {"world_size": 6, "ranks_per_machine": 4}})", "zinf.ranks_per_machine",
+       "does not divide"},
+      {R"({"some_new_section": {}})", "some_new_section", "unknown key"},
       {R"({"optimizer": {"params": {"betas": [0.9, 1.0]}}})", "optimizer.params.betas", "[0, 1)"},
       {R"({"optimizer": {"params": {"amsgrad": true}}})", "optimizer.params.amsgrad",
        "not supported"},
@@ -165,6 +187,106 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
     const std::string message(r.status().message());
     EXPECT_EQ(message.rfind(c.key, 0), 0u) << message;
     EXPECT_NE(message.find(c.why), std::string::npos) << message;
+  }
+}
+
+// Keys are case-sensitive (DeepSpeed's are); a key that differs from a known one only in case is
+// refused with the right spelling in the message.
+TEST(Config, MisCasedKeysAreRefusedWithTheRightSpelling) {
+  const BadCase cases[] = {
+      {R"({"Zero_Optimization": {"stage": 3}})", "Zero_Optimization", "\"zero_optimization\""},
+      {R"({"zero_optimization": {"Stage": 3}})", "zero_optimization.Stage", "\"stage\""},
+      {R"({"zero_optimization": {"offload_optimizer": {"Device": "cpu"}}})",
+       "zero_optimization.offload_optimizer.Device", "\"device\""},
+      {R"({"optimizer": {"Type": "Adam"}})", "optimizer.Type", "\"type\""},
+      {R"({"zinf": {"World_Size": 2}})", "zinf.World_Size", "\"world_size\""},
+  };
+  for (const BadCase& c : cases) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    const std::string message(r.status().message());
+    EXPECT_EQ(message.rfind(c.key, 0), 0u) << message;
+    EXPECT_NE(message.find("case-sensitive"), std::string::npos) << message;
+    EXPECT_NE(message.find(c.why), std::string::npos) << message;
+  }
+}
+
+// The first refused key in file order is the one named, and check_config reports every key.
+TEST(Config, CheckReportsEveryKeyInFileOrder) {
+  const char* text = R"({
+    "train_batch_size": 32,
+    "steps_per_print": 10,
+    "zero_optimization": {"stage": 3, "overlap_comm": true,
+                          "offload_optimizer": {"device": "nvme", "nvme_path": "/n",
+                                                "pin_memory": true}},
+    "scheduler": {"type": "WarmupLR"},
+    "optimizer": {"type": "ADAMW", "params": {"lr": 1e-4, "amsgrad": true}}
+  })";
+  Result<std::vector<KeyReport>> r = check_config(text);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  std::vector<std::string> lines;
+  for (const KeyReport& k : *r) {
+    lines.push_back(fmt::format("{} {}", k.key, key_use_name(k.use)));
+  }
+  const std::vector<std::string> want = {
+      "train_batch_size accepted, no effect in zinf",
+      "steps_per_print accepted, no effect in zinf",
+      "zero_optimization.stage used",
+      "zero_optimization.overlap_comm accepted, no effect in zinf",
+      "zero_optimization.offload_optimizer.device used",
+      "zero_optimization.offload_optimizer.nvme_path used",
+      "zero_optimization.offload_optimizer.pin_memory accepted, no effect in zinf",
+      "scheduler refused",
+      "optimizer.type used",
+      "optimizer.params.lr used",
+      "optimizer.params.amsgrad refused",
+  };
+  EXPECT_EQ(lines, want);
+  for (const KeyReport& k : *r) {
+    EXPECT_EQ(k.why.empty(), k.use == KeyUse::kUsed) << k.key;
+  }
+  Result<Config> c = parse_config(text);
+  ASSERT_FALSE(c.is_ok());
+  EXPECT_EQ(c.status().message().rfind("scheduler: ", 0), 0u) << c.status().to_string();
+}
+
+// What each optimizer section becomes: DeepSpeed's type names in any case, "Adam" as AdamW
+// unless adam_w_mode is false, and DeepSpeed's defaults per type (docs/ENGINE.md).
+TEST(Config, OptimizerTypesAndDefaultsAreDeepSpeeds) {
+  struct Want {
+    const char* json;
+    OptimizerKind kind;
+    double lr, eps, weight_decay, beta2;
+  };
+  const Want cases[] = {
+      {R"({"type": "Adam"})", OptimizerKind::kAdamW, 1e-3, 1e-8, 0.0, 0.999},
+      {R"({"type": "adam", "params": {"adam_w_mode": false}})", OptimizerKind::kAdam, 1e-3, 1e-8,
+       0.0, 0.999},
+      {R"({"type": "AdamW"})", OptimizerKind::kAdamW, 1e-3, 1e-8, 0.0, 0.999},
+      {R"({"type": "AdamW", "params": {"adam_w_mode": false}})", OptimizerKind::kAdamW, 1e-3, 1e-8,
+       0.0, 0.999},
+      {R"({"type": "AdamW", "params": {"torch_adam": true}})", OptimizerKind::kAdamW, 1e-3, 1e-8,
+       0.01, 0.999},
+      {R"({"type": "Adam", "params": {"torch_adam": true, "adam_w_mode": false}})",
+       OptimizerKind::kAdam, 1e-3, 1e-8, 0.0, 0.999},
+      {R"({"type": "ADAGRAD"})", OptimizerKind::kAdagrad, 1e-2, 1e-10, 0.0, 0.999},
+      {R"({"type": "Lion"})", OptimizerKind::kLion, 1e-3, 1e-8, 0.0, 0.999},
+      {R"({"type": "lion", "params": {"betas": [0.95, 0.98], "weight_decay": 0.1}})",
+       OptimizerKind::kLion, 1e-3, 1e-8, 0.1, 0.98},
+  };
+  for (const Want& w : cases) {
+    Result<Config> c = parse_config(fmt::format(R"({{"optimizer": {}}})", w.json));
+    ASSERT_TRUE(c.is_ok()) << w.json << ": " << c.status().to_string();
+    EXPECT_EQ(c->optimizer.kind, w.kind) << w.json;
+    EXPECT_EQ(c->optimizer.lr, w.lr) << w.json;
+    EXPECT_EQ(c->optimizer.eps, w.eps) << w.json;
+    EXPECT_EQ(c->optimizer.weight_decay, w.weight_decay) << w.json;
+    EXPECT_EQ(c->optimizer.beta2, w.beta2) << w.json;
+    // The writer keeps the meaning: read back, the same optimizer.
+    Result<Config> back = parse_config(config_to_json(*c));
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(back->optimizer.kind, w.kind) << w.json;
+    EXPECT_EQ(back->optimizer.weight_decay, w.weight_decay) << w.json;
   }
 }
 

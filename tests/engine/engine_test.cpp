@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <set>
@@ -480,7 +482,7 @@ TEST(EngineBadInput, UnwritableNvmePathFailsAtOpenNamingKeyAndPath) {
   std::FILE* f = std::fopen(file.c_str(), "w");
   ASSERT_NE(f, nullptr);
   std::fclose(f);
-  for (const std::string& path : {file, dir.path() + "/missing", std::string("/proc/zinf")}) {
+  for (const std::string& path : {file, std::string("/proc/zinf")}) {
     Config config = engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, path);
     Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
     ASSERT_FALSE(engine.is_ok()) << path;
@@ -647,12 +649,12 @@ TEST(EngineLearningRate, SetLearningRateTakesEffectAtTheNextStep) {
       ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
       std::vector<std::vector<float>> a, b, c;
       ZINF_RETURN_IF_ERROR(read_all(*engine, model, &a));
-      engine->set_learning_rate(0.0);
+      ZINF_RETURN_IF_ERROR(engine->set_learning_rate(0.0));
       o.first_step = 2;
       o.steps = 2;
       ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
       ZINF_RETURN_IF_ERROR(read_all(*engine, model, &b));
-      engine->set_learning_rate(1e-2);
+      ZINF_RETURN_IF_ERROR(engine->set_learning_rate(1e-2));
       o.first_step = 3;
       o.steps = 3;
       ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
@@ -785,6 +787,148 @@ TEST(EngineTelemetry, ReportsAndMemoryPerTier) {
   EXPECT_GT(memory[0].nvme_bytes, r.optimizer_nvme_read_bytes);
   EXPECT_GT(memory[0].host_bytes, 0u);
   EXPECT_GT(memory[0].device_bytes, 0u);  // the persistent small parameters
+}
+
+TEST(EngineLearningRate, NanInfiniteAndNegativeRatesAreRefusedAndChangeNothing) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.optimizer.lr = 3e-3;
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  for (double lr :
+       {std::numeric_limits<double>::quiet_NaN(), std::numeric_limits<double>::infinity(),
+        -std::numeric_limits<double>::infinity(), -1e-3}) {
+    Status st = (*engine)->set_learning_rate(lr);
+    EXPECT_EQ(st.code(), Code::kInvalidArgument) << lr;
+    EXPECT_TRUE(contains(st, "set_learning_rate")) << st.to_string();
+    EXPECT_EQ((*engine)->config().optimizer.lr, 3e-3);
+  }
+  EXPECT_TRUE((*engine)->set_learning_rate(0.0).is_ok());
+  EXPECT_EQ((*engine)->config().optimizer.lr, 0.0);
+}
+
+// read_parameters() on a rank whose device cannot hold the gathered group fails there, and every
+// other rank fails at once with kAborted naming that rank, instead of waiting in the all-gather
+// until the collective timeout (60 s here).
+TEST(EngineFailure, ReadParametersFailsEveryRankPromptlyWhenOneCannotAllocate) {
+  const Model model = engine_test::make_model(DType::kF32, 19);
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  config.collective_timeout_ms = 60'000;
+  const std::string name = model.params[0].name;
+  // The bytes each rank's engine uses once finalized, to set rank 1's limit just above them.
+  std::vector<std::size_t> used(2);
+  {
+    engine_test::Ranks ranks = engine_test::make_ranks(2);
+    std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+      ZINF_RETURN_IF_ERROR(engine->finalize());
+      used[static_cast<std::size_t>(rank)] =
+          ranks.devices[static_cast<std::size_t>(rank)]->memory_used_bytes();
+      return Status::ok();
+    });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < 2; ++r) {
+    HostDeviceOptions o;
+    o.ordinal = r;
+    if (r == 1) o.memory_limit_bytes = used[1] + 16;  // no room for any gathered group
+    devices.push_back(std::move(make_host_device(o)).value());
+    raw.push_back(devices.back().get());
+  }
+  LocalCommOptions co;
+  co.timeout = std::chrono::seconds(60);
+  std::vector<std::unique_ptr<Communicator>> comms =
+      std::move(make_local_comm_group(raw, co)).value();
+  std::vector<Status> read(2);
+  std::vector<double> seconds(2);
+  std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Env env;
+    env.device = devices[r].get();
+    env.comm = comms[r].get();
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    ZINF_RETURN_IF_ERROR(engine->finalize());
+    std::vector<float> out(model.params[0].element_count());
+    const auto start = std::chrono::steady_clock::now();
+    read[r] = engine->read_parameters(name, out.data());
+    seconds[r] = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return Status::ok();
+  });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(read[1].code(), Code::kResourceExhausted) << read[1].to_string();
+  EXPECT_EQ(read[0].code(), Code::kAborted) << read[0].to_string();
+  EXPECT_TRUE(contains(read[0], "rank 1")) << read[0].to_string();
+  EXPECT_TRUE(contains(read[0], name)) << read[0].to_string();
+  EXPECT_LT(seconds[0], 10.0);
+  EXPECT_LT(seconds[1], 10.0);
+}
+
+TEST(EngineNvmePath, AMissingDirectoryIsCreatedWithItsParentsAndLogged) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  engine_test::ScratchDir dir("nvme-create");
+  const std::string path = dir.path() + "/not/there/yet";
+  Config config = engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNvme, path);
+  ::testing::internal::CaptureStderr();
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  EXPECT_TRUE(std::filesystem::is_directory(path));
+  EXPECT_NE(log.find("created the missing directory '" + path + "'"), std::string::npos) << log;
+  EXPECT_NE(log.find("zero_optimization.offload_optimizer.nvme_path"), std::string::npos) << log;
+  // It trains there.
+  const Model model = engine_test::make_model(DType::kF32, 5);
+  TrainOptions o;
+  o.steps = 2;
+  o.check_gathered = false;
+  EXPECT_TRUE(engine_test::train_rank(**engine, model, 0, o, nullptr, nullptr).is_ok());
+}
+
+TEST(EngineNvmePath, AnExistingDirectoryIsNotReportedAsCreated) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  engine_test::ScratchDir dir("nvme-exists");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  ::testing::internal::CaptureStderr();
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  EXPECT_EQ(log.find("created"), std::string::npos) << log;
+}
+
+// DeepSpeed's default persistence threshold (1e5 elements) keeps every parameter of a small
+// model gathered: stage 3 then shards nothing, which the log says once (rank 0).
+TEST(EngineStage3, AModelLeftEntirelyUnshardedByPersistenceIsWarnedOnce) {
+  const Model model = engine_test::make_model(DType::kF32, 23);
+  for (std::size_t threshold : {std::size_t{100'000}, std::size_t{30}}) {
+    Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+    config.zero.stage3_param_persistence_threshold = threshold;
+    engine_test::Ranks ranks = engine_test::make_ranks(2);
+    ::testing::internal::CaptureStderr();
+    std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      TrainOptions o;
+      o.steps = 2;
+      o.check_gathered = false;
+      return engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr);
+    });
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+    const std::string key = "stage3_param_persistence_threshold";
+    std::size_t lines = 0;
+    for (std::size_t at = log.find(key); at != std::string::npos; at = log.find(key, at + 1)) {
+      ++lines;
+    }
+    if (threshold == 100'000) {
+      EXPECT_EQ(lines, 1u) << log;
+      EXPECT_NE(log.find("nothing is sharded"), std::string::npos) << log;
+    } else {
+      EXPECT_EQ(lines, 0u) << log;
+    }
+  }
 }
 
 }  // namespace

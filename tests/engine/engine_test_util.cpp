@@ -374,7 +374,7 @@ Config small_config(int stage, OffloadDevice optimizer, OffloadDevice params,
   c.zero.stage3_prefetch_bucket_size = 1600;
   c.zero.stage3_max_live_parameters = 2500;
   c.zero.stage3_param_persistence_threshold = 30;
-  c.aio_block_size = 65536;
+  c.aio_block_bytes = 65536;
   c.aio_queue_depth = 8;
   c.cpu_threads = 1;
   c.collective_timeout_ms = 30'000;

@@ -83,9 +83,10 @@ class OptimizerStateContract : public ::testing::TestWithParam<Home> {
     auto event = device_->create_event();
     ASSERT_TRUE(event.is_ok());
     event_ = std::move(event).value();
-    RankExchange exchange(*device_, *ranks_.comms[0], *stream_, *event_, std::chrono::seconds(30),
-                          sticky_);
-    ASSERT_TRUE(layout_.lay_out(config_, 0, 1, exchange).is_ok());
+    auto exchange = RankExchange::create(*device_, *ranks_.comms[0], *stream_, *event_,
+                                         std::chrono::seconds(30), sticky_);
+    ASSERT_TRUE(exchange.is_ok());
+    ASSERT_TRUE(layout_.lay_out(config_, 0, 1, *exchange).is_ok());
     // At world 1 the partition is every group whole, padding included (zeros).
     initial_.assign(layout_.partition_elements(), 0.0f);
     for (std::size_t i = 0; i < std::size(kCounts); ++i) {
@@ -157,7 +158,7 @@ class OptimizerStateContract : public ::testing::TestWithParam<Home> {
   ParameterLayout layout_;
   Publisher publisher_{layout_};
   StickyError sticky_;
-  EngineCounters counters_;
+  ZeroCounters counters_;
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> event_;
   std::unique_ptr<IoEngine> io_;

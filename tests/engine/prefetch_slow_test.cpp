@@ -53,7 +53,7 @@ Timing run(OffloadDevice tier, bool prefetch, double compute_ms, const std::stri
   // Two modules ahead, or none.
   config.zero.stage3_prefetch_bucket_size = prefetch ? (2u << 20) : 0;
   config.zero.offload_param.buffer_count = 4;
-  config.aio_block_size = 1 << 20;
+  config.aio_block_bytes = 1 << 20;
   const Model model = big_model();
   engine_test::Ranks ranks = engine_test::make_ranks(world);
   std::vector<Timing> timing(world);

@@ -38,7 +38,7 @@ TEST(StepCost, StepWallBesideTheOptimizerPass) {
     config.zero.reduce_bucket_size = 1 << 22;
     config.zero.stage3_max_live_parameters = 4u << 20;
     config.zero.stage3_prefetch_bucket_size = 1u << 20;
-    config.aio_block_size = 1 << 20;
+    config.aio_block_bytes = 1 << 20;
     config.cpu_threads = 0;
     engine_test::TrainOptions options;
     options.steps = steps;

@@ -12,6 +12,7 @@
 #include <string>
 
 #include "plan/profile.hpp"
+#include "zinf/config.hpp"
 
 namespace zinf::plan {
 namespace {
@@ -117,6 +118,75 @@ TEST(Config, ErrorsNameTheKey) {
     EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << c.text;
     EXPECT_NE(r.status().message().find(c.key), std::string_view::npos)
         << c.text << " -> " << r.status().to_string();
+  }
+}
+
+// One schema: the planner's output opens as the engine's config, the engine's writer output reads
+// back as the same plan, for every placement the planner can choose.
+TEST(Config, PlannerAndEngineRoundTripThroughEachOther) {
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (Offload opt : {Offload::kNone, Offload::kCpu, Offload::kNvme}) {
+      for (Offload param : {Offload::kNone, Offload::kCpu, Offload::kNvme}) {
+        if (stage != 3 && param != Offload::kNone) continue;
+        PlanConfig a = sample();
+        a.setup.stage = stage;
+        a.setup.optimizer = opt;
+        a.setup.params = param;
+        a.setup.gradients_on_nvme = opt == Offload::kNvme && stage > 1;
+        a.pinned_pool_bytes = pinned_pool_bytes(a.setup);
+        const std::string plan_text = config_to_json(a);
+        // The planner's text, read by the engine's parser...
+        Result<zinf::Config> engine = zinf::parse_config(plan_text);
+        ASSERT_TRUE(engine.is_ok()) << engine.status().to_string() << "\n" << plan_text;
+        EXPECT_EQ(engine->zero.stage, stage);
+        EXPECT_EQ(engine->zero.sub_group_size, a.setup.sub_group_params);
+        EXPECT_EQ(engine->aio_queue_depth, a.setup.io_queue_depth);
+        EXPECT_EQ(engine->pinned_pool_bytes, a.pinned_pool_bytes);
+        // ... written by the engine's writer, and read by the planner: the same plan.
+        const std::string engine_text = zinf::config_to_json(*engine);
+        Result<PlanConfig> b = config_from_json(engine_text);
+        ASSERT_TRUE(b.is_ok()) << b.status().to_string() << "\n" << engine_text;
+        EXPECT_EQ(b->setup.stage, a.setup.stage);
+        EXPECT_EQ(b->setup.optimizer, a.setup.optimizer);
+        EXPECT_EQ(b->setup.params, a.setup.params);
+        EXPECT_EQ(b->setup.world_size, a.setup.world_size);
+        EXPECT_EQ(b->setup.ranks_per_machine, a.setup.ranks_per_machine);
+        EXPECT_EQ(b->setup.buffer_count, a.setup.buffer_count);
+        EXPECT_EQ(b->setup.max_live_params, a.setup.max_live_params);
+        EXPECT_EQ(b->setup.device_reserved_bytes, a.setup.device_reserved_bytes);
+        EXPECT_EQ(b->micro_batch, a.micro_batch);
+        EXPECT_EQ(b->grad_accum_steps, a.grad_accum_steps);
+        EXPECT_EQ(b->pinned_pool_bytes, a.pinned_pool_bytes);
+        EXPECT_EQ(b->nvme_path,
+                  opt == Offload::kNvme || param == Offload::kNvme ? a.nvme_path : "");
+        EXPECT_EQ(engine_text, plan_text);
+      }
+    }
+  }
+}
+
+// Unknown and mis-cased keys, and keys zinf refuses, fail the planner's reader with exactly the
+// engine's message.
+TEST(Config, PlannerAndEngineRefuseKeysWithTheSameMessage) {
+  const char* cases[] = {
+      R"({"zero_optimization": {"stage": 3, "bogus_knob": 1}})",
+      R"({"Zero_Optimization": {"stage": 3}})",
+      R"({"zero_optimization": {"Stage": 3}})",
+      R"({"zero_optimization": {"offload_optimizer": {"device": "GPU"}}})",
+      R"({"zero_optimization": {"offload_optimizer": {"device": "device"}}})",
+      R"({"zero_optimization": {"offload_param": {"Device": "cpu"}}})",
+      R"({"zinf": {"worldsize": 4}})",
+      R"({"aio": {"BLOCK_SIZE": 1048576}})",
+      R"({"scheduler": {"type": "WarmupLR"}})",
+      R"({"optimizer": {"type": "SGD"}})",
+  };
+  for (const char* text : cases) {
+    Result<zinf::Config> engine = zinf::parse_config(text);
+    Result<PlanConfig> plan = config_from_json(text);
+    ASSERT_FALSE(engine.is_ok()) << text;
+    ASSERT_FALSE(plan.is_ok()) << text;
+    EXPECT_EQ(plan.status().code(), Code::kInvalidArgument) << text;
+    EXPECT_EQ(plan.status().message(), engine.status().message()) << text;
   }
 }
 

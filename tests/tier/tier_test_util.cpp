@@ -45,7 +45,7 @@ Status open_rig(const std::string& name, const RigOptions& options, Rig* s) {
   per_param += dtype_bytes(grad);
   if (so.with_half) per_param += 2;
   SwapOptions swap;
-  swap.dirs = {s->dir->path()};
+  swap.dirs = {options.swap_dir.empty() ? s->dir->path() : options.swap_dir};
   swap.block_bytes = options.io_block_bytes;
   swap.capacity_bytes = per_param * so.param_count + (std::uint64_t{8} << 20) +
                         (so.param_count / 64 + 16) * 4096 * kPieceCount;

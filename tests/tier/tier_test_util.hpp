@@ -36,6 +36,8 @@ struct RigOptions {
   EngineKind engine = EngineKind::kAuto;
   std::shared_ptr<FaultInjector> faults = nullptr;
   PipelineOptions pipeline;
+  // The swap directory; "" for a fresh scratch directory.
+  std::string swap_dir;
 };
 
 // Everything one tiered optimizer needs, opened in order; `ok` false with a message on failure.

@@ -130,7 +130,7 @@ TEST(SpillAccumulator, SumsOnNvmeEqualAnInMemoryAccumulatorWithEvictions) {
   Rig rig;
   Status st = open_rig("spill", nullptr, &rig);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EngineCounters counters;
+  ZeroCounters counters;
   SpillOptions options;
   options.buffer_count = 2;
   auto acc = SpillAccumulator::create(*rig.store, options, &counters);
@@ -173,7 +173,7 @@ TEST(SpillAccumulator, InOrderChunksWriteEachSubGroupOncePerMicroBatch) {
   Rig rig;
   Status st = open_rig("inorder", nullptr, &rig);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EngineCounters counters;
+  ZeroCounters counters;
   SpillOptions options;
   options.buffer_count = 2;
   auto acc = SpillAccumulator::create(*rig.store, options, &counters);
@@ -255,7 +255,7 @@ TEST(SpillAccumulator, MultiTileSubGroupsKeepSumOfSquaresBits) {
   Rig rig;
   Status st = open_rig("tiles", nullptr, &rig, kBigParams, kBigSubGroup);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EngineCounters counters;
+  ZeroCounters counters;
   SpillOptions options;
   options.buffer_count = 2;
   auto acc = SpillAccumulator::create(*rig.store, options, &counters);
@@ -311,7 +311,7 @@ TEST(SpillAccumulator, BackwardOrderReadsTheNextSubGroupAhead) {
   Rig rig;
   Status st = open_rig("ahead", nullptr, &rig);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EngineCounters counters;
+  ZeroCounters counters;
   SpillOptions options;
   options.buffer_count = 6;
   auto acc = SpillAccumulator::create(*rig.store, options, &counters);

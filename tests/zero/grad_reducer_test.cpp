@@ -77,7 +77,7 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
   const std::size_t partition = GradReducer::partition_element_count(p);
   std::vector<std::vector<float>> acc(static_cast<std::size_t>(c.world),
                                       std::vector<float>(partition));
-  std::vector<EngineCounters> counters(static_cast<std::size_t>(c.world));
+  std::vector<ZeroCounters> counters(static_cast<std::size_t>(c.world));
   std::vector<Status> st(static_cast<std::size_t>(c.world));
   std::vector<std::thread> threads;
   for (int rank = 0; rank < c.world; ++rank) {

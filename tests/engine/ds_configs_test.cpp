@@ -1,0 +1,183 @@
+// Real DeepSpeed configs (tests/data/ds_configs, sources in SOURCES.md): each is either accepted,
+// and an engine opens with it and takes a step, or refused with one message that names the first
+// key zinf does not support. The outcome of every file is pinned here.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine_test_util.hpp"
+#include "zinf/config.hpp"
+#include "zinf/engine.hpp"
+
+namespace zinf {
+namespace {
+
+namespace fs = std::filesystem;
+
+fs::path data_dir() { return fs::path(ZINF_TEST_DATA_DIR) / "ds_configs"; }
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+struct Outcome {
+  const char* file;
+  // Empty: accepted. Else the message starts with "<key>: " and contains `why`.
+  const char* refused_key;
+  const char* why;
+};
+
+const Outcome kOutcomes[] = {
+    {"accelerate_tests_zero2.json", "fp16.enabled", "Hugging Face"},
+    {"accelerate_tests_zero3.json", "fp16.enabled", "Hugging Face"},
+    {"accelerate_zero2_offload.json", "optimizer.params.lr", "Hugging Face"},
+    {"accelerate_zero3_offload.json", "optimizer.params.lr", "Hugging Face"},
+    {"alpaca_lora_zero3.json", "", ""},
+    {"autotuning_template_zero3.json", "", ""},
+    {"docs_zero_infinity_cpu.json", "", ""},
+    {"expert_parallel_zero3_leaf.json", "zero_optimization.leaf_module", "unknown key"},
+    {"hf_transformers_zero2_auto.json", "fp16.enabled", "Hugging Face"},
+    {"hf_transformers_zero3.json", "scheduler", "set_learning_rate"},
+    {"megatron_model_size_1b.json", "zero_optimization.comm_overlap", "unknown key"},
+    {"megatron_model_size_acc_13b.json", "zero_optimization.comm_overlap", "unknown key"},
+    {"megatron_zero2.json", "", ""},
+    {"megatron_zero2_cpu_offload.json", "", ""},
+    {"megatron_zero2_offload_10b.json", "zero_optimization.comm_overlap", "unknown key"},
+    {"megatron_zero3.json", "zero_optimization.stage3_param_persitence_threshold", "unknown key"},
+    {"megatron_zero3_infinity.json", "zero_optimization.stage3_param_persitance_threshold",
+     "unknown key"},
+    {"megatron_zero3_release.json", "zero_optimization.stage3_param_persitance_threshold",
+     "unknown key"},
+    {"megatron_zero_offload.json", "optimizer.type",
+     "\"Adam\", \"AdamW\", \"Adagrad\" or \"Lion\""},
+    {"megatron_zerodual.json", "", ""},
+    {"sdma_allgather_zero3.json", "scheduler", "set_learning_rate"},
+    {"zenflow_finetuning.json", "zero_optimization.zenflow", "unknown key"},
+};
+
+// Opens an engine with `config` on one rank (HostDevice + LocalComm), registers two parameters of
+// the dtype the config asks for, and takes one step.
+Status open_and_step(const Config& config, const std::string& nvme_dir) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Env env;
+  env.device = ranks.devices[0].get();
+  env.comm = ranks.comms[0].get();
+  env.nvme_paths = {nvme_dir};
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+  const DType dtype = config.bf16_enabled   ? DType::kBF16
+                      : config.fp16.enabled ? DType::kF16
+                                            : DType::kF32;
+  std::vector<float> init(300);
+  for (std::size_t i = 0; i < init.size(); ++i) init[i] = 0.01f * static_cast<float>(i % 17);
+  for (const char* name : {"w", "b"}) {
+    ParameterSpec spec;
+    spec.name = name;
+    spec.module = "layer";
+    spec.shape = {name[0] == 'w' ? 200 : 100};
+    spec.dtype = dtype;
+    spec.initial_values = init.data();
+    ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
+  }
+  ZINF_RETURN_IF_ERROR(engine->finalize());
+  ZINF_RETURN_IF_ERROR(engine->gather("layer"));
+  std::vector<float> g32(200, 0.5f);
+  std::vector<std::uint16_t> g16(200);
+  const void* grads = g32.data();
+  if (dtype == DType::kBF16) {
+    convert_f32_to_bf16(g32.data(), g16.data(), g16.size());
+    grads = g16.data();
+  } else if (dtype == DType::kF16) {
+    convert_f32_to_f16(g32.data(), g16.data(), g16.size());
+    grads = g16.data();
+  }
+  const GradientRef refs[] = {{"w", grads, 200, dtype}, {"b", grads, 100, dtype}};
+  ZINF_RETURN_IF_ERROR(engine->reduce_gradients("layer", refs));
+  ZINF_RETURN_IF_ERROR(engine->release("layer"));
+  ZINF_ASSIGN_OR_RETURN(StepReport report, engine->step());
+  if (report.step != 1) return Status::internal("the step was not applied");
+  return Status::ok();
+}
+
+TEST(DsConfigs, EveryFileIsPinned) {
+  std::set<std::string> on_disk;
+  for (const fs::directory_entry& e : fs::directory_iterator(data_dir())) {
+    if (e.path().extension() == ".json") on_disk.insert(e.path().filename().string());
+  }
+  std::set<std::string> pinned;
+  for (const Outcome& o : kOutcomes) pinned.insert(o.file);
+  EXPECT_EQ(on_disk, pinned);
+  EXPECT_GE(on_disk.size(), 20u);
+}
+
+TEST(DsConfigs, EachIsAcceptedAndOpensOrRefusedNamingOneKey) {
+  int accepted = 0;
+  for (const Outcome& o : kOutcomes) {
+    SCOPED_TRACE(o.file);
+    const std::string text = read_text(data_dir() / o.file);
+    ASSERT_FALSE(text.empty());
+    Result<Config> config = parse_config(text);
+    Result<std::vector<KeyReport>> reports = check_config(text);
+    ASSERT_TRUE(reports.is_ok()) << reports.status().to_string();
+    int refused = 0;
+    std::string first_refused;
+    for (const KeyReport& r : *reports) {
+      if (r.use != KeyUse::kRefused) continue;
+      if (refused++ == 0) first_refused = r.key;
+    }
+    if (o.refused_key[0] == '\0') {
+      ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+      EXPECT_EQ(refused, 0);
+      engine_test::ScratchDir dir(fmt::format("ds_configs_{}", o.file));
+      const Status s = open_and_step(*config, dir.path());
+      EXPECT_TRUE(s.is_ok()) << s.to_string();
+      ++accepted;
+      continue;
+    }
+    ASSERT_FALSE(config.is_ok());
+    EXPECT_EQ(config.status().code(), Code::kInvalidArgument);
+    const std::string message(config.status().message());
+    EXPECT_EQ(message.rfind(fmt::format("{}: ", o.refused_key), 0), 0u) << message;
+    EXPECT_NE(message.find(o.why), std::string::npos) << message;
+    // `zinf config check` names the same key first.
+    EXPECT_EQ(first_refused, o.refused_key);
+  }
+  EXPECT_GE(accepted, 5);
+}
+
+// What the accepted files mean: the keys DeepSpeed acts on, read with DeepSpeed's meaning.
+TEST(DsConfigs, AcceptedFilesMeanWhatDeepSpeedMeans) {
+  Result<Config> alpaca = parse_config(read_text(data_dir() / "alpaca_lora_zero3.json"));
+  ASSERT_TRUE(alpaca.is_ok()) << alpaca.status().to_string();
+  EXPECT_EQ(alpaca->zero.stage, 3);
+  EXPECT_EQ(alpaca->zero.offload_optimizer.device, OffloadDevice::kHost);
+  EXPECT_EQ(alpaca->zero.offload_param.device, OffloadDevice::kHost);
+  EXPECT_EQ(alpaca->zero.sub_group_size, 100'000'000u);
+  EXPECT_EQ(alpaca->zero.reduce_bucket_size, 10'000'000u);
+  EXPECT_TRUE(alpaca->fp16.enabled);
+  EXPECT_EQ(alpaca->fp16.initial_scale_power, 8);
+  // "Adam" without adam_w_mode is AdamW in DeepSpeed; weight_decay defaults to 0.
+  EXPECT_EQ(alpaca->optimizer.kind, OptimizerKind::kAdamW);
+  EXPECT_EQ(alpaca->optimizer.lr, 1e-4);
+  EXPECT_EQ(alpaca->optimizer.weight_decay, 0.0);
+  EXPECT_EQ(alpaca->gradient_clipping, 1.0);
+
+  // The deprecated zero_optimization.cpu_offload: true is offload_optimizer "cpu".
+  Result<Config> offload = parse_config(read_text(data_dir() / "megatron_zero2_cpu_offload.json"));
+  ASSERT_TRUE(offload.is_ok()) << offload.status().to_string();
+  EXPECT_EQ(offload->zero.stage, 2);
+  EXPECT_EQ(offload->zero.offload_optimizer.device, OffloadDevice::kHost);
+  EXPECT_EQ(offload->fp16.loss_scale, 0.0);
+  EXPECT_EQ(offload->optimizer.lr, 0.00015);
+}
+
+}  // namespace
+}  // namespace zinf

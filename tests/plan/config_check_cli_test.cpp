@@ -1,0 +1,99 @@
+// `zinf config check FILE` as a user runs it: one line per key with what zinf does with it, and
+// exit code 0 when the file is accepted, 1 when a key is refused. Runs the zinf binary of the same
+// build (bin/zinf beside tests/); skips, saying so, when it has not been built.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+
+#include "cli_test_util.hpp"
+
+namespace zinf::plan {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string data_file(const char* name) {
+  return (fs::path(ZINF_TEST_DATA_DIR) / "ds_configs" / name).string();
+}
+
+// The line of `out` that starts with `key` followed by spaces, or "".
+std::string line_of(const std::string& out, const std::string& key) {
+  std::size_t at = 0;
+  while (at < out.size()) {
+    const std::size_t end = out.find('\n', at);
+    const std::string line = out.substr(at, end == std::string::npos ? end : end - at);
+    if (line.rfind(key + " ", 0) == 0) return line;
+    if (end == std::string::npos) break;
+    at = end + 1;
+  }
+  return "";
+}
+
+class ConfigCheckCli : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (zinf_binary().empty()) GTEST_SKIP() << "bin/zinf is not built: build target zinf_cli";
+  }
+};
+
+TEST_F(ConfigCheckCli, AcceptedFileExitsZeroAndSaysWhatEachKeyDoes) {
+  std::string out;
+  const int code =
+      run_command(zinf_binary() + " config check " + data_file("alpaca_lora_zero3.json"), &out);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(line_of(out, "zero_optimization.stage").find("used"), std::string::npos) << out;
+  EXPECT_NE(line_of(out, "optimizer.params.lr").find("used"), std::string::npos) << out;
+  const std::string pin = line_of(out, "zero_optimization.offload_optimizer.pin_memory");
+  EXPECT_NE(pin.find("accepted, no effect in zinf (zinf pins"), std::string::npos) << out;
+  const std::string steps = line_of(out, "steps_per_print");
+  EXPECT_NE(steps.find("accepted, no effect in zinf ("), std::string::npos) << out;
+  EXPECT_NE(line_of(out, "activation_checkpointing").find("no effect"), std::string::npos) << out;
+  EXPECT_EQ(out.find("refused"), std::string::npos) << out;
+  EXPECT_NE(out.find("accepted"), std::string::npos) << out;
+}
+
+TEST_F(ConfigCheckCli, RefusedFileExitsOneAndSaysWhy) {
+  std::string out;
+  const int code =
+      run_command(zinf_binary() + " config check " + data_file("hf_transformers_zero3.json"), &out);
+  EXPECT_EQ(code, 1) << out;
+  EXPECT_NE(line_of(out, "scheduler").find("refused (learning-rate schedules"), std::string::npos)
+      << out;
+  // Every other key still gets its line.
+  EXPECT_NE(line_of(out, "optimizer.params.betas").find("used"), std::string::npos) << out;
+  EXPECT_NE(line_of(out, "zero_optimization.overlap_comm").find("no effect"), std::string::npos)
+      << out;
+}
+
+TEST_F(ConfigCheckCli, JsonListsEveryKey) {
+  std::string out;
+  const int code = run_command(
+      zinf_binary() + " config check --json " + data_file("megatron_zero3_infinity.json"), &out);
+  EXPECT_EQ(code, 1) << out;
+  const nlohmann::json j = nlohmann::json::parse(out, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << out;
+  EXPECT_EQ(j.at("accepted"), false);
+  bool found = false;
+  for (const auto& k : j.at("keys")) {
+    if (k.at("key") == "zero_optimization.stage3_param_persitance_threshold") {
+      EXPECT_EQ(k.at("use"), "refused");
+      found = true;
+    }
+    if (k.at("key") == "aio.block_size") {
+      EXPECT_EQ(k.at("use"), "used");
+    }
+  }
+  EXPECT_TRUE(found) << out;
+}
+
+TEST_F(ConfigCheckCli, MissingFileExitsOne) {
+  std::string out;
+  const int code = run_command(zinf_binary() + " config check /nonexistent/ds.json 2>&1", &out);
+  EXPECT_EQ(code, 1);
+  EXPECT_NE(out.find("/nonexistent/ds.json"), std::string::npos) << out;
+}
+
+}  // namespace
+}  // namespace zinf::plan

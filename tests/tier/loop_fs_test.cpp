@@ -1,0 +1,150 @@
+// The tiered optimizer step on a real filesystem that fails: a small ext4 on a loop device
+// (tests/common/loop_mount.hpp) holds the swap file. The disk fills up between steps; the kernel
+// turns the filesystem read-only in the middle of a step. Each ends either in a step that
+// succeeded with the exact state of the in-memory run, or in a Status naming the swap file and
+// the cause, without a hang; and every sub-group the store does not mark torn reads back, its
+// checksums verified, as exactly the old or the new state. Skips, naming the reason, where the
+// machine cannot mount a loop filesystem.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <string>
+#include <thread>
+
+#include "common/loop_mount.hpp"
+#include "io/fault.hpp"
+#include "tier_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+using test_common::LoopMount;
+using tier_test::Reference;
+using tier_test::Rig;
+using tier_test::RigOptions;
+
+RigOptions loop_rig_options(const std::string& dir, std::shared_ptr<FaultInjector> faults) {
+  RigOptions so;
+  so.swap_dir = dir;
+  so.faults = std::move(faults);
+  so.io_block_bytes = 16 << 10;
+  so.store.param_count = 200'000;
+  so.store.sub_group_params = 16'384;
+  so.store.grad_dtype = DType::kBF16;
+  so.pool_blocks = 3;
+  so.pipeline.optimizer.kind = OptimizerKind::kAdamW;
+  so.pipeline.optimizer.lr = 1e-2;
+  so.pipeline.threads = 1;
+  so.pipeline.io_timeout = std::chrono::seconds(20);
+  return so;
+}
+
+// After a failed step t: every sub-group is old, new or torn, and each that is not torn reads
+// back (checksums verified) equal to that version. Returns "torn/old/new" counts.
+std::string check_versions(Rig& s, std::int64_t t, const Reference& ref, const Reference& old) {
+  int torn = 0, old_groups = 0, new_groups = 0;
+  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+    const Version v = s.store->version(i, t);
+    if (v == Version::kTorn) {
+      ++torn;
+      continue;
+    }
+    v == Version::kNew ? ++new_groups : ++old_groups;
+    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, v == Version::kNew ? ref : old), "")
+        << "sg " << i << " says " << version_name(v);
+  }
+  return fmt::format("{} torn, {} old, {} new", torn, old_groups, new_groups);
+}
+
+TEST(LoopFilesystem, FullDiskBetweenStepsNeitherHangsNorLosesState) {
+  LoopMount mount("full-step", 128);
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  const std::uint64_t seed = 1901;
+  std::printf("loop fs full disk: seed %llu, %s on %s\n", static_cast<unsigned long long>(seed),
+              mount.path().c_str(), mount.device().c_str());
+  RigOptions so = loop_rig_options(mount.path(), nullptr);
+  Rig s;
+  Reference ref;
+  Status opened = tier_test::open_loaded_rig("loop-full", so, seed, 0, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  ref.make_grads(DType::kBF16, seed + 1);
+  ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+  ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
+  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+
+  const std::uint64_t filled = mount.fill();
+  std::printf("filled the filesystem with %llu bytes\n", static_cast<unsigned long long>(filled));
+  ref.make_grads(DType::kBF16, seed + 2);
+  ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+  const Reference old = ref;
+  ref.step(so.pipeline.optimizer, so.store, 2, 1.0f);
+  const auto start = std::chrono::steady_clock::now();
+  Result<StepStats> r = s.pipeline->step({.step = 2});
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+  if (r.is_ok()) {
+    // The swap file was preallocated at open, so a full filesystem takes nothing from it.
+    std::printf("step on a full disk: ok (the swap file is preallocated)\n");
+    EXPECT_EQ(tier_test::compare_all(*s.store, ref), "");
+    return;
+  }
+  const std::string message = r.status().to_string();
+  std::printf("step on a full disk: %s\n", message.c_str());
+  EXPECT_EQ(r.status().code(), Code::kNoSpace) << message;
+  EXPECT_NE(message.find(mount.path()), std::string::npos) << message;
+  std::printf("sub-groups: %s\n", check_versions(s, 2, ref, old).c_str());
+}
+
+TEST(LoopFilesystem, ReadOnlyMidStepFailsNamingTheFileAndKeepsUntornState) {
+  LoopMount mount("ro-step", 128);
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  const std::uint64_t seed = 1902;
+  std::printf("loop fs read-only: seed %llu, %s on %s\n", static_cast<unsigned long long>(seed),
+              mount.path().c_str(), mount.device().c_str());
+  // Every write completes 3 ms late, so that the step is still writing when the filesystem
+  // turns read-only.
+  FaultSpec spec;
+  spec.seed = seed;
+  spec.reads = false;
+  spec.latency_rate = 1.0;
+  spec.latency = std::chrono::microseconds(3000);
+  auto faults = std::make_shared<FaultInjector>(spec);
+  faults->set_enabled(false);
+  RigOptions so = loop_rig_options(mount.path(), faults);
+  Rig s;
+  Reference ref;
+  Status opened = tier_test::open_loaded_rig("loop-ro", so, seed, 0, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  ref.make_grads(DType::kBF16, seed + 1);
+  ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+  const Reference old = ref;
+  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+
+  faults->set_enabled(true);
+  bool turned = false;
+  std::thread remount([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(60));
+    turned = mount.turn_read_only();
+  });
+  const auto start = std::chrono::steady_clock::now();
+  Result<StepStats> r = s.pipeline->step({.step = 1});
+  const auto took = std::chrono::steady_clock::now() - start;
+  remount.join();
+  faults->set_enabled(false);
+  if (!turned) GTEST_SKIP() << "this kernel cannot turn ext4 read-only (no trigger_fs_error)";
+  EXPECT_LT(took, std::chrono::seconds(30));
+  ASSERT_FALSE(r.is_ok()) << "the step finished before the filesystem turned read-only; "
+                          << "it took " << std::chrono::duration<double>(took).count() << " s";
+  const std::string message = r.status().to_string();
+  std::printf("step on a filesystem turned read-only: %s\n", message.c_str());
+  EXPECT_EQ(r.status().sys_code(), EROFS) << message;
+  EXPECT_NE(message.find(mount.path()), std::string::npos) << message;
+  EXPECT_NE(message.find("optimizer step 1: sub-group "), std::string::npos) << message;
+  // Sticky, and what is on the read-only disk is still readable and verified.
+  EXPECT_EQ(s.pipeline->step({.step = 2}).status().to_string(), message);
+  std::printf("sub-groups: %s\n", check_versions(s, 1, ref, old).c_str());
+}
+
+}  // namespace
+}  // namespace zinf

@@ -1,0 +1,82 @@
+// zinf config check FILE: what zinf does with each key of a DeepSpeed config. Every key (the
+// keys of sections, not the sections) is printed in file order with "used", "accepted, no effect
+// in zinf (why)" or "refused (why)"; the exit code is 0 when the engine would accept the file, 1
+// otherwise (a refused key, or a file that cannot be read or is not a JSON object). The reports
+// come from zinf::check_config(), the walk parse_config() makes, so the first refused key printed
+// is the one parse_config() names.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <fstream>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#include "command.hpp"
+#include "zinf/config.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf::cli {
+namespace {
+
+struct CheckOptions {
+  std::string file;
+  bool json = false;
+};
+
+void run_check(const CheckOptions& o) {
+  std::ifstream in(o.file);
+  if (!in) {
+    fail(status_from_errno(fmt::format("config {}", o.file), errno).to_string());
+    return;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  Result<std::vector<KeyReport>> reports = check_config(text.str());
+  if (!reports.is_ok()) {
+    fail(fmt::format("{}: {}", o.file, reports.status().message()));
+    return;
+  }
+  int refused = 0;
+  for (const KeyReport& r : *reports) refused += r.use == KeyUse::kRefused ? 1 : 0;
+  if (o.json) {
+    nlohmann::json keys = nlohmann::json::array();
+    for (const KeyReport& r : *reports) {
+      keys.push_back({{"key", r.key}, {"use", std::string(key_use_name(r.use))}, {"why", r.why}});
+    }
+    print_json({{"file", o.file}, {"accepted", refused == 0}, {"keys", keys}});
+  } else {
+    std::size_t width = 0;
+    for (const KeyReport& r : *reports) width = std::max(width, r.key.size());
+    for (const KeyReport& r : *reports) {
+      if (r.use == KeyUse::kUsed) {
+        fmt::print("{:<{}}  used\n", r.key, width);
+      } else {
+        fmt::print("{:<{}}  {} ({})\n", r.key, width, key_use_name(r.use), r.why);
+      }
+    }
+    if (refused == 0) {
+      fmt::print("{}: accepted ({} keys)\n", o.file, reports->size());
+    } else {
+      fmt::print("{}: refused ({} of {} keys refused)\n", o.file, refused, reports->size());
+    }
+  }
+  set_exit_code(refused == 0 ? 0 : 1);
+}
+
+void setup_config(CLI::App& app) {
+  CLI::App* config = group(app, "config", "Read a DeepSpeed config as zinf does");
+  auto o = std::make_shared<CheckOptions>();
+  CLI::App* sub = config->add_subcommand(
+      "check", "Print what zinf does with each key of FILE: used, no effect, or refused");
+  sub->add_option("FILE", o->file, "The config (JSON)")->required();
+  sub->add_flag("--json", o->json, "Print one JSON object");
+  sub->callback([o] { run_check(*o); });
+}
+
+}  // namespace
+
+ZINF_COMMAND("config", setup_config);
+
+}  // namespace zinf::cli
