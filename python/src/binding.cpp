@@ -297,7 +297,7 @@ NB_MODULE(_zinf, m) {
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
-           [](PyEngine& e, double lr) { e.engine().set_learning_rate(lr); })
+           [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })
       .def_prop_ro("rank", [](const PyEngine& e) { return e.engine().rank(); })
       .def_prop_ro("world_size", [](const PyEngine& e) { return e.engine().world_size(); })
       .def("config_json",

@@ -76,5 +76,7 @@ def test_errors_name_what_was_wrong():
         engine.reduce_gradients("layer", ["w"], [torch.zeros(5)])
     with pytest.raises(zinf.Error, match="zero_optimization.stage"):
         zinf.Engine(json.dumps({"zero_optimization": {"stage": 4}}))
+    with pytest.raises(zinf.Error, match="invalid_argument"):
+        engine.set_learning_rate(float("nan"))
     with pytest.raises(zinf.Error, match="read_parameters.*2 floats"):
         engine.read_parameters("w", torch.empty(2))
