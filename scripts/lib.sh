@@ -1,6 +1,5 @@
 # Shared by scripts/test and scripts/demo: install what is missing, configure and build build/.
-# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args)
-# and ZINF_BUILD_TARGETS (build only these targets, space-separated; default all).
+# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args).
 
 zinf_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
@@ -24,6 +23,9 @@ zinf_install_deps() {
   fi
 }
 
+# Configures build/ with the given extra arguments, then builds with all cores: every target, or
+# only those named in the array zinf_targets when it is set (scripts/demo builds just train_lm and
+# what it links, not the tests, benchmarks and tools).
 zinf_configure_and_build() {
   local extra=("$@")
   # nvcc lives outside PATH in a standard CUDA install; let CMake's AUTO detection see it.
@@ -32,10 +34,7 @@ zinf_configure_and_build() {
   fi
   cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
     ${ZINF_CMAKE_ARGS:-}
-  if [ -n "${ZINF_BUILD_TARGETS:-}" ]; then
-    # shellcheck disable=SC2086  # a space-separated list of targets
-    cmake --build "$zinf_build" -j "$(nproc)" --target ${ZINF_BUILD_TARGETS}
-  else
-    cmake --build "$zinf_build" -j "$(nproc)"
-  fi
+  local target_args=()
+  for t in "${zinf_targets[@]}"; do target_args+=(--target "$t"); done
+  cmake --build "$zinf_build" -j "$(nproc)" "${target_args[@]}"
 }

@@ -20,6 +20,7 @@
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
 #include "zinf/engine.hpp"
+#include "zinf/run_local.hpp"
 #include "zinf/trace.hpp"
 #include "zinf/version.hpp"
 #include "zinf/zinf.h"
@@ -777,5 +778,38 @@ zinf_code_t zinf_engine_memory(const zinf_engine_t* engine, zinf_memory_report_t
     full.nvme_bytes = m.nvme_bytes;
     std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
     return Status::ok();
+  });
+}
+
+// ---- Ranks as threads --------------------------------------------------------------------------
+
+zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_rank_fn fn,
+                           void* user) {
+  const char* const where = __func__;
+  return guard(where, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(config, where, "config"));
+    if (fn == nullptr) return Status::invalid_argument(fmt::format("{}: fn is null", where));
+    return zinf::run_local(world_size, config->config, [&](zinf::Engine& engine, int rank) {
+      // A handle that borrows the rank's engine: run_local owns and destroys it.
+      zinf_engine handle;
+      handle.engine.reset(&engine);
+      struct Unborrow {
+        zinf_engine& handle;
+        ~Unborrow() { static_cast<void>(handle.engine.release()); }
+      } unborrow{handle};
+      const zinf_code_t code = fn(user, &handle, rank);
+      if (code == ZINF_OK) return Status::ok();
+      if (code < ZINF_OK || code > ZINF_INTERNAL) {
+        return Status::internal(fmt::format("the rank function returned {}, not a zinf_code_t",
+                                            static_cast<int>(code)));
+      }
+      // The message of this thread's last failed call, when it is the error fn passes on.
+      const zinf::capi::LastError& last = zinf::capi::last_error();
+      if (last.code == code && !last.message.empty()) {
+        return Status(static_cast<zinf::Code>(code), last.sys_code, last.message);
+      }
+      return Status(static_cast<zinf::Code>(code), 0,
+                    fmt::format("the rank function returned {}", zinf_code_name(code)));
+    });
   });
 }
