@@ -1,6 +1,5 @@
 # Shared by scripts/test and scripts/demo: install what is missing, configure and build build/.
-# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args)
-# and ZINF_BUILD_TARGETS (build only these targets, space-separated; default all).
+# Sourced, not run. Honours ZINF_BUILD_DIR (default build), ZINF_CMAKE_ARGS (extra configure args).
 
 zinf_root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}

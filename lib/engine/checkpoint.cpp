@@ -333,8 +333,12 @@ Status check_checkpoint(const CheckpointContext& ctx, std::string_view call, con
     }
     std::vector<std::byte> head(kCheckpointHeaderBytes);
     ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
-    CheckpointHeader h;
-    std::memcpy(&h, head.data(), sizeof(h));
+    Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
+    if (!decoded.is_ok()) {
+      return Status(decoded.status().code(), 0,
+                    fmt::format("{}: '{}': {}", call, path, decoded.status().message()));
+    }
+    const CheckpointHeader h = *decoded;
     const CheckpointHeader want = header_of(ctx, 0, LossScaler());
     if (h.magic != kCheckpointMagic || h.version != kCheckpointVersion || h.rank != want.rank ||
         h.world_size != want.world_size || h.stage != want.stage || h.optimizer != want.optimizer ||
@@ -383,8 +387,8 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
                           CheckpointWriter::create(checkpoint_rank_path(dir, ctx.rank)));
     std::vector<std::byte> head(kCheckpointHeaderBytes);
-    const CheckpointHeader h = header_of(ctx, step, scaler);
-    std::memcpy(head.data(), &h, sizeof(h));
+    encode_checkpoint_header(header_of(ctx, step, scaler),
+                             std::span<std::byte, kCheckpointHeaderBytes>(head.data(), head.size()));
     ZINF_RETURN_IF_ERROR(w->append(head.data(), head.size()));
     for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
       ZINF_RETURN_IF_ERROR(

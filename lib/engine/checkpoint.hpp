@@ -17,6 +17,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "base/aligned.hpp"
@@ -51,6 +52,18 @@ struct CheckpointHeader {
   std::uint32_t reserved = 0;
 };
 static_assert(sizeof(CheckpointHeader) <= kCheckpointHeaderBytes);
+
+// The header's bytes, written field by field in little-endian order whatever the host (no struct
+// copy): magic u64 at 0, version u32 at 8, rank 12, world_size 16, stage 20, optimizer 24,
+// piece_mask 28 (u32 each), partition_elements u64 at 32, fingerprint u64 at 40, step i64 at 48,
+// loss_scale as the IEEE-754 bits of an f64 at 56, loss_scale_good_steps i64 at 64,
+// loss_scale_hysteresis_left i32 at 72, reserved u32 at 76, zeros to kCheckpointHeaderBytes.
+void encode_checkpoint_header(const CheckpointHeader& header,
+                              std::span<std::byte, kCheckpointHeaderBytes> out);
+// Reads what encode_checkpoint_header() wrote. kCorruption naming what is wrong when `bytes` is
+// not kCheckpointHeaderBytes long, the magic is not a zinf checkpoint's, or the padding is not
+// zero; kInvalidArgument naming both versions when the version is not kCheckpointVersion.
+Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> bytes);
 
 // "<dir>/rank<r>.zinfckpt".
 std::string checkpoint_rank_path(const std::string& dir, int rank);

@@ -145,7 +145,10 @@ ModelShape custom_model(std::uint64_t params, std::uint64_t layers, std::uint64_
   m.hidden = hidden;
   m.intermediate = 4 * hidden;
   m.layers = layers;
+  // Heads of 128 where the hidden size allows; else the most heads of at least 128 that divide
+  // it (layer_params() requires hidden % heads == 0: --hidden 1029 gave 8 heads and aborted).
   m.heads = std::max<std::uint64_t>(1, hidden / 128);
+  while (hidden % m.heads != 0) --m.heads;
   m.kv_heads = m.heads;
   m.param_count_override = params;
   m.source = "--params/--layers/--hidden";

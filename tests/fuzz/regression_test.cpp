@@ -26,6 +26,7 @@ constexpr Target kTargets[] = {
     {"config", config},
     {"tcp_wire", tcp_wire},
     {"plan_input", plan_input},
+    {"checkpoint_header", checkpoint_header},
 };
 
 // Feeds each file of tests/fuzz/<kind>/<target>/ to the target; returns how many.

@@ -20,5 +20,7 @@ int tcp_wire(const std::uint8_t* data, std::size_t bytes);
 // `zinf plan`'s model description: the --params size text, layers and hidden size, and the
 // JSON it reads (a machine profile, a plan config).
 int plan_input(const std::uint8_t* data, std::size_t bytes);
+// The checkpoint file's header (decode_checkpoint_header, with an encode-back check).
+int checkpoint_header(const std::uint8_t* data, std::size_t bytes);
 
 }  // namespace zinf::fuzz
