@@ -73,28 +73,31 @@ __global__ void adam_scalar(float* __restrict__ param, const float* __restrict__
 }
 
 template <HalfType kHalf>
-void adam_launch(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
-                 std::uint16_t* param_half, std::size_t count, const AdamStepArgs& a,
-                 cudaStream_t s) {
+cudaError_t adam_launch(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
+                        std::uint16_t* param_half, std::size_t count, const AdamStepArgs& a,
+                        cudaStream_t s) {
   std::size_t done = 0;
+  cudaError_t err = cudaSuccess;
   const bool half_ok =
       kHalf == HalfType::kNone || (reinterpret_cast<std::uintptr_t>(param_half) & 7u) == 0;
   if (detail::aligned16(param) && detail::aligned16(grad) && detail::aligned16(exp_avg) &&
       detail::aligned16(exp_avg_sq) && half_ok) {
     const std::size_t groups = count / 4;
     if (groups > 0) {
-      adam_vec4<kHalf><<<detail::blocks_for(groups), detail::kThreads, 0, s>>>(
-          reinterpret_cast<float4*>(param), reinterpret_cast<const float4*>(grad),
-          reinterpret_cast<float4*>(exp_avg), reinterpret_cast<float4*>(exp_avg_sq),
-          reinterpret_cast<uint2*>(param_half), groups, a);
+      err =
+          detail::launch(adam_vec4<kHalf>, detail::blocks_for(groups), detail::kThreads, s,
+                         reinterpret_cast<float4*>(param), reinterpret_cast<const float4*>(grad),
+                         reinterpret_cast<float4*>(exp_avg), reinterpret_cast<float4*>(exp_avg_sq),
+                         reinterpret_cast<uint2*>(param_half), groups, a);
       done = groups * 4;
     }
   }
-  if (done < count) {
-    adam_scalar<kHalf><<<detail::blocks_for(count - done), detail::kThreads, 0, s>>>(
-        param + done, grad + done, exp_avg + done, exp_avg_sq + done,
-        param_half == nullptr ? nullptr : param_half + done, count - done, a);
+  if (err == cudaSuccess && done < count) {
+    err = detail::launch(adam_scalar<kHalf>, detail::blocks_for(count - done), detail::kThreads, s,
+                         param + done, grad + done, exp_avg + done, exp_avg_sq + done,
+                         param_half == nullptr ? nullptr : param_half + done, count - done, a);
   }
+  return err;
 }
 
 }  // namespace
@@ -107,18 +110,21 @@ LaunchError adam_step(float* param, const float* grad, float* exp_avg, float* ex
     return static_cast<LaunchError>(cudaErrorInvalidValue);
   }
   auto* s = static_cast<cudaStream_t>(stream);
+  cudaError_t err = cudaErrorInvalidValue;
   switch (half_type) {
     case HalfType::kNone:
-      adam_launch<HalfType::kNone>(param, grad, exp_avg, exp_avg_sq, nullptr, count, args, s);
+      err = adam_launch<HalfType::kNone>(param, grad, exp_avg, exp_avg_sq, nullptr, count, args, s);
       break;
     case HalfType::kBf16:
-      adam_launch<HalfType::kBf16>(param, grad, exp_avg, exp_avg_sq, param_half, count, args, s);
+      err = adam_launch<HalfType::kBf16>(param, grad, exp_avg, exp_avg_sq, param_half, count, args,
+                                         s);
       break;
     case HalfType::kF16:
-      adam_launch<HalfType::kF16>(param, grad, exp_avg, exp_avg_sq, param_half, count, args, s);
+      err =
+          adam_launch<HalfType::kF16>(param, grad, exp_avg, exp_avg_sq, param_half, count, args, s);
       break;
   }
-  return static_cast<LaunchError>(cudaGetLastError());
+  return static_cast<LaunchError>(err);
 }
 
 }  // namespace zinf::kernels

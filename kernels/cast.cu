@@ -43,19 +43,21 @@ LaunchError cast_launch(const float* src, std::uint16_t* dst, std::size_t count,
   if (count == 0) return 0;
   auto* s = static_cast<cudaStream_t>(stream);
   std::size_t done = 0;
+  cudaError_t err = cudaSuccess;
   if (detail::aligned16(src) && detail::aligned16(dst)) {
     const std::size_t groups = count / 8;
     if (groups > 0) {
-      cast_vec8<kType><<<detail::blocks_for(groups), detail::kThreads, 0, s>>>(
-          reinterpret_cast<const float4*>(src), reinterpret_cast<uint4*>(dst), groups);
+      err = detail::launch(cast_vec8<kType>, detail::blocks_for(groups), detail::kThreads, s,
+                           reinterpret_cast<const float4*>(src), reinterpret_cast<uint4*>(dst),
+                           groups);
       done = groups * 8;
     }
   }
-  if (done < count) {
-    cast_scalar<kType><<<detail::blocks_for(count - done), detail::kThreads, 0, s>>>(
-        src + done, dst + done, count - done);
+  if (err == cudaSuccess && done < count) {
+    err = detail::launch(cast_scalar<kType>, detail::blocks_for(count - done), detail::kThreads, s,
+                         src + done, dst + done, count - done);
   }
-  return static_cast<LaunchError>(cudaGetLastError());
+  return static_cast<LaunchError>(err);
 }
 
 }  // namespace

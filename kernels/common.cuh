@@ -22,6 +22,21 @@ inline unsigned blocks_for(std::size_t work_items) {
   return static_cast<unsigned>(blocks);
 }
 
+// Every launch in kernels/ goes through here (a ctest checks that no .cu file writes <<< itself):
+// launches `kernel` on `stream` and returns that launch's error. cudaGetLastError() returns and
+// clears the last error of any runtime call on this thread, so a failure nobody collected before
+// (a cudaMalloc that ran out of memory, an invalid copy) would otherwise be reported as this
+// launch's; it is cleared first. Such an error was already returned by the call that failed. A
+// sticky error (a kernel fault poisons the context) cannot be cleared: the launch returns it too,
+// which is right, since nothing can run on that context any more.
+template <typename... Params, typename... Args>
+cudaError_t launch(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                   Args... args) {
+  (void)cudaGetLastError();
+  kernel<<<grid, block, 0, stream>>>(args...);
+  return cudaGetLastError();
+}
+
 inline bool aligned16(const void* p) { return (reinterpret_cast<std::uintptr_t>(p) & 15u) == 0; }
 
 __device__ inline std::size_t global_thread() {

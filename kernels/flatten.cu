@@ -69,8 +69,7 @@ LaunchError batched_copy(const CopySegment* segments, std::size_t segment_count,
     const std::size_t cap = std::size_t{4096} / batch.count + 1;
     if (blocks_x > cap) blocks_x = cap;
     const dim3 grid(static_cast<unsigned>(blocks_x), batch.count);
-    batched_copy_kernel<<<grid, detail::kThreads, 0, s>>>(batch);
-    const cudaError_t err = cudaGetLastError();
+    const cudaError_t err = detail::launch(batched_copy_kernel, grid, detail::kThreads, s, batch);
     if (err != cudaSuccess) return static_cast<LaunchError>(err);
   }
   return 0;

@@ -94,9 +94,10 @@ __global__ void sq_norm_finish(const float* __restrict__ partials, unsigned part
 }
 
 template <HalfType kType>
-void launch_partials(const void* x, std::size_t count, std::size_t vec_groups, unsigned blocks,
-                     float* partials, cudaStream_t s) {
-  sq_norm_partials<kType><<<blocks, detail::kThreads, 0, s>>>(x, count, vec_groups, partials);
+cudaError_t launch_partials(const void* x, std::size_t count, std::size_t vec_groups,
+                            unsigned blocks, float* partials, cudaStream_t s) {
+  return detail::launch(sq_norm_partials<kType>, blocks, detail::kThreads, s, x, count, vec_groups,
+                        partials);
 }
 
 }  // namespace
@@ -112,21 +113,21 @@ LaunchError sq_norm(const void* x, HalfType type, std::size_t count, float* part
   if (blocks == 0) blocks = 1;
   if (blocks > kSqNormPartials) blocks = kSqNormPartials;
   const auto grid = static_cast<unsigned>(blocks);
+  cudaError_t err = cudaErrorInvalidValue;
   switch (type) {
     case HalfType::kNone:
-      launch_partials<HalfType::kNone>(x, count, vec_groups, grid, partials, s);
+      err = launch_partials<HalfType::kNone>(x, count, vec_groups, grid, partials, s);
       break;
     case HalfType::kBf16:
-      launch_partials<HalfType::kBf16>(x, count, vec_groups, grid, partials, s);
+      err = launch_partials<HalfType::kBf16>(x, count, vec_groups, grid, partials, s);
       break;
     case HalfType::kF16:
-      launch_partials<HalfType::kF16>(x, count, vec_groups, grid, partials, s);
+      err = launch_partials<HalfType::kF16>(x, count, vec_groups, grid, partials, s);
       break;
   }
-  const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return static_cast<LaunchError>(err);
-  sq_norm_finish<<<1, detail::kThreads, 0, s>>>(partials, grid, out, accumulate);
-  return static_cast<LaunchError>(cudaGetLastError());
+  return static_cast<LaunchError>(
+      detail::launch(sq_norm_finish, 1, detail::kThreads, s, partials, grid, out, accumulate));
 }
 
 }  // namespace zinf::kernels

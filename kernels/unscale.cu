@@ -49,19 +49,20 @@ LaunchError unscale_grads(float* grad, std::size_t count, float inv_scale, std::
   if (count == 0) return 0;
   auto* s = static_cast<cudaStream_t>(stream);
   std::size_t done = 0;
+  cudaError_t err = cudaSuccess;
   if (detail::aligned16(grad)) {
     const std::size_t groups = count / 4;
     if (groups > 0) {
-      unscale_vec4<<<detail::blocks_for(groups), detail::kThreads, 0, s>>>(
-          reinterpret_cast<float4*>(grad), groups, inv_scale, found_inf);
+      err = detail::launch(unscale_vec4, detail::blocks_for(groups), detail::kThreads, s,
+                           reinterpret_cast<float4*>(grad), groups, inv_scale, found_inf);
       done = groups * 4;
     }
   }
-  if (done < count) {
-    unscale_scalar<<<detail::blocks_for(count - done), detail::kThreads, 0, s>>>(
-        grad + done, count - done, inv_scale, found_inf);
+  if (err == cudaSuccess && done < count) {
+    err = detail::launch(unscale_scalar, detail::blocks_for(count - done), detail::kThreads, s,
+                         grad + done, count - done, inv_scale, found_inf);
   }
-  return static_cast<LaunchError>(cudaGetLastError());
+  return static_cast<LaunchError>(err);
 }
 
 }  // namespace zinf::kernels

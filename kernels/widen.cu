@@ -84,19 +84,21 @@ LaunchError widen_launch(const void* src, float* dst, std::size_t count, Stream 
   auto* s = static_cast<cudaStream_t>(stream);
   const std::size_t element_bytes = kType == HalfType::kNone ? 4 : 2;
   std::size_t done = 0;
+  cudaError_t err = cudaSuccess;
   if (detail::aligned16(src) && detail::aligned16(dst)) {
     const std::size_t groups = count / 4;
     if (groups > 0) {
-      widen_vec4<kType, kAccumulate><<<detail::blocks_for(groups), detail::kThreads, 0, s>>>(
-          src, reinterpret_cast<float4*>(dst), groups);
+      err = detail::launch(widen_vec4<kType, kAccumulate>, detail::blocks_for(groups),
+                           detail::kThreads, s, src, reinterpret_cast<float4*>(dst), groups);
       done = groups * 4;
     }
   }
-  if (done < count) {
-    widen_scalar<kType, kAccumulate><<<detail::blocks_for(count - done), detail::kThreads, 0, s>>>(
+  if (err == cudaSuccess && done < count) {
+    err = detail::launch(
+        widen_scalar<kType, kAccumulate>, detail::blocks_for(count - done), detail::kThreads, s,
         static_cast<const unsigned char*>(src) + done * element_bytes, dst + done, count - done);
   }
-  return static_cast<LaunchError>(cudaGetLastError());
+  return static_cast<LaunchError>(err);
 }
 
 template <HalfType kType>

@@ -24,6 +24,9 @@ zinf_install_deps() {
   fi
 }
 
+# Configures build/ with the given extra arguments, then builds with all cores: every target, or
+# only those named in the array zinf_targets when it is set (scripts/demo builds just train_lm and
+# what it links, not the tests, benchmarks and tools).
 zinf_configure_and_build() {
   local extra=("$@")
   # nvcc lives outside PATH in a standard CUDA install; let CMake's AUTO detection see it.
@@ -32,5 +35,7 @@ zinf_configure_and_build() {
   fi
   cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
     ${ZINF_CMAKE_ARGS:-}
-  cmake --build "$zinf_build" -j "$(nproc)"
+  local target_args=()
+  for t in "${zinf_targets[@]}"; do target_args+=(--target "$t"); done
+  cmake --build "$zinf_build" -j "$(nproc)" "${target_args[@]}"
 }

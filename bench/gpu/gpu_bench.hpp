@@ -84,19 +84,70 @@ inline void print_rows(const char* binary) {
   if (rows().empty()) std::printf("zinf-gpu-bench | %s: no results\n", binary);
 }
 
-// main(): skips cleanly (exit 0, reason printed) without a device.
+// Google Benchmark 1.7 has Run::error_occurred / error_message; 1.8 replaced them with skipped /
+// skip_message, where only SkippedWithError is an error. Templates, so that only the branch of
+// the installed version is compiled.
+template <typename RunT>
+bool error_of(const RunT& run) {
+  if constexpr (requires { run.error_occurred; }) {
+    return run.error_occurred;
+  } else {
+    // benchmark::internal::SkippedWithError, spelled as its value: the name does not exist in
+    // 1.7, and a non-dependent name is looked up even in a discarded branch.
+    return static_cast<int>(run.skipped) == 2;
+  }
+}
+template <typename RunT>
+std::string message_of(const RunT& run) {
+  if constexpr (requires { run.error_message; }) {
+    return run.error_message;
+  } else {
+    return run.skip_message;
+  }
+}
+
+// Passes every run on to the console and remembers the ones that ended in an error
+// (state.SkipWithError), which Google Benchmark itself reports only as a line of text.
+class ErrorCountingReporter : public benchmark::ConsoleReporter {
+ public:
+  ErrorCountingReporter()
+      : benchmark::ConsoleReporter(static_cast<OutputOptions>(OO_Defaults | OO_Tabular)) {}
+  void ReportRuns(const std::vector<Run>& runs) override {
+    for (const Run& run : runs) {
+      if (error_of(run)) errors_.push_back(run.benchmark_name() + ": " + message_of(run));
+    }
+    benchmark::ConsoleReporter::ReportRuns(runs);
+  }
+  const std::vector<std::string>& errors() const { return errors_; }
+
+ private:
+  std::vector<std::string> errors_;
+};
+
+// Runs the registered benchmarks and prints the summary lines. Returns 1 when any benchmark
+// ended in an error (each named on stderr as "<binary>: benchmark error: <name>: <message>"), 0
+// otherwise: a benchmark that could not measure is a failure, not a row without figures.
+inline int run_benchmarks(int argc, char** argv, const char* binary) {
+  benchmark::Initialize(&argc, argv);
+  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
+  ErrorCountingReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  benchmark::Shutdown();
+  print_rows(binary);
+  for (const std::string& error : reporter.errors()) {
+    std::fprintf(stderr, "%s: benchmark error: %s\n", binary, error.c_str());
+  }
+  return reporter.errors().empty() ? 0 : 1;
+}
+
+// main(): skips cleanly (exit 0, reason printed) without a device; otherwise run_benchmarks().
 inline int run_main(int argc, char** argv, const char* binary) {
   const std::string reason = no_device_reason();
   if (!reason.empty()) {
     std::printf("%s: skipped: no CUDA device: %s\n", binary, reason.c_str());
     return 0;
   }
-  benchmark::Initialize(&argc, argv);
-  if (benchmark::ReportUnrecognizedArguments(argc, argv)) return 1;
-  benchmark::RunSpecifiedBenchmarks();
-  benchmark::Shutdown();
-  print_rows(binary);
-  return 0;
+  return run_benchmarks(argc, argv, binary);
 }
 
 }  // namespace zinf::gpu_bench

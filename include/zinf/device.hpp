@@ -285,6 +285,10 @@ struct CudaDeviceOptions {
 // REQUIRES: every stream and event it creates is destroyed before it.
 Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options = {});
 // The same on GPU `ordinal`.
-Result<std::unique_ptr<Device>> make_cuda_device(int ordinal, CudaDeviceOptions options = {});
+inline Result<std::unique_ptr<Device>> make_cuda_device(int ordinal,
+                                                        CudaDeviceOptions options = {}) {
+  options.ordinal = ordinal;
+  return make_cuda_device(options);
+}
 
 }  // namespace zinf

@@ -70,12 +70,15 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
 #include "zinf/dtype.hpp"
+#include "zinf/log.hpp"
 #include "zinf/status.hpp"
 #include "zinf/trace.hpp"
 
@@ -205,6 +208,8 @@ struct EngineCounters {
   std::uint64_t grad_spill_evictions = 0;
 };
 
+class ScopedGather;
+
 class Engine {
  public:
   // Checks the config (validate(), errors naming the key), the Env (device, communicator, world
@@ -242,6 +247,9 @@ class Engine {
   // host-accessible the caller's work reading them must have finished (its stream synchronised):
   // the next gather may write into the freed buffers on the engine's stream.
   Status release(std::string_view module);
+  // gather(module), and a guard that release()s it when it goes out of scope, with typed views
+  // of its parameters. The same errors as gather().
+  Result<ScopedGather> scoped_gather(std::string_view module);
 
   // Reduces this micro-batch's gradients of every parameter of `module`, exactly once each:
   // averaged over ranks into the owners' slices and added to what earlier micro-batches left.
@@ -304,5 +312,78 @@ class Engine {
   explicit Engine(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };
+
+// A module gathered for as long as this object lives (Engine::scoped_gather()):
+//
+//   ZINF_ASSIGN_OR_RETURN(zinf::ScopedGather fc1, engine.scoped_gather("fc1"));
+//   ZINF_ASSIGN_OR_RETURN(std::span<const float> w, fc1.param<float>("fc1.w"));
+//
+// The destructor releases the module. An error there cannot be returned: it is logged (a warning
+// naming the module), and an operating error stays sticky in the engine, so the next call
+// returns it; call release() to see it directly. Thread-safety: as the Engine (its rank's thread).
+class ScopedGather {
+ public:
+  ScopedGather(ScopedGather&& other) noexcept
+      : engine_(std::exchange(other.engine_, nullptr)), module_(std::move(other.module_)) {}
+  ScopedGather& operator=(ScopedGather&& other) noexcept {
+    if (this != &other) {
+      release_and_log();
+      engine_ = std::exchange(other.engine_, nullptr);
+      module_ = std::move(other.module_);
+    }
+    return *this;
+  }
+  ~ScopedGather() { release_and_log(); }
+
+  // A parameter of this module as a span of T: T is float for an f32 parameter and
+  // std::uint16_t (raw bits) for bf16 or f16 ones. kInvalidArgument naming the parameter and both
+  // types when the parameter's dtype is not T's; Engine::parameter()'s errors otherwise (a
+  // parameter of another module, not gathered, is kFailedPrecondition). The span points at device
+  // memory (host memory on HostDevice) and is valid until the module is released.
+  template <typename T>
+  Result<std::span<const T>> param(std::string_view name) const {
+    static_assert(std::is_same_v<T, float> || std::is_same_v<T, std::uint16_t>,
+                  "ScopedGather::param<T>: T is float (f32) or std::uint16_t (bf16, f16)");
+    if (engine_ == nullptr) {
+      return Status::failed_precondition("ScopedGather::param: the module was released");
+    }
+    Result<TensorView> view = engine_->parameter(name);
+    if (!view.is_ok()) return view.status();
+    const bool matches = std::is_same_v<T, float> ? view->dtype == DType::kF32
+                                                  : view->dtype != DType::kF32;
+    if (!matches) {
+      return Status::invalid_argument(
+          std::string("parameter '").append(name).append("' is ").append(
+              dtype_name(view->dtype)).append(", asked for as ").append(
+              std::is_same_v<T, float> ? "float (f32)" : "std::uint16_t (bf16 or f16)"));
+    }
+    return std::span<const T>(static_cast<const T*>(view->data), view->element_count);
+  }
+
+  // Releases the module now and returns release()'s status; later calls return OK.
+  Status release() {
+    if (engine_ == nullptr) return Status::ok();
+    return std::exchange(engine_, nullptr)->release(module_);
+  }
+  const std::string& module() const { return module_; }
+
+ private:
+  friend class Engine;
+  ScopedGather(Engine* engine, std::string_view module) : engine_(engine), module_(module) {}
+  void release_and_log() {
+    Status status = release();
+    if (!status.is_ok()) {
+      log_warn("scoped gather of module '{}': release failed: {}", module_, status.to_string());
+    }
+  }
+
+  Engine* engine_ = nullptr;
+  std::string module_;
+};
+
+inline Result<ScopedGather> Engine::scoped_gather(std::string_view module) {
+  ZINF_RETURN_IF_ERROR(gather(module));
+  return ScopedGather(this, module);
+}
 
 }  // namespace zinf

@@ -37,11 +37,18 @@
 //   p  = p - lr * sign(c)                                      (sign(0) = 0, as torch.sign)
 //   m  = beta2 * m + (1 - beta2) * g
 //
+// Parameter groups. The overload of optimizer_step() that takes ranges steps each run of the span
+// with its own hyper-parameters (a parameter group's lr and weight_decay, as torch's
+// param_groups): the per-call constants are computed once per group, the tiles are split where a
+// range ends, and each element gets exactly the arithmetic of a one-group call with its range's
+// hyper-parameters, so two groups cost nothing measurable over one (docs/BENCHMARKS.md).
+//
 // Thread-safety: optimizer_step() may be called concurrently on disjoint spans.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string_view>
 
 #include "zinf/dtype.hpp"
@@ -137,6 +144,26 @@ struct StepResult {
 // is out of range (lr, eps, weight_decay, lr_decay negative or not finite; betas outside [0, 1));
 // with kUnsupported when the forced SIMD path is not available.
 Result<StepResult> optimizer_step(const OptimizerParams& params, const OptimizerSpan& span,
+                                  const StepOptions& options);
+
+// The most parameter groups one optimizer_step() call takes.
+inline constexpr std::size_t kMaxOptimizerGroups = 64;
+
+// One run of a span stepped with one group's hyper-parameters: elements [begin, the next range's
+// begin) of the span, the last range running to span.count.
+struct OptimizerRange {
+  std::size_t begin = 0;
+  std::uint32_t group = 0;  // index into the groups of the call
+};
+
+// Updates `span` in place, range r with groups[ranges[r].group]. The result equals, bit for bit,
+// one optimizer_step() per range with that range's hyper-parameters. Fails (writing nothing) as
+// the one-group call for each group, and with kInvalidArgument when there are no groups or more
+// than kMaxOptimizerGroups, the groups differ in kind, ranges is empty (for a non-empty span),
+// ranges[0].begin is not 0, the begins are not strictly increasing below span.count, or a range
+// names a group that is not there.
+Result<StepResult> optimizer_step(std::span<const OptimizerParams> groups,
+                                  std::span<const OptimizerRange> ranges, const OptimizerSpan& span,
                                   const StepOptions& options);
 
 // True when all `count` values of `data` (of `dtype`) are finite. Runs like optimizer_step().

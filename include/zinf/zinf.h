@@ -424,6 +424,25 @@ ZINF_C_API zinf_code_t zinf_engine_counters(const zinf_engine_t* engine,
 ZINF_C_API zinf_code_t zinf_engine_memory(const zinf_engine_t* engine,
                                           zinf_memory_report_t* report);
 
+/* ---- Ranks as threads ------------------------------------------------------------------------ */
+
+/* What zinf_run_local calls on each rank's thread: `user` as given, the rank's engine (opened on
+ * the config, nothing registered yet; valid during the call only, and not to be closed) and the
+ * rank. Returns ZINF_OK, or the code of the error that ends the job. */
+typedef zinf_code_t (*zinf_rank_fn)(void* user, zinf_engine_t* engine, int rank);
+
+/* Runs a job of `world_size` ranks as threads of this process (zinf::run_local,
+ * include/zinf/run_local.hpp): makes one host device per rank and a local communicator group,
+ * opens one engine per rank on `config`, calls fn(user, engine, rank) on each rank's thread, and
+ * closes the engines, the group and the devices in that order once every thread has returned.
+ * Returns ZINF_OK when every rank's fn did. Otherwise returns the code of the first rank to fail;
+ * the calling thread's zinf_last_error_message() names that rank ("rank 1: ...") and carries the
+ * message of the last failed zinf call on that rank's thread when its code is the one fn
+ * returned. The other ranks' communicators are aborted at once, so a rank waiting for the failed
+ * one in a collective returns ZINF_ABORTED. Every thread has been joined when this returns. */
+ZINF_C_API zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config,
+                                      zinf_rank_fn fn, void* user);
+
 #ifdef __cplusplus
 } /* extern "C" */
 #endif

@@ -20,6 +20,7 @@
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
 #include "zinf/engine.hpp"
+#include "zinf/run_local.hpp"
 #include "zinf/trace.hpp"
 #include "zinf/version.hpp"
 #include "zinf/zinf.h"
@@ -45,30 +46,6 @@ static_assert(ZINF_DTYPE_BF16 == static_cast<int>(zinf::DType::kBF16));
 
 struct zinf_config {
   zinf::Config config;
-};
-
-struct zinf_device {
-  std::unique_ptr<zinf::Device> device;
-  // Communicator groups and engines running on this device.
-  std::atomic<int> users{0};
-};
-
-struct zinf_comm {
-  zinf_comm_group* group = nullptr;
-  zinf_device* device = nullptr;
-  zinf::Communicator* comm = nullptr;
-};
-
-struct zinf_comm_group {
-  std::vector<zinf_device*> devices;
-  std::vector<std::unique_ptr<zinf::Communicator>> comms;
-  std::vector<zinf_comm> handles;  // one per rank of this process, pointing into comms
-  // The job's ranks: handles[i] is rank first_rank + i of world_size (a LocalComm group holds all
-  // of them; an MPI or NCCL group this process's one).
-  int first_rank = 0;
-  int world_size = 0;
-  // Engines open on one of the communicators.
-  std::atomic<int> users{0};
 };
 
 struct zinf_trace {
@@ -254,21 +231,15 @@ zinf_code_t zinf_host_device_create(int ordinal, uint64_t memory_limit_bytes, zi
   });
 }
 
-zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes,
-                                    zinf_device_t** out) {
-  const char* const fn = __func__;
-  return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
-    zinf::CudaDeviceOptions options;
-    options.memory_limit_bytes = memory_limit_bytes;
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Device> device,
-                          zinf::make_cuda_device(ordinal, options));
-    auto handle = std::make_unique<zinf_device>();
-    handle->device = std::move(device);
-    *out = handle.release();
-    return Status::ok();
+#if !defined(ZINF_BUILDS_CUDA)
+// Without the CUDA backend; with it, zinf::cuda defines these (lib/capi/capi_cuda.cpp).
+zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t, zinf_device_t** out) {
+  return guard(__func__, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(out, "zinf_cuda_device_create", "out"));
+    return zinf::make_cuda_device(ordinal).status();
   });
 }
+#endif
 
 zinf_code_t zinf_device_destroy(zinf_device_t* device) {
   const char* const fn = __func__;
@@ -324,7 +295,7 @@ zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int worl
   });
 }
 
-namespace {
+namespace zinf::capi {
 
 // A group holding this process's one communicator of a job (MPI, NCCL).
 Status make_process_group(zinf_device* device, std::unique_ptr<zinf::Communicator> comm,
@@ -340,7 +311,7 @@ Status make_process_group(zinf_device* device, std::unique_ptr<zinf::Communicato
   return Status::ok();
 }
 
-}  // namespace
+}  // namespace zinf::capi
 
 zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_comm,
                                        int64_t timeout_ms, zinf_comm_group_t** out) {
@@ -358,31 +329,21 @@ zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_co
                           mpi_comm == nullptr
                               ? zinf::make_mpi_comm(*device->device, options)
                               : zinf::make_mpi_comm(mpi_comm, *device->device, options));
-    return make_process_group(device, std::move(comm), out);
+    return zinf::capi::make_process_group(device, std::move(comm), out);
   });
 }
 
-zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm,
-                                        int take_ownership, int64_t init_timeout_ms,
-                                        zinf_comm_group_t** out) {
-  const char* const fn = __func__;
-  return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(device, fn, "device"));
-    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
-    if (init_timeout_ms < 0) {
-      return Status::invalid_argument(
-          fmt::format("{}: init_timeout_ms is {}; it must be >= 0", fn, init_timeout_ms));
-    }
-    zinf::NcclCommOptions options;
-    if (init_timeout_ms > 0) options.init_timeout = std::chrono::milliseconds(init_timeout_ms);
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Communicator> comm,
-                          nccl_comm == nullptr
-                              ? zinf::make_nccl_comm(*device->device, options)
-                              : zinf::make_nccl_comm(nccl_comm, *device->device,
-                                                     take_ownership != 0));
-    return make_process_group(device, std::move(comm), out);
+#if !defined(ZINF_BUILDS_NCCL)
+// Without NCCL; with it, zinf::cuda defines this (lib/capi/capi_cuda.cpp).
+zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int,
+                                        int64_t, zinf_comm_group_t** out) {
+  return guard(__func__, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(out, "zinf_nccl_comm_group_create", "out"));
+    if (device == nullptr) return Status::invalid_argument("zinf_nccl_comm_group_create: null device");
+    return zinf::make_nccl_comm(nccl_comm, *device->device, false).status();
   });
 }
+#endif
 
 zinf_code_t zinf_comm_rank(const zinf_comm_t* comm, int* rank, int* world_size) {
   const char* const fn = __func__;
@@ -872,5 +833,38 @@ zinf_code_t zinf_engine_memory(const zinf_engine_t* engine, zinf_memory_report_t
     full.nvme_bytes = m.nvme_bytes;
     std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
     return Status::ok();
+  });
+}
+
+// ---- Ranks as threads --------------------------------------------------------------------------
+
+zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_rank_fn fn,
+                           void* user) {
+  const char* const where = __func__;
+  return guard(where, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(config, where, "config"));
+    if (fn == nullptr) return Status::invalid_argument(fmt::format("{}: fn is null", where));
+    return zinf::run_local(world_size, config->config, [&](zinf::Engine& engine, int rank) {
+      // A handle that borrows the rank's engine: run_local owns and destroys it.
+      zinf_engine handle;
+      handle.engine.reset(&engine);
+      struct Unborrow {
+        zinf_engine& handle;
+        ~Unborrow() { static_cast<void>(handle.engine.release()); }
+      } unborrow{handle};
+      const zinf_code_t code = fn(user, &handle, rank);
+      if (code == ZINF_OK) return Status::ok();
+      if (code < ZINF_OK || code > ZINF_INTERNAL) {
+        return Status::internal(fmt::format("the rank function returned {}, not a zinf_code_t",
+                                            static_cast<int>(code)));
+      }
+      // The message of this thread's last failed call, when it is the error fn passes on.
+      const zinf::capi::LastError& last = zinf::capi::last_error();
+      if (last.code == code && !last.message.empty()) {
+        return Status(static_cast<zinf::Code>(code), last.sys_code, last.message);
+      }
+      return Status(static_cast<zinf::Code>(code), 0,
+                    fmt::format("the rank function returned {}", zinf_code_name(code)));
+    });
   });
 }

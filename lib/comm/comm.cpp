@@ -44,7 +44,7 @@ Result<std::unique_ptr<Communicator>> make_mpi_comm(const void*, Device& device,
 }
 #endif
 
-#if !defined(ZINF_HAVE_NCCL)
+#if !defined(ZINF_BUILDS_NCCL)
 Result<std::unique_ptr<Communicator>> make_nccl_comm(void*, Device&, bool) {
   return Status::unsupported(
       "make_nccl_comm: zinf was built without NCCL (configure with -DZINF_WITH_NCCL=ON where "

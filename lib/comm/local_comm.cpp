@@ -10,6 +10,7 @@
 
 #include "base/assert.hpp"
 #include "comm/collective_util.hpp"
+#include "base/wait.hpp"
 #include "zinf/dtype.hpp"
 
 namespace zinf {
@@ -52,16 +53,6 @@ Status run_collective(void* user, const Status& upstream) {
     return Status::ok();
   }
   return task->group->run(task->rank, task->sequence, task->op);
-}
-
-template <typename Pred>
-bool wait_until_or_forever(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-                           std::chrono::milliseconds timeout, Pred pred) {
-  if (timeout >= std::chrono::hours(24)) {
-    cv.wait(lock, pred);
-    return true;
-  }
-  return cv.wait_for(lock, timeout, pred);
 }
 
 }  // namespace
@@ -114,7 +105,7 @@ template <typename Pred, typename Describe>
 bool LocalGroup::wait_or_fail(std::unique_lock<std::mutex>& lock, std::chrono::milliseconds timeout,
                               Pred pred, Describe describe_missing) {
   const bool ready =
-      wait_until_or_forever(cv_, lock, timeout, [&] { return pred() || !error_.is_ok(); });
+      wait_for_or_forever(cv_, lock, timeout, [&] { return pred() || !error_.is_ok(); });
   if (!ready) fail_locked(Status::timeout(describe_missing()));
   return error_.is_ok();
 }

@@ -11,11 +11,13 @@
 #include <vector>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 
 #include "base/assert.hpp"
 #include "comm/nccl_comm.hpp"
+#include "comm/nccl_comm_handle.hpp"
 #if defined(ZINF_HAVE_MPI)
 #include "comm/mpi_comm.hpp"
 #endif
@@ -48,13 +50,16 @@ class Backoff {
   std::chrono::microseconds sleep_{0};
 };
 
-// Polls the communicator's state until it leaves ncclInProgress or the deadline passes.
-ncclResult_t settle_state(ncclComm_t comm, Clock::time_point deadline) {
+// Polls the communicator's state until it leaves ncclInProgress, the deadline passes, or
+// `aborted` (when given) turns true: another thread aborted the communicator meanwhile.
+ncclResult_t settle_state(ncclComm_t comm, Clock::time_point deadline,
+                          const AbortableHandle<ncclComm_t>* aborted = nullptr) {
   ncclResult_t state = ncclInProgress;
   Backoff backoff;
   for (;;) {
     if (ncclCommGetAsyncError(comm, &state) != ncclSuccess) return ncclInternalError;
     if (state != ncclInProgress || Clock::now() >= deadline) return state;
+    if (aborted != nullptr && aborted->aborted()) return ncclInProgress;
     backoff.pause();
   }
 }
@@ -88,7 +93,7 @@ Result<ncclRedOp_t> nccl_op(ReduceOp op) {
 class NcclComm final : public Communicator {
  public:
   NcclComm(ncclComm_t comm, Device& device, bool owned, int rank, int world_size)
-      : comm_(comm),
+      : handle_(comm, [](ncclComm_t c) { (void)ncclCommAbort(c); }),
         device_(device),
         owned_(owned),
         rank_(rank),
@@ -105,25 +110,27 @@ class NcclComm final : public Communicator {
     return device_.synchronize(*barrier_stream_);
   }
 
+  // REQUIRES: no call on this communicator is in flight on another thread.
   ~NcclComm() override {
+    group_borrow_.reset();
     if (barrier_stream_ != nullptr) (void)device_.synchronize(*barrier_stream_);
     barrier_buffer_.reset();
     barrier_event_.reset();
     barrier_stream_.reset();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (comm_ == nullptr || !owned_) return;
+    // After an abort the handle is gone (ncclCommAbort freed it); a wrapped one is the caller's.
+    const std::optional<ncclComm_t> comm = handle_.take();
+    if (!comm.has_value() || !owned_) return;
     // Flush what was issued, then free; a finalize that fails or does not finish is aborted so
     // that the destructor cannot hang.
-    ncclResult_t r = ncclCommFinalize(comm_);
+    ncclResult_t r = ncclCommFinalize(*comm);
     if (r == ncclInProgress || r == ncclSuccess)
-      r = settle_state(comm_, Clock::now() + kFinalizeTimeout);
+      r = settle_state(*comm, Clock::now() + kFinalizeTimeout);
     if (r == ncclSuccess) {
-      (void)ncclCommDestroy(comm_);
+      (void)ncclCommDestroy(*comm);
     } else {
       log_warn("{}: ncclCommFinalize did not finish ({}); aborting", name_, ncclGetErrorString(r));
-      (void)ncclCommAbort(comm_);
+      (void)ncclCommAbort(*comm);
     }
-    comm_ = nullptr;
   }
 
   int rank() const override { return rank_; }
@@ -133,12 +140,10 @@ class NcclComm final : public Communicator {
 
   Status issue(const Collective& op, Stream& stream) override {
     const std::string_view kind = collective_kind_name(op.kind);
-    ncclComm_t comm = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_.is_ok()) return aborted_status(kind, op.name);
-      comm = comm_;
-    }
+    // The communicator cannot be freed by an abort() on another thread while this call uses it.
+    std::optional<AbortableHandle<ncclComm_t>::Borrow> borrow = handle_.borrow();
+    if (!borrow.has_value()) return aborted_status(kind, op.name);
+    const ncclComm_t comm = borrow->get();
     if (op.element_count == 0) return Status::ok();
     Status bad = check_args(op, stream);
     if (!bad.is_ok()) {
@@ -167,13 +172,16 @@ class NcclComm final : public Communicator {
   }
 
   Status group_start() override {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (!error_.is_ok()) return aborted_status("group_start", {});
+    // The outermost group holds the communicator until group_end(): the collectives queued in the
+    // group are launched by ncclGroupEnd, which must not meet a communicator freed by an abort.
+    std::optional<AbortableHandle<ncclComm_t>::Borrow> borrow;
+    if (group_depth_ == 0) {
+      borrow = handle_.borrow();
+      if (!borrow.has_value()) return aborted_status("group_start", {});
     }
     ZINF_RETURN_IF_ERROR(
         status_from_nccl(fmt::format("{}: ncclGroupStart", name_), ncclGroupStart()));
-    ++group_depth_;
+    if (group_depth_++ == 0) group_borrow_ = std::move(borrow);
     return Status::ok();
   }
 
@@ -183,12 +191,11 @@ class NcclComm final : public Communicator {
           fmt::format("{}: group_end() without a matching group_start()", name_));
     }
     --group_depth_;
-    ncclComm_t comm = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      comm = comm_;
-    }
-    return settle(ncclGroupEnd(), comm, "ncclGroupEnd");
+    ZINF_ASSERT(group_borrow_.has_value());
+    const ncclComm_t comm = group_borrow_->get();
+    Status st = settle(ncclGroupEnd(), comm, "ncclGroupEnd");
+    if (group_depth_ == 0) group_borrow_.reset();
+    return st;
   }
 
   Status barrier(std::chrono::milliseconds timeout) override {
@@ -209,12 +216,10 @@ class NcclComm final : public Communicator {
         return reached.status();
       }
       if (*reached) return status();
-      ncclComm_t comm = nullptr;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!error_.is_ok()) return error_;  // Aborted meanwhile: the GPU work is failing out.
-        comm = comm_;
-      }
+      // Aborted meanwhile (no borrow): the GPU work is failing out.
+      std::optional<AbortableHandle<ncclComm_t>::Borrow> borrow = handle_.borrow();
+      if (!borrow.has_value()) return status();
+      const ncclComm_t comm = borrow->get();
       ncclResult_t async = ncclSuccess;
       const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
       if (r != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
@@ -232,20 +237,23 @@ class NcclComm final : public Communicator {
     }
   }
 
+  // Any thread, also from inside a call that has the communicator borrowed: ncclCommAbort runs
+  // here when no call is using the communicator, else when the last such call returns (calls
+  // polling NCCL see the abort and return at once). Never under a call in flight.
   void abort(Status reason) override {
     ZINF_ASSERT(!reason.is_ok());
-    ncclComm_t comm = nullptr;
+    std::string text;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!error_.is_ok()) return;
       error_ = std::move(reason);
-      comm = std::exchange(comm_, nullptr);
+      text = error_.to_string();
     }
-    log_warn("{}: aborting: {}", name_, error_.to_string());
+    log_warn("{}: aborting: {}", name_, text);
     // ncclCommAbort makes the kernels of this communicator's collectives in flight return, on
     // this rank; the other ranks' collectives then fail on their own (their peers are gone), and
     // their wait() sees it through ncclCommGetAsyncError or its timeout.
-    if (comm != nullptr) (void)ncclCommAbort(comm);
+    (void)handle_.abort();
   }
 
   Status status() const override {
@@ -256,7 +264,7 @@ class NcclComm final : public Communicator {
  private:
   Status aborted_status(std::string_view what, std::string_view tensor) const {
     return Status::aborted(fmt::format("{} '{}' on {}: the communicator was aborted: {}", what,
-                                       tensor, name_, error_.to_string()));
+                                       tensor, name_, status().to_string()));
   }
 
   Status check_args(const Collective& op, Stream& stream) const {
@@ -288,9 +296,11 @@ class NcclComm final : public Communicator {
 
   // Completes a call that may return ncclInProgress (non-blocking communicators); an error
   // aborts the communicator, so the other ranks do not wait for this one.
+  // REQUIRES: `comm` is borrowed by the caller.
   Status settle(ncclResult_t r, ncclComm_t comm, std::string_view what) {
-    if (r == ncclInProgress) r = settle_state(comm, Clock::now() + kSettleTimeout);
+    if (r == ncclInProgress) r = settle_state(comm, Clock::now() + kSettleTimeout, &handle_);
     if (r == ncclSuccess) return Status::ok();
+    if (r == ncclInProgress && handle_.aborted()) return status();  // aborted by another thread
     Status failed = r == ncclInProgress
                         ? Status::timeout(fmt::format("{}: {} did not settle", name_, what))
                         : nccl_status(what, r, comm);
@@ -298,13 +308,15 @@ class NcclComm final : public Communicator {
     return failed;
   }
 
-  ncclComm_t comm_;  // null once aborted or destroyed
+  AbortableHandle<ncclComm_t> handle_;  // the ncclComm_t, borrowed by every call that uses it
   Device& device_;
   const bool owned_;
   const int rank_;
   const int world_size_;
   const std::string name_;
   int group_depth_ = 0;  // only touched by the issuing thread
+  // Held from the outermost group_start() to its group_end(); only touched by the issuing thread.
+  std::optional<AbortableHandle<ncclComm_t>::Borrow> group_borrow_;
   mutable std::mutex mu_;
   Status error_;  // sticky: the reason of the first abort
   std::unique_ptr<Stream> barrier_stream_;

@@ -182,40 +182,77 @@ Result<std::vector<std::byte>> serve(const LaunchEnv& env, std::span<const std::
   ZINF_RETURN_IF_ERROR(set_nonblocking(listener.get()));
 
   std::vector<Fd> peers(static_cast<std::size_t>(env.world_size));  // Index: rank.
+  // Connections that have not said hello yet, oldest first, each with the bytes it sent so far.
+  // All of them are read at once, so an idle one delays no one.
+  struct Pending {
+    Fd fd;
+    std::array<unsigned char, kTcpHelloBytes> hello{};
+    std::size_t got_bytes = 0;
+  };
+  const std::size_t max_pending =
+      static_cast<std::size_t>(env.world_size) + kTcpBootstrapMaxStrangers;
+  std::vector<Pending> pending;
+  pending.reserve(max_pending + 1);
+  std::vector<pollfd> polled;
+  polled.reserve(max_pending + 2);
   int arrived = 1;
   while (arrived < env.world_size) {
-    Status ready = wait_ready(listener.get(), POLLIN, deadline, "tcp bootstrap: accept");
-    if (ready.code() == Code::kTimeout) break;
-    ZINF_RETURN_IF_ERROR(ready);
-    Fd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
-    if (conn.get() < 0) {
-      if (errno == EINTR || errno == EAGAIN || errno == ECONNABORTED) continue;
-      return status_from_errno("tcp bootstrap: accept", errno);
+    polled.clear();
+    polled.push_back({listener.get(), POLLIN, 0});
+    for (const Pending& p : pending) polled.push_back({p.fd.get(), POLLIN, 0});
+    const int rc = ::poll(polled.data(), polled.size(), remaining_ms(deadline));
+    if (rc == 0) break;  // the deadline
+    if (rc < 0) {
+      if (errno == EINTR) continue;
+      return status_from_errno("tcp bootstrap: poll", errno);
     }
-    unsigned char hello[16];
-    Status got = recv_all(conn.get(), hello, sizeof(hello), deadline, "tcp bootstrap: hello");
-    if (got.code() == Code::kTimeout) break;
-    if (!got.is_ok() || get_u32(hello) != kMagic || get_u32(hello + 4) != kVersion) {
-      continue;  // Not one of ours (a port scanner, a stale job): ignore it.
+    // Hellos first: indices into `pending` match polled[1..] until the accepts below.
+    for (std::size_t i = 0; i < pending.size(); ++i) {
+      if (polled[i + 1].revents == 0) continue;
+      Pending& p = pending[i];
+      const ssize_t n = ::recv(p.fd.get(), p.hello.data() + p.got_bytes,
+                               kTcpHelloBytes - p.got_bytes, 0);
+      if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
+      if (n <= 0) {
+        p.fd.reset();  // hung up or failed before its hello: not one of ours
+        continue;
+      }
+      p.got_bytes += static_cast<std::size_t>(n);
+      if (p.got_bytes < kTcpHelloBytes) continue;
+      Fd conn = std::move(p.fd);
+      Result<TcpHello> hello = decode_tcp_hello(p.hello);
+      if (!hello.is_ok()) continue;  // Not one of ours (a port scanner, a stale job): drop it.
+      const auto rank = static_cast<int>(hello->rank);
+      const auto world = static_cast<int>(hello->world_size);
+      std::string mismatch;
+      if (world != env.world_size) {
+        mismatch =
+            fmt::format("rank {} says WORLD_SIZE={}, rank 0 says {}", rank, world, env.world_size);
+      } else if (rank <= 0 || rank >= env.world_size) {
+        mismatch = fmt::format("a peer says RANK={}, outside 1..{}", rank, env.world_size - 1);
+      } else if (peers[static_cast<std::size_t>(rank)].get() >= 0) {
+        mismatch = fmt::format("two processes say RANK={}", rank);
+      }
+      if (!mismatch.empty()) {
+        peers.push_back(std::move(conn));
+        send_failure(peers, kReplyMismatch, mismatch);
+        return Status::invalid_argument("tcp bootstrap: " + mismatch);
+      }
+      peers[static_cast<std::size_t>(rank)] = std::move(conn);
+      ++arrived;
     }
-    const auto rank = static_cast<int>(get_u32(hello + 8));
-    const auto world = static_cast<int>(get_u32(hello + 12));
-    std::string mismatch;
-    if (world != env.world_size) {
-      mismatch =
-          fmt::format("rank {} says WORLD_SIZE={}, rank 0 says {}", rank, world, env.world_size);
-    } else if (rank <= 0 || rank >= env.world_size) {
-      mismatch = fmt::format("a peer says RANK={}, outside 1..{}", rank, env.world_size - 1);
-    } else if (peers[static_cast<std::size_t>(rank)].get() >= 0) {
-      mismatch = fmt::format("two processes say RANK={}", rank);
+    std::erase_if(pending, [](const Pending& p) { return p.fd.get() < 0; });
+    if (polled[0].revents == 0) continue;
+    for (;;) {  // every connection waiting in the backlog
+      Fd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC));
+      if (conn.get() < 0) {
+        if (errno == EINTR || errno == ECONNABORTED) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) break;
+        return status_from_errno("tcp bootstrap: accept", errno);
+      }
+      if (pending.size() == max_pending) pending.erase(pending.begin());  // drop the oldest
+      pending.push_back(Pending{std::move(conn)});
     }
-    if (!mismatch.empty()) {
-      peers.push_back(std::move(conn));
-      send_failure(peers, kReplyMismatch, mismatch);
-      return Status::invalid_argument("tcp bootstrap: " + mismatch);
-    }
-    peers[static_cast<std::size_t>(rank)] = std::move(conn);
-    ++arrived;
   }
 
   if (arrived < env.world_size) {
@@ -298,18 +335,15 @@ Result<std::vector<std::byte>> join(const LaunchEnv& env, std::chrono::milliseco
     std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetry, deadline - Clock::now()));
   }
 
-  unsigned char hello[16];
-  put_u32(hello, kMagic);
-  put_u32(hello + 4, kVersion);
-  put_u32(hello + 8, static_cast<std::uint32_t>(env.rank));
-  put_u32(hello + 12, static_cast<std::uint32_t>(env.world_size));
+  const auto hello = encode_tcp_hello({static_cast<std::uint32_t>(env.rank),
+                                       static_cast<std::uint32_t>(env.world_size)});
   ZINF_RETURN_IF_ERROR(
-      send_all(conn.get(), hello, sizeof(hello), deadline, "tcp bootstrap: hello"));
+      send_all(conn.get(), hello.data(), hello.size(), deadline, "tcp bootstrap: hello"));
 
   // Rank 0 gives up at the same deadline and then says which ranks are missing: wait a little
   // past it for that verdict, so this rank can report it too.
-  unsigned char header[12];
-  Status got = recv_all(conn.get(), header, sizeof(header), deadline + kVerdictGrace,
+  std::array<unsigned char, kTcpReplyHeaderBytes> header{};
+  Status got = recv_all(conn.get(), header.data(), header.size(), deadline + kVerdictGrace,
                         "tcp bootstrap: reply");
   if (got.code() == Code::kTimeout) {
     return Status::timeout(
@@ -317,12 +351,9 @@ Result<std::vector<std::byte>> join(const LaunchEnv& env, std::chrono::milliseco
                     env.rank, timeout.count()));
   }
   ZINF_RETURN_IF_ERROR(got);
-  const std::uint32_t status = get_u32(header + 4);
-  const std::uint32_t bytes = get_u32(header + 8);
-  if (get_u32(header) != kMagic || bytes > kTcpBootstrapMaxBlobBytes) {
-    return Status::comm_error("tcp bootstrap: malformed reply from rank 0");
-  }
-  std::vector<std::byte> payload(bytes);
+  ZINF_ASSIGN_OR_RETURN(const TcpReplyHeader reply, decode_tcp_reply_header(header));
+  const std::uint32_t status = reply.status;
+  std::vector<std::byte> payload(reply.payload_bytes);
   ZINF_RETURN_IF_ERROR(recv_all(conn.get(), payload.data(), payload.size(),
                                 deadline + kVerdictGrace, "tcp bootstrap: reply"));
   if (status != kReplyOk) {
@@ -351,6 +382,36 @@ Result<int> parse_int(const char* name, const std::optional<std::string>& text, 
 }
 
 }  // namespace
+
+Result<TcpHello> decode_tcp_hello(std::span<const unsigned char> bytes) {
+  if (bytes.size() != kTcpHelloBytes || get_u32(bytes.data()) != kMagic ||
+      get_u32(bytes.data() + 4) != kVersion) {
+    return Status::comm_error("tcp bootstrap: not a hello of this protocol version");
+  }
+  return TcpHello{get_u32(bytes.data() + 8), get_u32(bytes.data() + 12)};
+}
+
+std::array<unsigned char, kTcpHelloBytes> encode_tcp_hello(const TcpHello& hello) {
+  std::array<unsigned char, kTcpHelloBytes> out{};
+  put_u32(out.data(), kMagic);
+  put_u32(out.data() + 4, kVersion);
+  put_u32(out.data() + 8, hello.rank);
+  put_u32(out.data() + 12, hello.world_size);
+  return out;
+}
+
+Result<TcpReplyHeader> decode_tcp_reply_header(std::span<const unsigned char> bytes) {
+  if (bytes.size() != kTcpReplyHeaderBytes || get_u32(bytes.data()) != kMagic) {
+    return Status::comm_error("tcp bootstrap: malformed reply from rank 0");
+  }
+  TcpReplyHeader header{get_u32(bytes.data() + 4), get_u32(bytes.data() + 8)};
+  if (header.status > kReplyMismatch || header.payload_bytes > kTcpBootstrapMaxBlobBytes) {
+    return Status::comm_error(
+        fmt::format("tcp bootstrap: malformed reply from rank 0 (status {}, {} payload bytes)",
+                    header.status, header.payload_bytes));
+  }
+  return header;
+}
 
 Result<LaunchEnv> parse_launch_env(
     const std::function<std::optional<std::string>(const char* name)>& lookup) {

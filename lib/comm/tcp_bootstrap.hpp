@@ -4,7 +4,10 @@
 // Rank 0 listens on MASTER_PORT; every other rank connects to MASTER_ADDR:MASTER_PORT (retrying
 // while rank 0 is not up yet) and says hello with its rank and world size. Once all
 // WORLD_SIZE - 1 ranks have arrived, rank 0 sends the blob to each and waits for each to
-// acknowledge it, so a successful return on rank 0 means every rank holds the blob. If a rank
+// acknowledge it, so a successful return on rank 0 means every rank holds the blob. Rank 0 reads
+// the hellos of all connections at once, so a connection that never says hello (a port scanner,
+// a stale job) delays no one; at most world_size + kTcpBootstrapMaxStrangers connections wait for
+// their hello at a time, the oldest is dropped beyond that. If a rank
 // never arrives, rank 0 gives up at the deadline, tells the ranks that did arrive, and all of
 // them return kTimeout naming the missing ranks; a rank that cannot reach rank 0 returns
 // kTimeout at its own deadline. Nothing waits past the timeout, except that a connected rank
@@ -17,6 +20,7 @@
 // Thread-safety: free functions; each call uses its own sockets.
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -49,6 +53,27 @@ Result<LaunchEnv> launch_env_from_environment();
 
 // The largest blob tcp_broadcast_blob carries; bounds what a rank allocates for a peer's reply.
 constexpr std::size_t kTcpBootstrapMaxBlobBytes = std::size_t{1} << 20;
+// Connections rank 0 holds, beyond the ranks it expects, while they have not said hello.
+constexpr std::size_t kTcpBootstrapMaxStrangers = 16;
+
+// The wire messages (see the protocol above), decoded from exactly their bytes; exposed for the
+// tests and the fuzz target.
+constexpr std::size_t kTcpHelloBytes = 16;
+constexpr std::size_t kTcpReplyHeaderBytes = 12;
+struct TcpHello {
+  std::uint32_t rank = 0;
+  std::uint32_t world_size = 0;
+};
+struct TcpReplyHeader {
+  std::uint32_t status = 0;  // 0 ok, 1 timeout, 2 mismatch
+  std::uint32_t payload_bytes = 0;
+};
+// kCommError when `bytes` is not a hello of this protocol version (wrong size, magic or version).
+Result<TcpHello> decode_tcp_hello(std::span<const unsigned char> bytes);
+std::array<unsigned char, kTcpHelloBytes> encode_tcp_hello(const TcpHello& hello);
+// kCommError for a wrong size, magic, an unknown status or a payload over
+// kTcpBootstrapMaxBlobBytes.
+Result<TcpReplyHeader> decode_tcp_reply_header(std::span<const unsigned char> bytes);
 
 // On rank 0 sends `blob` to every other rank and returns a copy of it; on the other ranks
 // ignores `blob` and returns what rank 0 sent. Every rank must call it with the same

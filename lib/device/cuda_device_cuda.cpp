@@ -11,6 +11,7 @@
 
 #include "base/assert.hpp"
 #include "device/cuda_device.hpp"
+#include "device/device_ops.hpp"
 #include "device/cuda_status.hpp"
 
 namespace zinf {
@@ -420,7 +421,12 @@ Status make_cuda_device_current(Device& device) {
   return cuda->make_current();
 }
 
+// lib/device/device_ops_cuda.cpp; null when `device` is not a CudaDevice.
+std::unique_ptr<DeviceOps> make_cuda_device_ops(Device& device);
+
 Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options) {
+  // The engine finds this device's kernels through the factory (lib/device/device_ops.hpp).
+  set_device_ops_factory(&make_cuda_device_ops);
   int count = 0;
   cudaError_t err = cudaGetDeviceCount(&count);
   if (err != cudaSuccess) {

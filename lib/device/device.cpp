@@ -39,12 +39,7 @@ Status Device::launch_host(Stream& stream, std::function<Status()> func) {
 
 namespace zinf {
 
-Result<std::unique_ptr<Device>> make_cuda_device(int ordinal, CudaDeviceOptions options) {
-  options.ordinal = ordinal;
-  return make_cuda_device(options);
-}
-
-#if !defined(ZINF_HAVE_CUDA)
+#if !defined(ZINF_BUILDS_CUDA)
 Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options) {
   return Status::unsupported(
       fmt::format("make_cuda_device({}): zinf was built without CUDA (configure with "

@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 
 #include "device/host_device.hpp"
 #include "kernels/sq_norm.h"
@@ -12,10 +13,11 @@
 
 namespace zinf {
 
-#if defined(ZINF_HAVE_CUDA)
-// lib/device/device_ops_cuda.cpp; null when `device` is not a CudaDevice.
-std::unique_ptr<DeviceOps> make_cuda_device_ops(Device& device);
-#endif
+namespace {
+std::atomic<DeviceOpsFactory> g_device_ops_factory{nullptr};
+}  // namespace
+
+void set_device_ops_factory(DeviceOpsFactory factory) { g_device_ops_factory.store(factory); }
 
 kernels::HalfType kernel_half_type(DType dtype) {
   switch (dtype) {
@@ -103,9 +105,9 @@ Result<std::unique_ptr<DeviceOps>> make_device_ops(Device& device) {
   if (auto* host = dynamic_cast<HostDevice*>(&device); host != nullptr) {
     return std::unique_ptr<DeviceOps>(std::make_unique<HostDeviceOps>(*host));
   }
-#if defined(ZINF_HAVE_CUDA)
-  if (std::unique_ptr<DeviceOps> ops = make_cuda_device_ops(device); ops != nullptr) return ops;
-#endif
+  if (DeviceOpsFactory factory = g_device_ops_factory.load(); factory != nullptr) {
+    if (std::unique_ptr<DeviceOps> ops = factory(device); ops != nullptr) return ops;
+  }
   return Status::unsupported(
       fmt::format("make_device_ops: no device ops for {} (a {} device) in this build",
                   device.name(), device_kind_name(device.kind())));

@@ -78,6 +78,14 @@ class DeviceOps {
 // kUnsupported for any other device (or a CudaDevice in a build without CUDA).
 Result<std::unique_ptr<DeviceOps>> make_device_ops(Device& device);
 
+// Makes the ops of a device that is not a HostDevice, or returns null when it is not its kind.
+using DeviceOpsFactory = std::unique_ptr<DeviceOps> (*)(Device& device);
+// Installs the factory make_device_ops() asks for devices that are not HostDevices. The CUDA
+// backend (zinf::cuda, lib/device/device_ops_cuda.cpp) installs its own when make_cuda_device()
+// makes a device, so the core library refers to no CUDA symbol and links without the toolkit.
+// Thread-safety: any thread.
+void set_device_ops_factory(DeviceOpsFactory factory);
+
 // Host memory registered with a device (cudaHostRegister on CUDA: page-locked, so copies to and
 // from it are truly asynchronous) for as long as it lives.
 // Thread-safety: a value; not shared.

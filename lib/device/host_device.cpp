@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "base/assert.hpp"
+#include "base/wait.hpp"
 
 namespace zinf {
 namespace {
@@ -20,18 +21,6 @@ constexpr std::size_t kAllocAlignment = 256;
 // addresses; 5-level paging only maps above 2^47 when asked to) stay below it, so an address with
 // it set is either non-canonical or unmapped, and a host access faults.
 constexpr std::uintptr_t kOpaqueBit = std::uintptr_t{1} << 52;
-
-// Waits on `cv` until `pred` or `timeout`; a timeout of a day or more waits without limit
-// (kWaitForever would overflow a deadline). Returns pred().
-template <typename Pred>
-bool wait_for(std::condition_variable& cv, std::unique_lock<std::mutex>& lock,
-              std::chrono::milliseconds timeout, Pred pred) {
-  if (timeout >= std::chrono::hours(24)) {
-    cv.wait(lock, pred);
-    return true;
-  }
-  return cv.wait_for(lock, timeout, pred);
-}
 
 }  // namespace
 
@@ -93,7 +82,7 @@ Status HostStream::enqueue(const Op& op) {
 Status HostStream::synchronize(std::chrono::milliseconds timeout) {
   std::unique_lock<std::mutex> lock(mu_);
   const std::uint64_t target = issued_;
-  if (!wait_for(space_cv_, lock, timeout, [&] { return completed_ >= target; })) {
+  if (!wait_for_or_forever(space_cv_, lock, timeout, [&] { return completed_ >= target; })) {
     return Status::timeout(fmt::format("synchronize stream '{}' on {}: not done after {} ms", name_,
                                        owner_->name(), timeout.count()));
   }
@@ -382,7 +371,7 @@ Status HostDevice::synchronize(Event& event, std::chrono::milliseconds timeout) 
   HostEventState& state = *host_event(event).state_;
   std::unique_lock<std::mutex> lock(state.mu);
   const std::uint64_t target = state.recorded;
-  if (!wait_for(state.cv, lock, timeout, [&] { return state.completed >= target; })) {
+  if (!wait_for_or_forever(state.cv, lock, timeout, [&] { return state.completed >= target; })) {
     return Status::timeout(
         fmt::format("{}: synchronize event: not reached after {} ms", name_, timeout.count()));
   }

@@ -12,6 +12,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <nlohmann/json.hpp>
 #include <vector>
 
 #include "base/assert.hpp"
@@ -232,6 +234,208 @@ Result<std::string> read_text_file(const std::string& path) {
   std::string text(r->file_bytes(), '\0');
   ZINF_RETURN_IF_ERROR(r->read(text.data(), text.size()));
   return text;
+}
+
+// --- The engine's save and load ---------------------------------------------------------------
+namespace {
+
+CheckpointHeader header_of(const CheckpointContext& ctx, std::int64_t step,
+                           const LossScaler& scaler) {
+  CheckpointHeader h;
+  h.rank = static_cast<std::uint32_t>(ctx.rank);
+  h.world_size = static_cast<std::uint32_t>(ctx.world_size);
+  h.stage = static_cast<std::uint32_t>(ctx.config->zero.stage);
+  h.optimizer = static_cast<std::uint32_t>(ctx.config->optimizer.kind);
+  for (Piece p : state_pieces(ctx.config->optimizer.kind)) {
+    h.piece_mask |= 1u << static_cast<unsigned>(p);
+  }
+  h.partition_elements = ctx.partition_elements;
+  h.fingerprint = ctx.partitioner->fingerprint();
+  h.step = step;
+  h.loss_scale = scaler.scale();
+  h.loss_scale_good_steps = scaler.good_steps();
+  h.loss_scale_hysteresis_left = scaler.hysteresis_left();
+  return h;
+}
+
+// Checks the manifest against this engine and this rank's file against the manifest; on
+// success `reader` is positioned after the header.
+Status check_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
+                        std::unique_ptr<CheckpointReader>* reader, CheckpointHeader* header) {
+  const Config& config = *ctx.config;
+  const std::string manifest_path = fmt::format("{}/{}", dir, kCheckpointManifest);
+  Result<std::string> text = read_text_file(manifest_path);
+  if (!text.is_ok()) {
+    return text.status().with_context(
+        fmt::format("{}: no complete checkpoint (the manifest is written last)", call));
+  }
+  nlohmann::json m = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
+  const auto bad_manifest = [&](std::string_view what) {
+    return Status::corruption(fmt::format("{}: '{}': {}", call, manifest_path, what));
+  };
+  if (m.is_discarded() || !m.is_object()) return bad_manifest("not a JSON object");
+  for (const char* key : {"format", "version", "world_size", "stage", "optimizer", "fingerprint",
+                          "partition_elements", "step", "ranks"}) {
+    if (!m.contains(key)) return bad_manifest(fmt::format("no key '{}'", key));
+  }
+  if (!m["format"].is_string() || m["format"].get<std::string>() != "zinf-checkpoint" ||
+      !m["version"].is_number_unsigned() ||
+      m["version"].get<std::uint32_t>() != kCheckpointVersion) {
+    return bad_manifest(fmt::format("not a zinf checkpoint of version {}", kCheckpointVersion));
+  }
+  const auto differs = [&](std::string_view what, const auto& theirs, const auto& ours) {
+    return Status::invalid_argument(
+        fmt::format("{}: the checkpoint was saved with {} {}, this engine has {} {}", call, what,
+                    theirs, what, ours));
+  };
+  try {
+    const int world = m["world_size"].get<int>();
+    if (world != ctx.world_size) return differs("world_size", world, ctx.world_size);
+    const int stage = m["stage"].get<int>();
+    if (stage != config.zero.stage) {
+      return differs("zero_optimization.stage", stage, config.zero.stage);
+    }
+    const std::string opt = m["optimizer"].get<std::string>();
+    if (opt != optimizer_name(config.optimizer.kind)) {
+      return differs("optimizer.type", opt, optimizer_name(config.optimizer.kind));
+    }
+    const std::string fp = m["fingerprint"].get<std::string>();
+    const std::string ours = fmt::format("{:016x}", ctx.partitioner->fingerprint());
+    if (fp != ours) {
+      return differs("parameter layout fingerprint (names, modules, shapes, dtypes)", fp, ours);
+    }
+    const std::size_t elements = m["partition_elements"].get<std::size_t>();
+    if (elements != ctx.partition_elements) {
+      return differs("partition element count", elements, ctx.partition_elements);
+    }
+    const nlohmann::json& ranks = m["ranks"];
+    if (!ranks.is_array() || ranks.size() != static_cast<std::size_t>(ctx.world_size)) {
+      return bad_manifest(fmt::format("'ranks' is not an array of {} entries", ctx.world_size));
+    }
+    const nlohmann::json& entry = ranks[static_cast<std::size_t>(ctx.rank)];
+    const std::string path = fmt::format("{}/{}", dir, entry.at("file").get<std::string>());
+    const std::uint64_t bytes = entry.at("bytes").get<std::uint64_t>();
+    const std::string digest = entry.at("xxh3").get<std::string>();
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
+    if (r->file_bytes() != bytes) {
+      return Status::corruption(fmt::format("{}: '{}' has {} bytes; the manifest says {}", call,
+                                            path, r->file_bytes(), bytes));
+    }
+    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
+    if (fmt::format("{:016x}", sum) != digest) {
+      return Status::corruption(
+          fmt::format("{}: '{}' does not match its checksum (xxh3 {:016x}, the manifest says {})",
+                      call, path, sum, digest));
+    }
+    std::vector<std::byte> head(kCheckpointHeaderBytes);
+    ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
+    CheckpointHeader h;
+    std::memcpy(&h, head.data(), sizeof(h));
+    const CheckpointHeader want = header_of(ctx, 0, LossScaler());
+    if (h.magic != kCheckpointMagic || h.version != kCheckpointVersion || h.rank != want.rank ||
+        h.world_size != want.world_size || h.stage != want.stage || h.optimizer != want.optimizer ||
+        h.piece_mask != want.piece_mask || h.partition_elements != want.partition_elements ||
+        h.fingerprint != want.fingerprint) {
+      return Status::corruption(
+          fmt::format("{}: '{}': its header does not match the manifest or this rank", call, path));
+    }
+    const std::uint64_t expect =
+        kCheckpointHeaderBytes +
+        state_pieces(config.optimizer.kind).size() * ctx.partition_elements * sizeof(float);
+    if (bytes != expect) {
+      return Status::corruption(
+          fmt::format("{}: '{}' has {} bytes, the layout needs {}", call, path, bytes, expect));
+    }
+    *reader = std::move(r);
+    *header = h;
+  } catch (const nlohmann::json::exception& e) {
+    return bad_manifest(e.what());
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
+                       Status precondition, std::int64_t step, const LossScaler& scaler) {
+  RankExchange& ex = *ctx.exchange;
+  Status local = std::move(precondition);
+  if (local.is_ok() && ctx.rank == 0) {
+    // The directory, and no manifest in it until every rank file of this save is in place.
+    std::error_code ec;
+    std::filesystem::create_directories(dir, ec);
+    if (ec) {
+      local = status_from_errno(fmt::format("{}: cannot create the directory", call), ec.value());
+    } else if (::unlink(fmt::format("{}/{}", dir, kCheckpointManifest).c_str()) != 0 &&
+               errno != ENOENT) {
+      local = status_from_errno(fmt::format("{}: cannot remove the old manifest", call), errno);
+    }
+  }
+  ZINF_RETURN_IF_ERROR(ex.agree(call, local));
+
+  // This rank's file.
+  std::uint64_t file[2] = {0, 0};
+  local = [&]() -> Status {
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
+                          CheckpointWriter::create(checkpoint_rank_path(dir, ctx.rank)));
+    std::vector<std::byte> head(kCheckpointHeaderBytes);
+    const CheckpointHeader h = header_of(ctx, step, scaler);
+    std::memcpy(head.data(), &h, sizeof(h));
+    ZINF_RETURN_IF_ERROR(w->append(head.data(), head.size()));
+    for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
+      ZINF_RETURN_IF_ERROR(
+          ctx.state->read_state(piece, [&](std::size_t, std::size_t count, const float* values) {
+            return w->append(values, count * sizeof(float));
+          }));
+    }
+    ZINF_RETURN_IF_ERROR(w->commit());
+    file[0] = w->bytes();
+    file[1] = w->digest();
+    return Status::ok();
+  }();
+  ZINF_RETURN_IF_ERROR(ex.agree(call, local));
+  Result<std::vector<std::uint64_t>> files = ex.exchange(file, 2);
+  if (!files.is_ok()) return ctx.sticky->fail(files.status());
+
+  // Rank 0's manifest, written last: its presence says the checkpoint is complete.
+  local = Status::ok();
+  if (ctx.rank == 0) {
+    nlohmann::json m;
+    m["format"] = "zinf-checkpoint";
+    m["version"] = kCheckpointVersion;
+    m["world_size"] = ctx.world_size;
+    m["stage"] = ctx.config->zero.stage;
+    m["optimizer"] = std::string(optimizer_name(ctx.config->optimizer.kind));
+    m["fingerprint"] = fmt::format("{:016x}", ctx.partitioner->fingerprint());
+    m["partition_elements"] = ctx.partition_elements;
+    m["step"] = step;
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int r = 0; r < ctx.world_size; ++r) {
+      ranks.push_back({{"file", fmt::format("rank{}.zinfckpt", r)},
+                       {"bytes", (*files)[2 * r]},
+                       {"xxh3", fmt::format("{:016x}", (*files)[2 * r + 1])}});
+    }
+    m["ranks"] = ranks;
+    local = write_file_atomically(fmt::format("{}/{}", dir, kCheckpointManifest), m.dump(2));
+  }
+  return ex.agree(call, local);
+}
+
+Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
+                             const std::string& dir, Status precondition,
+                             CheckpointHeader* header) {
+  std::unique_ptr<CheckpointReader> reader;
+  Status local = std::move(precondition);
+  if (local.is_ok()) local = check_checkpoint(ctx, call, dir, &reader, header);
+  ZINF_RETURN_IF_ERROR(ctx.exchange->agree(call, local));
+  // From here on the state is being replaced: an error leaves it mixed, so it is sticky.
+  for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
+    ZINF_RETURN_IF_ERROR(ctx.sticky->fail(
+        ctx.state->write_state(piece, [&](std::size_t, std::size_t count, float* out) {
+          return reader->read(out, count * sizeof(float));
+        })));
+  }
+  return Status::ok();
 }
 
 }  // namespace zinf

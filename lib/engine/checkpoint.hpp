@@ -1,6 +1,8 @@
-// Checkpoint files: the format of one rank's state file and the manifest, and the plain-file
-// I/O that writes them crash-safely (a temporary name, fsync, rename, fsync of the directory) and
-// reads them back with their xxh3-64 checksum. The engine (engine.cpp) decides what goes in.
+// Checkpoints: the format of one rank's state file and the manifest, the plain-file I/O that
+// writes them crash-safely (a temporary name, fsync, rename, fsync of the directory) and reads
+// them back with their xxh3-64 checksum, and the engine's save and load (save_checkpoint,
+// load_checkpoint_state): what goes in, the checks against the manifest and the ranks'
+// agreement at each phase.
 //
 // Layout of <dir>/rank<r>.zinfckpt (little-endian): a 4096-byte header (CheckpointHeader, zero
 // padded), then for each saved piece in Piece order (the fp32 master, then the moments the
@@ -18,6 +20,11 @@
 #include <string>
 
 #include "base/aligned.hpp"
+#include "engine/optimizer_state.hpp"
+#include "engine/rank_exchange.hpp"
+#include "zero/loss_scaler.hpp"
+#include "zero/partitioner.hpp"
+#include "zinf/config.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf {
@@ -116,5 +123,32 @@ class CheckpointReader {
 // Writes `text` to `path` crash-safely (as CheckpointWriter).
 Status write_file_atomically(const std::string& path, const std::string& text);
 Result<std::string> read_text_file(const std::string& path);
+
+// --- The engine's save and load ---------------------------------------------------------------
+
+// What a checkpoint reads from and writes into; everything outlives the call.
+struct CheckpointContext {
+  int rank = 0;
+  int world_size = 1;
+  const Config* config = nullptr;
+  const Partitioner* partitioner = nullptr;
+  std::size_t partition_elements = 0;
+  OptimizerState* state = nullptr;
+  RankExchange* exchange = nullptr;
+  StickyError* sticky = nullptr;
+};
+
+// Writes this rank's file and (rank 0, last) the manifest (include/zinf/engine.hpp
+// save_checkpoint). `precondition` is this rank's verdict on taking a checkpoint now; every rank
+// learns every rank's. Collective.
+Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
+                       Status precondition, std::int64_t step, const LossScaler& scaler);
+
+// Checks the manifest against this engine and this rank's file against the manifest (every rank
+// agreeing), then writes the file's state into ctx.state; on success *header holds the step and
+// the loss scaler's state. Errors before the state is touched leave it as it was; an error
+// while it is written is sticky. Collective.
+Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
+                             const std::string& dir, Status precondition, CheckpointHeader* header);
 
 }  // namespace zinf

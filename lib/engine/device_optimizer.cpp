@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 
 #include "base/assert.hpp"
@@ -46,10 +47,26 @@ Status DeviceOptimizer::check(const OptimizerParams& params, const Device& devic
 
 Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
     Device& device, std::vector<Group> groups, std::size_t partition_elements, const float* master,
-    std::chrono::milliseconds timeout) {
+    std::chrono::milliseconds timeout, std::vector<OptimizerRange> ranges) {
   std::unique_ptr<DeviceOptimizer> o(new DeviceOptimizer(device, timeout));
   o->groups_ = std::move(groups);
   o->partition_elements_ = partition_elements;
+  if (ranges.empty()) ranges.push_back(OptimizerRange{});
+  ZINF_ASSERT(ranges[0].begin == 0);
+  // Cut each dtype group at the range boundaries inside it.
+  for (std::uint32_t g = 0; g < o->groups_.size(); ++g) {
+    const Group& group = o->groups_[g];
+    const std::size_t end = group.offset + group.count;
+    auto r = std::upper_bound(ranges.begin(), ranges.end(), group.offset,
+                              [](std::size_t e, const OptimizerRange& x) { return e < x.begin; }) -
+             1;
+    for (std::size_t b = group.offset; b < end; ++r) {
+      const std::size_t stop = r + 1 != ranges.end() ? std::min(end, r[1].begin) : end;
+      ZINF_ASSERT(r->group < kMaxOptimizerGroups);
+      o->runs_.push_back(Run{g, r->group, b, stop - b});
+      b = stop;
+    }
+  }
   ZINF_ASSIGN_OR_RETURN(o->ops_, make_device_ops(device));
   ZINF_ASSIGN_OR_RETURN(o->stream_, device.create_stream("optimizer"));
   const std::size_t bytes = std::max<std::size_t>(partition_elements, 1) * sizeof(float);
@@ -89,16 +106,33 @@ Result<double> DeviceOptimizer::sum_of_squares() {
 }
 
 Status DeviceOptimizer::step(std::int64_t step, float grad_scale, const OptimizerParams& params) {
-  const kernels::AdamStepArgs args = adam_args(params, step);
+  return this->step(step, grad_scale, std::span<const OptimizerParams>(&params, 1));
+}
+
+Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
+                             std::span<const OptimizerParams> groups) {
+  ZINF_ASSERT(!groups.empty() && groups.size() <= kMaxOptimizerGroups);
+  // Every group's scalars once per step, on the stack: a step allocates nothing.
+  std::array<kernels::AdamStepArgs, kMaxOptimizerGroups> args;
+  for (std::size_t g = 0; g < groups.size(); ++g) args[g] = adam_args(groups[g], step);
   auto* flag = reinterpret_cast<std::int32_t*>(scratch_.as<float>() + kernels::kSqNormPartials + 1);
-  for (const Group& g : groups_) {
-    float* grads = grads_.as<float>() + g.offset;
+  std::size_t run = 0;
+  for (std::uint32_t gi = 0; gi < groups_.size(); ++gi) {
+    const Group& g = groups_[gi];
     // The overflow check ran before the step: the flag is not read.
-    ZINF_RETURN_IF_ERROR(ops_->scale(grads, g.count, grad_scale, flag, *stream_));
-    void* half = g.dtype == DType::kF32 ? nullptr : half_.as<std::byte>() + g.byte_offset;
-    ZINF_RETURN_IF_ERROR(ops_->adam_step(
-        master_.as<float>() + g.offset, grads, exp_avg_.as<float>() + g.offset,
-        exp_avg_sq_.as<float>() + g.offset, half, g.dtype, g.count, args, *stream_));
+    ZINF_RETURN_IF_ERROR(
+        ops_->scale(grads_.as<float>() + g.offset, g.count, grad_scale, flag, *stream_));
+    for (; run < runs_.size() && runs_[run].group == gi; ++run) {
+      const Run& r = runs_[run];
+      ZINF_ASSERT(r.param_group < groups.size());
+      const std::size_t at = r.offset;
+      void* half = g.dtype == DType::kF32
+                       ? nullptr
+                       : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
+      ZINF_RETURN_IF_ERROR(ops_->adam_step(master_.as<float>() + at, grads_.as<float>() + at,
+                                           exp_avg_.as<float>() + at, exp_avg_sq_.as<float>() + at,
+                                           half, g.dtype, r.count, args[r.param_group], *stream_));
+    }
   }
   return device_.synchronize(*stream_, timeout_);
 }

@@ -10,6 +10,11 @@
 // values go to the parameter shards from device memory (ParamCoordinator::
 // write_shard_from_device).
 //
+// Parameter groups: the ranges given at create() (partition offsets, as optimizer_step()'s
+// OptimizerRange) step with their group's hyper-parameters: each group's piece of each dtype
+// group is one adam_step launch with that group's per-step scalars. Pieces start at parameter or
+// slice boundaries (multiples of 16 elements), so every launch keeps the vectorised path.
+//
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
 // multiply-adds, so results agree with a CPU run to within float rounding, not to the bit.
@@ -21,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "device/device_ops.hpp"
@@ -47,15 +53,19 @@ class DeviceOptimizer {
   static Result<std::unique_ptr<DeviceOptimizer>> create(Device& device, std::vector<Group> groups,
                                                          std::size_t partition_elements,
                                                          const float* master,
-                                                         std::chrono::milliseconds timeout);
+                                                         std::chrono::milliseconds timeout,
+                                                         std::vector<OptimizerRange> ranges = {});
   ~DeviceOptimizer();
 
   // The fp32 gradient accumulator (device memory, partition_elements floats).
   float* grads() const { return grads_.as<float>(); }
   // The sum of squares of the accumulator (inf or NaN when an element is).
   Result<double> sum_of_squares();
-  // One optimizer step at step number `step` (from 1): grads *= grad_scale, then Adam/AdamW.
+  // One optimizer step at step number `step` (from 1): grads *= grad_scale, then Adam/AdamW,
+  // each range of the partition with groups[its group] (one group, `params`, in the first form).
+  // REQUIRES: every group create()'s ranges name is in `groups`; at most kMaxOptimizerGroups.
   Status step(std::int64_t step, float grad_scale, const OptimizerParams& params);
+  Status step(std::int64_t step, float grad_scale, std::span<const OptimizerParams> groups);
   // Group g's new values in its dtype (device memory): the master for f32 groups, else the half
   // copy the step wrote. Valid after step() until the next one.
   const void* values(std::uint32_t g) const;
@@ -76,7 +86,15 @@ class DeviceOptimizer {
 
   Device& device_;
   std::chrono::milliseconds timeout_;
+  // One adam_step launch: a parameter group's run inside dtype group `group`.
+  struct Run {
+    std::uint32_t group = 0;        // the dtype group (groups_)
+    std::uint32_t param_group = 0;  // the parameter group whose hyper-parameters apply
+    std::size_t offset = 0;         // first element in the partition
+    std::size_t count = 0;
+  };
   std::vector<Group> groups_;
+  std::vector<Run> runs_;  // in partition order
   std::size_t partition_elements_ = 0;
   std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<Stream> stream_;

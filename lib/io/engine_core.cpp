@@ -259,6 +259,13 @@ Status EngineCore::cancelled_status(const Piece& piece) const {
   return cancelled(piece.op, files_[piece.file_index].path, piece.offset, piece.bytes);
 }
 
+Status EngineCore::piece_error(const Piece& piece, std::string_view what, int err) const {
+  return status_from_errno(fmt::format("{} of {} at offset {} ({} bytes): {}", io_op_name(piece.op),
+                                       files_[piece.file_index].path, piece.offset, piece.bytes,
+                                       what),
+                           err);
+}
+
 bool EngineCore::hung_cancellable() const {
   return options_.faults == nullptr || !options_.faults->spec().hang_ignores_cancel;
 }

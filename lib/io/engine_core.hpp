@@ -157,6 +157,9 @@ class EngineCore : public IoEngine {
   void stop_cutting(std::uint32_t slot);
   // The error a cancelled piece finishes with: io_error, ECANCELED, naming op, path and offset.
   Status cancelled_status(const Piece& piece) const;
+  // The error a piece finishes with when the backend cannot issue it: `err` with `what` (e.g.
+  // "io_uring_submit failed"), naming op, path and offset.
+  Status piece_error(const Piece& piece, std::string_view what, int err) const;
   // Whether cancel() releases pieces the fault injector hung (FaultSpec::hang_ignores_cancel).
   bool hung_cancellable() const;
 

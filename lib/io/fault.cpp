@@ -75,6 +75,24 @@ long FaultInjector::on_complete(IoOp op, std::uint64_t /*offset*/, std::size_t r
   return result;
 }
 
+int FaultInjector::on_submit() {
+  if (!enabled_.load(std::memory_order_relaxed) || spec_.submit_errno == 0) return 0;
+  if (submit_calls_.fetch_add(1, std::memory_order_relaxed) < spec_.submit_after) return 0;
+  std::uint64_t failed = submit_error_.load(std::memory_order_relaxed);
+  while (spec_.submit_max == 0 || failed < spec_.submit_max) {
+    if (submit_error_.compare_exchange_weak(failed, failed + 1, std::memory_order_relaxed)) {
+      return -spec_.submit_errno;
+    }
+  }
+  return 0;
+}
+
+int FaultInjector::on_wait() {
+  if (!enabled_.load(std::memory_order_relaxed) || spec_.wait_errno == 0) return 0;
+  wait_error_.fetch_add(1, std::memory_order_relaxed);
+  return -spec_.wait_errno;
+}
+
 FaultCounts FaultInjector::counts() const {
   FaultCounts c;
   c.eio = eio_.load(std::memory_order_relaxed);
@@ -85,6 +103,8 @@ FaultCounts FaultInjector::counts() const {
   c.latency = latency_.load(std::memory_order_relaxed);
   c.bit_flip = bit_flip_.load(std::memory_order_relaxed);
   c.hang = hang_.load(std::memory_order_relaxed);
+  c.submit_error = submit_error_.load(std::memory_order_relaxed);
+  c.wait_error = wait_error_.load(std::memory_order_relaxed);
   return c;
 }
 

@@ -20,6 +20,15 @@
 //                                                     hang_ignores_cancel, cancel() does not
 //                                                     reach it either: it stays in flight until
 //                                                     the engine closes
+// Ring faults (UringEngine only), where the engine talks to the ring rather than to the drive:
+//   submit_errno  io_uring_submit fails with it and   -> EAGAIN / EBUSY / EINTR: the entries stay
+//                 the kernel takes nothing               queued and go with a later submit; any
+//                                                        other errno breaks the ring: wait() of
+//                                                        each request whose pieces it held, and
+//                                                        of every later request on that ring:
+//                                                        io_error with that errno, path+offset
+//   wait_errno    io_uring_wait_cqe fails with it     -> completions are still reaped (polled
+//                                                        with a bounded back-off), one log line
 // Rates are probabilities per piece completion, drawn from one SplitMix64 stream seeded with
 // `seed` (the draw order follows completion order, which threads can reorder; a failing test
 // replays the same fault mix, not always the same sequence).
@@ -55,11 +64,18 @@ struct FaultSpec {
   // Restrict faults to reads or writes when set.
   bool reads = true;
   bool writes = true;
+  // Ring faults (see the file comment): io_uring_submit fails with -submit_errno from the
+  // (submit_after + 1)-th submit on, at most submit_max times (0: no limit); every
+  // io_uring_wait_cqe fails with -wait_errno. 0: no fault.
+  int submit_errno = 0;
+  std::uint32_t submit_after = 0;
+  std::uint32_t submit_max = 0;
+  int wait_errno = 0;
 };
 
 struct FaultCounts {
   std::uint64_t eio = 0, enospc = 0, short_io = 0, eintr = 0, eagain = 0, latency = 0, bit_flip = 0,
-                hang = 0;
+                hang = 0, submit_error = 0, wait_error = 0;
 };
 
 class FaultInjector {
@@ -77,6 +93,11 @@ class FaultInjector {
   long on_complete(IoOp op, std::uint64_t offset, std::size_t requested_bytes, void* data,
                    long result);
 
+  // Called by UringEngine before each io_uring_submit and io_uring_wait_cqe. Returns 0 (go on
+  // and call it) or -errno: the call is not made and fails with that.
+  int on_submit();
+  int on_wait();
+
   // Turns injection on or off (e.g. off while a test writes its reference data).
   void set_enabled(bool enabled) { enabled_.store(enabled, std::memory_order_relaxed); }
   FaultCounts counts() const;
@@ -88,7 +109,7 @@ class FaultInjector {
   SplitMix64 random_;
   std::atomic<bool> enabled_{true};
   std::atomic<std::uint64_t> eio_{0}, enospc_{0}, short_{0}, eintr_{0}, eagain_{0}, latency_{0},
-      bit_flip_{0}, hang_{0};
+      bit_flip_{0}, hang_{0}, submit_calls_{0}, submit_error_{0}, wait_error_{0};
 };
 
 }  // namespace zinf

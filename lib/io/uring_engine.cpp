@@ -12,6 +12,19 @@
 // fixed buffers (a sparse table of kMaxRegisteredBuffers), so a piece inside registered memory
 // goes out as READ_FIXED / WRITE_FIXED on a fixed file: no per-request page pinning or fd
 // lookup in the kernel.
+//
+// Submission entries: a ring has room for queue_depth pieces, one cancel for each, and the
+// destructor's no-op. A piece holds at most one entry at a time, cancel_request() takes an entry
+// only while queue_depth + 1 stay free, and nothing else takes one, so prep() always finds one
+// and the destructor's no-op always fits, even when the kernel has taken nothing for a while
+// (io_uring_submit answering EBUSY).
+//
+// Ring errors: a hard io_uring_submit error (not EAGAIN / EBUSY / EINTR) breaks the ring. The
+// pieces whose entries the kernel did not take fail with it (their entries become no-ops), and
+// so does every piece cut on that ring afterwards, so callers get the error from wait(), not a
+// timeout. A failing io_uring_wait_cqe does not stop completions from arriving in the completion
+// queue, which is shared memory: the ring's thread then polls it, backing off to kWaitRetryMax
+// between looks, and logs once when the waits start failing and once when they recover.
 #include <liburing.h>
 #include <unistd.h>
 
@@ -21,6 +34,7 @@
 #include <thread>
 
 #include "io/engine_core.hpp"
+#include "io/fault.hpp"
 #include "zinf/log.hpp"
 
 namespace zinf::io_detail {
@@ -34,6 +48,8 @@ constexpr std::uint8_t kPieceInKernel = 1;
 constexpr std::uint8_t kPieceHung = 2;  // completion swallowed by the fault injector
 // How long the destructor waits for a drive to finish what is in flight before giving up.
 constexpr std::chrono::seconds kDrainLimit{30};
+// The longest pause between looks at the completion queue while io_uring_wait_cqe fails.
+constexpr std::chrono::milliseconds kWaitRetryMax{10};
 
 unsigned round_up_pow2(unsigned value) {
   unsigned out = 1;
@@ -51,7 +67,9 @@ class UringEngine final : public EngineCore {
       if (!ring->thread.joinable()) continue;
       std::lock_guard lock(ring->mutex);
       ring->stop = true;
-      // A no-op completion wakes the ring's thread, which then drains what is in flight.
+      // A no-op completion wakes the ring's thread, which then drains what is in flight. Its
+      // entry is always free (see the file comment). It goes to the kernel directly, past the
+      // fault injector: a ring broken only by injection must still wake its thread.
       io_uring_sqe* sqe = io_uring_get_sqe(&ring->ring);
       ZINF_ASSERT(sqe != nullptr);
       io_uring_prep_nop(sqe);
@@ -71,8 +89,8 @@ class UringEngine final : public EngineCore {
     for (std::uint32_t i = 0; i < options_.rings; ++i) {
       rings_.push_back(std::make_unique<Ring>());
       Ring& ring = *rings_.back();
-      // Room for queue_depth pieces and the shutdown no-op.
-      const unsigned entries = round_up_pow2(options_.queue_depth + 2);
+      // Room for queue_depth pieces, a cancel for each, and the shutdown no-op.
+      const unsigned entries = round_up_pow2(2 * options_.queue_depth + 2);
       io_uring_params params{};
       params.flags = IORING_SETUP_CQSIZE;
       params.cq_entries = entries * 2;
@@ -170,6 +188,8 @@ class UringEngine final : public EngineCore {
     if (slot(slot_index).done.load(std::memory_order_acquire)) return;
     stop_cutting(slot_index);
     bool cancels = false;
+    // Entries kept free for pieces and the shutdown no-op (see the file comment).
+    const unsigned reserved = options_.queue_depth + 1;
     for (std::uint32_t p = 0; p < ring.pieces.size(); ++p) {
       if (ring.piece_state[p] == kPieceFree || ring.pieces[p].slot != slot_index) continue;
       if (ring.piece_state[p] == kPieceHung) {
@@ -178,15 +198,15 @@ class UringEngine final : public EngineCore {
       }
       // In the kernel: it completes with -ECANCELED if the cancel reaches it, else as it would
       // have. The cancel's own completion carries kWakeTag and is ignored.
-      io_uring_sqe* sqe = io_uring_get_sqe(&ring.ring);
-      if (sqe == nullptr) {
-        submit(ring);
-        sqe = io_uring_get_sqe(&ring.ring);
-      }
-      if (sqe == nullptr) {
+      if (!ring.broken.is_ok()) continue;  // nothing reaches the kernel any more
+      if (io_uring_sq_space_left(&ring.ring) <= reserved) submit(ring);
+      if (!ring.broken.is_ok()) continue;
+      if (io_uring_sq_space_left(&ring.ring) <= reserved) {
         log_warn("io: no submission entry left to cancel a piece; it stays in flight");
         continue;
       }
+      io_uring_sqe* sqe = io_uring_get_sqe(&ring.ring);
+      ZINF_ASSERT(sqe != nullptr);
       io_uring_prep_cancel64(sqe, p, 0);
       io_uring_sqe_set_data64(sqe, kWakeTag);
       cancels = true;
@@ -210,15 +230,51 @@ class UringEngine final : public EngineCore {
     std::vector<std::uint32_t> free_pieces;
     std::uint32_t in_flight = 0;
     std::uint32_t resubmits = 0;  // pieces handle() prepped again, not yet submitted
+    // Set by a hard io_uring_submit error; every piece on this ring then fails with it.
+    Status broken;
+    int broken_errno = 0;
+    std::uint32_t wait_errors = 0;  // io_uring_wait_cqe failures in a row (ring thread only)
   };
 
+  // Hands the queued entries to the kernel. REQUIRES: ring.mutex held.
   void submit(Ring& ring) {
-    const int rc = io_uring_submit(&ring.ring);
-    // Entries the kernel did not take stay queued and go with the next submit; a hard error
-    // here means the ring itself is broken, which no request can recover from.
-    if (rc < 0 && rc != -EAGAIN && rc != -EBUSY && rc != -EINTR) {
-      log_error("io: io_uring_submit failed: {}", std::strerror(-rc));
+    if (!ring.broken.is_ok()) return;
+    int rc = options_.faults ? options_.faults->on_submit() : 0;
+    if (rc == 0) rc = io_uring_submit(&ring.ring);
+    // Entries the kernel did not take stay queued and go with the next submit.
+    if (rc >= 0 || rc == -EAGAIN || rc == -EBUSY || rc == -EINTR) return;
+    // A hard error means the ring itself is broken, which no request on it can recover from.
+    log_error("io: io_uring_submit failed: {}; failing the requests on this ring",
+              std::strerror(-rc));
+    ring.broken_errno = -rc;
+    ring.broken = status_from_errno("io_uring_submit", -rc);
+    fail_unsubmitted(ring);
+    // The requests those pieces belonged to may have pieces left to cut: cutting them now fails
+    // them too, and completes each request whose last piece this was.
+    fill(ring);
+  }
+
+  // After a hard submit error: the entries between the kernel's head and our tail were not
+  // taken. Each becomes a no-op (so a later submit that does reach the kernel does nothing with
+  // it) and the piece it held fails. REQUIRES: ring.mutex held.
+  void fail_unsubmitted(Ring& ring) {
+    io_uring_sq& sq = ring.ring.sq;
+    const unsigned head = io_uring_smp_load_acquire(sq.khead);
+    for (unsigned i = head; i != sq.sqe_tail; ++i) {
+      io_uring_sqe* sqe = &sq.sqes[i & sq.ring_mask];
+      const std::uint64_t tag = sqe->user_data;
+      io_uring_prep_nop(sqe);
+      io_uring_sqe_set_data64(sqe, kWakeTag);
+      if (tag == kWakeTag) continue;
+      const auto piece_index = static_cast<std::uint32_t>(tag);
+      ZINF_ASSERT(piece_index < ring.pieces.size() &&
+                  ring.piece_state[piece_index] == kPieceInKernel);
+      finish(ring, piece_index, broken_status(ring, ring.pieces[piece_index]));
     }
+  }
+
+  Status broken_status(const Ring& ring, const Piece& piece) const {
+    return piece_error(piece, "io_uring_submit failed, the ring is broken", ring.broken_errno);
   }
 
   void prep(Ring& ring, std::uint32_t piece_index) {
@@ -261,8 +317,12 @@ class UringEngine final : public EngineCore {
       ring.free_pieces.pop_back();
       ring.pieces[piece_index] = piece;
       ring.piece_state[piece_index] = kPieceInKernel;
-      prep(ring, piece_index);
       ++ring.in_flight;
+      if (!ring.broken.is_ok()) {
+        finish(ring, piece_index, broken_status(ring, ring.pieces[piece_index]));
+        continue;
+      }
+      prep(ring, piece_index);
       ++prepped;
     }
     return prepped;
@@ -273,6 +333,10 @@ class UringEngine final : public EngineCore {
     Status error;
     switch (check_piece(piece, result, &error)) {
       case PieceStep::kResubmit:
+        if (!ring.broken.is_ok()) {
+          error = broken_status(ring, piece);
+          break;
+        }
         prep(ring, piece_index);
         ++ring.resubmits;
         return;
@@ -302,16 +366,28 @@ class UringEngine final : public EngineCore {
     std::chrono::steady_clock::time_point stop_deadline;
     for (;;) {
       io_uring_cqe* first = nullptr;
-      int rc;
-      if (stopping) {
+      int rc = options_.faults ? options_.faults->on_wait() : 0;
+      if (rc == 0 && stopping) {
         // A drive that never answers must not hang the destructor: wait in slices.
         __kernel_timespec ts{0, 100 * 1000 * 1000};
         rc = io_uring_wait_cqe_timeout(&ring.ring, &first, &ts);
-      } else {
+      } else if (rc == 0) {
         rc = io_uring_wait_cqe(&ring.ring, &first);
       }
       if (rc < 0 && rc != -EINTR && rc != -ETIME && rc != -EAGAIN) {
-        log_error("io: waiting for io_uring completions failed: {}", std::strerror(-rc));
+        // Completions still land in the completion queue: look at it after a pause that grows
+        // to kWaitRetryMax, rather than spinning on the failing call.
+        if (ring.wait_errors++ == 0) {
+          log_error("io: waiting for io_uring completions failed: {}; polling the completion "
+                    "queue every {} ms until it recovers",
+                    std::strerror(-rc), kWaitRetryMax.count());
+        }
+        std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
+            kWaitRetryMax, std::chrono::milliseconds(1 << std::min(ring.wait_errors, 8u))));
+      } else if (rc >= 0 && ring.wait_errors > 0) {
+        log_warn("io: io_uring completions can be waited for again after {} failed waits",
+                 ring.wait_errors);
+        ring.wait_errors = 0;
       }
       std::lock_guard lock(ring.mutex);
       for (;;) {

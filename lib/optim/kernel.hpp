@@ -72,5 +72,10 @@ const KernelTable& kernels_for(Simd simd);
 // options.simd is ignored.
 Result<StepResult> step_with(const KernelTable& kernels, Simd simd, const OptimizerParams& params,
                              const OptimizerSpan& span, const StepOptions& options);
+// The same with per-range hyper-parameters.
+Result<StepResult> step_with(const KernelTable& kernels, Simd simd,
+                             std::span<const OptimizerParams> groups,
+                             std::span<const OptimizerRange> ranges, const OptimizerSpan& span,
+                             const StepOptions& options);
 
 }  // namespace zinf::optim

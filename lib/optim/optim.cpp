@@ -279,13 +279,54 @@ bool all_finite_with(const optim::KernelTable& kernels, const void* data, DType 
   return finite.load();
 }
 
+Status validate_ranges(std::span<const OptimizerParams> groups,
+                       std::span<const OptimizerRange> ranges, const OptimizerSpan& span) {
+  if (groups.empty() || groups.size() > kMaxOptimizerGroups) {
+    return Status::invalid_argument(fmt::format("optimizer step: {} parameter groups (1 to {})",
+                                                groups.size(), kMaxOptimizerGroups));
+  }
+  for (const OptimizerParams& g : groups) {
+    if (g.kind != groups[0].kind) {
+      return Status::invalid_argument(
+          fmt::format("optimizer step: parameter groups of different kinds ({} and {})",
+                      optimizer_name(groups[0].kind), optimizer_name(g.kind)));
+    }
+  }
+  if (span.count == 0) return Status::ok();
+  if (ranges.empty() || ranges[0].begin != 0) {
+    return Status::invalid_argument(
+        "optimizer step: the ranges must start with one that begins at element 0");
+  }
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    if (ranges[r].group >= groups.size()) {
+      return Status::invalid_argument(
+          fmt::format("optimizer step: range {} (element {}) names group {} of {}", r,
+                      ranges[r].begin, ranges[r].group, groups.size()));
+    }
+    if (r > 0 && !(ranges[r].begin > ranges[r - 1].begin && ranges[r].begin < span.count)) {
+      return Status::invalid_argument(
+          fmt::format("optimizer step: range {} begins at element {}, not after {} and below {}", r,
+                      ranges[r].begin, ranges[r - 1].begin, span.count));
+    }
+  }
+  return Status::ok();
+}
+
 }  // namespace
 
 namespace optim {
 
-Result<StepResult> step_with(const KernelTable& kernels, Simd simd, const OptimizerParams& params,
-                             const OptimizerSpan& span, const StepOptions& options) {
-  ZINF_RETURN_IF_ERROR(validate(params, span, options));
+Result<StepResult> step_with(const KernelTable& kernels, Simd simd,
+                             std::span<const OptimizerParams> groups,
+                             std::span<const OptimizerRange> ranges, const OptimizerSpan& span,
+                             const StepOptions& options) {
+  ZINF_RETURN_IF_ERROR(validate_ranges(groups, ranges, span));
+  for (std::size_t g = 0; g < groups.size(); ++g) {
+    Status s = validate(groups[g], span, options);
+    if (!s.is_ok()) {
+      return groups.size() == 1 ? s : s.with_context(fmt::format("parameter group {}", g));
+    }
+  }
   StepResult result;
   result.simd = simd;
   if (span.count == 0) return result;
@@ -294,11 +335,31 @@ Result<StepResult> step_with(const KernelTable& kernels, Simd simd, const Optimi
     result.overflow = true;
     return result;
   }
-  const KernelArgs args = make_args(params, options);
+  // The constants of every group, once per call; on the stack, so a step allocates nothing.
+  std::array<KernelArgs, kMaxOptimizerGroups> args;
+  for (std::size_t g = 0; g < groups.size(); ++g) args[g] = make_args(groups[g], options);
+  const OptimizerRange* const first = ranges.data();
+  const OptimizerRange* const last = ranges.data() + ranges.size();
   for_each_tile(span.count, options, [&](std::size_t begin, std::size_t end) {
-    kernels.update(args, span, begin, end);
+    // The range holding `begin`, then each range the tile reaches, up to its end.
+    const OptimizerRange* r =
+        std::upper_bound(first, last, begin,
+                         [](std::size_t e, const OptimizerRange& x) { return e < x.begin; }) -
+        1;
+    for (std::size_t b = begin; b < end; ++r) {
+      const std::size_t stop = r + 1 != last ? std::min(end, r[1].begin) : end;
+      kernels.update(args[r->group], span, b, stop);
+      b = stop;
+    }
   });
   return result;
+}
+
+Result<StepResult> step_with(const KernelTable& kernels, Simd simd, const OptimizerParams& params,
+                             const OptimizerSpan& span, const StepOptions& options) {
+  const OptimizerRange whole;
+  return step_with(kernels, simd, std::span<const OptimizerParams>(&params, 1),
+                   std::span<const OptimizerRange>(&whole, 1), span, options);
 }
 
 }  // namespace optim
@@ -307,6 +368,13 @@ Result<StepResult> optimizer_step(const OptimizerParams& params, const Optimizer
                                   const StepOptions& options) {
   ZINF_ASSIGN_OR_RETURN(const Simd simd, resolve_simd(options.simd));
   return optim::step_with(optim::kernels_for(simd), simd, params, span, options);
+}
+
+Result<StepResult> optimizer_step(std::span<const OptimizerParams> groups,
+                                  std::span<const OptimizerRange> ranges, const OptimizerSpan& span,
+                                  const StepOptions& options) {
+  ZINF_ASSIGN_OR_RETURN(const Simd simd, resolve_simd(options.simd));
+  return optim::step_with(optim::kernels_for(simd), simd, groups, ranges, span, options);
 }
 
 Result<bool> all_finite(const void* data, DType dtype, std::size_t count,

@@ -122,7 +122,51 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
         "OptimizerPipeline: optimizer {} but the store holds the state of {}",
         optimizer_name(options.optimizer.kind), optimizer_name(store.options().optimizer)));
   }
+  if (!options.groups.empty()) {
+    if (options.groups.size() > kMaxOptimizerGroups) {
+      return Status::invalid_argument(
+          fmt::format("OptimizerPipeline: {} parameter groups (at most {})", options.groups.size(),
+                      kMaxOptimizerGroups));
+    }
+    for (const OptimizerParams& g : options.groups) {
+      if (g.kind != store.options().optimizer) {
+        return Status::invalid_argument(fmt::format(
+            "OptimizerPipeline: a parameter group of {} but the store holds the state of {}",
+            optimizer_name(g.kind), optimizer_name(store.options().optimizer)));
+      }
+    }
+    const std::vector<OptimizerRange>& ranges = options.ranges;
+    if (ranges.empty() || ranges[0].begin != 0) {
+      return Status::invalid_argument(
+          "OptimizerPipeline: parameter group ranges must start with one at element 0");
+    }
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      if (ranges[r].group >= options.groups.size() ||
+          (r > 0 &&
+           !(ranges[r].begin > ranges[r - 1].begin && ranges[r].begin < store.param_count()))) {
+        return Status::invalid_argument(fmt::format(
+            "OptimizerPipeline: parameter group range {} (element {}, group {}) is out of order, "
+            "past the partition's {} elements or names a group that is not there",
+            r, ranges[r].begin, ranges[r].group, store.param_count()));
+      }
+    }
+  }
   std::unique_ptr<OptimizerPipeline> p(new OptimizerPipeline(store, pool, options));
+  if (!options.groups.empty()) {
+    // Each sub-group's ranges, relative to its first element, made once here.
+    const std::vector<OptimizerRange>& ranges = options.ranges;
+    std::size_t r = 0;
+    for (std::size_t i = 0; i < store.sub_group_count(); ++i) {
+      p->sub_range_first_.push_back(p->sub_ranges_.size());
+      const std::size_t first = store.sub_group_first(i);
+      const std::size_t end = first + store.sub_group_size(i);
+      while (r + 1 < ranges.size() && ranges[r + 1].begin <= first) ++r;
+      for (std::size_t k = r; k < ranges.size() && ranges[k].begin < end; ++k) {
+        p->sub_ranges_.push_back({std::max(ranges[k].begin, first) - first, ranges[k].group});
+      }
+    }
+    p->sub_range_first_.push_back(p->sub_ranges_.size());
+  }
   for (std::size_t k = 0; k < kPieceCount; ++k) {
     const auto piece = static_cast<Piece>(k);
     if (!store.on_nvme(piece)) continue;
@@ -192,6 +236,23 @@ Status OptimizerPipeline::set_optimizer_params(const OptimizerParams& params) {
                     optimizer_name(params.kind), optimizer_name(store_.options().optimizer)));
   }
   options_.optimizer = params;
+  return Status::ok();
+}
+
+Status OptimizerPipeline::set_group_params(std::span<const OptimizerParams> groups) {
+  if (groups.size() != options_.groups.size()) {
+    return Status::invalid_argument(
+        fmt::format("OptimizerPipeline: {} parameter groups given, {} at open()", groups.size(),
+                    options_.groups.size()));
+  }
+  for (const OptimizerParams& g : groups) {
+    if (g.kind != store_.options().optimizer) {
+      return Status::invalid_argument(fmt::format(
+          "OptimizerPipeline: a parameter group of {} but the store holds the state of {}",
+          optimizer_name(g.kind), optimizer_name(store_.options().optimizer)));
+    }
+  }
+  std::copy(groups.begin(), groups.end(), options_.groups.begin());
   return Status::ok();
 }
 
@@ -273,7 +334,14 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
   const std::int64_t start = Trace::now_ns();
   Status status;
   arena_->execute([&] {
-    Result<StepResult> r = optimizer_step(options_.optimizer, span, step_options);
+    Result<StepResult> r =
+        options_.groups.empty()
+            ? optimizer_step(options_.optimizer, span, step_options)
+            : optimizer_step(
+                  options_.groups,
+                  std::span<const OptimizerRange>(sub_ranges_)
+                      .subspan(sub_range_first_[i], sub_range_first_[i + 1] - sub_range_first_[i]),
+                  span, step_options);
     if (!r.is_ok()) status = r.status();
   });
   const std::int64_t end = Trace::now_ns();

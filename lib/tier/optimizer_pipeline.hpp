@@ -69,6 +69,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
@@ -82,6 +83,14 @@ namespace zinf {
 
 struct PipelineOptions {
   OptimizerParams optimizer;  // its kind must match StateStoreOptions::optimizer
+  // Parameter groups. Empty: every element steps with `optimizer`. Else elements of the
+  // partition from ranges[r].begin (to the next range's begin, the last to param_count) step
+  // with groups[ranges[r].group]: each sub-group carries the pieces of the ranges it holds, and
+  // its update is one optimizer_step() over them (include/zinf/optim.hpp). Every group must be
+  // of the store's kind; ranges[0].begin is 0, the begins increase, and at most
+  // kMaxOptimizerGroups groups.
+  std::vector<OptimizerParams> groups;
+  std::vector<OptimizerRange> ranges;
   // Threads of the update arena; 0: every core.
   int threads = 0;
   Simd simd = Simd::kAuto;
@@ -154,6 +163,10 @@ class OptimizerPipeline {
   // re-opening: the pool, arena and update thread stay. REQUIRES: no step() is running.
   // Errors: invalid_argument when params.kind differs from the store's optimizer.
   Status set_optimizer_params(const OptimizerParams& params);
+  // The same for parameter groups: `groups` replaces PipelineOptions::groups (the ranges stay).
+  // Allocates nothing. Errors: invalid_argument when the count differs from the groups given at
+  // open(), or a kind from the store's optimizer.
+  Status set_group_params(std::span<const OptimizerParams> groups);
 
   // The sticky error (OK until a step fails).
   const Status& error() const { return error_; }
@@ -237,6 +250,11 @@ class OptimizerPipeline {
   StepArgs update_args_;
   Status update_status_;
   std::int64_t update_ns_ = 0;
+
+  // The ranges each sub-group holds, relative to its first element: sub-group i's are
+  // sub_ranges_[sub_range_first_[i], sub_range_first_[i + 1]). Empty without groups.
+  std::vector<OptimizerRange> sub_ranges_;
+  std::vector<std::size_t> sub_range_first_;
 
   Status error_;
   StepStats stats_;

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "capi/capi_internal.hpp"
+#include "common/scratch_dir.hpp"
 #include "capi_c_part.h"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
@@ -36,25 +37,7 @@
 namespace zinf {
 namespace {
 
-// A scratch directory under $ZINF_TEST_TMPDIR (or /tmp), removed when destroyed.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& name) {
-    const char* root = std::getenv("ZINF_TEST_TMPDIR");
-    const std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
-    path_ = fmt::format("{}/capi-{}-{}", base, name, ::getpid());
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~ScratchDir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::ScratchDir;
 
 struct Case {
   const char* name;

@@ -11,6 +11,7 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <arpa/inet.h>
 
 #include <chrono>
 #include <cstdio>
@@ -163,6 +164,87 @@ TEST(TcpBootstrap, DisagreeingWorldSizeFailsEveryRank) {
       run_ranks({{0, 2}, {1, 3}}, free_port(), milliseconds(5000), 5, milliseconds(20000));
   EXPECT_EQ(codes.at(0), kExitInvalid);
   EXPECT_EQ(codes.at(1), kExitInvalid);
+}
+
+// Connects to 127.0.0.1:port, retrying until something listens (at most 5 s).
+int connect_loopback(std::uint16_t port) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (std::chrono::steady_clock::now() < until) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    addr.sin_port = htons(port);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0) return fd;
+    ::close(fd);
+    std::this_thread::sleep_for(milliseconds(10));
+  }
+  return -1;
+}
+
+// Strangers on rank 0's port before the real rank arrives: one that connects and says nothing
+// (a port scanner), one that hangs up at once, one that sends 16 bytes that are not a hello, one
+// that sends half a hello and stops. None of them may delay the real rank: both ranks finish
+// well before the deadline.
+TEST(TcpBootstrap, IdleAndForeignConnectionsDelayNoOne) {
+  const std::uint16_t port = free_port();
+  const auto timeout = milliseconds(4000);
+  LaunchEnv env0{.rank = 0, .world_size = 2, .local_rank = 0, .master_port = port};
+  LaunchEnv env1 = env0;
+  env1.rank = 1;
+  env1.local_rank = 1;
+  const std::vector<std::byte> blob = {std::byte{1}, std::byte{2}, std::byte{3}};
+  const auto start = std::chrono::steady_clock::now();
+  Result<std::vector<std::byte>> got0 = Status::aborted("not run");
+  std::thread rank0([&] { got0 = tcp_broadcast_blob(env0, blob, timeout); });
+
+  const int idle = connect_loopback(port);
+  ASSERT_GE(idle, 0) << "rank 0 never listened on port " << port;
+  const int hangs_up = connect_loopback(port);
+  ::close(hangs_up);
+  const int garbage = connect_loopback(port);
+  const unsigned char junk[16] = {'G', 'E', 'T', ' ', '/', ' ', 'H', 'T', 'T', 'P', '/', '1'};
+  ASSERT_EQ(::send(garbage, junk, sizeof(junk), MSG_NOSIGNAL), 16);
+  const int half = connect_loopback(port);
+  const auto hello = encode_tcp_hello({1, 2});
+  ASSERT_EQ(::send(half, hello.data(), 8, MSG_NOSIGNAL), 8);
+  std::this_thread::sleep_for(milliseconds(100));  // rank 0 has seen all of them
+
+  Result<std::vector<std::byte>> got1 = tcp_broadcast_blob(env1, {}, timeout);
+  rank0.join();
+  const auto elapsed = std::chrono::steady_clock::now() - start;
+  ::close(idle);
+  ::close(garbage);
+  ::close(half);
+  ASSERT_TRUE(got0.is_ok()) << got0.status().to_string();
+  ASSERT_TRUE(got1.is_ok()) << got1.status().to_string();
+  EXPECT_EQ(*got1, blob);
+  EXPECT_LT(elapsed, milliseconds(2000))
+      << "an idle connection stalled the bootstrap for "
+      << std::chrono::duration_cast<milliseconds>(elapsed).count() << " ms";
+}
+
+TEST(TcpBootstrapWire, HelloRoundTripsAndForeignBytesAreRefused) {
+  const auto bytes = encode_tcp_hello({3, 8});
+  // Little-endian u32 fields: "ZINF" magic, version 1, rank 3, world size 8.
+  const unsigned char expected[16] = {'Z', 'I', 'N', 'F', 1, 0, 0, 0, 3, 0, 0, 0, 8, 0, 0, 0};
+  EXPECT_EQ(std::memcmp(bytes.data(), expected, 16), 0);
+  Result<TcpHello> back = decode_tcp_hello(bytes);
+  ASSERT_TRUE(back.is_ok());
+  EXPECT_EQ(back->rank, 3u);
+  EXPECT_EQ(back->world_size, 8u);
+  unsigned char wrong_version[16];
+  std::memcpy(wrong_version, expected, 16);
+  wrong_version[4] = 2;
+  EXPECT_EQ(decode_tcp_hello(wrong_version).status().code(), Code::kCommError);
+  EXPECT_EQ(decode_tcp_hello(std::span(expected, 15)).status().code(), Code::kCommError);
+  // A reply header announcing more than the largest blob is refused before anything is allocated.
+  const unsigned char huge[12] = {'Z', 'I', 'N', 'F', 0, 0, 0, 0, 0xff, 0xff, 0xff, 0x7f};
+  EXPECT_EQ(decode_tcp_reply_header(huge).status().code(), Code::kCommError);
+  const unsigned char ok[12] = {'Z', 'I', 'N', 'F', 0, 0, 0, 0, 128, 0, 0, 0};
+  Result<TcpReplyHeader> header = decode_tcp_reply_header(ok);
+  ASSERT_TRUE(header.is_ok());
+  EXPECT_EQ(header->payload_bytes, 128u);
 }
 
 TEST(TcpBootstrap, WorldOfOneNeedsNoNetwork) {

@@ -82,6 +82,7 @@ TEST(PinnedPool, RegistersWithEngineAndDevice) {
   ASSERT_TRUE(device.is_ok()) << device.status().to_string();
   Result<std::unique_ptr<IoEngine>> engine = open_engine({});
   ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  void* base = nullptr;
   {
     Result<std::unique_ptr<PinnedPool>> pool =
         PinnedPool::create({.block_bytes = 1 << 20, .block_count = 2, .device = device->get()});
@@ -89,15 +90,24 @@ TEST(PinnedPool, RegistersWithEngineAndDevice) {
     EXPECT_TRUE((*pool)->device_registered());
     ASSERT_TRUE((*pool)->register_with(**engine).is_ok());
     ASSERT_TRUE((*pool)->register_with(**engine).is_ok());  // once per engine
+    base = (*pool)->block(0);
+    // While the pool lives, its range is registered with both: registering it again is refused.
+    EXPECT_FALSE((*device)->register_host(base, 1 << 20).is_ok());
     std::printf("pool pages: %s, locked %d\n",
                 std::string(page_kind_name((*pool)->page_kind())).c_str(), (*pool)->locked());
   }
-  // The destructor unregistered it: registering the same range again at a new pool works, and
-  // the engine has no stale region.
-  Result<std::unique_ptr<PinnedPool>> again =
-      PinnedPool::create({.block_bytes = 1 << 20, .block_count = 2});
-  ASSERT_TRUE(again.is_ok());
-  EXPECT_TRUE((*again)->register_with(**engine).is_ok());
+  // The destructor unregistered the range from the device and from the engine: unregistering it
+  // once more is refused by both, as for memory that was never registered.
+  Status device_again = (*device)->unregister_host(base);
+  EXPECT_FALSE(device_again.is_ok()) << "the pool left its range registered with the device";
+  EXPECT_NE(device_again.to_string().find("not registered"), std::string::npos)
+      << device_again.to_string();
+  Status engine_again = (*engine)->unregister_memory(base);
+  EXPECT_EQ(engine_again.code(), Code::kInvalidArgument)
+      << "the pool left its range registered with the engine: " << engine_again.to_string();
+  // And the device takes the same range afresh.
+  EXPECT_TRUE((*device)->register_host(base, 1 << 20).is_ok());
+  EXPECT_TRUE((*device)->unregister_host(base).is_ok());
 }
 
 TEST(PinnedPool, BadSizesAreInvalidArgument) {

@@ -16,19 +16,6 @@
 
 namespace zinf::engine_test {
 
-ScratchDir::ScratchDir(const std::string& name) {
-  const char* root = std::getenv("ZINF_TEST_TMPDIR");
-  const std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
-  path_ = base + "/engine-" + name + "-" + std::to_string(::getpid());
-  std::filesystem::remove_all(path_);
-  std::filesystem::create_directories(path_);
-}
-
-ScratchDir::~ScratchDir() {
-  std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
-}
-
 std::size_t ParamDef::element_count() const {
   std::size_t n = 1;
   for (std::int64_t d : shape) n *= static_cast<std::size_t>(d);

@@ -12,20 +12,12 @@
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
+#include "common/scratch_dir.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf::engine_test {
 
-// A scratch directory under $ZINF_TEST_TMPDIR (or /tmp), removed when destroyed.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& name);
-  ~ScratchDir();
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::ScratchDir;
 
 struct ParamDef {
   std::string name;

@@ -26,6 +26,7 @@ using engine_test::ParamDef;
 struct Timing {
   double pass_ms = 0;    // forward + backward, rank 0, per step
   double gather_ms = 0;  // inside gather(), rank 0, per step
+  EngineCounters counters;  // rank 0's, at the end of the run
 };
 
 constexpr int kModules = 8;
@@ -94,7 +95,8 @@ Timing run(OffloadDevice tier, bool prefetch, double compute_ms, const std::stri
       }
       ZINF_RETURN_IF_ERROR(engine->step().status());
     }
-    timing[static_cast<std::size_t>(rank)] = {pass_ns / 1e6 / kSteps, gather_ns / 1e6 / kSteps};
+    timing[static_cast<std::size_t>(rank)] = {pass_ns / 1e6 / kSteps, gather_ns / 1e6 / kSteps,
+                                              engine->counters()};
     return Status::ok();
   });
   for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
@@ -145,6 +147,18 @@ TEST(PrefetchOverlap, PrefetchHidesGatherTimeBehindCompute) {
       off_over_on.push_back(off.pass_ms / on.pass_ms);
       gather_on.push_back(on.gather_ms);
       gather_off.push_back(off.gather_ms);
+      // Whatever the timing, the runs must differ in what the coordinator did: after the step
+      // that records the order, each gather but the first of a pass finds its module prefetched
+      // (2 * kModules - 2 hits a step at the least, allowing the turn at the end of the forward);
+      // with a prefetch budget of zero nothing is issued ahead. Every gather() issues at most one
+      // all-gather of its own, so the count of gathers bounds the demand gathers.
+      const std::uint64_t gathers = static_cast<std::uint64_t>(2 * kModules * (kSteps + 1));
+      EXPECT_EQ(on.counters.gathers, gathers);
+      EXPECT_EQ(off.counters.gathers, gathers);
+      EXPECT_GE(on.counters.prefetch_hits, static_cast<std::uint64_t>((2 * kModules - 2) * kSteps))
+          << offload_device_name(tier) << " round " << round;
+      EXPECT_EQ(off.counters.prefetches_issued, 0u) << offload_device_name(tier);
+      EXPECT_EQ(off.counters.prefetch_hits, 0u) << offload_device_name(tier);
     }
     std::printf(
         "median: pass/floor with prefetch %.3f, without %.3f; without/with %.3f; "

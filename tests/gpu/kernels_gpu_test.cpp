@@ -330,6 +330,28 @@ TEST(FlattenGpu, FlattenAndUnflattenMatchReference) {
   }
 }
 
+// A runtime error that nobody collected (here a cudaMalloc far beyond the GPU's memory: not
+// sticky) must not be reported by the next launch as its own. Before the launchers cleared it,
+// cast_f32_to_bf16 returned cudaErrorMemoryAllocation here.
+TEST(KernelLaunch, AnEarlierUncollectedErrorIsNotBlamedOnTheLaunch) {
+  ZINF_REQUIRE_CUDA_DEVICE();
+  void* huge = nullptr;
+  ASSERT_EQ(cudaMalloc(&huge, std::size_t{1} << 60), cudaErrorMemoryAllocation);
+  // cudaMalloc's error is now this thread's last error; the launch must still succeed.
+  const std::size_t count = 1031;
+  std::vector<float> host(count);
+  fill_uniform(host.data(), count, 0x57a1e);
+  gpu_test::DeviceMemory src(count * sizeof(float)), dst(count * sizeof(std::uint16_t));
+  ASSERT_TRUE(src.ok() && dst.ok());
+  ZINF_CUDA_OK(gpu_test::upload(src.as<float>(), host));
+  (void)cudaMalloc(&huge, std::size_t{1} << 60);
+  EXPECT_EQ(cast_f32_to_bf16(src.as<float>(), dst.as<std::uint16_t>(), count, nullptr), 0);
+  std::vector<std::uint16_t> back(count), want(count);
+  ZINF_CUDA_OK(gpu_test::download(back, dst.as<std::uint16_t>()));
+  cast_f32_to_bf16_ref(host.data(), want.data(), count);
+  EXPECT_EQ(back, want);
+}
+
 }  // namespace
 }  // namespace zinf::kernels
 

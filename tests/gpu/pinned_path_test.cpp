@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <string>
 #include <vector>
@@ -31,8 +32,12 @@ TEST(PinnedPath, FileReadIntoPinnedBlockIsTheHostToDeviceSource) {
   ZINF_REQUIRE_CUDA_DEVICE();
   const std::size_t bytes = std::size_t{8} << 20;
   const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
-  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/zinf_pinned_path_" +
-                           std::to_string(::getpid());
+  const std::string dir = tmp != nullptr && tmp[0] != '\0' ? tmp : "/tmp";
+  // Made here too: nothing else in this binary may have run first (gtest runs the plain TESTs
+  // before the TEST_P suites), and a bundle's test runs outside ctest's fixture.
+  std::error_code ignored;
+  std::filesystem::create_directories(dir, ignored);
+  const std::string path = dir + "/zinf_pinned_path_" + std::to_string(::getpid());
   std::vector<unsigned char> file_bytes(bytes);
   fill_random_bytes(file_bytes.data(), bytes, 0xf11e);
   {

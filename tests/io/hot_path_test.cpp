@@ -56,7 +56,10 @@ TEST_P(HotPathTest, SubmitAndWaitAllocateNothing) {
       Result<Ticket> t = engine->submit(IoRequest{round % 2 ? IoOp::kRead : IoOp::kWrite, *file,
                                                   static_cast<std::uint64_t>(i) << 20, 1 << 20,
                                                   (*pool)->block(i)});
-      all_ok = all_ok && t.is_ok();
+      if (!t.is_ok()) {
+        g_count_allocations = false;
+        FAIL() << "submit in round " << round << ": " << t.status().to_string();
+      }
       tickets[i] = *t;
     }
     for (Ticket t : tickets) all_ok = all_ok && engine->wait(t, std::chrono::seconds(10)).is_ok();
@@ -83,7 +86,9 @@ TEST_P(HotPathTest, SwapReadWriteAllocateNothing) {
   ASSERT_TRUE(pool.is_ok());
   ASSERT_TRUE((*pool)->register_with(*engine).is_ok());
   fill_random_bytes((*pool)->block(0), 1 << 20, 6);
-  ExtentId id = *(*swap)->create("rank0/group0/exp_avg_sq", (1 << 20) - 4096);
+  Result<ExtentId> created = (*swap)->create("rank0/group0/exp_avg_sq", (1 << 20) - 4096);
+  ASSERT_TRUE(created.is_ok()) << created.status().to_string();
+  const ExtentId id = *created;
   ASSERT_TRUE((*swap)->write_sync(id, (*pool)->block(0)).is_ok());
 
   g_allocations = 0;

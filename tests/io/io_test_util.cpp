@@ -16,19 +16,6 @@
 
 namespace zinf::io_test {
 
-ScratchDir::ScratchDir(const std::string& name) {
-  const char* root = std::getenv("ZINF_TEST_TMPDIR");
-  std::string base = root != nullptr && root[0] != '\0' ? root : "/tmp";
-  path_ = base + "/io-" + name + "-" + std::to_string(::getpid());
-  std::filesystem::remove_all(path_);
-  std::filesystem::create_directories(path_);
-}
-
-ScratchDir::~ScratchDir() {
-  std::error_code ignored;
-  std::filesystem::remove_all(path_, ignored);
-}
-
 ScratchMount::ScratchMount(const std::string& name, const std::string& type,
                            const std::string& options)
     : dir_(name) {

@@ -11,21 +11,12 @@
 #include <string>
 
 #include "base/aligned.hpp"
+#include "common/scratch_dir.hpp"
 #include "io/io_engine.hpp"
 
 namespace zinf::io_test {
 
-// A fresh directory under $ZINF_TEST_TMPDIR (or /tmp), removed with its files on destruction.
-class ScratchDir {
- public:
-  explicit ScratchDir(const std::string& name);
-  ~ScratchDir();
-  const std::string& path() const { return path_; }
-  std::string file(const std::string& name) const { return path_ + "/" + name; }
-
- private:
-  std::string path_;
-};
+using test::ScratchDir;
 
 // A small filesystem (`type`: tmpfs or ramfs, `options` e.g. "size=2m,ro") mounted under a
 // scratch directory; ok() is false, with reason(), when mounting is not allowed here.

@@ -10,6 +10,8 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "base/random.hpp"
@@ -245,6 +247,43 @@ INSTANTIATE_TEST_SUITE_P(Kinds, KernelAccuracy,
                          ::testing::Values(OptimizerKind::kAdam, OptimizerKind::kAdamW,
                                            OptimizerKind::kAdagrad, OptimizerKind::kLion),
                          [](const auto& info) { return std::string(optimizer_name(info.param)); });
+
+// One test per path the kernels have: it skips, with the reason, where this CPU cannot run the
+// path (so ctest reports what the loops above left out), and otherwise checks that the path is
+// among those the loops run, has its own kernels (not the scalar table under another name), and
+// rounds seeded random values to bf16 and f16 exactly as the scalar conversion does.
+class SimdPaths : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(SimdPaths, RunsHere) {
+  std::string why_not;
+  const std::optional<Path> path = find_path(GetParam(), &why_not);
+  if (!path) {
+    GTEST_SKIP() << GetParam() << " path not tested: " << why_not;
+  }
+  bool listed = false;
+  for (const Path& p : available_paths()) listed = listed || p.name == path->name;
+  EXPECT_TRUE(listed) << path->name;
+  if (path->name != "scalar") {
+    EXPECT_NE(path->table, &optim::kernels_scalar());
+  }
+  std::vector<float> in(4099);
+  fill_uniform(in.data(), in.size(), 0x51d + path->name.size(), -1e4f, 1e4f);
+  std::vector<std::uint16_t> out(in.size());
+  for (DType dtype : {DType::kBF16, DType::kF16}) {
+    path->table->convert(in.data(), out.data(), dtype, 0, in.size());
+    for (std::size_t i = 0; i < in.size(); ++i) {
+      ASSERT_EQ(out[i], round_half(in[i], dtype)) << path->name << " " << dtype_name(dtype) << " "
+                                                  << in[i];
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Names, SimdPaths, ::testing::ValuesIn(kPathNames),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           for (char& c : name) c = c == '-' ? '_' : c;
+                           return name;
+                         });
 
 }  // namespace
 }  // namespace zinf::optim_test

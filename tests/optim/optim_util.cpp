@@ -10,24 +10,33 @@
 
 namespace zinf::optim_test {
 
-std::vector<Path> available_paths() {
-  std::vector<Path> paths;
-  paths.push_back({"scalar", &optim::kernels_scalar(), Simd::kScalar});
+std::optional<Path> find_path(std::string_view name, std::string* why_not) {
   const CpuFeatures& cpu = cpu_features();
-  if (cpu.has_avx2_path()) {
-    paths.push_back({"avx2", &optim::kernels_avx2(), Simd::kAvx2});
-  } else {
-    fmt::print("note: this CPU has no AVX2+FMA+F16C: the avx2 path is not tested\n");
-  }
-  if (cpu.has_avx512_path()) {
-    paths.push_back({"avx512-intbf16", &optim::kernels_avx512(false), Simd::kAvx512});
-    if (cpu.avx512bf16) {
-      paths.push_back({"avx512-bf16", &optim::kernels_avx512(true), Simd::kAvx512});
+  std::string reason;
+  if (name == "scalar") return Path{"scalar", &optim::kernels_scalar(), Simd::kScalar};
+  if (name == "avx2") {
+    if (cpu.has_avx2_path()) return Path{"avx2", &optim::kernels_avx2(), Simd::kAvx2};
+    reason = "this CPU has no AVX2+FMA+F16C";
+  } else if (name == "avx512-intbf16" || name == "avx512-bf16") {
+    const bool bf16 = name == "avx512-bf16";
+    if (!cpu.has_avx512_path()) {
+      reason = "this CPU has no AVX-512 F/BW/VL/DQ";
+    } else if (bf16 && !cpu.avx512bf16) {
+      reason = "this CPU has no AVX512-BF16 (VCVTNEPS2BF16)";
     } else {
-      fmt::print("note: this CPU has no AVX512-BF16: VCVTNEPS2BF16 is not tested\n");
+      return Path{std::string(name), &optim::kernels_avx512(bf16), Simd::kAvx512};
     }
   } else {
-    fmt::print("note: this CPU has no AVX-512 F/BW/VL/DQ: the avx512 path is not tested\n");
+    reason = fmt::format("no path is called '{}'", name);
+  }
+  if (why_not != nullptr) *why_not = reason;
+  return std::nullopt;
+}
+
+std::vector<Path> available_paths() {
+  std::vector<Path> paths;
+  for (const char* name : kPathNames) {
+    if (std::optional<Path> path = find_path(name, nullptr)) paths.push_back(*path);
   }
   return paths;
 }

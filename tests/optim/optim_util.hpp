@@ -5,7 +5,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "optim/kernel.hpp"
@@ -21,7 +23,13 @@ struct Path {
   const optim::KernelTable* table;
   Simd simd;
 };
-// Every path this CPU supports; prints the ones it cannot test.
+// Every path the kernels have, whether this CPU runs it or not.
+inline constexpr const char* kPathNames[] = {"scalar", "avx2", "avx512-intbf16", "avx512-bf16"};
+// The path called `name`, or nullopt with the reason this CPU cannot run it in *why_not. A test
+// of one path calls GTEST_SKIP() with that reason, so ctest shows the path as not run.
+std::optional<Path> find_path(std::string_view name, std::string* why_not);
+// Every path this CPU runs (the scalar one always). Tests that loop over them are complemented by
+// SimdPaths.RunsHere, which skips visibly for each path left out.
 std::vector<Path> available_paths();
 
 // Magnitudes of the random data: params uniform in +-param_scale, gradients in +-grad_scale,

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/scratch_dir.hpp"
 #include "io/fault.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
@@ -29,28 +30,11 @@ namespace {
 constexpr std::size_t kParams = 9'001;  // not a multiple of the sub-group size
 constexpr std::size_t kSubGroup = 700;  // 13 sub-groups, the last one short
 
-class Dir {
- public:
-  explicit Dir(const std::string& name) {
-    const char* root = std::getenv("ZINF_TEST_TMPDIR");
-    path_ = std::string(root != nullptr && root[0] != '\0' ? root : "/tmp") + "/zero-" + name +
-            "-" + std::to_string(::getpid());
-    std::filesystem::remove_all(path_);
-    std::filesystem::create_directories(path_);
-  }
-  ~Dir() {
-    std::error_code ignored;
-    std::filesystem::remove_all(path_, ignored);
-  }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
+using test::ScratchDir;
 
 // An engine, a swap space and a store whose only NVMe piece is the fp32 gradients.
 struct Rig {
-  std::unique_ptr<Dir> dir;
+  std::unique_ptr<ScratchDir> dir;
   std::unique_ptr<IoEngine> io;
   std::unique_ptr<SwapSpace> swap;
   std::unique_ptr<StateStore> store;
@@ -58,7 +42,7 @@ struct Rig {
 
 Status open_rig(const std::string& name, std::shared_ptr<FaultInjector> faults, Rig* rig,
                 std::size_t param_count = kParams, std::size_t sub_group_params = kSubGroup) {
-  rig->dir = std::make_unique<Dir>(name);
+  rig->dir = std::make_unique<ScratchDir>(name);
   IoOptions io;
   io.block_bytes = 64 << 10;
   io.queue_depth = 8;

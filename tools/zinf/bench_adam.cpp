@@ -5,6 +5,13 @@
 // arithmetic. Both are measured here, in the same process on the same number of threads,
 // interleaved round by round so that drift on a shared machine hits both alike; the reported
 // ratio is the median over rounds of (step GB/s) / (pattern GB/s).
+//
+// With --groups N > 1 the span is also stepped as N parameter groups (optimizer_step() over
+// ranges): runs of 1Mi elements in group 0 (the decayed weight matrices) alternate with runs of
+// 4Ki elements in each other group in turn (biases and norm weights, no weight decay, the lr
+// scaled), the layout of a transformer's flat partition. Each round then times the one-group
+// step, the N-group step and the pattern, in rotating order, and groups_ratio is the median over
+// rounds of (N-group GB/s) / (one-group GB/s).
 #include <fmt/format.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -35,6 +42,7 @@ struct BenchAdamOptions {
   std::string optimizer = "adamw";
   std::string simd = "auto";
   int steps = 10;
+  int groups = 1;
   std::size_t tile_elements = 0;
   bool json = false;
 };
@@ -111,6 +119,31 @@ void run_bench_adam(const BenchAdamOptions& o) {
     fail("--steps: at least 1");
     return;
   }
+  if (o.groups < 1 || static_cast<std::size_t>(o.groups) > kMaxOptimizerGroups) {
+    fail(fmt::format("--groups {}: 1 to {}", o.groups, kMaxOptimizerGroups));
+    return;
+  }
+  // The groups: group 0 as --optimizer's defaults, the others decay-free at a scaled lr.
+  std::vector<OptimizerParams> group_params(static_cast<std::size_t>(o.groups), hp);
+  for (std::size_t g = 1; g < group_params.size(); ++g) {
+    group_params[g].weight_decay = 0.0;
+    group_params[g].lr = hp.lr * (1.0 + 0.5 * static_cast<double>(g));
+  }
+  std::vector<OptimizerRange> ranges;
+  {
+    constexpr std::size_t kWeightRun = std::size_t{1} << 20, kBiasRun = std::size_t{4} << 10;
+    std::size_t begin = 0;
+    std::uint32_t next_small = 1;
+    while (begin < count) {
+      ranges.push_back({begin, 0});
+      begin += kWeightRun;
+      if (o.groups > 1 && begin < count) {
+        ranges.push_back({begin, next_small});
+        begin += kBiasRun;
+        next_small = next_small + 1 < static_cast<std::uint32_t>(o.groups) ? next_small + 1 : 1;
+      }
+    }
+  }
 
   // The streams this optimizer moves, and the same pattern for the bandwidth probe.
   const bool has_avg = hp.kind != OptimizerKind::kAdagrad;
@@ -155,38 +188,53 @@ void run_bench_adam(const BenchAdamOptions& o) {
 
   std::int64_t step = 0;
   Status status;
-  auto time_step = [&] {
+  auto time_step = [&](bool grouped) {
     step_options.step = ++step;
     const std::int64_t start = Trace::now_ns();
     arena.execute([&] {
-      Result<StepResult> r = optimizer_step(hp, span, step_options);
+      Result<StepResult> r = grouped ? optimizer_step(group_params, ranges, span, step_options)
+                                     : optimizer_step(hp, span, step_options);
       if (!r.is_ok()) status = r.status();
     });
     return static_cast<double>(Trace::now_ns() - start);
   };
 
+  const bool grouped = o.groups > 1;
   BandwidthProbe probe(pattern, count, threads);  // its constructor runs a warm-up pass
-  time_step();                                    // warm-up: pages faulted, caches in a state
+  time_step(false);                               // warm-up: pages faulted, caches in a state
+  if (grouped) time_step(true);
   if (!status.is_ok()) {
     fail(status.to_string());
     return;
   }
-  std::vector<double> step_ns, step_gbps, pattern_gbps, ratios;
+  std::vector<double> step_ns, step_gbps, pattern_gbps, ratios, groups_gbps, groups_ratios;
+  const double bytes = static_cast<double>(bytes_per_param * count);
   for (int r = 0; r < o.steps; ++r) {
-    // Alternate which goes first, so neither always follows the other.
-    double probe_gbps = 0, ns = 0;
-    if (r % 2 == 0) {
-      ns = time_step();
-      probe_gbps = probe.run_once();
-    } else {
-      probe_gbps = probe.run_once();
-      ns = time_step();
+    // Rotate which goes first, so none always follows another.
+    double probe_gbps = 0, ns = 0, groups_ns = 0;
+    const int kinds = grouped ? 3 : 2;
+    for (int k = 0; k < kinds; ++k) {
+      switch ((r + k) % kinds) {
+        case 0:
+          ns = time_step(false);
+          break;
+        case 1:
+          probe_gbps = probe.run_once();
+          break;
+        default:
+          groups_ns = time_step(true);
+          break;
+      }
     }
-    const double gbps = static_cast<double>(bytes_per_param * count) / ns;
+    const double gbps = bytes / ns;
     step_ns.push_back(ns);
     step_gbps.push_back(gbps);
     pattern_gbps.push_back(probe_gbps);
     ratios.push_back(gbps / probe_gbps);
+    if (grouped) {
+      groups_gbps.push_back(bytes / groups_ns);
+      groups_ratios.push_back(ns / groups_ns);
+    }
   }
   if (!status.is_ok()) {
     fail(status.to_string());
@@ -212,6 +260,15 @@ void run_bench_adam(const BenchAdamOptions& o) {
   out["ratio_min"] = *std::min_element(ratios.begin(), ratios.end());
   out["ratio_max"] = *std::max_element(ratios.begin(), ratios.end());
   out["round_ratios"] = ratios;  // in the order measured
+  out["groups"] = o.groups;
+  if (grouped) {
+    out["ranges"] = ranges.size();
+    out["groups_gbps"] = median(groups_gbps);
+    out["groups_ratio"] = median(groups_ratios);
+    out["groups_ratio_min"] = *std::min_element(groups_ratios.begin(), groups_ratios.end());
+    out["groups_ratio_max"] = *std::max_element(groups_ratios.begin(), groups_ratios.end());
+    out["round_groups_ratios"] = groups_ratios;
+  }
   if (o.json) {
     print_json(out);
     return;
@@ -228,6 +285,14 @@ void run_bench_adam(const BenchAdamOptions& o) {
   table.add_row({"ratio (median of rounds)", fmt::format("{:.3f}", out["ratio"].get<double>()),
                  fmt::format("[{:.3f}, {:.3f}]", out["ratio_min"].get<double>(),
                              out["ratio_max"].get<double>())});
+  if (grouped) {
+    table.add_row({fmt::format("step, {} groups over {} ranges", o.groups, ranges.size()),
+                   fmt::format("{:.2f}", out["groups_gbps"].get<double>()), "GB/s"});
+    table.add_row({"groups / one group (median of rounds)",
+                   fmt::format("{:.3f}", out["groups_ratio"].get<double>()),
+                   fmt::format("[{:.3f}, {:.3f}]", out["groups_ratio_min"].get<double>(),
+                               out["groups_ratio_max"].get<double>())});
+  }
   table.print();
 }
 
@@ -248,6 +313,9 @@ void setup_bench_adam(CLI::App& app) {
   sub->add_option("--simd", options->simd, "auto (or ZINF_SIMD), avx512, avx2 or scalar")
       ->capture_default_str();
   sub->add_option("--steps", options->steps, "Timed rounds (median reported), after a warm-up")
+      ->capture_default_str();
+  sub->add_option("--groups", options->groups,
+                  "Also step as N parameter groups, timed against one group")
       ->capture_default_str();
   sub->add_option("--tile", options->tile_elements, "Elements per tile (0 = default)")
       ->capture_default_str();

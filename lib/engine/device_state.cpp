@@ -1,0 +1,150 @@
+// DeviceState: the optimizer state in device memory (offload_optimizer "none" on a device that
+// is not host-accessible), stepped by DeviceOptimizer. The host sees only what it asks for: the
+// norm, and the master or moments read back in bounded chunks; the new values go from the device
+// optimizer's buffers straight into the shards.
+#include <algorithm>
+#include <vector>
+
+#include "base/aligned.hpp"
+#include "engine/device_optimizer.hpp"
+#include "engine/optimizer_state.hpp"
+
+namespace zinf {
+namespace {
+
+// Which state DeviceOptimizer::read_state and write_state mean by `piece`.
+int piece_index(Piece piece) {
+  return piece == Piece::kParams ? 0 : piece == Piece::kExpAvg ? 1 : 2;
+}
+
+class DeviceState final : public OptimizerState {
+ public:
+  DeviceState(const StateContext& ctx)
+      : ctx_(ctx),
+        layout_(*ctx.layout),
+        pub_(*ctx.publisher),
+        params_(ctx.config->optimizer),
+        partition_elements_(layout_.partition_elements()) {}
+
+  // The initial master built on the host once, uploaded, and rounded into the publisher's
+  // buffer for the first placement.
+  Status open() {
+    std::vector<DeviceOptimizer::Group> groups;
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      const GroupInfo& info = layout_.group(g);
+      groups.push_back(
+          {layout_.offset(g), info.shard_element_count, layout_.byte_offset(g), info.dtype});
+    }
+    AlignedBuffer master(std::max<std::size_t>(partition_elements_, 1) * sizeof(float));
+    ZINF_RETURN_IF_ERROR(layout_.fill_master(0, partition_elements_, master.as<float>()));
+    pub_.allocate_buffer();
+    narrow_all(0, partition_elements_, master.as<const float>());
+    ZINF_ASSIGN_OR_RETURN(
+        opt_, DeviceOptimizer::create(*ctx_.device, std::move(groups), partition_elements_,
+                                      master.as<const float>(), ctx_.timeout));
+    return Status::ok();
+  }
+
+  GradTarget grad_target() override { return {.accumulator = opt_->grads(), .on_device = true}; }
+  Result<double> local_sum_of_squares() override { return opt_->sum_of_squares(); }
+  Status set_optimizer_params(const OptimizerParams& params) override {
+    params_ = params;
+    return Status::ok();
+  }
+  Result<StepStats> step(std::int64_t step, float grad_scale) override {
+    ZINF_RETURN_IF_ERROR(opt_->step(step, grad_scale, params_));
+    return StepStats{};
+  }
+  Status publish_step() override {
+    ParamCoordinator& coord = pub_.coordinator();
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      ZINF_RETURN_IF_ERROR(coord.write_shard_from_device(g, opt_->values(g)));
+    }
+    return pub_.publish();
+  }
+  // The master rounded on the host into the publisher's buffer, which is freed again after:
+  // the device optimizer publishes from device memory.
+  Status publish_master() override {
+    pub_.allocate_buffer();
+    Status st = read_master(0, partition_elements_,
+                            [&](std::size_t first, std::size_t count, const float* src) {
+                              narrow_all(first, count, src);
+                            });
+    if (st.is_ok()) st = write_buffer();
+    pub_.free_buffer();
+    return st;
+  }
+  Status place_initial() override {
+    Status st = write_buffer();
+    pub_.free_buffer();
+    return st;
+  }
+
+  // Only the elements asked for come down, in bounded chunks.
+  Status read_master(std::size_t begin, std::size_t end, MasterVisitor fn) override {
+    const std::size_t lo = std::min(begin, partition_elements_);
+    const std::size_t hi = std::min(end, partition_elements_);
+    std::vector<float> values(std::min(hi - lo, chunk_elements()));
+    for (std::size_t first = lo; first < hi; first += values.size()) {
+      const std::size_t count = std::min(values.size(), hi - first);
+      ZINF_RETURN_IF_ERROR(opt_->read_master(first, count, values.data()));
+      fn(first, count, values.data());
+    }
+    return Status::ok();
+  }
+  Status read_state(Piece piece, StateVisitor fn) override {
+    std::vector<float> chunk(chunk_elements());
+    for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
+      const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
+      ZINF_RETURN_IF_ERROR(opt_->read_state(piece_index(piece), first, count, chunk.data()));
+      ZINF_RETURN_IF_ERROR(fn(first, count, chunk.data()));
+    }
+    return Status::ok();
+  }
+  Status write_state(Piece piece, StateFill fill) override {
+    std::vector<float> chunk(chunk_elements());
+    for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
+      const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
+      ZINF_RETURN_IF_ERROR(fill(first, count, chunk.data()));
+      ZINF_RETURN_IF_ERROR(opt_->write_state(piece_index(piece), first, count, chunk.data()));
+    }
+    return Status::ok();
+  }
+
+  void add_memory(MemoryReport& report) const override {
+    report.device_bytes += opt_->device_bytes();
+  }
+
+ private:
+  // Device-resident state moves through a host chunk of at most 4 Mi elements (16 MiB), never
+  // more than the partition holds.
+  std::size_t chunk_elements() const {
+    constexpr std::size_t kChunkElements = std::size_t{4} << 20;
+    return std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1));
+  }
+  void narrow_all(std::size_t first, std::size_t count, const float* src) {
+    pub_.narrow_groups(
+        first, count, src, [](DType) { return true; },
+        [&](std::uint32_t g) { return pub_.buffer(g); });
+  }
+  Status write_buffer() {
+    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); });
+  }
+
+  StateContext ctx_;
+  const ParameterLayout& layout_;
+  Publisher& pub_;
+  OptimizerParams params_;
+  const std::size_t partition_elements_;
+  std::unique_ptr<DeviceOptimizer> opt_;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<OptimizerState>> open_device_state(const StateContext& ctx) {
+  auto state = std::make_unique<DeviceState>(ctx);
+  ZINF_RETURN_IF_ERROR(state->open());
+  return std::unique_ptr<OptimizerState>(std::move(state));
+}
+
+}  // namespace zinf

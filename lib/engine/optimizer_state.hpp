@@ -1,0 +1,133 @@
+// OptimizerState: this rank's optimizer partition (fp32 master, moments, fp32 gradient
+// accumulator, in the partition layout of layout.hpp) behind one interface, with one
+// implementation per home. The engine holds an OptimizerState and never asks which one it has;
+// the factory below picks it from the config and the device, once, at finalize.
+//
+//   DeviceState (device_state.cpp)  offload_optimizer "none" on a device that is not
+//       host-accessible (a GPU): the state in device memory, stepped by the device's kernels
+//       (DeviceOptimizer); the new values go to the shards from device memory.
+//   HostState (host_state.cpp)      offload_optimizer "none" on a host-accessible device
+//       (HostDevice): the state in that memory, stepped in place by the CPU optimizer, which
+//       writes each half group's new values into the Publisher's buffer in the same pass.
+//   StoreState (store_state.cpp)    offload_optimizer "cpu" or "nvme": a StateStore (host
+//       arrays or NVMe extents, gradients possibly spilled to NVMe) stepped by the
+//       OptimizerPipeline in sub-groups; the new half values stream into the shards, or are
+//       read from the store's half array, or are narrowed from the master (publisher.hpp).
+//
+// Every implementation gives the same answers to the same calls (tests/engine/
+// optimizer_state_test.cpp checks them against one contract): the master and moments it was
+// loaded with or stepped to, the state a checkpoint writes and reads, the optimizer's update,
+// and its memory figures.
+//
+// Thread-safety: one thread (the rank's).
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "engine/function_ref.hpp"
+#include "engine/layout.hpp"
+#include "engine/publisher.hpp"
+#include "io/io_engine.hpp"
+#include "io/swap_space.hpp"
+#include "tier/optimizer_pipeline.hpp"
+#include "tier/state_store.hpp"
+#include "zero/grad_accumulator.hpp"
+#include "zinf/config.hpp"
+#include "zinf/device.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+// What a state implementation is built on; everything must outlive it.
+struct StateContext {
+  const Config* config = nullptr;
+  Device* device = nullptr;
+  const ParameterLayout* layout = nullptr;
+  Publisher* publisher = nullptr;
+  int rank = 0;
+  std::chrono::milliseconds timeout{60'000};
+  EngineCounters* counters = nullptr;
+  Trace* trace = nullptr;
+  IoEngine* io = nullptr;     // with the swap space
+  SwapSpace* swap = nullptr;  // when anything is on NVMe
+  // The coordinator's pinned staging blocks, which zinf.pinned_pool_bytes bounds together with
+  // the optimizer's pool.
+  std::uint64_t param_staging_bytes = 0;
+};
+
+// Where the GradReducer adds the reduced gradients.
+struct GradTarget {
+  float* accumulator = nullptr;       // host-writable floats, or device memory (on_device)
+  GradAccumulator* custom = nullptr;  // instead of `accumulator` (gradients on NVMe)
+  bool on_device = false;             // `accumulator` is device memory of a GPU
+  bool zeroed = false;                // the accumulator holds fresh zero pages
+};
+
+// Callbacks over the partition: (first element, element count, values).
+using MasterVisitor = FunctionRef<void(std::size_t, std::size_t, const float*)>;
+using StateVisitor = FunctionRef<Status(std::size_t, std::size_t, const float*)>;
+using StateFill = FunctionRef<Status(std::size_t, std::size_t, float*)>;
+
+class OptimizerState {
+ public:
+  virtual ~OptimizerState() = default;
+
+  // Where the reducer accumulates.
+  virtual GradTarget grad_target() = 0;
+  // This rank's sum of squares of the accumulated gradients (inf or NaN when any is).
+  virtual Result<double> local_sum_of_squares() = 0;
+  // The hyper-parameters for the following steps (kind unchanged).
+  virtual Status set_optimizer_params(const OptimizerParams& params) = 0;
+  // One optimizer step at step number `step` (from 1), the gradients times grad_scale.
+  virtual Result<StepStats> step(std::int64_t step, float grad_scale) = 0;
+  // After step(): the new parameters into every shard, and the gathered groups published.
+  virtual Status publish_step() = 0;
+  // The shards from the fp32 master, as at finalize (and after a checkpoint is loaded).
+  virtual Status publish_master() = 0;
+  // The first placement, at finalize, once the coordinator exists.
+  virtual Status place_initial() { return publish_master(); }
+
+  // Calls fn over the fp32 master in partition order, in pieces, covering at least elements
+  // [begin, end) (pieces outside it may be skipped).
+  virtual Status read_master(std::size_t begin, std::size_t end, MasterVisitor fn) = 0;
+  // Calls fn over all of `piece` (the master or a moment the optimizer has) in partition order.
+  virtual Status read_state(Piece piece, StateVisitor fn) = 0;
+  // fill(first, count, out) writes elements of `piece`, in partition order.
+  virtual Status write_state(Piece piece, StateFill fill) = 0;
+  // The state now holds step `step` (a checkpoint was written into it).
+  virtual void restored(std::int64_t step) { (void)step; }
+
+  // Adds this state's bytes to `report` (device, host; NVMe is the swap space's).
+  virtual void add_memory(MemoryReport& report) const = 0;
+  // The pinned bytes this state mapped (zinf.pinned_pool_bytes).
+  virtual std::uint64_t pinned_bytes() const { return 0; }
+  // Bytes of master read back from NVMe so far to publish (see StepReport).
+  virtual std::uint64_t master_read_bytes() const { return 0; }
+};
+
+// The pieces a checkpoint holds: the master and the moments the optimizer has.
+std::vector<Piece> state_pieces(OptimizerKind kind);
+
+// zinf.pinned_pool_bytes, when set, bounds the pinned blocks the engine maps: the optimizer
+// step's pool and the NVMe parameter shards' staging blocks.
+Status check_pinned_limit(const Config& config, std::uint64_t optimizer_pool,
+                          std::uint64_t param_staging);
+
+// The store's options for this rank's partition (offload_optimizer "cpu" or "nvme").
+StateStoreOptions store_options(const Config& config, const ParameterLayout& layout, int rank);
+
+// Builds the state for ctx.config on ctx.device: allocates it and loads the initial master
+// (ctx.layout.fill_master) and zero moments. The engine calls place_initial() once the
+// coordinator is set on the publisher.
+Result<std::unique_ptr<OptimizerState>> open_optimizer_state(const StateContext& ctx);
+
+// The three homes, for tests that check each alone against the contract.
+Result<std::unique_ptr<OptimizerState>> open_device_state(const StateContext& ctx);
+Result<std::unique_ptr<OptimizerState>> open_host_state(const StateContext& ctx);
+Result<std::unique_ptr<OptimizerState>> open_store_state(const StateContext& ctx);
+
+}  // namespace zinf

@@ -1,0 +1,89 @@
+// Publisher: see publisher.hpp.
+#include "engine/publisher.hpp"
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+
+void narrow(const float* src, std::size_t count, DType dtype, void* dst) {
+  switch (dtype) {
+    case DType::kF32:
+      std::memcpy(dst, src, count * sizeof(float));
+      break;
+    case DType::kBF16:
+      convert_f32_to_bf16(src, static_cast<std::uint16_t*>(dst), count);
+      break;
+    case DType::kF16:
+      convert_f32_to_f16(src, static_cast<std::uint16_t*>(dst), count);
+      break;
+  }
+}
+
+void Publisher::allocate_buffer() {
+  buffer_ = AlignedBuffer(std::max<std::size_t>(layout_.device_copy_bytes(), 64));
+}
+
+void Publisher::narrow_groups(std::size_t first, std::size_t count, const float* src,
+                              FunctionRef<bool(DType)> want,
+                              FunctionRef<std::byte*(std::uint32_t)> values) {
+  const std::size_t end = first + count;
+  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+    const GroupInfo& info = layout_.group(g);
+    if (!want(info.dtype)) continue;
+    const std::size_t group_first = layout_.offset(g);
+    const std::size_t lo = std::max(first, group_first);
+    const std::size_t hi = std::min(end, group_first + info.shard_element_count);
+    if (lo >= hi) continue;
+    narrow(src + (lo - first), hi - lo, info.dtype,
+           values(g) + (lo - group_first) * dtype_bytes(info.dtype));
+  }
+}
+
+Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> values) {
+  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+    ZINF_RETURN_IF_ERROR(coord_->write_shard(g, values(g)));
+  }
+  return coord_->publish();
+}
+
+void Publisher::allocate_stage() {
+  stage_ = AlignedBuffer(std::max<std::size_t>(layout_.largest_half_shard_bytes(), 64));
+}
+
+void Publisher::restart_stream() {
+  stream_next_ = 0;
+  stream_group_ = 0;
+  stream_filled_ = 0;
+}
+
+Status Publisher::stage(std::size_t first, std::size_t count,
+                        FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
+  ZINF_ASSERT_MSG(first == stream_next_, "Publisher::stage: ranges out of partition order");
+  const std::size_t end = first + count;
+  const std::size_t bytes = dtype_bytes(layout_.half_dtype());
+  while (stream_group_ < layout_.group_count()) {
+    const std::uint32_t g = stream_group_;
+    const std::size_t group_first = layout_.offset(g);
+    const std::size_t group_count = layout_.group(g).shard_element_count;
+    const std::size_t lo = std::max(first, group_first);
+    const std::size_t hi = std::min(end, group_first + group_count);
+    if (lo < hi) {
+      fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
+      stream_filled_ += hi - lo;
+    }
+    if (group_first + group_count > end) break;  // it goes on in the next range
+    ZINF_ASSERT_MSG(stream_filled_ == group_count, "Publisher::stage: a group written half filled");
+    ZINF_RETURN_IF_ERROR(coord_->write_shard(g, stage_.data()));
+    // The stage is refilled by the next group: the copy up must have read it.
+    ZINF_RETURN_IF_ERROR(coord_->wait_writes());
+    stream_filled_ = 0;
+    ++stream_group_;
+  }
+  stream_next_ = end;
+  return Status::ok();
+}
+
+}  // namespace zinf

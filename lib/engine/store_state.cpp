@@ -1,0 +1,363 @@
+// StoreState: the optimizer state in a StateStore (offload_optimizer "cpu": host arrays;
+// "nvme": extents of the swap space, read and written one sub-group at a time), stepped by the
+// OptimizerPipeline over sub-groups with a bounded pinned pool. The gradients accumulate in the
+// store's host array, or spill to NVMe (zinf.gradients_on_nvme, a SpillAccumulator).
+//
+// Where a step's new parameters come from is fixed at open, by the parameters' dtypes and where
+// their shards live:
+//   - streamed: the state on NVMe, every group of one half dtype, and the shards not in host
+//     memory (on NVMe, or on the device): the pass hands each sub-group's half output from its
+//     pool block to the publisher's one-group stage (Publisher::stage), so host memory stays
+//     bounded by the pools;
+//   - from the store: every group of one half dtype otherwise: the store keeps a host half
+//     array, which has the publisher's layout (byte_offset(g) == 2 * offset(g)); the pass fills
+//     it and the shards are written from it;
+//   - narrowed: f32 groups or mixed half dtypes: the new values are narrowed from the master
+//     (read back from NVMe, one sub-group at a time, when it lives there) into the publisher's
+//     buffer.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "base/aligned.hpp"
+#include "base/assert.hpp"
+#include "device/pinned_pool.hpp"
+#include "engine/optimizer_state.hpp"
+#include "zinf/optim.hpp"
+
+namespace zinf {
+namespace {
+
+constexpr std::size_t kPage = 4096;
+std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
+
+enum class Publish : std::uint8_t { kStreamed, kFromStore, kNarrowed };
+
+class StoreState final : public OptimizerState {
+ public:
+  StoreState(const StateContext& ctx, Publish publish)
+      : ctx_(ctx), layout_(*ctx.layout), pub_(*ctx.publisher), publish_(publish) {}
+
+  ~StoreState() override {
+    // The pipeline and the spill use the store and the pool: they go first.
+    spill_.reset();
+    pipeline_.reset();
+    pool_.reset();
+    store_.reset();
+  }
+
+  Status open() {
+    const Config& config = *ctx_.config;
+    const ZeroConfig& z = config.zero;
+    const StateStoreOptions so = store_options(config, layout_, ctx_.rank);
+    ZINF_ASSIGN_OR_RETURN(store_, StateStore::open(so, ctx_.swap));
+    if (store_->block_bytes() > 0) {
+      PinnedPoolOptions pool;
+      pool.block_bytes = round_page(store_->block_bytes());
+      pool.block_count = std::max<std::size_t>(2, z.offload_optimizer.buffer_count);
+      pool.huge_pages =
+          pool.block_bytes < (std::size_t{2} << 20) ? HugePages::kNone : HugePages::kAuto;
+      pool.device = ctx_.device;
+      ZINF_RETURN_IF_ERROR(check_pinned_limit(config, pool.block_bytes * pool.block_count,
+                                              ctx_.param_staging_bytes));
+      ZINF_ASSIGN_OR_RETURN(pool_, PinnedPool::create(pool));
+      ZINF_RETURN_IF_ERROR(pool_->register_with(*ctx_.io));
+    }
+    PipelineOptions pipe;
+    pipe.optimizer = config.optimizer;
+    pipe.threads = config.cpu_threads;
+    pipe.io_timeout = std::chrono::milliseconds(config.io_timeout_ms);
+    pipe.io_timeouts_max = config.io_timeouts_max;
+    pipe.trace = ctx_.trace;
+    if (publish_ == Publish::kStreamed) {
+      // The pipeline hands each sub-group's half output over from its block.
+      pipe.half_done = [this](std::size_t i, const std::byte* half) {
+        return stream_half(i, half);
+      };
+      pub_.allocate_stage();
+    } else if (publish_ == Publish::kNarrowed) {
+      pub_.allocate_buffer();
+    }
+    ZINF_ASSIGN_OR_RETURN(pipeline_, OptimizerPipeline::open(*store_, pool_.get(), pipe));
+    ZINF_RETURN_IF_ERROR(load());
+    if (store_->on_nvme(Piece::kGrads)) {
+      SpillOptions spill;
+      spill.buffer_count = config.gradient_spill_buffers;
+      spill.timeout = ctx_.timeout;
+      ZINF_ASSIGN_OR_RETURN(spill_, SpillAccumulator::create(*store_, spill, ctx_.counters));
+    }
+    return Status::ok();
+  }
+
+  // The store's host pieces are fresh zero pages.
+  GradTarget grad_target() override {
+    if (spill_ != nullptr) return {.custom = spill_.get(), .zeroed = true};
+    return {.accumulator = reinterpret_cast<float*>(store_->host_data(Piece::kGrads)),
+            .zeroed = true};
+  }
+
+  // Per sub-group (sum_of_squares over its elements) added in sub-group order, whether the
+  // gradients are in the host array or spilled (the spill computed each sub-group's as it wrote
+  // it), so both give the same bits.
+  Result<double> local_sum_of_squares() override {
+    const auto* host = spill_ != nullptr
+                           ? nullptr
+                           : reinterpret_cast<const float*>(store_->host_data(Piece::kGrads));
+    double total = 0.0;
+    for (std::size_t i = 0; i < store_->sub_group_count(); ++i) {
+      total += host != nullptr
+                   ? sum_of_squares(host + store_->sub_group_first(i), store_->sub_group_size(i))
+                   : spill_->sum_of_squares(i);
+    }
+    return total;
+  }
+
+  // The pipeline holds no state of its own between steps (the store does): new
+  // hyper-parameters are handed to it, with its pool, arena and threads left as they are.
+  Status set_optimizer_params(const OptimizerParams& params) override {
+    return pipeline_->set_optimizer_params(params);
+  }
+
+  Result<StepStats> step(std::int64_t step, float grad_scale) override {
+    // Streamed, the pass writes the shards as it goes (stream_half()).
+    pub_.restart_stream();
+    return pipeline_->step({.step = step, .grad_scale = grad_scale});
+  }
+
+  Status publish_step() override {
+    if (publish_ == Publish::kStreamed) {
+      // The pass wrote every shard; the persistent groups' all-gather is left.
+      ZINF_ASSERT(pub_.stream_complete());
+      return pub_.publish();
+    }
+    // From the store, the pass wrote every group's new values into the store's half array;
+    // narrowed, the f32 groups (all groups, without a half piece) come from the master.
+    bool any = false;
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      any = any || needs_master_copy(layout_.group(g).dtype);
+    }
+    if (any) {
+      ZINF_RETURN_IF_ERROR(read_master(0, layout_.partition_elements(),
+                                       [&](std::size_t first, std::size_t count, const float* src) {
+                                         pub_.narrow_groups(
+                                             first, count, src,
+                                             [&](DType dtype) { return needs_master_copy(dtype); },
+                                             [&](std::uint32_t g) { return values(g); });
+                                       }));
+    }
+    return write_values();
+  }
+
+  Status publish_master() override {
+    if (publish_ == Publish::kStreamed) {
+      // The shards from the fp32 master, rounded group by group in the publisher's stage.
+      pub_.restart_stream();
+      Status st;
+      const DType half = layout_.half_dtype();
+      ZINF_RETURN_IF_ERROR(read_master(
+          0, layout_.partition_elements(),
+          [&](std::size_t first, std::size_t count, const float* src) {
+            if (!st.is_ok()) return;
+            st = pub_.stage(first, count, [&](std::size_t lo, std::size_t hi, std::byte* dst) {
+              narrow(src + (lo - first), hi - lo, half, dst);
+            });
+          }));
+      ZINF_RETURN_IF_ERROR(st);
+      ZINF_ASSERT(pub_.stream_complete());
+      master_read_ = AlignedBuffer();  // the read-back buffer is made again when needed
+      return pub_.publish();
+    }
+    ZINF_RETURN_IF_ERROR(read_master(0, layout_.partition_elements(),
+                                     [&](std::size_t first, std::size_t count, const float* src) {
+                                       narrow_all(first, count, src);
+                                     }));
+    return write_values();
+  }
+
+  // load() rounded the initial master into the values as it wrote it: no read back.
+  Status place_initial() override {
+    if (publish_ == Publish::kStreamed) return publish_master();
+    return write_values();
+  }
+
+  Status read_master(std::size_t begin, std::size_t end, MasterVisitor fn) override {
+    StateStore& s = *store_;
+    if (s.tier(Piece::kParams) == Tier::kHost) {
+      fn(0, layout_.partition_elements(),
+         reinterpret_cast<const float*>(s.host_data(Piece::kParams)));
+      return Status::ok();
+    }
+    if (master_read_.bytes() == 0) {
+      master_read_ = AlignedBuffer(round_page(s.sub_group_params() * sizeof(float)));
+    }
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      const std::size_t first = s.sub_group_first(i);
+      if (first >= end || first + s.sub_group_size(i) <= begin) continue;
+      ZINF_RETURN_IF_ERROR(s.read_piece(Piece::kParams, i, master_read_.data()));
+      master_read_bytes_ += round_page(s.piece_bytes(Piece::kParams, i));
+      fn(first, s.sub_group_size(i), master_read_.as<const float>());
+    }
+    return Status::ok();
+  }
+
+  Status read_state(Piece piece, StateVisitor fn) override {
+    StateStore& s = *store_;
+    ZINF_ASSERT(s.has(piece));
+    if (s.tier(piece) == Tier::kHost) {
+      return fn(0, layout_.partition_elements(),
+                reinterpret_cast<const float*>(s.host_data(piece)));
+    }
+    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      ZINF_RETURN_IF_ERROR(s.read_piece(piece, i, block.data()));
+      ZINF_RETURN_IF_ERROR(fn(s.sub_group_first(i), s.sub_group_size(i), block.as<const float>()));
+    }
+    return Status::ok();
+  }
+
+  Status write_state(Piece piece, StateFill fill) override {
+    StateStore& s = *store_;
+    ZINF_ASSERT(s.has(piece));
+    if (s.tier(piece) == Tier::kHost) {
+      return fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)));
+    }
+    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      std::memset(block.data(), 0, block.bytes());
+      ZINF_RETURN_IF_ERROR(fill(s.sub_group_first(i), s.sub_group_size(i), block.as<float>()));
+      ZINF_RETURN_IF_ERROR(s.write_piece(piece, i, block.data()));
+    }
+    return Status::ok();
+  }
+
+  void restored(std::int64_t step) override {
+    for (std::size_t i = 0; i < store_->sub_group_count(); ++i) store_->set_stored(i, step);
+  }
+
+  void add_memory(MemoryReport& report) const override {
+    report.host_bytes += pinned_bytes();
+    if (spill_ != nullptr) report.host_bytes += spill_->host_bytes();
+    for (std::size_t p = 0; p < kPieceCount; ++p) {
+      const auto piece = static_cast<Piece>(p);
+      if (store_->has(piece) && store_->tier(piece) == Tier::kHost) {
+        report.host_bytes += layout_.partition_elements() * dtype_bytes(store_->dtype(piece));
+      }
+    }
+  }
+  std::uint64_t pinned_bytes() const override { return pool_ != nullptr ? pool_->bytes() : 0; }
+  std::uint64_t master_read_bytes() const override { return master_read_bytes_; }
+
+ private:
+  // Writes the initial master and zero moments into the store, and rounds the master into the
+  // publishing values from the same block, so the registered values are read once.
+  Status load() {
+    StateStore& s = *store_;
+    ZINF_ASSERT(s.has(Piece::kParams));  // the master always lives in the store
+    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      const std::size_t first = s.sub_group_first(i);
+      const std::size_t size = s.sub_group_size(i);
+      for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
+        if (!s.has(piece)) continue;
+        std::memset(block.data(), 0, block.bytes());
+        if (piece == Piece::kParams) {
+          ZINF_RETURN_IF_ERROR(ctx_.layout->fill_master(first, size, block.as<float>()));
+          // Streamed, there is no partition-wide copy: place_initial() reads the master back.
+          if (publish_ != Publish::kStreamed) narrow_all(first, size, block.as<const float>());
+        }
+        if (s.tier(piece) == Tier::kHost) {
+          std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
+        } else {
+          ZINF_RETURN_IF_ERROR(s.write_piece(piece, i, block.data()));
+        }
+      }
+    }
+    return Status::ok();
+  }
+
+  // The pipeline's half_done: sub-group i's new half values, from its pool block.
+  Status stream_half(std::size_t i, const std::byte* half) {
+    const std::size_t first = store_->sub_group_first(i);
+    const std::size_t bytes = dtype_bytes(layout_.half_dtype());
+    return pub_.stage(first, store_->sub_group_size(i),
+                      [&](std::size_t lo, std::size_t hi, std::byte* dst) {
+                        std::memcpy(dst, half + (lo - first) * bytes, (hi - lo) * bytes);
+                      });
+  }
+
+  // The groups the pass does not produce in their dtype: f32 groups, or all of them when the
+  // store has no half piece.
+  bool needs_master_copy(DType dtype) const {
+    return dtype == DType::kF32 || publish_ == Publish::kNarrowed;
+  }
+
+  // Group g's new device-dtype values: in the store's half array, else in the publisher's
+  // buffer.
+  std::byte* values(std::uint32_t g) {
+    ZINF_ASSERT(publish_ != Publish::kStreamed);
+    if (publish_ == Publish::kFromStore) {
+      return store_->host_data(Piece::kParamsHalf) + layout_.offset(g) * 2;
+    }
+    return pub_.buffer(g);
+  }
+  void narrow_all(std::size_t first, std::size_t count, const float* src) {
+    pub_.narrow_groups(
+        first, count, src, [](DType) { return true; }, [&](std::uint32_t g) { return values(g); });
+  }
+  Status write_values() {
+    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); });
+  }
+
+  StateContext ctx_;
+  const ParameterLayout& layout_;
+  Publisher& pub_;
+  const Publish publish_;
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<PinnedPool> pool_;
+  std::unique_ptr<OptimizerPipeline> pipeline_;
+  std::unique_ptr<SpillAccumulator> spill_;  // gradients_on_nvme
+  AlignedBuffer master_read_;                // one sub-group of master read back from NVMe
+  std::uint64_t master_read_bytes_ = 0;
+};
+
+// Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not
+// in host memory; from the store when every group is of one half dtype otherwise.
+Publish publish_way(const Config& config, const ParameterLayout& layout) {
+  const ZeroConfig& z = config.zero;
+  const bool shards_on_host = z.stage == 3 && z.offload_param.device == OffloadDevice::kHost;
+  if (!layout.all_one_half()) return Publish::kNarrowed;
+  if (z.offload_optimizer.device == OffloadDevice::kNvme && !shards_on_host) {
+    return Publish::kStreamed;
+  }
+  return Publish::kFromStore;
+}
+
+}  // namespace
+
+StateStoreOptions store_options(const Config& config, const ParameterLayout& layout, int rank) {
+  const ZeroConfig& z = config.zero;
+  StateStoreOptions so;
+  so.param_count = layout.partition_elements();
+  so.sub_group_params = std::min(z.sub_group_size, layout.partition_elements());
+  so.optimizer = config.optimizer.kind;
+  so.grad_dtype = DType::kF32;
+  so.with_half = layout.all_one_half();
+  so.half_dtype = layout.half_dtype();
+  const Tier state_tier =
+      z.offload_optimizer.device == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
+  // validate() allows gradients_on_nvme only with the optimizer state on NVMe.
+  const Tier grad_tier = config.gradients_on_nvme ? Tier::kNvme : Tier::kHost;
+  const bool streamed = publish_way(config, layout) == Publish::kStreamed;
+  so.tiers = {state_tier, state_tier, state_tier, grad_tier, streamed ? Tier::kBlock : Tier::kHost};
+  so.key_prefix = fmt::format("rank{}/opt", rank);
+  return so;
+}
+
+Result<std::unique_ptr<OptimizerState>> open_store_state(const StateContext& ctx) {
+  auto state = std::make_unique<StoreState>(ctx, publish_way(*ctx.config, *ctx.layout));
+  ZINF_RETURN_IF_ERROR(state->open());
+  return std::unique_ptr<OptimizerState>(std::move(state));
+}
+
+}  // namespace zinf
