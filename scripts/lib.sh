@@ -7,7 +7,7 @@ zinf_build=${ZINF_BUILD_DIR:-$zinf_root/build}
 # Debian packages the build needs; docs/DEPENDENCIES.md says why each one is there.
 zinf_packages=(cmake g++ make pkg-config liburing-dev libtbb-dev libfmt-dev nlohmann-json3-dev
                libcli11-dev libxxhash-dev libgtest-dev libgmock-dev libbenchmark-dev
-               python3-dev python3-venv)
+               python3-dev python3-venv libopenmpi-dev openmpi-bin)
 
 zinf_install_deps() {
   local missing=()

@@ -40,10 +40,13 @@ std::string describe_run(const Options& o, const ModelShape& s, std::uint64_t pa
                      " micro-batch" + (o.micro_batches == 1 ? "" : "es") + " a rank), seed " +
                      std::to_string(o.seed) + "\n";
   if (!o.use_engine) return text + "  plain fp32 AdamW loop in this process (--engine off)\n";
+  const std::string processes = o.comm == "mpi" ? "one process per rank (MpiComm) on "
+                                : o.comm == "nccl" ? "one process per rank (NcclComm) on "
+                                                   : "LocalComm threads on ";
   const std::string where =
-      o.device == "cuda"     ? "one GPU (CudaDevice, NcclComm); the model computes on the CPU"
-      : o.device == "opaque" ? "LocalComm threads on opaque HostDevices, read through copies"
-                             : "LocalComm threads on HostDevice";
+      o.device == "cuda"     ? processes + "GPUs (CudaDevice); the model computes on the CPU"
+      : o.device == "opaque" ? processes + "opaque HostDevices, read through copies"
+                             : processes + "HostDevice";
   text += "  zinf: ZeRO-" + std::to_string(o.stage) + " over " + std::to_string(o.world_size) +
           (o.world_size == 1 ? " rank" : " ranks") + " (" + where + "), " + o.param_dtype +
           " parameters" +
@@ -137,9 +140,15 @@ int main(int argc, char** argv) {
   const std::uint64_t params = param_count(shape);
   RunSummary summary;
   if (run_training(options, shape, describe_run(options, shape, params), &summary, &error) != 0) {
-    std::fprintf(stderr, "train_lm: error: %s\n", error.c_str());
+    // One process per rank: every process's error names its rank.
+    const std::string rank = "rank " + std::to_string(launcher_rank(options.comm)) + ": ";
+    const bool named = options.comm == "local" || options.world_size == 1 ||
+                       error.rfind("rank ", 0) == 0;
+    std::fprintf(stderr, "train_lm: error: %s%s\n", named ? "" : rank.c_str(), error.c_str());
     return 1;
   }
+  // Only rank 0's process writes the outputs and prints the summary.
+  if (!summary.writes_outputs) return 0;
   const std::string csv = options.out_dir + "/loss.csv";
   const std::string svg = options.out_dir + "/loss.svg";
   const std::string title =

@@ -4,6 +4,8 @@
 #include <cctype>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
+#include <vector>
 #include <sstream>
 
 namespace train_lm {
@@ -61,6 +63,29 @@ CLI::Option* add_scaled(CLI::App& app, const std::string& name, std::uint64_t* t
 }
 
 }  // namespace
+
+int launcher_world_size(const std::string& comm) {
+  // torchrun's first for nccl; then mpirun's (Open MPI), the PMI ones (MPICH, srun) and Slurm's.
+  std::vector<const char*> names = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
+                                    "SLURM_NTASKS"};
+  if (comm == "nccl") names.insert(names.begin(), "WORLD_SIZE");
+  for (const char* name : names) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::atoi(value) > 0) return std::atoi(value);
+  }
+  return 1;  // no launcher: a job of one process
+}
+
+int launcher_rank(const std::string& comm) {
+  std::vector<const char*> names = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK",
+                                    "SLURM_PROCID"};
+  if (comm == "nccl") names.insert(names.begin(), "RANK");
+  for (const char* name : names) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::atoi(value) >= 0) return std::atoi(value);
+  }
+  return 0;
+}
 
 bool parse_count(const std::string& text, std::uint64_t* value) {
   return parse_scaled(text, false, value);
@@ -136,12 +161,24 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   std::string engine = o->use_engine ? "on" : "off";
   app.add_option("--engine", engine, "on: train through zinf's Engine; off: a plain fp32 loop")
       ->check(CLI::IsMember({"on", "off"}));
-  app.add_option("--world-size", o->world_size, "ranks, each a LocalComm thread")
-      ->check(CLI::Range(1, 64));
+  CLI::Option* world_option =
+      app.add_option("--world-size", o->world_size,
+                     "ranks: LocalComm threads (--comm local); with mpi or nccl the launcher's "
+                     "world size, which it must equal when given")
+          ->check(CLI::Range(1, 64));
+  app.add_option("--comm", o->comm,
+                 "local: ranks as threads of this process; mpi: one process per rank under "
+                 "mpirun/srun (MpiComm); nccl: one GPU process per rank under torchrun, mpirun "
+                 "or srun (NcclComm, --device cuda)")
+      ->check(CLI::IsMember({"local", "mpi", "nccl"}));
   app.add_option("--device", o->device,
                  "the engine's device: host (HostDevice, read in place), opaque (a HostDevice "
                  "read through copies, as a GPU), cuda (one GPU; the model computes on the CPU)")
       ->check(CLI::IsMember({"host", "opaque", "cuda"}));
+  app.add_option("--collective-timeout-ms", o->collective_timeout_ms,
+                 "how long a rank waits in a collective for the others before the run fails "
+                 "naming the rank it waited for (zinf.collective_timeout_ms)")
+      ->check(CLI::Range(1, 86'400'000));
   app.add_option("--stage", o->stage, "ZeRO stage")->check(CLI::IsMember({1, 2, 3}));
   app.add_option("--offload-optimizer", o->offload_optimizer,
                  "where fp32 master weights and Adam moments live")
@@ -186,6 +223,30 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
     return 2;
   }
   o->use_engine = engine == "on";
+  // A GPU rank is a process of its own: --device cuda runs as a job of NcclComm processes (of one
+  // process when no launcher started it).
+  if (o->device == "cuda" && o->comm == "local") o->comm = "nccl";
+  if (o->comm != "local") {
+    // One process per rank: the world is the launcher's.
+    const int launched = launcher_world_size(o->comm);
+    if (world_option->count() > 0 && o->world_size != launched) {
+      // One process per GPU: more ranks need a launcher (torchrun, mpirun) that starts them.
+      *error = std::string(o->device == "cuda" ? "--device cuda: " : "") + "--world-size " +
+               std::to_string(o->world_size) + " but the launcher started " +
+               std::to_string(launched) + " process(es) for --comm " + o->comm +
+               " (one process per rank: start them with mpirun, srun or torchrun)";
+      return 2;
+    }
+    o->world_size = launched;
+    if (!o->use_engine) {
+      *error = "--comm " + o->comm + " needs --engine on";
+      return 2;
+    }
+  }
+  if (o->comm == "nccl" && o->device != "cuda") {
+    *error = "--comm nccl needs --device cuda (NCCL moves GPU memory), not --device " + o->device;
+    return 2;
+  }
   o->progress = !no_progress;
   if (o->params < 1000) {
     *error = "--params: " + std::to_string(o->params) + " is below the smallest model (1k)";
@@ -207,12 +268,6 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   }
   if (!o->use_engine && o->device != "host") {
     *error = "--device " + o->device + " needs --engine on (--engine off trains without a device)";
-    return 2;
-  }
-  // One GPU, one rank: several ranks would need one process (or one GPU) each.
-  if (o->device == "cuda" && o->world_size != 1) {
-    *error = "--device cuda trains on one GPU: it takes --world-size 1 only, not --world-size " +
-             std::to_string(o->world_size);
     return 2;
   }
   if (o->stage != 3 && o->offload_param != "none") {

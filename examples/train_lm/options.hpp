@@ -32,7 +32,14 @@ struct Options {
   double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
   // zinf.
   bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
-  int world_size = 1;      // --world-size: ranks, as LocalComm threads
+  int world_size = 1;      // --world-size: ranks (LocalComm threads; the launcher's with mpi/nccl)
+  // --comm local|mpi|nccl: local runs the ranks as LocalComm threads of this process; mpi and
+  // nccl run one process per rank, started by mpirun/srun (mpi, nccl) or torchrun (nccl), each
+  // opening its rank through the public constructors (make_mpi_comm, make_nccl_comm).
+  std::string comm = "local";
+  // --collective-timeout-ms: zinf.collective_timeout_ms, and MpiComm's timeout: how long a rank
+  // waits for the others in a collective before the run fails naming the rank it waited for.
+  std::int64_t collective_timeout_ms = 300'000;
   // --device host|opaque|cuda: the engine's device. host: a HostDevice, whose memory the model
   // reads and writes in place; opaque: a HostDevice whose pointers host code cannot dereference,
   // and cuda: the GPU (one rank, NCCL), where the model (still on the CPU) copies each parameter
@@ -69,6 +76,12 @@ int parse_options(int argc, char** argv, Options* options, std::string* error);
 // byte sizes, 10^9 for counts). Returns false on anything else.
 bool parse_count(const std::string& text, std::uint64_t* value);
 bool parse_bytes(const std::string& text, std::uint64_t* value);
+
+// With --comm mpi or nccl: the world size and this process's rank as the launcher's environment
+// gives them (torchrun's WORLD_SIZE/RANK for nccl, then Open MPI's, PMI's and Slurm's); 1 and 0
+// when no launcher set them.
+int launcher_world_size(const std::string& comm);
+int launcher_rank(const std::string& comm);
 
 // "1.0M", "1.2B"; "512 MiB", "11.2 GiB".
 std::string format_count(double value);

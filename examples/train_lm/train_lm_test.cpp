@@ -261,7 +261,10 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
                                              {"--stage", "2", "--offload-param", "cpu"},
                                              {"--device", "tpu"},
                                              {"--device", "opaque", "--engine", "off"},
-                                             {"--device", "cuda", "--world-size", "2"}}) {
+                                             {"--device", "cuda", "--world-size", "2"},
+                                             {"--comm", "tcp"},
+                                             {"--comm", "nccl", "--device", "host"},
+                                             {"--comm", "mpi", "--engine", "off"}}) {
     Options fresh;
     error.clear();
     EXPECT_EQ(parse(bad, &fresh, &error), 2) << bad[0];
@@ -275,10 +278,21 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
   ASSERT_EQ(parse({"--device", "cuda", "--world-size", "2"}, &cuda, &error), 2);
   EXPECT_NE(error.find("--device cuda"), std::string::npos) << error;
   EXPECT_NE(error.find("--world-size 2"), std::string::npos) << error;
-  ASSERT_EQ(parse({"--device", "opaque"}, &cuda, &error), 0) << error;
-  EXPECT_EQ(cuda.device, "opaque");
+  Options opaque;
+  ASSERT_EQ(parse({"--device", "opaque"}, &opaque, &error), 0) << error;
+  EXPECT_EQ(opaque.device, "opaque");
   Options defaults;
   EXPECT_EQ(defaults.device, "host");
+  EXPECT_EQ(defaults.comm, "local");
+  // One process per rank takes the launcher's world size (1 outside a launcher); a different
+  // --world-size is refused naming both.
+  if (launcher_world_size("mpi") == 1) {
+    Options mpi;
+    ASSERT_EQ(parse({"--comm", "mpi"}, &mpi, &error), 0) << error;
+    EXPECT_EQ(mpi.world_size, 1);
+    ASSERT_EQ(parse({"--comm", "mpi", "--world-size", "2"}, &mpi, &error), 2);
+    EXPECT_NE(error.find("--world-size 2 but the launcher started 1"), std::string::npos) << error;
+  }
 }
 
 TEST(Report, CsvHasTheHeaderAndEmptyValidationCells) {

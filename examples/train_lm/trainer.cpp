@@ -12,6 +12,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -28,15 +29,6 @@
 #include "zinf/engine.hpp"
 #include "zinf/trace.hpp"
 
-// --device cuda opens the GPU and its communicator through the library's implementation headers
-// (lib/): the public API takes any Device and Communicator but makes only HostDevice and
-// LocalComm itself.
-#if defined(ZINF_HAVE_CUDA)
-#include "device/cuda_device.hpp"
-#endif
-#if defined(ZINF_HAVE_NCCL)
-#include "comm/nccl_comm.hpp"
-#endif
 
 namespace train_lm {
 namespace {
@@ -491,9 +483,49 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.zero.stage3_max_live_parameters = 2 * largest_module;
   c.zero.stage3_param_persistence_threshold = o.persistence_threshold;
   c.world_size = o.world_size;
-  c.collective_timeout_ms = 300'000;
+  c.collective_timeout_ms = o.collective_timeout_ms;
   return c;
 }
+
+// The exchange between the processes of a job (--comm mpi, nccl): all-gathers a few bytes of
+// every rank through the communicator, on the rank's device, so that each process holds every
+// rank's sums in rank order, as the threads of --comm local share them. The bytes travel as f32
+// elements of an all-gather, which copies them unchanged.
+class Exchange {
+ public:
+  static constexpr std::size_t kMaxBytes = 64;
+
+  Exchange(zinf::Device& device, zinf::Communicator& comm, std::chrono::milliseconds timeout)
+      : device_(device), comm_(comm), timeout_(timeout) {}
+  zinf::Status open() {
+    const std::size_t world = std::size_t(comm_.world_size());
+    ZINF_ASSIGN_OR_RETURN(send_, zinf::DeviceBuffer::allocate(device_, kMaxBytes));
+    ZINF_ASSIGN_OR_RETURN(recv_, zinf::DeviceBuffer::allocate(device_, kMaxBytes * world));
+    ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("train_lm exchange"));
+    ZINF_ASSIGN_OR_RETURN(done_, device_.create_event());
+    return zinf::Status::ok();
+  }
+  // all[r * bytes, (r + 1) * bytes) = rank r's `mine`, for every rank r.
+  // REQUIRES: bytes is a multiple of 4 and at most kMaxBytes.
+  zinf::Status all_gather(const void* mine, std::size_t bytes, void* all) {
+    const std::size_t world = std::size_t(comm_.world_size());
+    ZINF_RETURN_IF_ERROR(device_.copy_h2d(send_.data(), mine, bytes, *stream_));
+    ZINF_RETURN_IF_ERROR(comm_.all_gather(send_.data(), recv_.data(), bytes / 4,
+                                          zinf::DType::kF32, *stream_, "train_lm sums"));
+    ZINF_RETURN_IF_ERROR(device_.copy_d2h(all, recv_.data(), bytes * world, *stream_));
+    ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
+    return comm_.wait(*done_, timeout_);
+  }
+
+ private:
+  zinf::Device& device_;
+  zinf::Communicator& comm_;
+  const std::chrono::milliseconds timeout_;
+  // The buffers outlive the stream, whose destruction waits for its work.
+  zinf::DeviceBuffer send_, recv_;
+  std::unique_ptr<zinf::Stream> stream_;
+  std::unique_ptr<zinf::Event> done_;
+};
 
 // What the ranks share: the step barrier, each rank's loss sums, the stop flag and the first
 // error. The barrier's completion (run by one thread when every rank has arrived) turns the sums
@@ -505,19 +537,23 @@ struct StepDone {
 };
 
 struct Shared {
-  Shared(const Options& o, const ModelShape& s, const Corpus& c, RunSummary* sum)
+  // `local_ranks` of the world's ranks run in this process: all of them as threads (--comm
+  // local), or one (--comm mpi, nccl), whose sums the others' processes learn by an exchange.
+  Shared(const Options& o, const ModelShape& s, const Corpus& c, RunSummary* sum, int local_ranks,
+         bool prints)
       : options(o),
         shape(s),
         corpus(c),
         summary(sum),
         world(o.world_size),
-        sync(o.world_size, StepDone{this}),
+        sync(local_ranks, StepDone{this}),
         train_sum(std::size_t(o.world_size)),
         val_sum(std::size_t(o.world_size)),
         memory(std::size_t(o.world_size)),
         nvme_read(std::size_t(o.world_size)),
         nvme_write(std::size_t(o.world_size)),
-        progress(stderr, o.steps, o.progress && !o.quiet) {}
+        progress(stderr, o.steps, o.progress && !o.quiet && prints),
+        prints(prints) {}
 
   void fail(int rank, const std::string& message) {
     std::lock_guard<std::mutex> lock(mutex);
@@ -550,6 +586,11 @@ struct Shared {
   std::uint64_t last_nvme_bytes = 0;
   ProgressBar progress;
   zinf::Trace* trace = nullptr;
+  // One process per rank: what each rank's process wrote into the vectors above reaches the
+  // others before the barrier (null with --comm local, where they share them).
+  Exchange* exchange = nullptr;
+  int first_rank = 0;   // the rank of this process's first thread
+  bool prints = true;   // this process prints (rank 0's)
   // The optimizer pipeline's spans are in `trace` (the optimizer state is offloaded): the I/O wait
   // can be told from the update time.
   bool pipeline_traced = false;
@@ -569,7 +610,7 @@ void StepDone::operator()() noexcept {
   RunSummary& sum = *s.summary;
   if (s.step == 0) {
     sum.first_val_loss = val;
-    if (!o.quiet) {
+    if (!o.quiet && s.prints) {
       std::fprintf(stderr, "step 0: validation loss %.3f nats/byte (ln 256 = 5.545)\n", val);
     }
     s.last_step_end = Clock::now();
@@ -602,7 +643,7 @@ void StepDone::operator()() noexcept {
   sum.curve.push_back(point);
   const double elapsed = seconds_since(s.start);
   // Slow steps (a large model) get a line each saying where their time went.
-  if (!o.quiet && (o.step_times || step_s > 2.0)) {
+  if (!o.quiet && s.prints && (o.step_times || step_s > 2.0)) {
     const TimeSplit& now = sum.time;
     const TimeSplit& was = s.last_time;
     std::uint64_t nvme_bytes = 0;
@@ -701,12 +742,44 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     return true;
   };
 
-  // Only rank 0 writes what the barrier's completion reads; every rank decides the same locally.
-  if (rank == 0) {
+  // Only the process's first rank writes what the barrier's completion reads; every rank decides
+  // the same locally.
+  if (rank == shared.first_rank) {
     shared.step = 0;
     shared.has_val = true;
   }
+  // One process per rank: every rank's sums reach every process before the barrier's completion
+  // reads them; after it, rank 0's decision to stop (the time limit) reaches the others.
+  auto exchange_sums = [&](const char* what) {
+    if (shared.exchange == nullptr) return true;
+    const double mine[2] = {shared.train_sum[std::size_t(rank)], shared.val_sum[std::size_t(rank)]};
+    std::vector<double> all(2 * world);
+    zinf::Status st = shared.exchange->all_gather(mine, sizeof(mine), all.data());
+    if (!st.is_ok()) {
+      shared.fail(rank, std::string(what) + ": " + st.to_string());
+      return false;
+    }
+    for (std::size_t r = 0; r < world; ++r) {
+      shared.train_sum[r] = all[2 * r];
+      shared.val_sum[r] = all[2 * r + 1];
+    }
+    return true;
+  };
+  auto exchange_stop = [&](const char* what) {
+    if (shared.exchange == nullptr) return true;
+    const std::uint32_t mine = shared.stop ? 1 : 0;
+    std::vector<std::uint32_t> all(world);
+    zinf::Status st = shared.exchange->all_gather(&mine, sizeof(mine), all.data());
+    if (!st.is_ok()) {
+      shared.fail(rank, std::string(what) + ": " + st.to_string());
+      return false;
+    }
+    shared.stop = all[0] != 0;
+    return true;
+  };
+
   if (!evaluate()) return fail_out();
+  if (!exchange_sums("validation")) return fail_out();
   shared.sync.arrive_and_wait();
   if (shared.failed) return;
 
@@ -773,13 +846,15 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     const bool stopping = shared.stop;
     const bool validate = step % o.eval_every == 0 || step == o.steps || stopping;
     if (validate && !evaluate()) return fail_out();
-    if (rank == 0) {
+    if (rank == shared.first_rank) {
       shared.step = step;
       shared.has_val = validate;
     }
     time.total_s += seconds_since(step_start);
+    if (!exchange_sums(("step " + std::to_string(step)).c_str())) return fail_out();
     shared.sync.arrive_and_wait();
     if (shared.failed) return;
+    if (!exchange_stop(("step " + std::to_string(step)).c_str())) return fail_out();
     if (stopping) break;
   }
   if (engine != nullptr) {
@@ -790,50 +865,75 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
 }
 
 // Each rank's device and communicator. Declared in this order so that the communicators, which
-// run on the devices, are destroyed first.
+// run on the devices, are destroyed first. With --comm mpi or nccl there is one of each, this
+// process's rank `first_rank`.
 struct Ranks {
   std::vector<std::unique_ptr<zinf::Device>> devices;
   std::vector<std::unique_ptr<zinf::Communicator>> comms;
+  int first_rank = 0;
 };
 
-// Opens --device for every rank and the communicator between them: HostDevices (opaque or not)
-// with LocalComm, or one GPU with a world-1 NcclComm (no bootstrap is needed for one rank).
-// One line of error naming the device otherwise.
-bool open_ranks(const Options& o, std::uint64_t device_budget, Ranks* ranks, std::string* error) {
-  if (o.device == "cuda") {
-#if defined(ZINF_HAVE_CUDA) && defined(ZINF_HAVE_NCCL)
-    zinf::CudaDeviceOptions device_options;
-    device_options.ordinal = 0;
-    device_options.memory_limit_bytes = o.device_memory_bytes;  // 0: the whole GPU
-    zinf::Result<std::unique_ptr<zinf::Device>> device = zinf::make_cuda_device(device_options);
-    if (!device.is_ok()) {
-      *error = "--device cuda: " + device.status().to_string();
-      return false;
-    }
-    zinf::LaunchEnv env;  // rank 0 of 1
-    zinf::NcclBootstrapOptions comm_options;
-    comm_options.init_timeout = std::chrono::milliseconds(120'000);
-    zinf::Result<std::unique_ptr<zinf::Communicator>> comm =
-        zinf::make_nccl_comm(env, *device.value(), comm_options);
-    if (!comm.is_ok()) {
-      *error = "--device cuda: communicator: " + comm.status().to_string();
-      return false;
-    }
-    ranks->devices.push_back(std::move(device).value());
-    ranks->comms.push_back(std::move(comm).value());
-    return true;
-#elif defined(ZINF_HAVE_CUDA)
-    *error =
-        "--device cuda: this train_lm was built without NCCL (configure with "
-        "-DZINF_WITH_NCCL=ON where NCCL is installed)";
-    return false;
-#else
-    *error =
-        "--device cuda: this train_lm was built without CUDA (configure with "
-        "-DZINF_WITH_CUDA=ON where nvcc is installed)";
-    return false;
-#endif
+// The local rank a launcher gives this process: which GPU it takes.
+int launcher_local_rank() {
+  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                           "SLURM_LOCALID"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && std::atoi(value) >= 0) return std::atoi(value);
   }
+  return 0;
+}
+
+// One process per rank (--comm mpi, nccl): this process's device, and its communicator opened
+// through the public constructors, from the launcher's environment.
+bool open_process_rank(const Options& o, std::uint64_t device_budget, Ranks* ranks,
+                       std::string* error) {
+  const std::string where = o.device == "cuda" ? "--device cuda" : "--comm " + o.comm;
+  zinf::Result<std::unique_ptr<zinf::Device>> device = zinf::Status::internal("no device");
+  if (o.device == "cuda") {
+    zinf::CudaDeviceOptions device_options;
+    device_options.memory_limit_bytes = o.device_memory_bytes;  // 0: the whole GPU
+    device = zinf::make_cuda_device(launcher_local_rank(), device_options);
+  } else {
+    zinf::HostDeviceOptions device_options;
+    device_options.ordinal = launcher_rank(o.comm);
+    device_options.memory_limit_bytes = device_budget;
+    device_options.opaque = o.device == "opaque";
+    device = zinf::make_host_device(device_options);
+  }
+  if (!device.is_ok()) {
+    *error = where + ": " + device.status().to_string();
+    return false;
+  }
+  zinf::Result<std::unique_ptr<zinf::Communicator>> comm = zinf::Status::internal("no comm");
+  if (o.comm == "mpi") {
+    zinf::MpiCommOptions comm_options;
+    comm_options.timeout = std::chrono::milliseconds(o.collective_timeout_ms);
+    comm = zinf::make_mpi_comm(*device.value(), comm_options);
+  } else {
+    zinf::NcclCommOptions comm_options;
+    comm_options.init_timeout = std::chrono::milliseconds(120'000);
+    comm = zinf::make_nccl_comm(*device.value(), comm_options);
+  }
+  if (!comm.is_ok()) {
+    *error = where + ": communicator: " + comm.status().to_string();
+    return false;
+  }
+  if (comm.value()->world_size() != o.world_size) {
+    *error = where + ": the communicator has " + std::to_string(comm.value()->world_size()) +
+             " ranks but the launcher's environment says " + std::to_string(o.world_size);
+    return false;
+  }
+  ranks->first_rank = comm.value()->rank();
+  ranks->devices.push_back(std::move(device).value());
+  ranks->comms.push_back(std::move(comm).value());
+  return true;
+}
+
+// Opens --device for every rank and the communicator between them: HostDevices (opaque or not)
+// with LocalComm, or this process's rank of an MPI or NCCL job. One line of error naming the
+// device otherwise.
+bool open_ranks(const Options& o, std::uint64_t device_budget, Ranks* ranks, std::string* error) {
+  if (o.comm != "local") return open_process_rank(o, device_budget, ranks, error);
   std::vector<zinf::Device*> device_ptrs;
   for (int r = 0; r < o.world_size; ++r) {
     zinf::HostDeviceOptions device_options;
@@ -849,7 +949,7 @@ bool open_ranks(const Options& o, std::uint64_t device_budget, Ranks* ranks, std
     ranks->devices.push_back(std::move(device).value());
   }
   zinf::LocalCommOptions comm_options;
-  comm_options.timeout = std::chrono::milliseconds(300'000);
+  comm_options.timeout = std::chrono::milliseconds(o.collective_timeout_ms);
   zinf::Result<std::vector<std::unique_ptr<zinf::Communicator>>> comms =
       zinf::make_local_comm_group(device_ptrs, comm_options);
   if (!comms.is_ok()) {
@@ -958,23 +1058,46 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     created.remove_all();
     return 1;
   };
-  if (!created.make("--out", o.out_dir, error)) return fail(*error);
+  // One process per rank: only rank 0 writes the outputs, and each rank's swap files go in a
+  // directory of its own, the only one it creates or removes (the others' are theirs).
+  const bool processes = o.comm != "local";
+  const bool prints = ranks.first_rank == 0;
+  summary->rank = ranks.first_rank;
+  summary->writes_outputs = prints;
+  if (prints && !created.make("--out", o.out_dir, error)) return fail(*error);
   std::error_code exists_ec;
-  const bool nvme_created = uses_nvme && !fs::exists(o.nvme_path, exists_ec);
-  if (uses_nvme && !created.make("--nvme-path", o.nvme_path, error)) return fail(*error);
+  const bool nvme_created = uses_nvme && !processes && !fs::exists(o.nvme_path, exists_ec);
+  if (uses_nvme && processes) {
+    fs::create_directories(o.nvme_path, exists_ec);
+  } else if (uses_nvme && !created.make("--nvme-path", o.nvme_path, error)) {
+    return fail(*error);
+  }
   // A directory of our own inside the NVMe path, so that the swap files of this run are removed
   // with it whatever the path held before.
-  const std::string swap_dir = (fs::path(o.nvme_path) / "train_lm.swap").string();
+  const std::string swap_dir =
+      (fs::path(o.nvme_path) /
+       (processes ? "train_lm.swap.rank" + std::to_string(ranks.first_rank) : "train_lm.swap"))
+          .string();
   if (uses_nvme && !created.make("--nvme-path", swap_dir, error)) return fail(*error);
 
-  if (!o.quiet) std::fputs(banner.c_str(), stderr);
+  if (!o.quiet && prints) std::fputs(banner.c_str(), stderr);
   // A trace is kept when asked for, and whenever the optimizer state is offloaded: its pipeline's
   // spans tell the AdamW time from the time spent waiting for I/O.
   const bool pipeline = o.use_engine && o.offload_optimizer != "none";
   std::unique_ptr<zinf::Trace> trace;
   if (!o.trace_path.empty() || pipeline) trace = std::make_unique<zinf::Trace>();
 
-  Shared shared(o, shape, corpus, summary);
+  Shared shared(o, shape, corpus, summary, o.use_engine ? int(ranks.comms.size()) : 1, prints);
+  shared.first_rank = ranks.first_rank;
+  std::unique_ptr<Exchange> exchange;
+  if (processes) {
+    exchange = std::make_unique<Exchange>(*ranks.devices[0], *ranks.comms[0],
+                                          std::chrono::milliseconds(o.collective_timeout_ms));
+    zinf::Status opened = exchange->open();
+    if (!opened.is_ok()) return fail("rank " + std::to_string(ranks.first_rank) + ": " +
+                                     opened.to_string());
+    shared.exchange = exchange.get();
+  }
   shared.trace = trace.get();
   shared.pipeline_traced = pipeline;
   if (!o.use_engine) {
@@ -986,11 +1109,12 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     config.zero.offload_param.nvme_path = swap_dir;
     {
       std::vector<std::thread> threads;
-      for (int r = 0; r < o.world_size; ++r) {
-        threads.emplace_back([&, r] {
+      for (std::size_t local = 0; local < ranks.comms.size(); ++local) {
+        const int r = ranks.first_rank + int(local);
+        threads.emplace_back([&, r, local] {
           zinf::Env env;
-          env.device = ranks.devices[std::size_t(r)].get();
-          env.comm = ranks.comms[std::size_t(r)].get();
+          env.device = ranks.devices[local].get();
+          env.comm = ranks.comms[local].get();
           if (uses_nvme) env.nvme_paths = {swap_dir};
           env.trace = trace.get();
           zinf::Result<std::unique_ptr<zinf::Engine>> engine = zinf::Engine::open(config, env);
@@ -1013,6 +1137,23 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
         });
       }
       for (std::thread& t : threads) t.join();
+    }
+    if (exchange != nullptr && !shared.failed) {
+      // Every rank's tiers and traffic, for rank 0's summary.
+      const std::size_t me = std::size_t(ranks.first_rank);
+      const std::uint64_t mine[5] = {shared.memory[me].device_bytes, shared.memory[me].host_bytes,
+                                     shared.memory[me].nvme_bytes, shared.nvme_read[me],
+                                     shared.nvme_write[me]};
+      std::vector<std::uint64_t> all(5 * std::size_t(o.world_size));
+      zinf::Status st = exchange->all_gather(mine, sizeof(mine), all.data());
+      if (!st.is_ok()) shared.fail(ranks.first_rank, "summary: " + st.to_string());
+      for (std::size_t r = 0; st.is_ok() && r < std::size_t(o.world_size); ++r) {
+        shared.memory[r].device_bytes = all[5 * r];
+        shared.memory[r].host_bytes = all[5 * r + 1];
+        shared.memory[r].nvme_bytes = all[5 * r + 2];
+        shared.nvme_read[r] = all[5 * r + 3];
+        shared.nvme_write[r] = all[5 * r + 4];
+      }
     }
     for (int r = 0; r < o.world_size; ++r) {
       summary->device_bytes += shared.memory[std::size_t(r)].device_bytes;
@@ -1042,7 +1183,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
             : std::max(0.0, summary->time.optimizer_s -
                                 update_seconds(*trace, shared.first_step_ns) / o.world_size);
   }
-  if (trace && !o.trace_path.empty()) {
+  if (trace && !o.trace_path.empty() && prints) {
     zinf::Status written = trace->write_json(o.trace_path);
     if (!written.is_ok()) return fail("--trace: " + written.to_string());
   }

@@ -27,6 +27,9 @@ struct TimeSplit {
 };
 
 struct RunSummary {
+  // This process's (first) rank; only rank 0's process writes outputs (--comm mpi, nccl).
+  int rank = 0;
+  bool writes_outputs = true;
   ModelShape shape;
   std::uint64_t param_count = 0;
   std::int64_t steps_done = 0;

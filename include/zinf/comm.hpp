@@ -170,4 +170,65 @@ struct LocalCommOptions {
 Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
     const std::vector<Device*>& devices, const LocalCommOptions& options = {});
 
+// --- MpiComm: one process per rank -------------------------------------------------------------
+
+struct MpiCommOptions {
+  // How long a collective or a barrier waits for the other ranks' data once this rank has reached
+  // it. Past it the collective fails with kTimeout naming the ranks it still waited for, and the
+  // communicator is aborted on every rank still alive. This is what turns a rank that died or
+  // stalled into an error instead of a hang (MPI itself waits forever for a dead peer). Give it
+  // the engine's collective_timeout_ms.
+  std::chrono::milliseconds timeout = std::chrono::seconds(60);
+};
+
+// This process's rank of MPI_COMM_WORLD, with `device` its device (a HostDevice, opaque or not, or
+// a CudaDevice, whose buffers go through host staging copies). Collectives move data with
+// nonblocking point-to-point messages on a duplicate of the communicator, polled against
+// `options.timeout` by one progress thread; reductions gather the pieces and sum them in rank
+// order as LocalComm does, so results are the same bits as LocalComm's at the same world size.
+// Initialises MPI (MPI_THREAD_MULTIPLE) when the program has not, and then finalises it at exit
+// unless a collective failed (MPI_Finalize would wait for a dead peer).
+// Errors: kUnsupported naming ZINF_WITH_MPI when zinf was built without MPI;
+// kFailedPrecondition when the program initialised MPI below MPI_THREAD_MULTIPLE or finalised it;
+// kCommError for an MPI error. Every rank must call it (it duplicates the communicator).
+// REQUIRES: `device` outlives the result.
+Result<std::unique_ptr<Communicator>> make_mpi_comm(Device& device,
+                                                    const MpiCommOptions& options = {});
+// The same over a communicator of the caller's (an embedding framework's): `mpi_comm` points at
+// an MPI_Comm (pass &comm; a pointer, so that this header needs no mpi.h). The ranks are that
+// communicator's; it is duplicated, so the caller's own traffic on it never mixes with zinf's.
+Result<std::unique_ptr<Communicator>> make_mpi_comm(const void* mpi_comm, Device& device,
+                                                    const MpiCommOptions& options = {});
+
+// --- NcclComm: one GPU per rank ----------------------------------------------------------------
+
+struct NcclCommOptions {
+  // Bounds the exchange of NCCL's unique id and ncclCommInitRankConfig.
+  std::chrono::milliseconds init_timeout = std::chrono::minutes(5);
+  // The CUDA ordinal the communicator is created on (the GPU `device` was opened on); -1: the
+  // launcher's local rank (LOCAL_RANK, OMPI_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID).
+  int cuda_ordinal = -1;
+};
+
+// Wraps an ncclComm_t the caller already has (passed as void*, so that this header needs no
+// nccl.h). With `take_ownership` it is finalised and destroyed with the result; otherwise the
+// caller destroys it afterwards, except after an abort (status() not OK): ncclCommAbort has freed
+// it then. kUnsupported naming ZINF_WITH_NCCL when zinf was built without NCCL.
+// REQUIRES: `device` is the CudaDevice of the communicator's GPU and outlives the result.
+Result<std::unique_ptr<Communicator>> make_nccl_comm(void* nccl_comm, Device& device,
+                                                     bool take_ownership = false);
+
+// Bootstraps a communicator from the environment the launcher set:
+//   torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0's ncclUniqueId goes
+//     to every rank over TCP (lib/comm/tcp_bootstrap);
+//   mpirun or srun (OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_NTASKS, and no RANK): the id is
+//     broadcast over MPI_COMM_WORLD (needs zinf built with MPI, which is then initialised);
+//   neither: a job of one rank.
+// kUnsupported naming ZINF_WITH_NCCL (or ZINF_WITH_MPI under mpirun) when that backend was not
+// built; kInvalidArgument naming a malformed variable; kTimeout when some rank did not arrive
+// within options.init_timeout; kCommError for NCCL failures.
+// REQUIRES: `device` is a CudaDevice and outlives the result.
+Result<std::unique_ptr<Communicator>> make_nccl_comm(Device& device,
+                                                     const NcclCommOptions& options = {});
+
 }  // namespace zinf

@@ -263,4 +263,32 @@ struct HostDeviceOptions {
 // REQUIRES: every stream and event it created is destroyed before it.
 Result<std::unique_ptr<Device>> make_host_device(const HostDeviceOptions& options = {});
 
+// --- CudaDevice ----------------------------------------------------------------------------------
+
+struct CudaDeviceOptions {
+  // The CUDA device ordinal (LOCAL_RANK in a torchrun job). make_cuda_device(ordinal, options)
+  // overrides it.
+  int ordinal = 0;
+  // Most bytes allocate() and allocate_async() hand out together; beyond it kResourceExhausted.
+  // 0: the GPU's total memory.
+  std::size_t memory_limit_bytes = 0;
+  // Bytes the stream-ordered pool keeps when memory is freed to it
+  // (cudaMemPoolAttrReleaseThreshold). The default keeps everything: no allocation goes back to
+  // the driver between steps.
+  std::uint64_t pool_release_threshold_bytes = UINT64_MAX;
+};
+
+// Opens GPU `options.ordinal` as a Device (streams are cudaStreams, memory comes from the
+// stream-ordered pool; see docs/GPU.md). kUnsupported naming ZINF_WITH_CUDA when zinf was built
+// without CUDA, or when there is no usable device (no driver, no GPU); kInvalidArgument for an
+// ordinal out of range.
+// REQUIRES: every stream and event it creates is destroyed before it.
+Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options = {});
+// The same on GPU `ordinal`.
+inline Result<std::unique_ptr<Device>> make_cuda_device(int ordinal,
+                                                        CudaDeviceOptions options = {}) {
+  options.ordinal = ordinal;
+  return make_cuda_device(options);
+}
+
 }  // namespace zinf

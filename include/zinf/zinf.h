@@ -145,6 +145,10 @@ typedef struct zinf_device zinf_device_t;
  * ZINF_RESOURCE_EXHAUSTED as a full GPU would. */
 ZINF_C_API zinf_code_t zinf_host_device_create(int ordinal, uint64_t memory_limit_bytes,
                                                zinf_device_t** out);
+/* A CudaDevice on GPU `ordinal` (memory_limit_bytes 0: the whole GPU). ZINF_UNSUPPORTED naming
+ * ZINF_WITH_CUDA when zinf was built without CUDA, or when no GPU is usable. */
+ZINF_C_API zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes,
+                                               zinf_device_t** out);
 /* ZINF_FAILED_PRECONDITION while a communicator group or an engine uses the device. */
 ZINF_C_API zinf_code_t zinf_device_destroy(zinf_device_t* device);
 
@@ -168,6 +172,28 @@ ZINF_C_API zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, z
 ZINF_C_API zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group, int* world_size);
 /* ZINF_FAILED_PRECONDITION while an engine uses one of its communicators. */
 ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
+
+/* Jobs of one process per rank (mpirun, srun, torchrun). Each call makes a group that holds this
+ * process's one communicator: zinf_comm_group_get(group, rank) takes this process's rank (from
+ * zinf_comm_rank), and zinf_comm_group_world_size gives the job's world size.
+ *
+ * MpiComm on `device` (a HostDevice or a CudaDevice): `mpi_comm` points at an MPI_Comm (pass
+ * &comm), or is NULL for MPI_COMM_WORLD. Initialises MPI (MPI_THREAD_MULTIPLE) when the program
+ * has not. `timeout_ms` bounds every collective's wait for the other ranks (0: 60 s): a rank that
+ * died or stalled fails the others' collectives with ZINF_TIMEOUT naming it.
+ * ZINF_UNSUPPORTED naming ZINF_WITH_MPI when zinf was built without MPI. Every rank calls it. */
+ZINF_C_API zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_comm,
+                                                  int64_t timeout_ms, zinf_comm_group_t** out);
+/* NcclComm on `device` (a CudaDevice): from the caller's ncclComm_t (`nccl_comm`, destroyed with
+ * the group when take_ownership is non-zero), or, with nccl_comm NULL, bootstrapped from the
+ * launcher's environment (torchrun's RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; or mpirun/srun,
+ * the unique id broadcast over MPI), bounded by init_timeout_ms (0: 5 minutes).
+ * ZINF_UNSUPPORTED naming ZINF_WITH_NCCL when zinf was built without NCCL. */
+ZINF_C_API zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm,
+                                                   int take_ownership, int64_t init_timeout_ms,
+                                                   zinf_comm_group_t** out);
+/* The communicator's rank and the job's world size (either pointer may be NULL). */
+ZINF_C_API zinf_code_t zinf_comm_rank(const zinf_comm_t* comm, int* rank, int* world_size);
 
 /* ---- Traces -------------------------------------------------------------------------------- */
 

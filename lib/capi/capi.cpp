@@ -48,26 +48,6 @@ struct zinf_config {
   zinf::Config config;
 };
 
-struct zinf_device {
-  std::unique_ptr<zinf::Device> device;
-  // Communicator groups and engines running on this device.
-  std::atomic<int> users{0};
-};
-
-struct zinf_comm {
-  zinf_comm_group* group = nullptr;
-  zinf_device* device = nullptr;
-  zinf::Communicator* comm = nullptr;
-};
-
-struct zinf_comm_group {
-  std::vector<zinf_device*> devices;
-  std::vector<std::unique_ptr<zinf::Communicator>> comms;
-  std::vector<zinf_comm> handles;  // one per rank, pointing into comms
-  // Engines open on one of the communicators.
-  std::atomic<int> users{0};
-};
-
 struct zinf_trace {
   explicit zinf_trace(std::size_t max_events) : trace(max_events) {}
   zinf::Trace trace;
@@ -251,6 +231,16 @@ zinf_code_t zinf_host_device_create(int ordinal, uint64_t memory_limit_bytes, zi
   });
 }
 
+#if !defined(ZINF_BUILDS_CUDA)
+// Without the CUDA backend; with it, zinf::cuda defines these (lib/capi/capi_cuda.cpp).
+zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t, zinf_device_t** out) {
+  return guard(__func__, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(out, "zinf_cuda_device_create", "out"));
+    return zinf::make_cuda_device(ordinal).status();
+  });
+}
+#endif
+
 zinf_code_t zinf_device_destroy(zinf_device_t* device) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
@@ -294,6 +284,7 @@ zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int worl
     zinf::LocalCommOptions options;
     if (timeout_ms > 0) options.timeout = std::chrono::milliseconds(timeout_ms);
     ZINF_ASSIGN_OR_RETURN(group->comms, zinf::make_local_comm_group(raw, options));
+    group->world_size = world_size;
     group->handles.resize(group->comms.size());
     for (std::size_t r = 0; r < group->comms.size(); ++r) {
       group->handles[r] = zinf_comm{group.get(), group->devices[r], group->comms[r].get()};
@@ -304,16 +295,80 @@ zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int worl
   });
 }
 
+namespace zinf::capi {
+
+// A group holding this process's one communicator of a job (MPI, NCCL).
+Status make_process_group(zinf_device* device, std::unique_ptr<zinf::Communicator> comm,
+                          zinf_comm_group_t** out) {
+  auto group = std::make_unique<zinf_comm_group>();
+  group->first_rank = comm->rank();
+  group->world_size = comm->world_size();
+  group->devices.push_back(device);
+  group->comms.push_back(std::move(comm));
+  group->handles.push_back(zinf_comm{group.get(), device, group->comms[0].get()});
+  device->users.fetch_add(1);
+  *out = group.release();
+  return Status::ok();
+}
+
+}  // namespace zinf::capi
+
+zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_comm,
+                                       int64_t timeout_ms, zinf_comm_group_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(device, fn, "device"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    if (timeout_ms < 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: timeout_ms is {}; it must be >= 0", fn, timeout_ms));
+    }
+    zinf::MpiCommOptions options;
+    if (timeout_ms > 0) options.timeout = std::chrono::milliseconds(timeout_ms);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Communicator> comm,
+                          mpi_comm == nullptr
+                              ? zinf::make_mpi_comm(*device->device, options)
+                              : zinf::make_mpi_comm(mpi_comm, *device->device, options));
+    return zinf::capi::make_process_group(device, std::move(comm), out);
+  });
+}
+
+#if !defined(ZINF_BUILDS_NCCL)
+// Without NCCL; with it, zinf::cuda defines this (lib/capi/capi_cuda.cpp).
+zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int,
+                                        int64_t, zinf_comm_group_t** out) {
+  return guard(__func__, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(out, "zinf_nccl_comm_group_create", "out"));
+    if (device == nullptr) return Status::invalid_argument("zinf_nccl_comm_group_create: null device");
+    return zinf::make_nccl_comm(nccl_comm, *device->device, false).status();
+  });
+}
+#endif
+
+zinf_code_t zinf_comm_rank(const zinf_comm_t* comm, int* rank, int* world_size) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(comm, fn, "comm"));
+    if (rank != nullptr) *rank = comm->comm->rank();
+    if (world_size != nullptr) *world_size = comm->comm->world_size();
+    return Status::ok();
+  });
+}
+
 zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, zinf_comm_t** out) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(group, fn, "group"));
     ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
-    if (rank < 0 || static_cast<std::size_t>(rank) >= group->handles.size()) {
+    const int last = group->first_rank + static_cast<int>(group->handles.size());
+    if (rank < group->first_rank || rank >= last) {
       return Status::invalid_argument(
-          fmt::format("{}: rank {} is outside [0, {})", fn, rank, group->handles.size()));
+          group->handles.size() == static_cast<std::size_t>(group->world_size)
+              ? fmt::format("{}: rank {} is outside [0, {})", fn, rank, group->handles.size())
+              : fmt::format("{}: rank {} is not this process's; it holds rank {} of {}", fn, rank,
+                            group->first_rank, group->world_size));
     }
-    *out = &group->handles[static_cast<std::size_t>(rank)];
+    *out = &group->handles[static_cast<std::size_t>(rank - group->first_rank)];
     return Status::ok();
   });
 }
@@ -323,7 +378,7 @@ zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group, int* worl
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(group, fn, "group"));
     ZINF_RETURN_IF_ERROR(require(world_size, fn, "world_size"));
-    *world_size = static_cast<int>(group->handles.size());
+    *world_size = group->world_size;
     return Status::ok();
   });
 }

@@ -12,9 +12,43 @@
 #include "zinf/status.hpp"
 #include "zinf/zinf.h"
 
+#include <atomic>
+#include <memory>
+#include <vector>
+
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+
 namespace zinf {
 class Engine;
 }  // namespace zinf
+
+// The handles of devices and communicator groups, shared with lib/capi/capi_cuda.cpp (the C API of
+// the backends in zinf::cuda).
+struct zinf_device {
+  std::unique_ptr<zinf::Device> device;
+  // Communicator groups and engines running on this device.
+  std::atomic<int> users{0};
+};
+
+struct zinf_comm {
+  zinf_comm_group* group = nullptr;
+  zinf_device* device = nullptr;
+  zinf::Communicator* comm = nullptr;
+};
+
+struct zinf_comm_group {
+  std::vector<zinf_device*> devices;
+  std::vector<std::unique_ptr<zinf::Communicator>> comms;
+  std::vector<zinf_comm> handles;  // one per rank of this process, pointing into comms
+  // The job's ranks: handles[i] is rank first_rank + i of world_size (a LocalComm group holds all
+  // of them; an MPI or NCCL group this process's one).
+  int first_rank = 0;
+  int world_size = 0;
+  // Engines open on one of the communicators.
+  std::atomic<int> users{0};
+};
+
 
 namespace zinf::capi {
 
@@ -27,6 +61,10 @@ zinf_code_t record_exception(const char* where, std::exception_ptr error) noexce
 
 // The Engine a C handle wraps (for tests that time the same engine through both APIs).
 Engine* engine_of(zinf_engine_t* engine) noexcept;
+
+// Takes `comm` (this process's one communicator of a job: MPI, NCCL) into a new group in *out.
+Status make_process_group(zinf_device* device, std::unique_ptr<Communicator> comm,
+                          zinf_comm_group_t** out);
 
 // Runs `body` (returning a Status) and records its outcome; `where` is the C function's name.
 template <typename Body>

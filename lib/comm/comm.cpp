@@ -30,4 +30,29 @@ std::string_view collective_kind_name(CollectiveKind kind) {
   return "unknown";
 }
 
+
+// The constructors of backends this build leaves out: kUnsupported naming the build option.
+#if !defined(ZINF_HAVE_MPI)
+Result<std::unique_ptr<Communicator>> make_mpi_comm(Device&, const MpiCommOptions&) {
+  return Status::unsupported(
+      "make_mpi_comm: zinf was built without MPI (configure with -DZINF_WITH_MPI=ON where "
+      "libopenmpi-dev is installed)");
+}
+Result<std::unique_ptr<Communicator>> make_mpi_comm(const void*, Device& device,
+                                                    const MpiCommOptions& options) {
+  return make_mpi_comm(device, options);
+}
+#endif
+
+#if !defined(ZINF_BUILDS_NCCL)
+Result<std::unique_ptr<Communicator>> make_nccl_comm(void*, Device&, bool) {
+  return Status::unsupported(
+      "make_nccl_comm: zinf was built without NCCL (configure with -DZINF_WITH_NCCL=ON where "
+      "CUDA and NCCL are installed)");
+}
+Result<std::unique_ptr<Communicator>> make_nccl_comm(Device& device, const NcclCommOptions&) {
+  return make_nccl_comm(nullptr, device, false);
+}
+#endif
+
 }  // namespace zinf

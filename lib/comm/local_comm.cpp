@@ -9,19 +9,12 @@
 #include <utility>
 
 #include "base/assert.hpp"
+#include "comm/collective_util.hpp"
 #include "base/wait.hpp"
 #include "zinf/dtype.hpp"
 
 namespace zinf {
 namespace {
-
-// f32 accumulators per tile: 2 KiB on the stack, a few L1 lines per source.
-constexpr std::size_t kTileElements = 512;
-
-std::string describe(const Collective& op, std::uint64_t sequence) {
-  if (op.name.empty()) return fmt::format("{} #{}", collective_kind_name(op.kind), sequence);
-  return fmt::format("{} #{} '{}'", collective_kind_name(op.kind), sequence, op.name);
-}
 
 // What a rank asked for, for mismatch messages.
 std::string describe_call(const Collective& op) {
@@ -41,79 +34,6 @@ std::string rank_list(const std::vector<int>& ranks) {
   return text;
 }
 
-void load_f32(const std::byte* src, DType dtype, std::size_t first, std::size_t count, float* out) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(out, src + first * 4, count * 4);
-      return;
-    case DType::kBF16:
-      convert_bf16_to_f32(reinterpret_cast<const std::uint16_t*>(src) + first, out, count);
-      return;
-    case DType::kF16:
-      convert_f16_to_f32(reinterpret_cast<const std::uint16_t*>(src) + first, out, count);
-      return;
-  }
-}
-
-void store_f32(const float* in, DType dtype, std::size_t first, std::size_t count, std::byte* dst) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst + first * 4, in, count * 4);
-      return;
-    case DType::kBF16:
-      convert_f32_to_bf16(in, reinterpret_cast<std::uint16_t*>(dst) + first, count);
-      return;
-    case DType::kF16:
-      convert_f32_to_f16(in, reinterpret_cast<std::uint16_t*>(dst) + first, count);
-      return;
-  }
-}
-
-// dst[i] = op over r in rank order of srcs[r][i], for i in [0, count), accumulated in f32 and
-// rounded once. Each tile is read in full before it is written, so dst may be one of the
-// sources (reduce_scatter in place).
-void reduce_range(const std::vector<const std::byte*>& srcs, std::size_t src_first, std::byte* dst,
-                  std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op) {
-  float acc[kTileElements];
-  float next[kTileElements];
-  const int world = static_cast<int>(srcs.size());
-  for (std::size_t base = 0; base < count; base += kTileElements) {
-    const std::size_t tile = std::min(kTileElements, count - base);
-    load_f32(srcs[0], dtype, src_first + base, tile, acc);
-    for (int r = 1; r < world; ++r) {
-      // f32 sources are read in place; half types are widened into `next` first.
-      const float* x = next;
-      if (dtype == DType::kF32) {
-        x = reinterpret_cast<const float*>(srcs[static_cast<std::size_t>(r)]) + src_first + base;
-      } else {
-        load_f32(srcs[static_cast<std::size_t>(r)], dtype, src_first + base, tile, next);
-      }
-      switch (op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAverage:
-          for (std::size_t i = 0; i < tile; ++i) acc[i] += x[i];
-          break;
-        case ReduceOp::kMax:
-          // A NaN anywhere wins: a NaN acc is never replaced, a NaN input always is taken.
-          for (std::size_t i = 0; i < tile; ++i) {
-            if (x[i] > acc[i] || std::isnan(x[i])) acc[i] = x[i];
-          }
-          break;
-        case ReduceOp::kMin:
-          for (std::size_t i = 0; i < tile; ++i) {
-            if (x[i] < acc[i] || std::isnan(x[i])) acc[i] = x[i];
-          }
-          break;
-      }
-    }
-    if (op == ReduceOp::kAverage) {
-      const float ranks = static_cast<float>(world);
-      for (std::size_t i = 0; i < tile; ++i) acc[i] /= ranks;
-    }
-    store_f32(acc, dtype, dst_first + base, tile, dst);
-  }
-}
-
 struct CollectiveTask {
   std::shared_ptr<LocalGroup> group;
   int rank;
@@ -129,7 +49,7 @@ Status run_collective(void* user, const Status& upstream) {
     // This rank will not take part: tell the others now rather than let them time out.
     task->group->fail(
         upstream.with_context(fmt::format("{} on local rank {}: earlier work on the stream failed",
-                                          describe(task->op, task->sequence), task->rank)));
+                                          describe_collective(task->op, task->sequence), task->rank)));
     return Status::ok();
   }
   return task->group->run(task->rank, task->sequence, task->op);
@@ -235,7 +155,7 @@ void LocalGroup::compute(int rank, const Slot& slot, const Collective& op, int p
 }
 
 Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
-  const std::string label = describe(op, sequence);
+  const std::string label = describe_collective(op, sequence);
   const auto urank = static_cast<std::size_t>(rank);
   std::unique_lock<std::mutex> lock(mu_);
   if (!error_.is_ok()) return error_for(label, rank);
@@ -355,45 +275,7 @@ LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, Device* device
       name_(fmt::format("local rank {} of {}", rank, group_->world_size())) {}
 
 Status LocalComm::validate(const Collective& op, std::string_view label) const {
-  const std::size_t world = static_cast<std::size_t>(group_->world_size());
-  const std::size_t element_bytes = dtype_bytes(op.dtype);
-  const std::size_t chunk_bytes = op.element_count * element_bytes;
-  if (op.element_count > std::numeric_limits<std::size_t>::max() / (element_bytes * world)) {
-    return Status::invalid_argument(
-        fmt::format("{} on {}: element_count {} overflows", label, name_, op.element_count));
-  }
-  std::size_t send_bytes = chunk_bytes;
-  std::size_t recv_bytes = chunk_bytes;
-  if (op.kind == CollectiveKind::kAllGather) recv_bytes = chunk_bytes * world;
-  if (op.kind == CollectiveKind::kReduceScatter) send_bytes = chunk_bytes * world;
-  const bool needs_send = op.kind != CollectiveKind::kBroadcast || op.root == rank_;
-  if (op.kind == CollectiveKind::kBroadcast && (op.root < 0 || op.root >= group_->world_size())) {
-    return Status::invalid_argument(fmt::format("{} on {}: root {} is not a rank of {}", label,
-                                                name_, op.root, group_->world_size()));
-  }
-  if (op.element_count == 0) return Status::ok();
-  if ((needs_send && op.send == nullptr) || op.recv == nullptr) {
-    return Status::invalid_argument(fmt::format("{} on {}: null {} buffer for {} elements", label,
-                                                name_, op.recv == nullptr ? "recv" : "send",
-                                                op.element_count));
-  }
-  if (!needs_send) return Status::ok();
-  const auto send = reinterpret_cast<std::uintptr_t>(op.send);
-  const auto recv = reinterpret_cast<std::uintptr_t>(op.recv);
-  if (send < recv + recv_bytes && recv < send + send_bytes) {
-    // Overlap is allowed only in NCCL's in-place forms.
-    const std::size_t own_offset = static_cast<std::size_t>(rank_) * chunk_bytes;
-    const bool in_place =
-        (op.kind == CollectiveKind::kAllGather && send == recv + own_offset) ||
-        (op.kind == CollectiveKind::kReduceScatter && recv == send + own_offset) ||
-        ((op.kind == CollectiveKind::kAllReduce || op.kind == CollectiveKind::kBroadcast) &&
-         send == recv);
-    if (!in_place) {
-      return Status::invalid_argument(fmt::format(
-          "{} on {}: send and recv buffers overlap and are not the in-place form", label, name_));
-    }
-  }
-  return Status::ok();
+  return validate_collective(op, rank_, group_->world_size(), name_, label);
 }
 
 Status LocalComm::issue(const Collective& op, Stream& stream) {
@@ -402,7 +284,7 @@ Status LocalComm::issue(const Collective& op, Stream& stream) {
   // contract asks for one issuing thread, and a breach shows up as "ranks disagree".
   std::lock_guard<std::mutex> lock(issue_mu_);
   const std::uint64_t sequence = next_sequence_;
-  const std::string label = describe(op, sequence);
+  const std::string label = describe_collective(op, sequence);
   Status error = group_->error();
   if (!error.is_ok()) {
     return Status::aborted(

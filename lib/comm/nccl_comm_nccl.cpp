@@ -4,6 +4,11 @@
 #include <nccl.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <functional>
+#include <optional>
+#include <span>
+#include <vector>
 #include <cstring>
 #include <mutex>
 #include <optional>
@@ -13,6 +18,9 @@
 #include "base/assert.hpp"
 #include "comm/nccl_comm.hpp"
 #include "comm/nccl_comm_handle.hpp"
+#if defined(ZINF_HAVE_MPI)
+#include "comm/mpi_comm.hpp"
+#endif
 #include "zinf/log.hpp"
 
 namespace zinf {
@@ -343,8 +351,14 @@ Result<std::unique_ptr<Communicator>> wrap_nccl_comm(void* nccl_comm, Device& de
   return std::unique_ptr<Communicator>(std::move(out));
 }
 
-Result<std::unique_ptr<Communicator>> make_nccl_comm(const LaunchEnv& env, Device& device,
-                                                     const NcclBootstrapOptions& options) {
+namespace {
+
+// Hands rank 0's blob (the ncclUniqueId) to every rank: TCP under torchrun, MPI under mpirun.
+using BlobExchange = std::function<Result<std::vector<std::byte>>(std::span<const std::byte>)>;
+
+Result<std::unique_ptr<Communicator>> init_nccl_comm(const LaunchEnv& env, Device& device,
+                                                     const NcclBootstrapOptions& options,
+                                                     const BlobExchange& exchange) {
   const auto start = Clock::now();
   const auto deadline = start + options.init_timeout;
   if (device.kind() != DeviceKind::kCuda) {
@@ -358,8 +372,7 @@ Result<std::unique_ptr<Communicator>> make_nccl_comm(const LaunchEnv& env, Devic
   }
   ZINF_ASSIGN_OR_RETURN(
       const std::vector<std::byte> blob,
-      tcp_broadcast_blob(env, std::as_bytes(std::span<const ncclUniqueId>(&id, 1)),
-                         options.init_timeout));
+      exchange(std::as_bytes(std::span<const ncclUniqueId>(&id, 1))));
   if (blob.size() != sizeof(id)) {
     return Status::comm_error(
         fmt::format("make_nccl_comm: rank 0 sent {} bytes, not an ncclUniqueId of {}", blob.size(),
@@ -391,6 +404,80 @@ Result<std::unique_ptr<Communicator>> make_nccl_comm(const LaunchEnv& env, Devic
                             r);
   }
   return wrap_nccl_comm(comm, device, /*take_ownership=*/true);
+}
+
+std::optional<std::string> getenv_string(const char* name) {
+  const char* value = std::getenv(name);
+  if (value == nullptr) return std::nullopt;
+  return std::string(value);
+}
+
+// The first of `names` that is set, parsed as a non-negative int; -1 when none is set.
+Result<int> env_int(std::initializer_list<const char*> names) {
+  for (const char* name : names) {
+    std::optional<std::string> text = getenv_string(name);
+    if (!text) continue;
+    char* end = nullptr;
+    const long value = std::strtol(text->c_str(), &end, 10);
+    if (text->empty() || *end != '\0' || value < 0 || value > 1'000'000) {
+      return Status::invalid_argument(
+          fmt::format("make_nccl_comm: {}='{}' is not a rank or a count", name, *text));
+    }
+    return static_cast<int>(value);
+  }
+  return -1;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Communicator>> make_nccl_comm(const LaunchEnv& env, Device& device,
+                                                     const NcclBootstrapOptions& options) {
+  return init_nccl_comm(env, device, options, [&](std::span<const std::byte> blob) {
+    return tcp_broadcast_blob(env, blob, options.init_timeout);
+  });
+}
+
+Result<std::unique_ptr<Communicator>> make_nccl_comm(void* nccl_comm, Device& device,
+                                                     bool take_ownership) {
+  return wrap_nccl_comm(nccl_comm, device, take_ownership);
+}
+
+Result<std::unique_ptr<Communicator>> make_nccl_comm(Device& device,
+                                                     const NcclCommOptions& options) {
+  NcclBootstrapOptions bootstrap;
+  bootstrap.init_timeout = options.init_timeout;
+  bootstrap.cuda_ordinal = options.cuda_ordinal;
+  // torchrun (and anything else that sets RANK): the TCP bootstrap.
+  if (getenv_string("RANK")) {
+    ZINF_ASSIGN_OR_RETURN(const LaunchEnv env, launch_env_from_environment());
+    return make_nccl_comm(env, device, bootstrap);
+  }
+  ZINF_ASSIGN_OR_RETURN(const int mpi_world,
+                        env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}));
+  if (mpi_world < 0) {
+    LaunchEnv single;  // no launcher: a job of one rank
+    return init_nccl_comm(single, device, bootstrap, [](std::span<const std::byte> blob) {
+      return Result<std::vector<std::byte>>(std::vector<std::byte>(blob.begin(), blob.end()));
+    });
+  }
+#if defined(ZINF_HAVE_MPI)
+  // mpirun or srun: the unique id goes over MPI_COMM_WORLD.
+  ZINF_ASSIGN_OR_RETURN(const MpiWorld world, mpi_world_of_process());
+  LaunchEnv env;
+  env.rank = world.rank;
+  env.world_size = world.world_size;
+  env.local_rank = world.local_rank;
+  return init_nccl_comm(env, device, bootstrap, [&](std::span<const std::byte> blob) {
+    return mpi_broadcast_blob(blob, options.init_timeout);
+  });
+#else
+  return Status::unsupported(fmt::format(
+      "make_nccl_comm: the process runs under an MPI launcher (world size {}) but zinf was built "
+      "without MPI (configure with -DZINF_WITH_MPI=ON where libopenmpi-dev is installed), so the "
+      "NCCL unique id cannot be broadcast; launch with torchrun (RANK, WORLD_SIZE, MASTER_ADDR, "
+      "MASTER_PORT) instead",
+      mpi_world));
+#endif
 }
 
 }  // namespace zinf

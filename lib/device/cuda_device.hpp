@@ -29,22 +29,7 @@
 
 namespace zinf {
 
-struct CudaDeviceOptions {
-  // The CUDA device ordinal (LOCAL_RANK in a torchrun job).
-  int ordinal = 0;
-  // Most bytes allocate() and allocate_async() hand out together; beyond it kResourceExhausted.
-  // 0: the GPU's total memory.
-  std::size_t memory_limit_bytes = 0;
-  // Bytes the stream-ordered pool keeps when memory is freed to it
-  // (cudaMemPoolAttrReleaseThreshold). The default keeps everything: no allocation goes back to
-  // the driver between steps.
-  std::uint64_t pool_release_threshold_bytes = UINT64_MAX;
-};
-
-// Opens GPU `options.ordinal`. kUnsupported when there is no usable device (no driver, no GPU),
-// kInvalidArgument for an ordinal out of range.
-// REQUIRES: every stream and event it creates is destroyed before it.
-Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options = {});
+// CudaDeviceOptions and make_cuda_device are public (include/zinf/device.hpp).
 
 // Makes `device` current on the calling thread (cudaSetDevice), as every CudaDevice call does
 // first, so that a kernel launched on one of its streams goes to that GPU. kInvalidArgument when

@@ -1,5 +1,7 @@
 #include "zinf/device.hpp"
 
+#include <fmt/format.h>
+
 #include <memory>
 #include <utility>
 
@@ -32,5 +34,18 @@ Status Device::launch_host(Stream& stream, std::function<Status()> func) {
   if (status.is_ok()) (void)boxed.release();  // the stream owns it now
   return status;
 }
+
+}  // namespace zinf
+
+namespace zinf {
+
+#if !defined(ZINF_BUILDS_CUDA)
+Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& options) {
+  return Status::unsupported(
+      fmt::format("make_cuda_device({}): zinf was built without CUDA (configure with "
+                  "-DZINF_WITH_CUDA=ON where nvcc is installed)",
+                  options.ordinal));
+}
+#endif
 
 }  // namespace zinf

@@ -20,10 +20,10 @@
 #include <cstdio>
 #include <string>
 
-#include "comm/nccl_comm.hpp"
-#include "device/cuda_device.hpp"
 #include "engine/engine_test_util.hpp"
 #include "gpu/gpu_util.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf {
@@ -48,7 +48,8 @@ std::string case_name(const GpuCase& c) {
                      c.clipping > 0 ? "_clip" : "");
 }
 
-// The GPU and a one-rank NcclComm on it.
+// The GPU and a one-rank NcclComm on it, opened as a user's program does: through the public
+// constructors (include/zinf/device.hpp, comm.hpp), from an environment without a launcher.
 struct OneGpu {
   std::unique_ptr<Device> device;
   std::unique_ptr<Communicator> comm;
@@ -56,12 +57,11 @@ struct OneGpu {
 
 Result<OneGpu> open_one_gpu() {
   OneGpu gpu;
-  ZINF_ASSIGN_OR_RETURN(gpu.device, make_cuda_device());
-  LaunchEnv env;
-  env.master_port = gpu_test::free_tcp_port();
-  NcclBootstrapOptions options;
+  ZINF_ASSIGN_OR_RETURN(gpu.device, make_cuda_device(0));
+  NcclCommOptions options;
   options.init_timeout = std::chrono::milliseconds(120000);
-  ZINF_ASSIGN_OR_RETURN(gpu.comm, make_nccl_comm(env, *gpu.device, options));
+  options.cuda_ordinal = 0;
+  ZINF_ASSIGN_OR_RETURN(gpu.comm, make_nccl_comm(*gpu.device, options));
   return gpu;
 }
 

@@ -1,0 +1,54 @@
+// The C API of the backends in zinf::cuda (include/zinf/zinf.h): CudaDevice and NcclComm. Without
+// them the core (lib/capi/capi.cpp) defines these as kUnsupported.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <memory>
+
+#include "capi/capi_internal.hpp"
+#include "zinf/zinf.h"
+
+using zinf::Status;
+using zinf::capi::guard;
+
+zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes,
+                                    zinf_device_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (out == nullptr) return Status::invalid_argument(fmt::format("{}: out is null", fn));
+    zinf::CudaDeviceOptions options;
+    options.memory_limit_bytes = memory_limit_bytes;
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Device> device,
+                          zinf::make_cuda_device(ordinal, options));
+    auto handle = std::make_unique<zinf_device>();
+    handle->device = std::move(device);
+    *out = handle.release();
+    return Status::ok();
+  });
+}
+
+#if defined(ZINF_HAVE_NCCL)
+zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm,
+                                        int take_ownership, int64_t init_timeout_ms,
+                                        zinf_comm_group_t** out) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (device == nullptr || out == nullptr) {
+      return Status::invalid_argument(fmt::format("{}: null device or out", fn));
+    }
+    if (init_timeout_ms < 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: init_timeout_ms is {}; it must be >= 0", fn, init_timeout_ms));
+    }
+    zinf::NcclCommOptions options;
+    if (init_timeout_ms > 0) options.init_timeout = std::chrono::milliseconds(init_timeout_ms);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Communicator> comm,
+                          nccl_comm == nullptr
+                              ? zinf::make_nccl_comm(*device->device, options)
+                              : zinf::make_nccl_comm(nccl_comm, *device->device,
+                                                     take_ownership != 0));
+    return zinf::capi::make_process_group(device, std::move(comm), out);
+  });
+}
+
+#endif  // ZINF_HAVE_NCCL

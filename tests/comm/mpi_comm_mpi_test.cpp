@@ -1,0 +1,471 @@
+// MpiComm, one process per rank, launched by ctest through mpirun at several world sizes.
+//
+// Each process knows every rank's input (all are generated from seeds), so it checks its own
+// result against the contract written out serially (ranks in order, f32 accumulation, one
+// rounding) and against LocalComm run in this process with one thread per rank on the same
+// inputs: the same bits. Then the failure modes: a rank that never arrives (the others fail with
+// kTimeout naming it, within the timeout, and it learns of the failure), ranks that disagree, an
+// abort, a barrier a rank misses, and a communicator the caller passes in.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
+#include "zinf/zinf.h"
+
+namespace zinf {
+namespace {
+
+using std::chrono::milliseconds;
+using Clock = std::chrono::steady_clock;
+
+int g_rank = 0;
+int g_world = 1;
+
+std::vector<std::byte> random_data(std::size_t count, DType dtype, std::uint64_t seed) {
+  std::vector<float> values(count);
+  fill_uniform(values.data(), count, seed, -4.0f, 4.0f);
+  std::vector<std::byte> bytes(count * dtype_bytes(dtype));
+  for (std::size_t i = 0; i < count; ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(bytes.data() + i * 4, &values[i], 4);
+    } else {
+      const std::uint16_t half =
+          dtype == DType::kBF16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
+      std::memcpy(bytes.data() + i * 2, &half, 2);
+    }
+  }
+  return bytes;
+}
+
+float element(const std::vector<std::byte>& data, DType dtype, std::size_t index) {
+  if (dtype == DType::kF32) {
+    float value;
+    std::memcpy(&value, data.data() + index * 4, 4);
+    return value;
+  }
+  std::uint16_t half;
+  std::memcpy(&half, data.data() + index * 2, 2);
+  return dtype == DType::kBF16 ? bf16_to_f32(half) : f16_to_f32(half);
+}
+
+void set_element(std::vector<std::byte>& data, DType dtype, std::size_t index, float value) {
+  if (dtype == DType::kF32) {
+    std::memcpy(data.data() + index * 4, &value, 4);
+    return;
+  }
+  const std::uint16_t half = dtype == DType::kBF16 ? f32_to_bf16(value) : f32_to_f16(value);
+  std::memcpy(data.data() + index * 2, &half, 2);
+}
+
+// The contract written out serially: element by element, ranks in order, f32 accumulation, one
+// rounding at the end.
+std::vector<std::byte> serial_reduce(const std::vector<std::vector<std::byte>>& inputs,
+                                     std::size_t first, std::size_t count, DType dtype,
+                                     ReduceOp op) {
+  std::vector<std::byte> out(count * dtype_bytes(dtype));
+  for (std::size_t i = 0; i < count; ++i) {
+    float acc = element(inputs[0], dtype, first + i);
+    for (std::size_t r = 1; r < inputs.size(); ++r) {
+      const float x = element(inputs[r], dtype, first + i);
+      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) acc = acc + x;
+      if (op == ReduceOp::kMax) acc = (std::isnan(acc) || std::isnan(x)) ? NAN : std::max(acc, x);
+      if (op == ReduceOp::kMin) acc = (std::isnan(acc) || std::isnan(x)) ? NAN : std::min(acc, x);
+    }
+    if (op == ReduceOp::kAverage) acc = acc / static_cast<float>(inputs.size());
+    set_element(out, dtype, i, acc);
+  }
+  return out;
+}
+
+std::unique_ptr<Device> host_device(int ordinal, bool opaque) {
+  HostDeviceOptions options;
+  options.ordinal = ordinal;
+  options.jitter_max_us = 50;
+  options.jitter_seed = 7 + static_cast<std::uint64_t>(ordinal);
+  options.opaque = opaque;
+  Result<std::unique_ptr<Device>> device = make_host_device(options);
+  EXPECT_TRUE(device.is_ok()) << device.status().to_string();
+  return std::move(device).value();
+}
+
+std::unique_ptr<Communicator> mpi_comm(Device& device, milliseconds timeout) {
+  MpiCommOptions options;
+  options.timeout = timeout;
+  Result<std::unique_ptr<Communicator>> comm = make_mpi_comm(device, options);
+  EXPECT_TRUE(comm.is_ok()) << comm.status().to_string();
+  return std::move(comm).value();
+}
+
+// One collective on one rank's device: copies `input` in, issues, copies the result out, waits.
+// The buffers outlive the stream (declared first), which waits for its work when destroyed.
+struct Run {
+  Device& device;
+  DeviceBuffer send, recv;
+  std::unique_ptr<Stream> stream;
+  std::unique_ptr<Event> done;
+  Run(Device& d, std::size_t send_bytes, std::size_t recv_bytes) : device(d) {
+    send = std::move(DeviceBuffer::allocate(d, send_bytes)).value();
+    recv = std::move(DeviceBuffer::allocate(d, recv_bytes)).value();
+    stream = std::move(d.create_stream("test")).value();
+    done = std::move(d.create_event()).value();
+  }
+};
+
+enum class Form { kOutOfPlace, kInPlace };
+
+// Runs `kind` on `comm` (rank `rank` of `world`) with this rank's input; returns its output.
+Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind kind,
+                                              const std::vector<std::byte>& input,
+                                              std::size_t count, DType dtype, ReduceOp op,
+                                              Form form, int root) {
+  Device& device = comm.device();
+  const int rank = comm.rank();
+  const auto world = static_cast<std::size_t>(comm.world_size());
+  const std::size_t chunk_bytes = count * dtype_bytes(dtype);
+  const std::size_t send_bytes = kind == CollectiveKind::kReduceScatter ? chunk_bytes * world
+                                                                        : chunk_bytes;
+  const std::size_t recv_bytes = kind == CollectiveKind::kAllGather ? chunk_bytes * world
+                                                                    : chunk_bytes;
+  const bool in_place = form == Form::kInPlace;
+  // In place: one buffer of the larger size, with send or recv at this rank's offset.
+  Run run(device, std::max(send_bytes, recv_bytes), recv_bytes);
+  auto* base = static_cast<std::byte*>(run.send.data());
+  std::byte* send = base;
+  std::byte* recv = in_place ? base : static_cast<std::byte*>(run.recv.data());
+  if (in_place && kind == CollectiveKind::kAllGather) {
+    send = base + static_cast<std::size_t>(rank) * chunk_bytes;
+  }
+  if (in_place && kind == CollectiveKind::kReduceScatter) {
+    recv = base + static_cast<std::size_t>(rank) * chunk_bytes;
+  }
+  ZINF_RETURN_IF_ERROR(device.copy_h2d(send, input.data(), send_bytes, *run.stream));
+  Collective c{kind, send, recv, count, dtype, op, root, "test data"};
+  ZINF_RETURN_IF_ERROR(comm.issue(c, *run.stream));
+  std::vector<std::byte> out(recv_bytes);
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), recv, recv_bytes, *run.stream));
+  ZINF_RETURN_IF_ERROR(device.record(*run.done, *run.stream));
+  ZINF_RETURN_IF_ERROR(comm.wait(*run.done, std::chrono::seconds(60)));
+  return out;
+}
+
+// The same collective on LocalComm: `world` threads of this process, each with its rank's input;
+// returns rank `rank`'s output.
+std::vector<std::byte> local_comm_output(CollectiveKind kind,
+                                         const std::vector<std::vector<std::byte>>& inputs,
+                                         std::size_t count, DType dtype, ReduceOp op, Form form,
+                                         int root, int rank) {
+  const int world = static_cast<int>(inputs.size());
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < world; ++r) {
+    devices.push_back(host_device(r, false));
+    raw.push_back(devices.back().get());
+  }
+  auto comms = std::move(make_local_comm_group(raw)).value();
+  std::vector<std::vector<std::byte>> outputs(static_cast<std::size_t>(world));
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r) {
+    threads.emplace_back([&, r] {
+      const auto ur = static_cast<std::size_t>(r);
+      Result<std::vector<std::byte>> out =
+          run_collective(*comms[ur], kind, inputs[ur], count, dtype, op, form, root);
+      EXPECT_TRUE(out.is_ok()) << out.status().to_string();
+      if (out.is_ok()) outputs[ur] = std::move(out).value();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  comms.clear();
+  return outputs[static_cast<std::size_t>(rank)];
+}
+
+const DType kDTypes[] = {DType::kF32, DType::kBF16, DType::kF16};
+const ReduceOp kOps[] = {ReduceOp::kSum, ReduceOp::kAverage, ReduceOp::kMax, ReduceOp::kMin};
+
+class MpiCommCollectives : public ::testing::TestWithParam<bool> {};
+
+// Every collective, dtype, reduction and form, against the serial reference and LocalComm. With
+// an opaque HostDevice (the parameter) the buffers go through host staging copies, as a
+// CudaDevice's do.
+TEST_P(MpiCommCollectives, EqualTheSerialReferenceAndLocalCommBitForBit) {
+  const bool opaque = GetParam();
+  std::unique_ptr<Device> device = host_device(g_rank, opaque);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(60));
+  ASSERT_EQ(comm->rank(), g_rank);
+  ASSERT_EQ(comm->world_size(), g_world);
+  EXPECT_EQ(comm->name(), fmt::format("mpi rank {} of {}", g_rank, g_world));
+  const std::size_t count = 1037;  // divisible by no world size here
+  const auto world = static_cast<std::size_t>(g_world);
+  const auto rank = static_cast<std::size_t>(g_rank);
+  const std::size_t chunk_bytes_f32 = count * 4;
+  (void)chunk_bytes_f32;
+  std::uint64_t seed = 5000;
+  int checked = 0;
+  for (DType dtype : kDTypes) {
+    const std::size_t chunk_bytes = count * dtype_bytes(dtype);
+    for (Form form : {Form::kOutOfPlace, Form::kInPlace}) {
+      for (ReduceOp op : kOps) {
+        // all_reduce: whole buffers; reduce_scatter: world chunks each.
+        std::vector<std::vector<std::byte>> whole, scattered;
+        for (std::size_t r = 0; r < world; ++r) {
+          whole.push_back(random_data(count, dtype, ++seed));
+          scattered.push_back(random_data(count * world, dtype, ++seed));
+        }
+        const std::vector<std::byte> expected_all = serial_reduce(whole, 0, count, dtype, op);
+        const std::vector<std::byte> expected_scatter =
+            serial_reduce(scattered, rank * count, count, dtype, op);
+        Result<std::vector<std::byte>> all = run_collective(
+            *comm, CollectiveKind::kAllReduce, whole[rank], count, dtype, op, form, 0);
+        ASSERT_TRUE(all.is_ok()) << all.status().to_string();
+        EXPECT_EQ(all.value(), expected_all)
+            << "all_reduce " << dtype_name(dtype) << " " << reduce_op_name(op);
+        Result<std::vector<std::byte>> scatter = run_collective(
+            *comm, CollectiveKind::kReduceScatter, scattered[rank], count, dtype, op, form, 0);
+        ASSERT_TRUE(scatter.is_ok()) << scatter.status().to_string();
+        EXPECT_EQ(scatter.value(), expected_scatter)
+            << "reduce_scatter " << dtype_name(dtype) << " " << reduce_op_name(op);
+        // LocalComm with the same inputs gives this rank the same bits (a few combinations: each
+        // runs world threads here).
+        if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
+          EXPECT_EQ(all.value(), local_comm_output(CollectiveKind::kAllReduce, whole, count, dtype,
+                                                   op, form, 0, g_rank));
+          EXPECT_EQ(scatter.value(),
+                    local_comm_output(CollectiveKind::kReduceScatter, scattered, count, dtype, op,
+                                      form, 0, g_rank));
+          checked += 2;
+        }
+      }
+      // all_gather: every rank's piece in rank order; broadcast from each root.
+      std::vector<std::vector<std::byte>> pieces;
+      std::vector<std::byte> gathered;
+      for (std::size_t r = 0; r < world; ++r) {
+        pieces.push_back(random_data(count, dtype, ++seed));
+        gathered.insert(gathered.end(), pieces.back().begin(), pieces.back().end());
+      }
+      Result<std::vector<std::byte>> got = run_collective(
+          *comm, CollectiveKind::kAllGather, pieces[rank], count, dtype, ReduceOp::kSum, form, 0);
+      ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+      EXPECT_EQ(got.value(), gathered) << "all_gather " << dtype_name(dtype);
+      ASSERT_EQ(gathered.size(), chunk_bytes * world);
+      for (int root = 0; root < g_world; ++root) {
+        Result<std::vector<std::byte>> cast =
+            run_collective(*comm, CollectiveKind::kBroadcast, pieces[rank], count, dtype,
+                           ReduceOp::kSum, form, root);
+        ASSERT_TRUE(cast.is_ok()) << cast.status().to_string();
+        EXPECT_EQ(cast.value(), pieces[static_cast<std::size_t>(root)]) << "broadcast root " << root;
+      }
+    }
+  }
+  EXPECT_GT(checked, 0);
+  EXPECT_TRUE(comm->barrier(std::chrono::seconds(60)).is_ok());
+  EXPECT_TRUE(comm->status().is_ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, MpiCommCollectives, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("opaque_staged") : std::string("host");
+                         });
+
+// Waits up to `limit` for `comm` to report an error; returns it (OK when none came).
+Status wait_for_error(Communicator& comm, milliseconds limit) {
+  const auto end = Clock::now() + limit;
+  while (Clock::now() < end) {
+    Status st = comm.status();
+    if (!st.is_ok()) return st;
+    std::this_thread::sleep_for(milliseconds(5));
+  }
+  return comm.status();
+}
+
+// The last rank never issues the collective: every other rank's fails with kTimeout naming it
+// and the collective, within the timeout (plus scheduling slack), and the last rank learns of it.
+TEST(MpiCommFailures, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  const milliseconds timeout(800);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, timeout);
+  const int late = g_world - 1;
+  const std::vector<std::byte> input = random_data(64, DType::kF32, 99 + g_rank);
+  if (g_rank != late) {
+    const auto start = Clock::now();
+    Result<std::vector<std::byte>> out = run_collective(
+        *comm, CollectiveKind::kAllReduce, input, 64, DType::kF32, ReduceOp::kSum,
+        Form::kOutOfPlace, 0);
+    const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+    ASSERT_FALSE(out.is_ok());
+    // Rank 0 times out itself; the others may hear rank 0's notice first. Either way the message
+    // names the collective and the silent rank.
+    const std::string message(out.status().message());
+    EXPECT_TRUE(out.status().code() == Code::kTimeout) << out.status().to_string();
+    EXPECT_NE(message.find("all_reduce #0 'test data'"), std::string::npos) << message;
+    EXPECT_NE(message.find(fmt::format("rank(s) {}", late)), std::string::npos) << message;
+    EXPECT_LT(took.count(), timeout.count() + 2000);
+    EXPECT_GE(took.count(), timeout.count() - 50);
+  } else {
+    Status heard = wait_for_error(*comm, timeout + std::chrono::seconds(10));
+    EXPECT_EQ(heard.code(), Code::kTimeout) << heard.to_string();
+    EXPECT_NE(heard.message().find("failed"), std::string_view::npos) << heard.to_string();
+  }
+  // Every later call refuses, naming the first error.
+  Result<std::vector<std::byte>> later = run_collective(
+      *comm, CollectiveKind::kAllGather, input, 64, DType::kF32, ReduceOp::kSum, Form::kOutOfPlace,
+      0);
+  ASSERT_FALSE(later.is_ok());
+  EXPECT_EQ(later.status().code(), Code::kAborted) << later.status().to_string();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Rank 0 issues a larger all_gather than the others: the sizes disagree, every rank fails with
+// kCommError (or hears of it) rather than corrupting memory.
+TEST(MpiCommFailures, RanksThatDisagreeOnTheSizeFailWithCommError) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(5));
+  const std::size_t count = g_rank == 0 ? 96 : 64;
+  const std::vector<std::byte> input = random_data(count, DType::kF32, 7 + g_rank);
+  Result<std::vector<std::byte>> out = run_collective(
+      *comm, CollectiveKind::kAllGather, input, count, DType::kF32, ReduceOp::kSum,
+      Form::kOutOfPlace, 0);
+  ASSERT_FALSE(out.is_ok());
+  EXPECT_EQ(out.status().code(), Code::kCommError) << out.status().to_string();
+  EXPECT_NE(out.status().message().find("all_gather #0"), std::string_view::npos)
+      << out.status().to_string();
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// abort() on rank 0 while the others wait in a collective: theirs fails with kAborted naming
+// rank 0 and the reason, well before the timeout.
+TEST(MpiCommFailures, AnAbortReachesTheOtherRanksCollectives) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(30));
+  const std::vector<std::byte> input = random_data(32, DType::kF32, 3 + g_rank);
+  if (g_rank == 0) {
+    std::this_thread::sleep_for(milliseconds(200));
+    comm->abort(Status::aborted("rank 0 gives up: test"));
+  } else {
+    const auto start = Clock::now();
+    Result<std::vector<std::byte>> out = run_collective(
+        *comm, CollectiveKind::kBroadcast, input, 32, DType::kF32, ReduceOp::kSum,
+        Form::kOutOfPlace, 0);
+    ASSERT_FALSE(out.is_ok());
+    EXPECT_EQ(out.status().code(), Code::kAborted) << out.status().to_string();
+    EXPECT_NE(out.status().message().find("rank 0 failed: rank 0 gives up: test"),
+              std::string_view::npos)
+        << out.status().to_string();
+    EXPECT_LT(Clock::now() - start, std::chrono::seconds(10));
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST(MpiCommFailures, ABarrierARankMissesTimesOutNamingIt) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(30));
+  ASSERT_TRUE(comm->barrier(std::chrono::seconds(30)).is_ok());
+  if (g_rank == 0) {
+    Status st = comm->barrier(milliseconds(500));
+    EXPECT_EQ(st.code(), Code::kTimeout) << st.to_string();
+    EXPECT_NE(st.message().find("barrier #1"), std::string_view::npos) << st.to_string();
+    EXPECT_NE(st.message().find(fmt::format("rank(s) {}", g_world - 1)), std::string_view::npos)
+        << st.to_string();
+  } else if (g_rank != g_world - 1) {
+    Status st = comm->barrier(std::chrono::seconds(10));
+    EXPECT_FALSE(st.is_ok());
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A communicator of the caller's: the ranks are its ranks, and collectives stay inside it.
+TEST(MpiCommCallers, OpensOnACommunicatorThePassedIn) {
+  MPI_Comm halves = MPI_COMM_NULL;
+  ASSERT_EQ(MPI_Comm_split(MPI_COMM_WORLD, g_rank % 2, g_rank, &halves), MPI_SUCCESS);
+  int sub_rank = 0, sub_size = 0;
+  MPI_Comm_rank(halves, &sub_rank);
+  MPI_Comm_size(halves, &sub_size);
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  Result<std::unique_ptr<Communicator>> comm = make_mpi_comm(&halves, *device);
+  ASSERT_TRUE(comm.is_ok()) << comm.status().to_string();
+  EXPECT_EQ(comm.value()->rank(), sub_rank);
+  EXPECT_EQ(comm.value()->world_size(), sub_size);
+  // Each half sums its members' world ranks + 1.
+  std::vector<std::byte> input(4);
+  const float mine = static_cast<float>(g_rank + 1);
+  std::memcpy(input.data(), &mine, 4);
+  Result<std::vector<std::byte>> out = run_collective(
+      *comm.value(), CollectiveKind::kAllReduce, input, 1, DType::kF32, ReduceOp::kSum,
+      Form::kOutOfPlace, 0);
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  float expected = 0;
+  for (int r = g_rank % 2; r < g_world; r += 2) expected += static_cast<float>(r + 1);
+  float got = 0;
+  std::memcpy(&got, out.value().data(), 4);
+  EXPECT_EQ(got, expected);
+  comm.value().reset();
+  MPI_Comm_free(&halves);
+  EXPECT_EQ(make_mpi_comm(nullptr, *device).status().code(), Code::kInvalidArgument);
+}
+
+// The C API's MPI group: this process's rank, the job's world size; other ranks refused.
+TEST(MpiCommCApi, AGroupHoldsThisProcesssRank) {
+  zinf_device_t* device = nullptr;
+  ASSERT_EQ(zinf_host_device_create(g_rank, 0, &device), ZINF_OK) << zinf_last_error_message();
+  zinf_comm_group_t* group = nullptr;
+  ASSERT_EQ(zinf_mpi_comm_group_create(device, nullptr, 30'000, &group), ZINF_OK)
+      << zinf_last_error_message();
+  int world = 0;
+  ASSERT_EQ(zinf_comm_group_world_size(group, &world), ZINF_OK);
+  EXPECT_EQ(world, g_world);
+  zinf_comm_t* comm = nullptr;
+  ASSERT_EQ(zinf_comm_group_get(group, g_rank, &comm), ZINF_OK) << zinf_last_error_message();
+  int rank = -1, size = 0;
+  ASSERT_EQ(zinf_comm_rank(comm, &rank, &size), ZINF_OK);
+  EXPECT_EQ(rank, g_rank);
+  EXPECT_EQ(size, g_world);
+  if (g_world > 1) {
+    EXPECT_EQ(zinf_comm_group_get(group, (g_rank + 1) % g_world, &comm), ZINF_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(zinf_last_error_message()).find("not this process's"),
+              std::string::npos)
+        << zinf_last_error_message();
+  }
+  // The device is in use until the group goes.
+  EXPECT_EQ(zinf_device_destroy(device), ZINF_FAILED_PRECONDITION);
+  EXPECT_EQ(zinf_comm_group_destroy(group), ZINF_OK);
+  EXPECT_EQ(zinf_device_destroy(device), ZINF_OK);
+}
+
+}  // namespace
+}  // namespace zinf
+
+int main(int argc, char** argv) {
+  int provided = 0;
+  MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+  MPI_Comm_rank(MPI_COMM_WORLD, &zinf::g_rank);
+  MPI_Comm_size(MPI_COMM_WORLD, &zinf::g_world);
+  ::testing::InitGoogleTest(&argc, argv);
+  // Only rank 0 prints the progress; every rank prints its failures (gtest's own lines).
+  if (zinf::g_rank != 0) {
+    ::testing::TestEventListeners& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    (void)listeners;
+  }
+  std::printf("mpi rank %d of %d\n", zinf::g_rank, zinf::g_world);
+  const int failed = RUN_ALL_TESTS();
+  // Every rank's verdict: the job fails when any rank failed.
+  int any_failed = 0;
+  MPI_Allreduce(&failed, &any_failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+  MPI_Finalize();
+  return any_failed;
+}
