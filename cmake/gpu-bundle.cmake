@@ -16,6 +16,9 @@ set(CMAKE_BUILD_TYPE Release CACHE STRING "" FORCE)
 set(ZINF_WITH_CUDA ON CACHE STRING "" FORCE)
 set(ZINF_WITH_NCCL ON CACHE STRING "" FORCE)
 set(ZINF_CUDA_RUNTIME Static CACHE STRING "" FORCE)
+# The GPU machine has no Open MPI (none of our Debian packages), so MpiComm stays out of the
+# bundle: a one-GPU machine cannot run the two-process MpiComm + CudaDevice job without it.
+set(ZINF_WITH_MPI OFF CACHE STRING "" FORCE)
 set(CMAKE_CUDA_ARCHITECTURES "80-real;90-real;90-virtual" CACHE STRING "" FORCE)
 set(CMAKE_SKIP_BUILD_RPATH ON CACHE BOOL "" FORCE)
 set(CMAKE_EXE_LINKER_FLAGS "-Wl,--disable-new-dtags -Wl,-rpath,'$ORIGIN/../lib'" CACHE STRING "" FORCE)
