@@ -1,4 +1,9 @@
 // MpiComm (see mpi_comm.hpp).
+//
+// Longer than 800 lines on purpose: the five collectives share one progress engine (posting
+// nonblocking sends and receives, polling them against the collective's deadline, naming the
+// ranks that did not answer), and splitting the collectives from that engine would put the
+// deadline and error rules in two files.
 #include "comm/mpi_comm.hpp"
 
 #include <fmt/format.h>

@@ -12,6 +12,8 @@
 // mean), and read its values into Config in the readers.
 #include "zinf/config.hpp"
 
+#include "engine/config_names.hpp"
+
 #include <fmt/format.h>
 
 #include <cctype>
@@ -415,22 +417,6 @@ const Key kRootKeys[] = {
 
 #undef ZINF_READ
 
-// The DeepSpeed spelling of each optimizer kind (DeepSpeed lowercases the type before it
-// compares, so any case is accepted on input).
-std::string_view deepspeed_type_name(OptimizerKind kind) {
-  switch (kind) {
-    case OptimizerKind::kAdam:
-      return "Adam";
-    case OptimizerKind::kAdamW:
-      return "AdamW";
-    case OptimizerKind::kAdagrad:
-      return "Adagrad";
-    case OptimizerKind::kLion:
-      return "Lion";
-  }
-  return "?";
-}
-
 // --- the walk ---------------------------------------------------------------------------------
 
 const Key* find_key(std::span<const Key> keys, std::string_view name) {
@@ -736,115 +722,6 @@ bool parse_offload_device(std::string_view text, OffloadDevice* device) {
   return true;
 }
 
-Status validate(const Config& c) {
-  const ZeroConfig& z = c.zero;
-  if (z.stage < 1 || z.stage > 3) {
-    return invalid("zero_optimization.stage", fmt::format("{} is not 1, 2 or 3", z.stage));
-  }
-  if (z.offload_param.device != OffloadDevice::kNone && z.stage != 3) {
-    return invalid("zero_optimization.offload_param.device",
-                   fmt::format("\"{}\" needs stage 3 (stage {} keeps every parameter on the "
-                               "device)",
-                               offload_device_name(z.offload_param.device), z.stage));
-  }
-  if (z.offload_optimizer.device == OffloadDevice::kNvme && z.offload_optimizer.buffer_count < 2) {
-    return invalid("zero_optimization.offload_optimizer.buffer_count",
-                   fmt::format("{} is below 2 (one sub-group is updated while another moves)",
-                               z.offload_optimizer.buffer_count));
-  }
-  if (z.offload_param.device == OffloadDevice::kNvme && z.offload_param.buffer_count < 1) {
-    return invalid("zero_optimization.offload_param.buffer_count", "0 is below 1");
-  }
-  if (z.sub_group_size == 0) return invalid("zero_optimization.sub_group_size", "0 is below 1");
-  if (c.gradients_on_nvme && z.stage == 1) {
-    return invalid("zinf.gradients_on_nvme",
-                   "needs stage 2 or 3 (stage 1 keeps full fp32 gradients on the device until the "
-                   "step)");
-  }
-  if (c.gradients_on_nvme && z.offload_optimizer.device != OffloadDevice::kNvme) {
-    return invalid("zinf.gradients_on_nvme",
-                   fmt::format("needs zero_optimization.offload_optimizer.device \"nvme\" (it is "
-                               "\"{}\"): the gradients spill into the optimizer's NVMe store",
-                               offload_device_name(z.offload_optimizer.device)));
-  }
-  if (c.gradient_spill_buffers == 0 || c.gradient_spill_buffers > 64) {
-    // Each buffer may have one write in flight; the swap space's op table is shared with the
-    // optimizer pipeline and the parameter staging.
-    return invalid("zinf.gradient_spill_buffers",
-                   fmt::format("{} is not in 1..64", c.gradient_spill_buffers));
-  }
-  if (z.reduce_bucket_size == 0) {
-    return invalid("zero_optimization.reduce_bucket_size", "0 is below 1");
-  }
-  if (z.stage3_max_live_parameters == 0) {
-    return invalid("zero_optimization.stage3_max_live_parameters", "0 is below 1");
-  }
-  if (!(c.gradient_clipping >= 0.0) || !std::isfinite(c.gradient_clipping)) {
-    return invalid(
-        "gradient_clipping",
-        fmt::format("{} is not a finite number >= 0 (0 turns clipping off)", c.gradient_clipping));
-  }
-  const Fp16Config& f = c.fp16;
-  if (f.enabled && c.bf16_enabled) {
-    return invalid("fp16.enabled", "fp16 and bf16 are both enabled; choose one");
-  }
-  if (!(f.loss_scale >= 0.0) || !std::isfinite(f.loss_scale)) {
-    return invalid("fp16.loss_scale", fmt::format("{} is not >= 0 (0: dynamic)", f.loss_scale));
-  }
-  if (f.initial_scale_power < 0 || f.initial_scale_power > 64) {
-    return invalid("fp16.initial_scale_power",
-                   fmt::format("{} is not in 0..64", f.initial_scale_power));
-  }
-  if (f.loss_scale_window < 1) {
-    return invalid("fp16.loss_scale_window", fmt::format("{} is below 1", f.loss_scale_window));
-  }
-  if (f.hysteresis < 1) {
-    return invalid("fp16.hysteresis", fmt::format("{} is below 1", f.hysteresis));
-  }
-  if (!(f.min_loss_scale > 0.0)) {
-    return invalid("fp16.min_loss_scale", fmt::format("{} is not > 0", f.min_loss_scale));
-  }
-  const OptimizerParams& o = c.optimizer;
-  if (!(o.lr >= 0.0) || !std::isfinite(o.lr)) {
-    return invalid("optimizer.params.lr", fmt::format("{} is not a finite number >= 0", o.lr));
-  }
-  if (!(o.beta1 >= 0.0 && o.beta1 < 1.0) || !(o.beta2 >= 0.0 && o.beta2 < 1.0)) {
-    return invalid("optimizer.params.betas",
-                   fmt::format("[{}, {}] are not both in [0, 1)", o.beta1, o.beta2));
-  }
-  if (!(o.eps >= 0.0)) return invalid("optimizer.params.eps", fmt::format("{} is below 0", o.eps));
-  if (!(o.weight_decay >= 0.0)) {
-    return invalid("optimizer.params.weight_decay", fmt::format("{} is below 0", o.weight_decay));
-  }
-  if (!(o.lr_decay >= 0.0) || !std::isfinite(o.lr_decay)) {
-    return invalid("optimizer.params.lr_decay", fmt::format("{} is below 0", o.lr_decay));
-  }
-  if (c.aio_block_bytes == 0 || c.aio_block_bytes % 4096 != 0) {
-    return invalid("aio.block_size",
-                   fmt::format("{} is not a positive multiple of 4096", c.aio_block_bytes));
-  }
-  if (c.aio_queue_depth == 0 || c.aio_queue_depth > 4096) {
-    return invalid("aio.queue_depth", fmt::format("{} is not in 1..4096", c.aio_queue_depth));
-  }
-  if (c.world_size < 0) return invalid("zinf.world_size", "is below 0");
-  if (c.ranks_per_machine < 1) {
-    return invalid("zinf.ranks_per_machine", fmt::format("{} is below 1", c.ranks_per_machine));
-  }
-  if (c.world_size > 0 && c.world_size % c.ranks_per_machine != 0) {
-    return invalid("zinf.ranks_per_machine", fmt::format("{} does not divide zinf.world_size {}",
-                                                         c.ranks_per_machine, c.world_size));
-  }
-  if (c.cpu_threads < 0) return invalid("zinf.cpu_threads", "is below 0");
-  if (c.collective_timeout_ms < 1) {
-    return invalid("zinf.collective_timeout_ms",
-                   fmt::format("{} is below 1", c.collective_timeout_ms));
-  }
-  if (c.io_timeout_ms < 1) {
-    return invalid("zinf.io_timeout_ms", fmt::format("{} is below 1", c.io_timeout_ms));
-  }
-  return Status::ok();
-}
-
 Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
   Config c;
   std::vector<KeyReport> reports;
@@ -891,78 +768,6 @@ Result<Config> load_config(const std::string& path) {
   Result<Config> c = parse_config(text.str());
   if (!c.is_ok()) return c.status().with_context(path);
   return c;
-}
-
-std::string config_to_json(const Config& c) {
-  const ZeroConfig& z = c.zero;
-  auto offload = [](const OffloadConfig& o, bool param) {
-    Json j;
-    j["device"] = std::string(offload_device_name(o.device));
-    j["nvme_path"] = o.nvme_path;
-    j["pin_memory"] = o.pin_memory;
-    j["buffer_count"] = o.buffer_count;
-    if (param) j["buffer_size"] = o.buffer_params;
-    return j;
-  };
-  Json out;
-  out["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
-  out["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
-  out["gradient_clipping"] = c.gradient_clipping;
-  out["fp16"] = {{"enabled", c.fp16.enabled},
-                 {"loss_scale", c.fp16.loss_scale},
-                 {"initial_scale_power", c.fp16.initial_scale_power},
-                 {"loss_scale_window", c.fp16.loss_scale_window},
-                 {"hysteresis", c.fp16.hysteresis},
-                 {"min_loss_scale", c.fp16.min_loss_scale}};
-  out["bf16"] = {{"enabled", c.bf16_enabled}};
-  // Every value written out, so the file means the same whatever the type's defaults are; only
-  // the keys the type's DeepSpeed optimizer takes.
-  const OptimizerParams& o = c.optimizer;
-  Json params;
-  params["lr"] = o.lr;
-  switch (o.kind) {
-    case OptimizerKind::kAdam:
-    case OptimizerKind::kAdamW:
-      params["betas"] = {o.beta1, o.beta2};
-      params["eps"] = o.eps;
-      params["weight_decay"] = o.weight_decay;
-      params["bias_correction"] = o.bias_correction;
-      if (o.kind == OptimizerKind::kAdam) params["adam_w_mode"] = false;
-      break;
-    case OptimizerKind::kAdagrad:
-      params["eps"] = o.eps;
-      params["weight_decay"] = o.weight_decay;
-      params["lr_decay"] = o.lr_decay;
-      break;
-    case OptimizerKind::kLion:
-      params["betas"] = {o.beta1, o.beta2};
-      params["weight_decay"] = o.weight_decay;
-      break;
-  }
-  out["optimizer"] = {{"type", std::string(deepspeed_type_name(o.kind))}, {"params", params}};
-  Json zero;
-  zero["stage"] = z.stage;
-  zero["offload_optimizer"] = offload(z.offload_optimizer, false);
-  zero["offload_param"] = offload(z.offload_param, true);
-  zero["sub_group_size"] = z.sub_group_size;
-  zero["reduce_bucket_size"] = z.reduce_bucket_size;
-  zero["stage3_prefetch_bucket_size"] = z.stage3_prefetch_bucket_size;
-  zero["stage3_max_live_parameters"] = z.stage3_max_live_parameters;
-  zero["stage3_param_persistence_threshold"] = z.stage3_param_persistence_threshold;
-  out["zero_optimization"] = zero;
-  out["aio"] = {{"block_size", c.aio_block_bytes}, {"queue_depth", c.aio_queue_depth}};
-  out["zinf"] = {{"world_size", c.world_size},
-                 {"ranks_per_machine", c.ranks_per_machine},
-                 {"pinned_pool_bytes", c.pinned_pool_bytes},
-                 {"gradients_on_nvme", c.gradients_on_nvme},
-                 {"gradient_spill_buffers", c.gradient_spill_buffers},
-                 {"device_reserved_bytes", c.device_reserved_bytes},
-                 {"cpu_threads", c.cpu_threads},
-                 {"collective_timeout_ms", c.collective_timeout_ms},
-                 {"io_timeout_ms", c.io_timeout_ms},
-                 {"io_timeouts_max", c.io_timeouts_max},
-                 {"group_max_elements", z.group_max_elements}};
-  return out.dump(2) + "\n";
 }
 
 }  // namespace zinf

@@ -1,3 +1,7 @@
+// OptimizerPipeline (see optimizer_pipeline.hpp, which describes the schedule, the threads and the
+// error rules). Just over 800 lines: the driver loop, its error path and the update thread are one
+// state machine over the in-flight records, kept in one file so that every transition is read
+// beside the others.
 #include "tier/optimizer_pipeline.hpp"
 
 #include <fmt/format.h>
