@@ -9,16 +9,13 @@
 // and from lib/zero the ParamCoordinator (gather, release, prefetch) and the GradReducer.
 #include "zinf/engine.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
-#include <filesystem>
 #include <optional>
 #include <set>
 
@@ -26,6 +23,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/layout.hpp"
+#include "engine/nvme_dir.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
 #include "engine/publisher.hpp"
@@ -44,19 +42,6 @@ namespace {
 constexpr std::size_t kPage = 4096;
 
 std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
-
-// Creates and removes a small file in `dir`, so that an unwritable directory fails at open()
-// naming the key, not at the first swap write.
-Status probe_directory(const std::string& key, const std::string& dir, int rank) {
-  const std::string path = fmt::format("{}/.zinf-probe-{}-{}", dir, ::getpid(), rank);
-  const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
-  if (fd < 0) {
-    return status_from_errno(fmt::format("{}: cannot create a file in '{}'", key, dir), errno);
-  }
-  ::close(fd);
-  ::unlink(path.c_str());
-  return Status::ok();
-}
 
 }  // namespace
 
@@ -136,13 +121,7 @@ class Engine::Impl {
       nvme_dirs_.assign(dirs.begin(), dirs.end());
     }
     for (const std::string& dir : nvme_dirs_) {
-      // A missing directory is made, parents and all, as DeepSpeed does; one that cannot be
-      // made fails the probe, which names the key and the path.
-      std::error_code ec;
-      if (!std::filesystem::exists(dir, ec) && std::filesystem::create_directories(dir, ec)) {
-        log_warn("{}: created the missing directory '{}'", key, dir);
-      }
-      ZINF_RETURN_IF_ERROR(probe_directory(key, dir, rank_));
+      ZINF_RETURN_IF_ERROR(prepare_nvme_directory(key, dir, rank_));
     }
     return Status::ok();
   }
