@@ -89,7 +89,8 @@ int main(int argc, char** argv) {
       std::memcpy(times_in.data(), &mine, 4);
       if (!comm.all_gather(times_in.data(), times_out.data(), 1, zinf::DType::kF32, *stream)
                .is_ok() ||
-          !dev.record(*done, *stream).is_ok() || !comm.wait(*done, std::chrono::seconds(60)).is_ok()) {
+          !dev.record(*done, *stream).is_ok() ||
+          !comm.wait(*done, std::chrono::seconds(60)).is_ok()) {
         return 1;
       }
       const float* times = times_out.as<float>();

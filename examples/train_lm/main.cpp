@@ -40,7 +40,7 @@ std::string describe_run(const Options& o, const ModelShape& s, std::uint64_t pa
                      " micro-batch" + (o.micro_batches == 1 ? "" : "es") + " a rank), seed " +
                      std::to_string(o.seed) + "\n";
   if (!o.use_engine) return text + "  plain fp32 AdamW loop in this process (--engine off)\n";
-  const std::string processes = o.comm == "mpi" ? "one process per rank (MpiComm) on "
+  const std::string processes = o.comm == "mpi"    ? "one process per rank (MpiComm) on "
                                 : o.comm == "nccl" ? "one process per rank (NcclComm) on "
                                                    : "LocalComm threads on ";
   const std::string where =
@@ -142,8 +142,8 @@ int main(int argc, char** argv) {
   if (run_training(options, shape, describe_run(options, shape, params), &summary, &error) != 0) {
     // One process per rank: every process's error names its rank.
     const std::string rank = "rank " + std::to_string(launcher_rank(options.comm)) + ": ";
-    const bool named = options.comm == "local" || options.world_size == 1 ||
-                       error.rfind("rank ", 0) == 0;
+    const bool named =
+        options.comm == "local" || options.world_size == 1 || error.rfind("rank ", 0) == 0;
     std::fprintf(stderr, "train_lm: error: %s%s\n", named ? "" : rank.c_str(), error.c_str());
     return 1;
   }

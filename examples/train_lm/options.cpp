@@ -5,8 +5,8 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <vector>
 #include <sstream>
+#include <vector>
 
 namespace train_lm {
 namespace {

@@ -29,7 +29,6 @@
 #include "zinf/engine.hpp"
 #include "zinf/trace.hpp"
 
-
 namespace train_lm {
 namespace {
 
@@ -510,8 +509,8 @@ class Exchange {
   zinf::Status all_gather(const void* mine, std::size_t bytes, void* all) {
     const std::size_t world = std::size_t(comm_.world_size());
     ZINF_RETURN_IF_ERROR(device_.copy_h2d(send_.data(), mine, bytes, *stream_));
-    ZINF_RETURN_IF_ERROR(comm_.all_gather(send_.data(), recv_.data(), bytes / 4,
-                                          zinf::DType::kF32, *stream_, "train_lm sums"));
+    ZINF_RETURN_IF_ERROR(comm_.all_gather(send_.data(), recv_.data(), bytes / 4, zinf::DType::kF32,
+                                          *stream_, "train_lm sums"));
     ZINF_RETURN_IF_ERROR(device_.copy_d2h(all, recv_.data(), bytes * world, *stream_));
     ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
     return comm_.wait(*done_, timeout_);
@@ -589,8 +588,8 @@ struct Shared {
   // One process per rank: what each rank's process wrote into the vectors above reaches the
   // others before the barrier (null with --comm local, where they share them).
   Exchange* exchange = nullptr;
-  int first_rank = 0;   // the rank of this process's first thread
-  bool prints = true;   // this process prints (rank 0's)
+  int first_rank = 0;  // the rank of this process's first thread
+  bool prints = true;  // this process prints (rank 0's)
   // The optimizer pipeline's spans are in `trace` (the optimizer state is offloaded): the I/O wait
   // can be told from the update time.
   bool pipeline_traced = false;
@@ -875,8 +874,8 @@ struct Ranks {
 
 // The local rank a launcher gives this process: which GPU it takes.
 int launcher_local_rank() {
-  for (const char* name : {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
-                           "SLURM_LOCALID"}) {
+  for (const char* name :
+       {"LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"}) {
     const char* value = std::getenv(name);
     if (value != nullptr && std::atoi(value) >= 0) return std::atoi(value);
   }
@@ -1094,8 +1093,8 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     exchange = std::make_unique<Exchange>(*ranks.devices[0], *ranks.comms[0],
                                           std::chrono::milliseconds(o.collective_timeout_ms));
     zinf::Status opened = exchange->open();
-    if (!opened.is_ok()) return fail("rank " + std::to_string(ranks.first_rank) + ": " +
-                                     opened.to_string());
+    if (!opened.is_ok())
+      return fail("rank " + std::to_string(ranks.first_rank) + ": " + opened.to_string());
     shared.exchange = exchange.get();
   }
   shared.trace = trace.get();

@@ -324,11 +324,11 @@ class Engine {
   Status add_param_group(const ParamGroup& group);
 
   // Replaces the learning-rate schedule (by default none: the optimizer's lr; the config
-  // parser still refuses a `scheduler` section, so a program passes it here). DeepSpeed's semantics (include/zinf/schedule.hpp): the k-th applied
-  // step (a step skipped for overflow does not count) runs with lr_at(last_batch_iteration +
-  // k - 1), last_batch_iteration -1 unless the config sets it, so a checkpoint (which keeps the
-  // step count) resumes the same curve. kInvalidArgument naming the scheduler.params key that is
-  // out of range.
+  // parser still refuses a `scheduler` section, so a program passes it here). DeepSpeed's semantics
+  // (include/zinf/schedule.hpp): the k-th applied step (a step skipped for overflow does not count)
+  // runs with lr_at(last_batch_iteration + k - 1), last_batch_iteration -1 unless the config sets
+  // it, so a checkpoint (which keeps the step count) resumes the same curve. kInvalidArgument
+  // naming the scheduler.params key that is out of range.
   Status set_lr_schedule(const ScheduleConfig& schedule);
 
   int rank() const;
@@ -387,13 +387,16 @@ class ScopedGather {
     }
     Result<TensorView> view = engine_->parameter(name);
     if (!view.is_ok()) return view.status();
-    const bool matches = std::is_same_v<T, float> ? view->dtype == DType::kF32
-                                                  : view->dtype != DType::kF32;
+    const bool matches =
+        std::is_same_v<T, float> ? view->dtype == DType::kF32 : view->dtype != DType::kF32;
     if (!matches) {
       return Status::invalid_argument(
-          std::string("parameter '").append(name).append("' is ").append(
-              dtype_name(view->dtype)).append(", asked for as ").append(
-              std::is_same_v<T, float> ? "float (f32)" : "std::uint16_t (bf16 or f16)"));
+          std::string("parameter '")
+              .append(name)
+              .append("' is ")
+              .append(dtype_name(view->dtype))
+              .append(", asked for as ")
+              .append(std::is_same_v<T, float> ? "float (f32)" : "std::uint16_t (bf16 or f16)"));
     }
     return std::span<const T>(static_cast<const T*>(view->data), view->element_count);
   }

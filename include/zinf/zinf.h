@@ -440,8 +440,8 @@ typedef zinf_code_t (*zinf_rank_fn)(void* user, zinf_engine_t* engine, int rank)
  * message of the last failed zinf call on that rank's thread when its code is the one fn
  * returned. The other ranks' communicators are aborted at once, so a rank waiting for the failed
  * one in a collective returns ZINF_ABORTED. Every thread has been joined when this returns. */
-ZINF_C_API zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config,
-                                      zinf_rank_fn fn, void* user);
+ZINF_C_API zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_rank_fn fn,
+                                      void* user);
 
 #ifdef __cplusplus
 } /* extern "C" */

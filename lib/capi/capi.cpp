@@ -339,11 +339,12 @@ zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_co
 
 #if !defined(ZINF_BUILDS_NCCL)
 // Without NCCL; with it, zinf::cuda defines this (lib/capi/capi_cuda.cpp).
-zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int,
-                                        int64_t, zinf_comm_group_t** out) {
+zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int, int64_t,
+                                        zinf_comm_group_t** out) {
   return guard(__func__, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(out, "zinf_nccl_comm_group_create", "out"));
-    if (device == nullptr) return Status::invalid_argument("zinf_nccl_comm_group_create: null device");
+    if (device == nullptr)
+      return Status::invalid_argument("zinf_nccl_comm_group_create: null device");
     return zinf::make_nccl_comm(nccl_comm, *device->device, false).status();
   });
 }

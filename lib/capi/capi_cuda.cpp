@@ -11,8 +11,7 @@
 using zinf::Status;
 using zinf::capi::guard;
 
-zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes,
-                                    zinf_device_t** out) {
+zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes, zinf_device_t** out) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
     if (out == nullptr) return Status::invalid_argument(fmt::format("{}: out is null", fn));
@@ -28,9 +27,8 @@ zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes,
 }
 
 #if defined(ZINF_HAVE_NCCL)
-zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm,
-                                        int take_ownership, int64_t init_timeout_ms,
-                                        zinf_comm_group_t** out) {
+zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int take_ownership,
+                                        int64_t init_timeout_ms, zinf_comm_group_t** out) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
     if (device == nullptr || out == nullptr) {
@@ -43,10 +41,9 @@ zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm,
     zinf::NcclCommOptions options;
     if (init_timeout_ms > 0) options.init_timeout = std::chrono::milliseconds(init_timeout_ms);
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Communicator> comm,
-                          nccl_comm == nullptr
-                              ? zinf::make_nccl_comm(*device->device, options)
-                              : zinf::make_nccl_comm(nccl_comm, *device->device,
-                                                     take_ownership != 0));
+                          nccl_comm == nullptr ? zinf::make_nccl_comm(*device->device, options)
+                                               : zinf::make_nccl_comm(nccl_comm, *device->device,
+                                                                      take_ownership != 0));
     return zinf::capi::make_process_group(device, std::move(comm), out);
   });
 }
