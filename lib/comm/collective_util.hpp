@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,15 +23,16 @@ std::string describe_collective(const Collective& op, std::uint64_t sequence);
 
 // Checks a collective's arguments as every backend must: an element count that overflows, a
 // broadcast root outside [0, world_size), null buffers, or send and recv ranges that overlap
-// other than in NCCL's in-place forms are kInvalidArgument naming `label` and `comm_name`.
-Status validate_collective(const Collective& op, int rank, int world_size,
-                           std::string_view comm_name, std::string_view label);
+// other than in NCCL's in-place forms are kInvalidArgument naming the collective (as
+// describe_collective(op, sequence) does) and `comm_name`. Allocates only to report an error.
+Status validate_collective(const Collective& op, std::uint64_t sequence, int rank, int world_size,
+                           std::string_view comm_name);
 
 // dst[dst_first + i] = op over r in rank order of srcs[r][src_first + i], for i in [0, count),
 // accumulated in f32 and rounded once (kAverage divides the f32 sum by srcs.size()). NaN wins for
 // kMax and kMin. Each tile is read in full before it is written, so dst may be one of the sources.
 // REQUIRES: !srcs.empty().
-void reduce_range(const std::vector<const std::byte*>& srcs, std::size_t src_first, std::byte* dst,
+void reduce_range(std::span<const std::byte* const> srcs, std::size_t src_first, std::byte* dst,
                   std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op);
 
 }  // namespace zinf

@@ -732,7 +732,7 @@ Status MpiComm::issue(const Collective& op, Stream& stream) {
     return Status::aborted(
         fmt::format("{} on {}: the communicator was aborted: {}", label, name_, error.to_string()));
   }
-  Status valid = validate_collective(op, rank_, world_size_, name_, label);
+  Status valid = validate_collective(op, sequence, rank_, world_size_, name_);
   if (!valid.is_ok()) {
     fail(valid, /*tell_peers=*/true);
     return valid;
