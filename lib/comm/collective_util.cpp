@@ -44,6 +44,15 @@ void store_f32(const float* in, DType dtype, std::size_t first, std::size_t coun
 
 }  // namespace
 
+Status GroupDepth::end(std::string_view comm_name) {
+  if (depth_ == 0) {
+    return Status::failed_precondition(
+        fmt::format("{}: group_end() without a matching group_start()", comm_name));
+  }
+  --depth_;
+  return Status::ok();
+}
+
 std::string describe_collective(const Collective& op, std::uint64_t sequence) {
   if (op.name.empty()) return fmt::format("{} #{}", collective_kind_name(op.kind), sequence);
   return fmt::format("{} #{} '{}'", collective_kind_name(op.kind), sequence, op.name);

@@ -1,8 +1,8 @@
-// What the host-memory Communicators (LocalComm, MpiComm) share: the argument checks, and the
+// What the host-memory Communicators (LocalComm, MpiComm) share: the argument checks, the
 // reduction, so that both give the same bits: f32 accumulators in rank order
-// (((x0 + x1) + x2) ...), rounded once to the dtype.
+// (((x0 + x1) + x2) ...), rounded once to the dtype; and the group_start/end bookkeeping.
 //
-// Thread-safety: pure functions of their arguments.
+// Thread-safety: the functions are pure functions of their arguments; GroupDepth is a value.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +16,22 @@
 #include "zinf/dtype.hpp"
 
 namespace zinf {
+
+// group_start() / group_end() of the communicators whose grouping is only checked (LocalComm,
+// MpiComm: their collectives are matched by issue order, grouped or not): groups nest, and an
+// end without a start is kFailedPrecondition naming the communicator.
+// Thread-safety: none; the communicator calls it under its issue lock.
+class GroupDepth {
+ public:
+  Status start() {
+    ++depth_;
+    return Status::ok();
+  }
+  Status end(std::string_view comm_name);
+
+ private:
+  int depth_ = 0;
+};
 
 // "all_gather #12 'layers.3'": the collective's kind, its sequence number on the communicator and
 // its name, for errors.

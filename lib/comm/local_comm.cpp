@@ -391,18 +391,12 @@ Status LocalComm::issue(const Collective& op, Stream& stream) {
 
 Status LocalComm::group_start() {
   std::lock_guard<std::mutex> lock(issue_mu_);
-  ++group_depth_;
-  return Status::ok();
+  return group_depth_.start();
 }
 
 Status LocalComm::group_end() {
   std::lock_guard<std::mutex> lock(issue_mu_);
-  if (group_depth_ == 0) {
-    return Status::failed_precondition(
-        fmt::format("{}: group_end() without a matching group_start()", name_));
-  }
-  --group_depth_;
-  return Status::ok();
+  return group_depth_.end(name_);
 }
 
 Status LocalComm::barrier(std::chrono::milliseconds timeout) {

@@ -35,6 +35,7 @@
 #include <string_view>
 #include <vector>
 
+#include "comm/collective_util.hpp"
 #include "device/host_device.hpp"
 #include "zinf/comm.hpp"
 
@@ -148,7 +149,7 @@ class LocalComm final : public Communicator {
   std::string name_;
   std::mutex issue_mu_;
   std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_
-  int group_depth_ = 0;              // guarded by issue_mu_
+  GroupDepth group_depth_;           // guarded by issue_mu_
 };
 
 }  // namespace zinf

@@ -216,17 +216,11 @@ class MpiComm final : public Communicator {
   Status issue(const Collective& op, Stream& stream) override;
   Status group_start() override {
     std::lock_guard<std::mutex> lock(issue_mu_);
-    ++group_depth_;
-    return Status::ok();
+    return group_depth_.start();
   }
   Status group_end() override {
     std::lock_guard<std::mutex> lock(issue_mu_);
-    if (group_depth_ == 0) {
-      return Status::failed_precondition(
-          fmt::format("{}: group_end() without a matching group_start()", name_));
-    }
-    --group_depth_;
-    return Status::ok();
+    return group_depth_.end(name_);
   }
   Status barrier(std::chrono::milliseconds timeout) override;
   Status wait(Event& event, std::chrono::milliseconds timeout) override;
@@ -277,7 +271,7 @@ class MpiComm final : public Communicator {
 
   std::mutex issue_mu_;
   std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_
-  int group_depth_ = 0;              // guarded by issue_mu_
+  GroupDepth group_depth_;           // guarded by issue_mu_
   std::uint64_t barrier_generation_ = 0;
 
   mutable std::mutex mu_;
