@@ -266,7 +266,7 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
         // leased once at a time, so its record is free whenever the block is.
         ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
         ShardRead& read = reads_[lease.index()];
-        ZINF_ASSERT(!read.lease.valid());
+        ZINF_ASSERT(!read.lease.valid() && !read.abandoned);
         ZINF_ASSIGN_OR_RETURN(read.ticket, swap_->read(extent_[g], lease.data()));
         read.swap = swap_;
         read.timeout = options_.timeout;
@@ -274,8 +274,8 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
         Status st = device_.launch_host_func(*stream_, &wait_shard_read, &read);
         if (!st.is_ok()) {
           // Nothing on the stream holds the block: wait for the read here, then return it.
-          (void)swap_->wait(read.ticket, options_.timeout);
-          read.lease.release();
+          (void)redeem_shard_read(read);
+          if (!read.abandoned) read.lease.release();
           return st;
         }
         ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, read.lease.data(), shard_bytes, *stream_));
@@ -299,15 +299,27 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
   return Status::ok();
 }
 
+Status ParamCoordinator::redeem_shard_read(ShardRead& read) {
+  Status st = read.swap->wait(read.ticket, read.timeout);
+  if (st.code() != Code::kTimeout) return st;
+  // Past the timeout the read is cancelled and waited for once more; one the cancel does not
+  // end either is given up, and its block, which the device may still write, never goes back.
+  read.swap->cancel(read.ticket);
+  if (read.swap->wait(read.ticket, read.timeout).code() != Code::kTimeout) return st;
+  read.swap->abandon(read.ticket);
+  read.abandoned = true;
+  return Status::timeout(fmt::format("{}; a cancel did not end it either", st.message()));
+}
+
 Status ParamCoordinator::wait_shard_read(void* user, const Status& upstream) {
-  auto* read = static_cast<ShardRead*>(user);
   // Waited for even after an upstream failure, so that the block is quiet when it is returned.
-  Status st = read->swap->wait(read->ticket, read->timeout);
+  Status st = redeem_shard_read(*static_cast<ShardRead*>(user));
   return upstream.is_ok() ? st : upstream;
 }
 
 Status ParamCoordinator::release_shard_block(void* user, const Status& /*upstream*/) {
-  static_cast<ShardRead*>(user)->lease.release();
+  auto* read = static_cast<ShardRead*>(user);
+  if (!read->abandoned) read->lease.release();
   return Status::ok();
 }
 

@@ -165,6 +165,7 @@ class ParamCoordinator {
     SwapTicket ticket;
     PinnedPool::Lease lease;
     std::chrono::milliseconds timeout{0};
+    bool abandoned = false;  // the read outlived a cancel: the block is kept out of the pool
   };
   ParamCoordinator(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
                    const ParamCoordinatorOptions& options, SwapSpace* swap, ZeroCounters* counters);
@@ -181,7 +182,9 @@ class ParamCoordinator {
   // A trace instant named `what` + `module_name`.
   void instant(const char* what, const std::string& module_name);
   // Host functions on the stream around an NVMe shard's copy up: wait for the read into the
-  // staging block, then return the block. `user` is the block's ShardRead.
+  // staging block, then return the block. `user` is the block's ShardRead. Both run also after
+  // earlier work on the stream failed, so a block goes back only once its read is over.
+  static Status redeem_shard_read(ShardRead& read);
   static Status wait_shard_read(void* user, const Status& upstream);
   static Status release_shard_block(void* user, const Status& upstream);
 
