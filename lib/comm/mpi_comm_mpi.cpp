@@ -4,8 +4,6 @@
 // nonblocking sends and receives, polling them against the collective's deadline, naming the
 // ranks that did not answer), and splitting the collectives from that engine would put the
 // deadline and error rules in two files.
-#include "comm/mpi_comm.hpp"
-
 #include <fmt/format.h>
 #include <mpi.h>
 
@@ -24,6 +22,7 @@
 
 #include "base/assert.hpp"
 #include "comm/collective_util.hpp"
+#include "comm/mpi_comm.hpp"
 #include "device/host_device.hpp"
 
 namespace zinf {
@@ -82,9 +81,9 @@ Status ensure_mpi(std::string_view who) {
   MPI_Initialized(&initialized);
   int provided = MPI_THREAD_SINGLE;
   if (initialized == 0) {
-    ZINF_RETURN_IF_ERROR(status_from_mpi(
-        fmt::format("{}: MPI_Init_thread", who),
-        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided)));
+    ZINF_RETURN_IF_ERROR(
+        status_from_mpi(fmt::format("{}: MPI_Init_thread", who),
+                        MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided)));
     std::atexit(&finalize_at_exit);
   } else {
     MPI_Query_thread(&provided);
@@ -187,7 +186,8 @@ class MpiComm final : public Communicator {
   ~MpiComm() override { close(); }
 
   Status open(MPI_Comm parent) {
-    ZINF_RETURN_IF_ERROR(status_from_mpi("make_mpi_comm: MPI_Comm_rank", MPI_Comm_rank(parent, &rank_)));
+    ZINF_RETURN_IF_ERROR(
+        status_from_mpi("make_mpi_comm: MPI_Comm_rank", MPI_Comm_rank(parent, &rank_)));
     ZINF_RETURN_IF_ERROR(
         status_from_mpi("make_mpi_comm: MPI_Comm_size", MPI_Comm_size(parent, &world_size_)));
     name_ = fmt::format("mpi rank {} of {}", rank_, world_size_);
@@ -276,8 +276,8 @@ class MpiComm final : public Communicator {
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
-  Status error_;                                // sticky
-  bool notify_peers_ = false;                   // the progress thread owes the abort notices
+  Status error_;               // sticky
+  bool notify_peers_ = false;  // the progress thread owes the abort notices
   bool stop_ = false;
   std::deque<std::shared_ptr<Task>> submitted_;  // waiting for the progress thread
   std::thread progress_;
@@ -291,10 +291,9 @@ class MpiComm final : public Communicator {
 };
 
 Status MpiComm::post_notice_receive() {
-  return status_from_mpi(
-      fmt::format("{}: posting the abort-notice receive", name_),
-      MPI_Irecv(notice_in_.data(), static_cast<int>(notice_in_.size()), MPI_BYTE, MPI_ANY_SOURCE,
-                kNoticeTag, control_comm_, &notice_request_));
+  return status_from_mpi(fmt::format("{}: posting the abort-notice receive", name_),
+                         MPI_Irecv(notice_in_.data(), static_cast<int>(notice_in_.size()), MPI_BYTE,
+                                   MPI_ANY_SOURCE, kNoticeTag, control_comm_, &notice_request_));
 }
 
 void MpiComm::fail(Status reason, bool tell_peers) {
@@ -324,10 +323,10 @@ Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer
     auto* at = static_cast<std::byte*>(data) + offset;
     message.data = at;
     if (!receive) {
-      ZINF_RETURN_IF_ERROR(status_from_mpi(
-          fmt::format("{} on {}: MPI_Isend to rank {}", task.label, name_, peer),
-          MPI_Isend(at, static_cast<int>(piece), MPI_BYTE, peer, tag_of(task), comm_of(task),
-                    &message.request)));
+      ZINF_RETURN_IF_ERROR(
+          status_from_mpi(fmt::format("{} on {}: MPI_Isend to rank {}", task.label, name_, peer),
+                          MPI_Isend(at, static_cast<int>(piece), MPI_BYTE, peer, tag_of(task),
+                                    comm_of(task), &message.request)));
     }
     task.messages.push_back(message);
     ++task.open_count;
@@ -337,9 +336,8 @@ Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer
 }
 
 Status MpiComm::post(Task& task) {
-  task.deadline = task.timeout >= std::chrono::hours(24)
-                      ? Clock::time_point::max()
-                      : Clock::now() + task.timeout;
+  task.deadline = task.timeout >= std::chrono::hours(24) ? Clock::time_point::max()
+                                                         : Clock::now() + task.timeout;
   if (task.kind == TaskKind::kBarrier) {
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer == rank_) continue;
@@ -358,7 +356,8 @@ Status MpiComm::post(Task& task) {
     const auto upeer = static_cast<std::size_t>(peer);
     switch (op.kind) {
       case CollectiveKind::kAllGather:
-        ZINF_RETURN_IF_ERROR(post_message(task, recv + upeer * chunk_bytes, chunk_bytes, peer, true));
+        ZINF_RETURN_IF_ERROR(
+            post_message(task, recv + upeer * chunk_bytes, chunk_bytes, peer, true));
         break;
       case CollectiveKind::kReduceScatter:
       case CollectiveKind::kAllReduce:
@@ -366,7 +365,8 @@ Status MpiComm::post(Task& task) {
             post_message(task, task.pieces.data() + upeer * chunk_bytes, chunk_bytes, peer, true));
         break;
       case CollectiveKind::kBroadcast:
-        if (peer == op.root) ZINF_RETURN_IF_ERROR(post_message(task, recv, chunk_bytes, peer, true));
+        if (peer == op.root)
+          ZINF_RETURN_IF_ERROR(post_message(task, recv, chunk_bytes, peer, true));
         break;
     }
   }
@@ -379,13 +379,15 @@ Status MpiComm::post(Task& task) {
         ZINF_RETURN_IF_ERROR(post_message(task, send, chunk_bytes, peer, false));
         break;
       case CollectiveKind::kReduceScatter:
-        ZINF_RETURN_IF_ERROR(post_message(task, send + upeer * chunk_bytes, chunk_bytes, peer, false));
+        ZINF_RETURN_IF_ERROR(
+            post_message(task, send + upeer * chunk_bytes, chunk_bytes, peer, false));
         break;
       case CollectiveKind::kAllReduce:
         ZINF_RETURN_IF_ERROR(post_message(task, send, chunk_bytes, peer, false));
         break;
       case CollectiveKind::kBroadcast:
-        if (rank_ == op.root) ZINF_RETURN_IF_ERROR(post_message(task, send, chunk_bytes, peer, false));
+        if (rank_ == op.root)
+          ZINF_RETURN_IF_ERROR(post_message(task, send, chunk_bytes, peer, false));
         break;
     }
   }
@@ -460,10 +462,9 @@ bool MpiComm::poll(Task& task, Status* failure) {
       message.done = true;
       --task.open_count;
       if (err == MPI_ERR_IN_STATUS && st.MPI_ERROR != MPI_SUCCESS) {
-        *failure = status_from_mpi(
-            fmt::format("{} on {}: message {} rank {}", task.label, name_,
-                        message.receive ? "from" : "to", message.peer),
-            st.MPI_ERROR);
+        *failure = status_from_mpi(fmt::format("{} on {}: message {} rank {}", task.label, name_,
+                                               message.receive ? "from" : "to", message.peer),
+                                   st.MPI_ERROR);
         return false;
       }
     }
@@ -474,11 +475,12 @@ bool MpiComm::poll(Task& task, Status* failure) {
     for (const Task::Message& message : task.messages) {
       if (message.done) continue;
       std::vector<int>& list = message.receive ? silent : not_taking;
-      if (std::find(list.begin(), list.end(), message.peer) == list.end()) list.push_back(message.peer);
+      if (std::find(list.begin(), list.end(), message.peer) == list.end())
+        list.push_back(message.peer);
     }
     std::string what = silent.empty() ? fmt::format("rank(s) {} did not take this rank's data",
                                                     rank_list(not_taking))
-                                       : fmt::format("no data from rank(s) {}", rank_list(silent));
+                                      : fmt::format("no data from rank(s) {}", rank_list(silent));
     *failure = Status::timeout(fmt::format(
         "{} on {}: {} within {} ms (a rank that died, stalled, or issued a different collective)",
         task.label, name_, what, task.timeout.count()));
@@ -502,8 +504,7 @@ void MpiComm::check_notice() {
     text.assign(reinterpret_cast<const char*>(notice_in_.data()) + 1,
                 static_cast<std::size_t>(received - 1));
   }
-  fail(Status(code, 0,
-              fmt::format("{}: rank {} failed: {}", name_, st.MPI_SOURCE, text)),
+  fail(Status(code, 0, fmt::format("{}: rank {} failed: {}", name_, st.MPI_SOURCE, text)),
        /*tell_peers=*/false);
 }
 
@@ -639,8 +640,8 @@ void MpiComm::close() {
   pending.push_back(notice_request_);
   int flag = 0;
   while (flag == 0 && Clock::now() < give_up) {
-    if (MPI_Testall(static_cast<int>(pending.size()), pending.data(), &flag,
-                    MPI_STATUSES_IGNORE) != MPI_SUCCESS) {
+    if (MPI_Testall(static_cast<int>(pending.size()), pending.data(), &flag, MPI_STATUSES_IGNORE) !=
+        MPI_SUCCESS) {
       break;
     }
     if (flag == 0) std::this_thread::sleep_for(std::chrono::microseconds(100));
@@ -678,8 +679,8 @@ Status release_stream_task(void* user, const Status&) {
 Status MpiComm::run(const std::shared_ptr<Task>& task, const Status& upstream) {
   if (!upstream.is_ok()) {
     // This rank will not take part: tell the others now rather than let them time out.
-    fail(upstream.with_context(fmt::format("{} on {}: earlier work on the stream failed",
-                                           task->label, name_)),
+    fail(upstream.with_context(
+             fmt::format("{} on {}: earlier work on the stream failed", task->label, name_)),
          /*tell_peers=*/true);
     return Status::ok();
   }
@@ -878,9 +879,9 @@ Result<std::vector<std::byte>> mpi_broadcast_blob(std::span<const std::byte> blo
   // Polls one nonblocking broadcast against the deadline.
   auto broadcast = [&](void* data, int bytes, const char* what) -> Status {
     MPI_Request request = MPI_REQUEST_NULL;
-    ZINF_RETURN_IF_ERROR(status_from_mpi(fmt::format("mpi_broadcast_blob: MPI_Ibcast of {}", what),
-                                         MPI_Ibcast(data, bytes, MPI_BYTE, 0, MPI_COMM_WORLD,
-                                                    &request)));
+    ZINF_RETURN_IF_ERROR(
+        status_from_mpi(fmt::format("mpi_broadcast_blob: MPI_Ibcast of {}", what),
+                        MPI_Ibcast(data, bytes, MPI_BYTE, 0, MPI_COMM_WORLD, &request)));
     Backoff backoff;
     for (;;) {
       int flag = 0;
