@@ -225,6 +225,13 @@ struct EngineCounters {
   std::uint64_t grad_spill_evictions = 0;
 };
 
+// What Engine::verify_swap() read back.
+struct SwapCheckReport {
+  std::uint64_t blocks = 0;          // swap blocks read back, each matching its checksum
+  std::uint64_t bytes = 0;           // their bytes
+  std::uint64_t skipped_blocks = 0;  // never written, or lost by a failed write: nothing to check
+};
+
 class ScopedGather;
 
 class Engine {
@@ -332,6 +339,15 @@ class Engine {
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
   // unknown name.
   Status read_parameters(std::string_view name, float* out);
+
+  // Reads back every block of this rank's swap files that holds data (NVMe optimizer state,
+  // parameter shards, spilled gradients) and checks it against the xxh3 checksum kept in memory
+  // when it was written: kCorruption naming the extent, its offset and the file for the first bad
+  // block, or the I/O error. Not collective, and it works after an operating error (a collective
+  // that timed out when a rank died), so a surviving rank can show its swap files intact before
+  // it exits. Nothing to check (no NVMe, not finalized): an empty report.
+  // REQUIRES: no other call of this engine runs meanwhile (as for every call).
+  Result<SwapCheckReport> verify_swap();
 
   // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
   // before the backward pass (1 unless fp16 is enabled).

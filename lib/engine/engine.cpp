@@ -598,6 +598,12 @@ class Engine::Impl {
     return fail(state_->publish_master());
   }
 
+  Result<SwapCheckReport> verify_swap() {
+    if (swap_ == nullptr) return SwapCheckReport{};
+    ZINF_ASSIGN_OR_RETURN(SwapVerifyReport r, swap_->verify(timeout_));
+    return SwapCheckReport{r.blocks, r.bytes, r.skipped_blocks};
+  }
+
   // --- Read back -------------------------------------------------------------------------------
   Status read_parameters(std::string_view name, float* out) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
@@ -750,6 +756,7 @@ Status Engine::reduce_gradients(std::string_view module, std::span<const Gradien
 Result<StepReport> Engine::step() { return impl_->step(); }
 Status Engine::save_checkpoint(std::string_view dir) { return impl_->save_checkpoint(dir); }
 Status Engine::load_checkpoint(std::string_view dir) { return impl_->load_checkpoint(dir); }
+Result<SwapCheckReport> Engine::verify_swap() { return impl_->verify_swap(); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
 }
