@@ -258,6 +258,48 @@ TEST(ComputeStream, Stage2OrdersByTheStreamQueues) {
   EXPECT_TRUE(run_case({2, OffloadDevice::kNone}, &why)) << why;
 }
 
+// The equivalence tests' loop (engine_test::train_rank) with a compute stream, as the GPU test
+// runs it: reads and uploads on that stream, every gathered value and the masters as the
+// reference's, at stage 3 with bf16 parameters and the state and shards on NVMe.
+TEST(ComputeStream, TheEquivalenceLoopOnAComputeStream) {
+  engine_test::ScratchDir dir("compute_stream_loop");
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNvme, dir.path());
+  const engine_test::Model model = engine_test::make_model(DType::kBF16, 5);
+  engine_test::TrainOptions options;
+  options.steps = 4;
+  const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
+  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(30),
+                                                     /*jitter_max_us=*/100, /*opaque=*/true);
+  std::vector<std::vector<std::vector<float>>> finals(kWorld);
+  std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Env env;
+    env.device = ranks.devices[r].get();
+    env.comm = ranks.comms[r].get();
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, env.device->create_stream("compute"));
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    engine_test::TrainOptions rank_options = options;
+    rank_options.device = env.device;
+    rank_options.compute_stream = compute.get();
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, rank_options, &ref.device_per_step, nullptr));
+    for (const engine_test::ParamDef& d : model.params) {
+      finals[r].emplace_back(d.element_count());
+      ZINF_RETURN_IF_ERROR(engine->read_parameters(d.name, finals[r].back().data()));
+    }
+    return Status::ok();
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    const auto u = static_cast<std::size_t>(r);
+    ASSERT_TRUE(st[u].is_ok()) << "rank " << r << ": " << st[u].to_string();
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      EXPECT_EQ(std::memcmp(finals[u][p].data(), ref.master[p].data(), ref.master[p].size() * 4), 0)
+          << "rank " << r << ": " << model.params[p].name;
+    }
+  }
+}
+
 // Negative controls: without one of the engine's waits the compute stream's slow work loses a
 // race the waits decide, and the run differs from the reference.
 struct SkipWaits {
