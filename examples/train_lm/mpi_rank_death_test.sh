@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # A rank of an MPI job killed with SIGKILL during training: every other rank must exit non-zero
 # by itself within collective_timeout_ms + 10 s, with an error naming the dead rank and the
-# collective it waited in, and no process may be left.
+# collective it waited in, and no process may be left. Each survivor, before it exits, reads its
+# own swap files back (--verify-swap-on-error) and must find every written block matching its
+# checksum: the death corrupted nothing outside the dead rank's directory.
 #
 # Each rank runs under a small shell that records train_lm's exit code and time, so that mpirun
 # sees every rank's shell end normally and does not kill the job itself (its default when a
@@ -41,7 +43,7 @@ chmod +x "$work/rank.sh"
   --mca orte_allowed_exit_without_sync 1 -np "$world" \
   "$work/rank.sh" "$work" "$bin" --params 200k --layers 2 --batch 8 --seq-len 16 --steps 100000 \
   --eval-every 100000 --stage 3 --param-dtype bf16 --offload-optimizer nvme \
-  --collective-timeout-ms "$timeout_ms" --no-progress --step-times --comm mpi \
+  --collective-timeout-ms "$timeout_ms" --no-progress --step-times --comm mpi --verify-swap-on-error \
   --out "$work/out" --nvme-path "$work/nvme" >"$work/mpirun.txt" 2>&1 &
 mpirun_pid=$!
 
@@ -90,6 +92,11 @@ for rank in $(seq 0 $((world - 1))); do
     { echo "rank $rank: no collective named"; status=1; }
   echo "$message" | grep -Eq "rank\(s\) ([0-9]+, )*$victim\b" ||
     { echo "rank $rank: the dead rank $victim is not named"; status=1; }
+  # Its swap files (optimizer state on NVMe, written every step) read back intact.
+  verified=$(grep "train_lm: rank $rank: swap " "$work/stderr.$rank" || true)
+  echo "rank $rank: $verified"
+  echo "$verified" | grep -Eq "swap verified: [1-9][0-9]* blocks" ||
+    { echo "rank $rank: its swap files were not verified"; status=1; }
 done
 # No process of this job is left.
 sleep 0.5

@@ -242,6 +242,9 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_flag("--quiet", o->quiet, "print the summary only");
   app.add_flag("--step-times", o->step_times,
                "a line per step saying where its time went (automatic for steps over 2 s)");
+  app.add_flag("--verify-swap-on-error", o->verify_swap_on_error,
+               "when training fails, each rank checks its swap files against their checksums "
+               "before it exits");
 
   try {
     app.parse(argc, argv);

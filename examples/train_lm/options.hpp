@@ -76,6 +76,9 @@ struct Options {
   bool quiet = false;                  // --quiet: only the summary
   bool step_times = false;             // --step-times: a line per step with its time split
                                        // (automatic for steps over 2 s)
+  // --verify-swap-on-error: a rank whose training fails reads its swap files back and checks
+  // them against their checksums (Engine::verify_swap) before it exits, and says so.
+  bool verify_swap_on_error = false;
 };
 
 // Parses argv. On success returns 0 and fills `options`; for --help prints the usage and

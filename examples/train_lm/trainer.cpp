@@ -714,6 +714,21 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   };
   auto fail_out = [&]() {
     if (comm != nullptr) comm->abort(zinf::Status::aborted("another rank failed"));
+    if (engine != nullptr && o.verify_swap_on_error) {
+      // Whatever failed (a dead rank's collective), this rank's swap files must be intact.
+      zinf::Result<zinf::SwapCheckReport> swap = engine->verify_swap();
+      if (swap.is_ok()) {
+        std::fprintf(stderr,
+                     "train_lm: rank %d: swap verified: %llu blocks (%llu bytes) match their "
+                     "checksums, %llu skipped\n",
+                     rank, static_cast<unsigned long long>(swap->blocks),
+                     static_cast<unsigned long long>(swap->bytes),
+                     static_cast<unsigned long long>(swap->skipped_blocks));
+      } else {
+        std::fprintf(stderr, "train_lm: rank %d: swap verification failed: %s\n", rank,
+                     swap.status().to_string().c_str());
+      }
+    }
     shared.sync.arrive_and_drop();
   };
 

@@ -291,4 +291,14 @@ inline Result<std::unique_ptr<Device>> make_cuda_device(int ordinal,
   return make_cuda_device(options);
 }
 
+// A Stream for a CUDA stream the caller owns (a cudaStream_t such as a framework's current
+// stream; nullptr is CUDA's legacy default stream) on CudaDevice `device`, so that it can be the
+// engine's compute stream (Engine::set_compute_stream) or take part in the device's event
+// waits. It borrows the handle: destroying the Stream neither synchronises nor destroys the
+// cudaStream_t, which must outlive it. kUnsupported naming ZINF_WITH_CUDA when zinf was built
+// without CUDA; kInvalidArgument when `device` is not a CudaDevice.
+// REQUIRES: `cuda_stream` belongs to the device's GPU.
+Result<std::unique_ptr<Stream>> wrap_cuda_stream(Device& device, void* cuda_stream,
+                                                 std::string_view name = "caller");
+
 }  // namespace zinf

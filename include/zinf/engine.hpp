@@ -225,6 +225,13 @@ struct EngineCounters {
   std::uint64_t grad_spill_evictions = 0;
 };
 
+// What Engine::verify_swap() read back.
+struct SwapCheckReport {
+  std::uint64_t blocks = 0;          // swap blocks read back, each matching its checksum
+  std::uint64_t bytes = 0;           // their bytes
+  std::uint64_t skipped_blocks = 0;  // never written, or lost by a failed write: nothing to check
+};
+
 class ScopedGather;
 
 class Engine {
@@ -251,7 +258,8 @@ class Engine {
   Status finalize();
   bool finalized() const;
 
-  // Makes `module`'s parameters available on the device; on return they are ready to read.
+  // Makes `module`'s parameters available on the device; on return they are ready to read (with
+  // a compute stream: ready for the work queued on it after the call, see set_compute_stream).
   // kNotFound for an unknown module (nothing changes); kFailedPrecondition when it is gathered
   // already; kResourceExhausted when it does not fit stage3_max_live_parameters beside the
   // modules still gathered. A no-op (beyond checks) at stages 1 and 2.
@@ -260,10 +268,34 @@ class Engine {
   // kFailedPrecondition when its module is not gathered.
   Result<TensorView> parameter(std::string_view name) const;
   // Frees the module's gathered parameters (stage 3; persistent ones stay). kNotFound for an
-  // unknown module, kFailedPrecondition when it is not gathered. On a device that is not
-  // host-accessible the caller's work reading them must have finished (its stream synchronised):
-  // the next gather may write into the freed buffers on the engine's stream.
+  // unknown module, kFailedPrecondition when it is not gathered. Without a compute stream
+  // (set_compute_stream), on a device that is not host-accessible the caller's work reading them
+  // must have finished (its stream synchronised): the next gather may write into the freed
+  // buffers on the engine's stream. With one, the engine orders that for the caller.
   Status release(std::string_view module);
+
+  // The stream the caller computes on (null, the default: none), a stream of Env::device; on a
+  // GPU one from wrap_cuda_stream() (a caller's cudaStream_t) or Device::create_stream(). With
+  // it, the engine orders itself with the caller's work by events, not host waits:
+  //   gather(m)             returns once m's all-gather is issued; the compute stream waits for
+  //                         it, so work queued there after the call reads the gathered values;
+  //   release(m)            the engine's stream waits for the work queued on the compute stream
+  //                         so far before a later gather overwrites m's buffers (a buffer freed
+  //                         rather than kept for reuse waits for it on the host);
+  //   reduce_gradients(m)   reads the gradients after the work queued on the compute stream so
+  //                         far (which may still be writing them), and returns without waiting
+  //                         for the read: the compute stream waits for it, so work queued there
+  //                         after the call may overwrite them. On a host-accessible device
+  //                         (HostDevice), where host code reads them, it waits on the host for
+  //                         that work first. Bucket reuse may still block the host on earlier
+  //                         reduce-scatters, which may wait for the compute stream.
+  //   step(), load_checkpoint()  wait on the host for the work queued on it so far first.
+  // Errors of the engine's streams reach the compute stream through the waits (a HostDevice
+  // stream that waits on a failed event fails too) and the engine's next host wait.
+  // REQUIRES: no module gathered (else kFailedPrecondition naming it). Changing or clearing it,
+  // and destroying the engine, wait on the host for the work queued on the old stream, which
+  // must outlive the engine or be cleared first.
+  Status set_compute_stream(Stream* stream);
   // gather(module), and a guard that release()s it when it goes out of scope, with typed views
   // of its parameters. The same errors as gather().
   Result<ScopedGather> scoped_gather(std::string_view module);
@@ -273,8 +305,10 @@ class Engine {
   // Validates everything first: kNotFound for an unknown module or a parameter not in it,
   // kInvalidArgument for a missing or repeated parameter, a wrong element count or a null
   // pointer (each names the parameter). Returns once the gradients have been read (copied into
-  // the reduce buckets), so their memory may be reused at once; the last buckets' reduce-scatters
-  // go on behind the caller's next work (an error there is returned by a later call).
+  // the reduce buckets), so their memory may be reused at once (with a compute stream on a device
+  // that is not host-accessible: by work queued on that stream after the call, see
+  // set_compute_stream); the last buckets' reduce-scatters go on behind the caller's next work
+  // (an error there is returned by a later call).
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients);
 
   // Applies the optimizer to the gradients reduced since the last step (see the file comment).
@@ -305,6 +339,15 @@ class Engine {
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
   // unknown name.
   Status read_parameters(std::string_view name, float* out);
+
+  // Reads back every block of this rank's swap files that holds data (NVMe optimizer state,
+  // parameter shards, spilled gradients) and checks it against the xxh3 checksum kept in memory
+  // when it was written: kCorruption naming the extent, its offset and the file for the first bad
+  // block, or the I/O error. Not collective, and it works after an operating error (a collective
+  // that timed out when a rank died), so a surviving rank can show its swap files intact before
+  // it exits. Nothing to check (no NVMe, not finalized): an empty report.
+  // REQUIRES: no other call of this engine runs meanwhile (as for every call).
+  Result<SwapCheckReport> verify_swap();
 
   // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
   // before the backward pass (1 unless fp16 is enabled).

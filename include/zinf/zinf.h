@@ -324,6 +324,17 @@ ZINF_C_API zinf_code_t zinf_engine_gather(zinf_engine_t* engine, const char* mod
 /* Frees the module's gathered parameters. ZINF_NOT_FOUND for an unknown module,
  * ZINF_FAILED_PRECONDITION when it is not gathered. */
 ZINF_C_API zinf_code_t zinf_engine_release(zinf_engine_t* engine, const char* module);
+/* The caller's compute stream, a cudaStream_t of the engine's CudaDevice (NULL: none, the
+ * default), as Engine::set_compute_stream (include/zinf/engine.hpp): the engine then orders
+ * itself with the work queued on it by CUDA events instead of host waits. gather() makes the
+ * stream wait for the module's all-gather; release() and reduce_gradients() make the engine's
+ * streams wait for the work queued on it so far (so the caller need not synchronise it before
+ * them), and the stream waits for reduce_gradients()'s read of the gradients; step() waits on
+ * the host for it. The engine borrows the stream: it must outlive the engine or be cleared (NULL)
+ * first. ZINF_FAILED_PRECONDITION while a module is gathered; ZINF_INVALID_ARGUMENT when the
+ * engine's device is not a CudaDevice; ZINF_UNSUPPORTED (naming ZINF_WITH_CUDA) for a non-NULL
+ * stream when zinf was built without CUDA. */
+ZINF_C_API zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream);
 
 /* The device copy of parameter `name` of a gathered module: *data (a device pointer, valid
  * while the module is gathered: until it is released at stage 3, always at stages 1 and 2),

@@ -60,6 +60,8 @@ struct zinf_trace {
 };
 
 struct zinf_engine {
+  // zinf_engine_set_cuda_stream's stream (a borrowed cudaStream_t); destroyed after the engine.
+  std::unique_ptr<zinf::Stream> compute_stream;
   std::unique_ptr<zinf::Engine> engine;
   zinf_device* device = nullptr;
   zinf_comm_group* group = nullptr;
@@ -152,6 +154,16 @@ Engine* engine_of(zinf_engine_t* engine) noexcept {
   return engine == nullptr ? nullptr : engine->engine.get();
 }
 
+Device* device_of(zinf_engine_t* engine) noexcept {
+  return engine == nullptr ? nullptr : engine->device->device.get();
+}
+
+Status set_compute_stream(zinf_engine_t* engine, std::unique_ptr<Stream> stream) {
+  ZINF_RETURN_IF_ERROR(engine->engine->set_compute_stream(stream.get()));
+  engine->compute_stream = std::move(stream);
+  return Status::ok();
+}
+
 }  // namespace zinf::capi
 
 using zinf::Status;
@@ -241,6 +253,15 @@ zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t, zinf_device_t** out) 
   return guard(__func__, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(out, "zinf_cuda_device_create", "out"));
     return zinf::make_cuda_device(ordinal).status();
+  });
+}
+
+zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    if (cuda_stream == nullptr) return zinf::capi::set_compute_stream(engine, nullptr);
+    return zinf::wrap_cuda_stream(*zinf::capi::device_of(engine), cuda_stream).status();
   });
 }
 #endif

@@ -26,6 +26,19 @@ zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes, zi
   });
 }
 
+zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    if (engine == nullptr) return Status::invalid_argument(fmt::format("{}: engine is null", fn));
+    std::unique_ptr<zinf::Stream> stream;
+    if (cuda_stream != nullptr) {
+      ZINF_ASSIGN_OR_RETURN(stream,
+                            zinf::wrap_cuda_stream(*zinf::capi::device_of(engine), cuda_stream));
+    }
+    return zinf::capi::set_compute_stream(engine, std::move(stream));
+  });
+}
+
 #if defined(ZINF_HAVE_NCCL)
 zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int take_ownership,
                                         int64_t init_timeout_ms, zinf_comm_group_t** out) {

@@ -5,19 +5,17 @@
 // Thread-safety: the last error is thread-local; guard() may run on any thread.
 #pragma once
 
+#include <atomic>
 #include <exception>
+#include <memory>
 #include <new>
 #include <utility>
-
-#include "zinf/status.hpp"
-#include "zinf/zinf.h"
-
-#include <atomic>
-#include <memory>
 #include <vector>
 
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
+#include "zinf/status.hpp"
+#include "zinf/zinf.h"
 
 namespace zinf {
 class Engine;
@@ -49,7 +47,6 @@ struct zinf_comm_group {
   std::atomic<int> users{0};
 };
 
-
 namespace zinf::capi {
 
 // Stores `status` as this thread's last error and returns its code. Never throws: when the
@@ -61,6 +58,10 @@ zinf_code_t record_exception(const char* where, std::exception_ptr error) noexce
 
 // The Engine a C handle wraps (for tests that time the same engine through both APIs).
 Engine* engine_of(zinf_engine_t* engine) noexcept;
+// The engine's device.
+Device* device_of(zinf_engine_t* engine) noexcept;
+// Engine::set_compute_stream(stream), the handle keeping `stream` (null: none) after it.
+Status set_compute_stream(zinf_engine_t* engine, std::unique_ptr<Stream> stream);
 
 // Takes `comm` (this process's one communicator of a job: MPI, NCCL) into a new group in *out.
 Status make_process_group(zinf_device* device, std::unique_ptr<Communicator> comm,

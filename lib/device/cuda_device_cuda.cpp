@@ -11,8 +11,8 @@
 
 #include "base/assert.hpp"
 #include "device/cuda_device.hpp"
-#include "device/device_ops.hpp"
 #include "device/cuda_status.hpp"
+#include "device/device_ops.hpp"
 
 namespace zinf {
 namespace {
@@ -28,8 +28,11 @@ Status cuda_status(cudaError_t err, fmt::format_string<Args...> format, Args&&..
 
 class CudaStream final : public Stream {
  public:
-  CudaStream(std::string name, cudaStream_t handle) : name_(std::move(name)), handle_(handle) {}
+  // `owned`: made by create_stream; else a caller's stream (wrap_cuda_stream), left alone.
+  CudaStream(std::string name, cudaStream_t handle, bool owned = true)
+      : name_(std::move(name)), handle_(handle), owned_(owned) {}
   ~CudaStream() override {
+    if (!owned_) return;
     // The interface promises that destroying a stream waits for its queued work.
     (void)cudaStreamSynchronize(handle_);
     (void)cudaStreamDestroy(handle_);
@@ -50,6 +53,7 @@ class CudaStream final : public Stream {
  private:
   std::string name_;
   cudaStream_t handle_;
+  bool owned_;
   mutable std::mutex mu_;
   Status error_;  // sticky: the first error a host function returned on this stream
 };
@@ -419,6 +423,17 @@ Status make_cuda_device_current(Device& device) {
         fmt::format("make_cuda_device_current: {} is not a CUDA device", device.name()));
   }
   return cuda->make_current();
+}
+
+Result<std::unique_ptr<Stream>> wrap_cuda_stream(Device& device, void* cuda_stream,
+                                                 std::string_view name) {
+  if (dynamic_cast<CudaDevice*>(&device) == nullptr) {
+    return Status::invalid_argument(
+        fmt::format("wrap_cuda_stream('{}'): {} is not a CUDA device (a cudaStream_t needs one)",
+                    name, device.name()));
+  }
+  return std::unique_ptr<Stream>(std::make_unique<CudaStream>(
+      std::string(name), static_cast<cudaStream_t>(cuda_stream), /*owned=*/false));
 }
 
 // lib/device/device_ops_cuda.cpp; null when `device` is not a CudaDevice.

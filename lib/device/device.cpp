@@ -46,6 +46,14 @@ Result<std::unique_ptr<Device>> make_cuda_device(const CudaDeviceOptions& option
                   "-DZINF_WITH_CUDA=ON where nvcc is installed)",
                   options.ordinal));
 }
+
+Result<std::unique_ptr<Stream>> wrap_cuda_stream(Device& /*device*/, void* /*cuda_stream*/,
+                                                 std::string_view name) {
+  return Status::unsupported(
+      fmt::format("wrap_cuda_stream('{}'): zinf was built without CUDA (configure with "
+                  "-DZINF_WITH_CUDA=ON where nvcc is installed)",
+                  name));
+}
 #endif
 
 }  // namespace zinf

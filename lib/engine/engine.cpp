@@ -22,6 +22,7 @@
 #include "base/assert.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
+#include "engine/engine_counters.hpp"
 #include "engine/layout.hpp"
 #include "engine/nvme_dir.hpp"
 #include "engine/optimizer_state.hpp"
@@ -31,6 +32,7 @@
 #include "engine/step.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
+#include "zero/caller_stream.hpp"
 #include "zero/grad_reducer.hpp"
 #include "zero/param_coordinator.hpp"
 #include "zero/zero_counters.hpp"
@@ -58,6 +60,7 @@ class Engine::Impl {
         publisher_(layout_) {}
 
   ~Impl() {
+    if (caller_ != nullptr) (void)caller_->host_wait(timeout_);
     teardown();
     if (stream_ != nullptr) (void)device_.synchronize(*stream_, timeout_);
   }
@@ -210,6 +213,7 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(check_pinned_limit(config_, state_->pinned_bytes(), param_staging_bytes_));
     ZINF_ASSERT(coord_->staging_bytes() == param_staging_bytes_);
     publisher_.set_coordinator(coord_.get());
+    attach_caller();
     sources_.resize(layout_.partitioner().param_count());
     for (const std::string& name : layout_.module_names()) {
       reduce_span_names_.push_back(fmt::format("reduce {}", name));
@@ -288,6 +292,21 @@ class Engine::Impl {
       return fail(st);
     }
     return st;
+  }
+
+  Status set_compute_stream(Stream* stream) {
+    if (finalized_ && coord_->first_in_use() >= 0) {
+      return Status::failed_precondition(
+          fmt::format("set_compute_stream: module '{}' is gathered (release it first)",
+                      layout_.module_names()[static_cast<std::size_t>(coord_->first_in_use())]));
+    }
+    ZINF_RETURN_IF_ERROR(fail(CallerStream::replace(&caller_, device_, stream, timeout_)));
+    attach_caller();
+    return Status::ok();
+  }
+  void attach_caller() {
+    if (coord_ != nullptr) coord_->set_caller_stream(caller_.get());
+    if (reducer_ != nullptr) reducer_->set_caller_stream(caller_.get());
   }
 
   Status release(std::string_view module) {
@@ -380,6 +399,8 @@ class Engine::Impl {
                       layout_.module_names()[static_cast<std::size_t>(in_use)]));
     }
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
+    // The step overwrites parameters the caller's queued work may still read.
+    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     coord_->freeze_order();
     Status st = step_impl(micro, start);
     if (!st.is_ok()) return fail(st);
@@ -573,7 +594,14 @@ class Engine::Impl {
     state_->restored(t_);
     // The device copies / shards from the loaded master, as finalize() places them.
     ZINF_RETURN_IF_ERROR(fail(coord_->drop_prefetched()));
+    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     return fail(state_->publish_master());
+  }
+
+  Result<SwapCheckReport> verify_swap() {
+    if (swap_ == nullptr) return SwapCheckReport{};
+    ZINF_ASSIGN_OR_RETURN(SwapVerifyReport r, swap_->verify(timeout_));
+    return SwapCheckReport{r.blocks, r.bytes, r.skipped_blocks};
   }
 
   // --- Read back -------------------------------------------------------------------------------
@@ -660,6 +688,7 @@ class Engine::Impl {
   std::unique_ptr<SwapSpace> swap_;
   std::uint64_t param_staging_bytes_ = 0;  // the coordinator's staging blocks, known before
   std::unique_ptr<OptimizerState> state_;
+  std::unique_ptr<CallerStream> caller_;  // set_compute_stream(); outlives coord_, reducer_
   std::unique_ptr<GradReducer> reducer_;
   std::unique_ptr<ParamCoordinator> coord_;
   std::unique_ptr<Stream> stream_;
@@ -720,12 +749,14 @@ bool Engine::finalized() const { return impl_->finalized_; }
 Status Engine::gather(std::string_view module) { return impl_->gather(module); }
 Result<TensorView> Engine::parameter(std::string_view name) const { return impl_->parameter(name); }
 Status Engine::release(std::string_view module) { return impl_->release(module); }
+Status Engine::set_compute_stream(Stream* stream) { return impl_->set_compute_stream(stream); }
 Status Engine::reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
   return impl_->reduce_gradients(module, gradients);
 }
 Result<StepReport> Engine::step() { return impl_->step(); }
 Status Engine::save_checkpoint(std::string_view dir) { return impl_->save_checkpoint(dir); }
 Status Engine::load_checkpoint(std::string_view dir) { return impl_->load_checkpoint(dir); }
+Result<SwapCheckReport> Engine::verify_swap() { return impl_->verify_swap(); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
 }
@@ -755,29 +786,9 @@ std::vector<std::string> Engine::recorded_order() const {
   return out;
 }
 const EngineCounters& Engine::counters() const {
-  const ZeroCounters& z = impl_->counters_;
-  EngineCounters& c = impl_->counters_out_;
-  c.gathers = z.gathers;
-  c.gathers_issued = z.gathers_issued;
-  c.prefetches_issued = z.prefetches_issued;
-  c.prefetch_hits = z.prefetch_hits;
-  c.prefetches_dropped = z.prefetches_dropped;
-  c.order_misses = z.order_misses;
-  c.live_elements = z.live_elements;
-  c.live_elements_peak = z.live_elements_peak;
-  c.persistent_elements = z.persistent_elements;
-  c.all_gather_bytes = z.all_gather_bytes;
-  c.reduce_scatter_bytes = z.reduce_scatter_bytes;
-  c.buckets_reduced = z.buckets_reduced;
-  c.param_nvme_read_bytes = z.param_nvme_read_bytes;
-  c.param_nvme_write_bytes = z.param_nvme_write_bytes;
-  c.steps = impl_->steps_;
-  c.skipped_steps = impl_->skipped_steps_;
-  c.grad_spill_write_bytes = z.grad_spill_write_bytes;
-  c.grad_spill_read_bytes = z.grad_spill_read_bytes;
-  c.grad_spill_read_backs = z.grad_spill_read_backs;
-  c.grad_spill_evictions = z.grad_spill_evictions;
-  return c;
+  copy_engine_counters(impl_->counters_, impl_->steps_, impl_->skipped_steps_,
+                       impl_->counters_out_);
+  return impl_->counters_out_;
 }
 MemoryReport Engine::memory() const {
   ZINF_ASSERT(impl_->finalized_);

@@ -16,6 +16,7 @@
 #include <mutex>
 #include <unordered_map>
 
+#include "base/aligned.hpp"
 #include "base/assert.hpp"
 #include "zinf/log.hpp"
 
@@ -596,6 +597,33 @@ Status SwapSpace::write_sync(ExtentId id, const void* src, std::chrono::millisec
 Status SwapSpace::read_sync(ExtentId id, void* dst, std::chrono::milliseconds timeout) {
   ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, read(id, dst));
   return finish_sync(ticket, timeout);
+}
+
+Result<SwapVerifyReport> SwapSpace::verify(std::chrono::milliseconds timeout) {
+  SwapVerifyReport report;
+  const std::uint64_t block_bytes = impl_->options.block_bytes;
+  AlignedBuffer buffer(static_cast<std::size_t>(block_bytes));
+  const std::uint32_t count = impl_->extent_count.load(std::memory_order_acquire);
+  for (std::uint32_t i = 0; i < count; ++i) {
+    const ExtentId id{i};
+    const Impl::Extent& e = impl_->extent(id);
+    bool any = false;
+    for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+      if (e.states[b] != kValid) {
+        ++report.skipped_blocks;
+        continue;
+      }
+      const std::uint64_t offset = b * block_bytes;
+      const std::uint64_t bytes = std::min(block_bytes, e.info.bytes - offset);
+      ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, read(id, offset, bytes, buffer.data()));
+      ZINF_RETURN_IF_ERROR(finish_sync(ticket, timeout));
+      ++report.blocks;
+      report.bytes += bytes;
+      any = true;
+    }
+    if (any) ++report.extents;
+  }
+  return report;
 }
 
 const SwapOptions& SwapSpace::options() const { return impl_->options; }

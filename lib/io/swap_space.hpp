@@ -71,6 +71,14 @@ struct ExtentInfo {
   std::uint32_t block_count = 0;
 };
 
+// What SwapSpace::verify() read back.
+struct SwapVerifyReport {
+  std::uint64_t extents = 0;         // extents with at least one block verified
+  std::uint64_t blocks = 0;          // blocks read back, each matching its checksum
+  std::uint64_t bytes = 0;           // their bytes
+  std::uint64_t skipped_blocks = 0;  // never written, being written, or lost: nothing to check
+};
+
 struct SwapTicket {
   std::uint32_t slot = 0;
   std::uint32_t generation = 0;
@@ -140,6 +148,13 @@ class SwapSpace {
                     std::chrono::milliseconds timeout = std::chrono::seconds(60));
   Status read_sync(ExtentId id, void* dst,
                    std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+  // Reads back every block whose last write completed, one block at a time, and checks it
+  // against the checksum kept when it was written: the corruption of wait() for the first bad
+  // block (naming key, extent offset and file), or the I/O error. Blocks never written, lost
+  // or being written are skipped and counted.
+  // REQUIRES: no write is submitted while it runs.
+  Result<SwapVerifyReport> verify(std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
   const SwapOptions& options() const;
   // The swap files, one per directory, in options().dirs order.

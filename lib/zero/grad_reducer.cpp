@@ -241,6 +241,8 @@ Status GradReducer::reduce(std::span<const std::uint32_t> groups,
                            std::span<const GradSource> sources) {
   ZINF_ASSERT(sources.size() == partitioner_.param_count());
   if (ops_ != nullptr) return reduce_on_device(groups, sources);
+  // Host code reads the gradients: the caller's work that writes them must have run.
+  if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(caller_->host_wait(options_.timeout));
   if (!partitioner_.partitions(StateKind::kGradients)) {
     // Stage 1: accumulate locally; the reduce-scatter waits for the step.
     for (std::uint32_t g : groups) {
@@ -322,6 +324,10 @@ Status GradReducer::create_device_side() {
 
 Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
                                      std::span<const GradSource> sources) {
+  // The fill stream reads the gradients after the caller's work that writes them.
+  if (caller_ != nullptr) {
+    ZINF_RETURN_IF_ERROR(caller_->order_after_caller(*fill_stream_, /*before_read=*/true));
+  }
   if (!partitioner_.partitions(StateKind::kGradients)) {
     // Stage 1: add into the full gradients on the device. A parameter's first gradient since
     // zero() overwrites its range, so nothing has to clear the full gradients between steps.
@@ -373,7 +379,9 @@ Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
       }
     }
   }
-  // As on the host path, the call returns once the gradients have been read.
+  // The caller's later work waits for the read; without a caller's stream the call returns once
+  // the gradients have been read, as on the host path.
+  if (caller_ != nullptr) return caller_->order_caller_after(*fill_stream_);
   return device_.synchronize(*fill_stream_, options_.timeout);
 }
 

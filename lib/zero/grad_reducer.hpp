@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "device/device_ops.hpp"
+#include "zero/caller_stream.hpp"
 #include "zero/grad_accumulator.hpp"
 #include "zero/partitioner.hpp"
 #include "zero/zero_counters.hpp"
@@ -112,6 +113,12 @@ class GradReducer {
   Result<int> micro_batches() const;
   // Zeroes the accumulator(s) and the counts.
   void zero();
+  // The caller's compute stream (null: none). With one, reduce() reads the gradients after the
+  // caller's work queued on it so far, and on a device that is not host-accessible returns
+  // without waiting for the read: the caller's stream waits for it instead, so work queued there
+  // after the call may overwrite the gradients. On a host-accessible device the host waits for
+  // the caller's work before reading.
+  void set_caller_stream(CallerStream* caller) { caller_ = caller; }
 
  private:
   GradReducer(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
@@ -169,6 +176,7 @@ class GradReducer {
   std::unique_ptr<Event> filled_[2];
   RegisteredBuffer recv_host_[2];
   std::vector<bool> group_reduced_;  // accumulator_on_device: group reduced since zero()
+  CallerStream* caller_ = nullptr;
 };
 
 }  // namespace zinf

@@ -355,8 +355,16 @@ void ParamCoordinator::free_module(std::size_t m, const char* what) {
       spare_bytes_ += bytes;
       spare_.push_back({bytes, std::move(full_[g])});
     }
+    if (full_[g].data() != nullptr && caller_pending_) {
+      // Freed, not kept: the caller's work on it must have run (set_caller_stream).
+      caller_pending_ = false;
+      if (Status st = caller_->host_wait(options_.timeout); !st.is_ok() && error_.is_ok()) {
+        error_ = st;
+      }
+    }
     full_[g].reset();
   }
+  caller_pending_ = false;
   if (mod.state != State::kIdle) live_elements_ -= mod.elements;
   mod.state = State::kIdle;
   note_live();
@@ -440,6 +448,12 @@ Status ParamCoordinator::gather(std::size_t m) {
     mod.state = State::kInUse;
   }
   prefetch_after(cursor_);
+  if (caller_ != nullptr && !dry_run_) {
+    // Ready on the caller's stream: it waits for the all-gather, the host does not.
+    Status st = caller_->wait_for(*mod.ready);
+    if (!st.is_ok()) error_ = st;
+    return st;
+  }
   return wait_ready(m);
 }
 
@@ -451,6 +465,15 @@ Status ParamCoordinator::release(std::size_t m) {
         fmt::format("release('{}'): the module is not gathered", mod.name));
   }
   if (!frozen_) calls_.push_back({m, /*gather=*/false});
+  if (caller_ != nullptr && !dry_run_ && mod.elements > 0) {
+    // A later gather into these buffers (spares) runs on stream_ after the caller's reads.
+    Status st = caller_->order_after_caller(*stream_, /*before_read=*/false);
+    if (!st.is_ok()) {
+      error_ = st;
+      return st;
+    }
+    caller_pending_ = true;
+  }
   free_module(m, "release ");
   return Status::ok();
 }

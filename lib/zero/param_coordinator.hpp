@@ -59,6 +59,7 @@
 #include "device/device_ops.hpp"
 #include "device/pinned_pool.hpp"
 #include "io/swap_space.hpp"
+#include "zero/caller_stream.hpp"
 #include "zero/partitioner.hpp"
 #include "zero/zero_counters.hpp"
 #include "zinf/comm.hpp"
@@ -132,6 +133,11 @@ class ParamCoordinator {
   const std::vector<std::size_t>& order() const { return order_; }
   // The first module in use, or -1.
   long first_in_use() const;
+  // The caller's compute stream (null: none, gather() waits on the host). With one, gather()
+  // makes it wait for the module's all-gather instead, and release() makes the coordinator's
+  // stream wait for the caller's work queued so far, so a later gather into the same buffer runs
+  // after it; a buffer freed rather than kept as a spare waits for that work on the host.
+  void set_caller_stream(CallerStream* caller) { caller_ = caller; }
 
   // Bytes of parameters kept per tier.
   std::uint64_t device_bytes() const;
@@ -222,6 +228,8 @@ class ParamCoordinator {
   bool frozen_ = false;
   std::size_t live_elements_ = 0;
   std::size_t prefetched_elements_ = 0;
+  CallerStream* caller_ = nullptr;
+  bool caller_pending_ = false;  // release(): the caller's work must end before a buffer is freed
   Status error_;
 };
 

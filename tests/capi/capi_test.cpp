@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "capi/capi_internal.hpp"
-#include "common/scratch_dir.hpp"
 #include "capi_c_part.h"
+#include "common/scratch_dir.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -624,6 +624,24 @@ TEST(CApi, OpenChecksTheWorldSizeKey) {
   OneRank one(R"({"zero_optimization": {"stage": 3}, "zinf": {"world_size": 2}})");
   EXPECT_CODE(one.open(), ZINF_INVALID_ARGUMENT, "zinf.world_size");
   EXPECT_EQ(one.engine_, nullptr);
+}
+
+// A cudaStream_t is a CudaDevice's: on a HostDevice engine it is refused (kUnsupported in a
+// build without CUDA, kInvalidArgument naming the device with it), and NULL clears the stream.
+TEST(CApi, ComputeStreamIsACudaStreamOfTheEnginesDevice) {
+  OneRank one(kStage2);
+  ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+  int fake_stream = 0;
+#if defined(ZINF_HAVE_CUDA)
+  EXPECT_CODE(zinf_engine_set_cuda_stream(one.engine_, &fake_stream), ZINF_INVALID_ARGUMENT,
+              "host:0");
+#else
+  EXPECT_CODE(zinf_engine_set_cuda_stream(one.engine_, &fake_stream), ZINF_UNSUPPORTED,
+              "ZINF_WITH_CUDA");
+#endif
+  EXPECT_EQ(zinf_engine_set_cuda_stream(one.engine_, nullptr), ZINF_OK)
+      << zinf_last_error_message();
+  EXPECT_CODE(zinf_engine_set_cuda_stream(nullptr, nullptr), ZINF_INVALID_ARGUMENT, "engine");
 }
 
 TEST(CApi, HandlesRefuseToGoWhileUsed) {

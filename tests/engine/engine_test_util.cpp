@@ -103,11 +103,16 @@ std::vector<float> widen_view(const TensorView& view) {
 // host-accessible. Reads gathered parameters and writes gradients through it.
 class DeviceAccess {
  public:
-  static Result<DeviceAccess> open(Device* device) {
+  // On `compute` (the engine's compute stream) when given, else on a stream of its own.
+  static Result<DeviceAccess> open(Device* device, Stream* compute = nullptr) {
     DeviceAccess access;
     if (device == nullptr || device->host_accessible()) return access;
     access.device_ = device;
-    ZINF_ASSIGN_OR_RETURN(access.stream_, device->create_stream("test io"));
+    access.stream_ = compute;
+    if (compute == nullptr) {
+      ZINF_ASSIGN_OR_RETURN(access.own_stream_, device->create_stream("test io"));
+      access.stream_ = access.own_stream_.get();
+    }
     return access;
   }
 
@@ -130,12 +135,20 @@ class DeviceAccess {
     uploads_.push_back(std::move(buffer));
     return uploads_.back().data();
   }
-  // Frees what upload() made (after the engine has read it).
-  void clear() { uploads_.clear(); }
+  // Frees what upload() made, once the engine has read it: with a compute stream,
+  // reduce_gradients() returns before the read, which that stream waits for.
+  Status clear() {
+    if (device_ != nullptr && !uploads_.empty()) {
+      ZINF_RETURN_IF_ERROR(device_->synchronize(*stream_, std::chrono::seconds(30)));
+    }
+    uploads_.clear();
+    return Status::ok();
+  }
 
  private:
   Device* device_ = nullptr;
-  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Stream> own_stream_;
+  Stream* stream_ = nullptr;
   std::vector<DeviceBuffer> uploads_;
 };
 
@@ -168,7 +181,11 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
                   std::vector<StepReport>* reports) {
   if (!engine.finalized()) ZINF_RETURN_IF_ERROR(register_model(engine, model));
   const std::size_t count = model.params.size();
-  ZINF_ASSIGN_OR_RETURN(DeviceAccess access, DeviceAccess::open(options.device));
+  ZINF_ASSIGN_OR_RETURN(DeviceAccess access,
+                        DeviceAccess::open(options.device, options.compute_stream));
+  if (options.compute_stream != nullptr) {
+    ZINF_RETURN_IF_ERROR(engine.set_compute_stream(options.compute_stream));
+  }
   for (int step = options.first_step; step <= options.steps; ++step) {
     for (int micro = 0; micro < options.micro_batches; ++micro) {
       std::vector<std::vector<float>> w(count);
@@ -231,13 +248,14 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
           refs.push_back({d.name, data, d.element_count(), d.dtype});
         }
         ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
-        access.clear();  // reduce_gradients() has read them
+        ZINF_RETURN_IF_ERROR(access.clear());
         ZINF_RETURN_IF_ERROR(engine.release(*it));
       }
     }
     ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
     if (reports != nullptr) reports->push_back(report);
   }
+  if (options.compute_stream != nullptr) return engine.set_compute_stream(nullptr);
   return Status::ok();
 }
 

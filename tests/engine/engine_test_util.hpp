@@ -9,10 +9,10 @@
 #include <string>
 #include <vector>
 
+#include "common/scratch_dir.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
-#include "common/scratch_dir.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf::engine_test {
@@ -74,6 +74,10 @@ struct TrainOptions {
   // in device memory, as a training program on a GPU does; else (or null) both are read and
   // written in place.
   Device* device = nullptr;
+  // When set (with a device that is not host-accessible), the engine's compute stream
+  // (Engine::set_compute_stream, cleared at the end), on which the parameters are read and the
+  // gradients uploaded (each synchronised before the host uses the data).
+  Stream* compute_stream = nullptr;
   // run_reference(): step with the device's Adam/AdamW (kernels::adam_step_ref with
   // kernels::adam_step_args, every operation rounded) on the scaled gradients, as the engine's
   // DeviceOptimizer does, instead of the CPU optimizer (optimizer_step, fused multiply-adds).

@@ -78,7 +78,9 @@ Status train_step(Engine& engine, const engine_test::Model& model, const Gradien
   return Status::ok();
 }
 
-void steps_allocate_nothing(DType dtype, int world) {
+// With `compute_stream`, each rank's engine orders itself with a compute stream of its own
+// (Engine::set_compute_stream): the events it records and waits on allocate nothing either.
+void steps_allocate_nothing(DType dtype, int world, bool compute_stream = false) {
   // The counter counts: one allocation while armed is seen.
   g_allocations.store(0);
   g_count_allocations.store(true);
@@ -88,7 +90,7 @@ void steps_allocate_nothing(DType dtype, int world) {
   delete probe;
 
   engine_test::ScratchDir dir("hot-path-" + std::string(dtype_name(dtype)) + "-world" +
-                              std::to_string(world));
+                              std::to_string(world) + (compute_stream ? "-stream" : ""));
   const Config config =
       engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNvme, dir.path());
   const engine_test::Model model = engine_test::make_model(dtype, 31);
@@ -104,7 +106,12 @@ void steps_allocate_nothing(DType dtype, int world) {
     Env env;
     env.device = ranks.devices[r].get();
     env.comm = &comm;
+    std::unique_ptr<Stream> compute;  // outlives the engine
+    if (compute_stream) {
+      ZINF_ASSIGN_OR_RETURN(compute, env.device->create_stream("compute"));
+    }
     ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    ZINF_RETURN_IF_ERROR(engine->set_compute_stream(compute.get()));
     ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
     ZINF_RETURN_IF_ERROR(engine->finalize());
     for (int step = 1; step <= kSteps; ++step) {
@@ -135,10 +142,10 @@ void steps_allocate_nothing(DType dtype, int world) {
   for (int step = 2; step <= kSteps; ++step) {
     const auto s = static_cast<std::size_t>(step);
     std::printf(
-        "%s, world %d, step %d: %llu allocations (gathers, releases, reduce_gradients, "
+        "%s, world %d%s, step %d: %llu allocations (gathers, releases, reduce_gradients, "
         "step; all ranks and threads)\n",
-        std::string(dtype_name(dtype)).c_str(), world, step,
-        static_cast<unsigned long long>(allocations[s]));
+        std::string(dtype_name(dtype)).c_str(), world, compute_stream ? ", compute stream" : "",
+        step, static_cast<unsigned long long>(allocations[s]));
     EXPECT_EQ(allocations[s], 0u) << "step " << step;
   }
 }
@@ -160,6 +167,10 @@ TEST(EngineHotPath, TwoRanksStage3NvmeStateAndNvmeBf16ParametersStepsAllocateNot
 
 TEST(EngineHotPath, TwoRanksStage3NvmeStateAndNvmeF32ParametersStepsAllocateNothingAfterTheFirst) {
   steps_allocate_nothing(DType::kF32, 2);
+}
+
+TEST(EngineHotPath, TwoRanksWithAComputeStreamStepsAllocateNothingAfterTheFirst) {
+  steps_allocate_nothing(DType::kBF16, 2, /*compute_stream=*/true);
 }
 
 }  // namespace

@@ -147,6 +147,47 @@ INSTANTIATE_TEST_SUITE_P(OneGpu, EngineGpu, ::testing::ValuesIn(gpu_cases()),
                            return case_name(info.param);
                          });
 
+// The engine ordered by a compute stream that is a caller's cudaStream_t (wrap_cuda_stream
+// borrows the handle of a stream the test made): the parameters are read on that stream right
+// after gather() returns, which waits for nothing on the host, and the gradients are uploaded
+// on it before reduce_gradients(). Every gathered value and the final masters equal the
+// reference, at stage 2 and at stage 3 with NVMe shards.
+TEST(EngineGpu, ACallersCudaStreamAsTheComputeStream) {
+  ZINF_REQUIRE_CUDA_DEVICE();
+  for (const GpuCase& c : {GpuCase{2, OffloadDevice::kHost, OffloadDevice::kNone},
+                           GpuCase{3, OffloadDevice::kHost, OffloadDevice::kNvme}}) {
+    SCOPED_TRACE(case_name(c));
+    engine_test::ScratchDir dir("gpu-stream-" + case_name(c));
+    const Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
+    const Model model = engine_test::make_model(DType::kF32, 99);
+    TrainOptions options;
+    options.steps = 6;
+    const Reference ref = engine_test::run_reference(config, model, 1, options);
+    Result<OneGpu> gpu = open_one_gpu();
+    ASSERT_TRUE(gpu.is_ok()) << gpu.status().to_string();
+    Result<std::unique_ptr<Stream>> owner = gpu->device->create_stream("caller's");
+    ASSERT_TRUE(owner.is_ok()) << owner.status().to_string();
+    Result<std::unique_ptr<Stream>> compute =
+        wrap_cuda_stream(*gpu->device, (*owner)->native_handle(), "compute");
+    ASSERT_TRUE(compute.is_ok()) << compute.status().to_string();
+    Env env;
+    env.device = gpu->device.get();
+    env.comm = gpu->comm.get();
+    Result<std::unique_ptr<Engine>> engine = Engine::open(config, env);
+    ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+    options.device = gpu->device.get();
+    options.compute_stream = compute->get();
+    const Status trained =
+        engine_test::train_rank(**engine, model, 0, options, &ref.device_per_step, nullptr);
+    ASSERT_TRUE(trained.is_ok()) << trained.to_string();
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      std::vector<float> out(model.params[p].element_count());
+      ASSERT_TRUE((*engine)->read_parameters(model.params[p].name, out.data()).is_ok());
+      EXPECT_LE(engine_test::max_rel_diff(out, ref.master[p]), 1e-6) << model.params[p].name;
+    }
+  }
+}
+
 TEST(EngineGpuRefusals, AnOptimizerTheGpuCannotStepIsRefusedNamingTheKey) {
   ZINF_REQUIRE_CUDA_DEVICE();
   Result<OneGpu> gpu = open_one_gpu();
