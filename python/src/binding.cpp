@@ -152,12 +152,23 @@ class PyEngine {
       }
       spec.initial_values = values->data();
     } else if (!initializer.is_none()) {
-      spec.initializer = [initializer, name](std::size_t first, std::size_t count,
-                                             float* out) -> zinf::Status {
+      // The engine copies and drops the function without the GIL: the callable is held by a
+      // shared_ptr whose deleter takes the GIL, so no copy touches its reference count.
+      std::shared_ptr<nb::object> callable(new nb::object(initializer), [](nb::object* o) {
+        nb::gil_scoped_acquire acquire;
+        delete o;
+      });
+      spec.initializer = [callable, name](std::size_t first, std::size_t count,
+                                          float* out) -> zinf::Status {
         nb::gil_scoped_acquire acquire;
         try {
           const std::size_t shape[1] = {count};
-          initializer(first, FloatArray(out, 1, shape, nb::handle()));
+          // A numpy view of `out` (rv_policy::reference: without it nanobind hands over a copy
+          // of an array that has no owner).
+          nb::object view =
+              nb::cast(nb::ndarray<nb::numpy, float, nb::c_contig>(out, 1, shape, nb::handle()),
+                       nb::rv_policy::reference);
+          (*callable)(first, view);
           return zinf::Status::ok();
         } catch (const std::exception& e) {
           return zinf::Status::invalid_argument("initializer of parameter '" + name +

@@ -43,9 +43,10 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from . import _zinf
+from . import _torch_init, _zinf
+from ._torch_init import Init
 
-__all__ = ["initialize", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
+__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
 
 Error = _zinf.Error
 
@@ -237,6 +238,11 @@ class ZinfEngine(nn.Module):
         groups = self._register(model, model_parameters, defaults)
         with self._aborting_on_error("finalize"):
             self._core.finalize()
+        for param in self._params.values():
+            stage = _torch_init.staged(param)
+            if stage is not None:
+                stage.done()
+                del param._zinf_staged
         self._place_parameters()
         for buffer_owner in model.modules():
             for key, buffer in buffer_owner._buffers.items():
@@ -287,16 +293,25 @@ class ZinfEngine(nn.Module):
                 self._owned.setdefault(engine_module, []).append(param)
         groups = self._define_groups(model_parameters, defaults)
         group_of = {id(p): g["_zinf_group"] for g in groups for p in g["params"]}
+        self._shapes = {}
         for pid, param in self._params.items():
             param._zinf_engine = weakref.ref(self)
+            stage = _torch_init.staged(param)
+            if stage is not None:
+                # Built under Init: the engine reads this rank's elements from the staging file
+                # during finalize().
+                self._shapes[pid] = stage.shape
+                self._core.register_parameter(self._names[pid], self._owner[pid],
+                                              list(stage.shape), self.dtype_name, None,
+                                              stage.initializer, group=group_of[pid])
+                continue
+            self._shapes[pid] = tuple(param.shape)
             values = param.detach().to(device="cpu", dtype=torch.float32).contiguous()
             self._core.register_parameter(self._names[pid], self._owner[pid],
                                           list(param.shape), self.dtype_name, values,
                                           group=group_of[pid])
         for g in groups:
             del g["_zinf_group"]
-        # Per engine module: how many of its parameters have their gradient this backward.
-        self._shapes = {pid: tuple(p.shape) for pid, p in self._params.items()}
         return groups
 
     def _define_groups(self, model_parameters, defaults: dict) -> list[dict]:
@@ -680,32 +695,50 @@ class ZinfEngine(nn.Module):
 
 
 class GatheredParameters:
-    """deepspeed.zero.GatheredParameters with modifier_rank=None (its default): inside the
-    `with` block the given parameters hold their full values (at stage 3 their engine modules
-    are gathered; at stages 1 and 2 they always do), for reading, for example to export weights.
+    """deepspeed.zero.GatheredParameters: inside the `with` block the given parameters hold
+    their full values, for reading (exporting weights) or, with modifier_rank set, for changing
+    them (a custom initialisation):
 
         with zinf.torch.GatheredParameters(model.lm_head.parameters()):
             weights = model.lm_head.weight.detach().clone()
 
-    Changes made inside the block are not written back to the engine (modifier_rank=None means
-    the same in DeepSpeed); writing back is not supported yet. Parameters not trained by a zinf
-    engine are left as they are."""
+    - Parameters trained by a zinf engine: at stage 3 their engine modules are gathered for the
+      block (at stages 1 and 2 they always are). Changes are not written back to the engine:
+      modifier_rank must be None for them (writing an engine's master is not supported yet).
+    - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
+      values are read into them for the block, and with modifier_rank set (every rank makes the
+      same change, as each builds the same model) written back to the staging file at its end,
+      so initialize() takes the changed values.
+    Other parameters are left as they are."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
-        if modifier_rank is not None:
-            raise NotImplementedError("GatheredParameters: modifier_rank (writing changes back "
-                                      "to the engine) is not supported yet")
         self._params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self._modifier_rank = modifier_rank
         self._enabled = enabled
         self._held: list[tuple[ZinfEngine, str]] = []
+        self._loaded: list[tuple[nn.Parameter, _torch_init.Staged]] = []
 
     def __enter__(self):
         if not self._enabled:
             return self
         for param in self._params:
+            stage = _torch_init.staged(param)
+            if stage is not None:
+                param.data = stage.load().to(stage.dtype)
+                self._loaded.append((param, stage))
+                continue
             ref = getattr(param, "_zinf_engine", None)
             engine = ref() if ref is not None else None
-            if engine is None or engine.stage < 3:
+            if engine is None:
+                continue
+            if self._modifier_rank is not None:
+                self.__exit__(None, None, None)
+                raise NotImplementedError(
+                    f"GatheredParameters(modifier_rank={self._modifier_rank}): parameter "
+                    f"'{engine._names[id(param)]}' is trained by an engine, whose master cannot "
+                    "be written yet; change parameters before initialize() (under Init, or on "
+                    "the model as built)")
+            if engine.stage < 3:
                 continue
             owner = engine._owner[id(param)]
             engine._acquire(owner)
@@ -716,6 +749,11 @@ class GatheredParameters:
         while self._held:
             engine, owner = self._held.pop()
             engine._release(owner)
+        while self._loaded:
+            param, stage = self._loaded.pop()
+            if self._modifier_rank is not None and exc[0] is None:
+                stage.store(param.data)
+            param.data = torch.empty(0, dtype=stage.dtype)
         return False
 
 
