@@ -23,6 +23,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/layout.hpp"
+#include "engine/master_write.hpp"
 #include "engine/nvme_dir.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
@@ -621,6 +622,14 @@ class Engine::Impl {
     return fail(st);
   }
 
+  Status write_parameters(std::string_view name, const float* values, int root) {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    Status pre = checkpoint_precondition(fmt::format("write_parameters('{}')", name));
+    return write_master_values({state_.get(), coord_.get(), &layout_, &device_, &comm_,
+                                stream_.get(), event_.get(), timeout_, rank_, &sticky_},
+                               name, values, root, std::move(pre));
+  }
+
   MemoryReport memory() const {
     MemoryReport m;
     m.device_bytes = coord_->device_bytes();
@@ -726,6 +735,9 @@ Status Engine::save_checkpoint(std::string_view dir) { return impl_->save_checkp
 Status Engine::load_checkpoint(std::string_view dir) { return impl_->load_checkpoint(dir); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
+}
+Status Engine::write_parameters(std::string_view name, const float* values, int root) {
+  return impl_->write_parameters(name, values, root);
 }
 double Engine::loss_scale() const { return impl_->numerics_->scaler().scale(); }
 Status Engine::set_learning_rate(double lr) {

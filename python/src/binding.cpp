@@ -265,6 +265,23 @@ class PyEngine {
     check(engine().read_parameters(name, data));
   }
 
+  // Rank `root`'s values replace the fp32 master of `name` on every rank (Engine::
+  // write_parameters; collective). `values` may be None on the other ranks.
+  void write_parameters(const std::string& name, std::optional<FloatArray> values, int root) {
+    const auto it = element_counts_.find(name);
+    if (it == element_counts_.end()) {
+      throw ZinfError(zinf::Status::not_found("write_parameters: no parameter '" + name + "'"));
+    }
+    if (values.has_value() && values->size() != it->second) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "write_parameters('" + name + "'): " + std::to_string(values->size()) +
+          " values for a parameter of " + std::to_string(it->second)));
+    }
+    const float* data = values.has_value() ? values->data() : nullptr;
+    nb::gil_scoped_release release;
+    check(engine().write_parameters(name, data, root));
+  }
+
   nb::dict counters() const {
     const zinf::EngineCounters& c = engine().counters();
     nb::dict out;
@@ -382,6 +399,8 @@ NB_MODULE(_zinf, m) {
              check(e.engine().load_checkpoint(dir));
            })
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
+      .def("write_parameters", &PyEngine::write_parameters, nb::arg("name"),
+           nb::arg("values").none(), nb::arg("root") = 0)
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
            [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })

@@ -638,6 +638,13 @@ class ZinfEngine(nn.Module):
         """Bytes of this rank's state on each tier."""
         return self._core.memory()
 
+    def _write_parameter(self, param: nn.Parameter, values: torch.Tensor, root: int):
+        """Rank root's values into the master of param (collective), and the views refreshed."""
+        name = self._names[id(param)]
+        with self._aborting_on_error(f"write_parameters('{name}')"):
+            self._core.write_parameters(name, values, root)
+        self._refresh_views()
+
     def read_parameter(self, name: str) -> torch.Tensor:
         """The fp32 master of a parameter (by its qualified name), as a new tensor."""
         pid = next((pid for pid, n in self._names.items() if n == name), None)
@@ -697,19 +704,25 @@ class ZinfEngine(nn.Module):
 class GatheredParameters:
     """deepspeed.zero.GatheredParameters: inside the `with` block the given parameters hold
     their full values, for reading (exporting weights) or, with modifier_rank set, for changing
-    them (a custom initialisation):
+    them (a custom initialisation, loading weights):
 
         with zinf.torch.GatheredParameters(model.lm_head.parameters()):
             weights = model.lm_head.weight.detach().clone()
+        with zinf.torch.GatheredParameters(model.lm_head.weight, modifier_rank=0):
+            torch.nn.init.zeros_(model.lm_head.weight)
 
     - Parameters trained by a zinf engine: at stage 3 their engine modules are gathered for the
-      block (at stages 1 and 2 they always are). Changes are not written back to the engine:
-      modifier_rank must be None for them (writing an engine's master is not supported yet).
+      block (at stages 1 and 2 they always are). With modifier_rank=r, each parameter changed in
+      the block (in place, or its .data replaced) is written at its end into the engine's fp32
+      master from rank r's values (Engine::write_parameters, which then republishes the
+      parameters); the optimizer moments stay. Use it between steps (not after a backward whose
+      step has not run); every rank must enter the block (the write is collective), and each
+      write is a pass over the rank's master partition.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
-      values are read into them for the block, and with modifier_rank set (every rank makes the
-      same change, as each builds the same model) written back to the staging file at its end,
-      so initialize() takes the changed values.
-    Other parameters are left as they are."""
+      values are read into them for the block and, with modifier_rank set, changes are written
+      back to the staging file, so initialize() takes them.
+    Other parameters are left as they are. Changes made without modifier_rank are not kept
+    (at stage 3 they are lost at release; at stages 1 and 2 the next step overwrites them)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
         self._params = [params] if isinstance(params, torch.Tensor) else list(params)
@@ -717,6 +730,8 @@ class GatheredParameters:
         self._enabled = enabled
         self._held: list[tuple[ZinfEngine, str]] = []
         self._loaded: list[tuple[nn.Parameter, _torch_init.Staged]] = []
+        # Engine parameters and how they looked on entry (version counter, data pointer).
+        self._watched: list[tuple[ZinfEngine, nn.Parameter, int, int]] = []
 
     def __enter__(self):
         if not self._enabled:
@@ -731,24 +746,30 @@ class GatheredParameters:
             engine = ref() if ref is not None else None
             if engine is None:
                 continue
+            if engine.stage == 3:
+                owner = engine._owner[id(param)]
+                engine._acquire(owner)
+                self._held.append((engine, owner))
             if self._modifier_rank is not None:
-                self.__exit__(None, None, None)
-                raise NotImplementedError(
-                    f"GatheredParameters(modifier_rank={self._modifier_rank}): parameter "
-                    f"'{engine._names[id(param)]}' is trained by an engine, whose master cannot "
-                    "be written yet; change parameters before initialize() (under Init, or on "
-                    "the model as built)")
-            if engine.stage < 3:
-                continue
-            owner = engine._owner[id(param)]
-            engine._acquire(owner)
-            self._held.append((engine, owner))
+                self._watched.append((engine, param, param._version, param.data_ptr()))
         return self
 
     def __exit__(self, *exc):
+        # With several ranks every parameter is written (the write is collective, and only the
+        # modifier rank's changes count, so the others cannot tell); with one, those changed.
+        changed = []
+        if exc[0] is None:
+            for engine, param, version, ptr in self._watched:
+                if (engine.world_size > 1 or param._version != version
+                        or param.data_ptr() != ptr):
+                    values = param.detach().to(dtype=torch.float32).contiguous().clone()
+                    changed.append((engine, param, values))
+        self._watched.clear()
         while self._held:
             engine, owner = self._held.pop()
             engine._release(owner)
+        for engine, param, values in changed:
+            engine._write_parameter(param, values, self._modifier_rank)
         while self._loaded:
             param, stage = self._loaded.pop()
             if self._modifier_rank is not None and exc[0] is None:
