@@ -57,8 +57,8 @@ T take(zinf::Result<T>&& result) {
 zinf::DType dtype_from_name(const std::string& name) {
   const auto dtype = zinf::parse_dtype(name);
   if (!dtype) {
-    throw ZinfError(zinf::Status::invalid_argument("dtype: '" + name +
-                                                   "' is not f32, f16 or bf16"));
+    throw ZinfError(
+        zinf::Status::invalid_argument("dtype: '" + name + "' is not f32, f16 or bf16"));
   }
   return *dtype;
 }
@@ -79,9 +79,12 @@ nb::dlpack::dtype dlpack_dtype(zinf::DType dtype) {
 bool dtype_from_dlpack(nb::dlpack::dtype type, zinf::DType* dtype) {
   if (type.lanes != 1) return false;
   if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    if (type.bits == 32) *dtype = zinf::DType::kF32;
-    else if (type.bits == 16) *dtype = zinf::DType::kF16;
-    else return false;
+    if (type.bits == 32)
+      *dtype = zinf::DType::kF32;
+    else if (type.bits == 16)
+      *dtype = zinf::DType::kF16;
+    else
+      return false;
     return true;
   }
   if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && type.bits == 16) {
@@ -105,7 +108,8 @@ class PyEngine {
            std::uint64_t device_memory_limit_bytes, const std::string& comm) {
     const zinf::Config config = take(zinf::parse_config(config_json));
     zinf::HostDeviceOptions device_options;
-    if (device_memory_limit_bytes != 0) device_options.memory_limit_bytes = device_memory_limit_bytes;
+    if (device_memory_limit_bytes != 0)
+      device_options.memory_limit_bytes = device_memory_limit_bytes;
     device_ = take(zinf::make_host_device(device_options));
     const auto timeout = std::chrono::milliseconds(config.collective_timeout_ms);
     if (comm == "local") {
@@ -143,7 +147,8 @@ class PyEngine {
     spec.dtype = dtype_from_name(dtype);
     spec.group = group;
     std::size_t element_count = 1;
-    for (const std::int64_t dim : shape) element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
+    for (const std::int64_t dim : shape)
+      element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
     if (values.has_value()) {
       if (values->size() != element_count) {
         throw ZinfError(zinf::Status::invalid_argument(
@@ -356,8 +361,8 @@ NB_MODULE(_zinf, m) {
                     const std::string&>(),
            nb::arg("config_json"), nb::arg("nvme_paths") = std::vector<std::string>{},
            nb::arg("device_memory_limit_bytes") = 0, nb::arg("comm") = "local")
-      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"),
-           nb::arg("module"), nb::arg("shape"), nb::arg("dtype"), nb::arg("values").none(),
+      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"), nb::arg("module"),
+           nb::arg("shape"), nb::arg("dtype"), nb::arg("values").none(),
            nb::arg("initializer") = nb::none(), nb::arg("group") = "")
       .def(
           "add_param_group",

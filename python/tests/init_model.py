@@ -30,14 +30,15 @@ def batch(seed: int, rows: int = 2, length: int = 8):
 def config(nvme_path, width: int, stage: int = 3, offload: str = "nvme", bf16: bool = False,
            **zero):
     """Stage 3 with parameters and optimizer state on NVMe, gradients spilled to NVMe, and the
-    host buffers sized by a layer rather than by the model: sub-groups of a quarter layer, two
-    optimizer and two parameter staging buffers, buckets of a layer, three layers live."""
+    host buffers sized by a layer rather than by the model: sub-groups of a quarter layer (at
+    most 1M elements), two optimizer and two parameter staging buffers, buckets of a layer, three
+    layers live."""
     square = width * width
     zero_config = {
         "stage": stage,
         "offload_param": {"device": offload, "nvme_path": str(nvme_path), "buffer_count": 2},
         "offload_optimizer": {"device": offload, "nvme_path": str(nvme_path), "buffer_count": 2},
-        "sub_group_size": max(square // 4, 4096),
+        "sub_group_size": max(min(square // 4, 1 << 20), 4096),
         "reduce_bucket_size": square,
         "stage3_prefetch_bucket_size": square,
         "stage3_max_live_parameters": 3 * max(square, 256 * width),
