@@ -69,7 +69,7 @@ def test_two_ranks_match_torch_on_the_full_batch(case, oracle_runs, torch_refere
 
 
 def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(tmp_path):
-    timeout_ms = 20_000
+    timeout_ms = 30_000
     result = mpirun(["fail", str(tmp_path), str(timeout_ms)], timeout=180)
     ended = time.time()
     output = result.stdout + result.stderr
@@ -85,5 +85,7 @@ def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(tmp_path):
     assert rank0, output[-3000:]
     print(rank0[0])
     print(f"mpirun returned {result.returncode} {elapsed:.1f} s after rank 1 raised")
-    # Rank 0 was told at once (an abort notice), not after the collective timeout.
-    assert elapsed < timeout_ms / 1000 + 10
+    # The acceptance bound is the collective timeout plus 10 s; rank 0 was told by an abort
+    # notice, so the job ends before the timeout itself (rank 1 lingers 5 s, ZINF_ABORT_LINGER_S,
+    # so that rank 0 reports before mpirun kills the job).
+    assert elapsed < timeout_ms / 1000

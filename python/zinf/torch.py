@@ -158,7 +158,7 @@ def _choose_comm(comm: str | None) -> str:
 # How long a rank that aborted its communicator waits before its exception propagates: mpirun
 # kills the whole job as soon as one process exits with an error, so the peers need a moment to
 # receive the abort notice and report it themselves (which takes milliseconds).
-_ABORT_LINGER_S = float(os.environ.get("ZINF_ABORT_LINGER_S", "2"))
+_ABORT_LINGER_S = float(os.environ.get("ZINF_ABORT_LINGER_S", "5"))
 
 
 def _linger_after_abort():
