@@ -107,11 +107,11 @@ def test_peak_rss_grows_by_far_less_than_the_model(tmp_path):
 
 
 @pytest.mark.skipif(os.environ.get("ZINF_SLOW_TESTS") != "1",
-                    reason="writes about 27 GB to the NVMe directory; ZINF_SLOW_TESTS=1 runs it")
+                    reason="writes about 30 GB to the NVMe directory; ZINF_SLOW_TESTS=1 runs it")
 def test_peak_rss_stays_below_the_fp32_size_of_a_model_4x_larger(tmp_path):
-    """The absolute claim: a model of 4.8 GB fp32 (72 layers of 4096 x 4096) trained 2 steps
+    """The absolute claim: a model of 5.4 GB fp32 (80 layers of 4096 x 4096) trained 2 steps
     as above, and the process's whole peak RSS is below a quarter of it."""
-    report = run_child([str(tmp_path), "4096", "72", "bf16"], timeout=3600)
+    report = run_child([str(tmp_path), "4096", "80", "bf16"], timeout=3600)
     print(json.dumps(report))
     assert report["model_bytes"] > 4 * report["rss_peak_bytes"], report
     assert 0 < report["live_peak"] <= report["max_live"], report

@@ -68,6 +68,16 @@ def test_two_ranks_match_torch_on_the_full_batch(case, oracle_runs, torch_refere
             assert r["counters"]["live_elements"] == 0
 
 
+def test_a_change_made_on_the_modifier_rank_reaches_every_rank(tmp_path):
+    result = mpirun(["write", str(tmp_path)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    expected = torch.linspace(0.5, 1.5, 64)
+    for rank in (0, 1):
+        with open(tmp_path / f"write.rank{rank}.json") as f:
+            report = json.load(f)
+        assert torch.equal(torch.tensor(report["master"]), expected), f"rank {rank}"
+
+
 def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(tmp_path):
     timeout_ms = 30_000
     result = mpirun(["fail", str(tmp_path), str(timeout_ms)], timeout=180)
