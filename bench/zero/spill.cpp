@@ -71,7 +71,8 @@ struct Rig {
     StateStoreOptions so;
     so.param_count = kParams;
     so.sub_group_params = kSubGroup;
-    so.tiers = {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kHost};
+    so.tiers = {StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kNvme,
+                StoreMedium::kHost};
     so.key_prefix = "rank0/opt";
     ZINF_ASSIGN_OR_RETURN(StoreLayout layout, StateStore::layout(so));
     SwapOptions swap_options;

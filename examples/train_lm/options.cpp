@@ -1,12 +1,15 @@
 #include "options.hpp"
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
 #include <vector>
+
+#include "zinf/config.hpp"
 
 namespace train_lm {
 namespace {
@@ -60,6 +63,36 @@ CLI::Option* add_scaled(CLI::App& app, const std::string& name, std::uint64_t* t
           },
           help)
       ->default_str(binary ? format_bytes(double(*target)) : format_count(double(*target)));
+}
+
+// Options::schedule: the --config file's scheduler section, or the flags' WarmupCosineLR. The
+// flags' curve starts at last_batch_iteration 1, so that step k runs at DeepSpeed's iteration k:
+// --lr * k / --warmup while warming up, then the cosine, reaching 10% at step --steps.
+int schedule_from(Options* o, std::string* error) {
+  zinf::ScheduleConfig& s = o->schedule;
+  s = zinf::ScheduleConfig{};
+  s.kind = zinf::ScheduleKind::kWarmupCosineLR;
+  s.total_num_steps = o->steps;
+  s.warmup_num_steps = std::max<std::int64_t>(1, o->warmup_steps);
+  s.warmup_linear = true;
+  s.warmup_min_ratio = 0.0;
+  s.cos_min_ratio = 0.1;
+  s.last_batch_iteration = 1;
+  if (!o->config_path.empty()) {
+    zinf::Result<zinf::Config> config = zinf::load_config(o->config_path);
+    if (!config.is_ok()) {
+      *error = "--config: " + std::string(config.status().message());
+      return 2;
+    }
+    if (config->scheduler.kind != zinf::ScheduleKind::kNone) s = config->scheduler;
+  }
+  zinf::Result<zinf::LrSchedule> checked = zinf::LrSchedule::create(s, o->lr);
+  if (!checked.is_ok()) {
+    *error = (o->config_path.empty() ? "--warmup/--steps: " : "--config: ") +
+             std::string(checked.status().message());
+    return 2;
+  }
+  return 0;
 }
 
 }  // namespace
@@ -146,6 +179,8 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
       ->check(CLI::Range(0.0, 10.0));
   app.add_option("--warmup", o->warmup_steps, "learning-rate warmup steps")
       ->check(CLI::Range(0, 100'000'000));
+  app.add_option("--config", o->config_path,
+                 "DeepSpeed config whose scheduler section replaces the --lr/--warmup schedule");
   app.add_option("--weight-decay", o->weight_decay, "AdamW decoupled weight decay")
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--grad-clip", o->grad_clip, "clip the global gradient norm (0: off)")
@@ -283,7 +318,7 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
     *error = "--out: an empty directory name";
     return 2;
   }
-  return 0;
+  return schedule_from(o, error);
 }
 
 }  // namespace train_lm

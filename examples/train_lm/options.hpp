@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "zinf/schedule.hpp"
+
 namespace train_lm {
 
 struct Options {
@@ -24,6 +26,14 @@ struct Options {
   std::size_t micro_batches = 0;
   double lr = 3e-3;                // --lr: peak learning rate
   std::int64_t warmup_steps = 30;  // --warmup
+  // --config FILE: a DeepSpeed config. Its `scheduler` section, when it has one, is the run's
+  // learning-rate schedule (base lr --lr); its other keys are checked as the engine reads them,
+  // but train_lm's options set the engine.
+  std::string config_path;
+  // The run's schedule (parse_options fills it): the config's scheduler section, or --lr, --warmup
+  // and --steps as DeepSpeed's WarmupCosineLR (linear warm-up, cosine to 10% of --lr at the last
+  // step). The engine steps it; the plain loop evaluates the same formulas.
+  zinf::ScheduleConfig schedule;
   double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)
   double grad_clip = 1.0;          // --grad-clip (0: off)
   std::uint64_t seed = 1;          // --seed

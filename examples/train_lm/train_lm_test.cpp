@@ -295,6 +295,67 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
   }
 }
 
+// The schedule: --lr/--warmup/--steps as DeepSpeed's WarmupCosineLR (step k at iteration k:
+// linear warm-up, cosine to 10%), or a --config file's scheduler section in its place.
+TEST(Options, ScheduleComesFromTheFlagsOrTheConfigsSchedulerSection) {
+  auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
+    args.insert(args.begin(), "train_lm");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return parse_options(int(argv.size()), argv.data(), o, error);
+  };
+  auto lr_of_step = [](const Options& o, std::int64_t k) {
+    zinf::Result<zinf::LrSchedule> s = zinf::LrSchedule::create(o.schedule, o.lr);
+    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
+    return s.is_ok() ? s->lr_at(o.schedule.last_batch_iteration + k - 1) : -1.0;
+  };
+  Options flags;
+  std::string error;
+  ASSERT_EQ(parse({"--lr", "2e-3", "--warmup", "10", "--steps", "110"}, &flags, &error), 0)
+      << error;
+  EXPECT_EQ(flags.schedule.kind, zinf::ScheduleKind::kWarmupCosineLR);
+  EXPECT_NEAR(lr_of_step(flags, 1), 2e-3 * 1.0 / 10.0, 1e-18);
+  EXPECT_NEAR(lr_of_step(flags, 5), 2e-3 * 5.0 / 10.0, 1e-18);
+  // The cosine's middle: p = (60 - 10 + 1) / 100 = 0.51.
+  EXPECT_NEAR(lr_of_step(flags, 60),
+              2e-3 * (0.1 + 0.9 * (1.0 + std::cos(3.141592653589793 * 0.51)) / 2.0), 1e-17);
+  EXPECT_NEAR(lr_of_step(flags, 110), 2e-3 * 0.1, 1e-18);
+
+  const fs::path dir =
+      fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /
+      "train_lm_schedule";
+  fs::create_directories(dir);
+  auto write = [&](const char* name, const char* text) {
+    std::ofstream(dir / name) << text;
+    return (dir / name).string();
+  };
+  const std::string decay = write("decay.json", R"({"scheduler": {"type": "WarmupDecayLR",
+      "params": {"total_num_steps": 100, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+                 "warmup_type": "linear"}}})");
+  Options from_config;
+  ASSERT_EQ(parse({"--config", decay, "--lr", "2e-3"}, &from_config, &error), 0) << error;
+  EXPECT_EQ(from_config.schedule.kind, zinf::ScheduleKind::kWarmupDecayLR);
+  // DeepSpeed's indexing: steps 1 and 2 at warmup_min_lr (0), step k at 1e-3 * (k - 2) / 10.
+  EXPECT_EQ(lr_of_step(from_config, 1), 0.0);
+  EXPECT_NEAR(lr_of_step(from_config, 7), 1e-3 * 5.0 / 10.0, 1e-18);
+  EXPECT_NEAR(lr_of_step(from_config, 57), 1e-3 * (100.0 - 55.0) / 90.0, 1e-18);
+
+  // A config without a scheduler section keeps the flags' schedule.
+  const std::string none = write("none.json", R"({"zero_optimization": {"stage": 3}})");
+  Options no_section;
+  ASSERT_EQ(parse({"--config", none}, &no_section, &error), 0) << error;
+  EXPECT_EQ(no_section.schedule.kind, zinf::ScheduleKind::kWarmupCosineLR);
+
+  // A type zinf does not have, and a missing file: one line naming --config and the key or path.
+  const std::string range = write("range.json", R"({"scheduler": {"type": "LRRangeTest"}})");
+  Options bad;
+  ASSERT_EQ(parse({"--config", range}, &bad, &error), 2);
+  EXPECT_NE(error.find("--config: "), std::string::npos) << error;
+  EXPECT_NE(error.find("scheduler.type"), std::string::npos) << error;
+  ASSERT_EQ(parse({"--config", (dir / "missing.json").string()}, &bad, &error), 2);
+  EXPECT_NE(error.find("missing.json"), std::string::npos) << error;
+}
+
 TEST(Report, CsvHasTheHeaderAndEmptyValidationCells) {
   const fs::path dir =
       fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /

@@ -39,14 +39,11 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// Linear warmup to the peak, then a cosine down to 10% of it at the last step.
-double learning_rate(const Options& o, std::int64_t step) {
-  if (o.warmup_steps > 0 && step <= o.warmup_steps) {
-    return o.lr * double(step) / double(o.warmup_steps);
-  }
-  const double span = double(std::max<std::int64_t>(1, o.steps - o.warmup_steps));
-  const double progress = std::min(1.0, double(step - o.warmup_steps) / span);
-  return o.lr * (0.1 + 0.9 * 0.5 * (1.0 + std::cos(3.141592653589793 * progress)));
+// The rate of step `step` (from 1) on the plain path: the schedule's, indexed as the engine
+// indexes it (DeepSpeed's lr_at(last_batch_iteration + step - 1)). parse_options checked it.
+double plain_learning_rate(const Options& o, std::int64_t step) {
+  const zinf::Result<zinf::LrSchedule> s = zinf::LrSchedule::create(o.schedule, o.lr);
+  return s.is_ok() ? s->lr_at(o.schedule.last_batch_iteration + step - 1) : o.lr;
 }
 
 std::size_t max_module_params(const std::vector<ModuleSpec>& specs) {
@@ -466,6 +463,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.optimizer.beta2 = 0.99;
   c.optimizer.eps = 1e-8;
   c.optimizer.weight_decay = o.weight_decay;
+  c.scheduler = o.schedule;
   c.zero.stage = o.stage;
   c.zero.offload_optimizer.device = offload_device(o.offload_optimizer);
   c.zero.offload_optimizer.nvme_path = o.nvme_path;
@@ -787,14 +785,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   Rng rng(o.seed ^ 0xD1B54A32D192ED03ull);
   for (std::int64_t step = 1; step <= o.steps; ++step) {
     const auto step_start = Clock::now();
-    const double lr = learning_rate(o, step);
-    if (engine != nullptr) {
-      zinf::Status st = engine->set_learning_rate(lr);
-      if (!st.is_ok()) {
-        shared.fail(rank, "step " + std::to_string(step) + ": " + st.to_string());
-        return fail_out();
-      }
-    }
+    // The engine steps the schedule (Config::scheduler) itself.
+    const double lr = engine != nullptr ? engine->learning_rate() : plain_learning_rate(o, step);
     shared.corpus.sample_train(rng, o.batch, o.seq_len, shape.context_bytes, &batch);
     double loss_sum = 0;
     for (std::size_t micro = 0; micro < micro_batches; ++micro) {

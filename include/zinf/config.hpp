@@ -58,6 +58,7 @@
 #include <vector>
 
 #include "zinf/optim.hpp"
+#include "zinf/schedule.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf {
@@ -141,6 +142,12 @@ struct Config {
   // missing params take deepspeed_optimizer_defaults(type). Without an optimizer section the
   // defaults are OptimizerParams' (torch.optim.AdamW's).
   OptimizerParams optimizer;
+  // "scheduler": {"type": "WarmupLR" | "WarmupDecayLR" | "WarmupCosineLR" | "OneCycle",
+  // "params": {...}}, DeepSpeed's names, defaults and formulas (include/zinf/schedule.hpp).
+  // Engine::open() sets it as set_lr_schedule() would; kind kNone (no section): the optimizer's
+  // lr, constant. An unknown type or params key is refused naming it; validate() checks the
+  // values against optimizer.lr (LrSchedule::create()).
+  ScheduleConfig scheduler;
   ZeroConfig zero;
   // "aio": I/O request size ("block_size", bytes) and queue depth of the engine's IoEngine.
   std::size_t aio_block_bytes = std::size_t{1} << 20;

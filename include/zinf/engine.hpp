@@ -332,8 +332,8 @@ class Engine {
   // groups; kFailedPrecondition after finalize().
   Status add_param_group(const ParamGroup& group);
 
-  // Replaces the learning-rate schedule (by default none: the optimizer's lr; the config
-  // parser still refuses a `scheduler` section, so a program passes it here). DeepSpeed's semantics
+  // Replaces the learning-rate schedule (by default the config's `scheduler` section, or none:
+  // the optimizer's lr) and config().scheduler. DeepSpeed's semantics
   // (include/zinf/schedule.hpp): the k-th applied step (a step skipped for overflow does not count)
   // runs with lr_at(last_batch_iteration + k - 1), last_batch_iteration -1 unless the config sets
   // it, so a checkpoint (which keeps the step count) resumes the same curve. kInvalidArgument

@@ -289,6 +289,28 @@ ZINF_C_API zinf_code_t zinf_engine_register_parameter_with_initializer(
     zinf_engine_t* engine, const char* name, const char* module, const int64_t* shape, size_t ndim,
     zinf_dtype_t dtype, zinf_initializer_fn initializer, void* user);
 
+/* Defines a parameter group (zinf::Engine::add_param_group, torch's param_groups): its
+ * parameters step with the optimizer's hyper-parameters except `weight_decay` (< 0: the
+ * optimizer's) and a learning rate of the optimizer's (as scheduled or set) times `lr_scale`
+ * (finite, >= 0). The usual "no decay" group of biases and normalisation weights is
+ * ("no_decay", 0.0, 1.0). ZINF_INVALID_ARGUMENT naming the group for an empty or repeated name, a
+ * weight_decay or lr_scale that is not finite, or more than 63 groups; ZINF_FAILED_PRECONDITION
+ * after finalize. */
+ZINF_C_API zinf_code_t zinf_engine_add_param_group(zinf_engine_t* engine, const char* name,
+                                                   double weight_decay, double lr_scale);
+
+/* As zinf_engine_register_parameter (initial_values set, initializer NULL) or
+ * zinf_engine_register_parameter_with_initializer (initial_values NULL, initializer set), with
+ * the parameter in parameter group `group` ("" is the default group, the optimizer's own). The
+ * group may be defined before or after this call, but before finalize: a name that no
+ * zinf_engine_add_param_group defined fails zinf_engine_finalize with ZINF_INVALID_ARGUMENT
+ * naming the parameter and the group. ZINF_INVALID_ARGUMENT when both or neither of
+ * initial_values and initializer are given, and as for zinf_engine_register_parameter. */
+ZINF_C_API zinf_code_t zinf_engine_register_parameter_in_group(
+    zinf_engine_t* engine, const char* name, const char* module, const int64_t* shape, size_t ndim,
+    zinf_dtype_t dtype, const char* group, const float* initial_values,
+    zinf_initializer_fn initializer, void* user);
+
 /* Lays out the partitions, checks that every rank registered the same parameters, allocates
  * every buffer and places the initial values. Collective. Done by the first gather,
  * reduce_gradients or step when not called before. */

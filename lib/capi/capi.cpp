@@ -583,6 +583,19 @@ Status register_spec(zinf_engine_t* engine, const char* fn, const char* name, co
   return Status::ok();
 }
 
+// A C initializer as the engine's. A C function cannot carry a message: the code comes back with
+// one that names it, and the engine adds the parameter and the elements.
+zinf::ParameterInitializer c_initializer(zinf_initializer_fn initializer, void* user) {
+  return [initializer, user](std::size_t first_element, std::size_t element_count,
+                             float* out) -> Status {
+    const zinf_code_t code = initializer(user, first_element, element_count, out);
+    if (code == ZINF_OK) return Status::ok();
+    const bool known = code > ZINF_OK && code <= ZINF_INTERNAL;
+    return Status(known ? static_cast<zinf::Code>(code) : zinf::Code::kInternal, 0,
+                  fmt::format("the C initializer returned code {}", static_cast<int>(code)));
+  };
+}
+
 }  // namespace
 
 zinf_code_t zinf_engine_register_parameter(zinf_engine_t* engine, const char* name,
@@ -607,16 +620,38 @@ zinf_code_t zinf_engine_register_parameter_with_initializer(
                                                   name != nullptr ? name : "(null)"));
     }
     zinf::ParameterSpec spec;
-    // A C function cannot carry a message: the code comes back with one that names it, and the
-    // engine adds the parameter and the elements.
-    spec.initializer = [initializer, user](std::size_t first_element, std::size_t element_count,
-                                           float* out) -> Status {
-      const zinf_code_t code = initializer(user, first_element, element_count, out);
-      if (code == ZINF_OK) return Status::ok();
-      const bool known = code > ZINF_OK && code <= ZINF_INTERNAL;
-      return Status(known ? static_cast<zinf::Code>(code) : zinf::Code::kInternal, 0,
-                    fmt::format("the C initializer returned code {}", static_cast<int>(code)));
-    };
+    spec.initializer = c_initializer(initializer, user);
+    return register_spec(engine, fn, name, module, shape, ndim, dtype, spec);
+  });
+}
+
+zinf_code_t zinf_engine_add_param_group(zinf_engine_t* engine, const char* name,
+                                        double weight_decay, double lr_scale) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
+    return engine->engine->add_param_group({name, weight_decay, lr_scale});
+  });
+}
+
+zinf_code_t zinf_engine_register_parameter_in_group(zinf_engine_t* engine, const char* name,
+                                                    const char* module, const int64_t* shape,
+                                                    size_t ndim, zinf_dtype_t dtype,
+                                                    const char* group, const float* initial_values,
+                                                    zinf_initializer_fn initializer, void* user) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(group, fn, "group"));
+    if ((initial_values == nullptr) == (initializer == nullptr)) {
+      return Status::invalid_argument(
+          fmt::format("{}: parameter \"{}\": give exactly one of initial_values and initializer",
+                      fn, name != nullptr ? name : "(null)"));
+    }
+    zinf::ParameterSpec spec;
+    spec.group = group;
+    spec.initial_values = initial_values;
+    if (initializer != nullptr) spec.initializer = c_initializer(initializer, user);
     return register_spec(engine, fn, name, module, shape, ndim, dtype, spec);
   });
 }

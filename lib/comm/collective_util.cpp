@@ -1,12 +1,12 @@
 #include "comm/collective_util.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-
-#include <fmt/format.h>
 
 namespace zinf {
 namespace {
@@ -44,19 +44,30 @@ void store_f32(const float* in, DType dtype, std::size_t first, std::size_t coun
 
 }  // namespace
 
+Status GroupDepth::end(std::string_view comm_name) {
+  if (depth_ == 0) {
+    return Status::failed_precondition(
+        fmt::format("{}: group_end() without a matching group_start()", comm_name));
+  }
+  --depth_;
+  return Status::ok();
+}
+
 std::string describe_collective(const Collective& op, std::uint64_t sequence) {
   if (op.name.empty()) return fmt::format("{} #{}", collective_kind_name(op.kind), sequence);
   return fmt::format("{} #{} '{}'", collective_kind_name(op.kind), sequence, op.name);
 }
 
-Status validate_collective(const Collective& op, int rank, int world_size,
-                           std::string_view comm_name, std::string_view label) {
+Status validate_collective(const Collective& op, std::uint64_t sequence, int rank, int world_size,
+                           std::string_view comm_name) {
+  // Built only for an error: a valid call allocates nothing.
+  const auto label = [&] { return describe_collective(op, sequence); };
   const std::size_t world = static_cast<std::size_t>(world_size);
   const std::size_t element_bytes = dtype_bytes(op.dtype);
   const std::size_t chunk_bytes = op.element_count * element_bytes;
   if (op.element_count > std::numeric_limits<std::size_t>::max() / (element_bytes * world)) {
     return Status::invalid_argument(
-        fmt::format("{} on {}: element_count {} overflows", label, comm_name, op.element_count));
+        fmt::format("{} on {}: element_count {} overflows", label(), comm_name, op.element_count));
   }
   std::size_t send_bytes = chunk_bytes;
   std::size_t recv_bytes = chunk_bytes;
@@ -64,12 +75,12 @@ Status validate_collective(const Collective& op, int rank, int world_size,
   if (op.kind == CollectiveKind::kReduceScatter) send_bytes = chunk_bytes * world;
   const bool needs_send = op.kind != CollectiveKind::kBroadcast || op.root == rank;
   if (op.kind == CollectiveKind::kBroadcast && (op.root < 0 || op.root >= world_size)) {
-    return Status::invalid_argument(fmt::format("{} on {}: root {} is not a rank of {}", label,
+    return Status::invalid_argument(fmt::format("{} on {}: root {} is not a rank of {}", label(),
                                                 comm_name, op.root, world_size));
   }
   if (op.element_count == 0) return Status::ok();
   if ((needs_send && op.send == nullptr) || op.recv == nullptr) {
-    return Status::invalid_argument(fmt::format("{} on {}: null {} buffer for {} elements", label,
+    return Status::invalid_argument(fmt::format("{} on {}: null {} buffer for {} elements", label(),
                                                 comm_name, op.recv == nullptr ? "recv" : "send",
                                                 op.element_count));
   }
@@ -85,14 +96,15 @@ Status validate_collective(const Collective& op, int rank, int world_size,
         ((op.kind == CollectiveKind::kAllReduce || op.kind == CollectiveKind::kBroadcast) &&
          send == recv);
     if (!in_place) {
-      return Status::invalid_argument(fmt::format(
-          "{} on {}: send and recv buffers overlap and are not the in-place form", label, comm_name));
+      return Status::invalid_argument(
+          fmt::format("{} on {}: send and recv buffers overlap and are not the in-place form",
+                      label(), comm_name));
     }
   }
   return Status::ok();
 }
 
-void reduce_range(const std::vector<const std::byte*>& srcs, std::size_t src_first, std::byte* dst,
+void reduce_range(std::span<const std::byte* const> srcs, std::size_t src_first, std::byte* dst,
                   std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op) {
   float acc[kTileElements];
   float next[kTileElements];

@@ -1,12 +1,13 @@
-// What the host-memory Communicators (LocalComm, MpiComm) share: the argument checks, and the
+// What the host-memory Communicators (LocalComm, MpiComm) share: the argument checks, the
 // reduction, so that both give the same bits: f32 accumulators in rank order
-// (((x0 + x1) + x2) ...), rounded once to the dtype.
+// (((x0 + x1) + x2) ...), rounded once to the dtype; and the group_start/end bookkeeping.
 //
-// Thread-safety: pure functions of their arguments.
+// Thread-safety: the functions are pure functions of their arguments; GroupDepth is a value.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -16,21 +17,38 @@
 
 namespace zinf {
 
+// group_start() / group_end() of the communicators whose grouping is only checked (LocalComm,
+// MpiComm: their collectives are matched by issue order, grouped or not): groups nest, and an
+// end without a start is kFailedPrecondition naming the communicator.
+// Thread-safety: none; the communicator calls it under its issue lock.
+class GroupDepth {
+ public:
+  Status start() {
+    ++depth_;
+    return Status::ok();
+  }
+  Status end(std::string_view comm_name);
+
+ private:
+  int depth_ = 0;
+};
+
 // "all_gather #12 'layers.3'": the collective's kind, its sequence number on the communicator and
 // its name, for errors.
 std::string describe_collective(const Collective& op, std::uint64_t sequence);
 
 // Checks a collective's arguments as every backend must: an element count that overflows, a
 // broadcast root outside [0, world_size), null buffers, or send and recv ranges that overlap
-// other than in NCCL's in-place forms are kInvalidArgument naming `label` and `comm_name`.
-Status validate_collective(const Collective& op, int rank, int world_size,
-                           std::string_view comm_name, std::string_view label);
+// other than in NCCL's in-place forms are kInvalidArgument naming the collective (as
+// describe_collective(op, sequence) does) and `comm_name`. Allocates only to report an error.
+Status validate_collective(const Collective& op, std::uint64_t sequence, int rank, int world_size,
+                           std::string_view comm_name);
 
 // dst[dst_first + i] = op over r in rank order of srcs[r][src_first + i], for i in [0, count),
 // accumulated in f32 and rounded once (kAverage divides the f32 sum by srcs.size()). NaN wins for
 // kMax and kMin. Each tile is read in full before it is written, so dst may be one of the sources.
 // REQUIRES: !srcs.empty().
-void reduce_range(const std::vector<const std::byte*>& srcs, std::size_t src_first, std::byte* dst,
+void reduce_range(std::span<const std::byte* const> srcs, std::size_t src_first, std::byte* dst,
                   std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op);
 
 }  // namespace zinf

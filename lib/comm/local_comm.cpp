@@ -9,8 +9,8 @@
 #include <utility>
 
 #include "base/assert.hpp"
-#include "comm/collective_util.hpp"
 #include "base/wait.hpp"
+#include "comm/collective_util.hpp"
 #include "zinf/dtype.hpp"
 
 namespace zinf {
@@ -34,25 +34,21 @@ std::string rank_list(const std::vector<int>& ranks) {
   return text;
 }
 
-struct CollectiveTask {
-  std::shared_ptr<LocalGroup> group;
-  int rank;
-  std::uint64_t sequence;
-  Collective op;
-  std::string name;  // owns op.name
-};
-
 Status run_collective(void* user, const Status& upstream) {
-  std::unique_ptr<CollectiveTask> task(static_cast<CollectiveTask*>(user));
-  task->op.name = task->name;
+  auto* task = static_cast<LocalCollectiveTask*>(user);
+  // The task goes back to the pool before this returns; the group lives on in `group` until then.
+  std::shared_ptr<LocalGroup> group = std::move(task->group);
+  Status st;
   if (!upstream.is_ok()) {
     // This rank will not take part: tell the others now rather than let them time out.
-    task->group->fail(
-        upstream.with_context(fmt::format("{} on local rank {}: earlier work on the stream failed",
-                                          describe_collective(task->op, task->sequence), task->rank)));
-    return Status::ok();
+    group->fail(upstream.with_context(
+        fmt::format("{} on local rank {}: earlier work on the stream failed",
+                    describe_collective(task->op, task->sequence), task->rank)));
+  } else {
+    st = group->run(task->rank, task->sequence, task->op);
   }
-  return task->group->run(task->rank, task->sequence, task->op);
+  group->return_task(task);
+  return st;
 }
 
 }  // namespace
@@ -60,7 +56,80 @@ Status run_collective(void* user, const Status& upstream) {
 // --- LocalGroup ----------------------------------------------------------------------------------
 
 LocalGroup::LocalGroup(int world_size, std::chrono::milliseconds timeout)
-    : world_size_(world_size), timeout_(timeout) {}
+    : world_size_(world_size), timeout_(timeout) {
+  const auto world = static_cast<std::size_t>(world_size);
+  free_tasks_.resize(world);
+  for (std::size_t r = 0; r < world; ++r) {
+    free_tasks_[r].reserve(kTasksPerRank);
+    for (std::size_t i = 0; i < kTasksPerRank; ++i) {
+      tasks_.push_back(std::make_unique<LocalCollectiveTask>());
+      tasks_.back()->rank = static_cast<int>(r);
+      free_tasks_[r].push_back(tasks_.back().get());
+    }
+  }
+  const std::size_t slot_count = world * kTasksPerRank;
+  used_slots_.reserve(slot_count);
+  free_slots_.reserve(slot_count);
+  for (std::size_t i = 0; i < slot_count; ++i) {
+    slots_.push_back(std::make_unique<Slot>());
+    Slot& slot = *slots_.back();
+    slot.ops.resize(world);
+    slot.sends.resize(world);
+    slot.arrived.resize(world);
+    slot.result.reserve(kResultBytes);
+    free_slots_.push_back(&slot);
+  }
+}
+
+LocalGroup::~LocalGroup() = default;
+
+LocalCollectiveTask* LocalGroup::take_task(int rank) {
+  std::vector<LocalCollectiveTask*>& free = free_tasks_[static_cast<std::size_t>(rank)];
+  std::unique_lock<std::mutex> lock(task_mu_);
+  if (!wait_for_or_forever(task_cv_, lock, timeout_, [&] { return !free.empty(); })) {
+    return nullptr;
+  }
+  LocalCollectiveTask* task = free.back();
+  free.pop_back();
+  return task;
+}
+
+void LocalGroup::return_task(LocalCollectiveTask* task) {
+  {
+    std::lock_guard<std::mutex> lock(task_mu_);
+    std::vector<LocalCollectiveTask*>& free = free_tasks_[static_cast<std::size_t>(task->rank)];
+    ZINF_ASSERT(free.size() < free.capacity());
+    free.push_back(task);
+  }
+  task_cv_.notify_all();
+}
+
+LocalGroup::Slot& LocalGroup::slot_for(std::uint64_t sequence) {
+  for (Slot* slot : used_slots_) {
+    if (slot->sequence == sequence) return *slot;
+  }
+  // A slot is used while a rank holds a task for its collective: see the file comment.
+  ZINF_ASSERT(!free_slots_.empty());
+  Slot& slot = *free_slots_.back();
+  free_slots_.pop_back();
+  used_slots_.push_back(&slot);
+  slot.sequence = sequence;
+  std::fill(slot.arrived.begin(), slot.arrived.end(), 0);
+  slot.arrived_count = 0;
+  slot.reduced_count = 0;
+  slot.done_count = 0;
+  slot.readers = 0;
+  slot.departed_count = 0;
+  return slot;
+}
+
+void LocalGroup::free_slot(Slot& slot) {
+  auto it = std::find(used_slots_.begin(), used_slots_.end(), &slot);
+  ZINF_ASSERT(it != used_slots_.end());
+  *it = used_slots_.back();
+  used_slots_.pop_back();
+  free_slots_.push_back(&slot);
+}
 
 void LocalGroup::fail(Status reason) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -76,6 +145,10 @@ void LocalGroup::fail_locked(Status reason) {
 Status LocalGroup::error() const {
   std::lock_guard<std::mutex> lock(mu_);
   return error_;
+}
+
+Status LocalGroup::error_for(const Collective& op, std::uint64_t sequence, int rank) const {
+  return error_for(describe_collective(op, sequence), rank);
 }
 
 Status LocalGroup::error_for(std::string_view label, int rank) const {
@@ -114,11 +187,7 @@ void LocalGroup::compute(int rank, const Slot& slot, const Collective& op, int p
   const std::size_t element_bytes = dtype_bytes(op.dtype);
   const std::size_t chunk_bytes = op.element_count * element_bytes;
   auto* recv = static_cast<std::byte*>(op.recv);
-  std::vector<const std::byte*> sends(static_cast<std::size_t>(world_size_));
-  for (int r = 0; r < world_size_; ++r) {
-    sends[static_cast<std::size_t>(r)] =
-        static_cast<const std::byte*>(slot.ops[static_cast<std::size_t>(r)].send);
-  }
+  const std::vector<const std::byte*>& sends = slot.sends;
   switch (op.kind) {
     case CollectiveKind::kAllGather:
       for (int r = 0; r < world_size_; ++r) {
@@ -155,35 +224,31 @@ void LocalGroup::compute(int rank, const Slot& slot, const Collective& op, int p
 }
 
 Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
-  const std::string label = describe_collective(op, sequence);
+  // The collective's label is built only for an error: a collective allocates nothing.
+  const auto label = [&] { return describe_collective(op, sequence); };
   const auto urank = static_cast<std::size_t>(rank);
   std::unique_lock<std::mutex> lock(mu_);
-  if (!error_.is_ok()) return error_for(label, rank);
-  Slot& slot = slots_[sequence];
-  if (slot.ops.empty()) {
-    slot.ops.resize(static_cast<std::size_t>(world_size_));
-    slot.names.resize(static_cast<std::size_t>(world_size_));
-    slot.arrived.assign(static_cast<std::size_t>(world_size_), 0);
-  }
-  slot.names[urank] = std::string(op.name);
-  slot.ops[urank] = op;
-  slot.ops[urank].name = slot.names[urank];
+  if (!error_.is_ok()) return error_for(op, sequence, rank);
+  Slot& slot = slot_for(sequence);
+  slot.ops[urank] = op;  // op.name lives in the rank's task until this returns
+  slot.sends[urank] = static_cast<const std::byte*>(op.send);
   slot.arrived[urank] = 1;
   if (++slot.arrived_count == world_size_) {
     Status agreement = check_agreement(slot, sequence);
     if (!agreement.is_ok()) {
       fail_locked(std::move(agreement));
     } else if (op.kind == CollectiveKind::kAllReduce) {
+      // Within kResultBytes this stays in the capacity reserved with the slot.
       slot.result.resize(op.element_count * dtype_bytes(op.dtype));
     }
     cv_.notify_all();
   }
 
   // Leaves the slot once nobody reads shared buffers any more (reading is plain computation,
-  // so this wait is short and bounded), and drops it when the last rank leaves.
+  // so this wait is short and bounded), and frees it for reuse when the last rank leaves.
   auto leave = [&]() {
     cv_.wait(lock, [&] { return slot.readers == 0; });
-    if (++slot.departed_count == world_size_) slots_.erase(sequence);
+    if (++slot.departed_count == world_size_) free_slot(slot);
   };
   auto missing = [&](auto&& counted, std::string_view what) {
     return [&, counted, what]() {
@@ -191,7 +256,7 @@ Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
       for (int r = 0; r < world_size_; ++r) {
         if (!counted(r)) ranks.push_back(r);
       }
-      return fmt::format("{}: local rank {} of {} waited {} ms for rank(s) {} to {}", label, rank,
+      return fmt::format("{}: local rank {} of {} waited {} ms for rank(s) {} to {}", label(), rank,
                          world_size_, timeout_.count(), rank_list(ranks), what);
     };
   };
@@ -201,7 +266,7 @@ Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
           missing([&](int r) { return slot.arrived[static_cast<std::size_t>(r)] != 0; },
                   "arrive"))) {
     leave();
-    return error_for(label, rank);
+    return error_for(op, sequence, rank);
   }
 
   ++slot.readers;
@@ -218,10 +283,10 @@ Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
             lock, timeout_, [&] { return slot.reduced_count == world_size_; },
             [&] {
               return fmt::format("{}: local rank {} of {} waited {} ms for the others' reductions",
-                                 label, rank, world_size_, timeout_.count());
+                                 label(), rank, world_size_, timeout_.count());
             })) {
       leave();
-      return error_for(label, rank);
+      return error_for(op, sequence, rank);
     }
     ++slot.readers;
     lock.unlock();
@@ -236,11 +301,11 @@ Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
   const bool ok = wait_or_fail(
       lock, timeout_, [&] { return slot.done_count == world_size_; },
       [&] {
-        return fmt::format("{}: local rank {} of {} waited {} ms for the others to finish", label,
+        return fmt::format("{}: local rank {} of {} waited {} ms for the others to finish", label(),
                            rank, world_size_, timeout_.count());
       });
   leave();
-  return ok ? Status::ok() : error_for(label, rank);
+  return ok ? Status::ok() : error_for(op, sequence, rank);
 }
 
 Status LocalGroup::barrier(int rank, std::chrono::milliseconds timeout) {
@@ -274,62 +339,64 @@ LocalComm::LocalComm(std::shared_ptr<LocalGroup> group, int rank, Device* device
       host_device_(dynamic_cast<HostDevice*>(device)),
       name_(fmt::format("local rank {} of {}", rank, group_->world_size())) {}
 
-Status LocalComm::validate(const Collective& op, std::string_view label) const {
-  return validate_collective(op, rank_, group_->world_size(), name_, label);
-}
-
 Status LocalComm::issue(const Collective& op, Stream& stream) {
   // Held across numbering and enqueueing, so that calls from several threads cannot corrupt the
   // numbering. Their order is still the callers' race, which the other ranks do not share: the
   // contract asks for one issuing thread, and a breach shows up as "ranks disagree".
   std::lock_guard<std::mutex> lock(issue_mu_);
   const std::uint64_t sequence = next_sequence_;
-  const std::string label = describe_collective(op, sequence);
   Status error = group_->error();
   if (!error.is_ok()) {
-    return Status::aborted(
-        fmt::format("{} on {}: the communicator was aborted: {}", label, name_, error.to_string()));
+    return Status::aborted(fmt::format("{} on {}: the communicator was aborted: {}",
+                                       describe_collective(op, sequence), name_,
+                                       error.to_string()));
   }
-  Status valid = validate(op, label);
+  Status valid = validate_collective(op, sequence, rank_, group_->world_size(), name_);
   if (!valid.is_ok()) {
     group_->fail(valid);
     return valid;
   }
+  LocalCollectiveTask* task = group_->take_task(rank_);
+  if (task == nullptr) {
+    Status failure = Status::timeout(fmt::format(
+        "{} on {}: all {} of this rank's collectives still in flight after {} ms (the other ranks "
+        "did not reach them)",
+        describe_collective(op, sequence), name_, LocalGroup::kTasksPerRank,
+        group_->timeout().count()));
+    group_->fail(failure);
+    return failure;
+  }
   ++next_sequence_;
-  auto task = std::make_unique<CollectiveTask>();
   task->group = group_;
-  task->rank = rank_;
   task->sequence = sequence;
   task->op = op;
   // The collective runs as host code: it reads and writes the buffers at their host addresses
   // (an opaque HostDevice's pointers are not dereferenceable as given).
   task->op.send = host_device_->host_address(op.send);
   task->op.recv = host_device_->host_address(op.recv);
-  task->name = std::string(op.name);
-  Status launched = device_->launch_host_func(stream, &run_collective, task.get());
+  const std::size_t name_bytes = std::min(op.name.size(), LocalCollectiveTask::kNameBytes - 1);
+  std::memcpy(task->name, op.name.data(), name_bytes);
+  task->op.name = std::string_view(task->name, name_bytes);
+  Status launched = device_->launch_host_func(stream, &run_collective, task);
   if (!launched.is_ok()) {
-    Status failure = launched.with_context(fmt::format("{} on {}", label, name_));
+    Status failure =
+        launched.with_context(fmt::format("{} on {}", describe_collective(op, sequence), name_));
+    task->group.reset();
+    group_->return_task(task);
     group_->fail(failure);
     return failure;
   }
-  (void)task.release();  // run_collective owns it now
-  return Status::ok();
+  return Status::ok();  // run_collective returns the task
 }
 
 Status LocalComm::group_start() {
   std::lock_guard<std::mutex> lock(issue_mu_);
-  ++group_depth_;
-  return Status::ok();
+  return group_depth_.start();
 }
 
 Status LocalComm::group_end() {
   std::lock_guard<std::mutex> lock(issue_mu_);
-  if (group_depth_ == 0) {
-    return Status::failed_precondition(
-        fmt::format("{}: group_end() without a matching group_start()", name_));
-  }
-  --group_depth_;
-  return Status::ok();
+  return group_depth_.end(name_);
 }
 
 Status LocalComm::barrier(std::chrono::milliseconds timeout) {

@@ -13,6 +13,15 @@
 // timeout, abort()) sets the group's sticky error and wakes every waiting rank, so every rank's
 // collective fails and no rank hangs.
 //
+// Allocation and bounds: every rank has kTasksPerRank records for its collectives in flight
+// (issued, host function not yet finished), made with the group; issue() waits, up to the
+// timeout, for one to come back when all are in flight, as a full stream queue makes its issuer
+// wait. A slot exists for a collective while some rank is in it, so world * kTasksPerRank slots,
+// also made with the group, are always enough. Issuing and running a collective therefore
+// allocates nothing, except an all_reduce larger than kResultBytes, which grows its slot's result
+// buffer the first time that slot carries one so large. Labels for messages are built only for
+// errors; a collective's name is kept in its record, cut at kNameBytes - 1 bytes.
+//
 // Thread-safety: as Communicator.
 #pragma once
 
@@ -20,24 +29,44 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <string_view>
 #include <vector>
 
+#include "comm/collective_util.hpp"
 #include "device/host_device.hpp"
 #include "zinf/comm.hpp"
 
 namespace zinf {
 
+// One issued collective, from LocalComm::issue() to the end of its host function on the stream.
+struct LocalCollectiveTask {
+  static constexpr std::size_t kNameBytes = 96;
+  std::shared_ptr<class LocalGroup> group;  // set while in flight; keeps the group alive
+  int rank = 0;
+  std::uint64_t sequence = 0;
+  Collective op;               // host addresses; op.name points into name
+  char name[kNameBytes] = {};  // the caller's name, cut to fit
+};
+
 // State shared by the ranks of one LocalComm group.
 class LocalGroup {
  public:
   LocalGroup(int world_size, std::chrono::milliseconds timeout);
+  ~LocalGroup();
+
+  static constexpr std::size_t kTasksPerRank = 64;
+  static constexpr std::size_t kResultBytes = 4096;
+
+  // One of `rank`'s records, waiting up to the timeout for one when all are in flight (null
+  // then); and its return.
+  LocalCollectiveTask* take_task(int rank);
+  void return_task(LocalCollectiveTask* task);
 
   int world_size() const { return world_size_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
   // Sets the group's sticky error (the first one wins) and wakes every waiting rank.
   void fail(Status reason);
   Status error() const;
@@ -48,9 +77,10 @@ class LocalGroup {
 
  private:
   struct Slot {
-    std::vector<Collective> ops;     // per rank; name points into names
-    std::vector<std::string> names;  // per rank
-    std::vector<char> arrived;       // per rank
+    std::uint64_t sequence = 0;
+    std::vector<Collective> ops;          // per rank; names point into the ranks' tasks
+    std::vector<const std::byte*> sends;  // per rank: ops[r].send
+    std::vector<char> arrived;            // per rank
     int arrived_count = 0;
     int reduced_count = 0;  // all_reduce: ranks that wrote their share of `result`
     int done_count = 0;     // ranks that finished reading other ranks' buffers
@@ -60,6 +90,10 @@ class LocalGroup {
   };
 
   void fail_locked(Status reason);
+  // The slot of collective `sequence`: the one in use for it, else a free one (lock held).
+  Slot& slot_for(std::uint64_t sequence);
+  // Frees a slot every rank has left (lock held).
+  void free_slot(Slot& slot);
   // Checks that every rank issued the same collective; called by the last rank to arrive.
   Status check_agreement(const Slot& slot, std::uint64_t sequence) const;
   // Waits (lock held) until `pred` or the sticky error; a timeout fails the group with a message
@@ -70,13 +104,22 @@ class LocalGroup {
   void compute(int rank, const Slot& slot, const Collective& op, int phase);
   // The group's error, as the failed collective `label` on `rank` reports it.
   Status error_for(std::string_view label, int rank) const;
+  Status error_for(const Collective& op, std::uint64_t sequence, int rank) const;
 
   const int world_size_;
   const std::chrono::milliseconds timeout_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   Status error_;
-  std::map<std::uint64_t, Slot> slots_;
+  // world * kTasksPerRank slots, made with the group; used_slots_ and free_slots_ hold each one
+  // once (their capacity is the count, so moving between them never allocates).
+  std::vector<std::unique_ptr<Slot>> slots_;
+  std::vector<Slot*> used_slots_;
+  std::vector<Slot*> free_slots_;
+  std::mutex task_mu_;
+  std::condition_variable task_cv_;
+  std::vector<std::unique_ptr<LocalCollectiveTask>> tasks_;    // kTasksPerRank per rank
+  std::vector<std::vector<LocalCollectiveTask*>> free_tasks_;  // per rank, capacity kTasksPerRank
   std::uint64_t barrier_generation_ = 0;
   int barrier_arrived_ = 0;
 };
@@ -99,8 +142,6 @@ class LocalComm final : public Communicator {
   Status status() const override { return group_->error(); }
 
  private:
-  Status validate(const Collective& op, std::string_view label) const;
-
   std::shared_ptr<LocalGroup> group_;
   const int rank_;
   Device* device_;
@@ -108,7 +149,7 @@ class LocalComm final : public Communicator {
   std::string name_;
   std::mutex issue_mu_;
   std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_
-  int group_depth_ = 0;              // guarded by issue_mu_
+  GroupDepth group_depth_;           // guarded by issue_mu_
 };
 
 }  // namespace zinf

@@ -216,17 +216,11 @@ class MpiComm final : public Communicator {
   Status issue(const Collective& op, Stream& stream) override;
   Status group_start() override {
     std::lock_guard<std::mutex> lock(issue_mu_);
-    ++group_depth_;
-    return Status::ok();
+    return group_depth_.start();
   }
   Status group_end() override {
     std::lock_guard<std::mutex> lock(issue_mu_);
-    if (group_depth_ == 0) {
-      return Status::failed_precondition(
-          fmt::format("{}: group_end() without a matching group_start()", name_));
-    }
-    --group_depth_;
-    return Status::ok();
+    return group_depth_.end(name_);
   }
   Status barrier(std::chrono::milliseconds timeout) override;
   Status wait(Event& event, std::chrono::milliseconds timeout) override;
@@ -277,7 +271,7 @@ class MpiComm final : public Communicator {
 
   std::mutex issue_mu_;
   std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_
-  int group_depth_ = 0;              // guarded by issue_mu_
+  GroupDepth group_depth_;           // guarded by issue_mu_
   std::uint64_t barrier_generation_ = 0;
 
   mutable std::mutex mu_;
@@ -732,7 +726,7 @@ Status MpiComm::issue(const Collective& op, Stream& stream) {
     return Status::aborted(
         fmt::format("{} on {}: the communicator was aborted: {}", label, name_, error.to_string()));
   }
-  Status valid = validate_collective(op, rank_, world_size_, name_, label);
+  Status valid = validate_collective(op, sequence, rank_, world_size_, name_);
   if (!valid.is_ok()) {
     fail(valid, /*tell_peers=*/true);
     return valid;

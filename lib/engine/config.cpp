@@ -7,12 +7,10 @@
 // file order (check_config); parse_config() fails with the first refused key's report, so the
 // engine, the planner and `zinf config check` give the same message for the same file.
 //
-// To add a section (say "scheduler"), give it a table of its keys and a row in kRootKeys that
+// To add a section (say "monitor"), give it a table of its keys and a row in kRootKeys that
 // points at it (or a walk function, as the optimizer has, when one key decides what the others
 // mean), and read its values into Config in the readers.
 #include "zinf/config.hpp"
-
-#include "engine/config_names.hpp"
 
 #include <fmt/format.h>
 
@@ -25,6 +23,9 @@
 #include <optional>
 #include <span>
 #include <sstream>
+
+#include "engine/config_names.hpp"
+#include "engine/schedule.hpp"
 
 namespace zinf {
 namespace {
@@ -352,6 +353,7 @@ const Key kZinfKeys[] = {
 };
 
 void walk_optimizer(const Json& section, const std::string& path, Walk& w);
+void walk_scheduler(const Json& section, const std::string& path, Walk& w);
 
 constexpr std::string_view kProgramSide =
     "the training program's data loading, logging or checkpoint bookkeeping; zinf does not see "
@@ -376,9 +378,7 @@ const Key kRootKeys[] = {
     {.name = "zero_optimization", .keys = kZeroKeys},
     {.name = "aio", .keys = kAioKeys},
     {.name = "zinf", .keys = kZinfKeys},
-    {.name = "scheduler",
-     .refused = "learning-rate schedules are not read from the config; call "
-                "Engine::set_learning_rate() each step"},
+    {.name = "scheduler", .walk = walk_scheduler},
     {.name = "steps_per_print", .no_effect = kProgramSide},
     {.name = "wall_clock_breakdown", .no_effect = kMonitor},
     {.name = "memory_breakdown", .no_effect = kMonitor},
@@ -634,6 +634,28 @@ void walk_optimizer(const Json& section, const std::string& path, Walk& w) {
   if (in.lr_decay) o.lr_decay = *in.lr_decay;
   if (in.bias_correction) o.bias_correction = *in.bias_correction;
   w.config->optimizer = o;
+}
+
+// --- the scheduler ----------------------------------------------------------------------------
+//
+// parse_scheduler_section() (engine/schedule.cpp) reads the section and names the first key it
+// refuses; validate() checks the values against the optimizer's lr (LrSchedule::create()).
+void walk_scheduler(const Json& section, const std::string& path, Walk& w) {
+  const Json& params = section.contains("params") ? section.at("params") : Json::object();
+  for (auto it = params.begin(); params.is_object() && it != params.end(); ++it) {
+    if (it.value() == "auto") return w.refuse(path + ".params." + it.key(), std::string(kAutoWhy));
+  }
+  if (const Status s = parse_scheduler_section(section, &w.config->scheduler); !s.is_ok()) {
+    const std::string message(s.message());
+    const std::size_t colon = message.find(": ");
+    return w.refuse(message.substr(0, colon), message.substr(colon + 2));
+  }
+  for (auto it = section.begin(); it != section.end(); ++it) {
+    if (it.key() != "params") w.used(join(path, it.key()));
+    for (auto p = params.begin(); it.key() == "params" && p != params.end(); ++p) {
+      w.used(path + ".params." + p.key());
+    }
+  }
 }
 
 Status invalid(std::string_view key, std::string_view why) {

@@ -17,6 +17,48 @@ Status invalid(std::string_view key, std::string_view why) {
   return Status::invalid_argument(fmt::format("{}: {}", key, why));
 }
 
+// The keys the schedule's type takes in DeepSpeed, each written out; a value that means "not
+// given" (a negative warmup_max_lr, cycle_second_*) is left out, so it is not given when read back.
+Json scheduler_to_json(const ScheduleConfig& s) {
+  Json p;
+  switch (s.kind) {
+    case ScheduleKind::kNone:
+      break;
+    case ScheduleKind::kWarmupLR:
+    case ScheduleKind::kWarmupDecayLR:
+    case ScheduleKind::kWarmupCosineLR:
+      if (s.kind != ScheduleKind::kWarmupLR) p["total_num_steps"] = s.total_num_steps;
+      if (s.kind == ScheduleKind::kWarmupCosineLR) {
+        p["warmup_min_ratio"] = s.warmup_min_ratio;
+        p["cos_min_ratio"] = s.cos_min_ratio;
+      } else {
+        p["warmup_min_lr"] = s.warmup_min_lr;
+        if (s.warmup_max_lr >= 0) p["warmup_max_lr"] = s.warmup_max_lr;
+      }
+      p["warmup_num_steps"] = s.warmup_num_steps;
+      p["warmup_type"] = s.warmup_linear ? "linear" : "log";
+      break;
+    case ScheduleKind::kOneCycle:
+      p["cycle_min_lr"] = s.cycle_min_lr;
+      p["cycle_max_lr"] = s.cycle_max_lr;
+      p["decay_lr_rate"] = s.decay_lr_rate;
+      p["cycle_first_step_size"] = s.cycle_first_step_size;
+      if (s.cycle_second_step_size >= 0) p["cycle_second_step_size"] = s.cycle_second_step_size;
+      p["cycle_first_stair_count"] = s.cycle_first_stair_count;
+      if (s.cycle_second_stair_count >= 0) {
+        p["cycle_second_stair_count"] = s.cycle_second_stair_count;
+      }
+      p["decay_step_size"] = s.decay_step_size;
+      p["cycle_momentum"] = s.cycle_momentum;
+      p["cycle_min_mom"] = s.cycle_min_mom;
+      p["cycle_max_mom"] = s.cycle_max_mom;
+      p["decay_mom_rate"] = s.decay_mom_rate;
+      break;
+  }
+  p["last_batch_iteration"] = s.last_batch_iteration;
+  return {{"type", std::string(schedule_name(s.kind))}, {"params", p}};
+}
+
 }  // namespace
 
 std::string_view deepspeed_type_name(OptimizerKind kind) {
@@ -116,6 +158,10 @@ Status validate(const Config& c) {
   if (!(o.lr_decay >= 0.0) || !std::isfinite(o.lr_decay)) {
     return invalid("optimizer.params.lr_decay", fmt::format("{} is below 0", o.lr_decay));
   }
+  if (c.scheduler.kind != ScheduleKind::kNone) {
+    // Errors name the scheduler.params key.
+    ZINF_RETURN_IF_ERROR(LrSchedule::create(c.scheduler, o.lr).status());
+  }
   if (c.aio_block_bytes == 0 || c.aio_block_bytes % 4096 != 0) {
     return invalid("aio.block_size",
                    fmt::format("{} is not a positive multiple of 4096", c.aio_block_bytes));
@@ -189,6 +235,7 @@ std::string config_to_json(const Config& c) {
       break;
   }
   out["optimizer"] = {{"type", std::string(deepspeed_type_name(o.kind))}, {"params", params}};
+  if (c.scheduler.kind != ScheduleKind::kNone) out["scheduler"] = scheduler_to_json(c.scheduler);
   Json zero;
   zero["stage"] = z.stage;
   zero["offload_optimizer"] = offload(z.offload_optimizer, false);

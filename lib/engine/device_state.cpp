@@ -17,14 +17,9 @@ int piece_index(Piece piece) {
   return piece == Piece::kParams ? 0 : piece == Piece::kExpAvg ? 1 : 2;
 }
 
-class DeviceState final : public OptimizerState {
+class DeviceState final : public InMemoryState {
  public:
-  DeviceState(const StateContext& ctx)
-      : ctx_(ctx),
-        layout_(*ctx.layout),
-        pub_(*ctx.publisher),
-        groups_(context_groups(ctx)),
-        partition_elements_(layout_.partition_elements()) {}
+  explicit DeviceState(const StateContext& ctx) : InMemoryState(ctx) {}
 
   // The initial master built on the host once, uploaded, and rounded into the publisher's
   // buffer for the first placement.
@@ -47,11 +42,6 @@ class DeviceState final : public OptimizerState {
 
   GradTarget grad_target() override { return {.accumulator = opt_->grads(), .on_device = true}; }
   Result<double> local_sum_of_squares() override { return opt_->sum_of_squares(); }
-  Status set_group_params(std::span<const OptimizerParams> groups) override {
-    ZINF_RETURN_IF_ERROR(check_group_params(groups, groups_.size(), groups_[0].kind));
-    std::copy(groups.begin(), groups.end(), groups_.begin());
-    return Status::ok();
-  }
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
     ZINF_RETURN_IF_ERROR(opt_->step(step, grad_scale, groups_));
     return StepStats{};
@@ -128,15 +118,7 @@ class DeviceState final : public OptimizerState {
         first, count, src, [](DType) { return true; },
         [&](std::uint32_t g) { return pub_.buffer(g); });
   }
-  Status write_buffer() {
-    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); });
-  }
 
-  StateContext ctx_;
-  const ParameterLayout& layout_;
-  Publisher& pub_;
-  std::vector<OptimizerParams> groups_;
-  const std::size_t partition_elements_;
   std::unique_ptr<DeviceOptimizer> opt_;
 };
 

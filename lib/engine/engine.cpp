@@ -85,7 +85,8 @@ class Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(StepNumerics numerics,
                           StepNumerics::create(config_, device_, comm_, timeout_));
     numerics_.emplace(std::move(numerics));
-    ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(ScheduleConfig{}, config_.optimizer.lr));
+    // The config's scheduler section (kind kNone without one: the optimizer's lr).
+    ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(config_.scheduler, config_.optimizer.lr));
     return Status::ok();
   }
 
@@ -512,6 +513,7 @@ class Engine::Impl {
 
   Status set_lr_schedule(const ScheduleConfig& config) {
     ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(config, config_.optimizer.lr));
+    config_.scheduler = config;
     lr_override_ = false;
     return Status::ok();
   }

@@ -11,14 +11,9 @@
 namespace zinf {
 namespace {
 
-class HostState final : public OptimizerState {
+class HostState final : public InMemoryState {
  public:
-  HostState(const StateContext& ctx)
-      : ctx_(ctx),
-        layout_(*ctx.layout),
-        pub_(*ctx.publisher),
-        groups_(context_groups(ctx)),
-        partition_elements_(layout_.partition_elements()) {}
+  explicit HostState(const StateContext& ctx) : InMemoryState(ctx) {}
 
   Status open() {
     Device& device = *ctx_.device;
@@ -43,11 +38,6 @@ class HostState final : public OptimizerState {
   GradTarget grad_target() override { return {.accumulator = grads_.as<float>()}; }
   Result<double> local_sum_of_squares() override {
     return sum_of_squares(grads_.as<const float>(), partition_elements_);
-  }
-  Status set_group_params(std::span<const OptimizerParams> groups) override {
-    ZINF_RETURN_IF_ERROR(check_group_params(groups, groups_.size(), groups_[0].kind));
-    std::copy(groups.begin(), groups.end(), groups_.begin());
-    return Status::ok();
   }
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
     StepOptions so;
@@ -107,17 +97,9 @@ class HostState final : public OptimizerState {
     pub_.narrow_groups(0, partition_elements_, master_.as<const float>(), want,
                        [&](std::uint32_t g) { return pub_.buffer(g); });
   }
-  Status write_buffer() {
-    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); });
-  }
 
-  StateContext ctx_;
-  const ParameterLayout& layout_;
-  Publisher& pub_;
-  std::vector<OptimizerParams> groups_;
   // Per dtype group: the parameter groups' runs in it, relative to its offset.
   std::vector<std::vector<OptimizerRange>> group_ranges_;
-  const std::size_t partition_elements_;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
 };
 

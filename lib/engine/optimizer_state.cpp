@@ -3,6 +3,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+
 namespace zinf {
 
 std::vector<Piece> state_pieces(OptimizerKind kind) {
@@ -62,6 +64,23 @@ Result<std::unique_ptr<OptimizerState>> open_optimizer_state(const StateContext&
   }
   if (!ctx.device->host_accessible()) return open_device_state(ctx);
   return open_host_state(ctx);
+}
+
+InMemoryState::InMemoryState(const StateContext& ctx)
+    : ctx_(ctx),
+      layout_(*ctx.layout),
+      pub_(*ctx.publisher),
+      groups_(context_groups(ctx)),
+      partition_elements_(layout_.partition_elements()) {}
+
+Status InMemoryState::set_group_params(std::span<const OptimizerParams> groups) {
+  ZINF_RETURN_IF_ERROR(check_group_params(groups, groups_.size(), groups_[0].kind));
+  std::copy(groups.begin(), groups.end(), groups_.begin());
+  return Status::ok();
+}
+
+Status InMemoryState::write_buffer() {
+  return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); });
 }
 
 }  // namespace zinf

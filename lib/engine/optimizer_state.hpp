@@ -121,6 +121,25 @@ class OptimizerState {
   virtual std::uint64_t master_read_bytes() const { return 0; }
 };
 
+// What the two homes that hold the whole partition in one memory (DeviceState, HostState)
+// share: the context, each group's hyper-parameters (set_group_params() copies them for the
+// next step), and writing the publisher's buffer to the shards.
+class InMemoryState : public OptimizerState {
+ public:
+  Status set_group_params(std::span<const OptimizerParams> groups) override;
+
+ protected:
+  explicit InMemoryState(const StateContext& ctx);
+  // Every group's shard from the publisher's buffer (publisher.hpp), then published.
+  Status write_buffer();
+
+  StateContext ctx_;
+  const ParameterLayout& layout_;
+  Publisher& pub_;
+  std::vector<OptimizerParams> groups_;
+  const std::size_t partition_elements_;
+};
+
 // The pieces a checkpoint holds: the master and the moments the optimizer has.
 std::vector<Piece> state_pieces(OptimizerKind kind);
 

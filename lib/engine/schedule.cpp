@@ -31,7 +31,7 @@ std::string_view schedule_name(ScheduleKind kind) {
 
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 Status bad_value(std::string_view key, std::string_view why) {
   return Status::invalid_argument(fmt::format("scheduler.params.{}: {}", key, why));

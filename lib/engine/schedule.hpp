@@ -8,10 +8,11 @@
 
 namespace zinf {
 
-// Reads `section`, the value of the "scheduler" key: {"type": ..., "params": {...}}. Every key is
+// Reads `section`, the value of the "scheduler" key (in file order, so the first unknown key
+// named is the file's first): {"type": ..., "params": {...}}. Every key is
 // acted on or refused: an unknown type (LRRangeTest included) or an unknown key fails with
 // kInvalidArgument naming it ("scheduler.type", "scheduler.params.<key>"), as does a value of the
 // wrong kind. The values are checked fully by LrSchedule::create(), which needs the optimizer's lr.
-Status parse_scheduler_section(const nlohmann::json& section, ScheduleConfig* out);
+Status parse_scheduler_section(const nlohmann::ordered_json& section, ScheduleConfig* out);
 
 }  // namespace zinf

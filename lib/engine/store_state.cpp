@@ -185,7 +185,7 @@ class StoreState final : public OptimizerState {
 
   Status read_master(std::size_t begin, std::size_t end, MasterVisitor fn) override {
     StateStore& s = *store_;
-    if (s.tier(Piece::kParams) == Tier::kHost) {
+    if (s.tier(Piece::kParams) == StoreMedium::kHost) {
       fn(0, layout_.partition_elements(),
          reinterpret_cast<const float*>(s.host_data(Piece::kParams)));
       return Status::ok();
@@ -206,7 +206,7 @@ class StoreState final : public OptimizerState {
   Status read_state(Piece piece, StateVisitor fn) override {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
-    if (s.tier(piece) == Tier::kHost) {
+    if (s.tier(piece) == StoreMedium::kHost) {
       return fn(0, layout_.partition_elements(),
                 reinterpret_cast<const float*>(s.host_data(piece)));
     }
@@ -221,7 +221,7 @@ class StoreState final : public OptimizerState {
   Status write_state(Piece piece, StateFill fill) override {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
-    if (s.tier(piece) == Tier::kHost) {
+    if (s.tier(piece) == StoreMedium::kHost) {
       return fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)));
     }
     AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
@@ -242,7 +242,7 @@ class StoreState final : public OptimizerState {
     if (spill_ != nullptr) report.host_bytes += spill_->host_bytes();
     for (std::size_t p = 0; p < kPieceCount; ++p) {
       const auto piece = static_cast<Piece>(p);
-      if (store_->has(piece) && store_->tier(piece) == Tier::kHost) {
+      if (store_->has(piece) && store_->tier(piece) == StoreMedium::kHost) {
         report.host_bytes += layout_.partition_elements() * dtype_bytes(store_->dtype(piece));
       }
     }
@@ -268,7 +268,7 @@ class StoreState final : public OptimizerState {
           // Streamed, there is no partition-wide copy: place_initial() reads the master back.
           if (publish_ != Publish::kStreamed) narrow_all(first, size, block.as<const float>());
         }
-        if (s.tier(piece) == Tier::kHost) {
+        if (s.tier(piece) == StoreMedium::kHost) {
           std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
         } else {
           ZINF_RETURN_IF_ERROR(s.write_piece(piece, i, block.data()));
@@ -346,12 +346,13 @@ StateStoreOptions store_options(const Config& config, const ParameterLayout& lay
   so.grad_dtype = DType::kF32;
   so.with_half = layout.all_one_half();
   so.half_dtype = layout.half_dtype();
-  const Tier state_tier =
-      z.offload_optimizer.device == OffloadDevice::kNvme ? Tier::kNvme : Tier::kHost;
+  const StoreMedium state_tier =
+      z.offload_optimizer.device == OffloadDevice::kNvme ? StoreMedium::kNvme : StoreMedium::kHost;
   // validate() allows gradients_on_nvme only with the optimizer state on NVMe.
-  const Tier grad_tier = config.gradients_on_nvme ? Tier::kNvme : Tier::kHost;
+  const StoreMedium grad_tier = config.gradients_on_nvme ? StoreMedium::kNvme : StoreMedium::kHost;
   const bool streamed = publish_way(config, layout) == Publish::kStreamed;
-  so.tiers = {state_tier, state_tier, state_tier, grad_tier, streamed ? Tier::kBlock : Tier::kHost};
+  so.tiers = {state_tier, state_tier, state_tier, grad_tier,
+              streamed ? StoreMedium::kBlock : StoreMedium::kHost};
   so.key_prefix = fmt::format("rank{}/opt", rank);
   return so;
 }

@@ -316,7 +316,7 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
                                  std::int64_t* ns) {
   auto where = [&](Piece piece) -> std::byte* {
     if (!store_.has(piece)) return nullptr;
-    if (store_.tier(piece) == Tier::kHost) return store_.host_data(piece, i);
+    if (store_.tier(piece) == StoreMedium::kHost) return store_.host_data(piece, i);
     return block + store_.slot_offset(piece);
   };
   OptimizerSpan span;

@@ -24,23 +24,23 @@ Piece piece_at(std::size_t index) { return static_cast<Piece>(index); }
 
 }  // namespace
 
-std::string_view tier_name(Tier tier) {
-  switch (tier) {
-    case Tier::kHost:
+std::string_view store_medium_name(StoreMedium medium) {
+  switch (medium) {
+    case StoreMedium::kHost:
       return "host";
-    case Tier::kNvme:
+    case StoreMedium::kNvme:
       return "nvme";
-    case Tier::kBlock:
+    case StoreMedium::kBlock:
       return "block";
   }
   return "unknown";
 }
 
-bool parse_tier(std::string_view text, Tier* tier) {
+bool parse_store_medium(std::string_view text, StoreMedium* medium) {
   if (text == "host") {
-    *tier = Tier::kHost;
+    *medium = StoreMedium::kHost;
   } else if (text == "nvme") {
-    *tier = Tier::kNvme;
+    *medium = StoreMedium::kNvme;
   } else {
     return false;
   }
@@ -143,7 +143,7 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
     return Status::invalid_argument("StateStoreOptions: half_dtype must be bf16 or f16");
   }
   for (std::size_t p = 0; p < kPieceCount; ++p) {
-    if (options.tiers[p] == Tier::kBlock && piece_at(p) != Piece::kParamsHalf) {
+    if (options.tiers[p] == StoreMedium::kBlock && piece_at(p) != Piece::kParamsHalf) {
       return Status::invalid_argument(
           fmt::format("StateStoreOptions: {} cannot be on the block tier (only params_half)",
                       piece_name(piece_at(p))));
@@ -171,10 +171,10 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
   out.sub_group_count = (options.param_count + out.sub_group_params - 1) / out.sub_group_params;
   const std::size_t last = options.param_count - (out.sub_group_count - 1) * out.sub_group_params;
   for (std::size_t p = 0; p < kPieceCount; ++p) {
-    if (!has[p] || options.tiers[p] == Tier::kHost) continue;
+    if (!has[p] || options.tiers[p] == StoreMedium::kHost) continue;
     const std::size_t bytes = dtype_bytes(dtype_of(options, piece_at(p)));
     out.block_bytes += round_up(out.sub_group_params * bytes, kPage);
-    if (options.tiers[p] == Tier::kBlock) continue;  // a slot only: never stored
+    if (options.tiers[p] == StoreMedium::kBlock) continue;  // a slot only: never stored
     out.nvme_bytes += (out.sub_group_count - 1) * round_up(out.sub_group_params * bytes, kPage) +
                       round_up(last * bytes, kPage);
     out.nvme_extents += out.sub_group_count;
@@ -200,8 +200,8 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
     const Piece piece = piece_at(p);
     if (!s.has(piece)) continue;
     const std::size_t piece_bytes = s.sub_group_params_ * dtype_bytes(s.dtype(piece));
-    if (s.tier(piece) != Tier::kHost) {
-      any_nvme = any_nvme || s.tier(piece) == Tier::kNvme;
+    if (s.tier(piece) != StoreMedium::kHost) {
+      any_nvme = any_nvme || s.tier(piece) == StoreMedium::kNvme;
       s.slot_offset_[p] = offset;
       offset += round_up(piece_bytes, kPage);
     } else {
@@ -224,11 +224,11 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
     for (std::size_t p = 0; p < kPieceCount; ++p) {
       const Piece piece = piece_at(p);
       if (!s.has(piece)) continue;
-      if (s.tier(piece) == Tier::kHost) {
+      if (s.tier(piece) == StoreMedium::kHost) {
         s.state(piece, i) = static_cast<std::uint8_t>(Residency::kHost);
         continue;
       }
-      if (s.tier(piece) == Tier::kBlock) continue;  // kAbsent for good
+      if (s.tier(piece) == StoreMedium::kBlock) continue;  // kAbsent for good
       const std::size_t bytes = s.piece_bytes(piece, i);
       if (round_up(bytes, kPage) > swap->options().max_op_bytes) {
         return Status::invalid_argument(fmt::format(
@@ -273,7 +273,7 @@ std::size_t StateStore::slot_offset(Piece piece) const {
 }
 
 std::byte* StateStore::host_data(Piece piece) const {
-  ZINF_ASSERT(has(piece) && tier(piece) == Tier::kHost);
+  ZINF_ASSERT(has(piece) && tier(piece) == StoreMedium::kHost);
   return const_cast<std::byte*>(host_[static_cast<std::size_t>(piece)].data());
 }
 
@@ -302,8 +302,8 @@ Residency StateStore::residency(Piece piece, std::size_t i) const {
 
 Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
   ZINF_ASSERT(has(piece));
-  if (tier(piece) == Tier::kBlock) return not_kept(options_.key_prefix, i, piece);
-  if (tier(piece) == Tier::kHost) {
+  if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);
+  if (tier(piece) == StoreMedium::kHost) {
     std::memcpy(host_data(piece, i), data, piece_bytes(piece, i));
     return Status::ok();
   }
@@ -321,8 +321,8 @@ Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
 
 Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
   ZINF_ASSERT(has(piece));
-  if (tier(piece) == Tier::kBlock) return not_kept(options_.key_prefix, i, piece);
-  if (tier(piece) == Tier::kHost) {
+  if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);
+  if (tier(piece) == StoreMedium::kHost) {
     std::memcpy(data, host_data(piece, i), piece_bytes(piece, i));
     return Status::ok();
   }

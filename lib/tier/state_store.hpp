@@ -10,7 +10,9 @@
 //   grads          f32, bf16 or f16      yes                no
 //   params_half    bf16 or f16, optional no                 yes (produced by the same pass)
 //
-// Each kind of piece sits on one tier, chosen by StateStoreOptions::tiers:
+// Each kind of piece sits on one tier, a StoreMedium chosen by StateStoreOptions::tiers (where
+// this store keeps the piece's bytes; plan::MemoryTier, the planner's device / host / NVMe, is
+// where a kind of state lives in a whole job, the device included):
 //   kHost  one DRAM array for the whole partition, allocated at open(); the step updates it in
 //          place and the caller reads/writes it directly through host_data();
 //   kNvme  one SwapSpace extent per sub-group and piece, keyed "<prefix>/group<i>/<piece>"
@@ -58,9 +60,9 @@
 
 namespace zinf {
 
-enum class Tier : std::uint8_t { kHost = 0, kNvme = 1, kBlock = 2 };
-std::string_view tier_name(Tier tier);  // "host", "nvme", "block"
-bool parse_tier(std::string_view text, Tier* tier);
+enum class StoreMedium : std::uint8_t { kHost = 0, kNvme = 1, kBlock = 2 };
+std::string_view store_medium_name(StoreMedium medium);  // "host", "nvme", "block"
+bool parse_store_medium(std::string_view text, StoreMedium* medium);
 
 enum class Piece : std::uint8_t {
   kParams = 0,
@@ -104,9 +106,10 @@ struct StateStoreOptions {
   // Whether the step produces half-precision parameters, and in which dtype (bf16 or f16).
   bool with_half = true;
   DType half_dtype = DType::kBF16;
-  // Tier of each piece, indexed by Piece. kBlock is allowed for kParamsHalf only.
-  std::array<Tier, kPieceCount> tiers = {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kNvme,
-                                         Tier::kNvme};
+  // StoreMedium of each piece, indexed by Piece. kBlock is allowed for kParamsHalf only.
+  std::array<StoreMedium, kPieceCount> tiers = {StoreMedium::kNvme, StoreMedium::kNvme,
+                                                StoreMedium::kNvme, StoreMedium::kNvme,
+                                                StoreMedium::kNvme};
   // First part of extent keys: one rank's store per prefix.
   std::string key_prefix = "rank0";
 };
@@ -149,13 +152,13 @@ class StateStore {
   std::size_t bytes_per_param() const;
 
   bool has(Piece piece) const { return has_[static_cast<std::size_t>(piece)]; }
-  Tier tier(Piece piece) const { return options_.tiers[static_cast<std::size_t>(piece)]; }
-  bool on_nvme(Piece piece) const { return has(piece) && tier(piece) == Tier::kNvme; }
+  StoreMedium tier(Piece piece) const { return options_.tiers[static_cast<std::size_t>(piece)]; }
+  bool on_nvme(Piece piece) const { return has(piece) && tier(piece) == StoreMedium::kNvme; }
   // Whether `piece` has a slot in the pool block (on NVMe, or kBlock).
-  bool in_block(Piece piece) const { return has(piece) && tier(piece) != Tier::kHost; }
+  bool in_block(Piece piece) const { return has(piece) && tier(piece) != StoreMedium::kHost; }
   // Whether the half output is handed over per sub-group (kBlock) rather than kept.
   bool streams_half() const {
-    return has(Piece::kParamsHalf) && tier(Piece::kParamsHalf) == Tier::kBlock;
+    return has(Piece::kParamsHalf) && tier(Piece::kParamsHalf) == StoreMedium::kBlock;
   }
   DType dtype(Piece piece) const;
   // Bytes of `piece` in sub-group i (elements times dtype bytes).

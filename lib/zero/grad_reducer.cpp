@@ -68,7 +68,7 @@ GradReducer::GradReducer(const Partitioner& partitioner, int rank, Device& devic
       options_(options),
       counters_(counters) {
   if (options.accumulator_on_device) {
-    // Device memory host code may not touch: reduce_group_on_device adds into it on the device.
+    // Device memory host code may not touch: accumulate() adds into it on the device.
     device_accumulator_ = accumulator;
   } else if (accumulator_ == nullptr) {
     memory_accumulator_ =
@@ -141,7 +141,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
 void GradReducer::zero() {
   // Callers wait() first: a reduce-scatter still adding into the accumulator would race.
   if (options_.accumulator_on_device) {
-    group_reduced_.assign(partitioner_.group_count(), false);  // see reduce_group_on_device
+    group_reduced_.assign(partitioner_.group_count(), false);  // see accumulate()
   } else {
     accumulator_->zero();
   }
@@ -166,6 +166,13 @@ Result<int> GradReducer::micro_batches() const {
   return static_cast<int>(first);
 }
 
+// The one bucket schedule, for every kind of device. For each chunk of group g's shard: wait on
+// the host until the bucket's previous reduce-scatter and accumulation have run, so that the
+// bucket, its staging buffer and its AddChunk record may be reused; fill the bucket (host code on
+// a host_accessible() device; otherwise DeviceOps work on fill_stream_, which stream_ then waits
+// for, so the host never touches the data); reduce-scatter it on stream_; add the rank's reduced
+// chunk into the accumulator (accumulate()); record that the bucket is free. Two buckets
+// alternate, so bucket k+1 fills while k reduces.
 template <typename Fill>
 Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
   const GroupInfo& info = partitioner_.group(g);
@@ -175,27 +182,46 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
     const std::size_t count = std::min(chunk_elements_, shard - c0);
     const int k = next_bucket_;
     next_bucket_ ^= 1;
-    // The bucket's previous reduce-scatter and accumulation must be done before it is refilled.
     ZINF_RETURN_IF_ERROR(device_.synchronize(*bucket_free_[k], options_.timeout));
     float* bucket = buckets_[k].as<float>();
     for (int q = 0; q < world_; ++q) {
-      fill(bucket + static_cast<std::size_t>(q) * count, partitioner_.shard_offset(g, q) + c0,
-           count);
+      ZINF_RETURN_IF_ERROR(fill(bucket + static_cast<std::size_t>(q) * count,
+                                partitioner_.shard_offset(g, q) + c0, count));
     }
-    float* recv = recv_[k].as<float>();
-    ZINF_RETURN_IF_ERROR(
-        comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
-    // The bucket's previous add has run (bucket_free_[k] was waited for above).
-    add_chunks_[k] = {accumulator_, offsets_[g] + c0, recv, count};
-    ZINF_RETURN_IF_ERROR(
-        device_.launch_host_func(*stream_, &GradReducer::add_chunk, &add_chunks_[k]));
+    if (ops_ != nullptr) {
+      ZINF_RETURN_IF_ERROR(device_.record(*filled_[k], *fill_stream_));
+      ZINF_RETURN_IF_ERROR(device_.wait(*stream_, *filled_[k]));
+    }
+    ZINF_RETURN_IF_ERROR(comm_.reduce_scatter(bucket, recv_[k].as<float>(), count, DType::kF32,
+                                              ReduceOp::kAverage, *stream_, name));
+    ZINF_RETURN_IF_ERROR(accumulate(g, k, offsets_[g] + c0, count));
     ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
     if (counters_ != nullptr) {
       ++counters_->buckets_reduced;
       counters_->reduce_scatter_bytes += count * static_cast<std::size_t>(world_) * 4;
     }
   }
+  if (options_.accumulator_on_device) group_reduced_[g] = true;
   return Status::ok();
+}
+
+Status GradReducer::accumulate(std::uint32_t g, int k, std::size_t first, std::size_t count) {
+  const float* recv = recv_[k].as<float>();
+  if (options_.accumulator_on_device) {
+    // The group's first reduction since zero() overwrites its slice of the accumulator.
+    return ops_->widen(recv, DType::kF32, device_accumulator_ + first, count,
+                       /*accumulate=*/group_reduced_[g], *stream_);
+  }
+  const float* values = recv;
+  if (ops_ != nullptr) {
+    // Host code may not read this device's memory: the chunk comes down into pinned staging.
+    float* staged = recv_host_[k].as<float>();
+    ZINF_RETURN_IF_ERROR(device_.copy_d2h(staged, recv, count * sizeof(float), *stream_));
+    values = staged;
+  }
+  // The bucket's previous add has run (reduce_group waited for bucket_free_[k]).
+  add_chunks_[k] = {accumulator_, first, values, count};
+  return device_.launch_host_func(*stream_, &GradReducer::add_chunk, &add_chunks_[k]);
 }
 
 Status GradReducer::add_chunk(void* chunk, const Status& upstream) {
@@ -243,6 +269,7 @@ Status GradReducer::reduce(std::span<const std::uint32_t> groups,
         widen(sources[id].data, sources[id].dtype, lo - loc.group_offset, hi - lo,
               dst + (lo - begin));
       }
+      return Status::ok();
     });
     ZINF_RETURN_IF_ERROR(st);
     for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
@@ -257,10 +284,9 @@ Status GradReducer::reduce_accumulated() {
   if (ops_ != nullptr) {
     for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
       float* full = full_[g].as<float>();
-      ZINF_RETURN_IF_ERROR(
-          reduce_group_on_device(g, [&](float* dst, std::size_t begin, std::size_t count) {
-            return device_.copy_d2d(dst, full + begin, count * sizeof(float), *fill_stream_);
-          }));
+      ZINF_RETURN_IF_ERROR(reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
+        return device_.copy_d2d(dst, full + begin, count * sizeof(float), *fill_stream_);
+      }));
     }
     // The full gradients stay as they are: see zero().
     return wait();
@@ -269,6 +295,7 @@ Status GradReducer::reduce_accumulated() {
     const float* full = full_[g].as<float>();
     ZINF_RETURN_IF_ERROR(reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
       std::memcpy(dst, full + begin, count * sizeof(float));
+      return Status::ok();
     }));
   }
   ZINF_RETURN_IF_ERROR(wait());
@@ -315,32 +342,31 @@ Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
       const GroupInfo& info = partitioner_.group(g);
       // Each rank's slot of the bucket: the gradients that overlap it, widened, and zeros in
       // between (padding). Parameters lie in a group in increasing offsets.
-      Status st = reduce_group_on_device(
-          g, [&](float* dst, std::size_t begin, std::size_t count) -> Status {
-            const std::size_t end = begin + count;
-            std::size_t cursor = begin;
-            for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-              const ParamLocation& loc = partitioner_.location(id);
-              const std::size_t lo = std::max(begin, loc.group_offset);
-              const std::size_t hi = std::min(end, loc.group_offset + loc.element_count);
-              if (lo >= hi) continue;
-              ZINF_ASSERT(sources[id].data != nullptr && lo >= cursor);
-              if (lo > cursor) {
-                ZINF_RETURN_IF_ERROR(device_.memset_async(
-                    dst + (cursor - begin), 0, (lo - cursor) * sizeof(float), *fill_stream_));
-              }
-              const auto* src = static_cast<const std::byte*>(sources[id].data) +
-                                (lo - loc.group_offset) * dtype_bytes(sources[id].dtype);
-              ZINF_RETURN_IF_ERROR(ops_->widen(src, sources[id].dtype, dst + (lo - begin), hi - lo,
-                                               /*accumulate=*/false, *fill_stream_));
-              cursor = hi;
-            }
-            if (cursor < end) {
-              return device_.memset_async(dst + (cursor - begin), 0, (end - cursor) * sizeof(float),
-                                          *fill_stream_);
-            }
-            return Status::ok();
-          });
+      Status st = reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) -> Status {
+        const std::size_t end = begin + count;
+        std::size_t cursor = begin;
+        for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+          const ParamLocation& loc = partitioner_.location(id);
+          const std::size_t lo = std::max(begin, loc.group_offset);
+          const std::size_t hi = std::min(end, loc.group_offset + loc.element_count);
+          if (lo >= hi) continue;
+          ZINF_ASSERT(sources[id].data != nullptr && lo >= cursor);
+          if (lo > cursor) {
+            ZINF_RETURN_IF_ERROR(device_.memset_async(
+                dst + (cursor - begin), 0, (lo - cursor) * sizeof(float), *fill_stream_));
+          }
+          const auto* src = static_cast<const std::byte*>(sources[id].data) +
+                            (lo - loc.group_offset) * dtype_bytes(sources[id].dtype);
+          ZINF_RETURN_IF_ERROR(ops_->widen(src, sources[id].dtype, dst + (lo - begin), hi - lo,
+                                           /*accumulate=*/false, *fill_stream_));
+          cursor = hi;
+        }
+        if (cursor < end) {
+          return device_.memset_async(dst + (cursor - begin), 0, (end - cursor) * sizeof(float),
+                                      *fill_stream_);
+        }
+        return Status::ok();
+      });
       ZINF_RETURN_IF_ERROR(st);
       for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
         ++counts_[id];
@@ -349,55 +375,6 @@ Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
   }
   // As on the host path, the call returns once the gradients have been read.
   return device_.synchronize(*fill_stream_, options_.timeout);
-}
-
-// The schedule of reduce_group with the host kept out of the data: the fill stream waits for the
-// bucket's previous reduce-scatter (an event, not a host wait) and fills it; the reducer's stream
-// waits for the fill, reduce-scatters, copies the rank's reduced chunk into a pinned staging
-// buffer and adds it into the (host) accumulator in a host function. Two buckets, two staging
-// buffers: bucket k+1 fills while k reduces.
-template <typename Fill>
-Status GradReducer::reduce_group_on_device(std::uint32_t g, Fill fill) {
-  const GroupInfo& info = partitioner_.group(g);
-  const std::size_t shard = info.shard_element_count;
-  const std::string& name = group_names_[g];
-  for (std::size_t c0 = 0; c0 < shard; c0 += chunk_elements_) {
-    const std::size_t count = std::min(chunk_elements_, shard - c0);
-    const int k = next_bucket_;
-    next_bucket_ ^= 1;
-    ZINF_RETURN_IF_ERROR(device_.wait(*fill_stream_, *bucket_free_[k]));
-    float* bucket = buckets_[k].as<float>();
-    for (int q = 0; q < world_; ++q) {
-      ZINF_RETURN_IF_ERROR(fill(bucket + static_cast<std::size_t>(q) * count,
-                                partitioner_.shard_offset(g, q) + c0, count));
-    }
-    ZINF_RETURN_IF_ERROR(device_.record(*filled_[k], *fill_stream_));
-    ZINF_RETURN_IF_ERROR(device_.wait(*stream_, *filled_[k]));
-    float* recv = recv_[k].as<float>();
-    ZINF_RETURN_IF_ERROR(
-        comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
-    const std::size_t first = offsets_[g] + c0;
-    if (options_.accumulator_on_device) {
-      // The group's first reduction since zero() overwrites its slice of the accumulator.
-      ZINF_RETURN_IF_ERROR(ops_->widen(recv, DType::kF32, device_accumulator_ + first, count,
-                                       /*accumulate=*/group_reduced_[g], *stream_));
-    } else {
-      float* staged = recv_host_[k].as<float>();
-      ZINF_RETURN_IF_ERROR(device_.copy_d2h(staged, recv, count * sizeof(float), *stream_));
-      // The host does not wait for the bucket here (only the fill stream does), so each chunk
-      // carries its own closure.
-      GradAccumulator* acc = accumulator_;
-      ZINF_RETURN_IF_ERROR(device_.launch_host(
-          *stream_, [acc, first, staged, count]() { return acc->add(first, count, staged); }));
-    }
-    ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
-    if (counters_ != nullptr) {
-      ++counters_->buckets_reduced;
-      counters_->reduce_scatter_bytes += count * static_cast<std::size_t>(world_) * 4;
-    }
-  }
-  if (options_.accumulator_on_device) group_reduced_[g] = true;
-  return Status::ok();
 }
 
 }  // namespace zinf

@@ -21,11 +21,14 @@
 // Host work: on a host_accessible() device (HostDevice) buckets are filled by host code on the
 // calling thread and results accumulated by host functions; the collectives run on the reducer's
 // stream. On any other device (CudaDevice, an opaque HostDevice) the gradients and buckets are
-// never touched by host code (see reduce_group_on_device): buckets are filled by DeviceOps on a
+// never touched by host code (see reduce_group): buckets are filled by DeviceOps on a
 // fill stream (memset for padding, widen for gradients), each reduced chunk comes back by
 // copy_d2h into a registered (pinned) host staging buffer and is added into the accumulator in
 // host memory by a host function, or, with options.accumulator_on_device, added on the device by
 // widen; stage 1's full-size gradients are device memory, summed by widen with accumulate.
+// Both kinds of device run one bucket schedule (reduce_group); only the fill and the last hop
+// into the accumulator differ. Nothing is allocated per bucket: each bucket has its own record
+// for the host function that adds its chunk, reused once the bucket is free again.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -113,18 +116,20 @@ class GradReducer {
  private:
   GradReducer(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
               float* accumulator, const GradReducerOptions& options, ZeroCounters* counters);
-  // Reduce-scatters group g, bucket by bucket; `fill(dst, group_offset, count)` writes `count`
-  // f32 gradient elements of the group starting at `group_offset` into `dst`.
+  // Reduce-scatters group g, bucket by bucket (the one schedule: see grad_reducer.cpp);
+  // `fill(dst, group_offset, count)` writes `count` f32 gradient elements of the group starting
+  // at `group_offset` into `dst` (host code on a host_accessible() device, else work enqueued on
+  // fill_stream_) and returns its Status.
   template <typename Fill>
   Status reduce_group(std::uint32_t g, Fill fill);
+  // Adds bucket k's reduced chunk (`count` elements at accumulator offset `first`) into the
+  // accumulator, in stream_'s order.
+  Status accumulate(std::uint32_t g, int k, std::size_t first, std::size_t count);
 
-  // Not host_accessible() devices: the same bucket schedule, with `fill(dst, group_offset,
-  // count)` enqueueing work on fill_stream_ and returning its Status.
+  // Not host_accessible() devices: DeviceOps, the fill stream and the staging buffers.
   Status create_device_side();
   Status reduce_on_device(std::span<const std::uint32_t> groups,
                           std::span<const GradSource> sources);
-  template <typename Fill>
-  Status reduce_group_on_device(std::uint32_t g, Fill fill);
 
   const Partitioner& partitioner_;
   const int rank_;
@@ -158,7 +163,7 @@ class GradReducer {
   std::unique_ptr<Event> bucket_free_[2];
   int next_bucket_ = 0;
   std::vector<DeviceBuffer> full_;  // stage 1: per group, padded_element_count floats
-  // Not host_accessible() devices only (ops_ set): see reduce_group_on_device.
+  // Not host_accessible() devices only (ops_ set): see reduce_group.
   std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<Stream> fill_stream_;
   std::unique_ptr<Event> filled_[2];

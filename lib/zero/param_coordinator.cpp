@@ -3,7 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
+#include <optional>
+#include <utility>
 
 #include "base/assert.hpp"
 
@@ -24,7 +27,8 @@ ParamCoordinator::ParamCoordinator(const Partitioner& partitioner, int rank, Dev
       comm_(comm),
       options_(options),
       swap_(swap),
-      counters_(counters) {}
+      counters_(counters),
+      spare_bytes_max_(options.max_live_elements * 4) {}
 
 ParamCoordinator::~ParamCoordinator() {
   if (stream_ != nullptr) (void)device_.synchronize(*stream_, options_.timeout);
@@ -33,8 +37,7 @@ ParamCoordinator::~ParamCoordinator() {
 Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
     const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
     std::vector<CoordinatorModule> modules, std::vector<bool> persistent,
-    const ParamCoordinatorOptions& options, SwapSpace* swap, IoEngine* io,
-    ZeroCounters* counters) {
+    const ParamCoordinatorOptions& options, SwapSpace* swap, IoEngine* io, ZeroCounters* counters) {
   ZINF_ASSERT(partitioner.finalized());
   ZINF_ASSERT(persistent.size() == partitioner.group_count());
   std::unique_ptr<ParamCoordinator> c(
@@ -86,7 +89,14 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
     pool.device = &device;
     ZINF_ASSIGN_OR_RETURN(c->staging_, PinnedPool::create(pool));
     if (io != nullptr) ZINF_RETURN_IF_ERROR(c->staging_->register_with(*io));
+    c->reads_.resize(c->staging_->block_count());
   }
+  std::size_t partitioned_groups = 0;
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    if (!c->persistent_[g]) ++partitioned_groups;
+    c->group_names_.push_back(fmt::format("params group {}", g));
+  }
+  c->spare_.reserve(partitioned_groups);
   for (CoordinatorModule& m : modules) {
     Module mod;
     mod.name = std::move(m.name);
@@ -100,6 +110,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
     ZINF_ASSIGN_OR_RETURN(mod.ready, device.create_event());
     c->modules_.push_back(std::move(mod));
   }
+  c->prefetched_.reserve(c->modules_.size());
+  c->order_.reserve(c->modules_.size());
   ZINF_ASSIGN_OR_RETURN(c->stream_, device.create_stream("param_gather"));
   ZINF_ASSIGN_OR_RETURN(c->done_, device.create_event());
   if (counters != nullptr) {
@@ -209,8 +221,7 @@ Status ParamCoordinator::publish() {
     const std::size_t bytes = dtype_bytes(info.dtype);
     std::byte* full = full_[g].as<std::byte>();
     Status st = comm_.all_gather(full + partitioner_.shard_offset(g, rank_) * bytes, full,
-                                 info.shard_element_count, info.dtype, *stream_,
-                                 fmt::format("params group {}", g));
+                                 info.shard_element_count, info.dtype, *stream_, group_names_[g]);
     if (!st.is_ok()) {
       error_ = st;
       return st;
@@ -225,6 +236,15 @@ Status ParamCoordinator::publish() {
 
 Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
   Module& mod = modules_[m];
+  if (dry_run_) {
+    for (std::uint32_t g : mod.partitioned) {
+      const GroupInfo& info = partitioner_.group(g);
+      ZINF_ASSIGN_OR_RETURN(full_[g],
+                            take_buffer(info.padded_element_count * dtype_bytes(info.dtype)));
+    }
+    live_elements_ += mod.elements;
+    return Status::ok();
+  }
   for (std::uint32_t g : mod.partitioned) {
     const GroupInfo& info = partitioner_.group(g);
     const std::size_t bytes = dtype_bytes(info.dtype);
@@ -242,24 +262,30 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
       case OffloadDevice::kNvme: {
         // The read starts now; the stream waits for it, copies the block up and returns it, so
         // the block is busy only while its shard moves.
+        // The block's record holds the lease until release_shard_block has run; a block is
+        // leased once at a time, so its record is free whenever the block is.
         ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
-        ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, swap_->read(extent_[g], lease.data()));
-        auto held = std::make_shared<PinnedPool::Lease>(std::move(lease));
-        SwapSpace* swap = swap_;
-        const std::chrono::milliseconds timeout = options_.timeout;
-        ZINF_RETURN_IF_ERROR(device_.launch_host(
-            *stream_, [swap, ticket, timeout]() { return swap->wait(ticket, timeout); }));
-        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, held->data(), shard_bytes, *stream_));
-        ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [held]() {
-          held->release();
-          return Status::ok();
-        }));
+        ShardRead& read = reads_[lease.index()];
+        ZINF_ASSERT(!read.lease.valid() && !read.abandoned);
+        ZINF_ASSIGN_OR_RETURN(read.ticket, swap_->read(extent_[g], lease.data()));
+        read.swap = swap_;
+        read.timeout = options_.timeout;
+        read.lease = std::move(lease);
+        Status st = device_.launch_host_func(*stream_, &wait_shard_read, &read);
+        if (!st.is_ok()) {
+          // Nothing on the stream holds the block: wait for the read here, then return it.
+          (void)redeem_shard_read(read);
+          if (!read.abandoned) read.lease.release();
+          return st;
+        }
+        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, read.lease.data(), shard_bytes, *stream_));
+        ZINF_RETURN_IF_ERROR(device_.launch_host_func(*stream_, &release_shard_block, &read));
         if (counters_ != nullptr) counters_->param_nvme_read_bytes += round_page(shard_bytes);
         break;
       }
     }
     ZINF_RETURN_IF_ERROR(comm_.all_gather(own, full, info.shard_element_count, info.dtype, *stream_,
-                                          fmt::format("params group {}", g)));
+                                          group_names_[g]));
     if (counters_ != nullptr) counters_->all_gather_bytes += info.padded_element_count * bytes;
   }
   ZINF_RETURN_IF_ERROR(device_.record(*mod.ready, *stream_));
@@ -273,18 +299,49 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
   return Status::ok();
 }
 
+Status ParamCoordinator::redeem_shard_read(ShardRead& read) {
+  Status st = read.swap->wait(read.ticket, read.timeout);
+  if (st.code() != Code::kTimeout) return st;
+  // Past the timeout the read is cancelled and waited for once more; one the cancel does not
+  // end either is given up, and its block, which the device may still write, never goes back.
+  read.swap->cancel(read.ticket);
+  if (read.swap->wait(read.ticket, read.timeout).code() != Code::kTimeout) return st;
+  read.swap->abandon(read.ticket);
+  read.abandoned = true;
+  return Status::timeout(fmt::format("{}; a cancel did not end it either", st.message()));
+}
+
+Status ParamCoordinator::wait_shard_read(void* user, const Status& upstream) {
+  // Waited for even after an upstream failure, so that the block is quiet when it is returned.
+  Status st = redeem_shard_read(*static_cast<ShardRead*>(user));
+  return upstream.is_ok() ? st : upstream;
+}
+
+Status ParamCoordinator::release_shard_block(void* user, const Status& /*upstream*/) {
+  auto* read = static_cast<ShardRead*>(user);
+  if (!read->abandoned) read->lease.release();
+  return Status::ok();
+}
+
 Status ParamCoordinator::wait_ready(std::size_t m) {
-  Trace::Span span(options_.trace, options_.trace_track, "wait " + modules_[m].name);
+  if (dry_run_) return Status::ok();
+  // The span's name is built only when tracing: gather() runs every micro-batch.
+  std::optional<Trace::Span> span;
+  if (options_.trace != nullptr) {
+    span.emplace(options_.trace, options_.trace_track, "wait " + modules_[m].name);
+  }
   Status st = comm_.wait(*modules_[m].ready, options_.timeout);
   if (!st.is_ok()) error_ = st;
   return st;
 }
 
 Result<DeviceBuffer> ParamCoordinator::take_buffer(std::size_t bytes) {
-  auto it = spare_.find(bytes);
+  auto it = std::find_if(spare_.begin(), spare_.end(),
+                         [bytes](const SpareBuffer& s) { return s.bytes == bytes; });
   if (it == spare_.end()) return DeviceBuffer::allocate(device_, bytes);
-  DeviceBuffer buffer = std::move(it->second);
-  spare_.erase(it);
+  DeviceBuffer buffer = std::move(it->buffer);
+  *it = std::move(spare_.back());
+  spare_.pop_back();
   spare_bytes_ -= bytes;
   return buffer;
 }
@@ -293,9 +350,10 @@ void ParamCoordinator::free_module(std::size_t m, const char* what) {
   Module& mod = modules_[m];
   for (std::uint32_t g : mod.partitioned) {
     const std::size_t bytes = full_[g].bytes();
-    if (spare_bytes_ + bytes <= options_.max_live_elements * 4) {
+    if (bytes != 0 && spare_bytes_ + bytes <= spare_bytes_max_) {
+      ZINF_ASSERT(spare_.size() < spare_.capacity());  // see spare_
       spare_bytes_ += bytes;
-      spare_.emplace(bytes, std::move(full_[g]));
+      spare_.push_back({bytes, std::move(full_[g])});
     }
     full_[g].reset();
   }
@@ -345,6 +403,7 @@ Status ParamCoordinator::gather(std::size_t m) {
   if (counters_ != nullptr) ++counters_->gathers;
   if (!frozen_) {
     order_.push_back(m);
+    calls_.push_back({m, /*gather=*/true});
   } else if (cursor_ < order_.size() && order_[cursor_] == m) {
     ++cursor_;
   } else {
@@ -391,6 +450,7 @@ Status ParamCoordinator::release(std::size_t m) {
     return Status::failed_precondition(
         fmt::format("release('{}'): the module is not gathered", mod.name));
   }
+  if (!frozen_) calls_.push_back({m, /*gather=*/false});
   free_module(m, "release ");
   return Status::ok();
 }
@@ -416,8 +476,40 @@ Status ParamCoordinator::drop_prefetched() {
 }
 
 void ParamCoordinator::freeze_order() {
-  frozen_ = true;
+  if (!frozen_) {
+    frozen_ = true;
+    warm_up();
+  }
   cursor_ = 0;
+}
+
+void ParamCoordinator::warm_up() {
+  std::vector<Call> calls = std::move(calls_);
+  calls_ = {};
+  const bool idle = std::all_of(modules_.begin(), modules_.end(),
+                                [](const Module& mod) { return mod.state == State::kIdle; });
+  if (!idle || !prefetched_.empty() || !error_.is_ok()) return;
+  // Nothing counted, nothing traced, nothing moved: only the buffers' comings and goings.
+  ZeroCounters* counters = std::exchange(counters_, nullptr);
+  Trace* trace = std::exchange(options_.trace, nullptr);
+  dry_run_ = true;
+  const std::size_t spare_bytes_max = std::exchange(spare_bytes_max_, SIZE_MAX);
+  cursor_ = 0;
+  for (const Call& call : calls) {
+    const Status st = call.gather ? gather(call.module) : release(call.module);
+    if (!st.is_ok()) break;
+  }
+  for (std::size_t m = 0; m < modules_.size(); ++m) {
+    if (modules_[m].state != State::kIdle) free_module(m, "");
+  }
+  prefetched_.clear();
+  prefetched_elements_ = 0;
+  ZINF_ASSERT(live_elements_ == 0);
+  spare_bytes_max_ = std::max(spare_bytes_max, spare_bytes_);
+  error_ = Status::ok();  // a buffer that could not be made here is the real gather's error
+  dry_run_ = false;
+  options_.trace = trace;
+  counters_ = counters;
 }
 
 long ParamCoordinator::first_in_use() const {

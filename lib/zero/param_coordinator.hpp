@@ -23,6 +23,20 @@
 // it, copies the block to the device and returns the block, so reads of the next modules overlap
 // the current module's compute.
 //
+// Steady state. After the first step gather() and release() allocate nothing: a released
+// group's device buffer is kept as a spare for the next gather of that size (a vector reserved
+// for one buffer per partitioned group, which bounds their count), each staging block has its
+// own read record for the stream's host functions, and the collectives' names are made at
+// create. Names for the trace are built only when tracing. The step after freeze_order() is the
+// first to prefetch, and prefetching keeps more buffers live than the recorded step did; so that
+// it too finds every buffer it needs, freeze_order() replays the recorded gathers and releases on
+// sizes alone (no data moves, nothing is counted) under the frozen order's prefetching, which
+// leaves behind as spares the buffers the following steps take. This holds when the steps repeat
+// the recorded one's calls; a different pattern takes new buffers at its first step only. Spares
+// are kept up to max_live_elements * 4 bytes, or up to what the replayed step left when that is
+// more (groups of different sizes cannot share buffers), so that no step frees a buffer that the
+// next one makes again.
+//
 // Trace (track given at create): an instant "issue <module>" when a module's all-gather is
 // issued, "release <module>" when release() frees it, "drop <module>" when a prefetched module
 // is freed unused, and a span "wait <module>" for gather()'s wait.
@@ -37,7 +51,6 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,10 +60,10 @@
 #include "device/pinned_pool.hpp"
 #include "io/swap_space.hpp"
 #include "zero/partitioner.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
-#include "zero/zero_counters.hpp"
 #include "zinf/status.hpp"
 #include "zinf/trace.hpp"
 
@@ -112,7 +125,8 @@ class ParamCoordinator {
 
   // Waits for and frees every prefetched (unclaimed) module. Returns the first error.
   Status drop_prefetched();
-  // Stops recording; later gathers follow and prefetch the recorded order.
+  // Stops recording; later gathers follow and prefetch the recorded order. The first call sizes
+  // the spare buffers for the steps to come (see the file comment).
   void freeze_order();
   bool order_frozen() const { return frozen_; }
   const std::vector<std::size_t>& order() const { return order_; }
@@ -136,9 +150,25 @@ class ParamCoordinator {
     State state = State::kIdle;
     std::unique_ptr<Event> ready;
   };
+  struct Call {
+    std::size_t module = 0;
+    bool gather = false;  // else release
+  };
+  struct SpareBuffer {
+    std::size_t bytes = 0;
+    DeviceBuffer buffer;
+  };
+  // One NVMe shard read in flight, in the record of the staging block it reads into: the block's
+  // lease is held until the stream has copied the block up.
+  struct ShardRead {
+    SwapSpace* swap = nullptr;
+    SwapTicket ticket;
+    PinnedPool::Lease lease;
+    std::chrono::milliseconds timeout{0};
+    bool abandoned = false;  // the read outlived a cancel: the block is kept out of the pool
+  };
   ParamCoordinator(const Partitioner& partitioner, int rank, Device& device, Communicator& comm,
-                   const ParamCoordinatorOptions& options, SwapSpace* swap,
-                   ZeroCounters* counters);
+                   const ParamCoordinatorOptions& options, SwapSpace* swap, ZeroCounters* counters);
   Status issue(std::size_t m, bool prefetch);
   Status wait_ready(std::size_t m);
   // A device buffer of `bytes` for a gather: a spare one of that size, else a new one.
@@ -146,9 +176,17 @@ class ParamCoordinator {
   // Frees a module's gathered buffers; the trace instant is `what` + its name.
   void free_module(std::size_t m, const char* what);
   void prefetch_after(std::size_t position);
+  // Replays calls_ without moving data (see the file comment); errors only end it early.
+  void warm_up();
   void note_live();
   // A trace instant named `what` + `module_name`.
   void instant(const char* what, const std::string& module_name);
+  // Host functions on the stream around an NVMe shard's copy up: wait for the read into the
+  // staging block, then return the block. `user` is the block's ShardRead. Both run also after
+  // earlier work on the stream failed, so a block goes back only once its read is over.
+  static Status redeem_shard_read(ShardRead& read);
+  static Status wait_shard_read(void* user, const Status& upstream);
+  static Status release_shard_block(void* user, const Status& upstream);
 
   const Partitioner& partitioner_;
   const int rank_;
@@ -161,16 +199,24 @@ class ParamCoordinator {
   std::vector<bool> persistent_;
   std::vector<DeviceBuffer> full_;  // per group: persistent, or gathered
   // Gather buffers freed by release(), kept for the next gather of a group of the same size so
-  // that the steady state allocates nothing: at most max_live_elements * 4 bytes in all.
-  std::multimap<std::size_t, DeviceBuffer> spare_;
+  // that the steady state allocates nothing: at most max_live_elements * 4 bytes in all. A new
+  // buffer is made only when no spare of its size exists, so there are never more buffers of a
+  // size than groups of that size: the capacity reserved at create (one per partitioned group)
+  // is never exceeded.
+  std::vector<SpareBuffer> spare_;
   std::size_t spare_bytes_ = 0;
-  std::vector<DeviceBuffer> device_shard_;    // per partitioned group, shard tier none
+  std::size_t spare_bytes_max_ = 0;         // see the file comment
+  std::vector<std::string> group_names_;    // per group: "params group <g>", the collectives' name
+  std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
   std::vector<RegisteredBuffer> host_shard_;  // per partitioned group, shard tier host
   std::vector<ExtentId> extent_;              // per partitioned group, shard tier nvme
   std::unique_ptr<PinnedPool> staging_;
+  std::vector<ShardRead> reads_;  // per staging block
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> done_;
   std::vector<std::size_t> order_;
+  std::vector<Call> calls_;  // gathers and releases until the order is frozen
+  bool dry_run_ = false;     // warm_up(): issue() takes buffers only, wait_ready() returns
   std::vector<std::size_t> prefetched_;  // modules in kPrefetched, in issue order
   std::size_t cursor_ = 0;
   bool frozen_ = false;

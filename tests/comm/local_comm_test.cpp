@@ -433,6 +433,86 @@ TEST(LocalComm, ARankThatNeverArrivesTimesOutOnEveryRank) {
   EXPECT_EQ(one_all_reduce(world, 2, 100, "params.layer3").code(), Code::kAborted);
 }
 
+// A rank may run ahead of the others by more collectives than it has records for
+// (LocalGroup::kTasksPerRank): its issue() waits for a record to come back, and every result is
+// still right once the late rank catches up. Long names are cut, not refused.
+TEST(LocalComm, ARankFarAheadWaitsForItsRecordsAndStaysCorrect) {
+  World world(2, std::chrono::seconds(30), 91);
+  constexpr std::size_t kCalls = LocalGroup::kTasksPerRank * 3 + 5;
+  constexpr std::size_t kCount = 33;
+  std::vector<std::vector<std::vector<std::byte>>> inputs(kCalls);
+  for (std::size_t c = 0; c < kCalls; ++c) {
+    for (int r = 0; r < 2; ++r) {
+      inputs[c].push_back(
+          random_data(kCount, DType::kF32, 9000 + c * 4 + static_cast<std::uint64_t>(r)));
+    }
+  }
+  std::vector<std::vector<std::vector<std::byte>>> outputs(
+      kCalls, std::vector<std::vector<std::byte>>(2, std::vector<std::byte>(kCount * 4)));
+  const std::string long_name(300, 'n');
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    Device& device = world.device(rank);
+    Communicator& comm = world.comm(rank);
+    const auto urank = static_cast<std::size_t>(rank);
+    auto stream = std::move(device.create_stream("s")).value();
+    auto done = std::move(device.create_event()).value();
+    std::vector<DeviceBuffer> buffers;
+    for (std::size_t c = 0; c < kCalls; ++c) {
+      buffers.push_back(std::move(DeviceBuffer::allocate(device, kCount * 4)).value());
+      ZINF_RETURN_IF_ERROR(
+          device.copy_h2d(buffers[c].data(), inputs[c][urank].data(), kCount * 4, *stream));
+    }
+    ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+    // Rank 1 starts late, so rank 0 has all its records in flight and waits for them.
+    if (rank == 1) std::this_thread::sleep_for(milliseconds(100));
+    for (std::size_t c = 0; c < kCalls; ++c) {
+      ZINF_RETURN_IF_ERROR(comm.all_reduce(buffers[c].data(), buffers[c].data(), kCount,
+                                           DType::kF32, ReduceOp::kSum, *stream, long_name));
+      ZINF_RETURN_IF_ERROR(
+          device.copy_d2h(outputs[c][urank].data(), buffers[c].data(), kCount * 4, *stream));
+    }
+    ZINF_RETURN_IF_ERROR(device.record(*done, *stream));
+    return comm.wait(*done);
+  });
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
+        << statuses[static_cast<std::size_t>(r)].to_string();
+  }
+  for (std::size_t c = 0; c < kCalls; ++c) {
+    const std::vector<std::byte> expected =
+        serial_reduce(inputs[c], 0, kCount, DType::kF32, ReduceOp::kSum);
+    for (std::size_t r = 0; r < 2; ++r) ASSERT_EQ(outputs[c][r], expected) << "call " << c;
+  }
+}
+
+// A rank whose records are all in flight for a rank that never comes fails within the timeout
+// instead of waiting forever, and so does the rest of the group.
+TEST(LocalComm, ARankOutOfRecordsForAMissingRankFailsPromptly) {
+  World world(2, milliseconds(200), 92);
+  const auto start = Clock::now();
+  std::vector<Status> statuses = world.run([&](int rank) -> Status {
+    if (rank == 1) return Status::ok();  // never issues anything
+    Device& device = world.device(rank);
+    Communicator& comm = world.comm(rank);
+    auto stream = std::move(device.create_stream("s")).value();
+    auto done = std::move(device.create_event()).value();
+    auto buffer = std::move(DeviceBuffer::allocate(device, 64)).value();
+    for (std::size_t c = 0; c < LocalGroup::kTasksPerRank + 1; ++c) {
+      ZINF_RETURN_IF_ERROR(comm.all_reduce(buffer.data(), buffer.data(), 16, DType::kF32,
+                                           ReduceOp::kSum, *stream, "params.layer9"));
+    }
+    ZINF_RETURN_IF_ERROR(device.record(*done, *stream));
+    return comm.wait(*done, std::chrono::seconds(30));
+  });
+  const auto elapsed = Clock::now() - start;
+  const Status& s = statuses[0];
+  EXPECT_TRUE(s.code() == Code::kTimeout || s.code() == Code::kAborted) << s.to_string();
+  // Whichever wait ran out first names the collective: the stream's, or issue()'s.
+  EXPECT_NE(s.message().find("params.layer9"), std::string_view::npos) << s.to_string();
+  EXPECT_LT(elapsed, std::chrono::seconds(5));
+  EXPECT_EQ(world.comm(1).status().code(), Code::kTimeout);
+}
+
 TEST(LocalComm, AbortOnOneRankFailsTheOthersPromptly) {
   World world(4);  // 30 s timeout: only the abort can end this quickly
   const auto start = Clock::now();

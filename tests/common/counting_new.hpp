@@ -32,4 +32,22 @@ void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }
 void operator delete[](void* p, std::size_t) noexcept { std::free(p); }
+// Over-aligned types (alignas above 16) come through these; they count the same.
+void* operator new(std::size_t bytes, std::align_val_t align) {
+  if (zinf::test::g_count_allocations.load(std::memory_order_relaxed)) {
+    zinf::test::g_allocations.fetch_add(1);
+  }
+  const auto alignment = static_cast<std::size_t>(align);
+  const std::size_t rounded = ((bytes == 0 ? 1 : bytes) + alignment - 1) / alignment * alignment;
+  void* p = std::aligned_alloc(alignment, rounded);
+  if (p == nullptr) throw std::bad_alloc();
+  return p;
+}
+void* operator new[](std::size_t bytes, std::align_val_t align) {
+  return operator new(bytes, align);
+}
+void operator delete(void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::align_val_t) noexcept { std::free(p); }
+void operator delete(void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
+void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { std::free(p); }
 #pragma GCC diagnostic pop

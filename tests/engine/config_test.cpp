@@ -158,7 +158,21 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
       {R"({"optimizer": {"type": "Adam", "params": {"lr": "auto"}}})", "optimizer.params.lr",
        "Hugging Face"},
       {R"({"zero_optimization": {"stage": "auto"}})", "zero_optimization.stage", "Hugging Face"},
-      {R"({"scheduler": {"type": "WarmupLR"}})", "scheduler", "set_learning_rate"},
+      {R"({"scheduler": {"type": "LRRangeTest"}})", "scheduler.type", "not supported by zinf"},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_LR": 1e-3}}})",
+       "scheduler.params.warmup_max_LR", "unknown key for WarmupLR"},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 10}}})",
+       "scheduler.params.total_num_steps", "unknown key for WarmupLR"},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": "auto"}}})",
+       "scheduler.params.warmup_num_steps", "Hugging Face"},
+      {R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 10}}})",
+       "scheduler.params.total_num_steps", "needs total_num_steps"},
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 0}}})",
+       "scheduler.params.warmup_num_steps", "positive"},
+      {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_max_lr": 1e-3}}})",
+       "scheduler.params.cycle_min_lr", "needs cycle_min_lr"},
+      {R"({"scheduler": {"typ": "WarmupLR"}})", "scheduler.typ", "unknown key"},
+      {R"({"scheduler": "WarmupLR"})", "scheduler", "not an object"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "CPU"}}})",
        "zero_optimization.offload_optimizer.device", "\"none\", \"cpu\" or \"nvme\""},
       {R"({"zero_optimization": {"offload_optimizer": {"ratio": 0.3}}})",
@@ -219,7 +233,7 @@ TEST(Config, CheckReportsEveryKeyInFileOrder) {
     "zero_optimization": {"stage": 3, "overlap_comm": true,
                           "offload_optimizer": {"device": "nvme", "nvme_path": "/n",
                                                 "pin_memory": true}},
-    "scheduler": {"type": "WarmupLR"},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10}},
     "optimizer": {"type": "ADAMW", "params": {"lr": 1e-4, "amsgrad": true}}
   })";
   Result<std::vector<KeyReport>> r = check_config(text);
@@ -236,7 +250,8 @@ TEST(Config, CheckReportsEveryKeyInFileOrder) {
       "zero_optimization.offload_optimizer.device used",
       "zero_optimization.offload_optimizer.nvme_path used",
       "zero_optimization.offload_optimizer.pin_memory accepted, no effect in zinf",
-      "scheduler refused",
+      "scheduler.type used",
+      "scheduler.params.warmup_num_steps used",
       "optimizer.type used",
       "optimizer.params.lr used",
       "optimizer.params.amsgrad refused",
@@ -247,7 +262,8 @@ TEST(Config, CheckReportsEveryKeyInFileOrder) {
   }
   Result<Config> c = parse_config(text);
   ASSERT_FALSE(c.is_ok());
-  EXPECT_EQ(c.status().message().rfind("scheduler: ", 0), 0u) << c.status().to_string();
+  EXPECT_EQ(c.status().message().rfind("optimizer.params.amsgrad: ", 0), 0u)
+      << c.status().to_string();
 }
 
 // What each optimizer section becomes: DeepSpeed's type names in any case, "Adam" as AdamW
@@ -311,6 +327,61 @@ TEST(Config, RoundTripsThroughJson) {
   EXPECT_EQ(back->io_timeout_ms, 1234);
   EXPECT_EQ(back->io_timeouts_max, 0u);
   EXPECT_EQ(back->pinned_pool_bytes, std::uint64_t{1} << 30);
+}
+
+// The scheduler section is read with DeepSpeed's names and defaults, and written back with the
+// same meaning.
+TEST(Config, SchedulerSectionIsReadAndRoundTrips) {
+  Result<Config> none = parse_config("{}");
+  ASSERT_TRUE(none.is_ok());
+  EXPECT_EQ(none->scheduler.kind, ScheduleKind::kNone);
+  EXPECT_EQ(config_to_json(*none).find("scheduler"), std::string::npos);
+
+  Result<Config> decay = parse_config(R"({"optimizer": {"type": "AdamW", "params": {"lr": 2e-4}},
+      "scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 900,
+                    "warmup_min_lr": 1e-6, "warmup_num_steps": 30, "warmup_type": "linear"}}})");
+  ASSERT_TRUE(decay.is_ok()) << decay.status().to_string();
+  const ScheduleConfig& d = decay->scheduler;
+  EXPECT_EQ(d.kind, ScheduleKind::kWarmupDecayLR);
+  EXPECT_EQ(d.total_num_steps, 900);
+  EXPECT_EQ(d.warmup_min_lr, 1e-6);
+  EXPECT_LT(d.warmup_max_lr, 0);  // not given: DeepSpeed's 0.001
+  EXPECT_EQ(d.warmup_num_steps, 30);
+  EXPECT_TRUE(d.warmup_linear);
+  EXPECT_EQ(d.last_batch_iteration, -1);
+
+  const char* sections[] = {
+      R"({"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-5,
+          "warmup_num_steps": 500}})",
+      R"({"type": "WarmupDecayLR", "params": {"total_num_steps": 900, "warmup_num_steps": 30}})",
+      R"({"type": "WarmupCosineLR", "params": {"total_num_steps": 1000, "warmup_min_ratio": 0.1,
+          "warmup_num_steps": 100, "cos_min_ratio": 0.001, "warmup_type": "linear"}})",
+      R"({"type": "OneCycle", "params": {"cycle_min_lr": 1e-5, "cycle_max_lr": 1e-3,
+          "cycle_first_step_size": 100, "cycle_second_stair_count": 4, "decay_lr_rate": 0.1,
+          "decay_step_size": 10, "cycle_min_mom": 0.85, "last_batch_iteration": 20}})",
+  };
+  for (const char* section : sections) {
+    Result<Config> c = parse_config(fmt::format(R"({{"scheduler": {}}})", section));
+    ASSERT_TRUE(c.is_ok()) << section << ": " << c.status().to_string();
+    EXPECT_NE(c->scheduler.kind, ScheduleKind::kNone);
+    Result<Config> back = parse_config(config_to_json(*c));
+    ASSERT_TRUE(back.is_ok()) << back.status().to_string();
+    EXPECT_EQ(config_to_json(*back), config_to_json(*c)) << section;
+    // The same curve, read back: the lr of every iteration of interest is equal.
+    Result<LrSchedule> a = LrSchedule::create(c->scheduler, c->optimizer.lr);
+    Result<LrSchedule> b = LrSchedule::create(back->scheduler, back->optimizer.lr);
+    ASSERT_TRUE(a.is_ok() && b.is_ok()) << section;
+    for (std::int64_t n : {-1, 0, 1, 29, 99, 150, 450, 899, 2000}) {
+      EXPECT_EQ(a->lr_at(n), b->lr_at(n)) << section << " at " << n;
+      EXPECT_EQ(a->betas_at(n).beta1, b->betas_at(n).beta1) << section << " at " << n;
+    }
+  }
+  Result<Config> cycle = parse_config(fmt::format(R"({{"scheduler": {}}})", sections[3]));
+  ASSERT_TRUE(cycle.is_ok());
+  EXPECT_EQ(cycle->scheduler.cycle_second_step_size, -1);  // not given: the first's
+  EXPECT_EQ(cycle->scheduler.cycle_second_stair_count, 4);
+  EXPECT_EQ(cycle->scheduler.last_batch_iteration, 20);
+  EXPECT_EQ(cycle->scheduler.cycle_min_mom, 0.85);
 }
 
 TEST(Config, LoadConfigNamesTheFile) {

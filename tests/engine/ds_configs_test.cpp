@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -14,6 +15,7 @@
 #include "engine_test_util.hpp"
 #include "zinf/config.hpp"
 #include "zinf/engine.hpp"
+#include "zinf/schedule.hpp"
 
 namespace zinf {
 namespace {
@@ -44,9 +46,14 @@ const Outcome kOutcomes[] = {
     {"alpaca_lora_zero3.json", "", ""},
     {"autotuning_template_zero3.json", "", ""},
     {"docs_zero_infinity_cpu.json", "", ""},
+    {"ds_megatron_gpt2_bs4_zero2_offload.json", "", ""},
+    {"ds_megatron_gpt2_bs8_zero2_offload.json", "", ""},
     {"expert_parallel_zero3_leaf.json", "zero_optimization.leaf_module", "unknown key"},
+    {"hf_examples_zero2_offload.json", "", ""},
+    {"hf_examples_zero3_offload.json", "", ""},
     {"hf_transformers_zero2_auto.json", "fp16.enabled", "Hugging Face"},
-    {"hf_transformers_zero3.json", "scheduler", "set_learning_rate"},
+    // Its scheduler section is used; reduce_bucket_size 0 is not (validate()).
+    {"hf_transformers_zero3.json", "zero_optimization.reduce_bucket_size", "0 is below 1"},
     {"megatron_model_size_1b.json", "zero_optimization.comm_overlap", "unknown key"},
     {"megatron_model_size_acc_13b.json", "zero_optimization.comm_overlap", "unknown key"},
     {"megatron_zero2.json", "", ""},
@@ -60,7 +67,7 @@ const Outcome kOutcomes[] = {
     {"megatron_zero_offload.json", "optimizer.type",
      "\"Adam\", \"AdamW\", \"Adagrad\" or \"Lion\""},
     {"megatron_zerodual.json", "", ""},
-    {"sdma_allgather_zero3.json", "scheduler", "set_learning_rate"},
+    {"sdma_allgather_zero3.json", "zero_optimization.sdma_allgather", "unknown key"},
     {"zenflow_finetuning.json", "zero_optimization.zenflow", "unknown key"},
 };
 
@@ -150,7 +157,7 @@ TEST(DsConfigs, EachIsAcceptedAndOpensOrRefusedNamingOneKey) {
     // `zinf config check` names the same key first.
     EXPECT_EQ(first_refused, o.refused_key);
   }
-  EXPECT_GE(accepted, 5);
+  EXPECT_GE(accepted, 10);
 }
 
 // What the accepted files mean: the keys DeepSpeed acts on, read with DeepSpeed's meaning.
@@ -177,6 +184,25 @@ TEST(DsConfigs, AcceptedFilesMeanWhatDeepSpeedMeans) {
   EXPECT_EQ(offload->zero.offload_optimizer.device, OffloadDevice::kHost);
   EXPECT_EQ(offload->fp16.loss_scale, 0.0);
   EXPECT_EQ(offload->optimizer.lr, 0.00015);
+
+  // The scheduler section is DeepSpeed's WarmupLR, and the engine opened with the file runs it:
+  // the first step at warmup_min_lr (0), the k-th at 3e-5 * log(k - 1) / log(500) during warm-up.
+  Result<Config> hf = parse_config(read_text(data_dir() / "hf_examples_zero3_offload.json"));
+  ASSERT_TRUE(hf.is_ok()) << hf.status().to_string();
+  EXPECT_EQ(hf->zero.stage, 3);
+  EXPECT_EQ(hf->zero.offload_optimizer.device, OffloadDevice::kHost);  // cpu_offload
+  EXPECT_EQ(hf->zero.offload_param.device, OffloadDevice::kHost);      // cpu_offload_params
+  EXPECT_EQ(hf->zero.stage3_prefetch_bucket_size, 940'000u);           // 0.94e6
+  EXPECT_EQ(hf->scheduler.kind, ScheduleKind::kWarmupLR);
+  EXPECT_EQ(hf->scheduler.warmup_min_lr, 0.0);
+  EXPECT_EQ(hf->scheduler.warmup_max_lr, 3e-5);
+  EXPECT_EQ(hf->scheduler.warmup_num_steps, 500);
+  EXPECT_FALSE(hf->scheduler.warmup_linear);
+  Result<LrSchedule> schedule = LrSchedule::create(hf->scheduler, hf->optimizer.lr);
+  ASSERT_TRUE(schedule.is_ok());
+  EXPECT_EQ(schedule->lr_at(-1), 0.0);
+  EXPECT_NEAR(schedule->lr_at(99), 3e-5 * std::log(100.0) / std::log(500.0), 1e-19);
+  EXPECT_EQ(schedule->lr_at(600), 3e-5);
 }
 
 }  // namespace

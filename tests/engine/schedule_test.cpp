@@ -15,7 +15,7 @@
 namespace zinf {
 namespace {
 
-using nlohmann::json;
+using json = nlohmann::ordered_json;
 
 LrSchedule make(const char* section_json, double base_lr) {
   ScheduleConfig config;

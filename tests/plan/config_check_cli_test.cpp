@@ -54,13 +54,28 @@ TEST_F(ConfigCheckCli, AcceptedFileExitsZeroAndSaysWhatEachKeyDoes) {
   EXPECT_NE(out.find("accepted"), std::string::npos) << out;
 }
 
+TEST_F(ConfigCheckCli, SchedulerSectionIsUsed) {
+  std::string out;
+  const int code = run_command(
+      zinf_binary() + " config check " + data_file("hf_examples_zero3_offload.json"), &out);
+  EXPECT_EQ(code, 0) << out;
+  for (const char* key : {"scheduler.type", "scheduler.params.warmup_min_lr",
+                          "scheduler.params.warmup_max_lr", "scheduler.params.warmup_num_steps"}) {
+    EXPECT_NE(line_of(out, key).find("used"), std::string::npos) << key << "\n" << out;
+  }
+  EXPECT_EQ(out.find("refused"), std::string::npos) << out;
+}
+
 TEST_F(ConfigCheckCli, RefusedFileExitsOneAndSaysWhy) {
   std::string out;
   const int code =
       run_command(zinf_binary() + " config check " + data_file("hf_transformers_zero3.json"), &out);
   EXPECT_EQ(code, 1) << out;
-  EXPECT_NE(line_of(out, "scheduler").find("refused (learning-rate schedules"), std::string::npos)
+  // reduce_bucket_size 0 is refused (validate()); the scheduler section is used.
+  EXPECT_NE(line_of(out, "zero_optimization.reduce_bucket_size").find("refused (0 is below 1)"),
+            std::string::npos)
       << out;
+  EXPECT_NE(line_of(out, "scheduler.params.warmup_max_lr").find("used"), std::string::npos) << out;
   // Every other key still gets its line.
   EXPECT_NE(line_of(out, "optimizer.params.betas").find("used"), std::string::npos) << out;
   EXPECT_NE(line_of(out, "zero_optimization.overlap_comm").find("no effect"), std::string::npos)

@@ -178,7 +178,8 @@ TEST(Config, PlannerAndEngineRefuseKeysWithTheSameMessage) {
       R"({"zero_optimization": {"offload_param": {"Device": "cpu"}}})",
       R"({"zinf": {"worldsize": 4}})",
       R"({"aio": {"BLOCK_SIZE": 1048576}})",
-      R"({"scheduler": {"type": "WarmupLR"}})",
+      R"({"scheduler": {"type": "LRRangeTest"}})",
+      R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_LR": 1e-3}}})",
       R"({"optimizer": {"type": "SGD"}})",
   };
   for (const char* text : cases) {

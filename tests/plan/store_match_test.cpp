@@ -45,7 +45,8 @@ struct Opened {
 // moments on NVMe, gradients and the half copy where flagged, and a pool of `blocks` blocks of
 // the store's block size. Swap capacity is generous: the test reads back what was used.
 Status open_store(const std::string& name, std::uint64_t params, std::uint64_t sub_group_params,
-                  bool grads_on_nvme, zinf::Tier half_tier, std::uint64_t blocks, Opened* o) {
+                  bool grads_on_nvme, zinf::StoreMedium half_tier, std::uint64_t blocks,
+                  Opened* o) {
   const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
   o->dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_store_match_" + name;
   fs::create_directories(o->dir);
@@ -63,8 +64,8 @@ Status open_store(const std::string& name, std::uint64_t params, std::uint64_t s
   so.grad_dtype = DType::kF32;
   so.with_half = true;
   so.half_dtype = DType::kBF16;
-  so.tiers = {zinf::Tier::kNvme, zinf::Tier::kNvme, zinf::Tier::kNvme,
-              grads_on_nvme ? zinf::Tier::kNvme : zinf::Tier::kHost, half_tier};
+  so.tiers = {zinf::StoreMedium::kNvme, zinf::StoreMedium::kNvme, zinf::StoreMedium::kNvme,
+              grads_on_nvme ? zinf::StoreMedium::kNvme : zinf::StoreMedium::kHost, half_tier};
   ZINF_ASSIGN_OR_RETURN(o->store, StateStore::open(so, o->swap.get()));
   PinnedPoolOptions pool;
   pool.block_bytes = (o->store->block_bytes() + 4095) / 4096 * 4096;
@@ -108,10 +109,11 @@ TEST(StoreMatch, PlannedNvmeAndPoolBytesAreWhatTheStoreAllocates) {
     const MemoryEstimate e = estimate_memory(model, TrainingShape{}, setup);
 
     Opened o;
-    const Status s = open_store(
-        spill ? "spill" : "host_grads", e.shard_params, setup.sub_group_params, spill,
-        // As the engine places it: a slot in the blocks when it streams.
-        streams_half(setup) ? zinf::Tier::kBlock : zinf::Tier::kHost, setup.buffer_count, &o);
+    const Status s =
+        open_store(spill ? "spill" : "host_grads", e.shard_params, setup.sub_group_params, spill,
+                   // As the engine places it: a slot in the blocks when it streams.
+                   streams_half(setup) ? zinf::StoreMedium::kBlock : zinf::StoreMedium::kHost,
+                   setup.buffer_count, &o);
     if (s.code() == Code::kUnsupported) GTEST_SKIP() << s.to_string();
     ASSERT_TRUE(s.is_ok()) << s.to_string();
     const double nvme_predicted = static_cast<double>(e.rank_tier_bytes(MemoryTier::kNvme));
@@ -145,14 +147,14 @@ TEST(StoreMatch, StepOnlyLayoutIsTheStoresLayout) {
     Opened o;
     const Status s = open_store(
         all_on_nvme ? "all" : "state", spec.params, l.sub_group_params, spec.grads_on_nvme,
-        spec.half_on_nvme ? zinf::Tier::kNvme : zinf::Tier::kHost, l.blocks, &o);
+        spec.half_on_nvme ? zinf::StoreMedium::kNvme : zinf::StoreMedium::kHost, l.blocks, &o);
     if (s.code() == Code::kUnsupported) GTEST_SKIP() << s.to_string();
     ASSERT_TRUE(s.is_ok()) << s.to_string();
     // The store's own sizing from sub_group_bytes must agree with ours.
     StateStoreOptions by_bytes = o.store->options();
     by_bytes.sub_group_params = 0;
     by_bytes.sub_group_bytes = spec.sub_group_bytes;
-    by_bytes.tiers.fill(zinf::Tier::kHost);  // sizing counts every piece whatever its tier
+    by_bytes.tiers.fill(zinf::StoreMedium::kHost);  // sizing counts every piece whatever its tier
     auto store2 = StateStore::open(by_bytes, nullptr);
     ASSERT_TRUE(store2.is_ok()) << store2.status().to_string();
     EXPECT_EQ((*store2)->sub_group_params(), l.sub_group_params);

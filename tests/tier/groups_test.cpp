@@ -65,7 +65,7 @@ void reference_step(Reference& ref, const RigOptions& so, std::span<const Optimi
   ASSERT_TRUE(optimizer_step(groups, ranges, span, options).is_ok());
 }
 
-void run_groups(std::size_t sub_group_params, Tier tier) {
+void run_groups(std::size_t sub_group_params, StoreMedium tier) {
   const std::size_t count = 40'000 + 333;
   const std::uint64_t seed = 0x9a0 + sub_group_params;
   RigOptions so;
@@ -100,11 +100,11 @@ void run_groups(std::size_t sub_group_params, Tier tier) {
 
 TEST(OptimizerPipelineGroups, NvmeEqualsOneInMemoryStepOverTheRanges) {
   for (std::size_t sub : {std::size_t{4096}, std::size_t{10007}, std::size_t{40'333}}) {
-    run_groups(sub, Tier::kNvme);
+    run_groups(sub, StoreMedium::kNvme);
   }
 }
 
-TEST(OptimizerPipelineGroups, HostTier) { run_groups(7000, Tier::kHost); }
+TEST(OptimizerPipelineGroups, HostTier) { run_groups(7000, StoreMedium::kHost); }
 
 TEST(OptimizerPipelineGroups, BadRangesAreRefusedAtOpen) {
   RigOptions so;

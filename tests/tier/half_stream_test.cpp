@@ -24,11 +24,12 @@ struct Received {
   std::vector<std::uint16_t> half;
 };
 
-void run_streamed(std::size_t count, std::size_t sub_group, std::array<Tier, kPieceCount> tiers,
-                  DType half_dtype, int steps) {
+void run_streamed(std::size_t count, std::size_t sub_group,
+                  std::array<StoreMedium, kPieceCount> tiers, DType half_dtype, int steps) {
   const std::uint64_t seed = 0x5a1f + count + sub_group;
   std::printf("half stream: %zu params, sub-groups of %zu, %s, seed %llu\n", count, sub_group,
-              std::string(tier_name(tiers[0])).c_str(), static_cast<unsigned long long>(seed));
+              std::string(store_medium_name(tiers[0])).c_str(),
+              static_cast<unsigned long long>(seed));
   RigOptions so;
   so.store.param_count = count;
   so.store.sub_group_params = sub_group;
@@ -77,18 +78,26 @@ void run_streamed(std::size_t count, std::size_t sub_group, std::array<Tier, kPi
 
 TEST(HalfStream, NvmeStateHandsEachSubGroupsHalfOutputInOrder) {
   // A short last sub-group; bf16 and f16.
-  run_streamed(50'000, 4096, {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kHost, Tier::kBlock},
+  run_streamed(50'000, 4096,
+               {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                StoreMedium::kBlock},
                DType::kBF16, 3);
-  run_streamed(30'001, 7000, {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kBlock},
+  run_streamed(30'001, 7000,
+               {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme,
+                StoreMedium::kBlock},
                DType::kF16, 2);
 }
 
 TEST(HalfStream, OnlyGradientsOnNvmeAndAllHost) {
   // Nothing written back: the half output is handed over before the block goes back.
-  run_streamed(40'000, 9000, {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kBlock},
+  run_streamed(40'000, 9000,
+               {StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kNvme,
+                StoreMedium::kBlock},
                DType::kBF16, 2);
   // Everything on the host: the host-only step runs in one block for the half slot.
-  run_streamed(40'000, 9000, {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kHost, Tier::kBlock},
+  run_streamed(40'000, 9000,
+               {StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kHost,
+                StoreMedium::kBlock},
                DType::kBF16, 2);
 }
 
@@ -96,7 +105,8 @@ TEST(HalfStream, AnErrorFromHalfDoneFailsTheStepAndIsSticky) {
   RigOptions so;
   so.store.param_count = 20'000;
   so.store.sub_group_params = 4096;
-  so.store.tiers = {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kHost, Tier::kBlock};
+  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                    StoreMedium::kBlock};
   so.pipeline.optimizer.kind = OptimizerKind::kAdamW;
   std::size_t calls = 0;
   so.pipeline.half_done = [&](std::size_t i, const std::byte*) {
@@ -125,14 +135,15 @@ TEST(HalfStream, OpenRefusesABlockHalfWithoutHalfDone) {
   RigOptions so;
   so.store.param_count = 8192;
   so.store.sub_group_params = 4096;
-  so.store.tiers = {Tier::kNvme, Tier::kNvme, Tier::kNvme, Tier::kHost, Tier::kBlock};
+  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                    StoreMedium::kBlock};
   Rig s;
   Status opened = tier_test::open_rig("half_stream_refused", so, &s);
   EXPECT_EQ(opened.code(), Code::kInvalidArgument);
   EXPECT_NE(opened.message().find("half_done"), std::string::npos) << opened.to_string();
   // Only the half piece may be on the block tier.
   StateStoreOptions bad = so.store;
-  bad.tiers[static_cast<std::size_t>(Piece::kExpAvg)] = Tier::kBlock;
+  bad.tiers[static_cast<std::size_t>(Piece::kExpAvg)] = StoreMedium::kBlock;
   EXPECT_EQ(StateStore::layout(bad).status().code(), Code::kInvalidArgument);
 }
 

@@ -34,7 +34,7 @@ void steps_allocate_nothing(bool stream_half) {
   std::size_t handed = 0;
   if (stream_half) {
     // The half output handed over from the blocks (what the engine streams into its shards).
-    so.store.tiers[static_cast<std::size_t>(Piece::kParamsHalf)] = Tier::kBlock;
+    so.store.tiers[static_cast<std::size_t>(Piece::kParamsHalf)] = StoreMedium::kBlock;
     so.pipeline.half_done = [&](std::size_t, const std::byte*) {
       ++handed;
       return Status::ok();

@@ -41,7 +41,7 @@ struct Case {
 
 // K steps through the pipeline; after each, every sub-group read back from NVMe equals the
 // in-memory run.
-void run_equality(const Case& c, const std::array<Tier, kPieceCount>& tiers, int steps) {
+void run_equality(const Case& c, const std::array<StoreMedium, kPieceCount>& tiers, int steps) {
   const std::uint64_t seed = 0x7e57 + c.param_count + c.sub_group_params;
   std::printf("equality: %zu params, sub-groups of %zu, %zu blocks, seed %llu\n", c.param_count,
               c.sub_group_params, c.pool_blocks, static_cast<unsigned long long>(seed));
@@ -76,10 +76,12 @@ void run_equality(const Case& c, const std::array<Tier, kPieceCount>& tiers, int
   }
 }
 
-constexpr std::array<Tier, kPieceCount> kAllNvme = {Tier::kNvme, Tier::kNvme, Tier::kNvme,
-                                                    Tier::kNvme, Tier::kNvme};
-constexpr std::array<Tier, kPieceCount> kAllHost = {Tier::kHost, Tier::kHost, Tier::kHost,
-                                                    Tier::kHost, Tier::kHost};
+constexpr std::array<StoreMedium, kPieceCount> kAllNvme = {StoreMedium::kNvme, StoreMedium::kNvme,
+                                                           StoreMedium::kNvme, StoreMedium::kNvme,
+                                                           StoreMedium::kNvme};
+constexpr std::array<StoreMedium, kPieceCount> kAllHost = {StoreMedium::kHost, StoreMedium::kHost,
+                                                           StoreMedium::kHost, StoreMedium::kHost,
+                                                           StoreMedium::kHost};
 
 TEST(OptimizerPipeline, NvmeStateEqualsInMemoryRunForSubGroupSizes) {
   // Sub-group sizes that divide the partition, that do not (a short last sub-group), of one
@@ -104,10 +106,14 @@ TEST(OptimizerPipeline, HostTierAndMixedTiers) {
   run_equality({40'000, 9000, 3, DType::kF32, OptimizerKind::kAdamW}, kAllHost, 3);
   // Master on the host, moments on NVMe, gradients on the host, half output on NVMe.
   run_equality({40'000, 9000, 3, DType::kBF16, OptimizerKind::kAdamW},
-               {Tier::kHost, Tier::kNvme, Tier::kNvme, Tier::kHost, Tier::kNvme}, 3);
+               {StoreMedium::kHost, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                StoreMedium::kNvme},
+               3);
   // Only the gradients on NVMe: nothing to write back.
   run_equality({40'000, 9000, 2, DType::kF32, OptimizerKind::kAdamW},
-               {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kHost}, 2);
+               {StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kNvme,
+                StoreMedium::kHost},
+               2);
 }
 
 TEST(OptimizerPipeline, ThreadEngineGivesTheSameState) {

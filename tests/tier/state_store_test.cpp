@@ -44,7 +44,8 @@ TEST(StateStore, PiecesRoundTripOnBothTiersAndTrackResidency) {
   tier_test::RigOptions so;
   so.store.param_count = 10'000;
   so.store.sub_group_params = 3000;
-  so.store.tiers = {Tier::kNvme, Tier::kHost, Tier::kNvme, Tier::kHost, Tier::kNvme};
+  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kHost, StoreMedium::kNvme, StoreMedium::kHost,
+                    StoreMedium::kNvme};
   tier_test::Rig s;
   ASSERT_TRUE(tier_test::open_rig("roundtrip", so, &s).is_ok());
   StateStore& st = *s.store;
@@ -95,7 +96,7 @@ TEST(StateStore, BadOptionsAreInvalidArgument) {
   o.param_count = 100;
   EXPECT_EQ(StateStore::open(o, nullptr).status().code(), Code::kInvalidArgument);  // no swap
   o.param_count = 0;
-  o.tiers.fill(Tier::kHost);
+  o.tiers.fill(StoreMedium::kHost);
   EXPECT_EQ(StateStore::open(o, nullptr).status().code(), Code::kInvalidArgument);
   o.param_count = 100;
   o.sub_group_bytes = 100;  // below 2048 parameters

@@ -149,7 +149,8 @@ Status load_store(StateStore& store, const Reference& ref) {
   for (std::size_t p = 0; p < kPieceCount; ++p) {
     const auto piece = static_cast<Piece>(p);
     if (piece == Piece::kGrads && ref.grads.empty()) continue;  // load_grads() puts them later
-    if (!store.has(piece) || store.tier(piece) == Tier::kBlock) continue;  // not kept: no state
+    if (!store.has(piece) || store.tier(piece) == StoreMedium::kBlock)
+      continue;  // not kept: no state
     ZINF_RETURN_IF_ERROR(load_piece(store, ref, piece));
   }
   return Status::ok();
@@ -164,7 +165,8 @@ std::string compare_sub_group(StateStore& store, std::size_t i, const Reference&
   for (std::size_t p = 0; p < kPieceCount; ++p) {
     const auto piece = static_cast<Piece>(p);
     if (!store.has(piece) || piece == Piece::kGrads) continue;
-    if (store.tier(piece) == Tier::kBlock) continue;  // handed over, not kept: the test checks it
+    if (store.tier(piece) == StoreMedium::kBlock)
+      continue;  // handed over, not kept: the test checks it
     const std::size_t bytes = store.piece_bytes(piece, i);
     AlignedBuffer buffer((bytes + 4095) / 4096 * 4096, 4096);
     Status status = store.read_piece(piece, i, buffer.data());

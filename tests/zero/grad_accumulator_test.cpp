@@ -51,7 +51,8 @@ Status open_rig(const std::string& name, std::shared_ptr<FaultInjector> faults, 
   StateStoreOptions so;
   so.param_count = param_count;
   so.sub_group_params = sub_group_params;
-  so.tiers = {Tier::kHost, Tier::kHost, Tier::kHost, Tier::kNvme, Tier::kHost};
+  so.tiers = {StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kHost, StoreMedium::kNvme,
+              StoreMedium::kHost};
   so.key_prefix = "rank0/opt";
   ZINF_ASSIGN_OR_RETURN(StoreLayout layout, StateStore::layout(so));
   SwapOptions swap;

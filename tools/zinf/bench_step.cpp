@@ -186,9 +186,11 @@ void run_bench_step(const BenchStepOptions& o) {
   if (!parse_size(o.io_block, &io_block) || io_block == 0 || io_block % 4096 != 0) {
     return fail(fmt::format("--io-block {}: a multiple of 4 KiB (e.g. 1MiB)", o.io_block));
   }
-  Tier tier = Tier::kNvme;
-  if (!parse_tier(o.tier, &tier)) return fail(fmt::format("--tier {}: nvme or host", o.tier));
-  if (tier == Tier::kNvme && o.path.empty()) return fail("--path: a directory for the swap file");
+  StoreMedium tier = StoreMedium::kNvme;
+  if (!parse_store_medium(o.tier, &tier))
+    return fail(fmt::format("--tier {}: nvme or host", o.tier));
+  if (tier == StoreMedium::kNvme && o.path.empty())
+    return fail("--path: a directory for the swap file");
   if (o.steps < 1) return fail("--steps: at least 1");
   const std::optional<DType> grad_dtype = parse_dtype(o.grad_dtype);
   if (!grad_dtype) return fail(fmt::format("--grad-dtype {}: f32, bf16 or f16", o.grad_dtype));
@@ -231,7 +233,7 @@ void run_bench_step(const BenchStepOptions& o) {
   std::unique_ptr<SwapSpace> swap;
   std::unique_ptr<PinnedPool> pool;
   std::size_t block_count = 0;
-  if (tier == Tier::kNvme) {
+  if (tier == StoreMedium::kNvme) {
     block_count = pool_bytes / layout->block_bytes;
     if (block_count < 2) {
       return fail(fmt::format("--pool {}: holds {} sub-group(s) of {} bytes; the step needs 2",

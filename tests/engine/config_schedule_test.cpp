@@ -1,0 +1,157 @@
+// The config's `scheduler` section drives the engine: an engine opened from a config with a
+// WarmupLR or WarmupDecayLR section runs each step at DeepSpeed's learning rate, written out here
+// in double from deepspeed/runtime/lr_schedules.py (as tests/engine/schedule_test.cpp does for
+// LrSchedule alone). DeepSpeed sets the lr of last_batch_iteration -1 when it builds the scheduler
+// and steps it after each applied optimizer step, so the k-th step (k = 1, 2, ...) runs at the
+// iteration n = k - 2.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine_test_util.hpp"
+#include "zinf/config.hpp"
+#include "zinf/engine.hpp"
+
+namespace zinf {
+namespace {
+
+constexpr std::size_t kElements = 256;
+
+// One rank, optimizer state on the host (stage 3), two parameters of seeded random values.
+struct OneRank {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  std::unique_ptr<Engine> engine;
+  std::vector<float> init = std::vector<float>(kElements);
+
+  Status open(const Config& config) {
+    Env env;
+    env.device = ranks.devices[0].get();
+    env.comm = ranks.comms[0].get();
+    ZINF_ASSIGN_OR_RETURN(engine, Engine::open(config, env));
+    std::uint64_t x = 0x9e3779b97f4a7c15ull;  // seed, printed by the failing assertion's trace
+    for (float& v : init) {
+      x = x * 6364136223846793005ull + 1442695040888963407ull;
+      v = static_cast<float>(static_cast<double>(x >> 11) / 9007199254740992.0 - 0.5);
+    }
+    ParameterSpec spec;
+    spec.name = "w";
+    spec.module = "layer";
+    spec.shape = {kElements};
+    spec.dtype = DType::kF32;
+    spec.initial_values = init.data();
+    ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
+    return engine->finalize();
+  }
+
+  // One step with gradient g[i] = init[i] + 0.25 (not zero, different per element).
+  Status step() {
+    std::vector<float> grad(kElements);
+    for (std::size_t i = 0; i < kElements; ++i) grad[i] = init[i] + 0.25f;
+    ZINF_RETURN_IF_ERROR(engine->gather("layer"));
+    const GradientRef refs[] = {{"w", grad.data(), kElements, DType::kF32}};
+    ZINF_RETURN_IF_ERROR(engine->reduce_gradients("layer", refs));
+    ZINF_RETURN_IF_ERROR(engine->release("layer"));
+    return engine->step().status();
+  }
+};
+
+struct Case {
+  const char* scheduler;
+  std::function<double(std::int64_t n)> deepspeed_lr;  // DeepSpeed's get_lr() at iteration n
+  // Iterations 0, 1, the end of warm-up, the middle and the end, with their lr worked out by hand.
+  std::vector<std::pair<std::int64_t, double>> named;
+  std::int64_t last_iteration;
+};
+
+TEST(ConfigSchedule, EngineFromConfigRunsDeepSpeedsCurve) {
+  const double lo = 1e-4, hi = 2e-3;
+  const Case cases[] = {
+      // WarmupLR, log warm-up over W = 8: lo + (hi - lo) * log(n + 1) / log(8), then hi.
+      {R"({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
+           "warmup_num_steps": 8}})",
+       [&](std::int64_t n) {
+         if (n < 0) return lo;
+         if (n < 8) return lo + (hi - lo) * std::log(n + 1.0) / std::log(8.0);
+         return hi;
+       },
+       {{0, 1e-4},
+        {1, 1e-4 + 1.9e-3 / 3.0},  // log 2 / log 8 = 1/3
+        {7, 2e-3},                 // log 8 / log 8
+        {3, 1e-4 + 1.9e-3 * 2.0 / 3.0},
+        {12, 2e-3}},
+       12},
+      // WarmupDecayLR, linear warm-up over W = 6 from 0 to 1e-3, then linear decay to 0 at
+      // T = 20: 1e-3 * n / 6, then 1e-3 * (20 - n) / (20 - 6), never below 0.
+      {R"({"type": "WarmupDecayLR", "params": {"total_num_steps": 20, "warmup_min_lr": 0,
+           "warmup_max_lr": 1e-3, "warmup_num_steps": 6, "warmup_type": "linear"}})",
+       [](std::int64_t n) {
+         if (n < 0) return 0.0;
+         if (n < 6) return 1e-3 * static_cast<double>(n) / 6.0;
+         return std::max(0.0, 1e-3 * (20.0 - static_cast<double>(n)) / 14.0);
+       },
+       {{0, 0.0}, {1, 1e-3 / 6.0}, {6, 1e-3}, {13, 0.5e-3}, {20, 0.0}},
+       21},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.scheduler);
+    Result<Config> config = parse_config(fmt::format(
+        R"({{"optimizer": {{"type": "AdamW", "params": {{"lr": 5e-3, "weight_decay": 0.01}}}},
+            "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {{"device": "cpu"}}}},
+            "scheduler": {}}})",
+        c.scheduler));
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+    OneRank r;
+    ASSERT_TRUE(r.open(*config).is_ok());
+    EXPECT_EQ(r.engine->config().scheduler.kind, config->scheduler.kind);
+    std::vector<double> lr_at;  // lr_at[n + 1]: the rate the step at iteration n runs with
+    for (std::int64_t n = -1; n <= c.last_iteration; ++n) {
+      lr_at.push_back(r.engine->learning_rate());
+      const Status s = r.step();
+      ASSERT_TRUE(s.is_ok()) << s.to_string();
+    }
+    for (std::int64_t n = -1; n <= c.last_iteration; ++n) {
+      EXPECT_NEAR(lr_at[static_cast<std::size_t>(n + 1)], c.deepspeed_lr(n),
+                  1e-15 * c.deepspeed_lr(n) + 1e-300)
+          << "iteration " << n;
+    }
+    for (const auto& [n, want] : c.named) {
+      EXPECT_NEAR(lr_at[static_cast<std::size_t>(n + 1)], want, 1e-15) << "iteration " << n;
+    }
+  }
+}
+
+// The scheduled rate is the one the update uses: WarmupDecayLR from warmup_min_lr 0 runs the
+// first step at lr 0, so the parameters stay exactly where they were (decoupled decay is
+// lr * weight_decay, also 0); without the section the same step moves them.
+TEST(ConfigSchedule, FirstStepOfAWarmupFromZeroLeavesTheParameters) {
+  for (bool with_scheduler : {true, false}) {
+    SCOPED_TRACE(with_scheduler ? "with scheduler" : "without scheduler");
+    Result<Config> config = parse_config(fmt::format(
+        R"({{"optimizer": {{"type": "AdamW", "params": {{"lr": 5e-3, "weight_decay": 0.01}}}},
+            "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {{"device": "cpu"}}}}{}}})",
+        with_scheduler ? R"(, "scheduler": {"type": "WarmupDecayLR", "params": {
+                         "total_num_steps": 20, "warmup_num_steps": 6}})"
+                       : ""));
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+    OneRank r;
+    ASSERT_TRUE(r.open(*config).is_ok());
+    ASSERT_TRUE(r.step().is_ok());
+    std::vector<float> after(kElements);
+    ASSERT_TRUE(r.engine->read_parameters("w", after.data()).is_ok());
+    std::size_t moved = 0;
+    for (std::size_t i = 0; i < kElements; ++i) moved += after[i] != r.init[i] ? 1 : 0;
+    EXPECT_EQ(moved, with_scheduler ? 0u : kElements);
+  }
+}
+
+}  // namespace
+}  // namespace zinf
