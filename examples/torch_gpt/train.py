@@ -58,14 +58,16 @@ def main():
                                             model_parameters=model.parameters())
     if args.load:
         engine.load_checkpoint(args.load)
-    data = gpt.batches(gpt.read_text(), args.batch, args.sequence, seed=2 + engine.global_steps)
+    # Under mpirun (one process per rank, MpiComm) each rank draws its own batches.
+    data = gpt.batches(gpt.read_text(), args.batch, args.sequence,
+                       seed=2 + engine.global_steps + 1000 * engine.global_rank)
     start = time.perf_counter()
     for step in range(args.steps):
         ids, labels = next(data)
         loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
         engine.step()
-        if step % 20 == 0 or step == args.steps - 1:
+        if engine.global_rank == 0 and (step % 20 == 0 or step == args.steps - 1):
             print(f"step {engine.global_steps:5d}  loss {loss.item():.4f}  "
                   f"{(time.perf_counter() - start) / (step + 1) * 1e3:.1f} ms/step", flush=True)
     if args.save:

@@ -339,6 +339,15 @@ class Engine {
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
   // unknown name.
   Status read_parameters(std::string_view name, float* out);
+  // Replaces the fp32 master of parameter `name` with rank `root`'s `values` (element_count
+  // floats; the other ranks' `values` are ignored and may be null), and republishes the device
+  // copies / shards from the master, as load_checkpoint() does; the optimizer moments stay.
+  // Collective: every rank calls it with the same name and root. It reads and rewrites this
+  // rank's whole master partition (each sub-group, on whatever tier it lives), so write many
+  // parameters between steps, not every step. kNotFound for an unknown name; kFailedPrecondition
+  // when a module is gathered or gradients were reduced since the last step; kInvalidArgument
+  // for a null `values` on the root or a root outside the world.
+  Status write_parameters(std::string_view name, const float* values, int root = 0);
 
   // Reads back every block of this rank's swap files that holds data (NVMe optimizer state,
   // parameter shards, spilled gradients) and checks it against the xxh3 checksum kept in memory

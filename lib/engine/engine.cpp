@@ -24,6 +24,7 @@
 #include "engine/device_optimizer.hpp"
 #include "engine/engine_counters.hpp"
 #include "engine/layout.hpp"
+#include "engine/master_write.hpp"
 #include "engine/nvme_dir.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
@@ -651,6 +652,14 @@ class Engine::Impl {
     return fail(st);
   }
 
+  Status write_parameters(std::string_view name, const float* values, int root) {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    Status pre = checkpoint_precondition(fmt::format("write_parameters('{}')", name));
+    return write_master_values({state_.get(), coord_.get(), &layout_, &device_, &comm_,
+                                stream_.get(), event_.get(), timeout_, rank_, &sticky_},
+                               name, values, root, std::move(pre));
+  }
+
   MemoryReport memory() const {
     MemoryReport m;
     m.device_bytes = coord_->device_bytes();
@@ -759,6 +768,9 @@ Status Engine::load_checkpoint(std::string_view dir) { return impl_->load_checkp
 Result<SwapCheckReport> Engine::verify_swap() { return impl_->verify_swap(); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
+}
+Status Engine::write_parameters(std::string_view name, const float* values, int root) {
+  return impl_->write_parameters(name, values, root);
 }
 double Engine::loss_scale() const { return impl_->numerics_->scaler().scale(); }
 Status Engine::set_learning_rate(double lr) {

@@ -12,12 +12,14 @@
 // Thread-safety: as zinf::Engine, call one Engine from one thread.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <unordered_map>
@@ -55,8 +57,8 @@ T take(zinf::Result<T>&& result) {
 zinf::DType dtype_from_name(const std::string& name) {
   const auto dtype = zinf::parse_dtype(name);
   if (!dtype) {
-    throw ZinfError(zinf::Status::invalid_argument("dtype: '" + name +
-                                                   "' is not f32, f16 or bf16"));
+    throw ZinfError(
+        zinf::Status::invalid_argument("dtype: '" + name + "' is not f32, f16 or bf16"));
   }
   return *dtype;
 }
@@ -77,9 +79,12 @@ nb::dlpack::dtype dlpack_dtype(zinf::DType dtype) {
 bool dtype_from_dlpack(nb::dlpack::dtype type, zinf::DType* dtype) {
   if (type.lanes != 1) return false;
   if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    if (type.bits == 32) *dtype = zinf::DType::kF32;
-    else if (type.bits == 16) *dtype = zinf::DType::kF16;
-    else return false;
+    if (type.bits == 32)
+      *dtype = zinf::DType::kF32;
+    else if (type.bits == 16)
+      *dtype = zinf::DType::kF16;
+    else
+      return false;
     return true;
   }
   if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && type.bits == 16) {
@@ -92,19 +97,33 @@ bool dtype_from_dlpack(nb::dlpack::dtype type, zinf::DType* dtype) {
 using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
 using FloatArray = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 
-// One rank of a single-process job: a HostDevice, a LocalComm group of one, and the engine.
-// Members are destroyed in reverse order: the engine before the communicator before the device.
+// One rank: a HostDevice, a communicator, and the engine. The communicator is a LocalComm group
+// of one ("local") or this process's rank of MPI_COMM_WORLD ("mpi": make_mpi_comm initialises MPI
+// when the process has not, and its collectives fail after collective_timeout_ms when a peer
+// does not arrive). Members are destroyed in reverse order: the engine before the communicator
+// before the device.
 class PyEngine {
  public:
   PyEngine(const std::string& config_json, const std::vector<std::string>& nvme_paths,
-           std::uint64_t device_memory_limit_bytes) {
+           std::uint64_t device_memory_limit_bytes, const std::string& comm) {
     const zinf::Config config = take(zinf::parse_config(config_json));
     zinf::HostDeviceOptions device_options;
-    if (device_memory_limit_bytes != 0) device_options.memory_limit_bytes = device_memory_limit_bytes;
+    if (device_memory_limit_bytes != 0)
+      device_options.memory_limit_bytes = device_memory_limit_bytes;
     device_ = take(zinf::make_host_device(device_options));
-    zinf::LocalCommOptions comm_options;
-    comm_options.timeout = std::chrono::milliseconds(config.collective_timeout_ms);
-    comms_ = take(zinf::make_local_comm_group({device_.get()}, comm_options));
+    const auto timeout = std::chrono::milliseconds(config.collective_timeout_ms);
+    if (comm == "local") {
+      zinf::LocalCommOptions comm_options;
+      comm_options.timeout = timeout;
+      comms_ = take(zinf::make_local_comm_group({device_.get()}, comm_options));
+    } else if (comm == "mpi") {
+      zinf::MpiCommOptions comm_options;
+      comm_options.timeout = timeout;
+      comms_.push_back(take(zinf::make_mpi_comm(*device_, comm_options)));
+    } else {
+      throw ZinfError(
+          zinf::Status::invalid_argument("comm: '" + comm + "' is not \"local\" or \"mpi\""));
+    }
     zinf::Env env;
     env.device = device_.get();
     env.comm = comms_[0].get();
@@ -112,24 +131,73 @@ class PyEngine {
     engine_ = take(zinf::Engine::open(config, env));
   }
 
+  // Registers a parameter with its initial values (`values`, copied now) or, when `values` is
+  // None, with `initializer`: a callable (first_element, out) that fills the float32 array `out`
+  // with elements [first_element, first_element + len(out)) of the parameter, called during
+  // finalize() for this rank's slice only (ParameterSpec::initializer). An exception it raises
+  // fails finalize() naming the parameter.
   void register_parameter(const std::string& name, const std::string& module,
                           const std::vector<std::int64_t>& shape, const std::string& dtype,
-                          const FloatArray& values) {
+                          std::optional<FloatArray> values, nb::object initializer,
+                          const std::string& group) {
     zinf::ParameterSpec spec;
     spec.name = name;
     spec.module = module;
     spec.shape = shape;
     spec.dtype = dtype_from_name(dtype);
+    spec.group = group;
     std::size_t element_count = 1;
-    for (const std::int64_t dim : shape) element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
-    if (values.size() != element_count) {
-      throw ZinfError(zinf::Status::invalid_argument(
-          "parameter '" + name + "': " + std::to_string(values.size()) +
-          " initial values for a shape of " + std::to_string(element_count) + " elements"));
+    for (const std::int64_t dim : shape)
+      element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
+    if (values.has_value()) {
+      if (values->size() != element_count) {
+        throw ZinfError(zinf::Status::invalid_argument(
+            "parameter '" + name + "': " + std::to_string(values->size()) +
+            " initial values for a shape of " + std::to_string(element_count) + " elements"));
+      }
+      spec.initial_values = values->data();
+    } else if (!initializer.is_none()) {
+      // The engine copies and drops the function without the GIL: the callable is held by a
+      // shared_ptr whose deleter takes the GIL, so no copy touches its reference count.
+      std::shared_ptr<nb::object> callable(new nb::object(initializer), [](nb::object* o) {
+        nb::gil_scoped_acquire acquire;
+        delete o;
+      });
+      spec.initializer = [callable, name](std::size_t first, std::size_t count,
+                                          float* out) -> zinf::Status {
+        nb::gil_scoped_acquire acquire;
+        try {
+          const std::size_t shape[1] = {count};
+          // A numpy view of `out` (rv_policy::reference: without it nanobind hands over a copy
+          // of an array that has no owner).
+          nb::object view =
+              nb::cast(nb::ndarray<nb::numpy, float, nb::c_contig>(out, 1, shape, nb::handle()),
+                       nb::rv_policy::reference);
+          (*callable)(first, view);
+          return zinf::Status::ok();
+        } catch (const std::exception& e) {
+          return zinf::Status::invalid_argument("initializer of parameter '" + name +
+                                                "' raised: " + e.what());
+        }
+      };
+    } else {
+      throw ZinfError(zinf::Status::invalid_argument("parameter '" + name +
+                                                     "': neither values nor an initializer"));
     }
-    spec.initial_values = values.data();
     check(engine().register_parameter(spec));
     element_counts_[name] = element_count;
+  }
+
+  // Aborts the communicator with `message` (kAborted): the peers' collectives fail at once with
+  // it instead of waiting for collective_timeout_ms, and every later call of this engine fails.
+  void abort(const std::string& message) {
+    if (!comms_.empty()) comms_[0]->abort(zinf::Status::aborted(message));
+  }
+
+  // The communicator's sticky status: "OK", or the first failure (a peer's abort notice names
+  // the rank it came from).
+  std::string comm_status() const {
+    return comms_.empty() ? "closed" : comms_[0]->status().to_string();
   }
 
   // The parameter's device copy as a DLPack array over the engine's memory, owned by `self`
@@ -202,8 +270,25 @@ class PyEngine {
     check(engine().read_parameters(name, data));
   }
 
+  // Rank `root`'s values replace the fp32 master of `name` on every rank (Engine::
+  // write_parameters; collective). `values` may be None on the other ranks.
+  void write_parameters(const std::string& name, std::optional<FloatArray> values, int root) {
+    const auto it = element_counts_.find(name);
+    if (it == element_counts_.end()) {
+      throw ZinfError(zinf::Status::not_found("write_parameters: no parameter '" + name + "'"));
+    }
+    if (values.has_value() && values->size() != it->second) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "write_parameters('" + name + "'): " + std::to_string(values->size()) +
+          " values for a parameter of " + std::to_string(it->second)));
+    }
+    const float* data = values.has_value() ? values->data() : nullptr;
+    nb::gil_scoped_release release;
+    check(engine().write_parameters(name, data, root));
+  }
+
   nb::dict counters() const {
-    const zinf::EngineCounters& c = engine_->counters();
+    const zinf::EngineCounters& c = engine().counters();
     nb::dict out;
     out["gathers"] = c.gathers;
     out["gathers_issued"] = c.gathers_issued;
@@ -224,7 +309,7 @@ class PyEngine {
   }
 
   nb::dict memory() const {
-    const zinf::MemoryReport m = engine_->memory();
+    const zinf::MemoryReport m = engine().memory();
     nb::dict out;
     out["device_bytes"] = m.device_bytes;
     out["host_bytes"] = m.host_bytes;
@@ -232,8 +317,21 @@ class PyEngine {
     return out;
   }
 
-  zinf::Engine& engine() { return *engine_; }
-  const zinf::Engine& engine() const { return *engine_; }
+  // Destroys the engine, then the communicator (an MpiComm stops its progress thread and frees
+  // its MPI communicators), then the device: every parameter's memory is gone afterwards, and
+  // every later call raises. zinf.torch calls it at interpreter exit (before MPI is finalised).
+  void close() {
+    nb::gil_scoped_release release;
+    engine_.reset();
+    comms_.clear();
+    device_.reset();
+  }
+
+  zinf::Engine& engine() {
+    if (!engine_) throw ZinfError(zinf::Status::failed_precondition("the engine was closed"));
+    return *engine_;
+  }
+  const zinf::Engine& engine() const { return const_cast<PyEngine*>(this)->engine(); }
 
  private:
   std::unique_ptr<zinf::Device> device_;
@@ -259,11 +357,22 @@ NB_MODULE(_zinf, m) {
       "Parses a DeepSpeed-style JSON config and returns it with every default written out.");
 
   nb::class_<PyEngine>(m, "Engine")
-      .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t>(),
+      .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t,
+                    const std::string&>(),
            nb::arg("config_json"), nb::arg("nvme_paths") = std::vector<std::string>{},
-           nb::arg("device_memory_limit_bytes") = 0)
-      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"),
-           nb::arg("module"), nb::arg("shape"), nb::arg("dtype"), nb::arg("values"))
+           nb::arg("device_memory_limit_bytes") = 0, nb::arg("comm") = "local")
+      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"), nb::arg("module"),
+           nb::arg("shape"), nb::arg("dtype"), nb::arg("values").none(),
+           nb::arg("initializer") = nb::none(), nb::arg("group") = "")
+      .def(
+          "add_param_group",
+          [](PyEngine& e, const std::string& name, double weight_decay, double lr_scale) {
+            check(e.engine().add_param_group(zinf::ParamGroup{name, weight_decay, lr_scale}));
+          },
+          nb::arg("name"), nb::arg("weight_decay") = -1.0, nb::arg("lr_scale") = 1.0)
+      .def("abort", &PyEngine::abort, nb::arg("message"))
+      .def("close", &PyEngine::close)
+      .def("comm_status", &PyEngine::comm_status)
       .def("finalize",
            [](PyEngine& e) {
              nb::gil_scoped_release release;
@@ -295,6 +404,8 @@ NB_MODULE(_zinf, m) {
              check(e.engine().load_checkpoint(dir));
            })
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
+      .def("write_parameters", &PyEngine::write_parameters, nb::arg("name"),
+           nb::arg("values").none(), nb::arg("root") = 0)
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
            [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })

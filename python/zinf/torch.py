@@ -28,21 +28,30 @@ How the model's tensors meet the engine (docs/PYTHON.md):
   end of engine.backward().
 - The engine records the order of the gathers on the first step and prefetches in that order
   afterwards (stage3_prefetch_bucket_size, stage3_max_live_parameters), as in C++.
+- Under mpirun each process is one rank (MpiComm); an exception in forward, backward or step
+  aborts the communicator, so the other ranks fail at once naming this one.
+- Init (zinf/_torch_init.py) stages parameters as modules are built; the engine's initializers
+  read each rank's partition from there.
 """
 from __future__ import annotations
 
+import atexit
+import contextlib
 import copy
 import json
 import os
+import time
 import weakref
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
-from . import _zinf
+from . import _torch_init, _zinf
+from ._gathered import GatheredParameters
+from ._torch_init import Init
 
-__all__ = ["initialize", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
+__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
 
 Error = _zinf.Error
 
@@ -136,8 +145,44 @@ def _map_tensors(value, fn):
     return rebuild(value)
 
 
+def _choose_comm(comm: str | None) -> str:
+    """"local" (one process) or "mpi" (this process's rank of an mpirun/srun job). None picks
+    "mpi" when an MPI launcher started the process (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or
+    PMIX_RANK in the environment), else "local"."""
+    if comm is not None:
+        return comm
+    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+        return "mpi"
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise NotImplementedError(
+            "WORLD_SIZE > 1 without an MPI launcher (torchrun?): zinf.torch runs several "
+            "processes under mpirun (comm=\"mpi\"); launch with mpirun -np N python ...")
+    return "local"
+
+
+# How long a rank that aborted its communicator waits before its exception propagates: mpirun
+# kills the whole job as soon as one process exits with an error, so the peers need a moment to
+# receive the abort notice and report it themselves (which takes milliseconds).
+_ABORT_LINGER_S = float(os.environ.get("ZINF_ABORT_LINGER_S", "5"))
+
+
+def _linger_after_abort():
+    time.sleep(_ABORT_LINGER_S)
+
+
+# Engines not destroyed yet; closed at exit (atexit runs before the interpreter finalises, and
+# the C library's exit handlers, MPI_Finalize among them, after it).
+_open_engines: "weakref.WeakSet[ZinfEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open_engines():
+    for engine in list(_open_engines):
+        engine.destroy()
+
+
 class ZinfOptimizer(torch.optim.Optimizer):
-    """The optimizer as torch sees it: one parameter group whose "lr" the engine reads before
+    """The optimizer as torch sees it: the parameter groups, whose "lr"s the engine reads before
     each step, so torch's LR schedulers drive it. The update itself runs in the engine."""
 
     def __init__(self, params, engine: "ZinfEngine", defaults: dict):
@@ -166,7 +211,7 @@ class ZinfEngine(nn.Module):
     """A model trained by zinf: call it as the model, then backward(loss) and step()."""
 
     def __init__(self, model: nn.Module, config: dict, model_parameters=None, lr_scheduler=None,
-                 device_memory_limit_bytes: int = 0):
+                 device_memory_limit_bytes: int = 0, comm: str | None = None):
         super().__init__()
         self.module = model
         self._config = config
@@ -176,7 +221,11 @@ class ZinfEngine(nn.Module):
             section = zero.get(key) or {}
             if section.get("device") == "nvme" and section.get("nvme_path"):
                 os.makedirs(section["nvme_path"], exist_ok=True)
-        self._core = _zinf.Engine(json.dumps(config), [], device_memory_limit_bytes)
+        self._core = _zinf.Engine(json.dumps(config), [], device_memory_limit_bytes,
+                                  _choose_comm(comm))
+        _open_engines.add(self)
+        self.global_rank = self._core.rank
+        self.world_size = self._core.world_size
         resolved = json.loads(self._core.config_json())
         self.stage = int(resolved["zero_optimization"]["stage"])
         self.gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
@@ -186,21 +235,31 @@ class ZinfEngine(nn.Module):
         self.micro_steps = 0
         self.last_step_report: dict | None = None
 
-        self._register(model, model_parameters)
-        self._core.finalize()
+        opt_params = resolved["optimizer"]["params"]
+        defaults = {"lr": float(opt_params["lr"]),
+                    "betas": tuple(opt_params.get("betas", (0.9, 0.999))),
+                    "eps": float(opt_params.get("eps", 1e-8)),
+                    "weight_decay": float(opt_params.get("weight_decay", 0.0))}
+        groups = self._register(model, model_parameters, defaults)
+        with self._aborting_on_error("finalize"):
+            self._core.finalize()
+        for param in self._params.values():
+            stage = _torch_init.staged(param)
+            if stage is not None:
+                stage.done()
+                del param._zinf_staged
         self._place_parameters()
         for buffer_owner in model.modules():
             for key, buffer in buffer_owner._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
                     buffer_owner._buffers[key] = buffer.to(self.dtype)
 
-        opt_params = resolved["optimizer"]["params"]
-        defaults = {"lr": float(opt_params["lr"]),
-                    "betas": tuple(opt_params.get("betas", (0.9, 0.999))),
-                    "eps": float(opt_params.get("eps", 1e-8)),
-                    "weight_decay": float(opt_params.get("weight_decay", 0.0))}
-        self.optimizer = ZinfOptimizer(list(self._params.values()), self, defaults)
-        self._lr_pushed = defaults["lr"]
+        self.optimizer = ZinfOptimizer(groups, self, defaults)
+        # Each group's lr at the start: the engine runs group i at lr * lr_scale_i, so a
+        # scheduler must move every group's lr by the same factor (LambdaLR, StepLR, ... do).
+        self._base_lr = defaults["lr"]
+        self._initial_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._lr_pushed = self._base_lr
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_scheduler = lr_scheduler
@@ -208,7 +267,9 @@ class ZinfEngine(nn.Module):
 
     # ---- registration -------------------------------------------------------------------------
 
-    def _register(self, model: nn.Module, model_parameters):
+    def _register(self, model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
+        """Registers every parameter of the model with the engine, and returns the optimizer's
+        parameter groups (torch's form)."""
         # pid -> parameter, its name and the engine module that owns it.
         self._params: dict[int, nn.Parameter] = {}
         self._names: dict[int, str] = {}
@@ -235,25 +296,87 @@ class ZinfEngine(nn.Module):
                 self._names[id(param)] = full_name
                 self._owner[id(param)] = engine_module
                 self._owned.setdefault(engine_module, []).append(param)
-        if model_parameters is not None:
-            given = []
-            for item in model_parameters:
-                if isinstance(item, dict):
-                    given.extend(item["params"])
-                else:
-                    given.append(item)
-            missing = [self._names[pid] for pid in self._params if pid not in {id(p) for p in given}]
-            if missing or len({id(p) for p in given}) != len(self._params):
-                raise NotImplementedError(
-                    "model_parameters must be all of the model's parameters in one group "
-                    f"(not given: {missing[:3]})")
+        groups = self._define_groups(model_parameters, defaults)
+        group_of = {id(p): g["_zinf_group"] for g in groups for p in g["params"]}
+        self._shapes = {}
         for pid, param in self._params.items():
             param._zinf_engine = weakref.ref(self)
+            stage = _torch_init.staged(param)
+            if stage is not None:
+                # Built under Init: the engine reads this rank's elements from the staging file
+                # during finalize().
+                self._shapes[pid] = stage.shape
+                self._core.register_parameter(self._names[pid], self._owner[pid],
+                                              list(stage.shape), self.dtype_name, None,
+                                              stage.initializer, group=group_of[pid])
+                continue
+            self._shapes[pid] = tuple(param.shape)
             values = param.detach().to(device="cpu", dtype=torch.float32).contiguous()
             self._core.register_parameter(self._names[pid], self._owner[pid],
-                                          list(param.shape), self.dtype_name, values)
-        # Per engine module: how many of its parameters have their gradient this backward.
-        self._shapes = {pid: tuple(p.shape) for pid, p in self._params.items()}
+                                          list(param.shape), self.dtype_name, values,
+                                          group=group_of[pid])
+        for g in groups:
+            del g["_zinf_group"]
+        return groups
+
+    def _define_groups(self, model_parameters, defaults: dict) -> list[dict]:
+        """torch's parameter groups (model_parameters: parameters, or dicts with "params" and
+        hyper-parameters) as engine groups. The first group whose hyper-parameters are the
+        config's is the engine's default group; every other group is add_param_group(), with
+        its weight_decay and lr_scale = its lr / the config's lr. A group may not change betas
+        or eps (the engine's groups have one optimizer)."""
+        if model_parameters is None:
+            model_parameters = list(self._params.values())
+        items = list(model_parameters)
+        if items and not isinstance(items[0], dict):
+            items = [{"params": items}]
+        groups, seen = [], set()
+        for index, item in enumerate(items):
+            if not isinstance(item, dict):
+                raise TypeError("model_parameters: either parameters or parameter groups "
+                                "(dicts with \"params\"), not both")
+            params = item["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            for key in ("betas", "eps"):
+                if key not in item:
+                    continue
+                value = tuple(item[key]) if key == "betas" else float(item[key])
+                if value != defaults[key]:
+                    raise NotImplementedError(
+                        f"parameter group {index}: {key} {item[key]} differs from the "
+                        f"optimizer's {defaults[key]}; groups may change lr and weight_decay")
+            group = {**defaults, **{k: v for k, v in item.items() if k != "params"}}
+            group["params"] = params
+            for p in params:
+                if id(p) not in self._params:
+                    raise ValueError(f"parameter group {index}: a parameter that is not the "
+                                     "model's (or does not require grad)")
+                if id(p) in seen:
+                    raise ValueError(f"parameter group {index}: parameter "
+                                     f"'{self._names[id(p)]}' is in more than one group")
+                seen.add(id(p))
+            groups.append(group)
+        missing = [self._names[pid] for pid in self._params if pid not in seen]
+        if missing:
+            raise NotImplementedError(
+                f"model_parameters leaves out {len(missing)} of the model's parameters "
+                f"({missing[:3]}): every parameter is trained (frozen ones are not supported)")
+        default_taken = False
+        for index, group in enumerate(groups):
+            same = (float(group["lr"]) == defaults["lr"]
+                    and float(group["weight_decay"]) == defaults["weight_decay"])
+            if same and not default_taken:
+                group["_zinf_group"] = ""
+                default_taken = True
+                continue
+            name = f"group{index}"
+            if defaults["lr"] == 0:
+                raise NotImplementedError(f"parameter group {index}: its own lr needs a non-zero "
+                                          "optimizer lr in the config (groups scale it)")
+            self._core.add_param_group(name, float(group["weight_decay"]),
+                                       float(group["lr"]) / defaults["lr"])
+            group["_zinf_group"] = name
+        return groups
 
     def _place_parameters(self):
         """Points every parameter at the engine's copy (stages 1, 2) or at an empty placeholder
@@ -409,17 +532,34 @@ class ZinfEngine(nn.Module):
 
     # ---- DeepSpeed's call shape ---------------------------------------------------------------
 
+    @contextlib.contextmanager
+    def _aborting_on_error(self, what: str):
+        """An exception raised here (by the model's code, autograd or the engine) aborts the
+        communicator before it propagates: the other ranks' collectives fail at once with an
+        error naming this rank, instead of waiting for collective_timeout_ms. A failure that
+        came from a peer is passed on as it is."""
+        try:
+            yield
+        except BaseException as error:
+            if self.world_size > 1 and self._core.comm_status() == "ok":
+                self._core.abort(f"rank {self.global_rank} of {self.world_size} raised "
+                                 f"{type(error).__name__} in {what}: {error}"[:900])
+                _linger_after_abort()
+            raise
+
     def forward(self, *args, **kwargs):
-        if self.stage < 3:
-            return self.module(*args, **kwargs)
-        with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
-            return self.module(*args, **kwargs)
+        with self._aborting_on_error("forward"):
+            if self.stage < 3:
+                return self.module(*args, **kwargs)
+            with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+                return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
         scale = self._core.loss_scale
-        (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-        self._finish_backward()
+        with self._aborting_on_error("backward"):
+            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+            self._finish_backward()
         self.micro_steps += 1
         return loss
 
@@ -435,12 +575,27 @@ class ZinfEngine(nn.Module):
         if self.lr_scheduler is not None:
             self.lr_scheduler.step()
 
+    def _scheduled_lr(self) -> float:
+        """The engine's learning rate for the groups' current lrs: each group runs at the
+        engine's lr times its initial lr / the config's lr, so every group must have moved by
+        the same factor since the start."""
+        factors = []
+        for group, initial in zip(self.optimizer.param_groups, self._initial_lrs):
+            lr = float(group["lr"])
+            factors.append(lr / initial if initial != 0 else (1.0 if lr == 0 else float("inf")))
+        if any(abs(f - factors[0]) > 1e-12 * max(1.0, abs(factors[0])) for f in factors):
+            raise NotImplementedError(
+                "the parameter groups' learning rates changed by different factors "
+                f"({factors}); the engine scales one learning rate per group by a fixed ratio")
+        return self._base_lr * factors[0]
+
     def _apply_step(self):
-        lr = float(self.optimizer.param_groups[0]["lr"])
+        lr = self._scheduled_lr()
         if lr != self._lr_pushed:
             self._core.set_learning_rate(lr)
             self._lr_pushed = lr
-        self.last_step_report = self._core.step()
+        with self._aborting_on_error("step"):
+            self.last_step_report = self._core.step()
         self.global_steps += 1
         self._refresh_views()
 
@@ -461,6 +616,17 @@ class ZinfEngine(nn.Module):
                     param.data = fresh
             self._core.release(engine_module)
 
+    def destroy(self):
+        """Frees the engine and its communicator (DeepSpeed's engine.destroy()). The model's
+        parameters become empty placeholders; the engine cannot be used afterwards. Called for
+        every engine still open when the interpreter exits, so that an MPI job's communicators
+        are closed before MPI is finalised."""
+        for param in self._params.values():
+            param.data = torch.empty(0, dtype=self.dtype)
+        self._gathered_ptrs.clear()
+        self._core.close()
+        _open_engines.discard(self)
+
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
@@ -476,6 +642,13 @@ class ZinfEngine(nn.Module):
     def memory(self) -> dict:
         """Bytes of this rank's state on each tier."""
         return self._core.memory()
+
+    def _write_parameter(self, param: nn.Parameter, values: torch.Tensor, root: int):
+        """Rank root's values into the master of param (collective), and the views refreshed."""
+        name = self._names[id(param)]
+        with self._aborting_on_error(f"write_parameters('{name}')"):
+            self._core.write_parameters(name, values, root)
+        self._refresh_views()
 
     def read_parameter(self, name: str) -> torch.Tensor:
         """The fp32 master of a parameter (by its qualified name), as a new tensor."""
@@ -524,8 +697,8 @@ class ZinfEngine(nn.Module):
         self.micro_steps = state["micro_steps"]
         for group, lr in zip(self.optimizer.param_groups, state["lr"]):
             group["lr"] = lr
-        self._core.set_learning_rate(state["lr"][0])
-        self._lr_pushed = state["lr"][0]
+        self._lr_pushed = self._scheduled_lr()
+        self._core.set_learning_rate(self._lr_pushed)
         scheduler_path = os.path.join(path, "lr_scheduler.pt")
         if self.lr_scheduler is not None and os.path.exists(scheduler_path):
             self.lr_scheduler.load_state_dict(torch.load(scheduler_path))
@@ -533,49 +706,9 @@ class ZinfEngine(nn.Module):
         return path, torch.load(os.path.join(path, "client_state.pt"))
 
 
-class GatheredParameters:
-    """deepspeed.zero.GatheredParameters with modifier_rank=None (its default): inside the
-    `with` block the given parameters hold their full values (at stage 3 their engine modules
-    are gathered; at stages 1 and 2 they always do), for reading, for example to export weights.
-
-        with zinf.torch.GatheredParameters(model.lm_head.parameters()):
-            weights = model.lm_head.weight.detach().clone()
-
-    Changes made inside the block are not written back to the engine (modifier_rank=None means
-    the same in DeepSpeed); writing back is not supported yet. Parameters not trained by a zinf
-    engine are left as they are."""
-
-    def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
-        if modifier_rank is not None:
-            raise NotImplementedError("GatheredParameters: modifier_rank (writing changes back "
-                                      "to the engine) is not supported yet")
-        self._params = [params] if isinstance(params, torch.Tensor) else list(params)
-        self._enabled = enabled
-        self._held: list[tuple[ZinfEngine, str]] = []
-
-    def __enter__(self):
-        if not self._enabled:
-            return self
-        for param in self._params:
-            ref = getattr(param, "_zinf_engine", None)
-            engine = ref() if ref is not None else None
-            if engine is None or engine.stage < 3:
-                continue
-            owner = engine._owner[id(param)]
-            engine._acquire(owner)
-            self._held.append((engine, owner))
-        return self
-
-    def __exit__(self, *exc):
-        while self._held:
-            engine, owner = self._held.pop()
-            engine._release(owner)
-        return False
-
-
 def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
                model_parameters: Iterable | None = None, optimizer=None, lr_scheduler=None,
-               training_data=None, config_params=None, **kwargs):
+               training_data=None, config_params=None, comm: str | None = None, **kwargs):
     """zinf's deepspeed.initialize: returns (engine, optimizer, training_dataloader,
     lr_scheduler).
 
@@ -584,11 +717,14 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     config: a dict or the path of a JSON file with DeepSpeed's keys (docs/ENGINE.md lists them):
         the optimizer comes from its "optimizer" section, the stage and offload from
         "zero_optimization"; "bf16" / "fp16" choose the dtype the model computes in.
-    model_parameters: the parameters to train (all of the model's, in one group, for now).
+    model_parameters: the parameters to train: all of the model's, as parameters or as torch
+        parameter groups (dicts with "params" and their own "lr" and "weight_decay").
     lr_scheduler: a torch LR scheduler over the returned optimizer, or a callable that makes one
         from it; stepped after each optimizer step.
     training_data: a torch Dataset; a DataLoader over it with train_micro_batch_size_per_gpu is
         returned.
+    comm: "local" (one process) or "mpi" (one rank per process of an mpirun job); by default
+        "mpi" when an MPI launcher started the process, else "local".
     """
     if config is None:
         config = config_params
@@ -600,7 +736,7 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     unknown = set(kwargs) - {"args", "mpu", "dist_init_required", "collate_fn"}
     if unknown:
         raise TypeError(f"initialize: unexpected arguments {sorted(unknown)}")
-    engine = ZinfEngine(model, _read_config(config), model_parameters, lr_scheduler)
+    engine = ZinfEngine(model, _read_config(config), model_parameters, lr_scheduler, comm=comm)
     loader = None
     if training_data is not None:
         batch = int(json.loads(engine._core.config_json())["train_micro_batch_size_per_gpu"])

@@ -1,0 +1,45 @@
+// write_master_values: Engine::write_parameters() once the engine is finalized: one parameter's
+// new fp32 values into this rank's slice of the master (the optimizer moments stay as they are),
+// then the device copies / shards republished from the master, as after a checkpoint load.
+//
+// Thread-safety: one thread (the rank's).
+#pragma once
+
+#include <chrono>
+#include <string_view>
+
+#include "engine/layout.hpp"
+#include "engine/optimizer_state.hpp"
+#include "engine/rank_exchange.hpp"
+#include "zero/param_coordinator.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+#include "zinf/status.hpp"
+
+namespace zinf {
+
+struct MasterWrite {
+  OptimizerState* state = nullptr;
+  ParamCoordinator* coord = nullptr;
+  const ParameterLayout* layout = nullptr;
+  Device* device = nullptr;
+  Communicator* comm = nullptr;
+  Stream* stream = nullptr;
+  Event* event = nullptr;
+  std::chrono::milliseconds timeout{60'000};
+  int rank = 0;
+  StickyError* sticky = nullptr;  // takes the errors of the collective and of the state
+};
+
+// Checks first, returning without any collective:
+// kNotFound for an unknown parameter, `precondition` when it is not OK, kInvalidArgument for a
+// root outside the world or a null `values` on the root. Then rank `root`'s `values` (the
+// parameter's element_count floats; the other ranks' are ignored) are broadcast to every rank,
+// and each rank writes the elements of its slice into the master: a pass over its whole
+// partition of the master (each sub-group read and rewritten, on whatever tier it lives), the
+// prefetched modules are dropped and the master is published. Errors from the broadcast on are
+// recorded in `sticky`. Collective.
+Status write_master_values(const MasterWrite& w, std::string_view name, const float* values,
+                           int root, Status precondition);
+
+}  // namespace zinf

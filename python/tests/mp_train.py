@@ -1,0 +1,122 @@
+"""Run by mpirun from the multi-process tests (one process per rank): trains the oracle's GPT-2
+under zinf.torch, each rank on its share of every batch, and writes what the test checks.
+
+    mpirun -np 2 python mp_train.py oracle <out_dir> <case> [<case> ...]   (case: stage-offload)
+    mpirun -np 2 python mp_train.py write <out_dir>
+    mpirun -np 2 python mp_train.py fail <out_dir> <timeout_ms>
+
+oracle: for each case, 20 steps with the config of test_oracle.py; every rank writes its
+per-step losses to <out_dir>/<case>.rank<r>.json, and rank 0 the final fp32 masters (read back
+through the engine, a collective) to <out_dir>/<case>.pt.
+write: GatheredParameters(modifier_rank=0) with the change made on rank 0 only (see write()).
+fail: stage 3, collective_timeout_ms <timeout_ms>; rank 1 raises from its backward (a module's
+backward hook) on the second step, and rank 0 goes on as usual. Each rank's exit is the test's
+to check."""
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import zinf.torch  # noqa: E402
+from conftest import STEPS, make_batches, make_model, zinf_config  # noqa: E402
+
+
+def shard(batch, rank, world):
+    ids, labels = batch
+    per = ids.shape[0] // world
+    return ids[rank * per:(rank + 1) * per], labels[rank * per:(rank + 1) * per]
+
+
+def oracle(out_dir, cases):
+    for case in cases:
+        stage, offload = case.split("-")
+        stage = int(stage)
+        extra = {"stage3_param_persistence_threshold": 0} if stage == 3 else {}
+        nvme = os.path.join(out_dir, f"{case}.nvme")
+        config = zinf_config(stage, offload, offload if stage == 3 else "none", nvme, **extra)
+        model = make_model()
+        engine, _, _, _ = zinf.torch.initialize(model=model, config=config,
+                                                model_parameters=model.parameters())
+        rank, world = engine.global_rank, engine.world_size
+        losses = []
+        for batch in make_batches(STEPS):
+            ids, labels = shard(batch, rank, world)
+            loss = engine(input_ids=ids, labels=labels).loss
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        with open(os.path.join(out_dir, f"{case}.rank{rank}.json"), "w") as f:
+            json.dump({"losses": losses, "world_size": world,
+                       "counters": engine.counters()}, f)
+        params = {name: engine.read_parameter(name) for name in engine._names.values()}
+        if rank == 0:
+            torch.save(params, os.path.join(out_dir, f"{case}.pt"))
+
+
+def write(out_dir):
+    """Stage 3, everything on NVMe: 2 steps, then only rank 0 changes a LayerNorm weight inside
+    GatheredParameters(modifier_rank=0) (DeepSpeed's pattern); both ranks read the master back
+    and train one more step."""
+    config = zinf_config(3, "nvme", "nvme", os.path.join(out_dir, "nvme"),
+                         stage3_param_persistence_threshold=0)
+    model = make_model()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    rank, world = engine.global_rank, engine.world_size
+    batches = make_batches(3)
+    for batch in batches[:2]:
+        ids, labels = shard(batch, rank, world)
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+    weight = model.transformer.ln_f.weight
+    with zinf.torch.GatheredParameters([weight], modifier_rank=0):
+        if rank == 0:
+            with torch.no_grad():
+                weight.copy_(torch.linspace(0.5, 1.5, weight.numel()))
+    master = engine.read_parameter("transformer.ln_f.weight")
+    ids, labels = shard(batches[2], rank, world)
+    loss = engine(input_ids=ids, labels=labels).loss
+    engine.backward(loss)
+    engine.step()
+    with open(os.path.join(out_dir, f"write.rank{rank}.json"), "w") as f:
+        json.dump({"master": master.tolist(), "loss": loss.item()}, f)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def fail(out_dir, timeout_ms):
+    config = zinf_config(3, "cpu", "cpu", os.path.join(out_dir, "nvme"),
+                         stage3_param_persistence_threshold=0)
+    config["zinf"]["collective_timeout_ms"] = timeout_ms
+    model = make_model()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config,
+                                            model_parameters=model.parameters())
+    rank, world = engine.global_rank, engine.world_size
+    step = 0
+
+    def explode(module, grad_input, grad_output):
+        if rank == 1 and step == 1:
+            print(f"rank 1 raises at {time.time():.3f}", flush=True)
+            raise Boom("injected failure in the backward of lm_head")
+
+    model.lm_head.register_full_backward_hook(explode)
+    for step, batch in enumerate(make_batches(3)):
+        ids, labels = shard(batch, rank, world)
+        loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+    print(f"rank {rank}: finished all steps", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    if sys.argv[1] == "oracle":
+        oracle(sys.argv[2], sys.argv[3:])
+    elif sys.argv[1] == "write":
+        write(sys.argv[2])
+    else:
+        fail(sys.argv[2], int(sys.argv[3]))

@@ -1,0 +1,236 @@
+"""zinf.torch.Init: build a model without holding it whole in host memory (DeepSpeed's
+deepspeed.zero.Init, for zinf's engine).
+
+Inside `with zinf.torch.Init(config=config):`, every nn.Module constructor that ends (the
+outermost __init__ of each module object) hands its own parameters over: their values, as
+initialised by the constructor, are appended as fp32 to a staging file, and each parameter's
+.data becomes an empty placeholder. So at most one module's parameters are whole in memory at a
+time. zinf.torch.initialize() then registers each staged parameter with an engine initializer
+(ParameterSpec::initializer) that reads only the elements of this rank's partition from the
+staging file during finalize(), straight into the engine's fp32 master (on the device, in host
+memory or on NVMe), and closes the file.
+
+The staging file lives in the config's offload_param (else offload_optimizer) nvme_path, or in
+the system's temporary directory, and is unlinked as soon as it is created: it takes the model's
+fp32 size on that disk until initialize() is done with it, and never outlives the process.
+
+Initialisation that runs after a module's constructor (transformers' post_init, a custom
+init_weights) sees the placeholders; do it inside GatheredParameters(params, modifier_rank=0),
+which reads the staged values and writes changes back to the staging file.
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+_counter = itertools.count()
+
+
+class _StagingFile:
+    """An unlinked file of fp32 values, appended to by Init and read by the initializers."""
+
+    def __init__(self, directory: str):
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"zinf-init-{os.getpid()}-{next(_counter)}.f32")
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        os.unlink(path)
+        self.size = 0
+        self.users = 0  # staged parameters not yet registered with an engine
+
+    def append(self, tensor: torch.Tensor) -> int:
+        values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+        offset = self.size
+        self.write(offset, values)
+        self.size += values.numel() * 4
+        return offset
+
+    def write(self, offset: int, values: torch.Tensor):
+        view = memoryview(values.numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], offset + done)
+
+    def read_into(self, offset: int, out) -> None:
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            got = os.preadv(self.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise OSError(f"zinf.torch.Init: staging file {self.path}: short read at byte "
+                              f"{offset + done}")
+            done += got
+
+    def release_one(self):
+        self.users -= 1
+        if self.users == 0 and self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+class Staged:
+    """Where a parameter built under Init keeps its values until an engine takes them."""
+
+    __slots__ = ("file", "offset", "shape", "dtype")
+
+    def __init__(self, file: _StagingFile, offset: int, shape, dtype):
+        self.file = file
+        self.offset = offset
+        self.shape = tuple(shape)
+        self.dtype = dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def initializer(self, first: int, out) -> None:
+        """ParameterSpec::initializer: elements [first, first + len(out)) into out."""
+        self.file.read_into(self.offset + first * 4, out)
+
+    def load(self) -> torch.Tensor:
+        """The whole parameter, fp32 (GatheredParameters before initialize())."""
+        out = torch.empty(self.shape, dtype=torch.float32)
+        self.file.read_into(self.offset, out.numpy())
+        return out
+
+    def store(self, values: torch.Tensor):
+        self.file.write(self.offset, values.detach().to(torch.float32).contiguous())
+
+    def done(self):
+        self.file.release_one()
+
+
+def _module_subclasses():
+    seen, stack = set(), [nn.Module]
+    while stack:
+        cls = stack.pop()
+        for sub in cls.__subclasses__():
+            if sub not in seen:
+                seen.add(sub)
+                stack.append(sub)
+    return seen
+
+
+class Init:
+    """deepspeed.zero.Init for zinf: modules constructed inside the block hand their parameters
+    over as their constructors end, so the model is never whole in host memory.
+
+        with zinf.torch.Init(config=config):
+            model = MyModel()
+        engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+
+    config (or config_dict_or_path): the run's config, used for where to stage (the nvme_path of
+    offload_param, else of offload_optimizer); staging_dir overrides it. DeepSpeed's other
+    arguments (module, data_parallel_group, remote_device, pin_memory, dtype, mpu, ...) are
+    accepted and ignored. enabled=False makes the block do nothing."""
+
+    _active: "Init | None" = None
+
+    def __init__(self, module=None, config_dict_or_path=None, config=None, enabled: bool = True,
+                 staging_dir: str | None = None, **_deepspeed_args):
+        if module is not None:
+            raise NotImplementedError("Init(module=...): converting a model built beforehand is "
+                                      "not supported; build it inside the block")
+        self.enabled = enabled
+        config = config if config is not None else config_dict_or_path
+        if isinstance(config, (str, os.PathLike)):
+            import json
+            with open(config) as f:
+                config = json.load(f)
+        self.staging_dir = staging_dir or _staging_dir_of(config or {})
+        self._file: _StagingFile | None = None
+        self._patched: dict[type, object] = {}
+        self._saved_init_subclass = None
+        self.staged_bytes = 0
+
+    # ---- the block ------------------------------------------------------------------------------
+
+    def __enter__(self):
+        if not self.enabled:
+            return self
+        if Init._active is not None:
+            raise RuntimeError("zinf.torch.Init blocks do not nest")
+        Init._active = self
+        self._file = _StagingFile(self.staging_dir)
+        for cls in _module_subclasses():
+            self._wrap(cls)
+        init = self
+        saved = nn.Module.__dict__.get("__init_subclass__")
+        self._saved_init_subclass = saved
+
+        @classmethod
+        def init_subclass(cls, **kwargs):
+            if saved is not None:
+                saved.__get__(None, cls)(**kwargs)
+            init._wrap(cls)
+
+        nn.Module.__init_subclass__ = init_subclass
+        return self
+
+    def __exit__(self, *exc):
+        if not self.enabled:
+            return False
+        for cls, original in self._patched.items():
+            cls.__init__ = original
+        self._patched.clear()
+        if self._saved_init_subclass is None:
+            del nn.Module.__init_subclass__
+        else:
+            nn.Module.__init_subclass__ = self._saved_init_subclass
+        Init._active = None
+        if self._file is not None and self._file.users == 0:
+            os.close(self._file.fd)
+            self._file.fd = -1
+        return False
+
+    def _wrap(self, cls):
+        original = cls.__dict__.get("__init__")
+        if original is None or cls in self._patched:
+            return
+        init = self
+
+        def __init__(module, *args, **kwargs):
+            depth = module.__dict__.get("_zinf_init_depth", 0)
+            object.__setattr__(module, "_zinf_init_depth", depth + 1)
+            try:
+                original(module, *args, **kwargs)
+            finally:
+                object.__setattr__(module, "_zinf_init_depth", depth)
+            if depth == 0:
+                del module.__dict__["_zinf_init_depth"]
+                init._stage(module)
+
+        __init__.__wrapped__ = original
+        self._patched[cls] = original
+        cls.__init__ = __init__
+
+    def _stage(self, module: nn.Module):
+        for param in module._parameters.values():
+            if param is None or hasattr(param, "_zinf_staged"):
+                continue
+            offset = self._file.append(param)
+            self._file.users += 1
+            param._zinf_staged = Staged(self._file, offset, param.shape, param.dtype)
+            self.staged_bytes += param.numel() * 4
+            param.data = torch.empty(0, dtype=param.dtype)
+
+
+def _staging_dir_of(config: dict) -> str:
+    zero = config.get("zero_optimization", {})
+    for key in ("offload_param", "offload_optimizer"):
+        section = zero.get(key) or {}
+        if section.get("device") == "nvme" and section.get("nvme_path"):
+            return str(section["nvme_path"])
+    return tempfile.gettempdir()
+
+
+def staged(param) -> Staged | None:
+    """The staging of a parameter built under Init and not yet taken by an engine."""
+    return getattr(param, "_zinf_staged", None)
