@@ -284,15 +284,29 @@ NB_MODULE(_zinf, m) {
       .def("reduce_gradients", &PyEngine::reduce_gradients, nb::arg("module"), nb::arg("names"),
            nb::arg("gradients"))
       .def("step", &PyEngine::step)
-      .def("save_checkpoint",
-           [](PyEngine& e, const std::string& dir) {
-             nb::gil_scoped_release release;
-             check(e.engine().save_checkpoint(dir));
+      .def(
+          "save_checkpoint",
+          [](PyEngine& e, const std::string& dir, const std::string& tag) {
+            nb::gil_scoped_release release;
+            check(tag.empty() ? e.engine().save_checkpoint(dir)
+                              : e.engine().save_checkpoint(dir, tag));
+          },
+          nb::arg("dir"), nb::arg("tag") = "")
+      .def(
+          "load_checkpoint",
+          [](PyEngine& e, const std::string& dir, const std::string& tag) {
+            nb::gil_scoped_release release;
+            check(e.engine().load_checkpoint(dir, tag));
+          },
+          nb::arg("dir"), nb::arg("tag") = "")
+      .def("set_client_state",
+           [](PyEngine& e, nb::bytes blob) {
+             e.engine().set_client_state(std::string_view(blob.c_str(), blob.size()));
            })
-      .def("load_checkpoint",
-           [](PyEngine& e, const std::string& dir) {
-             nb::gil_scoped_release release;
-             check(e.engine().load_checkpoint(dir));
+      .def("client_state",
+           [](const PyEngine& e) {
+             const std::string& blob = e.engine().client_state();
+             return nb::bytes(blob.data(), blob.size());
            })
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })

@@ -32,6 +32,7 @@ How the model's tensors meet the engine (docs/PYTHON.md):
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import weakref
@@ -488,23 +489,21 @@ class ZinfEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
-        """Writes <save_dir>/<tag>/ (default tag "global_step<N>") and, with save_latest, the tag
-        to <save_dir>/latest, as DeepSpeed does. The engine's part is crash-safe (the manifest is
-        written last); the torch side writes zinf_torch.json (steps, learning rate) and
-        client_state.pt."""
+        """Writes <save_dir>/<tag>/ (default tag "global_step<N>") and then <save_dir>/latest, as
+        DeepSpeed does. The torch side's state (steps, learning rates, the lr_scheduler's
+        state_dict, client_state) travels in the engine's client state, so the whole tag is
+        written crash-safely at once: a save cut short leaves `latest` naming the previous one.
+        zinf always updates `latest`; save_latest=False is accepted and ignored."""
+        del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        path = os.path.join(save_dir, tag)
-        self._core.save_checkpoint(path)
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                 "lr": self.get_lr()}
+                 "lr": self.get_lr(), "client_state": client_state or {}}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(path, "lr_scheduler.pt"))
-        with open(os.path.join(path, "zinf_torch.json"), "w") as f:
-            json.dump(state, f)
-        torch.save(client_state or {}, os.path.join(path, "client_state.pt"))
-        if save_latest:
-            with open(os.path.join(save_dir, "latest"), "w") as f:
-                f.write(tag)
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        blob = io.BytesIO()
+        torch.save(state, blob)
+        self._core.set_client_state(blob.getvalue())
+        self._core.save_checkpoint(save_dir, tag)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **_ignored):
@@ -517,20 +516,18 @@ class ZinfEngine(nn.Module):
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        self._core.load_checkpoint(path)
-        with open(os.path.join(path, "zinf_torch.json")) as f:
-            state = json.load(f)
+        self._core.load_checkpoint(load_dir, str(tag))
+        state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         for group, lr in zip(self.optimizer.param_groups, state["lr"]):
             group["lr"] = lr
         self._core.set_learning_rate(state["lr"][0])
         self._lr_pushed = state["lr"][0]
-        scheduler_path = os.path.join(path, "lr_scheduler.pt")
-        if self.lr_scheduler is not None and os.path.exists(scheduler_path):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_path))
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._refresh_views()
-        return path, torch.load(os.path.join(path, "client_state.pt"))
+        return path, state["client_state"]
 
 
 class GatheredParameters:
