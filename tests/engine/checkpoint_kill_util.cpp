@@ -228,6 +228,7 @@ std::string read_all(const std::string& path) {
 }  // namespace
 
 void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // each trial's line as it happens
   ScratchDir scratch(fmt::format("ckpt-kill-{}", params));
   const std::string ckpt = scratch.path() + "/ckpt";
   const std::string work = scratch.path();
