@@ -298,7 +298,8 @@ class Engine {
   // when that tag exists already, and when gradients were reduced since the last step or a module
   // is gathered (gradients are not saved). An I/O error names the file.
   Status save_checkpoint(std::string_view dir, std::string_view tag);
-  // save_checkpoint(dir, "global_step<N>"), N the optimizer steps applied (DeepSpeed's default tag).
+  // save_checkpoint(dir, "global_step<N>"), N the optimizer steps applied (DeepSpeed's default
+  // tag).
   Status save_checkpoint(std::string_view dir);
   // load_checkpoint replaces the state (registered or trained) with the checkpoint's <dir>/<tag>
   // (`tag` empty: the one <dir>/latest names), restores the step, loss scaler, learning rate and
@@ -436,6 +437,14 @@ class ScopedGather {
   Engine* engine_ = nullptr;
   std::string module_;
 };
+
+// Writes every parameter's full fp32 master of the checkpoint <dir>/<tag> (`tag` empty: the one
+// <dir>/latest names; saved at any world size) to `out_path` as a safetensors file, in `dtype`
+// f32 or bf16 (rounded to nearest even), tensors named as registered, in name order; written
+// under a temporary name and renamed. Every rank file's checksum is verified first (kCorruption
+// naming the file); kInvalidArgument for another dtype. Needs no Engine (`zinf ckpt export`).
+Status export_checkpoint_safetensors(const std::string& dir, const std::string& tag,
+                                     const std::string& out_path, DType dtype);
 
 inline Result<ScopedGather> Engine::scoped_gather(std::string_view module) {
   ZINF_RETURN_IF_ERROR(gather(module));

@@ -27,6 +27,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
 #include <string_view>
@@ -244,6 +245,13 @@ Result<std::string> read_latest_tag(IoEngine& io, const std::string& dir);
 // The complete tags under `dir` (a subdirectory with a manifest that parses), oldest first
 // (by serial), with their manifests.
 std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir);
+
+// --- Outside the engine (zinf ckpt) -----------------------------------------------------------
+
+// export_checkpoint_safetensors() is public (include/zinf/engine.hpp), in checkpoint_export.cpp.
+// {"dir", "latest", "tags": [{tag, step, world_size, stage, optimizer, parameters,
+// parameter_elements, bytes, checksums ("ok", "not verified", or the error)}]}, oldest first.
+Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify);
 
 // --- The engine's save and load ----------------------------------------------------------------
 

@@ -55,8 +55,8 @@ T take(zinf::Result<T>&& result) {
 zinf::DType dtype_from_name(const std::string& name) {
   const auto dtype = zinf::parse_dtype(name);
   if (!dtype) {
-    throw ZinfError(zinf::Status::invalid_argument("dtype: '" + name +
-                                                   "' is not f32, f16 or bf16"));
+    throw ZinfError(
+        zinf::Status::invalid_argument("dtype: '" + name + "' is not f32, f16 or bf16"));
   }
   return *dtype;
 }
@@ -77,9 +77,12 @@ nb::dlpack::dtype dlpack_dtype(zinf::DType dtype) {
 bool dtype_from_dlpack(nb::dlpack::dtype type, zinf::DType* dtype) {
   if (type.lanes != 1) return false;
   if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Float)) {
-    if (type.bits == 32) *dtype = zinf::DType::kF32;
-    else if (type.bits == 16) *dtype = zinf::DType::kF16;
-    else return false;
+    if (type.bits == 32)
+      *dtype = zinf::DType::kF32;
+    else if (type.bits == 16)
+      *dtype = zinf::DType::kF16;
+    else
+      return false;
     return true;
   }
   if (type.code == static_cast<std::uint8_t>(nb::dlpack::dtype_code::Bfloat) && type.bits == 16) {
@@ -100,7 +103,8 @@ class PyEngine {
            std::uint64_t device_memory_limit_bytes) {
     const zinf::Config config = take(zinf::parse_config(config_json));
     zinf::HostDeviceOptions device_options;
-    if (device_memory_limit_bytes != 0) device_options.memory_limit_bytes = device_memory_limit_bytes;
+    if (device_memory_limit_bytes != 0)
+      device_options.memory_limit_bytes = device_memory_limit_bytes;
     device_ = take(zinf::make_host_device(device_options));
     zinf::LocalCommOptions comm_options;
     comm_options.timeout = std::chrono::milliseconds(config.collective_timeout_ms);
@@ -121,7 +125,8 @@ class PyEngine {
     spec.shape = shape;
     spec.dtype = dtype_from_name(dtype);
     std::size_t element_count = 1;
-    for (const std::int64_t dim : shape) element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
+    for (const std::int64_t dim : shape)
+      element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
     if (values.size() != element_count) {
       throw ZinfError(zinf::Status::invalid_argument(
           "parameter '" + name + "': " + std::to_string(values.size()) +
@@ -258,12 +263,27 @@ NB_MODULE(_zinf, m) {
       nb::arg("json"),
       "Parses a DeepSpeed-style JSON config and returns it with every default written out.");
 
+  m.def(
+      "export_checkpoint",
+      [](const std::string& dir, const std::string& tag, const std::string& out,
+         const std::string& dtype) {
+        if (dtype != "fp32" && dtype != "bf16") {
+          throw ZinfError(zinf::Status::invalid_argument("export_checkpoint: dtype '" + dtype +
+                                                         "' (fp32 or bf16)"));
+        }
+        nb::gil_scoped_release release;
+        check(zinf::export_checkpoint_safetensors(
+            dir, tag, out, dtype == "fp32" ? zinf::DType::kF32 : zinf::DType::kBF16));
+      },
+      nb::arg("dir"), nb::arg("tag"), nb::arg("out"), nb::arg("dtype"),
+      "Writes a checkpoint's full fp32 masters as a safetensors file (zinf ckpt export).");
+
   nb::class_<PyEngine>(m, "Engine")
       .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t>(),
            nb::arg("config_json"), nb::arg("nvme_paths") = std::vector<std::string>{},
            nb::arg("device_memory_limit_bytes") = 0)
-      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"),
-           nb::arg("module"), nb::arg("shape"), nb::arg("dtype"), nb::arg("values"))
+      .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"), nb::arg("module"),
+           nb::arg("shape"), nb::arg("dtype"), nb::arg("values"))
       .def("finalize",
            [](PyEngine& e) {
              nb::gil_scoped_release release;

@@ -570,6 +570,15 @@ class GatheredParameters:
         return False
 
 
+def export_safetensors(checkpoint_dir: str, out: str, tag: Any = None,
+                       dtype: str = "fp32") -> None:
+    """Writes every parameter's full fp32 master of <checkpoint_dir>/<tag> (default: the tag in
+    <checkpoint_dir>/latest; saved at any world size) to `out` as safetensors, in "fp32" or
+    "bf16", named as the model's parameters (as zero_to_fp32.py does for DeepSpeed). The same as
+    `zinf ckpt export`."""
+    _zinf.export_checkpoint(str(checkpoint_dir), "" if tag is None else str(tag), str(out), dtype)
+
+
 def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
                model_parameters: Iterable | None = None, optimizer=None, lr_scheduler=None,
                training_data=None, config_params=None, **kwargs):
