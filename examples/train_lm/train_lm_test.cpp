@@ -453,7 +453,7 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   const fs::path dir = scratch_dir("train_lm_resume");
   const std::string common =
       "--params 20k --steps 130 --batch 4 --seq-len 16 --eval-every 25 --eval-tokens 256 "
-      "--seed 5 --no-progress --world-size 2 --offload-optimizer nvme --nvme-path " +
+      "--seed 5 --no-progress --offload-optimizer nvme --nvme-path " +
       (dir / "nvme").string() + " ";
   std::string err;
   ASSERT_EQ(run_program(common + "--out " + (dir / "whole").string(), &err), 0) << err;
