@@ -161,6 +161,40 @@ Status write_small_file(IoEngine& io, const std::string& path, std::string_view 
 
 }  // namespace
 
+Status checkpoint_precondition(std::string_view call, const ParameterLayout& layout, long in_use,
+                               bool grads_pending) {
+  if (in_use >= 0) {
+    return Status::failed_precondition(
+        fmt::format("{}: module '{}' is gathered (release it first)", call,
+                    layout.module_names()[static_cast<std::size_t>(in_use)]));
+  }
+  if (grads_pending) {
+    return Status::failed_precondition(fmt::format(
+        "{}: gradients were reduced since the last step (a checkpoint is taken between steps; "
+        "call step() first)",
+        call));
+  }
+  return Status::ok();
+}
+
+std::vector<std::string> gather_order_names(const ParameterLayout& layout,
+                                            const std::vector<std::size_t>& order) {
+  std::vector<std::string> names;
+  for (std::size_t m : order) names.push_back(layout.module_names()[m]);
+  return names;
+}
+
+std::vector<std::size_t> gather_order_indices(const ParameterLayout& layout,
+                                              const std::vector<std::string>& names) {
+  std::vector<std::size_t> order;
+  for (const std::string& name : names) {
+    Result<std::size_t> m = layout.find_module("load_checkpoint", name);
+    if (!m.is_ok()) return {};
+    order.push_back(*m);
+  }
+  return order;
+}
+
 Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
                        const std::string& tag, Status precondition, const ResumeState& resume) {
   RankExchange& ex = *ctx.exchange;

@@ -269,6 +269,17 @@ struct CheckpointContext {
 
 // The state a resume needs beyond the optimizer's partition.
 struct ResumeState {
+  ResumeState() = default;
+  ResumeState(std::int64_t step_in, const LossScaler& scaler, double lr_in, bool lr_override_in,
+              const ScheduleConfig& schedule_in)
+      : step(step_in),
+        loss_scale(scaler.scale()),
+        loss_scale_good_steps(scaler.good_steps()),
+        loss_scale_hysteresis_left(scaler.hysteresis_left()),
+        lr(lr_in),
+        lr_override(lr_override_in),
+        schedule(schedule_in) {}
+
   std::int64_t step = 0;
   double loss_scale = 1.0;
   std::int64_t loss_scale_good_steps = 0;
@@ -279,6 +290,16 @@ struct ResumeState {
   std::vector<std::string> gather_order;
   std::string client_state;
 };
+
+// A checkpoint is taken between steps: kFailedPrecondition naming `call` when module `in_use`
+// (>= 0) is gathered or gradients were reduced since the last step.
+Status checkpoint_precondition(std::string_view call, const ParameterLayout& layout, long in_use,
+                               bool grads_pending);
+// The recorded gather order as module names, and back (empty when a name is not a module).
+std::vector<std::string> gather_order_names(const ParameterLayout& layout,
+                                            const std::vector<std::size_t>& order);
+std::vector<std::size_t> gather_order_indices(const ParameterLayout& layout,
+                                              const std::vector<std::string>& names);
 
 // Writes <dir>/<tag> (include/zinf/engine.hpp save_checkpoint): every rank's file into
 // <dir>/.<tag>.tmp, then rank 0's client state and manifest, the rename to <dir>/<tag>,

@@ -534,50 +534,28 @@ class Engine::Impl {
     return c;
   }
 
-  // A checkpoint is taken between steps: nothing gathered, no gradients reduced since the last
-  // step.
   Status checkpoint_precondition(std::string_view call) const {
-    const long in_use = coord_->first_in_use();
-    if (in_use >= 0) {
-      return Status::failed_precondition(
-          fmt::format("{}: module '{}' is gathered (release it first)", call,
-                      layout_.module_names()[static_cast<std::size_t>(in_use)]));
-    }
-    if (grads_pending_) {
-      return Status::failed_precondition(fmt::format(
-          "{}: gradients were reduced since the last step (a checkpoint is taken between steps; "
-          "call step() first)",
-          call));
-    }
-    return Status::ok();
+    return zinf::checkpoint_precondition(call, layout_, coord_->first_in_use(), grads_pending_);
   }
 
   Status save_checkpoint(std::string_view dir, std::string_view tag) {
     const std::string call = fmt::format("save_checkpoint('{}', '{}')", dir, tag);
     ZINF_RETURN_IF_ERROR(ensure_finalized());
-    ResumeState r;
-    r.step = t_;
-    r.loss_scale = numerics_->scaler().scale();
-    r.loss_scale_good_steps = numerics_->scaler().good_steps();
-    r.loss_scale_hysteresis_left = numerics_->scaler().hysteresis_left();
-    r.lr = config_.optimizer.lr;
-    r.lr_override = lr_override_;
-    r.schedule = schedule_.config();
-    if (coord_->order_frozen()) {
-      for (std::size_t m : coord_->order()) r.gather_order.push_back(layout_.module_names()[m]);
-    }
+    ResumeState r{t_, numerics_->scaler(), config_.optimizer.lr, lr_override_, schedule_.config()};
+    if (coord_->order_frozen()) r.gather_order = gather_order_names(layout_, coord_->order());
     r.client_state = client_state_;
     return zinf::save_checkpoint(checkpoint_context(), call, std::string(dir), std::string(tag),
                                  checkpoint_precondition(call), r);
   }
 
   Status load_checkpoint(std::string_view dir, std::string_view tag) {
-    const std::string call = fmt::format("load_checkpoint('{}'{})", dir,
-                                         tag.empty() ? "" : fmt::format(", '{}'", tag));
+    const std::string call =
+        fmt::format("load_checkpoint('{}'{})", dir, tag.empty() ? "" : fmt::format(", '{}'", tag));
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ResumeState r;
     ZINF_RETURN_IF_ERROR(load_checkpoint_state(checkpoint_context(), call, std::string(dir),
-                                               std::string(tag), checkpoint_precondition(call), &r));
+                                               std::string(tag), checkpoint_precondition(call),
+                                               &r));
     t_ = r.step;
     numerics_->scaler().restore(r.loss_scale, r.loss_scale_good_steps,
                                 r.loss_scale_hysteresis_left);
@@ -586,15 +564,7 @@ class Engine::Impl {
     if (schedule.is_ok()) schedule_ = std::move(*schedule);
     lr_override_ = r.lr_override;
     // The gather order, when every module in it is one of ours (else the next step records it).
-    std::vector<std::size_t> order;
-    for (const std::string& name : r.gather_order) {
-      Result<std::size_t> m = layout_.find_module(call, name);
-      if (!m.is_ok()) {
-        order.clear();
-        break;
-      }
-      order.push_back(*m);
-    }
+    std::vector<std::size_t> order = gather_order_indices(layout_, r.gather_order);
     if (!order.empty()) coord_->restore_order(std::move(order));
     client_state_ = std::move(r.client_state);
     state_->restored(t_);
@@ -705,8 +675,8 @@ class Engine::Impl {
   std::vector<OptimizerRange> group_ranges_;
   std::vector<OptimizerParams> group_params_;
   LrSchedule schedule_;
-  bool lr_override_ = false;
-  std::string client_state_;  // set_client_state(), saved with checkpoints  // set_learning_rate() was called: it replaces the schedule
+  bool lr_override_ = false;  // set_learning_rate() was called: it replaces the schedule
+  std::string client_state_;  // set_client_state(), saved with checkpoints
   ZeroCounters counters_;     // the zero layer's; counters() copies them out
   std::uint64_t steps_ = 0;
   std::uint64_t skipped_steps_ = 0;
