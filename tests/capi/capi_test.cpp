@@ -819,8 +819,8 @@ TEST(CApi, CheckpointResumesToTheSameBits) {
     const std::string missing = scratch.path() + "/none";
     EXPECT_CODE(zinf_engine_load_checkpoint(one.engine_, missing.c_str()), ZINF_NOT_FOUND,
                 missing + "/latest");
-    EXPECT_CODE(zinf_engine_load_checkpoint_tag(one.engine_, dir.c_str(), "second"),
-                ZINF_NOT_FOUND, dir + "/second/manifest.json");
+    EXPECT_CODE(zinf_engine_load_checkpoint_tag(one.engine_, dir.c_str(), "second"), ZINF_NOT_FOUND,
+                dir + "/second/manifest.json");
     // `latest` names the default tag of the last save (global_step1), the same state as "first".
     ASSERT_EQ(zinf_engine_load_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
         << zinf_last_error_message();
