@@ -258,8 +258,11 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
     double delay_s = -1;
     if (saving && trial > 0) {
       // Trial 0 runs to the end and times the save; each later one is killed at a uniformly
-      // random instant in [0, 1.2 x that time] after the save starts.
-      delay_s = static_cast<double>(random.next() >> 11) * 0x1.0p-53 * 1.2 * save_s;
+      // random instant after the save starts: odd trials in [0, 1.2 x that time], even ones in
+      // [0.9, 1.1 x], where the save commits (manifest, renames, `latest`, pruning) and a wrong
+      // order of those steps would show.
+      const double u = static_cast<double>(random.next() >> 11) * 0x1.0p-53;
+      delay_s = (trial % 2 == 1 ? 1.2 * u : 0.9 + 0.2 * u) * save_s;
       std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
       ::kill(child, SIGKILL);
     }

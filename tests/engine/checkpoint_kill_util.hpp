@@ -12,7 +12,8 @@
 namespace zinf::engine_test {
 
 // `trials` killed saves (after one that runs to the end and times the save), each at a random
-// instant in [0, 1.2 x the save's time] after it started, drawn from `seed`.
+// instant after it started, drawn from `seed`: odd trials in [0, 1.2 x the save's time], even
+// ones in [0.9, 1.1 x] (the commit at the save's end).
 void run_kill_trials(std::size_t params, int trials, std::uint64_t seed);
 
 }  // namespace zinf::engine_test
