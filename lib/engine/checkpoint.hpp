@@ -153,7 +153,8 @@ Result<std::unique_ptr<IoEngine>> open_checkpoint_io(std::shared_ptr<FaultInject
 // blocks, two of them: one fills while the other is written, so reading the state (from the
 // device, host memory or NVMe) overlaps writing the file. With `direct` the file is opened
 // O_DIRECT where the filesystem allows it and its end padded with zeros to a multiple of 4096
-// bytes (the padding is hashed and counted); without it the file is exactly what was appended.
+// bytes (the padding is hashed and counted; padded also where the filesystem refuses O_DIRECT);
+// without it the file is exactly what was appended.
 // commit() writes the rest and fsyncs the file; destroyed uncommitted, the writer removes it.
 class CheckpointWriter {
  public:
@@ -181,7 +182,8 @@ class CheckpointWriter {
   std::string path_;
   int fd_ = -1;
   FileHandle file_;
-  bool direct_ = false;
+  bool direct_ = false;  // the file is open with O_DIRECT
+  bool pad_ = false;     // pad to 4096 bytes (O_DIRECT asked for)
   bool committed_ = false;
   std::uint64_t bytes_ = 0;    // appended
   std::uint64_t written_ = 0;  // submitted to the file

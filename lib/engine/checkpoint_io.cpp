@@ -92,6 +92,7 @@ Status sync_dir(const std::string& dir) {
 Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(IoEngine& io, std::string path,
                                                                    bool direct) {
   std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(io, std::move(path)));
+  w->pad_ = direct;
   w->fd_ = open_maybe_direct(w->path_, O_CREAT | O_TRUNC | O_WRONLY, direct, &w->direct_);
   if (w->fd_ < 0) {
     return status_from_errno(fmt::format("checkpoint: create '{}'", w->path_), errno);
@@ -151,7 +152,9 @@ Status CheckpointWriter::append(const void* data, std::size_t bytes) {
 
 Status CheckpointWriter::commit() {
   ZINF_ASSERT(fd_ >= 0 && !committed_);
-  if (direct_ && used_ % 4096 != 0) {
+  // Padded whenever O_DIRECT was asked for, so the file's size does not depend on whether this
+  // filesystem allowed it (a checkpoint written on tmpfs loads from ext4 and back).
+  if (pad_ && used_ % 4096 != 0) {
     // Zeros to the next multiple of 4096, hashed and counted as part of the file.
     const std::size_t pad = 4096 - used_ % 4096;
     std::memset(blocks_[current_].data() + used_, 0, pad);
