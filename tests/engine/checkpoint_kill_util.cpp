@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/wait.h>
@@ -263,7 +264,13 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
       // order of those steps would show.
       const double u = static_cast<double>(random.next() >> 11) * 0x1.0p-53;
       delay_s = (trial % 2 == 1 ? 1.2 * u : 0.9 + 0.2 * u) * save_s;
-      std::this_thread::sleep_for(std::chrono::duration<double>(delay_s));
+      // Wait for the instant, or for the save to end first: then its time is the window for the
+      // next trials (a machine whose load changes changes how long a save takes).
+      pollfd done{pipe_fds[0], POLLIN, 0};
+      if (::poll(&done, 1, static_cast<int>(delay_s * 1000)) == 1) {
+        save_s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - save_start).count();
+      }
       ::kill(child, SIGKILL);
     }
     const bool saved = ::read(pipe_fds[0], &byte, 1) == 1;
