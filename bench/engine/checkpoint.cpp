@@ -76,7 +76,8 @@ int run(std::size_t params, const std::string& dir, zinf::OffloadDevice offload)
     return 1;
   }
   const double save_s = seconds_since(t0);
-  const double bytes = static_cast<double>(std::filesystem::file_size(ckpt + "/rank0.zinfckpt"));
+  const double bytes =
+      static_cast<double>(std::filesystem::file_size(ckpt + "/global_step0/rank0.zinfckpt"));
   t0 = std::chrono::steady_clock::now();
   if (Status st = engine.load_checkpoint(ckpt); !st.is_ok()) {
     fmt::print(stderr, "load: {}\n", st.to_string());

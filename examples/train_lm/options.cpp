@@ -234,6 +234,17 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
              "parameters the optimizer moves and steps at once (0: chosen)");
   add_scaled(app, "--persistence-threshold", &o->persistence_threshold, false,
              "stage 3: parameters of at most this many elements stay gathered (0: none)");
+  app.add_option("--save-every", o->save_every,
+                 "save a checkpoint (tag global_step<N>) every this many steps (0: none)")
+      ->check(CLI::Range(0, 100'000'000));
+  app.add_option("--save-dir", o->save_dir, "checkpoint directory (default: <out>/checkpoints)");
+  app.add_option("--resume", o->resume_dir,
+                 "continue from the latest checkpoint in this directory: the engine's state, the "
+                 "batch sampler and the loss curve so far");
+  app.add_option("--stop-after", o->stop_after,
+                 "end after this step without the final validation, as a run killed there would "
+                 "(0: run all --steps)")
+      ->check(CLI::Range(0, 100'000'000));
   app.add_option("--out", o->out_dir, "directory for loss.csv, loss.svg and summary.txt");
   app.add_option("--trace", o->trace_path, "write the run as a Perfetto (Chrome JSON) trace");
   app.add_option("--data", o->data_path, "training text (default: the bundled KJV Pentateuch)");
@@ -261,6 +272,11 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
     return 2;
   }
   o->use_engine = engine == "on";
+  if (!o->use_engine && (o->save_every > 0 || !o->resume_dir.empty())) {
+    *error = "--save-every and --resume need --engine on (checkpoints are the engine's)";
+    return 2;
+  }
+  if (o->save_dir.empty()) o->save_dir = o->out_dir + "/checkpoints";
   // A GPU rank is a process of its own: --device cuda runs as a job of NcclComm processes (of one
   // process when no launcher started it).
   if (o->device == "cuda" && o->comm == "local") o->comm = "nccl";

@@ -68,6 +68,11 @@ struct Options {
   // every rank (DeepSpeed's stage3_param_persistence_threshold, 1e5 there). 0 here, so that even
   // the demo's small model is gathered, released and offloaded module by module.
   std::uint64_t persistence_threshold = 0;
+  // Checkpoints (through the engine; --engine on).
+  std::int64_t save_every = 0;  // --save-every N: a checkpoint every N steps (0: none)
+  std::string save_dir;         // --save-dir: where (default <out>/checkpoints)
+  std::string resume_dir;       // --resume DIR: continue from DIR's latest checkpoint
+  std::int64_t stop_after = 0;  // --stop-after N: end after step N, as a killed run (0: no)
   // Output.
   std::string out_dir = "build/demo";  // --out: loss.csv, loss.svg, summary.txt
   std::string trace_path;              // --trace FILE: Perfetto/Chrome trace JSON

@@ -11,6 +11,8 @@ namespace train_lm {
 class Rng {
  public:
   explicit Rng(std::uint64_t seed) : state_(seed) {}
+  // The whole state: Rng(state()) continues the same sequence (a checkpoint keeps it).
+  std::uint64_t state() const { return state_; }
 
   std::uint64_t next() {
     std::uint64_t z = (state_ += 0x9E3779B97F4A7C15ull);

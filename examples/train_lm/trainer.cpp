@@ -19,6 +19,8 @@
 #include <limits>
 #include <memory>
 #include <mutex>
+#include <sstream>
+#include <string>
 #include <thread>
 
 #include "data.hpp"
@@ -527,6 +529,51 @@ class Exchange {
 // What the ranks share: the step barrier, each rank's loss sums, the stop flag and the first
 // error. The barrier's completion (run by one thread when every rank has arrived) turns the sums
 // into the curve and the progress bar.
+// What a checkpoint keeps beside the engine's state (the engine's client state): the step, the
+// batch sampler's state and the loss curve so far, so that a resumed run draws the same batches
+// and writes the same loss.csv. Text, doubles as C99 hex floats (exact):
+//   train_lm-resume 1 / step N / rng STATE / point STEP TRAIN VAL|- TOKENS_PER_S ...
+std::string resume_blob(std::int64_t step, std::uint64_t rng_state,
+                        const std::vector<CurvePoint>& curve) {
+  std::string text = "train_lm-resume 1\nstep " + std::to_string(step) + "\nrng " +
+                     std::to_string(rng_state) + "\n";
+  char line[160];
+  for (const CurvePoint& p : curve) {
+    if (p.val_loss) {
+      std::snprintf(line, sizeof line, "point %lld %a %a %a\n", static_cast<long long>(p.step),
+                    p.train_loss, *p.val_loss, p.tokens_per_s);
+    } else {
+      std::snprintf(line, sizeof line, "point %lld %a - %a\n", static_cast<long long>(p.step),
+                    p.train_loss, p.tokens_per_s);
+    }
+    text += line;
+  }
+  return text;
+}
+
+bool parse_resume_blob(const std::string& text, std::int64_t* step, std::uint64_t* rng_state,
+                       std::vector<CurvePoint>* curve) {
+  std::istringstream in(text);
+  std::string word;
+  int version = 0;
+  if (!(in >> word >> version) || word != "train_lm-resume" || version != 1) return false;
+  if (!(in >> word >> *step) || word != "step") return false;
+  if (!(in >> word >> *rng_state) || word != "rng") return false;
+  curve->clear();
+  while (in >> word) {
+    if (word != "point") return false;
+    std::string step_text, train, val, rate;
+    if (!(in >> step_text >> train >> val >> rate)) return false;
+    CurvePoint p;
+    p.step = std::stoll(step_text);
+    p.train_loss = std::strtod(train.c_str(), nullptr);
+    if (val != "-") p.val_loss = std::strtod(val.c_str(), nullptr);
+    p.tokens_per_s = std::strtod(rate.c_str(), nullptr);
+    curve->push_back(p);
+  }
+  return true;
+}
+
 struct Shared;
 struct StepDone {
   Shared* shared;
@@ -734,6 +781,26 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
 
   if (!check("device")) return fail_out();
 
+  // --resume: the engine's state from the checkpoint, and from its client state the step, the
+  // batch sampler and (rank 0) the loss curve so far.
+  std::int64_t first_step = 1;
+  std::uint64_t rng_state = o.seed ^ 0xD1B54A32D192ED03ull;
+  if (!o.resume_dir.empty()) {
+    zinf::Status st = engine->load_checkpoint(o.resume_dir);
+    std::vector<CurvePoint> curve;
+    std::int64_t saved_step = 0;
+    if (st.is_ok() && !parse_resume_blob(engine->client_state(), &saved_step, &rng_state, &curve)) {
+      st = zinf::Status::corruption("--resume " + o.resume_dir +
+                                    ": the checkpoint holds no train_lm state");
+    }
+    if (!st.is_ok()) {
+      shared.fail(rank, "--resume: " + st.to_string());
+      return fail_out();
+    }
+    first_step = saved_step + 1;
+    if (rank == shared.first_rank) shared.summary->curve = std::move(curve);
+  }
+
   TokenBatch val_batch, batch;
   shared.corpus.validation_batch(eval_local * world, shape.context_bytes, &val_batch);
   auto evaluate = [&]() {
@@ -797,8 +864,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
 
   // Every rank draws the same global batch and trains on its slice of it, so the world size
   // changes only how the sums are split, not what is learned.
-  Rng rng(o.seed ^ 0xD1B54A32D192ED03ull);
-  for (std::int64_t step = 1; step <= o.steps; ++step) {
+  Rng rng(rng_state);
+  for (std::int64_t step = first_step; step <= o.steps; ++step) {
     const auto step_start = Clock::now();
     // The engine steps the schedule (Config::scheduler) itself.
     const double lr = engine != nullptr ? engine->learning_rate() : plain_learning_rate(o, step);
@@ -861,7 +928,16 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     shared.sync.arrive_and_wait();
     if (shared.failed) return;
     if (!exchange_stop(("step " + std::to_string(step)).c_str())) return fail_out();
-    if (stopping) break;
+    // --save-every: the checkpoint after the step's barrier, when rank 0's curve holds the step.
+    if (engine != nullptr && o.save_every > 0 && step % o.save_every == 0) {
+      engine->set_client_state(resume_blob(step, rng.state(), shared.summary->curve));
+      zinf::Status st = engine->save_checkpoint(o.save_dir);
+      if (!st.is_ok()) {
+        shared.fail(rank, "step " + std::to_string(step) + ": " + st.to_string());
+        return fail_out();
+      }
+    }
+    if (stopping || step == o.stop_after) break;
   }
   if (engine != nullptr) {
     shared.memory[std::size_t(rank)] = engine->memory();

@@ -178,6 +178,9 @@ struct Config {
   // (0: wait forever, warning after each wait).
   std::int64_t io_timeout_ms = 60'000;
   std::uint32_t io_timeouts_max = 3;
+  // Checkpoint tags kept in a checkpoint directory: after a save completes, the oldest complete
+  // tags beyond this many are deleted (the new one always stays). At least 1.
+  int keep_last = 2;
 };
 
 // The defaults DeepSpeed gives each optimizer type when the config leaves a parameter out

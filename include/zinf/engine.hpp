@@ -316,24 +316,40 @@ class Engine {
   // last step (else kFailedPrecondition naming a parameter). Releases any prefetched modules.
   Result<StepReport> step();
 
-  // Checkpoints (docs/ENGINE.md "Checkpoints"). Collective: every rank calls them with the same
-  // directory, which all ranks can reach. Both finalize the engine if it is not yet.
+  // Checkpoints (docs/ENGINE.md "Checkpoints"), in DeepSpeed's layout: <dir>/<tag>/ per
+  // checkpoint and <dir>/latest naming the newest. Collective: every rank calls them with the same
+  // directory and tag, which all ranks can reach. Both finalize the engine if it is not yet.
   //
-  // save_checkpoint writes this rank's fp32 master and optimizer moments (wherever they live),
-  // the step count and the loss scaler to <dir>/rank<r>.zinfckpt, and rank 0 then writes
-  // <dir>/manifest.json (world size, stage, optimizer, layout fingerprint, step, each file's
-  // size and xxh3-64). Each file is written under a temporary name, synced and renamed, and the
-  // manifest last, so a save cut short never leaves a checkpoint that loads. Creates `dir` if
-  // needed. Gradients are not saved: kFailedPrecondition when gradients were reduced since the
-  // last step or a module is gathered.
+  // save_checkpoint writes <dir>/<tag>/: each rank's fp32 master and optimizer moments (wherever
+  // they live) in rank<r>.zinfckpt, the client state (set_client_state) in client_state.bin, and
+  // last manifest.json (world size, stage, optimizer, every parameter's place, step, loss scaler,
+  // learning rate and schedule, gather order, each file's size and xxh3-64). Everything is
+  // written into <dir>/.<tag>.tmp, synced and renamed to <dir>/<tag>; then <dir>/latest is
+  // replaced atomically, and tags beyond the newest zinf.keep_last are deleted. A save cut short
+  // at any instant (a crash, a full disk) leaves `latest` naming the previous complete checkpoint.
+  // Creates `dir` if needed. kInvalidArgument for a tag that is not 1-200 characters of
+  // [A-Za-z0-9._-] (or starts with '.', or is "latest"); kFailedPrecondition naming <dir>/<tag>
+  // when that tag exists already, and when gradients were reduced since the last step or a module
+  // is gathered (gradients are not saved). An I/O error names the file.
+  Status save_checkpoint(std::string_view dir, std::string_view tag);
+  // save_checkpoint(dir, "global_step<N>"), N the optimizer steps applied (DeepSpeed's default
+  // tag).
   Status save_checkpoint(std::string_view dir);
-  // load_checkpoint replaces the state (registered or trained) with the checkpoint's and
-  // republishes the parameters from the loaded master, as a step would. kInvalidArgument naming
-  // both values when the world size, stage, optimizer or parameter layout differs; kCorruption
-  // naming the file when a file's size or checksum does not match the manifest; the file error
-  // (kNotFound, naming the manifest) when there is no complete checkpoint in `dir`. Those leave
-  // the engine as it was; an error while the state is being replaced is sticky.
-  Status load_checkpoint(std::string_view dir);
+  // load_checkpoint replaces the state (registered or trained) with the checkpoint's <dir>/<tag>
+  // (`tag` empty: the one <dir>/latest names), restores the step, loss scaler, learning rate and
+  // schedule, gather order and client state, and republishes the parameters from the loaded
+  // master, as a step would. The checkpoint may come from another world size, stage, offload
+  // placement or sub_group_size: the masters and moments are re-sliced by parameter name.
+  // kInvalidArgument naming the parameter when the registered parameters (names, shapes) differ,
+  // or both optimizers when the optimizer differs; kCorruption naming the file when a file's size
+  // or checksum does not match the manifest; kNotFound naming <dir>/latest (or the manifest) when
+  // there is no checkpoint. Those leave the engine as it was; an error while the state is being
+  // replaced is sticky.
+  Status load_checkpoint(std::string_view dir, std::string_view tag = {});
+  // An opaque blob saved with the next checkpoints (a data loader's position, say): rank 0's is
+  // written, and load_checkpoint() gives every rank that blob (empty when none was saved).
+  void set_client_state(std::string_view blob);
+  const std::string& client_state() const;
 
   // The fp32 master values of parameter `name` (element_count floats into `out`). Collective
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
@@ -473,6 +489,14 @@ class ScopedGather {
   Engine* engine_ = nullptr;
   std::string module_;
 };
+
+// Writes every parameter's full fp32 master of the checkpoint <dir>/<tag> (`tag` empty: the one
+// <dir>/latest names; saved at any world size) to `out_path` as a safetensors file, in `dtype`
+// f32 or bf16 (rounded to nearest even), tensors named as registered, in name order; written
+// under a temporary name and renamed. Every rank file's checksum is verified first (kCorruption
+// naming the file); kInvalidArgument for another dtype. Needs no Engine (`zinf ckpt export`).
+Status export_checkpoint_safetensors(const std::string& dir, const std::string& tag,
+                                     const std::string& out_path, DType dtype);
 
 inline Result<ScopedGather> Engine::scoped_gather(std::string_view module) {
   ZINF_RETURN_IF_ERROR(gather(module));

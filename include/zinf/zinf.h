@@ -391,22 +391,34 @@ typedef struct zinf_step_report {
  * ZINF_FAILED_PRECONDITION naming a parameter) and no module is gathered. Collective. */
 ZINF_C_API zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report);
 
-/* Checkpoints (docs/ENGINE.md "Checkpoints"). Collective: every rank calls them with the same
- * directory `dir` (a NUL-terminated path all ranks can reach); both finalize the engine if it is
+/* Checkpoints (docs/ENGINE.md "Checkpoints"), in DeepSpeed's layout: <dir>/<tag>/ per checkpoint
+ * and <dir>/latest naming the newest. Collective: every rank calls them with the same directory
+ * `dir` and tag (NUL-terminated; a path all ranks can reach); both finalize the engine if it is
  * not yet.
  *
- * save: writes this rank's fp32 master, optimizer moments, step count and loss scaler to
- * <dir>/rank<r>.zinfckpt and (rank 0, last) <dir>/manifest.json with each file's size and xxh3-64;
- * each file under a temporary name, synced and renamed, so a save cut short leaves no checkpoint
- * that loads. Creates `dir` if needed. Gradients are not saved: ZINF_FAILED_PRECONDITION when
- * gradients were reduced since the last step or a module is gathered. */
+ * save: writes <dir>/<tag>/ (each rank's fp32 master and optimizer moments, the step, loss scaler,
+ * learning-rate schedule and gather order, each file's size and xxh3-64 in manifest.json, written
+ * last), all into <dir>/.<tag>.tmp, synced and renamed; then replaces <dir>/latest atomically
+ * and deletes tags beyond zinf.keep_last. A save cut short at any instant leaves <dir>/latest
+ * naming the previous complete checkpoint. Creates `dir` if needed. ZINF_INVALID_ARGUMENT for a
+ * tag that is not 1-200 characters of [A-Za-z0-9._-] (or starts with '.', or is "latest");
+ * ZINF_FAILED_PRECONDITION when <dir>/<tag> exists already, or gradients were reduced since the
+ * last step, or a module is gathered. tag NULL: "global_step<N>", N the steps applied. */
+ZINF_C_API zinf_code_t zinf_engine_save_checkpoint_tag(zinf_engine_t* engine, const char* dir,
+                                                       const char* tag);
+/* zinf_engine_save_checkpoint_tag(engine, dir, NULL). */
 ZINF_C_API zinf_code_t zinf_engine_save_checkpoint(zinf_engine_t* engine, const char* dir);
 
-/* load: replaces the engine's state with the checkpoint's and republishes the parameters from the
- * loaded master. ZINF_INVALID_ARGUMENT naming both values when the world size, stage, optimizer
- * or parameter layout differs; ZINF_CORRUPTION naming the file when its size or checksum does not
- * match the manifest; ZINF_NOT_FOUND naming <dir>/manifest.json when there is no complete
- * checkpoint. These leave the engine as it was. */
+/* load: replaces the engine's state with the checkpoint <dir>/<tag> (tag NULL or "": the one
+ * <dir>/latest names) and republishes the parameters from the loaded master. The checkpoint may
+ * come from another world size, stage or offload placement (re-sliced by parameter name).
+ * ZINF_INVALID_ARGUMENT naming the parameter when the registered parameters differ, or both
+ * optimizers; ZINF_CORRUPTION naming the file when its size or checksum does not match the
+ * manifest; ZINF_NOT_FOUND naming <dir>/latest or the manifest when there is no checkpoint.
+ * These leave the engine as it was. */
+ZINF_C_API zinf_code_t zinf_engine_load_checkpoint_tag(zinf_engine_t* engine, const char* dir,
+                                                       const char* tag);
+/* zinf_engine_load_checkpoint_tag(engine, dir, NULL). */
 ZINF_C_API zinf_code_t zinf_engine_load_checkpoint(zinf_engine_t* engine, const char* dir);
 
 /* The fp32 master values of parameter `name` into `out`, which holds `out_count` floats: exactly

@@ -778,22 +778,33 @@ zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) 
   });
 }
 
-zinf_code_t zinf_engine_save_checkpoint(zinf_engine_t* engine, const char* dir) {
+zinf_code_t zinf_engine_save_checkpoint_tag(zinf_engine_t* engine, const char* dir,
+                                            const char* tag) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
     ZINF_RETURN_IF_ERROR(require(dir, fn, "dir"));
-    return engine->engine->save_checkpoint(dir);
+    if (tag == nullptr) return engine->engine->save_checkpoint(dir);
+    return engine->engine->save_checkpoint(dir, tag);
+  });
+}
+
+zinf_code_t zinf_engine_save_checkpoint(zinf_engine_t* engine, const char* dir) {
+  return zinf_engine_save_checkpoint_tag(engine, dir, nullptr);
+}
+
+zinf_code_t zinf_engine_load_checkpoint_tag(zinf_engine_t* engine, const char* dir,
+                                            const char* tag) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(dir, fn, "dir"));
+    return engine->engine->load_checkpoint(dir, tag == nullptr ? "" : tag);
   });
 }
 
 zinf_code_t zinf_engine_load_checkpoint(zinf_engine_t* engine, const char* dir) {
-  const char* const fn = __func__;
-  return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
-    ZINF_RETURN_IF_ERROR(require(dir, fn, "dir"));
-    return engine->engine->load_checkpoint(dir);
-  });
+  return zinf_engine_load_checkpoint_tag(engine, dir, nullptr);
 }
 
 zinf_code_t zinf_engine_read_parameters(zinf_engine_t* engine, const char* name, float* out,

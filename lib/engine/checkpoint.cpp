@@ -1,250 +1,34 @@
-// Checkpoint files (checkpoint.hpp): crash-safe writes and checksummed reads with plain POSIX
-// I/O. A checkpoint is written once between steps, so it takes synchronous pwrite/pread calls and
-// one fsync per file rather than the step's io_uring path. Both sides open the file with
-// O_DIRECT where the filesystem allows it and move it in 8 MiB aligned blocks, bypassing the
-// page cache (buffered writes of gigabytes are throttled by dirty-page writeback, and a cached
-// checkpoint would only evict other data); only a write's last partial page, and everything on
-// a filesystem that refuses O_DIRECT (tmpfs), go through the page cache.
+// The engine's checkpoint save and load (checkpoint.hpp): the tag directory's life (written
+// under a temporary name, renamed once complete, named by `latest`, pruned to keep_last), the
+// checks a load makes before it touches the state, and resharding: a checkpoint saved with
+// another world size, stage or layout is read by parameter name.
+//
+// Why a crash never costs the previous checkpoint: nothing of a save is written under a name a
+// load reads until it is complete and durable. Every rank file and the manifest are written into
+// <dir>/.<tag>.tmp and fsynced; the directory is fsynced and renamed to <dir>/<tag> (atomic), and
+// <dir> fsynced; only then is <dir>/latest replaced (write a temporary, fsync, rename, fsync
+// <dir>). A load reads the tag `latest` names. So at any instant `latest` names either the
+// previous tag, untouched, or the new one, complete. Older tags are deleted only after that.
 #include "engine/checkpoint.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <nlohmann/json.hpp>
+#include <map>
 #include <vector>
 
 #include "base/assert.hpp"
+#include "engine/layout.hpp"
+#include "zinf/log.hpp"
 
 namespace zinf {
 namespace {
 
-std::string parent_dir(const std::string& path) {
-  const std::size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
-// The rename into place is durable only once the directory entry is.
-Status sync_dir(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) return status_from_errno(fmt::format("checkpoint: open directory '{}'", dir), errno);
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return status_from_errno(fmt::format("checkpoint: fsync directory '{}'", dir), err);
-  return Status::ok();
-}
-
-}  // namespace
-
-constexpr std::size_t kBlockBytes = std::size_t{8} << 20;
-
-std::string checkpoint_rank_path(const std::string& dir, int rank) {
-  return fmt::format("{}/rank{}.zinfckpt", dir, rank);
-}
-
-Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(std::string path) {
-  std::unique_ptr<CheckpointWriter> w(new CheckpointWriter(std::move(path)));
-  w->temp_path_ = w->path_ + ".tmp";
-  constexpr int kFlags = O_CREAT | O_TRUNC | O_WRONLY | O_CLOEXEC;
-  w->fd_ = ::open(w->temp_path_.c_str(), kFlags | O_DIRECT, 0644);
-  w->direct_ = w->fd_ >= 0;
-  // tmpfs and some others refuse O_DIRECT: buffered then.
-  if (w->fd_ < 0 && errno == EINVAL) w->fd_ = ::open(w->temp_path_.c_str(), kFlags, 0644);
-  if (w->fd_ < 0) {
-    return status_from_errno(fmt::format("checkpoint: create '{}'", w->temp_path_), errno);
-  }
-  w->block_ = AlignedBuffer(kBlockBytes);
-  w->hash_ = XXH3_createState();
-  ZINF_ASSERT(w->hash_ != nullptr);
-  XXH3_64bits_reset(w->hash_);
-  return w;
-}
-
-CheckpointWriter::~CheckpointWriter() {
-  if (fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(temp_path_.c_str());
-  }
-  if (hash_ != nullptr) XXH3_freeState(hash_);
-}
-
-Status CheckpointWriter::append(const void* data, std::size_t bytes) {
-  ZINF_ASSERT(fd_ >= 0);
-  XXH3_64bits_update(hash_, data, bytes);
-  const auto* p = static_cast<const std::byte*>(data);
-  std::size_t done = 0;
-  while (done < bytes) {
-    const std::size_t take = std::min(bytes - done, block_.bytes() - block_used_);
-    std::memcpy(block_.data() + block_used_, p + done, take);
-    block_used_ += take;
-    done += take;
-    if (block_used_ == block_.bytes()) ZINF_RETURN_IF_ERROR(flush(block_used_));
-  }
-  bytes_ += bytes;
-  return Status::ok();
-}
-
-Status CheckpointWriter::flush(std::size_t bytes) {
-  std::size_t done = 0;
-  while (done < bytes) {
-    const ssize_t n =
-        ::pwrite(fd_, block_.data() + done, bytes - done, static_cast<off_t>(written_ + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      return status_from_errno(
-          fmt::format("checkpoint: write '{}' at offset {}", temp_path_, written_ + done),
-          n < 0 ? errno : EIO);
-    }
-    done += static_cast<std::size_t>(n);
-  }
-  written_ += bytes;
-  // Keep what was not written (the partial page a direct flush leaves) at the block's start.
-  std::memmove(block_.data(), block_.data() + bytes, block_used_ - bytes);
-  block_used_ -= bytes;
-  return Status::ok();
-}
-
-Status CheckpointWriter::commit() {
-  ZINF_ASSERT(fd_ >= 0);
-  // The whole pages directly, then the tail (not a page multiple) through the page cache.
-  const std::size_t pages = direct_ ? block_used_ / 4096 * 4096 : block_used_;
-  ZINF_RETURN_IF_ERROR(flush(pages));
-  if (block_used_ > 0) {
-    if (::fcntl(fd_, F_SETFL, O_WRONLY) != 0) {
-      return status_from_errno(fmt::format("checkpoint: fcntl '{}'", temp_path_), errno);
-    }
-    direct_ = false;
-    ZINF_RETURN_IF_ERROR(flush(block_used_));
-  }
-  if (::fsync(fd_) != 0) {
-    return status_from_errno(fmt::format("checkpoint: fsync '{}'", temp_path_), errno);
-  }
-  const int rc = ::close(fd_);
-  fd_ = -1;
-  if (rc != 0) {
-    const int err = errno;
-    ::unlink(temp_path_.c_str());
-    return status_from_errno(fmt::format("checkpoint: close '{}'", temp_path_), err);
-  }
-  if (::rename(temp_path_.c_str(), path_.c_str()) != 0) {
-    const int err = errno;
-    ::unlink(temp_path_.c_str());
-    return status_from_errno(fmt::format("checkpoint: rename '{}' to '{}'", temp_path_, path_),
-                             err);
-  }
-  return sync_dir(parent_dir(path_));
-}
-
-Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(std::string path) {
-  std::unique_ptr<CheckpointReader> r(new CheckpointReader(std::move(path)));
-  r->fd_ = ::open(r->path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-  if (r->fd_ < 0 && errno == EINVAL) r->fd_ = ::open(r->path_.c_str(), O_RDONLY | O_CLOEXEC);
-  if (r->fd_ < 0) return status_from_errno(fmt::format("checkpoint: open '{}'", r->path_), errno);
-  struct stat st {};
-  if (::fstat(r->fd_, &st) != 0) {
-    return status_from_errno(fmt::format("checkpoint: stat '{}'", r->path_), errno);
-  }
-  r->file_bytes_ = static_cast<std::uint64_t>(st.st_size);
-  r->block_ = AlignedBuffer(kBlockBytes);
-  return r;
-}
-
-CheckpointReader::~CheckpointReader() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
-Status CheckpointReader::read_block(std::byte* buffer, std::size_t bytes, std::uint64_t at,
-                                    std::size_t* got) const {
-  ZINF_ASSERT(at % 4096 == 0 && bytes % 4096 == 0);
-  std::size_t done = 0;
-  // Stops at the end of the file: a direct read from the unaligned offset a short read leaves
-  // there would be refused.
-  while (done < bytes && at + done < file_bytes_) {
-    const ssize_t n = ::pread(fd_, buffer + done, bytes - done, static_cast<off_t>(at + done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      return status_from_errno(fmt::format("checkpoint: read '{}' at offset {}", path_, at + done),
-                               errno);
-    }
-    if (n == 0) break;
-    done += static_cast<std::size_t>(n);
-  }
-  *got = done;
-  return Status::ok();
-}
-
-Status CheckpointReader::read(void* out, std::size_t bytes) {
-  auto* p = static_cast<std::byte*>(out);
-  std::size_t done = 0;
-  while (done < bytes) {
-    if (offset_ < block_first_ || offset_ >= block_first_ + block_valid_) {
-      block_first_ = offset_ / 4096 * 4096;
-      ZINF_RETURN_IF_ERROR(read_block(block_.data(), block_.bytes(), block_first_, &block_valid_));
-      if (offset_ >= block_first_ + block_valid_) {
-        return Status::corruption(fmt::format("checkpoint: '{}' ends at offset {}, {} bytes short",
-                                              path_, block_first_ + block_valid_, bytes - done));
-      }
-    }
-    const std::size_t at = static_cast<std::size_t>(offset_ - block_first_);
-    const std::size_t take = std::min(bytes - done, block_valid_ - at);
-    std::memcpy(p + done, block_.data() + at, take);
-    done += take;
-    offset_ += take;
-  }
-  return Status::ok();
-}
-
-Result<std::uint64_t> CheckpointReader::checksum() const {
-  AlignedBuffer chunk(kBlockBytes);
-  XXH3_state_t* hash = XXH3_createState();
-  ZINF_ASSERT(hash != nullptr);
-  XXH3_64bits_reset(hash);
-  std::uint64_t offset = 0;
-  Status st;
-  while (offset < file_bytes_) {
-    std::size_t got = 0;
-    st = read_block(chunk.data(), chunk.bytes(), offset, &got);
-    if (st.is_ok() && got == 0) {
-      st = Status::corruption(
-          fmt::format("checkpoint: '{}' shrank to {} bytes while read", path_, offset));
-    }
-    if (!st.is_ok()) break;
-    XXH3_64bits_update(hash, chunk.data(), got);
-    offset += got;
-  }
-  const std::uint64_t digest = XXH3_64bits_digest(hash);
-  XXH3_freeState(hash);
-  if (!st.is_ok()) return st;
-  return digest;
-}
-
-Status write_file_atomically(const std::string& path, const std::string& text) {
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w, CheckpointWriter::create(path));
-  ZINF_RETURN_IF_ERROR(w->append(text.data(), text.size()));
-  return w->commit();
-}
-
-Result<std::string> read_text_file(const std::string& path) {
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
-  std::string text(r->file_bytes(), '\0');
-  ZINF_RETURN_IF_ERROR(r->read(text.data(), text.size()));
-  return text;
-}
-
-// --- The engine's save and load ---------------------------------------------------------------
-namespace {
-
-CheckpointHeader header_of(const CheckpointContext& ctx, std::int64_t step,
-                           const LossScaler& scaler) {
+CheckpointHeader header_of(const CheckpointContext& ctx, const ResumeState& resume) {
   CheckpointHeader h;
   h.rank = static_cast<std::uint32_t>(ctx.rank);
   h.world_size = static_cast<std::uint32_t>(ctx.world_size);
@@ -253,196 +37,472 @@ CheckpointHeader header_of(const CheckpointContext& ctx, std::int64_t step,
   for (Piece p : state_pieces(ctx.config->optimizer.kind)) {
     h.piece_mask |= 1u << static_cast<unsigned>(p);
   }
-  h.partition_elements = ctx.partition_elements;
-  h.fingerprint = ctx.partitioner->fingerprint();
-  h.step = step;
-  h.loss_scale = scaler.scale();
-  h.loss_scale_good_steps = scaler.good_steps();
-  h.loss_scale_hysteresis_left = scaler.hysteresis_left();
+  h.partition_elements = ctx.layout->partition_elements();
+  h.fingerprint = ctx.layout->partitioner().fingerprint();
+  h.step = resume.step;
+  h.loss_scale = resume.loss_scale;
+  h.loss_scale_good_steps = resume.loss_scale_good_steps;
+  h.loss_scale_hysteresis_left = resume.loss_scale_hysteresis_left;
   return h;
 }
 
-// Checks the manifest against this engine and this rank's file against the manifest; on
-// success `reader` is positioned after the header.
-Status check_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
-                        std::unique_ptr<CheckpointReader>* reader, CheckpointHeader* header) {
-  const Config& config = *ctx.config;
-  const std::string manifest_path = fmt::format("{}/{}", dir, kCheckpointManifest);
-  Result<std::string> text = read_text_file(manifest_path);
-  if (!text.is_ok()) {
-    return text.status().with_context(
-        fmt::format("{}: no complete checkpoint (the manifest is written last)", call));
+CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& tag,
+                               const ResumeState& resume) {
+  const ParameterLayout& layout = *ctx.layout;
+  const Partitioner& part = layout.partitioner();
+  CheckpointManifest m;
+  m.tag = tag;
+  m.world_size = ctx.world_size;
+  m.stage = ctx.config->zero.stage;
+  m.optimizer = std::string(optimizer_name(ctx.config->optimizer.kind));
+  m.fingerprint = part.fingerprint();
+  m.partition_elements = layout.partition_elements();
+  m.step = resume.step;
+  m.lr = resume.lr;
+  m.lr_override = resume.lr_override;
+  m.schedule = resume.schedule;
+  m.gather_order = resume.gather_order;
+  for (ParamId id = 0; id < part.param_count(); ++id) {
+    const ParamLocation& loc = part.location(id);
+    m.params.push_back({layout.param(id).spec.name, part.spec(id).shape, part.spec(id).dtype,
+                        loc.group, loc.group_offset});
   }
-  nlohmann::json m = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  const auto bad_manifest = [&](std::string_view what) {
-    return Status::corruption(fmt::format("{}: '{}': {}", call, manifest_path, what));
-  };
-  if (m.is_discarded() || !m.is_object()) return bad_manifest("not a JSON object");
-  for (const char* key : {"format", "version", "world_size", "stage", "optimizer", "fingerprint",
-                          "partition_elements", "step", "ranks"}) {
-    if (!m.contains(key)) return bad_manifest(fmt::format("no key '{}'", key));
+  for (std::uint32_t g = 0; g < part.group_count(); ++g) {
+    m.groups.push_back({part.group(g).shard_element_count, layout.offset(g)});
   }
-  if (!m["format"].is_string() || m["format"].get<std::string>() != "zinf-checkpoint" ||
-      !m["version"].is_number_unsigned() ||
-      m["version"].get<std::uint32_t>() != kCheckpointVersion) {
-    return bad_manifest(fmt::format("not a zinf checkpoint of version {}", kCheckpointVersion));
+  return m;
+}
+
+// Removes what crashed saves left (".<tag>.tmp", ".<tag>.old") and the tags beyond the newest
+// `keep` (by serial). Each old tag is first renamed to ".<tag>.old", so a crash in the middle of
+// its removal leaves nothing that looks like a checkpoint.
+void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep,
+                const std::string& current) {
+  std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir);
+  std::error_code ec;
+  for (std::size_t i = 0; i + keep < tags.size(); ++i) {
+    if (tags[i].tag == current) continue;
+    const std::string from = fmt::format("{}/{}", dir, tags[i].tag);
+    const std::string to = fmt::format("{}/.{}.old", dir, tags[i].tag);
+    std::filesystem::remove_all(to, ec);
+    if (::rename(from.c_str(), to.c_str()) != 0) {
+      log_warn("checkpoint: cannot remove old tag '{}': {}", from, std::strerror(errno));
+      continue;
+    }
+    std::filesystem::remove_all(to, ec);
+    if (ec) log_warn("checkpoint: cannot remove '{}': {}", to, ec.message());
   }
-  const auto differs = [&](std::string_view what, const auto& theirs, const auto& ours) {
-    return Status::invalid_argument(
-        fmt::format("{}: the checkpoint was saved with {} {}, this engine has {} {}", call, what,
-                    theirs, what, ours));
-  };
-  try {
-    const int world = m["world_size"].get<int>();
-    if (world != ctx.world_size) return differs("world_size", world, ctx.world_size);
-    const int stage = m["stage"].get<int>();
-    if (stage != config.zero.stage) {
-      return differs("zero_optimization.stage", stage, config.zero.stage);
-    }
-    const std::string opt = m["optimizer"].get<std::string>();
-    if (opt != optimizer_name(config.optimizer.kind)) {
-      return differs("optimizer.type", opt, optimizer_name(config.optimizer.kind));
-    }
-    const std::string fp = m["fingerprint"].get<std::string>();
-    const std::string ours = fmt::format("{:016x}", ctx.partitioner->fingerprint());
-    if (fp != ours) {
-      return differs("parameter layout fingerprint (names, modules, shapes, dtypes)", fp, ours);
-    }
-    const std::size_t elements = m["partition_elements"].get<std::size_t>();
-    if (elements != ctx.partition_elements) {
-      return differs("partition element count", elements, ctx.partition_elements);
-    }
-    const nlohmann::json& ranks = m["ranks"];
-    if (!ranks.is_array() || ranks.size() != static_cast<std::size_t>(ctx.world_size)) {
-      return bad_manifest(fmt::format("'ranks' is not an array of {} entries", ctx.world_size));
-    }
-    const nlohmann::json& entry = ranks[static_cast<std::size_t>(ctx.rank)];
-    const std::string path = fmt::format("{}/{}", dir, entry.at("file").get<std::string>());
-    const std::uint64_t bytes = entry.at("bytes").get<std::uint64_t>();
-    const std::string digest = entry.at("xxh3").get<std::string>();
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
-    if (r->file_bytes() != bytes) {
-      return Status::corruption(fmt::format("{}: '{}' has {} bytes; the manifest says {}", call,
-                                            path, r->file_bytes(), bytes));
-    }
-    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
-    if (fmt::format("{:016x}", sum) != digest) {
-      return Status::corruption(
-          fmt::format("{}: '{}' does not match its checksum (xxh3 {:016x}, the manifest says {})",
-                      call, path, sum, digest));
-    }
-    std::vector<std::byte> head(kCheckpointHeaderBytes);
-    ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
-    Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
-    if (!decoded.is_ok()) {
-      return Status(decoded.status().code(), 0,
-                    fmt::format("{}: '{}': {}", call, path, decoded.status().message()));
-    }
-    const CheckpointHeader h = *decoded;
-    const CheckpointHeader want = header_of(ctx, 0, LossScaler());
-    if (h.magic != kCheckpointMagic || h.version != kCheckpointVersion || h.rank != want.rank ||
-        h.world_size != want.world_size || h.stage != want.stage || h.optimizer != want.optimizer ||
-        h.piece_mask != want.piece_mask || h.partition_elements != want.partition_elements ||
-        h.fingerprint != want.fingerprint) {
-      return Status::corruption(
-          fmt::format("{}: '{}': its header does not match the manifest or this rank", call, path));
-    }
-    const std::uint64_t expect =
-        kCheckpointHeaderBytes +
-        state_pieces(config.optimizer.kind).size() * ctx.partition_elements * sizeof(float);
-    if (bytes != expect) {
-      return Status::corruption(
-          fmt::format("{}: '{}' has {} bytes, the layout needs {}", call, path, bytes, expect));
-    }
-    *reader = std::move(r);
-    *header = h;
-  } catch (const nlohmann::json::exception& e) {
-    return bad_manifest(e.what());
+  (void)sync_dir(dir);
+}
+
+// Rank 0's first phase of a save: the directory, no complete tag of this name, a fresh temporary
+// directory, and the serial for the new manifest.
+Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag,
+                    const std::string& temp, std::uint64_t* serial) {
+  std::error_code ec;
+  std::filesystem::create_directories(dir, ec);
+  if (ec) {
+    return status_from_errno(fmt::format("cannot create the directory '{}'", dir), ec.value());
+  }
+  const std::string final_dir = fmt::format("{}/{}", dir, tag);
+  if (std::filesystem::exists(final_dir, ec)) {
+    return Status::failed_precondition(fmt::format(
+        "'{}' exists already: a checkpoint tag is written once (choose another tag)", final_dir));
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    const bool stale = name.size() > 1 && name[0] == '.' &&
+                       (name.ends_with(".tmp") || name.ends_with(".old")) && entry.is_directory(ec);
+    if (stale) std::filesystem::remove_all(entry.path(), ec);
+  }
+  std::filesystem::create_directory(temp, ec);
+  if (ec) {
+    return status_from_errno(fmt::format("cannot create the directory '{}'", temp), ec.value());
+  }
+  std::uint64_t last = 0;
+  for (const CheckpointManifest& m : list_checkpoint_tags(io, dir)) last = std::max(last, m.serial);
+  *serial = last + 1;
+  return Status::ok();
+}
+
+// This rank's file: the header, then each piece of the state as it streams out of the state's
+// home (device, host or NVMe), through the writer's two blocks.
+Status write_rank_file(const CheckpointContext& ctx, IoEngine& io, const std::string& temp,
+                       const ResumeState& resume, ManifestFile* out) {
+  const std::string path = checkpoint_rank_path(temp, ctx.rank);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
+                        CheckpointWriter::create(io, path, /*direct=*/true));
+  std::vector<std::byte> head(kCheckpointHeaderBytes);
+  encode_checkpoint_header(header_of(ctx, resume),
+                           std::span<std::byte, kCheckpointHeaderBytes>(head.data(), head.size()));
+  ZINF_RETURN_IF_ERROR(w->append(head.data(), head.size()));
+  for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
+    ZINF_RETURN_IF_ERROR(
+        ctx.state->read_state(piece, [&](std::size_t, std::size_t count, const float* values) {
+          return w->append(values, count * sizeof(float));
+        }));
+  }
+  ZINF_RETURN_IF_ERROR(w->commit());
+  *out = {fmt::format("rank{}.zinfckpt", ctx.rank), w->bytes(), w->digest()};
+  return Status::ok();
+}
+
+Status write_small_file(IoEngine& io, const std::string& path, std::string_view bytes,
+                        ManifestFile* out) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
+                        CheckpointWriter::create(io, path, /*direct=*/false));
+  ZINF_RETURN_IF_ERROR(w->append(bytes.data(), bytes.size()));
+  ZINF_RETURN_IF_ERROR(w->commit());
+  if (out != nullptr) {
+    *out = {std::filesystem::path(path).filename().string(), w->bytes(), w->digest()};
   }
   return Status::ok();
 }
 
 }  // namespace
 
-Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
-                       Status precondition, std::int64_t step, const LossScaler& scaler) {
-  RankExchange& ex = *ctx.exchange;
-  Status local = std::move(precondition);
-  if (local.is_ok() && ctx.rank == 0) {
-    // The directory, and no manifest in it until every rank file of this save is in place.
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) {
-      local = status_from_errno(fmt::format("{}: cannot create the directory", call), ec.value());
-    } else if (::unlink(fmt::format("{}/{}", dir, kCheckpointManifest).c_str()) != 0 &&
-               errno != ENOENT) {
-      local = status_from_errno(fmt::format("{}: cannot remove the old manifest", call), errno);
-    }
+Status checkpoint_precondition(std::string_view call, const ParameterLayout& layout, long in_use,
+                               bool grads_pending) {
+  if (in_use >= 0) {
+    return Status::failed_precondition(
+        fmt::format("{}: module '{}' is gathered (release it first)", call,
+                    layout.module_names()[static_cast<std::size_t>(in_use)]));
   }
-  ZINF_RETURN_IF_ERROR(ex.agree(call, local));
-
-  // This rank's file.
-  std::uint64_t file[2] = {0, 0};
-  local = [&]() -> Status {
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
-                          CheckpointWriter::create(checkpoint_rank_path(dir, ctx.rank)));
-    std::vector<std::byte> head(kCheckpointHeaderBytes);
-    encode_checkpoint_header(header_of(ctx, step, scaler),
-                             std::span<std::byte, kCheckpointHeaderBytes>(head.data(), head.size()));
-    ZINF_RETURN_IF_ERROR(w->append(head.data(), head.size()));
-    for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
-      ZINF_RETURN_IF_ERROR(
-          ctx.state->read_state(piece, [&](std::size_t, std::size_t count, const float* values) {
-            return w->append(values, count * sizeof(float));
-          }));
-    }
-    ZINF_RETURN_IF_ERROR(w->commit());
-    file[0] = w->bytes();
-    file[1] = w->digest();
-    return Status::ok();
-  }();
-  ZINF_RETURN_IF_ERROR(ex.agree(call, local));
-  Result<std::vector<std::uint64_t>> files = ex.exchange(file, 2);
-  if (!files.is_ok()) return ctx.sticky->fail(files.status());
-
-  // Rank 0's manifest, written last: its presence says the checkpoint is complete.
-  local = Status::ok();
-  if (ctx.rank == 0) {
-    nlohmann::json m;
-    m["format"] = "zinf-checkpoint";
-    m["version"] = kCheckpointVersion;
-    m["world_size"] = ctx.world_size;
-    m["stage"] = ctx.config->zero.stage;
-    m["optimizer"] = std::string(optimizer_name(ctx.config->optimizer.kind));
-    m["fingerprint"] = fmt::format("{:016x}", ctx.partitioner->fingerprint());
-    m["partition_elements"] = ctx.partition_elements;
-    m["step"] = step;
-    nlohmann::json ranks = nlohmann::json::array();
-    for (int r = 0; r < ctx.world_size; ++r) {
-      ranks.push_back({{"file", fmt::format("rank{}.zinfckpt", r)},
-                       {"bytes", (*files)[2 * r]},
-                       {"xxh3", fmt::format("{:016x}", (*files)[2 * r + 1])}});
-    }
-    m["ranks"] = ranks;
-    local = write_file_atomically(fmt::format("{}/{}", dir, kCheckpointManifest), m.dump(2));
+  if (grads_pending) {
+    return Status::failed_precondition(fmt::format(
+        "{}: gradients were reduced since the last step (a checkpoint is taken between steps; "
+        "call step() first)",
+        call));
   }
-  return ex.agree(call, local);
+  return Status::ok();
 }
 
-Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
-                             const std::string& dir, Status precondition,
-                             CheckpointHeader* header) {
-  std::unique_ptr<CheckpointReader> reader;
-  Status local = std::move(precondition);
-  if (local.is_ok()) local = check_checkpoint(ctx, call, dir, &reader, header);
-  ZINF_RETURN_IF_ERROR(ctx.exchange->agree(call, local));
-  // From here on the state is being replaced: an error leaves it mixed, so it is sticky.
-  for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
-    ZINF_RETURN_IF_ERROR(ctx.sticky->fail(
-        ctx.state->write_state(piece, [&](std::size_t, std::size_t count, float* out) {
-          return reader->read(out, count * sizeof(float));
-        })));
+std::vector<std::string> gather_order_names(const ParameterLayout& layout,
+                                            const std::vector<std::size_t>& order) {
+  std::vector<std::string> names;
+  for (std::size_t m : order) names.push_back(layout.module_names()[m]);
+  return names;
+}
+
+std::vector<std::size_t> gather_order_indices(const ParameterLayout& layout,
+                                              const std::vector<std::string>& names) {
+  std::vector<std::size_t> order;
+  for (const std::string& name : names) {
+    Result<std::size_t> m = layout.find_module("load_checkpoint", name);
+    if (!m.is_ok()) return {};
+    order.push_back(*m);
   }
+  return order;
+}
+
+Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
+                       const std::string& tag, Status precondition, const ResumeState& resume) {
+  RankExchange& ex = *ctx.exchange;
+  const std::string temp = fmt::format("{}/.{}.tmp", dir, tag);
+  std::unique_ptr<IoEngine> io;
+  std::uint64_t serial = 0;
+  Status local = std::move(precondition);
+  if (local.is_ok()) {
+    local = [&]() -> Status {
+      ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
+      ZINF_ASSIGN_OR_RETURN(io, open_checkpoint_io(ctx.io_faults));
+      if (ctx.rank == 0) ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &serial));
+      return Status::ok();
+    }()
+                         .with_context(call);
+  }
+  ZINF_RETURN_IF_ERROR(ex.agree(call, local));
+
+  // Every rank's file, in parallel.
+  ManifestFile file;
+  local = write_rank_file(ctx, *io, temp, resume, &file);
+  Status written = ex.agree(call, local.with_context(call));
+  if (!written.is_ok()) {
+    if (ctx.rank == 0) {
+      // Every rank is past its writes (agree is collective): nothing of the save remains.
+      std::error_code ec;
+      std::filesystem::remove_all(temp, ec);
+    }
+    return written;
+  }
+  const std::uint64_t words[2] = {file.bytes, file.xxh3};
+  Result<std::vector<std::uint64_t>> files = ex.exchange(words, 2);
+  if (!files.is_ok()) return ctx.sticky->fail(files.status());
+
+  // Rank 0: the client state, the manifest (last inside the tag), the rename, `latest`.
+  local = Status::ok();
+  if (ctx.rank == 0) {
+    local = [&]() -> Status {
+      CheckpointManifest m = manifest_of(ctx, tag, resume);
+      m.serial = serial;
+      for (int r = 0; r < ctx.world_size; ++r) {
+        m.ranks.push_back(
+            {fmt::format("rank{}.zinfckpt", r), (*files)[2 * r], (*files)[2 * r + 1]});
+      }
+      if (!resume.client_state.empty()) {
+        ManifestFile cs;
+        ZINF_RETURN_IF_ERROR(write_small_file(
+            *io, fmt::format("{}/{}", temp, kCheckpointClientState), resume.client_state, &cs));
+        m.client_state.push_back(cs);
+      }
+      ZINF_RETURN_IF_ERROR(write_small_file(*io, fmt::format("{}/{}", temp, kCheckpointManifest),
+                                            encode_checkpoint_manifest(m), nullptr));
+      ZINF_RETURN_IF_ERROR(sync_dir(temp));
+      const std::string final_dir = fmt::format("{}/{}", dir, tag);
+      if (::rename(temp.c_str(), final_dir.c_str()) != 0) {
+        return status_from_errno(fmt::format("rename '{}' to '{}'", temp, final_dir), errno);
+      }
+      ZINF_RETURN_IF_ERROR(sync_dir(dir));
+      Status latest = write_file_atomically(*io, fmt::format("{}/{}", dir, kCheckpointLatest), tag);
+      if (!latest.is_ok()) {
+        // While `latest` still names the previous tag, the new one goes, so a retry of the same
+        // tag can succeed.
+        Result<std::string> named = read_latest_tag(*io, dir);
+        if (!named.is_ok() || *named != tag) {
+          std::error_code ec;
+          std::filesystem::remove_all(final_dir, ec);
+          (void)sync_dir(dir);
+        }
+        return latest;
+      }
+      prune_tags(*io, dir, static_cast<std::size_t>(std::max(1, ctx.config->keep_last)), tag);
+      return Status::ok();
+    }();
+    if (!local.is_ok()) {
+      std::error_code ec;
+      std::filesystem::remove_all(temp, ec);
+    }
+  }
+  return ex.agree(call, local.with_context(call));
+}
+
+// --- Load ----------------------------------------------------------------------------------------
+namespace {
+
+// A run of this rank's new partition read from one saved rank file.
+struct Segment {
+  std::size_t first = 0;        // new partition element
+  int old_rank = 0;             // the file
+  std::uint64_t old_first = 0;  // element in the saved partition
+  std::size_t count = 0;
+};
+
+// Maps this rank's partition onto the saved files by parameter name. kInvalidArgument naming
+// the first parameter that is not in both, or whose shape differs.
+Status plan_segments(const CheckpointContext& ctx, const CheckpointManifest& m,
+                     std::vector<Segment>* out) {
+  const Partitioner& part = ctx.layout->partitioner();
+  std::map<std::string_view, const ManifestParam*> saved;
+  for (const ManifestParam& p : m.params) saved.emplace(p.name, &p);
+  for (ParamId id = 0; id < part.param_count(); ++id) {
+    const std::string& name = ctx.layout->param(id).spec.name;
+    auto it = saved.find(name);
+    if (it == saved.end()) {
+      return Status::invalid_argument(fmt::format(
+          "parameter '{}' is not in the checkpoint (a checkpoint loads into an engine with "
+          "the same parameters)",
+          name));
+    }
+    if (it->second->shape != part.spec(id).shape) {
+      return Status::invalid_argument(
+          fmt::format("parameter '{}' has shape {} in the checkpoint, {} here", name,
+                      shape_text(it->second->shape), shape_text(part.spec(id).shape)));
+    }
+  }
+  if (saved.size() != part.param_count()) {
+    for (const ManifestParam& p : m.params) {
+      if (!ctx.layout->find_param(p.name).has_value()) {
+        return Status::invalid_argument(fmt::format(
+            "the checkpoint's parameter '{}' is not registered in this engine", p.name));
+      }
+    }
+  }
+  for (std::uint32_t g = 0; g < part.group_count(); ++g) {
+    for (const ParamPiece& piece : part.shard_pieces(g, ctx.rank)) {
+      const ManifestParam& old = *saved.at(ctx.layout->param(piece.param).spec.name);
+      const std::uint64_t old_shard = m.groups[old.group].shard_elements;
+      std::uint64_t pos = old.group_offset + piece.param_offset;  // in the saved group
+      std::size_t first = ctx.layout->offset(g) + piece.shard_offset;
+      std::size_t left = piece.element_count;
+      while (left > 0) {
+        const int old_rank = static_cast<int>(pos / old_shard);
+        const std::uint64_t within = pos - static_cast<std::uint64_t>(old_rank) * old_shard;
+        const std::size_t take =
+            static_cast<std::size_t>(std::min<std::uint64_t>(left, old_shard - within));
+        const std::uint64_t old_first = m.groups[old.group].partition_offset + within;
+        if (!out->empty() && out->back().old_rank == old_rank &&
+            out->back().first + out->back().count == first &&
+            out->back().old_first + out->back().count == old_first) {
+          out->back().count += take;
+        } else {
+          out->push_back({first, old_rank, old_first, take});
+        }
+        pos += take;
+        first += take;
+        left -= take;
+      }
+    }
+  }
+  return Status::ok();
+}
+
+// Opens a saved rank file, checks its size and checksum against the manifest and its header
+// against the manifest. `direct`: for one front-to-back pass (positioned after the header).
+Status open_rank_file(IoEngine& io, const std::string& tag_dir, const CheckpointManifest& m,
+                      int rank, std::size_t pieces, bool direct,
+                      std::unique_ptr<CheckpointReader>* out, CheckpointHeader* header) {
+  const ManifestFile& f = m.ranks[static_cast<std::size_t>(rank)];
+  const std::string path = fmt::format("{}/{}", tag_dir, f.file);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
+                        CheckpointReader::open(io, path, direct));
+  const std::uint64_t expect = checkpoint_rank_file_bytes(pieces, m.partition_elements);
+  if (r->file_bytes() != f.bytes || f.bytes != expect) {
+    return Status::corruption(
+        fmt::format("'{}' has {} bytes; the manifest says {}, its layout needs {}", path,
+                    r->file_bytes(), f.bytes, expect));
+  }
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
+  if (sum != f.xxh3) {
+    return Status::corruption(
+        fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
+                    path, sum, f.xxh3));
+  }
+  std::vector<std::byte> head(kCheckpointHeaderBytes);
+  if (direct) {
+    ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
+  } else {
+    ZINF_RETURN_IF_ERROR(r->read_at(0, head.size(), head.data()));
+  }
+  Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
+  if (!decoded.is_ok()) {
+    return Status(decoded.status().code(), 0,
+                  fmt::format("'{}': {}", path, decoded.status().message()));
+  }
+  const CheckpointHeader& h = *decoded;
+  if (h.rank != static_cast<std::uint32_t>(rank) ||
+      h.world_size != static_cast<std::uint32_t>(m.world_size) ||
+      h.stage != static_cast<std::uint32_t>(m.stage) ||
+      h.partition_elements != m.partition_elements || h.fingerprint != m.fingerprint ||
+      h.step != m.step) {
+    return Status::corruption(fmt::format("'{}': its header does not match the manifest", path));
+  }
+  *header = h;
+  *out = std::move(r);
+  return Status::ok();
+}
+
+}  // namespace
+
+Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
+                             const std::string& dir, const std::string& tag_in, Status precondition,
+                             ResumeState* resume) {
+  const std::vector<Piece> pieces = state_pieces(ctx.config->optimizer.kind);
+  std::unique_ptr<IoEngine> io;
+  CheckpointManifest m;
+  CheckpointHeader header;
+  std::string tag_dir;
+  bool same_layout = false;
+  std::vector<Segment> segments;
+  // Same layout: this rank's own file, front to back. Resharded: every file a segment reads.
+  std::unique_ptr<CheckpointReader> own;
+  std::map<int, std::unique_ptr<CheckpointReader>> saved;
+  Status local = std::move(precondition);
+  if (local.is_ok()) {
+    local = [&]() -> Status {
+      ZINF_ASSIGN_OR_RETURN(io, open_checkpoint_io(ctx.io_faults));
+      std::string tag = tag_in;
+      if (tag.empty()) {
+        ZINF_ASSIGN_OR_RETURN(tag, read_latest_tag(*io, dir));
+      }
+      ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
+      tag_dir = fmt::format("{}/{}", dir, tag);
+      const std::string manifest_path = fmt::format("{}/{}", tag_dir, kCheckpointManifest);
+      Result<std::string> text = read_text_file(*io, manifest_path);
+      if (!text.is_ok()) {
+        return text.status().with_context(
+            fmt::format("no complete checkpoint '{}' (the manifest is written last)", tag_dir));
+      }
+      ZINF_ASSIGN_OR_RETURN(m, parse_checkpoint_manifest(*text, manifest_path));
+      if (m.optimizer != optimizer_name(ctx.config->optimizer.kind)) {
+        return Status::invalid_argument(fmt::format(
+            "the checkpoint was saved with optimizer.type {}, this engine has optimizer.type {}",
+            m.optimizer, optimizer_name(ctx.config->optimizer.kind)));
+      }
+      same_layout = m.world_size == ctx.world_size &&
+                    m.fingerprint == ctx.layout->partitioner().fingerprint() &&
+                    m.partition_elements == ctx.layout->partition_elements();
+      if (same_layout) {
+        return open_rank_file(*io, tag_dir, m, ctx.rank, pieces.size(), /*direct=*/true, &own,
+                              &header);
+      }
+      ZINF_RETURN_IF_ERROR(plan_segments(ctx, m, &segments));
+      for (const Segment& s : segments) {
+        if (saved.count(s.old_rank) != 0) continue;
+        ZINF_RETURN_IF_ERROR(open_rank_file(*io, tag_dir, m, s.old_rank, pieces.size(),
+                                            /*direct=*/false, &saved[s.old_rank], &header));
+      }
+      if (saved.empty()) {
+        // A rank that owns nothing but padding still takes the step and loss scale from a file.
+        ZINF_RETURN_IF_ERROR(
+            open_rank_file(*io, tag_dir, m, 0, pieces.size(), false, &saved[0], &header));
+      }
+      return Status::ok();
+    }()
+                         .with_context(call);
+    if (local.is_ok() && !m.client_state.empty()) {
+      local = [&]() -> Status {
+        const ManifestFile& f = m.client_state.front();
+        const std::string path = fmt::format("{}/{}", tag_dir, f.file);
+        ZINF_ASSIGN_OR_RETURN(std::string blob, read_text_file(*io, path));
+        if (blob.size() != f.bytes || XXH3_64bits(blob.data(), blob.size()) != f.xxh3) {
+          return Status::corruption(
+              fmt::format("'{}' does not match its size and checksum in the manifest", path));
+        }
+        resume->client_state = std::move(blob);
+        return Status::ok();
+      }()
+                           .with_context(call);
+    }
+  }
+  ZINF_RETURN_IF_ERROR(ctx.exchange->agree(call, local));
+
+  // From here on the state is being replaced: an error leaves it mixed, so it is sticky.
+  for (std::size_t pi = 0; pi < pieces.size(); ++pi) {
+    const Piece piece = pieces[pi];
+    Status st;
+    if (same_layout) {
+      st = ctx.state->write_state(piece, [&](std::size_t, std::size_t count, float* out) {
+        return own->read(out, count * sizeof(float));
+      });
+    } else {
+      const std::uint64_t piece_bytes = m.partition_elements * sizeof(float);
+      st = ctx.state->write_state(piece, [&](std::size_t first, std::size_t count, float* out) {
+        std::fill(out, out + count, 0.0f);  // padding
+        auto it = std::upper_bound(segments.begin(), segments.end(), first,
+                                   [](std::size_t f, const Segment& s) { return f < s.first; });
+        if (it != segments.begin()) --it;
+        for (; it != segments.end() && it->first < first + count; ++it) {
+          const std::size_t lo = std::max(first, it->first);
+          const std::size_t hi = std::min(first + count, it->first + it->count);
+          if (lo >= hi) continue;
+          const std::uint64_t at = kCheckpointHeaderBytes + pi * piece_bytes +
+                                   (it->old_first + (lo - it->first)) * sizeof(float);
+          ZINF_RETURN_IF_ERROR(
+              saved.at(it->old_rank)->read_at(at, (hi - lo) * sizeof(float), out + (lo - first)));
+        }
+        return Status::ok();
+      });
+    }
+    ZINF_RETURN_IF_ERROR(ctx.sticky->fail(st.with_context(call)));
+  }
+  resume->step = header.step;
+  resume->loss_scale = header.loss_scale;
+  resume->loss_scale_good_steps = header.loss_scale_good_steps;
+  resume->loss_scale_hysteresis_left = header.loss_scale_hysteresis_left;
+  resume->lr = m.lr;
+  resume->lr_override = m.lr_override;
+  resume->schedule = m.schedule;
+  resume->gather_order = m.gather_order;
   return Status::ok();
 }
 

@@ -1,11 +1,16 @@
-// The checkpoint header's byte layout (see checkpoint.hpp), in a file of its own so that the fuzz
-// build can link it without the rest of the checkpoint code.
+// The checkpoint header's byte layout and the manifest's JSON (see checkpoint.hpp), in a file of
+// their own so that the fuzz build can link them without the rest of the checkpoint code.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <bit>
+#include <cctype>
+#include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
 #include <type_traits>
 
+#include "base/assert.hpp"
 #include "engine/checkpoint.hpp"
 
 namespace zinf {
@@ -73,9 +78,9 @@ Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> byt
   }
   h.version = get_le<std::uint32_t>(p + 8);
   if (h.version != kCheckpointVersion) {
-    return Status::invalid_argument(fmt::format(
-        "checkpoint format version {}; this build reads version {}", h.version,
-        kCheckpointVersion));
+    return Status::invalid_argument(
+        fmt::format("checkpoint format version {}; this build reads version {}", h.version,
+                    kCheckpointVersion));
   }
   h.rank = get_le<std::uint32_t>(p + 12);
   h.world_size = get_le<std::uint32_t>(p + 16);
@@ -95,6 +100,363 @@ Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> byt
     }
   }
   return h;
+}
+
+std::uint64_t checkpoint_rank_file_bytes(std::size_t pieces, std::uint64_t partition_elements) {
+  const std::uint64_t bytes = kCheckpointHeaderBytes + pieces * partition_elements * sizeof(float);
+  return (bytes + 4095) / 4096 * 4096;
+}
+
+namespace {
+
+using Json = nlohmann::json;
+
+// How encode_checkpoint_manifest() writes the checksum key (nlohmann's dump with indent 1).
+constexpr std::string_view kChecksumKey = "\"checksum\": \"";
+
+Json schedule_to_json(const ScheduleConfig& s) {
+  return Json{{"type", std::string(schedule_name(s.kind))},
+              {"warmup_num_steps", s.warmup_num_steps},
+              {"warmup_linear", s.warmup_linear},
+              {"warmup_min_lr", s.warmup_min_lr},
+              {"warmup_max_lr", s.warmup_max_lr},
+              {"total_num_steps", s.total_num_steps},
+              {"warmup_min_ratio", s.warmup_min_ratio},
+              {"cos_min_ratio", s.cos_min_ratio},
+              {"cycle_min_lr", s.cycle_min_lr},
+              {"cycle_max_lr", s.cycle_max_lr},
+              {"decay_lr_rate", s.decay_lr_rate},
+              {"cycle_first_step_size", s.cycle_first_step_size},
+              {"cycle_second_step_size", s.cycle_second_step_size},
+              {"cycle_first_stair_count", s.cycle_first_stair_count},
+              {"cycle_second_stair_count", s.cycle_second_stair_count},
+              {"decay_step_size", s.decay_step_size},
+              {"cycle_momentum", s.cycle_momentum},
+              {"cycle_min_mom", s.cycle_min_mom},
+              {"cycle_max_mom", s.cycle_max_mom},
+              {"decay_mom_rate", s.decay_mom_rate},
+              {"last_batch_iteration", s.last_batch_iteration}};
+}
+
+// Reads one key of an object with the type it must have; the error names the key's path.
+class Reader {
+ public:
+  explicit Reader(std::string_view path) : path_(path) {}
+  Status bad(std::string_view key, std::string_view what) const {
+    return Status::corruption(fmt::format("checkpoint manifest '{}': '{}' {}", path_, key, what));
+  }
+  const Json* find(const Json& obj, std::string_view key, Status* st) const {
+    if (!st->is_ok()) return nullptr;
+    if (!obj.is_object()) {
+      *st = bad(key, "is in something that is not an object");
+      return nullptr;
+    }
+    auto it = obj.find(std::string(key));
+    if (it == obj.end()) {
+      *st = bad(key, "is missing");
+      return nullptr;
+    }
+    return &*it;
+  }
+  template <typename T>
+  void get(const Json& obj, std::string_view key, T* out, Status* st) const {
+    const Json* v = find(obj, key, st);
+    if (v == nullptr) return;
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!v->is_boolean())
+        *st = bad(key, "is not true or false");
+      else
+        *out = v->get<bool>();
+    } else if constexpr (std::is_same_v<T, double>) {
+      if (!v->is_number())
+        *st = bad(key, "is not a number");
+      else
+        *out = v->get<double>();
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (!v->is_string())
+        *st = bad(key, "is not a string");
+      else
+        *out = v->get<std::string>();
+    } else if constexpr (std::is_unsigned_v<T>) {
+      if (!v->is_number_unsigned())
+        *st = bad(key, "is not an unsigned integer");
+      else if (v->get<std::uint64_t>() > std::numeric_limits<T>::max())
+        *st = bad(key, "is too large");
+      else
+        *out = static_cast<T>(v->get<std::uint64_t>());
+    } else {
+      if (!v->is_number_integer())
+        *st = bad(key, "is not an integer");
+      else if (v->get<std::int64_t>() > std::numeric_limits<T>::max() ||
+               v->get<std::int64_t>() < std::numeric_limits<T>::min()) {
+        *st = bad(key, "is out of range");
+      } else {
+        *out = static_cast<T>(v->get<std::int64_t>());
+      }
+    }
+  }
+  // A 64-bit value written as 16 hex digits.
+  void get_hex(const Json& obj, std::string_view key, std::uint64_t* out, Status* st) const {
+    std::string text;
+    get(obj, key, &text, st);
+    if (!st->is_ok()) return;
+    if (text.size() != 16 ||
+        !std::all_of(text.begin(), text.end(), [](char c) { return std::isxdigit(c) != 0; })) {
+      *st = bad(key, "is not 16 hex digits");
+      return;
+    }
+    *out = std::stoull(text, nullptr, 16);
+  }
+  const Json* array(const Json& obj, std::string_view key, Status* st) const {
+    const Json* v = find(obj, key, st);
+    if (v != nullptr && !v->is_array()) {
+      *st = bad(key, "is not an array");
+      return nullptr;
+    }
+    return v;
+  }
+
+ private:
+  std::string_view path_;
+};
+
+void files_from(const Reader& r, const Json& arr, std::string_view key,
+                std::vector<ManifestFile>* out, Status* st) {
+  for (const Json& e : arr) {
+    ManifestFile f;
+    r.get(e, "file", &f.file, st);
+    if (st->is_ok()) {
+      if (f.file.empty() || f.file.find('/') != std::string::npos || f.file[0] == '.') {
+        *st = r.bad(fmt::format("{}[].file", key), "is not a plain file name");
+      }
+    }
+    if (st->is_ok()) r.get(e, "bytes", &f.bytes, st);
+    if (st->is_ok()) r.get_hex(e, "xxh3", &f.xxh3, st);
+    if (!st->is_ok()) return;
+    out->push_back(std::move(f));
+  }
+}
+
+}  // namespace
+
+std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
+  Json params = Json::array();
+  for (const ManifestParam& p : m.params) {
+    params.push_back({{"name", p.name},
+                      {"shape", p.shape},
+                      {"dtype", std::string(dtype_name(p.dtype))},
+                      {"group", p.group},
+                      {"group_offset", p.group_offset}});
+  }
+  Json groups = Json::array();
+  for (const ManifestGroup& g : m.groups) {
+    groups.push_back(
+        {{"shard_elements", g.shard_elements}, {"partition_offset", g.partition_offset}});
+  }
+  const auto files = [](const std::vector<ManifestFile>& list) {
+    Json out = Json::array();
+    for (const ManifestFile& f : list) {
+      out.push_back(
+          {{"file", f.file}, {"bytes", f.bytes}, {"xxh3", fmt::format("{:016x}", f.xxh3)}});
+    }
+    return out;
+  };
+  Json j = {{"format", "zinf-checkpoint"},
+            {"version", kCheckpointVersion},
+            {"tag", m.tag},
+            {"serial", m.serial},
+            {"world_size", m.world_size},
+            {"stage", m.stage},
+            {"optimizer", m.optimizer},
+            {"fingerprint", fmt::format("{:016x}", m.fingerprint)},
+            {"partition_elements", m.partition_elements},
+            {"step", m.step},
+            {"lr", m.lr},
+            {"lr_override", m.lr_override},
+            {"lr_schedule", schedule_to_json(m.schedule)},
+            {"gather_order", m.gather_order},
+            {"params", params},
+            {"groups", groups},
+            {"ranks", files(m.ranks)},
+            {"client_state", files(m.client_state)},
+            {"checksum", std::string(16, '0')}};
+  // The text's own xxh3-64, with the checksum's 16 digits as zeros, then written into them: a
+  // flipped bit anywhere in the manifest (a digit of the learning rate, say) is caught, and the
+  // file stays plain JSON.
+  std::string text = j.dump(1) + "\n";
+  const std::size_t at = text.find(kChecksumKey);
+  ZINF_ASSERT(at != std::string::npos);
+  const std::string digits = fmt::format("{:016x}", XXH3_64bits(text.data(), text.size()));
+  text.replace(at + kChecksumKey.size(), 16, digits);
+  return text;
+}
+
+Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view path) {
+  {
+    const std::size_t at = text.find(kChecksumKey);
+    if (at == std::string_view::npos || text.size() - at - kChecksumKey.size() < 16) {
+      return Status::corruption(fmt::format("checkpoint manifest '{}': no checksum", path));
+    }
+    std::string zeroed(text);
+    const std::string stored = zeroed.substr(at + kChecksumKey.size(), 16);
+    zeroed.replace(at + kChecksumKey.size(), 16, std::string(16, '0'));
+    const std::string computed = fmt::format("{:016x}", XXH3_64bits(zeroed.data(), zeroed.size()));
+    if (stored != computed) {
+      return Status::corruption(
+          fmt::format("checkpoint manifest '{}' does not match its checksum (xxh3 {}, it says {})",
+                      path, computed, stored));
+    }
+  }
+  const Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::corruption(fmt::format("checkpoint manifest '{}': not a JSON object", path));
+  }
+  const Reader r(path);
+  Status st;
+  std::string format;
+  std::uint32_t version = 0;
+  r.get(j, "format", &format, &st);
+  if (st.is_ok() && format != "zinf-checkpoint") st = r.bad("format", "is not \"zinf-checkpoint\"");
+  r.get(j, "version", &version, &st);
+  if (st.is_ok() && version != kCheckpointVersion) {
+    return Status::invalid_argument(
+        fmt::format("checkpoint manifest '{}': format version {}; this build reads version {}",
+                    path, version, kCheckpointVersion));
+  }
+  CheckpointManifest m;
+  r.get(j, "tag", &m.tag, &st);
+  r.get(j, "serial", &m.serial, &st);
+  r.get(j, "world_size", &m.world_size, &st);
+  if (st.is_ok() && (m.world_size < 1 || m.world_size > 65536)) {
+    st = r.bad("world_size", "is not in 1..65536");
+  }
+  r.get(j, "stage", &m.stage, &st);
+  if (st.is_ok() && (m.stage < 1 || m.stage > 3)) st = r.bad("stage", "is not 1, 2 or 3");
+  r.get(j, "optimizer", &m.optimizer, &st);
+  r.get_hex(j, "fingerprint", &m.fingerprint, &st);
+  r.get(j, "partition_elements", &m.partition_elements, &st);
+  r.get(j, "step", &m.step, &st);
+  if (st.is_ok() && m.step < 0) st = r.bad("step", "is negative");
+  r.get(j, "lr", &m.lr, &st);
+  r.get(j, "lr_override", &m.lr_override, &st);
+  const Json* sched = r.find(j, "lr_schedule", &st);
+  if (sched != nullptr) {
+    ScheduleConfig& s = m.schedule;
+    std::string type;
+    r.get(*sched, "type", &type, &st);
+    if (st.is_ok()) {
+      bool known = false;
+      for (ScheduleKind k :
+           {ScheduleKind::kNone, ScheduleKind::kWarmupLR, ScheduleKind::kWarmupDecayLR,
+            ScheduleKind::kWarmupCosineLR, ScheduleKind::kOneCycle}) {
+        if (schedule_name(k) == type) {
+          s.kind = k;
+          known = true;
+        }
+      }
+      if (!known) st = r.bad("lr_schedule.type", "is not a schedule zinf knows");
+    }
+    r.get(*sched, "warmup_num_steps", &s.warmup_num_steps, &st);
+    r.get(*sched, "warmup_linear", &s.warmup_linear, &st);
+    r.get(*sched, "warmup_min_lr", &s.warmup_min_lr, &st);
+    r.get(*sched, "warmup_max_lr", &s.warmup_max_lr, &st);
+    r.get(*sched, "total_num_steps", &s.total_num_steps, &st);
+    r.get(*sched, "warmup_min_ratio", &s.warmup_min_ratio, &st);
+    r.get(*sched, "cos_min_ratio", &s.cos_min_ratio, &st);
+    r.get(*sched, "cycle_min_lr", &s.cycle_min_lr, &st);
+    r.get(*sched, "cycle_max_lr", &s.cycle_max_lr, &st);
+    r.get(*sched, "decay_lr_rate", &s.decay_lr_rate, &st);
+    r.get(*sched, "cycle_first_step_size", &s.cycle_first_step_size, &st);
+    r.get(*sched, "cycle_second_step_size", &s.cycle_second_step_size, &st);
+    r.get(*sched, "cycle_first_stair_count", &s.cycle_first_stair_count, &st);
+    r.get(*sched, "cycle_second_stair_count", &s.cycle_second_stair_count, &st);
+    r.get(*sched, "decay_step_size", &s.decay_step_size, &st);
+    r.get(*sched, "cycle_momentum", &s.cycle_momentum, &st);
+    r.get(*sched, "cycle_min_mom", &s.cycle_min_mom, &st);
+    r.get(*sched, "cycle_max_mom", &s.cycle_max_mom, &st);
+    r.get(*sched, "decay_mom_rate", &s.decay_mom_rate, &st);
+    r.get(*sched, "last_batch_iteration", &s.last_batch_iteration, &st);
+  }
+  if (const Json* order = r.array(j, "gather_order", &st)) {
+    for (const Json& e : *order) {
+      if (!e.is_string()) {
+        st = r.bad("gather_order[]", "is not a string");
+        break;
+      }
+      m.gather_order.push_back(e.get<std::string>());
+    }
+  }
+  if (const Json* groups = r.array(j, "groups", &st)) {
+    for (const Json& e : *groups) {
+      ManifestGroup g;
+      r.get(e, "shard_elements", &g.shard_elements, &st);
+      r.get(e, "partition_offset", &g.partition_offset, &st);
+      if (st.is_ok() && (g.shard_elements > m.partition_elements ||
+                         g.partition_offset > m.partition_elements - g.shard_elements)) {
+        st = r.bad("groups[].partition_offset", "puts a slice past partition_elements");
+      }
+      if (!st.is_ok()) break;
+      m.groups.push_back(g);
+    }
+  }
+  if (const Json* params = r.array(j, "params", &st)) {
+    for (const Json& e : *params) {
+      ManifestParam p;
+      std::string dtype;
+      r.get(e, "name", &p.name, &st);
+      r.get(e, "dtype", &dtype, &st);
+      if (st.is_ok()) {
+        const std::optional<DType> parsed = parse_dtype(dtype);
+        if (parsed.has_value())
+          p.dtype = *parsed;
+        else
+          st = r.bad("params[].dtype", "is unknown");
+      }
+      r.get(e, "group", &p.group, &st);
+      r.get(e, "group_offset", &p.group_offset, &st);
+      std::uint64_t elements = 1;
+      if (const Json* shape = r.array(e, "shape", &st)) {
+        for (const Json& d : *shape) {
+          if (!d.is_number_integer() || d.get<std::int64_t>() <= 0 ||
+              d.get<std::int64_t>() > (std::int64_t{1} << 40)) {
+            st = r.bad("params[].shape", "has a dimension that is not in 1..2^40");
+            break;
+          }
+          p.shape.push_back(d.get<std::int64_t>());
+          elements *= static_cast<std::uint64_t>(d.get<std::int64_t>());
+          if (elements > (std::uint64_t{1} << 48)) {
+            st = r.bad("params[].shape", "has more than 2^48 elements");
+            break;
+          }
+        }
+      }
+      if (!st.is_ok()) break;
+      if (p.group >= m.groups.size()) {
+        st = r.bad("params[].group", fmt::format("of '{}' is not a group", p.name));
+        break;
+      }
+      // The parameter must lie inside its group's slices, so a load never reads outside them.
+      const std::uint64_t group_elements =
+          m.groups[p.group].shard_elements * static_cast<std::uint64_t>(m.world_size);
+      if (p.group_offset > group_elements || elements > group_elements - p.group_offset) {
+        st = r.bad("params[].group_offset", fmt::format("puts '{}' past its group", p.name));
+        break;
+      }
+      m.params.push_back(std::move(p));
+    }
+  }
+  if (const Json* ranks = r.array(j, "ranks", &st)) files_from(r, *ranks, "ranks", &m.ranks, &st);
+  if (st.is_ok() && m.ranks.size() != static_cast<std::size_t>(m.world_size)) {
+    st = r.bad("ranks",
+               fmt::format("has {} entries, not world_size {}", m.ranks.size(), m.world_size));
+  }
+  if (const Json* cs = r.array(j, "client_state", &st)) {
+    files_from(r, *cs, "client_state", &m.client_state, &st);
+  }
+  if (st.is_ok() && m.client_state.size() > 1)
+    st = r.bad("client_state", "has more than one entry");
+  if (!st.is_ok()) return st;
+  return m;
 }
 
 }  // namespace zinf

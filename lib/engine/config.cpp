@@ -348,6 +348,7 @@ const Key kZinfKeys[] = {
      .read = ZINF_READ(count_as(v, &w.config->collective_timeout_ms))},
     {.name = "io_timeout_ms", .read = ZINF_READ(count_as(v, &w.config->io_timeout_ms))},
     {.name = "io_timeouts_max", .read = ZINF_READ(count_as(v, &w.config->io_timeouts_max))},
+    {.name = "keep_last", .read = ZINF_READ(count_as(v, &w.config->keep_last))},
     {.name = "group_max_elements",
      .read = ZINF_READ(count_as(v, &w.config->zero.group_max_elements))},
 };

@@ -95,6 +95,7 @@ Status validate(const Config& c) {
     return invalid("zero_optimization.offload_param.buffer_count", "0 is below 1");
   }
   if (z.sub_group_size == 0) return invalid("zero_optimization.sub_group_size", "0 is below 1");
+  if (c.keep_last < 1) return invalid("zinf.keep_last", fmt::format("{} is below 1", c.keep_last));
   if (c.gradients_on_nvme && z.stage == 1) {
     return invalid("zinf.gradients_on_nvme",
                    "needs stage 2 or 3 (stage 1 keeps full fp32 gradients on the device until the "
@@ -257,6 +258,7 @@ std::string config_to_json(const Config& c) {
                  {"collective_timeout_ms", c.collective_timeout_ms},
                  {"io_timeout_ms", c.io_timeout_ms},
                  {"io_timeouts_max", c.io_timeouts_max},
+                 {"keep_last", c.keep_last},
                  {"group_max_elements", z.group_max_elements}};
   return out.dump(2) + "\n";
 }

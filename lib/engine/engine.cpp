@@ -550,48 +550,47 @@ class Engine::Impl {
     c.rank = rank_;
     c.world_size = world_;
     c.config = &config_;
-    c.partitioner = &layout_.partitioner();
-    c.partition_elements = layout_.partition_elements();
+    c.layout = &layout_;
     c.state = state_.get();
     c.exchange = &*exchange_;
     c.sticky = &sticky_;
+    c.io_faults = env_.io_faults;
     return c;
   }
 
-  // A checkpoint is taken between steps: nothing gathered, no gradients reduced since the last
-  // step.
   Status checkpoint_precondition(std::string_view call) const {
-    const long in_use = coord_->first_in_use();
-    if (in_use >= 0) {
-      return Status::failed_precondition(
-          fmt::format("{}: module '{}' is gathered (release it first)", call,
-                      layout_.module_names()[static_cast<std::size_t>(in_use)]));
-    }
-    if (grads_pending_) {
-      return Status::failed_precondition(fmt::format(
-          "{}: gradients were reduced since the last step (a checkpoint is taken between steps; "
-          "call step() first)",
-          call));
-    }
-    return Status::ok();
+    return zinf::checkpoint_precondition(call, layout_, coord_->first_in_use(), grads_pending_);
   }
 
-  Status save_checkpoint(std::string_view dir) {
-    const std::string call = fmt::format("save_checkpoint('{}')", dir);
+  Status save_checkpoint(std::string_view dir, std::string_view tag) {
+    const std::string call = fmt::format("save_checkpoint('{}', '{}')", dir, tag);
     ZINF_RETURN_IF_ERROR(ensure_finalized());
-    return zinf::save_checkpoint(checkpoint_context(), call, std::string(dir),
-                                 checkpoint_precondition(call), t_, numerics_->scaler());
+    ResumeState r{t_, numerics_->scaler(), config_.optimizer.lr, lr_override_, schedule_.config()};
+    if (coord_->order_frozen()) r.gather_order = gather_order_names(layout_, coord_->order());
+    r.client_state = client_state_;
+    return zinf::save_checkpoint(checkpoint_context(), call, std::string(dir), std::string(tag),
+                                 checkpoint_precondition(call), r);
   }
 
-  Status load_checkpoint(std::string_view dir) {
-    const std::string call = fmt::format("load_checkpoint('{}')", dir);
+  Status load_checkpoint(std::string_view dir, std::string_view tag) {
+    const std::string call =
+        fmt::format("load_checkpoint('{}'{})", dir, tag.empty() ? "" : fmt::format(", '{}'", tag));
     ZINF_RETURN_IF_ERROR(ensure_finalized());
-    CheckpointHeader h;
+    ResumeState r;
     ZINF_RETURN_IF_ERROR(load_checkpoint_state(checkpoint_context(), call, std::string(dir),
-                                               checkpoint_precondition(call), &h));
-    t_ = h.step;
-    numerics_->scaler().restore(h.loss_scale, h.loss_scale_good_steps,
-                                h.loss_scale_hysteresis_left);
+                                               std::string(tag), checkpoint_precondition(call),
+                                               &r));
+    t_ = r.step;
+    numerics_->scaler().restore(r.loss_scale, r.loss_scale_good_steps,
+                                r.loss_scale_hysteresis_left);
+    config_.optimizer.lr = r.lr;
+    Result<LrSchedule> schedule = LrSchedule::create(r.schedule, r.lr);
+    if (schedule.is_ok()) schedule_ = std::move(*schedule);
+    lr_override_ = r.lr_override;
+    // The gather order, when every module in it is one of ours (else the next step records it).
+    std::vector<std::size_t> order = gather_order_indices(layout_, r.gather_order);
+    if (!order.empty()) coord_->restore_order(std::move(order));
+    client_state_ = std::move(r.client_state);
     state_->restored(t_);
     // The device copies / shards from the loaded master, as finalize() places them.
     ZINF_RETURN_IF_ERROR(fail(coord_->drop_prefetched()));
@@ -717,6 +716,7 @@ class Engine::Impl {
   std::vector<OptimizerParams> group_params_;
   LrSchedule schedule_;
   bool lr_override_ = false;  // set_learning_rate() was called: it replaces the schedule
+  std::string client_state_;  // set_client_state(), saved with checkpoints
   ZeroCounters counters_;     // the zero layer's; counters() copies them out
   std::uint64_t steps_ = 0;
   std::uint64_t skipped_steps_ = 0;
@@ -763,8 +763,17 @@ Status Engine::reduce_gradients(std::string_view module, std::span<const Gradien
   return impl_->reduce_gradients(module, gradients);
 }
 Result<StepReport> Engine::step() { return impl_->step(); }
-Status Engine::save_checkpoint(std::string_view dir) { return impl_->save_checkpoint(dir); }
-Status Engine::load_checkpoint(std::string_view dir) { return impl_->load_checkpoint(dir); }
+Status Engine::save_checkpoint(std::string_view dir, std::string_view tag) {
+  return impl_->save_checkpoint(dir, tag);
+}
+Status Engine::save_checkpoint(std::string_view dir) {
+  return impl_->save_checkpoint(dir, fmt::format("global_step{}", impl_->t_));
+}
+Status Engine::load_checkpoint(std::string_view dir, std::string_view tag) {
+  return impl_->load_checkpoint(dir, tag);
+}
+void Engine::set_client_state(std::string_view blob) { impl_->client_state_ = blob; }
+const std::string& Engine::client_state() const { return impl_->client_state_; }
 Result<SwapCheckReport> Engine::verify_swap() { return impl_->verify_swap(); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);

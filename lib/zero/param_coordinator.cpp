@@ -535,6 +535,12 @@ void ParamCoordinator::warm_up() {
   counters_ = counters;
 }
 
+void ParamCoordinator::restore_order(std::vector<std::size_t> order) {
+  for (std::size_t m : order) ZINF_ASSERT(m < modules_.size());
+  order_ = std::move(order);
+  freeze_order();
+}
+
 long ParamCoordinator::first_in_use() const {
   for (std::size_t m = 0; m < modules_.size(); ++m) {
     if (modules_[m].state == State::kInUse) return static_cast<long>(m);

@@ -129,6 +129,8 @@ class ParamCoordinator {
   // Stops recording; later gathers follow and prefetch the recorded order. The first call sizes
   // the spare buffers for the steps to come (see the file comment).
   void freeze_order();
+  // Sets the recorded order (a checkpoint's) and freezes it. REQUIRES: every index is a module.
+  void restore_order(std::vector<std::size_t> order);
   bool order_frozen() const { return frozen_; }
   const std::vector<std::size_t>& order() const { return order_; }
   // The first module in use, or -1.

@@ -356,6 +356,21 @@ NB_MODULE(_zinf, m) {
       nb::arg("json"),
       "Parses a DeepSpeed-style JSON config and returns it with every default written out.");
 
+  m.def(
+      "export_checkpoint",
+      [](const std::string& dir, const std::string& tag, const std::string& out,
+         const std::string& dtype) {
+        if (dtype != "fp32" && dtype != "bf16") {
+          throw ZinfError(zinf::Status::invalid_argument("export_checkpoint: dtype '" + dtype +
+                                                         "' (fp32 or bf16)"));
+        }
+        nb::gil_scoped_release release;
+        check(zinf::export_checkpoint_safetensors(
+            dir, tag, out, dtype == "fp32" ? zinf::DType::kF32 : zinf::DType::kBF16));
+      },
+      nb::arg("dir"), nb::arg("tag"), nb::arg("out"), nb::arg("dtype"),
+      "Writes a checkpoint's full fp32 masters as a safetensors file (zinf ckpt export).");
+
   nb::class_<PyEngine>(m, "Engine")
       .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t,
                     const std::string&>(),
@@ -393,15 +408,29 @@ NB_MODULE(_zinf, m) {
       .def("reduce_gradients", &PyEngine::reduce_gradients, nb::arg("module"), nb::arg("names"),
            nb::arg("gradients"))
       .def("step", &PyEngine::step)
-      .def("save_checkpoint",
-           [](PyEngine& e, const std::string& dir) {
-             nb::gil_scoped_release release;
-             check(e.engine().save_checkpoint(dir));
+      .def(
+          "save_checkpoint",
+          [](PyEngine& e, const std::string& dir, const std::string& tag) {
+            nb::gil_scoped_release release;
+            check(tag.empty() ? e.engine().save_checkpoint(dir)
+                              : e.engine().save_checkpoint(dir, tag));
+          },
+          nb::arg("dir"), nb::arg("tag") = "")
+      .def(
+          "load_checkpoint",
+          [](PyEngine& e, const std::string& dir, const std::string& tag) {
+            nb::gil_scoped_release release;
+            check(e.engine().load_checkpoint(dir, tag));
+          },
+          nb::arg("dir"), nb::arg("tag") = "")
+      .def("set_client_state",
+           [](PyEngine& e, nb::bytes blob) {
+             e.engine().set_client_state(std::string_view(blob.c_str(), blob.size()));
            })
-      .def("load_checkpoint",
-           [](PyEngine& e, const std::string& dir) {
-             nb::gil_scoped_release release;
-             check(e.engine().load_checkpoint(dir));
+      .def("client_state",
+           [](const PyEngine& e) {
+             const std::string& blob = e.engine().client_state();
+             return nb::bytes(blob.data(), blob.size());
            })
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
       .def("write_parameters", &PyEngine::write_parameters, nb::arg("name"),

@@ -56,6 +56,26 @@ def test_checkpoint_resumes_the_same_trajectory(tmp_path):
     assert train_zinf(resumed, batches[4:]) == expected
 
 
+def test_exported_safetensors_equal_read_parameter(tmp_path):
+    # The checkpoint's masters through zinf.torch.export_safetensors, loaded by the safetensors
+    # package, equal the engine's fp32 masters (bf16: rounded to nearest even, as torch rounds).
+    load_file = pytest.importorskip("safetensors.torch").load_file
+    config = zinf_config(3, "cpu", "none", tmp_path / "swap", stage3_param_persistence_threshold=0)
+    engine, _, _, _ = open_engine(config)
+    train_zinf(engine, make_batches(3))
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    names = sorted(engine._names.values())
+    for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+        out = tmp_path / f"model-{dtype}.safetensors"
+        zinf.torch.export_safetensors(str(tmp_path / "ckpt"), str(out), dtype=dtype)
+        tensors = load_file(str(out))
+        assert sorted(tensors) == names
+        for name in names:
+            want = engine.read_parameter(name).to(torch_dtype)
+            assert tensors[name].dtype == torch_dtype
+            assert torch.equal(tensors[name], want), name
+
+
 def test_gradient_accumulation_steps_at_the_boundary_on_the_mean(tmp_path, torch_reference):
     # Two micro-batches of 2 rows stepping once equal one batch of 4 rows (the loss is a mean
     # over tokens, and every row has the same number of tokens).

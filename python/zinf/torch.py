@@ -38,6 +38,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import copy
+import io
 import json
 import os
 import time
@@ -661,23 +662,21 @@ class ZinfEngine(nn.Module):
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
                         save_latest: bool = True) -> bool:
-        """Writes <save_dir>/<tag>/ (default tag "global_step<N>") and, with save_latest, the tag
-        to <save_dir>/latest, as DeepSpeed does. The engine's part is crash-safe (the manifest is
-        written last); the torch side writes zinf_torch.json (steps, learning rate) and
-        client_state.pt."""
+        """Writes <save_dir>/<tag>/ (default tag "global_step<N>") and then <save_dir>/latest, as
+        DeepSpeed does. The torch side's state (steps, learning rates, the lr_scheduler's
+        state_dict, client_state) travels in the engine's client state, so the whole tag is
+        written crash-safely at once: a save cut short leaves `latest` naming the previous one.
+        zinf always updates `latest`; save_latest=False is accepted and ignored."""
+        del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        path = os.path.join(save_dir, tag)
-        self._core.save_checkpoint(path)
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                 "lr": self.get_lr()}
+                 "lr": self.get_lr(), "client_state": client_state or {}}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(path, "lr_scheduler.pt"))
-        with open(os.path.join(path, "zinf_torch.json"), "w") as f:
-            json.dump(state, f)
-        torch.save(client_state or {}, os.path.join(path, "client_state.pt"))
-        if save_latest:
-            with open(os.path.join(save_dir, "latest"), "w") as f:
-                f.write(tag)
+            state["lr_scheduler"] = self.lr_scheduler.state_dict()
+        blob = io.BytesIO()
+        torch.save(state, blob)
+        self._core.set_client_state(blob.getvalue())
+        self._core.save_checkpoint(save_dir, tag)
         return True
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **_ignored):
@@ -690,20 +689,27 @@ class ZinfEngine(nn.Module):
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        self._core.load_checkpoint(path)
-        with open(os.path.join(path, "zinf_torch.json")) as f:
-            state = json.load(f)
+        self._core.load_checkpoint(load_dir, str(tag))
+        state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         for group, lr in zip(self.optimizer.param_groups, state["lr"]):
             group["lr"] = lr
         self._lr_pushed = self._scheduled_lr()
         self._core.set_learning_rate(self._lr_pushed)
-        scheduler_path = os.path.join(path, "lr_scheduler.pt")
-        if self.lr_scheduler is not None and os.path.exists(scheduler_path):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler_path))
+        if self.lr_scheduler is not None and "lr_scheduler" in state:
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._refresh_views()
-        return path, torch.load(os.path.join(path, "client_state.pt"))
+        return path, state["client_state"]
+
+
+def export_safetensors(checkpoint_dir: str, out: str, tag: Any = None,
+                       dtype: str = "fp32") -> None:
+    """Writes every parameter's full fp32 master of <checkpoint_dir>/<tag> (default: the tag in
+    <checkpoint_dir>/latest; saved at any world size) to `out` as safetensors, in "fp32" or
+    "bf16", named as the model's parameters (as zero_to_fp32.py does for DeepSpeed). The same as
+    `zinf ckpt export`."""
+    _zinf.export_checkpoint(str(checkpoint_dir), "" if tag is None else str(tag), str(out), dtype)
 
 
 def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,

@@ -817,6 +817,12 @@ TEST(CApi, CheckpointResumesToTheSameBits) {
                 "gradients were reduced");
     ASSERT_EQ(zinf_engine_step(one.engine_, nullptr), ZINF_OK) << zinf_last_error_message();
     EXPECT_CODE(zinf_engine_save_checkpoint(one.engine_, nullptr), ZINF_INVALID_ARGUMENT, "dir");
+    EXPECT_CODE(zinf_engine_save_checkpoint_tag(one.engine_, dir.c_str(), "../up"),
+                ZINF_INVALID_ARGUMENT, "checkpoint tag '../up'");
+    ASSERT_EQ(zinf_engine_save_checkpoint_tag(one.engine_, dir.c_str(), "first"), ZINF_OK)
+        << zinf_last_error_message();
+    EXPECT_CODE(zinf_engine_save_checkpoint_tag(one.engine_, dir.c_str(), "first"),
+                ZINF_FAILED_PRECONDITION, dir + "/first' exists already");
     ASSERT_EQ(zinf_engine_save_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
         << zinf_last_error_message();
     step(one.engine_, 2);
@@ -830,7 +836,10 @@ TEST(CApi, CheckpointResumesToTheSameBits) {
         ZINF_OK);
     const std::string missing = scratch.path() + "/none";
     EXPECT_CODE(zinf_engine_load_checkpoint(one.engine_, missing.c_str()), ZINF_NOT_FOUND,
-                missing + "/manifest.json");
+                missing + "/latest");
+    EXPECT_CODE(zinf_engine_load_checkpoint_tag(one.engine_, dir.c_str(), "second"), ZINF_NOT_FOUND,
+                dir + "/second/manifest.json");
+    // `latest` names the default tag of the last save (global_step1), the same state as "first".
     ASSERT_EQ(zinf_engine_load_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
         << zinf_last_error_message();
     step(one.engine_, 2);

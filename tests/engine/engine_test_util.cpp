@@ -270,7 +270,11 @@ Reference run_reference(const Config& config, const Model& model, int world,
     v[p].assign(model.initial[p].size(), 0.0f);
   }
   const int micro_count = options.micro_batches;
+  const int saved_world = world;
   for (int step = 1; step <= options.steps; ++step) {
+    world = options.resharded_from_step > 0 && step >= options.resharded_from_step
+                ? options.resharded_world
+                : saved_world;
     std::vector<std::vector<float>> device(count);
     for (std::size_t p = 0; p < count; ++p) {
       device[p].resize(ref.master[p].size());

@@ -82,6 +82,10 @@ struct TrainOptions {
   // kernels::adam_step_args, every operation rounded) on the scaled gradients, as the engine's
   // DeviceOptimizer does, instead of the CPU optimizer (optimizer_step, fused multiply-adds).
   bool device_adam = false;
+  // run_reference(): from step `resharded_from_step` on, the gradients are those of
+  // `resharded_world` ranks (a run saved at one world size and resumed at another); 0: never.
+  int resharded_from_step = 0;
+  int resharded_world = 0;
 };
 
 // Trains `model` on one rank through `engine` (registered already or not: registers it when

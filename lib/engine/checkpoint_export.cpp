@@ -1,0 +1,183 @@
+// A checkpoint outside the engine (checkpoint.hpp): the full fp32 master of every parameter
+// gathered from the rank files by parameter name (whatever world size saved them), written as a
+// safetensors file, and a checkpoint directory's description for `zinf ckpt inspect`.
+//
+// safetensors (https://github.com/huggingface/safetensors, "Format"): an unsigned 64-bit
+// little-endian N, then N bytes of a UTF-8 JSON object mapping each tensor's name to {"dtype",
+// "shape", "data_offsets": [begin, end]} (byte offsets into the data that follows, relative to
+// its start) and an optional "__metadata__" object of strings, then the data: the tensors
+// back to back, row-major, little-endian, with no gap and nothing after the last. We pad the
+// header with spaces to a multiple of 8 bytes so the data starts 8-byte aligned, and lay the
+// tensors out in name order (the header's keys are sorted too).
+#include <fmt/format.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <vector>
+
+#include "engine/checkpoint.hpp"
+#include "zinf/engine.hpp"
+
+namespace zinf {
+namespace {
+
+struct OpenTag {
+  std::string dir;  // <dir>/<tag>
+  CheckpointManifest manifest;
+  std::vector<std::unique_ptr<CheckpointReader>> ranks;
+};
+
+// The manifest and every rank file of <dir>/<tag>, each file's size and checksum verified.
+Status open_tag(IoEngine& io, const std::string& dir, std::string tag, OpenTag* out) {
+  if (tag.empty()) {
+    ZINF_ASSIGN_OR_RETURN(tag, read_latest_tag(io, dir));
+  }
+  ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
+  out->dir = fmt::format("{}/{}", dir, tag);
+  const std::string path = fmt::format("{}/{}", out->dir, kCheckpointManifest);
+  ZINF_ASSIGN_OR_RETURN(std::string text, read_text_file(io, path));
+  ZINF_ASSIGN_OR_RETURN(out->manifest, parse_checkpoint_manifest(text, path));
+  for (const ManifestFile& f : out->manifest.ranks) {
+    const std::string file = fmt::format("{}/{}", out->dir, f.file);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
+                          CheckpointReader::open(io, file, /*direct=*/false));
+    if (r->file_bytes() != f.bytes) {
+      return Status::corruption(
+          fmt::format("'{}' has {} bytes; the manifest says {}", file, r->file_bytes(), f.bytes));
+    }
+    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
+    if (sum != f.xxh3) {
+      return Status::corruption(
+          fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
+                      file, sum, f.xxh3));
+    }
+    out->ranks.push_back(std::move(r));
+  }
+  return Status::ok();
+}
+
+// Parameter `p`'s fp32 master from the rank files that hold its slices.
+Status read_master(const OpenTag& t, const ManifestParam& p, std::vector<float>* out) {
+  std::uint64_t elements = 1;
+  for (std::int64_t d : p.shape) elements *= static_cast<std::uint64_t>(d);
+  out->resize(elements);
+  const ManifestGroup& g = t.manifest.groups[p.group];
+  std::uint64_t done = 0;
+  while (done < elements) {
+    const std::uint64_t pos = p.group_offset + done;
+    const std::uint64_t rank = pos / g.shard_elements;
+    const std::uint64_t within = pos - rank * g.shard_elements;
+    const std::uint64_t take = std::min(elements - done, g.shard_elements - within);
+    // Piece 0 of a rank file is the fp32 master.
+    const std::uint64_t at = kCheckpointHeaderBytes + (g.partition_offset + within) * sizeof(float);
+    ZINF_RETURN_IF_ERROR(t.ranks[rank]->read_at(at, take * sizeof(float), out->data() + done));
+    done += take;
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+Status export_checkpoint_safetensors(const std::string& dir, const std::string& tag,
+                                     const std::string& out_path, DType dtype) {
+  if (dtype != DType::kF32 && dtype != DType::kBF16) {
+    return Status::invalid_argument(
+        fmt::format("export: dtype {} (f32 or bf16)", dtype_name(dtype)));
+  }
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io, open_checkpoint_io(nullptr));
+  OpenTag t;
+  ZINF_RETURN_IF_ERROR(open_tag(*io, dir, tag, &t));
+  std::vector<const ManifestParam*> params;
+  for (const ManifestParam& p : t.manifest.params) params.push_back(&p);
+  std::sort(params.begin(), params.end(),
+            [](const ManifestParam* a, const ManifestParam* b) { return a->name < b->name; });
+  const std::size_t element_bytes = dtype == DType::kF32 ? 4 : 2;
+  nlohmann::json header = nlohmann::json::object();
+  std::uint64_t offset = 0;
+  for (const ManifestParam* p : params) {
+    std::uint64_t elements = 1;
+    for (std::int64_t d : p->shape) elements *= static_cast<std::uint64_t>(d);
+    const std::uint64_t bytes = elements * element_bytes;
+    header[p->name] = {{"dtype", dtype == DType::kF32 ? "F32" : "BF16"},
+                       {"shape", p->shape},
+                       {"data_offsets", {offset, offset + bytes}}};
+    offset += bytes;
+  }
+  header["__metadata__"] = {{"format", "pt"},
+                            {"zinf_tag", t.manifest.tag},
+                            {"zinf_step", std::to_string(t.manifest.step)}};
+  std::string text = header.dump();
+  text.append((8 - text.size() % 8) % 8, ' ');
+  std::byte length[8];
+  for (int i = 0; i < 8; ++i) {
+    length[i] = static_cast<std::byte>(static_cast<std::uint64_t>(text.size()) >> (8 * i));
+  }
+  // Written under a temporary name and renamed: a reader never sees half a file.
+  const std::string temp = out_path + ".tmp";
+  {
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
+                          CheckpointWriter::create(*io, temp, /*direct=*/false));
+    ZINF_RETURN_IF_ERROR(w->append(length, sizeof length));
+    ZINF_RETURN_IF_ERROR(w->append(text.data(), text.size()));
+    std::vector<float> values;
+    std::vector<std::uint16_t> half;
+    for (const ManifestParam* p : params) {
+      ZINF_RETURN_IF_ERROR(read_master(t, *p, &values));
+      if (dtype == DType::kF32) {
+        ZINF_RETURN_IF_ERROR(w->append(values.data(), values.size() * sizeof(float)));
+      } else {
+        half.resize(values.size());
+        convert_f32_to_bf16(values.data(), half.data(), values.size());
+        ZINF_RETURN_IF_ERROR(w->append(half.data(), half.size() * sizeof(std::uint16_t)));
+      }
+    }
+    ZINF_RETURN_IF_ERROR(w->commit());
+  }
+  if (::rename(temp.c_str(), out_path.c_str()) != 0) {
+    const int err = errno;
+    ::unlink(temp.c_str());
+    return status_from_errno(fmt::format("export: rename '{}' to '{}'", temp, out_path), err);
+  }
+  return Status::ok();
+}
+
+Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<IoEngine> io, open_checkpoint_io(nullptr));
+  nlohmann::json out;
+  out["dir"] = dir;
+  Result<std::string> latest = read_latest_tag(*io, dir);
+  out["latest"] = latest.is_ok() ? nlohmann::json(*latest) : nlohmann::json(nullptr);
+  nlohmann::json tags = nlohmann::json::array();
+  for (const CheckpointManifest& m : list_checkpoint_tags(*io, dir)) {
+    std::uint64_t elements = 0, bytes = 0;
+    for (const ManifestParam& p : m.params) {
+      std::uint64_t n = 1;
+      for (std::int64_t d : p.shape) n *= static_cast<std::uint64_t>(d);
+      elements += n;
+    }
+    for (const ManifestFile& f : m.ranks) bytes += f.bytes;
+    for (const ManifestFile& f : m.client_state) bytes += f.bytes;
+    std::string checksums = "not verified";
+    if (verify) {
+      OpenTag t;
+      const Status st = open_tag(*io, dir, m.tag, &t);
+      checksums = st.is_ok() ? "ok" : st.message();
+    }
+    tags.push_back({{"tag", m.tag},
+                    {"step", m.step},
+                    {"world_size", m.world_size},
+                    {"stage", m.stage},
+                    {"optimizer", m.optimizer},
+                    {"parameters", m.params.size()},
+                    {"parameter_elements", elements},
+                    {"bytes", bytes},
+                    {"checksums", checksums}});
+  }
+  out["tags"] = tags;
+  return out;
+}
+
+}  // namespace zinf

@@ -1,0 +1,213 @@
+// zinf ckpt export / inspect (checkpoint_export.cpp). A two-rank stage-3 checkpoint exported as
+// safetensors: the file follows the format byte for byte (8-byte little-endian header length, a
+// JSON header of dtype/shape/data_offsets padded to 8 bytes, tensors back to back in name order)
+// and each tensor equals read_parameters() of the engine that saved it (bf16: rounded to nearest
+// even). The Python `safetensors` package (build/venv, from scripts/test) loads it to the same
+// values; without that venv the test says so and skips. inspect lists the tags and finds a
+// flipped byte.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.hpp"
+#include "engine_test_util.hpp"
+#include "zinf/engine.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+// Trains 3 steps on 2 ranks (stage 3, 8 parameters sharded across both), saves tag "t" and
+// returns every parameter's master by name.
+std::map<std::string, std::vector<float>> save_two_ranks(const Model& model,
+                                                         const std::string& dir) {
+  std::map<std::string, std::vector<float>> out;
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  engine_test::Ranks ranks = engine_test::make_ranks(2);
+  std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+    Env env;
+    env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+    env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+    ZINF_ASSIGN_OR_RETURN(auto e, Engine::open(config, env));
+    engine_test::TrainOptions options;
+    options.steps = 3;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*e, model, rank, options, nullptr, nullptr));
+    ZINF_RETURN_IF_ERROR(e->save_checkpoint(dir, "t"));
+    for (const engine_test::ParamDef& d : model.params) {
+      std::vector<float> values(d.element_count());
+      ZINF_RETURN_IF_ERROR(e->read_parameters(d.name, values.data()));
+      if (rank == 0) out[d.name] = std::move(values);
+    }
+    return Status::ok();
+  });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  return out;
+}
+
+TEST(CheckpointExport, SafetensorsBytesEqualReadParameters) {
+  engine_test::ScratchDir scratch("ckpt-export");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 31);
+  const std::map<std::string, std::vector<float>> masters = save_two_ranks(model, dir);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  for (const DType dtype : {DType::kF32, DType::kBF16}) {
+    SCOPED_TRACE(dtype_name(dtype));
+    const std::string path = scratch.path() + "/model.safetensors";
+    const Status st = export_checkpoint_safetensors(dir, "", path, dtype);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    const std::string file = read_all(path);
+    ASSERT_GE(file.size(), 8u);
+    std::uint64_t header_bytes = 0;
+    for (int i = 0; i < 8; ++i) {
+      header_bytes |= static_cast<std::uint64_t>(static_cast<unsigned char>(file[i])) << (8 * i);
+    }
+    EXPECT_EQ(header_bytes % 8, 0u);
+    ASSERT_LE(8 + header_bytes, file.size());
+    const nlohmann::json header = nlohmann::json::parse(file.substr(8, header_bytes));
+    const std::size_t data = 8 + header_bytes;
+    EXPECT_EQ(header["__metadata__"]["zinf_tag"], "t");
+    EXPECT_EQ(header["__metadata__"]["zinf_step"], "3");
+    std::uint64_t expect_begin = 0;
+    std::size_t tensors = 0;
+    const std::size_t width = dtype == DType::kF32 ? 4 : 2;
+    for (const auto& [name, want] : masters) {  // std::map: name order, as the file's
+      ASSERT_TRUE(header.contains(name)) << name;
+      const nlohmann::json& t = header[name];
+      EXPECT_EQ(t["dtype"], dtype == DType::kF32 ? "F32" : "BF16");
+      const std::uint64_t begin = t["data_offsets"][0], end = t["data_offsets"][1];
+      EXPECT_EQ(begin, expect_begin) << name << ": tensors back to back in name order";
+      ASSERT_EQ(end - begin, want.size() * width) << name;
+      std::size_t elements = 1;
+      for (const auto& d : t["shape"]) elements *= d.get<std::size_t>();
+      EXPECT_EQ(elements, want.size()) << name;
+      if (dtype == DType::kF32) {
+        EXPECT_EQ(std::memcmp(file.data() + data + begin, want.data(), end - begin), 0) << name;
+      } else {
+        std::vector<std::uint16_t> half(want.size());
+        for (std::size_t i = 0; i < want.size(); ++i) half[i] = f32_to_bf16(want[i]);
+        EXPECT_EQ(std::memcmp(file.data() + data + begin, half.data(), end - begin), 0) << name;
+      }
+      expect_begin = end;
+      ++tensors;
+    }
+    EXPECT_EQ(tensors + 1, header.size()) << "one entry per parameter and __metadata__";
+    EXPECT_EQ(data + expect_begin, file.size()) << "nothing after the last tensor";
+  }
+}
+
+// build/venv/bin/python beside this test's build directory, or $ZINF_VENV_PYTHON.
+std::string venv_python() {
+  if (const char* p = std::getenv("ZINF_VENV_PYTHON")) return p;
+  char exe[4096] = {};
+  const ssize_t n = ::readlink("/proc/self/exe", exe, sizeof exe - 1);
+  if (n <= 0) return "";
+  return (std::filesystem::path(std::string(exe, static_cast<std::size_t>(n))).parent_path() /
+          ".." / "venv" / "bin" / "python")
+      .lexically_normal()
+      .string();
+}
+
+TEST(CheckpointExport, PythonSafetensorsLoadsTheSameValues) {
+  const std::string python = venv_python();
+  if (python.empty() || !std::filesystem::exists(python)) {
+    GTEST_SKIP() << "no Python venv with safetensors at '" << python
+                 << "' (scripts/test makes build/venv; or set ZINF_VENV_PYTHON)";
+  }
+  engine_test::ScratchDir scratch("ckpt-export-py");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 32);
+  const std::map<std::string, std::vector<float>> masters = save_two_ranks(model, dir);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  // The reference values, as raw f32 in name order, and the names.
+  nlohmann::json names = nlohmann::json::array();
+  {
+    std::ofstream ref(scratch.path() + "/ref.bin", std::ios::binary);
+    for (const auto& [name, values] : masters) {
+      names.push_back(name);
+      ref.write(reinterpret_cast<const char*>(values.data()),
+                static_cast<std::streamsize>(values.size() * 4));
+    }
+  }
+  std::ofstream(scratch.path() + "/names.json") << names.dump();
+  for (const char* dtype : {"fp32", "bf16"}) {
+    const std::string path = scratch.path() + "/" + dtype + ".safetensors";
+    ASSERT_TRUE(export_checkpoint_safetensors(
+                    dir, "t", path, std::string(dtype) == "fp32" ? DType::kF32 : DType::kBF16)
+                    .is_ok());
+  }
+  const std::string script = scratch.path() + "/check.py";
+  std::ofstream(script) << R"(import json, sys
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+root = sys.argv[1]
+names = json.load(open(root + "/names.json"))
+ref = torch.frombuffer(bytearray(open(root + "/ref.bin", "rb").read()), dtype=torch.float32)
+for dtype, torch_dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+    tensors = load_file(root + "/" + dtype + ".safetensors")
+    assert sorted(tensors) == names, (sorted(tensors), names)
+    with safe_open(root + "/" + dtype + ".safetensors", "pt") as f:
+        assert f.metadata()["zinf_tag"] == "t", f.metadata()
+    at = 0
+    for name in names:
+        t = tensors[name]
+        want = ref[at:at + t.numel()].reshape(t.shape).to(torch_dtype)
+        at += t.numel()
+        assert t.dtype == torch_dtype, (name, t.dtype)
+        assert torch.equal(t, want), name
+print("safetensors", len(names), "tensors equal in fp32 and bf16")
+)";
+  const std::string command = python + " " + script + " " + scratch.path() + " 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char buffer[512];
+  while (std::fgets(buffer, sizeof buffer, pipe) != nullptr) output += buffer;
+  const int rc = ::pclose(pipe);
+  std::printf("%s", output.c_str());
+  EXPECT_EQ(rc, 0) << output;
+}
+
+TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
+  engine_test::ScratchDir scratch("ckpt-inspect");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 33);
+  save_two_ranks(model, dir);
+  Result<nlohmann::json> info = inspect_checkpoints(dir, true);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_EQ((*info)["latest"], "t");
+  ASSERT_EQ((*info)["tags"].size(), 1u);
+  const nlohmann::json& t = (*info)["tags"][0];
+  EXPECT_EQ(t["world_size"], 2);
+  EXPECT_EQ(t["stage"], 3);
+  EXPECT_EQ(t["step"], 3);
+  EXPECT_EQ(t["parameters"], model.params.size());
+  EXPECT_EQ(t["checksums"], "ok");
+  const std::string victim = dir + "/t/rank1.zinfckpt";
+  std::string bytes = read_all(victim);
+  bytes[5000] = static_cast<char>(bytes[5000] ^ 4);
+  std::ofstream(victim, std::ios::binary | std::ios::trunc) << bytes;
+  info = inspect_checkpoints(dir, true);
+  ASSERT_TRUE(info.is_ok());
+  const std::string checksums = (*info)["tags"][0]["checksums"];
+  EXPECT_NE(checksums.find(victim), std::string::npos) << checksums;
+}
+
+}  // namespace
+}  // namespace zinf

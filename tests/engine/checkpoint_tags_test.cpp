@@ -1,0 +1,337 @@
+// Tagged checkpoints (DeepSpeed's layout) and what a save that fails leaves behind. A user saves
+// tags a, b, c with keep_last 2: b and c remain, `latest` names c, each loads the masters it was
+// saved with; a tag is never written twice. Faults injected into the checkpoint's own I/O (lib/io's
+// FaultInjector: EIO, ENOSPC, short writes) fail the save with a Status naming the file, or (short
+// writes) are resumed, and the previous checkpoint still loads bit for bit. A flipped bit in any
+// file of a tag, or a truncated (torn) rank file, is kCorruption naming the file. And the state a
+// resume needs beside the optimizer's: the learning-rate schedule, the gather order, the client
+// state.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "engine_test_util.hpp"
+#include "io/fault.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+using engine_test::TrainOptions;
+
+std::string read_all(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
+Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& model) {
+  std::vector<std::vector<float>> out;
+  for (const engine_test::ParamDef& d : model.params) {
+    std::vector<float> values(d.element_count());
+    ZINF_RETURN_IF_ERROR(engine.read_parameters(d.name, values.data()));
+    out.push_back(std::move(values));
+  }
+  return out;
+}
+
+bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
+  if (a.size() != b.size()) return false;
+  for (std::size_t p = 0; p < a.size(); ++p) {
+    if (a[p].size() != b[p].size() ||
+        std::memcmp(a[p].data(), b[p].data(), a[p].size() * sizeof(float)) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// One rank's engine, registered and finalized.
+struct OneEngine {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  std::unique_ptr<Engine> engine;
+
+  OneEngine(const Config& config, const Model& model,
+            std::shared_ptr<FaultInjector> faults = nullptr) {
+    Env env;
+    env.device = ranks.devices[0].get();
+    env.comm = ranks.comms[0].get();
+    env.io_faults = std::move(faults);
+    Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+    EXPECT_TRUE(opened.is_ok()) << opened.status().to_string();
+    if (!opened.is_ok()) return;
+    engine = std::move(*opened);
+    EXPECT_TRUE(engine_test::register_model(*engine, model).is_ok());
+    EXPECT_TRUE(engine->finalize().is_ok());
+  }
+  Status train(const Model& model, int first, int last) {
+    TrainOptions options;
+    options.first_step = first;
+    options.steps = last;
+    return engine_test::train_rank(*engine, model, 0, options, nullptr, nullptr);
+  }
+};
+
+TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
+  engine_test::ScratchDir scratch("ckpt-tags");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 21);
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.keep_last = 2;
+  std::vector<std::vector<std::vector<float>>> saved;
+  {
+    OneEngine one(config, model);
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_TRUE(one.train(model, i + 1, i + 1).is_ok());
+      const std::string tag(1, static_cast<char>('a' + i));
+      const Status st = one.engine->save_checkpoint(dir, tag);
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      Result<std::vector<std::vector<float>>> m = masters(*one.engine, model);
+      ASSERT_TRUE(m.is_ok());
+      saved.push_back(std::move(*m));
+    }
+    // A tag is written once.
+    const Status again = one.engine->save_checkpoint(dir, "c");
+    EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
+    EXPECT_NE(again.message().find("'" + dir + "/c' exists already"), std::string::npos)
+        << again.to_string();
+    const Status bad = one.engine->save_checkpoint(dir, "../c");
+    EXPECT_EQ(bad.code(), Code::kInvalidArgument) << bad.to_string();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/a")) << "keep_last 2 keeps b and c";
+  EXPECT_TRUE(std::filesystem::exists(dir + "/b/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir + "/c/manifest.json"));
+  EXPECT_EQ(read_all(dir + "/latest"), "c");
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
+  }
+  // Every file of a tag is a whole number of 4096-byte blocks except the small text ones.
+  EXPECT_EQ(std::filesystem::file_size(dir + "/c/rank0.zinfckpt") % 4096, 0u);
+
+  for (const auto& [tag, want] :
+       std::vector<std::pair<std::string, std::size_t>>{{"", 2}, {"b", 1}, {"c", 2}}) {
+    OneEngine fresh(config, model);
+    const Status st = fresh.engine->load_checkpoint(dir, tag);
+    ASSERT_TRUE(st.is_ok()) << "tag '" << tag << "': " << st.to_string();
+    Result<std::vector<std::vector<float>>> m = masters(*fresh.engine, model);
+    ASSERT_TRUE(m.is_ok());
+    EXPECT_TRUE(same_bits(*m, saved[want])) << "tag '" << tag << "'";
+  }
+  OneEngine fresh(config, model);
+  const Status gone = fresh.engine->load_checkpoint(dir, "a");
+  EXPECT_EQ(gone.code(), Code::kNotFound) << gone.to_string();
+  EXPECT_NE(gone.message().find(dir + "/a/manifest.json"), std::string::npos) << gone.to_string();
+}
+
+// tmpfs refused O_DIRECT before Linux 6.6: the files then go through the page cache, padded the
+// same way, so a checkpoint saved on tmpfs loads (and one copied to another filesystem would
+// too). On a kernel whose tmpfs takes O_DIRECT this runs the direct path.
+TEST(CheckpointTags, SavesAndLoadsOnTmpfs) {
+  if (!std::filesystem::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm here";
+  const std::string dir = fmt::format("/dev/shm/zinf-ckpt-tmpfs-{}", ::getpid());
+  std::filesystem::remove_all(dir);
+  const Model model = engine_test::make_model(DType::kF32, 25);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  std::vector<std::vector<float>> saved;
+  {
+    OneEngine one(config, model);
+    ASSERT_TRUE(one.train(model, 1, 2).is_ok());
+    const Status st = one.engine->save_checkpoint(dir);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    saved = *masters(*one.engine, model);
+  }
+  EXPECT_EQ(std::filesystem::file_size(dir + "/global_step2/rank0.zinfckpt") % 4096, 0u);
+  OneEngine fresh(config, model);
+  const Status st = fresh.engine->load_checkpoint(dir);
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_TRUE(same_bits(*masters(*fresh.engine, model), saved));
+  std::filesystem::remove_all(dir);
+}
+
+TEST(CheckpointTags, ResumeStateScheduleGatherOrderAndClientStateComeBack) {
+  engine_test::ScratchDir scratch("ckpt-resume-state");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 22);
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  ScheduleConfig schedule;
+  schedule.kind = ScheduleKind::kWarmupCosineLR;
+  schedule.warmup_num_steps = 3;
+  schedule.total_num_steps = 20;
+  std::string blob(300, '\0');
+  for (std::size_t i = 0; i < blob.size(); ++i) blob[i] = static_cast<char>(i * 7 + 1);
+  std::vector<std::string> order;
+  double next_lr = 0;
+  {
+    OneEngine one(config, model);
+    ASSERT_TRUE(one.engine->set_lr_schedule(schedule).is_ok());
+    ASSERT_TRUE(one.train(model, 1, 4).is_ok());
+    one.engine->set_client_state(blob);
+    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+    order = one.engine->recorded_order();
+    next_lr = one.engine->learning_rate();
+  }
+  ASSERT_FALSE(order.empty());
+  EXPECT_TRUE(std::filesystem::exists(dir + "/global_step4/client_state.bin"));
+  OneEngine fresh(config, model);  // no schedule set: the checkpoint's comes back
+  EXPECT_TRUE(fresh.engine->recorded_order().empty());
+  const Status st = fresh.engine->load_checkpoint(dir);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(fresh.engine->client_state(), blob);
+  EXPECT_EQ(fresh.engine->recorded_order(), order);
+  EXPECT_EQ(fresh.engine->learning_rate(), next_lr);
+  EXPECT_NE(next_lr, config.optimizer.lr) << "the schedule moved the rate";
+}
+
+// Faults in the checkpoint's own I/O, one kind per case: the save fails naming the file it was
+// writing (or, for short writes, completes), and the checkpoint saved before loads bit for bit.
+struct FaultCase {
+  const char* name;
+  FaultSpec spec;
+  Code code;  // kOk: the save succeeds
+  int sys_code;
+};
+
+TEST(CheckpointFaults, SaveFaultsNameTheFileAndKeepThePreviousCheckpoint) {
+  const Model model = engine_test::make_model(DType::kF32, 23);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  std::vector<FaultCase> cases;
+  {
+    FaultSpec eio;
+    eio.seed = 101;
+    eio.eio_rate = 0.25;
+    eio.reads = false;
+    cases.push_back({"eio", eio, Code::kIoError, EIO});
+    FaultSpec enospc;
+    enospc.seed = 102;
+    enospc.enospc_rate = 0.25;
+    cases.push_back({"enospc", enospc, Code::kNoSpace, ENOSPC});
+    FaultSpec shorts;
+    shorts.seed = 103;
+    shorts.short_rate = 0.5;
+    cases.push_back({"short", shorts, Code::kOk, 0});
+  }
+  for (FaultCase c : cases) {
+    // Several seeds each: the faults land in different files (a rank file, the manifest, the
+    // client state, `latest`).
+    for (int round = 0; round < 4; ++round) {
+      c.spec.seed += 1;
+      SCOPED_TRACE(fmt::format("{} (seed {})", c.name, c.spec.seed));
+      engine_test::ScratchDir scratch(fmt::format("ckpt-fault-{}-{}", c.name, round));
+      const std::string dir = scratch.path() + "/ckpt";
+      auto faults = std::make_shared<FaultInjector>(c.spec);
+      faults->set_enabled(false);
+      OneEngine one(config, model, faults);
+      ASSERT_TRUE(one.train(model, 1, 2).is_ok());
+      ASSERT_TRUE(one.engine->save_checkpoint(dir, "good").is_ok());
+      Result<std::vector<std::vector<float>>> good = masters(*one.engine, model);
+      ASSERT_TRUE(good.is_ok());
+      ASSERT_TRUE(one.train(model, 3, 3).is_ok());
+      Result<std::vector<std::vector<float>>> next = masters(*one.engine, model);
+      one.engine->set_client_state("client state");
+      faults->set_enabled(true);
+      const Status st = one.engine->save_checkpoint(dir, "next");
+      faults->set_enabled(false);
+      const FaultCounts n = faults->counts();
+      std::printf("%s seed %llu: eio %llu enospc %llu short %llu -> %s\n", c.name,
+                  static_cast<unsigned long long>(c.spec.seed),
+                  static_cast<unsigned long long>(n.eio), static_cast<unsigned long long>(n.enospc),
+                  static_cast<unsigned long long>(n.short_io), st.to_string().c_str());
+      const bool faulted = c.code == Code::kOk ? false : (n.eio + n.enospc) > 0;
+      if (faulted) {
+        EXPECT_EQ(st.code(), c.code) << st.to_string();
+        EXPECT_EQ(st.sys_code(), c.sys_code) << st.to_string();
+        // The file being written: a rank file or the manifest in the temporary tag, or latest.
+        const bool names_file = st.message().find(dir + "/.next.tmp/") != std::string::npos ||
+                                st.message().find(dir + "/latest.tmp") != std::string::npos;
+        EXPECT_TRUE(names_file) << st.to_string();
+        EXPECT_EQ(read_all(dir + "/latest"), "good");
+        EXPECT_FALSE(std::filesystem::exists(dir + "/next"));
+        EXPECT_FALSE(std::filesystem::exists(dir + "/.next.tmp"));
+      } else {
+        EXPECT_TRUE(st.is_ok()) << st.to_string();
+        EXPECT_EQ(read_all(dir + "/latest"), "next");
+      }
+      OneEngine fresh(config, model);
+      const Status loaded = fresh.engine->load_checkpoint(dir);
+      ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
+      Result<std::vector<std::vector<float>>> back = masters(*fresh.engine, model);
+      ASSERT_TRUE(back.is_ok());
+      EXPECT_TRUE(same_bits(*back, faulted ? *good : *next));
+      if (faulted) {
+        // The same tag saves once the faults are gone.
+        const Status retry = one.engine->save_checkpoint(dir, "next");
+        EXPECT_TRUE(retry.is_ok()) << retry.to_string();
+      }
+    }
+  }
+}
+
+// A flipped bit in any file of a tag, and a rank file cut short (a torn write), are kCorruption
+// naming the file, and leave the engine as it was.
+TEST(CheckpointFaults, FlippedBitInAnyFileOrTornFileIsCorruptionNamingIt) {
+  engine_test::ScratchDir scratch("ckpt-bitflip");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 24);
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  std::vector<std::vector<float>> before;
+  {
+    engine_test::Ranks ranks = engine_test::make_ranks(2);
+    std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+      Env env;
+      env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+      env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+      ZINF_ASSIGN_OR_RETURN(auto e, Engine::open(config, env));
+      TrainOptions options;
+      options.steps = 2;
+      ZINF_RETURN_IF_ERROR(engine_test::train_rank(*e, model, rank, options, nullptr, nullptr));
+      e->set_client_state("epoch 3, batch 17");
+      return e->save_checkpoint(dir, "t");
+    });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  const std::string tag = dir + "/t";
+  const std::vector<std::string> files = {"rank0.zinfckpt", "rank1.zinfckpt", "manifest.json",
+                                          "client_state.bin"};
+  SplitMix64 random(2024);
+  std::printf("seed 2024\n");
+  for (const std::string& name : files) {
+    const std::string path = tag + "/" + name;
+    const std::string original = read_all(path);
+    ASSERT_FALSE(original.empty()) << path;
+    for (int trial = 0; trial < 3; ++trial) {
+      std::string flipped = original;
+      const std::size_t bit = random.next() % (flipped.size() * 8);
+      flipped[bit / 8] = static_cast<char>(flipped[bit / 8] ^ (1 << (bit % 8)));
+      std::ofstream(path, std::ios::binary | std::ios::trunc) << flipped;
+      OneEngine fresh(config, model);
+      ASSERT_TRUE(fresh.engine != nullptr);
+      // A one-rank engine loads the two-rank checkpoint (resharding reads both rank files).
+      const Status st = fresh.engine->load_checkpoint(dir);
+      EXPECT_EQ(st.code(), Code::kCorruption) << name << " bit " << bit << ": " << st.to_string();
+      EXPECT_NE(st.message().find(path), std::string::npos) << st.to_string();
+      // Refused before the state was touched: the engine trains on.
+      EXPECT_TRUE(fresh.train(model, 1, 1).is_ok());
+    }
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << original;
+  }
+  // A rank file cut at a random 4096-byte boundary, as a write torn by a power cut leaves it.
+  const std::string victim = tag + "/rank1.zinfckpt";
+  std::filesystem::resize_file(victim, std::filesystem::file_size(victim) / 2 / 4096 * 4096);
+  OneEngine fresh(config, model);
+  const Status torn = fresh.engine->load_checkpoint(dir);
+  EXPECT_EQ(torn.code(), Code::kCorruption) << torn.to_string();
+  EXPECT_NE(torn.message().find(victim), std::string::npos) << torn.to_string();
+}
+
+}  // namespace
+}  // namespace zinf

@@ -1,0 +1,88 @@
+// zinf ckpt: checkpoints outside a training job.
+//   zinf ckpt inspect DIR [--json] [--no-verify]   the tags, world size, stage, parameters,
+//                                                   sizes and whether every checksum matches
+//   zinf ckpt export DIR [--tag T] --out FILE [--dtype fp32|bf16]
+//                                                   every parameter's full fp32 master (from
+//                                                   any world size) as one safetensors file
+#include <fmt/format.h>
+
+#include <memory>
+#include <string>
+
+#include "command.hpp"
+#include "engine/checkpoint.hpp"
+
+namespace zinf::cli {
+namespace {
+
+struct InspectOptions {
+  std::string dir;
+  bool json = false;
+  bool no_verify = false;
+};
+
+void run_inspect(const InspectOptions& o) {
+  Result<nlohmann::json> info = inspect_checkpoints(o.dir, !o.no_verify);
+  if (!info.is_ok()) return fail(info.status().to_string());
+  if (o.json) return print_json(*info);
+  const nlohmann::json& j = *info;
+  fmt::print("{}: latest {}\n", o.dir,
+             j["latest"].is_null() ? std::string("(none)") : j["latest"].get<std::string>());
+  Table table(
+      {"tag", "step", "world", "stage", "optimizer", "params", "elements", "bytes", "checksums"});
+  bool all_ok = true;
+  for (const nlohmann::json& t : j["tags"]) {
+    const std::string checksums = t["checksums"].get<std::string>();
+    all_ok = all_ok && (checksums == "ok" || o.no_verify);
+    table.add_row({t["tag"].get<std::string>(), std::to_string(t["step"].get<std::int64_t>()),
+                   std::to_string(t["world_size"].get<int>()),
+                   std::to_string(t["stage"].get<int>()), t["optimizer"].get<std::string>(),
+                   std::to_string(t["parameters"].get<std::size_t>()),
+                   std::to_string(t["parameter_elements"].get<std::uint64_t>()),
+                   format_bytes(t["bytes"].get<double>()), checksums});
+  }
+  table.print();
+  if (!all_ok) set_exit_code(1);
+}
+
+struct ExportOptions {
+  std::string dir;
+  std::string tag;
+  std::string out;
+  std::string dtype = "fp32";
+};
+
+void run_export(const ExportOptions& o) {
+  const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  const Status st = export_checkpoint_safetensors(o.dir, o.tag, o.out, dtype);
+  if (!st.is_ok()) return fail(st.to_string());
+  fmt::print("wrote {} (tag {}, {})\n", o.out, o.tag.empty() ? "latest" : o.tag, o.dtype);
+}
+
+void setup_ckpt(CLI::App& app) {
+  CLI::App* ckpt = group(app, "ckpt", "Inspect and export checkpoints");
+  auto inspect = std::make_shared<InspectOptions>();
+  CLI::App* sub = ckpt->add_subcommand(
+      "inspect", "List a checkpoint directory's tags and check every file's checksum");
+  sub->add_option("dir", inspect->dir, "Checkpoint directory")->required();
+  sub->add_flag("--json", inspect->json, "Print one JSON object");
+  sub->add_flag("--no-verify", inspect->no_verify, "Skip reading the files for their checksums");
+  sub->callback([inspect] { run_inspect(*inspect); });
+
+  auto exp = std::make_shared<ExportOptions>();
+  sub = ckpt->add_subcommand("export",
+                             "Write every parameter's full fp32 master as one safetensors file");
+  sub->add_option("dir", exp->dir, "Checkpoint directory")->required();
+  sub->add_option("--tag", exp->tag, "Tag (default: the one `latest` names)");
+  sub->add_option("--out", exp->out, "safetensors file to write")->required();
+  sub->add_option("--dtype", exp->dtype, "fp32 or bf16 (rounded to nearest even)")
+      ->check(CLI::IsMember({"fp32", "bf16"}))
+      ->capture_default_str();
+  sub->callback([exp] { run_export(*exp); });
+}
+
+}  // namespace
+
+ZINF_COMMAND("ckpt", setup_ckpt);
+
+}  // namespace zinf::cli
