@@ -273,92 +273,71 @@ Status check_checkpoint(const CheckpointContext& ctx, std::string_view call, con
     return text.status().with_context(
         fmt::format("{}: no complete checkpoint (the manifest is written last)", call));
   }
-  nlohmann::json m = nlohmann::json::parse(*text, nullptr, /*allow_exceptions=*/false);
-  const auto bad_manifest = [&](std::string_view what) {
-    return Status::corruption(fmt::format("{}: '{}': {}", call, manifest_path, what));
-  };
-  if (m.is_discarded() || !m.is_object()) return bad_manifest("not a JSON object");
-  for (const char* key : {"format", "version", "world_size", "stage", "optimizer", "fingerprint",
-                          "partition_elements", "step", "ranks"}) {
-    if (!m.contains(key)) return bad_manifest(fmt::format("no key '{}'", key));
+  Result<CheckpointManifest> parsed = parse_checkpoint_manifest(*text);
+  if (!parsed.is_ok()) {
+    return Status::corruption(
+        fmt::format("{}: '{}': {}", call, manifest_path, parsed.status().message()));
   }
-  if (!m["format"].is_string() || m["format"].get<std::string>() != "zinf-checkpoint" ||
-      !m["version"].is_number_unsigned() ||
-      m["version"].get<std::uint32_t>() != kCheckpointVersion) {
-    return bad_manifest(fmt::format("not a zinf checkpoint of version {}", kCheckpointVersion));
-  }
+  const CheckpointManifest& m = *parsed;
   const auto differs = [&](std::string_view what, const auto& theirs, const auto& ours) {
     return Status::invalid_argument(
         fmt::format("{}: the checkpoint was saved with {} {}, this engine has {} {}", call, what,
                     theirs, what, ours));
   };
-  try {
-    const int world = m["world_size"].get<int>();
-    if (world != ctx.world_size) return differs("world_size", world, ctx.world_size);
-    const int stage = m["stage"].get<int>();
-    if (stage != config.zero.stage) {
-      return differs("zero_optimization.stage", stage, config.zero.stage);
-    }
-    const std::string opt = m["optimizer"].get<std::string>();
-    if (opt != optimizer_name(config.optimizer.kind)) {
-      return differs("optimizer.type", opt, optimizer_name(config.optimizer.kind));
-    }
-    const std::string fp = m["fingerprint"].get<std::string>();
-    const std::string ours = fmt::format("{:016x}", ctx.partitioner->fingerprint());
-    if (fp != ours) {
-      return differs("parameter layout fingerprint (names, modules, shapes, dtypes)", fp, ours);
-    }
-    const std::size_t elements = m["partition_elements"].get<std::size_t>();
-    if (elements != ctx.partition_elements) {
-      return differs("partition element count", elements, ctx.partition_elements);
-    }
-    const nlohmann::json& ranks = m["ranks"];
-    if (!ranks.is_array() || ranks.size() != static_cast<std::size_t>(ctx.world_size)) {
-      return bad_manifest(fmt::format("'ranks' is not an array of {} entries", ctx.world_size));
-    }
-    const nlohmann::json& entry = ranks[static_cast<std::size_t>(ctx.rank)];
-    const std::string path = fmt::format("{}/{}", dir, entry.at("file").get<std::string>());
-    const std::uint64_t bytes = entry.at("bytes").get<std::uint64_t>();
-    const std::string digest = entry.at("xxh3").get<std::string>();
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
-    if (r->file_bytes() != bytes) {
-      return Status::corruption(fmt::format("{}: '{}' has {} bytes; the manifest says {}", call,
-                                            path, r->file_bytes(), bytes));
-    }
-    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
-    if (fmt::format("{:016x}", sum) != digest) {
-      return Status::corruption(
-          fmt::format("{}: '{}' does not match its checksum (xxh3 {:016x}, the manifest says {})",
-                      call, path, sum, digest));
-    }
-    std::vector<std::byte> head(kCheckpointHeaderBytes);
-    ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
-    Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
-    if (!decoded.is_ok()) {
-      return Status(decoded.status().code(), 0,
-                    fmt::format("{}: '{}': {}", call, path, decoded.status().message()));
-    }
-    const CheckpointHeader h = *decoded;
-    const CheckpointHeader want = header_of(ctx, 0, LossScaler());
-    if (h.magic != kCheckpointMagic || h.version != kCheckpointVersion || h.rank != want.rank ||
-        h.world_size != want.world_size || h.stage != want.stage || h.optimizer != want.optimizer ||
-        h.piece_mask != want.piece_mask || h.partition_elements != want.partition_elements ||
-        h.fingerprint != want.fingerprint) {
-      return Status::corruption(
-          fmt::format("{}: '{}': its header does not match the manifest or this rank", call, path));
-    }
-    const std::uint64_t expect =
-        kCheckpointHeaderBytes +
-        state_pieces(config.optimizer.kind).size() * ctx.partition_elements * sizeof(float);
-    if (bytes != expect) {
-      return Status::corruption(
-          fmt::format("{}: '{}' has {} bytes, the layout needs {}", call, path, bytes, expect));
-    }
-    *reader = std::move(r);
-    *header = h;
-  } catch (const nlohmann::json::exception& e) {
-    return bad_manifest(e.what());
+  if (m.world_size != ctx.world_size) return differs("world_size", m.world_size, ctx.world_size);
+  if (m.stage != config.zero.stage) {
+    return differs("zero_optimization.stage", m.stage, config.zero.stage);
   }
+  if (m.optimizer != optimizer_name(config.optimizer.kind)) {
+    return differs("optimizer.type", m.optimizer, optimizer_name(config.optimizer.kind));
+  }
+  const std::string ours = fmt::format("{:016x}", ctx.partitioner->fingerprint());
+  if (m.fingerprint != ours) {
+    return differs("parameter layout fingerprint (names, modules, shapes, dtypes)", m.fingerprint,
+                   ours);
+  }
+  if (m.partition_elements != ctx.partition_elements) {
+    return differs("partition element count", m.partition_elements, ctx.partition_elements);
+  }
+  const CheckpointManifestRank& entry = m.ranks[static_cast<std::size_t>(ctx.rank)];
+  const std::string path = fmt::format("{}/{}", dir, entry.file);
+  const std::uint64_t bytes = entry.bytes;
+  const std::string& digest = entry.xxh3;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r, CheckpointReader::open(path));
+  if (r->file_bytes() != bytes) {
+    return Status::corruption(fmt::format("{}: '{}' has {} bytes; the manifest says {}", call, path,
+                                          r->file_bytes(), bytes));
+  }
+  ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
+  if (fmt::format("{:016x}", sum) != digest) {
+    return Status::corruption(
+        fmt::format("{}: '{}' does not match its checksum (xxh3 {:016x}, the manifest says {})",
+                    call, path, sum, digest));
+  }
+  std::vector<std::byte> head(kCheckpointHeaderBytes);
+  ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
+  Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
+  if (!decoded.is_ok()) {
+    return Status(decoded.status().code(), 0,
+                  fmt::format("{}: '{}': {}", call, path, decoded.status().message()));
+  }
+  const CheckpointHeader h = *decoded;
+  const CheckpointHeader want = header_of(ctx, 0, LossScaler());
+  if (h.magic != kCheckpointMagic || h.version != kCheckpointVersion || h.rank != want.rank ||
+      h.world_size != want.world_size || h.stage != want.stage || h.optimizer != want.optimizer ||
+      h.piece_mask != want.piece_mask || h.partition_elements != want.partition_elements ||
+      h.fingerprint != want.fingerprint) {
+    return Status::corruption(
+        fmt::format("{}: '{}': its header does not match the manifest or this rank", call, path));
+  }
+  const std::uint64_t expect = kCheckpointHeaderBytes + state_pieces(config.optimizer.kind).size() *
+                                                            ctx.partition_elements * sizeof(float);
+  if (bytes != expect) {
+    return Status::corruption(
+        fmt::format("{}: '{}' has {} bytes, the layout needs {}", call, path, bytes, expect));
+  }
+  *reader = std::move(r);
+  *header = h;
   return Status::ok();
 }
 

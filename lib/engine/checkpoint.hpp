@@ -19,6 +19,8 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <string_view>
+#include <vector>
 
 #include "base/aligned.hpp"
 #include "engine/optimizer_state.hpp"
@@ -64,6 +66,30 @@ void encode_checkpoint_header(const CheckpointHeader& header,
 // not kCheckpointHeaderBytes long, the magic is not a zinf checkpoint's, or the padding is not
 // zero; kInvalidArgument naming both versions when the version is not kCheckpointVersion.
 Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> bytes);
+
+// What manifest.json says (written by save_checkpoint, rank 0, last). Its text is JSON:
+// {"format": "zinf-checkpoint", "version": kCheckpointVersion, "world_size", "stage",
+//  "optimizer", "fingerprint" (16 hex digits), "partition_elements", "step",
+//  "ranks": [{"file", "bytes", "xxh3"}, one per rank]}.
+struct CheckpointManifestRank {
+  std::string file;  // a plain file name inside the checkpoint directory
+  std::uint64_t bytes = 0;
+  std::string xxh3;  // the file's xxh3-64 as 16 hex digits
+};
+struct CheckpointManifest {
+  int world_size = 0;
+  int stage = 0;
+  std::string optimizer;
+  std::string fingerprint;
+  std::uint64_t partition_elements = 0;
+  std::int64_t step = 0;
+  std::vector<CheckpointManifestRank> ranks;  // world_size entries
+};
+// Parses a manifest's text. kCorruption naming the key when the text is not a JSON object, a key
+// is missing or of the wrong type (integers must be JSON integers in their field's range), the
+// format or version is not this build's, 'ranks' does not hold world_size entries, or a rank's
+// file is not a plain name in the directory.
+Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text);
 
 // "<dir>/rank<r>.zinfckpt".
 std::string checkpoint_rank_path(const std::string& dir, int rank);

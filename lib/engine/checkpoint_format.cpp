@@ -1,10 +1,13 @@
-// The checkpoint header's byte layout (see checkpoint.hpp), in a file of its own so that the fuzz
-// build can link it without the rest of the checkpoint code.
+// The checkpoint header's byte layout and the manifest's parser (see checkpoint.hpp), in a file of
+// their own so that the fuzz build can link them without the rest of the checkpoint code.
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <bit>
+#include <limits>
+#include <nlohmann/json.hpp>
 #include <type_traits>
+#include <utility>
 
 #include "engine/checkpoint.hpp"
 
@@ -37,6 +40,39 @@ T get_le(const std::byte* in) {
 }
 
 constexpr std::size_t kHeaderFieldBytes = 80;  // the fields; zeros after them
+
+Status bad_manifest(std::string_view what) { return Status::corruption(std::string(what)); }
+
+// json[key] as a T: a JSON integer within T's range. (nlohmann's get<T>() would convert a float,
+// and a float out of T's range converts with undefined behaviour.)
+template <typename T>
+Status get_integer(const nlohmann::json& json, const char* key, T* out) {
+  const nlohmann::json& value = json.at(key);
+  if (value.is_number_unsigned()) {
+    const auto v = value.get<std::uint64_t>();
+    if (std::in_range<T>(v)) {
+      *out = static_cast<T>(v);
+      return Status::ok();
+    }
+  } else if (value.is_number_integer()) {
+    const auto v = value.get<std::int64_t>();
+    if (std::in_range<T>(v)) {
+      *out = static_cast<T>(v);
+      return Status::ok();
+    }
+  }
+  return bad_manifest(
+      fmt::format("'{}' is not an integer in [{}, {}]: {}", key, std::numeric_limits<T>::min(),
+                  std::numeric_limits<T>::max(),
+                  value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)));
+}
+
+Status get_string(const nlohmann::json& json, const char* key, std::string* out) {
+  const nlohmann::json& value = json.at(key);
+  if (!value.is_string()) return bad_manifest(fmt::format("'{}' is not a string", key));
+  *out = value.get<std::string>();
+  return Status::ok();
+}
 
 }  // namespace
 
@@ -95,6 +131,56 @@ Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> byt
     }
   }
   return h;
+}
+
+Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text) {
+  const nlohmann::json m = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (m.is_discarded() || !m.is_object()) return bad_manifest("not a JSON object");
+  for (const char* key : {"format", "version", "world_size", "stage", "optimizer", "fingerprint",
+                          "partition_elements", "step", "ranks"}) {
+    if (!m.contains(key)) return bad_manifest(fmt::format("no key '{}'", key));
+  }
+  std::uint32_t version = 0;
+  if (!m["format"].is_string() || m["format"].get<std::string>() != "zinf-checkpoint" ||
+      !get_integer(m, "version", &version).is_ok() || version != kCheckpointVersion) {
+    return bad_manifest(fmt::format("not a zinf checkpoint of version {}", kCheckpointVersion));
+  }
+  CheckpointManifest out;
+  ZINF_RETURN_IF_ERROR(get_integer(m, "world_size", &out.world_size));
+  ZINF_RETURN_IF_ERROR(get_integer(m, "stage", &out.stage));
+  ZINF_RETURN_IF_ERROR(get_string(m, "optimizer", &out.optimizer));
+  ZINF_RETURN_IF_ERROR(get_string(m, "fingerprint", &out.fingerprint));
+  ZINF_RETURN_IF_ERROR(get_integer(m, "partition_elements", &out.partition_elements));
+  ZINF_RETURN_IF_ERROR(get_integer(m, "step", &out.step));
+  const nlohmann::json& ranks = m["ranks"];
+  if (out.world_size < 1 || !ranks.is_array() ||
+      ranks.size() != static_cast<std::size_t>(out.world_size)) {
+    return bad_manifest(
+        fmt::format("'ranks' is not an array of world_size ({}) entries", out.world_size));
+  }
+  for (std::size_t r = 0; r < ranks.size(); ++r) {
+    const nlohmann::json& entry = ranks[r];
+    for (const char* key : {"file", "bytes", "xxh3"}) {
+      if (!entry.is_object() || !entry.contains(key)) {
+        return bad_manifest(fmt::format("ranks[{}] has no key '{}'", r, key));
+      }
+    }
+    CheckpointManifestRank rank;
+    Status got = get_string(entry, "file", &rank.file);
+    if (got.is_ok()) got = get_integer(entry, "bytes", &rank.bytes);
+    if (got.is_ok()) got = get_string(entry, "xxh3", &rank.xxh3);
+    if (!got.is_ok()) return bad_manifest(fmt::format("ranks[{}]: {}", r, got.message()));
+    // The file is read from the checkpoint directory: nothing outside it.
+    if (rank.file.empty() || rank.file == "." || rank.file == ".." ||
+        rank.file.find_first_of(std::string_view("/\0", 2)) != std::string::npos) {
+      return bad_manifest(
+          fmt::format("ranks[{}]: 'file' is not a file name in the directory: {}", r,
+                      nlohmann::json(rank.file).dump(-1, ' ', false,
+                                                     nlohmann::json::error_handler_t::replace)));
+    }
+    out.ranks.push_back(std::move(rank));
+  }
+  return out;
 }
 
 }  // namespace zinf
