@@ -6,7 +6,6 @@
 #include <cstring>
 
 #include "base/assert.hpp"
-#include "zinf/log.hpp"
 
 namespace zinf {
 namespace {
@@ -224,45 +223,6 @@ Status ParamCoordinator::publish() {
   return st;
 }
 
-namespace {
-
-// One shard's read into a staging block, shared by the stream's closures that wait for it, copy
-// it up and return the block. Destroyed before the read was redeemed (its closures skipped on a
-// failed stream, or never queued), it waits for the read before the block goes back.
-struct StagedRead {
-  StagedRead(SwapSpace* s, SwapTicket t, std::chrono::milliseconds limit, PinnedPool::Lease l)
-      : swap(s), ticket(t), timeout(limit), lease(std::move(l)) {}
-  StagedRead(const StagedRead&) = delete;
-  StagedRead& operator=(const StagedRead&) = delete;
-  ~StagedRead() {
-    const Status st = redeem();
-    if (st.code() == Code::kTimeout) {
-      log_error("zero: a parameter shard's read into a staging block: {}", st.to_string());
-    }
-  }
-  // Waits for the read (once). Past the timeout it is cancelled and waited for once more; one
-  // the cancel does not end either is abandoned (its block may then still be written).
-  Status redeem() {
-    if (redeemed) return Status::ok();
-    redeemed = true;
-    const Status st = swap->wait(ticket, timeout);
-    if (st.code() != Code::kTimeout) return st;
-    swap->cancel(ticket);
-    const Status again = swap->wait(ticket, timeout);
-    if (again.code() != Code::kTimeout) return st;
-    swap->abandon(ticket);
-    return Status::timeout(fmt::format("{}; a cancel did not end it either", st.message()));
-  }
-
-  SwapSpace* swap;
-  SwapTicket ticket;
-  std::chrono::milliseconds timeout;
-  PinnedPool::Lease lease;
-  bool redeemed = false;
-};
-
-}  // namespace
-
 Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
   Module& mod = modules_[m];
   for (std::uint32_t g : mod.partitioned) {
@@ -281,19 +241,17 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
         break;
       case OffloadDevice::kNvme: {
         // The read starts now; the stream waits for it, copies the block up and returns it, so
-        // the block is busy only while its shard moves. When earlier work on the stream failed,
-        // the stream destroys these closures without running them: the last one destroyed
-        // waits for the read then (StagedRead), so the block never goes back to the pool, or
-        // the pool away, while the read may still land in it.
+        // the block is busy only while its shard moves.
         ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
         ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, swap_->read(extent_[g], lease.data()));
-        auto staged =
-            std::make_shared<StagedRead>(swap_, ticket, options_.timeout, std::move(lease));
-        ZINF_RETURN_IF_ERROR(
-            device_.launch_host(*stream_, [staged]() { return staged->redeem(); }));
-        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, staged->lease.data(), shard_bytes, *stream_));
-        ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [staged]() {
-          staged->lease.release();  // redeemed by the closure before the copy
+        auto held = std::make_shared<PinnedPool::Lease>(std::move(lease));
+        SwapSpace* swap = swap_;
+        const std::chrono::milliseconds timeout = options_.timeout;
+        ZINF_RETURN_IF_ERROR(device_.launch_host(
+            *stream_, [swap, ticket, timeout]() { return swap->wait(ticket, timeout); }));
+        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, held->data(), shard_bytes, *stream_));
+        ZINF_RETURN_IF_ERROR(device_.launch_host(*stream_, [held]() {
+          held->release();
           return Status::ok();
         }));
         if (counters_ != nullptr) counters_->param_nvme_read_bytes += round_page(shard_bytes);
