@@ -43,7 +43,7 @@ Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& mod
 struct Tally {
   FaultCounts faults;
   std::uint64_t rounds = 0, steps_ok = 0, steps_failed = 0, param_reads_failed = 0, resumes = 0,
-                checkpoints = 0, saves_failed = 0;
+                checkpoints = 0, saves_failed = 0, resumes_failed = 0;
   std::string last_error;
 };
 
@@ -136,12 +136,25 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
         // And a new communicator and device: a failed parameter read fails the all-gather it
         // feeds, which aborts the communicator, as a failed rank ends a job's collectives.
         ranks = std::make_unique<engine_test::Ranks>(engine_test::make_ranks(1));
+        // Opening (finalize writes the initial state) and loading (it writes the checkpoint's
+        // state) write to NVMe too: an EIO there fails them with a Status, and the job starts
+        // again, as after a failed step.
         Result<std::unique_ptr<Engine>> opened = open_engine(config, model, *ranks, faults);
-        ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
-        engine = std::move(*opened);
-        if (saved_step > 0) {
-          const Status loaded = engine->load_checkpoint(ckpt);
-          ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
+        Status resumed = opened.status();
+        if (resumed.is_ok()) {
+          engine = std::move(*opened);
+          if (saved_step > 0) resumed = engine->load_checkpoint(ckpt);
+        }
+        if (!resumed.is_ok()) {
+          ++tally.resumes_failed;
+          tally.last_error = resumed.to_string();
+          EXPECT_NE(resumed.to_string().find("(errno 5)"), std::string::npos)
+              << resumed.to_string();
+          EXPECT_NE(resumed.message().find("swap extent"), std::string::npos)
+              << resumed.to_string();
+          engine.reset();
+          ASSERT_LT(++resumes_this_round, 50) << "no progress: " << tally.last_error;
+          continue;
         }
         step = saved_step + 1;
       }
@@ -151,11 +164,12 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
       options.check_gathered = false;
       const Status s = engine_test::train_rank(*engine, model, 0, options, nullptr, nullptr);
       if (!s.is_ok()) {
-        // Only EIO is not retried below the engine; the error must say so, and name the extent.
+        // Only EIO is not retried below the engine; the error must say so, and name the extent
+        // (a failed parameter read may come back as the all-gather it fed, kAborted, naming it).
         ++tally.steps_failed;
         if (s.message().find("/param/") != std::string::npos) ++tally.param_reads_failed;
         tally.last_error = s.to_string();
-        EXPECT_EQ(s.sys_code(), EIO) << s.to_string();
+        EXPECT_NE(s.to_string().find("(errno 5)"), std::string::npos) << s.to_string();
         EXPECT_NE(s.message().find("swap extent"), std::string::npos) << s.to_string();
         engine.reset();
         ++tally.resumes;
@@ -170,7 +184,7 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
           // As a failed step: EIO naming the extent; resume from the last whole checkpoint.
           ++tally.saves_failed;
           tally.last_error = saved.to_string();
-          EXPECT_EQ(saved.sys_code(), EIO) << saved.to_string();
+          EXPECT_NE(saved.to_string().find("(errno 5)"), std::string::npos) << saved.to_string();
           EXPECT_NE(saved.message().find("swap extent"), std::string::npos) << saved.to_string();
           engine.reset();
           ++tally.resumes;
@@ -203,7 +217,8 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
       "soak: %.0f s, %llu rounds of %d steps, every round ended with the fault-free masters\n"
       "  faults injected: eio %llu, short %llu, eintr %llu, eagain %llu, delay %llu\n"
       "  steps ok %llu, steps failed with a Status %llu (a parameter read in %llu), checkpoints "
-      "saved %llu, saves failed with a Status %llu, resumed from a checkpoint %llu\n"
+      "saved %llu, saves failed with a Status %llu, resumed from a checkpoint %llu (opening or "
+      "loading failed with a Status %llu more times)\n"
       "  last error: %s\n",
       took, static_cast<unsigned long long>(tally.rounds), kSteps,
       static_cast<unsigned long long>(tally.faults.eio),
@@ -216,7 +231,8 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
       static_cast<unsigned long long>(tally.param_reads_failed),
       static_cast<unsigned long long>(tally.checkpoints),
       static_cast<unsigned long long>(tally.saves_failed),
-      static_cast<unsigned long long>(tally.resumes), tally.last_error.c_str());
+      static_cast<unsigned long long>(tally.resumes),
+      static_cast<unsigned long long>(tally.resumes_failed), tally.last_error.c_str());
   EXPECT_GT(tally.rounds, 0u);
   EXPECT_GT(tally.faults.short_io + tally.faults.eintr + tally.faults.eagain, 0u);
 }
