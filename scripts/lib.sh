@@ -33,8 +33,14 @@ zinf_configure_and_build() {
   if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
     export PATH="/usr/local/cuda/bin:$PATH"
   fi
-  cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${extra[@]}" \
-    ${ZINF_CMAKE_ARGS:-}
+  # ccache where it is installed (ZINF_CCACHE=0: not); the arguments after these may override.
+  local launcher=()
+  if [ "${ZINF_CCACHE:-1}" != 0 ] && command -v ccache >/dev/null 2>&1; then
+    launcher=(-DCMAKE_C_COMPILER_LAUNCHER=ccache -DCMAKE_CXX_COMPILER_LAUNCHER=ccache
+              -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+  fi
+  cmake -S "$zinf_root" -B "$zinf_build" -DCMAKE_BUILD_TYPE=Release "${launcher[@]}" \
+    "${extra[@]}" ${ZINF_CMAKE_ARGS:-}
   local target_args=()
   for t in "${zinf_targets[@]}" ${ZINF_BUILD_TARGETS:-}; do target_args+=(--target "$t"); done
   cmake --build "$zinf_build" -j "$(nproc)" "${target_args[@]}"

@@ -22,12 +22,21 @@ Status RankExchange::exchange_into(const std::uint64_t* words, std::size_t count
                                    DeviceBuffer& send, DeviceBuffer& recv, std::uint64_t* out) {
   const std::size_t bytes = count * 8;
   const auto world = static_cast<std::size_t>(comm_->world_size());
-  ZINF_RETURN_IF_ERROR(device_->copy_h2d(send.data(), words, bytes, *stream_));
-  ZINF_RETURN_IF_ERROR(comm_->all_gather(send.data(), recv.data(), count * 2, DType::kF32, *stream_,
-                                         "parameter fingerprints"));
-  ZINF_RETURN_IF_ERROR(device_->copy_d2h(out, recv.data(), bytes * world, *stream_));
-  ZINF_RETURN_IF_ERROR(device_->record(*event_, *stream_));
-  return comm_->wait(*event_, timeout_);
+  Status st = device_->copy_h2d(send.data(), words, bytes, *stream_);
+  if (st.is_ok()) {
+    st = comm_->all_gather(send.data(), recv.data(), count * 2, DType::kF32, *stream_,
+                           "parameter fingerprints");
+  }
+  if (st.is_ok()) st = device_->copy_d2h(out, recv.data(), bytes * world, *stream_);
+  if (st.is_ok()) st = device_->record(*event_, *stream_);
+  if (st.is_ok()) st = comm_->wait(*event_, timeout_);
+  if (!st.is_ok()) {
+    // The copies already queued read `words` and write `send`, `recv` and `out`, which the
+    // caller frees on return; an aborted communicator fails all_gather (and wait) before the
+    // stream ran them. Let the stream pass them first.
+    (void)device_->synchronize(*stream_, timeout_);
+  }
+  return st;
 }
 
 Result<std::vector<std::uint64_t>> RankExchange::exchange(const std::uint64_t* words,

@@ -147,8 +147,12 @@ ModelShape custom_model(std::uint64_t params, std::uint64_t layers, std::uint64_
   m.layers = layers;
   // Heads of 128 where the hidden size allows; else the most heads of at least 128 that divide
   // it (layer_params() requires hidden % heads == 0: --hidden 1029 gave 8 heads and aborted).
+  // The search is bounded (a hidden size near 2^61 that is prime searched for years): past
+  // 2^16 candidates it settles for one head, which divides everything.
   m.heads = std::max<std::uint64_t>(1, hidden / 128);
-  while (hidden % m.heads != 0) --m.heads;
+  for (std::uint32_t tries = 0; hidden % m.heads != 0; ++tries) {
+    m.heads = tries < (1u << 16) ? m.heads - 1 : 1;
+  }
   m.kv_heads = m.heads;
   m.param_count_override = params;
   m.source = "--params/--layers/--hidden";

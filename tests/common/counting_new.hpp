@@ -28,6 +28,20 @@ void* operator new(std::size_t bytes) {
   return p;
 }
 void* operator new[](std::size_t bytes) { return operator new(bytes); }
+// The nothrow forms too (std::stable_sort's temporary buffer uses them): left to the runtime,
+// they allocate with its operator new, which free() must not release (AddressSanitizer reports
+// the mismatch), and they would go uncounted.
+void* operator new(std::size_t bytes, const std::nothrow_t&) noexcept {
+  if (zinf::test::g_count_allocations.load(std::memory_order_relaxed)) {
+    zinf::test::g_allocations.fetch_add(1);
+  }
+  return std::malloc(bytes == 0 ? 1 : bytes);
+}
+void* operator new[](std::size_t bytes, const std::nothrow_t& tag) noexcept {
+  return operator new(bytes, tag);
+}
+void operator delete(void* p, const std::nothrow_t&) noexcept { std::free(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { std::free(p); }
 void operator delete(void* p) noexcept { std::free(p); }
 void operator delete[](void* p) noexcept { std::free(p); }
 void operator delete(void* p, std::size_t) noexcept { std::free(p); }

@@ -27,6 +27,7 @@ constexpr Target kTargets[] = {
     {"tcp_wire", tcp_wire},
     {"plan_input", plan_input},
     {"checkpoint_header", checkpoint_header},
+    {"checkpoint_manifest", checkpoint_manifest},
 };
 
 // Feeds each file of tests/fuzz/<kind>/<target>/ to the target; returns how many.

@@ -4,10 +4,14 @@
 
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <future>
+#include <memory>
 #include <numeric>
 #include <optional>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -112,6 +116,24 @@ TEST(ModelShapes, CustomModelUsesTheGivenCount) {
   EXPECT_EQ(param_count(m), 1'000'000'000u);
   // (count - 2·V·h) / L with the default vocab 32000.
   EXPECT_EQ(layer_params(m), (1'000'000'000u - 2u * 32000u * 2048u) / 24u);
+}
+
+// Found by the plan_input fuzz target: a prime hidden size near 2^61 made custom_model count
+// heads down one by one from hidden / 128, about 1.8e16 tries.
+TEST(ModelShapes, CustomModelOfAHugePrimeHiddenSizeReturnsAtOnce) {
+  auto done = std::make_shared<std::promise<ModelShape>>();
+  std::future<ModelShape> result = done->get_future();
+  std::thread([done]() {
+    done->set_value(custom_model(1'000'000'000, 4, 2'305'843'009'213'693'951ull));  // 2^61 - 1
+  }).detach();
+  ASSERT_EQ(result.wait_for(std::chrono::seconds(20)), std::future_status::ready)
+      << "custom_model still searching for heads after 20 s";
+  const ModelShape m = result.get();
+  EXPECT_EQ(m.heads, 1u);
+  EXPECT_EQ(m.hidden % m.heads, 0u);
+  // Sizes of real models keep heads of 128.
+  EXPECT_EQ(custom_model(1'000'000'000, 24, 2048).heads, 16u);
+  EXPECT_EQ(custom_model(1'000'000'000, 4, 1029).heads, 7u);
 }
 
 TEST(ModelShapes, LargestTensorIsTheEmbeddingOrAnMlpMatrix) {

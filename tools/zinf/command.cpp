@@ -114,7 +114,10 @@ bool parse_size(std::string_view text, std::size_t* bytes, bool decimal) {
                  : suffix == "gib" ? 1073741824.0
                                    : 1099511627776.0;
   }
-  *bytes = static_cast<std::size_t>(value * multiplier + 0.5);
+  // A size beyond 64 bits is refused (converting it would be undefined behaviour).
+  const double rounded = value * multiplier + 0.5;
+  if (!(rounded < 18446744073709551616.0)) return false;  // 2^64
+  *bytes = static_cast<std::size_t>(rounded);
   return true;
 }
 

@@ -22,5 +22,7 @@ int tcp_wire(const std::uint8_t* data, std::size_t bytes);
 int plan_input(const std::uint8_t* data, std::size_t bytes);
 // The checkpoint file's header (decode_checkpoint_header, with an encode-back check).
 int checkpoint_header(const std::uint8_t* data, std::size_t bytes);
+// The checkpoint manifest (parse_checkpoint_manifest, with a write-back check).
+int checkpoint_manifest(const std::uint8_t* data, std::size_t bytes);
 
 }  // namespace zinf::fuzz

@@ -1,0 +1,169 @@
+// The checkpoint manifest (<tag>/manifest.json) as load_checkpoint reads it: a manifest edited by
+// hand or damaged on disk is refused as corruption naming the file and the key, never read as
+// something it does not say. The manifest carries its own xxh3 (a flipped bit anywhere is caught
+// before its fields are read); these tests re-stamp that checksum after each edit, as a hand edit
+// that also fixed the checksum would, so that the checks behind it are reached. The parser alone
+// (parse_checkpoint_manifest) is also the `checkpoint_manifest` fuzz target's.
+#include <gtest/gtest.h>
+#include <xxhash.h>
+
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "engine/checkpoint.hpp"
+#include "engine_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+
+std::string read_all(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// The manifest's text with a correct checksum, laid out as save_checkpoint lays it out.
+std::string stamp(nlohmann::json j) {
+  j["checksum"] = std::string(16, '0');
+  std::string text = j.dump(1) + "\n";
+  const std::string key = "\"checksum\": \"";
+  const std::size_t at = text.find(key);
+  text.replace(at + key.size(), 16, fmt::format("{:016x}", XXH3_64bits(text.data(), text.size())));
+  return text;
+}
+
+// One rank: trains 2 steps and saves tag "t" under `dir`; each test edits the manifest and parses
+// it, or writes it and loads it into a fresh engine.
+class ManifestEdits : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = scratch_.path() + "/ckpt";
+    const Status saved = with_engine([&](Engine& e) -> Status {
+      engine_test::TrainOptions options;
+      options.steps = 2;
+      ZINF_RETURN_IF_ERROR(engine_test::train_rank(e, model_, 0, options, nullptr, nullptr));
+      return e.save_checkpoint(dir_, "t");
+    });
+    ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+    text_ = read_all(manifest());
+    original_ = nlohmann::json::parse(text_);
+  }
+
+  std::string manifest() const { return dir_ + "/t/manifest.json"; }
+
+  Status with_engine(const std::function<Status(Engine&)>& fn) {
+    engine_test::Ranks ranks = engine_test::make_ranks(1);
+    Env env;
+    env.device = ranks.devices[0].get();
+    env.comm = ranks.comms[0].get();
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config_, env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model_));
+    ZINF_RETURN_IF_ERROR(engine->finalize());
+    return fn(*engine);
+  }
+
+  Status parse_edited(const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json m = original_;
+    edit(m);
+    return parse_checkpoint_manifest(stamp(m), manifest()).status();
+  }
+
+  engine_test::ScratchDir scratch_{"ckpt-manifest"};
+  std::string dir_;
+  std::string text_;
+  Model model_ = engine_test::make_model(DType::kF32, 4411);
+  Config config_ =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, scratch_.path());
+  nlohmann::json original_;
+};
+
+void expect_corruption_naming(const Status& st, const std::string& path, const std::string& what) {
+  EXPECT_EQ(st.code(), Code::kCorruption) << st.to_string();
+  EXPECT_NE(st.message().find(path), std::string::npos) << st.to_string();
+  EXPECT_NE(st.message().find(what), std::string::npos) << st.to_string();
+}
+
+TEST_F(ManifestEdits, TheParserReadsWhatSaveWroteAndItsStampIsSaves) {
+  EXPECT_EQ(stamp(original_), text_);  // the test's re-stamping is save_checkpoint's
+  Result<CheckpointManifest> m = parse_checkpoint_manifest(text_, manifest());
+  ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+  EXPECT_EQ(m->tag, "t");
+  EXPECT_EQ(m->world_size, 1);
+  EXPECT_EQ(m->stage, 2);
+  EXPECT_EQ(m->step, 2);
+  ASSERT_EQ(m->ranks.size(), 1u);
+  EXPECT_EQ(m->ranks[0].bytes, std::filesystem::file_size(dir_ + "/t/" + m->ranks[0].file));
+  EXPECT_EQ(encode_checkpoint_manifest(*m), text_);
+}
+
+TEST_F(ManifestEdits, AnEditWithoutANewChecksumIsCorruptionNamingTheFile) {
+  nlohmann::json m = original_;
+  m["step"] = 3;
+  const std::string edited = m.dump(1) + "\n";  // the old checksum kept
+  const Status st = parse_checkpoint_manifest(edited, manifest()).status();
+  expect_corruption_naming(st, manifest(), "does not match its checksum");
+}
+
+TEST_F(ManifestEdits, FloatsWhereIntegersBelongAreCorruptionNamingTheKey) {
+  const struct {
+    const char* key;
+    double value;
+    const char* what;
+  } edits[] = {
+      {"world_size", 1.5, "'world_size' is not an integer"},
+      {"stage", 2.25, "'stage' is not an integer"},
+      {"stage", 1e300, "'stage' is not an integer"},
+      {"partition_elements", -1e30, "'partition_elements' is not an unsigned integer"},
+      {"step", 1e300, "'step' is not an integer"},
+  };
+  for (const auto& edit : edits) {
+    SCOPED_TRACE(std::string(edit.key) + " = " + std::to_string(edit.value));
+    const Status st = parse_edited([&](nlohmann::json& m) { m[edit.key] = edit.value; });
+    expect_corruption_naming(st, manifest(), edit.what);
+  }
+  const Status bytes = parse_edited([](nlohmann::json& m) { m["ranks"][0]["bytes"] = 4096.5; });
+  expect_corruption_naming(bytes, manifest(), "'bytes' is not an unsigned integer");
+}
+
+TEST_F(ManifestEdits, ARankFileOutsideTheDirectoryIsCorruptionNotOpened) {
+  // A copy of the rank file one level up, with the same bytes and checksum: it must not load.
+  const std::string file = original_["ranks"][0]["file"].get<std::string>();
+  std::filesystem::copy_file(dir_ + "/t/" + file, dir_ + "/" + file);
+  const std::vector<std::string> names = {"../" + file, "", "..", "sub/" + file};
+  for (const std::string& name : names) {
+    SCOPED_TRACE(name);
+    const Status st = parse_edited([&](nlohmann::json& m) { m["ranks"][0]["file"] = name; });
+    expect_corruption_naming(st, manifest(), "'ranks[].file' is not a plain file name");
+    nlohmann::json m = original_;
+    m["ranks"][0]["file"] = name;
+    std::ofstream(manifest(), std::ios::trunc) << stamp(m);
+    const Status loaded = with_engine([&](Engine& e) { return e.load_checkpoint(dir_, "t"); });
+    EXPECT_EQ(loaded.code(), Code::kCorruption) << loaded.to_string();
+  }
+}
+
+TEST_F(ManifestEdits, MissingKeysAndOtherTypesAreCorruptionNamingTheKey) {
+  expect_corruption_naming(parse_edited([](nlohmann::json& m) { m.erase("step"); }), manifest(),
+                           "'step' is missing");
+  expect_corruption_naming(parse_edited([](nlohmann::json& m) { m["optimizer"] = 7; }),
+                           manifest(), "'optimizer' is not a string");
+  expect_corruption_naming(parse_edited([](nlohmann::json& m) { m["ranks"] = {1, 2}; }),
+                           manifest(), "'file' is in something that is not an object");
+  expect_corruption_naming(parse_edited([](nlohmann::json& m) { m["ranks"][0].erase("xxh3"); }),
+                           manifest(), "'xxh3' is missing");
+  // A version of 2^32 + 1 is not this build's version.
+  const Status version =
+      parse_edited([](nlohmann::json& m) { m["version"] = (std::uint64_t{1} << 32) + 1; });
+  expect_corruption_naming(version, manifest(), "'version' is too large");
+}
+
+}  // namespace
+}  // namespace zinf
