@@ -605,58 +605,19 @@ class Engine::Impl {
   }
 
   // --- Read back -------------------------------------------------------------------------------
+  MasterAccess master_access() {
+    return {state_.get(), coord_.get(), &layout_, &device_, &comm_,     stream_.get(),
+            event_.get(), timeout_,     rank_,    &sticky_, &*exchange_};
+  }
   Status read_parameters(std::string_view name, float* out) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
-    const std::optional<std::size_t> id = layout_.find_param(name);
-    if (!id.has_value()) {
-      return Status::not_found(fmt::format("read_parameters('{}'): unknown parameter", name));
-    }
-    if (out == nullptr) {
-      return Status::invalid_argument(fmt::format("read_parameters('{}'): out is null", name));
-    }
-    const Partitioner& part = layout_.partitioner();
-    const ParamLocation& loc = part.location(static_cast<ParamId>(*id));
-    const GroupInfo& info = part.group(loc.group);
-    const std::size_t shard = info.shard_element_count;
-    // This rank's master slice of the group, then an all-gather of the whole group in f32. The
-    // buffer and the slice come first and every rank learns whether every rank has them, so a
-    // rank that cannot allocate fails every rank at once instead of leaving them waiting in the
-    // all-gather until the collective timeout.
-    Result<DeviceBuffer> full = DeviceBuffer::allocate(device_, info.padded_element_count * 4);
-    Status local = full.status();
-    std::vector<float> slice;
-    const std::size_t first = layout_.offset(loc.group);
-    if (local.is_ok()) {
-      slice.resize(shard);
-      local = fail(state_->read_master(
-          first, first + shard, [&](std::size_t f, std::size_t count, const float* src) {
-            const std::size_t lo = std::max(f, first);
-            const std::size_t hi = std::min(f + count, first + shard);
-            if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
-          }));
-    }
-    ZINF_RETURN_IF_ERROR(
-        exchange_->agree(fmt::format("read_parameters('{}')", name), std::move(local)));
-    float* own = full->as<float>() + part.shard_offset(loc.group, rank_);
-    Status st = device_.copy_h2d(own, slice.data(), shard * 4, *stream_);
-    if (st.is_ok()) {
-      st = comm_.all_gather(own, full->data(), shard, DType::kF32, *stream_, "read_parameters");
-    }
-    if (st.is_ok()) {
-      st = device_.copy_d2h(out, full->as<float>() + loc.group_offset, loc.element_count * 4,
-                            *stream_);
-    }
-    if (st.is_ok()) st = device_.record(*event_, *stream_);
-    if (st.is_ok()) st = comm_.wait(*event_, timeout_);
-    return fail(st);
+    return read_master_values(master_access(), name, out);
   }
 
   Status write_parameters(std::string_view name, const float* values, int root) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     Status pre = checkpoint_precondition(fmt::format("write_parameters('{}')", name));
-    return write_master_values({state_.get(), coord_.get(), &layout_, &device_, &comm_,
-                                stream_.get(), event_.get(), timeout_, rank_, &sticky_},
-                               name, values, root, std::move(pre));
+    return write_master_values(master_access(), name, values, root, std::move(pre));
   }
 
   MemoryReport memory() const {

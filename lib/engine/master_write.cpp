@@ -1,4 +1,4 @@
-// write_master_values (master_write.hpp).
+// read_master_values and write_master_values (master_write.hpp).
 #include "engine/master_write.hpp"
 
 #include <fmt/format.h>
@@ -15,7 +15,7 @@ namespace zinf {
 
 namespace {
 
-Status write_slice(const MasterWrite& w, ParamId id, const float* values, int root,
+Status write_slice(const MasterAccess& w, ParamId id, const float* values, int root,
                    std::string_view call) {
   const Partitioner& part = w.layout->partitioner();
   const ParamLocation& loc = part.location(id);
@@ -60,7 +60,7 @@ Status write_slice(const MasterWrite& w, ParamId id, const float* values, int ro
 
 }  // namespace
 
-Status write_master_values(const MasterWrite& w, std::string_view name, const float* values,
+Status write_master_values(const MasterAccess& w, std::string_view name, const float* values,
                            int root, Status precondition) {
   const std::string call = fmt::format("write_parameters('{}')", name);
   const std::optional<std::size_t> found = w.layout->find_param(name);
@@ -77,6 +77,51 @@ Status write_master_values(const MasterWrite& w, std::string_view name, const fl
   if (st.is_ok()) st = w.coord->drop_prefetched();
   if (st.is_ok()) st = w.state->publish_master();
   return w.sticky->fail(std::move(st));
+}
+
+Status read_master_values(const MasterAccess& w, std::string_view name, float* out) {
+  const std::optional<std::size_t> id = w.layout->find_param(name);
+  if (!id.has_value()) {
+    return Status::not_found(fmt::format("read_parameters('{}'): unknown parameter", name));
+  }
+  if (out == nullptr) {
+    return Status::invalid_argument(fmt::format("read_parameters('{}'): out is null", name));
+  }
+  const Partitioner& part = w.layout->partitioner();
+  const ParamLocation& loc = part.location(static_cast<ParamId>(*id));
+  const GroupInfo& info = part.group(loc.group);
+  const std::size_t shard = info.shard_element_count;
+  // This rank's master slice of the group, then an all-gather of the whole group in f32. The
+  // buffer and the slice come first and every rank learns whether every rank has them, so a
+  // rank that cannot allocate fails every rank at once instead of leaving them waiting in the
+  // all-gather until the collective timeout.
+  Result<DeviceBuffer> full = DeviceBuffer::allocate(*w.device, info.padded_element_count * 4);
+  Status local = full.status();
+  std::vector<float> slice;
+  const std::size_t first = w.layout->offset(loc.group);
+  if (local.is_ok()) {
+    slice.resize(shard);
+    local = w.sticky->fail(w.state->read_master(
+        first, first + shard, [&](std::size_t f, std::size_t count, const float* src) {
+          const std::size_t lo = std::max(f, first);
+          const std::size_t hi = std::min(f + count, first + shard);
+          if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
+        }));
+  }
+  ZINF_RETURN_IF_ERROR(
+      w.exchange->agree(fmt::format("read_parameters('{}')", name), std::move(local)));
+  float* own = full->as<float>() + part.shard_offset(loc.group, w.rank);
+  Status st = w.device->copy_h2d(own, slice.data(), shard * 4, *w.stream);
+  if (st.is_ok()) {
+    st = w.comm->all_gather(own, full->data(), shard, DType::kF32, *w.stream, "read_parameters");
+  }
+  if (st.is_ok()) {
+    st = w.device->copy_d2h(out, full->as<float>() + loc.group_offset, loc.element_count * 4,
+                            *w.stream);
+  }
+  if (st.is_ok()) st = w.device->record(*w.event, *w.stream);
+  if (st.is_ok()) st = w.comm->wait(*w.event, w.timeout);
+  return w.sticky->fail(st);
 }
 
 }  // namespace zinf
