@@ -88,8 +88,9 @@ def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(tmp_path):
     elapsed = ended - float(raised.group(1))
     assert result.returncode != 0, output[-3000:]
     assert "finished all steps" not in output, output[-3000:]
-    # Rank 1's own traceback, and rank 0's error naming rank 1 and what it raised.
-    assert "Boom: injected failure" in output, output[-3000:]
+    # Rank 0's error names rank 1 and what it raised. (Rank 1's own traceback may never be
+    # printed: it lingers so that rank 0 reports first, and mpirun kills the job as soon as rank 0
+    # exits non-zero.)
     rank0 = [line for line in output.splitlines()
              if "rank 0 of 2" in line and "rank 1 of 2 raised Boom in backward" in line]
     assert rank0, output[-3000:]
