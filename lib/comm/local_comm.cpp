@@ -375,7 +375,8 @@ Status LocalComm::issue(const Collective& op, Stream& stream) {
   task->op.send = host_device_->host_address(op.send);
   task->op.recv = host_device_->host_address(op.recv);
   const std::size_t name_bytes = std::min(op.name.size(), LocalCollectiveTask::kNameBytes - 1);
-  std::memcpy(task->name, op.name.data(), name_bytes);
+  // An unnamed collective's name has no data pointer (memcpy may not be given null).
+  if (name_bytes != 0) std::memcpy(task->name, op.name.data(), name_bytes);
   task->op.name = std::string_view(task->name, name_bytes);
   Status launched = device_->launch_host_func(stream, &run_collective, task);
   if (!launched.is_ok()) {
