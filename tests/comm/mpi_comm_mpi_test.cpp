@@ -21,6 +21,8 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "comm_test_util.hpp"
+#include "device/device_ops.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 #include "zinf/dtype.hpp"
@@ -35,61 +37,8 @@ using Clock = std::chrono::steady_clock;
 int g_rank = 0;
 int g_world = 1;
 
-std::vector<std::byte> random_data(std::size_t count, DType dtype, std::uint64_t seed) {
-  std::vector<float> values(count);
-  fill_uniform(values.data(), count, seed, -4.0f, 4.0f);
-  std::vector<std::byte> bytes(count * dtype_bytes(dtype));
-  for (std::size_t i = 0; i < count; ++i) {
-    if (dtype == DType::kF32) {
-      std::memcpy(bytes.data() + i * 4, &values[i], 4);
-    } else {
-      const std::uint16_t half =
-          dtype == DType::kBF16 ? f32_to_bf16(values[i]) : f32_to_f16(values[i]);
-      std::memcpy(bytes.data() + i * 2, &half, 2);
-    }
-  }
-  return bytes;
-}
-
-float element(const std::vector<std::byte>& data, DType dtype, std::size_t index) {
-  if (dtype == DType::kF32) {
-    float value;
-    std::memcpy(&value, data.data() + index * 4, 4);
-    return value;
-  }
-  std::uint16_t half;
-  std::memcpy(&half, data.data() + index * 2, 2);
-  return dtype == DType::kBF16 ? bf16_to_f32(half) : f16_to_f32(half);
-}
-
-void set_element(std::vector<std::byte>& data, DType dtype, std::size_t index, float value) {
-  if (dtype == DType::kF32) {
-    std::memcpy(data.data() + index * 4, &value, 4);
-    return;
-  }
-  const std::uint16_t half = dtype == DType::kBF16 ? f32_to_bf16(value) : f32_to_f16(value);
-  std::memcpy(data.data() + index * 2, &half, 2);
-}
-
-// The contract written out serially: element by element, ranks in order, f32 accumulation, one
-// rounding at the end.
-std::vector<std::byte> serial_reduce(const std::vector<std::vector<std::byte>>& inputs,
-                                     std::size_t first, std::size_t count, DType dtype,
-                                     ReduceOp op) {
-  std::vector<std::byte> out(count * dtype_bytes(dtype));
-  for (std::size_t i = 0; i < count; ++i) {
-    float acc = element(inputs[0], dtype, first + i);
-    for (std::size_t r = 1; r < inputs.size(); ++r) {
-      const float x = element(inputs[r], dtype, first + i);
-      if (op == ReduceOp::kSum || op == ReduceOp::kAverage) acc = acc + x;
-      if (op == ReduceOp::kMax) acc = (std::isnan(acc) || std::isnan(x)) ? NAN : std::max(acc, x);
-      if (op == ReduceOp::kMin) acc = (std::isnan(acc) || std::isnan(x)) ? NAN : std::min(acc, x);
-    }
-    if (op == ReduceOp::kAverage) acc = acc / static_cast<float>(inputs.size());
-    set_element(out, dtype, i, acc);
-  }
-  return out;
-}
+using comm_test::random_data;
+using comm_test::serial_reduce;
 
 std::unique_ptr<Device> host_device(int ordinal, bool opaque) {
   HostDeviceOptions options;
@@ -97,6 +46,9 @@ std::unique_ptr<Device> host_device(int ordinal, bool opaque) {
   options.jitter_max_us = 50;
   options.jitter_seed = 7 + static_cast<std::uint64_t>(ordinal);
   options.opaque = opaque;
+  // As a GPU needs for asynchronous copies: every host buffer a copy touches is registered, the
+  // communicator's staging copies included.
+  options.require_registered_host = opaque;
   Result<std::unique_ptr<Device>> device = make_host_device(options);
   EXPECT_TRUE(device.is_ok()) << device.status().to_string();
   return std::move(device).value();
@@ -152,14 +104,18 @@ Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind
   if (in_place && kind == CollectiveKind::kReduceScatter) {
     recv = base + static_cast<std::size_t>(rank) * chunk_bytes;
   }
-  ZINF_RETURN_IF_ERROR(device.copy_h2d(send, input.data(), send_bytes, *run.stream));
+  Result<RegisteredBuffer> host_in = RegisteredBuffer::allocate(device, send_bytes);
+  Result<RegisteredBuffer> host_out = RegisteredBuffer::allocate(device, recv_bytes);
+  ZINF_RETURN_IF_ERROR(host_in.status());
+  ZINF_RETURN_IF_ERROR(host_out.status());
+  std::memcpy(host_in.value().data(), input.data(), send_bytes);
+  ZINF_RETURN_IF_ERROR(device.copy_h2d(send, host_in.value().data(), send_bytes, *run.stream));
   Collective c{kind, send, recv, count, dtype, op, root, "test data"};
   ZINF_RETURN_IF_ERROR(comm.issue(c, *run.stream));
-  std::vector<std::byte> out(recv_bytes);
-  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), recv, recv_bytes, *run.stream));
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(host_out.value().data(), recv, recv_bytes, *run.stream));
   ZINF_RETURN_IF_ERROR(device.record(*run.done, *run.stream));
   ZINF_RETURN_IF_ERROR(comm.wait(*run.done, std::chrono::seconds(60)));
-  return out;
+  return std::vector<std::byte>(host_out.value().data(), host_out.value().data() + recv_bytes);
 }
 
 // The same collective on LocalComm: `world` threads of this process, each with its rank's input;

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <random>
 #include <thread>
@@ -189,6 +190,25 @@ engine_test::Model equal_model(std::uint64_t seed) {
   return m;
 }
 
+// Runs body(rank, engine, device, compute) on one thread per rank: each rank an opaque HostDevice
+// (streams jittered by up to `jitter_max_us`), a LocalComm, a compute stream, and an engine
+// opened from `config` (after the stream, so the stream outlives it). Returns each rank's Status.
+std::vector<Status> run_on_compute_streams(
+    const Config& config, int jitter_max_us,
+    const std::function<Status(int, Engine&, Device&, Stream&)>& body) {
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(kWorld, std::chrono::seconds(30), jitter_max_us, /*opaque=*/true);
+  return engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Env env;
+    env.device = ranks.devices[r].get();
+    env.comm = ranks.comms[r].get();
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, env.device->create_stream("compute"));
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    return body(rank, *engine, *env.device, *compute);
+  });
+}
+
 // Runs the case; returns whether every rank matched the reference (gathered values and masters),
 // and the first difference in `why`.
 bool run_case(const Case& c, std::string* why) {
@@ -200,19 +220,13 @@ bool run_case(const Case& c, std::string* why) {
   engine_test::TrainOptions options;
   options.steps = kSteps;
   const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
-  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(30),
-                                                     /*jitter_max_us=*/200, /*opaque=*/true);
   std::vector<RankResult> results(kWorld);
-  std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
-    const auto r = static_cast<std::size_t>(rank);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, env.device->create_stream("compute"));
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    return train_on_stream(*engine, *env.device, compute.get(), model, rank, ref, c.slow_reads,
-                           c.late_gather_ms, &results[r]);
-  });
+  std::vector<Status> st = run_on_compute_streams(
+      config, /*jitter_max_us=*/200,
+      [&](int rank, Engine& engine, Device& device, Stream& compute) {
+        return train_on_stream(engine, device, &compute, model, rank, ref, c.slow_reads,
+                               c.late_gather_ms, &results[static_cast<std::size_t>(rank)]);
+      });
   for (int r = 0; r < kWorld; ++r) {
     const auto ur = static_cast<std::size_t>(r);
     if (!st[ur].is_ok()) {
@@ -269,27 +283,22 @@ TEST(ComputeStream, TheEquivalenceLoopOnAComputeStream) {
   engine_test::TrainOptions options;
   options.steps = 4;
   const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
-  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(30),
-                                                     /*jitter_max_us=*/100, /*opaque=*/true);
   std::vector<std::vector<std::vector<float>>> finals(kWorld);
-  std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
-    const auto r = static_cast<std::size_t>(rank);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, env.device->create_stream("compute"));
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    engine_test::TrainOptions rank_options = options;
-    rank_options.device = env.device;
-    rank_options.compute_stream = compute.get();
-    ZINF_RETURN_IF_ERROR(
-        engine_test::train_rank(*engine, model, rank, rank_options, &ref.device_per_step, nullptr));
-    for (const engine_test::ParamDef& d : model.params) {
-      finals[r].emplace_back(d.element_count());
-      ZINF_RETURN_IF_ERROR(engine->read_parameters(d.name, finals[r].back().data()));
-    }
-    return Status::ok();
-  });
+  std::vector<Status> st = run_on_compute_streams(
+      config, /*jitter_max_us=*/100,
+      [&](int rank, Engine& engine, Device& device, Stream& compute) -> Status {
+        engine_test::TrainOptions rank_options = options;
+        rank_options.device = &device;
+        rank_options.compute_stream = &compute;
+        ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, rank_options,
+                                                     &ref.device_per_step, nullptr));
+        std::vector<std::vector<float>>& mine = finals[static_cast<std::size_t>(rank)];
+        for (const engine_test::ParamDef& d : model.params) {
+          mine.emplace_back(d.element_count());
+          ZINF_RETURN_IF_ERROR(engine.read_parameters(d.name, mine.back().data()));
+        }
+        return Status::ok();
+      });
   for (int r = 0; r < kWorld; ++r) {
     const auto u = static_cast<std::size_t>(r);
     ASSERT_TRUE(st[u].is_ok()) << "rank " << r << ": " << st[u].to_string();

@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 #include <string>
 #include <thread>
 
@@ -41,67 +42,87 @@ RigOptions loop_rig_options(const std::string& dir, std::shared_ptr<FaultInjecto
   return so;
 }
 
-// After a failed step t: every sub-group is old, new or torn, and each that is not torn reads
-// back (checksums verified) equal to that version. Returns "torn/old/new" counts.
-std::string check_versions(Rig& s, std::int64_t t, const Reference& ref, const Reference& old) {
-  int torn = 0, old_groups = 0, new_groups = 0;
-  for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
-    const Version v = s.store->version(i, t);
-    if (v == Version::kTorn) {
-      ++torn;
-      continue;
-    }
-    v == Version::kNew ? ++new_groups : ++old_groups;
-    EXPECT_EQ(tier_test::compare_sub_group(*s.store, i, v == Version::kNew ? ref : old), "")
-        << "sg " << i << " says " << version_name(v);
+// Each test's setup: a 128 MiB loop filesystem holding the swap file, a rig open on it with
+// seeded state, and step 1's gradients loaded (into ref_ as well). Members are destroyed in
+// reverse order, so the rig closes its swap file before the filesystem is unmounted.
+class LoopFilesystem : public ::testing::Test {
+ protected:
+  // Mounts the filesystem; false (mount_->reason() says why) where the machine cannot.
+  bool mount(const char* name, const char* what, std::uint64_t seed) {
+    mount_ = std::make_unique<LoopMount>(name, 128);
+    if (!mount_->ok()) return false;
+    std::printf("loop fs %s: seed %llu, %s on %s\n", what, static_cast<unsigned long long>(seed),
+                mount_->path().c_str(), mount_->device().c_str());
+    return true;
   }
-  return fmt::format("{} torn, {} old, {} new", torn, old_groups, new_groups);
-}
 
-TEST(LoopFilesystem, FullDiskBetweenStepsNeitherHangsNorLosesState) {
-  LoopMount mount("full-step", 128);
-  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  void open_rig(const char* name, std::uint64_t seed, std::shared_ptr<FaultInjector> faults) {
+    so_ = loop_rig_options(mount_->path(), std::move(faults));
+    Status opened = tier_test::open_loaded_rig(name, so_, seed, 0, &rig_, &ref_);
+    ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+    load_grads(seed + 1);
+  }
+
+  // Seeded gradients for the next step, in the reference and the store.
+  void load_grads(std::uint64_t seed) {
+    ref_.make_grads(DType::kBF16, seed);
+    ASSERT_TRUE(tier_test::load_grads(*rig_.store, ref_).is_ok());
+  }
+
+  // After a failed step t: every sub-group is old, new or torn, and each that is not torn reads
+  // back (checksums verified) equal to that version. Returns "torn/old/new" counts.
+  std::string check_versions(std::int64_t t, const Reference& old) {
+    int torn = 0, old_groups = 0, new_groups = 0;
+    for (std::size_t i = 0; i < rig_.store->sub_group_count(); ++i) {
+      const Version v = rig_.store->version(i, t);
+      if (v == Version::kTorn) {
+        ++torn;
+        continue;
+      }
+      v == Version::kNew ? ++new_groups : ++old_groups;
+      EXPECT_EQ(tier_test::compare_sub_group(*rig_.store, i, v == Version::kNew ? ref_ : old), "")
+          << "sg " << i << " says " << version_name(v);
+    }
+    return fmt::format("{} torn, {} old, {} new", torn, old_groups, new_groups);
+  }
+
+  std::unique_ptr<LoopMount> mount_;
+  RigOptions so_;
+  Rig rig_;
+  Reference ref_;
+};
+
+TEST_F(LoopFilesystem, FullDiskBetweenStepsNeitherHangsNorLosesState) {
   const std::uint64_t seed = 1901;
-  std::printf("loop fs full disk: seed %llu, %s on %s\n", static_cast<unsigned long long>(seed),
-              mount.path().c_str(), mount.device().c_str());
-  RigOptions so = loop_rig_options(mount.path(), nullptr);
-  Rig s;
-  Reference ref;
-  Status opened = tier_test::open_loaded_rig("loop-full", so, seed, 0, &s, &ref);
-  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
-  ref.make_grads(DType::kBF16, seed + 1);
-  ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
-  ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
-  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+  if (!mount("full-step", "full disk", seed)) GTEST_SKIP() << mount_->reason();
+  ASSERT_NO_FATAL_FAILURE(open_rig("loop-full", seed, nullptr));
+  ASSERT_TRUE(rig_.pipeline->step({.step = 1}).is_ok());
+  ref_.step(so_.pipeline.optimizer, so_.store, 1, 1.0f);
 
-  const std::uint64_t filled = mount.fill();
+  const std::uint64_t filled = mount_->fill();
   std::printf("filled the filesystem with %llu bytes\n", static_cast<unsigned long long>(filled));
-  ref.make_grads(DType::kBF16, seed + 2);
-  ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
-  const Reference old = ref;
-  ref.step(so.pipeline.optimizer, so.store, 2, 1.0f);
+  ASSERT_NO_FATAL_FAILURE(load_grads(seed + 2));
+  const Reference old = ref_;
+  ref_.step(so_.pipeline.optimizer, so_.store, 2, 1.0f);
   const auto start = std::chrono::steady_clock::now();
-  Result<StepStats> r = s.pipeline->step({.step = 2});
+  Result<StepStats> r = rig_.pipeline->step({.step = 2});
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
   if (r.is_ok()) {
     // The swap file was preallocated at open, so a full filesystem takes nothing from it.
     std::printf("step on a full disk: ok (the swap file is preallocated)\n");
-    EXPECT_EQ(tier_test::compare_all(*s.store, ref), "");
+    EXPECT_EQ(tier_test::compare_all(*rig_.store, ref_), "");
     return;
   }
   const std::string message = r.status().to_string();
   std::printf("step on a full disk: %s\n", message.c_str());
   EXPECT_EQ(r.status().code(), Code::kNoSpace) << message;
-  EXPECT_NE(message.find(mount.path()), std::string::npos) << message;
-  std::printf("sub-groups: %s\n", check_versions(s, 2, ref, old).c_str());
+  EXPECT_NE(message.find(mount_->path()), std::string::npos) << message;
+  std::printf("sub-groups: %s\n", check_versions(2, old).c_str());
 }
 
-TEST(LoopFilesystem, ReadOnlyMidStepFailsNamingTheFileAndKeepsUntornState) {
-  LoopMount mount("ro-step", 128);
-  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+TEST_F(LoopFilesystem, ReadOnlyMidStepFailsNamingTheFileAndKeepsUntornState) {
   const std::uint64_t seed = 1902;
-  std::printf("loop fs read-only: seed %llu, %s on %s\n", static_cast<unsigned long long>(seed),
-              mount.path().c_str(), mount.device().c_str());
+  if (!mount("ro-step", "read-only", seed)) GTEST_SKIP() << mount_->reason();
   // Every write completes 3 ms late, so that the step is still writing when the filesystem
   // turns read-only.
   FaultSpec spec;
@@ -111,24 +132,18 @@ TEST(LoopFilesystem, ReadOnlyMidStepFailsNamingTheFileAndKeepsUntornState) {
   spec.latency = std::chrono::microseconds(3000);
   auto faults = std::make_shared<FaultInjector>(spec);
   faults->set_enabled(false);
-  RigOptions so = loop_rig_options(mount.path(), faults);
-  Rig s;
-  Reference ref;
-  Status opened = tier_test::open_loaded_rig("loop-ro", so, seed, 0, &s, &ref);
-  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
-  ref.make_grads(DType::kBF16, seed + 1);
-  ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
-  const Reference old = ref;
-  ref.step(so.pipeline.optimizer, so.store, 1, 1.0f);
+  ASSERT_NO_FATAL_FAILURE(open_rig("loop-ro", seed, faults));
+  const Reference old = ref_;
+  ref_.step(so_.pipeline.optimizer, so_.store, 1, 1.0f);
 
   faults->set_enabled(true);
   bool turned = false;
   std::thread remount([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(60));
-    turned = mount.turn_read_only();
+    turned = mount_->turn_read_only();
   });
   const auto start = std::chrono::steady_clock::now();
-  Result<StepStats> r = s.pipeline->step({.step = 1});
+  Result<StepStats> r = rig_.pipeline->step({.step = 1});
   const auto took = std::chrono::steady_clock::now() - start;
   remount.join();
   faults->set_enabled(false);
@@ -139,11 +154,11 @@ TEST(LoopFilesystem, ReadOnlyMidStepFailsNamingTheFileAndKeepsUntornState) {
   const std::string message = r.status().to_string();
   std::printf("step on a filesystem turned read-only: %s\n", message.c_str());
   EXPECT_EQ(r.status().sys_code(), EROFS) << message;
-  EXPECT_NE(message.find(mount.path()), std::string::npos) << message;
+  EXPECT_NE(message.find(mount_->path()), std::string::npos) << message;
   EXPECT_NE(message.find("optimizer step 1: sub-group "), std::string::npos) << message;
   // Sticky, and what is on the read-only disk is still readable and verified.
-  EXPECT_EQ(s.pipeline->step({.step = 2}).status().to_string(), message);
-  std::printf("sub-groups: %s\n", check_versions(s, 1, ref, old).c_str());
+  EXPECT_EQ(rig_.pipeline->step({.step = 2}).status().to_string(), message);
+  std::printf("sub-groups: %s\n", check_versions(1, old).c_str());
 }
 
 }  // namespace
