@@ -231,6 +231,12 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_option("--nvme-path", o->nvme_path, "directory for the NVMe swap files");
   app.add_flag("--gradients-on-nvme", o->gradients_on_nvme,
                "accumulate the fp32 gradients on NVMe (stages 2-3, --offload-optimizer nvme)");
+  app.add_flag("--checkpoint-activations", o->checkpoint_activations,
+               "keep only each block's input for the backward pass, which recomputes the block");
+  app.add_option("--offload-activations", o->offload_activations,
+                 "where the engine keeps the checkpointed block inputs (with "
+                 "--checkpoint-activations)")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}));
   add_scaled(app, "--device-memory", &o->device_memory_bytes, true,
              "device memory budget per rank (0: 16 GiB)");
   add_scaled(app, "--host-memory", &o->host_memory_bytes, true,
@@ -337,6 +343,22 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   }
   if (o->gradients_on_nvme && (o->stage == 1 || o->offload_optimizer != "nvme")) {
     *error = "--gradients-on-nvme needs --stage 2 or 3 and --offload-optimizer nvme";
+    return 2;
+  }
+  if (o->offload_activations != "none" && !o->checkpoint_activations) {
+    *error = "--offload-activations " + o->offload_activations + " needs --checkpoint-activations";
+    return 2;
+  }
+  if (o->offload_activations != "none" && !o->use_engine) {
+    *error = "--offload-activations " + o->offload_activations +
+             " needs --engine on (the engine's activation store moves them)";
+    return 2;
+  }
+  if (o->checkpoint_activations && o->use_engine && o->device != "host") {
+    *error =
+        "--checkpoint-activations with the engine needs --device host: the model computes "
+        "on the CPU, and the engine saves its block inputs from device memory, which the "
+        "model writes in place only on a host device";
     return 2;
   }
   if (o->out_dir.empty()) {

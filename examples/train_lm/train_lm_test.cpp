@@ -700,6 +700,56 @@ TEST(Program, OpaqueDeviceGivesTheSameLossesAsHost) {
   fs::remove_all(dir);
 }
 
+// --checkpoint-activations (each block's input kept, the block recomputed in the backward pass)
+// through the engine's activation store on the device, in pinned host memory and on NVMe: the
+// loss.csv equals the run without checkpointing row for row (the recomputation runs the same
+// products on the same values), and the device's peak activation bytes fall as documented.
+TEST(Program, CheckpointedActivationsGiveTheSameLossCurve) {
+  const fs::path dir = scratch_dir("train_lm_checkpoint");
+  const std::string common =
+      "--params 120k --layers 8 --steps 6 --batch 4 --seq-len 64 --eval-every 3 "
+      "--eval-tokens 512 --seed 9 --lr 1e-2 --warmup 2 --no-progress --offload-optimizer cpu "
+      "--nvme-path " +
+      (dir / "nvme").string() + " ";
+  auto peak = [](const std::string& out) {
+    const std::size_t at = out.rfind("activation_device_bytes_peak=");
+    return at == std::string::npos ? 0.0 : std::stod(out.substr(at + 29));
+  };
+  std::string err, base_out;
+  ASSERT_EQ(run_program(common + "--out " + (dir / "base").string(), &err, &base_out), 0) << err;
+  const std::vector<std::string> base = loss_rows(dir / "base" / "loss.csv");
+  ASSERT_EQ(base.size(), 7u);  // the header and 6 steps
+  EXPECT_GT(peak(base_out), 0.0) << base_out;
+  for (const std::string& variant :
+       {std::string("--checkpoint-activations"),
+        std::string("--checkpoint-activations --offload-activations cpu"),
+        std::string("--checkpoint-activations --offload-activations nvme")}) {
+    std::string out;
+    ASSERT_EQ(run_program(common + variant + " --out " + (dir / "ckpt").string(), &err, &out), 0)
+        << variant << ": " << err;
+    EXPECT_EQ(loss_rows(dir / "ckpt" / "loss.csv"), base) << variant;
+    std::printf("%s: device activation peak %.0f of %.0f bytes\n", variant.c_str(), peak(out),
+                peak(base_out));
+    if (variant.find("offload") != std::string::npos) {
+      EXPECT_LT(peak(out), 0.2 * peak(base_out)) << variant;
+    } else {
+      EXPECT_LT(peak(out), 0.7 * peak(base_out)) << variant;
+    }
+    fs::remove_all(dir / "ckpt");
+  }
+  // The plain fp32 loop (--engine off) keeps its checkpoints itself: the same curve as its own
+  // run without checkpointing.
+  ASSERT_EQ(run_program(common + "--engine off --out " + (dir / "plain").string(), &err), 0) << err;
+  ASSERT_EQ(run_program(common + "--engine off --checkpoint-activations --out " +
+                            (dir / "plain_ckpt").string(),
+                        &err),
+            0)
+      << err;
+  EXPECT_EQ(loss_rows(dir / "plain_ckpt" / "loss.csv"), loss_rows(dir / "plain" / "loss.csv"));
+  EXPECT_FALSE(fs::exists(dir / "nvme")) << "swap directory left behind";
+  fs::remove_all(dir);
+}
+
 // --device cuda without a GPU (or in a build without CUDA) fails before anything is created, in
 // one line naming the device error. Where a GPU is present the run succeeds instead, and
 // scripts/gpu-check is what checks it.

@@ -49,6 +49,12 @@ struct RunSummary {
   std::uint64_t nvme_bytes = 0;
   std::uint64_t nvme_read_bytes = 0;  // optimizer + parameter traffic, all ranks, whole run
   std::uint64_t nvme_write_bytes = 0;
+  // Activations (MemoryReport): the device peak summed over ranks (with --engine off, the
+  // model's own figure), and the checkpoints' NVMe traffic.
+  std::uint64_t activation_device_bytes_peak = 0;
+  std::uint64_t activation_host_bytes = 0;
+  std::uint64_t activation_nvme_write_bytes = 0;
+  std::uint64_t activation_nvme_read_bytes = 0;
   std::uint64_t setup_peak_rss_bytes = 0;  // until the first validation (registration, finalize)
   std::uint64_t peak_rss_bytes = 0;        // during the training steps
   std::vector<CurvePoint> curve;

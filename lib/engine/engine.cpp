@@ -22,6 +22,7 @@
 #include <utility>
 
 #include "base/assert.hpp"
+#include "engine/activation_store.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/engine_counters.hpp"
@@ -61,7 +62,8 @@ class Engine::Impl {
         rank_(env.comm->rank()),
         world_(env.comm->world_size()),
         timeout_(std::chrono::milliseconds(config.collective_timeout_ms)),
-        publisher_(layout_) {}
+        publisher_(layout_),
+        activations_(config_, device_, comm_, env.nvme_paths, env.io_faults, sticky_) {}
 
   ~Impl() {
     if (caller_ != nullptr) (void)caller_->host_wait(timeout_);
@@ -678,6 +680,7 @@ class Engine::Impl {
     state_->add_memory(m);
     // The swap space holds the optimizer's extents and the parameter shards' alike.
     m.nvme_bytes = swap_ != nullptr ? swap_->used_bytes() : 0;
+    activations_.add_memory(m);
     return m;
   }
 
@@ -696,6 +699,7 @@ class Engine::Impl {
 
   ParameterLayout layout_;
   Publisher publisher_;
+  EngineActivations activations_;  // save_activation(), load_activation()
   std::unique_ptr<IoEngine> io_;
   std::unique_ptr<SwapSpace> swap_;
   std::uint64_t param_staging_bytes_ = 0;  // the coordinator's staging blocks, known before
@@ -942,6 +946,16 @@ bool Engine::finalized() const { return impl_->finalized_; }
 Status Engine::gather(std::string_view module) { return impl_->gather(module); }
 Result<TensorView> Engine::parameter(std::string_view name) const { return impl_->parameter(name); }
 Status Engine::release(std::string_view module) { return impl_->release(module); }
+Status Engine::save_activation(std::string_view key, const void* data, std::size_t bytes) {
+  return impl_->activations_.save(key, data, bytes);
+}
+Status Engine::load_activation(std::string_view key, void* data) {
+  return impl_->activations_.load(key, data);
+}
+Status Engine::flush_activations() { return impl_->activations_.flush(); }
+void Engine::set_activation_bytes(std::uint64_t device_bytes) {
+  impl_->activations_.set_caller_bytes(device_bytes);
+}
 Status Engine::set_compute_stream(Stream* stream) { return impl_->set_compute_stream(stream); }
 Status Engine::reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
   return impl_->reduce_gradients(module, gradients);
