@@ -1,18 +1,37 @@
-// Engine::save_checkpoint / load_checkpoint on one rank: seconds and GB/s of the checkpoint files
-// for a model of --params parameters (bf16, 64 parameters of params/64 elements) with its AdamW
-// state on NVMe (--offload nvme, default) or in host memory (--offload cpu). The initial values
-// come from an initializer, so nothing but the state itself is held. Compare the rates with the
-// drive's raw rate (`zinf io bench`); the load's checksum pass reads what the save just wrote,
-// usually from the page cache.
+// Engine::save_checkpoint / load_checkpoint on one rank beside the raw drive: a model of --params
+// parameters (bf16, 64 parameters of params/64 elements) with its AdamW state on NVMe
+// (--offload nvme, default) or in host memory (--offload cpu), stepped once with seeded random
+// gradients (so the moments are not zeros), then --rounds rounds of, in this order:
+//   raw write   the rank file's bytes into a file of its own in --dir, as `zinf io bench --op
+//               write` moves them (run_io_bench: 1 MiB pieces, 32 in flight, 8 MiB requests,
+//               O_DIRECT, 2 MiB pages, seeded random bytes)
+//   save        save_checkpoint() into --dir/ckpt (the previous round's tag removed first, not
+//               timed)
+//   raw read    the raw file read back the same way
+//   load        load_checkpoint() of that tag
+// Rates are the rank file's bytes over the call's time (manifest, fsyncs, renames included); the
+// raw file holds the same bytes less the rank file's header and padding.
+// Each round prints save / raw write and load / raw read; the end prints their medians. The
+// state is checked after the last load: the masters equal those before the first save, bit for
+// bit.
 //
-//   build/bin/bench_engine_checkpoint --params 268435456 --dir /path/on/the/drive
+//   build/bin/bench_engine_checkpoint --params 268435456 --dir /path/on/the/drive --offload cpu
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <string>
+#include <vector>
 
+#include "base/random.hpp"
+#include "io/buffer_pool.hpp"
+#include "io/io_bench.hpp"
+#include "io/io_engine.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -20,12 +39,80 @@
 
 namespace {
 
+using namespace zinf;
+
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-int run(std::size_t params, const std::string& dir, zinf::OffloadDevice offload) {
-  using namespace zinf;
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+// The raw drive as `zinf io bench` measures it by default (tools/zinf/io.cpp).
+class RawDrive {
+ public:
+  Status open(const std::string& path, std::uint64_t bytes) {
+    path_ = path;
+    IoOptions options;  // 1 MiB pieces, depth 32: the CLI's defaults
+    const std::size_t request = io_bench_request_bytes(options);
+    const std::size_t blocks = io_bench_pool_blocks(options, request);
+    options.max_requests = static_cast<std::uint32_t>(blocks + 16);
+    ZINF_ASSIGN_OR_RETURN(engine_, open_engine(options));
+    BufferPoolOptions pool_options;
+    pool_options.block_bytes = request;
+    pool_options.block_count = blocks;
+    ZINF_ASSIGN_OR_RETURN(pool_, BufferPool::create(pool_options));
+    ZINF_RETURN_IF_ERROR(pool_->register_with(*engine_));
+    SplitMix64 random(20261202);
+    auto* words = reinterpret_cast<std::uint64_t*>(pool_->data());
+    for (std::size_t i = 0; i < pool_->bytes() / 8; ++i) words[i] = random.next();
+    bytes_ = bytes / request * request;
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+    if (fd < 0) return status_from_errno(fmt::format("create {}", path), errno);
+    ::close(fd);
+    OpenFileOptions file_options;
+    file_options.direct = true;
+    ZINF_ASSIGN_OR_RETURN(file_, engine_->open_file(path, file_options));
+    return Status::ok();
+  }
+  ~RawDrive() {
+    if (engine_ != nullptr && file_.valid()) (void)engine_->close_file(file_);
+    if (!path_.empty()) std::filesystem::remove(path_);
+  }
+  Result<double> gbps(IoOp op) {
+    IoBenchConfig config;
+    config.op = op;
+    config.bytes = bytes_;
+    ZINF_ASSIGN_OR_RETURN(IoBenchResult r, run_io_bench(*engine_, file_, *pool_, config));
+    return r.gbps();
+  }
+  std::uint64_t bytes() const { return bytes_; }
+
+ private:
+  std::string path_;
+  std::unique_ptr<IoEngine> engine_;
+  std::unique_ptr<BufferPool> pool_;
+  FileHandle file_;
+  std::uint64_t bytes_ = 0;
+};
+
+Result<std::vector<float>> masters(Engine& engine, std::size_t tensors, std::size_t each) {
+  std::vector<float> all(tensors * each);
+  for (std::size_t i = 0; i < tensors; ++i) {
+    ZINF_RETURN_IF_ERROR(engine.read_parameters(fmt::format("w{}", i), all.data() + i * each));
+  }
+  return all;
+}
+
+int fail(std::string_view what, const Status& st) {
+  fmt::print(stderr, "{}: {}\n", what, st.to_string());
+  return 1;
+}
+
+int run(std::size_t params, const std::string& dir, OffloadDevice offload, int rounds) {
   std::filesystem::create_directories(dir);
   auto device = std::move(make_host_device({})).value();
   auto comms = std::move(make_local_comm_group({device.get()})).value();
@@ -39,10 +126,7 @@ int run(std::size_t params, const std::string& dir, zinf::OffloadDevice offload)
   env.device = device.get();
   env.comm = comms[0].get();
   Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
-  if (!opened.is_ok()) {
-    fmt::print(stderr, "open: {}\n", opened.status().to_string());
-    return 1;
-  }
+  if (!opened.is_ok()) return fail("open", opened.status());
   Engine& engine = **opened;
   constexpr std::size_t kTensors = 64;
   const std::size_t each = params / kTensors;
@@ -58,39 +142,86 @@ int run(std::size_t params, const std::string& dir, zinf::OffloadDevice offload)
       }
       return Status::ok();
     };
-    if (Status st = engine.register_parameter(spec); !st.is_ok()) {
-      fmt::print(stderr, "{}\n", st.to_string());
-      return 1;
-    }
+    if (Status st = engine.register_parameter(spec); !st.is_ok()) return fail("register", st);
   }
   auto t0 = std::chrono::steady_clock::now();
-  if (Status st = engine.finalize(); !st.is_ok()) {
-    fmt::print(stderr, "finalize: {}\n", st.to_string());
-    return 1;
-  }
+  if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
   const double finalize_s = seconds_since(t0);
+  // One step with seeded random gradients: the moments become non-zero.
+  {
+    constexpr std::size_t kModules = 8;
+    std::vector<std::vector<float>> grads(kTensors / kModules, std::vector<float>(each));
+    std::vector<std::string> names(kTensors / kModules);
+    std::vector<GradientRef> refs(kTensors / kModules);
+    SplitMix64 random(7);
+    for (std::size_t m = 0; m < kModules; ++m) {
+      for (std::size_t k = 0; k < refs.size(); ++k) {
+        for (float& g : grads[k]) {
+          g = static_cast<float>(static_cast<double>(random.next() >> 11) * 0x1.0p-53 - 0.5);
+        }
+        names[k] = fmt::format("w{}", k * kModules + m);
+        refs[k] = GradientRef{names[k], grads[k].data(), each, DType::kF32};
+      }
+      if (Status st = engine.reduce_gradients(fmt::format("m{}", m), refs); !st.is_ok()) {
+        return fail("reduce_gradients", st);
+      }
+    }
+    t0 = std::chrono::steady_clock::now();
+    Result<StepReport> stepped = engine.step();
+    if (!stepped.is_ok()) return fail("step", stepped.status());
+    fmt::print("params {} ({} state): finalize {:.2f} s, one step {:.2f} s\n", each * kTensors,
+               offload_device_name(offload), finalize_s, seconds_since(t0));
+  }
+  Result<std::vector<float>> before = masters(engine, kTensors, each);
+  if (!before.is_ok()) return fail("read_parameters", before.status());
+
   const std::string ckpt = dir + "/ckpt";
-  t0 = std::chrono::steady_clock::now();
-  if (Status st = engine.save_checkpoint(ckpt); !st.is_ok()) {
-    fmt::print(stderr, "save: {}\n", st.to_string());
-    return 1;
-  }
-  const double save_s = seconds_since(t0);
-  const double bytes =
-      static_cast<double>(std::filesystem::file_size(ckpt + "/global_step0/rank0.zinfckpt"));
-  t0 = std::chrono::steady_clock::now();
-  if (Status st = engine.load_checkpoint(ckpt); !st.is_ok()) {
-    fmt::print(stderr, "load: {}\n", st.to_string());
-    return 1;
-  }
-  const double load_s = seconds_since(t0);
-  fmt::print(
-      "params {} ({} state), file {:.2f} GB: finalize {:.2f} s; save {:.2f} s ({:.2f} GB/s); load "
-      "{:.2f} s ({:.2f} GB/s of file, read twice: checksum then state)\n",
-      each * kTensors, offload_device_name(offload), bytes / 1e9, finalize_s, save_s,
-      bytes / 1e9 / save_s, load_s, bytes / 1e9 / load_s);
   std::filesystem::remove_all(ckpt);
-  return 0;
+  // The raw file: the master and two moments' bytes (the rank file adds its 4096-byte header and
+  // padding), to whole 8 MiB requests.
+  RawDrive raw;
+  if (Status st = raw.open(dir + "/raw.bin", std::uint64_t{12} * each * kTensors); !st.is_ok()) {
+    return fail("raw file", st);
+  }
+  std::uint64_t file_bytes = 0;
+  std::vector<double> save_ratio, load_ratio;
+  fmt::print(
+      "| round | raw write | save | save / raw write | raw read | load | load / raw read |\n");
+  fmt::print("|---|---|---|---|---|---|---|\n");
+  for (int round = 1; round <= rounds; ++round) {
+    const std::string tag = fmt::format("r{}", round);
+    std::filesystem::remove_all(ckpt);
+    Result<double> w = raw.gbps(IoOp::kWrite);
+    if (!w.is_ok()) return fail("raw write", w.status());
+    const double raw_write = *w;
+    t0 = std::chrono::steady_clock::now();
+    if (Status st = engine.save_checkpoint(ckpt, tag); !st.is_ok()) return fail("save", st);
+    const double save_s = seconds_since(t0);
+    file_bytes = std::filesystem::file_size(ckpt + "/" + tag + "/rank0.zinfckpt");
+    Result<double> r = raw.gbps(IoOp::kRead);
+    if (!r.is_ok()) return fail("raw read", r.status());
+    t0 = std::chrono::steady_clock::now();
+    if (Status st = engine.load_checkpoint(ckpt, tag); !st.is_ok()) return fail("load", st);
+    const double load_s = seconds_since(t0);
+    const double save = static_cast<double>(file_bytes) / save_s / 1e9;
+    const double load = static_cast<double>(file_bytes) / load_s / 1e9;
+    save_ratio.push_back(save / raw_write);
+    load_ratio.push_back(load / *r);
+    fmt::print(
+        "| {} | {:.2f} GB/s | {:.2f} GB/s ({:.2f} s) | {:.2f} | {:.2f} GB/s | {:.2f} GB/s "
+        "({:.2f} s) | {:.2f} |\n",
+        round, raw_write, save, save_s, save_ratio.back(), *r, load, load_s, load_ratio.back());
+  }
+  Result<std::vector<float>> after = masters(engine, kTensors, each);
+  if (!after.is_ok()) return fail("read_parameters", after.status());
+  const bool same = std::memcmp(before->data(), after->data(), before->size() * sizeof(float)) == 0;
+  fmt::print(
+      "rank file {:.2f} GB (raw file {:.2f} GB); median save / raw write {:.2f}, median load / raw "
+      "read {:.2f}; masters after the last load {} those saved\n",
+      static_cast<double>(file_bytes) / 1e9, static_cast<double>(raw.bytes()) / 1e9,
+      median(save_ratio), median(load_ratio), same ? "equal" : "DIFFER FROM");
+  std::filesystem::remove_all(ckpt);
+  return same ? 0 : 1;
 }
 
 }  // namespace
@@ -99,6 +230,7 @@ int main(int argc, char** argv) {
   std::size_t params = std::size_t{1} << 28;
   std::string dir = "/tmp/zinf-bench-checkpoint";
   zinf::OffloadDevice offload = zinf::OffloadDevice::kNvme;
+  int rounds = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i];
     const std::string value = argv[i + 1];
@@ -108,10 +240,12 @@ int main(int argc, char** argv) {
       dir = value;
     } else if (key == "--offload") {
       offload = value == "cpu" ? zinf::OffloadDevice::kHost : zinf::OffloadDevice::kNvme;
+    } else if (key == "--rounds") {
+      rounds = std::max(1, std::atoi(value.c_str()));
     } else {
       fmt::print(stderr, "unknown option {}\n", key);
       return 2;
     }
   }
-  return run(params, dir, offload);
+  return run(params, dir, offload, rounds);
 }

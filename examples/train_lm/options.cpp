@@ -196,6 +196,11 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   std::string engine = o->use_engine ? "on" : "off";
   app.add_option("--engine", engine, "on: train through zinf's Engine; off: a plain fp32 loop")
       ->check(CLI::IsMember({"on", "off"}));
+  std::string overlap = o->overlap_step ? "on" : "off";
+  app.add_option("--overlap-step", overlap,
+                 "on: the optimizer step runs on behind the next forward pass (zinf.overlap_step); "
+                 "off: sequential")
+      ->check(CLI::IsMember({"on", "off"}));
   CLI::Option* world_option =
       app.add_option("--world-size", o->world_size,
                      "ranks: LocalComm threads (--comm local); with mpi or nccl the launcher's "
@@ -272,6 +277,7 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
     return 2;
   }
   o->use_engine = engine == "on";
+  o->overlap_step = overlap == "on";
   if (!o->use_engine && (o->save_every > 0 || !o->resume_dir.empty())) {
     *error = "--save-every and --resume need --engine on (checkpoints are the engine's)";
     return 2;

@@ -42,6 +42,8 @@ struct Options {
   double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
   // zinf.
   bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
+  // --overlap-step on|off: zinf.overlap_step (off: step() returns with every parameter published)
+  bool overlap_step = true;
   int world_size = 1;      // --world-size: ranks (LocalComm threads; the launcher's with mpi/nccl)
   // --comm local|mpi|nccl: local runs the ranks as LocalComm threads of this process; mpi and
   // nccl run one process per rank, started by mpirun/srun (mpi, nccl) or torchrun (nccl), each

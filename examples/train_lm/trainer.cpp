@@ -458,6 +458,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.train_micro_batch_size_per_gpu = o.batch / (std::size_t(o.world_size) * o.micro_batches);
   c.gradient_accumulation_steps = o.micro_batches;
   c.gradient_clipping = o.grad_clip;
+  c.overlap_step = o.overlap_step;
   c.bf16_enabled = o.param_dtype == "bf16";
   c.optimizer.kind = zinf::OptimizerKind::kAdamW;
   c.optimizer.lr = o.lr;
@@ -699,17 +700,24 @@ void StepDone::operator()() noexcept {
         s.pipeline_traced
             ? std::max(0.0, optimizer_s - update_seconds(*s.trace, s.last_step_end_ns) / s.world)
             : 0.0;
+    // Overlapped (zinf.overlap_step), the optimizer figures are the previous step's pass, which
+    // ran on behind this step's forward: how much of it was hidden, and how long gathers waited.
+    char overlap[96] = "";
+    if (o.use_engine && o.overlap_step && o.offload_optimizer != "none") {
+      std::snprintf(overlap, sizeof(overlap), "; previous step's, %.2fs hidden, gathers waited %.2fs",
+                    now.hidden_s - was.hidden_s, now.gather_wait_s - was.gather_wait_s);
+    }
     s.progress.finish_line();
     std::fprintf(stderr,
                  "step %lld: %.2fs = forward %.2fs + backward %.2fs + gather %.2fs + reduce "
                  "%.2fs + step %.2fs (AdamW+NVMe %.2fs of which I/O wait %.2fs, %s NVMe "
-                 "traffic, %.2f GB/s) + eval %.2fs; loss %.3f\n",
+                 "traffic, %.2f GB/s%s) + eval %.2fs; loss %.3f\n",
                  static_cast<long long>(s.step), step_s, now.forward_s - was.forward_s,
                  now.backward_s - was.backward_s, now.gather_s - was.gather_s,
                  now.reduce_s - was.reduce_s, now.step_s - was.step_s, optimizer_s, io_wait_s,
                  format_bytes(double(nvme_bytes - s.last_nvme_bytes)).c_str(),
                  optimizer_s > 0 ? double(nvme_bytes - s.last_nvme_bytes) / optimizer_s / 1e9 : 0.0,
-                 now.eval_s - was.eval_s, train);
+                 overlap, now.eval_s - was.eval_s, train);
     s.last_time = now;
     s.last_nvme_bytes = nvme_bytes;
   }
@@ -906,6 +914,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       }
       const zinf::StepReport& r = report.value();
       time.optimizer_s += double(r.optimizer_ns) * 1e-9;
+      time.hidden_s += double(r.hidden_ns) * 1e-9;
+      time.gather_wait_s += double(r.gather_wait_ns) * 1e-9;
       shared.nvme_read[std::size_t(rank)] += r.optimizer_nvme_read_bytes;
       shared.nvme_write[std::size_t(rank)] +=
           r.optimizer_nvme_write_bytes + r.param_nvme_write_bytes;

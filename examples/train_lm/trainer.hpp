@@ -22,6 +22,10 @@ struct TimeSplit {
   double step_s = 0;       // Engine::step (or the plain AdamW): norm, optimizer, publish
   double optimizer_s = 0;  //   of which the optimizer over the rank's slice (NVMe I/O included)
   double io_wait_s = 0;    //     of which waiting for reads and writes (not updating)
+  // Overlapped step (--overlap-step on): of the optimizer's time, the part hidden behind compute;
+  // and the gathers' waits for parameters not yet written (part of gather_s).
+  double hidden_s = 0;
+  double gather_wait_s = 0;
   double eval_s = 0;       // validation
   double total_s = 0;      // the steps' wall time, all of the above and the rest (batches)
 };

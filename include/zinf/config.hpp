@@ -166,6 +166,11 @@ struct Config {
   // offload_optimizer "nvme".
   bool gradients_on_nvme = false;
   std::size_t gradient_spill_buffers = 4;
+  // The optimizer step with its state in a store (offload_optimizer "cpu" or "nvme") runs on
+  // after step() returns: each group's new parameters are written as soon as the pass has
+  // produced them, and gather() waits only for its own module's. The results are the same bits
+  // as the sequential step's (false: step() returns once every parameter is published).
+  bool overlap_step = true;
   // Device memory the planner sets aside for the runtime (CUDA context, workspaces). Read by
   // `zinf plan` only; the engine allocates nothing for it.
   std::uint64_t device_reserved_bytes = std::uint64_t{1} << 30;

@@ -257,6 +257,10 @@ struct HostDeviceOptions {
   // lib/device/device_ops.hpp) reach the memory. Pointer arithmetic on device pointers works as
   // on a GPU.
   bool opaque = false;
+  // Host-to-device and device-to-host copies fail (kFailedPrecondition, naming the copy) unless
+  // their host side lies inside a register_host range. On CUDA a copy from pageable memory runs
+  // synchronously, so a test with this set shows that a path keeps its copies asynchronous there.
+  bool require_registered_host = false;
 };
 
 // A Device whose memory is host memory and whose streams are worker threads.

@@ -190,6 +190,16 @@ struct StepReport {
   // Bytes of fp32 master read back from NVMe to publish parameters the optimizer pass does not
   // write in their dtype (f32 parameters, or a mix of half dtypes).
   std::uint64_t master_nvme_read_bytes = 0;
+  // The overlapped step (zinf.overlap_step, the optimizer state in a store): step() decided this
+  // step and returned while its optimizer pass runs on. optimizer_ns, publish_ns, the NVMe byte
+  // counts and hidden_ns above and below are then the previous applied step's pass (finished by
+  // now; zero on the first step), not this one's.
+  bool overlapped = false;
+  // Of that pass's time (optimizer_ns + publish_ns), the part during which the caller was not
+  // waiting for it: hidden behind the caller's compute.
+  std::int64_t hidden_ns = 0;
+  // Time gather() waited since the previous step() for parameters the pass had not yet written.
+  std::int64_t gather_wait_ns = 0;
 };
 
 // Bytes of this rank's state on each tier, fixed at finalize().

@@ -2,8 +2,9 @@
 //
 // How a collective runs. issue() numbers it (the sequence, as LocalComm does) and enqueues a
 // host function on the stream; on a device whose memory host code cannot touch (a CudaDevice, an
-// opaque HostDevice) it first copies the send buffer down into a host staging buffer and
-// afterwards copies the result up, on the same stream. When the stream reaches the host
+// opaque HostDevice) it first copies the send buffer down into a host staging buffer (registered
+// with the device and reused: lib/device/staging_buffers.hpp) and afterwards copies the result
+// up, on the same stream. When the stream reaches the host
 // function, it hands the collective to the communicator's progress thread and waits. The
 // progress thread is the only thread that moves data: it posts each collective's nonblocking
 // point-to-point messages (MPI_Isend / MPI_Irecv on a duplicate of the caller's communicator,

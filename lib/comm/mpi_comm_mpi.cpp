@@ -24,6 +24,7 @@
 #include "comm/collective_util.hpp"
 #include "comm/mpi_comm.hpp"
 #include "device/host_device.hpp"
+#include "device/staging_buffers.hpp"
 
 namespace zinf {
 namespace {
@@ -137,7 +138,7 @@ struct Task {
   // Only on devices whose memory host code cannot touch: the device buffers and the host copies.
   const void* device_send = nullptr;
   void* device_recv = nullptr;
-  std::vector<std::byte> send_staging, recv_staging;
+  RegisteredBuffer send_staging, recv_staging;  // from MpiComm's StagingBuffers
   // reduce_scatter and all_reduce: the other ranks' pieces, rank r's at r * piece bytes.
   std::vector<std::byte> pieces;
 
@@ -182,6 +183,7 @@ class MpiComm final : public Communicator {
   MpiComm(Device& device, const MpiCommOptions& options) : device_(device), options_(options) {
     host_device_ = dynamic_cast<HostDevice*>(&device);
     staged_ = !device.host_accessible();
+    if (staged_) staging_ = std::make_unique<StagingBuffers>(device);
   }
   ~MpiComm() override { close(); }
 
@@ -235,6 +237,12 @@ class MpiComm final : public Communicator {
 
   // Runs on the stream: hands `task` to the progress thread, waits, then computes the result.
   Status run(const std::shared_ptr<Task>& task, const Status& upstream);
+  // Runs on the stream after the upload of the result: the host copies go back for reuse.
+  void give_back_staging(Task& task) {
+    if (staging_ == nullptr) return;
+    if (task.send_staging.bytes() != 0) staging_->give_back(std::move(task.send_staging));
+    if (task.recv_staging.bytes() != 0) staging_->give_back(std::move(task.recv_staging));
+  }
 
  private:
   void submit(std::shared_ptr<Task> task);
@@ -262,6 +270,9 @@ class MpiComm final : public Communicator {
   const MpiCommOptions options_;
   HostDevice* host_device_ = nullptr;
   bool staged_ = false;
+  // The host copies of a staged collective: registered (page-locked on CUDA, so the copies down
+  // and up stay asynchronous) and reused from one collective to the next.
+  std::unique_ptr<StagingBuffers> staging_;
   int rank_ = 0;
   int world_size_ = 1;
   std::string name_;
@@ -672,7 +683,9 @@ Status run_stream_task(void* user, const Status& upstream) {
 
 // Runs after the collective (and its upload, when staged), even when it failed.
 Status release_stream_task(void* user, const Status&) {
-  delete static_cast<StreamTask*>(user);
+  auto* stream_task = static_cast<StreamTask*>(user);
+  stream_task->comm->give_back_staging(*stream_task->task);
+  delete stream_task;
   return Status::ok();
 }
 
@@ -754,8 +767,14 @@ Status MpiComm::issue(const Collective& op, Stream& stream) {
   };
   if (staged_ && chunk_bytes != 0) {
     // Device memory host code cannot touch: down into host buffers, and the result back up.
-    task->send_staging.resize(needs_send ? send_bytes : 0);
-    task->recv_staging.resize(recv_bytes);
+    if (needs_send) {
+      Result<RegisteredBuffer> buffer = staging_->take(send_bytes);
+      if (!buffer.is_ok()) return enqueue_failed(buffer.status());
+      task->send_staging = std::move(buffer).value();
+    }
+    Result<RegisteredBuffer> buffer = staging_->take(recv_bytes);
+    if (!buffer.is_ok()) return enqueue_failed(buffer.status());
+    task->recv_staging = std::move(buffer).value();
     task->op.send = needs_send ? task->send_staging.data() : nullptr;
     task->op.recv = task->recv_staging.data();
     if (needs_send) {

@@ -292,6 +292,15 @@ Status HostDevice::register_host(void* ptr, std::size_t bytes) {
   return Status::ok();
 }
 
+bool HostDevice::registered(const void* ptr, std::size_t bytes) const {
+  const auto begin = reinterpret_cast<std::uintptr_t>(ptr);
+  std::lock_guard<std::mutex> lock(mu_);
+  auto next = registered_.upper_bound(begin);
+  if (next == registered_.begin()) return false;
+  auto range = std::prev(next);
+  return begin + bytes <= range->first + range->second;
+}
+
 Status HostDevice::unregister_host(void* ptr) {
   std::lock_guard<std::mutex> lock(mu_);
   if (registered_.erase(reinterpret_cast<std::uintptr_t>(ptr)) == 0) {
@@ -397,6 +406,15 @@ Status HostDevice::copy_async(void* dst, const void* src, std::size_t bytes, Cop
         "{}: {} copy of {} bytes from {} to {} on stream '{}': the device side is not inside "
         "memory this device allocated",
         name_, kind_name, bytes, src, dst, host.name()));
+  }
+  if (options_.require_registered_host && kind != CopyKind::kDeviceToDevice) {
+    const void* host_side = dst_on_device ? src : dst;
+    if (!registered(host_side, bytes)) {
+      return Status::failed_precondition(fmt::format(
+          "{}: {} copy of {} bytes from {} to {} on stream '{}': the host side is not registered "
+          "memory (register_host), which a GPU would copy synchronously",
+          name_, kind_name, bytes, src, dst, host.name()));
+    }
   }
   if (dst_on_device) dst = host_address(dst);
   if (src_on_device) src = host_address(src);

@@ -127,6 +127,8 @@ class HostDevice final : public Device {
   std::size_t memory_limit_bytes() const override { return options_.memory_limit_bytes; }
   Status register_host(void* ptr, std::size_t bytes) override;
   Status unregister_host(void* ptr) override;
+  // Whether [ptr, ptr + bytes) lies inside one register_host range.
+  bool registered(const void* ptr, std::size_t bytes) const;
 
   Result<std::unique_ptr<Stream>> create_stream(std::string_view name) override;
   Result<std::unique_ptr<Event>> create_event() override;

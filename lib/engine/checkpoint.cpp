@@ -57,11 +57,13 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
   m.optimizer = std::string(optimizer_name(ctx.config->optimizer.kind));
   m.fingerprint = part.fingerprint();
   m.partition_elements = layout.partition_elements();
-  m.step = resume.step;
-  m.lr = resume.lr;
-  m.lr_override = resume.lr_override;
-  m.schedule = resume.schedule;
-  m.gather_order = resume.gather_order;
+  // The manifest's share of the resume state (its loss scaler is in the rank files' headers, its
+  // client state in client_state.bin).
+  m.resume.step = resume.step;
+  m.resume.lr = resume.lr;
+  m.resume.lr_override = resume.lr_override;
+  m.resume.schedule = resume.schedule;
+  m.resume.gather_order = resume.gather_order;
   for (ParamId id = 0; id < part.param_count(); ++id) {
     const ParamLocation& loc = part.location(id);
     m.params.push_back({layout.param(id).spec.name, part.spec(id).shape, part.spec(id).dtype,
@@ -130,8 +132,10 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
 Status write_rank_file(const CheckpointContext& ctx, IoEngine& io, const std::string& temp,
                        const ResumeState& resume, ManifestFile* out) {
   const std::string path = checkpoint_rank_path(temp, ctx.rank);
+  const std::uint64_t file_bytes = checkpoint_rank_file_bytes(
+      state_pieces(ctx.config->optimizer.kind).size(), ctx.layout->partition_elements());
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
-                        CheckpointWriter::create(io, path, /*direct=*/true));
+                        CheckpointWriter::create(io, path, /*direct=*/true, file_bytes));
   std::vector<std::byte> head(kCheckpointHeaderBytes);
   encode_checkpoint_header(header_of(ctx, resume),
                            std::span<std::byte, kCheckpointHeaderBytes>(head.data(), head.size()));
@@ -346,8 +350,21 @@ Status plan_segments(const CheckpointContext& ctx, const CheckpointManifest& m,
   return Status::ok();
 }
 
-// Opens a saved rank file, checks its size and checksum against the manifest and its header
-// against the manifest. `direct`: for one front-to-back pass (positioned after the header).
+// Opens a saved rank file and checks its size and header against the manifest. `direct`: for
+// one front-to-back pass (positioned after the header), whose end (CheckpointReader::finish)
+// gives the checksum that check_rank_checksum() compares; otherwise for reads at any offset, and
+// the checksum is checked here, before anything is read from the file.
+Status check_rank_checksum(const CheckpointManifest& m, int rank, const CheckpointReader& r,
+                           std::uint64_t sum) {
+  const ManifestFile& f = m.ranks[static_cast<std::size_t>(rank)];
+  if (sum != f.xxh3) {
+    return Status::corruption(
+        fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
+                    r.path(), sum, f.xxh3));
+  }
+  return Status::ok();
+}
+
 Status open_rank_file(IoEngine& io, const std::string& tag_dir, const CheckpointManifest& m,
                       int rank, std::size_t pieces, bool direct,
                       std::unique_ptr<CheckpointReader>* out, CheckpointHeader* header) {
@@ -361,11 +378,9 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
         fmt::format("'{}' has {} bytes; the manifest says {}, its layout needs {}", path,
                     r->file_bytes(), f.bytes, expect));
   }
-  ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
-  if (sum != f.xxh3) {
-    return Status::corruption(
-        fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
-                    path, sum, f.xxh3));
+  if (!direct) {
+    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
+    ZINF_RETURN_IF_ERROR(check_rank_checksum(m, rank, *r, sum));
   }
   std::vector<std::byte> head(kCheckpointHeaderBytes);
   if (direct) {
@@ -383,7 +398,7 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
       h.world_size != static_cast<std::uint32_t>(m.world_size) ||
       h.stage != static_cast<std::uint32_t>(m.stage) ||
       h.partition_elements != m.partition_elements || h.fingerprint != m.fingerprint ||
-      h.step != m.step) {
+      h.step != m.resume.step) {
     return Status::corruption(fmt::format("'{}': its header does not match the manifest", path));
   }
   *header = h;
@@ -466,17 +481,24 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   }
   ZINF_RETURN_IF_ERROR(ctx.exchange->agree(call, local));
 
-  // From here on the state is being replaced: an error leaves it mixed, so it is sticky.
-  for (std::size_t pi = 0; pi < pieces.size(); ++pi) {
-    const Piece piece = pieces[pi];
-    Status st;
-    if (same_layout) {
-      st = ctx.state->write_state(piece, [&](std::size_t, std::size_t count, float* out) {
-        return own->read(out, count * sizeof(float));
-      });
-    } else {
+  // From here on the state is being replaced. Same layout: this rank's file streams through the
+  // reader's pipeline into the state, hashed as it arrives, and its checksum is known once the
+  // last block is in; resharded: every file was checked above. Either way every rank learns
+  // every rank's verdict before the resume state is taken; an error here leaves the partition
+  // part old and part new, so it is sticky (the engine refuses to train on it).
+  local = [&]() -> Status {
+    for (std::size_t pi = 0; pi < pieces.size(); ++pi) {
+      const Piece piece = pieces[pi];
+      if (same_layout) {
+        ZINF_RETURN_IF_ERROR(
+            ctx.state->write_state(piece, [&](std::size_t, std::size_t count, float* out) {
+              return own->read(out, count * sizeof(float));
+            }));
+        continue;
+      }
       const std::uint64_t piece_bytes = m.partition_elements * sizeof(float);
-      st = ctx.state->write_state(piece, [&](std::size_t first, std::size_t count, float* out) {
+      ZINF_RETURN_IF_ERROR(ctx.state->write_state(piece, [&](std::size_t first, std::size_t count,
+                                                             float* out) {
         std::fill(out, out + count, 0.0f);  // padding
         auto it = std::upper_bound(segments.begin(), segments.end(), first,
                                    [](std::size_t f, const Segment& s) { return f < s.first; });
@@ -491,18 +513,24 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
               saved.at(it->old_rank)->read_at(at, (hi - lo) * sizeof(float), out + (lo - first)));
         }
         return Status::ok();
-      });
+      }));
     }
-    ZINF_RETURN_IF_ERROR(ctx.sticky->fail(st.with_context(call)));
-  }
+    if (same_layout) {
+      // The rest of the file (its padding) completes the checksum.
+      ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, own->finish());
+      ZINF_RETURN_IF_ERROR(check_rank_checksum(m, ctx.rank, *own, sum));
+    }
+    return Status::ok();
+  }();
+  ZINF_RETURN_IF_ERROR(ctx.sticky->fail(ctx.exchange->agree(call, local.with_context(call))));
   resume->step = header.step;
   resume->loss_scale = header.loss_scale;
   resume->loss_scale_good_steps = header.loss_scale_good_steps;
   resume->loss_scale_hysteresis_left = header.loss_scale_hysteresis_left;
-  resume->lr = m.lr;
-  resume->lr_override = m.lr_override;
-  resume->schedule = m.schedule;
-  resume->gather_order = m.gather_order;
+  resume->lr = m.resume.lr;
+  resume->lr_override = m.resume.lr_override;
+  resume->schedule = m.resume.schedule;
+  resume->gather_order = m.resume.gather_order;
   return Status::ok();
 }
 

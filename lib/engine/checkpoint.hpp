@@ -24,18 +24,22 @@
 
 #include <xxhash.h>
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <nlohmann/json_fwd.hpp>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
 
 #include "base/aligned.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/rank_exchange.hpp"
+#include "io/buffer_pool.hpp"
 #include "io/io_engine.hpp"
 #include "zero/loss_scaler.hpp"
 #include "zero/partitioner.hpp"
@@ -109,6 +113,35 @@ struct ManifestFile {
   std::uint64_t xxh3 = 0;
 };
 
+// The state a resume needs beyond the optimizer's partition. A checkpoint keeps it in three
+// places: the step and the learning rate's state in the manifest, the loss scaler in every rank
+// file's header, the client state in client_state.bin.
+struct ResumeState {
+  ResumeState() = default;
+  ResumeState(std::int64_t step_in, const LossScaler& scaler, double lr_in, bool lr_override_in,
+              const ScheduleConfig& schedule_in)
+      : step(step_in),
+        loss_scale(scaler.scale()),
+        loss_scale_good_steps(scaler.good_steps()),
+        loss_scale_hysteresis_left(scaler.hysteresis_left()),
+        lr(lr_in),
+        lr_override(lr_override_in),
+        schedule(schedule_in) {}
+
+  std::int64_t step = 0;
+  double loss_scale = 1.0;
+  std::int64_t loss_scale_good_steps = 0;
+  std::int32_t loss_scale_hysteresis_left = 0;
+  // The learning rate: the optimizer's (or set_learning_rate()'s, when lr_override) and the
+  // schedule's configuration; with the step they give every later step's lr.
+  double lr = 0.0;
+  bool lr_override = false;
+  ScheduleConfig schedule;
+  // The recorded gather order (module names; empty before the first step).
+  std::vector<std::string> gather_order;
+  std::string client_state;
+};
+
 // manifest.json: everything a load needs besides the rank files. Every rank writes the same
 // values, so rank 0's stand for all.
 struct CheckpointManifest {
@@ -119,14 +152,11 @@ struct CheckpointManifest {
   std::string optimizer;  // optimizer_name()
   std::uint64_t fingerprint = 0;
   std::uint64_t partition_elements = 0;
-  std::int64_t step = 0;
-  // The learning rate: the optimizer's (or set_learning_rate()'s, when lr_override) and the
-  // schedule's configuration; with the step they give every later step's lr.
-  double lr = 0.0;
-  bool lr_override = false;
-  ScheduleConfig schedule;
-  // The recorded gather order (module names; empty before the first step).
-  std::vector<std::string> gather_order;
+  // The step, the learning rate (the optimizer's, or set_learning_rate()'s when lr_override),
+  // the schedule's configuration and the recorded gather order. The manifest carries those; its
+  // loss scaler fields and client_state stay empty (the rank files' headers and
+  // client_state.bin hold them).
+  ResumeState resume;
   std::vector<ManifestParam> params;
   std::vector<ManifestGroup> groups;
   std::vector<ManifestFile> ranks;         // world_size entries, rank r's at r
@@ -149,18 +179,69 @@ std::string checkpoint_rank_path(const std::string& dir, int rank);
 // compete with the step's queue for slots), with the engine's fault injector when it has one.
 Result<std::unique_ptr<IoEngine>> open_checkpoint_io(std::shared_ptr<FaultInjector> faults);
 
-// Writes one file through `io`, hashing what it appends. Appends are gathered in 8 MiB aligned
-// blocks, two of them: one fills while the other is written, so reading the state (from the
-// device, host memory or NVMe) overlaps writing the file. With `direct` the file is opened
+// A writer's or a sequential reader's pipeline: kCheckpointPipelineBlocks blocks of
+// kCheckpointBlockBytes (48 MiB a file), from 2 MiB pages where the kernel gives them, registered
+// with the I/O engine. `zinf io bench` keeps the same bytes in flight by default (6 requests of
+// 8 MiB, cut into 1 MiB pieces, 32 at the drive), so a checkpoint meets the drive as the raw
+// benchmark does.
+inline constexpr std::size_t kCheckpointBlockBytes = std::size_t{8} << 20;
+inline constexpr std::size_t kCheckpointPipelineBlocks = 6;
+
+// The xxh3-64 of a sequence of blocks, computed on a thread of its own in the order the blocks
+// were pushed, so hashing a checkpoint's bytes overlaps moving them (a core hashes about as fast
+// as a drive moves bytes). The blocks are the caller's until wait() says they were hashed.
+// Thread-safety: one caller thread.
+class BlockHasher {
+ public:
+  BlockHasher();
+  ~BlockHasher();
+  BlockHasher(const BlockHasher&) = delete;
+  BlockHasher& operator=(const BlockHasher&) = delete;
+
+  // Queues [data, data + bytes) and returns its number (from 1), which wait() takes. At most
+  // kMaxQueued blocks are queued and not yet hashed.
+  std::uint64_t push(const std::byte* data, std::size_t bytes);
+  // Returns once block `number` (and every block before it) is hashed.
+  void wait(std::uint64_t number);
+  // Waits for every queued block; the digest of all of them.
+  std::uint64_t digest();
+  // Starts a new sequence. REQUIRES: nothing queued is unhashed (digest() was called).
+  void reset();
+
+  static constexpr std::size_t kMaxQueued = 16;
+
+ private:
+  struct Item {
+    const std::byte* data = nullptr;
+    std::size_t bytes = 0;
+  };
+  void run();
+
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  Item queue_[kMaxQueued];
+  std::uint64_t pushed_ = 0;
+  std::uint64_t hashed_ = 0;
+  bool stop_ = false;
+  XXH3_state_t* state_ = nullptr;
+  std::thread thread_;
+};
+
+// Writes one file through `io`, hashing what it appends. Appends are gathered in aligned blocks
+// that are written as soon as they are full, up to kCheckpointPipelineBlocks - 1 writes in flight
+// while the next block fills, so reading the state (from the device, host memory or NVMe)
+// overlaps writing the file, at the drive's queue depth. With `direct` the file is opened
 // O_DIRECT where the filesystem allows it and its end padded with zeros to a multiple of 4096
 // bytes (the padding is hashed and counted; padded also where the filesystem refuses O_DIRECT);
-// without it the file is exactly what was appended.
+// without it the file is exactly what was appended (through two 1 MiB blocks: small files).
 // commit() writes the rest and fsyncs the file; destroyed uncommitted, the writer removes it.
 class CheckpointWriter {
  public:
-  // REQUIRES: `io` outlives the writer.
+  // REQUIRES: `io` outlives the writer. `expected_bytes` > 0: the file's size once committed,
+  // allocated at once (where the filesystem can), so the writes do not extend the file.
   static Result<std::unique_ptr<CheckpointWriter>> create(IoEngine& io, std::string path,
-                                                          bool direct);
+                                                          bool direct,
+                                                          std::uint64_t expected_bytes = 0);
   ~CheckpointWriter();
   CheckpointWriter(const CheckpointWriter&) = delete;
   CheckpointWriter& operator=(const CheckpointWriter&) = delete;
@@ -168,15 +249,17 @@ class CheckpointWriter {
   Status append(const void* data, std::size_t bytes);
   Status commit();
   std::uint64_t bytes() const { return bytes_; }
-  std::uint64_t digest() const { return XXH3_64bits_digest(hash_); }
+  // After commit(): the xxh3-64 of the file.
+  std::uint64_t digest() const { return digest_; }
   const std::string& path() const { return path_; }
 
  private:
   CheckpointWriter(IoEngine& io, std::string path) : io_(&io), path_(std::move(path)) {}
-  // Submits the current block's first `bytes` bytes and moves to the other block.
+  // Submits the current block's first `bytes` bytes and moves to the next block, once that
+  // block's previous write is done.
   Status submit_block(std::size_t bytes);
-  // Waits for block `b`'s write, if one is in flight.
-  Status wait_block(int b);
+  // Waits for block `b`'s write, if one is in flight, and for its hashing.
+  Status wait_block(std::size_t b);
 
   IoEngine* io_;
   std::string path_;
@@ -185,17 +268,23 @@ class CheckpointWriter {
   bool direct_ = false;  // the file is open with O_DIRECT
   bool pad_ = false;     // pad to 4096 bytes (O_DIRECT asked for)
   bool committed_ = false;
-  std::uint64_t bytes_ = 0;    // appended
-  std::uint64_t written_ = 0;  // submitted to the file
-  AlignedBuffer blocks_[2];
-  Ticket tickets_[2];
-  int current_ = 0;
-  std::size_t used_ = 0;  // bytes of blocks_[current_] filled
-  XXH3_state_t* hash_ = nullptr;
+  std::uint64_t allocated_ = 0;  // fallocate()d at create
+  std::uint64_t bytes_ = 0;      // appended
+  std::uint64_t written_ = 0;    // submitted to the file
+  std::unique_ptr<BufferPool> pool_;
+  bool registered_ = false;            // pool_ is registered with io_
+  std::vector<Ticket> tickets_;        // one per block of pool_
+  std::vector<std::uint64_t> hashes_;  // each block's number in hasher_ (0: none)
+  std::size_t current_ = 0;
+  std::size_t used_ = 0;  // bytes of block current_ filled
+  BlockHasher hasher_;
+  std::uint64_t digest_ = 0;
 };
 
-// Reads a file through `io`: front to back through 8 MiB aligned blocks (O_DIRECT where the
-// filesystem allows it and the file is a multiple of 4096 bytes), or at any offset (read_at).
+// Reads a file through `io`: front to back (read(), finish(), checksum()) through a read-ahead
+// pipeline of kCheckpointPipelineBlocks aligned blocks (O_DIRECT where the filesystem allows it
+// and the file is a multiple of 4096 bytes), hashing every block as it arrives, so one pass both
+// delivers the bytes and checks them; or at any offset (read_at).
 class CheckpointReader {
  public:
   // REQUIRES: `io` outlives the reader.
@@ -207,17 +296,25 @@ class CheckpointReader {
 
   // The next `bytes` bytes; kCorruption naming the file and offset when it ends first.
   Status read(void* out, std::size_t bytes);
+  // Reads the rest of the file and returns the xxh3-64 of all of it (what read() returned, and
+  // the rest). The read position is then the end of the file.
+  Result<std::uint64_t> finish();
+  // The whole file's xxh3-64, read front to back in one pass; the read position starts over.
+  Result<std::uint64_t> checksum();
   // `bytes` bytes from `offset`. REQUIRES: the reader was opened without `direct`.
   Status read_at(std::uint64_t offset, std::size_t bytes, void* out);
   std::uint64_t file_bytes() const { return file_bytes_; }
-  // The whole file's xxh3-64, read in bounded chunks (the read position is left alone).
-  Result<std::uint64_t> checksum();
   const std::string& path() const { return path_; }
 
  private:
   CheckpointReader(IoEngine& io, std::string path) : io_(&io), path_(std::move(path)) {}
-  // buffer <- the file from `at` (4096-aligned), min(capacity, rest of the file) bytes.
-  Status read_block(std::byte* buffer, std::size_t capacity, std::uint64_t at, std::size_t* got);
+  // Allocates the pipeline and submits the first blocks' reads.
+  Status start();
+  // Hands the current block's slot to the next unread offset and makes the next block in file
+  // order current (waiting for its read, hashing it). False in *more at the end of the file.
+  Status next_block(bool* more);
+  // Waits for every read in flight and frees the pipeline.
+  Status stop();
 
   IoEngine* io_;
   std::string path_;
@@ -225,10 +322,19 @@ class CheckpointReader {
   FileHandle file_;
   bool direct_ = false;
   std::uint64_t file_bytes_ = 0;
-  std::uint64_t offset_ = 0;  // the next byte read() returns
-  AlignedBuffer block_;       // the file from block_first_, block_valid_ bytes
-  std::uint64_t block_first_ = 0;
-  std::size_t block_valid_ = 0;
+  // The pipeline (while a front-to-back pass runs): block k of the file is in slot k % blocks.
+  std::unique_ptr<BufferPool> pool_;
+  bool registered_ = false;
+  std::vector<Ticket> tickets_;
+  std::vector<std::uint64_t> hashes_;    // each slot's number in hasher_ (0: none)
+  std::vector<std::size_t> slot_bytes_;  // bytes each slot's read asked for
+  std::uint64_t submitted_ = 0;          // the file's bytes whose reads were submitted
+  std::uint64_t block_index_ = 0;        // the current block (valid while current_valid_ > 0)
+  bool has_current_ = false;
+  std::size_t current_valid_ = 0;  // bytes in the current block
+  std::size_t current_used_ = 0;   // of them, returned by read()
+  std::uint64_t offset_ = 0;       // the next byte read() returns
+  BlockHasher hasher_;
 };
 
 // Writes `text` to `path` durably through `io`: "<path>.tmp", fsync, rename, fsync of the
@@ -269,30 +375,6 @@ struct CheckpointContext {
   std::shared_ptr<FaultInjector> io_faults;
 };
 
-// The state a resume needs beyond the optimizer's partition.
-struct ResumeState {
-  ResumeState() = default;
-  ResumeState(std::int64_t step_in, const LossScaler& scaler, double lr_in, bool lr_override_in,
-              const ScheduleConfig& schedule_in)
-      : step(step_in),
-        loss_scale(scaler.scale()),
-        loss_scale_good_steps(scaler.good_steps()),
-        loss_scale_hysteresis_left(scaler.hysteresis_left()),
-        lr(lr_in),
-        lr_override(lr_override_in),
-        schedule(schedule_in) {}
-
-  std::int64_t step = 0;
-  double loss_scale = 1.0;
-  std::int64_t loss_scale_good_steps = 0;
-  std::int32_t loss_scale_hysteresis_left = 0;
-  double lr = 0.0;
-  bool lr_override = false;
-  ScheduleConfig schedule;
-  std::vector<std::string> gather_order;
-  std::string client_state;
-};
-
 // A checkpoint is taken between steps: kFailedPrecondition naming `call` when module `in_use`
 // (>= 0) is gathered or gradients were reduced since the last step.
 Status checkpoint_precondition(std::string_view call, const ParameterLayout& layout, long in_use,
@@ -313,8 +395,16 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
 // Reads <dir>/<tag> (`tag` empty: the one <dir>/latest names), checks it against this engine
 // (every rank agreeing), then writes the state into ctx.state, re-sliced by parameter name when
 // the checkpoint's world size or layout differs from this engine's. On success *resume holds the
-// rest. Errors before the state is touched leave it as it was; an error while it is written is
-// sticky. Collective.
+// rest. The same layout reads each rank file once: its blocks stream into the state and are
+// hashed as they arrive, and the checksum is compared once the last one is in. Resharded, each
+// file a rank reads from is checksummed first and then read where its segments lie. Errors
+// before the state is touched (the manifest, the files' sizes and headers, and resharded, their
+// checksums) leave it as it was; an error while it is written, a checksum found wrong at the end
+// of the pass included, is returned by every rank (kCorruption naming the file on the rank that
+// read it, kAborted naming that rank on the others) and is sticky: the partition is then part
+// old, part new, and the engine refuses every later call instead of training on it. The step,
+// loss scaler, schedule and client state are taken only once every rank's checksum matched.
+// Collective.
 Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
                              const std::string& dir, const std::string& tag, Status precondition,
                              ResumeState* resume);

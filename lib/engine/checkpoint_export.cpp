@@ -108,7 +108,7 @@ Status export_checkpoint_safetensors(const std::string& dir, const std::string& 
   }
   header["__metadata__"] = {{"format", "pt"},
                             {"zinf_tag", t.manifest.tag},
-                            {"zinf_step", std::to_string(t.manifest.step)}};
+                            {"zinf_step", std::to_string(t.manifest.resume.step)}};
   std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
   std::byte length[8];
@@ -167,7 +167,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
       checksums = st.is_ok() ? "ok" : st.message();
     }
     tags.push_back({{"tag", m.tag},
-                    {"step", m.step},
+                    {"step", m.resume.step},
                     {"world_size", m.world_size},
                     {"stage", m.stage},
                     {"optimizer", m.optimizer},

@@ -270,11 +270,11 @@ std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
             {"optimizer", m.optimizer},
             {"fingerprint", fmt::format("{:016x}", m.fingerprint)},
             {"partition_elements", m.partition_elements},
-            {"step", m.step},
-            {"lr", m.lr},
-            {"lr_override", m.lr_override},
-            {"lr_schedule", schedule_to_json(m.schedule)},
-            {"gather_order", m.gather_order},
+            {"step", m.resume.step},
+            {"lr", m.resume.lr},
+            {"lr_override", m.resume.lr_override},
+            {"lr_schedule", schedule_to_json(m.resume.schedule)},
+            {"gather_order", m.resume.gather_order},
             {"params", params},
             {"groups", groups},
             {"ranks", files(m.ranks)},
@@ -335,13 +335,13 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   r.get(j, "optimizer", &m.optimizer, &st);
   r.get_hex(j, "fingerprint", &m.fingerprint, &st);
   r.get(j, "partition_elements", &m.partition_elements, &st);
-  r.get(j, "step", &m.step, &st);
-  if (st.is_ok() && m.step < 0) st = r.bad("step", "is negative");
-  r.get(j, "lr", &m.lr, &st);
-  r.get(j, "lr_override", &m.lr_override, &st);
+  r.get(j, "step", &m.resume.step, &st);
+  if (st.is_ok() && m.resume.step < 0) st = r.bad("step", "is negative");
+  r.get(j, "lr", &m.resume.lr, &st);
+  r.get(j, "lr_override", &m.resume.lr_override, &st);
   const Json* sched = r.find(j, "lr_schedule", &st);
   if (sched != nullptr) {
-    ScheduleConfig& s = m.schedule;
+    ScheduleConfig& s = m.resume.schedule;
     std::string type;
     r.get(*sched, "type", &type, &st);
     if (st.is_ok()) {
@@ -383,7 +383,7 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
         st = r.bad("gather_order[]", "is not a string");
         break;
       }
-      m.gather_order.push_back(e.get<std::string>());
+      m.resume.gather_order.push_back(e.get<std::string>());
     }
   }
   if (const Json* groups = r.array(j, "groups", &st)) {

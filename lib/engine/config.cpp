@@ -340,6 +340,7 @@ const Key kZinfKeys[] = {
     {.name = "gradients_on_nvme", .read = ZINF_READ(bool_of(v, &w.config->gradients_on_nvme))},
     {.name = "gradient_spill_buffers",
      .read = ZINF_READ(count_as(v, &w.config->gradient_spill_buffers))},
+    {.name = "overlap_step", .read = ZINF_READ(bool_of(v, &w.config->overlap_step))},
     {.name = "device_reserved_bytes",
      .read = ZINF_READ(count_as(v, &w.config->device_reserved_bytes)),
      .no_effect = kPlannerOnly},

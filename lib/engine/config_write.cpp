@@ -253,6 +253,7 @@ std::string config_to_json(const Config& c) {
                  {"pinned_pool_bytes", c.pinned_pool_bytes},
                  {"gradients_on_nvme", c.gradients_on_nvme},
                  {"gradient_spill_buffers", c.gradient_spill_buffers},
+                 {"overlap_step", c.overlap_step},
                  {"device_reserved_bytes", c.device_reserved_bytes},
                  {"cpu_threads", c.cpu_threads},
                  {"collective_timeout_ms", c.collective_timeout_ms},

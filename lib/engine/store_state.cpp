@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <future>
 
 #include "base/aligned.hpp"
 #include "base/assert.hpp"
@@ -127,11 +128,17 @@ class StoreState final : public OptimizerState {
     return pipeline_->step({.step = step, .grad_scale = grad_scale});
   }
 
-  Status publish_step() override {
+  Status publish_step() override { return publish_pass(/*gather_persistent=*/true); }
+  bool overlaps() const override { return true; }
+  Status write_step() override { return publish_pass(/*gather_persistent=*/false); }
+
+  // After the pass: every shard written (streamed, the pass did it), and the persistent groups
+  // all-gathered when `gather_persistent`.
+  Status publish_pass(bool gather_persistent) {
     if (publish_ == Publish::kStreamed) {
       // The pass wrote every shard; the persistent groups' all-gather is left.
       ZINF_ASSERT(pub_.stream_complete());
-      return pub_.publish();
+      return gather_persistent ? pub_.publish() : Status::ok();
     }
     // From the store, the pass wrote every group's new values into the store's half array;
     // narrowed, the f32 groups (all groups, without a half piece) come from the master.
@@ -148,7 +155,7 @@ class StoreState final : public OptimizerState {
                                              [&](std::uint32_t g) { return values(g); });
                                        }));
     }
-    return write_values();
+    return write_values(gather_persistent);
   }
 
   Status publish_master() override {
@@ -210,10 +217,25 @@ class StoreState final : public OptimizerState {
       return fn(0, layout_.partition_elements(),
                 reinterpret_cast<const float*>(s.host_data(piece)));
     }
-    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
-    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
-      ZINF_RETURN_IF_ERROR(s.read_piece(piece, i, block.data()));
-      ZINF_RETURN_IF_ERROR(fn(s.sub_group_first(i), s.sub_group_size(i), block.as<const float>()));
+    // Two blocks: sub-group i + 1 is read on a thread of its own while `fn` takes sub-group i,
+    // so a checkpoint's save reads the NVMe state while it writes its file.
+    const std::size_t bytes = round_page(s.sub_group_params() * sizeof(float));
+    AlignedBuffer blocks[2] = {AlignedBuffer(bytes), AlignedBuffer(bytes)};
+    auto read = [&s, piece, &blocks](std::size_t i) {
+      return std::async(std::launch::async, [&s, piece, i, &blocks] {
+        return s.read_piece(piece, i, blocks[i % 2].data());
+      });
+    };
+    const std::size_t count = s.sub_group_count();
+    std::future<Status> next = read(0);
+    for (std::size_t i = 0; i < count; ++i) {
+      ZINF_RETURN_IF_ERROR(next.get());
+      if (i + 1 < count) next = read(i + 1);
+      Status st = fn(s.sub_group_first(i), s.sub_group_size(i), blocks[i % 2].as<const float>());
+      if (!st.is_ok()) {
+        if (next.valid()) (void)next.get();  // no read may still fill a block when it is freed
+        return st;
+      }
     }
     return Status::ok();
   }
@@ -224,13 +246,23 @@ class StoreState final : public OptimizerState {
     if (s.tier(piece) == StoreMedium::kHost) {
       return fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)));
     }
-    AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    // Two blocks: sub-group i - 1 is written on a thread of its own while `fill` fills
+    // sub-group i, so a checkpoint's load writes the NVMe state while it reads its file.
+    const std::size_t bytes = round_page(s.sub_group_params() * sizeof(float));
+    AlignedBuffer blocks[2] = {AlignedBuffer(bytes), AlignedBuffer(bytes)};
+    std::future<Status> writing;
     for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      AlignedBuffer& block = blocks[i % 2];  // its last write (i - 2) was waited for below
       std::memset(block.data(), 0, block.bytes());
-      ZINF_RETURN_IF_ERROR(fill(s.sub_group_first(i), s.sub_group_size(i), block.as<float>()));
-      ZINF_RETURN_IF_ERROR(s.write_piece(piece, i, block.data()));
+      Status st = fill(s.sub_group_first(i), s.sub_group_size(i), block.as<float>());
+      Status written = writing.valid() ? writing.get() : Status::ok();
+      ZINF_RETURN_IF_ERROR(written);
+      ZINF_RETURN_IF_ERROR(st);
+      writing = std::async(std::launch::async, [&s, piece, i, &block] {
+        return s.write_piece(piece, i, block.data());
+      });
     }
-    return Status::ok();
+    return writing.valid() ? writing.get() : Status::ok();
   }
 
   void restored(std::int64_t step) override {
@@ -307,8 +339,9 @@ class StoreState final : public OptimizerState {
     pub_.narrow_groups(
         first, count, src, [](DType) { return true; }, [&](std::uint32_t g) { return values(g); });
   }
-  Status write_values() {
-    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); });
+  Status write_values(bool gather_persistent = true) {
+    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
+                             gather_persistent);
   }
 
   StateContext ctx_;

@@ -7,7 +7,7 @@
 // Errors: every zinf::Status that is not OK becomes a zinf.Error (a RuntimeError) whose message is
 // Status::to_string(), "<code name>: <message>", so the code and the named file, key, module or
 // parameter reach the Python caller. Calls that may block (gather, reduce, step, checkpoints,
-// finalize) release the GIL.
+// finalize, reading and writing parameters) release the GIL, through without_gil().
 //
 // Thread-safety: as zinf::Engine, call one Engine from one thread.
 #include <nanobind/nanobind.h>
@@ -22,6 +22,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -52,6 +53,22 @@ template <typename T>
 T take(zinf::Result<T>&& result) {
   check(result.status());
   return std::move(result).value();
+}
+
+// Runs `call`, which returns a zinf::Status or a zinf::Result<T>, with the GIL released (it may
+// block on I/O, on worker threads or on the other ranks), and raises zinf.Error for a failure
+// once the GIL is held again; returns the Result's value. `call` must not touch Python objects.
+template <typename Call>
+auto without_gil(Call&& call) {
+  auto outcome = [&] {
+    nb::gil_scoped_release release;
+    return call();
+  }();
+  if constexpr (std::is_same_v<decltype(outcome), zinf::Status>) {
+    check(outcome);
+  } else {
+    return take(std::move(outcome));
+  }
 }
 
 zinf::DType dtype_from_name(const std::string& name) {
@@ -228,16 +245,13 @@ class PyEngine {
       }
       refs[i] = zinf::GradientRef{names[i], gradients[i].data(), gradients[i].size(), dtype};
     }
-    nb::gil_scoped_release release;
-    check(engine().reduce_gradients(module, refs));
+    zinf::Engine& core = engine();
+    without_gil([&] { return core.reduce_gradients(module, refs); });
   }
 
   nb::dict step() {
-    zinf::StepReport report;
-    {
-      nb::gil_scoped_release release;
-      report = take(engine().step());
-    }
+    zinf::Engine& core = engine();
+    const zinf::StepReport report = without_gil([&] { return core.step(); });
     nb::dict out;
     out["step"] = report.step;
     out["skipped"] = report.skipped;
@@ -266,8 +280,8 @@ class PyEngine {
           " floats, the parameter " + std::to_string(it->second)));
     }
     float* data = out.data();
-    nb::gil_scoped_release release;
-    check(engine().read_parameters(name, data));
+    zinf::Engine& core = engine();
+    without_gil([&] { return core.read_parameters(name, data); });
   }
 
   // Rank `root`'s values replace the fp32 master of `name` on every rank (Engine::
@@ -283,8 +297,8 @@ class PyEngine {
           " values for a parameter of " + std::to_string(it->second)));
     }
     const float* data = values.has_value() ? values->data() : nullptr;
-    nb::gil_scoped_release release;
-    check(engine().write_parameters(name, data, root));
+    zinf::Engine& core = engine();
+    without_gil([&] { return core.write_parameters(name, data, root); });
   }
 
   nb::dict counters() const {
@@ -364,9 +378,10 @@ NB_MODULE(_zinf, m) {
           throw ZinfError(zinf::Status::invalid_argument("export_checkpoint: dtype '" + dtype +
                                                          "' (fp32 or bf16)"));
         }
-        nb::gil_scoped_release release;
-        check(zinf::export_checkpoint_safetensors(
-            dir, tag, out, dtype == "fp32" ? zinf::DType::kF32 : zinf::DType::kBF16));
+        without_gil([&] {
+          return zinf::export_checkpoint_safetensors(
+              dir, tag, out, dtype == "fp32" ? zinf::DType::kF32 : zinf::DType::kBF16);
+        });
       },
       nb::arg("dir"), nb::arg("tag"), nb::arg("out"), nb::arg("dtype"),
       "Writes a checkpoint's full fp32 masters as a safetensors file (zinf ckpt export).");
@@ -390,19 +405,19 @@ NB_MODULE(_zinf, m) {
       .def("comm_status", &PyEngine::comm_status)
       .def("finalize",
            [](PyEngine& e) {
-             nb::gil_scoped_release release;
-             check(e.engine().finalize());
+             zinf::Engine& core = e.engine();
+             without_gil([&] { return core.finalize(); });
            })
       .def_prop_ro("finalized", [](const PyEngine& e) { return e.engine().finalized(); })
       .def("gather",
            [](PyEngine& e, const std::string& module) {
-             nb::gil_scoped_release release;
-             check(e.engine().gather(module));
+             zinf::Engine& core = e.engine();
+             without_gil([&] { return core.gather(module); });
            })
       .def("release",
            [](PyEngine& e, const std::string& module) {
-             nb::gil_scoped_release release;
-             check(e.engine().release(module));
+             zinf::Engine& core = e.engine();
+             without_gil([&] { return core.release(module); });
            })
       .def("parameter", &PyEngine::parameter, nb::arg("name"))
       .def("reduce_gradients", &PyEngine::reduce_gradients, nb::arg("module"), nb::arg("names"),
@@ -411,16 +426,17 @@ NB_MODULE(_zinf, m) {
       .def(
           "save_checkpoint",
           [](PyEngine& e, const std::string& dir, const std::string& tag) {
-            nb::gil_scoped_release release;
-            check(tag.empty() ? e.engine().save_checkpoint(dir)
-                              : e.engine().save_checkpoint(dir, tag));
+            zinf::Engine& core = e.engine();
+            without_gil([&] {
+              return tag.empty() ? core.save_checkpoint(dir) : core.save_checkpoint(dir, tag);
+            });
           },
           nb::arg("dir"), nb::arg("tag") = "")
       .def(
           "load_checkpoint",
           [](PyEngine& e, const std::string& dir, const std::string& tag) {
-            nb::gil_scoped_release release;
-            check(e.engine().load_checkpoint(dir, tag));
+            zinf::Engine& core = e.engine();
+            without_gil([&] { return core.load_checkpoint(dir, tag); });
           },
           nb::arg("dir"), nb::arg("tag") = "")
       .def("set_client_state",
@@ -438,6 +454,7 @@ NB_MODULE(_zinf, m) {
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
            [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })
+      .def_prop_ro("learning_rate", [](const PyEngine& e) { return e.engine().learning_rate(); })
       .def_prop_ro("rank", [](const PyEngine& e) { return e.engine().rank(); })
       .def_prop_ro("world_size", [](const PyEngine& e) { return e.engine().world_size(); })
       .def("config_json",

@@ -261,6 +261,16 @@ class ZinfEngine(nn.Module):
         self._base_lr = defaults["lr"]
         self._initial_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         self._lr_pushed = self._base_lr
+        # With the config's `scheduler` section the engine runs the schedule, and the groups'
+        # "lr"s show the rate of the next step, as DeepSpeed's do (the lrs last shown, or None).
+        self._lrs_shown: list[float] | None = None
+        if "scheduler" in resolved:
+            if lr_scheduler is not None:
+                raise ValueError(
+                    "initialize: the config's \"scheduler\" section "
+                    f"({resolved['scheduler'].get('type')}) and an lr_scheduler were both "
+                    "given; pass one of them")
+            self._show_engine_lr()
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_scheduler = lr_scheduler
@@ -591,14 +601,28 @@ class ZinfEngine(nn.Module):
         return self._base_lr * factors[0]
 
     def _apply_step(self):
-        lr = self._scheduled_lr()
-        if lr != self._lr_pushed:
-            self._core.set_learning_rate(lr)
-            self._lr_pushed = lr
+        if self._lrs_shown is None or self.get_lr() != self._lrs_shown:
+            # The groups' lrs are torch's (a torch scheduler's, or set by hand): they go to the
+            # engine, and replace the config's schedule from here on (Engine::set_learning_rate).
+            lr = self._scheduled_lr()
+            if lr != self._lr_pushed:
+                self._core.set_learning_rate(lr)
+                self._lr_pushed = lr
         with self._aborting_on_error("step"):
             self.last_step_report = self._core.step()
         self.global_steps += 1
+        if self._lrs_shown is not None:
+            self._show_engine_lr()
         self._refresh_views()
+
+    def _show_engine_lr(self):
+        """Sets every group's "lr" to the rate the engine runs it at in the next step: the
+        engine's learning rate (the schedule's) times the group's ratio to the config's lr."""
+        lr = self._core.learning_rate
+        for group, initial in zip(self.optimizer.param_groups, self._initial_lrs):
+            group["lr"] = lr if initial == self._base_lr else lr * (initial / self._base_lr)
+        self._lrs_shown = self.get_lr()
+        self._lr_pushed = lr
 
     def zero_grad(self, set_to_none: bool = True):
         """Nothing to do: gradients are dropped as they are handed to the engine."""
@@ -629,6 +653,8 @@ class ZinfEngine(nn.Module):
         _open_engines.discard(self)
 
     def get_lr(self) -> list[float]:
+        """Each parameter group's learning rate for the next step (with the config's scheduler,
+        the schedule's rate, updated by every step)."""
         return [float(g["lr"]) for g in self.optimizer.param_groups]
 
     @property
@@ -670,7 +696,9 @@ class ZinfEngine(nn.Module):
         del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
-                 "lr": self.get_lr(), "client_state": client_state or {}}
+                 "lr": self.get_lr(), "client_state": client_state or {},
+                 "lr_from_schedule": self._lrs_shown is not None
+                 and self.get_lr() == self._lrs_shown}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         blob = io.BytesIO()
@@ -693,10 +721,14 @@ class ZinfEngine(nn.Module):
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
-        for group, lr in zip(self.optimizer.param_groups, state["lr"]):
-            group["lr"] = lr
-        self._lr_pushed = self._scheduled_lr()
-        self._core.set_learning_rate(self._lr_pushed)
+        if self._lrs_shown is not None and state.get("lr_from_schedule", False):
+            # The engine's step count came back with the checkpoint: the schedule resumes.
+            self._show_engine_lr()
+        else:
+            for group, lr in zip(self.optimizer.param_groups, state["lr"]):
+                group["lr"] = lr
+            self._lr_pushed = self._scheduled_lr()
+            self._core.set_learning_rate(self._lr_pushed)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._refresh_views()
@@ -726,7 +758,9 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     model_parameters: the parameters to train: all of the model's, as parameters or as torch
         parameter groups (dicts with "params" and their own "lr" and "weight_decay").
     lr_scheduler: a torch LR scheduler over the returned optimizer, or a callable that makes one
-        from it; stepped after each optimizer step.
+        from it; stepped after each optimizer step. Or the config's "scheduler" section (not
+        both): the engine runs that schedule, and the optimizer's param_groups "lr"s (and
+        engine.get_lr()) show the rate of the next step after each step.
     training_data: a torch Dataset; a DataLoader over it with train_micro_batch_size_per_gpu is
         returned.
     comm: "local" (one process) or "mpi" (one rank per process of an mpirun job); by default

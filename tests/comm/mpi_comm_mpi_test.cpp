@@ -22,6 +22,7 @@
 
 #include "base/random.hpp"
 #include "comm_test_util.hpp"
+#include "device/device_ops.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 #include "zinf/dtype.hpp"
@@ -45,6 +46,9 @@ std::unique_ptr<Device> host_device(int ordinal, bool opaque) {
   options.jitter_max_us = 50;
   options.jitter_seed = 7 + static_cast<std::uint64_t>(ordinal);
   options.opaque = opaque;
+  // As a GPU needs for asynchronous copies: every host buffer a copy touches is registered, the
+  // communicator's staging copies included.
+  options.require_registered_host = opaque;
   Result<std::unique_ptr<Device>> device = make_host_device(options);
   EXPECT_TRUE(device.is_ok()) << device.status().to_string();
   return std::move(device).value();
@@ -100,14 +104,18 @@ Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind
   if (in_place && kind == CollectiveKind::kReduceScatter) {
     recv = base + static_cast<std::size_t>(rank) * chunk_bytes;
   }
-  ZINF_RETURN_IF_ERROR(device.copy_h2d(send, input.data(), send_bytes, *run.stream));
+  Result<RegisteredBuffer> host_in = RegisteredBuffer::allocate(device, send_bytes);
+  Result<RegisteredBuffer> host_out = RegisteredBuffer::allocate(device, recv_bytes);
+  ZINF_RETURN_IF_ERROR(host_in.status());
+  ZINF_RETURN_IF_ERROR(host_out.status());
+  std::memcpy(host_in.value().data(), input.data(), send_bytes);
+  ZINF_RETURN_IF_ERROR(device.copy_h2d(send, host_in.value().data(), send_bytes, *run.stream));
   Collective c{kind, send, recv, count, dtype, op, root, "test data"};
   ZINF_RETURN_IF_ERROR(comm.issue(c, *run.stream));
-  std::vector<std::byte> out(recv_bytes);
-  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), recv, recv_bytes, *run.stream));
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(host_out.value().data(), recv, recv_bytes, *run.stream));
   ZINF_RETURN_IF_ERROR(device.record(*run.done, *run.stream));
   ZINF_RETURN_IF_ERROR(comm.wait(*run.done, std::chrono::seconds(60)));
-  return out;
+  return std::vector<std::byte>(host_out.value().data(), host_out.value().data() + recv_bytes);
 }
 
 // The same collective on LocalComm: `world` threads of this process, each with its rank's input;

@@ -2,13 +2,15 @@
 // itself (/proc/self/exe) with ZINF_CKPT_KILL_ROLE set; a static initializer here runs that role
 // before gtest's main and exits, so the child is a plain process with the real filesystem.
 //
-//   child     opens an engine (NVMe optimizer state), loads `latest` if there is one, applies one
-//             step with gradients drawn from the step number, writes "<step> <hash of masters>"
-//             to <work>/expect, writes one byte to the pipe (the save starts), saves the default
+//   child     opens an engine (NVMe optimizer state), loads `latest` if there is one (and writes
+//             "<step> <hash of masters>" of what it loaded to <work>/loaded: this fresh process
+//             is the one that judges the previous trial's killed save), applies one step with
+//             gradients drawn from the step number, writes "<step> <hash of masters>" to
+//             <work>/expect, writes one byte to the pipe (the save starts), saves the default
 //             tag, writes another byte (the save ended) and exits.
-//   verify    a fresh process: loads `latest`, prints "<step> <hash>", applies the next step and
-//             prints its hash (the moments, step count and lr moved it), exits 0; any error exits
-//             2 with the message.
+//   verify    after the last trial, a fresh process: loads `latest`, prints "<step> <hash>",
+//             applies the next step and prints its hash (the moments, step count and lr moved
+//             it), exits 0; any error exits 2 with the message.
 #include "checkpoint_kill_util.hpp"
 
 #include <fcntl.h>
@@ -139,6 +141,10 @@ int run_child() {
       std::string tag;
       f >> tag;
       step = std::stoll(tag.substr(std::string("global_step").size()));
+      // What this fresh process loaded, for the parent to judge the previous trial by.
+      ZINF_ASSIGN_OR_RETURN(std::uint64_t loaded, masters_hash(e, params));
+      std::ofstream out(work + "/loaded", std::ios::trunc);
+      out << step << " " << loaded << "\n";
     }
     ZINF_RETURN_IF_ERROR(one_step(e, params, step + 1));
     ZINF_ASSIGN_OR_RETURN(std::uint64_t h, masters_hash(e, params));
@@ -237,17 +243,61 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
               trials, static_cast<unsigned long long>(seed), ckpt.c_str());
   SplitMix64 random(seed);
   // Each step's master hash, as the process that computed it recorded it, and the hash after
-  // the following step as a verifier computed it.
+  // the following step as the process that loaded the checkpoint computed it.
   std::map<std::int64_t, std::uint64_t> hash_at, hash_after;
   int previous = 0, fresh = 0, finished = 0;
   double save_s = 0;
-  std::vector<double> kill_fractions;
+  // The trial whose outcome the next fresh process decides: each trial's child is the fresh
+  // process that loads what the previous trial's killed save left (and a verifier process
+  // loads what the last one left), so every kill is followed by a load in a new process.
+  struct Pending {
+    int trial = -1;
+    double delay_s = -1;
+    double fraction = 0;
+    bool saved = false;
+    std::int64_t new_step = 0;
+    std::uint64_t new_hash = 0;
+  } pending;
+  // Judges `pending` by what a fresh process loaded: `step` and the masters' `hash`, and `after`,
+  // the masters' hash after it applied the next step (the moments and step count decide it).
+  auto judge = [&](std::int64_t step, std::uint64_t hash, std::uint64_t after) {
+    const char* outcome = "?";
+    if (step == pending.new_step) {
+      EXPECT_EQ(hash, pending.new_hash)
+          << "trial " << pending.trial << ": the new checkpoint's state differs";
+      outcome = "new";
+      if (pending.trial > 0) ++fresh;
+    } else {
+      EXPECT_EQ(step, pending.new_step - 1)
+          << "trial " << pending.trial << ": neither the previous nor the new";
+      ASSERT_EQ(hash_at.count(step), 1u);
+      EXPECT_EQ(hash, hash_at[step])
+          << "trial " << pending.trial << ": the previous checkpoint differs";
+      outcome = "previous";
+      ++previous;
+      ASSERT_GT(pending.trial, 0);
+    }
+    if (hash_after.count(step) != 0) {
+      EXPECT_EQ(hash_after[step], after) << "the step after step " << step << " differs";
+    }
+    hash_after[step] = after;
+    if (hash_at.count(step + 1) != 0) {
+      EXPECT_EQ(hash_at[step + 1], after) << "the step after step " << step << " differs";
+    }
+    if (pending.trial == 0) {
+      std::printf("trial  0: not killed -> loads %s (step %lld)\n", outcome,
+                  static_cast<long long>(step));
+    } else {
+      std::printf("trial %2d: killed %.3f s into the save (%.2f of it)%s -> loads %s (step %lld)\n",
+                  pending.trial, pending.delay_s, pending.fraction,
+                  pending.saved ? ", after it ended" : "", outcome, static_cast<long long>(step));
+    }
+  };
   for (int trial = 0; trial <= trials; ++trial) {
     std::filesystem::remove_all(work + "/nvme");
-    std::filesystem::remove_all(work + "/nvme-verify");
     std::filesystem::create_directories(work + "/nvme");
-    std::filesystem::create_directories(work + "/nvme-verify");
     std::filesystem::remove(work + "/expect");
+    std::filesystem::remove(work + "/loaded");
     int pipe_fds[2];
     ASSERT_EQ(::pipe(pipe_fds), 0);
     const pid_t child = spawn("child", ckpt, work, params, pipe_fds[1]);
@@ -279,8 +329,9 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
     }
     ::close(pipe_fds[0]);
     const int child_rc = wait_exit(child);
-    ASSERT_TRUE(saving) << "trial " << trial << ": the child failed before saving (exit "
-                        << child_rc << ")";
+    // A child that did not reach its save could not load what the previous trial left.
+    ASSERT_TRUE(saving) << "trial " << trial << ": a fresh process could not load latest, or "
+                        << "failed before saving (exit " << child_rc << ")";
     if (trial == 0) {
       ASSERT_EQ(child_rc, 0) << "the first save failed";
       std::printf("trial 0: save took %.3f s\n", save_s);
@@ -289,56 +340,34 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
     std::uint64_t new_hash = 0;
     std::istringstream(read_all(work + "/expect")) >> new_step >> new_hash;
     ASSERT_GT(new_step, 0);
+    if (trial > 0) {
+      // This child loaded what the previous trial left, then stepped to new_step.
+      std::int64_t step = -1;
+      std::uint64_t hash = 0;
+      std::istringstream(read_all(work + "/loaded")) >> step >> hash;
+      ASSERT_EQ(step + 1, new_step) << "trial " << trial << ": the loaded step";
+      judge(step, hash, new_hash);
+      if (::testing::Test::HasFatalFailure()) return;
+    }
     if (hash_at.count(new_step) != 0) {
       EXPECT_EQ(hash_at[new_step], new_hash) << "step " << new_step << " computed differently";
     }
     hash_at[new_step] = new_hash;
-    if (hash_after.count(new_step - 1) != 0) {
-      EXPECT_EQ(hash_after[new_step - 1], new_hash)
-          << "the step after the loaded checkpoint differs from the verifier's";
-    }
-
-    const pid_t verifier = spawn("verify", ckpt, work, params, -1);
-    ASSERT_GT(verifier, 0);
-    const int verify_rc = wait_exit(verifier);
-    ASSERT_EQ(verify_rc, 0) << "trial " << trial << ": a fresh process could not load latest";
-    std::int64_t step = 0;
-    std::uint64_t hash = 0, after = 0;
-    std::istringstream(read_all(work + "/verified")) >> step >> hash >> after;
-    const char* outcome = "?";
-    if (step == new_step) {
-      EXPECT_EQ(hash, new_hash) << "trial " << trial << ": the new checkpoint's state differs";
-      outcome = "new";
-      if (trial > 0) ++fresh;
-    } else {
-      EXPECT_EQ(step, new_step - 1) << "trial " << trial << ": neither the previous nor the new";
-      ASSERT_EQ(hash_at.count(step), 1u);
-      EXPECT_EQ(hash, hash_at[step]) << "trial " << trial << ": the previous checkpoint differs";
-      outcome = "previous";
-      ++previous;
-      ASSERT_GT(trial, 0);
-    }
-    if (hash_after.count(step) != 0) {
-      EXPECT_EQ(hash_after[step], after);
-    }
-    hash_after[step] = after;
-    if (hash_at.count(step + 1) != 0) {
-      EXPECT_EQ(hash_at[step + 1], after);
-    }
-    if (trial > 0) {
-      if (saved) ++finished;
-      kill_fractions.push_back(delay_s / save_s);
-    }
-    if (trial == 0) {
-      std::printf("trial  0: not killed -> loads %s (step %lld)\n", outcome,
-                  static_cast<long long>(step));
-    } else {
-      std::printf("trial %2d: killed %.3f s into the save (%.2f of it)%s -> loads %s (step %lld)\n",
-                  trial, delay_s, delay_s / save_s, saved ? ", after it ended" : "", outcome,
-                  static_cast<long long>(step));
-    }
-    if (::testing::Test::HasFatalFailure()) return;
+    pending = Pending{trial,    delay_s, trial > 0 ? delay_s / save_s : 0, saved && trial > 0,
+                      new_step, new_hash};
+    if (trial > 0 && saved) ++finished;
   }
+  // The last trial's outcome, from a process that only loads and steps.
+  std::filesystem::remove_all(work + "/nvme-verify");
+  std::filesystem::create_directories(work + "/nvme-verify");
+  const pid_t verifier = spawn("verify", ckpt, work, params, -1);
+  ASSERT_GT(verifier, 0);
+  const int verify_rc = wait_exit(verifier);
+  ASSERT_EQ(verify_rc, 0) << "trial " << pending.trial << ": a fresh process could not load latest";
+  std::int64_t step = 0;
+  std::uint64_t hash = 0, after = 0;
+  std::istringstream(read_all(work + "/verified")) >> step >> hash >> after;
+  judge(step, hash, after);
   std::printf(
       "kill test distribution over %d killed trials: %d loaded the previous checkpoint, %d the "
       "new one (%d of the kills came after the save had returned); 0 failed to load, 0 mixed\n",

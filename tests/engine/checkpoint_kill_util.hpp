@@ -2,7 +2,9 @@
 // process saving a checkpoint of a one-rank engine with its optimizer state on NVMe is killed
 // with SIGKILL at a random instant of the save; a fresh process then loads `latest`, which must
 // hold exactly the previous checkpoint or the new one (the masters' hash, and the hash after one
-// more step, which the moments and the step count decide). Prints each trial and the
+// more step, which the moments and the step count decide). That fresh process is the next
+// trial's child (it loads, records what it loaded, steps and saves), and a verifier process
+// after the last trial, so a trial costs one engine, not two. Prints each trial and the
 // distribution of outcomes. gtest assertions report failures.
 #pragma once
 

@@ -98,7 +98,7 @@ TEST_F(ManifestEdits, TheParserReadsWhatSaveWroteAndItsStampIsSaves) {
   EXPECT_EQ(m->tag, "t");
   EXPECT_EQ(m->world_size, 1);
   EXPECT_EQ(m->stage, 2);
-  EXPECT_EQ(m->step, 2);
+  EXPECT_EQ(m->resume.step, 2);
   ASSERT_EQ(m->ranks.size(), 1u);
   EXPECT_EQ(m->ranks[0].bytes, std::filesystem::file_size(dir_ + "/t/" + m->ranks[0].file));
   EXPECT_EQ(encode_checkpoint_manifest(*m), text_);
