@@ -58,13 +58,16 @@ def make_config(spec: dict, nvme_path: str, sub_group_size: int) -> dict:
             "stage": 3,
             "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 4},
             # DeepSpeed pins buffer_count x buffer_size elements for parameters (1e8 by
-            # default); 1e7 holds the largest parameter of either model. zinf sizes its staging
-            # blocks to the largest shard whatever buffer_size says.
+            # default); 5e6 holds the largest parameter of either model, and each parameter
+            # read from NVMe takes one buffer: with 5 or 20 DeepSpeed asserts "Not enough
+            # buffers 0 for swapping 1" in the 250M model's first forward, with 100 (more than
+            # its 82 swapped parameters) it runs. zinf sizes its buffer_count staging blocks to
+            # the largest shard whatever buffer_size says.
             # max_in_cpu: DeepSpeed keeps up to this many parameter elements in host memory
             # instead of on NVMe (1e9 by default, so every parameter of these models); 0 puts
             # them all on NVMe, as zinf does (for which the key has no effect).
-            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 5,
-                              "buffer_size": 10_000_000, "max_in_cpu": 0},
+            "offload_param": {"device": "nvme", "nvme_path": nvme_path, "buffer_count": 100,
+                              "buffer_size": 5_000_000, "max_in_cpu": 0},
             "sub_group_size": sub_group_size,
             "reduce_bucket_size": 10_000_000,
             "stage3_prefetch_bucket_size": 10_000_000,
