@@ -286,6 +286,7 @@ struct ActivationStore::Impl {
       order.push_back(ei);
     }
     e.bytes = bytes;
+    e.where = Where::kNone;
     Status st;
     if (!options.offload) {
       Result<void*> copy = device.allocate(bytes);
@@ -307,6 +308,10 @@ struct ActivationStore::Impl {
       st = device.copy_d2h(arena->block(0) + e.host_offset, data, bytes, *stream);
     } else if (!options.nvme_dir.empty()) {
       st = save_nvme(ei, data);
+      if (!st.is_ok() && e.where == Where::kNone) {
+        e.bytes = 0;  // refused before any copy (no extent for it): nothing changed
+        return st;
+      }
     } else {
       e.bytes = 0;
       return Status::resource_exhausted(fmt::format(
@@ -528,14 +533,16 @@ Status EngineActivations::open() {
   return Status::ok();
 }
 
-// Bad input leaves the engine usable; anything else fails this rank and, through the
-// communicator, every other one.
+// Bad input, and a checkpoint there is no room for, leave the engine usable (the store refused
+// them before changing anything); anything else fails this rank and, through the communicator,
+// every other one.
 Status EngineActivations::fail(Status st) {
   if (st.is_ok()) return st;
   switch (st.code()) {
     case Code::kInvalidArgument:
     case Code::kNotFound:
     case Code::kFailedPrecondition:
+    case Code::kResourceExhausted:  // no room for a new checkpoint: refused before it changed
       return st;
     default:
       break;

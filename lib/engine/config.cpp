@@ -332,7 +332,7 @@ constexpr std::string_view kPlannerOnly =
     "for it";
 
 constexpr std::string_view kMonitorActivations =
-    "zinf reports the store's traffic in MemoryReport and its trace";
+    "zinf reports the store's bytes and NVMe traffic in Engine::memory()";
 
 const Key kZinfKeys[] = {
     {.name = "world_size", .read = ZINF_READ(count_as(v, &w.config->world_size))},

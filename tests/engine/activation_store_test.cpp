@@ -203,6 +203,19 @@ TEST(ActivationStore, MisuseIsRefusedNamingTheKey) {
   EXPECT_NE(big.message().find("zinf.activation_host_bytes"), std::string_view::npos);
   // None of these is sticky: the store still works.
   ASSERT_TRUE(store->load("x", buf.data()).is_ok());
+
+  // A key that went to NVMe keeps its extent: a larger tensor under it is refused, nothing else.
+  engine_test::ScratchDir dir("activation_misuse");
+  auto nvme = std::move(ActivationStore::create(*device, nvme_options(dir.path()))).value();
+  ASSERT_TRUE(nvme->save("k", buf.data(), 4096).is_ok());
+  ASSERT_TRUE(nvme->load("k", buf.data()).is_ok());
+  Status grown = nvme->save("k", buf.data(), 8192);
+  EXPECT_EQ(grown.code(), Code::kInvalidArgument);
+  EXPECT_NE(grown.message().find("'k'"), std::string_view::npos) << grown.to_string();
+  EXPECT_EQ(nvme->saved_bytes("k"), 0u);
+  Status again = nvme->save("k", buf.data(), 4000);
+  EXPECT_TRUE(again.is_ok()) << again.to_string();
+  EXPECT_TRUE(nvme->load("k", buf.data()).is_ok());
 }
 
 // Two ranks through the Engine, the checkpoints on NVMe; rank 0's drive fails every read. Rank 0's
