@@ -89,6 +89,10 @@ std::string summary_text(const Options& o, const RunSummary& r) {
       {"NVMe (swap files)", format_bytes(double(r.nvme_bytes))},
       {"NVMe read / written",
        format_bytes(double(r.nvme_read_bytes)) + " / " + format_bytes(double(r.nvme_write_bytes))},
+      {"activations on the device (peak)", format_bytes(double(r.activation_device_bytes_peak))},
+      {"activations off the device: host / NVMe written",
+       format_bytes(double(r.activation_host_bytes)) + " / " +
+           format_bytes(double(r.activation_nvme_write_bytes))},
       {"peak RSS, setting up", format_bytes(double(r.setup_peak_rss_bytes))},
       {"peak RSS, training steps", format_bytes(double(r.peak_rss_bytes))},
       {"fp32 master + Adam moments", format_bytes(state_fp32)},
@@ -171,6 +175,9 @@ int main(int argc, char** argv) {
     std::fputs(text.c_str(), file);
     std::fclose(file);
   }
+  std::printf("activation_device_bytes_peak=%llu activation_nvme_read_bytes=%llu\n",
+              static_cast<unsigned long long>(summary.activation_device_bytes_peak),
+              static_cast<unsigned long long>(summary.activation_nvme_read_bytes));
   // A machine-readable last line, for scripts and the equality checks.
   std::printf("final_val_loss=%.6f final_train_loss=%.6f\n", summary.final_val_loss,
               summary.final_train_loss);

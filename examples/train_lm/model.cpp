@@ -109,43 +109,117 @@ void init_module(const ModelShape& shape, std::size_t module_index, std::uint64_
   std::fill(params + weight_count, params + spec.param_count(), 0.0f);
 }
 
-Model::Model(const ModelShape& shape, std::size_t max_tokens)
-    : shape_(shape), modules_(module_specs(shape)), max_tokens_(max_tokens) {
+Model::Model(const ModelShape& shape, std::size_t max_tokens, const Checkpointing& checkpointing)
+    : shape_(shape),
+      checkpointing_(checkpointing),
+      modules_(module_specs(shape)),
+      max_tokens_(max_tokens) {
   const std::size_t T = max_tokens;
+  const std::size_t x_width = shape.context_bytes * shape.embed_dim;
   contexts_.resize(T * shape.context_bytes);
   targets_.resize(T);
-  x0_.resize(T * shape.context_bytes * shape.embed_dim);
-  h_.assign(shape.blocks + 1, std::vector<float>(T * shape.hidden));
-  norm_.assign(shape.blocks + 1, std::vector<float>(T * shape.hidden));
-  inv_rms_.assign(shape.blocks + 1, std::vector<float>(T));
-  act_.assign(shape.blocks, std::vector<float>(T * shape.ffn));
-  probs_.resize(T * kVocab);
+  if (checkpointing.store != nullptr) {
+    // One block's activations, recomputed for each block in turn; the embedding output and the
+    // probabilities share the ffn buffer (each is dead while the others live).
+    inv_rms_.assign(1, std::vector<float>(T));
+    act_.assign(1, std::vector<float>(T * std::max({shape.ffn, x_width, kVocab})));
+    if (checkpointing.stream_buffers[0] != nullptr) {
+      stream_[0] = checkpointing.stream_buffers[0];
+      stream_[1] = checkpointing.stream_buffers[1];
+    } else {
+      own_stream_.resize(2 * T * shape.hidden);
+      stream_[0] = own_stream_.data();
+      stream_[1] = own_stream_.data() + T * shape.hidden;
+    }
+  } else {
+    x0_.resize(T * x_width);
+    h_.assign(shape.blocks + 1, std::vector<float>(T * shape.hidden));
+    norm_.assign(shape.blocks + 1, std::vector<float>(T * shape.hidden));
+    inv_rms_.assign(shape.blocks + 1, std::vector<float>(T));
+    act_.assign(shape.blocks, std::vector<float>(T * shape.ffn));
+    probs_.resize(T * kVocab);
+  }
   dh_.resize(T * shape.hidden);
   dnorm_.resize(T * shape.hidden);
   dact_.resize(T * std::max(shape.ffn, kVocab));
-  dx0_.resize(x0_.size());
+  dx0_.resize(T * x_width);
+}
+
+std::uint64_t Model::activation_bytes() const {
+  std::uint64_t floats = x0_.size() + probs_.size();
+  for (const auto& v : h_) floats += v.size();
+  for (const auto& v : norm_) floats += v.size();
+  for (const auto& v : inv_rms_) floats += v.size();
+  for (const auto& v : act_) floats += v.size();
+  if (checkpointing_.store != nullptr) floats += 2 * max_tokens_ * shape_.hidden;
+  return floats * sizeof(float);
+}
+
+void Model::embed(const std::uint8_t* contexts, std::size_t T, ParamAccess& params, float* x0) {
+  const ModelShape& s = shape_;
+  // Embedding lookup: row t of x0 is the embeddings of its context bytes side by side.
+  const float* embed = params.acquire(0);
+  const std::size_t x_width = s.context_bytes * s.embed_dim;
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t j = 0; j < s.context_bytes; ++j) {
+      std::memcpy(&x0[t * x_width + j * s.embed_dim],
+                  embed + contexts[t * s.context_bytes + j] * s.embed_dim,
+                  s.embed_dim * sizeof(float));
+    }
+  }
+  params.release(0);
+}
+
+double Model::softmax_loss(const std::uint8_t* targets, std::size_t T, float* probs) {
+  // Softmax and cross-entropy, with the max subtracted for range; the sum is in double so that
+  // the loss of a large batch does not lose digits.
+  double loss_sum = 0;
+  for (std::size_t t = 0; t < T; ++t) {
+    float* row = &probs[t * kVocab];
+    float max_logit = row[0];
+    for (std::size_t v = 1; v < kVocab; ++v) max_logit = std::max(max_logit, row[v]);
+    double denom = 0;
+    for (std::size_t v = 0; v < kVocab; ++v) {
+      row[v] = std::exp(row[v] - max_logit);
+      denom += row[v];
+    }
+    const float inv = float(1.0 / denom);
+    loss_sum += std::log(denom) - std::log(double(row[targets[t]]));
+    for (std::size_t v = 0; v < kVocab; ++v) row[v] *= inv;
+  }
+  return loss_sum;
+}
+
+void Model::embed_backward(const float* dx0, std::size_t T, ParamAccess& params) {
+  const ModelShape& s = shape_;
+  const std::size_t x_width = s.context_bytes * s.embed_dim;
+  // The embedding's gradient: each context slot adds its slice of dx0 to its byte's row.
+  float* grad_embed = params.gradient_buffer(0);
+  std::fill(grad_embed, grad_embed + kVocab * s.embed_dim, 0.0f);
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t j = 0; j < s.context_bytes; ++j) {
+      float* row = grad_embed + contexts_[t * s.context_bytes + j] * s.embed_dim;
+      const float* src = &dx0[t * x_width + j * s.embed_dim];
+      for (std::size_t e = 0; e < s.embed_dim; ++e) row[e] += src[e];
+    }
+  }
+  params.gradient_ready(0);
 }
 
 double Model::forward(const std::uint8_t* contexts, const std::uint8_t* targets,
-                      std::size_t token_count, ParamAccess& params) {
+                      std::size_t token_count, ParamAccess& params, bool for_backward) {
   assert(token_count <= max_tokens_);
+  if (checkpointing_.store != nullptr) {
+    return forward_checkpointed(contexts, targets, token_count, params, for_backward);
+  }
   const ModelShape& s = shape_;
   const std::size_t T = token_count;
   token_count_ = T;
   std::memcpy(contexts_.data(), contexts, T * s.context_bytes);
   std::memcpy(targets_.data(), targets, T);
 
-  // Embedding lookup: row t of x0 is the embeddings of its context bytes side by side.
-  const float* embed = params.acquire(0);
+  embed(contexts, T, params, x0_.data());
   const std::size_t x_width = s.context_bytes * s.embed_dim;
-  for (std::size_t t = 0; t < T; ++t) {
-    for (std::size_t j = 0; j < s.context_bytes; ++j) {
-      std::memcpy(&x0_[t * x_width + j * s.embed_dim],
-                  embed + contexts[t * s.context_bytes + j] * s.embed_dim,
-                  s.embed_dim * sizeof(float));
-    }
-  }
-  params.release(0);
 
   const float* in_proj = params.acquire(1);
   linear_forward(x0_.data(), in_proj, in_proj + x_width * s.hidden, h_[0].data(), T, x_width,
@@ -176,26 +250,11 @@ double Model::forward(const std::uint8_t* contexts, const std::uint8_t* targets,
                  kVocab);
   params.release(out_index);
 
-  // Softmax and cross-entropy, with the max subtracted for range; the sum is in double so that
-  // the loss of a large batch does not lose digits.
-  double loss_sum = 0;
-  for (std::size_t t = 0; t < T; ++t) {
-    float* row = &probs_[t * kVocab];
-    float max_logit = row[0];
-    for (std::size_t v = 1; v < kVocab; ++v) max_logit = std::max(max_logit, row[v]);
-    double denom = 0;
-    for (std::size_t v = 0; v < kVocab; ++v) {
-      row[v] = std::exp(row[v] - max_logit);
-      denom += row[v];
-    }
-    const float inv = float(1.0 / denom);
-    loss_sum += std::log(denom) - std::log(double(row[targets[t]]));
-    for (std::size_t v = 0; v < kVocab; ++v) row[v] *= inv;
-  }
-  return loss_sum;
+  return softmax_loss(targets, T, probs_.data());
 }
 
 void Model::backward(float loss_scale, ParamAccess& params) {
+  if (checkpointing_.store != nullptr) return backward_checkpointed(loss_scale, params);
   const ModelShape& s = shape_;
   const std::size_t T = token_count_;
   const std::size_t out_index = modules_.size() - 1;
@@ -257,17 +316,131 @@ void Model::backward(float loss_scale, ParamAccess& params) {
     linear_backward_input(dh_.data(), in_proj, dx0_.data(), T, x_width, s.hidden);
     params.release(1);
   }
-  // The embedding's gradient: each context slot adds its slice of dx0 to its byte's row.
-  float* grad_embed = params.gradient_buffer(0);
-  std::fill(grad_embed, grad_embed + kVocab * s.embed_dim, 0.0f);
-  for (std::size_t t = 0; t < T; ++t) {
-    for (std::size_t j = 0; j < s.context_bytes; ++j) {
-      float* row = grad_embed + contexts_[t * s.context_bytes + j] * s.embed_dim;
-      const float* src = &dx0_[t * x_width + j * s.embed_dim];
-      for (std::size_t e = 0; e < s.embed_dim; ++e) row[e] += src[e];
-    }
+  embed_backward(dx0_.data(), T, params);
+}
+
+// The forward pass with checkpointing. The residual stream alternates between two buffers: block
+// l reads h_l in `cur`, saves it, writes its norm into `other`, then its output over that norm
+// (dead by then) and the residual sum h_l+1 = h_l + block(h_l) there too, and the buffers swap.
+// The save of h_l may still be copying from `cur` while the block computes: the next save (or
+// load) waits for it before `cur` is written again as the following block's `other`.
+double Model::forward_checkpointed(const std::uint8_t* contexts, const std::uint8_t* targets,
+                                   std::size_t token_count, ParamAccess& params,
+                                   bool for_backward) {
+  const ModelShape& s = shape_;
+  const std::size_t T = token_count;
+  token_count_ = T;
+  std::memcpy(contexts_.data(), contexts, T * s.context_bytes);
+  std::memcpy(targets_.data(), targets, T);
+  const std::size_t x_width = s.context_bytes * s.embed_dim;
+  float* act = act_[0].data();
+  float* inv_rms = inv_rms_[0].data();
+  float* cur = stream_[0];
+  float* other = stream_[1];
+
+  embed(contexts, T, params, act);  // x0, in the ffn buffer
+  const float* in_proj = params.acquire(1);
+  linear_forward(act, in_proj, in_proj + x_width * s.hidden, cur, T, x_width, s.hidden);
+  params.release(1);
+
+  for (std::size_t l = 0; l < s.blocks; ++l) {
+    const std::size_t up = 2 + 2 * l, down = 3 + 2 * l;
+    if (for_backward) checkpointing_.store->save(l, cur, T * s.hidden);
+    rms_forward(cur, other, inv_rms, T, s.hidden);
+    const float* w_up = params.acquire(up);
+    linear_forward(other, w_up, w_up + s.hidden * s.ffn, act, T, s.hidden, s.ffn);
+    params.release(up);
+    for (std::size_t i = 0; i < T * s.ffn; ++i) act[i] = std::max(act[i], 0.0f);
+    const float* w_down = params.acquire(down);
+    linear_forward(act, w_down, w_down + s.ffn * s.hidden, other, T, s.ffn, s.hidden);
+    params.release(down);
+    for (std::size_t i = 0; i < T * s.hidden; ++i) other[i] += cur[i];
+    std::swap(cur, other);
   }
-  params.gradient_ready(0);
+  // The head's norm and probabilities stay for the backward pass, which starts with them. The
+  // norm goes where the last save may still be copying from.
+  if (for_backward && s.blocks > 0) checkpointing_.store->flush();
+  rms_forward(cur, other, inv_rms, T, s.hidden);
+  const std::size_t out_index = modules_.size() - 1;
+  const float* w_out = params.acquire(out_index);
+  linear_forward(other, w_out, w_out + s.hidden * kVocab, act, T, s.hidden, kVocab);
+  params.release(out_index);
+  head_norm_ = other;
+  return softmax_loss(targets, T, act);
+}
+
+// The backward pass with checkpointing: the head from what the forward pass left, then each
+// block from its reloaded input (norm and ffn activations recomputed, exactly as the forward
+// pass computed them), then the input projection from the recomputed embedding output.
+void Model::backward_checkpointed(float loss_scale, ParamAccess& params) {
+  const ModelShape& s = shape_;
+  const std::size_t T = token_count_;
+  const std::size_t out_index = modules_.size() - 1;
+  float* act = act_[0].data();
+  float* inv_rms = inv_rms_[0].data();
+  float* norm = head_norm_;
+  float* h = norm == stream_[0] ? stream_[1] : stream_[0];
+
+  float* dlogits = dact_.data();
+  for (std::size_t t = 0; t < T; ++t) {
+    for (std::size_t v = 0; v < kVocab; ++v) {
+      dlogits[t * kVocab + v] = loss_scale * act[t * kVocab + v];
+    }
+    dlogits[t * kVocab + targets_[t]] -= loss_scale;
+  }
+  {
+    float* grad = params.gradient_buffer(out_index);
+    linear_backward_weight(norm, dlogits, grad, grad + s.hidden * kVocab, T, s.hidden, kVocab);
+    params.gradient_ready(out_index);
+    const float* w_out = params.acquire(out_index);
+    linear_backward_input(dlogits, w_out, dnorm_.data(), T, s.hidden, kVocab);
+    params.release(out_index);
+  }
+  std::fill(dh_.begin(), dh_.begin() + T * s.hidden, 0.0f);
+  rms_backward_add(norm, inv_rms, dnorm_.data(), dh_.data(), T, s.hidden);
+
+  for (std::size_t l = s.blocks; l-- > 0;) {
+    const std::size_t up = 2 + 2 * l, down = 3 + 2 * l;
+    checkpointing_.store->load(l, h);
+    rms_forward(h, norm, inv_rms, T, s.hidden);
+    {
+      const float* w_up = params.acquire(up);
+      linear_forward(norm, w_up, w_up + s.hidden * s.ffn, act, T, s.hidden, s.ffn);
+      params.release(up);
+    }
+    for (std::size_t i = 0; i < T * s.ffn; ++i) act[i] = std::max(act[i], 0.0f);
+
+    float* grad_down = params.gradient_buffer(down);
+    linear_backward_weight(act, dh_.data(), grad_down, grad_down + s.ffn * s.hidden, T, s.ffn,
+                           s.hidden);
+    params.gradient_ready(down);
+    const float* w_down = params.acquire(down);
+    linear_backward_input(dh_.data(), w_down, dact_.data(), T, s.ffn, s.hidden);
+    params.release(down);
+    for (std::size_t i = 0; i < T * s.ffn; ++i) {
+      if (act[i] <= 0.0f) dact_[i] = 0.0f;
+    }
+    float* grad_up = params.gradient_buffer(up);
+    linear_backward_weight(norm, dact_.data(), grad_up, grad_up + s.hidden * s.ffn, T, s.hidden,
+                           s.ffn);
+    params.gradient_ready(up);
+    const float* w_up = params.acquire(up);
+    linear_backward_input(dact_.data(), w_up, dnorm_.data(), T, s.hidden, s.ffn);
+    params.release(up);
+    rms_backward_add(norm, inv_rms, dnorm_.data(), dh_.data(), T, s.hidden);
+  }
+
+  const std::size_t x_width = s.context_bytes * s.embed_dim;
+  embed(contexts_.data(), T, params, act);  // x0 again
+  {
+    float* grad = params.gradient_buffer(1);
+    linear_backward_weight(act, dh_.data(), grad, grad + x_width * s.hidden, T, x_width, s.hidden);
+    params.gradient_ready(1);
+    const float* in_proj = params.acquire(1);
+    linear_backward_input(dh_.data(), in_proj, dx0_.data(), T, x_width, s.hidden);
+    params.release(1);
+  }
+  embed_backward(dx0_.data(), T, params);
 }
 
 }  // namespace train_lm

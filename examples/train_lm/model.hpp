@@ -73,26 +73,68 @@ class ParamAccess {
   virtual void gradient_ready(std::size_t module_index) = 0;
 };
 
+// Where a checkpointing model keeps each block's input between the forward and the backward pass
+// (through zinf's Engine::save_activation, or in memory of its own).
+class CheckpointStore {
+ public:
+  virtual ~CheckpointStore() = default;
+  // Keeps floats [data, data + count) under `block`. The memory at `data` must keep its values
+  // until the next save() or load() returns (so the model alternates two buffers).
+  virtual void save(std::size_t block, const float* data, std::size_t count) = 0;
+  // Writes what save(block, ...) kept into `data` and forgets it.
+  virtual void load(std::size_t block, float* data) = 0;
+  // Returns once the last save() no longer reads its memory.
+  virtual void flush() = 0;
+};
+
+// Activation checkpointing (--checkpoint-activations): the forward pass keeps only each block's
+// input (the residual stream h_l, through `store`) and the backward pass recomputes the block's
+// norm and ffn activations from it; the embedding output is recomputed from the bytes. The
+// gradients are the same bits as without checkpointing: the same products run on the same values.
+struct Checkpointing {
+  CheckpointStore* store = nullptr;  // null: no checkpointing, every activation kept
+  // The two residual-stream buffers (max_tokens x hidden floats each) the model computes in and
+  // saves from; null: vectors of the model's own.
+  float* stream_buffers[2] = {nullptr, nullptr};
+};
+
 class Model {
  public:
   // Activations are sized for up to `max_tokens` tokens a forward pass.
-  Model(const ModelShape& shape, std::size_t max_tokens);
+  Model(const ModelShape& shape, std::size_t max_tokens, const Checkpointing& checkpointing = {});
+
+  // Bytes of the forward pass's activations the model holds (fixed at construction; its
+  // backward pass's gradient buffers, the same with or without checkpointing, not counted).
+  std::uint64_t activation_bytes() const;
 
   const ModelShape& shape() const { return shape_; }
   const std::vector<ModuleSpec>& modules() const { return modules_; }
 
   // contexts: token_count rows of context_bytes bytes; targets: token_count bytes.
-  // Returns the sum (not the mean) over tokens of the cross-entropy in nats.
+  // Returns the sum (not the mean) over tokens of the cross-entropy in nats. With
+  // `for_backward` false (validation) a checkpointing model saves nothing.
   // REQUIRES: token_count <= max_tokens.
   double forward(const std::uint8_t* contexts, const std::uint8_t* targets, std::size_t token_count,
-                 ParamAccess& params);
+                 ParamAccess& params, bool for_backward = true);
 
   // Gradient of loss_scale * (the sum forward() returned) with respect to every parameter.
   // REQUIRES: forward() was the last call, with the same ParamAccess contents.
   void backward(float loss_scale, ParamAccess& params);
 
  private:
+  double forward_checkpointed(const std::uint8_t* contexts, const std::uint8_t* targets,
+                              std::size_t token_count, ParamAccess& params, bool for_backward);
+  void backward_checkpointed(float loss_scale, ParamAccess& params);
+  void embed(const std::uint8_t* contexts, std::size_t token_count, ParamAccess& params, float* x0);
+  // Softmax of the logits in probs, in place; the summed cross-entropy against `targets`.
+  double softmax_loss(const std::uint8_t* targets, std::size_t token_count, float* probs);
+  void embed_backward(const float* dx0, std::size_t token_count, ParamAccess& params);
+
   ModelShape shape_;
+  Checkpointing checkpointing_;
+  float* stream_[2] = {nullptr, nullptr};  // checkpointing: the residual stream's two buffers
+  std::vector<float> own_stream_;
+  float* head_norm_ = nullptr;  // checkpointing: which stream buffer holds the head's norm
   std::vector<ModuleSpec> modules_;
   std::size_t max_tokens_;
   std::size_t token_count_ = 0;

@@ -52,10 +52,24 @@ for _ in $(seq 600); do
   [ -f "$work/pid.$victim" ] && grep -q "^step 5:" "$work/stderr.0" 2>/dev/null && break
   sleep 0.1
 done
-grep -q "^step 5:" "$work/stderr.0" || { echo "the ranks did not start training"; exit 1; }
+# What each rank and mpirun said, for a failure's output (a passing run's directory is removed).
+show_logs() {
+  for f in "$work"/stderr.* "$work/mpirun.txt"; do
+    [ -f "$f" ] || continue
+    echo "--- last lines of $f"
+    tail -n 15 "$f"
+  done
+}
+grep -q "^step 5:" "$work/stderr.0" ||
+  { echo "the ranks did not start training within 60 s"; show_logs; exit 1; }
 victim_pid=$(cat "$work/pid.$victim")
 kill_ns=$(date +%s%N)
-kill -KILL "$victim_pid"
+# A victim that already ended (a rank that failed by itself) is not this test's scenario: say so.
+if ! kill -KILL "$victim_pid" 2>/dev/null; then
+  echo "rank $victim (pid $victim_pid) had ended before the kill: $(cat "$work/exit.$victim" 2>/dev/null)"
+  show_logs
+  exit 1
+fi
 echo "killed rank $victim (pid $victim_pid)"
 
 # mpirun ends when every rank's shell has; give it the timeout and 10 s, and a little more to see.
@@ -105,5 +119,9 @@ if pgrep -f "$work/" >/dev/null; then
   pgrep -af "$work/"
   status=1
 fi
-[ "$status" -eq 0 ] && rm -rf "$work"
+if [ "$status" -eq 0 ]; then
+  rm -rf "$work"
+else
+  show_logs
+fi
 exit "$status"

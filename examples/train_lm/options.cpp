@@ -196,6 +196,11 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   std::string engine = o->use_engine ? "on" : "off";
   app.add_option("--engine", engine, "on: train through zinf's Engine; off: a plain fp32 loop")
       ->check(CLI::IsMember({"on", "off"}));
+  std::string overlap = o->overlap_step ? "on" : "off";
+  app.add_option("--overlap-step", overlap,
+                 "on: the optimizer step runs on behind the next forward pass (zinf.overlap_step); "
+                 "off: sequential")
+      ->check(CLI::IsMember({"on", "off"}));
   CLI::Option* world_option =
       app.add_option("--world-size", o->world_size,
                      "ranks: LocalComm threads (--comm local); with mpi or nccl the launcher's "
@@ -226,6 +231,12 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_option("--nvme-path", o->nvme_path, "directory for the NVMe swap files");
   app.add_flag("--gradients-on-nvme", o->gradients_on_nvme,
                "accumulate the fp32 gradients on NVMe (stages 2-3, --offload-optimizer nvme)");
+  app.add_flag("--checkpoint-activations", o->checkpoint_activations,
+               "keep only each block's input for the backward pass, which recomputes the block");
+  app.add_option("--offload-activations", o->offload_activations,
+                 "where the engine keeps the checkpointed block inputs (with "
+                 "--checkpoint-activations)")
+      ->check(CLI::IsMember({"none", "cpu", "nvme"}));
   add_scaled(app, "--device-memory", &o->device_memory_bytes, true,
              "device memory budget per rank (0: 16 GiB)");
   add_scaled(app, "--host-memory", &o->host_memory_bytes, true,
@@ -272,6 +283,7 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
     return 2;
   }
   o->use_engine = engine == "on";
+  o->overlap_step = overlap == "on";
   if (!o->use_engine && (o->save_every > 0 || !o->resume_dir.empty())) {
     *error = "--save-every and --resume need --engine on (checkpoints are the engine's)";
     return 2;
@@ -331,6 +343,22 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   }
   if (o->gradients_on_nvme && (o->stage == 1 || o->offload_optimizer != "nvme")) {
     *error = "--gradients-on-nvme needs --stage 2 or 3 and --offload-optimizer nvme";
+    return 2;
+  }
+  if (o->offload_activations != "none" && !o->checkpoint_activations) {
+    *error = "--offload-activations " + o->offload_activations + " needs --checkpoint-activations";
+    return 2;
+  }
+  if (o->offload_activations != "none" && !o->use_engine) {
+    *error = "--offload-activations " + o->offload_activations +
+             " needs --engine on (the engine's activation store moves them)";
+    return 2;
+  }
+  if (o->checkpoint_activations && o->use_engine && o->device != "host") {
+    *error =
+        "--checkpoint-activations with the engine needs --device host: the model computes "
+        "on the CPU, and the engine saves its block inputs from device memory, which the "
+        "model writes in place only on a host device";
     return 2;
   }
   if (o->out_dir.empty()) {

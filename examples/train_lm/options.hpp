@@ -42,6 +42,8 @@ struct Options {
   double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
   // zinf.
   bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
+  // --overlap-step on|off: zinf.overlap_step (off: step() returns with every parameter published)
+  bool overlap_step = true;
   int world_size = 1;      // --world-size: ranks (LocalComm threads; the launcher's with mpi/nccl)
   // --comm local|mpi|nccl: local runs the ranks as LocalComm threads of this process; mpi and
   // nccl run one process per rank, started by mpirun/srun (mpi, nccl) or torchrun (nccl), each
@@ -61,6 +63,12 @@ struct Options {
   std::string param_dtype = "bf16";           // --param-dtype bf16|f32 (the device copy)
   std::string nvme_path = "build/demo/nvme";  // --nvme-path
   bool gradients_on_nvme = false;             // --gradients-on-nvme (zinf.gradients_on_nvme)
+  // --checkpoint-activations: keep only each block's input for the backward pass and recompute
+  // the block there (docs/ACTIVATIONS.md); through the engine's activation store with --engine
+  // on. --offload-activations none|cpu|nvme: where the engine keeps those inputs (none: on the
+  // device; cpu: pinned host memory; nvme: the swap directory, through pinned staging blocks).
+  bool checkpoint_activations = false;
+  std::string offload_activations = "none";
   std::uint64_t device_memory_bytes = 0;      // --device-memory: per-rank budget (0: 16 GiB)
   std::uint64_t host_memory_bytes = 0;        // --host-memory: process budget (0: 90% of RAM)
   std::uint64_t sub_group_size = 0;           // --sub-group-size (params; 0: chosen)

@@ -3,10 +3,14 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -546,6 +550,118 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   fs::remove_all(dir);
 }
 
+// The overlapped step (--overlap-step on, zinf.overlap_step, the default) against the sequential
+// one: the same loss.csv (losses row for row) and the same final masters, byte for byte in the
+// checkpoint each run saves after its last step, over world 1 and 4, stages 1-3, the optimizer
+// state on NVMe and in host memory, with and without clipping (bf16; train_lm has no fp16:
+// tests/engine/overlap_test.cpp covers fp16 loss scaling and a skipped step). 40 steps each;
+// ZINF_OVERLAP_STEPS sets another count (200 for the acceptance run).
+TEST(Program, OverlappedStepWritesTheSameLossesAndMastersAsSequential) {
+  const char* steps_env = std::getenv("ZINF_OVERLAP_STEPS");
+  const int steps = steps_env != nullptr ? std::atoi(steps_env) : 40;
+  const fs::path dir = scratch_dir("train_lm_overlap");
+  const std::vector<std::string> cases = {
+      "--world-size 1 --stage 3 --offload-optimizer nvme",
+      "--world-size 4 --stage 3 --offload-optimizer nvme --offload-param nvme --grad-clip 0",
+      "--world-size 4 --stage 2 --offload-optimizer cpu",
+      "--world-size 1 --stage 1 --offload-optimizer cpu --grad-clip 0",
+      "--world-size 4 --stage 1 --offload-optimizer nvme",
+      "--world-size 1 --stage 2 --offload-optimizer nvme --grad-clip 0",
+  };
+  for (std::size_t k = 0; k < cases.size(); ++k) {
+    const std::string common =
+        "--params 20k --steps " + std::to_string(steps) + " --batch 4 --seq-len 16 --eval-every " +
+        std::to_string(std::max(steps / 2, 1)) + " --eval-tokens 256 --seed 11 --lr 1e-2 " +
+        "--no-progress --save-every " + std::to_string(steps) + " " + cases[k] + " ";
+    std::map<std::string, std::vector<std::string>> rows;
+    std::map<std::string, std::string> masters;
+    for (const std::string mode : {"off", "on"}) {
+      const fs::path run = dir / (std::to_string(k) + mode);
+      std::string err;
+      ASSERT_EQ(run_program(common + "--overlap-step " + mode + " --out " + (run / "out").string() +
+                                " --save-dir " + (run / "ckpt").string() + " --nvme-path " +
+                                (run / "nvme").string(),
+                            &err),
+                0)
+          << cases[k] << ": " << err;
+      rows[mode] = loss_rows(run / "out" / "loss.csv");
+      // Every rank's fp32 master and moments, as the checkpoint of the last step holds them
+      // (rank<r>.zinfckpt; the manifest beside them has the run's timings in its client state).
+      const fs::path tag = run / "ckpt" / ("global_step" + std::to_string(steps));
+      std::vector<fs::path> files;
+      for (const auto& entry : fs::recursive_directory_iterator(tag)) {
+        const std::string name = entry.path().filename().string();
+        if (entry.is_regular_file() && name.size() > 9 &&
+            name.compare(name.size() - 9, 9, ".zinfckpt") == 0) {
+          files.push_back(entry.path());
+        }
+      }
+      std::sort(files.begin(), files.end());
+      ASSERT_FALSE(files.empty()) << "no rank files under " << tag;
+      for (const fs::path& f : files) masters[mode] += read_all(f);
+    }
+    ASSERT_EQ(rows["on"].size(), std::size_t(steps) + 1) << cases[k];
+    EXPECT_EQ(rows["on"], rows["off"]) << cases[k];
+    EXPECT_TRUE(masters["on"] == masters["off"]) << cases[k] << ": the final masters differ";
+    std::printf("%s: %zu loss rows and %zu bytes of masters equal; the last row: %s\n",
+                cases[k].c_str(), rows["on"].size(), masters["on"].size(),
+                rows["on"].back().c_str());
+  }
+  fs::remove_all(dir);
+}
+
+// A Perfetto trace of overlapped steps (train_lm --trace) shows the overlap itself: spans of the
+// optimizer pass's read / update / write tracks run at the same time as the next step's forward
+// spans. With --overlap-step off no pass span meets a forward span (the pass runs inside step()).
+TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
+  const fs::path dir = scratch_dir("train_lm_overlap_trace");
+  std::map<std::string, double> overlap_ms;
+  for (const std::string mode : {"on", "off"}) {
+    const fs::path trace = dir / ("trace_" + mode + ".json");
+    std::string err;
+    ASSERT_EQ(run_program("--params 2M --steps 3 --batch 2 --seq-len 16 --eval-every 3 "
+                          "--eval-tokens 64 --seed 3 --no-progress --offload-optimizer nvme "
+                          "--sub-group-size 65536 --overlap-step " +
+                              mode + " --trace " + trace.string() + " --out " +
+                              (dir / ("out_" + mode)).string() + " --nvme-path " +
+                              (dir / "nvme").string(),
+                          &err),
+              0)
+        << err;
+    std::ifstream in(trace);
+    const nlohmann::json root = nlohmann::json::parse(in);
+    const nlohmann::json& events = root.is_array() ? root : root.at("traceEvents");
+    std::vector<std::pair<double, double>> forward, pass;
+    int pass_spans = 0;
+    for (const nlohmann::json& e : events) {
+      if (e.value("ph", "") != "X") continue;
+      const std::string name = e.value("name", "");
+      const double ts = e.value("ts", 0.0), dur = e.value("dur", 0.0);
+      if (name == "forward") forward.push_back({ts, ts + dur});
+      if (name.rfind("read sg", 0) == 0 || name.rfind("update sg", 0) == 0 ||
+          name.rfind("write sg", 0) == 0) {
+        pass.push_back({ts, ts + dur});
+        ++pass_spans;
+      }
+    }
+    ASSERT_GE(forward.size(), 3u) << mode;
+    ASSERT_GT(pass_spans, 0) << mode;
+    double both_us = 0;
+    for (const auto& f : forward) {
+      for (const auto& p : pass) {
+        both_us += std::max(0.0, std::min(f.second, p.second) - std::max(f.first, p.first));
+      }
+    }
+    overlap_ms[mode] = both_us / 1e3;
+    std::printf("--overlap-step %s: %zu forward spans, %d pass spans, %.3f ms of pass spans "
+                "inside forward spans\n",
+                mode.c_str(), forward.size(), pass_spans, overlap_ms[mode]);
+  }
+  EXPECT_GT(overlap_ms["on"], 0.0);
+  EXPECT_EQ(overlap_ms["off"], 0.0);
+  fs::remove_all(dir);
+}
+
 // On an opaque HostDevice (whose pointers host code cannot dereference, as a GPU's) the program
 // reads every parameter through a device-to-host copy and hands every gradient over from device
 // memory, and the engine takes its GPU path; the training is the same, so the losses are the same
@@ -581,6 +697,56 @@ TEST(Program, OpaqueDeviceGivesTheSameLossesAsHost) {
     fs::remove_all(dir / "host");
     fs::remove_all(dir / "opaque");
   }
+  fs::remove_all(dir);
+}
+
+// --checkpoint-activations (each block's input kept, the block recomputed in the backward pass)
+// through the engine's activation store on the device, in pinned host memory and on NVMe: the
+// loss.csv equals the run without checkpointing row for row (the recomputation runs the same
+// products on the same values), and the device's peak activation bytes fall as documented.
+TEST(Program, CheckpointedActivationsGiveTheSameLossCurve) {
+  const fs::path dir = scratch_dir("train_lm_checkpoint");
+  const std::string common =
+      "--params 120k --layers 8 --steps 6 --batch 4 --seq-len 64 --eval-every 3 "
+      "--eval-tokens 512 --seed 9 --lr 1e-2 --warmup 2 --no-progress --offload-optimizer cpu "
+      "--nvme-path " +
+      (dir / "nvme").string() + " ";
+  auto peak = [](const std::string& out) {
+    const std::size_t at = out.rfind("activation_device_bytes_peak=");
+    return at == std::string::npos ? 0.0 : std::stod(out.substr(at + 29));
+  };
+  std::string err, base_out;
+  ASSERT_EQ(run_program(common + "--out " + (dir / "base").string(), &err, &base_out), 0) << err;
+  const std::vector<std::string> base = loss_rows(dir / "base" / "loss.csv");
+  ASSERT_EQ(base.size(), 7u);  // the header and 6 steps
+  EXPECT_GT(peak(base_out), 0.0) << base_out;
+  for (const std::string& variant :
+       {std::string("--checkpoint-activations"),
+        std::string("--checkpoint-activations --offload-activations cpu"),
+        std::string("--checkpoint-activations --offload-activations nvme")}) {
+    std::string out;
+    ASSERT_EQ(run_program(common + variant + " --out " + (dir / "ckpt").string(), &err, &out), 0)
+        << variant << ": " << err;
+    EXPECT_EQ(loss_rows(dir / "ckpt" / "loss.csv"), base) << variant;
+    std::printf("%s: device activation peak %.0f of %.0f bytes\n", variant.c_str(), peak(out),
+                peak(base_out));
+    if (variant.find("offload") != std::string::npos) {
+      EXPECT_LT(peak(out), 0.2 * peak(base_out)) << variant;
+    } else {
+      EXPECT_LT(peak(out), 0.7 * peak(base_out)) << variant;
+    }
+    fs::remove_all(dir / "ckpt");
+  }
+  // The plain fp32 loop (--engine off) keeps its checkpoints itself: the same curve as its own
+  // run without checkpointing.
+  ASSERT_EQ(run_program(common + "--engine off --out " + (dir / "plain").string(), &err), 0) << err;
+  ASSERT_EQ(run_program(common + "--engine off --checkpoint-activations --out " +
+                            (dir / "plain_ckpt").string(),
+                        &err),
+            0)
+      << err;
+  EXPECT_EQ(loss_rows(dir / "plain_ckpt" / "loss.csv"), loss_rows(dir / "plain" / "loss.csv"));
+  EXPECT_FALSE(fs::exists(dir / "nvme")) << "swap directory left behind";
   fs::remove_all(dir);
 }
 

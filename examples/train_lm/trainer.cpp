@@ -458,6 +458,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.train_micro_batch_size_per_gpu = o.batch / (std::size_t(o.world_size) * o.micro_batches);
   c.gradient_accumulation_steps = o.micro_batches;
   c.gradient_clipping = o.grad_clip;
+  c.overlap_step = o.overlap_step;
   c.bf16_enabled = o.param_dtype == "bf16";
   c.optimizer.kind = zinf::OptimizerKind::kAdamW;
   c.optimizer.lr = o.lr;
@@ -484,6 +485,26 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.world_size = o.world_size;
   c.collective_timeout_ms = o.collective_timeout_ms;
   return c;
+}
+
+// The activation store for --checkpoint-activations --offload-activations: cpu keeps every block
+// input of a micro-batch in the pinned host arena; nvme puts them all in the swap directory (no
+// arena), in a swap file sized for them.
+void set_activation_config(const Options& o, const ModelShape& shape, const std::string& swap_dir,
+                           zinf::Config* c) {
+  const std::size_t world = std::size_t(o.world_size);
+  const std::uint64_t tokens =
+      std::max<std::uint64_t>(o.batch / (world * o.micro_batches), 1) * o.seq_len;
+  const std::uint64_t block_bytes = tokens * shape.hidden * sizeof(float);
+  const std::uint64_t unit = std::uint64_t{1} << 20;  // the swap block (aio.block_size)
+  c->activations.cpu_checkpointing = o.offload_activations != "none";
+  if (o.offload_activations == "cpu") {
+    c->activations.host_bytes = shape.blocks * ((block_bytes + 255) / 256 * 256);
+  } else if (o.offload_activations == "nvme") {
+    c->activations.host_bytes = 0;
+    c->activations.nvme_path = swap_dir;
+    c->activations.nvme_bytes = shape.blocks * ((block_bytes + unit - 1) / unit * unit) + unit;
+  }
 }
 
 // The exchange between the processes of a job (--comm mpi, nccl): all-gathers a few bytes of
@@ -699,17 +720,24 @@ void StepDone::operator()() noexcept {
         s.pipeline_traced
             ? std::max(0.0, optimizer_s - update_seconds(*s.trace, s.last_step_end_ns) / s.world)
             : 0.0;
+    // Overlapped (zinf.overlap_step), the optimizer figures are the previous step's pass, which
+    // ran on behind this step's forward: how much of it was hidden, and how long gathers waited.
+    char overlap[96] = "";
+    if (o.use_engine && o.overlap_step && o.offload_optimizer != "none") {
+      std::snprintf(overlap, sizeof(overlap), "; previous step's, %.2fs hidden, gathers waited %.2fs",
+                    now.hidden_s - was.hidden_s, now.gather_wait_s - was.gather_wait_s);
+    }
     s.progress.finish_line();
     std::fprintf(stderr,
                  "step %lld: %.2fs = forward %.2fs + backward %.2fs + gather %.2fs + reduce "
                  "%.2fs + step %.2fs (AdamW+NVMe %.2fs of which I/O wait %.2fs, %s NVMe "
-                 "traffic, %.2f GB/s) + eval %.2fs; loss %.3f\n",
+                 "traffic, %.2f GB/s%s) + eval %.2fs; loss %.3f\n",
                  static_cast<long long>(s.step), step_s, now.forward_s - was.forward_s,
                  now.backward_s - was.backward_s, now.gather_s - was.gather_s,
                  now.reduce_s - was.reduce_s, now.step_s - was.step_s, optimizer_s, io_wait_s,
                  format_bytes(double(nvme_bytes - s.last_nvme_bytes)).c_str(),
                  optimizer_s > 0 ? double(nvme_bytes - s.last_nvme_bytes) / optimizer_s / 1e9 : 0.0,
-                 now.eval_s - was.eval_s, train);
+                 overlap, now.eval_s - was.eval_s, train);
     s.last_time = now;
     s.last_nvme_bytes = nvme_bytes;
   }
@@ -720,6 +748,52 @@ void StepDone::operator()() noexcept {
   s.progress.update(s.step, train, mean_rate, elapsed, extra);
   if (o.time_limit_s > 0 && elapsed > o.time_limit_s) s.stop = true;
 }
+
+// --checkpoint-activations through the engine's activation store: each block's input under the
+// key "block<l>.input". The model cannot take errors, so the first one is kept (as EngineAccess
+// does) and every later call does nothing.
+class EngineCheckpoints final : public CheckpointStore {
+ public:
+  explicit EngineCheckpoints(zinf::Engine& engine) : engine_(engine) {}
+  void save(std::size_t block, const float* data, std::size_t count) override {
+    if (status_.is_ok()) status_ = engine_.save_activation(key(block), data, count * sizeof(float));
+  }
+  void load(std::size_t block, float* data) override {
+    if (status_.is_ok()) status_ = engine_.load_activation(key(block), data);
+  }
+  void flush() override {
+    if (status_.is_ok()) status_ = engine_.flush_activations();
+  }
+  const zinf::Status& status() const { return status_; }
+
+ private:
+  static std::string key(std::size_t block) { return "block" + std::to_string(block) + ".input"; }
+  zinf::Engine& engine_;
+  zinf::Status status_;
+};
+
+// --checkpoint-activations without the engine: the block inputs in vectors of this program,
+// counted as device-resident (they would be on a GPU); the most bytes held at once.
+class KeptCheckpoints final : public CheckpointStore {
+ public:
+  void save(std::size_t block, const float* data, std::size_t count) override {
+    if (kept_.size() <= block) kept_.resize(block + 1);
+    kept_[block].assign(data, data + count);
+    held_bytes_ += count * sizeof(float);
+    peak_bytes_ = std::max(peak_bytes_, held_bytes_);
+  }
+  void load(std::size_t block, float* data) override {
+    std::copy(kept_[block].begin(), kept_[block].end(), data);
+    held_bytes_ -= kept_[block].size() * sizeof(float);
+    kept_[block].clear();
+  }
+  void flush() override {}
+  std::uint64_t peak_bytes() const { return peak_bytes_; }
+
+ private:
+  std::vector<std::vector<float>> kept_;
+  std::uint64_t held_bytes_ = 0, peak_bytes_ = 0;
+};
 
 // One rank's whole run. `engine` (and `device`, `comm`) are null on the plain path.
 void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* device,
@@ -734,7 +808,33 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   const std::size_t micro_tokens = o.batch / (world * micro_batches) * o.seq_len;
   const std::size_t eval_local = o.eval_tokens / world;
   const std::size_t chunk_tokens = std::max<std::size_t>(micro_tokens, 1);
-  Model model(shape, chunk_tokens);
+  // --checkpoint-activations: with the engine, the residual stream the model saves from lives in
+  // the engine's device memory (HostDevice: host memory the model writes in place).
+  std::unique_ptr<EngineCheckpoints> engine_checkpoints;
+  std::unique_ptr<KeptCheckpoints> kept_checkpoints;
+  zinf::DeviceBuffer stream_buffers[2];
+  Checkpointing checkpointing;
+  if (o.checkpoint_activations && engine != nullptr) {
+    engine_checkpoints = std::make_unique<EngineCheckpoints>(*engine);
+    checkpointing.store = engine_checkpoints.get();
+    for (int b = 0; b < 2; ++b) {
+      zinf::Result<zinf::DeviceBuffer> buffer =
+          zinf::DeviceBuffer::allocate(*device, chunk_tokens * shape.hidden * sizeof(float));
+      if (!buffer.is_ok()) {
+        shared.fail(rank, "--checkpoint-activations: " + buffer.status().to_string());
+        if (comm != nullptr) comm->abort(zinf::Status::aborted("another rank failed"));
+        shared.sync.arrive_and_drop();
+        return;
+      }
+      stream_buffers[b] = std::move(*buffer);
+      checkpointing.stream_buffers[b] = stream_buffers[b].as<float>();
+    }
+  } else if (o.checkpoint_activations) {
+    kept_checkpoints = std::make_unique<KeptCheckpoints>();
+    checkpointing.store = kept_checkpoints.get();
+  }
+  Model model(shape, chunk_tokens, checkpointing);
+  if (engine != nullptr) engine->set_activation_bytes(model.activation_bytes());
   TimeSplit local_time;
   TimeSplit& time = rank == 0 ? shared.summary->time : local_time;
 
@@ -755,6 +855,10 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   auto check = [&](const char* what) {
     if (through_engine && !through_engine->status().is_ok()) {
       shared.fail(rank, std::string(what) + ": " + through_engine->status().to_string());
+      return false;
+    }
+    if (engine_checkpoints && !engine_checkpoints->status().is_ok()) {
+      shared.fail(rank, std::string(what) + ": " + engine_checkpoints->status().to_string());
       return false;
     }
     return true;
@@ -813,7 +917,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     for (std::size_t done = 0; done < eval_local; done += chunk_tokens) {
       const std::size_t count = std::min(chunk_tokens, eval_local - done);
       sum += model.forward(&val_batch.contexts[(first + done) * shape.context_bytes],
-                           &val_batch.targets[first + done], count, *access);
+                           &val_batch.targets[first + done], count, *access,
+                           /*for_backward=*/false);
       if (!check("validation")) return false;
     }
     shared.val_sum[std::size_t(rank)] = sum;
@@ -906,6 +1011,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       }
       const zinf::StepReport& r = report.value();
       time.optimizer_s += double(r.optimizer_ns) * 1e-9;
+      time.hidden_s += double(r.hidden_ns) * 1e-9;
+      time.gather_wait_s += double(r.gather_wait_ns) * 1e-9;
       shared.nvme_read[std::size_t(rank)] += r.optimizer_nvme_read_bytes;
       shared.nvme_write[std::size_t(rank)] +=
           r.optimizer_nvme_write_bytes + r.param_nvme_write_bytes;
@@ -938,6 +1045,10 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       }
     }
     if (stopping || step == o.stop_after) break;
+  }
+  if (engine == nullptr) {
+    shared.memory[0].activation_device_bytes_peak =
+        model.activation_bytes() + (kept_checkpoints ? kept_checkpoints->peak_bytes() : 0);
   }
   if (engine != nullptr) {
     shared.memory[std::size_t(rank)] = engine->memory();
@@ -1124,7 +1235,8 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     return 1;
   }
   const bool uses_nvme =
-      o.use_engine && (o.offload_optimizer == "nvme" || o.offload_param == "nvme");
+      o.use_engine && (o.offload_optimizer == "nvme" || o.offload_param == "nvme" ||
+                       o.offload_activations == "nvme");
   if (uses_nvme && !check_writable_dir("--nvme-path", o.nvme_path, need.nvme_bytes, error)) {
     return 1;
   }
@@ -1189,6 +1301,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
         engine_config(o, summary->param_count, max_module_params(module_specs(shape)));
     config.zero.offload_optimizer.nvme_path = swap_dir;
     config.zero.offload_param.nvme_path = swap_dir;
+    set_activation_config(o, shape, swap_dir, &config);
     {
       std::vector<std::thread> threads;
       for (std::size_t local = 0; local < ranks.comms.size(); ++local) {
@@ -1243,6 +1356,15 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
       summary->nvme_bytes += shared.memory[std::size_t(r)].nvme_bytes;
       summary->nvme_read_bytes += shared.nvme_read[std::size_t(r)];
       summary->nvme_write_bytes += shared.nvme_write[std::size_t(r)];
+    }
+  }
+  if (exchange == nullptr) {
+    for (int r = 0; r < o.world_size; ++r) {
+      const zinf::MemoryReport& m = shared.memory[std::size_t(r)];
+      summary->activation_device_bytes_peak += m.activation_device_bytes_peak;
+      summary->activation_host_bytes += m.activation_host_bytes;
+      summary->activation_nvme_write_bytes += m.activation_nvme_write_bytes;
+      summary->activation_nvme_read_bytes += m.activation_nvme_read_bytes;
     }
   }
   shared.progress.finish_line();

@@ -22,6 +22,10 @@ struct TimeSplit {
   double step_s = 0;       // Engine::step (or the plain AdamW): norm, optimizer, publish
   double optimizer_s = 0;  //   of which the optimizer over the rank's slice (NVMe I/O included)
   double io_wait_s = 0;    //     of which waiting for reads and writes (not updating)
+  // Overlapped step (--overlap-step on): of the optimizer's time, the part hidden behind compute;
+  // and the gathers' waits for parameters not yet written (part of gather_s).
+  double hidden_s = 0;
+  double gather_wait_s = 0;
   double eval_s = 0;       // validation
   double total_s = 0;      // the steps' wall time, all of the above and the rest (batches)
 };
@@ -45,6 +49,12 @@ struct RunSummary {
   std::uint64_t nvme_bytes = 0;
   std::uint64_t nvme_read_bytes = 0;  // optimizer + parameter traffic, all ranks, whole run
   std::uint64_t nvme_write_bytes = 0;
+  // Activations (MemoryReport): the device peak summed over ranks (with --engine off, the
+  // model's own figure), and the checkpoints' NVMe traffic.
+  std::uint64_t activation_device_bytes_peak = 0;
+  std::uint64_t activation_host_bytes = 0;
+  std::uint64_t activation_nvme_write_bytes = 0;
+  std::uint64_t activation_nvme_read_bytes = 0;
   std::uint64_t setup_peak_rss_bytes = 0;  // until the first validation (registration, finalize)
   std::uint64_t peak_rss_bytes = 0;        // during the training steps
   std::vector<CurvePoint> curve;

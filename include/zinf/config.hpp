@@ -126,6 +126,26 @@ struct Fp16Config {
   double min_loss_scale = 1.0;
 };
 
+// "activation_checkpointing" (DeepSpeed's section) and zinf's activation keys: where the
+// checkpoints a training program saves through Engine::save_activation() live
+// (docs/ACTIVATIONS.md). partition_activations, contiguous_memory_optimization,
+// number_checkpoints, synchronize_checkpoint_boundary and profile are accepted with no effect.
+struct ActivationConfig {
+  // false: each checkpoint stays on the device (a copy the engine owns until it is loaded);
+  // true: it goes to pinned host memory, and beyond host_bytes to NVMe when nvme_path is set.
+  bool cpu_checkpointing = false;
+  // "zinf.activation_host_bytes": the pinned host arena for offloaded checkpoints, allocated at
+  // the first save (0: none; everything offloaded goes to NVMe).
+  std::uint64_t host_bytes = std::uint64_t{1} << 30;
+  // "zinf.activation_nvme_path": the directory of the activation swap file ("": no NVMe tier, a
+  // checkpoint beyond host_bytes fails with kResourceExhausted naming zinf.activation_host_bytes).
+  // Env::nvme_paths overrides it (its first directory) when it is set.
+  std::string nvme_path;
+  // "zinf.activation_nvme_bytes": that swap file's capacity, preallocated at the first
+  // checkpoint that goes to NVMe.
+  std::uint64_t nvme_bytes = std::uint64_t{4} << 30;
+};
+
 struct Config {
   // No effect in the engine (it accumulates the micro-batches handed to it between steps);
   // `zinf plan` reads them for activation memory.
@@ -166,6 +186,11 @@ struct Config {
   // offload_optimizer "nvme".
   bool gradients_on_nvme = false;
   std::size_t gradient_spill_buffers = 4;
+  // The optimizer step with its state in a store (offload_optimizer "cpu" or "nvme") runs on
+  // after step() returns: each group's new parameters are written as soon as the pass has
+  // produced them, and gather() waits only for its own module's. The results are the same bits
+  // as the sequential step's (false: step() returns once every parameter is published).
+  bool overlap_step = true;
   // Device memory the planner sets aside for the runtime (CUDA context, workspaces). Read by
   // `zinf plan` only; the engine allocates nothing for it.
   std::uint64_t device_reserved_bytes = std::uint64_t{1} << 30;
@@ -178,6 +203,7 @@ struct Config {
   // (0: wait forever, warning after each wait).
   std::int64_t io_timeout_ms = 60'000;
   std::uint32_t io_timeouts_max = 3;
+  ActivationConfig activations;
   // Checkpoint tags kept in a checkpoint directory: after a save completes, the oldest complete
   // tags beyond this many are deleted (the new one always stays). At least 1.
   int keep_last = 2;

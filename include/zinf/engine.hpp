@@ -190,6 +190,16 @@ struct StepReport {
   // Bytes of fp32 master read back from NVMe to publish parameters the optimizer pass does not
   // write in their dtype (f32 parameters, or a mix of half dtypes).
   std::uint64_t master_nvme_read_bytes = 0;
+  // The overlapped step (zinf.overlap_step, the optimizer state in a store): step() decided this
+  // step and returned while its optimizer pass runs on. optimizer_ns, publish_ns, the NVMe byte
+  // counts and hidden_ns above and below are then the previous applied step's pass (finished by
+  // now; zero on the first step), not this one's.
+  bool overlapped = false;
+  // Of that pass's time (optimizer_ns + publish_ns), the part during which the caller was not
+  // waiting for it: hidden behind the caller's compute.
+  std::int64_t hidden_ns = 0;
+  // Time gather() waited since the previous step() for parameters the pass had not yet written.
+  std::int64_t gather_wait_ns = 0;
 };
 
 // Bytes of this rank's state on each tier, fixed at finalize().
@@ -197,6 +207,16 @@ struct MemoryReport {
   std::uint64_t device_bytes = 0;  // parameters (full or shard), gradient accumulators, buckets
   std::uint64_t host_bytes = 0;    // host-tier optimizer state and shards, pinned pools
   std::uint64_t nvme_bytes = 0;    // swap extents
+  // Activations (save_activation(), set_activation_bytes(); docs/ACTIVATIONS.md), outside the
+  // figures above. The most bytes of activations on the device at once since open(): the
+  // checkpoints the engine keeps there (cpu_checkpointing false) plus the bytes the caller said
+  // it holds (set_activation_bytes), sampled at each of those calls.
+  std::uint64_t activation_device_bytes_peak = 0;
+  std::uint64_t activation_host_bytes = 0;  // the pinned arena and NVMe staging blocks
+  std::uint64_t activation_nvme_bytes = 0;  // the activation swap file's capacity
+  // Bytes of checkpoints written to and read back from NVMe since open().
+  std::uint64_t activation_nvme_write_bytes = 0;
+  std::uint64_t activation_nvme_read_bytes = 0;
 };
 
 // Running totals since open().
@@ -373,6 +393,27 @@ class Engine {
   // it exits. Nothing to check (no NVMe, not finalized): an empty report.
   // REQUIRES: no other call of this engine runs meanwhile (as for every call).
   Result<SwapCheckReport> verify_swap();
+
+  // Activation checkpoints (docs/ACTIVATIONS.md; the config's activation_checkpointing section).
+  // save_activation copies `bytes` at device pointer `data` off into the engine's store under
+  // `key`: a device copy (cpu_checkpointing false), pinned host memory (within
+  // zinf.activation_host_bytes) or beyond it NVMe (zinf.activation_nvme_path), asynchronously:
+  // the memory at `data` must keep its values until the next save_activation() or
+  // load_activation() returns. load_activation copies the checkpoint back into device pointer
+  // `data` (its saved size) and frees it; it returns once the values are there. The keys' save
+  // order of the first forward pass is recorded, and each load reads ahead from NVMe the
+  // checkpoints that follow in reverse order. Not collective, and usable before finalize().
+  // kInvalidArgument (empty key, null pointer, 0 bytes), kFailedPrecondition (a key saved twice
+  // without a load), kNotFound (a load of a key not saved): nothing changes. An I/O error
+  // (kIoError, kCorruption when a block read back does not match its checksum) names the key, is
+  // sticky, and aborts the communicator, so every other rank's next collective fails with it.
+  Status save_activation(std::string_view key, const void* data, std::size_t bytes);
+  Status load_activation(std::string_view key, void* data);
+  // Returns once the last save_activation() has finished reading its device memory.
+  Status flush_activations();
+  // The bytes of activations the caller holds on the device now, outside the store (for
+  // MemoryReport::activation_device_bytes_peak).
+  void set_activation_bytes(std::uint64_t device_bytes);
 
   // The loss scale the gradients of the next micro-batches must carry: multiply the loss by it
   // before the backward pass (1 unless fp16 is enabled).

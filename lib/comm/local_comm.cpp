@@ -304,8 +304,11 @@ Status LocalGroup::run(int rank, std::uint64_t sequence, const Collective& op) {
         return fmt::format("{}: local rank {} of {} waited {} ms for the others to finish", label(),
                            rank, world_size_, timeout_.count());
       });
+  // Once every rank finished, this collective succeeded everywhere: an error raised since then
+  // (a rank that went on and aborted before this one woke) belongs to a later call.
+  const bool finished = slot.done_count == world_size_;
   leave();
-  return ok ? Status::ok() : error_for(op, sequence, rank);
+  return ok || finished ? Status::ok() : error_for(op, sequence, rank);
 }
 
 Status LocalGroup::barrier(int rank, std::chrono::milliseconds timeout) {

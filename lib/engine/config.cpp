@@ -331,6 +331,9 @@ constexpr std::string_view kPlannerOnly =
     "read by `zinf plan` for its per-machine memory figures; the engine allocates no memory "
     "for it";
 
+constexpr std::string_view kMonitorActivations =
+    "zinf reports the store's traffic in MemoryReport and its trace";
+
 const Key kZinfKeys[] = {
     {.name = "world_size", .read = ZINF_READ(count_as(v, &w.config->world_size))},
     {.name = "ranks_per_machine",
@@ -340,6 +343,7 @@ const Key kZinfKeys[] = {
     {.name = "gradients_on_nvme", .read = ZINF_READ(bool_of(v, &w.config->gradients_on_nvme))},
     {.name = "gradient_spill_buffers",
      .read = ZINF_READ(count_as(v, &w.config->gradient_spill_buffers))},
+    {.name = "overlap_step", .read = ZINF_READ(bool_of(v, &w.config->overlap_step))},
     {.name = "device_reserved_bytes",
      .read = ZINF_READ(count_as(v, &w.config->device_reserved_bytes)),
      .no_effect = kPlannerOnly},
@@ -351,6 +355,28 @@ const Key kZinfKeys[] = {
     {.name = "keep_last", .read = ZINF_READ(count_as(v, &w.config->keep_last))},
     {.name = "group_max_elements",
      .read = ZINF_READ(count_as(v, &w.config->zero.group_max_elements))},
+    {.name = "activation_host_bytes",
+     .read = ZINF_READ(count_as(v, &w.config->activations.host_bytes))},
+    {.name = "activation_nvme_path",
+     .read = ZINF_READ(string_of(v, &w.config->activations.nvme_path))},
+    {.name = "activation_nvme_bytes",
+     .read = ZINF_READ(count_as(v, &w.config->activations.nvme_bytes))},
+};
+
+const Key kActivationKeys[] = {
+    {.name = "partition_activations",
+     .no_effect = "DeepSpeed partitions each checkpoint over the model-parallel group; zinf has no "
+                  "model parallelism (that group is one rank), and its data-parallel ranks hold "
+                  "different activations"},
+    {.name = "cpu_checkpointing",
+     .read = ZINF_READ(bool_of(v, &w.config->activations.cpu_checkpointing))},
+    {.name = "contiguous_memory_optimization",
+     .no_effect = "zinf's offloaded checkpoints always share one contiguous pinned arena"},
+    {.name = "number_checkpoints",
+     .no_effect = "zinf's host arena is sized by zinf.activation_host_bytes, not by a count"},
+    {.name = "synchronize_checkpoint_boundary",
+     .no_effect = "Engine::load_activation() returns once the checkpoint is on the device"},
+    {.name = "profile", .no_effect = kMonitorActivations},
 };
 
 void walk_optimizer(const Json& section, const std::string& path, Walk& w);
@@ -390,9 +416,7 @@ const Key kRootKeys[] = {
     {.name = "comet", .no_effect = kMonitor},
     {.name = "flops_profiler", .no_effect = kMonitor},
     {.name = "comms_logger", .no_effect = kMonitor},
-    {.name = "activation_checkpointing",
-     .no_effect = "activations are the training program's; the engine holds parameters, gradients "
-                  "and optimizer state"},
+    {.name = "activation_checkpointing", .keys = kActivationKeys},
     {.name = "zero_allow_untested_optimizer",
      .no_effect = "zinf runs only its own optimizers (optimizer.type)"},
     {.name = "zero_force_ds_cpu_optimizer",

@@ -95,6 +95,10 @@ Status validate(const Config& c) {
     return invalid("zero_optimization.offload_param.buffer_count", "0 is below 1");
   }
   if (z.sub_group_size == 0) return invalid("zero_optimization.sub_group_size", "0 is below 1");
+  if (!c.activations.nvme_path.empty() && c.activations.nvme_bytes == 0) {
+    return invalid("zinf.activation_nvme_bytes",
+                   "0, and zinf.activation_nvme_path is set (the swap file needs a capacity)");
+  }
   if (c.keep_last < 1) return invalid("zinf.keep_last", fmt::format("{} is below 1", c.keep_last));
   if (c.gradients_on_nvme && z.stage == 1) {
     return invalid("zinf.gradients_on_nvme",
@@ -247,19 +251,24 @@ std::string config_to_json(const Config& c) {
   zero["stage3_max_live_parameters"] = z.stage3_max_live_parameters;
   zero["stage3_param_persistence_threshold"] = z.stage3_param_persistence_threshold;
   out["zero_optimization"] = zero;
+  out["activation_checkpointing"] = {{"cpu_checkpointing", c.activations.cpu_checkpointing}};
   out["aio"] = {{"block_size", c.aio_block_bytes}, {"queue_depth", c.aio_queue_depth}};
   out["zinf"] = {{"world_size", c.world_size},
                  {"ranks_per_machine", c.ranks_per_machine},
                  {"pinned_pool_bytes", c.pinned_pool_bytes},
                  {"gradients_on_nvme", c.gradients_on_nvme},
                  {"gradient_spill_buffers", c.gradient_spill_buffers},
+                 {"overlap_step", c.overlap_step},
                  {"device_reserved_bytes", c.device_reserved_bytes},
                  {"cpu_threads", c.cpu_threads},
                  {"collective_timeout_ms", c.collective_timeout_ms},
                  {"io_timeout_ms", c.io_timeout_ms},
                  {"io_timeouts_max", c.io_timeouts_max},
                  {"keep_last", c.keep_last},
-                 {"group_max_elements", z.group_max_elements}};
+                 {"group_max_elements", z.group_max_elements},
+                 {"activation_host_bytes", c.activations.host_bytes},
+                 {"activation_nvme_path", c.activations.nvme_path},
+                 {"activation_nvme_bytes", c.activations.nvme_bytes}};
   return out.dump(2) + "\n";
 }
 

@@ -16,10 +16,13 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <mutex>
 #include <optional>
 #include <set>
+#include <utility>
 
 #include "base/assert.hpp"
+#include "engine/activation_store.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/engine_counters.hpp"
@@ -31,6 +34,7 @@
 #include "engine/publisher.hpp"
 #include "engine/rank_exchange.hpp"
 #include "engine/step.hpp"
+#include "engine/step_runner.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
 #include "zero/caller_stream.hpp"
@@ -58,7 +62,8 @@ class Engine::Impl {
         rank_(env.comm->rank()),
         world_(env.comm->world_size()),
         timeout_(std::chrono::milliseconds(config.collective_timeout_ms)),
-        publisher_(layout_) {}
+        publisher_(layout_),
+        activations_(config_, device_, comm_, env.nvme_paths, env.io_faults, sticky_) {}
 
   ~Impl() {
     if (caller_ != nullptr) (void)caller_->host_wait(timeout_);
@@ -69,6 +74,8 @@ class Engine::Impl {
   // The coordinator and reducer wait for their streams; then the optimizer state goes, then
   // the swap space, then its engine.
   void teardown() {
+    // An overlapped pass still running uses the state and the coordinator.
+    runner_.reset();
     publisher_.set_coordinator(nullptr);
     coord_.reset();
     reducer_.reset();
@@ -221,6 +228,7 @@ class Engine::Impl {
     }
     // The device copies: every group's shard is the master rounded to the group's dtype.
     ZINF_RETURN_IF_ERROR(state_->place_initial());
+    if (config_.overlap_step && state_->overlaps()) open_overlap();
     finalized_ = true;
     return Status::ok();
   }
@@ -280,6 +288,12 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(sticky_.status());
     return finalize();
   }
+  // Finalized, and the overlapped step (if one runs) finished: for the calls that need all of it.
+  // Collective: every rank calls it at the same point (see finish_step()).
+  Status settle() {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    return finish_step(/*collective=*/true);
+  }
 
   Status fail(Status st) { return sticky_.fail(std::move(st)); }
 
@@ -287,7 +301,17 @@ class Engine::Impl {
   Status gather(std::string_view module) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("gather", module));
-    Status st = coord_->gather(m);
+    // The coordinator is shared with an overlapped pass's shard writes (publisher.hpp).
+    std::unique_lock<std::mutex> lock(publisher_.mutex());
+    gather_lock_ = &lock;
+    Status st = await_module(m);
+    if (st.is_ok()) st = coord_->gather(m);
+    gather_lock_ = nullptr;
+    lock.unlock();
+    // A pass that failed is the cause of a gather that found it failed: its error first.
+    if (!st.is_ok() && runner_ != nullptr && runner_->running()) {
+      ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
+    }
     if (!st.is_ok() && st.code() != Code::kFailedPrecondition &&
         st.code() != Code::kResourceExhausted) {
       return fail(st);
@@ -296,6 +320,7 @@ class Engine::Impl {
   }
 
   Status set_compute_stream(Stream* stream) {
+    if (finalized_) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
     if (finalized_ && coord_->first_in_use() >= 0) {
       return Status::failed_precondition(
           fmt::format("set_compute_stream: module '{}' is gathered (release it first)",
@@ -313,6 +338,7 @@ class Engine::Impl {
   Status release(std::string_view module) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("release", module));
+    std::lock_guard<std::mutex> lock(publisher_.mutex());
     return coord_->release(m);
   }
 
@@ -342,7 +368,8 @@ class Engine::Impl {
 
   // --- Gradients -------------------------------------------------------------------------------
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
-    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    // The overlapped step reads the accumulator this adds into.
+    ZINF_RETURN_IF_ERROR(settle());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
     // finalize) is cleared first, so the call allocates nothing.
@@ -391,7 +418,7 @@ class Engine::Impl {
 
   // --- Step ------------------------------------------------------------------------------------
   Result<StepReport> step() {
-    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_RETURN_IF_ERROR(settle());
     const std::int64_t start = Trace::now_ns();
     const long in_use = coord_->first_in_use();
     if (in_use >= 0) {
@@ -440,6 +467,8 @@ class Engine::Impl {
     rep.norm_ns = t2 - t1;
 
     if (d.overflow) {
+      rep.overlapped = runner_ != nullptr;
+      if (rep.overlapped) take_pass_figures(rep);
       scaler.update(true);
       reducer_->zero();
       grads_pending_ = false;
@@ -456,6 +485,19 @@ class Engine::Impl {
     // The schedule's (or set_learning_rate()'s) hyper-parameters for this step.
     set_step_params(t_);
     ZINF_RETURN_IF_ERROR(state_->set_group_params(group_params_));
+    if (runner_ != nullptr) {
+      // Overlapped: the pass runs on; this report carries the previous pass's figures.
+      rep.overlapped = true;
+      take_pass_figures(rep);
+      start_pass(t_, d.grad_scale);
+      grads_pending_ = false;
+      scaler.update(false);
+      rep.step = t_;
+      rep.next_loss_scale = scaler.scale();
+      rep.wall_ns = Trace::now_ns() - start;
+      ++steps_;
+      return Status::ok();
+    }
     // Streaming the half output, the shards are written during the optimizer pass.
     const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
     {
@@ -474,6 +516,7 @@ class Engine::Impl {
       rep.master_nvme_read_bytes = state_->master_read_bytes() - master_reads;
     }
     rep.publish_ns = Trace::now_ns() - t3;
+    rep.gather_wait_ns = std::exchange(gather_wait_ns_, 0);
     reducer_->zero();
     grads_pending_ = false;
     scaler.update(false);
@@ -564,7 +607,7 @@ class Engine::Impl {
 
   Status save_checkpoint(std::string_view dir, std::string_view tag) {
     const std::string call = fmt::format("save_checkpoint('{}', '{}')", dir, tag);
-    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_RETURN_IF_ERROR(settle());
     ResumeState r{t_, numerics_->scaler(), config_.optimizer.lr, lr_override_, schedule_.config()};
     if (coord_->order_frozen()) r.gather_order = gather_order_names(layout_, coord_->order());
     r.client_state = client_state_;
@@ -575,7 +618,7 @@ class Engine::Impl {
   Status load_checkpoint(std::string_view dir, std::string_view tag) {
     const std::string call =
         fmt::format("load_checkpoint('{}'{})", dir, tag.empty() ? "" : fmt::format(", '{}'", tag));
-    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_RETURN_IF_ERROR(settle());
     ResumeState r;
     ZINF_RETURN_IF_ERROR(load_checkpoint_state(checkpoint_context(), call, std::string(dir),
                                                std::string(tag), checkpoint_precondition(call),
@@ -600,6 +643,8 @@ class Engine::Impl {
 
   Result<SwapCheckReport> verify_swap() {
     if (swap_ == nullptr) return SwapCheckReport{};
+    // Local: the pass's writes landed; the persistent groups wait for a collective call.
+    if (finalized_) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
     ZINF_ASSIGN_OR_RETURN(SwapVerifyReport r, swap_->verify(timeout_));
     return SwapCheckReport{r.blocks, r.bytes, r.skipped_blocks};
   }
@@ -610,12 +655,12 @@ class Engine::Impl {
             event_.get(), timeout_,     rank_,    &sticky_, &*exchange_};
   }
   Status read_parameters(std::string_view name, float* out) {
-    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_RETURN_IF_ERROR(settle());
     return read_master_values(master_access(), name, out);
   }
 
   Status write_parameters(std::string_view name, const float* values, int root) {
-    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    ZINF_RETURN_IF_ERROR(settle());
     Status pre = checkpoint_precondition(fmt::format("write_parameters('{}')", name));
     return write_master_values(master_access(), name, values, root, std::move(pre));
   }
@@ -635,6 +680,7 @@ class Engine::Impl {
     state_->add_memory(m);
     // The swap space holds the optimizer's extents and the parameter shards' alike.
     m.nvme_bytes = swap_ != nullptr ? swap_->used_bytes() : 0;
+    activations_.add_memory(m);
     return m;
   }
 
@@ -653,6 +699,7 @@ class Engine::Impl {
 
   ParameterLayout layout_;
   Publisher publisher_;
+  EngineActivations activations_;  // save_activation(), load_activation()
   std::unique_ptr<IoEngine> io_;
   std::unique_ptr<SwapSpace> swap_;
   std::uint64_t param_staging_bytes_ = 0;  // the coordinator's staging blocks, known before
@@ -683,7 +730,187 @@ class Engine::Impl {
   std::uint64_t skipped_steps_ = 0;
   mutable EngineCounters counters_out_;
   StepReport report_;
+
+  // The overlapped step (zinf.overlap_step; step_overlap.cpp): the runner, the pass's arguments
+  // and figures, and what the rank's thread waited for it.
+  std::unique_ptr<StepRunner> runner_;
+  int runner_track_ = 0;
+  std::vector<std::uint32_t> module_last_group_;  // per module; kNoGroup: none
+  std::vector<std::uint8_t> persistent_done_;     // per group: all-gathered since the pass began
+  std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
+  std::int64_t pass_step_ = 0;
+  float pass_scale_ = 1.0f;
+  StepReport pass_report_;  // the running pass's optimizer and publish figures
+  std::int64_t pass_start_ns_ = 0;
+  std::int64_t pass_end_ns_ = 0;
+  std::int64_t pass_waited_ns_ = 0;  // the rank's thread waiting for the running pass
+  StepReport last_pass_;             // the finished pass's figures, for the next report
+  std::int64_t gather_wait_ns_ = 0;  // gathers waiting for new values since the last step()
+
+  static constexpr std::uint32_t kNoGroup = ~std::uint32_t{0};
+  void open_overlap();
+  Status await_module(std::size_t m);
+  static Status issue_hook(void* user, std::size_t module);
+  void start_pass(std::int64_t step, float grad_scale);
+  static Status run_pass(void* user);
+  Status pass_body();
+  Status finish_step(bool collective);
+  void take_pass_figures(StepReport& rep);
 };
+
+// --- The overlapped step ------------------------------------------------------------------------
+// step() decides on the rank's thread and hands the optimizer pass and the shard writes to the
+// runner's thread; the publisher counts the groups written, in group order. gather(m) (and the
+// coordinator's prefetch of m, through the issue hook) waits until m's last group is written,
+// then all-gathers m's persistent groups itself, so every collective is still issued by the
+// rank's thread in the same order on every rank. The next call that needs the whole step
+// (reduce_gradients(), step(), checkpoints, read-back) finishes it: the persistent groups no
+// gather asked for are all-gathered in group order and the gradient accumulator is zeroed.
+
+void Engine::Impl::open_overlap() {
+  module_last_group_.assign(layout_.module_names().size(), kNoGroup);
+  for (std::size_t m = 0; m < module_last_group_.size(); ++m) {
+    for (std::uint32_t g : layout_.module_groups(m)) {
+      if (module_last_group_[m] == kNoGroup || g > module_last_group_[m]) {
+        module_last_group_[m] = g;
+      }
+    }
+  }
+  persistent_done_.assign(layout_.group_count(), 1);
+  if (env_.trace != nullptr) runner_track_ = env_.trace->track(fmt::format("rank{} step", rank_));
+  coord_->set_issue_hook(&Impl::issue_hook, this);
+  runner_ = std::make_unique<StepRunner>();
+}
+
+// With gather_lock_ held (the publisher's mutex), on the rank's thread.
+Status Engine::Impl::await_module(std::size_t m) {
+  if (runner_ == nullptr) return Status::ok();
+  ZINF_ASSERT(gather_lock_ != nullptr);
+  const std::uint32_t last = module_last_group_[m];
+  if (runner_->running() && last != kNoGroup && !publisher_.written(last)) {
+    if (publisher_.in_pass()) {
+      const std::int64_t t0 = Trace::now_ns();
+      publisher_.written_cv().wait(
+          *gather_lock_, [&] { return publisher_.written(last) || !publisher_.in_pass(); });
+      const std::int64_t waited = Trace::now_ns() - t0;
+      gather_wait_ns_ += waited;
+      pass_waited_ns_ += waited;
+    }
+    if (!publisher_.written(last)) {
+      // The pass failed before it wrote this module: its error is the gather's.
+      return Status::aborted(fmt::format("gather('{}'): the optimizer step failed before its "
+                                         "parameters were written",
+                                         layout_.module_names()[m]));
+    }
+  }
+  // The persistent groups by the flags step() reset, which every rank's calls move alike (a
+  // rank that finished the pass early, in a local call, still all-gathers here with the others).
+  bool any = false;
+  for (std::uint32_t g : layout_.module_groups(m)) {
+    if (persistent_done_[g] != 0) continue;
+    ZINF_RETURN_IF_ERROR(coord_->publish_group(g));
+    persistent_done_[g] = 1;
+    any = true;
+  }
+  return any ? coord_->publish_wait() : Status::ok();
+}
+
+Status Engine::Impl::issue_hook(void* user, std::size_t module) {
+  return static_cast<Impl*>(user)->await_module(module);
+}
+
+void Engine::Impl::start_pass(std::int64_t step, float grad_scale) {
+  pass_step_ = step;
+  pass_scale_ = grad_scale;
+  pass_report_ = StepReport{};
+  pass_waited_ns_ = 0;
+  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+    persistent_done_[g] = layout_.persistent()[g] ? 0 : 1;
+  }
+  publisher_.begin_pass();
+  pass_start_ns_ = Trace::now_ns();
+  runner_->start(&Impl::run_pass, this);
+}
+
+// On the runner's thread.
+Status Engine::Impl::run_pass(void* user) {
+  auto* self = static_cast<Impl*>(user);
+  Status st = self->pass_body();
+  self->pass_end_ns_ = Trace::now_ns();
+  self->publisher_.end_pass(st.is_ok());
+  return st;
+}
+
+Status Engine::Impl::pass_body() {
+  StepReport& rep = pass_report_;
+  // Only this pass writes shards (and counts their bytes) until it is finished.
+  const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
+  {
+    Trace::Span span(env_.trace, runner_track_, "step optimizer");
+    ZINF_ASSIGN_OR_RETURN(StepStats stats, state_->step(pass_step_, pass_scale_));
+    rep.optimizer_nvme_read_bytes = stats.read_bytes;
+    rep.optimizer_nvme_write_bytes = stats.write_bytes;
+  }
+  const std::int64_t t3 = Trace::now_ns();
+  rep.optimizer_ns = t3 - pass_start_ns_;
+  {
+    Trace::Span span(env_.trace, runner_track_, "step publish");
+    const std::uint64_t master_reads = state_->master_read_bytes();
+    ZINF_RETURN_IF_ERROR(state_->write_step());
+    rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
+    rep.master_nvme_read_bytes = state_->master_read_bytes() - master_reads;
+  }
+  rep.publish_ns = Trace::now_ns() - t3;
+  return Status::ok();
+}
+
+// Waits for the pass. `collective`: every rank calls this at the same point, so the persistent
+// groups no gather published are all-gathered too, in group order; local calls (verify_swap(),
+// counters(), errors) leave them for the next collective one.
+Status Engine::Impl::finish_step(bool collective) {
+  if (runner_ == nullptr) return Status::ok();
+  Status st;
+  if (runner_->running()) {
+    const std::int64_t t0 = Trace::now_ns();
+    st = runner_->finish();
+    pass_waited_ns_ += Trace::now_ns() - t0;
+    if (!st.is_ok()) return fail(st);
+    {
+      // Every shard write's copy done before the next pass refills the values.
+      std::lock_guard<std::mutex> lock(publisher_.mutex());
+      st = coord_->wait_writes();
+    }
+    if (!st.is_ok()) return fail(st);
+    reducer_->zero();
+    last_pass_ = pass_report_;
+    const std::int64_t pass_ns = pass_end_ns_ - pass_start_ns_;
+    last_pass_.hidden_ns = std::max<std::int64_t>(0, pass_ns - pass_waited_ns_);
+  }
+  if (!collective) return Status::ok();
+  std::lock_guard<std::mutex> lock(publisher_.mutex());
+  bool any = false;
+  for (std::uint32_t g = 0; g < layout_.group_count() && st.is_ok(); ++g) {
+    if (persistent_done_[g] != 0) continue;
+    st = coord_->publish_group(g);
+    persistent_done_[g] = 1;
+    any = true;
+  }
+  if (st.is_ok() && any) st = coord_->publish_wait();
+  return st.is_ok() ? Status::ok() : fail(st);
+}
+
+// The last finished pass's figures into an overlapped step's report (zero before the first).
+void Engine::Impl::take_pass_figures(StepReport& rep) {
+  rep.optimizer_ns = last_pass_.optimizer_ns;
+  rep.publish_ns = last_pass_.publish_ns;
+  rep.hidden_ns = last_pass_.hidden_ns;
+  rep.optimizer_nvme_read_bytes = last_pass_.optimizer_nvme_read_bytes;
+  rep.optimizer_nvme_write_bytes = last_pass_.optimizer_nvme_write_bytes;
+  rep.param_nvme_write_bytes = last_pass_.param_nvme_write_bytes;
+  rep.master_nvme_read_bytes = last_pass_.master_nvme_read_bytes;
+  rep.gather_wait_ns = std::exchange(gather_wait_ns_, 0);
+  last_pass_ = StepReport{};
+}
 
 // --- Engine -------------------------------------------------------------------------------------
 
@@ -719,6 +946,16 @@ bool Engine::finalized() const { return impl_->finalized_; }
 Status Engine::gather(std::string_view module) { return impl_->gather(module); }
 Result<TensorView> Engine::parameter(std::string_view name) const { return impl_->parameter(name); }
 Status Engine::release(std::string_view module) { return impl_->release(module); }
+Status Engine::save_activation(std::string_view key, const void* data, std::size_t bytes) {
+  return impl_->activations_.save(key, data, bytes);
+}
+Status Engine::load_activation(std::string_view key, void* data) {
+  return impl_->activations_.load(key, data);
+}
+Status Engine::flush_activations() { return impl_->activations_.flush(); }
+void Engine::set_activation_bytes(std::uint64_t device_bytes) {
+  impl_->activations_.set_caller_bytes(device_bytes);
+}
 Status Engine::set_compute_stream(Stream* stream) { return impl_->set_compute_stream(stream); }
 Status Engine::reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
   return impl_->reduce_gradients(module, gradients);
@@ -768,6 +1005,8 @@ std::vector<std::string> Engine::recorded_order() const {
   return out;
 }
 const EngineCounters& Engine::counters() const {
+  // The counters of an overlapped pass are final once it is (an error there is sticky).
+  if (impl_->finalized_) (void)impl_->finish_step(/*collective=*/false);
   copy_engine_counters(impl_->counters_, impl_->steps_, impl_->skipped_steps_,
                        impl_->counters_out_);
   return impl_->counters_out_;

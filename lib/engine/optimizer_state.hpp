@@ -98,6 +98,15 @@ class OptimizerState {
   virtual Result<StepStats> step(std::int64_t step, float grad_scale) = 0;
   // After step(): the new parameters into every shard, and the gathered groups published.
   virtual Status publish_step() = 0;
+  // Whether step() and write_step() may run on the step runner's thread while the rank's thread
+  // gathers (zinf.overlap_step; step_runner.hpp). Only the store's state does: its pass is long
+  // (NVMe, or a host pass over the whole partition), the others' are a device kernel or one
+  // in-memory pass.
+  virtual bool overlaps() const { return false; }
+  // After step(), on the step runner's thread: every shard written, in group order, through the
+  // publisher (which counts them); the persistent groups are left for the rank's thread to
+  // all-gather. REQUIRES: overlaps().
+  virtual Status write_step() { return Status::unsupported("write_step: the state does not overlap"); }
   // The shards from the fp32 master, as at finalize (and after a checkpoint is loaded).
   virtual Status publish_master() = 0;
   // The first placement, at finalize, once the coordinator exists.

@@ -42,11 +42,41 @@ void Publisher::narrow_groups(std::size_t first, std::size_t count, const float*
   }
 }
 
-Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> values) {
+Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
+                               bool gather_persistent) {
   for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-    ZINF_RETURN_IF_ERROR(coord_->write_shard(g, values(g)));
+    // The values stay until the next step: no wait for each copy up (publish() or the
+    // overlapped step's end waits for them all).
+    ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
   }
-  return coord_->publish();
+  return gather_persistent ? publish() : Status::ok();
+}
+
+Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wait) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ZINF_RETURN_IF_ERROR(coord_->write_shard(g, values));
+    // A gather of g's module queues its copies after this write's on the coordinator's stream.
+    if (wait) ZINF_RETURN_IF_ERROR(coord_->wait_writes());
+    written_ = g + 1;
+  }
+  written_cv_.notify_all();
+  return Status::ok();
+}
+
+void Publisher::begin_pass() {
+  std::lock_guard<std::mutex> lock(mu_);
+  in_pass_ = true;
+  written_ = 0;
+}
+
+void Publisher::end_pass(bool ok) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    in_pass_ = false;
+    pass_ok_ = ok;
+  }
+  written_cv_.notify_all();
 }
 
 void Publisher::allocate_stage() {
@@ -76,9 +106,8 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     }
     if (group_first + group_count > end) break;  // it goes on in the next range
     ZINF_ASSERT_MSG(stream_filled_ == group_count, "Publisher::stage: a group written half filled");
-    ZINF_RETURN_IF_ERROR(coord_->write_shard(g, stage_.data()));
     // The stage is refilled by the next group: the copy up must have read it.
-    ZINF_RETURN_IF_ERROR(coord_->wait_writes());
+    ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
     stream_filled_ = 0;
     ++stream_group_;
   }

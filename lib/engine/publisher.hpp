@@ -9,11 +9,20 @@
 //   - device memory: the device optimizer's buffers written straight into the shards.
 // After the shards are written, publish() all-gathers what stays gathered.
 //
-// Thread-safety: one thread (the rank's; the pipeline calls stage() on it too).
+// The overlapped step (zinf.overlap_step, step_runner.hpp) writes the shards on the step
+// runner's thread while the rank's thread gathers modules for the next forward pass. Both go
+// through the coordinator, which is single-threaded, so each holds mutex() for its coordinator
+// calls; the pass counts the groups it has written (groups are written in index order, which is
+// partition order), and a gather waits on written_cv() until its module's last group is in.
+//
+// Thread-safety: one thread at a time (the rank's, or the step runner's during an overlapped
+// pass); mutex() and the written count may be used from both.
 #pragma once
 
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <mutex>
 
 #include "base/aligned.hpp"
 #include "engine/function_ref.hpp"
@@ -47,8 +56,10 @@ class Publisher {
   void narrow_groups(std::size_t first, std::size_t count, const float* src,
                      FunctionRef<bool(DType)> want, FunctionRef<std::byte*(std::uint32_t)> values);
 
-  // Every group's shard from values(g), then publish().
-  Status write_shards(FunctionRef<const std::byte*(std::uint32_t)> values);
+  // Every group's shard from values(g), then publish() when `gather_persistent` (the
+  // overlapped step publishes persistent groups module by module from the rank's thread).
+  Status write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
+                      bool gather_persistent = true);
 
   // --- The half-precision stream -----------------------------------------------------------
   // A group is written only when every one of its elements was filled in this pass, so no shard
@@ -66,9 +77,28 @@ class Publisher {
   bool stream_complete() const { return stream_group_ == layout_.group_count(); }
 
   // All-gathers the groups that stay gathered from the shards just written.
-  Status publish() { return coord_->publish(); }
+  Status publish() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return coord_->publish();
+  }
+
+  // --- The overlapped step -------------------------------------------------------------------
+  // Held around every coordinator call while a pass may be running on another thread.
+  std::mutex& mutex() { return mu_; }
+  std::condition_variable& written_cv() { return written_cv_; }
+  // A pass starts: no group of it is written yet. REQUIRES: mutex() not held.
+  void begin_pass();
+  // The pass is over, every group written when `ok`: nobody waits for it any more.
+  void end_pass(bool ok);
+  // REQUIRES: mutex() held. Group g of the current pass is written, or the last pass ended well.
+  bool written(std::uint32_t g) const { return g < written_ || (!in_pass_ && pass_ok_); }
+  // REQUIRES: mutex() held. A pass began and has not ended.
+  bool in_pass() const { return in_pass_; }
 
  private:
+  // Group g's shard, under mutex(); g counts as written once it returns ok.
+  Status write_group(std::uint32_t g, const std::byte* values, bool wait);
+
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;
   AlignedBuffer buffer_;
@@ -76,6 +106,11 @@ class Publisher {
   std::size_t stream_next_ = 0;     // the partition element the next range starts at
   std::uint32_t stream_group_ = 0;  // the group being assembled
   std::size_t stream_filled_ = 0;   // its elements filled so far
+  std::mutex mu_;
+  std::condition_variable written_cv_;
+  bool in_pass_ = false;        // guarded by mu_
+  bool pass_ok_ = true;         // the last pass wrote every group, guarded by mu_
+  std::uint32_t written_ = 0;   // groups of the pass written, guarded by mu_
 };
 
 }  // namespace zinf

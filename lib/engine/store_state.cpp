@@ -128,11 +128,17 @@ class StoreState final : public OptimizerState {
     return pipeline_->step({.step = step, .grad_scale = grad_scale});
   }
 
-  Status publish_step() override {
+  Status publish_step() override { return publish_pass(/*gather_persistent=*/true); }
+  bool overlaps() const override { return true; }
+  Status write_step() override { return publish_pass(/*gather_persistent=*/false); }
+
+  // After the pass: every shard written (streamed, the pass did it), and the persistent groups
+  // all-gathered when `gather_persistent`.
+  Status publish_pass(bool gather_persistent) {
     if (publish_ == Publish::kStreamed) {
       // The pass wrote every shard; the persistent groups' all-gather is left.
       ZINF_ASSERT(pub_.stream_complete());
-      return pub_.publish();
+      return gather_persistent ? pub_.publish() : Status::ok();
     }
     // From the store, the pass wrote every group's new values into the store's half array;
     // narrowed, the f32 groups (all groups, without a half piece) come from the master.
@@ -149,7 +155,7 @@ class StoreState final : public OptimizerState {
                                              [&](std::uint32_t g) { return values(g); });
                                        }));
     }
-    return write_values();
+    return write_values(gather_persistent);
   }
 
   Status publish_master() override {
@@ -333,8 +339,9 @@ class StoreState final : public OptimizerState {
     pub_.narrow_groups(
         first, count, src, [](DType) { return true; }, [&](std::uint32_t g) { return values(g); });
   }
-  Status write_values() {
-    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); });
+  Status write_values(bool gather_persistent = true) {
+    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
+                             gather_persistent);
   }
 
   StateContext ctx_;

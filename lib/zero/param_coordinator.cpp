@@ -216,18 +216,29 @@ Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* de
 Status ParamCoordinator::publish() {
   ZINF_RETURN_IF_ERROR(error_);
   for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
-    if (!persistent_[g]) continue;
-    const GroupInfo& info = partitioner_.group(g);
-    const std::size_t bytes = dtype_bytes(info.dtype);
-    std::byte* full = full_[g].as<std::byte>();
-    Status st = comm_.all_gather(full + partitioner_.shard_offset(g, rank_) * bytes, full,
-                                 info.shard_element_count, info.dtype, *stream_, group_names_[g]);
-    if (!st.is_ok()) {
-      error_ = st;
-      return st;
-    }
-    if (counters_ != nullptr) counters_->all_gather_bytes += info.padded_element_count * bytes;
+    if (persistent_[g]) ZINF_RETURN_IF_ERROR(publish_group(g));
   }
+  return publish_wait();
+}
+
+Status ParamCoordinator::publish_group(std::uint32_t g) {
+  ZINF_RETURN_IF_ERROR(error_);
+  ZINF_ASSERT(persistent_[g]);
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t bytes = dtype_bytes(info.dtype);
+  std::byte* full = full_[g].as<std::byte>();
+  Status st = comm_.all_gather(full + partitioner_.shard_offset(g, rank_) * bytes, full,
+                               info.shard_element_count, info.dtype, *stream_, group_names_[g]);
+  if (!st.is_ok()) {
+    error_ = st;
+    return st;
+  }
+  if (counters_ != nullptr) counters_->all_gather_bytes += info.padded_element_count * bytes;
+  return Status::ok();
+}
+
+Status ParamCoordinator::publish_wait() {
+  ZINF_RETURN_IF_ERROR(error_);
   Status st = device_.record(*done_, *stream_);
   if (st.is_ok()) st = comm_.wait(*done_, options_.timeout);
   if (!st.is_ok()) error_ = st;
@@ -245,6 +256,7 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
     live_elements_ += mod.elements;
     return Status::ok();
   }
+  if (issue_hook_ != nullptr) ZINF_RETURN_IF_ERROR(issue_hook_(issue_hook_user_, m));
   for (std::uint32_t g : mod.partitioned) {
     const GroupInfo& info = partitioner_.group(g);
     const std::size_t bytes = dtype_bytes(info.dtype);

@@ -115,6 +115,21 @@ class ParamCoordinator {
   Status wait_writes();
   // All-gathers every persistent group (after write_shard of each). Collective.
   Status publish();
+  // The same for persistent group g alone, queued on the coordinator's stream (after the
+  // write_shard() of g queued there); publish_wait() waits for every one queued. Collective: every
+  // rank calls it for the same groups in the same order. The overlapped step publishes each
+  // module's persistent groups this way when it is first gathered.
+  Status publish_group(std::uint32_t g);
+  Status publish_wait();
+
+  // Called by issue() before it moves any of `module`'s groups, on the thread that called
+  // gather(): the overlapped step waits there until the module's new values are written (a
+  // prefetch must not gather the shards the step is still writing). An error fails the gather.
+  using IssueHook = Status (*)(void* user, std::size_t module);
+  void set_issue_hook(IssueHook hook, void* user) {
+    issue_hook_ = hook;
+    issue_hook_user_ = user;
+  }
 
   // See the file comment. module indexes modules as given to create().
   Status gather(std::size_t module);
@@ -231,6 +246,8 @@ class ParamCoordinator {
   std::size_t live_elements_ = 0;
   std::size_t prefetched_elements_ = 0;
   CallerStream* caller_ = nullptr;
+  IssueHook issue_hook_ = nullptr;
+  void* issue_hook_user_ = nullptr;
   bool caller_pending_ = false;  // release(): the caller's work must end before a buffer is freed
   Status error_;
 };

@@ -4,6 +4,7 @@
 // reach every rank quickly, never hang.
 #include "comm/local_comm.hpp"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -685,6 +686,58 @@ TEST(LocalComm, SeededFaultsReachEveryRankAndSpareEarlierCalls) {
     }
     EXPECT_FALSE(world.comm(0).status().is_ok());
   }
+}
+
+// A rank that aborts the moment its all_reduce returned (its stream runs the abort next) must not
+// fail that all_reduce on a peer still waking from its last wait in it: every rank had finished
+// the collective. Found by ThreadSanitizer's slowdown in SeededFaultsReachEveryRankAndSpareEarlier
+// Calls (seed 12: rank 4's call 2 failed with rank 3's abort from call 3); before the fix a peer
+// that woke after the abort returned the abort. Repeated, since it is a race of thread wake-ups.
+TEST(LocalComm, AnAbortRightAfterACollectiveFailsItOnNoRank) {
+  constexpr int kWorld = 5;
+  constexpr int kTrials = 40;
+  const std::size_t count = 256;
+  int failed = 0;
+  std::string first_failure;
+  for (int trial = 0; trial < kTrials; ++trial) {
+    World world(kWorld, std::chrono::seconds(30), 700 + static_cast<std::uint64_t>(trial));
+    std::vector<std::vector<std::byte>> inputs;
+    for (int r = 0; r < kWorld; ++r) {
+      inputs.push_back(random_data(count, DType::kF32, 7000 + trial * 8 + r));
+    }
+    const std::vector<std::byte> expected =
+        serial_reduce(inputs, 0, count, DType::kF32, ReduceOp::kSum);
+    std::vector<std::vector<std::byte>> outputs(kWorld, std::vector<std::byte>(count * 4));
+    std::vector<Status> statuses = world.run([&](int rank) -> Status {
+      const auto urank = static_cast<std::size_t>(rank);
+      Device& device = world.device(rank);
+      Communicator& comm = world.comm(rank);
+      RankBuffers b(device, count * 4, count * 4);
+      ZINF_RETURN_IF_ERROR(
+          device.copy_h2d(b.send.data(), inputs[urank].data(), count * 4, *b.stream));
+      ZINF_RETURN_IF_ERROR(comm.all_reduce(b.send.data(), b.recv.data(), count, DType::kF32,
+                                           ReduceOp::kSum, *b.stream, "last"));
+      if (rank == 0) {
+        ZINF_RETURN_IF_ERROR(device.launch_host(*b.stream, [&comm] {
+          comm.abort(Status::aborted("rank 0 aborts after its last collective"));
+          return Status::ok();
+        }));
+      }
+      ZINF_RETURN_IF_ERROR(
+          device.copy_d2h(outputs[urank].data(), b.recv.data(), count * 4, *b.stream));
+      ZINF_RETURN_IF_ERROR(device.record(*b.done, *b.stream));
+      return device.synchronize(*b.done, std::chrono::seconds(30));
+    });
+    for (int r = 0; r < kWorld; ++r) {
+      const auto ur = static_cast<std::size_t>(r);
+      if (statuses[ur].is_ok() && outputs[ur] == expected) continue;
+      if (failed++ == 0) {
+        first_failure = fmt::format("trial {} rank {}: {}", trial, r, statuses[ur].to_string());
+      }
+    }
+    EXPECT_FALSE(world.comm(1).status().is_ok());  // the abort reached the group
+  }
+  EXPECT_EQ(failed, 0) << "ranks whose finished all_reduce failed; first: " << first_failure;
 }
 
 // On opaque HostDevices (pointers that host code cannot dereference, as on a GPU) the collectives

@@ -316,8 +316,30 @@ struct SkipWaits {
   ~SkipWaits() { g_test_skip_caller_stream_waits = 0; }
 };
 
+// GCC says -fsanitize=thread with __SANITIZE_THREAD__, clang with __has_feature.
+#if defined(__SANITIZE_THREAD__)
+constexpr bool kThreadSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(thread_sanitizer)
+constexpr bool kThreadSanitizer = true;
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+#else
+constexpr bool kThreadSanitizer = false;
+#endif
+
+// Each control makes a data race on purpose (a stream reads a buffer while another writes it),
+// which a ThreadSanitizer build rightly reports and fails on: there they skip.
+class ComputeStreamControl : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (kThreadSanitizer) GTEST_SKIP() << "races on purpose, which ThreadSanitizer reports";
+  }
+};
+
 // gather(): the compute stream reads at once, before rank 1 has joined the all-gather.
-TEST(ComputeStream, WithoutTheGatherWaitTheReadsComeTooEarly) {
+TEST_F(ComputeStreamControl, WithoutTheGatherWaitTheReadsComeTooEarly) {
   SkipWaits skip(kSkipGatherReady);
   std::string why;
   EXPECT_FALSE(run_case({3, OffloadDevice::kNone, true, /*slow_reads=*/false,
@@ -327,7 +349,7 @@ TEST(ComputeStream, WithoutTheGatherWaitTheReadsComeTooEarly) {
 }
 
 // release(): the next module's gather overwrites the buffer before the forward read it.
-TEST(ComputeStream, WithoutTheReleaseWaitAReusedBufferIsOverwritten) {
+TEST_F(ComputeStreamControl, WithoutTheReleaseWaitAReusedBufferIsOverwritten) {
   SkipWaits skip(kSkipRelease);
   std::string why;
   EXPECT_FALSE(run_case({3, OffloadDevice::kNone, /*equal_modules=*/true}, &why));
@@ -335,7 +357,7 @@ TEST(ComputeStream, WithoutTheReleaseWaitAReusedBufferIsOverwritten) {
 }
 
 // reduce_gradients(): the gradients are read before the backward wrote them.
-TEST(ComputeStream, WithoutTheWaitBeforeTheReadStaleGradientsAreReduced) {
+TEST_F(ComputeStreamControl, WithoutTheWaitBeforeTheReadStaleGradientsAreReduced) {
   SkipWaits skip(kSkipBeforeRead);
   std::string why;
   EXPECT_FALSE(run_case({2, OffloadDevice::kNone}, &why));
@@ -343,7 +365,7 @@ TEST(ComputeStream, WithoutTheWaitBeforeTheReadStaleGradientsAreReduced) {
 }
 
 // step(): the step publishes new parameters while the compute stream still reads the old ones.
-TEST(ComputeStream, WithoutTheStepsWaitTheReadsSeeTheNextStep) {
+TEST_F(ComputeStreamControl, WithoutTheStepsWaitTheReadsSeeTheNextStep) {
   SkipWaits skip(kSkipHostWait);
   std::string why;
   EXPECT_FALSE(run_case({2, OffloadDevice::kNone}, &why));

@@ -41,6 +41,9 @@ FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name,
       engine_test::small_config(setup.stage, OffloadDevice::kNvme, setup.params, dir.path());
   config.io_timeout_ms = 50;
   config.io_timeouts_max = 2;
+  // The fault's error is asserted at the step() that meets it: the sequential step. (Overlapped,
+  // the pass's error comes back from the next call instead, the same Status, sticky.)
+  config.overlap_step = false;
   const Model model = engine_test::make_model(setup.dtype, 4242);
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   auto faults = std::make_shared<FaultInjector>(spec);

@@ -49,7 +49,12 @@ TEST_F(ConfigCheckCli, AcceptedFileExitsZeroAndSaysWhatEachKeyDoes) {
   EXPECT_NE(pin.find("accepted, no effect in zinf (zinf pins"), std::string::npos) << out;
   const std::string steps = line_of(out, "steps_per_print");
   EXPECT_NE(steps.find("accepted, no effect in zinf ("), std::string::npos) << out;
-  EXPECT_NE(line_of(out, "activation_checkpointing").find("no effect"), std::string::npos) << out;
+  EXPECT_NE(line_of(out, "activation_checkpointing.partition_activations").find("no effect"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(line_of(out, "activation_checkpointing.cpu_checkpointing").find("used"),
+            std::string::npos)
+      << out;
   EXPECT_EQ(out.find("refused"), std::string::npos) << out;
   EXPECT_NE(out.find("accepted"), std::string::npos) << out;
 }
