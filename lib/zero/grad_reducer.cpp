@@ -182,7 +182,10 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
     const std::size_t count = std::min(chunk_elements_, shard - c0);
     const int k = next_bucket_;
     next_bucket_ ^= 1;
-    ZINF_RETURN_IF_ERROR(device_.synchronize(*bucket_free_[k], options_.timeout));
+    // Through the communicator: the bucket is free once its reduce-scatter has run, and when a
+    // peer is gone that collective's own deadline names it (a bare event wait would run out at
+    // about the same moment naming nothing but the event).
+    ZINF_RETURN_IF_ERROR(comm_.wait(*bucket_free_[k], options_.timeout));
     float* bucket = buckets_[k].as<float>();
     for (int q = 0; q < world_; ++q) {
       ZINF_RETURN_IF_ERROR(fill(bucket + static_cast<std::size_t>(q) * count,

@@ -114,6 +114,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
   c->order_.reserve(c->modules_.size());
   ZINF_ASSIGN_OR_RETURN(c->stream_, device.create_stream("param_gather"));
   ZINF_ASSIGN_OR_RETURN(c->done_, device.create_event());
+  ZINF_ASSIGN_OR_RETURN(c->written_, device.create_event());
   if (counters != nullptr) {
     for (std::uint32_t g = 0; g < groups; ++g) {
       if (c->persistent_[g] && partitioner.partitions(StateKind::kParameters)) {
@@ -174,8 +175,17 @@ Status ParamCoordinator::wait_writes() {
   ZINF_RETURN_IF_ERROR(error_);
   // Copies up to device shards and persistent groups are on the stream; host and NVMe shards
   // were copied (or staged) before write_shard() returned.
-  Status st = device_.synchronize(*stream_, options_.timeout);
+  Status st = wait_stream_for_writes();
   if (!st.is_ok()) error_ = st;
+  return st;
+}
+
+Status ParamCoordinator::wait_stream_for_writes() {
+  // Through the communicator, not a bare stream synchronize: the stream also carries all-gathers,
+  // and when a peer is gone the all-gather's own deadline fails it naming the collective and the
+  // silent rank, at about the moment this wait would run out with only the stream's name.
+  Status st = device_.record(*written_, *stream_);
+  if (st.is_ok()) st = comm_.wait(*written_, options_.timeout);
   return st;
 }
 
@@ -197,7 +207,7 @@ Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* de
     ZINF_ASSIGN_OR_RETURN(PinnedPool::Lease lease, staging_->acquire(options_.timeout));
     std::memset(lease.data() + shard_bytes, 0, round_page(shard_bytes) - shard_bytes);
     st = device_.copy_d2h(lease.data(), device_shard, shard_bytes, *stream_);
-    if (st.is_ok()) st = device_.synchronize(*stream_, options_.timeout);
+    if (st.is_ok()) st = wait_stream_for_writes();
     if (!st.is_ok()) {
       error_ = st;
       return st;

@@ -164,6 +164,8 @@ class ParamCoordinator {
   std::uint64_t staging_bytes() const;
 
  private:
+  // Waits for the work queued on the coordinator's stream so far (see the .cpp).
+  Status wait_stream_for_writes();
   enum class State : std::uint8_t { kIdle, kPrefetched, kInUse };
   struct Module {
     std::string name;
@@ -236,7 +238,8 @@ class ParamCoordinator {
   std::unique_ptr<PinnedPool> staging_;
   std::vector<ShardRead> reads_;  // per staging block
   std::unique_ptr<Stream> stream_;
-  std::unique_ptr<Event> done_;
+  std::unique_ptr<Event> done_;     // publish_wait()
+  std::unique_ptr<Event> written_;  // wait_stream_for_writes()
   std::vector<std::size_t> order_;
   std::vector<Call> calls_;  // gathers and releases until the order is frozen
   bool dry_run_ = false;     // warm_up(): issue() takes buffers only, wait_ready() returns
