@@ -44,7 +44,7 @@ struct Options {
   bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
   // --overlap-step on|off: zinf.overlap_step (off: step() returns with every parameter published)
   bool overlap_step = true;
-  int world_size = 1;      // --world-size: ranks (LocalComm threads; the launcher's with mpi/nccl)
+  int world_size = 1;  // --world-size: ranks (LocalComm threads; the launcher's with mpi/nccl)
   // --comm local|mpi|nccl: local runs the ranks as LocalComm threads of this process; mpi and
   // nccl run one process per rank, started by mpirun/srun (mpi, nccl) or torchrun (nccl), each
   // opening its rank through the public constructors (make_mpi_comm, make_nccl_comm).
@@ -69,9 +69,9 @@ struct Options {
   // device; cpu: pinned host memory; nvme: the swap directory, through pinned staging blocks).
   bool checkpoint_activations = false;
   std::string offload_activations = "none";
-  std::uint64_t device_memory_bytes = 0;      // --device-memory: per-rank budget (0: 16 GiB)
-  std::uint64_t host_memory_bytes = 0;        // --host-memory: process budget (0: 90% of RAM)
-  std::uint64_t sub_group_size = 0;           // --sub-group-size (params; 0: chosen)
+  std::uint64_t device_memory_bytes = 0;  // --device-memory: per-rank budget (0: 16 GiB)
+  std::uint64_t host_memory_bytes = 0;    // --host-memory: process budget (0: 90% of RAM)
+  std::uint64_t sub_group_size = 0;       // --sub-group-size (params; 0: chosen)
   // --persistence-threshold: stage 3 keeps parameters of at most this many elements gathered on
   // every rank (DeepSpeed's stage3_param_persistence_threshold, 1e5 there). 0 here, so that even
   // the demo's small model is gathered, released and offloaded module by module.

@@ -3,14 +3,13 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -653,9 +652,10 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
       }
     }
     overlap_ms[mode] = both_us / 1e3;
-    std::printf("--overlap-step %s: %zu forward spans, %d pass spans, %.3f ms of pass spans "
-                "inside forward spans\n",
-                mode.c_str(), forward.size(), pass_spans, overlap_ms[mode]);
+    std::printf(
+        "--overlap-step %s: %zu forward spans, %d pass spans, %.3f ms of pass spans "
+        "inside forward spans\n",
+        mode.c_str(), forward.size(), pass_spans, overlap_ms[mode]);
   }
   EXPECT_GT(overlap_ms["on"], 0.0);
   EXPECT_EQ(overlap_ms["off"], 0.0);

@@ -724,7 +724,8 @@ void StepDone::operator()() noexcept {
     // ran on behind this step's forward: how much of it was hidden, and how long gathers waited.
     char overlap[96] = "";
     if (o.use_engine && o.overlap_step && o.offload_optimizer != "none") {
-      std::snprintf(overlap, sizeof(overlap), "; previous step's, %.2fs hidden, gathers waited %.2fs",
+      std::snprintf(overlap, sizeof(overlap),
+                    "; previous step's, %.2fs hidden, gathers waited %.2fs",
                     now.hidden_s - was.hidden_s, now.gather_wait_s - was.gather_wait_s);
     }
     s.progress.finish_line();

@@ -26,8 +26,8 @@ struct TimeSplit {
   // and the gathers' waits for parameters not yet written (part of gather_s).
   double hidden_s = 0;
   double gather_wait_s = 0;
-  double eval_s = 0;       // validation
-  double total_s = 0;      // the steps' wall time, all of the above and the rest (batches)
+  double eval_s = 0;   // validation
+  double total_s = 0;  // the steps' wall time, all of the above and the rest (batches)
 };
 
 struct RunSummary {

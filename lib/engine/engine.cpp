@@ -800,9 +800,10 @@ Status Engine::Impl::await_module(std::size_t m) {
     }
     if (!publisher_.written(last)) {
       // The pass failed before it wrote this module: its error is the gather's.
-      return Status::aborted(fmt::format("gather('{}'): the optimizer step failed before its "
-                                         "parameters were written",
-                                         layout_.module_names()[m]));
+      return Status::aborted(
+          fmt::format("gather('{}'): the optimizer step failed before its "
+                      "parameters were written",
+                      layout_.module_names()[m]));
     }
   }
   // The persistent groups by the flags step() reset, which every rank's calls move alike (a

@@ -106,7 +106,9 @@ class OptimizerState {
   // After step(), on the step runner's thread: every shard written, in group order, through the
   // publisher (which counts them); the persistent groups are left for the rank's thread to
   // all-gather. REQUIRES: overlaps().
-  virtual Status write_step() { return Status::unsupported("write_step: the state does not overlap"); }
+  virtual Status write_step() {
+    return Status::unsupported("write_step: the state does not overlap");
+  }
   // The shards from the fp32 master, as at finalize (and after a checkpoint is loaded).
   virtual Status publish_master() = 0;
   // The first placement, at finalize, once the coordinator exists.

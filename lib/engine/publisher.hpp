@@ -108,9 +108,9 @@ class Publisher {
   std::size_t stream_filled_ = 0;   // its elements filled so far
   std::mutex mu_;
   std::condition_variable written_cv_;
-  bool in_pass_ = false;        // guarded by mu_
-  bool pass_ok_ = true;         // the last pass wrote every group, guarded by mu_
-  std::uint32_t written_ = 0;   // groups of the pass written, guarded by mu_
+  bool in_pass_ = false;       // guarded by mu_
+  bool pass_ok_ = true;        // the last pass wrote every group, guarded by mu_
+  std::uint32_t written_ = 0;  // groups of the pass written, guarded by mu_
 };
 
 }  // namespace zinf

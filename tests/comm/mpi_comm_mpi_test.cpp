@@ -88,10 +88,10 @@ Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind
   const int rank = comm.rank();
   const auto world = static_cast<std::size_t>(comm.world_size());
   const std::size_t chunk_bytes = count * dtype_bytes(dtype);
-  const std::size_t send_bytes = kind == CollectiveKind::kReduceScatter ? chunk_bytes * world
-                                                                        : chunk_bytes;
-  const std::size_t recv_bytes = kind == CollectiveKind::kAllGather ? chunk_bytes * world
-                                                                    : chunk_bytes;
+  const std::size_t send_bytes =
+      kind == CollectiveKind::kReduceScatter ? chunk_bytes * world : chunk_bytes;
+  const std::size_t recv_bytes =
+      kind == CollectiveKind::kAllGather ? chunk_bytes * world : chunk_bytes;
   const bool in_place = form == Form::kInPlace;
   // In place: one buffer of the larger size, with send or recv at this rank's offset.
   Run run(device, std::max(send_bytes, recv_bytes), recv_bytes);
@@ -183,8 +183,8 @@ TEST_P(MpiCommCollectives, EqualTheSerialReferenceAndLocalCommBitForBit) {
         const std::vector<std::byte> expected_all = serial_reduce(whole, 0, count, dtype, op);
         const std::vector<std::byte> expected_scatter =
             serial_reduce(scattered, rank * count, count, dtype, op);
-        Result<std::vector<std::byte>> all = run_collective(
-            *comm, CollectiveKind::kAllReduce, whole[rank], count, dtype, op, form, 0);
+        Result<std::vector<std::byte>> all = run_collective(*comm, CollectiveKind::kAllReduce,
+                                                            whole[rank], count, dtype, op, form, 0);
         ASSERT_TRUE(all.is_ok()) << all.status().to_string();
         EXPECT_EQ(all.value(), expected_all)
             << "all_reduce " << dtype_name(dtype) << " " << reduce_op_name(op);
@@ -198,9 +198,8 @@ TEST_P(MpiCommCollectives, EqualTheSerialReferenceAndLocalCommBitForBit) {
         if (op == ReduceOp::kSum || op == ReduceOp::kAverage) {
           EXPECT_EQ(all.value(), local_comm_output(CollectiveKind::kAllReduce, whole, count, dtype,
                                                    op, form, 0, g_rank));
-          EXPECT_EQ(scatter.value(),
-                    local_comm_output(CollectiveKind::kReduceScatter, scattered, count, dtype, op,
-                                      form, 0, g_rank));
+          EXPECT_EQ(scatter.value(), local_comm_output(CollectiveKind::kReduceScatter, scattered,
+                                                       count, dtype, op, form, 0, g_rank));
           checked += 2;
         }
       }
@@ -221,7 +220,8 @@ TEST_P(MpiCommCollectives, EqualTheSerialReferenceAndLocalCommBitForBit) {
             run_collective(*comm, CollectiveKind::kBroadcast, pieces[rank], count, dtype,
                            ReduceOp::kSum, form, root);
         ASSERT_TRUE(cast.is_ok()) << cast.status().to_string();
-        EXPECT_EQ(cast.value(), pieces[static_cast<std::size_t>(root)]) << "broadcast root " << root;
+        EXPECT_EQ(cast.value(), pieces[static_cast<std::size_t>(root)])
+            << "broadcast root " << root;
       }
     }
   }
@@ -257,9 +257,9 @@ TEST(MpiCommFailures, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
   const std::vector<std::byte> input = random_data(64, DType::kF32, 99 + g_rank);
   if (g_rank != late) {
     const auto start = Clock::now();
-    Result<std::vector<std::byte>> out = run_collective(
-        *comm, CollectiveKind::kAllReduce, input, 64, DType::kF32, ReduceOp::kSum,
-        Form::kOutOfPlace, 0);
+    Result<std::vector<std::byte>> out =
+        run_collective(*comm, CollectiveKind::kAllReduce, input, 64, DType::kF32, ReduceOp::kSum,
+                       Form::kOutOfPlace, 0);
     const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
     ASSERT_FALSE(out.is_ok());
     // Rank 0 times out itself; the others may hear rank 0's notice first. Either way the message
@@ -276,9 +276,9 @@ TEST(MpiCommFailures, ARankThatNeverArrivesFailsTheOthersWithinTheTimeout) {
     EXPECT_NE(heard.message().find("failed"), std::string_view::npos) << heard.to_string();
   }
   // Every later call refuses, naming the first error.
-  Result<std::vector<std::byte>> later = run_collective(
-      *comm, CollectiveKind::kAllGather, input, 64, DType::kF32, ReduceOp::kSum, Form::kOutOfPlace,
-      0);
+  Result<std::vector<std::byte>> later =
+      run_collective(*comm, CollectiveKind::kAllGather, input, 64, DType::kF32, ReduceOp::kSum,
+                     Form::kOutOfPlace, 0);
   ASSERT_FALSE(later.is_ok());
   EXPECT_EQ(later.status().code(), Code::kAborted) << later.status().to_string();
   MPI_Barrier(MPI_COMM_WORLD);
@@ -292,9 +292,9 @@ TEST(MpiCommFailures, RanksThatDisagreeOnTheSizeFailWithCommError) {
   std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(5));
   const std::size_t count = g_rank == 0 ? 96 : 64;
   const std::vector<std::byte> input = random_data(count, DType::kF32, 7 + g_rank);
-  Result<std::vector<std::byte>> out = run_collective(
-      *comm, CollectiveKind::kAllGather, input, count, DType::kF32, ReduceOp::kSum,
-      Form::kOutOfPlace, 0);
+  Result<std::vector<std::byte>> out =
+      run_collective(*comm, CollectiveKind::kAllGather, input, count, DType::kF32, ReduceOp::kSum,
+                     Form::kOutOfPlace, 0);
   ASSERT_FALSE(out.is_ok());
   EXPECT_EQ(out.status().code(), Code::kCommError) << out.status().to_string();
   EXPECT_NE(out.status().message().find("all_gather #0"), std::string_view::npos)
@@ -314,9 +314,9 @@ TEST(MpiCommFailures, AnAbortReachesTheOtherRanksCollectives) {
     comm->abort(Status::aborted("rank 0 gives up: test"));
   } else {
     const auto start = Clock::now();
-    Result<std::vector<std::byte>> out = run_collective(
-        *comm, CollectiveKind::kBroadcast, input, 32, DType::kF32, ReduceOp::kSum,
-        Form::kOutOfPlace, 0);
+    Result<std::vector<std::byte>> out =
+        run_collective(*comm, CollectiveKind::kBroadcast, input, 32, DType::kF32, ReduceOp::kSum,
+                       Form::kOutOfPlace, 0);
     ASSERT_FALSE(out.is_ok());
     EXPECT_EQ(out.status().code(), Code::kAborted) << out.status().to_string();
     EXPECT_NE(out.status().message().find("rank 0 failed: rank 0 gives up: test"),
@@ -361,9 +361,9 @@ TEST(MpiCommCallers, OpensOnACommunicatorThePassedIn) {
   std::vector<std::byte> input(4);
   const float mine = static_cast<float>(g_rank + 1);
   std::memcpy(input.data(), &mine, 4);
-  Result<std::vector<std::byte>> out = run_collective(
-      *comm.value(), CollectiveKind::kAllReduce, input, 1, DType::kF32, ReduceOp::kSum,
-      Form::kOutOfPlace, 0);
+  Result<std::vector<std::byte>> out =
+      run_collective(*comm.value(), CollectiveKind::kAllReduce, input, 1, DType::kF32,
+                     ReduceOp::kSum, Form::kOutOfPlace, 0);
   ASSERT_TRUE(out.is_ok()) << out.status().to_string();
   float expected = 0;
   for (int r = g_rank % 2; r < g_world; r += 2) expected += static_cast<float>(r + 1);
@@ -393,8 +393,7 @@ TEST(MpiCommCApi, AGroupHoldsThisProcesssRank) {
   EXPECT_EQ(size, g_world);
   if (g_world > 1) {
     EXPECT_EQ(zinf_comm_group_get(group, (g_rank + 1) % g_world, &comm), ZINF_INVALID_ARGUMENT);
-    EXPECT_NE(std::string(zinf_last_error_message()).find("not this process's"),
-              std::string::npos)
+    EXPECT_NE(std::string(zinf_last_error_message()).find("not this process's"), std::string::npos)
         << zinf_last_error_message();
   }
   // The device is in use until the group goes.
