@@ -294,8 +294,12 @@ class Engine::Impl {
 
   // --- Gradients -------------------------------------------------------------------------------
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
-    // The overlapped step reads the accumulator this adds into.
-    ZINF_RETURN_IF_ERROR(settle());
+    // An overlapped pass reads the accumulator this adds into: with an accumulator that can be
+    // zeroed by group, each of m's groups waits only until the pass has read it (below); else
+    // the whole pass is finished first.
+    const bool beside_pass =
+        overlap_ != nullptr && overlap_->running() && reducer_->zeroes_groups();
+    ZINF_RETURN_IF_ERROR(beside_pass ? ensure_finalized() : settle());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
     // finalize) is cleared first, so the call allocates nothing.
@@ -336,6 +340,12 @@ class Engine::Impl {
             "one)",
             module, layout_.param(id).spec.name));
       }
+    }
+    if (beside_pass) {
+      Status st = overlap_->await_grads(layout_.module_groups(m));
+      // A pass that failed is the cause: its error first.
+      if (!st.is_ok()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
+      ZINF_RETURN_IF_ERROR(fail(st));
     }
     Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
     grads_pending_ = true;

@@ -46,6 +46,7 @@ OverlappedStep::OverlappedStep(const Parts& parts) : parts_(parts) {
     }
   }
   persistent_done_.assign(layout.group_count(), 1);
+  grads_zeroed_.assign(layout.group_count(), 1);
   if (parts_.trace != nullptr) {
     track_ = parts_.trace->track(fmt::format("rank{} step", parts_.rank));
   }
@@ -97,6 +98,30 @@ Status OverlappedStep::issue_hook(void* user, std::size_t module) {
   return static_cast<OverlappedStep*>(user)->await_module(module);
 }
 
+Status OverlappedStep::await_grads(std::span<const std::uint32_t> groups) {
+  ZINF_ASSERT(runner_.running() && parts_.reducer->zeroes_groups());
+  Publisher& pub = *parts_.publisher;
+  for (std::uint32_t g : groups) {
+    if (grads_zeroed_[g] != 0) continue;
+    {
+      std::unique_lock<std::mutex> lock(pub.mutex());
+      if (!pub.written(g) && pub.in_pass()) {
+        const std::int64_t t0 = Trace::now_ns();
+        pub.written_cv().wait(lock, [&] { return pub.written(g) || !pub.in_pass(); });
+        pass_waited_ns_ += Trace::now_ns() - t0;
+      }
+      if (!pub.written(g)) {
+        return Status::aborted(fmt::format(
+            "reduce_gradients: the optimizer step failed before it read group {}'s gradients", g));
+      }
+    }
+    // The pass is past g: its gradients were read, and nothing else of the pass touches them.
+    parts_.reducer->zero_group(g);
+    grads_zeroed_[g] = 1;
+  }
+  return Status::ok();
+}
+
 void OverlappedStep::start(std::int64_t step, float grad_scale) {
   pass_step_ = step;
   pass_scale_ = grad_scale;
@@ -106,6 +131,7 @@ void OverlappedStep::start(std::int64_t step, float grad_scale) {
   for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
     persistent_done_[g] = layout.persistent()[g] ? 0 : 1;
   }
+  std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 0);
   parts_.publisher->begin_pass();
   pass_start_ns_ = Trace::now_ns();
   runner_.start(&OverlappedStep::run_pass, this);
@@ -134,7 +160,16 @@ Status OverlappedStep::finish(bool collective) {
       std::lock_guard<std::mutex> lock(parts_.publisher->mutex());
       ZINF_RETURN_IF_ERROR(coord.wait_writes());
     }
-    parts_.reducer->zero();
+    // The groups a reduction of the next step has not zeroed (all of them, when none ran).
+    GradReducer& reducer = *parts_.reducer;
+    if (std::find(grads_zeroed_.begin(), grads_zeroed_.end(), 1) == grads_zeroed_.end()) {
+      reducer.zero();
+    } else {
+      for (std::uint32_t g = 0; g < grads_zeroed_.size(); ++g) {
+        if (grads_zeroed_[g] == 0) reducer.zero_group(g);
+      }
+    }
+    std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 1);
     last_pass_ = pass_report_;
     const std::int64_t pass_ns = pass_end_ns_ - pass_start_ns_;
     last_pass_.hidden_ns = std::max<std::int64_t>(0, pass_ns - pass_waited_ns_);

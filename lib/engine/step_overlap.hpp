@@ -8,9 +8,14 @@
 // and the publisher counts the groups written, in group order. gather(m) (and the coordinator's
 // prefetch of m, through the issue hook) waits until m's last group is written, then all-gathers
 // m's persistent groups itself, so every collective is still issued by the rank's thread in the
-// same order on every rank. finish() is called by whatever needs the whole step (the next
-// reduce_gradients(), step(), checkpoints, read-back): it waits for the pass, all-gathers the
-// persistent groups no gather asked for (in group order) and zeroes the gradient accumulator.
+// same order on every rank. The backward of the next step runs beside the pass too: before
+// reduce_gradients(m) adds into a group, await_grads() waits until the pass has written that
+// group (so it has read the group's gradients: the pass reads sub-groups in partition order and
+// writes a group only after its last sub-group is updated) and zeroes the group's slice of the
+// accumulator, once per pass. finish() is called by whatever needs the whole step (step(),
+// checkpoints, read-back, and reduce_gradients() when the accumulator cannot be zeroed by group):
+// it waits for the pass, all-gathers the persistent groups no gather asked for (in group order)
+// and zeroes the groups of the accumulator that no reduction zeroed.
 //
 // Nothing is allocated per step: the thread and the per-module and per-group tables are made at
 // construction.
@@ -21,6 +26,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <vector>
 
 #include "engine/layout.hpp"
@@ -69,6 +75,11 @@ class OverlappedStep {
   // The engine's gather of module m: waits for m's new values, all-gathers its persistent groups
   // the pass left, then gathers m; under the publisher's mutex. Collective, as gather() is.
   Status gather(std::size_t m);
+  // Before a reduction into `groups` while a pass runs: waits until the pass has written each
+  // group (and so read its gradients), then zeroes the group's gradients, once per pass. Local:
+  // no collective. An error when the pass failed first (finish() returns its own).
+  // REQUIRES: running(), the reducer's zeroes_groups().
+  Status await_grads(std::span<const std::uint32_t> groups);
   // Hands step `step` (gradients times grad_scale) to the runner. REQUIRES: !running().
   void start(std::int64_t step, float grad_scale);
   // A pass was started and not finished.
@@ -94,6 +105,7 @@ class OverlappedStep {
   int track_ = 0;                                 // the trace track of the runner's spans
   std::vector<std::uint32_t> module_last_group_;  // per module; kNoGroup: none
   std::vector<std::uint8_t> persistent_done_;     // per group: all-gathered since the pass began
+  std::vector<std::uint8_t> grads_zeroed_;        // per group: zeroed for the next step's adds
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;
