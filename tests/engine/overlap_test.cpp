@@ -2,8 +2,10 @@
 // one: every value each forward pass gathers, every step's norm, clipping, loss scale and skip,
 // and the final masters, over world 1 and 4, stages 1-3, the optimizer state in host memory and
 // on NVMe (and, at stage 3, the parameter shards in host memory and on NVMe), with and without
-// clipping, bf16 and fp16 with dynamic loss scaling and a step skipped on overflow.
-// overlap_slow_test.cpp runs the same matrix for 200 steps (OVERLAP_STEPS, OVERLAP_SUITE).
+// clipping, bf16 and fp16 with dynamic loss scaling and a step skipped on overflow; and the same
+// for a backward that reduces while the pass still reads gradients (OverlapBackward).
+// overlap_slow_test.cpp runs both matrices for 200 steps (OVERLAP_STEPS, OVERLAP_SUITE,
+// OVERLAP_BACKWARD_SUITE).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -41,6 +43,7 @@ std::vector<OverlapCase> matrix() {
 #ifndef OVERLAP_STEPS
 #define OVERLAP_STEPS 10
 #define OVERLAP_SUITE OverlapStep
+#define OVERLAP_BACKWARD_SUITE OverlapBackward
 #endif
 
 class OVERLAP_SUITE : public ::testing::TestWithParam<OverlapCase> {};
@@ -74,7 +77,6 @@ TEST_P(OVERLAP_SUITE, SameBitsAsTheSequentialStep) {
 INSTANTIATE_TEST_SUITE_P(Matrix, OVERLAP_SUITE, ::testing::ValuesIn(matrix()),
                          [](const auto& info) { return overlap_test::case_name(info.param); });
 
-#if OVERLAP_STEPS == 10
 // The backward of step t+1 beside pass t: reduce_gradients() into a group waits only until the
 // pass has read that group's gradients, then zeroes them. Each step here reduces right after the
 // previous step() returned, last module first (the pass reads it last), so a reduction that did
@@ -94,9 +96,9 @@ std::vector<OverlapCase> backward_cases() {
   return cases;
 }
 
-class OverlapBackward : public ::testing::TestWithParam<OverlapCase> {};
+class OVERLAP_BACKWARD_SUITE : public ::testing::TestWithParam<OverlapCase> {};
 
-TEST_P(OverlapBackward, SameBitsAsTheSequentialStep) {
+TEST_P(OVERLAP_BACKWARD_SUITE, SameBitsAsTheSequentialStep) {
   const OverlapCase c = GetParam();
   const int steps = OVERLAP_STEPS;
   const std::uint64_t seed = 1800 + static_cast<std::uint64_t>(c.world * 10 + c.stage);
@@ -112,9 +114,8 @@ TEST_P(OverlapBackward, SameBitsAsTheSequentialStep) {
   EXPECT_EQ(overlap_test::first_difference(*sequential, *overlapped), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Matrix, OverlapBackward, ::testing::ValuesIn(backward_cases()),
+INSTANTIATE_TEST_SUITE_P(Matrix, OVERLAP_BACKWARD_SUITE, ::testing::ValuesIn(backward_cases()),
                          [](const auto& info) { return overlap_test::case_name(info.param); });
-#endif
 
 }  // namespace
 }  // namespace zinf
