@@ -50,9 +50,11 @@ from torch import nn
 
 from . import _torch_init, _zinf
 from ._gathered import GatheredParameters
+from ._offload import checkpoint, offload_saved_tensors
 from ._torch_init import Init
 
-__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
+__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error",
+           "checkpoint", "offload_saved_tensors"]
 
 Error = _zinf.Error
 
