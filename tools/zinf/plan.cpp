@@ -44,7 +44,11 @@ struct PlanOptions {
   std::uint64_t micro_batch = 1;
   std::uint64_t grad_accum = 1;
   bool checkpoint_activations = false;
+  bool offload_activations = false;
   bool no_flash_attention = false;
+  std::string arch = "transformer";
+  std::uint64_t context_bytes = 16;
+  std::uint64_t embed_dim = 16;
   std::uint64_t gpus = 1;
   std::uint64_t gpus_per_machine = 0;
   std::string gpu_mem;
@@ -372,7 +376,18 @@ void run_plan(const PlanOptions& o) {
     return;
   }
   ModelShape model;
-  if (!o.model.empty()) {
+  if (o.arch == "train_lm") {
+    if (!o.model.empty() || !o.params.empty() || o.layers == 0 || o.hidden == 0) {
+      fail(
+          "--arch train_lm: give --layers L --hidden H (and --context, --embed as train_lm's), "
+          "not --model or --params");
+      return;
+    }
+    model = train_lm_model(o.layers, o.hidden, o.context_bytes, o.embed_dim);
+  } else if (o.arch != "transformer") {
+    fail(fmt::format("--arch {}: must be transformer or train_lm", o.arch));
+    return;
+  } else if (!o.model.empty()) {
     auto preset = find_model_preset(o.model);
     if (!preset) {
       std::string names;
@@ -396,7 +411,12 @@ void run_plan(const PlanOptions& o) {
   training.micro_batch = o.micro_batch;
   training.grad_accum_steps = o.grad_accum;
   training.checkpoint_activations = o.checkpoint_activations;
+  training.offload_activations = o.offload_activations;
   training.flash_attention = !o.no_flash_attention;
+  if (o.offload_activations && !o.checkpoint_activations) {
+    fail("--offload-activations needs --checkpoint-activations");
+    return;
+  }
 
   Budgets budgets;
   budgets.gpus = o.gpus;
@@ -634,6 +654,15 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--grad-accum", o->grad_accum, "Micro-batches per step")->capture_default_str();
   sub->add_flag("--checkpoint-activations", o->checkpoint_activations,
                 "Activation checkpointing (recompute each layer in backward)");
+  sub->add_flag("--offload-activations", o->offload_activations,
+                "With --checkpoint-activations: the checkpoints live in host memory");
+  sub->add_option("--arch", o->arch,
+                  "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
+                  "--context, --embed)")
+      ->capture_default_str();
+  sub->add_option("--context", o->context_bytes, "--arch train_lm: its --context")
+      ->capture_default_str();
+  sub->add_option("--embed", o->embed_dim, "--arch train_lm: its --embed")->capture_default_str();
   sub->add_flag("--no-flash-attention", o->no_flash_attention,
                 "Attention keeps its a*s^2 score matrices for backward");
   sub->add_option("--gpus", o->gpus, "GPUs in the job")->capture_default_str();
