@@ -46,6 +46,8 @@ struct PlanOptions {
   bool checkpoint_activations = false;
   bool offload_activations = false;
   bool no_flash_attention = false;
+  bool no_overlap_step = false;
+  double overlap_fraction = 1.0;
   std::string arch = "transformer";
   std::uint64_t context_bytes = 16;
   std::uint64_t embed_dim = 16;
@@ -219,6 +221,7 @@ nlohmann::json parts_json(const StepPrediction& t) {
           {"param_fetch_s", t.param_fetch_s},
           {"grad_offload_s", t.grad_offload_s},
           {"optimizer_step_s", t.optimizer_step_s},
+          {"optimizer_hidden_s", t.optimizer_hidden_s},
           {"pipeline_s", t.pipeline_s},
           {"io_alone_s", t.io_alone_s},
           {"io_read_s", t.io_read_s},
@@ -433,6 +436,8 @@ void run_plan(const PlanOptions& o) {
   }
   PlanConstraints constraints;
   constraints.allow_gradient_spill = !o.no_gradient_spill;
+  constraints.overlap_step = !o.no_overlap_step;
+  constraints.overlap_compute_fraction = o.overlap_fraction;
   if (o.stage != 0) constraints.stage = o.stage;
   for (auto [flag, text, field] :
        {std::tuple{"--offload-optimizer", &o.offload_optimizer, &constraints.optimizer},
@@ -569,8 +574,16 @@ void run_plan(const PlanOptions& o) {
     table.add_row({"fits", fit_cell(c.use[0]), fit_cell(c.use[1]), fit_cell(c.use[2])});
     table.print();
     const StepPrediction& t = c.time;
-    fmt::print("\npredicted step {} = forward+backward {} + optimizer step {}\n", secs(t.step_s),
-               secs(t.forward_backward_s), secs(t.optimizer_step_s));
+    if (t.optimizer_hidden_s > 0) {
+      fmt::print(
+          "\npredicted step {} = forward+backward {} + optimizer step {} - {} of it hidden behind "
+          "compute (zinf.overlap_step)\n",
+          secs(t.step_s), secs(t.forward_backward_s), secs(t.optimizer_step_s),
+          secs(t.optimizer_hidden_s));
+    } else {
+      fmt::print("\npredicted step {} = forward+backward {} + optimizer step {}\n", secs(t.step_s),
+                 secs(t.forward_backward_s), secs(t.optimizer_step_s));
+    }
     Table time({"part", "time", "what"});
     time.add_row(
         {"forward+backward", secs(t.forward_backward_s),
@@ -656,6 +669,13 @@ void setup_plan(CLI::App& app) {
                 "Activation checkpointing (recompute each layer in backward)");
   sub->add_flag("--offload-activations", o->offload_activations,
                 "With --checkpoint-activations: the checkpoints live in host memory");
+  sub->add_flag("--no-overlap-step", o->no_overlap_step,
+                "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
+  sub->add_option("--overlap-fraction", o->overlap_fraction,
+                  "Part of forward + backward the overlapped optimizer pass hides behind (1: "
+                  "both; about 0.33: the next forward only)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
