@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 import torch.utils.checkpoint
-from conftest import make_model
+from conftest import make_batches, make_model, zinf_config
 from transformers import GPT2Config
 from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
@@ -157,3 +157,39 @@ def test_a_closed_store_fails_the_backward_naming_the_activation():
     core.close()
     with pytest.raises(RuntimeError, match=r"saved tensor 'saved_tensor\.\d+\.\d+'.*closed"):
         loss.backward()
+
+
+def train_stage3(tmp_path, steps, offload):
+    """The example's GPT-2 trained `steps` steps by a stage-3 zinf.torch engine (its own
+    saved-tensor hooks rebuild parameter views), the forward passes inside
+    offload_saved_tensors when `offload`. Returns the losses, the final masters and the engine's
+    memory report."""
+    config = zinf_config(3, "cpu", "cpu", tmp_path, stage3_param_persistence_threshold=0)
+    config["activation_checkpointing"] = {"cpu_checkpointing": True}
+    config["zinf"]["activation_host_bytes"] = 16 << 20
+    model = make_model()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    losses = []
+    for ids, labels in make_batches(steps):
+        if offload:
+            with zinf.torch.offload_saved_tensors(engine):
+                loss = engine(input_ids=ids, labels=labels).loss
+        else:
+            loss = engine(input_ids=ids, labels=labels).loss
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    masters = {name: engine.read_parameter(name) for name, _ in model.named_parameters()}
+    memory = engine.memory()
+    engine.destroy()
+    return losses, masters, memory
+
+
+def test_offload_inside_a_stage3_engine_trains_the_same_bits(tmp_path):
+    losses, masters, memory = train_stage3(tmp_path / "plain", 3, offload=False)
+    assert memory["activation_host_bytes"] == 0  # the store never opened
+    got_losses, got_masters, got_memory = train_stage3(tmp_path / "offload", 3, offload=True)
+    assert got_losses == losses
+    for name, master in masters.items():
+        assert torch.equal(got_masters[name], master), name
+    assert got_memory["activation_host_bytes"] >= 16 << 20

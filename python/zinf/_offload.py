@@ -26,6 +26,9 @@ How it works:
 - Tensors on the engine's HostDevice are CPU tensors; other devices' tensors, sparse tensors,
   empty ones and those below min_bytes are left to autograd as they are. offload_saved_tensors
   leaves parameters (and views of them) alone: they stay in memory anyway.
+- A stage-3 zinf.torch engine's forward installs its own hooks (they save views of gathered
+  parameters as references to re-gather); those are inner to the caller's, so they pass every
+  other tensor on to the innermost offload_saved_tensors context entered (active_offload()).
 """
 from __future__ import annotations
 
@@ -38,6 +41,14 @@ from torch import nn
 from . import _zinf
 
 _stores: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# The offload_saved_tensors contexts entered, innermost last: a stage-3 zinf.torch engine's own
+# saved-tensor hooks (inner to the caller's) hand the tensors that are not parameter views to the
+# innermost one.
+_active: list = []
+
+
+def active_offload() -> "offload_saved_tensors | None":
+    return _active[-1] if _active else None
 
 
 def _core_of(engine) -> "_zinf.Engine":
@@ -179,6 +190,15 @@ class offload_saved_tensors(torch.autograd.graph.saved_tensors_hooks):
         self.min_bytes = int(min_bytes)
         self.include_parameters = include_parameters
         super().__init__(self._pack, _unpack)
+
+    def __enter__(self):
+        super().__enter__()
+        _active.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _active.remove(self)
+        return super().__exit__(*exc)
 
     def _pack(self, tensor: torch.Tensor):
         if (tensor.layout != torch.strided or tensor.device.type != "cpu" or tensor.numel() == 0
