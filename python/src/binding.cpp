@@ -324,6 +324,11 @@ class PyEngine {
   }
 
   nb::dict memory() const {
+    // Engine::memory() requires finalize() (the buffers are sized there); refused as in C.
+    if (!engine().finalized()) {
+      throw ZinfError(zinf::Status::failed_precondition(
+          "memory: the engine is not finalized (its buffers are sized at finalize)"));
+    }
     const zinf::MemoryReport m = engine().memory();
     nb::dict out;
     out["device_bytes"] = m.device_bytes;

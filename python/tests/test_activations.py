@@ -30,6 +30,8 @@ def bare_engine(tmp_path=None, host_bytes=0, nvme_bytes=64 << 20):
               "zinf": zinf_section}
     core = _zinf.Engine(json.dumps(config))
     core.register_parameter("w", "m", [4], "f32", torch.arange(4, dtype=torch.float32))
+    with pytest.raises(_zinf.Error, match="not finalized"):
+        core.memory()  # sized at finalize: refused before, not an assertion
     core.finalize()
     return core
 
