@@ -4,13 +4,14 @@
 //   optimizer_state.hpp  the optimizer state, one implementation per home (device, host, store)
 //   publisher.hpp        new parameters into the device copies / shards
 //   step.hpp             the step's numerics (norm, clipping, overflow, loss scale)
+//   step_overlap.hpp     the overlapped step: the optimizer pass on its own thread
 //   checkpoint.hpp       checkpoint save and load
 //   rank_exchange.hpp    the ranks' small agreements, and the sticky error
+//   engine_swap.hpp      the NVMe directories and the swap space
 // and from lib/zero the ParamCoordinator (gather, release, prefetch) and the GradReducer.
 #include "zinf/engine.hpp"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -18,7 +19,6 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <utility>
 
 #include "base/assert.hpp"
@@ -26,15 +26,15 @@
 #include "engine/checkpoint.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/engine_counters.hpp"
+#include "engine/engine_swap.hpp"
 #include "engine/layout.hpp"
 #include "engine/master_write.hpp"
-#include "engine/nvme_dir.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
 #include "engine/publisher.hpp"
 #include "engine/rank_exchange.hpp"
 #include "engine/step.hpp"
-#include "engine/step_runner.hpp"
+#include "engine/step_overlap.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
 #include "zero/caller_stream.hpp"
@@ -44,13 +44,6 @@
 #include "zinf/log.hpp"
 
 namespace zinf {
-namespace {
-
-constexpr std::size_t kPage = 4096;
-
-std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
-
-}  // namespace
 
 class Engine::Impl {
  public:
@@ -75,7 +68,7 @@ class Engine::Impl {
   // the swap space, then its engine.
   void teardown() {
     // An overlapped pass still running uses the state and the coordinator.
-    runner_.reset();
+    overlap_.reset();
     publisher_.set_coordinator(nullptr);
     coord_.reset();
     reducer_.reset();
@@ -86,7 +79,7 @@ class Engine::Impl {
 
   Status init() {
     if (env_.trace != nullptr) track_ = env_.trace->track(fmt::format("rank{} engine", rank_));
-    ZINF_RETURN_IF_ERROR(find_nvme_dirs());
+    ZINF_ASSIGN_OR_RETURN(nvme_dirs_, find_nvme_dirs(config_, env_, rank_));
     ZINF_ASSIGN_OR_RETURN(stream_, device_.create_stream("engine"));
     ZINF_ASSIGN_OR_RETURN(event_, device_.create_event());
     ZINF_ASSIGN_OR_RETURN(RankExchange exchange, RankExchange::create(device_, comm_, *stream_,
@@ -97,44 +90,6 @@ class Engine::Impl {
     numerics_.emplace(std::move(numerics));
     // The config's scheduler section (kind kNone without one: the optimizer's lr).
     ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(config_.scheduler, config_.optimizer.lr));
-    return Status::ok();
-  }
-
-  // The swap directories, and a probe of each.
-  Status find_nvme_dirs() {
-    const ZeroConfig& z = config_.zero;
-    const bool opt_nvme = z.offload_optimizer.device == OffloadDevice::kNvme;
-    const bool param_nvme = z.offload_param.device == OffloadDevice::kNvme;
-    if (!opt_nvme && !param_nvme) return Status::ok();
-    std::string key = opt_nvme ? "zero_optimization.offload_optimizer.nvme_path"
-                               : "zero_optimization.offload_param.nvme_path";
-    if (!env_.nvme_paths.empty()) {
-      key = "Env::nvme_paths";
-      nvme_dirs_ = env_.nvme_paths;
-    } else {
-      std::set<std::string> dirs;
-      if (opt_nvme) {
-        if (z.offload_optimizer.nvme_path.empty()) {
-          return Status::invalid_argument(
-              fmt::format("{}: empty, and the optimizer state is offloaded to nvme", key));
-        }
-        dirs.insert(z.offload_optimizer.nvme_path);
-      }
-      if (param_nvme) {
-        const std::string& p = z.offload_param.nvme_path.empty() ? z.offload_optimizer.nvme_path
-                                                                 : z.offload_param.nvme_path;
-        if (p.empty()) {
-          return Status::invalid_argument(
-              "zero_optimization.offload_param.nvme_path: empty, and the parameters are "
-              "offloaded to nvme");
-        }
-        dirs.insert(p);
-      }
-      nvme_dirs_.assign(dirs.begin(), dirs.end());
-    }
-    for (const std::string& dir : nvme_dirs_) {
-      ZINF_RETURN_IF_ERROR(prepare_nvme_directory(key, dir, rank_));
-    }
     return Status::ok();
   }
 
@@ -228,59 +183,30 @@ class Engine::Impl {
     }
     // The device copies: every group's shard is the master rounded to the group's dtype.
     ZINF_RETURN_IF_ERROR(state_->place_initial());
-    if (config_.overlap_step && state_->overlaps()) open_overlap();
+    if (config_.overlap_step && state_->overlaps()) {
+      OverlappedStep::Parts parts;
+      parts.layout = &layout_;
+      parts.publisher = &publisher_;
+      parts.coord = coord_.get();
+      parts.state = state_.get();
+      parts.reducer = reducer_.get();
+      parts.counters = &counters_;
+      parts.trace = env_.trace;
+      parts.rank = rank_;
+      overlap_ = std::make_unique<OverlappedStep>(parts);
+    }
     finalized_ = true;
     return Status::ok();
   }
 
   // Swap space for everything on NVMe: the optimizer's extents and the parameter shards.
   Status open_swap() {
-    const ZeroConfig& z = config_.zero;
-    const bool opt_nvme = z.offload_optimizer.device == OffloadDevice::kNvme;
-    const bool param_nvme = z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme;
-    if (!opt_nvme && !param_nvme) return Status::ok();
-    std::uint64_t capacity = 0;
-    std::uint32_t extents = 0;
-    if (opt_nvme) {
-      ZINF_ASSIGN_OR_RETURN(StoreLayout layout,
-                            StateStore::layout(store_options(config_, layout_, rank_)));
-      capacity += layout.nvme_bytes;
-      extents += static_cast<std::uint32_t>(layout.nvme_extents);
-    }
-    if (param_nvme) {
-      std::size_t largest = 0;
-      for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-        if (layout_.persistent()[g]) continue;
-        const GroupInfo& info = layout_.group(g);
-        const std::size_t bytes = round_page(info.shard_element_count * dtype_bytes(info.dtype));
-        capacity += bytes;
-        largest = std::max(largest, bytes);
-        ++extents;
-      }
-      // The coordinator's staging blocks: one shard of the largest group each.
-      if (largest > 0) {
-        param_staging_bytes_ = largest * std::max<std::size_t>(1, z.offload_param.buffer_count);
-      }
-    }
-    IoOptions io;
-    io.block_bytes = config_.aio_block_bytes;
-    io.queue_depth = static_cast<std::uint32_t>(config_.aio_queue_depth);
-    io.faults = env_.io_faults;
-    ZINF_ASSIGN_OR_RETURN(io_, open_engine(io));
-    SwapOptions swap;
-    swap.dirs = nvme_dirs_;
-    swap.block_bytes = config_.aio_block_bytes;
-    // Striping rounds each extent's share of each directory up to a block.
-    swap.capacity_bytes =
-        capacity + std::uint64_t{extents + 4} * config_.aio_block_bytes * nvme_dirs_.size();
-    swap.max_extents = extents + 16;
-    swap.file_name = fmt::format("zinf-swap-{{pid}}-rank{}.bin", rank_);
-    Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io_, swap);
-    if (!opened.is_ok()) {
-      return opened.status().with_context(
-          fmt::format("swap space in {}", fmt::join(nvme_dirs_, ", ")));
-    }
-    swap_ = std::move(opened).value();
+    ZINF_ASSIGN_OR_RETURN(EngineSwap swap,
+                          open_engine_swap(config_, env_, layout_, rank_, nvme_dirs_));
+    // The swap space uses the I/O engine: swap_ goes first in teardown().
+    io_ = std::move(swap.io);
+    swap_ = std::move(swap.swap);
+    param_staging_bytes_ = swap.param_staging_bytes;
     return Status::ok();
   }
 
@@ -301,15 +227,15 @@ class Engine::Impl {
   Status gather(std::string_view module) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("gather", module));
-    // The coordinator is shared with an overlapped pass's shard writes (publisher.hpp).
-    std::unique_lock<std::mutex> lock(publisher_.mutex());
-    gather_lock_ = &lock;
-    Status st = await_module(m);
-    if (st.is_ok()) st = coord_->gather(m);
-    gather_lock_ = nullptr;
-    lock.unlock();
+    Status st;
+    if (overlap_ != nullptr) {
+      st = overlap_->gather(m);
+    } else {
+      std::lock_guard<std::mutex> lock(publisher_.mutex());
+      st = coord_->gather(m);
+    }
     // A pass that failed is the cause of a gather that found it failed: its error first.
-    if (!st.is_ok() && runner_ != nullptr && runner_->running()) {
+    if (!st.is_ok() && overlap_ != nullptr && overlap_->running()) {
       ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
     }
     if (!st.is_ok() && st.code() != Code::kFailedPrecondition &&
@@ -368,8 +294,12 @@ class Engine::Impl {
 
   // --- Gradients -------------------------------------------------------------------------------
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
-    // The overlapped step reads the accumulator this adds into.
-    ZINF_RETURN_IF_ERROR(settle());
+    // An overlapped pass reads the accumulator this adds into: with an accumulator that can be
+    // zeroed by group, each of m's groups waits only until the pass has read it (below); else
+    // the whole pass is finished first.
+    const bool beside_pass =
+        overlap_ != nullptr && overlap_->running() && reducer_->zeroes_groups();
+    ZINF_RETURN_IF_ERROR(beside_pass ? ensure_finalized() : settle());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
     // finalize) is cleared first, so the call allocates nothing.
@@ -410,6 +340,12 @@ class Engine::Impl {
             "one)",
             module, layout_.param(id).spec.name));
       }
+    }
+    if (beside_pass) {
+      Status st = overlap_->await_grads(layout_.module_groups(m));
+      // A pass that failed is the cause: its error first.
+      if (!st.is_ok()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
+      ZINF_RETURN_IF_ERROR(fail(st));
     }
     Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
     grads_pending_ = true;
@@ -467,8 +403,8 @@ class Engine::Impl {
     rep.norm_ns = t2 - t1;
 
     if (d.overflow) {
-      rep.overlapped = runner_ != nullptr;
-      if (rep.overlapped) take_pass_figures(rep);
+      rep.overlapped = overlap_ != nullptr;
+      if (rep.overlapped) overlap_->take_figures(rep);
       scaler.update(true);
       reducer_->zero();
       grads_pending_ = false;
@@ -485,11 +421,11 @@ class Engine::Impl {
     // The schedule's (or set_learning_rate()'s) hyper-parameters for this step.
     set_step_params(t_);
     ZINF_RETURN_IF_ERROR(state_->set_group_params(group_params_));
-    if (runner_ != nullptr) {
+    if (overlap_ != nullptr) {
       // Overlapped: the pass runs on; this report carries the previous pass's figures.
       rep.overlapped = true;
-      take_pass_figures(rep);
-      start_pass(t_, d.grad_scale);
+      overlap_->take_figures(rep);
+      overlap_->start(t_, d.grad_scale);
       grads_pending_ = false;
       scaler.update(false);
       rep.step = t_;
@@ -498,25 +434,8 @@ class Engine::Impl {
       ++steps_;
       return Status::ok();
     }
-    // Streaming the half output, the shards are written during the optimizer pass.
-    const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
-    {
-      Trace::Span span(env_.trace, track_, "step optimizer");
-      ZINF_ASSIGN_OR_RETURN(StepStats stats, state_->step(t_, d.grad_scale));
-      rep.optimizer_nvme_read_bytes = stats.read_bytes;
-      rep.optimizer_nvme_write_bytes = stats.write_bytes;
-    }
-    std::int64_t t3 = Trace::now_ns();
-    rep.optimizer_ns = t3 - t2;
-    {
-      Trace::Span span(env_.trace, track_, "step publish");
-      const std::uint64_t master_reads = state_->master_read_bytes();
-      ZINF_RETURN_IF_ERROR(state_->publish_step());
-      rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
-      rep.master_nvme_read_bytes = state_->master_read_bytes() - master_reads;
-    }
-    rep.publish_ns = Trace::now_ns() - t3;
-    rep.gather_wait_ns = std::exchange(gather_wait_ns_, 0);
+    ZINF_RETURN_IF_ERROR(run_optimizer(*state_, counters_, env_.trace, track_, t_, d.grad_scale, t2,
+                                       /*overlapped=*/false, rep));
     reducer_->zero();
     grads_pending_ = false;
     scaler.update(false);
@@ -733,187 +652,14 @@ class Engine::Impl {
   mutable EngineCounters counters_out_;
   StepReport report_;
 
-  // The overlapped step (zinf.overlap_step; step_overlap.cpp): the runner, the pass's arguments
-  // and figures, and what the rank's thread waited for it.
-  std::unique_ptr<StepRunner> runner_;
-  int runner_track_ = 0;
-  std::vector<std::uint32_t> module_last_group_;  // per module; kNoGroup: none
-  std::vector<std::uint8_t> persistent_done_;     // per group: all-gathered since the pass began
-  std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
-  std::int64_t pass_step_ = 0;
-  float pass_scale_ = 1.0f;
-  StepReport pass_report_;  // the running pass's optimizer and publish figures
-  std::int64_t pass_start_ns_ = 0;
-  std::int64_t pass_end_ns_ = 0;
-  std::int64_t pass_waited_ns_ = 0;  // the rank's thread waiting for the running pass
-  StepReport last_pass_;             // the finished pass's figures, for the next report
-  std::int64_t gather_wait_ns_ = 0;  // gathers waiting for new values since the last step()
+  // The overlapped step (zinf.overlap_step), when the state overlaps; null: the sequential step.
+  std::unique_ptr<OverlappedStep> overlap_;
 
-  static constexpr std::uint32_t kNoGroup = ~std::uint32_t{0};
-  void open_overlap();
-  Status await_module(std::size_t m);
-  static Status issue_hook(void* user, std::size_t module);
-  void start_pass(std::int64_t step, float grad_scale);
-  static Status run_pass(void* user);
-  Status pass_body();
-  Status finish_step(bool collective);
-  void take_pass_figures(StepReport& rep);
+  // Waits for an overlapped pass (see OverlappedStep::finish()); its error is sticky.
+  Status finish_step(bool collective) {
+    return overlap_ == nullptr ? Status::ok() : fail(overlap_->finish(collective));
+  }
 };
-
-// --- The overlapped step ------------------------------------------------------------------------
-// step() decides on the rank's thread and hands the optimizer pass and the shard writes to the
-// runner's thread; the publisher counts the groups written, in group order. gather(m) (and the
-// coordinator's prefetch of m, through the issue hook) waits until m's last group is written,
-// then all-gathers m's persistent groups itself, so every collective is still issued by the
-// rank's thread in the same order on every rank. The next call that needs the whole step
-// (reduce_gradients(), step(), checkpoints, read-back) finishes it: the persistent groups no
-// gather asked for are all-gathered in group order and the gradient accumulator is zeroed.
-
-void Engine::Impl::open_overlap() {
-  module_last_group_.assign(layout_.module_names().size(), kNoGroup);
-  for (std::size_t m = 0; m < module_last_group_.size(); ++m) {
-    for (std::uint32_t g : layout_.module_groups(m)) {
-      if (module_last_group_[m] == kNoGroup || g > module_last_group_[m]) {
-        module_last_group_[m] = g;
-      }
-    }
-  }
-  persistent_done_.assign(layout_.group_count(), 1);
-  if (env_.trace != nullptr) runner_track_ = env_.trace->track(fmt::format("rank{} step", rank_));
-  coord_->set_issue_hook(&Impl::issue_hook, this);
-  runner_ = std::make_unique<StepRunner>();
-}
-
-// With gather_lock_ held (the publisher's mutex), on the rank's thread.
-Status Engine::Impl::await_module(std::size_t m) {
-  if (runner_ == nullptr) return Status::ok();
-  ZINF_ASSERT(gather_lock_ != nullptr);
-  const std::uint32_t last = module_last_group_[m];
-  if (runner_->running() && last != kNoGroup && !publisher_.written(last)) {
-    if (publisher_.in_pass()) {
-      const std::int64_t t0 = Trace::now_ns();
-      publisher_.written_cv().wait(
-          *gather_lock_, [&] { return publisher_.written(last) || !publisher_.in_pass(); });
-      const std::int64_t waited = Trace::now_ns() - t0;
-      gather_wait_ns_ += waited;
-      pass_waited_ns_ += waited;
-    }
-    if (!publisher_.written(last)) {
-      // The pass failed before it wrote this module: its error is the gather's.
-      return Status::aborted(
-          fmt::format("gather('{}'): the optimizer step failed before its "
-                      "parameters were written",
-                      layout_.module_names()[m]));
-    }
-  }
-  // The persistent groups by the flags step() reset, which every rank's calls move alike (a
-  // rank that finished the pass early, in a local call, still all-gathers here with the others).
-  bool any = false;
-  for (std::uint32_t g : layout_.module_groups(m)) {
-    if (persistent_done_[g] != 0) continue;
-    ZINF_RETURN_IF_ERROR(coord_->publish_group(g));
-    persistent_done_[g] = 1;
-    any = true;
-  }
-  return any ? coord_->publish_wait() : Status::ok();
-}
-
-Status Engine::Impl::issue_hook(void* user, std::size_t module) {
-  return static_cast<Impl*>(user)->await_module(module);
-}
-
-void Engine::Impl::start_pass(std::int64_t step, float grad_scale) {
-  pass_step_ = step;
-  pass_scale_ = grad_scale;
-  pass_report_ = StepReport{};
-  pass_waited_ns_ = 0;
-  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-    persistent_done_[g] = layout_.persistent()[g] ? 0 : 1;
-  }
-  publisher_.begin_pass();
-  pass_start_ns_ = Trace::now_ns();
-  runner_->start(&Impl::run_pass, this);
-}
-
-// On the runner's thread.
-Status Engine::Impl::run_pass(void* user) {
-  auto* self = static_cast<Impl*>(user);
-  Status st = self->pass_body();
-  self->pass_end_ns_ = Trace::now_ns();
-  self->publisher_.end_pass(st.is_ok());
-  return st;
-}
-
-Status Engine::Impl::pass_body() {
-  StepReport& rep = pass_report_;
-  // Only this pass writes shards (and counts their bytes) until it is finished.
-  const std::uint64_t param_writes = counters_.param_nvme_write_bytes;
-  {
-    Trace::Span span(env_.trace, runner_track_, "step optimizer");
-    ZINF_ASSIGN_OR_RETURN(StepStats stats, state_->step(pass_step_, pass_scale_));
-    rep.optimizer_nvme_read_bytes = stats.read_bytes;
-    rep.optimizer_nvme_write_bytes = stats.write_bytes;
-  }
-  const std::int64_t t3 = Trace::now_ns();
-  rep.optimizer_ns = t3 - pass_start_ns_;
-  {
-    Trace::Span span(env_.trace, runner_track_, "step publish");
-    const std::uint64_t master_reads = state_->master_read_bytes();
-    ZINF_RETURN_IF_ERROR(state_->write_step());
-    rep.param_nvme_write_bytes = counters_.param_nvme_write_bytes - param_writes;
-    rep.master_nvme_read_bytes = state_->master_read_bytes() - master_reads;
-  }
-  rep.publish_ns = Trace::now_ns() - t3;
-  return Status::ok();
-}
-
-// Waits for the pass. `collective`: every rank calls this at the same point, so the persistent
-// groups no gather published are all-gathered too, in group order; local calls (verify_swap(),
-// counters(), errors) leave them for the next collective one.
-Status Engine::Impl::finish_step(bool collective) {
-  if (runner_ == nullptr) return Status::ok();
-  Status st;
-  if (runner_->running()) {
-    const std::int64_t t0 = Trace::now_ns();
-    st = runner_->finish();
-    pass_waited_ns_ += Trace::now_ns() - t0;
-    if (!st.is_ok()) return fail(st);
-    {
-      // Every shard write's copy done before the next pass refills the values.
-      std::lock_guard<std::mutex> lock(publisher_.mutex());
-      st = coord_->wait_writes();
-    }
-    if (!st.is_ok()) return fail(st);
-    reducer_->zero();
-    last_pass_ = pass_report_;
-    const std::int64_t pass_ns = pass_end_ns_ - pass_start_ns_;
-    last_pass_.hidden_ns = std::max<std::int64_t>(0, pass_ns - pass_waited_ns_);
-  }
-  if (!collective) return Status::ok();
-  std::lock_guard<std::mutex> lock(publisher_.mutex());
-  bool any = false;
-  for (std::uint32_t g = 0; g < layout_.group_count() && st.is_ok(); ++g) {
-    if (persistent_done_[g] != 0) continue;
-    st = coord_->publish_group(g);
-    persistent_done_[g] = 1;
-    any = true;
-  }
-  if (st.is_ok() && any) st = coord_->publish_wait();
-  return st.is_ok() ? Status::ok() : fail(st);
-}
-
-// The last finished pass's figures into an overlapped step's report (zero before the first).
-void Engine::Impl::take_pass_figures(StepReport& rep) {
-  rep.optimizer_ns = last_pass_.optimizer_ns;
-  rep.publish_ns = last_pass_.publish_ns;
-  rep.hidden_ns = last_pass_.hidden_ns;
-  rep.optimizer_nvme_read_bytes = last_pass_.optimizer_nvme_read_bytes;
-  rep.optimizer_nvme_write_bytes = last_pass_.optimizer_nvme_write_bytes;
-  rep.param_nvme_write_bytes = last_pass_.param_nvme_write_bytes;
-  rep.master_nvme_read_bytes = last_pass_.master_nvme_read_bytes;
-  rep.gather_wait_ns = std::exchange(gather_wait_ns_, 0);
-  last_pass_ = StepReport{};
-}
 
 // --- Engine -------------------------------------------------------------------------------------
 

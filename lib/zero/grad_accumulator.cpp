@@ -108,6 +108,11 @@ Status MemoryAccumulator::add(std::size_t first, std::size_t count, const float*
 
 void MemoryAccumulator::zero() { std::memset(data_, 0, element_count_ * sizeof(float)); }
 
+void MemoryAccumulator::zero_range(std::size_t first, std::size_t count) {
+  ZINF_ASSERT(first <= element_count_ && count <= element_count_ - first);
+  std::memset(data_ + first, 0, count * sizeof(float));
+}
+
 // --- SpillAccumulator -------------------------------------------------------------------------
 
 Result<std::unique_ptr<SpillAccumulator>> SpillAccumulator::create(StateStore& store,

@@ -76,6 +76,8 @@ class MemoryAccumulator final : public GradAccumulator {
   Status add(std::size_t first, std::size_t count, const float* src) override;
   Status flush() override { return Status::ok(); }
   void zero() override;
+  // Elements [first, first + count) back to zero.
+  void zero_range(std::size_t first, std::size_t count);
   std::size_t host_bytes() const override { return 0; }
 
  private:

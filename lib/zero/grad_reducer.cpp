@@ -153,6 +153,14 @@ void GradReducer::zero() {
   std::fill(counts_.begin(), counts_.end(), 0u);
 }
 
+void GradReducer::zero_group(std::uint32_t g) {
+  ZINF_ASSERT(zeroes_groups());
+  const GroupInfo& info = partitioner_.group(g);
+  memory_accumulator_->zero_range(offsets_[g], info.shard_element_count);
+  if (ops_ == nullptr && !full_.empty()) std::memset(full_[g].data(), 0, full_[g].bytes());
+  std::fill_n(counts_.begin() + info.first_param, info.param_count, 0u);
+}
+
 Result<int> GradReducer::micro_batches() const {
   const std::uint32_t first = counts_.empty() ? 0 : counts_[0];
   for (ParamId id = 0; id < counts_.size(); ++id) {

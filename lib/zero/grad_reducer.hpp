@@ -113,6 +113,14 @@ class GradReducer {
   Result<int> micro_batches() const;
   // Zeroes the accumulator(s) and the counts.
   void zero();
+  // Whether zero_group() can be used: the accumulator is the caller's float array in host
+  // memory (not a spilling accumulator, not device memory).
+  bool zeroes_groups() const { return memory_accumulator_ != nullptr; }
+  // Zeroes group g's slice of the accumulator, stage 1's full gradients of g and the counts of
+  // g's parameters, as zero() does for all, while other groups keep theirs (the overlapped step:
+  // the backward of the next step adds into a group once the pass has read its gradients).
+  // REQUIRES: zeroes_groups(); no reduce-scatter of g in flight.
+  void zero_group(std::uint32_t g);
   // The caller's compute stream (null: none). With one, reduce() reads the gradients after the
   // caller's work queued on it so far, and on a device that is not host-accessible returns
   // without waiting for the read: the caller's stream waits for it instead, so work queued there

@@ -69,18 +69,16 @@ std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& 
   return statuses;
 }
 
-namespace {
-
-float round_to(float x, DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return x;
-    case DType::kBF16:
-      return bf16_to_f32(f32_to_bf16(x));
-    case DType::kF16:
-      return f16_to_f32(f32_to_f16(x));
-  }
-  return x;
+std::vector<Status> run_engines(const Config& config, Ranks& ranks,
+                                const std::function<Status(int rank, Engine& engine)>& fn) {
+  return run_ranks(static_cast<int>(ranks.devices.size()), [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Env env;
+    env.device = ranks.devices[r].get();
+    env.comm = ranks.comms[r].get();
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    return fn(rank, *engine);
+  });
 }
 
 std::vector<float> widen_view(const TensorView& view) {
@@ -97,6 +95,30 @@ std::vector<float> widen_view(const TensorView& view) {
       break;
   }
   return out;
+}
+
+std::vector<std::uint16_t> narrow_to_half(const std::vector<float>& values, DType dtype) {
+  std::vector<std::uint16_t> out(values.size());
+  if (dtype == DType::kBF16) {
+    convert_f32_to_bf16(values.data(), out.data(), values.size());
+  } else {
+    convert_f32_to_f16(values.data(), out.data(), values.size());
+  }
+  return out;
+}
+
+namespace {
+
+float round_to(float x, DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return x;
+    case DType::kBF16:
+      return bf16_to_f32(f32_to_bf16(x));
+    case DType::kF16:
+      return f16_to_f32(f32_to_f16(x));
+  }
+  return x;
 }
 
 // What the training program sees of the device: a copy stream when the device memory is not
@@ -227,13 +249,7 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
           if (d.dtype == DType::kF32) {
             grads32.push_back(std::move(g));
           } else {
-            std::vector<std::uint16_t> h(g.size());
-            if (d.dtype == DType::kBF16) {
-              convert_f32_to_bf16(g.data(), h.data(), g.size());
-            } else {
-              convert_f32_to_f16(g.data(), h.data(), g.size());
-            }
-            grads16.push_back(std::move(h));
+            grads16.push_back(narrow_to_half(g, d.dtype));
           }
         }
         std::size_t i32 = 0, i16 = 0;

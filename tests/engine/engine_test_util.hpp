@@ -50,6 +50,17 @@ Ranks make_ranks(int world, std::chrono::milliseconds timeout = std::chrono::sec
 // Runs fn(rank) on one thread per rank; returns each rank's Status.
 std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn);
 
+// Opens an engine of `config` on each rank's device and communicator of `ranks` and runs
+// fn(rank, engine) on one thread per rank; returns each rank's Status (a failed open is the
+// rank's). Nothing is registered: fn does that (register_model(), train_rank()).
+std::vector<Status> run_engines(const Config& config, Ranks& ranks,
+                                const std::function<Status(int rank, Engine& engine)>& fn);
+
+// A gathered parameter (host-accessible memory) widened to f32.
+std::vector<float> widen_view(const TensorView& view);
+// Gradient values rounded to nearest even in `dtype` (kBF16 or kF16), as a program hands them.
+std::vector<std::uint16_t> narrow_to_half(const std::vector<float>& values, DType dtype);
+
 // The gradient rank `rank` hands for parameter `p` at step `step`, micro-batch `micro`, from the
 // parameter values `w` it computed with (f32, widened from the device copy):
 //   g = (w - target) * 0.5, target uniform in [-1, 1) from a seed of (rank, step, micro, p),

@@ -2,4 +2,5 @@
 // one, the same bits over a run as long as the acceptance run of the overlapped step asks for.
 #define OVERLAP_STEPS 200
 #define OVERLAP_SUITE OverlapStep200
+#define OVERLAP_BACKWARD_SUITE OverlapBackward200
 #include "overlap_test.cpp"  // NOLINT(bugprone-suspicious-include)

@@ -2,8 +2,10 @@
 // one: every value each forward pass gathers, every step's norm, clipping, loss scale and skip,
 // and the final masters, over world 1 and 4, stages 1-3, the optimizer state in host memory and
 // on NVMe (and, at stage 3, the parameter shards in host memory and on NVMe), with and without
-// clipping, bf16 and fp16 with dynamic loss scaling and a step skipped on overflow.
-// overlap_slow_test.cpp runs the same matrix for 200 steps (OVERLAP_STEPS, OVERLAP_SUITE).
+// clipping, bf16 and fp16 with dynamic loss scaling and a step skipped on overflow; and the same
+// for a backward that reduces while the pass still reads gradients (OverlapBackward).
+// overlap_slow_test.cpp runs both matrices for 200 steps (OVERLAP_STEPS, OVERLAP_SUITE,
+// OVERLAP_BACKWARD_SUITE).
 #include <gtest/gtest.h>
 
 #include <cstdio>
@@ -41,6 +43,7 @@ std::vector<OverlapCase> matrix() {
 #ifndef OVERLAP_STEPS
 #define OVERLAP_STEPS 10
 #define OVERLAP_SUITE OverlapStep
+#define OVERLAP_BACKWARD_SUITE OverlapBackward
 #endif
 
 class OVERLAP_SUITE : public ::testing::TestWithParam<OverlapCase> {};
@@ -72,6 +75,46 @@ TEST_P(OVERLAP_SUITE, SameBitsAsTheSequentialStep) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, OVERLAP_SUITE, ::testing::ValuesIn(matrix()),
+                         [](const auto& info) { return overlap_test::case_name(info.param); });
+
+// The backward of step t+1 beside pass t: reduce_gradients() into a group waits only until the
+// pass has read that group's gradients, then zeroes them. Each step here reduces right after the
+// previous step() returned, last module first (the pass reads it last), so a reduction that did
+// not wait would add into gradients the pass has yet to read, or zero them.
+std::vector<OverlapCase> backward_cases() {
+  std::vector<OverlapCase> cases;
+  for (int world : {1, 4}) {
+    for (int stage : {1, 2, 3}) {
+      for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+        for (bool clip : {false, true}) {
+          cases.push_back({world, stage, opt, OffloadDevice::kNone, clip, DType::kBF16,
+                           /*backward_only=*/true});
+        }
+      }
+    }
+  }
+  return cases;
+}
+
+class OVERLAP_BACKWARD_SUITE : public ::testing::TestWithParam<OverlapCase> {};
+
+TEST_P(OVERLAP_BACKWARD_SUITE, SameBitsAsTheSequentialStep) {
+  const OverlapCase c = GetParam();
+  const int steps = OVERLAP_STEPS;
+  const std::uint64_t seed = 1800 + static_cast<std::uint64_t>(c.world * 10 + c.stage);
+  std::printf("seed %llu, %d steps\n", static_cast<unsigned long long>(seed), steps);
+  engine_test::ScratchDir dir("overlap_" + overlap_test::case_name(c));
+  Result<OverlapRun> sequential =
+      overlap_test::run_case(c, /*overlap=*/false, steps, 0, seed, dir.path());
+  ASSERT_TRUE(sequential.is_ok()) << sequential.status().to_string();
+  Result<OverlapRun> overlapped =
+      overlap_test::run_case(c, /*overlap=*/true, steps, 0, seed, dir.path());
+  ASSERT_TRUE(overlapped.is_ok()) << overlapped.status().to_string();
+  for (const StepReport& rep : overlapped->reports[0]) ASSERT_TRUE(rep.overlapped);
+  EXPECT_EQ(overlap_test::first_difference(*sequential, *overlapped), "");
+}
+
+INSTANTIATE_TEST_SUITE_P(Matrix, OVERLAP_BACKWARD_SUITE, ::testing::ValuesIn(backward_cases()),
                          [](const auto& info) { return overlap_test::case_name(info.param); });
 
 }  // namespace

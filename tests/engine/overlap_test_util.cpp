@@ -7,8 +7,6 @@
 #include <cstring>
 #include <limits>
 
-#include "zinf/dtype.hpp"
-
 namespace zinf::overlap_test {
 
 using engine_test::Model;
@@ -18,9 +16,10 @@ std::string case_name(const OverlapCase& c) {
   auto tier = [](OffloadDevice d) {
     return d == OffloadDevice::kNvme ? "nvme" : d == OffloadDevice::kHost ? "cpu" : "none";
   };
-  return fmt::format("world{}_stage{}_opt{}_param{}_{}_{}", c.world, c.stage, tier(c.optimizer),
+  return fmt::format("world{}_stage{}_opt{}_param{}_{}_{}{}", c.world, c.stage, tier(c.optimizer),
                      tier(c.params), c.clip ? "clip" : "noclip",
-                     c.dtype == DType::kF16 ? "fp16" : "bf16");
+                     c.dtype == DType::kF16 ? "fp16" : "bf16",
+                     c.backward_only ? "_backward_only" : "");
 }
 
 namespace {
@@ -46,18 +45,13 @@ Status train(Engine& engine, const Model& model, const OverlapCase& c, int rank,
   const std::size_t count = model.params.size();
   auto read = [&](const ParamDef& d) -> Result<std::vector<float>> {
     ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
-    std::vector<float> w(d.element_count());
-    if (d.dtype == DType::kBF16) {
-      convert_bf16_to_f32(static_cast<const std::uint16_t*>(view.data), w.data(), w.size());
-    } else {
-      convert_f16_to_f32(static_cast<const std::uint16_t*>(view.data), w.data(), w.size());
-    }
-    return w;
+    return engine_test::widen_view(view);
   };
   for (int step = 1; step <= steps; ++step) {
     std::vector<float> seen;
     for (int micro = 0; micro < 2; ++micro) {
       for (const std::string& m : model.modules) {
+        if (c.backward_only) break;
         ZINF_RETURN_IF_ERROR(engine.gather(m));
         for (const ParamDef& d : model.params) {
           if (d.module != m) continue;
@@ -68,14 +62,17 @@ Status train(Engine& engine, const Model& model, const OverlapCase& c, int rank,
       }
       const float scale = static_cast<float>(engine.loss_scale());
       for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
-        ZINF_RETURN_IF_ERROR(engine.gather(*it));
+        if (!c.backward_only) ZINF_RETURN_IF_ERROR(engine.gather(*it));
         std::vector<std::vector<std::uint16_t>> grads;
         std::vector<GradientRef> refs;
         grads.reserve(count);
         for (std::size_t p = 0; p < count; ++p) {
           const ParamDef& d = model.params[p];
           if (d.module != *it) continue;
-          ZINF_ASSIGN_OR_RETURN(std::vector<float> w, read(d));
+          std::vector<float> w = model.initial[p];
+          if (!c.backward_only) {
+            ZINF_ASSIGN_OR_RETURN(w, read(d));
+          }
           std::vector<float> g = engine_test::make_grad(d, w, rank, step, micro, p);
           if (d.dtype == DType::kF16) {
             for (float& v : g) v *= scale;
@@ -83,17 +80,11 @@ Status train(Engine& engine, const Model& model, const OverlapCase& c, int rank,
               g[0] = std::numeric_limits<float>::infinity();
             }
           }
-          std::vector<std::uint16_t> h(g.size());
-          if (d.dtype == DType::kBF16) {
-            convert_f32_to_bf16(g.data(), h.data(), g.size());
-          } else {
-            convert_f32_to_f16(g.data(), h.data(), g.size());
-          }
-          grads.push_back(std::move(h));
+          grads.push_back(engine_test::narrow_to_half(g, d.dtype));
           refs.push_back({d.name, grads.back().data(), d.element_count(), d.dtype});
         }
         ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
-        ZINF_RETURN_IF_ERROR(engine.release(*it));
+        if (!c.backward_only) ZINF_RETURN_IF_ERROR(engine.release(*it));
       }
     }
     out.forward[r].push_back(std::move(seen));
@@ -124,15 +115,11 @@ Result<OverlapRun> run_case(const OverlapCase& c, bool overlap, int steps, int i
   run.forward.resize(world);
   run.reports.resize(world);
   run.masters.resize(world);
-  std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-    const auto r = static_cast<std::size_t>(rank);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    return train(*engine, model, c, rank, steps, inf_step, run);
-  });
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        return train(engine, model, c, rank, steps, inf_step, run);
+      });
   for (std::size_t r = 0; r < st.size(); ++r) {
     if (!st[r].is_ok()) return st[r].with_context(fmt::format("rank {}", r));
   }

@@ -20,6 +20,11 @@ struct OverlapCase {
   OffloadDevice params = OffloadDevice::kNone;
   bool clip = false;
   DType dtype = DType::kBF16;  // kF16: fp16 dynamic loss scaling, with a step skipped on overflow
+  // No forward pass and no gathers: each step only reduces every module's gradients (computed
+  // from the initial values, so they need no gather), in reverse module order right after the
+  // previous step() returned, so the reductions meet the pass while it still reads the last
+  // groups' gradients.
+  bool backward_only = false;
 };
 
 std::string case_name(const OverlapCase& c);
@@ -27,7 +32,7 @@ std::string case_name(const OverlapCase& c);
 struct OverlapRun {
   // [rank][step - 1]: every value the forward passes of the step gathered, in module order.
   std::vector<std::vector<std::vector<float>>> forward;
-  std::vector<std::vector<StepReport>> reports;  // [rank][step - 1]
+  std::vector<std::vector<StepReport>> reports;          // [rank][step - 1]
   std::vector<std::vector<std::vector<float>>> masters;  // [rank][parameter]: read_parameters()
 };
 

@@ -1,0 +1,202 @@
+// OverlappedStep and run_optimizer(): see step_overlap.hpp.
+#include "engine/step_overlap.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+#include "base/assert.hpp"
+
+namespace zinf {
+
+Status run_optimizer(OptimizerState& state, const ZeroCounters& counters, Trace* trace, int track,
+                     std::int64_t step, float grad_scale, std::int64_t start_ns, bool overlapped,
+                     StepReport& rep) {
+  // Streaming the half output, the shards are written during the optimizer pass; only this pass
+  // writes shards (and counts their bytes) until it is over.
+  const std::uint64_t param_writes = counters.param_nvme_write_bytes;
+  {
+    Trace::Span span(trace, track, "step optimizer");
+    ZINF_ASSIGN_OR_RETURN(StepStats stats, state.step(step, grad_scale));
+    rep.optimizer_nvme_read_bytes = stats.read_bytes;
+    rep.optimizer_nvme_write_bytes = stats.write_bytes;
+  }
+  const std::int64_t t3 = Trace::now_ns();
+  rep.optimizer_ns = t3 - start_ns;
+  {
+    Trace::Span span(trace, track, "step publish");
+    const std::uint64_t master_reads = state.master_read_bytes();
+    ZINF_RETURN_IF_ERROR(overlapped ? state.write_step() : state.publish_step());
+    rep.param_nvme_write_bytes = counters.param_nvme_write_bytes - param_writes;
+    rep.master_nvme_read_bytes = state.master_read_bytes() - master_reads;
+  }
+  rep.publish_ns = Trace::now_ns() - t3;
+  return Status::ok();
+}
+
+OverlappedStep::OverlappedStep(const Parts& parts) : parts_(parts) {
+  const ParameterLayout& layout = *parts_.layout;
+  module_last_group_.assign(layout.module_names().size(), kNoGroup);
+  for (std::size_t m = 0; m < module_last_group_.size(); ++m) {
+    for (std::uint32_t g : layout.module_groups(m)) {
+      if (module_last_group_[m] == kNoGroup || g > module_last_group_[m]) {
+        module_last_group_[m] = g;
+      }
+    }
+  }
+  persistent_done_.assign(layout.group_count(), 1);
+  grads_zeroed_.assign(layout.group_count(), 1);
+  if (parts_.trace != nullptr) {
+    track_ = parts_.trace->track(fmt::format("rank{} step", parts_.rank));
+  }
+  parts_.coord->set_issue_hook(&OverlappedStep::issue_hook, this);
+}
+
+Status OverlappedStep::gather(std::size_t m) {
+  // The coordinator is shared with the pass's shard writes (publisher.hpp).
+  std::unique_lock<std::mutex> lock(parts_.publisher->mutex());
+  gather_lock_ = &lock;
+  Status st = await_module(m);
+  if (st.is_ok()) st = parts_.coord->gather(m);
+  gather_lock_ = nullptr;
+  return st;
+}
+
+Status OverlappedStep::await_module(std::size_t m) {
+  ZINF_ASSERT(gather_lock_ != nullptr);
+  Publisher& pub = *parts_.publisher;
+  const std::uint32_t last = module_last_group_[m];
+  if (runner_.running() && last != kNoGroup && !pub.written(last)) {
+    if (pub.in_pass()) {
+      const std::int64_t t0 = Trace::now_ns();
+      pub.written_cv().wait(*gather_lock_, [&] { return pub.written(last) || !pub.in_pass(); });
+      const std::int64_t waited = Trace::now_ns() - t0;
+      gather_wait_ns_ += waited;
+      pass_waited_ns_ += waited;
+    }
+    if (!pub.written(last)) {
+      // The pass failed before it wrote this module: its error is the gather's.
+      return Status::aborted(
+          fmt::format("gather('{}'): the optimizer step failed before its parameters were written",
+                      parts_.layout->module_names()[m]));
+    }
+  }
+  // The persistent groups by the flags start() reset, which every rank's calls move alike (a
+  // rank that finished the pass early, in a local call, still all-gathers here with the others).
+  bool any = false;
+  for (std::uint32_t g : parts_.layout->module_groups(m)) {
+    if (persistent_done_[g] != 0) continue;
+    ZINF_RETURN_IF_ERROR(parts_.coord->publish_group(g));
+    persistent_done_[g] = 1;
+    any = true;
+  }
+  return any ? parts_.coord->publish_wait() : Status::ok();
+}
+
+Status OverlappedStep::issue_hook(void* user, std::size_t module) {
+  return static_cast<OverlappedStep*>(user)->await_module(module);
+}
+
+Status OverlappedStep::await_grads(std::span<const std::uint32_t> groups) {
+  ZINF_ASSERT(runner_.running() && parts_.reducer->zeroes_groups());
+  Publisher& pub = *parts_.publisher;
+  for (std::uint32_t g : groups) {
+    if (grads_zeroed_[g] != 0) continue;
+    {
+      std::unique_lock<std::mutex> lock(pub.mutex());
+      if (!pub.written(g) && pub.in_pass()) {
+        const std::int64_t t0 = Trace::now_ns();
+        pub.written_cv().wait(lock, [&] { return pub.written(g) || !pub.in_pass(); });
+        pass_waited_ns_ += Trace::now_ns() - t0;
+      }
+      if (!pub.written(g)) {
+        return Status::aborted(fmt::format(
+            "reduce_gradients: the optimizer step failed before it read group {}'s gradients", g));
+      }
+    }
+    // The pass is past g: its gradients were read, and nothing else of the pass touches them.
+    parts_.reducer->zero_group(g);
+    grads_zeroed_[g] = 1;
+  }
+  return Status::ok();
+}
+
+void OverlappedStep::start(std::int64_t step, float grad_scale) {
+  pass_step_ = step;
+  pass_scale_ = grad_scale;
+  pass_report_ = StepReport{};
+  pass_waited_ns_ = 0;
+  const ParameterLayout& layout = *parts_.layout;
+  for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
+    persistent_done_[g] = layout.persistent()[g] ? 0 : 1;
+  }
+  std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 0);
+  parts_.publisher->begin_pass();
+  pass_start_ns_ = Trace::now_ns();
+  runner_.start(&OverlappedStep::run_pass, this);
+}
+
+// On the runner's thread.
+Status OverlappedStep::run_pass(void* user) {
+  auto* self = static_cast<OverlappedStep*>(user);
+  const Parts& p = self->parts_;
+  Status st = run_optimizer(*p.state, *p.counters, p.trace, self->track_, self->pass_step_,
+                            self->pass_scale_, self->pass_start_ns_, /*overlapped=*/true,
+                            self->pass_report_);
+  self->pass_end_ns_ = Trace::now_ns();
+  p.publisher->end_pass(st.is_ok());
+  return st;
+}
+
+Status OverlappedStep::finish(bool collective) {
+  ParamCoordinator& coord = *parts_.coord;
+  if (runner_.running()) {
+    const std::int64_t t0 = Trace::now_ns();
+    ZINF_RETURN_IF_ERROR(runner_.finish());
+    pass_waited_ns_ += Trace::now_ns() - t0;
+    {
+      // Every shard write's copy done before the next pass refills the values.
+      std::lock_guard<std::mutex> lock(parts_.publisher->mutex());
+      ZINF_RETURN_IF_ERROR(coord.wait_writes());
+    }
+    // The groups a reduction of the next step has not zeroed (all of them, when none ran).
+    GradReducer& reducer = *parts_.reducer;
+    if (std::find(grads_zeroed_.begin(), grads_zeroed_.end(), 1) == grads_zeroed_.end()) {
+      reducer.zero();
+    } else {
+      for (std::uint32_t g = 0; g < grads_zeroed_.size(); ++g) {
+        if (grads_zeroed_[g] == 0) reducer.zero_group(g);
+      }
+    }
+    std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 1);
+    last_pass_ = pass_report_;
+    const std::int64_t pass_ns = pass_end_ns_ - pass_start_ns_;
+    last_pass_.hidden_ns = std::max<std::int64_t>(0, pass_ns - pass_waited_ns_);
+  }
+  if (!collective) return Status::ok();
+  std::lock_guard<std::mutex> lock(parts_.publisher->mutex());
+  bool any = false;
+  for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
+    if (persistent_done_[g] != 0) continue;
+    // Marked before the call: a failed all-gather is sticky, and no later call retries it.
+    persistent_done_[g] = 1;
+    ZINF_RETURN_IF_ERROR(coord.publish_group(g));
+    any = true;
+  }
+  return any ? coord.publish_wait() : Status::ok();
+}
+
+void OverlappedStep::take_figures(StepReport& rep) {
+  rep.optimizer_ns = last_pass_.optimizer_ns;
+  rep.publish_ns = last_pass_.publish_ns;
+  rep.hidden_ns = last_pass_.hidden_ns;
+  rep.optimizer_nvme_read_bytes = last_pass_.optimizer_nvme_read_bytes;
+  rep.optimizer_nvme_write_bytes = last_pass_.optimizer_nvme_write_bytes;
+  rep.param_nvme_write_bytes = last_pass_.param_nvme_write_bytes;
+  rep.master_nvme_read_bytes = last_pass_.master_nvme_read_bytes;
+  rep.gather_wait_ns = std::exchange(gather_wait_ns_, 0);
+  last_pass_ = StepReport{};
+}
+
+}  // namespace zinf

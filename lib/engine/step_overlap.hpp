@@ -1,0 +1,122 @@
+// OverlappedStep: the engine's side of the overlapped optimizer step (zinf.overlap_step). It owns
+// the step runner's thread and what the rank's thread and the pass share: which groups of the
+// running pass are written (through the publisher), which persistent groups are all-gathered,
+// and the pass's figures for the next StepReport.
+//
+// step() decides the step on the rank's thread and calls start(); the runner's thread then runs
+// the optimizer pass and the shard writes (run_optimizer() below, as the sequential step does),
+// and the publisher counts the groups written, in group order. gather(m) (and the coordinator's
+// prefetch of m, through the issue hook) waits until m's last group is written, then all-gathers
+// m's persistent groups itself, so every collective is still issued by the rank's thread in the
+// same order on every rank. The backward of the next step runs beside the pass too: before
+// reduce_gradients(m) adds into a group, await_grads() waits until the pass has written that
+// group (so it has read the group's gradients: the pass reads sub-groups in partition order and
+// writes a group only after its last sub-group is updated) and zeroes the group's slice of the
+// accumulator, once per pass. finish() is called by whatever needs the whole step (step(),
+// checkpoints, read-back, and reduce_gradients() when the accumulator cannot be zeroed by group):
+// it waits for the pass, all-gathers the persistent groups no gather asked for (in group order)
+// and zeroes the groups of the accumulator that no reduction zeroed.
+//
+// Nothing is allocated per step: the thread and the per-module and per-group tables are made at
+// construction.
+//
+// Thread-safety: every call from the rank's thread; the pass runs on the runner's.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <vector>
+
+#include "engine/layout.hpp"
+#include "engine/optimizer_state.hpp"
+#include "engine/publisher.hpp"
+#include "engine/step_runner.hpp"
+#include "zero/grad_reducer.hpp"
+#include "zero/param_coordinator.hpp"
+#include "zero/zero_counters.hpp"
+#include "zinf/engine.hpp"
+#include "zinf/trace.hpp"
+
+namespace zinf {
+
+// The optimizer pass of step `step` (gradients times grad_scale) and the new values into the
+// shards, timed on `track` as "step optimizer" and "step publish": rep.optimizer_ns counts from
+// `start_ns` (the sequential step's norm end, the overlapped pass's start), and the NVMe byte
+// figures are those of this pass. `overlapped`: write_step() (the shards only; the persistent
+// groups are left to the rank's thread) instead of publish_step().
+Status run_optimizer(OptimizerState& state, const ZeroCounters& counters, Trace* trace, int track,
+                     std::int64_t step, float grad_scale, std::int64_t start_ns, bool overlapped,
+                     StepReport& rep);
+
+class OverlappedStep {
+ public:
+  // What the pass works on; everything must outlive this object.
+  struct Parts {
+    const ParameterLayout* layout = nullptr;
+    Publisher* publisher = nullptr;
+    ParamCoordinator* coord = nullptr;
+    OptimizerState* state = nullptr;
+    GradReducer* reducer = nullptr;
+    const ZeroCounters* counters = nullptr;
+    Trace* trace = nullptr;
+    int rank = 0;
+  };
+
+  // Makes the runner's thread and sets the coordinator's issue hook (so its prefetch of a module
+  // waits for the module's new values too).
+  explicit OverlappedStep(const Parts& parts);
+  // Waits for a pass in flight.
+  ~OverlappedStep() = default;
+  OverlappedStep(const OverlappedStep&) = delete;
+  OverlappedStep& operator=(const OverlappedStep&) = delete;
+
+  // The engine's gather of module m: waits for m's new values, all-gathers its persistent groups
+  // the pass left, then gathers m; under the publisher's mutex. Collective, as gather() is.
+  Status gather(std::size_t m);
+  // Before a reduction into `groups` while a pass runs: waits until the pass has written each
+  // group (and so read its gradients), then zeroes the group's gradients, once per pass. Local:
+  // no collective. An error when the pass failed first (finish() returns its own).
+  // REQUIRES: running(), the reducer's zeroes_groups().
+  Status await_grads(std::span<const std::uint32_t> groups);
+  // Hands step `step` (gradients times grad_scale) to the runner. REQUIRES: !running().
+  void start(std::int64_t step, float grad_scale);
+  // A pass was started and not finished.
+  bool running() const { return runner_.running(); }
+  // Waits for the pass; its error comes back here (the engine makes it sticky). `collective`:
+  // every rank calls this at the same point, so the persistent groups no gather published are
+  // all-gathered too, in group order; local calls (verify_swap(), counters(), errors) leave them
+  // for the next collective one.
+  Status finish(bool collective);
+  // The last finished pass's figures, and the gathers' waits since the last call, into an
+  // overlapped step's report (zero before the first pass).
+  void take_figures(StepReport& rep);
+
+ private:
+  // With gather_lock_ held (the publisher's mutex), on the rank's thread.
+  Status await_module(std::size_t m);
+  static Status issue_hook(void* user, std::size_t module);
+  static Status run_pass(void* user);
+
+  static constexpr std::uint32_t kNoGroup = ~std::uint32_t{0};
+
+  Parts parts_;
+  int track_ = 0;                                 // the trace track of the runner's spans
+  std::vector<std::uint32_t> module_last_group_;  // per module; kNoGroup: none
+  std::vector<std::uint8_t> persistent_done_;     // per group: all-gathered since the pass began
+  std::vector<std::uint8_t> grads_zeroed_;        // per group: zeroed for the next step's adds
+  std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
+  std::int64_t pass_step_ = 0;
+  float pass_scale_ = 1.0f;
+  StepReport pass_report_;  // the running pass's optimizer and publish figures
+  std::int64_t pass_start_ns_ = 0;
+  std::int64_t pass_end_ns_ = 0;
+  std::int64_t pass_waited_ns_ = 0;  // the rank's thread waiting for the running pass
+  StepReport last_pass_;             // the finished pass's figures, for the next report
+  std::int64_t gather_wait_ns_ = 0;  // gathers waiting for new values since the last step()
+  // Last: its destructor waits for a pass in flight, which uses everything above.
+  StepRunner runner_;
+};
+
+}  // namespace zinf
