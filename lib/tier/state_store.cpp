@@ -348,17 +348,20 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
                                          const std::string& later_name,
                                          std::vector<FileBlockSum>* sums) {
   ZINF_ASSERT(linkable_);
-  ZINF_RETURN_IF_ERROR(swap_->write_sync(header_extent_, header));
   for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
     if (!has(piece_at(p))) continue;
     for (std::size_t i = 0; i < sub_group_count_; ++i) {
       if (residency(piece_at(p), i) != Residency::kDisk) return false;
     }
   }
+  // The state first (a frozen file, or state left in one, says no before the header's write
+  // would start a new generation for nothing), then the header into the same file.
   const std::vector<ExtentId> in_order = saved_extents();
-  for (ExtentId id : in_order) {
-    if (!swap_->in_current_file(id)) return false;
+  for (std::size_t k = 1; k < in_order.size(); ++k) {
+    if (!swap_->in_current_file(in_order[k])) return false;
   }
+  ZINF_RETURN_IF_ERROR(swap_->write_sync(header_extent_, header));
+  if (!swap_->in_current_file(header_extent_)) return false;
   Status linked = swap_->link_files({path}, {later_name});
   if (!linked.is_ok()) {
     const int err = linked.sys_code();
