@@ -9,10 +9,14 @@
 //               timed)
 //   raw read    the raw file read back the same way
 //   load        load_checkpoint() of that tag
+// with one optimizer step, not timed, before every round but the first.
 // Rates are the rank file's bytes over the call's time (manifest, fsyncs, renames included); the
-// raw file holds the same bytes less the rank file's header and padding.
+// raw file holds the same bytes less the rank file's header and padding. The raw file is
+// truncated after its read (its space back to the filesystem before the load), so that at 1B
+// parameters with NVMe state the raw file, the swap file and a checkpoint linked from an earlier
+// generation of it never need the drive at once.
 // Each round prints save / raw write and load / raw read; the end prints their medians. The
-// state is checked after the last load: the masters equal those before the first save, bit for
+// state is checked after the last load: the masters equal those before the last save, bit for
 // bit.
 //
 //   build/bin/bench_engine_checkpoint --params 268435456 --dir /path/on/the/drive --offload cpu
@@ -90,6 +94,14 @@ class RawDrive {
     return r.gbps();
   }
   std::uint64_t bytes() const { return bytes_; }
+  // Gives the file's blocks back to the filesystem (the next write extends it again, as the
+  // first round's did), so the raw file and a checkpoint of NVMe state need not fit at once.
+  Status release() {
+    if (::truncate(path_.c_str(), 0) != 0) {
+      return status_from_errno(fmt::format("truncate {}", path_), errno);
+    }
+    return Status::ok();
+  }
 
  private:
   std::string path_;
@@ -147,13 +159,16 @@ int run(std::size_t params, const std::string& dir, OffloadDevice offload, int r
   auto t0 = std::chrono::steady_clock::now();
   if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
   const double finalize_s = seconds_since(t0);
-  // One step with seeded random gradients: the moments become non-zero.
-  {
-    constexpr std::size_t kModules = 8;
-    std::vector<std::vector<float>> grads(kTensors / kModules, std::vector<float>(each));
-    std::vector<std::string> names(kTensors / kModules);
-    std::vector<GradientRef> refs(kTensors / kModules);
-    SplitMix64 random(7);
+  // One step with seeded random gradients (the moments become non-zero), before the first round
+  // and, untimed, at the start of every later one: checkpoints are taken between training steps,
+  // and with the state on NVMe the step is what moves it out of the previous round's checkpoint
+  // file (linked by the save, taken in place by the load) into the swap file again.
+  constexpr std::size_t kModules = 8;
+  std::vector<std::vector<float>> grads(kTensors / kModules, std::vector<float>(each));
+  std::vector<std::string> names(kTensors / kModules);
+  std::vector<GradientRef> refs(kTensors / kModules);
+  SplitMix64 random(7);
+  auto step_once = [&]() -> Result<double> {
     for (std::size_t m = 0; m < kModules; ++m) {
       for (std::size_t k = 0; k < refs.size(); ++k) {
         for (float& g : grads[k]) {
@@ -162,18 +177,20 @@ int run(std::size_t params, const std::string& dir, OffloadDevice offload, int r
         names[k] = fmt::format("w{}", k * kModules + m);
         refs[k] = GradientRef{names[k], grads[k].data(), each, DType::kF32};
       }
-      if (Status st = engine.reduce_gradients(fmt::format("m{}", m), refs); !st.is_ok()) {
-        return fail("reduce_gradients", st);
-      }
+      ZINF_RETURN_IF_ERROR(engine.reduce_gradients(fmt::format("m{}", m), refs));
     }
-    t0 = std::chrono::steady_clock::now();
+    const auto start = std::chrono::steady_clock::now();
     Result<StepReport> stepped = engine.step();
-    if (!stepped.is_ok()) return fail("step", stepped.status());
+    if (!stepped.is_ok()) return stepped.status();
+    return seconds_since(start);
+  };
+  {
+    Result<double> step_s = step_once();
+    if (!step_s.is_ok()) return fail("step", step_s.status());
     fmt::print("params {} ({} state): finalize {:.2f} s, one step {:.2f} s\n", each * kTensors,
-               offload_device_name(offload), finalize_s, seconds_since(t0));
+               offload_device_name(offload), finalize_s, *step_s);
   }
-  Result<std::vector<float>> before = masters(engine, kTensors, each);
-  if (!before.is_ok()) return fail("read_parameters", before.status());
+  Result<std::vector<float>> before = std::vector<float>();
 
   const std::string ckpt = dir + "/ckpt";
   std::filesystem::remove_all(ckpt);
@@ -191,15 +208,24 @@ int run(std::size_t params, const std::string& dir, OffloadDevice offload, int r
   for (int round = 1; round <= rounds; ++round) {
     const std::string tag = fmt::format("r{}", round);
     std::filesystem::remove_all(ckpt);
+    if (round > 1) {
+      Result<double> step_s = step_once();
+      if (!step_s.is_ok()) return fail("step", step_s.status());
+    }
+    before = masters(engine, kTensors, each);
+    if (!before.is_ok()) return fail("read_parameters", before.status());
     Result<double> w = raw.gbps(IoOp::kWrite);
     if (!w.is_ok()) return fail("raw write", w.status());
     const double raw_write = *w;
     t0 = std::chrono::steady_clock::now();
     if (Status st = engine.save_checkpoint(ckpt, tag); !st.is_ok()) return fail("save", st);
     const double save_s = seconds_since(t0);
-    file_bytes = std::filesystem::file_size(ckpt + "/" + tag + "/rank0.zinfckpt");
+    // The rank file's layout: header, master, two moments, to 4096 bytes. A rank file linked
+    // from the swap space is longer (the swap file's other extents follow); a load reads this.
+    file_bytes = (4096 + std::uint64_t{12} * each * kTensors + 4095) / 4096 * 4096;
     Result<double> r = raw.gbps(IoOp::kRead);
     if (!r.is_ok()) return fail("raw read", r.status());
+    if (Status st = raw.release(); !st.is_ok()) return fail("raw file", st);
     t0 = std::chrono::steady_clock::now();
     if (Status st = engine.load_checkpoint(ckpt, tag); !st.is_ok()) return fail("load", st);
     const double load_s = seconds_since(t0);

@@ -127,19 +127,38 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
   return Status::ok();
 }
 
-// This rank's file: the header, then each piece of the state as it streams out of the state's
-// home (device, host or NVMe), through the writer's two blocks.
+Status write_small_file(IoEngine& io, const std::string& path, std::string_view bytes,
+                        ManifestFile* out);
+
+// This rank's file. Where the state's home can (the master and moments on NVMe in the
+// checkpoint layout), the swap file itself, hard-linked with the header written in front, and
+// its block checksums beside it: nothing is copied, and the swap space never writes that file
+// again (SwapSpace::link_files). Otherwise the header, then each piece of the state as it
+// streams out of its home (device, host or NVMe), through the writer's pipeline.
 Status write_rank_file(const CheckpointContext& ctx, IoEngine& io, const std::string& temp,
-                       const ResumeState& resume, ManifestFile* out) {
+                       const std::string& final_dir, const ResumeState& resume, ManifestFile* out) {
+  const std::string name = fmt::format("rank{}.zinfckpt", ctx.rank);
   const std::string path = checkpoint_rank_path(temp, ctx.rank);
   const std::uint64_t file_bytes = checkpoint_rank_file_bytes(
       state_pieces(ctx.config->optimizer.kind).size(), ctx.layout->partition_elements());
+  AlignedBuffer head(kCheckpointHeaderBytes);
+  std::memset(head.data(), 0, head.bytes());
+  encode_checkpoint_header(header_of(ctx, resume),
+                           std::span<std::byte, kCheckpointHeaderBytes>(head.data(), head.bytes()));
+  std::vector<FileBlockSum> sums;
+  ZINF_ASSIGN_OR_RETURN(const bool linked,
+                        ctx.state->link_checkpoint(
+                            head.data(), path, checkpoint_rank_path(final_dir, ctx.rank), &sums));
+  if (linked) {
+    ManifestFile blocks;
+    ZINF_RETURN_IF_ERROR(write_small_file(io, fmt::format("{}/rank{}.blocks", temp, ctx.rank),
+                                          encode_block_sums(sums), &blocks));
+    *out = {name, file_bytes, 0, blocks.file, blocks.bytes, blocks.xxh3};
+    return Status::ok();
+  }
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointWriter> w,
                         CheckpointWriter::create(io, path, /*direct=*/true, file_bytes));
-  std::vector<std::byte> head(kCheckpointHeaderBytes);
-  encode_checkpoint_header(header_of(ctx, resume),
-                           std::span<std::byte, kCheckpointHeaderBytes>(head.data(), head.size()));
-  ZINF_RETURN_IF_ERROR(w->append(head.data(), head.size()));
+  ZINF_RETURN_IF_ERROR(w->append(head.data(), head.bytes()));
   for (Piece piece : state_pieces(ctx.config->optimizer.kind)) {
     ZINF_RETURN_IF_ERROR(
         ctx.state->read_state(piece, [&](std::size_t, std::size_t count, const float* values) {
@@ -147,7 +166,10 @@ Status write_rank_file(const CheckpointContext& ctx, IoEngine& io, const std::st
         }));
   }
   ZINF_RETURN_IF_ERROR(w->commit());
-  *out = {fmt::format("rank{}.zinfckpt", ctx.rank), w->bytes(), w->digest()};
+  *out = ManifestFile{};
+  out->file = name;
+  out->bytes = w->bytes();
+  out->xxh3 = w->digest();
   return Status::ok();
 }
 
@@ -158,7 +180,10 @@ Status write_small_file(IoEngine& io, const std::string& path, std::string_view 
   ZINF_RETURN_IF_ERROR(w->append(bytes.data(), bytes.size()));
   ZINF_RETURN_IF_ERROR(w->commit());
   if (out != nullptr) {
-    *out = {std::filesystem::path(path).filename().string(), w->bytes(), w->digest()};
+    *out = ManifestFile{};
+    out->file = std::filesystem::path(path).filename().string();
+    out->bytes = w->bytes();
+    out->xxh3 = w->digest();
   }
   return Status::ok();
 }
@@ -219,7 +244,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
 
   // Every rank's file, in parallel.
   ManifestFile file;
-  local = write_rank_file(ctx, *io, temp, resume, &file);
+  local = write_rank_file(ctx, *io, temp, fmt::format("{}/{}", dir, tag), resume, &file);
   Status written = ex.agree(call, local.with_context(call));
   if (!written.is_ok()) {
     if (ctx.rank == 0) {
@@ -229,8 +254,9 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
     }
     return written;
   }
-  const std::uint64_t words[2] = {file.bytes, file.xxh3};
-  Result<std::vector<std::uint64_t>> files = ex.exchange(words, 2);
+  // Each rank's file: its size and checksum, and for a linked one its block list's.
+  const std::uint64_t words[4] = {file.bytes, file.xxh3, file.blocks_bytes, file.blocks_xxh3};
+  Result<std::vector<std::uint64_t>> files = ex.exchange(words, 4);
   if (!files.is_ok()) return ctx.sticky->fail(files.status());
 
   // Rank 0: the client state, the manifest (last inside the tag), the rename, `latest`.
@@ -240,8 +266,9 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
       CheckpointManifest m = manifest_of(ctx, tag, resume);
       m.serial = serial;
       for (int r = 0; r < ctx.world_size; ++r) {
-        m.ranks.push_back(
-            {fmt::format("rank{}.zinfckpt", r), (*files)[2 * r], (*files)[2 * r + 1]});
+        const std::uint64_t* w = files->data() + 4 * r;
+        m.ranks.push_back({fmt::format("rank{}.zinfckpt", r), w[0], w[1],
+                           w[2] > 0 ? fmt::format("rank{}.blocks", r) : std::string(), w[2], w[3]});
       }
       if (!resume.client_state.empty()) {
         ManifestFile cs;
@@ -354,33 +381,22 @@ Status plan_segments(const CheckpointContext& ctx, const CheckpointManifest& m,
 // one front-to-back pass (positioned after the header), whose end (CheckpointReader::finish)
 // gives the checksum that check_rank_checksum() compares; otherwise for reads at any offset, and
 // the checksum is checked here, before anything is read from the file.
-Status check_rank_checksum(const CheckpointManifest& m, int rank, const CheckpointReader& r,
-                           std::uint64_t sum) {
-  const ManifestFile& f = m.ranks[static_cast<std::size_t>(rank)];
-  if (sum != f.xxh3) {
-    return Status::corruption(
-        fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
-                    r.path(), sum, f.xxh3));
-  }
-  return Status::ok();
-}
-
 Status open_rank_file(IoEngine& io, const std::string& tag_dir, const CheckpointManifest& m,
                       int rank, std::size_t pieces, bool direct,
-                      std::unique_ptr<CheckpointReader>* out, CheckpointHeader* header) {
+                      std::unique_ptr<CheckpointReader>* out, CheckpointHeader* header,
+                      bool check_now = true) {
   const ManifestFile& f = m.ranks[static_cast<std::size_t>(rank)];
   const std::string path = fmt::format("{}/{}", tag_dir, f.file);
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
-                        CheckpointReader::open(io, path, direct));
   const std::uint64_t expect = checkpoint_rank_file_bytes(pieces, m.partition_elements);
-  if (r->file_bytes() != f.bytes || f.bytes != expect) {
-    return Status::corruption(
-        fmt::format("'{}' has {} bytes; the manifest says {}, its layout needs {}", path,
-                    r->file_bytes(), f.bytes, expect));
+  if (f.bytes != expect) {
+    return Status::corruption(fmt::format("'{}': the manifest says {} bytes, its layout needs {}",
+                                          path, f.bytes, expect));
   }
-  if (!direct) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
+                        open_rank_reader(io, tag_dir, f, direct));
+  if (!direct && check_now) {
     ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
-    ZINF_RETURN_IF_ERROR(check_rank_checksum(m, rank, *r, sum));
+    ZINF_RETURN_IF_ERROR(check_rank_digest(f, *r, sum));
   }
   std::vector<std::byte> head(kCheckpointHeaderBytes);
   if (direct) {
@@ -417,6 +433,7 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   CheckpointHeader header;
   std::string tag_dir;
   bool same_layout = false;
+  bool adopt = false;  // same layout, the rank file linked and taken in place
   std::vector<Segment> segments;
   // Same layout: this rank's own file, front to back. Resharded: every file a segment reads.
   std::unique_ptr<CheckpointReader> own;
@@ -447,6 +464,16 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
                     m.fingerprint == ctx.layout->partitioner().fingerprint() &&
                     m.partition_elements == ctx.layout->partition_elements();
       if (same_layout) {
+        // A linked rank file the state's home can take as it is (the same store layout): only
+        // its header is read now.
+        if (!m.ranks[static_cast<std::size_t>(ctx.rank)].blocks.empty()) {
+          ZINF_RETURN_IF_ERROR(open_rank_file(*io, tag_dir, m, ctx.rank, pieces.size(),
+                                              /*direct=*/false, &own, &header,
+                                              /*check_now=*/false));
+          adopt = ctx.state->adoptable(own->block_sums());
+          if (adopt) return Status::ok();
+          own.reset();
+        }
         return open_rank_file(*io, tag_dir, m, ctx.rank, pieces.size(), /*direct=*/true, &own,
                               &header);
       }
@@ -487,6 +514,12 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   // every rank's verdict before the resume state is taken; an error here leaves the partition
   // part old and part new, so it is sticky (the engine refuses to train on it).
   local = [&]() -> Status {
+    if (adopt) {
+      // The file becomes the state's home: nothing is read now; every block is checked against
+      // its checksum when first read (the republish reads the master, a step the rest), and a
+      // mismatch then is kCorruption naming this file.
+      return ctx.state->adopt_checkpoint(own->path(), own->path(), own->block_sums());
+    }
     for (std::size_t pi = 0; pi < pieces.size(); ++pi) {
       const Piece piece = pieces[pi];
       if (same_layout) {
@@ -518,7 +551,8 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
     if (same_layout) {
       // The rest of the file (its padding) completes the checksum.
       ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, own->finish());
-      ZINF_RETURN_IF_ERROR(check_rank_checksum(m, ctx.rank, *own, sum));
+      ZINF_RETURN_IF_ERROR(
+          check_rank_digest(m.ranks[static_cast<std::size_t>(ctx.rank)], *own, sum));
     }
     return Status::ok();
   }();

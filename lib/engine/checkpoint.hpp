@@ -17,7 +17,11 @@
 // the whole file moves with O_DIRECT). Nothing depends on where the state lived, so a checkpoint
 // saved with the state on NVMe loads into an engine that keeps it in host memory; the manifest
 // lists every parameter's place in the saved partition, so it loads into another world size,
-// stage or sub-group size too (re-sliced by parameter name).
+// stage or sub-group size too (re-sliced by parameter name). With the state on NVMe in the
+// store's checkpoint layout the rank file is the swap file itself, hard-linked (longer than the
+// layout: the swap's other extents follow) with its block checksums in <tag>/rank<r>.blocks
+// (ManifestFile::blocks; docs/ENGINE.md "NVMe state: saved by link"), and a load of the same
+// store layout takes it in place (OptimizerState::adopt_checkpoint).
 //
 // Thread-safety: values and single-owner objects.
 #pragma once
@@ -111,7 +115,22 @@ struct ManifestFile {
   std::string file;  // relative to the tag directory
   std::uint64_t bytes = 0;
   std::uint64_t xxh3 = 0;
+  // A rank file linked from the swap space (StateStore::link_checkpoint) is longer than `bytes`
+  // (the swap file's other extents follow; a load reads its first `bytes` only), and its
+  // checksums are per block, in the file `blocks` (encode_block_sums) of `blocks_bytes` bytes
+  // whose xxh3-64 is `blocks_xxh3`; `xxh3` is then 0. Empty for a copied file.
+  std::string blocks;
+  std::uint64_t blocks_bytes = 0;
+  std::uint64_t blocks_xxh3 = 0;
 };
+
+// "rank<r>.blocks": per block of a linked rank file, in file order, its end offset and its
+// xxh3-64, as two little-endian u64 each.
+std::string encode_block_sums(const std::vector<FileBlockSum>& sums);
+// Reads what encode_block_sums() wrote; kCorruption naming `path` when the bytes are not whole
+// entries, the ends do not increase, or the last end is not `file_bytes`.
+Result<std::vector<FileBlockSum>> decode_block_sums(std::string_view bytes, std::string_view path,
+                                                    std::uint64_t file_bytes);
 
 // The state a resume needs beyond the optimizer's partition. A checkpoint keeps it in three
 // places: the step and the learning rate's state in the manifest, the loss scaler in every rank
@@ -207,6 +226,12 @@ class BlockHasher {
   std::uint64_t digest();
   // Starts a new sequence. REQUIRES: nothing queued is unhashed (digest() was called).
   void reset();
+  // From the next sequence on (call it before push() or after reset()), checks the bytes against
+  // `sums` too: they are cut at each sum's end offset and each run's xxh3-64 compared with it.
+  void expect(std::vector<FileBlockSum> sums);
+  // After digest(): the index of the first sum whose run differed (or that the bytes pushed did
+  // not reach), or sums.size() when every one matched. REQUIRES: expect() was called.
+  std::size_t first_mismatch();
 
   static constexpr std::size_t kMaxQueued = 16;
 
@@ -224,6 +249,13 @@ class BlockHasher {
   std::uint64_t hashed_ = 0;
   bool stop_ = false;
   XXH3_state_t* state_ = nullptr;
+  // expect(): the runs, the one being hashed, the bytes hashed so far, the first that differed.
+  // The hashing thread owns them between reset() and digest().
+  std::vector<FileBlockSum> sums_;
+  XXH3_state_t* run_state_ = nullptr;
+  std::size_t next_sum_ = 0;
+  std::uint64_t hashed_bytes_ = 0;
+  std::size_t first_bad_ = SIZE_MAX;
   std::thread thread_;
 };
 
@@ -303,6 +335,12 @@ class CheckpointReader {
   Result<std::uint64_t> checksum();
   // `bytes` bytes from `offset`. REQUIRES: the reader was opened without `direct`.
   Status read_at(std::uint64_t offset, std::size_t bytes, void* out);
+  // A linked rank file: for this reader the file ends at sums.back().end_offset, and every
+  // front-to-back pass checks each block against its checksum, so that finish() and checksum()
+  // return kCorruption naming the file and the first bad block's offsets, or else 0.
+  // REQUIRES: no pass started; sums.back().end_offset <= file_bytes().
+  void expect_block_sums(std::vector<FileBlockSum> sums);
+  const std::vector<FileBlockSum>& block_sums() const { return block_sums_; }
   std::uint64_t file_bytes() const { return file_bytes_; }
   const std::string& path() const { return path_; }
 
@@ -331,11 +369,23 @@ class CheckpointReader {
   std::uint64_t submitted_ = 0;          // the file's bytes whose reads were submitted
   std::uint64_t block_index_ = 0;        // the current block (valid while current_valid_ > 0)
   bool has_current_ = false;
-  std::size_t current_valid_ = 0;  // bytes in the current block
-  std::size_t current_used_ = 0;   // of them, returned by read()
-  std::uint64_t offset_ = 0;       // the next byte read() returns
+  std::size_t current_valid_ = 0;         // bytes in the current block
+  std::size_t current_used_ = 0;          // of them, returned by read()
+  std::uint64_t offset_ = 0;              // the next byte read() returns
+  std::vector<FileBlockSum> block_sums_;  // expect_block_sums(), for messages
   BlockHasher hasher_;
 };
+
+// Opens rank file `f` of `tag_dir` for one front-to-back pass (`direct`) or for reads at any
+// offset, and checks its size against the manifest: f.bytes exactly, or at least f.bytes for a
+// linked file, whose block checksums are read from f.blocks (checked against the manifest) and
+// handed to the reader. kCorruption naming the file otherwise. Its content is checked by a pass
+// (CheckpointReader::finish or checksum) and check_rank_digest.
+Result<std::unique_ptr<CheckpointReader>> open_rank_reader(IoEngine& io, const std::string& tag_dir,
+                                                           const ManifestFile& f, bool direct);
+// Whether a pass's digest matches `f`: a copied file's xxh3 against the manifest's (kCorruption
+// naming the file). A linked file's pass compared each block already.
+Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::uint64_t digest);
 
 // Writes `text` to `path` durably through `io`: "<path>.tmp", fsync, rename, fsync of the
 // directory. A crash leaves the old file or the new one, never a mix.

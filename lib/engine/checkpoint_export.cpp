@@ -41,19 +41,10 @@ Status open_tag(IoEngine& io, const std::string& dir, std::string tag, OpenTag* 
   ZINF_ASSIGN_OR_RETURN(std::string text, read_text_file(io, path));
   ZINF_ASSIGN_OR_RETURN(out->manifest, parse_checkpoint_manifest(text, path));
   for (const ManifestFile& f : out->manifest.ranks) {
-    const std::string file = fmt::format("{}/{}", out->dir, f.file);
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
-                          CheckpointReader::open(io, file, /*direct=*/false));
-    if (r->file_bytes() != f.bytes) {
-      return Status::corruption(
-          fmt::format("'{}' has {} bytes; the manifest says {}", file, r->file_bytes(), f.bytes));
-    }
+                          open_rank_reader(io, out->dir, f, /*direct=*/false));
     ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
-    if (sum != f.xxh3) {
-      return Status::corruption(
-          fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
-                      file, sum, f.xxh3));
-    }
+    ZINF_RETURN_IF_ERROR(check_rank_digest(f, *r, sum));
     out->ranks.push_back(std::move(r));
   }
   return Status::ok();

@@ -232,6 +232,17 @@ void files_from(const Reader& r, const Json& arr, std::string_view key,
     }
     if (st->is_ok()) r.get(e, "bytes", &f.bytes, st);
     if (st->is_ok()) r.get_hex(e, "xxh3", &f.xxh3, st);
+    // A rank file linked from the swap space has its checksums per block in a file of their own.
+    if (st->is_ok() && e.is_object() && e.contains("blocks")) {
+      const Json& b = e["blocks"];
+      r.get(b, "file", &f.blocks, st);
+      if (st->is_ok() &&
+          (f.blocks.empty() || f.blocks.find('/') != std::string::npos || f.blocks[0] == '.')) {
+        *st = r.bad(fmt::format("{}[].blocks.file", key), "is not a plain file name");
+      }
+      if (st->is_ok()) r.get(b, "bytes", &f.blocks_bytes, st);
+      if (st->is_ok()) r.get_hex(b, "xxh3", &f.blocks_xxh3, st);
+    }
     if (!st->is_ok()) return;
     out->push_back(std::move(f));
   }
@@ -256,8 +267,13 @@ std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
   const auto files = [](const std::vector<ManifestFile>& list) {
     Json out = Json::array();
     for (const ManifestFile& f : list) {
-      out.push_back(
-          {{"file", f.file}, {"bytes", f.bytes}, {"xxh3", fmt::format("{:016x}", f.xxh3)}});
+      Json e = {{"file", f.file}, {"bytes", f.bytes}, {"xxh3", fmt::format("{:016x}", f.xxh3)}};
+      if (!f.blocks.empty()) {
+        e["blocks"] = {{"file", f.blocks},
+                       {"bytes", f.blocks_bytes},
+                       {"xxh3", fmt::format("{:016x}", f.blocks_xxh3)}};
+      }
+      out.push_back(std::move(e));
     }
     return out;
   };
@@ -457,6 +473,46 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
     st = r.bad("client_state", "has more than one entry");
   if (!st.is_ok()) return st;
   return m;
+}
+
+std::string encode_block_sums(const std::vector<FileBlockSum>& sums) {
+  std::string out(sums.size() * 16, '\0');
+  for (std::size_t i = 0; i < sums.size(); ++i) {
+    for (int byte = 0; byte < 8; ++byte) {
+      out[16 * i + byte] = static_cast<char>((sums[i].end_offset >> (8 * byte)) & 0xff);
+      out[16 * i + 8 + byte] = static_cast<char>((sums[i].xxh3 >> (8 * byte)) & 0xff);
+    }
+  }
+  return out;
+}
+
+Result<std::vector<FileBlockSum>> decode_block_sums(std::string_view bytes, std::string_view path,
+                                                    std::uint64_t file_bytes) {
+  if (bytes.empty() || bytes.size() % 16 != 0) {
+    return Status::corruption(
+        fmt::format("'{}': {} bytes is not a list of 16-byte block checksums", path, bytes.size()));
+  }
+  std::vector<FileBlockSum> sums(bytes.size() / 16);
+  std::uint64_t last = 0;
+  for (std::size_t i = 0; i < sums.size(); ++i) {
+    for (int byte = 0; byte < 8; ++byte) {
+      sums[i].end_offset |= std::uint64_t{static_cast<unsigned char>(bytes[16 * i + byte])}
+                            << (8 * byte);
+      sums[i].xxh3 |= std::uint64_t{static_cast<unsigned char>(bytes[16 * i + 8 + byte])}
+                      << (8 * byte);
+    }
+    if (sums[i].end_offset <= last) {
+      return Status::corruption(
+          fmt::format("'{}': block {} ends at {}, not after the previous block's end {}", path, i,
+                      sums[i].end_offset, last));
+    }
+    last = sums[i].end_offset;
+  }
+  if (last != file_bytes) {
+    return Status::corruption(fmt::format(
+        "'{}': the blocks cover {} bytes, the rank file's layout {}", path, last, file_bytes));
+  }
+  return sums;
 }
 
 }  // namespace zinf

@@ -90,8 +90,9 @@ Status sync_dir(const std::string& dir) {
 
 // --- BlockHasher ---------------------------------------------------------------------------------
 
-BlockHasher::BlockHasher() : state_(XXH3_createState()) {
-  ZINF_ASSERT(state_ != nullptr);
+BlockHasher::BlockHasher() : state_(XXH3_createState()), run_state_(XXH3_createState()) {
+  ZINF_ASSERT(state_ != nullptr && run_state_ != nullptr);
+  XXH3_64bits_reset(run_state_);
   XXH3_64bits_reset(state_);
   thread_ = std::thread([this] { run(); });
 }
@@ -104,6 +105,7 @@ BlockHasher::~BlockHasher() {
   changed_.notify_all();
   thread_.join();
   XXH3_freeState(state_);
+  XXH3_freeState(run_state_);
 }
 
 std::uint64_t BlockHasher::push(const std::byte* data, std::size_t bytes) {
@@ -131,6 +133,24 @@ void BlockHasher::reset() {
   std::lock_guard lock(mutex_);
   ZINF_ASSERT(hashed_ == pushed_);
   XXH3_64bits_reset(state_);
+  XXH3_64bits_reset(run_state_);
+  next_sum_ = 0;
+  hashed_bytes_ = 0;
+  first_bad_ = SIZE_MAX;
+}
+
+void BlockHasher::expect(std::vector<FileBlockSum> sums) {
+  std::lock_guard lock(mutex_);
+  ZINF_ASSERT(hashed_ == pushed_);
+  sums_ = std::move(sums);
+}
+
+std::size_t BlockHasher::first_mismatch() {
+  std::unique_lock lock(mutex_);
+  changed_.wait(lock, [&] { return hashed_ == pushed_; });
+  // A run the bytes did not reach the end of was not checked: it counts as differing.
+  if (first_bad_ == SIZE_MAX && next_sum_ < sums_.size()) return next_sum_;
+  return std::min(first_bad_, sums_.size());
 }
 
 void BlockHasher::run() {
@@ -141,6 +161,22 @@ void BlockHasher::run() {
     const Item item = queue_[hashed_ % kMaxQueued];
     lock.unlock();
     XXH3_64bits_update(state_, item.data, item.bytes);
+    // expect(): the same bytes, cut at the runs' ends.
+    for (std::size_t done = 0; done < item.bytes && next_sum_ < sums_.size();) {
+      const std::uint64_t left = sums_[next_sum_].end_offset - hashed_bytes_;
+      const std::size_t take =
+          static_cast<std::size_t>(std::min<std::uint64_t>(left, item.bytes - done));
+      XXH3_64bits_update(run_state_, item.data + done, take);
+      done += take;
+      hashed_bytes_ += take;
+      if (hashed_bytes_ == sums_[next_sum_].end_offset) {
+        if (XXH3_64bits_digest(run_state_) != sums_[next_sum_].xxh3 && first_bad_ == SIZE_MAX) {
+          first_bad_ = next_sum_;
+        }
+        XXH3_64bits_reset(run_state_);
+        ++next_sum_;
+      }
+    }
     lock.lock();
     ++hashed_;
     changed_.notify_all();
@@ -435,7 +471,57 @@ Result<std::uint64_t> CheckpointReader::finish() {
   offset_ = file_bytes_;
   const std::uint64_t digest = hasher_.digest();
   ZINF_RETURN_IF_ERROR(stop());
-  return digest;
+  if (block_sums_.empty()) return digest;
+  const std::size_t bad = hasher_.first_mismatch();
+  if (bad < block_sums_.size()) {
+    const std::uint64_t start = bad == 0 ? 0 : block_sums_[bad - 1].end_offset;
+    return Status::corruption(fmt::format(
+        "'{}' does not match its block checksums: bytes [{}, {}) differ (block {} of {})", path_,
+        start, block_sums_[bad].end_offset, bad, block_sums_.size()));
+  }
+  return std::uint64_t{0};
+}
+
+void CheckpointReader::expect_block_sums(std::vector<FileBlockSum> sums) {
+  ZINF_ASSERT(pool_ == nullptr && !sums.empty() && sums.back().end_offset <= file_bytes_);
+  file_bytes_ = sums.back().end_offset;
+  block_sums_ = sums;
+  hasher_.expect(std::move(sums));
+}
+
+Result<std::unique_ptr<CheckpointReader>> open_rank_reader(IoEngine& io, const std::string& tag_dir,
+                                                           const ManifestFile& f, bool direct) {
+  const std::string path = fmt::format("{}/{}", tag_dir, f.file);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
+                        CheckpointReader::open(io, path, direct));
+  const bool linked = !f.blocks.empty();
+  if (linked ? r->file_bytes() < f.bytes : r->file_bytes() != f.bytes) {
+    return Status::corruption(fmt::format("'{}' has {} bytes; the manifest says {}{}", path,
+                                          r->file_bytes(), f.bytes, linked ? " or more" : ""));
+  }
+  if (linked) {
+    const std::string blocks_path = fmt::format("{}/{}", tag_dir, f.blocks);
+    ZINF_ASSIGN_OR_RETURN(std::string bytes, read_text_file(io, blocks_path));
+    if (bytes.size() != f.blocks_bytes ||
+        XXH3_64bits(bytes.data(), bytes.size()) != f.blocks_xxh3) {
+      return Status::corruption(
+          fmt::format("'{}' does not match its size and checksum in the manifest", blocks_path));
+    }
+    ZINF_ASSIGN_OR_RETURN(std::vector<FileBlockSum> sums,
+                          decode_block_sums(bytes, blocks_path, f.bytes));
+    r->expect_block_sums(std::move(sums));
+  }
+  return r;
+}
+
+Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::uint64_t digest) {
+  if (!f.blocks.empty()) return Status::ok();
+  if (digest != f.xxh3) {
+    return Status::corruption(
+        fmt::format("'{}' does not match its checksum (xxh3 {:016x}, the manifest says {:016x})",
+                    r.path(), digest, f.xxh3));
+  }
+  return Status::ok();
 }
 
 Result<std::uint64_t> CheckpointReader::checksum() {

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "engine/function_ref.hpp"
@@ -121,8 +122,30 @@ class OptimizerState {
   virtual Status read_state(Piece piece, StateVisitor fn) = 0;
   // fill(first, count, out) writes elements of `piece`, in partition order.
   virtual Status write_state(Piece piece, StateFill fill) = 0;
+  // Loading a linked rank file in place: whether the state's home can take the file whose block
+  // checksums are `sums` as it is (StateStore::adoptable), and then doing so
+  // (StateStore::adopt_checkpoint): nothing is read, each block is checked when first read.
+  virtual bool adoptable(const std::vector<FileBlockSum>& sums) const {
+    (void)sums;
+    return false;
+  }
+  virtual Status adopt_checkpoint(const std::string& path, const std::string& later_name,
+                                  const std::vector<FileBlockSum>& sums) {
+    (void)path, (void)later_name, (void)sums;
+    return Status::unsupported("adopt_checkpoint: the state's home cannot");
+  }
   // The state now holds step `step` (a checkpoint was written into it).
   virtual void restored(std::int64_t step) { (void)step; }
+  // A checkpoint rank file without copying: when the state's home can (the master and moments on
+  // NVMe in the checkpoint layout, StateStore::linkable()), writes `header` (4096 bytes) in front
+  // of them and hard-links its file as `path`, appending the file's block checksums to *sums
+  // (StateStore::link_checkpoint). False when it cannot (the caller writes the file).
+  virtual Result<bool> link_checkpoint(const void* header, const std::string& path,
+                                       const std::string& later_name,
+                                       std::vector<FileBlockSum>* sums) {
+    (void)header, (void)path, (void)later_name, (void)sums;
+    return false;
+  }
 
   // Adds this state's bytes to `report` (device, host; NVMe is the swap space's).
   virtual void add_memory(MemoryReport& report) const = 0;

@@ -265,6 +265,21 @@ class StoreState final : public OptimizerState {
     return writing.valid() ? writing.get() : Status::ok();
   }
 
+  Result<bool> link_checkpoint(const void* header, const std::string& path,
+                               const std::string& later_name,
+                               std::vector<FileBlockSum>* sums) override {
+    if (!store_->linkable()) return false;
+    return store_->link_checkpoint(header, path, later_name, sums);
+  }
+
+  bool adoptable(const std::vector<FileBlockSum>& sums) const override {
+    return store_->adoptable(sums);
+  }
+  Status adopt_checkpoint(const std::string& path, const std::string& later_name,
+                          const std::vector<FileBlockSum>& sums) override {
+    return store_->adopt_checkpoint(path, later_name, sums);
+  }
+
   void restored(std::int64_t step) override {
     for (std::size_t i = 0; i < store_->sub_group_count(); ++i) store_->set_stored(i, step);
   }

@@ -8,6 +8,7 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cerrno>
 #include <cstdlib>
@@ -36,6 +37,11 @@ struct KeyHash {
   std::size_t operator()(std::string_view key) const { return std::hash<std::string_view>{}(key); }
 };
 
+// Generations of a swap file that may be open at once: the current one and those frozen by
+// link_files() that still hold blocks not rewritten since.
+constexpr std::size_t kMaxGenerations = 8;
+constexpr std::uint8_t kNoGeneration = 0xff;  // a block never written
+
 enum BlockState : std::uint8_t {
   kNeverWritten = 0,
   kWriting = 1,  // a write was submitted and not yet waited for
@@ -46,11 +52,19 @@ enum BlockState : std::uint8_t {
 }  // namespace
 
 struct SwapSpace::Impl {
+  // One generation of a directory's swap file. Generation `current` takes every write; an
+  // earlier one, frozen by link_files() and replaced at the next write, is only read, for the
+  // blocks not rewritten since, and closed once none is left in it.
+  struct File {
+    int fd = -1;
+    FileHandle handle;
+    std::string name;  // for messages: the swap path, or the name link_files() gave it
+  };
+
   struct Dir {
     std::string dir;
     std::string path;
-    int fd = -1;
-    FileHandle file;
+    std::array<File, kMaxGenerations> files;
     std::uint64_t file_bytes = 0;
     std::uint64_t used_bytes = 0;
   };
@@ -61,6 +75,7 @@ struct SwapSpace::Impl {
     std::vector<std::uint64_t> region_offset;  // per directory
     std::vector<std::uint64_t> checksums;      // per block
     std::vector<std::uint8_t> states;          // per block, BlockState
+    std::vector<std::uint8_t> generation;      // per block: the file it was last written to
   };
 
   struct Op {
@@ -93,6 +108,13 @@ struct SwapSpace::Impl {
   std::vector<std::uint32_t> free_ops;
   std::atomic<std::uint32_t> next_generation{1};
 
+  // The swap files' generations (file_mutex): the one written to, whether link_files() froze it
+  // (the next write starts a new one), and per generation the blocks whose last write went there.
+  std::mutex file_mutex;
+  std::atomic<std::uint8_t> current{0};
+  std::atomic<bool> frozen{false};
+  std::array<std::int64_t, kMaxGenerations> live_blocks{};
+
   Impl(IoEngine& e, const SwapOptions& o) : engine(e), options(o) {}
 
   ~Impl() {
@@ -106,9 +128,39 @@ struct SwapSpace::Impl {
       }
     }
     for (Dir& d : dirs) {
-      if (d.file.valid()) (void)engine.close_file(d.file);
-      if (d.fd >= 0) ::close(d.fd);
+      for (File& f : d.files) close_file(f);
+      // Earlier generations lost this name when they were replaced; what a checkpoint linked
+      // stays under its own name.
       if (options.remove_files && !d.path.empty()) ::unlink(d.path.c_str());
+    }
+  }
+
+  void close_file(File& f) {
+    if (f.handle.valid()) (void)engine.close_file(f.handle);
+    if (f.fd >= 0) ::close(f.fd);
+    f.handle = FileHandle{};
+    f.fd = -1;
+  }
+
+  // Starts a new generation of every swap file in place of the frozen one: the swap path is
+  // unlinked (the checkpoint's link keeps the frozen file) and created again, preallocated.
+  // REQUIRES: file_mutex held, frozen.
+  Status start_generation();
+  // Records that blocks [first, end) of `e` are being written to the current generation, and
+  // closes an earlier generation that no longer holds any block. REQUIRES: file_mutex held.
+  void move_blocks(Extent& e, std::uint64_t first, std::uint64_t end) {
+    const std::uint8_t now = current.load(std::memory_order_relaxed);
+    for (std::uint64_t b = first; b < end; ++b) {
+      const std::uint8_t was = e.generation[b];
+      if (was == now) continue;
+      e.generation[b] = now;
+      ++live_blocks[now];
+      if (was == kNoGeneration) continue;
+      // No read of this block is in flight (the caller orders a read and a write of one block),
+      // and none of any other block of `was` either when it holds no block any more.
+      if (--live_blocks[was] == 0) {
+        for (Dir& d : dirs) close_file(d.files[was]);
+      }
     }
   }
 
@@ -180,10 +232,13 @@ struct SwapSpace::Impl {
     op.ticket_count = 0;
     op.tickets_done = 0;
     Status status;
-    auto issue = [&](const Dir& dir, std::uint64_t file_offset, std::uint64_t bytes,
-                     std::byte* data) {
-      Result<Ticket> ticket = engine.submit(
-          IoRequest{op.op, dir.file, file_offset, static_cast<std::size_t>(bytes), data});
+    // The file a unit moves to or from: its block's generation (a write set it to the current one).
+    auto issue = [&](const Dir& dir, std::uint64_t unit, std::uint64_t file_offset,
+                     std::uint64_t bytes, std::byte* data) {
+      const FileHandle file = dir.files[e.generation[unit]].handle;
+      ZINF_ASSERT(file.valid());
+      Result<Ticket> ticket =
+          engine.submit(IoRequest{op.op, file, file_offset, static_cast<std::size_t>(bytes), data});
       if (!ticket.is_ok()) {
         status = ticket.status();
         return false;
@@ -193,12 +248,28 @@ struct SwapSpace::Impl {
       return true;
     };
     if (dirs.size() == 1) {
-      issue(dirs[0], e.region_offset[0] + op.offset, disk_end - op.offset, op.data);
+      // One request per run of blocks in one generation (a single one unless a checkpoint froze
+      // the file since part of the range was last written).
+      std::uint64_t start = op.offset;
+      while (start < disk_end) {
+        const std::uint64_t unit = start / options.block_bytes;
+        std::uint64_t end_unit = unit + 1;
+        while (end_unit * options.block_bytes < disk_end &&
+               e.generation[end_unit] == e.generation[unit]) {
+          ++end_unit;
+        }
+        const std::uint64_t end = std::min(disk_end, end_unit * options.block_bytes);
+        if (!issue(dirs[0], unit, e.region_offset[0] + start, end - start,
+                   op.data + (start - op.offset))) {
+          break;
+        }
+        start = end;
+      }
     } else {
       for (std::uint64_t unit = first_unit; unit * options.block_bytes < disk_end; ++unit) {
         const std::uint64_t start = unit * options.block_bytes;
         const std::uint64_t bytes = std::min<std::uint64_t>(options.block_bytes, disk_end - start);
-        if (!issue(dirs[unit_dir(e, unit)], unit_file_offset(e, unit), bytes,
+        if (!issue(dirs[unit_dir(e, unit)], unit, unit_file_offset(e, unit), bytes,
                    op.data + (start - op.offset))) {
           break;
         }
@@ -246,6 +317,18 @@ struct SwapSpace::Impl {
     op.data = data;
     op.abandoned = false;
     op.status = Status();
+    if (kind == IoOp::kWrite) {
+      // A file link_files() froze is never written again: the write goes to a new generation.
+      std::lock_guard lock(file_mutex);
+      if (frozen.load(std::memory_order_relaxed)) {
+        Status started = start_generation();
+        if (!started.is_ok()) {
+          give_op(index);
+          return started.with_context(fmt::format("swap extent {}", e.info.key));
+        }
+      }
+      move_blocks(e, first_block, end_block);
+    }
     if (kind == IoOp::kWrite) {
       // Checksum before the write: what is recorded is what the caller handed over.
       for (std::uint64_t b = first_block; b < end_block; ++b) {
@@ -295,7 +378,8 @@ struct SwapSpace::Impl {
     return Status::corruption(fmt::format(
         "swap extent {}: checksum mismatch at extent offset {} (file {} offset {}); {} of {} "
         "blocks read differ from what was written",
-        e.info.key, first_bad * options.block_bytes, dirs[unit_dir(e, unit)].path,
+        e.info.key, first_bad * options.block_bytes,
+        dirs[unit_dir(e, unit)].files[e.generation[unit]].name,
         dirs.size() == 1 ? e.region_offset[0] + first_bad * options.block_bytes
                          : unit_file_offset(e, unit),
         bad, end_block - first_block));
@@ -337,53 +421,54 @@ struct SwapSpace::Impl {
 
 namespace {
 
-// Creates, checks and preallocates one swap file. Every failure names the path.
-Status prepare_file(SwapSpace::Impl::Dir& d, std::uint64_t bytes) {
+// Creates, checks and preallocates one swap file at `path` in directory `dir`, open in *fd. Every
+// failure names the path.
+Status prepare_file(const std::string& dir, const std::string& path, std::uint64_t bytes, int* fd) {
   struct stat st {};
-  if (::stat(d.dir.c_str(), &st) != 0) {
-    return status_from_errno(fmt::format("swap directory {}", d.dir), errno);
+  if (::stat(dir.c_str(), &st) != 0) {
+    return status_from_errno(fmt::format("swap directory {}", dir), errno);
   }
   if (!S_ISDIR(st.st_mode)) {
-    return Status::invalid_argument(fmt::format("swap directory {}: not a directory", d.dir));
+    return Status::invalid_argument(fmt::format("swap directory {}: not a directory", dir));
   }
-  d.fd = ::open(d.path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
-  if (d.fd < 0) {
+  *fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  if (*fd < 0) {
     const int err = errno;
     if (err == EINVAL) {
-      return Status::unsupported(
-          fmt::format("swap file {}: the filesystem refuses O_DIRECT", d.path), err);
+      return Status::unsupported(fmt::format("swap file {}: the filesystem refuses O_DIRECT", path),
+                                 err);
     }
     if (err == EACCES || err == EROFS || err == EPERM) {
       return Status::io_error(
-          fmt::format("swap directory {}: not writable ({})", d.dir, std::strerror(err)), err);
+          fmt::format("swap directory {}: not writable ({})", dir, std::strerror(err)), err);
     }
-    return status_from_errno(fmt::format("swap file {}", d.path), err);
+    return status_from_errno(fmt::format("swap file {}", path), err);
   }
   // Refuse at once what cannot fit: ext4 keeps the blocks of a fallocate that fails part-way
   // until the file is removed, so asking it for more than the disk holds would fill the disk for
   // everyone else (other ranks' swap files, the user's checkpoints) while it runs.
   struct statvfs vfs {};
-  if (::fstatvfs(d.fd, &vfs) == 0) {
+  if (::fstatvfs(*fd, &vfs) == 0) {
     const std::uint64_t free_bytes = static_cast<std::uint64_t>(vfs.f_bavail) * vfs.f_frsize;
     if (bytes > free_bytes) {
       return Status::no_space(
-          fmt::format("swap file {}: the filesystem has no room for {} bytes ({} free)", d.path,
+          fmt::format("swap file {}: the filesystem has no room for {} bytes ({} free)", path,
                       bytes, free_bytes),
           ENOSPC);
     }
   }
-  const int rc = ::fallocate(d.fd, 0, 0, static_cast<off_t>(bytes));
+  const int rc = ::fallocate(*fd, 0, 0, static_cast<off_t>(bytes));
   if (rc != 0) {
     const int err = errno;
     if (err == ENOSPC || err == EDQUOT) {
       return Status::no_space(
-          fmt::format("swap file {}: the filesystem has no room for {} bytes", d.path, bytes), err);
+          fmt::format("swap file {}: the filesystem has no room for {} bytes", path, bytes), err);
     }
-    if (err != EOPNOTSUPP) return status_from_errno(fmt::format("fallocate {}", d.path), err);
+    if (err != EOPNOTSUPP) return status_from_errno(fmt::format("fallocate {}", path), err);
     log_warn("io: {} cannot preallocate (fallocate unsupported); a full disk will show on write",
-             d.path);
-    if (::ftruncate(d.fd, static_cast<off_t>(bytes)) != 0) {
-      return status_from_errno(fmt::format("ftruncate {}", d.path), errno);
+             path);
+    if (::ftruncate(*fd, static_cast<off_t>(bytes)) != 0) {
+      return status_from_errno(fmt::format("ftruncate {}", path), errno);
     }
   }
   // Some filesystems accept O_DIRECT at open and refuse it on the first transfer.
@@ -391,19 +476,57 @@ Status prepare_file(SwapSpace::Impl::Dir& d, std::uint64_t bytes) {
   ZINF_ASSERT(page != nullptr);
   std::memset(page, 0x5a, kPage);
   Status status;
-  if (::pwrite(d.fd, page, kPage, 0) != static_cast<ssize_t>(kPage) ||
-      ::pread(d.fd, page, kPage, 0) != static_cast<ssize_t>(kPage)) {
+  if (::pwrite(*fd, page, kPage, 0) != static_cast<ssize_t>(kPage) ||
+      ::pread(*fd, page, kPage, 0) != static_cast<ssize_t>(kPage)) {
     const int err = errno;
     status = err == EINVAL ? Status::unsupported(
-                                 fmt::format("swap file {}: O_DIRECT transfers fail", d.path), err)
-                           : status_from_errno(fmt::format("swap file {}", d.path), err);
+                                 fmt::format("swap file {}: O_DIRECT transfers fail", path), err)
+                           : status_from_errno(fmt::format("swap file {}", path), err);
   }
   std::free(page);
-  d.file_bytes = bytes;
   return status;
 }
 
 }  // namespace
+
+Status SwapSpace::Impl::start_generation() {
+  std::uint8_t next = kNoGeneration;
+  for (std::size_t g = 0; g < kMaxGenerations; ++g) {
+    if (dirs[0].files[g].fd < 0) {
+      next = static_cast<std::uint8_t>(g);
+      break;
+    }
+  }
+  // link_files() freezes a file only while a generation is free for the next write.
+  ZINF_ASSERT(next != kNoGeneration);
+  for (std::size_t i = 0; i < dirs.size(); ++i) {
+    Dir& d = dirs[i];
+    File& f = d.files[next];
+    if (::unlink(d.path.c_str()) != 0 && errno != ENOENT) {
+      const int err = errno;
+      for (std::size_t j = 0; j < i; ++j) close_file(dirs[j].files[next]);
+      return status_from_errno(fmt::format("swap file {}: unlink", d.path), err);
+    }
+    Status status = prepare_file(d.dir, d.path, d.file_bytes, &f.fd);
+    Result<FileHandle> handle = status.is_ok() ? engine.adopt_fd(f.fd, d.path, /*direct=*/true)
+                                               : Result<FileHandle>(status);
+    if (!handle.is_ok()) {
+      for (std::size_t j = 0; j <= i; ++j) close_file(dirs[j].files[next]);
+      return handle.status();
+    }
+    f.handle = *handle;
+    f.name = d.path;
+  }
+  const std::uint8_t was = current.load(std::memory_order_relaxed);
+  current.store(next, std::memory_order_release);
+  frozen.store(false, std::memory_order_release);
+  // The frozen generation holds blocks until they are written again; one that holds none (a
+  // space nothing was written to) is closed now.
+  if (live_blocks[was] == 0) {
+    for (Dir& d : dirs) close_file(d.files[was]);
+  }
+  return Status::ok();
+}
 
 SwapSpace::SwapSpace(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
 SwapSpace::~SwapSpace() = default;
@@ -439,16 +562,17 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::open(IoEngine& engine, const SwapO
             fmt::format("SwapOptions: directory {} is listed twice", d.dir));
       }
     }
-    Status status = prepare_file(d, per_dir);
+    Impl::File& f = d.files[0];
+    Status status = prepare_file(d.dir, d.path, per_dir, &f.fd);
     if (!status.is_ok()) return status;
-    ZINF_ASSIGN_OR_RETURN(d.file, engine.adopt_fd(d.fd, d.path, /*direct=*/true));
+    d.file_bytes = per_dir;
+    f.name = d.path;
+    ZINF_ASSIGN_OR_RETURN(f.handle, engine.adopt_fd(f.fd, d.path, /*direct=*/true));
   }
   impl->extents.reserve(options.max_extents);
-  impl->tickets_per_op =
-      dir_count == 1
-          ? 1
-          : static_cast<std::uint32_t>(
-                (options.max_op_bytes + options.block_bytes - 1) / options.block_bytes + 1);
+  // One request per stripe unit, or with one directory per run of blocks in one generation.
+  impl->tickets_per_op = static_cast<std::uint32_t>(
+      (options.max_op_bytes + options.block_bytes - 1) / options.block_bytes + 1);
   impl->tickets.resize(static_cast<std::size_t>(options.max_ops) * impl->tickets_per_op);
   impl->ops = std::make_unique<Impl::Op[]>(options.max_ops);
   for (std::uint32_t i = 0; i < options.max_ops; ++i) {
@@ -506,6 +630,7 @@ Result<ExtentId> SwapSpace::create(std::string_view key, std::uint64_t bytes) {
   }
   e->checksums.assign(units, 0);
   e->states.assign(units, kNeverWritten);
+  e->generation.assign(units, kNoGeneration);
   m.extents.push_back(std::move(e));
   m.keys.emplace(std::string(key), count);
   m.extent_count.store(count + 1, std::memory_order_release);
@@ -624,6 +749,168 @@ Result<SwapVerifyReport> SwapSpace::verify(std::chrono::milliseconds timeout) {
     if (any) ++report.extents;
   }
   return report;
+}
+
+Status SwapSpace::link_files(const std::vector<std::string>& dest_paths,
+                             const std::vector<std::string>& later_names) {
+  Impl& m = *impl_;
+  ZINF_ASSERT(dest_paths.size() == m.dirs.size() && later_names.size() == m.dirs.size());
+  std::lock_guard lock(m.file_mutex);
+  for (std::uint32_t i = 0; i < m.options.max_ops; ++i) {
+    const Impl::Op& op = m.ops[i];
+    if (op.generation.load(std::memory_order_acquire) != 0 && !op.abandoned &&
+        op.op == IoOp::kWrite) {
+      return Status::failed_precondition(fmt::format(
+          "swap space: a write of extent {} is in flight; its files cannot be linked now",
+          m.extents[op.extent]->info.key));
+    }
+  }
+  const std::uint8_t now = m.current.load(std::memory_order_relaxed);
+  std::size_t free_generations = 0;
+  for (std::size_t g = 0; g < kMaxGenerations; ++g) {
+    if (g != now && m.dirs[0].files[g].fd < 0) ++free_generations;
+  }
+  if (free_generations == 0) {
+    return Status::resource_exhausted(fmt::format(
+        "swap space: {} generations of its files are still read (blocks not rewritten since "
+        "earlier links); no file can be frozen now",
+        kMaxGenerations));
+  }
+  // What the links name must be on the drive: the data (O_DIRECT wrote it past the page cache)
+  // and the metadata that makes it readable (fallocated extents become written ones).
+  for (Impl::Dir& d : m.dirs) {
+    if (::fdatasync(d.files[now].fd) != 0) {
+      return status_from_errno(fmt::format("swap file {}: fdatasync", d.path), errno);
+    }
+  }
+  for (std::size_t i = 0; i < m.dirs.size(); ++i) {
+    if (::link(m.dirs[i].path.c_str(), dest_paths[i].c_str()) != 0) {
+      const int err = errno;
+      for (std::size_t j = 0; j < i; ++j) ::unlink(dest_paths[j].c_str());
+      return Status(err == ENOSPC || err == EDQUOT ? Code::kNoSpace : Code::kIoError, err,
+                    fmt::format("link swap file {} as {}: {}", m.dirs[i].path, dest_paths[i],
+                                std::strerror(err)));
+    }
+  }
+  for (std::size_t i = 0; i < m.dirs.size(); ++i) m.dirs[i].files[now].name = later_names[i];
+  m.frozen.store(true, std::memory_order_release);
+  return Status::ok();
+}
+
+Status SwapSpace::adopt_file(const std::string& path, const std::string& name,
+                             const std::vector<ExtentId>& extents,
+                             const std::vector<std::uint64_t>& checksums) {
+  Impl& m = *impl_;
+  ZINF_ASSERT(m.dirs.size() == 1);
+  std::lock_guard lock(m.file_mutex);
+  const std::uint8_t now = m.current.load(std::memory_order_relaxed);
+  std::uint8_t g = kNoGeneration;
+  // One generation is kept free for the next write of a frozen file.
+  std::size_t free_generations = 0;
+  for (std::size_t k = 0; k < kMaxGenerations; ++k) {
+    if (k == now || m.dirs[0].files[k].fd >= 0) continue;
+    if (g == kNoGeneration) g = static_cast<std::uint8_t>(k);
+    ++free_generations;
+  }
+  if (free_generations < 2) {
+    return Status::resource_exhausted(
+        fmt::format("swap space: {} generations of its files are still read; {} cannot join them",
+                    kMaxGenerations, path));
+  }
+  std::uint64_t end = 0;
+  std::size_t blocks = 0;
+  for (ExtentId id : extents) {
+    const Impl::Extent& e = m.extent(id);
+    end = std::max(end, e.region_offset[0] + e.info.disk_bytes);
+    blocks += e.info.block_count;
+    for (std::uint8_t state : e.states) {
+      ZINF_ASSERT_MSG(state != kWriting, "SwapSpace::adopt_file: a write is in flight");
+    }
+  }
+  ZINF_ASSERT(blocks == checksums.size());
+  Impl::File& f = m.dirs[0].files[g];
+  // A copy of the file on a filesystem that refuses O_DIRECT (tmpfs) is read through the cache.
+  bool direct = true;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (f.fd < 0 && errno == EINVAL) {
+    direct = false;
+    f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  }
+  if (f.fd < 0) return status_from_errno(fmt::format("swap space: open {}", path), errno);
+  struct stat st {};
+  if (::fstat(f.fd, &st) != 0) {
+    const int err = errno;
+    m.close_file(f);
+    return status_from_errno(fmt::format("swap space: stat {}", path), err);
+  }
+  if (static_cast<std::uint64_t>(st.st_size) < end) {
+    m.close_file(f);
+    return Status::corruption(
+        fmt::format("swap space: {} has {} bytes, shorter than the {} its extents need", path,
+                    st.st_size, end));
+  }
+  Result<FileHandle> handle = m.engine.adopt_fd(f.fd, path, direct);
+  if (!handle.is_ok()) {
+    m.close_file(f);
+    return handle.status();
+  }
+  f.handle = *handle;
+  f.name = name;
+  std::size_t k = 0;
+  for (ExtentId id : extents) {
+    Impl::Extent& e = m.extent(id);
+    for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+      const std::uint8_t was = e.generation[b];
+      e.generation[b] = g;
+      ++m.live_blocks[g];
+      e.checksums[b] = checksums[k++];
+      e.states[b] = kValid;
+      if (was == kNoGeneration) continue;
+      if (--m.live_blocks[was] == 0 && was != now) {
+        for (Impl::Dir& d : m.dirs) m.close_file(d.files[was]);
+      }
+    }
+  }
+  return Status::ok();
+}
+
+void SwapSpace::discard(ExtentId id) {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.file_mutex);
+  Impl::Extent& e = m.extent(id);
+  for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+    ZINF_ASSERT_MSG(e.states[b] != kWriting, "SwapSpace::discard: a write is in flight");
+    const std::uint8_t was = e.generation[b];
+    e.states[b] = kNeverWritten;
+    e.generation[b] = kNoGeneration;
+    if (was == kNoGeneration) continue;
+    if (--m.live_blocks[was] == 0 && was != m.current.load(std::memory_order_relaxed)) {
+      for (Impl::Dir& d : m.dirs) m.close_file(d.files[was]);
+    }
+  }
+}
+
+bool SwapSpace::in_current_file(ExtentId id) const {
+  Impl& m = *impl_;
+  std::lock_guard lock(m.file_mutex);
+  const Impl::Extent& e = m.extent(id);
+  if (m.frozen.load(std::memory_order_relaxed)) return false;
+  const std::uint8_t now = m.current.load(std::memory_order_relaxed);
+  for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+    if (e.states[b] != kValid || e.generation[b] != now) return false;
+  }
+  return true;
+}
+
+std::uint64_t SwapSpace::file_offset(ExtentId id) const {
+  ZINF_ASSERT(impl_->dirs.size() == 1);
+  return impl_->extent(id).region_offset[0];
+}
+
+std::uint64_t SwapSpace::block_checksum(ExtentId id, std::uint32_t block) const {
+  const Impl::Extent& e = impl_->extent(id);
+  ZINF_ASSERT(block < e.info.block_count && e.states[block] == kValid);
+  return e.checksums[block];
 }
 
 const SwapOptions& SwapSpace::options() const { return impl_->options; }

@@ -156,6 +156,43 @@ class SwapSpace {
   // REQUIRES: no write is submitted while it runs.
   Result<SwapVerifyReport> verify(std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
+  // Hard-links each directory's swap file as dest_paths[i] (one per directory, in options().dirs
+  // order), after an fdatasync, so the bytes every completed write put there are what the link
+  // names, at no copy. The files are then frozen: the next write starts a new generation of each
+  // (the swap path is unlinked and created again, preallocated), and writes go only there; a
+  // block not rewritten since is read from the frozen file, which is closed once it holds no
+  // block this space still reads. So nothing written after this call reaches what dest_paths
+  // name. `later_names[i]` names frozen file i in later messages (a checksum mismatch of a block
+  // read from it). Errors: failed_precondition while a write is in flight; resource_exhausted
+  // when too many earlier generations are still read; fdatasync's; link(2)'s with its errno (EXDEV
+  // when a destination is on another filesystem), no link left behind.
+  Status link_files(const std::vector<std::string>& dest_paths,
+                    const std::vector<std::string>& later_names);
+  // Makes `path` (a file laid out as this space's swap file, such as one link_files() named) the
+  // home of the extents' values, at their own offsets, with `checksums` (every block of the
+  // extents, in order) as their last writes' checksums: nothing is read or copied. The file is
+  // opened read-only as one more generation, never written (the extents' next writes go to the
+  // current file), and closed once every block of it was rewritten; a read of it verifies each
+  // block as any read does, and a mismatch names `name`. Errors: resource_exhausted when too
+  // many generations are open; open's errors; corruption when the file is shorter than the
+  // extents' end. REQUIRES: one directory; no write of the extents in flight.
+  Status adopt_file(const std::string& path, const std::string& name,
+                    const std::vector<ExtentId>& extents,
+                    const std::vector<std::uint64_t>& checksums);
+  // Forgets the extent's content: its blocks read as never written until written again, and a
+  // frozen file that held only them among what this space still reads is closed. REQUIRES: no
+  // op on the extent is in flight.
+  void discard(ExtentId id);
+  // Whether every block of the extent was written, its last write completed, and it lies in the
+  // files the next link_files() would link (no write since a link, no block left in a frozen file).
+  bool in_current_file(ExtentId id) const;
+  // With one directory: where the extent starts in the swap file (its blocks follow each other).
+  // REQUIRES: options().dirs.size() == 1.
+  std::uint64_t file_offset(ExtentId id) const;
+  // The xxh3-64 of block `block` (block_bytes, the last one rounded up to 4 KiB) as last written.
+  // REQUIRES: the block's last write completed.
+  std::uint64_t block_checksum(ExtentId id, std::uint32_t block) const;
+
   const SwapOptions& options() const;
   // The swap files, one per directory, in options().dirs order.
   std::vector<std::string> file_paths() const;

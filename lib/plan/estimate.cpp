@@ -186,6 +186,12 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   }
   add(MemoryUse::kMasterParams, optimizer_tier, 4 * pr);
   add(MemoryUse::kMoments, optimizer_tier, 8 * pr);
+  if (optimizer_tier == MemoryTier::kNvme && (4 * std::min(s.sub_group_params, pr)) % 4096 == 0 &&
+      (4 * pr) % 4096 == 0) {
+    // The store's checkpoint layout (StateStore::layout): a 4096-byte header page in front of the
+    // master and moments, which a checkpoint links instead of copying.
+    add(MemoryUse::kMasterParams, MemoryTier::kNvme, 4096);
+  }
 
   // The new half params on the host before they go to their home: streamed one group at a time
   // with the optimizer on NVMe and the shards not in host memory, else the whole shard.

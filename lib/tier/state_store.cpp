@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "base/assert.hpp"
@@ -170,6 +171,17 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
   out.sub_group_params = std::min(out.sub_group_params, options.param_count);
   out.sub_group_count = (options.param_count + out.sub_group_params - 1) / out.sub_group_params;
   const std::size_t last = options.param_count - (out.sub_group_count - 1) * out.sub_group_params;
+  // The saved pieces (the master and the moments) all on NVMe, in whole pages.
+  out.checkpoint_layout = (out.sub_group_params * sizeof(float)) % kPage == 0 &&
+                          (options.param_count * sizeof(float)) % kPage == 0;
+  for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
+    const std::size_t p = static_cast<std::size_t>(piece);
+    if (has[p] && options.tiers[p] != StoreMedium::kNvme) out.checkpoint_layout = false;
+  }
+  if (out.checkpoint_layout) {
+    out.nvme_bytes += kPage;
+    out.nvme_extents += 1;
+  }
   for (std::size_t p = 0; p < kPieceCount; ++p) {
     if (!has[p] || options.tiers[p] == StoreMedium::kHost) continue;
     const std::size_t bytes = dtype_bytes(dtype_of(options, piece_at(p)));
@@ -220,27 +232,156 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
   s.extents_.assign(s.sub_group_count_ * kPieceCount, ExtentId{});
   s.states_.assign(s.sub_group_count_ * kPieceCount, static_cast<std::uint8_t>(Residency::kAbsent));
   s.records_.assign(s.sub_group_count_, Record{});
+  // The saved pieces are those of a checkpoint rank file, in its order.
+  auto saved = [](Piece piece) { return piece <= Piece::kExpAvgSq; };
+  if (layout.checkpoint_layout) {
+    ZINF_ASSIGN_OR_RETURN(
+        s.header_extent_,
+        swap->create(fmt::format("{}/checkpoint_header", options.key_prefix), kPage));
+  }
+  // The residency of (i, piece), and its extent when it is stored on NVMe.
+  auto place = [&](Piece piece, std::size_t i) -> Status {
+    if (s.tier(piece) == StoreMedium::kHost) {
+      s.state(piece, i) = static_cast<std::uint8_t>(Residency::kHost);
+      return Status::ok();
+    }
+    if (s.tier(piece) == StoreMedium::kBlock) return Status::ok();  // kAbsent for good
+    const std::size_t bytes = s.piece_bytes(piece, i);
+    if (round_up(bytes, kPage) > swap->options().max_op_bytes) {
+      return Status::invalid_argument(fmt::format(
+          "StateStore: a sub-group's {} is {} bytes, above the swap space's max_op_bytes {}",
+          piece_name(piece), bytes, swap->options().max_op_bytes));
+    }
+    const std::string key = fmt::format("{}/group{}/{}", options.key_prefix, i, piece_name(piece));
+    ZINF_ASSIGN_OR_RETURN(s.extents_[i * kPieceCount + static_cast<std::size_t>(piece)],
+                          swap->create(key, bytes));
+    return Status::ok();
+  };
+  // Checkpoint layout: the saved pieces first, piece by piece; then the rest sub-group by
+  // sub-group (the only order otherwise).
+  const auto first_pass = [&](Piece piece) { return layout.checkpoint_layout && saved(piece); };
+  for (std::size_t p = 0; p < kPieceCount; ++p) {
+    if (!s.has(piece_at(p)) || !first_pass(piece_at(p))) continue;
+    for (std::size_t i = 0; i < s.sub_group_count_; ++i) {
+      ZINF_RETURN_IF_ERROR(place(piece_at(p), i));
+    }
+  }
   for (std::size_t i = 0; i < s.sub_group_count_; ++i) {
     for (std::size_t p = 0; p < kPieceCount; ++p) {
+      if (!s.has(piece_at(p)) || first_pass(piece_at(p))) continue;
+      ZINF_RETURN_IF_ERROR(place(piece_at(p), i));
+    }
+  }
+  // Linkable when the extents landed where a rank file has them: the header at 0, piece k of
+  // sub-group i at 4096 + (k * param_count + first(i)) * 4.
+  if (layout.checkpoint_layout && swap->options().dirs.size() == 1 &&
+      swap->file_offset(s.header_extent_) == 0) {
+    s.linkable_ = true;
+    std::uint64_t k = 0;
+    for (std::size_t p = 0; p < kPieceCount; ++p) {
       const Piece piece = piece_at(p);
-      if (!s.has(piece)) continue;
-      if (s.tier(piece) == StoreMedium::kHost) {
-        s.state(piece, i) = static_cast<std::uint8_t>(Residency::kHost);
-        continue;
+      if (!s.has(piece) || !saved(piece)) continue;
+      for (std::size_t i = 0; i < s.sub_group_count_; ++i) {
+        const std::uint64_t at =
+            kPage + (k * options.param_count + s.sub_group_first(i)) * sizeof(float);
+        if (swap->file_offset(s.extent(piece, i)) != at) s.linkable_ = false;
       }
-      if (s.tier(piece) == StoreMedium::kBlock) continue;  // kAbsent for good
-      const std::size_t bytes = s.piece_bytes(piece, i);
-      if (round_up(bytes, kPage) > swap->options().max_op_bytes) {
-        return Status::invalid_argument(fmt::format(
-            "StateStore: a sub-group's {} is {} bytes, above the swap space's max_op_bytes {}",
-            piece_name(piece), bytes, swap->options().max_op_bytes));
-      }
-      const std::string key =
-          fmt::format("{}/group{}/{}", options.key_prefix, i, piece_name(piece));
-      ZINF_ASSIGN_OR_RETURN(s.extents_[i * kPieceCount + p], swap->create(key, bytes));
+      ++k;
     }
   }
   return store;
+}
+
+std::vector<ExtentId> StateStore::saved_extents() const {
+  std::vector<ExtentId> in_order = {header_extent_};
+  for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
+    if (!has(piece_at(p))) continue;
+    for (std::size_t i = 0; i < sub_group_count_; ++i) in_order.push_back(extent(piece_at(p), i));
+  }
+  return in_order;
+}
+
+bool StateStore::adoptable(const std::vector<FileBlockSum>& sums) const {
+  if (!linkable_) return false;
+  const std::uint64_t block_bytes = swap_->options().block_bytes;
+  std::size_t k = 0;
+  for (ExtentId id : saved_extents()) {
+    const ExtentInfo& info = swap_->info(id);
+    const std::uint64_t start = swap_->file_offset(id);
+    for (std::uint32_t b = 0; b < info.block_count; ++b, ++k) {
+      const std::uint64_t end = std::min(start + (b + 1) * block_bytes, start + info.disk_bytes);
+      if (k >= sums.size() || sums[k].end_offset != end) return false;
+    }
+  }
+  return k == sums.size();
+}
+
+Status StateStore::adopt_checkpoint(const std::string& path, const std::string& later_name,
+                                    const std::vector<FileBlockSum>& sums) {
+  ZINF_ASSERT(adoptable(sums));
+  std::vector<ExtentId> extents = saved_extents();
+  // The header page is not the store's: its block checksum is skipped, its extent left alone.
+  const std::size_t header_blocks = swap_->info(header_extent_).block_count;
+  extents.erase(extents.begin());
+  std::vector<std::uint64_t> checksums;
+  checksums.reserve(sums.size() - header_blocks);
+  for (std::size_t k = header_blocks; k < sums.size(); ++k) checksums.push_back(sums[k].xxh3);
+  for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
+    if (!has(piece_at(p))) continue;
+    for (std::size_t i = 0; i < sub_group_count_; ++i) {
+      const Residency r = residency(piece_at(p), i);
+      ZINF_ASSERT_MSG(r != Residency::kReading && r != Residency::kWriting,
+                      "StateStore::adopt_checkpoint: a piece is in flight");
+    }
+  }
+  ZINF_RETURN_IF_ERROR(swap_->adopt_file(path, later_name, extents, checksums));
+  for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
+    if (!has(piece_at(p))) continue;
+    for (std::size_t i = 0; i < sub_group_count_; ++i) {
+      state(piece_at(p), i) = static_cast<std::uint8_t>(Residency::kDisk);
+    }
+  }
+  return Status::ok();
+}
+
+Result<bool> StateStore::link_checkpoint(const void* header, const std::string& path,
+                                         const std::string& later_name,
+                                         std::vector<FileBlockSum>* sums) {
+  ZINF_ASSERT(linkable_);
+  for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
+    if (!has(piece_at(p))) continue;
+    for (std::size_t i = 0; i < sub_group_count_; ++i) {
+      if (residency(piece_at(p), i) != Residency::kDisk) return false;
+    }
+  }
+  // The state first (a frozen file, or state left in one, says no before the header's write
+  // would start a new generation for nothing), then the header into the same file.
+  const std::vector<ExtentId> in_order = saved_extents();
+  for (std::size_t k = 1; k < in_order.size(); ++k) {
+    if (!swap_->in_current_file(in_order[k])) return false;
+  }
+  ZINF_RETURN_IF_ERROR(swap_->write_sync(header_extent_, header));
+  if (!swap_->in_current_file(header_extent_)) return false;
+  Status linked = swap_->link_files({path}, {later_name});
+  if (!linked.is_ok()) {
+    const int err = linked.sys_code();
+    if (err == EXDEV || err == EPERM || err == EMLINK || err == EOPNOTSUPP) return false;
+    return linked;
+  }
+  const std::uint64_t block_bytes = swap_->options().block_bytes;
+  // The checksums of what was linked, before the header's are forgotten below.
+  for (ExtentId id : in_order) {
+    const ExtentInfo& info = swap_->info(id);
+    const std::uint64_t start = swap_->file_offset(id);
+    for (std::uint32_t b = 0; b < info.block_count; ++b) {
+      const std::uint64_t end = std::min(start + (b + 1) * block_bytes, start + info.disk_bytes);
+      sums->push_back({end, swap_->block_checksum(id, b)});
+    }
+  }
+  // The store never reads the header back: it must not keep the frozen file open once the next
+  // step has rewritten the state.
+  swap_->discard(header_extent_);
+  return true;
 }
 
 std::size_t StateStore::sub_group_first(std::size_t i) const {

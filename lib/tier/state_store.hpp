@@ -122,6 +122,17 @@ struct StoreLayout {
   std::uint64_t nvme_bytes = 0;           // swap capacity the NVMe pieces take, pages rounded
   std::size_t nvme_extents = 0;           // extents they take
   std::uint64_t largest_piece_bytes = 0;  // the swap space's max_op_bytes must be at least this
+  // The master and moments on NVMe, each sub-group's pieces whole 4 KiB pages and the partition's
+  // too: the extents then lie in a checkpoint rank file's layout (see StateStore::linkable()),
+  // after a header page, which nvme_bytes and nvme_extents count.
+  bool checkpoint_layout = false;
+};
+
+// A checksummed run of a file: the bytes up to end_offset from the previous run's end (or 0), and
+// their xxh3-64.
+struct FileBlockSum {
+  std::uint64_t end_offset = 0;
+  std::uint64_t xxh3 = 0;
 };
 
 class StateStore {
@@ -188,6 +199,35 @@ class StateStore {
   Status write_piece(Piece piece, std::size_t i, const void* data);
   Status read_piece(Piece piece, std::size_t i, void* data) const;
 
+  // Checkpoint layout (StoreLayout::checkpoint_layout): open() creates a 4096-byte header extent
+  // first ("<prefix>/checkpoint_header"), then the saved pieces (params, exp_avg, exp_avg_sq, those
+  // the store has) piece by piece, each sub-group after the previous one, and only then the other
+  // NVMe pieces. In a swap space of one directory that held nothing before, the swap file's
+  // first 4096 + pieces * param_count * 4 bytes are then laid out as a checkpoint rank file
+  // (lib/engine/checkpoint.hpp): linkable() says whether they are.
+  bool linkable() const { return linkable_; }
+  // Writes `header` (4096 bytes, 4096-aligned) into the header page, then, when every saved
+  // piece's latest value is on disk in the swap file's current generation, hard-links the swap
+  // file as `path` (SwapSpace::link_files; `later_name` names it in later messages) and appends
+  // to *sums the checksums of the linked file's first 4096 + pieces * param_count * 4 bytes, one
+  // per swap block in file order. False, with nothing linked, when the state is not there as a
+  // whole (a piece in flight or lost, a block written since an earlier link and not by a step)
+  // or the link crosses filesystems (EXDEV) or is refused (EPERM, EMLINK): the caller copies.
+  // Errors: the header's write, fdatasync's, link(2)'s other errors. REQUIRES: linkable().
+  Result<bool> link_checkpoint(const void* header, const std::string& path,
+                               const std::string& later_name, std::vector<FileBlockSum>* sums);
+
+  // The other way: whether a rank file linked by a store of this layout, whose block checksums
+  // are `sums` (those link_checkpoint() gave), can become this store's state in place: its saved
+  // extents at the same offsets, cut into the same blocks (the same partition, sub-group size and
+  // swap block size). adopt_checkpoint() then makes the file the saved pieces' home
+  // (SwapSpace::adopt_file): nothing is read or copied, the file is never written, and each block
+  // is checked against its checksum when a step (or a read) first reads it, a mismatch naming
+  // `later_name`. REQUIRES (adopt): adoptable(sums); no piece in flight.
+  bool adoptable(const std::vector<FileBlockSum>& sums) const;
+  Status adopt_checkpoint(const std::string& path, const std::string& later_name,
+                          const std::vector<FileBlockSum>& sums);
+
   Residency residency(Piece piece, std::size_t i) const;
   // The step whose state sub-group i holds (0 before any step), and whether it is torn.
   std::int64_t stored_step(std::size_t i) const { return records_[i].step; }
@@ -227,6 +267,10 @@ class StateStore {
   std::vector<ExtentId> extents_;
   std::vector<std::uint8_t> states_;
   std::vector<Record> records_;
+  // The header and the saved pieces' extents, in file order (checkpoint layout).
+  std::vector<ExtentId> saved_extents() const;
+  ExtentId header_extent_;
+  bool linkable_ = false;
 };
 
 }  // namespace zinf

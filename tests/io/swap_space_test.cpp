@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
 
@@ -307,6 +308,141 @@ TEST_P(SwapTest, SyncOpsPastTheirTimeoutAreCancelledOrAbandoned) {
     ASSERT_FALSE(lost.is_ok());
     EXPECT_EQ(lost.status().code(), Code::kIoError) << lost.status().to_string();
   }
+}
+
+// The bytes of `path` from 0 to its end.
+std::vector<unsigned char> file_bytes(const std::string& path) {
+  std::vector<unsigned char> out(std::filesystem::file_size(path));
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  EXPECT_GE(fd, 0) << path;
+  EXPECT_EQ(::pread(fd, out.data(), out.size(), 0), static_cast<ssize_t>(out.size())) << path;
+  ::close(fd);
+  return out;
+}
+
+ino_t inode_of(const std::string& path) {
+  struct stat st {};
+  EXPECT_EQ(::stat(path.c_str(), &st), 0) << path;
+  return st.st_ino;
+}
+
+// link_files() names the swap file's bytes at no copy, and nothing written afterwards reaches
+// them: writes go to a new generation of the file, while blocks not rewritten are still read
+// (and checksummed) from the frozen one, one read spanning both generations included.
+TEST_P(SwapTest, LinkedFileNeverChangesAfterwards) {
+  for (std::size_t dir_count : {1u, 2u}) {
+    const std::uint64_t seed = 0x11c0 + dir_count;
+    std::printf("linked swap files over %zu dirs: seed %llu\n", dir_count,
+                static_cast<unsigned long long>(seed));
+    ScratchDir root("swap-link");
+    SwapOptions options;
+    std::vector<std::string> links;
+    std::vector<std::string> names;
+    for (std::size_t d = 0; d < dir_count; ++d) {
+      options.dirs.push_back(fmt::format("{}/d{}", root.path(), d));
+      std::filesystem::create_directories(options.dirs.back());
+      links.push_back(fmt::format("{}/linked{}.bin", root.path(), d));
+      names.push_back(fmt::format("checkpoint file {}", d));
+    }
+    options.capacity_bytes = 4 << 20;
+    options.block_bytes = kBlock;
+    auto io = engine();
+    ASSERT_TRUE(io);
+    Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    SwapSpace& swap = **opened;
+    const std::vector<std::uint64_t> sizes = {3 * kBlock + 5000, 2 * kBlock, kBlock};
+    std::vector<ExtentId> ids;
+    std::vector<AlignedBuffer> data;
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      Result<ExtentId> id = swap.create(fmt::format("e{}", i), sizes[i]);
+      ASSERT_TRUE(id.is_ok());
+      ids.push_back(*id);
+      data.push_back(random_buffer((sizes[i] + 4095) / 4096 * 4096, seed + i));
+      ASSERT_TRUE(swap.write_sync(*id, data.back().data()).is_ok());
+    }
+    for (ExtentId id : ids) EXPECT_TRUE(swap.in_current_file(id));
+    ASSERT_TRUE(swap.link_files(links, names).is_ok());
+    for (std::size_t d = 0; d < dir_count; ++d) {
+      EXPECT_EQ(inode_of(links[d]), inode_of(swap.file_paths()[d]));
+    }
+    for (ExtentId id : ids) EXPECT_FALSE(swap.in_current_file(id));  // frozen
+    std::vector<std::vector<unsigned char>> frozen;
+    for (const std::string& link : links) frozen.push_back(file_bytes(link));
+
+    // New values for all of extent 0 and the second block of extent 1; extent 2 stays.
+    AlignedBuffer new0 = random_buffer(data[0].bytes(), seed * 3);
+    ASSERT_TRUE(swap.write_sync(ids[0], new0.data()).is_ok());
+    AlignedBuffer new1 = random_buffer(kBlock, seed * 5);
+    Result<SwapTicket> t = swap.write(ids[1], kBlock, kBlock, new1.data());
+    ASSERT_TRUE(t.is_ok()) << t.status().to_string();
+    ASSERT_TRUE(swap.wait(*t, std::chrono::seconds(30)).is_ok());
+    std::memcpy(data[0].data(), new0.data(), new0.bytes());
+    std::memcpy(data[1].data() + kBlock, new1.data(), kBlock);
+    for (std::size_t d = 0; d < dir_count; ++d) {
+      EXPECT_NE(inode_of(links[d]), inode_of(swap.file_paths()[d]));
+      EXPECT_EQ(file_bytes(links[d]), frozen[d]) << "the linked file changed after the link";
+    }
+    EXPECT_TRUE(swap.in_current_file(ids[0]));
+    EXPECT_FALSE(swap.in_current_file(ids[1]));
+    for (std::size_t i = 0; i < sizes.size(); ++i) {
+      AlignedBuffer back(data[i].bytes());
+      ASSERT_TRUE(swap.read_sync(ids[i], back.data()).is_ok()) << "extent " << i;
+      EXPECT_EQ(std::memcmp(back.data(), data[i].data(), sizes[i]), 0) << "extent " << i;
+    }
+    if (dir_count == 1) {
+      // A flipped bit in a block still read from the frozen file is caught, naming that file.
+      const off_t at = static_cast<off_t>(swap.file_offset(ids[2]) + 77);
+      const int fd = ::open(links[0].c_str(), O_RDWR);
+      ASSERT_GE(fd, 0);
+      unsigned char byte = 0;
+      ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+      byte ^= 0x04;
+      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+      ::fsync(fd);
+      AlignedBuffer back(data[2].bytes());
+      Status s = swap.read_sync(ids[2], back.data());
+      EXPECT_EQ(s.code(), Code::kCorruption) << s.to_string();
+      EXPECT_NE(s.message().find(names[0]), std::string::npos) << s.to_string();
+      byte ^= 0x04;
+      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+      ::close(fd);
+    }
+    // A link while a write is in flight is refused.
+    t = swap.write(ids[0], new0.data());
+    ASSERT_TRUE(t.is_ok());
+    std::vector<std::string> again;
+    for (const std::string& link : links) again.push_back(fmt::format("{}.2", link));
+    Status busy = swap.link_files(again, names);
+    EXPECT_EQ(busy.code(), Code::kFailedPrecondition) << busy.to_string();
+    ASSERT_TRUE(swap.wait(*t, std::chrono::seconds(30)).is_ok());
+    for (const std::string& link : again) EXPECT_FALSE(std::filesystem::exists(link));
+  }
+}
+
+// A link to another filesystem fails with EXDEV, leaves no link, and freezes nothing.
+TEST_P(SwapTest, LinkAcrossFilesystemsIsExdevAndFreezesNothing) {
+  ScratchMount other("swap-link-other", "tmpfs", "size=4m");
+  if (!other.ok()) GTEST_SKIP() << other.reason();
+  ScratchDir root("swap-link-xdev");
+  auto io = engine();
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(
+      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  SwapSpace& swap = **opened;
+  Result<ExtentId> id = swap.create("e", 2 * kBlock);
+  ASSERT_TRUE(id.is_ok());
+  AlignedBuffer data = random_buffer(2 * kBlock, 0xd1f);
+  ASSERT_TRUE(swap.write_sync(*id, data.data()).is_ok());
+  const ino_t before = inode_of(swap.file_paths()[0]);
+  Status s = swap.link_files({other.path() + "/linked.bin"}, {"elsewhere"});
+  EXPECT_EQ(s.sys_code(), EXDEV) << s.to_string();
+  EXPECT_NE(s.message().find(other.path()), std::string::npos) << s.to_string();
+  EXPECT_FALSE(std::filesystem::exists(other.path() + "/linked.bin"));
+  ASSERT_TRUE(swap.write_sync(*id, data.data()).is_ok());
+  EXPECT_EQ(inode_of(swap.file_paths()[0]), before);  // written in place: nothing was frozen
+  EXPECT_TRUE(swap.in_current_file(*id));
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);

@@ -62,7 +62,8 @@ TEST(Estimate, OffloadMovesStateAndGradientsToTheirTiers) {
   s.buffer_count = 4;
   const MemoryEstimate e = estimate_memory(m, t, s);
   EXPECT_EQ(e.bytes(MemoryUse::kHalfParams, kHost), 2 * pr);
-  EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kNvme), 4 * pr);
+  // The master, and the store's 4096-byte checkpoint header page (4 * pr is whole pages).
+  EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kNvme), 4 * pr + 4096);
   EXPECT_EQ(e.bytes(MemoryUse::kMoments, kNvme), 8 * pr);
   EXPECT_EQ(e.bytes(MemoryUse::kGradients, kNvme), 4 * pr);
   // On the host only the spill buffers: gradient_spill_buffers (4) sub-groups of 4 B a parameter.
@@ -71,9 +72,9 @@ TEST(Estimate, OffloadMovesStateAndGradientsToTheirTiers) {
   EXPECT_EQ(e.bytes(MemoryUse::kHalfCopy, kHost), 2 * pr);
   // A buffer holds master, m, v and the spilled gradient of one sub-group: 16 B a parameter.
   EXPECT_EQ(e.bytes(MemoryUse::kPinnedPool, kHost), 4u * (1u << 24) * 16u);
-  EXPECT_EQ(e.rank_tier_bytes(kNvme), 16 * pr);
+  EXPECT_EQ(e.rank_tier_bytes(kNvme), 16 * pr + 4096);
   // Per machine: two ranks' worth.
-  EXPECT_EQ(e.machine_tier_bytes(kNvme), 2 * 16 * pr);
+  EXPECT_EQ(e.machine_tier_bytes(kNvme), 2 * (16 * pr + 4096));
   EXPECT_EQ(e.machine_tier_bytes(kHost), 2 * e.rank_tier_bytes(kHost));
   // Every kind sums to its tier total.
   for (MemoryTier tier : {kDev, kHost, kNvme}) {
