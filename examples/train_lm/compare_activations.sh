@@ -6,26 +6,21 @@
 # and to checkpointing alone, and the device's peak activation bytes (the engine's MemoryReport).
 #   examples/train_lm/compare_activations.sh [BUILD_DIR] [ROUNDS] [extra train_lm args...]
 set -euo pipefail
-build=${1:-build}
-rounds=${2:-3}
-shift $(( $# > 2 ? 2 : $# ))
-bin="$build/bin/train_lm"
-work=$(mktemp -d "${TMPDIR:-/tmp}/train_lm_activations.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+# shellcheck source=examples/train_lm/compare_common.sh
+source "$(dirname "$0")/compare_common.sh"
+compare_init activations "$@"
 variants=(
   ""
   "--checkpoint-activations"
   "--checkpoint-activations --offload-activations cpu"
   "--checkpoint-activations --offload-activations nvme"
 )
-common=(--steps 8 --eval-every 1000 --eval-tokens 256 --no-progress "$@")
-for round in $(seq "$rounds"); do
-  for i in "${!variants[@]}"; do
-    out="$work/$i.$round"
-    # shellcheck disable=SC2086
-    "$bin" "${common[@]}" ${variants[$i]} --out "$out" --nvme-path "$work/nvme" >"$out.txt"
-  done
-done
+common=(--steps 8 --eval-every 1000 --eval-tokens 256 --no-progress "${extra_args[@]}")
+run_variant() {
+  # shellcheck disable=SC2086
+  "$bin" "${common[@]}" ${variants[$1]} --out "$2" --nvme-path "$work/nvme" >"$2.txt"
+}
+compare_rounds "${#variants[@]}"
 python3 - "$work" "$rounds" "${#variants[@]}" "${variants[@]}" <<'PY'
 import re, statistics, sys
 work, rounds, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

@@ -4,12 +4,9 @@
 # median step time, its median ratio to everything-on-the-device, and the bytes on each tier.
 #   examples/train_lm/compare_offload.sh [BUILD_DIR] [ROUNDS] [extra train_lm args...]
 set -euo pipefail
-build=${1:-build}
-rounds=${2:-3}
-shift $(( $# > 2 ? 2 : $# ))
-bin="$build/bin/train_lm"
-work=$(mktemp -d "${TMPDIR:-/tmp}/train_lm_offload.XXXXXX")
-trap 'rm -rf "$work"' EXIT
+# shellcheck source=examples/train_lm/compare_common.sh
+source "$(dirname "$0")/compare_common.sh"
+compare_init offload "$@"
 placements=(
   "none none"
   "cpu none"
@@ -17,15 +14,14 @@ placements=(
   "nvme cpu"
   "nvme nvme"
 )
-common=(--steps 60 --eval-every 1000 --no-progress --quiet "$@")
-for round in $(seq "$rounds"); do
-  for i in "${!placements[@]}"; do
-    read -r opt param <<<"${placements[$i]}"
-    out="$work/$i.$round"
-    "$bin" "${common[@]}" --offload-optimizer "$opt" --offload-param "$param" --out "$out" \
-      --nvme-path "$work/nvme" >"$out.txt"
-  done
-done
+common=(--steps 60 --eval-every 1000 --no-progress --quiet "${extra_args[@]}")
+run_variant() {
+  local opt param
+  read -r opt param <<<"${placements[$1]}"
+  "$bin" "${common[@]}" --offload-optimizer "$opt" --offload-param "$param" --out "$2" \
+    --nvme-path "$work/nvme" >"$2.txt"
+}
+compare_rounds "${#placements[@]}"
 # summary.txt rows: "total  <ms>", "optimizer step  <ms>", tiers "device (HostDevice)  <bytes>".
 python3 - "$work" "$rounds" "${#placements[@]}" "${placements[@]}" <<'PY'
 import re, statistics, sys

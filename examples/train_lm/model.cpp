@@ -268,54 +268,18 @@ void Model::backward(float loss_scale, ParamAccess& params) {
     dlogits[t * kVocab + targets_[t]] -= loss_scale;
   }
   const std::size_t last = s.blocks;
-  {
-    float* grad = params.gradient_buffer(out_index);
-    linear_backward_weight(norm_[last].data(), dlogits, grad, grad + s.hidden * kVocab, T, s.hidden,
-                           kVocab);
-    params.gradient_ready(out_index);
-    const float* w_out = params.acquire(out_index);
-    linear_backward_input(dlogits, w_out, dnorm_.data(), T, s.hidden, kVocab);
-    params.release(out_index);
-  }
+  linear_backward(out_index, norm_[last].data(), dlogits, dnorm_.data(), T, s.hidden, kVocab,
+                  params);
   std::fill(dh_.begin(), dh_.begin() + T * s.hidden, 0.0f);
   rms_backward_add(norm_[last].data(), inv_rms_[last].data(), dnorm_.data(), dh_.data(), T,
                    s.hidden);
 
   for (std::size_t l = s.blocks; l-- > 0;) {
-    const std::size_t up = 2 + 2 * l, down = 3 + 2 * l;
-    // dh_ is the gradient of h_l+1, which is also the gradient of the block's output.
-    float* grad_down = params.gradient_buffer(down);
-    linear_backward_weight(act_[l].data(), dh_.data(), grad_down, grad_down + s.ffn * s.hidden, T,
-                           s.ffn, s.hidden);
-    params.gradient_ready(down);
-    const float* w_down = params.acquire(down);
-    linear_backward_input(dh_.data(), w_down, dact_.data(), T, s.ffn, s.hidden);
-    params.release(down);
-    const float* act = act_[l].data();
-    for (std::size_t i = 0; i < T * s.ffn; ++i) {
-      if (act[i] <= 0.0f) dact_[i] = 0.0f;
-    }
-    float* grad_up = params.gradient_buffer(up);
-    linear_backward_weight(norm_[l].data(), dact_.data(), grad_up, grad_up + s.hidden * s.ffn, T,
-                           s.hidden, s.ffn);
-    params.gradient_ready(up);
-    const float* w_up = params.acquire(up);
-    linear_backward_input(dact_.data(), w_up, dnorm_.data(), T, s.hidden, s.ffn);
-    params.release(up);
-    // dh_ keeps the skip path's gradient; the norm's path adds to it.
-    rms_backward_add(norm_[l].data(), inv_rms_[l].data(), dnorm_.data(), dh_.data(), T, s.hidden);
+    block_backward(l, norm_[l].data(), inv_rms_[l].data(), act_[l].data(), params);
   }
 
   const std::size_t x_width = s.context_bytes * s.embed_dim;
-  {
-    float* grad = params.gradient_buffer(1);
-    linear_backward_weight(x0_.data(), dh_.data(), grad, grad + x_width * s.hidden, T, x_width,
-                           s.hidden);
-    params.gradient_ready(1);
-    const float* in_proj = params.acquire(1);
-    linear_backward_input(dh_.data(), in_proj, dx0_.data(), T, x_width, s.hidden);
-    params.release(1);
-  }
+  linear_backward(1, x0_.data(), dh_.data(), dx0_.data(), T, x_width, s.hidden, params);
   embed_backward(dx0_.data(), T, params);
 }
 
@@ -388,19 +352,12 @@ void Model::backward_checkpointed(float loss_scale, ParamAccess& params) {
     }
     dlogits[t * kVocab + targets_[t]] -= loss_scale;
   }
-  {
-    float* grad = params.gradient_buffer(out_index);
-    linear_backward_weight(norm, dlogits, grad, grad + s.hidden * kVocab, T, s.hidden, kVocab);
-    params.gradient_ready(out_index);
-    const float* w_out = params.acquire(out_index);
-    linear_backward_input(dlogits, w_out, dnorm_.data(), T, s.hidden, kVocab);
-    params.release(out_index);
-  }
+  linear_backward(out_index, norm, dlogits, dnorm_.data(), T, s.hidden, kVocab, params);
   std::fill(dh_.begin(), dh_.begin() + T * s.hidden, 0.0f);
   rms_backward_add(norm, inv_rms, dnorm_.data(), dh_.data(), T, s.hidden);
 
   for (std::size_t l = s.blocks; l-- > 0;) {
-    const std::size_t up = 2 + 2 * l, down = 3 + 2 * l;
+    const std::size_t up = 2 + 2 * l;
     checkpointing_.store->load(l, h);
     rms_forward(h, norm, inv_rms, T, s.hidden);
     {
@@ -409,38 +366,39 @@ void Model::backward_checkpointed(float loss_scale, ParamAccess& params) {
       params.release(up);
     }
     for (std::size_t i = 0; i < T * s.ffn; ++i) act[i] = std::max(act[i], 0.0f);
-
-    float* grad_down = params.gradient_buffer(down);
-    linear_backward_weight(act, dh_.data(), grad_down, grad_down + s.ffn * s.hidden, T, s.ffn,
-                           s.hidden);
-    params.gradient_ready(down);
-    const float* w_down = params.acquire(down);
-    linear_backward_input(dh_.data(), w_down, dact_.data(), T, s.ffn, s.hidden);
-    params.release(down);
-    for (std::size_t i = 0; i < T * s.ffn; ++i) {
-      if (act[i] <= 0.0f) dact_[i] = 0.0f;
-    }
-    float* grad_up = params.gradient_buffer(up);
-    linear_backward_weight(norm, dact_.data(), grad_up, grad_up + s.hidden * s.ffn, T, s.hidden,
-                           s.ffn);
-    params.gradient_ready(up);
-    const float* w_up = params.acquire(up);
-    linear_backward_input(dact_.data(), w_up, dnorm_.data(), T, s.hidden, s.ffn);
-    params.release(up);
-    rms_backward_add(norm, inv_rms, dnorm_.data(), dh_.data(), T, s.hidden);
+    block_backward(l, norm, inv_rms, act, params);
   }
 
   const std::size_t x_width = s.context_bytes * s.embed_dim;
   embed(contexts_.data(), T, params, act);  // x0 again
-  {
-    float* grad = params.gradient_buffer(1);
-    linear_backward_weight(act, dh_.data(), grad, grad + x_width * s.hidden, T, x_width, s.hidden);
-    params.gradient_ready(1);
-    const float* in_proj = params.acquire(1);
-    linear_backward_input(dh_.data(), in_proj, dx0_.data(), T, x_width, s.hidden);
-    params.release(1);
-  }
+  linear_backward(1, act, dh_.data(), dx0_.data(), T, x_width, s.hidden, params);
   embed_backward(dx0_.data(), T, params);
+}
+
+void Model::linear_backward(std::size_t index, const float* x, const float* dy, float* dx,
+                            std::size_t rows, std::size_t in, std::size_t out,
+                            ParamAccess& params) {
+  float* grad = params.gradient_buffer(index);
+  linear_backward_weight(x, dy, grad, grad + in * out, rows, in, out);
+  params.gradient_ready(index);
+  const float* w = params.acquire(index);
+  linear_backward_input(dy, w, dx, rows, in, out);
+  params.release(index);
+}
+
+void Model::block_backward(std::size_t l, const float* norm, const float* inv_rms, const float* act,
+                           ParamAccess& params) {
+  const ModelShape& s = shape_;
+  const std::size_t T = token_count_;
+  const std::size_t up = 2 + 2 * l, down = 3 + 2 * l;
+  // dh_ is the gradient of h_l+1, which is also the gradient of the block's output.
+  linear_backward(down, act, dh_.data(), dact_.data(), T, s.ffn, s.hidden, params);
+  for (std::size_t i = 0; i < T * s.ffn; ++i) {
+    if (act[i] <= 0.0f) dact_[i] = 0.0f;
+  }
+  linear_backward(up, norm, dact_.data(), dnorm_.data(), T, s.hidden, s.ffn, params);
+  // dh_ keeps the skip path's gradient; the norm's path adds to it.
+  rms_backward_add(norm, inv_rms, dnorm_.data(), dh_.data(), T, s.hidden);
 }
 
 }  // namespace train_lm

@@ -125,6 +125,14 @@ class Model {
   double forward_checkpointed(const std::uint8_t* contexts, const std::uint8_t* targets,
                               std::size_t token_count, ParamAccess& params, bool for_backward);
   void backward_checkpointed(float loss_scale, ParamAccess& params);
+  // The gradients of module `index`, a linear layer y = x W + b of `in` x `out` (x: rows x in),
+  // from dy: dW and db handed to the engine, then dx = dy W^T into `dx`.
+  void linear_backward(std::size_t index, const float* x, const float* dy, float* dx,
+                       std::size_t rows, std::size_t in, std::size_t out, ParamAccess& params);
+  // Block l's backward from its norm output, 1/rms and relu activation (kept by the forward
+  // pass, or recomputed): dh_ holds the gradient of the block's output and gets its input's.
+  void block_backward(std::size_t l, const float* norm, const float* inv_rms, const float* act,
+                      ParamAccess& params);
   void embed(const std::uint8_t* contexts, std::size_t token_count, ParamAccess& params, float* x0);
   // Softmax of the logits in probs, in place; the summed cross-entropy against `targets`.
   double softmax_loss(const std::uint8_t* targets, std::size_t token_count, float* probs);

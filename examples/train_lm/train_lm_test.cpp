@@ -400,17 +400,29 @@ fs::path scratch_dir(const std::string& name) {
   return dir;
 }
 
-// Runs the program; returns its exit code, its stderr and (when `out` is given) its stdout.
-int run_program(const std::string& args, std::string* err, std::string* out = nullptr) {
+// Runs `program` with `args`; returns its exit code, its stderr and (when `out` is given) its
+// stdout.
+int run_command(const std::string& program, const std::string& args, std::string* err,
+                std::string* out = nullptr) {
   const std::string stem = fs::temp_directory_path() / ("train_lm_" + std::to_string(getpid()));
-  const std::string command =
-      std::string(TRAIN_LM_BIN) + " " + args + " >" + stem + ".out 2>" + stem + ".err";
+  const std::string command = program + " " + args + " >" + stem + ".out 2>" + stem + ".err";
   const int status = std::system(command.c_str());
   *err = read_all(stem + ".err");
   if (out != nullptr) *out = read_all(stem + ".out");
   fs::remove(stem + ".err");
   fs::remove(stem + ".out");
   return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+}
+
+// Runs train_lm.
+int run_program(const std::string& args, std::string* err, std::string* out = nullptr) {
+  return run_command(TRAIN_LM_BIN, args, err, out);
+}
+
+// The device activation peak train_lm prints in its summary (0 when missing).
+double activation_peak(const std::string& out) {
+  const std::size_t at = out.rfind("activation_device_bytes_peak=");
+  return at == std::string::npos ? 0.0 : std::stod(out.substr(at + 29));
 }
 
 double final_val_loss(const std::string& out) {
@@ -508,6 +520,17 @@ std::vector<std::string> loss_rows(const fs::path& csv) {
   std::string line;
   while (std::getline(lines, line)) rows.push_back(line.substr(0, line.rfind(',')));
   return rows;
+}
+
+// Runs train_lm with `args` and --out `out_dir`, and returns its loss.csv rows: empty, with a
+// failure naming the arguments and the program's stderr, when it does not exit 0. `out` (when
+// given) gets its stdout.
+std::vector<std::string> run_loss_rows(const std::string& args, const fs::path& out_dir,
+                                       std::string* out = nullptr) {
+  std::string err;
+  const int rc = run_program(args + " --out " + out_dir.string(), &err, out);
+  EXPECT_EQ(rc, 0) << args << ": " << err;
+  return rc == 0 ? loss_rows(out_dir / "loss.csv") : std::vector<std::string>{};
 }
 
 // --save-every and --resume: a run stopped after step 120 (as if killed there) resumes from its
@@ -675,17 +698,11 @@ TEST(Program, OpaqueDeviceGivesTheSameLossesAsHost) {
       (dir / "nvme").string();
   for (const std::string& ranks :
        {std::string("--world-size 1"), std::string("--world-size 2 --offload-param cpu")}) {
-    std::string err, host_out, opaque_out;
-    ASSERT_EQ(
-        run_program(common + " " + ranks + " --out " + (dir / "host").string(), &err, &host_out), 0)
-        << err;
-    ASSERT_EQ(
-        run_program(common + " " + ranks + " --device opaque --out " + (dir / "opaque").string(),
-                    &err, &opaque_out),
-        0)
-        << err;
-    const std::vector<std::string> host = loss_rows(dir / "host" / "loss.csv");
-    const std::vector<std::string> opaque = loss_rows(dir / "opaque" / "loss.csv");
+    std::string host_out, opaque_out;
+    const std::vector<std::string> host =
+        run_loss_rows(common + " " + ranks, dir / "host", &host_out);
+    const std::vector<std::string> opaque =
+        run_loss_rows(common + " " + ranks + " --device opaque", dir / "opaque", &opaque_out);
     std::printf("seed 5, %s: host %.6f, opaque %.6f\n", ranks.c_str(), final_val_loss(host_out),
                 final_val_loss(opaque_out));
     ASSERT_EQ(host.size(), 13u) << ranks;  // the header and 12 steps
@@ -711,13 +728,9 @@ TEST(Program, CheckpointedActivationsGiveTheSameLossCurve) {
       "--eval-tokens 512 --seed 9 --lr 1e-2 --warmup 2 --no-progress --offload-optimizer cpu "
       "--nvme-path " +
       (dir / "nvme").string() + " ";
-  auto peak = [](const std::string& out) {
-    const std::size_t at = out.rfind("activation_device_bytes_peak=");
-    return at == std::string::npos ? 0.0 : std::stod(out.substr(at + 29));
-  };
-  std::string err, base_out;
-  ASSERT_EQ(run_program(common + "--out " + (dir / "base").string(), &err, &base_out), 0) << err;
-  const std::vector<std::string> base = loss_rows(dir / "base" / "loss.csv");
+  const auto peak = activation_peak;
+  std::string base_out;
+  const std::vector<std::string> base = run_loss_rows(common, dir / "base", &base_out);
   ASSERT_EQ(base.size(), 7u);  // the header and 6 steps
   EXPECT_GT(peak(base_out), 0.0) << base_out;
   for (const std::string& variant :
@@ -725,9 +738,7 @@ TEST(Program, CheckpointedActivationsGiveTheSameLossCurve) {
         std::string("--checkpoint-activations --offload-activations cpu"),
         std::string("--checkpoint-activations --offload-activations nvme")}) {
     std::string out;
-    ASSERT_EQ(run_program(common + variant + " --out " + (dir / "ckpt").string(), &err, &out), 0)
-        << variant << ": " << err;
-    EXPECT_EQ(loss_rows(dir / "ckpt" / "loss.csv"), base) << variant;
+    EXPECT_EQ(run_loss_rows(common + variant, dir / "ckpt", &out), base) << variant;
     std::printf("%s: device activation peak %.0f of %.0f bytes\n", variant.c_str(), peak(out),
                 peak(base_out));
     if (variant.find("offload") != std::string::npos) {
@@ -739,15 +750,72 @@ TEST(Program, CheckpointedActivationsGiveTheSameLossCurve) {
   }
   // The plain fp32 loop (--engine off) keeps its checkpoints itself: the same curve as its own
   // run without checkpointing.
-  ASSERT_EQ(run_program(common + "--engine off --out " + (dir / "plain").string(), &err), 0) << err;
-  ASSERT_EQ(run_program(common + "--engine off --checkpoint-activations --out " +
-                            (dir / "plain_ckpt").string(),
-                        &err),
-            0)
-      << err;
-  EXPECT_EQ(loss_rows(dir / "plain_ckpt" / "loss.csv"), loss_rows(dir / "plain" / "loss.csv"));
+  const std::vector<std::string> plain = run_loss_rows(common + "--engine off", dir / "plain");
+  ASSERT_EQ(plain.size(), 7u);
+  EXPECT_EQ(run_loss_rows(common + "--engine off --checkpoint-activations", dir / "plain_ckpt"),
+            plain);
   EXPECT_FALSE(fs::exists(dir / "nvme")) << "swap directory left behind";
   fs::remove_all(dir);
+}
+
+// `zinf plan --arch train_lm --checkpoint-activations` predicts the device activation bytes
+// train_lm's memory report measures, within 10%, at two sequence lengths (the activations grow
+// with the tokens of a micro-batch), without checkpointing, with it, and with the checkpoints
+// offloaded to host memory. The planner's formula is written from what
+// examples/train_lm/model.cpp allocates (lib/plan/estimate.hpp); the measured figure is the
+// engine's MemoryReport::activation_device_bytes_peak: what the model says it holds plus the
+// checkpoints the engine keeps on the device.
+TEST(Program, PlannerPredictsTheActivationBytesItStores) {
+#ifndef ZINF_BIN
+  GTEST_SKIP() << "the zinf command line is not built (ZINF_BUILD_TOOLS=OFF)";
+#else
+  const fs::path dir = scratch_dir("train_lm_plan_activations");
+  for (const int seq_len : {64, 256}) {
+    for (const std::string& variant :
+         {std::string(""), std::string("--checkpoint-activations"),
+          std::string("--checkpoint-activations --offload-activations cpu")}) {
+      const std::string shape = "--layers 4 --context 16 --embed 16 ";
+      std::string err, out;
+      ASSERT_EQ(run_program("--params 120k " + shape + "--steps 2 --batch 2 --seq-len " +
+                                std::to_string(seq_len) +
+                                " --eval-every 2 --eval-tokens 256 --no-progress "
+                                "--offload-optimizer cpu " +
+                                variant + " --out " + (dir / "run").string(),
+                            &err, &out),
+                0)
+          << variant << ": " << err;
+      // "train_lm: 103.7k parameters (4 blocks, hidden 48, context 16 bytes), ..." (stderr)
+      const std::size_t at = err.find(", hidden ");
+      ASSERT_NE(at, std::string::npos) << err;
+      const int hidden = std::stoi(err.substr(at + 9));
+      const double measured = activation_peak(out);
+      ASSERT_GT(measured, 0.0) << out;
+      std::string plan_out;
+      const std::string plan_variant = variant.find("offload") != std::string::npos
+                                           ? "--checkpoint-activations "
+                                             "--offload-activations"
+                                           : variant;
+      // The micro-batch is the run's 2 sequences of seq_len targets.
+      ASSERT_EQ(
+          run_command(ZINF_BIN,
+                      "plan --arch train_lm " + shape + "--hidden " + std::to_string(hidden) +
+                          " --seq " + std::to_string(seq_len) + " --micro-batch 2 " + plan_variant +
+                          " --gpu-mem 8GB --host-mem 8GB --mem-adam-gbps 10 --json",
+                      &err, &plan_out),
+          0)
+          << err;
+      const nlohmann::json plan = nlohmann::json::parse(plan_out);
+      const double predicted =
+          plan["bytes_per_state_per_rank"]["activations"]["device"].get<double>();
+      std::printf("seq %d %s: measured %.0f, planned %.0f bytes (%+.2f%%)\n", seq_len,
+                  variant.empty() ? "no checkpointing" : variant.c_str(), measured, predicted,
+                  100.0 * (predicted - measured) / measured);
+      EXPECT_NEAR(predicted, measured, 0.1 * measured) << "seq " << seq_len << " " << variant;
+      fs::remove_all(dir / "run");
+    }
+  }
+  fs::remove_all(dir);
+#endif
 }
 
 // --device cuda without a GPU (or in a build without CUDA) fails before anything is created, in

@@ -440,6 +440,16 @@ typedef struct zinf_memory_report {
   uint64_t device_bytes;
   uint64_t host_bytes;
   uint64_t nvme_bytes;
+  /* Activation checkpoints (zinf_engine_save_activation), outside the figures above: the most
+   * bytes of activations on the device at once since open (the checkpoints the engine keeps
+   * there, cpu_checkpointing false, plus the caller's zinf_engine_set_activation_bytes figure),
+   * the pinned arena and NVMe staging blocks, the activation swap file's capacity, and the bytes
+   * of checkpoints written to and read back from NVMe since open. */
+  uint64_t activation_device_bytes_peak;
+  uint64_t activation_host_bytes;
+  uint64_t activation_nvme_bytes;
+  uint64_t activation_nvme_write_bytes;
+  uint64_t activation_nvme_read_bytes;
 } zinf_memory_report_t;
 /* Running totals since open (zinf::EngineCounters). Set struct_size =
  * sizeof(zinf_engine_counters_t). */
@@ -468,6 +478,34 @@ ZINF_C_API zinf_code_t zinf_engine_counters(const zinf_engine_t* engine,
 /* ZINF_FAILED_PRECONDITION before finalize. */
 ZINF_C_API zinf_code_t zinf_engine_memory(const zinf_engine_t* engine,
                                           zinf_memory_report_t* report);
+
+/* ---- Activation checkpoints (docs/ACTIVATIONS.md) ------------------------------------------ */
+
+/* Copies `bytes` (> 0) at device pointer `data` into the engine's activation store under `key`
+ * (NUL-terminated): a device copy (activation_checkpointing.cpu_checkpointing false), pinned
+ * host memory within zinf.activation_host_bytes, or beyond it NVMe (zinf.activation_nvme_path).
+ * Asynchronous: the memory at `data` must keep its values until the engine's next
+ * save / load / flush of activations returns. Not collective; usable before finalize.
+ * ZINF_INVALID_ARGUMENT for a null or empty key, a null pointer or 0 bytes;
+ * ZINF_FAILED_PRECONDITION when `key` is saved and not loaded since; ZINF_RESOURCE_EXHAUSTED
+ * when it fits neither the host arena nor an NVMe tier. Each message names the key; these
+ * change nothing. An I/O error is sticky and aborts the communicator (see zinf_engine_open). */
+ZINF_C_API zinf_code_t zinf_engine_save_activation(zinf_engine_t* engine, const char* key,
+                                                   const void* data, size_t bytes);
+/* Copies the checkpoint `key` back into device pointer `data`, which holds `data_bytes` bytes:
+ * exactly the bytes saved under the key (else ZINF_INVALID_ARGUMENT naming the key and both
+ * sizes, nothing changes), and frees it in the store; returns once the values are there.
+ * ZINF_NOT_FOUND naming the key when it is not saved. ZINF_IO_ERROR (with errno) or
+ * ZINF_CORRUPTION (a block read back from NVMe does not match its checksum) name the key; they
+ * are sticky and abort the communicator, so every other rank's next collective fails. */
+ZINF_C_API zinf_code_t zinf_engine_load_activation(zinf_engine_t* engine, const char* key,
+                                                   void* data, size_t data_bytes);
+/* Returns once the last zinf_engine_save_activation has finished reading its device memory. */
+ZINF_C_API zinf_code_t zinf_engine_flush_activations(zinf_engine_t* engine);
+/* The bytes of activations the caller holds on the device now, outside the store, for the
+ * memory report's activation_device_bytes_peak. */
+ZINF_C_API zinf_code_t zinf_engine_set_activation_bytes(zinf_engine_t* engine,
+                                                        uint64_t device_bytes);
 
 /* ---- Ranks as threads ------------------------------------------------------------------------ */
 

@@ -13,6 +13,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -59,6 +60,16 @@ struct zinf_trace {
   std::atomic<int> users{0};
 };
 
+// Hashes std::string and std::string_view alike, so that a map keyed by std::string is searched
+// with a view of the caller's C string without making a std::string (an allocation for keys past
+// the small-string size).
+struct StringHash {
+  using is_transparent = void;
+  std::size_t operator()(std::string_view s) const noexcept {
+    return std::hash<std::string_view>{}(s);
+  }
+};
+
 struct zinf_engine {
   // zinf_engine_set_cuda_stream's stream (a borrowed cudaStream_t); destroyed after the engine.
   std::unique_ptr<zinf::Stream> compute_stream;
@@ -70,6 +81,10 @@ struct zinf_engine {
   std::unordered_map<std::string, std::size_t> element_counts;
   // Reused by reduce_gradients so that a training loop allocates nothing after its first step.
   std::vector<zinf::GradientRef> gradient_refs;
+  // Bytes of each activation saved and not loaded yet (0: none), for load_activation's buffer
+  // check. Keys are kept once seen and searched without a copy (a training loop saves the same
+  // keys every step), so a steady loop allocates nothing here after its first step.
+  std::unordered_map<std::string, std::size_t, StringHash, std::equal_to<>> activation_bytes;
 };
 
 namespace zinf::capi {
@@ -903,7 +918,65 @@ zinf_code_t zinf_engine_memory(const zinf_engine_t* engine, zinf_memory_report_t
     full.device_bytes = m.device_bytes;
     full.host_bytes = m.host_bytes;
     full.nvme_bytes = m.nvme_bytes;
+    full.activation_device_bytes_peak = m.activation_device_bytes_peak;
+    full.activation_host_bytes = m.activation_host_bytes;
+    full.activation_nvme_bytes = m.activation_nvme_bytes;
+    full.activation_nvme_write_bytes = m.activation_nvme_write_bytes;
+    full.activation_nvme_read_bytes = m.activation_nvme_read_bytes;
     std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
+    return Status::ok();
+  });
+}
+
+// ---- Activation checkpoints --------------------------------------------------------------------
+
+zinf_code_t zinf_engine_save_activation(zinf_engine_t* engine, const char* key, const void* data,
+                                        size_t bytes) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(key, fn, "key"));
+    // The engine refuses a null pointer and 0 bytes naming the key; an entry is made (or
+    // reused) first so that a saved key always has one.
+    auto it = engine->activation_bytes.find(std::string_view(key));
+    if (it == engine->activation_bytes.end()) it = engine->activation_bytes.emplace(key, 0).first;
+    ZINF_RETURN_IF_ERROR(engine->engine->save_activation(key, data, bytes));
+    it->second = bytes;
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_load_activation(zinf_engine_t* engine, const char* key, void* data,
+                                        size_t data_bytes) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(key, fn, "key"));
+    const auto it = engine->activation_bytes.find(std::string_view(key));
+    // A key never saved, or loaded already: the engine's kNotFound names it.
+    if (it != engine->activation_bytes.end() && it->second != 0 && it->second != data_bytes) {
+      return Status::invalid_argument(fmt::format(
+          "{}('{}'): data holds {} bytes, the activation {}", fn, key, data_bytes, it->second));
+    }
+    ZINF_RETURN_IF_ERROR(engine->engine->load_activation(key, data));
+    if (it != engine->activation_bytes.end()) it->second = 0;
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_flush_activations(zinf_engine_t* engine) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    return engine->engine->flush_activations();
+  });
+}
+
+zinf_code_t zinf_engine_set_activation_bytes(zinf_engine_t* engine, uint64_t device_bytes) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    engine->engine->set_activation_bytes(device_bytes);
     return Status::ok();
   });
 }

@@ -135,14 +135,33 @@ std::uint64_t MemoryEstimate::rank_tier_bytes(MemoryTier tier) const {
   return total;
 }
 
+std::uint64_t activation_checkpoint_bytes(const ModelShape& m, const TrainingShape& t) {
+  if (!t.checkpoint_activations) return 0;
+  const std::uint64_t tokens = t.seq_len * t.micro_batch;
+  // Each layer's input: h values a token, 2-byte halves in the transformer, fp32 in train_lm.
+  const std::uint64_t bytes_per_value = m.kind == ModelKind::kTrainLm ? 4 : 2;
+  return m.layers * tokens * m.hidden * bytes_per_value;
+}
+
 std::uint64_t activation_bytes(const ModelShape& m, const TrainingShape& t) {
-  const std::uint64_t sbh = t.seq_len * t.micro_batch * m.hidden;
+  const std::uint64_t tokens = t.seq_len * t.micro_batch;
+  const std::uint64_t checkpoints = t.offload_activations ? 0 : activation_checkpoint_bytes(m, t);
+  if (m.kind == ModelKind::kTrainLm) {
+    const std::uint64_t h = m.hidden;
+    const std::uint64_t x = m.context_bytes * m.embed_dim;
+    const std::uint64_t per_token =
+        t.checkpoint_activations
+            ? 2 * h + 1 + std::max({m.intermediate, x, m.vocab})
+            : x + m.vocab + (m.layers + 1) * (2 * h + 1) + m.layers * m.intermediate;
+    return 4 * tokens * per_token + checkpoints;
+  }
+  const std::uint64_t sbh = tokens * m.hidden;
   const std::uint64_t scores =
       t.flash_attention ? 0 : 5 * m.heads * t.seq_len * t.seq_len * t.micro_batch;
   const std::uint64_t one_layer = 34 * sbh + scores;
   const std::uint64_t layers =
-      t.checkpoint_activations ? m.layers * 2 * sbh + one_layer : m.layers * one_layer;
-  const std::uint64_t logits = 6 * t.seq_len * t.micro_batch * m.vocab;
+      t.checkpoint_activations ? checkpoints + one_layer : m.layers * one_layer;
+  const std::uint64_t logits = 6 * tokens * m.vocab;
   return layers + logits;
 }
 
@@ -185,6 +204,9 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   if (s.stage == 1) add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * p);
 
   add(MemoryUse::kActivations, MemoryTier::kDevice, activation_bytes(model, training));
+  if (training.offload_activations) {
+    add(MemoryUse::kActivations, MemoryTier::kHost, activation_checkpoint_bytes(model, training));
+  }
   // The engine's store never makes a sub-group larger than the shard.
   EngineSetup capped = s;
   capped.sub_group_params = std::min(s.sub_group_params, pr);

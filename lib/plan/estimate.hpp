@@ -33,6 +33,19 @@
 //                     checkpointing      L·2·s·b·h (each layer's input) + A1 (one layer
 //                                        recomputed at a time)
 //                     plus logits        6·s·b·V (half logits and their fp32 softmax)
+//                   examples/train_lm's model (ModelKind::kTrainLm, fp32; T = s·b tokens,
+//                   X = context_bytes·embed_dim, F = intermediate, V = 256; what
+//                   examples/train_lm/model.cpp allocates for the forward pass):
+//                     no checkpointing   4·T·(X + V + (L+1)·(2h+1) + L·F): the embedding
+//                                        output, the probabilities, each residual stream, its
+//                                        norm and 1/rms, each block's ffn activation
+//                     checkpointing      4·T·(2h + 1 + max(F, X, V)): two residual buffers, one
+//                                        1/rms, one buffer shared by the recomputed block's ffn
+//                                        activation, the embedding output and the probabilities
+//                                        + 4·L·T·h, each block's input (the checkpoints)
+//                   With offload_activations (cpu_checkpointing) the checkpoints (L·2·s·b·h, or
+//                   4·L·T·h) leave the device for the host (the engine's arena; NVMe beyond it
+//                   is not planned here).
 //   pinned pool     host, page-locked: optimizer on NVMe: buffer_count · Sg · (12, or 16 when
 //                   gradients are spilled, + 2 when the half output streams) bytes,
 //                   Sg = sub_group_size (a buffer holds one sub-group's master, m, v, gradient
@@ -95,6 +108,9 @@ struct TrainingShape {
   std::uint64_t micro_batch = 1;
   std::uint64_t grad_accum_steps = 1;
   bool checkpoint_activations = false;
+  // With checkpointing: the checkpoints live off the device (activation_checkpointing's
+  // cpu_checkpointing; train_lm --offload-activations cpu|nvme).
+  bool offload_activations = false;
   // Flash attention does not keep the a·s² score matrices for backward.
   bool flash_attention = true;
 };
@@ -123,6 +139,10 @@ struct EngineSetup {
   std::uint64_t device_reserved_bytes = std::uint64_t{1} << 30;
   std::uint64_t io_block_bytes = std::uint64_t{1} << 20;
   std::uint64_t io_queue_depth = 32;
+  // zinf.overlap_step: with the optimizer offloaded, the optimizer pass runs behind the next
+  // step's compute (time_model.hpp), at most behind this fraction of forward + backward.
+  bool overlap_step = true;
+  double overlap_compute_fraction = 1.0;
 };
 
 // OK when `setup` is one the engine can run: stage in 1..3, params offloaded only at stage 3,
@@ -158,8 +178,11 @@ struct MemoryEstimate {
   std::uint64_t engine_bytes(MemoryTier tier) const;
 };
 
-// Activation bytes of one micro-batch on one rank (the formula above), logits included.
+// Activation bytes of one micro-batch on one rank's device (the formula above), logits included,
+// checkpoints included unless offloaded.
 std::uint64_t activation_bytes(const ModelShape& model, const TrainingShape& training);
+// The checkpoints' bytes (each layer's input) with checkpoint_activations; 0 without.
+std::uint64_t activation_checkpoint_bytes(const ModelShape& model, const TrainingShape& training);
 
 // REQUIRES: validate_setup(setup) is OK.
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,

@@ -159,4 +159,27 @@ ModelShape custom_model(std::uint64_t params, std::uint64_t layers, std::uint64_
   return m;
 }
 
+ModelShape train_lm_model(std::uint64_t layers, std::uint64_t hidden, std::uint64_t context_bytes,
+                          std::uint64_t embed_dim) {
+  ModelShape m;
+  m.name = "train_lm";
+  m.kind = ModelKind::kTrainLm;
+  m.vocab = 256;
+  m.hidden = hidden;
+  m.intermediate = 4 * hidden;
+  m.layers = layers;
+  m.heads = 1;
+  m.kv_heads = 1;
+  m.biases = true;
+  m.context_bytes = context_bytes;
+  m.embed_dim = embed_dim;
+  const std::uint64_t h = hidden;
+  const std::uint64_t f = m.intermediate;
+  // examples/train_lm/model.cpp module_specs(): embed, in_proj, block<l>.up and .down, out.
+  m.param_count_override = 256 * embed_dim + (context_bytes * embed_dim * h + h) +
+                           layers * ((h * f + f) + (f * h + h)) + (h * 256 + 256);
+  m.source = "examples/train_lm/model.cpp";
+  return m;
+}
+
 }  // namespace zinf::plan

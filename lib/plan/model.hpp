@@ -25,19 +25,32 @@
 
 namespace zinf::plan {
 
+// What kind of network the shape describes; their activations differ (estimate.hpp).
+enum class ModelKind : std::uint8_t {
+  kTransformer = 0,  // the decoder-only transformer above
+  // examples/train_lm's byte model: an embedding of the `context_bytes` bytes before each target
+  // (embed_dim floats each, concatenated), an input projection to `hidden`, `layers` residual
+  // blocks h + W2·relu(W1·rmsnorm(h) + b1) + b2 of width `intermediate` (4h), an output
+  // projection to the 256 byte values; fp32 throughout, biases on every projection.
+  kTrainLm = 1,
+};
+
 struct ModelShape {
-  std::string name;                // preset name, or "custom"
-  std::uint64_t vocab = 0;         // V
-  std::uint64_t hidden = 0;        // h
-  std::uint64_t intermediate = 0;  // I: MLP width
-  std::uint64_t layers = 0;        // L
-  std::uint64_t heads = 0;         // a
-  std::uint64_t kv_heads = 0;      // k (== heads without grouped-query attention)
-  std::uint64_t positions = 0;     // T: learned position embeddings (0 for rotary)
-  bool gated_mlp = false;          // SwiGLU: three MLP matrices instead of two
-  bool biases = false;             // linear layers carry biases
-  bool layer_norm = false;         // LayerNorm (weight + bias) rather than RMSNorm (weight)
-  bool tied_embeddings = false;    // output head shares the embedding matrix
+  ModelKind kind = ModelKind::kTransformer;
+  std::uint64_t context_bytes = 0;  // kTrainLm: bytes of context each target sees
+  std::uint64_t embed_dim = 0;      // kTrainLm: embedding width of one byte
+  std::string name;                 // preset name, or "custom"
+  std::uint64_t vocab = 0;          // V
+  std::uint64_t hidden = 0;         // h
+  std::uint64_t intermediate = 0;   // I: MLP width
+  std::uint64_t layers = 0;         // L
+  std::uint64_t heads = 0;          // a
+  std::uint64_t kv_heads = 0;       // k (== heads without grouped-query attention)
+  std::uint64_t positions = 0;      // T: learned position embeddings (0 for rotary)
+  bool gated_mlp = false;           // SwiGLU: three MLP matrices instead of two
+  bool biases = false;              // linear layers carry biases
+  bool layer_norm = false;          // LayerNorm (weight + bias) rather than RMSNorm (weight)
+  bool tied_embeddings = false;     // output head shares the embedding matrix
   // When nonzero, the model is given by its count alone (`zinf plan --params`): the shape
   // fields above only serve the activation and working-set estimates.
   std::uint64_t param_count_override = 0;
@@ -65,6 +78,13 @@ std::uint64_t small_tensor_params(const ModelShape& model);
 std::span<const ModelShape> model_presets();
 // Looks `name` up among the presets (case-insensitive; "llama2-7b" and "llama-2-7b" both work).
 std::optional<ModelShape> find_model_preset(std::string_view name);
+
+// examples/train_lm's model (ModelKind::kTrainLm) of `layers` blocks of `hidden` (ffn 4h), its
+// input the embeddings of `context_bytes` bytes of `embed_dim` floats (train_lm's --context,
+// --embed); vocab 256. Its parameter count is train_lm's: 256·E + (C·E·h + h) + L·(8h² + 5h) +
+// (256·h + 256).
+ModelShape train_lm_model(std::uint64_t layers, std::uint64_t hidden, std::uint64_t context_bytes,
+                          std::uint64_t embed_dim);
 
 // A model known only by parameter count, layers and hidden size (heads = hidden / 128, MLP 4h,
 // vocab 32000): enough for activation and working-set estimates.

@@ -183,6 +183,8 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   base.world_size = budgets.gpus;
   base.ranks_per_machine = per_machine;
   size_buckets(model, &base);
+  base.overlap_step = constraints.overlap_step;
+  base.overlap_compute_fraction = constraints.overlap_compute_fraction;
   if (profile.nvme_block_bytes > 0 && profile.nvme_queue_depth > 0) {
     base.io_block_bytes = profile.nvme_block_bytes;
     base.io_queue_depth = profile.nvme_queue_depth;

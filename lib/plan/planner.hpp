@@ -56,6 +56,10 @@ struct PlanConstraints {
   // Whether gradients may spill to NVMe (the engine accepts the key but keeps gradients in host
   // memory in this version).
   bool allow_gradient_spill = true;
+  // zinf.overlap_step and the part of the compute its optimizer pass hides behind
+  // (EngineSetup, time_model.hpp).
+  bool overlap_step = true;
+  double overlap_compute_fraction = 1.0;
 };
 
 struct TierUse {

@@ -146,7 +146,11 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double others_s = std::max({out.compute_s, out.collectives_s, out.param_fetch_s});
   out.forward_backward_s = std::max(others_s, offload_first_s) +
                            (micro_batches - 1.0) * std::max(others_s, offload_later_s);
-  out.step_s = out.forward_backward_s + out.optimizer_step_s;
+  if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
+    const double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
+    out.optimizer_hidden_s = std::min(out.optimizer_step_s, fraction * out.forward_backward_s);
+  }
+  out.step_s = out.forward_backward_s + out.optimizer_step_s - out.optimizer_hidden_s;
   return out;
 }
 

@@ -46,7 +46,18 @@
 //   forward_backward = Σ over micro-batches of max(compute, collectives, param fetch, that
 //                  micro-batch's grad offload) (the engine prefetches and reduces while
 //                  modules compute)
-// step = forward_backward + optimizer_step.
+// step, sequential (zinf.overlap_step false, or the optimizer on the device, which the engine
+// does not overlap):
+//   step = forward_backward + optimizer_step
+// step, overlapped (zinf.overlap_step, the default, with the optimizer state offloaded: the
+// optimizer pass of step t runs behind the compute of step t+1, docs/ENGINE.md "The overlapped
+// step"): of the pass, at most c·forward_backward hides behind compute, c =
+// overlap_compute_fraction, the part of the compute the pass can run behind:
+//   hidden = min(optimizer_step, c·forward_backward)
+//   step   = forward_backward + optimizer_step − hidden
+// With c = 1 (the pass may run behind the forward and the backward) step = max(forward_backward,
+// optimizer_step). The engine of this version hides it behind the next forward only, about a
+// third of forward + backward (a quarter with checkpointing): c = 1/3 models it.
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -100,6 +111,7 @@ struct StepPrediction {
   double param_fetch_s = 0;
   double grad_offload_s = 0;
   double forward_backward_s = 0;
+  double optimizer_hidden_s = 0;  // of optimizer_step_s, behind compute (the overlapped step)
   double step_s = 0;
   // Traffic per step, per machine.
   std::uint64_t nvme_read_bytes = 0;

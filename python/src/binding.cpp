@@ -18,6 +18,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -323,12 +324,69 @@ class PyEngine {
   }
 
   nb::dict memory() const {
+    // Engine::memory() requires finalize() (the buffers are sized there); refused as in C.
+    if (!engine().finalized()) {
+      throw ZinfError(zinf::Status::failed_precondition(
+          "memory: the engine is not finalized (its buffers are sized at finalize)"));
+    }
     const zinf::MemoryReport m = engine().memory();
     nb::dict out;
     out["device_bytes"] = m.device_bytes;
     out["host_bytes"] = m.host_bytes;
     out["nvme_bytes"] = m.nvme_bytes;
+    out["activation_device_bytes_peak"] = m.activation_device_bytes_peak;
+    out["activation_host_bytes"] = m.activation_host_bytes;
+    out["activation_nvme_bytes"] = m.activation_nvme_bytes;
+    out["activation_nvme_write_bytes"] = m.activation_nvme_write_bytes;
+    out["activation_nvme_read_bytes"] = m.activation_nvme_read_bytes;
     return out;
+  }
+
+  // Engine::save_activation of the bytes of `data` (a C-contiguous host array). The store copies
+  // from device memory, and torch's CPU tensors are not memory of this HostDevice, so the bytes
+  // go through a device buffer, held until the store's next call has returned (the store reads
+  // a save's memory asynchronously, until then).
+  void save_activation(const std::string& key, const HostArray& data) {
+    zinf::Engine& core = engine();  // raises once closed, before the device is used
+    const std::size_t bytes = data.nbytes();
+    zinf::DeviceBuffer staging;
+    if (bytes > 0) {
+      staging = take(zinf::DeviceBuffer::allocate(*device_, bytes));
+      std::memcpy(staging.data(), data.data(), bytes);
+    }
+    auto it = activation_bytes_.try_emplace(key, 0).first;
+    const void* pointer = staging.data();
+    zinf::Status status;
+    {
+      nb::gil_scoped_release release;
+      status = core.save_activation(key, pointer, bytes);
+    }
+    // This call returned: the store is done with the buffers of the saves before it (unless it
+    // failed before waiting for them, when they are kept).
+    if (status.is_ok()) pending_saves_.clear();
+    pending_saves_.push_back(std::move(staging));
+    check(status);
+    it->second = bytes;
+  }
+
+  // Engine::load_activation into `out`, which must hold exactly the bytes saved under `key`
+  // (checked here: the engine writes the saved size), through a device buffer as above.
+  void load_activation(const std::string& key, const HostArray& out) {
+    zinf::Engine& core = engine();  // raises once closed, before the device is used
+    const auto it = activation_bytes_.find(key);
+    const std::size_t bytes = out.nbytes();
+    if (it != activation_bytes_.end() && it->second != 0 && it->second != bytes) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "load_activation('" + key + "'): out holds " + std::to_string(bytes) +
+          " bytes, the activation " + std::to_string(it->second)));
+    }
+    zinf::DeviceBuffer staging;
+    if (bytes > 0) staging = take(zinf::DeviceBuffer::allocate(*device_, bytes));
+    void* pointer = staging.data();
+    without_gil([&] { return core.load_activation(key, pointer); });
+    pending_saves_.clear();
+    std::memcpy(out.data(), pointer, bytes);
+    if (it != activation_bytes_.end()) it->second = 0;
   }
 
   // Destroys the engine, then the communicator (an MpiComm stops its progress thread and frees
@@ -337,6 +395,7 @@ class PyEngine {
   void close() {
     nb::gil_scoped_release release;
     engine_.reset();
+    pending_saves_.clear();
     comms_.clear();
     device_.reset();
   }
@@ -349,9 +408,13 @@ class PyEngine {
 
  private:
   std::unique_ptr<zinf::Device> device_;
+  // Device copies of the last saved activations, read by the store until its next call returns.
+  std::vector<zinf::DeviceBuffer> pending_saves_;
   std::vector<std::unique_ptr<zinf::Communicator>> comms_;
   std::unique_ptr<zinf::Engine> engine_;
   std::unordered_map<std::string, std::size_t> element_counts_;
+  // Bytes of each activation saved and not loaded yet (0: none), for load_activation's check.
+  std::unordered_map<std::string, std::size_t> activation_bytes_;
 };
 
 }  // namespace
@@ -386,7 +449,7 @@ NB_MODULE(_zinf, m) {
       nb::arg("dir"), nb::arg("tag"), nb::arg("out"), nb::arg("dtype"),
       "Writes a checkpoint's full fp32 masters as a safetensors file (zinf ckpt export).");
 
-  nb::class_<PyEngine>(m, "Engine")
+  nb::class_<PyEngine>(m, "Engine", nb::is_weak_referenceable())
       .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t,
                     const std::string&>(),
            nb::arg("config_json"), nb::arg("nvme_paths") = std::vector<std::string>{},
@@ -462,5 +525,15 @@ NB_MODULE(_zinf, m) {
       .def("modules", [](const PyEngine& e) { return e.engine().modules(); })
       .def("recorded_order", [](const PyEngine& e) { return e.engine().recorded_order(); })
       .def("counters", &PyEngine::counters)
-      .def("memory", &PyEngine::memory);
+      .def("memory", &PyEngine::memory)
+      .def("save_activation", &PyEngine::save_activation, nb::arg("key"), nb::arg("data"))
+      .def("load_activation", &PyEngine::load_activation, nb::arg("key"), nb::arg("out"))
+      .def("flush_activations",
+           [](PyEngine& e) {
+             zinf::Engine& core = e.engine();
+             without_gil([&] { return core.flush_activations(); });
+           })
+      .def("set_activation_bytes", [](PyEngine& e, std::uint64_t device_bytes) {
+        e.engine().set_activation_bytes(device_bytes);
+      });
 }

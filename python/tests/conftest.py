@@ -58,6 +58,25 @@ def train_zinf(engine, batches):
     return losses
 
 
+def train_torch(model, optimizer, batches, scheduler=None, set_lrs=None):
+    """Plain torch's training loop, the oracle of the zinf runs: for step k = 1, 2, ...
+    set_lrs(k, optimizer) when given, the loss, backward, clip_grad_norm_ to CLIP, the optimizer's
+    step, the scheduler's step when given, zero_grad. Returns the per-step losses."""
+    losses = []
+    for k, (ids, labels) in enumerate(batches, start=1):
+        if set_lrs is not None:
+            set_lrs(k, optimizer)
+        loss = model(input_ids=ids, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 @pytest.fixture(scope="session")
 def torch_reference():
     """Plain torch: the same model and batches, torch.optim.AdamW, clip_grad_norm_. Returns
@@ -65,12 +84,5 @@ def torch_reference():
     model = make_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                   weight_decay=WEIGHT_DECAY)
-    losses = []
-    for ids, labels in make_batches():
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_torch(model, optimizer, make_batches())
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}

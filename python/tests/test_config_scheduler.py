@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import BETAS, CLIP, EPS, LR, make_batches, make_model, train_zinf, zinf_config
+from conftest import BETAS, EPS, LR, make_batches, make_model, train_torch, train_zinf, zinf_config
 
 STEPS = 12
 WARMUP, TOTAL = 5, 10
@@ -74,16 +74,12 @@ def torch_run(batches, lr_at):
     DeepSpeed's engine runs it (the scheduler built at iteration -1, stepped after each step)."""
     model = make_model()
     optimizer = torch.optim.AdamW(grouped(model), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.01)
-    losses = []
-    for k, (ids, labels) in enumerate(batches, start=1):
+
+    def set_lrs(k, optimizer):
         for group, scale in zip(optimizer.param_groups, (1.0, 2.0)):
             group["lr"] = lr_at(k - 2) * scale
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+
+    losses = train_torch(model, optimizer, batches, set_lrs=set_lrs)
     return losses, dict(model.named_parameters())
 
 

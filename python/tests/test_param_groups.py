@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import BETAS, CLIP, EPS, LR, make_batches, make_model, train_zinf, zinf_config
+from conftest import BETAS, EPS, LR, make_batches, make_model, train_torch, train_zinf, zinf_config
 
 STEPS = 12
 
@@ -26,15 +26,7 @@ def torch_run(batches):
     model = make_model()
     optimizer = torch.optim.AdamW(grouped(model), lr=LR, betas=BETAS, eps=EPS)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup)
-    losses = []
-    for ids, labels in batches:
-        loss = model(input_ids=ids, labels=labels).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+    losses = train_torch(model, optimizer, batches, scheduler=scheduler)
     return losses, dict(model.named_parameters())
 
 

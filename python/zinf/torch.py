@@ -48,11 +48,13 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from . import _torch_init, _zinf
+from . import _offload, _torch_init, _zinf
 from ._gathered import GatheredParameters
+from ._offload import checkpoint, offload_saved_tensors
 from ._torch_init import Init
 
-__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error"]
+__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error",
+           "checkpoint", "offload_saved_tensors"]
 
 Error = _zinf.Error
 
@@ -477,13 +479,16 @@ class ZinfEngine(nn.Module):
             return tensor
         found = self._gathered_ptrs.get(ptr)
         if found is None:
-            return tensor
+            # Not a parameter view: the caller's offload_saved_tensors, whose hooks these
+            # (inner) ones hide, takes it when one is entered.
+            offload = _offload.active_offload()
+            return tensor if offload is None else offload._pack(tensor)
         return _SavedParameterView(found[0], found[1], tensor)
 
     @staticmethod
     def _unpack_saved(saved):
         if not isinstance(saved, _SavedParameterView):
-            return saved
+            return _offload._unpack(saved)
         data = saved.param.data
         if data.numel() == 0:
             raise RuntimeError(f"zinf: parameter '{saved.name}' is needed by the backward but "

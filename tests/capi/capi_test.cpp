@@ -903,5 +903,125 @@ TEST(CApi, ARankLeftWaitingTimesOutAndStaysFailed) {
   zinf_config_destroy(config);
 }
 
+// Seeded random bytes: what a checkpoint holds in the activation tests.
+std::vector<unsigned char> random_bytes(std::size_t bytes, std::uint64_t seed) {
+  std::vector<unsigned char> out(bytes);
+  std::uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (unsigned char& b : out) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b = static_cast<unsigned char>(x >> 24);
+  }
+  return out;
+}
+
+// Activation checkpoints through the C API: six of 64 KiB saved with no host arena go to NVMe
+// through the four staging blocks and come back the same bytes, in reverse order; the memory
+// report counts the NVMe traffic; the errors name the key. Then a checkpoint whose blocks on the
+// drive were overwritten comes back as ZINF_CORRUPTION naming it, and the error is sticky.
+TEST(CApi, ActivationsRoundTripThroughNvmeAndErrorsNameTheKey) {
+  ScratchDir scratch("capi_activations");
+  const std::string json = fmt::format(
+      R"({{"zero_optimization": {{"stage": 2}},
+          "activation_checkpointing": {{"cpu_checkpointing": true}},
+          "zinf": {{"cpu_threads": 1, "activation_host_bytes": 0,
+                   "activation_nvme_path": "{}", "activation_nvme_bytes": 4194304}}}})",
+      scratch.path());
+  OneRank one(json);
+  ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+  zinf_engine_t* e = one.engine_;
+  const float values[3] = {1.0f, -2.0f, 0.5f};
+  const std::int64_t shape[1] = {3};
+  ASSERT_EQ(zinf_engine_register_parameter(e, "w", "m", shape, 1, ZINF_DTYPE_F32, values), ZINF_OK);
+  ASSERT_EQ(zinf_engine_finalize(e), ZINF_OK) << zinf_last_error_message();
+
+  constexpr std::size_t kBytes = 64 << 10;
+  constexpr int kCount = 6;
+  // Checkpoints are device memory (the host device's memory is host-accessible).
+  Result<DeviceBuffer> allocated = DeviceBuffer::allocate(*capi::device_of(e), kBytes);
+  ASSERT_TRUE(allocated.is_ok()) << allocated.status().to_string();
+  DeviceBuffer device_buffer = std::move(allocated).value();
+  auto* dev = static_cast<unsigned char*>(device_buffer.data());
+  std::vector<unsigned char> buffer(kBytes);
+  const auto fill = [&](std::uint64_t seed) {
+    buffer = random_bytes(kBytes, seed);
+    std::memcpy(dev, buffer.data(), kBytes);
+  };
+  const auto load = [&](const std::string& key) {
+    // The last save reads `dev` until the store's next call returns: flush before reusing it.
+    EXPECT_EQ(zinf_engine_flush_activations(e), ZINF_OK) << zinf_last_error_message();
+    std::memset(dev, 0, kBytes);
+    const zinf_code_t code = zinf_engine_load_activation(e, key.c_str(), dev, kBytes);
+    std::memcpy(buffer.data(), dev, kBytes);
+    return code;
+  };
+  const auto key = [](int i) { return fmt::format("block{}.input", i); };
+  for (int step = 0; step < 2; ++step) {
+    for (int i = 0; i < kCount; ++i) {
+      ASSERT_EQ(zinf_engine_flush_activations(e), ZINF_OK) << zinf_last_error_message();
+      fill(kSeed + std::uint64_t(10 * step + i));
+      ASSERT_EQ(zinf_engine_save_activation(e, key(i).c_str(), dev, kBytes), ZINF_OK)
+          << zinf_last_error_message();
+    }
+    if (step == 0) {
+      EXPECT_CODE(zinf_engine_save_activation(e, "block2.input", dev, kBytes),
+                  ZINF_FAILED_PRECONDITION, "block2.input");
+      EXPECT_CODE(zinf_engine_save_activation(e, "block9.input", nullptr, kBytes),
+                  ZINF_INVALID_ARGUMENT, "block9.input");
+      EXPECT_CODE(zinf_engine_save_activation(e, nullptr, dev, kBytes), ZINF_INVALID_ARGUMENT,
+                  "key is null");
+      EXPECT_CODE(zinf_engine_load_activation(e, "block9.input", dev, kBytes), ZINF_NOT_FOUND,
+                  "block9.input");
+      EXPECT_CODE(zinf_engine_load_activation(e, "block5.input", dev, kBytes - 1),
+                  ZINF_INVALID_ARGUMENT, "block5.input");
+    }
+    for (int i = kCount - 1; i >= 0; --i) {
+      ASSERT_EQ(load(key(i)), ZINF_OK) << zinf_last_error_message();
+      ASSERT_EQ(buffer, random_bytes(kBytes, kSeed + std::uint64_t(10 * step + i)))
+          << key(i) << " step " << step;
+    }
+    EXPECT_CODE(zinf_engine_load_activation(e, "block0.input", dev, kBytes), ZINF_NOT_FOUND,
+                "block0.input");
+  }
+  ASSERT_EQ(zinf_engine_set_activation_bytes(e, 3 * kBytes), ZINF_OK);
+  zinf_memory_report_t memory{};
+  memory.struct_size = sizeof memory;
+  ASSERT_EQ(zinf_engine_memory(e, &memory), ZINF_OK) << zinf_last_error_message();
+  // Every checkpoint went to NVMe (no arena): 2 steps x 6 x 64 KiB written; the first two of each
+  // step left their staging blocks before the loads and were read back from the drive.
+  EXPECT_EQ(memory.activation_nvme_write_bytes, 2u * kCount * kBytes);
+  EXPECT_GE(memory.activation_nvme_read_bytes, 2u * 2u * kBytes);
+  EXPECT_LE(memory.activation_nvme_read_bytes, 2u * kCount * kBytes);
+  EXPECT_EQ(memory.activation_nvme_bytes, 4u << 20);
+  EXPECT_GE(memory.activation_host_bytes, 4u * (8u << 20));     // the staging blocks
+  EXPECT_EQ(memory.activation_device_bytes_peak, 3u * kBytes);  // the caller's figure only
+
+  // The drive's copy of block0.input (the swap file's first extent) overwritten with other bytes.
+  for (int i = 0; i < kCount; ++i) {
+    ASSERT_EQ(zinf_engine_flush_activations(e), ZINF_OK);
+    fill(kSeed + std::uint64_t(100 + i));
+    ASSERT_EQ(zinf_engine_save_activation(e, key(i).c_str(), dev, kBytes), ZINF_OK)
+        << zinf_last_error_message();
+  }
+  std::vector<std::string> files;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(scratch.path())) {
+    if (entry.is_regular_file()) files.push_back(entry.path().string());
+  }
+  ASSERT_EQ(files.size(), 1u) << "the activation swap file";
+  {
+    std::fstream f(files[0], std::ios::in | std::ios::out | std::ios::binary);
+    ASSERT_TRUE(f.good()) << files[0];
+    const std::vector<unsigned char> garbage = random_bytes(kBytes, 7);
+    f.seekp(0);
+    f.write(reinterpret_cast<const char*>(garbage.data()), std::streamsize(kBytes));
+    ASSERT_TRUE(f.good()) << files[0];
+  }
+  EXPECT_CODE(zinf_engine_load_activation(e, "block0.input", dev, kBytes), ZINF_CORRUPTION,
+              "block0.input");
+  EXPECT_CODE(zinf_engine_load_activation(e, "block1.input", dev, kBytes), ZINF_CORRUPTION,
+              "block0.input");
+}
+
 }  // namespace
 }  // namespace zinf

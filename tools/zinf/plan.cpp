@@ -44,7 +44,13 @@ struct PlanOptions {
   std::uint64_t micro_batch = 1;
   std::uint64_t grad_accum = 1;
   bool checkpoint_activations = false;
+  bool offload_activations = false;
   bool no_flash_attention = false;
+  bool no_overlap_step = false;
+  double overlap_fraction = 1.0;
+  std::string arch = "transformer";
+  std::uint64_t context_bytes = 16;
+  std::uint64_t embed_dim = 16;
   std::uint64_t gpus = 1;
   std::uint64_t gpus_per_machine = 0;
   std::string gpu_mem;
@@ -215,6 +221,7 @@ nlohmann::json parts_json(const StepPrediction& t) {
           {"param_fetch_s", t.param_fetch_s},
           {"grad_offload_s", t.grad_offload_s},
           {"optimizer_step_s", t.optimizer_step_s},
+          {"optimizer_hidden_s", t.optimizer_hidden_s},
           {"pipeline_s", t.pipeline_s},
           {"io_alone_s", t.io_alone_s},
           {"io_read_s", t.io_read_s},
@@ -372,7 +379,18 @@ void run_plan(const PlanOptions& o) {
     return;
   }
   ModelShape model;
-  if (!o.model.empty()) {
+  if (o.arch == "train_lm") {
+    if (!o.model.empty() || !o.params.empty() || o.layers == 0 || o.hidden == 0) {
+      fail(
+          "--arch train_lm: give --layers L --hidden H (and --context, --embed as train_lm's), "
+          "not --model or --params");
+      return;
+    }
+    model = train_lm_model(o.layers, o.hidden, o.context_bytes, o.embed_dim);
+  } else if (o.arch != "transformer") {
+    fail(fmt::format("--arch {}: must be transformer or train_lm", o.arch));
+    return;
+  } else if (!o.model.empty()) {
     auto preset = find_model_preset(o.model);
     if (!preset) {
       std::string names;
@@ -396,7 +414,12 @@ void run_plan(const PlanOptions& o) {
   training.micro_batch = o.micro_batch;
   training.grad_accum_steps = o.grad_accum;
   training.checkpoint_activations = o.checkpoint_activations;
+  training.offload_activations = o.offload_activations;
   training.flash_attention = !o.no_flash_attention;
+  if (o.offload_activations && !o.checkpoint_activations) {
+    fail("--offload-activations needs --checkpoint-activations");
+    return;
+  }
 
   Budgets budgets;
   budgets.gpus = o.gpus;
@@ -413,6 +436,8 @@ void run_plan(const PlanOptions& o) {
   }
   PlanConstraints constraints;
   constraints.allow_gradient_spill = !o.no_gradient_spill;
+  constraints.overlap_step = !o.no_overlap_step;
+  constraints.overlap_compute_fraction = o.overlap_fraction;
   if (o.stage != 0) constraints.stage = o.stage;
   for (auto [flag, text, field] :
        {std::tuple{"--offload-optimizer", &o.offload_optimizer, &constraints.optimizer},
@@ -549,8 +574,16 @@ void run_plan(const PlanOptions& o) {
     table.add_row({"fits", fit_cell(c.use[0]), fit_cell(c.use[1]), fit_cell(c.use[2])});
     table.print();
     const StepPrediction& t = c.time;
-    fmt::print("\npredicted step {} = forward+backward {} + optimizer step {}\n", secs(t.step_s),
-               secs(t.forward_backward_s), secs(t.optimizer_step_s));
+    if (t.optimizer_hidden_s > 0) {
+      fmt::print(
+          "\npredicted step {} = forward+backward {} + optimizer step {} - {} of it hidden behind "
+          "compute (zinf.overlap_step)\n",
+          secs(t.step_s), secs(t.forward_backward_s), secs(t.optimizer_step_s),
+          secs(t.optimizer_hidden_s));
+    } else {
+      fmt::print("\npredicted step {} = forward+backward {} + optimizer step {}\n", secs(t.step_s),
+                 secs(t.forward_backward_s), secs(t.optimizer_step_s));
+    }
     Table time({"part", "time", "what"});
     time.add_row(
         {"forward+backward", secs(t.forward_backward_s),
@@ -634,6 +667,22 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--grad-accum", o->grad_accum, "Micro-batches per step")->capture_default_str();
   sub->add_flag("--checkpoint-activations", o->checkpoint_activations,
                 "Activation checkpointing (recompute each layer in backward)");
+  sub->add_flag("--offload-activations", o->offload_activations,
+                "With --checkpoint-activations: the checkpoints live in host memory");
+  sub->add_flag("--no-overlap-step", o->no_overlap_step,
+                "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
+  sub->add_option("--overlap-fraction", o->overlap_fraction,
+                  "Part of forward + backward the overlapped optimizer pass hides behind (1: "
+                  "both; about 0.33: the next forward only)")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
+  sub->add_option("--arch", o->arch,
+                  "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
+                  "--context, --embed)")
+      ->capture_default_str();
+  sub->add_option("--context", o->context_bytes, "--arch train_lm: its --context")
+      ->capture_default_str();
+  sub->add_option("--embed", o->embed_dim, "--arch train_lm: its --embed")->capture_default_str();
   sub->add_flag("--no-flash-attention", o->no_flash_attention,
                 "Attention keeps its a*s^2 score matrices for backward");
   sub->add_option("--gpus", o->gpus, "GPUs in the job")->capture_default_str();
