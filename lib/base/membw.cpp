@@ -35,7 +35,7 @@ struct Stream {
 };
 constexpr std::size_t kStreamStaggerBytes = 576;  // 9 cache lines: distinct mod 4 KiB for 7 streams
 
-using Vec16 = long long __attribute__((vector_size(16)));
+using Vec16 = unsigned long long __attribute__((vector_size(16)));
 
 void pass_range_sse2(const membw::StreamView* reads, int read_count,
                      const membw::StreamView* in_place, int in_place_count,

@@ -3,7 +3,7 @@
 
 namespace zinf::membw {
 
-using Vec = long long __attribute__((vector_size(32)));
+using Vec = unsigned long long __attribute__((vector_size(32)));
 
 void pass_range_avx2(const StreamView* reads, int read_count, const StreamView* in_place,
                      int in_place_count, const StreamView* writes, int write_count,

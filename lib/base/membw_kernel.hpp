@@ -10,7 +10,8 @@
 // through an L1 accumulator, SSE2) ran 25-40% below a fused AVX-512 optimizer kernel. The
 // arithmetic is trivial and integer: the read streams are XOR-ed into one accumulator, each
 // in-place stream gets it added, each write-only stream gets it stored. Every byte of every stream
-// is read or written exactly as the pattern says, once.
+// is read or written exactly as the pattern says, once. The vector's elements are unsigned, so
+// the addition wraps (on signed elements it overflows, which is undefined and which UBSan reports).
 #pragma once
 
 #include <array>

@@ -93,6 +93,12 @@ Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind
   const std::size_t recv_bytes =
       kind == CollectiveKind::kAllGather ? chunk_bytes * world : chunk_bytes;
   const bool in_place = form == Form::kInPlace;
+  // The host buffers outlive the stream (declared before it, so destroyed after its thread is
+  // joined): a call that fails returns while the copies it queued may still run.
+  Result<RegisteredBuffer> host_in = RegisteredBuffer::allocate(device, send_bytes);
+  Result<RegisteredBuffer> host_out = RegisteredBuffer::allocate(device, recv_bytes);
+  ZINF_RETURN_IF_ERROR(host_in.status());
+  ZINF_RETURN_IF_ERROR(host_out.status());
   // In place: one buffer of the larger size, with send or recv at this rank's offset.
   Run run(device, std::max(send_bytes, recv_bytes), recv_bytes);
   auto* base = static_cast<std::byte*>(run.send.data());
@@ -104,10 +110,6 @@ Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind
   if (in_place && kind == CollectiveKind::kReduceScatter) {
     recv = base + static_cast<std::size_t>(rank) * chunk_bytes;
   }
-  Result<RegisteredBuffer> host_in = RegisteredBuffer::allocate(device, send_bytes);
-  Result<RegisteredBuffer> host_out = RegisteredBuffer::allocate(device, recv_bytes);
-  ZINF_RETURN_IF_ERROR(host_in.status());
-  ZINF_RETURN_IF_ERROR(host_out.status());
   std::memcpy(host_in.value().data(), input.data(), send_bytes);
   ZINF_RETURN_IF_ERROR(device.copy_h2d(send, host_in.value().data(), send_bytes, *run.stream));
   Collective c{kind, send, recv, count, dtype, op, root, "test data"};

@@ -117,8 +117,10 @@ void Problem::set_grad(std::size_t i, float value) {
 }
 
 bool Problem::same_bits(const Problem& other) const {
+  // An unused vector's data() is null, which memcmp must not be given even for 0 bytes.
   auto same = [](const auto& a, const auto& b) {
-    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0;
+    return a.size() == b.size() &&
+           (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(a[0])) == 0);
   };
   return same(params_, other.params_) && same(exp_avg_, other.exp_avg_) &&
          same(exp_avg_sq_, other.exp_avg_sq_) && same(half_, other.half_) &&
