@@ -257,6 +257,12 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp/zinf-bench-checkpoint";
   zinf::OffloadDevice offload = zinf::OffloadDevice::kNvme;
   int rounds = 3;
+  if (argc % 2 == 0) {  // every option takes a value: an odd count of words is a mistake
+    fmt::print(stderr,
+               "usage: bench_engine_checkpoint [--params N] [--dir DIR] [--offload cpu|nvme] "
+               "[--rounds R]\n");
+    return 2;
+  }
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string key = argv[i];
     const std::string value = argv[i + 1];
@@ -265,6 +271,10 @@ int main(int argc, char** argv) {
     } else if (key == "--dir") {
       dir = value;
     } else if (key == "--offload") {
+      if (value != "cpu" && value != "nvme") {
+        fmt::print(stderr, "--offload {}: expected cpu or nvme\n", value);
+        return 2;
+      }
       offload = value == "cpu" ? zinf::OffloadDevice::kHost : zinf::OffloadDevice::kNvme;
     } else if (key == "--rounds") {
       rounds = std::max(1, std::atoi(value.c_str()));
