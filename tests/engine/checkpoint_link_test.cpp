@@ -27,6 +27,7 @@ namespace {
 
 using engine_test::Model;
 using engine_test::TrainOptions;
+using engine_test::with_engines;
 
 // Every group a multiple of 2048 elements, so that each rank's partition (world 1 or 2) and each
 // sub-group of 1024 parameters is whole 4 KiB pages: the store's checkpoint layout.
@@ -64,22 +65,6 @@ Status read_masters(Engine& engine, const Model& model, Masters* out) {
     out->push_back(std::move(values));
   }
   return Status::ok();
-}
-
-// Runs fn(rank, engine) on `world` ranks of finalized engines; each rank's Status.
-std::vector<Status> with_engines(const Config& config, const Model& model, int world,
-                                 const std::function<Status(int, Engine&)>& fn) {
-  engine_test::Ranks ranks = engine_test::make_ranks(world);
-  return engine_test::run_ranks(world, [&](int rank) -> Status {
-    const auto r = static_cast<std::size_t>(rank);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    ZINF_RETURN_IF_ERROR(engine->finalize());
-    return fn(rank, *engine);
-  });
 }
 
 Status train(Engine& engine, const Model& model, int rank, int first_step, int last_step) {

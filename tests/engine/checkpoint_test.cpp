@@ -24,6 +24,7 @@ namespace {
 
 using engine_test::Model;
 using engine_test::TrainOptions;
+using engine_test::with_engines;
 
 struct CkptCase {
   int world;
@@ -192,23 +193,6 @@ INSTANTIATE_TEST_SUITE_P(Engine, CheckpointTest, ::testing::ValuesIn(cases()),
                          [](const ::testing::TestParamInfo<CkptCase>& info) {
                            return case_name(info.param);
                          });
-
-// Runs fn(rank, engine) on `world` ranks of a finalized engine of `config` and returns each
-// rank's Status.
-std::vector<Status> with_engines(const Config& config, const Model& model, int world,
-                                 const std::function<Status(int, Engine&)>& fn) {
-  engine_test::Ranks ranks = engine_test::make_ranks(world);
-  return engine_test::run_ranks(world, [&](int rank) -> Status {
-    const auto r = static_cast<std::size_t>(rank);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    ZINF_RETURN_IF_ERROR(engine->finalize());
-    return fn(rank, *engine);
-  });
-}
 
 Status train_and_save(Engine& engine, const Model& model, int rank, const std::string& dir) {
   TrainOptions options;

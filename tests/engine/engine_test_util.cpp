@@ -81,6 +81,16 @@ std::vector<Status> run_engines(const Config& config, Ranks& ranks,
   });
 }
 
+std::vector<Status> with_engines(const Config& config, const Model& model, int world,
+                                 const std::function<Status(int rank, Engine& engine)>& fn) {
+  Ranks ranks = make_ranks(world);
+  return run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(register_model(engine, model));
+    ZINF_RETURN_IF_ERROR(engine.finalize());
+    return fn(rank, engine);
+  });
+}
+
 std::vector<float> widen_view(const TensorView& view) {
   std::vector<float> out(view.element_count);
   switch (view.dtype) {

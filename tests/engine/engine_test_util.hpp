@@ -56,6 +56,11 @@ std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& 
 std::vector<Status> run_engines(const Config& config, Ranks& ranks,
                                 const std::function<Status(int rank, Engine& engine)>& fn);
 
+// Makes `world` ranks (make_ranks' defaults), opens an engine of `config` on each, registers
+// `model` and finalizes, then runs fn(rank, engine); returns each rank's Status.
+std::vector<Status> with_engines(const Config& config, const Model& model, int world,
+                                 const std::function<Status(int rank, Engine& engine)>& fn);
+
 // A gathered parameter (host-accessible memory) widened to f32.
 std::vector<float> widen_view(const TensorView& view);
 // Gradient values rounded to nearest even in `dtype` (kBF16 or kF16), as a program hands them.
