@@ -38,6 +38,19 @@ Status read_rate(const json& object, const char* key, const std::string& path, d
   return Status::ok();
 }
 
+// An optional count of an io.results[] entry: absent is 0; present, it must be a non-negative
+// integer (a float such as 2e83 would not fit the conversion).
+Status read_count(const json& entry, const char* key, std::uint64_t* out) {
+  const auto it = entry.find(key);
+  if (it == entry.end()) return Status::ok();
+  if (!it->is_number_unsigned()) {
+    return Status::invalid_argument(
+        fmt::format("io.results[].{}: is not a non-negative integer", key));
+  }
+  *out = it->get<std::uint64_t>();
+  return Status::ok();
+}
+
 // Picks NVMe rates out of an io tune sweep: the entry at the engine's block size and depth, or
 // the best read and best write.
 Status read_sweep(const json& results, std::uint64_t block_bytes, std::uint64_t queue_depth,
@@ -51,8 +64,11 @@ Status read_sweep(const json& results, std::uint64_t block_bytes, std::uint64_t 
     double w = 0;
     ZINF_RETURN_IF_ERROR(read_rate(entry, "read_gbps", "io.results[].", &r));
     ZINF_RETURN_IF_ERROR(read_rate(entry, "write_gbps", "io.results[].", &w));
-    const bool match = entry.value("block_bytes", std::uint64_t{0}) == block_bytes &&
-                       entry.value("queue_depth", std::uint64_t{0}) == queue_depth;
+    std::uint64_t entry_block = 0;
+    std::uint64_t entry_depth = 0;
+    ZINF_RETURN_IF_ERROR(read_count(entry, "block_bytes", &entry_block));
+    ZINF_RETURN_IF_ERROR(read_count(entry, "queue_depth", &entry_depth));
+    const bool match = entry_block == block_bytes && entry_depth == queue_depth;
     if (match && r > 0 && w > 0) {
       *read_gbps = r;
       *write_gbps = w;
