@@ -38,14 +38,13 @@ Status read_rate(const json& object, const char* key, const std::string& path, d
   return Status::ok();
 }
 
-// An optional count of an io.results[] entry: absent is 0; present, it must be a non-negative
-// integer (a float such as 2e83 would not fit the conversion).
-Status read_count(const json& entry, const char* key, std::uint64_t* out) {
+// An optional count of a sweep entry (`where` names it in errors): absent is 0; present, it must
+// be a non-negative integer (a float such as 2e83 would not fit the conversion).
+Status read_count(const json& entry, const char* where, const char* key, std::uint64_t* out) {
   const auto it = entry.find(key);
   if (it == entry.end()) return Status::ok();
   if (!it->is_number_unsigned()) {
-    return Status::invalid_argument(
-        fmt::format("io.results[].{}: is not a non-negative integer", key));
+    return Status::invalid_argument(fmt::format("{}{}: is not a non-negative integer", where, key));
   }
   *out = it->get<std::uint64_t>();
   return Status::ok();
@@ -66,8 +65,8 @@ Status read_sweep(const json& results, std::uint64_t block_bytes, std::uint64_t 
     ZINF_RETURN_IF_ERROR(read_rate(entry, "write_gbps", "io.results[].", &w));
     std::uint64_t entry_block = 0;
     std::uint64_t entry_depth = 0;
-    ZINF_RETURN_IF_ERROR(read_count(entry, "block_bytes", &entry_block));
-    ZINF_RETURN_IF_ERROR(read_count(entry, "queue_depth", &entry_depth));
+    ZINF_RETURN_IF_ERROR(read_count(entry, "io.results[].", "block_bytes", &entry_block));
+    ZINF_RETURN_IF_ERROR(read_count(entry, "io.results[].", "queue_depth", &entry_depth));
     const bool match = entry_block == block_bytes && entry_depth == queue_depth;
     if (match && r > 0 && w > 0) {
       *read_gbps = r;
@@ -98,16 +97,19 @@ Status read_io_tune(const json& root, MachineProfile* p) {
   double write = 0;
   ZINF_RETURN_IF_ERROR(read_rate(best.at("read"), "gbps", "best.read.", &read));
   ZINF_RETURN_IF_ERROR(read_rate(best.at("write"), "gbps", "best.write.", &write));
-  const std::uint64_t block = best.at("read").value("block_bytes", std::uint64_t{0});
-  const std::uint64_t depth = best.at("read").value("queue_depth", std::uint64_t{0});
+  std::uint64_t block = 0;
+  std::uint64_t depth = 0;
+  ZINF_RETURN_IF_ERROR(read_count(best.at("read"), "best.read.", "block_bytes", &block));
+  ZINF_RETURN_IF_ERROR(read_count(best.at("read"), "best.read.", "queue_depth", &depth));
   double write_there = 0;
   if (root.contains("points") && root.at("points").is_array()) {
     for (const json& point : root.at("points")) {
       if (!point.is_object() || point.value("op", std::string()) != "write") continue;
-      if (point.value("block_bytes", std::uint64_t{0}) != block ||
-          point.value("queue_depth", std::uint64_t{0}) != depth) {
-        continue;
-      }
+      std::uint64_t point_block = 0;
+      std::uint64_t point_depth = 0;
+      ZINF_RETURN_IF_ERROR(read_count(point, "points[].", "block_bytes", &point_block));
+      ZINF_RETURN_IF_ERROR(read_count(point, "points[].", "queue_depth", &point_depth));
+      if (point_block != block || point_depth != depth) continue;
       double gbps = 0;
       ZINF_RETURN_IF_ERROR(read_rate(point, "gbps", "points[].", &gbps));
       write_there = std::max(write_there, gbps);
