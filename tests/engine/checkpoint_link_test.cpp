@@ -210,18 +210,9 @@ TEST(CheckpointLink, FlippedBitInALinkedFileIsCorruptionNamingIt) {
   const std::string victim = dir + "/a/rank0.zinfckpt";
   const CheckpointManifest m = manifest(dir + "/a");
   ASSERT_FALSE(m.ranks.at(0).blocks.empty());
-  {
-    // A byte of the first moment.
-    const std::uint64_t at = 4096 + m.partition_elements * sizeof(float) + 999;
-    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
-    ASSERT_TRUE(f.good());
-    f.seekg(static_cast<std::streamoff>(at));
-    char byte = 0;
-    f.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x01);
-    f.seekp(static_cast<std::streamoff>(at));
-    f.write(&byte, 1);
-  }
+  // A byte of the first moment.
+  ASSERT_TRUE(
+      engine_test::flip_bits(victim, 4096 + m.partition_elements * sizeof(float) + 999, 0x01));
   // Resharded (two ranks): every block is checked before any is read, so the load fails.
   std::vector<Status> st =
       with_engines(config, model, 2, [&](int, Engine& e) { return e.load_checkpoint(dir, "a"); });
@@ -244,16 +235,7 @@ TEST(CheckpointLink, FlippedBitInALinkedFileIsCorruptionNamingIt) {
   EXPECT_NE(stepped.message().find(victim), std::string::npos) << stepped.to_string();
   EXPECT_NE(stepped.message().find("checksum"), std::string::npos) << stepped.to_string();
   // A flipped bit in the master is met by the load itself (it republishes from the master).
-  {
-    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
-    ASSERT_TRUE(f.good());
-    f.seekg(4096 + 5);
-    char byte = 0;
-    f.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x40);
-    f.seekp(4096 + 5);
-    f.write(&byte, 1);
-  }
+  ASSERT_TRUE(engine_test::flip_bits(victim, 4096 + 5, 0x40));
   st = with_engines(config, model, 1, [&](int, Engine& e) { return e.load_checkpoint(dir, "a"); });
   EXPECT_EQ(st[0].code(), Code::kCorruption) << st[0].to_string();
   EXPECT_NE(st[0].message().find(victim), std::string::npos) << st[0].to_string();

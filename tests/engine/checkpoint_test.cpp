@@ -214,16 +214,7 @@ TEST(CheckpointErrors, FlippedByteIsCorruptionNamingTheFile) {
   }
   // One byte of rank 1's optimizer state, past the header.
   const std::string victim = dir + "/global_step2/rank1.zinfckpt";
-  {
-    std::fstream f(victim, std::ios::in | std::ios::out | std::ios::binary);
-    ASSERT_TRUE(f.good());
-    f.seekg(4096 + 123);
-    char byte = 0;
-    f.read(&byte, 1);
-    byte = static_cast<char>(byte ^ 0x10);
-    f.seekp(4096 + 123);
-    f.write(&byte, 1);
-  }
+  ASSERT_TRUE(engine_test::flip_bits(victim, 4096 + 123, 0x10));
   // A load of the same layout streams each rank file into the state once, checking its checksum
   // at the end: the flip is found after the state was overwritten, so the engines then refuse
   // to train on the mixed state (the load's error is sticky), on both ranks.

@@ -7,6 +7,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <thread>
 
 #include "base/random.hpp"
@@ -89,6 +90,14 @@ std::vector<Status> with_engines(const Config& config, const Model& model, int w
     ZINF_RETURN_IF_ERROR(engine.finalize());
     return fn(rank, engine);
   });
+}
+
+bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  char byte = 0;
+  if (!f.seekg(static_cast<std::streamoff>(offset)) || !f.read(&byte, 1)) return false;
+  byte = static_cast<char>(static_cast<unsigned char>(byte) ^ mask);
+  return static_cast<bool>(f.seekp(static_cast<std::streamoff>(offset)).write(&byte, 1));
 }
 
 std::vector<float> widen_view(const TensorView& view) {

@@ -56,6 +56,10 @@ std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& 
 std::vector<Status> run_engines(const Config& config, Ranks& ranks,
                                 const std::function<Status(int rank, Engine& engine)>& fn);
 
+// XORs the byte at `offset` of the file at `path` with `mask` (a corruption a checksum must catch);
+// false when the file cannot be opened or is shorter.
+bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask);
+
 // Makes `world` ranks (make_ranks' defaults), opens an engine of `config` on each, registers
 // `model` and finalizes, then runs fn(rank, engine); returns each rank's Status.
 std::vector<Status> with_engines(const Config& config, const Model& model, int world,
