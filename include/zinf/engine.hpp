@@ -200,6 +200,10 @@ struct StepReport {
   std::int64_t hidden_ns = 0;
   // Time gather() waited since the previous step() for parameters the pass had not yet written.
   std::int64_t gather_wait_ns = 0;
+  // This step's pass began during its backward (the overlapped step with no gradient_clipping
+  // and no loss scaling, stages 2-3, gradients in host memory): it updated each part of the
+  // state as soon as the reductions into it were over, from the last module to the first.
+  bool in_backward = false;
 };
 
 // Bytes of this rank's state on each tier, fixed at finalize().

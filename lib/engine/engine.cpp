@@ -184,6 +184,14 @@ class Engine::Impl {
     // The device copies: every group's shard is the master rounded to the group's dtype.
     ZINF_RETURN_IF_ERROR(state_->place_initial());
     if (config_.overlap_step && state_->overlaps()) {
+      // Updates during the backward where nothing global decides the step first: no clipping
+      // and no loss scaling (the norm and the overflow check need every gradient), gradients in
+      // host memory and reduce-scattered as they come (stages 2 and 3; stage 1 reduces at the
+      // step). See step_overlap.hpp.
+      in_backward_ = state_->gates() && reducer_->zeroes_groups() &&
+                     config_.gradient_clipping <= 0.0 && !config_.fp16.enabled &&
+                     config_.zero.stage >= 2;
+      pending_final_.reserve(layout_.group_count());
       OverlappedStep::Parts parts;
       parts.layout = &layout_;
       parts.publisher = &publisher_;
@@ -193,6 +201,7 @@ class Engine::Impl {
       parts.counters = &counters_;
       parts.trace = env_.trace;
       parts.rank = rank_;
+      parts.in_backward = in_backward_;
       overlap_ = std::make_unique<OverlappedStep>(parts);
     }
     finalized_ = true;
@@ -235,7 +244,7 @@ class Engine::Impl {
       st = coord_->gather(m);
     }
     // A pass that failed is the cause of a gather that found it failed: its error first.
-    if (!st.is_ok() && overlap_ != nullptr && overlap_->running()) {
+    if (!st.is_ok() && overlap_ != nullptr && overlap_->running() && !overlap_->open()) {
       ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
     }
     if (!st.is_ok() && st.code() != Code::kFailedPrecondition &&
@@ -296,10 +305,12 @@ class Engine::Impl {
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
     // An overlapped pass reads the accumulator this adds into: with an accumulator that can be
     // zeroed by group, each of m's groups waits only until the pass has read it (below); else
-    // the whole pass is finished first.
+    // the whole pass is finished first. A pass opened in this backward (step_overlap.hpp) reads
+    // only groups whose reductions are over: nothing waits for it.
+    const bool open = overlap_ != nullptr && overlap_->open();
     const bool beside_pass =
-        overlap_ != nullptr && overlap_->running() && reducer_->zeroes_groups();
-    ZINF_RETURN_IF_ERROR(beside_pass ? ensure_finalized() : settle());
+        !open && overlap_ != nullptr && overlap_->running() && reducer_->zeroes_groups();
+    ZINF_RETURN_IF_ERROR(open || beside_pass ? ensure_finalized() : settle());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
     // finalize) is cleared first, so the call allocates nothing.
@@ -347,13 +358,73 @@ class Engine::Impl {
       if (!st.is_ok()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
       ZINF_RETURN_IF_ERROR(fail(st));
     }
-    Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
-    grads_pending_ = true;
-    return fail(reducer_->reduce(layout_.module_groups(m), sources));
+    if (open) {
+      const std::size_t first = layout_.module_params(m).front();
+      if (reducer_->reduced(static_cast<ParamId>(first)) >= config_.gradient_accumulation_steps) {
+        // The pass has taken this module's gradients as final already.
+        overlap_->cancel();
+        return fail(Status::failed_precondition(fmt::format(
+            "reduce_gradients('{}'): more than gradient_accumulation_steps ({}) micro-batches "
+            "since the last step; the optimizer step {} began updating with the {}th "
+            "(zinf.overlap_step updates during the backward when there is no gradient_clipping): "
+            "call step() after every gradient_accumulation_steps micro-batches",
+            module, config_.gradient_accumulation_steps, overlap_->pass_step(),
+            config_.gradient_accumulation_steps)));
+      }
+      // The reductions before this one have run (the backward's compute in between hid them).
+      ZINF_RETURN_IF_ERROR(confirm_final());
+    }
+    {
+      Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
+      grads_pending_ = true;
+      ZINF_RETURN_IF_ERROR(fail(reducer_->reduce(layout_.module_groups(m), sources)));
+    }
+    return in_backward_ ? after_reduce(m) : Status::ok();
+  }
+
+  // With updates during the backward: module m's last micro-batch of the step is reduced (or
+  // being reduced), so its groups become final for the pass once the reduction has run; the
+  // first such module of a step opens the pass.
+  Status after_reduce(std::size_t m) {
+    const std::vector<std::size_t>& params = layout_.module_params(m);
+    if (params.empty() ||
+        reducer_->reduced(static_cast<ParamId>(params.front())) <
+            config_.gradient_accumulation_steps) {
+      return Status::ok();
+    }
+    if (!overlap_->open()) {
+      // set_learning_rate() sets the rate until step(): the pass starts there. And only once a
+      // step had gradient_accumulation_steps micro-batches: a caller who reduces more than the
+      // config says (its default is 1) never has a pass open early.
+      if (lr_override_ || !micro_matched_) return Status::ok();
+      // The previous step's pass; the backward's reductions waited for its groups already.
+      if (overlap_->running()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
+      set_step_params(t_ + 1);
+      ZINF_RETURN_IF_ERROR(fail(state_->set_group_params(group_params_)));
+      // What StepNumerics::decide() gives without clipping: 1 / (micro-batches * loss scale).
+      const double unscale = 1.0 / (static_cast<double>(config_.gradient_accumulation_steps) *
+                                    numerics_->scaler().scale());
+      overlap_->open_pass(t_ + 1, static_cast<float>(1.0 * unscale));
+    }
+    for (std::uint32_t g : layout_.module_groups(m)) pending_final_.push_back(g);
+    return Status::ok();
+  }
+
+  // The reductions issued so far have run: their groups are final for the open pass.
+  Status confirm_final() {
+    if (pending_final_.empty()) return Status::ok();
+    ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
+    overlap_->final(pending_final_);
+    pending_final_.clear();
+    return Status::ok();
   }
 
   // --- Step ------------------------------------------------------------------------------------
   Result<StepReport> step() {
+    if (overlap_ != nullptr && overlap_->open()) {
+      ZINF_RETURN_IF_ERROR(commit_step());
+      return report_;
+    }
     ZINF_RETURN_IF_ERROR(settle());
     const std::int64_t start = Trace::now_ns();
     const long in_use = coord_->first_in_use();
@@ -363,12 +434,81 @@ class Engine::Impl {
                       layout_.module_names()[static_cast<std::size_t>(in_use)]));
     }
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
+    micro_matched_ = static_cast<std::size_t>(micro) == config_.gradient_accumulation_steps;
     // The step overwrites parameters the caller's queued work may still read.
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     coord_->freeze_order();
     Status st = step_impl(micro, start);
     if (!st.is_ok()) return fail(st);
     return report_;
+  }
+
+  // step() of a pass opened during the backward: the same checks and figures as step_impl(),
+  // and the pass goes on behind the next forward as a pass start() began would.
+  Status commit_step() {
+    ZINF_RETURN_IF_ERROR(ensure_finalized());
+    const std::int64_t start = Trace::now_ns();
+    const long in_use = coord_->first_in_use();
+    if (in_use >= 0) {
+      return Status::failed_precondition(
+          fmt::format("step: module '{}' is still gathered (release it first)",
+                      layout_.module_names()[static_cast<std::size_t>(in_use)]));
+    }
+    ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
+    ZINF_ASSERT(static_cast<std::size_t>(micro) == config_.gradient_accumulation_steps);
+    micro_matched_ = true;
+    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
+    coord_->freeze_order();
+    StepReport& rep = report_;
+    rep = StepReport{};
+    rep.micro_batches = micro;
+    LossScaler& scaler = numerics_->scaler();
+    rep.loss_scale = scaler.scale();
+    ZINF_RETURN_IF_ERROR(fail(coord_->drop_prefetched()));
+    std::int64_t t0 = Trace::now_ns();
+    {
+      Trace::Span span(env_.trace, track_, "step reduce");
+      ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
+      ZINF_RETURN_IF_ERROR(fail(confirm_final()));
+    }
+    std::int64_t t1 = Trace::now_ns();
+    rep.reduce_ns = t1 - t0;
+    StepDecision d;
+    {
+      ZINF_ASSIGN_OR_RETURN(double sumsq, state_->local_sum_of_squares());
+      Trace::Span span(env_.trace, track_, "step norm");
+      Result<StepDecision> r = numerics_->decide(sumsq, micro, *stream_, *event_);
+      ZINF_RETURN_IF_ERROR(fail(r.status()));
+      d = *r;
+    }
+    rep.grad_norm = d.grad_norm;
+    rep.norm_ns = Trace::now_ns() - t1;
+    if (d.overflow) {
+      // The sequential step would skip it; here parts of the state are updated already.
+      overlap_->cancel();
+      return fail(Status::aborted(fmt::format(
+          "step {}: the gradients are not finite (norm {}), and the optimizer step had already "
+          "updated part of the state during the backward (zinf.overlap_step updates during the "
+          "backward when there is no gradient_clipping and no loss scaling), so it cannot be "
+          "skipped: load a checkpoint; with zinf.overlap_step false such a step is skipped",
+          overlap_->pass_step(), d.grad_norm)));
+    }
+    ZINF_ASSERT_MSG(d.grad_scale == overlap_->pass_scale(),
+                    "step: the pass opened during the backward has another gradient scale");
+    rep.clip_coef = d.clip_coef;
+    ++t_;
+    ZINF_ASSERT(t_ == overlap_->pass_step());
+    rep.overlapped = true;
+    rep.in_backward = true;
+    overlap_->take_figures(rep);
+    overlap_->commit();
+    grads_pending_ = false;
+    scaler.update(false);
+    rep.step = t_;
+    rep.next_loss_scale = scaler.scale();
+    rep.wall_ns = Trace::now_ns() - start;
+    ++steps_;
+    return Status::ok();
   }
 
   // Reduce, decide (norm, overflow, clipping: before any state changes, so a skipped step
@@ -495,15 +635,30 @@ class Engine::Impl {
   }
 
   Status set_lr_schedule(const ScheduleConfig& config) {
+    if (overlap_ != nullptr && overlap_->open()) {
+      return Status::failed_precondition(fmt::format(
+          "set_lr_schedule: the optimizer step {} began during the backward with the current "
+          "schedule (zinf.overlap_step); set the schedule before the step's last micro-batch",
+          overlap_->pass_step()));
+    }
     ZINF_ASSIGN_OR_RETURN(schedule_, LrSchedule::create(config, config_.optimizer.lr));
     config_.scheduler = config;
     lr_override_ = false;
     return Status::ok();
   }
 
-  void set_learning_rate(double lr) {
+  Status set_learning_rate(double lr) {
+    if (overlap_ != nullptr && overlap_->open() && lr != lr_for_step(overlap_->pass_step())) {
+      return Status::failed_precondition(fmt::format(
+          "set_learning_rate({}): the optimizer step {} began during the backward with the "
+          "schedule's learning rate {} (zinf.overlap_step updates during the backward when there "
+          "is no gradient_clipping); set the rate before the step's last micro-batch, or set "
+          "zinf.overlap_step to false",
+          lr, overlap_->pass_step(), lr_for_step(overlap_->pass_step())));
+    }
     config_.optimizer.lr = lr;
     lr_override_ = true;
+    return Status::ok();
   }
 
   // --- Checkpoints -----------------------------------------------------------------------------
@@ -565,6 +720,9 @@ class Engine::Impl {
     // Local: the pass's writes landed; the persistent groups wait for a collective call. A pass
     // that failed (a peer gone mid-step) is already this rank's sticky error; the swap is read
     // back all the same, since checking it after a failure is what this call is for.
+    if (finalized_ && overlap_ != nullptr && overlap_->open()) {
+      return finish_step(/*collective=*/false);  // refused: the pass writes the swap
+    }
     if (finalized_) (void)finish_step(/*collective=*/false);
     ZINF_ASSIGN_OR_RETURN(SwapVerifyReport r, swap_->verify(timeout_));
     return SwapCheckReport{r.blocks, r.bytes, r.skipped_blocks};
@@ -637,6 +795,9 @@ class Engine::Impl {
   std::vector<GradSource> sources_;
   std::vector<std::string> reduce_span_names_;
   bool grads_pending_ = false;  // reduce_gradients() was called since the last step
+  bool in_backward_ = false;    // the overlapped step updates during the backward
+  bool micro_matched_ = false;  // the last step had gradient_accumulation_steps micro-batches
+  std::vector<std::uint32_t> pending_final_;  // groups reduced, not yet final for the open pass
   std::int64_t t_ = 0;
   // Parameter groups: as defined, this rank's partition runs, and each group's
   // hyper-parameters for the next step (sized at finalize).
@@ -655,9 +816,17 @@ class Engine::Impl {
   // The overlapped step (zinf.overlap_step), when the state overlaps; null: the sequential step.
   std::unique_ptr<OverlappedStep> overlap_;
 
-  // Waits for an overlapped pass (see OverlappedStep::finish()); its error is sticky.
+  // Waits for an overlapped pass (see OverlappedStep::finish()); its error is sticky. A pass
+  // opened during the backward needs the rest of the backward and step(): refused, not sticky.
   Status finish_step(bool collective) {
-    return overlap_ == nullptr ? Status::ok() : fail(overlap_->finish(collective));
+    if (overlap_ == nullptr) return Status::ok();
+    if (overlap_->open()) {
+      return Status::failed_precondition(fmt::format(
+          "the optimizer step {} is updating the state beside the backward (zinf.overlap_step "
+          "updates during the backward when there is no gradient_clipping): call step() first",
+          overlap_->pass_step()));
+    }
+    return fail(overlap_->finish(collective));
   }
 };
 
@@ -735,8 +904,7 @@ Status Engine::set_learning_rate(double lr) {
         fmt::format("set_learning_rate: {} is not a finite number >= 0", lr));
   }
   // The state takes it (every group at lr times its lr_scale) at the next step.
-  impl_->set_learning_rate(lr);
-  return Status::ok();
+  return impl_->set_learning_rate(lr);
 }
 double Engine::learning_rate() const { return impl_->lr_for_step(impl_->t_ + 1); }
 Status Engine::add_param_group(const ParamGroup& group) { return impl_->add_param_group(group); }
@@ -754,7 +922,9 @@ std::vector<std::string> Engine::recorded_order() const {
   return out;
 }
 const EngineCounters& Engine::counters() const {
-  // The counters of an overlapped pass are final once it is (an error there is sticky).
+  // The counters of an overlapped pass are final once it is (an error there is sticky). A pass
+  // opened during the backward runs until after step(): the figures stay those of the last call.
+  if (impl_->overlap_ != nullptr && impl_->overlap_->open()) return impl_->counters_out_;
   if (impl_->finalized_) (void)impl_->finish_step(/*collective=*/false);
   copy_engine_counters(impl_->counters_, impl_->steps_, impl_->skipped_steps_,
                        impl_->counters_out_);

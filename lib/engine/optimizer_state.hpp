@@ -75,6 +75,15 @@ struct GradTarget {
   bool zeroed = false;                // the accumulator holds fresh zero pages
 };
 
+// The overlapped step's gate (step_gated()): whether the gradients of partition elements
+// [first, first + count) are final: > 0 yes, 0 not yet, < 0 the pass is called off.
+using RangeReady = int (*)(void* user, std::size_t first, std::size_t count);
+struct PassGate {
+  bool descending = false;  // from the partition's end to its start
+  RangeReady ready = nullptr;
+  void* user = nullptr;
+};
+
 // Callbacks over the partition: (first element, element count, values).
 using MasterVisitor = FunctionRef<void(std::size_t, std::size_t, const float*)>;
 using StateVisitor = FunctionRef<Status(std::size_t, std::size_t, const float*)>;
@@ -104,6 +113,18 @@ class OptimizerState {
   // (NVMe, or a host pass over the whole partition), the others' are a device kernel or one
   // in-memory pass.
   virtual bool overlaps() const { return false; }
+  // Whether step_gated() may run while the gradients are still being reduced: the pass reads
+  // them from the host accumulator, which a reduction into other elements leaves alone (not
+  // spilled to NVMe, where a sub-group's gradients are read whole). REQUIRES: overlaps().
+  virtual bool gates() const { return false; }
+  // step() in `gate.descending` order, each sub-group updated only once gate.ready says its
+  // elements' gradients are final (OptimizerPipeline's StepArgs::ready): started during the
+  // backward pass, it updates what the backward has finished. On the step runner's thread.
+  // REQUIRES: gates().
+  virtual Result<StepStats> step_gated(std::int64_t step, float grad_scale, const PassGate& gate) {
+    (void)step, (void)grad_scale, (void)gate;
+    return Status::unsupported("step_gated: the state cannot update during the backward");
+  }
   // After step(), on the step runner's thread: every shard written, in group order, through the
   // publisher (which counts them); the persistent groups are left for the rank's thread to
   // all-gather. REQUIRES: overlaps().

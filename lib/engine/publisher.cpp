@@ -58,7 +58,18 @@ Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wai
     ZINF_RETURN_IF_ERROR(coord_->write_shard(g, values));
     // A gather of g's module queues its copies after this write's on the coordinator's stream.
     if (wait) ZINF_RETURN_IF_ERROR(coord_->wait_writes());
-    written_ = g + 1;
+    // The written groups stay one run: the pass writes them in one order or the other. (Outside
+    // a pass every group counts as written.)
+    if (!in_pass_) {
+    } else if (written_lo_ == written_hi_) {
+      written_lo_ = g;
+      written_hi_ = g + 1;
+    } else if (g == written_hi_) {
+      written_hi_ = g + 1;
+    } else {
+      ZINF_ASSERT_MSG(g + 1 == written_lo_, "Publisher: groups written out of order");
+      written_lo_ = g;
+    }
   }
   written_cv_.notify_all();
   return Status::ok();
@@ -67,7 +78,7 @@ Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wai
 void Publisher::begin_pass() {
   std::lock_guard<std::mutex> lock(mu_);
   in_pass_ = true;
-  written_ = 0;
+  written_lo_ = written_hi_ = 0;
 }
 
 void Publisher::end_pass(bool ok) {
@@ -83,16 +94,30 @@ void Publisher::allocate_stage() {
   stage_ = AlignedBuffer(std::max<std::size_t>(layout_.largest_half_shard_bytes(), 64));
 }
 
-void Publisher::restart_stream() {
-  stream_next_ = 0;
-  stream_group_ = 0;
+void Publisher::restart_stream(bool descending) {
+  stream_descending_ = descending;
+  stream_next_ = descending ? layout_.partition_elements() : 0;
+  stream_group_ = descending ? layout_.group_count() : 0;
   stream_filled_ = 0;
 }
 
 Status Publisher::stage(std::size_t first, std::size_t count,
                         FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
-  ZINF_ASSERT_MSG(first == stream_next_, "Publisher::stage: ranges out of partition order");
   const std::size_t end = first + count;
+  if (stream_descending_) {
+    ZINF_ASSERT_MSG(end == stream_next_, "Publisher::stage: ranges out of partition order");
+    ZINF_RETURN_IF_ERROR(stage_down(first, end, fill));
+    stream_next_ = first;
+    return Status::ok();
+  }
+  ZINF_ASSERT_MSG(first == stream_next_, "Publisher::stage: ranges out of partition order");
+  ZINF_RETURN_IF_ERROR(stage_up(first, end, fill));
+  stream_next_ = end;
+  return Status::ok();
+}
+
+Status Publisher::stage_up(std::size_t first, std::size_t end,
+                           FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
   const std::size_t bytes = dtype_bytes(layout_.half_dtype());
   while (stream_group_ < layout_.group_count()) {
     const std::uint32_t g = stream_group_;
@@ -111,7 +136,28 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     stream_filled_ = 0;
     ++stream_group_;
   }
-  stream_next_ = end;
+  return Status::ok();
+}
+
+Status Publisher::stage_down(std::size_t first, std::size_t end,
+                             FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
+  const std::size_t bytes = dtype_bytes(layout_.half_dtype());
+  while (stream_group_ > 0) {
+    const std::uint32_t g = stream_group_ - 1;
+    const std::size_t group_first = layout_.offset(g);
+    const std::size_t group_count = layout_.group(g).shard_element_count;
+    const std::size_t lo = std::max(first, group_first);
+    const std::size_t hi = std::min(end, group_first + group_count);
+    if (lo < hi) {
+      fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
+      stream_filled_ += hi - lo;
+    }
+    if (group_first < first) break;  // it goes on in the next range
+    ZINF_ASSERT_MSG(stream_filled_ == group_count, "Publisher::stage: a group written half filled");
+    ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
+    stream_filled_ = 0;
+    --stream_group_;
+  }
   return Status::ok();
 }
 

@@ -12,8 +12,10 @@
 // The overlapped step (zinf.overlap_step, step_runner.hpp) writes the shards on the step
 // runner's thread while the rank's thread gathers modules for the next forward pass. Both go
 // through the coordinator, which is single-threaded, so each holds mutex() for its coordinator
-// calls; the pass counts the groups it has written (groups are written in index order, which is
-// partition order), and a gather waits on written_cv() until its module's last group is in.
+// calls; the pass records the groups it has written, which are always one run of consecutive
+// groups (written in index order, which is partition order, or in the reverse order when the
+// pass runs from the last sub-group to the first), and a gather waits on written_cv() until its
+// module's groups are in.
 //
 // Thread-safety: one thread at a time (the rank's, or the step runner's during an overlapped
 // pass); mutex() and the written count may be used from both.
@@ -67,14 +69,19 @@ class Publisher {
   // before it new and the rest old (the engine is then sticky-failed).
   void allocate_stage();
   std::uint64_t stage_bytes() const { return stage_.bytes(); }
-  void restart_stream();
+  // `descending`: the ranges come from the end of the partition to its start (a pass from the
+  // last sub-group to the first), and the groups are written from the last to the first.
+  void restart_stream(bool descending = false);
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
-  // restart_stream()).
+  // restart_stream()); descending, first + count is where the previous range began (the
+  // partition's end after restart_stream(true)).
   Status stage(std::size_t first, std::size_t count,
                FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
   // The stream since restart_stream() wrote every group.
-  bool stream_complete() const { return stream_group_ == layout_.group_count(); }
+  bool stream_complete() const {
+    return stream_descending_ ? stream_group_ == 0 : stream_group_ == layout_.group_count();
+  }
 
   // All-gathers the groups that stay gathered from the shards just written.
   Status publish() {
@@ -91,26 +98,37 @@ class Publisher {
   // The pass is over, every group written when `ok`: nobody waits for it any more.
   void end_pass(bool ok);
   // REQUIRES: mutex() held. Group g of the current pass is written, or the last pass ended well.
-  bool written(std::uint32_t g) const { return g < written_ || (!in_pass_ && pass_ok_); }
+  bool written(std::uint32_t g) const {
+    return (g >= written_lo_ && g < written_hi_) || (!in_pass_ && pass_ok_);
+  }
   // REQUIRES: mutex() held. A pass began and has not ended.
   bool in_pass() const { return in_pass_; }
 
  private:
   // Group g's shard, under mutex(); g counts as written once it returns ok.
   Status write_group(std::uint32_t g, const std::byte* values, bool wait);
+  // Under stage(): the half-precision stream in each direction.
+  Status stage_up(std::size_t first, std::size_t end,
+                  FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
+  Status stage_down(std::size_t first, std::size_t end,
+                    FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
 
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;
   AlignedBuffer buffer_;
   AlignedBuffer stage_;             // one group's new shard, the largest group's size
-  std::size_t stream_next_ = 0;     // the partition element the next range starts at
-  std::uint32_t stream_group_ = 0;  // the group being assembled
-  std::size_t stream_filled_ = 0;   // its elements filled so far
+  bool stream_descending_ = false;
+  // Ascending: the partition element the next range starts at, and the group being assembled.
+  // Descending: the element the next range ends at, and one past the group being assembled.
+  std::size_t stream_next_ = 0;
+  std::uint32_t stream_group_ = 0;
+  std::size_t stream_filled_ = 0;  // the assembled group's elements filled so far
   std::mutex mu_;
   std::condition_variable written_cv_;
   bool in_pass_ = false;       // guarded by mu_
   bool pass_ok_ = true;        // the last pass wrote every group, guarded by mu_
-  std::uint32_t written_ = 0;  // groups of the pass written, guarded by mu_
+  // Groups [written_lo_, written_hi_) of the pass are written, guarded by mu_.
+  std::uint32_t written_lo_ = 0, written_hi_ = 0;
 };
 
 }  // namespace zinf

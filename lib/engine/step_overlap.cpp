@@ -12,13 +12,15 @@ namespace zinf {
 
 Status run_optimizer(OptimizerState& state, const ZeroCounters& counters, Trace* trace, int track,
                      std::int64_t step, float grad_scale, std::int64_t start_ns, bool overlapped,
-                     StepReport& rep) {
+                     StepReport& rep, const PassGate* gate) {
   // Streaming the half output, the shards are written during the optimizer pass; only this pass
   // writes shards (and counts their bytes) until it is over.
   const std::uint64_t param_writes = counters.param_nvme_write_bytes;
   {
     Trace::Span span(trace, track, "step optimizer");
-    ZINF_ASSIGN_OR_RETURN(StepStats stats, state.step(step, grad_scale));
+    ZINF_ASSIGN_OR_RETURN(StepStats stats, gate != nullptr
+                                               ? state.step_gated(step, grad_scale, *gate)
+                                               : state.step(step, grad_scale));
     rep.optimizer_nvme_read_bytes = stats.read_bytes;
     rep.optimizer_nvme_write_bytes = stats.write_bytes;
   }
@@ -37,20 +39,31 @@ Status run_optimizer(OptimizerState& state, const ZeroCounters& counters, Trace*
 
 OverlappedStep::OverlappedStep(const Parts& parts) : parts_(parts) {
   const ParameterLayout& layout = *parts_.layout;
+  module_first_group_.assign(layout.module_names().size(), kNoGroup);
   module_last_group_.assign(layout.module_names().size(), kNoGroup);
   for (std::size_t m = 0; m < module_last_group_.size(); ++m) {
     for (std::uint32_t g : layout.module_groups(m)) {
       if (module_last_group_[m] == kNoGroup || g > module_last_group_[m]) {
         module_last_group_[m] = g;
       }
+      if (module_first_group_[m] == kNoGroup || g < module_first_group_[m]) {
+        module_first_group_[m] = g;
+      }
     }
   }
   persistent_done_.assign(layout.group_count(), 1);
   grads_zeroed_.assign(layout.group_count(), 1);
+  final_ = std::make_unique<std::atomic<std::uint8_t>[]>(layout.group_count());
   if (parts_.trace != nullptr) {
     track_ = parts_.trace->track(fmt::format("rank{} step", parts_.rank));
   }
   parts_.coord->set_issue_hook(&OverlappedStep::issue_hook, this);
+}
+
+OverlappedStep::~OverlappedStep() {
+  // An open pass waits for gradients that will not come now: it fails at its gate, and runner_
+  // (destroyed first) waits for it.
+  if (open_) cancel();
 }
 
 Status OverlappedStep::gather(std::size_t m) {
@@ -65,17 +78,23 @@ Status OverlappedStep::gather(std::size_t m) {
 
 Status OverlappedStep::await_module(std::size_t m) {
   ZINF_ASSERT(gather_lock_ != nullptr);
+  // The backward of an open pass's step takes the shards as they are (see the file comment).
+  if (open_) return Status::ok();
   Publisher& pub = *parts_.publisher;
+  // The pass writes one run of consecutive groups, upward or downward: the module's groups are
+  // all in once its lowest and highest are.
+  const std::uint32_t first = module_first_group_[m];
   const std::uint32_t last = module_last_group_[m];
-  if (runner_.running() && last != kNoGroup && !pub.written(last)) {
+  auto in = [&] { return pub.written(first) && pub.written(last); };
+  if (runner_.running() && last != kNoGroup && !in()) {
     if (pub.in_pass()) {
       const std::int64_t t0 = Trace::now_ns();
-      pub.written_cv().wait(*gather_lock_, [&] { return pub.written(last) || !pub.in_pass(); });
+      pub.written_cv().wait(*gather_lock_, [&] { return in() || !pub.in_pass(); });
       const std::int64_t waited = Trace::now_ns() - t0;
       gather_wait_ns_ += waited;
       pass_waited_ns_ += waited;
     }
-    if (!pub.written(last)) {
+    if (!in()) {
       // The pass failed before it wrote this module: its error is the gather's.
       return Status::aborted(
           fmt::format("gather('{}'): the optimizer step failed before its parameters were written",
@@ -99,7 +118,7 @@ Status OverlappedStep::issue_hook(void* user, std::size_t module) {
 }
 
 Status OverlappedStep::await_grads(std::span<const std::uint32_t> groups) {
-  ZINF_ASSERT(runner_.running() && parts_.reducer->zeroes_groups());
+  ZINF_ASSERT(runner_.running() && !open_ && parts_.reducer->zeroes_groups());
   Publisher& pub = *parts_.publisher;
   for (std::uint32_t g : groups) {
     if (grads_zeroed_[g] != 0) continue;
@@ -122,34 +141,97 @@ Status OverlappedStep::await_grads(std::span<const std::uint32_t> groups) {
   return Status::ok();
 }
 
-void OverlappedStep::start(std::int64_t step, float grad_scale) {
+void OverlappedStep::begin(std::int64_t step, float grad_scale) {
   pass_step_ = step;
   pass_scale_ = grad_scale;
   pass_report_ = StepReport{};
   pass_waited_ns_ = 0;
+}
+
+void OverlappedStep::arm_next_backward() {
   const ParameterLayout& layout = *parts_.layout;
   for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
     persistent_done_[g] = layout.persistent()[g] ? 0 : 1;
   }
   std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 0);
+}
+
+void OverlappedStep::start(std::int64_t step, float grad_scale) {
+  begin(step, grad_scale);
+  pass_gated_ = false;
+  arm_next_backward();
   parts_.publisher->begin_pass();
   pass_start_ns_ = Trace::now_ns();
   runner_.start(&OverlappedStep::run_pass, this);
+}
+
+void OverlappedStep::open_pass(std::int64_t step, float grad_scale) {
+  ZINF_ASSERT(parts_.in_backward && !runner_.running());
+  begin(step, grad_scale);
+  pass_gated_ = true;
+  for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
+    final_[g].store(0, std::memory_order_relaxed);
+  }
+  cancelled_.store(false, std::memory_order_relaxed);
+  open_ = true;
+  parts_.publisher->begin_pass();
+  pass_start_ns_ = Trace::now_ns();
+  runner_.start(&OverlappedStep::run_pass, this);
+}
+
+void OverlappedStep::final(std::span<const std::uint32_t> groups) {
+  for (std::uint32_t g : groups) final_[g].store(1, std::memory_order_release);
+}
+
+void OverlappedStep::commit() {
+  ZINF_ASSERT(open_);
+  open_ = false;
+  arm_next_backward();
+}
+
+int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count) {
+  auto* self = static_cast<OverlappedStep*>(user);
+  if (self->cancelled_.load(std::memory_order_acquire)) return -1;
+  const ParameterLayout& layout = *self->parts_.layout;
+  const std::size_t end = first + count;
+  // The first group ending after `first` (offsets increase with the group index), then each
+  // group starting before `end`.
+  std::uint32_t lo = 0, hi = layout.group_count();
+  while (lo < hi) {
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    if (layout.offset(mid) + layout.group(mid).shard_element_count <= first) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  for (std::uint32_t g = lo; g < layout.group_count() && layout.offset(g) < end; ++g) {
+    if (layout.group(g).shard_element_count == 0) continue;
+    if (self->final_[g].load(std::memory_order_acquire) == 0) return 0;
+  }
+  return 1;
 }
 
 // On the runner's thread.
 Status OverlappedStep::run_pass(void* user) {
   auto* self = static_cast<OverlappedStep*>(user);
   const Parts& p = self->parts_;
+  // pass_gated_ was set before the runner started; the rank's thread leaves it alone while the
+  // pass runs (open_ is the rank's thread's own and changes at commit()).
+  PassGate gate;
+  gate.descending = true;
+  gate.ready = &OverlappedStep::range_final;
+  gate.user = self;
   Status st = run_optimizer(*p.state, *p.counters, p.trace, self->track_, self->pass_step_,
                             self->pass_scale_, self->pass_start_ns_, /*overlapped=*/true,
-                            self->pass_report_);
+                            self->pass_report_, self->pass_gated_ ? &gate : nullptr);
   self->pass_end_ns_ = Trace::now_ns();
   p.publisher->end_pass(st.is_ok());
   return st;
 }
 
 Status OverlappedStep::finish(bool collective) {
+  ZINF_ASSERT(!open_);
   ParamCoordinator& coord = *parts_.coord;
   if (runner_.running()) {
     const std::int64_t t0 = Trace::now_ns();

@@ -17,12 +17,26 @@
 // it waits for the pass, all-gathers the persistent groups no gather asked for (in group order)
 // and zeroes the groups of the accumulator that no reduction zeroed.
 //
+// Updates during the backward (Parts::in_backward: no clipping, no loss scaling, gradients in
+// host memory, stage 2 or 3). The engine opens the pass of step t (open_pass()) as soon as the
+// last micro-batch's first reduction is in, instead of at step(): the pass runs from the last
+// sub-group to the first (the order the backward finishes them in), and updates each sub-group
+// once final() was called for every group it overlaps (the reductions into them have run); its
+// reads run ahead into the pool as always. Until step() commits the pass (commit()), the
+// backward's gathers take the shards as they are (a module's shards change only once its
+// gradients are final, and the backward gathers no module after its reduction) and its
+// reductions add into groups the pass does not read yet, so nothing waits for the pass; after
+// commit() everything is as for a pass started by start(). finish() cannot end an open pass (it
+// needs the rest of the backward): the engine refuses calls that need the whole step while one
+// is open; cancel() calls it off (the pass then fails, sticky).
+//
 // Nothing is allocated per step: the thread and the per-module and per-group tables are made at
 // construction.
 //
 // Thread-safety: every call from the rank's thread; the pass runs on the runner's.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -46,9 +60,11 @@ namespace zinf {
 // `start_ns` (the sequential step's norm end, the overlapped pass's start), and the NVMe byte
 // figures are those of this pass. `overlapped`: write_step() (the shards only; the persistent
 // groups are left to the rank's thread) instead of publish_step().
+// `gate`: the pass updates each sub-group only when the gate says its gradients are final
+// (OptimizerState::step_gated()); null: step().
 Status run_optimizer(OptimizerState& state, const ZeroCounters& counters, Trace* trace, int track,
                      std::int64_t step, float grad_scale, std::int64_t start_ns, bool overlapped,
-                     StepReport& rep);
+                     StepReport& rep, const PassGate* gate = nullptr);
 
 class OverlappedStep {
  public:
@@ -62,13 +78,14 @@ class OverlappedStep {
     const ZeroCounters* counters = nullptr;
     Trace* trace = nullptr;
     int rank = 0;
+    bool in_backward = false;  // open_pass() may be used (see the file comment)
   };
 
   // Makes the runner's thread and sets the coordinator's issue hook (so its prefetch of a module
   // waits for the module's new values too).
   explicit OverlappedStep(const Parts& parts);
-  // Waits for a pass in flight.
-  ~OverlappedStep() = default;
+  // Calls off an open pass, then waits for a pass in flight.
+  ~OverlappedStep();
   OverlappedStep(const OverlappedStep&) = delete;
   OverlappedStep& operator=(const OverlappedStep&) = delete;
 
@@ -82,6 +99,20 @@ class OverlappedStep {
   Status await_grads(std::span<const std::uint32_t> groups);
   // Hands step `step` (gradients times grad_scale) to the runner. REQUIRES: !running().
   void start(std::int64_t step, float grad_scale);
+  // Starts step `step`'s pass during its backward: each sub-group is updated once every group it
+  // overlaps is final(). REQUIRES: Parts::in_backward, !running().
+  void open_pass(std::int64_t step, float grad_scale);
+  // The reductions into `groups` have run: the open pass may update them.
+  void final(std::span<const std::uint32_t> groups);
+  // step() takes the open pass as the step's (see the file comment). REQUIRES: open().
+  void commit();
+  // Calls an open pass off: it fails at its next sub-group not yet updated. REQUIRES: open().
+  void cancel() { cancelled_.store(true, std::memory_order_release); }
+  // open_pass() was called and commit() not yet.
+  bool open() const { return open_; }
+  // The open pass's step and grad_scale.
+  std::int64_t pass_step() const { return pass_step_; }
+  float pass_scale() const { return pass_scale_; }
   // A pass was started and not finished.
   bool running() const { return runner_.running(); }
   // Waits for the pass; its error comes back here (the engine makes it sticky). `collective`:
@@ -98,18 +129,31 @@ class OverlappedStep {
   Status await_module(std::size_t m);
   static Status issue_hook(void* user, std::size_t module);
   static Status run_pass(void* user);
+  // The open pass's gate (PassGate::ready): every group overlapping the elements is final.
+  static int range_final(void* user, std::size_t first, std::size_t count);
+  void begin(std::int64_t step, float grad_scale);
+  // Per pass (start() or commit()): the persistent groups to all-gather, the groups whose
+  // gradients the next backward must wait for.
+  void arm_next_backward();
 
   static constexpr std::uint32_t kNoGroup = ~std::uint32_t{0};
 
   Parts parts_;
   int track_ = 0;                                 // the trace track of the runner's spans
-  std::vector<std::uint32_t> module_last_group_;  // per module; kNoGroup: none
+  std::vector<std::uint32_t> module_first_group_;  // per module; kNoGroup: none
+  std::vector<std::uint32_t> module_last_group_;   // per module; kNoGroup: none
   std::vector<std::uint8_t> persistent_done_;     // per group: all-gathered since the pass began
   std::vector<std::uint8_t> grads_zeroed_;        // per group: zeroed for the next step's adds
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;
   StepReport pass_report_;  // the running pass's optimizer and publish figures
+  bool open_ = false;       // an open pass, not yet committed
+  bool pass_gated_ = false;  // the running pass was opened by open_pass()
+  // Per group: its gradients are final for the open pass (written by the rank's thread, read by
+  // the pass's gate).
+  std::unique_ptr<std::atomic<std::uint8_t>[]> final_;
+  std::atomic<bool> cancelled_{false};
   std::int64_t pass_start_ns_ = 0;
   std::int64_t pass_end_ns_ = 0;
   std::int64_t pass_waited_ns_ = 0;  // the rank's thread waiting for the running pass

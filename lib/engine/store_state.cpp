@@ -128,8 +128,21 @@ class StoreState final : public OptimizerState {
     return pipeline_->step({.step = step, .grad_scale = grad_scale});
   }
 
+  Result<StepStats> step_gated(std::int64_t step, float grad_scale,
+                               const PassGate& gate) override {
+    ZINF_ASSERT(gates() && gate.ready != nullptr);
+    gate_ = gate;
+    pub_.restart_stream(gate.descending);
+    return pipeline_->step({.step = step,
+                            .grad_scale = grad_scale,
+                            .descending = gate.descending,
+                            .ready = &StoreState::sub_group_ready,
+                            .ready_user = this});
+  }
+
   Status publish_step() override { return publish_pass(/*gather_persistent=*/true); }
   bool overlaps() const override { return true; }
+  bool gates() const override { return spill_ == nullptr; }
   Status write_step() override { return publish_pass(/*gather_persistent=*/false); }
 
   // After the pass: every shard written (streamed, the pass did it), and the persistent groups
@@ -325,6 +338,13 @@ class StoreState final : public OptimizerState {
     return Status::ok();
   }
 
+  // The pipeline's gate during step_gated(): sub-group i's elements, asked of the engine's gate.
+  static int sub_group_ready(void* user, std::size_t i) {
+    auto* self = static_cast<StoreState*>(user);
+    return self->gate_.ready(self->gate_.user, self->store_->sub_group_first(i),
+                             self->store_->sub_group_size(i));
+  }
+
   // The pipeline's half_done: sub-group i's new half values, from its pool block.
   Status stream_half(std::size_t i, const std::byte* half) {
     const std::size_t first = store_->sub_group_first(i);
@@ -367,6 +387,7 @@ class StoreState final : public OptimizerState {
   std::unique_ptr<PinnedPool> pool_;
   std::unique_ptr<OptimizerPipeline> pipeline_;
   std::unique_ptr<SpillAccumulator> spill_;  // gradients_on_nvme
+  PassGate gate_;  // the running step_gated()'s
   AlignedBuffer master_read_;                // one sub-group of master read back from NVMe
   std::uint64_t master_read_bytes_ = 0;
 };

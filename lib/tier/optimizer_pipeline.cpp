@@ -26,7 +26,8 @@ constexpr auto kPollInterval = std::chrono::microseconds(100);
 struct OptimizerPipeline::Entry {
   enum class Phase : std::uint8_t { kIdle, kReading, kInBlock, kWriting };
   Phase phase = Phase::kIdle;
-  std::size_t sub_group = 0;
+  std::size_t position = 0;   // in the step's order
+  std::size_t sub_group = 0;  // sub_group_at(position)
   PinnedPool::Lease lease;
   std::array<SwapTicket, kPieceCount> tickets{};
   std::array<bool, kPieceCount> pending{};  // ticket not yet redeemed
@@ -260,10 +261,17 @@ Status OptimizerPipeline::set_group_params(std::span<const OptimizerParams> grou
   return Status::ok();
 }
 
-OptimizerPipeline::Entry& OptimizerPipeline::entry(std::size_t i) {
-  Entry& e = entries_[i % entries_.size()];
-  ZINF_DASSERT(e.sub_group == i || e.phase == Entry::Phase::kIdle);
+OptimizerPipeline::Entry& OptimizerPipeline::entry(std::size_t p) {
+  Entry& e = entries_[p % entries_.size()];
+  ZINF_DASSERT(e.position == p || e.phase == Entry::Phase::kIdle);
   return e;
+}
+
+Status OptimizerPipeline::called_off(std::size_t p, const StepArgs& args) const {
+  return Status::aborted(
+      fmt::format("optimizer step {}: called off before sub-group {}'s gradients were final "
+                  "({} of {} sub-groups updated)",
+                  args.step, sub_group_at(p), p, store_.sub_group_count()));
 }
 
 void OptimizerPipeline::trace_span(int track, const char* what, std::size_t i,
@@ -291,9 +299,13 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
       }
     }
   }
+  if (args.ready != nullptr && args.mode != StepMode::kFull) {
+    return Status::invalid_argument("OptimizerPipeline: a gate needs a full step");
+  }
   stats_ = StepStats{};
   stats_.step = args.step;
   mode_ = args.mode;
+  descending_ = args.descending;
   stats_.sub_groups = store_.sub_group_count();
   const std::int64_t start = Trace::now_ns();
   Status status;
@@ -374,7 +386,18 @@ Status OptimizerPipeline::run_host_only(const StepArgs& args) {
     stats_.blocks_peak = 1;
   }
   Status status;
-  for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
+  for (std::size_t p = 0; status.is_ok() && p < store_.sub_group_count(); ++p) {
+    // Host pieces: nothing to read ahead, so the gate is waited at here.
+    int ready = gate(p, args);
+    while (ready == 0) {
+      std::this_thread::sleep_for(kPollInterval);
+      ready = gate(p, args);
+    }
+    if (ready < 0) {
+      status = called_off(p, args);
+      break;
+    }
+    const std::size_t i = sub_group_at(p);
     std::int64_t ns = 0;
     status = update(i, block, args, &ns);
     stats_.update_ns += ns;
@@ -426,10 +449,12 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
   return status;
 }
 
-Status OptimizerPipeline::start_read(std::size_t i, PinnedPool::Lease lease, const StepArgs& args) {
-  Entry& e = entry(i);
+Status OptimizerPipeline::start_read(std::size_t p, PinnedPool::Lease lease, const StepArgs& args) {
+  Entry& e = entry(p);
   ZINF_ASSERT(e.phase == Entry::Phase::kIdle && !e.lease.valid());
+  const std::size_t i = sub_group_at(p);
   e.phase = Entry::Phase::kReading;
+  e.position = p;
   e.sub_group = i;
   e.lease = std::move(lease);
   e.pending.fill(false);
@@ -457,10 +482,10 @@ Status OptimizerPipeline::start_read(std::size_t i, PinnedPool::Lease lease, con
   return Status::ok();
 }
 
-bool OptimizerPipeline::reads_done(std::size_t i) { return pieces_done(i, read_pieces_); }
+bool OptimizerPipeline::reads_done(std::size_t p) { return pieces_done(p, read_pieces_); }
 
-bool OptimizerPipeline::pieces_done(std::size_t i, const std::vector<Piece>& pieces) {
-  Entry& e = entry(i);
+bool OptimizerPipeline::pieces_done(std::size_t p, const std::vector<Piece>& pieces) {
+  Entry& e = entry(p);
   if (e.done_ns != 0) return true;
   for (Piece piece : pieces) {
     const auto k = static_cast<std::size_t>(piece);
@@ -470,9 +495,10 @@ bool OptimizerPipeline::pieces_done(std::size_t i, const std::vector<Piece>& pie
   return true;
 }
 
-Status OptimizerPipeline::wait_landed(std::size_t i, Piece piece, const char* what,
+Status OptimizerPipeline::wait_landed(std::size_t p, Piece piece, const char* what,
                                       const StepArgs& args, Status* first) {
-  Entry& e = entry(i);
+  Entry& e = entry(p);
+  const std::size_t i = e.sub_group;
   const SwapTicket ticket = e.tickets[static_cast<std::size_t>(piece)];
   SwapSpace& swap = *store_.swap();
   Status status = swap.wait(ticket, options_.io_timeout);
@@ -527,14 +553,15 @@ void OptimizerPipeline::return_block(Entry& e) {
   }
 }
 
-Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
-  Entry& e = entry(i);
+Status OptimizerPipeline::finish_read(std::size_t p, const StepArgs& args) {
+  Entry& e = entry(p);
   ZINF_ASSERT(e.phase == Entry::Phase::kReading);
+  const std::size_t i = e.sub_group;
   Status first;
   for (Piece piece : read_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
     if (!e.pending[k]) continue;
-    const Status status = wait_landed(i, piece, "reading", args, &first);
+    const Status status = wait_landed(p, piece, "reading", args, &first);
     e.pending[k] = false;
     store_.end_read(piece, i, status.is_ok());
     if (status.is_ok()) {
@@ -550,9 +577,10 @@ Status OptimizerPipeline::finish_read(std::size_t i, const StepArgs& args) {
   return first;
 }
 
-Status OptimizerPipeline::start_write(std::size_t i, const StepArgs& args) {
-  Entry& e = entry(i);
+Status OptimizerPipeline::start_write(std::size_t p, const StepArgs& args) {
+  Entry& e = entry(p);
   ZINF_ASSERT(e.phase == Entry::Phase::kInBlock);
+  const std::size_t i = e.sub_group;
   e.phase = Entry::Phase::kWriting;
   e.start_ns = Trace::now_ns();
   e.done_ns = 0;
@@ -583,16 +611,17 @@ Status OptimizerPipeline::start_write(std::size_t i, const StepArgs& args) {
   return Status::ok();
 }
 
-bool OptimizerPipeline::writes_done(std::size_t i) { return pieces_done(i, write_pieces_); }
+bool OptimizerPipeline::writes_done(std::size_t p) { return pieces_done(p, write_pieces_); }
 
-Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
-  Entry& e = entry(i);
+Status OptimizerPipeline::finish_write(std::size_t p, const StepArgs& args) {
+  Entry& e = entry(p);
   ZINF_ASSERT(e.phase == Entry::Phase::kWriting);
+  const std::size_t i = e.sub_group;
   Status first;
   for (Piece piece : write_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
     if (!e.pending[k]) continue;
-    const Status status = wait_landed(i, piece, "writing", args, &first);
+    const Status status = wait_landed(p, piece, "writing", args, &first);
     e.pending[k] = false;
     store_.end_write(piece, i, status.is_ok());
     if (status.is_ok()) {
@@ -622,19 +651,19 @@ Status OptimizerPipeline::finish_write(std::size_t i, const StepArgs& args) {
 
 Status OptimizerPipeline::pump(const StepArgs& args) {
   // Writes land roughly in submission order; return blocks from the oldest on.
-  for (std::size_t i = released_; i < updated_; ++i) {
-    if (!writes_done(i)) continue;
-    if (i == released_) {
-      ZINF_RETURN_IF_ERROR(finish_write(i, args));
+  for (std::size_t p = released_; p < updated_; ++p) {
+    if (!writes_done(p)) continue;
+    if (p == released_) {
+      ZINF_RETURN_IF_ERROR(finish_write(p, args));
       ++released_;
     }
   }
-  for (std::size_t i = verified_; i < read_; ++i) (void)reads_done(i);
+  for (std::size_t p = verified_; p < read_; ++p) (void)reads_done(p);
   while (read_ < store_.sub_group_count() && read_ - released_ < block_limit_) {
     std::optional<PinnedPool::Lease> lease = pool_->try_acquire();
     if (!lease) break;
-    const std::size_t i = read_++;
-    ZINF_RETURN_IF_ERROR(start_read(i, std::move(*lease), args));
+    const std::size_t p = read_++;
+    ZINF_RETURN_IF_ERROR(start_read(p, std::move(*lease), args));
   }
   return Status::ok();
 }
@@ -651,17 +680,18 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
   // Sub-group i's update is over (or there was none): write back what it changed.
   // With `hand_over`, its half output goes to half_done once its writes are submitted (the slot
   // is not among them), while the block is still held.
-  auto written_back = [&](std::size_t i, bool hand_over) {
-    ++updated_;  // from here on i is among the writing sub-groups, even if a write fails
-    Status s = start_write(i, args);
-    if (s.is_ok() && hand_over) s = hand_half(i, entry(i).lease.data(), args);
+  auto written_back = [&](std::size_t p, bool hand_over) {
+    ++updated_;  // from here on p is among the writing sub-groups, even if a write fails
+    Status s = start_write(p, args);
+    if (s.is_ok() && hand_over) s = hand_half(sub_group_at(p), entry(p).lease.data(), args);
     if (s.is_ok() && write_pieces_.empty()) {
       // Nothing to write back (only gradients on nvme): the sub-group is done.
-      s = finish_write(i, args);
+      s = finish_write(p, args);
       ++released_;
     }
     return s;
   };
+  bool gated = false;  // the next update waits at the gate (not for I/O)
   while (status.is_ok() && updated_ < n) {
     status = pump(args);
     if (!status.is_ok()) break;
@@ -682,10 +712,19 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
       if (!status.is_ok()) break;
     }
     if (!status.is_ok()) break;
+    gated = false;
     if (!updating && updated_ < verified_) {
+      const int ready = full ? gate(updated_, args) : 1;
+      if (ready < 0) {
+        status = called_off(updated_, args);
+        break;
+      }
+      gated = ready == 0;
+    }
+    if (!updating && updated_ < verified_ && !gated) {
       progressed = true;
       if (full) {
-        start_update(updated_, entry(updated_).lease.data(), args);
+        start_update(sub_group_at(updated_), entry(updated_).lease.data(), args);
         updating = true;
       } else {
         status = written_back(updated_, /*hand_over=*/false);
@@ -697,6 +736,13 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
       continue;
     }
     const std::int64_t wait_start = Trace::now_ns();
+    if (gated) {
+      // The next sub-group's gradients are not final yet: the reads ahead go on (pump()), and
+      // this is not an I/O stall.
+      std::this_thread::sleep_for(kPollInterval);
+      last_progress = std::chrono::steady_clock::now();
+      continue;
+    }
     if (!updating && read_ == updated_) {
       // No block to read the next sub-group into: every block the step may hold is waiting for
       // a write, so wait for the oldest; or blocks are held by another user of the pool.
@@ -709,8 +755,8 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
           status = lease.status().with_context(fmt::format(
               "optimizer step {}: sub-group {}: waiting for a block", args.step, updated_));
         } else {
-          const std::size_t i = read_++;
-          status = start_read(i, std::move(*lease), args);
+          const std::size_t p = read_++;
+          status = start_read(p, std::move(*lease), args);
         }
       }
       stats_.io_wait_ns += Trace::now_ns() - wait_start;
@@ -757,9 +803,10 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
   return status;
 }
 
-Status OptimizerPipeline::stalled_read(std::size_t i, const StepArgs& args) {
+Status OptimizerPipeline::stalled_read(std::size_t p, const StepArgs& args) {
   // Name the first piece still in flight (and its extent), as a timeout of wait() would.
-  Entry& e = entry(i);
+  Entry& e = entry(p);
+  const std::size_t i = e.sub_group;
   std::string which = "reads";
   for (Piece piece : read_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
@@ -780,20 +827,22 @@ Status OptimizerPipeline::drain(const StepArgs& args) {
   };
   // Every I/O still in flight is waited for before its block goes back; writes decide versions,
   // reads are discarded.
-  for (std::size_t i = released_; i < read_; ++i) {
-    Entry& e = entry(i);
+  for (std::size_t p = released_; p < read_; ++p) {
+    Entry& e = entry(p);
     switch (e.phase) {
       case Entry::Phase::kWriting:
-        note(finish_write(i, args));
+        note(finish_write(p, args));
         break;
       case Entry::Phase::kReading:
-        note(finish_read(i, args));
+        note(finish_read(p, args));
         [[fallthrough]];
       case Entry::Phase::kInBlock:
         // Read but not updated (or its update failed, which writes nothing): the disk and the
         // host pieces still hold the old step.
         for (Piece piece : read_pieces_) {
-          if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
+          if (store_.residency(piece, e.sub_group) == Residency::kInBlock) {
+            store_.drop_block(piece, e.sub_group);
+          }
         }
         e.phase = Entry::Phase::kIdle;
         return_block(e);

@@ -123,12 +123,28 @@ enum class StepMode : std::uint8_t {
   kUpdateOnly = 2,
 };
 
+// Whether sub-group i's gradients are final, asked by a step with a gate before it updates i:
+// > 0 yes, 0 not yet (asked again within about 100 us; the reads run ahead meanwhile), < 0 the
+// step is called off (it fails with kAborted; sub-groups updated before it are new, the rest
+// old; the error is sticky like any other). Called on the step()'s thread; must not block.
+using GradsReady = int (*)(void* user, std::size_t sub_group);
+
 struct StepArgs {
   std::int64_t step = 1;  // t, counting from 1 (see StepOptions::step)
   // 1 / loss scale times the clipping coefficient, decided before the step (the overflow check
   // and the gradient norm happen before any state is touched).
   float grad_scale = 1.0f;
   StepMode mode = StepMode::kFull;
+  // The sub-groups from the last to the first (the order a backward pass finishes them in when
+  // the partition follows the forward order), instead of first to last. The update is the same
+  // either way; only the order of the reads, updates, writes and half_done calls changes.
+  bool descending = false;
+  // With a gate (kFull only), each sub-group is updated only once ready(ready_user, i) > 0: the
+  // step can start while the gradients are still being reduced (the overlapped step's updates
+  // during the backward pass). Reads run ahead into free blocks as always, so the pool still
+  // bounds memory; a wait at the gate is not an I/O stall (io_timeout does not apply to it).
+  GradsReady ready = nullptr;
+  void* ready_user = nullptr;
 };
 
 struct StepStats {
@@ -194,32 +210,42 @@ class OptimizerPipeline {
   // The non-blocking part of the loop: notes finished I/O, returns the blocks of sub-groups
   // whose writes landed, starts reads into free blocks.
   Status pump(const StepArgs& args);
-  Status start_read(std::size_t i, PinnedPool::Lease lease, const StepArgs& args);
-  bool reads_done(std::size_t i);
-  Status finish_read(std::size_t i, const StepArgs& args);
-  Status start_write(std::size_t i, const StepArgs& args);
-  bool writes_done(std::size_t i);
+  Status start_read(std::size_t p, PinnedPool::Lease lease, const StepArgs& args);
+  bool reads_done(std::size_t p);
+  Status finish_read(std::size_t p, const StepArgs& args);
+  Status start_write(std::size_t p, const StepArgs& args);
+  bool writes_done(std::size_t p);
   // Hands sub-group i's half output in `block` to options_.half_done (when it streams).
   Status hand_half(std::size_t i, const std::byte* block, const StepArgs& args);
-  // True once every pending ticket of `pieces` for sub-group i has finished.
-  bool pieces_done(std::size_t i, const std::vector<Piece>& pieces);
-  // Waits for sub-group i's transfer of `piece` (`what`: "reading" / "writing") until it has
+  // True once every pending ticket of `pieces` at position p has finished.
+  bool pieces_done(std::size_t p, const std::vector<Piece>& pieces);
+  // Waits for position p's transfer of `piece` (`what`: "reading" / "writing") until it has
   // really ended, or gives up on it after io_timeouts_max timeouts (see the file comment); a
   // timeout is noted in *first, named, once. Returns the transfer's Status.
-  Status wait_landed(std::size_t i, Piece piece, const char* what, const StepArgs& args,
+  Status wait_landed(std::size_t p, Piece piece, const char* what, const StepArgs& args,
                      Status* first);
   // Returns the entry's block to the pool, or to quarantine_ when a transfer into it was
   // abandoned.
   void return_block(Entry& e);
-  // The timeout of a step whose driver waited io_timeout for sub-group i's reads.
-  Status stalled_read(std::size_t i, const StepArgs& args);
-  // Redeems i's write tickets, records its version, returns its block. Blocks for at most
+  // The timeout of a step whose driver waited io_timeout for position p's reads.
+  Status stalled_read(std::size_t p, const StepArgs& args);
+  // Redeems position p's write tickets, records its version, returns its block. Blocks for at most
   // io_timeout per ticket when `block` (then a timeout is an error, and the wait goes on).
-  Status finish_write(std::size_t i, const StepArgs& args);
+  Status finish_write(std::size_t p, const StepArgs& args);
   // After a failure: waits for every I/O in flight, records versions, returns every block (or
   // quarantines it). Returns the first error seen.
   Status drain(const StepArgs& args);
-  Entry& entry(std::size_t i);
+  // The sub-group at position p of the running step's order.
+  std::size_t sub_group_at(std::size_t p) const {
+    return descending_ ? store_.sub_group_count() - 1 - p : p;
+  }
+  // Whether the sub-group at position p may be updated (see StepArgs::ready): > 0 yes, 0 not
+  // yet, < 0 called off.
+  int gate(std::size_t p, const StepArgs& args) const {
+    return args.ready == nullptr ? 1 : args.ready(args.ready_user, sub_group_at(p));
+  }
+  Status called_off(std::size_t p, const StepArgs& args) const;
+  Entry& entry(std::size_t p);
   void trace_span(int track, const char* what, std::size_t i, std::int64_t start_ns,
                   std::int64_t end_ns);
 
@@ -235,10 +261,14 @@ class OptimizerPipeline {
   std::vector<PinnedPool::Lease> quarantine_;
   std::vector<Piece> read_pieces_;   // NVMe pieces the step reads
   std::vector<Piece> write_pieces_;  // NVMe pieces the step writes
-  // Sub-groups [released_, updated_) are writing (or written, not yet reaped), [updated_, read_)
-  // reading or read; below released_ done; from read_ on untouched.
-  // [updated_, verified_) are read and checked, waiting for (or in) their update.
+  // Positions in the step's order (sub_group_at()): [released_, updated_) are writing (or
+  // written, not yet reaped), [updated_, read_) reading or read; below released_ done; from
+  // read_ on untouched. [updated_, verified_) are read and checked, waiting for (or in) their
+  // update. The private functions below that take a sub-group index `i` take a position when
+  // they work on an Entry (entry(), the reads, the writes, the drain): each Entry records its
+  // sub-group.
   std::size_t released_ = 0, updated_ = 0, verified_ = 0, read_ = 0;
+  bool descending_ = false;  // the running step's order
   std::size_t held_ = 0;
   // Update thread state, guarded by update_mutex_.
   std::thread updater_;

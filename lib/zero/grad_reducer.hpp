@@ -111,6 +111,8 @@ class GradReducer {
   // The micro-batches every parameter was reduced in since zero(); kFailedPrecondition naming a
   // parameter when they differ or are 0.
   Result<int> micro_batches() const;
+  // Parameter id's micro-batches reduced since zero() (or its group's zero_group()).
+  std::uint32_t reduced(ParamId id) const { return counts_[id]; }
   // Zeroes the accumulator(s) and the counts.
   void zero();
   // Whether zero_group() can be used: the accumulator is the caller's float array in host

@@ -3,7 +3,9 @@
 // and the final masters, over world 1 and 4, stages 1-3, the optimizer state in host memory and
 // on NVMe (and, at stage 3, the parameter shards in host memory and on NVMe), with and without
 // clipping, bf16 and fp16 with dynamic loss scaling and a step skipped on overflow; and the same
-// for a backward that reduces while the pass still reads gradients (OverlapBackward).
+// for a backward that reduces while the pass still reads gradients (OverlapBackward). Without
+// clipping and loss scaling at stages 2 and 3 the pass begins during the backward and updates
+// each part as its gradients are final (StepReport::in_backward, checked in every such case).
 // overlap_slow_test.cpp runs both matrices for 200 steps (OVERLAP_STEPS, OVERLAP_SUITE,
 // OVERLAP_BACKWARD_SUITE).
 #include <gtest/gtest.h>
@@ -34,7 +36,9 @@ std::vector<OverlapCase> matrix() {
     // Stage 3 with the parameter shards off the device: the pass writes them in host memory or
     // to NVMe while the next forward reads the ones already written.
     for (OffloadDevice params : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
-      cases.push_back({world, 3, OffloadDevice::kNvme, params, true, DType::kBF16});
+      for (bool clip : {false, true}) {
+        cases.push_back({world, 3, OffloadDevice::kNvme, params, clip, DType::kBF16});
+      }
     }
   }
   return cases;
@@ -64,8 +68,14 @@ TEST_P(OVERLAP_SUITE, SameBitsAsTheSequentialStep) {
   for (std::size_t r = 0; r < overlapped->reports.size(); ++r) {
     for (const StepReport& rep : overlapped->reports[r]) {
       ASSERT_TRUE(rep.overlapped) << "rank " << r << " step " << rep.step;
+      // From the second step on: the first shows the engine the step's micro-batch count.
+      ASSERT_EQ(rep.in_backward, rep.step > 1 && overlap_test::updates_in_backward(c))
+          << "rank " << r << " step " << rep.step;
     }
-    for (const StepReport& rep : sequential->reports[r]) ASSERT_FALSE(rep.overlapped);
+    for (const StepReport& rep : sequential->reports[r]) {
+      ASSERT_FALSE(rep.overlapped);
+      ASSERT_FALSE(rep.in_backward);
+    }
   }
   if (inf_step > 0) {
     // The overflow was seen: the run has a skipped step (the same one in both, checked below).
@@ -110,7 +120,11 @@ TEST_P(OVERLAP_BACKWARD_SUITE, SameBitsAsTheSequentialStep) {
   Result<OverlapRun> overlapped =
       overlap_test::run_case(c, /*overlap=*/true, steps, 0, seed, dir.path());
   ASSERT_TRUE(overlapped.is_ok()) << overlapped.status().to_string();
-  for (const StepReport& rep : overlapped->reports[0]) ASSERT_TRUE(rep.overlapped);
+  for (const StepReport& rep : overlapped->reports[0]) {
+    ASSERT_TRUE(rep.overlapped);
+    ASSERT_EQ(rep.in_backward, rep.step > 1 && overlap_test::updates_in_backward(c))
+        << "step " << rep.step;
+  }
   EXPECT_EQ(overlap_test::first_difference(*sequential, *overlapped), "");
 }
 

@@ -28,6 +28,8 @@ Config case_config(const OverlapCase& c, bool overlap, const std::string& nvme_d
   Config config = engine_test::small_config(c.stage, c.optimizer, c.params, nvme_dir);
   config.overlap_step = overlap;
   config.gradient_clipping = c.clip ? 0.05 : 0.0;
+  // Each step has 2 micro-batches (train()): the step's pass may open in the second's backward.
+  config.gradient_accumulation_steps = 2;
   if (c.dtype == DType::kF16) {
     config.fp16.enabled = true;
     config.fp16.initial_scale_power = 8;

@@ -29,6 +29,12 @@ struct OverlapCase {
 
 std::string case_name(const OverlapCase& c);
 
+// Whether the case's overlapped steps begin their pass during the backward: no clipping, no loss
+// scaling (bf16), stage 2 or 3 (the gradients are always in host memory here).
+inline bool updates_in_backward(const OverlapCase& c) {
+  return !c.clip && c.dtype == DType::kBF16 && c.stage >= 2;
+}
+
 struct OverlapRun {
   // [rank][step - 1]: every value the forward passes of the step gathered, in module order.
   std::vector<std::vector<std::vector<float>>> forward;
