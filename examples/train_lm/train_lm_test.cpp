@@ -635,16 +635,25 @@ TEST(Program, OverlappedStepWritesTheSameLossesAndMastersAsSequential) {
 // A Perfetto trace of overlapped steps (train_lm --trace) shows the overlap itself: spans of the
 // optimizer pass's read / update / write tracks run at the same time as the next step's forward
 // spans. With --overlap-step off no pass span meets a forward span (the pass runs inside step()).
+// Without clipping ("noclip": --grad-clip 0, at stage 3) the pass begins during the backward:
+// update spans run inside backward spans, which with clipping (the pass starts at step(), after
+// the backward, and the next backward waits for each group it reduces into) they do in
+// none of the first steps here.
 TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
   const fs::path dir = scratch_dir("train_lm_overlap_trace");
   std::map<std::string, double> overlap_ms;
-  for (const std::string mode : {"on", "off"}) {
+  std::map<std::string, double> update_in_backward_ms;
+  for (const std::string mode : {"on", "off", "noclip"}) {
     const fs::path trace = dir / ("trace_" + mode + ".json");
     std::string err;
-    ASSERT_EQ(run_program("--params 2M --steps 3 --batch 2 --seq-len 16 --eval-every 3 "
+    // Without clipping the pass begins in the backward from the second step on: more steps.
+    const std::string steps = mode == "noclip" ? "6" : "3";
+    ASSERT_EQ(run_program("--params 2M --steps " + steps + " --batch 2 --seq-len 16 --eval-every " +
+                              steps + " "
                           "--eval-tokens 64 --seed 3 --no-progress --offload-optimizer nvme "
                           "--sub-group-size 65536 --overlap-step " +
-                              mode + " --trace " + trace.string() + " --out " +
+                              (mode == "noclip" ? std::string("on --grad-clip 0") : mode) +
+                              " --trace " + trace.string() + " --out " +
                               (dir / ("out_" + mode)).string() + " --nvme-path " +
                               (dir / "nvme").string(),
                           &err),
@@ -653,13 +662,15 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
     std::ifstream in(trace);
     const nlohmann::json root = nlohmann::json::parse(in);
     const nlohmann::json& events = root.is_array() ? root : root.at("traceEvents");
-    std::vector<std::pair<double, double>> forward, pass;
+    std::vector<std::pair<double, double>> forward, backward, pass, update;
     int pass_spans = 0;
     for (const nlohmann::json& e : events) {
       if (e.value("ph", "") != "X") continue;
       const std::string name = e.value("name", "");
       const double ts = e.value("ts", 0.0), dur = e.value("dur", 0.0);
       if (name == "forward") forward.push_back({ts, ts + dur});
+      if (name == "backward") backward.push_back({ts, ts + dur});
+      if (name.rfind("update sg", 0) == 0) update.push_back({ts, ts + dur});
       if (name.rfind("read sg", 0) == 0 || name.rfind("update sg", 0) == 0 ||
           name.rfind("write sg", 0) == 0) {
         pass.push_back({ts, ts + dur});
@@ -668,20 +679,28 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
     }
     ASSERT_GE(forward.size(), 3u) << mode;
     ASSERT_GT(pass_spans, 0) << mode;
-    double both_us = 0;
-    for (const auto& f : forward) {
-      for (const auto& p : pass) {
-        both_us += std::max(0.0, std::min(f.second, p.second) - std::max(f.first, p.first));
+    auto inside_ms = [](const std::vector<std::pair<double, double>>& outer,
+                        const std::vector<std::pair<double, double>>& inner) {
+      double both_us = 0;
+      for (const auto& o : outer) {
+        for (const auto& i : inner) {
+          both_us += std::max(0.0, std::min(o.second, i.second) - std::max(o.first, i.first));
+        }
       }
-    }
-    overlap_ms[mode] = both_us / 1e3;
+      return both_us / 1e3;
+    };
+    overlap_ms[mode] = inside_ms(forward, pass);
+    update_in_backward_ms[mode] = inside_ms(backward, update);
     std::printf(
-        "--overlap-step %s: %zu forward spans, %d pass spans, %.3f ms of pass spans "
-        "inside forward spans\n",
-        mode.c_str(), forward.size(), pass_spans, overlap_ms[mode]);
+        "mode %s: %zu forward spans, %zu backward spans, %d pass spans, %.3f ms of pass spans "
+        "inside forward spans, %.3f ms of update spans inside backward spans\n",
+        mode.c_str(), forward.size(), backward.size(), pass_spans, overlap_ms[mode],
+        update_in_backward_ms[mode]);
   }
   EXPECT_GT(overlap_ms["on"], 0.0);
   EXPECT_EQ(overlap_ms["off"], 0.0);
+  EXPECT_EQ(update_in_backward_ms["off"], 0.0);
+  EXPECT_GT(update_in_backward_ms["noclip"], 0.0);
   fs::remove_all(dir);
 }
 
