@@ -648,15 +648,15 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
     std::string err;
     // Without clipping the pass begins in the backward from the second step on: more steps.
     const std::string steps = mode == "noclip" ? "6" : "3";
-    ASSERT_EQ(run_program("--params 2M --steps " + steps + " --batch 2 --seq-len 16 --eval-every " +
-                              steps + " "
-                          "--eval-tokens 64 --seed 3 --no-progress --offload-optimizer nvme "
-                          "--sub-group-size 65536 --overlap-step " +
-                              (mode == "noclip" ? std::string("on --grad-clip 0") : mode) +
-                              " --trace " + trace.string() + " --out " +
-                              (dir / ("out_" + mode)).string() + " --nvme-path " +
-                              (dir / "nvme").string(),
-                          &err),
+    ASSERT_EQ(run_program(
+                  "--params 2M --steps " + steps + " --batch 2 --seq-len 16 --eval-every " + steps +
+                      " "
+                      "--eval-tokens 64 --seed 3 --no-progress --offload-optimizer nvme "
+                      "--sub-group-size 65536 --overlap-step " +
+                      (mode == "noclip" ? std::string("on --grad-clip 0") : mode) + " --trace " +
+                      trace.string() + " --out " + (dir / ("out_" + mode)).string() +
+                      " --nvme-path " + (dir / "nvme").string(),
+                  &err),
               0)
         << err;
     std::ifstream in(trace);

@@ -387,9 +387,8 @@ class Engine::Impl {
   // first such module of a step opens the pass.
   Status after_reduce(std::size_t m) {
     const std::vector<std::size_t>& params = layout_.module_params(m);
-    if (params.empty() ||
-        reducer_->reduced(static_cast<ParamId>(params.front())) <
-            config_.gradient_accumulation_steps) {
+    if (params.empty() || reducer_->reduced(static_cast<ParamId>(params.front())) <
+                              config_.gradient_accumulation_steps) {
       return Status::ok();
     }
     if (!overlap_->open()) {

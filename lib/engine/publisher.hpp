@@ -116,7 +116,7 @@ class Publisher {
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;
   AlignedBuffer buffer_;
-  AlignedBuffer stage_;             // one group's new shard, the largest group's size
+  AlignedBuffer stage_;  // one group's new shard, the largest group's size
   bool stream_descending_ = false;
   // Ascending: the partition element the next range starts at, and the group being assembled.
   // Descending: the element the next range ends at, and one past the group being assembled.
@@ -125,8 +125,8 @@ class Publisher {
   std::size_t stream_filled_ = 0;  // the assembled group's elements filled so far
   std::mutex mu_;
   std::condition_variable written_cv_;
-  bool in_pass_ = false;       // guarded by mu_
-  bool pass_ok_ = true;        // the last pass wrote every group, guarded by mu_
+  bool in_pass_ = false;  // guarded by mu_
+  bool pass_ok_ = true;   // the last pass wrote every group, guarded by mu_
   // Groups [written_lo_, written_hi_) of the pass are written, guarded by mu_.
   std::uint32_t written_lo_ = 0, written_hi_ = 0;
 };

@@ -139,16 +139,16 @@ class OverlappedStep {
   static constexpr std::uint32_t kNoGroup = ~std::uint32_t{0};
 
   Parts parts_;
-  int track_ = 0;                                 // the trace track of the runner's spans
+  int track_ = 0;                                  // the trace track of the runner's spans
   std::vector<std::uint32_t> module_first_group_;  // per module; kNoGroup: none
   std::vector<std::uint32_t> module_last_group_;   // per module; kNoGroup: none
-  std::vector<std::uint8_t> persistent_done_;     // per group: all-gathered since the pass began
-  std::vector<std::uint8_t> grads_zeroed_;        // per group: zeroed for the next step's adds
+  std::vector<std::uint8_t> persistent_done_;      // per group: all-gathered since the pass began
+  std::vector<std::uint8_t> grads_zeroed_;         // per group: zeroed for the next step's adds
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;
-  StepReport pass_report_;  // the running pass's optimizer and publish figures
-  bool open_ = false;       // an open pass, not yet committed
+  StepReport pass_report_;   // the running pass's optimizer and publish figures
+  bool open_ = false;        // an open pass, not yet committed
   bool pass_gated_ = false;  // the running pass was opened by open_pass()
   // Per group: its gradients are final for the open pass (written by the rank's thread, read by
   // the pass's gate).

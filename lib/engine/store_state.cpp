@@ -128,8 +128,7 @@ class StoreState final : public OptimizerState {
     return pipeline_->step({.step = step, .grad_scale = grad_scale});
   }
 
-  Result<StepStats> step_gated(std::int64_t step, float grad_scale,
-                               const PassGate& gate) override {
+  Result<StepStats> step_gated(std::int64_t step, float grad_scale, const PassGate& gate) override {
     ZINF_ASSERT(gates() && gate.ready != nullptr);
     gate_ = gate;
     pub_.restart_stream(gate.descending);
@@ -387,7 +386,7 @@ class StoreState final : public OptimizerState {
   std::unique_ptr<PinnedPool> pool_;
   std::unique_ptr<OptimizerPipeline> pipeline_;
   std::unique_ptr<SpillAccumulator> spill_;  // gradients_on_nvme
-  PassGate gate_;  // the running step_gated()'s
+  PassGate gate_;                            // the running step_gated()'s
   AlignedBuffer master_read_;                // one sub-group of master read back from NVMe
   std::uint64_t master_read_bytes_ = 0;
 };

@@ -574,6 +574,10 @@ class ZinfEngine(nn.Module):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
         scale = self._core.loss_scale
         with self._aborting_on_error("backward"):
+            # A rate torch's scheduler (or the caller) set since the last step reaches the engine
+            # before the backward: with the overlapped step updating during the backward (no
+            # clipping), the step's optimizer pass begins in it.
+            self._push_lr()
             (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
             self._finish_backward()
         self.micro_steps += 1
@@ -605,7 +609,7 @@ class ZinfEngine(nn.Module):
                 f"({factors}); the engine scales one learning rate per group by a fixed ratio")
         return self._base_lr * factors[0]
 
-    def _apply_step(self):
+    def _push_lr(self):
         if self._lrs_shown is None or self.get_lr() != self._lrs_shown:
             # The groups' lrs are torch's (a torch scheduler's, or set by hand): they go to the
             # engine, and replace the config's schedule from here on (Engine::set_learning_rate).
@@ -613,6 +617,9 @@ class ZinfEngine(nn.Module):
             if lr != self._lr_pushed:
                 self._core.set_learning_rate(lr)
                 self._lr_pushed = lr
+
+    def _apply_step(self):
+        self._push_lr()
         with self._aborting_on_error("step"):
             self.last_step_report = self._core.step()
         self.global_steps += 1

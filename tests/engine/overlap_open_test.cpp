@@ -1,0 +1,163 @@
+// A pass opened during the backward (the overlapped step without clipping or loss scaling,
+// docs/ENGINE.md "Updates during the backward"): what the caller sees between the last
+// micro-batch's first reduction and step(). Calls that need the whole step are refused until
+// step() and then work; a rate other than the pass's is refused; a micro-batch past
+// gradient_accumulation_steps and a non-finite gradient fail the step, where the sequential step
+// would take the micro-batch or skip the step; an engine closed with a pass open returns.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+
+#include "engine_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+using engine_test::ParamDef;
+
+Config open_config(const std::string& nvme, bool overlap) {
+  Config config = engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, nvme);
+  config.bf16_enabled = true;
+  config.gradient_clipping = 0.0;
+  config.overlap_step = overlap;
+  return config;
+}
+
+// Module m's gradients for `step` (from the initial values: no gather needed), with an inf in
+// the first element when `poison`.
+Status reduce_module(Engine& engine, const Model& model, const std::string& m, int step,
+                     bool poison = false) {
+  std::vector<std::vector<std::uint16_t>> grads;
+  std::vector<GradientRef> refs;
+  grads.reserve(model.params.size());
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    const ParamDef& d = model.params[p];
+    if (d.module != m) continue;
+    std::vector<float> g = engine_test::make_grad(d, model.initial[p], 0, step, 0, p);
+    if (poison) g[0] = std::numeric_limits<float>::infinity();
+    grads.push_back(engine_test::narrow_to_half(g, d.dtype));
+    refs.push_back({d.name, grads.back().data(), d.element_count(), d.dtype});
+  }
+  return engine.reduce_gradients(m, refs);
+}
+
+// Every module's gradients for `step`, last module first, as a backward pass hands them.
+Status backward(Engine& engine, const Model& model, int step) {
+  for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+    ZINF_RETURN_IF_ERROR(reduce_module(engine, model, *it, step));
+  }
+  return Status::ok();
+}
+
+Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& model) {
+  std::vector<std::vector<float>> out;
+  for (const ParamDef& d : model.params) {
+    std::vector<float> v(d.element_count());
+    ZINF_RETURN_IF_ERROR(engine.read_parameters(d.name, v.data()));
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+TEST(OverlapOpen, CallsThatNeedTheWholeStepWaitForStepThenMatchTheSequentialRun) {
+  engine_test::ScratchDir dir("overlap_open_calls");
+  const Model model = engine_test::make_model(DType::kBF16, 2301);
+  std::vector<std::vector<std::vector<float>>> result(2);
+  for (bool overlap : {false, true}) {
+    std::vector<Status> st = engine_test::with_engines(
+        open_config(dir.path(), overlap), model, 1, [&](int, Engine& engine) -> Status {
+          for (int step = 1; step <= 3; ++step) {
+            ZINF_RETURN_IF_ERROR(backward(engine, model, step));
+            if (overlap && step >= 2) {
+              // The pass is open: these need all of it.
+              std::vector<float> v(model.params[0].element_count());
+              Status read = engine.read_parameters(model.params[0].name, v.data());
+              EXPECT_EQ(read.code(), Code::kFailedPrecondition) << read.to_string();
+              EXPECT_NE(read.message().find("call step() first"), std::string::npos)
+                  << read.to_string();
+              Status rate = engine.set_learning_rate(engine.learning_rate() * 2);
+              EXPECT_EQ(rate.code(), Code::kFailedPrecondition) << rate.to_string();
+              EXPECT_NE(rate.message().find("began during the backward"), std::string::npos)
+                  << rate.to_string();
+              (void)engine.counters();  // returns while the pass is open
+            }
+            ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+            EXPECT_EQ(rep.in_backward, overlap && step >= 2) << "step " << step;
+          }
+          ZINF_ASSIGN_OR_RETURN(result[overlap ? 1 : 0], masters(engine, model));
+          return Status::ok();
+        });
+    ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+  }
+  ASSERT_EQ(result[0].size(), result[1].size());
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+  }
+}
+
+TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
+  engine_test::ScratchDir dir("overlap_open_micro");
+  const Model model = engine_test::make_model(DType::kBF16, 2302);
+  std::vector<Status> st = engine_test::with_engines(
+      open_config(dir.path(), true), model, 1, [&](int, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+        ZINF_RETURN_IF_ERROR(engine.step().status());
+        ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
+        // gradient_accumulation_steps is 1: the pass took every module's gradients as final.
+        Status again = reduce_module(engine, model, model.modules.back(), 2);
+        EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
+        EXPECT_NE(again.message().find("more than gradient_accumulation_steps (1)"),
+                  std::string::npos)
+            << again.to_string();
+        Status step = engine.step().status();
+        EXPECT_EQ(step.code(), Code::kFailedPrecondition) << "sticky: " << step.to_string();
+        return Status::ok();
+      });
+  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
+TEST(OverlapOpen, ANonFiniteGradientFailsTheStepTheSequentialStepSkips) {
+  engine_test::ScratchDir dir("overlap_open_inf");
+  const Model model = engine_test::make_model(DType::kBF16, 2303);
+  for (bool overlap : {false, true}) {
+    std::vector<Status> st = engine_test::with_engines(
+        open_config(dir.path(), overlap), model, 1, [&](int, Engine& engine) -> Status {
+          ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+          ZINF_RETURN_IF_ERROR(engine.step().status());
+          // The first module's gradients (reduced last) carry an inf.
+          for (std::size_t k = model.modules.size(); k-- > 0;) {
+            ZINF_RETURN_IF_ERROR(reduce_module(engine, model, model.modules[k], 2, k == 0));
+          }
+          Result<StepReport> rep = engine.step();
+          if (!overlap) {
+            EXPECT_TRUE(rep.is_ok() && rep->skipped) << rep.status().to_string();
+            return Status::ok();
+          }
+          EXPECT_EQ(rep.status().code(), Code::kAborted) << rep.status().to_string();
+          EXPECT_NE(rep.status().message().find("gradients are not finite"), std::string::npos)
+              << rep.status().to_string();
+          EXPECT_EQ(engine.step().status().code(), Code::kAborted) << "sticky";
+          return Status::ok();
+        });
+    ASSERT_TRUE(st[0].is_ok()) << "overlap " << overlap << ": " << st[0].to_string();
+  }
+}
+
+TEST(OverlapOpen, AnEngineClosedWithAPassOpenReturns) {
+  engine_test::ScratchDir dir("overlap_open_close");
+  const Model model = engine_test::make_model(DType::kBF16, 2304);
+  std::vector<Status> st = engine_test::with_engines(
+      open_config(dir.path(), true), model, 1, [&](int, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+        ZINF_RETURN_IF_ERROR(engine.step().status());
+        // Half a backward: the pass opens and waits for the first modules' gradients, which
+        // never come; closing the engine calls it off.
+        return reduce_module(engine, model, model.modules.back(), 2);
+      });
+  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
+}  // namespace
+}  // namespace zinf
