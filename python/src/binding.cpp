@@ -266,6 +266,10 @@ class PyEngine {
     out["optimizer_nvme_read_bytes"] = report.optimizer_nvme_read_bytes;
     out["optimizer_nvme_write_bytes"] = report.optimizer_nvme_write_bytes;
     out["param_nvme_write_bytes"] = report.param_nvme_write_bytes;
+    out["overlapped"] = report.overlapped;
+    out["hidden_ns"] = report.hidden_ns;
+    out["gather_wait_ns"] = report.gather_wait_ns;
+    out["in_backward"] = report.in_backward;
     return out;
   }
 

@@ -116,3 +116,42 @@ def test_fp16_scales_the_loss_and_trains(tmp_path):
     report = engine.last_step_report
     assert report["loss_scale"] == 4096.0 and not report["skipped"]
     assert losses[-1] < 0.9 * losses[0]
+
+
+def test_without_clipping_the_step_updates_during_the_backward_with_the_schedulers_rates(tmp_path):
+    # No clipping and bf16 at stage 3 with the optimizer state offloaded: from the second step the
+    # engine's optimizer pass begins in the backward (StepReport in_backward). The torch
+    # scheduler's rate for each step reaches the engine before the backward that begins it, so the
+    # parameters are the bits of the sequential step's (zinf.overlap_step false).
+    batches = make_batches(4)
+    params = {}
+    for overlap in (False, True):
+        config = zinf_config(3, "nvme", "cpu", tmp_path / f"swap{overlap}", bf16=True,
+                             stage3_param_persistence_threshold=0)
+        config["gradient_clipping"] = 0.0
+        config["zinf"]["overlap_step"] = overlap
+        schedule = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.2 * s))
+        engine, _, _, _ = open_engine(config, lr_scheduler=schedule)
+        in_backward = []
+        for ids, labels in batches:
+            engine.backward(engine(input_ids=ids, labels=labels).loss)
+            engine.step()
+            in_backward.append(engine.last_step_report["in_backward"])
+        params[overlap] = engine.read_parameter("transformer.wte.weight")
+        # Every step after the first sets a new rate: the engine's schedule no longer sets it,
+        # so no pass opens early; the rates are right either way.
+        assert in_backward == [False] * 4
+    assert torch.equal(params[False], params[True])
+
+    # Without a scheduler the pass opens in the backward from the second step on.
+    config = zinf_config(3, "nvme", "cpu", tmp_path / "swap_const", bf16=True,
+                         stage3_param_persistence_threshold=0)
+    config["gradient_clipping"] = 0.0
+    engine, _, _, _ = open_engine(config)
+    reports = []
+    for ids, labels in batches:
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+        reports.append(engine.last_step_report)
+    assert [r["in_backward"] for r in reports] == [False, True, True, True]
+    assert all(r["overlapped"] for r in reports)
