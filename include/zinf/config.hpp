@@ -191,6 +191,12 @@ struct Config {
   // produced them, and gather() waits only for its own module's. The results are the same bits
   // as the sequential step's (false: step() returns once every parameter is published).
   bool overlap_step = true;
+  // With gradient_clipping: step t's gradients are clipped by the coefficient of step t-1's norm
+  // (the first step, and the first after a load that carries none, by its own), so no step waits
+  // for its own norm and the overlapped step's pass can begin during the backward, as it does
+  // without clipping. StepReport::clip_coef is the coefficient applied, grad_norm the step's own
+  // norm. Off (false): each step is clipped by its own norm (torch, DeepSpeed).
+  bool clip_from_previous_step = false;
   // Device memory the planner sets aside for the runtime (CUDA context, workspaces). Read by
   // `zinf plan` only; the engine allocates nothing for it.
   std::uint64_t device_reserved_bytes = std::uint64_t{1} << 30;

@@ -64,6 +64,7 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
   m.resume.lr_override = resume.lr_override;
   m.resume.schedule = resume.schedule;
   m.resume.gather_order = resume.gather_order;
+  m.resume.previous_clip_coef = resume.previous_clip_coef;
   for (ParamId id = 0; id < part.param_count(); ++id) {
     const ParamLocation& loc = part.location(id);
     m.params.push_back({layout.param(id).spec.name, part.spec(id).shape, part.spec(id).dtype,
@@ -565,6 +566,7 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   resume->lr_override = m.resume.lr_override;
   resume->schedule = m.resume.schedule;
   resume->gather_order = m.resume.gather_order;
+  resume->previous_clip_coef = m.resume.previous_clip_coef;
   return Status::ok();
 }
 

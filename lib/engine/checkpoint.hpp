@@ -34,6 +34,7 @@
 #include <memory>
 #include <mutex>
 #include <nlohmann/json_fwd.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -159,6 +160,9 @@ struct ResumeState {
   // The recorded gather order (module names; empty before the first step).
   std::vector<std::string> gather_order;
   std::string client_state;
+  // zinf.clip_from_previous_step: the clipping coefficient the next step applies (the manifest's
+  // optional "previous_clip_coef"; absent: none, the next step clips by its own norm).
+  std::optional<double> previous_clip_coef;
 };
 
 // manifest.json: everything a load needs besides the rank files. Every rank writes the same

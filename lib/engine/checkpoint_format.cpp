@@ -296,6 +296,9 @@ std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
             {"ranks", files(m.ranks)},
             {"client_state", files(m.client_state)},
             {"checksum", std::string(16, '0')}};
+  if (m.resume.previous_clip_coef.has_value()) {
+    j["previous_clip_coef"] = *m.resume.previous_clip_coef;
+  }
   // The text's own xxh3-64, with the checksum's 16 digits as zeros, then written into them: a
   // flipped bit anywhere in the manifest (a digit of the learning rate, say) is caught, and the
   // file stays plain JSON.
@@ -355,6 +358,14 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   if (st.is_ok() && m.resume.step < 0) st = r.bad("step", "is negative");
   r.get(j, "lr", &m.resume.lr, &st);
   r.get(j, "lr_override", &m.resume.lr_override, &st);
+  if (st.is_ok() && j.contains("previous_clip_coef")) {
+    double coef = 0.0;
+    r.get(j, "previous_clip_coef", &coef, &st);
+    if (st.is_ok() && !(coef > 0.0 && coef <= 1.0)) {
+      st = r.bad("previous_clip_coef", "is not in (0, 1]");
+    }
+    if (st.is_ok()) m.resume.previous_clip_coef = coef;
+  }
   const Json* sched = r.find(j, "lr_schedule", &st);
   if (sched != nullptr) {
     ScheduleConfig& s = m.resume.schedule;

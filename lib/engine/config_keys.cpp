@@ -202,6 +202,8 @@ const Key kZinfKeys[] = {
     {.name = "gradient_spill_buffers",
      .read = ZINF_READ(count_as(v, &w.config->gradient_spill_buffers))},
     {.name = "overlap_step", .read = ZINF_READ(bool_of(v, &w.config->overlap_step))},
+    {.name = "clip_from_previous_step",
+     .read = ZINF_READ(bool_of(v, &w.config->clip_from_previous_step))},
     {.name = "device_reserved_bytes",
      .read = ZINF_READ(count_as(v, &w.config->device_reserved_bytes)),
      .no_effect = kPlannerOnly},

@@ -259,6 +259,7 @@ std::string config_to_json(const Config& c) {
                  {"gradients_on_nvme", c.gradients_on_nvme},
                  {"gradient_spill_buffers", c.gradient_spill_buffers},
                  {"overlap_step", c.overlap_step},
+                 {"clip_from_previous_step", c.clip_from_previous_step},
                  {"device_reserved_bytes", c.device_reserved_bytes},
                  {"cpu_threads", c.cpu_threads},
                  {"collective_timeout_ms", c.collective_timeout_ms},

@@ -184,13 +184,14 @@ class Engine::Impl {
     // The device copies: every group's shard is the master rounded to the group's dtype.
     ZINF_RETURN_IF_ERROR(state_->place_initial());
     if (config_.overlap_step && state_->overlaps()) {
-      // Updates during the backward where nothing global decides the step first: no clipping
-      // and no loss scaling (the norm and the overflow check need every gradient), gradients in
+      // Updates during the backward where nothing global decides the step first: no clipping (or
+      // zinf.clip_from_previous_step) and no loss scaling (the step's own norm and overflow
+      // check need every gradient), gradients in
       // host memory and reduce-scattered as they come (stages 2 and 3; stage 1 reduces at the
       // step). See step_overlap.hpp.
       in_backward_ = state_->gates() && reducer_->zeroes_groups() &&
-                     config_.gradient_clipping <= 0.0 && !config_.fp16.enabled &&
-                     config_.zero.stage >= 2;
+                     (config_.gradient_clipping <= 0.0 || config_.clip_from_previous_step) &&
+                     !config_.fp16.enabled && config_.zero.stage >= 2;
       pending_final_.reserve(layout_.group_count());
       OverlappedStep::Parts parts;
       parts.layout = &layout_;
@@ -366,7 +367,7 @@ class Engine::Impl {
         return fail(Status::failed_precondition(fmt::format(
             "reduce_gradients('{}'): more than gradient_accumulation_steps ({}) micro-batches "
             "since the last step; the optimizer step {} began updating with the {}th "
-            "(zinf.overlap_step updates during the backward when there is no gradient_clipping): "
+            "(zinf.overlap_step: docs/ENGINE.md \"Updates during the backward\"): "
             "call step() after every gradient_accumulation_steps micro-batches",
             module, config_.gradient_accumulation_steps, overlap_->pass_step(),
             config_.gradient_accumulation_steps)));
@@ -396,14 +397,15 @@ class Engine::Impl {
       // step had gradient_accumulation_steps micro-batches: a caller who reduces more than the
       // config says (its default is 1) never has a pass open early.
       if (lr_override_ || !micro_matched_) return Status::ok();
+      // With zinf.clip_from_previous_step, the first step's scale needs its own norm.
+      const std::optional<float> scale =
+          numerics_->scale_before_norm(static_cast<int>(config_.gradient_accumulation_steps));
+      if (!scale.has_value()) return Status::ok();
       // The previous step's pass; the backward's reductions waited for its groups already.
       if (overlap_->running()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
       set_step_params(t_ + 1);
       ZINF_RETURN_IF_ERROR(fail(state_->set_group_params(group_params_)));
-      // What StepNumerics::decide() gives without clipping: 1 / (micro-batches * loss scale).
-      const double unscale = 1.0 / (static_cast<double>(config_.gradient_accumulation_steps) *
-                                    numerics_->scaler().scale());
-      overlap_->open_pass(t_ + 1, static_cast<float>(1.0 * unscale));
+      overlap_->open_pass(t_ + 1, *scale);
     }
     for (std::uint32_t g : layout_.module_groups(m)) pending_final_.push_back(g);
     return Status::ok();
@@ -487,9 +489,9 @@ class Engine::Impl {
       overlap_->cancel();
       return fail(Status::aborted(fmt::format(
           "step {}: the gradients are not finite (norm {}), and the optimizer step had already "
-          "updated part of the state during the backward (zinf.overlap_step updates during the "
-          "backward when there is no gradient_clipping and no loss scaling), so it cannot be "
-          "skipped: load a checkpoint; with zinf.overlap_step false such a step is skipped",
+          "updated part of the state during the backward (zinf.overlap_step: docs/ENGINE.md "
+          "\"Updates during the backward\"), so it cannot be skipped: load a checkpoint; with "
+          "zinf.overlap_step false such a step is skipped",
           overlap_->pass_step(), d.grad_norm)));
     }
     ZINF_ASSERT_MSG(d.grad_scale == overlap_->pass_scale(),
@@ -650,8 +652,8 @@ class Engine::Impl {
     if (overlap_ != nullptr && overlap_->open() && lr != lr_for_step(overlap_->pass_step())) {
       return Status::failed_precondition(fmt::format(
           "set_learning_rate({}): the optimizer step {} began during the backward with the "
-          "schedule's learning rate {} (zinf.overlap_step updates during the backward when there "
-          "is no gradient_clipping); set the rate before the step's last micro-batch, or set "
+          "schedule's learning rate {} (zinf.overlap_step: docs/ENGINE.md \"Updates during the "
+          "backward\"); set the rate before the step's last micro-batch, or set "
           "zinf.overlap_step to false",
           lr, overlap_->pass_step(), lr_for_step(overlap_->pass_step())));
     }
@@ -684,6 +686,7 @@ class Engine::Impl {
     ResumeState r{t_, numerics_->scaler(), config_.optimizer.lr, lr_override_, schedule_.config()};
     if (coord_->order_frozen()) r.gather_order = gather_order_names(layout_, coord_->order());
     r.client_state = client_state_;
+    r.previous_clip_coef = numerics_->previous_clip_coef();
     return zinf::save_checkpoint(checkpoint_context(), call, std::string(dir), std::string(tag),
                                  checkpoint_precondition(call), r);
   }
@@ -703,6 +706,7 @@ class Engine::Impl {
     Result<LrSchedule> schedule = LrSchedule::create(r.schedule, r.lr);
     if (schedule.is_ok()) schedule_ = std::move(*schedule);
     lr_override_ = r.lr_override;
+    numerics_->set_previous_clip_coef(r.previous_clip_coef);
     // The gather order, when every module in it is one of ours (else the next step records it).
     std::vector<std::size_t> order = gather_order_indices(layout_, r.gather_order);
     if (!order.empty()) coord_->restore_order(std::move(order));
@@ -821,8 +825,8 @@ class Engine::Impl {
     if (overlap_ == nullptr) return Status::ok();
     if (overlap_->open()) {
       return Status::failed_precondition(fmt::format(
-          "the optimizer step {} is updating the state beside the backward (zinf.overlap_step "
-          "updates during the backward when there is no gradient_clipping): call step() first",
+          "the optimizer step {} is updating the state beside the backward (zinf.overlap_step: "
+          "docs/ENGINE.md \"Updates during the backward\"): call step() first",
           overlap_->pass_step()));
     }
     return fail(overlap_->finish(collective));

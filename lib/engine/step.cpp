@@ -10,6 +10,7 @@ Result<StepNumerics> StepNumerics::create(const Config& config, Device& device, 
                                           std::chrono::milliseconds timeout) {
   StepNumerics n(device, comm, timeout);
   n.gradient_clipping_ = config.gradient_clipping;
+  n.clip_previous_ = config.clip_from_previous_step && config.gradient_clipping > 0.0;
   LossScalerOptions ls;
   ls.dynamic = config.fp16.enabled && config.fp16.loss_scale == 0.0;
   ls.initial_scale = !config.fp16.enabled ? 1.0
@@ -55,8 +56,25 @@ Result<StepDecision> StepNumerics::decide(double sumsq, int micro_batches, Strea
   if (gradient_clipping_ > 0.0 && d.grad_norm > gradient_clipping_) {
     d.clip_coef = gradient_clipping_ / (d.grad_norm + 1e-6);
   }
+  if (clip_previous_) {
+    // This step applies the last applied step's coefficient; its own goes to the next.
+    const double own = d.clip_coef;
+    if (has_previous_) d.clip_coef = previous_coef_;
+    previous_coef_ = own;
+    has_previous_ = true;
+  }
   d.grad_scale = static_cast<float>(d.clip_coef * unscale);
   return d;
+}
+
+std::optional<float> StepNumerics::scale_before_norm(int micro_batches) const {
+  double coef = 1.0;
+  if (gradient_clipping_ > 0.0) {
+    if (!clip_previous_ || !has_previous_) return std::nullopt;
+    coef = previous_coef_;
+  }
+  const double unscale = 1.0 / (static_cast<double>(micro_batches) * scaler_.scale());
+  return static_cast<float>(coef * unscale);
 }
 
 }  // namespace zinf

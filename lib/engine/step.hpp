@@ -6,13 +6,15 @@
 //
 // The optimizer sees the mean gradient over micro-batches, divided by the loss scale, times the
 // clipping coefficient gradient_clipping / (norm + 1e-6) when the norm exceeds
-// gradient_clipping (torch.nn.utils.clip_grad_norm_).
+// gradient_clipping (torch.nn.utils.clip_grad_norm_): of this step's norm, or with
+// zinf.clip_from_previous_step of the last applied step's (the first step's own).
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
 
 #include <chrono>
 #include <cstdint>
+#include <optional>
 
 #include "device/device_ops.hpp"
 #include "zero/loss_scaler.hpp"
@@ -46,6 +48,20 @@ class StepNumerics {
   LossScaler& scaler() { return scaler_; }
   const LossScaler& scaler() const { return scaler_; }
 
+  // The grad_scale decide() will give a step of `micro_batches` that is not skipped, when it
+  // does not depend on the step's own norm: without clipping, or with zinf.clip_from_previous_step
+  // after an applied step. Else nullopt.
+  std::optional<float> scale_before_norm(int micro_batches) const;
+  // zinf.clip_from_previous_step: the coefficient of the last applied step's own norm, which the
+  // next step applies (nullopt before the first, and after a load that carries none).
+  std::optional<double> previous_clip_coef() const {
+    return has_previous_ ? std::optional<double>(previous_coef_) : std::nullopt;
+  }
+  void set_previous_clip_coef(std::optional<double> coef) {
+    has_previous_ = coef.has_value();
+    previous_coef_ = coef.value_or(1.0);
+  }
+
  private:
   StepNumerics(Device& device, Communicator& comm, std::chrono::milliseconds timeout)
       : device_(&device), comm_(&comm), timeout_(timeout) {}
@@ -54,6 +70,9 @@ class StepNumerics {
   Communicator* comm_;
   std::chrono::milliseconds timeout_;
   double gradient_clipping_ = 0.0;
+  bool clip_previous_ = false;  // zinf.clip_from_previous_step
+  bool has_previous_ = false;
+  double previous_coef_ = 1.0;
   LossScaler scaler_;
   DeviceBuffer scratch_;        // this rank's double, then every rank's
   RegisteredBuffer norm_host_;  // host side of scratch_

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
+#include <utility>
 
 #include "base/random.hpp"
 #include "kernels/adam.h"
@@ -306,6 +307,7 @@ Reference run_reference(const Config& config, const Model& model, int world,
   }
   const int micro_count = options.micro_batches;
   const int saved_world = world;
+  double previous_coef = 1.0;  // zinf.clip_from_previous_step
   for (int step = 1; step <= options.steps; ++step) {
     world = options.resharded_from_step > 0 && step >= options.resharded_from_step
                 ? options.resharded_world
@@ -368,6 +370,11 @@ Reference run_reference(const Config& config, const Model& model, int world,
       }
       const double norm = std::sqrt(sumsq * unscale * unscale);
       if (norm > config.gradient_clipping) coef = config.gradient_clipping / (norm + 1e-6);
+      if (config.clip_from_previous_step) {
+        // The previous step's coefficient; the first step's own.
+        std::swap(coef, previous_coef);
+        if (step == 1) coef = previous_coef;
+      }
     }
     StepOptions so;
     so.step = step;

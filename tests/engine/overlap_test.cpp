@@ -33,6 +33,14 @@ std::vector<OverlapCase> matrix() {
         }
       }
     }
+    // Clipping by the previous step's coefficient (zinf.clip_from_previous_step, in both runs):
+    // the pass begins during the backward as without clipping.
+    for (int stage : {2, 3}) {
+      for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+        cases.push_back({world, stage, opt, OffloadDevice::kNone, true, DType::kBF16,
+                         /*backward_only=*/false, /*clip_previous=*/true});
+      }
+    }
     // Stage 3 with the parameter shards off the device: the pass writes them in host memory or
     // to NVMe while the next forward reads the ones already written.
     for (OffloadDevice params : {OffloadDevice::kHost, OffloadDevice::kNvme}) {

@@ -16,10 +16,12 @@ std::string case_name(const OverlapCase& c) {
   auto tier = [](OffloadDevice d) {
     return d == OffloadDevice::kNvme ? "nvme" : d == OffloadDevice::kHost ? "cpu" : "none";
   };
-  return fmt::format("world{}_stage{}_opt{}_param{}_{}_{}{}", c.world, c.stage, tier(c.optimizer),
-                     tier(c.params), c.clip ? "clip" : "noclip",
-                     c.dtype == DType::kF16 ? "fp16" : "bf16",
-                     c.backward_only ? "_backward_only" : "");
+  return fmt::format(
+      "world{}_stage{}_opt{}_param{}_{}_{}{}", c.world, c.stage, tier(c.optimizer), tier(c.params),
+      c.clip_previous ? "clipprev"
+      : c.clip        ? "clip"
+                      : "noclip",
+      c.dtype == DType::kF16 ? "fp16" : "bf16", c.backward_only ? "_backward_only" : "");
 }
 
 namespace {
@@ -28,6 +30,7 @@ Config case_config(const OverlapCase& c, bool overlap, const std::string& nvme_d
   Config config = engine_test::small_config(c.stage, c.optimizer, c.params, nvme_dir);
   config.overlap_step = overlap;
   config.gradient_clipping = c.clip ? 0.05 : 0.0;
+  config.clip_from_previous_step = c.clip_previous;
   // Each step has 2 micro-batches (train()): the step's pass may open in the second's backward.
   config.gradient_accumulation_steps = 2;
   if (c.dtype == DType::kF16) {

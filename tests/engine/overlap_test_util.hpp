@@ -25,14 +25,17 @@ struct OverlapCase {
   // previous step() returned, so the reductions meet the pass while it still reads the last
   // groups' gradients.
   bool backward_only = false;
+  // With clip: zinf.clip_from_previous_step (both runs).
+  bool clip_previous = false;
 };
 
 std::string case_name(const OverlapCase& c);
 
-// Whether the case's overlapped steps begin their pass during the backward: no clipping, no loss
-// scaling (bf16), stage 2 or 3 (the gradients are always in host memory here).
+// Whether the case's overlapped steps begin their pass during the backward: no clipping (or the
+// previous step's clipping coefficient), no loss scaling (bf16), stage 2 or 3 (the gradients are
+// always in host memory here).
 inline bool updates_in_backward(const OverlapCase& c) {
-  return !c.clip && c.dtype == DType::kBF16 && c.stage >= 2;
+  return (!c.clip || c.clip_previous) && c.dtype == DType::kBF16 && c.stage >= 2;
 }
 
 struct OverlapRun {
