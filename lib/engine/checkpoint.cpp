@@ -410,7 +410,7 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
                   fmt::format("'{}': {}", path, decoded.status().message()));
   }
   const CheckpointHeader& h = *decoded;
-  if (h.rank != static_cast<std::uint32_t>(rank) ||
+  if (h.version != m.version || h.rank != static_cast<std::uint32_t>(rank) ||
       h.world_size != static_cast<std::uint32_t>(m.world_size) ||
       h.stage != static_cast<std::uint32_t>(m.stage) ||
       h.partition_elements != m.partition_elements || h.fingerprint != m.fingerprint ||
