@@ -431,7 +431,15 @@ Status prepare_file(const std::string& dir, const std::string& path, std::uint64
   if (!S_ISDIR(st.st_mode)) {
     return Status::invalid_argument(fmt::format("swap directory {}: not a directory", dir));
   }
-  *fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  // A file already at `path` is never opened, let alone truncated: a process of the same pid
+  // left it (killed before its destructor ran; a container restarted after a crash gives the job
+  // the same pids), and a checkpoint may link its bytes (link_files()). Only its name goes; the
+  // checkpoint's link keeps the bytes, and a file nothing links is freed.
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    *fd = -1;
+  } else {
+    *fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+  }
   if (*fd < 0) {
     const int err = errno;
     if (err == EINVAL) {

@@ -445,6 +445,44 @@ TEST_P(SwapTest, LinkAcrossFilesystemsIsExdevAndFreezesNothing) {
   EXPECT_TRUE(swap.in_current_file(*id));
 }
 
+// A swap space opened where a process of the same pid left its swap file (killed before its
+// destructor ran: remove_files = false here stands for that; a container restarted after a crash
+// gives the job the same pids) makes a file of its own: the old file's bytes, which a checkpoint
+// linked, stay as they were.
+TEST_P(SwapTest, OpenLeavesALinkedFileOfTheSameNameAlone) {
+  ScratchDir root("swap-link-reopen");
+  const std::string link = root.path() + "/checkpoint.bin";
+  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock};
+  options.file_name = "zinf-swap-same-pid.bin";
+  options.remove_files = false;
+  auto io = engine();
+  ASSERT_TRUE(io);
+  std::vector<unsigned char> linked;
+  {
+    Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    Result<ExtentId> id = (*opened)->create("e", 3 * kBlock);
+    ASSERT_TRUE(id.is_ok());
+    AlignedBuffer data = random_buffer(3 * kBlock, 0x5a5e);
+    ASSERT_TRUE((*opened)->write_sync(*id, data.data()).is_ok());
+    ASSERT_TRUE((*opened)->link_files({link}, {"checkpoint"}).is_ok());
+    linked = file_bytes(link);
+    ASSERT_EQ(std::memcmp(linked.data(), data.data(), 3 * kBlock), 0);
+  }
+  const std::string swap_path = root.path() + "/" + options.file_name;
+  ASSERT_EQ(inode_of(swap_path), inode_of(link));  // the name the next open meets
+  options.remove_files = true;
+  Result<std::unique_ptr<SwapSpace>> again = SwapSpace::open(*io, options);
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  EXPECT_NE(inode_of(swap_path), inode_of(link));
+  EXPECT_EQ(file_bytes(link), linked) << "opening the swap space changed the linked file";
+  Result<ExtentId> id = (*again)->create("e", kBlock);
+  ASSERT_TRUE(id.is_ok());
+  AlignedBuffer data = random_buffer(kBlock, 0x5a5f);
+  ASSERT_TRUE((*again)->write_sync(*id, data.data()).is_ok());
+  EXPECT_EQ(file_bytes(link), linked);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 TEST(SwapOpen, MissingDirectoryNamesIt) {
