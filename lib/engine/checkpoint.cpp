@@ -403,6 +403,17 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
     ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
   } else {
     ZINF_RETURN_IF_ERROR(r->read_at(0, head.size(), head.data()));
+    // A linked file taken in place is never read through: its header page (the loss scaler and
+    // the fields compared below) is checked against its block checksum here, as a pass checks
+    // it with the rest of the file.
+    const std::vector<FileBlockSum>& sums = r->block_sums();
+    if (!check_now && !sums.empty() && sums[0].end_offset == kCheckpointHeaderBytes &&
+        XXH3_64bits(head.data(), head.size()) != sums[0].xxh3) {
+      return Status::corruption(fmt::format(
+          "'{}' does not match its block checksums: bytes [0, {}) differ (block 0 of {}: the "
+          "header)",
+          path, kCheckpointHeaderBytes, sums.size()));
+    }
   }
   Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
   if (!decoded.is_ok()) {

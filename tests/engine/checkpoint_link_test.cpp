@@ -241,6 +241,42 @@ TEST(CheckpointLink, FlippedBitInALinkedFileIsCorruptionNamingIt) {
   EXPECT_NE(st[0].message().find(victim), std::string::npos) << st[0].to_string();
 }
 
+// A load that takes a linked file in place reads nothing of it but the header, whose loss scaler
+// no manifest field repeats: a flipped bit there is kCorruption naming the file, found before the
+// state is touched (the engine stays usable and loads an intact tag next).
+TEST(CheckpointLink, FlippedBitInALinkedHeaderIsCorruptionNamingIt) {
+  engine_test::ScratchDir scratch("ckpt-link-head");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = page_model(34);
+  const Config config = link_config(scratch.path());
+  Masters at2;
+  for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) -> Status {
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 2));
+         ZINF_RETURN_IF_ERROR(read_masters(e, model, &at2));
+         ZINF_RETURN_IF_ERROR(e.save_checkpoint(dir, "a"));
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 3));
+         return e.save_checkpoint(dir, "b");
+       })) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  const std::string victim = dir + "/b/rank0.zinfckpt";
+  ASSERT_FALSE(manifest(dir + "/b").ranks.at(0).blocks.empty());
+  // loss_scale_good_steps, at byte 64 of the header.
+  ASSERT_TRUE(engine_test::flip_bits(victim, 64, 0x02));
+  const std::vector<Status> st = with_engines(config, model, 1, [&](int, Engine& e) -> Status {
+    const Status loaded = e.load_checkpoint(dir, "b");
+    EXPECT_EQ(loaded.code(), Code::kCorruption) << loaded.to_string();
+    EXPECT_NE(loaded.message().find(victim), std::string::npos) << loaded.to_string();
+    EXPECT_NE(loaded.message().find("header"), std::string::npos) << loaded.to_string();
+    Masters back;
+    ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "a"));
+    ZINF_RETURN_IF_ERROR(read_masters(e, model, &back));
+    expect_equal(back, at2, "tag a after the refused load of tag b");
+    return Status::ok();
+  });
+  EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
 TEST(CheckpointLink, CheckpointOnAnotherFilesystemIsCopied) {
   const std::string shm = "/dev/shm";
   engine_test::ScratchDir scratch("ckpt-link-xdev");
