@@ -277,6 +277,48 @@ TEST(CheckpointLink, FlippedBitInALinkedHeaderIsCorruptionNamingIt) {
   EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
 }
 
+// Two engines of one rank in one process with one NVMe directory share the swap file's name; the
+// one opened second takes it. The first's save then cannot link its swap file by that name and
+// copies its state instead, and the checkpoint loads the first engine's masters.
+TEST(CheckpointLink, AnEngineWhoseSwapNameWasTakenSavesByCopy) {
+  engine_test::ScratchDir scratch("ckpt-link-two-engines");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = page_model(35);
+  const Config config = link_config(scratch.path());
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  engine_test::Ranks other_ranks = engine_test::make_ranks(1);
+  auto open = [&](engine_test::Ranks& r) -> Result<std::unique_ptr<Engine>> {
+    Env env;
+    env.device = r.devices[0].get();
+    env.comm = r.comms[0].get();
+    return Engine::open(config, env);
+  };
+  Result<std::unique_ptr<Engine>> first = open(ranks);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  ASSERT_TRUE(train(**first, model, 0, 1, 2).is_ok());
+  Masters at2;
+  ASSERT_TRUE(read_masters(**first, model, &at2).is_ok());
+  Result<std::unique_ptr<Engine>> second = open(other_ranks);
+  ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+  ASSERT_TRUE(train(**second, model, 0, 1, 1).is_ok());  // its own, other state in its file
+  const Status saved = (*first)->save_checkpoint(dir, "a");
+  ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+  const CheckpointManifest m = manifest(dir + "/a");
+  ASSERT_EQ(m.ranks.size(), 1u);
+  EXPECT_TRUE(m.ranks[0].blocks.empty()) << "linked a swap file of another engine?";
+  first->reset();
+  second->reset();
+  for (const Status& st : with_engines(config, model, 1, [&](int, Engine& e) -> Status {
+         Masters loaded;
+         ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "a"));
+         ZINF_RETURN_IF_ERROR(read_masters(e, model, &loaded));
+         expect_equal(loaded, at2, "the first engine's checkpoint");
+         return Status::ok();
+       })) {
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+}
+
 TEST(CheckpointLink, CheckpointOnAnotherFilesystemIsCopied) {
   const std::string shm = "/dev/shm";
   engine_test::ScratchDir scratch("ckpt-link-xdev");
