@@ -1,5 +1,8 @@
 #include "zinf/dtype.hpp"
 
+#include "base/cpu.hpp"
+#include "base/dtype_kernel.hpp"
+
 namespace zinf {
 
 std::string_view dtype_name(DType dtype) {
@@ -21,8 +24,30 @@ std::optional<DType> parse_dtype(std::string_view text) {
   return std::nullopt;
 }
 
+namespace dtype_kernel {
+
+void f32_to_bf16_sse2(const float* src, std::uint16_t* dst, std::size_t count) {
+  f32_to_bf16_range(src, dst, count);
+}
+
+}  // namespace dtype_kernel
+
+namespace {
+
+using ConvertFn = void (*)(const float*, std::uint16_t*, std::size_t);
+
+// The widest loop the CPU runs (dtype_kernel.hpp), chosen once.
+ConvertFn pick_f32_to_bf16() {
+  if (cpu_features().has_avx512_path()) return &dtype_kernel::f32_to_bf16_avx512;
+  if (cpu_features().has_avx2_path()) return &dtype_kernel::f32_to_bf16_avx2;
+  return &dtype_kernel::f32_to_bf16_sse2;
+}
+
+}  // namespace
+
 void convert_f32_to_bf16(const float* src, std::uint16_t* dst, std::size_t count) {
-  for (std::size_t i = 0; i < count; ++i) dst[i] = f32_to_bf16(src[i]);
+  static const ConvertFn convert = pick_f32_to_bf16();
+  convert(src, dst, count);
 }
 void convert_f32_to_f16(const float* src, std::uint16_t* dst, std::size_t count) {
   for (std::size_t i = 0; i < count; ++i) dst[i] = f32_to_f16(src[i]);

@@ -404,6 +404,17 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
     ZINF_RETURN_IF_ERROR(r->read(head.data(), head.size()));
   } else {
     ZINF_RETURN_IF_ERROR(r->read_at(0, head.size(), head.data()));
+    // A linked file taken in place is never read through: its header page (the loss scaler and
+    // the fields compared below) is checked against its block checksum here, as a pass checks
+    // it with the rest of the file.
+    const std::vector<FileBlockSum>& sums = r->block_sums();
+    if (!check_now && !sums.empty() && sums[0].end_offset == kCheckpointHeaderBytes &&
+        XXH3_64bits(head.data(), head.size()) != sums[0].xxh3) {
+      return Status::corruption(fmt::format(
+          "'{}' does not match its block checksums: bytes [0, {}) differ (block 0 of {}: the "
+          "header)",
+          path, kCheckpointHeaderBytes, sums.size()));
+    }
   }
   Result<CheckpointHeader> decoded = decode_checkpoint_header(head);
   if (!decoded.is_ok()) {
@@ -411,7 +422,7 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
                   fmt::format("'{}': {}", path, decoded.status().message()));
   }
   const CheckpointHeader& h = *decoded;
-  if (h.rank != static_cast<std::uint32_t>(rank) ||
+  if (h.version != m.version || h.rank != static_cast<std::uint32_t>(rank) ||
       h.world_size != static_cast<std::uint32_t>(m.world_size) ||
       h.stage != static_cast<std::uint32_t>(m.stage) ||
       h.partition_elements != m.partition_elements || h.fingerprint != m.fingerprint ||
@@ -421,6 +432,25 @@ Status open_rank_file(IoEngine& io, const std::string& tag_dir, const Checkpoint
   *header = h;
   *out = std::move(r);
   return Status::ok();
+}
+
+// The master is loaded in runs of this many elements (512 KiB), each handed to the state
+// (OptimizerState::master_loaded) right after it is written, while it is in the core's cache:
+// the republish's rounding to the device dtype then costs no second pass over the master.
+constexpr std::size_t kLoadRunElements = std::size_t{1} << 17;
+
+// Writes `piece` of the state through `fill`; the master in runs, each handed to the state.
+Status load_piece(OptimizerState& state, Piece piece, StateFill fill) {
+  if (piece != Piece::kParams) return state.write_state(piece, fill);
+  return state.write_state(piece, [&](std::size_t first, std::size_t count, float* out) {
+    for (std::size_t done = 0; done < count;) {
+      const std::size_t run = std::min(kLoadRunElements, count - done);
+      ZINF_RETURN_IF_ERROR(fill(first + done, run, out + done));
+      ZINF_RETURN_IF_ERROR(state.master_loaded(first + done, run, out + done));
+      done += run;
+    }
+    return Status::ok();
+  });
 }
 
 }  // namespace
@@ -525,29 +555,30 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
       const Piece piece = pieces[pi];
       if (same_layout) {
         ZINF_RETURN_IF_ERROR(
-            ctx.state->write_state(piece, [&](std::size_t, std::size_t count, float* out) {
+            load_piece(*ctx.state, piece, [&](std::size_t, std::size_t count, float* out) {
               return own->read(out, count * sizeof(float));
             }));
         continue;
       }
       const std::uint64_t piece_bytes = m.partition_elements * sizeof(float);
-      ZINF_RETURN_IF_ERROR(ctx.state->write_state(piece, [&](std::size_t first, std::size_t count,
-                                                             float* out) {
-        std::fill(out, out + count, 0.0f);  // padding
-        auto it = std::upper_bound(segments.begin(), segments.end(), first,
-                                   [](std::size_t f, const Segment& s) { return f < s.first; });
-        if (it != segments.begin()) --it;
-        for (; it != segments.end() && it->first < first + count; ++it) {
-          const std::size_t lo = std::max(first, it->first);
-          const std::size_t hi = std::min(first + count, it->first + it->count);
-          if (lo >= hi) continue;
-          const std::uint64_t at = kCheckpointHeaderBytes + pi * piece_bytes +
-                                   (it->old_first + (lo - it->first)) * sizeof(float);
-          ZINF_RETURN_IF_ERROR(
-              saved.at(it->old_rank)->read_at(at, (hi - lo) * sizeof(float), out + (lo - first)));
-        }
-        return Status::ok();
-      }));
+      ZINF_RETURN_IF_ERROR(
+          load_piece(*ctx.state, piece, [&](std::size_t first, std::size_t count, float* out) {
+            std::fill(out, out + count, 0.0f);  // padding
+            auto it = std::upper_bound(segments.begin(), segments.end(), first,
+                                       [](std::size_t f, const Segment& s) { return f < s.first; });
+            if (it != segments.begin()) --it;
+            for (; it != segments.end() && it->first < first + count; ++it) {
+              const std::size_t lo = std::max(first, it->first);
+              const std::size_t hi = std::min(first + count, it->first + it->count);
+              if (lo >= hi) continue;
+              const std::uint64_t at = kCheckpointHeaderBytes + pi * piece_bytes +
+                                       (it->old_first + (lo - it->first)) * sizeof(float);
+              ZINF_RETURN_IF_ERROR(
+                  saved.at(it->old_rank)
+                      ->read_at(at, (hi - lo) * sizeof(float), out + (lo - first)));
+            }
+            return Status::ok();
+          }));
     }
     if (same_layout) {
       // The rest of the file (its padding) completes the checksum.

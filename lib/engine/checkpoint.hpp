@@ -58,7 +58,14 @@ class FaultInjector;
 class ParameterLayout;
 
 inline constexpr std::uint64_t kCheckpointMagic = 0x31544B43464E495AULL;  // "ZINFCKT1"
-inline constexpr std::uint32_t kCheckpointVersion = 2;
+// The format version a save writes (in the manifest and every rank file's header), and the
+// oldest one a load reads. Version 2: every rank file copied, checked by the whole file's xxh3-64
+// in the manifest. Version 3: a rank file may also be linked from the swap space (ManifestFile::
+// blocks): longer than its layout, its xxh3 in the manifest 0, checked block by block against
+// <tag>/rank<r>.blocks. A build that reads only version 2 would take a linked file for a corrupt
+// one; it refuses version 3 by its number instead.
+inline constexpr std::uint32_t kCheckpointVersion = 3;
+inline constexpr std::uint32_t kCheckpointOldestVersion = 2;
 inline constexpr std::size_t kCheckpointHeaderBytes = 4096;
 inline constexpr std::string_view kCheckpointManifest = "manifest.json";
 inline constexpr std::string_view kCheckpointLatest = "latest";
@@ -91,7 +98,8 @@ void encode_checkpoint_header(const CheckpointHeader& header,
                               std::span<std::byte, kCheckpointHeaderBytes> out);
 // Reads what encode_checkpoint_header() wrote. kCorruption naming what is wrong when `bytes` is
 // not kCheckpointHeaderBytes long, the magic is not a zinf checkpoint's, or the padding is not
-// zero; kInvalidArgument naming both versions when the version is not kCheckpointVersion.
+// zero; kInvalidArgument naming its version and those this build reads when the version is not
+// kCheckpointOldestVersion .. kCheckpointVersion.
 Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> bytes);
 
 // The bytes of a rank file holding `pieces` pieces of `partition_elements` f32 values.
@@ -168,6 +176,9 @@ struct ResumeState {
 // manifest.json: everything a load needs besides the rank files. Every rank writes the same
 // values, so rank 0's stand for all.
 struct CheckpointManifest {
+  // The format version (kCheckpointOldestVersion .. kCheckpointVersion); a save writes
+  // kCheckpointVersion, and every rank file's header carries the manifest's.
+  std::uint32_t version = kCheckpointVersion;
   std::string tag;
   std::uint64_t serial = 0;  // saves into this directory so far, this one included (pruning order)
   int world_size = 0;
@@ -189,8 +200,9 @@ struct CheckpointManifest {
 // The manifest as JSON text (keys sorted, 64-bit values as decimal or hex strings).
 std::string encode_checkpoint_manifest(const CheckpointManifest& manifest);
 // Parses what encode_checkpoint_manifest() wrote. kCorruption naming `path` and the key that is
-// missing, of the wrong type or out of range; kInvalidArgument naming both versions for another
-// format version. Never throws, whatever `text` holds.
+// missing, of the wrong type or out of range; kInvalidArgument naming `path`, its version and
+// those this build reads for a version outside kCheckpointOldestVersion .. kCheckpointVersion.
+// Never throws, whatever `text` holds.
 Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view path);
 
 // --- Files -------------------------------------------------------------------------------------

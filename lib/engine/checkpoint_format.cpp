@@ -77,10 +77,10 @@ Result<CheckpointHeader> decode_checkpoint_header(std::span<const std::byte> byt
     return Status::corruption(fmt::format("not a zinf checkpoint (magic {:016x})", h.magic));
   }
   h.version = get_le<std::uint32_t>(p + 8);
-  if (h.version != kCheckpointVersion) {
+  if (h.version < kCheckpointOldestVersion || h.version > kCheckpointVersion) {
     return Status::invalid_argument(
-        fmt::format("checkpoint format version {}; this build reads version {}", h.version,
-                    kCheckpointVersion));
+        fmt::format("checkpoint format version {}; this build reads versions {} to {}", h.version,
+                    kCheckpointOldestVersion, kCheckpointVersion));
   }
   h.rank = get_le<std::uint32_t>(p + 12);
   h.world_size = get_le<std::uint32_t>(p + 16);
@@ -278,7 +278,7 @@ std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
     return out;
   };
   Json j = {{"format", "zinf-checkpoint"},
-            {"version", kCheckpointVersion},
+            {"version", m.version},
             {"tag", m.tag},
             {"serial", m.serial},
             {"world_size", m.world_size},
@@ -337,12 +337,13 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
   r.get(j, "format", &format, &st);
   if (st.is_ok() && format != "zinf-checkpoint") st = r.bad("format", "is not \"zinf-checkpoint\"");
   r.get(j, "version", &version, &st);
-  if (st.is_ok() && version != kCheckpointVersion) {
-    return Status::invalid_argument(
-        fmt::format("checkpoint manifest '{}': format version {}; this build reads version {}",
-                    path, version, kCheckpointVersion));
+  if (st.is_ok() && (version < kCheckpointOldestVersion || version > kCheckpointVersion)) {
+    return Status::invalid_argument(fmt::format(
+        "checkpoint manifest '{}': format version {}; this build reads versions {} to {}", path,
+        version, kCheckpointOldestVersion, kCheckpointVersion));
   }
   CheckpointManifest m;
+  m.version = version;
   r.get(j, "tag", &m.tag, &st);
   r.get(j, "serial", &m.serial, &st);
   r.get(j, "world_size", &m.world_size, &st);

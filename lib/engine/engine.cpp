@@ -712,10 +712,11 @@ class Engine::Impl {
     if (!order.empty()) coord_->restore_order(std::move(order));
     client_state_ = std::move(r.client_state);
     state_->restored(t_);
-    // The device copies / shards from the loaded master, as finalize() places them.
+    // The device copies / shards from the loaded master, as finalize() places them (rounded
+    // while the load wrote it, where the state can).
     ZINF_RETURN_IF_ERROR(fail(coord_->drop_prefetched()));
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
-    return fail(state_->publish_master());
+    return fail(state_->publish_loaded());
   }
 
   Result<SwapCheckReport> verify_swap() {

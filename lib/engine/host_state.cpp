@@ -72,6 +72,25 @@ class HostState final : public InMemoryState {
     narrow([](DType) { return true; });
     return write_buffer();
   }
+  // A checkpoint load rounds the master into the buffer run by run as it arrives, so
+  // publish_loaded() only writes the shards.
+  Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
+    if (first == 0) loaded_elements_ = 0;
+    if (first != loaded_elements_) {
+      loaded_elements_ = kNotLoaded;  // not in order: publish_loaded() narrows it all again
+      return Status::ok();
+    }
+    pub_.narrow_groups(
+        first, count, values, [](DType) { return true; },
+        [&](std::uint32_t g) { return pub_.buffer(g); });
+    loaded_elements_ += count;
+    return Status::ok();
+  }
+  Status publish_loaded() override {
+    const bool whole = loaded_elements_ == partition_elements_;
+    loaded_elements_ = 0;
+    return whole ? write_buffer() : publish_master();
+  }
 
   Status read_master(std::size_t, std::size_t, MasterVisitor fn) override {
     fn(0, partition_elements_, master_.as<const float>());
@@ -101,6 +120,9 @@ class HostState final : public InMemoryState {
   // Per dtype group: the parameter groups' runs in it, relative to its offset.
   std::vector<std::vector<OptimizerRange>> group_ranges_;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
+  // master_loaded(): the elements rounded into the buffer since element 0, in order.
+  static constexpr std::size_t kNotLoaded = SIZE_MAX;
+  std::size_t loaded_elements_ = 0;
 };
 
 }  // namespace

@@ -135,6 +135,17 @@ class OptimizerState {
   virtual Status publish_master() = 0;
   // The first placement, at finalize, once the coordinator exists.
   virtual Status place_initial() { return publish_master(); }
+  // Loading a checkpoint: master elements [first, first + count) were just written (through
+  // write_state(kParams)) and are `values`. A state may round them now into what its shards are
+  // published from, while they are in cache; when such calls covered the whole partition in
+  // order, from element 0, publish_loaded() then writes the shards without reading the master
+  // again. Errors are those of writing shards.
+  virtual Status master_loaded(std::size_t first, std::size_t count, const float* values) {
+    (void)first, (void)count, (void)values;
+    return Status::ok();
+  }
+  // After a checkpoint load: the shards from the loaded master, as publish_master() places them.
+  virtual Status publish_loaded() { return publish_master(); }
 
   // Calls fn over the fp32 master in partition order, in pieces, covering at least elements
   // [begin, end) (pieces outside it may be skipped).

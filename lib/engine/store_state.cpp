@@ -196,6 +196,26 @@ class StoreState final : public OptimizerState {
     return write_values();
   }
 
+  // A checkpoint load rounds the master into the values run by run as it arrives, so
+  // publish_loaded() only writes the shards. Streamed, there is no partition-wide array of
+  // values: publish_master() reads the master back.
+  Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
+    if (publish_ == Publish::kStreamed) return Status::ok();
+    if (first == 0) loaded_elements_ = 0;
+    if (first != loaded_elements_) {
+      loaded_elements_ = kNotLoaded;  // not in order: publish_loaded() narrows it all again
+      return Status::ok();
+    }
+    narrow_all(first, count, values);
+    loaded_elements_ += count;
+    return Status::ok();
+  }
+  Status publish_loaded() override {
+    const bool whole = loaded_elements_ == layout_.partition_elements();
+    loaded_elements_ = 0;
+    return whole && publish_ != Publish::kStreamed ? write_values() : publish_master();
+  }
+
   // load() rounded the initial master into the values as it wrote it: no read back.
   Status place_initial() override {
     if (publish_ == Publish::kStreamed) return publish_master();
@@ -389,6 +409,9 @@ class StoreState final : public OptimizerState {
   PassGate gate_;                            // the running step_gated()'s
   AlignedBuffer master_read_;                // one sub-group of master read back from NVMe
   std::uint64_t master_read_bytes_ = 0;
+  // master_loaded(): the elements rounded into the values since element 0, in order.
+  static constexpr std::size_t kNotLoaded = SIZE_MAX;
+  std::size_t loaded_elements_ = 0;
 };
 
 // Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not

@@ -128,11 +128,21 @@ struct SwapSpace::Impl {
       }
     }
     for (Dir& d : dirs) {
-      for (File& f : d.files) close_file(f);
       // Earlier generations lost this name when they were replaced; what a checkpoint linked
-      // stays under its own name.
-      if (options.remove_files && !d.path.empty()) ::unlink(d.path.c_str());
+      // stays under its own name. The name goes only while it is still this space's: another
+      // space of this process and rank may have taken it over since (open() does).
+      const bool ours = !d.path.empty() && names_file(d.path, d.files[current.load()]);
+      for (File& f : d.files) close_file(f);
+      if (options.remove_files && ours) ::unlink(d.path.c_str());
     }
+  }
+
+  // Whether `path` names the file open as `f` (the same device and inode).
+  static bool names_file(const std::string& path, const File& f) {
+    struct stat by_name {};
+    struct stat by_fd {};
+    return f.fd >= 0 && ::stat(path.c_str(), &by_name) == 0 && ::fstat(f.fd, &by_fd) == 0 &&
+           by_name.st_dev == by_fd.st_dev && by_name.st_ino == by_fd.st_ino;
   }
 
   void close_file(File& f) {
@@ -431,7 +441,15 @@ Status prepare_file(const std::string& dir, const std::string& path, std::uint64
   if (!S_ISDIR(st.st_mode)) {
     return Status::invalid_argument(fmt::format("swap directory {}: not a directory", dir));
   }
-  *fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_DIRECT | O_CLOEXEC, 0600);
+  // A file already at `path` is never opened, let alone truncated: a process of the same pid
+  // left it (killed before its destructor ran; a container restarted after a crash gives the job
+  // the same pids), and a checkpoint may link its bytes (link_files()). Only its name goes; the
+  // checkpoint's link keeps the bytes, and a file nothing links is freed.
+  if (::unlink(path.c_str()) != 0 && errno != ENOENT) {
+    *fd = -1;
+  } else {
+    *fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+  }
   if (*fd < 0) {
     const int err = errno;
     if (err == EINVAL) {
@@ -499,19 +517,27 @@ Status SwapSpace::Impl::start_generation() {
   }
   // link_files() freezes a file only while a generation is free for the next write.
   ZINF_ASSERT(next != kNoGeneration);
+  // On failure the new files made so far go, names and all (each holds a preallocated swap
+  // file's room); the frozen ones stay open and current.
+  auto undo = [&](std::size_t made) {
+    for (std::size_t j = 0; j < made; ++j) {
+      close_file(dirs[j].files[next]);
+      ::unlink(dirs[j].path.c_str());
+    }
+  };
   for (std::size_t i = 0; i < dirs.size(); ++i) {
     Dir& d = dirs[i];
     File& f = d.files[next];
     if (::unlink(d.path.c_str()) != 0 && errno != ENOENT) {
       const int err = errno;
-      for (std::size_t j = 0; j < i; ++j) close_file(dirs[j].files[next]);
+      undo(i);
       return status_from_errno(fmt::format("swap file {}: unlink", d.path), err);
     }
     Status status = prepare_file(d.dir, d.path, d.file_bytes, &f.fd);
     Result<FileHandle> handle = status.is_ok() ? engine.adopt_fd(f.fd, d.path, /*direct=*/true)
                                                : Result<FileHandle>(status);
     if (!handle.is_ok()) {
-      for (std::size_t j = 0; j <= i; ++j) close_file(dirs[j].files[next]);
+      undo(i + 1);
       return handle.status();
     }
     f.handle = *handle;
@@ -775,6 +801,18 @@ Status SwapSpace::link_files(const std::vector<std::string>& dest_paths,
         "swap space: {} generations of its files are still read (blocks not rewritten since "
         "earlier links); no file can be frozen now",
         kMaxGenerations));
+  }
+  // link(2) names what the swap path names, which must still be the file this space wrote:
+  // another space of this process and rank, opened since, replaced that name with its own file
+  // (open() never reuses a file left at the path). Then nothing is linked: ESTALE, and the
+  // caller copies instead.
+  for (const Impl::Dir& d : m.dirs) {
+    if (!Impl::names_file(d.path, d.files[now])) {
+      return Status(Code::kFailedPrecondition, ESTALE,
+                    fmt::format("swap file {}: the path no longer names this swap space's file "
+                                "(another swap space of this process took the name); not linked",
+                                d.path));
+    }
   }
   // What the links name must be on the drive: the data (O_DIRECT wrote it past the page cache)
   // and the metadata that makes it readable (fallocated extents become written ones).

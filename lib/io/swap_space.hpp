@@ -163,9 +163,11 @@ class SwapSpace {
   // block not rewritten since is read from the frozen file, which is closed once it holds no
   // block this space still reads. So nothing written after this call reaches what dest_paths
   // name. `later_names[i]` names frozen file i in later messages (a checksum mismatch of a block
-  // read from it). Errors: failed_precondition while a write is in flight; resource_exhausted
-  // when too many earlier generations are still read; fdatasync's; link(2)'s with its errno (EXDEV
-  // when a destination is on another filesystem), no link left behind.
+  // read from it). Errors: failed_precondition while a write is in flight, or with ESTALE when a
+  // swap path no longer names this space's file (another space of this process and rank took the
+  // name: nothing is linked); resource_exhausted when too many earlier generations are still read;
+  // fdatasync's; link(2)'s with its errno (EXDEV when a destination is on another filesystem), no
+  // link left behind.
   Status link_files(const std::vector<std::string>& dest_paths,
                     const std::vector<std::string>& later_names);
   // Makes `path` (a file laid out as this space's swap file, such as one link_files() named) the

@@ -365,7 +365,9 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
   Status linked = swap_->link_files({path}, {later_name});
   if (!linked.is_ok()) {
     const int err = linked.sys_code();
-    if (err == EXDEV || err == EPERM || err == EMLINK || err == EOPNOTSUPP) return false;
+    if (err == EXDEV || err == EPERM || err == EMLINK || err == EOPNOTSUPP || err == ESTALE) {
+      return false;
+    }
     return linked;
   }
   const std::uint64_t block_bytes = swap_->options().block_bytes;

@@ -5,12 +5,16 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
+#include "base/cpu.hpp"
+#include "base/dtype_kernel.hpp"
 #include "base/random.hpp"
 
 namespace zinf {
@@ -213,6 +217,44 @@ TEST(DType, BulkConversionsMatchScalar) {
   for (std::size_t i = 0; i < src.size(); ++i) {
     ASSERT_EQ(half[i], f32_to_bf16(src[i]));
     ASSERT_EQ(back[i], bf16_to_f32(half[i]));
+  }
+}
+
+// convert_f32_to_bf16() runs the widest of three compiled loops (dtype_kernel.hpp); each one this
+// CPU can run must give f32_to_bf16()'s bits for every kind of input: random bit patterns (NaNs
+// with any payload, infinities, subnormals, every exponent), the edge values, and lengths and
+// starts that are not multiples of a vector, so the loops' tails and unaligned heads run too.
+TEST(DType, EveryBf16LoopMatchesScalar) {
+  using Loop = void (*)(const float*, std::uint16_t*, std::size_t);
+  std::vector<std::pair<const char*, Loop>> loops = {{"sse2", &dtype_kernel::f32_to_bf16_sse2},
+                                                     {"public", &convert_f32_to_bf16}};
+  if (cpu_features().has_avx2_path()) loops.push_back({"avx2", &dtype_kernel::f32_to_bf16_avx2});
+  if (cpu_features().has_avx512_path()) {
+    loops.push_back({"avx512", &dtype_kernel::f32_to_bf16_avx512});
+  }
+  SplitMix64 rng(0xbf16);
+  std::vector<float> src(100003);
+  for (float& x : src) x = std::bit_cast<float>(static_cast<std::uint32_t>(rng.next()));
+  const std::vector<float> edges = edge_values();
+  std::copy(edges.begin(), edges.end(), src.begin() + 17);
+  // NaNs whose top payload bits are empty (the quiet bit must be set) and full.
+  for (std::uint32_t bits : {0x7f800001u, 0xff800001u, 0x7fc00000u, 0x7fffffffu, 0xffbf0000u}) {
+    src.push_back(std::bit_cast<float>(bits));
+  }
+  for (const auto& [name, loop] : loops) {
+    for (std::size_t start : {std::size_t{0}, std::size_t{1}, std::size_t{13}}) {
+      for (std::size_t count :
+           {std::size_t{0}, std::size_t{1}, std::size_t{31}, std::size_t{67}, src.size() - start}) {
+        std::vector<std::uint16_t> out(count + 2, 0xabcd);
+        loop(src.data() + start, out.data() + 1, count);
+        ASSERT_EQ(out.front(), 0xabcd) << name;
+        ASSERT_EQ(out.back(), 0xabcd) << name << ": wrote past the end";
+        for (std::size_t i = 0; i < count; ++i) {
+          ASSERT_EQ(out[i + 1], f32_to_bf16(src[start + i]))
+              << name << " bits=0x" << std::hex << std::bit_cast<std::uint32_t>(src[start + i]);
+        }
+      }
+    }
   }
 }
 

@@ -1,7 +1,9 @@
 // The checkpoint header's bytes are pinned: a header of chosen values encodes to exactly the bytes
 // written out below by hand from the layout in lib/engine/checkpoint.hpp (little-endian fields,
-// zero padding to 4096), decodes back to the same values, and a header of another version, a
-// foreign magic or dirty padding is refused naming what is wrong.
+// zero padding to 4096), decodes back to the same values, a header of version 2 (the oldest this
+// build reads) still decodes, and a header of another version, a foreign magic or dirty padding is
+// refused naming what is wrong.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <array>
@@ -32,26 +34,26 @@ CheckpointHeader sample() {
 
 // The first 80 bytes, by hand.
 constexpr std::array<unsigned char, 80> kPinned = {
-    'Z', 'I', 'N', 'F', 'C', 'K', 'T', '1',                      // magic "ZINFCKT1"
-    2, 0, 0, 0,                                                  // version 2
-    3, 0, 0, 0,                                                  // rank 3
-    8, 0, 0, 0,                                                  // world_size 8
-    2, 0, 0, 0,                                                  // stage 2
-    1, 0, 0, 0,                                                  // optimizer 1
-    7, 0, 0, 0,                                                  // piece_mask 0b111
-    0x05, 0x04, 0x03, 0x02, 0x01, 0, 0, 0,                       // partition_elements
-    0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe,              // fingerprint
-    0xd2, 0x04, 0, 0, 0, 0, 0, 0,                                // step 1234
-    0, 0, 0, 0, 0, 0, 0xf0, 0x40,                                // loss_scale 65536.0
-    0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,              // good steps -2
-    5, 0, 0, 0,                                                  // hysteresis left 5
-    0, 0, 0, 0,                                                  // reserved
+    'Z',  'I',  'N',  'F',  'C',  'K',  'T',  '1',   // magic "ZINFCKT1"
+    3,    0,    0,    0,                             // version 3
+    3,    0,    0,    0,                             // rank 3
+    8,    0,    0,    0,                             // world_size 8
+    2,    0,    0,    0,                             // stage 2
+    1,    0,    0,    0,                             // optimizer 1
+    7,    0,    0,    0,                             // piece_mask 0b111
+    0x05, 0x04, 0x03, 0x02, 0x01, 0,    0,    0,     // partition_elements
+    0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe,  // fingerprint
+    0xd2, 0x04, 0,    0,    0,    0,    0,    0,     // step 1234
+    0,    0,    0,    0,    0,    0,    0xf0, 0x40,  // loss_scale 65536.0
+    0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,  // good steps -2
+    5,    0,    0,    0,                             // hysteresis left 5
+    0,    0,    0,    0,                             // reserved
 };
 
 TEST(CheckpointFormat, HeaderBytesArePinnedLittleEndian) {
   std::vector<std::byte> bytes(kCheckpointHeaderBytes, std::byte{0xaa});
-  encode_checkpoint_header(sample(),
-                           std::span<std::byte, kCheckpointHeaderBytes>(bytes.data(), bytes.size()));
+  encode_checkpoint_header(
+      sample(), std::span<std::byte, kCheckpointHeaderBytes>(bytes.data(), bytes.size()));
   EXPECT_EQ(std::memcmp(bytes.data(), kPinned.data(), kPinned.size()), 0);
   for (std::size_t i = kPinned.size(); i < bytes.size(); ++i) {
     ASSERT_EQ(bytes[i], std::byte{0}) << "padding byte " << i;
@@ -60,7 +62,7 @@ TEST(CheckpointFormat, HeaderBytesArePinnedLittleEndian) {
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   const CheckpointHeader want = sample();
   EXPECT_EQ(back->magic, kCheckpointMagic);
-  EXPECT_EQ(back->version, 2u);
+  EXPECT_EQ(back->version, 3u);
   EXPECT_EQ(back->rank, want.rank);
   EXPECT_EQ(back->world_size, want.world_size);
   EXPECT_EQ(back->stage, want.stage);
@@ -76,14 +78,26 @@ TEST(CheckpointFormat, HeaderBytesArePinnedLittleEndian) {
 
 TEST(CheckpointFormat, OtherVersionsForeignBytesAndDirtyPaddingAreRefused) {
   std::vector<std::byte> bytes(kCheckpointHeaderBytes);
-  encode_checkpoint_header(sample(),
-                           std::span<std::byte, kCheckpointHeaderBytes>(bytes.data(), bytes.size()));
-  // Version 1 (no tags, no padding to 4096) is not read by this build.
-  std::vector<std::byte> v1 = bytes;
-  v1[8] = std::byte{1};
-  const Status version = decode_checkpoint_header(v1).status();
-  EXPECT_EQ(version.code(), Code::kInvalidArgument) << version.to_string();
-  EXPECT_NE(version.message().find("version 1"), std::string::npos) << version.to_string();
+  encode_checkpoint_header(
+      sample(), std::span<std::byte, kCheckpointHeaderBytes>(bytes.data(), bytes.size()));
+  // Version 2 (before linked rank files) is read; version 1 (no tags, no padding to 4096) and 4
+  // (a later build's) are not, and the message names the header's version and this build's.
+  std::vector<std::byte> v2 = bytes;
+  v2[8] = std::byte{2};
+  Result<CheckpointHeader> old = decode_checkpoint_header(v2);
+  ASSERT_TRUE(old.is_ok()) << old.status().to_string();
+  EXPECT_EQ(old->version, 2u);
+  EXPECT_EQ(old->step, sample().step);
+  for (const unsigned char other : {1, 4}) {
+    std::vector<std::byte> v = bytes;
+    v[8] = std::byte{other};
+    const Status version = decode_checkpoint_header(v).status();
+    EXPECT_EQ(version.code(), Code::kInvalidArgument) << version.to_string();
+    EXPECT_NE(version.message().find(fmt::format("version {};", other)), std::string::npos)
+        << version.to_string();
+    EXPECT_NE(version.message().find("reads versions 2 to 3"), std::string::npos)
+        << version.to_string();
+  }
   std::vector<std::byte> foreign = bytes;
   foreign[0] = std::byte{'X'};
   EXPECT_EQ(decode_checkpoint_header(foreign).status().code(), Code::kCorruption);

@@ -241,6 +241,84 @@ TEST(CheckpointLink, FlippedBitInALinkedFileIsCorruptionNamingIt) {
   EXPECT_NE(st[0].message().find(victim), std::string::npos) << st[0].to_string();
 }
 
+// A load that takes a linked file in place reads nothing of it but the header, whose loss scaler
+// no manifest field repeats: a flipped bit there is kCorruption naming the file, found before the
+// state is touched (the engine stays usable and loads an intact tag next).
+TEST(CheckpointLink, FlippedBitInALinkedHeaderIsCorruptionNamingIt) {
+  engine_test::ScratchDir scratch("ckpt-link-head");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = page_model(34);
+  const Config config = link_config(scratch.path());
+  Masters at2;
+  for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) -> Status {
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 2));
+         ZINF_RETURN_IF_ERROR(read_masters(e, model, &at2));
+         ZINF_RETURN_IF_ERROR(e.save_checkpoint(dir, "a"));
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 3));
+         return e.save_checkpoint(dir, "b");
+       })) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  const std::string victim = dir + "/b/rank0.zinfckpt";
+  ASSERT_FALSE(manifest(dir + "/b").ranks.at(0).blocks.empty());
+  // loss_scale_good_steps, at byte 64 of the header.
+  ASSERT_TRUE(engine_test::flip_bits(victim, 64, 0x02));
+  const std::vector<Status> st = with_engines(config, model, 1, [&](int, Engine& e) -> Status {
+    const Status loaded = e.load_checkpoint(dir, "b");
+    EXPECT_EQ(loaded.code(), Code::kCorruption) << loaded.to_string();
+    EXPECT_NE(loaded.message().find(victim), std::string::npos) << loaded.to_string();
+    EXPECT_NE(loaded.message().find("header"), std::string::npos) << loaded.to_string();
+    Masters back;
+    ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "a"));
+    ZINF_RETURN_IF_ERROR(read_masters(e, model, &back));
+    expect_equal(back, at2, "tag a after the refused load of tag b");
+    return Status::ok();
+  });
+  EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
+// Two engines of one rank in one process with one NVMe directory share the swap file's name; the
+// one opened second takes it. The first's save then cannot link its swap file by that name and
+// copies its state instead, and the checkpoint loads the first engine's masters.
+TEST(CheckpointLink, AnEngineWhoseSwapNameWasTakenSavesByCopy) {
+  engine_test::ScratchDir scratch("ckpt-link-two-engines");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = page_model(35);
+  const Config config = link_config(scratch.path());
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  engine_test::Ranks other_ranks = engine_test::make_ranks(1);
+  auto open = [&](engine_test::Ranks& r) -> Result<std::unique_ptr<Engine>> {
+    Env env;
+    env.device = r.devices[0].get();
+    env.comm = r.comms[0].get();
+    return Engine::open(config, env);
+  };
+  Result<std::unique_ptr<Engine>> first = open(ranks);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  ASSERT_TRUE(train(**first, model, 0, 1, 2).is_ok());
+  Masters at2;
+  ASSERT_TRUE(read_masters(**first, model, &at2).is_ok());
+  Result<std::unique_ptr<Engine>> second = open(other_ranks);
+  ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+  ASSERT_TRUE(train(**second, model, 0, 1, 1).is_ok());  // its own, other state in its file
+  const Status saved = (*first)->save_checkpoint(dir, "a");
+  ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+  const CheckpointManifest m = manifest(dir + "/a");
+  ASSERT_EQ(m.ranks.size(), 1u);
+  EXPECT_TRUE(m.ranks[0].blocks.empty()) << "linked a swap file of another engine?";
+  first->reset();
+  second->reset();
+  for (const Status& st : with_engines(config, model, 1, [&](int, Engine& e) -> Status {
+         Masters loaded;
+         ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "a"));
+         ZINF_RETURN_IF_ERROR(read_masters(e, model, &loaded));
+         expect_equal(loaded, at2, "the first engine's checkpoint");
+         return Status::ok();
+       })) {
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+}
+
 TEST(CheckpointLink, CheckpointOnAnotherFilesystemIsCopied) {
   const std::string shm = "/dev/shm";
   engine_test::ScratchDir scratch("ckpt-link-xdev");

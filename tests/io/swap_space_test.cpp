@@ -445,6 +445,86 @@ TEST_P(SwapTest, LinkAcrossFilesystemsIsExdevAndFreezesNothing) {
   EXPECT_TRUE(swap.in_current_file(*id));
 }
 
+// A swap space opened where a process of the same pid left its swap file (killed before its
+// destructor ran: remove_files = false here stands for that; a container restarted after a crash
+// gives the job the same pids) makes a file of its own: the old file's bytes, which a checkpoint
+// linked, stay as they were.
+TEST_P(SwapTest, OpenLeavesALinkedFileOfTheSameNameAlone) {
+  ScratchDir root("swap-link-reopen");
+  const std::string link = root.path() + "/checkpoint.bin";
+  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock};
+  options.file_name = "zinf-swap-same-pid.bin";
+  options.remove_files = false;
+  auto io = engine();
+  ASSERT_TRUE(io);
+  std::vector<unsigned char> linked;
+  {
+    Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    Result<ExtentId> id = (*opened)->create("e", 3 * kBlock);
+    ASSERT_TRUE(id.is_ok());
+    AlignedBuffer data = random_buffer(3 * kBlock, 0x5a5e);
+    ASSERT_TRUE((*opened)->write_sync(*id, data.data()).is_ok());
+    ASSERT_TRUE((*opened)->link_files({link}, {"checkpoint"}).is_ok());
+    linked = file_bytes(link);
+    ASSERT_EQ(std::memcmp(linked.data(), data.data(), 3 * kBlock), 0);
+  }
+  const std::string swap_path = root.path() + "/" + options.file_name;
+  ASSERT_EQ(inode_of(swap_path), inode_of(link));  // the name the next open meets
+  options.remove_files = true;
+  Result<std::unique_ptr<SwapSpace>> again = SwapSpace::open(*io, options);
+  ASSERT_TRUE(again.is_ok()) << again.status().to_string();
+  EXPECT_NE(inode_of(swap_path), inode_of(link));
+  EXPECT_EQ(file_bytes(link), linked) << "opening the swap space changed the linked file";
+  Result<ExtentId> id = (*again)->create("e", kBlock);
+  ASSERT_TRUE(id.is_ok());
+  AlignedBuffer data = random_buffer(kBlock, 0x5a5f);
+  ASSERT_TRUE((*again)->write_sync(*id, data.data()).is_ok());
+  EXPECT_EQ(file_bytes(link), linked);
+}
+
+// Two swap spaces of one process and rank in one directory (an engine opened while another of
+// the same rank lives) share a file name: the second takes the name with a file of its own, and
+// the first then neither links what the name now holds (ESTALE, nothing linked: the caller copies)
+// nor removes the second's name when it closes.
+TEST_P(SwapTest, ASpaceWhoseNameWasTakenLinksNothingAndLeavesTheNameAlone) {
+  ScratchDir root("swap-link-shared-name");
+  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock};
+  options.file_name = "zinf-swap-one-name.bin";
+  auto io = engine();
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> first = SwapSpace::open(*io, options);
+  ASSERT_TRUE(first.is_ok()) << first.status().to_string();
+  Result<ExtentId> a = (*first)->create("e", 2 * kBlock);
+  ASSERT_TRUE(a.is_ok());
+  AlignedBuffer data_a = random_buffer(2 * kBlock, 0xa11);
+  ASSERT_TRUE((*first)->write_sync(*a, data_a.data()).is_ok());
+  Result<std::unique_ptr<SwapSpace>> second = SwapSpace::open(*io, options);
+  ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+  Result<ExtentId> b = (*second)->create("e", 2 * kBlock);
+  ASSERT_TRUE(b.is_ok());
+  AlignedBuffer data_b = random_buffer(2 * kBlock, 0xb22);
+  ASSERT_TRUE((*second)->write_sync(*b, data_b.data()).is_ok());
+  // The first still reads its own bytes; it does not link the second's file.
+  AlignedBuffer back(2 * kBlock);
+  ASSERT_TRUE((*first)->read_sync(*a, back.data()).is_ok());
+  EXPECT_EQ(std::memcmp(back.data(), data_a.data(), 2 * kBlock), 0);
+  const std::string from_first = root.path() + "/first.bin";
+  Status s = (*first)->link_files({from_first}, {"first"});
+  EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+  EXPECT_EQ(s.sys_code(), ESTALE) << s.to_string();
+  EXPECT_FALSE(std::filesystem::exists(from_first));
+  EXPECT_TRUE((*first)->in_current_file(*a));  // nothing was frozen
+  // Closing the first leaves the second's name, which it links.
+  first->reset();
+  const std::string from_second = root.path() + "/second.bin";
+  s = (*second)->link_files({from_second}, {"second"});
+  ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const std::vector<unsigned char> linked = file_bytes(from_second);
+  ASSERT_GE(linked.size(), 2 * kBlock);
+  EXPECT_EQ(std::memcmp(linked.data(), data_b.data(), 2 * kBlock), 0);
+}
+
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);
 
 TEST(SwapOpen, MissingDirectoryNamesIt) {
