@@ -185,6 +185,9 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
       ->check(CLI::Range(0.0, 1.0));
   app.add_option("--grad-clip", o->grad_clip, "clip the global gradient norm (0: off)")
       ->check(CLI::Range(0.0, 1e9));
+  app.add_flag("--clip-previous", o->clip_previous,
+               "clip each step by the previous step's coefficient (zinf.clip_from_previous_step), "
+               "so the optimizer pass can begin during the backward");
   app.add_option("--seed", o->seed, "seed of the initial weights and of the batches");
   app.add_option("--eval-every", o->eval_every, "steps between validation losses")
       ->check(CLI::Range(1, 100'000'000));

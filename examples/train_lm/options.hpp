@@ -36,6 +36,7 @@ struct Options {
   zinf::ScheduleConfig schedule;
   double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)
   double grad_clip = 1.0;          // --grad-clip (0: off)
+  bool clip_previous = false;      // --clip-previous: zinf.clip_from_previous_step
   std::uint64_t seed = 1;          // --seed
   std::int64_t eval_every = 25;    // --eval-every: steps between validation losses
   std::size_t eval_tokens = 8192;  // --eval-tokens

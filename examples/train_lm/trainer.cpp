@@ -222,7 +222,13 @@ class PlainAccess final : public ParamAccess {
     double sum_sq = 0;
     for (float g : grads_) sum_sq += double(g) * g;
     const double norm = std::sqrt(sum_sq) * unscale;
-    const double coef = o.grad_clip > 0 && norm > o.grad_clip ? o.grad_clip / (norm + 1e-6) : 1.0;
+    double coef = o.grad_clip > 0 && norm > o.grad_clip ? o.grad_clip / (norm + 1e-6) : 1.0;
+    if (o.clip_previous) {
+      // zinf.clip_from_previous_step: the previous step's coefficient (the first step's own).
+      const double own = coef;
+      if (t_ > 1) coef = previous_coef_;
+      previous_coef_ = own;
+    }
     const double beta1 = 0.9, beta2 = 0.99, eps = 1e-8;
     const double c1 = 1.0 - std::pow(beta1, double(t_)), c2 = 1.0 - std::pow(beta2, double(t_));
     const float step_size = float(lr / c1), decay = float(1.0 - lr * o.weight_decay);
@@ -248,6 +254,7 @@ class PlainAccess final : public ParamAccess {
   std::vector<std::size_t> offsets_;
   std::vector<float> params_, grads_, micro_grads_, m_, v_;
   std::int64_t t_ = 0;
+  double previous_coef_ = 1.0;  // --clip-previous
 };
 
 // --- The zinf path: one Engine per rank ----------------------------------------------------------
@@ -458,6 +465,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.train_micro_batch_size_per_gpu = o.batch / (std::size_t(o.world_size) * o.micro_batches);
   c.gradient_accumulation_steps = o.micro_batches;
   c.gradient_clipping = o.grad_clip;
+  c.clip_from_previous_step = o.clip_previous;
   c.overlap_step = o.overlap_step;
   c.bf16_enabled = o.param_dtype == "bf16";
   c.optimizer.kind = zinf::OptimizerKind::kAdamW;
