@@ -237,6 +237,16 @@ class Engine::Impl {
   Status gather(std::string_view module) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("gather", module));
+    if (overlap_ != nullptr && overlap_->open() && overlap_->any_final(layout_.module_groups(m))) {
+      // The pass may be writing its new values already: the gather would mix steps. (Right after
+      // the module's own reduction, until the next reduce_gradients() or step(), it may still.)
+      return Status::failed_precondition(fmt::format(
+          "gather('{}'): the module's gradients of step {} were reduced before the last "
+          "reduce_gradients(), and the step's optimizer pass may be writing its parameters "
+          "(zinf.overlap_step: docs/ENGINE.md \"Updates during the backward\"); gather a module "
+          "again only before the next module's reduction",
+          module, overlap_->pass_step()));
+    }
     Status st;
     if (overlap_ != nullptr) {
       st = overlap_->gather(m);

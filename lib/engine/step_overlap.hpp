@@ -104,6 +104,13 @@ class OverlappedStep {
   void open_pass(std::int64_t step, float grad_scale);
   // The reductions into `groups` have run: the open pass may update them.
   void final(std::span<const std::uint32_t> groups);
+  // Some of `groups` is final() for the open pass: its shard may be new already.
+  bool any_final(std::span<const std::uint32_t> groups) const {
+    for (std::uint32_t g : groups) {
+      if (final_[g].load(std::memory_order_relaxed) != 0) return true;
+    }
+    return false;
+  }
   // step() takes the open pass as the step's (see the file comment). REQUIRES: open().
   void commit();
   // Calls an open pass off: it fails at its next sub-group not yet updated. REQUIRES: open().

@@ -1,7 +1,8 @@
 // A pass opened during the backward (the overlapped step without clipping or loss scaling,
 // docs/ENGINE.md "Updates during the backward"): what the caller sees between the last
 // micro-batch's first reduction and step(). Calls that need the whole step are refused until
-// step() and then work; a rate other than the pass's is refused; a micro-batch past
+// step() and then work; a rate other than the pass's, and a gather of a module whose gradients
+// were reduced, are refused; a micro-batch past
 // gradient_accumulation_steps and a non-finite gradient fail the step, where the sequential step
 // would take the micro-batch or skip the step; an engine closed with a pass open returns.
 #include <gtest/gtest.h>
@@ -82,6 +83,13 @@ TEST(OverlapOpen, CallsThatNeedTheWholeStepWaitForStepThenMatchTheSequentialRun)
               EXPECT_NE(rate.message().find("began during the backward"), std::string::npos)
                   << rate.to_string();
               (void)engine.counters();  // returns while the pass is open
+              // A module whose gradients were reduced before the last reduction may be written by
+              // the pass already (the last module: reduced first).
+              Status again = engine.gather(model.modules.back());
+              EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
+              EXPECT_NE(again.message().find("reduced before the last reduce_gradients()"),
+                        std::string::npos)
+                  << again.to_string();
             }
             ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
             EXPECT_EQ(rep.in_backward, overlap && step >= 2) << "step " << step;
