@@ -574,8 +574,9 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
 
 // The overlapped step (--overlap-step on, zinf.overlap_step, the default) against the sequential
 // one: the same loss.csv (losses row for row) and the same final masters, byte for byte in the
-// checkpoint each run saves after its last step, over world 1 and 4, stages 1-3, the optimizer
-// state on NVMe and in host memory, with and without clipping (bf16; train_lm has no fp16:
+// checkpoint each run saves after its last step, over world 1, 2 and 4, stages 1-3, the optimizer
+// state on NVMe and in host memory, with and without clipping, and clipping by the previous
+// step's coefficient (--clip-previous) (bf16; train_lm has no fp16:
 // tests/engine/overlap_test.cpp covers fp16 loss scaling and a skipped step). 40 steps each;
 // ZINF_OVERLAP_STEPS sets another count (200 for the acceptance run).
 TEST(Program, OverlappedStepWritesTheSameLossesAndMastersAsSequential) {
@@ -589,6 +590,7 @@ TEST(Program, OverlappedStepWritesTheSameLossesAndMastersAsSequential) {
       "--world-size 1 --stage 1 --offload-optimizer cpu --grad-clip 0",
       "--world-size 4 --stage 1 --offload-optimizer nvme",
       "--world-size 1 --stage 2 --offload-optimizer nvme --grad-clip 0",
+      "--world-size 2 --stage 3 --offload-optimizer nvme --clip-previous",
   };
   for (std::size_t k = 0; k < cases.size(); ++k) {
     const std::string common =
