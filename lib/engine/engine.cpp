@@ -231,7 +231,12 @@ class Engine::Impl {
     return finish_step(/*collective=*/true);
   }
 
-  Status fail(Status st) { return sticky_.fail(std::move(st)); }
+  // The engine's error becomes sticky; a pass open in the backward is called off and waited for
+  // (its gradients will not come now).
+  Status fail(Status st) {
+    if (!st.is_ok() && overlap_ != nullptr && overlap_->open()) overlap_->abandon();
+    return sticky_.fail(std::move(st));
+  }
 
   // --- Gather / release ------------------------------------------------------------------------
   Status gather(std::string_view module) {
@@ -424,6 +429,9 @@ class Engine::Impl {
   // The reductions issued so far have run: their groups are final for the open pass.
   Status confirm_final() {
     if (pending_final_.empty()) return Status::ok();
+    // The caller's work queued after those reductions (it may still read their modules'
+    // parameters) is done before the pass may rewrite their shards.
+    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
     overlap_->final(pending_final_);
     pending_final_.clear();
@@ -459,6 +467,8 @@ class Engine::Impl {
   Status commit_step() {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     const std::int64_t start = Trace::now_ns();
+    // The coordinator is shared with the pass's shard writes: under the publisher's mutex.
+    std::unique_lock<std::mutex> coord_lock(publisher_.mutex());
     const long in_use = coord_->first_in_use();
     if (in_use >= 0) {
       return Status::failed_precondition(
@@ -468,19 +478,20 @@ class Engine::Impl {
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
     ZINF_ASSERT(static_cast<std::size_t>(micro) == config_.gradient_accumulation_steps);
     micro_matched_ = true;
-    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     coord_->freeze_order();
+    Status dropped = coord_->drop_prefetched();
+    coord_lock.unlock();
+    ZINF_RETURN_IF_ERROR(fail(dropped));
+    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     StepReport& rep = report_;
     rep = StepReport{};
     rep.micro_batches = micro;
     LossScaler& scaler = numerics_->scaler();
     rep.loss_scale = scaler.scale();
-    ZINF_RETURN_IF_ERROR(fail(coord_->drop_prefetched()));
     std::int64_t t0 = Trace::now_ns();
     {
       Trace::Span span(env_.trace, track_, "step reduce");
       ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
-      ZINF_RETURN_IF_ERROR(fail(confirm_final()));
     }
     std::int64_t t1 = Trace::now_ns();
     rep.reduce_ns = t1 - t0;
@@ -495,8 +506,8 @@ class Engine::Impl {
     rep.grad_norm = d.grad_norm;
     rep.norm_ns = Trace::now_ns() - t1;
     if (d.overflow) {
-      // The sequential step would skip it; here parts of the state are updated already.
-      overlap_->cancel();
+      // The sequential step would skip it; here parts of the state are updated already (the
+      // last reductions' groups are not final yet: the pass stops before them at the latest).
       return fail(Status::aborted(fmt::format(
           "step {}: the gradients are not finite (norm {}), and the optimizer step had already "
           "updated part of the state during the backward (zinf.overlap_step: docs/ENGINE.md "
@@ -506,6 +517,11 @@ class Engine::Impl {
     }
     ZINF_ASSERT_MSG(d.grad_scale == overlap_->pass_scale(),
                     "step: the pass opened during the backward has another gradient scale");
+    // The last reductions' groups, and every other group (every module was reduced
+    // gradient_accumulation_steps times; a module whose reduction came before the pass opened,
+    // when set_lr_schedule() made it open later in the backward, is final too).
+    pending_final_.clear();
+    overlap_->final_all();
     rep.clip_coef = d.clip_coef;
     ++t_;
     ZINF_ASSERT(t_ == overlap_->pass_step());

@@ -55,11 +55,12 @@ class StepNumerics {
   // zinf.clip_from_previous_step: the coefficient of the last applied step's own norm, which the
   // next step applies (nullopt before the first, and after a load that carries none).
   std::optional<double> previous_clip_coef() const {
-    return has_previous_ ? std::optional<double>(previous_coef_) : std::nullopt;
+    return clip_previous_ && has_previous_ ? std::optional<double>(previous_coef_) : std::nullopt;
   }
+  // (Without the mode the value is not kept: a later save carries none.)
   void set_previous_clip_coef(std::optional<double> coef) {
-    has_previous_ = coef.has_value();
-    previous_coef_ = coef.value_or(1.0);
+    has_previous_ = clip_previous_ && coef.has_value();
+    previous_coef_ = has_previous_ ? *coef : 1.0;
   }
 
  private:

@@ -183,6 +183,19 @@ void OverlappedStep::final(std::span<const std::uint32_t> groups) {
   for (std::uint32_t g : groups) final_[g].store(1, std::memory_order_release);
 }
 
+void OverlappedStep::final_all() {
+  for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
+    final_[g].store(1, std::memory_order_release);
+  }
+}
+
+void OverlappedStep::abandon() {
+  ZINF_ASSERT(open_);
+  cancel();
+  (void)runner_.finish();  // kAborted, or the pass's own error: the engine has its own
+  open_ = false;
+}
+
 void OverlappedStep::commit() {
   ZINF_ASSERT(open_);
   open_ = false;

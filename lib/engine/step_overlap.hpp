@@ -115,6 +115,11 @@ class OverlappedStep {
   void commit();
   // Calls an open pass off: it fails at its next sub-group not yet updated. REQUIRES: open().
   void cancel() { cancelled_.store(true, std::memory_order_release); }
+  // cancel(), then waits for the pass to end (its drain is bounded by the I/O timeouts): nothing
+  // is open or running after it. For an engine that failed with a pass open.
+  void abandon();
+  // Every group is final for the open pass.
+  void final_all();
   // open_pass() was called and commit() not yet.
   bool open() const { return open_; }
   // The open pass's step and grad_scale.

@@ -752,8 +752,9 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
       } else {
         Result<PinnedPool::Lease> lease = pool_->acquire(options_.io_timeout);
         if (!lease.is_ok()) {
-          status = lease.status().with_context(fmt::format(
-              "optimizer step {}: sub-group {}: waiting for a block", args.step, updated_));
+          status = lease.status().with_context(
+              fmt::format("optimizer step {}: sub-group {}: waiting for a block", args.step,
+                          sub_group_at(updated_)));
         } else {
           const std::size_t p = read_++;
           status = start_read(p, std::move(*lease), args);

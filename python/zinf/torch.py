@@ -740,7 +740,10 @@ class ZinfEngine(nn.Module):
             for group, lr in zip(self.optimizer.param_groups, state["lr"]):
                 group["lr"] = lr
             self._lr_pushed = self._scheduled_lr()
-            self._core.set_learning_rate(self._lr_pushed)
+            # Only a rate the engine does not run at already: set_learning_rate() takes the rate
+            # from the engine's schedule for good (and with it the updates during the backward).
+            if self._lr_pushed != self._core.learning_rate:
+                self._core.set_learning_rate(self._lr_pushed)
         if self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._refresh_views()

@@ -169,3 +169,50 @@ TEST(OverlapOpen, AnEngineClosedWithAPassOpenReturns) {
 
 }  // namespace
 }  // namespace zinf
+
+namespace zinf {
+namespace {
+
+// set_lr_schedule() in the middle of the last micro-batch's backward hands the rate back to the
+// engine's schedule: the pass opens at the next reduction, after a module whose reduction came
+// before it. step() makes every group final, so the pass ends and the run equals the sequential
+// one (before that, the first module's groups were never final and step() left a pass waiting
+// for them: the next gather hung).
+TEST(OverlapOpen, AScheduleSetMidBackwardOpensThePassLateAndTheStepStillEnds) {
+  engine_test::ScratchDir dir("overlap_open_schedule");
+  const Model model = engine_test::make_model(DType::kBF16, 2305);
+  std::vector<std::vector<std::vector<float>>> result(2);
+  std::vector<std::vector<StepReport>> reports(2);
+  for (bool overlap : {false, true}) {
+    std::vector<Status> st = engine_test::with_engines(
+        open_config(dir.path(), overlap), model, 1, [&](int, Engine& engine) -> Status {
+          ZINF_RETURN_IF_ERROR(engine.set_learning_rate(engine.learning_rate()));
+          for (int step = 1; step <= 3; ++step) {
+            for (std::size_t k = model.modules.size(); k-- > 0;) {
+              ZINF_RETURN_IF_ERROR(reduce_module(engine, model, model.modules[k], step));
+              if (step == 2 && k + 1 == model.modules.size()) {
+                ZINF_RETURN_IF_ERROR(engine.set_lr_schedule(ScheduleConfig{}));
+              }
+            }
+            ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+            reports[overlap ? 1 : 0].push_back(rep);
+            // Gathers the new values (the pass's last groups written).
+            for (const std::string& m : model.modules) {
+              ZINF_RETURN_IF_ERROR(engine.gather(m));
+              ZINF_RETURN_IF_ERROR(engine.release(m));
+            }
+          }
+          ZINF_ASSIGN_OR_RETURN(result[overlap ? 1 : 0], masters(engine, model));
+          return Status::ok();
+        });
+    ASSERT_TRUE(st[0].is_ok()) << "overlap " << overlap << ": " << st[0].to_string();
+  }
+  EXPECT_TRUE(reports[1][1].in_backward);  // opened late in step 2's backward
+  ASSERT_EQ(result[0].size(), result[1].size());
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+  }
+}
+
+}  // namespace
+}  // namespace zinf
