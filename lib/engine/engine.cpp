@@ -529,7 +529,14 @@ class Engine::Impl {
     rep.in_backward = true;
     overlap_->take_figures(rep);
     overlap_->commit();
+    return applied(rep, start);
+  }
+
+  // The end of an applied step (sequential, or handed to the overlapped pass): the report's
+  // last figures and the counts.
+  Status applied(StepReport& rep, std::int64_t start) {
     grads_pending_ = false;
+    LossScaler& scaler = numerics_->scaler();
     scaler.update(false);
     rep.step = t_;
     rep.next_loss_scale = scaler.scale();
@@ -593,24 +600,12 @@ class Engine::Impl {
       rep.overlapped = true;
       overlap_->take_figures(rep);
       overlap_->start(t_, d.grad_scale);
-      grads_pending_ = false;
-      scaler.update(false);
-      rep.step = t_;
-      rep.next_loss_scale = scaler.scale();
-      rep.wall_ns = Trace::now_ns() - start;
-      ++steps_;
-      return Status::ok();
+      return applied(rep, start);
     }
     ZINF_RETURN_IF_ERROR(run_optimizer(*state_, counters_, env_.trace, track_, t_, d.grad_scale, t2,
                                        /*overlapped=*/false, rep));
     reducer_->zero();
-    grads_pending_ = false;
-    scaler.update(false);
-    rep.step = t_;
-    rep.next_loss_scale = scaler.scale();
-    rep.wall_ns = Trace::now_ns() - start;
-    ++steps_;
-    return Status::ok();
+    return applied(rep, start);
   }
 
   // --- Parameter groups and the schedule ------------------------------------------------------
