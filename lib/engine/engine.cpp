@@ -446,12 +446,7 @@ class Engine::Impl {
     }
     ZINF_RETURN_IF_ERROR(settle());
     const std::int64_t start = Trace::now_ns();
-    const long in_use = coord_->first_in_use();
-    if (in_use >= 0) {
-      return Status::failed_precondition(
-          fmt::format("step: module '{}' is still gathered (release it first)",
-                      layout_.module_names()[static_cast<std::size_t>(in_use)]));
-    }
+    ZINF_RETURN_IF_ERROR(none_gathered());
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
     micro_matched_ = static_cast<std::size_t>(micro) == config_.gradient_accumulation_steps;
     // The step overwrites parameters the caller's queued work may still read.
@@ -462,6 +457,15 @@ class Engine::Impl {
     return report_;
   }
 
+  // step() needs every module released: the step overwrites what they hold.
+  Status none_gathered() const {
+    const long in_use = coord_->first_in_use();
+    if (in_use < 0) return Status::ok();
+    return Status::failed_precondition(
+        fmt::format("step: module '{}' is still gathered (release it first)",
+                    layout_.module_names()[static_cast<std::size_t>(in_use)]));
+  }
+
   // step() of a pass opened during the backward: the same checks and figures as step_impl(),
   // and the pass goes on behind the next forward as a pass start() began would.
   Status commit_step() {
@@ -469,12 +473,7 @@ class Engine::Impl {
     const std::int64_t start = Trace::now_ns();
     // The coordinator is shared with the pass's shard writes: under the publisher's mutex.
     std::unique_lock<std::mutex> coord_lock(publisher_.mutex());
-    const long in_use = coord_->first_in_use();
-    if (in_use >= 0) {
-      return Status::failed_precondition(
-          fmt::format("step: module '{}' is still gathered (release it first)",
-                      layout_.module_names()[static_cast<std::size_t>(in_use)]));
-    }
+    ZINF_RETURN_IF_ERROR(none_gathered());
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
     ZINF_ASSERT(static_cast<std::size_t>(micro) == config_.gradient_accumulation_steps);
     micro_matched_ = true;
@@ -483,28 +482,11 @@ class Engine::Impl {
     coord_lock.unlock();
     ZINF_RETURN_IF_ERROR(fail(dropped));
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
+    std::int64_t decided_ns = 0;
+    Result<StepDecision> decision = reduce_and_decide(micro, &decided_ns);
+    ZINF_RETURN_IF_ERROR(fail(decision.status()));
+    const StepDecision& d = *decision;
     StepReport& rep = report_;
-    rep = StepReport{};
-    rep.micro_batches = micro;
-    LossScaler& scaler = numerics_->scaler();
-    rep.loss_scale = scaler.scale();
-    std::int64_t t0 = Trace::now_ns();
-    {
-      Trace::Span span(env_.trace, track_, "step reduce");
-      ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
-    }
-    std::int64_t t1 = Trace::now_ns();
-    rep.reduce_ns = t1 - t0;
-    StepDecision d;
-    {
-      ZINF_ASSIGN_OR_RETURN(double sumsq, state_->local_sum_of_squares());
-      Trace::Span span(env_.trace, track_, "step norm");
-      Result<StepDecision> r = numerics_->decide(sumsq, micro, *stream_, *event_);
-      ZINF_RETURN_IF_ERROR(fail(r.status()));
-      d = *r;
-    }
-    rep.grad_norm = d.grad_norm;
-    rep.norm_ns = Trace::now_ns() - t1;
     if (d.overflow) {
       // The sequential step would skip it; here parts of the state are updated already (the
       // last reductions' groups are not final yet: the pass stops before them at the latest).
@@ -545,26 +527,22 @@ class Engine::Impl {
     return Status::ok();
   }
 
-  // Reduce, decide (norm, overflow, clipping: before any state changes, so a skipped step
-  // changes nothing but the loss scale), update, publish.
-  Status step_impl(int micro, std::int64_t start) {
+  // A new report for the step and its decision: the backward's last reductions (and stage 1's
+  // reduce-scatter), then the norm, overflow and clipping (StepNumerics); *decided_ns: when.
+  Result<StepDecision> reduce_and_decide(int micro, std::int64_t* decided_ns) {
     StepReport& rep = report_;
     rep = StepReport{};
     rep.micro_batches = micro;
-    LossScaler& scaler = numerics_->scaler();
-    rep.loss_scale = scaler.scale();
-    ZINF_RETURN_IF_ERROR(coord_->drop_prefetched());
-
-    std::int64_t t0 = Trace::now_ns();
+    rep.loss_scale = numerics_->scaler().scale();
+    const std::int64_t t0 = Trace::now_ns();
     {
       Trace::Span span(env_.trace, track_, "step reduce");
       // The last buckets of the backward pass may still be reducing.
       ZINF_RETURN_IF_ERROR(reducer_->wait());
       ZINF_RETURN_IF_ERROR(reducer_->reduce_accumulated());
     }
-    std::int64_t t1 = Trace::now_ns();
+    const std::int64_t t1 = Trace::now_ns();
     rep.reduce_ns = t1 - t0;
-
     StepDecision d;
     {
       // The local sum of squares is of the gradients as accumulated; decide() unscales it.
@@ -573,8 +551,19 @@ class Engine::Impl {
       ZINF_ASSIGN_OR_RETURN(d, numerics_->decide(sumsq, micro, *stream_, *event_));
     }
     rep.grad_norm = d.grad_norm;
-    std::int64_t t2 = Trace::now_ns();
-    rep.norm_ns = t2 - t1;
+    *decided_ns = Trace::now_ns();
+    rep.norm_ns = *decided_ns - t1;
+    return d;
+  }
+
+  // Reduce, decide (norm, overflow, clipping: before any state changes, so a skipped step
+  // changes nothing but the loss scale), update, publish.
+  Status step_impl(int micro, std::int64_t start) {
+    ZINF_RETURN_IF_ERROR(coord_->drop_prefetched());
+    std::int64_t t2 = 0;
+    ZINF_ASSIGN_OR_RETURN(const StepDecision d, reduce_and_decide(micro, &t2));
+    StepReport& rep = report_;
+    LossScaler& scaler = numerics_->scaler();
 
     if (d.overflow) {
       rep.overlapped = overlap_ != nullptr;

@@ -104,23 +104,12 @@ void Publisher::restart_stream(bool descending) {
 Status Publisher::stage(std::size_t first, std::size_t count,
                         FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
   const std::size_t end = first + count;
-  if (stream_descending_) {
-    ZINF_ASSERT_MSG(end == stream_next_, "Publisher::stage: ranges out of partition order");
-    ZINF_RETURN_IF_ERROR(stage_down(first, end, fill));
-    stream_next_ = first;
-    return Status::ok();
-  }
-  ZINF_ASSERT_MSG(first == stream_next_, "Publisher::stage: ranges out of partition order");
-  ZINF_RETURN_IF_ERROR(stage_up(first, end, fill));
-  stream_next_ = end;
-  return Status::ok();
-}
-
-Status Publisher::stage_up(std::size_t first, std::size_t end,
-                           FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
+  ZINF_ASSERT_MSG((stream_descending_ ? end : first) == stream_next_,
+                  "Publisher::stage: ranges out of partition order");
+  stream_next_ = stream_descending_ ? first : end;
   const std::size_t bytes = dtype_bytes(layout_.half_dtype());
-  while (stream_group_ < layout_.group_count()) {
-    const std::uint32_t g = stream_group_;
+  while (!stream_complete()) {
+    const std::uint32_t g = stream_descending_ ? stream_group_ - 1 : stream_group_;
     const std::size_t group_first = layout_.offset(g);
     const std::size_t group_count = layout_.group(g).shard_element_count;
     const std::size_t lo = std::max(first, group_first);
@@ -129,34 +118,13 @@ Status Publisher::stage_up(std::size_t first, std::size_t end,
       fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
       stream_filled_ += hi - lo;
     }
-    if (group_first + group_count > end) break;  // it goes on in the next range
+    // The group goes on in the next range: past `end` going up, before `first` going down.
+    if (stream_descending_ ? group_first < first : group_first + group_count > end) break;
     ZINF_ASSERT_MSG(stream_filled_ == group_count, "Publisher::stage: a group written half filled");
     // The stage is refilled by the next group: the copy up must have read it.
     ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
     stream_filled_ = 0;
-    ++stream_group_;
-  }
-  return Status::ok();
-}
-
-Status Publisher::stage_down(std::size_t first, std::size_t end,
-                             FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
-  const std::size_t bytes = dtype_bytes(layout_.half_dtype());
-  while (stream_group_ > 0) {
-    const std::uint32_t g = stream_group_ - 1;
-    const std::size_t group_first = layout_.offset(g);
-    const std::size_t group_count = layout_.group(g).shard_element_count;
-    const std::size_t lo = std::max(first, group_first);
-    const std::size_t hi = std::min(end, group_first + group_count);
-    if (lo < hi) {
-      fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
-      stream_filled_ += hi - lo;
-    }
-    if (group_first < first) break;  // it goes on in the next range
-    ZINF_ASSERT_MSG(stream_filled_ == group_count, "Publisher::stage: a group written half filled");
-    ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
-    stream_filled_ = 0;
-    --stream_group_;
+    stream_group_ = stream_descending_ ? stream_group_ - 1 : stream_group_ + 1;
   }
   return Status::ok();
 }

@@ -107,11 +107,6 @@ class Publisher {
  private:
   // Group g's shard, under mutex(); g counts as written once it returns ok.
   Status write_group(std::uint32_t g, const std::byte* values, bool wait);
-  // Under stage(): the half-precision stream in each direction.
-  Status stage_up(std::size_t first, std::size_t end,
-                  FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
-  Status stage_down(std::size_t first, std::size_t end,
-                    FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
 
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;
