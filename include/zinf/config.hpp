@@ -147,10 +147,18 @@ struct ActivationConfig {
 };
 
 struct Config {
-  // No effect in the engine (it accumulates the micro-batches handed to it between steps);
-  // `zinf plan` reads them for activation memory.
+  // No effect in the engine (the program sizes its batches); `zinf plan` reads it for activation
+  // memory.
   std::size_t train_micro_batch_size_per_gpu = 1;
+  // The micro-batches of a step. The engine accumulates every micro-batch handed to it between
+  // two step() calls; with zinf.overlap_step it also begins the step's optimizer pass during the
+  // backward of the gradient_accumulation_steps-th (docs/ENGINE.md "Updates during the
+  // backward"), from the first step on when the count is declared: above 1, or
+  // gradient_accumulation_given (the config reader sets it where the key is present). Otherwise
+  // only after a step of exactly this many micro-batches, so that a program that accumulates
+  // without saying so is not stopped by the pass having begun.
   std::size_t gradient_accumulation_steps = 1;
+  bool gradient_accumulation_given = false;
   // Clip the global gradient norm (over every rank) to this; 0 turns clipping off.
   double gradient_clipping = 0.0;
   Fp16Config fp16;

@@ -253,8 +253,10 @@ const Key kRootKeys[] = {
      .no_effect =
          "the training program sizes its batches; `zinf plan` reads it for activation memory"},
     {.name = "gradient_accumulation_steps",
-     .read = ZINF_READ(count_as(v, &w.config->gradient_accumulation_steps)),
-     .no_effect = "the engine accumulates every micro-batch handed to it between two step() calls"},
+     .read = [](const Json& v, Walk& w) -> Why {
+       w.config->gradient_accumulation_given = true;
+       return count_as(v, &w.config->gradient_accumulation_steps);
+     }},
     {.name = "gradient_clipping", .read = ZINF_READ(number_of(v, &w.config->gradient_clipping))},
     {.name = "fp16", .keys = kFp16Keys},
     {.name = "bf16", .keys = kBf16Keys},

@@ -408,10 +408,13 @@ class Engine::Impl {
       return Status::ok();
     }
     if (!overlap_->open()) {
-      // set_learning_rate() sets the rate until step(): the pass starts there. And only once a
-      // step had gradient_accumulation_steps micro-batches: a caller who reduces more than the
-      // config says (its default is 1) never has a pass open early.
-      if (lr_override_ || !micro_matched_) return Status::ok();
+      // set_learning_rate() sets the rate until step(): the pass starts there. And only where
+      // gradient_accumulation_steps was declared or a step had that many micro-batches: a
+      // caller who reduces more than the config says (its default is 1) without declaring it
+      // never has a pass open early.
+      const bool declared =
+          config_.gradient_accumulation_given || config_.gradient_accumulation_steps > 1;
+      if (lr_override_ || !(micro_matched_ || declared)) return Status::ok();
       // With zinf.clip_from_previous_step, the first step's scale needs its own norm.
       const std::optional<float> scale =
           numerics_->scale_before_norm(static_cast<int>(config_.gradient_accumulation_steps));

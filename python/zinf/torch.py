@@ -224,7 +224,12 @@ class ZinfEngine(nn.Module):
             section = zero.get(key) or {}
             if section.get("device") == "nvme" and section.get("nvme_path"):
                 os.makedirs(section["nvme_path"], exist_ok=True)
-        self._core = _zinf.Engine(json.dumps(config), [], device_memory_limit_bytes,
+        # step() applies the optimizer after exactly gradient_accumulation_steps backward calls
+        # (1 where the config has none), so the engine may trust the count from the first step
+        # on: the key declares it (docs/ENGINE.md "Updates during the backward").
+        declared = config if "gradient_accumulation_steps" in config else {
+            **config, "gradient_accumulation_steps": 1}
+        self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes,
                                   _choose_comm(comm))
         _open_engines.add(self)
         self.global_rank = self._core.rank

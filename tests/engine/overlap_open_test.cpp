@@ -105,6 +105,49 @@ TEST(OverlapOpen, CallsThatNeedTheWholeStepWaitForStepThenMatchTheSequentialRun)
   }
 }
 
+// The first step's pass opens in its backward only where gradient_accumulation_steps was
+// declared; its result is the sequential step's either way. Undeclared, a program that hands
+// two micro-batches a step (more than the default count of 1) keeps working.
+TEST(OverlapOpen, TheFirstStepOpensInTheBackwardWhereTheCountIsDeclared) {
+  engine_test::ScratchDir dir("overlap_open_first");
+  const Model model = engine_test::make_model(DType::kBF16, 2304);
+  enum Run { kSequential, kUndeclared, kDeclared };
+  std::vector<std::vector<std::vector<float>>> result(3);
+  for (Run run : {kSequential, kUndeclared, kDeclared}) {
+    Config config = open_config(dir.path(), run != kSequential);
+    config.gradient_accumulation_given = run == kDeclared;
+    std::vector<Status> st =
+        engine_test::with_engines(config, model, 1, [&](int, Engine& engine) -> Status {
+          for (int step = 1; step <= 2; ++step) {
+            ZINF_RETURN_IF_ERROR(backward(engine, model, step));
+            ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+            EXPECT_EQ(rep.in_backward, run == kDeclared || (run == kUndeclared && step == 2))
+                << "run " << run << " step " << step;
+          }
+          ZINF_ASSIGN_OR_RETURN(result[run], masters(engine, model));
+          return Status::ok();
+        });
+    ASSERT_TRUE(st[0].is_ok()) << "run " << run << ": " << st[0].to_string();
+  }
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[kSequential][p], result[kUndeclared][p]) << model.params[p].name;
+    EXPECT_EQ(result[kSequential][p], result[kDeclared][p]) << model.params[p].name;
+  }
+  // Undeclared, two micro-batches a step: no pass opens early, and every step is taken.
+  Config config = open_config(dir.path(), true);
+  std::vector<Status> st =
+      engine_test::with_engines(config, model, 1, [&](int, Engine& engine) -> Status {
+        for (int step = 1; step <= 3; ++step) {
+          ZINF_RETURN_IF_ERROR(backward(engine, model, 2 * step));
+          ZINF_RETURN_IF_ERROR(backward(engine, model, 2 * step + 1));
+          ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+          EXPECT_FALSE(rep.in_backward) << "step " << step;
+        }
+        return Status::ok();
+      });
+  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
   engine_test::ScratchDir dir("overlap_open_micro");
   const Model model = engine_test::make_model(DType::kBF16, 2302);
