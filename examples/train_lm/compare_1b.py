@@ -4,16 +4,22 @@ steps (validation left out), their optimizer phase ("step" in --step-times: the 
 and its publish) and compute (forward + backward + gather + reduce), and then for each variant
 against the reference (--ref, default the first variant of round 1): the per-round ratios of
 step time and optimizer phase with their medians, the variant's step time over max(compute,
-optimizer) of the reference in the same round, and the difference in peak RSS.
+optimizer) of the reference in the same round, and the difference in peak RSS. Where the lines
+carry the process's CPU seconds ("cpu"), also the variant's step time over the CPU's limit,
+max(compute, optimizer, CPU seconds of the reference / cores): on a machine whose cores both
+compute and run the optimizer, no schedule of the same work is faster than its CPU seconds
+spread over every core.
 
-  compare_1b.py FILE [--steps 2,3] [--ref NAME]
+  compare_1b.py FILE [--steps 2,3] [--ref NAME] [--cores N]
 """
 import argparse
+import os
 import re
 import statistics
 
 STEP = re.compile(r"step (\d+): ([\d.]+)s = forward ([\d.]+)s \+ backward ([\d.]+)s \+ gather "
                   r"([\d.]+)s \+ reduce ([\d.]+)s \+ step ([\d.]+)s .* \+ eval ([\d.]+)s")
+CPU = re.compile(r".*; cpu ([\d.]+)s$")
 
 
 def parse(path):
@@ -24,8 +30,10 @@ def parse(path):
             runs.append(cur)
         elif (m := STEP.match(line)) and cur is not None:
             total, fwd, bwd, gather, reduce, step, evaluation = (float(x) for x in m.groups()[1:])
+            cpu = CPU.match(line.rstrip())
             cur["steps"][int(m[1])] = {"time": total - evaluation, "optimizer": step,
-                                       "compute": fwd + bwd + gather + reduce}
+                                       "compute": fwd + bwd + gather + reduce,
+                                       "cpu": float(cpu[1]) if cpu else None}
         elif (m := re.match(r"wall .* maxrss (\d+) kB", line)) and cur is not None:
             cur["rss"] = int(m[1]) * 1024
     return runs
@@ -36,6 +44,7 @@ def main():
     parser.add_argument("file")
     parser.add_argument("--steps", default="2,3")
     parser.add_argument("--ref")
+    parser.add_argument("--cores", type=int, default=os.cpu_count())
     args = parser.parse_args()
     steps = [int(s) for s in args.steps.split(",")]
     runs = parse(args.file)
@@ -48,16 +57,19 @@ def main():
         if missing:
             raise SystemExit(f"{args.file}: round {run['round']} {run['name']} has no step {missing}")
         sums = {k: sum(run["steps"][s][k] for s in steps) for k in ("time", "optimizer", "compute")}
+        cpus = [run["steps"][s]["cpu"] for s in steps]
+        sums["cpu"] = None if None in cpus else sum(cpus)
         table[(run["round"], run["name"])] = {**sums, "rss": run["rss"], "load": run["load"]}
+        cpu = "" if sums["cpu"] is None else f", CPU {sums['cpu']:.2f} s"
         print(f"round {run['round']} {run['name']:>6} (load {run['load']:.2f}): steps "
               f"{args.steps} {sums['time']:.2f} s, optimizer phase {sums['optimizer']:.2f} s, "
-              f"compute {sums['compute']:.2f} s, peak RSS {run['rss'] / 2**30:.3f} GiB")
+              f"compute {sums['compute']:.2f} s{cpu}, peak RSS {run['rss'] / 2**30:.3f} GiB")
     rounds = sorted({r for r, _ in table})
     names = list(dict.fromkeys(run["name"] for run in runs))
     for name in names:
         if name == ref:
             continue
-        time, optimizer, over_max, rss = [], [], [], []
+        time, optimizer, over_max, over_cpu, rss = [], [], [], [], []
         for r in rounds:
             a, b = table.get((r, ref)), table.get((r, name))
             if a is None or b is None:
@@ -65,6 +77,8 @@ def main():
             time.append(b["time"] / a["time"])
             optimizer.append(b["optimizer"] / a["optimizer"])
             over_max.append(b["time"] / max(a["compute"], a["optimizer"]))
+            if a["cpu"] is not None:
+                over_cpu.append(b["time"] / max(a["compute"], a["optimizer"], a["cpu"] / args.cores))
             rss.append((b["rss"] - a["rss"]) / 2**20)
         fmt = lambda xs: ", ".join(f"{x:.3f}" for x in xs)
         print(f"{name} / {ref}: step time {fmt(time)} (median {statistics.median(time):.3f}); "
@@ -72,6 +86,9 @@ def main():
               f"{name} over max(compute, optimizer) of {ref} {fmt(over_max)} "
               f"(median {statistics.median(over_max):.3f}); peak RSS {name} - {ref} "
               f"{', '.join(f'{x:+.1f}' for x in rss)} MiB")
+        if over_cpu:
+            print(f"  {name} over max(compute, optimizer, CPU seconds / {args.cores} cores) of "
+                  f"{ref}: {fmt(over_cpu)} (median {statistics.median(over_cpu):.3f})")
 
 
 if __name__ == "__main__":

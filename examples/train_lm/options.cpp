@@ -188,6 +188,9 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_flag("--clip-previous", o->clip_previous,
                "clip each step by the previous step's coefficient (zinf.clip_from_previous_step), "
                "so the optimizer pass can begin during the backward");
+  app.add_option("--optimizer-threads", o->optimizer_threads,
+                 "threads of the engine's CPU optimizer (zinf.cpu_threads; 0: every core)")
+      ->check(CLI::Range(0, 4096));
   app.add_option("--seed", o->seed, "seed of the initial weights and of the batches");
   app.add_option("--eval-every", o->eval_every, "steps between validation losses")
       ->check(CLI::Range(1, 100'000'000));

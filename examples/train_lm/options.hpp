@@ -37,6 +37,7 @@ struct Options {
   double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)
   double grad_clip = 1.0;          // --grad-clip (0: off)
   bool clip_previous = false;      // --clip-previous: zinf.clip_from_previous_step
+  int optimizer_threads = 0;       // --optimizer-threads: zinf.cpu_threads (0: every core)
   std::uint64_t seed = 1;          // --seed
   std::int64_t eval_every = 25;    // --eval-every: steps between validation losses
   std::size_t eval_tokens = 8192;  // --eval-tokens

@@ -74,6 +74,15 @@ void reset_peak_rss() {
   clear << "5";
 }
 
+// CPU seconds (user + system) of every thread of the process so far, io_uring's workers
+// included: with --step-times, a step's CPU against its wall time shows how busy the cores were.
+double process_cpu_s() {
+  rusage usage{};
+  getrusage(RUSAGE_SELF, &usage);
+  auto s = [](const timeval& t) { return double(t.tv_sec) + double(t.tv_usec) * 1e-6; };
+  return s(usage.ru_utime) + s(usage.ru_stime);
+}
+
 // Activation floats of one Model sized for `tokens`.
 std::uint64_t activation_bytes(const ModelShape& s, std::size_t tokens) {
   const std::uint64_t per_token = s.context_bytes * s.embed_dim * 2 +    // x0, dx0
@@ -464,8 +473,10 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   zinf::Config c;
   c.train_micro_batch_size_per_gpu = o.batch / (std::size_t(o.world_size) * o.micro_batches);
   c.gradient_accumulation_steps = o.micro_batches;
+  c.gradient_accumulation_given = true;  // every step has exactly that many
   c.gradient_clipping = o.grad_clip;
   c.clip_from_previous_step = o.clip_previous;
+  c.cpu_threads = o.optimizer_threads;
   c.overlap_step = o.overlap_step;
   c.bf16_enabled = o.param_dtype == "bf16";
   c.optimizer.kind = zinf::OptimizerKind::kAdamW;
@@ -657,6 +668,7 @@ struct Shared {
   double last_val = 0;
   TimeSplit last_time;  // rank 0's split at the previous step, for the per-step lines
   std::uint64_t last_nvme_bytes = 0;
+  double last_cpu_s = 0;  // process_cpu_s() at the end of the previous step's line
   ProgressBar progress;
   zinf::Trace* trace = nullptr;
   // One process per rank: what each rank's process wrote into the vectors above reaches the
@@ -691,6 +703,7 @@ void StepDone::operator()() noexcept {
     sum.time = TimeSplit{};
     s.last_time = sum.time;
     s.first_step_ns = s.last_step_end_ns = zinf::Trace::now_ns();
+    s.last_cpu_s = process_cpu_s();
     sum.setup_peak_rss_bytes = peak_rss_bytes();
     reset_peak_rss();
     return;
@@ -715,6 +728,7 @@ void StepDone::operator()() noexcept {
   point.tokens_per_s = double(tokens) / std::max(step_s, 1e-9);
   sum.curve.push_back(point);
   const double elapsed = seconds_since(s.start);
+  const double cpu_s = process_cpu_s();
   // Slow steps (a large model) get a line each saying where their time went.
   if (!o.quiet && s.prints && (o.step_times || step_s > 2.0)) {
     const TimeSplit& now = sum.time;
@@ -740,17 +754,18 @@ void StepDone::operator()() noexcept {
     std::fprintf(stderr,
                  "step %lld: %.2fs = forward %.2fs + backward %.2fs + gather %.2fs + reduce "
                  "%.2fs + step %.2fs (AdamW+NVMe %.2fs of which I/O wait %.2fs, %s NVMe "
-                 "traffic, %.2f GB/s%s) + eval %.2fs; loss %.3f\n",
+                 "traffic, %.2f GB/s%s) + eval %.2fs; loss %.3f; cpu %.2fs\n",
                  static_cast<long long>(s.step), step_s, now.forward_s - was.forward_s,
                  now.backward_s - was.backward_s, now.gather_s - was.gather_s,
                  now.reduce_s - was.reduce_s, now.step_s - was.step_s, optimizer_s, io_wait_s,
                  format_bytes(double(nvme_bytes - s.last_nvme_bytes)).c_str(),
                  optimizer_s > 0 ? double(nvme_bytes - s.last_nvme_bytes) / optimizer_s / 1e9 : 0.0,
-                 overlap, now.eval_s - was.eval_s, train);
+                 overlap, now.eval_s - was.eval_s, train, cpu_s - s.last_cpu_s);
     s.last_time = now;
     s.last_nvme_bytes = nvme_bytes;
   }
   s.last_step_end_ns = zinf::Trace::now_ns();
+  s.last_cpu_s = cpu_s;
   const double mean_rate = double(sum.tokens_seen) / std::max(s.train_s, 1e-9);
   char extra[64];
   std::snprintf(extra, sizeof(extra), "val %.3f", s.last_val);
