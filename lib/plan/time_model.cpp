@@ -198,7 +198,14 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
     out.pipeline_s = out.update_alone_s;
   }
   out.optimizer_step_s = out.pipeline_s;
-  out.step_s = out.pipeline_s;
+  ZINF_ASSERT(spec.compute_s >= 0);
+  out.forward_backward_s = spec.compute_s;
+  if (spec.compute_s > 0 && spec.overlap) {
+    const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
+    out.optimizer_hidden_s =
+        std::clamp(out.optimizer_step_s - unhidden, 0.0, out.forward_backward_s);
+  }
+  out.step_s = out.forward_backward_s + out.optimizer_step_s - out.optimizer_hidden_s;
   return out;
 }
 

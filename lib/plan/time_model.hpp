@@ -142,6 +142,13 @@ struct StepOnlySpec {
   std::uint64_t pool_bytes = std::uint64_t{1} << 30;
   bool grads_on_nvme = true;  // StateStore's default puts every piece on NVMe
   bool half_on_nvme = true;
+  // A training step around the optimizer step (compute_s 0: the optimizer step alone, as bench
+  // step runs it): the program's compute of a step, measured (forward + backward + gathers +
+  // reductions of every micro-batch); host_compute when it runs on this machine's CPU cores
+  // (HostDevice, as examples/train_lm); overlap for zinf.overlap_step.
+  double compute_s = 0;
+  bool host_compute = false;
+  bool overlap = true;
 };
 
 struct StepOnlyLayout {
@@ -156,8 +163,15 @@ struct StepOnlyLayout {
 
 StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 
+// With spec.compute_s, forward_backward_s is that compute and step_s the training step: the
+// sum with overlap off, and with overlap on
+//   hidden = min(optimizer_step − H, compute),   step = compute + optimizer_step − hidden
+// where H is the part of the pass that cannot hide: 0 when the compute runs elsewhere (a GPU),
+// so step = max(compute, optimizer_step); the update U when the compute runs on the host's cores,
+// which the update's threads then share (all of them, at the memory's bandwidth), so step =
+// max(compute + U, optimizer_step).
 // REQUIRES: step_only_layout(spec).sub_group_params > 0, at least 2 blocks on NVMe,
-// profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme.
+// profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme, spec.compute_s >= 0.
 StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile);
 
 }  // namespace zinf::plan

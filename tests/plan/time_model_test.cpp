@@ -233,6 +233,33 @@ TEST(TimeModel, OverlappedStepIsTheMaxOfComputeAndOptimizer) {
   EXPECT_NEAR(on_device.step_s, on_device.forward_backward_s + on_device.optimizer_step_s, 1e-12);
 }
 
+// --step-only with --compute-s: the training step around the optimizer step. Overlapped, the
+// pass hides behind the compute, all but its update where the compute runs on the host's cores.
+TEST(TimeModel, StepOnlyWithComputeIsTheMaxOrTheSum) {
+  StepOnlySpec spec = state_only(1'000'000'000, 1u << 30);
+  const StepPrediction alone = predict_optimizer_step(spec, profile(20, 2, 1));
+  const double opt = alone.optimizer_step_s;
+  // 30 B a parameter at 20 GB/s.
+  EXPECT_NEAR(alone.update_alone_s, 1.5, 1e-12);
+  EXPECT_GT(opt, 18.0);  // the writes alone: 12e9 B at 1 GB/s
+  for (const double compute : {5.0, 17.5, 40.0}) {
+    spec.compute_s = compute;
+    spec.overlap = false;
+    spec.host_compute = false;
+    const StepPrediction seq = predict_optimizer_step(spec, profile(20, 2, 1));
+    EXPECT_EQ(seq.optimizer_step_s, opt);
+    EXPECT_EQ(seq.forward_backward_s, compute);
+    EXPECT_NEAR(seq.step_s, compute + opt, 1e-9) << compute;
+    spec.overlap = true;
+    const StepPrediction gpu = predict_optimizer_step(spec, profile(20, 2, 1));
+    EXPECT_NEAR(gpu.step_s, std::max(compute, opt), 1e-9) << compute;
+    spec.host_compute = true;
+    const StepPrediction host = predict_optimizer_step(spec, profile(20, 2, 1));
+    EXPECT_NEAR(host.step_s, std::max(compute + 1.5, opt), 1e-9) << compute;
+    EXPECT_NEAR(host.optimizer_hidden_s, compute + opt - host.step_s, 1e-9) << compute;
+  }
+}
+
 // gradients_on_nvme as the engine runs it: each micro-batch writes the shard's fp32 gradients,
 // and every later one reads them back while it writes (no duplex rate: one budget).
 TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {

@@ -86,6 +86,8 @@ struct PlanOptions {
   std::string pool = "1GiB";
   std::string grads_tier = "nvme";
   std::string half_tier = "nvme";
+  double compute_s = 0;
+  bool host_compute = false;
 };
 
 std::string gib(double bytes) { return format_bytes(bytes); }
@@ -275,6 +277,17 @@ void run_step_only(const PlanOptions& o) {
                     o.pool, layout.blocks, format_bytes(static_cast<double>(layout.block_bytes))));
     return;
   }
+  if (!(o.compute_s >= 0)) {
+    fail(fmt::format("--compute-s {}: must be 0 or more seconds", o.compute_s));
+    return;
+  }
+  if (o.host_compute && o.compute_s == 0) {
+    fail("--host-compute needs --compute-s, the measured compute of a step");
+    return;
+  }
+  spec.compute_s = o.compute_s;
+  spec.host_compute = o.host_compute;
+  spec.overlap = !o.no_overlap_step;
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
   const std::uint64_t working_set =
@@ -302,6 +315,11 @@ void run_step_only(const PlanOptions& o) {
                               {"blocks", layout.blocks},
                               {"pool_bytes", spec.pool_bytes},
                               {"step_s", t.step_s},
+                              {"optimizer_step_s", t.optimizer_step_s},
+                              {"compute_s", t.forward_backward_s},
+                              {"host_compute", spec.host_compute},
+                              {"overlap", spec.overlap},
+                              {"optimizer_hidden_s", t.optimizer_hidden_s},
                               {"io_alone_s", t.io_alone_s},
                               {"update_alone_s", t.update_alone_s},
                               {"read_gbps", nvme ? profile.nvme_read_gbps : 0.0},
@@ -322,8 +340,18 @@ void run_step_only(const PlanOptions& o) {
                                 format_bytes(static_cast<double>(layout.block_bytes)))
                   : std::string("no I/O"));
   Table table({"part", "predicted", "from"});
-  table.add_row(
-      {"step", secs(t.step_s), nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone"});
+  const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
+  if (spec.compute_s > 0) {
+    const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
+                      : spec.host_compute ? "max(compute + update, optimizer step): overlapped, "
+                                            "the update on the cores that compute"
+                                          : "max(compute, optimizer step): overlapped";
+    table.add_row({"step", secs(t.step_s), how});
+    table.add_row({"compute", secs(t.forward_backward_s), "--compute-s"});
+    table.add_row({"optimizer step", secs(t.optimizer_step_s), pass_formula});
+  } else {
+    table.add_row({"step", secs(t.step_s), pass_formula});
+  }
   if (nvme) {
     table.add_row(
         {"io alone", secs(t.io_alone_s),
@@ -737,6 +765,13 @@ void setup_plan(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--half-tier", o->half_tier, "--step-only: half params on nvme or host")
       ->capture_default_str();
+  sub->add_option("--compute-s", o->compute_s,
+                  "--step-only: predict a training step around it, whose compute (forward, "
+                  "backward, gathers, reductions) takes this many seconds (measured); "
+                  "--no-overlap-step: the sequential step");
+  sub->add_flag("--host-compute", o->host_compute,
+                "--step-only with --compute-s: the compute runs on this machine's CPU cores "
+                "(HostDevice), which the optimizer's update then shares");
   sub->callback([o] { run_plan(*o); });
 }
 
