@@ -140,9 +140,10 @@ struct EngineSetup {
   std::uint64_t io_block_bytes = std::uint64_t{1} << 20;
   std::uint64_t io_queue_depth = 32;
   // zinf.overlap_step: with the optimizer offloaded, the optimizer pass runs behind the next
-  // step's compute (time_model.hpp), at most behind this fraction of forward + backward.
+  // step's compute (time_model.hpp), at most behind this fraction of forward + backward: 2/3, the
+  // backward's share of the compute, is the engine's schedule with updates during the backward.
   bool overlap_step = true;
-  double overlap_compute_fraction = 1.0;
+  double overlap_compute_fraction = 2.0 / 3.0;
 };
 
 // OK when `setup` is one the engine can run: stage in 1..3, params offloaded only at stage 3,

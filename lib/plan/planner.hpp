@@ -59,7 +59,7 @@ struct PlanConstraints {
   // zinf.overlap_step and the part of the compute its optimizer pass hides behind
   // (EngineSetup, time_model.hpp).
   bool overlap_step = true;
-  double overlap_compute_fraction = 1.0;
+  double overlap_compute_fraction = 2.0 / 3.0;
 };
 
 struct TierUse {

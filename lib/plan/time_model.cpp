@@ -202,8 +202,9 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   out.forward_backward_s = spec.compute_s;
   if (spec.compute_s > 0 && spec.overlap) {
     const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
+    const double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
     out.optimizer_hidden_s =
-        std::clamp(out.optimizer_step_s - unhidden, 0.0, out.forward_backward_s);
+        std::clamp(out.optimizer_step_s - unhidden, 0.0, fraction * out.forward_backward_s);
   }
   out.step_s = out.forward_backward_s + out.optimizer_step_s - out.optimizer_hidden_s;
   return out;

@@ -55,9 +55,12 @@
 // overlap_compute_fraction, the part of the compute the pass can run behind:
 //   hidden = min(optimizer_step, c·forward_backward)
 //   step   = forward_backward + optimizer_step − hidden
-// With c = 1 (the pass may run behind the forward and the backward) step = max(forward_backward,
-// optimizer_step). The engine of this version hides it behind the next forward only, about a
-// third of forward + backward (a quarter with checkpointing): c = 1/3 models it.
+// With c = 1 (the pass behind the forward and the backward) step = max(forward_backward,
+// optimizer_step). The engine's pass runs during the backward where no global norm or loss
+// scale decides the step first, from the last sub-group to the first, and the next forward
+// waits for its end (it needs the first sub-group first): c = 2/3, the backward's share of the
+// FLOPs, models it (the default). With exact clipping the pass starts at step() and hides behind
+// the next forward only, about a third (a quarter with checkpointing): c = 1/3.
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -149,6 +152,7 @@ struct StepOnlySpec {
   double compute_s = 0;
   bool host_compute = false;
   bool overlap = true;
+  double overlap_fraction = 2.0 / 3.0;  // c, as EngineSetup::overlap_compute_fraction
 };
 
 struct StepOnlyLayout {
@@ -165,11 +169,12 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 
 // With spec.compute_s, forward_backward_s is that compute and step_s the training step: the
 // sum with overlap off, and with overlap on
-//   hidden = min(optimizer_step − H, compute),   step = compute + optimizer_step − hidden
-// where H is the part of the pass that cannot hide: 0 when the compute runs elsewhere (a GPU),
-// so step = max(compute, optimizer_step); the update U when the compute runs on the host's cores,
-// which the update's threads then share (all of them, at the memory's bandwidth), so step =
-// max(compute + U, optimizer_step).
+//   hidden = min(optimizer_step − H, c·compute),   step = compute + optimizer_step − hidden
+// with c = spec.overlap_fraction (as in predict_step) and H the part of the pass that cannot
+// hide: 0 when the compute runs elsewhere (a GPU), so with c = 1 step = max(compute,
+// optimizer_step); the update U when the compute runs on the host's cores, which the update's
+// threads then share (all of them, at the memory's bandwidth). With c = 2/3 (the pass behind
+// the backward) and F = compute/3 the forward: step = F + max(2F + H, optimizer_step).
 // REQUIRES: step_only_layout(spec).sub_group_params > 0, at least 2 blocks on NVMe,
 // profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme, spec.compute_s >= 0.
 StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile);

@@ -169,8 +169,10 @@ TEST(TimeModel, ForwardBackwardPartsOverlap) {
   EXPECT_NEAR(t.forward_backward_s,
               2 * std::max({t.compute_s, t.collectives_s, t.param_fetch_s, t.grad_offload_s}),
               1e-12);
-  // The overlapped step (the default) hides the optimizer behind the compute: max, not sum.
-  EXPECT_NEAR(t.step_s, std::max(t.forward_backward_s, t.optimizer_step_s), 1e-12);
+  // The overlapped step (the default) hides the optimizer behind the backward, two thirds of
+  // the compute: the forward, then the longer of the backward and the optimizer step.
+  const double forward = t.forward_backward_s / 3;
+  EXPECT_NEAR(t.step_s, forward + std::max(2 * forward, t.optimizer_step_s), 1e-9);
   // Checkpointing recomputes the forward: 4/3 of the FLOPs.
   tr.checkpoint_activations = true;
   EXPECT_NEAR(predict_step(m, tr, s, p).compute_s, t.compute_s * 4 / 3, 1e-9);
@@ -234,7 +236,8 @@ TEST(TimeModel, OverlappedStepIsTheMaxOfComputeAndOptimizer) {
 }
 
 // --step-only with --compute-s: the training step around the optimizer step. Overlapped, the
-// pass hides behind the compute, all but its update where the compute runs on the host's cores.
+// pass hides behind c of the compute (1: all of it; 2/3: the backward), all but its update where
+// the compute runs on the host's cores.
 TEST(TimeModel, StepOnlyWithComputeIsTheMaxOrTheSum) {
   StepOnlySpec spec = state_only(1'000'000'000, 1u << 30);
   const StepPrediction alone = predict_optimizer_step(spec, profile(20, 2, 1));
@@ -242,7 +245,7 @@ TEST(TimeModel, StepOnlyWithComputeIsTheMaxOrTheSum) {
   // 30 B a parameter at 20 GB/s.
   EXPECT_NEAR(alone.update_alone_s, 1.5, 1e-12);
   EXPECT_GT(opt, 18.0);  // the writes alone: 12e9 B at 1 GB/s
-  for (const double compute : {5.0, 17.5, 40.0}) {
+  for (const double compute : {5.0, 17.5, 26.0, 40.0}) {
     spec.compute_s = compute;
     spec.overlap = false;
     spec.host_compute = false;
@@ -251,12 +254,22 @@ TEST(TimeModel, StepOnlyWithComputeIsTheMaxOrTheSum) {
     EXPECT_EQ(seq.forward_backward_s, compute);
     EXPECT_NEAR(seq.step_s, compute + opt, 1e-9) << compute;
     spec.overlap = true;
+    spec.overlap_fraction = 1.0;
     const StepPrediction gpu = predict_optimizer_step(spec, profile(20, 2, 1));
     EXPECT_NEAR(gpu.step_s, std::max(compute, opt), 1e-9) << compute;
     spec.host_compute = true;
     const StepPrediction host = predict_optimizer_step(spec, profile(20, 2, 1));
     EXPECT_NEAR(host.step_s, std::max(compute + 1.5, opt), 1e-9) << compute;
     EXPECT_NEAR(host.optimizer_hidden_s, compute + opt - host.step_s, 1e-9) << compute;
+    // Behind the backward only: the forward (a third) and then the longer of the backward and
+    // the pass.
+    spec.overlap_fraction = 2.0 / 3.0;
+    const double forward = compute / 3.0;
+    const StepPrediction backward = predict_optimizer_step(spec, profile(20, 2, 1));
+    EXPECT_NEAR(backward.step_s, forward + std::max(2.0 * forward + 1.5, opt), 1e-9) << compute;
+    spec.host_compute = false;
+    const StepPrediction backward_gpu = predict_optimizer_step(spec, profile(20, 2, 1));
+    EXPECT_NEAR(backward_gpu.step_s, forward + std::max(2.0 * forward, opt), 1e-9) << compute;
   }
 }
 

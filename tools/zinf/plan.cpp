@@ -47,7 +47,7 @@ struct PlanOptions {
   bool offload_activations = false;
   bool no_flash_attention = false;
   bool no_overlap_step = false;
-  double overlap_fraction = 1.0;
+  double overlap_fraction = 2.0 / 3.0;
   std::string arch = "transformer";
   std::uint64_t context_bytes = 16;
   std::uint64_t embed_dim = 16;
@@ -288,6 +288,7 @@ void run_step_only(const PlanOptions& o) {
   spec.compute_s = o.compute_s;
   spec.host_compute = o.host_compute;
   spec.overlap = !o.no_overlap_step;
+  spec.overlap_fraction = o.overlap_fraction;
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
   const std::uint64_t working_set =
@@ -700,8 +701,9 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--no-overlap-step", o->no_overlap_step,
                 "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
   sub->add_option("--overlap-fraction", o->overlap_fraction,
-                  "Part of forward + backward the overlapped optimizer pass hides behind (1: "
-                  "both; about 0.33: the next forward only)")
+                  "Part of forward + backward the overlapped optimizer pass hides behind (the "
+                  "backward, 2/3: updates during the backward; 1/3: behind the next forward "
+                  "only, as with exact clipping; 1: both)")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   sub->add_option("--arch", o->arch,
