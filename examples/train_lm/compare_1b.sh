@@ -10,7 +10,10 @@
 #   on=build/bin/train_lm:--overlap-step,on
 # ROUNDS (default 3), STEPS (default 4; the last step also runs the final validation, which the
 # figures leave out), DIR (default /tmp/zinf-1b: 11.2 GiB of NVMe state a run; deleted after
-# each run). Run it under the big-run lock when others share the machine.
+# each run), ROUND_CMD (a command run at the start of each round, before its variants, with
+# ROUND=N in its environment, its output appended to OUT_FILE after a line "round N command";
+# for example `zinf plan --step-only --measure --json`, the machine's rates in that round). Run
+# it under the big-run lock when others share the machine.
 set -euo pipefail
 out=${1:?usage: compare_1b.sh OUT_FILE NAME=BINARY[:flags] ...}
 shift
@@ -22,6 +25,10 @@ for ((round = 1; round <= ${ROUNDS:-3}; round++)); do
   order=("${variants[@]}")
   if [ $((round % 2)) -eq 0 ]; then
     mapfile -t order < <(printf '%s\n' "${variants[@]}" | tac)
+  fi
+  if [ -n "${ROUND_CMD:-}" ]; then
+    echo "round $round command $(date +%T): $ROUND_CMD" >>"$out"
+    ROUND=$round bash -c "$ROUND_CMD" >>"$out" 2>&1
   fi
   for variant in "${order[@]}"; do
     name=${variant%%=*}
