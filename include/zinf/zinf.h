@@ -382,6 +382,13 @@ typedef struct zinf_step_report {
   uint64_t optimizer_nvme_write_bytes;
   uint64_t param_nvme_write_bytes;
   uint64_t master_nvme_read_bytes;
+  /* The overlapped step (zinf.overlap_step; docs/ENGINE.md "The overlapped step"). overlapped 1:
+   * step() decided this step and returned while its optimizer pass runs on; optimizer_ns,
+   * publish_ns, the NVMe byte counts and hidden_ns are then the previous step's pass. */
+  int32_t overlapped;
+  int32_t in_backward;    /* 1: this step's pass began during its backward */
+  int64_t hidden_ns;      /* of that pass's time, the part hidden behind the caller's compute */
+  int64_t gather_wait_ns; /* gathers since the previous step waiting for the pass's parameters */
 } zinf_step_report_t;
 
 /* Applies the optimizer to the gradients reduced since the last step. When `report` is not

@@ -787,6 +787,10 @@ zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) 
     full.optimizer_nvme_write_bytes = r.optimizer_nvme_write_bytes;
     full.param_nvme_write_bytes = r.param_nvme_write_bytes;
     full.master_nvme_read_bytes = r.master_nvme_read_bytes;
+    full.overlapped = r.overlapped ? 1 : 0;
+    full.in_backward = r.in_backward ? 1 : 0;
+    full.hidden_ns = r.hidden_ns;
+    full.gather_wait_ns = r.gather_wait_ns;
     // An older caller's struct is a prefix of ours: write only what it has.
     std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
     return Status::ok();
