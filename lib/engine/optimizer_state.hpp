@@ -78,9 +78,13 @@ struct GradTarget {
 // The overlapped step's gate (step_gated()): whether the gradients of partition elements
 // [first, first + count) are final: > 0 yes, 0 not yet, < 0 the pass is called off.
 using RangeReady = int (*)(void* user, std::size_t first, std::size_t count);
+// Descending: whether the pass may take partition elements [0, end), not yet begun, from the
+// partition's start up instead (see OptimizerPipeline's StepArgs::ascend).
+using RangeAscend = bool (*)(void* user, std::size_t end);
 struct PassGate {
   bool descending = false;  // from the partition's end to its start
   RangeReady ready = nullptr;
+  RangeAscend ascend = nullptr;  // optional
   void* user = nullptr;
 };
 

@@ -58,18 +58,8 @@ Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wai
     ZINF_RETURN_IF_ERROR(coord_->write_shard(g, values));
     // A gather of g's module queues its copies after this write's on the coordinator's stream.
     if (wait) ZINF_RETURN_IF_ERROR(coord_->wait_writes());
-    // The written groups stay one run: the pass writes them in one order or the other. (Outside
-    // a pass every group counts as written.)
-    if (!in_pass_) {
-    } else if (written_lo_ == written_hi_) {
-      written_lo_ = g;
-      written_hi_ = g + 1;
-    } else if (g == written_hi_) {
-      written_hi_ = g + 1;
-    } else {
-      ZINF_ASSERT_MSG(g + 1 == written_lo_, "Publisher: groups written out of order");
-      written_lo_ = g;
-    }
+    // Outside a pass every group counts as written.
+    if (in_pass_) written_[g] = 1;
   }
   written_cv_.notify_all();
   return Status::ok();
@@ -78,7 +68,7 @@ Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wai
 void Publisher::begin_pass() {
   std::lock_guard<std::mutex> lock(mu_);
   in_pass_ = true;
-  written_lo_ = written_hi_ = 0;
+  written_.assign(layout_.group_count(), 0);
 }
 
 void Publisher::end_pass(bool ok) {
@@ -98,12 +88,24 @@ void Publisher::restart_stream(bool descending) {
   stream_descending_ = descending;
   stream_next_ = descending ? layout_.partition_elements() : 0;
   stream_group_ = descending ? layout_.group_count() : 0;
+  stream_end_group_ = layout_.group_count();
   stream_filled_ = 0;
 }
 
 Status Publisher::stage(std::size_t first, std::size_t count,
                         FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
   const std::size_t end = first + count;
+  if (stream_descending_ && end != stream_next_) {
+    // The pass turned (OptimizerPipeline's StepArgs::ascend): the rest comes from the partition's
+    // start up to where the descending ranges ended, a group's start, so no group is half
+    // filled; groups from stream_group_ up are written.
+    ZINF_ASSERT_MSG(first == 0 && stream_filled_ == 0,
+                    "Publisher::stage: a turn that is not at a group's start");
+    stream_descending_ = false;
+    stream_end_group_ = stream_group_;
+    stream_group_ = 0;
+    stream_next_ = 0;
+  }
   ZINF_ASSERT_MSG((stream_descending_ ? end : first) == stream_next_,
                   "Publisher::stage: ranges out of partition order");
   stream_next_ = stream_descending_ ? first : end;

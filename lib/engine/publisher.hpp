@@ -12,9 +12,9 @@
 // The overlapped step (zinf.overlap_step, step_runner.hpp) writes the shards on the step
 // runner's thread while the rank's thread gathers modules for the next forward pass. Both go
 // through the coordinator, which is single-threaded, so each holds mutex() for its coordinator
-// calls; the pass records the groups it has written, which are always one run of consecutive
-// groups (written in index order, which is partition order, or in the reverse order when the
-// pass runs from the last sub-group to the first), and a gather waits on written_cv() until its
+// calls; the pass records the groups it has written (in index order, which is partition order;
+// or from the last to the first when the pass runs from the last sub-group down, and then, if it
+// turns, from the first up to where it turned), and a gather waits on written_cv() until its
 // module's groups are in.
 //
 // Thread-safety: one thread at a time (the rank's, or the step runner's during an overlapped
@@ -25,6 +25,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <vector>
 
 #include "base/aligned.hpp"
 #include "engine/function_ref.hpp"
@@ -75,12 +76,14 @@ class Publisher {
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
   // restart_stream()); descending, first + count is where the previous range began (the
-  // partition's end after restart_stream(true)).
+  // partition's end after restart_stream(true)), or the stream turns: first is 0 and the
+  // descending ranges ended at a group's start, and from here on the ranges go up from 0 to
+  // there.
   Status stage(std::size_t first, std::size_t count,
                FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
   // The stream since restart_stream() wrote every group.
   bool stream_complete() const {
-    return stream_descending_ ? stream_group_ == 0 : stream_group_ == layout_.group_count();
+    return stream_descending_ ? stream_group_ == 0 : stream_group_ == stream_end_group_;
   }
 
   // All-gathers the groups that stay gathered from the shards just written.
@@ -99,7 +102,7 @@ class Publisher {
   void end_pass(bool ok);
   // REQUIRES: mutex() held. Group g of the current pass is written, or the last pass ended well.
   bool written(std::uint32_t g) const {
-    return (g >= written_lo_ && g < written_hi_) || (!in_pass_ && pass_ok_);
+    return (g < written_.size() && written_[g] != 0) || (!in_pass_ && pass_ok_);
   }
   // REQUIRES: mutex() held. A pass began and has not ended.
   bool in_pass() const { return in_pass_; }
@@ -117,13 +120,15 @@ class Publisher {
   // Descending: the element the next range ends at, and one past the group being assembled.
   std::size_t stream_next_ = 0;
   std::uint32_t stream_group_ = 0;
-  std::size_t stream_filled_ = 0;  // the assembled group's elements filled so far
+  std::uint32_t stream_end_group_ = 0;  // ascending: where the stream ends (after a turn, where
+                                        // the descending ranges ended)
+  std::size_t stream_filled_ = 0;       // the assembled group's elements filled so far
   std::mutex mu_;
   std::condition_variable written_cv_;
   bool in_pass_ = false;  // guarded by mu_
   bool pass_ok_ = true;   // the last pass wrote every group, guarded by mu_
-  // Groups [written_lo_, written_hi_) of the pass are written, guarded by mu_.
-  std::uint32_t written_lo_ = 0, written_hi_ = 0;
+  // Per group, 1 once the pass wrote it, guarded by mu_.
+  std::vector<std::uint8_t> written_;
 };
 
 }  // namespace zinf

@@ -39,18 +39,6 @@ Status run_optimizer(OptimizerState& state, const ZeroCounters& counters, Trace*
 
 OverlappedStep::OverlappedStep(const Parts& parts) : parts_(parts) {
   const ParameterLayout& layout = *parts_.layout;
-  module_first_group_.assign(layout.module_names().size(), kNoGroup);
-  module_last_group_.assign(layout.module_names().size(), kNoGroup);
-  for (std::size_t m = 0; m < module_last_group_.size(); ++m) {
-    for (std::uint32_t g : layout.module_groups(m)) {
-      if (module_last_group_[m] == kNoGroup || g > module_last_group_[m]) {
-        module_last_group_[m] = g;
-      }
-      if (module_first_group_[m] == kNoGroup || g < module_first_group_[m]) {
-        module_first_group_[m] = g;
-      }
-    }
-  }
   persistent_done_.assign(layout.group_count(), 1);
   grads_zeroed_.assign(layout.group_count(), 1);
   final_ = std::make_unique<std::atomic<std::uint8_t>[]>(layout.group_count());
@@ -81,12 +69,12 @@ Status OverlappedStep::await_module(std::size_t m) {
   // The backward of an open pass's step takes the shards as they are (see the file comment).
   if (open_) return Status::ok();
   Publisher& pub = *parts_.publisher;
-  // The pass writes one run of consecutive groups, upward or downward: the module's groups are
-  // all in once its lowest and highest are.
-  const std::uint32_t first = module_first_group_[m];
-  const std::uint32_t last = module_last_group_[m];
-  auto in = [&] { return pub.written(first) && pub.written(last); };
-  if (runner_.running() && last != kNoGroup && !in()) {
+  const std::vector<std::uint32_t>& groups = parts_.layout->module_groups(m);
+  auto in = [&] {
+    return std::all_of(groups.begin(), groups.end(),
+                       [&](std::uint32_t g) { return pub.written(g); });
+  };
+  if (runner_.running() && !groups.empty() && !in()) {
     if (pub.in_pass()) {
       const std::int64_t t0 = Trace::now_ns();
       pub.written_cv().wait(*gather_lock_, [&] { return in() || !pub.in_pass(); });
@@ -173,6 +161,7 @@ void OverlappedStep::open_pass(std::int64_t step, float grad_scale) {
     final_[g].store(0, std::memory_order_relaxed);
   }
   cancelled_.store(false, std::memory_order_relaxed);
+  all_final_.store(false, std::memory_order_relaxed);
   open_ = true;
   parts_.publisher->begin_pass();
   pass_start_ns_ = Trace::now_ns();
@@ -187,6 +176,7 @@ void OverlappedStep::final_all() {
   for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
     final_[g].store(1, std::memory_order_release);
   }
+  all_final_.store(true, std::memory_order_release);
 }
 
 void OverlappedStep::abandon() {
@@ -225,6 +215,24 @@ int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count
   return 1;
 }
 
+bool OverlappedStep::may_ascend(void* user, std::size_t end) {
+  auto* self = static_cast<OverlappedStep*>(user);
+  // Only once step() made every group final (the backward is over), and only where no group
+  // straddles `end`: the publisher's stream turns at a group's start.
+  if (!self->all_final_.load(std::memory_order_acquire)) return false;
+  const ParameterLayout& layout = *self->parts_.layout;
+  std::uint32_t lo = 0, hi = layout.group_count();
+  while (lo < hi) {
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    if (layout.offset(mid) + layout.group(mid).shard_element_count <= end) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo == layout.group_count() || layout.offset(lo) >= end;
+}
+
 // On the runner's thread.
 Status OverlappedStep::run_pass(void* user) {
   auto* self = static_cast<OverlappedStep*>(user);
@@ -234,6 +242,7 @@ Status OverlappedStep::run_pass(void* user) {
   PassGate gate;
   gate.descending = true;
   gate.ready = &OverlappedStep::range_final;
+  gate.ascend = &OverlappedStep::may_ascend;
   gate.user = self;
   Status st = run_optimizer(*p.state, *p.counters, p.trace, self->track_, self->pass_step_,
                             self->pass_scale_, self->pass_start_ns_, /*overlapped=*/true,

@@ -143,19 +143,19 @@ class OverlappedStep {
   static Status run_pass(void* user);
   // The open pass's gate (PassGate::ready): every group overlapping the elements is final.
   static int range_final(void* user, std::size_t first, std::size_t count);
+  // The open pass's turn (PassGate::ascend): once every group is final, at a group's start, the
+  // pass takes the sub-groups below `end` from the first up, the order the next forward gathers
+  // them in.
+  static bool may_ascend(void* user, std::size_t end);
   void begin(std::int64_t step, float grad_scale);
   // Per pass (start() or commit()): the persistent groups to all-gather, the groups whose
   // gradients the next backward must wait for.
   void arm_next_backward();
 
-  static constexpr std::uint32_t kNoGroup = ~std::uint32_t{0};
-
   Parts parts_;
-  int track_ = 0;                                  // the trace track of the runner's spans
-  std::vector<std::uint32_t> module_first_group_;  // per module; kNoGroup: none
-  std::vector<std::uint32_t> module_last_group_;   // per module; kNoGroup: none
-  std::vector<std::uint8_t> persistent_done_;      // per group: all-gathered since the pass began
-  std::vector<std::uint8_t> grads_zeroed_;         // per group: zeroed for the next step's adds
+  int track_ = 0;                              // the trace track of the runner's spans
+  std::vector<std::uint8_t> persistent_done_;  // per group: all-gathered since the pass began
+  std::vector<std::uint8_t> grads_zeroed_;     // per group: zeroed for the next step's adds
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;
@@ -166,6 +166,7 @@ class OverlappedStep {
   // the pass's gate).
   std::unique_ptr<std::atomic<std::uint8_t>[]> final_;
   std::atomic<bool> cancelled_{false};
+  std::atomic<bool> all_final_{false};  // final_all() ran for the open pass
   std::int64_t pass_start_ns_ = 0;
   std::int64_t pass_end_ns_ = 0;
   std::int64_t pass_waited_ns_ = 0;  // the rank's thread waiting for the running pass

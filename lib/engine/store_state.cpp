@@ -136,7 +136,8 @@ class StoreState final : public OptimizerState {
                             .grad_scale = grad_scale,
                             .descending = gate.descending,
                             .ready = &StoreState::sub_group_ready,
-                            .ready_user = this});
+                            .ready_user = this,
+                            .ascend = gate.ascend != nullptr ? &StoreState::may_ascend : nullptr});
   }
 
   Status publish_step() override { return publish_pass(/*gather_persistent=*/true); }
@@ -362,6 +363,12 @@ class StoreState final : public OptimizerState {
     auto* self = static_cast<StoreState*>(user);
     return self->gate_.ready(self->gate_.user, self->store_->sub_group_first(i),
                              self->store_->sub_group_size(i));
+  }
+
+  // Sub-groups [0, left) are not begun: the gate's answer for their elements.
+  static bool may_ascend(void* user, std::size_t left) {
+    auto* self = static_cast<StoreState*>(user);
+    return self->gate_.ascend(self->gate_.user, self->store_->sub_group_first(left));
   }
 
   // The pipeline's half_done: sub-group i's new half values, from its pool block.

@@ -302,10 +302,14 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   if (args.ready != nullptr && args.mode != StepMode::kFull) {
     return Status::invalid_argument("OptimizerPipeline: a gate needs a full step");
   }
+  if (args.ascend != nullptr && !args.descending) {
+    return Status::invalid_argument("OptimizerPipeline: only a descending step can turn");
+  }
   stats_ = StepStats{};
   stats_.step = args.step;
   mode_ = args.mode;
   descending_ = args.descending;
+  turn_ = static_cast<std::size_t>(-1);
   stats_.sub_groups = store_.sub_group_count();
   const std::int64_t start = Trace::now_ns();
   Status status;
@@ -388,6 +392,7 @@ Status OptimizerPipeline::run_host_only(const StepArgs& args) {
   Status status;
   for (std::size_t p = 0; status.is_ok() && p < store_.sub_group_count(); ++p) {
     // Host pieces: nothing to read ahead, so the gate is waited at here.
+    maybe_turn(p, args);
     int ready = gate(p, args);
     while (ready == 0) {
       std::this_thread::sleep_for(kPollInterval);
@@ -452,6 +457,7 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
 Status OptimizerPipeline::start_read(std::size_t p, PinnedPool::Lease lease, const StepArgs& args) {
   Entry& e = entry(p);
   ZINF_ASSERT(e.phase == Entry::Phase::kIdle && !e.lease.valid());
+  maybe_turn(p, args);
   const std::size_t i = sub_group_at(p);
   e.phase = Entry::Phase::kReading;
   e.position = p;

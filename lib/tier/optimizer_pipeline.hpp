@@ -129,6 +129,11 @@ enum class StepMode : std::uint8_t {
 // old; the error is sticky like any other). Called on the step()'s thread; must not block.
 using GradsReady = int (*)(void* user, std::size_t sub_group);
 
+// Whether a descending step may take the sub-groups not yet begun, [0, left), from the first up
+// instead. Asked before the read of each such sub-group until it says yes; on the step()'s
+// thread; must not block.
+using MayAscend = bool (*)(void* user, std::size_t left);
+
 struct StepArgs {
   std::int64_t step = 1;  // t, counting from 1 (see StepOptions::step)
   // 1 / loss scale times the clipping coefficient, decided before the step (the overflow check
@@ -145,6 +150,12 @@ struct StepArgs {
   // bounds memory; a wait at the gate is not an I/O stall (io_timeout does not apply to it).
   GradsReady ready = nullptr;
   void* ready_user = nullptr;
+  // Descending only: once ascend(ready_user, left) says yes, the step turns and takes the
+  // sub-groups it has not begun from the first up (the overlapped step's pass, once the
+  // backward is over: the next forward needs the first sub-groups first). The reads, updates,
+  // writes and half_done calls of the sub-groups begun before go on in the descending order
+  // first.
+  MayAscend ascend = nullptr;
 };
 
 struct StepStats {
@@ -235,9 +246,17 @@ class OptimizerPipeline {
   // After a failure: waits for every I/O in flight, records versions, returns every block (or
   // quarantines it). Returns the first error seen.
   Status drain(const StepArgs& args);
-  // The sub-group at position p of the running step's order.
+  // The sub-group at position p of the running step's order: descending, from the last down
+  // until the turn (StepArgs::ascend), then from the first up.
   std::size_t sub_group_at(std::size_t p) const {
-    return descending_ ? store_.sub_group_count() - 1 - p : p;
+    if (!descending_) return p;
+    return p < turn_ ? store_.sub_group_count() - 1 - p : p - turn_;
+  }
+  // Before position p is begun: whether the step turns there (StepArgs::ascend).
+  void maybe_turn(std::size_t p, const StepArgs& args) {
+    const std::size_t n = store_.sub_group_count();
+    if (!descending_ || args.ascend == nullptr || turn_ <= p || p == 0 || p >= n) return;
+    if (args.ascend(args.ready_user, n - p)) turn_ = p;
   }
   // Whether the sub-group at position p may be updated (see StepArgs::ready): > 0 yes, 0 not
   // yet, < 0 called off.
@@ -269,6 +288,8 @@ class OptimizerPipeline {
   // sub-group.
   std::size_t released_ = 0, updated_ = 0, verified_ = 0, read_ = 0;
   bool descending_ = false;  // the running step's order
+  // Descending, the first position taken in ascending order (none: SIZE_MAX).
+  std::size_t turn_ = static_cast<std::size_t>(-1);
   std::size_t held_ = 0;
   // Update thread state, guarded by update_mutex_.
   std::thread updater_;

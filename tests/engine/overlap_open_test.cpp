@@ -5,12 +5,16 @@
 // were reduced, are refused; a micro-batch past
 // gradient_accumulation_steps and a non-finite gradient fail the step, where the sequential step
 // would take the micro-batch or skip the step; an engine closed with a pass open returns.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
+#include "base/random.hpp"
 #include "engine_test_util.hpp"
+#include "zinf/trace.hpp"
 
 namespace zinf {
 namespace {
@@ -146,6 +150,78 @@ TEST(OverlapOpen, TheFirstStepOpensInTheBackwardWhereTheCountIsDeclared) {
         return Status::ok();
       });
   ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
+// Once step() has made every group final, the pass turns: the sub-groups it has not begun go
+// from the first up, the order the next forward gathers them in. A first module of six
+// parameters of one sub-group each (1024 elements), reduced last, leaves them to the turn: the
+// trace's update spans of the last step's pass go down, then up from sub-group 0; the masters
+// are the sequential run's.
+TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
+  engine_test::ScratchDir dir("overlap_open_turn");
+  Model model;
+  model.modules = {"embed", "block", "head"};
+  for (int k = 0; k < 6; ++k) {
+    model.params.push_back({fmt::format("embed.w{}", k), "embed", {32, 32}, DType::kBF16});
+  }
+  model.params.push_back({"block.w", "block", {64, 32}, DType::kBF16});
+  model.params.push_back({"head.w", "head", {32, 32}, DType::kBF16});
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    std::vector<float> v(model.params[p].element_count());
+    fill_uniform(v.data(), v.size(), 2305 * 1000 + p, -1.0f, 1.0f);
+    model.initial.push_back(std::move(v));
+  }
+  std::vector<std::vector<std::vector<float>>> result(2);
+  std::vector<std::size_t> order;  // the last pass's updates, by sub-group
+  for (bool overlap : {false, true}) {
+    Config config = open_config(dir.path(), overlap);
+    config.zero.sub_group_size = 1024;
+    config.zero.offload_optimizer.buffer_count = 2;
+    engine_test::Ranks ranks = engine_test::make_ranks(1);
+    Trace trace;
+    Env env;
+    env.device = ranks.devices[0].get();
+    env.comm = ranks.comms[0].get();
+    env.trace = &trace;
+    Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    Engine& engine = **opened;
+    ASSERT_TRUE(engine_test::register_model(engine, model).is_ok());
+    ASSERT_TRUE(engine.finalize().is_ok());
+    for (int step = 1; step <= 3; ++step) {
+      ASSERT_TRUE(backward(engine, model, step).is_ok());
+      Result<StepReport> rep = engine.step();
+      ASSERT_TRUE(rep.is_ok()) << rep.status().to_string();
+    }
+    Result<std::vector<std::vector<float>>> m = masters(engine, model);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    result[overlap ? 1 : 0] = std::move(*m);
+    if (!overlap) continue;
+    // Every pass updates each of the 9 sub-groups once, one pass after the other: the last 9
+    // update spans are the third step's pass.
+    const std::vector<std::string> tracks = trace.track_names();
+    std::vector<std::pair<std::int64_t, std::size_t>> updates;
+    for (const Trace::Event& e : trace.events()) {
+      if (tracks[static_cast<std::size_t>(e.track)] != "update") continue;
+      updates.emplace_back(e.start_ns, std::stoul(e.name.substr(e.name.find("sg") + 2)));
+    }
+    std::sort(updates.begin(), updates.end());
+    ASSERT_GE(updates.size(), 9u);
+    for (std::size_t k = updates.size() - 9; k < updates.size(); ++k) {
+      order.push_back(updates[k].second);
+    }
+  }
+  // The head's and the block's first, going down; the embed's six are reduced last, so the
+  // lowest are not begun when step() comes (two pool blocks read ahead), and go up.
+  EXPECT_EQ(order[0], 8u) << ::testing::PrintToString(order);
+  const auto zero = std::find(order.begin(), order.end(), std::size_t{0});
+  ASSERT_NE(zero, order.end());
+  EXPECT_NE(zero, order.end() - 1) << "no turn: " << ::testing::PrintToString(order);
+  for (auto it = order.begin(); it + 1 != zero; ++it) EXPECT_GT(*it, *(it + 1));
+  for (auto it = zero; it + 1 != order.end(); ++it) EXPECT_EQ(*it + 1, *(it + 1));
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+  }
 }
 
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {

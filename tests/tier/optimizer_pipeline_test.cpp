@@ -179,6 +179,80 @@ TEST(OptimizerPipeline, TelemetryCountsBytesAndTraceHasSpansPerSubGroup) {
   EXPECT_EQ(named, (std::set<std::string>{"read", "update", "write"}));
 }
 
+// A descending step that turns (StepArgs::ascend): the sub-groups begun before the turn go on
+// from the last down, the rest from the first up, on NVMe and in host memory; each one is
+// updated once, to the in-memory run's values. Without a descending step a turn is refused.
+struct TurnLog {
+  std::size_t turn_at_left = 0;  // ascend says yes once `left` is at most this
+  std::vector<std::size_t> asked_left;
+  std::vector<std::size_t> updates;  // the gate's questions: one per update, in order
+};
+
+int log_ready(void* user, std::size_t sub_group) {
+  static_cast<TurnLog*>(user)->updates.push_back(sub_group);
+  return 1;
+}
+
+bool log_ascend(void* user, std::size_t left) {
+  auto* log = static_cast<TurnLog*>(user);
+  log->asked_left.push_back(left);
+  return left <= log->turn_at_left;
+}
+
+TEST(OptimizerPipeline, ADescendingStepTurnsToTheFirstSubGroupsAndUpdatesEachOnce) {
+  for (const auto& tiers : {kAllNvme, kAllHost}) {
+    for (std::size_t turn_at : {std::size_t{0}, std::size_t{3}, std::size_t{7}}) {
+      const bool nvme = tiers[0] == StoreMedium::kNvme;
+      SCOPED_TRACE(fmt::format("{} turn at {}", nvme ? "nvme" : "host", turn_at));
+      RigOptions so;
+      so.store.param_count = 30'000;
+      so.store.sub_group_params = 4096;  // 8 sub-groups, the last short
+      so.store.tiers = tiers;
+      so.pool_blocks = 3;
+      so.pipeline.optimizer = adamw();
+      so.pipeline.threads = 2;
+      Rig s;
+      Reference ref;
+      ASSERT_TRUE(tier_test::open_loaded_rig("turn", so, 41, 42, &s, &ref).is_ok());
+      TurnLog log;
+      log.turn_at_left = turn_at;
+      Result<StepStats> stats = s.pipeline->step({.step = 1,
+                                                  .grad_scale = 0.5f,
+                                                  .descending = true,
+                                                  .ready = &log_ready,
+                                                  .ready_user = &log,
+                                                  .ascend = &log_ascend});
+      ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
+      ref.step(so.pipeline.optimizer, so.store, 1, 0.5f);
+      // Asked before each sub-group begun after the first, until it said yes.
+      std::vector<std::size_t> asked;
+      for (std::size_t left = 7; left >= 1; --left) {
+        asked.push_back(left);
+        if (left <= turn_at) break;
+      }
+      EXPECT_EQ(log.asked_left, asked);
+      std::vector<std::size_t> want;
+      for (std::size_t i = 8; i-- > turn_at;) want.push_back(i);
+      for (std::size_t i = 0; i < turn_at; ++i) want.push_back(i);
+      EXPECT_EQ(log.updates, want);
+      for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+        ASSERT_EQ(tier_test::compare_sub_group(*s.store, i, ref), "") << "sg " << i;
+        EXPECT_EQ(s.store->stored_step(i), 1);
+      }
+    }
+  }
+  RigOptions so;
+  so.store.param_count = 10'000;
+  so.store.sub_group_params = 4096;
+  so.pipeline.optimizer = adamw();
+  Rig s;
+  Reference ref;
+  ASSERT_TRUE(tier_test::open_loaded_rig("turn_up", so, 43, 44, &s, &ref).is_ok());
+  TurnLog log;
+  Result<StepStats> up = s.pipeline->step({.step = 1, .ascend = &log_ascend});
+  EXPECT_EQ(up.status().code(), Code::kInvalidArgument) << up.status().to_string();
+}
+
 TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
   RigOptions so;
   so.store.param_count = 20'000;
