@@ -192,23 +192,33 @@ void OverlappedStep::commit() {
   arm_next_backward();
 }
 
-int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count) {
-  auto* self = static_cast<OverlappedStep*>(user);
-  if (self->cancelled_.load(std::memory_order_acquire)) return -1;
-  const ParameterLayout& layout = *self->parts_.layout;
-  const std::size_t end = first + count;
-  // The first group ending after `first` (offsets increase with the group index), then each
-  // group starting before `end`.
+namespace {
+
+// The first group that ends after partition element `element` (offsets increase with the group
+// index), or group_count().
+std::uint32_t first_group_ending_after(const ParameterLayout& layout, std::size_t element) {
   std::uint32_t lo = 0, hi = layout.group_count();
   while (lo < hi) {
     const std::uint32_t mid = lo + (hi - lo) / 2;
-    if (layout.offset(mid) + layout.group(mid).shard_element_count <= first) {
+    if (layout.offset(mid) + layout.group(mid).shard_element_count <= element) {
       lo = mid + 1;
     } else {
       hi = mid;
     }
   }
-  for (std::uint32_t g = lo; g < layout.group_count() && layout.offset(g) < end; ++g) {
+  return lo;
+}
+
+}  // namespace
+
+int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count) {
+  auto* self = static_cast<OverlappedStep*>(user);
+  if (self->cancelled_.load(std::memory_order_acquire)) return -1;
+  const ParameterLayout& layout = *self->parts_.layout;
+  const std::size_t end = first + count;
+  // The first group ending after `first`, then each group starting before `end`.
+  for (std::uint32_t g = first_group_ending_after(layout, first);
+       g < layout.group_count() && layout.offset(g) < end; ++g) {
     if (layout.group(g).shard_element_count == 0) continue;
     if (self->final_[g].load(std::memory_order_acquire) == 0) return 0;
   }
@@ -221,16 +231,8 @@ bool OverlappedStep::may_ascend(void* user, std::size_t end) {
   // straddles `end`: the publisher's stream turns at a group's start.
   if (!self->all_final_.load(std::memory_order_acquire)) return false;
   const ParameterLayout& layout = *self->parts_.layout;
-  std::uint32_t lo = 0, hi = layout.group_count();
-  while (lo < hi) {
-    const std::uint32_t mid = lo + (hi - lo) / 2;
-    if (layout.offset(mid) + layout.group(mid).shard_element_count <= end) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo == layout.group_count() || layout.offset(lo) >= end;
+  const std::uint32_t g = first_group_ending_after(layout, end);
+  return g == layout.group_count() || layout.offset(g) >= end;
 }
 
 // On the runner's thread.
