@@ -161,7 +161,7 @@ void OverlappedStep::open_pass(std::int64_t step, float grad_scale) {
     final_[g].store(0, std::memory_order_relaxed);
   }
   cancelled_.store(false, std::memory_order_relaxed);
-  all_final_.store(false, std::memory_order_relaxed);
+  final_count_.store(0, std::memory_order_relaxed);
   open_ = true;
   parts_.publisher->begin_pass();
   pass_start_ns_ = Trace::now_ns();
@@ -169,14 +169,17 @@ void OverlappedStep::open_pass(std::int64_t step, float grad_scale) {
 }
 
 void OverlappedStep::final(std::span<const std::uint32_t> groups) {
-  for (std::uint32_t g : groups) final_[g].store(1, std::memory_order_release);
+  for (std::uint32_t g : groups) mark_final(g);
 }
 
 void OverlappedStep::final_all() {
-  for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
-    final_[g].store(1, std::memory_order_release);
+  for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) mark_final(g);
+}
+
+void OverlappedStep::mark_final(std::uint32_t g) {
+  if (final_[g].exchange(1, std::memory_order_acq_rel) == 0) {
+    final_count_.fetch_add(1, std::memory_order_release);
   }
-  all_final_.store(true, std::memory_order_release);
 }
 
 void OverlappedStep::abandon() {
@@ -227,10 +230,11 @@ int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count
 
 bool OverlappedStep::may_ascend(void* user, std::size_t end) {
   auto* self = static_cast<OverlappedStep*>(user);
-  // Only once step() made every group final (the backward is over), and only where no group
-  // straddles `end`: the publisher's stream turns at a group's start.
-  if (!self->all_final_.load(std::memory_order_acquire)) return false;
+  // Only once every group is final (the backward is over: the last reductions ran, or step()
+  // made them final), and only where no group straddles `end`: the publisher's stream turns at
+  // a group's start.
   const ParameterLayout& layout = *self->parts_.layout;
+  if (self->final_count_.load(std::memory_order_acquire) < layout.group_count()) return false;
   const std::uint32_t g = first_group_ending_after(layout, end);
   return g == layout.group_count() || layout.offset(g) >= end;
 }

@@ -147,6 +147,7 @@ class OverlappedStep {
   // pass takes the sub-groups below `end` from the first up, the order the next forward gathers
   // them in.
   static bool may_ascend(void* user, std::size_t end);
+  void mark_final(std::uint32_t g);  // final_[g], counted once
   void begin(std::int64_t step, float grad_scale);
   // Per pass (start() or commit()): the persistent groups to all-gather, the groups whose
   // gradients the next backward must wait for.
@@ -166,7 +167,7 @@ class OverlappedStep {
   // the pass's gate).
   std::unique_ptr<std::atomic<std::uint8_t>[]> final_;
   std::atomic<bool> cancelled_{false};
-  std::atomic<bool> all_final_{false};  // final_all() ran for the open pass
+  std::atomic<std::uint32_t> final_count_{0};  // groups final for the open pass
   std::int64_t pass_start_ns_ = 0;
   std::int64_t pass_end_ns_ = 0;
   std::int64_t pass_waited_ns_ = 0;  // the rank's thread waiting for the running pass
