@@ -5,7 +5,6 @@
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <array>
@@ -19,6 +18,7 @@
 
 #include "base/aligned.hpp"
 #include "base/assert.hpp"
+#include "base/hash.hpp"
 #include "zinf/log.hpp"
 
 namespace zinf {
@@ -343,7 +343,7 @@ struct SwapSpace::Impl {
       // Checksum before the write: what is recorded is what the caller handed over.
       for (std::uint64_t b = first_block; b < end_block; ++b) {
         const std::byte* block = data + (b - first_block) * options.block_bytes;
-        e.checksums[b] = XXH3_64bits(block, static_cast<std::size_t>(block_io_bytes(e, b)));
+        e.checksums[b] = xxh3_64(block, static_cast<std::size_t>(block_io_bytes(e, b)));
         e.states[b] = kWriting;
       }
     }
@@ -379,7 +379,7 @@ struct SwapSpace::Impl {
     std::uint64_t first_bad = 0;
     for (std::uint64_t b = first_block; b < end_block; ++b) {
       const std::byte* block = op.data + (b - first_block) * options.block_bytes;
-      if (XXH3_64bits(block, static_cast<std::size_t>(block_io_bytes(e, b))) != e.checksums[b]) {
+      if (xxh3_64(block, static_cast<std::size_t>(block_io_bytes(e, b))) != e.checksums[b]) {
         if (bad++ == 0) first_bad = b;
       }
     }
