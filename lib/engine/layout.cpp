@@ -266,4 +266,18 @@ std::size_t ParameterLayout::largest_half_shard_bytes() const {
   return largest;
 }
 
+std::uint32_t ParameterLayout::first_group_ending_after(std::size_t element) const {
+  // Offsets increase with the group index.
+  std::uint32_t lo = 0, hi = group_count();
+  while (lo < hi) {
+    const std::uint32_t mid = lo + (hi - lo) / 2;
+    if (offset(mid) + group(mid).shard_element_count <= element) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
 }  // namespace zinf

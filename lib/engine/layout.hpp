@@ -69,6 +69,9 @@ class ParameterLayout {
   const GroupInfo& group(std::uint32_t g) const { return part_->group(g); }
   std::size_t partition_elements() const { return partition_elements_; }
   std::size_t offset(std::uint32_t g) const { return offsets_[g]; }
+  // The first group whose slice ends after partition element `element` (the one holding it,
+  // unless that one is empty), or group_count().
+  std::uint32_t first_group_ending_after(std::size_t element) const;
   std::size_t byte_offset(std::uint32_t g) const { return byte_offsets_[g]; }
   // Bytes of the partition's values in the device dtypes, packed.
   std::size_t device_copy_bytes() const { return device_copy_bytes_; }

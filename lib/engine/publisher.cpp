@@ -65,6 +65,20 @@ Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wai
   return Status::ok();
 }
 
+Status Publisher::write_group_part(std::uint32_t g, std::size_t first, std::size_t count,
+                                   const std::byte* values, bool last) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ZINF_RETURN_IF_ERROR(coord_->write_shard_part(g, first, count, values));
+    // The stage is refilled next.
+    ZINF_RETURN_IF_ERROR(coord_->wait_writes());
+    if (!last) return Status::ok();
+    if (in_pass_) written_[g] = 1;
+  }
+  written_cv_.notify_all();
+  return Status::ok();
+}
+
 void Publisher::begin_pass() {
   std::lock_guard<std::mutex> lock(mu_);
   in_pass_ = true;
@@ -89,7 +103,15 @@ void Publisher::restart_stream(bool descending) {
   stream_next_ = descending ? layout_.partition_elements() : 0;
   stream_group_ = descending ? layout_.group_count() : 0;
   stream_end_group_ = layout_.group_count();
+  stream_stop_ = layout_.partition_elements();
   stream_filled_ = 0;
+}
+
+bool Publisher::can_turn_at(std::size_t element) const {
+  // The group holding `element` past its start, if any, is written in two parts.
+  const std::uint32_t g = layout_.first_group_ending_after(element);
+  return g == layout_.group_count() || layout_.offset(g) >= element ||
+         coord_->writes_shard_parts(g);
 }
 
 Status Publisher::stage(std::size_t first, std::size_t count,
@@ -97,14 +119,25 @@ Status Publisher::stage(std::size_t first, std::size_t count,
   const std::size_t end = first + count;
   if (stream_descending_ && end != stream_next_) {
     // The pass turned (OptimizerPipeline's StepArgs::ascend): the rest comes from the partition's
-    // start up to where the descending ranges ended, a group's start, so no group is half
-    // filled; groups from stream_group_ up are written.
-    ZINF_ASSERT_MSG(first == 0 && stream_filled_ == 0,
-                    "Publisher::stage: a turn that is not at a group's start");
+    // start up to where the descending ranges ended. A group that straddles that point has its
+    // upper part, filled by the descending ranges, written into its shard now, and its lower
+    // part when the ascending ranges end; groups from stream_group_ up are written.
+    ZINF_ASSERT_MSG(first == 0, "Publisher::stage: a turn that does not go to the start");
+    std::uint32_t end_group = stream_group_;
+    if (stream_filled_ != 0) {
+      const std::uint32_t g = stream_group_ - 1;
+      const std::size_t lo = stream_next_ - layout_.offset(g);
+      const std::size_t bytes = dtype_bytes(layout_.half_dtype());
+      ZINF_RETURN_IF_ERROR(write_group_part(g, lo, layout_.group(g).shard_element_count - lo,
+                                            stage_.data() + lo * bytes, /*last=*/false));
+      end_group = g + 1;
+    }
     stream_descending_ = false;
-    stream_end_group_ = stream_group_;
+    stream_stop_ = stream_next_;
+    stream_end_group_ = end_group;
     stream_group_ = 0;
     stream_next_ = 0;
+    stream_filled_ = 0;
   }
   ZINF_ASSERT_MSG((stream_descending_ ? end : first) == stream_next_,
                   "Publisher::stage: ranges out of partition order");
@@ -114,17 +147,26 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     const std::uint32_t g = stream_descending_ ? stream_group_ - 1 : stream_group_;
     const std::size_t group_first = layout_.offset(g);
     const std::size_t group_count = layout_.group(g).shard_element_count;
+    // After a turn the ascending ranges stop where the descending ones ended: a group straddling
+    // that point gets its lower part here.
+    const std::size_t group_end = std::min(group_first + group_count, stream_stop_);
     const std::size_t lo = std::max(first, group_first);
-    const std::size_t hi = std::min(end, group_first + group_count);
+    const std::size_t hi = std::min(end, group_end);
     if (lo < hi) {
       fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
       stream_filled_ += hi - lo;
     }
     // The group goes on in the next range: past `end` going up, before `first` going down.
-    if (stream_descending_ ? group_first < first : group_first + group_count > end) break;
-    ZINF_ASSERT_MSG(stream_filled_ == group_count, "Publisher::stage: a group written half filled");
+    if (stream_descending_ ? group_first < first : group_end > end) break;
+    ZINF_ASSERT_MSG(stream_filled_ == group_end - group_first,
+                    "Publisher::stage: a group written half filled");
     // The stage is refilled by the next group: the copy up must have read it.
-    ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
+    if (group_end - group_first < group_count) {
+      ZINF_RETURN_IF_ERROR(write_group_part(g, 0, group_end - group_first, stage_.data(),
+                                            /*last=*/true));
+    } else {
+      ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
+    }
     stream_filled_ = 0;
     stream_group_ = stream_descending_ ? stream_group_ - 1 : stream_group_ + 1;
   }

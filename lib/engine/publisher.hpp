@@ -15,7 +15,8 @@
 // calls; the pass records the groups it has written (in index order, which is partition order;
 // or from the last to the first when the pass runs from the last sub-group down, and then, if it
 // turns, from the first up to where it turned), and a gather waits on written_cv() until its
-// module's groups are in.
+// module's groups are in. A group that straddles the turn is written in two parts (its upper
+// part at the turn, its lower part last) and counts as written after the second.
 //
 // Thread-safety: one thread at a time (the rank's, or the step runner's during an overlapped
 // pass); mutex() and the written count may be used from both.
@@ -66,8 +67,10 @@ class Publisher {
 
   // --- The half-precision stream -----------------------------------------------------------
   // A group is written only when every one of its elements was filled in this pass, so no shard
-  // is ever written from a half-filled stage; a pass that fails part way leaves the groups
-  // before it new and the rest old (the engine is then sticky-failed).
+  // is ever written from a half-filled stage; the one exception is a group straddling a turn
+  // (below), written in two parts. A pass that fails part way leaves the groups before it new
+  // and the rest old, and a straddling group possibly half new (the engine is then
+  // sticky-failed).
   void allocate_stage();
   std::uint64_t stage_bytes() const { return stage_.bytes(); }
   // `descending`: the ranges come from the end of the partition to its start (a pass from the
@@ -76,11 +79,16 @@ class Publisher {
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
   // restart_stream()); descending, first + count is where the previous range began (the
-  // partition's end after restart_stream(true)), or the stream turns: first is 0 and the
-  // descending ranges ended at a group's start, and from here on the ranges go up from 0 to
-  // there.
+  // partition's end after restart_stream(true)), or the stream turns: first is 0, and from here
+  // on the ranges go up from 0 to where the descending ranges ended. REQUIRES for a turn:
+  // can_turn_at(where the descending ranges ended).
   Status stage(std::size_t first, std::size_t count,
                FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
+  // Whether a descending stream may turn at partition element `element`: at a group's start, or
+  // inside a group whose shard can be written in parts (ParamCoordinator::writes_shard_parts(),
+  // not on NVMe): the stage holds one group, so the straddling group's upper part goes into its
+  // shard at the turn.
+  bool can_turn_at(std::size_t element) const;
   // The stream since restart_stream() wrote every group.
   bool stream_complete() const {
     return stream_descending_ ? stream_group_ == 0 : stream_group_ == stream_end_group_;
@@ -110,6 +118,10 @@ class Publisher {
  private:
   // Group g's shard, under mutex(); g counts as written once it returns ok.
   Status write_group(std::uint32_t g, const std::byte* values, bool wait);
+  // Elements [first, first + count) of group g's shard, waited for (the stage is reused); g
+  // counts as written after the `last` part.
+  Status write_group_part(std::uint32_t g, std::size_t first, std::size_t count,
+                          const std::byte* values, bool last);
 
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;
@@ -120,8 +132,10 @@ class Publisher {
   // Descending: the element the next range ends at, and one past the group being assembled.
   std::size_t stream_next_ = 0;
   std::uint32_t stream_group_ = 0;
-  std::uint32_t stream_end_group_ = 0;  // ascending: where the stream ends (after a turn, where
-                                        // the descending ranges ended)
+  std::uint32_t stream_end_group_ = 0;  // ascending: where the stream ends (after a turn, one
+                                        // past the group where the descending ranges ended)
+  std::size_t stream_stop_ = 0;         // ascending: the element the stream ends at (after a
+                                        // turn, where the descending ranges ended)
   std::size_t stream_filled_ = 0;       // the assembled group's elements filled so far
   std::mutex mu_;
   std::condition_variable written_cv_;

@@ -30,8 +30,8 @@ class FirstError {
       first_ = status.with_context(fmt::format("rank {}", rank));
     }
     for (const std::unique_ptr<Communicator>& comm : comms_) {
-      comm->abort(Status::aborted(fmt::format("run_local: rank {} failed: {}", rank,
-                                              status.to_string())));
+      comm->abort(
+          Status::aborted(fmt::format("run_local: rank {} failed: {}", rank, status.to_string())));
     }
   }
 
@@ -107,13 +107,11 @@ Status run_local(int world_size, const Config& config, const LocalRankFn& fn,
     env.nvme_paths = options.nvme_paths;
     env.trace = options.trace;
     try {
-      threads.emplace_back(
-          [&, rank, env] { run_rank(rank, config, env, fn, first_error); });
+      threads.emplace_back([&, rank, env] { run_rank(rank, config, env, fn, first_error); });
     } catch (const std::system_error& error) {
       // The threads already started must not wait for this rank in a collective.
-      first_error.report(rank, Status::resource_exhausted(
-                                   fmt::format("run_local: cannot start a thread: {}",
-                                               error.what())));
+      first_error.report(rank, Status::resource_exhausted(fmt::format(
+                                   "run_local: cannot start a thread: {}", error.what())));
       break;
     }
   }

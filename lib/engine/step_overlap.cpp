@@ -195,32 +195,13 @@ void OverlappedStep::commit() {
   arm_next_backward();
 }
 
-namespace {
-
-// The first group that ends after partition element `element` (offsets increase with the group
-// index), or group_count().
-std::uint32_t first_group_ending_after(const ParameterLayout& layout, std::size_t element) {
-  std::uint32_t lo = 0, hi = layout.group_count();
-  while (lo < hi) {
-    const std::uint32_t mid = lo + (hi - lo) / 2;
-    if (layout.offset(mid) + layout.group(mid).shard_element_count <= element) {
-      lo = mid + 1;
-    } else {
-      hi = mid;
-    }
-  }
-  return lo;
-}
-
-}  // namespace
-
 int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count) {
   auto* self = static_cast<OverlappedStep*>(user);
   if (self->cancelled_.load(std::memory_order_acquire)) return -1;
   const ParameterLayout& layout = *self->parts_.layout;
   const std::size_t end = first + count;
   // The first group ending after `first`, then each group starting before `end`.
-  for (std::uint32_t g = first_group_ending_after(layout, first);
+  for (std::uint32_t g = layout.first_group_ending_after(first);
        g < layout.group_count() && layout.offset(g) < end; ++g) {
     if (layout.group(g).shard_element_count == 0) continue;
     if (self->final_[g].load(std::memory_order_acquire) == 0) return 0;
@@ -231,12 +212,11 @@ int OverlappedStep::range_final(void* user, std::size_t first, std::size_t count
 bool OverlappedStep::may_ascend(void* user, std::size_t end) {
   auto* self = static_cast<OverlappedStep*>(user);
   // Only once every group is final (the backward is over: the last reductions ran, or step()
-  // made them final), and only where no group straddles `end`: the publisher's stream turns at
-  // a group's start.
+  // made them final), and only where the publisher's stream can turn: at a group's start, or
+  // inside a group whose shard is written in parts (not on NVMe).
   const ParameterLayout& layout = *self->parts_.layout;
   if (self->final_count_.load(std::memory_order_acquire) < layout.group_count()) return false;
-  const std::uint32_t g = first_group_ending_after(layout, end);
-  return g == layout.group_count() || layout.offset(g) >= end;
+  return self->parts_.publisher->can_turn_at(end);
 }
 
 // On the runner's thread.

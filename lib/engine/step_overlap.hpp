@@ -143,9 +143,9 @@ class OverlappedStep {
   static Status run_pass(void* user);
   // The open pass's gate (PassGate::ready): every group overlapping the elements is final.
   static int range_final(void* user, std::size_t first, std::size_t count);
-  // The open pass's turn (PassGate::ascend): once every group is final, at a group's start, the
-  // pass takes the sub-groups below `end` from the first up, the order the next forward gathers
-  // them in.
+  // The open pass's turn (PassGate::ascend): once every group is final, where the publisher's
+  // stream can turn (Publisher::can_turn_at), the pass takes the sub-groups below `end` from the
+  // first up, the order the next forward gathers them in.
   static bool may_ascend(void* user, std::size_t end);
   void mark_final(std::uint32_t g);  // final_[g], counted once
   void begin(std::int64_t step, float grad_scale);

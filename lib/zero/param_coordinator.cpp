@@ -171,6 +171,29 @@ Status ParamCoordinator::write_shard(std::uint32_t g, const void* shard) {
   return Status::ok();
 }
 
+Status ParamCoordinator::write_shard_part(std::uint32_t g, std::size_t first, std::size_t count,
+                                          const void* values) {
+  ZINF_RETURN_IF_ERROR(error_);
+  const GroupInfo& info = partitioner_.group(g);
+  ZINF_ASSERT(first + count <= info.shard_element_count);
+  if (!writes_shard_parts(g)) {
+    return Status::unsupported(
+        fmt::format("ParamCoordinator: group {}'s shard is on NVMe and is written whole", g));
+  }
+  const std::size_t bytes = dtype_bytes(info.dtype);
+  if (persistent_[g]) {
+    std::byte* own =
+        full_[g].as<std::byte>() + (partitioner_.shard_offset(g, rank_) + first) * bytes;
+    return device_.copy_h2d(own, values, count * bytes, *stream_);
+  }
+  if (options_.shard_tier == OffloadDevice::kNone) {
+    return device_.copy_h2d(device_shard_[g].as<std::byte>() + first * bytes, values, count * bytes,
+                            *stream_);
+  }
+  std::memcpy(host_shard_[g].as<std::byte>() + first * bytes, values, count * bytes);
+  return Status::ok();
+}
+
 Status ParamCoordinator::wait_writes() {
   ZINF_RETURN_IF_ERROR(error_);
   // Copies up to device shards and persistent groups are on the stream; host and NVMe shards

@@ -106,6 +106,15 @@ class ParamCoordinator {
   // groups it lands in the rank's slice of the full buffer, to be all-gathered by publish().
   // REQUIRES: no gather in flight or in use (after drop_prefetched(), nothing gathered).
   Status write_shard(std::uint32_t g, const void* shard);
+  // Elements [first, first + count) of g's shard alone, from `values` (count elements, host
+  // memory, read as write_shard() reads it): the overlapped step writes a group that straddles
+  // its pass's turn in two parts. kUnsupported for a shard on NVMe (its blocks are checksummed
+  // whole); writes_shard_parts() says where it works.
+  Status write_shard_part(std::uint32_t g, std::size_t first, std::size_t count,
+                          const void* values);
+  bool writes_shard_parts(std::uint32_t g) const {
+    return persistent_[g] || options_.shard_tier != OffloadDevice::kNvme;
+  }
   // The same from device memory of this device (a GPU-resident optimizer's new values), read
   // before publish() returns: device-to-device into device shards and persistent groups, down
   // into host shards, and through a staging block to NVMe.

@@ -153,18 +153,15 @@ TEST(OverlapOpen, TheFirstStepOpensInTheBackwardWhereTheCountIsDeclared) {
   ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
 }
 
-// Once every group is final, the pass turns: the sub-groups it has not begun go from the first
-// up, the order the next forward gathers them in. A first module of six parameters of one
-// sub-group each (1024 elements), reduced last, leaves them to the turn. Each pass opened in
-// the backward updates every sub-group once, from the last down and, where it turned, from
-// sub-group 0 up to where it turned (the trace's update spans); the masters are the sequential
-// run's. Whether a pass turns depends on when its reads meet step(): most runs turn in both.
-TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
-  engine_test::ScratchDir dir("overlap_open_turn");
+// The turn test's model: a first module of six parameters of `embed_elements` each (32 rows),
+// reduced last, so that its sub-groups are left to the turn; then a block of 2048 elements and
+// a head of 1024.
+Model turn_model(std::int64_t embed_columns) {
   Model model;
   model.modules = {"embed", "block", "head"};
   for (int k = 0; k < 6; ++k) {
-    model.params.push_back({fmt::format("embed.w{}", k), "embed", {32, 32}, DType::kBF16});
+    model.params.push_back(
+        {fmt::format("embed.w{}", k), "embed", {32, embed_columns}, DType::kBF16});
   }
   model.params.push_back({"block.w", "block", {64, 32}, DType::kBF16});
   model.params.push_back({"head.w", "head", {32, 32}, DType::kBF16});
@@ -173,12 +170,28 @@ TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
     fill_uniform(v.data(), v.size(), 2305 * 1000 + p, -1.0f, 1.0f);
     model.initial.push_back(std::move(v));
   }
+  return model;
+}
+
+// Three steps of `model` with 1024-element sub-groups, sequential and overlapped: every pass
+// opened in the backward updates each sub-group once, from the last down and, where it turned,
+// from sub-group 0 up to where it turned (the trace's update spans), and the masters and the
+// published parameters (gathered, bit for bit) are the sequential run's. *turns gets, per pass
+// that turned, the sub-group it turned at (the first not taken going down). Whether a pass turns
+// depends on when its reads meet step(): most runs turn in both.
+void run_turn(const std::string& name, const Model& model, std::vector<std::size_t>* turns) {
+  engine_test::ScratchDir dir(name);
+  std::size_t total = 0;
+  for (const ParamDef& d : model.params) total += d.element_count();
+  const std::size_t n = total / 1024;
   std::vector<std::vector<std::vector<float>>> result(2);
+  std::vector<std::vector<std::vector<std::uint16_t>>> published(2);
   std::vector<std::size_t> order;  // the three passes' updates, by sub-group
   for (bool overlap : {false, true}) {
     Config config = open_config(dir.path(), overlap);
     config.zero.sub_group_size = 1024;
     config.zero.offload_optimizer.buffer_count = 2;
+    config.zero.stage3_max_live_parameters = std::size_t{1} << 20;  // the first module gathered
     engine_test::Ranks ranks = engine_test::make_ranks(1);
     Trace trace;
     Env env;
@@ -198,8 +211,21 @@ TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
     Result<std::vector<std::vector<float>>> m = masters(engine, model);
     ASSERT_TRUE(m.is_ok()) << m.status().to_string();
     result[overlap ? 1 : 0] = std::move(*m);
+    // What the next forward reads: each module gathered, its bf16 values (host memory here).
+    for (const std::string& module : model.modules) {
+      Status gathered = engine.gather(module);
+      ASSERT_TRUE(gathered.is_ok()) << gathered.to_string();
+      for (const ParamDef& d : model.params) {
+        if (d.module != module) continue;
+        Result<TensorView> view = engine.parameter(d.name);
+        ASSERT_TRUE(view.is_ok()) << view.status().to_string();
+        const auto* bits = static_cast<const std::uint16_t*>(view->data);
+        published[overlap ? 1 : 0].emplace_back(bits, bits + view->element_count);
+      }
+      ASSERT_TRUE(engine.release(module).is_ok());
+    }
     if (!overlap) continue;
-    // Every pass updates each of the 9 sub-groups once, one pass after the other: the last 9
+    // Every pass updates each of the n sub-groups once, one pass after the other: the last n
     // update spans are the third step's pass.
     const std::vector<std::string> tracks = trace.track_names();
     std::vector<std::pair<std::int64_t, std::size_t>> updates;
@@ -212,22 +238,49 @@ TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
   }
   // Pass 1 began at step() (the count is not declared), from sub-group 0 up; passes 2 and 3
   // in the backward: the head's and the block's first, going down.
-  ASSERT_EQ(order.size(), 27u) << ::testing::PrintToString(order);
-  int turned = 0;
+  ASSERT_EQ(order.size(), 3 * n) << ::testing::PrintToString(order);
   for (std::size_t pass = 1; pass < 3; ++pass) {
-    const auto first = order.begin() + static_cast<std::ptrdiff_t>(9 * pass);
-    const std::vector<std::size_t> seq(first, first + 9);
+    const auto first = order.begin() + static_cast<std::ptrdiff_t>(n * pass);
+    const std::vector<std::size_t> seq(first, first + static_cast<std::ptrdiff_t>(n));
     const auto zero = std::find(seq.begin(), seq.end(), std::size_t{0});
     ASSERT_NE(zero, seq.end()) << ::testing::PrintToString(seq);
-    EXPECT_EQ(seq[0], 8u) << ::testing::PrintToString(seq);
+    EXPECT_EQ(seq[0], n - 1) << ::testing::PrintToString(seq);
     for (auto it = seq.begin(); it + 1 != zero; ++it) EXPECT_EQ(*it, *(it + 1) + 1);
     for (auto it = zero; it + 1 != seq.end(); ++it) EXPECT_EQ(*it + 1, *(it + 1));
-    if (zero != seq.end() - 1) ++turned;
+    if (zero != seq.end() - 1) turns->push_back(*(zero - 1));
   }
-  std::printf("passes that turned: %d of 2\n", turned);
   for (std::size_t p = 0; p < result[0].size(); ++p) {
     EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+    EXPECT_EQ(published[0][p], published[1][p]) << model.params[p].name << " as gathered";
   }
+}
+
+// Parameters of one sub-group each: every sub-group boundary is a group's start.
+TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
+  std::vector<std::size_t> turns;
+  run_turn("overlap_open_turn", turn_model(32), &turns);
+  std::printf("passes that turned: %zu of 2\n", turns.size());
+}
+
+// Parameters of 1.5 sub-groups: two of every three boundaries in the first module fall inside a
+// group, whose upper part the publisher writes at the turn and its lower part last (a shard in
+// device memory here, which takes writes in parts).
+TEST(OverlapOpen, ThePassTurnsInsideAGroupAndWritesItInTwoParts) {
+  std::vector<std::size_t> turns;
+  const Model model = turn_model(48);
+  run_turn("overlap_open_turn_inside", model, &turns);
+  // Each parameter is a group of its own (world 1): the turns not at a parameter's start.
+  std::vector<std::size_t> starts;
+  std::size_t start = 0;
+  for (const ParamDef& d : model.params) {
+    starts.push_back(start);
+    start += d.element_count();
+  }
+  std::size_t inside = 0;
+  for (std::size_t at : turns) {
+    inside += std::find(starts.begin(), starts.end(), at * 1024) == starts.end() ? 1 : 0;
+  }
+  std::printf("passes that turned: %zu of 2, inside a group: %zu\n", turns.size(), inside);
 }
 
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
