@@ -123,24 +123,26 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     // upper part, filled by the descending ranges, written into its shard now, and its lower
     // part when the ascending ranges end; groups from stream_group_ up are written.
     ZINF_ASSERT_MSG(first == 0, "Publisher::stage: a turn that does not go to the start");
-    std::uint32_t end_group = stream_group_;
     if (stream_filled_ != 0) {
       const std::uint32_t g = stream_group_ - 1;
       const std::size_t lo = stream_next_ - layout_.offset(g);
+      const std::size_t count = layout_.group(g).shard_element_count - lo;
+      ZINF_ASSERT_MSG(stream_filled_ == count, "Publisher::stage: a turn with a gap in its group");
       const std::size_t bytes = dtype_bytes(layout_.half_dtype());
-      ZINF_RETURN_IF_ERROR(write_group_part(g, lo, layout_.group(g).shard_element_count - lo,
-                                            stage_.data() + lo * bytes, /*last=*/false));
-      end_group = g + 1;
+      ZINF_RETURN_IF_ERROR(
+          write_group_part(g, lo, count, stage_.data() + lo * bytes, /*last=*/false));
     }
     stream_descending_ = false;
     stream_stop_ = stream_next_;
-    stream_end_group_ = end_group;
+    // One past the group being assembled: a straddling group's lower part comes last.
+    stream_end_group_ = stream_group_;
     stream_group_ = 0;
     stream_next_ = 0;
     stream_filled_ = 0;
   }
   ZINF_ASSERT_MSG((stream_descending_ ? end : first) == stream_next_,
                   "Publisher::stage: ranges out of partition order");
+  ZINF_ASSERT_MSG(end <= stream_stop_, "Publisher::stage: a range past where the stream ends");
   stream_next_ = stream_descending_ ? first : end;
   const std::size_t bytes = dtype_bytes(layout_.half_dtype());
   while (!stream_complete()) {
