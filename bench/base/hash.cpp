@@ -2,8 +2,8 @@
 // the widest path this CPU runs (base/hash.hpp), each beside the limit it answers to, in
 // interleaved rounds:
 //   memory   a 1 GiB buffer of seeded random bytes hashed in 1 MiB blocks (the swap space's
-//            block size), beside a plain read of the same bytes (a 64-bit sum, the single
-//            thread's read bandwidth: the limit of a hash that reads memory once);
+//            block size), beside one read-only stream of 1 GiB on one thread
+//            (BandwidthProbe: the limit of a hash that reads memory once);
 //   cache    one 256 KiB buffer hashed over and over (the limit is the hash's own arithmetic).
 // Each round prints every rate; the end prints the medians of library / limit, fast / limit and
 // fast / library per case.
@@ -23,6 +23,7 @@
 
 #include "base/aligned.hpp"
 #include "base/cpu.hpp"
+#include "base/membw.hpp"
 #include "base/random.hpp"
 
 namespace {
@@ -48,18 +49,6 @@ double rate(std::size_t bytes, Fn&& fn) {
   } while (seconds < 0.3);
   if (sink == 0x5eed) std::fputs("", stderr);  // keeps the work
   return static_cast<double>(done) / seconds / 1e9;
-}
-
-__attribute__((noinline)) std::uint64_t read_sum(const std::uint64_t* words, std::size_t count) {
-  std::uint64_t a = 0, b = 0, c = 0, d = 0;
-  for (std::size_t i = 0; i + 4 <= count; i += 4) {
-    a += words[i];
-    b += words[i + 1];
-    c += words[i + 2];
-    d += words[i + 3];
-  }
-  asm volatile("" : "+r"(a), "+r"(b), "+r"(c), "+r"(d));  // summed each call
-  return a ^ b ^ c ^ d;
 }
 
 }  // namespace
@@ -91,6 +80,8 @@ int main(int argc, char** argv) {
     };
   };
   auto hash_small = [&](auto hash) { return [&, hash] { return hash(buffer.data(), small); }; };
+  // The limit: one read-only f32 stream of the same size on one thread (base/membw.hpp).
+  zinf::BandwidthProbe read_probe(zinf::StreamPattern{{4}, {}, {}}, big / 4, 1);
   const auto library = &zinf::hash_kernel::xxh3_64_library;
   const auto fast = &zinf::xxh3_64;
 
@@ -98,7 +89,7 @@ int main(int argc, char** argv) {
              rounds);
   std::vector<double> mem_lib, mem_fast, mem_gain, cache_gain;
   for (int r = 1; r <= rounds; ++r) {
-    const double read = rate(big, [&] { return read_sum(words, big / 8); });
+    const double read = read_probe.run_once();
     const double lib = rate(big, hash_blocks(library));
     const double fst = rate(big, hash_blocks(fast));
     const double c_lib = rate(small, hash_small(library));

@@ -1,9 +1,9 @@
 // xxh3-64, the checksum of every block the swap space writes, computed by the widest code the
-// CPU runs (the checkpoint files' checksums still call libxxhash). Debian's libxxhash is built for baseline x86-64 (SSE2) and hashes
-// about 7 GB/s on one core even from cache; the same function compiled for AVX2 (hash_avx2.cpp)
-// or AVX-512 (hash_avx512.cpp) from xxhash.h's inline definitions gives the same 64 bits about
-// three times as fast from cache and 1.4 times from memory (docs/BENCHMARKS.md). The optimizer
-// step on NVMe hashes every byte it writes and reads.
+// CPU runs (the checkpoint files' checksums still call libxxhash). Debian's libxxhash is built for
+// baseline x86-64 (SSE2) and hashes about 7 GB/s on one core even from cache; the same function
+// compiled for AVX2 (hash_avx2.cpp) or AVX-512 (hash_avx512.cpp) from xxhash.h's inline definitions
+// gives the same 64 bits about three times as fast from cache and 1.4-1.5 times from memory
+// (docs/BENCHMARKS.md). The optimizer step on NVMe hashes every byte it writes and reads.
 #pragma once
 
 #include <cstddef>
