@@ -289,8 +289,21 @@ class Engine::Impl {
   Status release(std::string_view module) {
     ZINF_RETURN_IF_ERROR(ensure_finalized());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("release", module));
-    std::lock_guard<std::mutex> lock(publisher_.mutex());
-    return coord_->release(m);
+    bool done_with = false;
+    {
+      std::lock_guard<std::mutex> lock(publisher_.mutex());
+      ZINF_RETURN_IF_ERROR(coord_->release(m));
+      done_with = !coord_->gathered(m);
+    }
+    // A module reduced before it was released (its weights' gradients before its input's, as
+    // train_lm's backward does) is done with: its groups become final for the open pass now
+    // instead of at the next reduction. Not with a caller's stream, whose queued work
+    // confirm_final() would wait for here, in the middle of the backward's issue.
+    if (done_with && caller_ == nullptr && pending_module_ == m && overlap_ != nullptr &&
+        overlap_->open()) {
+      ZINF_RETURN_IF_ERROR(confirm_final());
+    }
+    return Status::ok();
   }
 
   Result<TensorView> parameter(std::string_view name) const {
@@ -320,12 +333,12 @@ class Engine::Impl {
   // --- Gradients -------------------------------------------------------------------------------
   Status reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
     // An overlapped pass reads the accumulator this adds into: with an accumulator that can be
-    // zeroed by group, each of m's groups waits only until the pass has read it (below); else
-    // the whole pass is finished first. A pass opened in this backward (step_overlap.hpp) reads
-    // only groups whose reductions are over: nothing waits for it.
+    // zeroed by group, each of m's groups waits only until the pass has read it and is zeroed
+    // then (below); else the whole pass is finished first. A pass opened in this backward
+    // (step_overlap.hpp) reads only groups whose reductions are over: nothing waits for it.
     const bool open = overlap_ != nullptr && overlap_->open();
-    const bool beside_pass =
-        !open && overlap_ != nullptr && overlap_->running() && reducer_->zeroes_groups();
+    const bool by_group = overlap_ != nullptr && reducer_->zeroes_groups();
+    const bool beside_pass = !open && by_group && overlap_->running();
     ZINF_RETURN_IF_ERROR(open || beside_pass ? ensure_finalized() : settle());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
@@ -368,8 +381,8 @@ class Engine::Impl {
             module, layout_.param(id).spec.name));
       }
     }
-    if (beside_pass) {
-      Status st = overlap_->await_grads(layout_.module_groups(m));
+    if (by_group) {
+      Status st = overlap_->clear_grads(layout_.module_groups(m));
       // A pass that failed is the cause: its error first.
       if (!st.is_ok()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
       ZINF_RETURN_IF_ERROR(fail(st));
@@ -426,6 +439,7 @@ class Engine::Impl {
       overlap_->open_pass(t_ + 1, *scale);
     }
     for (std::uint32_t g : layout_.module_groups(m)) pending_final_.push_back(g);
+    pending_module_ = m;
     return Status::ok();
   }
 
@@ -438,6 +452,7 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
     overlap_->final(pending_final_);
     pending_final_.clear();
+    pending_module_ = SIZE_MAX;
     return Status::ok();
   }
 
@@ -506,6 +521,7 @@ class Engine::Impl {
     // gradient_accumulation_steps times; a module whose reduction came before the pass opened,
     // when set_lr_schedule() made it open later in the backward, is final too).
     pending_final_.clear();
+    pending_module_ = SIZE_MAX;
     overlap_->final_all();
     rep.clip_coef = d.clip_coef;
     ++t_;
@@ -815,6 +831,7 @@ class Engine::Impl {
   bool in_backward_ = false;    // the overlapped step updates during the backward
   bool micro_matched_ = false;  // the last step had gradient_accumulation_steps micro-batches
   std::vector<std::uint32_t> pending_final_;  // groups reduced, not yet final for the open pass
+  std::size_t pending_module_ = SIZE_MAX;     // the module whose groups are pending_final_
   std::int64_t t_ = 0;
   // Parameter groups: as defined, this rank's partition runs, and each group's
   // hyper-parameters for the next step (sized at finalize).

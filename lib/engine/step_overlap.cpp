@@ -105,12 +105,14 @@ Status OverlappedStep::issue_hook(void* user, std::size_t module) {
   return static_cast<OverlappedStep*>(user)->await_module(module);
 }
 
-Status OverlappedStep::await_grads(std::span<const std::uint32_t> groups) {
-  ZINF_ASSERT(runner_.running() && !open_ && parts_.reducer->zeroes_groups());
+Status OverlappedStep::clear_grads(std::span<const std::uint32_t> groups) {
+  ZINF_ASSERT(parts_.reducer->zeroes_groups());
   Publisher& pub = *parts_.publisher;
+  // An open pass is this step's: the pass that read these groups is finished.
+  const bool beside_pass = runner_.running() && !open_;
   for (std::uint32_t g : groups) {
     if (grads_zeroed_[g] != 0) continue;
-    {
+    if (beside_pass) {
       std::unique_lock<std::mutex> lock(pub.mutex());
       if (!pub.written(g) && pub.in_pass()) {
         const std::int64_t t0 = Trace::now_ns();
@@ -250,16 +252,18 @@ Status OverlappedStep::finish(bool collective) {
       std::lock_guard<std::mutex> lock(parts_.publisher->mutex());
       ZINF_RETURN_IF_ERROR(coord.wait_writes());
     }
-    // The groups a reduction of the next step has not zeroed (all of them, when none ran).
+    // The groups a reduction of the next step has not zeroed count as never reduced; their
+    // sums are zeroed by the first reduction into them (clear_grads()), or all here where the
+    // accumulator cannot be zeroed by group.
     GradReducer& reducer = *parts_.reducer;
-    if (std::find(grads_zeroed_.begin(), grads_zeroed_.end(), 1) == grads_zeroed_.end()) {
-      reducer.zero();
-    } else {
+    if (reducer.zeroes_groups()) {
       for (std::uint32_t g = 0; g < grads_zeroed_.size(); ++g) {
-        if (grads_zeroed_[g] == 0) reducer.zero_group(g);
+        if (grads_zeroed_[g] == 0) reducer.forget_group(g);
       }
+    } else {
+      reducer.zero();
+      std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 1);
     }
-    std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 1);
     last_pass_ = pass_report_;
     const std::int64_t pass_ns = pass_end_ns_ - pass_start_ns_;
     last_pass_.hidden_ns = std::max<std::int64_t>(0, pass_ns - pass_waited_ns_);

@@ -9,13 +9,16 @@
 // prefetch of m, through the issue hook) waits until m's last group is written, then all-gathers
 // m's persistent groups itself, so every collective is still issued by the rank's thread in the
 // same order on every rank. The backward of the next step runs beside the pass too: before
-// reduce_gradients(m) adds into a group, await_grads() waits until the pass has written that
+// reduce_gradients(m) adds into a group, clear_grads() waits until the pass has written that
 // group (so it has read the group's gradients: the pass reads sub-groups in partition order and
 // writes a group only after its last sub-group is updated) and zeroes the group's slice of the
 // accumulator, once per pass. finish() is called by whatever needs the whole step (step(),
 // checkpoints, read-back, and reduce_gradients() when the accumulator cannot be zeroed by group):
-// it waits for the pass, all-gathers the persistent groups no gather asked for (in group order)
-// and zeroes the groups of the accumulator that no reduction zeroed.
+// it waits for the pass and all-gathers the persistent groups no gather asked for (in group
+// order). The groups no reduction zeroed yet keep the pass's gradients until the first
+// reduction into them (clear_grads() again, then without waiting): finish() only resets their
+// counts (GradReducer::forget_group), so a pass opened in the next backward does not first
+// zero the whole accumulator on the rank's thread.
 //
 // Updates during the backward (Parts::in_backward: no clipping, no loss scaling, gradients in
 // host memory, stage 2 or 3). The engine opens the pass of step t (open_pass()) as soon as the
@@ -92,11 +95,11 @@ class OverlappedStep {
   // The engine's gather of module m: waits for m's new values, all-gathers its persistent groups
   // the pass left, then gathers m; under the publisher's mutex. Collective, as gather() is.
   Status gather(std::size_t m);
-  // Before a reduction into `groups` while a pass runs: waits until the pass has written each
-  // group (and so read its gradients), then zeroes the group's gradients, once per pass. Local:
-  // no collective. An error when the pass failed first (finish() returns its own).
-  // REQUIRES: running(), the reducer's zeroes_groups().
-  Status await_grads(std::span<const std::uint32_t> groups);
+  // Before a reduction into `groups`: zeroes each group's gradients that a pass has read (or is
+  // still to read) once per pass, first waiting, while that pass runs, until it has written
+  // the group (and so read its gradients). Local: no collective. An error when the pass failed
+  // first (finish() returns its own). REQUIRES: the reducer's zeroes_groups().
+  Status clear_grads(std::span<const std::uint32_t> groups);
   // Hands step `step` (gradients times grad_scale) to the runner. REQUIRES: !running().
   void start(std::int64_t step, float grad_scale);
   // Starts step `step`'s pass during its backward: each sub-group is updated once every group it
@@ -156,7 +159,7 @@ class OverlappedStep {
   Parts parts_;
   int track_ = 0;                              // the trace track of the runner's spans
   std::vector<std::uint8_t> persistent_done_;  // per group: all-gathered since the pass began
-  std::vector<std::uint8_t> grads_zeroed_;     // per group: zeroed for the next step's adds
+  std::vector<std::uint8_t> grads_zeroed_;     // per group: zeroed since a pass read it
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;

@@ -161,6 +161,12 @@ void GradReducer::zero_group(std::uint32_t g) {
   std::fill_n(counts_.begin() + info.first_param, info.param_count, 0u);
 }
 
+void GradReducer::forget_group(std::uint32_t g) {
+  ZINF_ASSERT(zeroes_groups());
+  const GroupInfo& info = partitioner_.group(g);
+  std::fill_n(counts_.begin() + info.first_param, info.param_count, 0u);
+}
+
 Result<int> GradReducer::micro_batches() const {
   const std::uint32_t first = counts_.empty() ? 0 : counts_[0];
   for (ParamId id = 0; id < counts_.size(); ++id) {

@@ -123,6 +123,12 @@ class GradReducer {
   // the backward of the next step adds into a group once the pass has read its gradients).
   // REQUIRES: zeroes_groups(); no reduce-scatter of g in flight.
   void zero_group(std::uint32_t g);
+  // Only the counts of zero_group(): g's parameters count as never reduced, while its slice of
+  // the accumulator (and stage 1's full gradients of g) keep the old sums until the caller's
+  // zero_group(g), which must come before the next reduce() into g (the overlapped step zeroes
+  // each group in the backward that first adds into it, not all at once after the pass).
+  // REQUIRES: zeroes_groups().
+  void forget_group(std::uint32_t g);
   // The caller's compute stream (null: none). With one, reduce() reads the gradients after the
   // caller's work queued on it so far, and on a device that is not host-accessible returns
   // without waiting for the read: the caller's stream waits for it instead, so work queued there
