@@ -86,9 +86,6 @@ struct PassGate {
   RangeReady ready = nullptr;
   RangeAscend ascend = nullptr;  // optional
   void* user = nullptr;
-  // Descending: the pass leaves the sub-groups of the partition's last large group for its end
-  // (OptimizerPipeline's StepArgs::defer_top), where states that can.
-  bool defer_last_group = false;
 };
 
 // Callbacks over the partition: (first element, element count, values).

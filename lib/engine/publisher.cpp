@@ -98,26 +98,13 @@ void Publisher::allocate_stage() {
   stage_ = AlignedBuffer(std::max<std::size_t>(layout_.largest_half_shard_bytes(), 64));
 }
 
-void Publisher::restart_stream(bool descending, std::size_t top) {
-  const std::size_t n = layout_.partition_elements();
-  stream_top_ = std::min(top, n);
-  ZINF_ASSERT(stream_top_ == n || (descending && stream_top_ > 0 && can_turn_at(stream_top_)));
-  stream_in_top_ = false;
+void Publisher::restart_stream(bool descending) {
   stream_descending_ = descending;
-  stream_next_ = descending ? stream_top_ : 0;
+  stream_next_ = descending ? layout_.partition_elements() : 0;
   stream_group_ = descending ? layout_.group_count() : 0;
-  if (descending && stream_top_ < n) {
-    // The group holding element top - 1 is the first written going down; the ranges from top
-    // up begin with it when it goes on past top (its upper part), else with the next one.
-    const std::uint32_t g = layout_.first_group_ending_after(stream_top_ - 1);
-    stream_group_ = g + 1;
-    stream_top_group_ =
-        layout_.offset(g) + layout_.group(g).shard_element_count > stream_top_ ? g : g + 1;
-  }
   stream_end_group_ = layout_.group_count();
-  stream_stop_ = n;
+  stream_stop_ = layout_.partition_elements();
   stream_filled_ = 0;
-  part_done_.assign(layout_.group_count(), 0);
 }
 
 bool Publisher::can_turn_at(std::size_t element) const {
@@ -127,34 +114,23 @@ bool Publisher::can_turn_at(std::size_t element) const {
          coord_->writes_shard_parts(g);
 }
 
-Status Publisher::write_stage(std::uint32_t g, std::size_t first, std::size_t count) {
-  const std::size_t total = layout_.group(g).shard_element_count;
-  if (count == total) return write_group(g, stage_.data(), /*wait=*/true);
-  part_done_[g] += count;
-  ZINF_ASSERT(part_done_[g] <= total);
-  return write_group_part(g, first, count,
-                          stage_.data() + first * dtype_bytes(layout_.half_dtype()),
-                          /*last=*/part_done_[g] == total);
-}
-
 Status Publisher::stage(std::size_t first, std::size_t count,
                         FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill) {
   const std::size_t end = first + count;
   if (stream_descending_ && end != stream_next_) {
-    // The pass turned (OptimizerPipeline's StepArgs::ascend): the rest below comes from the
-    // partition's start up to where the descending ranges ended. A group that straddles that
-    // point has its upper part, filled by the descending ranges, written into its shard now,
-    // and its lower part when the ascending ranges end; groups from stream_group_ up are
-    // written.
+    // The pass turned (OptimizerPipeline's StepArgs::ascend): the rest comes from the partition's
+    // start up to where the descending ranges ended. A group that straddles that point has its
+    // upper part, filled by the descending ranges, written into its shard now, and its lower
+    // part when the ascending ranges end; groups from stream_group_ up are written.
     ZINF_ASSERT_MSG(first == 0, "Publisher::stage: a turn that does not go to the start");
     if (stream_filled_ != 0) {
       const std::uint32_t g = stream_group_ - 1;
-      const std::size_t group_first = layout_.offset(g);
-      const std::size_t hi =
-          std::min(group_first + layout_.group(g).shard_element_count, stream_top_);
-      ZINF_ASSERT_MSG(stream_filled_ == hi - stream_next_,
-                      "Publisher::stage: a turn with a gap in its group");
-      ZINF_RETURN_IF_ERROR(write_stage(g, stream_next_ - group_first, hi - stream_next_));
+      const std::size_t lo = stream_next_ - layout_.offset(g);
+      const std::size_t count = layout_.group(g).shard_element_count - lo;
+      ZINF_ASSERT_MSG(stream_filled_ == count, "Publisher::stage: a turn with a gap in its group");
+      const std::size_t bytes = dtype_bytes(layout_.half_dtype());
+      ZINF_RETURN_IF_ERROR(
+          write_group_part(g, lo, count, stage_.data() + lo * bytes, /*last=*/false));
     }
     stream_descending_ = false;
     stream_stop_ = stream_next_;
@@ -169,40 +145,32 @@ Status Publisher::stage(std::size_t first, std::size_t count,
   ZINF_ASSERT_MSG(end <= stream_stop_, "Publisher::stage: a range past where the stream ends");
   stream_next_ = stream_descending_ ? first : end;
   const std::size_t bytes = dtype_bytes(layout_.half_dtype());
-  // The elements this run of ranges covers: below top going down, below where the descending
-  // ranges ended going up after a turn, from top up at the end.
-  const std::size_t run_first = stream_in_top_ ? stream_top_ : 0;
-  const std::size_t run_end = stream_descending_ ? stream_top_ : stream_stop_;
-  while (!phase_done()) {
+  while (!stream_complete()) {
     const std::uint32_t g = stream_descending_ ? stream_group_ - 1 : stream_group_;
     const std::size_t group_first = layout_.offset(g);
-    const std::size_t part_first = std::max(group_first, run_first);
-    const std::size_t part_end =
-        std::min(group_first + layout_.group(g).shard_element_count, run_end);
-    const std::size_t lo = std::max(first, part_first);
-    const std::size_t hi = std::min(end, part_end);
+    const std::size_t group_count = layout_.group(g).shard_element_count;
+    // After a turn the ascending ranges stop where the descending ones ended: a group straddling
+    // that point gets its lower part here.
+    const std::size_t group_end = std::min(group_first + group_count, stream_stop_);
+    const std::size_t lo = std::max(first, group_first);
+    const std::size_t hi = std::min(end, group_end);
     if (lo < hi) {
       fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
       stream_filled_ += hi - lo;
     }
     // The group goes on in the next range: past `end` going up, before `first` going down.
-    if (stream_descending_ ? part_first < first : part_end > end) break;
-    ZINF_ASSERT_MSG(stream_filled_ == part_end - part_first,
+    if (stream_descending_ ? group_first < first : group_end > end) break;
+    ZINF_ASSERT_MSG(stream_filled_ == group_end - group_first,
                     "Publisher::stage: a group written half filled");
     // The stage is refilled by the next group: the copy up must have read it.
-    ZINF_RETURN_IF_ERROR(write_stage(g, part_first - group_first, part_end - part_first));
+    if (group_end - group_first < group_count) {
+      ZINF_RETURN_IF_ERROR(write_group_part(g, 0, group_end - group_first, stage_.data(),
+                                            /*last=*/true));
+    } else {
+      ZINF_RETURN_IF_ERROR(write_group(g, stage_.data(), /*wait=*/true));
+    }
     stream_filled_ = 0;
     stream_group_ = stream_descending_ ? stream_group_ - 1 : stream_group_ + 1;
-  }
-  if (phase_done() && !stream_in_top_ && stream_top_ < layout_.partition_elements()) {
-    // Below top every group is written: the ranges go on from top up.
-    stream_in_top_ = true;
-    stream_descending_ = false;
-    stream_next_ = stream_top_;
-    stream_stop_ = layout_.partition_elements();
-    stream_group_ = stream_top_group_;
-    stream_end_group_ = layout_.group_count();
-    stream_filled_ = 0;
   }
   return Status::ok();
 }

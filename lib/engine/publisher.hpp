@@ -14,12 +14,9 @@
 // through the coordinator, which is single-threaded, so each holds mutex() for its coordinator
 // calls; the pass records the groups it has written (in index order, which is partition order;
 // or from the last to the first when the pass runs from the last sub-group down, and then, if it
-// turns, from the first up to where it turned; then, when the pass leaves the last sub-groups
-// for the end, from where they start up), and a gather waits on written_cv() until its module's
-// groups are in. A group that straddles the turn, or the start of the last sub-groups, is
-// written in parts (at the turn its upper part, then its lower part; at the start of the last
-// sub-groups its lower part first and its upper part at the end) and counts as written after
-// the last of them.
+// turns, from the first up to where it turned), and a gather waits on written_cv() until its
+// module's groups are in. A group that straddles the turn is written in two parts (its upper
+// part at the turn, its lower part last) and counts as written after the second.
 //
 // Thread-safety: one thread at a time (the rank's, or the step runner's during an overlapped
 // pass); mutex() and the written count may be used from both.
@@ -76,19 +73,15 @@ class Publisher {
   // sticky-failed).
   void allocate_stage();
   std::uint64_t stage_bytes() const { return stage_.bytes(); }
-  // `descending`: the ranges come from `top` (the partition's end when past it) down to the
-  // partition's start (a pass from the last sub-group to the first), and the groups are written
-  // from the last to the first; then, when top is inside the partition, from top up to the end
-  // (the sub-groups a pass leaves for the end). REQUIRES for top inside: descending,
-  // can_turn_at(top).
-  void restart_stream(bool descending = false, std::size_t top = SIZE_MAX);
+  // `descending`: the ranges come from the end of the partition to its start (a pass from the
+  // last sub-group to the first), and the groups are written from the last to the first.
+  void restart_stream(bool descending = false);
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
-  // restart_stream()); descending, first + count is where the previous range began (`top`
-  // after restart_stream(true, top)), or the stream turns: first is 0, and from here on the
-  // ranges go up from 0 to where the descending ranges ended; after those (or after the
-  // descending ranges reach 0 without a turn), first is `top`, and the ranges go up to the
-  // partition's end. REQUIRES for a turn: can_turn_at(where the descending ranges ended).
+  // restart_stream()); descending, first + count is where the previous range began (the
+  // partition's end after restart_stream(true)), or the stream turns: first is 0, and from here
+  // on the ranges go up from 0 to where the descending ranges ended. REQUIRES for a turn:
+  // can_turn_at(where the descending ranges ended).
   Status stage(std::size_t first, std::size_t count,
                FunctionRef<void(std::size_t, std::size_t, std::byte*)> fill);
   // Whether a descending stream may turn at partition element `element`: at a group's start, or
@@ -98,7 +91,7 @@ class Publisher {
   bool can_turn_at(std::size_t element) const;
   // The stream since restart_stream() wrote every group.
   bool stream_complete() const {
-    return phase_done() && (stream_in_top_ || stream_top_ >= layout_.partition_elements());
+    return stream_descending_ ? stream_group_ == 0 : stream_group_ == stream_end_group_;
   }
 
   // All-gathers the groups that stay gathered from the shards just written.
@@ -129,14 +122,6 @@ class Publisher {
   // counts as written after the `last` part.
   Status write_group_part(std::uint32_t g, std::size_t first, std::size_t count,
                           const std::byte* values, bool last);
-  // Elements [first, first + count) of group g from the stage: the whole group, or a part
-  // (the last one once every element of g was written in this stream).
-  Status write_stage(std::uint32_t g, std::size_t first, std::size_t count);
-  // The stream's current run of ranges (descending, ascending after a turn, or the last
-  // sub-groups') wrote every group it covers.
-  bool phase_done() const {
-    return stream_descending_ ? stream_group_ == 0 : stream_group_ == stream_end_group_;
-  }
 
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;
@@ -152,10 +137,6 @@ class Publisher {
   std::size_t stream_stop_ = 0;         // ascending: the element the stream ends at (after a
                                         // turn, where the descending ranges ended)
   std::size_t stream_filled_ = 0;       // the assembled group's elements filled so far
-  std::size_t stream_top_ = SIZE_MAX;   // where the descending ranges start (restart_stream)
-  std::uint32_t stream_top_group_ = 0;  // the first group the ranges from stream_top_ up fill
-  bool stream_in_top_ = false;          // the ranges go up from stream_top_
-  std::vector<std::size_t> part_done_;  // per group, its elements written in parts so far
   std::mutex mu_;
   std::condition_variable written_cv_;
   bool in_pass_ = false;  // guarded by mu_

@@ -232,7 +232,6 @@ Status OverlappedStep::run_pass(void* user) {
   gate.ready = &OverlappedStep::range_final;
   gate.ascend = &OverlappedStep::may_ascend;
   gate.user = self;
-  gate.defer_last_group = true;
   Status st = run_optimizer(*p.state, *p.counters, p.trace, self->track_, self->pass_step_,
                             self->pass_scale_, self->pass_start_ns_, /*overlapped=*/true,
                             self->pass_report_, self->pass_gated_ ? &gate : nullptr);

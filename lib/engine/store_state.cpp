@@ -131,36 +131,13 @@ class StoreState final : public OptimizerState {
   Result<StepStats> step_gated(std::int64_t step, float grad_scale, const PassGate& gate) override {
     ZINF_ASSERT(gates() && gate.ready != nullptr);
     gate_ = gate;
-    const std::size_t defer = gate.descending && gate.defer_last_group ? deferred_sub_groups() : 0;
-    pub_.restart_stream(
-        gate.descending,
-        defer == 0 ? SIZE_MAX : store_->sub_group_first(store_->sub_group_count() - defer));
+    pub_.restart_stream(gate.descending);
     return pipeline_->step({.step = step,
                             .grad_scale = grad_scale,
                             .descending = gate.descending,
                             .ready = &StoreState::sub_group_ready,
                             .ready_user = this,
-                            .ascend = gate.ascend != nullptr ? &StoreState::may_ascend : nullptr,
-                            .defer_top = defer});
-  }
-
-  // The sub-groups a descending pass leaves for its end (PassGate::defer_last_group): the upper
-  // half of those starting in the group that holds the last sub-group's start (the last
-  // module's group: the next forward needs it last). The backward finishes the group's
-  // sub-groups together, first of all; the lower half, done first, keeps the pass busy while
-  // the backward finishes the next module, and the upper half runs beside the next forward's
-  // compute of the modules before it. At most a quarter of all sub-groups; none where the
-  // publisher's stream cannot start inside that group (a shard written whole).
-  std::size_t deferred_sub_groups() const {
-    const std::size_t n = store_->sub_group_count();
-    if (n < 4) return 0;
-    const std::uint32_t g = layout_.first_group_ending_after(store_->sub_group_first(n - 1));
-    const std::size_t group_first = layout_.offset(g);
-    std::size_t i = n - 1;  // the first sub-group starting in g
-    while (i > 0 && store_->sub_group_first(i - 1) >= group_first) --i;
-    const std::size_t top = std::max(i + (n - i + 1) / 2, n - n / 4);
-    if (top >= n || !pub_.can_turn_at(store_->sub_group_first(top))) return 0;
-    return n - top;
+                            .ascend = gate.ascend != nullptr ? &StoreState::may_ascend : nullptr});
   }
 
   Status publish_step() override { return publish_pass(/*gather_persistent=*/true); }

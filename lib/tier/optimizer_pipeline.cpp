@@ -305,17 +305,11 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   if (args.ascend != nullptr && !args.descending) {
     return Status::invalid_argument("OptimizerPipeline: only a descending step can turn");
   }
-  if (args.defer_top != 0 && (!args.descending || args.defer_top >= store_.sub_group_count())) {
-    return Status::invalid_argument(fmt::format(
-        "OptimizerPipeline: defer_top {} needs a descending step over more sub-groups ({})",
-        args.defer_top, store_.sub_group_count()));
-  }
   stats_ = StepStats{};
   stats_.step = args.step;
   mode_ = args.mode;
   descending_ = args.descending;
   turn_ = static_cast<std::size_t>(-1);
-  top_start_ = store_.sub_group_count() - args.defer_top;
   stats_.sub_groups = store_.sub_group_count();
   const std::int64_t start = Trace::now_ns();
   Status status;

@@ -156,12 +156,6 @@ struct StepArgs {
   // writes and half_done calls of the sub-groups begun before go on in the descending order
   // first.
   MayAscend ascend = nullptr;
-  // Descending only: the last defer_top sub-groups (fewer than all) are taken last, from the
-  // lowest of them up, after the descending part (and after the turn's ascending part): the
-  // descending order starts at sub-group count - 1 - defer_top. The overlapped step's pass
-  // leaves the last module's sub-groups for the end, so that their I/O runs beside the next
-  // forward's compute of the modules before it instead of before the forward reaches them.
-  std::size_t defer_top = 0;
 };
 
 struct StepStats {
@@ -252,17 +246,17 @@ class OptimizerPipeline {
   // After a failure: waits for every I/O in flight, records versions, returns every block (or
   // quarantines it). Returns the first error seen.
   Status drain(const StepArgs& args);
-  // The sub-group at position p of the running step's order: descending, from top_start_ - 1
-  // down until the turn (StepArgs::ascend), then from the first up; then the deferred ones,
-  // [top_start_, count), up (StepArgs::defer_top).
+  // The sub-group at position p of the running step's order: descending, from the last down
+  // until the turn (StepArgs::ascend), then from the first up.
   std::size_t sub_group_at(std::size_t p) const {
-    if (!descending_ || p >= top_start_) return p;
-    return p < turn_ ? top_start_ - 1 - p : p - turn_;
+    if (!descending_) return p;
+    return p < turn_ ? store_.sub_group_count() - 1 - p : p - turn_;
   }
   // Before position p is begun: whether the step turns there (StepArgs::ascend).
   void maybe_turn(std::size_t p, const StepArgs& args) {
-    if (!descending_ || args.ascend == nullptr || turn_ <= p || p == 0 || p >= top_start_) return;
-    if (args.ascend(args.ready_user, top_start_ - p)) turn_ = p;
+    const std::size_t n = store_.sub_group_count();
+    if (!descending_ || args.ascend == nullptr || turn_ <= p || p == 0 || p >= n) return;
+    if (args.ascend(args.ready_user, n - p)) turn_ = p;
   }
   // Whether the sub-group at position p may be updated (see StepArgs::ready): > 0 yes, 0 not
   // yet, < 0 called off.
@@ -296,7 +290,6 @@ class OptimizerPipeline {
   bool descending_ = false;  // the running step's order
   // Descending, the first position taken in ascending order (none: SIZE_MAX).
   std::size_t turn_ = static_cast<std::size_t>(-1);
-  std::size_t top_start_ = 0;  // the first deferred sub-group (count - StepArgs::defer_top)
   std::size_t held_ = 0;
   // Update thread state, guarded by update_mutex_.
   std::thread updater_;

@@ -154,18 +154,16 @@ TEST(OverlapOpen, TheFirstStepOpensInTheBackwardWhereTheCountIsDeclared) {
 }
 
 // The turn tests' model: a first module of six parameters of 32 x `embed_columns`, reduced last,
-// so that its sub-groups are left to the turn; then a block of 64 x `block_columns` and a head
-// of 32 x `head_columns` (by default 2048 and 1024 elements).
-Model turn_model(std::int64_t embed_columns, std::int64_t block_columns = 32,
-                 std::int64_t head_columns = 32) {
+// so that its sub-groups are left to the turn; then a block of 2048 elements and a head of 1024.
+Model turn_model(std::int64_t embed_columns) {
   Model model;
   model.modules = {"embed", "block", "head"};
   for (int k = 0; k < 6; ++k) {
     model.params.push_back(
         {fmt::format("embed.w{}", k), "embed", {32, embed_columns}, DType::kBF16});
   }
-  model.params.push_back({"block.w", "block", {64, block_columns}, DType::kBF16});
-  model.params.push_back({"head.w", "head", {32, head_columns}, DType::kBF16});
+  model.params.push_back({"block.w", "block", {64, 32}, DType::kBF16});
+  model.params.push_back({"head.w", "head", {32, 32}, DType::kBF16});
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     std::vector<float> v(model.params[p].element_count());
     fill_uniform(v.data(), v.size(), 2305 * 1000 + p, -1.0f, 1.0f);
@@ -177,14 +175,13 @@ Model turn_model(std::int64_t embed_columns, std::int64_t block_columns = 32,
 // Three steps of `model` with 1024-element sub-groups, sequential and overlapped, `group_max`
 // zinf.group_max_elements and `persistence` stage3_param_persistence_threshold (shards in device
 // memory; the half-precision stream writes them during the pass). Every pass opened in the backward
-// updates each sub-group once, from `top` - 1 down and, where it turned, from sub-group 0 up to
-// where it turned, then the sub-groups it left for the end, from `top` up (the trace's update
-// spans); after every step, the parameters each module gathers are the sequential run's, bit for
-// bit, and so are the masters at the end. *turns gets, per pass that turned, the partition
-// element it turned at (the start of the last sub-group taken going down). Whether and where a
-// pass turns depends on when its reads meet the end of the backward; `top` does not.
+// updates each sub-group once, from the last down and, where it turned, from sub-group 0 up to
+// where it turned (the trace's update spans); after every step, the parameters each module gathers
+// are the sequential run's, bit for bit, and so are the masters at the end. *turns gets, per pass
+// that turned, the partition element it turned at (the start of the last sub-group taken going
+// down). Whether and where a pass turns depends on when its reads meet the end of the backward.
 void run_turn(const std::string& name, const Model& model, std::size_t group_max,
-              std::size_t persistence, std::size_t top, std::vector<std::size_t>* turns) {
+              std::size_t persistence, std::vector<std::size_t>* turns) {
   engine_test::ScratchDir dir(name);
   std::size_t total = 0;
   for (const ParamDef& d : model.params) total += d.element_count();
@@ -249,19 +246,12 @@ void run_turn(const std::string& name, const Model& model, std::size_t group_max
   for (std::size_t pass = 1; pass < 3; ++pass) {
     const auto first = order.begin() + static_cast<std::ptrdiff_t>(n * pass);
     const std::vector<std::size_t> seq(first, first + static_cast<std::ptrdiff_t>(n));
-    ASSERT_EQ(seq[0], top - 1) << ::testing::PrintToString(seq);
+    ASSERT_EQ(seq[0], n - 1) << ::testing::PrintToString(seq);
     const auto zero = std::find(seq.begin(), seq.end(), std::size_t{0});
     ASSERT_NE(zero, seq.end()) << ::testing::PrintToString(seq);
-    // Below top: down to where it turned, then up from 0; then top and the rest, up.
-    const auto below_end = seq.begin() + static_cast<std::ptrdiff_t>(top);
-    ASSERT_LE(zero, below_end) << ::testing::PrintToString(seq);
     for (auto it = seq.begin(); it + 1 != zero; ++it) EXPECT_EQ(*it, *(it + 1) + 1);
-    for (auto it = zero; it + 1 < below_end; ++it) EXPECT_EQ(*it + 1, *(it + 1));
-    for (auto it = below_end; it != seq.end(); ++it) {
-      EXPECT_EQ(*it, top + static_cast<std::size_t>(it - below_end))
-          << ::testing::PrintToString(seq);
-    }
-    if (zero != below_end - 1) turns->push_back(*(zero - 1) * 1024);
+    for (auto it = zero; it + 1 != seq.end(); ++it) EXPECT_EQ(*it + 1, *(it + 1));
+    if (zero != seq.end() - 1) turns->push_back(*(zero - 1) * 1024);
   }
   ASSERT_EQ(published[0].size(), published[1].size());
   for (std::size_t k = 0; k < published[0].size(); ++k) {
@@ -278,8 +268,7 @@ void run_turn(const std::string& name, const Model& model, std::size_t group_max
 // starts, but for the one inside the block's 2048-element weight. Partitioned shards.
 TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
   std::vector<std::size_t> turns;
-  // The last group (the head's one parameter) is one sub-group: nothing is left for the end.
-  run_turn("overlap_open_turn", turn_model(32), 1024, 30, 9, &turns);
+  run_turn("overlap_open_turn", turn_model(32), 1024, 30, &turns);
   std::printf("passes that turned: %zu of 2\n", turns.size());
 }
 
@@ -289,25 +278,11 @@ TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
 // the rank's slice of the gathered buffer, all-gathered when the module is gathered.
 TEST(OverlapOpen, ThePassTurnsInsideAGroupAndWritesItInTwoParts) {
   std::vector<std::size_t> turns;
-  run_turn("overlap_open_turn_inside", turn_model(48), 0, std::size_t{1} << 20, 12, &turns);
+  run_turn("overlap_open_turn_inside", turn_model(48), 0, std::size_t{1} << 20, &turns);
   // The groups start where the modules do: 0, 9216 (block) and 11264 (head).
   std::size_t inside = 0;
   for (std::size_t at : turns) inside += at != 0 && at != 9216 && at != 11264 ? 1 : 0;
   std::printf("passes that turned: %zu of 2, inside a group: %zu\n", turns.size(), inside);
-}
-
-// The head's group (elements 11776-16383) spans sub-groups 11 (in part) to 15, 12-15 starting
-// in it: the pass leaves the upper half of those, 14 and 15, for its end and starts at 13, and
-// the publisher writes the head's shard in parts: 11776-14335 going down, 14336-16383 at the end
-// (and where the pass turns inside the embedding, that group in two parts too). Partitioned
-// shards and persistent ones.
-TEST(OverlapOpen, ThePassLeavesTheLastGroupsSubGroupsForItsEnd) {
-  for (std::size_t persistence : {std::size_t{30}, std::size_t{1} << 20}) {
-    std::vector<std::size_t> turns;
-    run_turn(fmt::format("overlap_open_defer_{}", persistence), turn_model(48, 40, 144), 0,
-             persistence, 14, &turns);
-    std::printf("persistence %zu: passes that turned: %zu of 2\n", persistence, turns.size());
-  }
 }
 
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
