@@ -285,6 +285,35 @@ TEST(OverlapOpen, ThePassTurnsInsideAGroupAndWritesItInTwoParts) {
   std::printf("passes that turned: %zu of 2, inside a group: %zu\n", turns.size(), inside);
 }
 
+// The groups the next backward has not reduced into yet keep the pass's gradients until the
+// first reduction into them zeroes them; only their counts are reset when the pass finishes. So
+// a step whose backward skipped the first module still fails, naming one of its parameters,
+// instead of updating it with the previous step's gradients.
+TEST(OverlapOpen, AModuleLeftOutOfTheNextBackwardFailsTheStep) {
+  engine_test::ScratchDir dir("overlap_open_left_out");
+  const Model model = engine_test::make_model(DType::kBF16, 2306);
+  std::vector<Status> st = engine_test::with_engines(
+      open_config(dir.path(), true), model, 1, [&](int, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+        ZINF_RETURN_IF_ERROR(engine.step().status());
+        ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
+        ZINF_RETURN_IF_ERROR(engine.step().status());
+        // Step 3: every module but the first (the pass of step 2 read its gradients last).
+        for (std::size_t k = model.modules.size(); k-- > 1;) {
+          ZINF_RETURN_IF_ERROR(reduce_module(engine, model, model.modules[k], 3));
+        }
+        Status step = engine.step().status();
+        EXPECT_EQ(step.code(), Code::kFailedPrecondition) << step.to_string();
+        // embed.w, the first module's parameter.
+        EXPECT_NE(step.message().find("'" + model.params.front().name +
+                                      "' had 0 gradient(s) reduced since the last step"),
+                  std::string::npos)
+            << step.to_string();
+        return Status::ok();
+      });
+  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+}
+
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
   engine_test::ScratchDir dir("overlap_open_micro");
   const Model model = engine_test::make_model(DType::kBF16, 2302);
