@@ -158,7 +158,7 @@ void GradReducer::zero_group(std::uint32_t g) {
   const GroupInfo& info = partitioner_.group(g);
   memory_accumulator_->zero_range(offsets_[g], info.shard_element_count);
   if (ops_ == nullptr && !full_.empty()) std::memset(full_[g].data(), 0, full_[g].bytes());
-  std::fill_n(counts_.begin() + info.first_param, info.param_count, 0u);
+  forget_group(g);
 }
 
 void GradReducer::forget_group(std::uint32_t g) {
