@@ -111,8 +111,11 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
       r->chunk_elements_ * static_cast<std::size_t>(r->world_) * sizeof(float);
   for (int k = 0; k < 2; ++k) {
     ZINF_ASSIGN_OR_RETURN(r->buckets_[k], DeviceBuffer::allocate(device, bucket_bytes));
-    ZINF_ASSIGN_OR_RETURN(r->recv_[k],
-                          DeviceBuffer::allocate(device, r->chunk_elements_ * sizeof(float)));
+    // One rank reduces its bucket in place (the result is the bucket itself): no receive buffer.
+    if (r->world_ > 1) {
+      ZINF_ASSIGN_OR_RETURN(r->recv_[k],
+                            DeviceBuffer::allocate(device, r->chunk_elements_ * sizeof(float)));
+    }
     ZINF_ASSIGN_OR_RETURN(r->bucket_free_[k], device.create_event());
   }
   if (!partitioner.partitions(StateKind::kGradients)) {
@@ -209,9 +212,10 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
       ZINF_RETURN_IF_ERROR(device_.record(*filled_[k], *fill_stream_));
       ZINF_RETURN_IF_ERROR(device_.wait(*stream_, *filled_[k]));
     }
-    ZINF_RETURN_IF_ERROR(comm_.reduce_scatter(bucket, recv_[k].as<float>(), count, DType::kF32,
-                                              ReduceOp::kAverage, *stream_, name));
-    ZINF_RETURN_IF_ERROR(accumulate(g, k, offsets_[g] + c0, count));
+    float* recv = world_ > 1 ? recv_[k].as<float>() : bucket;
+    ZINF_RETURN_IF_ERROR(
+        comm_.reduce_scatter(bucket, recv, count, DType::kF32, ReduceOp::kAverage, *stream_, name));
+    ZINF_RETURN_IF_ERROR(accumulate(g, k, recv, offsets_[g] + c0, count));
     ZINF_RETURN_IF_ERROR(device_.record(*bucket_free_[k], *stream_));
     if (counters_ != nullptr) {
       ++counters_->buckets_reduced;
@@ -222,8 +226,8 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
   return Status::ok();
 }
 
-Status GradReducer::accumulate(std::uint32_t g, int k, std::size_t first, std::size_t count) {
-  const float* recv = recv_[k].as<float>();
+Status GradReducer::accumulate(std::uint32_t g, int k, const float* recv, std::size_t first,
+                               std::size_t count) {
   if (options_.accumulator_on_device) {
     // The group's first reduction since zero() overwrites its slice of the accumulator.
     return ops_->widen(recv, DType::kF32, device_accumulator_ + first, count,

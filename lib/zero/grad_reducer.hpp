@@ -145,9 +145,10 @@ class GradReducer {
   // fill_stream_) and returns its Status.
   template <typename Fill>
   Status reduce_group(std::uint32_t g, Fill fill);
-  // Adds bucket k's reduced chunk (`count` elements at accumulator offset `first`) into the
-  // accumulator, in stream_'s order.
-  Status accumulate(std::uint32_t g, int k, std::size_t first, std::size_t count);
+  // Adds bucket k's reduced chunk `recv` (`count` elements at accumulator offset `first`; recv_[k],
+  // or the bucket itself on one rank) into the accumulator, in stream_'s order.
+  Status accumulate(std::uint32_t g, int k, const float* recv, std::size_t first,
+                    std::size_t count);
 
   // Not host_accessible() devices: DeviceOps, the fill stream and the staging buffers.
   Status create_device_side();
@@ -182,7 +183,7 @@ class GradReducer {
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> done_;
   DeviceBuffer buckets_[2];
-  DeviceBuffer recv_[2];
+  DeviceBuffer recv_[2];  // world > 1: one rank reduce-scatters its bucket in place
   std::unique_ptr<Event> bucket_free_[2];
   int next_bucket_ = 0;
   std::vector<DeviceBuffer> full_;  // stage 1: per group, padded_element_count floats
