@@ -4,7 +4,9 @@ steps (validation left out), their optimizer phase ("step" in --step-times: the 
 and its publish) and compute (forward + backward + gather + reduce), and then for each variant
 against the reference (--ref, default the first variant of round 1): the per-round ratios of
 step time and optimizer phase with their medians, the variant's step time over max(compute,
-optimizer) of the reference in the same round, and the difference in peak RSS. Where the lines
+optimizer) of the reference in the same round, and the difference in peak RSS; first, the
+reference's own step time over its max(compute, optimizer), the most that overlapping the two
+phases can gain over it. Where the lines
 carry the process's CPU seconds ("cpu"), also the variant's step time over the CPU's limit,
 max(compute, optimizer, CPU seconds of the reference / cores): on a machine whose cores both
 compute and run the optimizer, no schedule of the same work is faster than its CPU seconds
@@ -66,6 +68,12 @@ def main():
               f"compute {sums['compute']:.2f} s{cpu}, peak RSS {run['rss'] / 2**30:.3f} GiB")
     rounds = sorted({r for r, _ in table})
     names = list(dict.fromkeys(run["name"] for run in runs))
+    # The most a schedule that overlaps the two phases can gain over the reference: its step
+    # time over the longer of its compute and optimizer phases.
+    limit = [table[(r, ref)]["time"] / max(table[(r, ref)]["compute"], table[(r, ref)]["optimizer"])
+             for r in rounds if (r, ref) in table]
+    print(f"{ref} over max(compute, optimizer) of {ref}, the most any overlap gains: "
+          f"{', '.join(f'{x:.3f}' for x in limit)} (median {statistics.median(limit):.3f})")
     for name in names:
         if name == ref:
             continue
