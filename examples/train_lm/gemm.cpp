@@ -1,6 +1,7 @@
 #include "gemm.hpp"
 
 #include <tbb/blocked_range.h>
+#include <tbb/blocked_range2d.h>
 #include <tbb/parallel_for.h>
 
 #include <algorithm>
@@ -51,6 +52,7 @@ constexpr std::size_t kLanes = 8;
 constexpr std::size_t kTileCols = 2 * kLanes;
 constexpr std::size_t kSliceCols = 16 * kTileCols;
 constexpr std::size_t kChunk = 64;
+constexpr std::size_t kRowsPerTask = 64;
 
 // y[r][c0..c0+16) for R rows from r0, over inputs [i0, i1): starts from the bias (or 0) when
 // i0 == 0, else from the partial sums in y.
@@ -82,26 +84,27 @@ template <std::size_t R>
 }
 
 TRAIN_LM_CLONES
-void forward_cols(const float* x, const float* w, const float* b, float* y, std::size_t c_begin,
-                  std::size_t c_end, std::size_t rows, std::size_t in, std::size_t out) {
+void forward_block(const float* x, const float* w, const float* b, float* y, std::size_t r_begin,
+                   std::size_t r_end, std::size_t c_begin, std::size_t c_end, std::size_t in,
+                   std::size_t out) {
   const std::size_t c_main = c_begin + (c_end - c_begin) / kTileCols * kTileCols;
   // At least one pass, so that y gets the bias even with no inputs.
   for (std::size_t i0 = 0; i0 == 0 || i0 < in; i0 += kChunk) {
     const std::size_t i1 = std::min(in, i0 + kChunk);
     for (std::size_t c = c_begin; c < c_main; c += kTileCols) {
-      std::size_t r = 0;
-      for (; r + 4 <= rows; r += 4) forward_tile<4>(x, w, b, y, r, c, i0, i1, in, out);
-      for (; r < rows; ++r) forward_tile<1>(x, w, b, y, r, c, i0, i1, in, out);
+      std::size_t r = r_begin;
+      for (; r + 4 <= r_end; r += 4) forward_tile<4>(x, w, b, y, r, c, i0, i1, in, out);
+      for (; r < r_end; ++r) forward_tile<1>(x, w, b, y, r, c, i0, i1, in, out);
     }
   }
   const std::size_t c0 = c_main;
   // The last columns of a slice whose width is not a multiple of the tile, summed in y.
   if (c0 == c_end) return;
-  for (std::size_t r = 0; r < rows; ++r) {
+  for (std::size_t r = r_begin; r < r_end; ++r) {
     for (std::size_t c = c0; c < c_end; ++c) y[r * out + c] = b != nullptr ? b[c] : 0.0f;
   }
   for (std::size_t i = 0; i < in; ++i) {
-    for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t r = r_begin; r < r_end; ++r) {
       const float xv = x[r * in + i];
       float* yr = y + r * out;
       for (std::size_t c = c0; c < c_end; ++c) yr[c] += xv * w[i * out + c];
@@ -212,12 +215,14 @@ void bias_grad(const float* dy, float* db, std::size_t rows, std::size_t out) {
 void linear_forward(const float* x, const float* w, const float* b, float* y, std::size_t rows,
                     std::size_t in, std::size_t out) {
   // A task per slice of columns (the last also takes the columns past the last whole tile), so
-  // that W is read from memory once.
+  // that a training step's few rows read W from memory once; many rows are split too (blocks of
+  // 64), so that a narrow layer still runs on every thread.
   const std::size_t slices = (out + kSliceCols - 1) / kSliceCols;
-  tbb::parallel_for(tbb::blocked_range<std::size_t>(0, slices, 1),
-                    [&](const tbb::blocked_range<std::size_t>& range) {
-                      forward_cols(x, w, b, y, range.begin() * kSliceCols,
-                                   std::min(out, range.end() * kSliceCols), rows, in, out);
+  tbb::parallel_for(tbb::blocked_range2d<std::size_t>(0, rows, kRowsPerTask, 0, slices, 1),
+                    [&](const tbb::blocked_range2d<std::size_t>& range) {
+                      forward_block(x, w, b, y, range.rows().begin(), range.rows().end(),
+                                    range.cols().begin() * kSliceCols,
+                                    std::min(out, range.cols().end() * kSliceCols), in, out);
                     });
 }
 
