@@ -53,6 +53,8 @@ def main():
     if not runs:
         raise SystemExit(f"{args.file}: no runs")
     ref = args.ref or runs[0]["name"]
+    if ref not in {run["name"] for run in runs}:
+        raise SystemExit(f"{args.file}: --ref {ref}: no such variant")
     table = {}
     for run in runs:
         missing = [s for s in steps if s not in run["steps"]]
