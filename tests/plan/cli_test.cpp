@@ -134,6 +134,25 @@ TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {
   EXPECT_EQ(j.at("params"), 1'000'000'000);
 }
 
+// With exact clipping the pass hides behind the next forward only: a third of the compute.
+TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
+  const std::string step =
+      "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB "
+      "--compute-s 6 --json" +
+      std::string(kRates);
+  const auto hidden = [&](const std::string& flags) {
+    const CliRun r = run_zinf(step + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    // The optimizer step (about 6.2 s here) is longer than any part of the 6 s of compute.
+    EXPECT_GT(j.at("optimizer_step_s").get<double>(), 6.0);
+    return j.at("optimizer_hidden_s").get<double>();
+  };
+  EXPECT_DOUBLE_EQ(hidden(""), 4.0);                      // 2/3 of 6 s: behind the backward
+  EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping"), 2.0);  // 1/3: behind the next forward
+  EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping --overlap-fraction 0.5"), 3.0);
+}
+
 TEST_F(PlanCli, BadOptionsExitOneWithAMessage) {
   CliRun r = run_zinf("plan --model gpt-17 --gpu-mem 8GB --host-mem 8GB" + std::string(kRates));
   EXPECT_EQ(r.exit_code, 1);

@@ -48,6 +48,7 @@ struct PlanOptions {
   bool no_flash_attention = false;
   bool no_overlap_step = false;
   double overlap_fraction = 2.0 / 3.0;
+  bool gradient_clipping = false;
   std::string arch = "transformer";
   std::uint64_t context_bytes = 16;
   std::uint64_t embed_dim = 16;
@@ -700,12 +701,17 @@ void setup_plan(CLI::App& app) {
                 "With --checkpoint-activations: the checkpoints live in host memory");
   sub->add_flag("--no-overlap-step", o->no_overlap_step,
                 "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
-  sub->add_option("--overlap-fraction", o->overlap_fraction,
-                  "Part of forward + backward the overlapped optimizer pass hides behind (the "
-                  "backward, 2/3: updates during the backward; 1/3: behind the next forward "
-                  "only, as with exact clipping; 1: both)")
-      ->check(CLI::Range(0.0, 1.0))
-      ->capture_default_str();
+  CLI::Option* fraction =
+      sub->add_option("--overlap-fraction", o->overlap_fraction,
+                      "Part of forward + backward the overlapped optimizer pass hides behind (the "
+                      "backward, 2/3: updates during the backward; 1/3: behind the next forward "
+                      "only, as with exact clipping; 1: both)")
+          ->check(CLI::Range(0.0, 1.0))
+          ->capture_default_str();
+  sub->add_flag("--gradient-clipping", o->gradient_clipping,
+                "The config clips gradients exactly (gradient_clipping > 0, without "
+                "zinf.clip_from_previous_step): the pass waits for the global norm at step() and "
+                "hides behind the next forward only, so --overlap-fraction defaults to 1/3");
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
@@ -774,7 +780,10 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--host-compute", o->host_compute,
                 "--step-only with --compute-s: the compute runs on this machine's CPU cores "
                 "(HostDevice), which the optimizer's update then shares");
-  sub->callback([o] { run_plan(*o); });
+  sub->callback([o, fraction] {
+    if (o->gradient_clipping && fraction->count() == 0) o->overlap_fraction = 1.0 / 3.0;
+    run_plan(*o);
+  });
 }
 
 }  // namespace
