@@ -54,6 +54,30 @@ constexpr std::size_t kSliceCols = 16 * kTileCols;
 constexpr std::size_t kChunk = 64;
 constexpr std::size_t kRowsPerTask = 64;
 
+// The register tile of the forward and the weight gradient: A rows of 16 outputs. add_outer
+// adds s[a * stride] * v[0..16) to row a, the one term of each of its sums; store_tile writes the
+// rows `pitch` floats apart.
+template <std::size_t A>
+[[gnu::always_inline]] inline void add_outer(V8 (&acc)[A][2], const float* s, std::size_t stride,
+                                             const float* v) {
+  const V8 v0 = load8(v);
+  const V8 v1 = load8(v + kLanes);
+  for (std::size_t a = 0; a < A; ++a) {
+    const V8 sa = splat(s[a * stride]);
+    acc[a][0] += sa * v0;
+    acc[a][1] += sa * v1;
+  }
+}
+
+template <std::size_t A>
+[[gnu::always_inline]] inline void store_tile(const V8 (&acc)[A][2], float* dst,
+                                              std::size_t pitch) {
+  for (std::size_t a = 0; a < A; ++a) {
+    store8(dst + a * pitch, acc[a][0]);
+    store8(dst + a * pitch + kLanes, acc[a][1]);
+  }
+}
+
 // y[r][c0..c0+16) for R rows from r0, over inputs [i0, i1): starts from the bias (or 0) when
 // i0 == 0, else from the partial sums in y.
 template <std::size_t R>
@@ -68,19 +92,8 @@ template <std::size_t R>
       acc[r][v] = from != nullptr ? load8(from + c0 + v * kLanes) : V8{};
     }
   }
-  for (std::size_t i = i0; i < i1; ++i) {
-    const V8 w0 = load8(w + i * out + c0);
-    const V8 w1 = load8(w + i * out + c0 + kLanes);
-    for (std::size_t r = 0; r < R; ++r) {
-      const V8 xv = splat(x[(r0 + r) * in + i]);
-      acc[r][0] += xv * w0;
-      acc[r][1] += xv * w1;
-    }
-  }
-  for (std::size_t r = 0; r < R; ++r) {
-    store8(y + (r0 + r) * out + c0, acc[r][0]);
-    store8(y + (r0 + r) * out + c0 + kLanes, acc[r][1]);
-  }
+  for (std::size_t i = i0; i < i1; ++i) add_outer(acc, x + r0 * in + i, in, w + i * out + c0);
+  store_tile(acc, y + r0 * out + c0, out);
 }
 
 TRAIN_LM_CLONES
@@ -164,19 +177,8 @@ template <std::size_t RI>
                                                std::size_t i0, std::size_t c0, std::size_t rows,
                                                std::size_t in, std::size_t out) {
   V8 acc[RI][2] = {};
-  for (std::size_t r = 0; r < rows; ++r) {
-    const V8 d0 = load8(dy + r * out + c0);
-    const V8 d1 = load8(dy + r * out + c0 + kLanes);
-    for (std::size_t k = 0; k < RI; ++k) {
-      const V8 xv = splat(x[r * in + i0 + k]);
-      acc[k][0] += xv * d0;
-      acc[k][1] += xv * d1;
-    }
-  }
-  for (std::size_t k = 0; k < RI; ++k) {
-    store8(dw + (i0 + k) * out + c0, acc[k][0]);
-    store8(dw + (i0 + k) * out + c0 + kLanes, acc[k][1]);
-  }
+  for (std::size_t r = 0; r < rows; ++r) add_outer(acc, x + r * in + i0, 1, dy + r * out + c0);
+  store_tile(acc, dw + i0 * out + c0, out);
 }
 
 TRAIN_LM_CLONES
