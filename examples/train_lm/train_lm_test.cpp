@@ -71,17 +71,26 @@ class FlatParams final : public ParamAccess {
   std::vector<ModuleSpec> specs_;
 };
 
-TEST(Gemm, MatchesNaiveProductsOnRandomData) {
-  const std::uint64_t seed = 11;
+// A linear layer's operands, seeded normal values: x [rows][in], w [in][out], b [out] and
+// dy [rows][out].
+struct Operands {
+  std::vector<float> x, w, b, dy;
+};
+Operands random_operands(std::uint64_t seed, std::size_t rows, std::size_t in, std::size_t out) {
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
   Rng rng(seed);
+  Operands o{std::vector<float>(rows * in), std::vector<float>(in * out), std::vector<float>(out),
+             std::vector<float>(rows * out)};
+  for (std::vector<float>* v : {&o.x, &o.w, &o.b, &o.dy}) {
+    for (float& e : *v) e = rng.normal();
+  }
+  return o;
+}
+
+TEST(Gemm, MatchesNaiveProductsOnRandomData) {
   // Odd sizes, so every remainder path runs.
   const std::size_t rows = 37, in = 29, out = 301;
-  std::vector<float> x(rows * in), w(in * out), b(out), dy(rows * out);
-  for (float& v : x) v = rng.normal();
-  for (float& v : w) v = rng.normal();
-  for (float& v : b) v = rng.normal();
-  for (float& v : dy) v = rng.normal();
+  const auto [x, w, b, dy] = random_operands(11, rows, in, out);
   std::vector<float> y(rows * out), dx(rows * in), dw(in * out, 7.0f), db(out, 7.0f);
   linear_forward(x.data(), w.data(), b.data(), y.data(), rows, in, out);
   linear_backward_input(dy.data(), w.data(), dx.data(), rows, in, out);
@@ -117,17 +126,10 @@ TEST(Gemm, MatchesNaiveProductsOnRandomData) {
 // threads, on machines that pick the same build of the kernels: AVX2 with FMA, or the baseline).
 TEST(Gemm, OneThreadAndTwoGiveTheSameBits) {
   if (tbb::info::default_concurrency() < 2) GTEST_SKIP() << "one CPU: no second thread to compare";
-  const std::uint64_t seed = 12;
-  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
-  Rng rng(seed);
   // Several tasks' worth of columns and rows (the kernels split W's columns or rows), with
   // remainders past the register tiles.
   const std::size_t rows = 131, in = 83, out = 1043;
-  std::vector<float> x(rows * in), w(in * out), b(out), dy(rows * out);
-  for (float& v : x) v = rng.normal();
-  for (float& v : w) v = rng.normal();
-  for (float& v : b) v = rng.normal();
-  for (float& v : dy) v = rng.normal();
+  const auto [x, w, b, dy] = random_operands(12, rows, in, out);
   struct Out {
     std::vector<float> y, dx, dw, db;
   };
