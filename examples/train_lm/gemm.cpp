@@ -46,9 +46,10 @@ constexpr std::size_t kLanes = 8;
 // weight gradient), or in the eight lane sums of the input gradient, so the bits do not depend
 // on the blocking or the number of threads.
 
-// Output columns per register tile (two vectors), columns per task (a run of W's row that the
-// hardware prefetches well), and inputs per pass over a task's columns: a strip of 64 x 16 floats
-// of W (4 KiB) stays in L1 while the row blocks reuse it.
+// Output columns per register tile (two vectors), columns per forward task (a run of W's row
+// that the hardware prefetches well), inputs per pass over a task's columns (a strip of 64 x 16
+// floats of W, 4 KiB, stays in L1 while the row blocks reuse it), and rows per forward task
+// where there are many.
 constexpr std::size_t kTileCols = 2 * kLanes;
 constexpr std::size_t kSliceCols = 16 * kTileCols;
 constexpr std::size_t kChunk = 64;
@@ -110,17 +111,16 @@ void forward_block(const float* x, const float* w, const float* b, float* y, std
       for (; r < r_end; ++r) forward_tile<1>(x, w, b, y, r, c, i0, i1, in, out);
     }
   }
-  const std::size_t c0 = c_main;
   // The last columns of a slice whose width is not a multiple of the tile, summed in y.
-  if (c0 == c_end) return;
+  if (c_main == c_end) return;
   for (std::size_t r = r_begin; r < r_end; ++r) {
-    for (std::size_t c = c0; c < c_end; ++c) y[r * out + c] = b != nullptr ? b[c] : 0.0f;
+    for (std::size_t c = c_main; c < c_end; ++c) y[r * out + c] = b != nullptr ? b[c] : 0.0f;
   }
   for (std::size_t i = 0; i < in; ++i) {
     for (std::size_t r = r_begin; r < r_end; ++r) {
       const float xv = x[r * in + i];
       float* yr = y + r * out;
-      for (std::size_t c = c0; c < c_end; ++c) yr[c] += xv * w[i * out + c];
+      for (std::size_t c = c_main; c < c_end; ++c) yr[c] += xv * w[i * out + c];
     }
   }
 }

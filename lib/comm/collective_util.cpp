@@ -106,6 +106,9 @@ Status validate_collective(const Collective& op, std::uint64_t sequence, int ran
 
 void reduce_range(std::span<const std::byte* const> srcs, std::size_t src_first, std::byte* dst,
                   std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op) {
+  // One rank's sum, average, maximum or minimum of its own values in place: nothing to do.
+  const std::size_t bytes = dtype_bytes(dtype);
+  if (srcs.size() == 1 && srcs[0] + src_first * bytes == dst + dst_first * bytes) return;
   float acc[kTileElements];
   float next[kTileElements];
   const int world = static_cast<int>(srcs.size());

@@ -46,7 +46,8 @@ Status validate_collective(const Collective& op, std::uint64_t sequence, int ran
 
 // dst[dst_first + i] = op over r in rank order of srcs[r][src_first + i], for i in [0, count),
 // accumulated in f32 and rounded once (kAverage divides the f32 sum by srcs.size()). NaN wins for
-// kMax and kMin. Each tile is read in full before it is written, so dst may be one of the sources.
+// kMax and kMin. Each tile is read in full before it is written, so dst may be one of the sources;
+// one source that is dst itself (one rank, in place) is its own result and is left as it is.
 // REQUIRES: !srcs.empty().
 void reduce_range(std::span<const std::byte* const> srcs, std::size_t src_first, std::byte* dst,
                   std::size_t dst_first, std::size_t count, DType dtype, ReduceOp op);

@@ -197,8 +197,6 @@ void LocalGroup::compute(int rank, const Slot& slot, const Collective& op, int p
       }
       return;
     case CollectiveKind::kReduceScatter:
-      // One rank's sum, average, maximum or minimum is its own values: in place, nothing to do.
-      if (world_size_ == 1 && recv == sends[0]) return;
       reduce_range(sends, static_cast<std::size_t>(rank) * op.element_count, recv, 0,
                    op.element_count, op.dtype, op.op);
       return;

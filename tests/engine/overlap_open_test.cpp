@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <functional>
 #include <limits>
 
 #include "base/random.hpp"
@@ -29,6 +30,18 @@ Config open_config(const std::string& nvme, bool overlap) {
   config.gradient_clipping = 0.0;
   config.overlap_step = overlap;
   return config;
+}
+
+// `body` on one rank whose passes open in the backward (open_config), with its state on NVMe in
+// a scratch directory named `name` and the bf16 test model of `seed`.
+void on_one_rank(const std::string& name, std::uint64_t seed,
+                 const std::function<Status(const Model&, Engine&)>& body) {
+  engine_test::ScratchDir dir(name);
+  const Model model = engine_test::make_model(DType::kBF16, seed);
+  std::vector<Status> st =
+      engine_test::with_engines(open_config(dir.path(), true), model, 1,
+                                [&](int, Engine& engine) -> Status { return body(model, engine); });
+  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
 }
 
 // Module m's gradients for `step` (from the initial values: no gather needed), with an inf in
@@ -290,49 +303,40 @@ TEST(OverlapOpen, ThePassTurnsInsideAGroupAndWritesItInTwoParts) {
 // a step whose backward skipped the first module still fails, naming one of its parameters,
 // instead of updating it with the previous step's gradients.
 TEST(OverlapOpen, AModuleLeftOutOfTheNextBackwardFailsTheStep) {
-  engine_test::ScratchDir dir("overlap_open_left_out");
-  const Model model = engine_test::make_model(DType::kBF16, 2306);
-  std::vector<Status> st = engine_test::with_engines(
-      open_config(dir.path(), true), model, 1, [&](int, Engine& engine) -> Status {
-        ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
-        ZINF_RETURN_IF_ERROR(engine.step().status());
-        ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
-        ZINF_RETURN_IF_ERROR(engine.step().status());
-        // Step 3: every module but the first (the pass of step 2 read its gradients last).
-        for (std::size_t k = model.modules.size(); k-- > 1;) {
-          ZINF_RETURN_IF_ERROR(reduce_module(engine, model, model.modules[k], 3));
-        }
-        Status step = engine.step().status();
-        EXPECT_EQ(step.code(), Code::kFailedPrecondition) << step.to_string();
-        // embed.w, the first module's parameter.
-        EXPECT_NE(step.message().find("'" + model.params.front().name +
-                                      "' had 0 gradient(s) reduced since the last step"),
-                  std::string::npos)
-            << step.to_string();
-        return Status::ok();
-      });
-  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+  on_one_rank("overlap_open_left_out", 2306, [](const Model& model, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+    ZINF_RETURN_IF_ERROR(engine.step().status());
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
+    ZINF_RETURN_IF_ERROR(engine.step().status());
+    // Step 3: every module but the first (the pass of step 2 read its gradients last).
+    for (std::size_t k = model.modules.size(); k-- > 1;) {
+      ZINF_RETURN_IF_ERROR(reduce_module(engine, model, model.modules[k], 3));
+    }
+    Status step = engine.step().status();
+    EXPECT_EQ(step.code(), Code::kFailedPrecondition) << step.to_string();
+    // embed.w, the first module's parameter.
+    EXPECT_NE(step.message().find("'" + model.params.front().name +
+                                  "' had 0 gradient(s) reduced since the last step"),
+              std::string::npos)
+        << step.to_string();
+    return Status::ok();
+  });
 }
 
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
-  engine_test::ScratchDir dir("overlap_open_micro");
-  const Model model = engine_test::make_model(DType::kBF16, 2302);
-  std::vector<Status> st = engine_test::with_engines(
-      open_config(dir.path(), true), model, 1, [&](int, Engine& engine) -> Status {
-        ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
-        ZINF_RETURN_IF_ERROR(engine.step().status());
-        ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
-        // gradient_accumulation_steps is 1: the pass took every module's gradients as final.
-        Status again = reduce_module(engine, model, model.modules.back(), 2);
-        EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
-        EXPECT_NE(again.message().find("more than gradient_accumulation_steps (1)"),
-                  std::string::npos)
-            << again.to_string();
-        Status step = engine.step().status();
-        EXPECT_EQ(step.code(), Code::kFailedPrecondition) << "sticky: " << step.to_string();
-        return Status::ok();
-      });
-  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+  on_one_rank("overlap_open_micro", 2302, [](const Model& model, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+    ZINF_RETURN_IF_ERROR(engine.step().status());
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
+    // gradient_accumulation_steps is 1: the pass took every module's gradients as final.
+    Status again = reduce_module(engine, model, model.modules.back(), 2);
+    EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
+    EXPECT_NE(again.message().find("more than gradient_accumulation_steps (1)"), std::string::npos)
+        << again.to_string();
+    Status step = engine.step().status();
+    EXPECT_EQ(step.code(), Code::kFailedPrecondition) << "sticky: " << step.to_string();
+    return Status::ok();
+  });
 }
 
 TEST(OverlapOpen, ANonFiniteGradientFailsTheStepTheSequentialStepSkips) {
@@ -363,17 +367,13 @@ TEST(OverlapOpen, ANonFiniteGradientFailsTheStepTheSequentialStepSkips) {
 }
 
 TEST(OverlapOpen, AnEngineClosedWithAPassOpenReturns) {
-  engine_test::ScratchDir dir("overlap_open_close");
-  const Model model = engine_test::make_model(DType::kBF16, 2304);
-  std::vector<Status> st = engine_test::with_engines(
-      open_config(dir.path(), true), model, 1, [&](int, Engine& engine) -> Status {
-        ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
-        ZINF_RETURN_IF_ERROR(engine.step().status());
-        // Half a backward: the pass opens and waits for the first modules' gradients, which
-        // never come; closing the engine calls it off.
-        return reduce_module(engine, model, model.modules.back(), 2);
-      });
-  ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
+  on_one_rank("overlap_open_close", 2304, [](const Model& model, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+    ZINF_RETURN_IF_ERROR(engine.step().status());
+    // Half a backward: the pass opens and waits for the first modules' gradients, which
+    // never come; closing the engine calls it off.
+    return reduce_module(engine, model, model.modules.back(), 2);
+  });
 }
 
 }  // namespace
