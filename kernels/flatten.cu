@@ -29,21 +29,22 @@ __global__ void batched_copy_kernel(CopyBatch batch) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   const std::uintptr_t misalign =
       reinterpret_cast<std::uintptr_t>(src) | reinterpret_cast<std::uintptr_t>(dst);
-  std::size_t width = 1;
+  // The widest word both ends are aligned to copies all whole words; the bytes after the last
+  // whole word (or every byte, where an end is at an odd address) go one at a time.
+  std::size_t done = 0;
   if ((misalign & 15u) == 0) {
-    width = 16;
     copy_words<uint4>(src, dst, seg.bytes / 16, first, stride);
+    done = seg.bytes / 16 * 16;
   } else if ((misalign & 7u) == 0) {
-    width = 8;
     copy_words<std::uint64_t>(src, dst, seg.bytes / 8, first, stride);
+    done = seg.bytes / 8 * 8;
   } else if ((misalign & 3u) == 0) {
-    width = 4;
     copy_words<std::uint32_t>(src, dst, seg.bytes / 4, first, stride);
+    done = seg.bytes / 4 * 4;
   } else if ((misalign & 1u) == 0) {
-    width = 2;
     copy_words<std::uint16_t>(src, dst, seg.bytes / 2, first, stride);
+    done = seg.bytes / 2 * 2;
   }
-  const std::size_t done = seg.bytes / width * width;
   for (std::size_t i = done + first; i < seg.bytes; i += stride) dst[i] = src[i];
 }
 

@@ -18,6 +18,7 @@
 #include "base/assert.hpp"
 #include "comm/nccl_comm.hpp"
 #include "comm/nccl_comm_handle.hpp"
+#include "device/cuda_status.hpp"
 #if defined(ZINF_HAVE_MPI)
 #include "comm/mpi_comm.hpp"
 #endif
@@ -153,6 +154,19 @@ class NcclComm final : public Communicator {
     ZINF_ASSIGN_OR_RETURN(const ncclDataType_t dtype, nccl_dtype(op.dtype));
     ZINF_ASSIGN_OR_RETURN(const ncclRedOp_t red, nccl_op(op.op));
     auto* s = static_cast<cudaStream_t>(stream.native_handle());
+    if (world_size_ == 1 && op.op == ReduceOp::kAverage &&
+        (op.kind == CollectiveKind::kAllReduce || op.kind == CollectiveKind::kReduceScatter)) {
+      // The average over one rank is the input. NCCL before 2.29.7 computes it with a kernel that
+      // leaves the last (count mod its block count) elements of an out-of-place result unwritten
+      // (NVIDIA/nccl#1950; seen with 2.28.9 on an H200), so it is a copy here.
+      if (op.send == op.recv) return Status::ok();
+      Status copied = status_from_cuda(
+          fmt::format("{} '{}' on {}: one-rank average as a copy", kind, op.name, name_),
+          cudaMemcpyAsync(op.recv, op.send, op.element_count * dtype_bytes(op.dtype),
+                          cudaMemcpyDeviceToDevice, s));
+      if (!copied.is_ok()) abort(copied);
+      return copied;
+    }
     ncclResult_t r = ncclSuccess;
     switch (op.kind) {
       case CollectiveKind::kAllGather:
