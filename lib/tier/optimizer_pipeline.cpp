@@ -267,11 +267,19 @@ OptimizerPipeline::Entry& OptimizerPipeline::entry(std::size_t p) {
   return e;
 }
 
-Status OptimizerPipeline::called_off(std::size_t p, const StepArgs& args) const {
+Status OptimizerPipeline::called_off(std::size_t p, const StepArgs& args) {
+  called_off_at_ = p;
   return Status::aborted(
       fmt::format("optimizer step {}: called off before sub-group {}'s gradients were final "
                   "({} of {} sub-groups updated)",
                   args.step, sub_group_at(p), p, store_.sub_group_count()));
+}
+
+bool OptimizerPipeline::store_holds(std::int64_t step) const {
+  for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
+    if (store_.torn(i) || store_.stored_step(i) != step) return false;
+  }
+  return true;
 }
 
 void OptimizerPipeline::trace_span(int track, const char* what, std::size_t i,
@@ -310,6 +318,7 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   mode_ = args.mode;
   descending_ = args.descending;
   turn_ = static_cast<std::size_t>(-1);
+  called_off_at_ = static_cast<std::size_t>(-1);
   stats_.sub_groups = store_.sub_group_count();
   const std::int64_t start = Trace::now_ns();
   Status status;
@@ -322,7 +331,10 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   }
   stats_.wall_ns = Trace::now_ns() - start;
   if (!status.is_ok()) {
-    error_ = status;
+    // Called off before any update: every sub-group holds the previous step (drain() recorded
+    // none new or torn), so the next step() may run.
+    const bool untouched = called_off_at_ == 0 && store_holds(args.step - 1);
+    if (!untouched) error_ = status;
     return status;
   }
   return stats_;
@@ -346,7 +358,8 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
   span.count = store_.sub_group_size(i);
   StepOptions step_options;
   step_options.step = args.step;
-  step_options.grad_scale = args.grad_scale;
+  step_options.grad_scale =
+      args.late_grad_scale != nullptr ? *args.late_grad_scale : args.grad_scale;
   step_options.check_overflow = false;
   step_options.simd = options_.simd;
   step_options.threads = 0;  // in arena_

@@ -25,7 +25,8 @@
 // and its sub-group written back, every I/O in flight is waited for (never is a block reused
 // while I/O into it may still land), and the step returns a Status naming the
 // step, the sub-group and what failed. The error is sticky: every later step() returns it, so
-// training cannot continue on half-updated state. The store then says, for every sub-group,
+// training cannot continue on half-updated state (the one exception: a step its gate calls off
+// before it updated anything, GradsReady). The store then says, for every sub-group,
 // whether it holds the old step, the new step, or is torn (some of its writes failed): a sub-group
 // is new only when all of its writes landed, old when none was submitted.
 //
@@ -126,7 +127,10 @@ enum class StepMode : std::uint8_t {
 // Whether sub-group i's gradients are final, asked by a step with a gate before it updates i:
 // > 0 yes, 0 not yet (asked again within about 100 us; the reads run ahead meanwhile), < 0 the
 // step is called off (it fails with kAborted; sub-groups updated before it are new, the rest
-// old; the error is sticky like any other). Called on the step()'s thread; must not block.
+// old). The error is sticky like any other, unless no sub-group was updated yet: then the store
+// holds the previous step everywhere, nothing is lost, and the next step() may run (the
+// overlapped step's reads ahead of a step that is then skipped). Called on the step()'s thread;
+// must not block.
 using GradsReady = int (*)(void* user, std::size_t sub_group);
 
 // Whether a descending step may take the sub-groups not yet begun, [0, left), from the first up
@@ -139,6 +143,10 @@ struct StepArgs {
   // 1 / loss scale times the clipping coefficient, decided before the step (the overflow check
   // and the gradient norm happen before any state is touched).
   float grad_scale = 1.0f;
+  // With a gate: when set, each update reads the scale here instead of grad_scale, so a step
+  // can begin (read ahead) before the scale is decided. Written before the gate first says yes;
+  // the gate's answer must be an acquire of what the writer released after writing it.
+  const float* late_grad_scale = nullptr;
   StepMode mode = StepMode::kFull;
   // The sub-groups from the last to the first (the order a backward pass finishes them in when
   // the partition follows the forward order), instead of first to last. The update is the same
@@ -263,7 +271,10 @@ class OptimizerPipeline {
   int gate(std::size_t p, const StepArgs& args) const {
     return args.ready == nullptr ? 1 : args.ready(args.ready_user, sub_group_at(p));
   }
-  Status called_off(std::size_t p, const StepArgs& args) const;
+  // The step's error when the gate calls it off before position p; notes p.
+  Status called_off(std::size_t p, const StepArgs& args);
+  // Every sub-group holds step `step`, none torn.
+  bool store_holds(std::int64_t step) const;
   Entry& entry(std::size_t p);
   void trace_span(int track, const char* what, std::size_t i, std::int64_t start_ns,
                   std::int64_t end_ns);
@@ -290,6 +301,8 @@ class OptimizerPipeline {
   bool descending_ = false;  // the running step's order
   // Descending, the first position taken in ascending order (none: SIZE_MAX).
   std::size_t turn_ = static_cast<std::size_t>(-1);
+  // The position before which the gate called the running step off (none: SIZE_MAX).
+  std::size_t called_off_at_ = static_cast<std::size_t>(-1);
   std::size_t held_ = 0;
   // Update thread state, guarded by update_mutex_.
   std::thread updater_;
