@@ -191,6 +191,10 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_option("--optimizer-threads", o->optimizer_threads,
                  "threads of the engine's CPU optimizer (zinf.cpu_threads; 0: every core)")
       ->check(CLI::Range(0, 4096));
+  app.add_option("--optimizer-buffers", o->optimizer_buffers,
+                 "pinned blocks of one sub-group each for the optimizer's NVMe reads and writes "
+                 "(offload_optimizer.buffer_count): how far its reads run ahead")
+      ->check(CLI::Range(2, 4096));
   app.add_option("--seed", o->seed, "seed of the initial weights and of the batches");
   app.add_option("--eval-every", o->eval_every, "steps between validation losses")
       ->check(CLI::Range(1, 100'000'000));

@@ -34,14 +34,15 @@ struct Options {
   // and --steps as DeepSpeed's WarmupCosineLR (linear warm-up, cosine to 10% of --lr at the last
   // step). The engine steps it; the plain loop evaluates the same formulas.
   zinf::ScheduleConfig schedule;
-  double weight_decay = 0.01;      // --weight-decay (AdamW, decoupled)
-  double grad_clip = 1.0;          // --grad-clip (0: off)
-  bool clip_previous = false;      // --clip-previous: zinf.clip_from_previous_step
-  int optimizer_threads = 0;       // --optimizer-threads: zinf.cpu_threads (0: every core)
-  std::uint64_t seed = 1;          // --seed
-  std::int64_t eval_every = 25;    // --eval-every: steps between validation losses
-  std::size_t eval_tokens = 8192;  // --eval-tokens
-  double time_limit_s = 0;         // --time-limit: stop early after this many seconds (0: none)
+  double weight_decay = 0.01;         // --weight-decay (AdamW, decoupled)
+  double grad_clip = 1.0;             // --grad-clip (0: off)
+  bool clip_previous = false;         // --clip-previous: zinf.clip_from_previous_step
+  int optimizer_threads = 0;          // --optimizer-threads: zinf.cpu_threads (0: every core)
+  std::size_t optimizer_buffers = 4;  // --optimizer-buffers: offload_optimizer.buffer_count
+  std::uint64_t seed = 1;             // --seed
+  std::int64_t eval_every = 25;       // --eval-every: steps between validation losses
+  std::size_t eval_tokens = 8192;     // --eval-tokens
+  double time_limit_s = 0;            // --time-limit: stop early after this many seconds (0: none)
   // zinf.
   bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
   // --overlap-step on|off: zinf.overlap_step (off: step() returns with every parameter published)

@@ -108,8 +108,6 @@ std::uint64_t sub_group_params(const Options& o, std::uint64_t param_count) {
   return std::clamp<std::uint64_t>(sub, 65536, std::uint64_t{4} << 20);
 }
 
-constexpr std::size_t kOptimizerBuffers = 4;
-
 // The nearest existing directory at or above `path`.
 fs::path existing_ancestor(fs::path path) {
   std::error_code ec;
@@ -489,7 +487,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.zero.stage = o.stage;
   c.zero.offload_optimizer.device = offload_device(o.offload_optimizer);
   c.zero.offload_optimizer.nvme_path = o.nvme_path;
-  c.zero.offload_optimizer.buffer_count = kOptimizerBuffers;
+  c.zero.offload_optimizer.buffer_count = o.optimizer_buffers;
   c.zero.offload_param.device = offload_device(o.offload_param);
   c.zero.offload_param.nvme_path = o.nvme_path;
   c.zero.sub_group_size = sub_group_params(o, param_count);
@@ -1210,7 +1208,7 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   if (o.offload_optimizer == "cpu") host += 12 * params;
   if (o.offload_param == "cpu") host += params * dtype_bytes;
   if (o.offload_optimizer == "nvme") {
-    host += world * kOptimizerBuffers * 16 * sub_group_params(o, params);
+    host += world * o.optimizer_buffers * 16 * sub_group_params(o, params);
     f.nvme_bytes += 12 * params;
   }
   if (o.offload_param == "nvme") f.nvme_bytes += params * dtype_bytes;
