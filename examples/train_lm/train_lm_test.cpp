@@ -683,13 +683,14 @@ TEST(Program, OverlappedStepWritesTheSameLossesAndMastersAsSequential) {
 // optimizer pass's read / update / write tracks run at the same time as the next step's forward
 // spans. With --overlap-step off no pass span meets a forward span (the pass runs inside step()).
 // Without clipping ("noclip": --grad-clip 0, at stage 3) the pass begins during the backward:
-// update spans run inside backward spans, which with clipping (the pass starts at step(), after
-// the backward, and the next backward waits for each group it reduces into) they do in
-// none of the first steps here.
+// update spans run inside backward spans, which with clipping (the pass updates from step(),
+// after the backward, and the next backward waits for each group it reduces into) they do in
+// none of the first steps here. With clipping ("on") the pass still begins during the backward,
+// but only reads ahead: read spans run inside backward spans (never with --overlap-step off).
 TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
   const fs::path dir = scratch_dir("train_lm_overlap_trace");
   std::map<std::string, double> overlap_ms;
-  std::map<std::string, double> update_in_backward_ms;
+  std::map<std::string, double> update_in_backward_ms, read_in_backward_ms;
   for (const std::string mode : {"on", "off", "noclip"}) {
     const fs::path trace = dir / ("trace_" + mode + ".json");
     std::string err;
@@ -709,7 +710,7 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
     std::ifstream in(trace);
     const nlohmann::json root = nlohmann::json::parse(in);
     const nlohmann::json& events = root.is_array() ? root : root.at("traceEvents");
-    std::vector<std::pair<double, double>> forward, backward, pass, update;
+    std::vector<std::pair<double, double>> forward, backward, pass, update, read;
     int pass_spans = 0;
     for (const nlohmann::json& e : events) {
       if (e.value("ph", "") != "X") continue;
@@ -718,6 +719,7 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
       if (name == "forward") forward.push_back({ts, ts + dur});
       if (name == "backward") backward.push_back({ts, ts + dur});
       if (name.rfind("update sg", 0) == 0) update.push_back({ts, ts + dur});
+      if (name.rfind("read sg", 0) == 0) read.push_back({ts, ts + dur});
       if (name.rfind("read sg", 0) == 0 || name.rfind("update sg", 0) == 0 ||
           name.rfind("write sg", 0) == 0) {
         pass.push_back({ts, ts + dur});
@@ -738,16 +740,20 @@ TEST(Program, TraceShowsTheOptimizerPassBesideTheNextForwardPass) {
     };
     overlap_ms[mode] = inside_ms(forward, pass);
     update_in_backward_ms[mode] = inside_ms(backward, update);
+    read_in_backward_ms[mode] = inside_ms(backward, read);
     std::printf(
         "mode %s: %zu forward spans, %zu backward spans, %d pass spans, %.3f ms of pass spans "
-        "inside forward spans, %.3f ms of update spans inside backward spans\n",
+        "inside forward spans, %.3f ms of update and %.3f ms of read spans inside backward "
+        "spans\n",
         mode.c_str(), forward.size(), backward.size(), pass_spans, overlap_ms[mode],
-        update_in_backward_ms[mode]);
+        update_in_backward_ms[mode], read_in_backward_ms[mode]);
   }
   EXPECT_GT(overlap_ms["on"], 0.0);
   EXPECT_EQ(overlap_ms["off"], 0.0);
   EXPECT_EQ(update_in_backward_ms["off"], 0.0);
   EXPECT_GT(update_in_backward_ms["noclip"], 0.0);
+  EXPECT_EQ(read_in_backward_ms["off"], 0.0);
+  EXPECT_GT(read_in_backward_ms["on"], 0.0);
   fs::remove_all(dir);
 }
 

@@ -204,6 +204,11 @@ struct StepReport {
   // and no loss scaling, stages 2-3, gradients in host memory): it updated each part of the
   // state as soon as the reductions into it were over, from the last module to the first.
   bool in_backward = false;
+  // This step's pass began during its backward but only read ahead (gradient_clipping or loss
+  // scaling: the same runs otherwise): it read the state of its first sub-groups into the pinned
+  // pool while the backward ran, and updated only once step() had decided the scale. For a
+  // skipped step it was called off and changed nothing.
+  bool read_ahead = false;
 };
 
 // Bytes of this rank's state on each tier, fixed at finalize().

@@ -389,6 +389,7 @@ typedef struct zinf_step_report {
   int32_t in_backward;    /* 1: this step's pass began during its backward */
   int64_t hidden_ns;      /* of that pass's time, the part hidden behind the caller's compute */
   int64_t gather_wait_ns; /* gathers since the previous step waiting for the pass's parameters */
+  int32_t read_ahead;     /* 1: this step's pass began during its backward, reading ahead only */
 } zinf_step_report_t;
 
 /* Applies the optimizer to the gradients reduced since the last step. When `report` is not

@@ -791,6 +791,7 @@ zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) 
     full.in_backward = r.in_backward ? 1 : 0;
     full.hidden_ns = r.hidden_ns;
     full.gather_wait_ns = r.gather_wait_ns;
+    full.read_ahead = r.read_ahead ? 1 : 0;
     // An older caller's struct is a prefix of ours: write only what it has.
     std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
     return Status::ok();

@@ -189,9 +189,12 @@ class Engine::Impl {
       // check need every gradient), gradients in
       // host memory and reduce-scattered as they come (stages 2 and 3; stage 1 reduces at the
       // step). See step_overlap.hpp.
-      in_backward_ = state_->gates() && reducer_->zeroes_groups() &&
+      // With clipping or loss scaling the pass still opens there, but only reads ahead until
+      // step() has decided the step (OverlappedStep::open_reads()).
+      opens_in_backward_ = state_->gates() && reducer_->zeroes_groups() && config_.zero.stage >= 2;
+      in_backward_ = opens_in_backward_ &&
                      (config_.gradient_clipping <= 0.0 || config_.clip_from_previous_step) &&
-                     !config_.fp16.enabled && config_.zero.stage >= 2;
+                     !config_.fp16.enabled;
       pending_final_.reserve(layout_.group_count());
       OverlappedStep::Parts parts;
       parts.layout = &layout_;
@@ -202,7 +205,7 @@ class Engine::Impl {
       parts.counters = &counters_;
       parts.trace = env_.trace;
       parts.rank = rank_;
-      parts.in_backward = in_backward_;
+      parts.in_backward = opens_in_backward_;
       overlap_ = std::make_unique<OverlappedStep>(parts);
     }
     finalized_ = true;
@@ -389,7 +392,12 @@ class Engine::Impl {
     }
     if (open) {
       const std::size_t first = layout_.module_params(m).front();
-      if (reducer_->reduced(static_cast<ParamId>(first)) >= config_.gradient_accumulation_steps) {
+      const bool extra =
+          reducer_->reduced(static_cast<ParamId>(first)) >= config_.gradient_accumulation_steps;
+      if (extra && overlap_->reads_only()) {
+        // A pass that only reads ahead is called off: the step runs at step() as it would have.
+        ZINF_RETURN_IF_ERROR(call_off_reads());
+      } else if (extra) {
         // The pass has taken this module's gradients as final already.
         overlap_->cancel();
         return fail(Status::failed_precondition(fmt::format(
@@ -399,21 +407,24 @@ class Engine::Impl {
             "call step() after every gradient_accumulation_steps micro-batches",
             module, config_.gradient_accumulation_steps, overlap_->pass_step(),
             config_.gradient_accumulation_steps)));
+      } else {
+        // The reductions before this one have run (the backward's compute in between hid them).
+        ZINF_RETURN_IF_ERROR(confirm_final());
       }
-      // The reductions before this one have run (the backward's compute in between hid them).
-      ZINF_RETURN_IF_ERROR(confirm_final());
     }
     {
       Trace::Span span(env_.trace, track_, reduce_span_names_[m]);
       grads_pending_ = true;
       ZINF_RETURN_IF_ERROR(fail(reducer_->reduce(layout_.module_groups(m), sources)));
     }
-    return in_backward_ ? after_reduce(m) : Status::ok();
+    return opens_in_backward_ ? after_reduce(m) : Status::ok();
   }
 
-  // With updates during the backward: module m's last micro-batch of the step is reduced (or
-  // being reduced), so its groups become final for the pass once the reduction has run; the
-  // first such module of a step opens the pass.
+  // With a pass that opens during the backward: module m's last micro-batch of the step is
+  // reduced (or being reduced), so its groups become final for the pass once the reduction has
+  // run; the first such module of a step opens the pass. Where step() must decide the scale
+  // first (clipping, loss scaling, or the first step of zinf.clip_from_previous_step) the pass
+  // only reads ahead, and nothing is final before step().
   Status after_reduce(std::size_t m) {
     const std::vector<std::size_t>& params = layout_.module_params(m);
     if (params.empty() || reducer_->reduced(static_cast<ParamId>(params.front())) <
@@ -427,17 +438,23 @@ class Engine::Impl {
       // never has a pass open early.
       const bool declared =
           config_.gradient_accumulation_given || config_.gradient_accumulation_steps > 1;
-      if (lr_override_ || !(micro_matched_ || declared)) return Status::ok();
+      if (lr_override_ || called_off_ || !(micro_matched_ || declared)) return Status::ok();
       // With zinf.clip_from_previous_step, the first step's scale needs its own norm.
       const std::optional<float> scale =
-          numerics_->scale_before_norm(static_cast<int>(config_.gradient_accumulation_steps));
-      if (!scale.has_value()) return Status::ok();
+          in_backward_
+              ? numerics_->scale_before_norm(static_cast<int>(config_.gradient_accumulation_steps))
+              : std::nullopt;
       // The previous step's pass; the backward's reductions waited for its groups already.
       if (overlap_->running()) ZINF_RETURN_IF_ERROR(finish_step(/*collective=*/false));
       set_step_params(t_ + 1);
       ZINF_RETURN_IF_ERROR(fail(state_->set_group_params(group_params_)));
-      overlap_->open_pass(t_ + 1, *scale);
+      if (scale.has_value()) {
+        overlap_->open_pass(t_ + 1, *scale);
+      } else {
+        overlap_->open_reads(t_ + 1);
+      }
     }
+    if (overlap_->reads_only()) return Status::ok();
     for (std::uint32_t g : layout_.module_groups(m)) pending_final_.push_back(g);
     pending_module_ = m;
     return Status::ok();
@@ -458,6 +475,7 @@ class Engine::Impl {
 
   // --- Step ------------------------------------------------------------------------------------
   Result<StepReport> step() {
+    called_off_ = false;
     if (overlap_ != nullptr && overlap_->open()) {
       ZINF_RETURN_IF_ERROR(commit_step());
       return report_;
@@ -505,7 +523,16 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(fail(decision.status()));
     const StepDecision& d = *decision;
     StepReport& rep = report_;
-    if (d.overflow) {
+    if (overlap_->reads_only()) {
+      // Nothing is updated yet: a skipped step calls the pass off, an applied one lets it
+      // update with the scale decided now.
+      rep.read_ahead = true;
+      if (d.overflow) {
+        ZINF_RETURN_IF_ERROR(fail(overlap_->call_off()));
+        return skipped(rep, start);
+      }
+      overlap_->decide(d.grad_scale);
+    } else if (d.overflow) {
       // The sequential step would skip it; here parts of the state are updated already (the
       // last reductions' groups are not final yet: the pass stops before them at the latest).
       return fail(Status::aborted(fmt::format(
@@ -514,9 +541,11 @@ class Engine::Impl {
           "\"Updates during the backward\"), so it cannot be skipped: load a checkpoint; with "
           "zinf.overlap_step false such a step is skipped",
           overlap_->pass_step(), d.grad_norm)));
+    } else {
+      ZINF_ASSERT_MSG(d.grad_scale == overlap_->pass_scale(),
+                      "step: the pass opened during the backward has another gradient scale");
+      rep.in_backward = true;
     }
-    ZINF_ASSERT_MSG(d.grad_scale == overlap_->pass_scale(),
-                    "step: the pass opened during the backward has another gradient scale");
     // The last reductions' groups, and every other group (every module was reduced
     // gradient_accumulation_steps times; a module whose reduction came before the pass opened,
     // when set_lr_schedule() made it open later in the backward, is final too).
@@ -527,7 +556,6 @@ class Engine::Impl {
     ++t_;
     ZINF_ASSERT(t_ == overlap_->pass_step());
     rep.overlapped = true;
-    rep.in_backward = true;
     overlap_->take_figures(rep);
     overlap_->commit();
     return applied(rep, start);
@@ -543,6 +571,23 @@ class Engine::Impl {
     rep.next_loss_scale = scaler.scale();
     rep.wall_ns = Trace::now_ns() - start;
     ++steps_;
+    return Status::ok();
+  }
+
+  // A step skipped on overflow: nothing changes but the loss scale, and the gradients are zeroed.
+  Status skipped(StepReport& rep, std::int64_t start) {
+    rep.overlapped = overlap_ != nullptr;
+    if (rep.overlapped) overlap_->take_figures(rep);
+    LossScaler& scaler = numerics_->scaler();
+    scaler.update(true);
+    reducer_->zero();
+    grads_pending_ = false;
+    rep.skipped = true;
+    rep.step = t_;
+    rep.next_loss_scale = scaler.scale();
+    rep.wall_ns = Trace::now_ns() - start;
+    ++steps_;
+    ++skipped_steps_;
     return Status::ok();
   }
 
@@ -582,22 +627,7 @@ class Engine::Impl {
     std::int64_t t2 = 0;
     ZINF_ASSIGN_OR_RETURN(const StepDecision d, reduce_and_decide(micro, &t2));
     StepReport& rep = report_;
-    LossScaler& scaler = numerics_->scaler();
-
-    if (d.overflow) {
-      rep.overlapped = overlap_ != nullptr;
-      if (rep.overlapped) overlap_->take_figures(rep);
-      scaler.update(true);
-      reducer_->zero();
-      grads_pending_ = false;
-      rep.skipped = true;
-      rep.step = t_;
-      rep.next_loss_scale = scaler.scale();
-      rep.wall_ns = Trace::now_ns() - start;
-      ++steps_;
-      ++skipped_steps_;
-      return Status::ok();
-    }
+    if (d.overflow) return skipped(rep, start);
     rep.clip_coef = d.clip_coef;
     ++t_;
     // The schedule's (or set_learning_rate()'s) hyper-parameters for this step.
@@ -665,6 +695,7 @@ class Engine::Impl {
   }
 
   Status set_lr_schedule(const ScheduleConfig& config) {
+    ZINF_RETURN_IF_ERROR(call_off_reads());
     if (overlap_ != nullptr && overlap_->open()) {
       return Status::failed_precondition(fmt::format(
           "set_lr_schedule: the optimizer step {} began during the backward with the current "
@@ -678,6 +709,9 @@ class Engine::Impl {
   }
 
   Status set_learning_rate(double lr) {
+    if (overlap_ != nullptr && overlap_->reads_only() && lr != lr_for_step(overlap_->pass_step())) {
+      ZINF_RETURN_IF_ERROR(call_off_reads());
+    }
     if (overlap_ != nullptr && overlap_->open() && lr != lr_for_step(overlap_->pass_step())) {
       return Status::failed_precondition(fmt::format(
           "set_learning_rate({}): the optimizer step {} began during the backward with the "
@@ -753,7 +787,7 @@ class Engine::Impl {
     // Local: the pass's writes landed; the persistent groups wait for a collective call. A pass
     // that failed (a peer gone mid-step) is already this rank's sticky error; the swap is read
     // back all the same, since checking it after a failure is what this call is for.
-    if (finalized_ && overlap_ != nullptr && overlap_->open()) {
+    if (finalized_ && overlap_ != nullptr && overlap_->open() && !overlap_->reads_only()) {
       return finish_step(/*collective=*/false);  // refused: the pass writes the swap
     }
     if (finalized_) (void)finish_step(/*collective=*/false);
@@ -827,9 +861,11 @@ class Engine::Impl {
   // reduce_gradients()'s per-parameter sources and its span names (per module), made at finalize.
   std::vector<GradSource> sources_;
   std::vector<std::string> reduce_span_names_;
-  bool grads_pending_ = false;  // reduce_gradients() was called since the last step
-  bool in_backward_ = false;    // the overlapped step updates during the backward
-  bool micro_matched_ = false;  // the last step had gradient_accumulation_steps micro-batches
+  bool grads_pending_ = false;      // reduce_gradients() was called since the last step
+  bool opens_in_backward_ = false;  // the overlapped step's pass may open during the backward
+  bool in_backward_ = false;        // ... and update there (else it reads ahead only)
+  bool called_off_ = false;         // a pass reading ahead was called off since step()
+  bool micro_matched_ = false;      // the last step had gradient_accumulation_steps micro-batches
   std::vector<std::uint32_t> pending_final_;  // groups reduced, not yet final for the open pass
   std::size_t pending_module_ = SIZE_MAX;     // the module whose groups are pending_final_
   std::int64_t t_ = 0;
@@ -850,10 +886,20 @@ class Engine::Impl {
   // The overlapped step (zinf.overlap_step), when the state overlaps; null: the sequential step.
   std::unique_ptr<OverlappedStep> overlap_;
 
+  // Calls off a pass that only reads ahead (OverlappedStep::call_off()): the step then runs at
+  // step() as a sequential decision would start it, and no pass opens again before step().
+  Status call_off_reads() {
+    if (overlap_ == nullptr || !overlap_->reads_only()) return Status::ok();
+    called_off_ = true;
+    return fail(overlap_->call_off());
+  }
+
   // Waits for an overlapped pass (see OverlappedStep::finish()); its error is sticky. A pass
-  // opened during the backward needs the rest of the backward and step(): refused, not sticky.
+  // that only reads ahead is called off. A pass updating during the backward needs the rest of
+  // the backward and step(): refused, not sticky.
   Status finish_step(bool collective) {
     if (overlap_ == nullptr) return Status::ok();
+    ZINF_RETURN_IF_ERROR(call_off_reads());
     if (overlap_->open()) {
       return Status::failed_precondition(fmt::format(
           "the optimizer step {} is updating the state beside the backward (zinf.overlap_step: "

@@ -86,6 +86,9 @@ struct PassGate {
   RangeReady ready = nullptr;
   RangeAscend ascend = nullptr;  // optional
   void* user = nullptr;
+  // Optional: each update reads the gradient scale here instead of step_gated()'s grad_scale
+  // (StepArgs::late_grad_scale): a pass that reads ahead before step() decides the scale.
+  const float* grad_scale = nullptr;
 };
 
 // Callbacks over the partition: (first element, element count, values).
@@ -123,8 +126,9 @@ class OptimizerState {
   virtual bool gates() const { return false; }
   // step() in `gate.descending` order, each sub-group updated only once gate.ready says its
   // elements' gradients are final (OptimizerPipeline's StepArgs::ready): started during the
-  // backward pass, it updates what the backward has finished. On the step runner's thread.
-  // REQUIRES: gates().
+  // backward pass, it updates what the backward has finished, or only reads ahead until step().
+  // Called off before any update (gate.ready < 0), it fails with kAborted and leaves the state as
+  // it was, so the next step may run. On the step runner's thread. REQUIRES: gates().
   virtual Result<StepStats> step_gated(std::int64_t step, float grad_scale, const PassGate& gate) {
     (void)step, (void)grad_scale, (void)gate;
     return Status::unsupported("step_gated: the state cannot update during the backward");

@@ -66,15 +66,15 @@ Status OverlappedStep::gather(std::size_t m) {
 
 Status OverlappedStep::await_module(std::size_t m) {
   ZINF_ASSERT(gather_lock_ != nullptr);
-  // The backward of an open pass's step takes the shards as they are (see the file comment).
-  if (open_) return Status::ok();
   Publisher& pub = *parts_.publisher;
   const std::vector<std::uint32_t>& groups = parts_.layout->module_groups(m);
   auto in = [&] {
     return std::all_of(groups.begin(), groups.end(),
                        [&](std::uint32_t g) { return pub.written(g); });
   };
-  if (runner_.running() && !groups.empty() && !in()) {
+  // The backward of an open pass's step takes the shards as they are (see the file comment):
+  // they hold the previous pass's values, whose persistent groups are still all-gathered below.
+  if (!open_ && runner_.running() && !groups.empty() && !in()) {
     if (pub.in_pass()) {
       const std::int64_t t0 = Trace::now_ns();
       pub.written_cv().wait(*gather_lock_, [&] { return in() || !pub.in_pass(); });
@@ -158,6 +158,38 @@ void OverlappedStep::start(std::int64_t step, float grad_scale) {
 void OverlappedStep::open_pass(std::int64_t step, float grad_scale) {
   ZINF_ASSERT(parts_.in_backward && !runner_.running());
   begin(step, grad_scale);
+  reads_only_ = false;
+  open_gated();
+}
+
+void OverlappedStep::open_reads(std::int64_t step) {
+  ZINF_ASSERT(parts_.in_backward && !runner_.running());
+  begin(step, 1.0f);
+  reads_only_ = true;
+  decided_ = false;
+  open_gated();
+}
+
+void OverlappedStep::decide(float grad_scale) {
+  ZINF_ASSERT(reads_only());
+  decided_scale_ = grad_scale;
+  decided_ = true;
+  // After the scale: the pass's gate acquires these.
+  final_all();
+}
+
+Status OverlappedStep::call_off() {
+  ZINF_ASSERT(reads_only());
+  cancel();
+  Status st = runner_.finish();
+  open_ = false;
+  // The gate's call-off (kAborted); or the pass found nothing to gate (this rank's partition
+  // is empty) and ended. Anything else failed in the pass's reads.
+  if (st.is_ok() || st.code() == Code::kAborted) return Status::ok();
+  return st;
+}
+
+void OverlappedStep::open_gated() {
   pass_gated_ = true;
   for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
     final_[g].store(0, std::memory_order_relaxed);
@@ -225,13 +257,18 @@ bool OverlappedStep::may_ascend(void* user, std::size_t end) {
 Status OverlappedStep::run_pass(void* user) {
   auto* self = static_cast<OverlappedStep*>(user);
   const Parts& p = self->parts_;
-  // pass_gated_ was set before the runner started; the rank's thread leaves it alone while the
-  // pass runs (open_ is the rank's thread's own and changes at commit()).
+  // pass_gated_ and reads_only_ were set before the runner started; the rank's thread leaves them
+  // alone while the pass runs (open_ is the rank's thread's own and changes at commit()).
   PassGate gate;
-  gate.descending = true;
   gate.ready = &OverlappedStep::range_final;
-  gate.ascend = &OverlappedStep::may_ascend;
   gate.user = self;
+  if (self->reads_only_) {
+    // Ascending: the sub-groups read ahead are the first the next forward gathers.
+    gate.grad_scale = &self->decided_scale_;
+  } else {
+    gate.descending = true;
+    gate.ascend = &OverlappedStep::may_ascend;
+  }
   Status st = run_optimizer(*p.state, *p.counters, p.trace, self->track_, self->pass_step_,
                             self->pass_scale_, self->pass_start_ns_, /*overlapped=*/true,
                             self->pass_report_, self->pass_gated_ ? &gate : nullptr);

@@ -33,6 +33,17 @@
 // needs the rest of the backward): the engine refuses calls that need the whole step while one
 // is open; cancel() calls it off (the pass then fails, sticky).
 //
+// Reads ahead during the backward (the same runs but with gradient_clipping, or loss scaling:
+// step() must see every gradient before it knows the scale, or whether the step is skipped).
+// The engine opens the pass at the same point with open_reads(): no group is final, so the
+// pass only reads its first sub-groups' state into the pool (as many as the pool holds),
+// ascending, the order the next forward gathers them in, and waits. step() decides the step: on
+// decide(scale) every group is final and the pass updates with that scale (read at each update),
+// from the sub-groups it read ahead on; then commit(). A skipped step, or any call that needs
+// the whole state before step() (a checkpoint, set_learning_rate(), more micro-batches than
+// declared), calls it off instead (call_off()): the pass has updated nothing, the state is as it
+// was, and the engine goes on as if no pass had opened.
+//
 // Nothing is allocated per step: the thread and the per-module and per-group tables are made at
 // construction.
 //
@@ -105,6 +116,17 @@ class OverlappedStep {
   // Starts step `step`'s pass during its backward: each sub-group is updated once every group it
   // overlaps is final(). REQUIRES: Parts::in_backward, !running().
   void open_pass(std::int64_t step, float grad_scale);
+  // Starts step `step`'s pass during its backward, reading ahead only: nothing is updated until
+  // decide(). REQUIRES: Parts::in_backward, !running().
+  void open_reads(std::int64_t step);
+  // The open pass reads ahead only (open_reads(), not yet decide()d).
+  bool reads_only() const { return open_ && reads_only_ && !decided_; }
+  // step() decided the step: the pass may update every sub-group, with `grad_scale`.
+  // REQUIRES: reads_only().
+  void decide(float grad_scale);
+  // Ends a pass that reads ahead only: it updated nothing, and nothing is open or running after
+  // it. An error only when the pass failed otherwise (its reads). REQUIRES: reads_only().
+  Status call_off();
   // The reductions into `groups` have run: the open pass may update them.
   void final(std::span<const std::uint32_t> groups);
   // Some of `groups` is final() for the open pass: its shard may be new already.
@@ -125,7 +147,7 @@ class OverlappedStep {
   void final_all();
   // open_pass() was called and commit() not yet.
   bool open() const { return open_; }
-  // The open pass's step and grad_scale.
+  // The open pass's step and grad_scale (open_pass()'s).
   std::int64_t pass_step() const { return pass_step_; }
   float pass_scale() const { return pass_scale_; }
   // A pass was started and not finished.
@@ -152,6 +174,8 @@ class OverlappedStep {
   static bool may_ascend(void* user, std::size_t end);
   void mark_final(std::uint32_t g);  // final_[g], counted once
   void begin(std::int64_t step, float grad_scale);
+  // open_pass() and open_reads(): a gated pass on the runner, open until commit().
+  void open_gated();
   // Per pass (start() or commit()): the persistent groups to all-gather, the groups whose
   // gradients the next backward must wait for.
   void arm_next_backward();
@@ -165,7 +189,12 @@ class OverlappedStep {
   float pass_scale_ = 1.0f;
   StepReport pass_report_;   // the running pass's optimizer and publish figures
   bool open_ = false;        // an open pass, not yet committed
-  bool pass_gated_ = false;  // the running pass was opened by open_pass()
+  bool pass_gated_ = false;  // the running pass was opened by open_pass() or open_reads()
+  bool reads_only_ = false;  // ... by open_reads()
+  bool decided_ = false;     // decide() was called for it
+  // decide()'s scale: written by the rank's thread before the groups become final, read by the
+  // pass's updates after its gate saw them final.
+  float decided_scale_ = 1.0f;
   // Per group: its gradients are final for the open pass (written by the rank's thread, read by
   // the pass's gate).
   std::unique_ptr<std::atomic<std::uint8_t>[]> final_;

@@ -134,6 +134,7 @@ class StoreState final : public OptimizerState {
     pub_.restart_stream(gate.descending);
     return pipeline_->step({.step = step,
                             .grad_scale = grad_scale,
+                            .late_grad_scale = gate.grad_scale,
                             .descending = gate.descending,
                             .ready = &StoreState::sub_group_ready,
                             .ready_user = this,

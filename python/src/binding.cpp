@@ -270,6 +270,7 @@ class PyEngine {
     out["hidden_ns"] = report.hidden_ns;
     out["gather_wait_ns"] = report.gather_wait_ns;
     out["in_backward"] = report.in_backward;
+    out["read_ahead"] = report.read_ahead;
     return out;
   }
 

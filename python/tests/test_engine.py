@@ -157,3 +157,26 @@ def test_without_clipping_the_step_updates_during_the_backward_with_the_schedule
         reports.append(engine.last_step_report)
     assert [r["in_backward"] for r in reports] == [True] * 4
     assert all(r["overlapped"] for r in reports)
+
+
+def test_with_clipping_the_pass_reads_ahead_during_the_backward(tmp_path):
+    # With gradient_clipping step() needs the step's own norm before it updates anything: the
+    # engine's pass opens in the backward all the same but only reads the state ahead
+    # (StepReport read_ahead), and the parameters are the bits of the sequential step's.
+    batches = make_batches(4)
+    params = {}
+    for overlap in (False, True):
+        config = zinf_config(3, "nvme", "cpu", tmp_path / f"clip{overlap}", bf16=True,
+                             stage3_param_persistence_threshold=0)
+        config["gradient_clipping"] = 1.0
+        config["zinf"]["overlap_step"] = overlap
+        engine, _, _, _ = open_engine(config)
+        reports = []
+        for ids, labels in batches:
+            engine.backward(engine(input_ids=ids, labels=labels).loss)
+            engine.step()
+            reports.append(engine.last_step_report)
+        params[overlap] = engine.read_parameter("transformer.wte.weight")
+        assert [r["read_ahead"] for r in reports] == [overlap] * 4
+        assert not any(r["in_backward"] for r in reports)
+    assert torch.equal(params[False], params[True])

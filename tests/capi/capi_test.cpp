@@ -302,10 +302,12 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
     EXPECT_GE(cr.wall_ns, 0);
     EXPECT_EQ(cr.overlapped, pr.overlapped ? 1 : 0);
     EXPECT_EQ(cr.in_backward, pr.in_backward ? 1 : 0);
+    EXPECT_EQ(cr.read_ahead, pr.read_ahead ? 1 : 0);
     // The state in a store: the step is overlapped. The run sets the learning rate
     // (kLrChangeStep), after which no pass begins during the backward.
     EXPECT_EQ(cr.overlapped, std::string(c.optimizer) != "none" ? 1 : 0);
     EXPECT_EQ(cr.in_backward, 0);
+    EXPECT_EQ(cr.read_ahead, 0);
     EXPECT_GE(cr.hidden_ns, 0);
     EXPECT_GE(cr.gather_wait_ns, 0);
     // Counters that do not depend on timing: the calls made and the bytes reduced.

@@ -366,6 +366,124 @@ TEST(OverlapOpen, ANonFiniteGradientFailsTheStepTheSequentialStepSkips) {
   }
 }
 
+// A backward that gathers each module (last first) and computes its gradients from the gathered
+// values, with no forward pass in between, on two ranks: at stage 2 every group stays gathered, and
+// the previous pass's new values reach it through the all-gather its first gather after the pass
+// does. A pass opened at the first reduction (updating, without clipping; reading ahead, with
+// it) must not skip that for the modules gathered after it opened, or their gradients are
+// computed from the values of the step before. The masters equal the sequential run's.
+TEST(OverlapOpen, GathersAfterThePassOpensStillAllGatherThePreviousPassesValues) {
+  for (double clipping : {0.0, 1.0}) {
+    engine_test::ScratchDir dir("overlap_open_gathers");
+    const Model model = engine_test::make_model(DType::kBF16, 2308);
+    std::vector<std::vector<std::vector<float>>> result(2);
+    std::vector<std::vector<StepReport>> reports(2);
+    for (bool overlap : {false, true}) {
+      Config config = open_config(dir.path(), overlap);
+      config.zero.stage = 2;
+      config.gradient_clipping = clipping;
+      const int run = overlap ? 1 : 0;
+      std::vector<Status> st =
+          engine_test::with_engines(config, model, 2, [&](int rank, Engine& engine) -> Status {
+            for (int step = 1; step <= 3; ++step) {
+              for (std::size_t k = model.modules.size(); k-- > 0;) {
+                const std::string& m = model.modules[k];
+                ZINF_RETURN_IF_ERROR(engine.gather(m));
+                std::vector<std::vector<std::uint16_t>> grads;
+                std::vector<GradientRef> refs;
+                grads.reserve(model.params.size());
+                for (std::size_t p = 0; p < model.params.size(); ++p) {
+                  const ParamDef& d = model.params[p];
+                  if (d.module != m) continue;
+                  ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
+                  const std::vector<float> w = engine_test::widen_view(view);
+                  grads.push_back(engine_test::narrow_to_half(
+                      engine_test::make_grad(d, w, rank, step, 0, p), d.dtype));
+                  refs.push_back({d.name, grads.back().data(), d.element_count(), d.dtype});
+                }
+                ZINF_RETURN_IF_ERROR(engine.reduce_gradients(m, refs));
+                ZINF_RETURN_IF_ERROR(engine.release(m));
+              }
+              ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+              if (rank == 0) reports[run].push_back(rep);
+            }
+            Result<std::vector<std::vector<float>>> m = masters(engine, model);
+            ZINF_RETURN_IF_ERROR(m.status());
+            if (rank == 0) result[run] = std::move(*m);
+            return Status::ok();
+          });
+      for (const Status& s : st)
+        ASSERT_TRUE(s.is_ok()) << "overlap " << overlap << ": " << s.to_string();
+    }
+    // Steps 2 and 3 open their pass in the backward (the first shows the micro-batch count).
+    for (std::size_t s = 1; s < reports[1].size(); ++s) {
+      EXPECT_EQ(reports[1][s].in_backward, clipping == 0.0) << "step " << s + 1;
+      EXPECT_EQ(reports[1][s].read_ahead, clipping > 0.0) << "step " << s + 1;
+    }
+    ASSERT_EQ(result[0].size(), result[1].size());
+    for (std::size_t p = 0; p < result[0].size(); ++p) {
+      EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name << ", clipping " << clipping;
+    }
+  }
+}
+
+// With clipping the pass opens at the same point but only reads ahead until step() decides the
+// step (StepReport::read_ahead). The calls the pass that updates refuses or fails call it off
+// instead, and the run goes on as the sequential one: a read-back between the backward and
+// step(), a new schedule there (set_learning_rate() would keep every later pass from opening
+// before step()), a second micro-batch where the count is 1, and a step skipped on a non-finite
+// gradient (not sticky). The masters, every read-back and every report's skip are the
+// sequential run's.
+TEST(OverlapOpen, APassThatReadsAheadIsCalledOffWhereTheStepCannotBeDecidedYet) {
+  engine_test::ScratchDir dir("overlap_open_reads");
+  const Model model = engine_test::make_model(DType::kBF16, 2307);
+  std::vector<std::vector<std::vector<float>>> result(2), read_back(2);
+  std::vector<std::vector<StepReport>> reports(2);
+  for (bool overlap : {false, true}) {
+    Config config = open_config(dir.path(), overlap);
+    config.gradient_clipping = 1.0;
+    const int run = overlap ? 1 : 0;
+    std::vector<Status> st =
+        engine_test::with_engines(config, model, 1, [&](int, Engine& engine) -> Status {
+          for (int step = 1; step <= 7; ++step) {
+            for (std::size_t k = model.modules.size(); k-- > 0;) {
+              // Step 4: the first module's gradients (reduced last) carry an inf.
+              ZINF_RETURN_IF_ERROR(
+                  reduce_module(engine, model, model.modules[k], step, step == 4 && k == 0));
+            }
+            if (step == 2) {
+              std::vector<float> v(model.params[0].element_count());
+              ZINF_RETURN_IF_ERROR(engine.read_parameters(model.params[0].name, v.data()));
+              read_back[run].push_back(std::move(v));
+            }
+            if (step == 3) ZINF_RETURN_IF_ERROR(engine.set_lr_schedule(ScheduleConfig{}));
+            if (step == 5) ZINF_RETURN_IF_ERROR(backward(engine, model, step + 100));
+            ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+            reports[run].push_back(rep);
+          }
+          ZINF_ASSIGN_OR_RETURN(result[run], masters(engine, model));
+          return Status::ok();
+        });
+    ASSERT_TRUE(st[0].is_ok()) << "overlap " << overlap << ": " << st[0].to_string();
+  }
+  // Opened from step 2 (gradient_accumulation_steps is not declared: the first step shows the
+  // count), called off at steps 2, 3 and 5 (a second micro-batch), and not opened at step 6 (the
+  // last step had two micro-batches); the skipped step 4 read ahead too.
+  const std::vector<bool> read_ahead = {false, false, false, true, false, false, true};
+  for (std::size_t s = 0; s < reports[1].size(); ++s) {
+    EXPECT_EQ(reports[1][s].read_ahead, read_ahead[s]) << "step " << s + 1;
+    EXPECT_FALSE(reports[1][s].in_backward) << "step " << s + 1;
+    EXPECT_FALSE(reports[0][s].read_ahead) << "step " << s + 1;
+    EXPECT_EQ(reports[1][s].skipped, reports[0][s].skipped) << "step " << s + 1;
+  }
+  EXPECT_TRUE(reports[1][3].skipped);
+  EXPECT_EQ(read_back[0], read_back[1]);
+  ASSERT_EQ(result[0].size(), result[1].size());
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+  }
+}
+
 TEST(OverlapOpen, AnEngineClosedWithAPassOpenReturns) {
   on_one_rank("overlap_open_close", 2304, [](const Model& model, Engine& engine) -> Status {
     ZINF_RETURN_IF_ERROR(backward(engine, model, 1));

@@ -5,7 +5,9 @@
 // clipping, bf16 and fp16 with dynamic loss scaling and a step skipped on overflow; and the same
 // for a backward that reduces while the pass still reads gradients (OverlapBackward). Without
 // clipping and loss scaling at stages 2 and 3 the pass begins during the backward and updates
-// each part as its gradients are final (StepReport::in_backward, checked in every such case).
+// each part as its gradients are final (StepReport::in_backward, checked in every such case);
+// with them it begins there too but only reads ahead until step() decides the step, and a step
+// skipped on overflow calls it off (StepReport::read_ahead, checked likewise).
 // overlap_slow_test.cpp runs both matrices for 200 steps (OVERLAP_STEPS, OVERLAP_SUITE,
 // OVERLAP_BACKWARD_SUITE).
 #include <gtest/gtest.h>
@@ -76,15 +78,18 @@ TEST_P(OVERLAP_SUITE, SameBitsAsTheSequentialStep) {
   for (std::size_t r = 0; r < overlapped->reports.size(); ++r) {
     for (const StepReport& rep : overlapped->reports[r]) {
       ASSERT_TRUE(rep.overlapped) << "rank " << r << " step " << rep.step;
-      // From the first step on (gradient_accumulation_steps is 2: declared), but the previous
-      // step's clipping coefficient needs a previous step.
-      ASSERT_EQ(rep.in_backward,
-                overlap_test::updates_in_backward(c) && (rep.step > 1 || !c.clip_previous))
-          << "rank " << r << " step " << rep.step;
+      // From the first step on (gradient_accumulation_steps is 2: declared). A skipped step
+      // reports the step count before it: its position in the run is what counts.
+      const auto step = static_cast<std::int64_t>(&rep - overlapped->reports[r].data()) + 1;
+      ASSERT_EQ(rep.in_backward, overlap_test::in_backward_at(c, step))
+          << "rank " << r << " step " << step;
+      ASSERT_EQ(rep.read_ahead, overlap_test::read_ahead_at(c, step))
+          << "rank " << r << " step " << step;
     }
     for (const StepReport& rep : sequential->reports[r]) {
       ASSERT_FALSE(rep.overlapped);
       ASSERT_FALSE(rep.in_backward);
+      ASSERT_FALSE(rep.read_ahead);
     }
   }
   if (inf_step > 0) {
@@ -132,9 +137,8 @@ TEST_P(OVERLAP_BACKWARD_SUITE, SameBitsAsTheSequentialStep) {
   ASSERT_TRUE(overlapped.is_ok()) << overlapped.status().to_string();
   for (const StepReport& rep : overlapped->reports[0]) {
     ASSERT_TRUE(rep.overlapped);
-    ASSERT_EQ(rep.in_backward,
-              overlap_test::updates_in_backward(c) && (rep.step > 1 || !c.clip_previous))
-        << "step " << rep.step;
+    ASSERT_EQ(rep.in_backward, overlap_test::in_backward_at(c, rep.step)) << "step " << rep.step;
+    ASSERT_EQ(rep.read_ahead, overlap_test::read_ahead_at(c, rep.step)) << "step " << rep.step;
   }
   EXPECT_EQ(overlap_test::first_difference(*sequential, *overlapped), "");
 }

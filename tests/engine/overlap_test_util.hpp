@@ -37,6 +37,16 @@ std::string case_name(const OverlapCase& c);
 inline bool updates_in_backward(const OverlapCase& c) {
   return (!c.clip || c.clip_previous) && c.dtype == DType::kBF16 && c.stage >= 2;
 }
+// StepReport::in_backward of step `step` (from 1) of an overlapped run of the case: the previous
+// step's clipping coefficient needs a previous step.
+inline bool in_backward_at(const OverlapCase& c, std::int64_t step) {
+  return updates_in_backward(c) && (step > 1 || !c.clip_previous);
+}
+// StepReport::read_ahead: the other steps at stages 2 and 3 open their pass during the backward
+// too, but it only reads ahead until step() (also on a step skipped on overflow).
+inline bool read_ahead_at(const OverlapCase& c, std::int64_t step) {
+  return c.stage >= 2 && !in_backward_at(c, step);
+}
 
 struct OverlapRun {
   // [rank][step - 1]: every value the forward passes of the step gathered, in module order.

@@ -5,8 +5,9 @@
    window): the rows, their order and how many spans each draws are written out below, by hand.
 2. With a train_lm binary: a real trace of 3 overlapped steps with the state on NVMe. The spans
    drawn on each track are counted against the trace itself (every "X" span of that track that
-   meets the window the SVG states), the read, update and write rows draw one span per
-   sub-group each, and the pass of step 2 is drawn beside the forward of step 3.
+   meets the window the SVG states), the read and update rows about as many spans (a read runs
+   ahead of its update by at most the pool's blocks), and the pass of step 2 is drawn beside the
+   forward of step 3.
 
 Usage: trace_timeline_test.py <repo root> <scratch dir> [<train_lm binary>]
 """
@@ -140,8 +141,11 @@ def real_trace(repo, scratch, train_lm):
     by_label = {label: spans for label, _, spans in rows}
     for label in ("read", "update", "write", "train_lm rank 0"):
         check(label in by_label, f"no row {label}")
-    check(len(by_label["read"]) == len(by_label["update"]) > 0,
-          f"read {len(by_label['read'])} spans, update {len(by_label['update'])}")
+    # A sub-group's read comes before its update by at most the pool's 4 blocks (train_lm's
+    # offload_optimizer.buffer_count; with clipping a pass reads them ahead during the backward),
+    # so at the window's two edges the rows differ by at most 4 spans each.
+    reads, updates = len(by_label["read"]), len(by_label["update"])
+    check(updates > 0 and abs(reads - updates) <= 8, f"read {reads} spans, update {updates}")
     # Overlap: some read span of the pass lies beside the program's last forward span drawn.
     forward = [e for e in events if e.get("ph") == "X" and e["name"] == "forward"]
     f3 = sorted(forward, key=lambda e: e["ts"])[2]
