@@ -205,9 +205,10 @@ struct StepReport {
   // state as soon as the reductions into it were over, from the last module to the first.
   bool in_backward = false;
   // This step's pass began during its backward but only read ahead (gradient_clipping or loss
-  // scaling: the same runs otherwise): it read the state of its first sub-groups into the pinned
-  // pool while the backward ran, and updated only once step() had decided the scale. For a
-  // skipped step it was called off and changed nothing.
+  // scaling: the same runs otherwise): with the state on NVMe it read its first sub-groups into
+  // the pinned pool while the backward ran, and it updated only once step() had decided the
+  // scale (its optimizer_ns and hidden_ns in the next report count from there). For a skipped
+  // step it was called off and changed nothing.
   bool read_ahead = false;
 };
 

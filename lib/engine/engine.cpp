@@ -342,7 +342,10 @@ class Engine::Impl {
     const bool open = overlap_ != nullptr && overlap_->open();
     const bool by_group = overlap_ != nullptr && reducer_->zeroes_groups();
     const bool beside_pass = !open && by_group && overlap_->running();
-    ZINF_RETURN_IF_ERROR(open || beside_pass ? ensure_finalized() : settle());
+    // After a pass that read ahead was called off, as while it was open: the collective part of
+    // settle() (the persistent groups) waits for step(), where the ranks whose pass is still open
+    // do it too (commit_step()).
+    ZINF_RETURN_IF_ERROR(open || beside_pass || called_off_ ? ensure_finalized() : settle());
     ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
     // finalize) is cleared first, so the call allocates nothing.
@@ -518,6 +521,10 @@ class Engine::Impl {
     coord_lock.unlock();
     ZINF_RETURN_IF_ERROR(fail(dropped));
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
+    // Where a rank called its pass off (a local call can), step() all-gathers the persistent
+    // groups pending from the previous pass (settle()): so does a pass that reads ahead, whose
+    // shards still hold those values, so that every rank issues the same collectives.
+    if (overlap_->reads_only()) ZINF_RETURN_IF_ERROR(fail(overlap_->publish_pending()));
     std::int64_t decided_ns = 0;
     Result<StepDecision> decision = reduce_and_decide(micro, &decided_ns);
     ZINF_RETURN_IF_ERROR(fail(decision.status()));

@@ -94,6 +94,9 @@ Status OverlappedStep::await_module(std::size_t m) {
   bool any = false;
   for (std::uint32_t g : parts_.layout->module_groups(m)) {
     if (persistent_done_[g] != 0) continue;
+    // An open pass has not begun on g (the engine gathers no module with a final group then):
+    // the shard still holds the previous pass's values.
+    ZINF_ASSERT(!open_ || final_[g].load(std::memory_order_relaxed) == 0);
     ZINF_RETURN_IF_ERROR(parts_.coord->publish_group(g));
     persistent_done_[g] = 1;
     any = true;
@@ -149,6 +152,7 @@ void OverlappedStep::arm_next_backward() {
 void OverlappedStep::start(std::int64_t step, float grad_scale) {
   begin(step, grad_scale);
   pass_gated_ = false;
+  reads_only_ = false;
   arm_next_backward();
   parts_.publisher->begin_pass();
   pass_start_ns_ = Trace::now_ns();
@@ -174,6 +178,7 @@ void OverlappedStep::decide(float grad_scale) {
   ZINF_ASSERT(reads_only());
   decided_scale_ = grad_scale;
   decided_ = true;
+  decided_ns_ = Trace::now_ns();
   // After the scale: the pass's gate acquires these.
   final_all();
 }
@@ -184,7 +189,7 @@ Status OverlappedStep::call_off() {
   Status st = runner_.finish();
   open_ = false;
   // The gate's call-off (kAborted); or the pass found nothing to gate (this rank's partition
-  // is empty) and ended. Anything else failed in the pass's reads.
+  // is empty) and ended. Anything else failed before the call-off.
   if (st.is_ok() || st.code() == Code::kAborted) return Status::ok();
   return st;
 }
@@ -302,10 +307,18 @@ Status OverlappedStep::finish(bool collective) {
       std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 1);
     }
     last_pass_ = pass_report_;
-    const std::int64_t pass_ns = pass_end_ns_ - pass_start_ns_;
+    // A pass that read ahead waited at its gate from open_reads() to decide(): its time counts
+    // from the decision (the reads before it are the part the backward hid).
+    const std::int64_t begun = reads_only_ ? decided_ns_ : pass_start_ns_;
+    last_pass_.optimizer_ns -= begun - pass_start_ns_;
+    const std::int64_t pass_ns = pass_end_ns_ - begun;
     last_pass_.hidden_ns = std::max<std::int64_t>(0, pass_ns - pass_waited_ns_);
   }
-  if (!collective) return Status::ok();
+  return collective ? publish_pending() : Status::ok();
+}
+
+Status OverlappedStep::publish_pending() {
+  ParamCoordinator& coord = *parts_.coord;
   std::lock_guard<std::mutex> lock(parts_.publisher->mutex());
   bool any = false;
   for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {

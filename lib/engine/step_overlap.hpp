@@ -31,18 +31,19 @@
 // reductions add into groups the pass does not read yet, so nothing waits for the pass; after
 // commit() everything is as for a pass started by start(). finish() cannot end an open pass (it
 // needs the rest of the backward): the engine refuses calls that need the whole step while one
-// is open; cancel() calls it off (the pass then fails, sticky).
+// is open; cancel() calls it off (the pass then fails, and the engine's error is sticky).
 //
 // Reads ahead during the backward (the same runs but with gradient_clipping, or loss scaling:
 // step() must see every gradient before it knows the scale, or whether the step is skipped).
 // The engine opens the pass at the same point with open_reads(): no group is final, so the
-// pass only reads its first sub-groups' state into the pool (as many as the pool holds),
-// ascending, the order the next forward gathers them in, and waits. step() decides the step: on
-// decide(scale) every group is final and the pass updates with that scale (read at each update),
-// from the sub-groups it read ahead on; then commit(). A skipped step, or any call that needs
-// the whole state before step() (a checkpoint, set_learning_rate(), more micro-batches than
-// declared), calls it off instead (call_off()): the pass has updated nothing, the state is as it
-// was, and the engine goes on as if no pass had opened.
+// pass only reads its first sub-groups' state into the pool (as many as the pool holds; nothing
+// with the state in host memory), ascending, the order the next forward gathers them in, and
+// waits. step() decides the step: on decide(scale) every group is final and the pass updates
+// with that scale (read at each update), from the sub-groups it read ahead on; then commit(). A
+// skipped step, or a call the updating pass refuses (one that needs the whole state, a new rate
+// or schedule, more micro-batches than declared), calls it off instead (call_off()): the pass
+// has updated nothing, the state is as it was, and the engine goes on as if no pass had opened.
+// The pass's figures count from decide().
 //
 // Nothing is allocated per step: the thread and the per-module and per-group tables are made at
 // construction.
@@ -125,7 +126,8 @@ class OverlappedStep {
   // REQUIRES: reads_only().
   void decide(float grad_scale);
   // Ends a pass that reads ahead only: it updated nothing, and nothing is open or running after
-  // it. An error only when the pass failed otherwise (its reads). REQUIRES: reads_only().
+  // it. The pass's kAborted (the gate's call-off) is expected; another error (a read that failed
+  // before the call-off) comes back. REQUIRES: reads_only().
   Status call_off();
   // The reductions into `groups` have run: the open pass may update them.
   void final(std::span<const std::uint32_t> groups);
@@ -145,7 +147,7 @@ class OverlappedStep {
   void abandon();
   // Every group is final for the open pass.
   void final_all();
-  // open_pass() was called and commit() not yet.
+  // open_pass() or open_reads() was called, and neither commit(), call_off() nor abandon() since.
   bool open() const { return open_; }
   // The open pass's step and grad_scale (open_pass()'s).
   std::int64_t pass_step() const { return pass_step_; }
@@ -157,6 +159,11 @@ class OverlappedStep {
   // all-gathered too, in group order; local calls (verify_swap(), counters(), errors) leave them
   // for the next collective one.
   Status finish(bool collective);
+  // All-gathers the persistent groups no gather published since the last pass (in group order),
+  // as finish(true) does. Collective. For step() of a pass that reads ahead, so that its
+  // collectives are those of a rank whose pass was called off (which finishes at step()).
+  // REQUIRES: no pass updating (none running, or one that reads ahead only).
+  Status publish_pending();
   // The last finished pass's figures, and the gathers' waits since the last call, into an
   // overlapped step's report (zero before the first pass).
   void take_figures(StepReport& rep);
@@ -195,6 +202,7 @@ class OverlappedStep {
   // decide()'s scale: written by the rank's thread before the groups become final, read by the
   // pass's updates after its gate saw them final.
   float decided_scale_ = 1.0f;
+  std::int64_t decided_ns_ = 0;  // when decide() was called (the rank's thread's own)
   // Per group: its gradients are final for the open pass (written by the rank's thread, read by
   // the pass's gate).
   std::unique_ptr<std::atomic<std::uint8_t>[]> final_;

@@ -270,6 +270,9 @@ static void train_rank(rank_task_t* task) {
     CHECK(zinf_engine_step(engine, &report));
     EXPECT(report.step == step || report.skipped);
     run->reports[task->rank] = report;
+    if (run->reports_before_lr_change != NULL && step + 1 == run->lr_change_step) {
+      run->reports_before_lr_change[task->rank] = report;
+    }
   }
 
   for (p = 0; p < CAPI_PARAMS; ++p) {

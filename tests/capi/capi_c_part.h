@@ -47,9 +47,11 @@ typedef struct capi_run {
   int lr_change_step;
   double lr_change_value;
   /* Out: finals[rank * capi_model_param_count() + p] -> capi_model_element_count(p) floats,
-   * allocated by the caller; reports[rank] is each rank's last step report. */
+   * allocated by the caller; reports[rank] is each rank's last step report, and
+   * reports_before_lr_change[rank] its report of step lr_change_step - 1. */
   float** finals;
   zinf_step_report_t* reports;
+  zinf_step_report_t* reports_before_lr_change;
   /* When not NULL, every rank's engine records into it, and each rank adds its "forward" and
    * "backward" spans on a track "rank <r>". */
   zinf_trace_t* trace;

@@ -85,7 +85,7 @@ constexpr double kLrChangeValue = 0.004;
 Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
                       const std::string& nvme_dir, const Case& c,
                       std::vector<std::vector<float>>* finals, StepReport* last,
-                      EngineCounters* counters) {
+                      StepReport* before_lr_change, EngineCounters* counters) {
   Env env;
   env.device = &device;
   env.comm = &comm;
@@ -128,6 +128,7 @@ Status train_cpp_rank(const Config& config, Device& device, Communicator& comm,
       }
     }
     ZINF_ASSIGN_OR_RETURN(*last, engine->step());
+    if (step + 1 == kLrChangeStep) *before_lr_change = *last;
   }
   for (std::size_t p = 0; p < param_count; ++p) {
     std::vector<float> out(capi_model_element_count(p));
@@ -155,7 +156,7 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
     c_finals[i].assign(capi_model_element_count(i % param_count), std::nanf(""));
     c_final_ptrs.push_back(c_finals[i].data());
   }
-  std::vector<zinf_step_report_t> c_reports(world);
+  std::vector<zinf_step_report_t> c_reports(world), c_before_change(world);
   std::vector<zinf_engine_counters_t> c_counters(world);
   zinf_trace_t* trace = nullptr;
   ASSERT_EQ(zinf_trace_create(0, &trace), ZINF_OK);
@@ -172,6 +173,7 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
   run.lr_change_value = kLrChangeValue;
   run.finals = c_final_ptrs.data();
   run.reports = c_reports.data();
+  run.reports_before_lr_change = c_before_change.data();
   run.use_initializer = c.initializer ? 1 : 0;
   std::vector<std::vector<std::uint32_t>> asked(world * param_count);
   std::vector<std::uint32_t*> asked_ptrs;
@@ -245,14 +247,14 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
   std::vector<std::unique_ptr<Communicator>> comms =
       std::move(make_local_comm_group(raw, co)).value();
   std::vector<std::vector<std::vector<float>>> cpp_finals(world);
-  std::vector<StepReport> cpp_reports(world);
+  std::vector<StepReport> cpp_reports(world), cpp_before_change(world);
   std::vector<EngineCounters> cpp_counters(world);
   std::vector<Status> statuses(world);
   std::vector<std::thread> threads;
   for (std::size_t r = 0; r < world; ++r) {
     threads.emplace_back([&, r] {
       statuses[r] = train_cpp_rank(*config, *devices[r], *comms[r], dir.path(), c, &cpp_finals[r],
-                                   &cpp_reports[r], &cpp_counters[r]);
+                                   &cpp_reports[r], &cpp_before_change[r], &cpp_counters[r]);
     });
   }
   for (std::thread& t : threads) t.join();
@@ -308,6 +310,16 @@ TEST_P(CApiTraining, MastersEqualTheCppEngineRun) {
     EXPECT_EQ(cr.overlapped, std::string(c.optimizer) != "none" ? 1 : 0);
     EXPECT_EQ(cr.in_backward, 0);
     EXPECT_EQ(cr.read_ahead, 0);
+    // The step before: its pass opened during the backward where the state is in a store at
+    // stages 2-3 and each step has one micro-batch (the count the config leaves at 1), updating
+    // there without clipping or loss scaling and only reading ahead with them.
+    const zinf_step_report_t& cb = c_before_change[r];
+    const bool opens = c.stage >= 2 && std::string(c.optimizer) != "none" && c.micro_batches == 1;
+    const bool updates = opens && c.clipping == 0.0 && !c.fp16;
+    EXPECT_EQ(cb.in_backward, updates ? 1 : 0);
+    EXPECT_EQ(cb.read_ahead, opens && !updates ? 1 : 0);
+    EXPECT_EQ(cb.in_backward, cpp_before_change[r].in_backward ? 1 : 0);
+    EXPECT_EQ(cb.read_ahead, cpp_before_change[r].read_ahead ? 1 : 0);
     EXPECT_GE(cr.hidden_ns, 0);
     EXPECT_GE(cr.gather_wait_ns, 0);
     // Counters that do not depend on timing: the calls made and the bytes reduced.

@@ -253,6 +253,87 @@ TEST(OptimizerPipeline, ADescendingStepTurnsToTheFirstSubGroupsAndUpdatesEachOnc
   EXPECT_EQ(up.status().code(), Code::kInvalidArgument) << up.status().to_string();
 }
 
+// A gate that says "not yet" for every sub-group until `open_after` questions, then yes, or
+// calls the step off (< 0) once `call_off_at` sub-groups have been updated.
+struct HoldLog {
+  std::size_t call_off_at = SIZE_MAX;
+  std::size_t updated = 0;
+  int held = 0;  // questions answered "not yet"
+  int open_after = 0;
+  float* late_scale = nullptr;  // written when the gate first opens
+  float scale_at_open = 1.0f;
+};
+
+int hold_ready(void* user, std::size_t) {
+  auto* log = static_cast<HoldLog*>(user);
+  if (log->updated >= log->call_off_at) return -1;
+  if (log->held < log->open_after) {
+    ++log->held;
+    return 0;
+  }
+  if (log->late_scale != nullptr) *log->late_scale = log->scale_at_open;
+  ++log->updated;
+  return 1;
+}
+
+// A step its gate holds reads ahead, then updates with the scale written when the gate opened
+// (StepArgs::late_grad_scale): the in-memory reference's values with that scale, not grad_scale.
+// Called off before any update it leaves no error and every sub-group old, and the next step
+// runs; called off after one, the error is sticky. On NVMe and in host memory.
+TEST(OptimizerPipeline, AGateHoldsTheStepReadsAheadAndACallOffBeforeAnyUpdateIsNotSticky) {
+  for (const auto& tiers : {kAllNvme, kAllHost}) {
+    const bool nvme = tiers[0] == StoreMedium::kNvme;
+    SCOPED_TRACE(nvme ? "nvme" : "host");
+    RigOptions so;
+    so.store.param_count = 30'000;
+    so.store.sub_group_params = 4096;  // 8 sub-groups
+    so.store.tiers = tiers;
+    so.pool_blocks = 3;
+    so.pipeline.optimizer = adamw();
+    Rig s;
+    Reference ref;
+    ASSERT_TRUE(tier_test::open_loaded_rig("hold", so, 51, 52, &s, &ref).is_ok());
+
+    HoldLog off;
+    off.call_off_at = 0;
+    off.open_after = 50;  // the reads run ahead meanwhile
+    Result<StepStats> first =
+        s.pipeline->step({.step = 1, .ready = &hold_ready, .ready_user = &off});
+    EXPECT_EQ(first.status().code(), Code::kAborted) << first.status().to_string();
+    EXPECT_TRUE(s.pipeline->error().is_ok()) << s.pipeline->error().to_string();
+    for (std::size_t i = 0; i < s.store->sub_group_count(); ++i) {
+      EXPECT_EQ(s.store->stored_step(i), 0) << "sg " << i;
+      EXPECT_FALSE(s.store->torn(i)) << "sg " << i;
+    }
+
+    float late = 1.0f;
+    HoldLog hold;
+    hold.open_after = 50;
+    hold.late_scale = &late;
+    hold.scale_at_open = 0.25f;
+    Result<StepStats> second = s.pipeline->step({.step = 1,
+                                                 .grad_scale = 1.0f,
+                                                 .late_grad_scale = &late,
+                                                 .ready = &hold_ready,
+                                                 .ready_user = &hold});
+    ASSERT_TRUE(second.is_ok()) << second.status().to_string();
+    EXPECT_EQ(hold.held, 50);
+    if (nvme) {
+      EXPECT_EQ(second->blocks_peak, 3u);  // every block read ahead while held
+    }
+    ref.step(so.pipeline.optimizer, so.store, 1, 0.25f);
+    EXPECT_EQ(tier_test::compare_all(*s.store, ref), "");
+
+    HoldLog late_off;
+    late_off.call_off_at = 1;
+    Result<StepStats> third =
+        s.pipeline->step({.step = 2, .ready = &hold_ready, .ready_user = &late_off});
+    EXPECT_EQ(third.status().code(), Code::kAborted) << third.status().to_string();
+    EXPECT_FALSE(s.pipeline->error().is_ok()) << "one sub-group is new: sticky";
+    EXPECT_EQ(s.pipeline->step({.step = 2}).status().code(), Code::kAborted);
+  }
+}
+
 TEST(OptimizerPipeline, IoOnlyAndUpdateOnlyLeaveVersionsAlone) {
   RigOptions so;
   so.store.param_count = 20'000;
