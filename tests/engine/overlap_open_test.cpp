@@ -484,6 +484,42 @@ TEST(OverlapOpen, APassThatReadsAheadIsCalledOffWhereTheStepCannotBeDecidedYet) 
   }
 }
 
+// A local call (verify_swap(), not collective) between the backward and step() calls one rank's
+// read-ahead pass off while the other rank's stays open: both must still issue the same
+// collectives. At stage 2 with a backward that gathers nothing, every group's all-gather of the
+// previous pass is still pending at step(); the rank whose pass was called off does it there
+// (settle()), so the other does too. Two ranks, the same masters as the sequential run.
+TEST(OverlapOpen, ALocalCallOffOnOneRankKeepsTheRanksCollectivesAlike) {
+  engine_test::ScratchDir dir("overlap_open_local");
+  const Model model = engine_test::make_model(DType::kBF16, 2309);
+  std::vector<std::vector<std::vector<float>>> result(2);
+  for (bool overlap : {false, true}) {
+    Config config = open_config(dir.path(), overlap);
+    config.zero.stage = 2;
+    config.gradient_clipping = 1.0;
+    const int run = overlap ? 1 : 0;
+    std::vector<Status> st =
+        engine_test::with_engines(config, model, 2, [&](int rank, Engine& engine) -> Status {
+          for (int step = 1; step <= 3; ++step) {
+            ZINF_RETURN_IF_ERROR(backward(engine, model, step));
+            if (rank == 0 && step == 2) ZINF_RETURN_IF_ERROR(engine.verify_swap().status());
+            ZINF_RETURN_IF_ERROR(engine.step().status());
+          }
+          Result<std::vector<std::vector<float>>> m = masters(engine, model);
+          ZINF_RETURN_IF_ERROR(m.status());
+          if (rank == 0) result[run] = std::move(*m);
+          return Status::ok();
+        });
+    for (const Status& s : st) {
+      ASSERT_TRUE(s.is_ok()) << "overlap " << overlap << ": " << s.to_string();
+    }
+  }
+  ASSERT_EQ(result[0].size(), result[1].size());
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+  }
+}
+
 TEST(OverlapOpen, AnEngineClosedWithAPassOpenReturns) {
   on_one_rank("overlap_open_close", 2304, [](const Model& model, Engine& engine) -> Status {
     ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
