@@ -118,6 +118,16 @@ def test_fp16_scales_the_loss_and_trains(tmp_path):
     assert losses[-1] < 0.9 * losses[0]
 
 
+def step_reports(engine, batches):
+    """One backward and step() a batch; each step's last_step_report."""
+    reports = []
+    for ids, labels in batches:
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+        reports.append(engine.last_step_report)
+    return reports
+
+
 def test_without_clipping_the_step_updates_during_the_backward_with_the_schedulers_rates(tmp_path):
     # No clipping and bf16 at stage 3 with the optimizer state offloaded: the engine's optimizer
     # pass begins in the backward (StepReport in_backward). The torch
@@ -132,11 +142,7 @@ def test_without_clipping_the_step_updates_during_the_backward_with_the_schedule
         config["zinf"]["overlap_step"] = overlap
         schedule = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.2 * s))
         engine, _, _, _ = open_engine(config, lr_scheduler=schedule)
-        in_backward = []
-        for ids, labels in batches:
-            engine.backward(engine(input_ids=ids, labels=labels).loss)
-            engine.step()
-            in_backward.append(engine.last_step_report["in_backward"])
+        in_backward = [r["in_backward"] for r in step_reports(engine, batches)]
         params[overlap] = engine.read_parameter("transformer.wte.weight")
         # The first step runs at the configured rate, so its pass opens in the backward (the
         # package declares the micro-batch count); every later step sets a new rate, which the
@@ -150,11 +156,7 @@ def test_without_clipping_the_step_updates_during_the_backward_with_the_schedule
                          stage3_param_persistence_threshold=0)
     config["gradient_clipping"] = 0.0
     engine, _, _, _ = open_engine(config)
-    reports = []
-    for ids, labels in batches:
-        engine.backward(engine(input_ids=ids, labels=labels).loss)
-        engine.step()
-        reports.append(engine.last_step_report)
+    reports = step_reports(engine, batches)
     assert [r["in_backward"] for r in reports] == [True] * 4
     assert all(r["overlapped"] for r in reports)
 
@@ -171,11 +173,7 @@ def test_with_clipping_the_pass_reads_ahead_during_the_backward(tmp_path):
         config["gradient_clipping"] = 1.0
         config["zinf"]["overlap_step"] = overlap
         engine, _, _, _ = open_engine(config)
-        reports = []
-        for ids, labels in batches:
-            engine.backward(engine(input_ids=ids, labels=labels).loss)
-            engine.step()
-            reports.append(engine.last_step_report)
+        reports = step_reports(engine, batches)
         params[overlap] = engine.read_parameter("transformer.wte.weight")
         assert [r["read_ahead"] for r in reports] == [overlap] * 4
         assert not any(r["in_backward"] for r in reports)

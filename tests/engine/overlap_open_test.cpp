@@ -80,6 +80,13 @@ Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& mod
   return out;
 }
 
+// The masters of two runs (masters()) are the same bits, parameter by parameter.
+void expect_same_masters(const Model& model, const std::vector<std::vector<float>>& a,
+                         const std::vector<std::vector<float>>& b) {
+  ASSERT_EQ(a.size(), b.size());
+  for (std::size_t p = 0; p < a.size(); ++p) EXPECT_EQ(a[p], b[p]) << model.params[p].name;
+}
+
 TEST(OverlapOpen, CallsThatNeedTheWholeStepWaitForStepThenMatchTheSequentialRun) {
   engine_test::ScratchDir dir("overlap_open_calls");
   const Model model = engine_test::make_model(DType::kBF16, 2301);
@@ -117,10 +124,7 @@ TEST(OverlapOpen, CallsThatNeedTheWholeStepWaitForStepThenMatchTheSequentialRun)
         });
     ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
   }
-  ASSERT_EQ(result[0].size(), result[1].size());
-  for (std::size_t p = 0; p < result[0].size(); ++p) {
-    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
-  }
+  expect_same_masters(model, result[0], result[1]);
 }
 
 // The first step's pass opens in its backward only where gradient_accumulation_steps was
@@ -420,10 +424,8 @@ TEST(OverlapOpen, GathersAfterThePassOpensStillAllGatherThePreviousPassesValues)
       EXPECT_EQ(reports[1][s].in_backward, clipping == 0.0) << "step " << s + 1;
       EXPECT_EQ(reports[1][s].read_ahead, clipping > 0.0) << "step " << s + 1;
     }
-    ASSERT_EQ(result[0].size(), result[1].size());
-    for (std::size_t p = 0; p < result[0].size(); ++p) {
-      EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name << ", clipping " << clipping;
-    }
+    SCOPED_TRACE(fmt::format("clipping {}", clipping));
+    expect_same_masters(model, result[0], result[1]);
   }
 }
 
@@ -478,10 +480,7 @@ TEST(OverlapOpen, APassThatReadsAheadIsCalledOffWhereTheStepCannotBeDecidedYet) 
   }
   EXPECT_TRUE(reports[1][3].skipped);
   EXPECT_EQ(read_back[0], read_back[1]);
-  ASSERT_EQ(result[0].size(), result[1].size());
-  for (std::size_t p = 0; p < result[0].size(); ++p) {
-    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
-  }
+  expect_same_masters(model, result[0], result[1]);
 }
 
 // A local call (verify_swap(), not collective) between the backward and step() calls one rank's
@@ -514,10 +513,7 @@ TEST(OverlapOpen, ALocalCallOffOnOneRankKeepsTheRanksCollectivesAlike) {
       ASSERT_TRUE(s.is_ok()) << "overlap " << overlap << ": " << s.to_string();
     }
   }
-  ASSERT_EQ(result[0].size(), result[1].size());
-  for (std::size_t p = 0; p < result[0].size(); ++p) {
-    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
-  }
+  expect_same_masters(model, result[0], result[1]);
 }
 
 TEST(OverlapOpen, AnEngineClosedWithAPassOpenReturns) {
@@ -571,10 +567,7 @@ TEST(OverlapOpen, AScheduleSetMidBackwardOpensThePassLateAndTheStepStillEnds) {
     ASSERT_TRUE(st[0].is_ok()) << "overlap " << overlap << ": " << st[0].to_string();
   }
   EXPECT_TRUE(reports[1][1].in_backward);  // opened late in step 2's backward
-  ASSERT_EQ(result[0].size(), result[1].size());
-  for (std::size_t p = 0; p < result[0].size(); ++p) {
-    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
-  }
+  expect_same_masters(model, result[0], result[1]);
 }
 
 }  // namespace
