@@ -118,6 +118,14 @@ def test_fp16_scales_the_loss_and_trains(tmp_path):
     assert losses[-1] < 0.9 * losses[0]
 
 
+def offloaded_config(swap, overlap, clipping):
+    """bf16 at stage 3, optimizer state on NVMe and parameters in host memory (none persistent)."""
+    config = zinf_config(3, "nvme", "cpu", swap, bf16=True, stage3_param_persistence_threshold=0)
+    config["gradient_clipping"] = clipping
+    config["zinf"]["overlap_step"] = overlap
+    return config
+
+
 def step_reports(engine, batches):
     """One backward and step() a batch; each step's last_step_report."""
     reports = []
@@ -136,10 +144,7 @@ def test_without_clipping_the_step_updates_during_the_backward_with_the_schedule
     batches = make_batches(4)
     params = {}
     for overlap in (False, True):
-        config = zinf_config(3, "nvme", "cpu", tmp_path / f"swap{overlap}", bf16=True,
-                             stage3_param_persistence_threshold=0)
-        config["gradient_clipping"] = 0.0
-        config["zinf"]["overlap_step"] = overlap
+        config = offloaded_config(tmp_path / f"swap{overlap}", overlap, clipping=0.0)
         schedule = (lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - 0.2 * s))
         engine, _, _, _ = open_engine(config, lr_scheduler=schedule)
         in_backward = [r["in_backward"] for r in step_reports(engine, batches)]
@@ -152,9 +157,7 @@ def test_without_clipping_the_step_updates_during_the_backward_with_the_schedule
     assert torch.equal(params[False], params[True])
 
     # Without a scheduler the pass opens in the backward from the first step on.
-    config = zinf_config(3, "nvme", "cpu", tmp_path / "swap_const", bf16=True,
-                         stage3_param_persistence_threshold=0)
-    config["gradient_clipping"] = 0.0
+    config = offloaded_config(tmp_path / "swap_const", True, clipping=0.0)
     engine, _, _, _ = open_engine(config)
     reports = step_reports(engine, batches)
     assert [r["in_backward"] for r in reports] == [True] * 4
@@ -168,10 +171,7 @@ def test_with_clipping_the_pass_reads_ahead_during_the_backward(tmp_path):
     batches = make_batches(4)
     params = {}
     for overlap in (False, True):
-        config = zinf_config(3, "nvme", "cpu", tmp_path / f"clip{overlap}", bf16=True,
-                             stage3_param_persistence_threshold=0)
-        config["gradient_clipping"] = 1.0
-        config["zinf"]["overlap_step"] = overlap
+        config = offloaded_config(tmp_path / f"clip{overlap}", overlap, clipping=1.0)
         engine, _, _, _ = open_engine(config)
         reports = step_reports(engine, batches)
         params[overlap] = engine.read_parameter("transformer.wte.weight")

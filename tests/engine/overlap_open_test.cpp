@@ -44,17 +44,23 @@ void on_one_rank(const std::string& name, std::uint64_t seed,
   ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
 }
 
-// Module m's gradients for `step` (from the initial values: no gather needed), with an inf in
-// the first element when `poison`.
+// Module m's gradients for `step` on `rank`, with an inf in the first element when `poison`:
+// from the initial values (no gather needed), or with `gathered` from the module's values as
+// gathered (the caller gathers it).
 Status reduce_module(Engine& engine, const Model& model, const std::string& m, int step,
-                     bool poison = false) {
+                     bool poison = false, int rank = 0, bool gathered = false) {
   std::vector<std::vector<std::uint16_t>> grads;
   std::vector<GradientRef> refs;
   grads.reserve(model.params.size());
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     const ParamDef& d = model.params[p];
     if (d.module != m) continue;
-    std::vector<float> g = engine_test::make_grad(d, model.initial[p], 0, step, 0, p);
+    std::vector<float> w = model.initial[p];
+    if (gathered) {
+      ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
+      w = engine_test::widen_view(view);
+    }
+    std::vector<float> g = engine_test::make_grad(d, w, rank, step, 0, p);
     if (poison) g[0] = std::numeric_limits<float>::infinity();
     grads.push_back(engine_test::narrow_to_half(g, d.dtype));
     refs.push_back({d.name, grads.back().data(), d.element_count(), d.dtype});
@@ -393,19 +399,8 @@ TEST(OverlapOpen, GathersAfterThePassOpensStillAllGatherThePreviousPassesValues)
               for (std::size_t k = model.modules.size(); k-- > 0;) {
                 const std::string& m = model.modules[k];
                 ZINF_RETURN_IF_ERROR(engine.gather(m));
-                std::vector<std::vector<std::uint16_t>> grads;
-                std::vector<GradientRef> refs;
-                grads.reserve(model.params.size());
-                for (std::size_t p = 0; p < model.params.size(); ++p) {
-                  const ParamDef& d = model.params[p];
-                  if (d.module != m) continue;
-                  ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(d.name));
-                  const std::vector<float> w = engine_test::widen_view(view);
-                  grads.push_back(engine_test::narrow_to_half(
-                      engine_test::make_grad(d, w, rank, step, 0, p), d.dtype));
-                  refs.push_back({d.name, grads.back().data(), d.element_count(), d.dtype});
-                }
-                ZINF_RETURN_IF_ERROR(engine.reduce_gradients(m, refs));
+                ZINF_RETURN_IF_ERROR(reduce_module(engine, model, m, step, /*poison=*/false, rank,
+                                                   /*gathered=*/true));
                 ZINF_RETURN_IF_ERROR(engine.release(m));
               }
               ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
