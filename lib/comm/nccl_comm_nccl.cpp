@@ -5,15 +5,14 @@
 
 #include <algorithm>
 #include <cstdlib>
-#include <functional>
-#include <optional>
-#include <span>
-#include <vector>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "base/assert.hpp"
 #include "comm/nccl_comm.hpp"
@@ -384,9 +383,8 @@ Result<std::unique_ptr<Communicator>> init_nccl_comm(const LaunchEnv& env, Devic
   if (env.rank == 0) {
     ZINF_RETURN_IF_ERROR(status_from_nccl("make_nccl_comm: ncclGetUniqueId", ncclGetUniqueId(&id)));
   }
-  ZINF_ASSIGN_OR_RETURN(
-      const std::vector<std::byte> blob,
-      exchange(std::as_bytes(std::span<const ncclUniqueId>(&id, 1))));
+  ZINF_ASSIGN_OR_RETURN(const std::vector<std::byte> blob,
+                        exchange(std::as_bytes(std::span<const ncclUniqueId>(&id, 1))));
   if (blob.size() != sizeof(id)) {
     return Status::comm_error(
         fmt::format("make_nccl_comm: rank 0 sent {} bytes, not an ncclUniqueId of {}", blob.size(),
