@@ -275,11 +275,10 @@ Status OptimizerPipeline::called_off(std::size_t p, const StepArgs& args) {
                   args.step, sub_group_at(p), p, store_.sub_group_count()));
 }
 
-bool OptimizerPipeline::store_holds(std::int64_t step) const {
-  for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
-    if (store_.torn(i) || store_.stored_step(i) != step) return false;
-  }
-  return true;
+std::size_t OptimizerPipeline::first_not_holding(std::int64_t step) const {
+  std::size_t i = 0;
+  while (i < store_.sub_group_count() && !store_.torn(i) && store_.stored_step(i) == step) ++i;
+  return i;
 }
 
 void OptimizerPipeline::trace_span(int track, const char* what, std::size_t i,
@@ -299,12 +298,11 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
     return Status::invalid_argument(fmt::format("OptimizerPipeline: step {} < 1", args.step));
   }
   if (args.mode == StepMode::kFull) {
-    for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
-      if (store_.torn(i) || store_.stored_step(i) != args.step - 1) {
-        return Status::failed_precondition(fmt::format(
-            "optimizer step {}: sub-group {} holds {} step {}, not step {}", args.step, i,
-            store_.torn(i) ? "a torn" : "the state of", store_.stored_step(i), args.step - 1));
-      }
+    const std::size_t i = first_not_holding(args.step - 1);
+    if (i < store_.sub_group_count()) {
+      return Status::failed_precondition(fmt::format(
+          "optimizer step {}: sub-group {} holds {} step {}, not step {}", args.step, i,
+          store_.torn(i) ? "a torn" : "the state of", store_.stored_step(i), args.step - 1));
     }
   }
   if (args.ready != nullptr && args.mode != StepMode::kFull) {
@@ -333,7 +331,8 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   if (!status.is_ok()) {
     // Called off before any update: every sub-group holds the previous step (drain() recorded
     // none new or torn), so the next step() may run.
-    const bool untouched = called_off_at_ == 0 && store_holds(args.step - 1);
+    const bool untouched =
+        called_off_at_ == 0 && first_not_holding(args.step - 1) == store_.sub_group_count();
     if (!untouched) error_ = status;
     return status;
   }

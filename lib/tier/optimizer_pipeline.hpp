@@ -273,8 +273,8 @@ class OptimizerPipeline {
   }
   // The step's error when the gate calls it off before position p; notes p.
   Status called_off(std::size_t p, const StepArgs& args);
-  // Every sub-group holds step `step`, none torn.
-  bool store_holds(std::int64_t step) const;
+  // The first sub-group that is torn or does not hold step `step` (sub_group_count(): none).
+  std::size_t first_not_holding(std::int64_t step) const;
   Entry& entry(std::size_t p);
   void trace_span(int track, const char* what, std::size_t i, std::int64_t start_ns,
                   std::int64_t end_ns);
