@@ -8,6 +8,7 @@
 
 #include <benchmark/benchmark.h>
 #include <cuda_runtime.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -110,8 +111,12 @@ std::string message_of(const RunT& run) {
 // (state.SkipWithError), which Google Benchmark itself reports only as a line of text.
 class ErrorCountingReporter : public benchmark::ConsoleReporter {
  public:
+  // Colours only on a terminal: OO_Defaults would colour a log too (the reporter ignores
+  // --benchmark_color when it is built by hand), and the closing escape would then start the
+  // summary's first line.
   ErrorCountingReporter()
-      : benchmark::ConsoleReporter(static_cast<OutputOptions>(OO_Defaults | OO_Tabular)) {}
+      : benchmark::ConsoleReporter(static_cast<OutputOptions>(
+            isatty(fileno(stdout)) ? (OO_Color | OO_Tabular) : OO_Tabular)) {}
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const Run& run : runs) {
       if (error_of(run)) errors_.push_back(run.benchmark_name() + ": " + message_of(run));
