@@ -107,8 +107,8 @@ struct ZeroConfig {
   // Stage 3: a parameter of at most this many elements stays gathered on every rank (it is
   // gathered once, and again after each step); DeepSpeed's threshold.
   std::size_t stage3_param_persistence_threshold = 100'000;
-  // The largest partitioner group (one stage-3 gather unit) in elements; 0: no limit but the
-  // module. zinf key "zinf.group_max_elements".
+  // The largest partitioner group (one stage-3 gather unit) in elements; 0: the partitioner's
+  // own cap, 2^28 elements. zinf key "zinf.group_max_elements".
   std::size_t group_max_elements = 0;
 };
 

@@ -66,8 +66,9 @@ struct PartitionerOptions {
   // parameter handed to a kernel is 32-byte aligned in bf16 and 64-byte aligned in f32 (vector
   // loads). The gaps are padding. Power of two, at most alignment_elements.
   std::size_t param_alignment_elements = 16;
-  // The largest group, in elements (DeepSpeed's sub_group_size): the unit of one optimizer
-  // sub-group step and of one stage-3 gather. A larger parameter gets a group of its own.
+  // The largest group, in elements (the engine's zinf.group_max_elements): the unit of one
+  // stage-3 gather. A larger parameter gets a group of its own. The optimizer's sub-groups are
+  // cut from the partition by sub_group_size, not by these groups.
   std::size_t group_max_elements = std::size_t{1} << 28;
   // Start a new group at each change of module (stage 3 gathers whole groups, so a group must not
   // mix modules there). Off, modules share groups and padding is minimal.
