@@ -79,7 +79,8 @@ struct OffloadConfig {
   // Directory of the swap files when device is kNvme (the Env's nvme_paths override it).
   std::string nvme_path;
   // Pinned-pool blocks: optimizer sub-groups in flight (>= 2), or parameter shards staged from
-  // NVMe at once (>= 1, bounding the stage-3 prefetch of NVMe-resident shards).
+  // NVMe at once (>= 1, bounding the stage-3 prefetch of NVMe-resident shards). DeepSpeed's
+  // defaults: 4 for offload_optimizer, 5 for offload_param (ZeroConfig sets that one).
   std::size_t buffer_count = 4;
   // offload_param only ("buffer_size"): DeepSpeed's staging buffer size in parameters. Accepted
   // with no effect: the engine sizes each staging block to the largest parameter shard instead.
@@ -93,7 +94,7 @@ struct ZeroConfig {
   int stage = 3;
   OffloadConfig offload_optimizer;
   // Stage 3 only (a stage-1/2 config with offload_param other than "none" is rejected).
-  OffloadConfig offload_param;
+  OffloadConfig offload_param{.nvme_path = {}, .buffer_count = 5};
   // Parameters per optimizer sub-group: the unit the optimizer steps and moves at once.
   std::size_t sub_group_size = 1'000'000'000;
   // Elements per rank in one reduce-scatter bucket: gradients are reduced in buckets of at most

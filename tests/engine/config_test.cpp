@@ -401,5 +401,19 @@ TEST(Config, LoadConfigNamesTheFile) {
   EXPECT_NE(message.find("zero_optimization.stage"), std::string::npos) << message;
 }
 
+// offload_param.buffer_count defaults to 5 and offload_optimizer.buffer_count to 4, in a config
+// and in a Config built in code (deepspeed/runtime/zero/offload_config.py:33,
+// DeepSpeedZeroOffloadParamConfig.buffer_count = Field(5); :58, the optimizer's Field(4)).
+TEST(Config, OffloadBufferCountsDefaultToDeepSpeeds) {
+  Result<Config> c = parse_config(R"({"zero_optimization": {
+    "offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+    "offload_param": {"device": "nvme", "nvme_path": "/x"}}})");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->zero.offload_param.buffer_count, 5u);
+  EXPECT_EQ(c->zero.offload_optimizer.buffer_count, 4u);
+  EXPECT_EQ(Config{}.zero.offload_param.buffer_count, 5u);
+  EXPECT_EQ(Config{}.zero.offload_optimizer.buffer_count, 4u);
+}
+
 }  // namespace
 }  // namespace zinf
