@@ -87,6 +87,9 @@ const Key kZeroKeys[] = {
     {.name = "offload_optimizer", .keys = kOffloadOptimizerKeys},
     {.name = "offload_param", .keys = kOffloadParamKeys},
     {.name = "cpu_offload", .read = read_cpu_offload},
+    // DeepSpeed's pydantic config spells it "cpu_offload_param"; releases before it read
+    // "cpu_offload_params". Both mean offload_param.device "cpu".
+    {.name = "cpu_offload_param", .read = read_cpu_offload_params},
     {.name = "cpu_offload_params", .read = read_cpu_offload_params},
     {.name = "cpu_offload_use_pin_memory",
      .read = ZINF_READ(bool_of(v, &w.config->zero.offload_param.pin_memory)),

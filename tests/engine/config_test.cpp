@@ -415,5 +415,22 @@ TEST(Config, OffloadBufferCountsDefaultToDeepSpeeds) {
   EXPECT_EQ(Config{}.zero.offload_optimizer.buffer_count, 4u);
 }
 
+// The deprecated parameter-offload switch is "cpu_offload_param" in DeepSpeed's pydantic config
+// (deepspeed/runtime/zero/config.py, DeepSpeedZeroConfig.cpu_offload_param) and was
+// "cpu_offload_params" before it (deepspeed/runtime/zero/constants.py,
+// ZERO_OPTIMIZATION_CPU_OFFLOAD_PARAMS); both mean offload_param.device "cpu".
+TEST(Config, CpuOffloadParamIsReadInBothDeepSpeedSpellings) {
+  for (const char* key : {"cpu_offload_param", "cpu_offload_params"}) {
+    Result<Config> on =
+        parse_config(fmt::format(R"({{"zero_optimization": {{"{}": true}}}})", key));
+    ASSERT_TRUE(on.is_ok()) << key << ": " << on.status().to_string();
+    EXPECT_EQ(on->zero.offload_param.device, OffloadDevice::kHost) << key;
+    Result<Config> off =
+        parse_config(fmt::format(R"({{"zero_optimization": {{"{}": false}}}})", key));
+    ASSERT_TRUE(off.is_ok()) << key << ": " << off.status().to_string();
+    EXPECT_EQ(off->zero.offload_param.device, OffloadDevice::kNone) << key;
+  }
+}
+
 }  // namespace
 }  // namespace zinf
