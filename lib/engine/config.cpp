@@ -293,11 +293,14 @@ void walk_optimizer(const Json& section, const std::string& path, Walk& w) {
       w.refuse(key, unknown_key_why(kOptimizerKeys, it.key()));
     }
   }
-  // No type: zinf's default optimizer (Config's, torch.optim.AdamW's defaults) with these params.
-  OptimizerParams o =
-      typed ? deepspeed_optimizer_defaults(kind, w.optimizer.torch_adam) : w.config->optimizer;
+  // DeepSpeed settles Adam's decay mode before it picks the class, so type "Adam" with
+  // adam_w_mode (its default) and torch_adam is torch.optim.AdamW, with AdamW's defaults
+  // (weight_decay 0.01). No type: zinf's default optimizer (Config's, torch.optim.AdamW's
+  // defaults) with these params.
   const OptimizerInput& in = w.optimizer;
   if (kind == OptimizerKind::kAdam && in.adam_w_mode) kind = OptimizerKind::kAdamW;
+  OptimizerParams o =
+      typed ? deepspeed_optimizer_defaults(kind, in.torch_adam) : w.config->optimizer;
   o.kind = kind;
   if (in.lr) o.lr = *in.lr;
   if (in.beta1) o.beta1 = *in.beta1;

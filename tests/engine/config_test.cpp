@@ -285,6 +285,11 @@ TEST(Config, OptimizerTypesAndDefaultsAreDeepSpeeds) {
        0.01, 0.999},
       {R"({"type": "Adam", "params": {"torch_adam": true, "adam_w_mode": false}})",
        OptimizerKind::kAdam, 1e-3, 1e-8, 0.0, 0.999},
+      // Type "Adam" with torch_adam and adam_w_mode left at true builds torch.optim.AdamW, whose
+      // weight_decay defaults to 0.01 (deepspeed/runtime/engine.py, _configure_basic_optimizer:
+      // effective_adam_w_mode, then torch.optim.AdamW(**params)).
+      {R"({"type": "Adam", "params": {"torch_adam": true}})", OptimizerKind::kAdamW, 1e-3, 1e-8,
+       0.01, 0.999},
       {R"({"type": "ADAGRAD"})", OptimizerKind::kAdagrad, 1e-2, 1e-10, 0.0, 0.999},
       {R"({"type": "Lion"})", OptimizerKind::kLion, 1e-3, 1e-8, 0.0, 0.999},
       {R"({"type": "lion", "params": {"betas": [0.95, 0.98], "weight_decay": 0.1}})",
