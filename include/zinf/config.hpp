@@ -32,11 +32,12 @@
 //   }
 //
 // Every key is either used, accepted with no effect in zinf (DeepSpeed keys for the training
-// program's side: batch bookkeeping, logging, and knobs whose only value is what zinf always
-// does), or refused; check_config() says which, and why, for each key of a file. Keys are
-// case-sensitive, as DeepSpeed's are. An unknown or refused key fails parse_config() with a
-// message that starts with its dotted name. "auto" (the Hugging Face Trainer's placeholder) is
-// refused for a key zinf uses: nothing fills it in.
+// program's side: logging, and knobs whose only value is what zinf always does), or refused;
+// check_config() says which, and why, for each key of a file. Keys are case-sensitive, as
+// DeepSpeed's are. An unknown or refused key fails parse_config() with a message that starts with
+// its dotted name. "auto" (the Hugging Face Trainer's placeholder) is refused for a key zinf uses:
+// nothing fills it in. The exceptions are train_batch_size and train_micro_batch_size_per_gpu,
+// where "auto" counts as not given: zinf derives them as DeepSpeed does (resolve_batch_sizes()).
 //
 // Units: DeepSpeed's `*_size`, `*_parameters` and `*_threshold` keys count parameters
 // (elements), except aio.block_size, which is bytes (DeepSpeed's own meaning); zinf's `*_bytes`
@@ -148,9 +149,17 @@ struct ActivationConfig {
 };
 
 struct Config {
-  // No effect in the engine (the program sizes its batches); `zinf plan` reads it for activation
-  // memory.
+  // "train_batch_size": the samples of one step over every rank; 0 where the config does not
+  // give it. DeepSpeed ties the three batch keys: train_batch_size =
+  // train_micro_batch_size_per_gpu x gradient_accumulation_steps x world size. Where
+  // train_batch_size is given, resolve_batch_sizes() derives whichever of the other two is
+  // missing and refuses three that disagree.
+  std::size_t train_batch_size = 0;
+  // The engine does not size batches (the program does); the value counts through the
+  // arithmetic above, and `zinf plan` reads it for activation memory.
+  // train_micro_batch_given: the config reader sets it where the key has a number.
   std::size_t train_micro_batch_size_per_gpu = 1;
+  bool train_micro_batch_given = false;
   // The micro-batches of a step. The engine accumulates every micro-batch handed to it between
   // two step() calls; with zinf.overlap_step it also begins the step's optimizer pass during the
   // backward of the gradient_accumulation_steps-th (docs/ENGINE.md "Updates during the
@@ -254,8 +263,18 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text);
 Result<Config> parse_config(std::string_view json_text);
 // Reads and parses a file; errors name the path.
 Result<Config> load_config(const std::string& path);
-// Checks ranges and combinations (for configs built in code); errors name the key.
+// Checks ranges and combinations (for configs built in code); errors name the key. With
+// zinf.world_size set, this includes resolve_batch_sizes() at that world size.
 Status validate(const Config& config);
+// DeepSpeed's batch arithmetic (deepspeed/runtime/config.py, _set_batch_related_parameters and
+// _batch_assertion) at `world_size` ranks. Without train_batch_size nothing changes. With it, a
+// missing train_micro_batch_size_per_gpu is train_batch_size / world_size /
+// gradient_accumulation_steps, a missing gradient_accumulation_steps is train_batch_size /
+// train_micro_batch_size_per_gpu / world_size, and with both missing the steps are 1 (divisions
+// rounding down); then the product must equal train_batch_size, else kInvalidArgument naming
+// train_batch_size and all four figures. On success both are marked given. parse_config() calls
+// it when zinf.world_size is set, Engine::open() with the communicator's world size.
+Status resolve_batch_sizes(int world_size, Config* config);
 // The config as JSON in the same format (2-space indented); parse_config() reads it back equal.
 std::string config_to_json(const Config& config);
 

@@ -129,6 +129,7 @@ void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) 
   if (!k.refused.empty()) return w.refuse(key, std::string(k.refused));
   if (value.is_string() && value.get<std::string>() == "auto") {
     if (!k.no_effect.empty()) return w.no_effect(key, std::string(k.no_effect));
+    if (!k.auto_no_effect.empty()) return w.no_effect(key, std::string(k.auto_no_effect));
     return w.refuse(key, std::string(kAutoWhy));
   }
   if (k.walk != nullptr || !k.keys.empty()) {
@@ -457,7 +458,39 @@ Result<Config> parse_config(std::string_view json_text) {
     if (r.use == KeyUse::kRefused) return invalid(r.key, r.why);
   }
   ZINF_RETURN_IF_ERROR(validate(c));
+  if (c.world_size > 0) ZINF_RETURN_IF_ERROR(resolve_batch_sizes(c.world_size, &c));
   return c;
+}
+
+Status resolve_batch_sizes(int world_size, Config* config) {
+  Config& c = *config;
+  if (c.train_batch_size == 0 || world_size < 1) return Status::ok();
+  const auto world = static_cast<std::size_t>(world_size);
+  // DeepSpeed derives the missing count by floor division and then checks the product, so a
+  // train_batch_size that the others do not divide is refused, not rounded.
+  auto divide = [](std::size_t a, std::size_t b) { return b == 0 ? 0 : a / b; };
+  if (c.train_micro_batch_given && !c.gradient_accumulation_given) {
+    c.gradient_accumulation_steps =
+        divide(divide(c.train_batch_size, c.train_micro_batch_size_per_gpu), world);
+  } else if (!c.train_micro_batch_given && c.gradient_accumulation_given) {
+    c.train_micro_batch_size_per_gpu =
+        divide(divide(c.train_batch_size, world), c.gradient_accumulation_steps);
+  } else if (!c.train_micro_batch_given) {
+    c.gradient_accumulation_steps = 1;
+    c.train_micro_batch_size_per_gpu = divide(c.train_batch_size, world);
+  }
+  const std::size_t product =
+      c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * world;
+  if (product != c.train_batch_size) {
+    return invalid("train_batch_size",
+                   fmt::format("{} is not train_micro_batch_size_per_gpu {} x "
+                               "gradient_accumulation_steps {} x {} ranks ({})",
+                               c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                               c.gradient_accumulation_steps, world_size, product));
+  }
+  c.train_micro_batch_given = true;
+  c.gradient_accumulation_given = true;
+  return Status::ok();
 }
 
 Result<Config> load_config(const std::string& path) {

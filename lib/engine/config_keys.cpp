@@ -249,12 +249,24 @@ constexpr std::string_view kMonitor =
     "logging of the training program; zinf reports through "
     "StepReport, its trace and its counters";
 
+constexpr std::string_view kAutoBatch =
+    "\"auto\": the Hugging Face Trainer computes it from the other batch keys; zinf derives it "
+    "from them as DeepSpeed does";
+
 const Key kRootKeys[] = {
-    {.name = "train_batch_size", .no_effect = kProgramSide},
+    {.name = "train_batch_size",
+     .read = [](const Json& v, Walk& w) -> Why {
+       if (Why why = count_as(v, &w.config->train_batch_size)) return why;
+       if (w.config->train_batch_size == 0) return std::string("0 is below 1");
+       return std::nullopt;
+     },
+     .auto_no_effect = kAutoBatch},
     {.name = "train_micro_batch_size_per_gpu",
-     .read = ZINF_READ(count_as(v, &w.config->train_micro_batch_size_per_gpu)),
-     .no_effect =
-         "the training program sizes its batches; `zinf plan` reads it for activation memory"},
+     .read = [](const Json& v, Walk& w) -> Why {
+       w.config->train_micro_batch_given = true;
+       return count_as(v, &w.config->train_micro_batch_size_per_gpu);
+     },
+     .auto_no_effect = kAutoBatch},
     {.name = "gradient_accumulation_steps",
      .read = [](const Json& v, Walk& w) -> Why {
        w.config->gradient_accumulation_given = true;

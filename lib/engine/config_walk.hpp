@@ -66,6 +66,9 @@ struct Key {
   WalkFn walk = nullptr;           // a section with its own walk
   std::string_view no_effect = {};
   std::string_view refused = {};
+  // For a used key: "auto" is accepted with no effect, for this reason (train_batch_size, which
+  // the Hugging Face Trainer computes from the other batch keys), instead of refused.
+  std::string_view auto_no_effect = {};
 };
 
 // --- value readers (config.cpp) ---------------------------------------------------------------

@@ -190,6 +190,10 @@ Status validate(const Config& c) {
   if (c.io_timeout_ms < 1) {
     return invalid("zinf.io_timeout_ms", fmt::format("{} is below 1", c.io_timeout_ms));
   }
+  if (c.world_size > 0) {
+    Config resolved = c;
+    ZINF_RETURN_IF_ERROR(resolve_batch_sizes(c.world_size, &resolved));
+  }
   return Status::ok();
 }
 
@@ -205,8 +209,15 @@ std::string config_to_json(const Config& c) {
     return j;
   };
   Json out;
-  out["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
-  out["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  // With train_batch_size, the other two only where given (or derived), so that the file read back
+  // derives what this config would.
+  if (c.train_batch_size != 0) out["train_batch_size"] = c.train_batch_size;
+  if (c.train_batch_size == 0 || c.train_micro_batch_given) {
+    out["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
+  }
+  if (c.train_batch_size == 0 || c.gradient_accumulation_given) {
+    out["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
+  }
   out["gradient_clipping"] = c.gradient_clipping;
   out["fp16"] = {{"enabled", c.fp16.enabled},
                  {"loss_scale", c.fp16.loss_scale},

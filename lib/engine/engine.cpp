@@ -938,7 +938,11 @@ Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& en
         fmt::format("zinf.world_size: {} but the communicator has {} ranks", config.world_size,
                     env.comm->world_size()));
   }
-  auto impl = std::make_unique<Impl>(config, env);
+  // DeepSpeed's batch arithmetic at the communicator's world size (a no-op where parse_config()
+  // resolved it at zinf.world_size, or without train_batch_size).
+  Config resolved = config;
+  ZINF_RETURN_IF_ERROR(resolve_batch_sizes(env.comm->world_size(), &resolved));
+  auto impl = std::make_unique<Impl>(resolved, env);
   ZINF_RETURN_IF_ERROR(impl->init());
   return std::unique_ptr<Engine>(new Engine(std::move(impl)));
 }

@@ -225,9 +225,11 @@ class ZinfEngine(nn.Module):
             if section.get("device") == "nvme" and section.get("nvme_path"):
                 os.makedirs(section["nvme_path"], exist_ok=True)
         # step() applies the optimizer after exactly gradient_accumulation_steps backward calls
-        # (1 where the config has none), so the engine may trust the count from the first step
-        # on: the key declares it (docs/ENGINE.md "Updates during the backward").
-        declared = config if "gradient_accumulation_steps" in config else {
+        # (1 where the config has none, or the engine's derivation from a numeric
+        # train_batch_size, as DeepSpeed's), so the engine may trust the count from the first
+        # step on: the key declares it (docs/ENGINE.md "Updates during the backward").
+        derives = isinstance(config.get("train_batch_size"), (int, float))
+        declared = config if "gradient_accumulation_steps" in config or derives else {
             **config, "gradient_accumulation_steps": 1}
         self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes,
                                   _choose_comm(comm))

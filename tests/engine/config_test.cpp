@@ -243,7 +243,7 @@ TEST(Config, CheckReportsEveryKeyInFileOrder) {
     lines.push_back(fmt::format("{} {}", k.key, key_use_name(k.use)));
   }
   const std::vector<std::string> want = {
-      "train_batch_size accepted, no effect in zinf",
+      "train_batch_size used",
       "steps_per_print accepted, no effect in zinf",
       "zero_optimization.stage used",
       "zero_optimization.overlap_comm accepted, no effect in zinf",
@@ -434,6 +434,83 @@ TEST(Config, CpuOffloadParamIsReadInBothDeepSpeedSpellings) {
         parse_config(fmt::format(R"({{"zero_optimization": {{"{}": false}}}})", key));
     ASSERT_TRUE(off.is_ok()) << key << ": " << off.status().to_string();
     EXPECT_EQ(off->zero.offload_param.device, OffloadDevice::kNone) << key;
+  }
+}
+
+// DeepSpeed completes train_batch_size = train_micro_batch_size_per_gpu x
+// gradient_accumulation_steps x world size from whichever of the three are given, and refuses
+// three that disagree (deepspeed/runtime/config.py, DeepSpeedConfig._set_batch_related_parameters
+// and _batch_assertion). The world size is zinf.world_size when the config sets it, else the
+// communicator's at Engine::open().
+TEST(Config, BatchSizesFollowDeepSpeedsArithmetic) {
+  struct Want {
+    const char* json;
+    std::size_t micro, accumulation;
+  };
+  const Want cases[] = {
+      {R"({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+           "zinf": {"world_size": 4}})",
+       4, 4},
+      {R"({"train_batch_size": 64, "gradient_accumulation_steps": 2, "zinf": {"world_size": 4}})",
+       8, 2},
+      {R"({"train_batch_size": 32, "zinf": {"world_size": 4}})", 8, 1},
+      {R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": 2,
+           "gradient_accumulation_steps": 4, "zinf": {"world_size": 4}})",
+       2, 4},
+      // "auto" (the Hugging Face Trainer's) is a value the Trainer computes from the other two.
+      {R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2,
+           "gradient_accumulation_steps": 3, "zinf": {"world_size": 4}})",
+       2, 3},
+  };
+  for (const Want& w : cases) {
+    Result<Config> c = parse_config(w.json);
+    ASSERT_TRUE(c.is_ok()) << w.json << ": " << c.status().to_string();
+    EXPECT_EQ(c->train_micro_batch_size_per_gpu, w.micro) << w.json;
+    EXPECT_EQ(c->gradient_accumulation_steps, w.accumulation) << w.json;
+    EXPECT_TRUE(c->gradient_accumulation_given) << w.json;
+  }
+  const BadCase bad[] = {
+      {R"({"train_batch_size": 64, "train_micro_batch_size_per_gpu": 4,
+           "gradient_accumulation_steps": 2, "zinf": {"world_size": 4}})",
+       "train_batch_size",
+       "64 is not train_micro_batch_size_per_gpu 4 x "
+       "gradient_accumulation_steps 2 x 4 ranks"},
+      {R"({"train_batch_size": 30, "train_micro_batch_size_per_gpu": 4,
+           "zinf": {"world_size": 4}})",
+       "train_batch_size",
+       "30 is not train_micro_batch_size_per_gpu 4 x "
+       "gradient_accumulation_steps 1 x 4 ranks"},
+      {R"({"train_batch_size": 2, "zinf": {"world_size": 4}})", "train_batch_size",
+       "2 is not train_micro_batch_size_per_gpu 0"},
+  };
+  for (const BadCase& b : bad) {
+    Result<Config> r = parse_config(b.json);
+    ASSERT_FALSE(r.is_ok()) << b.json;
+    const std::string message(r.status().message());
+    EXPECT_EQ(message.rfind(b.key, 0), 0u) << message;
+    EXPECT_NE(message.find(b.why), std::string::npos) << message;
+  }
+  // Without zinf.world_size the engine completes it with its communicator's 2 ranks.
+  Result<Config> open_config =
+      parse_config(R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4})");
+  ASSERT_TRUE(open_config.is_ok()) << open_config.status().to_string();
+  engine_test::Ranks ranks = engine_test::make_ranks(2);
+  for (const Status& s :
+       engine_test::run_engines(*open_config, ranks, [](int, Engine& engine) -> Status {
+         EXPECT_EQ(engine.config().gradient_accumulation_steps, 2u);
+         EXPECT_TRUE(engine.config().gradient_accumulation_given);
+         return Status::ok();
+       })) {
+    EXPECT_TRUE(s.is_ok()) << s.to_string();
+  }
+  Result<Config> disagree = parse_config(
+      R"({"train_batch_size": 16, "train_micro_batch_size_per_gpu": 4,
+          "gradient_accumulation_steps": 1})");
+  ASSERT_TRUE(disagree.is_ok()) << disagree.status().to_string();
+  for (const Status& s :
+       engine_test::run_engines(*disagree, ranks, [](int, Engine&) { return Status::ok(); })) {
+    EXPECT_EQ(s.code(), Code::kInvalidArgument);
+    EXPECT_EQ(s.message().rfind("train_batch_size: 16 is not", 0), 0u) << s.to_string();
   }
 }
 
