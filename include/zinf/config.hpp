@@ -91,7 +91,8 @@ struct OffloadConfig {
 };
 
 struct ZeroConfig {
-  // 1: optimizer state partitioned; 2: also gradients; 3: also parameters.
+  // 1: optimizer state partitioned; 2: also gradients; 3: also parameters. DeepSpeed's default
+  // is 0 (ZeRO off), which zinf does not have: a config without a stage runs stage 3.
   int stage = 3;
   OffloadConfig offload_optimizer;
   // Stage 3 only (a stage-1/2 config with offload_param other than "none" is rejected).
@@ -120,7 +121,8 @@ struct Fp16Config {
   double loss_scale = 0.0;
   // The dynamic scale starts at 2^initial_scale_power.
   int initial_scale_power = 16;
-  // Good steps in a row after which the dynamic scale doubles.
+  // Good steps in a row after which the dynamic scale doubles. DeepSpeed's DynamicLossScaler
+  // doubles one step later (after window + 1 good steps, then every window): docs/ENGINE.md.
   std::int64_t loss_scale_window = 1000;
   // Overflowing steps in a row tolerated before the scale is lowered (DeepSpeed's hysteresis):
   // with 1, every overflow halves the scale.
@@ -189,6 +191,8 @@ struct Config {
   ZeroConfig zero;
   // "aio": I/O request size ("block_size", bytes) and queue depth of the engine's IoEngine.
   std::size_t aio_block_bytes = std::size_t{1} << 20;
+  // DeepSpeed's queue_depth default is 8; zinf's rings keep 32 pieces in flight unless told
+  // otherwise (only the speed differs).
   std::size_t aio_queue_depth = 32;
   // "zinf": zinf's own section. world_size 0: any (else it must equal the communicator's).
   int world_size = 0;
