@@ -121,8 +121,8 @@ struct Fp16Config {
   double loss_scale = 0.0;
   // The dynamic scale starts at 2^initial_scale_power.
   int initial_scale_power = 16;
-  // Good steps in a row after which the dynamic scale doubles. DeepSpeed's DynamicLossScaler
-  // doubles one step later (after window + 1 good steps, then every window): docs/ENGINE.md.
+  // The dynamic scale doubles at the good step that follows this many good steps in a row, then
+  // every this many, as DeepSpeed's DynamicLossScaler does.
   std::int64_t loss_scale_window = 1000;
   // Overflowing steps in a row tolerated before the scale is lowered (DeepSpeed's hysteresis):
   // with 1, every overflow halves the scale.

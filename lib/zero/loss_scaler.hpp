@@ -4,8 +4,11 @@
 // The loss is multiplied by scale() before the backward pass so that small f16 gradients do not
 // flush to zero; the step divides it out again. When a step's gradients overflow (an inf or NaN
 // on any rank) the step is skipped and, once `hysteresis` overflowing steps have been seen since
-// the last good run, the scale is divided by 2 (never below min_scale); after `window` good steps
-// in a row it is multiplied by 2. A static scaler (dynamic = false) never changes.
+// the last good run, the scale is divided by 2 (never below min_scale). The scale is multiplied
+// by 2 at the good step that follows `window` good steps in a row, and again every `window` good
+// steps after that, as DeepSpeed's DynamicLossScaler.update_scale counts them ((steps since the
+// last overflow - 1) a positive multiple of the window), which refills the hysteresis too. A
+// static scaler (dynamic = false) never changes.
 //
 // Thread-safety: a value; not shared.
 #pragma once
@@ -30,6 +33,7 @@ class LossScaler {
       : options_(options), scale_(options.initial_scale), hysteresis_left_(options.hysteresis) {}
 
   double scale() const { return scale_; }
+  // Good steps in a row since the last overflow or the last raise (that step counted).
   std::int64_t good_steps() const { return good_steps_; }
   int hysteresis_left() const { return hysteresis_left_; }
   // Puts back a state read from a checkpoint (the options stay this scaler's).
@@ -52,9 +56,9 @@ class LossScaler {
       return;
     }
     ++good_steps_;
-    if (good_steps_ >= options_.window) {
+    if (good_steps_ > options_.window) {
       scale_ *= 2.0;
-      good_steps_ = 0;
+      good_steps_ = 1;  // this step begins the next window
       hysteresis_left_ = options_.hysteresis;
     }
   }

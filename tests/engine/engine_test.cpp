@@ -330,7 +330,8 @@ TEST(EngineLossScale, GrowsAfterAWindowOfGoodSteps) {
                       ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, s, false, &report));
                       scales.push_back(engine->loss_scale());
                     }
-                    EXPECT_EQ(scales, (std::vector<double>{16, 32, 32, 64}));
+                    // DeepSpeed's rule: doubled at the good step after a window of 2.
+                    EXPECT_EQ(scales, (std::vector<double>{16, 16, 32, 32}));
                     return Status::ok();
                   })[0]
                   .is_ok());
