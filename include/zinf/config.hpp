@@ -127,6 +127,7 @@ struct Fp16Config {
   // Overflowing steps in a row tolerated before the scale is lowered (DeepSpeed's hysteresis):
   // with 1, every overflow halves the scale.
   int hysteresis = 2;
+  // The floor of the dynamic scale; an overflow at it makes step() return kAborted.
   double min_loss_scale = 1.0;
 };
 

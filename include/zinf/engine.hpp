@@ -344,6 +344,8 @@ class Engine {
   // Applies the optimizer to the gradients reduced since the last step (see the file comment).
   // REQUIRES: every parameter's gradients were reduced the same number (>= 1) of times since the
   // last step (else kFailedPrecondition naming a parameter). Releases any prefetched modules.
+  // An fp16 overflow with the loss scale already at fp16.min_loss_scale is skipped as any other
+  // and returns kAborted naming the key (not sticky: the next step may run).
   Result<StepReport> step();
 
   // Checkpoints (docs/ENGINE.md "Checkpoints"), in DeepSpeed's layout: <dir>/<tag>/ per

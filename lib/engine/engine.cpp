@@ -582,10 +582,13 @@ class Engine::Impl {
   }
 
   // A step skipped on overflow: nothing changes but the loss scale, and the gradients are zeroed.
+  // An overflow with the scale already at fp16.min_loss_scale is skipped the same way and then
+  // reported (kAborted, not sticky: the next step may run), where DeepSpeed raises an error.
   Status skipped(StepReport& rep, std::int64_t start) {
     rep.overlapped = overlap_ != nullptr;
     if (rep.overlapped) overlap_->take_figures(rep);
     LossScaler& scaler = numerics_->scaler();
+    const bool at_floor = scaler.at_floor();
     scaler.update(true);
     reducer_->zero();
     grads_pending_ = false;
@@ -595,6 +598,14 @@ class Engine::Impl {
     rep.wall_ns = Trace::now_ns() - start;
     ++steps_;
     ++skipped_steps_;
+    if (at_floor) {
+      return Status::aborted(fmt::format(
+          "step() call {}: the gradients are not finite with the loss scale already at "
+          "fp16.min_loss_scale ({}); the step was skipped, and scaling cannot avoid the next "
+          "overflow: lower fp16.min_loss_scale, or look for what makes the loss or the "
+          "gradients non-finite (DeepSpeed stops here with an error)",
+          steps_, scaler.scale()));
+    }
     return Status::ok();
   }
 

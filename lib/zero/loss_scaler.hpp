@@ -43,6 +43,12 @@ class LossScaler {
     hysteresis_left_ = hysteresis_left;
   }
 
+  // Whether an overflow now would lower a scale that is already at min_scale: the training cannot
+  // get out of it by scaling, so the engine reports it as DeepSpeed does (it raises an error).
+  bool at_floor() const {
+    return options_.dynamic && hysteresis_left_ <= 1 && scale_ <= options_.min_scale;
+  }
+
   // Records the outcome of one step (called on every rank with the same, all-reduced, flag).
   void update(bool overflow) {
     if (!options_.dynamic) return;

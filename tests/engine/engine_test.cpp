@@ -337,6 +337,41 @@ TEST(EngineLossScale, GrowsAfterAWindowOfGoodSteps) {
                   .is_ok());
 }
 
+// An overflow with the scale already at fp16.min_loss_scale: skipped like any other, then
+// reported naming the key (DeepSpeed raises an error there); the engine goes on training.
+TEST(EngineLossScale, AnOverflowAtTheFloorIsSkippedAndReportedNamingTheKey) {
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.fp16.enabled = true;
+  config.fp16.initial_scale_power = 2;  // 4: one overflow halves it to the floor
+  config.fp16.min_loss_scale = 2;
+  config.fp16.hysteresis = 1;
+  const Model model = engine_test::make_model(DType::kF16, 43);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  ASSERT_TRUE(engine_test::run_ranks(
+                  1,
+                  [&](int rank) -> Status {
+                    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+                    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+                    StepReport report;
+                    // Above the floor: skipped, halved, no error.
+                    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 1, true, &report));
+                    EXPECT_TRUE(report.skipped);
+                    EXPECT_EQ(engine->loss_scale(), 2.0);
+                    // At the floor: skipped, the scale kept, and step() says so.
+                    Status s = scaled_step(*engine, model, rank, 2, true, &report);
+                    EXPECT_EQ(s.code(), Code::kAborted) << s.to_string();
+                    EXPECT_NE(s.message().find("fp16.min_loss_scale"), std::string::npos)
+                        << s.to_string();
+                    EXPECT_EQ(engine->loss_scale(), 2.0);
+                    // Not sticky: a good step applies.
+                    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 3, false, &report));
+                    EXPECT_FALSE(report.skipped);
+                    EXPECT_EQ(report.step, 1);
+                    return Status::ok();
+                  })[0]
+                  .is_ok());
+}
+
 // --- Bad input -------------------------------------------------------------------------------
 
 // Every bad call in the middle of training on both ranks: each returns a Status naming what was

@@ -27,7 +27,8 @@ TEST(LossScaler, HalvesOnOverflowAndDoublesAfterAWindow) {
 
 // DeepSpeed's DynamicLossScaler.update_scale (deepspeed/runtime/fp16/loss_scaler.py), kept by
 // its own counters: the iteration, the last overflow's iteration, the hysteresis left. Not
-// consecutive_hysteresis (zinf refuses it); no error at min_scale (zinf skips the step there).
+// consecutive_hysteresis (zinf refuses it); no error at min_scale (the engine reports that one,
+// from LossScaler::at_floor()).
 struct DeepSpeedRule {
   double scale;
   std::int64_t window;
