@@ -47,11 +47,11 @@
 // The half-precision output on the block tier (StateStore::streams_half()): the update writes
 // sub-group i's new bf16/f16 parameters into the block's params_half slot, which is never written
 // to disk; the driver hands the slot to PipelineOptions::half_done (on the thread that called
-// step(), in the step's order of sub-groups, once per sub-group of a full step) after submitting the sub-group's
-// writes and before its block can go back to the pool. So the partition's half copy never exists
-// whole: the caller (the engine) streams it into the parameter shards. A half_done error fails
-// the step like an update error; a sub-group whose update finished only because the step was
-// already failing is written back but not handed over.
+// step(), in the step's order of sub-groups, once per sub-group of a full step) after submitting
+// the sub-group's writes and before its block can go back to the pool. So the partition's half
+// copy never exists whole: the caller (the engine) streams it into the parameter shards. A
+// half_done error fails the step like an update error; a sub-group whose update finished only
+// because the step was already failing is written back but not handed over.
 //
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
