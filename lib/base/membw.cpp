@@ -24,15 +24,6 @@ namespace {
 constexpr std::size_t kBlockElements = 2048;
 static_assert(kBlockElements % membw::kGroupElements == 0);
 
-struct Stream {
-  AlignedBuffer buffer;
-  int elem_bytes;
-  // Each stream starts at a different offset within a 4 KiB page, so that a load of one stream
-  // never waits on a recent store to another at the same page offset (4K aliasing), which
-  // arrays that all start page-aligned would suffer and measure instead of the memory.
-  std::size_t offset_bytes;
-  std::byte* data() { return buffer.data() + offset_bytes; }
-};
 constexpr std::size_t kStreamStaggerBytes = 576;  // 9 cache lines: distinct mod 4 KiB for 7 streams
 
 using Vec16 = unsigned long long __attribute__((vector_size(16)));
@@ -63,6 +54,15 @@ std::size_t StreamPattern::bytes_per_element() const {
 }
 
 struct BandwidthProbe::Impl {
+  struct Stream {
+    AlignedBuffer buffer;
+    int elem_bytes;
+    // Each stream starts at a different offset within a 4 KiB page, so that a load of one stream
+    // never waits on a recent store to another at the same page offset (4K aliasing), which
+    // arrays that all start page-aligned would suffer and measure instead of the memory.
+    std::size_t offset_bytes;
+    std::byte* data() { return buffer.data() + offset_bytes; }
+  };
   StreamPattern pattern;
   std::size_t elements;
   std::vector<Stream> reads, in_place, writes;

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 
+#include "base/arith.hpp"
 #include "device/host_device.hpp"
 #include "kernels/sq_norm.h"
 #include "kernels/unscale.h"
@@ -114,9 +115,8 @@ Result<std::unique_ptr<DeviceOps>> make_device_ops(Device& device) {
 }
 
 Result<RegisteredBuffer> RegisteredBuffer::allocate(Device& device, std::size_t bytes) {
-  constexpr std::size_t kPage = 4096;
   RegisteredBuffer out;
-  out.buffer_ = AlignedBuffer((std::max<std::size_t>(bytes, 1) + kPage - 1) / kPage * kPage, kPage);
+  out.buffer_ = AlignedBuffer(round_page(std::max<std::size_t>(bytes, 1)), kPage);
   ZINF_RETURN_IF_ERROR(device.register_host(out.buffer_.data(), out.buffer_.bytes()));
   out.device_ = &device;
   return out;

@@ -8,6 +8,7 @@
 #include <limits>
 #include <map>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "device/pinned_pool.hpp"
 #include "engine/nvme_dir.hpp"
@@ -20,10 +21,6 @@ namespace zinf {
 namespace {
 
 constexpr std::uint32_t kNoEntry = std::numeric_limits<std::uint32_t>::max();
-
-std::uint64_t round_up(std::uint64_t value, std::uint64_t unit) {
-  return (value + unit - 1) / unit * unit;
-}
 
 enum class Where : std::uint8_t { kNone, kDevice, kHost, kNvme };
 

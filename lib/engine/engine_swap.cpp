@@ -7,18 +7,13 @@
 #include <algorithm>
 #include <set>
 
+#include "base/arith.hpp"
 #include "engine/nvme_dir.hpp"
 #include "engine/optimizer_state.hpp"
 #include "tier/state_store.hpp"
 
 namespace zinf {
-namespace {
-
-constexpr std::size_t kPage = 4096;
-
-std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
-
-}  // namespace
+namespace {}  // namespace
 
 Result<std::vector<std::string>> find_nvme_dirs(const Config& config, const Env& env, int rank) {
   const ZeroConfig& z = config.zero;

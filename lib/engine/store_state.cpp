@@ -22,6 +22,7 @@
 #include <future>
 
 #include "base/aligned.hpp"
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "device/pinned_pool.hpp"
 #include "engine/optimizer_state.hpp"
@@ -29,9 +30,6 @@
 
 namespace zinf {
 namespace {
-
-constexpr std::size_t kPage = 4096;
-std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
 enum class Publish : std::uint8_t { kStreamed, kFromStore, kNarrowed };
 

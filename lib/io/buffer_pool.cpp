@@ -7,6 +7,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "io/io_engine.hpp"
 #include "zinf/log.hpp"
@@ -15,10 +16,6 @@ namespace zinf {
 
 namespace {
 constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
-
-std::size_t round_up(std::size_t value, std::size_t unit) {
-  return (value + unit - 1) / unit * unit;
-}
 
 // Anonymous memory aligned to 2 MiB (so THP can back it with whole huge pages): map 2 MiB
 // more, then trim both ends.

@@ -17,6 +17,7 @@
 #include <unordered_map>
 
 #include "base/aligned.hpp"
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "base/hash.hpp"
 #include "zinf/log.hpp"
@@ -24,12 +25,6 @@
 namespace zinf {
 
 namespace {
-
-constexpr std::uint64_t kPage = 4096;
-
-std::uint64_t round_up(std::uint64_t value, std::uint64_t unit) {
-  return (value + unit - 1) / unit * unit;
-}
 
 // Lets find() look a key up by string_view without building a std::string.
 struct KeyHash {

@@ -6,14 +6,11 @@
 #include <cctype>
 #include <string>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf::plan {
-namespace {
-
-std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
-
-}  // namespace
+namespace {}  // namespace
 
 std::string_view memory_tier_name(MemoryTier tier) {
   switch (tier) {

@@ -5,12 +5,11 @@
 #include <algorithm>
 #include <cmath>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf::plan {
 namespace {
-
-std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
 
 std::string gib(double bytes) { return fmt::format("{:.2f} GiB", bytes / (1024.0 * 1024 * 1024)); }
 

@@ -2,14 +2,13 @@
 
 #include <algorithm>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf::plan {
 namespace {
 
 constexpr double kGiga = 1e9;
-
-std::uint64_t ceil_div(std::uint64_t a, std::uint64_t b) { return (a + b - 1) / b; }
 
 double seconds(double bytes, double gbps) { return gbps > 0 ? bytes / (gbps * kGiga) : 0.0; }
 

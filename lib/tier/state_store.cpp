@@ -6,20 +6,16 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf {
 
 namespace {
 
-constexpr std::size_t kPage = 4096;
 // Sub-groups sized from sub_group_bytes hold a multiple of this many parameters, so that every
 // piece, f32 or 16-bit, is whole 4 KiB pages.
 constexpr std::size_t kParamQuantum = 2048;
-
-std::size_t round_up(std::size_t value, std::size_t unit) {
-  return (value + unit - 1) / unit * unit;
-}
 
 Piece piece_at(std::size_t index) { return static_cast<Piece>(index); }
 

@@ -7,15 +7,12 @@
 #include <algorithm>
 #include <cstring>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "tier/state_store.hpp"
 
 namespace zinf {
 namespace {
-
-constexpr std::size_t kPage = 4096;
-
-std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
 
 // sum_of_squares's tile: at most kSquareTile elements a leaf of its reduction tree.
 constexpr std::size_t kSquareTile = std::size_t{1} << 16;

@@ -8,15 +8,11 @@
 #include <optional>
 #include <utility>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf {
-namespace {
-
-constexpr std::size_t kPage = 4096;
-std::size_t round_page(std::size_t bytes) { return (bytes + kPage - 1) / kPage * kPage; }
-
-}  // namespace
+namespace {}  // namespace
 
 ParamCoordinator::ParamCoordinator(const Partitioner& partitioner, int rank, Device& device,
                                    Communicator& comm, const ParamCoordinatorOptions& options,

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <utility>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf {
@@ -15,10 +16,6 @@ namespace {
 
 constexpr bool is_power_of_two(std::size_t value) {
   return value != 0 && (value & (value - 1)) == 0;
-}
-
-constexpr std::size_t round_up(std::size_t value, std::size_t multiple) {
-  return (value + multiple - 1) / multiple * multiple;
 }
 
 // Element counts stay below 2^62 so that offsets times 4 bytes and sums of groups never overflow.
