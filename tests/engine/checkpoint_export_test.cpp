@@ -27,11 +27,6 @@ namespace {
 
 using engine_test::Model;
 
-std::string read_all(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
 // Trains 3 steps on 2 ranks (stage 3, 8 parameters sharded across both), saves tag "t" and
 // returns every parameter's master by name.
 std::map<std::string, std::vector<float>> save_two_ranks(const Model& model,
@@ -71,7 +66,7 @@ TEST(CheckpointExport, SafetensorsBytesEqualReadParameters) {
     const std::string path = scratch.path() + "/model.safetensors";
     const Status st = export_checkpoint_safetensors(dir, "", path, dtype);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    const std::string file = read_all(path);
+    const std::string file = engine_test::read_file(path);
     ASSERT_GE(file.size(), 8u);
     std::uint64_t header_bytes = 0;
     for (int i = 0; i < 8; ++i) {
@@ -200,7 +195,7 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
   EXPECT_EQ(t["parameters"], model.params.size());
   EXPECT_EQ(t["checksums"], "ok");
   const std::string victim = dir + "/t/rank1.zinfckpt";
-  std::string bytes = read_all(victim);
+  std::string bytes = engine_test::read_file(victim);
   bytes[5000] = static_cast<char>(bytes[5000] ^ 4);
   std::ofstream(victim, std::ios::binary | std::ios::trunc) << bytes;
   info = inspect_checkpoints(dir, true);

@@ -225,13 +225,6 @@ int wait_exit(pid_t pid) {
   return 128 + WTERMSIG(status);
 }
 
-std::string read_all(const std::string& path) {
-  std::ifstream f(path);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
-
 }  // namespace
 
 void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
@@ -338,13 +331,13 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
     }
     std::int64_t new_step = 0;
     std::uint64_t new_hash = 0;
-    std::istringstream(read_all(work + "/expect")) >> new_step >> new_hash;
+    std::istringstream(engine_test::read_file(work + "/expect")) >> new_step >> new_hash;
     ASSERT_GT(new_step, 0);
     if (trial > 0) {
       // This child loaded what the previous trial left, then stepped to new_step.
       std::int64_t step = -1;
       std::uint64_t hash = 0;
-      std::istringstream(read_all(work + "/loaded")) >> step >> hash;
+      std::istringstream(engine_test::read_file(work + "/loaded")) >> step >> hash;
       ASSERT_EQ(step + 1, new_step) << "trial " << trial << ": the loaded step";
       judge(step, hash, new_hash);
       if (::testing::Test::HasFatalFailure()) return;
@@ -366,7 +359,7 @@ void run_kill_trials(std::size_t params, int trials, std::uint64_t seed) {
   ASSERT_EQ(verify_rc, 0) << "trial " << pending.trial << ": a fresh process could not load latest";
   std::int64_t step = 0;
   std::uint64_t hash = 0, after = 0;
-  std::istringstream(read_all(work + "/verified")) >> step >> hash >> after;
+  std::istringstream(engine_test::read_file(work + "/verified")) >> step >> hash >> after;
   judge(step, hash, after);
   std::printf(
       "kill test distribution over %d killed trials: %d loaded the previous checkpoint, %d the "

@@ -24,13 +24,6 @@ namespace {
 
 using engine_test::Model;
 
-std::string read_all(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
 // The manifest's text with a correct checksum, laid out as save_checkpoint lays it out.
 std::string stamp(nlohmann::json j) {
   j["checksum"] = std::string(16, '0');
@@ -54,7 +47,7 @@ class ManifestEdits : public ::testing::Test {
       return e.save_checkpoint(dir_, "t");
     });
     ASSERT_TRUE(saved.is_ok()) << saved.to_string();
-    text_ = read_all(manifest());
+    text_ = engine_test::read_file(manifest());
     original_ = nlohmann::json::parse(text_);
   }
 
@@ -196,7 +189,7 @@ TEST_F(ManifestEdits, OtherVersionsAreRefusedNamingTheFileAndVersion2StillLoads)
                 return Status::ok();
               }).is_ok());
   const std::string rank_file = dir_ + "/t/" + original_["ranks"][0]["file"].get<std::string>();
-  std::string bytes = read_all(rank_file);
+  std::string bytes = engine_test::read_file(rank_file);
   ASSERT_EQ(bytes[8], 3);
   bytes[8] = 2;
   std::ofstream(rank_file, std::ios::binary | std::ios::trunc) << bytes;

@@ -26,21 +26,6 @@ namespace {
 using engine_test::Model;
 using engine_test::TrainOptions;
 
-std::string read_all(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
-
-Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& model) {
-  std::vector<std::vector<float>> out;
-  for (const engine_test::ParamDef& d : model.params) {
-    std::vector<float> values(d.element_count());
-    ZINF_RETURN_IF_ERROR(engine.read_parameters(d.name, values.data()));
-    out.push_back(std::move(values));
-  }
-  return out;
-}
-
 bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::vector<float>>& b) {
   if (a.size() != b.size()) return false;
   for (std::size_t p = 0; p < a.size(); ++p) {
@@ -92,7 +77,7 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
       const std::string tag(1, static_cast<char>('a' + i));
       const Status st = one.engine->save_checkpoint(dir, tag);
       ASSERT_TRUE(st.is_ok()) << st.to_string();
-      Result<std::vector<std::vector<float>>> m = masters(*one.engine, model);
+      Result<std::vector<std::vector<float>>> m = engine_test::read_masters(*one.engine, model);
       ASSERT_TRUE(m.is_ok());
       saved.push_back(std::move(*m));
     }
@@ -107,7 +92,7 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/a")) << "keep_last 2 keeps b and c";
   EXPECT_TRUE(std::filesystem::exists(dir + "/b/manifest.json"));
   EXPECT_TRUE(std::filesystem::exists(dir + "/c/manifest.json"));
-  EXPECT_EQ(read_all(dir + "/latest"), "c");
+  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "c");
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
     EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
   }
@@ -119,7 +104,7 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
     OneEngine fresh(config, model);
     const Status st = fresh.engine->load_checkpoint(dir, tag);
     ASSERT_TRUE(st.is_ok()) << "tag '" << tag << "': " << st.to_string();
-    Result<std::vector<std::vector<float>>> m = masters(*fresh.engine, model);
+    Result<std::vector<std::vector<float>>> m = engine_test::read_masters(*fresh.engine, model);
     ASSERT_TRUE(m.is_ok());
     EXPECT_TRUE(same_bits(*m, saved[want])) << "tag '" << tag << "'";
   }
@@ -145,13 +130,13 @@ TEST(CheckpointTags, SavesAndLoadsOnTmpfs) {
     ASSERT_TRUE(one.train(model, 1, 2).is_ok());
     const Status st = one.engine->save_checkpoint(dir);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    saved = *masters(*one.engine, model);
+    saved = *engine_test::read_masters(*one.engine, model);
   }
   EXPECT_EQ(std::filesystem::file_size(dir + "/global_step2/rank0.zinfckpt") % 4096, 0u);
   OneEngine fresh(config, model);
   const Status st = fresh.engine->load_checkpoint(dir);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
-  EXPECT_TRUE(same_bits(*masters(*fresh.engine, model), saved));
+  EXPECT_TRUE(same_bits(*engine_test::read_masters(*fresh.engine, model), saved));
   std::filesystem::remove_all(dir);
 }
 
@@ -232,10 +217,10 @@ TEST(CheckpointFaults, SaveFaultsNameTheFileAndKeepThePreviousCheckpoint) {
       OneEngine one(config, model, faults);
       ASSERT_TRUE(one.train(model, 1, 2).is_ok());
       ASSERT_TRUE(one.engine->save_checkpoint(dir, "good").is_ok());
-      Result<std::vector<std::vector<float>>> good = masters(*one.engine, model);
+      Result<std::vector<std::vector<float>>> good = engine_test::read_masters(*one.engine, model);
       ASSERT_TRUE(good.is_ok());
       ASSERT_TRUE(one.train(model, 3, 3).is_ok());
-      Result<std::vector<std::vector<float>>> next = masters(*one.engine, model);
+      Result<std::vector<std::vector<float>>> next = engine_test::read_masters(*one.engine, model);
       one.engine->set_client_state("client state");
       faults->set_enabled(true);
       const Status st = one.engine->save_checkpoint(dir, "next");
@@ -253,17 +238,18 @@ TEST(CheckpointFaults, SaveFaultsNameTheFileAndKeepThePreviousCheckpoint) {
         const bool names_file = st.message().find(dir + "/.next.tmp/") != std::string::npos ||
                                 st.message().find(dir + "/latest.tmp") != std::string::npos;
         EXPECT_TRUE(names_file) << st.to_string();
-        EXPECT_EQ(read_all(dir + "/latest"), "good");
+        EXPECT_EQ(engine_test::read_file(dir + "/latest"), "good");
         EXPECT_FALSE(std::filesystem::exists(dir + "/next"));
         EXPECT_FALSE(std::filesystem::exists(dir + "/.next.tmp"));
       } else {
         EXPECT_TRUE(st.is_ok()) << st.to_string();
-        EXPECT_EQ(read_all(dir + "/latest"), "next");
+        EXPECT_EQ(engine_test::read_file(dir + "/latest"), "next");
       }
       OneEngine fresh(config, model);
       const Status loaded = fresh.engine->load_checkpoint(dir);
       ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
-      Result<std::vector<std::vector<float>>> back = masters(*fresh.engine, model);
+      Result<std::vector<std::vector<float>>> back =
+          engine_test::read_masters(*fresh.engine, model);
       ASSERT_TRUE(back.is_ok());
       EXPECT_TRUE(same_bits(*back, faulted ? *good : *next));
       if (faulted) {
@@ -306,7 +292,7 @@ TEST(CheckpointFaults, FlippedBitInAnyFileOrTornFileIsCorruptionNamingIt) {
   std::printf("seed 2024\n");
   for (const std::string& name : files) {
     const std::string path = tag + "/" + name;
-    const std::string original = read_all(path);
+    const std::string original = engine_test::read_file(path);
     ASSERT_FALSE(original.empty()) << path;
     for (int trial = 0; trial < 3; ++trial) {
       std::string flipped = original;

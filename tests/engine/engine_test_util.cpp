@@ -445,4 +445,18 @@ Config small_config(int stage, OffloadDevice optimizer, OffloadDevice params,
   return c;
 }
 
+Result<std::vector<std::vector<float>>> read_masters(Engine& engine, const Model& model) {
+  std::vector<std::vector<float>> out;
+  for (const ParamDef& def : model.params) {
+    out.emplace_back(def.element_count());
+    ZINF_RETURN_IF_ERROR(engine.read_parameters(def.name, out.back().data()));
+  }
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+
 }  // namespace zinf::engine_test

@@ -65,6 +65,12 @@ bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask
 std::vector<Status> with_engines(const Config& config, const Model& model, int world,
                                  const std::function<Status(int rank, Engine& engine)>& fn);
 
+// Every parameter's fp32 master as the engine reads it back (Engine::read_parameters), in the
+// model's order.
+Result<std::vector<std::vector<float>>> read_masters(Engine& engine, const Model& model);
+// The whole file's bytes; empty when it cannot be opened.
+std::string read_file(const std::string& path);
+
 // A gathered parameter (host-accessible memory) widened to f32.
 std::vector<float> widen_view(const TensorView& view);
 // Gradient values rounded to nearest even in `dtype` (kBF16 or kF16), as a program hands them.

@@ -23,15 +23,6 @@ using engine_test::TrainOptions;
 using test_common::LoopMount;
 
 // Every parameter's fp32 master, in registration order.
-Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& model) {
-  std::vector<std::vector<float>> out;
-  for (const engine_test::ParamDef& def : model.params) {
-    out.emplace_back(def.element_count());
-    ZINF_RETURN_IF_ERROR(engine.read_parameters(def.name, out.back().data()));
-  }
-  return out;
-}
-
 TEST(LoopFilesystem, SavesOnAFullThenReadOnlyDiskFailNamingTheFileAndTheLastCheckpointLoads) {
   LoopMount mount("engine", 96);
   if (!mount.ok()) GTEST_SKIP() << mount.reason();
@@ -53,7 +44,7 @@ TEST(LoopFilesystem, SavesOnAFullThenReadOnlyDiskFailNamingTheFileAndTheLastChec
   Status trained = engine_test::train_rank(engine, model, 0, options, nullptr, nullptr);
   ASSERT_TRUE(trained.is_ok()) << trained.to_string();
   ASSERT_TRUE(engine.save_checkpoint(root + "/a").is_ok());
-  Result<std::vector<std::vector<float>>> saved = masters(engine, model);
+  Result<std::vector<std::vector<float>>> saved = engine_test::read_masters(engine, model);
   ASSERT_TRUE(saved.is_ok()) << saved.status().to_string();
 
   // A full disk: the save fails naming the file and ENOSPC; nothing under b/ would load. (The
@@ -101,7 +92,7 @@ TEST(LoopFilesystem, SavesOnAFullThenReadOnlyDiskFailNamingTheFileAndTheLastChec
   ASSERT_TRUE((*fresh)->finalize().is_ok());
   const Status loaded = (*fresh)->load_checkpoint(root + "/a");
   ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
-  Result<std::vector<std::vector<float>>> back = masters(**fresh, model);
+  Result<std::vector<std::vector<float>>> back = engine_test::read_masters(**fresh, model);
   ASSERT_TRUE(back.is_ok()) << back.status().to_string();
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     EXPECT_EQ(std::memcmp((*back)[p].data(), (*saved)[p].data(), (*saved)[p].size() * 4), 0)

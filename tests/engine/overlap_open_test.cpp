@@ -76,17 +76,7 @@ Status backward(Engine& engine, const Model& model, int step) {
   return Status::ok();
 }
 
-Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& model) {
-  std::vector<std::vector<float>> out;
-  for (const ParamDef& d : model.params) {
-    std::vector<float> v(d.element_count());
-    ZINF_RETURN_IF_ERROR(engine.read_parameters(d.name, v.data()));
-    out.push_back(std::move(v));
-  }
-  return out;
-}
-
-// The masters of two runs (masters()) are the same bits, parameter by parameter.
+// The masters of two runs (read_masters()) are the same bits, parameter by parameter.
 void expect_same_masters(const Model& model, const std::vector<std::vector<float>>& a,
                          const std::vector<std::vector<float>>& b) {
   ASSERT_EQ(a.size(), b.size());
@@ -125,7 +115,7 @@ TEST(OverlapOpen, CallsThatNeedTheWholeStepWaitForStepThenMatchTheSequentialRun)
             ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
             EXPECT_EQ(rep.in_backward, overlap && step >= 2) << "step " << step;
           }
-          ZINF_ASSIGN_OR_RETURN(result[overlap ? 1 : 0], masters(engine, model));
+          ZINF_ASSIGN_OR_RETURN(result[overlap ? 1 : 0], engine_test::read_masters(engine, model));
           return Status::ok();
         });
     ASSERT_TRUE(st[0].is_ok()) << st[0].to_string();
@@ -152,7 +142,7 @@ TEST(OverlapOpen, TheFirstStepOpensInTheBackwardWhereTheCountIsDeclared) {
             EXPECT_EQ(rep.in_backward, run == kDeclared || (run == kUndeclared && step == 2))
                 << "run " << run << " step " << step;
           }
-          ZINF_ASSIGN_OR_RETURN(result[run], masters(engine, model));
+          ZINF_ASSIGN_OR_RETURN(result[run], engine_test::read_masters(engine, model));
           return Status::ok();
         });
     ASSERT_TRUE(st[0].is_ok()) << "run " << run << ": " << st[0].to_string();
@@ -249,7 +239,7 @@ void run_turn(const std::string& name, const Model& model, std::size_t group_max
         ASSERT_TRUE(engine.release(module).is_ok());
       }
     }
-    Result<std::vector<std::vector<float>>> m = masters(engine, model);
+    Result<std::vector<std::vector<float>>> m = engine_test::read_masters(engine, model);
     ASSERT_TRUE(m.is_ok()) << m.status().to_string();
     result[overlap ? 1 : 0] = std::move(*m);
     if (!overlap) continue;
@@ -406,7 +396,7 @@ TEST(OverlapOpen, GathersAfterThePassOpensStillAllGatherThePreviousPassesValues)
               ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
               if (rank == 0) reports[run].push_back(rep);
             }
-            Result<std::vector<std::vector<float>>> m = masters(engine, model);
+            Result<std::vector<std::vector<float>>> m = engine_test::read_masters(engine, model);
             ZINF_RETURN_IF_ERROR(m.status());
             if (rank == 0) result[run] = std::move(*m);
             return Status::ok();
@@ -458,7 +448,7 @@ TEST(OverlapOpen, APassThatReadsAheadIsCalledOffWhereTheStepCannotBeDecidedYet) 
             ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
             reports[run].push_back(rep);
           }
-          ZINF_ASSIGN_OR_RETURN(result[run], masters(engine, model));
+          ZINF_ASSIGN_OR_RETURN(result[run], engine_test::read_masters(engine, model));
           return Status::ok();
         });
     ASSERT_TRUE(st[0].is_ok()) << "overlap " << overlap << ": " << st[0].to_string();
@@ -499,7 +489,7 @@ TEST(OverlapOpen, ALocalCallOffOnOneRankKeepsTheRanksCollectivesAlike) {
             if (rank == 0 && step == 2) ZINF_RETURN_IF_ERROR(engine.verify_swap().status());
             ZINF_RETURN_IF_ERROR(engine.step().status());
           }
-          Result<std::vector<std::vector<float>>> m = masters(engine, model);
+          Result<std::vector<std::vector<float>>> m = engine_test::read_masters(engine, model);
           ZINF_RETURN_IF_ERROR(m.status());
           if (rank == 0) result[run] = std::move(*m);
           return Status::ok();
@@ -556,7 +546,7 @@ TEST(OverlapOpen, AScheduleSetMidBackwardOpensThePassLateAndTheStepStillEnds) {
               ZINF_RETURN_IF_ERROR(engine.release(m));
             }
           }
-          ZINF_ASSIGN_OR_RETURN(result[overlap ? 1 : 0], masters(engine, model));
+          ZINF_ASSIGN_OR_RETURN(result[overlap ? 1 : 0], engine_test::read_masters(engine, model));
           return Status::ok();
         });
     ASSERT_TRUE(st[0].is_ok()) << "overlap " << overlap << ": " << st[0].to_string();

@@ -31,15 +31,6 @@ using engine_test::TrainOptions;
 constexpr int kSteps = 24;
 constexpr int kCheckpointEvery = 4;
 
-Result<std::vector<std::vector<float>>> masters(Engine& engine, const Model& model) {
-  std::vector<std::vector<float>> out;
-  for (const engine_test::ParamDef& def : model.params) {
-    out.emplace_back(def.element_count());
-    ZINF_RETURN_IF_ERROR(engine.read_parameters(def.name, out.back().data()));
-  }
-  return out;
-}
-
 struct Tally {
   FaultCounts faults;
   std::uint64_t rounds = 0, steps_ok = 0, steps_failed = 0, param_reads_failed = 0, resumes = 0,
@@ -89,7 +80,7 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
     options.check_gathered = false;
     const Status trained = engine_test::train_rank(**engine, model, 0, options, nullptr, nullptr);
     ASSERT_TRUE(trained.is_ok()) << trained.to_string();
-    Result<std::vector<std::vector<float>>> m = masters(**engine, model);
+    Result<std::vector<std::vector<float>>> m = engine_test::read_masters(**engine, model);
     ASSERT_TRUE(m.is_ok()) << m.status().to_string();
     expected = std::move(*m);
   }
@@ -200,7 +191,7 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
     // The comparison reads the state back without faults: it checks what training left on
     // NVMe, not the read (a read that meets an EIO fails with a Status, as above).
     faults->set_enabled(false);
-    Result<std::vector<std::vector<float>>> got = masters(*engine, model);
+    Result<std::vector<std::vector<float>>> got = engine_test::read_masters(*engine, model);
     ASSERT_TRUE(got.is_ok()) << got.status().to_string();
     for (std::size_t p = 0; p < model.params.size(); ++p) {
       ASSERT_EQ(std::memcmp((*got)[p].data(), expected[p].data(), expected[p].size() * 4), 0)
