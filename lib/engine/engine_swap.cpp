@@ -13,7 +13,6 @@
 #include "tier/state_store.hpp"
 
 namespace zinf {
-namespace {}  // namespace
 
 Result<std::vector<std::string>> find_nvme_dirs(const Config& config, const Env& env, int rank) {
   const ZeroConfig& z = config.zero;

@@ -10,7 +10,6 @@
 #include "base/assert.hpp"
 
 namespace zinf::plan {
-namespace {}  // namespace
 
 std::string_view memory_tier_name(MemoryTier tier) {
   switch (tier) {

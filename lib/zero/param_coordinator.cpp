@@ -12,7 +12,6 @@
 #include "base/assert.hpp"
 
 namespace zinf {
-namespace {}  // namespace
 
 ParamCoordinator::ParamCoordinator(const Partitioner& partitioner, int rank, Device& device,
                                    Communicator& comm, const ParamCoordinatorOptions& options,
