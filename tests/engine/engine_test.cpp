@@ -318,23 +318,19 @@ TEST(EngineLossScale, GrowsAfterAWindowOfGoodSteps) {
   config.fp16.initial_scale_power = 4;
   config.fp16.loss_scale_window = 2;
   const Model model = engine_test::make_model(DType::kF16, 41);
-  engine_test::Ranks ranks = engine_test::make_ranks(1);
-  ASSERT_TRUE(engine_test::run_ranks(
-                  1,
-                  [&](int rank) -> Status {
-                    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
-                    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-                    StepReport report;
-                    std::vector<double> scales;
-                    for (int s = 1; s <= 4; ++s) {
-                      ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, s, false, &report));
-                      scales.push_back(engine->loss_scale());
-                    }
-                    // DeepSpeed's rule: doubled at the good step after a window of 2.
-                    EXPECT_EQ(scales, (std::vector<double>{16, 16, 32, 32}));
-                    return Status::ok();
-                  })[0]
-                  .is_ok());
+  const std::vector<Status> status =
+      engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
+        StepReport report;
+        std::vector<double> scales;
+        for (int s = 1; s <= 4; ++s) {
+          ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, s, false, &report));
+          scales.push_back(engine.loss_scale());
+        }
+        // DeepSpeed's rule: doubled at the good step after a window of 2.
+        EXPECT_EQ(scales, (std::vector<double>{16, 16, 32, 32}));
+        return Status::ok();
+      });
+  ASSERT_TRUE(status[0].is_ok()) << status[0].to_string();
 }
 
 // An overflow with the scale already at fp16.min_loss_scale: skipped like any other, then
@@ -346,30 +342,25 @@ TEST(EngineLossScale, AnOverflowAtTheFloorIsSkippedAndReportedNamingTheKey) {
   config.fp16.min_loss_scale = 2;
   config.fp16.hysteresis = 1;
   const Model model = engine_test::make_model(DType::kF16, 43);
-  engine_test::Ranks ranks = engine_test::make_ranks(1);
-  ASSERT_TRUE(engine_test::run_ranks(
-                  1,
-                  [&](int rank) -> Status {
-                    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
-                    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-                    StepReport report;
-                    // Above the floor: skipped, halved, no error.
-                    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 1, true, &report));
-                    EXPECT_TRUE(report.skipped);
-                    EXPECT_EQ(engine->loss_scale(), 2.0);
-                    // At the floor: skipped, the scale kept, and step() says so.
-                    Status s = scaled_step(*engine, model, rank, 2, true, &report);
-                    EXPECT_EQ(s.code(), Code::kAborted) << s.to_string();
-                    EXPECT_NE(s.message().find("fp16.min_loss_scale"), std::string::npos)
-                        << s.to_string();
-                    EXPECT_EQ(engine->loss_scale(), 2.0);
-                    // Not sticky: a good step applies.
-                    ZINF_RETURN_IF_ERROR(scaled_step(*engine, model, rank, 3, false, &report));
-                    EXPECT_FALSE(report.skipped);
-                    EXPECT_EQ(report.step, 1);
-                    return Status::ok();
-                  })[0]
-                  .is_ok());
+  const std::vector<Status> status =
+      engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
+        StepReport report;
+        // Above the floor: skipped, halved, no error.
+        ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 1, true, &report));
+        EXPECT_TRUE(report.skipped);
+        EXPECT_EQ(engine.loss_scale(), 2.0);
+        // At the floor: skipped, the scale kept, and step() says so.
+        Status s = scaled_step(engine, model, rank, 2, true, &report);
+        EXPECT_EQ(s.code(), Code::kAborted) << s.to_string();
+        EXPECT_NE(s.message().find("fp16.min_loss_scale"), std::string::npos) << s.to_string();
+        EXPECT_EQ(engine.loss_scale(), 2.0);
+        // Not sticky: a good step applies.
+        ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 3, false, &report));
+        EXPECT_FALSE(report.skipped);
+        EXPECT_EQ(report.step, 1);
+        return Status::ok();
+      });
+  ASSERT_TRUE(status[0].is_ok()) << status[0].to_string();
 }
 
 // --- Bad input -------------------------------------------------------------------------------
