@@ -105,9 +105,9 @@ Status MemoryAccumulator::add(std::size_t first, std::size_t count, const float*
 
 void MemoryAccumulator::zero() { std::memset(data_, 0, element_count_ * sizeof(float)); }
 
-void MemoryAccumulator::zero_range(std::size_t first, std::size_t count) {
+void MemoryAccumulator::assign(std::size_t first, std::size_t count, const float* src) {
   ZINF_ASSERT(first <= element_count_ && count <= element_count_ - first);
-  std::memset(data_ + first, 0, count * sizeof(float));
+  std::memcpy(data_ + first, src, count * sizeof(float));
 }
 
 // --- SpillAccumulator -------------------------------------------------------------------------

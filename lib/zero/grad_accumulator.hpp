@@ -76,9 +76,11 @@ class MemoryAccumulator final : public GradAccumulator {
   Status add(std::size_t first, std::size_t count, const float* src) override;
   Status flush() override { return Status::ok(); }
   void zero() override;
-  // Elements [first, first + count) back to zero.
-  void zero_range(std::size_t first, std::size_t count);
+  // partition[first, first + count) = src[0, count): a range's first sum since it was last
+  // zeroed, without reading the old one.
+  void assign(std::size_t first, std::size_t count, const float* src);
   std::size_t host_bytes() const override { return 0; }
+  float* data() const { return data_; }
 
  private:
   float* data_;

@@ -14,7 +14,9 @@
 //                buckets into the accumulator and zeroes them.
 //
 // Gradients may be f32, bf16 or f16; they are widened to f32 in the bucket, so the averages and
-// the sums over micro-batches are f32 whatever the parameter's dtype. Padding stays zero.
+// the sums over micro-batches are f32 whatever the parameter's dtype. Padding stays zero. An
+// accumulator in memory is never cleared: a group's first reduction since zero() overwrites its
+// slice. One rank with its accumulator in host memory skips the buckets: reduce_in_place().
 // The reducer counts, per parameter, the micro-batches reduced since zero(), so the step can
 // check that every parameter got the same number.
 //
@@ -113,15 +115,16 @@ class GradReducer {
   Result<int> micro_batches() const;
   // Parameter id's micro-batches reduced since zero() (or its group's zero_group()).
   std::uint32_t reduced(ParamId id) const { return counts_[id]; }
-  // Zeroes the accumulator(s) and the counts.
+  // Zeroes the accumulator(s) and the counts (an accumulator in memory is not written: each
+  // group's next reduction overwrites its slice).
   void zero();
   // Whether zero_group() can be used: the accumulator is the caller's float array in host
   // memory (not a spilling accumulator, not device memory).
   bool zeroes_groups() const { return memory_accumulator_ != nullptr; }
-  // Zeroes group g's slice of the accumulator, stage 1's full gradients of g and the counts of
-  // g's parameters, as zero() does for all, while other groups keep theirs (the overlapped step:
-  // the backward of the next step adds into a group once the pass has read its gradients).
-  // REQUIRES: zeroes_groups(); no reduce-scatter of g in flight.
+  // Zeroes group g's slice of the accumulator (its next reduction overwrites it), stage 1's full
+  // gradients of g and the counts of g's parameters, as zero() does for all, while other groups
+  // keep theirs (the overlapped step: the backward of the next step adds into a group once the pass
+  // has read its gradients). REQUIRES: zeroes_groups(); no reduce-scatter of g in flight.
   void zero_group(std::uint32_t g);
   // Only the counts of zero_group(): g's parameters count as never reduced, while its slice of
   // the accumulator (and stage 1's full gradients of g) keep the old sums until the caller's
@@ -154,6 +157,12 @@ class GradReducer {
   Status create_device_side();
   Status reduce_on_device(std::span<const std::uint32_t> groups,
                           std::span<const GradSource> sources);
+  // One rank, host memory accumulator: no bucket, no collective (see grad_reducer.cpp).
+  Status reduce_in_place(std::span<const std::uint32_t> groups,
+                         std::span<const GradSource> sources);
+  bool overwrites_first() const {
+    return options_.accumulator_on_device || memory_accumulator_ != nullptr;
+  }
 
   const Partitioner& partitioner_;
   const int rank_;
@@ -174,6 +183,7 @@ class GradReducer {
   // per bucket, reused once the bucket's previous work has run, so a chunk allocates nothing.
   struct AddChunk {
     GradAccumulator* accumulator = nullptr;
+    MemoryAccumulator* assign = nullptr;  // set: the group's first chunk, stored, not added
     std::size_t first = 0;
     const float* values = nullptr;
     std::size_t count = 0;
@@ -192,7 +202,9 @@ class GradReducer {
   std::unique_ptr<Stream> fill_stream_;
   std::unique_ptr<Event> filled_[2];
   RegisteredBuffer recv_host_[2];
-  std::vector<bool> group_reduced_;  // accumulator_on_device: group reduced since zero()
+  // Per group: reduced since zero() (or zero_group()). An accumulator in memory (device or host)
+  // is not cleared: a group's first reduction overwrites its slice (overwrites_first()).
+  std::vector<bool> group_reduced_;
   CallerStream* caller_ = nullptr;
 };
 

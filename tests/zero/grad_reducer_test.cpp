@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -75,8 +76,10 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
   }
   auto comms = std::move(make_local_comm_group(raw)).value();
   const std::size_t partition = GradReducer::partition_element_count(p);
+  // The reducer does not clear an accumulator in memory: each group's first reduction
+  // overwrites its slice, padding included, so whatever it held before must not show.
   std::vector<std::vector<float>> acc(static_cast<std::size_t>(c.world),
-                                      std::vector<float>(partition));
+                                      std::vector<float>(partition, std::nanf("")));
   std::vector<ZeroCounters> counters(static_cast<std::size_t>(c.world));
   std::vector<Status> st(static_cast<std::size_t>(c.world));
   std::vector<std::thread> threads;
@@ -185,7 +188,10 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
     const std::vector<float>& got = acc[static_cast<std::size_t>(rank)];
     EXPECT_EQ(std::memcmp(got.data(), expected.data(), partition * 4), 0) << "rank " << rank;
     const std::size_t rounds = c.stage == ZeroStage::kStage1 ? 1 : micro_batches;
-    EXPECT_EQ(counters[static_cast<std::size_t>(rank)].buckets_reduced, buckets * rounds)
+    // One rank with its accumulator in host memory adds each gradient in place at stages 2-3.
+    const bool in_place = c.world == 1 && !c.opaque && c.stage != ZeroStage::kStage1;
+    EXPECT_EQ(counters[static_cast<std::size_t>(rank)].buckets_reduced,
+              in_place ? 0 : buckets * rounds)
         << "rank " << rank;
   }
 }
@@ -201,7 +207,8 @@ INSTANTIATE_TEST_SUITE_P(Buckets, GradReducerTest,
                                            Case{4, ZeroStage::kStage3, 12, DType::kF32, true},
                                            Case{2, ZeroStage::kStage1, 1000, DType::kBF16, true},
                                            Case{3, ZeroStage::kStage1, 40, DType::kF32, true},
-                                           // One rank reduce-scatters its bucket in place.
+                                           // One rank: in place at stages 2-3 on the host,
+                                           // else its bucket reduce-scattered in place.
                                            Case{1, ZeroStage::kStage3, 12, DType::kBF16},
                                            Case{1, ZeroStage::kStage1, 100, DType::kF32},
                                            Case{1, ZeroStage::kStage2, 128, DType::kF32, true},
@@ -214,6 +221,97 @@ INSTANTIATE_TEST_SUITE_P(Buckets, GradReducerTest,
                                               dtype_name(info.param.grad_dtype),
                                               info.param.opaque ? "_opaque" : "");
                          });
+
+// One rank with its accumulator in host memory adds in place, spread over threads by blocks of
+// 256 Ki elements: parameters larger than a block and a block boundary inside each, micro-batches
+// widened then added, the padding cleared, a group zeroed by zero_group() overwritten by its next
+// reduction while the other keeps its sum. Against float sums computed here.
+TEST(GradReducerInPlace, LargeParametersOverBlocksAndMicroBatches) {
+  PartitionerOptions po;
+  po.stage = ZeroStage::kStage2;
+  Partitioner p = std::move(Partitioner::create(po)).value();
+  const std::vector<std::vector<std::int64_t>> shapes = {{700001}, {3}, {1000, 301}};
+  for (std::size_t i = 0; i < shapes.size(); ++i) {
+    ASSERT_TRUE(p.add({fmt::format("p{}", i), i < 2 ? "a" : "b", shapes[i], DType::kBF16}).is_ok());
+  }
+  ASSERT_TRUE(p.finalize().is_ok());
+  std::unique_ptr<Device> device = std::move(make_host_device({})).value();
+  auto comms = std::move(make_local_comm_group(std::vector<Device*>{device.get()})).value();
+  const std::size_t partition = GradReducer::partition_element_count(p);
+  std::vector<float> acc(partition, std::nanf(""));
+  ZeroCounters counters;
+  auto reducer =
+      std::move(GradReducer::create(p, 0, *device, *comms[0], acc.data(), {}, &counters)).value();
+  // grads[micro][param] as bf16, and the same values widened.
+  std::vector<std::vector<std::vector<std::uint16_t>>> halves(3);
+  std::vector<std::vector<std::vector<float>>> wide(3);
+  for (std::size_t k = 0; k < 3; ++k) {
+    for (ParamId id = 0; id < p.param_count(); ++id) {
+      const std::size_t n = p.location(id).element_count;
+      std::vector<float> g(n);
+      fill_uniform(g.data(), n, 4242 + k * 31 + id, -1.0f, 1.0f);
+      halves[k].emplace_back(n);
+      convert_f32_to_bf16(g.data(), halves[k].back().data(), n);
+      wide[k].emplace_back(n);
+      convert_bf16_to_f32(halves[k].back().data(), wide[k].back().data(), n);
+    }
+  }
+  auto reduce = [&](std::size_t k, std::string_view module) {
+    std::vector<GradSource> sources(p.param_count());
+    for (ParamId id = 0; id < p.param_count(); ++id) {
+      sources[id] = {halves[k][id].data(), DType::kBF16};
+    }
+    auto groups = std::move(p.module_groups(module)).value();
+    ASSERT_TRUE(reducer->reduce(groups, sources).is_ok());
+  };
+  // The accumulator as expected when group g holds the sum of micro-batches `micros` (in order).
+  auto expect = [&](std::uint32_t g, std::vector<std::size_t> micros) {
+    const GroupInfo& info = p.group(g);
+    std::vector<float> want(info.shard_element_count, 0.0f);
+    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+      const ParamLocation& loc = p.location(id);
+      for (std::size_t i = 0; i < loc.element_count; ++i) {
+        float s = wide[micros[0]][id][i];
+        for (std::size_t j = 1; j < micros.size(); ++j) s += wide[micros[j]][id][i];
+        want[loc.group_offset + i] = s;
+      }
+    }
+    const float* got = acc.data() + reducer->partition_offset(g);
+    std::size_t bad = 0;
+    for (std::size_t i = 0; i < want.size(); ++i) {
+      if (std::memcmp(&got[i], &want[i], sizeof(float)) != 0 && bad++ == 0) {
+        ADD_FAILURE() << "group " << g << " element " << i << ": " << got[i] << " != " << want[i];
+      }
+    }
+    EXPECT_EQ(bad, 0u) << "group " << g;
+  };
+  ASSERT_EQ(p.group_count(), 2u);
+  // Group a ends in padding (the expectation holds zeros there).
+  ASSERT_GT(p.group(0).shard_element_count, std::size_t{700001 + 3});
+  reduce(0, "b");
+  reduce(0, "a");
+  reduce(1, "b");
+  reduce(1, "a");
+  ASSERT_TRUE(reducer->wait().is_ok());
+  expect(0, {0, 1});
+  expect(1, {0, 1});
+  EXPECT_EQ(reducer->micro_batches().value(), 2);
+  EXPECT_EQ(counters.buckets_reduced, 0u);  // no collective on one rank
+  // Group 1 cleared and reduced again: only micro-batch 2; group 0 keeps its sum.
+  reducer->zero_group(1);
+  reduce(2, "b");
+  ASSERT_TRUE(reducer->wait().is_ok());
+  expect(0, {0, 1});
+  expect(1, {2});
+  // zero(), then one micro-batch: that micro-batch alone everywhere.
+  reducer->zero();
+  reduce(2, "b");
+  reduce(2, "a");
+  ASSERT_TRUE(reducer->wait().is_ok());
+  expect(0, {2});
+  expect(1, {2});
+  EXPECT_EQ(reducer->micro_batches().value(), 1);
+}
 
 }  // namespace
 }  // namespace zinf
