@@ -242,6 +242,8 @@ struct EngineCounters {
   std::uint64_t persistent_elements = 0;   // elements kept gathered (stage 3)
   std::uint64_t all_gather_bytes = 0;      // bytes received by all-gathers (this rank)
   std::uint64_t reduce_scatter_bytes = 0;  // bytes sent into reduce-scatters (this rank)
+  // Gradient buckets reduce-scattered. Both stay 0 for one rank at stages 2-3 on a
+  // host-accessible device with the gradients in host memory: it adds them in place.
   std::uint64_t buckets_reduced = 0;
   std::uint64_t param_nvme_read_bytes = 0;
   std::uint64_t param_nvme_write_bytes = 0;
