@@ -52,31 +52,50 @@ void widen_add(const void* src, DType dtype, std::size_t count, float* dst) {
   }
 }
 
-// Elements [begin, end) of group `info` into dst[0, end - begin): the gradients in `sources` that
-// overlap the range widened (parameters lie in a group in increasing offsets) with zeros between
-// them (padding), or with `add` added to what dst holds (padding left as it is).
-void widen_range(const Partitioner& partitioner, const GroupInfo& info,
-                 std::span<const GradSource> sources, std::size_t begin, std::size_t end,
-                 float* dst, bool add) {
+// Walks elements [begin, end) of group `info` in increasing offsets (parameters lie in a group
+// in increasing offsets): gap(lo, hi) for each run no parameter covers (padding), and
+// piece(id, skip, lo, hi) for each parameter's overlap [lo, hi) with the range, `skip` elements
+// into the parameter. Stops at the first error.
+template <typename Gap, typename Piece>
+Status walk_range(const Partitioner& partitioner, const GroupInfo& info, std::size_t begin,
+                  std::size_t end, Gap gap, Piece piece) {
   std::size_t cursor = begin;
   for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
     const ParamLocation& loc = partitioner.location(id);
     const std::size_t lo = std::max(begin, loc.group_offset);
     const std::size_t hi = std::min(end, loc.group_offset + loc.element_count);
     if (lo >= hi) continue;
-    ZINF_ASSERT(sources[id].data != nullptr && lo >= cursor);
-    if (add) {
-      const std::size_t skip = (lo - loc.group_offset) * dtype_bytes(sources[id].dtype);
-      widen_add(static_cast<const std::byte*>(sources[id].data) + skip, sources[id].dtype, hi - lo,
-                dst + (lo - begin));
-    } else {
-      std::memset(dst + (cursor - begin), 0, (lo - cursor) * sizeof(float));
-      widen(sources[id].data, sources[id].dtype, lo - loc.group_offset, hi - lo,
-            dst + (lo - begin));
-    }
+    ZINF_ASSERT(lo >= cursor);
+    if (lo > cursor) ZINF_RETURN_IF_ERROR(gap(cursor, lo));
+    ZINF_RETURN_IF_ERROR(piece(id, lo - loc.group_offset, lo, hi));
     cursor = hi;
   }
-  if (!add) std::memset(dst + (cursor - begin), 0, (end - cursor) * sizeof(float));
+  return cursor < end ? gap(cursor, end) : Status::ok();
+}
+
+// Elements [begin, end) of group `info` into dst[0, end - begin): the gradients in `sources`
+// widened, with zeros between them (padding), or with `add` added to what dst holds (padding left
+// as it is).
+void widen_range(const Partitioner& partitioner, const GroupInfo& info,
+                 std::span<const GradSource> sources, std::size_t begin, std::size_t end,
+                 float* dst, bool add) {
+  (void)walk_range(
+      partitioner, info, begin, end,
+      [&](std::size_t lo, std::size_t hi) {
+        if (!add) std::memset(dst + (lo - begin), 0, (hi - lo) * sizeof(float));
+        return Status::ok();
+      },
+      [&](ParamId id, std::size_t skip, std::size_t lo, std::size_t hi) {
+        const GradSource& src = sources[id];
+        ZINF_ASSERT(src.data != nullptr);
+        if (add) {
+          widen_add(static_cast<const std::byte*>(src.data) + skip * dtype_bytes(src.dtype),
+                    src.dtype, hi - lo, dst + (lo - begin));
+        } else {
+          widen(src.data, src.dtype, skip, hi - lo, dst + (lo - begin));
+        }
+        return Status::ok();
+      });
 }
 
 }  // namespace
@@ -422,31 +441,21 @@ Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
     for (std::uint32_t g : groups) {
       const GroupInfo& info = partitioner_.group(g);
       // Each rank's slot of the bucket: the gradients that overlap it, widened, and zeros in
-      // between (padding). Parameters lie in a group in increasing offsets.
+      // between (padding), all as work on the fill stream.
       Status st = reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) -> Status {
-        const std::size_t end = begin + count;
-        std::size_t cursor = begin;
-        for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-          const ParamLocation& loc = partitioner_.location(id);
-          const std::size_t lo = std::max(begin, loc.group_offset);
-          const std::size_t hi = std::min(end, loc.group_offset + loc.element_count);
-          if (lo >= hi) continue;
-          ZINF_ASSERT(sources[id].data != nullptr && lo >= cursor);
-          if (lo > cursor) {
-            ZINF_RETURN_IF_ERROR(device_.memset_async(
-                dst + (cursor - begin), 0, (lo - cursor) * sizeof(float), *fill_stream_));
-          }
-          const auto* src = static_cast<const std::byte*>(sources[id].data) +
-                            (lo - loc.group_offset) * dtype_bytes(sources[id].dtype);
-          ZINF_RETURN_IF_ERROR(ops_->widen(src, sources[id].dtype, dst + (lo - begin), hi - lo,
-                                           /*accumulate=*/false, *fill_stream_));
-          cursor = hi;
-        }
-        if (cursor < end) {
-          return device_.memset_async(dst + (cursor - begin), 0, (end - cursor) * sizeof(float),
-                                      *fill_stream_);
-        }
-        return Status::ok();
+        return walk_range(
+            partitioner_, info, begin, begin + count,
+            [&](std::size_t lo, std::size_t hi) {
+              return device_.memset_async(dst + (lo - begin), 0, (hi - lo) * sizeof(float),
+                                          *fill_stream_);
+            },
+            [&](ParamId id, std::size_t skip, std::size_t lo, std::size_t hi) {
+              const GradSource& src = sources[id];
+              ZINF_ASSERT(src.data != nullptr);
+              return ops_->widen(
+                  static_cast<const std::byte*>(src.data) + skip * dtype_bytes(src.dtype),
+                  src.dtype, dst + (lo - begin), hi - lo, /*accumulate=*/false, *fill_stream_);
+            });
       });
       ZINF_RETURN_IF_ERROR(st);
       for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
