@@ -474,7 +474,7 @@ typedef struct zinf_engine_counters {
   uint64_t persistent_elements;  /* elements kept gathered (stage 3) */
   uint64_t all_gather_bytes;     /* bytes received by all-gathers (this rank) */
   uint64_t reduce_scatter_bytes; /* bytes sent into reduce-scatters (this rank) */
-  uint64_t buckets_reduced;
+  uint64_t buckets_reduced;      /* both 0 for one rank reducing in place (zinf/engine.hpp) */
   uint64_t param_nvme_read_bytes;
   uint64_t param_nvme_write_bytes;
   uint64_t steps;

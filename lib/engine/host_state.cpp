@@ -34,7 +34,8 @@ class HostState final : public InMemoryState {
     return Status::ok();
   }
 
-  // The device buffer is not fresh zero pages: the reducer clears it.
+  // The device buffer is not fresh zero pages; the reducer never reads a group's slice before
+  // its first reduction since the last step has overwritten it.
   GradTarget grad_target() override { return {.accumulator = grads_.as<float>()}; }
   Result<double> local_sum_of_squares() override {
     return sum_of_squares(grads_.as<const float>(), partition_elements_);

@@ -63,7 +63,8 @@ struct GradReducerOptions {
   Trace* trace = nullptr;
   int trace_track = 0;
   // The accumulator is known to hold zeros already (fresh zero pages): create() then skips
-  // clearing it, so its pages stay out of the resident set until the first gradients arrive.
+  // clearing `accumulator` (the one given here; the float array given to create() is never
+  // cleared: each group's first reduction overwrites its slice) and stage 1's full gradients.
   bool accumulator_zeroed = false;
   // When set, reduced chunks are added into this (lib/zero/grad_accumulator.hpp, e.g. one that
   // spills to NVMe) instead of the float array given to create(); it must outlive the reducer.
@@ -84,9 +85,10 @@ struct GradSource {
 class GradReducer {
  public:
   // `accumulator`: partition_element_count() floats that host code may write (host memory, or
-  // device memory of a host-accessible device), owned by the caller; zeroed here unless
-  // options.accumulator_zeroed says it is already. Ignored (may be null) when
-  // options.accumulator is set. `counters` (optional) receives bucket and byte counts.
+  // device memory of a host-accessible device), owned by the caller; never cleared (a group's
+  // first reduction since zero() overwrites its slice), so it may start as anything. Ignored
+  // (may be null) when options.accumulator is set. `counters` (optional) receives bucket and byte
+  // counts.
   static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
@@ -204,7 +206,9 @@ class GradReducer {
   RegisteredBuffer recv_host_[2];
   // Per group: reduced since zero() (or zero_group()). An accumulator in memory (device or host)
   // is not cleared: a group's first reduction overwrites its slice (overwrites_first()).
+  // (Also set, and unused, with options.accumulator: that one is cleared by its own zero().)
   std::vector<bool> group_reduced_;
+  bool in_place_ = false;  // reduce() takes reduce_in_place(); no buckets allocated
   CallerStream* caller_ = nullptr;
 };
 

@@ -1,7 +1,7 @@
 // GradReducer on HostDevice + LocalComm: for bucket sizes smaller than, equal to and larger than
 // a shard, stages 1 and 2, f32 and bf16 gradients, each rank's accumulator holds the mean over
 // ranks (summed over two micro-batches) of exactly its slice, in the number of buckets the
-// bucket size implies. On opaque HostDevices (not host-accessible, as a GPU) the gradients are
+// bucket size implies, starting from NaN and again after zero() over the first step's sums. On opaque HostDevices (not host-accessible, as a GPU) the gradients are
 // handed over in device memory and the reducer takes its device path (fill stream, device ops,
 // staged copies back), with the same bits; stream jitter shows a missing wait on either path.
 #include "zero/grad_reducer.hpp"
@@ -91,47 +91,53 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
         ro.bucket_elements = c.bucket_elements;
         ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, *devices[r], *comms[r],
                                                                 acc[r].data(), ro, &counters[r]));
-        for (int k = 0; k < micro_batches; ++k) {
-          std::vector<std::vector<std::uint16_t>> halves;
-          std::vector<GradSource> sources(p.param_count());
-          for (ParamId id = 0; id < p.param_count(); ++id) {
-            const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
-            if (c.grad_dtype == DType::kF32) {
-              sources[id] = {g.data(), DType::kF32};
-            } else {
-              halves.emplace_back(g.size());
-              convert_f32_to_bf16(g.data(), halves.back().data(), g.size());
-            }
-          }
-          if (c.grad_dtype != DType::kF32) {
+        // Two steps over the same gradients: the second, after zero(), must store over the
+        // first's sums, not add to them.
+        for (int step = 0; step < 2; ++step) {
+          if (step == 1) reducer->zero();
+          for (int k = 0; k < micro_batches; ++k) {
+            std::vector<std::vector<std::uint16_t>> halves;
+            std::vector<GradSource> sources(p.param_count());
             for (ParamId id = 0; id < p.param_count(); ++id) {
-              sources[id] = {halves[id].data(), DType::kBF16};
+              const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+              if (c.grad_dtype == DType::kF32) {
+                sources[id] = {g.data(), DType::kF32};
+              } else {
+                halves.emplace_back(g.size());
+                convert_f32_to_bf16(g.data(), halves.back().data(), g.size());
+              }
+            }
+            if (c.grad_dtype != DType::kF32) {
+              for (ParamId id = 0; id < p.param_count(); ++id) {
+                sources[id] = {halves[id].data(), DType::kBF16};
+              }
+            }
+            // A device that is not host-accessible reads gradients from its own memory.
+            std::vector<DeviceBuffer> uploads;
+            if (c.opaque) {
+              ZINF_ASSIGN_OR_RETURN(auto stream, devices[r]->create_stream("upload"));
+              for (ParamId id = 0; id < p.param_count(); ++id) {
+                const std::size_t bytes = p.location(id).element_count * dtype_bytes(c.grad_dtype);
+                ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
+                                      DeviceBuffer::allocate(*devices[r], bytes));
+                ZINF_RETURN_IF_ERROR(
+                    devices[r]->copy_h2d(buffer.data(), sources[id].data, bytes, *stream));
+                sources[id].data = buffer.data();
+                uploads.push_back(std::move(buffer));
+              }
+              ZINF_RETURN_IF_ERROR(devices[r]->synchronize(*stream));
+            }
+            // Module by module, backward order.
+            for (int m = 2; m >= 0; --m) {
+              ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(fmt::format("m{}", m)));
+              ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
             }
           }
-          // A device that is not host-accessible reads gradients from its own memory.
-          std::vector<DeviceBuffer> uploads;
-          if (c.opaque) {
-            ZINF_ASSIGN_OR_RETURN(auto stream, devices[r]->create_stream("upload"));
-            for (ParamId id = 0; id < p.param_count(); ++id) {
-              const std::size_t bytes = p.location(id).element_count * dtype_bytes(c.grad_dtype);
-              ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
-                                    DeviceBuffer::allocate(*devices[r], bytes));
-              ZINF_RETURN_IF_ERROR(
-                  devices[r]->copy_h2d(buffer.data(), sources[id].data, bytes, *stream));
-              sources[id].data = buffer.data();
-              uploads.push_back(std::move(buffer));
-            }
-            ZINF_RETURN_IF_ERROR(devices[r]->synchronize(*stream));
-          }
-          // Module by module, backward order.
-          for (int m = 2; m >= 0; --m) {
-            ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(fmt::format("m{}", m)));
-            ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
-          }
+          ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
+          ZINF_RETURN_IF_ERROR(reducer->wait());
+          ZINF_ASSIGN_OR_RETURN(int micro, reducer->micro_batches());
+          if (micro != micro_batches) return Status::internal("micro-batch count");
         }
-        ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
-        ZINF_ASSIGN_OR_RETURN(int micro, reducer->micro_batches());
-        if (micro != micro_batches) return Status::internal("micro-batch count");
         return Status::ok();
       }();
     });
@@ -191,7 +197,7 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
     // One rank with its accumulator in host memory adds each gradient in place at stages 2-3.
     const bool in_place = c.world == 1 && !c.opaque && c.stage != ZeroStage::kStage1;
     EXPECT_EQ(counters[static_cast<std::size_t>(rank)].buckets_reduced,
-              in_place ? 0 : buckets * rounds)
+              in_place ? 0 : 2 * buckets * rounds)
         << "rank " << rank;
   }
 }
