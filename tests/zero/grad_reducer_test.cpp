@@ -1,9 +1,10 @@
 // GradReducer on HostDevice + LocalComm: for bucket sizes smaller than, equal to and larger than
 // a shard, stages 1 and 2, f32 and bf16 gradients, each rank's accumulator holds the mean over
 // ranks (summed over two micro-batches) of exactly its slice, in the number of buckets the
-// bucket size implies, starting from NaN and again after zero() over the first step's sums. On opaque HostDevices (not host-accessible, as a GPU) the gradients are
-// handed over in device memory and the reducer takes its device path (fill stream, device ops,
-// staged copies back), with the same bits; stream jitter shows a missing wait on either path.
+// bucket size implies, starting from NaN and again after zero() over the first step's sums. On
+// opaque HostDevices (not host-accessible, as a GPU) the gradients are handed over in device
+// memory and the reducer takes its device path (fill stream, device ops, staged copies back),
+// with the same bits; stream jitter shows a missing wait on either path.
 #include "zero/grad_reducer.hpp"
 
 #include <fmt/format.h>
