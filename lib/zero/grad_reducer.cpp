@@ -348,9 +348,7 @@ Status GradReducer::reduce(std::span<const std::uint32_t> groups,
       return Status::ok();
     });
     ZINF_RETURN_IF_ERROR(st);
-    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-      ++counts_[id];
-    }
+    count_group(info);
   }
   return Status::ok();
 }
@@ -374,12 +372,15 @@ Status GradReducer::reduce_in_place(std::span<const std::uint32_t> groups,
                         widen_range(partitioner_, info, sources, r.begin(), r.end(),
                                     slice + r.begin(), add);
                       });
-    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-      ++counts_[id];
-    }
+    count_group(info);
     group_reduced_[g] = true;
   }
   return Status::ok();
+}
+
+void GradReducer::count_group(const GroupInfo& info) {
+  const auto first = counts_.begin() + info.first_param;
+  std::for_each(first, first + info.param_count, [](std::uint32_t& n) { ++n; });
 }
 
 Status GradReducer::reduce_accumulated() {
@@ -465,9 +466,7 @@ Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
             });
       });
       ZINF_RETURN_IF_ERROR(st);
-      for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-        ++counts_[id];
-      }
+      count_group(info);
     }
   }
   // The caller's later work waits for the read; without a caller's stream the call returns once

@@ -162,6 +162,8 @@ class GradReducer {
   // One rank, host memory accumulator: no bucket, no collective (see grad_reducer.cpp).
   Status reduce_in_place(std::span<const std::uint32_t> groups,
                          std::span<const GradSource> sources);
+  // One more micro-batch reduced for each of the group's parameters (a whole-group reduction).
+  void count_group(const GroupInfo& info);
   bool overwrites_first() const {
     return options_.accumulator_on_device || memory_accumulator_ != nullptr;
   }
