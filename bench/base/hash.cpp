@@ -25,15 +25,13 @@
 #include "base/cpu.hpp"
 #include "base/membw.hpp"
 #include "base/random.hpp"
+#include "bench/bench_stats.hpp"
 
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using zinf::bench::median;
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using Clock = std::chrono::steady_clock;
 
 // GB/s of fn over `bytes`, repeated until at least 0.3 s passed.
 template <typename Fn>

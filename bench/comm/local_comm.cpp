@@ -19,17 +19,15 @@
 
 #include "base/membw.hpp"
 #include "base/random.hpp"
+#include "bench/bench_stats.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 
 namespace {
 
-using zinf::CollectiveKind;
+using zinf::bench::median;
 
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
+using zinf::CollectiveKind;
 
 double traffic_bytes(CollectiveKind kind, double world, double elements) {
   switch (kind) {

@@ -21,18 +21,16 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "bench/bench_stats.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 
 namespace {
 
+using zinf::bench::median;
+
 using Clock = std::chrono::steady_clock;
 using zinf::CollectiveKind;
-
-double median(std::vector<double> values) {
-  std::sort(values.begin(), values.end());
-  return values[values.size() / 2];
-}
 
 }  // namespace
 

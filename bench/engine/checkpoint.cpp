@@ -33,6 +33,7 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "bench/bench_stats.hpp"
 #include "io/buffer_pool.hpp"
 #include "io/io_bench.hpp"
 #include "io/io_engine.hpp"
@@ -43,16 +44,12 @@
 
 namespace {
 
+using zinf::bench::median;
+
 using namespace zinf;
 
 double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 == 1 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 // The raw drive as `zinf io bench` measures it by default (tools/zinf/io.cpp).

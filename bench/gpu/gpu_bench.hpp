@@ -15,6 +15,8 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_stats.hpp"
+
 namespace zinf::gpu_bench {
 
 inline std::string no_device_reason() {
@@ -25,12 +27,7 @@ inline std::string no_device_reason() {
   return {};
 }
 
-inline double median(std::vector<double> v) {
-  if (v.empty()) return 0.0;
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
+using zinf::bench::median;
 
 // One line of the summary, printed after the benchmarks have run.
 struct Row {

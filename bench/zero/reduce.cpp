@@ -27,6 +27,7 @@
 
 #include "base/membw.hpp"
 #include "base/random.hpp"
+#include "bench/bench_stats.hpp"
 #include "zero/grad_accumulator.hpp"
 #include "zero/grad_reducer.hpp"
 #include "zinf/comm.hpp"
@@ -36,16 +37,13 @@
 namespace zinf {
 namespace {
 
+using zinf::bench::median;
+
 using Clock = std::chrono::steady_clock;
 
 constexpr std::size_t kParams = 8;
 constexpr std::size_t kParamElements = std::size_t{8} << 20;
 constexpr std::size_t kElements = kParams * kParamElements;
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Seconds a call of fn takes, over calls repeated until at least 0.3 s passed.
 template <typename Fn>
