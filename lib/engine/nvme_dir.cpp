@@ -14,10 +14,15 @@ namespace zinf {
 
 Status prepare_nvme_directory(const std::string& key, const std::string& dir, int rank) {
   std::error_code ec;
-  if (!std::filesystem::exists(dir, ec) && std::filesystem::create_directories(dir, ec)) {
-    log_warn("{}: created the missing directory '{}'", key, dir);
+  if (!std::filesystem::exists(dir, ec)) {
+    if (std::filesystem::create_directories(dir, ec)) {
+      log_warn("{}: created the missing directory '{}'", key, dir);
+    } else if (ec) {
+      // The cause (a read-only or unwritable parent), not the probe's later ENOENT.
+      return status_from_errno(fmt::format("{}: cannot create the directory '{}'", key, dir),
+                               ec.value());
+    }
   }
-  // A directory that could not be made fails here too, naming the key and the path.
   const std::string path = fmt::format("{}/.zinf-probe-{}-{}", dir, ::getpid(), rank);
   const int fd = ::open(path.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0600);
   if (fd < 0) {
