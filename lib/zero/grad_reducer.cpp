@@ -227,16 +227,23 @@ void GradReducer::forget_group(std::uint32_t g) {
 }
 
 Result<int> GradReducer::micro_batches() const {
-  const std::uint32_t first = counts_.empty() ? 0 : counts_[0];
-  for (ParamId id = 0; id < counts_.size(); ++id) {
-    if (counts_[id] != first || first == 0) {
-      return Status::failed_precondition(fmt::format(
-          "step: parameter '{}' had {} gradient(s) reduced since the last step, '{}' had {}; "
-          "every parameter needs the same number (>= 1)",
-          partitioner_.spec(id).name, counts_[id], partitioner_.spec(0).name, first));
-    }
+  if (counts_.empty()) return 0;
+  // The parameters with the fewest and the most reductions: the one short of its gradients is
+  // the one to name.
+  const auto [low, high] = std::minmax_element(counts_.begin(), counts_.end());
+  if (*high == 0) {
+    return Status::failed_precondition(
+        "step: no gradients were reduced since the last step (reduce_gradients() for every module "
+        "after its backward, then step())");
   }
-  return static_cast<int>(first);
+  if (*low != *high) {
+    return Status::failed_precondition(fmt::format(
+        "step: parameter '{}' had {} gradient(s) reduced since the last step, '{}' had {}; "
+        "every parameter needs the same number (>= 1)",
+        partitioner_.spec(static_cast<ParamId>(low - counts_.begin())).name, *low,
+        partitioner_.spec(static_cast<ParamId>(high - counts_.begin())).name, *high));
+  }
+  return static_cast<int>(*high);
 }
 
 // The one bucket schedule, for every kind of device. For each chunk of group g's shard: wait on

@@ -310,9 +310,20 @@ TEST(GradReducerInPlace, LargeParametersOverBlocksAndMicroBatches) {
   ASSERT_TRUE(reducer->wait().is_ok());
   expect(0, {0, 1});
   expect(1, {2});
-  // zero(), then one micro-batch: that micro-batch alone everywhere.
+  // zero(), then one micro-batch: that micro-batch alone everywhere. Before it, and half-way
+  // through it, the count check names what is missing.
   reducer->zero();
+  const Status none = reducer->micro_batches().status();
+  EXPECT_EQ(none.code(), Code::kFailedPrecondition);
+  EXPECT_NE(none.message().find("no gradients were reduced since the last step"), std::string::npos)
+      << none.to_string();
   reduce(2, "b");
+  const Status half = reducer->micro_batches().status();
+  EXPECT_EQ(half.code(), Code::kFailedPrecondition);
+  EXPECT_NE(half.message().find("parameter 'p0' had 0 gradient(s) reduced since the last step, "
+                                "'p2' had 1"),
+            std::string::npos)
+      << half.to_string();
   reduce(2, "a");
   ASSERT_TRUE(reducer->wait().is_ok());
   expect(0, {2});
