@@ -339,10 +339,26 @@ Status invalid(std::string_view key, std::string_view why) {
   return Status::invalid_argument(fmt::format("{}: {}", key, why));
 }
 
+// Where `text`, which does not parse, stops being JSON: the parser's line, column and reason
+// ("parse error at line 3, column 5: syntax error while parsing ...").
+std::string json_error_place(std::string_view text) {
+  try {
+    [[maybe_unused]] const Json parsed = Json::parse(text);
+  } catch (const Json::parse_error& error) {
+    std::string_view what = error.what();
+    const std::size_t at = what.find("parse error");
+    return std::string(at == std::string_view::npos ? what : what.substr(at));
+  }
+  return "no place given";
+}
+
 // Walks `text` into `config`, reporting every key; fails only when it is not a JSON object.
 Status walk_text(std::string_view text, Config* config, std::vector<KeyReport>* reports) {
   Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
-  if (root.is_discarded()) return Status::invalid_argument("config: not valid JSON");
+  if (root.is_discarded()) {
+    return Status::invalid_argument(
+        fmt::format("config: not valid JSON: {}", json_error_place(text)));
+  }
   if (!root.is_object()) return Status::invalid_argument("config: not a JSON object");
   Walk w;
   w.config = config;

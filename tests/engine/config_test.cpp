@@ -193,6 +193,9 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
       {R"({"zinf": {"io_timeouts_max": -2}})", "zinf.io_timeouts_max", "non-negative"},
       {R"([1, 2])", "config", "not a JSON object"},
       {R"({"zero_optimization": {)", "config", "not valid JSON"},
+      // Where the text stops being JSON: line and column.
+      {"{\n  \"train_batch_size\": 8,\n  \"bf16\": {\"enabled\": true,}\n}", "config",
+       "not valid JSON: parse error at line 3, column 28"},
   };
   for (const BadCase& c : cases) {
     Result<Config> r = parse_config(c.json);
