@@ -425,6 +425,7 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
 // export_checkpoint_safetensors() is public (include/zinf/engine.hpp), in checkpoint_export.cpp.
 // {"dir", "latest", "tags": [{tag, step, world_size, stage, optimizer, parameters,
 // parameter_elements, bytes, checksums ("ok", "not verified", or the error)}]}, oldest first.
+// kNotFound naming `dir` when it is not a directory, or holds neither `latest` nor a tag.
 Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify);
 
 // --- The engine's save and load ----------------------------------------------------------------

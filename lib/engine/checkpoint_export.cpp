@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <vector>
@@ -141,8 +142,18 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   out["dir"] = dir;
   Result<std::string> latest = read_latest_tag(*io, dir);
   out["latest"] = latest.is_ok() ? nlohmann::json(*latest) : nlohmann::json(nullptr);
+  const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir);
+  if (manifests.empty() && !latest.is_ok()) {
+    // Nothing to list: a mistyped path, or a save that never finished.
+    std::error_code ec;
+    if (!std::filesystem::is_directory(dir, ec)) {
+      return Status::not_found(fmt::format("'{}': no such checkpoint directory", dir));
+    }
+    return Status::not_found(fmt::format(
+        "'{}' holds no checkpoint: no 'latest' file and no tag directory with a manifest", dir));
+  }
   nlohmann::json tags = nlohmann::json::array();
-  for (const CheckpointManifest& m : list_checkpoint_tags(*io, dir)) {
+  for (const CheckpointManifest& m : manifests) {
     std::uint64_t elements = 0, bytes = 0;
     for (const ManifestParam& p : m.params) {
       std::uint64_t n = 1;

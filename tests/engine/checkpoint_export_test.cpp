@@ -202,6 +202,14 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
   ASSERT_TRUE(info.is_ok());
   const std::string checksums = (*info)["tags"][0]["checksums"];
   EXPECT_NE(checksums.find(victim), std::string::npos) << checksums;
+  // A directory with no checkpoint, and no directory at all: kNotFound naming the path.
+  const std::string empty = scratch.path() + "/empty";
+  std::filesystem::create_directories(empty);
+  for (const std::string& missing : {empty, scratch.path() + "/no-such-dir"}) {
+    const Status st = inspect_checkpoints(missing, true).status();
+    EXPECT_EQ(st.code(), Code::kNotFound) << st.to_string();
+    EXPECT_NE(st.message().find("'" + missing + "'"), std::string::npos) << st.to_string();
+  }
 }
 
 }  // namespace
