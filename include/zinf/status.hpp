@@ -208,7 +208,7 @@ void Result<T>::bad_access(const Status& status) {
 #define ZINF_CONCAT_(a, b) ZINF_CONCAT_INNER_(a, b)
 // `ZINF_ASSIGN_OR_RETURN(auto x, make_x());` declares x from a Result, or returns its Status.
 #define ZINF_ASSIGN_OR_RETURN(lhs, expr) \
-  ZINF_ASSIGN_OR_RETURN_IMPL_(ZINF_CONCAT_(zinf_result_, __LINE__), lhs, expr)
+  ZINF_ASSIGN_OR_RETURN_IMPL_(ZINF_CONCAT_(zinf_result_, __COUNTER__), lhs, expr)
 #define ZINF_ASSIGN_OR_RETURN_IMPL_(tmp, lhs, expr) \
   auto tmp = (expr);                                \
   if (!tmp.is_ok()) return tmp.status();            \
