@@ -523,6 +523,14 @@ TEST(EngineBadInput, UnwritableNvmePathFailsAtOpenNamingKeyAndPath) {
     EXPECT_TRUE(contains(s, path)) << s.to_string();
     std::printf("%s\n", s.to_string().c_str());
   }
+  // A directory to be made under that file: the error is the creation's, not a later probe's.
+  {
+    const std::string under = file + "/sub/deeper";
+    Config config = engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, under);
+    const Status s = Engine::open(config, env_for(ranks, 0)).status();
+    EXPECT_TRUE(contains(s, "cannot create the directory '" + under + "'")) << s.to_string();
+    EXPECT_TRUE(contains(s, "zero_optimization.offload_optimizer.nvme_path")) << s.to_string();
+  }
   // Parameters on NVMe with no path anywhere.
   Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNvme, "");
   Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
