@@ -175,8 +175,9 @@ struct Config {
   // Clip the global gradient norm (over every rank) to this; 0 turns clipping off.
   double gradient_clipping = 0.0;
   Fp16Config fp16;
-  // "bf16": {"enabled"}. When set, every registered parameter must be bf16 (and f16 with
-  // fp16.enabled): register_parameter() refuses another dtype naming this key.
+  // "bf16": {"enabled"}. When set, every registered parameter must be bf16: register_parameter()
+  // refuses another dtype naming this key. (fp16.enabled requires no dtype: it turns on loss
+  // scaling, whatever the parameters' dtype.)
   bool bf16_enabled = false;
   // "optimizer": {"type": "Adam" | "AdamW" | "Adagrad" | "Lion" (any case), "params": {...}}.
   // Type "Adam" is AdamW (decoupled decay) unless params.adam_w_mode is false, as in DeepSpeed;
@@ -234,8 +235,9 @@ struct Config {
   std::uint32_t io_timeouts_max = 3;
   ActivationConfig activations;
   // Checkpoint tags kept in a checkpoint directory: after a save completes, the oldest complete
-  // tags beyond this many are deleted (the new one always stays). At least 1.
-  int keep_last = 2;
+  // tags beyond this many are deleted (the new one always stays). 0: every tag is kept, as
+  // DeepSpeed keeps them.
+  int keep_last = 0;
 };
 
 // The defaults DeepSpeed gives each optimizer type when the config leaves a parameter out

@@ -232,9 +232,11 @@ Result<int> GradReducer::micro_batches() const {
   // the one to name.
   const auto [low, high] = std::minmax_element(counts_.begin(), counts_.end());
   if (*high == 0) {
-    return Status::failed_precondition(
-        "step: no gradients were reduced since the last step (reduce_gradients() for every module "
-        "after its backward, then step())");
+    return Status::failed_precondition(fmt::format(
+        "step: no gradients were reduced since the last step (parameter '{}' had 0, as did every "
+        "other): reduce every module's gradients after its backward (reduce_gradients(); "
+        "engine.backward(loss) in zinf.torch), then call step()",
+        partitioner_.spec(0).name));
   }
   if (*low != *high) {
     return Status::failed_precondition(fmt::format(
