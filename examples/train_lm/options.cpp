@@ -259,6 +259,10 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
                  "save a checkpoint (tag global_step<N>) every this many steps (0: none)")
       ->check(CLI::Range(0, 100'000'000));
   app.add_option("--save-dir", o->save_dir, "checkpoint directory (default: <out>/checkpoints)");
+  app.add_option("--keep-last", o->keep_last,
+                 "checkpoint tags kept in --save-dir, the newest (zinf.keep_last; 0: every tag)")
+      ->check(CLI::Range(0, 1'000'000))
+      ->capture_default_str();
   app.add_option("--resume", o->resume_dir,
                  "continue from the latest checkpoint in this directory: the engine's state, the "
                  "batch sampler and the loss curve so far");

@@ -82,6 +82,7 @@ struct Options {
   // Checkpoints (through the engine; --engine on).
   std::int64_t save_every = 0;  // --save-every N: a checkpoint every N steps (0: none)
   std::string save_dir;         // --save-dir: where (default <out>/checkpoints)
+  int keep_last = 2;            // --keep-last: zinf.keep_last (0: every tag)
   std::string resume_dir;       // --resume DIR: continue from DIR's latest checkpoint
   std::int64_t stop_after = 0;  // --stop-after N: end after step N, as a killed run (0: no)
   // Output.

@@ -475,6 +475,7 @@ zinf::Config engine_config(const Options& o, std::uint64_t param_count,
   c.gradient_clipping = o.grad_clip;
   c.clip_from_previous_step = o.clip_previous;
   c.cpu_threads = o.optimizer_threads;
+  c.keep_last = o.keep_last;
   c.overlap_step = o.overlap_step;
   c.bf16_enabled = o.param_dtype == "bf16";
   c.optimizer.kind = zinf::OptimizerKind::kAdamW;

@@ -359,7 +359,8 @@ class Engine {
   // last manifest.json (world size, stage, optimizer, every parameter's place, step, loss scaler,
   // learning rate and schedule, gather order, each file's size and xxh3-64). Everything is
   // written into <dir>/.<tag>.tmp, synced and renamed to <dir>/<tag>; then <dir>/latest is
-  // replaced atomically, and tags beyond the newest zinf.keep_last are deleted. A save cut short
+  // replaced atomically, and with zinf.keep_last > 0 older tags beyond that many are deleted
+  // (by default none is). A save cut short
   // at any instant (a crash, a full disk) leaves `latest` naming the previous complete checkpoint.
   // Creates `dir` if needed. kInvalidArgument for a tag that is not 1-200 characters of
   // [A-Za-z0-9._-] (or starts with '.', or is "latest"); kFailedPrecondition naming <dir>/<tag>

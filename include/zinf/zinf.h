@@ -407,7 +407,8 @@ ZINF_C_API zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_
  * save: writes <dir>/<tag>/ (each rank's fp32 master and optimizer moments, the step, loss scaler,
  * learning-rate schedule and gather order, each file's size and xxh3-64 in manifest.json, written
  * last), all into <dir>/.<tag>.tmp, synced and renamed; then replaces <dir>/latest atomically
- * and deletes tags beyond zinf.keep_last. A save cut short at any instant leaves <dir>/latest
+ * and, with zinf.keep_last > 0, deletes older tags beyond that many (by default none). A save cut
+ * short at any instant leaves <dir>/latest
  * naming the previous complete checkpoint. Creates `dir` if needed. ZINF_INVALID_ARGUMENT for a
  * tag that is not 1-200 characters of [A-Za-z0-9._-] (or starts with '.', or is "latest");
  * ZINF_FAILED_PRECONDITION when <dir>/<tag> exists already, or gradients were reduced since the

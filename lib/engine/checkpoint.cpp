@@ -297,7 +297,9 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
         }
         return latest;
       }
-      prune_tags(*io, dir, static_cast<std::size_t>(std::max(1, ctx.config->keep_last)), tag);
+      if (ctx.config->keep_last > 0) {
+        prune_tags(*io, dir, static_cast<std::size_t>(ctx.config->keep_last), tag);
+      }
       return Status::ok();
     }();
     if (!local.is_ok()) {

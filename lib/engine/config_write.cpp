@@ -99,7 +99,9 @@ Status validate(const Config& c) {
     return invalid("zinf.activation_nvme_bytes",
                    "0, and zinf.activation_nvme_path is set (the swap file needs a capacity)");
   }
-  if (c.keep_last < 1) return invalid("zinf.keep_last", fmt::format("{} is below 1", c.keep_last));
+  if (c.keep_last < 0) {
+    return invalid("zinf.keep_last", fmt::format("{} is below 0 (0 keeps every tag)", c.keep_last));
+  }
   if (c.gradients_on_nvme && z.stage == 1) {
     return invalid("zinf.gradients_on_nvme",
                    "needs stage 2 or 3 (stage 1 keeps full fp32 gradients on the device until the "

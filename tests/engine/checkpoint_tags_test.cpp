@@ -63,6 +63,27 @@ struct OneEngine {
   }
 };
 
+// zinf.keep_last's default (0) deletes nothing, as DeepSpeed deletes no tag.
+TEST(CheckpointTags, TheDefaultKeepsEveryTag) {
+  engine_test::ScratchDir scratch("ckpt-keep-all");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 22);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  ASSERT_EQ(config.keep_last, 0);
+  OneEngine one(config, model);
+  for (int i = 0; i < 3; ++i) {
+    ASSERT_TRUE(one.train(model, i + 1, i + 1).is_ok());
+    const Status st = one.engine->save_checkpoint(dir);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  for (int step = 1; step <= 3; ++step) {
+    EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/global_step{}/manifest.json", dir, step)))
+        << "global_step" << step;
+  }
+  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step3");
+}
+
 TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
   engine_test::ScratchDir scratch("ckpt-tags");
   const std::string dir = scratch.path() + "/ckpt";
