@@ -2,8 +2,10 @@
 // exit code 0 when the file is accepted, 1 when a key is refused. Runs the zinf binary of the same
 // build (bin/zinf beside tests/); skips, saying so, when it has not been built.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 
@@ -106,6 +108,31 @@ TEST_F(ConfigCheckCli, JsonListsEveryKey) {
     }
   }
   EXPECT_TRUE(found) << out;
+}
+
+// A file every key of which is accepted, but which Engine::open would refuse for want of an
+// NVMe directory: a note names the key (the exit code stays 0: a C++ program may give the
+// directory through Env::nvme_paths).
+TEST_F(ConfigCheckCli, NvmeWithoutAPathIsNoted) {
+  const fs::path file =
+      fs::temp_directory_path() / ("zinf-check-nvme-" + std::to_string(::getpid()) + ".json");
+  std::ofstream(file) << R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}})";
+  std::string out;
+  const int code = run_command(zinf_binary() + " config check " + file.string(), &out);
+  std::string json;
+  run_command(zinf_binary() + " config check --json " + file.string(), &json);
+  fs::remove(file);
+  EXPECT_EQ(code, 0) << out;
+  EXPECT_NE(out.find("note: zero_optimization.offload_optimizer.nvme_path: empty, and the "
+                     "optimizer state is offloaded to nvme"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("note: zero_optimization.offload_param.nvme_path: empty"), std::string::npos)
+      << out;
+  const nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
+  ASSERT_FALSE(j.is_discarded()) << json;
+  EXPECT_EQ(j.at("notes").size(), 2u) << json;
 }
 
 TEST_F(ConfigCheckCli, MissingFileExitsOne) {

@@ -3,7 +3,8 @@
 // in zinf (why)" or "refused (why)"; the exit code is 0 when the engine would accept the file, 1
 // otherwise (a refused key, or a file that cannot be read or is not a JSON object). The reports
 // come from zinf::check_config(), the walk parse_config() makes, so the first refused key printed
-// is the one parse_config() names.
+// is the one parse_config() names. An accepted file that still lacks what Engine::open needs (an
+// nvme_path for state offloaded to nvme) gets a "note:" line naming the key.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -12,6 +13,7 @@
 #include <memory>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include "command.hpp"
 #include "zinf/config.hpp"
@@ -19,6 +21,31 @@
 
 namespace zinf::cli {
 namespace {
+
+// What a file the walk accepts still lacks for Engine::open: the NVMe directories, which a C++
+// program may give through Env::nvme_paths instead.
+std::vector<std::string> open_notes(std::string_view text) {
+  std::vector<std::string> notes;
+  Result<Config> config = parse_config(text);
+  if (!config.is_ok()) return notes;
+  const ZeroConfig& z = config->zero;
+  const bool opt_nvme = z.offload_optimizer.device == OffloadDevice::kNvme;
+  const bool param_nvme = z.stage == 3 && z.offload_param.device == OffloadDevice::kNvme;
+  const char* unless = "Engine::open refuses it unless the program gives Env::nvme_paths";
+  if (opt_nvme && z.offload_optimizer.nvme_path.empty()) {
+    notes.push_back(fmt::format(
+        "zero_optimization.offload_optimizer.nvme_path: empty, and the optimizer state is "
+        "offloaded to nvme: {}",
+        unless));
+  }
+  if (param_nvme && z.offload_param.nvme_path.empty() && z.offload_optimizer.nvme_path.empty()) {
+    notes.push_back(fmt::format(
+        "zero_optimization.offload_param.nvme_path: empty, and the parameters are offloaded to "
+        "nvme: {}",
+        unless));
+  }
+  return notes;
+}
 
 struct CheckOptions {
   std::string file;
@@ -40,12 +67,14 @@ void run_check(const CheckOptions& o) {
   }
   int refused = 0;
   for (const KeyReport& r : *reports) refused += r.use == KeyUse::kRefused ? 1 : 0;
+  const std::vector<std::string> notes =
+      refused == 0 ? open_notes(text.str()) : std::vector<std::string>{};
   if (o.json) {
     nlohmann::json keys = nlohmann::json::array();
     for (const KeyReport& r : *reports) {
       keys.push_back({{"key", r.key}, {"use", std::string(key_use_name(r.use))}, {"why", r.why}});
     }
-    print_json({{"file", o.file}, {"accepted", refused == 0}, {"keys", keys}});
+    print_json({{"file", o.file}, {"accepted", refused == 0}, {"keys", keys}, {"notes", notes}});
   } else {
     std::size_t width = 0;
     for (const KeyReport& r : *reports) width = std::max(width, r.key.size());
@@ -56,6 +85,7 @@ void run_check(const CheckOptions& o) {
         fmt::print("{:<{}}  {} ({})\n", r.key, width, key_use_name(r.use), r.why);
       }
     }
+    for (const std::string& note : notes) fmt::print("note: {}\n", note);
     if (refused == 0) {
       fmt::print("{}: accepted ({} keys)\n", o.file, reports->size());
     } else {
