@@ -56,7 +56,15 @@ void run_export(const ExportOptions& o) {
   const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
   const Status st = export_checkpoint_safetensors(o.dir, o.tag, o.out, dtype);
   if (!st.is_ok()) return fail(st.to_string());
-  fmt::print("wrote {} (tag {}, {})\n", o.out, o.tag.empty() ? "latest" : o.tag, o.dtype);
+  // The tag exported: the one given, or the one `latest` named.
+  std::string tag = o.tag;
+  if (tag.empty()) {
+    Result<std::unique_ptr<IoEngine>> io = open_checkpoint_io(nullptr);
+    Result<std::string> latest =
+        io.is_ok() ? read_latest_tag(**io, o.dir) : Result<std::string>(io.status());
+    tag = latest.is_ok() ? *latest : "latest";
+  }
+  fmt::print("wrote {} (tag {}, {})\n", o.out, tag, o.dtype);
 }
 
 void setup_ckpt(CLI::App& app) {
