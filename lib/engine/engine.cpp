@@ -458,6 +458,7 @@ class Engine::Impl {
       }
     }
     if (overlap_->reads_only()) return Status::ok();
+    overlap_->note_reduced(layout_.module_groups(m));
     for (std::uint32_t g : layout_.module_groups(m)) pending_final_.push_back(g);
     pending_module_ = m;
     return Status::ok();

@@ -41,11 +41,12 @@ OverlappedStep::OverlappedStep(const Parts& parts) : parts_(parts) {
   const ParameterLayout& layout = *parts_.layout;
   persistent_done_.assign(layout.group_count(), 1);
   grads_zeroed_.assign(layout.group_count(), 1);
+  reduced_.assign(layout.group_count(), 0);
   final_ = std::make_unique<std::atomic<std::uint8_t>[]>(layout.group_count());
   if (parts_.trace != nullptr) {
     track_ = parts_.trace->track(fmt::format("rank{} step", parts_.rank));
   }
-  parts_.coord->set_issue_hook(&OverlappedStep::issue_hook, this);
+  parts_.coord->set_issue_hook(&OverlappedStep::issue_hook, &OverlappedStep::may_prefetch, this);
 }
 
 OverlappedStep::~OverlappedStep() {
@@ -106,6 +107,18 @@ Status OverlappedStep::await_module(std::size_t m) {
 
 Status OverlappedStep::issue_hook(void* user, std::size_t module) {
   return static_cast<OverlappedStep*>(user)->await_module(module);
+}
+
+bool OverlappedStep::may_prefetch(void* user, std::size_t module) {
+  // A module whose last reduction was issued in this backward (a recorded order that gathers it
+  // again after its reduction): the open pass may be writing its shards as soon as that
+  // reduction has run, and a prefetch's reads are not waited for before (the program's own
+  // gather is, through its stream; the engine refuses it once the groups are final).
+  auto* self = static_cast<OverlappedStep*>(user);
+  if (!self->open_) return true;
+  const std::vector<std::uint32_t>& groups = self->parts_.layout->module_groups(module);
+  return std::none_of(groups.begin(), groups.end(),
+                      [&](std::uint32_t g) { return self->reduced_[g] != 0; });
 }
 
 Status OverlappedStep::clear_grads(std::span<const std::uint32_t> groups) {
@@ -199,6 +212,7 @@ void OverlappedStep::open_gated() {
   for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
     final_[g].store(0, std::memory_order_relaxed);
   }
+  std::fill(reduced_.begin(), reduced_.end(), 0);
   cancelled_.store(false, std::memory_order_relaxed);
   final_count_.store(0, std::memory_order_relaxed);
   open_ = true;

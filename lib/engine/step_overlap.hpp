@@ -129,6 +129,11 @@ class OverlappedStep {
   // it. The pass's kAborted (the gate's call-off) is expected; another error (a read that failed
   // before the call-off) comes back. REQUIRES: reads_only().
   Status call_off();
+  // The last micro-batch's reductions into `groups` were issued: final() follows once they have
+  // run, and from now the coordinator prefetches none of their modules (may_prefetch()).
+  void note_reduced(std::span<const std::uint32_t> groups) {
+    for (std::uint32_t g : groups) reduced_[g] = 1;
+  }
   // The reductions into `groups` have run: the open pass may update them.
   void final(std::span<const std::uint32_t> groups);
   // Some of `groups` is final() for the open pass: its shard may be new already.
@@ -172,6 +177,7 @@ class OverlappedStep {
   // With gather_lock_ held (the publisher's mutex), on the rank's thread.
   Status await_module(std::size_t m);
   static Status issue_hook(void* user, std::size_t module);
+  static bool may_prefetch(void* user, std::size_t module);
   static Status run_pass(void* user);
   // The open pass's gate (PassGate::ready): every group overlapping the elements is final.
   static int range_final(void* user, std::size_t first, std::size_t count);
@@ -191,6 +197,7 @@ class OverlappedStep {
   int track_ = 0;                              // the trace track of the runner's spans
   std::vector<std::uint8_t> persistent_done_;  // per group: all-gathered since the pass began
   std::vector<std::uint8_t> grads_zeroed_;     // per group: zeroed since a pass read it
+  std::vector<std::uint8_t> reduced_;          // per group: note_reduced() since the pass opened
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;

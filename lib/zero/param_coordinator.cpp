@@ -417,6 +417,7 @@ void ParamCoordinator::prefetch_after(std::size_t position) {
     const std::size_t p = order_[k];
     Module& mod = modules_[p];
     if (mod.state != State::kIdle || mod.elements == 0) continue;
+    if (may_prefetch_ != nullptr && !may_prefetch_(issue_hook_user_, p)) continue;
     if (prefetched_elements_ + mod.elements > options_.prefetch_elements) break;
     if (live_elements_ + mod.elements > options_.max_live_elements) break;
     Status st = issue(p, /*prefetch=*/true);

@@ -135,8 +135,12 @@ class ParamCoordinator {
   // gather(): the overlapped step waits there until the module's new values are written (a
   // prefetch must not gather the shards the step is still writing). An error fails the gather.
   using IssueHook = Status (*)(void* user, std::size_t module);
-  void set_issue_hook(IssueHook hook, void* user) {
+  // And before a prefetch: false skips `module` this time (a pass opened in the backward may be
+  // writing its shards, and the program cannot gather it before step() anyway).
+  using PrefetchFilter = bool (*)(void* user, std::size_t module);
+  void set_issue_hook(IssueHook hook, PrefetchFilter may_prefetch, void* user) {
     issue_hook_ = hook;
+    may_prefetch_ = may_prefetch;
     issue_hook_user_ = user;
   }
 
@@ -259,6 +263,7 @@ class ParamCoordinator {
   std::size_t prefetched_elements_ = 0;
   CallerStream* caller_ = nullptr;
   IssueHook issue_hook_ = nullptr;
+  PrefetchFilter may_prefetch_ = nullptr;
   void* issue_hook_user_ = nullptr;
   bool caller_pending_ = false;  // release(): the caller's work must end before a buffer is freed
   Status error_;

@@ -555,5 +555,42 @@ TEST(OverlapOpen, AScheduleSetMidBackwardOpensThePassLateAndTheStepStillEnds) {
   expect_same_masters(model, result[0], result[1]);
 }
 
+// A recorded order that gathers a module again after its reduction (step 1 inspects the head
+// after the backward): in a later step the pass may be writing that module once it is reduced,
+// so the coordinator does not prefetch it (a prefetch's reads would race the pass's writes of its
+// shards), and the program's own gather is refused by name.
+TEST(OverlapOpen, AModuleReducedAlreadyIsNotPrefetched) {
+  on_one_rank("overlap_open_no_prefetch", 2307, [](const Model& model, Engine& engine) -> Status {
+    const std::string& head = model.modules.back();
+    for (int step = 1; step <= 3; ++step) {
+      for (auto it = model.modules.rbegin(); it != model.modules.rend(); ++it) {
+        ZINF_RETURN_IF_ERROR(engine.gather(*it));
+        ZINF_RETURN_IF_ERROR(reduce_module(engine, model, *it, step, false, 0, true));
+        ZINF_RETURN_IF_ERROR(engine.release(*it));
+      }
+      Status again = engine.gather(head);
+      if (step == 1) {
+        ZINF_RETURN_IF_ERROR(again);
+        ZINF_RETURN_IF_ERROR(engine.release(head));
+      } else {
+        EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
+        EXPECT_NE(again.message().find("reduced before the last reduce_gradients()"),
+                  std::string::npos)
+            << again.to_string();
+      }
+      ZINF_ASSIGN_OR_RETURN(StepReport rep, engine.step());
+      EXPECT_EQ(rep.in_backward, step >= 2) << "step " << step;
+      // Every prefetch was gathered: none went to the head (it would be dropped at step()).
+      const EngineCounters c = engine.counters();
+      if (step >= 2) {
+        EXPECT_GT(c.prefetches_issued, 0u);  // the order is recorded in step 1
+      }
+      EXPECT_EQ(c.prefetches_dropped, 0u) << "step " << step;
+      EXPECT_EQ(c.prefetch_hits, c.prefetches_issued) << "step " << step;
+    }
+    return Status::ok();
+  });
+}
+
 }  // namespace
 }  // namespace zinf
