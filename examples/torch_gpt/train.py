@@ -9,6 +9,7 @@ The training loop is DeepSpeed's: initialize, engine(batch), engine.backward(los
 """
 import argparse
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -29,7 +30,8 @@ def main():
     parser.add_argument("--offload-param", default="none", choices=["none", "cpu", "nvme"],
                         help="where stage 3 keeps the parameter shards (offload_param.device)")
     parser.add_argument("--nvme-path", default=None,
-                        help="swap directory for nvme offload (default: a temporary one)")
+                        help="swap directory for nvme offload (default: a temporary one, removed "
+                             "at the end)")
     parser.add_argument("--bf16", action="store_true", help="compute in bf16, fp32 master")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--batch", type=int, default=8)
@@ -40,7 +42,20 @@ def main():
     parser.add_argument("--load", default=None, help="checkpoint directory to resume from")
     args = parser.parse_args()
 
-    nvme_path = args.nvme_path or tempfile.mkdtemp(prefix="zinf-swap-")
+    # A temporary swap directory only where NVMe offload needs one and none was given; it is
+    # removed at the end, once the engine has closed its swap files.
+    uses_nvme = "nvme" in (args.offload, args.offload_param)
+    temporary = None
+    if uses_nvme and args.nvme_path is None:
+        temporary = tempfile.mkdtemp(prefix="zinf-swap-")
+    try:
+        train(args, args.nvme_path or temporary or "")
+    finally:
+        if temporary is not None:
+            shutil.rmtree(temporary, ignore_errors=True)
+
+
+def train(args, nvme_path):
     model = gpt.make_model(seed=1, layers=args.layers, width=args.width, context=args.sequence)
     config = {
         "train_micro_batch_size_per_gpu": args.batch,
@@ -73,6 +88,7 @@ def main():
     if args.save:
         engine.save_checkpoint(args.save)
         print(f"checkpoint: {args.save}")
+    engine.destroy()
 
 
 if __name__ == "__main__":

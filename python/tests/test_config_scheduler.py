@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import BETAS, EPS, LR, make_batches, make_model, train_torch, train_zinf, zinf_config
+from conftest import (BETAS, EPS, LR, make_batches, make_mlp, make_model, mlp_batches,
+                      train_mlp_zinf, train_torch, train_zinf, zinf_config)
 
 STEPS = 12
 WARMUP, TOTAL = 5, 10
@@ -166,3 +167,38 @@ def test_a_config_scheduler_and_an_lr_scheduler_are_refused(tmp_path):
             model=model, config=scheduled_config("WarmupCosineLR", tmp_path),
             model_parameters=model.parameters(),
             lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
+
+
+def test_initialize_returns_the_schedule(tmp_path):
+    """initialize() returns an lr_scheduler for the config's section (DeepSpeed returns its
+    scheduler object): it reports the rate of the next step and DeepSpeed's iteration count,
+    a call to its step() leaves the engine's schedule alone (engine.step() advances it), and a
+    checkpoint restores its state."""
+    kind = "WarmupDecayLR"
+    lr_at = SCHEDULES[kind][1]
+    batches = mlp_batches(5)
+    engine, _, _, scheduler = zinf.torch.initialize(
+        model=make_mlp(), config=scheduled_config(kind, tmp_path))
+    assert scheduler is not None and engine.lr_scheduler is scheduler
+    assert scheduler.get_last_lr() == pytest.approx([lr_at(-1)], rel=1e-12)
+    assert scheduler.last_batch_iteration == -1
+    for k, batch in enumerate(batches[:3], start=1):
+        train_mlp_zinf(engine, [batch])
+        assert scheduler.get_last_lr() == pytest.approx([lr_at(k - 1)], rel=1e-12)
+        assert scheduler.get_lr() == scheduler.get_last_lr() == engine.get_lr()
+        assert scheduler.state_dict() == {"last_batch_iteration": k - 1}
+    with pytest.warns(UserWarning, match="advanced by engine.step"):
+        scheduler.step()
+    assert scheduler.last_batch_iteration == 2
+    assert scheduler.get_last_lr() == pytest.approx([lr_at(2)], rel=1e-12)
+    with pytest.raises(ValueError, match="last_batch_iteration 7.*engine.load_checkpoint"):
+        scheduler.load_state_dict({"last_batch_iteration": 7})
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+
+    resumed, _, _, resumed_scheduler = zinf.torch.initialize(
+        model=make_mlp(), config=scheduled_config(kind, tmp_path))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed_scheduler.state_dict() == {"last_batch_iteration": 2}
+    train_mlp_zinf(resumed, batches[3:])
+    assert resumed_scheduler.last_batch_iteration == 4
+    assert resumed_scheduler.get_last_lr() == pytest.approx([lr_at(4)], rel=1e-12)

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import LR, make_batches, make_model, train_zinf, zinf_config
+from conftest import (LR, assert_mlp_matches, make_batches, make_mlp, make_model, mlp_batches,
+                      mlp_config, mlp_loss, train_mlp_torch, train_mlp_zinf, train_zinf,
+                      zinf_config)
 
 
 def open_engine(config, **kwargs):
@@ -178,3 +180,75 @@ def test_with_clipping_the_pass_reads_ahead_during_the_backward(tmp_path):
         assert [r["read_ahead"] for r in reports] == [overlap] * 4
         assert not any(r["in_backward"] for r in reports)
     assert torch.equal(params[False], params[True])
+
+
+# The refusal of a backward the engine did not run: it names a parameter and the call to use.
+STRAY = (r"failed_precondition: .*parameter '[0-9.a-z]+'.*"
+         r"call engine.backward\(loss\) instead of loss.backward\(\)")
+
+
+@pytest.mark.parametrize("stage,offload,refused_by", [
+    (1, "none", "step"), (2, "cpu", "step"), (2, "none", "backward"), (3, "cpu", "loss.backward")])
+def test_loss_backward_instead_of_engine_backward_is_refused(stage, offload, refused_by, tmp_path):
+    """A backward the engine did not run is reported by the next step() or backward() (at
+    stage 3 by loss.backward() itself, before it gathers anything); its gradients are dropped,
+    so training goes on as if it had not happened."""
+    batches = mlp_batches(3)
+    reference = make_mlp()
+    expected = train_mlp_torch(reference, batches[1:])
+    model = make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage, offload,
+                                                                           tmp_path))
+    loss = mlp_loss(engine, batches[0])
+    if refused_by == "loss.backward":
+        with pytest.raises(zinf.Error, match=STRAY):
+            loss.backward()
+    else:
+        loss.backward()
+        with pytest.raises(zinf.Error, match=STRAY):
+            if refused_by == "step":
+                engine.step()
+            else:
+                engine.backward(mlp_loss(engine, batches[1]))
+    assert engine.global_steps == 0 and all(p.grad is None for p in model.parameters())
+    assert train_mlp_zinf(engine, batches[1:]) == pytest.approx(expected, rel=1e-5)
+    assert_mlp_matches(engine, reference)
+
+
+@pytest.mark.parametrize("zero,key", [
+    ({"stage": 2, "offload_optimizer": "cpu"}, "zero_optimization.offload_optimizer"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": 5}},
+     "zero_optimization.offload_optimizer.nvme_path"),
+    (True, "zero_optimization"),
+])
+def test_a_config_value_of_the_wrong_type_is_named(zero, key):
+    config = mlp_config(1)
+    config["zero_optimization"] = zero
+    with pytest.raises(zinf.Error, match=f"invalid_argument: {key}: .* is not an? "):
+        zinf.torch.initialize(model=make_mlp(), config=config)
+
+
+def test_deepspeed_engine_accessors(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    config = mlp_config(1)
+    config["gradient_accumulation_steps"] = 3
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.gradient_accumulation_steps() == 3
+    assert engine.train_micro_batch_size_per_gpu() == config["train_micro_batch_size_per_gpu"]
+    assert engine.train_batch_size() == 3 * config["train_micro_batch_size_per_gpu"]
+    assert engine.local_rank == 3
+    assert "export_safetensors" in zinf.torch.__all__
+    namespace = {}
+    exec("from zinf.torch import *", namespace)
+    assert namespace["export_safetensors"] is zinf.torch.export_safetensors
+
+
+def test_load_checkpoint_without_a_checkpoint_warns_naming_the_path(tmp_path):
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "file").write_text("not a checkpoint")
+    for name, why in [("missing", "does not exist"), ("file", "not a directory"),
+                      ("empty", "no file 'latest'")]:
+        path = str(tmp_path / name)
+        with pytest.warns(UserWarning, match=f"nothing loaded from '{path}': .*{why}"):
+            assert engine.load_checkpoint(path) == (None, None)

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_batches, make_model, train_zinf,
-                      zinf_config)
+from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_batches, make_mlp, make_model,
+                      mlp_batches, mlp_config, mlp_loss, train_zinf, train_mlp_zinf, zinf_config)
 
 
 def change(model):
@@ -70,3 +70,52 @@ def test_a_write_while_gradients_wait_for_the_step_is_refused(tmp_path):
             with torch.no_grad():
                 model.transformer.ln_f.weight.fill_(2.0)
     engine.step()
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "cpu")])
+def test_changes_made_through_data_are_written(stage, offload, tmp_path):
+    """Ops on .data (the DeepSpeed idiom: p.data.copy_(w), as transformers' weight init does)
+    do not move the version counter; they must be written all the same."""
+    model = make_mlp()
+    reference = make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage, offload,
+                                                                           tmp_path))
+    generator = torch.Generator().manual_seed(21)
+    weight = torch.randn(16, 6, generator=generator)
+    untouched = engine.read_parameter("3.weight")
+    with zinf.torch.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        model[0].weight.data.copy_(weight)
+        model[4].bias.data.mul_(0.5)
+    with torch.no_grad():
+        reference[0].weight.copy_(weight)
+        reference[4].bias.mul_(0.5)
+    assert torch.equal(engine.read_parameter("0.weight"), weight)
+    assert torch.equal(engine.read_parameter("4.bias"), reference[4].bias.detach())
+    assert torch.equal(engine.read_parameter("3.weight"), untouched)
+    # The model computes with the written values.
+    batch = mlp_batches(1)[0]
+    assert torch.allclose(mlp_loss(engine, batch), mlp_loss(reference, batch), rtol=1e-6)
+
+
+@pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "cpu")])
+def test_a_write_before_the_step_names_the_parameter_with_offload(stage, offload, tmp_path):
+    """With the optimizer state offloaded and no clipping, the step's optimizer pass runs during
+    the backward; the refusal is still the documented one: it names the parameter and says to
+    call step() first (not the gather's refusal, naming the module)."""
+    model = make_mlp()
+    config = mlp_config(stage, offload, tmp_path)
+    config["gradient_clipping"] = 0.0
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    batches = mlp_batches(2)
+    engine.backward(mlp_loss(engine, batches[0]))
+    with pytest.raises(zinf.Error, match=r"failed_precondition: write_parameters\('4.weight'\): "
+                                         r"gradients were reduced.*call (engine\.)?step\(\) "
+                                         r"first"):
+        with zinf.torch.GatheredParameters(model[4].weight, modifier_rank=0):
+            model[4].weight.data.fill_(2.0)
+    engine.step()
+    # Nothing was written or left gathered: training goes on, and a write after the step works.
+    train_mlp_zinf(engine, batches[1:])
+    with zinf.torch.GatheredParameters(model[4].weight, modifier_rank=0):
+        model[4].weight.data.fill_(2.0)
+    assert torch.equal(engine.read_parameter("4.weight"), torch.full((3, 16), 2.0))

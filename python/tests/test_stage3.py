@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import make_batches, make_model, train_zinf, zinf_config
+from conftest import (assert_mlp_matches, make_batches, make_mlp, make_model, mlp_batches,
+                      mlp_config, train_mlp_torch, train_mlp_zinf, train_zinf, zinf_config)
 
 
 def open_stage3(tmp_path, **zero):
@@ -85,6 +86,21 @@ def test_eval_forward_gathers_and_releases_without_a_graph(tmp_path):
     with torch.no_grad():
         expected = reference(input_ids=ids, labels=labels).loss
     assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    assert engine.counters()["live_elements"] == 0
+
+
+def test_a_model_in_eval_mode_trains_as_torch(tmp_path):
+    """eval() turns dropout off; autograd still records, so the backward gathers as in training
+    mode (DeepSpeed trains in eval mode too)."""
+    batches = mlp_batches(3)
+    reference = make_mlp(dropout=0.5).eval()
+    expected = train_mlp_torch(reference, batches)
+    model = make_mlp(dropout=0.5)
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(3, "cpu", tmp_path))
+    engine.eval()
+    assert not model.training
+    assert train_mlp_zinf(engine, batches) == pytest.approx(expected, rel=1e-5)
+    assert_mlp_matches(engine, reference)
     assert engine.counters()["live_elements"] == 0
 
 

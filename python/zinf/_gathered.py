@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from . import _torch_init
+from . import _torch_init, _zinf
 
 if TYPE_CHECKING:
     from .torch import ZinfEngine
@@ -25,11 +25,14 @@ class GatheredParameters:
 
     - Parameters trained by a zinf engine: at stage 3 their engine modules are gathered for the
       block (at stages 1 and 2 they always are). With modifier_rank=r, each parameter changed in
-      the block (in place, or its .data replaced) is written at its end into the engine's fp32
-      master from rank r's values (Engine::write_parameters, which then republishes the
-      parameters); the optimizer moments stay. Use it between steps (not after a backward whose
-      step has not run); every rank must enter the block (the write is collective), and each
-      write is a pass over the rank's master partition.
+      the block, however (in place, through .data, or its .data replaced), is written at its end
+      into the engine's fp32 master from rank r's values (Engine::write_parameters, which then
+      republishes the parameters); the optimizer moments stay. A change is found by comparing
+      the values with a copy taken on entry (ops on .data do not move the version counter);
+      with several ranks every parameter is written. Use it between steps: after a backward
+      whose step has not run it raises zinf.Error naming the parameter, before anything is
+      gathered. Every rank must enter the block (the write is collective), and each write is a
+      pass over the rank's master partition.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
       values are read into them for the block and, with modifier_rank set, changes are written
       back to the staging file, so initialize() takes them.
@@ -42,12 +45,16 @@ class GatheredParameters:
         self._enabled = enabled
         self._held: list[tuple["ZinfEngine", str]] = []
         self._loaded: list[tuple[nn.Parameter, _torch_init.Staged]] = []
-        # Engine parameters and how they looked on entry (version counter, data pointer).
-        self._watched: list[tuple["ZinfEngine", nn.Parameter, int, int]] = []
+        # Engine parameters and how they looked on entry: the data pointer, and with one rank a
+        # copy of the values (with several, every parameter is written anyway).
+        self._watched: list[tuple["ZinfEngine", nn.Parameter, int,
+                                  torch.Tensor | None]] = []
 
     def __enter__(self):
         if not self._enabled:
             return self
+        if self._modifier_rank is not None:
+            _refuse_write_before_step(self._params)
         for param in self._params:
             stage = _torch_init.staged(param)
             if stage is not None:
@@ -63,17 +70,20 @@ class GatheredParameters:
                 engine._acquire(owner)
                 self._held.append((engine, owner))
             if self._modifier_rank is not None:
-                self._watched.append((engine, param, param._version, param.data_ptr()))
+                copy = param.detach().clone() if engine.world_size == 1 else None
+                self._watched.append((engine, param, param.data_ptr(), copy))
         return self
 
     def __exit__(self, *exc):
         # With several ranks every parameter is written (the write is collective, and only the
-        # modifier rank's changes count, so the others cannot tell); with one, those changed.
+        # modifier rank's changes count, so the others cannot tell); with one, those whose values
+        # differ from the copy taken on entry, or whose .data was replaced (the write points it
+        # back at the engine's memory).
         changed = []
         if exc[0] is None:
-            for engine, param, version, ptr in self._watched:
-                if (engine.world_size > 1 or param._version != version
-                        or param.data_ptr() != ptr):
+            for engine, param, ptr, copy in self._watched:
+                if (copy is None or param.data_ptr() != ptr
+                        or not torch.equal(param.detach(), copy)):
                     values = param.detach().to(dtype=torch.float32).contiguous().clone()
                     changed.append((engine, param, values))
         self._watched.clear()
@@ -88,3 +98,20 @@ class GatheredParameters:
                 stage.store(param.data)
             param.data = torch.empty(0, dtype=stage.dtype)
         return False
+
+
+def _refuse_write_before_step(params):
+    """Raises zinf.Error naming the first engine parameter whose engine has gradients reduced
+    since its last step: a write then would be refused by the engine (or, with the step's
+    optimizer pass running during the backward, the gather before it), so it is refused here
+    with the reason, before anything is gathered."""
+    for param in params:
+        ref = getattr(param, "_zinf_engine", None)
+        engine = ref() if ref is not None else None
+        if engine is None or not engine._grads_pending:
+            continue
+        name = engine._names[id(param)]
+        raise _zinf.Error(
+            f"failed_precondition: write_parameters('{name}'): gradients were reduced since the "
+            "last step (GatheredParameters(modifier_rank=...) changes parameters between steps; "
+            "call engine.step() first)")

@@ -1,8 +1,10 @@
 """Saved activations through the engine's activation store (docs/ACTIVATIONS.md, docs/PYTHON.md).
 
     with zinf.torch.offload_saved_tensors(engine):   # every tensor autograd saves goes to the
-        loss = model(batch)                          # store (host arena, NVMe beyond it) and
-    loss.backward()                                  # comes back when backward needs it
+        loss = engine(batch)                         # store (host arena, NVMe beyond it) and
+    engine.backward(loss)                            # comes back when backward needs it
+
+(A model outside zinf.torch, using only a bare zinf._zinf.Engine's store, runs loss.backward().)
 
     h = zinf.torch.checkpoint(block, h, engine=engine)   # torch.utils.checkpoint.checkpoint
                                                           # whose saved inputs go to the store

@@ -222,13 +222,28 @@ class Init:
             param.data = torch.empty(0, dtype=param.dtype)
 
 
-def _staging_dir_of(config: dict) -> str:
-    zero = config.get("zero_optimization", {})
+def nvme_paths(config) -> list[str]:
+    """The nvme_paths of the config's offload_param and offload_optimizer sections (in that
+    order) whose device is "nvme". It runs before the engine validates the config, so it skips
+    any part that does not have the type the config's schema gives it: the engine's validation
+    then reports that key by name."""
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not isinstance(zero, dict):
+        return []
+    paths = []
     for key in ("offload_param", "offload_optimizer"):
-        section = zero.get(key) or {}
-        if section.get("device") == "nvme" and section.get("nvme_path"):
-            return str(section["nvme_path"])
-    return tempfile.gettempdir()
+        section = zero.get(key)
+        if not isinstance(section, dict) or section.get("device") != "nvme":
+            continue
+        path = section.get("nvme_path")
+        if isinstance(path, str) and path:
+            paths.append(path)
+    return paths
+
+
+def _staging_dir_of(config) -> str:
+    paths = nvme_paths(config)
+    return paths[0] if paths else tempfile.gettempdir()
 
 
 def staged(param) -> Staged | None:

@@ -42,6 +42,7 @@ import io
 import json
 import os
 import time
+import warnings
 import weakref
 from typing import Any, Iterable
 
@@ -53,8 +54,9 @@ from ._gathered import GatheredParameters
 from ._offload import checkpoint, offload_saved_tensors
 from ._torch_init import Init
 
-__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer", "Error",
-           "checkpoint", "offload_saved_tensors"]
+__all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer",
+           "ConfigLRScheduler", "Error", "checkpoint", "offload_saved_tensors",
+           "export_safetensors"]
 
 Error = _zinf.Error
 
@@ -66,7 +68,11 @@ def _read_config(config: dict | str | os.PathLike) -> dict:
     """A DeepSpeed-style config from a dict (copied) or the path of a JSON file."""
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
-            return json.load(f)
+            loaded = json.load(f)
+        if not isinstance(loaded, dict):
+            raise TypeError(f"config: {os.fspath(config)} holds a JSON {type(loaded).__name__}, "
+                            "not an object")
+        return loaded
     if isinstance(config, dict):
         return copy.deepcopy(config)
     raise TypeError(f"config: expected a dict or the path of a JSON file, got {type(config)}")
@@ -163,6 +169,17 @@ def _choose_comm(comm: str | None) -> str:
     return "local"
 
 
+def _local_rank() -> int:
+    """This process's rank on its machine (DeepSpeed's engine.local_rank), as the launcher
+    states it: LOCAL_RANK, Open MPI's OMPI_COMM_WORLD_LOCAL_RANK, MPICH's MPI_LOCALRANKID or
+    Slurm's SLURM_LOCALID; 0 when none is set (one process)."""
+    for key in ("LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 0
+
+
 # How long a rank that aborted its communicator waits before its exception propagates: mpirun
 # kills the whole job as soon as one process exits with an error, so the peers need a moment to
 # receive the abort notice and report it themselves (which takes milliseconds).
@@ -210,6 +227,70 @@ class ZinfOptimizer(torch.optim.Optimizer):
     cur_scale = loss_scale
 
 
+class ConfigLRScheduler:
+    """The config's "scheduler" section as initialize() returns it (where DeepSpeed returns its
+    WarmupLR, WarmupDecayLR, WarmupCosineLR or OneCycle object). The engine runs the schedule
+    (include/zinf/schedule.hpp) and advances it after every optimizer step it applies, inside
+    engine.step(), as DeepSpeed's engine steps its scheduler; this object reports where the
+    schedule is.
+
+    - get_last_lr() and get_lr(): each parameter group's learning rate for the next step, the
+      same as engine.get_lr() and the optimizer's param_groups "lr"s.
+    - last_batch_iteration: DeepSpeed's count, the section's last_batch_iteration (-1 unless
+      given) plus the optimizer steps applied since (a step skipped for an fp16 overflow does
+      not count, as in DeepSpeed).
+    - step(): does nothing, and warns once. engine.step() has already advanced the schedule;
+      with DeepSpeed a second call would advance it twice per optimizer step (a mistake there
+      too), and moving it to another iteration is not supported.
+    - state_dict() and load_state_dict(): {"last_batch_iteration": n}, as DeepSpeed's.
+      engine.save_checkpoint() stores it and engine.load_checkpoint() restores it together with
+      the engine's own place in the schedule; load_state_dict() alone cannot move the engine's
+      schedule, so it refuses a different iteration."""
+
+    def __init__(self, engine: "ZinfEngine", section: dict):
+        self.optimizer = engine.optimizer
+        self.type = section.get("type")
+        self.last_batch_iteration = int(section.get("params", {}).get("last_batch_iteration",
+                                                                      -1))
+        self._first_iteration = self.last_batch_iteration
+        self._warned_step = False
+
+    def get_last_lr(self) -> list[float]:
+        """Each parameter group's learning rate for the next step."""
+        return [float(g["lr"]) for g in self.optimizer.param_groups]
+
+    get_lr = get_last_lr
+
+    def step(self, last_batch_iteration=None):
+        """Nothing: engine.step() advances the config's schedule (see the class)."""
+        if last_batch_iteration is not None and last_batch_iteration != self.last_batch_iteration:
+            raise NotImplementedError(
+                f"lr_scheduler.step({last_batch_iteration}): the engine runs the config's "
+                f"{self.type} schedule and advances it in engine.step(); moving it to another "
+                "iteration is not supported")
+        if not self._warned_step:
+            self._warned_step = True
+            warnings.warn(
+                f"lr_scheduler.step(): the config's {self.type} schedule is advanced by "
+                "engine.step() after each optimizer step; this call does nothing (with DeepSpeed "
+                "it would advance the schedule a second time)", stacklevel=2)
+
+    def state_dict(self) -> dict:
+        return {"last_batch_iteration": self.last_batch_iteration}
+
+    def load_state_dict(self, state: dict):
+        if int(state["last_batch_iteration"]) != self.last_batch_iteration:
+            raise ValueError(
+                f"lr_scheduler.load_state_dict: last_batch_iteration "
+                f"{state['last_batch_iteration']} differs from the engine's "
+                f"{self.last_batch_iteration}; the engine's schedule is restored with its "
+                "checkpoint, by engine.load_checkpoint()")
+
+    def _advance(self, skipped: bool):
+        if not skipped:
+            self.last_batch_iteration += 1
+
+
 class ZinfEngine(nn.Module):
     """A model trained by zinf: call it as the model, then backward(loss) and step()."""
 
@@ -218,12 +299,15 @@ class ZinfEngine(nn.Module):
         super().__init__()
         self.module = model
         self._config = config
-        # DeepSpeed creates the swap directories it is given; so do we.
-        zero = config.get("zero_optimization", {})
-        for key in ("offload_optimizer", "offload_param"):
-            section = zero.get(key) or {}
-            if section.get("device") == "nvme" and section.get("nvme_path"):
-                os.makedirs(section["nvme_path"], exist_ok=True)
+        # DeepSpeed creates the swap directories it is given, silently; so do we. This runs before
+        # the engine validates the config, so it skips whatever does not have the expected type
+        # and leaves a directory it cannot create: the engine's validation then reports that key
+        # (and the directory's creation error) by name.
+        for path in _torch_init.nvme_paths(config):
+            try:
+                os.makedirs(path, exist_ok=True)
+            except OSError:
+                pass
         # step() applies the optimizer after exactly gradient_accumulation_steps backward calls
         # (1 where the config has none, or the engine's derivation from a numeric
         # train_batch_size, as DeepSpeed's), so the engine may trust the count from the first
@@ -238,7 +322,9 @@ class ZinfEngine(nn.Module):
         self.world_size = self._core.world_size
         resolved = json.loads(self._core.config_json())
         self.stage = int(resolved["zero_optimization"]["stage"])
-        self.gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
+        self._gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
+        self._micro_batch_size = int(resolved["train_micro_batch_size_per_gpu"])
+        self.local_rank = _local_rank()
         self.dtype_name = _compute_dtype(config)
         self.dtype = _TORCH_DTYPES[self.dtype_name]
         self.global_steps = 0
@@ -280,9 +366,16 @@ class ZinfEngine(nn.Module):
                     f"({resolved['scheduler'].get('type')}) and an lr_scheduler were both "
                     "given; pass one of them")
             self._show_engine_lr()
+            lr_scheduler = ConfigLRScheduler(self, resolved["scheduler"])
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_scheduler = lr_scheduler
+        # Gradients were reduced since the last step (GatheredParameters refuses writes then).
+        self._grads_pending = False
+        # engine.backward() is running; else a gradient the hooks see came from another
+        # backward, whose first parameter is kept here until step() or backward() reports it.
+        self._in_backward = False
+        self._stray_gradient: str | None = None
         self._install_hooks()
 
     # ---- registration -------------------------------------------------------------------------
@@ -459,7 +552,9 @@ class ZinfEngine(nn.Module):
     def _post_forward(self, module, inputs, output):
         for engine_module in self._modules_needed(module):
             self._release(engine_module)
-        if not (torch.is_grad_enabled() and self.training):
+        # Whether autograd records this forward decides, not the training flag: a model in
+        # eval mode (dropout off) may be trained too, and its backward needs the gather.
+        if not torch.is_grad_enabled():
             return output
 
         def wrap(tensors):
@@ -475,6 +570,14 @@ class ZinfEngine(nn.Module):
         return _map_tensors(output, wrap)
 
     def _gather_for_backward(self, module: nn.Module):
+        if not self._in_backward:
+            # loss.backward() instead of engine.backward(loss): stopped here, before it gathers
+            # anything, so the engine's state stays as it was.
+            name = self._names[id(self._uses[module][0])]
+            raise Error(
+                f"failed_precondition: the backward reached parameter '{name}' without "
+                "engine.backward() (loss.backward()?); call engine.backward(loss) instead of "
+                "loss.backward(): it scales the loss and hands every gradient to the engine")
         for engine_module in self._modules_needed(module):
             self._acquire(engine_module)
         self._backward_holds[module] = self._backward_holds.get(module, 0) + 1
@@ -506,6 +609,13 @@ class ZinfEngine(nn.Module):
 
     def _grad_ready(self, param: nn.Parameter):
         pid = id(param)
+        if not self._in_backward:
+            # A backward engine.backward() did not run: the gradient is dropped and reported by
+            # the next step() or backward().
+            if self._stray_gradient is None:
+                self._stray_gradient = self._names[pid]
+            param.grad = None
+            return
         if pid in self._accumulated:
             return  # a second accumulation in one backward (retain_graph): reduced at the end
         self._accumulated.add(pid)
@@ -531,6 +641,7 @@ class ZinfEngine(nn.Module):
                 grad = torch.zeros(self._shapes[id(param)], dtype=self.dtype)
             names.append(self._names[id(param)])
             grads.append(grad.detach().contiguous())
+        self._grads_pending = True
         self._core.reduce_gradients(engine_module, names, grads)
         for param in self._owned[engine_module]:
             param.grad = None
@@ -581,25 +692,62 @@ class ZinfEngine(nn.Module):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
         scale = self._core.loss_scale
         with self._aborting_on_error("backward"):
+            self._refuse_stray_backward("backward")
             # A rate torch's scheduler (or the caller) set since the last step reaches the engine
             # before the backward: with the overlapped step updating during the backward (no
             # clipping), the step's optimizer pass begins in it.
             self._push_lr()
-            (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
-            self._finish_backward()
+            self._in_backward = True
+            try:
+                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+                self._finish_backward()
+            finally:
+                self._in_backward = False
         self.micro_steps += 1
         return loss
 
+    def _refuse_stray_backward(self, call: str):
+        """Raises when autograd produced gradients of the model's parameters in a backward that
+        engine.backward() did not run (loss.backward()): the engine never received them, so the
+        step would run without them. Their gradients were dropped as they came, so the engine's
+        state is as it was before that backward, and training may go on after the error."""
+        name = self._stray_gradient
+        if name is None:
+            return
+        self._stray_gradient = None
+        raise Error(
+            f"failed_precondition: {call}: the gradient of parameter '{name}' came from a backward "
+            "that engine.backward() did not run (loss.backward()?); call engine.backward(loss) "
+            "instead of loss.backward(): it scales the loss and hands every gradient to the "
+            "engine. That backward's gradients were dropped")
+
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps % self.gradient_accumulation_steps == 0
+        return self.micro_steps % self._gradient_accumulation_steps == 0
+
+    def gradient_accumulation_steps(self) -> int:
+        """The backward calls per optimizer step (DeepSpeed's engine method)."""
+        return self._gradient_accumulation_steps
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        """The config's micro-batch size: one backward's batch on one rank."""
+        return self._micro_batch_size
+
+    def train_batch_size(self) -> int:
+        """The samples of one optimizer step over all ranks: micro-batch size x
+        gradient_accumulation_steps x world size, as DeepSpeed's."""
+        return self._micro_batch_size * self._gradient_accumulation_steps * self.world_size
 
     def step(self):
         """Applies the optimizer when gradient_accumulation_steps micro-batches were reduced since
-        the last step (else does nothing, as DeepSpeed's engine.step())."""
+        the last step (else does nothing, as DeepSpeed's engine.step()), then steps the
+        lr_scheduler given to initialize() (the config's schedule advances inside the engine)."""
+        with self._aborting_on_error("step"):
+            self._refuse_stray_backward("step")
         if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
             return
         self.optimizer.step()
-        if self.lr_scheduler is not None:
+        if self.lr_scheduler is not None and not isinstance(self.lr_scheduler,
+                                                            ConfigLRScheduler):
             self.lr_scheduler.step()
 
     def _scheduled_lr(self) -> float:
@@ -626,10 +774,16 @@ class ZinfEngine(nn.Module):
                 self._lr_pushed = lr
 
     def _apply_step(self):
+        with self._aborting_on_error("step"):
+            # optimizer.step() called directly reaches here without engine.step()'s check.
+            self._refuse_stray_backward("step")
         self._push_lr()
         with self._aborting_on_error("step"):
             self.last_step_report = self._core.step()
         self.global_steps += 1
+        self._grads_pending = False
+        if isinstance(self.lr_scheduler, ConfigLRScheduler):
+            self.lr_scheduler._advance(skipped=bool(self.last_step_report.get("skipped")))
         if self._lrs_shown is not None:
             self._show_engine_lr()
         self._refresh_views()
@@ -728,10 +882,19 @@ class ZinfEngine(nn.Module):
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, **_ignored):
         """Loads <load_dir>/<tag> (default: the tag in <load_dir>/latest). Returns (path,
-        client_state), or (None, None) when there is no latest tag, as DeepSpeed does."""
+        client_state), or (None, None) with a warning naming the path when there is no latest
+        tag, as DeepSpeed does."""
         if tag is None:
             latest = os.path.join(load_dir, "latest")
-            if not os.path.exists(latest):
+            if not os.path.isfile(latest):
+                if not os.path.exists(load_dir):
+                    why = "the directory does not exist"
+                elif not os.path.isdir(load_dir):
+                    why = "it is not a directory"
+                else:
+                    why = f"it has no file 'latest' (save_checkpoint writes {latest})"
+                warnings.warn(f"load_checkpoint: nothing loaded from '{load_dir}': {why}; pass "
+                              "tag= to load a checkpoint by its tag", stacklevel=2)
                 return None, None
             with open(latest) as f:
                 tag = f.read().strip()
@@ -751,7 +914,14 @@ class ZinfEngine(nn.Module):
             # from the engine's schedule for good (and with it the updates during the backward).
             if self._lr_pushed != self._core.learning_rate:
                 self._core.set_learning_rate(self._lr_pushed)
-        if self.lr_scheduler is not None and "lr_scheduler" in state:
+        if isinstance(self.lr_scheduler, ConfigLRScheduler):
+            # The engine's place in the schedule came back with the checkpoint; the count
+            # follows it (from the steps taken where the checkpoint does not carry it).
+            saved = state.get("lr_scheduler", {}).get("last_batch_iteration")
+            self.lr_scheduler.last_batch_iteration = (
+                int(saved) if saved is not None
+                else self.lr_scheduler._first_iteration + self.global_steps)
+        elif self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._refresh_views()
         return path, state["client_state"]
@@ -782,7 +952,8 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     lr_scheduler: a torch LR scheduler over the returned optimizer, or a callable that makes one
         from it; stepped after each optimizer step. Or the config's "scheduler" section (not
         both): the engine runs that schedule, and the optimizer's param_groups "lr"s (and
-        engine.get_lr()) show the rate of the next step after each step.
+        engine.get_lr()) show the rate of the next step after each step; the lr_scheduler
+        returned is then a ConfigLRScheduler reporting it.
     training_data: a torch Dataset; a DataLoader over it with train_micro_batch_size_per_gpu is
         returned.
     comm: "local" (one process) or "mpi" (one rank per process of an mpirun job); by default
