@@ -405,11 +405,11 @@ class Engine::Impl {
         overlap_->cancel();
         return fail(Status::failed_precondition(fmt::format(
             "reduce_gradients('{}'): more than gradient_accumulation_steps ({}) micro-batches "
-            "since the last step; the optimizer step {} began updating with the {}th "
-            "(zinf.overlap_step: docs/ENGINE.md \"Updates during the backward\"): "
-            "call step() after every gradient_accumulation_steps micro-batches",
+            "since the last step; the optimizer step {} began updating in the backward of "
+            "micro-batch {} of {} (zinf.overlap_step: docs/ENGINE.md \"Updates during the "
+            "backward\"): call step() after every gradient_accumulation_steps micro-batches",
             module, config_.gradient_accumulation_steps, overlap_->pass_step(),
-            config_.gradient_accumulation_steps)));
+            config_.gradient_accumulation_steps, config_.gradient_accumulation_steps)));
       } else {
         // The reductions before this one have run (the backward's compute in between hid them).
         ZINF_RETURN_IF_ERROR(confirm_final());
