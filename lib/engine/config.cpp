@@ -485,24 +485,35 @@ Status resolve_batch_sizes(int world_size, Config* config) {
   // DeepSpeed derives the missing count by floor division and then checks the product, so a
   // train_batch_size that the others do not divide is refused, not rounded.
   auto divide = [](std::size_t a, std::size_t b) { return b == 0 ? 0 : a / b; };
+  // Which count was derived, for the message.
+  std::string_view derived;
   if (c.train_micro_batch_given && !c.gradient_accumulation_given) {
     c.gradient_accumulation_steps =
         divide(divide(c.train_batch_size, c.train_micro_batch_size_per_gpu), world);
+    derived = "gradient_accumulation_steps";
   } else if (!c.train_micro_batch_given && c.gradient_accumulation_given) {
     c.train_micro_batch_size_per_gpu =
         divide(divide(c.train_batch_size, world), c.gradient_accumulation_steps);
+    derived = "train_micro_batch_size_per_gpu";
   } else if (!c.train_micro_batch_given) {
     c.gradient_accumulation_steps = 1;
     c.train_micro_batch_size_per_gpu = divide(c.train_batch_size, world);
+    derived = "train_micro_batch_size_per_gpu";
   }
   const std::size_t product =
       c.train_micro_batch_size_per_gpu * c.gradient_accumulation_steps * world;
   if (product != c.train_batch_size) {
+    const std::string how = derived.empty()
+                                ? std::string()
+                                : fmt::format(
+                                      "; {} was derived from the others, rounded down as "
+                                      "DeepSpeed does: give a train_batch_size they divide",
+                                      derived);
     return invalid("train_batch_size",
                    fmt::format("{} is not train_micro_batch_size_per_gpu {} x "
-                               "gradient_accumulation_steps {} x {} ranks ({})",
+                               "gradient_accumulation_steps {} x {} ranks ({}){}",
                                c.train_batch_size, c.train_micro_batch_size_per_gpu,
-                               c.gradient_accumulation_steps, world_size, product));
+                               c.gradient_accumulation_steps, world_size, product, how));
   }
   c.train_micro_batch_given = true;
   c.gradient_accumulation_given = true;

@@ -482,7 +482,8 @@ TEST(Config, BatchSizesFollowDeepSpeedsArithmetic) {
            "zinf": {"world_size": 4}})",
        "train_batch_size",
        "30 is not train_micro_batch_size_per_gpu 4 x "
-       "gradient_accumulation_steps 1 x 4 ranks"},
+       "gradient_accumulation_steps 1 x 4 ranks (16); gradient_accumulation_steps was derived "
+       "from the others, rounded down as DeepSpeed does"},
       {R"({"train_batch_size": 2, "zinf": {"world_size": 4}})", "train_batch_size",
        "2 is not train_micro_batch_size_per_gpu 0"},
   };
