@@ -178,6 +178,32 @@ Status ParameterLayout::check_ranks_agree(int rank, int world, RankExchange& exc
                       all[0], r, all[2 * r]));
     }
   }
+  // An option the engine derives from each rank's config (it also orders the parameters, so it
+  // is compared first). Every rank reached this exchange (each saw the same fingerprints), so it
+  // is collective.
+  const PartitionerOptions& o = part_->options();
+  const std::pair<const char*, std::uint64_t> options[] = {
+      {"world size", static_cast<std::uint64_t>(o.world_size)},
+      {"zero_optimization.stage", static_cast<std::uint64_t>(o.stage)},
+      {"alignment elements", o.alignment_elements},
+      {"parameter alignment elements", o.param_alignment_elements},
+      {"zinf.group_max_elements", o.group_max_elements},
+      {"groups by module", o.group_by_module ? 1u : 0u},
+  };
+  constexpr std::size_t kOptions = std::size(options);
+  std::uint64_t values[kOptions];
+  for (std::size_t i = 0; i < kOptions; ++i) values[i] = options[i].second;
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> theirs, exchange.exchange(values, kOptions));
+  for (int r = 1; r < world; ++r) {
+    for (std::size_t i = 0; i < kOptions; ++i) {
+      if (theirs[r * kOptions + i] != theirs[i]) {
+        return Status::invalid_argument(fmt::format(
+            "finalize: ranks configured the parameters differently: {} is {} on rank 0 and {} on "
+            "rank {}",
+            options[i].first, theirs[i], theirs[r * kOptions + i], r));
+      }
+    }
+  }
   std::vector<std::uint64_t> hashes(count);
   for (ParamId id = 0; id < count; ++id) {
     const ParamSpec& s = part_->spec(id);

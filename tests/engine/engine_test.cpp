@@ -481,6 +481,29 @@ TEST(EngineBadInput, RanksRegisteringDifferentShapesFailOnEveryRankNamingThePara
   }
 }
 
+// Ranks given configs with different stages (one config file per process, mistyped): finalize
+// names the option and both values on every rank.
+TEST(EngineBadInput, RanksWithDifferentStagesNameTheStage) {
+  const int world = 2;
+  const Model model = engine_test::make_model(DType::kF32, 63);
+  engine_test::Ranks ranks = engine_test::make_ranks(world);
+  std::vector<Status> errors(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    const Config config = engine_test::small_config(rank == 0 ? 2 : 3, OffloadDevice::kNone,
+                                                    OffloadDevice::kNone, "");
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    errors[static_cast<std::size_t>(rank)] = engine->finalize();
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (const Status& e : errors) {
+    EXPECT_EQ(e.code(), Code::kInvalidArgument) << e.to_string();
+    EXPECT_TRUE(contains(e, "zero_optimization.stage is 2 on rank 0 and 3 on rank 1"))
+        << e.to_string();
+  }
+}
+
 TEST(EngineBadInput, RanksRegisteringDifferentCountsFail) {
   const int world = 2;
   const Model model = engine_test::make_model(DType::kF32, 62);
