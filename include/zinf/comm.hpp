@@ -117,6 +117,10 @@ class Communicator {
   virtual void abort(Status reason) = 0;
   // OK, or the error that aborted this communicator.
   virtual Status status() const = 0;
+  // How long a collective waits for the other ranks once this rank reached it (the options'
+  // timeout it was made with); kWaitForever where only wait()'s own timeout bounds it (NCCL).
+  // Engine::open warns when it differs from zinf.collective_timeout_ms.
+  virtual std::chrono::milliseconds collective_timeout() const = 0;
 
   // recv[r * element_count + i] = send_of_rank_r[i] on every rank.
   // In place: send == recv + rank() * element_count.

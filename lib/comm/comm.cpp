@@ -30,7 +30,6 @@ std::string_view collective_kind_name(CollectiveKind kind) {
   return "unknown";
 }
 
-
 // The constructors of backends this build leaves out: kUnsupported naming the build option.
 #if !defined(ZINF_HAVE_MPI)
 Result<std::unique_ptr<Communicator>> make_mpi_comm(Device&, const MpiCommOptions&) {

@@ -140,6 +140,7 @@ class LocalComm final : public Communicator {
   Status wait(Event& event, std::chrono::milliseconds timeout) override;
   void abort(Status reason) override;
   Status status() const override { return group_->error(); }
+  std::chrono::milliseconds collective_timeout() const override { return group_->timeout(); }
 
  private:
   std::shared_ptr<LocalGroup> group_;

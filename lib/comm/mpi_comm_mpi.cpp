@@ -187,6 +187,8 @@ class MpiComm final : public Communicator {
   }
   ~MpiComm() override { close(); }
 
+  std::chrono::milliseconds collective_timeout() const override { return options_.timeout; }
+
   Status open(MPI_Comm parent) {
     ZINF_RETURN_IF_ERROR(
         status_from_mpi("make_mpi_comm: MPI_Comm_rank", MPI_Comm_rank(parent, &rank_)));

@@ -273,6 +273,8 @@ class NcclComm final : public Communicator {
     std::lock_guard<std::mutex> lock(mu_);
     return error_;
   }
+  // NCCL's collectives have no deadline of their own: wait() polls them against its timeout.
+  std::chrono::milliseconds collective_timeout() const override { return kWaitForever; }
 
  private:
   Status aborted_status(std::string_view what, std::string_view tensor) const {

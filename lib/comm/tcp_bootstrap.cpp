@@ -210,8 +210,8 @@ Result<std::vector<std::byte>> serve(const LaunchEnv& env, std::span<const std::
     for (std::size_t i = 0; i < pending.size(); ++i) {
       if (polled[i + 1].revents == 0) continue;
       Pending& p = pending[i];
-      const ssize_t n = ::recv(p.fd.get(), p.hello.data() + p.got_bytes,
-                               kTcpHelloBytes - p.got_bytes, 0);
+      const ssize_t n =
+          ::recv(p.fd.get(), p.hello.data() + p.got_bytes, kTcpHelloBytes - p.got_bytes, 0);
       if (n < 0 && (errno == EINTR || errno == EAGAIN || errno == EWOULDBLOCK)) continue;
       if (n <= 0) {
         p.fd.reset();  // hung up or failed before its hello: not one of ours
@@ -335,8 +335,8 @@ Result<std::vector<std::byte>> join(const LaunchEnv& env, std::chrono::milliseco
     std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetry, deadline - Clock::now()));
   }
 
-  const auto hello = encode_tcp_hello({static_cast<std::uint32_t>(env.rank),
-                                       static_cast<std::uint32_t>(env.world_size)});
+  const auto hello = encode_tcp_hello(
+      {static_cast<std::uint32_t>(env.rank), static_cast<std::uint32_t>(env.world_size)});
   ZINF_RETURN_IF_ERROR(
       send_all(conn.get(), hello.data(), hello.size(), deadline, "tcp bootstrap: hello"));
 

@@ -950,6 +950,18 @@ Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& en
         fmt::format("zinf.world_size: {} but the communicator has {} ranks", config.world_size,
                     env.comm->world_size()));
   }
+  // The communicator bounds each collective by its own timeout, the engine its waits by the
+  // config's: with two values the smaller decides where a rank stalls, and only the
+  // communicator's names the collective and the ranks missing.
+  const std::chrono::milliseconds comm_timeout = env.comm->collective_timeout();
+  if (env.comm->rank() == 0 && comm_timeout != kWaitForever &&
+      comm_timeout.count() != config.collective_timeout_ms) {
+    log_warn(
+        "zinf.collective_timeout_ms is {} ms, but the communicator ({}) was made with a "
+        "collective timeout of {} ms (MpiCommOptions / LocalCommOptions::timeout): a stalled "
+        "rank fails the job after the smaller; give both the same value",
+        config.collective_timeout_ms, env.comm->name(), comm_timeout.count());
+  }
   // DeepSpeed's batch arithmetic at the communicator's world size (a no-op where parse_config()
   // resolved it at zinf.world_size, or without train_batch_size).
   Config resolved = config;

@@ -955,6 +955,30 @@ TEST(EngineNvmePath, AMissingDirectoryIsCreatedWithItsParentsAndLogged) {
   EXPECT_TRUE(engine_test::train_rank(**engine, model, 0, o, nullptr, nullptr).is_ok());
 }
 
+// A communicator made with another collective timeout than zinf.collective_timeout_ms: open
+// warns (once, rank 0), naming both values; with the same value it says nothing.
+TEST(EngineOpen, ACommunicatorTimeoutOtherThanTheConfigsIsWarned) {
+  for (const auto comm_timeout :
+       {std::chrono::milliseconds(7'000), std::chrono::milliseconds(30'000)}) {
+    engine_test::Ranks ranks = engine_test::make_ranks(1, comm_timeout);
+    const Config config =
+        engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+    ASSERT_EQ(config.collective_timeout_ms, 30'000);
+    ::testing::internal::CaptureStderr();
+    Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+    const std::string log = ::testing::internal::GetCapturedStderr();
+    ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+    if (comm_timeout.count() == config.collective_timeout_ms) {
+      EXPECT_EQ(log.find("collective_timeout"), std::string::npos) << log;
+    } else {
+      EXPECT_NE(log.find("zinf.collective_timeout_ms is 30000 ms, but the communicator (local rank "
+                         "0 of 1) was made with a collective timeout of 7000 ms"),
+                std::string::npos)
+          << log;
+    }
+  }
+}
+
 TEST(EngineNvmePath, AnExistingDirectoryIsNotReportedAsCreated) {
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   engine_test::ScratchDir dir("nvme-exists");
