@@ -82,14 +82,16 @@ Status Publisher::write_group_part(std::uint32_t g, std::size_t first, std::size
 void Publisher::begin_pass() {
   std::lock_guard<std::mutex> lock(mu_);
   in_pass_ = true;
+  pass_error_ = Status::ok();
   written_.assign(layout_.group_count(), 0);
 }
 
-void Publisher::end_pass(bool ok) {
+void Publisher::end_pass(Status outcome) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     in_pass_ = false;
-    pass_ok_ = ok;
+    pass_ok_ = outcome.is_ok();
+    pass_error_ = std::move(outcome);
   }
   written_cv_.notify_all();
 }

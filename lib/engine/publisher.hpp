@@ -106,8 +106,11 @@ class Publisher {
   std::condition_variable& written_cv() { return written_cv_; }
   // A pass starts: no group of it is written yet. REQUIRES: mutex() not held.
   void begin_pass();
-  // The pass is over, every group written when `ok`: nobody waits for it any more.
-  void end_pass(bool ok);
+  // The pass is over, every group written when `outcome` is OK: nobody waits for it any more.
+  void end_pass(Status outcome);
+  // REQUIRES: mutex() held. The last pass's error (OK while one runs, or after one that ended
+  // well): what a gather or a reduction that found its groups unwritten reports as the cause.
+  const Status& pass_error() const { return pass_error_; }
   // REQUIRES: mutex() held. Group g of the current pass is written, or the last pass ended well.
   bool written(std::uint32_t g) const {
     return (g < written_.size() && written_[g] != 0) || (!in_pass_ && pass_ok_);
@@ -141,6 +144,7 @@ class Publisher {
   std::condition_variable written_cv_;
   bool in_pass_ = false;  // guarded by mu_
   bool pass_ok_ = true;   // the last pass wrote every group, guarded by mu_
+  Status pass_error_;     // its error, guarded by mu_
   // Per group, 1 once the pass wrote it, guarded by mu_.
   std::vector<std::uint8_t> written_;
 };

@@ -85,9 +85,9 @@ Status OverlappedStep::await_module(std::size_t m) {
     }
     if (!in()) {
       // The pass failed before it wrote this module: its error is the gather's.
-      return Status::aborted(
-          fmt::format("gather('{}'): the optimizer step failed before its parameters were written",
-                      parts_.layout->module_names()[m]));
+      return Status::aborted(fmt::format(
+          "gather('{}'): the optimizer step failed before its parameters were written: {}",
+          parts_.layout->module_names()[m], pub.pass_error().to_string()));
     }
   }
   // The persistent groups by the flags start() reset, which every rank's calls move alike (a
@@ -137,7 +137,8 @@ Status OverlappedStep::clear_grads(std::span<const std::uint32_t> groups) {
       }
       if (!pub.written(g)) {
         return Status::aborted(fmt::format(
-            "reduce_gradients: the optimizer step failed before it read group {}'s gradients", g));
+            "reduce_gradients: the optimizer step failed before it read group {}'s gradients: {}",
+            g, pub.pass_error().to_string()));
       }
     }
     // The pass is past g: its gradients were read, and nothing else of the pass touches them.
@@ -292,7 +293,7 @@ Status OverlappedStep::run_pass(void* user) {
                             self->pass_scale_, self->pass_start_ns_, /*overlapped=*/true,
                             self->pass_report_, self->pass_gated_ ? &gate : nullptr);
   self->pass_end_ns_ = Trace::now_ns();
-  p.publisher->end_pass(st.is_ok());
+  p.publisher->end_pass(st);
   return st;
 }
 

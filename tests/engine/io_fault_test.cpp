@@ -33,6 +33,8 @@ struct FaultSetup {
   int stage = 2;
   OffloadDevice params = OffloadDevice::kNone;
   DType dtype = DType::kF32;
+  bool overlap = false;  // zinf.overlap_step: the pass runs behind the next forward
+  int last_step = 2;     // faults on from step 2 to this one
 };
 FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name,
                          const FaultSetup& setup = {}) {
@@ -43,7 +45,7 @@ FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name,
   config.io_timeouts_max = 2;
   // The fault's error is asserted at the step() that meets it: the sequential step. (Overlapped,
   // the pass's error comes back from the next call instead, the same Status, sticky.)
-  config.overlap_step = false;
+  config.overlap_step = setup.overlap;
   const Model model = engine_test::make_model(setup.dtype, 4242);
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   auto faults = std::make_shared<FaultInjector>(spec);
@@ -64,7 +66,7 @@ FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name,
   EXPECT_TRUE(st.is_ok()) << st.to_string();
   faults->set_enabled(true);
   options.first_step = 2;
-  options.steps = 2;
+  options.steps = setup.last_step;
   const auto start = std::chrono::steady_clock::now();
   run.first_step = engine_test::train_rank(**engine, model, 0, options, nullptr, &reports);
   run.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -102,6 +104,28 @@ TEST(EngineIoFault, AFailedReadIsAnIoErrorNamingTheExtentAndSticks) {
   EXPECT_NE(run.first_step.message().find("rank0/opt/group"), std::string::npos)
       << run.first_step.to_string();
   EXPECT_EQ(run.later_call.code(), Code::kIoError) << run.later_call.to_string();
+}
+
+// Overlapped, the pass that fails runs behind the next forward: the gather that finds its module
+// unwritten fails with the pass's own error (the extent, the errno), not only "the step failed".
+TEST(EngineIoFault, AFailedReadOfAnOverlappedPassIsTheNextGathersErrorNamingTheExtent) {
+  FaultSpec spec;
+  spec.seed = 11;
+  spec.eio_rate = 1.0;
+  spec.writes = false;
+  FaultSetup setup;
+  setup.stage = 3;
+  setup.overlap = true;
+  setup.last_step = 3;
+  setup.params = OffloadDevice::kNvme;
+  setup.dtype = DType::kBF16;
+  const FaultRun run = run_with_faults(spec, "io_fault_eio_overlap", setup);
+  EXPECT_GT(run.counts.eio, 0u);
+  EXPECT_FALSE(run.first_step.is_ok());
+  EXPECT_NE(run.first_step.message().find("rank0/opt/group"), std::string::npos)
+      << run.first_step.to_string();
+  EXPECT_NE(run.first_step.to_string().find("io_error"), std::string::npos)
+      << run.first_step.to_string();
 }
 
 TEST(EngineIoFault, AFailedWriteWhileTheHalfOutputStreamsIntoNvmeShardsSticks) {
