@@ -11,6 +11,7 @@
 // tensors out in name order (the header's keys are sorted too).
 #include <fmt/format.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -143,7 +144,43 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   Result<std::string> latest = read_latest_tag(*io, dir);
   out["latest"] = latest.is_ok() ? nlohmann::json(*latest) : nlohmann::json(nullptr);
   const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir);
-  if (manifests.empty() && !latest.is_ok()) {
+  // What a load would refuse or a user should know: a `latest` that cannot be read or names no
+  // complete tag, tag directories whose manifest does not read, saves cut short.
+  nlohmann::json problems = nlohmann::json::array();
+  std::error_code ec;
+  const bool has_latest_file = std::filesystem::exists(fmt::format("{}/latest", dir), ec);
+  if (has_latest_file && !latest.is_ok()) {
+    problems.push_back(std::string(latest.status().message()));
+  } else if (latest.is_ok() &&
+             std::none_of(manifests.begin(), manifests.end(),
+                          [&](const CheckpointManifest& m) { return m.tag == *latest; })) {
+    problems.push_back(fmt::format(
+        "'{}/latest' names tag '{}', which is not a complete checkpoint here", dir, *latest));
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!entry.is_directory(ec)) continue;
+    if (name.size() > 5 && name[0] == '.' && name.ends_with(".tmp")) {
+      problems.push_back(
+          fmt::format("'{}': a save cut short (the next save into this directory removes it)",
+                      entry.path().string()));
+      continue;
+    }
+    if (!check_checkpoint_tag(name).is_ok() ||
+        std::any_of(manifests.begin(), manifests.end(),
+                    [&](const CheckpointManifest& m) { return m.tag == name; })) {
+      continue;
+    }
+    const std::string path = fmt::format("{}/{}/{}", dir, name, kCheckpointManifest);
+    Result<std::string> text = read_text_file(*io, path);
+    Result<CheckpointManifest> m = text.is_ok() ? parse_checkpoint_manifest(*text, path)
+                                                : Result<CheckpointManifest>(text.status());
+    problems.push_back(fmt::format("tag '{}' is not a complete checkpoint: {}", name,
+                                   m.is_ok() ? fmt::format("its manifest names tag '{}'", m->tag)
+                                             : std::string(m.status().message())));
+  }
+  out["problems"] = problems;
+  if (manifests.empty() && !latest.is_ok() && problems.empty()) {
     // Nothing to list: a mistyped path, or a save that never finished.
     std::error_code ec;
     if (!std::filesystem::is_directory(dir, ec)) {
@@ -165,8 +202,20 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     std::string checksums = "not verified";
     if (verify) {
       OpenTag t;
-      const Status st = open_tag(*io, dir, m.tag, &t);
-      checksums = st.is_ok() ? "ok" : st.message();
+      Status st = open_tag(*io, dir, m.tag, &t);
+      // The client state too, as a load checks it.
+      for (const ManifestFile& f : m.client_state) {
+        if (!st.is_ok()) break;
+        const std::string path = fmt::format("{}/{}/{}", dir, m.tag, f.file);
+        Result<std::string> blob = read_text_file(*io, path);
+        if (!blob.is_ok()) {
+          st = blob.status();
+        } else if (blob->size() != f.bytes || XXH3_64bits(blob->data(), blob->size()) != f.xxh3) {
+          st = Status::corruption(
+              fmt::format("'{}' does not match its size and checksum in the manifest", path));
+        }
+      }
+      checksums = st.is_ok() ? "ok" : std::string(st.message());
     }
     tags.push_back({{"tag", m.tag},
                     {"step", m.resume.step},

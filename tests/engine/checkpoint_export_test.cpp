@@ -43,6 +43,7 @@ std::map<std::string, std::vector<float>> save_two_ranks(const Model& model,
     engine_test::TrainOptions options;
     options.steps = 3;
     ZINF_RETURN_IF_ERROR(engine_test::train_rank(*e, model, rank, options, nullptr, nullptr));
+    e->set_client_state("a data loader's position: epoch 3, batch 1234");
     ZINF_RETURN_IF_ERROR(e->save_checkpoint(dir, "t"));
     for (const engine_test::ParamDef& d : model.params) {
       std::vector<float> values(d.element_count());
@@ -202,6 +203,34 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
   ASSERT_TRUE(info.is_ok());
   const std::string checksums = (*info)["tags"][0]["checksums"];
   EXPECT_NE(checksums.find(victim), std::string::npos) << checksums;
+  bytes[5000] = static_cast<char>(bytes[5000] ^ 4);  // mended
+  std::ofstream(victim, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
+  // What a load would refuse, each named in `problems`: the client state changed; a copy of the
+  // tag whose manifest does not parse; a save cut short; `latest` naming a tag that is not there.
+  {
+    const std::string client = dir + "/t/client_state.bin";
+    ASSERT_TRUE(std::filesystem::exists(client));
+    std::string blob = engine_test::read_file(client);
+    blob[3] = static_cast<char>(blob[3] ^ 1);
+    std::ofstream(client, std::ios::binary | std::ios::trunc) << blob;
+    info = inspect_checkpoints(dir, true);
+    ASSERT_TRUE(info.is_ok());
+    const std::string c = (*info)["tags"][0]["checksums"];
+    EXPECT_NE(c.find("client_state.bin' does not match"), std::string::npos) << c;
+    std::filesystem::create_directories(dir + "/u");
+    std::ofstream(dir + "/u/manifest.json") << "{ not json";
+    std::filesystem::create_directories(dir + "/.v.tmp");
+    std::ofstream(dir + "/latest", std::ios::trunc) << "w";
+    info = inspect_checkpoints(dir, true);
+    ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+    const std::string problems = (*info)["problems"].dump();
+    EXPECT_EQ((*info)["problems"].size(), 3u) << problems;
+    EXPECT_NE(problems.find("names tag 'w', which is not a complete checkpoint"), std::string::npos)
+        << problems;
+    EXPECT_NE(problems.find("tag 'u' is not a complete checkpoint"), std::string::npos) << problems;
+    EXPECT_NE(problems.find(".v.tmp': a save cut short"), std::string::npos) << problems;
+  }
   // A directory with no checkpoint, and no directory at all: kNotFound naming the path.
   const std::string empty = scratch.path() + "/empty";
   std::filesystem::create_directories(empty);

@@ -1,6 +1,9 @@
 // zinf ckpt: checkpoints outside a training job.
 //   zinf ckpt inspect DIR [--json] [--no-verify]   the tags, world size, stage, parameters,
-//                                                   sizes and whether every checksum matches
+//                                                   sizes and whether every checksum matches;
+//                                                   problems (a `latest` that names no complete
+//                                                   tag, a tag whose manifest does not read, a
+//                                                   save cut short) below; exit 1 on any
 //   zinf ckpt export DIR [--tag T] --out FILE [--dtype fp32|bf16]
 //                                                   every parameter's full fp32 master (from
 //                                                   any world size) as one safetensors file
@@ -8,6 +11,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "command.hpp"
 #include "engine/checkpoint.hpp"
@@ -31,9 +35,14 @@ void run_inspect(const InspectOptions& o) {
   Table table(
       {"tag", "step", "world", "stage", "optimizer", "params", "elements", "bytes", "checksums"});
   bool all_ok = true;
+  std::vector<std::string> notes;  // each problem in full, below the table
   for (const nlohmann::json& t : j["tags"]) {
-    const std::string checksums = t["checksums"].get<std::string>();
-    all_ok = all_ok && (checksums == "ok" || o.no_verify);
+    std::string checksums = t["checksums"].get<std::string>();
+    if (checksums != "ok" && !o.no_verify) {
+      all_ok = false;
+      notes.push_back(fmt::format("tag {}: {}", t["tag"].get<std::string>(), checksums));
+      checksums = "FAILED (below)";
+    }
     table.add_row({t["tag"].get<std::string>(), std::to_string(t["step"].get<std::int64_t>()),
                    std::to_string(t["world_size"].get<int>()),
                    std::to_string(t["stage"].get<int>()), t["optimizer"].get<std::string>(),
@@ -42,6 +51,9 @@ void run_inspect(const InspectOptions& o) {
                    format_bytes(t["bytes"].get<double>()), checksums});
   }
   table.print();
+  for (const nlohmann::json& p : j["problems"]) notes.push_back(p.get<std::string>());
+  all_ok = all_ok && j["problems"].empty();
+  for (const std::string& note : notes) fmt::print("problem: {}\n", note);
   if (!all_ok) set_exit_code(1);
 }
 
