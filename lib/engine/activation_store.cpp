@@ -115,7 +115,7 @@ struct ActivationStore::Impl {
     so.capacity_bytes =
         round_up(std::max<std::uint64_t>(options.nvme_bytes, 1), options.aio_block_bytes);
     so.max_op_bytes = options.staging_bytes;
-    so.file_name = fmt::format("zinf-activations-{{pid}}-rank{}.bin", options.rank);
+    so.file_name = swap_file_name("activations", options.rank);
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, so);
     if (!opened.is_ok()) {
       return opened.status().with_context(

@@ -95,7 +95,7 @@ Result<EngineSwap> open_engine_swap(const Config& config, const Env& env,
   swap.capacity_bytes =
       capacity + std::uint64_t{extents + 4} * config.aio_block_bytes * dirs.size();
   swap.max_extents = extents + 16;
-  swap.file_name = fmt::format("zinf-swap-{{pid}}-rank{}.bin", rank);
+  swap.file_name = swap_file_name("swap", rank);
   Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*out.io, swap);
   if (!opened.is_ok()) {
     return opened.status().with_context(fmt::format("swap space in {}", fmt::join(dirs, ", ")));

@@ -2,8 +2,10 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <signal.h>
 #include <unistd.h>
 
+#include <cctype>
 #include <cerrno>
 #include <filesystem>
 #include <system_error>
@@ -11,6 +13,62 @@
 #include "zinf/log.hpp"
 
 namespace zinf {
+namespace {
+
+// This machine's name as it goes into file names: [A-Za-z0-9._] kept, anything else '_'.
+std::string host_for_file_names() {
+  char host[256] = {};
+  if (::gethostname(host, sizeof host - 1) != 0 || host[0] == '\0') return "host";
+  std::string out(host);
+  for (char& c : out) {
+    const bool keep = std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '.' || c == '_';
+    if (!keep) c = '_';
+  }
+  return out;
+}
+
+// Removes this machine's stale swap files in `dir`; a file another process removes first is
+// fine.
+void remove_stale_swap_files(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (!stale_swap_file(name)) continue;
+    std::error_code size_ec;
+    const std::uintmax_t bytes = entry.file_size(size_ec);
+    if (::unlink(entry.path().c_str()) == 0) {
+      log_warn(
+          "removed '{}' ({} bytes): the swap file of a process of this machine that ended "
+          "without removing it (killed)",
+          entry.path().string(), size_ec ? 0 : bytes);
+    }
+  }
+}
+
+}  // namespace
+
+std::string swap_file_name(const std::string& kind, int rank) {
+  return fmt::format("zinf-{}-{}-{{pid}}-rank{}.bin", kind, host_for_file_names(), rank);
+}
+
+bool stale_swap_file(const std::string& name) {
+  // zinf-<kind>-<host>-<pid>-rank<r>.bin, kind swap or activations.
+  const std::string host = host_for_file_names();
+  for (const char* kind : {"swap", "activations"}) {
+    const std::string prefix = fmt::format("zinf-{}-{}-", kind, host);
+    if (!name.starts_with(prefix) || !name.ends_with(".bin")) continue;
+    const std::size_t dash = name.find("-rank", prefix.size());
+    if (dash == std::string::npos || dash == prefix.size()) return false;
+    long pid = 0;
+    for (std::size_t i = prefix.size(); i < dash; ++i) {
+      if (!std::isdigit(static_cast<unsigned char>(name[i])) || pid > 1'000'000'000) return false;
+      pid = pid * 10 + (name[i] - '0');
+    }
+    if (pid <= 0 || pid == static_cast<long>(::getpid())) return false;
+    return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+  }
+  return false;
+}
 
 Status prepare_nvme_directory(const std::string& key, const std::string& dir, int rank) {
   std::error_code ec;
@@ -30,6 +88,7 @@ Status prepare_nvme_directory(const std::string& key, const std::string& dir, in
   }
   ::close(fd);
   ::unlink(path.c_str());
+  remove_stale_swap_files(dir);
   return Status::ok();
 }
 

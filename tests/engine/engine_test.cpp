@@ -3,17 +3,21 @@
 // bad input (each a clear Status naming what was wrong, the engine still training correctly).
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
 #include <limits>
 #include <map>
 #include <set>
 #include <string>
 
+#include "engine/nvme_dir.hpp"
 #include "engine_test_util.hpp"
 #include "zinf/dtype.hpp"
 #include "zinf/trace.hpp"
@@ -977,6 +981,42 @@ TEST(EngineOpen, ACommunicatorTimeoutOtherThanTheConfigsIsWarned) {
           << log;
     }
   }
+}
+
+// A process killed while it trained leaves its swap file; the next engine to open in the
+// directory on this machine removes it (saying so), and leaves alone the files of running
+// processes and of other machines.
+TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
+  engine_test::ScratchDir dir("nvme-stale");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) ::_exit(0);
+  ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a process id no process has now
+  auto named = [](const std::string& pattern, long pid) {
+    std::string name = pattern;
+    name.replace(name.find("{pid}"), 5, std::to_string(pid));
+    return name;
+  };
+  const std::string dead = named(swap_file_name("swap", 1), child);
+  const std::string dead_activations = named(swap_file_name("activations", 0), child);
+  const std::string alive = named(swap_file_name("swap", 1), ::getppid());
+  const std::string elsewhere = fmt::format("zinf-swap-another_host-{}-rank1.bin", child);
+  for (const std::string& name : {dead, dead_activations, alive, elsewhere}) {
+    std::ofstream(dir.path() + "/" + name) << "stale swap bytes";
+  }
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  ::testing::internal::CaptureStderr();
+  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env_for(ranks, 0));
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + dead));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + dead_activations));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + alive));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + elsewhere));
+  EXPECT_NE(log.find("removed '" + dir.path() + "/" + dead + "' (16 bytes)"), std::string::npos)
+      << log;
 }
 
 TEST(EngineNvmePath, AnExistingDirectoryIsNotReportedAsCreated) {
