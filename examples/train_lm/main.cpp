@@ -82,6 +82,10 @@ std::string summary_text(const Options& o, const RunSummary& r) {
   std::string text = "\nwhere the time went (rank 0, per step)\n" +
                      format_table({"phase", "ms/step", "share"}, rows);
   const double state_fp32 = 12.0 * double(r.param_count);
+  // One process per rank: every process's peak, summed (the peaks need not fall together).
+  const std::string rss_of = o.comm != "local" && o.world_size > 1
+                                 ? " (sum of " + std::to_string(o.world_size) + " processes)"
+                                 : "";
   std::vector<std::vector<std::string>> tiers = {
       {o.device == "cuda" ? "device (GPU)" : "device (HostDevice)",
        format_bytes(double(r.device_bytes))},
@@ -93,8 +97,8 @@ std::string summary_text(const Options& o, const RunSummary& r) {
       {"activations off the device: host / NVMe written",
        format_bytes(double(r.activation_host_bytes)) + " / " +
            format_bytes(double(r.activation_nvme_write_bytes))},
-      {"peak RSS, setting up", format_bytes(double(r.setup_peak_rss_bytes))},
-      {"peak RSS, training steps", format_bytes(double(r.peak_rss_bytes))},
+      {"peak RSS, setting up" + rss_of, format_bytes(double(r.setup_peak_rss_bytes))},
+      {"peak RSS, training steps" + rss_of, format_bytes(double(r.peak_rss_bytes))},
       {"fp32 master + Adam moments", format_bytes(state_fp32)},
   };
   text += "\nwhere the state lived (all ranks)\n" + format_table({"tier", "bytes"}, tiers);
@@ -143,13 +147,15 @@ int main(int argc, char** argv) {
   const ModelShape shape = shape_for_params(options.params, base);
   const std::uint64_t params = param_count(shape);
   RunSummary summary;
-  if (run_training(options, shape, describe_run(options, shape, params), &summary, &error) != 0) {
+  const int failed =
+      run_training(options, shape, describe_run(options, shape, params), &summary, &error);
+  if (failed != 0) {
     // One process per rank: every process's error names its rank.
     const std::string rank = "rank " + std::to_string(launcher_rank(options.comm)) + ": ";
     const bool named =
         options.comm == "local" || options.world_size == 1 || error.rfind("rank ", 0) == 0;
     std::fprintf(stderr, "train_lm: error: %s%s\n", named ? "" : rank.c_str(), error.c_str());
-    return 1;
+    return failed;
   }
   // Only rank 0's process writes the outputs and prints the summary.
   if (!summary.writes_outputs) return 0;

@@ -3,10 +3,12 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cctype>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <sstream>
+#include <utility>
 #include <vector>
 
 #include "zinf/config.hpp"
@@ -95,16 +97,71 @@ int schedule_from(Options* o, std::string* error) {
   return 0;
 }
 
+// The shortest text that reads back as the same double ("0.003", "1e-05").
+std::string exact(double value) {
+  char buffer[32];
+  const std::to_chars_result end = std::to_chars(buffer, buffer + sizeof(buffer), value);
+  return std::string(buffer, end.ptr);
+}
+
+// The schedule as text, every field, so that two --config files agree when their scheduler
+// sections do, whatever their paths.
+std::string schedule_text(const zinf::ScheduleConfig& s) {
+  std::string text(zinf::schedule_name(s.kind));
+  auto add = [&](const char* name, const std::string& value) {
+    text += std::string(" ") + name + "=" + value;
+  };
+  add("warmup_num_steps", std::to_string(s.warmup_num_steps));
+  add("warmup_type", s.warmup_linear ? "linear" : "log");
+  add("warmup_min_lr", exact(s.warmup_min_lr));
+  add("warmup_max_lr", exact(s.warmup_max_lr));
+  add("total_num_steps", std::to_string(s.total_num_steps));
+  add("warmup_min_ratio", exact(s.warmup_min_ratio));
+  add("cos_min_ratio", exact(s.cos_min_ratio));
+  add("cycle_min_lr", exact(s.cycle_min_lr));
+  add("cycle_max_lr", exact(s.cycle_max_lr));
+  add("decay_lr_rate", exact(s.decay_lr_rate));
+  add("cycle_first_step_size", std::to_string(s.cycle_first_step_size));
+  add("cycle_second_step_size", std::to_string(s.cycle_second_step_size));
+  add("cycle_first_stair_count", std::to_string(s.cycle_first_stair_count));
+  add("cycle_second_stair_count", std::to_string(s.cycle_second_stair_count));
+  add("decay_step_size", std::to_string(s.decay_step_size));
+  add("cycle_momentum", s.cycle_momentum ? "true" : "false");
+  add("cycle_min_mom", exact(s.cycle_min_mom));
+  add("cycle_max_mom", exact(s.cycle_max_mom));
+  add("decay_mom_rate", exact(s.decay_mom_rate));
+  add("last_batch_iteration", std::to_string(s.last_batch_iteration));
+  return text;
+}
+
+// `text` as (flag, value) pairs, one a line: the flag before the line's first space, the value
+// after it.
+std::vector<std::pair<std::string, std::string>> option_lines(const std::string& text) {
+  std::vector<std::pair<std::string, std::string>> lines;
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    const std::size_t space = line.find(' ');
+    lines.emplace_back(line.substr(0, space),
+                       space == std::string::npos ? std::string() : line.substr(space + 1));
+  }
+  return lines;
+}
+
 }  // namespace
 
-int launcher_world_size(const std::string& comm) {
+int launcher_world_size(const std::string& comm, std::string* variable) {
   // torchrun's first for nccl; then mpirun's (Open MPI), the PMI ones (MPICH, srun) and Slurm's.
   std::vector<const char*> names = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
                                     "SLURM_NTASKS"};
   if (comm == "nccl") names.insert(names.begin(), "WORLD_SIZE");
+  if (variable != nullptr) variable->clear();
   for (const char* name : names) {
     const char* value = std::getenv(name);
-    if (value != nullptr && std::atoi(value) > 0) return std::atoi(value);
+    if (value != nullptr && std::atoi(value) > 0) {
+      if (variable != nullptr) *variable = std::string(name) + "=" + value;
+      return std::atoi(value);
+    }
   }
   return 1;  // no launcher: a job of one process
 }
@@ -151,6 +208,77 @@ std::string format_bytes(double bytes) {
   char buffer[32];
   std::snprintf(buffer, sizeof(buffer), unit == 0 ? "%.0f %s" : "%.1f %s", bytes, units[unit]);
   return buffer;
+}
+
+std::string options_every_rank_shares(const Options& o) {
+  std::string text;
+  auto add = [&](const char* flag, const std::string& value) {
+    text += std::string(flag) + " " + value + "\n";
+  };
+  auto on_off = [](bool on) { return std::string(on ? "on" : "off"); };
+  add("--params", std::to_string(o.params));
+  add("--layers", std::to_string(o.layers));
+  add("--context", std::to_string(o.context_bytes));
+  add("--embed", std::to_string(o.embed_dim));
+  add("--steps", std::to_string(o.steps));
+  add("--batch", std::to_string(o.batch));
+  add("--seq-len", std::to_string(o.seq_len));
+  add("--micro-batches", std::to_string(o.micro_batches));
+  add("--lr", exact(o.lr));
+  add("--warmup", std::to_string(o.warmup_steps));
+  // The schedule the config gave; without --config it follows from the three options above.
+  add("--config", o.config_path.empty() ? "none" : "scheduler " + schedule_text(o.schedule));
+  add("--weight-decay", exact(o.weight_decay));
+  add("--grad-clip", exact(o.grad_clip));
+  add("--clip-previous", on_off(o.clip_previous));
+  add("--seed", std::to_string(o.seed));
+  add("--eval-every", std::to_string(o.eval_every));
+  add("--eval-tokens", std::to_string(o.eval_tokens));
+  add("--engine", on_off(o.use_engine));
+  add("--overlap-step", on_off(o.overlap_step));
+  add("--world-size", std::to_string(o.world_size));
+  add("--comm", o.comm);
+  add("--device", o.device);
+  add("--stage", std::to_string(o.stage));
+  add("--offload-optimizer", o.offload_optimizer);
+  add("--offload-param", o.offload_param);
+  add("--param-dtype", o.param_dtype);
+  add("--gradients-on-nvme", on_off(o.gradients_on_nvme));
+  add("--checkpoint-activations", on_off(o.checkpoint_activations));
+  add("--offload-activations", o.offload_activations);
+  add("--sub-group-size", std::to_string(o.sub_group_size));
+  add("--persistence-threshold", std::to_string(o.persistence_threshold));
+  add("--save-every", std::to_string(o.save_every));
+  add("--keep-last", std::to_string(o.keep_last));
+  add("--resume", o.resume_dir.empty() ? "none" : "a checkpoint directory");
+  add("--stop-after", std::to_string(o.stop_after));
+  return text;
+}
+
+std::string first_option_ranks_disagree_on(const std::vector<std::string>& rank_texts) {
+  std::vector<std::vector<std::pair<std::string, std::string>>> ranks;
+  std::size_t line_count = 0;
+  for (const std::string& text : rank_texts) {
+    ranks.push_back(option_lines(text));
+    line_count = std::max(line_count, ranks.back().size());
+  }
+  // A line a rank lacks reads as nothing given.
+  auto line_of = [&](std::size_t r, std::size_t i) {
+    return i < ranks[r].size() ? ranks[r][i] : std::pair<std::string, std::string>();
+  };
+  auto shown = [](const std::string& value) { return value.empty() ? "nothing" : value; };
+  for (std::size_t i = 0; i < line_count; ++i) {
+    const auto [flag, value] = line_of(0, i);
+    for (std::size_t r = 1; r < ranks.size(); ++r) {
+      const auto [their_flag, their_value] = line_of(r, i);
+      if (their_flag == flag && their_value == value) continue;
+      const std::string name = flag.empty() ? their_flag : flag;
+      return name + " differs between the ranks: rank 0 has " + shown(value) + ", rank " +
+             std::to_string(r) + " has " + shown(their_flag == name ? their_value : "") +
+             " (every rank of a job must be given the same " + name + ")";
+    }
+  }
+  return "";
 }
 
 int parse_options(int argc, char** argv, Options* o, std::string* error) {
@@ -307,9 +435,13 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   // process when no launcher started it).
   if (o->device == "cuda" && o->comm == "local") o->comm = "nccl";
   if (o->comm != "local") {
-    // One process per rank: the world is the launcher's.
-    const int launched = launcher_world_size(o->comm);
-    if (world_option->count() > 0 && o->world_size != launched) {
+    // One process per rank: the world is the launcher's. Its variables are a guess that may be
+    // left over from another launch (a batch job's SLURM_NTASKS around a program started without
+    // srun), so an explicit --world-size wins over them; the communicator, which knows, checks it
+    // when it opens. Without any of them no launcher started this process, and it is one rank.
+    std::string variable;
+    const int launched = launcher_world_size(o->comm, &variable);
+    if (world_option->count() > 0 && variable.empty() && o->world_size != 1) {
       // One process per GPU: more ranks need a launcher (torchrun, mpirun) that starts them.
       *error = std::string(o->device == "cuda" ? "--device cuda: " : "") + "--world-size " +
                std::to_string(o->world_size) + " but the launcher started " +
@@ -317,7 +449,12 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
                " (one process per rank: start them with mpirun, srun or torchrun)";
       return 2;
     }
-    o->world_size = launched;
+    if (world_option->count() > 0) {
+      o->world_size_from = "--world-size";
+    } else {
+      o->world_size = launched;
+      o->world_size_from = variable;
+    }
     if (!o->use_engine) {
       *error = "--comm " + o->comm + " needs --engine on";
       return 2;

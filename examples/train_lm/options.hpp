@@ -47,7 +47,12 @@ struct Options {
   bool use_engine = true;  // --engine on|off (off: a plain fp32 loop, no zinf)
   // --overlap-step on|off: zinf.overlap_step (off: step() returns with every parameter published)
   bool overlap_step = true;
-  int world_size = 1;  // --world-size: ranks (LocalComm threads; the launcher's with mpi/nccl)
+  // --world-size: ranks (LocalComm threads; with mpi/nccl the launcher's, which an explicit
+  // --world-size overrides: the communicator checks it when it opens).
+  int world_size = 1;
+  // Where world_size came from with --comm mpi or nccl (parse_options fills it): "--world-size",
+  // the launcher's variable ("OMPI_COMM_WORLD_SIZE=4"), or empty when no launcher set one.
+  std::string world_size_from;
   // --comm local|mpi|nccl: local runs the ranks as LocalComm threads of this process; mpi and
   // nccl run one process per rank, started by mpirun/srun (mpi, nccl) or torchrun (nccl), each
   // opening its rank through the public constructors (make_mpi_comm, make_nccl_comm).
@@ -109,9 +114,26 @@ bool parse_bytes(const std::string& text, std::uint64_t* value);
 
 // With --comm mpi or nccl: the world size and this process's rank as the launcher's environment
 // gives them (torchrun's WORLD_SIZE/RANK for nccl, then Open MPI's, PMI's and Slurm's); 1 and 0
-// when no launcher set them.
-int launcher_world_size(const std::string& comm);
+// when no launcher set them. `variable`, when given, gets the variable read ("SLURM_NTASKS=4"),
+// or is cleared when none was set.
+int launcher_world_size(const std::string& comm, std::string* variable = nullptr);
 int launcher_rank(const std::string& comm);
+
+// The options every rank of a job (--comm mpi, nccl) must be given alike, one "--flag value" line
+// each in the order of the usage text, with the values parse_options resolved (--micro-batches,
+// --world-size, the schedule of --config): those that shape the model, the batches, the
+// optimizer, the engine's layout and the collectives each step issues. Left out are the options
+// that are a rank's own by design: its paths (--nvme-path, --out, --trace, --data, --save-dir,
+// and --resume's, which may be each node's own disk; whether it resumes is compared, and
+// run_training compares the training text itself), its memory budgets, its optimizer threads and
+// buffers, its collective timeout, --time-limit (rank 0's decides for every rank) and what it
+// prints.
+std::string options_every_rank_shares(const Options& options);
+
+// Given each rank's options_every_rank_shares() text (with any lines the caller added), in rank
+// order: empty when they are the same, else one line naming the first option that differs, the
+// first rank whose value differs from rank 0's, and both values.
+std::string first_option_ranks_disagree_on(const std::vector<std::string>& rank_texts);
 
 // "1.0M", "1.2B"; "512 MiB", "11.2 GiB".
 std::string format_count(double value);

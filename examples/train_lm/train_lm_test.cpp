@@ -6,6 +6,7 @@
 #include <tbb/task_arena.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -341,6 +342,68 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
     ASSERT_EQ(parse({"--comm", "mpi", "--world-size", "2"}, &mpi, &error), 2);
     EXPECT_NE(error.find("--world-size 2 but the launcher started 1"), std::string::npos) << error;
   }
+}
+
+// With --comm mpi the launcher's variables give the world size, but an explicit --world-size wins
+// over them (a batch job's SLURM_NTASKS around a program started without srun is a guess, not the
+// job): the communicator checks the figure when it opens.
+TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
+    if (std::getenv(name) != nullptr) GTEST_SKIP() << name << " is set: run under a launcher";
+  }
+  auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
+    args.insert(args.begin(), "train_lm");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return parse_options(int(argv.size()), argv.data(), o, error);
+  };
+  setenv("SLURM_NTASKS", "4", 1);
+  Options given, guessed;
+  std::string error;
+  const int given_rc = parse({"--comm", "mpi", "--world-size", "1"}, &given, &error);
+  const std::string given_error = error;
+  const int guessed_rc = parse({"--comm", "mpi"}, &guessed, &error);
+  unsetenv("SLURM_NTASKS");
+  ASSERT_EQ(given_rc, 0) << given_error;
+  EXPECT_EQ(given.world_size, 1);
+  EXPECT_EQ(given.world_size_from, "--world-size");
+  ASSERT_EQ(guessed_rc, 0) << error;
+  EXPECT_EQ(guessed.world_size, 4);
+  EXPECT_EQ(guessed.world_size_from, "SLURM_NTASKS=4");
+}
+
+// The options every rank of a job must share: those that shape the training are in the text, a
+// rank's own paths and budgets are not, and the first that differs is named with both values.
+TEST(Options, RanksCompareTheOptionsThatShapeTheTraining) {
+  Options a;
+  Options b = a;
+  b.nvme_path = "/local/nvme";
+  b.out_dir = "elsewhere";
+  b.data_path = "/copy/of/the/text";
+  b.host_memory_bytes = 1 << 30;
+  b.collective_timeout_ms = 5000;
+  b.quiet = true;
+  EXPECT_EQ(options_every_rank_shares(a), options_every_rank_shares(b));
+  EXPECT_EQ(
+      first_option_ranks_disagree_on({options_every_rank_shares(a), options_every_rank_shares(b)}),
+      "");
+  b.seed = 2;
+  b.steps = 10;  // --steps comes first in the usage text, so it is the one named
+  const std::string message = first_option_ranks_disagree_on(
+      {options_every_rank_shares(a), options_every_rank_shares(a), options_every_rank_shares(b)});
+  EXPECT_EQ(message,
+            "--steps differs between the ranks: rank 0 has 400, rank 2 has 10 (every rank of a "
+            "job must be given the same --steps)");
+  Options c = a;
+  c.lr = 0.001;
+  EXPECT_NE(
+      first_option_ranks_disagree_on({options_every_rank_shares(a), options_every_rank_shares(c)})
+          .find("--lr differs between the ranks: rank 0 has 0.003, rank 1 has 0.001"),
+      std::string::npos);
+  // Lines a caller adds (the training text's fingerprint) are compared as well.
+  EXPECT_NE(first_option_ranks_disagree_on({"--seed 1\n--data x\n", "--seed 1\n--data y\n"})
+                .find("--data differs"),
+            std::string::npos);
 }
 
 // The schedule: --lr/--warmup/--steps as DeepSpeed's WarmupCosineLR (step k at iteration k:
@@ -986,6 +1049,242 @@ TEST(Program, BadArgumentsGiveOneLineAndLeaveNothingBehind) {
     fs::permissions(base / "ro", fs::perms::owner_all);
   }
   fs::remove_all(base);
+}
+
+// --- One process per rank under mpirun (--comm mpi) ---------------------------------------------
+
+#if defined(__SANITIZE_ADDRESS__)
+#define TRAIN_LM_TEST_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define TRAIN_LM_TEST_ASAN 1
+#endif
+#endif
+
+// The environment a process that opens MPI runs in: under AddressSanitizer, what the MPI tests'
+// ctest entries add to ASAN_OPTIONS (ZINF_MPI_TEST_ENVIRONMENT_MODIFICATION in the top
+// CMakeLists.txt), since Open MPI's allocations are suppressed by whole stacks, which libmpi's
+// frames without frame pointers need the slow unwinder for. Empty otherwise.
+std::string mpi_environment() {
+#if defined(TRAIN_LM_TEST_ASAN)
+  const char* options = std::getenv("ASAN_OPTIONS");
+  return "ASAN_OPTIONS='" + (options != nullptr ? std::string(options) + ":" : std::string()) +
+         "fast_unwind_on_malloc=0' ";
+#else
+  return "";
+#endif
+}
+
+// mpirun with the options the MPI tests give it, or empty when this build has no MPI or no
+// mpirun is on the PATH.
+std::string mpirun_command() {
+#if defined(ZINF_HAVE_MPI)
+  std::string err, out;
+  if (run_command("command", "-v mpirun", &err, &out) != 0) return "";
+  out.erase(out.find_last_not_of(" \n") + 1);
+  return out.empty()
+             ? ""
+             : mpi_environment() + out + " --allow-run-as-root --oversubscribe --bind-to none";
+#else
+  return "";
+#endif
+}
+
+// A small run for the MPI tests: a few steps, the optimizer state on NVMe.
+const std::string kMpiRun =
+    std::string(TRAIN_LM_BIN) +
+    " --params 60k --layers 2 --batch 8 --seq-len 16 --steps 6 --eval-every 3 --eval-tokens 512 "
+    "--no-progress --quiet --comm mpi ";
+
+// What one rank of an MPI job said and how it ended.
+struct RankEnd {
+  int exit_code = -1;  // -1: it never ended
+  std::string err;
+};
+
+// Runs an MPI job of one process per entry of `rank_args`, rank r running train_lm with
+// rank_args[r] under a shell that keeps its stderr and exit code in `dir` and then ends
+// normally: mpirun neither ends the job when a rank fails (each rank must end by itself) nor
+// spends its seconds reporting the failure. Returns every rank's end, and in `took_s` the job's
+// wall time.
+std::vector<RankEnd> run_mpi_ranks(const std::string& mpirun, const fs::path& dir,
+                                   const std::vector<std::string>& rank_args, double* took_s) {
+  fs::create_directories(dir);
+  {
+    std::ofstream script(dir / "rank.sh");
+    script << "#!/bin/sh\n"
+              "work=$1\n"
+              "shift\n"
+              "\"$@\" >/dev/null 2>\"$work/err.$OMPI_COMM_WORLD_RANK\"\n"
+              "echo $? >\"$work/exit.$OMPI_COMM_WORLD_RANK\"\n";
+  }
+  fs::permissions(dir / "rank.sh", fs::perms::owner_all);
+  // orte_allowed_exit_without_sync: a rank that ends without MPI_Finalize (it skips it after an
+  // abort) does not make mpirun end the job.
+  std::string args = "--mca orte_allowed_exit_without_sync 1";
+  for (std::size_t r = 0; r < rank_args.size(); ++r) {
+    args += std::string(r == 0 ? "" : " :") + " -np 1 " + (dir / "rank.sh").string() + " " +
+            dir.string() + " " + kMpiRun + rank_args[r];
+  }
+  const auto start = std::chrono::steady_clock::now();
+  std::string err;
+  run_command("timeout 120 env " + mpirun, args, &err);
+  *took_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::vector<RankEnd> ends(rank_args.size());
+  for (std::size_t r = 0; r < ends.size(); ++r) {
+    const std::string code = read_all(dir / ("exit." + std::to_string(r)));
+    if (!code.empty()) ends[r].exit_code = std::stoi(code);
+    ends[r].err = read_all(dir / ("err." + std::to_string(r)));
+    std::printf("rank %zu: exit %d: %s", r, ends[r].exit_code, ends[r].err.c_str());
+  }
+  return ends;
+}
+
+// One rank failing a check of its own (an --nvme-path it cannot make) after the communicator is
+// open: it exits 1 at once, and so does the other rank, whose error names it and quotes its
+// message, long before the collective timeout (30 s). Before, the failed rank waited in
+// MPI_Finalize and the other in its collective until the timeout.
+TEST(Program, MpiRankFailingAloneEndsEveryRankAtOnce) {
+  const std::string mpirun = mpirun_command();
+  if (mpirun.empty()) GTEST_SKIP() << "no MPI in this build, or no mpirun on the PATH";
+  const fs::path dir = scratch_dir("train_lm_mpi_one_fails");
+  const std::string common = "--collective-timeout-ms 30000 --out " + (dir / "out").string();
+  double took_s = 0;
+  const std::vector<RankEnd> ends = run_mpi_ranks(
+      mpirun, dir / "job",
+      {common + " --nvme-path " + (dir / "nvme").string(), common + " --nvme-path /dev/null/x"},
+      &took_s);
+  std::printf("%.1f s\n", took_s);
+  EXPECT_LT(took_s, 15.0) << "a rank waited for the collective timeout";
+  EXPECT_EQ(ends[1].exit_code, 1);
+  EXPECT_EQ(ends[0].exit_code, 1);
+  EXPECT_EQ(ends[1].err,
+            "train_lm: error: rank 1: --nvme-path /dev/null/x: cannot create it: "
+            "Not a directory\n");
+  EXPECT_EQ(ends[0].err.rfind("train_lm: error: rank 0: ", 0), 0u) << ends[0].err;
+  EXPECT_NE(ends[0].err.find("rank 1 failed: --nvme-path /dev/null/x"), std::string::npos)
+      << ends[0].err;
+  // What rank 0 made (its --out and --nvme-path directories) went with the failure.
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  EXPECT_FALSE(fs::exists(dir / "nvme"));
+  fs::remove_all(dir);
+}
+
+// The summary of an MPI job counts every rank's activations, as the threads' run at the same
+// world size does, and says that its peak resident set is the processes' sum.
+TEST(Program, MpiSummaryCountsEveryRanksActivations) {
+  const std::string mpirun = mpirun_command();
+  if (mpirun.empty()) GTEST_SKIP() << "no MPI in this build, or no mpirun on the PATH";
+  const fs::path dir = scratch_dir("train_lm_mpi_activations");
+  const std::string args = "--checkpoint-activations --offload-activations cpu --nvme-path " +
+                           (dir / "nvme").string() + " --out " + (dir / "out").string();
+  std::string err, mpi_out, local_out;
+  ASSERT_EQ(run_command(mpirun, "-np 2 " + kMpiRun + args, &err, &mpi_out), 0) << err;
+  ASSERT_EQ(run_program(args + " --params 60k --layers 2 --batch 8 --seq-len 16 --steps 6 "
+                               "--eval-every 3 --eval-tokens 512 --no-progress --quiet "
+                               "--world-size 2",
+                        &err, &local_out),
+            0)
+      << err;
+  EXPECT_GT(activation_peak(mpi_out), 0.0) << mpi_out;
+  EXPECT_EQ(activation_peak(mpi_out), activation_peak(local_out)) << mpi_out << local_out;
+  // The host row: what the ranks' checkpoints took in pinned host memory, all ranks together.
+  auto host_row = [](const std::string& out) {
+    const std::size_t at = out.find("activations off the device: host / NVMe written");
+    return at == std::string::npos ? std::string() : out.substr(at, out.find('\n', at) - at);
+  };
+  EXPECT_EQ(host_row(mpi_out), host_row(local_out));
+  EXPECT_EQ(host_row(mpi_out).find(" 0 B / "), std::string::npos) << host_row(mpi_out);
+  EXPECT_NE(mpi_out.find("peak RSS, training steps (sum of 2 processes)"), std::string::npos)
+      << mpi_out;
+  fs::remove_all(dir);
+}
+
+// An MPI job leaves no --nvme-path directory it made, as a run of threads does not: the ranks
+// share it, and the last one done removes it (here two levels, both made by the run), and only
+// what the run made.
+TEST(Program, MpiRunRemovesTheNvmeDirectoryItMade) {
+  const std::string mpirun = mpirun_command();
+  if (mpirun.empty()) GTEST_SKIP() << "no MPI in this build, or no mpirun on the PATH";
+  const fs::path dir = scratch_dir("train_lm_mpi_nvme");
+  fs::create_directories(dir);
+  std::string err, out;
+  ASSERT_EQ(run_command(mpirun,
+                        "-np 2 " + kMpiRun + "--nvme-path " + (dir / "nvme" / "swap").string() +
+                            " --out " + (dir / "out").string(),
+                        &err, &out),
+            0)
+      << err;
+  EXPECT_FALSE(fs::exists(dir / "nvme")) << "the NVMe directory the run made is left behind";
+  EXPECT_TRUE(fs::exists(dir / "out" / "loss.csv"));
+  // A directory that was there before stays, empty.
+  fs::create_directories(dir / "kept");
+  ASSERT_EQ(run_command(mpirun,
+                        "-np 2 " + kMpiRun + "--nvme-path " + (dir / "kept").string() + " --out " +
+                            (dir / "out").string(),
+                        &err, &out),
+            0)
+      << err;
+  EXPECT_TRUE(fs::exists(dir / "kept"));
+  EXPECT_TRUE(fs::is_empty(dir / "kept"));
+  fs::remove_all(dir);
+}
+
+// Ranks of one job given different options that must agree fail at the start, every rank naming
+// the option and both values (before, a different --seed trained silently and a different --steps
+// failed only as "ranks disagree: rank 0 sent 12544 bytes where this rank expected 40"). A rank's
+// own --nvme-path may differ.
+TEST(Program, MpiRanksGivenDifferentOptionsFailNamingTheOption) {
+  const std::string mpirun = mpirun_command();
+  if (mpirun.empty()) GTEST_SKIP() << "no MPI in this build, or no mpirun on the PATH";
+  const fs::path dir = scratch_dir("train_lm_mpi_options");
+  const std::string rank =
+      "--out " + (dir / "out").string() + " --nvme-path " + (dir / "nvme").string();
+  double took_s = 0;
+  for (const auto& [option, values] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"--seed", {"1", "2"}}, {"--micro-batches", {"1", "2"}}}) {
+    const std::vector<RankEnd> ends = run_mpi_ranks(
+        mpirun, dir / "job",
+        {rank + "0 " + option + " " + values[0], rank + "1 " + option + " " + values[1]}, &took_s);
+    for (std::size_t r = 0; r < ends.size(); ++r) {
+      EXPECT_EQ(ends[r].exit_code, 2) << option;
+      EXPECT_EQ(ends[r].err, "train_lm: error: rank " + std::to_string(r) + ": " + option +
+                                 " differs between the ranks: rank 0 has " + values[0] +
+                                 ", rank 1 has " + values[1] +
+                                 " (every rank of a job must be given the same " + option + ")\n");
+    }
+    fs::remove_all(dir / "job");
+  }
+  EXPECT_FALSE(fs::exists(dir / "out"));
+  EXPECT_FALSE(fs::exists(dir / "nvme0"));
+  fs::remove_all(dir);
+}
+
+// A launcher variable left in the environment (SLURM_NTASKS=4 around a program started without
+// srun) is named in the error, with the --world-size that overrides it; given, the run trains.
+TEST(Program, StrayLauncherVariableIsNamedAndWorldSizeOverridesIt) {
+#if !defined(ZINF_HAVE_MPI)
+  GTEST_SKIP() << "no MPI in this build";
+#else
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
+    if (std::getenv(name) != nullptr) GTEST_SKIP() << name << " is set: run under a launcher";
+  }
+  const fs::path dir = scratch_dir("train_lm_stray_ntasks");
+  const std::string args =
+      kMpiRun + "--out " + (dir / "out").string() + " --nvme-path " + (dir / "nvme").string();
+  std::string err, out;
+  EXPECT_EQ(run_command(mpi_environment() + "SLURM_NTASKS=4", args, &err), 1);
+  EXPECT_NE(err.find("the communicator has 1 rank but the launcher's environment says 4 "
+                     "(SLURM_NTASKS=4)"),
+            std::string::npos)
+      << err;
+  EXPECT_NE(err.find("--world-size 1 overrides it"), std::string::npos) << err;
+  EXPECT_EQ(run_command(mpi_environment() + "SLURM_NTASKS=4", args + " --world-size 1", &err, &out),
+            0)
+      << err;
+  EXPECT_GT(final_val_loss(out), 0) << out;
+  fs::remove_all(dir);
+#endif
 }
 
 }  // namespace

@@ -83,6 +83,17 @@ double process_cpu_s() {
   return s(usage.ru_utime) + s(usage.ru_stime);
 }
 
+// FNV-1a (64 bits) of `text`: the fingerprint of the training text that the ranks of a job
+// compare.
+std::uint64_t fnv1a(const std::string& text) {
+  std::uint64_t hash = 0xcbf29ce484222325ull;
+  for (const unsigned char c : text) {
+    hash ^= c;
+    hash *= 0x100000001b3ull;
+  }
+  return hash;
+}
+
 // Activation floats of one Model sized for `tokens`.
 std::uint64_t activation_bytes(const ModelShape& s, std::size_t tokens) {
   const std::uint64_t per_token = s.context_bytes * s.embed_dim * 2 +    // x0, dx0
@@ -147,25 +158,68 @@ bool check_writable_dir(const std::string& option, const std::string& path, std:
   return true;
 }
 
+// The topmost directory of `path` (absolute) that does not exist, so that making `path` makes it
+// and everything below it; empty when `path` exists.
+fs::path topmost_missing(const std::string& path) {
+  std::error_code ec;
+  fs::path top;
+  for (fs::path p = fs::absolute(path, ec); !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
+    top = p;
+    if (p == p.parent_path()) break;
+  }
+  return top;
+}
+
+// Removes `path` and its parents up to `top` (from topmost_missing() before they were made), each
+// only while it is an empty directory: ranks of a job that share the NVMe path each call it when
+// they are done, and the last one removes it. Nothing when `top` is empty (the path existed).
+void remove_empty_dirs(const std::string& path, const fs::path& top) {
+  std::error_code ec;
+  fs::path p = fs::absolute(path, ec);
+  // Only directories at or below `top`.
+  if (top.empty() || ec ||
+      std::mismatch(top.begin(), top.end(), p.begin(), p.end()).first != top.end()) {
+    return;
+  }
+  for (;;) {
+    // One that another rank removed already is passed over. fs::remove removes an empty
+    // directory only: one that still holds something (another rank's swap directory) ends it,
+    // and that rank removes it when it is done.
+    if (fs::is_directory(p, ec)) {
+      fs::remove(p, ec);
+      if (ec) return;
+    }
+    if (p == top || p == p.parent_path()) return;
+    p = p.parent_path();
+  }
+}
+
 // Directories this run created, removed again (with what is in them) when the run fails, so a
 // failed run leaves nothing behind.
 class CreatedDirs {
  public:
   bool make(const std::string& option, const std::string& path, std::string* error) {
-    std::error_code ec;
-    fs::path missing = fs::absolute(path, ec);
     // Remember the topmost directory that did not exist, to remove the whole chain later.
-    fs::path top;
-    for (fs::path p = missing; !p.empty() && !fs::exists(p, ec); p = p.parent_path()) {
-      top = p;
-      if (p == p.parent_path()) break;
-    }
+    const fs::path top = topmost_missing(path);
+    std::error_code ec;
     fs::create_directories(path, ec);
     if (ec) {
       *error = option + " " + path + ": cannot create it: " + ec.message();
       return false;
     }
     if (!top.empty()) created_.push_back(top);
+    return true;
+  }
+  // Makes `path` in its existing parent, which this run may share with other processes: only
+  // `path` is removed again, never the parent, even where the parent went missing in between.
+  bool make_one(const std::string& option, const std::string& path, std::string* error) {
+    std::error_code ec;
+    const bool made = fs::create_directory(path, ec);
+    if (ec) {
+      *error = option + " " + path + ": cannot create it: " + ec.message();
+      return false;
+    }
+    if (made) created_.push_back(fs::absolute(path, ec));
     return true;
   }
   void remove_all() {
@@ -531,7 +585,7 @@ void set_activation_config(const Options& o, const ModelShape& shape, const std:
 // elements of an all-gather, which copies them unchanged.
 class Exchange {
  public:
-  static constexpr std::size_t kMaxBytes = 64;
+  static constexpr std::size_t kMaxBytes = 256;
 
   Exchange(zinf::Device& device, zinf::Communicator& comm, std::chrono::milliseconds timeout)
       : device_(device), comm_(comm), timeout_(timeout) {}
@@ -553,6 +607,30 @@ class Exchange {
     ZINF_RETURN_IF_ERROR(device_.copy_d2h(all, recv_.data(), bytes * world, *stream_));
     ZINF_RETURN_IF_ERROR(device_.record(*done_, *stream_));
     return comm_.wait(*done_, timeout_);
+  }
+  // (*all)[r] = rank r's `mine`, for every rank r: texts of any length, in pieces of kMaxBytes.
+  zinf::Status all_gather_text(const std::string& mine, std::vector<std::string>* all) {
+    const std::size_t world = std::size_t(comm_.world_size());
+    const std::uint32_t length = std::uint32_t(mine.size());
+    std::vector<std::uint32_t> lengths(world);
+    ZINF_RETURN_IF_ERROR(all_gather(&length, sizeof(length), lengths.data()));
+    const std::size_t longest = *std::max_element(lengths.begin(), lengths.end());
+    all->assign(world, std::string());
+    std::vector<char> piece(kMaxBytes), pieces(kMaxBytes * world);
+    for (std::size_t offset = 0; offset < longest; offset += kMaxBytes) {
+      std::fill(piece.begin(), piece.end(), '\0');
+      if (offset < mine.size()) {
+        mine.copy(piece.data(), std::min(kMaxBytes, mine.size() - offset), offset);
+      }
+      ZINF_RETURN_IF_ERROR(all_gather(piece.data(), kMaxBytes, pieces.data()));
+      for (std::size_t r = 0; r < world; ++r) {
+        if (offset < lengths[r]) {
+          (*all)[r].append(&pieces[r * kMaxBytes],
+                           std::min<std::size_t>(kMaxBytes, lengths[r] - offset));
+        }
+      }
+    }
+    return zinf::Status::ok();
   }
 
  private:
@@ -831,6 +909,35 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   const std::size_t micro_tokens = o.batch / (world * micro_batches) * o.seq_len;
   const std::size_t eval_local = o.eval_tokens / world;
   const std::size_t chunk_tokens = std::max<std::size_t>(micro_tokens, 1);
+  // This rank's first error. It is also the reason this rank aborts the communicator with, which
+  // the other ranks' errors quote ("rank 1 failed: ..."), so that they say what failed here.
+  std::string own_error;
+  auto fail = [&](const std::string& message) {
+    shared.fail(rank, message);
+    if (own_error.empty()) own_error = message;
+  };
+  // Leaves the run after fail(): the other ranks' collectives fail at once instead of waiting for
+  // this rank until their timeout.
+  auto fail_out = [&]() {
+    if (comm != nullptr) comm->abort(zinf::Status::aborted(own_error));
+    if (engine != nullptr && o.verify_swap_on_error) {
+      // Whatever failed (a dead rank's collective), this rank's swap files must be intact.
+      zinf::Result<zinf::SwapCheckReport> swap = engine->verify_swap();
+      if (swap.is_ok()) {
+        std::fprintf(stderr,
+                     "train_lm: rank %d: swap verified: %llu blocks (%llu bytes) match their "
+                     "checksums, %llu skipped\n",
+                     rank, static_cast<unsigned long long>(swap->blocks),
+                     static_cast<unsigned long long>(swap->bytes),
+                     static_cast<unsigned long long>(swap->skipped_blocks));
+      } else {
+        std::fprintf(stderr, "train_lm: rank %d: swap verification failed: %s\n", rank,
+                     swap.status().to_string().c_str());
+      }
+    }
+    shared.sync.arrive_and_drop();
+  };
+
   // --checkpoint-activations: with the engine, the residual stream the model saves from lives in
   // the engine's device memory (HostDevice: host memory the model writes in place).
   std::unique_ptr<EngineCheckpoints> engine_checkpoints;
@@ -844,10 +951,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       zinf::Result<zinf::DeviceBuffer> buffer =
           zinf::DeviceBuffer::allocate(*device, chunk_tokens * shape.hidden * sizeof(float));
       if (!buffer.is_ok()) {
-        shared.fail(rank, "--checkpoint-activations: " + buffer.status().to_string());
-        if (comm != nullptr) comm->abort(zinf::Status::aborted("another rank failed"));
-        shared.sync.arrive_and_drop();
-        return;
+        fail("--checkpoint-activations: " + buffer.status().to_string());
+        return fail_out();
       }
       stream_buffers[b] = std::move(*buffer);
       checkpointing.stream_buffers[b] = stream_buffers[b].as<float>();
@@ -877,33 +982,14 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       shared.trace != nullptr ? shared.trace->track("train_lm rank " + std::to_string(rank)) : 0;
   auto check = [&](const char* what) {
     if (through_engine && !through_engine->status().is_ok()) {
-      shared.fail(rank, std::string(what) + ": " + through_engine->status().to_string());
+      fail(std::string(what) + ": " + through_engine->status().to_string());
       return false;
     }
     if (engine_checkpoints && !engine_checkpoints->status().is_ok()) {
-      shared.fail(rank, std::string(what) + ": " + engine_checkpoints->status().to_string());
+      fail(std::string(what) + ": " + engine_checkpoints->status().to_string());
       return false;
     }
     return true;
-  };
-  auto fail_out = [&]() {
-    if (comm != nullptr) comm->abort(zinf::Status::aborted("another rank failed"));
-    if (engine != nullptr && o.verify_swap_on_error) {
-      // Whatever failed (a dead rank's collective), this rank's swap files must be intact.
-      zinf::Result<zinf::SwapCheckReport> swap = engine->verify_swap();
-      if (swap.is_ok()) {
-        std::fprintf(stderr,
-                     "train_lm: rank %d: swap verified: %llu blocks (%llu bytes) match their "
-                     "checksums, %llu skipped\n",
-                     rank, static_cast<unsigned long long>(swap->blocks),
-                     static_cast<unsigned long long>(swap->bytes),
-                     static_cast<unsigned long long>(swap->skipped_blocks));
-      } else {
-        std::fprintf(stderr, "train_lm: rank %d: swap verification failed: %s\n", rank,
-                     swap.status().to_string().c_str());
-      }
-    }
-    shared.sync.arrive_and_drop();
   };
 
   if (!check("device")) return fail_out();
@@ -921,7 +1007,7 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
                                     ": the checkpoint holds no train_lm state");
     }
     if (!st.is_ok()) {
-      shared.fail(rank, "--resume: " + st.to_string());
+      fail("--resume: " + st.to_string());
       return fail_out();
     }
     first_step = saved_step + 1;
@@ -963,7 +1049,7 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     std::vector<double> all(2 * world);
     zinf::Status st = shared.exchange->all_gather(mine, sizeof(mine), all.data());
     if (!st.is_ok()) {
-      shared.fail(rank, std::string(what) + ": " + st.to_string());
+      fail(std::string(what) + ": " + st.to_string());
       return false;
     }
     for (std::size_t r = 0; r < world; ++r) {
@@ -978,7 +1064,7 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     std::vector<std::uint32_t> all(world);
     zinf::Status st = shared.exchange->all_gather(&mine, sizeof(mine), all.data());
     if (!st.is_ok()) {
-      shared.fail(rank, std::string(what) + ": " + st.to_string());
+      fail(std::string(what) + ": " + st.to_string());
       return false;
     }
     shared.stop = all[0] != 0;
@@ -1029,7 +1115,7 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     if (engine != nullptr) {
       zinf::Result<zinf::StepReport> report = engine->step();
       if (!report.is_ok()) {
-        shared.fail(rank, "step " + std::to_string(step) + ": " + report.status().to_string());
+        fail("step " + std::to_string(step) + ": " + report.status().to_string());
         return fail_out();
       }
       const zinf::StepReport& r = report.value();
@@ -1063,7 +1149,7 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       engine->set_client_state(resume_blob(step, rng.state(), shared.summary->curve));
       zinf::Status st = engine->save_checkpoint(o.save_dir);
       if (!st.is_ok()) {
-        shared.fail(rank, "step " + std::to_string(step) + ": " + st.to_string());
+        fail("step " + std::to_string(step) + ": " + st.to_string());
         return fail_out();
       }
     }
@@ -1134,9 +1220,25 @@ bool open_process_rank(const Options& o, std::uint64_t device_budget, Ranks* ran
     *error = where + ": communicator: " + comm.status().to_string();
     return false;
   }
-  if (comm.value()->world_size() != o.world_size) {
-    *error = where + ": the communicator has " + std::to_string(comm.value()->world_size()) +
-             " ranks but the launcher's environment says " + std::to_string(o.world_size);
+  const int ranks_open = comm.value()->world_size();
+  if (ranks_open != o.world_size) {
+    const std::string open_text =
+        std::to_string(ranks_open) + (ranks_open == 1 ? " rank" : " ranks");
+    if (o.world_size_from == "--world-size") {
+      *error = where + ": --world-size " + std::to_string(o.world_size) +
+               " but the communicator has " + open_text +
+               " (one process per rank: start them with mpirun, srun or torchrun)";
+    } else {
+      // The launcher's variable was a guess (parse_options): say which, and how to override it.
+      *error = where + ": the communicator has " + open_text +
+               " but the launcher's environment says " + std::to_string(o.world_size) +
+               (o.world_size_from.empty() ? "" : " (" + o.world_size_from + ")") +
+               "; if that is left from another launch, --world-size " + std::to_string(ranks_open) +
+               " overrides it";
+    }
+    // Every rank may not see the same mismatch (one given another --world-size): the others
+    // learn of it from the abort instead of waiting for this rank.
+    comm.value()->abort(zinf::Status::aborted(*error));
     return false;
   }
   ranks->first_rank = comm.value()->rank();
@@ -1264,15 +1366,27 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     return 1;
   }
   if (!check_writable_dir("--out", o.out_dir, 1 << 20, error)) return 1;
+  // What this run will make of the NVMe path (its topmost missing directory), to remove once
+  // empty. Looked at before the communicator opens, which every rank of a job passes before any
+  // creates anything, so that ranks sharing the path agree on it.
+  const fs::path nvme_top = uses_nvme ? topmost_missing(o.nvme_path) : fs::path();
   // The devices and communicators are opened before anything is created on disk, so that a run
   // without the device asked for (no GPU) leaves nothing behind.
   Ranks ranks;
   if (o.use_engine && !open_ranks(o, device_budget, &ranks, error)) return 1;
 
   CreatedDirs created;
+  // Every failure from here on aborts the communicator with its message: the other ranks'
+  // collectives fail at once, naming this rank and quoting the message, instead of waiting for it
+  // until the collective timeout; and this process skips MPI_Finalize at exit, which would wait
+  // for them. Then it removes what it made.
   auto fail = [&](const std::string& message) {
     *error = message;
+    for (std::unique_ptr<zinf::Communicator>& comm : ranks.comms) {
+      comm->abort(zinf::Status::aborted(message));
+    }
     created.remove_all();
+    remove_empty_dirs(o.nvme_path, nvme_top);
     return 1;
   };
   // One process per rank: only rank 0 writes the outputs, and each rank's swap files go in a
@@ -1281,13 +1395,39 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   const bool prints = ranks.first_rank == 0;
   summary->rank = ranks.first_rank;
   summary->writes_outputs = prints;
+  // The exchange between the processes, opened before anything is created, and first used to
+  // check that every rank was given the same options (and the same text): ranks that differ in
+  // them would train different models, or issue different collectives, which fail only as bytes
+  // that do not match, naming no option.
+  std::unique_ptr<Exchange> exchange;
+  if (processes) {
+    exchange = std::make_unique<Exchange>(*ranks.devices[0], *ranks.comms[0],
+                                          std::chrono::milliseconds(o.collective_timeout_ms));
+    zinf::Status opened = exchange->open();
+    if (!opened.is_ok()) return fail(opened.to_string());
+    char fingerprint[96];
+    std::snprintf(fingerprint, sizeof(fingerprint), "a text of %zu bytes, FNV-1a %016llx",
+                  corpus.text().size(), static_cast<unsigned long long>(fnv1a(corpus.text())));
+    std::vector<std::string> texts;
+    zinf::Status st = exchange->all_gather_text(
+        options_every_rank_shares(o) + "--data " + fingerprint + "\n", &texts);
+    if (!st.is_ok()) return fail("comparing the ranks' options: " + st.to_string());
+    const std::string differs = first_option_ranks_disagree_on(texts);
+    if (!differs.empty()) {
+      // Every rank holds every rank's options and reaches this same verdict here, so none waits
+      // for another: the communicator is not aborted (the abort could fail the exchange's last
+      // collective on a rank that has not seen it complete yet, hiding the verdict there).
+      *error = differs;
+      return 2;
+    }
+  }
   if (prints && !created.make("--out", o.out_dir, error)) return fail(*error);
-  std::error_code exists_ec;
-  const bool nvme_created = uses_nvme && !processes && !fs::exists(o.nvme_path, exists_ec);
-  if (uses_nvme && processes) {
-    fs::create_directories(o.nvme_path, exists_ec);
-  } else if (uses_nvme && !created.make("--nvme-path", o.nvme_path, error)) {
-    return fail(*error);
+  // Ranks of a job may share the NVMe path: each makes it, and removes it only once it is empty
+  // (remove_empty_dirs), never with what is in it.
+  if (uses_nvme) {
+    std::error_code ec;
+    fs::create_directories(o.nvme_path, ec);
+    if (ec) return fail("--nvme-path " + o.nvme_path + ": cannot create it: " + ec.message());
   }
   // A directory of our own inside the NVMe path, so that the swap files of this run are removed
   // with it whatever the path held before.
@@ -1295,7 +1435,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
       (fs::path(o.nvme_path) /
        (processes ? "train_lm.swap.rank" + std::to_string(ranks.first_rank) : "train_lm.swap"))
           .string();
-  if (uses_nvme && !created.make("--nvme-path", swap_dir, error)) return fail(*error);
+  if (uses_nvme && !created.make_one("--nvme-path", swap_dir, error)) return fail(*error);
 
   if (!o.quiet && prints) std::fputs(banner.c_str(), stderr);
   // A trace is kept when asked for, and whenever the optimizer state is offloaded: its pipeline's
@@ -1306,15 +1446,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
 
   Shared shared(o, shape, corpus, summary, o.use_engine ? int(ranks.comms.size()) : 1, prints);
   shared.first_rank = ranks.first_rank;
-  std::unique_ptr<Exchange> exchange;
-  if (processes) {
-    exchange = std::make_unique<Exchange>(*ranks.devices[0], *ranks.comms[0],
-                                          std::chrono::milliseconds(o.collective_timeout_ms));
-    zinf::Status opened = exchange->open();
-    if (!opened.is_ok())
-      return fail("rank " + std::to_string(ranks.first_rank) + ": " + opened.to_string());
-    shared.exchange = exchange.get();
-  }
+  shared.exchange = exchange.get();
   shared.trace = trace.get();
   shared.pipeline_traced = pipeline;
   if (!o.use_engine) {
@@ -1336,18 +1468,15 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
           if (uses_nvme) env.nvme_paths = {swap_dir};
           env.trace = trace.get();
           zinf::Result<std::unique_ptr<zinf::Engine>> engine = zinf::Engine::open(config, env);
-          if (!engine.is_ok()) {
-            shared.fail(r, "engine: " + engine.status().to_string());
-            env.comm->abort(zinf::Status::aborted("another rank failed"));
-            shared.sync.arrive_and_drop();
-            return;
-          }
-          zinf::Status registered =
-              register_model(*engine.value(), shape, o.seed,
-                             o.param_dtype == "bf16" ? zinf::DType::kBF16 : zinf::DType::kF32);
-          if (!registered.is_ok()) {
-            shared.fail(r, "engine: " + registered.to_string());
-            env.comm->abort(zinf::Status::aborted("another rank failed"));
+          zinf::Status opened =
+              engine.is_ok()
+                  ? register_model(*engine.value(), shape, o.seed,
+                                   o.param_dtype == "bf16" ? zinf::DType::kBF16 : zinf::DType::kF32)
+                  : engine.status();
+          if (!opened.is_ok()) {
+            // The other ranks learn why from the abort.
+            shared.fail(r, "engine: " + opened.to_string());
+            env.comm->abort(zinf::Status::aborted("engine: " + opened.to_string()));
             shared.sync.arrive_and_drop();
             return;
           }
@@ -1356,52 +1485,69 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
       }
       for (std::thread& t : threads) t.join();
     }
-    if (exchange != nullptr && !shared.failed) {
-      // Every rank's tiers and traffic, for rank 0's summary.
-      const std::size_t me = std::size_t(ranks.first_rank);
-      const std::uint64_t mine[5] = {shared.memory[me].device_bytes, shared.memory[me].host_bytes,
-                                     shared.memory[me].nvme_bytes, shared.nvme_read[me],
-                                     shared.nvme_write[me]};
-      std::vector<std::uint64_t> all(5 * std::size_t(o.world_size));
-      zinf::Status st = exchange->all_gather(mine, sizeof(mine), all.data());
-      if (!st.is_ok()) shared.fail(ranks.first_rank, "summary: " + st.to_string());
-      for (std::size_t r = 0; st.is_ok() && r < std::size_t(o.world_size); ++r) {
-        shared.memory[r].device_bytes = all[5 * r];
-        shared.memory[r].host_bytes = all[5 * r + 1];
-        shared.memory[r].nvme_bytes = all[5 * r + 2];
-        shared.nvme_read[r] = all[5 * r + 3];
-        shared.nvme_write[r] = all[5 * r + 4];
-      }
-    }
-    for (int r = 0; r < o.world_size; ++r) {
-      summary->device_bytes += shared.memory[std::size_t(r)].device_bytes;
-      summary->host_bytes += shared.memory[std::size_t(r)].host_bytes;
-      summary->nvme_bytes += shared.memory[std::size_t(r)].nvme_bytes;
-      summary->nvme_read_bytes += shared.nvme_read[std::size_t(r)];
-      summary->nvme_write_bytes += shared.nvme_write[std::size_t(r)];
+  }
+  summary->peak_rss_bytes = peak_rss_bytes();
+  if (exchange != nullptr && !shared.failed) {
+    // Every rank's tiers, traffic, activations and its process's peak resident sets, for rank
+    // 0's summary.
+    const std::size_t me = std::size_t(ranks.first_rank);
+    const zinf::MemoryReport& m = shared.memory[me];
+    constexpr std::size_t kFigures = 11;
+    const std::uint64_t mine[kFigures] = {m.device_bytes,
+                                          m.host_bytes,
+                                          m.nvme_bytes,
+                                          shared.nvme_read[me],
+                                          shared.nvme_write[me],
+                                          m.activation_device_bytes_peak,
+                                          m.activation_host_bytes,
+                                          m.activation_nvme_write_bytes,
+                                          m.activation_nvme_read_bytes,
+                                          summary->setup_peak_rss_bytes,
+                                          summary->peak_rss_bytes};
+    std::vector<std::uint64_t> all(kFigures * std::size_t(o.world_size));
+    zinf::Status st = exchange->all_gather(mine, sizeof(mine), all.data());
+    if (!st.is_ok()) shared.fail(ranks.first_rank, "summary: " + st.to_string());
+    // Each process's peak resident set, summed: no less than the job held at any one moment.
+    if (st.is_ok()) summary->setup_peak_rss_bytes = summary->peak_rss_bytes = 0;
+    for (std::size_t r = 0; st.is_ok() && r < std::size_t(o.world_size); ++r) {
+      const std::uint64_t* theirs = &all[kFigures * r];
+      zinf::MemoryReport& report = shared.memory[r];
+      report.device_bytes = theirs[0];
+      report.host_bytes = theirs[1];
+      report.nvme_bytes = theirs[2];
+      shared.nvme_read[r] = theirs[3];
+      shared.nvme_write[r] = theirs[4];
+      report.activation_device_bytes_peak = theirs[5];
+      report.activation_host_bytes = theirs[6];
+      report.activation_nvme_write_bytes = theirs[7];
+      report.activation_nvme_read_bytes = theirs[8];
+      summary->setup_peak_rss_bytes += theirs[9];
+      summary->peak_rss_bytes += theirs[10];
     }
   }
-  if (exchange == nullptr) {
-    for (int r = 0; r < o.world_size; ++r) {
-      const zinf::MemoryReport& m = shared.memory[std::size_t(r)];
-      summary->activation_device_bytes_peak += m.activation_device_bytes_peak;
-      summary->activation_host_bytes += m.activation_host_bytes;
-      summary->activation_nvme_write_bytes += m.activation_nvme_write_bytes;
-      summary->activation_nvme_read_bytes += m.activation_nvme_read_bytes;
-    }
+  for (int r = 0; r < o.world_size; ++r) {
+    const zinf::MemoryReport& m = shared.memory[std::size_t(r)];
+    summary->device_bytes += m.device_bytes;
+    summary->host_bytes += m.host_bytes;
+    summary->nvme_bytes += m.nvme_bytes;
+    summary->nvme_read_bytes += shared.nvme_read[std::size_t(r)];
+    summary->nvme_write_bytes += shared.nvme_write[std::size_t(r)];
+    summary->activation_device_bytes_peak += m.activation_device_bytes_peak;
+    summary->activation_host_bytes += m.activation_host_bytes;
+    summary->activation_nvme_write_bytes += m.activation_nvme_write_bytes;
+    summary->activation_nvme_read_bytes += m.activation_nvme_read_bytes;
   }
   shared.progress.finish_line();
   if (shared.failed) return fail(shared.error);
-  // The swap files are scratch: they go with the run.
+  // The swap files are scratch: they go with the run, and so does what the run made of the NVMe
+  // path once no rank's swap directory is left in it.
   if (uses_nvme) {
     std::error_code ec;
     fs::remove_all(swap_dir, ec);
-    // And the NVMe directory too when this run made it and nothing else is in it.
-    if (nvme_created && fs::is_empty(o.nvme_path, ec)) fs::remove(o.nvme_path, ec);
+    remove_empty_dirs(o.nvme_path, nvme_top);
   }
 
   summary->wall_s = seconds_since(wall_start);
-  summary->peak_rss_bytes = peak_rss_bytes();
   if (pipeline && summary->steps_done > 0) {
     // A trace that filled up dropped spans: the update time would be short, so say nothing.
     summary->time.io_wait_s =
@@ -1412,7 +1558,13 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   }
   if (trace && !o.trace_path.empty() && prints) {
     zinf::Status written = trace->write_json(o.trace_path);
-    if (!written.is_ok()) return fail("--trace: " + written.to_string());
+    if (!written.is_ok()) {
+      // Every collective is done, so the communicator is not aborted: no rank waits for this one,
+      // and MPI finalises as after a run that succeeded.
+      *error = "--trace: " + written.to_string();
+      created.remove_all();
+      return 1;
+    }
   }
   return 0;
 }

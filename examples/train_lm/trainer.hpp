@@ -55,6 +55,7 @@ struct RunSummary {
   std::uint64_t activation_host_bytes = 0;
   std::uint64_t activation_nvme_write_bytes = 0;
   std::uint64_t activation_nvme_read_bytes = 0;
+  // The process's peak resident set (with --comm mpi, nccl: every rank's process's, summed).
   std::uint64_t setup_peak_rss_bytes = 0;  // until the first validation (registration, finalize)
   std::uint64_t peak_rss_bytes = 0;        // during the training steps
   std::vector<CurvePoint> curve;
@@ -68,8 +69,10 @@ struct Footprint {
 };
 Footprint estimate_footprint(const Options& options, const ModelShape& shape);
 
-// Trains, after printing `banner` on stderr once the checks have passed. Returns 0, or 1 with
-// `error` set to one line (nothing created is left behind).
+// Trains, after printing `banner` on stderr once the checks have passed. Returns 0; or 1 with
+// `error` set to one line (nothing created is left behind); or 2 the same way when the ranks of a
+// job (--comm mpi, nccl) were given different options (options_every_rank_shares). A failure once
+// the communicator is open aborts it, so that the other ranks fail at once, naming this one.
 int run_training(const Options& options, const ModelShape& shape, const std::string& banner,
                  RunSummary* summary, std::string* error);
 
