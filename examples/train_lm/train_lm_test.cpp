@@ -644,6 +644,46 @@ std::vector<std::string> run_loss_rows(const std::string& args, const fs::path& 
 // --save-every and --resume: a run stopped after step 120 (as if killed there) resumes from its
 // step-100 checkpoint (keep_last 2 kept global_step50 and global_step100) and writes a loss.csv
 // whose losses equal the uninterrupted run's, row for row (tokens/s is a measured time).
+// A run that fails after a checkpoint (its next save finds the disk full) removes the --out
+// directory it made, but not when that holds the checkpoint (the default --save-dir is inside it):
+// the step-2 checkpoint is still there, whole, and loads. Needs an 8 MiB tmpfs (root); skips
+// without one.
+TEST(Program, AFailedRunKeepsTheCheckpointsItSaved) {
+  const fs::path dir = scratch_dir("train_lm_keep_ckpt");
+  const fs::path small = dir / "small";
+  fs::create_directories(small);
+  const std::string mount = "mount -t tmpfs -o size=8m tmpfs " + small.string() + " 2>/dev/null";
+  if (std::system(mount.c_str()) != 0) {
+    GTEST_SKIP() << "cannot mount an 8 MiB tmpfs at " << small << " (needs root)";
+  }
+  const fs::path out = small / "o";
+  std::string err, out_text;
+  const int code = run_program(
+      "--params 500k --steps 10 --batch 4 --seq-len 16 --eval-every 5 "
+      "--eval-tokens 256 --no-progress --save-every 2 --out " +
+          out.string() + " --nvme-path " + (dir / "nvme").string(),
+      &err, &out_text);
+  const bool kept = fs::exists(out / "checkpoints" / "global_step2" / "manifest.json");
+  const std::string latest = read_all(out / "checkpoints" / "latest");
+  std::string resume_err;
+  const int resumed =
+      kept ? run_program(
+                 "--params 500k --steps 3 --batch 4 --seq-len 16 "
+                 "--eval-every 5 --eval-tokens 256 --no-progress "
+                 "--resume " +
+                     (out / "checkpoints").string() + " --out " + (dir / "resumed").string() +
+                     " --nvme-path " + (dir / "nvme").string(),
+                 &resume_err)
+           : -1;
+  (void)std::system(("umount " + small.string()).c_str());
+  EXPECT_EQ(code, 1) << err;
+  EXPECT_NE(err.find("No space left on device"), std::string::npos) << err;
+  EXPECT_TRUE(kept) << err;
+  EXPECT_EQ(latest, "global_step2");
+  EXPECT_NE(err.find("kept " + out.string()), std::string::npos) << err;
+  EXPECT_EQ(resumed, 0) << resume_err;
+}
+
 TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   const fs::path dir = scratch_dir("train_lm_resume");
   const std::string common =

@@ -194,8 +194,21 @@ void remove_empty_dirs(const std::string& path, const fs::path& top) {
   }
 }
 
+// Whether `dir` holds a complete checkpoint tag: a manifest.json in a directory whose name does
+// not start with '.' (a save cut short is .<tag>.tmp).
+bool holds_checkpoint(const fs::path& dir) {
+  std::error_code ec;
+  for (fs::recursive_directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const fs::path& p = it->path();
+    if (p.filename() == "manifest.json" && !p.parent_path().filename().string().starts_with(".")) {
+      return true;
+    }
+  }
+  return false;
+}
+
 // Directories this run created, removed again (with what is in them) when the run fails, so a
-// failed run leaves nothing behind.
+// failed run leaves nothing behind but the checkpoints it saved.
 class CreatedDirs {
  public:
   bool make(const std::string& option, const std::string& path, std::string* error) {
@@ -222,9 +235,17 @@ class CreatedDirs {
     if (made) created_.push_back(fs::absolute(path, ec));
     return true;
   }
+  // A directory that holds a complete checkpoint (a tag's manifest.json; the default --save-dir
+  // is inside --out) is kept whole, with a line saying so: a failed run never deletes the
+  // checkpoints it saved before it failed.
   void remove_all() {
     for (auto it = created_.rbegin(); it != created_.rend(); ++it) {
       std::error_code ec;
+      if (holds_checkpoint(*it)) {
+        std::fprintf(stderr, "train_lm: kept %s: it holds the checkpoints this run saved\n",
+                     it->string().c_str());
+        continue;
+      }
       fs::remove_all(*it, ec);
     }
     created_.clear();
