@@ -717,6 +717,18 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   EXPECT_EQ(differ, 0);
   std::printf("resumed at step 101; %d rows differ; the last row: %s\n", differ,
               resumed.back().c_str());
+  // Resuming at or past --steps has nothing to train: exit 1 saying so, not a run of no steps.
+  std::string past_err;
+  const std::string past =
+      "--params 20k --steps 100 --batch 4 --seq-len 16 --eval-every 25 "
+      "--eval-tokens 256 --seed 5 --no-progress --offload-optimizer nvme "
+      "--nvme-path " +
+      (dir / "nvme").string() + " --resume " + (dir / "ckpt").string() + " --out " +
+      (dir / "past").string();
+  EXPECT_EQ(run_program(past, &past_err), 1) << past_err;
+  EXPECT_NE(past_err.find("the checkpoint is at step 100, and --steps is 100: nothing to train"),
+            std::string::npos)
+      << past_err;
   fs::remove_all(dir);
 }
 

@@ -1031,6 +1031,13 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       fail("--resume: " + st.to_string());
       return fail_out();
     }
+    if (saved_step >= o.steps) {
+      // Nothing left to train: said, not a run of no steps that reports zeros.
+      fail("--resume " + o.resume_dir + ": the checkpoint is at step " +
+           std::to_string(saved_step) + ", and --steps is " + std::to_string(o.steps) +
+           ": nothing to train (give --steps above " + std::to_string(saved_step) + ")");
+      return fail_out();
+    }
     first_step = saved_step + 1;
     if (rank == shared.first_rank) shared.summary->curve = std::move(curve);
   }
