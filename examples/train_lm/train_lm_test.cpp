@@ -704,6 +704,9 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
                         &err),
             0)
       << err;
+  EXPECT_NE(err.find("resumed from " + (dir / "ckpt").string() + "/global_step100 at step 100"),
+            std::string::npos)
+      << err;
   const std::vector<std::string> whole = loss_rows(dir / "whole" / "loss.csv");
   const std::vector<std::string> resumed = loss_rows(dir / "resumed" / "loss.csv");
   ASSERT_EQ(whole.size(), 131u);  // the header and 130 steps

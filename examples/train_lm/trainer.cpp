@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <atomic>
 #include <barrier>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -81,6 +83,16 @@ double process_cpu_s() {
   getrusage(RUSAGE_SELF, &usage);
   auto s = [](const timeval& t) { return double(t.tv_sec) + double(t.tv_usec) * 1e-6; };
   return s(usage.ru_utime) + s(usage.ru_stime);
+}
+
+// The text of a small file without its trailing white space ("" when it cannot be read).
+std::string read_all_text(const fs::path& path) {
+  std::ifstream in(path);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back())) != 0) {
+    text.pop_back();
+  }
+  return text;
 }
 
 // FNV-1a (64 bits) of `text`: the fingerprint of the training text that the ranks of a job
@@ -1040,6 +1052,15 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     }
     first_step = saved_step + 1;
     if (rank == shared.first_rank) shared.summary->curve = std::move(curve);
+    if (rank == shared.first_rank && !o.quiet && shared.prints) {
+      // Which checkpoint, and what of this command it overrides.
+      std::string tag = read_all_text(fs::path(o.resume_dir) / "latest");
+      std::fprintf(stderr,
+                   "resumed from %s/%s at step %lld: the checkpoint's learning-rate schedule, "
+                   "data position and seed go on (this command's --lr, --warmup and --seed are "
+                   "not used)\n",
+                   o.resume_dir.c_str(), tag.c_str(), static_cast<long long>(saved_step));
+    }
   }
 
   TokenBatch val_batch, batch;
