@@ -720,6 +720,23 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   EXPECT_EQ(differ, 0);
   std::printf("resumed at step 101; %d rows differ; the last row: %s\n", differ,
               resumed.back().c_str());
+  // latest pointed back at step 50 while global_step100 is there: a run that would save
+  // global_step100 again into that directory is refused before it trains.
+  {
+    std::ofstream(dir / "ckpt" / "latest", std::ios::trunc) << "global_step50";
+    std::string back_err;
+    EXPECT_EQ(run_program(common + "--save-every 50 --resume " + (dir / "ckpt").string() +
+                              " --save-dir " + (dir / "ckpt").string() + " --out " +
+                              (dir / "back").string(),
+                          &back_err),
+              1)
+        << back_err;
+    EXPECT_NE(back_err.find("global_step100 exists already, and this run would save that tag "
+                            "again"),
+              std::string::npos)
+        << back_err;
+    std::ofstream(dir / "ckpt" / "latest", std::ios::trunc) << "global_step100";
+  }
   // Resuming at or past --steps has nothing to train: exit 1 saying so, not a run of no steps.
   std::string past_err;
   const std::string past =

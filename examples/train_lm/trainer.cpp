@@ -1050,6 +1050,20 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
            ": nothing to train (give --steps above " + std::to_string(saved_step) + ")");
       return fail_out();
     }
+    // A tag this run would save exists already in --save-dir (latest was pointed back at an older
+    // tag): refused now, not at that save after the steps before it.
+    for (std::int64_t step = saved_step + 1; o.save_every > 0 && step <= o.steps; ++step) {
+      if (step % o.save_every != 0) continue;
+      const fs::path tag = fs::path(o.save_dir) / ("global_step" + std::to_string(step));
+      std::error_code ec;
+      if (fs::exists(tag, ec)) {
+        fail("--resume " + o.resume_dir + " at step " + std::to_string(saved_step) + ": " +
+             tag.string() + " exists already, and this run would save that tag again (a tag " +
+             "is written once): give another --save-dir, or remove the tags after step " +
+             std::to_string(saved_step));
+        return fail_out();
+      }
+    }
     first_step = saved_step + 1;
     if (rank == shared.first_rank) shared.summary->curve = std::move(curve);
     if (rank == shared.first_rank && !o.quiet && shared.prints) {
