@@ -425,9 +425,10 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
 // export_checkpoint_safetensors() is public (include/zinf/engine.hpp), in checkpoint_export.cpp.
 // {"dir", "latest", "tags": [{tag, step, world_size, stage, optimizer, parameters,
 // parameter_elements, bytes, checksums ("ok", "not verified", or the error: the rank files and
-// the client state)}], "problems": [text]}, tags oldest first. The problems: a `latest` that
-// does not read or names no complete tag, a tag directory whose manifest does not read, a
-// save cut short (.<tag>.tmp).
+// the client state)}], "problems": [text], "notes": [text]}, tags oldest first. The problems: a
+// `latest` that does not read or names no complete tag, a tag directory (one with a manifest or
+// rank files) whose manifest does not read. The notes: saves in progress or cut short
+// (.<tag>.tmp).
 // kNotFound naming `dir` when it is not a directory, or holds neither `latest` nor a tag.
 Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify);
 

@@ -144,8 +144,9 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   Result<std::string> latest = read_latest_tag(*io, dir);
   out["latest"] = latest.is_ok() ? nlohmann::json(*latest) : nlohmann::json(nullptr);
   const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir);
-  // What a load would refuse or a user should know: a `latest` that cannot be read or names no
-  // complete tag, tag directories whose manifest does not read, saves cut short.
+  // What a load would refuse: a `latest` that cannot be read or names no complete tag, tag
+  // directories whose manifest does not read (problems); and saves in progress or cut short
+  // (notes).
   nlohmann::json problems = nlohmann::json::array();
   std::error_code ec;
   const bool has_latest_file = std::filesystem::exists(fmt::format("{}/latest", dir), ec);
@@ -157,12 +158,16 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     problems.push_back(fmt::format(
         "'{}/latest' names tag '{}', which is not a complete checkpoint here", dir, *latest));
   }
+  nlohmann::json notes = nlohmann::json::array();
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (!entry.is_directory(ec)) continue;
     if (name.size() > 5 && name[0] == '.' && name.ends_with(".tmp")) {
-      problems.push_back(
-          fmt::format("'{}': a save cut short (the next save into this directory removes it)",
+      // A save in progress, or one cut short (the next save removes it): not a problem of the
+      // checkpoints there.
+      notes.push_back(
+          fmt::format("'{}': a save in progress or cut short (the next save into "
+                      "this directory removes it)",
                       entry.path().string()));
       continue;
     }
@@ -171,7 +176,13 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
                     [&](const CheckpointManifest& m) { return m.tag == name; })) {
       continue;
     }
+    // Only a directory that looks like a tag (a manifest, or rank files) is one that failed: the
+    // directory may hold other things of the program's (logs, say).
     const std::string path = fmt::format("{}/{}/{}", dir, name, kCheckpointManifest);
+    const bool has_manifest = std::filesystem::exists(path, ec);
+    const bool has_rank_file =
+        std::filesystem::exists(fmt::format("{}/{}/rank0.zinfckpt", dir, name), ec);
+    if (!has_manifest && !has_rank_file) continue;
     Result<std::string> text = read_text_file(*io, path);
     Result<CheckpointManifest> m = text.is_ok() ? parse_checkpoint_manifest(*text, path)
                                                 : Result<CheckpointManifest>(text.status());
@@ -179,6 +190,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
                                    m.is_ok() ? fmt::format("its manifest names tag '{}'", m->tag)
                                              : std::string(m.status().message())));
   }
+  out["notes"] = notes;
   out["problems"] = problems;
   if (manifests.empty() && !latest.is_ok() && problems.empty()) {
     // Nothing to list: a mistyped path, or a save that never finished.

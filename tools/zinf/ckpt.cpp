@@ -2,8 +2,9 @@
 //   zinf ckpt inspect DIR [--json] [--no-verify]   the tags, world size, stage, parameters,
 //                                                   sizes and whether every checksum matches;
 //                                                   problems (a `latest` that names no complete
-//                                                   tag, a tag whose manifest does not read, a
-//                                                   save cut short) below; exit 1 on any
+//                                                   tag, a tag whose manifest does not read)
+//                                                   below, exit 1 on any; saves in progress or
+//                                                   cut short as notes
 //   zinf ckpt export DIR [--tag T] --out FILE [--dtype fp32|bf16]
 //                                                   every parameter's full fp32 master (from
 //                                                   any world size) as one safetensors file
@@ -54,6 +55,7 @@ void run_inspect(const InspectOptions& o) {
   for (const nlohmann::json& p : j["problems"]) notes.push_back(p.get<std::string>());
   all_ok = all_ok && j["problems"].empty();
   for (const std::string& note : notes) fmt::print("problem: {}\n", note);
+  for (const nlohmann::json& n : j["notes"]) fmt::print("note: {}\n", n.get<std::string>());
   if (!all_ok) set_exit_code(1);
 }
 
