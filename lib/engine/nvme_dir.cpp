@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -34,9 +35,16 @@ void remove_stale_swap_files(const std::string& dir) {
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     if (!stale_swap_file(name)) continue;
+    // A process of another pid namespace on this machine (a container sharing the host's name)
+    // may still hold it: its swap space keeps a shared lock on the file while it is open.
+    const int fd = ::open(entry.path().c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0) continue;
+    const bool unused = ::flock(fd, LOCK_EX | LOCK_NB) == 0;
     std::error_code size_ec;
     const std::uintmax_t bytes = entry.file_size(size_ec);
-    if (::unlink(entry.path().c_str()) == 0) {
+    const bool removed = unused && ::unlink(entry.path().c_str()) == 0;
+    ::close(fd);
+    if (removed) {
       log_warn(
           "removed '{}' ({} bytes): the swap file of a process of this machine that ended "
           "without removing it (killed)",
@@ -59,6 +67,12 @@ bool stale_swap_file(const std::string& name) {
     if (!name.starts_with(prefix) || !name.ends_with(".bin")) continue;
     const std::size_t dash = name.find("-rank", prefix.size());
     if (dash == std::string::npos || dash == prefix.size()) return false;
+    // -rank<digits>.bin and nothing else after the pid.
+    const std::size_t rank_end = name.size() - 4;
+    if (rank_end <= dash + 5) return false;
+    for (std::size_t i = dash + 5; i < rank_end; ++i) {
+      if (!std::isdigit(static_cast<unsigned char>(name[i]))) return false;
+    }
     long pid = 0;
     for (std::size_t i = prefix.size(); i < dash; ++i) {
       if (!std::isdigit(static_cast<unsigned char>(name[i])) || pid > 1'000'000'000) return false;

@@ -21,7 +21,8 @@ std::string swap_file_name(const std::string& kind, int rank);
 
 // Whether `name` is the swap file of a process of this machine that is no longer running
 // (kill(pid, 0) says ESRCH): a swap file outlives its process only when the process was killed,
-// and nobody reads it after that.
+// and nobody reads it after that. (The removal also takes an exclusive lock on it first: a
+// process of another pid namespace holds a shared one while its swap file is open.)
 bool stale_swap_file(const std::string& name);
 
 }  // namespace zinf

@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -444,6 +445,10 @@ Status prepare_file(const std::string& dir, const std::string& path, std::uint64
     *fd = -1;
   } else {
     *fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_EXCL | O_DIRECT | O_CLOEXEC, 0600);
+    // A shared lock for as long as the file is open: another process that looks for swap files
+    // left by killed processes (engine/nvme_dir.cpp) sees this one in use, whatever pid
+    // namespace it runs in, and leaves it. (Advisory: nothing else depends on it.)
+    if (*fd >= 0) (void)::flock(*fd, LOCK_SH | LOCK_NB);
   }
   if (*fd < 0) {
     const int err = errno;

@@ -1,8 +1,10 @@
 // The engine's behaviour beyond the equivalence matrix: prefetch in the recorded order within the
 // live-parameter bound, f16 overflow (every rank skips, the scale halves, nothing changes), and
 // bad input (each a clear Status naming what was wrong, the engine still training correctly).
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -1001,9 +1003,18 @@ TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   const std::string dead_activations = named(swap_file_name("activations", 0), child);
   const std::string alive = named(swap_file_name("swap", 1), ::getppid());
   const std::string elsewhere = fmt::format("zinf-swap-another_host-{}-rank1.bin", child);
-  for (const std::string& name : {dead, dead_activations, alive, elsewhere}) {
+  // Not a swap file's name, though it starts as one.
+  std::string backup = named(swap_file_name("swap", 1), child);
+  backup.replace(backup.size() - 4, 4, "-backup.bin");
+  // A dead pid here, but the file is open and locked (as by a process of another pid namespace
+  // on this machine, which kill() cannot see).
+  const std::string held = named(swap_file_name("swap", 2), child);
+  for (const std::string& name : {dead, dead_activations, alive, elsewhere, backup, held}) {
     std::ofstream(dir.path() + "/" + name) << "stale swap bytes";
   }
+  const int held_fd = ::open((dir.path() + "/" + held).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(held_fd, 0);
+  ASSERT_EQ(::flock(held_fd, LOCK_SH), 0);
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   const Config config =
       engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
@@ -1015,6 +1026,9 @@ TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + dead_activations));
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + alive));
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + elsewhere));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + backup));
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + held));
+  ::close(held_fd);
   EXPECT_NE(log.find("removed '" + dir.path() + "/" + dead + "' (16 bytes)"), std::string::npos)
       << log;
 }
