@@ -187,31 +187,48 @@ STRAY = (r"failed_precondition: .*parameter '[0-9.a-z]+'.*"
          r"call engine.backward\(loss\) instead of loss.backward\(\)")
 
 
-@pytest.mark.parametrize("stage,offload,refused_by", [
-    (1, "none", "step"), (2, "cpu", "step"), (2, "none", "backward"), (3, "cpu", "loss.backward")])
-def test_loss_backward_instead_of_engine_backward_is_refused(stage, offload, refused_by, tmp_path):
-    """A backward the engine did not run is reported by the next step() or backward() (at
-    stage 3 by loss.backward() itself, before it gathers anything); its gradients are dropped,
-    so training goes on as if it had not happened."""
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (2, "none"), (3, "cpu")])
+def test_loss_backward_instead_of_engine_backward_is_refused(stage, offload, tmp_path):
+    """A step after loss.backward() with no engine.backward() since the last step is refused
+    (the engine has no gradient to apply); the gradients were dropped, so with one rank training
+    goes on as if that backward had not happened."""
     batches = mlp_batches(3)
     reference = make_mlp()
     expected = train_mlp_torch(reference, batches[1:])
     model = make_mlp()
     engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage, offload,
                                                                            tmp_path))
-    loss = mlp_loss(engine, batches[0])
-    if refused_by == "loss.backward":
-        with pytest.raises(zinf.Error, match=STRAY):
-            loss.backward()
-    else:
-        loss.backward()
-        with pytest.raises(zinf.Error, match=STRAY):
-            if refused_by == "step":
-                engine.step()
-            else:
-                engine.backward(mlp_loss(engine, batches[1]))
+    mlp_loss(engine, batches[0]).backward()
+    with pytest.raises(zinf.Error, match=STRAY):
+        engine.step()
     assert engine.global_steps == 0 and all(p.grad is None for p in model.parameters())
     assert train_mlp_zinf(engine, batches[1:]) == pytest.approx(expected, rel=1e-5)
+    assert_mlp_matches(engine, reference)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_another_backward_through_the_model_is_not_a_mistake(stage, tmp_path):
+    """Backward passes engine.backward() did not run, beside the engine's own: a gradient with
+    respect to the inputs (torch.autograd.grad, as for a gradient penalty), and a second engine's
+    loss whose backward runs through this model (a GAN's generator through its discriminator).
+    Neither is refused, neither reaches this engine's step, and the training equals torch's."""
+    batches = mlp_batches(3)
+    reference = make_mlp()
+    expected = train_mlp_torch(reference, batches)
+    model = make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage, "cpu",
+                                                                           tmp_path))
+    x, _ = batches[0]
+    x = x.clone().requires_grad_(True)
+    (gx,) = torch.autograd.grad(engine(x).pow(2).sum(), x)
+    want = torch.autograd.grad(make_mlp()(x).pow(2).sum(), x)[0]  # the untrained model's
+    assert torch.allclose(gx, want, rtol=1e-5, atol=1e-6)
+    # Another model's loss through this one: only the other model's parameters would learn.
+    other = torch.nn.Linear(x.shape[1], x.shape[1])
+    engine(other(x.detach())).pow(2).mean().backward()
+    assert other.weight.grad is not None
+    assert all(p.grad is None for p in model.parameters())
+    assert train_mlp_zinf(engine, batches) == pytest.approx(expected, rel=1e-5)
     assert_mlp_matches(engine, reference)
 
 

@@ -2,6 +2,7 @@
 inside a `with` block, for reading or, with modifier_rank, changing them."""
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import torch
@@ -27,9 +28,10 @@ class GatheredParameters:
       block (at stages 1 and 2 they always are). With modifier_rank=r, each parameter changed in
       the block, however (in place, through .data, or its .data replaced), is written at its end
       into the engine's fp32 master from rank r's values (Engine::write_parameters, which then
-      republishes the parameters); the optimizer moments stay. A change is found by comparing
-      the values with a copy taken on entry (ops on .data do not move the version counter);
-      with several ranks every parameter is written. Use it between steps: after a backward
+      republishes the parameters); the optimizer moments stay. A change is found by comparing a
+      digest of the values with one taken on entry (ops on .data do not move the version
+      counter; a digest holds no second copy of the parameters); with several ranks every
+      parameter is written. Use it between steps: after a backward
       whose step has not run it raises zinf.Error naming the parameter, before anything is
       gathered. Every rank must enter the block (the write is collective), and each write is a
       pass over the rank's master partition.
@@ -46,9 +48,8 @@ class GatheredParameters:
         self._held: list[tuple["ZinfEngine", str]] = []
         self._loaded: list[tuple[nn.Parameter, _torch_init.Staged]] = []
         # Engine parameters and how they looked on entry: the data pointer, and with one rank a
-        # copy of the values (with several, every parameter is written anyway).
-        self._watched: list[tuple["ZinfEngine", nn.Parameter, int,
-                                  torch.Tensor | None]] = []
+        # digest of the values (with several, every parameter is written anyway).
+        self._watched: list[tuple["ZinfEngine", nn.Parameter, int, bytes | None]] = []
 
     def __enter__(self):
         if not self._enabled:
@@ -70,20 +71,19 @@ class GatheredParameters:
                 engine._acquire(owner)
                 self._held.append((engine, owner))
             if self._modifier_rank is not None:
-                copy = param.detach().clone() if engine.world_size == 1 else None
-                self._watched.append((engine, param, param.data_ptr(), copy))
+                digest = _digest(param) if engine.world_size == 1 else None
+                self._watched.append((engine, param, param.data_ptr(), digest))
         return self
 
     def __exit__(self, *exc):
         # With several ranks every parameter is written (the write is collective, and only the
-        # modifier rank's changes count, so the others cannot tell); with one, those whose values
-        # differ from the copy taken on entry, or whose .data was replaced (the write points it
-        # back at the engine's memory).
+        # modifier rank's changes count, so the others cannot tell); with one, those whose values'
+        # digest differs from the one taken on entry, or whose .data was replaced (the write
+        # points it back at the engine's memory).
         changed = []
         if exc[0] is None:
-            for engine, param, ptr, copy in self._watched:
-                if (copy is None or param.data_ptr() != ptr
-                        or not torch.equal(param.detach(), copy)):
+            for engine, param, ptr, digest in self._watched:
+                if digest is None or param.data_ptr() != ptr or _digest(param) != digest:
                     values = param.detach().to(dtype=torch.float32).contiguous().clone()
                     changed.append((engine, param, values))
         self._watched.clear()
@@ -98,6 +98,15 @@ class GatheredParameters:
                 stage.store(param.data)
             param.data = torch.empty(0, dtype=stage.dtype)
         return False
+
+
+def _digest(param) -> bytes:
+    """A digest of the parameter's bytes (one parameter at a time through host memory)."""
+    values = param.detach()
+    if values.device.type != "cpu":
+        values = values.cpu()
+    raw = values.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return hashlib.blake2b(raw, digest_size=16).digest()
 
 
 def _refuse_write_before_step(params):

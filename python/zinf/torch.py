@@ -376,6 +376,9 @@ class ZinfEngine(nn.Module):
         # backward, whose first parameter is kept here until step() or backward() reports it.
         self._in_backward = False
         self._stray_gradient: str | None = None
+        self._stray_accumulated: set[int] = set()
+        # engine.backward() ran since the last applied step.
+        self._backward_since_step = False
         self._install_hooks()
 
     # ---- registration -------------------------------------------------------------------------
@@ -570,14 +573,9 @@ class ZinfEngine(nn.Module):
         return _map_tensors(output, wrap)
 
     def _gather_for_backward(self, module: nn.Module):
-        if not self._in_backward:
-            # loss.backward() instead of engine.backward(loss): stopped here, before it gathers
-            # anything, so the engine's state stays as it was.
-            name = self._names[id(self._uses[module][0])]
-            raise Error(
-                f"failed_precondition: the backward reached parameter '{name}' without "
-                "engine.backward() (loss.backward()?); call engine.backward(loss) instead of "
-                "loss.backward(): it scales the loss and hands every gradient to the engine")
+        # Also in a backward engine.backward() did not run (another engine's backward through
+        # this model, torch.autograd.grad with respect to inputs): the module's values are needed
+        # there too.
         for engine_module in self._modules_needed(module):
             self._acquire(engine_module)
         self._backward_holds[module] = self._backward_holds.get(module, 0) + 1
@@ -610,11 +608,16 @@ class ZinfEngine(nn.Module):
     def _grad_ready(self, param: nn.Parameter):
         pid = id(param)
         if not self._in_backward:
-            # A backward engine.backward() did not run: the gradient is dropped and reported by
-            # the next step() or backward().
+            # A backward engine.backward() did not run (loss.backward(), or another engine's
+            # backward through this model): the engine does not take the gradient. It is
+            # dropped, and a step() with no engine.backward() since the last step refuses
+            # (_refuse_stray_backward).
             if self._stray_gradient is None:
                 self._stray_gradient = self._names[pid]
             param.grad = None
+            if self.stage == 3:
+                self._stray_accumulated.add(pid)
+                self._release_backward_holds(pid, self._stray_accumulated)
             return
         if pid in self._accumulated:
             return  # a second accumulation in one backward (retain_graph): reduced at the end
@@ -625,13 +628,18 @@ class ZinfEngine(nn.Module):
         if len(ready) == len(self._owned[owner]):
             self._reduce(owner)
         if self.stage == 3:
-            for module in self._users[pid]:
-                holds = self._backward_holds.get(module, 0)
-                if holds and all(id(p) in self._accumulated for p in self._uses[module]):
-                    del self._backward_holds[module]
-                    for _ in range(holds):
-                        for engine_module in self._modules_needed(module):
-                            self._release(engine_module)
+            self._release_backward_holds(pid, self._accumulated)
+
+    def _release_backward_holds(self, pid: int, accumulated: set):
+        """Stage 3: each module using parameter `pid` whose parameters all have their gradients
+        (in `accumulated`) gives back the gathers its backward took."""
+        for module in self._users[pid]:
+            holds = self._backward_holds.get(module, 0)
+            if holds and all(id(p) in accumulated for p in self._uses[module]):
+                del self._backward_holds[module]
+                for _ in range(holds):
+                    for engine_module in self._modules_needed(module):
+                        self._release(engine_module)
 
     def _reduce(self, engine_module: str):
         names, grads = [], []
@@ -691,8 +699,11 @@ class ZinfEngine(nn.Module):
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
         scale = self._core.loss_scale
+        # Gradients of another backward through this model (dropped) are not this one's concern.
+        self._stray_gradient = None
+        self._stray_accumulated.clear()
+        self._backward_since_step = True
         with self._aborting_on_error("backward"):
-            self._refuse_stray_backward("backward")
             # A rate torch's scheduler (or the caller) set since the last step reaches the engine
             # before the backward: with the overlapped step updating during the backward (no
             # clipping), the step's optimizer pass begins in it.
@@ -707,19 +718,22 @@ class ZinfEngine(nn.Module):
         return loss
 
     def _refuse_stray_backward(self, call: str):
-        """Raises when autograd produced gradients of the model's parameters in a backward that
-        engine.backward() did not run (loss.backward()): the engine never received them, so the
-        step would run without them. Their gradients were dropped as they came, so the engine's
-        state is as it was before that backward, and training may go on after the error."""
+        """Raises at a step when, since the last step, autograd produced gradients of the model's
+        parameters only in backward passes engine.backward() did not run (loss.backward() in
+        place of engine.backward(loss)): the engine received none, so the step would apply
+        nothing. Those gradients were dropped as they came. (A backward of another engine
+        through this model, or torch.autograd.grad, beside this engine's own engine.backward()
+        calls is no mistake: its gradients are dropped, and nothing is said.)"""
         name = self._stray_gradient
-        if name is None:
+        if name is None or self._backward_since_step:
             return
         self._stray_gradient = None
         raise Error(
-            f"failed_precondition: {call}: the gradient of parameter '{name}' came from a backward "
-            "that engine.backward() did not run (loss.backward()?); call engine.backward(loss) "
-            "instead of loss.backward(): it scales the loss and hands every gradient to the "
-            "engine. That backward's gradients were dropped")
+            f"failed_precondition: {call}: no engine.backward() since the last step, but the "
+            f"gradient of parameter '{name}' came from a backward that engine.backward() did not "
+            "run (loss.backward()?); call engine.backward(loss) instead of loss.backward(): it "
+            "scales the loss and hands every gradient to the engine. That backward's gradients "
+            "were dropped")
 
     def is_gradient_accumulation_boundary(self) -> bool:
         return self.micro_steps % self._gradient_accumulation_steps == 0
@@ -782,6 +796,7 @@ class ZinfEngine(nn.Module):
             self.last_step_report = self._core.step()
         self.global_steps += 1
         self._grads_pending = False
+        self._backward_since_step = False
         if isinstance(self.lr_scheduler, ConfigLRScheduler):
             self.lr_scheduler._advance(skipped=bool(self.last_step_report.get("skipped")))
         if self._lrs_shown is not None:
