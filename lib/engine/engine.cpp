@@ -471,6 +471,14 @@ class Engine::Impl {
     // parameters) is done before the pass may rewrite their shards.
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     ZINF_RETURN_IF_ERROR(fail(reducer_->wait()));
+    {
+      // A prefetch of the module issued before its reduction (it was reduced without being
+      // gathered) has read its shards before the pass may rewrite them.
+      std::lock_guard<std::mutex> lock(publisher_.mutex());
+      if (pending_module_ != SIZE_MAX) {
+        ZINF_RETURN_IF_ERROR(fail(coord_->settle_prefetch(pending_module_)));
+      }
+    }
     overlap_->final(pending_final_);
     pending_final_.clear();
     pending_module_ = SIZE_MAX;

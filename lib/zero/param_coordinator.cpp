@@ -363,6 +363,11 @@ Status ParamCoordinator::release_shard_block(void* user, const Status& /*upstrea
   return Status::ok();
 }
 
+Status ParamCoordinator::settle_prefetch(std::size_t m) {
+  if (modules_[m].state != State::kPrefetched) return Status::ok();
+  return wait_ready(m);
+}
+
 Status ParamCoordinator::wait_ready(std::size_t m) {
   if (dry_run_) return Status::ok();
   // The span's name is built only when tracing: gather() runs every micro-batch.

@@ -154,6 +154,10 @@ class ParamCoordinator {
 
   // Waits for and frees every prefetched (unclaimed) module. Returns the first error.
   Status drop_prefetched();
+  // When `module` is prefetched (issued, not yet gathered), waits until its copies have read its
+  // shards: the overlapped step may rewrite them once the module's gradients are final, and a
+  // module may be reduced without being gathered. Nothing otherwise.
+  Status settle_prefetch(std::size_t module);
   // Stops recording; later gathers follow and prefetch the recorded order. The first call sizes
   // the spare buffers for the steps to come (see the file comment).
   void freeze_order();
