@@ -251,7 +251,8 @@ typedef struct zinf_env {
  * usable. */
 ZINF_C_API zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
                                         zinf_engine_t** out);
-/* Closes the engine: waits for its background work and frees its memory. Accepts NULL. */
+/* Closes the engine: waits for its background work and frees its memory. Accepts NULL, and does
+ * nothing for the engine zinf_run_local lends a rank function (zinf_run_local closes it). */
 ZINF_C_API void zinf_engine_close(zinf_engine_t* engine);
 
 ZINF_C_API zinf_code_t zinf_engine_rank(const zinf_engine_t* engine, int* rank);
@@ -519,8 +520,10 @@ ZINF_C_API zinf_code_t zinf_engine_set_activation_bytes(zinf_engine_t* engine,
 /* ---- Ranks as threads ------------------------------------------------------------------------ */
 
 /* What zinf_run_local calls on each rank's thread: `user` as given, the rank's engine (opened on
- * the config, nothing registered yet; valid during the call only, and not to be closed) and the
- * rank. Returns ZINF_OK, or the code of the error that ends the job. */
+ * the config, nothing registered yet; valid during the call only; zinf_run_local closes it, and
+ * zinf_engine_close on it does nothing; it runs on a host device, so zinf_engine_set_cuda_stream
+ * refuses a stream with ZINF_INVALID_ARGUMENT) and the rank. Returns ZINF_OK, or the code of the
+ * error that ends the job. */
 typedef zinf_code_t (*zinf_rank_fn)(void* user, zinf_engine_t* engine, int rank);
 
 /* Runs a job of `world_size` ranks as threads of this process (zinf::run_local,

@@ -74,6 +74,9 @@ struct zinf_engine {
   // zinf_engine_set_cuda_stream's stream (a borrowed cudaStream_t); destroyed after the engine.
   std::unique_ptr<zinf::Stream> compute_stream;
   std::unique_ptr<zinf::Engine> engine;
+  // Lent to a rank function by zinf_run_local, which owns the engine and its device (then null
+  // here, as group): zinf_engine_close leaves it alone.
+  bool lent = false;
   zinf_device* device = nullptr;
   zinf_comm_group* group = nullptr;
   zinf_trace* trace = nullptr;  // may be null
@@ -169,8 +172,14 @@ Engine* engine_of(zinf_engine_t* engine) noexcept {
   return engine == nullptr ? nullptr : engine->engine.get();
 }
 
-Device* device_of(zinf_engine_t* engine) noexcept {
-  return engine == nullptr ? nullptr : engine->device->device.get();
+Result<Device*> device_of(zinf_engine_t* engine, const char* where) {
+  if (engine->device == nullptr) {
+    return Status::invalid_argument(
+        fmt::format("{}: the engine zinf_run_local lends runs on a host device; it takes no CUDA "
+                    "stream",
+                    where));
+  }
+  return engine->device->device.get();
 }
 
 Status set_compute_stream(zinf_engine_t* engine, std::unique_ptr<Stream> stream) {
@@ -276,7 +285,8 @@ zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
     if (cuda_stream == nullptr) return zinf::capi::set_compute_stream(engine, nullptr);
-    return zinf::wrap_cuda_stream(*zinf::capi::device_of(engine), cuda_stream).status();
+    ZINF_ASSIGN_OR_RETURN(zinf::Device * device, zinf::capi::device_of(engine, fn));
+    return zinf::wrap_cuda_stream(*device, cuda_stream).status();
   });
 }
 #endif
@@ -556,7 +566,7 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
 }
 
 void zinf_engine_close(zinf_engine_t* engine) {
-  if (engine == nullptr) return;
+  if (engine == nullptr || engine->lent) return;
   // The engine's destructor joins its threads and frees device memory; it does not throw.
   engine->engine.reset();
   engine->group->users.fetch_sub(1);
@@ -998,6 +1008,7 @@ zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_ran
       // A handle that borrows the rank's engine: run_local owns and destroys it.
       zinf_engine handle;
       handle.engine.reset(&engine);
+      handle.lent = true;
       struct Unborrow {
         zinf_engine& handle;
         ~Unborrow() { static_cast<void>(handle.engine.release()); }

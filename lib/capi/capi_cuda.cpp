@@ -32,8 +32,8 @@ zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream
     if (engine == nullptr) return Status::invalid_argument(fmt::format("{}: engine is null", fn));
     std::unique_ptr<zinf::Stream> stream;
     if (cuda_stream != nullptr) {
-      ZINF_ASSIGN_OR_RETURN(stream,
-                            zinf::wrap_cuda_stream(*zinf::capi::device_of(engine), cuda_stream));
+      ZINF_ASSIGN_OR_RETURN(zinf::Device * device, zinf::capi::device_of(engine, fn));
+      ZINF_ASSIGN_OR_RETURN(stream, zinf::wrap_cuda_stream(*device, cuda_stream));
     }
     return zinf::capi::set_compute_stream(engine, std::move(stream));
   });

@@ -58,8 +58,10 @@ zinf_code_t record_exception(const char* where, std::exception_ptr error) noexce
 
 // The Engine a C handle wraps (for tests that time the same engine through both APIs).
 Engine* engine_of(zinf_engine_t* engine) noexcept;
-// The engine's device.
-Device* device_of(zinf_engine_t* engine) noexcept;
+// The engine's device, for zinf_engine_set_cuda_stream. kInvalidArgument naming `where` for the
+// engine zinf_run_local lends a rank function: it runs on a host device of run_local's own, which
+// takes no CUDA stream.
+Result<Device*> device_of(zinf_engine_t* engine, const char* where);
 // Engine::set_compute_stream(stream), the handle keeping `stream` (null: none) after it.
 Status set_compute_stream(zinf_engine_t* engine, std::unique_ptr<Stream> stream);
 

@@ -961,7 +961,9 @@ TEST(CApi, ActivationsRoundTripThroughNvmeAndErrorsNameTheKey) {
   constexpr std::size_t kBytes = 64 << 10;
   constexpr int kCount = 6;
   // Checkpoints are device memory (the host device's memory is host-accessible).
-  Result<DeviceBuffer> allocated = DeviceBuffer::allocate(*capi::device_of(e), kBytes);
+  Result<Device*> device = capi::device_of(e, "test");
+  ASSERT_TRUE(device.is_ok()) << device.status().to_string();
+  Result<DeviceBuffer> allocated = DeviceBuffer::allocate(**device, kBytes);
   ASSERT_TRUE(allocated.is_ok()) << allocated.status().to_string();
   DeviceBuffer device_buffer = std::move(allocated).value();
   auto* dev = static_cast<unsigned char*>(device_buffer.data());

@@ -42,12 +42,13 @@ struct Job {
   std::vector<std::vector<float>> after = std::vector<std::vector<float>>(2);
   std::vector<zinf_code_t> seen = std::vector<zinf_code_t>(2, ZINF_OK);
   std::atomic<int> calls{0};
+  std::vector<std::string> messages;
 };
 
-#define RETURN_IF_FAILED(call)              \
-  do {                                      \
-    const zinf_code_t code_ = (call);       \
-    if (code_ != ZINF_OK) return code_;     \
+#define RETURN_IF_FAILED(call)          \
+  do {                                  \
+    const zinf_code_t code_ = (call);   \
+    if (code_ != ZINF_OK) return code_; \
   } while (0)
 
 zinf_code_t register_and_finalize(zinf_engine_t* engine) {
@@ -83,8 +84,7 @@ TEST(CApiRunLocal, RanksTrainTogetherAndEveryThreadIsJoined) {
   zinf_config_t* config = stage3_config();
   Job job;
   g_threads_ended = 0;
-  ASSERT_EQ(zinf_run_local(2, config, train_one_step, &job), ZINF_OK)
-      << zinf_last_error_message();
+  ASSERT_EQ(zinf_run_local(2, config, train_one_step, &job), ZINF_OK) << zinf_last_error_message();
   EXPECT_EQ(job.calls.load(), 2);
   EXPECT_EQ(g_threads_ended.load(), 2);
   ASSERT_EQ(job.after[0].size(), 6u);
@@ -132,6 +132,38 @@ TEST(CApiRunLocal, ACodeWithoutAFailedCallAndBadArguments) {
   EXPECT_EQ(zinf_run_local(2, config, nullptr, nullptr), ZINF_INVALID_ARGUMENT);
   EXPECT_EQ(zinf_run_local(2, nullptr, fails_without_a_call, nullptr), ZINF_INVALID_ARGUMENT);
   EXPECT_EQ(zinf_run_local(0, config, fails_without_a_call, nullptr), ZINF_INVALID_ARGUMENT);
+  zinf_config_destroy(config);
+}
+
+// The engine zinf_run_local lends a rank function is not a handle of the caller's: it runs on a
+// host device that run_local made, and run_local closes it. A CUDA stream is refused naming the
+// reason, and zinf_engine_close on it (a garbage-collected wrapper's finalizer, say) does nothing.
+zinf_code_t misuses_the_lent_engine(void* user, zinf_engine_t* engine, int) {
+  Job& job = *static_cast<Job*>(user);
+  int fake_stream = 0;
+  const zinf_code_t code = zinf_engine_set_cuda_stream(engine, &fake_stream);
+  const std::string message = zinf_last_error_message();
+  {
+    std::lock_guard lock(job.mutex);
+    job.seen[0] = code;
+    job.messages.push_back(message);
+  }
+  RETURN_IF_FAILED(zinf_engine_set_cuda_stream(engine, nullptr));
+  zinf_engine_close(engine);
+  RETURN_IF_FAILED(register_and_finalize(engine));
+  job.calls.fetch_add(1);
+  return ZINF_OK;
+}
+
+TEST(CApiRunLocal, TheLentEngineRefusesAStreamAndIsNotClosedByTheRankFunction) {
+  zinf_config_t* config = stage3_config();
+  Job job;
+  ASSERT_EQ(zinf_run_local(1, config, misuses_the_lent_engine, &job), ZINF_OK)
+      << zinf_last_error_message();
+  EXPECT_EQ(job.seen[0], ZINF_INVALID_ARGUMENT);
+  ASSERT_EQ(job.messages.size(), 1u);
+  EXPECT_NE(job.messages[0].find("zinf_run_local"), std::string::npos) << job.messages[0];
+  EXPECT_EQ(job.calls.load(), 1);
   zinf_config_destroy(config);
 }
 
