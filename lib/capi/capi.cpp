@@ -123,17 +123,16 @@ void store(zinf_code_t code, int sys_code, std::string_view message) noexcept {
   }
 }
 
-// Checks for the null pointers C callers can pass; `what` names the argument.
-Status require(const void* pointer, const char* where, const char* what) {
-  if (pointer != nullptr) return Status::ok();
-  return Status::invalid_argument(fmt::format("{}: {} is null", where, what));
-}
-
 bool valid_dtype(zinf_dtype_t dtype) {
   return dtype == ZINF_DTYPE_F32 || dtype == ZINF_DTYPE_F16 || dtype == ZINF_DTYPE_BF16;
 }
 
 }  // namespace
+
+Status require(const void* pointer, const char* where, const char* what) {
+  if (pointer != nullptr) return Status::ok();
+  return Status::invalid_argument(fmt::format("{}: {} is null", where, what));
+}
 
 zinf_code_t record(const Status& status) noexcept {
   const auto code = static_cast<zinf_code_t>(status.code());
@@ -387,10 +386,10 @@ zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_co
 // Without NCCL; with it, zinf::cuda defines this (lib/capi/capi_cuda.cpp).
 zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, int, int64_t,
                                         zinf_comm_group_t** out) {
-  return guard(__func__, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(out, "zinf_nccl_comm_group_create", "out"));
-    if (device == nullptr)
-      return Status::invalid_argument("zinf_nccl_comm_group_create: null device");
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(device, fn, "device"));
+    ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
     return zinf::make_nccl_comm(nccl_comm, *device->device, false).status();
   });
 }

@@ -14,7 +14,7 @@ using zinf::capi::guard;
 zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes, zinf_device_t** out) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    if (out == nullptr) return Status::invalid_argument(fmt::format("{}: out is null", fn));
+    ZINF_RETURN_IF_ERROR(zinf::capi::require(out, fn, "out"));
     zinf::CudaDeviceOptions options;
     options.memory_limit_bytes = memory_limit_bytes;
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<zinf::Device> device,
@@ -29,7 +29,7 @@ zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes, zi
 zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    if (engine == nullptr) return Status::invalid_argument(fmt::format("{}: engine is null", fn));
+    ZINF_RETURN_IF_ERROR(zinf::capi::require(engine, fn, "engine"));
     std::unique_ptr<zinf::Stream> stream;
     if (cuda_stream != nullptr) {
       ZINF_ASSIGN_OR_RETURN(zinf::Device * device, zinf::capi::device_of(engine, fn));
@@ -44,9 +44,8 @@ zinf_code_t zinf_nccl_comm_group_create(zinf_device_t* device, void* nccl_comm, 
                                         int64_t init_timeout_ms, zinf_comm_group_t** out) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    if (device == nullptr || out == nullptr) {
-      return Status::invalid_argument(fmt::format("{}: null device or out", fn));
-    }
+    ZINF_RETURN_IF_ERROR(zinf::capi::require(device, fn, "device"));
+    ZINF_RETURN_IF_ERROR(zinf::capi::require(out, fn, "out"));
     if (init_timeout_ms < 0) {
       return Status::invalid_argument(
           fmt::format("{}: init_timeout_ms is {}; it must be >= 0", fn, init_timeout_ms));

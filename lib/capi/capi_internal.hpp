@@ -69,6 +69,9 @@ Status set_compute_stream(zinf_engine_t* engine, std::unique_ptr<Stream> stream)
 Status make_process_group(zinf_device* device, std::unique_ptr<Communicator> comm,
                           zinf_comm_group_t** out);
 
+// ok, or kInvalidArgument "<where>: <what> is null" for the null pointers C callers can pass.
+Status require(const void* pointer, const char* where, const char* what);
+
 // Runs `body` (returning a Status) and records its outcome; `where` is the C function's name.
 template <typename Body>
 zinf_code_t guard(const char* where, Body&& body) noexcept {

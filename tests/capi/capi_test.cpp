@@ -666,6 +666,26 @@ TEST(CApi, ComputeStreamIsACudaStreamOfTheEnginesDevice) {
   EXPECT_CODE(zinf_engine_set_cuda_stream(nullptr, nullptr), ZINF_INVALID_ARGUMENT, "engine");
 }
 
+// The group constructors of one process per rank name the null argument, with the backends or
+// without them.
+TEST(CApi, ProcessGroupsNameTheNullArgument) {
+  zinf_device_t* device = nullptr;
+  ASSERT_EQ(zinf_host_device_create(0, 0, &device), ZINF_OK);
+  zinf_comm_group_t* group = nullptr;
+  EXPECT_CODE(zinf_nccl_comm_group_create(nullptr, nullptr, 0, 0, &group), ZINF_INVALID_ARGUMENT,
+              "zinf_nccl_comm_group_create: device is null");
+  EXPECT_CODE(zinf_nccl_comm_group_create(device, nullptr, 0, 0, nullptr), ZINF_INVALID_ARGUMENT,
+              "zinf_nccl_comm_group_create: out is null");
+  EXPECT_CODE(zinf_mpi_comm_group_create(nullptr, nullptr, 0, &group), ZINF_INVALID_ARGUMENT,
+              "zinf_mpi_comm_group_create: device is null");
+  EXPECT_CODE(zinf_mpi_comm_group_create(device, nullptr, 0, nullptr), ZINF_INVALID_ARGUMENT,
+              "zinf_mpi_comm_group_create: out is null");
+  EXPECT_CODE(zinf_cuda_device_create(0, 0, nullptr), ZINF_INVALID_ARGUMENT,
+              "zinf_cuda_device_create: out is null");
+  EXPECT_EQ(group, nullptr);
+  EXPECT_EQ(zinf_device_destroy(device), ZINF_OK);
+}
+
 TEST(CApi, HandlesRefuseToGoWhileUsed) {
   zinf_device_t* devices[2] = {nullptr, nullptr};
   ASSERT_EQ(zinf_host_device_create(0, 0, &devices[0]), ZINF_OK);
