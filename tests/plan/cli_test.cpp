@@ -162,5 +162,37 @@ TEST_F(PlanCli, BadOptionsExitOneWithAMessage) {
   EXPECT_NE(r.err.find("--gpu-mem lots"), std::string::npos) << r.err;
 }
 
+// A count of 0 is refused naming its option: --params 0 was taken as "not given" and planned the
+// shape's own count (0.936e9 for 16 layers of 2048), and a zero --seq, --micro-batch or
+// --grad-accum planned a step with no tokens.
+TEST_F(PlanCli, ZeroCountsAreRefusedNamingTheOption) {
+  const std::string base = "plan --gpus 8 --gpu-mem 80GB --host-mem 512GB" + std::string(kRates);
+  for (const char* flag : {"--params", "--seq", "--micro-batch", "--grad-accum"}) {
+    const std::string model = std::string(flag) == "--params"
+                                  ? " --layers 16 --hidden 2048"
+                                  : " --params 1G --layers 16 --hidden 2048";
+    const CliRun r = run_zinf(base + model + " " + flag + " 0");
+    EXPECT_EQ(r.exit_code, 1) << flag << "\n" << r.out;
+    EXPECT_NE(r.err.find(std::string(flag) + " 0: must be"), std::string::npos)
+        << flag << ": " << r.err;
+  }
+}
+
+// A missing budget or rate is named alone, not with the one that was given.
+TEST_F(PlanCli, AMissingBudgetOrRateIsNamed) {
+  CliRun r = run_zinf("plan --model gpt2 --gpu-mem 80GB" + std::string(kRates));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("zinf: --host-mem:", 0), 0u) << r.err;
+  r = run_zinf("plan --model gpt2 --host-mem 80GB" + std::string(kRates));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("zinf: --gpu-mem:", 0), 0u) << r.err;
+  // One NVMe rate without the other was dropped silently (then measured, or "no NVMe rates").
+  r = run_zinf(
+      "plan --model gpt2 --gpu-mem 80GB --host-mem 80GB --nvme-capacity 1TB --measure "
+      "--mem-adam-gbps 50 --nvme-read-gbps 6");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("zinf: --nvme-read-gbps 6 needs --nvme-write-gbps", 0), 0u) << r.err;
+}
+
 }  // namespace
 }  // namespace zinf::plan

@@ -132,6 +132,18 @@ bool resolve_profile(const PlanOptions& o, bool need_nvme, const std::string& nv
       if (!t.is_ok()) notes->push_back(fmt::format("no zinf io tune results at {}", tune));
     }
   }
+  // One direction's rate alone cannot be used (the model needs both); say so rather than drop it.
+  if ((o.nvme_read_gbps > 0) != (o.nvme_write_gbps > 0)) {
+    fail(o.nvme_read_gbps > 0
+             ? fmt::format("--nvme-read-gbps {} needs --nvme-write-gbps too", o.nvme_read_gbps)
+             : fmt::format("--nvme-write-gbps {} needs --nvme-read-gbps too", o.nvme_write_gbps));
+    return false;
+  }
+  if (o.nvme_duplex_gbps > 0 && o.nvme_read_gbps <= 0) {
+    fail(fmt::format("--nvme-duplex-gbps {} needs --nvme-read-gbps and --nvme-write-gbps too",
+                     o.nvme_duplex_gbps));
+    return false;
+  }
   auto given = [](double v, double* field, std::string* source, const char* flag) {
     if (v > 0) {
       *field = v;
@@ -436,8 +448,21 @@ void run_plan(const PlanOptions& o) {
       return;
     }
     if (!parse_size_option("--params", o.params, &params, /*decimal=*/true)) return;
+    if (params == 0) {
+      // custom_model() would take 0 as "count the shape's parameters".
+      fail(fmt::format("--params {}: must be at least 1", o.params));
+      return;
+    }
     model = custom_model(params, o.layers, o.hidden);
     model.vocab = o.vocab;
+  }
+  for (const auto& [flag, value] :
+       {std::pair{"--seq", o.seq}, std::pair{"--micro-batch", o.micro_batch},
+        std::pair{"--grad-accum", o.grad_accum}}) {
+    if (value == 0) {
+      fail(fmt::format("{} 0: must be at least 1", flag));
+      return;
+    }
   }
   TrainingShape training;
   training.seq_len = o.seq;
@@ -455,8 +480,12 @@ void run_plan(const PlanOptions& o) {
   budgets.gpus = o.gpus;
   budgets.gpus_per_machine = o.gpus_per_machine;
   budgets.headroom = o.headroom;
-  if (o.gpu_mem.empty() || o.host_mem.empty()) {
-    fail("give --gpu-mem and --host-mem (e.g. --gpu-mem 48GB --host-mem 256GB)");
+  if (o.gpu_mem.empty()) {
+    fail("--gpu-mem: missing; give the memory of each GPU (e.g. --gpu-mem 80GB)");
+    return;
+  }
+  if (o.host_mem.empty()) {
+    fail("--host-mem: missing; give the host memory of each machine (e.g. --host-mem 256GB)");
     return;
   }
   if (!parse_size_option("--gpu-mem", o.gpu_mem, &budgets.gpu_mem_bytes) ||
