@@ -36,6 +36,10 @@ Config engine_config(const PlanConfig& c) {
   e.gradients_on_nvme = s.gradients_on_nvme;
   e.gradient_spill_buffers = s.gradient_spill_buffers;
   e.device_reserved_bytes = s.device_reserved_bytes;
+  if (c.activation_host_bytes > 0) {
+    e.activations.cpu_checkpointing = true;
+    e.activations.host_bytes = c.activation_host_bytes;
+  }
   return e;
 }
 
@@ -65,6 +69,9 @@ Result<PlanConfig> plan_config(const Config& e) {
   s.gradient_spill_buffers = e.gradient_spill_buffers;
   s.device_reserved_bytes = e.device_reserved_bytes;
   c.pinned_pool_bytes = e.pinned_pool_bytes;
+  // The planner models offloaded checkpoints in the host arena only (none on the activation
+  // NVMe tier): a config that offloads them with no arena reads as checkpoints on the device.
+  if (e.activations.cpu_checkpointing) c.activation_host_bytes = e.activations.host_bytes;
   ZINF_RETURN_IF_ERROR(validate_setup(s));
   const std::string& opt_path = z.offload_optimizer.nvme_path;
   const std::string& param_path = z.offload_param.nvme_path;

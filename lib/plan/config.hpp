@@ -24,6 +24,9 @@ struct PlanConfig {
   std::string nvme_path;  // swap directory for state on NVMe ("" when nothing is there)
   // The pinned pool the engine allocates; at least pinned_pool_bytes(setup).
   std::uint64_t pinned_pool_bytes = 0;
+  // The host arena of offloaded activation checkpoints (activation_checkpointing.
+  // cpu_checkpointing true, zinf.activation_host_bytes); 0: the checkpoints stay on the device.
+  std::uint64_t activation_host_bytes = 0;
 };
 
 // The engine config of a plan: the plan's knobs set, bf16 on, every other key at Config's

@@ -139,6 +139,12 @@ std::uint64_t activation_checkpoint_bytes(const ModelShape& m, const TrainingSha
   return m.layers * tokens * m.hidden * bytes_per_value;
 }
 
+std::uint64_t activation_arena_bytes(const ModelShape& m, const TrainingShape& t) {
+  if (!t.offload_activations || m.layers == 0) return 0;
+  const std::uint64_t layer_bytes = activation_checkpoint_bytes(m, t) / m.layers;
+  return m.layers * ((layer_bytes + 255) / 256 * 256);
+}
+
 std::uint64_t activation_bytes(const ModelShape& m, const TrainingShape& t) {
   const std::uint64_t tokens = t.seq_len * t.micro_batch;
   const std::uint64_t checkpoints = t.offload_activations ? 0 : activation_checkpoint_bytes(m, t);
@@ -207,7 +213,7 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
 
   add(MemoryUse::kActivations, MemoryTier::kDevice, activation_bytes(model, training));
   if (training.offload_activations) {
-    add(MemoryUse::kActivations, MemoryTier::kHost, activation_checkpoint_bytes(model, training));
+    add(MemoryUse::kActivations, MemoryTier::kHost, activation_arena_bytes(model, training));
   }
   // The engine's store never makes a sub-group larger than the shard.
   EngineSetup capped = s;

@@ -184,6 +184,11 @@ struct MemoryEstimate {
 std::uint64_t activation_bytes(const ModelShape& model, const TrainingShape& training);
 // The checkpoints' bytes (each layer's input) with checkpoint_activations; 0 without.
 std::uint64_t activation_checkpoint_bytes(const ModelShape& model, const TrainingShape& training);
+// The pinned host arena (zinf.activation_host_bytes) that holds the checkpoints of a micro-batch
+// with offload_activations: the arena places each checkpoint at a 256-byte boundary
+// (lib/engine/activation_store.cpp), so each layer's input counts rounded up to 256 bytes, as
+// examples/train_lm sizes it. 0 without offload_activations.
+std::uint64_t activation_arena_bytes(const ModelShape& model, const TrainingShape& training);
 
 // REQUIRES: validate_setup(setup) is OK.
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,

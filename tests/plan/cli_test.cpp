@@ -13,6 +13,7 @@
 
 #include "cli_test_util.hpp"
 #include "plan/config.hpp"
+#include "zinf/config.hpp"
 
 namespace zinf::plan {
 namespace {
@@ -192,6 +193,52 @@ TEST_F(PlanCli, AMissingBudgetOrRateIsNamed) {
       "--mem-adam-gbps 50 --nvme-read-gbps 6");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.err.rfind("zinf: --nvme-read-gbps 6 needs --nvme-write-gbps", 0), 0u) << r.err;
+}
+
+// --offload-activations plans the checkpoints in host memory; the config it writes puts them
+// there (activation_checkpointing.cpu_checkpointing) with an arena that holds them all
+// (zinf.activation_host_bytes): the engine's default 1 GiB arena is short for 2 GiB of
+// checkpoints, and the engine then fails the save that does not fit.
+TEST_F(PlanCli, OffloadedActivationsAreWrittenIntoTheConfig) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string path =
+      std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_cli_offload_activations.json";
+  const std::string plan =
+      "plan --model llama-2-7b --gpus 1 --gpu-mem 80GB --host-mem 512GB --seq 8192 "
+      "--checkpoint-activations --offload-activations --json --out " +
+      path + kRates;
+  const CliRun r = run_zinf(plan);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  // 32 layers x 8192 tokens x 4096 x 2 B: each layer's input, in bf16.
+  const std::uint64_t checkpoints = 32ull * 8192 * 4096 * 2;
+  EXPECT_EQ(j.at("bytes_per_state_per_rank").at("activations").at("host"), checkpoints);
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  Result<Config> config = parse_config(text.str());
+  ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+  EXPECT_TRUE(config->activations.cpu_checkpointing);
+  EXPECT_GE(config->activations.host_bytes, checkpoints);
+  EXPECT_LE(config->activations.host_bytes, checkpoints + (std::uint64_t{1} << 20));
+  auto round_trip = config_from_json(text.str());
+  ASSERT_TRUE(round_trip.is_ok()) << round_trip.status().to_string();
+  EXPECT_EQ(round_trip->activation_host_bytes, config->activations.host_bytes);
+  std::remove(path.c_str());
+
+  // Without the offload the checkpoints stay on the device, as the engine's default keeps them.
+  const CliRun on_device = run_zinf(
+      "plan --model llama-2-7b --gpus 1 --gpu-mem 80GB --host-mem 512GB --seq 8192 "
+      "--checkpoint-activations --json --out " +
+      path + kRates);
+  ASSERT_EQ(on_device.exit_code, 0) << on_device.err;
+  std::ifstream file2(path);
+  std::stringstream text2;
+  text2 << file2.rdbuf();
+  config = parse_config(text2.str());
+  ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+  EXPECT_FALSE(config->activations.cpu_checkpointing);
+  std::remove(path.c_str());
 }
 
 }  // namespace

@@ -702,6 +702,7 @@ void run_plan(const PlanOptions& o) {
                            ? "/local_nvme"
                            : o.nvme_path;
     config.pinned_pool_bytes = pinned_pool_bytes(c.setup);
+    config.activation_host_bytes = activation_arena_bytes(model, training);
     const Status s = write_config(config, o.out);
     if (!s.is_ok()) {
       fail(s.to_string());
