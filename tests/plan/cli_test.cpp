@@ -179,6 +179,25 @@ TEST_F(PlanCli, ZeroCountsAreRefusedNamingTheOption) {
   }
 }
 
+// A plan with nothing offloaded predicts a step of milliseconds when the GPUs' compute and
+// collectives are not modelled; the output says what the figure leaves out.
+TEST_F(PlanCli, TheStepSaysWhatItLeavesOut) {
+  const std::string plan =
+      "plan --params 1G --layers 16 --hidden 2048 --gpus 8 --gpu-mem 80GB --host-mem 512GB" +
+      std::string(kRates);
+  CliRun r = run_zinf(plan);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("note:    the predicted step leaves out the GPUs' compute and collectives: "
+                       "pass --gpu-tflops and --gpu-link-gbps"),
+            std::string::npos)
+      << r.out;
+  r = run_zinf(plan + " --gpu-tflops 300");
+  EXPECT_NE(r.out.find("leaves out the GPUs' collectives: pass --gpu-link-gbps"), std::string::npos)
+      << r.out;
+  r = run_zinf(plan + " --gpu-tflops 300 --gpu-link-gbps 100");
+  EXPECT_EQ(r.out.find("leaves out"), std::string::npos) << r.out;
+}
+
 // A missing budget or rate is named alone, not with the one that was given.
 TEST_F(PlanCli, AMissingBudgetOrRateIsNamed) {
   CliRun r = run_zinf("plan --model gpt2 --gpu-mem 80GB" + std::string(kRates));

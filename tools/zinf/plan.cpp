@@ -515,6 +515,18 @@ void run_plan(const PlanOptions& o) {
   // The plan's NVMe working set is unknown until it is made; a drive serving training state
   // holds far more than any cache, so the default measures 2 GiB.
   if (!resolve_profile(o, budgets.nvme_bytes > 0, o.nvme_path, 0, &profile, &notes)) return;
+  // Without these the forward+backward holds only the offload traffic, and a plan with nothing
+  // offloaded predicts the optimizer step alone (milliseconds on GPUs): say what is left out.
+  if (profile.gpu_tflops <= 0 || profile.gpu_link_gbps <= 0) {
+    notes.push_back(fmt::format(
+        "the predicted step leaves out the GPUs' {}: pass {}",
+        profile.gpu_tflops <= 0 && profile.gpu_link_gbps <= 0 ? "compute and collectives"
+        : profile.gpu_tflops <= 0                             ? "compute"
+                                                              : "collectives",
+        profile.gpu_tflops <= 0 && profile.gpu_link_gbps <= 0 ? "--gpu-tflops and --gpu-link-gbps"
+        : profile.gpu_tflops <= 0                             ? "--gpu-tflops"
+                                                              : "--gpu-link-gbps"));
+  }
   Result<PlanResult> planned = make_plan(model, training, budgets, profile, constraints);
   if (!planned.is_ok()) {
     fail(planned.status().to_string());
