@@ -95,7 +95,8 @@ struct ZeroConfig {
   // is 0 (ZeRO off), which zinf does not have: a config without a stage runs stage 3.
   int stage = 3;
   OffloadConfig offload_optimizer;
-  // Stage 3 only (a stage-1/2 config with offload_param other than "none" is rejected).
+  // Stage 3 only (a stage-1/2 config with offload_param other than "none" is rejected, where
+  // DeepSpeed ignores the section).
   OffloadConfig offload_param{.nvme_path = {}, .buffer_count = 5};
   // Parameters per optimizer sub-group: the unit the optimizer steps and moves at once.
   std::size_t sub_group_size = 1'000'000'000;
@@ -163,7 +164,8 @@ struct Config {
   // train_micro_batch_given: the config reader sets it where the key has a number.
   std::size_t train_micro_batch_size_per_gpu = 1;
   bool train_micro_batch_given = false;
-  // The micro-batches of a step. The engine accumulates every micro-batch handed to it between
+  // The micro-batches of a step (validate() refuses 0, and a micro-batch of 0, as DeepSpeed's
+  // _batch_assertion does). The engine accumulates every micro-batch handed to it between
   // two step() calls; with zinf.overlap_step it also begins the step's optimizer pass during the
   // backward of the gradient_accumulation_steps-th (docs/ENGINE.md "Updates during the
   // backward"), from the first step on when the count is declared: above 1, or

@@ -80,10 +80,18 @@ Status validate(const Config& c) {
   if (z.stage < 1 || z.stage > 3) {
     return invalid("zero_optimization.stage", fmt::format("{} is not 1, 2 or 3", z.stage));
   }
+  // DeepSpeed asserts both are above 0 (deepspeed/runtime/config.py, _batch_assertion).
+  if (c.train_micro_batch_size_per_gpu == 0) {
+    return invalid("train_micro_batch_size_per_gpu", "0 is below 1");
+  }
+  if (c.gradient_accumulation_steps == 0) {
+    return invalid("gradient_accumulation_steps", "0 is below 1");
+  }
   if (z.offload_param.device != OffloadDevice::kNone && z.stage != 3) {
     return invalid("zero_optimization.offload_param.device",
                    fmt::format("\"{}\" needs stage 3 (stage {} keeps every parameter on the "
-                               "device)",
+                               "device; DeepSpeed ignores offload_param below stage 3, so the "
+                               "section asks for nothing there: remove it)",
                                offload_device_name(z.offload_param.device), z.stage));
   }
   if (z.offload_optimizer.device == OffloadDevice::kNvme && z.offload_optimizer.buffer_count < 2) {
