@@ -5,7 +5,9 @@
 // table is refused as unknown; keys are case-sensitive, as DeepSpeed's are, and a key that differs
 // from a known one only in case is refused with a hint. The walk over a JSON object reports every
 // key in file order (check_config); parse_config() fails with the first refused key's report, so
-// the engine, the planner and `zinf config check` give the same message for the same file.
+// the engine, the planner and `zinf config check` give the same message for the same file. After
+// the walk, walk_text() refuses what DeepSpeed refuses about the file as a whole: a key given twice
+// in one object, and one setting under two of its names (kSameSettings).
 //
 // To add a section (say "monitor"), give it a table of its keys and a row in kRootKeys that
 // points at it (config_keys.cpp; or a walk function here, as the optimizer has, when one key
@@ -16,6 +18,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
 #include <cctype>
 #include <cerrno>
 #include <cmath>
@@ -352,9 +356,159 @@ std::string json_error_place(std::string_view text) {
   return "no place given";
 }
 
+// Marks `key` refused in `reports` with `why`: its own report, or, for a section (whose keys are
+// reported, not itself), a report put before its first key's; else one at the end.
+void refuse_report(std::vector<KeyReport>* reports, const std::string& key,
+                   const std::string& why) {
+  for (KeyReport& r : *reports) {
+    if (r.key == key) {
+      r.use = KeyUse::kRefused;
+      r.why = why;
+      return;
+    }
+  }
+  const std::string prefix = key + ".";
+  auto at = reports->begin();
+  while (at != reports->end() && at->key.rfind(prefix, 0) != 0) ++at;
+  reports->insert(at, {key, KeyUse::kRefused, why});
+}
+
+// DeepSpeed reads a config file with object_pairs_hook=dict_raise_error_on_duplicate_keys
+// (deepspeed/runtime/config.py, DeepSpeedConfig.__init__): a key given twice in one object is an
+// error there, where a JSON parser keeps one of the values. The parser calls this for every
+// event; it collects the dotted name of each key seen twice in one object (an object inside an
+// array is named by the array's key).
+struct DuplicateKeys {
+  struct Frame {
+    std::string path;
+    bool array = false;
+    std::vector<std::string> keys;
+    std::string last_key;
+  };
+  std::vector<Frame> frames;
+  std::vector<std::string> duplicates;
+
+  std::string child_path() const {
+    if (frames.empty()) return "";
+    const Frame& f = frames.back();
+    return f.array ? f.path : join(f.path, f.last_key);
+  }
+
+  void on(Json::parse_event_t event, const Json& parsed) {
+    switch (event) {
+      case Json::parse_event_t::object_start:
+      case Json::parse_event_t::array_start:
+        frames.push_back({child_path(), event == Json::parse_event_t::array_start, {}, ""});
+        break;
+      case Json::parse_event_t::object_end:
+      case Json::parse_event_t::array_end:
+        if (!frames.empty()) frames.pop_back();
+        break;
+      case Json::parse_event_t::key: {
+        if (frames.empty() || !parsed.is_string()) break;
+        Frame& f = frames.back();
+        std::string key = parsed.get<std::string>();
+        if (std::find(f.keys.begin(), f.keys.end(), key) != f.keys.end()) {
+          const std::string dotted = join(f.path, key);
+          if (std::find(duplicates.begin(), duplicates.end(), dotted) == duplicates.end()) {
+            duplicates.push_back(dotted);
+          }
+        } else {
+          f.keys.push_back(key);
+        }
+        f.last_key = std::move(key);
+        break;
+      }
+      case Json::parse_event_t::value:
+        break;
+    }
+  }
+};
+
+// Names DeepSpeed reads as one setting: a field and its alias (DeepSpeedZeroConfig declares the
+// stage-3 fields under short names with the "stage3_" spellings as aliases, and its model also
+// takes the field names: deepspeed/runtime/zero/config.py, runtime/config_utils.py), a deprecated
+// key and the key that replaces it (config_utils.py, _process_deprecated_field: "Cannot provide
+// deprecated parameter ... and replacing parameter ... together"), and the bf16 section under its
+// old name (precision_config.py, get_bfloat16_config reads "bfloat16" only without "bf16"). Two of
+// one set in a file are refused, naming the later one: DeepSpeed refuses them or ignores one.
+struct SameSetting {
+  std::string_view section;  // "" for the root
+  std::array<std::string_view, 2> names;
+  std::string_view why;
+};
+
+constexpr std::string_view kAliasWhy = "DeepSpeed's other name for the same setting; give one";
+constexpr std::string_view kDeprecatedWhy =
+    "a deprecated key and the key that replaces it, which DeepSpeed refuses together";
+
+const SameSetting kSameSettings[] = {
+    {"zero_optimization", {"cpu_offload", "offload_optimizer"}, kDeprecatedWhy},
+    {"zero_optimization", {"cpu_offload_param", "offload_param"}, kDeprecatedWhy},
+    {"zero_optimization", {"cpu_offload_params", "offload_param"}, kDeprecatedWhy},
+    {"zero_optimization",
+     {"cpu_offload_param", "cpu_offload_params"},
+     "two spellings of one deprecated key; give one"},
+    {"zero_optimization",
+     {"stage3_gather_fp16_weights_on_model_save", "stage3_gather_16bit_weights_on_model_save"},
+     kDeprecatedWhy},
+    {"zero_optimization",
+     {"stage3_gather_fp16_weights_on_model_save", "gather_16bit_weights_on_model_save"},
+     kDeprecatedWhy},
+    {"zero_optimization",
+     {"stage3_gather_16bit_weights_on_model_save", "gather_16bit_weights_on_model_save"},
+     kAliasWhy},
+    {"zero_optimization", {"stage3_prefetch_bucket_size", "prefetch_bucket_size"}, kAliasWhy},
+    {"zero_optimization",
+     {"stage3_param_persistence_threshold", "param_persistence_threshold"},
+     kAliasWhy},
+    {"zero_optimization",
+     {"stage3_model_persistence_threshold", "model_persistence_threshold"},
+     kAliasWhy},
+    {"zero_optimization", {"stage3_max_live_parameters", "max_live_parameters"}, kAliasWhy},
+    {"zero_optimization", {"stage3_max_reuse_distance", "max_reuse_distance"}, kAliasWhy},
+    {"zero_optimization",
+     {"stage3_module_granularity_threshold", "module_granularity_threshold"},
+     kAliasWhy},
+    {"zero_optimization",
+     {"stage3_use_all_reduce_for_fetch_params", "use_all_reduce_for_fetch_params"},
+     kAliasWhy},
+    {"zero_optimization", {"stage3_allgather_sequential", "allgather_sequential"}, kAliasWhy},
+    {"", {"bf16", "bfloat16"}, "DeepSpeed reads \"bf16\" and ignores \"bfloat16\" beside it"},
+};
+
+void refuse_same_settings(const Json& root, std::vector<KeyReport>* reports) {
+  for (const SameSetting& s : kSameSettings) {
+    const Json* section = &root;
+    if (!s.section.empty()) {
+      const auto it = root.find(std::string(s.section));
+      if (it == root.end() || !it->is_object()) continue;
+      section = &*it;
+    }
+    // The later of the two in the file is refused, naming the earlier.
+    std::string first;
+    for (auto it = section->begin(); it != section->end(); ++it) {
+      if (it.key() != s.names[0] && it.key() != s.names[1]) continue;
+      if (first.empty()) {
+        first = it.key();
+        continue;
+      }
+      refuse_report(reports, join(s.section, it.key()),
+                    fmt::format("given together with {}: {}", first, s.why));
+    }
+  }
+}
+
 // Walks `text` into `config`, reporting every key; fails only when it is not a JSON object.
 Status walk_text(std::string_view text, Config* config, std::vector<KeyReport>* reports) {
-  Json root = Json::parse(text, nullptr, /*allow_exceptions=*/false);
+  DuplicateKeys duplicates;
+  Json root = Json::parse(
+      text,
+      [&duplicates](int, Json::parse_event_t event, Json& parsed) {
+        duplicates.on(event, parsed);
+        return true;
+      },
+      /*allow_exceptions=*/false);
   if (root.is_discarded()) {
     return Status::invalid_argument(
         fmt::format("config: not valid JSON: {}", json_error_place(text)));
@@ -364,6 +518,12 @@ Status walk_text(std::string_view text, Config* config, std::vector<KeyReport>* 
   w.config = config;
   w.reports = reports;
   walk_keys(root, "", root_keys(), w);
+  refuse_same_settings(root, reports);
+  for (const std::string& key : duplicates.duplicates) {
+    refuse_report(reports, key,
+                  "given twice in one object, which DeepSpeed refuses; a JSON reader would keep "
+                  "only one of the values");
+  }
   return Status::ok();
 }
 
@@ -453,15 +613,7 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
     const std::string key = message.substr(0, message.find(": "));
     const std::string why =
         message.size() > key.size() + 2 ? message.substr(key.size() + 2) : message;
-    bool found = false;
-    for (KeyReport& r : reports) {
-      if (r.key == key) {
-        r.use = KeyUse::kRefused;
-        r.why = why;
-        found = true;
-      }
-    }
-    if (!found) reports.push_back({key, KeyUse::kRefused, why});
+    refuse_report(&reports, key, why);
   }
   return reports;
 }

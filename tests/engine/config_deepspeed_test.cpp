@@ -22,6 +22,52 @@ std::string refusal(const std::string& text) {
   return std::string(c.status().message());
 }
 
+// DeepSpeed loads a config file with object_pairs_hook=dict_raise_error_on_duplicate_keys
+// (config.py, DeepSpeedConfig.__init__; config_utils.py): a key given twice in one object is an
+// error, not "the last one wins".
+TEST(ConfigDeepSpeed, DuplicateKeysAreRefusedNamingTheKey) {
+  const std::string message = refusal(R"({"zero_optimization": {"stage": 1, "stage": 3}})");
+  EXPECT_EQ(message.rfind("zero_optimization.stage: ", 0), 0u) << message;
+  EXPECT_NE(message.find("twice"), std::string::npos) << message;
+  // At the root too.
+  EXPECT_EQ(refusal(R"({"gradient_clipping": 1.0, "steps_per_print": 1, "gradient_clipping": 0})")
+                .rfind("gradient_clipping: ", 0),
+            0u);
+  // The same key in two different objects is no duplicate.
+  Result<Config> c = parse_config(
+      R"({"fp16": {"enabled": false}, "bf16": {"enabled": true}, "zero_optimization": {}})");
+  EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+}
+
+// A deprecated key and the key that replaces it may not be given together (config_utils.py,
+// _process_deprecated_field: "Cannot provide deprecated parameter ... and replacing parameter
+// ... together"); zinf refused neither, and the later one in the file won.
+TEST(ConfigDeepSpeed, DeprecatedKeyWithItsReplacementIsRefused) {
+  const struct {
+    const char* json;
+    const char* key;
+  } cases[] = {
+      {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "nvme_path": "/x"},
+                                 "cpu_offload": true}})",
+       "zero_optimization.cpu_offload"},
+      {R"({"zero_optimization": {"cpu_offload": false, "offload_optimizer": {"device": "cpu"}}})",
+       "zero_optimization.offload_optimizer"},
+      {R"({"zero_optimization": {"offload_param": {"device": "nvme", "nvme_path": "/x"},
+                                 "cpu_offload_param": true}})",
+       "zero_optimization.cpu_offload_param"},
+      {R"({"zero_optimization": {"cpu_offload_params": true, "offload_param": {"device": "cpu"}}})",
+       "zero_optimization.offload_param"},
+      {R"({"zero_optimization": {"stage3_gather_16bit_weights_on_model_save": true,
+                                 "stage3_gather_fp16_weights_on_model_save": true}})",
+       "zero_optimization.stage3_gather_fp16_weights_on_model_save"},
+  };
+  for (const auto& c : cases) {
+    const std::string message = refusal(c.json);
+    EXPECT_EQ(message.rfind(fmt::format("{}: ", c.key), 0), 0u) << message;
+    EXPECT_NE(message.find("together"), std::string::npos) << message;
+  }
+}
+
 // DeepSpeed asserts both counts are above 0 (config.py, _batch_assertion and _do_error_check).
 TEST(ConfigDeepSpeed, ZeroMicroBatchOrAccumulationStepsAreRefused) {
   EXPECT_EQ(refusal(R"({"gradient_accumulation_steps": 0})")
