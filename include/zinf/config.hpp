@@ -80,7 +80,8 @@ bool parse_offload_device(std::string_view text, OffloadDevice* device);
 
 struct OffloadConfig {
   OffloadDevice device = OffloadDevice::kNone;
-  // Directory of the swap files when device is kNvme (the Env's nvme_paths override it).
+  // Directory of the swap files when device is kNvme (the Env's nvme_paths override it); JSON
+  // null reads as "" (DeepSpeed's Optional[Path]).
   std::string nvme_path;
   // Pinned-pool blocks: optimizer sub-groups in flight (>= 2), or parameter shards staged from
   // NVMe at once (>= 1, bounding the stage-3 prefetch of NVMe-resident shards). DeepSpeed's
@@ -180,9 +181,9 @@ struct Config {
   // Clip the global gradient norm (over every rank) to this; 0 turns clipping off.
   double gradient_clipping = 0.0;
   Fp16Config fp16;
-  // "bf16": {"enabled"}. When set, every registered parameter must be bf16: register_parameter()
-  // refuses another dtype naming this key. (fp16.enabled requires no dtype: it turns on loss
-  // scaling, whatever the parameters' dtype.)
+  // "bf16" (or "bfloat16"): {"enabled"}. When set, every registered parameter must be bf16:
+  // register_parameter() refuses another dtype naming this key. (fp16.enabled requires no dtype: it
+  // turns on loss scaling, whatever the parameters' dtype.)
   bool bf16_enabled = false;
   // "optimizer": {"type": "Adam" | "AdamW" | "Adagrad" | "Lion" (any case), "params": {...}}.
   // Type "Adam" is AdamW (decoupled decay) unless params.adam_w_mode is false, as in DeepSpeed;

@@ -83,6 +83,17 @@ Why string_of(const Json& v, std::string* out) {
   return std::nullopt;
 }
 
+// A directory: a string, or null (DeepSpeed's Optional[Path] nvme_path), which is "not given".
+Why path_of(const Json& v, std::string* out) {
+  if (v.is_null()) {
+    out->clear();
+    return std::nullopt;
+  }
+  if (!v.is_string()) return not_a(v, "a string or null");
+  *out = v.get<std::string>();
+  return std::nullopt;
+}
+
 // A boolean that zinf supports only at `supported`: the other value is refused with `why`.
 Why only_bool(const Json& v, bool supported, std::string_view why) {
   bool b = supported;

@@ -3,6 +3,8 @@
 // kRootKeys that points at it.
 #include <fmt/format.h>
 
+#include <cctype>
+#include <string>
 #include <string_view>
 
 #include "engine/config_walk.hpp"
@@ -14,6 +16,12 @@ namespace {
 
 // A reader from one expression of the value `v` and the walk `w`.
 #define ZINF_READ(expr) [](const Json& v, [[maybe_unused]] Walk& w) -> Why { return expr; }
+
+// A boolean whose value changes nothing in zinf.
+Why any_bool(const Json& v) {
+  bool b = false;
+  return bool_of(v, &b);
+}
 
 // A number zinf supports only at `supported` (DeepSpeed's default): others refused with `why`.
 Why only_number(const Json& v, double supported, std::string_view why) {
@@ -34,7 +42,7 @@ constexpr std::string_view kPinMemory =
 const Key kOffloadOptimizerKeys[] = {
     {.name = "device", .read = ZINF_READ(device_of(v, &w.config->zero.offload_optimizer.device))},
     {.name = "nvme_path",
-     .read = ZINF_READ(string_of(v, &w.config->zero.offload_optimizer.nvme_path))},
+     .read = ZINF_READ(path_of(v, &w.config->zero.offload_optimizer.nvme_path))},
     {.name = "buffer_count",
      .read = ZINF_READ(count_as(v, &w.config->zero.offload_optimizer.buffer_count))},
     {.name = "pin_memory",
@@ -47,11 +55,19 @@ const Key kOffloadOptimizerKeys[] = {
     {.name = "ratio",
      .read = ZINF_READ(only_number(v, 1.0, "zinf offloads all of the optimizer state or none")),
      .no_effect = "1.0 offloads all of the optimizer state, as zinf does"},
+    {.name = "super_offload",
+     .read = ZINF_READ(only_bool(v, false, "zinf has no SuperOffload step")),
+     .no_effect = "false: DeepSpeed's ordinary offloaded step, as in zinf"},
+    {.name = "convert_grad_on_cpu",
+     .no_effect = "where the gradients are widened to fp32 is zinf's choice; the values are the "
+                  "same"},
+    {.name = "cpuadam_cores_perc",
+     .no_effect = "zinf.cpu_threads sets the threads of the CPU optimizer"},
 };
 
 const Key kOffloadParamKeys[] = {
     {.name = "device", .read = ZINF_READ(device_of(v, &w.config->zero.offload_param.device))},
-    {.name = "nvme_path", .read = ZINF_READ(string_of(v, &w.config->zero.offload_param.nvme_path))},
+    {.name = "nvme_path", .read = ZINF_READ(path_of(v, &w.config->zero.offload_param.nvme_path))},
     {.name = "buffer_count",
      .read = ZINF_READ(count_as(v, &w.config->zero.offload_param.buffer_count))},
     {.name = "buffer_size",
@@ -82,6 +98,33 @@ Why read_cpu_offload_params(const Json& v, Walk& w) {
   return std::nullopt;
 }
 
+// DeepSpeed caps the elements of all persistent parameters together at this (its default,
+// sys.maxsize, is no cap); zinf has no such cap.
+constexpr std::uint64_t kSysMaxsize = 9'223'372'036'854'775'807ULL;
+constexpr std::string_view kNoPersistenceCap =
+    "9223372036854775807 (sys.maxsize, DeepSpeed's default): no cap on the persistent "
+    "parameters' elements, as in zinf";
+
+Why read_model_persistence(const Json& v, [[maybe_unused]] Walk& w) {
+  std::uint64_t cap = 0;
+  if (Why bad = count_of(v, &cap)) return bad;
+  if (cap < kSysMaxsize) {
+    return fmt::format(
+        "{} is not supported: zinf does not cap the persistent parameters' elements "
+        "(stage3_param_persistence_threshold alone decides which persist)",
+        v.dump());
+  }
+  return std::nullopt;
+}
+
+constexpr std::string_view kReleasesAfterUse =
+    "zinf releases a gathered module after use and prefetches it again in recorded order";
+constexpr std::string_view kGathersModules =
+    "zinf gathers whole registered modules; how fine they are is the program's registration";
+constexpr std::string_view kSameGatheredValues =
+    "how DeepSpeed's stage 3 runs its gathers; zinf's all-gather gives the same values";
+constexpr std::string_view kMonitorZero = "DeepSpeed's own logging and debug checks";
+
 const Key kZeroKeys[] = {
     {.name = "stage", .read = ZINF_READ(count_as(v, &w.config->zero.stage))},
     {.name = "offload_optimizer", .keys = kOffloadOptimizerKeys},
@@ -97,12 +140,27 @@ const Key kZeroKeys[] = {
     {.name = "sub_group_size", .read = ZINF_READ(count_as(v, &w.config->zero.sub_group_size))},
     {.name = "reduce_bucket_size",
      .read = ZINF_READ(count_as(v, &w.config->zero.reduce_bucket_size))},
+    // The stage-3 fields under both of DeepSpeed's names: DeepSpeedZeroConfig declares
+    // prefetch_bucket_size with the alias stage3_prefetch_bucket_size, and so on, and reads
+    // either (config.cpp refuses the two together).
     {.name = "stage3_prefetch_bucket_size",
+     .read = ZINF_READ(count_as(v, &w.config->zero.stage3_prefetch_bucket_size))},
+    {.name = "prefetch_bucket_size",
      .read = ZINF_READ(count_as(v, &w.config->zero.stage3_prefetch_bucket_size))},
     {.name = "stage3_max_live_parameters",
      .read = ZINF_READ(count_as(v, &w.config->zero.stage3_max_live_parameters))},
+    {.name = "max_live_parameters",
+     .read = ZINF_READ(count_as(v, &w.config->zero.stage3_max_live_parameters))},
     {.name = "stage3_param_persistence_threshold",
      .read = ZINF_READ(count_as(v, &w.config->zero.stage3_param_persistence_threshold))},
+    {.name = "param_persistence_threshold",
+     .read = ZINF_READ(count_as(v, &w.config->zero.stage3_param_persistence_threshold))},
+    {.name = "stage3_model_persistence_threshold",
+     .read = read_model_persistence,
+     .no_effect = kNoPersistenceCap},
+    {.name = "model_persistence_threshold",
+     .read = read_model_persistence,
+     .no_effect = kNoPersistenceCap},
     {.name = "overlap_comm", .no_effect = kAlwaysOverlaps},
     {.name = "contiguous_gradients",
      .no_effect = "zinf always accumulates each rank's gradients in one contiguous fp32 buffer"},
@@ -113,9 +171,23 @@ const Key kZeroKeys[] = {
          "stages 1-2 all-gather the updated parameters after every step, as DeepSpeed does"},
     {.name = "allgather_bucket_size",
      .no_effect = "zinf gathers whole modules, bounded by stage3_max_live_parameters"},
-    {.name = "stage3_max_reuse_distance",
-     .no_effect =
-         "zinf releases a gathered module after use and prefetches it again in recorded order"},
+    {.name = "stage3_max_reuse_distance", .no_effect = kReleasesAfterUse},
+    {.name = "max_reuse_distance", .no_effect = kReleasesAfterUse},
+    {.name = "stage3_module_granularity_threshold", .no_effect = kGathersModules},
+    {.name = "module_granularity_threshold", .no_effect = kGathersModules},
+    {.name = "stage3_use_all_reduce_for_fetch_params", .no_effect = kSameGatheredValues},
+    {.name = "use_all_reduce_for_fetch_params", .no_effect = kSameGatheredValues},
+    {.name = "stage3_allgather_sequential", .no_effect = kSameGatheredValues},
+    {.name = "allgather_sequential", .no_effect = kSameGatheredValues},
+    {.name = "use_multi_rank_bucket_allreduce",
+     .no_effect = "zinf always reduce-scatters gradients into their owners' shards"},
+    {.name = "log_trace_cache_warnings", .no_effect = kMonitorZero},
+    {.name = "enable_sanity_checks", .no_effect = kMonitorZero},
+    {.name = "override_module_apply",
+     .no_effect = "a PyTorch nn.Module hook of DeepSpeed's stage 3; the model is the program's"},
+    {.name = "legacy_stage1",
+     .read = ZINF_READ(only_bool(v, false, "zinf has one stage 1")),
+     .no_effect = "false: DeepSpeed's current stage 1, as in zinf"},
     {.name = "stage3_gather_16bit_weights_on_model_save",
      .no_effect =
          "saving consolidated weights is the training program's, through Engine::read_parameters"},
@@ -146,6 +218,15 @@ const Key kZeroKeys[] = {
     {.name = "zero_quantized_gradients",
      .read = ZINF_READ(only_bool(v, false, "zinf reduces gradients unquantized")),
      .no_effect = "false: gradients reduced unquantized, as in zinf"},
+    {.name = "zero_quantized_nontrainable_weights",
+     .read = ZINF_READ(only_bool(v, false, "zinf keeps parameters unquantized")),
+     .no_effect = "false: parameters kept unquantized, as in zinf"},
+    {.name = "mics_shard_size",
+     .read = ZINF_READ(only_number(v, -1.0, "zinf shards over every rank (no MiCS groups)")),
+     .no_effect = "-1: no MiCS groups, every rank holds a shard, as in zinf"},
+    {.name = "mics_hierarchical_params_gather",
+     .read = ZINF_READ(only_bool(v, false, "zinf has no MiCS groups")),
+     .no_effect = "false: no MiCS groups, as in zinf"},
 };
 
 const Key kFp16Keys[] = {
@@ -171,6 +252,16 @@ const Key kBf16Keys[] = {
     {.name = "enabled", .read = ZINF_READ(bool_of(v, &w.config->bf16_enabled))},
     {.name = "immediate_grad_update",
      .no_effect = "zinf accumulates gradients in fp32 and updates at step()"},
+    {.name = "check_grad_overflow",
+     .read = ZINF_READ(any_bool(v)),
+     .no_effect = "zinf checks every step's gradients for inf and NaN and skips such a step "
+                  "whatever the dtype, as DeepSpeed does with true"},
+    {.name = "bf16_master_weights_and_grads",
+     .read = ZINF_READ(only_bool(v, false, "zinf keeps an fp32 master and fp32 gradients")),
+     .no_effect = "false: fp32 master and gradients, as in zinf"},
+    {.name = "bf16_optimizer_states",
+     .read = ZINF_READ(only_bool(v, false, "zinf keeps the optimizer state in fp32")),
+     .no_effect = "false: fp32 optimizer state, as in zinf"},
 };
 
 constexpr std::string_view kIoEngine =
@@ -242,6 +333,41 @@ const Key kActivationKeys[] = {
     {.name = "profile", .no_effect = kMonitorActivations},
 };
 
+// DeepSpeed's names of fp32 (deepspeed/runtime/config.py, DtypeEnum.fp32), and the others of its
+// dtypes, lower case: "fp32", "torch.float32", "float32", "float".
+bool is_fp32_name(std::string text) {
+  for (char& ch : text) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
+  return text == "fp32" || text == "torch.float32" || text == "float32" || text == "float";
+}
+
+// communication_data_type: DeepSpeed reduces gradients in the parameters' 16-bit dtype unless this
+// says otherwise (runtime/engine.py, communication_data_type); zinf always reduces in fp32, so
+// "fp32" and null (not set) are accepted and a 16-bit dtype is refused
+// (config.py, get_communication_data_type, lowercases the value).
+Why read_communication_dtype(const Json& v, [[maybe_unused]] Walk& w) {
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_string()) return not_a(v, "\"fp16\", \"bf16\" or \"fp32\"");
+  if (is_fp32_name(v.get<std::string>())) return std::nullopt;
+  return fmt::format(
+      "{} is not supported: zinf reduce-scatters gradients in fp32 (widened from the "
+      "parameters' dtype) and accumulates them in fp32",
+      v.dump());
+}
+
+// data_types.grad_accum_dtype: the dtype DeepSpeed accumulates gradients in over micro-batches;
+// zinf accumulates in fp32.
+Why read_grad_accum_dtype(const Json& v, [[maybe_unused]] Walk& w) {
+  if (v.is_null()) return std::nullopt;
+  if (v.is_string() && is_fp32_name(v.get<std::string>())) return std::nullopt;
+  return fmt::format("{} is not supported: zinf accumulates gradients in fp32", v.dump());
+}
+
+const Key kDataTypesKeys[] = {
+    {.name = "grad_accum_dtype",
+     .read = read_grad_accum_dtype,
+     .no_effect = "zinf accumulates gradients in fp32, whatever the parameters' dtype"},
+};
+
 constexpr std::string_view kProgramSide =
     "the training program's data loading, logging or checkpoint bookkeeping; zinf does not see "
     "it";
@@ -275,6 +401,9 @@ const Key kRootKeys[] = {
     {.name = "gradient_clipping", .read = ZINF_READ(number_of(v, &w.config->gradient_clipping))},
     {.name = "fp16", .keys = kFp16Keys},
     {.name = "bf16", .keys = kBf16Keys},
+    // DeepSpeed's older name of the bf16 section, read when "bf16" is absent
+    // (deepspeed/runtime/precision_config.py, get_bfloat16_config; config.cpp refuses both).
+    {.name = "bfloat16", .keys = kBf16Keys},
     {.name = "optimizer", .walk = walk_optimizer},
     {.name = "zero_optimization", .keys = kZeroKeys},
     {.name = "aio", .keys = kAioKeys},
@@ -303,8 +432,10 @@ const Key kRootKeys[] = {
      .no_effect = "1.0: gradients averaged after the reduction, as in zinf"},
     {.name = "amp", .refused = "NVIDIA Apex AMP is not supported; use fp16 or bf16"},
     {.name = "communication_data_type",
-     .refused = "zinf reduces gradients in the parameter's dtype and accumulates in fp32; no other "
-                "communication dtype is supported"},
+     .read = read_communication_dtype,
+     .no_effect = "zinf reduce-scatters and accumulates gradients in fp32, whatever the "
+                  "parameters' dtype"},
+    {.name = "data_types", .keys = kDataTypesKeys},
     {.name = "sparse_attention", .refused = "a model feature zinf does not provide"},
     {.name = "pipeline", .refused = "pipeline parallelism is not supported"},
     {.name = "elasticity", .refused = "elastic training is not supported"},

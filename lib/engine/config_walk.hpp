@@ -90,6 +90,8 @@ Why number_of(const Json& v, double* out);
 Why number_opt(const Json& v, std::optional<double>* out);
 Why bool_of(const Json& v, bool* out);
 Why string_of(const Json& v, std::string* out);
+// A directory: a string, or null ("not given", as DeepSpeed's Optional[Path] nvme_path reads it).
+Why path_of(const Json& v, std::string* out);
 // A boolean that zinf supports only at `supported`: the other value is refused with `why`.
 Why only_bool(const Json& v, bool supported, std::string_view why);
 Why device_of(const Json& v, OffloadDevice* out);

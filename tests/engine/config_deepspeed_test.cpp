@@ -13,6 +13,18 @@
 namespace zinf {
 namespace {
 
+// The report of `key` in check_config's answer for `text`.
+KeyReport report_of(const std::string& text, const std::string& key) {
+  Result<std::vector<KeyReport>> reports = check_config(text);
+  EXPECT_TRUE(reports.is_ok()) << reports.status().to_string();
+  if (!reports.is_ok()) return {};
+  for (const KeyReport& r : *reports) {
+    if (r.key == key) return r;
+  }
+  ADD_FAILURE() << key << " is not reported for " << text;
+  return {};
+}
+
 // The message of parse_config's refusal of `text`; fails the test when it is accepted.
 std::string refusal(const std::string& text) {
   Result<Config> c = parse_config(text);
@@ -37,6 +49,30 @@ TEST(ConfigDeepSpeed, DuplicateKeysAreRefusedNamingTheKey) {
   Result<Config> c = parse_config(
       R"({"fp16": {"enabled": false}, "bf16": {"enabled": true}, "zero_optimization": {}})");
   EXPECT_TRUE(c.is_ok()) << c.status().to_string();
+}
+
+// DeepSpeedZeroConfig's stage-3 fields are declared under their short names with the "stage3_"
+// spellings as aliases, and its model allows population by field name (zero/config.py,
+// prefetch_bucket_size = Field(..., alias="stage3_prefetch_bucket_size"); config_utils.py,
+// DeepSpeedConfigModel: populate_by_name): both spellings mean the same field.
+TEST(ConfigDeepSpeed, Stage3FieldNamesAreReadAsTheirAliases) {
+  Result<Config> c = parse_config(R"({"zero_optimization": {
+    "prefetch_bucket_size": 1234, "param_persistence_threshold": 55,
+    "max_live_parameters": 7e8, "max_reuse_distance": 1e9,
+    "gather_16bit_weights_on_model_save": true}})");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->zero.stage3_prefetch_bucket_size, 1234u);
+  EXPECT_EQ(c->zero.stage3_param_persistence_threshold, 55u);
+  EXPECT_EQ(c->zero.stage3_max_live_parameters, 700'000'000u);
+  EXPECT_EQ(report_of(R"({"zero_optimization": {"prefetch_bucket_size": 1}})",
+                      "zero_optimization.prefetch_bucket_size")
+                .use,
+            KeyUse::kUsed);
+  // One field under both of its names is refused, naming the second.
+  const std::string message = refusal(
+      R"({"zero_optimization": {"stage3_prefetch_bucket_size": 1, "prefetch_bucket_size": 2}})");
+  EXPECT_EQ(message.rfind("zero_optimization.prefetch_bucket_size: ", 0), 0u) << message;
+  EXPECT_NE(message.find("stage3_prefetch_bucket_size"), std::string::npos) << message;
 }
 
 // A deprecated key and the key that replaces it may not be given together (config_utils.py,
@@ -68,6 +104,44 @@ TEST(ConfigDeepSpeed, DeprecatedKeyWithItsReplacementIsRefused) {
   }
 }
 
+// "bfloat16" is DeepSpeed's older name of the bf16 section, still read when "bf16" is absent
+// (precision_config.py, get_bfloat16_config: BFLOAT16_OLD).
+TEST(ConfigDeepSpeed, Bfloat16IsTheBf16Section) {
+  Result<Config> c = parse_config(R"({"bfloat16": {"enabled": true}})");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_TRUE(c->bf16_enabled);
+  EXPECT_EQ(report_of(R"({"bfloat16": {"enabled": true}})", "bfloat16.enabled").use, KeyUse::kUsed);
+  // DeepSpeed reads "bf16" and ignores "bfloat16" when both are there: refused, not guessed.
+  const std::string message =
+      refusal(R"({"bf16": {"enabled": false}, "bfloat16": {"enabled": true}})");
+  EXPECT_EQ(message.rfind("bfloat16: ", 0), 0u) << message;
+  // fp16 and bf16 under its old name are still both enabled.
+  EXPECT_EQ(refusal(R"({"fp16": {"enabled": true}, "bfloat16": {"enabled": true}})")
+                .rfind("fp16.enabled: ", 0),
+            0u);
+}
+
+// DeepSpeedBF16Config's switches whose default (false) is what zinf does (precision_config.py),
+// and check_grad_overflow, which zinf does whatever it says: every step's gradients are checked
+// for inf and NaN, and such a step is skipped.
+TEST(ConfigDeepSpeed, Bf16SwitchesAtTheirDefaultHaveNoEffect) {
+  for (const char* key : {"bf16_master_weights_and_grads", "bf16_optimizer_states"}) {
+    const std::string off = fmt::format(R"({{"bf16": {{"enabled": true, "{}": false}}}})", key);
+    EXPECT_EQ(report_of(off, fmt::format("bf16.{}", key)).use, KeyUse::kNoEffect) << key;
+    EXPECT_TRUE(parse_config(off).is_ok()) << key;
+    const std::string on = fmt::format(R"({{"bf16": {{"enabled": true, "{}": true}}}})", key);
+    EXPECT_EQ(refusal(on).rfind(fmt::format("bf16.{}: true is not supported", key), 0), 0u)
+        << refusal(on);
+  }
+  for (const char* value : {"true", "false"}) {
+    const std::string text =
+        fmt::format(R"({{"bf16": {{"enabled": true, "check_grad_overflow": {}}}}})", value);
+    const KeyReport r = report_of(text, "bf16.check_grad_overflow");
+    EXPECT_EQ(r.use, KeyUse::kNoEffect) << value;
+    EXPECT_NE(r.why.find("inf and NaN"), std::string::npos) << r.why;
+  }
+}
+
 // DeepSpeed asserts both counts are above 0 (config.py, _batch_assertion and _do_error_check).
 TEST(ConfigDeepSpeed, ZeroMicroBatchOrAccumulationStepsAreRefused) {
   EXPECT_EQ(refusal(R"({"gradient_accumulation_steps": 0})")
@@ -91,6 +165,79 @@ TEST(ConfigDeepSpeed, OffloadParamBelowStage3IsRefusedSayingDeepSpeedIgnoresIt) 
   Result<Config> none =
       parse_config(R"({"zero_optimization": {"stage": 2, "offload_param": {"device": "none"}}})");
   EXPECT_TRUE(none.is_ok()) << none.status().to_string();
+}
+
+// nvme_path is Optional[Path] in DeepSpeed (zero/offload_config.py): null is "not given", which
+// is what `accelerate config` writes for a cpu offload.
+TEST(ConfigDeepSpeed, NullNvmePathIsNotGiven) {
+  Result<Config> c = parse_config(R"({"zero_optimization": {"stage": 3,
+      "offload_optimizer": {"device": "cpu", "nvme_path": null},
+      "offload_param": {"device": "cpu", "nvme_path": null}}})");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->zero.offload_optimizer.nvme_path, "");
+  EXPECT_EQ(c->zero.offload_param.nvme_path, "");
+  EXPECT_NE(refusal(R"({"zero_optimization": {"offload_optimizer": {"nvme_path": 3}}})")
+                .find("a string or null"),
+            std::string::npos);
+}
+
+// zinf reduce-scatters and accumulates gradients in fp32 whatever the parameters' dtype, so
+// communication_data_type "fp32" (and null, DeepSpeed's "not set") changes nothing, and a 16-bit
+// reduction is refused with that reason (config.py, get_communication_data_type).
+TEST(ConfigDeepSpeed, CommunicationDataTypeFp32HasNoEffect) {
+  for (const char* value : {R"("fp32")", R"("FP32")", "null"}) {
+    const std::string text = fmt::format(R"({{"communication_data_type": {}}})", value);
+    EXPECT_EQ(report_of(text, "communication_data_type").use, KeyUse::kNoEffect) << value;
+  }
+  for (const char* value : {R"("fp16")", R"("bf16")"}) {
+    const std::string message = refusal(fmt::format(R"({{"communication_data_type": {}}})", value));
+    EXPECT_EQ(message.rfind("communication_data_type: ", 0), 0u) << message;
+    EXPECT_NE(message.find("fp32"), std::string::npos) << message;
+  }
+  EXPECT_EQ(
+      report_of(R"({"data_types": {"grad_accum_dtype": "fp32"}})", "data_types.grad_accum_dtype")
+          .use,
+      KeyUse::kNoEffect);
+  EXPECT_EQ(refusal(R"({"data_types": {"grad_accum_dtype": "bf16"}})")
+                .rfind("data_types.grad_accum_dtype: ", 0),
+            0u);
+}
+
+// Keys of current DeepSpeed releases whose only effect is speed or logging, or whose default is
+// zinf's behaviour (zero/config.py, zero/offload_config.py).
+TEST(ConfigDeepSpeed, NewerSpeedOnlyKeysHaveNoEffect) {
+  const char* no_effect[] = {
+      R"({"zero_optimization": {"use_multi_rank_bucket_allreduce": true}})",
+      R"({"zero_optimization": {"stage3_module_granularity_threshold": 100}})",
+      R"({"zero_optimization": {"module_granularity_threshold": 100}})",
+      R"({"zero_optimization": {"stage3_use_all_reduce_for_fetch_params": true}})",
+      R"({"zero_optimization": {"stage3_allgather_sequential": true}})",
+      R"({"zero_optimization": {"log_trace_cache_warnings": true}})",
+      R"({"zero_optimization": {"stage3_model_persistence_threshold": 9223372036854775807}})",
+      R"({"zero_optimization": {"zero_quantized_nontrainable_weights": false}})",
+      R"({"zero_optimization": {"mics_shard_size": -1}})",
+      R"({"zero_optimization": {"offload_optimizer": {"super_offload": false}}})",
+      R"({"zero_optimization": {"offload_optimizer": {"cpuadam_cores_perc": 0.5}}})",
+  };
+  for (const char* text : no_effect) {
+    Result<std::vector<KeyReport>> r = check_config(text);
+    ASSERT_TRUE(r.is_ok());
+    ASSERT_FALSE(r->empty()) << text;
+    EXPECT_EQ(r->back().use, KeyUse::kNoEffect) << text << ": " << r->back().why;
+  }
+  const struct {
+    const char* json;
+    const char* key;
+  } refused[] = {
+      {R"({"zero_optimization": {"stage3_model_persistence_threshold": 1000}})",
+       "zero_optimization.stage3_model_persistence_threshold"},
+      {R"({"zero_optimization": {"mics_shard_size": 8}})", "zero_optimization.mics_shard_size"},
+      {R"({"zero_optimization": {"offload_optimizer": {"super_offload": true}}})",
+       "zero_optimization.offload_optimizer.super_offload"},
+  };
+  for (const auto& c : refused) {
+    EXPECT_EQ(refusal(c.json).rfind(fmt::format("{}: ", c.key), 0), 0u) << refusal(c.json);
+  }
 }
 
 }  // namespace
