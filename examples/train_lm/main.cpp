@@ -107,7 +107,11 @@ std::string summary_text(const Options& o, const RunSummary& r) {
       {"validation loss",
        num(r.first_val_loss, 3) + " -> " + num(r.final_val_loss, 3) + " nats/byte"},
       {"train loss (last step)", num(r.final_train_loss, 3)},
-      {"steps", std::to_string(r.steps_done)},
+      {"steps", r.first_step > 1
+                    ? std::to_string(r.steps_done) + " (steps " + std::to_string(r.first_step) +
+                          "-" + std::to_string(r.first_step + r.steps_done - 1) +
+                          ", resumed after step " + std::to_string(r.first_step - 1) + ")"
+                    : std::to_string(r.steps_done)},
       {"tokens/s", num(tokens_per_s, tokens_per_s < 100 ? 1 : 0)},
       {"wall time", num(r.wall_s, 1) + " s"},
       {"outputs", o.out_dir + "/loss.csv, " + o.out_dir + "/loss.svg" +

@@ -646,8 +646,8 @@ std::vector<std::string> run_loss_rows(const std::string& args, const fs::path& 
 // whose losses equal the uninterrupted run's, row for row (tokens/s is a measured time).
 // A run that fails after a checkpoint (its next save finds the disk full) removes the --out
 // directory it made, but not when that holds the checkpoint (the default --save-dir is inside it):
-// the step-2 checkpoint is still there, whole, and loads. Needs an 8 MiB tmpfs (root); skips
-// without one.
+// the step-2 checkpoint is still there, whole, and loads; the run warned at its start that the
+// checkpoints it keeps would not fit. Needs an 8 MiB tmpfs (root); skips without one.
 TEST(Program, AFailedRunKeepsTheCheckpointsItSaved) {
   const fs::path dir = scratch_dir("train_lm_keep_ckpt");
   const fs::path small = dir / "small";
@@ -663,6 +663,13 @@ TEST(Program, AFailedRunKeepsTheCheckpointsItSaved) {
       "--eval-tokens 256 --no-progress --save-every 2 --out " +
           out.string() + " --nvme-path " + (dir / "nvme").string(),
       &err, &out_text);
+  // A model whose one checkpoint does not fit is refused before anything is made.
+  std::string big_err;
+  const int big =
+      run_program("--params 1M --steps 10 --batch 4 --seq-len 16 --save-every 2 --out " +
+                      (small / "big").string(),
+                  &big_err);
+  const bool big_made = fs::exists(small / "big");
   const bool kept = fs::exists(out / "checkpoints" / "global_step2" / "manifest.json");
   const std::string latest = read_all(out / "checkpoints" / "latest");
   std::string resume_err;
@@ -676,7 +683,25 @@ TEST(Program, AFailedRunKeepsTheCheckpointsItSaved) {
                  &resume_err)
            : -1;
   (void)std::system(("umount " + small.string()).c_str());
+  EXPECT_EQ(big, 1) << big_err;
+  EXPECT_EQ(big_err.rfind("train_lm: error: --save-dir " +
+                              (small / "big" / "checkpoints").string() + ": needs ",
+                          0),
+            0u)
+      << big_err;
+  EXPECT_NE(big_err.find(" of a checkpoint but " + small.string() + " has "), std::string::npos)
+      << big_err;
+  EXPECT_FALSE(big_made);
   EXPECT_EQ(code, 1) << err;
+  // One checkpoint fits (the check before the run passes); the three kept at once do not.
+  EXPECT_NE(
+      err.find("train_lm: warning: --save-dir " + (out / "checkpoints").string() + ": needs "),
+      std::string::npos)
+      << err;
+  EXPECT_NE(
+      err.find(" of 3 checkpoints but " + small.string() + " has 8.0 MiB free: a save will fail"),
+      std::string::npos)
+      << err;
   EXPECT_NE(err.find("No space left on device"), std::string::npos) << err;
   EXPECT_TRUE(kept) << err;
   EXPECT_EQ(latest, "global_step2");
@@ -699,11 +724,14 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
       << err;
   EXPECT_EQ(read_all(dir / "ckpt" / "latest"), "global_step100");
   EXPECT_TRUE(fs::exists(dir / "ckpt" / "global_step50"));
+  std::string out;
   ASSERT_EQ(run_program(common + "--resume " + (dir / "ckpt").string() + " --out " +
                             (dir / "resumed").string(),
-                        &err),
+                        &err, &out),
             0)
       << err;
+  // The summary's per-step figures are this run's 30 steps.
+  EXPECT_NE(out.find("30 (steps 101-130, resumed after step 100)"), std::string::npos) << out;
   EXPECT_NE(err.find("resumed from " + (dir / "ckpt").string() + "/global_step100 at step 100"),
             std::string::npos)
       << err;

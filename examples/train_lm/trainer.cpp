@@ -1,6 +1,7 @@
 #include "trainer.hpp"
 
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <tbb/blocked_range.h>
 #include <tbb/parallel_for.h>
@@ -166,6 +167,65 @@ bool check_writable_dir(const std::string& option, const std::string& path, std:
     *error = option + " " + path + ": needs " + format_bytes(double(bytes)) + " but " +
              base.string() + " has " + format_bytes(double(free_bytes)) + " free";
     return false;
+  }
+  return true;
+}
+
+// What a run will write under the directory an option names.
+struct DiskNeed {
+  std::string option;
+  std::string path;
+  std::uint64_t bytes = 0;
+  std::string what;  // "swap files", "3 checkpoints"
+};
+
+// Checks that each filesystem holds what the needs on it add up to (the swap files and the
+// checkpoints may share one); one line of error naming the options on it otherwise.
+bool check_disk_space(const std::vector<DiskNeed>& needs, std::string* error) {
+  struct Filesystem {
+    dev_t dev = 0;
+    std::uint64_t free_bytes = 0;
+    std::string base;
+    std::vector<const DiskNeed*> needs;
+  };
+  std::vector<Filesystem> filesystems;
+  for (const DiskNeed& need : needs) {
+    if (need.bytes == 0) continue;
+    const fs::path base = existing_ancestor(need.path);
+    struct stat st {};
+    struct statvfs info {};
+    if (stat(base.c_str(), &st) != 0 || statvfs(base.c_str(), &info) != 0) {
+      *error = need.option + " " + need.path + ": cannot stat " + base.string() + ": " +
+               std::strerror(errno);
+      return false;
+    }
+    auto it = std::find_if(filesystems.begin(), filesystems.end(),
+                           [&](const Filesystem& f) { return f.dev == st.st_dev; });
+    if (it == filesystems.end()) {
+      it = filesystems.insert(filesystems.end(), Filesystem{});
+      it->dev = st.st_dev;
+      it->free_bytes = std::uint64_t(info.f_bavail) * info.f_frsize;
+      it->base = base.string();
+    }
+    it->needs.push_back(&need);
+  }
+  for (const Filesystem& f : filesystems) {
+    std::uint64_t bytes = 0;
+    std::string options, parts;
+    for (const DiskNeed* need : f.needs) {
+      bytes += need->bytes;
+      options += (options.empty() ? "" : " and ") + need->option + " " + need->path;
+      parts +=
+          (parts.empty() ? "" : " + ") + format_bytes(double(need->bytes)) + " of " + need->what;
+    }
+    if (bytes > f.free_bytes) {
+      *error = options + ": " +
+               (f.needs.size() == 1 ? "needs " + parts + " but " + f.base
+                                    : "need " + format_bytes(double(bytes)) + " (" + parts +
+                                          ") but " + f.base + ", where they are,") +
+               " has " + format_bytes(double(f.free_bytes)) + " free";
+      return false;
+    }
   }
   return true;
 }
@@ -823,7 +883,7 @@ void StepDone::operator()() noexcept {
   const std::size_t tokens = o.batch * o.seq_len;
   train /= double(tokens);
   sum.tokens_seen += tokens;
-  sum.steps_done = s.step;
+  ++sum.steps_done;
   sum.final_train_loss = train;
   const double step_s = seconds_since(s.last_step_end);
   s.last_step_end = Clock::now();
@@ -1032,7 +1092,9 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   std::int64_t first_step = 1;
   std::uint64_t rng_state = o.seed ^ 0xD1B54A32D192ED03ull;
   if (!o.resume_dir.empty()) {
+    const auto load_start = Clock::now();
     zinf::Status st = engine->load_checkpoint(o.resume_dir);
+    const double load_s = seconds_since(load_start);
     std::vector<CurvePoint> curve;
     std::int64_t saved_step = 0;
     if (st.is_ok() && !parse_resume_blob(engine->client_state(), &saved_step, &rng_state, &curve)) {
@@ -1065,15 +1127,18 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
       }
     }
     first_step = saved_step + 1;
-    if (rank == shared.first_rank) shared.summary->curve = std::move(curve);
+    if (rank == shared.first_rank) {
+      shared.summary->curve = std::move(curve);
+      shared.summary->first_step = first_step;
+    }
     if (rank == shared.first_rank && !o.quiet && shared.prints) {
       // Which checkpoint, and what of this command it overrides.
       std::string tag = read_all_text(fs::path(o.resume_dir) / "latest");
       std::fprintf(stderr,
-                   "resumed from %s/%s at step %lld: the checkpoint's learning-rate schedule, "
-                   "data position and seed go on (this command's --lr, --warmup and --seed are "
-                   "not used)\n",
-                   o.resume_dir.c_str(), tag.c_str(), static_cast<long long>(saved_step));
+                   "resumed from %s/%s at step %lld (loaded in %.2fs): the checkpoint's "
+                   "learning-rate schedule, data position and seed go on (this command's --lr, "
+                   "--warmup and --seed are not used)\n",
+                   o.resume_dir.c_str(), tag.c_str(), static_cast<long long>(saved_step), load_s);
     }
   }
 
@@ -1210,10 +1275,17 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     // --save-every: the checkpoint after the step's barrier, when rank 0's curve holds the step.
     if (engine != nullptr && o.save_every > 0 && step % o.save_every == 0) {
       engine->set_client_state(resume_blob(step, rng.state(), shared.summary->curve));
+      const auto save_start = Clock::now();
       zinf::Status st = engine->save_checkpoint(o.save_dir);
       if (!st.is_ok()) {
         fail("step " + std::to_string(step) + ": " + st.to_string());
         return fail_out();
+      }
+      if (rank == shared.first_rank && !o.quiet && shared.prints) {
+        shared.progress.finish_line();
+        std::fprintf(stderr, "step %lld: saved %s/global_step%lld in %.2fs\n",
+                     static_cast<long long>(step), o.save_dir.c_str(), static_cast<long long>(step),
+                     seconds_since(save_start));
       }
     }
     if (stopping || step == o.stop_after) break;
@@ -1373,11 +1445,30 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   if (o.device != "host") host += world * largest * dtype_bytes;
   if (o.offload_optimizer == "cpu") host += 12 * params;
   if (o.offload_param == "cpu") host += params * dtype_bytes;
+  // Each rank's swap file, as the engine sizes it: every extent page-rounded (a 4 KiB page
+  // at most), and one aio block (1 MiB) of slack per extent and four more.
+  const std::uint64_t page = 4096, block = std::uint64_t{1} << 20;
+  std::uint64_t swap = 0, extents = 0;
   if (o.offload_optimizer == "nvme") {
-    host += world * o.optimizer_buffers * 16 * sub_group_params(o, params);
-    f.nvme_bytes += 12 * params;
+    const std::uint64_t sub = sub_group_params(o, params);
+    host += world * o.optimizer_buffers * 16 * sub;
+    const std::uint64_t groups = (slice + sub - 1) / sub;
+    swap += 12 * slice + 3 * groups * page + page;  // master and moments, the header page
+    extents += 3 * groups + 1;
   }
-  if (o.offload_param == "nvme") f.nvme_bytes += params * dtype_bytes;
+  if (o.stage == 3 && o.offload_param == "nvme") {
+    swap += slice * dtype_bytes + specs.size() * page;  // a shard of each module's parameters
+    extents += specs.size();
+  }
+  if (swap > 0) f.swap_bytes = world * (swap + (extents + 4) * block);
+  f.nvme_bytes = f.swap_bytes;
+  f.checkpoint_bytes = 12 * params + world * page;
+  if (o.offload_activations == "nvme") {
+    const std::uint64_t tokens =
+        std::max<std::uint64_t>(o.batch / (world * o.micro_batches), 1) * o.seq_len;
+    const std::uint64_t block_input = tokens * shape.hidden * sizeof(float);
+    f.nvme_bytes += world * (shape.blocks * ((block_input + block - 1) / block * block) + block);
+  }
   f.host_bytes = host;
   return f;
 }
@@ -1425,10 +1516,41 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   const bool uses_nvme =
       o.use_engine && (o.offload_optimizer == "nvme" || o.offload_param == "nvme" ||
                        o.offload_activations == "nvme");
-  if (uses_nvme && !check_writable_dir("--nvme-path", o.nvme_path, need.nvme_bytes, error)) {
-    return 1;
-  }
+  if (uses_nvme && !check_writable_dir("--nvme-path", o.nvme_path, 0, error)) return 1;
   if (!check_writable_dir("--out", o.out_dir, 1 << 20, error)) return 1;
+  std::vector<DiskNeed> disk;
+  std::string disk_warning;
+  if (uses_nvme) disk.push_back({"--nvme-path", o.nvme_path, need.nvme_bytes, "swap files"});
+  if (o.save_every > 0) {
+    if (!check_writable_dir("--save-dir", o.save_dir, 0, error)) return 1;
+    // The tags on disk at once: --keep-last and the one being written.
+    const std::int64_t saves = o.steps / o.save_every;
+    const std::int64_t kept =
+        o.keep_last > 0 ? std::min<std::int64_t>(saves, o.keep_last + 1) : saves;
+    std::uint64_t each = need.checkpoint_bytes;
+    struct stat save_fs {
+    }, nvme_fs{};
+    if (o.offload_optimizer == "nvme" &&
+        stat(existing_ancestor(o.save_dir).c_str(), &save_fs) == 0 &&
+        stat(existing_ancestor(o.nvme_path).c_str(), &nvme_fs) == 0 &&
+        save_fs.st_dev == nvme_fs.st_dev) {
+      each = std::max(each, need.swap_bytes);  // saved by link: the frozen swap files
+    }
+    // One checkpoint must fit, or the first save fails; the ones kept at once are a warning, as
+    // a run may be watched and its tags moved away.
+    std::vector<DiskNeed> all = disk;
+    disk.push_back({"--save-dir", o.save_dir, each, "a checkpoint"});
+    if (kept > 1) {
+      all.push_back({"--save-dir", o.save_dir, std::uint64_t(kept) * each,
+                     std::to_string(kept) + " checkpoints"});
+      if (!check_disk_space(all, &disk_warning)) {
+        disk_warning +=
+            ": a save will fail when the disk is full (a smaller --keep-last keeps "
+            "fewer tags)";
+      }
+    }
+  }
+  if (!check_disk_space(disk, error)) return 1;
   // What this run will make of the NVMe path (its topmost missing directory), to remove once
   // empty. Looked at before the communicator opens, which every rank of a job passes before any
   // creates anything, so that ranks sharing the path agree on it.
@@ -1501,6 +1623,9 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   if (uses_nvme && !created.make_one("--nvme-path", swap_dir, error)) return fail(*error);
 
   if (!o.quiet && prints) std::fputs(banner.c_str(), stderr);
+  if (prints && !disk_warning.empty()) {
+    std::fprintf(stderr, "train_lm: warning: %s\n", disk_warning.c_str());
+  }
   // A trace is kept when asked for, and whenever the optimizer state is offloaded: its pipeline's
   // spans tell the AdamW time from the time spent waiting for I/O.
   const bool pipeline = o.use_engine && o.offload_optimizer != "none";

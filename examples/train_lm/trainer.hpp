@@ -36,7 +36,8 @@ struct RunSummary {
   bool writes_outputs = true;
   ModelShape shape;
   std::uint64_t param_count = 0;
-  std::int64_t steps_done = 0;
+  std::int64_t steps_done = 0;  // steps this run trained (a resumed run's only)
+  std::int64_t first_step = 1;  // the first of them: the checkpoint's step + 1 with --resume
   std::uint64_t tokens_seen = 0;
   double first_val_loss = 0;
   double final_val_loss = 0;
@@ -65,7 +66,12 @@ struct RunSummary {
 struct Footprint {
   std::uint64_t device_bytes_per_rank = 0;
   std::uint64_t host_bytes = 0;  // the whole process, HostDevice memory included
-  std::uint64_t nvme_bytes = 0;
+  std::uint64_t nvme_bytes = 0;  // the swap files in --nvme-path, all ranks
+  std::uint64_t swap_bytes = 0;  //   of which the optimizer state's and parameters'
+  // One checkpoint in --save-dir: the master and moments. A linked save (the state on NVMe, the
+  // checkpoint on the same filesystem) keeps the swap file it froze instead (swap_bytes), and the
+  // run goes on in a new one.
+  std::uint64_t checkpoint_bytes = 0;
 };
 Footprint estimate_footprint(const Options& options, const ModelShape& shape);
 
