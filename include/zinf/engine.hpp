@@ -285,8 +285,10 @@ class Engine {
   // Lays out the partitions, checks with every rank that all registered the same parameters
   // (kInvalidArgument naming the first parameter that differs and the ranks), allocates every
   // buffer, opens swap space, and places the initial values (calling the initializers). Called
-  // by the first gather(), reduce_gradients() or step() if not before. Collective. On failure
-  // the engine stays unfinalized and every later call returns the same error.
+  // by the first gather(), reduce_gradients() or step() if not before. Collective. With no
+  // parameters registered, kFailedPrecondition and registration stays open. On any other failure
+  // the engine stays unfinalized and every later call returns the same error (register_parameter
+  // quotes it): open a new engine.
   Status finalize();
   bool finalized() const;
 

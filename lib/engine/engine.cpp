@@ -95,7 +95,13 @@ class Engine::Impl {
 
   // --- Registration and finalize ---------------------------------------------------------------
   Status register_parameter(const ParameterSpec& spec) {
-    if (finalized_ || !finalize_error_.is_ok()) {
+    if (!finalize_error_.is_ok()) {
+      return Status::failed_precondition(
+          fmt::format("register_parameter('{}'): registration is closed: finalize failed ({}); "
+                      "open a new engine",
+                      spec.name, finalize_error_.to_string()));
+    }
+    if (finalized_) {
       return Status::failed_precondition(fmt::format(
           "register_parameter('{}'): registration is closed (the engine was finalized by "
           "finalize() or by the first gather, reduce_gradients or step)",
@@ -113,6 +119,12 @@ class Engine::Impl {
   Status finalize() {
     if (finalized_) return Status::ok();
     ZINF_RETURN_IF_ERROR(finalize_error_);
+    if (layout_.empty()) {
+      // Nothing is built or dropped, so registration stays open.
+      return Status::failed_precondition(
+          "finalize (itself, or by the first gather, reduce_gradients, step or checkpoint): no "
+          "parameters registered; register_parameter them first");
+    }
     Status st = finalize_impl();
     // The initial values are placed (or will never be): drop the copies and the initializers.
     layout_.drop_initial_values();

@@ -575,6 +575,48 @@ TEST(EngineBadInput, UnwritableNvmePathFailsAtOpenNamingKeyAndPath) {
   EXPECT_TRUE(contains(engine.status(), "Env::nvme_paths")) << engine.status().to_string();
 }
 
+// A step (or finalize) before any parameter is registered says so and leaves registration
+// open: the engine trains once the parameters are registered. After a finalize that failed
+// otherwise, registration is refused quoting that failure.
+TEST(EngineBadInput, AStepBeforeRegistrationLeavesRegistrationOpen) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  Result<std::unique_ptr<Engine>> opened = Engine::open(config, env_for(ranks, 0));
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  Engine& engine = **opened;
+  Status s = engine.step().status();
+  EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
+  EXPECT_TRUE(contains(s, "no parameters registered")) << s.to_string();
+  std::vector<float> v(12, 0.25f);
+  ASSERT_TRUE(engine.register_parameter({"a.w", "a", {3, 4}, DType::kF32, v.data()}).is_ok());
+  ASSERT_TRUE(engine.finalize().is_ok());
+  std::vector<float> back(12, 0.0f);
+  ASSERT_TRUE(engine.read_parameters("a.w", back.data()).is_ok());
+  EXPECT_EQ(back, v);
+
+  // Two ranks registering different parameters: finalize fails, and registration after it names
+  // that failure.
+  const int world = 2;
+  engine_test::Ranks two = engine_test::make_ranks(world);
+  std::vector<Status> late(world);
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    ZINF_ASSIGN_OR_RETURN(auto e, Engine::open(config, env_for(two, rank)));
+    ZINF_RETURN_IF_ERROR(
+        e->register_parameter({rank == 0 ? "a.w" : "b.w", "a", {3, 4}, DType::kF32, v.data()}));
+    EXPECT_FALSE(e->finalize().is_ok());
+    late[static_cast<std::size_t>(rank)] =
+        e->register_parameter({"c.w", "c", {3}, DType::kF32, v.data()});
+    return Status::ok();
+  });
+  for (const Status& r : st) ASSERT_TRUE(r.is_ok()) << r.to_string();
+  for (const Status& r : late) {
+    EXPECT_EQ(r.code(), Code::kFailedPrecondition) << r.to_string();
+    EXPECT_TRUE(contains(r, "c.w") && contains(r, "finalize failed") &&
+                contains(r, "parameter 0 differs"))
+        << r.to_string();
+  }
+}
+
 TEST(EngineBadInput, RegistrationErrorsNameTheParameter) {
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
