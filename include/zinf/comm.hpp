@@ -225,7 +225,8 @@ Result<std::unique_ptr<Communicator>> make_nccl_comm(void* nccl_comm, Device& de
 // Bootstraps a communicator from the environment the launcher set:
 //   torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0's ncclUniqueId goes
 //     to every rank over TCP (lib/comm/tcp_bootstrap);
-//   mpirun or srun (OMPI_COMM_WORLD_SIZE, PMI_SIZE or SLURM_NTASKS, and no RANK): the id is
+//   mpirun or srun (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE or SLURM_STEP_NUM_TASKS, and no
+//     RANK; a batch script's SLURM_NTASKS alone is no launch): the id is
 //     broadcast over MPI_COMM_WORLD (needs zinf built with MPI, which is then initialised);
 //   neither: a job of one rank.
 // kUnsupported naming ZINF_WITH_NCCL (or ZINF_WITH_MPI under mpirun) when that backend was not

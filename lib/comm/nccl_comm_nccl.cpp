@@ -466,8 +466,10 @@ Result<std::unique_ptr<Communicator>> make_nccl_comm(Device& device,
     ZINF_ASSIGN_OR_RETURN(const LaunchEnv env, launch_env_from_environment());
     return make_nccl_comm(env, device, bootstrap);
   }
-  ZINF_ASSIGN_OR_RETURN(const int mpi_world,
-                        env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}));
+  // srun sets SLURM_STEP_NUM_TASKS for the tasks it starts; SLURM_NTASKS is set in the whole
+  // allocation, around a program a batch script starts without srun too.
+  ZINF_ASSIGN_OR_RETURN(const int mpi_world, env_int({"OMPI_COMM_WORLD_SIZE", "PMI_SIZE",
+                                                      "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"}));
   if (mpi_world < 0) {
     LaunchEnv single;  // no launcher: a job of one rank
     return init_nccl_comm(single, device, bootstrap, [](std::span<const std::byte> blob) {
