@@ -10,6 +10,7 @@
 // header with spaces to a multiple of 8 bytes so the data starts 8-byte aligned, and lay the
 // tensors out in name order (the header's keys are sorted too).
 #include <fmt/format.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -211,6 +212,17 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     }
     for (const ManifestFile& f : m.ranks) bytes += f.bytes;
     for (const ManifestFile& f : m.client_state) bytes += f.bytes;
+    // What the tag's files take on the disk: a rank file saved by link is the whole swap file
+    // it froze, longer than the state the manifest counts.
+    std::uint64_t disk_bytes = 0;
+    std::error_code ec;
+    for (const auto& entry :
+         std::filesystem::directory_iterator(std::filesystem::path(dir) / m.tag, ec)) {
+      struct stat st {};
+      if (::lstat(entry.path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+        disk_bytes += static_cast<std::uint64_t>(st.st_blocks) * 512;
+      }
+    }
     std::string checksums = "not verified";
     if (verify) {
       OpenTag t;
@@ -237,6 +249,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
                     {"parameters", m.params.size()},
                     {"parameter_elements", elements},
                     {"bytes", bytes},
+                    {"disk_bytes", disk_bytes},
                     {"checksums", checksums}});
   }
   out["tags"] = tags;

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
@@ -156,6 +157,23 @@ TEST(CheckpointLink, LinkedSaveKeepsItsBytesAndLoadsAsTheUninterruptedRun) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
   EXPECT_FALSE(manifest(dir + "/b").ranks.at(0).blocks.empty());
+  // `zinf ckpt inspect` counts the state and, apart, what the linked files take on the disk: the
+  // whole swap file each.
+  {
+    Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+    ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+    const nlohmann::json& a = (*info)["tags"][0];
+    ASSERT_EQ(a["tag"], "a");
+    std::uint64_t linked = 0, state = 0;
+    for (int r = 0; r < kWorld; ++r) {
+      linked += std::filesystem::file_size(checkpoint_rank_path(dir + "/a", r));
+      state += sizes[r];
+    }
+    EXPECT_GT(linked, state);
+    EXPECT_GE(a["bytes"].get<std::uint64_t>(), state);
+    EXPECT_LT(a["bytes"].get<std::uint64_t>(), linked);
+    EXPECT_GE(a["disk_bytes"].get<std::uint64_t>(), linked);
+  }
   for (int r = 0; r < kWorld; ++r) {
     const std::string file = checkpoint_rank_path(dir + "/a", r);
     EXPECT_EQ(prefix_hash(file, sizes[r]), hashes[r]) << file;

@@ -33,8 +33,8 @@ void run_inspect(const InspectOptions& o) {
   const nlohmann::json& j = *info;
   fmt::print("{}: latest {}\n", o.dir,
              j["latest"].is_null() ? std::string("(none)") : j["latest"].get<std::string>());
-  Table table(
-      {"tag", "step", "world", "stage", "optimizer", "params", "elements", "bytes", "checksums"});
+  Table table({"tag", "step", "world", "stage", "optimizer", "params", "elements", "state",
+               "on disk", "checksums"});
   bool all_ok = true;
   std::vector<std::string> notes;  // each problem in full, below the table
   for (const nlohmann::json& t : j["tags"]) {
@@ -49,7 +49,8 @@ void run_inspect(const InspectOptions& o) {
                    std::to_string(t["stage"].get<int>()), t["optimizer"].get<std::string>(),
                    std::to_string(t["parameters"].get<std::size_t>()),
                    std::to_string(t["parameter_elements"].get<std::uint64_t>()),
-                   format_bytes(t["bytes"].get<double>()), checksums});
+                   format_bytes(t["bytes"].get<double>()),
+                   format_bytes(t["disk_bytes"].get<double>()), checksums});
   }
   table.print();
   for (const nlohmann::json& p : j["problems"]) notes.push_back(p.get<std::string>());
