@@ -266,6 +266,13 @@ struct KeyReport {
   std::string why;  // empty for kUsed
 };
 
+// The JSON of a config written with comments (#, // and /* */) and trailing commas, which
+// DeepSpeed's reader of config files (hjson) accepts: each replaced by spaces outside strings,
+// line breaks kept, so that an error in the rest names its line and column. check_config() and
+// parse_config() read their text through it; the rest of hjson (quoteless strings, commas left
+// out) stays refused as JSON.
+std::string strip_config_comments(std::string_view text);
+
 // Every key of `json_text` (sections' keys, not the sections) in file order, with what zinf does
 // with it. When no key is refused but validate() refuses the combination, the key it names is
 // reported refused. parse_config() fails with "<key>: <why>" of the first refused key. Fails only

@@ -511,7 +511,8 @@ void refuse_same_settings(const Json& root, std::vector<KeyReport>* reports) {
 }
 
 // Walks `text` into `config`, reporting every key; fails only when it is not a JSON object.
-Status walk_text(std::string_view text, Config* config, std::vector<KeyReport>* reports) {
+Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* reports) {
+  const std::string text = strip_config_comments(raw);
   DuplicateKeys duplicates;
   Json root = Json::parse(
       text,
@@ -541,6 +542,55 @@ Status walk_text(std::string_view text, Config* config, std::vector<KeyReport>* 
 }  // namespace config_detail
 
 using namespace config_detail;
+
+std::string strip_config_comments(std::string_view text) {
+  std::string out(text);
+  const std::size_t n = out.size();
+  auto blank = [&](std::size_t from, std::size_t to) {
+    for (std::size_t i = from; i < to; ++i) {
+      if (out[i] != '\n') out[i] = ' ';
+    }
+  };
+  // Comments first, then the commas before a closing bracket (a comment may stand between).
+  bool in_string = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    const char c = out[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '#' || (c == '/' && i + 1 < n && out[i + 1] == '/')) {
+      const std::size_t end = out.find('\n', i);
+      blank(i, end == std::string::npos ? n : end);
+    } else if (c == '/' && i + 1 < n && out[i + 1] == '*') {
+      const std::size_t end = out.find("*/", i + 2);
+      if (end == std::string::npos) break;  // unterminated: the JSON error points at it
+      blank(i, end + 2);
+    }
+  }
+  in_string = false;
+  for (std::size_t i = 0; i < n; ++i) {
+    const char c = out[i];
+    if (in_string) {
+      if (c == '\\') {
+        ++i;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == ',') {
+      std::size_t j = i + 1;
+      while (j < n && std::isspace(static_cast<unsigned char>(out[j])) != 0) ++j;
+      if (j < n && (out[j] == '}' || out[j] == ']')) out[i] = ' ';
+    }
+  }
+  return out;
+}
 
 OptimizerParams deepspeed_optimizer_defaults(OptimizerKind kind, bool torch_adam) {
   OptimizerParams o;

@@ -433,6 +433,11 @@ NB_MODULE(_zinf, m) {
   m.attr("__version__") = std::string(zinf::version());
 
   m.def(
+      "strip_config_comments",
+      [](const std::string& text) { return zinf::strip_config_comments(text); }, nb::arg("text"),
+      "The JSON of a config file written with comments and trailing commas, as DeepSpeed's "
+      "reader (hjson) takes them.");
+  m.def(
       "normalize_config",
       [](const std::string& json) { return zinf::config_to_json(take(zinf::parse_config(json))); },
       nb::arg("json"),

@@ -28,6 +28,16 @@ def test_config_from_a_json_path_and_the_returned_tuple(tmp_path):
     assert engine.loss_scale == 1.0
 
 
+def test_a_config_file_with_comments_and_trailing_commas_reads_as_deepspeed_reads_it(tmp_path):
+    # DeepSpeed reads config files with hjson: comments and trailing commas are common in them.
+    lines = json.dumps(zinf_config(2), indent=2).splitlines()
+    text = "# ZeRO-2\n" + "\n".join(lines[:-1]) + ",  // last key\n  /* done */\n}\n"
+    path = tmp_path / "ds_config.json"
+    path.write_text(text)
+    engine, _, _, _ = open_engine(str(path))
+    assert engine.stage == 2 and engine.get_lr() == [LR]
+
+
 def test_a_scheduler_sets_the_learning_rate_of_each_step(tmp_path):
     batches = make_batches(2)
     # A learning rate of 0 for the second step must leave the parameters as they were.

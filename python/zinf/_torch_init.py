@@ -142,8 +142,11 @@ class Init:
         config = config if config is not None else config_dict_or_path
         if isinstance(config, (str, os.PathLike)):
             import json
+
+            from . import _zinf
             with open(config) as f:
-                config = json.load(f)
+                # Comments and trailing commas, as DeepSpeed's reader (hjson) takes them.
+                config = json.loads(_zinf.strip_config_comments(f.read()))
         self.staging_dir = staging_dir or _staging_dir_of(config or {})
         self._file: _StagingFile | None = None
         self._patched: dict[type, object] = {}

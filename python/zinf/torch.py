@@ -68,7 +68,8 @@ def _read_config(config: dict | str | os.PathLike) -> dict:
     """A DeepSpeed-style config from a dict (copied) or the path of a JSON file."""
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
-            loaded = json.load(f)
+            # Comments and trailing commas, as DeepSpeed's reader (hjson) takes them.
+            loaded = json.loads(_zinf.strip_config_comments(f.read()))
         if not isinstance(loaded, dict):
             raise TypeError(f"config: {os.fspath(config)} holds a JSON {type(loaded).__name__}, "
                             "not an object")

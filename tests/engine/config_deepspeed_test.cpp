@@ -240,5 +240,47 @@ TEST(ConfigDeepSpeed, NewerSpeedOnlyKeysHaveNoEffect) {
   }
 }
 
+// DeepSpeed reads a config file with hjson (config.py, DeepSpeedConfig.__init__), so files carry
+// comments and trailing commas: they read as the plain JSON does. A '#' or "//" inside a string
+// stays, and an error after a comment names its own line and column.
+TEST(ConfigDeepSpeed, CommentsAndTrailingCommasReadAsDeepSpeedReadsThem) {
+  const std::string commented = R"(# ZeRO-3 with the optimizer on NVMe
+{
+  // the batch
+  "train_micro_batch_size_per_gpu": 2,  # per GPU
+  /* two lines
+     of comment */
+  "zero_optimization": {
+    "stage": 3,
+    "offload_optimizer": {"device": "nvme", "nvme_path": "/mnt/a#b//c", "buffer_count": 5,},
+  },
+  "optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.95,], "lr": 3e-4}},
+}
+)";
+  const std::string plain = R"({"train_micro_batch_size_per_gpu": 2,
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme",
+      "nvme_path": "/mnt/a#b//c", "buffer_count": 5}},
+    "optimizer": {"type": "AdamW", "params": {"betas": [0.8, 0.95], "lr": 3e-4}}})";
+  Result<Config> a = parse_config(commented);
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  Result<Config> b = parse_config(plain);
+  ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+  EXPECT_EQ(config_to_json(*a), config_to_json(*b));
+  EXPECT_EQ(a->zero.offload_optimizer.nvme_path, "/mnt/a#b//c");
+  EXPECT_EQ(a->optimizer.beta1, 0.8);
+  EXPECT_EQ(a->zero.offload_optimizer.buffer_count, 5u);
+  Result<std::vector<KeyReport>> reports = check_config(commented);
+  ASSERT_TRUE(reports.is_ok()) << reports.status().to_string();
+  // Line 4: the missing colon after the comments above it.
+  const std::string broken =
+      "// a\n{\n  // b\n  \"zero_optimization\": {\"stage\": 3}, \"x\" 1, \"y\": 2\n}";
+  const std::string why = refusal(broken);
+  EXPECT_NE(why.find("line 4, column "), std::string::npos) << why;
+  // What is not comments or trailing commas stays refused: a quoteless string.
+  EXPECT_NE(refusal(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": cpu}}})")
+                .find("not valid JSON"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace zinf

@@ -194,8 +194,8 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
       {R"([1, 2])", "config", "not a JSON object"},
       {R"({"zero_optimization": {)", "config", "not valid JSON"},
       // Where the text stops being JSON: line and column.
-      {"{\n  \"train_batch_size\": 8,\n  \"bf16\": {\"enabled\": true,}\n}", "config",
-       "not valid JSON: parse error at line 3, column 28"},
+      {"{\n  \"train_batch_size\": 8,\n  \"bf16\": {\"enabled\": ture}\n}", "config",
+       "not valid JSON: parse error at line 3, column 24"},
   };
   for (const BadCase& c : cases) {
     Result<Config> r = parse_config(c.json);
