@@ -227,6 +227,13 @@ class ZinfOptimizer(torch.optim.Optimizer):
 
     cur_scale = loss_scale
 
+    @property
+    def overflow(self) -> bool:
+        """Whether the last optimizer step was skipped for non-finite gradients (an fp16
+        overflow), as DeepSpeed's fp16 optimizers' attribute."""
+        report = self._engine.last_step_report
+        return bool(report is not None and report.get("skipped"))
+
 
 class ConfigLRScheduler:
     """The config's "scheduler" section as initialize() returns it (where DeepSpeed returns its
@@ -328,9 +335,19 @@ class ZinfEngine(nn.Module):
         self.local_rank = _local_rank()
         self.dtype_name = _compute_dtype(config)
         self.dtype = _TORCH_DTYPES[self.dtype_name]
+        self._gradient_clipping = float(resolved.get("gradient_clipping", 0.0))
+        self._steps_per_print = int(config.get("steps_per_print", 10))
+        # DeepSpeed's counters: optimizer steps taken (skipped ones included), those skipped for
+        # an overflow, and the samples of the steps taken (train_batch_size() each).
         self.global_steps = 0
+        self.skipped_steps = 0
+        self.global_samples = 0
         self.micro_steps = 0
         self.last_step_report: dict | None = None
+        # engine.backward() ran since the last engine.step() call (the micro-batch in progress
+        # is then the one micro_steps counts), and whether that call applied an update.
+        self._backward_since_step_call = False
+        self._step_applied = False
 
         opt_params = resolved["optimizer"]["params"]
         defaults = {"lr": float(opt_params["lr"]),
@@ -716,6 +733,7 @@ class ZinfEngine(nn.Module):
             finally:
                 self._in_backward = False
         self.micro_steps += 1
+        self._backward_since_step_call = True
         return loss
 
     def _refuse_stray_backward(self, call: str):
@@ -737,7 +755,56 @@ class ZinfEngine(nn.Module):
             "were dropped")
 
     def is_gradient_accumulation_boundary(self) -> bool:
-        return self.micro_steps % self._gradient_accumulation_steps == 0
+        """Whether the micro-batch in progress ends a gradient accumulation, so that its step()
+        applies the optimizer: DeepSpeed's answer, the same from before that micro-batch's
+        forward until its step() (after the step it is the next micro-batch's)."""
+        in_progress = self.micro_steps + (0 if self._backward_since_step_call else 1)
+        return in_progress % self._gradient_accumulation_steps == 0
+
+    @property
+    def device(self) -> torch.device:
+        """Where the model computes, for `batch.to(engine.device)`: the CPU (the binding opens a
+        HostDevice)."""
+        return torch.device("cpu")
+
+    @property
+    def dp_world_size(self) -> int:
+        """The data-parallel ranks: every rank (zinf has no model or pipeline parallelism)."""
+        return self.world_size
+
+    def steps_per_print(self) -> int:
+        """The config's steps_per_print (10 unless given); zinf prints nothing itself."""
+        return self._steps_per_print
+
+    def zero_optimization_stage(self) -> int:
+        """The config's ZeRO stage (DeepSpeed's engine method)."""
+        return self.stage
+
+    def zero_optimization(self) -> bool:
+        return self.stage > 0
+
+    def fp16_enabled(self) -> bool:
+        return self.dtype_name == "f16"
+
+    def bfloat16_enabled(self) -> bool:
+        return self.dtype_name == "bf16"
+
+    def gradient_clipping(self) -> float:
+        """The config's gradient_clipping (0: none)."""
+        return self._gradient_clipping
+
+    def was_step_applied(self) -> bool:
+        """Whether the last step() updated the parameters: false after a step() that only
+        accumulated, and after one skipped for non-finite gradients (an fp16 overflow), as
+        DeepSpeed's."""
+        return self._step_applied
+
+    def get_global_grad_norm(self) -> float | None:
+        """The last optimizer step's global L2 norm of the unscaled, averaged gradients before
+        clipping (StepReport grad_norm), as DeepSpeed's; None before the first step."""
+        if self.last_step_report is None:
+            return None
+        return float(self.last_step_report["grad_norm"])
 
     def gradient_accumulation_steps(self) -> int:
         """The backward calls per optimizer step (DeepSpeed's engine method)."""
@@ -752,18 +819,26 @@ class ZinfEngine(nn.Module):
         gradient_accumulation_steps x world size, as DeepSpeed's."""
         return self._micro_batch_size * self._gradient_accumulation_steps * self.world_size
 
-    def step(self):
+    def step(self, lr_kwargs: dict | None = None):
         """Applies the optimizer when gradient_accumulation_steps micro-batches were reduced since
-        the last step (else does nothing, as DeepSpeed's engine.step()), then steps the
-        lr_scheduler given to initialize() (the config's schedule advances inside the engine)."""
+        the last step (else does nothing, as DeepSpeed's engine.step()), then, unless the step
+        was skipped for an overflow, steps the lr_scheduler given to initialize() with
+        lr_kwargs as keyword arguments (the config's schedule advances inside the engine)."""
         with self._aborting_on_error("step"):
             self._refuse_stray_backward("step")
-        if self.micro_steps == 0 or not self.is_gradient_accumulation_boundary():
+        self._step_applied = False
+        boundary = self.micro_steps % self._gradient_accumulation_steps == 0
+        self._backward_since_step_call = False
+        if self.micro_steps == 0 or not boundary:
             return
         self.optimizer.step()
-        if self.lr_scheduler is not None and not isinstance(self.lr_scheduler,
-                                                            ConfigLRScheduler):
-            self.lr_scheduler.step()
+        skipped = bool(self.last_step_report.get("skipped"))
+        self._step_applied = not skipped
+        # As DeepSpeed's _take_model_step: a step skipped for an overflow does not move the
+        # schedule.
+        if self.lr_scheduler is not None and not skipped and not isinstance(
+                self.lr_scheduler, ConfigLRScheduler):
+            self.lr_scheduler.step(**(lr_kwargs or {}))
 
     def _scheduled_lr(self) -> float:
         """The engine's learning rate for the groups' current lrs: each group runs at the
@@ -796,6 +871,9 @@ class ZinfEngine(nn.Module):
         with self._aborting_on_error("step"):
             self.last_step_report = self._core.step()
         self.global_steps += 1
+        self.global_samples += self.train_batch_size()
+        if self.last_step_report.get("skipped"):
+            self.skipped_steps += 1
         self._grads_pending = False
         self._backward_since_step = False
         if isinstance(self.lr_scheduler, ConfigLRScheduler):
@@ -885,6 +963,7 @@ class ZinfEngine(nn.Module):
         del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
+                 "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                  "lr": self.get_lr(), "client_state": client_state or {},
                  "lr_from_schedule": self._lrs_shown is not None
                  and self.get_lr() == self._lrs_shown}
@@ -919,6 +998,11 @@ class ZinfEngine(nn.Module):
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
+        self.skipped_steps = state.get("skipped_steps", 0)
+        self.global_samples = state.get("global_samples",
+                                        self.global_steps * self.train_batch_size())
+        self._backward_since_step_call = False
+        self._step_applied = False
         if self._lrs_shown is not None and state.get("lr_from_schedule", False):
             # The engine's step count came back with the checkpoint: the schedule resumes.
             self._show_engine_lr()

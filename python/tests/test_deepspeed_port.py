@@ -1,0 +1,81 @@
+"""What a DeepSpeed training script calls, ported by changing its import: the engine's accessors
+(the stage, the dtypes, whether a step was applied, the skipped steps, the samples, the gradient
+norm, the accumulation boundary) and a torch scheduler across an fp16 overflow. Each expected
+value is DeepSpeed's (deepspeed/runtime/engine.py), written out in the test."""
+import pytest
+import torch
+
+import zinf.torch
+from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss
+
+
+def fp16_config(accumulation=2):
+    config = mlp_config(2, "cpu")
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    config["gradient_accumulation_steps"] = accumulation
+    return config
+
+
+def test_step_accessors_follow_deepspeed():
+    config = fp16_config()
+    engine, optimizer, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    micro, accumulation = config["train_micro_batch_size_per_gpu"], 2
+    assert engine.zero_optimization_stage() == 2
+    assert engine.fp16_enabled() and not engine.bfloat16_enabled()
+    assert engine.gradient_clipping() == config["gradient_clipping"]
+    assert engine.get_global_grad_norm() is None
+    assert engine.global_samples == 0 and engine.skipped_steps == 0
+    batches = [(x.half(), y.half()) for x, y in mlp_batches(8)]
+    for calls, batch in enumerate(batches):
+        # DeepSpeed: (micro_steps + 1) % gradient_accumulation_steps == 0, where micro_steps
+        # counts engine.step() calls; so the answer is the micro-batch in progress', from before
+        # its forward until its step().
+        boundary = (calls + 1) % accumulation == 0
+        assert engine.is_gradient_accumulation_boundary() == boundary, calls
+        overflow = calls == 5
+        loss = mlp_loss(engine, batch).float() * (float("inf") if overflow else 1.0)
+        assert engine.is_gradient_accumulation_boundary() == boundary, calls
+        engine.backward(loss)
+        assert engine.is_gradient_accumulation_boundary() == boundary, calls
+        engine.step()
+        applied_steps = (calls + 1) // accumulation
+        assert engine.global_steps == applied_steps
+        assert engine.global_samples == applied_steps * micro * accumulation
+        # DeepSpeed's was_step_applied() is false after a step() that only accumulated, and
+        # after one that skipped the update for an overflow; optimizer.overflow is the last
+        # update's.
+        assert engine.was_step_applied() == (boundary and not overflow), calls
+        assert engine.skipped_steps == (1 if calls >= 5 else 0)
+        assert optimizer.overflow == (calls in (5, 6)), calls
+        if boundary:
+            assert engine.get_global_grad_norm() == engine.last_step_report["grad_norm"]
+    assert engine.last_step_report["skipped"] is False
+
+
+def test_a_torch_scheduler_does_not_step_on_a_skipped_step():
+    # DeepSpeed's _take_model_step steps the lr_scheduler only when the optimizer did not
+    # overflow, so a skipped step does not move the schedule.
+    engine, _, _, scheduler = zinf.torch.initialize(
+        model=make_mlp(), config=fp16_config(accumulation=1),
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda k: 1.0 / (k + 1)))
+    for index, (x, y) in enumerate(mlp_batches(4)):
+        loss = mlp_loss(engine, (x.half(), y.half())).float()
+        engine.backward(loss * float("inf") if index == 1 else loss)
+        engine.step()
+    assert engine.skipped_steps == 1 and engine.global_steps == 4
+    assert scheduler.last_epoch == 3
+    assert engine.get_lr() == [pytest.approx(engine.optimizer.defaults["lr"] / 4)]
+
+
+
+
+def test_the_engine_reports_where_and_how_it_runs():
+    config = mlp_config(1)
+    config["steps_per_print"] = 25
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    x, y = mlp_batches(1)[0]
+    assert engine(x.to(engine.device)).shape == y.shape
+    assert engine.dp_world_size == engine.world_size == 1
+    assert engine.steps_per_print() == 25
+    assert engine.zero_optimization_stage() == 1 and engine.zero_optimization()
+    assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
