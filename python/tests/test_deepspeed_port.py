@@ -1,9 +1,14 @@
 """What a DeepSpeed training script calls, ported by changing its import: the engine's accessors
 (the stage, the dtypes, whether a step was applied, the skipped steps, the samples, the gradient
-norm, the accumulation boundary) and a torch scheduler across an fp16 overflow. Each expected
-value is DeepSpeed's (deepspeed/runtime/engine.py), written out in the test."""
+norm, the accumulation boundary), a torch scheduler across an fp16 overflow, the training data
+loader and `args.deepspeed_config`. Each expected value is DeepSpeed's
+(deepspeed/runtime/engine.py and dataloader.py), written out in the test."""
+import argparse
+import json
+
 import pytest
 import torch
+from torch.utils.data import DistributedSampler, TensorDataset
 
 import zinf.torch
 from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss
@@ -66,6 +71,49 @@ def test_a_torch_scheduler_does_not_step_on_a_skipped_step():
     assert scheduler.last_epoch == 3
     assert engine.get_lr() == [pytest.approx(engine.optimizer.defaults["lr"] / 4)]
 
+
+def test_the_training_data_loader_shuffles_and_partitions_as_deepspeeds():
+    dataset = TensorDataset(torch.arange(40, dtype=torch.float32).unsqueeze(1))
+    config = mlp_config(1)
+    engine, _, loader, _ = zinf.torch.initialize(model=make_mlp(), config=config,
+                                                 training_data=dataset)
+    batch = config["train_micro_batch_size_per_gpu"]
+
+    def order(sampler_epoch, replicas=1, rank=0):
+        sampler = DistributedSampler(dataset, num_replicas=replicas, rank=rank)
+        sampler.set_epoch(sampler_epoch)
+        return list(sampler)
+
+    def seen(data):
+        return [int(v) for (x,) in data for v in x.flatten()]
+
+    assert len(loader) == 40 // batch
+    # DeepSpeed's DeepSpeedDataLoader: a DistributedSampler over the data-parallel ranks (shuffled,
+    # seed 0) whose epoch advances with each pass over the data.
+    assert seen(loader) == order(0)
+    assert seen(loader) == order(1)
+    loader.sampler.set_epoch(7)
+    assert seen(loader) == order(7)
+    assert seen(loader) == order(8)
+    # Under mpirun each rank reads its own share.
+    for rank in range(2):
+        shard = zinf.torch._training_loader(dataset, batch, world_size=2, rank=rank)
+        assert seen(shard) == order(0, 2, rank)
+
+
+def test_initialize_reads_the_config_from_args(tmp_path):
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(mlp_config(2)))
+    parser = zinf.torch.add_config_arguments(argparse.ArgumentParser())
+    args = parser.parse_args(["--deepspeed", "--deepspeed_config", str(path)])
+    assert args.deepspeed and args.deepspeed_config == str(path)
+    engine, _, _, _ = zinf.torch.initialize(args=args, model=make_mlp())
+    assert engine.zero_optimization_stage() == 2
+    # DeepSpeed refuses a config in both places.
+    with pytest.raises(ValueError, match="args.deepspeed_config .* and config="):
+        zinf.torch.initialize(args=args, model=make_mlp(), config=mlp_config(1))
+    with pytest.raises(ValueError, match="--deepspeed_config"):
+        zinf.torch.initialize(args=argparse.Namespace(deepspeed_config=None), model=make_mlp())
 
 
 

@@ -56,7 +56,7 @@ from ._torch_init import Init
 
 __all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer",
            "ConfigLRScheduler", "Error", "checkpoint", "offload_saved_tensors",
-           "export_safetensors"]
+           "export_safetensors", "add_config_arguments"]
 
 Error = _zinf.Error
 
@@ -1055,14 +1055,24 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
         engine.get_lr()) show the rate of the next step after each step; the lr_scheduler
         returned is then a ConfigLRScheduler reporting it.
     training_data: a torch Dataset; a DataLoader over it with train_micro_batch_size_per_gpu is
-        returned.
+        returned, reading this rank's share of the data in a shuffled order that changes with
+        each pass (DeepSpeed's: a DistributedSampler with seed 0).
+    args: an argparse namespace; its deepspeed_config (add_config_arguments' --deepspeed_config)
+        is the config when config is not given (both are refused, as by DeepSpeed).
     comm: "local" (one process) or "mpi" (one rank per process of an mpirun job); by default
         "mpi" when an MPI launcher started the process, else "local".
     """
     if config is None:
         config = config_params
+    from_args = getattr(kwargs.get("args"), "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError(f"initialize: a config in args.deepspeed_config ({from_args}) and "
+                             "config= were both given (DeepSpeed refuses this too); pass one")
+        config = from_args
     if config is None:
-        raise ValueError("initialize: config (a dict or a JSON path) is required")
+        raise ValueError("initialize: no config: pass config= (a dict or a JSON path) or args "
+                         "with --deepspeed_config (zinf.torch.add_config_arguments(parser))")
     if optimizer is not None:
         raise NotImplementedError("initialize: pass the optimizer in the config's \"optimizer\" "
                                   "section; a client optimizer object is not supported")
@@ -1072,7 +1082,48 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     engine = ZinfEngine(model, _read_config(config), model_parameters, lr_scheduler, comm=comm)
     loader = None
     if training_data is not None:
-        batch = int(json.loads(engine._core.config_json())["train_micro_batch_size_per_gpu"])
-        loader = torch.utils.data.DataLoader(training_data, batch_size=batch,
-                                             collate_fn=kwargs.get("collate_fn"))
+        loader = _training_loader(training_data, engine.train_micro_batch_size_per_gpu(),
+                                  engine.world_size, engine.global_rank,
+                                  collate_fn=kwargs.get("collate_fn"))
     return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+class _EpochSampler(torch.utils.data.DistributedSampler):
+    """A DistributedSampler whose epoch advances with each pass over the data, unless the caller
+    set one since the last pass (as DeepSpeed's DeepSpeedDataLoader does with its sampler)."""
+
+    def __init__(self, dataset, num_replicas: int, rank: int):
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank)
+        self._started = False
+        self._epoch_set = False
+
+    def set_epoch(self, epoch: int) -> None:
+        super().set_epoch(epoch)
+        self._epoch_set = True
+
+    def __iter__(self):
+        if self._started and not self._epoch_set:
+            self.epoch += 1
+        self._started = True
+        self._epoch_set = False
+        return super().__iter__()
+
+
+def _training_loader(dataset, batch_size: int, world_size: int, rank: int, collate_fn=None):
+    """initialize()'s loader over training_data, as DeepSpeed's: batches of the micro-batch size
+    from this rank's share of the data (torch's DistributedSampler, shuffled with seed 0, its
+    epoch advanced with each pass), so that under mpirun each rank reads different samples."""
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size,
+                                       sampler=_EpochSampler(dataset, world_size, rank),
+                                       collate_fn=collate_fn)
+
+
+def add_config_arguments(parser):
+    """deepspeed.add_config_arguments: adds --deepspeed and --deepspeed_config (the config's
+    path, which initialize(args=args) reads) to an argparse parser, and returns it."""
+    group = parser.add_argument_group("DeepSpeed", "DeepSpeed configurations")
+    group.add_argument("--deepspeed", default=False, action="store_true",
+                       help="Enable DeepSpeed (zinf.torch)")
+    group.add_argument("--deepspeed_config", default=None, type=str,
+                       help="DeepSpeed json configuration file.")
+    return parser
