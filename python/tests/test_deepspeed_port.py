@@ -1,8 +1,8 @@
 """What a DeepSpeed training script calls, ported by changing its import: the engine's accessors
 (the stage, the dtypes, whether a step was applied, the skipped steps, the samples, the gradient
 norm, the accumulation boundary), a torch scheduler across an fp16 overflow, the training data
-loader and `args.deepspeed_config`. Each expected value is DeepSpeed's
-(deepspeed/runtime/engine.py and dataloader.py), written out in the test."""
+loader, `args.deepspeed_config`, and load_checkpoint's options. Each expected value is
+DeepSpeed's (deepspeed/runtime/engine.py and dataloader.py), written out in the test."""
 import argparse
 import json
 
@@ -115,6 +115,23 @@ def test_initialize_reads_the_config_from_args(tmp_path):
     with pytest.raises(ValueError, match="--deepspeed_config"):
         zinf.torch.initialize(args=argparse.Namespace(deepspeed_config=None), model=make_mlp())
 
+
+def test_load_checkpoint_refuses_the_options_it_cannot_honour(tmp_path):
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
+    for batch in mlp_batches(2):
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    assert engine.save_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
+    for option in [{"load_module_only": True}, {"load_optimizer_states": False},
+                   {"load_lr_scheduler_states": False}, {"load_module_strict": False},
+                   {"custom_load_fn": print}]:
+        with pytest.raises(NotImplementedError,
+                           match=f"{next(iter(option))}.*export_safetensors.*GatheredParameters"):
+            engine.load_checkpoint(str(tmp_path), **option)
+    path, client = engine.load_checkpoint(str(tmp_path), load_module_strict=True,
+                                          load_optimizer_states=True,
+                                          load_lr_scheduler_states=True, load_module_only=False)
+    assert path == str(tmp_path / "global_step2") and client == {}
 
 
 def test_the_engine_reports_where_and_how_it_runs():

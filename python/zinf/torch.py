@@ -954,13 +954,14 @@ class ZinfEngine(nn.Module):
         return out
 
     def save_checkpoint(self, save_dir: str, tag: Any = None, client_state: dict | None = None,
-                        save_latest: bool = True) -> bool:
+                        save_latest: bool = True, exclude_frozen_parameters: bool = False) -> bool:
         """Writes <save_dir>/<tag>/ (default tag "global_step<N>") and then <save_dir>/latest, as
         DeepSpeed does. The torch side's state (steps, learning rates, the lr_scheduler's
         state_dict, client_state) travels in the engine's client state, so the whole tag is
         written crash-safely at once: a save cut short leaves `latest` naming the previous one.
-        zinf always updates `latest`; save_latest=False is accepted and ignored."""
-        del save_latest
+        zinf always updates `latest`; save_latest=False is accepted and ignored, and so is
+        exclude_frozen_parameters (every parameter is trained)."""
+        del save_latest, exclude_frozen_parameters
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
@@ -975,10 +976,29 @@ class ZinfEngine(nn.Module):
         self._core.save_checkpoint(save_dir, tag)
         return True
 
-    def load_checkpoint(self, load_dir: str, tag: Any = None, **_ignored):
-        """Loads <load_dir>/<tag> (default: the tag in <load_dir>/latest). Returns (path,
+    def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
+                        load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
+                        load_module_only: bool = False, custom_load_fn=None):
+        """Loads <load_dir>/<tag> (default: the tag in <load_dir>/latest): the parameters, the
+        optimizer state, the step counts and the schedule, all together. Returns (path,
         client_state), or (None, None) with a warning naming the path when there is no latest
-        tag, as DeepSpeed does."""
+        tag, as DeepSpeed does. DeepSpeed's options that load less (load_module_only=True,
+        load_optimizer_states=False, load_lr_scheduler_states=False, load_module_strict=False,
+        custom_load_fn) are refused, naming the way to load the weights alone."""
+        refused = [(name, value) for name, value, default in [
+            ("load_module_strict", load_module_strict, True),
+            ("load_optimizer_states", load_optimizer_states, True),
+            ("load_lr_scheduler_states", load_lr_scheduler_states, True),
+            ("load_module_only", load_module_only, False),
+            ("custom_load_fn", custom_load_fn, None)] if value != default]
+        if refused:
+            name, value = refused[0]
+            raise NotImplementedError(
+                f"load_checkpoint({name}={value!r}): a zinf checkpoint "
+                "loads as a whole (parameters, optimizer state, steps and schedule). To start "
+                "from the weights alone, write them out with zinf.torch.export_safetensors(dir, "
+                "out) and load them into the model before initialize(), or into the engine "
+                "inside zinf.torch.GatheredParameters(params, modifier_rank=0)")
         if tag is None:
             latest = os.path.join(load_dir, "latest")
             if not os.path.isfile(latest):
