@@ -1,8 +1,9 @@
 """What a DeepSpeed training script calls, ported by changing its import: the engine's accessors
 (the stage, the dtypes, whether a step was applied, the skipped steps, the samples, the gradient
 norm, the accumulation boundary), a torch scheduler across an fp16 overflow, the training data
-loader, `args.deepspeed_config`, and load_checkpoint's options. Each expected value is
-DeepSpeed's (deepspeed/runtime/engine.py and dataloader.py), written out in the test."""
+loader, `args.deepspeed_config`, load_checkpoint's options, the zero_to_fp32 functions and
+save_16bit_model. Each expected value is DeepSpeed's (deepspeed/runtime/engine.py and
+dataloader.py, deepspeed/utils/zero_to_fp32.py), written out in the test."""
 import argparse
 import json
 
@@ -11,7 +12,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import zinf.torch
-from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss
+from conftest import make_batches, make_mlp, make_model, mlp_batches, mlp_config, mlp_loss
 
 
 def fp16_config(accumulation=2):
@@ -144,3 +145,47 @@ def test_the_engine_reports_where_and_how_it_runs():
     assert engine.steps_per_print() == 25
     assert engine.zero_optimization_stage() == 1 and engine.zero_optimization()
     assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+
+
+def test_zero_to_fp32_helpers_give_the_masters_under_every_name(tmp_path):
+    # The example's GPT-2 ties lm_head.weight to transformer.wte.weight.
+    engine, _, _, _ = zinf.torch.initialize(model=make_model(), config=mlp_config(3))
+    for ids, labels in make_batches(2):
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path))
+    names = [name for name, _ in engine.module.named_parameters()]
+    assert sorted(weights) == sorted(names)
+    for name in names:
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(weights[name], engine.read_parameter(name)), name
+    fresh = make_model()
+    loaded = zinf.torch.load_state_dict_from_zero_checkpoint(fresh, str(tmp_path))
+    assert loaded is fresh
+    assert torch.equal(fresh.lm_head.weight, engine.read_parameter("transformer.wte.weight"))
+    for name, param in fresh.named_parameters():
+        assert torch.equal(param.detach(), engine.read_parameter(name)), name
+    with pytest.raises(KeyError, match="'extra.weight' is not in the checkpoint"):
+        bigger = make_model()
+        bigger.extra = torch.nn.Linear(2, 2)
+        zinf.torch.load_state_dict_from_zero_checkpoint(bigger, str(tmp_path))
+
+
+def test_save_16bit_model_writes_the_whole_state_dict(tmp_path):
+    config = mlp_config(3)
+    config["bf16"] = {"enabled": True}
+    engine, _, _, _ = zinf.torch.initialize(model=make_model(), config=config)
+    for ids, labels in make_batches(1):
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+    assert engine.save_16bit_model(str(tmp_path / "out"))
+    state = torch.load(tmp_path / "out" / "pytorch_model.bin")
+    assert sorted(state) == sorted(make_model().state_dict())
+    for name, _ in engine.module.named_parameters():
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], engine.read_parameter(name).to(torch.bfloat16)), name
+    assert torch.equal(state["lm_head.weight"], state["transformer.wte.weight"])
+    # deepspeed.zero's names
+    assert zinf.torch.zero.GatheredParameters is zinf.torch.GatheredParameters
+    assert zinf.torch.zero.Init is zinf.torch.Init

@@ -41,7 +41,9 @@ import copy
 import io
 import json
 import os
+import tempfile
 import time
+import types
 import warnings
 import weakref
 from typing import Any, Iterable
@@ -56,9 +58,14 @@ from ._torch_init import Init
 
 __all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer",
            "ConfigLRScheduler", "Error", "checkpoint", "offload_saved_tensors",
-           "export_safetensors", "add_config_arguments"]
+           "export_safetensors", "add_config_arguments", "get_fp32_state_dict_from_zero_checkpoint",
+           "load_state_dict_from_zero_checkpoint", "zero"]
 
 Error = _zinf.Error
+
+# deepspeed.zero's names, for scripts that write deepspeed.zero.Init and
+# deepspeed.zero.GatheredParameters.
+zero = types.SimpleNamespace(Init=Init, GatheredParameters=GatheredParameters)
 
 _ROOT_MODULE = "(root)"
 _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -976,6 +983,21 @@ class ZinfEngine(nn.Module):
         self._core.save_checkpoint(save_dir, tag)
         return True
 
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
+                         exclude_frozen_parameters: bool = False) -> bool:
+        """DeepSpeed's save_16bit_model: the module's state_dict (every parameter under each of
+        its names, in the dtype the model computes in, and the buffers) written by rank 0 with
+        torch.save to <save_dir>/<save_filename>. Collective; at stage 3 the whole model is
+        gathered for it (as DeepSpeed's stage3_gather_16bit_weights_on_model_save does, which
+        zinf does not need set). Returns True."""
+        del exclude_frozen_parameters
+        with GatheredParameters(list(self._params.values())):
+            state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+        if self.global_rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
+
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
                         load_module_only: bool = False, custom_load_fn=None):
@@ -1054,6 +1076,61 @@ def export_safetensors(checkpoint_dir: str, out: str, tag: Any = None,
     "bf16", named as the model's parameters (as zero_to_fp32.py does for DeepSpeed). The same as
     `zinf ckpt export`."""
     _zinf.export_checkpoint(str(checkpoint_dir), "" if tag is None else str(tag), str(out), dtype)
+
+
+def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file (an 8-byte little-endian header size, a JSON header of
+    {name: {dtype, shape, data_offsets}}, then the data), as CPU tensors that own their memory."""
+    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    with open(path, "rb") as f:
+        header_bytes = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(header_bytes))
+        data = bytearray(f.read())
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        begin, end = entry["data_offsets"]
+        tensors[name] = torch.frombuffer(data[begin:end], dtype=dtypes[entry["dtype"]]).reshape(
+            entry["shape"]) if end > begin else torch.empty(entry["shape"],
+                                                            dtype=dtypes[entry["dtype"]])
+    return tensors
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = None
+                                             ) -> dict[str, torch.Tensor]:
+    """deepspeed.utils.zero_to_fp32's function: every parameter's full fp32 master of
+    <checkpoint_dir>/<tag> (default: the tag in <checkpoint_dir>/latest) as a dict of CPU
+    tensors, named as the model's parameters. A parameter shared by several modules (tied
+    embeddings) appears once, under its first owner's name, and there are no buffers (a zinf
+    checkpoint holds neither): load it with load_state_dict_from_zero_checkpoint(model, dir),
+    which fills both in from the model. The weights pass through a safetensors file in the
+    system's temporary directory (the model's fp32 size), removed before this returns."""
+    with tempfile.TemporaryDirectory(prefix="zinf_fp32_") as scratch:
+        out = os.path.join(scratch, "model.safetensors")
+        export_safetensors(checkpoint_dir, out, tag)
+        return _read_safetensors(out)
+
+
+def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str,
+                                         tag: Any = None) -> nn.Module:
+    """deepspeed.utils.zero_to_fp32's function: loads the checkpoint's fp32 weights into `model`
+    (a plain torch model, not one a zinf engine trains) on the CPU and returns it. A parameter
+    shared by several modules is loaded under each of its names; buffers keep the model's values
+    (a zinf checkpoint does not hold them). A parameter of the model that the checkpoint lacks
+    raises KeyError naming it."""
+    weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
+    model = model.cpu()
+    first_name: dict[int, str] = {}
+    state = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        source = first_name.setdefault(id(param), name)
+        if source not in weights:
+            raise KeyError(f"load_state_dict_from_zero_checkpoint: the model's parameter "
+                           f"'{source}' is not in the checkpoint {checkpoint_dir}")
+        state[name] = weights[source]
+    model.load_state_dict(state, strict=False)
+    return model
 
 
 def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
