@@ -168,8 +168,8 @@ struct LocalCommOptions {
 // World size devices.size() communicators, rank r on devices[r], all in this process: each rank
 // is meant to be driven by its own thread. Collectives move data through shared memory; sums run
 // in rank order, so results are the same bits on every rank and in every run.
-// Returns kInvalidArgument for no devices or a device that is not a HostDevice (opaque ones are
-// fine: the collectives use the memory's host addresses).
+// Returns kInvalidArgument for no devices, a device that is not a HostDevice (opaque ones are
+// fine: the collectives use the memory's host addresses), or one device given to two ranks.
 // REQUIRES: the devices outlive the communicators.
 Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
     const std::vector<Device*>& devices, const LocalCommOptions& options = {});

@@ -441,6 +441,16 @@ Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
           "host memory (HostDevice, opaque or not)",
           r, devices[r] == nullptr ? "null" : std::string(devices[r]->name())));
     }
+    // A rank's collectives queue on its device's streams, which another rank on the same device
+    // would share.
+    for (std::size_t q = 0; q < r; ++q) {
+      if (devices[q] == devices[r]) {
+        return Status::invalid_argument(fmt::format(
+            "make_local_comm_group: ranks {} and {} were given the same device; each rank needs "
+            "a HostDevice of its own",
+            q, r));
+      }
+    }
   }
   auto group = std::make_shared<LocalGroup>(static_cast<int>(devices.size()), options.timeout);
   std::vector<std::unique_ptr<Communicator>> comms;

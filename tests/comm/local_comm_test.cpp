@@ -807,6 +807,12 @@ TEST(LocalComm, FactoryRejectsBadDevicesAndOptions) {
   LocalCommOptions options;
   options.timeout = milliseconds(0);
   EXPECT_EQ(make_local_comm_group({device.get()}, options).status().code(), Code::kInvalidArgument);
+  // One device for two ranks: refused, naming both.
+  auto other = std::move(make_host_device()).value();
+  const Status shared = make_local_comm_group({device.get(), other.get(), device.get()}).status();
+  EXPECT_EQ(shared.code(), Code::kInvalidArgument);
+  EXPECT_NE(shared.message().find("ranks 0 and 2 were given the same device"), std::string::npos)
+      << shared.to_string();
 }
 
 }  // namespace
