@@ -122,12 +122,12 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
   out.gpus_needed = ceil_div(out.state_bytes, for_state);
   out.arithmetic = fmt::format(
       "{}; per GPU {} usable ({} less {:.0f}% headroom) - {} fixed ({}) = {} for state; "
-      "ceil({} / {}) = {} GPUs",
+      "ceil({} / {}) = {} {}",
       state, gib(static_cast<double>(out.usable_bytes)),
       gib(static_cast<double>(budgets.gpu_mem_bytes)), budgets.headroom * 100,
       gib(static_cast<double>(out.fixed_bytes)), fixed_parts, gib(static_cast<double>(for_state)),
       gib(static_cast<double>(out.state_bytes)), gib(static_cast<double>(for_state)),
-      out.gpus_needed);
+      out.gpus_needed, out.gpus_needed == 1 ? "GPU" : "GPUs");
   return out;
 }
 

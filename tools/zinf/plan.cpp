@@ -614,9 +614,10 @@ void run_plan(const PlanOptions& o) {
                training.seq_len, training.micro_batch, training.grad_accum_steps,
                training.checkpoint_activations ? "on" : "off");
     fmt::print(
-        "budgets   {} GPUs ({} per machine) x {}, host {} and NVMe {} per machine, "
+        "budgets   {} {} ({} per machine) x {}, host {} and NVMe {} per machine, "
         "{:.0f}% headroom\n",
-        budgets.gpus, per_machine, gib(static_cast<double>(budgets.gpu_mem_bytes)),
+        budgets.gpus, budgets.gpus == 1 ? "GPU" : "GPUs", per_machine,
+        gib(static_cast<double>(budgets.gpu_mem_bytes)),
         gib(static_cast<double>(budgets.host_mem_bytes)),
         gib(static_cast<double>(budgets.nvme_bytes)), budgets.headroom * 100);
     fmt::print("{}      {}\n", plan.fits ? "plan" : "closest", placement_line(c.setup));
@@ -681,9 +682,11 @@ void run_plan(const PlanOptions& o) {
          fmt::format("{} through memory", format_bytes(static_cast<double>(t.adam_memory_bytes)))});
     time.add_row({"  param upload", secs(t.param_upload_s), "new half params to their home"});
     time.print();
-    fmt::print("\nwithout offload: {}\n", plan.no_offload.gpus_needed > 0
-                                              ? fmt::format("{} GPUs", plan.no_offload.gpus_needed)
-                                              : std::string("not possible"));
+    fmt::print("\nwithout offload: {}\n",
+               plan.no_offload.gpus_needed > 0
+                   ? fmt::format("{} {}", plan.no_offload.gpus_needed,
+                                 plan.no_offload.gpus_needed == 1 ? "GPU" : "GPUs")
+                   : std::string("not possible"));
     fmt::print("  {}\n", plan.no_offload.arithmetic);
     fmt::print("\nmemory:  {} ({:.1f} GB/s)\n", profile.memory_source, profile.mem_adam_gbps);
     if (profile.nvme_read_gbps > 0) {
