@@ -410,6 +410,9 @@ const Key kRootKeys[] = {
     {.name = "zinf", .keys = kZinfKeys},
     {.name = "scheduler", .walk = walk_scheduler},
     {.name = "steps_per_print", .no_effect = kProgramSide},
+    {.name = "dataloader_drop_last",
+     .no_effect = "the data loader's (zinf.torch's initialize(training_data=...) drops a partial "
+                  "last batch with it); the engine never sees the batches"},
     {.name = "wall_clock_breakdown", .no_effect = kMonitor},
     {.name = "memory_breakdown", .no_effect = kMonitor},
     {.name = "dump_state", .no_effect = kMonitor},

@@ -102,6 +102,20 @@ def test_the_training_data_loader_shuffles_and_partitions_as_deepspeeds():
         assert seen(shard) == order(0, 2, rank)
 
 
+def test_dataloader_drop_last_drops_the_partial_last_batch():
+    dataset = TensorDataset(torch.arange(41, dtype=torch.float32).unsqueeze(1))
+    config = mlp_config(1)
+    batch = config["train_micro_batch_size_per_gpu"]
+    assert 41 % batch != 0
+    _, _, kept, _ = zinf.torch.initialize(model=make_mlp(), config=config, training_data=dataset)
+    assert len(kept) == -(-41 // batch)
+    config["dataloader_drop_last"] = True
+    _, _, dropped, _ = zinf.torch.initialize(model=make_mlp(), config=config,
+                                             training_data=dataset)
+    assert len(dropped) == 41 // batch
+    assert all(len(x) == batch for (x,) in dropped)
+
+
 def test_initialize_reads_the_config_from_args(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(mlp_config(2)))

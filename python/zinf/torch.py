@@ -1176,12 +1176,14 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     unknown = set(kwargs) - {"args", "mpu", "dist_init_required", "collate_fn"}
     if unknown:
         raise TypeError(f"initialize: unexpected arguments {sorted(unknown)}")
-    engine = ZinfEngine(model, _read_config(config), model_parameters, lr_scheduler, comm=comm)
+    config = _read_config(config)
+    engine = ZinfEngine(model, config, model_parameters, lr_scheduler, comm=comm)
     loader = None
     if training_data is not None:
         loader = _training_loader(training_data, engine.train_micro_batch_size_per_gpu(),
                                   engine.world_size, engine.global_rank,
-                                  collate_fn=kwargs.get("collate_fn"))
+                                  collate_fn=kwargs.get("collate_fn"),
+                                  drop_last=bool(config.get("dataloader_drop_last", False)))
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 
@@ -1206,13 +1208,15 @@ class _EpochSampler(torch.utils.data.DistributedSampler):
         return super().__iter__()
 
 
-def _training_loader(dataset, batch_size: int, world_size: int, rank: int, collate_fn=None):
+def _training_loader(dataset, batch_size: int, world_size: int, rank: int, collate_fn=None,
+                     drop_last: bool = False):
     """initialize()'s loader over training_data, as DeepSpeed's: batches of the micro-batch size
     from this rank's share of the data (torch's DistributedSampler, shuffled with seed 0, its
-    epoch advanced with each pass), so that under mpirun each rank reads different samples."""
+    epoch advanced with each pass), so that under mpirun each rank reads different samples; the
+    config's dataloader_drop_last drops a partial last batch."""
     return torch.utils.data.DataLoader(dataset, batch_size=batch_size,
                                        sampler=_EpochSampler(dataset, world_size, rank),
-                                       collate_fn=collate_fn)
+                                       collate_fn=collate_fn, drop_last=drop_last)
 
 
 def add_config_arguments(parser):
