@@ -1,18 +1,24 @@
 """What a DeepSpeed training script calls, ported by changing its import: the engine's accessors
 (the stage, the dtypes, whether a step was applied, the skipped steps, the samples, the gradient
 norm, the accumulation boundary), a torch scheduler across an fp16 overflow, the training data
-loader, `args.deepspeed_config`, load_checkpoint's options, the zero_to_fp32 functions and
-save_16bit_model. Each expected value is DeepSpeed's (deepspeed/runtime/engine.py and
-dataloader.py, deepspeed/utils/zero_to_fp32.py), written out in the test."""
+loader, `args.deepspeed_config`, load_checkpoint's options, the zero_to_fp32 functions,
+save_16bit_model and the consolidated 16-bit state dict, set_gradient_accumulation_boundary, the
+offload, dtype and momentum accessors, and init_distributed. Each expected value is DeepSpeed's
+(deepspeed/runtime/engine.py and dataloader.py, deepspeed/utils/zero_to_fp32.py,
+deepspeed/comm/comm.py), written out in the test."""
 import argparse
+import datetime
 import json
+import warnings
+from collections import OrderedDict
 
 import pytest
 import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import zinf.torch
-from conftest import make_batches, make_mlp, make_model, mlp_batches, mlp_config, mlp_loss
+from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_batches, make_mlp, make_model,
+                      mlp_batches, mlp_config, mlp_loss)
 
 
 def fp16_config(accumulation=2):
@@ -203,3 +209,172 @@ def test_save_16bit_model_writes_the_whole_state_dict(tmp_path):
     # deepspeed.zero's names
     assert zinf.torch.zero.GatheredParameters is zinf.torch.GatheredParameters
     assert zinf.torch.zero.Init is zinf.torch.Init
+
+
+def test_the_consolidated_16bit_state_dict_is_the_models_in_bf16(tmp_path):
+    # DeepSpeed's engine._zero3_consolidated_16bit_state_dict(), which Accelerate's get_state_dict
+    # and Trainer's save_model call at stage 3: on rank 0 an OrderedDict in state_dict()'s order
+    # (each module's parameters, its persistent buffers, then its children), a shared parameter
+    # as the same tensor under each name; None on the other ranks; ValueError below stage 3.
+    config = mlp_config(3)
+    config["bf16"] = {"enabled": True}
+    engine, _, _, _ = zinf.torch.initialize(model=make_model(), config=config)
+    for ids, labels in make_batches(1):
+        engine.backward(engine(input_ids=ids, labels=labels).loss)
+        engine.step()
+    gathered_at_once = []
+    acquire = engine._acquire
+
+    def counting_acquire(module):
+        acquire(module)
+        gathered_at_once.append(sum(1 for c in engine._gather_count.values() if c))
+
+    engine._acquire = counting_acquire
+    state = engine._zero3_consolidated_16bit_state_dict()
+    del engine._acquire
+    # One module gathered at a time (GPT-2's lm_head gathers the embedding it shares).
+    assert gathered_at_once and max(gathered_at_once) == 1
+    assert type(state) is OrderedDict
+    assert list(state) == list(make_model().state_dict())
+    assert state["lm_head.weight"] is state["transformer.wte.weight"]
+    for name, param in engine.module.named_parameters():
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], engine.read_parameter(name).to(torch.bfloat16)), name
+        with zinf.torch.GatheredParameters([param]):
+            assert torch.equal(state[name], param.detach()), name
+    # The exported bf16 safetensors of a checkpoint hold the same values.
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    zinf.torch.export_safetensors(str(tmp_path / "ckpt"), str(tmp_path / "w.safetensors"),
+                                  dtype="bf16")
+    for name, values in zinf.torch._read_safetensors(str(tmp_path / "w.safetensors")).items():
+        assert torch.equal(state[name], values), name
+    assert engine.zero_gather_16bit_weights_on_model_save()
+    engine.global_rank = 1
+    assert engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True) is None
+    below, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(2))
+    with pytest.raises(ValueError, match="requires ZeRO-3"):
+        below._zero3_consolidated_16bit_state_dict()
+
+
+def test_set_gradient_accumulation_boundary_steps_where_it_is_set():
+    # DeepSpeed: is_gradient_accumulation_boundary() returns the value set, step() applies the
+    # optimizer when it is true, and every micro-batch's loss is divided by the config's
+    # gradient_accumulation_steps, however many micro-batches the step has. Accelerate sets it
+    # before each backward, with a shorter accumulation at the end of an epoch.
+    accumulation = 3
+    config = mlp_config(2, "cpu")
+    config["gradient_accumulation_steps"] = accumulation
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    reference = make_mlp()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    batches = iter(mlp_batches(13))
+    for steps, sizes in enumerate([3, 2, 1, 3], start=1):
+        for index in range(sizes):
+            last = index == sizes - 1
+            engine.set_gradient_accumulation_boundary(last)
+            assert engine.is_gradient_accumulation_boundary() == last
+            batch = next(batches)
+            engine.backward(mlp_loss(engine, batch))
+            (mlp_loss(reference, batch) / accumulation).backward()
+            engine.step()
+            assert engine.was_step_applied() == last
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        assert engine.global_steps == steps
+        assert engine.global_samples == steps * engine.train_batch_size()
+    for name, param in reference.named_parameters():
+        assert torch.allclose(engine.read_parameter(name), param.detach(), rtol=1e-5,
+                              atol=1e-6), name
+    # More micro-batches than gradient_accumulation_steps in one step: DeepSpeed's sum of the
+    # losses / gradient_accumulation_steps cannot be had from the engine's average.
+    engine.set_gradient_accumulation_boundary(False)
+    for _ in range(accumulation):
+        engine.backward(mlp_loss(engine, next(batches)))
+        engine.step()
+    with pytest.raises(NotImplementedError, match="gradient_accumulation_steps"):
+        engine.backward(mlp_loss(engine, next(batches)))
+
+
+@pytest.mark.parametrize("optimizer, betas, eps", [("AdamW", (0.8, 0.99), 1e-7),
+                                                   ("Adagrad", None, 1e-10),
+                                                   ("Lion", (0.9, 0.98), None)])
+def test_the_optimizers_groups_and_momentum_are_deepspeeds(optimizer, betas, eps):
+    # get_mom() is DeepSpeed's: each group's "betas" (0.0 for a group without), as its
+    # optimizers' param_groups hold them (Adagrad has none, Lion has no eps).
+    config = mlp_config(1)
+    params = {"lr": 1e-3, "weight_decay": 0.0}
+    if betas is not None:
+        params["betas"] = list(betas)
+    if eps is not None:
+        params["eps"] = eps
+    config["optimizer"] = {"type": optimizer, "params": params}
+    model = make_mlp()
+    groups = [{"params": [p for n, p in model.named_parameters() if n.endswith("weight")]},
+              {"params": [p for n, p in model.named_parameters() if n.endswith("bias")],
+               "lr": 2e-3}]
+    engine, opt, _, _ = zinf.torch.initialize(model=model, config=config,
+                                              model_parameters=groups)
+    assert engine.get_mom() == ([tuple(betas)] * 2 if betas is not None else [0.0, 0.0])
+    for group in opt.param_groups:
+        assert ("betas" in group) == (betas is not None)
+        assert group.get("eps") == eps
+    assert engine.get_lr() == [1e-3, 2e-3]
+
+
+def test_the_offload_and_dtype_accessors_are_deepspeeds(tmp_path):
+    config = mlp_config(3, "nvme", tmp_path)
+    config["bf16"] = {"enabled": True}
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    # DeepSpeed's zero_offload_optimizer()/zero_offload_param(): the config's section (None
+    # when absent); zero_cpu_offload(): the optimizer offloaded to "cpu".
+    assert engine.zero_offload_optimizer().device == "nvme"
+    assert engine.zero_offload_optimizer().nvme_path == str(tmp_path)
+    assert engine.zero_offload_param().device == "nvme"
+    assert engine.zero_offload_param().buffer_count == 5
+    assert not engine.zero_cpu_offload()
+    # (model dtype, gradient accumulation dtype): zinf accumulates gradients in fp32.
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.train_micro_batch_size_per_gpu() == config["train_micro_batch_size_per_gpu"]
+    engine.zero_grad()
+    assert all(p.grad is None for p in engine.module.parameters())
+
+    config = mlp_config(2, "cpu")
+    del config["zero_optimization"]["offload_param"]
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_cpu_offload()
+    assert engine.zero_offload_param() is None
+    assert engine.get_data_types() == (torch.float32, torch.float32)
+    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
+                                                                        "cpu_offload": True}}
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_cpu_offload()
+    config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}}
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.zero_offload_optimizer() is None and not engine.zero_cpu_offload()
+    assert engine.get_data_types() == (torch.float16, torch.float32)
+
+
+def test_init_distributed_leaves_torch_distributed_to_the_script(monkeypatch):
+    # deepspeed.init_distributed's arguments are taken; zinf's ranks come from its own
+    # communicator, so torch.distributed stays uninitialised, said aloud with several ranks.
+    for key in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(key, raising=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert zinf.torch.init_distributed(
+            dist_backend="gloo", auto_mpi_discovery=True, distributed_port=29500, verbose=False,
+            timeout=datetime.timedelta(minutes=30), init_method=None, dist_init_required=None,
+            config=None, rank=-1, world_size=-1) is None
+    assert not torch.distributed.is_initialized()
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
+    assert engine.world_size == 1
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    with pytest.warns(UserWarning, match="torch.distributed.init_process_group"):
+        zinf.torch.init_distributed()
+    assert not torch.distributed.is_initialized()
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(NotImplementedError, match="mpirun"):
+        zinf.torch.init_distributed()

@@ -36,6 +36,7 @@ How the model's tensors meet the engine (docs/PYTHON.md):
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import copy
 import io
@@ -59,7 +60,7 @@ from ._torch_init import Init
 __all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimizer",
            "ConfigLRScheduler", "Error", "checkpoint", "offload_saved_tensors",
            "export_safetensors", "add_config_arguments", "get_fp32_state_dict_from_zero_checkpoint",
-           "load_state_dict_from_zero_checkpoint", "zero"]
+           "load_state_dict_from_zero_checkpoint", "init_distributed", "zero"]
 
 Error = _zinf.Error
 
@@ -337,6 +338,7 @@ class ZinfEngine(nn.Module):
         self.world_size = self._core.world_size
         resolved = json.loads(self._core.config_json())
         self.stage = int(resolved["zero_optimization"]["stage"])
+        self._zero_resolved = resolved["zero_optimization"]
         self._gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
         self._micro_batch_size = int(resolved["train_micro_batch_size_per_gpu"])
         self.local_rank = _local_rank()
@@ -355,12 +357,22 @@ class ZinfEngine(nn.Module):
         # is then the one micro_steps counts), and whether that call applied an update.
         self._backward_since_step_call = False
         self._step_applied = False
+        # DeepSpeed's set_gradient_accumulation_boundary(): None, or the boundary set; and the
+        # micro-batches reduced into the engine since the last optimizer step.
+        self._boundary_override: bool | None = None
+        self._micro_batches_pending = 0
 
+        # The optimizer's hyper-parameters as its torch param_groups show them, each only where
+        # the optimizer has it, as DeepSpeed's optimizers' groups: Adagrad has no betas, Lion no
+        # eps (the resolved config holds exactly the type's params).
         opt_params = resolved["optimizer"]["params"]
+        self._optimizer_name = str(resolved["optimizer"].get("type", "AdamW"))
         defaults = {"lr": float(opt_params["lr"]),
-                    "betas": tuple(opt_params.get("betas", (0.9, 0.999))),
-                    "eps": float(opt_params.get("eps", 1e-8)),
                     "weight_decay": float(opt_params.get("weight_decay", 0.0))}
+        if "betas" in opt_params:
+            defaults["betas"] = tuple(float(b) for b in opt_params["betas"])
+        if "eps" in opt_params:
+            defaults["eps"] = float(opt_params["eps"])
         groups = self._register(model, model_parameters, defaults)
         with self._aborting_on_error("finalize"):
             self._core.finalize()
@@ -482,10 +494,11 @@ class ZinfEngine(nn.Module):
                 if key not in item:
                     continue
                 value = tuple(item[key]) if key == "betas" else float(item[key])
-                if value != defaults[key]:
+                if value != defaults.get(key):
+                    has = defaults[key] if key in defaults else f"(it has no {key})"
                     raise NotImplementedError(
                         f"parameter group {index}: {key} {item[key]} differs from the "
-                        f"optimizer's {defaults[key]}; groups may change lr and weight_decay")
+                        f"optimizer's {has}; groups may change lr and weight_decay")
             group = {**defaults, **{k: v for k, v in item.items() if k != "params"}}
             group["params"] = params
             for p in params:
@@ -723,6 +736,18 @@ class ZinfEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
+        if (self._boundary_override is not None
+                and self._micro_batches_pending >= self._gradient_accumulation_steps):
+            with self._aborting_on_error("backward"):
+                raise NotImplementedError(
+                    f"engine.backward(): micro-batch {self._micro_batches_pending + 1} since "
+                    f"the last optimizer step, over gradient_accumulation_steps "
+                    f"({self._gradient_accumulation_steps}), with the boundary set by "
+                    "set_gradient_accumulation_boundary(): DeepSpeed divides every loss by "
+                    "gradient_accumulation_steps, while zinf's engine averages the micro-batches "
+                    "of a step, which can equal DeepSpeed's sum only up to that many; raise "
+                    "gradient_accumulation_steps in the config to the most micro-batches a step "
+                    "takes")
         scale = self._core.loss_scale
         # Gradients of another backward through this model (dropped) are not this one's concern.
         self._stray_gradient = None
@@ -740,6 +765,7 @@ class ZinfEngine(nn.Module):
             finally:
                 self._in_backward = False
         self.micro_steps += 1
+        self._micro_batches_pending += 1
         self._backward_since_step_call = True
         return loss
 
@@ -765,8 +791,22 @@ class ZinfEngine(nn.Module):
         """Whether the micro-batch in progress ends a gradient accumulation, so that its step()
         applies the optimizer: DeepSpeed's answer, the same from before that micro-batch's
         forward until its step() (after the step it is the next micro-batch's)."""
+        if self._boundary_override is not None:
+            return self._boundary_override
         in_progress = self.micro_steps + (0 if self._backward_since_step_call else 1)
         return in_progress % self._gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None):
+        """DeepSpeed's: from now on is_gradient_accumulation_boundary() returns is_boundary, and
+        step() applies the optimizer exactly when it is true (Accelerate sets it before each
+        backward; None returns to counting micro-batches). As in DeepSpeed, every micro-batch's
+        loss counts 1 / gradient_accumulation_steps, however many micro-batches the step has:
+        the engine averages the micro-batches it reduced, so a step with k fewer than
+        gradient_accumulation_steps has k zero micro-batches added to it at step() (a reduction
+        of zeros per module, collective like any), which gives DeepSpeed's sum / that count.
+        A step of more micro-batches than gradient_accumulation_steps is refused at the
+        backward that would pass it (NotImplementedError): the average cannot give that sum."""
+        self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     @property
     def device(self) -> torch.device:
@@ -799,6 +839,50 @@ class ZinfEngine(nn.Module):
     def gradient_clipping(self) -> float:
         """The config's gradient_clipping (0: none)."""
         return self._gradient_clipping
+
+    def _offload_section(self, key: str, deprecated: str):
+        """DeepSpeed's zero_config.<key>: the config's section (its resolved values, attributes
+        as on DeepSpeed's pydantic object), or None where the config has none (DeepSpeed's
+        default); the deprecated switch (cpu_offload, cpu_offload_param) makes one with device
+        "cpu", as DeepSpeed's config does."""
+        given = self._config.get("zero_optimization", {}) or {}
+        if given.get(key) is None and not given.get(deprecated):
+            return None
+        return types.SimpleNamespace(**self._zero_resolved[key])
+
+    def zero_offload_optimizer(self):
+        """The config's zero_optimization.offload_optimizer (device, nvme_path, pin_memory,
+        buffer_count as attributes), or None without the section, as DeepSpeed's."""
+        return self._offload_section("offload_optimizer", "cpu_offload")
+
+    def zero_offload_param(self):
+        """The config's zero_optimization.offload_param (device, nvme_path, pin_memory,
+        buffer_count, buffer_size as attributes), or None without the section, as DeepSpeed's."""
+        return self._offload_section("offload_param", "cpu_offload_param")
+
+    def zero_cpu_offload(self) -> bool:
+        """Whether the optimizer state is offloaded to "cpu" (not "nvme"), as DeepSpeed's."""
+        section = self.zero_offload_optimizer()
+        return section is not None and section.device == "cpu"
+
+    def zero_gather_16bit_weights_on_model_save(self) -> bool:
+        """True: zinf gathers the 16-bit weights for save_16bit_model() and
+        _zero3_consolidated_16bit_state_dict() whatever stage3_gather_16bit_weights_on_model_save
+        says (a key with no effect in zinf). Accelerate and Trainer read this before they ask for
+        the consolidated state dict at stage 3; DeepSpeed returns the key's value (default
+        false), with which they save a ZeRO checkpoint instead."""
+        return True
+
+    def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
+        """(the dtype the model computes in, the dtype gradients are accumulated in), as
+        DeepSpeed's. zinf accumulates in fp32 whatever the model's dtype (data_types.
+        grad_accum_dtype may only be "fp32" or null); DeepSpeed's default is the model's."""
+        return self.dtype, torch.float32
+
+    def get_mom(self) -> list:
+        """Each parameter group's "betas" (0.0 for a group without, as Adagrad's), as DeepSpeed's
+        get_mom() for the optimizers other than SGD and RMSprop (zinf has neither)."""
+        return [group.get("betas", 0.0) for group in self.optimizer.param_groups]
 
     def was_step_applied(self) -> bool:
         """Whether the last step() updated the parameters: false after a step() that only
@@ -834,10 +918,15 @@ class ZinfEngine(nn.Module):
         with self._aborting_on_error("step"):
             self._refuse_stray_backward("step")
         self._step_applied = False
-        boundary = self.micro_steps % self._gradient_accumulation_steps == 0
         self._backward_since_step_call = False
-        if self.micro_steps == 0 or not boundary:
+        if self._boundary_override is None:
+            if self.micro_steps == 0 or self.micro_steps % self._gradient_accumulation_steps:
+                return
+        elif not self._boundary_override:
             return
+        else:
+            self._reduce_zero_micro_batches(self._gradient_accumulation_steps -
+                                            self._micro_batches_pending)
         self.optimizer.step()
         skipped = bool(self.last_step_report.get("skipped"))
         self._step_applied = not skipped
@@ -846,6 +935,17 @@ class ZinfEngine(nn.Module):
         if self.lr_scheduler is not None and not skipped and not isinstance(
                 self.lr_scheduler, ConfigLRScheduler):
             self.lr_scheduler.step(**(lr_kwargs or {}))
+
+    def _reduce_zero_micro_batches(self, count: int):
+        """Reduces `count` micro-batches of zero gradients into the engine (every module, as
+        _finish_backward does for a module autograd did not reach), so that the step's average
+        over gradient_accumulation_steps micro-batches is DeepSpeed's sum / that count."""
+        with self._aborting_on_error("step"):
+            for _ in range(count):
+                for engine_module in self._owned:
+                    self._reduce(engine_module)
+                self._reduced.clear()
+                self._micro_batches_pending += 1
 
     def _scheduled_lr(self) -> float:
         """The engine's learning rate for the groups' current lrs: each group runs at the
@@ -883,6 +983,7 @@ class ZinfEngine(nn.Module):
             self.skipped_steps += 1
         self._grads_pending = False
         self._backward_since_step = False
+        self._micro_batches_pending = 0
         if isinstance(self.lr_scheduler, ConfigLRScheduler):
             self.lr_scheduler._advance(skipped=bool(self.last_step_report.get("skipped")))
         if self._lrs_shown is not None:
@@ -899,7 +1000,11 @@ class ZinfEngine(nn.Module):
         self._lr_pushed = lr
 
     def zero_grad(self, set_to_none: bool = True):
-        """Nothing to do: gradients are dropped as they are handed to the engine."""
+        """DeepSpeed's: every parameter's .grad becomes None. They are None already (each
+        gradient is dropped as it is handed to the engine); the engine's accumulated gradients
+        stay until the step, as DeepSpeed's partitioned ones do."""
+        for param in self._params.values():
+            param.grad = None
 
     def _refresh_views(self):
         """Stages 1 and 2: points each parameter at the engine's full device copy, which lives as
@@ -986,17 +1091,55 @@ class ZinfEngine(nn.Module):
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
                          exclude_frozen_parameters: bool = False) -> bool:
         """DeepSpeed's save_16bit_model: the module's state_dict (every parameter under each of
-        its names, in the dtype the model computes in, and the buffers) written by rank 0 with
-        torch.save to <save_dir>/<save_filename>. Collective; at stage 3 the whole model is
-        gathered for it (as DeepSpeed's stage3_gather_16bit_weights_on_model_save does, which
-        zinf does not need set). Returns True."""
-        del exclude_frozen_parameters
-        with GatheredParameters(list(self._params.values())):
+        its names, in the dtype the model computes in, and the persistent buffers) written by
+        rank 0 with torch.save to <save_dir>/<save_filename>. Collective. At stage 3 the dict is
+        _zero3_consolidated_16bit_state_dict()'s, gathered module by module (as DeepSpeed's
+        stage3_gather_16bit_weights_on_model_save does, which zinf does not need set); at
+        stages 1 and 2 it is the module's state_dict(). Returns True."""
+        if self.stage == 3:
+            state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
+        else:
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
+
+    def _zero3_consolidated_16bit_state_dict(self, exclude_frozen_parameters: bool = False
+                                             ) -> "collections.OrderedDict | None":
+        """DeepSpeed's: the full state dict in the dtype the model computes in, on rank 0 (None
+        on the others), for Accelerate's get_state_dict and Trainer's save_model at stage 3.
+        Collective: every rank must call it. As DeepSpeed's, it walks the modules as
+        nn.Module.state_dict() does (each module's parameters, then its persistent buffers, then
+        its children) and gathers one module's parameters at a time (GatheredParameters), so
+        besides the dict on rank 0 at most one module is gathered; a parameter shared by several
+        modules is the same tensor under each name. ValueError below stage 3, as DeepSpeed
+        raises. exclude_frozen_parameters leaves out parameters that do not require grad (zinf
+        trains every parameter, so there are none)."""
+        if self.stage < 3:
+            raise ValueError(f"_zero3_consolidated_16bit_state_dict: this function requires "
+                             f"ZeRO-3 mode (the config's stage is {self.stage}); use "
+                             "engine.module.state_dict()")
+        keep = self.global_rank == 0
+        state = collections.OrderedDict() if keep else None
+        first_name: dict[int, str] = {}
+
+        def add_module(module: nn.Module, prefix: str):
+            direct = [(n, p) for n, p in module.named_parameters(recurse=False)
+                      if not (exclude_frozen_parameters and not p.requires_grad)]
+            with GatheredParameters([p for _, p in direct]):
+                for name, param in direct if keep else ():
+                    key = prefix + name
+                    shared = first_name.setdefault(id(param), key)
+                    state[key] = state[shared] if shared != key else param.detach().clone()
+            for name, buffer in module.named_buffers(recurse=False) if keep else ():
+                if name not in module._non_persistent_buffers_set:
+                    state[prefix + name] = buffer.detach().clone()
+            for name, child in module.named_children():
+                add_module(child, prefix + name + ".")
+
+        add_module(self.module, "")
+        return state
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
                         load_optimizer_states: bool = True, load_lr_scheduler_states: bool = True,
@@ -1045,6 +1188,7 @@ class ZinfEngine(nn.Module):
                                         self.global_steps * self.train_batch_size())
         self._backward_since_step_call = False
         self._step_applied = False
+        self._micro_batches_pending = 0
         if self._lrs_shown is not None and state.get("lr_from_schedule", False):
             # The engine's step count came back with the checkpoint: the schedule resumes.
             self._show_engine_lr()
@@ -1228,3 +1372,35 @@ def add_config_arguments(parser):
     group.add_argument("--deepspeed_config", default=None, type=str,
                        help="DeepSpeed json configuration file.")
     return parser
+
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
+                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
+                     config=None, rank=-1, world_size=-1) -> None:
+    """deepspeed.init_distributed's place in a ported script: takes its arguments and returns
+    None, leaving torch.distributed as it is. zinf's engine does not use torch.distributed:
+    initialize() opens zinf's own communicator (comm="mpi" under mpirun, MpiComm), whose rank
+    and size are engine.global_rank and engine.world_size. So the call has nothing to set up,
+    and it does not create a torch process group beside that communicator.
+
+    What a script does with torch.distributed itself (dist.barrier(), dist.all_reduce() of a
+    metric, dist.get_rank()) needs torch.distributed.init_process_group() of its own (gloo, with
+    the launcher's rank and size); without it those calls raise, and code guarded by
+    torch.distributed.is_initialized() runs as if it were the only process. Under a launcher of
+    several processes this warns, saying so. Under torchrun (WORLD_SIZE > 1 without an MPI
+    launcher) it raises NotImplementedError, as initialize() would: zinf runs several processes
+    under mpirun. The arguments (backend, port, timeout, rank, world_size, ...) are DeepSpeed's
+    and have no effect."""
+    del (dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout, init_method,
+         dist_init_required, config, rank, world_size)
+    if _choose_comm(None) != "mpi" or torch.distributed.is_initialized():
+        return None
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or ""
+    if size.isdigit() and int(size) == 1:
+        return None
+    warnings.warn(
+        "zinf.torch.init_distributed: torch.distributed is not initialised (zinf's engine "
+        "uses its own MPI communicator: engine.global_rank and engine.world_size give this "
+        "process's place); a script that calls torch.distributed itself needs "
+        "torch.distributed.init_process_group() of its own", stacklevel=2)
+    return None
