@@ -248,6 +248,9 @@ def test_the_consolidated_16bit_state_dict_is_the_models_in_bf16(tmp_path):
                                   dtype="bf16")
     for name, values in zinf.torch._read_safetensors(str(tmp_path / "w.safetensors")).items():
         assert torch.equal(state[name], values), name
+    # DeepSpeed's answer: the config's key, false unless given.
+    assert not engine.zero_gather_16bit_weights_on_model_save()
+    engine._config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     assert engine.zero_gather_16bit_weights_on_model_save()
     engine.global_rank = 1
     assert engine._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters=True) is None

@@ -866,12 +866,18 @@ class ZinfEngine(nn.Module):
         return section is not None and section.device == "cpu"
 
     def zero_gather_16bit_weights_on_model_save(self) -> bool:
-        """True: zinf gathers the 16-bit weights for save_16bit_model() and
-        _zero3_consolidated_16bit_state_dict() whatever stage3_gather_16bit_weights_on_model_save
-        says (a key with no effect in zinf). Accelerate and Trainer read this before they ask for
-        the consolidated state dict at stage 3; DeepSpeed returns the key's value (default
-        false), with which they save a ZeRO checkpoint instead."""
-        return True
+        """The config's zero_optimization.stage3_gather_16bit_weights_on_model_save (or one of
+        DeepSpeed's other names for it; false unless given), as DeepSpeed's. Accelerate and
+        Trainer read it at stage 3: true, they save the consolidated 16-bit state dict; false,
+        a ZeRO checkpoint. zinf's save_16bit_model() and _zero3_consolidated_16bit_state_dict()
+        gather the weights whatever it says."""
+        zero = self._config.get("zero_optimization") or {}
+        for key in ("stage3_gather_16bit_weights_on_model_save",
+                    "gather_16bit_weights_on_model_save",
+                    "stage3_gather_fp16_weights_on_model_save"):
+            if key in zero:
+                return bool(zero[key])
+        return False
 
     def get_data_types(self) -> tuple[torch.dtype, torch.dtype]:
         """(the dtype the model computes in, the dtype gradients are accumulated in), as
