@@ -141,12 +141,9 @@ class Init:
         self.enabled = enabled
         config = config if config is not None else config_dict_or_path
         if isinstance(config, (str, os.PathLike)):
-            import json
-
-            from . import _zinf
+            from .torch import _load_config_text
             with open(config) as f:
-                # Comments and trailing commas, as DeepSpeed's reader (hjson) takes them.
-                config = json.loads(_zinf.strip_config_comments(f.read()))
+                config = _load_config_text(f.read(), os.fspath(config))
         self.staging_dir = staging_dir or _staging_dir_of(config or {})
         self._file: _StagingFile | None = None
         self._patched: dict[type, object] = {}

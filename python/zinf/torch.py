@@ -72,12 +72,26 @@ _ROOT_MODULE = "(root)"
 _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
+def _load_config_text(text: str, path: str) -> dict:
+    """A config file's JSON as DeepSpeed's reader takes it: comments and trailing commas are
+    read (hjson), and a key given twice in one object is refused, naming it and the file."""
+    def refuse_duplicates(pairs):
+        seen = {}
+        for key, value in pairs:
+            if key in seen:
+                raise ValueError(f"config {path}: key '{key}' given twice in one object, which "
+                                 "DeepSpeed refuses")
+            seen[key] = value
+        return seen
+
+    return json.loads(_zinf.strip_config_comments(text), object_pairs_hook=refuse_duplicates)
+
+
 def _read_config(config: dict | str | os.PathLike) -> dict:
     """A DeepSpeed-style config from a dict (copied) or the path of a JSON file."""
     if isinstance(config, (str, os.PathLike)):
         with open(config) as f:
-            # Comments and trailing commas, as DeepSpeed's reader (hjson) takes them.
-            loaded = json.loads(_zinf.strip_config_comments(f.read()))
+            loaded = _load_config_text(f.read(), os.fspath(config))
         if not isinstance(loaded, dict):
             raise TypeError(f"config: {os.fspath(config)} holds a JSON {type(loaded).__name__}, "
                             "not an object")
