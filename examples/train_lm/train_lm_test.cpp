@@ -1330,6 +1330,26 @@ TEST(Program, MpiRunRemovesTheNvmeDirectoryItMade) {
   fs::remove_all(dir);
 }
 
+// The NVMe path inside a new --out directory (`--out run --nvme-path run/nvme`): the NVMe
+// directory the run made goes with the run, and the --out directory it is in stays for the
+// outputs (it was removed with it, empty, and the run failed at its very end writing loss.csv).
+TEST(Program, NvmePathInsideANewOutDirectoryLeavesTheOutputs) {
+  const fs::path dir = scratch_dir("train_lm_nvme_in_out");
+  fs::create_directories(dir);
+  const fs::path out = dir / "run";
+  std::string err;
+  ASSERT_EQ(run_program("--params 20k --steps 4 --batch 4 --seq-len 16 --eval-every 2 "
+                        "--eval-tokens 256 --no-progress --offload-optimizer nvme --out " +
+                            out.string() + " --nvme-path " + (out / "nvme").string(),
+                        &err),
+            0)
+      << err;
+  EXPECT_TRUE(fs::exists(out / "loss.csv"));
+  EXPECT_TRUE(fs::exists(out / "summary.txt"));
+  EXPECT_FALSE(fs::exists(out / "nvme")) << "the NVMe directory the run made is left behind";
+  fs::remove_all(dir);
+}
+
 // Ranks of one job given different options that must agree fail at the start, every rank naming
 // the option and both values (before, a different --seed trained silently and a different --steps
 // failed only as "ranks disagree: rank 0 sent 12544 bytes where this rank expected 40"). A rank's

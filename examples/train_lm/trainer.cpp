@@ -242,18 +242,30 @@ fs::path topmost_missing(const std::string& path) {
   return top;
 }
 
+// `path` absolute, without "." or ".." and without a trailing separator.
+fs::path normal_path(const fs::path& path) {
+  std::error_code ec;
+  fs::path p = fs::absolute(path, ec).lexically_normal();
+  return p.has_filename() || p == p.root_path() ? p : p.parent_path();
+}
+
+// Whether `dir` is `path` or one of its parents.
+bool is_at_or_above(const fs::path& dir, const fs::path& path) {
+  const fs::path d = normal_path(dir), p = normal_path(path);
+  return std::mismatch(d.begin(), d.end(), p.begin(), p.end()).first == d.end();
+}
+
 // Removes `path` and its parents up to `top` (from topmost_missing() before they were made), each
-// only while it is an empty directory: ranks of a job that share the NVMe path each call it when
+// only while it is an empty directory, and none at or above `keep` (the --out directory, which
+// the outputs are written into next): ranks of a job that share the NVMe path each call it when
 // they are done, and the last one removes it. Nothing when `top` is empty (the path existed).
-void remove_empty_dirs(const std::string& path, const fs::path& top) {
+void remove_empty_dirs(const std::string& path, const fs::path& top, const std::string& keep) {
   std::error_code ec;
   fs::path p = fs::absolute(path, ec);
   // Only directories at or below `top`.
-  if (top.empty() || ec ||
-      std::mismatch(top.begin(), top.end(), p.begin(), p.end()).first != top.end()) {
-    return;
-  }
+  if (top.empty() || ec || !is_at_or_above(top, p)) return;
   for (;;) {
+    if (!keep.empty() && is_at_or_above(p, keep)) return;
     // One that another rank removed already is passed over. fs::remove removes an empty
     // directory only: one that still holds something (another rank's swap directory) ends it,
     // and that rank removes it when it is done.
@@ -1571,7 +1583,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
       comm->abort(zinf::Status::aborted(message));
     }
     created.remove_all();
-    remove_empty_dirs(o.nvme_path, nvme_top);
+    remove_empty_dirs(o.nvme_path, nvme_top, "");
     return 1;
   };
   // One process per rank: only rank 0 writes the outputs, and each rank's swap files go in a
@@ -1732,7 +1744,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   if (uses_nvme) {
     std::error_code ec;
     fs::remove_all(swap_dir, ec);
-    remove_empty_dirs(o.nvme_path, nvme_top);
+    remove_empty_dirs(o.nvme_path, nvme_top, o.out_dir);
   }
 
   summary->wall_s = seconds_since(wall_start);
