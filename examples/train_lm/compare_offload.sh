@@ -22,17 +22,20 @@ run_variant() {
     --nvme-path "$work/nvme" >"$2.txt"
 }
 compare_rounds "${#placements[@]}"
-# summary.txt rows: "total  <ms>", "optimizer step  <ms>", tiers "device (HostDevice)  <bytes>".
+# summary.txt rows: "total  <ms>", "optimizer step [(waited for)]  <ms>", tiers "device (HostDevice)  <bytes>".
 python3 - "$work" "$rounds" "${#placements[@]}" "${placements[@]}" <<'PY'
 import re, statistics, sys
 work, rounds, count = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 names = sys.argv[4:4 + count]
 def read(i, r):
     text = open(f"{work}/{i}.{r}/summary.txt").read()
-    row = lambda label: re.search(r"^" + re.escape(label) + r"\s+(.*)$", text, re.M).group(1).strip()
-    return {"total": float(row("total").split()[0]), "step": float(row("optimizer step").split()[0]),
-            "device": row("device (HostDevice)"), "host": row("host (pinned pool, host tier)"),
-            "nvme": row("NVMe (swap files)")}
+    row = lambda label: re.search(r"^" + label + r"\s+(.*)$", text, re.M).group(1).strip()
+    # Overlapped (the default) the row is "optimizer step (waited for)".
+    step = row(r"optimizer step(?: \(waited for\))?")
+    return {"total": float(row("total").split()[0]), "step": float(step.split()[0]),
+            "device": row(re.escape("device (HostDevice)")),
+            "host": row(re.escape("host (pinned pool, host tier)")),
+            "nvme": row(re.escape("NVMe (swap files)"))}
 runs = [[read(i, r) for r in range(1, rounds + 1)] for i in range(count)]
 print(f"{'optimizer/param':16} {'ms/step':>8} {'x none':>7} {'step ms':>8}  {'device':>10} {'host':>10} {'nvme':>10}")
 for i, name in enumerate(names):

@@ -79,6 +79,17 @@ std::string summary_text(const Options& o, const RunSummary& r) {
       {"other (batches, sync)", ms(other, n), pct(other, t.total_s)},
       {"total", ms(t.total_s, n), "100%"},
   };
+  // Overlapped, step() only starts the pass, which runs on behind the next forward: its time is
+  // not a part of the step's, so it is shown apart, with how much of it the compute hid.
+  if (o.use_engine && o.overlap_step && o.offload_optimizer != "none") {
+    rows[4][0] = "optimizer step (waited for)";
+    rows[5] = {"  AdamW + NVMe I/O, behind compute", ms(t.optimizer_s, n), "-"};
+    rows[6] = {"    of which hidden", ms(t.hidden_s, n), "-"};
+    rows.insert(rows.begin() + 7, {"    of which I/O wait",
+                                   std::isnan(t.io_wait_s) ? "n/a" : ms(t.io_wait_s, n), "-"});
+    rows.insert(rows.begin() + 3, {"  of which waiting for the optimizer", ms(t.gather_wait_s, n),
+                                   pct(t.gather_wait_s, t.total_s)});
+  }
   std::string text = "\nwhere the time went (rank 0, per step)\n" +
                      format_table({"phase", "ms/step", "share"}, rows);
   const double state_fp32 = 12.0 * double(r.param_count);
