@@ -543,50 +543,59 @@ Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* r
 
 using namespace config_detail;
 
+namespace {
+
+// Where the comment that starts at `i` of `s` ends (one past it; a line comment ends before its
+// line break), or npos when none starts there. An unterminated /* is no comment: left as it is,
+// the JSON error points at it.
+std::size_t comment_end(std::string_view s, std::size_t i) {
+  if (s[i] == '#' || s.substr(i, 2) == "//") {
+    const std::size_t end = s.find('\n', i);
+    return end == std::string_view::npos ? s.size() : end;
+  }
+  if (s.substr(i, 2) == "/*") {
+    const std::size_t end = s.find("*/", i + 2);
+    return end == std::string_view::npos ? std::string_view::npos : end + 2;
+  }
+  return std::string_view::npos;
+}
+
+}  // namespace
+
 std::string strip_config_comments(std::string_view text) {
   std::string out(text);
-  const std::size_t n = out.size();
-  auto blank = [&](std::size_t from, std::size_t to) {
-    for (std::size_t i = from; i < to; ++i) {
-      if (out[i] != '\n') out[i] = ' ';
-    }
-  };
-  // Comments first, then the commas before a closing bracket (a comment may stand between).
+  const std::size_t n = text.size();
   bool in_string = false;
   for (std::size_t i = 0; i < n; ++i) {
-    const char c = out[i];
+    const char c = text[i];
     if (in_string) {
       if (c == '\\') {
         ++i;
       } else if (c == '"') {
         in_string = false;
       }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '#' || (c == '/' && i + 1 < n && out[i + 1] == '/')) {
-      const std::size_t end = out.find('\n', i);
-      blank(i, end == std::string::npos ? n : end);
-    } else if (c == '/' && i + 1 < n && out[i + 1] == '*') {
-      const std::size_t end = out.find("*/", i + 2);
-      if (end == std::string::npos) break;  // unterminated: the JSON error points at it
-      blank(i, end + 2);
+      continue;
     }
-  }
-  in_string = false;
-  for (std::size_t i = 0; i < n; ++i) {
-    const char c = out[i];
-    if (in_string) {
-      if (c == '\\') {
-        ++i;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
+    if (c == '"') {
       in_string = true;
+    } else if (const std::size_t end = comment_end(text, i); end != std::string_view::npos) {
+      for (std::size_t k = i; k < end; ++k) {
+        if (out[k] != '\n') out[k] = ' ';
+      }
+      i = end - 1;
     } else if (c == ',') {
+      // A trailing comma: only white space and comments before the closing bracket.
       std::size_t j = i + 1;
-      while (j < n && std::isspace(static_cast<unsigned char>(out[j])) != 0) ++j;
-      if (j < n && (out[j] == '}' || out[j] == ']')) out[i] = ' ';
+      while (j < n) {
+        if (std::isspace(static_cast<unsigned char>(text[j])) != 0) {
+          ++j;
+        } else if (const std::size_t skip = comment_end(text, j); skip != std::string_view::npos) {
+          j = skip;
+        } else {
+          break;
+        }
+      }
+      if (j < n && (text[j] == '}' || text[j] == ']')) out[i] = ' ';
     }
   }
   return out;

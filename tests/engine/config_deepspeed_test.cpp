@@ -271,6 +271,11 @@ TEST(ConfigDeepSpeed, CommentsAndTrailingCommasReadAsDeepSpeedReadsThem) {
   EXPECT_EQ(a->zero.offload_optimizer.buffer_count, 5u);
   Result<std::vector<KeyReport>> reports = check_config(commented);
   ASSERT_TRUE(reports.is_ok()) << reports.status().to_string();
+  // A comment between a trailing comma and its bracket; CRLF line ends.
+  Result<Config> c =
+      parse_config("{\"zero_optimization\": {\"stage\": 2, // two\r\n /* end */ },\r\n}");
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  EXPECT_EQ(c->zero.stage, 2);
   // Line 4: the missing colon after the comments above it.
   const std::string broken =
       "// a\n{\n  // b\n  \"zero_optimization\": {\"stage\": 3}, \"x\" 1, \"y\": 2\n}";
