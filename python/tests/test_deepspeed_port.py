@@ -192,13 +192,18 @@ def test_zero_to_fp32_helpers_give_the_masters_under_every_name(tmp_path):
         zinf.torch.load_state_dict_from_zero_checkpoint(bigger, str(tmp_path))
 
 
-def test_save_16bit_model_writes_the_whole_state_dict(tmp_path):
+def bf16_stage3_engine_after_a_step():
     config = mlp_config(3)
     config["bf16"] = {"enabled": True}
     engine, _, _, _ = zinf.torch.initialize(model=make_model(), config=config)
     for ids, labels in make_batches(1):
         engine.backward(engine(input_ids=ids, labels=labels).loss)
         engine.step()
+    return engine
+
+
+def test_save_16bit_model_writes_the_whole_state_dict(tmp_path):
+    engine = bf16_stage3_engine_after_a_step()
     assert engine.save_16bit_model(str(tmp_path / "out"))
     state = torch.load(tmp_path / "out" / "pytorch_model.bin")
     assert sorted(state) == sorted(make_model().state_dict())
@@ -216,12 +221,7 @@ def test_the_consolidated_16bit_state_dict_is_the_models_in_bf16(tmp_path):
     # and Trainer's save_model call at stage 3: on rank 0 an OrderedDict in state_dict()'s order
     # (each module's parameters, its persistent buffers, then its children), a shared parameter
     # as the same tensor under each name; None on the other ranks; ValueError below stage 3.
-    config = mlp_config(3)
-    config["bf16"] = {"enabled": True}
-    engine, _, _, _ = zinf.torch.initialize(model=make_model(), config=config)
-    for ids, labels in make_batches(1):
-        engine.backward(engine(input_ids=ids, labels=labels).loss)
-        engine.step()
+    engine = bf16_stage3_engine_after_a_step()
     gathered_at_once = []
     acquire = engine._acquire
 
