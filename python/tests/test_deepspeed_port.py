@@ -271,8 +271,8 @@ def test_set_gradient_accumulation_boundary_steps_where_it_is_set():
     reference = make_mlp()
     optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
                                   weight_decay=WEIGHT_DECAY)
-    batches = iter(mlp_batches(13))
-    for steps, sizes in enumerate([3, 2, 1, 3], start=1):
+    batches = iter(mlp_batches(17))
+    for steps, sizes in enumerate([3, 2, 1, 3, 2], start=1):
         for index in range(sizes):
             last = index == sizes - 1
             engine.set_gradient_accumulation_boundary(last)
@@ -282,11 +282,28 @@ def test_set_gradient_accumulation_boundary_steps_where_it_is_set():
             (mlp_loss(reference, batch) / accumulation).backward()
             engine.step()
             assert engine.was_step_applied() == last
-        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        # The norm before clipping: clipping alone would hide a gradient of the wrong scale.
+        norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        assert engine.get_global_grad_norm() == pytest.approx(float(norm), rel=1e-5)
         optimizer.step()
         optimizer.zero_grad()
         assert engine.global_steps == steps
         assert engine.global_samples == steps * engine.train_batch_size()
+    # Counting again after a step cut short by hand: DeepSpeed's next boundary is where
+    # micro_steps reaches a multiple of gradient_accumulation_steps, here after one micro-batch,
+    # whose loss is divided by that count all the same.
+    engine.set_gradient_accumulation_boundary(None)
+    assert engine.micro_steps % accumulation == accumulation - 1
+    assert engine.is_gradient_accumulation_boundary()
+    batch = next(batches)
+    engine.backward(mlp_loss(engine, batch))
+    (mlp_loss(reference, batch) / accumulation).backward()
+    engine.step()
+    assert engine.was_step_applied()
+    norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+    assert engine.get_global_grad_norm() == pytest.approx(float(norm), rel=1e-5)
+    optimizer.step()
+    optimizer.zero_grad()
     for name, param in reference.named_parameters():
         assert torch.allclose(engine.read_parameter(name), param.detach(), rtol=1e-5,
                               atol=1e-6), name

@@ -37,8 +37,8 @@ def test_a_config_file_with_comments_and_trailing_commas_reads_as_deepspeed_read
     engine, _, _, _ = open_engine(str(path))
     assert engine.stage == 2 and engine.get_lr() == [LR]
     # A key given twice is refused, as DeepSpeed's reader refuses it.
-    path.write_text('{"train_micro_batch_size_per_gpu": 2, "train_micro_batch_size_per_gpu": 4}')
-    with pytest.raises(ValueError, match="'train_micro_batch_size_per_gpu' given twice"):
+    path.write_text('{"zero_optimization": {"stage": 2, "stage": 3}}')
+    with pytest.raises(ValueError, match="zero_optimization.stage: given twice in one object"):
         open_engine(str(path))
 
 

@@ -75,16 +75,29 @@ _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloa
 def _load_config_text(text: str, path: str) -> dict:
     """A config file's JSON as DeepSpeed's reader takes it: comments and trailing commas are
     read (hjson), and a key given twice in one object is refused, naming it and the file."""
+    class _Duplicate(Exception):
+        pass
+
     def refuse_duplicates(pairs):
         seen = {}
         for key, value in pairs:
             if key in seen:
-                raise ValueError(f"config {path}: key '{key}' given twice in one object, which "
-                                 "DeepSpeed refuses")
+                raise _Duplicate(key)
             seen[key] = value
         return seen
 
-    return json.loads(_zinf.strip_config_comments(text), object_pairs_hook=refuse_duplicates)
+    stripped = _zinf.strip_config_comments(text)
+    try:
+        return json.loads(stripped, object_pairs_hook=refuse_duplicates)
+    except _Duplicate as duplicate:
+        # The engine's reader names the key by its dotted path ("zero_optimization.stage: given
+        # twice in one object ...").
+        try:
+            _zinf.normalize_config(stripped)
+        except _zinf.Error as error:
+            raise ValueError(f"config {path}: {error}") from None
+        raise ValueError(f"config {path}: key '{duplicate}' given twice in one object, which "
+                         "DeepSpeed refuses") from None
 
 
 def _read_config(config: dict | str | os.PathLike) -> dict:
@@ -854,13 +867,13 @@ class ZinfEngine(nn.Module):
         """The config's gradient_clipping (0: none)."""
         return self._gradient_clipping
 
-    def _offload_section(self, key: str, deprecated: str):
+    def _offload_section(self, key: str, *deprecated: str):
         """DeepSpeed's zero_config.<key>: the config's section (its resolved values, attributes
         as on DeepSpeed's pydantic object), or None where the config has none (DeepSpeed's
-        default); the deprecated switch (cpu_offload, cpu_offload_param) makes one with device
-        "cpu", as DeepSpeed's config does."""
+        default); a deprecated switch (cpu_offload, cpu_offload_param, cpu_offload_params) makes
+        one with device "cpu", as DeepSpeed's config does."""
         given = self._config.get("zero_optimization", {}) or {}
-        if given.get(key) is None and not given.get(deprecated):
+        if given.get(key) is None and not any(given.get(d) for d in deprecated):
             return None
         return types.SimpleNamespace(**self._zero_resolved[key])
 
@@ -872,7 +885,7 @@ class ZinfEngine(nn.Module):
     def zero_offload_param(self):
         """The config's zero_optimization.offload_param (device, nvme_path, pin_memory,
         buffer_count, buffer_size as attributes), or None without the section, as DeepSpeed's."""
-        return self._offload_section("offload_param", "cpu_offload_param")
+        return self._offload_section("offload_param", "cpu_offload_param", "cpu_offload_params")
 
     def zero_cpu_offload(self) -> bool:
         """Whether the optimizer state is offloaded to "cpu" (not "nvme"), as DeepSpeed's."""
@@ -944,9 +957,11 @@ class ZinfEngine(nn.Module):
                 return
         elif not self._boundary_override:
             return
-        else:
-            self._reduce_zero_micro_batches(self._gradient_accumulation_steps -
-                                            self._micro_batches_pending)
+        # Fewer micro-batches than gradient_accumulation_steps since the last step (a boundary
+        # set by hand, or counting resumed after one): DeepSpeed divides each loss by that count
+        # all the same, so the engine's average gets zero micro-batches up to it.
+        self._reduce_zero_micro_batches(self._gradient_accumulation_steps -
+                                        self._micro_batches_pending)
         self.optimizer.step()
         skipped = bool(self.last_step_report.get("skipped"))
         self._step_applied = not skipped
@@ -1415,7 +1430,8 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
          dist_init_required, config, rank, world_size)
     if _choose_comm(None) != "mpi" or torch.distributed.is_initialized():
         return None
-    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE") or ""
+    size = (os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("PMI_SIZE")
+            or os.environ.get("PMIX_SIZE") or "")
     if size.isdigit() and int(size) == 1:
         return None
     warnings.warn(
