@@ -35,9 +35,10 @@
 // program's side: logging, and knobs whose only value is what zinf always does), or refused;
 // check_config() says which, and why, for each key of a file. Keys are case-sensitive, as
 // DeepSpeed's are. An unknown or refused key fails parse_config() with a message that starts with
-// its dotted name. As DeepSpeed does, zinf refuses a key given twice in one object, and a setting
-// given under two of DeepSpeed's names for it (a stage3_ key and its field name, a deprecated key
-// and its replacement, "bf16" and its older name "bfloat16"). "auto" (the Hugging Face Trainer's
+// its dotted name. As DeepSpeed does, zinf refuses a key given twice in one object and a
+// deprecated key given with its replacement; it also refuses a setting given under two other
+// names DeepSpeed has for it (a stage3_ key and its field name, "bf16" and its older name
+// "bfloat16"), of which DeepSpeed reads one. "auto" (the Hugging Face Trainer's
 // placeholder) is refused for a key zinf uses: nothing fills it in. The exceptions are
 // train_batch_size and train_micro_batch_size_per_gpu, where "auto" counts as not given: zinf
 // derives them as DeepSpeed does (resolve_batch_sizes()).

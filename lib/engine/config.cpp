@@ -566,6 +566,7 @@ std::string strip_config_comments(std::string_view text) {
   std::string out(text);
   const std::size_t n = text.size();
   bool in_string = false;
+  char last = '\0';  // the last character outside comments and white space (a string's is '"')
   for (std::size_t i = 0; i < n; ++i) {
     const char c = text[i];
     if (in_string) {
@@ -576,15 +577,20 @@ std::string strip_config_comments(std::string_view text) {
       }
       continue;
     }
-    if (c == '"') {
-      in_string = true;
-    } else if (const std::size_t end = comment_end(text, i); end != std::string_view::npos) {
+    if (const std::size_t end = comment_end(text, i); end != std::string_view::npos) {
       for (std::size_t k = i; k < end; ++k) {
         if (out[k] != '\n') out[k] = ' ';
       }
       i = end - 1;
-    } else if (c == ',') {
-      // A trailing comma: only white space and comments before the closing bracket.
+      continue;
+    }
+    if (std::isspace(static_cast<unsigned char>(c)) != 0) continue;
+    const char before = last;
+    last = c;
+    if (c == '"') {
+      in_string = true;
+    } else if (c == ',' && before != '[' && before != '{' && before != ',') {
+      // A trailing comma after a value: only white space and comments before the bracket.
       std::size_t j = i + 1;
       while (j < n) {
         if (std::isspace(static_cast<unsigned char>(text[j])) != 0) {

@@ -276,6 +276,10 @@ TEST(ConfigDeepSpeed, CommentsAndTrailingCommasReadAsDeepSpeedReadsThem) {
       parse_config("{\"zero_optimization\": {\"stage\": 2, // two\r\n /* end */ },\r\n}");
   ASSERT_TRUE(c.is_ok()) << c.status().to_string();
   EXPECT_EQ(c->zero.stage, 2);
+  // A comma with no value before it stays, and is refused as JSON.
+  for (const char* empty : {"{\"x\": [,]}", "{,}", "{\"x\": [1,,]}"}) {
+    EXPECT_NE(refusal(empty).find("not valid JSON"), std::string::npos) << empty;
+  }
   // Line 4: the missing colon after the comments above it.
   const std::string broken =
       "// a\n{\n  // b\n  \"zero_optimization\": {\"stage\": 3}, \"x\" 1, \"y\": 2\n}";
