@@ -1347,6 +1347,19 @@ TEST(Program, NvmePathInsideANewOutDirectoryLeavesTheOutputs) {
   EXPECT_TRUE(fs::exists(out / "loss.csv"));
   EXPECT_TRUE(fs::exists(out / "summary.txt"));
   EXPECT_FALSE(fs::exists(out / "nvme")) << "the NVMe directory the run made is left behind";
+  // The same, with --out reached through a symbolic link and --nvme-path by the real path.
+  const fs::path real = dir / "real";
+  fs::create_directories(real);
+  fs::create_directory_symlink(real, dir / "link");
+  ASSERT_EQ(run_program("--params 20k --steps 4 --batch 4 --seq-len 16 --eval-every 2 "
+                        "--eval-tokens 256 --no-progress --offload-optimizer nvme --out " +
+                            (dir / "link" / "run").string() + " --nvme-path " +
+                            (real / "run" / "nvme").string(),
+                        &err),
+            0)
+      << err;
+  EXPECT_TRUE(fs::exists(real / "run" / "loss.csv"));
+  EXPECT_FALSE(fs::exists(real / "run" / "nvme"));
   fs::remove_all(dir);
 }
 

@@ -242,10 +242,12 @@ fs::path topmost_missing(const std::string& path) {
   return top;
 }
 
-// `path` absolute, without "." or ".." and without a trailing separator.
+// `path` absolute, its existing part through symbolic links resolved, without "." or ".." and
+// without a trailing separator.
 fs::path normal_path(const fs::path& path) {
   std::error_code ec;
-  fs::path p = fs::absolute(path, ec).lexically_normal();
+  fs::path p = fs::weakly_canonical(fs::absolute(path, ec), ec);
+  if (ec) p = fs::absolute(path, ec).lexically_normal();
   return p.has_filename() || p == p.root_path() ? p : p.parent_path();
 }
 
@@ -1533,7 +1535,7 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   std::vector<DiskNeed> disk;
   std::string disk_warning;
   if (uses_nvme) disk.push_back({"--nvme-path", o.nvme_path, need.nvme_bytes, "swap files"});
-  if (o.save_every > 0) {
+  if (o.save_every > 0 && o.steps >= o.save_every) {
     if (!check_writable_dir("--save-dir", o.save_dir, 0, error)) return 1;
     // The tags on disk at once: --keep-last and the one being written.
     const std::int64_t saves = o.steps / o.save_every;
