@@ -4,6 +4,7 @@ under zinf.torch, each rank on its share of every batch, and writes what the tes
     mpirun -np 2 python mp_train.py oracle <out_dir> <case> [<case> ...]   (case: stage-offload)
     mpirun -np 2 python mp_train.py write <out_dir>
     mpirun -np 2 python mp_train.py fail <out_dir> <timeout_ms>
+    mpirun -np 2 python mp_train.py loader <out_dir>
 
 oracle: for each case, 20 steps with the config of test_oracle.py; every rank writes its
 per-step losses to <out_dir>/<case>.rank<r>.json, and rank 0 the final fp32 masters (read back
@@ -11,7 +12,9 @@ through the engine, a collective) to <out_dir>/<case>.pt.
 write: GatheredParameters(modifier_rank=0) with the change made on rank 0 only (see write()).
 fail: stage 3, collective_timeout_ms <timeout_ms>; rank 1 raises from its backward (a module's
 backward hook) on the second step, and rank 0 goes on as usual. Each rank's exit is the test's
-to check."""
+to check.
+loader: initialize(training_data=40 numbered samples); every rank writes the samples its loader
+gave in two passes to <out_dir>/loader.rank<r>.json."""
 import json
 import os
 import sys
@@ -112,11 +115,22 @@ def fail(out_dir, timeout_ms):
     print(f"rank {rank}: finished all steps", flush=True)
 
 
+def loader(out_dir):
+    dataset = torch.utils.data.TensorDataset(torch.arange(40, dtype=torch.float32).unsqueeze(1))
+    engine, _, data, _ = zinf.torch.initialize(model=make_model(), config=zinf_config(2),
+                                               training_data=dataset)
+    passes = [[int(v) for (x,) in data for v in x.flatten()] for _ in range(2)]
+    with open(os.path.join(out_dir, f"loader.rank{engine.global_rank}.json"), "w") as f:
+        json.dump({"world_size": engine.world_size, "passes": passes}, f)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "oracle":
         oracle(sys.argv[2], sys.argv[3:])
     elif sys.argv[1] == "write":
         write(sys.argv[2])
+    elif sys.argv[1] == "loader":
+        loader(sys.argv[2])
     else:
         fail(sys.argv[2], int(sys.argv[3]))

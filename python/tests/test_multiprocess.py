@@ -78,6 +78,25 @@ def test_a_change_made_on_the_modifier_rank_reaches_every_rank(tmp_path):
         assert torch.equal(torch.tensor(report["master"]), expected), f"rank {rank}"
 
 
+def test_each_rank_reads_its_own_share_of_the_training_data(tmp_path):
+    # DeepSpeed's loader under mpirun: a DistributedSampler over the ranks (shuffled, seed 0),
+    # its epoch advanced with each pass; the ranks' shares of a pass are disjoint and cover the
+    # data.
+    result = mpirun(["loader", str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    seen = []
+    for rank in (0, 1):
+        with open(tmp_path / f"loader.rank{rank}.json") as f:
+            report = json.load(f)
+        assert report["world_size"] == 2
+        for epoch, samples in enumerate(report["passes"]):
+            sampler = torch.utils.data.DistributedSampler(range(40), num_replicas=2, rank=rank)
+            sampler.set_epoch(epoch)
+            assert samples == list(sampler), f"rank {rank}, pass {epoch}"
+        seen.append(report["passes"][0])
+    assert sorted(seen[0] + seen[1]) == list(range(40))
+
+
 def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(tmp_path):
     timeout_ms = 30_000
     result = mpirun(["fail", str(tmp_path), str(timeout_ms)], timeout=180)
