@@ -5,6 +5,7 @@ under zinf.torch, each rank on its share of every batch, and writes what the tes
     mpirun -np 2 python mp_train.py write <out_dir>
     mpirun -np 2 python mp_train.py fail <out_dir> <timeout_ms>
     mpirun -np 2 python mp_train.py loader <out_dir>
+    mpirun -np 2 python mp_train.py consolidated <out_dir>
 
 oracle: for each case, 20 steps with the config of test_oracle.py; every rank writes its
 per-step losses to <out_dir>/<case>.rank<r>.json, and rank 0 the final fp32 masters (read back
@@ -14,7 +15,11 @@ fail: stage 3, collective_timeout_ms <timeout_ms>; rank 1 raises from its backwa
 backward hook) on the second step, and rank 0 goes on as usual. Each rank's exit is the test's
 to check.
 loader: initialize(training_data=40 numbered samples); every rank writes the samples its loader
-gave in two passes to <out_dir>/loader.rank<r>.json."""
+gave in two passes to <out_dir>/loader.rank<r>.json.
+consolidated: stage 3 (bf16, parameters in host memory), one step on each rank's share, then
+engine._zero3_consolidated_16bit_state_dict() on every rank: rank 0 saves it to
+<out_dir>/consolidated.pt with the masters read back (<out_dir>/masters.pt); rank 1 writes
+whether it got None to <out_dir>/consolidated.rank1.json."""
 import json
 import os
 import sys
@@ -124,6 +129,24 @@ def loader(out_dir):
         json.dump({"world_size": engine.world_size, "passes": passes}, f)
 
 
+def consolidated(out_dir):
+    config = zinf_config(3, "cpu", "cpu", bf16=True, stage3_param_persistence_threshold=0)
+    model = make_model()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    rank, world = engine.global_rank, engine.world_size
+    ids, labels = shard(make_batches(1)[0], rank, world)
+    engine.backward(engine(input_ids=ids, labels=labels).loss)
+    engine.step()
+    state = engine._zero3_consolidated_16bit_state_dict()
+    masters = {name: engine.read_parameter(name) for name, _ in model.named_parameters()}
+    if rank == 0:
+        torch.save(state, os.path.join(out_dir, "consolidated.pt"))
+        torch.save(masters, os.path.join(out_dir, "masters.pt"))
+    else:
+        with open(os.path.join(out_dir, f"consolidated.rank{rank}.json"), "w") as f:
+            json.dump({"none": state is None}, f)
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "oracle":
@@ -132,5 +155,7 @@ if __name__ == "__main__":
         write(sys.argv[2])
     elif sys.argv[1] == "loader":
         loader(sys.argv[2])
+    elif sys.argv[1] == "consolidated":
+        consolidated(sys.argv[2])
     else:
         fail(sys.argv[2], int(sys.argv[3]))

@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from conftest import make_model
 from test_oracle import key_bias
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,6 +96,22 @@ def test_each_rank_reads_its_own_share_of_the_training_data(tmp_path):
             assert samples == list(sampler), f"rank {rank}, pass {epoch}"
         seen.append(report["passes"][0])
     assert sorted(seen[0] + seen[1]) == list(range(40))
+
+
+def test_the_consolidated_16bit_state_dict_is_on_rank_0_only(tmp_path):
+    # DeepSpeed's _zero3_consolidated_16bit_state_dict over two processes at stage 3: rank 0
+    # holds every parameter (under each of its names) as the master rounded to bf16, and the
+    # model's buffers; rank 1 gets None.
+    result = mpirun(["consolidated", str(tmp_path)], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with open(tmp_path / "consolidated.rank1.json") as f:
+        assert json.load(f) == {"none": True}
+    state = torch.load(tmp_path / "consolidated.pt")
+    masters = torch.load(tmp_path / "masters.pt")
+    assert list(state) == list(make_model().state_dict())
+    for name, master in masters.items():
+        assert state[name].dtype == torch.bfloat16
+        assert torch.equal(state[name], master.to(torch.bfloat16)), name
 
 
 def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(tmp_path):
