@@ -27,5 +27,17 @@ TEST(ParseSize, SizesOf2To64OrMoreAreRefused) {
   EXPECT_EQ(bytes, 1610612736u);
 }
 
+// A count of parameters written as model names write it: "7B" is 7e9 (it was 7), as in
+// train_lm --params 1B; for a size, B stays bytes.
+TEST(ParseSize, BIsABillionForACountAndBytesForASize) {
+  std::size_t n = 0;
+  ASSERT_TRUE(parse_size("7B", &n, /*decimal=*/true));
+  EXPECT_EQ(n, 7000000000u);
+  ASSERT_TRUE(parse_size("1.5b", &n, /*decimal=*/true));
+  EXPECT_EQ(n, 1500000000u);
+  ASSERT_TRUE(parse_size("7B", &n));
+  EXPECT_EQ(n, 7u);
+}
+
 }  // namespace
 }  // namespace zinf::cli

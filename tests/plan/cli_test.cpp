@@ -198,6 +198,22 @@ TEST_F(PlanCli, TheStepSaysWhatItLeavesOut) {
   EXPECT_EQ(r.out.find("leaves out"), std::string::npos) << r.out;
 }
 
+// "--params 7B" is 7e9 parameters (it was 7); a count more than 4 times off what the shape
+// holds as a transformer is noted (1M for 80 layers of hidden 8192, a typo for a 70B model).
+TEST_F(PlanCli, ParamsInBillionsAndACountFarFromTheShapeIsNoted) {
+  const std::string budgets = " --gpus 8 --gpu-mem 80GB --host-mem 512GB" + std::string(kRates);
+  CliRun r = run_zinf("plan --params 7B --layers 32 --hidden 4096" + budgets);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("custom: 7.000e9 params"), std::string::npos) << r.out;
+  EXPECT_EQ(r.out.find("far from"), std::string::npos) << r.out;
+  r = run_zinf("plan --params 1M --layers 80 --hidden 8192" + budgets);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("note:    --params 1M is far from the 6.5e+10 parameters that 80 layers "
+                       "of hidden 8192 (vocab 32000) hold as a transformer"),
+            std::string::npos)
+      << r.out;
+}
+
 // A missing budget or rate is named alone, not with the one that was given.
 TEST_F(PlanCli, AMissingBudgetOrRateIsNamed) {
   CliRun r = run_zinf("plan --model gpt2 --gpu-mem 80GB" + std::string(kRates));

@@ -94,8 +94,12 @@ bool parse_size(std::string_view text, std::size_t* bytes, bool decimal) {
   for (char& c : suffix) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   double multiplier = 1;
   const double k = decimal ? 1e3 : 1024.0;
-  if (suffix.empty() || suffix == "b") {
+  if (suffix.empty()) {
     multiplier = 1;
+  } else if (suffix == "b") {
+    // A count's "7B" is 7 billion (as model names and train_lm --params write it); a size's
+    // is 7 bytes.
+    multiplier = decimal ? 1e9 : 1;
   } else if (suffix == "k" || suffix == "kib" || suffix == "kb") {
     multiplier = suffix == "kb" ? 1e3 : k;
   } else if (suffix == "m" || suffix == "mib" || suffix == "mb") {

@@ -52,7 +52,8 @@ class Table {
 void print_json(const nlohmann::json& object);
 
 // Parses sizes like "4GiB", "1MiB", "128K", "256M" (binary multiples for K/M/G/T with or
-// without "iB"; plain digits are bytes) and counts like "256M" params (decimal when `decimal`).
+// without "iB"; plain digits are bytes) and counts like "256M" or "7B" params (decimal when
+// `decimal`, where B is a billion, as in model names).
 // False for anything else, and for a size of 2^64 or more.
 bool parse_size(std::string_view text, std::size_t* bytes, bool decimal = false);
 std::string format_bytes(double bytes);

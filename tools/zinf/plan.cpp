@@ -511,6 +511,20 @@ void run_plan(const PlanOptions& o) {
   }
 
   nlohmann::json notes = nlohmann::json::array();
+  if (model.param_count_override != 0) {
+    // --params sizes the state; --layers and --hidden the activations and the gathered modules.
+    ModelShape shape = model;
+    shape.param_count_override = 0;
+    const double held = static_cast<double>(param_count(shape));
+    const double given = static_cast<double>(model.param_count_override);
+    if (given * 4 < held || given > held * 4) {
+      notes.push_back(fmt::format(
+          "--params {} is far from the {:.3g} parameters that {} layers of hidden {} (vocab {}) "
+          "hold as a transformer: the state is sized by --params, the activations and gathered "
+          "modules by the shape",
+          o.params, held, model.layers, model.hidden, model.vocab));
+    }
+  }
   MachineProfile profile;
   // The plan's NVMe working set is unknown until it is made; a drive serving training state
   // holds far more than any cache, so the default measures 2 GiB.
@@ -733,7 +747,7 @@ void setup_plan(CLI::App& app) {
       "plan", "Does a model fit these machines: bytes per tier, predicted step time, config");
   sub->add_option("--model", o->model, "Preset (see --list-models)");
   sub->add_flag("--list-models", o->list_models, "List the presets and their parameter counts");
-  sub->add_option("--params", o->params, "Parameter count (1.5G = 1.5e9), without --model");
+  sub->add_option("--params", o->params, "Parameter count (1.5G or 1.5B = 1.5e9), without --model");
   sub->add_option("--layers", o->layers, "Layers, without --model");
   sub->add_option("--hidden", o->hidden, "Hidden size, without --model");
   sub->add_option("--vocab", o->vocab, "Vocabulary, without --model")->capture_default_str();
