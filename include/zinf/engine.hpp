@@ -351,6 +351,14 @@ class Engine {
   // An fp16 overflow with the loss scale already at fp16.min_loss_scale is skipped as any other
   // and returns kAborted naming the key (not sticky: the next step may run).
   Result<StepReport> step();
+  // step() with the accumulated gradients divided by `average_over` micro-batches instead of by
+  // the number reduced since the last step (their mean): DeepSpeed divides every micro-batch's
+  // loss by gradient_accumulation_steps however many a step has, so a step cut short (the end of
+  // an epoch) passes gradient_accumulation_steps here to match it. 0 is step(). kInvalidArgument
+  // (nothing changes) when it is below the micro-batches reduced, and when a pass opened during
+  // the backward (zinf.overlap_step; its step has gradient_accumulation_steps micro-batches) and
+  // it is not that number.
+  Result<StepReport> step(int average_over);
 
   // Checkpoints (docs/ENGINE.md "Checkpoints"), in DeepSpeed's layout: <dir>/<tag>/ per
   // checkpoint and <dir>/latest naming the newest. Collective: every rank calls them with the same

@@ -498,21 +498,39 @@ class Engine::Impl {
   }
 
   // --- Step ------------------------------------------------------------------------------------
-  Result<StepReport> step() {
-    called_off_ = false;
+  Result<StepReport> step(int average_over) {
+    if (average_over < 0) {
+      return Status::invalid_argument(fmt::format(
+          "step: average_over {} (0, or at least the micro-batches reduced)", average_over));
+    }
     if (overlap_ != nullptr && overlap_->open()) {
+      const int micro = static_cast<int>(config_.gradient_accumulation_steps);
+      if (average_over != 0 && average_over != micro) {
+        return Status::invalid_argument(fmt::format(
+            "step: average_over {}, but the step's pass opened during the backward "
+            "(zinf.overlap_step) after its gradient_accumulation_steps ({}) micro-batches",
+            average_over, micro));
+      }
+      called_off_ = false;
       ZINF_RETURN_IF_ERROR(commit_step());
       return report_;
     }
+    called_off_ = false;
     ZINF_RETURN_IF_ERROR(settle());
     const std::int64_t start = Trace::now_ns();
     ZINF_RETURN_IF_ERROR(none_gathered());
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
+    if (average_over != 0 && average_over < micro) {
+      return Status::invalid_argument(
+          fmt::format("step: average_over {} is below the {} micro-batches reduced since the "
+                      "last step",
+                      average_over, micro));
+    }
     micro_matched_ = static_cast<std::size_t>(micro) == config_.gradient_accumulation_steps;
     // The step overwrites parameters the caller's queued work may still read.
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     coord_->freeze_order();
-    Status st = step_impl(micro, start);
+    Status st = step_impl(micro, average_over != 0 ? average_over : micro, start);
     if (!st.is_ok()) return fail(st);
     return report_;
   }
@@ -547,7 +565,7 @@ class Engine::Impl {
     // shards still hold those values, so that every rank issues the same collectives.
     if (overlap_->reads_only()) ZINF_RETURN_IF_ERROR(fail(overlap_->publish_pending()));
     std::int64_t decided_ns = 0;
-    Result<StepDecision> decision = reduce_and_decide(micro, &decided_ns);
+    Result<StepDecision> decision = reduce_and_decide(micro, micro, &decided_ns);
     ZINF_RETURN_IF_ERROR(fail(decision.status()));
     const StepDecision& d = *decision;
     StepReport& rep = report_;
@@ -631,8 +649,9 @@ class Engine::Impl {
   }
 
   // A new report for the step and its decision: the backward's last reductions (and stage 1's
-  // reduce-scatter), then the norm, overflow and clipping (StepNumerics); *decided_ns: when.
-  Result<StepDecision> reduce_and_decide(int micro, std::int64_t* decided_ns) {
+  // reduce-scatter), then the norm, overflow and clipping (StepNumerics) of the accumulated
+  // gradients of `micro` micro-batches divided by `divisor`; *decided_ns: when.
+  Result<StepDecision> reduce_and_decide(int micro, int divisor, std::int64_t* decided_ns) {
     StepReport& rep = report_;
     rep = StepReport{};
     rep.micro_batches = micro;
@@ -651,7 +670,7 @@ class Engine::Impl {
       // The local sum of squares is of the gradients as accumulated; decide() unscales it.
       ZINF_ASSIGN_OR_RETURN(double sumsq, state_->local_sum_of_squares());
       Trace::Span span(env_.trace, track_, "step norm");
-      ZINF_ASSIGN_OR_RETURN(d, numerics_->decide(sumsq, micro, *stream_, *event_));
+      ZINF_ASSIGN_OR_RETURN(d, numerics_->decide(sumsq, divisor, *stream_, *event_));
     }
     rep.grad_norm = d.grad_norm;
     *decided_ns = Trace::now_ns();
@@ -661,10 +680,10 @@ class Engine::Impl {
 
   // Reduce, decide (norm, overflow, clipping: before any state changes, so a skipped step
   // changes nothing but the loss scale), update, publish.
-  Status step_impl(int micro, std::int64_t start) {
+  Status step_impl(int micro, int divisor, std::int64_t start) {
     ZINF_RETURN_IF_ERROR(coord_->drop_prefetched());
     std::int64_t t2 = 0;
-    ZINF_ASSIGN_OR_RETURN(const StepDecision d, reduce_and_decide(micro, &t2));
+    ZINF_ASSIGN_OR_RETURN(const StepDecision d, reduce_and_decide(micro, divisor, &t2));
     StepReport& rep = report_;
     if (d.overflow) return skipped(rep, start);
     rep.clip_coef = d.clip_coef;
@@ -1013,7 +1032,8 @@ Status Engine::set_compute_stream(Stream* stream) { return impl_->set_compute_st
 Status Engine::reduce_gradients(std::string_view module, std::span<const GradientRef> gradients) {
   return impl_->reduce_gradients(module, gradients);
 }
-Result<StepReport> Engine::step() { return impl_->step(); }
+Result<StepReport> Engine::step() { return impl_->step(0); }
+Result<StepReport> Engine::step(int average_over) { return impl_->step(average_over); }
 Status Engine::save_checkpoint(std::string_view dir, std::string_view tag) {
   return impl_->save_checkpoint(dir, tag);
 }

@@ -250,9 +250,10 @@ class PyEngine {
     without_gil([&] { return core.reduce_gradients(module, refs); });
   }
 
-  nb::dict step() {
+  // average_over: Engine::step(average_over) (0: the mean of the micro-batches reduced).
+  nb::dict step(int average_over) {
     zinf::Engine& core = engine();
-    const zinf::StepReport report = without_gil([&] { return core.step(); });
+    const zinf::StepReport report = without_gil([&] { return core.step(average_over); });
     nb::dict out;
     out["step"] = report.step;
     out["skipped"] = report.skipped;
@@ -495,7 +496,7 @@ NB_MODULE(_zinf, m) {
       .def("parameter", &PyEngine::parameter, nb::arg("name"))
       .def("reduce_gradients", &PyEngine::reduce_gradients, nb::arg("module"), nb::arg("names"),
            nb::arg("gradients"))
-      .def("step", &PyEngine::step)
+      .def("step", &PyEngine::step, nb::arg("average_over") = 0)
       .def(
           "save_checkpoint",
           [](PyEngine& e, const std::string& dir, const std::string& tag) {

@@ -828,11 +828,11 @@ class ZinfEngine(nn.Module):
         step() applies the optimizer exactly when it is true (Accelerate sets it before each
         backward; None returns to counting micro-batches). As in DeepSpeed, every micro-batch's
         loss counts 1 / gradient_accumulation_steps, however many micro-batches the step has:
-        the engine averages the micro-batches it reduced, so a step with k fewer than
-        gradient_accumulation_steps has k zero micro-batches added to it at step() (a reduction
-        of zeros per module, collective like any), which gives DeepSpeed's sum / that count.
-        A step of more micro-batches than gradient_accumulation_steps is refused at the
-        backward that would pass it (NotImplementedError): the average cannot give that sum."""
+        step() divides the accumulated gradients by that count (Engine::step(average_over)),
+        not by the micro-batches reduced. A step of more micro-batches than
+        gradient_accumulation_steps is refused at the backward that would pass it
+        (NotImplementedError); a boundary set with no backward since the last step applies
+        nothing."""
         self._boundary_override = None if is_boundary is None else bool(is_boundary)
 
     @property
@@ -957,11 +957,8 @@ class ZinfEngine(nn.Module):
                 return
         elif not self._boundary_override:
             return
-        # Fewer micro-batches than gradient_accumulation_steps since the last step (a boundary
-        # set by hand, or counting resumed after one): DeepSpeed divides each loss by that count
-        # all the same, so the engine's average gets zero micro-batches up to it.
-        self._reduce_zero_micro_batches(self._gradient_accumulation_steps -
-                                        self._micro_batches_pending)
+        if self._micro_batches_pending == 0:
+            return  # a boundary set by hand with no backward since the last step
         self.optimizer.step()
         skipped = bool(self.last_step_report.get("skipped"))
         self._step_applied = not skipped
@@ -970,17 +967,6 @@ class ZinfEngine(nn.Module):
         if self.lr_scheduler is not None and not skipped and not isinstance(
                 self.lr_scheduler, ConfigLRScheduler):
             self.lr_scheduler.step(**(lr_kwargs or {}))
-
-    def _reduce_zero_micro_batches(self, count: int):
-        """Reduces `count` micro-batches of zero gradients into the engine (every module, as
-        _finish_backward does for a module autograd did not reach), so that the step's average
-        over gradient_accumulation_steps micro-batches is DeepSpeed's sum / that count."""
-        with self._aborting_on_error("step"):
-            for _ in range(count):
-                for engine_module in self._owned:
-                    self._reduce(engine_module)
-                self._reduced.clear()
-                self._micro_batches_pending += 1
 
     def _scheduled_lr(self) -> float:
         """The engine's learning rate for the groups' current lrs: each group runs at the
@@ -1011,7 +997,10 @@ class ZinfEngine(nn.Module):
             self._refuse_stray_backward("step")
         self._push_lr()
         with self._aborting_on_error("step"):
-            self.last_step_report = self._core.step()
+            # Divided by gradient_accumulation_steps however many micro-batches the step has (a
+            # boundary set by hand, or counting resumed after one), as DeepSpeed divides each
+            # micro-batch's loss by it.
+            self.last_step_report = self._core.step(self._gradient_accumulation_steps)
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.last_step_report.get("skipped"):

@@ -16,7 +16,9 @@
 #include <fstream>
 #include <limits>
 #include <map>
+#include <random>
 #include <set>
+#include <span>
 #include <string>
 
 #include "engine/nvme_dir.hpp"
@@ -573,6 +575,55 @@ TEST(EngineBadInput, UnwritableNvmePathFailsAtOpenNamingKeyAndPath) {
   engine = Engine::open(config, env);
   ASSERT_FALSE(engine.is_ok());
   EXPECT_TRUE(contains(engine.status(), "Env::nvme_paths")) << engine.status().to_string();
+}
+
+// step(average_over): a step of fewer micro-batches than it divides by (DeepSpeed divides each
+// micro-batch's loss by gradient_accumulation_steps however many a step has) gives the same bits
+// as the same micro-batches and zero-gradient ones up to that count, averaged by step(); a
+// divisor below the micro-batches reduced is refused and changes nothing.
+TEST(EngineStep, AverageOverDividesAsZeroMicroBatchesWould) {
+  constexpr std::size_t kElements = 3000;
+  std::mt19937 rng(2026);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  std::vector<float> initial(kElements), g1(kElements), g2(kElements);
+  for (std::size_t i = 0; i < kElements; ++i) {
+    initial[i] = uniform(rng);
+    g1[i] = uniform(rng);
+    g2[i] = uniform(rng);
+  }
+  const std::vector<float> zeros(kElements, 0.0f);
+  for (const OffloadDevice where : {OffloadDevice::kNone, OffloadDevice::kHost}) {
+    Config config = engine_test::small_config(2, where, OffloadDevice::kNone, "");
+    config.gradient_accumulation_steps = 3;
+    config.gradient_clipping = 0.0;
+    // Each engine: register, reduce `grads` as micro-batches, step(average_over); its masters.
+    auto run = [&](const std::vector<const std::vector<float>*>& grads, int average_over,
+                   std::vector<float>* master, Status* refused) -> Status {
+      engine_test::Ranks ranks = engine_test::make_ranks(1);
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, 0)));
+      ZINF_RETURN_IF_ERROR(engine->register_parameter(
+          {"m.w", "m", {static_cast<std::int64_t>(kElements)}, DType::kF32, initial.data()}));
+      for (const std::vector<float>* g : grads) {
+        const GradientRef ref{"m.w", g->data(), kElements, DType::kF32};
+        ZINF_RETURN_IF_ERROR(engine->reduce_gradients("m", std::span(&ref, 1)));
+      }
+      if (refused != nullptr) *refused = engine->step(1).status();
+      ZINF_ASSIGN_OR_RETURN(StepReport report, engine->step(average_over));
+      if (report.skipped) return Status::internal("the step was skipped");
+      master->resize(kElements);
+      return engine->read_parameters("m.w", master->data());
+    };
+    std::vector<float> divided, padded, mean;
+    Status refused;
+    ASSERT_TRUE(run({&g1, &g2}, 3, &divided, &refused).is_ok());
+    ASSERT_TRUE(run({&g1, &g2, &zeros}, 0, &padded, nullptr).is_ok());
+    ASSERT_TRUE(run({&g1, &g2}, 0, &mean, nullptr).is_ok());
+    EXPECT_EQ(divided, padded);
+    EXPECT_NE(divided, mean);  // the mean of two is another gradient
+    EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.to_string();
+    EXPECT_TRUE(contains(refused, "average_over 1 is below the 2 micro-batches"))
+        << refused.to_string();
+  }
 }
 
 // A step (or finalize) before any parameter is registered says so and leaves registration
