@@ -399,6 +399,13 @@ typedef struct zinf_step_report {
  * gradients were reduced the same number (>= 1) of times since the last step (else
  * ZINF_FAILED_PRECONDITION naming a parameter) and no module is gathered. Collective. */
 ZINF_C_API zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report);
+/* zinf_engine_step with the accumulated gradients divided by `average_over` micro-batches instead
+ * of by the number reduced since the last step (0: the same as zinf_engine_step): DeepSpeed
+ * divides every micro-batch's loss by gradient_accumulation_steps however many a step has, so a
+ * step cut short passes gradient_accumulation_steps. ZINF_INVALID_ARGUMENT (nothing changes) when
+ * it is negative or below the micro-batches reduced (Engine::step(average_over)). */
+ZINF_C_API zinf_code_t zinf_engine_step_average(zinf_engine_t* engine, int32_t average_over,
+                                                zinf_step_report_t* report);
 
 /* Checkpoints (docs/ENGINE.md "Checkpoints"), in DeepSpeed's layout: <dir>/<tag>/ per checkpoint
  * and <dir>/latest naming the newest. Collective: every rank calls them with the same directory

@@ -767,8 +767,11 @@ zinf_code_t zinf_engine_reduce_gradients(zinf_engine_t* engine, const char* modu
   });
 }
 
-zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) {
-  const char* const fn = __func__;
+namespace {
+
+// zinf_engine_step and zinf_engine_step_average, named `fn` in errors.
+zinf_code_t engine_step(const char* fn, zinf_engine_t* engine, int32_t average_over,
+                        zinf_step_report_t* report) {
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
     if (report != nullptr && report->struct_size < sizeof(report->struct_size)) {
@@ -776,7 +779,11 @@ zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) 
           fmt::format("{}: report->struct_size is {}; set it to sizeof(zinf_step_report_t)", fn,
                       report->struct_size));
     }
-    ZINF_ASSIGN_OR_RETURN(zinf::StepReport r, engine->engine->step());
+    if (average_over < 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: average_over is {}; it must be >= 0", fn, average_over));
+    }
+    ZINF_ASSIGN_OR_RETURN(zinf::StepReport r, engine->engine->step(average_over));
     if (report == nullptr) return Status::ok();
     zinf_step_report_t full{};
     full.struct_size = report->struct_size;
@@ -805,6 +812,17 @@ zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) 
     std::memcpy(report, &full, std::min(report->struct_size, sizeof(full)));
     return Status::ok();
   });
+}
+
+}  // namespace
+
+zinf_code_t zinf_engine_step(zinf_engine_t* engine, zinf_step_report_t* report) {
+  return engine_step(__func__, engine, 0, report);
+}
+
+zinf_code_t zinf_engine_step_average(zinf_engine_t* engine, int32_t average_over,
+                                     zinf_step_report_t* report) {
+  return engine_step(__func__, engine, average_over, report);
 }
 
 zinf_code_t zinf_engine_save_checkpoint_tag(zinf_engine_t* engine, const char* dir,

@@ -578,6 +578,18 @@ TEST(CApi, EngineErrorsNameWhatWasWrongAndChangeNothing) {
   double scale = 0.0;
   ASSERT_EQ(zinf_engine_loss_scale(e, &scale), ZINF_OK);
   EXPECT_EQ(scale, 1.0);
+
+  // zinf_engine_step_average: one micro-batch divided by 4 has a quarter of its norm; a count
+  // below the micro-batches reduced is refused and changes nothing.
+  ASSERT_EQ(zinf_engine_reduce_gradients(e, "m", refs, 2), ZINF_OK) << zinf_last_error_message();
+  EXPECT_CODE(zinf_engine_step_average(e, -1, &report), ZINF_INVALID_ARGUMENT, "average_over");
+  ASSERT_EQ(zinf_engine_reduce_gradients(e, "m", refs, 2), ZINF_OK) << zinf_last_error_message();
+  EXPECT_CODE(zinf_engine_step_average(e, 1, &report), ZINF_INVALID_ARGUMENT,
+              "below the 2 micro-batches");
+  ASSERT_EQ(zinf_engine_step_average(e, 8, &report), ZINF_OK) << zinf_last_error_message();
+  EXPECT_EQ(report.step, 2);
+  EXPECT_EQ(report.micro_batches, 2);
+  EXPECT_DOUBLE_EQ(report.grad_norm, 0.25 * std::sqrt(13.0) / 4);
 }
 
 // A C initializer: user points at the parameter's values, or at nothing to fail with
