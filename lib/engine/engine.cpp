@@ -515,12 +515,14 @@ class Engine::Impl {
       ZINF_RETURN_IF_ERROR(commit_step());
       return report_;
     }
+    const bool was_called_off = called_off_;
     called_off_ = false;
     ZINF_RETURN_IF_ERROR(settle());
     const std::int64_t start = Trace::now_ns();
     ZINF_RETURN_IF_ERROR(none_gathered());
     ZINF_ASSIGN_OR_RETURN(int micro, reducer_->micro_batches());
     if (average_over != 0 && average_over < micro) {
+      called_off_ = was_called_off;  // refused: as if not called
       return Status::invalid_argument(
           fmt::format("step: average_over {} is below the {} micro-batches reduced since the "
                       "last step",
