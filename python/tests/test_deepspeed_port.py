@@ -307,6 +307,11 @@ def test_set_gradient_accumulation_boundary_steps_where_it_is_set():
     for name, param in reference.named_parameters():
         assert torch.allclose(engine.read_parameter(name), param.detach(), rtol=1e-5,
                               atol=1e-6), name
+    # A boundary with no backward since the last step applies nothing.
+    engine.set_gradient_accumulation_boundary(True)
+    steps_before = engine.global_steps
+    engine.step()
+    assert not engine.was_step_applied() and engine.global_steps == steps_before
     # More micro-batches than gradient_accumulation_steps in one step: DeepSpeed's sum of the
     # losses / gradient_accumulation_steps cannot be had from the engine's average.
     engine.set_gradient_accumulation_boundary(False)
