@@ -363,6 +363,11 @@ std::string json_error_place(std::string_view text) {
     std::string_view what = error.what();
     const std::size_t at = what.find("parse error");
     return std::string(at == std::string_view::npos ? what : what.substr(at));
+  } catch (const Json::exception& error) {
+    // A number past a double's range ("1e400") is out_of_range, not parse_error.
+    std::string_view what = error.what();
+    const std::size_t at = what.find("] ");
+    return std::string(at == std::string_view::npos ? what : what.substr(at + 2));
   }
   return "no place given";
 }

@@ -196,6 +196,8 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
       // Where the text stops being JSON: line and column.
       {"{\n  \"train_batch_size\": 8,\n  \"bf16\": {\"enabled\": ture}\n}", "config",
        "not valid JSON: parse error at line 3, column 24"},
+      // A number past a double's range (the reader threw out_of_range through the message).
+      {R"({"gradient_clipping": 1e400})", "config", "not valid JSON: number overflow parsing"},
   };
   for (const BadCase& c : cases) {
     Result<Config> r = parse_config(c.json);
