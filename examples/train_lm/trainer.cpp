@@ -143,9 +143,9 @@ fs::path existing_ancestor(fs::path path) {
   return path;
 }
 
-// Checks that a directory can be made at `path` and hold `bytes`; one line of error otherwise.
-bool check_writable_dir(const std::string& option, const std::string& path, std::uint64_t bytes,
-                        std::string* error) {
+// Checks that a directory can be made at `path` (its free space: check_disk_space()); one line
+// of error otherwise.
+bool check_writable_dir(const std::string& option, const std::string& path, std::string* error) {
   std::error_code ec;
   if (fs::exists(path, ec) && !fs::is_directory(path, ec)) {
     *error = option + " " + path + ": exists and is not a directory";
@@ -160,12 +160,6 @@ bool check_writable_dir(const std::string& option, const std::string& path, std:
   if ((info.f_flag & ST_RDONLY) != 0 || access(base.c_str(), W_OK) != 0) {
     *error = option + " " + path + ": " + base.string() + " is on a read-only filesystem or " +
              "not writable";
-    return false;
-  }
-  const std::uint64_t free_bytes = std::uint64_t(info.f_bavail) * info.f_frsize;
-  if (bytes > free_bytes) {
-    *error = option + " " + path + ": needs " + format_bytes(double(bytes)) + " but " +
-             base.string() + " has " + format_bytes(double(free_bytes)) + " free";
     return false;
   }
   return true;
@@ -1530,13 +1524,16 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   const bool uses_nvme =
       o.use_engine && (o.offload_optimizer == "nvme" || o.offload_param == "nvme" ||
                        o.offload_activations == "nvme");
-  if (uses_nvme && !check_writable_dir("--nvme-path", o.nvme_path, 0, error)) return 1;
-  if (!check_writable_dir("--out", o.out_dir, 1 << 20, error)) return 1;
+  if (uses_nvme && !check_writable_dir("--nvme-path", o.nvme_path, error)) return 1;
+  if (!check_writable_dir("--out", o.out_dir, error) ||
+      !check_disk_space({{"--out", o.out_dir, 1 << 20, "outputs"}}, error)) {
+    return 1;
+  }
   std::vector<DiskNeed> disk;
   std::string disk_warning;
   if (uses_nvme) disk.push_back({"--nvme-path", o.nvme_path, need.nvme_bytes, "swap files"});
   if (o.save_every > 0 && o.steps >= o.save_every) {
-    if (!check_writable_dir("--save-dir", o.save_dir, 0, error)) return 1;
+    if (!check_writable_dir("--save-dir", o.save_dir, error)) return 1;
     // The tags on disk at once: --keep-last and the one being written.
     const std::int64_t saves = o.steps / o.save_every;
     const std::int64_t kept =
