@@ -354,24 +354,6 @@ Status invalid(std::string_view key, std::string_view why) {
   return Status::invalid_argument(fmt::format("{}: {}", key, why));
 }
 
-// Where `text`, which does not parse, stops being JSON: the parser's line, column and reason
-// ("parse error at line 3, column 5: syntax error while parsing ...").
-std::string json_error_place(std::string_view text) {
-  try {
-    [[maybe_unused]] const Json parsed = Json::parse(text);
-  } catch (const Json::parse_error& error) {
-    std::string_view what = error.what();
-    const std::size_t at = what.find("parse error");
-    return std::string(at == std::string_view::npos ? what : what.substr(at));
-  } catch (const Json::exception& error) {
-    // A number past a double's range ("1e400") is out_of_range, not parse_error.
-    std::string_view what = error.what();
-    const std::size_t at = what.find("] ");
-    return std::string(at == std::string_view::npos ? what : what.substr(at + 2));
-  }
-  return "no place given";
-}
-
 // Marks `key` refused in `reports` with `why`: its own report, or, for a section (whose keys are
 // reported, not itself), a report put before its first key's; else one at the end.
 void refuse_report(std::vector<KeyReport>* reports, const std::string& key,
@@ -519,16 +501,23 @@ void refuse_same_settings(const Json& root, std::vector<KeyReport>* reports) {
 Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* reports) {
   const std::string text = strip_config_comments(raw);
   DuplicateKeys duplicates;
-  Json root = Json::parse(
-      text,
-      [&duplicates](int, Json::parse_event_t event, Json& parsed) {
-        duplicates.on(event, parsed);
-        return true;
-      },
-      /*allow_exceptions=*/false);
-  if (root.is_discarded()) {
-    return Status::invalid_argument(
-        fmt::format("config: not valid JSON: {}", json_error_place(text)));
+  Json root;
+  try {
+    root = Json::parse(text, [&duplicates](int, Json::parse_event_t event, Json& parsed) {
+      duplicates.on(event, parsed);
+      return true;
+    });
+  } catch (const Json::exception& error) {
+    // Where the text stops being JSON: the parser's line, column and reason ("parse error at
+    // line 3, column 5: syntax error while parsing ..."), or a number past a double's range
+    // (out_of_range, not parse_error).
+    std::string_view what = error.what();
+    const std::size_t at = what.find("parse error");
+    const std::size_t after_id = what.find("] ");
+    what = at != std::string_view::npos         ? what.substr(at)
+           : after_id != std::string_view::npos ? what.substr(after_id + 2)
+                                                : what;
+    return Status::invalid_argument(fmt::format("config: not valid JSON: {}", what));
   }
   if (!root.is_object()) return Status::invalid_argument("config: not a JSON object");
   Walk w;
