@@ -952,13 +952,11 @@ class ZinfEngine(nn.Module):
             self._refuse_stray_backward("step")
         self._step_applied = False
         self._backward_since_step_call = False
-        if self._boundary_override is None:
-            if self.micro_steps == 0 or self.micro_steps % self._gradient_accumulation_steps:
-                return
-        elif not self._boundary_override:
+        boundary = (self.micro_steps % self._gradient_accumulation_steps == 0
+                    if self._boundary_override is None else self._boundary_override)
+        # Nothing to apply off a boundary, or with no backward since the last step.
+        if not boundary or self._micro_batches_pending == 0:
             return
-        if self._micro_batches_pending == 0:
-            return  # a boundary set by hand with no backward since the last step
         self.optimizer.step()
         skipped = bool(self.last_step_report.get("skipped"))
         self._step_applied = not skipped
