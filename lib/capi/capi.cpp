@@ -74,12 +74,12 @@ struct zinf_engine {
   // zinf_engine_set_cuda_stream's stream (a borrowed cudaStream_t); destroyed after the engine.
   std::unique_ptr<zinf::Stream> compute_stream;
   std::unique_ptr<zinf::Engine> engine;
-  // Lent to a rank function by zinf_run_local, which owns the engine and its device (then null
-  // here, as group): zinf_engine_close leaves it alone.
-  bool lent = false;
   zinf_device* device = nullptr;
   zinf_comm_group* group = nullptr;
   zinf_trace* trace = nullptr;  // may be null
+  // Lent to a rank function by zinf_run_local, which owns the engine, its device and its
+  // communicator (none of them here): zinf_engine_close leaves it alone.
+  bool lent() const { return group == nullptr; }
   // Element counts of the registered parameters, for read_parameters' buffer check.
   std::unordered_map<std::string, std::size_t> element_counts;
   // Reused by reduce_gradients so that a training loop allocates nothing after its first step.
@@ -565,7 +565,7 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
 }
 
 void zinf_engine_close(zinf_engine_t* engine) {
-  if (engine == nullptr || engine->lent) return;
+  if (engine == nullptr || engine->lent()) return;
   // The engine's destructor joins its threads and frees device memory; it does not throw.
   engine->engine.reset();
   engine->group->users.fetch_sub(1);
@@ -1025,7 +1025,6 @@ zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_ran
       // A handle that borrows the rank's engine: run_local owns and destroys it.
       zinf_engine handle;
       handle.engine.reset(&engine);
-      handle.lent = true;
       struct Unborrow {
         zinf_engine& handle;
         ~Unborrow() { static_cast<void>(handle.engine.release()); }
