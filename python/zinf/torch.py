@@ -1246,7 +1246,8 @@ def export_safetensors(checkpoint_dir: str, out: str, tag: Any = None,
 
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     """The tensors of a safetensors file (an 8-byte little-endian header size, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the data), as CPU tensors that own their memory."""
+    {name: {dtype, shape, data_offsets}}, then the data), as CPU tensors over one buffer of the
+    file's data, read once."""
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
     with open(path, "rb") as f:
         header_bytes = int.from_bytes(f.read(8), "little")
@@ -1256,10 +1257,11 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
+        dtype = dtypes[entry["dtype"]]
         begin, end = entry["data_offsets"]
-        tensors[name] = torch.frombuffer(data[begin:end], dtype=dtypes[entry["dtype"]]).reshape(
-            entry["shape"]) if end > begin else torch.empty(entry["shape"],
-                                                            dtype=dtypes[entry["dtype"]])
+        count = (end - begin) // dtype.itemsize
+        tensors[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
+                         if count else torch.empty(0, dtype=dtype)).reshape(entry["shape"])
     return tensors
 
 
