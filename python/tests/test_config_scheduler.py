@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import (BETAS, EPS, LR, make_batches, make_mlp, make_model, mlp_batches,
+from conftest import (BETAS, EPS, LR, make_batches, make_mlp, make_model, mlp_batches, mlp_loss,
                       train_mlp_zinf, train_torch, train_zinf, zinf_config)
 
 STEPS = 12
@@ -202,3 +202,40 @@ def test_initialize_returns_the_schedule(tmp_path):
     train_mlp_zinf(resumed, batches[3:])
     assert resumed_scheduler.last_batch_iteration == 4
     assert resumed_scheduler.get_last_lr() == pytest.approx([lr_at(4)], rel=1e-12)
+
+
+def test_a_step_skipped_for_an_overflow_leaves_the_schedule_where_it_was(tmp_path):
+    """DeepSpeed steps its scheduler only after a step it applied: an fp16 step skipped for an
+    overflow moves neither the rate nor last_batch_iteration, before or after a resume."""
+    kind = "WarmupDecayLR"
+    lr_at = SCHEDULES[kind][1]
+    config = scheduled_config(kind, tmp_path)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    batches = [(x.half(), y.half()) for x, y in mlp_batches(6)]
+
+    def train(engine, batches, overflow_at=None):
+        for index, batch in enumerate(batches):
+            loss = mlp_loss(engine, batch).float()
+            engine.backward(loss * float("inf") if index == overflow_at else loss)
+            engine.step()
+
+    engine, _, _, scheduler = zinf.torch.initialize(model=make_mlp(), config=config)
+    train(engine, batches[:3], overflow_at=1)
+    assert (engine.global_steps, engine.skipped_steps) == (3, 1)
+    assert scheduler.last_batch_iteration == 1
+    assert engine.get_lr() == pytest.approx([lr_at(1)], rel=1e-12)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    train(engine, batches[3:])
+    expected = [p.detach().clone() for p in engine.module.parameters()]
+    assert scheduler.last_batch_iteration == 4
+    assert engine.get_lr() == pytest.approx([lr_at(4)], rel=1e-12)
+
+    resumed, _, _, resumed_scheduler = zinf.torch.initialize(model=make_mlp(), config=config)
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    assert resumed_scheduler.last_batch_iteration == 1
+    assert resumed.get_lr() == pytest.approx([lr_at(1)], rel=1e-12)
+    train(resumed, batches[3:])
+    assert resumed_scheduler.last_batch_iteration == 4
+    assert resumed.get_lr() == pytest.approx([lr_at(4)], rel=1e-12)
+    for got, want in zip(resumed.module.parameters(), expected):
+        assert torch.equal(got, want)

@@ -117,7 +117,7 @@ def _refuse_write_before_step(params):
     for param in params:
         ref = getattr(param, "_zinf_engine", None)
         engine = ref() if ref is not None else None
-        if engine is None or not engine._grads_pending:
+        if engine is None or not engine._micro_batches_pending:
             continue
         name = engine._names[id(param)]
         raise _zinf.Error(

@@ -293,10 +293,19 @@ class ConfigLRScheduler:
     def __init__(self, engine: "ZinfEngine", section: dict):
         self.optimizer = engine.optimizer
         self.type = section.get("type")
-        self.last_batch_iteration = int(section.get("params", {}).get("last_batch_iteration",
-                                                                      -1))
-        self._first_iteration = self.last_batch_iteration
+        self._engine = weakref.ref(engine)
+        # last_batch_iteration less the optimizer steps applied: the section's start, or where a
+        # loaded checkpoint puts the count.
+        self._offset = int(section.get("params", {}).get("last_batch_iteration", -1))
         self._warned_step = False
+
+    @property
+    def last_batch_iteration(self) -> int:
+        return self._offset + self._engine()._steps_applied()
+
+    def _restore(self, last_batch_iteration: int):
+        """Sets the count where a loaded checkpoint's engine is (its steps already loaded)."""
+        self._offset = last_batch_iteration - self._engine()._steps_applied()
 
     def get_last_lr(self) -> list[float]:
         """Each parameter group's learning rate for the next step."""
@@ -328,10 +337,6 @@ class ConfigLRScheduler:
                 f"{state['last_batch_iteration']} differs from the engine's "
                 f"{self.last_batch_iteration}; the engine's schedule is restored with its "
                 "checkpoint, by engine.load_checkpoint()")
-
-    def _advance(self, skipped: bool):
-        if not skipped:
-            self.last_batch_iteration += 1
 
 
 class ZinfEngine(nn.Module):
@@ -385,7 +390,8 @@ class ZinfEngine(nn.Module):
         self._backward_since_step_call = False
         self._step_applied = False
         # DeepSpeed's set_gradient_accumulation_boundary(): None, or the boundary set; and the
-        # micro-batches reduced into the engine since the last optimizer step.
+        # micro-batches reduced into the engine since the last optimizer step (while there are
+        # any, GatheredParameters refuses writes and no stray backward is reported).
         self._boundary_override: bool | None = None
         self._micro_batches_pending = 0
 
@@ -434,15 +440,11 @@ class ZinfEngine(nn.Module):
         if callable(lr_scheduler) and not hasattr(lr_scheduler, "step"):
             lr_scheduler = lr_scheduler(self.optimizer)
         self.lr_scheduler = lr_scheduler
-        # Gradients were reduced since the last step (GatheredParameters refuses writes then).
-        self._grads_pending = False
         # engine.backward() is running; else a gradient the hooks see came from another
         # backward, whose first parameter is kept here until step() or backward() reports it.
         self._in_backward = False
         self._stray_gradient: str | None = None
         self._stray_accumulated: set[int] = set()
-        # engine.backward() ran since the last applied step.
-        self._backward_since_step = False
         self._install_hooks()
 
     # ---- registration -------------------------------------------------------------------------
@@ -714,7 +716,6 @@ class ZinfEngine(nn.Module):
                 grad = torch.zeros(self._shapes[id(param)], dtype=self.dtype)
             names.append(self._names[id(param)])
             grads.append(grad.detach().contiguous())
-        self._grads_pending = True
         self._core.reduce_gradients(engine_module, names, grads)
         for param in self._owned[engine_module]:
             param.grad = None
@@ -779,7 +780,6 @@ class ZinfEngine(nn.Module):
         # Gradients of another backward through this model (dropped) are not this one's concern.
         self._stray_gradient = None
         self._stray_accumulated.clear()
-        self._backward_since_step = True
         with self._aborting_on_error("backward"):
             # A rate torch's scheduler (or the caller) set since the last step reaches the engine
             # before the backward: with the overlapped step updating during the backward (no
@@ -804,7 +804,7 @@ class ZinfEngine(nn.Module):
         through this model, or torch.autograd.grad, beside this engine's own engine.backward()
         calls is no mistake: its gradients are dropped, and nothing is said.)"""
         name = self._stray_gradient
-        if name is None or self._backward_since_step:
+        if name is None or self._micro_batches_pending:
             return
         self._stray_gradient = None
         raise Error(
@@ -966,6 +966,10 @@ class ZinfEngine(nn.Module):
                 self.lr_scheduler, ConfigLRScheduler):
             self.lr_scheduler.step(**(lr_kwargs or {}))
 
+    def _steps_applied(self) -> int:
+        """The optimizer steps that updated the parameters (DeepSpeed's scheduler count)."""
+        return self.global_steps - self.skipped_steps
+
     def _scheduled_lr(self) -> float:
         """The engine's learning rate for the groups' current lrs: each group runs at the
         engine's lr times its initial lr / the config's lr, so every group must have moved by
@@ -1003,11 +1007,7 @@ class ZinfEngine(nn.Module):
         self.global_samples += self.train_batch_size()
         if self.last_step_report.get("skipped"):
             self.skipped_steps += 1
-        self._grads_pending = False
-        self._backward_since_step = False
         self._micro_batches_pending = 0
-        if isinstance(self.lr_scheduler, ConfigLRScheduler):
-            self.lr_scheduler._advance(skipped=bool(self.last_step_report.get("skipped")))
         if self._lrs_shown is not None:
             self._show_engine_lr()
         self._refresh_views()
@@ -1226,9 +1226,8 @@ class ZinfEngine(nn.Module):
             # The engine's place in the schedule came back with the checkpoint; the count
             # follows it (from the steps taken where the checkpoint does not carry it).
             saved = state.get("lr_scheduler", {}).get("last_batch_iteration")
-            self.lr_scheduler.last_batch_iteration = (
-                int(saved) if saved is not None
-                else self.lr_scheduler._first_iteration + self.global_steps)
+            if saved is not None:
+                self.lr_scheduler._restore(int(saved))
         elif self.lr_scheduler is not None and "lr_scheduler" in state:
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self._refresh_views()
