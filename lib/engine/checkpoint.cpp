@@ -525,18 +525,11 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
     }()
                          .with_context(call);
     if (local.is_ok() && !m.client_state.empty()) {
-      local = [&]() -> Status {
-        const ManifestFile& f = m.client_state.front();
-        const std::string path = fmt::format("{}/{}", tag_dir, f.file);
-        ZINF_ASSIGN_OR_RETURN(std::string blob, read_text_file(*io, path));
-        if (blob.size() != f.bytes || XXH3_64bits(blob.data(), blob.size()) != f.xxh3) {
-          return Status::corruption(
-              fmt::format("'{}' does not match its size and checksum in the manifest", path));
-        }
-        resume->client_state = std::move(blob);
-        return Status::ok();
-      }()
-                           .with_context(call);
+      const ManifestFile& f = m.client_state.front();
+      Result<std::string> blob =
+          read_checked_file(*io, fmt::format("{}/{}", tag_dir, f.file), f.bytes, f.xxh3);
+      local = blob.status().with_context(call);
+      if (local.is_ok()) resume->client_state = std::move(*blob);
     }
   }
   ZINF_RETURN_IF_ERROR(ctx.exchange->agree(call, local));

@@ -408,6 +408,12 @@ Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::
 Status write_file_atomically(IoEngine& io, const std::string& path, std::string_view text);
 // The whole file through `io`.
 Result<std::string> read_text_file(IoEngine& io, const std::string& path);
+// The whole file through `io`, checked against the size and xxh3-64 the manifest gives for it (a
+// client state, ManifestFile::bytes and xxh3; a rank file's block checksums, blocks_bytes and
+// blocks_xxh3): kCorruption naming `path` when either differs, read_text_file()'s error when it
+// does not read.
+Result<std::string> read_checked_file(IoEngine& io, const std::string& path,
+                                      std::uint64_t expected_bytes, std::uint64_t expected_xxh3);
 // fsync of a directory (a rename or a new entry in it is durable only then).
 Status sync_dir(const std::string& dir);
 
@@ -416,9 +422,26 @@ Status sync_dir(const std::string& dir);
 Status check_checkpoint_tag(std::string_view tag);
 // The tag <dir>/latest names; kNotFound naming <dir>/latest when there is none.
 Result<std::string> read_latest_tag(IoEngine& io, const std::string& dir);
-// The complete tags under `dir` (a subdirectory with a manifest that parses), oldest first
-// (by serial), with their manifests.
-std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir);
+// What list_checkpoint_tags() passes over in the checkpoint directory that `zinf ckpt inspect`
+// reports, each list in directory order.
+struct RefusedCheckpointTags {
+  struct Tag {
+    std::string tag;
+    // Why it is not a complete checkpoint: the manifest's read or parse error, or "its manifest
+    // names tag '<other>'".
+    std::string reason;
+  };
+  // Tag directories that look like a checkpoint (a manifest, or rank0.zinfckpt) but are not a
+  // complete one. A directory with neither may be the program's (logs, say) and is not listed.
+  std::vector<Tag> tags;
+  // "<dir>/.<tag>.tmp" directories: saves in progress or cut short.
+  std::vector<std::string> temp_dirs;
+};
+
+// The complete tags under `dir` (a subdirectory with a manifest that parses and names it), oldest
+// first (by serial), with their manifests. With `refused`, what it passed over too (cleared first).
+std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
+                                                     RefusedCheckpointTags* refused = nullptr);
 
 // --- Outside the engine (zinf ckpt) -----------------------------------------------------------
 

@@ -12,7 +12,6 @@
 #include <fmt/format.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -144,7 +143,8 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   out["dir"] = dir;
   Result<std::string> latest = read_latest_tag(*io, dir);
   out["latest"] = latest.is_ok() ? nlohmann::json(*latest) : nlohmann::json(nullptr);
-  const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir);
+  RefusedCheckpointTags refused;
+  const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir, &refused);
   // What a load would refuse: a `latest` that cannot be read or names no complete tag, tag
   // directories whose manifest does not read (problems); and saves in progress or cut short
   // (notes).
@@ -159,37 +159,16 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     problems.push_back(fmt::format(
         "'{}/latest' names tag '{}', which is not a complete checkpoint here", dir, *latest));
   }
+  for (const RefusedCheckpointTags::Tag& t : refused.tags) {
+    problems.push_back(fmt::format("tag '{}' is not a complete checkpoint: {}", t.tag, t.reason));
+  }
+  // A save in progress, or one cut short (the next save removes it): not a problem of the
+  // checkpoints there.
   nlohmann::json notes = nlohmann::json::array();
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    if (!entry.is_directory(ec)) continue;
-    if (name.size() > 5 && name[0] == '.' && name.ends_with(".tmp")) {
-      // A save in progress, or one cut short (the next save removes it): not a problem of the
-      // checkpoints there.
-      notes.push_back(
-          fmt::format("'{}': a save in progress or cut short (the next save into "
-                      "this directory removes it)",
-                      entry.path().string()));
-      continue;
-    }
-    if (!check_checkpoint_tag(name).is_ok() ||
-        std::any_of(manifests.begin(), manifests.end(),
-                    [&](const CheckpointManifest& m) { return m.tag == name; })) {
-      continue;
-    }
-    // Only a directory that looks like a tag (a manifest, or rank files) is one that failed: the
-    // directory may hold other things of the program's (logs, say).
-    const std::string path = fmt::format("{}/{}/{}", dir, name, kCheckpointManifest);
-    const bool has_manifest = std::filesystem::exists(path, ec);
-    const bool has_rank_file =
-        std::filesystem::exists(fmt::format("{}/{}/rank0.zinfckpt", dir, name), ec);
-    if (!has_manifest && !has_rank_file) continue;
-    Result<std::string> text = read_text_file(*io, path);
-    Result<CheckpointManifest> m = text.is_ok() ? parse_checkpoint_manifest(*text, path)
-                                                : Result<CheckpointManifest>(text.status());
-    problems.push_back(fmt::format("tag '{}' is not a complete checkpoint: {}", name,
-                                   m.is_ok() ? fmt::format("its manifest names tag '{}'", m->tag)
-                                             : std::string(m.status().message())));
+  for (const std::string& temp : refused.temp_dirs) {
+    notes.push_back(fmt::format(
+        "'{}': a save in progress or cut short (the next save into this directory removes it)",
+        temp));
   }
   out["notes"] = notes;
   out["problems"] = problems;
@@ -230,14 +209,8 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
       // The client state too, as a load checks it.
       for (const ManifestFile& f : m.client_state) {
         if (!st.is_ok()) break;
-        const std::string path = fmt::format("{}/{}/{}", dir, m.tag, f.file);
-        Result<std::string> blob = read_text_file(*io, path);
-        if (!blob.is_ok()) {
-          st = blob.status();
-        } else if (blob->size() != f.bytes || XXH3_64bits(blob->data(), blob->size()) != f.xxh3) {
-          st = Status::corruption(
-              fmt::format("'{}' does not match its size and checksum in the manifest", path));
-        }
+        st = read_checked_file(*io, fmt::format("{}/{}/{}", dir, m.tag, f.file), f.bytes, f.xxh3)
+                 .status();
       }
       checksums = st.is_ok() ? "ok" : std::string(st.message());
     }

@@ -501,12 +501,8 @@ Result<std::unique_ptr<CheckpointReader>> open_rank_reader(IoEngine& io, const s
   }
   if (linked) {
     const std::string blocks_path = fmt::format("{}/{}", tag_dir, f.blocks);
-    ZINF_ASSIGN_OR_RETURN(std::string bytes, read_text_file(io, blocks_path));
-    if (bytes.size() != f.blocks_bytes ||
-        XXH3_64bits(bytes.data(), bytes.size()) != f.blocks_xxh3) {
-      return Status::corruption(
-          fmt::format("'{}' does not match its size and checksum in the manifest", blocks_path));
-    }
+    ZINF_ASSIGN_OR_RETURN(std::string bytes,
+                          read_checked_file(io, blocks_path, f.blocks_bytes, f.blocks_xxh3));
     ZINF_ASSIGN_OR_RETURN(std::vector<FileBlockSum> sums,
                           decode_block_sums(bytes, blocks_path, f.bytes));
     r->expect_block_sums(std::move(sums));
@@ -567,6 +563,16 @@ Result<std::string> read_text_file(IoEngine& io, const std::string& path) {
   return text;
 }
 
+Result<std::string> read_checked_file(IoEngine& io, const std::string& path,
+                                      std::uint64_t expected_bytes, std::uint64_t expected_xxh3) {
+  ZINF_ASSIGN_OR_RETURN(std::string bytes, read_text_file(io, path));
+  if (bytes.size() != expected_bytes || XXH3_64bits(bytes.data(), bytes.size()) != expected_xxh3) {
+    return Status::corruption(
+        fmt::format("'{}' does not match its size and checksum in the manifest", path));
+  }
+  return bytes;
+}
+
 Status check_checkpoint_tag(std::string_view tag) {
   const bool chars_ok = std::all_of(tag.begin(), tag.end(), [](char c) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
@@ -599,19 +605,38 @@ Result<std::string> read_latest_tag(IoEngine& io, const std::string& dir) {
   return tag;
 }
 
-std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir) {
+std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
+                                                     RefusedCheckpointTags* refused) {
+  if (refused != nullptr) *refused = {};
   std::vector<CheckpointManifest> out;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
-    if (!check_checkpoint_tag(name).is_ok() || !entry.is_directory(ec)) continue;
+    if (!entry.is_directory(ec)) continue;
+    if (!check_checkpoint_tag(name).is_ok()) {
+      // ".<tag>.tmp": a save in progress, or one cut short (the next save removes it).
+      if (refused != nullptr && name.size() > 5 && name[0] == '.' && name.ends_with(".tmp")) {
+        refused->temp_dirs.push_back(entry.path().string());
+      }
+      continue;
+    }
+    // No manifest: no tag, unless the caller asks what was refused and the directory has rank
+    // files (a tag that failed; a directory with neither may be the program's, logs say).
     const std::string path = fmt::format("{}/{}/{}", dir, name, kCheckpointManifest);
-    if (!std::filesystem::exists(path, ec)) continue;
+    if (!std::filesystem::exists(path, ec) &&
+        (refused == nullptr ||
+         !std::filesystem::exists(fmt::format("{}/{}/rank0.zinfckpt", dir, name), ec))) {
+      continue;
+    }
     Result<std::string> text = read_text_file(io, path);
-    if (!text.is_ok()) continue;
-    Result<CheckpointManifest> m = parse_checkpoint_manifest(*text, path);
-    if (!m.is_ok() || m->tag != name) continue;
-    out.push_back(std::move(*m));
+    Result<CheckpointManifest> m = text.is_ok() ? parse_checkpoint_manifest(*text, path)
+                                                : Result<CheckpointManifest>(text.status());
+    if (m.is_ok() && m->tag == name) {
+      out.push_back(std::move(*m));
+    } else if (refused != nullptr) {
+      refused->tags.push_back({name, m.is_ok() ? fmt::format("its manifest names tag '{}'", m->tag)
+                                               : std::string(m.status().message())});
+    }
   }
   std::sort(out.begin(), out.end(), [](const CheckpointManifest& a, const CheckpointManifest& b) {
     return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;

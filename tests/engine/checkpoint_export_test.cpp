@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -242,6 +243,57 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
     EXPECT_EQ(st.code(), Code::kNotFound) << st.to_string();
     EXPECT_NE(st.message().find("'" + missing + "'"), std::string::npos) << st.to_string();
   }
+}
+
+// One walk of the directory gives both the complete tags (every save and load) and, when asked,
+// what inspect reports: a copy of tag t under another name (its manifest names t), a tag whose
+// manifest is gone but whose rank file is there, and a save cut short. A directory of the
+// program's, a stale ".old" and a file named like a save in progress are none of those.
+TEST(CheckpointExport, ListedTagsAndRefusedOnesComeFromOneWalk) {
+  engine_test::ScratchDir scratch("ckpt-refused");
+  const std::string dir = scratch.path() + "/ckpt";
+  save_two_ranks(engine_test::make_model(DType::kF32, 33), dir);
+  namespace fs = std::filesystem;
+  fs::copy(dir + "/t", dir + "/copy", fs::copy_options::recursive);
+  fs::create_directories(dir + "/torn");
+  fs::copy(dir + "/t/rank0.zinfckpt", dir + "/torn/rank0.zinfckpt");
+  fs::create_directories(dir + "/.v.tmp");
+  fs::create_directories(dir + "/.w.old");
+  fs::create_directories(dir + "/tensorboard");
+  std::ofstream(dir + "/tensorboard/events") << "not a checkpoint";
+  std::ofstream(dir + "/.x.tmp") << "a file, not a save";
+  Result<std::unique_ptr<IoEngine>> io = open_checkpoint_io(nullptr);
+  ASSERT_TRUE(io.is_ok()) << io.status().to_string();
+
+  std::vector<CheckpointManifest> tags = list_checkpoint_tags(**io, dir);
+  ASSERT_EQ(tags.size(), 1u);
+  EXPECT_EQ(tags[0].tag, "t");
+
+  RefusedCheckpointTags refused;
+  refused.temp_dirs.push_back("left from before: cleared");
+  tags = list_checkpoint_tags(**io, dir, &refused);
+  ASSERT_EQ(tags.size(), 1u);
+  EXPECT_EQ(tags[0].tag, "t");
+  std::map<std::string, std::string> reasons;
+  for (const RefusedCheckpointTags::Tag& t : refused.tags) reasons[t.tag] = t.reason;
+  ASSERT_EQ(reasons.size(), 2u);
+  EXPECT_EQ(reasons["copy"], "its manifest names tag 't'");
+  EXPECT_NE(reasons["torn"].find(dir + "/torn/manifest.json"), std::string::npos)
+      << reasons["torn"];
+  EXPECT_EQ(refused.temp_dirs, std::vector<std::string>{dir + "/.v.tmp"});
+
+  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  const nlohmann::json& problems = (*info)["problems"];
+  ASSERT_EQ(problems.size(), 2u) << problems.dump();
+  std::vector<std::string> texts = {problems[0], problems[1]};
+  std::sort(texts.begin(), texts.end());
+  EXPECT_EQ(texts[0], "tag 'copy' is not a complete checkpoint: its manifest names tag 't'");
+  EXPECT_EQ(texts[1], "tag 'torn' is not a complete checkpoint: " + reasons["torn"]);
+  ASSERT_EQ((*info)["notes"].size(), 1u);
+  EXPECT_EQ((*info)["notes"][0], "'" + dir +
+                                     "/.v.tmp': a save in progress or cut short (the next save "
+                                     "into this directory removes it)");
 }
 
 }  // namespace
