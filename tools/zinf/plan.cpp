@@ -797,10 +797,12 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--no-gradient-spill", o->no_gradient_spill,
                 "Keep the fp32 gradients in host memory (no zinf.gradients_on_nvme)");
   sub->add_option("--machine-profile", o->machine_profile,
-                  "Profile JSON (default $ZINF_MACHINE_PROFILE or ~/.cache/zinf/machine.json)");
+                  "Profile JSON (default $ZINF_MACHINE_PROFILE, $XDG_CACHE_HOME/zinf/machine.json "
+                  "or ~/.cache/zinf/machine.json)");
   sub->add_option(
       "--io-profile", o->io_profile,
-      "zinf io tune results (default $ZINF_IO_TUNE_FILE or ~/.cache/zinf/io-tune.json)");
+      "zinf io tune results (default $ZINF_IO_TUNE_FILE, $XDG_CACHE_HOME/zinf/io-tune.json "
+      "or ~/.cache/zinf/io-tune.json)");
   sub->add_option("--save-profile", o->save_profile,
                   "Write the figures used (measured or given) into this profile file");
   sub->add_flag("--measure", o->measure,
