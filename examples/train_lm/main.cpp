@@ -1,5 +1,6 @@
 // train_lm: trains a byte-level language model through zinf's Engine, as a user's program would,
 // and shows where time and memory went. scripts/demo runs it; docs/DEMO.md shows its output.
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -132,15 +133,17 @@ std::string summary_text(const Options& o, const RunSummary& r) {
   return text;
 }
 
-// The curve with the validation before the first step in front, for the picture.
+// The curve with the validation before the first step this run trained, for the picture: at
+// step 0, or at the checkpoint's step in a resumed run, whose curve holds the steps before it.
 std::vector<CurvePoint> with_start(const RunSummary& r) {
-  std::vector<CurvePoint> points;
   CurvePoint start;
-  start.step = 0;
+  start.step = r.first_step - 1;
   start.train_loss = std::nan("");
   start.val_loss = r.first_val_loss;
-  points.push_back(start);
-  points.insert(points.end(), r.curve.begin(), r.curve.end());
+  std::vector<CurvePoint> points = r.curve;
+  const auto after = std::find_if(points.begin(), points.end(),
+                                  [&](const CurvePoint& p) { return p.step > start.step; });
+  points.insert(after, start);
   return points;
 }
 

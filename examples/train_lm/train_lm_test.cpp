@@ -538,6 +538,19 @@ double final_val_loss(const std::string& out) {
   return at == std::string::npos ? -1.0 : std::stod(out.substr(at + 15));
 }
 
+// The validation loss loss.csv in `out_dir` holds for `step` (NaN when that row has none).
+double csv_val_loss(const fs::path& out_dir, std::int64_t step) {
+  std::istringstream lines(read_all(out_dir / "loss.csv"));
+  std::string line;
+  while (std::getline(lines, line)) {
+    const std::size_t c1 = line.find(','), c2 = line.find(',', c1 + 1);
+    if (line.substr(0, c1) != std::to_string(step)) continue;
+    const std::string cell = line.substr(c2 + 1, line.find(',', c2 + 1) - c2 - 1);
+    return cell.empty() ? std::nan("") : std::stod(cell);
+  }
+  return std::nan("");
+}
+
 // A small model for a few steps, through the engine with the optimizer state on NVMe: the loss
 // falls and the curve files are written as documented.
 TEST(Program, TrainsThroughTheEngineAndWritesTheCurve) {
@@ -567,6 +580,21 @@ TEST(Program, TrainsThroughTheEngineAndWritesTheCurve) {
   }
   EXPECT_EQ(rows, 40);
   EXPECT_EQ(with_val, 2);
+  // --no-progress: no bar, and a line for each validation, with the loss.csv value.
+  for (int step : {20, 40}) {
+    const std::string prefix = "step " + std::to_string(step) + ": validation loss ";
+    const std::size_t at = err.find(prefix);
+    ASSERT_NE(at, std::string::npos) << prefix << "\n" << err;
+    EXPECT_NEAR(std::stod(err.substr(at + prefix.size())), csv_val_loss(dir / "out", step), 5e-4);
+  }
+  EXPECT_NE(err.find("step 0: validation loss "), std::string::npos) << err;
+  std::size_t lines_count = 0;
+  for (std::size_t at = err.find(": validation loss "); at != std::string::npos;
+       at = err.find(": validation loss ", at + 1)) {
+    ++lines_count;
+  }
+  EXPECT_EQ(lines_count, 3u) << "a line for each validation (steps 0, 20 and 40):\n" << err;
+  EXPECT_EQ(err.find("] step "), std::string::npos) << "a progress bar line:\n" << err;
   EXPECT_NE(read_all(dir / "out" / "loss.svg").find("</svg>"), std::string::npos);
   // The swap files were scratch: gone with the run, and the directory the run made for them.
   EXPECT_FALSE(fs::exists(dir / "nvme")) << "swap directory left behind";
@@ -715,8 +743,8 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
       "--params 20k --steps 130 --batch 4 --seq-len 16 --eval-every 25 --eval-tokens 256 "
       "--seed 5 --no-progress --offload-optimizer nvme --nvme-path " +
       (dir / "nvme").string() + " ";
-  std::string err;
-  ASSERT_EQ(run_program(common + "--out " + (dir / "whole").string(), &err), 0) << err;
+  std::string err, whole_err;
+  ASSERT_EQ(run_program(common + "--out " + (dir / "whole").string(), &whole_err), 0) << whole_err;
   ASSERT_EQ(run_program(common + "--save-every 50 --stop-after 120 --save-dir " +
                             (dir / "ckpt").string() + " --out " + (dir / "cut").string(),
                         &err),
@@ -735,6 +763,20 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   EXPECT_NE(err.find("resumed from " + (dir / "ckpt").string() + "/global_step100 at step 100"),
             std::string::npos)
       << err;
+  // The validation before the resumed run's first step is at step 100, and says so, with the
+  // uninterrupted run's step-100 validation loss; no step 0 is shown, in the lines or the picture
+  // (the original run's step-0 validation is not in the checkpoint; x of step 0 is 64.0).
+  auto line_of = [](const std::string& text, const std::string& prefix) {
+    const std::size_t at = text.find(prefix);
+    return at == std::string::npos ? std::string() : text.substr(at, text.find('\n', at) - at);
+  };
+  EXPECT_NE(line_of(err, "step 100: validation loss "), "") << err;
+  EXPECT_EQ(line_of(err, "step 100: validation loss "),
+            line_of(whole_err, "step 100: validation loss "))
+      << err << whole_err;
+  EXPECT_EQ(err.find("step 0:"), std::string::npos) << err;
+  EXPECT_EQ(read_all(dir / "resumed" / "loss.svg").find("<circle cx=\"64.0\""), std::string::npos);
+  EXPECT_NE(read_all(dir / "whole" / "loss.svg").find("<circle cx=\"64.0\""), std::string::npos);
   const std::vector<std::string> whole = loss_rows(dir / "whole" / "loss.csv");
   const std::vector<std::string> resumed = loss_rows(dir / "resumed" / "loss.csv");
   ASSERT_EQ(whole.size(), 131u);  // the header and 130 steps

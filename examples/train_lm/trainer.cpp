@@ -834,7 +834,8 @@ struct Shared {
   std::vector<double> train_sum, val_sum;
   std::vector<zinf::MemoryReport> memory;
   std::vector<std::uint64_t> nvme_read, nvme_write;
-  std::int64_t step = 0;  // the step the ranks are finishing (0: the first validation)
+  std::int64_t step = 0;  // the step the ranks are finishing (the checkpoint's when resumed)
+  bool first_validation = false;  // the validation before the first step this run trains
   bool has_val = false;
   std::atomic<bool> stop{false};
   std::atomic<bool> failed{false};
@@ -871,11 +872,16 @@ void StepDone::operator()() noexcept {
     s.last_val = val;
   }
   RunSummary& sum = *s.summary;
-  if (s.step == 0) {
+  // The validation's line: the one before the first step always, and every later one when no
+  // progress bar shows them.
+  auto print_validation = [&]() {
+    s.progress.finish_line();
+    std::fprintf(stderr, "step %lld: validation loss %.3f nats/byte (ln 256 = 5.545)\n",
+                 static_cast<long long>(s.step), val);
+  };
+  if (s.first_validation) {
     sum.first_val_loss = val;
-    if (!o.quiet && s.prints) {
-      std::fprintf(stderr, "step 0: validation loss %.3f nats/byte (ln 256 = 5.545)\n", val);
-    }
+    if (!o.quiet && s.prints) print_validation();
     s.last_step_end = Clock::now();
     // The split covers the steps: the first validation (and its gathers) is setting up.
     sum.time = TimeSplit{};
@@ -942,6 +948,7 @@ void StepDone::operator()() noexcept {
     s.last_time = now;
     s.last_nvme_bytes = nvme_bytes;
   }
+  if (s.has_val && !o.progress && !o.quiet && s.prints) print_validation();
   s.last_step_end_ns = zinf::Trace::now_ns();
   s.last_cpu_s = cpu_s;
   const double mean_rate = double(sum.tokens_seen) / std::max(s.train_s, 1e-9);
@@ -1174,7 +1181,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   // Only the process's first rank writes what the barrier's completion reads; every rank decides
   // the same locally.
   if (rank == shared.first_rank) {
-    shared.step = 0;
+    shared.step = first_step - 1;
+    shared.first_validation = true;
     shared.has_val = true;
   }
   // One process per rank: every rank's sums reach every process before the barrier's completion
@@ -1273,6 +1281,7 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     if (validate && !evaluate()) return fail_out();
     if (rank == shared.first_rank) {
       shared.step = step;
+      shared.first_validation = false;
       shared.has_val = validate;
     }
     time.total_s += seconds_since(step_start);
