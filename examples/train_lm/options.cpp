@@ -403,7 +403,10 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   app.add_option("--data", o->data_path, "training text (default: the bundled KJV Pentateuch)");
   bool no_progress = false;
   app.add_flag("--no-progress", no_progress, "no progress bar (one line per validation instead)");
-  app.add_flag("--quiet", o->quiet, "print the summary only");
+  app.add_flag("--quiet", o->quiet,
+               "print nothing while training (no banner, progress or step lines), only the report "
+               "at the end: the time, state and summary tables and the key=value lines (warnings "
+               "and errors still show)");
   app.add_flag("--step-times", o->step_times,
                "a line per step saying where its time went (automatic for steps over 2 s)");
   app.add_flag("--verify-swap-on-error", o->verify_swap_on_error,

@@ -1139,6 +1139,32 @@ TEST(Program, CudaWithoutAGpuFailsCleanly) {
   fs::remove_all(base);
 }
 
+// --quiet prints what its help says: nothing while training, and the report at the end (the
+// tables, which scripts and docs/DEMO.md read from a --quiet run, and the key=value lines).
+TEST(Program, QuietPrintsTheReportItsHelpDescribes) {
+  std::string err, help;
+  ASSERT_EQ(run_program("--help", &err, &help), 0) << err;
+  const std::size_t at = help.find("  --quiet ");
+  ASSERT_NE(at, std::string::npos) << help;
+  const std::string quiet_help = help.substr(at, help.find('\n', at) - at);
+  EXPECT_NE(quiet_help.find("print nothing while training"), std::string::npos) << quiet_help;
+  EXPECT_NE(quiet_help.find("the time, state and summary tables"), std::string::npos) << quiet_help;
+  const fs::path dir = scratch_dir("train_lm_quiet");
+  std::string out;
+  ASSERT_EQ(run_program("--params 20k --steps 4 --batch 4 --seq-len 16 --eval-every 2 "
+                        "--eval-tokens 256 --quiet --step-times --out " +
+                            (dir / "out").string() + " --nvme-path " + (dir / "nvme").string(),
+                        &err, &out),
+            0)
+      << err;
+  EXPECT_EQ(err, "");
+  for (const char* part :
+       {"where the time went", "where the state lived", "\nsummary\n", "final_val_loss="}) {
+    EXPECT_NE(out.find(part), std::string::npos) << part << "\n" << out;
+  }
+  fs::remove_all(dir);
+}
+
 TEST(Program, BadArgumentsGiveOneLineAndLeaveNothingBehind) {
   const fs::path base =
       fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /
