@@ -146,8 +146,8 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   RefusedCheckpointTags refused;
   const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir, &refused);
   // What a load would refuse: a `latest` that cannot be read or names no complete tag, tag
-  // directories whose manifest does not read (problems); and saves in progress or cut short
-  // (notes).
+  // directories whose manifest does not read, and (below) a tag whose files do not match their
+  // checksums (problems); and saves in progress or cut short (notes).
   nlohmann::json problems = nlohmann::json::array();
   std::error_code ec;
   const bool has_latest_file = std::filesystem::exists(fmt::format("{}/latest", dir), ec);
@@ -171,7 +171,6 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         temp));
   }
   out["notes"] = notes;
-  out["problems"] = problems;
   if (manifests.empty() && !latest.is_ok() && problems.empty()) {
     // Nothing to list: a mistyped path, or a save that never finished.
     std::error_code ec;
@@ -213,6 +212,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
                  .status();
       }
       checksums = st.is_ok() ? "ok" : std::string(st.message());
+      if (!st.is_ok()) problems.push_back(fmt::format("tag {}: {}", m.tag, checksums));
     }
     tags.push_back({{"tag", m.tag},
                     {"step", m.resume.step},
@@ -226,6 +226,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
                     {"checksums", checksums}});
   }
   out["tags"] = tags;
+  out["problems"] = problems;
   return out;
 }
 

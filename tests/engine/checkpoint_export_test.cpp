@@ -21,6 +21,7 @@
 
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
+#include "plan/cli_test_util.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf {
@@ -204,8 +205,23 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
   ASSERT_TRUE(info.is_ok());
   const std::string checksums = (*info)["tags"][0]["checksums"];
   EXPECT_NE(checksums.find(victim), std::string::npos) << checksums;
+  // The failed check is a problem too (what `zinf ckpt inspect` exits 1 on, --json or not).
+  ASSERT_EQ((*info)["problems"].size(), 1u) << (*info)["problems"].dump();
+  EXPECT_EQ((*info)["problems"][0], "tag t: " + checksums);
+  if (const std::string zinf = plan::zinf_binary(); zinf.empty()) {
+    std::printf("bin/zinf is not built (target zinf_cli): its exit code is not checked\n");
+  } else {
+    std::string out;
+    EXPECT_EQ(plan::run_command(zinf + " ckpt inspect --json " + dir + " 2>&1", &out), 1) << out;
+    EXPECT_NE(out.find("\"problems\""), std::string::npos) << out;
+    EXPECT_EQ(plan::run_command(zinf + " ckpt inspect " + dir + " 2>&1", &out), 1) << out;
+    EXPECT_NE(out.find("FAILED (below)"), std::string::npos) << out;
+    EXPECT_NE(out.find("problem: tag t: '" + victim), std::string::npos) << out;
+  }
   bytes[5000] = static_cast<char>(bytes[5000] ^ 4);  // mended
   std::ofstream(victim, std::ios::binary | std::ios::trunc) << bytes;
+  info = inspect_checkpoints(dir, true);
+  ASSERT_TRUE(info.is_ok());
   EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
   // What a load would refuse, each named in `problems`: the client state changed; a copy of the
   // tag whose manifest does not parse; a save cut short; `latest` naming a tag that is not there.
@@ -227,7 +243,9 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
     info = inspect_checkpoints(dir, true);
     ASSERT_TRUE(info.is_ok()) << info.status().to_string();
     const std::string problems = (*info)["problems"].dump();
-    EXPECT_EQ((*info)["problems"].size(), 2u) << problems;
+    EXPECT_EQ((*info)["problems"].size(), 3u) << problems;
+    EXPECT_NE(problems.find("tag t: '" + client + "' does not match"), std::string::npos)
+        << problems;
     EXPECT_NE(problems.find("names tag 'w', which is not a complete checkpoint"), std::string::npos)
         << problems;
     EXPECT_NE(problems.find("tag 'u' is not a complete checkpoint"), std::string::npos) << problems;

@@ -29,21 +29,18 @@ struct InspectOptions {
 void run_inspect(const InspectOptions& o) {
   Result<nlohmann::json> info = inspect_checkpoints(o.dir, !o.no_verify);
   if (!info.is_ok()) return fail(info.status().to_string());
-  if (o.json) return print_json(*info);
   const nlohmann::json& j = *info;
+  // Exit 1 on any problem, in either form of the output.
+  if (!j["problems"].empty()) set_exit_code(1);
+  if (o.json) return print_json(j);
   fmt::print("{}: latest {}\n", o.dir,
              j["latest"].is_null() ? std::string("(none)") : j["latest"].get<std::string>());
   Table table({"tag", "step", "world", "stage", "optimizer", "params", "elements", "state",
                "on disk", "checksums"});
-  bool all_ok = true;
-  std::vector<std::string> notes;  // each problem in full, below the table
   for (const nlohmann::json& t : j["tags"]) {
     std::string checksums = t["checksums"].get<std::string>();
-    if (checksums != "ok" && !o.no_verify) {
-      all_ok = false;
-      notes.push_back(fmt::format("tag {}: {}", t["tag"].get<std::string>(), checksums));
-      checksums = "FAILED (below)";
-    }
+    // The check's message is among the problems, below the table.
+    if (checksums != "ok" && !o.no_verify) checksums = "FAILED (below)";
     table.add_row({t["tag"].get<std::string>(), std::to_string(t["step"].get<std::int64_t>()),
                    std::to_string(t["world_size"].get<int>()),
                    std::to_string(t["stage"].get<int>()), t["optimizer"].get<std::string>(),
@@ -53,11 +50,8 @@ void run_inspect(const InspectOptions& o) {
                    format_bytes(t["disk_bytes"].get<double>()), checksums});
   }
   table.print();
-  for (const nlohmann::json& p : j["problems"]) notes.push_back(p.get<std::string>());
-  all_ok = all_ok && j["problems"].empty();
-  for (const std::string& note : notes) fmt::print("problem: {}\n", note);
+  for (const nlohmann::json& p : j["problems"]) fmt::print("problem: {}\n", p.get<std::string>());
   for (const nlohmann::json& n : j["notes"]) fmt::print("note: {}\n", n.get<std::string>());
-  if (!all_ok) set_exit_code(1);
 }
 
 struct ExportOptions {
