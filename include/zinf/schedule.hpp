@@ -90,6 +90,8 @@ struct ScheduleConfig {
   // Every type: the iteration the schedule starts from (DeepSpeed's last_batch_iteration
   // argument; -1: from the beginning).
   std::int64_t last_batch_iteration = -1;
+
+  bool operator==(const ScheduleConfig&) const = default;
 };
 
 // Beta1 and beta2 that OneCycle's momentum cycling sets.

@@ -768,6 +768,35 @@ class Engine::Impl {
     return Status::ok();
   }
 
+  // The learning rate after a load. A rate set by set_learning_rate() before the save comes back
+  // with the checkpoint. Otherwise an engine with a schedule of its own (its config's
+  // "scheduler" section, or set_lr_schedule()) keeps it and its optimizer lr, at the
+  // checkpoint's place in it: as with DeepSpeed, whose checkpoint keeps only the scheduler's
+  // last_batch_iteration, the resumed run's config gives the curve (a longer total_num_steps, a
+  // new warmup_max_lr). An engine without one takes the checkpoint's schedule and lr.
+  void restore_schedule(std::string_view call, const ResumeState& r) {
+    ScheduleConfig schedule = r.schedule;
+    if (!r.lr_override && schedule_.config().kind != ScheduleKind::kNone) {
+      schedule = schedule_.config();
+      schedule.last_batch_iteration = r.schedule.last_batch_iteration;
+      if (rank_ == 0 && (schedule != r.schedule || config_.optimizer.lr != r.lr)) {
+        log_info(
+            "{}: the config's {} schedule (and lr {}) replaces the checkpoint's {} (lr {}) from "
+            "step {} on, as DeepSpeed resumes a schedule",
+            call, schedule_name(schedule.kind), config_.optimizer.lr,
+            schedule_name(r.schedule.kind), r.lr, t_);
+      }
+    } else {
+      config_.optimizer.lr = r.lr;
+    }
+    Result<LrSchedule> loaded = LrSchedule::create(schedule, config_.optimizer.lr);
+    if (loaded.is_ok()) {
+      schedule_ = std::move(*loaded);
+      config_.scheduler = schedule;
+    }
+    lr_override_ = r.lr_override;
+  }
+
   Status set_learning_rate(double lr) {
     if (overlap_ != nullptr && overlap_->reads_only() && lr != lr_for_step(overlap_->pass_step())) {
       ZINF_RETURN_IF_ERROR(call_off_reads());
@@ -825,10 +854,7 @@ class Engine::Impl {
     t_ = r.step;
     numerics_->scaler().restore(r.loss_scale, r.loss_scale_good_steps,
                                 r.loss_scale_hysteresis_left);
-    config_.optimizer.lr = r.lr;
-    Result<LrSchedule> schedule = LrSchedule::create(r.schedule, r.lr);
-    if (schedule.is_ok()) schedule_ = std::move(*schedule);
-    lr_override_ = r.lr_override;
+    restore_schedule(call, r);
     numerics_->set_previous_clip_coef(r.previous_clip_coef);
     // The gather order, when every module in it is one of ours (else the next step records it).
     std::vector<std::size_t> order = gather_order_indices(layout_, r.gather_order);

@@ -239,3 +239,32 @@ def test_a_step_skipped_for_an_overflow_leaves_the_schedule_where_it_was(tmp_pat
     assert resumed.get_lr() == pytest.approx([lr_at(4)], rel=1e-12)
     for got, want in zip(resumed.module.parameters(), expected):
         assert torch.equal(got, want)
+
+
+def test_a_resumed_run_follows_its_own_configs_schedule(tmp_path):
+    """DeepSpeed's checkpoint keeps only the scheduler's last_batch_iteration: a run resumed with
+    a longer total_num_steps (or a new warmup_max_lr) follows the new curve from there."""
+    def config(total, max_lr=LR):
+        config = scheduled_config("WarmupDecayLR", tmp_path)
+        config["scheduler"]["params"].update(total_num_steps=total, warmup_max_lr=max_lr)
+        return config
+
+    def warmup_decay(n, total, max_lr=LR, min_lr=1e-4):
+        w = max(2, WARMUP)
+        if n < w:
+            return min_lr + (max_lr - min_lr) * n / w
+        return min_lr + (max_lr - min_lr) * max(0.0, (total - n) / max(1.0, total - w))
+
+    batches = mlp_batches(8)
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config(TOTAL))
+    train_mlp_zinf(engine, batches[:6])
+    assert engine.get_lr() == pytest.approx([warmup_decay(5, TOTAL)], rel=1e-12)
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    for total, max_lr in ((2 * TOTAL, LR), (TOTAL, LR / 2)):
+        resumed, _, _, scheduler = zinf.torch.initialize(model=make_mlp(),
+                                                         config=config(total, max_lr))
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+        assert scheduler.last_batch_iteration == 5
+        assert resumed.get_lr() == pytest.approx([warmup_decay(5, total, max_lr)], rel=1e-12)
+        train_mlp_zinf(resumed, batches[6:])
+        assert resumed.get_lr() == pytest.approx([warmup_decay(7, total, max_lr)], rel=1e-12)

@@ -196,6 +196,48 @@ TEST(CheckpointTags, ResumeStateScheduleGatherOrderAndClientStateComeBack) {
   EXPECT_NE(next_lr, config.optimizer.lr) << "the schedule moved the rate";
 }
 
+// An engine with a schedule of its own keeps it on load, at the checkpoint's step, as a DeepSpeed
+// run resumed with a longer total_num_steps follows the new curve: WarmupDecayLR (linear warm-up
+// from 0 to 0.01 over 2 iterations, then linear decay to 0 at total_num_steps) in double.
+TEST(CheckpointTags, AnEngineWithItsOwnScheduleKeepsItAtTheCheckpointsStep) {
+  engine_test::ScratchDir scratch("ckpt-own-schedule");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 24);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  auto decay = [](std::int64_t total) {
+    ScheduleConfig s;
+    s.kind = ScheduleKind::kWarmupDecayLR;
+    s.warmup_num_steps = 2;
+    s.warmup_linear = true;
+    s.warmup_max_lr = 0.01;
+    s.total_num_steps = total;
+    return s;
+  };
+  // The rate of iteration n (0.01 n / 2 in the warm-up, then 0.01 (total - n) / (total - 2));
+  // after k applied steps the next one runs at iteration k - 1 (DeepSpeed's indexing, from -1).
+  auto expected = [](std::int64_t n, double total) {
+    return n < 2 ? 0.01 * static_cast<double>(n) / 2.0 : 0.01 * (total - n) / (total - 2.0);
+  };
+  {
+    OneEngine one(config, model);
+    ASSERT_TRUE(one.engine->set_lr_schedule(decay(10)).is_ok());
+    ASSERT_TRUE(one.train(model, 1, 4).is_ok());
+    EXPECT_DOUBLE_EQ(one.engine->learning_rate(), expected(3, 10));
+    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+  }
+  OneEngine longer(config, model);
+  ASSERT_TRUE(longer.engine->set_lr_schedule(decay(40)).is_ok());
+  ASSERT_TRUE(longer.engine->load_checkpoint(dir).is_ok());
+  EXPECT_DOUBLE_EQ(longer.engine->learning_rate(), expected(3, 40));
+  ASSERT_TRUE(longer.train(model, 5, 6).is_ok());
+  EXPECT_DOUBLE_EQ(longer.engine->learning_rate(), expected(5, 40));
+  // Without a schedule of its own the engine takes the checkpoint's.
+  OneEngine plain(config, model);
+  ASSERT_TRUE(plain.engine->load_checkpoint(dir).is_ok());
+  EXPECT_DOUBLE_EQ(plain.engine->learning_rate(), expected(3, 10));
+}
+
 // Faults in the checkpoint's own I/O, one kind per case: the save fails naming the file it was
 // writing (or, for short writes, completes), and the checkpoint saved before loads bit for bit.
 struct FaultCase {
