@@ -1,5 +1,7 @@
 #include "plan/model.hpp"
 
+#include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -114,6 +116,15 @@ std::uint64_t param_count(const ModelShape& m) {
   std::uint64_t total = m.vocab * h + m.positions * h + m.layers * layer_params(m) + norm;
   if (!m.tied_embeddings) total += m.vocab * h;
   return total;
+}
+
+std::string format_param_count(std::uint64_t params) {
+  const double p = static_cast<double>(params);
+  // Each unit from where the smaller one would round to 1000 of it ("1000.00M").
+  if (p >= 999.995e6) return fmt::format("{:.2f}B", p / 1e9);
+  if (p >= 999.95e3) return fmt::format("{:.2f}M", p / 1e6);
+  if (p >= 1e3) return fmt::format("{:.1f}k", p / 1e3);
+  return fmt::format("{}", params);
 }
 
 std::uint64_t largest_tensor_params(const ModelShape& m) {

@@ -62,6 +62,10 @@ struct ModelShape {
 // Parameter count from the layer shapes (see the formula above), or param_count_override.
 std::uint64_t param_count(const ModelShape& model);
 
+// A parameter count as people write it, three significant figures or so: "950", "60.0k",
+// "1.20M", "6.74B" (1k = 1e3, 1M = 1e6, 1B = 1e9).
+std::string format_param_count(std::uint64_t params);
+
 // Parameters of the largest single tensor (embedding V·h or one MLP matrix h·I): stage 3 must
 // gather at least this much at once.
 std::uint64_t largest_tensor_params(const ModelShape& model);

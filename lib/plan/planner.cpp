@@ -17,6 +17,28 @@ std::uint64_t usable(std::uint64_t budget, double headroom) {
   return static_cast<std::uint64_t>(static_cast<double>(budget) * (1.0 - headroom));
 }
 
+// What of a device's fixed part to shrink when that part alone is `short_bytes` too much: the
+// activations and the runtime reserve, each when it is the larger of the two or could close the
+// gap alone, the larger first.
+std::string device_fixed_hint(std::uint64_t activation_bytes, std::uint64_t reserved_bytes,
+                              std::uint64_t short_bytes) {
+  const std::string activations =
+      "activations take " + gib(static_cast<double>(activation_bytes)) +
+      " of it (--checkpoint-activations or a smaller --micro-batch / --seq shrink them)";
+  const std::string reserve =
+      "the runtime reserve takes " + gib(static_cast<double>(reserved_bytes)) +
+      " of it (zinf.device_reserved_bytes, zinf plan --device-reserved: lower it where the CUDA "
+      "context and workspaces need less)";
+  const bool name_activations =
+      activation_bytes >= short_bytes || activation_bytes > reserved_bytes;
+  const bool name_reserve = reserved_bytes >= short_bytes || reserved_bytes >= activation_bytes;
+  if (name_activations && name_reserve) {
+    return activation_bytes > reserved_bytes ? activations + "; " + reserve
+                                             : reserve + "; " + activations;
+  }
+  return name_activations ? activations : reserve;
+}
+
 // How much a candidate offloads: the tie-breaker between candidates of equal time.
 int offload_score(const EngineSetup& s) {
   return static_cast<int>(s.optimizer) + static_cast<int>(s.params) + (s.gradients_on_nvme ? 1 : 0);
@@ -85,9 +107,10 @@ Candidate evaluate(const ModelShape& model, const TrainingShape& training, const
 }
 
 NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape& training,
-                                    const Budgets& budgets) {
+                                    const Budgets& budgets, std::uint64_t device_reserved_bytes) {
   NoOffloadComparison out;
   EngineSetup s;
+  s.device_reserved_bytes = device_reserved_bytes;
   s.stage = 3;
   s.world_size = 1;
   s.ranks_per_machine = 1;
@@ -107,15 +130,17 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
       gib(static_cast<double>(out.activation_bytes)), gib(static_cast<double>(out.gathered_bytes)),
       gib(static_cast<double>(out.bucket_bytes)), gib(static_cast<double>(out.reserved_bytes)));
   const std::string state =
-      fmt::format("18 B/param x {:.3f}e9 params = {} of model state", static_cast<double>(p) / 1e9,
+      fmt::format("18 B/param x {} params = {} of model state", format_param_count(p),
                   gib(static_cast<double>(out.state_bytes)));
   if (out.fixed_bytes >= out.usable_bytes) {
     out.gpus_needed = 0;
     out.arithmetic = fmt::format(
         "{}; but per GPU the fixed part alone, {} ({}), exceeds the {} usable: no GPU count "
-        "fits without offload (use activation checkpointing or a smaller micro-batch)",
+        "fits without offload; {}",
         state, gib(static_cast<double>(out.fixed_bytes)), fixed_parts,
-        gib(static_cast<double>(out.usable_bytes)));
+        gib(static_cast<double>(out.usable_bytes)),
+        device_fixed_hint(out.activation_bytes, out.reserved_bytes,
+                          out.fixed_bytes - out.usable_bytes));
     return out;
   }
   const std::uint64_t for_state = out.usable_bytes - out.fixed_bytes;
@@ -184,6 +209,9 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   size_buckets(model, &base);
   base.overlap_step = constraints.overlap_step;
   base.overlap_compute_fraction = constraints.overlap_compute_fraction;
+  if (constraints.device_reserved_bytes) {
+    base.device_reserved_bytes = *constraints.device_reserved_bytes;
+  }
   if (profile.nvme_block_bytes > 0 && profile.nvme_queue_depth > 0) {
     base.io_block_bytes = profile.nvme_block_bytes;
     base.io_queue_depth = profile.nvme_queue_depth;
@@ -284,7 +312,7 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
                 return a.shortfall_bytes() < b.shortfall_bytes();
               });
   }
-  result.no_offload = no_offload_gpus(model, training, budgets);
+  result.no_offload = no_offload_gpus(model, training, budgets, base.device_reserved_bytes);
   return result;
 }
 
@@ -309,10 +337,11 @@ std::string shortfall_message(const PlanResult& result) {
         gib(static_cast<double>(f.need_bytes)), unit(f.tier),
         gib(static_cast<double>(f.usable_bytes)), gib(static_cast<double>(f.budget_bytes)));
     if (f.tier == MemoryTier::kDevice && f.every_placement) {
-      out += "; activations take " +
-             gib(static_cast<double>(
-                 result.best.memory.bytes(MemoryUse::kActivations, MemoryTier::kDevice))) +
-             " of it (--checkpoint-activations or a smaller --micro-batch / --seq shrink them)";
+      // The activations and the reserve are the same in every placement.
+      const MemoryEstimate& m = result.best.memory;
+      out += "; " + device_fixed_hint(m.bytes(MemoryUse::kActivations, MemoryTier::kDevice),
+                                      m.bytes(MemoryUse::kReserved, MemoryTier::kDevice),
+                                      f.shortfall_bytes());
     }
   }
   if (result.shortfalls.empty()) {

@@ -60,6 +60,9 @@ struct PlanConstraints {
   // (EngineSetup, time_model.hpp).
   bool overlap_step = true;
   double overlap_compute_fraction = 2.0 / 3.0;
+  // zinf.device_reserved_bytes: device memory each GPU leaves to the runtime (CUDA context,
+  // cuBLAS workspace, allocator slack) in every placement; EngineSetup's 1 GiB when not given.
+  std::optional<std::uint64_t> device_reserved_bytes;
 };
 
 struct TierUse {
@@ -124,8 +127,10 @@ void size_buckets(const ModelShape& model, EngineSetup* setup);
 Candidate evaluate(const ModelShape& model, const TrainingShape& training, const EngineSetup& setup,
                    const Budgets& budgets, const MachineProfile& profile);
 
-NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape& training,
-                                    const Budgets& budgets);
+// `device_reserved_bytes`: the reserve each GPU keeps (zinf.device_reserved_bytes).
+NoOffloadComparison no_offload_gpus(
+    const ModelShape& model, const TrainingShape& training, const Budgets& budgets,
+    std::uint64_t device_reserved_bytes = EngineSetup{}.device_reserved_bytes);
 
 // Fails with invalid_argument for budgets that make no sense (no GPUs, no GPU memory, GPUs not a
 // multiple of gpus_per_machine) or constraints that contradict each other; otherwise returns a
@@ -135,7 +140,10 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
                              const PlanConstraints& constraints = {});
 
 // For a plan that does not fit: "nothing fits", then one line per short tier, "<tier> is short
-// by <bytes>: ..." with the least it needs and what is usable; "" when the plan fits.
+// by <bytes>: ..." with the least it needs and what is usable; "" when the plan fits. A device
+// short in every placement also names what of the fixed part could close the gap: the
+// activations and the runtime reserve, each when it is the larger of the two or alone at least
+// the shortfall, larger first.
 std::string shortfall_message(const PlanResult& result);
 
 }  // namespace zinf::plan

@@ -204,7 +204,7 @@ TEST_F(PlanCli, ParamsInBillionsAndACountFarFromTheShapeIsNoted) {
   const std::string budgets = " --gpus 8 --gpu-mem 80GB --host-mem 512GB" + std::string(kRates);
   CliRun r = run_zinf("plan --params 7B --layers 32 --hidden 4096" + budgets);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("custom: 7.000e9 params"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("custom: 7.00B params"), std::string::npos) << r.out;
   EXPECT_EQ(r.out.find("far from"), std::string::npos) << r.out;
   r = run_zinf("plan --params 1M --layers 80 --hidden 8192" + budgets);
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -212,6 +212,45 @@ TEST_F(PlanCli, ParamsInBillionsAndACountFarFromTheShapeIsNoted) {
                        "of hidden 8192 (vocab 32000) hold as a transformer"),
             std::string::npos)
       << r.out;
+}
+
+// A small train_lm model on a 1 GB GPU: the header gives its count readably, the shortfall
+// names the 1 GiB runtime reserve (not the activations, 1 MiB), and --device-reserved lowers the
+// reserve, which --out's config then carries as zinf.device_reserved_bytes.
+TEST_F(PlanCli, ShortDeviceNamesTheReserveAndDeviceReservedSetsIt) {
+  const std::string plan =
+      "plan --arch train_lm --layers 4 --hidden 48 --context 16 --embed 16 --seq 256 "
+      "--micro-batch 2 --checkpoint-activations --gpu-mem 1GB --host-mem 4GB" +
+      std::string(kRates);
+  CliRun r = run_zinf(plan);
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.out.find("model     train_lm: 103.7k params, 4 layers, hidden 48"), std::string::npos)
+      << r.out;
+  EXPECT_NE(r.err.find("device is short by 0.16 GiB"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("the runtime reserve takes 1.00 GiB of it (zinf.device_reserved_bytes, "
+                       "zinf plan --device-reserved"),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(r.err.find("activations take"), std::string::npos) << r.err;
+
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string path =
+      std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_cli_device_reserved.json";
+  r = run_zinf(plan + " --device-reserved 256MiB --json --out " + path);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j.at("bytes_per_state_per_rank").at("reserved").at("device"), 256u << 20);
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  Result<Config> config = parse_config(text.str());
+  ASSERT_TRUE(config.is_ok()) << config.status().to_string() << "\n" << text.str();
+  EXPECT_EQ(config->device_reserved_bytes, 256u << 20);
+  std::remove(path.c_str());
+
+  r = run_zinf(plan + " --device-reserved lots");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--device-reserved lots: not a size"), std::string::npos) << r.err;
 }
 
 // A missing budget or rate is named alone, not with the one that was given.

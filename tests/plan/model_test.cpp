@@ -144,5 +144,23 @@ TEST(ModelShapes, LargestTensorIsTheEmbeddingOrAnMlpMatrix) {
   EXPECT_EQ(largest_tensor_params(narrow_vocab), 8192u * 28672u);
 }
 
+// The count zinf plan prints: "0.000e9" said nothing of a 60k-parameter train_lm model.
+TEST(ModelShapes, ParamCountReadsAsPeopleWriteIt) {
+  const std::pair<std::uint64_t, const char*> cases[] = {{0, "0"},
+                                                         {950, "950"},
+                                                         {1'000, "1.0k"},
+                                                         {54'240, "54.2k"},
+                                                         {60'000, "60.0k"},
+                                                         {999'949, "999.9k"},
+                                                         {999'950, "1.00M"},  // not "1000.0k"
+                                                         {1'200'000, "1.20M"},
+                                                         {999'994'999, "999.99M"},
+                                                         {999'995'000, "1.00B"},  // not "1000.00M"
+                                                         {1'000'000'000, "1.00B"},
+                                                         {6'738'415'616, "6.74B"},
+                                                         {68'976'648'192, "68.98B"}};
+  for (const auto& [count, text] : cases) EXPECT_EQ(format_param_count(count), text) << count;
+}
+
 }  // namespace
 }  // namespace zinf::plan

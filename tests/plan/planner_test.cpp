@@ -166,7 +166,53 @@ TEST(Planner, ShortDeviceBlamesActivationsWhenEveryPlacementIsShort) {
   const std::string message = shortfall_message(*plan);
   EXPECT_NE(message.find("device is short by"), std::string::npos) << message;
   EXPECT_NE(message.find("every placement"), std::string::npos) << message;
+  EXPECT_NE(message.find("activations take 42.87 GiB of it"), std::string::npos) << message;
   EXPECT_NE(message.find("--checkpoint-activations"), std::string::npos) << message;
+  // The 1 GiB reserve is neither the larger part nor enough to close the gap.
+  EXPECT_EQ(message.find("reserve"), std::string::npos) << message;
+}
+
+// A small model (train_lm's 103.7k parameters) on a 1 GB GPU: the 1 GiB runtime reserve, not the
+// 1 MiB of activations, is what no placement fits, and the message says so; a smaller reserve
+// (zinf.device_reserved_bytes) fits, in the plan and in the no-offload count.
+TEST(Planner, ShortDeviceNamesTheReserveWhenItIsTheCause) {
+  const ModelShape m = train_lm_model(4, 48, 16, 16);
+  TrainingShape t;
+  t.seq_len = 256;
+  t.micro_batch = 2;
+  t.checkpoint_activations = true;
+  Budgets b;
+  b.gpus = 1;
+  b.gpu_mem_bytes = 1'000'000'000;
+  b.host_mem_bytes = 4'000'000'000;
+  auto plan = make_plan(m, t, b, machine());
+  ASSERT_TRUE(plan.is_ok());
+  ASSERT_FALSE(plan->fits);
+  ASSERT_EQ(plan->shortfalls.size(), 1u) << shortfall_message(*plan);
+  EXPECT_TRUE(plan->shortfalls[0].every_placement);
+  const std::string message = shortfall_message(*plan);
+  EXPECT_NE(message.find("device is short by 0.16 GiB"), std::string::npos) << message;
+  EXPECT_NE(message.find("the runtime reserve takes 1.00 GiB of it (zinf.device_reserved_bytes"),
+            std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("activations take"), std::string::npos) << message;
+  EXPECT_EQ(plan->no_offload.gpus_needed, 0u);
+  EXPECT_NE(plan->no_offload.arithmetic.find("the runtime reserve takes 1.00 GiB"),
+            std::string::npos)
+      << plan->no_offload.arithmetic;
+  EXPECT_EQ(plan->no_offload.arithmetic.find("activation checkpointing"), std::string::npos)
+      << plan->no_offload.arithmetic;
+
+  PlanConstraints small_reserve;
+  small_reserve.device_reserved_bytes = std::uint64_t{256} << 20;
+  auto fits = make_plan(m, t, b, machine(), small_reserve);
+  ASSERT_TRUE(fits.is_ok());
+  ASSERT_TRUE(fits->fits) << shortfall_message(*fits);
+  EXPECT_EQ(fits->best.setup.device_reserved_bytes, std::uint64_t{256} << 20);
+  EXPECT_EQ(fits->best.memory.bytes(MemoryUse::kReserved, MemoryTier::kDevice),
+            std::uint64_t{256} << 20);
+  EXPECT_EQ(fits->no_offload.reserved_bytes, std::uint64_t{256} << 20);
+  EXPECT_EQ(fits->no_offload.gpus_needed, 1u);
 }
 
 TEST(Planner, SmallModelStaysOnTheGpus) {

@@ -56,6 +56,7 @@ struct PlanOptions {
   std::uint64_t gpus_per_machine = 0;
   std::string gpu_mem;
   std::string host_mem;
+  std::string device_reserved;  // "": the engine's default (zinf.device_reserved_bytes)
   std::string nvme_capacity = "0";
   std::string nvme_path;
   double headroom = 0.10;
@@ -498,6 +499,11 @@ void run_plan(const PlanOptions& o) {
   constraints.overlap_step = !o.no_overlap_step;
   constraints.overlap_compute_fraction = o.overlap_fraction;
   if (o.stage != 0) constraints.stage = o.stage;
+  if (!o.device_reserved.empty()) {
+    std::uint64_t reserved = 0;
+    if (!parse_size_option("--device-reserved", o.device_reserved, &reserved)) return;
+    constraints.device_reserved_bytes = reserved;
+  }
   for (auto [flag, text, field] :
        {std::tuple{"--offload-optimizer", &o.offload_optimizer, &constraints.optimizer},
         std::tuple{"--offload-param", &o.offload_param, &constraints.params}}) {
@@ -622,8 +628,8 @@ void run_plan(const PlanOptions& o) {
   if (o.json) {
     print_json(out);
   } else {
-    fmt::print("model     {}: {:.3f}e9 params, {} layers, hidden {}\n", model.name,
-               static_cast<double>(c.memory.param_count) / 1e9, model.layers, model.hidden);
+    fmt::print("model     {}: {} params, {} layers, hidden {}\n", model.name,
+               format_param_count(c.memory.param_count), model.layers, model.hidden);
     fmt::print("training  seq {}, micro-batch {}, grad accumulation {}, checkpointing {}\n",
                training.seq_len, training.micro_batch, training.grad_accum_steps,
                training.checkpoint_activations ? "on" : "off");
@@ -786,6 +792,9 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--host-mem", o->host_mem, "Host memory per machine");
   sub->add_option("--nvme-capacity", o->nvme_capacity, "NVMe space per machine (0: none)")
       ->capture_default_str();
+  sub->add_option("--device-reserved", o->device_reserved,
+                  "Memory per GPU left to the runtime (CUDA context, workspaces) in every "
+                  "placement, zinf.device_reserved_bytes in --out's config (default 1GiB)");
   sub->add_option("--nvme-path", o->nvme_path,
                   "NVMe directory: measured when no rates are known, "
                   "written into the config");
