@@ -253,6 +253,20 @@ TEST_F(PlanCli, ShortDeviceNamesTheReserveAndDeviceReservedSetsIt) {
   EXPECT_NE(r.err.find("--device-reserved lots: not a size"), std::string::npos) << r.err;
 }
 
+// --params sizes the state alone: its help says --layers and --hidden are needed with it, and
+// the error without them names --params and what is missing.
+TEST_F(PlanCli, ParamsSaysItNeedsLayersAndHidden) {
+  CliRun r = run_zinf("plan --help");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::size_t at = r.out.find("  --params ");
+  ASSERT_NE(at, std::string::npos) << r.out;
+  const std::string line = r.out.substr(at, r.out.find('\n', at) - at);
+  EXPECT_NE(line.find("needs --layers and --hidden"), std::string::npos) << line;
+  r = run_zinf("plan --params 1B --gpu-mem 80GB --host-mem 512GB" + std::string(kRates));
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.err.rfind("zinf: --params 1B needs --layers L and --hidden H too", 0), 0u) << r.err;
+}
+
 // A missing budget or rate is named alone, not with the one that was given.
 TEST_F(PlanCli, AMissingBudgetOrRateIsNamed) {
   CliRun r = run_zinf("plan --model gpt2 --gpu-mem 80GB" + std::string(kRates));

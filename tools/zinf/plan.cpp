@@ -444,8 +444,15 @@ void run_plan(const PlanOptions& o) {
     model = *preset;
   } else {
     std::uint64_t params = 0;
-    if (o.params.empty() || o.layers == 0 || o.hidden == 0) {
+    if (o.params.empty()) {
       fail("give --model NAME, or --params N --layers L --hidden H");
+      return;
+    }
+    if (o.layers == 0 || o.hidden == 0) {
+      fail(fmt::format(
+          "--params {} needs --layers L and --hidden H too (they size the activations and the "
+          "gathered layers), or give --model NAME",
+          o.params));
       return;
     }
     if (!parse_size_option("--params", o.params, &params, /*decimal=*/true)) return;
@@ -753,9 +760,14 @@ void setup_plan(CLI::App& app) {
       "plan", "Does a model fit these machines: bytes per tier, predicted step time, config");
   sub->add_option("--model", o->model, "Preset (see --list-models)");
   sub->add_flag("--list-models", o->list_models, "List the presets and their parameter counts");
-  sub->add_option("--params", o->params, "Parameter count (1.5G or 1.5B = 1.5e9), without --model");
-  sub->add_option("--layers", o->layers, "Layers, without --model");
-  sub->add_option("--hidden", o->hidden, "Hidden size, without --model");
+  sub->add_option("--params", o->params,
+                  "Parameter count (1.5G or 1.5B = 1.5e9), without --model; needs --layers and "
+                  "--hidden too (they size the activations and the gathered layers), except "
+                  "with --step-only");
+  sub->add_option("--layers", o->layers,
+                  "Layers, without --model (with --params or --arch train_lm)");
+  sub->add_option("--hidden", o->hidden,
+                  "Hidden size, without --model (with --params or --arch train_lm)");
   sub->add_option("--vocab", o->vocab, "Vocabulary, without --model")->capture_default_str();
   sub->add_option("--seq", o->seq, "Sequence length")->capture_default_str();
   sub->add_option("--micro-batch", o->micro_batch, "Micro-batch per GPU")->capture_default_str();
