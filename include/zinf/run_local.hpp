@@ -43,7 +43,8 @@ namespace zinf {
 struct LocalRunOptions {
   // Every rank's HostDevice; the ordinal is replaced by the rank.
   HostDeviceOptions device;
-  // How long a rank waits in a collective for the others. 0: the config's
+  // How long a rank waits in a collective for the others: the communicators' timeout and, for
+  // the engines, zinf.collective_timeout_ms in place of the config's. 0: the config's
   // zinf.collective_timeout_ms.
   std::chrono::milliseconds collective_timeout{0};
   // As Env::nvme_paths and Env::trace, for every rank's engine.

@@ -14,6 +14,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
 #include <cerrno>
 #include <cmath>
 #include <cstring>
@@ -532,8 +533,10 @@ class Engine::Impl {
     // The step overwrites parameters the caller's queued work may still read.
     if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     coord_->freeze_order();
+    report_.skipped = false;
     Status st = step_impl(micro, average_over != 0 ? average_over : micro, start);
-    if (!st.is_ok()) return fail(st);
+    // An overflow at the loss scale's floor is reported, not sticky (skipped()).
+    if (!st.is_ok()) return report_.skipped ? st : fail(st);
     return report_;
   }
 
@@ -639,6 +642,18 @@ class Engine::Impl {
     rep.wall_ns = Trace::now_ns() - start;
     ++steps_;
     ++skipped_steps_;
+    if (rank_ == 0 && config_.fp16.enabled) {
+      // Expected while dynamic loss scaling finds its scale (DeepSpeed logs each one too).
+      log_info("step() call {}: gradients not finite at loss scale {}: step skipped, scale now {}",
+               steps_, rep.loss_scale, rep.next_loss_scale);
+    } else if (rank_ == 0 && std::has_single_bit(static_cast<std::uint64_t>(skipped_steps_))) {
+      // Without loss scaling a non-finite gradient is the model's or the data's: said at the
+      // 1st, 2nd, 4th, 8th, ... such step, so that a run that stalls on it is not silent.
+      log_warn(
+          "step() call {}: the gradients are not finite (NaN or inf): the step was skipped and "
+          "the parameters left as they were ({} step(s) skipped so far; StepReport::skipped)",
+          steps_, skipped_steps_);
+    }
     if (at_floor) {
       return Status::aborted(fmt::format(
           "step() call {}: the gradients are not finite with the loss scale already at "

@@ -89,10 +89,14 @@ Status run_local(int world_size, const Config& config, const LocalRankFn& fn,
     devices.push_back(std::move(device).value());
     device_ptrs.push_back(devices.back().get());
   }
+  // The option's timeout, where given, bounds the engines' waits too (zinf.collective_timeout_ms):
+  // Engine::open warns when the two differ.
+  Config job_config = config;
+  if (options.collective_timeout.count() > 0) {
+    job_config.collective_timeout_ms = options.collective_timeout.count();
+  }
   LocalCommOptions comm_options;
-  comm_options.timeout = options.collective_timeout.count() > 0
-                             ? options.collective_timeout
-                             : std::chrono::milliseconds(config.collective_timeout_ms);
+  comm_options.timeout = std::chrono::milliseconds(job_config.collective_timeout_ms);
   Result<std::vector<std::unique_ptr<Communicator>>> comms =
       make_local_comm_group(device_ptrs, comm_options);
   if (!comms.is_ok()) return comms.status().with_context("run_local: communicator group");
@@ -107,7 +111,7 @@ Status run_local(int world_size, const Config& config, const LocalRankFn& fn,
     env.nvme_paths = options.nvme_paths;
     env.trace = options.trace;
     try {
-      threads.emplace_back([&, rank, env] { run_rank(rank, config, env, fn, first_error); });
+      threads.emplace_back([&, rank, env] { run_rank(rank, job_config, env, fn, first_error); });
     } catch (const std::system_error& error) {
       // The threads already started must not wait for this rank in a collective.
       first_error.report(rank, Status::resource_exhausted(fmt::format(

@@ -342,33 +342,71 @@ TEST(EngineLossScale, GrowsAfterAWindowOfGoodSteps) {
 }
 
 // An overflow with the scale already at fp16.min_loss_scale: skipped like any other, then
-// reported naming the key (DeepSpeed raises an error there); the engine goes on training.
+// reported naming the key (DeepSpeed raises an error there); the engine goes on training, with
+// the optimizer's state on the host (the overlapped step's path) and on the device (the
+// sequential one).
 TEST(EngineLossScale, AnOverflowAtTheFloorIsSkippedAndReportedNamingTheKey) {
-  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.fp16.enabled = true;
-  config.fp16.initial_scale_power = 2;  // 4: one overflow halves it to the floor
-  config.fp16.min_loss_scale = 2;
-  config.fp16.hysteresis = 1;
-  const Model model = engine_test::make_model(DType::kF16, 43);
+  for (const OffloadDevice state : {OffloadDevice::kHost, OffloadDevice::kNone}) {
+    SCOPED_TRACE(state == OffloadDevice::kHost ? "optimizer state on the host" : "on the device");
+    Config config = engine_test::small_config(2, state, OffloadDevice::kNone, "");
+    config.fp16.enabled = true;
+    config.fp16.initial_scale_power = 2;  // 4: one overflow halves it to the floor
+    config.fp16.min_loss_scale = 2;
+    config.fp16.hysteresis = 1;
+    const Model model = engine_test::make_model(DType::kF16, 43);
+    const std::vector<Status> status =
+        engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
+          StepReport report;
+          // Above the floor: skipped, halved, no error.
+          ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 1, true, &report));
+          EXPECT_TRUE(report.skipped);
+          EXPECT_EQ(engine.loss_scale(), 2.0);
+          // At the floor: skipped, the scale kept, and step() says so.
+          Status s = scaled_step(engine, model, rank, 2, true, &report);
+          EXPECT_EQ(s.code(), Code::kAborted) << s.to_string();
+          EXPECT_NE(s.message().find("fp16.min_loss_scale"), std::string::npos) << s.to_string();
+          EXPECT_EQ(engine.loss_scale(), 2.0);
+          // Not sticky: a good step applies.
+          ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 3, false, &report));
+          EXPECT_FALSE(report.skipped);
+          EXPECT_EQ(report.step, 1);
+          return Status::ok();
+        });
+    ASSERT_TRUE(status[0].is_ok()) << status[0].to_string();
+  }
+}
+
+// Without loss scaling a non-finite gradient skips the step too, and is said on stderr at the
+// 1st, 2nd, 4th, ... such step (a run that stalls on NaNs is not silent); the step after applies.
+// (With the state offloaded and no clipping, the overlapped step would have begun updating during
+// the backward: that step fails instead, OverlapOpen.ANonFiniteGradientFailsTheStep...)
+TEST(EngineLossScale, ANonFiniteGradientWithoutLossScalingIsSkippedAndSaid) {
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  const Model model = engine_test::make_model(DType::kF16, 44);
+  std::vector<std::string> said;
   const std::vector<Status> status =
       engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
         StepReport report;
-        // Above the floor: skipped, halved, no error.
-        ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 1, true, &report));
-        EXPECT_TRUE(report.skipped);
-        EXPECT_EQ(engine.loss_scale(), 2.0);
-        // At the floor: skipped, the scale kept, and step() says so.
-        Status s = scaled_step(engine, model, rank, 2, true, &report);
-        EXPECT_EQ(s.code(), Code::kAborted) << s.to_string();
-        EXPECT_NE(s.message().find("fp16.min_loss_scale"), std::string::npos) << s.to_string();
-        EXPECT_EQ(engine.loss_scale(), 2.0);
-        // Not sticky: a good step applies.
-        ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 3, false, &report));
+        for (int call = 1; call <= 3; ++call) {
+          ::testing::internal::CaptureStderr();
+          Status s = scaled_step(engine, model, rank, call, true, &report);
+          said.push_back(::testing::internal::GetCapturedStderr());
+          ZINF_RETURN_IF_ERROR(s);
+          EXPECT_TRUE(report.skipped) << call;
+        }
+        ZINF_RETURN_IF_ERROR(scaled_step(engine, model, rank, 4, false, &report));
         EXPECT_FALSE(report.skipped);
         EXPECT_EQ(report.step, 1);
         return Status::ok();
       });
   ASSERT_TRUE(status[0].is_ok()) << status[0].to_string();
+  ASSERT_EQ(said.size(), 3u);
+  EXPECT_NE(said[0].find("step() call 1: the gradients are not finite (NaN or inf)"),
+            std::string::npos)
+      << said[0];
+  EXPECT_NE(said[1].find("(2 step(s) skipped so far"), std::string::npos) << said[1];
+  EXPECT_EQ(said[2].find("not finite"), std::string::npos) << said[2];
 }
 
 // --- Bad input -------------------------------------------------------------------------------

@@ -56,6 +56,24 @@ Status register_fc(Engine& engine, std::vector<float>& w, std::vector<float>& b)
                                     .initial_values = b.data()});
 }
 
+// LocalRunOptions::collective_timeout is the engines' zinf.collective_timeout_ms too: no warning
+// that the communicator's timeout differs from the config's.
+TEST(RunLocal, TheOptionsTimeoutIsTheEnginesToo) {
+  LocalRunOptions options;
+  options.collective_timeout = std::chrono::milliseconds(2'000);
+  ::testing::internal::CaptureStderr();
+  const Status status = run_local(
+      2, stage3_config(),
+      [&](Engine& engine, int) {
+        EXPECT_EQ(engine.config().collective_timeout_ms, 2'000);
+        return Status::ok();
+      },
+      options);
+  const std::string said = ::testing::internal::GetCapturedStderr();
+  ASSERT_TRUE(status.is_ok()) << status.to_string();
+  EXPECT_EQ(said.find("collective_timeout_ms"), std::string::npos) << said;
+}
+
 TEST(RunLocal, RanksTrainTogetherAndEveryThreadIsJoined) {
   constexpr int kWorld = 3;
   g_threads_ended = 0;
