@@ -43,18 +43,31 @@ Why not_a(const Json& v, std::string_view what) {
   return fmt::format("{} is not {}", v.dump(), what);
 }
 
+Why too_large(const Json& v, std::uint64_t max) {
+  return fmt::format("{} is larger than the largest allowed, {}", v.dump(), max);
+}
+
 // A non-negative count; DeepSpeed configs often write counts as floats (1e9).
-Why count_of(const Json& v, std::uint64_t* out) {
+Why count_of(const Json& v, std::uint64_t* out, std::uint64_t max) {
+  // 2^64, exactly. A whole double below it converts to an std::uint64_t; one at or above it (1e30,
+  // or an integer past 2^64 - 1, which the JSON reader holds as a double) is too large.
+  constexpr double kTwoTo64 = 18446744073709551616.0;
+  std::uint64_t value = 0;
   if (v.is_number_unsigned()) {
-    *out = v.get<std::uint64_t>();
+    value = v.get<std::uint64_t>();
   } else if (v.is_number_integer() && v.get<std::int64_t>() >= 0) {
-    *out = static_cast<std::uint64_t>(v.get<std::int64_t>());
-  } else if (v.is_number_float() && v.get<double>() >= 0 && v.get<double>() < 1.8e19 &&
+    value = static_cast<std::uint64_t>(v.get<std::int64_t>());
+  } else if (v.is_number_float() && v.get<double>() >= kTwoTo64) {
+    // Every double this large is whole: the count is too large, not a fraction.
+    return too_large(v, max);
+  } else if (v.is_number_float() && v.get<double>() >= 0 &&
              std::floor(v.get<double>()) == v.get<double>()) {
-    *out = static_cast<std::uint64_t>(v.get<double>());
+    value = static_cast<std::uint64_t>(v.get<double>());
   } else {
     return not_a(v, "a non-negative whole number");
   }
+  if (value > max) return too_large(v, max);
+  *out = value;
   return std::nullopt;
 }
 

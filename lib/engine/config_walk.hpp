@@ -74,14 +74,19 @@ struct Key {
 // --- value readers (config.cpp) ---------------------------------------------------------------
 
 Why not_a(const Json& v, std::string_view what);
-// A non-negative count; DeepSpeed configs often write counts as floats (1e9).
-Why count_of(const Json& v, std::uint64_t* out);
+// A non-negative count; DeepSpeed configs often write counts as floats (1e9). A whole number
+// beyond `max` is refused as too large (too_large), naming `max`; a fraction or a negative number
+// is refused as not a non-negative whole number.
+Why count_of(const Json& v, std::uint64_t* out,
+             std::uint64_t max = std::numeric_limits<std::uint64_t>::max());
+// "<v> is larger than the largest allowed, <max>".
+Why too_large(const Json& v, std::uint64_t max);
+// A count into a field of type T, up to T's largest value.
 template <typename T>
 Why count_as(const Json& v, T* out) {
   std::uint64_t value = 0;
-  if (Why why = count_of(v, &value)) return why;
-  if (value > static_cast<std::uint64_t>(std::numeric_limits<T>::max())) {
-    return fmt::format("{} is too large", v.dump());
+  if (Why why = count_of(v, &value, static_cast<std::uint64_t>(std::numeric_limits<T>::max()))) {
+    return why;
   }
   *out = static_cast<T>(value);
   return std::nullopt;

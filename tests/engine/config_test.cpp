@@ -230,6 +230,49 @@ TEST(Config, MisCasedKeysAreRefusedWithTheRightSpelling) {
   }
 }
 
+// A count beyond what its field holds is refused as too large, naming the largest allowed; a
+// fraction or a negative number is still "not a non-negative whole number".
+TEST(Config, CountsBeyondTheirRangeAreRefusedAsTooLarge) {
+  struct Case {
+    const char* json;
+    const char* message;
+  };
+  const Case cases[] = {
+      {R"({"zero_optimization": {"sub_group_size": 1e30}})",
+       "zero_optimization.sub_group_size: 1e+30 is larger than the largest allowed, "
+       "18446744073709551615"},
+      // One past 2^64 - 1, which JSON readers hold as a double.
+      {R"({"zero_optimization": {"reduce_bucket_size": 18446744073709551616}})",
+       "zero_optimization.reduce_bucket_size: 1.8446744073709552e+19 is larger than the largest "
+       "allowed, 18446744073709551615"},
+      // A narrower field: its own largest.
+      {R"({"zinf": {"world_size": 3000000000}})",
+       "zinf.world_size: 3000000000 is larger than the largest allowed, 2147483647"},
+      {R"({"zinf": {"io_timeouts_max": 1e10}})",
+       "zinf.io_timeouts_max: 10000000000.0 is larger than the largest allowed, 4294967295"},
+      {R"({"zero_optimization": {"sub_group_size": -1e30}})",
+       "zero_optimization.sub_group_size: -1e+30 is not a non-negative whole number"},
+      {R"({"zero_optimization": {"sub_group_size": 2.5}})",
+       "zero_optimization.sub_group_size: 2.5 is not a non-negative whole number"},
+      {R"({"zero_optimization": {"sub_group_size": -3}})",
+       "zero_optimization.sub_group_size: -3 is not a non-negative whole number"},
+  };
+  for (const Case& c : cases) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
+  }
+  // The largest is accepted, written as an integer or as a float just below 2^64.
+  Result<Config> largest = parse_config(
+      R"({"zero_optimization": {"stage3_max_live_parameters": 18446744073709551615}})");
+  ASSERT_TRUE(largest.is_ok()) << largest.status().to_string();
+  EXPECT_EQ(largest->zero.stage3_max_live_parameters, 18446744073709551615u);
+  Result<Config> below = parse_config(
+      R"({"zero_optimization": {"stage3_max_live_parameters": 1.8446744073709550e19}})");
+  ASSERT_TRUE(below.is_ok()) << below.status().to_string();
+  EXPECT_EQ(below->zero.stage3_max_live_parameters, 18446744073709549568u);
+}
+
 // The first refused key in file order is the one named, and check_config reports every key.
 TEST(Config, CheckReportsEveryKeyInFileOrder) {
   const char* text = R"({
