@@ -3,7 +3,8 @@
 // Every key zinf knows is in a table (config_keys.cpp) with what zinf does with it: used (read into
 // Config), accepted with no effect in zinf (and why), or refused (and why). A key that is in no
 // table is refused as unknown; keys are case-sensitive, as DeepSpeed's are, and a key that differs
-// from a known one only in case is refused with a hint. The walk over a JSON object reports every
+// from a known one of its section only in case, or by a slip of a few letters, is refused naming
+// that key. The walk over a JSON object reports every
 // key in file order (check_config); parse_config() fails with the first refused key's report, so
 // the engine, the planner and `zinf config check` give the same message for the same file. After
 // the walk, walk_text() refuses what DeepSpeed refuses about the file as a whole: a key given twice
@@ -29,6 +30,9 @@
 #include <optional>
 #include <span>
 #include <sstream>
+#include <string_view>
+#include <utility>
+#include <vector>
 
 #include "engine/config_names.hpp"
 #include "engine/config_walk.hpp"
@@ -142,11 +146,67 @@ bool equal_ignoring_case(std::string_view a, std::string_view b) {
   return true;
 }
 
-std::string unknown_key_why(std::span<const Key> keys, std::string_view name) {
-  for (const Key& k : keys) {
-    if (equal_ignoring_case(k.name, name)) {
-      return fmt::format("unknown key (keys are case-sensitive: \"{}\")", k.name);
+// The optimal string alignment distance from `a` to `b`: the fewest insertions, deletions,
+// substitutions and swaps of two adjacent characters that turn one into the other, no character
+// edited twice (Damerau-Levenshtein with that restriction; Damerau 1964, "A technique for
+// computer detection and correction of spelling errors"). A swap is one edit, so "devcie" is one
+// edit from "device". Row i of the table holds the distances from a's first i characters to each
+// prefix of b; only the last three rows are kept.
+std::size_t edit_distance(std::string_view a, std::string_view b) {
+  const std::size_t columns = b.size() + 1;
+  std::vector<std::size_t> before(columns), last(columns), row(columns);
+  for (std::size_t j = 0; j < columns; ++j) last[j] = j;
+  for (std::size_t i = 1; i <= a.size(); ++i) {
+    row[0] = i;
+    for (std::size_t j = 1; j < columns; ++j) {
+      const std::size_t substitute = last[j - 1] + (a[i - 1] == b[j - 1] ? 0 : 1);
+      row[j] = std::min({last[j] + 1, row[j - 1] + 1, substitute});
+      if (i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1]) {
+        row[j] = std::min(row[j], before[j - 2] + 1);
+      }
     }
+    std::swap(before, last);
+    std::swap(last, row);
+  }
+  return last[b.size()];
+}
+
+std::optional<std::string> misspelling_hint(std::span<const std::string_view> known,
+                                            std::string_view name) {
+  for (std::string_view k : known) {
+    if (equal_ignoring_case(k, name)) {
+      return fmt::format("keys are case-sensitive: \"{}\"", k);
+    }
+  }
+  // A slip is at most two edits: one in a name of three to five characters, none in a shorter
+  // one (every one-letter key is one edit from "x", and it is a slip of none of them), and one in
+  // ten characters of a long name. Not more: whole words differ at a third of a name, and DeepSpeed
+  // keys zinf does not read would be taken for slips (gradient_accumulation_dtype is 3 edits from
+  // gradient_accumulation_steps, offload_optimizer_states 7 from offload_optimizer).
+  const std::size_t limit = std::max(std::min<std::size_t>(2, name.size() / 3), name.size() / 10);
+  std::optional<std::string_view> nearest;
+  std::size_t nearest_distance = limit + 1;
+  for (std::string_view k : known) {
+    // The lengths' difference is a floor on the distance; skipping on it also bounds the work
+    // for a long key to the length of a known one.
+    const std::size_t length_difference =
+        name.size() > k.size() ? name.size() - k.size() : k.size() - name.size();
+    if (length_difference > limit) continue;
+    const std::size_t d = edit_distance(name, k);
+    if (d < nearest_distance) {
+      nearest = k;
+      nearest_distance = d;
+    }
+  }
+  if (!nearest) return std::nullopt;
+  return fmt::format("did you mean \"{}\"?", *nearest);
+}
+
+std::string unknown_key_why(std::span<const Key> keys, std::string_view name) {
+  std::vector<std::string_view> known;
+  for (const Key& k : keys) known.push_back(k.name);
+  if (std::optional<std::string> hint = misspelling_hint(known, name)) {
+    return fmt::format("unknown key ({})", *hint);
   }
   return "unknown key (misspelt, or not supported by zinf)";
 }
@@ -285,6 +345,9 @@ void walk_optimizer(const Json& section, const std::string& path, Walk& w) {
         w.optimizer.torch_adam = params->at("torch_adam").get<bool>();
       }
       const bool adam = kind == OptimizerKind::kAdam || kind == OptimizerKind::kAdamW;
+      auto takes = [adam, kind](const ParamKey& c) {
+        return adam ? c.adam : kind == OptimizerKind::kAdagrad ? c.adagrad : c.lion;
+      };
       for (auto p = params->begin(); p != params->end(); ++p) {
         const std::string pkey = join(key, p.key());
         const ParamKey* pk = nullptr;
@@ -295,12 +358,19 @@ void walk_optimizer(const Json& section, const std::string& path, Walk& w) {
           w.refuse(pkey, "DeepSpeed refuses it too: use the top-level gradient_clipping");
           continue;
         }
-        const bool takes = pk != nullptr && (adam                              ? pk->adam
-                                             : kind == OptimizerKind::kAdagrad ? pk->adagrad
-                                                                               : pk->lion);
-        if (!takes) {
-          w.refuse(pkey, fmt::format("unknown key (not a parameter of DeepSpeed's {})",
-                                     deepspeed_type_name(kind)));
+        if (pk == nullptr || !takes(*pk)) {
+          // A slip of a parameter this type takes is named; a parameter of another type is not.
+          std::optional<std::string> hint;
+          if (pk == nullptr) {
+            std::vector<std::string_view> known;
+            for (const ParamKey& c : kOptimizerParamKeys) {
+              if (takes(c)) known.push_back(c.name);
+            }
+            hint = misspelling_hint(known, p.key());
+          }
+          w.refuse(pkey,
+                   fmt::format("unknown key (not a parameter of DeepSpeed's {}{}{})",
+                               deepspeed_type_name(kind), hint ? "; " : "", hint ? *hint : ""));
           continue;
         }
         if (p.value().is_string() && p.value().get<std::string>() == "auto") {

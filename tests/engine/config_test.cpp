@@ -230,6 +230,76 @@ TEST(Config, MisCasedKeysAreRefusedWithTheRightSpelling) {
   }
 }
 
+// An unknown key that is a slip of a known key of its own section (Damerau-Levenshtein distance
+// at most 2; 1 for a key of 3 to 5 characters, one in ten characters for a long one) is refused
+// naming that key; one near nothing is refused as before. The messages are what
+// `zinf config check` and zinf.torch show.
+TEST(Config, UnknownKeysSuggestTheNearestKeyOfTheirSection) {
+  struct Case {
+    const char* json;
+    const char* message;  // the whole message
+  };
+  const Case cases[] = {
+      {R"({"zero_optimization": {"stage3_param_persitance_threshold": 1e5}})",
+       "zero_optimization.stage3_param_persitance_threshold: unknown key (did you mean "
+       "\"stage3_param_persistence_threshold\"?)"},
+      {R"({"gradient_acumulation_steps": 4})",
+       "gradient_acumulation_steps: unknown key (did you mean \"gradient_accumulation_steps\"?)"},
+      {R"({"optimizer": {"type": "AdamW", "params": {"weight_decy": 0.1}}})",
+       "optimizer.params.weight_decy: unknown key (not a parameter of DeepSpeed's AdamW; did you "
+       "mean \"weight_decay\"?)"},
+      // A transposition is one edit.
+      {R"({"zero_optimization": {"offload_optimizer": {"devcie": "cpu"}}})",
+       "zero_optimization.offload_optimizer.devcie: unknown key (did you mean \"device\"?)"},
+      {R"({"zinf": {"world_sise": 4}})",
+       "zinf.world_sise: unknown key (did you mean \"world_size\"?)"},
+      {R"({"optimizer": {"typ": "Adam"}})", "optimizer.typ: unknown key (did you mean \"type\"?)"},
+      {R"({"fp16": {"loss_scale_windows": 100}})",
+       "fp16.loss_scale_windows: unknown key (did you mean \"loss_scale_window\"?)"},
+      // The suggestion comes from the key's own section: "stage" is a key of zero_optimization,
+      // not of the root.
+      {R"({"stag": 3})", "stag: unknown key (misspelt, or not supported by zinf)"},
+      // Nothing near: no suggestion.
+      {R"({"some_new_section": {}})",
+       "some_new_section: unknown key (misspelt, or not supported by zinf)"},
+      {R"({"zero_optimization": {"comm_overlap": true}})",
+       "zero_optimization.comm_overlap: unknown key (misspelt, or not supported by zinf)"},
+      {R"({"zinf": {"x": 1}})", "zinf.x: unknown key (misspelt, or not supported by zinf)"},
+      // Short keys: one slip ("aoi"), not two ("comp" is not "comet").
+      {R"({"aoi": {}})", "aoi: unknown key (did you mean \"aio\"?)"},
+      {R"({"comp": {}})", "comp: unknown key (misspelt, or not supported by zinf)"},
+      // DeepSpeed keys zinf does not read, a word away from one it does: not taken for slips.
+      {R"({"gradient_accumulation_dtype": "fp32"})",
+       "gradient_accumulation_dtype: unknown key (misspelt, or not supported by zinf)"},
+      {R"({"zero_optimization": {"offload_optimizer_states": true}})",
+       "zero_optimization.offload_optimizer_states: unknown key (misspelt, or not supported by "
+       "zinf)"},
+      // Three slips in a key of 30 characters are still one in ten.
+      {R"({"trian_micro_bach_size_per_gpus": 1})",
+       "trian_micro_bach_size_per_gpus: unknown key (did you mean "
+       "\"train_micro_batch_size_per_gpu\"?)"},
+      // A parameter of another optimizer type is not a slip: no suggestion.
+      {R"({"optimizer": {"type": "Lion", "params": {"eps": 1e-8}}})",
+       "optimizer.params.eps: unknown key (not a parameter of DeepSpeed's Lion)"},
+      // Case first: a key that differs only in case keeps its own hint.
+      {R"({"zero_optimization": {"Stage": 3}})",
+       "zero_optimization.Stage: unknown key (keys are case-sensitive: \"stage\")"},
+  };
+  for (const Case& c : cases) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
+  }
+  // check_config, which `zinf config check` prints, gives the same reason against the key.
+  Result<std::vector<KeyReport>> report =
+      check_config(R"({"train_batch_size": 8, "gradient_acumulation_steps": 4})");
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  ASSERT_EQ(report->size(), 2u);
+  EXPECT_EQ((*report)[1].key, "gradient_acumulation_steps");
+  EXPECT_EQ((*report)[1].use, KeyUse::kRefused);
+  EXPECT_EQ((*report)[1].why, "unknown key (did you mean \"gradient_accumulation_steps\"?)");
+}
+
 // A count beyond what its field holds is refused as too large, naming the largest allowed; a
 // fraction or a negative number is still "not a non-negative whole number".
 TEST(Config, CountsBeyondTheirRangeAreRefusedAsTooLarge) {
