@@ -12,14 +12,29 @@ constexpr int kUnset = -1;
 std::atomic<int> g_level{kUnset};
 std::mutex g_write_mutex;
 
+std::atomic<bool> g_warned_env{false};
+
+// The level ZINF_LOG names; warn when it is unset or empty. A value that is no level is reported,
+// naming it and the levels, by the first call only: threads that read the level together, and
+// the read at start-up below followed by the one at the first log line, write one warning.
 int level_from_env() {
   const char* text = std::getenv("ZINF_LOG");
   if (text != nullptr && *text != '\0') {
     if (auto level = parse_log_level(text)) return static_cast<int>(*level);
-    std::fprintf(stderr, "zinf warn: ZINF_LOG=%s is not one of error, warn, info, debug\n", text);
+    if (!g_warned_env.exchange(true)) {
+      std::fprintf(stderr,
+                   "zinf warn: ZINF_LOG=%s is not a log level (error, warn, info, debug); logging "
+                   "at warn\n",
+                   text);
+    }
   }
   return static_cast<int>(LogLevel::kWarn);
 }
+
+// Checks ZINF_LOG when the program starts, so that a value that is no level is reported by a
+// program that never logs, or sets its level itself, too; not silently ignored. The level itself
+// is still read the first time it is needed (log_level()).
+[[maybe_unused]] const int g_level_from_env_at_start = level_from_env();
 
 const char* level_name(LogLevel level) {
   switch (level) {
