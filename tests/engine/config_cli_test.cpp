@@ -1,6 +1,6 @@
-// What a user typed, as the zinf command reads it: a misspelt key in `zinf config check FILE`. Runs
-// the zinf binary of the same build (bin/zinf beside tests/); skips, saying so, when it has not
-// been built.
+// What a user typed, as the zinf command reads it: a misspelt key in `zinf config check FILE` and
+// the names `zinf ckpt export --dtype` takes. Runs the zinf binary of the same build (bin/zinf
+// beside tests/); skips, saying so, when it has not been built.
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -35,6 +35,21 @@ TEST_F(ConfigCli, ConfigCheckSuggestsTheKeyAMisspeltOneIsNear) {
                      "(did you mean \"stage3_param_persistence_threshold\"?))"),
             std::string::npos)
       << out;
+}
+
+// --dtype takes f32, DType's own name, as fp32: both get as far as reading the checkpoint (there
+// is none here) and fail the same way; a name that is neither is refused listing the names.
+TEST_F(ConfigCli, CkptExportTakesF32AsFp32) {
+  test::ScratchDir scratch("config_cli");
+  const std::string base = zinf_binary() + " ckpt export '" + scratch.path() + "' --out '" +
+                           scratch.path() + "/out.safetensors' 2>&1 --dtype ";
+  std::string fp32, f32, f16;
+  EXPECT_EQ(run_command(base + "fp32", &fp32), 1) << fp32;
+  EXPECT_EQ(run_command(base + "f32", &f32), 1) << f32;
+  EXPECT_NE(fp32.find("no checkpoint in"), std::string::npos) << fp32;
+  EXPECT_EQ(f32, fp32);
+  EXPECT_NE(run_command(base + "f16", &f16), 0) << f16;
+  EXPECT_NE(f16.find("--dtype: f16 not in {fp32,f32,bf16}"), std::string::npos) << f16;
 }
 
 }  // namespace

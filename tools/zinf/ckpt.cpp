@@ -5,7 +5,7 @@
 //                                                   tag, a tag whose manifest does not read)
 //                                                   below, exit 1 on any; saves in progress or
 //                                                   cut short as notes
-//   zinf ckpt export DIR [--tag T] --out FILE [--dtype fp32|bf16]
+//   zinf ckpt export DIR [--tag T] --out FILE [--dtype fp32|f32|bf16]
 //                                                   every parameter's full fp32 master (from
 //                                                   any world size) as one safetensors file
 #include <fmt/format.h>
@@ -92,8 +92,9 @@ void setup_ckpt(CLI::App& app) {
   sub->add_option("dir", exp->dir, "Checkpoint directory")->required();
   sub->add_option("--tag", exp->tag, "Tag (default: the one `latest` names)");
   sub->add_option("--out", exp->out, "safetensors file to write")->required();
-  sub->add_option("--dtype", exp->dtype, "fp32 or bf16 (rounded to nearest even)")
-      ->check(CLI::IsMember({"fp32", "bf16"}))
+  // f32 is DType's own name for fp32 (dtype_name(DType::kF32)), so both are taken.
+  sub->add_option("--dtype", exp->dtype, "fp32 (or f32) or bf16 (rounded to nearest even)")
+      ->check(CLI::IsMember({"fp32", "f32", "bf16"}))
       ->capture_default_str();
   sub->callback([exp] { run_export(*exp); });
 }
