@@ -403,3 +403,39 @@ def test_init_distributed_leaves_torch_distributed_to_the_script(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(NotImplementedError, match="mpirun"):
         zinf.torch.init_distributed()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_checkpoint_keeps_the_models_buffers(stage, tmp_path):
+    """DeepSpeed's checkpoint holds the module's state_dict, buffers included: BatchNorm's
+    running statistics and count come back, so the resumed model evaluates as the saved one."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8),
+                                   torch.nn.Linear(8, 1))
+
+    config = mlp_config(stage)
+    generator = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 4, generator=generator) + 3 for _ in range(3)]
+    engine, _, _, _ = zinf.torch.initialize(model=make(), config=config)
+    for x in batches:
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    batch_norm = engine.module[1]
+    assert int(batch_norm.num_batches_tracked) == 3
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    engine.eval()
+    probe = torch.randn(5, 4, generator=generator)
+    with torch.no_grad():
+        expected = engine(probe).clone()
+
+    resumed, _, _, _ = zinf.torch.initialize(model=make(), config=config)
+    assert int(resumed.module[1].num_batches_tracked) == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(resumed.module[1], name), getattr(batch_norm, name)), name
+    resumed.eval()
+    with torch.no_grad():
+        assert torch.equal(resumed(probe), expected)

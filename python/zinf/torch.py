@@ -966,6 +966,41 @@ class ZinfEngine(nn.Module):
                 self.lr_scheduler, ConfigLRScheduler):
             self.lr_scheduler.step(**(lr_kwargs or {}))
 
+    def _persistent_buffers(self):
+        """(name, buffer) of the model's buffers that its state_dict() holds (BatchNorm's running
+        statistics and counts, say), as DeepSpeed's checkpoint keeps them in the module's."""
+        for module_name, module in self.module.named_modules():
+            for name, buffer in module._buffers.items():
+                if buffer is not None and name not in module._non_persistent_buffers_set:
+                    yield (f"{module_name}.{name}" if module_name else name), buffer
+
+    def _load_buffers(self, saved: dict | None, path: str):
+        """Copies a checkpoint's buffers into the model's (rank 0's, which every rank loads, as
+        DeepSpeed's module state is dp rank 0's); refuses a shape that differs, and warns of
+        buffers on one side only (a checkpoint written before buffers were saved has none)."""
+        if saved is None:
+            saved = {}
+        own = dict(self._persistent_buffers())
+        for name, buffer in own.items():
+            if name in saved and saved[name].shape != buffer.shape:
+                raise ValueError(f"load_checkpoint('{path}'): buffer '{name}' has shape "
+                                 f"{tuple(saved[name].shape)} in the checkpoint but "
+                                 f"{tuple(buffer.shape)} in the model")
+        with torch.no_grad():
+            for name, buffer in own.items():
+                if name in saved:
+                    buffer.copy_(saved[name])
+        missing = sorted(set(own) - set(saved))
+        unexpected = sorted(set(saved) - set(own))
+        if missing or unexpected:
+            warnings.warn(
+                f"load_checkpoint('{path}'): " + "; ".join(
+                    part for part in (
+                        missing and f"the model's buffers {missing[:5]} are not in the "
+                        "checkpoint and keep their values",
+                        unexpected and f"the checkpoint's buffers {unexpected[:5]} are not "
+                        "the model's and were not loaded") if part), stacklevel=3)
+
     def _steps_applied(self) -> int:
         """The optimizer steps that updated the parameters (DeepSpeed's scheduler count)."""
         return self.global_steps - self.skipped_steps
@@ -1100,6 +1135,8 @@ class ZinfEngine(nn.Module):
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                  "lr": self.get_lr(), "client_state": client_state or {},
+                 "buffers": {name: buffer.detach().clone()
+                             for name, buffer in self._persistent_buffers()},
                  "lr_from_schedule": self._lrs_shown is not None
                  and self.get_lr() == self._lrs_shown}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
@@ -1203,6 +1240,7 @@ class ZinfEngine(nn.Module):
         path = os.path.join(load_dir, str(tag))
         self._core.load_checkpoint(load_dir, str(tag))
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
+        self._load_buffers(state.get("buffers"), path)
         self.global_steps = state["global_steps"]
         self.micro_steps = state["micro_steps"]
         self.skipped_steps = state.get("skipped_steps", 0)
