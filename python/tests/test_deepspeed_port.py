@@ -439,3 +439,27 @@ def test_a_checkpoint_keeps_the_models_buffers(stage, tmp_path):
     resumed.eval()
     with torch.no_grad():
         assert torch.equal(resumed(probe), expected)
+
+
+def test_a_backward_past_the_steps_micro_batches_is_refused_and_the_engine_goes_on():
+    # Two engine.backward() calls where the config takes one per step: the second is refused
+    # before autograd runs, and the step() after it applies the first alone, as torch would.
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(2, "cpu"))
+    reference = make_mlp()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    first, second = mlp_batches(2)
+    engine.backward(mlp_loss(engine, first))
+    with pytest.raises(NotImplementedError,
+                       match=r"micro-batch 2 .* over gradient_accumulation_steps \(1\): call "
+                             r"engine.step\(\) after each engine.backward\(\)"):
+        engine.backward(mlp_loss(engine, second))
+    engine.step()
+    assert engine.was_step_applied() and engine.global_steps == 1
+    mlp_loss(reference, first).backward()
+    torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+    optimizer.step()
+    assert engine.get_global_grad_norm() is not None
+    for name, expected in reference.named_parameters():
+        got = engine.read_parameter(name)
+        assert torch.allclose(got, expected.detach(), rtol=1e-5, atol=1e-7), name

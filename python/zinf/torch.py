@@ -764,6 +764,17 @@ class ZinfEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
+        if (self._boundary_override is None
+                and self._micro_batches_pending >= self._gradient_accumulation_steps):
+            # Refused before autograd runs: the engine keeps the micro-batches it has, and a
+            # step() applies them.
+            raise NotImplementedError(
+                f"engine.backward(): micro-batch {self._micro_batches_pending + 1} since the last "
+                f"optimizer step, over gradient_accumulation_steps "
+                f"({self._gradient_accumulation_steps}): call engine.step() after each "
+                "engine.backward() (it applies the optimizer once every "
+                "gradient_accumulation_steps calls), or raise gradient_accumulation_steps in the "
+                "config to the backward passes one step takes")
         if (self._boundary_override is not None
                 and self._micro_batches_pending >= self._gradient_accumulation_steps):
             with self._aborting_on_error("backward"):
