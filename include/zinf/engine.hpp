@@ -451,6 +451,9 @@ class Engine {
   // The learning rate the next step runs with (the default group's): the schedule's, or the
   // last set_learning_rate()'s.
   double learning_rate() const;
+  // The (beta1, beta2) the next step runs with: OneCycle's cycled momentum where the schedule
+  // cycles it (cycle_momentum), else the optimizer's betas.
+  std::pair<double, double> betas() const;
 
   // Defines a parameter group (see ParamGroup). REQUIRES: before finalize(). kInvalidArgument
   // for an empty or repeated name, a weight_decay or lr_scale that is not finite, more than 63

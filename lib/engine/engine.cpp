@@ -757,8 +757,8 @@ class Engine::Impl {
     return schedule_.lr_at(schedule_.config().last_batch_iteration + step - 1);
   }
 
-  // group_params_ for applied step `step`. Allocates nothing.
-  void set_step_params(std::int64_t step) {
+  // The optimizer's hyper-parameters for applied step `step`, the schedule's betas in them.
+  OptimizerParams params_for_step(std::int64_t step) const {
     OptimizerParams base = config_.optimizer;
     const ScheduledBetas betas =
         schedule_.betas_at(schedule_.config().last_batch_iteration + step - 1);
@@ -766,7 +766,12 @@ class Engine::Impl {
       base.beta1 = betas.beta1;
       base.beta2 = betas.beta2;
     }
-    group_params(base, lr_for_step(step), param_groups_, &group_params_);
+    return base;
+  }
+
+  // group_params_ for applied step `step`. Allocates nothing.
+  void set_step_params(std::int64_t step) {
+    group_params(params_for_step(step), lr_for_step(step), param_groups_, &group_params_);
   }
 
   Status set_lr_schedule(const ScheduleConfig& config) {
@@ -1105,6 +1110,10 @@ Status Engine::set_learning_rate(double lr) {
   return impl_->set_learning_rate(lr);
 }
 double Engine::learning_rate() const { return impl_->lr_for_step(impl_->t_ + 1); }
+std::pair<double, double> Engine::betas() const {
+  const OptimizerParams next = impl_->params_for_step(impl_->t_ + 1);
+  return {next.beta1, next.beta2};
+}
 Status Engine::add_param_group(const ParamGroup& group) { return impl_->add_param_group(group); }
 Status Engine::set_lr_schedule(const ScheduleConfig& schedule) {
   return impl_->set_lr_schedule(schedule);

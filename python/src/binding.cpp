@@ -13,6 +13,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -529,6 +530,7 @@ NB_MODULE(_zinf, m) {
       .def("set_learning_rate",
            [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })
       .def_prop_ro("learning_rate", [](const PyEngine& e) { return e.engine().learning_rate(); })
+      .def_prop_ro("betas", [](const PyEngine& e) { return e.engine().betas(); })
       .def_prop_ro("rank", [](const PyEngine& e) { return e.engine().rank(); })
       .def_prop_ro("world_size", [](const PyEngine& e) { return e.engine().world_size(); })
       .def("config_json",

@@ -268,3 +268,32 @@ def test_a_resumed_run_follows_its_own_configs_schedule(tmp_path):
         assert resumed.get_lr() == pytest.approx([warmup_decay(5, total, max_lr)], rel=1e-12)
         train_mlp_zinf(resumed, batches[6:])
         assert resumed.get_lr() == pytest.approx([warmup_decay(7, total, max_lr)], rel=1e-12)
+
+
+def test_one_cycle_shows_its_momentum_in_the_groups_betas(tmp_path):
+    """DeepSpeed's OneCycle cycles beta1 (and sets beta2 to 0.99) in the optimizer's groups;
+    get_mom() and param_groups' "betas" show the next step's, from its formula in double:
+    scale = x / (S1 / S) in the first half of the cycle, x = b / S - floor(b / S), b = n + 1,
+    beta1 = cycle_max_mom - (cycle_max_mom - cycle_min_mom) * scale; before the first step
+    (iteration -1) DeepSpeed's OneCycle sets cycle_min_mom."""
+    first, second, min_mom, max_mom = 3, 3, 0.8, 0.9
+    config = scheduled_config("WarmupDecayLR", tmp_path)
+    config["scheduler"] = {"type": "OneCycle", "params": {
+        "cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2, "cycle_first_step_size": first,
+        "cycle_min_mom": min_mom, "cycle_max_mom": max_mom}}
+
+    def beta1(n):
+        if n < 0:
+            return min_mom
+        size = first + second
+        x = (n + 1) / size - math.floor((n + 1) / size)
+        ratio = first / size
+        scale = x / ratio if x <= ratio else (x - 1) / (ratio - 1)
+        return max_mom - (max_mom - min_mom) * scale
+
+    engine, optimizer, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    for k, batch in enumerate(mlp_batches(5)):
+        # After k applied steps the next runs at iteration k - 1.
+        assert engine.get_mom()[0] == pytest.approx((beta1(k - 1), 0.99), rel=1e-12), k
+        assert optimizer.param_groups[0]["betas"] == engine.get_mom()[0]
+        train_mlp_zinf(engine, [batch])

@@ -1060,10 +1060,15 @@ class ZinfEngine(nn.Module):
 
     def _show_engine_lr(self):
         """Sets every group's "lr" to the rate the engine runs it at in the next step: the
-        engine's learning rate (the schedule's) times the group's ratio to the config's lr."""
+        engine's learning rate (the schedule's) times the group's ratio to the config's lr; and
+        the "betas" of a group that has them to the next step's (OneCycle cycles beta1, as
+        DeepSpeed's sets the groups' betas)."""
         lr = self._core.learning_rate
+        betas = tuple(self._core.betas)
         for group, initial in zip(self.optimizer.param_groups, self._initial_lrs):
             group["lr"] = lr if initial == self._base_lr else lr * (initial / self._base_lr)
+            if "betas" in group:
+                group["betas"] = betas
         self._lrs_shown = self.get_lr()
         self._lr_pushed = lr
 
