@@ -7,8 +7,9 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import (assert_mlp_matches, make_batches, make_mlp, make_model, mlp_batches,
-                      mlp_config, train_mlp_torch, train_mlp_zinf, train_zinf, zinf_config)
+from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, assert_mlp_matches, make_batches,
+                      make_mlp, make_model, mlp_batches, mlp_config, train_mlp_torch,
+                      train_mlp_zinf, train_zinf, zinf_config)
 
 
 def open_stage3(tmp_path, **zero):
@@ -158,3 +159,61 @@ def test_gathered_parameters_shows_the_trained_values(tmp_path):
     # Training goes on after it, with its prefetch order intact.
     train_zinf(engine, make_batches(1, seed=9))
     assert engine.counters()["live_elements"] == 0
+
+
+class _TiedOutput(torch.nn.Module):
+    """Uses its child's weight in its own forward (an output layer tied to an embedding)."""
+
+    def __init__(self, register: bool):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)
+        self.bias = torch.nn.Parameter(torch.zeros(4))
+        if register:
+            zinf.torch.zero.register_external_parameter(self, self.embed.weight)
+
+    def forward(self, x):
+        return torch.nn.functional.linear(torch.tanh(self.embed(x)), self.embed.weight.t(),
+                                          self.bias)
+
+
+def test_an_external_parameter_is_gathered_where_it_is_registered():
+    """DeepSpeed's register_external_parameter: the parent's forward gathers the child's weight
+    it uses; without it, torch's shape error carries a note saying what to do."""
+    torch.manual_seed(0)
+    reference = _TiedOutput(register=False)
+    config = mlp_config(3)
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    torch.manual_seed(0)
+    engine, _, _, _ = zinf.torch.initialize(model=_TiedOutput(register=True), config=config)
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(2, 4, generator=generator)
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        reference(x).pow(2).mean().backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    for name, expected in reference.named_parameters():
+        assert torch.allclose(engine.read_parameter(name), expected.detach(), rtol=1e-5,
+                              atol=1e-7), name
+
+    torch.manual_seed(0)
+    unregistered, _, _, _ = zinf.torch.initialize(model=_TiedOutput(register=False),
+                                                  config=config)
+    with pytest.raises(RuntimeError) as raised:
+        unregistered(torch.randn(2, 4))
+    assert any("register_external_parameter(module, parameter)" in note
+               for note in getattr(raised.value, "__notes__", [])), raised.value
+    # The forward the error cut short holds no gather.
+    assert not any(unregistered._gather_count.values()), unregistered._gather_count
+    # Registered on the engine's model after initialize(): gathered from the next forward on.
+    model = unregistered.module
+    zinf.torch.zero.register_external_parameter(model, model.embed.weight)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        assert unregistered(x).shape == (2, 4)
+    zinf.torch.zero.unregister_external_parameter(model, model.embed.weight)
+    with pytest.raises(RuntimeError):
+        unregistered(x)

@@ -64,11 +64,41 @@ __all__ = ["initialize", "Init", "GatheredParameters", "ZinfEngine", "ZinfOptimi
 
 Error = _zinf.Error
 
-# deepspeed.zero's names, for scripts that write deepspeed.zero.Init and
-# deepspeed.zero.GatheredParameters.
-zero = types.SimpleNamespace(Init=Init, GatheredParameters=GatheredParameters)
+def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's deepspeed.zero.register_external_parameter: at ZeRO stage 3 each module's
+    forward gathers the parameters it owns; a parameter of another module that `module`'s
+    forward uses directly (a tied weight read as `self.embed.weight` in a parent's forward) must
+    be registered so that it is gathered there too. Call it in the module's __init__, before
+    initialize(), or after; below stage 3 it changes nothing."""
+    externals = module.__dict__.setdefault("_zinf_external_params", [])
+    if not any(p is parameter for p in externals):
+        externals.append(parameter)
+    ref = getattr(parameter, "_zinf_engine", None)
+    engine = ref() if ref is not None else None
+    if engine is not None:
+        engine._use_external(module, parameter)
+
+
+def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
+    """DeepSpeed's: undoes register_external_parameter()."""
+    externals = module.__dict__.get("_zinf_external_params", [])
+    module.__dict__["_zinf_external_params"] = [p for p in externals if p is not parameter]
+    ref = getattr(parameter, "_zinf_engine", None)
+    engine = ref() if ref is not None else None
+    if engine is not None and engine._owner.get(id(parameter)) is not None:
+        engine._drop_external(module, parameter)
+
+
+# deepspeed.zero's names, for scripts that write deepspeed.zero.Init,
+# deepspeed.zero.GatheredParameters and deepspeed.zero.register_external_parameter.
+zero = types.SimpleNamespace(Init=Init, GatheredParameters=GatheredParameters,
+                             register_external_parameter=register_external_parameter,
+                             unregister_external_parameter=unregister_external_parameter)
 
 _ROOT_MODULE = "(root)"
+# Words of torch's errors for a tensor of the wrong shape, as an empty (released) parameter
+# gives: such an error at stage 3 gets a note on register_external_parameter().
+_SHAPE_WORDS = ("size", "shape", "dimension", "matrix", "mat1", "mat2", "elements", "numel")
 _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -478,6 +508,9 @@ class ZinfEngine(nn.Module):
                 self._names[id(param)] = full_name
                 self._owner[id(param)] = engine_module
                 self._owned.setdefault(engine_module, []).append(param)
+        for module in model.modules():
+            for param in module.__dict__.get("_zinf_external_params", ()):
+                self._use_external(module, param)
         groups = self._define_groups(model_parameters, defaults)
         group_of = {id(p): g["_zinf_group"] for g in groups for p in g["params"]}
         self._shapes = {}
@@ -500,6 +533,29 @@ class ZinfEngine(nn.Module):
         for g in groups:
             del g["_zinf_group"]
         return groups
+
+    def _use_external(self, module: nn.Module, param: nn.Parameter):
+        """register_external_parameter(): `module`'s forward (and its backward) uses `param`,
+        another module's, so the engine module owning it is gathered with `module`'s."""
+        if id(param) not in self._params:
+            raise ValueError(
+                f"register_external_parameter({type(module).__name__}, ...): the parameter "
+                f"(shape {tuple(param.shape)}) is not one of the model's")
+        uses = self._uses.setdefault(module, [])
+        if not any(p is param for p in uses):
+            uses.append(param)
+            self._users.setdefault(id(param), []).append(module)
+        if (getattr(self, "_hook_handles", None) is not None and self.stage == 3
+                and module not in self._hooked):
+            self._hook_module(module)
+
+    def _drop_external(self, module: nn.Module, param: nn.Parameter):
+        """unregister_external_parameter(): `module` no longer gathers `param`'s module, unless
+        the parameter is its own."""
+        if any(own is param for _, own in module.named_parameters(recurse=False)):
+            return
+        self._uses[module] = [p for p in self._uses.get(module, []) if p is not param]
+        self._users[id(param)] = [m for m in self._users.get(id(param), []) if m is not module]
 
     def _define_groups(self, model_parameters, defaults: dict) -> list[dict]:
         """torch's parameter groups (model_parameters: parameters, or dicts with "params" and
@@ -580,10 +636,16 @@ class ZinfEngine(nn.Module):
         self._hook_handles = []
         for param in self._params.values():
             self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
+        self._hooked: set[nn.Module] = set()
         if self.stage == 3:
             for module in self._uses:
-                self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward))
-                self._hook_handles.append(module.register_forward_hook(self._post_forward))
+                self._hook_module(module)
+
+    def _hook_module(self, module: nn.Module):
+        """Gathers the engine modules `module` uses for its forward (stage 3)."""
+        self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward))
+        self._hook_handles.append(module.register_forward_hook(self._post_forward))
+        self._hooked.add(module)
 
     # ---- stage 3: gather and release ----------------------------------------------------------
 
@@ -759,8 +821,26 @@ class ZinfEngine(nn.Module):
         with self._aborting_on_error("forward"):
             if self.stage < 3:
                 return self.module(*args, **kwargs)
+            held = dict(self._gather_count)
             with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
-                return self.module(*args, **kwargs)
+                try:
+                    return self.module(*args, **kwargs)
+                except BaseException as error:
+                    # The modules whose forward the error cut short keep no gather: the engine
+                    # can step, and the next forward gathers afresh.
+                    for engine_module, count in held.items():
+                        while self._gather_count[engine_module] > count:
+                            self._release(engine_module)
+                    if isinstance(error, RuntimeError) and any(word in str(error)
+                                                               for word in _SHAPE_WORDS):
+                        error.add_note(
+                            "zinf.torch, ZeRO stage 3: a parameter holds its values only during "
+                            "the forward of the module that owns it, and is an empty tensor "
+                            "elsewhere; if a module's forward uses another module's parameter "
+                            "(a tied weight read as self.<child>.weight), register it there with "
+                            "zinf.torch.zero.register_external_parameter(module, parameter), "
+                            "as with DeepSpeed")
+                    raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
