@@ -854,23 +854,32 @@ class Engine::Impl {
 
   Status save_checkpoint(std::string_view dir, std::string_view tag) {
     const std::string call = fmt::format("save_checkpoint('{}', '{}')", dir, tag);
-    ZINF_RETURN_IF_ERROR(settle());
+    ZINF_RETURN_IF_ERROR(collective_call(call, settle()));
     ResumeState r{t_, numerics_->scaler(), config_.optimizer.lr, lr_override_, schedule_.config()};
     if (coord_->order_frozen()) r.gather_order = gather_order_names(layout_, coord_->order());
     r.client_state = client_state_;
     r.previous_clip_coef = numerics_->previous_clip_coef();
-    return zinf::save_checkpoint(checkpoint_context(), call, std::string(dir), std::string(tag),
-                                 checkpoint_precondition(call), r);
+    return collective_call(
+        call, zinf::save_checkpoint(checkpoint_context(), call, std::string(dir), std::string(tag),
+                                    checkpoint_precondition(call), r));
+  }
+
+  // A collective call's timeout says that every rank makes the call (a save on rank 0 alone is
+  // a common mistake), before the collective that ran out.
+  Status collective_call(std::string_view call, Status st) const {
+    if (st.code() != Code::kTimeout || world_ == 1) return st;
+    return st.with_context(
+        fmt::format("{} is collective: every rank calls it, and one of them did not", call));
   }
 
   Status load_checkpoint(std::string_view dir, std::string_view tag) {
     const std::string call =
         fmt::format("load_checkpoint('{}'{})", dir, tag.empty() ? "" : fmt::format(", '{}'", tag));
-    ZINF_RETURN_IF_ERROR(settle());
+    ZINF_RETURN_IF_ERROR(collective_call(call, settle()));
     ResumeState r;
-    ZINF_RETURN_IF_ERROR(load_checkpoint_state(checkpoint_context(), call, std::string(dir),
-                                               std::string(tag), checkpoint_precondition(call),
-                                               &r));
+    ZINF_RETURN_IF_ERROR(collective_call(
+        call, load_checkpoint_state(checkpoint_context(), call, std::string(dir), std::string(tag),
+                                    checkpoint_precondition(call), &r)));
     t_ = r.step;
     numerics_->scaler().restore(r.loss_scale, r.loss_scale_good_steps,
                                 r.loss_scale_hysteresis_left);

@@ -10,11 +10,13 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "engine_test_util.hpp"
@@ -236,6 +238,40 @@ TEST(CheckpointTags, AnEngineWithItsOwnScheduleKeepsItAtTheCheckpointsStep) {
   OneEngine plain(config, model);
   ASSERT_TRUE(plain.engine->load_checkpoint(dir).is_ok());
   EXPECT_DOUBLE_EQ(plain.engine->learning_rate(), expected(3, 10));
+}
+
+// A save on one rank only (a common mistake: saving "on rank 0") fails at the collective timeout
+// with an error that says the call is collective, before the collective that ran out.
+TEST(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
+  engine_test::ScratchDir scratch("ckpt-one-rank");
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.collective_timeout_ms = 500;
+  const Model model = engine_test::make_model(DType::kF32, 25);
+  engine_test::Ranks ranks = engine_test::make_ranks(2, std::chrono::milliseconds(500));
+  Status saved;
+  std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+    Env env;
+    env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+    env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    ZINF_RETURN_IF_ERROR(engine->finalize());
+    TrainOptions options;
+    options.steps = 1;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, options, nullptr, nullptr));
+    if (rank == 0) {
+      saved = engine->save_checkpoint(scratch.path() + "/ckpt", "t");
+    } else {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // not saving
+    }
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(saved.code(), Code::kTimeout) << saved.to_string();
+  EXPECT_NE(saved.message().find("save_checkpoint('" + scratch.path() +
+                                 "/ckpt', 't') is collective: every rank calls it"),
+            std::string::npos)
+      << saved.to_string();
 }
 
 // Faults in the checkpoint's own I/O, one kind per case: the save fails naming the file it was
