@@ -126,14 +126,11 @@ Why device_of(const Json& v, OffloadDevice* out) {
   return std::nullopt;
 }
 
-// --- the walk ---------------------------------------------------------------------------------
+}  // namespace config_detail
 
-const Key* find_key(std::span<const Key> keys, std::string_view name) {
-  for (const Key& k : keys) {
-    if (k.name == name) return &k;
-  }
-  return nullptr;
-}
+// --- "did you mean" --------------------------------------------------------------------------
+
+namespace {
 
 bool equal_ignoring_case(std::string_view a, std::string_view b) {
   if (a.size() != b.size()) return false;
@@ -171,6 +168,8 @@ std::size_t edit_distance(std::string_view a, std::string_view b) {
   return last[b.size()];
 }
 
+}  // namespace
+
 std::optional<std::string> misspelling_hint(std::span<const std::string_view> known,
                                             std::string_view name) {
   for (std::string_view k : known) {
@@ -200,6 +199,17 @@ std::optional<std::string> misspelling_hint(std::span<const std::string_view> kn
   }
   if (!nearest) return std::nullopt;
   return fmt::format("did you mean \"{}\"?", *nearest);
+}
+
+namespace config_detail {
+
+// --- the walk ---------------------------------------------------------------------------------
+
+const Key* find_key(std::span<const Key> keys, std::string_view name) {
+  for (const Key& k : keys) {
+    if (k.name == name) return &k;
+  }
+  return nullptr;
 }
 
 std::string unknown_key_why(std::span<const Key> keys, std::string_view name) {

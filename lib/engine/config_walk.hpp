@@ -101,15 +101,8 @@ Why path_of(const Json& v, std::string* out);
 Why only_bool(const Json& v, bool supported, std::string_view why);
 Why device_of(const Json& v, OffloadDevice* out);
 
-// A hint for an unknown key `name` that looks like a slip of one of `known`, the keys of its
-// section: `keys are case-sensitive: "<key>"` when it differs from one only in case, else
-// `did you mean "<key>"?` naming the nearest one within two edits (insertion, deletion,
-// substitution, swap of two neighbours; one for a name of 3 to 5 characters, none for a shorter
-// one, one in ten characters for a name of 30 or more); the first of equally near ones. Nothing
-// when none is that near.
-std::optional<std::string> misspelling_hint(std::span<const std::string_view> known,
-                                            std::string_view name);
-// The reason an unknown key is refused: "unknown key (<misspelling_hint>)" against `keys`, or
+// The reason an unknown key is refused: "unknown key (<misspelling_hint>)" against `keys`
+// (misspelling_hint() is in config_names.hpp), or
 // "unknown key (misspelt, or not supported by zinf)" without a hint.
 std::string unknown_key_why(std::span<const Key> keys, std::string_view name);
 

@@ -7,8 +7,11 @@
 
 #include <cmath>
 #include <numbers>
+#include <optional>
 #include <span>
+#include <string>
 
+#include "engine/config_names.hpp"
 #include "engine/schedule.hpp"
 
 namespace zinf {
@@ -151,9 +154,12 @@ Status parse_scheduler_section(const json& section, ScheduleConfig* out) {
     bool found = false;
     for (std::string_view k : known) found = found || it.key() == k;
     if (!found) {
-      return Status::invalid_argument(fmt::format(
-          "scheduler.params.{}: unknown key for {} (misspelt, or not supported by zinf)", it.key(),
-          type));
+      // A slip is named from this type's own parameters, as the other sections' are from their
+      // keys; a parameter of another type is no slip of one of these.
+      const std::optional<std::string> hint = misspelling_hint(known, it.key());
+      return Status::invalid_argument(
+          fmt::format("scheduler.params.{}: unknown key for {} ({})", it.key(), type,
+                      hint ? *hint : "misspelt, or not supported by zinf"));
     }
   }
   ZINF_RETURN_IF_ERROR(read_int(params, "warmup_num_steps", &c.warmup_num_steps));

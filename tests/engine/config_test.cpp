@@ -300,6 +300,59 @@ TEST(Config, UnknownKeysSuggestTheNearestKeyOfTheirSection) {
   EXPECT_EQ((*report)[1].why, "unknown key (did you mean \"gradient_accumulation_steps\"?)");
 }
 
+// A scheduler parameter that is a slip of one the schedule type takes is refused naming it, by
+// the same rule as the other sections; the suggestion comes from that type's own parameters.
+TEST(Config, UnknownSchedulerParamsSuggestTheNearestParamOfTheirType) {
+  struct Case {
+    const char* json;
+    const char* message;  // the whole message
+  };
+  const Case cases[] = {
+      {R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100,
+           "warmup_num_step": 10}}})",
+       "scheduler.params.warmup_num_step: unknown key for WarmupDecayLR (did you mean "
+       "\"warmup_num_steps\"?)"},
+      {R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_step": 100}}})",
+       "scheduler.params.total_num_step: unknown key for WarmupDecayLR (did you mean "
+       "\"total_num_steps\"?)"},
+      {R"({"scheduler": {"type": "OneCycle", "params": {"cycle_min_lr": 0,
+           "cycle_max_lrr": 1e-3}}})",
+       "scheduler.params.cycle_max_lrr: unknown key for OneCycle (did you mean \"cycle_max_lr\"?)"},
+      {R"({"scheduler": {"type": "WarmupCosineLR", "params": {"cos_min_ration": 0.1}}})",
+       "scheduler.params.cos_min_ration: unknown key for WarmupCosineLR (did you mean "
+       "\"cos_min_ratio\"?)"},
+      // A parameter of another type is not a slip of one of this type's: no suggestion.
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"total_num_steps": 100}}})",
+       "scheduler.params.total_num_steps: unknown key for WarmupLR (misspelt, or not supported "
+       "by zinf)"},
+      // WarmupLR takes no total_num_steps, so a slip of it is no slip of a WarmupLR parameter.
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"total_num_step": 100}}})",
+       "scheduler.params.total_num_step: unknown key for WarmupLR (misspelt, or not supported by "
+       "zinf)"},
+      // Case first, as elsewhere.
+      {R"({"scheduler": {"type": "WarmupLR", "params": {"warmup_max_LR": 1e-3}}})",
+       "scheduler.params.warmup_max_LR: unknown key for WarmupLR (keys are case-sensitive: "
+       "\"warmup_max_lr\")"},
+  };
+  for (const Case& c : cases) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
+  }
+  // `zinf config check` shows the same reason against the key.
+  Result<std::vector<KeyReport>> report = check_config(
+      R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_step": 10}}})");
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  bool found = false;
+  for (const KeyReport& r : *report) {
+    if (r.key != "scheduler.params.warmup_num_step") continue;
+    found = true;
+    EXPECT_EQ(r.use, KeyUse::kRefused);
+    EXPECT_EQ(r.why, "unknown key for WarmupDecayLR (did you mean \"warmup_num_steps\"?)");
+  }
+  EXPECT_TRUE(found);
+}
+
 // A count beyond what its field holds is refused as too large, naming the largest allowed; a
 // fraction or a negative number is still "not a non-negative whole number".
 TEST(Config, CountsBeyondTheirRangeAreRefusedAsTooLarge) {
