@@ -97,6 +97,7 @@ Status ParameterLayout::lay_out(const Config& config, int rank, int world, RankE
   }
   ZINF_RETURN_IF_ERROR(part_->finalize());
   ZINF_RETURN_IF_ERROR(check_ranks_agree(rank, world, exchange));
+  ZINF_RETURN_IF_ERROR(check_initial_values_agree(world, exchange));
 
   // Groups per module, and which stay gathered.
   const std::uint32_t groups = part_->group_count();
@@ -226,6 +227,32 @@ Status ParameterLayout::check_ranks_agree(int rank, int world, RankExchange& exc
   }
   return Status::invalid_argument(
       "finalize: ranks registered different partitioner options (world size, stage)");
+}
+
+Status ParameterLayout::check_initial_values_agree(int world, RankExchange& exchange) const {
+  if (world == 1) return Status::ok();
+  const std::size_t count = regs_.size();
+  std::vector<std::uint64_t> hashes(count, 0);
+  for (std::size_t id = 0; id < count; ++id) {
+    const std::vector<float>& v = regs_[id].values;
+    // 0 stands for "not compared" (an initializer); a hash of 0 itself is moved off it.
+    if (!v.empty()) hashes[id] = XXH3_64bits(v.data(), v.size() * sizeof(float)) | 1;
+  }
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> every, exchange.exchange(hashes.data(), count));
+  for (std::size_t id = 0; id < count; ++id) {
+    for (int r = 1; r < world; ++r) {
+      const std::uint64_t theirs = every[static_cast<std::size_t>(r) * count + id];
+      if (every[id] != 0 && theirs != 0 && theirs != every[id]) {
+        return Status::invalid_argument(fmt::format(
+            "finalize: parameter '{}' has different initial values on rank 0 and rank {}: every "
+            "rank keeps its own part of the values it registers, so they must be the same on "
+            "every rank (build the model with the same seed on every rank, or load the same "
+            "weights; DeepSpeed copies rank 0's to the others)",
+            regs_[id].spec.name, r));
+      }
+    }
+  }
+  return Status::ok();
 }
 
 Status ParameterLayout::fill_master(std::size_t first, std::size_t count, float* out) const {

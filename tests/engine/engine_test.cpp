@@ -527,6 +527,36 @@ TEST(EngineBadInput, RanksRegisteringDifferentShapesFailOnEveryRankNamingThePara
   }
 }
 
+// Ranks registering different initial values for a parameter (a model built with a seed that
+// depends on the rank): each rank would keep its own part of different values, so finalize
+// refuses, naming the parameter and the rank, on every rank.
+TEST(EngineBadInput, RanksRegisteringDifferentInitialValuesFailNamingTheParameter) {
+  const int world = 2;
+  const Model model = engine_test::make_model(DType::kF32, 64);
+  for (int stage : {1, 3}) {
+    Config config =
+        engine_test::small_config(stage, OffloadDevice::kNone, OffloadDevice::kNone, "");
+    engine_test::Ranks ranks = engine_test::make_ranks(world);
+    std::vector<Status> errors(world);
+    std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      Model mine = model;
+      if (rank == 1) mine.initial[3][17] += 0.25f;  // block1.w
+      ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, mine));
+      errors[static_cast<std::size_t>(rank)] = engine->finalize();
+      return Status::ok();
+    });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+    for (const Status& e : errors) {
+      EXPECT_EQ(e.code(), Code::kInvalidArgument) << e.to_string();
+      EXPECT_TRUE(contains(e,
+                           "parameter 'block1.w' has different initial values on rank 0 and "
+                           "rank 1"))
+          << e.to_string();
+    }
+  }
+}
+
 // Ranks given configs with different stages (one config file per process, mistyped): finalize
 // names the option and both values on every rank.
 TEST(EngineBadInput, RanksWithDifferentStagesNameTheStage) {
