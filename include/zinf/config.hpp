@@ -41,7 +41,9 @@
 // "bfloat16"), of which DeepSpeed reads one. "auto" (the Hugging Face Trainer's
 // placeholder) is refused for a key zinf uses: nothing fills it in. The exceptions are
 // train_batch_size and train_micro_batch_size_per_gpu, where "auto" counts as not given: zinf
-// derives them as DeepSpeed does (resolve_batch_sizes()).
+// derives them as DeepSpeed does (resolve_batch_sizes()). That needs a number in one of the two:
+// where each is "auto" or absent (and one is "auto"), the "auto" ones are refused, as DeepSpeed
+// refuses a config with neither. A config with no batch key at all runs micro-batches of 1.
 //
 // Units: DeepSpeed's `*_size`, `*_parameters` and `*_threshold` keys count parameters
 // (elements), except aio.block_size, which is bytes (DeepSpeed's own meaning); zinf's `*_bytes`

@@ -8,7 +8,8 @@
 // key in file order (check_config); parse_config() fails with the first refused key's report, so
 // the engine, the planner and `zinf config check` give the same message for the same file. After
 // the walk, walk_text() refuses what DeepSpeed refuses about the file as a whole: a key given twice
-// in one object, and one setting under two of its names (kSameSettings).
+// in one object, one setting under two of its names (kSameSettings), and "auto" batch sizes with
+// no train_batch_size or train_micro_batch_size_per_gpu written (refuse_unfilled_batch_sizes).
 //
 // To add a section (say "monitor"), give it a table of its keys and a row in kRootKeys that
 // points at it (config_keys.cpp; or a walk function here, as the optimizer has, when one key
@@ -590,6 +591,33 @@ void refuse_same_settings(const Json& root, std::vector<KeyReport>* reports) {
   }
 }
 
+// DeepSpeed needs a train_batch_size or a train_micro_batch_size_per_gpu ("Either train_batch_size
+// or train_micro_batch_size_per_gpu needs to be provided": deepspeed/runtime/config.py,
+// _set_batch_related_parameters). The Hugging Face Trainer writes both over their "auto" before
+// DeepSpeed reads the file, so zinf takes "auto" there as not given and derives one from the
+// other; but where neither has a number nothing gives the micro-batch size, and the default of 1
+// would stand in for the value the Trainer would have written. Each "auto" of the two is refused
+// then. A config with neither key keeps the default: it was not written for the Trainer.
+void refuse_unfilled_batch_sizes(const Json& root, std::vector<KeyReport>* reports) {
+  constexpr std::string_view kBatchKeys[] = {"train_batch_size", "train_micro_batch_size_per_gpu"};
+  bool any_auto = false;
+  for (std::string_view name : kBatchKeys) {
+    const auto it = root.find(std::string(name));
+    if (it == root.end()) continue;
+    if (!it->is_string() || it->get<std::string>() != "auto") return;
+    any_auto = true;
+  }
+  if (!any_auto) return;
+  for (std::string_view name : kBatchKeys) {
+    if (!root.contains(std::string(name))) continue;
+    refuse_report(reports, std::string(name),
+                  "\"auto\" is a placeholder that the Hugging Face Trainer fills in before "
+                  "DeepSpeed reads the config, and with neither train_batch_size nor "
+                  "train_micro_batch_size_per_gpu written nothing gives the micro-batch size: "
+                  "write the value of one of them (DeepSpeed refuses a config with neither)");
+  }
+}
+
 // Walks `text` into `config`, reporting every key; fails only when it is not a JSON object.
 Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* reports) {
   const std::string text = strip_config_comments(raw);
@@ -618,6 +646,7 @@ Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* r
   w.reports = reports;
   walk_keys(root, "", root_keys(), w);
   refuse_same_settings(root, reports);
+  refuse_unfilled_batch_sizes(root, reports);
   for (const std::string& key : duplicates.duplicates) {
     refuse_report(reports, key,
                   "given twice in one object, which DeepSpeed refuses; a JSON reader would keep "

@@ -37,6 +37,27 @@ TEST_F(ConfigCli, ConfigCheckSuggestsTheKeyAMisspeltOneIsNear) {
       << out;
 }
 
+// Both batch sizes "auto" and nothing else giving the micro-batch size: `zinf config check`
+// refuses each of the two with the reason, keeps the other keys' verdicts, and exits 1.
+TEST_F(ConfigCli, ConfigCheckRefusesAutoBatchSizesWithNothingToDeriveFrom) {
+  test::ScratchDir scratch("config_cli");
+  const std::string path = scratch.path() + "/ds.json";
+  std::ofstream(path) << R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+    "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})";
+  std::string out;
+  const int code = run_command(zinf_binary() + " config check '" + path + "'", &out);
+  EXPECT_EQ(code, 1) << out;
+  const std::string why =
+      "refused (\"auto\" is a placeholder that the Hugging Face Trainer fills in before "
+      "DeepSpeed reads the config, and with neither train_batch_size nor "
+      "train_micro_batch_size_per_gpu written nothing gives the micro-batch size: write the value "
+      "of one of them (DeepSpeed refuses a config with neither))";
+  EXPECT_NE(out.find("train_batch_size                " + why), std::string::npos) << out;
+  EXPECT_NE(out.find("train_micro_batch_size_per_gpu  " + why), std::string::npos) << out;
+  EXPECT_NE(out.find("optimizer.params.lr             used"), std::string::npos) << out;
+  EXPECT_NE(out.find(": refused (2 of 4 keys refused)"), std::string::npos) << out;
+}
+
 // --dtype takes f32, DType's own name, as fp32: both get as far as reading the checkpoint (there
 // is none here) and fail the same way; a name that is neither is refused listing the names.
 TEST_F(ConfigCli, CkptExportTakesF32AsFp32) {

@@ -686,5 +686,79 @@ TEST(Config, BatchSizesFollowDeepSpeedsArithmetic) {
   }
 }
 
+// "auto" for train_batch_size or train_micro_batch_size_per_gpu is what the Hugging Face Trainer
+// writes over; zinf takes it as not given. Where neither key has a number, nothing gives the
+// micro-batch size (DeepSpeed refuses a config without either), so each "auto" of the two is
+// refused, naming both keys; a config without any batch key keeps the micro-batch of 1.
+TEST(Config, AutoBatchSizesWithNothingToDeriveFromAreRefused) {
+  const std::string why =
+      "\"auto\" is a placeholder that the Hugging Face Trainer fills in before DeepSpeed reads "
+      "the config, and with neither train_batch_size nor train_micro_batch_size_per_gpu written "
+      "nothing gives the micro-batch size: write the value of one of them (DeepSpeed refuses a "
+      "config with neither)";
+  struct Refused {
+    const char* json;
+    const char* key;  // the first refused, which parse_config() names
+  };
+  const Refused refused[] = {
+      {R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})",
+       "train_batch_size"},
+      {R"({"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto"})",
+       "train_micro_batch_size_per_gpu"},
+      {R"({"train_batch_size": "auto"})", "train_batch_size"},
+      {R"({"train_micro_batch_size_per_gpu": "auto"})", "train_micro_batch_size_per_gpu"},
+      // The steps alone do not give the micro-batch size, nor does the world size.
+      {R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": "auto",
+           "gradient_accumulation_steps": 2, "zinf": {"world_size": 4}})",
+       "train_batch_size"},
+  };
+  for (const Refused& c : refused) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument);
+    EXPECT_EQ(std::string(r.status().message()), fmt::format("{}: {}", c.key, why)) << c.json;
+  }
+  // `zinf config check` refuses each "auto" of the two with the same reason; the other keys keep
+  // their verdicts.
+  Result<std::vector<KeyReport>> report = check_config(refused[0].json);
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  ASSERT_EQ(report->size(), 4u);
+  for (std::size_t i : {0u, 1u}) {
+    EXPECT_EQ((*report)[i].use, KeyUse::kRefused) << (*report)[i].key;
+    EXPECT_EQ((*report)[i].why, why) << (*report)[i].key;
+  }
+  EXPECT_EQ((*report)[2].use, KeyUse::kUsed);
+  EXPECT_EQ((*report)[3].use, KeyUse::kUsed);
+
+  // Where one has a number, "auto" stays "not given", and the other is derived as before.
+  struct Accepted {
+    const char* json;
+    std::size_t micro;
+  };
+  const Accepted accepted[] = {
+      {R"({"train_batch_size": "auto", "train_micro_batch_size_per_gpu": 2})", 2},
+      {R"({"train_batch_size": 32, "train_micro_batch_size_per_gpu": "auto",
+           "zinf": {"world_size": 4}})",
+       8},
+      // No batch key at all: DeepSpeed would refuse it; zinf keeps its micro-batch of 1.
+      {R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}})", 1},
+      {R"({"gradient_accumulation_steps": 4})", 1},
+  };
+  for (const Accepted& c : accepted) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_TRUE(r.is_ok()) << c.json << ": " << r.status().to_string();
+    EXPECT_EQ(r->train_micro_batch_size_per_gpu, c.micro) << c.json;
+  }
+  // The configs of the Hugging Face integrations have both "auto" (the Trainer fills them in);
+  // one whose other "auto" keys are written out is refused for the batch keys alone.
+  const char* hf = R"({"fp16": {"enabled": false}, "gradient_accumulation_steps": 1,
+      "gradient_clipping": 1.0, "steps_per_print": 2000, "train_batch_size": "auto",
+      "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": false})";
+  Result<Config> r = parse_config(hf);
+  ASSERT_FALSE(r.is_ok());
+  EXPECT_EQ(std::string(r.status().message()), fmt::format("train_batch_size: {}", why));
+}
+
 }  // namespace
 }  // namespace zinf
