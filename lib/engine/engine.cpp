@@ -137,8 +137,20 @@ class Engine::Impl {
     return st;
   }
 
+  // Lays the parameters out (where the ranks check that they agree: every rank computes the same
+  // error), then builds the state. A failure of this rank's own in the second part (an
+  // initializer, the swap files) aborts the communicator, so that the other ranks, waiting in
+  // their next collective, fail at once naming this rank instead of at the timeout.
   Status finalize_impl() {
     ZINF_RETURN_IF_ERROR(layout_.lay_out(config_, rank_, world_, *exchange_));
+    Status st = build_state();
+    if (!st.is_ok() && world_ > 1 && st.code() != Code::kTimeout && st.code() != Code::kAborted) {
+      comm_.abort(st.with_context(fmt::format("rank {} of {}: finalize", rank_, world_)));
+    }
+    return st;
+  }
+
+  Status build_state() {
     const ZeroConfig& z = config_.zero;
     const bool stage3 = z.stage == 3;
     ZINF_RETURN_IF_ERROR(open_swap());

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -368,6 +369,49 @@ TEST(Initializer, ErrorFailsFinalizeNamingTheParameter) {
     EXPECT_EQ(again.message(), st.message());
     EXPECT_FALSE((*engine)->finalized());
   }
+}
+
+// An initializer that fails on one rank only (its shard of the file unreadable): the other ranks,
+// already waiting in the next collective, fail at once naming that rank and the error, not at the
+// collective timeout.
+TEST(Initializer, AnErrorOnOneRankFailsTheOthersAtOnce) {
+  const int world = 2;
+  const Model model = engine_test::make_model(DType::kF32, 98);
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  engine_test::Ranks ranks = engine_test::make_ranks(world, std::chrono::seconds(30));
+  std::vector<Status> errors(world);
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+    Env env;
+    env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+    env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      const ParamDef& d = model.params[p];
+      ParameterSpec spec{d.name, d.module, d.shape, d.dtype, nullptr, nullptr};
+      const std::vector<float>* values = &model.initial[p];
+      const bool fails = rank == 1 && d.name == "block1.w";
+      spec.initializer = [values, fails](std::size_t first, std::size_t count, float* out) {
+        if (fails) return Status::io_error("shard unreadable", EIO);
+        std::memcpy(out, values->data() + first, count * sizeof(float));
+        return Status::ok();
+      };
+      ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
+    }
+    errors[static_cast<std::size_t>(rank)] = engine->finalize();
+    return Status::ok();
+  });
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(errors[1].code(), Code::kIoError) << errors[1].to_string();
+  EXPECT_EQ(errors[0].code(), Code::kAborted) << errors[0].to_string();
+  EXPECT_NE(errors[0].message().find("rank 1 of 2: finalize"), std::string_view::npos)
+      << errors[0].to_string();
+  EXPECT_NE(errors[0].message().find("shard unreadable"), std::string_view::npos)
+      << errors[0].to_string();
+  EXPECT_LT(seconds, 15.0) << "the collective timeout is 30 s";
 }
 
 }  // namespace
