@@ -463,3 +463,12 @@ def test_a_backward_past_the_steps_micro_batches_is_refused_and_the_engine_goes_
     for name, expected in reference.named_parameters():
         got = engine.read_parameter(name)
         assert torch.allclose(got, expected.detach(), rtol=1e-5, atol=1e-7), name
+
+
+def test_a_config_without_an_optimizer_says_what_trains():
+    config = mlp_config(1)
+    del config["optimizer"]
+    with pytest.warns(UserWarning, match=r"no \"optimizer\" section .* AdamW .*lr 1e-3"):
+        engine, optimizer, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
+    assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.01)

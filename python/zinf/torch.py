@@ -1478,6 +1478,12 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     if unknown:
         raise TypeError(f"initialize: unexpected arguments {sorted(unknown)}")
     config = _read_config(config)
+    if not (config.get("optimizer") or {}).get("type"):
+        warnings.warn(
+            "initialize: the config has no \"optimizer\" section (or no type): zinf trains with "
+            "its default, AdamW at torch.optim.AdamW's defaults (lr 1e-3, weight_decay 0.01) and "
+            "the section's params; DeepSpeed would make no optimizer of its own. Write the "
+            "section to choose", stacklevel=2)
     engine = ZinfEngine(model, config, model_parameters, lr_scheduler, comm=comm)
     loader = None
     if training_data is not None:
