@@ -10,6 +10,7 @@ import zinf.torch
 from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, assert_mlp_matches, make_batches,
                       make_mlp, make_model, mlp_batches, mlp_config, train_mlp_torch,
                       train_mlp_zinf, train_zinf, zinf_config)
+from test_oracle import model_errors
 
 
 def open_stage3(tmp_path, **zero):
@@ -217,3 +218,24 @@ def test_an_external_parameter_is_gathered_where_it_is_registered():
     zinf.torch.zero.unregister_external_parameter(model, model.embed.weight)
     with pytest.raises(RuntimeError):
         unregistered(x)
+
+
+def test_hf_gradient_checkpointing_trains_as_torch_does(torch_reference):
+    """Hugging Face's activation checkpointing (gradient_checkpointing_enable() before
+    transformers 5.x: torch's non-reentrant checkpoint, which
+    stops its recomputation early once the backward has what it needs) at stage 3: every module
+    gathered by the recomputation is released, and training matches torch without
+    checkpointing."""
+    expected_losses, expected = torch_reference
+    model = make_model()
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=zinf_config(3))
+    losses = train_zinf(engine, make_batches())
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    # test_oracle.py's measure and bounds (the key biases' rounding walk counts in the model's).
+    model_error, worst_l2, _ = model_errors(engine, expected)
+    assert model_error < 1e-5 and worst_l2 < 2e-5, (model_error, worst_l2)

@@ -822,7 +822,13 @@ class ZinfEngine(nn.Module):
             if self.stage < 3:
                 return self.module(*args, **kwargs)
             held = dict(self._gather_count)
-            with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved):
+            # Checkpoints made in this forward (torch.utils.checkpoint non-reentrant, as Hugging
+            # Face's gradient_checkpointing_enable() makes them) recompute their whole forward in
+            # the backward: stopping early, as they do by default, would skip the post-forward
+            # hooks of the modules after the last tensor the backward needs, which then stay
+            # gathered.
+            with torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved), \
+                    torch.utils.checkpoint.set_checkpoint_early_stop(False):
                 try:
                     return self.module(*args, **kwargs)
                 except BaseException as error:
