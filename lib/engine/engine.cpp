@@ -145,7 +145,7 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(layout_.lay_out(config_, rank_, world_, *exchange_));
     Status st = build_state();
     if (!st.is_ok() && world_ > 1 && st.code() != Code::kTimeout && st.code() != Code::kAborted) {
-      comm_.abort(st.with_context(fmt::format("rank {} of {}: finalize", rank_, world_)));
+      comm_.abort(st.with_context(fmt::format("rank {} of {}", rank_, world_)));
     }
     return st;
   }
