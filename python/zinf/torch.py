@@ -682,6 +682,14 @@ class ZinfEngine(nn.Module):
             self._acquire(engine_module)
 
     def _post_forward(self, module, inputs, output):
+        if self._in_backward and torch.is_grad_enabled():
+            # A recomputation in engine.backward() (an activation checkpoint's): the tensors
+            # autograd saves here, the parameters' values among them, go to the checkpoint's own
+            # hooks, not to _pack_saved, so they are the gathered buffers themselves. The module
+            # stays gathered until its parameters' gradients have accumulated (as a gather for
+            # its backward would hold it), not released now for its buffers to be reused.
+            self._backward_holds[module] = self._backward_holds.get(module, 0) + 1
+            return output
         for engine_module in self._modules_needed(module):
             self._release(engine_module)
         # Whether autograd records this forward decides, not the training flag: a model in
