@@ -472,3 +472,29 @@ def test_a_config_without_an_optimizer_says_what_trains():
         engine, optimizer, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(1e-3)
     assert optimizer.param_groups[0]["weight_decay"] == pytest.approx(0.01)
+
+
+def test_a_resume_with_other_gradient_accumulation_steps_takes_whole_steps(tmp_path):
+    # A run at gradient_accumulation_steps 2 resumed at 4 (two ranks' run resumed on one with
+    # the same global batch): the first step after the load is applied after 4 micro-batches,
+    # each divided by 4, as a fresh engine at 4 would take it.
+    def config(accumulation):
+        config = mlp_config(1)
+        config["gradient_accumulation_steps"] = accumulation
+        return config
+
+    batches = mlp_batches(10)
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config(2))
+    for batch in batches[:6]:
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    resumed, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config(4))
+    resumed.load_checkpoint(str(tmp_path / "ckpt"))
+    applied = []
+    for batch in batches[6:]:
+        resumed.backward(mlp_loss(resumed, batch))
+        resumed.step()
+        applied.append(resumed.was_step_applied())
+    assert applied == [False, False, False, True]
+    assert resumed.global_steps == 4

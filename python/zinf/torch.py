@@ -1352,7 +1352,12 @@ class ZinfEngine(nn.Module):
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self._load_buffers(state.get("buffers"), path)
         self.global_steps = state["global_steps"]
-        self.micro_steps = state["micro_steps"]
+        # A checkpoint is taken between optimizer steps; the count is moved up to this config's
+        # next boundary, so that a run resumed with another gradient_accumulation_steps (two
+        # ranks' run resumed on one with twice the accumulation) takes whole steps from the
+        # first (DeepSpeed does not keep the count at all, and starts it again from 0).
+        gas = self._gradient_accumulation_steps
+        self.micro_steps = -(-int(state["micro_steps"]) // gas) * gas
         self.skipped_steps = state.get("skipped_steps", 0)
         self.global_samples = state.get("global_samples",
                                         self.global_steps * self.train_batch_size())
