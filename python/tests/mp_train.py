@@ -96,7 +96,9 @@ class Boom(RuntimeError):
     pass
 
 
-def fail(out_dir, timeout_ms):
+def fail(out_dir, timeout_ms, where):
+    """Rank 1 raises at step 1: in the backward of lm_head (inside engine.backward()), or in the
+    training loop between the engine's calls (where="loop")."""
     config = zinf_config(3, "cpu", "cpu", os.path.join(out_dir, "nvme"),
                          stage3_param_persistence_threshold=0)
     config["zinf"]["collective_timeout_ms"] = timeout_ms
@@ -107,12 +109,15 @@ def fail(out_dir, timeout_ms):
     step = 0
 
     def explode(module, grad_input, grad_output):
-        if rank == 1 and step == 1:
+        if where == "backward" and rank == 1 and step == 1:
             print(f"rank 1 raises at {time.time():.3f}", flush=True)
             raise Boom("injected failure in the backward of lm_head")
 
     model.lm_head.register_full_backward_hook(explode)
     for step, batch in enumerate(make_batches(3)):
+        if where == "loop" and rank == 1 and step == 1:
+            print(f"rank 1 raises at {time.time():.3f}", flush=True)
+            raise Boom("injected failure in the training loop")
         ids, labels = shard(batch, rank, world)
         loss = engine(input_ids=ids, labels=labels).loss
         engine.backward(loss)
@@ -158,4 +163,4 @@ if __name__ == "__main__":
     elif sys.argv[1] == "consolidated":
         consolidated(sys.argv[2])
     else:
-        fail(sys.argv[2], int(sys.argv[3]))
+        fail(sys.argv[2], int(sys.argv[3]), sys.argv[4])

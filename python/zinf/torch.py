@@ -42,6 +42,7 @@ import copy
 import io
 import json
 import os
+import sys
 import tempfile
 import time
 import types
@@ -267,6 +268,33 @@ def _close_open_engines():
         engine.destroy()
 
 
+def _abort_on_uncaught_exception(exc_type, exc, traceback):
+    """sys.excepthook while an engine of several ranks is open: an exception the script does not
+    catch, raised outside the engine's calls (a data error, an assert in the training loop),
+    aborts the engines' communicators before the traceback prints, so the other ranks fail at
+    once naming this rank and the exception, instead of waiting in their next collective for
+    collective_timeout_ms (this process's exit closes its engines, which waits for them too)."""
+    aborted = False
+    for engine in list(_open_engines):
+        if engine.world_size > 1 and engine._core.comm_status() == "ok":
+            engine._core.abort(f"rank {engine.global_rank} of {engine.world_size} raised "
+                               f"{exc_type.__name__}: {exc}"[:900])
+            aborted = True
+    _previous_excepthook(exc_type, exc, traceback)
+    if aborted:
+        _linger_after_abort()
+
+
+_previous_excepthook = sys.excepthook
+
+
+def _install_abort_on_uncaught_exception():
+    global _previous_excepthook
+    if sys.excepthook is not _abort_on_uncaught_exception:
+        _previous_excepthook = sys.excepthook
+        sys.excepthook = _abort_on_uncaught_exception
+
+
 class ZinfOptimizer(torch.optim.Optimizer):
     """The optimizer as torch sees it: the parameter groups, whose "lr"s the engine reads before
     each step, so torch's LR schedulers drive it. The update itself runs in the engine."""
@@ -396,6 +424,8 @@ class ZinfEngine(nn.Module):
         self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes,
                                   _choose_comm(comm))
         _open_engines.add(self)
+        if self._core.world_size > 1:
+            _install_abort_on_uncaught_exception()
         self.global_rank = self._core.rank
         self.world_size = self._core.world_size
         resolved = json.loads(self._core.config_json())
