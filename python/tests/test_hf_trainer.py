@@ -1,0 +1,204 @@
+"""The Hugging Face Trainer on zinf through zinf.deepspeed_compat: an unchanged Trainer script
+(hf_trainer_run.py, with install() added) given TrainingArguments(deepspeed=<config>) trains as
+the same script without DeepSpeed does, at ZeRO-2 and ZeRO-3 with two micro-batches a step and
+the Trainer's own AdamW and schedule; a checkpoint resumes bit-identically; save_model at stage 3
+writes the trained weights. Each training runs in a fresh process (the Trainer and Accelerate
+keep process-wide state, and install() must come before transformers is imported)."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="transformers is not installed")
+pytest.importorskip("safetensors", reason="safetensors is not installed")
+pytest.importorskip("accelerate", reason="accelerate is not installed: the Trainer reaches "
+                    "DeepSpeed (here zinf.deepspeed_compat) through it; scripts/lib.sh installs "
+                    "it into build/venv")
+
+from safetensors.torch import load_file  # noqa: E402
+
+import zinf.torch  # noqa: E402
+
+SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_trainer_run.py")
+STEPS, SAVE_STEPS, ACCUMULATION = 6, 3, 2
+# zinf's fp32 AdamW and gradient reduction against torch's: the same maths in another order of
+# float operations, over 6 steps. Measured: losses within 1e-7 relative, the weights within
+# 6e-7 relative L2 and 3e-6 per element.
+LOSS_REL, WEIGHT_REL, WEIGHT_ABS = 1e-5, 1e-5, 2e-5
+
+
+def run_trainer(out, *args, fail=False):
+    """Runs hf_trainer_run.py OUT ARGS in a fresh process. Returns its RESULT (losses: [step,
+    loss, grad_norm, lr] rows), or with fail=True its stderr after asserting that it failed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    done = subprocess.run([sys.executable, SCRIPT, str(out), "--steps", str(STEPS),
+                           "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if fail:
+        assert done.returncode != 0, done.stdout[-2000:]
+        return done.stderr
+    assert done.returncode == 0, done.stderr[-4000:]
+    line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    return json.loads(line[len("RESULT "):])
+
+
+def write_config(path, stage, gather_on_save=True):
+    """A Hugging Face style DeepSpeed config: "auto" wherever the Trainer fills a value in, and
+    no optimizer section (the Trainer's AdamW is used)."""
+    zero = {"stage": stage, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+            "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": "auto"}
+    if stage == 3:
+        zero.update({"offload_param": {"device": "cpu", "pin_memory": True},
+                     "stage3_prefetch_bucket_size": "auto",
+                     "stage3_param_persistence_threshold": 0,
+                     "stage3_gather_16bit_weights_on_model_save": gather_on_save})
+    config = {"train_micro_batch_size_per_gpu": "auto", "train_batch_size": "auto",
+              "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+              "zero_optimization": zero, "steps_per_print": 2000, "zinf": {"cpu_threads": 1}}
+    path.write_text(json.dumps(config))
+    return str(path)
+
+
+def assert_losses_match(got, expected, rel=LOSS_REL):
+    assert [row[0] for row in got["losses"]] == list(range(1, STEPS + 1))
+    assert [row[0] for row in got["losses"]] == [row[0] for row in expected["losses"]]
+    for (step, loss, norm, lr), (_, loss_ref, norm_ref, lr_ref) in zip(got["losses"],
+                                                                       expected["losses"]):
+        assert abs(loss - loss_ref) <= rel * abs(loss_ref), (step, loss, loss_ref)
+        assert abs(norm - norm_ref) <= 10 * rel * abs(norm_ref), (step, norm, norm_ref)
+        assert lr == pytest.approx(lr_ref, rel=1e-12, abs=0.0), (step, lr, lr_ref)
+
+
+def assert_weights_match(got: dict, expected: dict):
+    """The relative L2 difference over all weights within WEIGHT_REL, and every element within
+    WEIGHT_ABS. Per tensor the relative difference is no measure here: the key third of each
+    c_attn.bias has a gradient that is zero up to rounding (softmax does not change when a
+    constant is added to every score of a row), and AdamW turns that rounding noise into steps
+    of the learning rate's size in either run."""
+    assert sorted(got) == sorted(expected)
+    squares = norms = 0.0
+    for name, reference in expected.items():
+        assert got[name].shape == reference.shape, name
+        difference = got[name].float() - reference.float()
+        worst = difference.abs().max().item()
+        assert worst <= WEIGHT_ABS, f"{name}: an element differs by {worst:.2e}"
+        squares += difference.pow(2).sum().item()
+        norms += reference.float().pow(2).sum().item()
+    assert (squares / norms) ** 0.5 < WEIGHT_REL, (squares / norms) ** 0.5
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory):
+    """The script without DeepSpeed: plain torch under the Trainer."""
+    out = tmp_path_factory.mktemp("baseline")
+    result = run_trainer(out)
+    return result, load_file(str(out / "final" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def zero3(tmp_path_factory):
+    """ZeRO-3 with parameters and optimizer offloaded, the 16-bit weights gathered on save."""
+    out = tmp_path_factory.mktemp("zero3")
+    result = run_trainer(out, "--ds", write_config(out / "ds.json", 3))
+    return out, result
+
+
+def test_zero2_trains_as_the_trainer_without_deepspeed(baseline, tmp_path):
+    result = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2))
+    assert_losses_match(result, baseline[0])
+    assert_weights_match(load_file(str(tmp_path / "final" / "model.safetensors")), baseline[1])
+
+
+def test_zero3_trains_and_saves_as_the_trainer_without_deepspeed(baseline, zero3):
+    out, result = zero3
+    assert_losses_match(result, baseline[0])
+    # save_model at stage 3 gathers the sharded parameters into one state dict.
+    assert_weights_match(load_file(str(out / "final" / "model.safetensors")), baseline[1])
+
+
+def test_zero3_resume_is_bit_identical(zero3, tmp_path):
+    out, uninterrupted = zero3
+    checkpoint = out / f"checkpoint-{SAVE_STEPS}"
+    assert (checkpoint / "latest").read_text().strip() == f"global_step{SAVE_STEPS}"
+    resumed = run_trainer(tmp_path, "--ds", str(out / "ds.json"), "--resume", str(checkpoint))
+    assert resumed["losses"] == uninterrupted["losses"][SAVE_STEPS:]
+    got = load_file(str(tmp_path / "final" / "model.safetensors"))
+    expected = load_file(str(out / "final" / "model.safetensors"))
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+def test_zero3_without_gathering_saves_a_checkpoint(baseline, tmp_path):
+    """Without stage3_gather_16bit_weights_on_model_save, save_model writes a zinf checkpoint
+    (the Trainer calls save_checkpoint twice for each one; the second is skipped), whose fp32
+    weights are the trained ones."""
+    result = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 3, False))
+    assert_losses_match(result, baseline[0])
+    final = tmp_path / "final"
+    assert (final / "latest").read_text().strip() == f"global_step{STEPS}"
+    weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(final))
+    assert_weights_match({k: v for k, v in weights.items() if k in baseline[1]}, baseline[1])
+
+
+def test_frozen_parameters_are_refused(tmp_path):
+    stderr = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2), "--freeze",
+                         fail=True)
+    assert "NotImplementedError" in stderr and "do not require grad" in stderr
+    assert "transformer.wte.weight" in stderr
+
+
+def run_python(code, extra_path=None):
+    env = dict(os.environ)
+    if extra_path is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(extra_path), env.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def test_install_answers_for_deepspeed():
+    done = run_python("""
+        import importlib.metadata, importlib.util, sys
+        import zinf.deepspeed_compat as compat
+        assert importlib.util.find_spec("deepspeed") is None
+        compat.install()
+        compat.install()
+        import deepspeed, deepspeed.comm, deepspeed.runtime.zero.partition_parameters
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        assert deepspeed.__version__ == compat.VERSION == "0.18.0+zinf"
+        assert importlib.util.find_spec("deepspeed") is not None
+        assert importlib.metadata.version("deepspeed") == compat.VERSION
+        assert importlib.metadata.metadata("deepspeed")["Name"] == "deepspeed"
+        assert sys.meta_path.count(compat._finder) == 1
+        try:
+            import deepspeed.runtime.sequence_parallel.ulysses_sp
+        except ModuleNotFoundError as error:
+            assert "sequence parallelism is not supported" in str(error), error
+        else:
+            raise AssertionError("sequence parallelism imported")
+        print("ok")
+        """)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_install_refuses_a_real_deepspeed(tmp_path):
+    (tmp_path / "deepspeed").mkdir()
+    (tmp_path / "deepspeed" / "__init__.py").write_text("REAL = True\n")
+    done = run_python("""
+        import zinf.deepspeed_compat as compat
+        try:
+            compat.install()
+        except RuntimeError as error:
+            print("refused:", error)
+        compat.install(force=True)
+        import deepspeed
+        assert not hasattr(deepspeed, "REAL") and deepspeed.__version__ == compat.VERSION
+        """, extra_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "refused:" in done.stdout and "a deepspeed package is importable" in done.stdout
+    assert "force=True" in done.stdout

@@ -1,0 +1,619 @@
+"""DeepSpeed's import name over zinf.torch, so that a Hugging Face Trainer script trains on zinf.
+
+Transformers' Trainer and Accelerate drive DeepSpeed through `import deepspeed` when
+TrainingArguments(deepspeed=<config>) is given. install() makes that import find the modules
+below, which map the part of DeepSpeed's API those two libraries call onto zinf.torch:
+
+    import zinf.deepspeed_compat
+    zinf.deepspeed_compat.install()      # before transformers is imported
+    ...                                  # the Trainer script, unchanged
+
+What it covers (docs/PYTHON.md, "The Hugging Face Trainer"): ZeRO stages 1-3 with the config's
+offload; the optimizer from the config or the Trainer's (torch AdamW, Adam or Adagrad, turned
+into the config's "optimizer" section and zinf parameter groups); gradient accumulation;
+save_model (consolidated at stage 3) and checkpoints with resume; evaluate; fp16 and bf16;
+models built under zero.Init (from_config). One process.
+
+What it refuses, each with an error that says so: frozen parameters (PEFT and other adapters),
+sequence parallelism (Ulysses), tensor parallelism (autotp), an mpu, and several processes (zinf
+runs several under mpirun, but this path has not been checked there).
+
+No `deepspeed` distribution is installed: the modules are registered in sys.modules, and a finder
+on sys.meta_path answers importlib.util.find_spec and importlib.metadata for the name, which
+Transformers and Accelerate check before they use it.
+"""
+from __future__ import annotations
+
+import copy
+import importlib.abc
+import importlib.machinery
+import importlib.metadata
+import importlib.util
+import logging
+import math
+import os
+import pathlib
+import re
+import sys
+import types
+
+import torch
+
+import zinf.torch as _zt
+
+# The DeepSpeed release whose API this module stands for, with "+zinf" as a PEP 440 local
+# version. Transformers and Accelerate compare it to turn features on (Accelerate's tensor
+# parallelism wants >= 0.16.4, its DeepSpeedCPUAdam mapping >= 0.3.1); 0.18.0 is the release
+# whose Trainer path this module was checked against. It claims the call shapes below, not
+# DeepSpeed's kernels, launcher or features outside that path.
+VERSION = "0.18.0+zinf"
+
+_DEEPSPEED_NAME = "deepspeed"
+
+_METADATA = f"""\
+Metadata-Version: 2.1
+Name: {_DEEPSPEED_NAME}
+Version: {VERSION}
+Summary: DeepSpeed's API for the Hugging Face Trainer, over zinf.torch (zinf.deepspeed_compat)
+Author: zinf
+"""
+
+
+def _process_count() -> int:
+    """The processes of the job this one belongs to, as a launcher (torchrun, mpirun, srun's
+    PMI) announces them; 1 when none did."""
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
+        value = os.environ.get(key, "")
+        if value.isdigit():
+            return int(value)
+    return 1
+
+
+def _refuse_several_processes(call: str):
+    count = _process_count()
+    if count > 1:
+        raise NotImplementedError(
+            f"deepspeed.{call} (zinf.deepspeed_compat): {count} processes; the Trainer path over "
+            "zinf is verified in one process only. zinf.torch itself trains under mpirun "
+            "(docs/PYTHON.md, \"Several processes\")")
+
+
+# ---- deepspeed.comm -----------------------------------------------------------------------------
+# Accelerate and the Trainer use torch.distributed directly once DeepSpeed has set it up (the
+# Trainer's logging gathers the loss with distributed_concat). zinf's engine does not use
+# torch.distributed, so init_distributed makes a one-rank gloo group for those side calls only.
+
+def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
+                     verbose=True, timeout=None, init_method=None, dist_init_required=None,
+                     config=None, rank=-1, world_size=-1):
+    """deepspeed.init_distributed (Accelerate's PartialState, initialize()): the default
+    torch.distributed group of this one process, on gloo with an in-memory store. Several
+    processes are refused."""
+    del (dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout, init_method,
+         dist_init_required, config, rank, world_size)
+    _refuse_several_processes("init_distributed")
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
+                                             rank=0, world_size=1)
+
+
+def _comm_is_initialized() -> bool:
+    return torch.distributed.is_initialized()
+
+
+def _comm_get_rank(group=None) -> int:
+    return 0
+
+
+def _comm_get_world_size(group=None) -> int:
+    return 1
+
+
+def _comm_barrier(group=None, **kwargs):
+    """Nothing to wait for in one process."""
+
+
+# ---- deepspeed.accelerator ----------------------------------------------------------------------
+
+class _CpuAccelerator:
+    """deepspeed.accelerator.get_accelerator()'s answer: the CPU. Transformers asks it for the
+    device to load a checkpoint's tensors to (deepspeed_load_checkpoint) and for seeding."""
+
+    def device_name(self, device_index=None) -> str:
+        return "cpu"
+
+    def current_device_name(self) -> str:
+        return "cpu"
+
+    def current_device(self) -> int:
+        return 0
+
+    def device_count(self) -> int:
+        return 1
+
+    def is_available(self) -> bool:
+        return True
+
+    def communication_backend_name(self) -> str:
+        return "gloo"
+
+    def empty_cache(self):
+        pass
+
+    def synchronize(self, device_index=None):
+        pass
+
+    def manual_seed(self, seed: int):
+        torch.manual_seed(seed)
+
+    def manual_seed_all(self, seed: int):
+        torch.manual_seed(seed)
+
+    def is_bf16_supported(self) -> bool:
+        return True
+
+    def is_fp16_supported(self) -> bool:
+        return True
+
+    def set_device(self, device_index):
+        pass
+
+
+_ACCELERATOR = _CpuAccelerator()
+
+
+def get_accelerator() -> _CpuAccelerator:
+    return _ACCELERATOR
+
+
+# ---- deepspeed.runtime.zero.partition_parameters ------------------------------------------------
+# Transformers' prevent_arange_dtype_change() swaps zero_wrapper_for_fp_tensor_constructor while
+# zero.Init is entered and tests functions against _orig_torch_arange. zinf's Init does not wrap
+# torch's tensor constructors, so the wrapper returns the function as it is.
+
+_orig_torch_arange = torch.arange
+
+
+def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_device=None):
+    return fn
+
+
+# ---- deepspeed.ops ------------------------------------------------------------------------------
+
+class DeepSpeedCPUAdam(torch.optim.Optimizer):
+    """What Accelerate makes of the Trainer's optimizer when the config offloads the optimizer
+    (map_pytorch_optim_to_deepspeed): a description of the groups and hyper-parameters, which
+    initialize() turns into the config's "optimizer" section. It never steps: zinf's engine runs
+    the optimizer."""
+
+    def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 weight_decay=0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
+        if amsgrad or not bias_correction:
+            raise NotImplementedError("DeepSpeedCPUAdam (zinf.deepspeed_compat): amsgrad=True "
+                                      "or bias_correction=False have no zinf equivalent")
+        self.adamw_mode = adamw_mode
+        super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps,
+                                            weight_decay=weight_decay))
+
+    def step(self, closure=None):
+        raise RuntimeError("DeepSpeedCPUAdam (zinf.deepspeed_compat) only describes the "
+                           "optimizer for deepspeed.initialize(); the engine's step() applies it")
+
+
+class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
+    """Accelerate's mapping of torch's Adagrad under optimizer offload; initialize() reads its
+    hyper-parameters as torch's Adagrad's."""
+
+
+# ---- deepspeed.utils, deepspeed.checkpoint.utils ------------------------------------------------
+
+logger = logging.getLogger("DeepSpeed")
+
+
+def log_dist(message, ranks=None, level=logging.INFO):
+    logger.log(level, message)
+
+
+def set_z3_leaf_modules(model, leaf_module_classes):
+    """Accelerate's ZeRO-3 setting for mixture-of-experts blocks: DeepSpeed then gathers such a
+    block as one piece. zinf gathers per module that owns parameters whatever the block, so
+    nothing changes; returns the modules marked, none."""
+    return []
+
+
+def get_z3_leaf_modules(model):
+    return []
+
+
+def clone_tensors_for_torch_save(item, device=None, _copies=None):
+    """deepspeed.checkpoint.utils.clone_tensors_for_torch_save: a copy of a nest of tensors
+    whose storage holds just them. Accelerate passes the model's state_dict() through it at
+    stages 1 and 2 before the Trainer's save_model writes it. Unlike DeepSpeed's, a tensor that
+    appears under several names (tied weights: GPT-2's lm_head.weight is
+    transformer.wte.weight) stays one tensor, so that the file saved is the one the Trainer
+    writes without DeepSpeed, with the tied name left out."""
+    copies = {} if _copies is None else _copies
+    if torch.is_tensor(item):
+        # state_dict() detaches each name's tensor anew, so the same values are recognised by
+        # their memory: the same address, shape, strides and dtype.
+        key = (item.data_ptr(), tuple(item.shape), item.stride(), item.dtype)
+        if item.numel() == 0 or key not in copies:
+            detached = item.detach() if device is None else item.detach().to(device)
+            copies[key] = detached.clone()
+        return copies[key]
+    if isinstance(item, dict):
+        return type(item)({k: clone_tensors_for_torch_save(v, device, copies)
+                           for k, v in item.items()})
+    if isinstance(item, (list, tuple)):
+        return type(item)(clone_tensors_for_torch_save(v, device, copies) for v in item)
+    return item
+
+
+def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
+    """Transformers calls this for the config's tensor_parallel.autotp_size > 1."""
+    raise NotImplementedError("deepspeed.tp_model_init (zinf.deepspeed_compat): tensor "
+                              "parallelism (autotp) is not supported; remove the config's "
+                              "\"tensor_parallel\" section")
+
+
+# ---- deepspeed.runtime.engine.DeepSpeedEngine ---------------------------------------------------
+
+class DeepSpeedEngine(_zt.ZinfEngine):
+    """zinf's engine with what the Trainer and Accelerate read from DeepSpeed's: the config as a
+    dict, backward's scale_wrt_gas, and a save_checkpoint that may be called twice for one
+    checkpoint. initialize() makes it from the ZinfEngine that zinf.torch.initialize() built (it
+    adds no state that construction would set)."""
+
+    @property
+    def config(self) -> dict:
+        """DeepSpeedEngine.config: the config dict (the Trainer reads its ZeRO stage)."""
+        return self._config
+
+    @property
+    def training_dataloader(self):
+        return None
+
+    def backward(self, loss, retain_graph=False, scale_wrt_gas=True, **kwargs):
+        """DeepSpeed divides the loss by gradient_accumulation_steps, unless scale_wrt_gas is
+        False: the Trainer passes False, having divided the loss itself, so that DeepSpeed's sum
+        of the micro-batches' gradients is the step's. zinf's engine averages the micro-batches
+        (it divides their sum by gradient_accumulation_steps at the step), so with
+        scale_wrt_gas=False the loss is multiplied by that count here, which makes the same
+        sum."""
+        if kwargs:
+            raise NotImplementedError(f"DeepSpeedEngine.backward (zinf.deepspeed_compat): "
+                                      f"options {sorted(kwargs)} are not supported")
+        steps = self.gradient_accumulation_steps()
+        if not scale_wrt_gas and steps != 1:
+            loss = loss * steps
+        return super().backward(loss, retain_graph=retain_graph)
+
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
+                        exclude_frozen_parameters=False):
+        """At stage 3 without stage3_gather_16bit_weights_on_model_save the Trainer saves a
+        checkpoint by calling save_checkpoint(output_dir) twice (from save_model, then for the
+        optimizer). DeepSpeed writes the tag twice; zinf writes a tag once and refuses to
+        overwrite it. The second call, with no backward or step since the first, would write
+        the same state, so it is skipped."""
+        resolved_tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        key = (os.path.abspath(save_dir), resolved_tag, self.global_steps, self.micro_steps)
+        if getattr(self, "_compat_last_save", None) == key and not client_state:
+            return True
+        saved = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
+                                        save_latest=save_latest,
+                                        exclude_frozen_parameters=exclude_frozen_parameters)
+        self._compat_last_save = key
+        return saved
+
+
+# ---- deepspeed.initialize ------------------------------------------------------------------------
+
+# Keys the Trainer or Accelerate add to the config that DeepSpeed reads and zinf has no use for:
+# both concern which optimizer classes DeepSpeed's ZeRO may wrap.
+_CONFIG_KEYS_DROPPED = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
+
+
+def _clean_config(config: dict) -> dict:
+    """The config as the Trainer and Accelerate filled it, in the form zinf.torch reads:
+    Accelerate sets steps_per_print to float("inf") (not JSON) to silence DeepSpeed's logging."""
+    config = {k: v for k, v in config.items() if k not in _CONFIG_KEYS_DROPPED}
+    steps = config.get("steps_per_print")
+    if isinstance(steps, float) and math.isinf(steps):
+        config["steps_per_print"] = 2**31 - 1
+    tensor_parallel = config.get("tensor_parallel") or {}
+    if int(tensor_parallel.get("autotp_size", 1) or 1) > 1:
+        tp_model_init(None, tensor_parallel["autotp_size"], None)
+    return config
+
+
+def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """A torch optimizer object (the Trainer's create_optimizer(), or Accelerate's
+    DeepSpeedCPUAdam made from it) as the config's "optimizer" section and zinf parameter
+    groups: the section takes lr and weight_decay from the optimizer's defaults and betas and eps
+    from its first group; each group keeps its own lr and weight_decay, in the same order (a
+    scheduler over the object sets them by position)."""
+    defaults = optimizer.defaults
+    adagrad = isinstance(optimizer, torch.optim.Adagrad)
+    if adagrad:
+        kind = "Adagrad"
+    elif isinstance(optimizer, torch.optim.AdamW) or getattr(optimizer, "adamw_mode", False):
+        kind = "AdamW"
+    elif isinstance(optimizer, torch.optim.Adam):
+        # torch's Adam adds weight_decay to the gradient (L2); with none, it is AdamW.
+        kind = "Adam" if defaults.get("weight_decay", 0.0) else "AdamW"
+    else:
+        raise NotImplementedError(
+            f"deepspeed.initialize (zinf.deepspeed_compat): the optimizer "
+            f"{type(optimizer).__name__} has no zinf equivalent (torch's AdamW, Adam and Adagrad "
+            "are mapped); give the config an \"optimizer\" section instead")
+    for option in ("amsgrad", "maximize", "nesterov", "foreach_only"):
+        if defaults.get(option):
+            raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): the "
+                                      f"optimizer's {option}=True has no zinf equivalent")
+    groups = [g for g in optimizer.param_groups if g["params"]]
+    first = groups[0] if groups else defaults
+    params = {"lr": float(defaults["lr"]), "weight_decay": float(defaults.get("weight_decay", 0))}
+    if not adagrad:
+        params["betas"] = [float(b) for b in first.get("betas", (0.9, 0.999))]
+        params["eps"] = float(first.get("eps", 1e-8))
+    zinf_groups = [{"params": list(g["params"]), "lr": float(g["lr"]),
+                    "weight_decay": float(g.get("weight_decay", params["weight_decay"])),
+                    **({} if adagrad else {"betas": tuple(g.get("betas", params["betas"])),
+                                            "eps": float(g.get("eps", params["eps"]))})}
+                   for g in groups]
+    return {"type": kind, "params": params}, zinf_groups
+
+
+def _record_shapes(engine: DeepSpeedEngine):
+    """At stage 3 a parameter is an empty tensor outside its module's forward; DeepSpeed marks
+    its full shape as ds_shape and ds_numel, which the Trainer's parameter count reads."""
+    if engine.stage < 3:
+        return
+    for param in engine.module.parameters():
+        shape = engine._shapes.get(id(param))
+        if shape is not None:
+            param.ds_shape = torch.Size(shape)
+            param.ds_numel = math.prod(shape)
+
+
+def initialize(args=None, model=None, optimizer=None, model_parameters=None, training_data=None,
+               lr_scheduler=None, distributed_port=29500, mpu=None, dist_init_required=None,
+               collate_fn=None, config=None, mesh_param=None, config_params=None):
+    """deepspeed.initialize, as Accelerate's prepare() calls it: zinf.torch.initialize with the
+    Trainer's optimizer object, when there is one, turned into the config's "optimizer" section
+    (a config with both is refused). Returns (engine, optimizer, dataloader, lr_scheduler) with
+    the engine a DeepSpeedEngine."""
+    if model is None:
+        raise ValueError("deepspeed.initialize: model is required")
+    if mpu is not None or mesh_param is not None:
+        raise NotImplementedError("deepspeed.initialize (zinf.deepspeed_compat): model "
+                                  "parallelism (mpu, mesh_param; Ulysses sequence parallelism "
+                                  "passes one) is not supported")
+    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise NotImplementedError(
+            f"deepspeed.initialize (zinf.deepspeed_compat): {len(frozen)} parameters do not "
+            f"require grad ({frozen[:3]}); zinf trains every parameter, so frozen ones (PEFT, "
+            "LoRA and other adapters) are not supported")
+    if config is None:
+        config = config_params
+    if config is None and getattr(args, "deepspeed_config", None) is not None:
+        config = args.deepspeed_config
+    if dist_init_required is not False:
+        init_distributed()
+    else:
+        _refuse_several_processes("initialize")
+    config = _clean_config(copy.deepcopy(config) if isinstance(config, dict)
+                           else _zt._read_config(config))
+    client_optimizer = None
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise NotImplementedError("deepspeed.initialize (zinf.deepspeed_compat): an "
+                                      "optimizer callable is not supported; pass an optimizer "
+                                      "object or a config \"optimizer\" section")
+        if "optimizer" in config:
+            raise ValueError("deepspeed.initialize: an optimizer object and a config "
+                             "\"optimizer\" section were both given; pass one")
+        config["optimizer"], model_parameters = _optimizer_section(optimizer)
+        client_optimizer = optimizer
+    engine, zinf_optimizer, loader, scheduler = _zt.initialize(
+        model=model, config=config, model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
+    engine.__class__ = DeepSpeedEngine
+    _record_shapes(engine)
+    if client_optimizer is not None:
+        # A scheduler the caller made over its own optimizer object then moves the engine's
+        # groups (the same groups, in the same order).
+        client_optimizer.param_groups = zinf_optimizer.param_groups
+    return engine, zinf_optimizer, loader, scheduler
+
+
+# ---- the modules under DeepSpeed's names ---------------------------------------------------------
+
+# Each module install() registers, with its attributes. The packages among them (those with
+# submodules) get a __path__, so that an import of a submodule not listed here reaches the
+# finder, which refuses it by name. Submodules become attributes of their parent on registration.
+_MODULES: dict[str, dict] = {
+    "deepspeed": {
+        "__version__": VERSION,
+        "__version_major__": 0, "__version_minor__": 18, "__version_patch__": 0,
+        "__git_hash__": "zinf", "__git_branch__": "zinf",
+        "initialize": initialize,
+        "init_distributed": init_distributed,
+        "add_config_arguments": _zt.add_config_arguments,
+        "DeepSpeedEngine": DeepSpeedEngine,
+        "tp_model_init": tp_model_init,
+    },
+    "deepspeed.comm": {
+        "init_distributed": init_distributed, "is_initialized": _comm_is_initialized,
+        "is_available": lambda: True, "get_rank": _comm_get_rank,
+        "get_world_size": _comm_get_world_size, "get_local_rank": lambda: 0,
+        "barrier": _comm_barrier,
+    },
+    "deepspeed.accelerator": {"get_accelerator": get_accelerator},
+    "deepspeed.zero": {
+        "Init": _zt.Init, "GatheredParameters": _zt.GatheredParameters,
+        "register_external_parameter": _zt.register_external_parameter,
+        "unregister_external_parameter": _zt.unregister_external_parameter,
+    },
+    "deepspeed.runtime": {},
+    "deepspeed.runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
+    # Accelerate passes a scheduler to initialize() only when its class name is one of these.
+    "deepspeed.runtime.lr_schedules": {"VALID_LR_SCHEDULES": [
+        "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]},
+    "deepspeed.runtime.zero": {"Init": _zt.Init, "GatheredParameters": _zt.GatheredParameters},
+    "deepspeed.runtime.zero.partition_parameters": {
+        "Init": _zt.Init, "GatheredParameters": _zt.GatheredParameters,
+        "_orig_torch_arange": _orig_torch_arange,
+        "zero_wrapper_for_fp_tensor_constructor": zero_wrapper_for_fp_tensor_constructor,
+    },
+    "deepspeed.ops": {},
+    "deepspeed.ops.adam": {"DeepSpeedCPUAdam": DeepSpeedCPUAdam, "FusedAdam": DeepSpeedCPUAdam},
+    "deepspeed.ops.adagrad": {"DeepSpeedCPUAdagrad": DeepSpeedCPUAdagrad},
+    "deepspeed.utils": {
+        "logger": logger, "log_dist": log_dist, "is_initialized": _comm_is_initialized,
+        "set_z3_leaf_modules": set_z3_leaf_modules, "get_z3_leaf_modules": get_z3_leaf_modules,
+    },
+    "deepspeed.utils.zero_to_fp32": {
+        "get_fp32_state_dict_from_zero_checkpoint": _zt.get_fp32_state_dict_from_zero_checkpoint,
+        "load_state_dict_from_zero_checkpoint": _zt.load_state_dict_from_zero_checkpoint,
+    },
+    "deepspeed.checkpoint": {},
+    "deepspeed.checkpoint.utils": {"clone_tensors_for_torch_save": clone_tensors_for_torch_save},
+}
+
+# Submodules the Trainer path may ask for that stand for features zinf does not have: the
+# import fails with this reason rather than as a missing module.
+_REFUSED = {
+    "deepspeed.runtime.sequence_parallel": "Ulysses sequence parallelism is not supported",
+    "deepspeed.utils.groups": "DeepSpeed's process groups (sequence and expert parallelism) do "
+                              "not exist over zinf",
+    "deepspeed.ops.lion": "DeepSpeedCPULion: give the config an \"optimizer\" section of type "
+                          "Lion instead",
+}
+
+
+class _Loader(importlib.abc.Loader):
+    """Loads a compat module by handing back the object install() built (a module that was
+    removed from sys.modules comes back as the same object)."""
+
+    def create_module(self, spec):
+        return _built[spec.name]
+
+    def exec_module(self, module):
+        pass
+
+
+class _Distribution(importlib.metadata.Distribution):
+    """importlib.metadata's view of `deepspeed`: its METADATA (name, version) and nothing
+    installed on disk. Transformers and Accelerate read metadata("deepspeed") to tell an
+    installed package from a stray directory of that name, and version("deepspeed") to gate
+    features."""
+
+    def read_text(self, filename):
+        if filename == "METADATA":
+            return _METADATA
+        if filename == "INSTALLER":
+            return "zinf.deepspeed_compat\n"
+        if filename == "top_level.txt":
+            return f"{_DEEPSPEED_NAME}\n"
+        return None
+
+    def locate_file(self, path):
+        return pathlib.Path(__file__).parent / path
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """On sys.meta_path ahead of the others: finds the compat modules under DeepSpeed's names
+    (importlib.util.find_spec, a module import after sys.modules lost it), refuses the names
+    it does not provide with the reason, and answers importlib.metadata for `deepspeed`."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname != _DEEPSPEED_NAME and not fullname.startswith(_DEEPSPEED_NAME + "."):
+            return None
+        if fullname in _built:
+            return _built[fullname].__spec__
+        for prefix, reason in _REFUSED.items():
+            if fullname == prefix or fullname.startswith(prefix + "."):
+                raise ModuleNotFoundError(f"{fullname} (zinf.deepspeed_compat): {reason}",
+                                          name=fullname)
+        raise ModuleNotFoundError(
+            f"{fullname}: zinf.deepspeed_compat provides only the DeepSpeed modules that the "
+            f"Hugging Face Trainer and Accelerate use ({', '.join(sorted(_built))})",
+            name=fullname)
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        name = context.name
+        if name is None or re.sub(r"[-_.]+", "_", name).lower() == _DEEPSPEED_NAME:
+            yield _Distribution()
+
+
+_built: dict[str, types.ModuleType] = {}
+_finder: _Finder | None = None
+
+
+def _real_deepspeed() -> str | None:
+    """Where a DeepSpeed other than this one would come from: a module already imported, an
+    importable package, or an installed distribution; None when there is none."""
+    module = sys.modules.get(_DEEPSPEED_NAME)
+    if module is not None and module is not _built.get(_DEEPSPEED_NAME):
+        return f"the module deepspeed is already imported from {getattr(module, '__file__', '?')}"
+    if _finder is None:
+        spec = importlib.machinery.PathFinder.find_spec(_DEEPSPEED_NAME)
+        if spec is not None:
+            return f"a deepspeed package is importable from {spec.origin}"
+        try:
+            found = importlib.metadata.version(_DEEPSPEED_NAME)
+            return f"a deepspeed distribution ({found}) is installed"
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return None
+
+
+def install(force: bool = False) -> None:
+    """Makes `import deepspeed` (and the submodules the Trainer path uses) give this module's
+    DeepSpeed API over zinf.torch, and makes importlib.util.find_spec("deepspeed") and
+    importlib.metadata.version("deepspeed") answer (VERSION). Call it before transformers or
+    accelerate is imported: they decide whether DeepSpeed is available on import. Installing
+    twice does nothing.
+
+    Raises RuntimeError when a real DeepSpeed is already imported, importable or installed,
+    naming where it is: the compat modules would shadow it. force=True installs them anyway,
+    ahead of it (an imported real deepspeed is replaced in sys.modules, which its already
+    imported submodules do not follow)."""
+    global _finder
+    real = _real_deepspeed()
+    if real is not None and not force:
+        raise RuntimeError(
+            f"zinf.deepspeed_compat.install(): {real}; installing the zinf compat modules under "
+            "the same name would shadow it. Use a Python environment without DeepSpeed, or "
+            "install(force=True) to put zinf's in its place")
+    if _finder is not None and sys.modules.get(_DEEPSPEED_NAME) is _built.get(_DEEPSPEED_NAME):
+        return
+    if force:
+        for name in [n for n in sys.modules
+                     if n == _DEEPSPEED_NAME or n.startswith(_DEEPSPEED_NAME + ".")]:
+            del sys.modules[name]
+    if not _built:
+        loader = _Loader()
+        packages = {name.rsplit(".", 1)[0] for name in _MODULES if "." in name}
+        for name, attributes in _MODULES.items():
+            is_package = name in packages
+            module = types.ModuleType(name, f"DeepSpeed's {name} over zinf.torch "
+                                            "(zinf.deepspeed_compat)")
+            module.__spec__ = importlib.machinery.ModuleSpec(name, loader, origin=__file__,
+                                                             is_package=is_package)
+            module.__loader__ = loader
+            module.__file__ = __file__
+            if is_package:
+                module.__path__ = []
+            module.__dict__.update(attributes)
+            _built[name] = module
+        for name, module in _built.items():
+            if "." in name:
+                parent, child = name.rsplit(".", 1)
+                setattr(_built[parent], child, module)
+    if _finder is None:
+        _finder = _Finder()
+        sys.meta_path.insert(0, _finder)
+    sys.modules.update(_built)
