@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "data.hpp"
@@ -1428,6 +1429,76 @@ TEST(Program, NvmePathInsideANewOutDirectoryLeavesTheOutputs) {
       << err;
   EXPECT_TRUE(fs::exists(real / "run" / "loss.csv"));
   EXPECT_FALSE(fs::exists(real / "run" / "nvme"));
+  fs::remove_all(dir);
+}
+
+// Two jobs given one --nvme-path share its swap directory (train_lm.swap): each removes only its
+// own swap files when it ends, and the directory only when it made it and nothing else is left
+// in it (the first to end deleted the other's live swap file with the directory). The other job
+// is a file of another host's name, put in the directory while this run trains (one the run made)
+// and before it starts (one it did not make); it stays, and so does the directory.
+TEST(Program, JobsSharingAnNvmePathRemoveOnlyTheirOwnSwapFiles) {
+  const fs::path dir = scratch_dir("train_lm_shared_nvme");
+  const fs::path nvme = dir / "nvme";
+  const fs::path swap = nvme / "train_lm.swap";
+  const std::string other = "zinf-swap-otherhost-1-rank0.bin";
+  const std::string common =
+      "--params 20k --batch 4 --seq-len 16 --eval-every 100 --eval-tokens 256 --no-progress "
+      "--quiet --offload-optimizer nvme --nvme-path " +
+      nvme.string() + " ";
+  fs::create_directories(dir);
+  const fs::path rc_file = dir / "rc";
+  const std::string background = "(" + std::string(TRAIN_LM_BIN) + " " + common +
+                                 "--steps 400 --out " + (dir / "long").string() + " >" +
+                                 (dir / "long.log").string() + " 2>&1; echo $? >" +
+                                 rc_file.string() + ") &";
+  ASSERT_EQ(std::system(background.c_str()), 0);
+  // Its swap file, once the engine made it.
+  auto own_swap_file = [&] {
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(swap, ec)) {
+      if (entry.path().filename().string() != other) return true;
+    }
+    return false;
+  };
+  const auto start = std::chrono::steady_clock::now();
+  while (!own_swap_file() && !fs::exists(rc_file) &&
+         std::chrono::steady_clock::now() - start < std::chrono::seconds(60)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_TRUE(own_swap_file()) << "the run made no swap file in " << swap << ": "
+                               << read_all(dir / "long.log");
+  std::ofstream(swap / other) << "another job's swap file";
+  const bool put_in_time = !fs::exists(rc_file);
+  while (!fs::exists(rc_file) || read_all(rc_file).empty()) {
+    ASSERT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(300));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_EQ(read_all(rc_file), "0\n") << read_all(dir / "long.log");
+  EXPECT_TRUE(put_in_time) << "the run ended before the other job's file was put in";
+  auto names = [&] {
+    std::vector<std::string> found;
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(swap, ec)) {
+      found.push_back(entry.path().filename().string());
+    }
+    return found;
+  };
+  EXPECT_EQ(names(), std::vector<std::string>{other});
+  EXPECT_EQ(read_all(swap / other), "another job's swap file");
+  // The directory was there before this run: it stays with the other job's file, without this
+  // run's, and so it does when the run fails (no checkpoint to resume from).
+  std::string err;
+  EXPECT_EQ(run_program(common + "--steps 4 --out " + (dir / "short").string(), &err), 0) << err;
+  EXPECT_EQ(names(), std::vector<std::string>{other});
+  fs::create_directories(dir / "empty");
+  EXPECT_EQ(run_program(common + "--steps 4 --resume " + (dir / "empty").string() + " --out " +
+                            (dir / "failed").string(),
+                        &err),
+            1)
+      << err;
+  EXPECT_EQ(names(), std::vector<std::string>{other});
+  EXPECT_EQ(read_all(swap / other), "another job's swap file");
   fs::remove_all(dir);
 }
 

@@ -287,6 +287,25 @@ bool holds_checkpoint(const fs::path& dir) {
   return false;
 }
 
+// Removes what this process made in a swap directory that other jobs sharing the NVMe path may
+// use at the same time: the engine's files carrying this process's pid (zinf-<kind>-<host>-<pid>-
+// rank<r>.bin; the engine removes its own when it closes, so these are only what a failure left),
+// then the directory itself only if this run created it and it is empty. Another job's live swap
+// files stay, and so does the directory holding them: that job removes it when it ends.
+void remove_own_swap_files(const fs::path& dir, bool created_dir) {
+  const std::string own = "-" + std::to_string(getpid()) + "-rank";
+  std::error_code ec;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    if (name.starts_with("zinf-") && name.ends_with(".bin") &&
+        name.find(own) != std::string::npos) {
+      std::error_code remove_ec;
+      fs::remove(it->path(), remove_ec);
+    }
+  }
+  if (created_dir) fs::remove(dir, ec);  // only when empty
+}
+
 // Directories this run created, removed again (with what is in them) when the run fails, so a
 // failed run leaves nothing behind but the checkpoints it saved.
 class CreatedDirs {
@@ -303,22 +322,32 @@ class CreatedDirs {
     if (!top.empty()) created_.push_back(top);
     return true;
   }
-  // Makes `path` in its existing parent, which this run may share with other processes: only
-  // `path` is removed again, never the parent, even where the parent went missing in between.
-  bool make_one(const std::string& option, const std::string& path, std::string* error) {
+  // Makes the swap directory `path` in its existing NVMe path, which this run may share with
+  // other processes, and other jobs given the same --nvme-path share `path` itself: neither is
+  // removed with what is in it, only this process's swap files and then `path` if this run made
+  // it and it is empty (remove_own_swap_files()), never the parent, even where the parent went
+  // missing in between.
+  bool make_swap_dir(const std::string& option, const std::string& path, std::string* error) {
     std::error_code ec;
     const bool made = fs::create_directory(path, ec);
     if (ec) {
       *error = option + " " + path + ": cannot create it: " + ec.message();
       return false;
     }
-    if (made) created_.push_back(fs::absolute(path, ec));
+    swap_dirs_.push_back({fs::absolute(path, ec), made});
     return true;
+  }
+  // The swap directory made by make_swap_dir(), emptied of this process's files; removed if this
+  // run made it and nothing else is left in it. Once only.
+  void remove_swap_dirs() {
+    for (const auto& [path, made] : swap_dirs_) remove_own_swap_files(path, made);
+    swap_dirs_.clear();
   }
   // A directory that holds a complete checkpoint (a tag's manifest.json; the default --save-dir
   // is inside --out) is kept whole, with a line saying so: a failed run never deletes the
   // checkpoints it saved before it failed.
   void remove_all() {
+    remove_swap_dirs();
     for (auto it = created_.rbegin(); it != created_.rend(); ++it) {
       std::error_code ec;
       if (holds_checkpoint(*it)) {
@@ -334,6 +363,7 @@ class CreatedDirs {
 
  private:
   std::vector<fs::path> created_;
+  std::vector<std::pair<fs::path, bool>> swap_dirs_;  // the path, and whether this run made it
 };
 
 // Seconds of the optimizer pipeline's "update" spans (AdamW on a sub-group) that started at or
@@ -1634,13 +1664,13 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
     fs::create_directories(o.nvme_path, ec);
     if (ec) return fail("--nvme-path " + o.nvme_path + ": cannot create it: " + ec.message());
   }
-  // A directory of our own inside the NVMe path, so that the swap files of this run are removed
-  // with it whatever the path held before.
+  // A directory of train_lm's inside the NVMe path, apart from whatever else the path holds. Jobs
+  // given the same --nvme-path share it, so each removes only its own swap files from it.
   const std::string swap_dir =
       (fs::path(o.nvme_path) /
        (processes ? "train_lm.swap.rank" + std::to_string(ranks.first_rank) : "train_lm.swap"))
           .string();
-  if (uses_nvme && !created.make_one("--nvme-path", swap_dir, error)) return fail(*error);
+  if (uses_nvme && !created.make_swap_dir("--nvme-path", swap_dir, error)) return fail(*error);
 
   if (!o.quiet && prints) std::fputs(banner.c_str(), stderr);
   if (prints && !disk_warning.empty()) {
@@ -1748,10 +1778,10 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   shared.progress.finish_line();
   if (shared.failed) return fail(shared.error);
   // The swap files are scratch: they go with the run, and so does what the run made of the NVMe
-  // path once no rank's swap directory is left in it.
+  // path once no rank's swap directory is left in it. Another job given the same --nvme-path
+  // uses the same swap directory: its live swap files stay, and so does the directory.
   if (uses_nvme) {
-    std::error_code ec;
-    fs::remove_all(swap_dir, ec);
+    created.remove_swap_dirs();
     remove_empty_dirs(o.nvme_path, nvme_top, o.out_dir);
   }
 
