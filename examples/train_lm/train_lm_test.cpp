@@ -791,21 +791,39 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   EXPECT_EQ(differ, 0);
   std::printf("resumed at step 101; %d rows differ; the last row: %s\n", differ,
               resumed.back().c_str());
-  // latest pointed back at step 50 while global_step100 is there: a run that would save
-  // global_step100 again into that directory is refused before it trains.
+  // latest pointed back at step 50 while global_step100 is there, as a save cut short between
+  // its tag's rename and `latest`'s leaves it: the engine saves that tag again, and the run says
+  // so before it trains (stopped here before that save). The same tag in another --save-dir,
+  // whose `latest` names it, is another run's: refused before the run trains.
   {
     std::ofstream(dir / "ckpt" / "latest", std::ios::trunc) << "global_step50";
+    const std::string manifest = read_all(dir / "ckpt" / "global_step100" / "manifest.json");
     std::string back_err;
+    EXPECT_EQ(run_program(common + "--save-every 50 --stop-after 60 --resume " +
+                              (dir / "ckpt").string() + " --save-dir " + (dir / "ckpt").string() +
+                              " --out " + (dir / "back").string(),
+                          &back_err),
+              0)
+        << back_err;
+    EXPECT_NE(back_err.find("train_lm: note: " + (dir / "ckpt" / "global_step100").string() +
+                            " is newer than the tag `latest` names (a save cut short before it "
+                            "moved `latest`): this run saves it again"),
+              std::string::npos)
+        << back_err;
+    EXPECT_EQ(read_all(dir / "ckpt" / "global_step100" / "manifest.json"), manifest);
+    fs::copy(dir / "ckpt", dir / "other", fs::copy_options::recursive);
+    std::ofstream(dir / "other" / "latest", std::ios::trunc) << "global_step100";
     EXPECT_EQ(run_program(common + "--save-every 50 --resume " + (dir / "ckpt").string() +
-                              " --save-dir " + (dir / "ckpt").string() + " --out " +
-                              (dir / "back").string(),
+                              " --save-dir " + (dir / "other").string() + " --out " +
+                              (dir / "back2").string(),
                           &back_err),
               1)
         << back_err;
-    EXPECT_NE(back_err.find("global_step100 exists already, and this run would save that tag "
-                            "again"),
+    EXPECT_NE(back_err.find((dir / "other" / "global_step100").string() +
+                            " exists already, and this run would save that tag again"),
               std::string::npos)
         << back_err;
+    EXPECT_FALSE(fs::exists(dir / "back2"));
     std::ofstream(dir / "ckpt" / "latest", std::ios::trunc) << "global_step100";
   }
   // Resuming at or past --steps has nothing to train: exit 1 saying so, not a run of no steps.
@@ -820,6 +838,75 @@ TEST(Program, ResumedRunContinuesTheLossCurveExactly) {
   EXPECT_NE(past_err.find("the checkpoint is at step 100, and --steps is 100: nothing to train"),
             std::string::npos)
       << past_err;
+  fs::remove_all(dir);
+}
+
+// A run started without --resume into a --save-dir that holds an earlier run's checkpoints is
+// refused before it trains, naming the directory and its latest tag, and leaves those tags as
+// they were (it trained beside them, and --keep-last deleted them). Without `latest` (a first
+// save cut short after its tag's rename) the run and --resume both say that the tags are there.
+TEST(Program, FreshRunIntoASaveDirWithCheckpointsIsRefused) {
+  const fs::path dir = scratch_dir("train_lm_fresh_save_dir");
+  const fs::path ckpt = dir / "ckpt";
+  const std::string common =
+      "--params 20k --batch 4 --seq-len 16 --eval-every 2 --eval-tokens 256 --no-progress "
+      "--save-every 2 --keep-last 1 --offload-optimizer nvme --nvme-path " +
+      (dir / "nvme").string() + " --save-dir " + ckpt.string() + " ";
+  std::string err;
+  ASSERT_EQ(run_program(common + "--steps 4 --out " + (dir / "first").string(), &err), 0) << err;
+  auto listing = [&] {
+    std::string text;
+    std::vector<fs::path> paths;
+    for (const auto& entry : fs::recursive_directory_iterator(ckpt)) paths.push_back(entry.path());
+    std::sort(paths.begin(), paths.end());
+    for (const fs::path& p : paths) {
+      text += p.string();
+      if (fs::is_regular_file(p)) {
+        text += ' ';
+        text += read_all(p);
+      }
+      text += '\n';
+    }
+    return text;
+  };
+  const std::string before = listing();
+  ASSERT_NE(before.find("global_step4/manifest.json"), std::string::npos) << before;
+  EXPECT_EQ(run_program(common + "--steps 10 --out " + (dir / "second").string(), &err), 1) << err;
+  EXPECT_EQ(err, "train_lm: error: --save-dir " + ckpt.string() +
+                     " holds the checkpoints of an earlier run (latest global_step4, step 4): "
+                     "pass --resume " +
+                     ckpt.string() + " to continue that run, or give another --save-dir\n");
+  EXPECT_EQ(listing(), before);
+  EXPECT_FALSE(fs::exists(dir / "second"));
+  // No `latest`: the complete tag is named, both without --resume and with it.
+  fs::remove(ckpt / "latest");
+  EXPECT_EQ(run_program(common + "--steps 10 --out " + (dir / "second").string(), &err), 1) << err;
+  EXPECT_NE(err.find("--save-dir " + ckpt.string() +
+                     " holds the checkpoint tags of an earlier run (global_step4) but no "
+                     "`latest`"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(run_program(common + "--steps 10 --resume " + ckpt.string() + " --out " +
+                            (dir / "second").string(),
+                        &err),
+            1)
+      << err;
+  EXPECT_NE(err.find("--resume " + ckpt.string() +
+                     ": it holds complete checkpoint tags (global_step4) but no `latest`, which "
+                     "--resume loads (a first save cut short before it wrote `latest`): write "
+                     "the tag to resume from into " +
+                     (ckpt / "latest").string() + " (echo global_step4 > "),
+            std::string::npos)
+      << err;
+  EXPECT_FALSE(fs::exists(dir / "second"));
+  // Written back, --resume continues that run into the same directory.
+  std::ofstream(ckpt / "latest") << "global_step4";
+  EXPECT_EQ(run_program(common + "--steps 6 --resume " + ckpt.string() + " --out " +
+                            (dir / "second").string(),
+                        &err),
+            0)
+      << err;
+  EXPECT_EQ(read_all(ckpt / "latest"), "global_step6");
   fs::remove_all(dir);
 }
 

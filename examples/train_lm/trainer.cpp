@@ -287,6 +287,57 @@ bool holds_checkpoint(const fs::path& dir) {
   return false;
 }
 
+// The step of a tag train_lm saves (the engine's default tag, global_step<N>); -1 for another
+// name.
+std::int64_t tag_step(const std::string& tag) {
+  constexpr std::string_view kPrefix = "global_step";
+  if (!tag.starts_with(kPrefix) || tag.size() == kPrefix.size() || tag.size() > kPrefix.size() + 18)
+    return -1;
+  std::int64_t step = 0;
+  for (std::size_t i = kPrefix.size(); i < tag.size(); ++i) {
+    if (std::isdigit(static_cast<unsigned char>(tag[i])) == 0) return -1;
+    step = step * 10 + (tag[i] - '0');
+  }
+  return step;
+}
+
+// What a checkpoint directory holds: the tag its `latest` names, and its complete tags (a
+// directory whose name does not start with '.' holding a manifest.json; a save cut short before
+// its tag's rename is .<tag>.tmp), by step.
+struct SavedTags {
+  bool has_latest = false;
+  std::string latest;
+  std::vector<std::string> tags;
+
+  bool empty() const { return !has_latest && tags.empty(); }
+  // "global_step290, global_step300", at most the last `count_max`.
+  std::string names(std::size_t count_max = 4) const {
+    std::string text;
+    const std::size_t first = tags.size() > count_max ? tags.size() - count_max : 0;
+    if (first > 0) text = "..., ";
+    for (std::size_t i = first; i < tags.size(); ++i) text += (i > first ? ", " : "") + tags[i];
+    return text;
+  }
+};
+
+SavedTags saved_tags(const fs::path& dir) {
+  SavedTags saved;
+  std::error_code ec;
+  saved.has_latest = fs::is_regular_file(dir / "latest", ec);
+  if (saved.has_latest) saved.latest = read_all_text(dir / "latest");
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string name = it->path().filename().string();
+    std::error_code file_ec;
+    if (!name.starts_with(".") && fs::is_regular_file(it->path() / "manifest.json", file_ec)) {
+      saved.tags.push_back(name);
+    }
+  }
+  std::sort(saved.tags.begin(), saved.tags.end(), [](const std::string& a, const std::string& b) {
+    return std::make_pair(tag_step(a), a) < std::make_pair(tag_step(b), b);
+  });
+  return saved;
+}
+
 // Removes what this process made in a swap directory that other jobs sharing the NVMe path may
 // use at the same time: the engine's files carrying this process's pid (zinf-<kind>-<host>-<pid>-
 // rank<r>.bin; the engine removes its own when it closes, so these are only what a failure left),
@@ -1157,19 +1208,34 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
            ": nothing to train (give --steps above " + std::to_string(saved_step) + ")");
       return fail_out();
     }
-    // A tag this run would save exists already in --save-dir (latest was pointed back at an older
-    // tag): refused now, not at that save after the steps before it.
+    // A tag this run would save exists already in --save-dir. The engine replaces a complete tag
+    // newer than the one `latest` names (or any, with no `latest`): what a save cut short
+    // between its tag's rename and `latest`'s leaves, and what follows a `latest` pointed back;
+    // that is said. Any other (the tags of another run, when --save-dir is not --resume's) it
+    // refuses at that save: refused now, not after the steps before it.
+    const SavedTags held = saved_tags(o.save_dir);
+    const std::int64_t latest_step = held.has_latest ? tag_step(held.latest) : -1;
     for (std::int64_t step = saved_step + 1; o.save_every > 0 && step <= o.steps; ++step) {
       if (step % o.save_every != 0) continue;
-      const fs::path tag = fs::path(o.save_dir) / ("global_step" + std::to_string(step));
+      const std::string name = "global_step" + std::to_string(step);
+      const fs::path tag = fs::path(o.save_dir) / name;
       std::error_code ec;
-      if (fs::exists(tag, ec)) {
-        fail("--resume " + o.resume_dir + " at step " + std::to_string(saved_step) + ": " +
-             tag.string() + " exists already, and this run would save that tag again (a tag " +
-             "is written once): give another --save-dir, or remove the tags after step " +
-             std::to_string(saved_step));
-        return fail_out();
+      if (!fs::exists(tag, ec)) continue;
+      const bool complete = std::find(held.tags.begin(), held.tags.end(), name) != held.tags.end();
+      if (complete && (!held.has_latest || (latest_step >= 0 && step > latest_step))) {
+        if (rank == shared.first_rank && shared.prints) {
+          std::fprintf(stderr,
+                       "train_lm: note: %s is newer than the tag `latest` names (a save cut "
+                       "short before it moved `latest`): this run saves it again\n",
+                       tag.string().c_str());
+        }
+        continue;
       }
+      fail("--resume " + o.resume_dir + " at step " + std::to_string(saved_step) + ": " +
+           tag.string() + " exists already, and this run would save that tag again (a tag " +
+           "is written once): give another --save-dir, or remove the tags after step " +
+           std::to_string(saved_step));
+      return fail_out();
     }
     first_step = saved_step + 1;
     if (rank == shared.first_rank) {
@@ -1571,8 +1637,45 @@ int run_training(const Options& o, const ModelShape& shape, const std::string& b
   std::vector<DiskNeed> disk;
   std::string disk_warning;
   if (uses_nvme) disk.push_back({"--nvme-path", o.nvme_path, need.nvme_bytes, "swap files"});
+  // --resume loads the tag `latest` names. A directory with complete tags but no `latest` is what
+  // a first save cut short between its tag's rename and `latest`'s leaves (the engine said only
+  // that there is no checkpoint).
+  if (!o.resume_dir.empty()) {
+    const SavedTags resume = saved_tags(o.resume_dir);
+    if (!resume.has_latest && !resume.tags.empty()) {
+      *error = "--resume " + o.resume_dir + ": it holds complete checkpoint tags (" +
+               resume.names() + ") but no `latest`, which --resume loads (a first save cut " +
+               "short before it wrote `latest`): write the tag to resume from into " +
+               (fs::path(o.resume_dir) / "latest").string() + " (echo " + resume.tags.back() +
+               " > " + (fs::path(o.resume_dir) / "latest").string() +
+               "), or remove the directory and start again";
+      return 1;
+    }
+  }
   if (o.save_every > 0 && o.steps >= o.save_every) {
     if (!check_writable_dir("--save-dir", o.save_dir, error)) return 1;
+    // A run that is not resumed saves a new run's tags: beside an earlier run's in --save-dir,
+    // they would mix two runs in one directory, --keep-last would delete the earlier run's, and
+    // the first tag of the same name would fail that save after the steps before it.
+    if (o.resume_dir.empty()) {
+      const SavedTags held = saved_tags(o.save_dir);
+      if (held.has_latest) {
+        const std::int64_t step = tag_step(held.latest);
+        *error = "--save-dir " + o.save_dir + " holds the checkpoints of an earlier run (latest " +
+                 held.latest + (step >= 0 ? ", step " + std::to_string(step) : std::string()) +
+                 "): pass --resume " + o.save_dir +
+                 " to continue that run, or give another --save-dir";
+        return 1;
+      }
+      if (!held.tags.empty()) {
+        *error = "--save-dir " + o.save_dir + " holds the checkpoint tags of an earlier run (" +
+                 held.names() + ") but no `latest` (a first save cut short before it wrote " +
+                 "`latest`): write the tag to continue from into " +
+                 (fs::path(o.save_dir) / "latest").string() + " and pass --resume " + o.save_dir +
+                 " to continue that run, or give another --save-dir";
+        return 1;
+      }
+    }
     // The tags on disk at once: --keep-last and the one being written.
     const std::int64_t saves = o.steps / o.save_every;
     const std::int64_t kept =
