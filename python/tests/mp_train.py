@@ -3,6 +3,7 @@ under zinf.torch, each rank on its share of every batch, and writes what the tes
 
     mpirun -np 2 python mp_train.py oracle <out_dir> <case> [<case> ...]   (case: stage-offload)
     mpirun -np 2 python mp_train.py write <out_dir>
+    mpirun -np 2 python mp_train.py init_write <out_dir> <root>
     mpirun -np 2 python mp_train.py fail <out_dir> <timeout_ms>
     mpirun -np 2 python mp_train.py loader <out_dir>
     mpirun -np 2 python mp_train.py consolidated <out_dir>
@@ -11,6 +12,11 @@ oracle: for each case, 20 steps with the config of test_oracle.py; every rank wr
 per-step losses to <out_dir>/<case>.rank<r>.json, and rank 0 the final fp32 masters (read back
 through the engine, a collective) to <out_dir>/<case>.pt.
 write: GatheredParameters(modifier_rank=0) with the change made on rank 0 only (see write()).
+init_write: the model built under zinf.torch.Init (stage 3, every parameter sharded); rank <root>
+alone loads another model's weights into it inside GatheredParameters(modifier_rank=<root>)
+before initialize() (Hugging Face's ZeRO-3 from_pretrained does so on rank 0); every rank writes
+the largest difference of the engine's masters from those weights to
+<out_dir>/init_write.rank<r>.json.
 fail: stage 3, collective_timeout_ms <timeout_ms>; rank 1 raises from its backward (a module's
 backward hook) on the second step, and rank 0 goes on as usual. Each rank's exit is the test's
 to check.
@@ -29,7 +35,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import zinf.torch  # noqa: E402
-from conftest import STEPS, make_batches, make_model, zinf_config  # noqa: E402
+from conftest import SEQUENCE, STEPS, gpt, make_batches, make_model, zinf_config  # noqa: E402
 
 
 def shard(batch, rank, world):
@@ -90,6 +96,22 @@ def write(out_dir):
     engine.step()
     with open(os.path.join(out_dir, f"write.rank{rank}.json"), "w") as f:
         json.dump({"master": master.tolist(), "loss": loss.item()}, f)
+
+
+def init_write(out_dir, root):
+    config = zinf_config(3, stage3_param_persistence_threshold=0)
+    with zinf.torch.Init(config=config):
+        model = make_model()
+    rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    weights = gpt.make_model(seed=5, layers=2, width=64, heads=4, context=SEQUENCE).state_dict()
+    with zinf.torch.GatheredParameters(list(model.parameters()), modifier_rank=root):
+        if rank == root:
+            model.load_state_dict(weights)
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    worst = max((engine.read_parameter(name) - weights[name]).abs().max().item()
+                for name in engine._names.values())
+    with open(os.path.join(out_dir, f"init_write.rank{engine.global_rank}.json"), "w") as f:
+        json.dump({"worst": worst}, f)
 
 
 class Boom(RuntimeError):
@@ -160,6 +182,8 @@ if __name__ == "__main__":
         write(sys.argv[2])
     elif sys.argv[1] == "loader":
         loader(sys.argv[2])
+    elif sys.argv[1] == "init_write":
+        init_write(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "consolidated":
         consolidated(sys.argv[2])
     else:

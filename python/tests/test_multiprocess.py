@@ -79,6 +79,19 @@ def test_a_change_made_on_the_modifier_rank_reaches_every_rank(tmp_path):
         assert torch.equal(torch.tensor(report["master"]), expected), f"rank {rank}"
 
 
+@pytest.mark.parametrize("root", [0, 1])
+def test_a_change_before_initialize_reaches_every_ranks_partition(root, tmp_path):
+    # Under Init each rank stages its own values; weights loaded on rank `root` only inside
+    # GatheredParameters(modifier_rank=root) are in every rank's partition of the masters. (Each
+    # rank's partition was filled from its own staging file: root 1 failed, and root 0 with a
+    # model whose partition on rank 1 holds more, two Linear(64, 512) layers.)
+    result = mpirun(["init_write", str(tmp_path), str(root)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        with open(tmp_path / f"init_write.rank{rank}.json") as f:
+            assert json.load(f)["worst"] == 0.0, f"rank {rank}"
+
+
 def test_each_rank_reads_its_own_share_of_the_training_data(tmp_path):
     # DeepSpeed's loader under mpirun: a DistributedSampler over the ranks (shuffled, seed 0),
     # its epoch advanced with each pass; the ranks' shares of a pass are disjoint and cover the

@@ -36,8 +36,10 @@ class GatheredParameters:
       gathered. Every rank must enter the block (the write is collective), and each write is a
       pass over the rank's master partition.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
-      values are read into them for the block and, with modifier_rank set, changes are written
-      back to the staging file, so initialize() takes them.
+      values are read into them for the block and, with modifier_rank set, written back to the
+      staging file, so initialize() takes them; with several ranks initialize() then writes
+      rank modifier_rank's values over every rank's (Engine::write_parameters, a pass over the
+      partition each), as DeepSpeed broadcasts them.
     Other parameters are left as they are. Changes made without modifier_rank are not kept
     (at stage 3 they are lost at release; at stages 1 and 2 the next step overwrites them)."""
 
@@ -96,6 +98,7 @@ class GatheredParameters:
             param, stage = self._loaded.pop()
             if self._modifier_rank is not None and exc[0] is None:
                 stage.store(param.data)
+                stage.modifier_rank = self._modifier_rank
             param.data = torch.empty(0, dtype=stage.dtype)
         return False
 

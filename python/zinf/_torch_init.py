@@ -75,13 +75,16 @@ class _StagingFile:
 class Staged:
     """Where a parameter built under Init keeps its values until an engine takes them."""
 
-    __slots__ = ("file", "offset", "shape", "dtype")
+    __slots__ = ("file", "offset", "shape", "dtype", "modifier_rank")
 
     def __init__(self, file: _StagingFile, offset: int, shape, dtype):
         self.file = file
         self.offset = offset
         self.shape = tuple(shape)
         self.dtype = dtype
+        # The modifier_rank of the last GatheredParameters block that changed it (None: none):
+        # initialize() writes that rank's values over every rank's.
+        self.modifier_rank = None
 
     @property
     def numel(self) -> int:

@@ -469,11 +469,20 @@ class ZinfEngine(nn.Module):
         groups = self._register(model, model_parameters, defaults)
         with self._aborting_on_error("finalize"):
             self._core.finalize()
-        for param in self._params.values():
+        for pid, param in self._params.items():
             stage = _torch_init.staged(param)
-            if stage is not None:
-                stage.done()
-                del param._zinf_staged
+            if stage is None:
+                continue
+            if stage.modifier_rank is not None and self.world_size > 1:
+                # Changed inside GatheredParameters(modifier_rank=r) before initialize(): each
+                # rank staged its own values and the engine took each rank's partition from its
+                # own file, so rank r's values are written over them (every rank entered that
+                # block, so every rank writes the same parameters, in the same order).
+                with self._aborting_on_error(f"write_parameters('{self._names[pid]}')"):
+                    self._core.write_parameters(self._names[pid], stage.load(),
+                                                stage.modifier_rank)
+            stage.done()
+            del param._zinf_staged
         self._place_parameters()
         for buffer_owner in model.modules():
             for key, buffer in buffer_owner._buffers.items():
