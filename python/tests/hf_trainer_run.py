@@ -3,12 +3,12 @@ test_hf_trainer.py runs it in a fresh process for each training (the Trainer, Ac
 torch.distributed keep process-wide state, and transformers must be imported after install()).
 
     hf_trainer_run.py OUT [--ds CONFIG.json] [--ga N] [--steps N] [--save-steps N]
-                          [--resume CHECKPOINT] [--from-config] [--freeze]
+                          [--resume CHECKPOINT] [--from-config] [--freeze] [--gc] [--eval]
 
 Trains a 2-layer GPT-2 (vocabulary 256, width 32, no dropout) on seeded random tokens with AdamW
 made by the Trainer, a linear schedule with warm-up, on the CPU; saves the model with
 save_model() to OUT/final; prints one line "RESULT <json>" with the per-step loss, gradient
-norm and learning rate the Trainer logged."""
+norm and learning rate the Trainer logged, and with --eval the evaluation loss at each save."""
 import argparse
 import json
 
@@ -29,13 +29,15 @@ parser.add_argument("--save-steps", type=int, default=3)
 parser.add_argument("--resume")
 parser.add_argument("--from-config", action="store_true")
 parser.add_argument("--freeze", action="store_true")
+parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
+parser.add_argument("--eval", action="store_true", help="evaluate at every save")
 options = parser.parse_args()
 torch.set_num_threads(1)
 
 
 class Tokens(torch.utils.data.Dataset):
-    def __init__(self, sample_count=48, sequence=16):
-        generator = torch.Generator().manual_seed(1234)
+    def __init__(self, sample_count=48, sequence=16, seed=1234):
+        generator = torch.Generator().manual_seed(seed)
         self.ids = torch.randint(0, 256, (sample_count, sequence), generator=generator)
 
     def __len__(self):
@@ -48,11 +50,14 @@ class Tokens(torch.utils.data.Dataset):
 class Losses(TrainerCallback):
     def __init__(self):
         self.rows = []
+        self.eval_rows = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "loss" in logs:
             self.rows.append([state.global_step, logs["loss"], logs.get("grad_norm"),
                               logs.get("learning_rate")])
+        if logs and "eval_loss" in logs:
+            self.eval_rows.append([state.global_step, logs["eval_loss"]])
 
 
 args = TrainingArguments(
@@ -60,7 +65,9 @@ args = TrainingArguments(
     per_device_train_batch_size=4, gradient_accumulation_steps=options.ga, learning_rate=3e-3,
     weight_decay=0.01, warmup_steps=2, max_grad_norm=1.0, logging_steps=1,
     save_strategy="steps", save_steps=options.save_steps, report_to=[], seed=42,
-    dataloader_num_workers=0, use_cpu=True, disable_tqdm=True)
+    eval_strategy="steps" if options.eval else "no", eval_steps=options.save_steps,
+    gradient_checkpointing=options.gc, dataloader_num_workers=0, use_cpu=True,
+    disable_tqdm=True)
 config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=16,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                     eos_token_id=0)
@@ -69,8 +76,10 @@ model = AutoModelForCausalLM.from_config(config) if options.from_config else GPT
 if options.freeze:
     model.transformer.wte.weight.requires_grad_(False)
 losses = Losses()
-trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[losses])
+trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
+                  eval_dataset=Tokens(8, seed=99) if options.eval else None, callbacks=[losses])
 assert trainer.is_deepspeed_enabled == (options.ds is not None)
 result = trainer.train(resume_from_checkpoint=options.resume)
 trainer.save_model(options.out + "/final")
-print("RESULT " + json.dumps({"losses": losses.rows, "train_loss": result.training_loss}))
+print("RESULT " + json.dumps({"losses": losses.rows, "eval_losses": losses.eval_rows,
+                             "train_loss": result.training_loss}))

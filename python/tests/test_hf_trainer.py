@@ -94,9 +94,9 @@ def assert_weights_match(got: dict, expected: dict):
 
 @pytest.fixture(scope="module")
 def baseline(tmp_path_factory):
-    """The script without DeepSpeed: plain torch under the Trainer."""
+    """The script without DeepSpeed: plain torch under the Trainer, evaluated at each save."""
     out = tmp_path_factory.mktemp("baseline")
-    result = run_trainer(out)
+    result = run_trainer(out, "--eval")
     return result, load_file(str(out / "final" / "model.safetensors"))
 
 
@@ -144,6 +144,19 @@ def test_zero3_without_gathering_saves_a_checkpoint(baseline, tmp_path):
     assert (final / "latest").read_text().strip() == f"global_step{STEPS}"
     weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(final))
     assert_weights_match({k: v for k, v in weights.items() if k in baseline[1]}, baseline[1])
+
+
+def test_zero3_with_gradient_checkpointing_evaluates_as_without_deepspeed(baseline, tmp_path):
+    """Gradient checkpointing recomputes the forward in the backward (each recomputed module
+    gathered again at stage 3) and changes no value; evaluate() runs the stage-3 model."""
+    result = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 3), "--gc",
+                         "--eval")
+    assert_losses_match(result, baseline[0])
+    expected = baseline[0]["eval_losses"]
+    assert [row[0] for row in result["eval_losses"]] == [row[0] for row in expected] == [
+        SAVE_STEPS, STEPS]
+    for (step, loss), (_, loss_ref) in zip(result["eval_losses"], expected):
+        assert abs(loss - loss_ref) <= LOSS_REL * abs(loss_ref), (step, loss, loss_ref)
 
 
 def test_frozen_parameters_are_refused(tmp_path):
