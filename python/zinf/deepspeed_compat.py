@@ -28,7 +28,6 @@ import copy
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
-import importlib.util
 import logging
 import math
 import os
