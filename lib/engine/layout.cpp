@@ -235,8 +235,13 @@ Status ParameterLayout::check_initial_values_agree(int world, RankExchange& exch
   std::vector<std::uint64_t> hashes(count, 0);
   for (std::size_t id = 0; id < count; ++id) {
     const std::vector<float>& v = regs_[id].values;
-    // 0 stands for "not compared" (an initializer); a hash of 0 itself is moved off it.
-    if (!v.empty()) hashes[id] = XXH3_64bits(v.data(), v.size() * sizeof(float)) | 1;
+    // 0 stands for "not compared" (an initializer without a hash); a hash of 0 itself is moved
+    // off it.
+    if (!v.empty()) {
+      hashes[id] = XXH3_64bits(v.data(), v.size() * sizeof(float)) | 1;
+    } else {
+      hashes[id] = regs_[id].spec.initializer_values_hash;
+    }
   }
   ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> every, exchange.exchange(hashes.data(), count));
   for (std::size_t id = 0; id < count; ++id) {

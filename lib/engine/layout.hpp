@@ -92,8 +92,8 @@ class ParameterLayout {
   Status check_ranks_agree(int rank, int world, RankExchange& exchange) const;
   // Every rank registered the same initial values for each parameter given by initial_values
   // (each rank keeps its own partition of them, so values that differ would mix the ranks'
-  // models); parameters with an initializer are not compared. kInvalidArgument naming the first
-  // parameter that differs and the ranks.
+  // models); parameters with an initializer are compared by their initializer_values_hash where
+  // given. kInvalidArgument naming the first parameter that differs and the ranks.
   Status check_initial_values_agree(int world, RankExchange& exchange) const;
 
   // One registered parameter's run of elements inside this rank's partition.

@@ -158,13 +158,14 @@ class PyEngine {
   void register_parameter(const std::string& name, const std::string& module,
                           const std::vector<std::int64_t>& shape, const std::string& dtype,
                           std::optional<FloatArray> values, nb::object initializer,
-                          const std::string& group) {
+                          const std::string& group, std::uint64_t values_hash) {
     zinf::ParameterSpec spec;
     spec.name = name;
     spec.module = module;
     spec.shape = shape;
     spec.dtype = dtype_from_name(dtype);
     spec.group = group;
+    spec.initializer_values_hash = values_hash;
     std::size_t element_count = 1;
     for (const std::int64_t dim : shape)
       element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
@@ -468,7 +469,7 @@ NB_MODULE(_zinf, m) {
            nb::arg("device_memory_limit_bytes") = 0, nb::arg("comm") = "local")
       .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"), nb::arg("module"),
            nb::arg("shape"), nb::arg("dtype"), nb::arg("values").none(),
-           nb::arg("initializer") = nb::none(), nb::arg("group") = "")
+           nb::arg("initializer") = nb::none(), nb::arg("group") = "", nb::arg("values_hash") = 0)
       .def(
           "add_param_group",
           [](PyEngine& e, const std::string& name, double weight_decay, double lr_scale) {

@@ -92,6 +92,20 @@ def test_a_change_before_initialize_reaches_every_ranks_partition(root, tmp_path
             assert json.load(f)["worst"] == 0.0, f"rank {rank}"
 
 
+def test_a_model_built_with_a_seed_per_rank_is_refused_naming_a_parameter(tmp_path):
+    # Each rank would keep its own partition of different values; finalize compares the staged
+    # values' hashes across ranks.
+    # (The ranks' exit is not checked: initialize() aborted the communicator before raising.)
+    result = mpirun(["init_write", str(tmp_path), "-1"], timeout=600)
+    for rank in (0, 1):
+        report = tmp_path / f"init_write.rank{rank}.json"
+        assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+        with open(report) as f:
+            error = json.load(f)["error"]
+        assert error is not None and "has different initial values on rank 0 and rank 1" in error, \
+            error
+
+
 def test_each_rank_reads_its_own_share_of_the_training_data(tmp_path):
     # DeepSpeed's loader under mpirun: a DistributedSampler over the ranks (shuffled, seed 0),
     # its epoch advanced with each pass; the ranks' shares of a pass are disjoint and cover the

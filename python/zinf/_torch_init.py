@@ -20,6 +20,7 @@ which reads the staged values and writes changes back to the staging file.
 """
 from __future__ import annotations
 
+import hashlib
 import itertools
 import os
 import tempfile
@@ -42,12 +43,13 @@ class _StagingFile:
         self.size = 0
         self.users = 0  # staged parameters not yet registered with an engine
 
-    def append(self, tensor: torch.Tensor) -> int:
+    def append(self, tensor: torch.Tensor) -> tuple[int, int]:
+        """Appends the values as fp32; returns (their offset, their hash)."""
         values = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
         offset = self.size
         self.write(offset, values)
         self.size += values.numel() * 4
-        return offset
+        return offset, _values_hash(values)
 
     def write(self, offset: int, values: torch.Tensor):
         view = memoryview(values.numpy()).cast("B")
@@ -72,16 +74,25 @@ class _StagingFile:
             self.fd = -1
 
 
+def _values_hash(values: torch.Tensor) -> int:
+    """A 64-bit hash of fp32 values (never 0, which means "none" to the engine)."""
+    digest = hashlib.blake2b(memoryview(values.numpy()).cast("B"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") | 1
+
+
 class Staged:
     """Where a parameter built under Init keeps its values until an engine takes them."""
 
-    __slots__ = ("file", "offset", "shape", "dtype", "modifier_rank")
+    __slots__ = ("file", "offset", "shape", "dtype", "values_hash", "modifier_rank")
 
-    def __init__(self, file: _StagingFile, offset: int, shape, dtype):
+    def __init__(self, file: _StagingFile, offset: int, shape, dtype, values_hash: int):
         self.file = file
         self.offset = offset
         self.shape = tuple(shape)
         self.dtype = dtype
+        # Of the values staged: the engine compares it across ranks at finalize
+        # (ParameterSpec::initializer_values_hash).
+        self.values_hash = values_hash
         # The modifier_rank of the last GatheredParameters block that changed it (None: none):
         # initialize() writes that rank's values over every rank's.
         self.modifier_rank = None
@@ -104,7 +115,9 @@ class Staged:
         return out
 
     def store(self, values: torch.Tensor):
-        self.file.write(self.offset, values.detach().to(torch.float32).contiguous())
+        values = values.detach().to(torch.float32).contiguous()
+        self.file.write(self.offset, values)
+        self.values_hash = _values_hash(values)
 
     def done(self):
         self.file.release_one()
@@ -218,9 +231,10 @@ class Init:
         for param in module._parameters.values():
             if param is None or hasattr(param, "_zinf_staged"):
                 continue
-            offset = self._file.append(param)
+            offset, values_hash = self._file.append(param)
             self._file.users += 1
-            param._zinf_staged = Staged(self._file, offset, param.shape, param.dtype)
+            param._zinf_staged = Staged(self._file, offset, param.shape, param.dtype,
+                                        values_hash)
             self.staged_bytes += param.numel() * 4
             param.data = torch.empty(0, dtype=param.dtype)
 

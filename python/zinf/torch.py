@@ -560,9 +560,13 @@ class ZinfEngine(nn.Module):
                 # Built under Init: the engine reads this rank's elements from the staging file
                 # during finalize().
                 self._shapes[pid] = stage.shape
+                # Compared across ranks at finalize, unless a GatheredParameters block changed it
+                # on one rank (its values are written over every rank's after finalize).
+                values_hash = stage.values_hash if stage.modifier_rank is None else 0
                 self._core.register_parameter(self._names[pid], self._owner[pid],
                                               list(stage.shape), self.dtype_name, None,
-                                              stage.initializer, group=group_of[pid])
+                                              stage.initializer, group=group_of[pid],
+                                              values_hash=values_hash)
                 continue
             self._shapes[pid] = tuple(param.shape)
             values = param.detach().to(device="cpu", dtype=torch.float32).contiguous()

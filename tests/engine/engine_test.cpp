@@ -555,6 +555,39 @@ TEST(EngineBadInput, RanksRegisteringDifferentInitialValuesFailNamingTheParamete
           << e.to_string();
     }
   }
+  // Parameters given by initializers: compared by the initializer_values_hash the caller gives
+  // (zinf.torch.Init's staged values), not at all without one.
+  for (const bool hashed : {true, false}) {
+    Config config = engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNone, "");
+    engine_test::Ranks ranks = engine_test::make_ranks(world);
+    std::vector<Status> errors(world);
+    std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
+      ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env_for(ranks, rank)));
+      for (std::size_t p = 0; p < model.params.size(); ++p) {
+        const ParamDef& d = model.params[p];
+        ParameterSpec spec{d.name, d.module, d.shape, d.dtype, nullptr, nullptr};
+        const std::vector<float>* values = &model.initial[p];
+        spec.initializer = [values](std::size_t first, std::size_t count, float* out) {
+          std::memcpy(out, values->data() + first, count * sizeof(float));
+          return Status::ok();
+        };
+        if (hashed) spec.initializer_values_hash = (rank == 1 && p == 3) ? 7 : 5;
+        ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
+      }
+      errors[static_cast<std::size_t>(rank)] = engine->finalize();
+      return Status::ok();
+    });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+    for (const Status& e : errors) {
+      if (!hashed) {
+        EXPECT_TRUE(e.is_ok()) << e.to_string();
+        continue;
+      }
+      EXPECT_EQ(e.code(), Code::kInvalidArgument) << e.to_string();
+      EXPECT_TRUE(contains(e, "parameter 'block1.w' has different initial values"))
+          << e.to_string();
+    }
+  }
 }
 
 // Ranks given configs with different stages (one config file per process, mistyped): finalize
