@@ -76,12 +76,16 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
   return m;
 }
 
-// Removes what crashed saves left (".<tag>.tmp", ".<tag>.old") and the tags beyond the newest
-// `keep` (by serial). Each old tag is first renamed to ".<tag>.old", so a crash in the middle of
-// its removal leaves nothing that looks like a checkpoint.
-void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep,
-                const std::string& current) {
+// Removes the tags beyond the newest `keep` (by serial) among those of step `step` or below.
+// A tag of a later step than the one just saved is never removed nor counted: it belongs to a
+// later point of training than this run has reached, so to another run saving into the same
+// directory or to the training this run was rolled back from (a resume from an older tag), and
+// the newest serials would otherwise delete it. Each old tag is first renamed to ".<tag>.old", so
+// a crash in the middle of its removal leaves nothing that looks like a checkpoint.
+void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const std::string& current,
+                std::int64_t step) {
   std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir);
+  std::erase_if(tags, [&](const CheckpointManifest& m) { return m.resume.step > step; });
   std::error_code ec;
   for (std::size_t i = 0; i + keep < tags.size(); ++i) {
     if (tags[i].tag == current) continue;
@@ -298,7 +302,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
         return latest;
       }
       if (ctx.config->keep_last > 0) {
-        prune_tags(*io, dir, static_cast<std::size_t>(ctx.config->keep_last), tag);
+        prune_tags(*io, dir, static_cast<std::size_t>(ctx.config->keep_last), tag, resume.step);
       }
       return Status::ok();
     }();

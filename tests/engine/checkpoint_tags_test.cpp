@@ -137,6 +137,37 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
   EXPECT_NE(gone.message().find(dir + "/a/manifest.json"), std::string::npos) << gone.to_string();
 }
 
+// keep_last never deletes a tag of a later step than the one just saved: a run started afresh
+// in a directory that holds another run's tags (steps 290 and 300) keeps them, and prunes only
+// its own.
+TEST(CheckpointTags, KeepLastNeverPrunesATagOfALaterStep) {
+  engine_test::ScratchDir scratch("ckpt-prune-later");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 29);
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.keep_last = 2;
+  {
+    OneEngine earlier(config, model);
+    ASSERT_TRUE(earlier.train(model, 1, 290).is_ok());
+    ASSERT_TRUE(earlier.engine->save_checkpoint(dir).is_ok());
+    ASSERT_TRUE(earlier.train(model, 291, 300).is_ok());
+    ASSERT_TRUE(earlier.engine->save_checkpoint(dir).is_ok());
+  }
+  OneEngine fresh(config, model);
+  for (int step = 1; step <= 3; ++step) {
+    ASSERT_TRUE(fresh.train(model, step, step).is_ok());
+    const Status st = fresh.engine->save_checkpoint(dir);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  // The fresh run's own tags beyond keep_last go; the earlier run's stay.
+  EXPECT_FALSE(std::filesystem::exists(dir + "/global_step1"));
+  for (int step : {2, 3, 290, 300}) {
+    EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/global_step{}/manifest.json", dir, step)))
+        << "global_step" << step;
+  }
+  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step3");
+}
+
 // tmpfs refused O_DIRECT before Linux 6.6: the files then go through the page cache, padded the
 // same way, so a checkpoint saved on tmpfs loads (and one copied to another filesystem would
 // too). On a kernel whose tmpfs takes O_DIRECT this runs the direct path.
