@@ -9,6 +9,8 @@
 // <dir> fsynced; only then is <dir>/latest replaced (write a temporary, fsync, rename, fsync
 // <dir>). A load reads the tag `latest` names. So at any instant `latest` names either the
 // previous tag, untouched, or the new one, complete. Older tags are deleted only after that.
+// A kill between the two renames leaves a complete tag newer than the one `latest` names; the
+// run restarted from `latest` saves that tag again, and the save replaces it (leftover_reason).
 #include "engine/checkpoint.hpp"
 
 #include <fmt/format.h>
@@ -102,20 +104,50 @@ void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const st
   (void)sync_dir(dir);
 }
 
-// Rank 0's first phase of a save: the directory, no complete tag of this name, a fresh temporary
-// directory, and the serial for the new manifest.
+// Why complete tag `tag` under `dir` is the leftover of a save cut short between its rename and
+// the rename of `latest` (so the next save of that tag replaces it), or empty when it is not: a
+// complete tag that `latest` does not name, newer (by serial) than the one it names, or any
+// complete tag when there is no `latest` at all. The tag `latest` names, one older than it, and
+// anything when `latest` does not name a complete tag stay as they are.
+std::string leftover_reason(IoEngine& io, const std::string& dir, const std::string& tag) {
+  const std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir);
+  auto find = [&](const std::string& name) {
+    return std::find_if(tags.begin(), tags.end(),
+                        [&](const CheckpointManifest& m) { return m.tag == name; });
+  };
+  const auto self = find(tag);
+  if (self == tags.end()) return {};
+  std::error_code ec;
+  if (!std::filesystem::exists(fmt::format("{}/{}", dir, kCheckpointLatest), ec) && !ec) {
+    return fmt::format("there is no '{}/{}'", dir, kCheckpointLatest);
+  }
+  Result<std::string> latest = read_latest_tag(io, dir);
+  if (!latest.is_ok() || *latest == tag) return {};
+  const auto named = find(*latest);
+  if (named == tags.end() || named->serial >= self->serial) return {};
+  return fmt::format("'{}/{}' names the older tag '{}'", dir, kCheckpointLatest, *latest);
+}
+
+// Rank 0's first phase of a save: the directory, no complete tag of this name
+// (unless it is a leftover, leftover_reason(), which *replace then says why the save replaces),
+// a fresh temporary directory, and the serial for the new manifest.
 Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag,
-                    const std::string& temp, std::uint64_t* serial) {
+                    const std::string& temp, std::string* replace, std::uint64_t* serial) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
     return status_from_errno(fmt::format("cannot create the directory '{}'", dir), ec.value());
   }
   const std::string final_dir = fmt::format("{}/{}", dir, tag);
+  replace->clear();
   if (std::filesystem::exists(final_dir, ec)) {
-    return Status::failed_precondition(fmt::format(
-        "'{}' exists already: a checkpoint tag is written once (choose another tag)", final_dir));
+    *replace = leftover_reason(io, dir, tag);
+    if (replace->empty()) {
+      return Status::failed_precondition(fmt::format(
+          "'{}' exists already: a checkpoint tag is written once (choose another tag)", final_dir));
+    }
   }
+  // What crashed saves left.
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     const bool stale = name.size() > 1 && name[0] == '.' &&
@@ -235,12 +267,15 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
   const std::string temp = fmt::format("{}/.{}.tmp", dir, tag);
   std::unique_ptr<IoEngine> io;
   std::uint64_t serial = 0;
+  std::string replace;  // why the complete tag of this name is a leftover the save replaces
   Status local = std::move(precondition);
   if (local.is_ok()) {
     local = [&]() -> Status {
       ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
       ZINF_ASSIGN_OR_RETURN(io, open_checkpoint_io(ctx.io_faults));
-      if (ctx.rank == 0) ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &serial));
+      if (ctx.rank == 0) {
+        ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &replace, &serial));
+      }
       return Status::ok();
     }()
                          .with_context(call);
@@ -285,10 +320,32 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
                                             encode_checkpoint_manifest(m), nullptr));
       ZINF_RETURN_IF_ERROR(sync_dir(temp));
       const std::string final_dir = fmt::format("{}/{}", dir, tag);
+      const std::string aside = fmt::format("{}/.{}.old", dir, tag);
+      if (!replace.empty()) {
+        // A complete tag of this name that no load reads by default (`latest` names an older
+        // one, or there is none): what a save cut short between its rename and `latest`'s left.
+        // The run resumed from `latest` saves it again; refusing would stop an automatic restart
+        // loop forever. It is moved aside only now that the new tag is complete, and removed
+        // once the new one has its name.
+        log_warn(
+            "checkpoint: replacing '{}', left by a save cut short before '{}/{}' named it "
+            "({})",
+            final_dir, dir, kCheckpointLatest, replace);
+        std::error_code ec;
+        std::filesystem::remove_all(aside, ec);
+        if (::rename(final_dir.c_str(), aside.c_str()) != 0) {
+          return status_from_errno(fmt::format("rename '{}' to '{}'", final_dir, aside), errno);
+        }
+      }
       if (::rename(temp.c_str(), final_dir.c_str()) != 0) {
         return status_from_errno(fmt::format("rename '{}' to '{}'", temp, final_dir), errno);
       }
       ZINF_RETURN_IF_ERROR(sync_dir(dir));
+      if (!replace.empty()) {
+        std::error_code ec;
+        std::filesystem::remove_all(aside, ec);
+        if (ec) log_warn("checkpoint: cannot remove '{}': {}", aside, ec.message());
+      }
       Status latest = write_file_atomically(*io, fmt::format("{}/{}", dir, kCheckpointLatest), tag);
       if (!latest.is_ok()) {
         // While `latest` still names the previous tag, the new one goes, so a retry of the same

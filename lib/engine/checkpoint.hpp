@@ -436,6 +436,9 @@ struct RefusedCheckpointTags {
   std::vector<Tag> tags;
   // "<dir>/.<tag>.tmp" directories: saves in progress or cut short.
   std::vector<std::string> temp_dirs;
+  // "<dir>/.<tag>.old" directories: tags a save was removing (pruned, or a leftover it replaced)
+  // when it was cut short.
+  std::vector<std::string> old_dirs;
 };
 
 // The complete tags under `dir` (a subdirectory with a manifest that parses and names it), oldest
@@ -450,8 +453,11 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
 // parameter_elements, bytes, checksums ("ok", "not verified", or the error: the rank files and
 // the client state)}], "problems": [text], "notes": [text]}, tags oldest first. The problems: a
 // `latest` that does not read or names no complete tag, a tag directory (one with a manifest or
-// rank files) whose manifest does not read. The notes: saves in progress or cut short
-// (.<tag>.tmp).
+// rank files) whose manifest does not read. The notes, each saying what the next save or resume
+// does with it: saves in progress or cut short (.<tag>.tmp), tags being removed when a save was
+// cut short (.<tag>.old), a latest.tmp left by a save cut short, and complete tags newer than
+// the one `latest` names (or any, when there is no `latest`): a save cut short before `latest`
+// moved to them.
 // kNotFound naming `dir` when it is not a directory, or holds neither `latest` nor a tag.
 Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify);
 
@@ -481,7 +487,10 @@ std::vector<std::size_t> gather_order_indices(const ParameterLayout& layout,
 
 // Writes <dir>/<tag> (include/zinf/engine.hpp save_checkpoint): every rank's file into
 // <dir>/.<tag>.tmp, then rank 0's client state and manifest, the rename to <dir>/<tag>,
-// <dir>/latest, and the pruning of tags beyond config.keep_last. `precondition` is this rank's
+// <dir>/latest, and the pruning of tags beyond config.keep_last (never a tag of a later step
+// than resume.step). A complete <dir>/<tag> is refused (kFailedPrecondition naming it) unless it
+// is the leftover of a save cut short before `latest` moved to it (newer than the tag `latest`
+// names, or any when there is no `latest`), which the save replaces. `precondition` is this rank's
 // verdict on taking a checkpoint now; every rank learns every rank's. Collective.
 Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
                        const std::string& tag, Status precondition, const ResumeState& resume);

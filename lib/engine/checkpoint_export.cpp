@@ -170,6 +170,41 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         "'{}': a save in progress or cut short (the next save into this directory removes it)",
         temp));
   }
+  for (const std::string& old : refused.old_dirs) {
+    notes.push_back(fmt::format(
+        "'{}': a tag a save was removing (pruned by keep_last, or a leftover it replaced) when it "
+        "was cut short; no load reads it, and the next save into this directory removes it",
+        old));
+  }
+  const std::string latest_tmp = fmt::format("{}/{}.tmp", dir, kCheckpointLatest);
+  if (std::filesystem::exists(latest_tmp, ec)) {
+    Result<std::string> named = read_text_file(*io, latest_tmp);
+    notes.push_back(fmt::format(
+        "'{}'{}: left by a save cut short while it replaced 'latest'; a resume reads 'latest', "
+        "not it, and the next save overwrites it",
+        latest_tmp, named.is_ok() ? fmt::format(" (naming '{}')", *named) : std::string()));
+  }
+  // Complete tags no resume reads by default: newer than the one `latest` names, or any when
+  // there is no `latest` (a save cut short between its tag's rename and `latest`'s).
+  const auto named_by_latest =
+      latest.is_ok() ? std::find_if(manifests.begin(), manifests.end(),
+                                    [&](const CheckpointManifest& m) { return m.tag == *latest; })
+                     : manifests.end();
+  for (const CheckpointManifest& m : manifests) {
+    if (!has_latest_file) {
+      notes.push_back(fmt::format(
+          "tag '{}' is complete, but there is no '{}/latest' (a save cut short before it wrote "
+          "'latest'): a resume from the directory finds no checkpoint (load the tag by name), and "
+          "the next save of tag '{}' replaces it",
+          m.tag, dir, m.tag));
+    } else if (named_by_latest != manifests.end() && m.serial > named_by_latest->serial) {
+      notes.push_back(fmt::format(
+          "tag '{}' is complete and newer than '{}', the tag 'latest' names (a save cut short "
+          "before it moved 'latest'): a resume from the directory loads '{}' (load '{}' by name "
+          "to resume from it), and the next save of tag '{}' replaces it",
+          m.tag, *latest, *latest, m.tag, m.tag));
+    }
+  }
   out["notes"] = notes;
   if (manifests.empty() && !latest.is_ok() && problems.empty()) {
     // Nothing to list: a mistyped path, or a save that never finished.

@@ -614,9 +614,11 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
     const std::string name = entry.path().filename().string();
     if (!entry.is_directory(ec)) continue;
     if (!check_checkpoint_tag(name).is_ok()) {
-      // ".<tag>.tmp": a save in progress, or one cut short (the next save removes it).
-      if (refused != nullptr && name.size() > 5 && name[0] == '.' && name.ends_with(".tmp")) {
-        refused->temp_dirs.push_back(entry.path().string());
+      // ".<tag>.tmp": a save in progress, or one cut short; ".<tag>.old": a tag a save was
+      // removing. The next save removes both.
+      if (refused != nullptr && name.size() > 5 && name[0] == '.') {
+        if (name.ends_with(".tmp")) refused->temp_dirs.push_back(entry.path().string());
+        if (name.ends_with(".old")) refused->old_dirs.push_back(entry.path().string());
       }
       continue;
     }

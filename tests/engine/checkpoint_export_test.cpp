@@ -266,7 +266,8 @@ TEST(CheckpointExport, InspectListsTagsAndFindsAFlippedByte) {
 // One walk of the directory gives both the complete tags (every save and load) and, when asked,
 // what inspect reports: a copy of tag t under another name (its manifest names t), a tag whose
 // manifest is gone but whose rank file is there, and a save cut short. A directory of the
-// program's, a stale ".old" and a file named like a save in progress are none of those.
+// program's, a stale ".old" and a file named like a save in progress are none of those; the
+// ".old" is a note, as the save cut short is.
 TEST(CheckpointExport, ListedTagsAndRefusedOnesComeFromOneWalk) {
   engine_test::ScratchDir scratch("ckpt-refused");
   const std::string dir = scratch.path() + "/ckpt";
@@ -299,6 +300,7 @@ TEST(CheckpointExport, ListedTagsAndRefusedOnesComeFromOneWalk) {
   EXPECT_NE(reasons["torn"].find(dir + "/torn/manifest.json"), std::string::npos)
       << reasons["torn"];
   EXPECT_EQ(refused.temp_dirs, std::vector<std::string>{dir + "/.v.tmp"});
+  EXPECT_EQ(refused.old_dirs, std::vector<std::string>{dir + "/.w.old"});
 
   Result<nlohmann::json> info = inspect_checkpoints(dir, false);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
@@ -308,10 +310,15 @@ TEST(CheckpointExport, ListedTagsAndRefusedOnesComeFromOneWalk) {
   std::sort(texts.begin(), texts.end());
   EXPECT_EQ(texts[0], "tag 'copy' is not a complete checkpoint: its manifest names tag 't'");
   EXPECT_EQ(texts[1], "tag 'torn' is not a complete checkpoint: " + reasons["torn"]);
-  ASSERT_EQ((*info)["notes"].size(), 1u);
+  ASSERT_EQ((*info)["notes"].size(), 2u);
   EXPECT_EQ((*info)["notes"][0], "'" + dir +
                                      "/.v.tmp': a save in progress or cut short (the next save "
                                      "into this directory removes it)");
+  EXPECT_EQ((*info)["notes"][1], "'" + dir +
+                                     "/.w.old': a tag a save was removing (pruned by keep_last, "
+                                     "or a leftover it replaced) when it was cut short; no load "
+                                     "reads it, and the next save into this directory removes "
+                                     "it");
 }
 
 }  // namespace

@@ -15,10 +15,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 #include <vector>
 
+#include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 #include "io/fault.hpp"
 
@@ -135,6 +137,122 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
   const Status gone = fresh.engine->load_checkpoint(dir, "a");
   EXPECT_EQ(gone.code(), Code::kNotFound) << gone.to_string();
   EXPECT_NE(gone.message().find(dir + "/a/manifest.json"), std::string::npos) << gone.to_string();
+}
+
+// A save cut short between its tag's rename and `latest`'s (kill -9 there) leaves a complete
+// tag newer than the one `latest` names, and latest.tmp naming it. The run restarted from
+// `latest` trains to that step again and saves that tag again: the save replaces the leftover
+// (with a warning) instead of refusing it, so a restart loop goes on, and the tag then holds the
+// new save. The tag `latest` names, and an older one, stay written once. The state is built by
+// hand: two saves, then `latest` rewritten to name the first and latest.tmp left naming the
+// second.
+TEST(CheckpointTags, ATagLeftByASaveCutShortBeforeLatestMovedIsSavedAgain) {
+  engine_test::ScratchDir scratch("ckpt-latest-window");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 26);
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.keep_last = 2;
+  {
+    OneEngine one(config, model);
+    ASSERT_TRUE(one.train(model, 1, 2).is_ok());
+    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+    ASSERT_TRUE(one.train(model, 3, 4).is_ok());
+    one.engine->set_client_state("the run that was killed");
+    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+  }
+  std::ofstream(dir + "/latest", std::ios::trunc) << "global_step2";
+  std::ofstream(dir + "/latest.tmp", std::ios::trunc) << "global_step4";
+
+  // inspect says what each leftover is and what happens to it.
+  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
+  const std::string notes = (*info)["notes"].dump();
+  EXPECT_EQ((*info)["notes"].size(), 2u) << notes;
+  EXPECT_NE(notes.find("latest.tmp' (naming 'global_step4'): left by a save cut short"),
+            std::string::npos)
+      << notes;
+  EXPECT_NE(notes.find("tag 'global_step4' is complete and newer than 'global_step2', the tag "
+                       "'latest' names"),
+            std::string::npos)
+      << notes;
+  EXPECT_NE(notes.find("the next save of tag 'global_step4' replaces it"), std::string::npos)
+      << notes;
+
+  // The restarted run: loads `latest` (step 2), trains steps 3 and 4 at another learning rate
+  // (so its masters differ from the killed run's), saves global_step4.
+  std::vector<std::vector<float>> killed;
+  std::vector<std::vector<float>> resumed;
+  {
+    OneEngine tag4(config, model);
+    ASSERT_TRUE(tag4.engine->load_checkpoint(dir, "global_step4").is_ok());
+    killed = *engine_test::read_masters(*tag4.engine, model);
+  }
+  {
+    OneEngine again(config, model);
+    ASSERT_TRUE(again.engine->load_checkpoint(dir).is_ok());
+    EXPECT_EQ(again.engine->client_state(), "");
+    ASSERT_TRUE(again.engine->set_learning_rate(config.optimizer.lr * 3).is_ok());
+    ASSERT_TRUE(again.train(model, 3, 4).is_ok());
+    again.engine->set_client_state("the restarted run");
+    const Status st = again.engine->save_checkpoint(dir);
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+    resumed = *engine_test::read_masters(*again.engine, model);
+    ASSERT_FALSE(same_bits(resumed, killed));
+    EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step4");
+    EXPECT_FALSE(std::filesystem::exists(dir + "/latest.tmp"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step4.old"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step4.tmp"));
+
+    // Written once from here on: the tag `latest` names, and an older one.
+    for (const std::string tag : {"global_step4", "global_step2"}) {
+      const Status twice = again.engine->save_checkpoint(dir, tag);
+      EXPECT_EQ(twice.code(), Code::kFailedPrecondition) << twice.to_string();
+      EXPECT_NE(twice.message().find("'" + dir + "/" + tag + "' exists already"), std::string::npos)
+          << twice.to_string();
+    }
+  }
+  OneEngine fresh(config, model);
+  ASSERT_TRUE(fresh.engine->load_checkpoint(dir).is_ok());
+  EXPECT_EQ(fresh.engine->client_state(), "the restarted run");
+  EXPECT_TRUE(same_bits(*engine_test::read_masters(*fresh.engine, model), resumed));
+  info = inspect_checkpoints(dir, true);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
+  EXPECT_TRUE((*info)["notes"].empty()) << (*info)["notes"].dump();
+}
+
+// The same cut at the very first save: a complete tag and no `latest`. A run started again from
+// scratch saves that tag again, replacing it.
+TEST(CheckpointTags, ATagLeftByAFirstSaveCutShortIsSavedAgain) {
+  engine_test::ScratchDir scratch("ckpt-first-save-window");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 28);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  {
+    OneEngine one(config, model);
+    ASSERT_TRUE(one.train(model, 1, 2).is_ok());
+    one.engine->set_client_state("killed");
+    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+  }
+  std::filesystem::rename(dir + "/latest", dir + "/latest.tmp");
+  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  const std::string notes = (*info)["notes"].dump();
+  EXPECT_NE(notes.find("tag 'global_step2' is complete, but there is no '" + dir + "/latest'"),
+            std::string::npos)
+      << notes;
+
+  OneEngine again(config, model);
+  ASSERT_TRUE(again.train(model, 1, 2).is_ok());
+  again.engine->set_client_state("started again");
+  const Status st = again.engine->save_checkpoint(dir);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step2");
+  OneEngine fresh(config, model);
+  ASSERT_TRUE(fresh.engine->load_checkpoint(dir).is_ok());
+  EXPECT_EQ(fresh.engine->client_state(), "started again");
 }
 
 // keep_last never deletes a tag of a later step than the one just saved: a run started afresh
