@@ -11,9 +11,14 @@
 // previous tag, untouched, or the new one, complete. Older tags are deleted only after that.
 // A kill between the two renames leaves a complete tag newer than the one `latest` names; the
 // run restarted from `latest` saves that tag again, and the save replaces it (leftover_reason).
+// One save at a time changes the directory: rank 0 holds a lock on it for the whole save
+// (SaveLock), so two jobs given one directory are refused rather than removing each other's
+// temporary directories.
 #include "engine/checkpoint.hpp"
 
+#include <fcntl.h>
 #include <fmt/format.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -104,6 +109,74 @@ void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const st
   (void)sync_dir(dir);
 }
 
+// The right to change a checkpoint directory's entries for the length of one save: an exclusive
+// flock(2) on <dir>/.zinf-save.lock, taken by the rank that does the directory's work (rank 0).
+// Without it two jobs saving into one directory remove each other's ".<tag>.tmp" (each save
+// clears what crashed saves left) and prune each other's tags. The holder writes "pid <pid> host
+// <host>" into the file so the refused one can name it; the kernel drops the lock when the holder
+// exits, however it exits, so a crash leaves no stale lock (only stale text, which the next
+// holder overwrites). The file itself stays: removing it would let a third process lock a new
+// file of that name while the second still holds the old one.
+class SaveLock {
+ public:
+  SaveLock() = default;
+  ~SaveLock() {
+    if (fd_ < 0) return;
+    // Nobody holds it now: its text would name a process that no longer saves.
+    (void)::ftruncate(fd_, 0);
+    ::close(fd_);
+  }
+  SaveLock(const SaveLock&) = delete;
+  SaveLock& operator=(const SaveLock&) = delete;
+
+  // kFailedPrecondition naming `dir` and the holder when another save holds it.
+  Status lock(const std::string& dir) {
+    const std::string path = fmt::format("{}/{}", dir, kCheckpointSaveLock);
+    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd < 0) {
+      return status_from_errno(fmt::format("checkpoint: open the save lock '{}'", path), errno);
+    }
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err == ENOLCK || err == EOPNOTSUPP || err == ENOSYS) {
+        // A filesystem without flock (some network filesystems mounted without it): the save
+        // goes on unguarded, as it did before the lock, rather than never saving.
+        ::close(fd);
+        log_warn(
+            "checkpoint: cannot lock '{}' ({}): saves into '{}' are not guarded against another "
+            "job saving there at the same time",
+            path, std::strerror(err), dir);
+        return Status::ok();
+      }
+      std::string holder(256, '\0');
+      const ssize_t got = ::pread(fd, holder.data(), holder.size(), 0);
+      holder.resize(got > 0 ? static_cast<std::size_t>(got) : 0);
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) {
+        holder.pop_back();
+      }
+      ::close(fd);
+      if (err != EWOULDBLOCK) {
+        return status_from_errno(fmt::format("checkpoint: lock '{}'", path), err);
+      }
+      return Status::failed_precondition(fmt::format(
+          "the checkpoint directory '{}' is being saved into by another process ({}; it holds "
+          "'{}'): two jobs saving into one directory would remove each other's files (give "
+          "each job its own directory)",
+          dir, holder.empty() ? std::string("its pid not written yet") : holder, path));
+    }
+    char host[256] = {};
+    (void)::gethostname(host, sizeof(host) - 1);
+    const std::string text = fmt::format("pid {} host {}\n", ::getpid(), host);
+    // Best effort: the text only names this process to another one refused the lock.
+    if (::ftruncate(fd, 0) == 0) (void)::pwrite(fd, text.data(), text.size(), 0);
+    fd_ = fd;
+    return Status::ok();
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 // Why complete tag `tag` under `dir` is the leftover of a save cut short between its rename and
 // the rename of `latest` (so the next save of that tag replaces it), or empty when it is not: a
 // complete tag that `latest` does not name, newer (by serial) than the one it names, or any
@@ -128,16 +201,18 @@ std::string leftover_reason(IoEngine& io, const std::string& dir, const std::str
   return fmt::format("'{}/{}' names the older tag '{}'", dir, kCheckpointLatest, *latest);
 }
 
-// Rank 0's first phase of a save: the directory, no complete tag of this name
+// Rank 0's first phase of a save: the directory, its save lock, no complete tag of this name
 // (unless it is a leftover, leftover_reason(), which *replace then says why the save replaces),
 // a fresh temporary directory, and the serial for the new manifest.
 Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag,
-                    const std::string& temp, std::string* replace, std::uint64_t* serial) {
+                    const std::string& temp, SaveLock* lock, std::string* replace,
+                    std::uint64_t* serial) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
     return status_from_errno(fmt::format("cannot create the directory '{}'", dir), ec.value());
   }
+  ZINF_RETURN_IF_ERROR(lock->lock(dir));
   const std::string final_dir = fmt::format("{}/{}", dir, tag);
   replace->clear();
   if (std::filesystem::exists(final_dir, ec)) {
@@ -147,7 +222,7 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
           "'{}' exists already: a checkpoint tag is written once (choose another tag)", final_dir));
     }
   }
-  // What crashed saves left.
+  // What crashed saves left. No other save is running here (the lock), so each is a leftover.
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     const bool stale = name.size() > 1 && name[0] == '.' &&
@@ -267,6 +342,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
   const std::string temp = fmt::format("{}/.{}.tmp", dir, tag);
   std::unique_ptr<IoEngine> io;
   std::uint64_t serial = 0;
+  SaveLock lock;        // rank 0's, held to the end of the save
   std::string replace;  // why the complete tag of this name is a leftover the save replaces
   Status local = std::move(precondition);
   if (local.is_ok()) {
@@ -274,7 +350,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
       ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
       ZINF_ASSIGN_OR_RETURN(io, open_checkpoint_io(ctx.io_faults));
       if (ctx.rank == 0) {
-        ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &replace, &serial));
+        ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &lock, &replace, &serial));
       }
       return Status::ok();
     }()

@@ -70,6 +70,8 @@ inline constexpr std::size_t kCheckpointHeaderBytes = 4096;
 inline constexpr std::string_view kCheckpointManifest = "manifest.json";
 inline constexpr std::string_view kCheckpointLatest = "latest";
 inline constexpr std::string_view kCheckpointClientState = "client_state.bin";
+// The file a save holds an exclusive flock(2) on while it changes the directory (rank 0).
+inline constexpr std::string_view kCheckpointSaveLock = ".zinf-save.lock";
 
 struct CheckpointHeader {
   std::uint64_t magic = kCheckpointMagic;
@@ -490,8 +492,10 @@ std::vector<std::size_t> gather_order_indices(const ParameterLayout& layout,
 // <dir>/latest, and the pruning of tags beyond config.keep_last (never a tag of a later step
 // than resume.step). A complete <dir>/<tag> is refused (kFailedPrecondition naming it) unless it
 // is the leftover of a save cut short before `latest` moved to it (newer than the tag `latest`
-// names, or any when there is no `latest`), which the save replaces. `precondition` is this rank's
-// verdict on taking a checkpoint now; every rank learns every rank's. Collective.
+// names, or any when there is no `latest`), which the save replaces. Rank 0 holds an exclusive
+// lock on <dir>/.zinf-save.lock for the whole save; another save holding it is
+// kFailedPrecondition naming <dir> and its holder. `precondition` is this rank's verdict on
+// taking a checkpoint now; every rank learns every rank's. Collective.
 Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, const std::string& dir,
                        const std::string& tag, Status precondition, const ResumeState& resume);
 

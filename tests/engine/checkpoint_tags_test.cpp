@@ -6,8 +6,10 @@
 // file of a tag, or a truncated (torn) rank file, is kCorruption naming the file. And the state a
 // resume needs beside the optimizer's: the learning-rate schedule, the gather order, the client
 // state.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -118,7 +120,9 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/b/manifest.json"));
   EXPECT_TRUE(std::filesystem::exists(dir + "/c/manifest.json"));
   EXPECT_EQ(engine_test::read_file(dir + "/latest"), "c");
+  // Nothing of the saves is left behind but the lock file every save takes.
   for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    if (entry.path().filename() == kCheckpointSaveLock) continue;
     EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
   }
   // Every file of a tag is a whole number of 4096-byte blocks except the small text ones.
@@ -284,6 +288,101 @@ TEST(CheckpointTags, KeepLastNeverPrunesATagOfALaterStep) {
         << "global_step" << step;
   }
   EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step3");
+}
+
+// A save takes an exclusive lock on <dir>/.zinf-save.lock: while another process (here a
+// descriptor of the test's own; flock locks belong to an open file, so one process can hold two
+// that conflict) holds it, a save is refused naming the directory and the holder, and leaves
+// the directory as it was. The lock file is not a tag, a problem or a note for inspect.
+TEST(CheckpointTags, ASaveIntoADirectoryAnotherSaveHoldsIsRefusedNamingTheHolder) {
+  engine_test::ScratchDir scratch("ckpt-save-lock");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 30);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  OneEngine one(config, model);
+  ASSERT_TRUE(one.train(model, 1, 1).is_ok());
+  ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+  const std::string lock_path = dir + "/.zinf-save.lock";
+  ASSERT_TRUE(std::filesystem::exists(lock_path));
+  EXPECT_EQ(std::filesystem::file_size(lock_path), 0u) << "no holder named once released";
+  {
+    const int fd = ::open(lock_path.c_str(), O_RDWR | O_CLOEXEC);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+    const std::string holder = "pid 4242 host other-node\n";
+    ASSERT_EQ(::pwrite(fd, holder.data(), holder.size(), 0), static_cast<ssize_t>(holder.size()));
+    // A save cut short by the other job is its save in progress, not this one's to remove.
+    std::filesystem::create_directories(dir + "/.global_step9.tmp");
+    ASSERT_TRUE(one.train(model, 2, 2).is_ok());
+    const Status st = one.engine->save_checkpoint(dir);
+    EXPECT_EQ(st.code(), Code::kFailedPrecondition) << st.to_string();
+    EXPECT_NE(st.message().find("the checkpoint directory '" + dir +
+                                "' is being saved into by another process (pid 4242 host "
+                                "other-node; it holds '" +
+                                lock_path + "')"),
+              std::string::npos)
+        << st.to_string();
+    EXPECT_FALSE(std::filesystem::exists(dir + "/global_step2"));
+    EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step2.tmp"));
+    EXPECT_TRUE(std::filesystem::exists(dir + "/.global_step9.tmp"));
+    EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step1");
+    ::close(fd);
+  }
+  // Released: the save goes ahead (and clears what the other job's cut-short save left).
+  const Status st = one.engine->save_checkpoint(dir);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step2");
+  EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step9.tmp"));
+  Result<std::unique_ptr<IoEngine>> io = open_checkpoint_io(nullptr);
+  ASSERT_TRUE(io.is_ok());
+  RefusedCheckpointTags refused;
+  EXPECT_EQ(list_checkpoint_tags(**io, dir, &refused).size(), 2u);
+  EXPECT_TRUE(refused.tags.empty() && refused.temp_dirs.empty() && refused.old_dirs.empty());
+  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
+  EXPECT_TRUE((*info)["notes"].empty()) << (*info)["notes"].dump();
+}
+
+// Two engines saving into one directory at once, as two jobs given one save directory do: each
+// save either completes or is refused naming the lock, never fails halfway on a file the other
+// removed, and every tag in the directory loads.
+TEST(CheckpointTags, TwoEnginesSavingIntoOneDirectoryNeverBreakEachOthersSaves) {
+  engine_test::ScratchDir scratch("ckpt-two-savers");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = engine_test::make_model(DType::kF32, 31);
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.keep_last = 2;
+  constexpr int kSaves = 12;
+  int refused[2] = {0, 0};
+  std::vector<std::thread> jobs;
+  std::vector<std::string> failures[2];
+  for (int job = 0; job < 2; ++job) {
+    jobs.emplace_back([&, job] {
+      OneEngine one(config, model);
+      if (one.engine == nullptr) return;
+      for (int i = 0; i < kSaves; ++i) {
+        if (!one.train(model, i + 1, i + 1).is_ok()) return;
+        const Status st = one.engine->save_checkpoint(dir, fmt::format("job{}-{}", job, i));
+        if (st.code() == Code::kFailedPrecondition &&
+            st.message().find("is being saved into by another process") != std::string::npos) {
+          ++refused[job];
+        } else if (!st.is_ok()) {
+          failures[job].push_back(st.to_string());
+        }
+      }
+    });
+  }
+  for (std::thread& t : jobs) t.join();
+  std::printf("refused saves: job0 %d, job1 %d of %d each\n", refused[0], refused[1], kSaves);
+  for (int job = 0; job < 2; ++job) {
+    EXPECT_TRUE(failures[job].empty()) << "job " << job << ": " << failures[job].front();
+  }
+  Result<nlohmann::json> info = inspect_checkpoints(dir, true);
+  ASSERT_TRUE(info.is_ok()) << info.status().to_string();
+  EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
+  EXPECT_FALSE((*info)["tags"].empty());
 }
 
 // tmpfs refused O_DIRECT before Linux 6.6: the files then go through the page cache, padded the
