@@ -371,11 +371,12 @@ def test_the_offload_and_dtype_accessors_are_deepspeeds(tmp_path):
     assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_cpu_offload()
     assert engine.zero_offload_param() is None
     assert engine.get_data_types() == (torch.float32, torch.float32)
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2,
-                                                                        "cpu_offload": True}}
+    adamw = {"type": "AdamW", "params": {"lr": LR}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": adamw,
+              "zero_optimization": {"stage": 2, "cpu_offload": True}}
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     assert engine.zero_offload_optimizer().device == "cpu" and engine.zero_cpu_offload()
-    config = {"train_micro_batch_size_per_gpu": 2, "fp16": {"enabled": True}}
+    config = {"train_micro_batch_size_per_gpu": 2, "optimizer": adamw, "fp16": {"enabled": True}}
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     assert engine.zero_offload_optimizer() is None and not engine.zero_cpu_offload()
     assert engine.get_data_types() == (torch.float16, torch.float32)
