@@ -344,7 +344,16 @@ SavedTags saved_tags(const fs::path& dir) {
 // then the directory itself only if this run created it and it is empty. Another job's live swap
 // files stay, and so does the directory holding them: that job removes it when it ends.
 void remove_own_swap_files(const fs::path& dir, bool created_dir) {
-  const std::string own = "-" + std::to_string(getpid()) + "-rank";
+  // The engine names them zinf-<kind>-<host>-<pid>-rank<r>.bin, the host with anything but
+  // [A-Za-z0-9._] as '_': the host too, for jobs of two machines sharing a network directory.
+  char host_name[256] = {};
+  std::string host = ::gethostname(host_name, sizeof host_name - 1) == 0 && host_name[0] != '\0'
+                         ? host_name
+                         : "host";
+  for (char& c : host) {
+    if (std::isalnum(static_cast<unsigned char>(c)) == 0 && c != '.' && c != '_') c = '_';
+  }
+  const std::string own = "-" + host + "-" + std::to_string(getpid()) + "-rank";
   std::error_code ec;
   for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
     const std::string name = it->path().filename().string();

@@ -192,13 +192,19 @@ std::string leftover_reason(IoEngine& io, const std::string& dir, const std::str
   if (self == tags.end()) return {};
   std::error_code ec;
   if (!std::filesystem::exists(fmt::format("{}/{}", dir, kCheckpointLatest), ec) && !ec) {
+    // Only the newest can be the first save's: the others were complete before it began.
+    if (self->serial != tags.back().serial) return {};
     return fmt::format("there is no '{}/{}'", dir, kCheckpointLatest);
   }
   Result<std::string> latest = read_latest_tag(io, dir);
   if (!latest.is_ok() || *latest == tag) return {};
+  // By step, as keep_last prunes and train_lm's --resume check judges: a tag of a later step than
+  // the one `latest` names is where the run resumed from it is going (saved again when the run
+  // gets there, whatever its save interval).
   const auto named = find(*latest);
-  if (named == tags.end() || named->serial >= self->serial) return {};
-  return fmt::format("'{}/{}' names the older tag '{}'", dir, kCheckpointLatest, *latest);
+  if (named == tags.end() || named->resume.step >= self->resume.step) return {};
+  return fmt::format("'{}/{}' names the tag '{}' of an earlier step", dir, kCheckpointLatest,
+                     *latest);
 }
 
 // Rank 0's first phase of a save: the directory, its save lock, no complete tag of this name

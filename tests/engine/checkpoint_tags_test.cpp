@@ -176,8 +176,8 @@ TEST(CheckpointTags, ATagLeftByASaveCutShortBeforeLatestMovedIsSavedAgain) {
   EXPECT_NE(notes.find("latest.tmp' (naming 'global_step4'): left by a save cut short"),
             std::string::npos)
       << notes;
-  EXPECT_NE(notes.find("tag 'global_step4' is complete and newer than 'global_step2', the tag "
-                       "'latest' names"),
+  EXPECT_NE(notes.find("tag 'global_step4' is complete and of a later step than 'global_step2', "
+                       "the tag 'latest' names"),
             std::string::npos)
       << notes;
   EXPECT_NE(notes.find("the next save of tag 'global_step4' replaces it"), std::string::npos)
