@@ -287,12 +287,14 @@ class Engine {
   Status register_parameter(const ParameterSpec& spec);
 
   // Lays out the partitions, checks with every rank that all registered the same parameters
-  // (kInvalidArgument naming the first parameter that differs and the ranks), allocates every
-  // buffer, opens swap space, and places the initial values (calling the initializers). Called
-  // by the first gather(), reduce_gradients() or step() if not before. Collective. With no
-  // parameters registered, kFailedPrecondition and registration stays open. On any other failure
-  // the engine stays unfinalized and every later call returns the same error (register_parameter
-  // quotes it): open a new engine.
+  // and initial values (kInvalidArgument naming the first parameter that differs and the ranks),
+  // allocates every buffer, opens swap space, and places the initial values (calling the
+  // initializers). Called by the first gather(), reduce_gradients() or step() if not before.
+  // Collective. With no parameters registered, kFailedPrecondition and registration stays open.
+  // On any other failure the engine stays unfinalized and every later call returns the same
+  // error (register_parameter quotes it): open a new engine. A failure of this rank's own after
+  // those checks (an initializer, memory, the swap files) also aborts the communicator, so that
+  // the other ranks fail at once naming this rank: the new engine needs a new communicator.
   Status finalize();
   bool finalized() const;
 

@@ -12,6 +12,7 @@
 #include <sys/file.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -493,11 +494,19 @@ TEST(CheckpointTags, AnEngineWithItsOwnScheduleKeepsItAtTheCheckpointsStep) {
 TEST(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
   engine_test::ScratchDir scratch("ckpt-one-rank");
   Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.collective_timeout_ms = 500;
+  config.collective_timeout_ms = 2000;  // room for a slow rank (sanitizers) before the save
   const Model model = engine_test::make_model(DType::kF32, 25);
-  engine_test::Ranks ranks = engine_test::make_ranks(2, std::chrono::milliseconds(500));
+  engine_test::Ranks ranks = engine_test::make_ranks(2, std::chrono::milliseconds(2000));
   Status saved;
+  std::atomic<bool> save_returned{false};
   std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+    // Rank 0 lets rank 1 go however it returns (a failure before the save too).
+    struct Done {
+      std::atomic<bool>* flag;
+      ~Done() {
+        if (flag != nullptr) *flag = true;
+      }
+    } done{rank == 0 ? &save_returned : nullptr};
     Env env;
     env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
     env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
@@ -510,7 +519,8 @@ TEST(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
     if (rank == 0) {
       saved = engine->save_checkpoint(scratch.path() + "/ckpt", "t");
     } else {
-      std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // not saving
+      // Not saving, and keeping its engine open until rank 0's save has returned.
+      while (!save_returned) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
     return Status::ok();
   });
