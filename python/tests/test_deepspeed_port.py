@@ -499,3 +499,23 @@ def test_a_resume_with_other_gradient_accumulation_steps_takes_whole_steps(tmp_p
         applied.append(resumed.was_step_applied())
     assert applied == [False, False, False, True]
     assert resumed.global_steps == 4
+
+
+def test_an_overflow_at_the_loss_scales_floor_raises_and_training_goes_on():
+    # DeepSpeed raises when the gradients overflow with the scale already at min_loss_scale; zinf
+    # raises too, having skipped the step, and a caller that catches it trains on (the state on
+    # the device: the path whose error used to stick).
+    config = mlp_config(2)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 0, "min_loss_scale": 1,
+                      "hysteresis": 1}
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    first, second = [(x.half(), y.half()) for x, y in mlp_batches(2)]
+    engine.backward(mlp_loss(engine, first).float() * float("inf"))
+    with pytest.raises(zinf.torch.Error, match="fp16.min_loss_scale"):
+        engine.step()
+    assert (engine.global_steps, engine.skipped_steps) == (1, 1)
+    assert not engine.was_step_applied()
+    engine.backward(mlp_loss(engine, second).float())
+    engine.step()
+    assert engine.was_step_applied()
+    assert (engine.global_steps, engine.skipped_steps) == (2, 1)

@@ -97,6 +97,9 @@ zero = types.SimpleNamespace(Init=Init, GatheredParameters=GatheredParameters,
                              unregister_external_parameter=unregister_external_parameter)
 
 _ROOT_MODULE = "(root)"
+# In the engine's error for an fp16 overflow with the loss scale already at its floor
+# (lib/engine/engine.cpp, skipped()): the one step() error zinf.torch lets training go on after.
+_FLOOR_OVERFLOW = "with the loss scale already at fp16.min_loss_scale"
 # Words of torch's errors for a tensor of the wrong shape, as an empty (released) parameter
 # gives: such an error at stage 3 gets a note on register_external_parameter().
 _SHAPE_WORDS = ("size", "shape", "dimension", "matrix", "mat1", "mat2", "elements", "numel")
@@ -1181,11 +1184,26 @@ class ZinfEngine(nn.Module):
             # optimizer.step() called directly reaches here without engine.step()'s check.
             self._refuse_stray_backward("step")
         self._push_lr()
+        at_floor = None
         with self._aborting_on_error("step"):
             # Divided by gradient_accumulation_steps however many micro-batches the step has (a
             # boundary set by hand, or counting resumed after one), as DeepSpeed divides each
             # micro-batch's loss by it.
-            self.last_step_report = self._core.step(self._gradient_accumulation_steps)
+            try:
+                self.last_step_report = self._core.step(self._gradient_accumulation_steps)
+            except Error as error:
+                if _FLOOR_OVERFLOW not in str(error):
+                    raise
+                at_floor = error
+        if at_floor is not None:
+            # An fp16 overflow with the loss scale at its floor: the engine skipped the step (its
+            # micro-batches dropped, the step counted) and reports it, not sticky, on every rank
+            # alike (so the communicator is not aborted). The counts follow, and the error
+            # propagates, as DeepSpeed raises there; a caller may catch it and go on.
+            self.global_steps += 1
+            self.skipped_steps += 1
+            self._micro_batches_pending = 0
+            raise at_floor
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
         if self.last_step_report.get("skipped"):
