@@ -587,6 +587,13 @@ class ZinfEngine(nn.Module):
             raise ValueError(
                 f"register_external_parameter({type(module).__name__}, ...): the parameter "
                 f"(shape {tuple(param.shape)}) is not one of the model's")
+        if getattr(self, "_gather_count", None) and any(self._gather_count.values()):
+            # A forward or backward in progress: the module's hooks would release a gather
+            # they never took.
+            raise RuntimeError(
+                f"register_external_parameter({type(module).__name__}, "
+                f"'{self._names[id(param)]}'): call it in the module's __init__ or between "
+                "steps, not during a forward or backward")
         uses = self._uses.setdefault(module, [])
         if not any(p is param for p in uses):
             uses.append(param)
