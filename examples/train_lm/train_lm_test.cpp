@@ -1523,7 +1523,8 @@ TEST(Program, NvmePathInsideANewOutDirectoryLeavesTheOutputs) {
 // own swap files when it ends, and the directory only when it made it and nothing else is left
 // in it (the first to end deleted the other's live swap file with the directory). The other job
 // is a file of another host's name, put in the directory while this run trains (one the run made)
-// and before it starts (one it did not make); it stays, and so does the directory.
+// and before it starts (one it did not make); it stays, and so does the directory. The run trains
+// for 4 s (--time-limit): long enough that the file goes in while it runs on a loaded machine.
 TEST(Program, JobsSharingAnNvmePathRemoveOnlyTheirOwnSwapFiles) {
   const fs::path dir = scratch_dir("train_lm_shared_nvme");
   const fs::path nvme = dir / "nvme";
@@ -1536,8 +1537,8 @@ TEST(Program, JobsSharingAnNvmePathRemoveOnlyTheirOwnSwapFiles) {
   fs::create_directories(dir);
   const fs::path rc_file = dir / "rc";
   const std::string background = "(" + std::string(TRAIN_LM_BIN) + " " + common +
-                                 "--steps 400 --out " + (dir / "long").string() + " >" +
-                                 (dir / "long.log").string() + " 2>&1; echo $? >" +
+                                 "--steps 1000000 --time-limit 4 --out " + (dir / "long").string() +
+                                 " >" + (dir / "long.log").string() + " 2>&1; echo $? >" +
                                  rc_file.string() + ") &";
   ASSERT_EQ(std::system(background.c_str()), 0);
   // Its swap file, once the engine made it.
