@@ -130,9 +130,10 @@ struct ParameterSpec {
   // finalize() with that code, naming the parameter and the elements. The engine drops the
   // function (and what it captured) when finalize() ends, successful or not.
   ParameterInitializer initializer = nullptr;
-  // With an initializer, optionally: a hash of the values it gives (any 64-bit hash of them; 0:
-  // none). finalize() compares it across ranks, as it compares the initial_values, and fails
-  // naming the parameter where it differs (a model built with a rank-dependent seed).
+  // With an initializer, optionally: a hash of the values it gives (any 64-bit hash of them, the
+  // same function on every rank, its low two bits unused; 0: none). finalize() compares it
+  // across the ranks that give one, as it compares the initial_values, and fails naming the
+  // parameter where it differs (a model built with a rank-dependent seed).
   std::uint64_t initializer_values_hash = 0;
   // The parameter group (add_param_group()) whose hyper-parameters step this parameter; "" is
   // the default group, the optimizer's own. A name no add_param_group() defined fails

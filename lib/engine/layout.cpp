@@ -231,29 +231,37 @@ Status ParameterLayout::check_ranks_agree(int rank, int world, RankExchange& exc
 
 Status ParameterLayout::check_initial_values_agree(int world, RankExchange& exchange) const {
   if (world == 1) return Status::ok();
+  // Each word: 0, not compared (an initializer without a hash); else the hash with its low two
+  // bits saying whose it is (1: the engine's of initial_values; 2: the caller's of an
+  // initializer), since only hashes of one kind can be compared.
   const std::size_t count = regs_.size();
   std::vector<std::uint64_t> hashes(count, 0);
   for (std::size_t id = 0; id < count; ++id) {
     const std::vector<float>& v = regs_[id].values;
-    // 0 stands for "not compared" (an initializer without a hash); a hash of 0 itself is moved
-    // off it.
     if (!v.empty()) {
-      hashes[id] = XXH3_64bits(v.data(), v.size() * sizeof(float)) | 1;
-    } else {
-      hashes[id] = regs_[id].spec.initializer_values_hash;
+      hashes[id] = (XXH3_64bits(v.data(), v.size() * sizeof(float)) & ~std::uint64_t{3}) | 1;
+    } else if (const std::uint64_t h = regs_[id].spec.initializer_values_hash; h != 0) {
+      hashes[id] = (h & ~std::uint64_t{3}) | 2;
     }
   }
   ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> every, exchange.exchange(hashes.data(), count));
   for (std::size_t id = 0; id < count; ++id) {
+    // Each rank against the first one whose hash of the same kind it can be compared with.
     for (int r = 1; r < world; ++r) {
       const std::uint64_t theirs = every[static_cast<std::size_t>(r) * count + id];
-      if (every[id] != 0 && theirs != 0 && theirs != every[id]) {
-        return Status::invalid_argument(fmt::format(
-            "finalize: parameter '{}' has different initial values on rank 0 and rank {}: every "
-            "rank keeps its own part of the values it registers, so they must be the same on "
-            "every rank (build the model with the same seed on every rank, or load the same "
-            "weights; DeepSpeed copies rank 0's to the others)",
-            regs_[id].spec.name, r));
+      if (theirs == 0) continue;
+      for (int first = 0; first < r; ++first) {
+        const std::uint64_t ref = every[static_cast<std::size_t>(first) * count + id];
+        if (ref == 0 || (ref & 3) != (theirs & 3)) continue;
+        if (ref != theirs) {
+          return Status::invalid_argument(fmt::format(
+              "finalize: parameter '{}' has different initial values on rank {} and rank {}: "
+              "every rank keeps its own part of the values it registers, so they must be the "
+              "same on every rank (build the model with the same seed on every rank, or load the "
+              "same weights; DeepSpeed copies rank 0's to the others)",
+              regs_[id].spec.name, first, r));
+        }
+        break;
       }
     }
   }

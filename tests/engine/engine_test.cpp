@@ -571,7 +571,7 @@ TEST(EngineBadInput, RanksRegisteringDifferentInitialValuesFailNamingTheParamete
           std::memcpy(out, values->data() + first, count * sizeof(float));
           return Status::ok();
         };
-        if (hashed) spec.initializer_values_hash = (rank == 1 && p == 3) ? 7 : 5;
+        if (hashed) spec.initializer_values_hash = (rank == 1 && p == 3) ? 0x7100 : 0x5100;
         ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
       }
       errors[static_cast<std::size_t>(rank)] = engine->finalize();
