@@ -246,22 +246,23 @@ Status ParameterLayout::check_initial_values_agree(int world, RankExchange& exch
   }
   ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> every, exchange.exchange(hashes.data(), count));
   for (std::size_t id = 0; id < count; ++id) {
-    // Each rank against the first one whose hash of the same kind it can be compared with.
-    for (int r = 1; r < world; ++r) {
-      const std::uint64_t theirs = every[static_cast<std::size_t>(r) * count + id];
-      if (theirs == 0) continue;
-      for (int first = 0; first < r; ++first) {
-        const std::uint64_t ref = every[static_cast<std::size_t>(first) * count + id];
-        if (ref == 0 || (ref & 3) != (theirs & 3)) continue;
-        if (ref != theirs) {
-          return Status::invalid_argument(fmt::format(
-              "finalize: parameter '{}' has different initial values on rank {} and rank {}: "
-              "every rank keeps its own part of the values it registers, so they must be the "
-              "same on every rank (build the model with the same seed on every rank, or load the "
-              "same weights; DeepSpeed copies rank 0's to the others)",
-              regs_[id].spec.name, first, r));
-        }
-        break;
+    // Each rank against the first rank with a hash of the same kind (by kind: 1 and 2).
+    std::uint64_t first_hash[3] = {};
+    int first_rank[3] = {};
+    for (int r = 0; r < world; ++r) {
+      const std::uint64_t h = every[static_cast<std::size_t>(r) * count + id];
+      if (h == 0) continue;
+      const std::size_t kind = h & 3;
+      if (first_hash[kind] == 0) {
+        first_hash[kind] = h;
+        first_rank[kind] = r;
+      } else if (h != first_hash[kind]) {
+        return Status::invalid_argument(fmt::format(
+            "finalize: parameter '{}' has different initial values on rank {} and rank {}: "
+            "every rank keeps its own part of the values it registers, so they must be the same "
+            "on every rank (build the model with the same seed on every rank, or load the same "
+            "weights; DeepSpeed copies rank 0's to the others)",
+            regs_[id].spec.name, first_rank[kind], r));
       }
     }
   }
