@@ -14,6 +14,12 @@ if TYPE_CHECKING:
     from .torch import ZinfEngine
 
 
+def engine_of(param) -> "ZinfEngine | None":
+    """The live engine that trains `param`, or None."""
+    ref = getattr(param, "_zinf_engine", None)
+    return ref() if ref is not None else None
+
+
 class GatheredParameters:
     """deepspeed.zero.GatheredParameters: inside the `with` block the given parameters hold
     their full values, for reading (exporting weights) or, with modifier_rank set, for changing
@@ -64,8 +70,7 @@ class GatheredParameters:
                 param.data = stage.load().to(stage.dtype)
                 self._loaded.append((param, stage))
                 continue
-            ref = getattr(param, "_zinf_engine", None)
-            engine = ref() if ref is not None else None
+            engine = engine_of(param)
             if engine is None:
                 continue
             if engine.stage == 3:
@@ -118,8 +123,7 @@ def _refuse_write_before_step(params):
     optimizer pass running during the backward, the gather before it), so it is refused here
     with the reason, before anything is gathered."""
     for param in params:
-        ref = getattr(param, "_zinf_engine", None)
-        engine = ref() if ref is not None else None
+        engine = engine_of(param)
         if engine is None or not engine._micro_batches_pending:
             continue
         name = engine._names[id(param)]

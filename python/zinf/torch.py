@@ -54,7 +54,7 @@ import torch
 from torch import nn
 
 from . import _offload, _torch_init, _zinf
-from ._gathered import GatheredParameters
+from ._gathered import GatheredParameters, engine_of
 from ._offload import checkpoint, offload_saved_tensors
 from ._torch_init import Init
 
@@ -74,8 +74,7 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     externals = module.__dict__.setdefault("_zinf_external_params", [])
     if not any(p is parameter for p in externals):
         externals.append(parameter)
-    ref = getattr(parameter, "_zinf_engine", None)
-    engine = ref() if ref is not None else None
+    engine = engine_of(parameter)
     if engine is not None:
         engine._use_external(module, parameter)
 
@@ -84,8 +83,7 @@ def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) ->
     """DeepSpeed's: undoes register_external_parameter()."""
     externals = module.__dict__.get("_zinf_external_params", [])
     module.__dict__["_zinf_external_params"] = [p for p in externals if p is not parameter]
-    ref = getattr(parameter, "_zinf_engine", None)
-    engine = ref() if ref is not None else None
+    engine = engine_of(parameter)
     if engine is not None and engine._owner.get(id(parameter)) is not None:
         engine._drop_external(module, parameter)
 
@@ -911,29 +909,25 @@ class ZinfEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
         """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
-        if (self._boundary_override is None
-                and self._micro_batches_pending >= self._gradient_accumulation_steps):
+        pending, gas = self._micro_batches_pending, self._gradient_accumulation_steps
+        if pending >= gas:
             # Refused before autograd runs: the engine keeps the micro-batches it has, and a
             # step() applies them.
-            raise NotImplementedError(
-                f"engine.backward(): micro-batch {self._micro_batches_pending + 1} since the last "
-                f"optimizer step, over gradient_accumulation_steps "
-                f"({self._gradient_accumulation_steps}): call engine.step() after each "
-                "engine.backward() (it applies the optimizer once every "
-                "gradient_accumulation_steps calls), or raise gradient_accumulation_steps in the "
-                "config to the backward passes one step takes")
-        if (self._boundary_override is not None
-                and self._micro_batches_pending >= self._gradient_accumulation_steps):
+            over = (f"engine.backward(): micro-batch {pending + 1} since the last optimizer step, "
+                    f"over gradient_accumulation_steps ({gas})")
+            if self._boundary_override is None:
+                raise NotImplementedError(
+                    f"{over}: call engine.step() after each engine.backward() (it applies the "
+                    "optimizer once every gradient_accumulation_steps calls), or raise "
+                    "gradient_accumulation_steps in the config to the backward passes one step "
+                    "takes")
             with self._aborting_on_error("backward"):
                 raise NotImplementedError(
-                    f"engine.backward(): micro-batch {self._micro_batches_pending + 1} since "
-                    f"the last optimizer step, over gradient_accumulation_steps "
-                    f"({self._gradient_accumulation_steps}), with the boundary set by "
-                    "set_gradient_accumulation_boundary(): DeepSpeed divides every loss by "
-                    "gradient_accumulation_steps, while zinf's engine averages the micro-batches "
-                    "of a step, which can equal DeepSpeed's sum only up to that many; raise "
-                    "gradient_accumulation_steps in the config to the most micro-batches a step "
-                    "takes")
+                    f"{over}, with the boundary set by set_gradient_accumulation_boundary(): "
+                    "DeepSpeed divides every loss by gradient_accumulation_steps, while zinf's "
+                    "engine averages the micro-batches of a step, which can equal DeepSpeed's sum "
+                    "only up to that many; raise gradient_accumulation_steps in the config to the "
+                    "most micro-batches a step takes")
         scale = self._core.loss_scale
         # Gradients of another backward through this model (dropped) are not this one's concern.
         self._stray_gradient = None
@@ -1202,20 +1196,17 @@ class ZinfEngine(nn.Module):
                 if _FLOOR_OVERFLOW not in str(error):
                     raise
                 at_floor = error
-        if at_floor is not None:
-            # An fp16 overflow with the loss scale at its floor: the engine skipped the step (its
-            # micro-batches dropped, the step counted) and reports it, not sticky, on every rank
-            # alike (so the communicator is not aborted). The counts follow, and the error
-            # propagates, as DeepSpeed raises there; a caller may catch it and go on.
-            self.global_steps += 1
-            self.skipped_steps += 1
-            self._micro_batches_pending = 0
-            raise at_floor
+        # An fp16 overflow with the loss scale at its floor: the engine skipped the step (its
+        # micro-batches dropped, the step counted) and reports it, not sticky, on every rank alike
+        # (so the communicator is not aborted). The counts follow as for any skipped step, then
+        # the error propagates, as DeepSpeed raises there; a caller may catch it and go on.
         self.global_steps += 1
         self.global_samples += self.train_batch_size()
-        if self.last_step_report.get("skipped"):
+        if at_floor is not None or self.last_step_report.get("skipped"):
             self.skipped_steps += 1
         self._micro_batches_pending = 0
+        if at_floor is not None:
+            raise at_floor
         if self._lrs_shown is not None:
             self._show_engine_lr()
         self._refresh_views()
