@@ -10,7 +10,7 @@
 // <dir>). A load reads the tag `latest` names. So at any instant `latest` names either the
 // previous tag, untouched, or the new one, complete. Older tags are deleted only after that.
 // A kill between the two renames leaves a complete tag newer than the one `latest` names; the
-// run restarted from `latest` saves that tag again, and the save replaces it (leftover_reason).
+// run restarted from `latest` saves that tag again, and the save replaces it (is_leftover_tag).
 // One save at a time changes the directory: rank 0 holds a lock on it for the whole save
 // (SaveLock), so two jobs given one directory are refused rather than removing each other's
 // temporary directories.
@@ -177,39 +177,10 @@ class SaveLock {
   int fd_ = -1;
 };
 
-// Why complete tag `tag` under `dir` is the leftover of a save cut short between its rename and
-// the rename of `latest` (so the next save of that tag replaces it), or empty when it is not: a
-// complete tag that `latest` does not name, newer (by serial) than the one it names, or any
-// complete tag when there is no `latest` at all. The tag `latest` names, one older than it, and
-// anything when `latest` does not name a complete tag stay as they are.
-std::string leftover_reason(IoEngine& io, const std::string& dir, const std::string& tag) {
-  const std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir);
-  auto find = [&](const std::string& name) {
-    return std::find_if(tags.begin(), tags.end(),
-                        [&](const CheckpointManifest& m) { return m.tag == name; });
-  };
-  const auto self = find(tag);
-  if (self == tags.end()) return {};
-  std::error_code ec;
-  if (!std::filesystem::exists(fmt::format("{}/{}", dir, kCheckpointLatest), ec) && !ec) {
-    // Only the newest can be the first save's: the others were complete before it began.
-    if (self->serial != tags.back().serial) return {};
-    return fmt::format("there is no '{}/{}'", dir, kCheckpointLatest);
-  }
-  Result<std::string> latest = read_latest_tag(io, dir);
-  if (!latest.is_ok() || *latest == tag) return {};
-  // By step, as keep_last prunes and train_lm's --resume check judges: a tag of a later step than
-  // the one `latest` names is where the run resumed from it is going (saved again when the run
-  // gets there, whatever its save interval).
-  const auto named = find(*latest);
-  if (named == tags.end() || named->resume.step >= self->resume.step) return {};
-  return fmt::format("'{}/{}' names the tag '{}' of an earlier step", dir, kCheckpointLatest,
-                     *latest);
-}
-
 // Rank 0's first phase of a save: the directory, its save lock, no complete tag of this name
-// (unless it is a leftover, leftover_reason(), which *replace then says why the save replaces),
-// a fresh temporary directory, and the serial for the new manifest.
+// (unless it is a leftover, is_leftover_tag(), which *replace then says why the save replaces),
+// a fresh temporary directory, and the serial for the new manifest. The directory is listed once,
+// under the lock.
 Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag,
                     const std::string& temp, SaveLock* lock, std::string* replace,
                     std::uint64_t* serial) {
@@ -219,29 +190,35 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
     return status_from_errno(fmt::format("cannot create the directory '{}'", dir), ec.value());
   }
   ZINF_RETURN_IF_ERROR(lock->lock(dir));
+  RefusedCheckpointTags refused;
+  const std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir, &refused);
   const std::string final_dir = fmt::format("{}/{}", dir, tag);
   replace->clear();
   if (std::filesystem::exists(final_dir, ec)) {
-    *replace = leftover_reason(io, dir, tag);
-    if (replace->empty()) {
+    const auto self = std::find_if(tags.begin(), tags.end(),
+                                   [&](const CheckpointManifest& m) { return m.tag == tag; });
+    const bool has_latest =
+        std::filesystem::exists(fmt::format("{}/{}", dir, kCheckpointLatest), ec) || ec;
+    const Result<std::string> latest =
+        has_latest ? read_latest_tag(io, dir) : Result<std::string>(std::string());
+    if (self != tags.end() && is_leftover_tag(tags, has_latest, latest, *self)) {
+      *replace = has_latest ? fmt::format("'{}/{}' names the tag '{}' of an earlier step", dir,
+                                          kCheckpointLatest, *latest)
+                            : fmt::format("there is no '{}/{}'", dir, kCheckpointLatest);
+    } else {
       return Status::failed_precondition(fmt::format(
           "'{}' exists already: a checkpoint tag is written once (choose another tag)", final_dir));
     }
   }
   // What crashed saves left. No other save is running here (the lock), so each is a leftover.
-  for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = entry.path().filename().string();
-    const bool stale = name.size() > 1 && name[0] == '.' &&
-                       (name.ends_with(".tmp") || name.ends_with(".old")) && entry.is_directory(ec);
-    if (stale) std::filesystem::remove_all(entry.path(), ec);
+  for (const std::vector<std::string>* stale : {&refused.temp_dirs, &refused.old_dirs}) {
+    for (const std::string& path : *stale) std::filesystem::remove_all(path, ec);
   }
   std::filesystem::create_directory(temp, ec);
   if (ec) {
     return status_from_errno(fmt::format("cannot create the directory '{}'", temp), ec.value());
   }
-  std::uint64_t last = 0;
-  for (const CheckpointManifest& m : list_checkpoint_tags(io, dir)) last = std::max(last, m.serial);
-  *serial = last + 1;
+  *serial = tags.empty() ? 1 : tags.back().serial + 1;
   return Status::ok();
 }
 

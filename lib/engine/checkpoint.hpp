@@ -448,6 +448,15 @@ struct RefusedCheckpointTags {
 std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
                                                      RefusedCheckpointTags* refused = nullptr);
 
+// Whether complete tag `m`, one of `tags` (list_checkpoint_tags(): oldest first by serial), is
+// the leftover of a save cut short between its rename and the rename of `latest`: of a later step
+// than the tag `latest` names (by step, as keep_last prunes and train_lm's --resume check judges:
+// where a run resumed from `latest` is going, whatever its save interval), or, with no `latest`
+// file at all, the newest. A save of that tag replaces it; `zinf ckpt inspect` notes it.
+// `latest`: read_latest_tag()'s result, read when `has_latest`.
+bool is_leftover_tag(const std::vector<CheckpointManifest>& tags, bool has_latest,
+                     const Result<std::string>& latest, const CheckpointManifest& m);
+
 // --- Outside the engine (zinf ckpt) -----------------------------------------------------------
 
 // export_checkpoint_safetensors() is public (include/zinf/engine.hpp), in checkpoint_export.cpp.

@@ -184,21 +184,17 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         "not it, and the next save overwrites it",
         latest_tmp, named.is_ok() ? fmt::format(" (naming '{}')", *named) : std::string()));
   }
-  // Complete tags no resume reads by default: of a later step than the one `latest` names, or
-  // the newest when there is no `latest` (a save cut short between its tag's rename and
-  // `latest`'s); leftover_reason() in checkpoint.cpp decides the same for a save.
-  const auto named_by_latest =
-      latest.is_ok() ? std::find_if(manifests.begin(), manifests.end(),
-                                    [&](const CheckpointManifest& m) { return m.tag == *latest; })
-                     : manifests.end();
+  // Complete tags no resume reads by default, left by a save cut short between its tag's rename
+  // and `latest`'s (is_leftover_tag(), as a save decides it).
   for (const CheckpointManifest& m : manifests) {
-    if (!has_latest_file && &m == &manifests.back()) {
+    if (!is_leftover_tag(manifests, has_latest_file, latest, m)) continue;
+    if (!has_latest_file) {
       notes.push_back(fmt::format(
           "tag '{}' is complete, but there is no '{}/latest' (a save cut short before it wrote "
           "'latest'): a resume from the directory finds no checkpoint (load the tag by name), and "
           "the next save of tag '{}' replaces it",
           m.tag, dir, m.tag));
-    } else if (named_by_latest != manifests.end() && m.resume.step > named_by_latest->resume.step) {
+    } else {
       notes.push_back(fmt::format(
           "tag '{}' is complete and of a later step than '{}', the tag 'latest' names (a save cut "
           "short "

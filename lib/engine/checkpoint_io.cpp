@@ -605,6 +605,16 @@ Result<std::string> read_latest_tag(IoEngine& io, const std::string& dir) {
   return tag;
 }
 
+bool is_leftover_tag(const std::vector<CheckpointManifest>& tags, bool has_latest,
+                     const Result<std::string>& latest, const CheckpointManifest& m) {
+  // Only the newest can be the first save's: the others were complete before it began.
+  if (!has_latest) return !tags.empty() && m.serial == tags.back().serial;
+  if (!latest.is_ok() || *latest == m.tag) return false;
+  const auto named = std::find_if(tags.begin(), tags.end(),
+                                  [&](const CheckpointManifest& t) { return t.tag == *latest; });
+  return named != tags.end() && m.resume.step > named->resume.step;
+}
+
 std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
                                                      RefusedCheckpointTags* refused) {
   if (refused != nullptr) *refused = {};
@@ -627,7 +637,7 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
     const std::string path = fmt::format("{}/{}/{}", dir, name, kCheckpointManifest);
     if (!std::filesystem::exists(path, ec) &&
         (refused == nullptr ||
-         !std::filesystem::exists(fmt::format("{}/{}/rank0.zinfckpt", dir, name), ec))) {
+         !std::filesystem::exists(checkpoint_rank_path(fmt::format("{}/{}", dir, name), 0), ec))) {
       continue;
     }
     Result<std::string> text = read_text_file(io, path);
