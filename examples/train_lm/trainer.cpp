@@ -309,7 +309,6 @@ struct SavedTags {
   std::string latest;
   std::vector<std::string> tags;
 
-  bool empty() const { return !has_latest && tags.empty(); }
   // "global_step290, global_step300", at most the last `count_max`.
   std::string names(std::size_t count_max = 4) const {
     std::string text;
@@ -338,31 +337,12 @@ SavedTags saved_tags(const fs::path& dir) {
   return saved;
 }
 
-// Removes what this process made in a swap directory that other jobs sharing the NVMe path may
-// use at the same time: the engine's files carrying this process's pid (zinf-<kind>-<host>-<pid>-
-// rank<r>.bin; the engine removes its own when it closes, so these are only what a failure left),
-// then the directory itself only if this run created it and it is empty. Another job's live swap
-// files stay, and so does the directory holding them: that job removes it when it ends.
-void remove_own_swap_files(const fs::path& dir, bool created_dir) {
-  // The engine names them zinf-<kind>-<host>-<pid>-rank<r>.bin, the host with anything but
-  // [A-Za-z0-9._] as '_': the host too, for jobs of two machines sharing a network directory.
-  char host_name[256] = {};
-  std::string host = ::gethostname(host_name, sizeof host_name - 1) == 0 && host_name[0] != '\0'
-                         ? host_name
-                         : "host";
-  for (char& c : host) {
-    if (std::isalnum(static_cast<unsigned char>(c)) == 0 && c != '.' && c != '_') c = '_';
-  }
-  const std::string own = "-" + host + "-" + std::to_string(getpid()) + "-rank";
+// Removes a swap directory that other jobs sharing the NVMe path may use at the same time, only
+// if this run created it and it is empty: this process's swap files are gone by then (each
+// engine removes its own when it closes, and every engine has closed when this runs), another
+// job's live ones stay, and so does the directory holding them (that job removes it when it ends).
+void remove_swap_dir(const fs::path& dir, bool created_dir) {
   std::error_code ec;
-  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
-    const std::string name = it->path().filename().string();
-    if (name.starts_with("zinf-") && name.ends_with(".bin") &&
-        name.find(own) != std::string::npos) {
-      std::error_code remove_ec;
-      fs::remove(it->path(), remove_ec);
-    }
-  }
   if (created_dir) fs::remove(dir, ec);  // only when empty
 }
 
@@ -385,7 +365,7 @@ class CreatedDirs {
   // Makes the swap directory `path` in its existing NVMe path, which this run may share with
   // other processes, and other jobs given the same --nvme-path share `path` itself: neither is
   // removed with what is in it, only this process's swap files and then `path` if this run made
-  // it and it is empty (remove_own_swap_files()), never the parent, even where the parent went
+  // it and it is empty (remove_swap_dir()), never the parent, even where the parent went
   // missing in between.
   bool make_swap_dir(const std::string& option, const std::string& path, std::string* error) {
     std::error_code ec;
@@ -397,10 +377,10 @@ class CreatedDirs {
     swap_dirs_.push_back({fs::absolute(path, ec), made});
     return true;
   }
-  // The swap directory made by make_swap_dir(), emptied of this process's files; removed if this
-  // run made it and nothing else is left in it. Once only.
+  // The swap directory made by make_swap_dir(), removed if this run made it and nothing else is
+  // left in it. Once only.
   void remove_swap_dirs() {
-    for (const auto& [path, made] : swap_dirs_) remove_own_swap_files(path, made);
+    for (const auto& [path, made] : swap_dirs_) remove_swap_dir(path, made);
     swap_dirs_.clear();
   }
   // A directory that holds a complete checkpoint (a tag's manifest.json; the default --save-dir
@@ -925,7 +905,6 @@ struct Shared {
   std::vector<zinf::MemoryReport> memory;
   std::vector<std::uint64_t> nvme_read, nvme_write;
   std::int64_t step = 0;  // the step the ranks are finishing (the checkpoint's when resumed)
-  bool first_validation = false;  // the validation before the first step this run trains
   bool has_val = false;
   std::atomic<bool> stop{false};
   std::atomic<bool> failed{false};
@@ -969,7 +948,8 @@ void StepDone::operator()() noexcept {
     std::fprintf(stderr, "step %lld: validation loss %.3f nats/byte (ln 256 = 5.545)\n",
                  static_cast<long long>(s.step), val);
   };
-  if (s.first_validation) {
+  // The validation before the first step this run trains.
+  if (s.step < s.summary->first_step) {
     sum.first_val_loss = val;
     if (!o.quiet && s.prints) print_validation();
     s.last_step_end = Clock::now();
@@ -1287,7 +1267,6 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
   // the same locally.
   if (rank == shared.first_rank) {
     shared.step = first_step - 1;
-    shared.first_validation = true;
     shared.has_val = true;
   }
   // One process per rank: every rank's sums reach every process before the barrier's completion
@@ -1386,7 +1365,6 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
     if (validate && !evaluate()) return fail_out();
     if (rank == shared.first_rank) {
       shared.step = step;
-      shared.first_validation = false;
       shared.has_val = validate;
     }
     time.total_s += seconds_since(step_start);
