@@ -209,9 +209,7 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   size_buckets(model, &base);
   base.overlap_step = constraints.overlap_step;
   base.overlap_compute_fraction = constraints.overlap_compute_fraction;
-  if (constraints.device_reserved_bytes) {
-    base.device_reserved_bytes = *constraints.device_reserved_bytes;
-  }
+  base.device_reserved_bytes = constraints.device_reserved_bytes;
   if (profile.nvme_block_bytes > 0 && profile.nvme_queue_depth > 0) {
     base.io_block_bytes = profile.nvme_block_bytes;
     base.io_queue_depth = profile.nvme_queue_depth;

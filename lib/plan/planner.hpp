@@ -61,8 +61,8 @@ struct PlanConstraints {
   bool overlap_step = true;
   double overlap_compute_fraction = 2.0 / 3.0;
   // zinf.device_reserved_bytes: device memory each GPU leaves to the runtime (CUDA context,
-  // cuBLAS workspace, allocator slack) in every placement; EngineSetup's 1 GiB when not given.
-  std::optional<std::uint64_t> device_reserved_bytes;
+  // cuBLAS workspace, allocator slack) in every placement; EngineSetup's 1 GiB by default.
+  std::uint64_t device_reserved_bytes = EngineSetup{}.device_reserved_bytes;
 };
 
 struct TierUse {

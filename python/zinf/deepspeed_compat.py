@@ -24,7 +24,6 @@ Transformers and Accelerate check before they use it.
 """
 from __future__ import annotations
 
-import copy
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -307,15 +306,9 @@ class DeepSpeedEngine(_zt.ZinfEngine):
 
 # ---- deepspeed.initialize ------------------------------------------------------------------------
 
-# Keys the Trainer or Accelerate add to the config that DeepSpeed reads and zinf has no use for:
-# both concern which optimizer classes DeepSpeed's ZeRO may wrap.
-_CONFIG_KEYS_DROPPED = ("zero_allow_untested_optimizer", "zero_force_ds_cpu_optimizer")
-
-
 def _clean_config(config: dict) -> dict:
     """The config as the Trainer and Accelerate filled it, in the form zinf.torch reads:
     Accelerate sets steps_per_print to float("inf") (not JSON) to silence DeepSpeed's logging."""
-    config = {k: v for k, v in config.items() if k not in _CONFIG_KEYS_DROPPED}
     steps = config.get("steps_per_print")
     if isinstance(steps, float) and math.isinf(steps):
         config["steps_per_print"] = 2**31 - 1
@@ -402,8 +395,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         init_distributed()
     else:
         _refuse_several_processes("initialize")
-    config = _clean_config(copy.deepcopy(config) if isinstance(config, dict)
-                           else _zt._read_config(config))
+    config = _clean_config(_zt._read_config(config))
     client_optimizer = None
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):

@@ -16,6 +16,7 @@
 
 #include "command.hpp"
 #include "engine/checkpoint.hpp"
+#include "zinf/dtype.hpp"
 
 namespace zinf::cli {
 namespace {
@@ -62,7 +63,7 @@ struct ExportOptions {
 };
 
 void run_export(const ExportOptions& o) {
-  const DType dtype = o.dtype == "bf16" ? DType::kBF16 : DType::kF32;
+  const DType dtype = *parse_dtype(o.dtype);  // one of --dtype's names (IsMember)
   const Status st = export_checkpoint_safetensors(o.dir, o.tag, o.out, dtype);
   if (!st.is_ok()) return fail(st.to_string());
   // The tag exported: the one given, or the one `latest` named.
