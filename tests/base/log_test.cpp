@@ -4,14 +4,13 @@
 #include "zinf/log.hpp"
 
 #include <gtest/gtest.h>
-#include <sys/wait.h>
 
-#include <array>
-#include <cstdio>
 #include <filesystem>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "plan/cli_test_util.hpp"
 
 namespace zinf {
 namespace {
@@ -22,14 +21,8 @@ std::string child_stderr(const char* level, const std::string& args) {
   const std::string env =
       level == nullptr ? std::string("env -u ZINF_LOG") : fmt::format("env ZINF_LOG='{}'", level);
   const std::string cmd = fmt::format("{} '{}' {} 2>&1 >/dev/null", env, exe, args);
-  FILE* pipe = popen(cmd.c_str(), "r");
-  EXPECT_NE(pipe, nullptr) << cmd;
-  if (pipe == nullptr) return "";
   std::string out;
-  std::array<char, 4096> chunk;
-  while (std::fgets(chunk.data(), chunk.size(), pipe) != nullptr) out += chunk.data();
-  const int status = pclose(pipe);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << cmd << "\n" << out;
+  EXPECT_EQ(plan::run_command(cmd, &out), 0) << cmd << "\n" << out;
   return out;
 }
 
