@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <span>
 #include <string>
 
 #include "engine_test_util.hpp"
@@ -230,16 +231,26 @@ TEST(Config, MisCasedKeysAreRefusedWithTheRightSpelling) {
   }
 }
 
+// A config parse_config() refuses, and the whole message it must give.
+struct RefusedConfig {
+  const char* json;
+  const char* message;
+};
+
+void expect_refused(std::span<const RefusedConfig> cases) {
+  for (const RefusedConfig& c : cases) {
+    Result<Config> r = parse_config(c.json);
+    ASSERT_FALSE(r.is_ok()) << c.json;
+    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
+  }
+}
+
 // An unknown key that is a slip of a known key of its own section (Damerau-Levenshtein distance
 // at most 2; 1 for a key of 3 to 5 characters, one in ten characters for a long one) is refused
 // naming that key; one near nothing is refused as before. The messages are what
 // `zinf config check` and zinf.torch show.
 TEST(Config, UnknownKeysSuggestTheNearestKeyOfTheirSection) {
-  struct Case {
-    const char* json;
-    const char* message;  // the whole message
-  };
-  const Case cases[] = {
+  const RefusedConfig cases[] = {
       {R"({"zero_optimization": {"stage3_param_persitance_threshold": 1e5}})",
        "zero_optimization.stage3_param_persitance_threshold: unknown key (did you mean "
        "\"stage3_param_persistence_threshold\"?)"},
@@ -285,11 +296,7 @@ TEST(Config, UnknownKeysSuggestTheNearestKeyOfTheirSection) {
       {R"({"zero_optimization": {"Stage": 3}})",
        "zero_optimization.Stage: unknown key (keys are case-sensitive: \"stage\")"},
   };
-  for (const Case& c : cases) {
-    Result<Config> r = parse_config(c.json);
-    ASSERT_FALSE(r.is_ok()) << c.json;
-    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
-  }
+  expect_refused(cases);
   // check_config, which `zinf config check` prints, gives the same reason against the key.
   Result<std::vector<KeyReport>> report =
       check_config(R"({"train_batch_size": 8, "gradient_acumulation_steps": 4})");
@@ -303,11 +310,7 @@ TEST(Config, UnknownKeysSuggestTheNearestKeyOfTheirSection) {
 // A scheduler parameter that is a slip of one the schedule type takes is refused naming it, by
 // the same rule as the other sections; the suggestion comes from that type's own parameters.
 TEST(Config, UnknownSchedulerParamsSuggestTheNearestParamOfTheirType) {
-  struct Case {
-    const char* json;
-    const char* message;  // the whole message
-  };
-  const Case cases[] = {
+  const RefusedConfig cases[] = {
       {R"({"scheduler": {"type": "WarmupDecayLR", "params": {"total_num_steps": 100,
            "warmup_num_step": 10}}})",
        "scheduler.params.warmup_num_step: unknown key for WarmupDecayLR (did you mean "
@@ -334,11 +337,7 @@ TEST(Config, UnknownSchedulerParamsSuggestTheNearestParamOfTheirType) {
        "scheduler.params.warmup_max_LR: unknown key for WarmupLR (keys are case-sensitive: "
        "\"warmup_max_lr\")"},
   };
-  for (const Case& c : cases) {
-    Result<Config> r = parse_config(c.json);
-    ASSERT_FALSE(r.is_ok()) << c.json;
-    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
-  }
+  expect_refused(cases);
   // `zinf config check` shows the same reason against the key.
   Result<std::vector<KeyReport>> report = check_config(
       R"({"scheduler": {"type": "WarmupDecayLR", "params": {"warmup_num_step": 10}}})");
@@ -356,11 +355,7 @@ TEST(Config, UnknownSchedulerParamsSuggestTheNearestParamOfTheirType) {
 // A count beyond what its field holds is refused as too large, naming the largest allowed; a
 // fraction or a negative number is still "not a non-negative whole number".
 TEST(Config, CountsBeyondTheirRangeAreRefusedAsTooLarge) {
-  struct Case {
-    const char* json;
-    const char* message;
-  };
-  const Case cases[] = {
+  const RefusedConfig cases[] = {
       {R"({"zero_optimization": {"sub_group_size": 1e30}})",
        "zero_optimization.sub_group_size: 1e+30 is larger than the largest allowed, "
        "18446744073709551615"},
@@ -380,11 +375,7 @@ TEST(Config, CountsBeyondTheirRangeAreRefusedAsTooLarge) {
       {R"({"zero_optimization": {"sub_group_size": -3}})",
        "zero_optimization.sub_group_size: -3 is not a non-negative whole number"},
   };
-  for (const Case& c : cases) {
-    Result<Config> r = parse_config(c.json);
-    ASSERT_FALSE(r.is_ok()) << c.json;
-    EXPECT_EQ(std::string(r.status().message()), c.message) << c.json;
-  }
+  expect_refused(cases);
   // The largest is accepted, written as an integer or as a float just below 2^64.
   Result<Config> largest = parse_config(
       R"({"zero_optimization": {"stage3_max_live_parameters": 18446744073709551615}})");
