@@ -44,6 +44,17 @@ bool same_bits(const std::vector<std::vector<float>>& a, const std::vector<std::
   return true;
 }
 
+// What most cases share: a scratch directory named after the case holding the checkpoint
+// directory dir_, a small model, and the stage-2 config (zinf.keep_last at its default).
+class CheckpointTags : public ::testing::Test {
+ protected:
+  engine_test::ScratchDir scratch_{std::string("ckpt-") +
+                                   ::testing::UnitTest::GetInstance()->current_test_info()->name()};
+  const std::string dir_ = scratch_.path() + "/ckpt";
+  const Model model_ = engine_test::make_model(DType::kF32, 21);
+  Config config_ = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+};
+
 // One rank's engine, registered and finalized.
 struct OneEngine {
   engine_test::Ranks ranks = engine_test::make_ranks(1);
@@ -71,77 +82,68 @@ struct OneEngine {
 };
 
 // zinf.keep_last's default (0) deletes nothing, as DeepSpeed deletes no tag.
-TEST(CheckpointTags, TheDefaultKeepsEveryTag) {
-  engine_test::ScratchDir scratch("ckpt-keep-all");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 22);
-  const Config config =
-      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  ASSERT_EQ(config.keep_last, 0);
-  OneEngine one(config, model);
+TEST_F(CheckpointTags, TheDefaultKeepsEveryTag) {
+  ASSERT_EQ(config_.keep_last, 0);
+  OneEngine one(config_, model_);
   for (int i = 0; i < 3; ++i) {
-    ASSERT_TRUE(one.train(model, i + 1, i + 1).is_ok());
-    const Status st = one.engine->save_checkpoint(dir);
+    ASSERT_TRUE(one.train(model_, i + 1, i + 1).is_ok());
+    const Status st = one.engine->save_checkpoint(dir_);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
   for (int step = 1; step <= 3; ++step) {
-    EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/global_step{}/manifest.json", dir, step)))
+    EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/global_step{}/manifest.json", dir_, step)))
         << "global_step" << step;
   }
-  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step3");
+  EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "global_step3");
 }
 
-TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
-  engine_test::ScratchDir scratch("ckpt-tags");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 21);
-  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.keep_last = 2;
+TEST_F(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
+  config_.keep_last = 2;
   std::vector<std::vector<std::vector<float>>> saved;
   {
-    OneEngine one(config, model);
+    OneEngine one(config_, model_);
     for (int i = 0; i < 3; ++i) {
-      ASSERT_TRUE(one.train(model, i + 1, i + 1).is_ok());
+      ASSERT_TRUE(one.train(model_, i + 1, i + 1).is_ok());
       const std::string tag(1, static_cast<char>('a' + i));
-      const Status st = one.engine->save_checkpoint(dir, tag);
+      const Status st = one.engine->save_checkpoint(dir_, tag);
       ASSERT_TRUE(st.is_ok()) << st.to_string();
-      Result<std::vector<std::vector<float>>> m = engine_test::read_masters(*one.engine, model);
+      Result<std::vector<std::vector<float>>> m = engine_test::read_masters(*one.engine, model_);
       ASSERT_TRUE(m.is_ok());
       saved.push_back(std::move(*m));
     }
     // A tag is written once.
-    const Status again = one.engine->save_checkpoint(dir, "c");
+    const Status again = one.engine->save_checkpoint(dir_, "c");
     EXPECT_EQ(again.code(), Code::kFailedPrecondition) << again.to_string();
-    EXPECT_NE(again.message().find("'" + dir + "/c' exists already"), std::string::npos)
+    EXPECT_NE(again.message().find("'" + dir_ + "/c' exists already"), std::string::npos)
         << again.to_string();
-    const Status bad = one.engine->save_checkpoint(dir, "../c");
+    const Status bad = one.engine->save_checkpoint(dir_, "../c");
     EXPECT_EQ(bad.code(), Code::kInvalidArgument) << bad.to_string();
   }
-  EXPECT_FALSE(std::filesystem::exists(dir + "/a")) << "keep_last 2 keeps b and c";
-  EXPECT_TRUE(std::filesystem::exists(dir + "/b/manifest.json"));
-  EXPECT_TRUE(std::filesystem::exists(dir + "/c/manifest.json"));
-  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "c");
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/a")) << "keep_last 2 keeps b and c";
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/b/manifest.json"));
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/c/manifest.json"));
+  EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "c");
   // Nothing of the saves is left behind but the lock file every save takes.
-  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+  for (const auto& entry : std::filesystem::directory_iterator(dir_)) {
     if (entry.path().filename() == kCheckpointSaveLock) continue;
     EXPECT_NE(entry.path().filename().string()[0], '.') << "left behind: " << entry.path();
   }
   // Every file of a tag is a whole number of 4096-byte blocks except the small text ones.
-  EXPECT_EQ(std::filesystem::file_size(dir + "/c/rank0.zinfckpt") % 4096, 0u);
+  EXPECT_EQ(std::filesystem::file_size(dir_ + "/c/rank0.zinfckpt") % 4096, 0u);
 
   for (const auto& [tag, want] :
        std::vector<std::pair<std::string, std::size_t>>{{"", 2}, {"b", 1}, {"c", 2}}) {
-    OneEngine fresh(config, model);
-    const Status st = fresh.engine->load_checkpoint(dir, tag);
+    OneEngine fresh(config_, model_);
+    const Status st = fresh.engine->load_checkpoint(dir_, tag);
     ASSERT_TRUE(st.is_ok()) << "tag '" << tag << "': " << st.to_string();
-    Result<std::vector<std::vector<float>>> m = engine_test::read_masters(*fresh.engine, model);
+    Result<std::vector<std::vector<float>>> m = engine_test::read_masters(*fresh.engine, model_);
     ASSERT_TRUE(m.is_ok());
     EXPECT_TRUE(same_bits(*m, saved[want])) << "tag '" << tag << "'";
   }
-  OneEngine fresh(config, model);
-  const Status gone = fresh.engine->load_checkpoint(dir, "a");
+  OneEngine fresh(config_, model_);
+  const Status gone = fresh.engine->load_checkpoint(dir_, "a");
   EXPECT_EQ(gone.code(), Code::kNotFound) << gone.to_string();
-  EXPECT_NE(gone.message().find(dir + "/a/manifest.json"), std::string::npos) << gone.to_string();
+  EXPECT_NE(gone.message().find(dir_ + "/a/manifest.json"), std::string::npos) << gone.to_string();
 }
 
 // A save cut short between its tag's rename and `latest`'s (kill -9 there) leaves a complete
@@ -151,25 +153,21 @@ TEST(CheckpointTags, KeepLastLatestAndEachTagLoadsItsState) {
 // new save. The tag `latest` names, and an older one, stay written once. The state is built by
 // hand: two saves, then `latest` rewritten to name the first and latest.tmp left naming the
 // second.
-TEST(CheckpointTags, ATagLeftByASaveCutShortBeforeLatestMovedIsSavedAgain) {
-  engine_test::ScratchDir scratch("ckpt-latest-window");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 26);
-  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.keep_last = 2;
+TEST_F(CheckpointTags, ATagLeftByASaveCutShortBeforeLatestMovedIsSavedAgain) {
+  config_.keep_last = 2;
   {
-    OneEngine one(config, model);
-    ASSERT_TRUE(one.train(model, 1, 2).is_ok());
-    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
-    ASSERT_TRUE(one.train(model, 3, 4).is_ok());
+    OneEngine one(config_, model_);
+    ASSERT_TRUE(one.train(model_, 1, 2).is_ok());
+    ASSERT_TRUE(one.engine->save_checkpoint(dir_).is_ok());
+    ASSERT_TRUE(one.train(model_, 3, 4).is_ok());
     one.engine->set_client_state("the run that was killed");
-    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+    ASSERT_TRUE(one.engine->save_checkpoint(dir_).is_ok());
   }
-  std::ofstream(dir + "/latest", std::ios::trunc) << "global_step2";
-  std::ofstream(dir + "/latest.tmp", std::ios::trunc) << "global_step4";
+  std::ofstream(dir_ + "/latest", std::ios::trunc) << "global_step2";
+  std::ofstream(dir_ + "/latest.tmp", std::ios::trunc) << "global_step4";
 
   // inspect says what each leftover is and what happens to it.
-  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  Result<nlohmann::json> info = inspect_checkpoints(dir_, false);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
   const std::string notes = (*info)["notes"].dump();
@@ -189,39 +187,40 @@ TEST(CheckpointTags, ATagLeftByASaveCutShortBeforeLatestMovedIsSavedAgain) {
   std::vector<std::vector<float>> killed;
   std::vector<std::vector<float>> resumed;
   {
-    OneEngine tag4(config, model);
-    ASSERT_TRUE(tag4.engine->load_checkpoint(dir, "global_step4").is_ok());
-    killed = *engine_test::read_masters(*tag4.engine, model);
+    OneEngine tag4(config_, model_);
+    ASSERT_TRUE(tag4.engine->load_checkpoint(dir_, "global_step4").is_ok());
+    killed = *engine_test::read_masters(*tag4.engine, model_);
   }
   {
-    OneEngine again(config, model);
-    ASSERT_TRUE(again.engine->load_checkpoint(dir).is_ok());
+    OneEngine again(config_, model_);
+    ASSERT_TRUE(again.engine->load_checkpoint(dir_).is_ok());
     EXPECT_EQ(again.engine->client_state(), "");
-    ASSERT_TRUE(again.engine->set_learning_rate(config.optimizer.lr * 3).is_ok());
-    ASSERT_TRUE(again.train(model, 3, 4).is_ok());
+    ASSERT_TRUE(again.engine->set_learning_rate(config_.optimizer.lr * 3).is_ok());
+    ASSERT_TRUE(again.train(model_, 3, 4).is_ok());
     again.engine->set_client_state("the restarted run");
-    const Status st = again.engine->save_checkpoint(dir);
+    const Status st = again.engine->save_checkpoint(dir_);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    resumed = *engine_test::read_masters(*again.engine, model);
+    resumed = *engine_test::read_masters(*again.engine, model_);
     ASSERT_FALSE(same_bits(resumed, killed));
-    EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step4");
-    EXPECT_FALSE(std::filesystem::exists(dir + "/latest.tmp"));
-    EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step4.old"));
-    EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step4.tmp"));
+    EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "global_step4");
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/latest.tmp"));
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/.global_step4.old"));
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/.global_step4.tmp"));
 
     // Written once from here on: the tag `latest` names, and an older one.
     for (const std::string tag : {"global_step4", "global_step2"}) {
-      const Status twice = again.engine->save_checkpoint(dir, tag);
+      const Status twice = again.engine->save_checkpoint(dir_, tag);
       EXPECT_EQ(twice.code(), Code::kFailedPrecondition) << twice.to_string();
-      EXPECT_NE(twice.message().find("'" + dir + "/" + tag + "' exists already"), std::string::npos)
+      EXPECT_NE(twice.message().find("'" + dir_ + "/" + tag + "' exists already"),
+                std::string::npos)
           << twice.to_string();
     }
   }
-  OneEngine fresh(config, model);
-  ASSERT_TRUE(fresh.engine->load_checkpoint(dir).is_ok());
+  OneEngine fresh(config_, model_);
+  ASSERT_TRUE(fresh.engine->load_checkpoint(dir_).is_ok());
   EXPECT_EQ(fresh.engine->client_state(), "the restarted run");
-  EXPECT_TRUE(same_bits(*engine_test::read_masters(*fresh.engine, model), resumed));
-  info = inspect_checkpoints(dir, true);
+  EXPECT_TRUE(same_bits(*engine_test::read_masters(*fresh.engine, model_), resumed));
+  info = inspect_checkpoints(dir_, true);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
   EXPECT_TRUE((*info)["notes"].empty()) << (*info)["notes"].dump();
@@ -229,82 +228,68 @@ TEST(CheckpointTags, ATagLeftByASaveCutShortBeforeLatestMovedIsSavedAgain) {
 
 // The same cut at the very first save: a complete tag and no `latest`. A run started again from
 // scratch saves that tag again, replacing it.
-TEST(CheckpointTags, ATagLeftByAFirstSaveCutShortIsSavedAgain) {
-  engine_test::ScratchDir scratch("ckpt-first-save-window");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 28);
-  const Config config =
-      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+TEST_F(CheckpointTags, ATagLeftByAFirstSaveCutShortIsSavedAgain) {
   {
-    OneEngine one(config, model);
-    ASSERT_TRUE(one.train(model, 1, 2).is_ok());
+    OneEngine one(config_, model_);
+    ASSERT_TRUE(one.train(model_, 1, 2).is_ok());
     one.engine->set_client_state("killed");
-    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+    ASSERT_TRUE(one.engine->save_checkpoint(dir_).is_ok());
   }
-  std::filesystem::rename(dir + "/latest", dir + "/latest.tmp");
-  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  std::filesystem::rename(dir_ + "/latest", dir_ + "/latest.tmp");
+  Result<nlohmann::json> info = inspect_checkpoints(dir_, false);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   const std::string notes = (*info)["notes"].dump();
-  EXPECT_NE(notes.find("tag 'global_step2' is complete, but there is no '" + dir + "/latest'"),
+  EXPECT_NE(notes.find("tag 'global_step2' is complete, but there is no '" + dir_ + "/latest'"),
             std::string::npos)
       << notes;
 
-  OneEngine again(config, model);
-  ASSERT_TRUE(again.train(model, 1, 2).is_ok());
+  OneEngine again(config_, model_);
+  ASSERT_TRUE(again.train(model_, 1, 2).is_ok());
   again.engine->set_client_state("started again");
-  const Status st = again.engine->save_checkpoint(dir);
+  const Status st = again.engine->save_checkpoint(dir_);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step2");
-  OneEngine fresh(config, model);
-  ASSERT_TRUE(fresh.engine->load_checkpoint(dir).is_ok());
+  EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "global_step2");
+  OneEngine fresh(config_, model_);
+  ASSERT_TRUE(fresh.engine->load_checkpoint(dir_).is_ok());
   EXPECT_EQ(fresh.engine->client_state(), "started again");
 }
 
 // keep_last never deletes a tag of a later step than the one just saved: a run started afresh
 // in a directory that holds another run's tags (steps 290 and 300) keeps them, and prunes only
 // its own.
-TEST(CheckpointTags, KeepLastNeverPrunesATagOfALaterStep) {
-  engine_test::ScratchDir scratch("ckpt-prune-later");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 29);
-  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.keep_last = 2;
+TEST_F(CheckpointTags, KeepLastNeverPrunesATagOfALaterStep) {
+  config_.keep_last = 2;
   {
-    OneEngine earlier(config, model);
-    ASSERT_TRUE(earlier.train(model, 1, 290).is_ok());
-    ASSERT_TRUE(earlier.engine->save_checkpoint(dir).is_ok());
-    ASSERT_TRUE(earlier.train(model, 291, 300).is_ok());
-    ASSERT_TRUE(earlier.engine->save_checkpoint(dir).is_ok());
+    OneEngine earlier(config_, model_);
+    ASSERT_TRUE(earlier.train(model_, 1, 290).is_ok());
+    ASSERT_TRUE(earlier.engine->save_checkpoint(dir_).is_ok());
+    ASSERT_TRUE(earlier.train(model_, 291, 300).is_ok());
+    ASSERT_TRUE(earlier.engine->save_checkpoint(dir_).is_ok());
   }
-  OneEngine fresh(config, model);
+  OneEngine fresh(config_, model_);
   for (int step = 1; step <= 3; ++step) {
-    ASSERT_TRUE(fresh.train(model, step, step).is_ok());
-    const Status st = fresh.engine->save_checkpoint(dir);
+    ASSERT_TRUE(fresh.train(model_, step, step).is_ok());
+    const Status st = fresh.engine->save_checkpoint(dir_);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
   // The fresh run's own tags beyond keep_last go; the earlier run's stay.
-  EXPECT_FALSE(std::filesystem::exists(dir + "/global_step1"));
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/global_step1"));
   for (int step : {2, 3, 290, 300}) {
-    EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/global_step{}/manifest.json", dir, step)))
+    EXPECT_TRUE(std::filesystem::exists(fmt::format("{}/global_step{}/manifest.json", dir_, step)))
         << "global_step" << step;
   }
-  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step3");
+  EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "global_step3");
 }
 
-// A save takes an exclusive lock on <dir>/.zinf-save.lock: while another process (here a
+// A save takes an exclusive lock on <dir_>/.zinf-save.lock: while another process (here a
 // descriptor of the test's own; flock locks belong to an open file, so one process can hold two
 // that conflict) holds it, a save is refused naming the directory and the holder, and leaves
 // the directory as it was. The lock file is not a tag, a problem or a note for inspect.
-TEST(CheckpointTags, ASaveIntoADirectoryAnotherSaveHoldsIsRefusedNamingTheHolder) {
-  engine_test::ScratchDir scratch("ckpt-save-lock");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 30);
-  const Config config =
-      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  OneEngine one(config, model);
-  ASSERT_TRUE(one.train(model, 1, 1).is_ok());
-  ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
-  const std::string lock_path = dir + "/.zinf-save.lock";
+TEST_F(CheckpointTags, ASaveIntoADirectoryAnotherSaveHoldsIsRefusedNamingTheHolder) {
+  OneEngine one(config_, model_);
+  ASSERT_TRUE(one.train(model_, 1, 1).is_ok());
+  ASSERT_TRUE(one.engine->save_checkpoint(dir_).is_ok());
+  const std::string lock_path = dir_ + "/.zinf-save.lock";
   ASSERT_TRUE(std::filesystem::exists(lock_path));
   EXPECT_EQ(std::filesystem::file_size(lock_path), 0u) << "no holder named once released";
   {
@@ -314,33 +299,33 @@ TEST(CheckpointTags, ASaveIntoADirectoryAnotherSaveHoldsIsRefusedNamingTheHolder
     const std::string holder = "pid 4242 host other-node\n";
     ASSERT_EQ(::pwrite(fd, holder.data(), holder.size(), 0), static_cast<ssize_t>(holder.size()));
     // A save cut short by the other job is its save in progress, not this one's to remove.
-    std::filesystem::create_directories(dir + "/.global_step9.tmp");
-    ASSERT_TRUE(one.train(model, 2, 2).is_ok());
-    const Status st = one.engine->save_checkpoint(dir);
+    std::filesystem::create_directories(dir_ + "/.global_step9.tmp");
+    ASSERT_TRUE(one.train(model_, 2, 2).is_ok());
+    const Status st = one.engine->save_checkpoint(dir_);
     EXPECT_EQ(st.code(), Code::kFailedPrecondition) << st.to_string();
-    EXPECT_NE(st.message().find("the checkpoint directory '" + dir +
+    EXPECT_NE(st.message().find("the checkpoint directory '" + dir_ +
                                 "' is being saved into by another process (pid 4242 host "
                                 "other-node; it holds '" +
                                 lock_path + "')"),
               std::string::npos)
         << st.to_string();
-    EXPECT_FALSE(std::filesystem::exists(dir + "/global_step2"));
-    EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step2.tmp"));
-    EXPECT_TRUE(std::filesystem::exists(dir + "/.global_step9.tmp"));
-    EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step1");
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/global_step2"));
+    EXPECT_FALSE(std::filesystem::exists(dir_ + "/.global_step2.tmp"));
+    EXPECT_TRUE(std::filesystem::exists(dir_ + "/.global_step9.tmp"));
+    EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "global_step1");
     ::close(fd);
   }
   // Released: the save goes ahead (and clears what the other job's cut-short save left).
-  const Status st = one.engine->save_checkpoint(dir);
+  const Status st = one.engine->save_checkpoint(dir_);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
-  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "global_step2");
-  EXPECT_FALSE(std::filesystem::exists(dir + "/.global_step9.tmp"));
+  EXPECT_EQ(engine_test::read_file(dir_ + "/latest"), "global_step2");
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/.global_step9.tmp"));
   Result<std::unique_ptr<IoEngine>> io = open_checkpoint_io(nullptr);
   ASSERT_TRUE(io.is_ok());
   RefusedCheckpointTags refused;
-  EXPECT_EQ(list_checkpoint_tags(**io, dir, &refused).size(), 2u);
+  EXPECT_EQ(list_checkpoint_tags(**io, dir_, &refused).size(), 2u);
   EXPECT_TRUE(refused.tags.empty() && refused.temp_dirs.empty() && refused.old_dirs.empty());
-  Result<nlohmann::json> info = inspect_checkpoints(dir, false);
+  Result<nlohmann::json> info = inspect_checkpoints(dir_, false);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
   EXPECT_TRUE((*info)["notes"].empty()) << (*info)["notes"].dump();
@@ -349,23 +334,19 @@ TEST(CheckpointTags, ASaveIntoADirectoryAnotherSaveHoldsIsRefusedNamingTheHolder
 // Two engines saving into one directory at once, as two jobs given one save directory do: each
 // save either completes or is refused naming the lock, never fails halfway on a file the other
 // removed, and every tag in the directory loads.
-TEST(CheckpointTags, TwoEnginesSavingIntoOneDirectoryNeverBreakEachOthersSaves) {
-  engine_test::ScratchDir scratch("ckpt-two-savers");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 31);
-  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.keep_last = 2;
+TEST_F(CheckpointTags, TwoEnginesSavingIntoOneDirectoryNeverBreakEachOthersSaves) {
+  config_.keep_last = 2;
   constexpr int kSaves = 12;
   int refused[2] = {0, 0};
   std::vector<std::thread> jobs;
   std::vector<std::string> failures[2];
   for (int job = 0; job < 2; ++job) {
     jobs.emplace_back([&, job] {
-      OneEngine one(config, model);
+      OneEngine one(config_, model_);
       if (one.engine == nullptr) return;
       for (int i = 0; i < kSaves; ++i) {
-        if (!one.train(model, i + 1, i + 1).is_ok()) return;
-        const Status st = one.engine->save_checkpoint(dir, fmt::format("job{}-{}", job, i));
+        if (!one.train(model_, i + 1, i + 1).is_ok()) return;
+        const Status st = one.engine->save_checkpoint(dir_, fmt::format("job{}-{}", job, i));
         if (st.code() == Code::kFailedPrecondition &&
             st.message().find("is being saved into by another process") != std::string::npos) {
           ++refused[job];
@@ -380,7 +361,7 @@ TEST(CheckpointTags, TwoEnginesSavingIntoOneDirectoryNeverBreakEachOthersSaves) 
   for (int job = 0; job < 2; ++job) {
     EXPECT_TRUE(failures[job].empty()) << "job " << job << ": " << failures[job].front();
   }
-  Result<nlohmann::json> info = inspect_checkpoints(dir, true);
+  Result<nlohmann::json> info = inspect_checkpoints(dir_, true);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
   EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
   EXPECT_FALSE((*info)["tags"].empty());
@@ -389,35 +370,28 @@ TEST(CheckpointTags, TwoEnginesSavingIntoOneDirectoryNeverBreakEachOthersSaves) 
 // tmpfs refused O_DIRECT before Linux 6.6: the files then go through the page cache, padded the
 // same way, so a checkpoint saved on tmpfs loads (and one copied to another filesystem would
 // too). On a kernel whose tmpfs takes O_DIRECT this runs the direct path.
-TEST(CheckpointTags, SavesAndLoadsOnTmpfs) {
+TEST_F(CheckpointTags, SavesAndLoadsOnTmpfs) {
   if (!std::filesystem::is_directory("/dev/shm")) GTEST_SKIP() << "no /dev/shm here";
-  const std::string dir = fmt::format("/dev/shm/zinf-ckpt-tmpfs-{}", ::getpid());
-  std::filesystem::remove_all(dir);
-  const Model model = engine_test::make_model(DType::kF32, 25);
-  const Config config =
-      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  const std::string shm_dir = fmt::format("/dev/shm/zinf-ckpt-tmpfs-{}", ::getpid());
+  std::filesystem::remove_all(shm_dir);
   std::vector<std::vector<float>> saved;
   {
-    OneEngine one(config, model);
-    ASSERT_TRUE(one.train(model, 1, 2).is_ok());
-    const Status st = one.engine->save_checkpoint(dir);
+    OneEngine one(config_, model_);
+    ASSERT_TRUE(one.train(model_, 1, 2).is_ok());
+    const Status st = one.engine->save_checkpoint(shm_dir);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    saved = *engine_test::read_masters(*one.engine, model);
+    saved = *engine_test::read_masters(*one.engine, model_);
   }
-  EXPECT_EQ(std::filesystem::file_size(dir + "/global_step2/rank0.zinfckpt") % 4096, 0u);
-  OneEngine fresh(config, model);
-  const Status st = fresh.engine->load_checkpoint(dir);
+  EXPECT_EQ(std::filesystem::file_size(shm_dir + "/global_step2/rank0.zinfckpt") % 4096, 0u);
+  OneEngine fresh(config_, model_);
+  const Status st = fresh.engine->load_checkpoint(shm_dir);
   EXPECT_TRUE(st.is_ok()) << st.to_string();
-  EXPECT_TRUE(same_bits(*engine_test::read_masters(*fresh.engine, model), saved));
-  std::filesystem::remove_all(dir);
+  EXPECT_TRUE(same_bits(*engine_test::read_masters(*fresh.engine, model_), saved));
+  std::filesystem::remove_all(shm_dir);
 }
 
-TEST(CheckpointTags, ResumeStateScheduleGatherOrderAndClientStateComeBack) {
-  engine_test::ScratchDir scratch("ckpt-resume-state");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 22);
-  const Config config =
-      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
+TEST_F(CheckpointTags, ResumeStateScheduleGatherOrderAndClientStateComeBack) {
+  config_ = engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
   ScheduleConfig schedule;
   schedule.kind = ScheduleKind::kWarmupCosineLR;
   schedule.warmup_num_steps = 3;
@@ -427,35 +401,30 @@ TEST(CheckpointTags, ResumeStateScheduleGatherOrderAndClientStateComeBack) {
   std::vector<std::string> order;
   double next_lr = 0;
   {
-    OneEngine one(config, model);
+    OneEngine one(config_, model_);
     ASSERT_TRUE(one.engine->set_lr_schedule(schedule).is_ok());
-    ASSERT_TRUE(one.train(model, 1, 4).is_ok());
+    ASSERT_TRUE(one.train(model_, 1, 4).is_ok());
     one.engine->set_client_state(blob);
-    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+    ASSERT_TRUE(one.engine->save_checkpoint(dir_).is_ok());
     order = one.engine->recorded_order();
     next_lr = one.engine->learning_rate();
   }
   ASSERT_FALSE(order.empty());
-  EXPECT_TRUE(std::filesystem::exists(dir + "/global_step4/client_state.bin"));
-  OneEngine fresh(config, model);  // no schedule set: the checkpoint's comes back
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/global_step4/client_state.bin"));
+  OneEngine fresh(config_, model_);  // no schedule set: the checkpoint's comes back
   EXPECT_TRUE(fresh.engine->recorded_order().empty());
-  const Status st = fresh.engine->load_checkpoint(dir);
+  const Status st = fresh.engine->load_checkpoint(dir_);
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   EXPECT_EQ(fresh.engine->client_state(), blob);
   EXPECT_EQ(fresh.engine->recorded_order(), order);
   EXPECT_EQ(fresh.engine->learning_rate(), next_lr);
-  EXPECT_NE(next_lr, config.optimizer.lr) << "the schedule moved the rate";
+  EXPECT_NE(next_lr, config_.optimizer.lr) << "the schedule moved the rate";
 }
 
 // An engine with a schedule of its own keeps it on load, at the checkpoint's step, as a DeepSpeed
 // run resumed with a longer total_num_steps follows the new curve: WarmupDecayLR (linear warm-up
 // from 0 to 0.01 over 2 iterations, then linear decay to 0 at total_num_steps) in double.
-TEST(CheckpointTags, AnEngineWithItsOwnScheduleKeepsItAtTheCheckpointsStep) {
-  engine_test::ScratchDir scratch("ckpt-own-schedule");
-  const std::string dir = scratch.path() + "/ckpt";
-  const Model model = engine_test::make_model(DType::kF32, 24);
-  const Config config =
-      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+TEST_F(CheckpointTags, AnEngineWithItsOwnScheduleKeepsItAtTheCheckpointsStep) {
   auto decay = [](std::int64_t total) {
     ScheduleConfig s;
     s.kind = ScheduleKind::kWarmupDecayLR;
@@ -471,31 +440,28 @@ TEST(CheckpointTags, AnEngineWithItsOwnScheduleKeepsItAtTheCheckpointsStep) {
     return n < 2 ? 0.01 * static_cast<double>(n) / 2.0 : 0.01 * (total - n) / (total - 2.0);
   };
   {
-    OneEngine one(config, model);
+    OneEngine one(config_, model_);
     ASSERT_TRUE(one.engine->set_lr_schedule(decay(10)).is_ok());
-    ASSERT_TRUE(one.train(model, 1, 4).is_ok());
+    ASSERT_TRUE(one.train(model_, 1, 4).is_ok());
     EXPECT_DOUBLE_EQ(one.engine->learning_rate(), expected(3, 10));
-    ASSERT_TRUE(one.engine->save_checkpoint(dir).is_ok());
+    ASSERT_TRUE(one.engine->save_checkpoint(dir_).is_ok());
   }
-  OneEngine longer(config, model);
+  OneEngine longer(config_, model_);
   ASSERT_TRUE(longer.engine->set_lr_schedule(decay(40)).is_ok());
-  ASSERT_TRUE(longer.engine->load_checkpoint(dir).is_ok());
+  ASSERT_TRUE(longer.engine->load_checkpoint(dir_).is_ok());
   EXPECT_DOUBLE_EQ(longer.engine->learning_rate(), expected(3, 40));
-  ASSERT_TRUE(longer.train(model, 5, 6).is_ok());
+  ASSERT_TRUE(longer.train(model_, 5, 6).is_ok());
   EXPECT_DOUBLE_EQ(longer.engine->learning_rate(), expected(5, 40));
   // Without a schedule of its own the engine takes the checkpoint's.
-  OneEngine plain(config, model);
-  ASSERT_TRUE(plain.engine->load_checkpoint(dir).is_ok());
+  OneEngine plain(config_, model_);
+  ASSERT_TRUE(plain.engine->load_checkpoint(dir_).is_ok());
   EXPECT_DOUBLE_EQ(plain.engine->learning_rate(), expected(3, 10));
 }
 
 // A save on one rank only (a common mistake: saving "on rank 0") fails at the collective timeout
 // with an error that says the call is collective, before the collective that ran out.
-TEST(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
-  engine_test::ScratchDir scratch("ckpt-one-rank");
-  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  config.collective_timeout_ms = 2000;  // room for a slow rank (sanitizers) before the save
-  const Model model = engine_test::make_model(DType::kF32, 25);
+TEST_F(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
+  config_.collective_timeout_ms = 2000;  // room for a slow rank (sanitizers) before the save
   engine_test::Ranks ranks = engine_test::make_ranks(2, std::chrono::milliseconds(2000));
   Status saved;
   std::atomic<bool> save_returned{false};
@@ -510,14 +476,14 @@ TEST(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
     Env env;
     env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
     env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config_, env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model_));
     ZINF_RETURN_IF_ERROR(engine->finalize());
     TrainOptions options;
     options.steps = 1;
-    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, options, nullptr, nullptr));
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model_, rank, options, nullptr, nullptr));
     if (rank == 0) {
-      saved = engine->save_checkpoint(scratch.path() + "/ckpt", "t");
+      saved = engine->save_checkpoint(dir_, "t");
     } else {
       // Not saving, and keeping its engine open until rank 0's save has returned.
       while (!save_returned) std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -526,8 +492,8 @@ TEST(CheckpointTags, ASaveOnOneRankSaysEveryRankCallsIt) {
   });
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_EQ(saved.code(), Code::kTimeout) << saved.to_string();
-  EXPECT_NE(saved.message().find("save_checkpoint('" + scratch.path() +
-                                 "/ckpt', 't') is collective: every rank calls it"),
+  EXPECT_NE(saved.message().find("save_checkpoint('" + dir_ +
+                                 "', 't') is collective: every rank calls it"),
             std::string::npos)
       << saved.to_string();
 }
