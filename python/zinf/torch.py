@@ -28,6 +28,11 @@ How the model's tensors meet the engine (docs/PYTHON.md):
   end of engine.backward().
 - The engine records the order of the gathers on the first step and prefetches in that order
   afterwards (stage3_prefetch_bucket_size, stage3_max_live_parameters), as in C++.
+- Frozen parameters (requires_grad False at initialize()), at stages 1 and 2 only: the engine
+  does not know them. Each is a module tensor of the compute dtype that every rank keeps whole
+  (as DeepSpeed's ZeRO-1/2 keeps it), used by forward and backward as it is; it has no gradient,
+  no optimizer state and no share of the gradient norm. Checkpoints keep them in the client
+  state; state dicts hold them.
 - Under mpirun each process is one rank (MpiComm); an exception in forward, backward or step
   aborts the communicator, so the other ranks fail at once naming this one.
 - Init (zinf/_torch_init.py) stages parameters as modules are built; the engine's initializers
@@ -520,8 +525,8 @@ class ZinfEngine(nn.Module):
     # ---- registration -------------------------------------------------------------------------
 
     def _register(self, model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
-        """Registers every parameter of the model with the engine, and returns the optimizer's
-        parameter groups (torch's form)."""
+        """Registers every parameter of the model that requires grad with the engine (the others
+        are frozen: _keep_frozen), and returns the optimizer's parameter groups (torch's form)."""
         # pid -> parameter, its name and the engine module that owns it.
         self._params: dict[int, nn.Parameter] = {}
         self._names: dict[int, str] = {}
@@ -529,21 +534,25 @@ class ZinfEngine(nn.Module):
         self._owned: dict[str, list[nn.Parameter]] = {}  # engine module -> its parameters
         self._uses: dict[nn.Module, list[nn.Parameter]] = {}  # torch module -> params it uses
         self._users: dict[int, list[nn.Module]] = {}  # pid -> torch modules that use it
+        # pid -> (first name, parameter) of the frozen parameters: those that do not require
+        # grad. The engine does not know them; they stay module tensors (_keep_frozen).
+        self._frozen: dict[int, tuple[str, nn.Parameter]] = {}
         for module_name, module in model.named_modules():
             direct = list(module.named_parameters(recurse=False))
             if not direct:
                 continue
             engine_module = module_name or _ROOT_MODULE
-            self._uses[module] = [p for _, p in direct]
             for param_name, param in direct:
+                full_name = f"{module_name}.{param_name}" if module_name else param_name
+                if id(param) in self._frozen:
+                    continue
+                if id(param) not in self._params and not param.requires_grad:
+                    self._keep_frozen(full_name, param)
+                    continue
+                self._uses.setdefault(module, []).append(param)
                 self._users.setdefault(id(param), []).append(module)
                 if id(param) in self._params:
                     continue  # shared with a module seen before: that one owns it
-                full_name = f"{module_name}.{param_name}" if module_name else param_name
-                if not param.requires_grad:
-                    raise NotImplementedError(
-                        f"parameter '{full_name}' does not require grad: frozen parameters are "
-                        "not supported yet")
                 self._params[id(param)] = param
                 self._names[id(param)] = full_name
                 self._owner[id(param)] = engine_module
@@ -551,6 +560,9 @@ class ZinfEngine(nn.Module):
         for module in model.modules():
             for param in module.__dict__.get("_zinf_external_params", ()):
                 self._use_external(module, param)
+        if not self._params:
+            raise ValueError(f"none of the model's {len(self._frozen)} parameters requires grad: "
+                             "there is nothing to train")
         groups = self._define_groups(model_parameters, defaults)
         group_of = {id(p): g["_zinf_group"] for g in groups for p in g["params"]}
         self._shapes = {}
@@ -578,9 +590,32 @@ class ZinfEngine(nn.Module):
             del g["_zinf_group"]
         return groups
 
+    def _keep_frozen(self, name: str, param: nn.Parameter):
+        """A parameter that does not require grad, at stage 1 or 2: the engine does not register
+        it (no master, no optimizer state, no gradient), and _place_parameters() leaves it a
+        module tensor in the compute dtype, as DeepSpeed's ZeRO-1/2 optimizer leaves the
+        parameters it does not train. At stage 3 each rank would have to keep a partition of it
+        without an optimizer state, which the engine does not do."""
+        if self.stage == 3:
+            raise NotImplementedError(
+                f"parameter '{name}' does not require grad: frozen parameters are supported at "
+                "ZeRO stages 1 and 2, where every rank keeps them whole as module tensors; at "
+                "stage 3 the engine would have to partition and gather them without an "
+                "optimizer state, which is not implemented")
+        stage = _torch_init.staged(param)
+        if stage is not None and stage.modifier_rank is not None and self.world_size > 1:
+            raise NotImplementedError(
+                f"parameter '{name}' does not require grad and was changed inside "
+                f"GatheredParameters(modifier_rank={stage.modifier_rank}) under Init: the engine "
+                "does not hold frozen parameters, so it cannot write that rank's values over the "
+                "others'; make the same change on every rank")
+        self._frozen[id(param)] = (name, param)
+
     def _use_external(self, module: nn.Module, param: nn.Parameter):
         """register_external_parameter(): `module`'s forward (and its backward) uses `param`,
         another module's, so the engine module owning it is gathered with `module`'s."""
+        if id(param) in self._frozen:
+            return  # a module tensor the engine does not gather (stages 1 and 2)
         if id(param) not in self._params:
             raise ValueError(
                 f"register_external_parameter({type(module).__name__}, ...): the parameter "
@@ -613,7 +648,9 @@ class ZinfEngine(nn.Module):
         hyper-parameters) as engine groups. The first group whose hyper-parameters are the
         config's is the engine's default group; every other group is add_param_group(), with
         its weight_decay and lr_scale = its lr / the config's lr. A group may not change betas
-        or eps (the engine's groups have one optimizer)."""
+        or eps (the engine's groups have one optimizer). Frozen parameters in the groups are
+        dropped from them, as DeepSpeed's ZeRO-1/2 optimizer drops the parameters that do not
+        require grad; a parameter that requires grad must be in a group."""
         if model_parameters is None:
             model_parameters = list(self._params.values())
         items = list(model_parameters)
@@ -636,11 +673,12 @@ class ZinfEngine(nn.Module):
                         f"parameter group {index}: {key} {item[key]} differs from the "
                         f"optimizer's {has}; groups may change lr and weight_decay")
             group = {**defaults, **{k: v for k, v in item.items() if k != "params"}}
+            params = [p for p in params if id(p) not in self._frozen]
             group["params"] = params
             for p in params:
                 if id(p) not in self._params:
                     raise ValueError(f"parameter group {index}: a parameter that is not the "
-                                     "model's (or does not require grad)")
+                                     "model's")
                 if id(p) in seen:
                     raise ValueError(f"parameter group {index}: parameter "
                                      f"'{self._names[id(p)]}' is in more than one group")
@@ -650,9 +688,13 @@ class ZinfEngine(nn.Module):
         if missing:
             raise NotImplementedError(
                 f"model_parameters leaves out {len(missing)} of the model's parameters "
-                f"({missing[:3]}): every parameter is trained (frozen ones are not supported)")
+                f"({missing[:3]}) that require grad: every parameter that requires grad is "
+                "trained; freeze one with requires_grad_(False) before initialize()")
         default_taken = False
         for index, group in enumerate(groups):
+            if not group["params"]:
+                group["_zinf_group"] = None  # only frozen parameters: nothing for the engine
+                continue
             same = (float(group["lr"]) == defaults["lr"]
                     and float(group["weight_decay"]) == defaults["weight_decay"])
             if same and not default_taken:
@@ -670,7 +712,18 @@ class ZinfEngine(nn.Module):
 
     def _place_parameters(self):
         """Points every parameter at the engine's copy (stages 1, 2) or at an empty placeholder
-        (stage 3, where a module's parameters exist only while it is gathered)."""
+        (stage 3, where a module's parameters exist only while it is gathered). Frozen parameters
+        (stages 1 and 2) become tensors of the compute dtype on the engine's device, owned by the
+        module: a copy where their dtype or device differs, their staged values if they were
+        built under Init."""
+        for param in (param for _, param in self._frozen.values()):
+            stage = _torch_init.staged(param)
+            if stage is not None:
+                param.data = stage.load().to(self.dtype)
+                stage.done()
+                del param._zinf_staged
+            elif param.dtype != self.dtype or param.device != self.device:
+                param.data = param.data.to(device=self.device, dtype=self.dtype)
         if self.stage < 3:
             self._refresh_views()
             return
@@ -1153,6 +1206,33 @@ class ZinfEngine(nn.Module):
                         unexpected and f"the checkpoint's buffers {unexpected[:5]} are not "
                         "the model's and were not loaded") if part), stacklevel=3)
 
+    def _load_frozen(self, saved: dict, excluded: bool, path: str):
+        """Copies a checkpoint's frozen parameters into the model's (rank 0's values, which every
+        rank loads), converted to the compute dtype; refuses a shape that differs, and warns of
+        frozen parameters on one side only, unless the save excluded them
+        (exclude_frozen_parameters=True: the model's keep their values)."""
+        own = {name: param for name, param in self._frozen.values()}
+        for name, param in own.items():
+            if name in saved and saved[name].shape != param.shape:
+                raise ValueError(f"load_checkpoint('{path}'): frozen parameter '{name}' has shape "
+                                 f"{tuple(saved[name].shape)} in the checkpoint but "
+                                 f"{tuple(param.shape)} in the model")
+        with torch.no_grad():
+            for name, param in own.items():
+                if name in saved:
+                    param.copy_(saved[name])
+        missing = [] if excluded else sorted(set(own) - set(saved))
+        unexpected = sorted(set(saved) - set(own))
+        if missing or unexpected:
+            warnings.warn(
+                f"load_checkpoint('{path}'): " + "; ".join(
+                    part for part in (
+                        missing and f"the model's frozen parameters {missing[:5]} are not in "
+                        "the checkpoint and keep their values",
+                        unexpected and f"the checkpoint's frozen parameters {unexpected[:5]} are "
+                        "not frozen parameters of the model and were not loaded") if part),
+                stacklevel=3)
+
     def _steps_applied(self) -> int:
         """The optimizer steps that updated the parameters (DeepSpeed's scheduler count)."""
         return self.global_steps - self.skipped_steps
@@ -1283,9 +1363,13 @@ class ZinfEngine(nn.Module):
         self._refresh_views()
 
     def read_parameter(self, name: str) -> torch.Tensor:
-        """The fp32 master of a parameter (by its qualified name), as a new tensor."""
+        """The fp32 master of a parameter (by its qualified name), as a new tensor; for a frozen
+        parameter, which has no master, its values (in the compute dtype) converted to fp32."""
         pid = next((pid for pid, n in self._names.items() if n == name), None)
         if pid is None:
+            frozen = next((p for n, p in self._frozen.values() if n == name), None)
+            if frozen is not None:
+                return frozen.detach().to(dtype=torch.float32, copy=True)
             raise KeyError(f"no parameter '{name}'")
         out = torch.empty(self._shapes[pid], dtype=torch.float32)
         self._core.read_parameters(name, out)
@@ -1297,15 +1381,21 @@ class ZinfEngine(nn.Module):
         DeepSpeed does. The torch side's state (steps, learning rates, the lr_scheduler's
         state_dict, client_state) travels in the engine's client state, so the whole tag is
         written crash-safely at once: a save cut short leaves `latest` naming the previous one.
-        zinf always updates `latest`; save_latest=False is accepted and ignored, and so is
-        exclude_frozen_parameters (every parameter is trained)."""
-        del save_latest, exclude_frozen_parameters
+        zinf always updates `latest`; save_latest=False is accepted and ignored. The frozen
+        parameters (stages 1 and 2; the engine does not hold them) travel in the client state
+        too, rank 0's, in the compute dtype, under their first names, as DeepSpeed keeps them in
+        the module's state; exclude_frozen_parameters=True leaves them out, and
+        load_checkpoint() then keeps the model's."""
+        del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                  "lr": self.get_lr(), "client_state": client_state or {},
                  "buffers": {name: buffer.detach().clone()
                              for name, buffer in self._persistent_buffers()},
+                 "frozen": {} if exclude_frozen_parameters else {
+                     name: param.detach().clone() for name, param in self._frozen.values()},
+                 "frozen_excluded": bool(exclude_frozen_parameters) and bool(self._frozen),
                  "lr_from_schedule": self._lrs_shown is not None
                  and self.get_lr() == self._lrs_shown}
         if self.lr_scheduler is not None and hasattr(self.lr_scheduler, "state_dict"):
@@ -1323,11 +1413,17 @@ class ZinfEngine(nn.Module):
         rank 0 with torch.save to <save_dir>/<save_filename>. Collective. At stage 3 the dict is
         _zero3_consolidated_16bit_state_dict()'s, gathered module by module (as DeepSpeed's
         stage3_gather_16bit_weights_on_model_save does, which zinf does not need set); at
-        stages 1 and 2 it is the module's state_dict(). Returns True."""
+        stages 1 and 2 it is the module's state_dict(), frozen parameters included (in the
+        compute dtype), unless exclude_frozen_parameters=True leaves out every name of each
+        parameter that does not require grad. Returns True."""
         if self.stage == 3:
             state = self._zero3_consolidated_16bit_state_dict(exclude_frozen_parameters)
         else:
             state = {k: v.detach().clone() for k, v in self.module.state_dict().items()}
+            if exclude_frozen_parameters:
+                for name, param in self.module.named_parameters(remove_duplicate=False):
+                    if not param.requires_grad:
+                        state.pop(name, None)
         if self.global_rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
@@ -1342,8 +1438,8 @@ class ZinfEngine(nn.Module):
         its children) and gathers one module's parameters at a time (GatheredParameters), so
         besides the dict on rank 0 at most one module is gathered; a parameter shared by several
         modules is the same tensor under each name. ValueError below stage 3, as DeepSpeed
-        raises. exclude_frozen_parameters leaves out parameters that do not require grad (zinf
-        trains every parameter, so there are none)."""
+        raises. exclude_frozen_parameters leaves out parameters that do not require grad (at
+        stage 3 there are none: zinf refuses them there)."""
         if self.stage < 3:
             raise ValueError(f"_zero3_consolidated_16bit_state_dict: this function requires "
                              f"ZeRO-3 mode (the config's stage is {self.stage}); use "
@@ -1410,6 +1506,7 @@ class ZinfEngine(nn.Module):
         self._core.load_checkpoint(load_dir, str(tag))
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self._load_buffers(state.get("buffers"), path)
+        self._load_frozen(state.get("frozen", {}), state.get("frozen_excluded", False), path)
         self.global_steps = state["global_steps"]
         # A checkpoint is taken between optimizer steps; the count is moved up to this config's
         # next boundary, so that a run resumed with another gradient_accumulation_steps (two
@@ -1451,7 +1548,9 @@ def export_safetensors(checkpoint_dir: str, out: str, tag: Any = None,
     """Writes every parameter's full fp32 master of <checkpoint_dir>/<tag> (default: the tag in
     <checkpoint_dir>/latest; saved at any world size) to `out` as safetensors, in "fp32" or
     "bf16", named as the model's parameters (as zero_to_fp32.py does for DeepSpeed). The same as
-    `zinf ckpt export`."""
+    `zinf ckpt export`. Frozen parameters are not among them (the engine does not hold them;
+    zinf.torch keeps them in the checkpoint's client state):
+    get_fp32_state_dict_from_zero_checkpoint() adds them."""
     _zinf.export_checkpoint(str(checkpoint_dir), "" if tag is None else str(tag), str(out), dtype)
 
 
@@ -1480,7 +1579,9 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
                                              ) -> dict[str, torch.Tensor]:
     """deepspeed.utils.zero_to_fp32's function: every parameter's full fp32 master of
     <checkpoint_dir>/<tag> (default: the tag in <checkpoint_dir>/latest) as a dict of CPU
-    tensors, named as the model's parameters. A parameter shared by several modules (tied
+    tensors, named as the model's parameters, and the frozen parameters zinf.torch saved in the
+    checkpoint's client state (converted to fp32 from the compute dtype they were saved in), as
+    DeepSpeed's adds its frozen parameters. A parameter shared by several modules (tied
     embeddings) appears once, under its first owner's name, and there are no buffers (a zinf
     checkpoint holds neither): load it with load_state_dict_from_zero_checkpoint(model, dir),
     which fills both in from the model. The weights pass through a safetensors file in the
@@ -1488,7 +1589,17 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
     with tempfile.TemporaryDirectory(prefix="zinf_fp32_") as scratch:
         out = os.path.join(scratch, "model.safetensors")
         export_safetensors(checkpoint_dir, out, tag)
-        return _read_safetensors(out)
+        weights = _read_safetensors(out)
+    if tag is None:
+        with open(os.path.join(checkpoint_dir, "latest")) as f:
+            tag = f.read().strip()
+    client = os.path.join(checkpoint_dir, str(tag), "client_state.bin")
+    if os.path.isfile(client):
+        state = torch.load(client, weights_only=False)
+        frozen = state.get("frozen", {}) if isinstance(state, dict) else {}
+        for name, values in frozen.items():
+            weights[name] = values.to(torch.float32)
+    return weights
 
 
 def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str,
@@ -1523,8 +1634,10 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     config: a dict or the path of a JSON file with DeepSpeed's keys (docs/ENGINE.md lists them):
         the optimizer comes from its "optimizer" section, the stage and offload from
         "zero_optimization"; "bf16" / "fp16" choose the dtype the model computes in.
-    model_parameters: the parameters to train: all of the model's, as parameters or as torch
-        parameter groups (dicts with "params" and their own "lr" and "weight_decay").
+    model_parameters: the parameters to train: every parameter of the model that requires grad,
+        as parameters or as torch parameter groups (dicts with "params" and their own "lr" and
+        "weight_decay"); parameters that do not require grad (frozen) may be given or left out,
+        and are not trained (stages 1 and 2; refused at stage 3).
     lr_scheduler: a torch LR scheduler over the returned optimizer, or a callable that makes one
         from it; stepped after each optimizer step. Or the config's "scheduler" section (not
         both): the engine runs that schedule, and the optimizer's param_groups "lr"s (and

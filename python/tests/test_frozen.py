@@ -1,0 +1,374 @@
+"""Frozen parameters (requires_grad False) at ZeRO stages 1 and 2: against plain torch, whose
+AdamW and clip_grad_norm_ see the trainable parameters only, the engine trains the same
+trajectory; frozen weights stay in the compute dtype, bit for bit; checkpoints keep them and
+resume bit-identically; state dicts hold them unless exclude_frozen_parameters; stage 3 refuses
+them."""
+import copy
+import os
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import zinf.torch
+from conftest import BETAS, EPS, LR, WEIGHT_DECAY, zinf_config
+
+# Small enough that the clipping acts at every step of these problems (checked below).
+CLIP = 0.05
+STEPS = 6
+
+
+class LoraLinear(nn.Module):
+    """A frozen Linear plus a trainable low-rank update, as LoRA adapters are: base(x) + x A^T
+    B^T."""
+
+    def __init__(self, features_in, features_out, rank=2):
+        super().__init__()
+        self.base = nn.Linear(features_in, features_out)
+        self.base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, features_in) * 0.3)
+        self.lora_b = nn.Parameter(torch.randn(features_out, rank) * 0.3)
+
+    def forward(self, x):
+        return self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t()
+
+
+class FrozenEmbedding(nn.Module):
+    """A frozen embedding under a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.embed.weight.requires_grad_(False)
+        self.head = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.LayerNorm(16), nn.Linear(16, 3))
+
+    def forward(self, ids):
+        return self.head(self.embed(ids).mean(dim=1))
+
+
+class Lora(nn.Module):
+    """A frozen backbone of two Linears, each with a trainable adapter, and a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = LoraLinear(6, 16)
+        self.second = LoraLinear(16, 16)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
+
+
+MODELS = {"embedding": FrozenEmbedding, "lora": Lora}
+
+
+def make(kind, seed=21):
+    torch.manual_seed(seed)
+    return MODELS[kind]()
+
+
+def batches(kind, count=STEPS, seed=22):
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        if kind == "embedding":
+            x = torch.randint(0, 16, (4, 5), generator=generator)
+        else:
+            x = torch.randn(4, 6, generator=generator)
+        out.append((x, torch.randn(4, 3, generator=generator) * 3))
+    return out
+
+
+def loss_of(model, batch):
+    """The mean squared error, the inputs in the model's dtype (bf16 where it computes in it)."""
+    x, y = batch
+    if x.is_floating_point():
+        x = x.to(next(model.parameters()).dtype)
+    return (model(x).float() - y).pow(2).mean()
+
+
+def config(stage, bf16=False):
+    c = zinf_config(stage, bf16=bf16)
+    c["gradient_clipping"] = CLIP
+    return c
+
+
+def frozen_of(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+
+
+def train_torch(model, data, groups=None):
+    """Plain torch: AdamW over the parameters that require grad (or over `groups` of them),
+    their norm clipped to CLIP. Returns the losses and the norms before clipping."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable if groups is None else groups, lr=LR, betas=BETAS,
+                                  eps=EPS, weight_decay=WEIGHT_DECAY)
+    losses, norms = [], []
+    for batch in data:
+        loss = loss_of(model, batch)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(trainable, CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, norms
+
+
+def train_zinf(engine, data):
+    losses, norms = [], []
+    for batch in data:
+        loss = loss_of(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+        norms.append(engine.get_global_grad_norm())
+    return losses, norms
+
+
+def open_engine(model, stage, bf16=False, model_parameters=None):
+    engine, _, _, _ = zinf.torch.initialize(
+        model=model, config=config(stage, bf16),
+        model_parameters=model.parameters() if model_parameters is None else model_parameters)
+    return engine
+
+
+def trainable_names(model):
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("kind", sorted(MODELS))
+@pytest.mark.parametrize("stage", [1, 2])
+def test_fp32_trains_the_trainable_parameters_as_torch_adamw(kind, stage):
+    reference = make(kind)
+    frozen = frozen_of(reference)
+    want_losses, want_norms = train_torch(reference, batches(kind))
+    assert min(want_norms) > CLIP  # the clipping acts at every step
+
+    model = make(kind)
+    engine = open_engine(model, stage)
+    losses, norms = train_zinf(engine, batches(kind))
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    # The global norm counts the trainable parameters only, as DeepSpeed's.
+    assert norms == pytest.approx(want_norms, rel=1e-5)
+    for name, expected in reference.named_parameters():
+        if name in frozen:
+            continue
+        got = engine.read_parameter(name)
+        error = ((got - expected.detach()).norm() / expected.detach().norm()).item()
+        assert error < 1e-5, f"{name}: relative error {error:.2e}"
+    # Frozen weights: the module's own tensors, unchanged to the bit, never handed a gradient.
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert not param.requires_grad and param.grad is None
+            assert param.dtype == torch.float32 and torch.equal(param, frozen[name]), name
+            assert torch.equal(engine.read_parameter(name), frozen[name])
+    # The optimizer holds the trainable parameters only.
+    held = [p for g in engine.optimizer.param_groups for p in g["params"]]
+    assert sorted(id(p) for p in held) == sorted(
+        id(p) for p in model.parameters() if p.requires_grad)
+
+
+def bf16_reference(model, data):
+    """torch in zinf's mixed precision: the model in bf16, fp32 masters of the trainable
+    parameters stepped by AdamW on the bf16 gradients (fp32), clipped over the masters, then
+    rounded into the model."""
+    model = model.to(torch.bfloat16)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    masters = [p.detach().float().clone().requires_grad_(True) for p in trainable]
+    optimizer = torch.optim.AdamW(masters, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+    losses = []
+    for batch in data:
+        loss = loss_of(model, batch)
+        loss.backward()
+        for master, p in zip(masters, trainable):
+            master.grad = p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(masters, CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        with torch.no_grad():
+            for master, p in zip(masters, trainable):
+                p.copy_(master)
+        losses.append(loss.item())
+    return losses, model
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_bf16_keeps_frozen_weights_in_bf16_and_follows_torch(stage):
+    kind = "lora"
+    reference = make(kind)
+    frozen = frozen_of(reference)
+    want_losses, reference = bf16_reference(reference, batches(kind))
+
+    model = make(kind)
+    engine = open_engine(model, stage, bf16=True)
+    losses, _ = train_zinf(engine, batches(kind))
+    # Within bf16's rounding of the weights (measured: losses 3e-4, masters 4e-3 apart).
+    assert losses == pytest.approx(want_losses, rel=1e-3)
+    for name, param in model.named_parameters():
+        assert param.dtype == torch.bfloat16, name
+        if name in frozen:
+            # Rounded once at initialize() and never changed.
+            assert torch.equal(param, frozen[name].to(torch.bfloat16)), name
+    for name, expected in reference.named_parameters():
+        if name not in frozen:
+            got = engine.read_parameter(name)
+            error = ((got - expected.float()).norm() / expected.float().norm()).item()
+            assert error < 1e-2, f"{name}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_checkpoint_keeps_frozen_weights_and_resumes_bit_identically(stage, bf16, tmp_path):
+    kind = "lora"
+    data = batches(kind, 2 * STEPS)
+    engine = open_engine(make(kind), stage, bf16)
+    train_zinf(engine, data[:STEPS])
+    engine.save_checkpoint(str(tmp_path))
+    expected, _ = train_zinf(engine, data[STEPS:])
+    expected_state = {k: v.clone() for k, v in engine.module.state_dict().items()}
+
+    # Another seed: every weight, frozen ones included, differs until the load.
+    model = make(kind, seed=99)
+    resumed = open_engine(model, stage, bf16)
+    assert not torch.equal(model.first.base.weight, expected_state["first.base.weight"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_checkpoint(str(tmp_path))
+    losses, _ = train_zinf(resumed, data[STEPS:])
+    assert losses == expected
+    state = resumed.module.state_dict()
+    assert list(state) == list(expected_state)
+    for name, values in expected_state.items():
+        assert state[name].dtype == values.dtype and torch.equal(state[name], values), name
+    for name in trainable_names(model):
+        assert torch.equal(resumed.read_parameter(name), engine.read_parameter(name)), name
+
+
+def test_exclude_frozen_parameters_leaves_them_out_of_saves(tmp_path):
+    kind = "lora"
+    model = make(kind)
+    frozen = frozen_of(model)
+    engine = open_engine(model, 2, bf16=True)
+    train_zinf(engine, batches(kind, 2))
+
+    # save_16bit_model: the module's state_dict in bf16, the frozen weights among them, or not.
+    engine.save_16bit_model(str(tmp_path / "full"))
+    engine.save_16bit_model(str(tmp_path / "adapters"), exclude_frozen_parameters=True)
+    full = torch.load(tmp_path / "full" / "pytorch_model.bin")
+    adapters = torch.load(tmp_path / "adapters" / "pytorch_model.bin")
+    assert list(full) == list(model.state_dict())
+    assert sorted(adapters) == sorted(set(full) - set(frozen))
+    for name in frozen:
+        assert full[name].dtype == torch.bfloat16
+        assert torch.equal(full[name], frozen[name].to(torch.bfloat16)), name
+    for name in adapters:
+        assert torch.equal(adapters[name], full[name]), name
+
+    # zero_to_fp32's functions give the frozen weights of a checkpoint that holds them.
+    engine.save_checkpoint(str(tmp_path / "with"))
+    engine.save_checkpoint(str(tmp_path / "without"), exclude_frozen_parameters=True)
+    weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "with"))
+    assert sorted(weights) == sorted(n for n, _ in model.named_parameters())
+    for name in frozen:
+        assert weights[name].dtype == torch.float32
+        assert torch.equal(weights[name], frozen[name].to(torch.bfloat16).float()), name
+    for name in trainable_names(model):
+        assert torch.equal(weights[name], engine.read_parameter(name)), name
+    weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "without"))
+    assert sorted(weights) == sorted(trainable_names(model))
+    plain = zinf.torch.load_state_dict_from_zero_checkpoint(make(kind, seed=5),
+                                                            str(tmp_path / "with"))
+    for name, param in plain.named_parameters():
+        assert torch.equal(param, weights[name] if name in weights else
+                           frozen[name].to(torch.bfloat16).float()), name
+
+    # A checkpoint saved without them loads without a warning; the model keeps its own.
+    other = make(kind, seed=99)
+    kept = frozen_of(other)
+    resumed = open_engine(other, 2, bf16=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_checkpoint(str(tmp_path / "without"))
+    for name, param in other.named_parameters():
+        if name in kept:
+            assert torch.equal(param, kept[name].to(torch.bfloat16)), name
+        else:
+            assert torch.equal(resumed.read_parameter(name), engine.read_parameter(name)), name
+
+
+def test_a_checkpoint_whose_frozen_parameters_differ_warns_naming_them(tmp_path):
+    engine = open_engine(make("lora"), 2)
+    engine.save_checkpoint(str(tmp_path))
+    # The same trainable parameters, one frozen parameter fewer.
+    model = make("lora")
+    del model.second.base.bias
+    model.second.base.register_buffer("bias", torch.zeros(16), persistent=False)
+    resumed = open_engine(model, 2)
+    with pytest.warns(UserWarning, match=r"frozen parameters \['second.base.bias'\] are not "
+                                         r"frozen parameters of the model"):
+        resumed.load_checkpoint(str(tmp_path))
+
+
+def decay_groups(model, trainable_only):
+    decay = [p for n, p in model.named_parameters()
+             if not n.endswith("bias") and (p.requires_grad or not trainable_only)]
+    no_decay = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def test_frozen_parameters_given_in_groups_are_dropped_from_them():
+    # The common call: every parameter in model_parameters, frozen ones included, two groups;
+    # torch's AdamW over the same groups less the frozen embedding is the reference.
+    kind = "embedding"
+    reference = make(kind)
+    want, _ = train_torch(reference, batches(kind), decay_groups(reference, True))
+    model = make(kind)
+    groups = decay_groups(model, False)
+    engine = open_engine(model, 2, model_parameters=groups)
+    assert [len(g["params"]) for g in engine.optimizer.param_groups] == [
+        len(groups[0]["params"]) - 1, len(groups[1]["params"])]
+    assert all(p.requires_grad for g in engine.optimizer.param_groups for p in g["params"])
+    losses, _ = train_zinf(engine, batches(kind))
+    assert losses == pytest.approx(want, rel=1e-5)
+
+    # Left out of model_parameters they are not trained either, the same run as with them
+    # given; a parameter that requires grad must not be left out.
+    model = make(kind)
+    given, _ = train_zinf(open_engine(model, 1), batches(kind))
+    model = make(kind)
+    engine = open_engine(model, 1, model_parameters=[p for p in model.parameters()
+                                                     if p.requires_grad])
+    assert train_zinf(engine, batches(kind))[0] == given
+    model = make(kind)
+    with pytest.raises(NotImplementedError, match=r"leaves out 1 of the model's parameters "
+                                                  r"\(\['head.0.bias'\]\) that require grad"):
+        open_engine(model, 1, model_parameters=[p for n, p in model.named_parameters()
+                                                if n != "head.0.bias"])
+
+
+def test_frozen_parameters_read_through_gathered_parameters_and_external_registration():
+    model = make("lora")
+    frozen = frozen_of(model)
+    engine = open_engine(model, 2)
+    zinf.torch.register_external_parameter(model.head, model.first.base.weight)
+    with zinf.torch.GatheredParameters(list(model.parameters())):
+        assert torch.equal(model.first.base.weight, frozen["first.base.weight"])
+    train_zinf(engine, batches("lora", 1))
+    assert torch.equal(model.first.base.weight, frozen["first.base.weight"])
+
+
+def test_a_model_with_nothing_to_train_is_refused():
+    model = make("lora")
+    model.requires_grad_(False)
+    with pytest.raises(ValueError, match="none of the model's 10 parameters requires grad"):
+        open_engine(model, 2)
+
+
+def test_stage_3_refuses_frozen_parameters_saying_why():
+    with pytest.raises(NotImplementedError,
+                       match=r"parameter 'first.base.weight' does not require grad: frozen "
+                             r"parameters are supported at ZeRO stages 1 and 2.*stage 3.*not "
+                             r"implemented"):
+        open_engine(make("lora"), 3)
