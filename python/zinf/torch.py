@@ -1328,12 +1328,14 @@ class ZinfEngine(nn.Module):
 
     def destroy(self):
         """Frees the engine and its communicator (DeepSpeed's engine.destroy()). The model's
-        parameters become empty placeholders; the engine cannot be used afterwards. Called for
-        every engine still open when the interpreter exits, so that an MPI job's communicators
-        are closed before MPI is finalised."""
-        for param in self._params.values():
+        trained parameters become empty placeholders (frozen ones, the module's own tensors, keep
+        their values); the engine cannot be used afterwards. Called for every engine still open
+        when the interpreter exits, so that an MPI job's communicators are closed before MPI is
+        finalised; that includes an engine whose initialize() raised (a refused parameter), which
+        has no hooks' state yet."""
+        for param in self.__dict__.get("_params", {}).values():
             param.data = torch.empty(0, dtype=self.dtype)
-        self._gathered_ptrs.clear()
+        self.__dict__.get("_gathered_ptrs", {}).clear()
         self._core.close()
         _open_engines.discard(self)
 
