@@ -14,9 +14,10 @@ into the config's "optimizer" section and zinf parameter groups); gradient accum
 save_model (consolidated at stage 3) and checkpoints with resume; evaluate; fp16 and bf16;
 models built under zero.Init (from_config). One process.
 
-What it refuses, each with an error that says so: frozen parameters (PEFT and other adapters),
-sequence parallelism (Ulysses), tensor parallelism (autotp), an mpu, and several processes (zinf
-runs several under mpirun, but this path has not been checked there).
+What it refuses, each with an error that says so: frozen parameters (PEFT and other adapters) at
+stage 3 (stages 1 and 2 keep them, untrained), sequence parallelism (Ulysses), tensor
+parallelism (autotp), an mpu, and several processes (zinf runs several under mpirun, but this
+path has not been checked there).
 
 No `deepspeed` distribution is installed: the modules are registered in sys.modules, and a finder
 on sys.meta_path answers importlib.util.find_spec and importlib.metadata for the name, which
@@ -381,12 +382,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise NotImplementedError("deepspeed.initialize (zinf.deepspeed_compat): model "
                                   "parallelism (mpu, mesh_param; Ulysses sequence parallelism "
                                   "passes one) is not supported")
-    frozen = [name for name, p in model.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise NotImplementedError(
-            f"deepspeed.initialize (zinf.deepspeed_compat): {len(frozen)} parameters do not "
-            f"require grad ({frozen[:3]}); zinf trains every parameter, so frozen ones (PEFT, "
-            "LoRA and other adapters) are not supported")
+    # Frozen parameters (PEFT, LoRA and other adapters) go to zinf.torch, which keeps them as
+    # module tensors at stages 1 and 2 and refuses them at stage 3, naming the first.
     if config is None:
         config = config_params
     if config is None and getattr(args, "deepspeed_config", None) is not None:
