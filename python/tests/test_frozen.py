@@ -394,3 +394,61 @@ def test_a_refused_engine_closes_quietly_at_exit():
                           cwd=os.path.dirname(__file__), timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "refused", done.stderr[-2000:]
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_a_peft_lora_gpt2_trains_at_stage_2_as_torch(tmp_path):
+    # peft's LoRA on a tiny GPT-2 (built from a config): the base model frozen, adapters on
+    # c_attn and c_proj; the same run in plain torch (AdamW over the adapters, clipped) is the
+    # reference, and peft's save_pretrained writes the trained adapters.
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+
+    def build():
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2,
+                                         n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+                                         attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj"],
+                               lora_dropout=0.0, fan_in_fan_out=True,
+                               init_lora_weights="gaussian")
+        return peft.get_peft_model(transformers.GPT2LMHeadModel(config), lora)
+
+    generator = torch.Generator().manual_seed(3)
+    data = [torch.randint(0, 256, (4, 16), generator=generator) for _ in range(4)]
+    reference = build()
+    frozen = frozen_of(reference)
+    trainable = [p for p in reference.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    want = []
+    for ids in data:
+        loss = reference(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        want.append(loss.item())
+
+    model = build()
+    engine = open_engine(model, 2)
+    got = []
+    for ids in data:
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        got.append(loss.item())
+    assert got == pytest.approx(want, rel=1e-5)
+    for name, param in model.named_parameters():
+        if name in frozen:
+            assert torch.equal(param, frozen[name]), name
+    model.save_pretrained(str(tmp_path))
+    adapters = pytest.importorskip("safetensors.torch").load_file(
+        str(tmp_path / "adapter_model.safetensors"))
+    assert adapters and all("lora_" in name for name in adapters)
+    for name, expected in reference.named_parameters():
+        if name not in frozen:
+            got = engine.read_parameter(name)
+            error = ((got - expected.detach()).norm() / expected.detach().norm()).item()
+            assert error < 1e-5, f"{name}: relative error {error:.2e}"
+            saved = adapters[name.replace(".default", "")]
+            assert torch.equal(saved, got), name
