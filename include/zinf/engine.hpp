@@ -107,6 +107,12 @@ struct Env {
 using ParameterInitializer =
     std::function<Status(std::size_t first_element, std::size_t element_count, float* out)>;
 
+// Gives rank root's new fp32 values of parameter `name` to Engine::write_parameters (the batch
+// form): fills `out`, exactly the parameter's element_count floats in row-major order of its
+// shape, and returns OK, or an error that fails the call (see there). Called on the thread that
+// runs write_parameters, on the root only.
+using ParameterValues = std::function<Status(std::string_view name, std::span<float> out)>;
+
 // A parameter to register. Its initial values come from exactly one of `initial_values` (copied
 // at registration) or `initializer` (asked for them during finalize()).
 struct ParameterSpec {
@@ -411,11 +417,31 @@ class Engine {
   // floats; the other ranks' `values` are ignored and may be null), and republishes the device
   // copies / shards from the master, as load_checkpoint() does; the optimizer moments stay.
   // Collective: every rank calls it with the same name and root. It reads and rewrites this
-  // rank's whole master partition (each sub-group, on whatever tier it lives), so write many
-  // parameters between steps, not every step. kNotFound for an unknown name; kFailedPrecondition
-  // when a module is gathered or gradients were reduced since the last step; kInvalidArgument
-  // for a null `values` on the root or a root outside the world.
+  // rank's whole master partition (each sub-group, on whatever tier it lives): to write many
+  // parameters, use the batch form below, one pass for all of them. kNotFound for an unknown
+  // name; kFailedPrecondition when a module is gathered or gradients were reduced since the last
+  // step; kInvalidArgument for a root outside the world, and for a null `values` on the root
+  // (kAborted naming the root on the other ranks). Errors once the master is being written are
+  // sticky, as for the batch form.
   Status write_parameters(std::string_view name, const float* values, int root = 0);
+  // write_parameters() for many parameters at once: the fp32 masters of `names` are replaced
+  // with rank `root`'s values, which `values` gives on the root one parameter at a time (each
+  // name once, in the order the parameters lie in the layout, not the order of `names`), and the
+  // device copies / shards are republished once; the optimizer moments and the other parameters'
+  // masters stay. It reads and rewrites this rank's master partition once, whatever the number
+  // of names, and holds one parameter's values at a time besides the state's own sub-group
+  // buffers. Collective: every rank passes the same names in the same order and the same root;
+  // `values` is only called on the root and may be empty elsewhere. Empty `names`: nothing to do,
+  // OK. Before anything is written, each rank returns: kNotFound naming an unknown name;
+  // kInvalidArgument naming a name given twice, or for a root outside the world;
+  // kFailedPrecondition when a module is gathered or gradients were reduced since the last step;
+  // then, agreed by every rank: kInvalidArgument for an empty `values` on the root (kAborted
+  // naming the root on the others), and on every rank when the ranks' names or roots differ.
+  // Once the pass has begun, an error (one `values` returned, which comes back with the
+  // parameter's name; an I/O error; a collective's) fails every rank at the same parameter and is
+  // sticky: some masters may hold their new values and others not.
+  Status write_parameters(std::span<const std::string_view> names, const ParameterValues& values,
+                          int root = 0);
 
   // Reads back every block of this rank's swap files that holds data (NVMe optimizer state,
   // parameter shards, spilled gradients) and checks it against the xxh3 checksum kept in memory

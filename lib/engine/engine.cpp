@@ -937,6 +937,12 @@ class Engine::Impl {
     Status pre = checkpoint_precondition(fmt::format("write_parameters('{}')", name));
     return write_master_values(master_access(), name, values, root, std::move(pre));
   }
+  Status write_parameters(std::span<const std::string_view> names, const ParameterValues& values,
+                          int root) {
+    ZINF_RETURN_IF_ERROR(settle());
+    Status pre = checkpoint_precondition(write_parameters_call(names));
+    return write_master_values(master_access(), names, values, root, std::move(pre));
+  }
 
   MemoryReport memory() const {
     MemoryReport m;
@@ -1120,6 +1126,10 @@ Status Engine::read_parameters(std::string_view name, float* out) {
 }
 Status Engine::write_parameters(std::string_view name, const float* values, int root) {
   return impl_->write_parameters(name, values, root);
+}
+Status Engine::write_parameters(std::span<const std::string_view> names,
+                                const ParameterValues& values, int root) {
+  return impl_->write_parameters(names, values, root);
 }
 double Engine::loss_scale() const { return impl_->numerics_->scaler().scale(); }
 Status Engine::set_learning_rate(double lr) {

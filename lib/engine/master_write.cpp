@@ -4,45 +4,218 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "base/hash.hpp"
 #include "zinf/device.hpp"
 
 namespace zinf {
 
 namespace {
 
-Status write_slice(const MasterAccess& w, ParamId id, const float* values, int root,
-                   std::string_view call) {
-  const Partitioner& part = w.layout->partitioner();
-  const ParamLocation& loc = part.location(id);
-  // The root's values to every rank, through device memory (the communicator's buffers).
-  const std::size_t bytes = loc.element_count * sizeof(float);
-  ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::allocate(*w.device, bytes));
-  if (w.rank == root) {
-    ZINF_RETURN_IF_ERROR(w.device->copy_h2d(buffer.data(), values, bytes, *w.stream));
-  }
-  ZINF_RETURN_IF_ERROR(w.comm->broadcast(buffer.data(), buffer.data(), loc.element_count,
-                                         DType::kF32, root, *w.stream, call));
-  std::vector<float> full(loc.element_count);
-  ZINF_RETURN_IF_ERROR(w.device->copy_d2h(full.data(), buffer.data(), bytes, *w.stream));
-  ZINF_RETURN_IF_ERROR(w.device->record(*w.event, *w.stream));
-  ZINF_RETURN_IF_ERROR(w.comm->wait(*w.event, w.timeout));
+// One parameter of a batch: where its piece lies in this rank's partition, if it has one.
+struct BatchEntry {
+  std::string_view name;
+  std::size_t element_count = 0;
+  bool owned = false;            // this rank holds a piece of it
+  std::size_t lo = 0, hi = 0;    // the piece: partition elements [lo, hi)
+  std::size_t param_offset = 0;  // the piece's first element within the parameter
+};
 
-  const std::optional<ParamPiece> piece = part.param_piece(id, w.rank);
-  if (!piece.has_value()) return Status::ok();  // this rank owns none of it
-  // [lo, hi) of this rank's partition holds the parameter's elements from piece->param_offset.
-  const std::size_t lo = w.layout->offset(loc.group) + piece->shard_offset;
-  const std::size_t hi = lo + piece->element_count;
-  const float* src = full.data() + piece->param_offset;
-  // The write replaces every element of the master, so each piece is first read back as it is
-  // (read_master covers at least the piece), then the parameter's elements are patched in.
+// The batch's broadcasts from the root, one parameter's values at a time, in the entries' order
+// (layout order), the same on every rank. Before each broadcast the ranks agree that each is
+// still in the pass: a rank whose pass failed says so at the next agreement, and every rank
+// stops there instead of waiting in a broadcast the failed rank will not make.
+class BatchSource {
+ public:
+  BatchSource(const MasterAccess& w, std::span<const BatchEntry> entries,
+              const ParameterValues& values, int root, std::vector<float>& host,
+              DeviceBuffer& buffer)
+      : w_(w), entries_(entries), values_(values), root_(root), host_(host), buffer_(buffer) {}
+
+  // Makes entry i's values the current ones (values()), broadcasting every entry up to i not
+  // broadcast yet; a rank discards those it owns no piece of. REQUIRES: no later entry was
+  // broadcast.
+  Status bring(std::size_t i) {
+    ZINF_ASSERT(i < entries_.size() && next_ <= i + 1);
+    while (next_ <= i) ZINF_RETURN_IF_ERROR(broadcast_next(Status::ok()));
+    return Status::ok();
+  }
+  // Entry i's values, once bring(i) was the last to broadcast.
+  const float* values(std::size_t i) const {
+    ZINF_ASSERT(next_ == i + 1 && entries_[i].owned);
+    return host_.data();
+  }
+  // After the pass, whose outcome is `pass`: the broadcasts it did not need, or, after it failed
+  // here while the others may still wait for a broadcast, one agreement carrying the failure so
+  // that they stop at it too.
+  Status finish(Status pass) {
+    if (pass.is_ok()) {
+      while (next_ < entries_.size()) ZINF_RETURN_IF_ERROR(broadcast_next(Status::ok()));
+      return Status::ok();
+    }
+    if (!stopped_ && next_ < entries_.size()) (void)broadcast_next(pass);
+    return pass;
+  }
+
+ private:
+  // Agrees with every rank on `local` (this rank's outcome so far) and the root's values of the
+  // next entry, then broadcasts them. Any failure ends the broadcasts on this rank.
+  Status broadcast_next(Status local) {
+    const BatchEntry& e = entries_[next_];
+    const std::string call = fmt::format("write_parameters('{}')", e.name);
+    const bool root = w_.rank == root_;
+    const std::span<float> out(host_.data(), e.element_count);
+    if (root && local.is_ok()) {
+      local = values_(e.name, out);
+      if (!local.is_ok()) local = local.with_context(fmt::format("{}: values", call));
+    }
+    stopped_ = true;  // until the broadcast is over
+    ZINF_RETURN_IF_ERROR(w_.exchange->agree(call, std::move(local)));
+    const std::size_t bytes = out.size_bytes();
+    if (root) {
+      ZINF_RETURN_IF_ERROR(w_.device->copy_h2d(buffer_.data(), out.data(), bytes, *w_.stream));
+    }
+    ZINF_RETURN_IF_ERROR(w_.comm->broadcast(buffer_.data(), buffer_.data(), e.element_count,
+                                            DType::kF32, root_, *w_.stream, call));
+    if (!root && e.owned) {
+      ZINF_RETURN_IF_ERROR(w_.device->copy_d2h(out.data(), buffer_.data(), bytes, *w_.stream));
+    }
+    // Waited for every time: the root's next values go into the same host buffer.
+    ZINF_RETURN_IF_ERROR(w_.device->record(*w_.event, *w_.stream));
+    ZINF_RETURN_IF_ERROR(w_.comm->wait(*w_.event, w_.timeout));
+    stopped_ = false;
+    ++next_;
+    return Status::ok();
+  }
+
+  const MasterAccess& w_;
+  std::span<const BatchEntry> entries_;
+  const ParameterValues& values_;
+  int root_;
+  std::vector<float>& host_;
+  DeviceBuffer& buffer_;
+  std::size_t next_ = 0;  // the entries broadcast so far
+  bool stopped_ = false;  // an agreement or a broadcast failed: no more collectives
+};
+
+// Each rank's outcome of the preparation and its fingerprint of (names, root), exchanged: this
+// rank's error, kAborted naming the first rank that failed, kInvalidArgument when a rank's
+// fingerprint differs from rank 0's.
+Status agree_batch(const MasterAccess& w, std::string_view call, Status local,
+                   std::uint64_t fingerprint) {
+  const std::uint64_t words[2] = {static_cast<std::uint64_t>(local.code()), fingerprint};
+  Result<std::vector<std::uint64_t>> all = w.exchange->exchange(words, 2);
+  if (!all.is_ok()) return w.sticky->fail(all.status());
+  if (!local.is_ok()) return local;
+  const std::vector<std::uint64_t>& v = *all;
+  for (std::size_t r = 0; r < v.size() / 2; ++r) {
+    if (v[2 * r] != 0) {
+      return Status::aborted(fmt::format("{}: rank {} failed ({}); see its error", call, r,
+                                         code_name(static_cast<Code>(v[2 * r]))));
+    }
+  }
+  for (std::size_t r = 1; r < v.size() / 2; ++r) {
+    if (v[2 * r + 1] != v[1]) {
+      return Status::invalid_argument(fmt::format(
+          "{}: rank {} passed other names or another root than rank 0 (every rank passes the "
+          "same names in the same order, and the same root)",
+          call, r));
+    }
+  }
+  return Status::ok();
+}
+
+}  // namespace
+
+std::string write_parameters_call(std::span<const std::string_view> names) {
+  if (names.empty()) return "write_parameters()";
+  if (names.size() == 1) return fmt::format("write_parameters('{}')", names[0]);
+  return fmt::format("write_parameters('{}' and {} more)", names[0], names.size() - 1);
+}
+
+Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
+                           const ParameterValues& values, int root, Status precondition) {
+  const std::string call = write_parameters_call(names);
+  const Partitioner& part = w.layout->partitioner();
+  // The names' parameters, each once.
+  std::vector<ParamId> ids;
+  ids.reserve(names.size());
+  std::vector<std::size_t> given(part.param_count(), SIZE_MAX);  // its position in `names`
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const std::optional<std::size_t> found = w.layout->find_param(names[i]);
+    if (!found.has_value()) {
+      return Status::not_found(fmt::format("write_parameters('{}'): unknown parameter", names[i]));
+    }
+    if (given[*found] != SIZE_MAX) {
+      return Status::invalid_argument(
+          fmt::format("write_parameters('{}'): the parameter is named twice (at {} and {})",
+                      names[i], given[*found], i));
+    }
+    given[*found] = i;
+    ids.push_back(static_cast<ParamId>(*found));
+  }
+  ZINF_RETURN_IF_ERROR(precondition);
+  if (root < 0 || root >= w.comm->world_size()) {
+    return Status::invalid_argument(
+        fmt::format("{}: root {} is not a rank of {}", call, root, w.comm->world_size()));
+  }
+  if (names.empty()) return Status::ok();
+  // What every rank must agree on: the ids in the names' order, and the root.
+  std::vector<std::uint32_t> words(ids.begin(), ids.end());
+  words.push_back(static_cast<std::uint32_t>(root));
+  const std::uint64_t fingerprint = xxh3_64(words.data(), words.size() * sizeof(words[0]));
+
+  // Layout order: group by group, and within a group by offset, which is the order the pass
+  // over this rank's partition reaches the pieces in (the partition lies in group order, each
+  // group's slice a contiguous run of the group).
+  std::sort(ids.begin(), ids.end(), [&](ParamId a, ParamId b) {
+    const ParamLocation& la = part.location(a);
+    const ParamLocation& lb = part.location(b);
+    return la.group != lb.group ? la.group < lb.group : la.group_offset < lb.group_offset;
+  });
+  std::vector<BatchEntry> entries(ids.size());
+  std::size_t largest = 0;
+  std::size_t previous_hi = 0;
+  for (std::size_t i = 0; i < ids.size(); ++i) {
+    const ParamLocation& loc = part.location(ids[i]);
+    BatchEntry& e = entries[i];
+    e.name = names[given[ids[i]]];
+    e.element_count = loc.element_count;
+    largest = std::max(largest, loc.element_count);
+    const std::optional<ParamPiece> piece = part.param_piece(ids[i], w.rank);
+    if (piece.has_value() && piece->element_count > 0) {
+      e.owned = true;
+      e.lo = w.layout->offset(loc.group) + piece->shard_offset;
+      e.hi = e.lo + piece->element_count;
+      e.param_offset = piece->param_offset;
+      ZINF_ASSERT(e.lo >= previous_hi);  // the pieces lie in the entries' order
+      previous_hi = e.hi;
+    }
+  }
+
+  // One parameter's values at a time: in host memory (the root's from `values`, the others'
+  // copied back from the broadcast) and in device memory for the communicator.
+  std::vector<float> host;
+  Result<DeviceBuffer> buffer = DeviceBuffer::allocate(*w.device, largest * sizeof(float));
+  Status local = buffer.status();
+  if (local.is_ok() && w.rank == root && !values) {
+    local = Status::invalid_argument(fmt::format("{}: values is null on the root", call));
+  }
+  if (local.is_ok()) host.resize(largest);
+  ZINF_RETURN_IF_ERROR(agree_batch(w, call, std::move(local), fingerprint));
+
+  BatchSource source(w, entries, values, root, host, *buffer);
+  std::size_t cursor = 0;  // the first entry whose piece the pass has not finished
   OptimizerState& state = *w.state;
-  return state.write_state(
+  Status st = state.write_state(
       Piece::kParams, [&](std::size_t first, std::size_t count, float* out) -> Status {
+        // Every element is written, so the piece is first read back as it is (read_master
+        // covers at least the piece), then the batch's elements in it are patched in.
         ZINF_RETURN_IF_ERROR(state.read_master(
             first, first + count, [&](std::size_t f, std::size_t n, const float* in) {
               const std::size_t a = std::max(f, first);
@@ -51,32 +224,42 @@ Status write_slice(const MasterAccess& w, ParamId id, const float* values, int r
                 std::memmove(out + (a - first), in + (a - f), (b - a) * sizeof(float));
               }
             }));
-        const std::size_t a = std::max(lo, first);
-        const std::size_t b = std::min(hi, first + count);
-        if (a < b) std::memcpy(out + (a - first), src + (a - lo), (b - a) * sizeof(float));
+        const std::size_t end = first + count;
+        while (cursor < entries.size()) {
+          const BatchEntry& e = entries[cursor];
+          if (!e.owned) {
+            ++cursor;  // broadcast on the way to the next one this rank needs
+            continue;
+          }
+          if (e.lo >= end) break;
+          ZINF_ASSERT(e.hi > first);
+          ZINF_RETURN_IF_ERROR(source.bring(cursor));
+          const std::size_t a = std::max(e.lo, first);
+          const std::size_t b = std::min(e.hi, end);
+          std::memcpy(out + (a - first), source.values(cursor) + e.param_offset + (a - e.lo),
+                      (b - a) * sizeof(float));
+          if (e.hi > end) break;  // it goes on in the next piece
+          ++cursor;
+        }
         return Status::ok();
       });
-}
-
-}  // namespace
-
-Status write_master_values(const MasterAccess& w, std::string_view name, const float* values,
-                           int root, Status precondition) {
-  const std::string call = fmt::format("write_parameters('{}')", name);
-  const std::optional<std::size_t> found = w.layout->find_param(name);
-  if (!found.has_value()) return Status::not_found(fmt::format("{}: unknown parameter", call));
-  ZINF_RETURN_IF_ERROR(precondition);
-  if (root < 0 || root >= w.comm->world_size()) {
-    return Status::invalid_argument(
-        fmt::format("{}: root {} is not a rank of {}", call, root, w.comm->world_size()));
-  }
-  if (w.rank == root && values == nullptr) {
-    return Status::invalid_argument(fmt::format("{}: values is null on the root", call));
-  }
-  Status st = write_slice(w, static_cast<ParamId>(*found), values, root, call);
+  st = source.finish(std::move(st));
   if (st.is_ok()) st = w.coord->drop_prefetched();
   if (st.is_ok()) st = w.state->publish_master();
   return w.sticky->fail(std::move(st));
+}
+
+Status write_master_values(const MasterAccess& w, std::string_view name, const float* values,
+                           int root, Status precondition) {
+  ParameterValues copy;
+  if (values != nullptr) {
+    copy = [values](std::string_view, std::span<float> out) {
+      std::memcpy(out.data(), values, out.size_bytes());
+      return Status::ok();
+    };
+  }
+  return write_master_values(w, std::span<const std::string_view>(&name, 1), copy, root,
+                             std::move(precondition));
 }
 
 Status read_master_values(const MasterAccess& w, std::string_view name, float* out) {

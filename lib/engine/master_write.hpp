@@ -1,12 +1,15 @@
-// One parameter's fp32 master, read or written once the engine is finalized:
+// Parameters' fp32 masters, read or written once the engine is finalized:
 // read_master_values is Engine::read_parameters(), write_master_values Engine::write_parameters()
-// (new fp32 values into this rank's slice of the master, the optimizer moments left as they are,
-// then the device copies / shards republished from the master, as after a checkpoint load).
+// (new fp32 values of one or many parameters into this rank's slice of the master in one pass,
+// the optimizer moments left as they are, then the device copies / shards republished from the
+// master, as after a checkpoint load).
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
 
 #include <chrono>
+#include <span>
+#include <string>
 #include <string_view>
 
 #include "engine/layout.hpp"
@@ -15,6 +18,7 @@
 #include "zero/param_coordinator.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
+#include "zinf/engine.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf {
@@ -39,14 +43,30 @@ struct MasterAccess {
 // a null `out`. Collective.
 Status read_master_values(const MasterAccess& w, std::string_view name, float* out);
 
-// Checks first, returning without any collective:
-// kNotFound for an unknown parameter, `precondition` when it is not OK, kInvalidArgument for a
-// root outside the world or a null `values` on the root. Then rank `root`'s `values` (the
-// parameter's element_count floats; the other ranks' are ignored) are broadcast to every rank,
-// and each rank writes the elements of its slice into the master: a pass over its whole
-// partition of the master (each sub-group read and rewritten, on whatever tier it lives), the
-// prefetched modules are dropped and the master is published. Errors from the broadcast on are
+// The call as errors name it: "write_parameters('a')", or "write_parameters('a' and 3 more)".
+std::string write_parameters_call(std::span<const std::string_view> names);
+
+// Engine::write_parameters() (both forms) after settle(); `precondition` is the engine's check
+// (a module gathered, gradients reduced), returned after the names' checks.
+//
+// Checks first, returning without any collective: kNotFound for an unknown name, kInvalidArgument
+// for a name given twice, `precondition` when it is not OK, kInvalidArgument for a root outside
+// the world. Then the ranks exchange their outcome of the local preparation (the broadcast
+// buffers, `values` on the root) and a fingerprint of (names, root), and all fail together
+// when any of those failed or differs. Then one pass over this rank's partition of the master
+// (OptimizerState::write_state, each sub-group read back and rewritten on whatever tier it
+// lives), during which the parameters are broadcast from the root one at a time in layout
+// order, each preceded by an agreement that every rank is still in the pass (so a rank that
+// fails stops every rank at the same parameter instead of leaving them waiting in the
+// broadcast). Every rank makes the same broadcasts in the same order: a rank takes the pieces
+// of the parameters it owns as its pass reaches them, which is layout order since its partition
+// lies in group order, and broadcasts those it owns no piece of on the way. Then the
+// prefetched modules are dropped and the master published. Errors from the exchange on are
 // recorded in `sticky`. Collective.
+Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
+                           const ParameterValues& values, int root, Status precondition);
+// The batch of one, `values` (the parameter's element_count floats) on the root; null there is
+// the batch's empty `values`.
 Status write_master_values(const MasterAccess& w, std::string_view name, const float* values,
                            int root, Status precondition);
 

@@ -2,17 +2,26 @@
 // rank, whatever the stage and wherever the master lives (device, host memory, NVMe); the other
 // parameters keep their masters to the bit, and the gathered device copy shows the new values.
 // Bad calls (an unknown name, a module gathered) fail before any collective and leave the engine
-// usable. (python/tests/test_gathered_write.py checks that training goes on from the new values
-// as torch does.)
+// usable. The batch form writes the same bits as the same writes made one by one, in one pass
+// over the partition (its NVMe reads are those of a single write), and a failure on one rank
+// during the pass stops every rank. (python/tests/test_gathered_write.py checks that training
+// goes on from the new values as torch does.)
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <cstring>
+#include <memory>
 #include <random>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "engine_test_util.hpp"
+#include "io/fault.hpp"
 
 namespace zinf {
 namespace {
@@ -24,11 +33,32 @@ struct Case {
   int stage;
   OffloadDevice optimizer;
   OffloadDevice params = OffloadDevice::kNone;
+  // A GPU-like device (opaque HostDevice): the optimizer state "none" then lives in device memory
+  // (DeviceState), read and written through bounded host chunks.
+  bool opaque = false;
 };
 
 std::string case_name(const Case& c) {
-  return fmt::format("w{}_s{}_opt_{}_param_{}", c.world, c.stage, offload_device_name(c.optimizer),
-                     offload_device_name(c.params));
+  return fmt::format("w{}_s{}_opt_{}_param_{}{}", c.world, c.stage,
+                     offload_device_name(c.optimizer), offload_device_name(c.params),
+                     c.opaque ? "_opaque" : "");
+}
+
+// Parameter `name` of `module` as the model computes with it (f32), gathered and copied out of
+// device memory.
+Result<std::vector<float>> gathered_values(Engine& engine, Device& device,
+                                           const std::string& module, std::string_view name) {
+  ZINF_ASSIGN_OR_RETURN(ScopedGather g, engine.scoped_gather(module));
+  ZINF_ASSIGN_OR_RETURN(std::span<const float> view, g.param<float>(name));
+  std::vector<float> out(view.size());
+  if (device.host_accessible()) {
+    std::memcpy(out.data(), view.data(), view.size_bytes());
+    return out;
+  }
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("write test"));
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), view.data(), view.size_bytes(), *stream));
+  ZINF_RETURN_IF_ERROR(device.synchronize(*stream, std::chrono::seconds(30)));
+  return out;
 }
 
 class WriteParameters : public ::testing::TestWithParam<Case> {};
@@ -49,7 +79,8 @@ TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
   for (float& v : fresh) v = dist(gen);
   const int root = c.world - 1;
 
-  engine_test::Ranks ranks = engine_test::make_ranks(c.world);
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
   const auto world = static_cast<std::size_t>(c.world);
   std::vector<std::vector<std::vector<float>>> masters(world);
   std::vector<std::vector<float>> gathered(world);
@@ -80,9 +111,8 @@ TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
       ZINF_RETURN_IF_ERROR(engine->read_parameters(def.name, out.data()));
       masters[r].push_back(std::move(out));
     }
-    ZINF_ASSIGN_OR_RETURN(ScopedGather g, engine->scoped_gather(model.params[target].module));
-    ZINF_ASSIGN_OR_RETURN(std::span<const float> view, g.param<float>(name));
-    gathered[r].assign(view.begin(), view.end());
+    ZINF_ASSIGN_OR_RETURN(gathered[r],
+                          gathered_values(*engine, *env.device, model.params[target].module, name));
     return Status::ok();
   });
   for (std::size_t r = 0; r < world; ++r) {
@@ -96,13 +126,368 @@ TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
   }
 }
 
+// The batch form: the largest parameter (spanning sub-groups and ranks) and small ones (biases,
+// the scalar), named out of layout order.
+const std::vector<std::string_view> kBatch = {"head.b", "block0.w", "block1.scale", "embed.w",
+                                              "block2.b"};
+
+// Seeded new values for each parameter of the model.
+std::vector<std::vector<float>> fresh_values(const Model& model, std::uint32_t seed) {
+  std::vector<std::vector<float>> out;
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
+  for (const auto& def : model.params) {
+    std::vector<float> v(def.element_count());
+    for (float& x : v) x = dist(gen);
+    out.push_back(std::move(v));
+  }
+  return out;
+}
+
+std::size_t param_index(const Model& model, std::string_view name) {
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].name == name) return p;
+  }
+  ADD_FAILURE() << "no parameter " << name;
+  return 0;
+}
+
+enum class Writes { kBatch, kOneByOne, kNone };
+
+// What one rank saw: the masters after two steps, after the writes, and after one more step;
+// the gathered values of the written parameters; the names `values` was asked for.
+struct RankOutcome {
+  std::vector<std::vector<float>> trained, written, stepped;
+  std::vector<std::vector<float>> gathered;
+  std::vector<std::string> asked;
+};
+
+// Two training steps (the moments are not zero), then kBatch's parameters written from the last
+// rank in the way `writes` says, then one more step.
+std::vector<RankOutcome> train_write_step(const Case& c, Writes writes, const Model& model,
+                                          const std::vector<std::vector<float>>& fresh) {
+  engine_test::ScratchDir dir(
+      fmt::format("write_batch_{}_{}", case_name(c), static_cast<int>(writes)));
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
+  const int root = c.world - 1;
+  std::vector<RankOutcome> out(static_cast<std::size_t>(c.world));
+  std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+    RankOutcome& o = out[static_cast<std::size_t>(rank)];
+    Env env;
+    env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+    env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+    ZINF_ASSIGN_OR_RETURN(
+        auto engine,
+        Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()), env));
+    engine_test::TrainOptions options;
+    options.device = env.device;
+    options.steps = 2;
+    options.check_gathered = false;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, options, nullptr, nullptr));
+    ZINF_ASSIGN_OR_RETURN(o.trained, engine_test::read_masters(*engine, model));
+    if (writes == Writes::kBatch) {
+      ZINF_RETURN_IF_ERROR(engine->write_parameters(
+          kBatch,
+          [&](std::string_view name, std::span<float> values) -> Status {
+            o.asked.emplace_back(name);
+            const std::vector<float>& v = fresh[param_index(model, name)];
+            if (values.size() != v.size()) return Status::internal("wrong size asked for");
+            std::memcpy(values.data(), v.data(), values.size_bytes());
+            return Status::ok();
+          },
+          root));
+    } else if (writes == Writes::kOneByOne) {
+      for (std::string_view name : kBatch) {
+        ZINF_RETURN_IF_ERROR(engine->write_parameters(
+            name, rank == root ? fresh[param_index(model, name)].data() : nullptr, root));
+      }
+    }
+    ZINF_ASSIGN_OR_RETURN(o.written, engine_test::read_masters(*engine, model));
+    for (std::string_view name : kBatch) {
+      const auto& def = model.params[param_index(model, name)];
+      ZINF_ASSIGN_OR_RETURN(std::vector<float> values,
+                            gathered_values(*engine, *env.device, def.module, name));
+      o.gathered.push_back(std::move(values));
+    }
+    options.first_step = 3;
+    options.steps = 3;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, options, nullptr, nullptr));
+    ZINF_ASSIGN_OR_RETURN(o.stepped, engine_test::read_masters(*engine, model));
+    return Status::ok();
+  });
+  for (std::size_t r = 0; r < st.size(); ++r) {
+    EXPECT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+  }
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+}
+
+TEST_P(WriteParameters, BatchWritesAsOneByOneDoes) {
+  const Case c = GetParam();
+  const Model model = engine_test::make_model(DType::kF32, 78);
+  const std::vector<std::vector<float>> fresh = fresh_values(model, 9);
+  const std::vector<RankOutcome> batch = train_write_step(c, Writes::kBatch, model, fresh);
+  const std::vector<RankOutcome> single = train_write_step(c, Writes::kOneByOne, model, fresh);
+  const std::vector<RankOutcome> none = train_write_step(c, Writes::kNone, model, fresh);
+  if (HasFailure()) return;
+  std::vector<bool> written(model.params.size(), false);
+  for (std::string_view name : kBatch) written[param_index(model, name)] = true;
+  for (std::size_t r = 0; r < batch.size(); ++r) {
+    // The root was asked for each parameter once, the other ranks never.
+    std::vector<std::string> asked = batch[r].asked;
+    std::sort(asked.begin(), asked.end());
+    std::vector<std::string> expected_asked;
+    if (static_cast<int>(r) == c.world - 1) expected_asked.assign(kBatch.begin(), kBatch.end());
+    std::sort(expected_asked.begin(), expected_asked.end());
+    EXPECT_EQ(asked, expected_asked) << "rank " << r;
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      const std::string& name = model.params[p].name;
+      // The new values where written, the trained master to the bit elsewhere; the same bits
+      // as the writes made one by one.
+      const std::vector<float>& want = written[p] ? fresh[p] : batch[r].trained[p];
+      EXPECT_TRUE(same_bits(batch[r].written[p], want)) << "rank " << r << " " << name;
+      EXPECT_TRUE(same_bits(batch[r].written[p], single[r].written[p]))
+          << "rank " << r << " " << name;
+      // One step on: the same as one by one everywhere (the moments were left alike), and
+      // where nothing was written, as the run without writes (those moments were left as they
+      // were, and so were the masters).
+      EXPECT_TRUE(same_bits(batch[r].stepped[p], single[r].stepped[p]))
+          << "rank " << r << " " << name;
+      if (!written[p]) {
+        EXPECT_TRUE(same_bits(batch[r].stepped[p], none[r].stepped[p]))
+            << "rank " << r << " " << name;
+      } else {
+        EXPECT_FALSE(same_bits(batch[r].stepped[p], none[r].stepped[p]))
+            << "rank " << r << " " << name;
+      }
+    }
+    for (std::size_t i = 0; i < kBatch.size(); ++i) {
+      EXPECT_EQ(batch[r].gathered[i], fresh[param_index(model, kBatch[i])])
+          << "rank " << r << " gathered " << kBatch[i];
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Cases, WriteParameters,
     ::testing::Values(Case{1, 1, OffloadDevice::kNone}, Case{2, 1, OffloadDevice::kHost},
                       Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNone},
                       Case{2, 3, OffloadDevice::kHost, OffloadDevice::kHost},
-                      Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}),
+                      Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme},
+                      Case{2, 3, OffloadDevice::kNone, OffloadDevice::kNone, /*opaque=*/true},
+                      Case{4, 2, OffloadDevice::kHost},
+                      Case{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}),
     [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// With the optimizer state on NVMe, the batch is one pass: it reads as much from NVMe as one
+// write of a single parameter, where writing the same parameters one by one reads that once per
+// parameter. The reads are counted by a fault injector that delays every read piece by nothing.
+TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
+  for (const Case& c :
+       {Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}}) {
+    SCOPED_TRACE(case_name(c));
+    engine_test::ScratchDir dir("write_batch_reads_" + case_name(c));
+    const Model model = engine_test::make_model(DType::kF32, 79);
+    const std::vector<std::vector<float>> fresh = fresh_values(model, 10);
+    engine_test::Ranks ranks =
+        engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
+    std::vector<std::uint64_t> one(2), batch(2), singles(2);
+    std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+      const auto r = static_cast<std::size_t>(rank);
+      FaultSpec spec;
+      spec.latency_rate = 1.0;
+      spec.latency = std::chrono::microseconds(0);
+      spec.writes = false;
+      auto faults = std::make_shared<FaultInjector>(spec);
+      Env env;
+      env.device = ranks.devices[r].get();
+      env.comm = ranks.comms[r].get();
+      env.io_faults = faults;
+      ZINF_ASSIGN_OR_RETURN(
+          auto engine,
+          Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()), env));
+      ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+      ZINF_RETURN_IF_ERROR(engine->finalize());
+      auto reads = [&] { return faults->counts().latency; };
+      auto give = [&](std::string_view name, std::span<float> out) {
+        std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+        return Status::ok();
+      };
+      std::uint64_t before = reads();
+      ZINF_RETURN_IF_ERROR(
+          engine->write_parameters(kBatch[0], fresh[param_index(model, kBatch[0])].data(), 0));
+      one[r] = reads() - before;
+      before = reads();
+      ZINF_RETURN_IF_ERROR(engine->write_parameters(kBatch, give, 0));
+      batch[r] = reads() - before;
+      before = reads();
+      for (std::string_view name : kBatch) {
+        ZINF_RETURN_IF_ERROR(
+            engine->write_parameters(name, fresh[param_index(model, name)].data(), 0));
+      }
+      singles[r] = reads() - before;
+      return Status::ok();
+    });
+    for (std::size_t r = 0; r < 2; ++r) {
+      ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+      EXPECT_GT(one[r], 0u) << "rank " << r;
+      EXPECT_EQ(batch[r], one[r]) << "rank " << r;
+      EXPECT_EQ(singles[r], kBatch.size() * one[r]) << "rank " << r;
+    }
+  }
+}
+
+// The batch's errors: those each rank finds alone come before any collective and leave the engine
+// usable; those found together fail every rank at once; a failure of `values` during the pass
+// fails every rank, and stays.
+TEST(WriteParametersBatch, RefusesBadCallsAndFailsTogether) {
+  engine_test::ScratchDir dir("write_batch_errors");
+  const Model model = engine_test::make_model(DType::kF32, 80);
+  const std::vector<std::vector<float>> fresh = fresh_values(model, 11);
+  constexpr int kWorld = 2;
+  const int root = 1;
+  engine_test::Ranks ranks = engine_test::make_ranks(kWorld);
+  std::vector<std::vector<std::string>> seen(kWorld);  // each check's outcome, in order
+  std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    auto note = [&](const Status& s) { seen[r].push_back(s.to_string()); };
+    Env env;
+    env.device = ranks.devices[r].get();
+    env.comm = ranks.comms[r].get();
+    ZINF_ASSIGN_OR_RETURN(auto engine,
+                          Engine::open(engine_test::small_config(3, OffloadDevice::kNvme,
+                                                                 OffloadDevice::kNone, dir.path()),
+                                       env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    ZINF_RETURN_IF_ERROR(engine->finalize());
+    auto give = [&](std::string_view name, std::span<float> out) {
+      std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+      return Status::ok();
+    };
+    const std::vector<std::string_view> unknown = {"head.b", "no.such.parameter"};
+    note(engine->write_parameters(unknown, give, root));
+    const std::vector<std::string_view> twice = {"head.b", "block0.w", "head.b"};
+    note(engine->write_parameters(twice, give, root));
+    note(engine->write_parameters(kBatch, give, kWorld));
+    ZINF_RETURN_IF_ERROR(engine->gather("block0"));
+    note(engine->write_parameters(kBatch, give, root));
+    ZINF_RETURN_IF_ERROR(engine->release("block0"));
+    note(engine->write_parameters(kBatch, rank == root ? ParameterValues() : give, root));
+    // The ranks name different parameters.
+    const std::vector<std::string_view> other = {rank == 0 ? "head.b" : "embed.w"};
+    note(engine->write_parameters(other, give, root));
+    note(engine->write_parameters(std::span<const std::string_view>(), give, root));
+    // None of those changed anything, and the engine takes a good batch.
+    ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(*engine, model));
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      if (!same_bits(masters[p], model.initial[p])) {
+        return Status::internal("changed by a refused call: " + model.params[p].name);
+      }
+    }
+    ZINF_RETURN_IF_ERROR(engine->write_parameters(kBatch, give, root));
+    // `values` fails on the root at its third parameter (in layout order): every rank fails,
+    // and the error stays.
+    int calls = 0;
+    note(engine->write_parameters(
+        kBatch,
+        [&](std::string_view name, std::span<float> out) -> Status {
+          if (++calls == 3) return Status::io_error("staging file unreadable");
+          return give(name, out);
+        },
+        root));
+    std::vector<float> out(model.params[0].element_count());
+    note(engine->read_parameters(model.params[0].name, out.data()));
+    return Status::ok();
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    const auto& s = seen[static_cast<std::size_t>(r)];
+    ASSERT_TRUE(st[static_cast<std::size_t>(r)].is_ok())
+        << "rank " << r << ": " << st[static_cast<std::size_t>(r)].to_string();
+    ASSERT_EQ(s.size(), 9u);
+    EXPECT_EQ(s[0], "not_found: write_parameters('no.such.parameter'): unknown parameter");
+    EXPECT_EQ(s[1],
+              "invalid_argument: write_parameters('head.b'): the parameter is named twice (at 0 "
+              "and 2)");
+    EXPECT_EQ(s[2],
+              "invalid_argument: write_parameters('head.b' and 4 more): root 2 is not a rank of 2");
+    EXPECT_THAT(
+        s[3], ::testing::StartsWith("failed_precondition: write_parameters('head.b' and 4 more)"));
+    if (r == root) {
+      EXPECT_EQ(s[4],
+                "invalid_argument: write_parameters('head.b' and 4 more): values is null on "
+                "the root");
+    } else {
+      EXPECT_EQ(s[4],
+                "aborted: write_parameters('head.b' and 4 more): rank 1 failed "
+                "(invalid_argument); see its error");
+    }
+    EXPECT_THAT(s[5], ::testing::StartsWith("invalid_argument: write_parameters('"));
+    EXPECT_THAT(s[5], ::testing::HasSubstr("rank 1 passed other names or another root"));
+    EXPECT_EQ(s[6], "ok");
+    if (r == root) {
+      EXPECT_THAT(s[7], ::testing::StartsWith("io_error: write_parameters('"));
+      EXPECT_THAT(s[7], ::testing::HasSubstr("'): values: staging file unreadable"));
+    } else {
+      EXPECT_THAT(s[7], ::testing::StartsWith("aborted: write_parameters('"));
+      EXPECT_THAT(s[7], ::testing::HasSubstr("rank 1 failed (io_error)"));
+    }
+    EXPECT_EQ(s[8], s[7]);  // sticky
+  }
+}
+
+// A rank whose pass fails (an NVMe read error on rank 0) stops the other rank at the next
+// parameter: it fails at once with kAborted naming rank 0, instead of waiting in a broadcast
+// until the collective timeout.
+TEST(WriteParametersBatch, AnIoErrorOnOneRankStopsEveryRank) {
+  engine_test::ScratchDir dir("write_batch_io_error");
+  const Model model = engine_test::make_model(DType::kF32, 81);
+  const std::vector<std::vector<float>> fresh = fresh_values(model, 12);
+  constexpr int kWorld = 2;
+  const auto timeout = std::chrono::seconds(5);
+  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, timeout);
+  Config config =
+      engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  config.collective_timeout_ms = 5000;
+  std::vector<Status> written(kWorld);
+  std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    FaultSpec spec;
+    spec.eio_rate = 1.0;
+    spec.writes = false;
+    auto faults = std::make_shared<FaultInjector>(spec);
+    faults->set_enabled(false);
+    Env env;
+    env.device = ranks.devices[r].get();
+    env.comm = ranks.comms[r].get();
+    env.io_faults = faults;
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    ZINF_RETURN_IF_ERROR(engine->finalize());
+    faults->set_enabled(rank == 0);
+    const auto start = std::chrono::steady_clock::now();
+    written[r] = engine->write_parameters(
+        kBatch,
+        [&](std::string_view name, std::span<float> out) {
+          std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+          return Status::ok();
+        },
+        /*root=*/1);
+    if (std::chrono::steady_clock::now() - start > timeout / 2) {
+      return Status::internal("the failure was not passed on: the rank waited");
+    }
+    return Status::ok();
+  });
+  for (std::size_t r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+  }
+  EXPECT_EQ(written[0].code(), Code::kIoError) << written[0].to_string();
+  EXPECT_EQ(written[1].code(), Code::kAborted) << written[1].to_string();
+  EXPECT_THAT(written[1].message(), ::testing::HasSubstr("rank 0 failed (io_error)"));
+}
 
 }  // namespace
 }  // namespace zinf
