@@ -22,8 +22,10 @@
 #include <cstring>
 #include <memory>
 #include <optional>
+#include <span>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <type_traits>
 #include <unordered_map>
 #include <utility>
@@ -310,6 +312,50 @@ class PyEngine {
     without_gil([&] { return core.write_parameters(name, data, root); });
   }
 
+  // Rank `root`'s values replace the fp32 masters of `names` on every rank in one pass over the
+  // partition (Engine::write_parameters' batch form; collective, every rank passing the same
+  // names in the same order). values_fn(name) is called on the root only, once for each name, in
+  // the engine's layout order, and returns the parameter's values: a contiguous float32 CPU
+  // array or tensor of its element count. It may be None on the other ranks. The GIL is released
+  // while the engine works and taken again for each call of values_fn; an exception it raises,
+  // or an array of the wrong size, fails the call on every rank (a sticky error, as any failure
+  // once the pass has begun).
+  void write_parameters_batch(const std::vector<std::string>& names,
+                              std::optional<nb::callable> values_fn, int root) {
+    const std::vector<std::string_view> views(names.begin(), names.end());
+    zinf::ParameterValues values;
+    if (values_fn.has_value()) {
+      // The engine's error names the parameter: "write_parameters('<name>'): values: ...".
+      values = [&values_fn](std::string_view name, std::span<float> out) -> zinf::Status {
+        nb::gil_scoped_acquire acquire;
+        try {
+          nb::object result = (*values_fn)(nb::str(name.data(), name.size()));
+          FloatArray array;
+          if (!nb::try_cast(result, array)) {
+            return zinf::Status::invalid_argument(std::string("values_fn returned ") +
+                                                  nb::type_name(result.type()).c_str() +
+                                                  ", not a contiguous float32 CPU array");
+          }
+          if (array.size() != out.size()) {
+            return zinf::Status::invalid_argument(
+                "values_fn returned " + std::to_string(array.size()) +
+                " values for a parameter of " + std::to_string(out.size()));
+          }
+          std::memcpy(out.data(), array.data(), out.size_bytes());
+          return zinf::Status::ok();
+        } catch (const nb::python_error& e) {
+          return zinf::Status::invalid_argument(std::string("values_fn raised ") +
+                                                nb::type_name(e.type()).c_str() + ": " +
+                                                nb::str(e.value()).c_str());
+        } catch (const std::exception& e) {
+          return zinf::Status::invalid_argument(std::string("values_fn raised: ") + e.what());
+        }
+      };
+    }
+    zinf::Engine& core = engine();
+    without_gil([&] { return core.write_parameters(views, values, root); });
+  }
+
   nb::dict counters() const {
     const zinf::EngineCounters& c = engine().counters();
     nb::dict out;
@@ -527,6 +573,8 @@ NB_MODULE(_zinf, m) {
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
       .def("write_parameters", &PyEngine::write_parameters, nb::arg("name"),
            nb::arg("values").none(), nb::arg("root") = 0)
+      .def("write_parameters_batch", &PyEngine::write_parameters_batch, nb::arg("names"),
+           nb::arg("values_fn").none(), nb::arg("root") = 0)
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
            [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })

@@ -80,3 +80,62 @@ def test_errors_name_what_was_wrong():
         engine.set_learning_rate(float("nan"))
     with pytest.raises(zinf.Error, match="read_parameters.*2 floats"):
         engine.read_parameters("w", torch.empty(2))
+
+
+def open_two_parameter_engine(stage):
+    config = {"optimizer": {"type": "AdamW", "params": {"lr": 0.1, "weight_decay": 0.0}},
+              "zero_optimization": {"stage": stage, "sub_group_size": 16},
+              "zinf": {"cpu_threads": 1}}
+    engine = zinf.Engine(json.dumps(config))
+    generator = torch.Generator().manual_seed(7)
+    initial = {"a.w": torch.randn(5, 7, generator=generator),
+               "b.w": torch.randn(3, generator=generator)}
+    engine.register_parameter("a.w", "a", [5, 7], "f32", initial["a.w"])
+    engine.register_parameter("b.w", "b", [3], "f32", initial["b.w"])
+    engine.finalize()
+    return engine, initial
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_write_parameters_batch_takes_each_parameter_from_values_fn(stage):
+    engine, initial = open_two_parameter_engine(stage)
+    generator = torch.Generator().manual_seed(8)
+    fresh = {"a.w": torch.randn(5, 7, generator=generator),
+             "b.w": torch.randn(3, generator=generator)}
+    asked = []
+
+    def values_fn(name):
+        asked.append(name)
+        return fresh[name]
+
+    engine.write_parameters_batch(["b.w", "a.w"], values_fn, 0)
+    assert sorted(asked) == ["a.w", "b.w"]
+    for name, values in fresh.items():
+        out = torch.empty(values.shape)
+        engine.read_parameters(name, out)
+        assert torch.equal(out, values)
+    engine.gather("a")
+    assert torch.equal(torch.from_dlpack(engine.parameter("a.w")), fresh["a.w"])
+    engine.release("a")
+    # Refused before anything is written: the masters stay and the engine goes on.
+    with pytest.raises(zinf.Error, match="not_found: write_parameters\\('c.w'\\)"):
+        engine.write_parameters_batch(["a.w", "c.w"], values_fn, 0)
+    with pytest.raises(zinf.Error, match="invalid_argument: write_parameters\\('a.w'\\).*twice"):
+        engine.write_parameters_batch(["a.w", "a.w"], values_fn, 0)
+    with pytest.raises(zinf.Error, match="invalid_argument.*values is null on the root"):
+        engine.write_parameters_batch(["a.w"], None, 0)
+    out = torch.empty(5, 7)
+    engine.read_parameters("a.w", out)
+    assert torch.equal(out, fresh["a.w"])
+
+
+@pytest.mark.parametrize("returned,match", [
+    (lambda name: torch.zeros(4), "values_fn returned 4 values for a parameter of 3"),
+    (lambda name: 1 / 0, "values_fn raised ZeroDivisionError: division by zero"),
+    (lambda name: "text", "values_fn returned str, not a contiguous float32 CPU array"),
+])
+def test_write_parameters_batch_fails_for_bad_values(returned, match):
+    engine, _ = open_two_parameter_engine(1)
+    with pytest.raises(zinf.Error) as raised:
+        engine.write_parameters_batch(["b.w"], returned, 0)
+    assert str(raised.value) == f"invalid_argument: write_parameters('b.w'): values: {match}"
