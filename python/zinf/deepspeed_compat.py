@@ -12,12 +12,18 @@ What it covers (docs/PYTHON.md, "The Hugging Face Trainer"): ZeRO stages 1-3 wit
 offload; the optimizer from the config or the Trainer's (torch AdamW, Adam or Adagrad, turned
 into the config's "optimizer" section and zinf parameter groups); gradient accumulation;
 save_model (consolidated at stage 3) and checkpoints with resume; evaluate; fp16 and bf16;
-models built under zero.Init (from_config). One process.
+models built under zero.Init (from_config). One process, or several under an MPI launcher
+(`mpirun -np N python script.py`, with TrainingArguments(use_cpu=True)): install() sets RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher, as DeepSpeed's MPI
+discovery does, so that torch.distributed's gloo group, which Accelerate and the Trainer use for
+the data sampler, gathers and barriers, has the engine's ranks; the engine's own collectives run
+on its MPI communicator.
 
 What it refuses, each with an error that says so: frozen parameters (PEFT and other adapters) at
 stage 3 (stages 1 and 2 keep them, untrained), sequence parallelism (Ulysses), tensor
-parallelism (autotp), an mpu, and several processes (zinf runs several under mpirun, but this
-path has not been checked there).
+parallelism (autotp), an mpu, several processes without an MPI launcher (torchrun: zinf's
+engine communicates through MPI), and several processes that Accelerate counts as one (no
+use_cpu=True on a machine without a GPU: each would train on the whole data).
 
 No `deepspeed` distribution is installed: the modules are registered in sys.modules, and a finder
 on sys.meta_path answers importlib.util.find_spec and importlib.metadata for the name, which
@@ -58,42 +64,134 @@ Author: zinf
 """
 
 
-def _process_count() -> int:
-    """The processes of the job this one belongs to, as a launcher (torchrun, mpirun, srun's
-    PMI) announces them; 1 when none did."""
-    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"):
-        value = os.environ.get(key, "")
-        if value.isdigit():
-            return int(value)
-    return 1
+def _mpi_launcher() -> tuple[int, int, int, int] | None:
+    """(rank, size, local_rank, local_size) of this process as an MPI launcher states them: Open
+    MPI's mpirun (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE) or MPICH's and Intel
+    MPI's Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS). None when neither
+    started the process. zinf.torch opens its engine's communicator (MpiComm) under the same
+    launchers."""
+    for rank_key, size_key, local_key, local_size_key in (
+            ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
+             "OMPI_COMM_WORLD_LOCAL_SIZE"),
+            ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")):
+        rank, size = os.environ.get(rank_key, ""), os.environ.get(size_key, "")
+        if rank.isdigit() and size.isdigit():
+            local, local_size = os.environ.get(local_key, ""), os.environ.get(local_size_key, "")
+            return (int(rank), int(size), int(local) if local.isdigit() else 0,
+                    int(local_size) if local_size.isdigit() else int(size))
+    return None
 
 
-def _refuse_several_processes(call: str):
-    count = _process_count()
-    if count > 1:
+def _torchrun_world_size() -> int:
+    value = os.environ.get("WORLD_SIZE", "")
+    return int(value) if value.isdigit() else 1
+
+
+def _refuse_without_mpi(call: str):
+    """Several processes not started by an MPI launcher (torchrun, accelerate launch): zinf's
+    engine has no communicator for them on the CPU (docs/PYTHON.md, "Several processes")."""
+    if _torchrun_world_size() > 1 and _mpi_launcher() is None:
         raise NotImplementedError(
-            f"deepspeed.{call} (zinf.deepspeed_compat): {count} processes; the Trainer path over "
-            "zinf is verified in one process only. zinf.torch itself trains under mpirun "
-            "(docs/PYTHON.md, \"Several processes\")")
+            f"{call} (zinf.deepspeed_compat): WORLD_SIZE={_torchrun_world_size()} "
+            "without an MPI launcher (torchrun?); zinf's engine communicates through MPI, so "
+            "launch the Trainer script with mpirun -np N python script.py")
 
 
 # ---- deepspeed.comm -----------------------------------------------------------------------------
-# Accelerate and the Trainer use torch.distributed directly once DeepSpeed has set it up (the
-# Trainer's logging gathers the loss with distributed_concat). zinf's engine does not use
-# torch.distributed, so init_distributed makes a one-rank gloo group for those side calls only.
+# Accelerate and the Trainer use torch.distributed once it is set up: the data loader gives
+# each rank its share of the batches by its rank and the world size, the logged loss and the
+# evaluation's outputs are gathered over the ranks, and saving waits at barriers. zinf's engine
+# does not use torch.distributed (its collectives run on its own MPI communicator), so
+# torch.distributed gets a gloo group of the launcher's processes for those calls only: made by
+# Accelerate itself with TrainingArguments(use_cpu=True), from the environment install() set,
+# or else by init_distributed, as DeepSpeed's does with its MPI discovery under mpirun.
+
+def _launcher_environment(call: str, distributed_port: int = 29500) -> tuple[int, int, int]:
+    """Under an MPI launcher of several processes, sets what torch.distributed's env://
+    rendezvous and Accelerate read, as DeepSpeed's MPI discovery does: RANK, WORLD_SIZE,
+    LOCAL_RANK and LOCAL_WORLD_SIZE from the launcher, MASTER_ADDR (127.0.0.1 when every process
+    is on this machine) and MASTER_PORT (distributed_port) unless the environment has them.
+    Returns (rank, size, local_rank); (0, 1, 0) without a launcher."""
+    _refuse_without_mpi(call)
+    launcher = _mpi_launcher()
+    if launcher is None:
+        return 0, 1, 0
+    rank, size, local_rank, local_size = launcher
+    for key, value in (("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
+                       ("LOCAL_WORLD_SIZE", local_size)):
+        given = os.environ.get(key)
+        if given is not None and given != str(value):
+            raise ValueError(f"{call} (zinf.deepspeed_compat): {key}={given} in the "
+                             f"environment, but the MPI launcher says {value}")
+        os.environ[key] = str(value)
+    if "MASTER_ADDR" not in os.environ:
+        if local_size != size:
+            raise ValueError(
+                f"{call} (zinf.deepspeed_compat): the MPI job spans several "
+                "machines; set MASTER_ADDR to the address of rank 0's machine (DeepSpeed finds "
+                "it through mpi4py, which zinf does not use)")
+        os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ.setdefault("MASTER_PORT", str(distributed_port))
+    return rank, size, local_rank
+
 
 def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_port=29500,
                      verbose=True, timeout=None, init_method=None, dist_init_required=None,
                      config=None, rank=-1, world_size=-1):
     """deepspeed.init_distributed (Accelerate's PartialState, initialize()): the default
-    torch.distributed group of this one process, on gloo with an in-memory store. Several
-    processes are refused."""
-    del (dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout, init_method,
-         dist_init_required, config, rank, world_size)
-    _refuse_several_processes("init_distributed")
-    if not torch.distributed.is_initialized():
+    torch.distributed group, on gloo whatever dist_backend asks (zinf computes on the CPU). In one
+    process a one-rank group with an in-memory store; under an MPI launcher of several processes
+    a group of them all, met through MASTER_ADDR:MASTER_PORT (_launcher_environment). Returns at
+    once when torch.distributed is initialised already (Accelerate does so itself on the CPU,
+    TrainingArguments(use_cpu=True), from the same environment). Several processes without an
+    MPI launcher (torchrun) are refused."""
+    del dist_backend, auto_mpi_discovery, verbose, dist_init_required, config
+    launcher_rank, launcher_size, _ = _launcher_environment("deepspeed.init_distributed",
+                                                            distributed_port)
+    if rank not in (-1, launcher_rank) or world_size not in (-1, launcher_size):
+        raise ValueError(f"deepspeed.init_distributed (zinf.deepspeed_compat): rank={rank}, "
+                         f"world_size={world_size} given, but the launcher says rank "
+                         f"{launcher_rank} of {launcher_size}")
+    if torch.distributed.is_initialized():
+        _check_world("init_distributed")
+        return
+    options = {} if timeout is None else {"timeout": timeout}
+    if launcher_size == 1:
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(),
-                                             rank=0, world_size=1)
+                                             rank=0, world_size=1, **options)
+    else:
+        torch.distributed.init_process_group("gloo", init_method=init_method or "env://",
+                                             rank=launcher_rank, world_size=launcher_size,
+                                             **options)
+
+
+def _check_world(call: str):
+    """torch.distributed's group must be the launcher's processes, in the same order as the
+    engine's MPI communicator, or the Trainer's data shares would not be the engine's ranks."""
+    launcher = _mpi_launcher()
+    rank, size = (0, 1) if launcher is None else launcher[:2]
+    got = (torch.distributed.get_rank(), torch.distributed.get_world_size())
+    if got != (rank, size):
+        raise RuntimeError(f"deepspeed.{call} (zinf.deepspeed_compat): torch.distributed is "
+                           f"rank {got[0]} of {got[1]}, but the MPI launcher says rank {rank} "
+                           f"of {size}; zinf's engine takes its ranks from MPI")
+
+
+def _check_accelerate_processes():
+    """Accelerate shards the Trainer's data over the processes it counts. On a machine without a
+    GPU it counts those of an MPI launcher only with TrainingArguments(use_cpu=True) (its
+    MULTI_CPU mode); otherwise it sees one process on every rank, and each rank would train on
+    the whole data and save as the main process."""
+    state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
+    counted = getattr(state, "_shared_state", {}).get("num_processes")
+    launcher = _mpi_launcher()
+    size = 1 if launcher is None else launcher[1]
+    if counted is not None and counted != size:
+        raise NotImplementedError(
+            f"deepspeed.initialize (zinf.deepspeed_compat): Accelerate counts {counted} "
+            f"process(es) but the MPI launcher started {size}; zinf computes on the CPU, where "
+            "Accelerate spreads the data over the processes with TrainingArguments(use_cpu=True)"
+            ": pass it")
 
 
 def _comm_is_initialized() -> bool:
@@ -101,15 +199,44 @@ def _comm_is_initialized() -> bool:
 
 
 def _comm_get_rank(group=None) -> int:
-    return 0
+    """The rank in torch.distributed's group; before it is initialised (a model built under
+    zero.Init ahead of the Trainer), the launcher's."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_rank(group)
+    launcher = _mpi_launcher()
+    return 0 if launcher is None else launcher[0]
 
 
 def _comm_get_world_size(group=None) -> int:
-    return 1
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size(group)
+    launcher = _mpi_launcher()
+    return 1 if launcher is None else launcher[1]
 
 
-def _comm_barrier(group=None, **kwargs):
-    """Nothing to wait for in one process."""
+def _comm_get_local_rank() -> int:
+    launcher = _mpi_launcher()
+    return 0 if launcher is None else launcher[2]
+
+
+def _comm_barrier(group=None, async_op=False, device_ids=None, **kwargs):
+    """torch.distributed's barrier on the gloo group (DeepSpeed's profiling options do
+    nothing); nothing to wait for before it is initialised, in one process."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.barrier(group, async_op=async_op)
+    return None
+
+
+def _comm_all_reduce(tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
+    return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+
+def _comm_broadcast(tensor, src, group=None, async_op=False):
+    return torch.distributed.broadcast(tensor, src, group=group, async_op=async_op)
+
+
+def _comm_all_gather(tensor_list, tensor, group=None, async_op=False):
+    return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
 
 
 # ---- deepspeed.accelerator ----------------------------------------------------------------------
@@ -389,9 +516,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if config is None and getattr(args, "deepspeed_config", None) is not None:
         config = args.deepspeed_config
     if dist_init_required is not False:
-        init_distributed()
-    else:
-        _refuse_several_processes("initialize")
+        init_distributed(distributed_port=distributed_port)
+    _refuse_without_mpi("deepspeed.initialize")
+    if torch.distributed.is_initialized():
+        _check_world("initialize")
+    _check_accelerate_processes()
     config = _clean_config(_zt._read_config(config))
     client_optimizer = None
     if optimizer is not None:
@@ -408,6 +537,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         model=model, config=config, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     engine.__class__ = DeepSpeedEngine
+    if (engine.global_rank, engine.world_size) != (_comm_get_rank(), _comm_get_world_size()):
+        # A launcher zinf.torch runs under (srun's PMIx) whose ranks were not read above.
+        raise NotImplementedError(
+            f"deepspeed.initialize (zinf.deepspeed_compat): the engine is rank "
+            f"{engine.global_rank} of {engine.world_size}, but torch.distributed rank "
+            f"{_comm_get_rank()} of {_comm_get_world_size()}; launch with Open MPI's mpirun or "
+            "an MPI with Hydra's PMI_RANK and PMI_SIZE")
     _record_shapes(engine)
     if client_optimizer is not None:
         # A scheduler the caller made over its own optimizer object then moves the engine's
@@ -435,8 +571,9 @@ _MODULES: dict[str, dict] = {
     "deepspeed.comm": {
         "init_distributed": init_distributed, "is_initialized": _comm_is_initialized,
         "is_available": lambda: True, "get_rank": _comm_get_rank,
-        "get_world_size": _comm_get_world_size, "get_local_rank": lambda: 0,
-        "barrier": _comm_barrier,
+        "get_world_size": _comm_get_world_size, "get_local_rank": _comm_get_local_rank,
+        "barrier": _comm_barrier, "all_reduce": _comm_all_reduce, "broadcast": _comm_broadcast,
+        "all_gather": _comm_all_gather, "ReduceOp": torch.distributed.ReduceOp,
     },
     "deepspeed.accelerator": {"get_accelerator": get_accelerator},
     "deepspeed.zero": {
@@ -601,6 +738,9 @@ def install(force: bool = False) -> None:
             if "." in name:
                 parent, child = name.rsplit(".", 1)
                 setattr(_built[parent], child, module)
+    # Accelerate initialises torch.distributed itself on the CPU (TrainingArguments(use_cpu=True))
+    # when TrainingArguments is made, from RANK, WORLD_SIZE and MASTER_ADDR: set them now.
+    _launcher_environment("zinf.deepspeed_compat.install()")
     if _finder is None:
         _finder = _Finder()
         sys.meta_path.insert(0, _finder)
