@@ -2,13 +2,18 @@
 test_hf_trainer.py runs it in a fresh process for each training (the Trainer, Accelerate and
 torch.distributed keep process-wide state, and transformers must be imported after install()).
 
-    hf_trainer_run.py OUT [--ds CONFIG.json] [--ga N] [--steps N] [--save-steps N]
+    hf_trainer_run.py OUT [--ds CONFIG.json] [--ga N] [--batch N] [--steps N] [--save-steps N]
                           [--resume CHECKPOINT] [--from-config] [--freeze] [--gc] [--eval]
+                          [--device-default]
+    mpirun -np 2 python hf_trainer_run.py OUT ...     (the same script, one process per rank)
 
 Trains a 2-layer GPT-2 (vocabulary 256, width 32, no dropout) on seeded random tokens with AdamW
-made by the Trainer, a linear schedule with warm-up, on the CPU; saves the model with
-save_model() to OUT/final; prints one line "RESULT <json>" with the per-step loss, gradient
-norm and learning rate the Trainer logged, and with --eval the evaluation loss at each save."""
+made by the Trainer, a linear schedule with warm-up, on the CPU (use_cpu=True unless
+--device-default), --batch samples a micro-batch on each process; saves the model with
+save_model() to OUT/final; prints one line "RESULT <json>", and writes it to
+OUT/result.rank<r>.json, with the per-step loss, gradient norm and learning rate the Trainer
+logged, with --eval the evaluation loss at each save, and this process's rank and the world
+size as the Trainer sees them."""
 import argparse
 import json
 
@@ -24,6 +29,7 @@ parser = argparse.ArgumentParser()
 parser.add_argument("out")
 parser.add_argument("--ds")
 parser.add_argument("--ga", type=int, default=1)
+parser.add_argument("--batch", type=int, default=4, help="per-device micro-batch")
 parser.add_argument("--steps", type=int, default=6)
 parser.add_argument("--save-steps", type=int, default=3)
 parser.add_argument("--resume")
@@ -31,6 +37,8 @@ parser.add_argument("--from-config", action="store_true")
 parser.add_argument("--freeze", action="store_true")
 parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
 parser.add_argument("--eval", action="store_true", help="evaluate at every save")
+parser.add_argument("--device-default", action="store_true",
+                    help="no use_cpu=True: Accelerate picks the device")
 options = parser.parse_args()
 torch.set_num_threads(1)
 
@@ -62,12 +70,12 @@ class Losses(TrainerCallback):
 
 args = TrainingArguments(
     output_dir=options.out, deepspeed=options.ds, max_steps=options.steps,
-    per_device_train_batch_size=4, gradient_accumulation_steps=options.ga, learning_rate=3e-3,
-    weight_decay=0.01, warmup_steps=2, max_grad_norm=1.0, logging_steps=1,
+    per_device_train_batch_size=options.batch, gradient_accumulation_steps=options.ga,
+    learning_rate=3e-3, weight_decay=0.01, warmup_steps=2, max_grad_norm=1.0, logging_steps=1,
     save_strategy="steps", save_steps=options.save_steps, report_to=[], seed=42,
     eval_strategy="steps" if options.eval else "no", eval_steps=options.save_steps,
-    gradient_checkpointing=options.gc, dataloader_num_workers=0, use_cpu=True,
-    disable_tqdm=True)
+    gradient_checkpointing=options.gc, dataloader_num_workers=0,
+    use_cpu=not options.device_default, disable_tqdm=True)
 config = GPT2Config(vocab_size=256, n_embd=32, n_layer=2, n_head=2, n_positions=16,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
                     eos_token_id=0)
@@ -81,5 +89,9 @@ trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
 assert trainer.is_deepspeed_enabled == (options.ds is not None)
 result = trainer.train(resume_from_checkpoint=options.resume)
 trainer.save_model(options.out + "/final")
-print("RESULT " + json.dumps({"losses": losses.rows, "eval_losses": losses.eval_rows,
-                             "train_loss": result.training_loss}))
+report = json.dumps({"losses": losses.rows, "eval_losses": losses.eval_rows,
+                     "train_loss": result.training_loss, "rank": args.process_index,
+                     "world_size": args.world_size})
+with open(f"{options.out}/result.rank{args.process_index}.json", "w") as file:
+    file.write(report)
+print("RESULT " + report)

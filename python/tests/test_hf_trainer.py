@@ -2,10 +2,14 @@
 (hf_trainer_run.py, with install() added) given TrainingArguments(deepspeed=<config>) trains as
 the same script without DeepSpeed does, at ZeRO-2 and ZeRO-3 with two micro-batches a step and
 the Trainer's own AdamW and schedule; a checkpoint resumes bit-identically; save_model at stage 3
-writes the trained weights. Each training runs in a fresh process (the Trainer and Accelerate
-keep process-wide state, and install() must come before transformers is imported)."""
+writes the trained weights. Under mpirun the same script in 2 processes, each with half the
+micro-batch, trains as one process on the whole one. Each training runs in fresh processes (the
+Trainer and Accelerate keep process-wide state, and install() must come before transformers is
+imported)."""
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
 import textwrap
@@ -31,14 +35,14 @@ STEPS, SAVE_STEPS, ACCUMULATION = 6, 3, 2
 LOSS_REL, WEIGHT_REL, WEIGHT_ABS = 1e-5, 1e-5, 2e-5
 
 
-def run_trainer(out, *args, fail=False):
+def run_trainer(out, *args, fail=False, env=None, timeout=300):
     """Runs hf_trainer_run.py OUT ARGS in a fresh process. Returns its RESULT (losses: [step,
     loss, grad_norm, lr] rows), or with fail=True its stderr after asserting that it failed."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     done = subprocess.run([sys.executable, SCRIPT, str(out), "--steps", str(STEPS),
                            "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
+                          capture_output=True, text=True, env=env, timeout=timeout)
     if fail:
         assert done.returncode != 0, done.stdout[-2000:]
         return done.stderr
@@ -215,3 +219,121 @@ def test_install_refuses_a_real_deepspeed(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert "refused:" in done.stdout and "a deepspeed package is importable" in done.stdout
     assert "force=True" in done.stdout
+
+
+# ---- two processes under mpirun -----------------------------------------------------------------
+# Each rank takes a micro-batch of BATCH / 2 and the Trainer's sampler (Accelerate's
+# BatchSamplerShard over the one seeded permutation) gives rank r the r-th of each pair of those
+# micro-batches: together the two ranks' micro-batches are the one process's micro-batch of
+# BATCH. zinf averages the ranks' gradients, so every step is the baseline's up to the order of
+# float operations, and the loss the Trainer logs, gathered over the ranks and averaged, is the
+# whole micro-batches' (the ranks' halves have as many tokens).
+
+BATCH, RANKS = 4, 2
+needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
+                                  reason="no mpirun on PATH: the 2-process Trainer runs need an "
+                                  "MPI launcher (Open MPI)")
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def run_trainer_mpi(out, *args, fail=False):
+    """Runs hf_trainer_run.py OUT ARGS in RANKS processes under mpirun, each with a micro-batch
+    of BATCH / RANKS. Returns each rank's RESULT, by rank, or with fail=True the job's output
+    after asserting that it failed. MASTER_PORT is a free port, so that jobs beside this one
+    (DeepSpeed's default is 29500) do not meet it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+           "MASTER_PORT": str(free_port())}
+    done = subprocess.run(
+        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+         "-np", str(RANKS), sys.executable, SCRIPT, str(out), "--steps", str(STEPS),
+         "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION),
+         "--batch", str(BATCH // RANKS), *args],
+        capture_output=True, text=True, env=env, timeout=300)
+    if fail:
+        assert done.returncode != 0, done.stdout[-2000:]
+        return done.stdout + done.stderr
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = []
+    for rank in range(RANKS):
+        with open(os.path.join(out, f"result.rank{rank}.json")) as file:
+            results.append(json.load(file))
+    assert [(r["rank"], r["world_size"]) for r in results] == [(r, RANKS) for r in range(RANKS)]
+    # Every rank logs the same loss: the mean over the ranks.
+    assert all(r == results[0] | {"rank": r["rank"]} for r in results), results
+    return results
+
+
+@pytest.fixture(scope="module")
+def zero3_mpi(tmp_path_factory):
+    """ZeRO-3 in 2 processes, parameters and optimizer offloaded, evaluated at each save."""
+    out = tmp_path_factory.mktemp("zero3_mpi")
+    return out, run_trainer_mpi(out, "--ds", write_config(out / "ds.json", 3), "--eval")
+
+
+@needs_mpirun
+def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, zero3_mpi):
+    out, results = zero3_mpi
+    assert_losses_match(results[0], baseline[0])
+    expected = baseline[0]["eval_losses"]
+    assert [row[0] for row in results[0]["eval_losses"]] == [SAVE_STEPS, STEPS]
+    for (step, loss), (_, loss_ref) in zip(results[0]["eval_losses"], expected):
+        assert abs(loss - loss_ref) <= LOSS_REL * abs(loss_ref), (step, loss, loss_ref)
+    # save_model gathers the sharded parameters of both ranks; rank 0 writes them.
+    assert_weights_match(load_file(str(out / "final" / "model.safetensors")), baseline[1])
+
+
+@needs_mpirun
+def test_two_processes_resume_bit_identically(zero3_mpi, tmp_path):
+    out, uninterrupted = zero3_mpi
+    checkpoint = out / f"checkpoint-{SAVE_STEPS}"
+    # Every rank saved its partition and its random state.
+    for rank in range(RANKS):
+        assert (checkpoint / f"global_step{SAVE_STEPS}" / f"rank{rank}.zinfckpt").is_file()
+        assert (checkpoint / f"rng_state_{rank}.pth").is_file()
+    resumed = run_trainer_mpi(tmp_path, "--ds", str(out / "ds.json"), "--resume",
+                              str(checkpoint))
+    assert resumed[0]["losses"] == uninterrupted[0]["losses"][SAVE_STEPS:]
+    got = load_file(str(tmp_path / "final" / "model.safetensors"))
+    expected = load_file(str(out / "final" / "model.safetensors"))
+    assert sorted(got) == sorted(expected)
+    for name in expected:
+        assert torch.equal(got[name], expected[name]), name
+
+
+@needs_mpirun
+def test_two_processes_at_zero2_train_and_save_as_one_process(baseline, tmp_path):
+    """ZeRO-2: save_model takes the state dict of the parameters every rank holds whole."""
+    results = run_trainer_mpi(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2))
+    assert_losses_match(results[0], baseline[0])
+    assert_weights_match(load_file(str(tmp_path / "final" / "model.safetensors")), baseline[1])
+
+
+@needs_mpirun
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU Accelerate counts the ranks "
+                    "without use_cpu=True")
+def test_two_processes_without_use_cpu_are_refused(tmp_path):
+    """Without use_cpu=True on a machine without a GPU, Accelerate sees one process on each rank
+    and would give each the whole data."""
+    output = run_trainer_mpi(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2),
+                             "--device-default", fail=True)
+    assert "NotImplementedError" in output, output[-3000:]
+    assert "Accelerate counts 1 process(es) but the MPI launcher started 2" in output
+    assert "use_cpu=True" in output
+
+
+def test_several_processes_without_mpi_are_refused(tmp_path):
+    """torchrun's environment: zinf's engine needs an MPI launcher for several processes. The
+    refusal comes from install(), before Accelerate would wait for the other rank of
+    torch.distributed's group at TrainingArguments (without it the run hangs there)."""
+    stderr = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2), fail=True,
+                         env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
+                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+                         timeout=120)
+    assert "NotImplementedError" in stderr and "WORLD_SIZE=2 without an MPI launcher" in stderr
+    assert "mpirun -np N" in stderr
