@@ -443,17 +443,6 @@ Status ParamCoordinator::gather(std::size_t m) {
     return Status::failed_precondition(
         fmt::format("gather('{}'): the module is gathered already (release it first)", mod.name));
   }
-  // Room for it, before anything changes: only prefetched modules may be dropped for it.
-  if (mod.state == State::kIdle) {
-    std::size_t droppable = 0;
-    for (std::size_t p : prefetched_) droppable += modules_[p].elements;
-    if (live_elements_ - droppable + mod.elements > options_.max_live_elements) {
-      return Status::resource_exhausted(fmt::format(
-          "gather('{}'): its {} elements do not fit stage3_max_live_parameters {} beside the {} "
-          "elements of modules still gathered",
-          mod.name, mod.elements, options_.max_live_elements, live_elements_ - droppable));
-    }
-  }
   if (counters_ != nullptr) ++counters_->gathers;
   if (!frozen_) {
     order_.push_back(m);
@@ -476,6 +465,9 @@ Status ParamCoordinator::gather(std::size_t m) {
     prefetched_elements_ -= mod.elements;
     mod.state = State::kInUse;
   } else {
+    // Room for it: prefetched modules are dropped, the furthest first, while it does not fit.
+    // A module in use is never refused (DeepSpeed's limit bounds only what is fetched ahead), so
+    // the live elements exceed max_live_elements only by the modules in use.
     while (live_elements_ + mod.elements > options_.max_live_elements && !prefetched_.empty()) {
       const std::size_t p = prefetched_.back();
       prefetched_.pop_back();

@@ -14,8 +14,10 @@
 // that come next in the order, as long as (a) the prefetched, unclaimed elements stay within
 // prefetch_elements and (b) all gathered elements (in use plus prefetched) stay within
 // max_live_elements. A gather of a module that was prefetched only waits for it (a hit). A
-// gather that does not fit drops prefetched modules, the furthest first, then fails with
-// kResourceExhausted naming the module and the sizes. Every decision depends only on the order
+// gather that does not fit drops prefetched modules, the furthest first, and then gathers it
+// anyway, as DeepSpeed does (its stage3_max_live_parameters limits prefetching, never the module
+// the model needs): the live elements exceed max_live_elements only by the modules in use, and
+// max_live_elements 0 prefetches nothing. Every decision depends only on the order
 // of calls and the sizes, never on timing, so every rank issues the same collectives.
 //
 // NVMe shards are read into pinned staging blocks (PinnedPool, offload_param.buffer_count
