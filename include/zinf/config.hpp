@@ -113,7 +113,9 @@ struct ZeroConfig {
   // Stage 3: elements of parameters the coordinator may have gathered ahead of use.
   std::size_t stage3_prefetch_bucket_size = 50'000'000;
   // Stage 3: elements of gathered (not persistent) parameters alive at once, prefetched or in
-  // use. A gather() that cannot fit even after dropping prefetched modules fails.
+  // use, as far as prefetching goes: a gather() that does not fit drops prefetched modules and
+  // then gathers its module anyway, as DeepSpeed does, so only the modules in use can take the
+  // count beyond it. 0: no prefetching.
   std::size_t stage3_max_live_parameters = 1'000'000'000;
   // Stage 3: a parameter of at most this many elements stays gathered on every rank (it is
   // gathered once, and again after each step); DeepSpeed's threshold.
@@ -266,7 +268,9 @@ std::string_view key_use_name(KeyUse use);
 struct KeyReport {
   std::string key;  // dotted: "zero_optimization.offload_optimizer.device"
   KeyUse use = KeyUse::kUsed;
-  std::string why;  // empty for kUsed
+  // Why it has no effect or is refused; for kUsed, empty unless the value is read other than
+  // at its face (zero_optimization.stage 0 runs as stage 1).
+  std::string why;
 };
 
 // The JSON of a config written with comments (#, // and /* */) and trailing commas, which

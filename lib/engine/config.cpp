@@ -228,6 +228,13 @@ void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) 
   if (!k.refused.empty()) return w.refuse(key, std::string(k.refused));
   if (value.is_string() && value.get<std::string>() == "auto") {
     if (!k.no_effect.empty()) return w.no_effect(key, std::string(k.no_effect));
+    // DeepSpeed's ZeRO config models drop "auto" values (config_utils.py,
+    // DeepSpeedConfigModel), so a field left "auto" (one the Trainer does not fill, such as
+    // the short stage-3 names) has its default. Not the stage: DeepSpeed's default, 0, is not
+    // zinf's (3), and a config should say which it means.
+    if (key.starts_with("zero_optimization.") && key != "zero_optimization.stage") {
+      return w.no_effect(key, "\"auto\": the field's default, as DeepSpeed's ZeRO config reads it");
+    }
     if (!k.auto_no_effect.empty()) return w.no_effect(key, std::string(k.auto_no_effect));
     return w.refuse(key, std::string(kAutoWhy));
   }
@@ -237,7 +244,10 @@ void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) 
     return walk_keys(value, key, k.keys, w);
   }
   if (k.read != nullptr) {
-    if (Why why = k.read(value, w)) return w.refuse(key, *why);
+    if (Why why = k.read(value, w)) {
+      w.note.clear();
+      return w.refuse(key, *why);
+    }
   }
   if (!k.no_effect.empty()) return w.no_effect(key, std::string(k.no_effect));
   w.used(key);

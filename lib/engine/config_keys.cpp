@@ -126,7 +126,19 @@ constexpr std::string_view kSameGatheredValues =
 constexpr std::string_view kMonitorZero = "DeepSpeed's own logging and debug checks";
 
 const Key kZeroKeys[] = {
-    {.name = "stage", .read = ZINF_READ(count_as(v, &w.config->zero.stage))},
+    // DeepSpeed's stage 0 (ZeRO off: every rank holds the whole optimizer state) runs as stage 1,
+    // which steps the same numbers with the state partitioned (zinf config check notes it).
+    {.name = "stage",
+     .read = [](const Json& v, Walk& w) -> Why {
+       if (Why why = count_as(v, &w.config->zero.stage)) return why;
+       if (w.config->zero.stage == 0) {
+         w.config->zero.stage = 1;
+         w.note =
+             "0 (ZeRO off in DeepSpeed) runs as stage 1: the same numbers, with the optimizer "
+             "state partitioned over the ranks";
+       }
+       return std::nullopt;
+     }},
     {.name = "offload_optimizer", .keys = kOffloadOptimizerKeys},
     {.name = "offload_param", .keys = kOffloadParamKeys},
     {.name = "cpu_offload", .read = read_cpu_offload},
@@ -137,7 +149,23 @@ const Key kZeroKeys[] = {
     {.name = "cpu_offload_use_pin_memory",
      .read = ZINF_READ(bool_of(v, &w.config->zero.offload_param.pin_memory)),
      .no_effect = kPinMemory},
-    {.name = "sub_group_size", .read = ZINF_READ(count_as(v, &w.config->zero.sub_group_size))},
+    // DeepSpeed's 0 makes each parameter a sub-group of its own; zinf's sub-groups are runs of
+    // the partition's elements, and the numbers do not depend on their size: 0 keeps zinf's
+    // default (zinf config check notes it).
+    {.name = "sub_group_size",
+     .read = [](const Json& v, Walk& w) -> Why {
+       std::size_t size = 0;
+       if (Why why = count_as(v, &size)) return why;
+       if (size > 0) {
+         w.config->zero.sub_group_size = size;
+       } else {
+         w.note = fmt::format(
+             "0 (in DeepSpeed a sub-group per parameter) keeps zinf's default, {}: zinf's "
+             "sub-groups are runs of elements, and the numbers do not depend on their size",
+             w.config->zero.sub_group_size);
+       }
+       return std::nullopt;
+     }},
     {.name = "reduce_bucket_size",
      .read = ZINF_READ(count_as(v, &w.config->zero.reduce_bucket_size))},
     // The stage-3 fields under both of DeepSpeed's names: DeepSpeedZeroConfig declares
@@ -248,6 +276,10 @@ const Key kFp16Keys[] = {
      .no_effect = "false: fp32 master and gradients, as in zinf"},
 };
 
+// fp16's loss-scaling keys written under bf16: bf16 has the range of fp32 and is not loss-scaled,
+// by DeepSpeed or by zinf.
+constexpr std::string_view kNoBf16LossScale = "fp16's loss scaling: bf16 needs none";
+
 const Key kBf16Keys[] = {
     {.name = "enabled", .read = ZINF_READ(bool_of(v, &w.config->bf16_enabled))},
     {.name = "immediate_grad_update",
@@ -262,6 +294,12 @@ const Key kBf16Keys[] = {
     {.name = "bf16_optimizer_states",
      .read = ZINF_READ(only_bool(v, false, "zinf keeps the optimizer state in fp32")),
      .no_effect = "false: fp32 optimizer state, as in zinf"},
+    {.name = "loss_scale", .no_effect = kNoBf16LossScale},
+    {.name = "initial_scale_power", .no_effect = kNoBf16LossScale},
+    {.name = "loss_scale_window", .no_effect = kNoBf16LossScale},
+    {.name = "hysteresis", .no_effect = kNoBf16LossScale},
+    {.name = "consecutive_hysteresis", .no_effect = kNoBf16LossScale},
+    {.name = "min_loss_scale", .no_effect = kNoBf16LossScale},
 };
 
 constexpr std::string_view kIoEngine =
@@ -375,6 +413,20 @@ constexpr std::string_view kMonitor =
     "logging of the training program; zinf reports through "
     "StepReport, its trace and its counters";
 
+constexpr std::string_view kIgnoredByDeepSpeed =
+    "DeepSpeed reads no key of this name either (it ignores keys it does not know)";
+
+// hybrid_engine: DeepSpeed-Chat's generation engine for RLHF, off by default
+// (runtime/config.py, HybridEngineConfig.enabled False).
+Why read_hybrid_engine(const Json& v, [[maybe_unused]] Walk& w) {
+  if (!v.is_object()) return not_a(v, "an object");
+  const auto enabled = v.find("enabled");
+  if (enabled == v.end() || *enabled == false) return std::nullopt;
+  return std::string(
+      "enabled: DeepSpeed-Chat's hybrid engine (RLHF generation) is not supported; "
+      "\"enabled\": false has no effect");
+}
+
 constexpr std::string_view kAutoBatch =
     "\"auto\": the Hugging Face Trainer computes it from the other batch keys; zinf derives it "
     "from them as DeepSpeed does";
@@ -422,6 +474,18 @@ const Key kRootKeys[] = {
     {.name = "comet", .no_effect = kMonitor},
     {.name = "flops_profiler", .no_effect = kMonitor},
     {.name = "comms_logger", .no_effect = kMonitor},
+    // In LLaMA-Factory's example configs.
+    {.name = "comms_config", .no_effect = kIgnoredByDeepSpeed},
+    {.name = "monitor_config", .no_effect = kIgnoredByDeepSpeed},
+    {.name = "disable_allgather",
+     .no_effect = "DeepSpeed reads it but nothing in its engine uses it; zinf all-gathers the "
+                  "updated parameters after every step as DeepSpeed does"},
+    {.name = "hybrid_engine",
+     .read = read_hybrid_engine,
+     .no_effect = "disabled: DeepSpeed-Chat's generation engine is off, as in zinf"},
+    {.name = "compile",
+     .no_effect = "torch.compile (and DeepCompile) is the training program's: compile the model "
+                  "before handing it to zinf; the engine runs no compiler"},
     {.name = "activation_checkpointing", .keys = kActivationKeys},
     {.name = "zero_allow_untested_optimizer",
      .no_effect = "zinf runs only its own optimizers (optimizer.type)"},

@@ -38,9 +38,15 @@ struct Walk {
   Config* config = nullptr;
   std::vector<KeyReport>* reports = nullptr;
   OptimizerInput optimizer;
+  // Set by a reader whose value is read other than at its face; the key's report carries it.
+  std::string note;
 
-  void used(const std::string& key) { reports->push_back({key, KeyUse::kUsed, ""}); }
+  void used(const std::string& key) {
+    reports->push_back({key, KeyUse::kUsed, std::move(note)});
+    note.clear();
+  }
   void no_effect(const std::string& key, std::string why) {
+    note.clear();
     reports->push_back({key, KeyUse::kNoEffect, std::move(why)});
   }
   void refuse(const std::string& key, std::string why) {

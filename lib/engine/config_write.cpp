@@ -102,7 +102,6 @@ Status validate(const Config& c) {
   if (z.offload_param.device == OffloadDevice::kNvme && z.offload_param.buffer_count < 1) {
     return invalid("zero_optimization.offload_param.buffer_count", "0 is below 1");
   }
-  if (z.sub_group_size == 0) return invalid("zero_optimization.sub_group_size", "0 is below 1");
   if (!c.activations.nvme_path.empty() && c.activations.nvme_bytes == 0) {
     return invalid("zinf.activation_nvme_bytes",
                    "0, and zinf.activation_nvme_path is set (the swap file needs a capacity)");
@@ -128,10 +127,9 @@ Status validate(const Config& c) {
                    fmt::format("{} is not in 1..64", c.gradient_spill_buffers));
   }
   if (z.reduce_bucket_size == 0) {
-    return invalid("zero_optimization.reduce_bucket_size", "0 is below 1");
-  }
-  if (z.stage3_max_live_parameters == 0) {
-    return invalid("zero_optimization.stage3_max_live_parameters", "0 is below 1");
+    return invalid("zero_optimization.reduce_bucket_size",
+                   "0 is below 1 (DeepSpeed then reduces each gradient on its own; zinf reduces "
+                   "in buckets: give a size in elements, DeepSpeed's default is 5e8)");
   }
   if (!(c.gradient_clipping >= 0.0) || !std::isfinite(c.gradient_clipping)) {
     return invalid(

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdio>
+#include <map>
 #include <span>
 #include <string>
 
@@ -117,6 +118,66 @@ TEST(Config, ReadsDeepSpeedOptimizerFp16AndFloatCounts) {
   EXPECT_EQ(c->zero.reduce_bucket_size, 500'000'000u);
 }
 
+// Values real DeepSpeed configs carry (LLaMA-Factory's, axolotl's, DeepSpeed-Chat's examples)
+// that DeepSpeed reads with a meaning zinf can give them too: "auto" inside zero_optimization
+// is the field's default (DeepSpeed's ZeRO config model drops "auto"); stage 0 runs as stage 1,
+// the same numbers; sub_group_size 0 keeps the default and max_live_parameters 0 turns
+// prefetching off; keys DeepSpeed ignores or that change nothing are accepted with no effect.
+TEST(Config, ReadsWhatRealDeepSpeedConfigsCarryWithDeepSpeedsMeaning) {
+  const char* text = R"({
+    "zero_optimization": {"stage": 0, "sub_group_size": 0, "max_live_parameters": 0,
+                          "prefetch_bucket_size": "auto", "param_persistence_threshold": "auto",
+                          "reduce_bucket_size": "auto"},
+    "bf16": {"enabled": true, "loss_scale": 0, "hysteresis": 2, "min_loss_scale": 1},
+    "comms_config": {"verbose": false},
+    "monitor_config": {"enabled": true, "tag": "DeepSpeedMonitor"},
+    "hybrid_engine": {"enabled": false, "max_out_tokens": 512},
+    "compile": {"disable": false, "backend": "inductor"},
+    "disable_allgather": false
+  })";
+  Result<Config> c = parse_config(text);
+  ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+  const Config defaults;
+  EXPECT_EQ(c->zero.stage, 1);
+  EXPECT_EQ(c->zero.sub_group_size, defaults.zero.sub_group_size);
+  EXPECT_EQ(c->zero.stage3_max_live_parameters, 0u);
+  EXPECT_EQ(c->zero.stage3_prefetch_bucket_size, 50'000'000u);
+  EXPECT_EQ(c->zero.stage3_param_persistence_threshold, 100'000u);
+  EXPECT_EQ(c->zero.reduce_bucket_size, 500'000'000u);
+  EXPECT_TRUE(c->bf16_enabled);
+
+  Result<std::vector<KeyReport>> r = check_config(text);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  std::map<std::string, KeyReport> by_key;
+  for (const KeyReport& k : *r) by_key[k.key] = k;
+  const auto why_of = [&](const std::string& key) {
+    EXPECT_TRUE(by_key.contains(key)) << key;
+    return by_key[key].why;
+  };
+  EXPECT_EQ(by_key["zero_optimization.stage"].use, KeyUse::kUsed);
+  EXPECT_NE(why_of("zero_optimization.stage").find("runs as stage 1"), std::string::npos);
+  EXPECT_EQ(by_key["zero_optimization.sub_group_size"].use, KeyUse::kUsed);
+  EXPECT_NE(why_of("zero_optimization.sub_group_size").find("keeps zinf's default, 1000000000"),
+            std::string::npos);
+  EXPECT_TRUE(why_of("zero_optimization.max_live_parameters").empty());
+  for (const char* key :
+       {"zero_optimization.prefetch_bucket_size", "zero_optimization.param_persistence_threshold",
+        "zero_optimization.reduce_bucket_size"}) {
+    EXPECT_EQ(by_key[key].use, KeyUse::kNoEffect) << key;
+    EXPECT_NE(why_of(key).find("\"auto\": the field's default"), std::string::npos) << key;
+  }
+  for (const char* key :
+       {"bf16.loss_scale", "bf16.hysteresis", "bf16.min_loss_scale", "comms_config",
+        "monitor_config", "hybrid_engine", "compile", "disable_allgather"}) {
+    EXPECT_EQ(by_key[key].use, KeyUse::kNoEffect) << key;
+  }
+  // Outside zero_optimization "auto" stays refused: DeepSpeed would read the string itself.
+  Result<Config> clip = parse_config(R"({"gradient_clipping": "auto"})");
+  ASSERT_FALSE(clip.is_ok());
+  EXPECT_EQ(clip.status().message().rfind("gradient_clipping: ", 0), 0u)
+      << clip.status().to_string();
+}
+
 struct BadCase {
   const char* json;
   const char* key;  // the message must start with this
@@ -137,8 +198,10 @@ TEST(Config, ErrorsNameTheKeyAndTheReason) {
        "zero_optimization.offload_param.device", "needs stage 3"},
       {R"({"zero_optimization": {"offload_optimizer": {"device": "nvme", "buffer_count": 1}}})",
        "zero_optimization.offload_optimizer.buffer_count", "below 2"},
-      {R"({"zero_optimization": {"sub_group_size": 0}})", "zero_optimization.sub_group_size",
-       "below 1"},
+      {R"({"zero_optimization": {"reduce_bucket_size": 0}})",
+       "zero_optimization.reduce_bucket_size", "DeepSpeed's default is 5e8"},
+      {R"({"hybrid_engine": {"enabled": true, "max_out_tokens": 512}})", "hybrid_engine",
+       "hybrid engine (RLHF generation) is not supported"},
       {R"({"zero_optimization": {"stage3_max_live_paramters": 5}})",
        "zero_optimization.stage3_max_live_paramters", "unknown key"},
       {R"({"zero_optimization": 3})", "zero_optimization", "not an object"},
@@ -559,7 +622,7 @@ TEST(Config, LoadConfigNamesTheFile) {
   const std::string path = dir.path() + "/bad.json";
   std::FILE* f = std::fopen(path.c_str(), "w");
   ASSERT_NE(f, nullptr);
-  std::fputs(R"({"zero_optimization": {"stage": 0}})", f);
+  std::fputs(R"({"zero_optimization": {"stage": 4}})", f);
   std::fclose(f);
   Result<Config> bad = load_config(path);
   ASSERT_FALSE(bad.is_ok());

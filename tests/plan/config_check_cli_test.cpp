@@ -81,7 +81,8 @@ TEST_F(ConfigCheckCli, RefusedFileExitsOneAndSaysWhy) {
       run_command(zinf_binary() + " config check " + data_file("hf_transformers_zero3.json"), &out);
   EXPECT_EQ(code, 1) << out;
   // reduce_bucket_size 0 is refused (validate()); the scheduler section is used.
-  EXPECT_NE(line_of(out, "zero_optimization.reduce_bucket_size").find("refused (0 is below 1)"),
+  EXPECT_NE(line_of(out, "zero_optimization.reduce_bucket_size")
+                .find("refused (0 is below 1 (DeepSpeed then reduces each gradient on its own"),
             std::string::npos)
       << out;
   EXPECT_NE(line_of(out, "scheduler.params.warmup_max_lr").find("used"), std::string::npos) << out;
@@ -118,7 +119,7 @@ TEST_F(ConfigCheckCli, JsonListsEveryKey) {
 TEST_F(ConfigCheckCli, NvmeWithoutAPathIsNoted) {
   const fs::path file =
       fs::temp_directory_path() / ("zinf-check-nvme-" + std::to_string(::getpid()) + ".json");
-  std::ofstream(file) << R"({"zero_optimization": {"stage": 3,
+  std::ofstream(file) << R"({"optimizer": {"type": "AdamW"}, "zero_optimization": {"stage": 3,
       "offload_optimizer": {"device": "nvme"}, "offload_param": {"device": "nvme"}}})";
   std::string out;
   const int code = run_command(zinf_binary() + " config check " + file.string(), &out);
@@ -135,6 +136,37 @@ TEST_F(ConfigCheckCli, NvmeWithoutAPathIsNoted) {
   const nlohmann::json j = nlohmann::json::parse(json, nullptr, false);
   ASSERT_FALSE(j.is_discarded()) << json;
   EXPECT_EQ(j.at("notes").size(), 2u) << json;
+}
+
+// What a config leaves to zinf where DeepSpeed would do otherwise is said: no optimizer section
+// (DeepSpeed takes the program's optimizer), no stage (DeepSpeed's default is ZeRO off), and a
+// value read other than at its face (stage 0, as in LLaMA-Factory's ds_z0_config.json).
+TEST_F(ConfigCheckCli, WhatTheConfigLeavesToZinfIsNoted) {
+  test::ScratchDir scratch("config_check_defaults");
+  const std::string no_stage = scratch.path() + "/no_stage.json";
+  std::ofstream(no_stage) << R"({"train_micro_batch_size_per_gpu": 4})";
+  std::string out;
+  EXPECT_EQ(run_command(zinf_binary() + " config check " + no_stage, &out), 0) << out;
+  EXPECT_NE(out.find("note: no \"optimizer\" section: the engine runs AdamW with torch's "
+                     "defaults (lr 0.001, weight_decay 0.01)"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("note: no zero_optimization.stage: zinf runs stage 3 (DeepSpeed's default "
+                     "is 0"),
+            std::string::npos)
+      << out;
+
+  const std::string stage0 = scratch.path() + "/stage0.json";
+  std::ofstream(stage0) << R"({"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+      "zero_optimization": {"stage": 0}, "comms_config": {"verbose": false}})";
+  EXPECT_EQ(run_command(zinf_binary() + " config check " + stage0, &out), 0) << out;
+  EXPECT_NE(line_of(out, "zero_optimization.stage")
+                .find("used (0 (ZeRO off in DeepSpeed) runs "
+                      "as stage 1: the same numbers"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(line_of(out, "comms_config").find("no effect"), std::string::npos) << out;
+  EXPECT_EQ(out.find("note:"), std::string::npos) << out;
 }
 
 TEST_F(ConfigCheckCli, MissingFileExitsOne) {

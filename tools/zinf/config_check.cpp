@@ -47,6 +47,31 @@ std::vector<std::string> open_notes(std::string_view text) {
   return notes;
 }
 
+// Where a config leaves to zinf's defaults what a DeepSpeed user might expect otherwise: the
+// optimizer and the stage.
+std::vector<std::string> default_notes(const std::vector<KeyReport>& reports) {
+  const auto given = [&](std::string_view key) {
+    return std::any_of(reports.begin(), reports.end(), [&](const KeyReport& r) {
+      return r.key == key || (r.key.starts_with(key) && r.key[key.size()] == '.');
+    });
+  };
+  std::vector<std::string> notes;
+  if (!given("optimizer")) {
+    const OptimizerParams o;
+    notes.push_back(fmt::format(
+        "no \"optimizer\" section: the engine runs AdamW with torch's defaults (lr {}, "
+        "weight_decay {}), where DeepSpeed would use the program's own optimizer object: write "
+        "the section to choose",
+        o.lr, o.weight_decay));
+  }
+  if (!given("zero_optimization.stage")) {
+    notes.push_back(
+        "no zero_optimization.stage: zinf runs stage 3 (DeepSpeed's default is 0, ZeRO off; "
+        "the numbers are the same)");
+  }
+  return notes;
+}
+
 struct CheckOptions {
   std::string file;
   bool json = false;
@@ -67,8 +92,10 @@ void run_check(const CheckOptions& o) {
   }
   int refused = 0;
   for (const KeyReport& r : *reports) refused += r.use == KeyUse::kRefused ? 1 : 0;
-  const std::vector<std::string> notes =
-      refused == 0 ? open_notes(text.str()) : std::vector<std::string>{};
+  std::vector<std::string> notes = default_notes(*reports);
+  if (refused == 0) {
+    for (std::string& note : open_notes(text.str())) notes.push_back(std::move(note));
+  }
   if (o.json) {
     nlohmann::json keys = nlohmann::json::array();
     for (const KeyReport& r : *reports) {
@@ -79,9 +106,10 @@ void run_check(const CheckOptions& o) {
     std::size_t width = 0;
     for (const KeyReport& r : *reports) width = std::max(width, r.key.size());
     for (const KeyReport& r : *reports) {
-      if (r.use == KeyUse::kUsed) {
+      if (r.use == KeyUse::kUsed && r.why.empty()) {
         fmt::print("{:<{}}  used\n", r.key, width);
       } else {
+        // A used key with a why is read other than at its face.
         fmt::print("{:<{}}  {} ({})\n", r.key, width, key_use_name(r.use), r.why);
       }
     }
