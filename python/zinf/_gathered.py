@@ -39,13 +39,13 @@ class GatheredParameters:
       counter; a digest holds no second copy of the parameters); with several ranks every
       parameter is written. Use it between steps: after a backward
       whose step has not run it raises zinf.Error naming the parameter, before anything is
-      gathered. Every rank must enter the block (the write is collective), and each write is a
-      pass over the rank's master partition.
+      gathered. Every rank must enter the block (the write is collective); the block's writes
+      are one pass over the rank's master partition, however many parameters it changed.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
       values are read into them for the block and, with modifier_rank set, written back to the
       staging file, so initialize() takes them; with several ranks initialize() then writes
-      rank modifier_rank's values over every rank's (Engine::write_parameters, a pass over the
-      partition each), as DeepSpeed broadcasts them.
+      rank modifier_rank's values over every rank's (Engine::write_parameters, one pass over the
+      partition for all of them), as DeepSpeed broadcasts them.
     Other parameters are left as they are. Changes made without modifier_rank are not kept
     (at stage 3 they are lost at release; at stages 1 and 2 the next step overwrites them)."""
 
@@ -97,8 +97,11 @@ class GatheredParameters:
         while self._held:
             engine, owner = self._held.pop()
             engine._release(owner)
+        by_engine: dict = {}
         for engine, param, values in changed:
-            engine._write_parameter(param, values, self._modifier_rank)
+            by_engine.setdefault(engine, []).append((param, values))
+        for engine, writes in by_engine.items():
+            engine._write_parameters(writes, self._modifier_rank)
         while self._loaded:
             param, stage = self._loaded.pop()
             if self._modifier_rank is not None and exc[0] is None:

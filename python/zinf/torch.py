@@ -475,18 +475,22 @@ class ZinfEngine(nn.Module):
         groups = self._register(model, model_parameters, defaults)
         with self._aborting_on_error("finalize"):
             self._core.finalize()
-        for pid, param in self._params.items():
-            stage = _torch_init.staged(param)
-            if stage is None:
-                continue
-            if stage.modifier_rank is not None and self.world_size > 1:
-                # Changed inside GatheredParameters(modifier_rank=r) before initialize(): each
-                # rank staged its own values and the engine took each rank's partition from its
-                # own file, so rank r's values are written over them (every rank entered that
-                # block, so every rank writes the same parameters, in the same order).
-                with self._aborting_on_error(f"write_parameters('{self._names[pid]}')"):
-                    self._core.write_parameters(self._names[pid], stage.load(),
-                                                stage.modifier_rank)
+        staged = [(p, _torch_init.staged(p)) for p in self._params.values()]
+        staged = [(param, stage) for param, stage in staged if stage is not None]
+        if self.world_size > 1:
+            # Changed inside GatheredParameters(modifier_rank=r) before initialize(): each rank
+            # staged its own values and the engine took each rank's partition from its own file,
+            # so rank r's values are written over them (every rank entered those blocks, so every
+            # rank writes the same parameters, in the same order): one batch per modifier rank,
+            # each a single pass over the partition, the root reading each parameter's staged
+            # values only when the pass reaches it.
+            by_root: dict[int, dict[str, _torch_init.Staged]] = {}
+            for param, stage in staged:
+                if stage.modifier_rank is not None:
+                    by_root.setdefault(stage.modifier_rank, {})[self._names[id(param)]] = stage
+            for root, stages in by_root.items():
+                self._write_batch(list(stages), lambda name, s=stages: s[name].load(), root)
+        for param, stage in staged:
             stage.done()
             del param._zinf_staged
         self._place_parameters()
@@ -1357,12 +1361,21 @@ class ZinfEngine(nn.Module):
         """Bytes of this rank's state on each tier."""
         return self._core.memory()
 
-    def _write_parameter(self, param: nn.Parameter, values: torch.Tensor, root: int):
-        """Rank root's values into the master of param (collective), and the views refreshed."""
-        name = self._names[id(param)]
-        with self._aborting_on_error(f"write_parameters('{name}')"):
-            self._core.write_parameters(name, values, root)
+    def _write_parameters(self, writes: list[tuple[nn.Parameter, torch.Tensor]], root: int):
+        """Rank root's values into the masters of the parameters (collective: one pass over the
+        partition for all of them), and the views refreshed."""
+        values = {self._names[id(param)]: tensor for param, tensor in writes}
+        self._write_batch(list(values), values.__getitem__, root)
         self._refresh_views()
+
+    def _write_batch(self, names: list[str], values_of, root: int):
+        """Engine.write_parameters_batch: values_of(name) gives a parameter's fp32 values on
+        the root, asked for as the pass reaches it."""
+        what = f"write_parameters('{names[0]}'" + (
+            f" and {len(names) - 1} more)" if len(names) > 1 else ")")
+        with self._aborting_on_error(what):
+            self._core.write_parameters_batch(names, values_of if self.global_rank == root
+                                              else None, root)
 
     def read_parameter(self, name: str) -> torch.Tensor:
         """The fp32 master of a parameter (by its qualified name), as a new tensor; for a frozen
