@@ -163,10 +163,23 @@ def test_zero3_with_gradient_checkpointing_evaluates_as_without_deepspeed(baseli
         assert abs(loss - loss_ref) <= LOSS_REL * abs(loss_ref), (step, loss, loss_ref)
 
 
-def test_frozen_parameters_are_refused(tmp_path):
-    stderr = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2), "--freeze",
+def test_frozen_parameters_train_at_zero2_as_without_deepspeed(tmp_path):
+    # The token embedding (tied to lm_head) frozen: the run on zinf's ZeRO-2 follows the
+    # Trainer's without DeepSpeed, and the frozen weights come out as they went in.
+    plain = run_trainer(tmp_path / "plain", "--freeze")
+    zinf_run = run_trainer(tmp_path / "zinf", "--ds", write_config(tmp_path / "ds.json", 2),
+                           "--freeze")
+    assert_losses_match(zinf_run, plain)
+    got = load_file(str(tmp_path / "zinf" / "final" / "model.safetensors"))
+    expected = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+    assert_weights_match(got, expected)
+    assert torch.equal(got["transformer.wte.weight"], expected["transformer.wte.weight"])
+
+
+def test_frozen_parameters_are_refused_at_zero3(tmp_path):
+    stderr = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 3), "--freeze",
                          fail=True)
-    assert "NotImplementedError" in stderr and "do not require grad" in stderr
+    assert "NotImplementedError" in stderr and "does not require grad" in stderr
     assert "transformer.wte.weight" in stderr
 
 
