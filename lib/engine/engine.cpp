@@ -461,15 +461,17 @@ class Engine::Impl {
     }
     if (!overlap_->open()) {
       // set_learning_rate() sets the rate until step(): the pass starts there. And only where
-      // gradient_accumulation_steps was declared or a step had that many micro-batches: a
-      // caller who reduces more than the config says (its default is 1) without declaring it
-      // never has a pass open early.
+      // gradient_accumulation_steps was declared or the last step had that many micro-batches.
+      // A pass that updates opens only where it was declared: a caller who never declared it
+      // (its default is 1) may still reduce more micro-batches in a later step (or a gradient
+      // that is not finite, which a pass that updated could no longer skip), so for it the pass
+      // only reads ahead, and an extra micro-batch calls that off.
       const bool declared =
           config_.gradient_accumulation_given || config_.gradient_accumulation_steps > 1;
       if (lr_override_ || called_off_ || !(micro_matched_ || declared)) return Status::ok();
       // With zinf.clip_from_previous_step, the first step's scale needs its own norm.
       const std::optional<float> scale =
-          in_backward_
+          in_backward_ && declared
               ? numerics_->scale_before_norm(static_cast<int>(config_.gradient_accumulation_steps))
               : std::nullopt;
       // The previous step's pass; the backward's reductions waited for its groups already.
@@ -601,8 +603,9 @@ class Engine::Impl {
       return fail(Status::aborted(fmt::format(
           "step {}: the gradients are not finite (norm {}), and the optimizer step had already "
           "updated part of the state during the backward (zinf.overlap_step: docs/ENGINE.md "
-          "\"Updates during the backward\"), so it cannot be skipped: load a checkpoint; with "
-          "zinf.overlap_step false such a step is skipped",
+          "\"Updates during the backward\"), so it cannot be skipped: this engine cannot go on; "
+          "open a new one and load a checkpoint. With zinf.overlap_step false such a step is "
+          "skipped",
           overlap_->pass_step(), d.grad_norm)));
     } else {
       ZINF_ASSERT_MSG(d.grad_scale == overlap_->pass_scale(),
