@@ -166,16 +166,24 @@ typedef struct zinf_comm zinf_comm_t;
  * HostDevices; they must outlive the group (enforced, see zinf_device_destroy). */
 ZINF_C_API zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int world_size,
                                                     int64_t timeout_ms, zinf_comm_group_t** out);
-/* Rank `rank`'s communicator (borrowed: valid until the group is destroyed).
- * ZINF_INVALID_ARGUMENT when rank is outside [0, world_size). */
+/* zinf_comm_group_get's `rank` meaning "this process's own rank", in a group of one process per
+ * rank (zinf_mpi_comm_group_create, zinf_nccl_comm_group_create). */
+#define ZINF_RANK_OF_THIS_PROCESS (-1)
+
+/* Rank `rank`'s communicator (borrowed: valid until the group is destroyed). In a group of one
+ * process per rank, `rank` is this process's rank, or ZINF_RANK_OF_THIS_PROCESS (-1) for a
+ * program that does not know it (zinf initialised MPI): zinf_comm_rank on the communicator then
+ * tells it. ZINF_INVALID_ARGUMENT when rank is outside [0, world_size), is another process's, or
+ * is -1 for a LocalComm group of more than one rank. */
 ZINF_C_API zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, zinf_comm_t** out);
 ZINF_C_API zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group, int* world_size);
 /* ZINF_FAILED_PRECONDITION while an engine uses one of its communicators. */
 ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
 
 /* Jobs of one process per rank (mpirun, srun, torchrun). Each call makes a group that holds this
- * process's one communicator: zinf_comm_group_get(group, rank) takes this process's rank (from
- * zinf_comm_rank), and zinf_comm_group_world_size gives the job's world size.
+ * process's one communicator: zinf_comm_group_get(group, ZINF_RANK_OF_THIS_PROCESS, &comm) gives
+ * it (or with this process's rank, where the program knows it), zinf_comm_rank(comm, &rank,
+ * &world_size) tells its rank, and zinf_comm_group_world_size gives the job's world size.
  *
  * MpiComm on `device` (a HostDevice or a CudaDevice): `mpi_comm` points at an MPI_Comm (pass
  * &comm), or is NULL for MPI_COMM_WORLD. Initialises MPI (MPI_THREAD_MULTIPLE) when the program

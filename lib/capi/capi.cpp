@@ -410,6 +410,19 @@ zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, zinf_comm_t*
   return guard(fn, [&]() -> Status {
     ZINF_RETURN_IF_ERROR(require(group, fn, "group"));
     ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
+    if (rank == ZINF_RANK_OF_THIS_PROCESS) {
+      // A group of one process per rank holds this process's communicator only; a LocalComm
+      // group of several ranks has no one rank of "this process".
+      if (group->handles.size() != 1) {
+        return Status::invalid_argument(fmt::format(
+            "{}: rank -1 (ZINF_RANK_OF_THIS_PROCESS) asks for this process's rank in a group of "
+            "one process per rank (MPI, NCCL); this group holds all {} ranks of the job: pass a "
+            "rank in [0, {})",
+            fn, group->handles.size(), group->handles.size()));
+      }
+      *out = &group->handles[0];
+      return Status::ok();
+    }
     const int last = group->first_rank + static_cast<int>(group->handles.size());
     if (rank < group->first_rank || rank >= last) {
       return Status::invalid_argument(

@@ -715,7 +715,12 @@ TEST(CApi, HandlesRefuseToGoWhileUsed) {
   EXPECT_EQ(world, 2);
   zinf_comm_t* comm = nullptr;
   EXPECT_CODE(zinf_comm_group_get(group, 2, &comm), ZINF_INVALID_ARGUMENT, "rank 2");
-  EXPECT_CODE(zinf_comm_group_get(group, -1, &comm), ZINF_INVALID_ARGUMENT, "rank -1");
+  // "This process's rank" has no one answer in a group of every rank as threads.
+  EXPECT_CODE(zinf_comm_group_get(group, ZINF_RANK_OF_THIS_PROCESS, &comm), ZINF_INVALID_ARGUMENT,
+              "rank -1 (ZINF_RANK_OF_THIS_PROCESS) asks for this process's rank in a group of one "
+              "process per rank");
+  EXPECT_CODE(zinf_comm_group_get(group, -2, &comm), ZINF_INVALID_ARGUMENT, "rank -2");
+  EXPECT_EQ(comm, nullptr);
   ASSERT_EQ(zinf_comm_group_get(group, 1, &comm), ZINF_OK);
   EXPECT_CODE(zinf_device_destroy(devices[1]), ZINF_FAILED_PRECONDITION, "host:1");
 
