@@ -9,6 +9,8 @@
 #include <cctype>
 #include <cerrno>
 #include <filesystem>
+#include <fstream>
+#include <string>
 #include <system_error>
 
 #include "zinf/log.hpp"
@@ -26,6 +28,21 @@ std::string host_for_file_names() {
     if (!keep) c = '_';
   }
   return out;
+}
+
+// Process `pid` has ended: there is none, or it is a zombie (exited, not yet reaped by its
+// parent: its files are closed, as mpirun leaves a killed rank for a moment after it returns).
+bool process_ended(long pid) {
+  if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
+  std::ifstream stat(fmt::format("/proc/{}/stat", pid));
+  std::string line;
+  if (!std::getline(stat, line)) return false;
+  // "<pid> (<comm>) <state> ...": comm may hold spaces and parentheses, the state follows the
+  // last ')'.
+  const std::size_t close = line.rfind(')');
+  if (close == std::string::npos || close + 2 >= line.size()) return false;
+  const char state = line[close + 2];
+  return state == 'Z' || state == 'X';
 }
 
 // Removes this machine's stale swap files in `dir`; a file another process removes first is
@@ -79,7 +96,7 @@ bool stale_swap_file(const std::string& name) {
       pid = pid * 10 + (name[i] - '0');
     }
     if (pid <= 0 || pid == static_cast<long>(::getpid())) return false;
-    return ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    return process_ended(pid);
   }
   return false;
 }

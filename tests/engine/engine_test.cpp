@@ -20,6 +20,7 @@
 #include <set>
 #include <span>
 #include <string>
+#include <thread>
 
 #include "engine/nvme_dir.hpp"
 #include "engine_test_util.hpp"
@@ -1191,7 +1192,8 @@ TEST(EngineOpen, ACommunicatorTimeoutOtherThanTheConfigsIsWarned) {
 }
 
 // A process killed while it trained leaves its swap file; the next engine to open in the
-// directory on this machine removes it (saying so), and leaves alone the files of running
+// directory on this machine removes it (saying so), also while the process is a zombie not yet
+// reaped (mpirun may return before a killed rank is), and leaves alone the files of running
 // processes and of other machines.
 TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   engine_test::ScratchDir dir("nvme-stale");
@@ -1199,6 +1201,18 @@ TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   ASSERT_GE(child, 0);
   if (child == 0) ::_exit(0);
   ASSERT_EQ(::waitpid(child, nullptr, 0), child);  // a process id no process has now
+  const pid_t zombie = ::fork();
+  ASSERT_GE(zombie, 0);
+  if (zombie == 0) ::_exit(0);
+  // Exited and not reaped until the end of the test: a zombie.
+  for (int i = 0; i < 500; ++i) {
+    siginfo_t info{};
+    if (::waitid(P_PID, static_cast<id_t>(zombie), &info, WEXITED | WNOHANG | WNOWAIT) == 0 &&
+        info.si_pid == zombie) {
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
   auto named = [](const std::string& pattern, long pid) {
     std::string name = pattern;
     name.replace(name.find("{pid}"), 5, std::to_string(pid));
@@ -1206,6 +1220,7 @@ TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   };
   const std::string dead = named(swap_file_name("swap", 1), child);
   const std::string dead_activations = named(swap_file_name("activations", 0), child);
+  const std::string exited = named(swap_file_name("swap", 3), zombie);
   const std::string alive = named(swap_file_name("swap", 1), ::getppid());
   const std::string elsewhere = fmt::format("zinf-swap-another_host-{}-rank1.bin", child);
   // Not a swap file's name, though it starts as one.
@@ -1214,7 +1229,7 @@ TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   // A dead pid here, but the file is open and locked (as by a process of another pid namespace
   // on this machine, which kill() cannot see).
   const std::string held = named(swap_file_name("swap", 2), child);
-  for (const std::string& name : {dead, dead_activations, alive, elsewhere, backup, held}) {
+  for (const std::string& name : {dead, dead_activations, exited, alive, elsewhere, backup, held}) {
     std::ofstream(dir.path() + "/" + name) << "stale swap bytes";
   }
   const int held_fd = ::open((dir.path() + "/" + held).c_str(), O_RDONLY | O_CLOEXEC);
@@ -1229,6 +1244,8 @@ TEST(EngineNvmePath, SwapFilesOfKilledProcessesAreRemovedAtOpen) {
   ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + dead));
   EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + dead_activations));
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/" + exited)) << "a zombie's";
+  ASSERT_EQ(::waitpid(zombie, nullptr, 0), zombie);
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + alive));
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + elsewhere));
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/" + backup));
