@@ -404,6 +404,10 @@ class Engine {
   // there is no checkpoint. Those leave the engine as it was; an error while the state is being
   // replaced is sticky.
   Status load_checkpoint(std::string_view dir, std::string_view tag = {});
+  // The optimizer steps applied so far (StepReport::step of the last step(); a step skipped for
+  // overflow does not count): 0 after open(), and the checkpoint's count after
+  // load_checkpoint(), so a resumed run knows where it is.
+  std::int64_t applied_steps() const;
   // An opaque blob saved with the next checkpoints (a data loader's position, say): rank 0's is
   // written, and load_checkpoint() gives every rank that blob (empty when none was saved).
   void set_client_state(std::string_view blob);

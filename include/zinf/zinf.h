@@ -446,6 +446,25 @@ ZINF_C_API zinf_code_t zinf_engine_load_checkpoint_tag(zinf_engine_t* engine, co
 /* zinf_engine_load_checkpoint_tag(engine, dir, NULL). */
 ZINF_C_API zinf_code_t zinf_engine_load_checkpoint(zinf_engine_t* engine, const char* dir);
 
+/* The optimizer steps the engine has applied (zinf_step_report_t.step of the last step; a step
+ * skipped for overflow does not count): 0 after open, the checkpoint's count after a load, so a
+ * resumed run knows the step it resumes at (zinf_engine_counters' steps count calls since open
+ * instead). */
+ZINF_C_API zinf_code_t zinf_engine_applied_steps(const zinf_engine_t* engine,
+                                                 int64_t* applied_steps);
+
+/* The client state: an opaque blob (a data loader's position, an epoch, a random generator's
+ * state) saved with the following checkpoints, as Engine::set_client_state. set copies `bytes`
+ * bytes at `data` (data may be NULL when bytes is 0: empty); rank 0's blob is the one a save
+ * writes (<dir>/<tag>/client_state.bin), and a load gives every rank that blob (empty when the
+ * checkpoint has none). get gives the engine's blob: *data (owned by the engine, valid until the
+ * next zinf_engine_set_client_state, checkpoint load or zinf_engine_close on it) and *bytes;
+ * either pointer may be NULL. Not collective. */
+ZINF_C_API zinf_code_t zinf_engine_set_client_state(zinf_engine_t* engine, const void* data,
+                                                    size_t bytes);
+ZINF_C_API zinf_code_t zinf_engine_client_state(const zinf_engine_t* engine, const void** data,
+                                                size_t* bytes);
+
 /* The fp32 master values of parameter `name` into `out`, which holds `out_count` floats: exactly
  * the parameter's element count (else ZINF_INVALID_ARGUMENT, before the collective). Collective:
  * every rank calls it with the same name. ZINF_NOT_FOUND for an unknown name. */

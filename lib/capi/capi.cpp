@@ -867,6 +867,39 @@ zinf_code_t zinf_engine_load_checkpoint(zinf_engine_t* engine, const char* dir) 
   return zinf_engine_load_checkpoint_tag(engine, dir, nullptr);
 }
 
+zinf_code_t zinf_engine_applied_steps(const zinf_engine_t* engine, int64_t* applied_steps) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require(applied_steps, fn, "applied_steps"));
+    *applied_steps = engine->engine->applied_steps();
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_set_client_state(zinf_engine_t* engine, const void* data, size_t bytes) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    if (bytes > 0) ZINF_RETURN_IF_ERROR(require(data, fn, "data"));
+    engine->engine->set_client_state(
+        bytes == 0 ? std::string_view() : std::string_view(static_cast<const char*>(data), bytes));
+    return Status::ok();
+  });
+}
+
+zinf_code_t zinf_engine_client_state(const zinf_engine_t* engine, const void** data,
+                                     size_t* bytes) {
+  const char* const fn = __func__;
+  return guard(fn, [&]() -> Status {
+    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    const std::string& blob = engine->engine->client_state();
+    if (data != nullptr) *data = blob.data();
+    if (bytes != nullptr) *bytes = blob.size();
+    return Status::ok();
+  });
+}
+
 zinf_code_t zinf_engine_read_parameters(zinf_engine_t* engine, const char* name, float* out,
                                         size_t out_count) {
   const char* const fn = __func__;

@@ -1121,6 +1121,7 @@ Status Engine::save_checkpoint(std::string_view dir) {
 Status Engine::load_checkpoint(std::string_view dir, std::string_view tag) {
   return impl_->load_checkpoint(dir, tag);
 }
+std::int64_t Engine::applied_steps() const { return impl_->t_; }
 void Engine::set_client_state(std::string_view blob) { impl_->client_state_ = blob; }
 const std::string& Engine::client_state() const { return impl_->client_state_; }
 Result<SwapCheckReport> Engine::verify_swap() { return impl_->verify_swap(); }

@@ -15,9 +15,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <nlohmann/json.hpp>
 #include <ostream>
+#include <random>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -403,7 +405,6 @@ TEST(CApi, ConfigErrorsNameTheKeyAndFile) {
   EXPECT_CODE(zinf_config_load("/nonexistent/capi/ds_config.json", &missing), ZINF_NOT_FOUND,
               "/nonexistent/capi/ds_config.json");
   EXPECT_EQ(missing, nullptr);
-
   // to_json: ask the size, then write; a small buffer is refused whole.
   std::size_t needed = 0;
   EXPECT_CODE(zinf_config_to_json(config, nullptr, 0, &needed), ZINF_RESOURCE_EXHAUSTED, "bytes");
@@ -906,6 +907,87 @@ TEST(CApi, CheckpointResumesToTheSameBits) {
   }
   EXPECT_EQ(std::memcmp(a, b, sizeof a), 0);
   EXPECT_NE(std::memcmp(a, values, sizeof a), 0);
+}
+
+// A C program resuming from a checkpoint learns the step it resumes at and gets back the client
+// state (a data loader's position) it saved: the engine's applied steps (not the counters' calls
+// since open) and the blob's bytes, NUL bytes included, which are also client_state.bin on disk.
+TEST(CApi, ResumedEngineKnowsItsStepAndClientState) {
+  ScratchDir scratch("client_state");
+  const std::string dir = scratch.path() + "/ckpt";
+  std::mt19937 rng(20261205);
+  std::uniform_real_distribution<float> uniform(-1.0f, 1.0f);
+  float values[7];
+  for (float& v : values) v = uniform(rng);
+  const std::int64_t shape[1] = {7};
+  std::string blob(61, '\0');
+  for (char& c : blob) c = static_cast<char>(rng() & 0xff);
+  blob[5] = '\0';  // a blob, not a C string
+  const auto step = [&](zinf_engine_t* engine, std::int64_t expected_step) {
+    float grads[7];
+    for (float& g : grads) g = uniform(rng);
+    const zinf_gradient_t ref = {"w", grads, 7, ZINF_DTYPE_F32};
+    ASSERT_EQ(zinf_engine_reduce_gradients(engine, "m", &ref, 1), ZINF_OK)
+        << zinf_last_error_message();
+    zinf_step_report_t report{};
+    report.struct_size = sizeof report;
+    ASSERT_EQ(zinf_engine_step(engine, &report), ZINF_OK) << zinf_last_error_message();
+    EXPECT_EQ(report.step, expected_step);
+    std::int64_t applied = -1;
+    ASSERT_EQ(zinf_engine_applied_steps(engine, &applied), ZINF_OK) << zinf_last_error_message();
+    EXPECT_EQ(applied, expected_step);
+  };
+  {
+    OneRank one(kStage2);
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    ASSERT_EQ(
+        zinf_engine_register_parameter(one.engine_, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+        ZINF_OK);
+    EXPECT_CODE(zinf_engine_applied_steps(one.engine_, nullptr), ZINF_INVALID_ARGUMENT,
+                "applied_steps is null");
+    EXPECT_CODE(zinf_engine_set_client_state(one.engine_, nullptr, 3), ZINF_INVALID_ARGUMENT,
+                "data is null");
+    for (std::int64_t i = 1; i <= 3; ++i) step(one.engine_, i);
+    ASSERT_EQ(zinf_engine_set_client_state(one.engine_, blob.data(), blob.size()), ZINF_OK);
+    ASSERT_EQ(zinf_engine_save_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
+        << zinf_last_error_message();
+    std::ifstream saved(dir + "/global_step3/client_state.bin", std::ios::binary);
+    ASSERT_TRUE(saved.good()) << dir << "/global_step3/client_state.bin";
+    const std::string on_disk((std::istreambuf_iterator<char>(saved)),
+                              std::istreambuf_iterator<char>());
+    EXPECT_EQ(on_disk, blob);
+  }
+  OneRank one(kStage2);
+  ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+  ASSERT_EQ(zinf_engine_register_parameter(one.engine_, "w", "m", shape, 1, ZINF_DTYPE_F32, values),
+            ZINF_OK);
+  std::int64_t applied = -1;
+  ASSERT_EQ(zinf_engine_applied_steps(one.engine_, &applied), ZINF_OK);
+  EXPECT_EQ(applied, 0);
+  const void* data = &applied;
+  std::size_t bytes = 99;
+  ASSERT_EQ(zinf_engine_client_state(one.engine_, &data, &bytes), ZINF_OK);
+  EXPECT_EQ(bytes, 0u);
+  // Set before the load: the checkpoint's blob replaces it.
+  ASSERT_EQ(zinf_engine_set_client_state(one.engine_, "other", 5), ZINF_OK);
+  ASSERT_EQ(zinf_engine_load_checkpoint(one.engine_, dir.c_str()), ZINF_OK)
+      << zinf_last_error_message();
+  ASSERT_EQ(zinf_engine_applied_steps(one.engine_, &applied), ZINF_OK);
+  EXPECT_EQ(applied, 3);
+  ASSERT_EQ(zinf_engine_client_state(one.engine_, &data, &bytes), ZINF_OK);
+  ASSERT_EQ(bytes, blob.size());
+  EXPECT_EQ(std::memcmp(data, blob.data(), bytes), 0);
+  // The counters count this engine's calls; the step goes on from the checkpoint's.
+  zinf_engine_counters_t counters{};
+  counters.struct_size = sizeof counters;
+  ASSERT_EQ(zinf_engine_counters(one.engine_, &counters), ZINF_OK);
+  EXPECT_EQ(counters.steps, 0u);
+  step(one.engine_, 4);
+  // An empty blob clears it.
+  ASSERT_EQ(zinf_engine_set_client_state(one.engine_, nullptr, 0), ZINF_OK)
+      << zinf_last_error_message();
+  ASSERT_EQ(zinf_engine_client_state(one.engine_, nullptr, &bytes), ZINF_OK);
+  EXPECT_EQ(bytes, 0u);
 }
 
 // A rank refused for bad input leaves the other waiting in its next collective until the
