@@ -123,7 +123,8 @@ typedef struct zinf_config zinf_config_t;
 ZINF_C_API zinf_code_t zinf_config_from_json(const char* json, size_t json_bytes,
                                              zinf_config_t** out);
 /* Reads and parses the file at `path` (NUL-terminated). ZINF_NOT_FOUND or ZINF_IO_ERROR naming
- * the path; parse errors as zinf_config_from_json. */
+ * the path (a directory: ZINF_IO_ERROR "config <path>: Is a directory", sys_code EISDIR); parse
+ * errors as zinf_config_from_json. */
 ZINF_C_API zinf_code_t zinf_config_load(const char* path, zinf_config_t** out);
 /* Writes the config as JSON (the format parse reads back equal), NUL-terminated, into `buffer`
  * of `buffer_bytes` bytes, and the bytes it needs (with the NUL) into *needed_bytes when not

@@ -25,6 +25,7 @@
 #include <cctype>
 #include <cerrno>
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
@@ -875,6 +876,12 @@ Status resolve_batch_sizes(int world_size, Config* config) {
 }
 
 Result<Config> load_config(const std::string& path) {
+  // A directory opens for reading (open(2) allows it) and then reads as nothing, which the parser
+  // would report as JSON that ends too early: say what it is instead.
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return status_from_errno(fmt::format("config {}", path), EISDIR);
+  }
   std::ifstream file(path);
   if (!file) return status_from_errno(fmt::format("config {}", path), errno);
   std::stringstream text;

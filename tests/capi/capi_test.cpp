@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cmath>
 #include <cstddef>
 #include <cstdio>
@@ -405,6 +406,15 @@ TEST(CApi, ConfigErrorsNameTheKeyAndFile) {
   EXPECT_CODE(zinf_config_load("/nonexistent/capi/ds_config.json", &missing), ZINF_NOT_FOUND,
               "/nonexistent/capi/ds_config.json");
   EXPECT_EQ(missing, nullptr);
+  // A directory given as the config's path: ZINF_IO_ERROR naming it, as zinf.h promises.
+  {
+    ScratchDir not_a_file("config_dir");
+    EXPECT_CODE(zinf_config_load(not_a_file.path().c_str(), &missing), ZINF_IO_ERROR,
+                not_a_file.path() + ": Is a directory");
+    EXPECT_EQ(zinf_last_error_sys_code(), EISDIR);
+    EXPECT_EQ(missing, nullptr);
+  }
+
   // to_json: ask the size, then write; a small buffer is refused whole.
   std::size_t needed = 0;
   EXPECT_CODE(zinf_config_to_json(config, nullptr, 0, &needed), ZINF_RESOURCE_EXHAUSTED, "bytes");

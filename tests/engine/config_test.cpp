@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cerrno>
 #include <cstdio>
 #include <map>
 #include <span>
@@ -629,6 +630,12 @@ TEST(Config, LoadConfigNamesTheFile) {
   const std::string message(bad.status().message());
   EXPECT_NE(message.find(path), std::string::npos) << message;
   EXPECT_NE(message.find("zero_optimization.stage"), std::string::npos) << message;
+  // A directory is an I/O error saying so, not JSON that ends early.
+  Result<Config> directory = load_config(dir.path());
+  ASSERT_FALSE(directory.is_ok());
+  EXPECT_EQ(directory.status().code(), Code::kIoError) << directory.status().to_string();
+  EXPECT_EQ(directory.status().sys_code(), EISDIR);
+  EXPECT_EQ(directory.status().message(), "config " + dir.path() + ": Is a directory");
 }
 
 // offload_param.buffer_count defaults to 5 and offload_optimizer.buffer_count to 4, in a config
