@@ -163,7 +163,9 @@ typedef struct zinf_comm_group zinf_comm_group_t;
 typedef struct zinf_comm zinf_comm_t;
 
 /* `timeout_ms`: how long a rank waits in a collective for the others before it fails with
- * ZINF_TIMEOUT on every rank (0: the default, 60 s). REQUIRES: the devices are distinct
+ * ZINF_TIMEOUT on every rank (0: the default, 60 s); give the config's zinf.collective_timeout_ms
+ * the same value (zinf_engine_open warns on rank 0 when they differ; the same holds for
+ * zinf_mpi_comm_group_create's timeout_ms). REQUIRES: the devices are distinct
  * HostDevices; they must outlive the group (enforced, see zinf_device_destroy). */
 ZINF_C_API zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* devices, int world_size,
                                                     int64_t timeout_ms, zinf_comm_group_t** out);

@@ -1075,8 +1075,9 @@ Result<std::unique_ptr<Engine>> Engine::open(const Config& config, const Env& en
       comm_timeout.count() != config.collective_timeout_ms) {
     log_warn(
         "zinf.collective_timeout_ms is {} ms, but the communicator ({}) was made with a "
-        "collective timeout of {} ms (MpiCommOptions / LocalCommOptions::timeout): a stalled "
-        "rank fails the job after the smaller; give both the same value",
+        "collective timeout of {} ms (MpiCommOptions / LocalCommOptions::timeout; in the C API "
+        "the timeout_ms of zinf_mpi_comm_group_create / zinf_local_comm_group_create): a "
+        "stalled rank fails the job after the smaller; give both the same value",
         config.collective_timeout_ms, env.comm->name(), comm_timeout.count());
   }
   // DeepSpeed's batch arithmetic at the communicator's world size (a no-op where parse_config()

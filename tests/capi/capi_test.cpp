@@ -709,6 +709,38 @@ TEST(CApi, ProcessGroupsNameTheNullArgument) {
   EXPECT_EQ(zinf_device_destroy(device), ZINF_OK);
 }
 
+// A communicator timeout other than the config's is warned about in the C API's words too: the
+// C caller gave the group's timeout_ms, not MpiCommOptions / LocalCommOptions::timeout.
+TEST(CApi, ATimeoutMismatchIsWarnedInTheCApisWords) {
+  const std::string json = kStage2;
+  zinf_config_t* config = nullptr;
+  ASSERT_EQ(zinf_config_from_json(json.data(), json.size(), &config), ZINF_OK);
+  zinf_device_t* device = nullptr;
+  ASSERT_EQ(zinf_host_device_create(0, 0, &device), ZINF_OK);
+  zinf_comm_group_t* group = nullptr;
+  ASSERT_EQ(zinf_local_comm_group_create(&device, 1, 7000, &group), ZINF_OK);
+  zinf_comm_t* comm = nullptr;
+  ASSERT_EQ(zinf_comm_group_get(group, 0, &comm), ZINF_OK);
+  zinf_env_t env{};
+  env.struct_size = sizeof env;
+  env.device = device;
+  env.comm = comm;
+  zinf_engine_t* engine = nullptr;
+  ::testing::internal::CaptureStderr();
+  const zinf_code_t opened = zinf_engine_open(config, &env, &engine);
+  const std::string log = ::testing::internal::GetCapturedStderr();
+  EXPECT_EQ(opened, ZINF_OK) << zinf_last_error_message();
+  EXPECT_NE(log.find("was made with a collective timeout of 7000 ms"), std::string::npos) << log;
+  EXPECT_NE(log.find("the timeout_ms of zinf_mpi_comm_group_create / "
+                     "zinf_local_comm_group_create"),
+            std::string::npos)
+      << log;
+  zinf_engine_close(engine);
+  EXPECT_EQ(zinf_comm_group_destroy(group), ZINF_OK);
+  EXPECT_EQ(zinf_device_destroy(device), ZINF_OK);
+  zinf_config_destroy(config);
+}
+
 TEST(CApi, HandlesRefuseToGoWhileUsed) {
   zinf_device_t* devices[2] = {nullptr, nullptr};
   ASSERT_EQ(zinf_host_device_create(0, 0, &devices[0]), ZINF_OK);
