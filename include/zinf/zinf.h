@@ -192,7 +192,14 @@ ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
  * &comm), or is NULL for MPI_COMM_WORLD. Initialises MPI (MPI_THREAD_MULTIPLE) when the program
  * has not. `timeout_ms` bounds every collective's wait for the other ranks (0: 60 s): a rank that
  * died or stalled fails the others' collectives with ZINF_TIMEOUT naming it.
- * ZINF_UNSUPPORTED naming ZINF_WITH_MPI when zinf was built without MPI. Every rank calls it. */
+ * ZINF_UNSUPPORTED naming ZINF_WITH_MPI when zinf was built without MPI. Every rank calls it.
+ * The end of a job, in this order: zinf_engine_close, zinf_comm_group_destroy, then MPI_Finalize.
+ * The group's communicator calls MPI (a progress thread) until it is destroyed, so MPI_Finalize
+ * before that is an error MPI does not survive (Open MPI aborts the process: "MPI_Test() called
+ * after MPI_FINALIZE"). When zinf initialised MPI, it also finalises it, at exit (an atexit
+ * handler; skipped after a failed collective, whose dead peer MPI_Finalize could wait for): the
+ * program need not call MPI_Finalize, and if it does (after destroying the group) zinf leaves
+ * it at that; either way, destroy the group before main returns. */
 ZINF_C_API zinf_code_t zinf_mpi_comm_group_create(zinf_device_t* device, const void* mpi_comm,
                                                   int64_t timeout_ms, zinf_comm_group_t** out);
 /* NcclComm on `device` (a CudaDevice): from the caller's ncclComm_t (`nccl_comm`, destroyed with
