@@ -7,7 +7,9 @@
 // Errors: every zinf::Status that is not OK becomes a zinf.Error (a RuntimeError) whose message is
 // Status::to_string(), "<code name>: <message>", so the code and the named file, key, module or
 // parameter reach the Python caller. Calls that may block (gather, reduce, step, checkpoints,
-// finalize, reading and writing parameters) release the GIL, through without_gil().
+// finalize, reading and writing parameters, set_learning_rate, opening and closing the engine)
+// release the GIL, through without_gil(): with the "torch" communicator a collective needs the
+// GIL to finish (torch_comm.hpp), so no call may hold it while it waits for one.
 //
 // Thread-safety: as zinf::Engine, call one Engine from one thread.
 #include <nanobind/nanobind.h>
@@ -31,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "torch_comm.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -119,14 +122,16 @@ using HostArray = nb::ndarray<nb::c_contig, nb::device::cpu>;
 using FloatArray = nb::ndarray<float, nb::c_contig, nb::device::cpu>;
 
 // One rank: a HostDevice, a communicator, and the engine. The communicator is a LocalComm group
-// of one ("local") or this process's rank of MPI_COMM_WORLD ("mpi": make_mpi_comm initialises MPI
-// when the process has not, and its collectives fail after collective_timeout_ms when a peer
-// does not arrive). Members are destroyed in reverse order: the engine before the communicator
-// before the device.
+// of one ("local"), this process's rank of MPI_COMM_WORLD ("mpi": make_mpi_comm initialises MPI
+// when the process has not), or this process's rank of a torch.distributed gloo group ("torch",
+// over `transport`, zinf.torch's _TorchTransport: torch_comm.hpp); the collectives of the last two
+// fail after collective_timeout_ms when a peer does not arrive. Members are destroyed in reverse
+// order: the engine before the communicator before the device, and always without the GIL (a
+// torch communicator's worker takes it to finish a collective the engine may be waiting for).
 class PyEngine {
  public:
   PyEngine(const std::string& config_json, const std::vector<std::string>& nvme_paths,
-           std::uint64_t device_memory_limit_bytes, const std::string& comm) {
+           std::uint64_t device_memory_limit_bytes, const std::string& comm, nb::object transport) {
     const zinf::Config config = take(zinf::parse_config(config_json));
     zinf::HostDeviceOptions device_options;
     if (device_memory_limit_bytes != 0)
@@ -141,16 +146,34 @@ class PyEngine {
       zinf::MpiCommOptions comm_options;
       comm_options.timeout = timeout;
       comms_.push_back(take(zinf::make_mpi_comm(*device_, comm_options)));
+    } else if (comm == "torch") {
+      if (transport.is_none()) {
+        throw ZinfError(zinf::Status::invalid_argument(
+            "comm \"torch\" needs a transport (zinf.torch makes it from torch.distributed)"));
+      }
+      comms_.push_back(take(zinf_python::make_torch_comm(*device_, transport, timeout)));
     } else {
-      throw ZinfError(
-          zinf::Status::invalid_argument("comm: '" + comm + "' is not \"local\" or \"mpi\""));
+      throw ZinfError(zinf::Status::invalid_argument("comm: '" + comm +
+                                                     "' is not \"local\", \"mpi\" or \"torch\""));
     }
     zinf::Env env;
     env.device = device_.get();
     env.comm = comms_[0].get();
     env.nvme_paths = nvme_paths;
-    engine_ = take(zinf::Engine::open(config, env));
+    zinf::Result<std::unique_ptr<zinf::Engine>> engine = [&] {
+      nb::gil_scoped_release release;
+      return zinf::Engine::open(config, env);
+    }();
+    if (!engine.is_ok()) {
+      destroy();
+      check(engine.status());
+    }
+    engine_ = std::move(engine).value();
   }
+
+  ~PyEngine() { destroy(); }
+  PyEngine(const PyEngine&) = delete;
+  PyEngine& operator=(const PyEngine&) = delete;
 
   // Registers a parameter with its initial values (`values`, copied now) or, when `values` is
   // None, with `initializer`: a callable (first_element, out) that fills the float32 array `out`
@@ -444,15 +467,10 @@ class PyEngine {
   }
 
   // Destroys the engine, then the communicator (an MpiComm stops its progress thread and frees
-  // its MPI communicators), then the device: every parameter's memory is gone afterwards, and
-  // every later call raises. zinf.torch calls it at interpreter exit (before MPI is finalised).
-  void close() {
-    nb::gil_scoped_release release;
-    engine_.reset();
-    pending_saves_.clear();
-    comms_.clear();
-    device_.reset();
-  }
+  // its MPI communicators, a torch one its worker), then the device: every parameter's memory is
+  // gone afterwards, and every later call raises. zinf.torch calls it at interpreter exit (before
+  // MPI is finalised).
+  void close() { destroy(); }
 
   zinf::Engine& engine() {
     if (!engine_) throw ZinfError(zinf::Status::failed_precondition("the engine was closed"));
@@ -461,6 +479,16 @@ class PyEngine {
   const zinf::Engine& engine() const { return const_cast<PyEngine*>(this)->engine(); }
 
  private:
+  // What close() and the destructor do; called with the GIL held, released while the engine's
+  // threads and the communicator's worker are waited for.
+  void destroy() {
+    nb::gil_scoped_release release;
+    engine_.reset();
+    pending_saves_.clear();
+    comms_.clear();
+    device_.reset();
+  }
+
   std::unique_ptr<zinf::Device> device_;
   // Device copies of the last saved activations, read by the store until its next call returns.
   std::vector<zinf::DeviceBuffer> pending_saves_;
@@ -510,9 +538,10 @@ NB_MODULE(_zinf, m) {
 
   nb::class_<PyEngine>(m, "Engine", nb::is_weak_referenceable())
       .def(nb::init<const std::string&, const std::vector<std::string>&, std::uint64_t,
-                    const std::string&>(),
+                    const std::string&, nb::object>(),
            nb::arg("config_json"), nb::arg("nvme_paths") = std::vector<std::string>{},
-           nb::arg("device_memory_limit_bytes") = 0, nb::arg("comm") = "local")
+           nb::arg("device_memory_limit_bytes") = 0, nb::arg("comm") = "local",
+           nb::arg("transport") = nb::none())
       .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"), nb::arg("module"),
            nb::arg("shape"), nb::arg("dtype"), nb::arg("values").none(),
            nb::arg("initializer") = nb::none(), nb::arg("group") = "", nb::arg("values_hash") = 0)
@@ -577,7 +606,11 @@ NB_MODULE(_zinf, m) {
            nb::arg("values_fn").none(), nb::arg("root") = 0)
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
-           [](PyEngine& e, double lr) { check(e.engine().set_learning_rate(lr)); })
+           [](PyEngine& e, double lr) {
+             // May wait for the overlapped step's reads to be called off.
+             zinf::Engine& core = e.engine();
+             without_gil([&] { return core.set_learning_rate(lr); });
+           })
       .def_prop_ro("learning_rate", [](const PyEngine& e) { return e.engine().learning_rate(); })
       .def_prop_ro("betas", [](const PyEngine& e) { return e.engine().betas(); })
       .def_prop_ro("rank", [](const PyEngine& e) { return e.engine().rank(); })

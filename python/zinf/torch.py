@@ -33,8 +33,9 @@ How the model's tensors meet the engine (docs/PYTHON.md):
   (as DeepSpeed's ZeRO-1/2 keeps it), used by forward and backward as it is; it has no gradient,
   no optimizer state and no share of the gradient norm. Checkpoints keep them in the client
   state; state dicts hold them.
-- Under mpirun each process is one rank (MpiComm); an exception in forward, backward or step
-  aborts the communicator, so the other ranks fail at once naming this one.
+- Under mpirun each process is one rank (MpiComm), and under torchrun too (the binding's torch
+  communicator over a gloo group, python/src/torch_comm.hpp); an exception in forward, backward
+  or step aborts the communicator, so the other ranks fail at once naming this one.
 - Init (zinf/_torch_init.py) stages parameters as modules are built; the engine's initializers
   read each rank's partition from there.
 """
@@ -227,19 +228,128 @@ def _map_tensors(value, fn):
     return rebuild(value)
 
 
+_MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
+
+
 def _choose_comm(comm: str | None) -> str:
-    """"local" (one process) or "mpi" (this process's rank of an mpirun/srun job). None picks
-    "mpi" when an MPI launcher started the process (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or
-    PMIX_RANK in the environment), else "local"."""
+    """"local" (one process), "mpi" (this process's rank of an mpirun/srun job) or "torch" (this
+    process's rank of a torchrun job, over a gloo group of torch.distributed). None picks "mpi"
+    when an MPI launcher started the process (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or PMIX_RANK in the
+    environment), "torch" when torchrun did (WORLD_SIZE > 1 and RANK set, no MPI launcher), else
+    "local"."""
     if comm is not None:
+        if comm not in ("local", "mpi", "torch"):
+            raise ValueError(f"comm={comm!r}: not \"local\", \"mpi\" or \"torch\"")
         return comm
-    if any(v in os.environ for v in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")):
+    if any(v in os.environ for v in _MPI_LAUNCHER_VARIABLES):
         return "mpi"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise NotImplementedError(
-            "WORLD_SIZE > 1 without an MPI launcher (torchrun?): zinf.torch runs several "
-            "processes under mpirun (comm=\"mpi\"); launch with mpirun -np N python ...")
+        if "RANK" not in os.environ:
+            raise NotImplementedError(
+                "WORLD_SIZE > 1 without RANK and without an MPI launcher: zinf.torch runs several "
+                "processes under torchrun (python -m torch.distributed.run --nproc_per_node N "
+                "script.py), which sets RANK, or under mpirun (comm=\"mpi\")")
+        return "torch"
     return "local"
+
+
+class _TorchTransport:
+    """The torch communicator's link to torch.distributed (python/src/torch_comm.hpp): a gloo
+    process group of zinf's own, so that its collectives never interleave with the script's,
+    and the group's store, which carries the abort notices and the barriers. The binding's worker
+    thread calls it with the GIL held, one collective at a time in the order the engine issued
+    them. The data moves as bytes (uint8 tensors that torch owns: gloo never touches the engine's
+    memory); the sums are the binding's, in rank order."""
+
+    def __init__(self, timeout_ms: int):
+        import datetime
+
+        import torch.distributed as dist
+
+        if not dist.is_available():
+            raise NotImplementedError("comm=\"torch\": this torch has no torch.distributed")
+        self._dist = dist
+        timeout = datetime.timedelta(milliseconds=timeout_ms)
+        if not dist.is_initialized():
+            # The script did not initialise torch.distributed: zinf does, from torchrun's
+            # environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), and destroys the group at
+            # exit.
+            global _initialised_torch_distributed
+            dist.init_process_group(backend="gloo", init_method="env://", timeout=timeout)
+            _initialised_torch_distributed = True
+        self._group = dist.new_group(backend="gloo", timeout=timeout)
+        self.rank = dist.get_rank(self._group)
+        self.world_size = dist.get_world_size(self._group)
+        # The group's ranks in the default group's numbering (broadcast names its source so).
+        self._global_ranks = [dist.get_global_rank(self._group, r)
+                              for r in range(self.world_size)]
+        self._store = dist.distributed_c10d._get_default_store()
+        self._prefix = f"zinf/{self._group.group_name}"
+        self._notice_key = f"{self._prefix}/abort"
+
+    def launch(self, kind: int, send, out_bytes: int, root: int):
+        dist = self._dist
+        data = torch.from_numpy(send).clone() if send is not None else None
+        if kind == 0:
+            out = torch.empty(out_bytes, dtype=torch.uint8)
+            work = dist.all_gather_into_tensor(out, data, group=self._group, async_op=True)
+        elif kind == 1:
+            out = torch.empty(out_bytes, dtype=torch.uint8)
+            work = dist.all_to_all_single(out, data, group=self._group, async_op=True)
+        else:
+            out = data if self.rank == root else torch.empty(out_bytes, dtype=torch.uint8)
+            work = dist.broadcast(out, src=self._global_ranks[root], group=self._group,
+                                  async_op=True)
+        return work, out
+
+    @staticmethod
+    def wait(work, slice_s: float) -> bool:
+        import datetime
+
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=slice_s))
+            return True
+        except RuntimeError:
+            if not work.is_completed():
+                return False
+            # Completed as the slice ran out, or failed: wait() says which.
+            work.wait()
+            return True
+
+    def notice(self):
+        if not self._store.check([self._notice_key]):
+            return None
+        return self._store.get(self._notice_key).decode("utf-8", "replace")
+
+    def post_notice(self, text: str):
+        # The first notice stays: the peers report the rank that failed first.
+        self._store.compare_set(self._notice_key, "", text)
+
+    def barrier_arrive(self, generation: int) -> int:
+        return self._store.add(f"{self._prefix}/barrier{generation}", 1)
+
+    def barrier_count(self, generation: int) -> int:
+        return self._store.add(f"{self._prefix}/barrier{generation}", 0)
+
+    def close(self, healthy: bool):
+        # After a failure the group stays: destroying it waits for gloo's operations left behind,
+        # which end only at the timeout.
+        if healthy and self._dist.is_initialized():
+            self._dist.destroy_process_group(self._group)
+
+
+# Whether zinf.torch initialised torch.distributed (a torchrun script that did not): its default
+# group is then destroyed at exit, after the engines.
+_initialised_torch_distributed = False
+
+
+def _make_transport(comm: str, config: dict):
+    """The torch communicator's transport (comm "torch"), with the config's
+    zinf.collective_timeout_ms; None for the other communicators."""
+    if comm != "torch":
+        return None
+    resolved = json.loads(_zinf.normalize_config(json.dumps(config)))
+    return _TorchTransport(int(resolved["zinf"]["collective_timeout_ms"]))
 
 
 def _local_rank() -> int:
@@ -270,8 +380,12 @@ _open_engines: "weakref.WeakSet[ZinfEngine]" = weakref.WeakSet()
 
 @atexit.register
 def _close_open_engines():
+    healthy = True
     for engine in list(_open_engines):
+        healthy = healthy and engine._core.comm_status() == "ok"
         engine.destroy()
+    if _initialised_torch_distributed and healthy and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 def _abort_on_uncaught_exception(exc_type, exc, traceback):
@@ -427,8 +541,9 @@ class ZinfEngine(nn.Module):
         derives = isinstance(config.get("train_batch_size"), (int, float))
         declared = config if "gradient_accumulation_steps" in config or derives else {
             **config, "gradient_accumulation_steps": 1}
-        self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes,
-                                  _choose_comm(comm))
+        chosen = _choose_comm(comm)
+        self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes, chosen,
+                                  _make_transport(chosen, declared))
         _open_engines.add(self)
         if self._core.world_size > 1:
             _install_abort_on_uncaught_exception()
@@ -1663,8 +1778,10 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
         each pass (DeepSpeed's: a DistributedSampler with seed 0).
     args: an argparse namespace; its deepspeed_config (add_config_arguments' --deepspeed_config)
         is the config when config is not given (both are refused, as by DeepSpeed).
-    comm: "local" (one process) or "mpi" (one rank per process of an mpirun job); by default
-        "mpi" when an MPI launcher started the process, else "local".
+    comm: "local" (one process), "mpi" (one rank per process of an mpirun job) or "torch" (one
+        rank per process of a torchrun job, over a gloo group of torch.distributed); by default
+        "mpi" when an MPI launcher started the process, "torch" when torchrun did (WORLD_SIZE >
+        1 and RANK set), else "local".
     """
     if config is None:
         config = config_params
@@ -1747,19 +1864,19 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
                      verbose=True, timeout=None, init_method=None, dist_init_required=None,
                      config=None, rank=-1, world_size=-1) -> None:
     """deepspeed.init_distributed's place in a ported script: takes its arguments and returns
-    None, leaving torch.distributed as it is. zinf's engine does not use torch.distributed:
-    initialize() opens zinf's own communicator (comm="mpi" under mpirun, MpiComm), whose rank
-    and size are engine.global_rank and engine.world_size. So the call has nothing to set up,
-    and it does not create a torch process group beside that communicator.
+    None, leaving torch.distributed as it is. initialize() opens zinf's own communicator
+    (comm="mpi" under mpirun, MpiComm; comm="torch" under torchrun, a gloo group of its own,
+    initialising torch.distributed from torchrun's environment when the script has not), whose
+    rank and size are engine.global_rank and engine.world_size. So the call has nothing to set
+    up.
 
     What a script does with torch.distributed itself (dist.barrier(), dist.all_reduce() of a
     metric, dist.get_rank()) needs torch.distributed.init_process_group() of its own (gloo, with
     the launcher's rank and size); without it those calls raise, and code guarded by
     torch.distributed.is_initialized() runs as if it were the only process. Under a launcher of
-    several processes this warns, saying so. Under torchrun (WORLD_SIZE > 1 without an MPI
-    launcher) it raises NotImplementedError, as initialize() would: zinf runs several processes
-    under mpirun. The arguments (backend, port, timeout, rank, world_size, ...) are DeepSpeed's
-    and have no effect."""
+    several processes this warns, saying so (under mpirun; under torchrun initialize()
+    initialises torch.distributed when the script has not). The arguments (backend, port,
+    timeout, rank, world_size, ...) are DeepSpeed's and have no effect."""
     del (dist_backend, auto_mpi_discovery, distributed_port, verbose, timeout, init_method,
          dist_init_required, config, rank, world_size)
     if _choose_comm(None) != "mpi" or torch.distributed.is_initialized():
