@@ -88,13 +88,15 @@ def _torchrun_world_size() -> int:
 
 
 def _refuse_without_mpi(call: str):
-    """Several processes not started by an MPI launcher (torchrun, accelerate launch): zinf's
-    engine has no communicator for them on the CPU (docs/PYTHON.md, "Several processes")."""
+    """Several processes not started by an MPI launcher (torchrun, accelerate launch): the
+    Trainer path sets up torch.distributed from an MPI launcher's environment only (zinf.torch's
+    own initialize() runs under torchrun: docs/PYTHON.md, "Several processes")."""
     if _torchrun_world_size() > 1 and _mpi_launcher() is None:
         raise NotImplementedError(
             f"{call} (zinf.deepspeed_compat): WORLD_SIZE={_torchrun_world_size()} "
-            "without an MPI launcher (torchrun?); zinf's engine communicates through MPI, so "
-            "launch the Trainer script with mpirun -np N python script.py")
+            "without an MPI launcher (torchrun?); the Trainer path runs several processes under "
+            "mpirun only, so launch the Trainer script with mpirun -np N python script.py "
+            "(zinf.torch.initialize() itself runs under torchrun)")
 
 
 # ---- deepspeed.comm -----------------------------------------------------------------------------
