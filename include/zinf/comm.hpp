@@ -62,6 +62,15 @@ enum class CollectiveKind : std::uint8_t {
 // "all_gather", "reduce_scatter", "all_reduce", "broadcast".
 std::string_view collective_kind_name(CollectiveKind kind);
 
+// The reduction of the host-memory communicators (LocalComm, MpiComm), for a Communicator written
+// outside the library (zinf.torch's over torch.distributed) that must give their bits:
+// out[i] = `op` over ranks r = 0, 1, ... in that order of pieces[r * element_count + i], the
+// pieces laid out end to end, accumulated in f32 and rounded once to `dtype` (kAverage divides
+// the f32 sum by `world`; a NaN wins for kMax and kMin). `out` may be the first piece.
+// REQUIRES: world >= 1; `pieces` holds world * element_count elements of `dtype`.
+void reduce_host_pieces(const void* pieces, int world, std::size_t element_count, DType dtype,
+                        ReduceOp op, void* out);
+
 // One collective call, as the backends receive it.
 struct Collective {
   CollectiveKind kind = CollectiveKind::kAllReduce;

@@ -1,6 +1,21 @@
 #include "zinf/comm.hpp"
 
+#include <cstddef>
+#include <vector>
+
+#include "comm/collective_util.hpp"
+
 namespace zinf {
+
+void reduce_host_pieces(const void* pieces, int world, std::size_t element_count, DType dtype,
+                        ReduceOp op, void* out) {
+  const auto* base = static_cast<const std::byte*>(pieces);
+  std::vector<const std::byte*> srcs(static_cast<std::size_t>(world));
+  for (std::size_t r = 0; r < srcs.size(); ++r) {
+    srcs[r] = base + r * element_count * dtype_bytes(dtype);
+  }
+  reduce_range(srcs, 0, static_cast<std::byte*>(out), 0, element_count, dtype, op);
+}
 
 std::string_view reduce_op_name(ReduceOp op) {
   switch (op) {

@@ -6,7 +6,6 @@
 #include <nanobind/stl/tuple.h>
 
 #include <algorithm>
-#include <cmath>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -45,8 +44,6 @@ constexpr auto kWaitGrace = std::chrono::milliseconds(2000);
 constexpr auto kBarrierPoll = std::chrono::milliseconds(2);
 // The transport's operations (torch_comm.hpp).
 enum class Transfer : int { kAllGather = 0, kAllToAll = 1, kBroadcast = 2 };
-// f32 accumulators per tile of a reduction.
-constexpr std::size_t kTileElements = 512;
 
 std::string describe(const Collective& op, std::uint64_t sequence) {
   std::string text =
@@ -58,72 +55,6 @@ std::string describe(const Collective& op, std::uint64_t sequence) {
 // The Python exception as text: "<type>: <message>".
 std::string python_error_text(const nb::python_error& e) {
   return std::string(nb::type_name(e.type()).c_str()) + ": " + nb::str(e.value()).c_str();
-}
-
-void load_f32(const std::byte* src, DType dtype, std::size_t first, std::size_t count, float* out) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(out, src + first * 4, count * 4);
-      return;
-    case DType::kBF16:
-      zinf::convert_bf16_to_f32(reinterpret_cast<const std::uint16_t*>(src) + first, out, count);
-      return;
-    case DType::kF16:
-      zinf::convert_f16_to_f32(reinterpret_cast<const std::uint16_t*>(src) + first, out, count);
-      return;
-  }
-}
-
-void store_f32(const float* in, DType dtype, std::size_t first, std::size_t count, std::byte* dst) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst + first * 4, in, count * 4);
-      return;
-    case DType::kBF16:
-      zinf::convert_f32_to_bf16(in, reinterpret_cast<std::uint16_t*>(dst) + first, count);
-      return;
-    case DType::kF16:
-      zinf::convert_f32_to_f16(in, reinterpret_cast<std::uint16_t*>(dst) + first, count);
-      return;
-  }
-}
-
-// dst[i] = op over ranks r in rank order of pieces[r * count + i], accumulated in f32 and rounded
-// once; kAverage divides the f32 sum by the rank count; a NaN wins for kMax and kMin. The same
-// arithmetic, in the same order, as zinf's reduce_range (lib/comm/collective_util.cpp), so the
-// bits are LocalComm's and MpiComm's.
-void reduce_pieces(const std::byte* pieces, int world, std::size_t count, DType dtype, ReduceOp op,
-                   std::byte* dst) {
-  float acc[kTileElements];
-  float next[kTileElements];
-  for (std::size_t base = 0; base < count; base += kTileElements) {
-    const std::size_t tile = std::min(kTileElements, count - base);
-    load_f32(pieces, dtype, base, tile, acc);
-    for (int r = 1; r < world; ++r) {
-      load_f32(pieces, dtype, static_cast<std::size_t>(r) * count + base, tile, next);
-      switch (op) {
-        case ReduceOp::kSum:
-        case ReduceOp::kAverage:
-          for (std::size_t i = 0; i < tile; ++i) acc[i] += next[i];
-          break;
-        case ReduceOp::kMax:
-          for (std::size_t i = 0; i < tile; ++i) {
-            if (next[i] > acc[i] || std::isnan(next[i])) acc[i] = next[i];
-          }
-          break;
-        case ReduceOp::kMin:
-          for (std::size_t i = 0; i < tile; ++i) {
-            if (next[i] < acc[i] || std::isnan(next[i])) acc[i] = next[i];
-          }
-          break;
-      }
-    }
-    if (op == ReduceOp::kAverage) {
-      const float ranks = static_cast<float>(world);
-      for (std::size_t i = 0; i < tile; ++i) acc[i] /= ranks;
-    }
-    store_f32(acc, dtype, base, tile, dst);
-  }
 }
 
 // One collective, from issue() to its completion.
@@ -439,7 +370,8 @@ Status TorchComm::execute(Task& task, bool* from_peer) {
       break;
     case CollectiveKind::kReduceScatter:
     case CollectiveKind::kAllReduce:
-      reduce_pieces(out, world_size_, op.element_count, op.dtype, op.op, recv);
+      // LocalComm's and MpiComm's arithmetic, so a run gives their bits.
+      zinf::reduce_host_pieces(out, world_size_, op.element_count, op.dtype, op.op, recv);
       break;
   }
   return Status::ok();
