@@ -145,6 +145,17 @@ struct ParameterSpec {
   // the default group, the optimizer's own. A name no add_param_group() defined fails
   // finalize() naming the parameter and the group.
   std::string group = {};
+  // False: a frozen parameter (requires_grad=False in torch, an adapter's base weight). It is
+  // laid out, partitioned, gathered and released, checkpointed, read and written as any other,
+  // and keeps its fp32 master and optimizer moments (the moments stay zero; the optimizer pass
+  // streams them with the rest of the state), but it takes no gradients and no step changes it:
+  // it steps in an internal group of learning rate 0 and weight decay 0 with a zero gradient, so
+  // its master (and device copy) keep their bits. A module's parameters must be all trainable or
+  // all frozen (finalize() refuses a mix with kInvalidArgument naming the module and one
+  // parameter of each kind); reduce_gradients() of a frozen module is kInvalidArgument, and the
+  // step needs the gradients of the trainable parameters only. Not with zinf.gradients_on_nvme
+  // (finalize() refuses it naming the key).
+  bool trainable = true;
 };
 
 // A parameter group, as torch's param_groups (DeepSpeed takes them from the torch optimizer):
@@ -493,7 +504,7 @@ class Engine {
   std::pair<double, double> betas() const;
 
   // Defines a parameter group (see ParamGroup). REQUIRES: before finalize(). kInvalidArgument
-  // for an empty or repeated name, a weight_decay or lr_scale that is not finite, more than 63
+  // for an empty or repeated name, a weight_decay or lr_scale that is not finite, more than 62
   // groups; kFailedPrecondition after finalize().
   Status add_param_group(const ParamGroup& group);
 

@@ -114,6 +114,14 @@ class Engine::Impl {
           "then)",
           spec.name, dtype_name(spec.dtype)));
     }
+    if (!spec.trainable && config_.gradients_on_nvme) {
+      // A spilled gradient sub-group is complete once every element of it was added; a frozen
+      // parameter's elements never are, so the spill's bookkeeping does not hold there.
+      return Status::invalid_argument(fmt::format(
+          "register_parameter('{}'): a frozen parameter (trainable false) with "
+          "zinf.gradients_on_nvme true, which does not support frozen parameters; set it false",
+          spec.name));
+    }
     return layout_.add(spec);
   }
 
@@ -168,7 +176,7 @@ class Engine::Impl {
     sc.swap = swap_.get();
     sc.param_staging_bytes = param_staging_bytes_;
     ZINF_ASSIGN_OR_RETURN(group_ranges_, partition_group_ranges(layout_, rank_, param_groups_));
-    group_params_.resize(param_groups_.size() + 1);
+    group_params_.resize(param_groups_.size() + 2);  // and the frozen parameters' group
     set_step_params(t_ + 1);
     sc.group_ranges = group_ranges_;
     sc.groups = group_params_;
@@ -183,6 +191,10 @@ class Engine::Impl {
     ro.accumulator_zeroed = target.zeroed;
     ro.accumulator = target.custom;
     ro.accumulator_on_device = target.on_device;
+    ro.frozen.resize(layout_.partitioner().param_count());
+    for (std::size_t id = 0; id < ro.frozen.size(); ++id) {
+      ro.frozen[id] = !layout_.param(id).spec.trainable;
+    }
     ZINF_ASSIGN_OR_RETURN(reducer_, GradReducer::create(layout_.partitioner(), rank_, device_,
                                                         comm_, target.accumulator, ro, &counters_));
 
@@ -367,6 +379,13 @@ class Engine::Impl {
     const bool open = overlap_ != nullptr && overlap_->open();
     const bool by_group = overlap_ != nullptr && reducer_->zeroes_groups();
     const bool beside_pass = !open && by_group && overlap_->running();
+    if (Result<std::size_t> mf = layout_.find_module("reduce_gradients", module);
+        mf.is_ok() && !layout_.param(layout_.module_params(*mf).front()).spec.trainable) {
+      return Status::invalid_argument(fmt::format(
+          "reduce_gradients('{}'): the module's parameters are frozen (ParameterSpec::trainable "
+          "false, '{}'): it takes no gradients",
+          module, layout_.param(layout_.module_params(*mf).front()).spec.name));
+    }
     // After a pass that read ahead was called off, as while it was open: the collective part of
     // settle() (the persistent groups) waits for step(), where the ranks whose pass is still open
     // do it too (commit_step()).
@@ -757,9 +776,10 @@ class Engine::Impl {
       return Status::invalid_argument(fmt::format(
           "add_param_group('{}'): lr_scale {} (finite, >= 0)", group.name, group.lr_scale));
     }
-    if (param_groups_.size() + 1 >= kMaxOptimizerGroups) {
+    // Beside the default group and the frozen parameters' (param_groups.hpp).
+    if (param_groups_.size() + 2 >= kMaxOptimizerGroups) {
       return Status::invalid_argument(fmt::format("add_param_group('{}'): at most {} groups",
-                                                  group.name, kMaxOptimizerGroups - 1));
+                                                  group.name, kMaxOptimizerGroups - 2));
     }
     param_groups_.push_back(group);
     return Status::ok();

@@ -55,6 +55,19 @@ Status ParameterLayout::add(const ParameterSpec& spec) {
         fmt::format("{}: {} of initial_values and initializer are set (exactly one must be)", what,
                     spec.initial_values == nullptr ? "neither" : "both"));
   }
+  if (auto m = module_index_.find(spec.module); m != module_index_.end()) {
+    // A module is reduced whole (reduce_gradients()), so it takes gradients or not as a whole.
+    const ParameterSpec& other = regs_[module_params_[m->second].front()].spec;
+    if (other.trainable != spec.trainable) {
+      const ParameterSpec& frozen = spec.trainable ? other : spec;
+      const ParameterSpec& trainable = spec.trainable ? spec : other;
+      return Status::invalid_argument(fmt::format(
+          "{}: module '{}' mixes frozen and trainable parameters ('{}' is frozen, '{}' is "
+          "trainable); a module's parameters must be all trainable or all frozen (register the "
+          "frozen ones under a module of their own)",
+          what, spec.module, frozen.name, trainable.name));
+    }
+  }
   Registered r;
   r.spec = spec;
   r.spec.initial_values = nullptr;

@@ -16,6 +16,10 @@ Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout
   std::vector<std::uint32_t> param_group(part.param_count(), 0);
   for (std::uint32_t id = 0; id < part.param_count(); ++id) {
     const std::string& name = layout.param(id).spec.group;
+    if (!layout.param(id).spec.trainable) {
+      param_group[id] = frozen_group(groups);
+      continue;
+    }
     if (name.empty()) continue;
     auto it = std::find_if(groups.begin(), groups.end(),
                            [&](const ParamGroup& g) { return g.name == name; });
@@ -64,7 +68,7 @@ std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges,
 
 void group_params(const OptimizerParams& base, double lr, std::span<const ParamGroup> groups,
                   std::vector<OptimizerParams>* out) {
-  ZINF_ASSERT(out->size() == groups.size() + 1);
+  ZINF_ASSERT(out->size() == groups.size() + 2);
   (*out)[0] = base;
   (*out)[0].lr = lr;
   for (std::size_t i = 0; i < groups.size(); ++i) {
@@ -73,6 +77,10 @@ void group_params(const OptimizerParams& base, double lr, std::span<const ParamG
     p.lr = lr * groups[i].lr_scale;
     if (groups[i].weight_decay >= 0) p.weight_decay = groups[i].weight_decay;
   }
+  OptimizerParams& frozen = (*out)[frozen_group(groups)];
+  frozen = base;
+  frozen.lr = 0.0;
+  frozen.weight_decay = 0.0;
 }
 
 }  // namespace zinf

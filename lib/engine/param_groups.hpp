@@ -2,13 +2,19 @@
 // group's hyper-parameters, and those hyper-parameters for one step.
 //
 // Group 0 is the default group (the optimizer's own hyper-parameters, ParameterSpec::group ""),
-// group i + 1 is the i-th add_param_group(). Padding in the partition goes with group 0 (its
-// values and gradients are zero, so any group leaves it zero).
+// group i + 1 is the i-th add_param_group(), and the last, group groups.size() + 1, is the frozen
+// parameters' (ParameterSpec::trainable false, whatever their group): learning rate 0 and weight
+// decay 0. Their gradient is zero, so every optimizer's moments stay zero and its update is
+// exactly zero; a learning rate of 0 alone would still let weight decay shrink them (AdamW's
+// p * (1 - lr * wd) is exact at lr 0, but Adam's L2 term adds wd * p to the gradient). Padding in
+// the partition goes with group 0 (its values and gradients are zero, so any group leaves it
+// zero).
 //
 // Thread-safety: pure functions.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -30,8 +36,14 @@ Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout
 std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges, std::size_t first,
                                          std::size_t count);
 
+// The index of the frozen parameters' group (the last one, see above).
+inline std::uint32_t frozen_group(std::span<const ParamGroup> groups) {
+  return static_cast<std::uint32_t>(groups.size()) + 1;
+}
+
 // out[0] = base with lr; out[i + 1] = base with lr * groups[i].lr_scale and groups[i]'s
-// weight_decay when set. REQUIRES: out->size() == groups.size() + 1 (nothing is allocated).
+// weight_decay when set; out[groups.size() + 1] = base with lr 0 and weight decay 0 (the frozen
+// group). REQUIRES: out->size() == groups.size() + 2 (nothing is allocated).
 void group_params(const OptimizerParams& base, double lr, std::span<const ParamGroup> groups,
                   std::vector<OptimizerParams>* out);
 

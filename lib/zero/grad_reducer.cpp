@@ -195,7 +195,34 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
   } else {
     r->zero();
   }
+  ZINF_RETURN_IF_ERROR(r->zero_frozen_groups());
   return r;
+}
+
+Status GradReducer::zero_frozen_groups() {
+  if (options_.frozen.empty() || !partitioner_.partitions(StateKind::kGradients)) {
+    // Stage 1's frozen gradients are the full copies' zeros (zero(), create_device_side()),
+    // reduce-scattered into the accumulator with the rest at every step.
+    return Status::ok();
+  }
+  ZINF_ASSERT(options_.frozen.size() == partitioner_.param_count());
+  for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+    const GroupInfo& info = partitioner_.group(g);
+    if (info.param_count == 0 || !options_.frozen[info.first_param]) continue;
+    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+      ZINF_ASSERT_MSG(options_.frozen[id], "a gradient group mixes frozen and trainable params");
+    }
+    const std::size_t count = info.shard_element_count;
+    if (options_.accumulator_on_device) {
+      ZINF_RETURN_IF_ERROR(device_.memset_async(device_accumulator_ + offsets_[g], 0,
+                                                count * sizeof(float), *stream_));
+    } else {
+      ZINF_ASSERT_MSG(memory_accumulator_ != nullptr,
+                      "frozen parameters with a custom gradient accumulator");
+      std::memset(memory_accumulator_->data() + offsets_[g], 0, count * sizeof(float));
+    }
+  }
+  return device_.synchronize(*stream_, options_.timeout);
 }
 
 void GradReducer::zero() {
@@ -228,15 +255,24 @@ void GradReducer::forget_group(std::uint32_t g) {
 
 Result<int> GradReducer::micro_batches() const {
   if (counts_.empty()) return 0;
-  // The parameters with the fewest and the most reductions: the one short of its gradients is
-  // the one to name.
-  const auto [low, high] = std::minmax_element(counts_.begin(), counts_.end());
+  // The trainable parameters with the fewest and the most reductions: the one short of its
+  // gradients is the one to name. Frozen ones are never reduced.
+  auto low = counts_.end(), high = counts_.end();
+  for (auto it = counts_.begin(); it != counts_.end(); ++it) {
+    if (!options_.frozen.empty() && options_.frozen[it - counts_.begin()]) continue;
+    if (low == counts_.end() || *it < *low) low = it;
+    if (high == counts_.end() || *it > *high) high = it;
+  }
+  if (low == counts_.end()) {
+    return Status::failed_precondition(
+        "step: every parameter is frozen (ParameterSpec::trainable false): nothing to step");
+  }
   if (*high == 0) {
     return Status::failed_precondition(fmt::format(
         "step: no gradients were reduced since the last step (parameter '{}' had 0, as did every "
         "other): reduce every module's gradients after its backward (reduce_gradients(); "
         "engine.backward(loss) in zinf.torch), then call step()",
-        partitioner_.spec(0).name));
+        partitioner_.spec(static_cast<ParamId>(low - counts_.begin())).name));
   }
   if (*low != *high) {
     return Status::failed_precondition(fmt::format(

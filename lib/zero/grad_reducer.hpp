@@ -73,6 +73,13 @@ struct GradReducerOptions {
   // "none" on a GPU): reduced chunks are added into it on the device, and a group's first chunk
   // since zero() overwrites instead, so nothing has to clear it. Excludes `accumulator`.
   bool accumulator_on_device = false;
+  // Per parameter (indexed by ParamId; empty: none): a frozen parameter, which takes no
+  // gradients. REQUIRES: a group holds only frozen or only trainable parameters wherever
+  // gradients are partitioned (the engine groups by module, and a module is one or the other),
+  // and `accumulator` is not set with a frozen parameter. A frozen group is never reduced; its
+  // slice of the accumulator is zeroed once at create() and never written after, so the step's
+  // norm and update see a zero gradient there. micro_batches() counts only the trainable ones.
+  std::vector<bool> frozen;
 };
 
 // One parameter's gradient as the reducer reads it (device memory; read by host code only when
@@ -112,8 +119,8 @@ class GradReducer {
   // Stage 1: reduce-scatters the full accumulators into the partition accumulator. Collective.
   Status reduce_accumulated();
 
-  // The micro-batches every parameter was reduced in since zero(); kFailedPrecondition naming a
-  // parameter when they differ or are 0.
+  // The micro-batches every trainable parameter was reduced in since zero(); kFailedPrecondition
+  // naming a parameter when they differ or are 0, or when every parameter is frozen.
   Result<int> micro_batches() const;
   // Parameter id's micro-batches reduced since zero() (or its group's zero_group()).
   std::uint32_t reduced(ParamId id) const { return counts_[id]; }
@@ -164,6 +171,8 @@ class GradReducer {
                          std::span<const GradSource> sources);
   // One more micro-batch reduced for each of the group's parameters (a whole-group reduction).
   void count_group(const GroupInfo& info);
+  // Zeroes the frozen groups' slices of the accumulator (in memory or on the device), once.
+  Status zero_frozen_groups();
   bool overwrites_first() const {
     return options_.accumulator_on_device || memory_accumulator_ != nullptr;
   }

@@ -212,8 +212,9 @@ std::vector<float> make_grad(const ParamDef& def, const std::vector<float>& w, i
 Status register_model(Engine& engine, const Model& model) {
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     const ParamDef& d = model.params[p];
-    ZINF_RETURN_IF_ERROR(
-        engine.register_parameter({d.name, d.module, d.shape, d.dtype, model.initial[p].data()}));
+    ParameterSpec spec{d.name, d.module, d.shape, d.dtype, model.initial[p].data()};
+    spec.trainable = d.module != model.frozen_module;
+    ZINF_RETURN_IF_ERROR(engine.register_parameter(spec));
   }
   return Status::ok();
 }
@@ -283,7 +284,9 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
                                 access.upload(data, d.element_count() * dtype_bytes(d.dtype)));
           refs.push_back({d.name, data, d.element_count(), d.dtype});
         }
-        ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
+        if (*it != model.frozen_module) {
+          ZINF_RETURN_IF_ERROR(engine.reduce_gradients(*it, refs));
+        }
         ZINF_RETURN_IF_ERROR(access.clear());
         ZINF_RETURN_IF_ERROR(engine.release(*it));
       }
@@ -323,6 +326,7 @@ Reference run_reference(const Config& config, const Model& model, int world,
     for (std::size_t p = 0; p < count; ++p) {
       const std::size_t n = device[p].size();
       acc[p].assign(n, 0.0f);
+      if (model.params[p].module == model.frozen_module) continue;  // no gradient
       // grads[r][k]
       std::vector<std::vector<std::vector<float>>> g(static_cast<std::size_t>(world));
       for (int r = 0; r < world; ++r) {
@@ -390,6 +394,7 @@ Reference run_reference(const Config& config, const Model& model, int world,
       hyper.adamw = config.optimizer.kind == OptimizerKind::kAdamW;
       const kernels::AdamStepArgs args = kernels::adam_step_args(hyper, step);
       for (std::size_t p = 0; p < count; ++p) {
+        if (model.params[p].module == model.frozen_module) continue;  // left out of the step
         for (float& g : acc[p]) g = g * so.grad_scale;
         kernels::adam_step_ref(ref.master[p].data(), acc[p].data(), m[p].data(), v[p].data(),
                                nullptr, kernels::HalfType::kNone, acc[p].size(), args);
@@ -397,6 +402,7 @@ Reference run_reference(const Config& config, const Model& model, int world,
       continue;
     }
     for (std::size_t p = 0; p < count; ++p) {
+      if (model.params[p].module == model.frozen_module) continue;  // left out of the step
       OptimizerSpan span;
       span.params = ref.master[p].data();
       span.exp_avg = m[p].data();

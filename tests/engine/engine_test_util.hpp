@@ -31,6 +31,10 @@ struct Model {
   std::vector<std::string> modules;  // forward order
   std::vector<ParamDef> params;      // registration order (grouped by module)
   std::vector<std::vector<float>> initial;
+  // When set, this module's parameters register frozen (ParameterSpec::trainable false):
+  // train_rank() gathers it but reduces no gradients for it, and run_reference() leaves it out
+  // of the step (no gradient, no update, nothing in the norm).
+  std::string frozen_module;
 };
 
 // Five modules; parameter counts that 2, 3 and 4 do not divide; small parameters (biases, a

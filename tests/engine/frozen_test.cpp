@@ -1,0 +1,357 @@
+// Frozen parameters (ParameterSpec::trainable false): the five-module model of the engine tests
+// with one module frozen trains its other modules exactly as the single-process reference trains
+// them with that module left out of the step (engine_test_util.hpp, Model::frozen_module), on
+// world sizes 1 and 2, stages 1-3, the optimizer state on the device, in host memory and on
+// NVMe, every optimizer kind with weight decay; the frozen module's fp32 master and every gathered
+// copy of it keep the bits it was registered with. The refusals (a module that mixes frozen and
+// trainable parameters, reduce_gradients() of a frozen module, zinf.gradients_on_nvme), and a
+// checkpoint saved with the module frozen, loaded where it is frozen and where it is trainable.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <cstring>
+#include <string>
+
+#include "engine_test_util.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+using engine_test::Reference;
+using engine_test::TrainOptions;
+
+struct Case {
+  int world = 1;
+  int stage = 3;
+  OffloadDevice optimizer = OffloadDevice::kHost;
+  OffloadDevice params = OffloadDevice::kNone;
+  std::string frozen = "block1";
+  OptimizerKind kind = OptimizerKind::kAdamW;
+  DType dtype = DType::kF32;
+  int micro_batches = 1;
+  double clipping = 0.0;
+  bool fp16 = false;    // static loss scale 1: the step's pass only reads ahead in the backward
+  bool opaque = false;  // the gradients accumulate on a device that is not host-accessible
+  bool overlap = true;  // zinf.overlap_step
+  int steps = 6;
+};
+
+std::string case_name(const Case& c) {
+  return fmt::format("w{}_s{}_opt_{}_param_{}_{}_{}_{}_mb{}{}{}{}{}", c.world, c.stage,
+                     offload_device_name(c.optimizer), offload_device_name(c.params), c.frozen,
+                     optimizer_name(c.kind), dtype_name(c.dtype), c.micro_batches,
+                     c.clipping > 0 ? "_clip" : "", c.fp16 ? "_fp16" : "",
+                     c.opaque ? "_opaque" : "", c.overlap ? "" : "_sequential");
+}
+
+Config case_config(const Case& c, const std::string& dir) {
+  Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir);
+  config.optimizer.kind = c.kind;
+  config.gradient_clipping = c.clipping;
+  config.overlap_step = c.overlap;
+  if (c.fp16) {
+    config.fp16.enabled = true;
+    config.fp16.loss_scale = 1.0;
+  }
+  return config;
+}
+
+// Trains the case on every rank against the reference (gathered copies compared at every step)
+// and checks the final masters.
+void run_case(const Case& c) {
+  const std::uint64_t seed = 4321 + static_cast<std::uint64_t>(c.world) * 10 +
+                             static_cast<std::uint64_t>(c.stage) +
+                             static_cast<std::uint64_t>(c.kind) * 100;
+  std::printf("case %s seed %llu\n", case_name(c).c_str(), static_cast<unsigned long long>(seed));
+  engine_test::ScratchDir dir("frozen_" + case_name(c));
+  const Config config = case_config(c, dir.path());
+  Model model = engine_test::make_model(c.dtype, seed);
+  model.frozen_module = c.frozen;
+  TrainOptions options;
+  options.steps = c.steps;
+  options.micro_batches = c.micro_batches;
+  if (c.clipping > 0) options.gathered_tolerance = 1e-5;
+  options.device_adam = c.opaque && c.optimizer == OffloadDevice::kNone;
+  const Reference ref = engine_test::run_reference(config, model, c.world, options);
+
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
+  std::vector<std::vector<std::vector<float>>> finals(static_cast<std::size_t>(c.world));
+  std::vector<std::vector<StepReport>> reports(static_cast<std::size_t>(c.world));
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        const auto r = static_cast<std::size_t>(rank);
+        TrainOptions rank_options = options;
+        rank_options.device = ranks.devices[r].get();
+        ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, rank_options,
+                                                     &ref.device_per_step, &reports[r]));
+        ZINF_ASSIGN_OR_RETURN(finals[r], engine_test::read_masters(engine, model));
+        return Status::ok();
+      });
+  for (int r = 0; r < c.world; ++r) {
+    ASSERT_TRUE(st[static_cast<std::size_t>(r)].is_ok())
+        << "rank " << r << ": " << st[static_cast<std::size_t>(r)].to_string();
+  }
+  const double tolerance = options.device_adam && c.clipping > 0 ? 2e-5 : 1e-6;
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    const engine_test::ParamDef& d = model.params[p];
+    for (int r = 0; r < c.world; ++r) {
+      const std::vector<float>& got = finals[static_cast<std::size_t>(r)][p];
+      if (d.module == model.frozen_module) {
+        // The bits it was registered with, after steps with weight decay.
+        EXPECT_EQ(std::memcmp(got.data(), model.initial[p].data(), got.size() * 4), 0)
+            << "rank " << r << ": frozen " << d.name << " changed";
+      } else {
+        EXPECT_LE(engine_test::max_rel_diff(got, ref.master[p]), tolerance)
+            << "rank " << r << ": " << d.name;
+        // It trained: a run that stepped nothing would match a reference that stepped nothing.
+        EXPECT_GT(engine_test::max_rel_diff(got, model.initial[p]), 1e-3) << d.name;
+      }
+    }
+  }
+  ASSERT_EQ(reports[0].size(), static_cast<std::size_t>(c.steps));
+  for (const StepReport& rep : reports[0]) EXPECT_FALSE(rep.skipped);
+  EXPECT_EQ(reports[0].back().step, c.steps);
+  EXPECT_EQ(reports[0].back().micro_batches, c.micro_batches);
+}
+
+class FrozenEquivalence : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FrozenEquivalence, TrainsTheOthersAsTheReferenceAndKeepsTheFrozenBits) {
+  run_case(GetParam());
+}
+
+std::vector<Case> equivalence_cases() {
+  std::vector<Case> cases;
+  for (int world : {1, 2}) {
+    for (int stage : {1, 2, 3}) {
+      for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+        Case c;
+        c.world = world;
+        c.stage = stage;
+        c.optimizer = opt;
+        cases.push_back(c);
+      }
+    }
+  }
+  // The first module frozen (an embedding) and the last, parameters on NVMe, several
+  // micro-batches, clipping, the sequential step, bf16 and fp16 parameters (fp16: the step's
+  // pass reads ahead only), and gradients accumulated on a device that is not host-accessible.
+  cases.push_back({.world = 2, .stage = 3, .frozen = "embed"});
+  cases.push_back({.world = 2,
+                   .stage = 3,
+                   .optimizer = OffloadDevice::kNvme,
+                   .params = OffloadDevice::kNvme,
+                   .frozen = "head"});
+  cases.push_back({.world = 2, .stage = 3, .micro_batches = 2});
+  cases.push_back({.world = 2, .stage = 2, .optimizer = OffloadDevice::kNvme, .clipping = 0.5});
+  cases.push_back({.world = 2, .stage = 3, .clipping = 0.5});
+  cases.push_back({.world = 2, .stage = 3, .overlap = false});
+  cases.push_back({.world = 2, .stage = 3, .dtype = DType::kBF16});
+  cases.push_back({.world = 2, .stage = 3, .dtype = DType::kF16, .fp16 = true});
+  cases.push_back({.world = 2, .stage = 3, .optimizer = OffloadDevice::kNone, .opaque = true});
+  cases.push_back({.world = 2, .stage = 2, .optimizer = OffloadDevice::kNone, .opaque = true});
+  cases.push_back({.world = 2, .stage = 1, .optimizer = OffloadDevice::kNone, .opaque = true});
+  // Every optimizer kind with weight decay, state in host memory and on NVMe.
+  for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kAdagrad, OptimizerKind::kLion}) {
+    for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+      cases.push_back({.world = 2, .stage = 3, .optimizer = opt, .kind = kind});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, FrozenEquivalence, ::testing::ValuesIn(equivalence_cases()),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return case_name(info.param);
+                         });
+
+// Runs fn on one engine of `config` (world 1), nothing registered.
+Status with_engine(const Config& config, const std::function<Status(Engine&)>& fn) {
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int, Engine& engine) { return fn(engine); });
+  return st[0];
+}
+
+TEST(Frozen, AModuleThatMixesFrozenAndTrainableParametersIsRefused) {
+  engine_test::ScratchDir dir("frozen_mixed");
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, dir.path());
+  const std::vector<float> w(6, 0.25f), b(3, 0.5f);
+  Status st = with_engine(config, [&](Engine& engine) -> Status {
+    ParameterSpec weight{"lin.w", "lin", {3, 2}, DType::kF32, w.data()};
+    weight.trainable = false;
+    ZINF_RETURN_IF_ERROR(engine.register_parameter(weight));
+    Status mixed = engine.register_parameter({"lin.b", "lin", {3}, DType::kF32, b.data()});
+    EXPECT_EQ(mixed.code(), Code::kInvalidArgument) << mixed.to_string();
+    EXPECT_NE(mixed.message().find("module 'lin' mixes frozen and trainable"), std::string::npos)
+        << mixed.to_string();
+    EXPECT_NE(mixed.message().find("'lin.w' is frozen, 'lin.b' is trainable"), std::string::npos)
+        << mixed.to_string();
+    // Nothing changed: the bias registers under a module of its own, and the engine trains.
+    ZINF_RETURN_IF_ERROR(
+        engine.register_parameter({"lin.b", "lin.bias", {3}, DType::kF32, b.data()}));
+    return engine.finalize();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST(Frozen, ReduceGradientsOfAFrozenModuleIsRefused) {
+  engine_test::ScratchDir dir("frozen_reduce");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, dir.path());
+  Model model = engine_test::make_model(DType::kF32, 77);
+  model.frozen_module = "block1";
+  Status st = with_engine(config, [&](Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+    std::vector<GradientRef> refs;
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      if (model.params[p].module != "block1") continue;
+      refs.push_back({model.params[p].name, model.initial[p].data(), model.initial[p].size()});
+    }
+    ZINF_RETURN_IF_ERROR(engine.gather("block1"));
+    Status refused = engine.reduce_gradients("block1", refs);
+    EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.to_string();
+    EXPECT_NE(refused.message().find("reduce_gradients('block1')"), std::string::npos)
+        << refused.to_string();
+    EXPECT_NE(refused.message().find("takes no gradients"), std::string::npos)
+        << refused.to_string();
+    ZINF_RETURN_IF_ERROR(engine.release("block1"));
+    // The engine stays usable: it trains.
+    TrainOptions options;
+    options.steps = 2;
+    return engine_test::train_rank(engine, model, 0, options, nullptr, nullptr);
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST(Frozen, EveryParameterFrozenHasNothingToStep) {
+  engine_test::ScratchDir dir("frozen_all");
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, dir.path());
+  const std::vector<float> w(6, 0.25f);
+  Status st = with_engine(config, [&](Engine& engine) -> Status {
+    ParameterSpec weight{"lin.w", "lin", {3, 2}, DType::kF32, w.data()};
+    weight.trainable = false;
+    ZINF_RETURN_IF_ERROR(engine.register_parameter(weight));
+    Result<StepReport> step = engine.step();
+    EXPECT_EQ(step.status().code(), Code::kFailedPrecondition) << step.status().to_string();
+    EXPECT_NE(step.status().message().find("every parameter is frozen"), std::string::npos)
+        << step.status().to_string();
+    return Status::ok();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+TEST(Frozen, GradientsOnNvmeAreRefusedNamingTheKey) {
+  engine_test::ScratchDir dir("frozen_spill");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  config.gradients_on_nvme = true;
+  const std::vector<float> w(6, 0.25f);
+  Status st = with_engine(config, [&](Engine& engine) -> Status {
+    ParameterSpec weight{"lin.w", "lin", {3, 2}, DType::kF32, w.data()};
+    weight.trainable = false;
+    Status refused = engine.register_parameter(weight);
+    EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.to_string();
+    EXPECT_NE(refused.message().find("zinf.gradients_on_nvme"), std::string::npos)
+        << refused.to_string();
+    EXPECT_NE(refused.message().find("'lin.w'"), std::string::npos) << refused.to_string();
+    return Status::ok();
+  });
+  EXPECT_TRUE(st.is_ok()) << st.to_string();
+}
+
+// Trains 3 steps with block1 frozen and saves; a run that loads the checkpoint with block1
+// frozen and trains steps 4-6 ends as the reference's 6 steps, and one that loads it with
+// block1 trainable reads the same masters and trains block1 from there.
+TEST(Frozen, CheckpointRoundTrip) {
+  constexpr int kWorld = 2;
+  engine_test::ScratchDir dir("frozen_checkpoint");
+  const std::string ckpt = dir.path() + "/ckpt";
+  const Config config =
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, dir.path());
+  Model model = engine_test::make_model(DType::kF32, 99);
+  model.frozen_module = "block1";
+  TrainOptions options;
+  options.steps = 6;
+  const Reference ref = engine_test::run_reference(config, model, kWorld, options);
+
+  std::vector<std::vector<float>> saved;
+  std::vector<Status> st =
+      engine_test::with_engines(config, model, kWorld, [&](int rank, Engine& engine) -> Status {
+        TrainOptions first = options;
+        first.steps = 3;
+        ZINF_RETURN_IF_ERROR(
+            engine_test::train_rank(engine, model, rank, first, &ref.device_per_step, nullptr));
+        // read_parameters is collective: every rank reads, rank 0 keeps them.
+        ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                              engine_test::read_masters(engine, model));
+        if (rank == 0) saved = std::move(masters);
+        return engine.save_checkpoint(ckpt, "three");
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+
+  // Frozen again: steps 4-6 as the reference's, the frozen bits kept.
+  std::vector<std::vector<float>> resumed;
+  st = engine_test::with_engines(config, model, kWorld, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "three"));
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> loaded,
+                          engine_test::read_masters(engine, model));
+    for (std::size_t p = 0; p < loaded.size(); ++p) {
+      EXPECT_EQ(std::memcmp(loaded[p].data(), saved[p].data(), saved[p].size() * 4), 0)
+          << model.params[p].name;
+    }
+    TrainOptions rest = options;
+    rest.first_step = 4;
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(engine, model, rank, rest, &ref.device_per_step, nullptr));
+    // read_parameters is collective: every rank reads, rank 0 keeps them.
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                          engine_test::read_masters(engine, model));
+    if (rank == 0) resumed = std::move(masters);
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].module == "block1") {
+      EXPECT_EQ(std::memcmp(resumed[p].data(), model.initial[p].data(), resumed[p].size() * 4), 0)
+          << model.params[p].name;
+    } else {
+      EXPECT_LE(engine_test::max_rel_diff(resumed[p], ref.master[p]), 1e-6) << model.params[p].name;
+    }
+  }
+
+  // Trainable now: the same masters, and block1 moves.
+  Model thawed = model;
+  thawed.frozen_module.clear();
+  std::vector<std::vector<float>> after;
+  st = engine_test::with_engines(config, thawed, kWorld, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "three"));
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> loaded,
+                          engine_test::read_masters(engine, thawed));
+    for (std::size_t p = 0; p < loaded.size(); ++p) {
+      EXPECT_EQ(std::memcmp(loaded[p].data(), saved[p].data(), saved[p].size() * 4), 0)
+          << thawed.params[p].name;
+    }
+    TrainOptions rest = options;
+    rest.first_step = 4;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, thawed, rank, rest, nullptr, nullptr));
+    // read_parameters is collective: every rank reads, rank 0 keeps them.
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                          engine_test::read_masters(engine, thawed));
+    if (rank == 0) after = std::move(masters);
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (std::size_t p = 0; p < thawed.params.size(); ++p) {
+    if (thawed.params[p].module != "block1") continue;
+    EXPECT_GT(engine_test::max_rel_diff(after[p], model.initial[p]), 1e-3) << thawed.params[p].name;
+  }
+}
+
+}  // namespace
+}  // namespace zinf
