@@ -169,6 +169,163 @@ TEST(OverlapOpen, APassUpdatesInTheBackwardOnlyWhereTheCountIsDeclared) {
   }
 }
 
+// The turn tests' model: a first module of six parameters of 32 x `embed_columns`, reduced last,
+// so that its sub-groups are left to the turn; then a block of 2048 elements and a head of 1024.
+Model turn_model(std::int64_t embed_columns) {
+  Model model;
+  model.modules = {"embed", "block", "head"};
+  for (int k = 0; k < 6; ++k) {
+    model.params.push_back(
+        {fmt::format("embed.w{}", k), "embed", {32, embed_columns}, DType::kBF16});
+  }
+  model.params.push_back({"block.w", "block", {64, 32}, DType::kBF16});
+  model.params.push_back({"head.w", "head", {32, 32}, DType::kBF16});
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    std::vector<float> v(model.params[p].element_count());
+    fill_uniform(v.data(), v.size(), 2305 * 1000 + p, -1.0f, 1.0f);
+    model.initial.push_back(std::move(v));
+  }
+  return model;
+}
+
+// Three steps of `model` with 1024-element sub-groups, sequential and overlapped, `group_max`
+// zinf.group_max_elements and `persistence` stage3_param_persistence_threshold (shards in device
+// memory; the half-precision stream writes them during the pass). Every pass opened in the backward
+// updates each sub-group once, from the last down and, where it turned, from sub-group 0 up to
+// where it turned (the trace's update spans); after every step, the parameters each module gathers
+// are the sequential run's, bit for bit, and so are the masters at the end. *turns gets, per pass
+// that turned, the partition element it turned at (the start of the last sub-group taken going
+// down). Whether and where a pass turns depends on when its reads meet the end of the backward.
+void run_turn(const std::string& name, const Model& model, std::size_t group_max,
+              std::size_t persistence, std::vector<std::size_t>* turns) {
+  engine_test::ScratchDir dir(name);
+  std::size_t total = 0;
+  for (const ParamDef& d : model.params) total += d.element_count();
+  const std::size_t n = total / 1024;
+  std::vector<std::vector<std::vector<float>>> result(2);
+  // Per run: per step, per parameter, the gathered bf16 values.
+  std::vector<std::vector<std::vector<std::uint16_t>>> published(2);
+  std::vector<std::size_t> order;  // the three passes' updates, by sub-group
+  for (bool overlap : {false, true}) {
+    Config config = open_config(dir.path(), overlap);
+    config.zero.sub_group_size = 1024;
+    config.zero.offload_optimizer.buffer_count = 2;
+    config.zero.stage3_param_persistence_threshold = persistence;
+    config.zero.stage3_max_live_parameters = std::size_t{1} << 20;  // the first module gathered
+    config.zero.group_max_elements = group_max;
+    engine_test::Ranks ranks = engine_test::make_ranks(1);
+    Trace trace;
+    Env env;
+    env.device = ranks.devices[0].get();
+    env.comm = ranks.comms[0].get();
+    env.trace = &trace;
+    Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    Engine& engine = **opened;
+    ASSERT_TRUE(engine_test::register_model(engine, model).is_ok());
+    ASSERT_TRUE(engine.finalize().is_ok());
+    for (int step = 1; step <= 3; ++step) {
+      ASSERT_TRUE(backward(engine, model, step).is_ok());
+      Result<StepReport> rep = engine.step();
+      ASSERT_TRUE(rep.is_ok()) << rep.status().to_string();
+      // What the next forward reads: each module gathered (waiting for the pass to write it).
+      for (const std::string& module : model.modules) {
+        Status gathered = engine.gather(module);
+        ASSERT_TRUE(gathered.is_ok()) << gathered.to_string();
+        for (const ParamDef& d : model.params) {
+          if (d.module != module) continue;
+          Result<TensorView> view = engine.parameter(d.name);
+          ASSERT_TRUE(view.is_ok()) << view.status().to_string();
+          const auto* bits = static_cast<const std::uint16_t*>(view->data);
+          published[overlap ? 1 : 0].emplace_back(bits, bits + view->element_count);
+        }
+        ASSERT_TRUE(engine.release(module).is_ok());
+      }
+    }
+    Result<std::vector<std::vector<float>>> m = engine_test::read_masters(engine, model);
+    ASSERT_TRUE(m.is_ok()) << m.status().to_string();
+    result[overlap ? 1 : 0] = std::move(*m);
+    if (!overlap) continue;
+    // Every pass updates each of the n sub-groups once, one pass after the other.
+    const std::vector<std::string> tracks = trace.track_names();
+    std::vector<std::pair<std::int64_t, std::size_t>> updates;
+    for (const Trace::Event& e : trace.events()) {
+      if (tracks[static_cast<std::size_t>(e.track)] != "update") continue;
+      updates.emplace_back(e.start_ns, std::stoul(e.name.substr(e.name.find("sg") + 2)));
+    }
+    std::sort(updates.begin(), updates.end());
+    for (const auto& u : updates) order.push_back(u.second);
+  }
+  // Pass 1 began at step() (the count is not declared), from sub-group 0 up; passes 2 and 3
+  // in the backward: the head's and the block's first, going down.
+  ASSERT_EQ(order.size(), 3 * n) << ::testing::PrintToString(order);
+  for (std::size_t pass = 1; pass < 3; ++pass) {
+    const auto first = order.begin() + static_cast<std::ptrdiff_t>(n * pass);
+    const std::vector<std::size_t> seq(first, first + static_cast<std::ptrdiff_t>(n));
+    ASSERT_EQ(seq[0], n - 1) << ::testing::PrintToString(seq);
+    const auto zero = std::find(seq.begin(), seq.end(), std::size_t{0});
+    ASSERT_NE(zero, seq.end()) << ::testing::PrintToString(seq);
+    for (auto it = seq.begin(); it + 1 != zero; ++it) EXPECT_EQ(*it, *(it + 1) + 1);
+    for (auto it = zero; it + 1 != seq.end(); ++it) EXPECT_EQ(*it + 1, *(it + 1));
+    if (zero != seq.end() - 1) turns->push_back(*(zero - 1) * 1024);
+  }
+  ASSERT_EQ(published[0].size(), published[1].size());
+  for (std::size_t k = 0; k < published[0].size(); ++k) {
+    const std::size_t p = k % model.params.size();
+    EXPECT_EQ(published[0][k], published[1][k])
+        << model.params[p].name << " as gathered after step " << k / model.params.size() + 1;
+  }
+  for (std::size_t p = 0; p < result[0].size(); ++p) {
+    EXPECT_EQ(result[0][p], result[1][p]) << model.params[p].name;
+  }
+}
+
+// A group per parameter (zinf.group_max_elements 1024): the sub-group boundaries are group
+// starts, but for the one inside the block's 2048-element weight. Partitioned shards.
+TEST(OverlapOpen, ThePassTurnsToTheFirstSubGroupsOnceTheBackwardIsOver) {
+  std::vector<std::size_t> turns;
+  run_turn("overlap_open_turn", turn_model(32), 1024, 30, &turns);
+  std::printf("passes that turned: %zu of 2\n", turns.size());
+}
+
+// A group per module (the default): the first module's group spans 9 sub-groups, so a turn in
+// it comes inside the group, whose upper part the publisher writes at the turn and its lower
+// part last. Every group persistent (the threshold above every parameter): the parts go into
+// the rank's slice of the gathered buffer, all-gathered when the module is gathered.
+TEST(OverlapOpen, ThePassTurnsInsideAGroupAndWritesItInTwoParts) {
+  std::vector<std::size_t> turns;
+  run_turn("overlap_open_turn_inside", turn_model(48), 0, std::size_t{1} << 20, &turns);
+  // The groups start where the modules do: 0, 9216 (block) and 11264 (head).
+  std::size_t inside = 0;
+  for (std::size_t at : turns) inside += at != 0 && at != 9216 && at != 11264 ? 1 : 0;
+  std::printf("passes that turned: %zu of 2, inside a group: %zu\n", turns.size(), inside);
+}
+
+// The groups the next backward has not reduced into yet keep the pass's gradients until the
+// first reduction into them zeroes them; only their counts are reset when the pass finishes. So
+// a step whose backward skipped the first module still fails, naming one of its parameters,
+// instead of updating it with the previous step's gradients.
+TEST(OverlapOpen, AModuleLeftOutOfTheNextBackwardFailsTheStep) {
+  on_one_rank("overlap_open_left_out", 2306, [](const Model& model, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
+    ZINF_RETURN_IF_ERROR(engine.step().status());
+    ZINF_RETURN_IF_ERROR(backward(engine, model, 2));
+    ZINF_RETURN_IF_ERROR(engine.step().status());
+    // Step 3: every module but the first (the pass of step 2 read its gradients last).
+    for (std::size_t k = model.modules.size(); k-- > 1;) {
+      ZINF_RETURN_IF_ERROR(reduce_module(engine, model, model.modules[k], 3));
+    }
+    Status step = engine.step().status();
+    EXPECT_EQ(step.code(), Code::kFailedPrecondition) << step.to_string();
+    // embed.w, the first module's parameter.
+    EXPECT_NE(step.message().find("'" + model.params.front().name +
+                                  "' had 0 gradient(s) reduced since the last step"),
+              std::string::npos)
+        << step.to_string();
+    return Status::ok();
+  });
+}
+
 TEST(OverlapOpen, AMicroBatchPastTheConfiguredCountFailsTheStep) {
   on_one_rank("overlap_open_micro", 2302, [](const Model& model, Engine& engine) -> Status {
     ZINF_RETURN_IF_ERROR(backward(engine, model, 1));
