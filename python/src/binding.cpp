@@ -179,11 +179,12 @@ class PyEngine {
   // None, with `initializer`: a callable (first_element, out) that fills the float32 array `out`
   // with elements [first_element, first_element + len(out)) of the parameter, called during
   // finalize() for this rank's slice only (ParameterSpec::initializer). An exception it raises
-  // fails finalize() naming the parameter.
+  // fails finalize() naming the parameter. `trainable` False registers a frozen parameter
+  // (ParameterSpec::trainable).
   void register_parameter(const std::string& name, const std::string& module,
                           const std::vector<std::int64_t>& shape, const std::string& dtype,
                           std::optional<FloatArray> values, nb::object initializer,
-                          const std::string& group, std::uint64_t values_hash) {
+                          const std::string& group, std::uint64_t values_hash, bool trainable) {
     zinf::ParameterSpec spec;
     spec.name = name;
     spec.module = module;
@@ -191,6 +192,7 @@ class PyEngine {
     spec.dtype = dtype_from_name(dtype);
     spec.group = group;
     spec.initializer_values_hash = values_hash;
+    spec.trainable = trainable;
     std::size_t element_count = 1;
     for (const std::int64_t dim : shape)
       element_count *= static_cast<std::size_t>(dim > 0 ? dim : 0);
@@ -544,7 +546,8 @@ NB_MODULE(_zinf, m) {
            nb::arg("transport") = nb::none())
       .def("register_parameter", &PyEngine::register_parameter, nb::arg("name"), nb::arg("module"),
            nb::arg("shape"), nb::arg("dtype"), nb::arg("values").none(),
-           nb::arg("initializer") = nb::none(), nb::arg("group") = "", nb::arg("values_hash") = 0)
+           nb::arg("initializer") = nb::none(), nb::arg("group") = "", nb::arg("values_hash") = 0,
+           nb::arg("trainable") = true)
       .def(
           "add_param_group",
           [](PyEngine& e, const std::string& name, double weight_decay, double lr_scale) {

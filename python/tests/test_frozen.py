@@ -1,8 +1,8 @@
-"""Frozen parameters (requires_grad False) at ZeRO stages 1 and 2: against plain torch, whose
+"""Frozen parameters (requires_grad False) at ZeRO stages 1-3: against plain torch, whose
 AdamW and clip_grad_norm_ see the trainable parameters only, the engine trains the same
-trajectory; frozen weights stay in the compute dtype, bit for bit; checkpoints keep them and
-resume bit-identically; state dicts hold them unless exclude_frozen_parameters; stage 3 refuses
-them."""
+trajectory; frozen weights stay in the compute dtype, bit for bit (at stage 3 they are engine
+parameters registered frozen: their masters and gathered copies keep their bits); checkpoints
+keep them and resume bit-identically; state dicts hold them unless exclude_frozen_parameters."""
 import os
 import subprocess
 import sys
@@ -62,7 +62,21 @@ class Lora(nn.Module):
         return self.head(torch.tanh(self.second(torch.tanh(self.first(x)))))
 
 
-MODELS = {"embedding": FrozenEmbedding, "lora": Lora}
+class Mixed(nn.Module):
+    """A Linear whose weight is frozen and whose bias trains (one torch module, two engine
+    modules at stage 3), under a trainable head."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(6, 16)
+        self.first.weight.requires_grad_(False)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.first(x)))
+
+
+MODELS = {"embedding": FrozenEmbedding, "lora": Lora, "mixed": Mixed}
 
 
 def make(kind, seed=21):
@@ -139,8 +153,15 @@ def trainable_names(model):
     return [n for n, p in model.named_parameters() if p.requires_grad]
 
 
+def gathered_frozen(model, frozen):
+    """Stage 3: the frozen parameters' gathered values (GatheredParameters), by name."""
+    params = [p for n, p in model.named_parameters() if n in frozen]
+    with zinf.torch.GatheredParameters(params):
+        return {n: p.detach().clone() for n, p in model.named_parameters() if n in frozen}
+
+
 @pytest.mark.parametrize("kind", sorted(MODELS))
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_fp32_trains_the_trainable_parameters_as_torch_adamw(kind, stage):
     reference = make(kind)
     frozen = frozen_of(reference)
@@ -159,11 +180,15 @@ def test_fp32_trains_the_trainable_parameters_as_torch_adamw(kind, stage):
         got = engine.read_parameter(name)
         error = ((got - expected.detach()).norm() / expected.detach().norm()).item()
         assert error < 1e-5, f"{name}: relative error {error:.2e}"
-    # Frozen weights: the module's own tensors, unchanged to the bit, never handed a gradient.
+    # Frozen weights: unchanged to the bit, never handed a gradient; the module's own tensors
+    # (stages 1, 2), or engine parameters whose masters and gathered copies keep their bits
+    # (stage 3, after steps with weight decay).
+    gathered = gathered_frozen(model, frozen) if stage == 3 else dict(model.named_parameters())
     for name, param in model.named_parameters():
         if name in frozen:
             assert not param.requires_grad and param.grad is None
-            assert param.dtype == torch.float32 and torch.equal(param, frozen[name]), name
+            value = gathered[name]
+            assert value.dtype == torch.float32 and torch.equal(value, frozen[name]), name
             assert torch.equal(engine.read_parameter(name), frozen[name])
     # The optimizer holds the trainable parameters only.
     held = [p for g in engine.optimizer.param_groups for p in g["params"]]
@@ -196,7 +221,7 @@ def bf16_reference(model, data):
     return losses, model
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_bf16_keeps_frozen_weights_in_bf16_and_follows_torch(stage):
     kind = "lora"
     reference = make(kind)
@@ -208,11 +233,13 @@ def test_bf16_keeps_frozen_weights_in_bf16_and_follows_torch(stage):
     losses, _ = train_zinf(engine, batches(kind))
     # Within bf16's rounding of the weights (measured: losses 3e-4, masters 4e-3 apart).
     assert losses == pytest.approx(want_losses, rel=1e-3)
+    gathered = gathered_frozen(model, frozen) if stage == 3 else dict(model.named_parameters())
     for name, param in model.named_parameters():
         assert param.dtype == torch.bfloat16, name
         if name in frozen:
             # Rounded once at initialize() and never changed.
-            assert torch.equal(param, frozen[name].to(torch.bfloat16)), name
+            assert gathered[name].dtype == torch.bfloat16, name
+            assert torch.equal(gathered[name], frozen[name].to(torch.bfloat16)), name
     for name, expected in reference.named_parameters():
         if name not in frozen:
             got = engine.read_parameter(name)
@@ -368,12 +395,74 @@ def test_a_model_with_nothing_to_train_is_refused():
         open_engine(model, 2)
 
 
-def test_stage_3_refuses_frozen_parameters_saying_why():
-    with pytest.raises(NotImplementedError,
-                       match=r"parameter 'first.base.weight' does not require grad: frozen "
-                             r"parameters are supported at ZeRO stages 1 and 2.*stage 3.*not "
-                             r"implemented"):
-        open_engine(make("lora"), 3)
+@pytest.mark.parametrize("kind", ["lora", "mixed"])
+def test_stage_3_checkpoint_keeps_frozen_weights_and_resumes_bit_identically(kind, tmp_path):
+    data = batches(kind, 2 * STEPS)
+    engine = open_engine(make(kind), 3)
+    train_zinf(engine, data[:STEPS])
+    engine.save_checkpoint(str(tmp_path))
+    expected, _ = train_zinf(engine, data[STEPS:])
+    expected_state = engine._zero3_consolidated_16bit_state_dict()
+
+    # Another seed: every weight, frozen ones included, differs until the load.
+    model = make(kind, seed=99)
+    frozen = frozen_of(model)
+    resumed = open_engine(model, 3)
+    name = next(iter(frozen))
+    assert not torch.equal(resumed.read_parameter(name), expected_state[name])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        resumed.load_checkpoint(str(tmp_path))
+    losses, _ = train_zinf(resumed, data[STEPS:])
+    assert losses == expected
+    state = resumed._zero3_consolidated_16bit_state_dict()
+    assert list(state) == list(expected_state)
+    for name, values in expected_state.items():
+        assert state[name].dtype == values.dtype and torch.equal(state[name], values), name
+
+
+def test_stage_3_saves_and_exports_frozen_weights_unless_excluded(tmp_path):
+    kind = "lora"
+    model = make(kind)
+    frozen = frozen_of(model)
+    engine = open_engine(model, 3, bf16=True)
+    train_zinf(engine, batches(kind, 2))
+
+    engine.save_16bit_model(str(tmp_path / "full"))
+    engine.save_16bit_model(str(tmp_path / "adapters"), exclude_frozen_parameters=True)
+    full = torch.load(tmp_path / "full" / "pytorch_model.bin")
+    adapters = torch.load(tmp_path / "adapters" / "pytorch_model.bin")
+    assert list(full) == [n for n, _ in model.named_parameters()]
+    assert sorted(adapters) == sorted(set(full) - set(frozen))
+    for name in frozen:
+        assert full[name].dtype == torch.bfloat16
+        assert torch.equal(full[name], frozen[name].to(torch.bfloat16)), name
+    for name in adapters:
+        assert torch.equal(adapters[name], full[name]), name
+
+    # The frozen weights are engine parameters: the checkpoint's fp32 masters hold them, as
+    # registered (not rounded to bf16).
+    engine.save_checkpoint(str(tmp_path / "ckpt"))
+    weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(tmp_path / "ckpt"))
+    assert sorted(weights) == sorted(n for n, _ in model.named_parameters())
+    for name in frozen:
+        assert torch.equal(weights[name], frozen[name]), name
+    for name in trainable_names(model):
+        assert torch.equal(weights[name], engine.read_parameter(name)), name
+
+
+def test_stage_3_frozen_parameters_are_written_through_gathered_parameters():
+    model = make("lora")
+    frozen = frozen_of(model)
+    engine = open_engine(model, 3)
+    weight = model.first.base.weight
+    new = torch.randn(16, 6, generator=torch.Generator().manual_seed(8))
+    with zinf.torch.GatheredParameters([weight], modifier_rank=0):
+        assert torch.equal(weight, frozen["first.base.weight"])
+        weight.data.copy_(new)
+    assert torch.equal(engine.read_parameter("first.base.weight"), new)
+    train_zinf(engine, batches("lora", 2))
+    assert torch.equal(engine.read_parameter("first.base.weight"), new)
 
 
 def test_a_refused_engine_closes_quietly_at_exit():
@@ -383,10 +472,10 @@ def test_a_refused_engine_closes_quietly_at_exit():
         import torch, zinf.torch
         from conftest import zinf_config
         model = torch.nn.Linear(3, 3)
-        model.bias.requires_grad_(False)
+        model.requires_grad_(False)
         try:
             zinf.torch.initialize(model=model, config=zinf_config(3))
-        except NotImplementedError as error:
+        except ValueError as error:
             kept = error  # holds the engine through the traceback until exit
         print("refused")
         """)
@@ -396,7 +485,8 @@ def test_a_refused_engine_closes_quietly_at_exit():
     assert "Traceback" not in done.stderr, done.stderr[-2000:]
 
 
-def test_a_peft_lora_gpt2_trains_at_stage_2_as_torch(tmp_path):
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_peft_lora_gpt2_trains_as_torch(stage, tmp_path):
     # peft's LoRA on a tiny GPT-2 (built from a config): the base model frozen, adapters on
     # c_attn and c_proj; the same run in plain torch (AdamW over the adapters, clipped) is the
     # reference, and peft's save_pretrained writes the trained adapters.
@@ -430,7 +520,7 @@ def test_a_peft_lora_gpt2_trains_at_stage_2_as_torch(tmp_path):
         want.append(loss.item())
 
     model = build()
-    engine = open_engine(model, 2)
+    engine = open_engine(model, stage)
     got = []
     for ids in data:
         loss = engine(input_ids=ids, labels=ids).loss
@@ -438,9 +528,11 @@ def test_a_peft_lora_gpt2_trains_at_stage_2_as_torch(tmp_path):
         engine.step()
         got.append(loss.item())
     assert got == pytest.approx(want, rel=1e-5)
-    for name, param in model.named_parameters():
-        if name in frozen:
-            assert torch.equal(param, frozen[name]), name
+    gathered = gathered_frozen(model, frozen) if stage == 3 else dict(model.named_parameters())
+    for name in frozen:
+        assert torch.equal(gathered[name], frozen[name]), name
+    if stage == 3:
+        return  # save_pretrained reads the module's (placeholder) tensors
     model.save_pretrained(str(tmp_path))
     adapters = pytest.importorskip("safetensors.torch").load_file(
         str(tmp_path / "adapter_model.safetensors"))
@@ -452,3 +544,58 @@ def test_a_peft_lora_gpt2_trains_at_stage_2_as_torch(tmp_path):
             assert error < 1e-5, f"{name}: relative error {error:.2e}"
             saved = adapters[name.replace(".default", "")]
             assert torch.equal(saved, got), name
+
+
+def test_stage_3_backward_gives_back_frozen_modules_as_it_goes():
+    # A stack of LoRA layers whose base weights are frozen: each base Linear's backward gather is
+    # given back once autograd has the gradient of its input, so the backward holds a few
+    # engine modules at a time, not the whole stack until its end.
+    torch.manual_seed(4)
+    layers = 8
+    model = nn.Sequential(*[LoraLinear(16, 16) for _ in range(layers)], nn.Linear(16, 3))
+    engine = open_engine(model, 3)
+    live, peak = set(), [0]
+    acquire, release = engine._acquire, engine._release
+
+    def counting_acquire(engine_module):
+        acquire(engine_module)
+        live.add(engine_module)
+        if engine._in_backward:
+            peak[0] = max(peak[0], len(live))
+
+    def counting_release(engine_module):
+        release(engine_module)
+        if engine._gather_count[engine_module] == 0:
+            live.discard(engine_module)
+
+    engine._acquire, engine._release = counting_acquire, counting_release
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(5))
+    y = torch.randn(4, 3, generator=torch.Generator().manual_seed(6))
+    for _ in range(2):
+        loss = (engine(x) - y).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+    # Measured: 1; 8 (every base Linear) when the gathers are given back only at the end of the
+    # backward.
+    assert 0 < peak[0] <= 3, peak[0]
+    assert not live
+
+
+def test_stage_3_frozen_parameters_built_under_init_train_as_torch():
+    # Built under Init, the frozen weights are staged and registered (through the engine's
+    # initializers) like the trainable ones: the constructors' values, kept to the bit.
+    kind = "lora"
+    reference = make(kind)
+    frozen = frozen_of(reference)
+    want, _ = train_torch(reference, batches(kind))
+    torch.manual_seed(21)
+    with zinf.torch.Init(config=config(3)):
+        model = Lora()  # its constructors freeze the base Linears
+    assert all(p.numel() == 0 for p in model.parameters())
+    engine = open_engine(model, 3)
+    losses, _ = train_zinf(engine, batches(kind))
+    assert losses == pytest.approx(want, rel=1e-5)
+    gathered = gathered_frozen(model, frozen)
+    for name in frozen:
+        assert torch.equal(gathered[name], frozen[name]), name
+        assert torch.equal(engine.read_parameter(name), frozen[name]), name

@@ -19,8 +19,7 @@ discovery does, so that torch.distributed's gloo group, which Accelerate and the
 the data sampler, gathers and barriers, has the engine's ranks; the engine's own collectives run
 on its MPI communicator.
 
-What it refuses, each with an error that says so: frozen parameters (PEFT and other adapters) at
-stage 3 (stages 1 and 2 keep them, untrained), sequence parallelism (Ulysses), tensor
+What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without an MPI launcher (torchrun: zinf's
 engine communicates through MPI), and several processes that Accelerate counts as one (no
 use_cpu=True on a machine without a GPU: each would train on the whole data).

@@ -28,11 +28,17 @@ How the model's tensors meet the engine (docs/PYTHON.md):
   end of engine.backward().
 - The engine records the order of the gathers on the first step and prefetches in that order
   afterwards (stage3_prefetch_bucket_size, stage3_max_live_parameters), as in C++.
-- Frozen parameters (requires_grad False at initialize()), at stages 1 and 2 only: the engine
-  does not know them. Each is a module tensor of the compute dtype that every rank keeps whole
-  (as DeepSpeed's ZeRO-1/2 keeps it), used by forward and backward as it is; it has no gradient,
+- Frozen parameters (requires_grad False at initialize()). At stages 1 and 2 the engine does not
+  know them: each is a module tensor of the compute dtype that every rank keeps whole (as
+  DeepSpeed's ZeRO-1/2 keeps it), used by forward and backward as it is; it has no gradient,
   no optimizer state and no share of the gradient norm. Checkpoints keep them in the client
-  state; state dicts hold them.
+  state; state dicts hold them. At stage 3 they are engine parameters registered frozen
+  (ParameterSpec::trainable false): partitioned, gathered and released, checkpointed as the
+  others, never reduced or changed by a step. A module whose own parameters mix frozen and
+  trainable ones puts its frozen ones in an engine module of their own ("<module>#frozen"),
+  gathered with the other for its forward and backward. A module that uses frozen parameters
+  gives back its backward's gather once autograd has computed the gradients of its inputs (and
+  its trainable parameters have theirs), not at the end of the backward.
 - Under mpirun each process is one rank (MpiComm), and under torchrun too (the binding's torch
   communicator over a gloo group, python/src/torch_comm.hpp); an exception in forward, backward
   or step aborts the communicator, so the other ranks fail at once naming this one.
@@ -171,6 +177,23 @@ class _SavedParameterView:
         self.size = tensor.size()
         self.stride = tensor.stride()
         self.offset = tensor.storage_offset()
+
+
+class _InputGradsDone(torch.autograd.Function):
+    """Identity on the inputs of a module that uses frozen parameters (stage 3); its backward
+    runs once autograd has computed the gradients of those inputs, the module's backward being
+    over then, so that the module's gather for its backward is given back there."""
+
+    @staticmethod
+    def forward(ctx, engine, module, *tensors):
+        ctx.engine = engine
+        ctx.module = module
+        return tuple(t.detach() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.engine._input_grads_done(ctx.module)
+        return (None, None) + grads
 
 
 class _GatherForBackward(torch.autograd.Function):
@@ -654,34 +677,54 @@ class ZinfEngine(nn.Module):
         self._uses: dict[nn.Module, list[nn.Parameter]] = {}  # torch module -> params it uses
         self._users: dict[int, list[nn.Module]] = {}  # pid -> torch modules that use it
         # pid -> (first name, parameter) of the frozen parameters: those that do not require
-        # grad. The engine does not know them; they stay module tensors (_keep_frozen).
+        # grad. At stages 1 and 2 the engine does not know them; they stay module tensors
+        # (_keep_frozen).
         self._frozen: dict[int, tuple[str, nn.Parameter]] = {}
+        # Stage 3: the frozen parameters are engine parameters registered frozen (in _params
+        # too), and the engine modules that own them, which are never reduced.
+        self._no_grad: set[int] = set()
+        self._frozen_modules: set[str] = set()
+        taken = {name or _ROOT_MODULE for name, _ in model.named_modules()}
         for module_name, module in model.named_modules():
             direct = list(module.named_parameters(recurse=False))
             if not direct:
                 continue
             engine_module = module_name or _ROOT_MODULE
+            # An engine module is all frozen or all trainable: a module whose own parameters mix
+            # them gives its frozen ones a module of their own.
+            new = [p for _, p in direct if id(p) not in self._params]
+            frozen_module = engine_module
+            if any(p.requires_grad for p in new) and not all(p.requires_grad for p in new):
+                frozen_module = f"{engine_module}#frozen"
+                while frozen_module in taken:
+                    frozen_module += "#"
+                taken.add(frozen_module)
             for param_name, param in direct:
                 full_name = f"{module_name}.{param_name}" if module_name else param_name
                 if id(param) in self._frozen:
                     continue
+                owner = engine_module
                 if id(param) not in self._params and not param.requires_grad:
-                    self._keep_frozen(full_name, param)
-                    continue
+                    if self.stage < 3:
+                        self._keep_frozen(full_name, param)
+                        continue
+                    self._no_grad.add(id(param))
+                    owner = frozen_module
+                    self._frozen_modules.add(owner)
                 self._uses.setdefault(module, []).append(param)
                 self._users.setdefault(id(param), []).append(module)
                 if id(param) in self._params:
                     continue  # shared with a module seen before: that one owns it
                 self._params[id(param)] = param
                 self._names[id(param)] = full_name
-                self._owner[id(param)] = engine_module
-                self._owned.setdefault(engine_module, []).append(param)
+                self._owner[id(param)] = owner
+                self._owned.setdefault(owner, []).append(param)
         for module in model.modules():
             for param in module.__dict__.get("_zinf_external_params", ()):
                 self._use_external(module, param)
-        if not self._params:
-            raise ValueError(f"none of the model's {len(self._frozen)} parameters requires grad: "
-                             "there is nothing to train")
+        if len(self._params) == len(self._no_grad):
+            raise ValueError(f"none of the model's {len(self._frozen) + len(self._no_grad)} "
+                             "parameters requires grad: there is nothing to train")
         groups = self._define_groups(model_parameters, defaults)
         group_of = {id(p): g["_zinf_group"] for g in groups for p in g["params"]}
         self._shapes = {}
@@ -697,14 +740,16 @@ class ZinfEngine(nn.Module):
                 values_hash = stage.values_hash if stage.modifier_rank is None else 0
                 self._core.register_parameter(self._names[pid], self._owner[pid],
                                               list(stage.shape), self.dtype_name, None,
-                                              stage.initializer, group=group_of[pid],
-                                              values_hash=values_hash)
+                                              stage.initializer, group=group_of.get(pid, ""),
+                                              values_hash=values_hash,
+                                              trainable=pid not in self._no_grad)
                 continue
             self._shapes[pid] = tuple(param.shape)
             values = param.detach().to(device="cpu", dtype=torch.float32).contiguous()
             self._core.register_parameter(self._names[pid], self._owner[pid],
                                           list(param.shape), self.dtype_name, values,
-                                          group=group_of[pid])
+                                          group=group_of.get(pid, ""),
+                                          trainable=pid not in self._no_grad)
         for g in groups:
             del g["_zinf_group"]
         return groups
@@ -713,14 +758,8 @@ class ZinfEngine(nn.Module):
         """A parameter that does not require grad, at stage 1 or 2: the engine does not register
         it (no master, no optimizer state, no gradient), and _place_parameters() leaves it a
         module tensor in the compute dtype, as DeepSpeed's ZeRO-1/2 optimizer leaves the
-        parameters it does not train. At stage 3 each rank would have to keep a partition of it
-        without an optimizer state, which the engine does not do."""
-        if self.stage == 3:
-            raise NotImplementedError(
-                f"parameter '{name}' does not require grad: frozen parameters are supported at "
-                "ZeRO stages 1 and 2, where every rank keeps them whole as module tensors; at "
-                "stage 3 the engine would have to partition and gather them without an "
-                "optimizer state, which is not implemented")
+        parameters it does not train. (At stage 3 the engine partitions it as any other,
+        registered frozen: _register.)"""
         stage = _torch_init.staged(param)
         if stage is not None and stage.modifier_rank is not None and self.world_size > 1:
             raise NotImplementedError(
@@ -792,7 +831,7 @@ class ZinfEngine(nn.Module):
                         f"parameter group {index}: {key} {item[key]} differs from the "
                         f"optimizer's {has}; groups may change lr and weight_decay")
             group = {**defaults, **{k: v for k, v in item.items() if k != "params"}}
-            params = [p for p in params if id(p) not in self._frozen]
+            params = [p for p in params if id(p) not in self._frozen and id(p) not in self._no_grad]
             group["params"] = params
             for p in params:
                 if id(p) not in self._params:
@@ -803,7 +842,8 @@ class ZinfEngine(nn.Module):
                                      f"'{self._names[id(p)]}' is in more than one group")
                 seen.add(id(p))
             groups.append(group)
-        missing = [self._names[pid] for pid in self._params if pid not in seen]
+        missing = [self._names[pid] for pid in self._params
+                   if pid not in seen and pid not in self._no_grad]
         if missing:
             raise NotImplementedError(
                 f"model_parameters leaves out {len(missing)} of the model's parameters "
@@ -856,8 +896,13 @@ class ZinfEngine(nn.Module):
         self._ready: dict[str, list[nn.Parameter]] = {m: [] for m in self._owned}
         self._reduced: set[str] = set()
         self._accumulated: set[int] = set()
+        # Stage 3, modules that use frozen parameters: the backwards of their forwards whose
+        # inputs' gradients autograd has not computed yet (_InputGradsDone).
+        self._inputs_pending: dict[nn.Module, int] = {}
         self._hook_handles = []
-        for param in self._params.values():
+        for pid, param in self._params.items():
+            if pid in self._no_grad:
+                continue  # no gradient, no hook
             self._hook_handles.append(param.register_post_accumulate_grad_hook(self._grad_ready))
         self._hooked: set[nn.Module] = set()
         if self.stage == 3:
@@ -868,7 +913,33 @@ class ZinfEngine(nn.Module):
         """Gathers the engine modules `module` uses for its forward (stage 3)."""
         self._hook_handles.append(module.register_forward_pre_hook(self._pre_forward))
         self._hook_handles.append(module.register_forward_hook(self._post_forward))
+        if any(id(p) in self._no_grad for p in self._uses[module]):
+            self._hook_handles.append(
+                module.register_forward_pre_hook(self._wrap_inputs, with_kwargs=True))
         self._hooked.add(module)
+
+    def _wrap_inputs(self, module, args, kwargs):
+        """A module that uses frozen parameters: no gradient of those tells when its backward is
+        over, so its inputs that require grad pass through _InputGradsDone, whose backward
+        (autograd's last step of the module's backward) lets _release_if_done give back the
+        backward's gather."""
+        if not torch.is_grad_enabled():
+            return None
+        found = []
+        _map_tensors((args, kwargs), lambda ts: found.extend(t.requires_grad for t in ts) or ts)
+        if not any(found):
+            return None
+        self._inputs_pending[module] = self._inputs_pending.get(module, 0) + 1
+
+        def wrap(tensors):
+            wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
+            wrapped = _InputGradsDone.apply(self, module, *[tensors[i] for i in wanted])
+            out = list(tensors)
+            for i, t in zip(wanted, wrapped):
+                out[i] = t
+            return out
+
+        return _map_tensors((args, kwargs), wrap)
 
     # ---- stage 3: gather and release ----------------------------------------------------------
 
@@ -991,15 +1062,32 @@ class ZinfEngine(nn.Module):
             self._release_backward_holds(pid, self._accumulated)
 
     def _release_backward_holds(self, pid: int, accumulated: set):
-        """Stage 3: each module using parameter `pid` whose parameters all have their gradients
-        (in `accumulated`) gives back the gathers its backward took."""
+        """Stage 3: each module using parameter `pid` whose backward is over gives back the
+        gathers its backward took (_release_if_done)."""
         for module in self._users[pid]:
-            holds = self._backward_holds.get(module, 0)
-            if holds and all(id(p) in accumulated for p in self._uses[module]):
-                del self._backward_holds[module]
-                for _ in range(holds):
-                    for engine_module in self._modules_needed(module):
-                        self._release(engine_module)
+            self._release_if_done(module, accumulated)
+
+    def _release_if_done(self, module: nn.Module, accumulated: set):
+        """Gives back the gathers `module`'s backward took once its trainable parameters all have
+        their gradients (in `accumulated`) and, where it uses frozen parameters, autograd has
+        computed the gradients of its inputs (_InputGradsDone)."""
+        holds = self._backward_holds.get(module, 0)
+        if (holds and not self._inputs_pending.get(module)
+                and all(id(p) in accumulated or id(p) in self._no_grad
+                        for p in self._uses[module])):
+            del self._backward_holds[module]
+            for _ in range(holds):
+                for engine_module in self._modules_needed(module):
+                    self._release(engine_module)
+
+    def _input_grads_done(self, module: nn.Module):
+        pending = self._inputs_pending.get(module, 0) - 1
+        if pending > 0:
+            self._inputs_pending[module] = pending
+        else:
+            self._inputs_pending.pop(module, None)
+        self._release_if_done(module, self._accumulated if self._in_backward
+                              else self._stray_accumulated)
 
     def _reduce(self, engine_module: str):
         names, grads = [], []
@@ -1019,13 +1107,14 @@ class ZinfEngine(nn.Module):
         """Reduces the modules whose parameters autograd did not reach (zeros for those without
         a gradient), and releases what the backward still holds."""
         for engine_module in self._owned:
-            if engine_module not in self._reduced:
+            if engine_module not in self._reduced and engine_module not in self._frozen_modules:
                 self._reduce(engine_module)
         for module, holds in list(self._backward_holds.items()):
             for _ in range(holds):
                 for engine_module in self._modules_needed(module):
                     self._release(engine_module)
         self._backward_holds.clear()
+        self._inputs_pending.clear()
         self._reduced.clear()
         self._accumulated.clear()
         leaked = [m for m, c in self._gather_count.items() if c]
@@ -1569,7 +1658,7 @@ class ZinfEngine(nn.Module):
         besides the dict on rank 0 at most one module is gathered; a parameter shared by several
         modules is the same tensor under each name. ValueError below stage 3, as DeepSpeed
         raises. exclude_frozen_parameters leaves out parameters that do not require grad (at
-        stage 3 there are none: zinf refuses them there)."""
+        stage 3 engine parameters registered frozen)."""
         if self.stage < 3:
             raise ValueError(f"_zero3_consolidated_16bit_state_dict: this function requires "
                              f"ZeRO-3 mode (the config's stage is {self.stage}); use "
