@@ -81,6 +81,20 @@ struct Task {
     std::lock_guard<std::mutex> lock(mu);
     return done;
   }
+  // Runs `write` (the result into the engine's memory) and finishes the task with OK, unless it
+  // is finished already (the communicator failed: its caller may have freed op.recv since).
+  // Under the task's lock, so a failure's finish() waits for a write under way and none starts
+  // after it. Returns false when the task was finished already.
+  template <typename Write>
+  bool deliver(Write write) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (done) return false;
+    write();
+    result = Status::ok();
+    done = true;
+    cv.notify_all();
+    return true;
+  }
   Status wait_done() {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return done; });
@@ -253,8 +267,9 @@ void TorchComm::work_loop() {
         transport_.attr("post_notice")(std::to_string(rank_) + "\n" +
                                        std::to_string(static_cast<int>(error.code())) + "\n" +
                                        std::string(error.message()).substr(0, 2000));
-      } catch (const nb::python_error&) {
-        // Best effort: the peers then fail at their collective's timeout.
+      } catch (const std::exception&) {
+        // Best effort (nb::python_error is one): the peers then fail at their collective's
+        // timeout.
       }
       continue;
     }
@@ -315,6 +330,9 @@ Status TorchComm::execute(Task& task, bool* from_peer) {
           static_cast<std::uintptr_t>(nb::cast<std::uint64_t>(result.attr("data_ptr")())));
     } catch (const nb::python_error& e) {
       return Status::comm_error(where + ": starting it: " + python_error_text(e));
+    } catch (const std::exception& e) {
+      // A transport's answer of the wrong type (nb::cast_error), memory.
+      return Status::comm_error(where + ": starting it: " + e.what());
     }
     // gloo holds what it uses: these references only keep the output readable below.
     retired_.push_back(work);
@@ -334,11 +352,13 @@ Status TorchComm::execute(Task& task, bool* from_peer) {
         Status notice;
         try {
           notice = peer_notice(&task);
-        } catch (const nb::python_error&) {
+        } catch (const std::exception&) {
         }
         *from_peer = !notice.is_ok();
         if (!notice.is_ok()) return notice;
         return Status::comm_error(where + ": " + text);
+      } catch (const std::exception& e) {
+        return Status::comm_error(where + ": waiting for it: " + e.what());
       }
       // This rank failed meanwhile (abort()): the operation is left to gloo.
       if (task.finished()) {
@@ -352,6 +372,8 @@ Status TorchComm::execute(Task& task, bool* from_peer) {
       } catch (const nb::python_error& e) {
         return Status::comm_error(where +
                                   ": reading the peers' abort notices: " + python_error_text(e));
+      } catch (const std::exception& e) {
+        return Status::comm_error(where + ": reading the peers' abort notices: " + e.what());
       }
       if (Clock::now() >= deadline) {
         return Status::timeout(where + ": not done within " + std::to_string(timeout_.count()) +
@@ -359,20 +381,27 @@ Status TorchComm::execute(Task& task, bool* from_peer) {
       }
     }
   }
-  // The output is complete and torch holds it (retired_): now into the engine's memory.
+  // The output is complete and torch holds it (retired_): now into the engine's memory, unless
+  // the communicator failed meanwhile (the caller may have freed op.recv by then).
   auto* recv = static_cast<std::byte*>(op.recv);
-  switch (op.kind) {
-    case CollectiveKind::kAllGather:
-      std::memmove(recv, out, chunk_bytes * world);
-      break;
-    case CollectiveKind::kBroadcast:
-      std::memmove(recv, out, chunk_bytes);
-      break;
-    case CollectiveKind::kReduceScatter:
-    case CollectiveKind::kAllReduce:
-      // LocalComm's and MpiComm's arithmetic, so a run gives their bits.
-      zinf::reduce_host_pieces(out, world_size_, op.element_count, op.dtype, op.op, recv);
-      break;
+  const bool delivered = task.deliver([&] {
+    switch (op.kind) {
+      case CollectiveKind::kAllGather:
+        std::memmove(recv, out, chunk_bytes * world);
+        break;
+      case CollectiveKind::kBroadcast:
+        std::memmove(recv, out, chunk_bytes);
+        break;
+      case CollectiveKind::kReduceScatter:
+      case CollectiveKind::kAllReduce:
+        // LocalComm's and MpiComm's arithmetic, so a run gives their bits.
+        zinf::reduce_host_pieces(out, world_size_, op.element_count, op.dtype, op.op, recv);
+        break;
+    }
+  });
+  if (!delivered) {
+    *from_peer = true;  // the failure that finished it was told already
+    return status();
   }
   return Status::ok();
 }
@@ -490,8 +519,10 @@ Status TorchComm::barrier(std::chrono::milliseconds timeout) {
           fail(notice, /*tell_peers=*/false);
           return notice.with_context("barrier #" + std::to_string(generation));
         }
-      } catch (const nb::python_error& e) {
-        Status broken = Status::comm_error(label + ": " + python_error_text(e));
+      } catch (const std::exception& e) {
+        const auto* python = dynamic_cast<const nb::python_error*>(&e);
+        Status broken =
+            Status::comm_error(label + ": " + (python ? python_error_text(*python) : e.what()));
         fail(broken, /*tell_peers=*/true);
         return broken;
       }
@@ -546,7 +577,7 @@ void TorchComm::close() {
   nb::gil_scoped_acquire gil;
   try {
     transport_.attr("close")(status().is_ok());
-  } catch (const nb::python_error&) {
+  } catch (const std::exception&) {
     // Closing is best effort: the process group goes with the process.
   }
   transport_ = nb::object();

@@ -28,12 +28,14 @@
 //
 // Buffers. gloo only ever touches tensors torch owns (copies of the send bytes, and the output
 // tensor): a collective that is given up (an abort) leaves its gloo operation behind, still
-// referencing them, and torch keeps them alive until gloo is done, so nothing is written into
-// the engine's memory after its collective returned. The results are copied into `recv` after the
-// operation completes.
+// referencing them, and torch keeps them alive until gloo is done. The results are copied into
+// `recv` after the operation completes, under the collective's lock and only if it has not been
+// failed meanwhile, so nothing is written into the engine's memory after its collective
+// returned.
 //
 // A dead, stalled or failing peer. The group is made with zinf.collective_timeout_ms, and the
-// worker gives each collective that deadline too (from the moment this rank reached it): past it
+// worker gives each collective that deadline too (from the moment its worker starts it, which is
+// later than the stream reaching it when collectives queue behind a slow one): past it
 // the collective fails with kTimeout. A rank whose process died fails its peers' operations at
 // once (gloo's connection closes). A rank that aborts (abort(), a failed collective, earlier work
 // on the stream that failed, zinf.torch's handler of an exception) posts an abort notice, its

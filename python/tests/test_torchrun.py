@@ -141,17 +141,20 @@ def test_a_checkpoint_saved_under_torchrun_resumes_in_one_process(tmp_path):
     assert worst < 1e-5
 
 
-def test_a_script_that_initialised_torch_distributed_keeps_its_default_group(tmp_path):
+def test_a_script_that_initialised_torch_distributed_keeps_its_default_group(tmp_path,
+                                                                               oracle_runs):
     # zinf's collectives run on a gloo group of their own: the script's all_reduce on the
-    # default group between them gets its own sum, and training matches the oracle run's first
-    # steps at stage 2.
+    # default group between them gets its own sum, and each rank's losses are, to the bit, the
+    # first two of the oracle run at stage 2 (the same model, data and config).
     result = torchrun(["dist_first", str(tmp_path)], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
         with open(tmp_path / f"dist_first.rank{rank}.json") as f:
             report = json.load(f)
+        with open(oracle_runs / f"2-cpu.rank{rank}.json") as f:
+            oracle = json.load(f)
         assert report["reduced"] == [3.0, 3.0], f"rank {rank}"
-        assert len(report["losses"]) == 2
+        assert report["losses"] == oracle["losses"][:2], f"rank {rank}"
 
 
 @pytest.mark.parametrize("where,said", [("backward", "rank 1 of 2 raised Boom in backward"),
@@ -175,5 +178,5 @@ def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(where, said, tmp
     print(rank0[0])
     print(f"torchrun returned {result.returncode} {elapsed:.1f} s after rank 1 raised")
     # Rank 0 fails at once; torchrun then stops rank 1, which lingers 5 s (ZINF_ABORT_LINGER_S)
-    # after its abort. Far below the collective timeout.
-    assert elapsed < 10
+    # after its abort. Well below the collective timeout (30 s), with room for a loaded machine.
+    assert elapsed < 20
