@@ -447,11 +447,12 @@ class Engine {
   // of names, and holds one parameter's values at a time besides the state's own sub-group
   // buffers. Collective: every rank passes the same names in the same order and the same root;
   // `values` is only called on the root and may be empty elsewhere. Empty `names`: nothing to do,
-  // OK. Before anything is written, each rank returns: kNotFound naming an unknown name;
+  // OK. Before anything is written, a rank returns kNotFound naming an unknown name;
   // kInvalidArgument naming a name given twice, or for a root outside the world;
   // kFailedPrecondition when a module is gathered or gradients were reduced since the last step;
-  // then, agreed by every rank: kInvalidArgument for an empty `values` on the root (kAborted
-  // naming the root on the others), and on every rank when the ranks' names or roots differ.
+  // kInvalidArgument for an empty `values` on the root; the others return kAborted naming that
+  // rank (the outcomes are agreed, so a call refused on one rank does not leave the others
+  // waiting), and every rank kInvalidArgument when the ranks' names or roots differ.
   // Once the pass has begun, an error (one `values` returned, which comes back with the
   // parameter's name; an I/O error; a collective's) fails every rank at the same parameter and is
   // sticky: some masters may hold their new values and others not.

@@ -50,15 +50,21 @@ class BatchSource {
     ZINF_ASSERT(next_ == i + 1 && entries_[i].owned);
     return host_.data();
   }
-  // After the pass, whose outcome is `pass`: the broadcasts it did not need, or, after it failed
-  // here while the others may still wait for a broadcast, one agreement carrying the failure so
-  // that they stop at it too.
-  Status finish(Status pass) {
+  // After the pass, whose outcome is `pass`: the broadcasts it did not need and one last
+  // agreement, so that a rank whose pass failed after the last broadcast fails every rank there
+  // too; or, after it failed here while the others may still wait for a broadcast, one agreement
+  // carrying the failure so that they stop at it.
+  Status finish(Status pass, std::string_view call) {
     if (pass.is_ok()) {
       while (next_ < entries_.size()) ZINF_RETURN_IF_ERROR(broadcast_next(Status::ok()));
-      return Status::ok();
+      return w_.exchange->agree(call, Status::ok());
     }
-    if (!stopped_ && next_ < entries_.size()) (void)broadcast_next(pass);
+    if (stopped_) return pass;
+    if (next_ < entries_.size()) {
+      (void)broadcast_next(pass);
+    } else {
+      (void)w_.exchange->agree(call, pass);
+    }
     return pass;
   }
 
@@ -142,33 +148,40 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
                            const ParameterValues& values, int root, Status precondition) {
   const std::string call = write_parameters_call(names);
   const Partitioner& part = w.layout->partitioner();
-  // The names' parameters, each once.
+  // The names' parameters, each once. Every check's outcome is agreed with the other ranks
+  // (agree_batch() below) before anything else, so a rank whose call is refused fails the others
+  // at once rather than leaving them waiting in the first broadcast.
+  Status local = Status::ok();
   std::vector<ParamId> ids;
   ids.reserve(names.size());
   std::vector<std::size_t> given(part.param_count(), SIZE_MAX);  // its position in `names`
-  for (std::size_t i = 0; i < names.size(); ++i) {
+  for (std::size_t i = 0; i < names.size() && local.is_ok(); ++i) {
     const std::optional<std::size_t> found = w.layout->find_param(names[i]);
     if (!found.has_value()) {
-      return Status::not_found(fmt::format("write_parameters('{}'): unknown parameter", names[i]));
-    }
-    if (given[*found] != SIZE_MAX) {
-      return Status::invalid_argument(
+      local = Status::not_found(fmt::format("write_parameters('{}'): unknown parameter", names[i]));
+    } else if (given[*found] != SIZE_MAX) {
+      local = Status::invalid_argument(
           fmt::format("write_parameters('{}'): the parameter is named twice (at {} and {})",
                       names[i], given[*found], i));
+    } else {
+      given[*found] = i;
+      ids.push_back(static_cast<ParamId>(*found));
     }
-    given[*found] = i;
-    ids.push_back(static_cast<ParamId>(*found));
   }
-  ZINF_RETURN_IF_ERROR(precondition);
-  if (root < 0 || root >= w.comm->world_size()) {
-    return Status::invalid_argument(
+  if (local.is_ok()) local = precondition;
+  if (local.is_ok() && (root < 0 || root >= w.comm->world_size())) {
+    local = Status::invalid_argument(
         fmt::format("{}: root {} is not a rank of {}", call, root, w.comm->world_size()));
   }
-  if (names.empty()) return Status::ok();
-  // What every rank must agree on: the ids in the names' order, and the root.
-  std::vector<std::uint32_t> words(ids.begin(), ids.end());
-  words.push_back(static_cast<std::uint32_t>(root));
-  const std::uint64_t fingerprint = xxh3_64(words.data(), words.size() * sizeof(words[0]));
+  // What every rank must agree on: the names in their order, and the root.
+  std::string words;
+  for (std::string_view name : names) {
+    words.append(name);
+    words.push_back('\0');
+  }
+  words.append(std::to_string(root));
+  const std::uint64_t fingerprint = xxh3_64(words.data(), words.size());
+  if (!local.is_ok() || names.empty()) return agree_batch(w, call, std::move(local), fingerprint);
 
   // Layout order: group by group, and within a group by offset, which is the order the pass
   // over this rank's partition reaches the pieces in (the partition lies in group order, each
@@ -202,7 +215,7 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   // copied back from the broadcast) and in device memory for the communicator.
   std::vector<float> host;
   Result<DeviceBuffer> buffer = DeviceBuffer::allocate(*w.device, largest * sizeof(float));
-  Status local = buffer.status();
+  local = buffer.status();
   if (local.is_ok() && w.rank == root && !values) {
     local = Status::invalid_argument(fmt::format("{}: values is null on the root", call));
   }
@@ -243,7 +256,7 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
         }
         return Status::ok();
       });
-  st = source.finish(std::move(st));
+  st = source.finish(std::move(st), call);
   if (st.is_ok()) st = w.coord->drop_prefetched();
   if (st.is_ok()) st = w.state->publish_master();
   return w.sticky->fail(std::move(st));

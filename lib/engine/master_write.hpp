@@ -49,16 +49,17 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // Engine::write_parameters() (both forms) after settle(); `precondition` is the engine's check
 // (a module gathered, gradients reduced), returned after the names' checks.
 //
-// Checks first, returning without any collective: kNotFound for an unknown name, kInvalidArgument
-// for a name given twice, `precondition` when it is not OK, kInvalidArgument for a root outside
-// the world. Then the ranks exchange their outcome of the local preparation (the broadcast
-// buffers, `values` on the root) and a fingerprint of (names, root), and all fail together
-// when any of those failed or differs. Then one pass over this rank's partition of the master
+// Checks first: kNotFound for an unknown name, kInvalidArgument for a name given twice,
+// `precondition` when it is not OK, kInvalidArgument for a root outside the world, then the
+// local preparation (the broadcast buffers, `values` on the root). The ranks exchange those
+// outcomes and a fingerprint of (names, root) whatever they are, and all fail together (the
+// others with kAborted naming the rank) when any failed or differs. Then one pass over this rank's partition of the master
 // (OptimizerState::write_state, each sub-group read back and rewritten on whatever tier it
 // lives), during which the parameters are broadcast from the root one at a time in layout
 // order, each preceded by an agreement that every rank is still in the pass (so a rank that
 // fails stops every rank at the same parameter instead of leaving them waiting in the
-// broadcast). Every rank makes the same broadcasts in the same order: a rank takes the pieces
+// broadcast; a failure after the last broadcast is agreed once the pass is over). Every rank
+// makes the same broadcasts in the same order: a rank takes the pieces
 // of the parameters it owns as its pass reaches them, which is layout order since its partition
 // lies in group order, and broadcasts those it owns no piece of on the way. Then the
 // prefetched modules are dropped and the master published. Errors from the exchange on are
