@@ -103,6 +103,9 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
       }
     }
     ZINF_ASSIGN_OR_RETURN(mod.ready, device.create_event());
+    // A module larger than max_live_elements is gathered all the same: its buffers are kept as
+    // spares too, so that its gathers do not allocate each time.
+    c->spare_bytes_max_ = std::max(c->spare_bytes_max_, mod.elements * 4);
     c->modules_.push_back(std::move(mod));
   }
   c->prefetched_.reserve(c->modules_.size());

@@ -35,9 +35,9 @@
 // sizes alone (no data moves, nothing is counted) under the frozen order's prefetching, which
 // leaves behind as spares the buffers the following steps take. This holds when the steps repeat
 // the recorded one's calls; a different pattern takes new buffers at its first step only. Spares
-// are kept up to max_live_elements * 4 bytes, or up to what the replayed step left when that is
-// more (groups of different sizes cannot share buffers), so that no step frees a buffer that the
-// next one makes again.
+// are kept up to max_live_elements * 4 bytes (or the largest module's, when that is more), or up
+// to what the replayed step left when that is more (groups of different sizes cannot share
+// buffers), so that no step frees a buffer that the next one makes again.
 //
 // Trace (track given at create): an instant "issue <module>" when a module's all-gather is
 // issued, "release <module>" when release() frees it, "drop <module>" when a prefetched module
