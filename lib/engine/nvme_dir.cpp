@@ -31,7 +31,8 @@ std::string host_for_file_names() {
 }
 
 // Process `pid` has ended: there is none, or it is a zombie (exited, not yet reaped by its
-// parent: its files are closed, as mpirun leaves a killed rank for a moment after it returns).
+// parent: its files are closed, as mpirun leaves a killed rank for a moment after it returns)
+// with no thread left running.
 bool process_ended(long pid) {
   if (::kill(static_cast<pid_t>(pid), 0) != 0) return errno == ESRCH;
   std::ifstream stat(fmt::format("/proc/{}/stat", pid));
@@ -42,7 +43,17 @@ bool process_ended(long pid) {
   const std::size_t close = line.rfind(')');
   if (close == std::string::npos || close + 2 >= line.size()) return false;
   const char state = line[close + 2];
-  return state == 'Z' || state == 'X';
+  if (state != 'Z' && state != 'X') return false;
+  // A thread-group leader that exited while other threads of its process run on shows Z too;
+  // the process has ended only when the leader is the last of its threads.
+  std::error_code ec;
+  std::size_t threads = 0;
+  for (const auto& entry :
+       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
+    (void)entry;
+    ++threads;
+  }
+  return !ec && threads <= 1;
 }
 
 // Removes this machine's stale swap files in `dir`; a file another process removes first is
