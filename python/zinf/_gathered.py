@@ -91,7 +91,11 @@ class GatheredParameters:
         if exc[0] is None:
             for engine, param, ptr, digest in self._watched:
                 if digest is None or param.data_ptr() != ptr or _digest(param) != digest:
-                    values = param.detach().to(dtype=torch.float32).contiguous().clone()
+                    # Copied before the release below frees the gathered values; only the
+                    # modifier rank's are written, so the other ranks keep none.
+                    values = None
+                    if engine.world_size == 1 or engine.global_rank == self._modifier_rank:
+                        values = param.detach().to(dtype=torch.float32).contiguous().clone()
                     changed.append((engine, param, values))
         self._watched.clear()
         while self._held:

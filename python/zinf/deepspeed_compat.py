@@ -20,8 +20,9 @@ the data sampler, gathers and barriers, has the engine's ranks; the engine's own
 on its MPI communicator.
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
-parallelism (autotp), an mpu, several processes without an MPI launcher (torchrun: zinf's
-engine communicates through MPI), and several processes that Accelerate counts as one (no
+parallelism (autotp), an mpu, several processes without an MPI launcher (torchrun: the Trainer
+path sets up torch.distributed from an MPI launcher's environment only, though
+zinf.torch.initialize() itself runs under torchrun), and several processes that Accelerate counts as one (no
 use_cpu=True on a machine without a GPU: each would train on the whole data).
 
 No `deepspeed` distribution is installed: the modules are registered in sys.modules, and a finder

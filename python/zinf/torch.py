@@ -356,14 +356,21 @@ class _TorchTransport:
 
     def close(self, healthy: bool):
         # After a failure the group stays: destroying it waits for gloo's operations left behind,
-        # which end only at the timeout.
-        if healthy and self._dist.is_initialized():
+        # which end only at the timeout. For the same reason the default group is then left to
+        # the process's exit (_close_open_engines), even when the failed engine was closed
+        # before.
+        global _transport_failed
+        if not healthy:
+            _transport_failed = True
+        elif self._dist.is_initialized():
             self._dist.destroy_process_group(self._group)
 
 
 # Whether zinf.torch initialised torch.distributed (a torchrun script that did not): its default
-# group is then destroyed at exit, after the engines.
+# group is then destroyed at exit, after the engines, unless a torch communicator closed after a
+# failure (_transport_failed).
 _initialised_torch_distributed = False
+_transport_failed = False
 
 
 def _make_transport(comm: str, config: dict):
@@ -403,11 +410,10 @@ _open_engines: "weakref.WeakSet[ZinfEngine]" = weakref.WeakSet()
 
 @atexit.register
 def _close_open_engines():
-    healthy = True
     for engine in list(_open_engines):
-        healthy = healthy and engine._core.comm_status() == "ok"
-        engine.destroy()
-    if _initialised_torch_distributed and healthy and torch.distributed.is_initialized():
+        engine.destroy()  # a failed torch communicator's close sets _transport_failed
+    if (_initialised_torch_distributed and not _transport_failed
+            and torch.distributed.is_initialized()):
         torch.distributed.destroy_process_group()
 
 
@@ -1607,13 +1613,17 @@ class ZinfEngine(nn.Module):
         load_checkpoint() then keeps the model's."""
         del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
+        # Only rank 0's client state is written: the model's tensors (buffers, and frozen
+        # parameters, which may be most of the model) go into rank 0's alone, serialised from
+        # the tensors themselves, and the engine's copy of the blob is dropped after the save.
+        keep = self.global_rank == 0
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                  "lr": self.get_lr(), "client_state": client_state or {},
-                 "buffers": {name: buffer.detach().clone()
-                             for name, buffer in self._persistent_buffers()},
-                 "frozen": {} if exclude_frozen_parameters else {
-                     name: param.detach().clone() for name, param in self._frozen.values()},
+                 "buffers": {name: buffer.detach()
+                             for name, buffer in self._persistent_buffers()} if keep else {},
+                 "frozen": {} if exclude_frozen_parameters or not keep else {
+                     name: param.detach() for name, param in self._frozen.values()},
                  "frozen_excluded": bool(exclude_frozen_parameters) and bool(self._frozen),
                  "lr_from_schedule": self._lrs_shown is not None
                  and self.get_lr() == self._lrs_shown}
@@ -1621,8 +1631,13 @@ class ZinfEngine(nn.Module):
             state["lr_scheduler"] = self.lr_scheduler.state_dict()
         blob = io.BytesIO()
         torch.save(state, blob)
+        del state
         self._core.set_client_state(blob.getvalue())
-        self._core.save_checkpoint(save_dir, tag)
+        del blob
+        try:
+            self._core.save_checkpoint(save_dir, tag)
+        finally:
+            self._core.set_client_state(b"")
         return True
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
@@ -1724,6 +1739,7 @@ class ZinfEngine(nn.Module):
         path = os.path.join(load_dir, str(tag))
         self._core.load_checkpoint(load_dir, str(tag))
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
+        self._core.set_client_state(b"")  # read: the engine need not keep the blob
         self._load_buffers(state.get("buffers"), path)
         self._load_frozen(state.get("frozen", {}), state.get("frozen_excluded", False), path)
         self.global_steps = state["global_steps"]
