@@ -151,10 +151,11 @@ struct ParameterSpec {
   // streams them with the rest of the state), but it takes no gradients and no step changes it:
   // it steps in an internal group of learning rate 0 and weight decay 0 with a zero gradient, so
   // its master (and device copy) keep their bits. A module's parameters must be all trainable or
-  // all frozen (finalize() refuses a mix with kInvalidArgument naming the module and one
-  // parameter of each kind); reduce_gradients() of a frozen module is kInvalidArgument, and the
-  // step needs the gradients of the trainable parameters only. Not with zinf.gradients_on_nvme
-  // (finalize() refuses it naming the key).
+  // all frozen (register_parameter() refuses a mix with kInvalidArgument naming the module and
+  // one parameter of each kind); reduce_gradients() of a frozen module is kInvalidArgument, and
+  // the step needs the gradients of the trainable parameters only. Every rank must freeze the
+  // same parameters (finalize() compares them). Not with zinf.gradients_on_nvme
+  // (register_parameter() refuses it naming the key).
   bool trainable = true;
 };
 
@@ -446,14 +447,14 @@ class Engine {
   // masters stay. It reads and rewrites this rank's master partition once, whatever the number
   // of names, and holds one parameter's values at a time besides the state's own sub-group
   // buffers. Collective: every rank passes the same names in the same order and the same root;
-  // `values` is only called on the root and may be empty elsewhere. Empty `names`: nothing to do,
-  // OK. Before anything is written, a rank returns kNotFound naming an unknown name;
-  // kInvalidArgument naming a name given twice, or for a root outside the world;
-  // kFailedPrecondition when a module is gathered or gradients were reduced since the last step;
-  // kInvalidArgument for an empty `values` on the root; the others return kAborted naming that
-  // rank (the outcomes are agreed, so a call refused on one rank does not leave the others
-  // waiting), and every rank kInvalidArgument when the ranks' names or roots differ.
-  // Once the pass has begun, an error (one `values` returned, which comes back with the
+  // `values` is only called on the root and may be empty elsewhere. Empty `names`: nothing to
+  // write, OK (still collective: the ranks agree on it). Before anything is written, a rank returns
+  // kNotFound naming an unknown name; kInvalidArgument naming a name given twice, or for a root
+  // outside the world; kFailedPrecondition when a module is gathered or gradients were reduced
+  // since the last step; kInvalidArgument for an empty `values` on the root; the others return
+  // kAborted naming that rank (the outcomes are agreed, so a call refused on one rank does not
+  // leave the others waiting), and every rank kInvalidArgument when the ranks' names or roots
+  // differ. Once the pass has begun, an error (one `values` returned, which comes back with the
   // parameter's name; an I/O error; a collective's) fails every rank at the same parameter and is
   // sticky: some masters may hold their new values and others not.
   Status write_parameters(std::span<const std::string_view> names, const ParameterValues& values,

@@ -110,6 +110,7 @@ Status ParameterLayout::lay_out(const Config& config, int rank, int world, RankE
   }
   ZINF_RETURN_IF_ERROR(part_->finalize());
   ZINF_RETURN_IF_ERROR(check_ranks_agree(rank, world, exchange));
+  ZINF_RETURN_IF_ERROR(check_trainable_agree(world, exchange));
   ZINF_RETURN_IF_ERROR(check_initial_values_agree(world, exchange));
 
   // Groups per module, and which stay gathered.
@@ -240,6 +241,33 @@ Status ParameterLayout::check_ranks_agree(int rank, int world, RankExchange& exc
   }
   return Status::invalid_argument(
       "finalize: ranks registered different partitioner options (world size, stage)");
+}
+
+Status ParameterLayout::check_trainable_agree(int world, RankExchange& exchange) const {
+  if (world == 1) return Status::ok();
+  const std::size_t count = regs_.size();
+  std::vector<std::uint64_t> trainable(count);
+  for (std::size_t id = 0; id < count; ++id) trainable[id] = regs_[id].spec.trainable ? 1 : 0;
+  const std::uint64_t mine = XXH3_64bits(trainable.data(), count * sizeof(std::uint64_t));
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> hashes, exchange.exchange(&mine, 1));
+  if (std::all_of(hashes.begin(), hashes.end(), [&](std::uint64_t h) { return h == hashes[0]; })) {
+    return Status::ok();
+  }
+  // Some rank differs: which parameter, and which ranks.
+  ZINF_ASSIGN_OR_RETURN(std::vector<std::uint64_t> every,
+                        exchange.exchange(trainable.data(), count));
+  for (std::size_t id = 0; id < count; ++id) {
+    for (int r = 1; r < world; ++r) {
+      if (every[static_cast<std::size_t>(r) * count + id] != every[id]) {
+        return Status::invalid_argument(fmt::format(
+            "finalize: ranks froze different parameters: '{}' is {} on rank 0 and {} on rank {} "
+            "(ParameterSpec::trainable; every rank must freeze the same parameters)",
+            regs_[id].spec.name, every[id] != 0 ? "trainable" : "frozen",
+            every[static_cast<std::size_t>(r) * count + id] != 0 ? "trainable" : "frozen", r));
+      }
+    }
+  }
+  return Status::internal("finalize: the ranks' trainable flags differ but no parameter does");
 }
 
 Status ParameterLayout::check_initial_values_agree(int world, RankExchange& exchange) const {

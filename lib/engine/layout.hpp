@@ -90,6 +90,10 @@ class ParameterLayout {
   // order). Ranks exchange (count, fingerprint); when they differ, per-parameter hashes, so the
   // error names the first parameter that differs. Every rank computes the same error.
   Status check_ranks_agree(int rank, int world, RankExchange& exchange) const;
+  // Every rank registered the same parameters frozen (ParameterSpec::trainable): a rank that froze
+  // another would step its slice of that parameter differently, or reduce gradients the others
+  // do not. kInvalidArgument naming the first parameter that differs and the ranks.
+  Status check_trainable_agree(int world, RankExchange& exchange) const;
   // Every rank registered the same initial values for each parameter given by initial_values
   // (each rank keeps its own partition of them, so values that differ would mix the ranks'
   // models); parameters with an initializer are compared by their initializer_values_hash where

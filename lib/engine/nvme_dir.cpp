@@ -46,11 +46,11 @@ bool process_ended(long pid) {
   if (state != 'Z' && state != 'X') return false;
   // A thread-group leader that exited while other threads of its process run on shows Z too;
   // the process has ended only when the leader is the last of its threads.
+  // Read without exceptions: the directory goes when the parent reaps the process meanwhile.
   std::error_code ec;
   std::size_t threads = 0;
-  for (const auto& entry :
-       std::filesystem::directory_iterator(fmt::format("/proc/{}/task", pid), ec)) {
-    (void)entry;
+  for (std::filesystem::directory_iterator it(fmt::format("/proc/{}/task", pid), ec);
+       !ec && it != std::filesystem::directory_iterator(); it.increment(ec)) {
     ++threads;
   }
   return !ec && threads <= 1;

@@ -216,7 +216,9 @@ Status GradReducer::zero_frozen_groups() {
     if (options_.accumulator_on_device) {
       ZINF_RETURN_IF_ERROR(device_.memset_async(device_accumulator_ + offsets_[g], 0,
                                                 count * sizeof(float), *stream_));
-    } else {
+    } else if (!options_.accumulator_zeroed) {
+      // Fresh zero pages (accumulator_zeroed) hold zeros already: writing them would make the
+      // frozen share of the accumulator resident for nothing.
       ZINF_ASSERT_MSG(memory_accumulator_ != nullptr,
                       "frozen parameters with a custom gradient accumulator");
       std::memset(memory_accumulator_->data() + offsets_[g], 0, count * sizeof(float));

@@ -199,6 +199,33 @@ TEST(Frozen, AModuleThatMixesFrozenAndTrainableParametersIsRefused) {
   EXPECT_TRUE(st.is_ok()) << st.to_string();
 }
 
+// Ranks that froze different modules would step their slices of a module differently (at stage
+// 1 silently: every group is reduce-scattered at the step). finalize() compares the flags and
+// fails on every rank naming the first parameter that differs and the ranks.
+TEST(Frozen, RanksThatFreezeDifferentParametersAreRefusedAtFinalize) {
+  engine_test::ScratchDir dir("frozen_ranks_differ");
+  const Config config =
+      engine_test::small_config(1, OffloadDevice::kHost, OffloadDevice::kNone, dir.path());
+  engine_test::Ranks ranks = engine_test::make_ranks(2);
+  std::vector<Status> st = engine_test::run_ranks(2, [&](int rank) -> Status {
+    Model model = engine_test::make_model(DType::kF32, 78);
+    model.frozen_module = rank == 0 ? "block1" : "";
+    Env env;
+    env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+    env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
+    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+    return engine->finalize();
+  });
+  for (const Status& s : st) {
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_NE(s.message().find("ranks froze different parameters: 'block1."), std::string::npos)
+        << s.to_string();
+    EXPECT_NE(s.message().find("is frozen on rank 0 and trainable on rank 1"), std::string::npos)
+        << s.to_string();
+  }
+}
+
 TEST(Frozen, ReduceGradientsOfAFrozenModuleIsRefused) {
   engine_test::ScratchDir dir("frozen_reduce");
   Config config =
