@@ -179,21 +179,38 @@ class _SavedParameterView:
         self.offset = tensor.storage_offset()
 
 
+def _saved(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor as torch.save should get it: itself where it owns its storage, else a copy
+    (torch.save writes a view's whole storage: a slice of a larger buffer would save all of it)."""
+    tensor = tensor.detach()
+    whole = (tensor.storage_offset() == 0 and tensor.is_contiguous()
+             and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size())
+    return tensor if whole else tensor.clone()
+
+
+class _PendingInputs:
+    """One forward's wait for _InputGradsDone's backward (ZinfEngine._wrap_inputs): held by the
+    autograd graph only, so a graph freed without a backward (a forward whose loss was never
+    backpropagated, or that raised) stops being waited for."""
+    __slots__ = ("__weakref__",)
+
+
 class _InputGradsDone(torch.autograd.Function):
     """Identity on the inputs of a module that uses frozen parameters (stage 3); its backward
     runs once autograd has computed the gradients of those inputs, the module's backward being
     over then, so that the module's gather for its backward is given back there."""
 
     @staticmethod
-    def forward(ctx, engine, module, *tensors):
+    def forward(ctx, engine, module, token, *tensors):
         ctx.engine = engine
         ctx.module = module
+        ctx.token = token
         return tuple(t.detach() for t in tensors)
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.engine._input_grads_done(ctx.module)
-        return (None, None) + grads
+        ctx.engine._input_grads_done(ctx.module, ctx.token)
+        return (None, None, None) + grads
 
 
 class _GatherForBackward(torch.autograd.Function):
@@ -904,7 +921,9 @@ class ZinfEngine(nn.Module):
         self._accumulated: set[int] = set()
         # Stage 3, modules that use frozen parameters: the backwards of their forwards whose
         # inputs' gradients autograd has not computed yet (_InputGradsDone).
-        self._inputs_pending: dict[nn.Module, int] = {}
+        # torch module -> the forwards whose _InputGradsDone backward has not run (their graphs'
+        # tokens: a graph freed without a backward drops out).
+        self._inputs_pending: dict[nn.Module, weakref.WeakSet] = {}
         self._hook_handles = []
         for pid, param in self._params.items():
             if pid in self._no_grad:
@@ -931,15 +950,20 @@ class ZinfEngine(nn.Module):
         backward's gather."""
         if not torch.is_grad_enabled():
             return None
+        if self._in_backward and self._inputs_pending.get(module):
+            # A checkpoint's recomputation (non-reentrant) in the backward of the forward that
+            # is waited for already: its graph is never backpropagated.
+            return None
         found = []
         _map_tensors((args, kwargs), lambda ts: found.extend(t.requires_grad for t in ts) or ts)
         if not any(found):
             return None
-        self._inputs_pending[module] = self._inputs_pending.get(module, 0) + 1
+        token = _PendingInputs()
+        self._inputs_pending.setdefault(module, weakref.WeakSet()).add(token)
 
         def wrap(tensors):
             wanted = [i for i, t in enumerate(tensors) if t.requires_grad]
-            wrapped = _InputGradsDone.apply(self, module, *[tensors[i] for i in wanted])
+            wrapped = _InputGradsDone.apply(self, module, token, *[tensors[i] for i in wanted])
             out = list(tensors)
             for i, t in zip(wanted, wrapped):
                 out[i] = t
@@ -1086,12 +1110,12 @@ class ZinfEngine(nn.Module):
                 for engine_module in self._modules_needed(module):
                     self._release(engine_module)
 
-    def _input_grads_done(self, module: nn.Module):
-        pending = self._inputs_pending.get(module, 0) - 1
-        if pending > 0:
-            self._inputs_pending[module] = pending
-        else:
-            self._inputs_pending.pop(module, None)
+    def _input_grads_done(self, module: nn.Module, token: _PendingInputs):
+        pending = self._inputs_pending.get(module)
+        if pending is not None:
+            pending.discard(token)
+            if not pending:
+                del self._inputs_pending[module]
         self._release_if_done(module, self._accumulated if self._in_backward
                               else self._stray_accumulated)
 
@@ -1123,6 +1147,16 @@ class ZinfEngine(nn.Module):
         self._inputs_pending.clear()
         self._reduced.clear()
         self._accumulated.clear()
+        for pid in self._no_grad:
+            param = self._params[pid]
+            if param.requires_grad or param.grad is not None:
+                # Unfrozen after initialize(): nothing reduces its gradient, which would only
+                # grow (whole, on every rank), and it would never train.
+                param.grad = None
+                raise RuntimeError(
+                    f"parameter '{self._names[pid]}' was frozen at initialize() and requires "
+                    "grad now: zinf registered it frozen (no gradients, no optimizer step); "
+                    "freeze or unfreeze parameters before initialize()")
         leaked = [m for m, c in self._gather_count.items() if c]
         assert not leaked, f"modules still gathered after backward: {leaked[:3]}"
 
@@ -1542,8 +1576,8 @@ class ZinfEngine(nn.Module):
 
     def destroy(self):
         """Frees the engine and its communicator (DeepSpeed's engine.destroy()). The model's
-        trained parameters become empty placeholders (frozen ones, the module's own tensors, keep
-        their values); the engine cannot be used afterwards. Called for every engine still open
+        parameters the engine holds become empty placeholders (at stages 1 and 2 the frozen ones,
+        the module's own tensors, keep their values); the engine cannot be used afterwards. Called for every engine still open
         when the interpreter exits, so that an MPI job's communicators are closed before MPI is
         finalised; that includes an engine whose initialize() raised (a refused parameter), which
         has no hooks' state yet."""
@@ -1620,10 +1654,10 @@ class ZinfEngine(nn.Module):
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                  "lr": self.get_lr(), "client_state": client_state or {},
-                 "buffers": {name: buffer.detach()
+                 "buffers": {name: _saved(buffer)
                              for name, buffer in self._persistent_buffers()} if keep else {},
                  "frozen": {} if exclude_frozen_parameters or not keep else {
-                     name: param.detach() for name, param in self._frozen.values()},
+                     name: _saved(param) for name, param in self._frozen.values()},
                  "frozen_excluded": bool(exclude_frozen_parameters) and bool(self._frozen),
                  "lr_from_schedule": self._lrs_shown is not None
                  and self.get_lr() == self._lrs_shown}
