@@ -380,5 +380,53 @@ TEST(Frozen, CheckpointRoundTrip) {
   }
 }
 
+// The other way: saved with block1 trainable (its moments non-zero), loaded with it frozen. Its
+// master loads as saved and, stepped at learning rate 0, keeps those bits through later steps,
+// whatever its moments hold.
+TEST(Frozen, ACheckpointOfATrainedModuleLoadsFrozenAndKeepsItsBits) {
+  constexpr int kWorld = 2;
+  engine_test::ScratchDir dir("frozen_checkpoint_thawed");
+  const std::string ckpt = dir.path() + "/ckpt";
+  Config config = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.optimizer.weight_decay = 0.05;
+  const Model trained = engine_test::make_model(DType::kF32, 98);
+  Model frozen = trained;
+  frozen.frozen_module = "block1";
+  TrainOptions options;
+  options.steps = 3;
+  std::vector<std::vector<float>> saved;
+  std::vector<Status> st =
+      engine_test::with_engines(config, trained, kWorld, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(
+            engine_test::train_rank(engine, trained, rank, options, nullptr, nullptr));
+        ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                              engine_test::read_masters(engine, trained));
+        if (rank == 0) saved = std::move(masters);
+        return engine.save_checkpoint(ckpt, "three");
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  std::vector<std::vector<float>> after;
+  st = engine_test::with_engines(config, frozen, kWorld, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "three"));
+    TrainOptions rest = options;
+    rest.first_step = 4;
+    rest.steps = 6;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, frozen, rank, rest, nullptr, nullptr));
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                          engine_test::read_masters(engine, frozen));
+    if (rank == 0) after = std::move(masters);
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (std::size_t p = 0; p < frozen.params.size(); ++p) {
+    if (frozen.params[p].module == "block1") {
+      EXPECT_EQ(std::memcmp(after[p].data(), saved[p].data(), saved[p].size() * 4), 0)
+          << frozen.params[p].name;
+    } else {
+      EXPECT_GT(engine_test::max_rel_diff(after[p], saved[p]), 1e-4) << frozen.params[p].name;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zinf
