@@ -144,3 +144,28 @@ def assert_mlp_matches(engine, reference, rel=1e-5):
         got = engine.read_parameter(name)
         error = ((got - expected.detach()).norm() / expected.detach().norm()).item()
         assert error < rel, f"{name}: relative error {error:.2e}"
+
+
+# The parametrisation of the tests where rank 1 of 2 raises (mp_train.py's "fail" mode), and
+# what rank 0's error must then say.
+RANK_1_RAISES = [("backward", "rank 1 of 2 raised Boom in backward"),
+                 ("loop", "rank 1 of 2 raised Boom: injected failure in the training loop")]
+
+
+def assert_rank_0_failed_naming_rank_1(result, ended, said, launcher):
+    """The job `result` (a CompletedProcess of mp_train.py's "fail" mode under `launcher`, which
+    returned at time `ended`) failed without finishing, and rank 0's error names rank 1 and what
+    it raised (`said`). Returns the seconds from rank 1's raise to the launcher's return."""
+    import re
+
+    output = result.stdout + result.stderr
+    raised = re.search(r"rank 1 raises at ([0-9.]+)", output)
+    assert raised, output[-3000:]
+    elapsed = ended - float(raised.group(1))
+    assert result.returncode != 0, output[-3000:]
+    assert "finished all steps" not in output, output[-3000:]
+    rank0 = [line for line in output.splitlines() if "rank 0 of 2" in line and said in line]
+    assert rank0, output[-3000:]
+    print(rank0[0])
+    print(f"{launcher} returned {result.returncode} {elapsed:.1f} s after rank 1 raised")
+    return elapsed

@@ -3,7 +3,6 @@ on half of every batch must end where plain torch ends on the full batch in one 
 rank that raises must make the other fail promptly, naming it. The ranks run mp_train.py."""
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import time
 import pytest
 import torch
 
-from conftest import make_model
+from conftest import RANK_1_RAISES, assert_rank_0_failed_naming_rank_1, make_model
 from test_oracle import key_bias
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -141,28 +140,15 @@ def test_the_consolidated_16bit_state_dict_is_on_rank_0_only(tmp_path):
         assert torch.equal(state[name], master.to(torch.bfloat16)), name
 
 
-@pytest.mark.parametrize("where,said", [("backward", "rank 1 of 2 raised Boom in backward"),
-                                        ("loop", "rank 1 of 2 raised Boom: injected failure in "
-                                                 "the training loop")])
+@pytest.mark.parametrize("where,said", RANK_1_RAISES)
 def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(where, said, tmp_path):
     # Raised inside engine.backward(), or in the script's loop between the engine's calls (an
-    # uncaught exception: zinf.torch's sys.excepthook aborts the communicator).
+    # uncaught exception: zinf.torch's sys.excepthook aborts the communicator). (Rank 1's own
+    # traceback may never be printed: it lingers so that rank 0 reports first, and mpirun kills
+    # the job as soon as rank 0 exits non-zero.)
     timeout_ms = 30_000
     result = mpirun(["fail", str(tmp_path), str(timeout_ms), where], timeout=180)
-    ended = time.time()
-    output = result.stdout + result.stderr
-    raised = re.search(r"rank 1 raises at ([0-9.]+)", output)
-    assert raised, output[-3000:]
-    elapsed = ended - float(raised.group(1))
-    assert result.returncode != 0, output[-3000:]
-    assert "finished all steps" not in output, output[-3000:]
-    # Rank 0's error names rank 1 and what it raised. (Rank 1's own traceback may never be
-    # printed: it lingers so that rank 0 reports first, and mpirun kills the job as soon as rank 0
-    # exits non-zero.)
-    rank0 = [line for line in output.splitlines() if "rank 0 of 2" in line and said in line]
-    assert rank0, output[-3000:]
-    print(rank0[0])
-    print(f"mpirun returned {result.returncode} {elapsed:.1f} s after rank 1 raised")
+    elapsed = assert_rank_0_failed_naming_rank_1(result, time.time(), said, "mpirun")
     # The acceptance bound is the collective timeout plus 10 s; rank 0 was told by an abort
     # notice, so the job ends before the timeout itself (rank 1 lingers 5 s, ZINF_ABORT_LINGER_S,
     # so that rank 0 reports before mpirun kills the job).

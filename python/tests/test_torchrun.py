@@ -7,7 +7,6 @@ torchrun_train.py."""
 import importlib.util
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -17,7 +16,8 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import make_batches, make_model, zinf_config
+from conftest import (RANK_1_RAISES, assert_rank_0_failed_naming_rank_1, make_batches,
+                      make_model, zinf_config)
 from mp_train import shard
 from test_oracle import key_bias
 from torchrun_train import CHECKPOINT_STEP, CHECKPOINT_STEPS
@@ -157,26 +157,14 @@ def test_a_script_that_initialised_torch_distributed_keeps_its_default_group(tmp
         assert report["losses"] == oracle["losses"][:2], f"rank {rank}"
 
 
-@pytest.mark.parametrize("where,said", [("backward", "rank 1 of 2 raised Boom in backward"),
-                                        ("loop", "rank 1 of 2 raised Boom: injected failure in "
-                                                 "the training loop")])
+@pytest.mark.parametrize("where,said", RANK_1_RAISES)
 def test_an_exception_on_rank_1_fails_rank_0_promptly_naming_it(where, said, tmp_path):
     # Raised inside engine.backward(), or in the script's loop between the engine's calls (an
     # uncaught exception: zinf.torch's sys.excepthook aborts the communicator). Rank 0 learns of
     # it from the abort notice rank 1 posts in the group's store.
     timeout_ms = 30_000
     result = torchrun(["fail", str(tmp_path), str(timeout_ms), where], timeout=120)
-    ended = time.time()
-    output = result.stdout + result.stderr
-    raised = re.search(r"rank 1 raises at ([0-9.]+)", output)
-    assert raised, output[-3000:]
-    elapsed = ended - float(raised.group(1))
-    assert result.returncode != 0, output[-3000:]
-    assert "finished all steps" not in output, output[-3000:]
-    rank0 = [line for line in output.splitlines() if "rank 0 of 2" in line and said in line]
-    assert rank0, output[-3000:]
-    print(rank0[0])
-    print(f"torchrun returned {result.returncode} {elapsed:.1f} s after rank 1 raised")
+    elapsed = assert_rank_0_failed_naming_rank_1(result, time.time(), said, "torchrun")
     # Rank 0 fails at once; torchrun then stops rank 1, which lingers 5 s (ZINF_ABORT_LINGER_S)
     # after its abort. Well below the collective timeout (30 s), with room for a loaded machine.
     assert elapsed < 20
