@@ -1,5 +1,5 @@
-# Steps shared by the installed-package tests (run_moved_prefix.cmake, run_readme.cmake), included
-# by those `cmake -P` scripts.
+# Steps shared by the installed-package tests (run_consumer.cmake, run_moved_prefix.cmake,
+# run_readme.cmake, tests/capi/pkg_config/run.cmake), included by those `cmake -P` scripts.
 
 # Runs a command; fails the test with its output when it fails. The output is left in
 # step_output.

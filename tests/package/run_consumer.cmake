@@ -4,14 +4,7 @@ file(REMOVE_RECURSE "${ZINF_WORK_DIR}")
 set(prefix "${ZINF_WORK_DIR}/prefix")
 set(build "${ZINF_WORK_DIR}/build")
 
-function(run_step what)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT rc EQUAL 0)
-    message(FATAL_ERROR "${what} failed (${rc}):\n${out}\n${err}")
-  endif()
-  message(STATUS "${what}: ok")
-  set(step_output "${out}" PARENT_SCOPE)
-endfunction()
+include("${CMAKE_CURRENT_LIST_DIR}/package_steps.cmake")
 
 run_step("install" ${CMAKE_COMMAND} --install "${ZINF_BUILD_DIR}" --prefix "${prefix}")
 run_step("configure consumer" ${CMAKE_COMMAND} -S "${ZINF_CONSUMER_SOURCE}" -B "${build}"
