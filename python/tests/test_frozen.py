@@ -335,8 +335,8 @@ def test_a_checkpoint_whose_frozen_parameters_differ_warns_naming_them(tmp_path)
     del model.second.base.bias
     model.second.base.register_buffer("bias", torch.zeros(16), persistent=False)
     resumed = open_engine(model, 2)
-    with pytest.warns(UserWarning, match=r"frozen parameters \['second.base.bias'\] are not "
-                                         r"frozen parameters of the model"):
+    with pytest.warns(UserWarning, match=r"frozen parameters \['second.base.bias'\] are not the "
+                                         r"model's frozen parameters"):
         resumed.load_checkpoint(str(tmp_path))
 
 

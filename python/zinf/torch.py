@@ -179,6 +179,32 @@ class _SavedParameterView:
         self.offset = tensor.storage_offset()
 
 
+def _load_tensors(kind: str, kinds: str, own: dict, saved: dict, path: str, warn_missing: bool):
+    """Copies the checkpoint's `saved` tensors into the model's `own` ones of the same names
+    (converted to their dtypes), for load_checkpoint('path'); refuses a shape that differs,
+    naming the tensor, and warns of names on one side only (the model's, with warn_missing)."""
+    for name, tensor in own.items():
+        if name in saved and saved[name].shape != tensor.shape:
+            raise ValueError(f"load_checkpoint('{path}'): {kind} '{name}' has shape "
+                             f"{tuple(saved[name].shape)} in the checkpoint but "
+                             f"{tuple(tensor.shape)} in the model")
+    with torch.no_grad():
+        for name, tensor in own.items():
+            if name in saved:
+                tensor.copy_(saved[name])
+    missing = sorted(set(own) - set(saved)) if warn_missing else []
+    unexpected = sorted(set(saved) - set(own))
+    if missing or unexpected:
+        warnings.warn(
+            f"load_checkpoint('{path}'): " + "; ".join(
+                part for part in (
+                    missing and f"the model's {kinds} {missing[:5]} are not in the checkpoint "
+                    "and keep their values",
+                    unexpected and f"the checkpoint's {kinds} {unexpected[:5]} are not the "
+                    f"model's {kinds} and were not loaded") if part),
+            stacklevel=4)
+
+
 def _saved(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor as torch.save should get it: itself where it owns its storage, else a copy
     (torch.save writes a view's whole storage: a slice of a larger buffer would save all of it)."""
@@ -1429,57 +1455,18 @@ class ZinfEngine(nn.Module):
 
     def _load_buffers(self, saved: dict | None, path: str):
         """Copies a checkpoint's buffers into the model's (rank 0's, which every rank loads, as
-        DeepSpeed's module state is dp rank 0's); refuses a shape that differs, and warns of
-        buffers on one side only (a checkpoint written before buffers were saved has none)."""
-        if saved is None:
-            saved = {}
-        own = dict(self._persistent_buffers())
-        for name, buffer in own.items():
-            if name in saved and saved[name].shape != buffer.shape:
-                raise ValueError(f"load_checkpoint('{path}'): buffer '{name}' has shape "
-                                 f"{tuple(saved[name].shape)} in the checkpoint but "
-                                 f"{tuple(buffer.shape)} in the model")
-        with torch.no_grad():
-            for name, buffer in own.items():
-                if name in saved:
-                    buffer.copy_(saved[name])
-        missing = sorted(set(own) - set(saved))
-        unexpected = sorted(set(saved) - set(own))
-        if missing or unexpected:
-            warnings.warn(
-                f"load_checkpoint('{path}'): " + "; ".join(
-                    part for part in (
-                        missing and f"the model's buffers {missing[:5]} are not in the "
-                        "checkpoint and keep their values",
-                        unexpected and f"the checkpoint's buffers {unexpected[:5]} are not "
-                        "the model's and were not loaded") if part), stacklevel=3)
+        DeepSpeed's module state is dp rank 0's); a checkpoint written before buffers were saved
+        has none."""
+        _load_tensors("buffer", "buffers", dict(self._persistent_buffers()), saved or {},
+                      path, warn_missing=True)
 
     def _load_frozen(self, saved: dict, excluded: bool, path: str):
         """Copies a checkpoint's frozen parameters into the model's (rank 0's values, which every
-        rank loads), converted to the compute dtype; refuses a shape that differs, and warns of
-        frozen parameters on one side only, unless the save excluded them
-        (exclude_frozen_parameters=True: the model's keep their values)."""
-        own = {name: param for name, param in self._frozen.values()}
-        for name, param in own.items():
-            if name in saved and saved[name].shape != param.shape:
-                raise ValueError(f"load_checkpoint('{path}'): frozen parameter '{name}' has shape "
-                                 f"{tuple(saved[name].shape)} in the checkpoint but "
-                                 f"{tuple(param.shape)} in the model")
-        with torch.no_grad():
-            for name, param in own.items():
-                if name in saved:
-                    param.copy_(saved[name])
-        missing = [] if excluded else sorted(set(own) - set(saved))
-        unexpected = sorted(set(saved) - set(own))
-        if missing or unexpected:
-            warnings.warn(
-                f"load_checkpoint('{path}'): " + "; ".join(
-                    part for part in (
-                        missing and f"the model's frozen parameters {missing[:5]} are not in "
-                        "the checkpoint and keep their values",
-                        unexpected and f"the checkpoint's frozen parameters {unexpected[:5]} are "
-                        "not frozen parameters of the model and were not loaded") if part),
-                stacklevel=3)
+        rank loads), converted to the compute dtype. With exclude_frozen_parameters=True at the
+        save the model's keep their values, unwarned."""
+        _load_tensors("frozen parameter", "frozen parameters",
+                      {name: param for name, param in self._frozen.values()}, saved, path,
+                      warn_missing=not excluded)
 
     def _steps_applied(self) -> int:
         """The optimizer steps that updated the parameters (DeepSpeed's scheduler count)."""
