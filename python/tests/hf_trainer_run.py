@@ -35,6 +35,7 @@ parser.add_argument("--save-steps", type=int, default=3)
 parser.add_argument("--resume")
 parser.add_argument("--from-config", action="store_true")
 parser.add_argument("--freeze", action="store_true")
+parser.add_argument("--lora", action="store_true", help="peft LoRA adapters on c_attn")
 parser.add_argument("--gc", action="store_true", help="gradient checkpointing")
 parser.add_argument("--eval", action="store_true", help="evaluate at every save")
 parser.add_argument("--device-default", action="store_true",
@@ -83,6 +84,12 @@ torch.manual_seed(0)
 model = AutoModelForCausalLM.from_config(config) if options.from_config else GPT2LMHeadModel(config)
 if options.freeze:
     model.transformer.wte.weight.requires_grad_(False)
+if options.lora:
+    import peft
+
+    model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                       target_modules=["c_attn"],
+                                                       fan_in_fan_out=True))
 losses = Losses()
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(),
                   eval_dataset=Tokens(8, seed=99) if options.eval else None, callbacks=[losses])

@@ -144,14 +144,16 @@ def test_load_checkpoint_refuses_the_options_it_cannot_honour(tmp_path):
         engine.step()
     assert engine.save_checkpoint(str(tmp_path), exclude_frozen_parameters=True)
     for option in [{"load_module_only": True}, {"load_optimizer_states": False},
-                   {"load_lr_scheduler_states": False}, {"load_module_strict": False},
-                   {"custom_load_fn": print}]:
+                   {"load_lr_scheduler_states": False}, {"custom_load_fn": print}]:
         with pytest.raises(NotImplementedError,
                            match=f"{next(iter(option))}.*export_safetensors.*GatheredParameters"):
             engine.load_checkpoint(str(tmp_path), **option)
     path, client = engine.load_checkpoint(str(tmp_path), load_module_strict=True,
                                           load_optimizer_states=True,
                                           load_lr_scheduler_states=True, load_module_only=False)
+    assert path == str(tmp_path / "global_step2") and client == {}
+    # load_module_strict=False (the Hugging Face Trainer's for a PEFT model) loads the same.
+    path, client = engine.load_checkpoint(str(tmp_path), load_module_strict=False)
     assert path == str(tmp_path / "global_step2") and client == {}
 
 

@@ -179,6 +179,19 @@ def test_frozen_parameters_train_as_without_deepspeed(stage, tmp_path):
     assert torch.equal(got["transformer.wte.weight"], expected["transformer.wte.weight"])
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_lora_run_resumes_bit_identically(stage, tmp_path):
+    # peft's LoRA through the Trainer: its checkpoints leave the frozen base out
+    # (exclude_frozen_parameters) and its resume loads them with load_module_strict=False.
+    pytest.importorskip("peft")
+    config = write_config(tmp_path / "ds.json", stage)
+    uninterrupted = run_trainer(tmp_path / "whole", "--ds", config, "--lora")
+    checkpoint = tmp_path / "whole" / f"checkpoint-{SAVE_STEPS}"
+    resumed = run_trainer(tmp_path / "resumed", "--ds", config, "--lora", "--resume",
+                          str(checkpoint))
+    assert resumed["losses"] == uninterrupted["losses"][SAVE_STEPS:]
+
+
 def run_python(code, extra_path=None):
     env = dict(os.environ)
     if extra_path is not None:

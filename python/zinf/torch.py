@@ -1453,12 +1453,12 @@ class ZinfEngine(nn.Module):
                 if buffer is not None and name not in module._non_persistent_buffers_set:
                     yield (f"{module_name}.{name}" if module_name else name), buffer
 
-    def _load_buffers(self, saved: dict | None, path: str):
+    def _load_buffers(self, saved: dict | None, path: str, warn_missing: bool = True):
         """Copies a checkpoint's buffers into the model's (rank 0's, which every rank loads, as
         DeepSpeed's module state is dp rank 0's); a checkpoint written before buffers were saved
         has none."""
         _load_tensors("buffer", "buffers", dict(self._persistent_buffers()), saved or {},
-                      path, warn_missing=True)
+                      path, warn_missing=warn_missing)
 
     def _load_frozen(self, saved: dict, excluded: bool, path: str):
         """Copies a checkpoint's frozen parameters into the model's (rank 0's values, which every
@@ -1726,11 +1726,14 @@ class ZinfEngine(nn.Module):
         """Loads <load_dir>/<tag> (default: the tag in <load_dir>/latest): the parameters, the
         optimizer state, the step counts and the schedule, all together. Returns (path,
         client_state), or (None, None) with a warning naming the path when there is no latest
-        tag, as DeepSpeed does. DeepSpeed's options that load less (load_module_only=True,
-        load_optimizer_states=False, load_lr_scheduler_states=False, load_module_strict=False,
-        custom_load_fn) are refused, naming the way to load the weights alone."""
+        tag, as DeepSpeed does. load_module_strict=False (the Hugging Face Trainer passes it for a
+        PEFT model, whose checkpoints it saves with exclude_frozen_parameters=True) loads the same
+        and leaves the model's buffers and frozen parameters that the checkpoint lacks as they
+        are without a warning; the engine's parameters always load whole. DeepSpeed's options
+        that load less (load_module_only=True, load_optimizer_states=False,
+        load_lr_scheduler_states=False, custom_load_fn) are refused, naming the way to load the
+        weights alone."""
         refused = [(name, value) for name, value, default in [
-            ("load_module_strict", load_module_strict, True),
             ("load_optimizer_states", load_optimizer_states, True),
             ("load_lr_scheduler_states", load_lr_scheduler_states, True),
             ("load_module_only", load_module_only, False),
@@ -1761,8 +1764,9 @@ class ZinfEngine(nn.Module):
         self._core.load_checkpoint(load_dir, str(tag))
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self._core.set_client_state(b"")  # read: the engine need not keep the blob
-        self._load_buffers(state.get("buffers"), path)
-        self._load_frozen(state.get("frozen", {}), state.get("frozen_excluded", False), path)
+        self._load_buffers(state.get("buffers"), path, warn_missing=bool(load_module_strict))
+        self._load_frozen(state.get("frozen", {}),
+                          state.get("frozen_excluded", False) or not load_module_strict, path)
         self.global_steps = state["global_steps"]
         # A checkpoint is taken between optimizer steps; the count is moved up to this config's
         # next boundary, so that a run resumed with another gradient_accumulation_steps (two
