@@ -623,12 +623,13 @@ def test_stage_3_frozen_parameters_built_under_init_train_as_torch():
         assert torch.equal(engine.read_parameter(name), frozen[name]), name
 
 
-def test_stage_3_a_parameter_unfrozen_after_initialize_is_refused_naming_it():
-    # Registered frozen, it has no gradient reduction and no optimizer step: unfrozen later, its
-    # gradient would only grow on every rank and it would never train. The backward says so.
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_unfrozen_after_initialize_is_refused_naming_it(stage):
+    # Frozen at initialize(), it has no gradient reduction and no optimizer step: unfrozen later,
+    # its gradient would only grow on every rank and it would never train. The backward says so.
     torch.manual_seed(7)
     model = nn.Sequential(LoraLinear(8, 8), nn.Linear(8, 2))
-    engine = open_engine(model, 3)
+    engine = open_engine(model, stage)
     try:
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(8))
         engine.backward(engine(x).pow(2).mean())
@@ -637,5 +638,29 @@ def test_stage_3_a_parameter_unfrozen_after_initialize_is_refused_naming_it():
         with pytest.raises(RuntimeError, match=r"parameter '0\.base\.weight' was frozen at "
                                                r"initialize\(\) and requires grad now"):
             engine.backward(engine(x).pow(2).mean())
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_parameter_frozen_after_initialize_is_warned_of_naming_it(stage):
+    # Trainable at initialize(), the engine keeps stepping it: frozen later, weight decay and its
+    # moments still move it. The first backward after says so, once.
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+    engine = open_engine(model, stage)
+    try:
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(8))
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        model[0].weight.requires_grad_(False)
+        with pytest.warns(UserWarning, match=r"parameter '0\.weight' required grad at "
+                                             r"initialize\(\) and does not now: zinf still "
+                                             r"steps it"):
+            engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            engine.backward(engine(x).pow(2).mean())  # once
     finally:
         engine.destroy()

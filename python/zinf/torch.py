@@ -710,6 +710,7 @@ class ZinfEngine(nn.Module):
         # backward, whose first parameter is kept here until step() or backward() reports it.
         self._in_backward = False
         self._stray_gradient: str | None = None
+        self._warned_refrozen = False  # _check_frozen_unchanged() warned once
         self._stray_accumulated: set[int] = set()
         self._install_hooks()
 
@@ -1159,6 +1160,32 @@ class ZinfEngine(nn.Module):
         self._ready[engine_module] = []
         self._reduced.add(engine_module)
 
+    def _check_frozen_unchanged(self):
+        """The frozen parameters are those that did not require grad at initialize(). One
+        unfrozen since (or given a .grad) would never train while autograd fills a gradient
+        nothing reduces: refused, naming it. One frozen since is still trained by the engine (a
+        zero gradient, but weight decay and its moments still move it): warned, once."""
+        frozen = [(self._names[pid], self._params[pid]) for pid in self._no_grad]
+        frozen += list(self._frozen.values())
+        for name, param in frozen:
+            if param.requires_grad or param.grad is not None:
+                param.grad = None
+                raise RuntimeError(
+                    f"parameter '{name}' was frozen at initialize() and requires grad now: zinf "
+                    "registered it frozen (no gradients, no optimizer step); freeze or unfreeze "
+                    "parameters before initialize()")
+        if self._warned_refrozen:
+            return
+        for pid, param in self._params.items():
+            if pid not in self._no_grad and not param.requires_grad:
+                self._warned_refrozen = True
+                warnings.warn(
+                    f"parameter '{self._names[pid]}' required grad at initialize() and does not "
+                    "now: zinf still steps it (with a zero gradient, which weight decay and its "
+                    "optimizer moments still move it by); freeze parameters before "
+                    "initialize()", stacklevel=4)
+                return
+
     def _finish_backward(self):
         """Reduces the modules whose parameters autograd did not reach (zeros for those without
         a gradient), and releases what the backward still holds."""
@@ -1173,16 +1200,7 @@ class ZinfEngine(nn.Module):
         self._inputs_pending.clear()
         self._reduced.clear()
         self._accumulated.clear()
-        for pid in self._no_grad:
-            param = self._params[pid]
-            if param.requires_grad or param.grad is not None:
-                # Unfrozen after initialize(): nothing reduces its gradient, which would only
-                # grow (whole, on every rank), and it would never train.
-                param.grad = None
-                raise RuntimeError(
-                    f"parameter '{self._names[pid]}' was frozen at initialize() and requires "
-                    "grad now: zinf registered it frozen (no gradients, no optimizer step); "
-                    "freeze or unfreeze parameters before initialize()")
+        self._check_frozen_unchanged()
         leaked = [m for m, c in self._gather_count.items() if c]
         assert not leaked, f"modules still gathered after backward: {leaked[:3]}"
 
