@@ -664,3 +664,26 @@ def test_a_parameter_frozen_after_initialize_is_warned_of_naming_it(stage):
             engine.backward(engine(x).pow(2).mean())  # once
     finally:
         engine.destroy()
+
+
+def test_stage_2_a_checkpoint_saved_with_other_parameters_frozen_says_why(tmp_path):
+    # At stages 1 and 2 frozen parameters are not engine parameters, so a checkpoint saved with
+    # the base frozen does not load into an engine where it trains: the error says why.
+    torch.manual_seed(7)
+    model = nn.Sequential(LoraLinear(8, 8), nn.Linear(8, 2))
+    engine = open_engine(model, 2)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(8))
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    engine.save_checkpoint(str(tmp_path))
+    engine.destroy()
+    model = nn.Sequential(LoraLinear(8, 8), nn.Linear(8, 2))
+    model[0].base.requires_grad_(True)
+    engine = open_engine(model, 2)
+    try:
+        with pytest.raises(zinf.torch.Error, match=r"'0\.base\.weight' is not in the checkpoint .*"
+                                                   r"registers only the parameters that require "
+                                                   r"grad"):
+            engine.load_checkpoint(str(tmp_path))
+    finally:
+        engine.destroy()

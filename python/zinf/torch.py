@@ -660,7 +660,7 @@ class ZinfEngine(nn.Module):
         if "eps" in opt_params:
             defaults["eps"] = float(opt_params["eps"])
         groups = self._register(model, model_parameters, defaults)
-        with self._aborting_on_error("finalize"):
+        with self._aborting_on_error("finalize"), self._hint_frozen_mismatch():
             self._core.finalize()
         staged = [(p, _torch_init.staged(p)) for p in self._params.values()]
         staged = [(param, stage) for param, stage in staged if stage is not None]
@@ -1159,6 +1159,26 @@ class ZinfEngine(nn.Module):
             param.grad = None
         self._ready[engine_module] = []
         self._reduced.add(engine_module)
+
+    @contextlib.contextmanager
+    def _hint_frozen_mismatch(self):
+        """At stages 1 and 2 the engine holds only the parameters that require grad, so ranks
+        that froze different parameters, or a checkpoint saved with another set frozen, show as
+        engines with different parameters: such an error says so."""
+        try:
+            yield
+        except _zinf.Error as error:
+            text = str(error)
+            mismatch = ("registered different parameters" in text
+                        or "is not in the checkpoint" in text
+                        or "is not registered in this engine" in text)
+            if self.stage >= 3 or not mismatch:
+                raise
+            raise _zinf.Error(
+                f"{text} (at ZeRO stages 1 and 2 zinf.torch registers only the parameters that "
+                "require grad: a parameter frozen on one rank only, or frozen in the run that "
+                "saved the checkpoint and not in this one, or the other way round, makes the "
+                "parameters differ)") from None
 
     def _check_frozen_unchanged(self):
         """The frozen parameters are those that did not require grad at initialize(). One
@@ -1779,7 +1799,8 @@ class ZinfEngine(nn.Module):
             with open(latest) as f:
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
-        self._core.load_checkpoint(load_dir, str(tag))
+        with self._hint_frozen_mismatch():
+            self._core.load_checkpoint(load_dir, str(tag))
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self._core.set_client_state(b"")  # read: the engine need not keep the blob
         self._load_buffers(state.get("buffers"), path, warn_missing=bool(load_module_strict))
