@@ -263,7 +263,8 @@ typedef struct zinf_env {
 /* Opens an engine on `env` with a copy of `config`. Checks the config, the env (the
  * communicator runs on the device, the world size against zinf.world_size) and each NVMe
  * directory, with errors naming the key and the path. The device and the communicator's group
- * must outlive the engine (enforced by their destroy functions).
+ * must outlive the engine (enforced by their destroy functions). A communicator serves one open
+ * engine at a time: ZINF_FAILED_PRECONDITION naming it while another engine on it is open.
  * Errors of a collective or of I/O are sticky: once one happens every later call on the engine
  * returns it; bad input (an unknown name, a wrong size) changes nothing and the engine stays
  * usable. */

@@ -76,6 +76,7 @@ struct zinf_engine {
   std::unique_ptr<zinf::Engine> engine;
   zinf_device* device = nullptr;
   zinf_comm_group* group = nullptr;
+  zinf_comm* comm = nullptr;    // its in_use is this engine's while it is open
   zinf_trace* trace = nullptr;  // may be null
   // Lent to a rank function by zinf_run_local, which owns the engine, its device and its
   // communicator (none of them here): zinf_engine_close leaves it alone.
@@ -551,6 +552,13 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
                                                   fn, e.comm->device->device->name(),
                                                   e.device->device->name()));
     }
+    if (e.comm->in_use) {
+      return Status::failed_precondition(fmt::format(
+          "{}: env->comm ({}) is used by another open engine; each communicator serves one "
+          "engine at a time (two would interleave their collectives): close that engine first, "
+          "or give this one a communicator of its own",
+          fn, e.comm->comm->name()));
+    }
     zinf::Env cpp_env;
     cpp_env.device = e.device->device.get();
     cpp_env.comm = e.comm->comm;
@@ -568,6 +576,8 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
     ZINF_ASSIGN_OR_RETURN(handle->engine, zinf::Engine::open(config->config, cpp_env));
     handle->device = e.device;
     handle->group = e.comm->group;
+    handle->comm = e.comm;
+    handle->comm->in_use = true;
     handle->trace = e.trace;
     handle->device->users.fetch_add(1);
     handle->group->users.fetch_add(1);
@@ -581,6 +591,7 @@ void zinf_engine_close(zinf_engine_t* engine) {
   if (engine == nullptr || engine->lent()) return;
   // The engine's destructor joins its threads and frees device memory; it does not throw.
   engine->engine.reset();
+  engine->comm->in_use = false;
   engine->group->users.fetch_sub(1);
   engine->device->users.fetch_sub(1);
   if (engine->trace != nullptr) engine->trace->users.fetch_sub(1);

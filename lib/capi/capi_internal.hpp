@@ -33,6 +33,10 @@ struct zinf_comm {
   zinf_comm_group* group = nullptr;
   zinf_device* device = nullptr;
   zinf::Communicator* comm = nullptr;
+  // An open engine uses it: a second engine on the same communicator would interleave its
+  // collectives with the first's. Set and cleared by the rank's own thread (zinf.h: each
+  // communicator belongs to the one engine and thread of its rank).
+  bool in_use = false;
 };
 
 struct zinf_comm_group {

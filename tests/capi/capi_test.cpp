@@ -777,6 +777,17 @@ TEST(CApi, HandlesRefuseToGoWhileUsed) {
   env.comm = comm;
   zinf_engine_t* engine = nullptr;
   EXPECT_CODE(zinf_engine_open(config, &env, &engine), ZINF_INVALID_ARGUMENT, "host:1");
+  // A second engine on a communicator an open engine uses is refused (their collectives would
+  // interleave); once the first is closed the communicator takes another.
+  env.device = devices[1];
+  ASSERT_EQ(zinf_engine_open(config, &env, &engine), ZINF_OK);
+  zinf_engine_t* second = nullptr;
+  EXPECT_CODE(zinf_engine_open(config, &env, &second), ZINF_FAILED_PRECONDITION,
+              "env->comm (local rank 1 of 2) is used by another open engine");
+  EXPECT_EQ(second, nullptr);
+  zinf_engine_close(engine);
+  ASSERT_EQ(zinf_engine_open(config, &env, &second), ZINF_OK);
+  zinf_engine_close(second);
   zinf_config_destroy(config);
 
   ASSERT_EQ(zinf_comm_group_destroy(group), ZINF_OK);
