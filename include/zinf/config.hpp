@@ -281,9 +281,10 @@ struct KeyReport {
 std::string strip_config_comments(std::string_view text);
 
 // Every key of `json_text` (sections' keys, not the sections) in file order, with what zinf does
-// with it. When no key is refused but validate() refuses the combination, the key it names is
-// reported refused. parse_config() fails with "<key>: <why>" of the first refused key. Fails only
-// when the text is not a JSON object.
+// with it. When no key is refused but validate() refuses values, each key it names is reported
+// refused (validate() runs again without each, until it passes). parse_config() fails with
+// "<key>: <why>" of the first key refused in file order, or, when only validate() refuses, of
+// the first of its refusals. Fails only when the text is not a JSON object.
 Result<std::vector<KeyReport>> check_config(std::string_view json_text);
 
 // Parses JSON text. Missing keys keep the defaults above; the result is validate()d.

@@ -802,21 +802,48 @@ bool parse_offload_device(std::string_view text, OffloadDevice* device) {
   return true;
 }
 
+namespace {
+
+// Erases the key at dotted path `key` from `root`; false when there is none.
+bool erase_key(Json& root, const std::string& key) {
+  Json* at = &root;
+  std::size_t begin = 0;
+  for (;;) {
+    const std::size_t dot = key.find('.', begin);
+    const std::string part = key.substr(begin, dot == std::string::npos ? dot : dot - begin);
+    if (!at->is_object() || !at->contains(part)) return false;
+    if (dot == std::string::npos) return at->erase(part) == 1;
+    at = &(*at)[part];
+    begin = dot + 1;
+  }
+}
+
+}  // namespace
+
 Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
   Config c;
   std::vector<KeyReport> reports;
   ZINF_RETURN_IF_ERROR(walk_text(json_text, &c, &reports));
   for (const KeyReport& r : reports) {
-    if (r.use == KeyUse::kRefused) return reports;
+    if (r.use == KeyUse::kRefused) return reports;  // the first of them is parse_config()'s
   }
-  // Every key was read: a combination validate() refuses is reported against the key it names.
-  const Status s = validate(c);
-  if (!s.is_ok()) {
+  // Every key was read: the values validate() refuses (a value out of range, a combination),
+  // each against the key it names. validate() stops at the first (parse_config()'s error), so the
+  // file is read again without each key refused so far, until it passes: every such refusal
+  // shows at once, not one per round of edits.
+  Json root = Json::parse(strip_config_comments(json_text), nullptr, /*allow_exceptions=*/false);
+  for (std::size_t round = 0; round <= reports.size(); ++round) {
+    const Status s = validate(c);
+    if (s.is_ok()) break;
     const std::string message(s.message());
     const std::string key = message.substr(0, message.find(": "));
     const std::string why =
         message.size() > key.size() + 2 ? message.substr(key.size() + 2) : message;
     refuse_report(&reports, key, why);
+    if (root.is_discarded() || !erase_key(root, key)) break;
+    c = Config();
+    std::vector<KeyReport> again;
+    if (!walk_text(root.dump(), &c, &again).is_ok()) break;
   }
   return reports;
 }

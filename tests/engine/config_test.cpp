@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <map>
@@ -490,6 +491,32 @@ TEST(Config, CheckReportsEveryKeyInFileOrder) {
   ASSERT_FALSE(c.is_ok());
   EXPECT_EQ(c.status().message().rfind("optimizer.params.amsgrad: ", 0), 0u)
       << c.status().to_string();
+}
+
+// Values validate() refuses are all reported at once, each against its key (validate() stops at
+// the first, which parse_config() names; check_config() reads the file again without it).
+TEST(Config, CheckReportsEveryValueRefusalAtOnce) {
+  const char* text = R"({
+    "gradient_clipping": -1,
+    "zero_optimization": {"stage": 2, "reduce_bucket_size": 0,
+                          "offload_optimizer": {"device": "nvme", "buffer_count": 1}},
+    "fp16": {"enabled": true, "hysteresis": 0}
+  })";
+  Result<std::vector<KeyReport>> r = check_config(text);
+  ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+  std::vector<std::string> refused;
+  for (const KeyReport& k : *r) {
+    if (k.use == KeyUse::kRefused) refused.push_back(k.key);
+  }
+  const std::vector<std::string> want = {
+      "gradient_clipping", "zero_optimization.reduce_bucket_size",
+      "zero_optimization.offload_optimizer.buffer_count", "fp16.hysteresis"};
+  EXPECT_EQ(refused, want);
+  Result<Config> c = parse_config(text);
+  ASSERT_FALSE(c.is_ok());
+  const std::string message(c.status().message());
+  const std::string first = message.substr(0, message.find(':'));
+  EXPECT_NE(std::find(want.begin(), want.end(), first), want.end()) << c.status().to_string();
 }
 
 // What each optimizer section becomes: DeepSpeed's type names in any case, "Adam" as AdamW
