@@ -53,10 +53,10 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // `precondition` when it is not OK, kInvalidArgument for a root outside the world, then the
 // local preparation (the broadcast buffers, `values` on the root). The ranks exchange those
 // outcomes and a fingerprint of (names, root) whatever they are, and all fail together (the
-// others with kAborted naming the rank) when any failed or differs. Then one pass over this rank's partition of the master
-// (OptimizerState::write_state, each sub-group read back and rewritten on whatever tier it
-// lives), during which the parameters are broadcast from the root one at a time in layout
-// order, each preceded by an agreement that every rank is still in the pass (so a rank that
+// others with kAborted naming the rank) when any failed or differs. Then one pass over this rank's
+// partition of the master (OptimizerState::write_state, each sub-group read back and rewritten on
+// whatever tier it lives), during which the parameters are broadcast from the root one at a time in
+// layout order, each preceded by an agreement that every rank is still in the pass (so a rank that
 // fails stops every rank at the same parameter instead of leaving them waiting in the
 // broadcast; a failure after the last broadcast is agreed once the pass is over). Every rank
 // makes the same broadcasts in the same order: a rank takes the pieces

@@ -3,8 +3,9 @@
 // in zinf (why)" or "refused (why)"; the exit code is 0 when the engine would accept the file, 1
 // otherwise (a refused key, or a file that cannot be read or is not a JSON object). The reports
 // come from zinf::check_config(), the walk parse_config() makes: every key refused, and, when none
-// is, every value validate() refuses (parse_config() names the first of those it finds). An accepted file that still lacks what Engine::open needs (an
-// nvme_path for state offloaded to nvme) gets a "note:" line naming the key.
+// is, every value validate() refuses (parse_config() names the first of those it finds). An
+// accepted file that still lacks what Engine::open needs (an nvme_path for state offloaded to nvme)
+// gets a "note:" line naming the key.
 #include <fmt/format.h>
 
 #include <algorithm>
