@@ -34,6 +34,7 @@
 
 #include "base/random.hpp"
 #include "bench/bench_stats.hpp"
+#include "bench/engine/engine_bench.hpp"
 #include "io/buffer_pool.hpp"
 #include "io/io_bench.hpp"
 #include "io/io_engine.hpp"
@@ -44,13 +45,11 @@
 
 namespace {
 
+using zinf::bench::fail;
 using zinf::bench::median;
+using zinf::bench::seconds_since;
 
 using namespace zinf;
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // The raw drive as `zinf io bench` measures it by default (tools/zinf/io.cpp).
 class RawDrive {
@@ -116,27 +115,10 @@ Result<std::vector<float>> masters(Engine& engine, std::size_t tensors, std::siz
   return all;
 }
 
-int fail(std::string_view what, const Status& st) {
-  fmt::print(stderr, "{}: {}\n", what, st.to_string());
-  return 1;
-}
-
 int run(std::size_t params, const std::string& dir, OffloadDevice offload, int rounds) {
-  std::filesystem::create_directories(dir);
-  auto device = std::move(make_host_device({})).value();
-  auto comms = std::move(make_local_comm_group({device.get()})).value();
-  Config config;
-  config.optimizer.kind = OptimizerKind::kAdamW;
-  config.zero.stage = 2;
-  config.zero.offload_optimizer.device = offload;
-  config.zero.offload_optimizer.nvme_path = dir;
-  config.zero.sub_group_size = std::size_t{1} << 24;
-  Env env;
-  env.device = device.get();
-  env.comm = comms[0].get();
-  Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, std::size_t{1} << 24);
   if (!opened.is_ok()) return fail("open", opened.status());
-  Engine& engine = **opened;
+  Engine& engine = *opened->engine;
   constexpr std::size_t kTensors = 64;
   const std::size_t each = params / kTensors;
   for (std::size_t i = 0; i < kTensors; ++i) {

@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "bench/bench_stats.hpp"
+#include "bench/engine/engine_bench.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -34,13 +35,11 @@
 
 namespace {
 
+using zinf::bench::fail;
 using zinf::bench::median;
+using zinf::bench::seconds_since;
 
 using namespace zinf;
-
-double seconds_since(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 // Parameter `tensor`'s values of write `generation`: a cheap seeded pattern, different for each.
 void make_values(std::uint64_t generation, std::size_t tensor, std::span<float> out) {
@@ -51,28 +50,11 @@ void make_values(std::uint64_t generation, std::size_t tensor, std::span<float> 
   }
 }
 
-int fail(std::string_view what, const Status& st) {
-  fmt::print(stderr, "{}: {}\n", what, st.to_string());
-  return 1;
-}
-
 int run(std::size_t params, std::size_t tensors, const std::string& dir, OffloadDevice offload,
         int rounds) {
-  std::filesystem::create_directories(dir);
-  auto device = std::move(make_host_device({})).value();
-  auto comms = std::move(make_local_comm_group({device.get()})).value();
-  Config config;
-  config.optimizer.kind = OptimizerKind::kAdamW;
-  config.zero.stage = 2;
-  config.zero.offload_optimizer.device = offload;
-  config.zero.offload_optimizer.nvme_path = dir;
-  config.zero.sub_group_size = std::size_t{1} << 22;
-  Env env;
-  env.device = device.get();
-  env.comm = comms[0].get();
-  Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, std::size_t{1} << 22);
   if (!opened.is_ok()) return fail("open", opened.status());
-  Engine& engine = **opened;
+  Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
   std::vector<std::string> names(tensors);
   for (std::size_t i = 0; i < tensors; ++i) {
@@ -114,7 +96,8 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
   };
 
   fmt::print("{} f32 parameters in {} tensors, state {}, sub-groups of {} elements\n",
-             each * tensors, tensors, offload_device_name(offload), config.zero.sub_group_size);
+             each * tensors, tensors, offload_device_name(offload),
+             engine.config().zero.sub_group_size);
   fmt::print("| round | {} singles | one batch | singles / batch |\n|---|---|---|---|\n", tensors);
   std::vector<double> ratios;
   for (int round = 1; round <= rounds; ++round) {
