@@ -11,8 +11,8 @@ import time
 import pytest
 import torch
 
-from conftest import RANK_1_RAISES, assert_rank_0_failed_naming_rank_1, make_model
-from test_oracle import key_bias
+from conftest import (RANK_1_RAISES, assert_rank_0_failed_naming_rank_1,
+                      assert_two_ranks_match_torch, make_model)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = [f"{stage}-{offload}" for stage in (1, 2, 3) for offload in ("none", "cpu", "nvme")]
@@ -36,36 +36,7 @@ def oracle_runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_match_torch_on_the_full_batch(case, oracle_runs, torch_reference):
-    reference_losses, reference_params = torch_reference
-    ranks = []
-    for rank in (0, 1):
-        with open(oracle_runs / f"{case}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert [r["world_size"] for r in ranks] == [2, 2]
-    # Each rank's loss is the mean over its half of the batch; both halves have as many tokens,
-    # so their mean is the full batch's loss.
-    for step, expected in enumerate(reference_losses):
-        got = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
-        assert got == pytest.approx(expected, rel=1e-5), f"step {step}"
-    params = torch.load(oracle_runs / f"{case}.pt")
-    assert set(params) == set(reference_params)
-    diff_sq = ref_sq = worst = 0.0
-    for name, expected in reference_params.items():
-        error = params[name] - expected
-        diff_sq += (error ** 2).sum().item()
-        ref_sq += (expected ** 2).sum().item()
-        if key_bias(name) is not None:
-            error[key_bias(name)] = 0
-        worst = max(worst, (error.norm() / expected.norm()).item())
-    model_error = (diff_sq / ref_sq) ** 0.5
-    print(f"{case}, 2 ranks: relative error of the model {model_error:.2e}, of the worst "
-          f"parameter {worst:.2e}")
-    assert model_error < 1e-5
-    assert worst < 1e-5
-    if case.startswith("3-"):
-        for r in ranks:
-            assert r["counters"]["order_misses"] == 0
-            assert r["counters"]["live_elements"] == 0
+    assert_two_ranks_match_torch(oracle_runs, case, torch_reference, "mpirun")
 
 
 def test_a_change_made_on_the_modifier_rank_reaches_every_rank(tmp_path):

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import (RANK_1_RAISES, assert_rank_0_failed_naming_rank_1, make_batches,
-                      make_model, zinf_config)
+from conftest import (RANK_1_RAISES, assert_rank_0_failed_naming_rank_1,
+                      assert_two_ranks_match_torch, make_batches, make_model, relative_errors,
+                      zinf_config)
 from mp_train import shard
-from test_oracle import key_bias
 from torchrun_train import CHECKPOINT_STEP, CHECKPOINT_STEPS
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,19 +53,6 @@ def torchrun(args, timeout, ranks=2):
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def relative_errors(params, reference):
-    assert set(params) == set(reference)
-    diff_sq = ref_sq = worst = 0.0
-    for name, expected in reference.items():
-        error = params[name] - expected
-        diff_sq += (error ** 2).sum().item()
-        ref_sq += (expected ** 2).sum().item()
-        if key_bias(name) is not None:
-            error[key_bias(name)] = 0
-        worst = max(worst, (error.norm() / expected.norm()).item())
-    return (diff_sq / ref_sq) ** 0.5, worst
-
-
 @pytest.fixture(scope="module")
 def oracle_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("torchrun_oracle")
@@ -77,26 +64,7 @@ def oracle_runs(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_two_ranks_under_torchrun_match_torch_on_the_full_batch(case, oracle_runs,
                                                                 torch_reference):
-    reference_losses, reference_params = torch_reference
-    ranks = []
-    for rank in (0, 1):
-        with open(oracle_runs / f"{case}.rank{rank}.json") as f:
-            ranks.append(json.load(f))
-    assert [r["world_size"] for r in ranks] == [2, 2]
-    # Each rank's loss is the mean over its half of the batch; both halves have as many tokens,
-    # so their mean is the full batch's loss.
-    for step, expected in enumerate(reference_losses):
-        got = (ranks[0]["losses"][step] + ranks[1]["losses"][step]) / 2
-        assert got == pytest.approx(expected, rel=1e-5), f"step {step}"
-    model_error, worst = relative_errors(torch.load(oracle_runs / f"{case}.pt"), reference_params)
-    print(f"{case}, 2 ranks under torchrun: relative error of the model {model_error:.2e}, of "
-          f"the worst parameter {worst:.2e}")
-    assert model_error < 1e-5
-    assert worst < 1e-5
-    if case.startswith("3-"):
-        for r in ranks:
-            assert r["counters"]["order_misses"] == 0
-            assert r["counters"]["live_elements"] == 0
+    assert_two_ranks_match_torch(oracle_runs, case, torch_reference, "torchrun")
 
 
 def test_a_checkpoint_saved_under_torchrun_resumes_in_one_process(tmp_path):
