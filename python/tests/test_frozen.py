@@ -275,6 +275,22 @@ def test_checkpoint_keeps_frozen_weights_and_resumes_bit_identically(stage, bf16
         assert torch.equal(resumed.read_parameter(name), engine.read_parameter(name)), name
 
 
+def check_16bit_saves(engine, tmp_path, frozen, names):
+    """save_16bit_model writes `names` in bf16, the frozen weights as registered and rounded, and
+    with exclude_frozen_parameters=True the same without the frozen ones."""
+    engine.save_16bit_model(str(tmp_path / "full"))
+    engine.save_16bit_model(str(tmp_path / "adapters"), exclude_frozen_parameters=True)
+    full = torch.load(tmp_path / "full" / "pytorch_model.bin")
+    adapters = torch.load(tmp_path / "adapters" / "pytorch_model.bin")
+    assert list(full) == names
+    assert sorted(adapters) == sorted(set(full) - set(frozen))
+    for name in frozen:
+        assert full[name].dtype == torch.bfloat16
+        assert torch.equal(full[name], frozen[name].to(torch.bfloat16)), name
+    for name in adapters:
+        assert torch.equal(adapters[name], full[name]), name
+
+
 def test_exclude_frozen_parameters_leaves_them_out_of_saves(tmp_path):
     kind = "lora"
     model = make(kind)
@@ -283,17 +299,7 @@ def test_exclude_frozen_parameters_leaves_them_out_of_saves(tmp_path):
     train_zinf(engine, batches(kind, 2))
 
     # save_16bit_model: the module's state_dict in bf16, the frozen weights among them, or not.
-    engine.save_16bit_model(str(tmp_path / "full"))
-    engine.save_16bit_model(str(tmp_path / "adapters"), exclude_frozen_parameters=True)
-    full = torch.load(tmp_path / "full" / "pytorch_model.bin")
-    adapters = torch.load(tmp_path / "adapters" / "pytorch_model.bin")
-    assert list(full) == list(model.state_dict())
-    assert sorted(adapters) == sorted(set(full) - set(frozen))
-    for name in frozen:
-        assert full[name].dtype == torch.bfloat16
-        assert torch.equal(full[name], frozen[name].to(torch.bfloat16)), name
-    for name in adapters:
-        assert torch.equal(adapters[name], full[name]), name
+    check_16bit_saves(engine, tmp_path, frozen, list(model.state_dict()))
 
     # zero_to_fp32's functions give the frozen weights of a checkpoint that holds them.
     engine.save_checkpoint(str(tmp_path / "with"))
@@ -428,17 +434,7 @@ def test_stage_3_saves_and_exports_frozen_weights_unless_excluded(tmp_path):
     engine = open_engine(model, 3, bf16=True)
     train_zinf(engine, batches(kind, 2))
 
-    engine.save_16bit_model(str(tmp_path / "full"))
-    engine.save_16bit_model(str(tmp_path / "adapters"), exclude_frozen_parameters=True)
-    full = torch.load(tmp_path / "full" / "pytorch_model.bin")
-    adapters = torch.load(tmp_path / "adapters" / "pytorch_model.bin")
-    assert list(full) == [n for n, _ in model.named_parameters()]
-    assert sorted(adapters) == sorted(set(full) - set(frozen))
-    for name in frozen:
-        assert full[name].dtype == torch.bfloat16
-        assert torch.equal(full[name], frozen[name].to(torch.bfloat16)), name
-    for name in adapters:
-        assert torch.equal(adapters[name], full[name]), name
+    check_16bit_saves(engine, tmp_path, frozen, [n for n, _ in model.named_parameters()])
 
     # The frozen weights are engine parameters: the checkpoint's fp32 masters hold them, as
     # registered (not rounded to bf16).
