@@ -460,6 +460,26 @@ Result<std::vector<std::vector<float>>> read_masters(Engine& engine, const Model
   return out;
 }
 
+RankRuns train_against_reference(const Config& config, Ranks& ranks, const Model& model,
+                                 const TrainOptions& options, const Reference& reference) {
+  const std::size_t world = ranks.devices.size();
+  RankRuns runs;
+  runs.finals.resize(world);
+  runs.reports.resize(world);
+  runs.counters.resize(world);
+  runs.status = run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    TrainOptions rank_options = options;
+    rank_options.device = ranks.devices[r].get();
+    ZINF_RETURN_IF_ERROR(train_rank(engine, model, rank, rank_options, &reference.device_per_step,
+                                    &runs.reports[r]));
+    ZINF_ASSIGN_OR_RETURN(runs.finals[r], read_masters(engine, model));
+    runs.counters[r] = engine.counters();
+    return Status::ok();
+  });
+  return runs;
+}
+
 std::string read_file(const std::string& path) {
   std::ifstream f(path, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), {});

@@ -139,6 +139,18 @@ struct Reference {
 Reference run_reference(const Config& config, const Model& model, int world,
                         const TrainOptions& options);
 
+// train_against_reference()'s results, per rank.
+struct RankRuns {
+  std::vector<Status> status;
+  std::vector<std::vector<std::vector<float>>> finals;  // read_masters() after the training
+  std::vector<std::vector<StepReport>> reports;
+  std::vector<EngineCounters> counters;
+};
+// Trains `model` with `config` on every rank of `ranks` (train_rank(), each rank's device in its
+// options), the gathered values compared at every step with `reference`'s.
+RankRuns train_against_reference(const Config& config, Ranks& ranks, const Model& model,
+                                 const TrainOptions& options, const Reference& reference);
+
 // max |a - b| / max(|b|, floor) over all elements.
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
 

@@ -78,18 +78,11 @@ void run_case(const Case& c) {
 
   engine_test::Ranks ranks =
       engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
-  std::vector<std::vector<std::vector<float>>> finals(static_cast<std::size_t>(c.world));
-  std::vector<std::vector<StepReport>> reports(static_cast<std::size_t>(c.world));
-  std::vector<Status> st =
-      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
-        const auto r = static_cast<std::size_t>(rank);
-        TrainOptions rank_options = options;
-        rank_options.device = ranks.devices[r].get();
-        ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, rank_options,
-                                                     &ref.device_per_step, &reports[r]));
-        ZINF_ASSIGN_OR_RETURN(finals[r], engine_test::read_masters(engine, model));
-        return Status::ok();
-      });
+  engine_test::RankRuns runs =
+      engine_test::train_against_reference(config, ranks, model, options, ref);
+  const std::vector<Status>& st = runs.status;
+  const auto& finals = runs.finals;
+  const auto& reports = runs.reports;
   for (int r = 0; r < c.world; ++r) {
     ASSERT_TRUE(st[static_cast<std::size_t>(r)].is_ok())
         << "rank " << r << ": " << st[static_cast<std::size_t>(r)].to_string();
