@@ -379,18 +379,21 @@ class Engine::Impl {
     const bool open = overlap_ != nullptr && overlap_->open();
     const bool by_group = overlap_ != nullptr && reducer_->zeroes_groups();
     const bool beside_pass = !open && by_group && overlap_->running();
-    if (Result<std::size_t> mf = layout_.find_module("reduce_gradients", module);
-        mf.is_ok() && !layout_.param(layout_.module_params(*mf).front()).spec.trainable) {
-      return Status::invalid_argument(fmt::format(
-          "reduce_gradients('{}'): the module's parameters are frozen (ParameterSpec::trainable "
-          "false, '{}'): it takes no gradients",
-          module, layout_.param(layout_.module_params(*mf).front()).spec.name));
+    Result<std::size_t> found = layout_.find_module("reduce_gradients", module);
+    if (found.is_ok()) {
+      const ParameterSpec& first = layout_.param(layout_.module_params(*found).front()).spec;
+      if (!first.trainable) {
+        return Status::invalid_argument(
+            fmt::format("reduce_gradients('{}'): the module's parameters are frozen "
+                        "(ParameterSpec::trainable false, '{}'): it takes no gradients",
+                        module, first.name));
+      }
     }
     // After a pass that read ahead was called off, as while it was open: the collective part of
     // settle() (the persistent groups) waits for step(), where the ranks whose pass is still open
     // do it too (commit_step()).
     ZINF_RETURN_IF_ERROR(open || beside_pass || called_off_ ? ensure_finalized() : settle());
-    ZINF_ASSIGN_OR_RETURN(std::size_t m, layout_.find_module("reduce_gradients", module));
+    ZINF_ASSIGN_OR_RETURN(std::size_t m, std::move(found));
     // Validate everything before anything moves. sources_ (one entry per parameter, made at
     // finalize) is cleared first, so the call allocates nothing.
     std::vector<GradSource>& sources = sources_;
