@@ -25,9 +25,16 @@
 // timeout. A failing io_uring_wait_cqe does not stop completions from arriving in the completion
 // queue, which is shared memory: the ring's thread then polls it, backing off to kWaitRetryMax
 // between looks, and logs once when the waits start failing and once when they recover.
+//
+// Ring memory is mapped and unmapped by liburing's own system calls, which the thread
+// sanitizer does not see: a ring mapped where another thread's closed ring was looked like
+// that thread's memory. g_ring_maps orders a ring's unmapping before any later ring's mapping
+// (a release before io_uring_queue_exit, an acquire after io_uring_queue_init), as the kernel
+// does.
 #include <liburing.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
@@ -50,6 +57,8 @@ constexpr std::uint8_t kPieceHung = 2;  // completion swallowed by the fault inj
 constexpr std::chrono::seconds kDrainLimit{30};
 // The longest pause between looks at the completion queue while io_uring_wait_cqe fails.
 constexpr std::chrono::milliseconds kWaitRetryMax{10};
+
+std::atomic<std::uint64_t> g_ring_maps{0};
 
 unsigned round_up_pow2(unsigned value) {
   unsigned out = 1;
@@ -79,6 +88,7 @@ class UringEngine final : public EngineCore {
     for (auto& ring : rings_) {
       if (ring->thread.joinable()) ring->thread.join();
     }
+    g_ring_maps.fetch_add(1, std::memory_order_release);
     for (auto& ring : rings_) {
       if (ring->initialized) io_uring_queue_exit(&ring->ring);
     }
@@ -95,6 +105,7 @@ class UringEngine final : public EngineCore {
       params.flags = IORING_SETUP_CQSIZE;
       params.cq_entries = entries * 2;
       const int rc = io_uring_queue_init_params(entries, &ring.ring, &params);
+      g_ring_maps.fetch_add(1, std::memory_order_acquire);
       if (rc < 0) {
         const int err = -rc;
         if (err == EPERM || err == ENOSYS || err == EACCES) {
