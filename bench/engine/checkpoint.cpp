@@ -20,9 +20,7 @@
 // bit.
 //
 //   build/bin/bench_engine_checkpoint --params 268435456 --dir /path/on/the/drive --offload cpu
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -35,8 +33,6 @@
 #include "base/random.hpp"
 #include "bench/bench_stats.hpp"
 #include "bench/engine/engine_bench.hpp"
-#include "io/buffer_pool.hpp"
-#include "io/io_bench.hpp"
 #include "io/io_engine.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
@@ -47,65 +43,10 @@ namespace {
 
 using zinf::bench::fail;
 using zinf::bench::median;
+using zinf::bench::RawDrive;
 using zinf::bench::seconds_since;
 
 using namespace zinf;
-
-// The raw drive as `zinf io bench` measures it by default (tools/zinf/io.cpp).
-class RawDrive {
- public:
-  Status open(const std::string& path, std::uint64_t bytes) {
-    path_ = path;
-    IoOptions options;  // 1 MiB pieces, depth 32: the CLI's defaults
-    const std::size_t request = io_bench_request_bytes(options);
-    const std::size_t blocks = io_bench_pool_blocks(options, request);
-    options.max_requests = static_cast<std::uint32_t>(blocks + 16);
-    ZINF_ASSIGN_OR_RETURN(engine_, open_engine(options));
-    BufferPoolOptions pool_options;
-    pool_options.block_bytes = request;
-    pool_options.block_count = blocks;
-    ZINF_ASSIGN_OR_RETURN(pool_, BufferPool::create(pool_options));
-    ZINF_RETURN_IF_ERROR(pool_->register_with(*engine_));
-    SplitMix64 random(20261202);
-    auto* words = reinterpret_cast<std::uint64_t*>(pool_->data());
-    for (std::size_t i = 0; i < pool_->bytes() / 8; ++i) words[i] = random.next();
-    bytes_ = bytes / request * request;
-    const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
-    if (fd < 0) return status_from_errno(fmt::format("create {}", path), errno);
-    ::close(fd);
-    OpenFileOptions file_options;
-    file_options.direct = true;
-    ZINF_ASSIGN_OR_RETURN(file_, engine_->open_file(path, file_options));
-    return Status::ok();
-  }
-  ~RawDrive() {
-    if (engine_ != nullptr && file_.valid()) (void)engine_->close_file(file_);
-    if (!path_.empty()) std::filesystem::remove(path_);
-  }
-  Result<double> gbps(IoOp op) {
-    IoBenchConfig config;
-    config.op = op;
-    config.bytes = bytes_;
-    ZINF_ASSIGN_OR_RETURN(IoBenchResult r, run_io_bench(*engine_, file_, *pool_, config));
-    return r.gbps();
-  }
-  std::uint64_t bytes() const { return bytes_; }
-  // Gives the file's blocks back to the filesystem (the next write extends it again, as the
-  // first round's did), so the raw file and a checkpoint of NVMe state need not fit at once.
-  Status release() {
-    if (::truncate(path_.c_str(), 0) != 0) {
-      return status_from_errno(fmt::format("truncate {}", path_), errno);
-    }
-    return Status::ok();
-  }
-
- private:
-  std::string path_;
-  std::unique_ptr<IoEngine> engine_;
-  std::unique_ptr<BufferPool> pool_;
-  FileHandle file_;
-  std::uint64_t bytes_ = 0;
-};
 
 Result<std::vector<float>> masters(Engine& engine, std::size_t tensors, std::size_t each) {
   std::vector<float> all(tensors * each);
