@@ -180,7 +180,9 @@ ZINF_C_API zinf_code_t zinf_local_comm_group_create(zinf_device_t* const* device
  * is -1 for a LocalComm group of more than one rank. */
 ZINF_C_API zinf_code_t zinf_comm_group_get(zinf_comm_group_t* group, int rank, zinf_comm_t** out);
 ZINF_C_API zinf_code_t zinf_comm_group_world_size(const zinf_comm_group_t* group, int* world_size);
-/* ZINF_FAILED_PRECONDITION while an engine uses one of its communicators. */
+/* ZINF_FAILED_PRECONDITION while an engine uses one of its communicators (the group is kept).
+ * ZINF_ABORTED naming MPI_Finalize when MPI_Finalize ran while an MPI group was open and
+ * collectives were lost to it (zinf_mpi_comm_group_create): the group is destroyed all the same. */
 ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
 
 /* Jobs of one process per rank (mpirun, srun, torchrun). Each call makes a group that holds this
@@ -194,9 +196,12 @@ ZINF_C_API zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group);
  * died or stalled fails the others' collectives with ZINF_TIMEOUT naming it.
  * ZINF_UNSUPPORTED naming ZINF_WITH_MPI when zinf was built without MPI. Every rank calls it.
  * The end of a job, in this order: zinf_engine_close, zinf_comm_group_destroy, then MPI_Finalize.
- * The group's communicator calls MPI (a progress thread) until it is destroyed, so MPI_Finalize
- * before that is an error MPI does not survive (Open MPI aborts the process: "MPI_Test() called
- * after MPI_FINALIZE"). When zinf initialised MPI, it also finalises it, at exit (an atexit
+ * The group's communicator calls MPI (a progress thread) until it is destroyed. MPI_Finalize
+ * before that stops the communicator first (the delete callback of an attribute on
+ * MPI_COMM_SELF): its collectives in flight and every later one fail with ZINF_ABORTED naming
+ * MPI_Finalize, it makes no MPI call after it, zinf_engine_close still closes the engine and
+ * zinf_comm_group_destroy the group (ZINF_ABORTED where collectives were lost, otherwise
+ * ZINF_OK). When zinf initialised MPI, it also finalises it, at exit (an atexit
  * handler; skipped after a failed collective, whose dead peer MPI_Finalize could wait for): the
  * program need not call MPI_Finalize, and if it does (after destroying the group) zinf leaves
  * it at that; either way, destroy the group before main returns. */

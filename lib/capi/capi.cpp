@@ -21,6 +21,9 @@
 #include <vector>
 
 #include "capi/capi_internal.hpp"
+#if defined(ZINF_HAVE_MPI)
+#include "comm/mpi_comm.hpp"
+#endif
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -456,12 +459,20 @@ zinf_code_t zinf_comm_group_destroy(zinf_comm_group_t* group) {
       return Status::failed_precondition(fmt::format(
           "{}: {} engine(s) still use this group's communicators; close them first", fn, users));
     }
+    // Collectives that MPI_Finalize, called before this, cut short or refused: the group is
+    // destroyed all the same, and the code says that work was lost.
+    Status lost;
+#if defined(ZINF_HAVE_MPI)
+    for (const std::unique_ptr<zinf::Communicator>& comm : group->comms) {
+      if (lost.is_ok()) lost = zinf::mpi_finalize_losses(*comm);
+    }
+#endif
     // The communicators go first: they run on the devices.
     group->handles.clear();
     group->comms.clear();
     for (zinf_device* d : group->devices) d->users.fetch_sub(1);
     delete group;
-    return Status::ok();
+    return lost;
   });
 }
 

@@ -32,6 +32,14 @@
 // kCommError naming both sizes. After a failure MPI_Finalize is skipped at exit (it could wait
 // for the dead peer).
 //
+// MPI_Finalize while the communicator is open. The communicator's progress thread calls MPI until
+// it is destroyed, so MPI_Finalize belongs after that; when it comes first (a program's mistake,
+// or an exit path's or atexit handler's MPI_Finalize), MPI_Finalize stops the communicator before
+// it tears MPI down (the delete callback of an attribute on MPI_COMM_SELF, which MPI_Finalize
+// runs first): collectives in flight and every later one fail with kAborted naming MPI_Finalize,
+// the other ranks get the abort notice, and the communicator makes no MPI call after that (its
+// destruction included). mpi_finalize_losses() tells whether collectives were lost to it.
+//
 // Thread-safety: as Communicator. MPI must be initialised with MPI_THREAD_MULTIPLE (the progress
 // thread calls MPI while the program's threads may too).
 #pragma once
@@ -58,6 +66,11 @@ struct MpiWorld {
 // this process's place in MPI_COMM_WORLD. kFailedPrecondition when MPI was initialised below
 // MPI_THREAD_MULTIPLE or finalised.
 Result<MpiWorld> mpi_world_of_process();
+
+// After MPI_Finalize stopped `comm` (an MpiComm) while it was open: kAborted naming MPI_Finalize
+// and how many collectives failed from then on (cut short in flight, or issued later), when any
+// did. Ok otherwise: MPI_Finalize has not run, nothing was lost, or `comm` is no MpiComm.
+Status mpi_finalize_losses(const Communicator& comm);
 
 // Rank 0 of MPI_COMM_WORLD sends `blob` (the ncclUniqueId) to every rank; every rank returns it.
 // Nonblocking broadcasts polled against `timeout`: kTimeout when they do not finish in time.

@@ -19,6 +19,7 @@
 #include <string>
 #include <thread>
 #include <utility>
+#include <vector>
 
 #include "base/assert.hpp"
 #include "comm/collective_util.hpp"
@@ -58,6 +59,28 @@ void finalize_at_exit() {
   MPI_Finalize();
 }
 
+// --- MPI_Finalize while communicators are open --------------------------------------------------
+//
+// MPI_Finalize deletes MPI_COMM_SELF's attributes before it tears down anything else, and MPI
+// stays usable from every thread while their delete callbacks run (MPI-3.1 section 8.7.1: "the
+// MPI_COMM_SELF attributes are deleted first at MPI_FINALIZE"; MPI_Finalized is still false
+// then). The first communicator opened sets one such attribute; its callback stops every open
+// MpiComm (MpiComm::stop_at_finalize): the communicator fails its collectives with kAborted naming
+// MPI_Finalize, tells the other ranks, joins its progress thread and releases its requests, so
+// that none of its MPI calls follows MPI_Finalize and its close() later makes none.
+
+class MpiComm;
+
+std::mutex g_open_mu;
+std::vector<MpiComm*> g_open_comms;  // guarded by g_open_mu
+// close() calls making their last MPI calls; the callback waits for them. Guarded by g_open_mu.
+int g_closing_count = 0;
+std::condition_variable g_closing_cv;
+bool g_finalize_hook_set = false;  // guarded by g_open_mu
+
+// MPI_Comm_delete_attr_function of the attribute (defined after MpiComm).
+int stop_comms_at_finalize(MPI_Comm, int, void*, void*);
+
 std::string mpi_error_text(int err) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
@@ -69,6 +92,23 @@ std::string mpi_error_text(int err) {
 Status status_from_mpi(std::string_view context, int err) {
   if (err == MPI_SUCCESS) return Status::ok();
   return Status::comm_error(fmt::format("{}: {}", context, mpi_error_text(err)), err);
+}
+
+// Adds `comm` to the communicators MPI_Finalize stops, setting the attribute on MPI_COMM_SELF the
+// first time.
+Status watch_finalize(MpiComm* comm) {
+  std::lock_guard<std::mutex> lock(g_open_mu);
+  if (!g_finalize_hook_set) {
+    int keyval = MPI_KEYVAL_INVALID;
+    ZINF_RETURN_IF_ERROR(status_from_mpi(
+        "make_mpi_comm: MPI_Comm_create_keyval",
+        MPI_Comm_create_keyval(MPI_COMM_NULL_COPY_FN, &stop_comms_at_finalize, &keyval, nullptr)));
+    ZINF_RETURN_IF_ERROR(status_from_mpi("make_mpi_comm: MPI_Comm_set_attr on MPI_COMM_SELF",
+                                         MPI_Comm_set_attr(MPI_COMM_SELF, keyval, nullptr)));
+    g_finalize_hook_set = true;
+  }
+  g_open_comms.push_back(comm);
+  return Status::ok();
 }
 
 Status ensure_mpi(std::string_view who) {
@@ -209,7 +249,7 @@ class MpiComm final : public Communicator {
     notice_in_.resize(kNoticeBytes + 1);
     ZINF_RETURN_IF_ERROR(post_notice_receive());
     progress_ = std::thread([this] { progress_loop(); });
-    return Status::ok();
+    return watch_finalize(this);
   }
 
   int rank() const override { return rank_; }
@@ -237,6 +277,14 @@ class MpiComm final : public Communicator {
     return error_;
   }
 
+  // MPI_Finalize is running (the callback of its attribute on MPI_COMM_SELF, on the finalising
+  // thread, with g_open_mu held): fails every collective in flight and to come with kAborted
+  // naming MPI_Finalize, tells the other ranks, and makes the communicator's last MPI calls.
+  void stop_at_finalize();
+  // After stop_at_finalize: kAborted naming MPI_Finalize and how many collectives failed from then
+  // on, when any did; otherwise ok.
+  Status finalize_losses() const;
+
   // Runs on the stream: hands `task` to the progress thread, waits, then computes the result.
   Status run(const std::shared_ptr<Task>& task, const Status& upstream);
   // Runs on the stream after the upload of the result: the host copies go back for reuse.
@@ -259,7 +307,14 @@ class MpiComm final : public Communicator {
   Status post_notice_receive();
   void check_notice();
   void send_notices(const Status& reason);
+  // `task` fails with the sticky `error` (counted when MPI_Finalize stopped the communicator).
+  void fail_task(Task& task, const Status& error);
+  // A collective or barrier refused for the sticky error: counted after MPI_Finalize.
+  void count_refused();
   void close();
+  // Stops the progress thread and releases the communicator's MPI requests (and, when healthy,
+  // its duplicates of the parent communicator).
+  void shut_down();
   int tag_of(const Task& task) const {
     const int kind = task.kind == TaskKind::kBarrier ? 0 : static_cast<int>(task.op.kind);
     return static_cast<int>(task.sequence % static_cast<std::uint64_t>(tag_space_)) * 4 + kind;
@@ -292,6 +347,10 @@ class MpiComm final : public Communicator {
   Status error_;               // sticky
   bool notify_peers_ = false;  // the progress thread owes the abort notices
   bool stop_ = false;
+  // Set by stop_at_finalize: the progress thread is gone and MPI with it. From then on every
+  // collective that fails is counted in lost_to_finalize_.
+  bool finalized_ = false;
+  std::uint64_t lost_to_finalize_ = 0;
   std::deque<std::shared_ptr<Task>> submitted_;  // waiting for the progress thread
   std::thread progress_;
 
@@ -319,9 +378,30 @@ void MpiComm::fail(Status reason, bool tell_peers) {
 }
 
 void MpiComm::submit(std::shared_ptr<Task> task) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
+  if (stop_) {
+    // The progress thread is gone (MPI_Finalize stopped it): nothing would post the collective.
+    Status error = error_.is_ok() ? Status::aborted(fmt::format("{}: closed", name_)) : error_;
+    lock.unlock();
+    fail_task(*task, error);
+    return;
+  }
   submitted_.push_back(std::move(task));
   cv_.notify_all();
+}
+
+void MpiComm::fail_task(Task& task, const Status& error) {
+  count_refused();
+  Status own = error;
+  if (error.message().find(task.label) == std::string_view::npos) {
+    own = error.with_context(fmt::format("{} on {}", task.label, name_));
+  }
+  task.finish(std::move(own));
+}
+
+void MpiComm::count_refused() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (finalized_) ++lost_to_finalize_;
 }
 
 Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive) {
@@ -557,7 +637,7 @@ void MpiComm::progress_loop() {
     bool progressed = !fresh.empty();
     for (std::shared_ptr<Task>& task : fresh) {
       if (!error.is_ok()) {
-        task->finish(error);
+        fail_task(*task, error);
         continue;
       }
       Status posted = post(*task);
@@ -594,11 +674,7 @@ void MpiComm::progress_loop() {
             MPI_Request_free(&message.request);
           }
         }
-        Status own = error;
-        if (error.message().find(task->label) == std::string_view::npos) {
-          own = error.with_context(fmt::format("{} on {}", task->label, name_));
-        }
-        task->finish(std::move(own));
+        fail_task(*task, error);
       }
       in_flight_.clear();
       backoff.reset();
@@ -630,6 +706,53 @@ void MpiComm::progress_loop() {
 }
 
 void MpiComm::close() {
+  {
+    std::lock_guard<std::mutex> lock(g_open_mu);
+    std::erase(g_open_comms, this);
+    std::lock_guard<std::mutex> state(mu_);
+    // MPI_Finalize stopped the communicator and released its requests; MPI is gone.
+    if (finalized_) return;
+    ++g_closing_count;
+  }
+  shut_down();
+  {
+    std::lock_guard<std::mutex> lock(g_open_mu);
+    --g_closing_count;
+  }
+  g_closing_cv.notify_all();
+}
+
+void MpiComm::stop_at_finalize() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    finalized_ = true;
+  }
+  fail(Status::aborted(fmt::format(
+           "{}: MPI_Finalize was called while the communicator was open (close the engine and "
+           "destroy the communicator before MPI_Finalize); its collectives fail from here on",
+           name_)),
+       /*tell_peers=*/true);
+  shut_down();
+}
+
+Status MpiComm::finalize_losses() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!finalized_ || lost_to_finalize_ == 0) return Status::ok();
+  return Status::aborted(
+      fmt::format("{}: {} collective(s) failed after MPI_Finalize stopped the communicator: {}",
+                  name_, lost_to_finalize_, error_.to_string()));
+}
+
+int stop_comms_at_finalize(MPI_Comm, int, void*, void*) {
+  std::unique_lock<std::mutex> lock(g_open_mu);
+  // A close() on another thread finishes its MPI calls first.
+  g_closing_cv.wait(lock, [] { return g_closing_count == 0; });
+  for (MpiComm* comm : g_open_comms) comm->stop_at_finalize();
+  g_open_comms.clear();
+  return MPI_SUCCESS;
+}
+
+void MpiComm::shut_down() {
   if (progress_.joinable()) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -739,6 +862,7 @@ Status MpiComm::issue(const Collective& op, Stream& stream) {
   const std::string label = describe_collective(op, sequence);
   Status error = status();
   if (!error.is_ok()) {
+    count_refused();
     return Status::aborted(
         fmt::format("{} on {}: the communicator was aborted: {}", label, name_, error.to_string()));
   }
@@ -806,6 +930,7 @@ Status MpiComm::issue(const Collective& op, Stream& stream) {
 Status MpiComm::barrier(std::chrono::milliseconds timeout) {
   Status error = status();
   if (!error.is_ok()) {
+    count_refused();
     if (error.message().find("barrier") != std::string_view::npos) return error;
     return error.with_context(fmt::format("barrier on {}", name_));
   }
@@ -875,6 +1000,11 @@ Result<std::unique_ptr<Communicator>> make_mpi_comm(const void* mpi_comm, Device
     return Status::invalid_argument("make_mpi_comm: the communicator is MPI_COMM_NULL");
   }
   return open_mpi_comm(parent, device, options);
+}
+
+Status mpi_finalize_losses(const Communicator& comm) {
+  const auto* mpi = dynamic_cast<const MpiComm*>(&comm);
+  return mpi == nullptr ? Status::ok() : mpi->finalize_losses();
 }
 
 Result<MpiWorld> mpi_world_of_process() {
