@@ -349,13 +349,14 @@ def test_two_processes_without_use_cpu_are_refused(tmp_path):
     assert "use_cpu=True" in output
 
 
-def test_several_processes_without_mpi_are_refused(tmp_path):
-    """torchrun's environment: zinf's engine needs an MPI launcher for several processes. The
-    refusal comes from install(), before Accelerate would wait for the other rank of
-    torch.distributed's group at TrainingArguments (without it the run hangs there)."""
+def test_several_processes_without_a_launcher_are_refused(tmp_path):
+    """WORLD_SIZE > 1 without RANK, and no MPI launcher: neither torchrun
+    (test_hf_trainer_torchrun.py) nor mpirun started the process, so no rank is known. The
+    refusal comes from install(), before Accelerate would wait for the other ranks of
+    torch.distributed's group at TrainingArguments."""
     stderr = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2), fail=True,
-                         env={"WORLD_SIZE": "2", "RANK": "0", "LOCAL_RANK": "0",
-                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())},
+                         env={"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                              "MASTER_PORT": str(free_port())},
                          timeout=120)
-    assert "NotImplementedError" in stderr and "WORLD_SIZE=2 without an MPI launcher" in stderr
-    assert "mpirun -np N" in stderr
+    assert "NotImplementedError" in stderr and "WORLD_SIZE=2 without RANK" in stderr
+    assert "torchrun --nproc-per-node N" in stderr and "mpirun -np N" in stderr

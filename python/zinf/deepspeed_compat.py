@@ -12,17 +12,19 @@ What it covers (docs/PYTHON.md, "The Hugging Face Trainer"): ZeRO stages 1-3 wit
 offload; the optimizer from the config or the Trainer's (torch AdamW, Adam or Adagrad, turned
 into the config's "optimizer" section and zinf parameter groups); gradient accumulation;
 save_model (consolidated at stage 3) and checkpoints with resume; evaluate; fp16 and bf16;
-models built under zero.Init (from_config). One process, or several under an MPI launcher
-(`mpirun -np N python script.py`, with TrainingArguments(use_cpu=True)): install() sets RANK,
-WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT from the launcher, as DeepSpeed's MPI
-discovery does, so that torch.distributed's gloo group, which Accelerate and the Trainer use for
-the data sampler, gathers and barriers, has the engine's ranks; the engine's own collectives run
-on its MPI communicator.
+models built under zero.Init (from_config). One process, or several, with
+TrainingArguments(use_cpu=True), under torchrun (`torchrun --nproc-per-node N script.py`, or
+`accelerate launch`, which runs it) or an MPI launcher (`mpirun -np N python script.py`).
+torch.distributed's gloo group, which Accelerate and the Trainer use for the data sampler,
+gathers and barriers, has the engine's ranks: Accelerate makes it from RANK, WORLD_SIZE,
+MASTER_ADDR and MASTER_PORT, which torchrun sets, and which install() sets from an MPI launcher's
+environment as DeepSpeed's MPI discovery does. The engine's own collectives run on a gloo group
+of their own under torchrun (zinf.torch makes it from Accelerate's), on its MPI communicator
+under mpirun.
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
-parallelism (autotp), an mpu, several processes without an MPI launcher (torchrun: the Trainer
-path sets up torch.distributed from an MPI launcher's environment only, though
-zinf.torch.initialize() itself runs under torchrun), and several processes that Accelerate counts as one (no
+parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
+and no MPI launcher: no rank is known), and several processes that Accelerate counts as one (no
 use_cpu=True on a machine without a GPU: each would train on the whole data).
 
 No `deepspeed` distribution is installed: the modules are registered in sys.modules, and a finder
@@ -82,39 +84,66 @@ def _mpi_launcher() -> tuple[int, int, int, int] | None:
     return None
 
 
-def _torchrun_world_size() -> int:
-    value = os.environ.get("WORLD_SIZE", "")
-    return int(value) if value.isdigit() else 1
+def _torchrun() -> tuple[int, int, int, int] | None:
+    """(rank, size, local_rank, local_size) of this process as torchrun (or `accelerate launch`,
+    which runs it) states them: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, with WORLD_SIZE
+    > 1 and no MPI launcher, the case where zinf.torch opens its engine's communicator on a gloo
+    group of torch.distributed (comm="torch"). None otherwise."""
+    if _mpi_launcher() is not None or any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES):
+        return None
+    rank, size = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
+    if not (rank.isdigit() and size.isdigit()) or int(size) <= 1:
+        return None
+    local, local_size = os.environ.get("LOCAL_RANK", ""), os.environ.get("LOCAL_WORLD_SIZE", "")
+    return (int(rank), int(size), int(local) if local.isdigit() else 0,
+            int(local_size) if local_size.isdigit() else int(size))
 
 
-def _refuse_without_mpi(call: str):
-    """Several processes not started by an MPI launcher (torchrun, accelerate launch): the
-    Trainer path sets up torch.distributed from an MPI launcher's environment only (zinf.torch's
-    own initialize() runs under torchrun: docs/PYTHON.md, "Several processes")."""
-    if _torchrun_world_size() > 1 and _mpi_launcher() is None:
+def _launcher() -> tuple[tuple[int, int, int, int], str] | None:
+    """This process's (rank, size, local_rank, local_size) and its launcher's name: an MPI
+    launcher's, else torchrun's; None for one process."""
+    mpi = _mpi_launcher()
+    if mpi is not None:
+        return mpi, "the MPI launcher"
+    torchrun = _torchrun()
+    return None if torchrun is None else (torchrun, "torchrun")
+
+
+def _refuse_without_launcher(call: str):
+    """Several processes (WORLD_SIZE > 1) that neither an MPI launcher nor torchrun started: no
+    RANK says which rank this process is, so neither torch.distributed nor zinf's engine can
+    form the group."""
+    size = os.environ.get("WORLD_SIZE", "")
+    if (size.isdigit() and int(size) > 1 and _launcher() is None
+            and not any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES)):
         raise NotImplementedError(
-            f"{call} (zinf.deepspeed_compat): WORLD_SIZE={_torchrun_world_size()} "
-            "without an MPI launcher (torchrun?); the Trainer path runs several processes under "
-            "mpirun only, so launch the Trainer script with mpirun -np N python script.py "
-            "(zinf.torch.initialize() itself runs under torchrun)")
+            f"{call} (zinf.deepspeed_compat): WORLD_SIZE={size} without RANK and without an "
+            "MPI launcher; launch the Trainer script with torchrun --nproc-per-node N "
+            "script.py (or accelerate launch), which sets RANK, or with mpirun -np N python "
+            "script.py")
 
 
 # ---- deepspeed.comm -----------------------------------------------------------------------------
 # Accelerate and the Trainer use torch.distributed once it is set up: the data loader gives
 # each rank its share of the batches by its rank and the world size, the logged loss and the
-# evaluation's outputs are gathered over the ranks, and saving waits at barriers. zinf's engine
-# does not use torch.distributed (its collectives run on its own MPI communicator), so
-# torch.distributed gets a gloo group of the launcher's processes for those calls only: made by
-# Accelerate itself with TrainingArguments(use_cpu=True), from the environment install() set,
-# or else by init_distributed, as DeepSpeed's does with its MPI discovery under mpirun.
+# evaluation's outputs are gathered over the ranks, and saving waits at barriers. That default
+# group is gloo, of the launcher's processes: made by Accelerate itself with
+# TrainingArguments(use_cpu=True), from the environment torchrun set or install() set from an MPI
+# launcher's, or else by init_distributed, as DeepSpeed's does with its MPI discovery under
+# mpirun. zinf's engine never runs its collectives on it: under an MPI launcher they run on its
+# own MPI communicator, under torchrun on a gloo group of its own that zinf.torch.initialize()
+# makes from it (dist.new_group), so that the Trainer's calls and the engine's never interleave.
 
 def _launcher_environment(call: str, distributed_port: int = 29500) -> tuple[int, int, int]:
     """Under an MPI launcher of several processes, sets what torch.distributed's env://
     rendezvous and Accelerate read, as DeepSpeed's MPI discovery does: RANK, WORLD_SIZE,
     LOCAL_RANK and LOCAL_WORLD_SIZE from the launcher, MASTER_ADDR (127.0.0.1 when every process
     is on this machine) and MASTER_PORT (distributed_port) unless the environment has them.
-    Returns (rank, size, local_rank); (0, 1, 0) without a launcher."""
-    _refuse_without_mpi(call)
+    torchrun sets them itself. Returns (rank, size, local_rank); (0, 1, 0) without a launcher."""
+    _refuse_without_launcher(call)
+    torchrun = _torchrun()
+    if torchrun is not None:
+        return torchrun[:3]
     launcher = _mpi_launcher()
     if launcher is None:
         return 0, 1, 0
@@ -142,11 +171,12 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
                      config=None, rank=-1, world_size=-1):
     """deepspeed.init_distributed (Accelerate's PartialState, initialize()): the default
     torch.distributed group, on gloo whatever dist_backend asks (zinf computes on the CPU). In one
-    process a one-rank group with an in-memory store; under an MPI launcher of several processes
-    a group of them all, met through MASTER_ADDR:MASTER_PORT (_launcher_environment). Returns at
-    once when torch.distributed is initialised already (Accelerate does so itself on the CPU,
-    TrainingArguments(use_cpu=True), from the same environment). Several processes without an
-    MPI launcher (torchrun) are refused."""
+    process a one-rank group with an in-memory store; under torchrun or an MPI launcher of
+    several processes a group of them all, met through MASTER_ADDR:MASTER_PORT
+    (_launcher_environment). Returns at once when torch.distributed is initialised already
+    (Accelerate does so itself on the CPU, TrainingArguments(use_cpu=True), from the same
+    environment). Several processes without RANK (neither torchrun nor an MPI launcher) are
+    refused."""
     del dist_backend, auto_mpi_discovery, verbose, dist_init_required, config
     launcher_rank, launcher_size, _ = _launcher_environment("deepspeed.init_distributed",
                                                             distributed_port)
@@ -168,30 +198,29 @@ def init_distributed(dist_backend=None, auto_mpi_discovery=True, distributed_por
 
 
 def _check_world(call: str):
-    """torch.distributed's group must be the launcher's processes, in the same order as the
-    engine's MPI communicator, or the Trainer's data shares would not be the engine's ranks."""
-    launcher = _mpi_launcher()
-    rank, size = (0, 1) if launcher is None else launcher[:2]
+    """torch.distributed's group must be the launcher's processes, in the launcher's order, as
+    the engine's communicator is, or the Trainer's data shares would not be the engine's
+    ranks."""
+    (rank, size, _, _), name = _launcher() or ((0, 1, 0, 1), "the launcher")
     got = (torch.distributed.get_rank(), torch.distributed.get_world_size())
     if got != (rank, size):
         raise RuntimeError(f"deepspeed.{call} (zinf.deepspeed_compat): torch.distributed is "
-                           f"rank {got[0]} of {got[1]}, but the MPI launcher says rank {rank} "
-                           f"of {size}; zinf's engine takes its ranks from MPI")
+                           f"rank {got[0]} of {got[1]}, but {name} says rank {rank} of "
+                           f"{size}; zinf's engine takes its ranks from the launcher")
 
 
 def _check_accelerate_processes():
     """Accelerate shards the Trainer's data over the processes it counts. On a machine without a
-    GPU it counts those of an MPI launcher only with TrainingArguments(use_cpu=True) (its
-    MULTI_CPU mode); otherwise it sees one process on every rank, and each rank would train on
-    the whole data and save as the main process."""
+    GPU it counts those of torchrun or an MPI launcher only with TrainingArguments(use_cpu=True)
+    (its MULTI_CPU mode); otherwise it sees one process on every rank, and each rank would train
+    on the whole data and save as the main process."""
     state = getattr(sys.modules.get("accelerate.state"), "PartialState", None)
     counted = getattr(state, "_shared_state", {}).get("num_processes")
-    launcher = _mpi_launcher()
-    size = 1 if launcher is None else launcher[1]
+    (_, size, _, _), name = _launcher() or ((0, 1, 0, 1), "the launcher")
     if counted is not None and counted != size:
         raise NotImplementedError(
             f"deepspeed.initialize (zinf.deepspeed_compat): Accelerate counts {counted} "
-            f"process(es) but the MPI launcher started {size}; zinf computes on the CPU, where "
+            f"process(es) but {name} started {size}; zinf computes on the CPU, where "
             "Accelerate spreads the data over the processes with TrainingArguments(use_cpu=True)"
             ": pass it")
 
@@ -205,20 +234,20 @@ def _comm_get_rank(group=None) -> int:
     zero.Init ahead of the Trainer), the launcher's."""
     if torch.distributed.is_initialized():
         return torch.distributed.get_rank(group)
-    launcher = _mpi_launcher()
-    return 0 if launcher is None else launcher[0]
+    launcher = _launcher()
+    return 0 if launcher is None else launcher[0][0]
 
 
 def _comm_get_world_size(group=None) -> int:
     if torch.distributed.is_initialized():
         return torch.distributed.get_world_size(group)
-    launcher = _mpi_launcher()
-    return 1 if launcher is None else launcher[1]
+    launcher = _launcher()
+    return 1 if launcher is None else launcher[0][1]
 
 
 def _comm_get_local_rank() -> int:
-    launcher = _mpi_launcher()
-    return 0 if launcher is None else launcher[2]
+    launcher = _launcher()
+    return 0 if launcher is None else launcher[0][2]
 
 
 def _comm_barrier(group=None, async_op=False, device_ids=None, **kwargs):
@@ -519,7 +548,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         config = args.deepspeed_config
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port)
-    _refuse_without_mpi("deepspeed.initialize")
+    _refuse_without_launcher("deepspeed.initialize")
     if torch.distributed.is_initialized():
         _check_world("initialize")
     _check_accelerate_processes()
@@ -544,8 +573,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise NotImplementedError(
             f"deepspeed.initialize (zinf.deepspeed_compat): the engine is rank "
             f"{engine.global_rank} of {engine.world_size}, but torch.distributed rank "
-            f"{_comm_get_rank()} of {_comm_get_world_size()}; launch with Open MPI's mpirun or "
-            "an MPI with Hydra's PMI_RANK and PMI_SIZE")
+            f"{_comm_get_rank()} of {_comm_get_world_size()}; launch with torchrun, Open MPI's "
+            "mpirun or an MPI with Hydra's PMI_RANK and PMI_SIZE")
     _record_shapes(engine)
     if client_optimizer is not None:
         # A scheduler the caller made over its own optimizer object then moves the engine's
