@@ -2,8 +2,12 @@
 AdamW and clip_grad_norm_ see the trainable parameters only, the engine trains the same
 trajectory; frozen weights stay in the compute dtype, bit for bit (at stage 3 they are engine
 parameters registered frozen: their masters and gathered copies keep their bits); checkpoints
-keep them and resume bit-identically; state dicts hold them unless exclude_frozen_parameters."""
+keep them and resume bit-identically; state dicts hold them unless exclude_frozen_parameters.
+With two ranks (mpirun, torchrun) at stages 1 and 2, every rank takes rank 0's frozen weights at
+initialize() and at load_checkpoint()."""
+import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -683,3 +687,101 @@ def test_stage_2_a_checkpoint_saved_with_other_parameters_frozen_says_why(tmp_pa
             engine.load_checkpoint(str(tmp_path))
     finally:
         engine.destroy()
+
+
+# Two ranks (frozen_ranks.py under mpirun and under torchrun), each drawing the frozen base
+# weights of test_frozen's LoRA model with a seed of its own.
+RANK_STAGES = [1, 2]
+
+
+def launch_two_ranks(launcher, out, args):
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frozen_ranks.py")
+    env = None
+    if launcher == "mpirun":
+        if shutil.which("mpirun") is None:
+            pytest.skip("no mpirun on PATH")
+        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                   "-np", "2", sys.executable, script, str(out), *args]
+    else:
+        from test_torchrun import _why_not_runnable, free_port
+
+        if _why_not_runnable() is not None:
+            pytest.skip(_why_not_runnable())
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script,
+                   str(out), *args]
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module", params=["mpirun", "torchrun"])
+def two_rank_runs(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"frozen_{request.param}")
+    result = launch_two_ranks(request.param, out, [str(stage) for stage in RANK_STAGES])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def rank_reports(out, stage):
+    reports = [torch.load(out / f"{stage}.rank{rank}.pt") for rank in (0, 1)]
+    assert [r["world_size"] for r in reports] == [2, 2]
+    return reports
+
+
+@pytest.mark.parametrize("stage", RANK_STAGES)
+def test_ranks_that_drew_other_frozen_weights_train_rank_0s_model(stage, two_rank_runs):
+    # DeepSpeed's engine broadcasts the module's parameters from rank 0 at initialize: after
+    # initialize() every rank holds rank 0's frozen weights, and the two ranks, each on half of
+    # every batch, train what plain torch trains on the full batch with rank 0's model.
+    from frozen_ranks import make_with_frozen_seed
+
+    ranks = rank_reports(two_rank_runs, stage)
+    for name, built in ranks[0]["built"].items():
+        assert not torch.equal(ranks[1]["built"][name], built), name  # drawn differently
+        for rank, report in enumerate(ranks):
+            assert torch.equal(report["initialized"][name], built), f"rank {rank}: {name}"
+    reference = make_with_frozen_seed(21, 100)
+    want, _ = train_torch(reference, batches("lora"))
+    # Each rank's loss is the mean over its half of the batch: their mean is the full batch's.
+    got = [(a + b) / 2 for a, b in zip(ranks[0]["losses"], ranks[1]["losses"])]
+    assert got == pytest.approx(want, rel=1e-5)
+    for name in trainable_names(reference):
+        expected = dict(reference.named_parameters())[name].detach()
+        error = ((ranks[0]["masters"][name] - expected).norm() / expected.norm()).item()
+        assert error < 1e-5, f"{name}: relative error {error:.2e}"
+        assert torch.equal(ranks[1]["masters"][name], ranks[0]["masters"][name]), name
+
+
+@pytest.mark.parametrize("stage", RANK_STAGES)
+def test_a_checkpoint_loads_its_frozen_weights_on_every_rank(stage, two_rank_runs):
+    # Resumed into a model whose frozen weights each rank drew again (rank 0's of those on every
+    # rank after initialize()), load_checkpoint gives every rank the checkpoint's (rank 0's at
+    # the save), and the run goes on bit for bit.
+    from frozen_ranks import CHECKPOINT_STEP
+
+    ranks = rank_reports(two_rank_runs, stage)
+    saved = ranks[0]["initialized"]
+    for name, values in saved.items():
+        for rank, report in enumerate(ranks):
+            assert torch.equal(report["resumed_initialized"][name],
+                               ranks[0]["resumed_initialized"][name]), f"rank {rank}: {name}"
+            assert not torch.equal(report["resumed_initialized"][name], values), name
+            assert torch.equal(report["loaded"][name], values), f"rank {rank}: {name}"
+    for rank, report in enumerate(ranks):
+        assert report["resumed_losses"] == report["losses"][CHECKPOINT_STEP:], f"rank {rank}"
+
+
+def test_ranks_whose_frozen_parameters_differ_in_shape_are_refused_on_every_rank(tmp_path):
+    # Rank 1 has one frozen parameter fewer (the trainable ones are the same, so the engine's
+    # finalize does not see it): every rank raises the same error, none waits for the others.
+    # (The ranks' exit is not checked.)
+    result = launch_two_ranks("mpirun", tmp_path, ["layout"])
+    for rank in (0, 1):
+        report = tmp_path / f"layout.rank{rank}.json"
+        assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+        with open(report) as f:
+            error = json.load(f)["error"]
+        assert error is not None and ("the frozen parameters (requires_grad False) of rank 1 "
+                                      "differ from rank 0's in their names, shapes or dtypes"
+                                      in error), error
