@@ -30,7 +30,8 @@ How the model's tensors meet the engine (docs/PYTHON.md):
   afterwards (stage3_prefetch_bucket_size, stage3_max_live_parameters), as in C++.
 - Frozen parameters (requires_grad False at initialize()). At stages 1 and 2 the engine does not
   know them: each is a module tensor of the compute dtype that every rank keeps whole (as
-  DeepSpeed's ZeRO-1/2 keeps it), used by forward and backward as it is; it has no gradient,
+  DeepSpeed's ZeRO-1/2 keeps it), rank 0's values copied to every rank at initialize() (as
+  DeepSpeed's engine broadcasts them), used by forward and backward as it is; it has no gradient,
   no optimizer state and no share of the gradient norm. Checkpoints keep them in the client
   state; state dicts hold them. At stage 3 they are engine parameters registered frozen
   (ParameterSpec::trainable false): partitioned, gathered and released, checkpointed as the
@@ -2094,7 +2095,7 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     model_parameters: the parameters to train: every parameter of the model that requires grad,
         as parameters or as torch parameter groups (dicts with "params" and their own "lr" and
         "weight_decay"); parameters that do not require grad (frozen) may be given or left out,
-        and are not trained (stages 1 and 2; refused at stage 3).
+        and are not trained (at stage 3 the engine holds them, registered frozen).
     lr_scheduler: a torch LR scheduler over the returned optimizer, or a callable that makes one
         from it; stepped after each optimizer step. Or the config's "scheduler" section (not
         both): the engine runs that schedule, and the optimizer's param_groups "lr"s (and
