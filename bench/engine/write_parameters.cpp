@@ -1,16 +1,27 @@
-// Engine::write_parameters one parameter at a time against the batch form, on one rank: a model
-// of --params f32 parameters in --tensors parameters of equal size, stage 2, AdamW with its
-// state on NVMe (--offload nvme, default) or in host memory (--offload cpu), in --dir. Each of
-// --rounds rounds writes every parameter twice, with new seeded values each time:
+// Engine::write_parameters one parameter at a time against the batch form, and the batch against
+// the limit it answers to, on one rank: a model of --params f32 parameters in --tensors
+// parameters of equal size, stage 2, AdamW with its state on NVMe (--offload nvme, default) or in
+// host memory (--offload cpu), in --dir. Each of --rounds rounds writes every parameter twice,
+// with new seeded values each time, and with the state on NVMe moves the master's bytes once each
+// way on the raw drive:
 //   singles   write_parameters(name, values) for each parameter in turn (one pass over the
 //             partition and one publish each)
 //   batch     write_parameters(names, values_fn) once (one pass, one publish), values_fn making
 //             each parameter's values when the pass asks for them
-// in alternating order (singles first in odd rounds, batch first in even ones), so drift in the
-// machine's load falls on both. The values are made the same way in both (one parameter's worth
-// at a time), inside the timed call. Each round prints both times and singles / batch; the end
-// prints the median ratio, and checks that every master equals the last values written, bit for
-// bit.
+//   values    the batch's values made alone, as values_fn makes them (the caller's share of the
+//             batch's time, which no pass over the state can save)
+//   raw pass  one sequential read and one sequential write of the rank's master partition's
+//             bytes (4 per parameter: the batch rewrites the master and leaves the moments) in a
+//             file of its own in --dir, beside the engine's swap file, as `zinf io bench` moves
+//             them (bench::RawDrive: O_DIRECT, 8 MiB requests, 32 pieces of 1 MiB in flight,
+//             seeded random bytes); the file is written once, untimed, before the first round,
+//             as the swap file is there before the first write
+// in an order that turns round by round (each subject in each place in turn), so drift in the
+// machine's load falls on all of them. The values are made the same way in singles and batch
+// (one parameter's worth at a time), inside the timed call. Each round prints the times,
+// singles / batch and batch / raw pass; the end prints the medians of those ratios and of
+// (batch - values) / raw pass, and checks that every master equals the last values written, bit
+// for bit.
 //
 //   build/bin/bench_engine_write_parameters --params 16777216 --tensors 32 --dir /tmp/zinf-wp
 #include <fmt/format.h>
@@ -28,6 +39,8 @@
 
 #include "bench/bench_stats.hpp"
 #include "bench/engine/engine_bench.hpp"
+#include "io/io_bench.hpp"
+#include "io/io_engine.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -37,6 +50,7 @@ namespace {
 
 using zinf::bench::fail;
 using zinf::bench::median;
+using zinf::bench::RawDrive;
 using zinf::bench::seconds_since;
 
 using namespace zinf;
@@ -95,21 +109,88 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
     return seconds_since(t0);
   };
 
+  // The raw pass, with the state on a drive: the master partition's bytes read and written once
+  // each. The raw file holds them to whole 8 MiB requests; its times are scaled to the master's
+  // bytes.
+  const bool on_drive = offload == OffloadDevice::kNvme;
+  const std::uint64_t master_bytes = std::uint64_t{4} * each * tensors;
+  RawDrive raw;
+  if (on_drive) {
+    if (Status st = raw.open(dir + "/raw.bin", master_bytes); !st.is_ok()) {
+      return fail("raw file", st);
+    }
+    if (raw.bytes() == 0) {
+      fmt::print(stderr, "--params {}: the master is under one 8 MiB request of the raw pass\n",
+                 each * tensors);
+      return 2;
+    }
+    if (Result<IoBenchResult> w = raw.move(IoOp::kWrite); !w.is_ok()) {
+      return fail("raw write", w.status());
+    }
+  }
+  const double raw_scale = static_cast<double>(master_bytes) / static_cast<double>(raw.bytes());
+  double read_s = 0, write_s = 0;  // the last raw pass's, scaled to the master's bytes
+  auto raw_pass = [&]() -> Result<double> {
+    ZINF_ASSIGN_OR_RETURN(IoBenchResult r, raw.move(IoOp::kRead));
+    ZINF_ASSIGN_OR_RETURN(IoBenchResult w, raw.move(IoOp::kWrite));
+    read_s = r.seconds * raw_scale;
+    write_s = w.seconds * raw_scale;
+    return read_s + write_s;
+  };
+
+  // The values alone, made as the batch makes them: the caller's share of the batch's time.
+  auto values_alone = [&]() -> Result<double> {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < tensors; ++i) make_values(generation + 1, i, one);
+    return seconds_since(t0);
+  };
+
   fmt::print("{} f32 parameters in {} tensors, state {}, sub-groups of {} elements\n",
              each * tensors, tensors, offload_device_name(offload),
              engine.config().zero.sub_group_size);
-  fmt::print("| round | {} singles | one batch | singles / batch |\n|---|---|---|---|\n", tensors);
-  std::vector<double> ratios;
+  if (on_drive) {
+    fmt::print("raw pass: {:.1f} MB of master, read then written, in {} (raw file {:.1f} MB)\n",
+               static_cast<double>(master_bytes) / 1e6, dir,
+               static_cast<double>(raw.bytes()) / 1e6);
+    fmt::print(
+        "| round | {} singles | one batch | its values alone | raw read + write | singles / batch "
+        "| batch / raw pass |\n|---|---|---|---|---|---|---|\n",
+        tensors);
+  } else {
+    fmt::print(
+        "| round | {} singles | one batch | its values alone | singles / batch |\n"
+        "|---|---|---|---|---|\n",
+        tensors);
+  }
+  enum Subject { kSingles, kBatch, kValues, kRaw };  // the raw pass last: only on a drive
+  const char* const subject_names[] = {"singles", "batch", "values", "raw pass"};
+  const int subjects = on_drive ? 4 : 3;
+  std::vector<double> ratios, raw_ratios, engine_ratios, read_gbps, write_gbps;
   for (int round = 1; round <= rounds; ++round) {
-    double singles_s = 0, batch_s = 0;
-    for (int k = 0; k < 2; ++k) {
-      const bool do_batch = (k == 0) == (round % 2 == 0);
-      Result<double> s = do_batch ? batch() : singles();
-      if (!s.is_ok()) return fail(do_batch ? "batch" : "singles", s.status());
-      (do_batch ? batch_s : singles_s) = *s;
+    double times[4] = {0, 0, 0, 0};
+    for (int k = 0; k < subjects; ++k) {
+      const auto subject = static_cast<Subject>((round - 1 + k) % subjects);
+      Result<double> s = subject == kSingles  ? singles()
+                         : subject == kBatch  ? batch()
+                         : subject == kValues ? values_alone()
+                                              : raw_pass();
+      if (!s.is_ok()) return fail(subject_names[subject], s.status());
+      times[subject] = *s;
     }
-    ratios.push_back(singles_s / batch_s);
-    fmt::print("| {} | {:.3f} s | {:.3f} s | {:.1f} |\n", round, singles_s, batch_s, ratios.back());
+    ratios.push_back(times[kSingles] / times[kBatch]);
+    if (!on_drive) {
+      fmt::print("| {} | {:.3f} s | {:.3f} s | {:.3f} s | {:.1f} |\n", round, times[kSingles],
+                 times[kBatch], times[kValues], ratios.back());
+      continue;
+    }
+    raw_ratios.push_back(times[kBatch] / times[kRaw]);
+    engine_ratios.push_back((times[kBatch] - times[kValues]) / times[kRaw]);
+    read_gbps.push_back(static_cast<double>(master_bytes) / read_s / 1e9);
+    write_gbps.push_back(static_cast<double>(master_bytes) / write_s / 1e9);
+    fmt::print(
+        "| {} | {:.3f} s | {:.3f} s | {:.3f} s | {:.3f} s ({:.3f} + {:.3f}) | {:.1f} | {:.2f} |\n",
+        round, times[kSingles], times[kBatch], times[kValues], times[kRaw], read_s, write_s,
+        ratios.back(), raw_ratios.back());
   }
   bool same = true;
   std::vector<float> out(each);
@@ -120,8 +201,17 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
     make_values(generation, i, one);
     same = same && std::memcmp(out.data(), one.data(), each * sizeof(float)) == 0;
   }
-  fmt::print("median singles / batch {:.1f}; masters {} the last values written\n", median(ratios),
-             same ? "equal" : "DIFFER FROM");
+  if (on_drive) {
+    fmt::print(
+        "median singles / batch {:.1f}; median batch / raw pass {:.2f}, {:.2f} without its "
+        "values (raw read {:.2f} GB/s, write {:.2f} GB/s, medians); masters {} the last values "
+        "written\n",
+        median(ratios), median(raw_ratios), median(engine_ratios), median(read_gbps),
+        median(write_gbps), same ? "equal" : "DIFFER FROM");
+  } else {
+    fmt::print("median singles / batch {:.1f}; masters {} the last values written\n",
+               median(ratios), same ? "equal" : "DIFFER FROM");
+  }
   return same ? 0 : 1;
 }
 
