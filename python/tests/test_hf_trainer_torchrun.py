@@ -4,9 +4,10 @@ of test_hf_trainer.py (hf_trainer_run.py) with TrainingArguments(use_cpu=True), 
 initialises torch.distributed's gloo group from torchrun's environment and zinf's engine runs its
 collectives on a gloo group of its own made from it. As under mpirun, each rank takes half of the
 one-process micro-batch, and the two train as the Trainer without DeepSpeed does in one process
-on the whole one, at ZeRO-2 and ZeRO-3; a ZeRO-3 checkpoint resumes bit-identically. Without
-use_cpu=True (Accelerate then counts one process on each rank), or with WORLD_SIZE > 1 but no
-RANK (no launcher), the job is refused, saying why."""
+on the whole one, at ZeRO-2 and ZeRO-3; a ZeRO-3 checkpoint resumes bit-identically; `accelerate
+launch --multi_gpu`, which starts the processes through torchrun, trains the same. Without
+use_cpu=True (Accelerate then counts one process on each rank) the job is refused, saying why
+(test_hf_trainer.py checks the refusal of WORLD_SIZE > 1 without RANK: no launcher)."""
 import json
 import os
 import subprocess
@@ -34,18 +35,27 @@ LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE"
                       "MASTER_ADDR", "MASTER_PORT")
 
 
-def run_trainer_torchrun(out, *args, fail=False):
-    """Runs hf_trainer_run.py OUT ARGS in RANKS processes under torchrun, each with a micro-batch
-    of BATCH / RANKS, meeting on a free port. Returns each rank's RESULT, by rank, or with
-    fail=True the job's output after asserting that it failed."""
+def run_trainer_torchrun(out, *args, fail=False, accelerate_launch=False):
+    """Runs hf_trainer_run.py OUT ARGS in RANKS processes under torchrun (with accelerate_launch,
+    under `accelerate launch --multi_gpu`, which starts them through torchrun), each with a
+    micro-batch of BATCH / RANKS, meeting on a free port. Returns each rank's RESULT, by rank,
+    or with fail=True the job's output after asserting that it failed."""
     env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
     env.update({"OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                 "TOKENIZERS_PARALLELISM": "false"})
+    if accelerate_launch:
+        # No accelerate config file of the user's: the flags below are the whole launch.
+        env["HF_HOME"] = str(out / "hf_home")
+        launcher = ["accelerate.commands.launch", "--multi_gpu", "--num_processes", str(RANKS),
+                    "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                    "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port())]
+    else:
+        launcher = ["torch.distributed.run", "--nproc-per-node", str(RANKS), "--master-addr",
+                    "127.0.0.1", "--master-port", str(free_port())]
     done = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(RANKS),
-         "--master-addr", "127.0.0.1", "--master-port", str(free_port()), SCRIPT, str(out),
-         "--steps", str(STEPS), "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION),
-         "--batch", str(BATCH // RANKS), *args],
+        [sys.executable, "-m", *launcher, SCRIPT, str(out), "--steps", str(STEPS),
+         "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION), "--batch",
+         str(BATCH // RANKS), *args],
         capture_output=True, text=True, env=env, timeout=300)
     if fail:
         assert done.returncode != 0, done.stdout[-2000:]
@@ -111,6 +121,14 @@ def test_two_processes_at_zero2_train_and_save_as_one_process(baseline, tmp_path
     results = run_trainer_torchrun(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2))
     assert_losses_match(results[0], baseline[0])
     assert_weights_match(load_file(str(tmp_path / "final" / "model.safetensors")), baseline[1])
+
+
+def test_accelerate_launch_runs_two_processes_as_torchrun_does(baseline, tmp_path):
+    """`accelerate launch --multi_gpu` starts the processes through torchrun; the script's
+    use_cpu=True keeps them on the CPU."""
+    results = run_trainer_torchrun(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2),
+                                   accelerate_launch=True)
+    assert_losses_match(results[0], baseline[0])
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU Accelerate counts the ranks "

@@ -14,7 +14,8 @@ into the config's "optimizer" section and zinf parameter groups); gradient accum
 save_model (consolidated at stage 3) and checkpoints with resume; evaluate; fp16 and bf16;
 models built under zero.Init (from_config). One process, or several, with
 TrainingArguments(use_cpu=True), under torchrun (`torchrun --nproc-per-node N script.py`, or
-`accelerate launch`, which runs it) or an MPI launcher (`mpirun -np N python script.py`).
+`accelerate launch --multi_gpu --num_processes N script.py`, which runs it) or an MPI launcher
+(`mpirun -np N python script.py`).
 torch.distributed's gloo group, which Accelerate and the Trainer use for the data sampler,
 gathers and barriers, has the engine's ranks: Accelerate makes it from RANK, WORLD_SIZE,
 MASTER_ADDR and MASTER_PORT, which torchrun sets, and which install() sets from an MPI launcher's
@@ -85,10 +86,10 @@ def _mpi_launcher() -> tuple[int, int, int, int] | None:
 
 
 def _torchrun() -> tuple[int, int, int, int] | None:
-    """(rank, size, local_rank, local_size) of this process as torchrun (or `accelerate launch`,
-    which runs it) states them: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, with WORLD_SIZE
-    > 1 and no MPI launcher, the case where zinf.torch opens its engine's communicator on a gloo
-    group of torch.distributed (comm="torch"). None otherwise."""
+    """(rank, size, local_rank, local_size) of this process as torchrun (or `accelerate launch
+    --multi_gpu`, which runs it) states them: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    with WORLD_SIZE > 1 and no MPI launcher, the case where zinf.torch opens its engine's
+    communicator on a gloo group of torch.distributed (comm="torch"). None otherwise."""
     if _mpi_launcher() is not None or any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES):
         return None
     rank, size = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
@@ -119,8 +120,7 @@ def _refuse_without_launcher(call: str):
         raise NotImplementedError(
             f"{call} (zinf.deepspeed_compat): WORLD_SIZE={size} without RANK and without an "
             "MPI launcher; launch the Trainer script with torchrun --nproc-per-node N "
-            "script.py (or accelerate launch), which sets RANK, or with mpirun -np N python "
-            "script.py")
+            "script.py, which sets RANK, or with mpirun -np N python script.py")
 
 
 # ---- deepspeed.comm -----------------------------------------------------------------------------
