@@ -468,6 +468,44 @@ class PyEngine {
     if (it != activation_bytes_.end()) it->second = 0;
   }
 
+  // Rank `root`'s bytes of `buffer` into every rank's `buffer` (a contiguous CPU array of the
+  // same size on every rank), over the engine's communicator; collective. For what the engine
+  // does not hold (zinf.torch's frozen parameters at stages 1 and 2). Between engine calls: the
+  // engine must have no collective of its own in flight.
+  void broadcast_bytes(const HostArray& buffer, int root, const std::string& name) {
+    auto* data = static_cast<std::uint8_t*>(buffer.data());
+    const std::size_t bytes = buffer.nbytes();
+    // DType has no byte type: the bytes move as 2-byte elements, an odd last one in a pair.
+    std::uint8_t tail[2] = {bytes % 2 == 1 ? data[bytes - 1] : std::uint8_t{0}, 0};
+    run_client_collective([&](zinf::Communicator& comm, zinf::Stream& stream) {
+      if (bytes >= 2) {
+        ZINF_RETURN_IF_ERROR(
+            comm.broadcast(data, data, bytes / 2, zinf::DType::kF16, root, stream, name));
+      }
+      if (bytes % 2 == 0) return zinf::Status::ok();
+      return comm.broadcast(tail, tail, 1, zinf::DType::kF16, root, stream, name);
+    });
+    if (bytes % 2 == 1) data[bytes - 1] = tail[0];
+  }
+
+  // Every rank's `send` (a contiguous CPU array of an even number of bytes, the same on every
+  // rank) into `recv`, rank after rank; collective, between engine calls as broadcast_bytes.
+  void all_gather_bytes(const HostArray& send, const HostArray& recv, const std::string& name) {
+    const std::size_t bytes = send.nbytes();
+    const std::size_t world = static_cast<std::size_t>(engine().world_size());
+    if (bytes % 2 != 0 || recv.nbytes() != bytes * world) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "all_gather_bytes('" + name + "'): send holds " + std::to_string(bytes) +
+          " bytes (must be even), recv " + std::to_string(recv.nbytes()) + " (must be " +
+          std::to_string(bytes * world) + ")"));
+    }
+    const void* in = send.data();
+    void* out = recv.data();
+    run_client_collective([&](zinf::Communicator& comm, zinf::Stream& stream) {
+      return comm.all_gather(in, out, bytes / 2, zinf::DType::kF16, stream, name);
+    });
+  }
+
   // Destroys the engine, then the communicator (an MpiComm stops its progress thread and frees
   // its MPI communicators, a torch one its worker), then the device: every parameter's memory is
   // gone afterwards, and every later call raises. zinf.torch calls it at interpreter exit (before
@@ -487,14 +525,35 @@ class PyEngine {
     nb::gil_scoped_release release;
     engine_.reset();
     pending_saves_.clear();
+    client_done_.reset();
+    client_stream_.reset();
     comms_.clear();
     device_.reset();
+  }
+
+  // Issues collectives on the client stream (made on first use) and waits for them without the
+  // GIL (a torch communicator's worker takes it); raises zinf.Error for a failure.
+  template <typename Issue>
+  void run_client_collective(Issue&& issue) {
+    engine();  // raises once closed
+    if (!client_stream_) {
+      client_stream_ = take(device_->create_stream("client collectives"));
+      client_done_ = take(device_->create_event());
+    }
+    zinf::Communicator& comm = *comms_.at(0);
+    without_gil([&] {
+      ZINF_RETURN_IF_ERROR(issue(comm, *client_stream_));
+      ZINF_RETURN_IF_ERROR(device_->record(*client_done_, *client_stream_));
+      return comm.wait(*client_done_);
+    });
   }
 
   std::unique_ptr<zinf::Device> device_;
   // Device copies of the last saved activations, read by the store until its next call returns.
   std::vector<zinf::DeviceBuffer> pending_saves_;
   std::vector<std::unique_ptr<zinf::Communicator>> comms_;
+  std::unique_ptr<zinf::Stream> client_stream_;  // broadcast_bytes and all_gather_bytes
+  std::unique_ptr<zinf::Event> client_done_;
   std::unique_ptr<zinf::Engine> engine_;
   std::unordered_map<std::string, std::size_t> element_counts_;
   // Bytes of each activation saved and not loaded yet (0: none), for load_activation's check.
@@ -607,6 +666,10 @@ NB_MODULE(_zinf, m) {
            nb::arg("values").none(), nb::arg("root") = 0)
       .def("write_parameters_batch", &PyEngine::write_parameters_batch, nb::arg("names"),
            nb::arg("values_fn").none(), nb::arg("root") = 0)
+      .def("broadcast_bytes", &PyEngine::broadcast_bytes, nb::arg("buffer"), nb::arg("root"),
+           nb::arg("name"))
+      .def("all_gather_bytes", &PyEngine::all_gather_bytes, nb::arg("send"), nb::arg("recv"),
+           nb::arg("name"))
       .def_prop_ro("loss_scale", [](const PyEngine& e) { return e.engine().loss_scale(); })
       .def("set_learning_rate",
            [](PyEngine& e, double lr) {

@@ -399,21 +399,6 @@ class _TorchTransport:
     def barrier_count(self, generation: int) -> int:
         return self._store.add(f"{self._prefix}/barrier{generation}", 0)
 
-    def broadcast_from(self, buffer: torch.Tensor, root: int, what: str):
-        """Rank root's bytes into `buffer` (a contiguous uint8 CPU tensor) on every rank, over
-        the group, from the calling thread, while the engine has no collective in flight (its
-        worker thread uses the same group); within the group's timeout."""
-        del what  # gloo's error names the operation and the timeout
-        self._dist.broadcast(buffer, src=self._global_ranks[root], group=self._group)
-
-    def all_gather_from(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's `buffer` (uint8, the same length on each), in rank order, as
-        broadcast_from() runs."""
-        del what
-        out = torch.empty(buffer.numel() * self.world_size, dtype=torch.uint8)
-        self._dist.all_gather_into_tensor(out, buffer, group=self._group)
-        return out
-
     def close(self, healthy: bool):
         # After a failure the group stays: destroying it waits for gloo's operations left behind,
         # which end only at the timeout. For the same reason the default group is then left to
@@ -431,99 +416,6 @@ class _TorchTransport:
 # failure (_transport_failed).
 _initialised_torch_distributed = False
 _transport_failed = False
-
-
-class _MpiWorld:
-    """Collectives of zinf.torch's own over MPI_COMM_WORLD under mpirun (comm "mpi"), whose ranks
-    are the engine's (MpiComm works on a duplicate of it). The binding has no collective for the
-    caller's data, so this calls the MPI library that MpiComm loaded and initialised, through
-    ctypes: MpiComm asks for MPI_THREAD_MULTIPLE, so this thread may call MPI beside the engine's
-    progress thread. Open MPI's ABI (MPI_Comm, MPI_Datatype and MPI_Request are pointers to its
-    objects; its default error handler aborts the job on an error). Each collective is
-    nonblocking and polled until it completes or zinf.collective_timeout_ms passes (TimeoutError
-    naming it). NotImplementedError where the process has no libmpi.so loaded (zinf linked with
-    MPI statically) or another MPI's."""
-
-    # MPI counts are C ints: larger buffers move in pieces of this many bytes.
-    _PIECE_BYTES = 1 << 30
-
-    def __init__(self, timeout_ms: int, rank: int, world_size: int):
-        import ctypes
-
-        self._ctypes = ctypes
-        self.rank = rank
-        self.world_size = world_size
-        self._timeout_s = timeout_ms / 1000
-        path = None
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                fields = line.split()
-                if len(fields) >= 6 and os.path.basename(fields[-1]).startswith("libmpi.so"):
-                    path = fields[-1]
-                    break
-        if path is None:
-            raise NotImplementedError("no MPI library (libmpi.so) is loaded in this process")
-        lib = ctypes.CDLL(path)
-        try:
-            self._world = ctypes.c_void_p(
-                ctypes.addressof(ctypes.c_char.in_dll(lib, "ompi_mpi_comm_world")))
-            self._byte = ctypes.c_void_p(
-                ctypes.addressof(ctypes.c_char.in_dll(lib, "ompi_mpi_byte")))
-        except ValueError:
-            raise NotImplementedError(
-                f"{path} is not Open MPI's library, the one MPI whose ABI zinf.torch calls "
-                "directly") from None
-        request = ctypes.POINTER(ctypes.c_void_p)
-        self._ibcast = lib.MPI_Ibcast
-        self._ibcast.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int,
-                                 ctypes.c_void_p, request]
-        self._iallgather = lib.MPI_Iallgather
-        self._iallgather.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
-                                     ctypes.c_void_p, request]
-        self._test = lib.MPI_Test
-        self._test.argtypes = [request, ctypes.POINTER(ctypes.c_int), ctypes.c_void_p]
-
-    def _wait(self, request, what: str):
-        ctypes = self._ctypes
-        done = ctypes.c_int(0)
-        deadline = time.monotonic() + self._timeout_s
-        while True:
-            error = self._test(ctypes.byref(request), ctypes.byref(done), None)
-            if error != 0:
-                raise RuntimeError(f"{what}: MPI_Test failed with MPI error {error}")
-            if done.value:
-                return
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what}: rank {self.rank} of {self.world_size} waited "
-                                   f"{self._timeout_s:g} s (zinf.collective_timeout_ms) for the "
-                                   "other ranks")
-            time.sleep(1e-4)
-
-    def broadcast_from(self, buffer: torch.Tensor, root: int, what: str):
-        """Rank root's bytes into `buffer` (a contiguous uint8 CPU tensor) on every rank."""
-        ctypes = self._ctypes
-        for first in range(0, buffer.numel(), self._PIECE_BYTES):
-            count = min(self._PIECE_BYTES, buffer.numel() - first)
-            request = ctypes.c_void_p()
-            error = self._ibcast(buffer.data_ptr() + first, count, self._byte, root, self._world,
-                                 ctypes.byref(request))
-            if error != 0:
-                raise RuntimeError(f"{what}: MPI_Ibcast failed with MPI error {error}")
-            self._wait(request, what)
-
-    def all_gather_from(self, buffer: torch.Tensor, what: str) -> torch.Tensor:
-        """Every rank's `buffer` (uint8, at most _PIECE_BYTES, the same length on each), in rank
-        order."""
-        ctypes = self._ctypes
-        out = torch.empty(buffer.numel() * self.world_size, dtype=torch.uint8)
-        request = ctypes.c_void_p()
-        error = self._iallgather(buffer.data_ptr(), buffer.numel(), self._byte, out.data_ptr(),
-                                 buffer.numel(), self._byte, self._world, ctypes.byref(request))
-        if error != 0:
-            raise RuntimeError(f"{what}: MPI_Iallgather failed with MPI error {error}")
-        self._wait(request, what)
-        return out
 
 
 def _make_transport(comm: str, config: dict):
@@ -724,10 +616,8 @@ class ZinfEngine(nn.Module):
         declared = config if "gradient_accumulation_steps" in config or derives else {
             **config, "gradient_accumulation_steps": 1}
         chosen = _choose_comm(comm)
-        self._comm_name = chosen
-        self._transport = _make_transport(chosen, declared)
         self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes, chosen,
-                                  self._transport)
+                                  _make_transport(chosen, declared))
         _open_engines.add(self)
         if self._core.world_size > 1:
             _install_abort_on_uncaught_exception()
@@ -793,7 +683,7 @@ class ZinfEngine(nn.Module):
             stage.done()
             del param._zinf_staged
         self._place_parameters()
-        self._broadcast_frozen(int(resolved["zinf"]["collective_timeout_ms"]))
+        self._broadcast_frozen()
         for buffer_owner in model.modules():
             for key, buffer in buffer_owner._buffers.items():
                 if buffer is not None and buffer.is_floating_point():
@@ -1052,7 +942,7 @@ class ZinfEngine(nn.Module):
         for param in self._params.values():
             param.data = torch.empty(0, dtype=self.dtype)
 
-    def _broadcast_frozen(self, timeout_ms: int):
+    def _broadcast_frozen(self):
         """Stages 1 and 2 with several ranks: rank 0's frozen parameters (in the compute dtype,
         as _place_parameters() left them) are copied over every rank's, as DeepSpeed's engine
         broadcasts the module's parameters from rank 0 at initialize (_broadcast_model), so
@@ -1061,26 +951,17 @@ class ZinfEngine(nn.Module):
         finalize; at stage 3 it holds the frozen ones too.) The ranks first exchange a digest
         of the frozen parameters' names, shapes and dtypes, so that every rank raises the same
         error when they differ; then each parameter is broadcast in place, in order, over the
-        torch communicator's gloo group (torchrun) or MPI_COMM_WORLD (mpirun; _MpiWorld). Under
-        an MPI that _MpiWorld cannot call, it warns that each rank keeps its own."""
+        engine's communicator (MPI, the torch group or the local one), within
+        zinf.collective_timeout_ms."""
         if self.world_size == 1 or self.stage == 3 or not self._frozen:
-            return
-        try:
-            collectives = self._transport if self._comm_name == "torch" else _MpiWorld(
-                timeout_ms, self.global_rank, self.world_size)
-        except NotImplementedError as why:
-            warnings.warn(
-                f"initialize: the frozen parameters (requires_grad False) are not copied from "
-                f"rank 0 ({why}): each rank keeps its own, which must be the same on every rank "
-                "(the same seed, or the same weights loaded)", stacklevel=4)
             return
         frozen = list(self._frozen.values())
         layout = hashlib.blake2b(digest_size=16)
         for name, param in frozen:
             layout.update(f"{name}:{tuple(param.shape)}:{param.dtype};".encode())
-        digests = collectives.all_gather_from(
-            torch.frombuffer(bytearray(layout.digest()), dtype=torch.uint8),
-            "initialize: comparing the frozen parameters").view(self.world_size, -1)
+        digest = torch.frombuffer(bytearray(layout.digest()), dtype=torch.uint8)
+        digests = torch.empty(self.world_size, digest.numel(), dtype=torch.uint8)
+        self._core.all_gather_bytes(digest, digests, "initialize: comparing the frozen parameters")
         differ = [r for r in range(1, self.world_size) if not torch.equal(digests[r], digests[0])]
         if differ:
             raise ValueError(
@@ -1093,7 +974,7 @@ class ZinfEngine(nn.Module):
             if data.numel() == 0:
                 continue
             buffer = data if data.is_contiguous() else data.contiguous()
-            collectives.broadcast_from(buffer.view(-1).view(torch.uint8), 0,
+            self._core.broadcast_bytes(buffer.view(-1).view(torch.uint8), 0,
                                        f"initialize: broadcasting frozen parameter '{name}'")
             if buffer is not data:
                 data.copy_(buffer)
