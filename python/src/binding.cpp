@@ -468,24 +468,21 @@ class PyEngine {
     if (it != activation_bytes_.end()) it->second = 0;
   }
 
-  // Rank `root`'s bytes of `buffer` into every rank's `buffer` (a contiguous CPU array of the
-  // same size on every rank), over the engine's communicator; collective. For what the engine
-  // does not hold (zinf.torch's frozen parameters at stages 1 and 2). Between engine calls: the
-  // engine must have no collective of its own in flight.
+  // Rank `root`'s bytes of `buffer` into every rank's `buffer` (a contiguous CPU array of an
+  // even number of bytes, the same on every rank), over the engine's communicator; collective.
+  // For what the engine does not hold (zinf.torch's frozen parameters at stages 1 and 2).
+  // Between engine calls: the engine must have no collective of its own in flight.
   void broadcast_bytes(const HostArray& buffer, int root, const std::string& name) {
-    auto* data = static_cast<std::uint8_t*>(buffer.data());
     const std::size_t bytes = buffer.nbytes();
-    // DType has no byte type: the bytes move as 2-byte elements, an odd last one in a pair.
-    std::uint8_t tail[2] = {bytes % 2 == 1 ? data[bytes - 1] : std::uint8_t{0}, 0};
+    if (bytes % 2 != 0) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "broadcast_bytes('" + name + "'): " + std::to_string(bytes) + " bytes (must be even)"));
+    }
+    void* data = buffer.data();
+    // DType has no byte type: the bytes move as 2-byte elements.
     run_client_collective([&](zinf::Communicator& comm, zinf::Stream& stream) {
-      if (bytes >= 2) {
-        ZINF_RETURN_IF_ERROR(
-            comm.broadcast(data, data, bytes / 2, zinf::DType::kF16, root, stream, name));
-      }
-      if (bytes % 2 == 0) return zinf::Status::ok();
-      return comm.broadcast(tail, tail, 1, zinf::DType::kF16, root, stream, name);
+      return comm.broadcast(data, data, bytes / 2, zinf::DType::kF16, root, stream, name);
     });
-    if (bytes % 2 == 1) data[bytes - 1] = tail[0];
   }
 
   // Every rank's `send` (a contiguous CPU array of an even number of bytes, the same on every

@@ -139,3 +139,28 @@ def test_write_parameters_batch_fails_for_bad_values(returned, match):
     with pytest.raises(zinf.Error) as raised:
         engine.write_parameters_batch(["b.w"], returned, 0)
     assert str(raised.value) == f"invalid_argument: write_parameters('b.w'): values: {match}"
+
+
+def test_client_collectives_in_one_rank_and_their_refusals():
+    """broadcast_bytes and all_gather_bytes over a one-rank engine: the bytes stay (the root's
+    own), the gather is the send; odd sizes, a wrong recv size and a root outside the world are
+    refused naming the call. (Several ranks: test_frozen's rank tests.)"""
+    engine, _ = open_engine()
+    generator = torch.Generator().manual_seed(11)
+    values = torch.randn(6, generator=generator).to(torch.bfloat16)
+    expected = values.clone()
+    engine.broadcast_bytes(values.view(torch.uint8), 0, "values")
+    assert torch.equal(values, expected)
+    send = torch.randint(0, 256, (16,), dtype=torch.uint8, generator=generator)
+    recv = torch.empty(1, 16, dtype=torch.uint8)
+    engine.all_gather_bytes(send, recv, "digest")
+    assert torch.equal(recv[0], send)
+    with pytest.raises(zinf.Error, match=r"broadcast_bytes\('odd'\): 3 bytes"):
+        engine.broadcast_bytes(torch.zeros(3, dtype=torch.uint8), 0, "odd")
+    with pytest.raises(zinf.Error, match=r"all_gather_bytes\('short'\).*recv 8 \(must be 16\)"):
+        engine.all_gather_bytes(send, torch.empty(8, dtype=torch.uint8), "short")
+    with pytest.raises(zinf.Error, match="root"):
+        engine.broadcast_bytes(values.view(torch.uint8), 1, "values")
+    engine.close()
+    with pytest.raises(zinf.Error, match="closed"):
+        engine.broadcast_bytes(values.view(torch.uint8), 0, "values")
