@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cstring>
 #include <thread>
 
 #include "base/assert.hpp"
@@ -19,6 +20,11 @@ namespace zinf {
 namespace {
 
 constexpr auto kPollInterval = std::chrono::microseconds(100);
+
+// Every one of `bytes` bytes at `data` is zero (+0.0f, not -0.0f, for floats).
+bool all_zero_bytes(const std::byte* data, std::size_t bytes) {
+  return bytes == 0 || (data[0] == std::byte{0} && std::memcmp(data, data + 1, bytes - 1) == 0);
+}
 
 }  // namespace
 
@@ -33,6 +39,8 @@ struct OptimizerPipeline::Entry {
   std::array<bool, kPieceCount> pending{};  // ticket not yet redeemed
   bool write_failed = false;                // some write of this sub-group failed
   bool wrote_any = false;                   // some write was submitted
+  bool pass = false;     // a settled frozen sub-group the step passes over (see the header)
+  bool settles = false;  // its update left a frozen sub-group's moments zero
   // A transfer of this sub-group was abandoned (SwapSpace::abandon): the device may still write
   // into the block, so it goes to quarantine_ instead of back to the pool.
   bool quarantined = false;
@@ -69,25 +77,30 @@ void OptimizerPipeline::updater_main() {
     const std::size_t i = update_sub_group_;
     std::byte* block = update_block_;
     const StepArgs args = update_args_;
+    const bool pass = update_pass_;
     lock.unlock();
     std::int64_t ns = 0;
-    Status status = update(i, block, args, &ns);
+    bool settles = false;
+    Status status = update(i, block, args, pass, &ns, &settles);
     lock.lock();
     update_status_ = std::move(status);
     update_ns_ = ns;
+    update_settles_ = settles;
     update_pending_ = false;
     update_finished_ = true;
     update_done_.notify_one();
   }
 }
 
-void OptimizerPipeline::start_update(std::size_t i, std::byte* block, const StepArgs& args) {
+void OptimizerPipeline::start_update(std::size_t i, std::byte* block, const StepArgs& args,
+                                     bool pass) {
   {
     std::lock_guard lock(update_mutex_);
     ZINF_ASSERT(!update_pending_ && !update_finished_);
     update_sub_group_ = i;
     update_block_ = block;
     update_args_ = args;
+    update_pass_ = pass;
     update_pending_ = true;
   }
   update_wake_.notify_one();
@@ -116,6 +129,7 @@ Status OptimizerPipeline::take_update_result() {
   ZINF_ASSERT(update_finished_);
   update_finished_ = false;
   stats_.update_ns += update_ns_;
+  taken_settles_ = update_settles_;
   return std::move(update_status_);
 }
 
@@ -156,7 +170,14 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
       }
     }
   }
+  if (!options.frozen_sub_groups.empty() &&
+      options.frozen_sub_groups.size() != store.sub_group_count()) {
+    return Status::invalid_argument(
+        fmt::format("OptimizerPipeline: {} frozen_sub_groups flags for a store of {} sub-groups",
+                    options.frozen_sub_groups.size(), store.sub_group_count()));
+  }
   std::unique_ptr<OptimizerPipeline> p(new OptimizerPipeline(store, pool, options));
+  p->frozen_ = options.frozen_sub_groups;
   if (!options.groups.empty()) {
     // Each sub-group's ranges, relative to its first element, made once here.
     const std::vector<OptimizerRange>& ranges = options.ranges;
@@ -339,13 +360,29 @@ Result<StepStats> OptimizerPipeline::step(const StepArgs& args) {
   return stats_;
 }
 
-Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs& args,
-                                 std::int64_t* ns) {
+Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs& args, bool pass,
+                                 std::int64_t* ns, bool* settles) {
   auto where = [&](Piece piece) -> std::byte* {
     if (!store_.has(piece)) return nullptr;
     if (store_.tier(piece) == StoreMedium::kHost) return store_.host_data(piece, i);
     return block + store_.slot_offset(piece);
   };
+  *ns = 0;
+  *settles = false;
+  if (pass) {
+    // Passed over: the master is as the last step left it, and its half copy is what the update
+    // would give (optimizer_step rounds the new master exactly so).
+    if (store_.streams_half()) {
+      const auto* master = reinterpret_cast<const float*>(where(Piece::kParams));
+      auto* half = reinterpret_cast<std::uint16_t*>(where(Piece::kParamsHalf));
+      if (store_.options().half_dtype == DType::kBF16) {
+        convert_f32_to_bf16(master, half, store_.sub_group_size(i));
+      } else {
+        convert_f32_to_f16(master, half, store_.sub_group_size(i));
+      }
+    }
+    return Status::ok();
+  }
   OptimizerSpan span;
   span.params = reinterpret_cast<float*>(where(Piece::kParams));
   span.exp_avg = reinterpret_cast<float*>(where(Piece::kExpAvg));
@@ -383,6 +420,13 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
     return status.with_context(
         fmt::format("optimizer step {}: sub-group {}: update", args.step, i));
   }
+  if (!frozen_.empty() && frozen_[i] && args.mode == StepMode::kFull) {
+    *settles = true;
+    for (Piece piece : {Piece::kExpAvg, Piece::kExpAvgSq}) {
+      if (!store_.has(piece)) continue;
+      *settles = *settles && all_zero_bytes(where(piece), store_.piece_bytes(piece, i));
+    }
+  }
   return Status::ok();
 }
 
@@ -415,11 +459,18 @@ Status OptimizerPipeline::run_host_only(const StepArgs& args) {
       break;
     }
     const std::size_t i = sub_group_at(p);
+    const bool pass = passes(i);
     std::int64_t ns = 0;
-    status = update(i, block, args, &ns);
+    bool settles = false;
+    status = update(i, block, args, pass, &ns, &settles);
     stats_.update_ns += ns;
     if (!status.is_ok()) break;
     store_.set_stored(i, args.step);
+    if (pass) {
+      ++stats_.sub_groups_passed;
+    } else if (!frozen_.empty() && frozen_[i]) {
+      store_.set_settled(i, settles);
+    }
     status = hand_half(i, block, args);
   }
   if (block != nullptr) entries_[0].lease.release();
@@ -441,7 +492,8 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
   if (store_.block_bytes() == 0) {
     for (std::size_t i = 0; i < store_.sub_group_count(); ++i) {
       std::int64_t ns = 0;
-      Status status = update(i, nullptr, args, &ns);
+      bool settles = false;
+      Status status = update(i, nullptr, args, /*pass=*/false, &ns, &settles);
       stats_.update_ns += ns;
       ZINF_RETURN_IF_ERROR(status);
     }
@@ -459,7 +511,7 @@ Status OptimizerPipeline::run_update_only(const StepArgs& args) {
                               : Status::ok();
   // On the update thread, as in the step, so the two are timed the same way.
   for (std::size_t i = 0; status.is_ok() && i < store_.sub_group_count(); ++i) {
-    start_update(i, entries_[i % leased].lease.data(), args);
+    start_update(i, entries_[i % leased].lease.data(), args, /*pass=*/false);
     status = finish_update();
   }
   for (Entry& e : entries_) e.lease.release();
@@ -478,12 +530,17 @@ Status OptimizerPipeline::start_read(std::size_t p, PinnedPool::Lease lease, con
   e.pending.fill(false);
   e.write_failed = false;
   e.wrote_any = false;
+  e.pass = passes(i);
+  e.settles = false;
   e.quarantined = false;
   e.start_ns = Trace::now_ns();
   e.done_ns = 0;
   ++held_;
   stats_.blocks_peak = std::max(stats_.blocks_peak, held_);
+  if (e.pass) ++stats_.sub_groups_passed;
   for (Piece piece : read_pieces_) {
+    // Passed over, only the master is read, and only to hand its half copy over.
+    if (e.pass && !(piece == Piece::kParams && store_.streams_half())) continue;
     const auto k = static_cast<std::size_t>(piece);
     store_.begin_read(piece, i);
     Result<SwapTicket> ticket =
@@ -602,6 +659,14 @@ Status OptimizerPipeline::start_write(std::size_t p, const StepArgs& args) {
   e.phase = Entry::Phase::kWriting;
   e.start_ns = Trace::now_ns();
   e.done_ns = 0;
+  if (e.pass) {
+    // Nothing changed: what was read (the master, for its half copy) stands on disk, and the
+    // entry is released in its turn with no write pending.
+    for (Piece piece : read_pieces_) {
+      if (store_.residency(piece, i) == Residency::kInBlock) store_.drop_block(piece, i);
+    }
+    return Status::ok();
+  }
   for (Piece piece : read_pieces_) {
     if (piece == Piece::kGrads) store_.drop_block(piece, i);  // read-only: the disk copy stands
   }
@@ -660,6 +725,7 @@ Status OptimizerPipeline::finish_write(std::size_t p, const StepArgs& args) {
     store_.set_torn(i);
   } else if (args.mode == StepMode::kFull) {
     store_.set_stored(i, args.step);
+    if (!e.pass && !frozen_.empty() && frozen_[i]) store_.set_settled(i, e.settles);
   }
   e.phase = Entry::Phase::kIdle;
   return_block(e);
@@ -719,6 +785,7 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
       progressed = true;
       status = take_update_result();
       if (!status.is_ok()) break;
+      entry(updated_).settles = taken_settles_;
       status = written_back(updated_, /*hand_over=*/true);
       if (!status.is_ok()) break;
     }
@@ -742,7 +809,8 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
     if (!updating && updated_ < verified_ && !gated) {
       progressed = true;
       if (full) {
-        start_update(sub_group_at(updated_), entry(updated_).lease.data(), args);
+        start_update(sub_group_at(updated_), entry(updated_).lease.data(), args,
+                     entry(updated_).pass);
         updating = true;
       } else {
         status = written_back(updated_, /*hand_over=*/false);
@@ -800,7 +868,10 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
     // Failed elsewhere while an update ran: let it end (it is using a block), then write it back
     // so that it is new rather than half-there (its host pieces may already be updated).
     Status s = finish_update();
-    if (s.is_ok()) s = written_back(updated_, /*hand_over=*/false);
+    if (s.is_ok()) {
+      entry(updated_).settles = taken_settles_;
+      s = written_back(updated_, /*hand_over=*/false);
+    }
     if (status.is_ok()) status = s;
   }
   if (status.is_ok()) {

@@ -53,6 +53,17 @@
 // half_done error fails the step like an update error; a sub-group whose update finished only
 // because the step was already failing is written back but not handed over.
 //
+// Frozen sub-groups (PipelineOptions::frozen_sub_groups): sub-groups that the caller says no step
+// changes once their moments are zero (frozen parameters: a zero gradient, learning rate and
+// weight decay 0; padding: zeros). A full update of such a sub-group checks its moments; when
+// they are all zero (every byte) and its writes land, the store marks it settled
+// (StateStore::settled()), and later steps pass over it: no read, no update, no write. It still
+// goes through the step in its place, in order and behind the gate like any other, and is
+// recorded as holding the step once those before it have been released. On the block tier only
+// its master is read, to hand the half-precision copy of it (f32_to_bf16 / f32_to_f16, the bits
+// the update gives) to half_done; on the host tier nothing at all. kUpdateOnly passes over
+// nothing.
+//
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
 // "write", named "read sg<i>" etc. ("... (io alone)" / "(update alone)" in the benchmark modes).
@@ -111,6 +122,11 @@ struct PipelineOptions {
   // during the call. Called on the step()'s thread; must not allocate if steps are to stay
   // allocation-free. An error fails the step.
   std::function<Status(std::size_t sub_group, const std::byte* half)> half_done;
+  // Empty, or one flag per sub-group of the store: true for a sub-group every element of which a
+  // step leaves as it is while its moments are zero (see "Frozen sub-groups" above). REQUIRES:
+  // the caller keeps such a sub-group's gradients zero and steps its elements with learning rate
+  // and weight decay 0 (or they are zero padding).
+  std::vector<bool> frozen_sub_groups;
 };
 
 enum class StepMode : std::uint8_t {
@@ -169,10 +185,11 @@ struct StepArgs {
 struct StepStats {
   std::int64_t step = 0;
   std::size_t sub_groups = 0;
-  std::uint64_t read_bytes = 0;   // bytes read from NVMe
-  std::uint64_t write_bytes = 0;  // bytes written to NVMe
-  std::int64_t io_wait_ns = 0;    // the driver waiting for reads, for a block, or the last writes
-  std::int64_t update_ns = 0;     // inside optimizer_step
+  std::size_t sub_groups_passed = 0;  // settled frozen sub-groups the step passed over
+  std::uint64_t read_bytes = 0;       // bytes read from NVMe
+  std::uint64_t write_bytes = 0;      // bytes written to NVMe
+  std::int64_t io_wait_ns = 0;  // the driver waiting for reads, for a block, or the last writes
+  std::int64_t update_ns = 0;   // inside optimizer_step
   std::int64_t wall_ns = 0;
   std::size_t blocks_peak = 0;  // most pool blocks held at once
 };
@@ -215,11 +232,17 @@ class OptimizerPipeline {
   Status run_update_only(const StepArgs& args);
   Status run_pipelined(const StepArgs& args);
   // Runs sub-group i's update (on the calling thread, in arena_); returns its duration in ns
-  // through `ns`.
-  Status update(std::size_t i, std::byte* block, const StepArgs& args, std::int64_t* ns);
+  // through `ns`. `pass`: the sub-group is passed over (only its half output is made, when it
+  // streams). *settles: a frozen sub-group's moments are all zero after the update.
+  Status update(std::size_t i, std::byte* block, const StepArgs& args, bool pass, std::int64_t* ns,
+                bool* settles);
+  // Whether the step passes over sub-group i (frozen and settled; not in kUpdateOnly).
+  bool passes(std::size_t i) const {
+    return !frozen_.empty() && frozen_[i] && store_.settled(i) && mode_ != StepMode::kUpdateOnly;
+  }
   // The update thread: hands one update over, and takes its result when it is done.
   void updater_main();
-  void start_update(std::size_t i, std::byte* block, const StepArgs& args);
+  void start_update(std::size_t i, std::byte* block, const StepArgs& args, bool pass);
   bool update_done();
   // Waits until the update ends or `timeout` passes; true when it ended.
   bool wait_update(std::chrono::microseconds timeout);
@@ -312,8 +335,15 @@ class OptimizerPipeline {
   std::size_t update_sub_group_ = 0;
   std::byte* update_block_ = nullptr;
   StepArgs update_args_;
+  bool update_pass_ = false;
   Status update_status_;
   std::int64_t update_ns_ = 0;
+  bool update_settles_ = false;
+  // The driver's copy of update_settles_ for the update take_update_result() took.
+  bool taken_settles_ = false;
+
+  // PipelineOptions::frozen_sub_groups (empty: none).
+  std::vector<bool> frozen_;
 
   // The ranges each sub-group holds, relative to its first element: sub-group i's are
   // sub_ranges_[sub_range_first_[i], sub_range_first_[i + 1]). Empty without groups.

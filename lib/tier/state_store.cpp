@@ -330,6 +330,7 @@ Status StateStore::adopt_checkpoint(const std::string& path, const std::string& 
                       "StateStore::adopt_checkpoint: a piece is in flight");
     }
   }
+  clear_settled();
   ZINF_RETURN_IF_ERROR(swap_->adopt_file(path, later_name, extents, checksums));
   for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
     if (!has(piece_at(p))) continue;
@@ -377,8 +378,10 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
     }
   }
   // The store never reads the header back: it must not keep the frozen file open once the next
-  // step has rewritten the state.
+  // step has rewritten the state; a step rewrites no sub-group it passes over, so none is
+  // passed over until a step has streamed it once more.
   swap_->discard(header_extent_);
+  clear_settled();
   return true;
 }
 
@@ -442,6 +445,8 @@ Residency StateStore::residency(Piece piece, std::size_t i) const {
 Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
   ZINF_ASSERT(has(piece));
   if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);
+  // New master or moments: no longer known to be what a step leaves as it is.
+  if (piece != Piece::kGrads) records_[i].settled = false;
   if (tier(piece) == StoreMedium::kHost) {
     std::memcpy(host_data(piece, i), data, piece_bytes(piece, i));
     return Status::ok();
@@ -520,6 +525,15 @@ void StateStore::set_stored(std::size_t i, std::int64_t step) {
 void StateStore::set_torn(std::size_t i) {
   ZINF_ASSERT(i < sub_group_count_);
   records_[i].torn = true;
+}
+
+void StateStore::set_settled(std::size_t i, bool settled) {
+  ZINF_ASSERT(i < sub_group_count_);
+  records_[i].settled = settled;
+}
+
+void StateStore::clear_settled() {
+  for (Record& r : records_) r.settled = false;
 }
 
 }  // namespace zinf

@@ -40,6 +40,12 @@
 // steps or are unknown). After a failed step each sub-group is exactly one of: the old step, the
 // new step, or torn.
 //
+// Settled: a sub-group whose stored state a step leaves exactly as it is (the caller's frozen
+// sub-group, PipelineOptions::frozen_sub_groups, whose moments are zero) may be passed over by the
+// pipeline: no read, no update, no write. The flag is the caller's and the pipeline's to set; the
+// store clears it whenever it cannot vouch that the stored state is what a step left (write_piece
+// of the master or a moment, a checkpoint linked or adopted: see settled()).
+//
 // Thread-safety: one thread at a time (the pipeline's driver); the SwapSpace it uses is
 // thread-safe on its own.
 #pragma once
@@ -246,10 +252,22 @@ class StateStore {
   void set_stored(std::size_t i, std::int64_t step);
   void set_torn(std::size_t i);
 
+  // Whether a step may pass over sub-group i (see "Settled" above). False after open(); cleared
+  // by write_piece() of the master or a moment, and for every sub-group by a successful
+  // link_checkpoint() (the next step's writes start a new generation of the swap file, and a
+  // sub-group passed over would keep the linked file open and in use: streaming it once more moves
+  // it into the new one) and by adopt_checkpoint() (the adopted moments are not known to be zero).
+  // REQUIRES (set_settled true): a step would leave sub-group i's stored pieces as they are, the
+  // half piece (when the store keeps it) included, which must then hold the master's rounding.
+  bool settled(std::size_t i) const { return records_[i].settled; }
+  void set_settled(std::size_t i, bool settled);
+  void clear_settled();
+
  private:
   struct Record {
     std::int64_t step = 0;
     bool torn = false;
+    bool settled = false;
   };
   StateStore() = default;
   std::uint8_t& state(Piece piece, std::size_t i);

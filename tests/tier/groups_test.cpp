@@ -4,8 +4,11 @@
 // sub-group size; set_group_params() changes the groups' hyper-parameters between steps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstring>
 #include <vector>
 
+#include "base/aligned.hpp"
 #include "base/random.hpp"
 #include "tier/optimizer_pipeline.hpp"
 #include "tier_test_util.hpp"
@@ -129,6 +132,140 @@ TEST(OptimizerPipelineGroups, BadRangesAreRefusedAtOpen) {
   Reference ref;
   EXPECT_EQ(tier_test::open_loaded_rig("groups_kind", so, 5, 0, &s, &ref).code(),
             Code::kInvalidArgument);
+}
+
+// Frozen sub-groups (PipelineOptions::frozen_sub_groups): sub-groups 2-4 and 7 of 8 step in a
+// group of learning rate and weight decay 0 on zero gradients. While their moments are not zero
+// (they decay) every step updates them as the in-memory reference does; once a full update left
+// them zero, later steps pass over them (no read, no update, no write: the bytes moved are the
+// other sub-groups', plus the frozen master when the half output streams) and the state stays
+// the reference's, bit for bit, the half output included. A moment written into one of them
+// makes the step update it again. Gated, descending steps pass over them the same way.
+void run_frozen(StoreMedium tier, bool streamed, bool gated) {
+  constexpr std::size_t kSub = 1000, kCount = 8 * kSub;
+  const std::vector<bool> frozen = {false, false, true, true, true, false, false, true};
+  const std::uint64_t seed = 0xf20 + static_cast<std::uint64_t>(tier) * 2 + (streamed ? 1 : 0);
+  RigOptions so;
+  so.store.param_count = kCount;
+  so.store.sub_group_params = kSub;
+  so.store.optimizer = OptimizerKind::kAdamW;
+  so.store.tiers = {tier, tier, tier, StoreMedium::kHost,
+                    streamed ? StoreMedium::kBlock : StoreMedium::kHost};
+  OptimizerParams trained;
+  trained.kind = OptimizerKind::kAdamW;
+  trained.lr = 1e-2;
+  trained.weight_decay = 0.1;
+  OptimizerParams still = trained;
+  still.lr = 0.0;
+  still.weight_decay = 0.0;
+  so.pipeline.optimizer = trained;
+  so.pipeline.groups = {trained, still};
+  so.pipeline.ranges = {{0, 0}, {2 * kSub, 1}, {5 * kSub, 0}, {7 * kSub, 1}};
+  so.pipeline.frozen_sub_groups = frozen;
+  so.pipeline.threads = 2;
+  // The streamed half output, collected as half_done hands it over.
+  std::vector<std::uint16_t> streamed_half(kCount);
+  so.pipeline.half_done = [&](std::size_t i, const std::byte* half) {
+    std::memcpy(streamed_half.data() + i * kSub, half, kSub * 2);
+    return Status::ok();
+  };
+  Rig s;
+  Reference ref;
+  const Status opened = tier_test::open_loaded_rig("frozen", so, seed, 0, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  std::vector<float> zeros(kSub, 0.0f);
+  AlignedBuffer block(kSub * 4 + 4096);
+  // Zero moments in the store and the reference for sub-group i.
+  auto zero_moments = [&](std::size_t i) {
+    std::memset(block.data(), 0, block.bytes());
+    for (Piece piece : {Piece::kExpAvg, Piece::kExpAvgSq}) {
+      ASSERT_TRUE(s.store->write_piece(piece, i, block.data()).is_ok());
+    }
+    std::fill_n(ref.exp_avg.begin() + static_cast<std::ptrdiff_t>(i * kSub), kSub, 0.0f);
+    std::fill_n(ref.exp_avg_sq.begin() + static_cast<std::ptrdiff_t>(i * kSub), kSub, 0.0f);
+  };
+  // A gate that always says yes, for the gated, descending steps.
+  const GradsReady ready = [](void*, std::size_t) { return 1; };
+  for (std::int64_t t = 1; t <= 6; ++t) {
+    if (t == 2) {
+      for (std::size_t i = 0; i < frozen.size(); ++i) {
+        if (frozen[i]) zero_moments(i);
+      }
+    }
+    if (t == 5) {
+      // A moment written into sub-group 3: no longer settled.
+      std::vector<float> m(kSub);
+      fill_uniform(m.data(), kSub, seed + 9, -0.1f, 0.1f);
+      std::memcpy(block.data(), m.data(), kSub * 4);
+      ASSERT_TRUE(s.store->write_piece(Piece::kExpAvg, 3, block.data()).is_ok());
+      std::copy(m.begin(), m.end(), ref.exp_avg.begin() + 3 * kSub);
+    }
+    ref.make_grads(DType::kF32, seed * 7 + static_cast<std::uint64_t>(t));
+    auto* g = reinterpret_cast<float*>(ref.grads.data());
+    for (std::size_t i = 0; i < frozen.size(); ++i) {
+      if (frozen[i]) std::fill_n(g + i * kSub, kSub, 0.0f);
+    }
+    ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+    StepArgs args{.step = t};
+    if (gated) {
+      args.descending = true;
+      args.ready = ready;
+    }
+    Result<StepStats> stats = s.pipeline->step(args);
+    ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
+    reference_step(ref, so, so.pipeline.groups, so.pipeline.ranges, t);
+    // Step 1: the moments decay (random at load); step 2: zeroed by write_piece, the update
+    // checks them; steps 3-4 pass over all four; step 5 updates sub-group 3 again.
+    const std::size_t passed = t <= 2 ? 0 : t == 5 ? 3 : t == 6 ? 3 : 4;
+    EXPECT_EQ(stats->sub_groups_passed, passed) << "step " << t;
+    if (tier == StoreMedium::kNvme) {
+      // Master and moments of each sub-group updated; the master alone of those passed over
+      // when the half output streams.
+      const std::uint64_t updated = (8 - passed) * kSub * 12;
+      EXPECT_EQ(stats->read_bytes, updated + (streamed ? passed * kSub * 4 : 0)) << "step " << t;
+      EXPECT_EQ(stats->write_bytes, updated) << "step " << t;
+    }
+    ASSERT_EQ(tier_test::compare_all(*s.store, ref), "") << "step " << t;
+    if (streamed) {
+      EXPECT_EQ(std::memcmp(streamed_half.data(), ref.half.data(), kCount * 2), 0) << "step " << t;
+    }
+    for (std::size_t i = 0; i < frozen.size(); ++i) {
+      EXPECT_EQ(s.store->stored_step(i), t) << "sub-group " << i;
+      // Settled after a full update that left the moments zero; sub-group 3 never again, its
+      // written exp_avg decays but stays non-zero.
+      const bool settled = frozen[i] && t >= 2 && !(t >= 5 && i == 3);
+      EXPECT_EQ(s.store->settled(i), settled) << "sub-group " << i << " step " << t;
+    }
+  }
+}
+
+TEST(OptimizerPipelineGroups, FrozenSubGroupsOnNvmeArePassedOverOnceTheirMomentsAreZero) {
+  run_frozen(StoreMedium::kNvme, /*streamed=*/false, /*gated=*/false);
+}
+TEST(OptimizerPipelineGroups, FrozenSubGroupsOnNvmeStreamingTheHalfOutput) {
+  run_frozen(StoreMedium::kNvme, /*streamed=*/true, /*gated=*/false);
+}
+TEST(OptimizerPipelineGroups, FrozenSubGroupsOnNvmeGatedDescending) {
+  run_frozen(StoreMedium::kNvme, /*streamed=*/true, /*gated=*/true);
+}
+TEST(OptimizerPipelineGroups, FrozenSubGroupsOnTheHostTier) {
+  run_frozen(StoreMedium::kHost, /*streamed=*/false, /*gated=*/false);
+  run_frozen(StoreMedium::kHost, /*streamed=*/false, /*gated=*/true);
+}
+
+TEST(OptimizerPipelineGroups, FrozenFlagsOfAnotherCountAreRefused) {
+  RigOptions so;
+  so.store.param_count = 1000;
+  so.store.sub_group_params = 300;
+  so.pipeline.optimizer = three_groups(1e-2)[0];
+  so.pipeline.frozen_sub_groups = {true, false};
+  Rig s;
+  Reference ref;
+  const Status opened = tier_test::open_loaded_rig("frozen_bad", so, 5, 0, &s, &ref);
+  EXPECT_EQ(opened.code(), Code::kInvalidArgument) << opened.to_string();
+  EXPECT_NE(opened.message().find("2 frozen_sub_groups flags for a store of 4 sub-groups"),
+            std::string::npos)
+      << opened.to_string();
 }
 
 }  // namespace
