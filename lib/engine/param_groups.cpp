@@ -53,6 +53,32 @@ Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout
   return ranges;
 }
 
+std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size_t count,
+                              FunctionRef<std::size_t(std::size_t)> first,
+                              FunctionRef<std::size_t(std::size_t)> size) {
+  const Partitioner& part = layout.partitioner();
+  bool any_frozen = false;
+  for (std::uint32_t id = 0; id < part.param_count(); ++id) {
+    any_frozen = any_frozen || !layout.param(id).spec.trainable;
+  }
+  std::vector<bool> frozen(count, any_frozen);
+  if (!any_frozen) return frozen;
+  // The trainable parameters' runs of the partition, in partition order, each marking the runs
+  // it overlaps.
+  std::size_t r = 0;
+  for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
+    const std::size_t base = layout.offset(g);
+    for (const ParamPiece& piece : part.shard_pieces(g, rank)) {
+      if (!layout.param(piece.param).spec.trainable || piece.element_count == 0) continue;
+      const std::size_t begin = base + piece.shard_offset;
+      const std::size_t end = begin + piece.element_count;
+      while (r < count && first(r) + size(r) <= begin) ++r;
+      for (std::size_t k = r; k < count && first(k) < end; ++k) frozen[k] = false;
+    }
+  }
+  return frozen;
+}
+
 std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges, std::size_t first,
                                          std::size_t count) {
   std::vector<OptimizerRange> out;

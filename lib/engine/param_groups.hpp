@@ -18,6 +18,7 @@
 #include <span>
 #include <vector>
 
+#include "engine/function_ref.hpp"
 #include "engine/layout.hpp"
 #include "zinf/engine.hpp"
 #include "zinf/optim.hpp"
@@ -35,6 +36,14 @@ Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout
 // The ranges of elements [first, first + count) of the partition, relative to `first`.
 std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges, std::size_t first,
                                          std::size_t count);
+
+// For each of `count` consecutive runs of rank `rank`'s partition (run i is elements
+// [first(i), first(i) + size(i)), in increasing order): whether no element of it belongs to a
+// trainable parameter (it holds frozen parameters and padding only). All false when no parameter
+// is frozen.
+std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size_t count,
+                              FunctionRef<std::size_t(std::size_t)> first,
+                              FunctionRef<std::size_t(std::size_t)> size);
 
 // The index of the frozen parameters' group (the last one, see above).
 inline std::uint32_t frozen_group(std::span<const ParamGroup> groups) {

@@ -26,6 +26,7 @@
 #include "base/assert.hpp"
 #include "device/pinned_pool.hpp"
 #include "engine/optimizer_state.hpp"
+#include "engine/param_groups.hpp"
 #include "zinf/optim.hpp"
 
 namespace zinf {
@@ -71,6 +72,13 @@ class StoreState final : public OptimizerState {
     pipe.io_timeout = std::chrono::milliseconds(config.io_timeout_ms);
     pipe.io_timeouts_max = config.io_timeouts_max;
     pipe.trace = ctx_.trace;
+    // Sub-groups of frozen parameters (and padding) only: once their moments are zero, the pass
+    // passes over them (OptimizerPipeline's "Frozen sub-groups").
+    pipe.frozen_sub_groups = frozen_runs(
+        layout_, ctx_.rank, store_->sub_group_count(),
+        [&](std::size_t i) { return store_->sub_group_first(i); },
+        [&](std::size_t i) { return store_->sub_group_size(i); });
+    const std::vector<bool> frozen = pipe.frozen_sub_groups;
     if (publish_ == Publish::kStreamed) {
       // The pipeline hands each sub-group's half output over from its block.
       pipe.half_done = [this](std::size_t i, const std::byte* half) {
@@ -82,6 +90,10 @@ class StoreState final : public OptimizerState {
     }
     ZINF_ASSIGN_OR_RETURN(pipeline_, OptimizerPipeline::open(*store_, pool_.get(), pipe));
     ZINF_RETURN_IF_ERROR(load());
+    // load() wrote zero moments: the frozen sub-groups are settled from the first step on.
+    for (std::size_t i = 0; i < frozen.size(); ++i) {
+      if (frozen[i]) store_->set_settled(i, true);
+    }
     if (store_->on_nvme(Piece::kGrads)) {
       SpillOptions spill;
       spill.buffer_count = config.gradient_spill_buffers;
@@ -275,6 +287,10 @@ class StoreState final : public OptimizerState {
   Status write_state(Piece piece, StateFill fill) override {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
+    // Loaded moments may be anything (a parameter saved trainable and loaded frozen keeps its
+    // moments, which each step decays): the next pass steps every sub-group and settles again
+    // those whose moments are zero.
+    s.clear_settled();
     if (s.tier(piece) == StoreMedium::kHost) {
       return fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)));
     }

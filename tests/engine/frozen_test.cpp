@@ -13,6 +13,7 @@
 #include <cstring>
 #include <string>
 
+#include "base/random.hpp"
 #include "engine_test_util.hpp"
 
 namespace zinf {
@@ -36,14 +37,18 @@ struct Case {
   bool opaque = false;  // the gradients accumulate on a device that is not host-accessible
   bool overlap = true;  // zinf.overlap_step
   int steps = 6;
+  // zinf.sub_group_size; 0: small_config's 700, where every sub-group holds trainable elements.
+  // Small enough, the frozen module's own sub-groups are passed over by the optimizer pass.
+  std::size_t sub_group_size = 0;
 };
 
 std::string case_name(const Case& c) {
-  return fmt::format("w{}_s{}_opt_{}_param_{}_{}_{}_{}_mb{}{}{}{}{}", c.world, c.stage,
+  return fmt::format("w{}_s{}_opt_{}_param_{}_{}_{}_{}_mb{}{}{}{}{}{}", c.world, c.stage,
                      offload_device_name(c.optimizer), offload_device_name(c.params), c.frozen,
                      optimizer_name(c.kind), dtype_name(c.dtype), c.micro_batches,
                      c.clipping > 0 ? "_clip" : "", c.fp16 ? "_fp16" : "",
-                     c.opaque ? "_opaque" : "", c.overlap ? "" : "_sequential");
+                     c.opaque ? "_opaque" : "", c.overlap ? "" : "_sequential",
+                     c.sub_group_size > 0 ? fmt::format("_sg{}", c.sub_group_size) : "");
 }
 
 Config case_config(const Case& c, const std::string& dir) {
@@ -51,6 +56,7 @@ Config case_config(const Case& c, const std::string& dir) {
   config.optimizer.kind = c.kind;
   config.gradient_clipping = c.clipping;
   config.overlap_step = c.overlap;
+  if (c.sub_group_size > 0) config.zero.sub_group_size = c.sub_group_size;
   if (c.fp16) {
     config.fp16.enabled = true;
     config.fp16.loss_scale = 1.0;
@@ -153,6 +159,56 @@ std::vector<Case> equivalence_cases() {
       cases.push_back({.world = 2, .stage = 3, .optimizer = opt, .kind = kind});
     }
   }
+  // Sub-groups of 32 elements: the frozen module's are passed over by the optimizer pass (state
+  // in host memory and on NVMe), with the new parameters streamed from the pass (bf16, f16,
+  // parameters on NVMe), taken from the store's half array (parameters in host memory, state in
+  // host memory) or narrowed from the master (f32); overlapped and sequential, every optimizer.
+  for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+    for (int stage : {1, 2, 3}) {
+      cases.push_back({.world = 2, .stage = stage, .optimizer = opt, .sub_group_size = 32});
+      cases.push_back({.world = 2,
+                       .stage = stage,
+                       .optimizer = opt,
+                       .dtype = DType::kBF16,
+                       .sub_group_size = 32});
+    }
+    cases.push_back({.world = 1,
+                     .stage = 2,
+                     .optimizer = opt,
+                     .dtype = DType::kBF16,
+                     .overlap = false,
+                     .sub_group_size = 32});
+    for (OptimizerKind kind :
+         {OptimizerKind::kAdam, OptimizerKind::kAdagrad, OptimizerKind::kLion}) {
+      cases.push_back({.world = 2,
+                       .stage = 3,
+                       .optimizer = opt,
+                       .kind = kind,
+                       .dtype = DType::kBF16,
+                       .sub_group_size = 32});
+    }
+  }
+  cases.push_back({.world = 2,
+                   .stage = 3,
+                   .optimizer = OffloadDevice::kNvme,
+                   .params = OffloadDevice::kNvme,
+                   .frozen = "embed",
+                   .dtype = DType::kBF16,
+                   .sub_group_size = 32});
+  cases.push_back({.world = 2,
+                   .stage = 3,
+                   .optimizer = OffloadDevice::kNvme,
+                   .params = OffloadDevice::kHost,
+                   .frozen = "head",
+                   .dtype = DType::kBF16,
+                   .sub_group_size = 32});
+  cases.push_back({.world = 2,
+                   .stage = 2,
+                   .optimizer = OffloadDevice::kNvme,
+                   .dtype = DType::kF16,
+                   .clipping = 0.5,
+                   .fp16 = true,
+                   .sub_group_size = 32});
   return cases;
 }
 
@@ -419,6 +475,239 @@ TEST(Frozen, ACheckpointOfATrainedModuleLoadsFrozenAndKeepsItsBits) {
       EXPECT_GT(engine_test::max_rel_diff(after[p], saved[p]), 1e-4) << frozen.params[p].name;
     }
   }
+}
+
+// Moments loaded into a frozen module (saved trainable) decay at every step as before, whether
+// the module's sub-groups could be passed over (sub-groups of 32) or not (700): steps 4-6 with
+// block1 frozen, saved, and resumed with block1 trainable for steps 7-8 end with the same bits
+// both ways, the state in host memory and on NVMe. A pass that skipped the loaded frozen
+// sub-groups would keep their moments, and block1 would train differently once thawed.
+TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
+  constexpr int kWorld = 2;
+  const Model trained = engine_test::make_model(DType::kF32, 97);
+  Model frozen = trained;
+  frozen.frozen_module = "block1";
+  for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+    std::vector<std::vector<std::vector<float>>> finals;
+    for (std::size_t sub_group_size : {std::size_t{32}, std::size_t{700}}) {
+      engine_test::ScratchDir dir(
+          fmt::format("frozen_decay_{}_sg{}", offload_device_name(opt), sub_group_size));
+      const std::string ckpt = dir.path() + "/ckpt";
+      Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
+      config.zero.sub_group_size = sub_group_size;
+      TrainOptions options;
+      options.check_gathered = false;
+      auto train = [&](const Model& model, const std::string& load, int first, int last,
+                       const std::string& save) {
+        std::vector<std::vector<float>> out;
+        std::vector<Status> st = engine_test::with_engines(
+            config, model, kWorld, [&](int rank, Engine& engine) -> Status {
+              if (!load.empty()) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, load));
+              TrainOptions run = options;
+              run.first_step = first;
+              run.steps = last;
+              ZINF_RETURN_IF_ERROR(
+                  engine_test::train_rank(engine, model, rank, run, nullptr, nullptr));
+              if (!save.empty()) ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, save));
+              ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                                    engine_test::read_masters(engine, model));
+              if (rank == 0) out = std::move(masters);
+              return Status::ok();
+            });
+        for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+        return out;
+      };
+      train(trained, "", 1, 3, "three");
+      train(frozen, "three", 4, 6, "six");
+      finals.push_back(train(trained, "six", 7, 8, ""));
+    }
+    ASSERT_EQ(finals[0].size(), trained.params.size());
+    ASSERT_EQ(finals[1].size(), trained.params.size());
+    for (std::size_t p = 0; p < trained.params.size(); ++p) {
+      EXPECT_EQ(std::memcmp(finals[0][p].data(), finals[1][p].data(), finals[1][p].size() * 4), 0)
+          << offload_device_name(opt) << ": " << trained.params[p].name;
+    }
+  }
+}
+
+// A LoRA-shaped model: a trainable embedding (1024 elements), a frozen base of three 64 x 64
+// weights and six trainable 512-element adapters, the optimizer state (AdamW) on NVMe and
+// sub-groups of 1024 / world elements, so that every sub-group is either all frozen or all
+// trainable. The optimizer pass moves only the trainable share: per step and rank it reads and
+// writes the trainable elements' master and moments (12 bytes each), and, when the new bf16
+// parameters stream from the pass, reads the frozen elements' master (4 bytes each) to hand
+// their half copy on; with f32 parameters it reads nothing of them. The same run with one
+// sub-group (which holds trainable elements, so nothing is passed over) ends with the same
+// masters, bit for bit, and moves the whole partition every step. At world 1 a checkpoint is
+// linked after step 2: the step after it streams everything once (moving the frozen state out of
+// the linked file), then passes over it again, and the checkpoint resumes to the same bits.
+struct LoraRun {
+  std::vector<StepReport> reports;         // rank 0's
+  std::vector<std::vector<float>> finals;  // rank 0's masters
+  bool linked = false;                     // the checkpoint was linked, not copied
+};
+
+Model lora_model(DType dtype) {
+  Model m;
+  m.modules = {"embed", "base", "lora"};
+  m.params.push_back({"embed.w", "embed", {32, 32}, dtype});
+  for (int l = 0; l < 3; ++l) {
+    m.params.push_back({fmt::format("base.w{}", l), "base", {64, 64}, dtype});
+  }
+  for (int l = 0; l < 3; ++l) {
+    m.params.push_back({fmt::format("lora.a{}", l), "lora", {8, 64}, dtype});
+    m.params.push_back({fmt::format("lora.b{}", l), "lora", {64, 8}, dtype});
+  }
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v(m.params[p].element_count());
+    fill_uniform(v.data(), v.size(), 5150 + p, -1.0f, 1.0f);
+    m.initial.push_back(std::move(v));
+  }
+  m.frozen_module = "base";
+  return m;
+}
+
+LoraRun run_lora(const Model& model, int world, std::size_t sub_group_size, bool overlap,
+                 bool save) {
+  engine_test::ScratchDir dir(fmt::format("frozen_lora_w{}_sg{}_{}_{}{}", world, sub_group_size,
+                                          dtype_name(model.params[0].dtype),
+                                          overlap ? "overlap" : "sequential", save ? "_save" : ""));
+  const std::string ckpt = dir.path() + "/ckpt";
+  Config config =
+      engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  config.zero.sub_group_size = sub_group_size;
+  config.overlap_step = overlap;
+  TrainOptions options;
+  options.steps = 5;
+  options.check_gathered = false;
+  LoraRun run;
+  std::vector<Status> st =
+      engine_test::with_engines(config, model, world, [&](int rank, Engine& engine) -> Status {
+        std::vector<StepReport> reports;
+        TrainOptions first = options;
+        first.steps = save ? 2 : options.steps;
+        ZINF_RETURN_IF_ERROR(
+            engine_test::train_rank(engine, model, rank, first, nullptr, &reports));
+        if (save) {
+          ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, "two"));
+          TrainOptions rest = options;
+          rest.first_step = 3;
+          ZINF_RETURN_IF_ERROR(
+              engine_test::train_rank(engine, model, rank, rest, nullptr, &reports));
+        }
+        ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                              engine_test::read_masters(engine, model));
+        if (rank == 0) {
+          run.reports = std::move(reports);
+          run.finals = std::move(masters);
+        }
+        return Status::ok();
+      });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  if (!save) return run;
+  run.linked = !engine_test::read_file(ckpt + "/two/rank0.blocks").empty();
+  // Resumed from the checkpoint: steps 3-5 end where the run that saved it did.
+  std::vector<std::vector<float>> resumed;
+  st = engine_test::with_engines(config, model, world, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "two"));
+    TrainOptions rest = options;
+    rest.first_step = 3;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, rest, nullptr, nullptr));
+    ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                          engine_test::read_masters(engine, model));
+    if (rank == 0) resumed = std::move(masters);
+    return Status::ok();
+  });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(resumed, run.finals);
+  for (std::size_t p = 0; p < resumed.size() && p < run.finals.size(); ++p) {
+    EXPECT_EQ(std::memcmp(resumed[p].data(), run.finals[p].data(), resumed[p].size() * 4), 0)
+        << "resumed " << model.params[p].name;
+  }
+  return run;
+}
+
+void check_lora_pass(int world, DType dtype, bool overlap) {
+  const Model model = lora_model(dtype);
+  // Rank 0's partition elements, from the specs: every group's slice is 1 / world of it (each
+  // group is a multiple of 128 * world elements, so there is no padding).
+  std::size_t frozen_elements = 0, trainable_elements = 0;
+  for (const engine_test::ParamDef& d : model.params) {
+    (d.module == model.frozen_module ? frozen_elements : trainable_elements) += d.element_count();
+  }
+  frozen_elements /= static_cast<std::size_t>(world);
+  trainable_elements /= static_cast<std::size_t>(world);
+  const std::size_t all_elements = frozen_elements + trainable_elements;
+  // Master, exp_avg and exp_avg_sq: 12 bytes an element each way; the streamed pass reads the
+  // frozen master (4 bytes an element) for its half copy.
+  const std::uint64_t trainable_bytes = trainable_elements * 12;
+  const std::uint64_t frozen_read_bytes = dtype == DType::kF32 ? 0 : frozen_elements * 4;
+  const std::uint64_t all_bytes = all_elements * 12;
+
+  const bool save = world == 1;
+  const LoraRun skipped =
+      run_lora(model, world, 1024 / static_cast<std::size_t>(world), overlap, save);
+  const LoraRun whole = run_lora(model, world, all_elements, overlap, /*save=*/false);
+  ASSERT_EQ(skipped.reports.size(), 5u);
+  ASSERT_EQ(whole.reports.size(), 5u);
+  if (save) {
+    EXPECT_TRUE(skipped.linked) << "the checkpoint was copied, not linked";
+  }
+  // Report s + 1 of the sequential step holds pass s + 1; the overlapped step's pass s + 1 runs
+  // behind the next forward and is reported by step s + 2 (step 1's report has none).
+  for (std::size_t s = 0; s < skipped.reports.size(); ++s) {
+    const std::size_t pass = overlap ? s : s + 1;
+    const std::uint64_t none = 0;
+    // The pass after the linked save (pass 3) streams everything once.
+    const bool full = skipped.linked && pass == 3;
+    EXPECT_EQ(whole.reports[s].optimizer_nvme_read_bytes, pass == 0 ? none : all_bytes)
+        << "step " << s + 1;
+    EXPECT_EQ(whole.reports[s].optimizer_nvme_write_bytes, pass == 0 ? none : all_bytes)
+        << "step " << s + 1;
+    const StepReport& rep = skipped.reports[s];
+    EXPECT_EQ(rep.optimizer_nvme_read_bytes, pass == 0 ? none
+                                             : full    ? all_bytes
+                                                       : trainable_bytes + frozen_read_bytes)
+        << "step " << s + 1;
+    EXPECT_EQ(rep.optimizer_nvme_write_bytes, pass == 0 ? none
+                                              : full    ? all_bytes
+                                                        : trainable_bytes)
+        << "step " << s + 1;
+  }
+  // The same training: every master the same bits, the frozen ones those registered.
+  ASSERT_EQ(skipped.finals.size(), model.params.size());
+  ASSERT_EQ(whole.finals.size(), model.params.size());
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    EXPECT_EQ(
+        std::memcmp(skipped.finals[p].data(), whole.finals[p].data(), whole.finals[p].size() * 4),
+        0)
+        << model.params[p].name;
+    if (model.params[p].module == model.frozen_module) {
+      EXPECT_EQ(std::memcmp(skipped.finals[p].data(), model.initial[p].data(),
+                            model.initial[p].size() * 4),
+                0)
+          << model.params[p].name;
+    } else {
+      EXPECT_GT(engine_test::max_rel_diff(skipped.finals[p], model.initial[p]), 1e-3)
+          << model.params[p].name;
+    }
+  }
+}
+
+TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World1Sequential) {
+  check_lora_pass(1, DType::kBF16, /*overlap=*/false);
+}
+TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsF32World1Sequential) {
+  check_lora_pass(1, DType::kF32, /*overlap=*/false);
+}
+TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World2Sequential) {
+  check_lora_pass(2, DType::kBF16, /*overlap=*/false);
+}
+TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World2Overlapped) {
+  check_lora_pass(2, DType::kBF16, /*overlap=*/true);
+}
+TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World1Overlapped) {
+  check_lora_pass(1, DType::kBF16, /*overlap=*/true);
 }
 
 }  // namespace
