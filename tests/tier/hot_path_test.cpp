@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <new>
+#include <vector>
 
 #include "common/counting_new.hpp"
 #include "tier_test_util.hpp"
@@ -17,7 +18,7 @@ using zinf::test::g_count_allocations;
 namespace zinf {
 namespace {
 
-void steps_allocate_nothing(bool stream_half) {
+void steps_allocate_nothing(bool stream_half, bool frozen = false) {
   // The counter counts: one allocation while armed is seen.
   g_allocations.store(0);
   g_count_allocations.store(true);
@@ -40,10 +41,21 @@ void steps_allocate_nothing(bool stream_half) {
       return Status::ok();
     };
   }
+  // Frozen: four of the nine sub-groups are passed over (settled from the start, as the engine
+  // marks its frozen sub-groups after loading zero moments).
+  const std::vector<bool> frozen_flags = {false, true,  true, false, true,
+                                          false, false, true, false};
+  if (frozen) so.pipeline.frozen_sub_groups = frozen_flags;
   tier_test::Rig s;
   tier_test::Reference ref;
   Status opened = tier_test::open_loaded_rig("hot", so, 77, 78, &s, &ref);
   ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  if (frozen) {
+    ASSERT_EQ(s.store->sub_group_count(), frozen_flags.size());
+    for (std::size_t i = 0; i < frozen_flags.size(); ++i) {
+      s.store->set_settled(i, frozen_flags[i]);
+    }
+  }
   ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());  // warm-up: threads, arenas, caches
   for (std::int64_t t = 2; t <= 4; ++t) {
     g_allocations.store(0);
@@ -51,6 +63,7 @@ void steps_allocate_nothing(bool stream_half) {
     Result<StepStats> stats = s.pipeline->step({.step = t});
     g_count_allocations.store(false);
     ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
+    EXPECT_EQ(stats->sub_groups_passed, frozen ? 4u : 0u) << "step " << t;
     std::printf("step %lld: %llu allocations\n", static_cast<long long>(t),
                 static_cast<unsigned long long>(g_allocations.load()));
     EXPECT_EQ(g_allocations.load(), 0u) << "step " << t;
@@ -64,6 +77,11 @@ TEST(OptimizerPipelineHotPath, StepAllocatesNothingAfterWarmUp) { steps_allocate
 
 TEST(OptimizerPipelineHotPath, StreamingTheHalfOutputAllocatesNothing) {
   steps_allocate_nothing(true);
+}
+
+TEST(OptimizerPipelineHotPath, PassingOverFrozenSubGroupsAllocatesNothing) {
+  steps_allocate_nothing(false, /*frozen=*/true);
+  steps_allocate_nothing(true, /*frozen=*/true);
 }
 
 }  // namespace
