@@ -5,6 +5,7 @@
 
 #include <algorithm>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 
 namespace zinf {
@@ -77,6 +78,46 @@ std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size
     }
   }
   return frozen;
+}
+
+std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank) {
+  constexpr std::size_t kQuantum = 1024;  // f32 elements of a 4 KiB page
+  const Partitioner& part = layout.partitioner();
+  bool any_frozen = false;
+  for (std::uint32_t id = 0; id < part.param_count(); ++id) {
+    any_frozen = any_frozen || !layout.param(id).spec.trainable;
+  }
+  std::vector<std::size_t> cuts;
+  if (!any_frozen) return cuts;
+  const std::size_t count = layout.partition_elements();
+  // The trainable pieces in partition order, widened to whole quanta; a cut at each end of every
+  // maximal run of them.
+  std::size_t run_begin = 0, run_end = 0;
+  bool in_run = false;
+  auto close_run = [&] {
+    if (!in_run) return;
+    if (run_begin > 0) cuts.push_back(run_begin);
+    if (run_end < count) cuts.push_back(run_end);
+  };
+  for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
+    const std::size_t base = layout.offset(g);
+    for (const ParamPiece& piece : part.shard_pieces(g, rank)) {
+      if (!layout.param(piece.param).spec.trainable || piece.element_count == 0) continue;
+      const std::size_t begin = (base + piece.shard_offset) / kQuantum * kQuantum;
+      const std::size_t end =
+          std::min(round_up(base + piece.shard_offset + piece.element_count, kQuantum), count);
+      if (in_run && begin <= run_end) {
+        run_end = std::max(run_end, end);
+        continue;
+      }
+      close_run();
+      run_begin = begin;
+      run_end = end;
+      in_run = true;
+    }
+  }
+  close_run();
+  return cuts;
 }
 
 std::vector<OptimizerRange> slice_ranges(std::span<const OptimizerRange> ranges, std::size_t first,

@@ -467,6 +467,8 @@ StateStoreOptions store_options(const Config& config, const ParameterLayout& lay
   so.tiers = {state_tier, state_tier, state_tier, grad_tier,
               streamed ? StoreMedium::kBlock : StoreMedium::kHost};
   so.key_prefix = fmt::format("rank{}/opt", rank);
+  // Frozen parameters in sub-groups of their own, which the pass passes over (StoreState::open).
+  so.cuts = frozen_cuts(layout, rank);
   return so;
 }
 

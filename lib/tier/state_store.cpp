@@ -19,6 +19,22 @@ constexpr std::size_t kParamQuantum = 2048;
 
 Piece piece_at(std::size_t index) { return static_cast<Piece>(index); }
 
+// Where each sub-group starts, and param_count last: every sub_group_params parameters from the
+// previous start, or at the next cut when that comes first.
+std::vector<std::size_t> sub_group_firsts(std::size_t param_count, std::size_t sub_group_params,
+                                          const std::vector<std::size_t>& cuts) {
+  std::vector<std::size_t> firsts = {0};
+  std::size_t next_cut = 0;
+  while (firsts.back() < param_count) {
+    const std::size_t first = firsts.back();
+    while (next_cut < cuts.size() && cuts[next_cut] <= first) ++next_cut;
+    std::size_t end = std::min(first + sub_group_params, param_count);
+    if (next_cut < cuts.size()) end = std::min(end, cuts[next_cut]);
+    firsts.push_back(end);
+  }
+  return firsts;
+}
+
 }  // namespace
 
 std::string_view store_medium_name(StoreMedium medium) {
@@ -146,6 +162,20 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
                       piece_name(piece_at(p))));
     }
   }
+  for (std::size_t c = 0; c < options.cuts.size(); ++c) {
+    if (options.cuts[c] == 0 || options.cuts[c] >= options.param_count ||
+        (c > 0 && options.cuts[c] <= options.cuts[c - 1])) {
+      return Status::invalid_argument(
+          fmt::format("StateStoreOptions: cut {} (parameter {}) is not above the previous one and "
+                      "inside the partition's {} parameters",
+                      c, options.cuts[c], options.param_count));
+    }
+  }
+  if (!options.cuts.empty() &&
+      options.tiers[static_cast<std::size_t>(Piece::kGrads)] == StoreMedium::kNvme) {
+    return Status::invalid_argument(
+        "StateStoreOptions: cuts with the gradients on nvme (sub-groups of one size only)");
+  }
   const std::array<bool, kPieceCount> has = pieces_of(options);
   std::size_t bytes_per_param = 0;
   for (std::size_t p = 0; p < kPieceCount; ++p) {
@@ -165,11 +195,14 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
     out.sub_group_params = options.sub_group_bytes / quantum_bytes * kParamQuantum;
   }
   out.sub_group_params = std::min(out.sub_group_params, options.param_count);
-  out.sub_group_count = (options.param_count + out.sub_group_params - 1) / out.sub_group_params;
-  const std::size_t last = options.param_count - (out.sub_group_count - 1) * out.sub_group_params;
-  // The saved pieces (the master and the moments) all on NVMe, in whole pages.
-  out.checkpoint_layout = (out.sub_group_params * sizeof(float)) % kPage == 0 &&
-                          (options.param_count * sizeof(float)) % kPage == 0;
+  const std::vector<std::size_t> firsts =
+      sub_group_firsts(options.param_count, out.sub_group_params, options.cuts);
+  out.sub_group_count = firsts.size() - 1;
+  // The saved pieces (the master and the moments) all on NVMe, every sub-group's in whole pages.
+  out.checkpoint_layout = true;
+  for (std::size_t i = 1; i < firsts.size(); ++i) {
+    if ((firsts[i] * sizeof(float)) % kPage != 0) out.checkpoint_layout = false;
+  }
   for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
     const std::size_t p = static_cast<std::size_t>(piece);
     if (has[p] && options.tiers[p] != StoreMedium::kNvme) out.checkpoint_layout = false;
@@ -183,8 +216,9 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
     const std::size_t bytes = dtype_bytes(dtype_of(options, piece_at(p)));
     out.block_bytes += round_up(out.sub_group_params * bytes, kPage);
     if (options.tiers[p] == StoreMedium::kBlock) continue;  // a slot only: never stored
-    out.nvme_bytes += (out.sub_group_count - 1) * round_up(out.sub_group_params * bytes, kPage) +
-                      round_up(last * bytes, kPage);
+    for (std::size_t i = 0; i + 1 < firsts.size(); ++i) {
+      out.nvme_bytes += round_up((firsts[i + 1] - firsts[i]) * bytes, kPage);
+    }
     out.nvme_extents += out.sub_group_count;
     out.largest_piece_bytes = std::max<std::uint64_t>(
         out.largest_piece_bytes, round_up(out.sub_group_params * bytes, kPage));
@@ -201,6 +235,7 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
   s.has_ = pieces_of(options);
   s.sub_group_params_ = layout.sub_group_params;
   s.sub_group_count_ = layout.sub_group_count;
+  s.firsts_ = sub_group_firsts(options.param_count, layout.sub_group_params, options.cuts);
 
   bool any_nvme = false;
   std::size_t offset = 0;
@@ -387,12 +422,12 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
 
 std::size_t StateStore::sub_group_first(std::size_t i) const {
   ZINF_ASSERT(i < sub_group_count_);
-  return i * sub_group_params_;
+  return firsts_[i];
 }
 
 std::size_t StateStore::sub_group_size(std::size_t i) const {
   ZINF_ASSERT(i < sub_group_count_);
-  return std::min(sub_group_params_, options_.param_count - i * sub_group_params_);
+  return firsts_[i + 1] - firsts_[i];
 }
 
 std::size_t StateStore::bytes_per_param() const {

@@ -1,7 +1,9 @@
 // StateStore: where each piece of one rank's optimizer state lives, sub-group by sub-group.
 //
 // A partition of `param_count` parameters is cut into sub-groups of sub_group_params()
-// consecutive parameters (the last one may be shorter). Each sub-group has up to five pieces:
+// consecutive parameters (the last one may be shorter), and also at each of the options' cuts
+// (a sub-group then ends there: shorter ones, never longer). Each sub-group has up to five
+// pieces:
 //
 //   piece          dtype                 read by the step   written by the step
 //   params         f32 (master)          yes                yes
@@ -106,6 +108,11 @@ struct StateStoreOptions {
   // Parameters per sub-group, any positive number (tests use sizes that do not divide the
   // partition); overrides sub_group_bytes when > 0.
   std::size_t sub_group_params = 0;
+  // Parameters at which a sub-group must end besides every sub_group_params (the engine's
+  // frozen/trainable transitions, so that no sub-group mixes them): increasing, each in
+  // (0, param_count). Not with gradients on NVMe (whose spill assumes sub-groups of one size).
+  // Cuts at multiples of 1024 keep every f32 piece whole pages (the checkpoint layout).
+  std::vector<std::size_t> cuts;
   // Decides which moments exist: Adam/AdamW both, Adagrad exp_avg_sq only, Lion exp_avg only.
   OptimizerKind optimizer = OptimizerKind::kAdamW;
   DType grad_dtype = DType::kF32;  // f32, bf16 or f16
@@ -122,7 +129,7 @@ struct StateStoreOptions {
 
 // The sizes StateStore::open() will use, computable before any swap space exists (to size it).
 struct StoreLayout {
-  std::size_t sub_group_params = 0;
+  std::size_t sub_group_params = 0;  // the largest sub-group's parameters
   std::size_t sub_group_count = 0;
   std::size_t block_bytes = 0;            // StateStore::block_bytes()
   std::uint64_t nvme_bytes = 0;           // swap capacity the NVMe pieces take, pages rounded
@@ -160,7 +167,7 @@ class StateStore {
   const StateStoreOptions& options() const { return options_; }
   std::size_t param_count() const { return options_.param_count; }
   std::size_t sub_group_count() const { return sub_group_count_; }
-  // Parameters per sub-group (all but possibly the last).
+  // Parameters per sub-group (all but the last and those that end at a cut; none has more).
   std::size_t sub_group_params() const { return sub_group_params_; }
   // REQUIRES: i < sub_group_count().
   std::size_t sub_group_first(std::size_t i) const;  // index of its first parameter
@@ -277,6 +284,8 @@ class StateStore {
   SwapSpace* swap_ = nullptr;
   std::size_t sub_group_count_ = 0;
   std::size_t sub_group_params_ = 0;
+  // Sub-group i is parameters [firsts_[i], firsts_[i + 1]); firsts_.back() is param_count.
+  std::vector<std::size_t> firsts_;
   std::array<bool, kPieceCount> has_{};
   std::array<std::size_t, kPieceCount> slot_offset_{};
   std::size_t block_bytes_ = 0;

@@ -530,17 +530,18 @@ TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
   }
 }
 
-// A LoRA-shaped model: a trainable embedding (1024 elements), a frozen base of three 64 x 64
-// weights and six trainable 512-element adapters, the optimizer state (AdamW) on NVMe and
-// sub-groups of 1024 / world elements, so that every sub-group is either all frozen or all
-// trainable. The optimizer pass moves only the trainable share: per step and rank it reads and
-// writes the trainable elements' master and moments (12 bytes each), and, when the new bf16
-// parameters stream from the pass, reads the frozen elements' master (4 bytes each) to hand
-// their half copy on; with f32 parameters it reads nothing of them. The same run with one
-// sub-group (which holds trainable elements, so nothing is passed over) ends with the same
-// masters, bit for bit, and moves the whole partition every step. At world 1 a checkpoint is
-// linked after step 2: the step after it streams everything once (moving the frozen state out of
-// the linked file), then passes over it again, and the checkpoint resumes to the same bits.
+// A LoRA-shaped model: a trainable embedding (2048 elements), a frozen base of three 64 x 64
+// weights and six trainable 512-element adapters, the optimizer state (AdamW) on NVMe. The
+// optimizer pass moves only the trainable share: per step and rank it reads and writes the
+// trainable elements' master and moments (12 bytes each), and, when the new bf16 parameters
+// stream from the pass, reads the frozen elements' master (4 bytes each) to hand their half copy
+// on; with f32 parameters it reads nothing of them. So with sub-groups of 1024 / world elements
+// (each all frozen or all trainable) and with one of the default size (1e9: the frozen base gets
+// sub-groups of its own, cut at its ends). Both end with the masters, bit for bit, of the same
+// run with the state in device memory (offload_optimizer none), which steps every element, the
+// frozen base included. At world 1 a checkpoint is linked after step 2: the step after it
+// streams everything once (moving the frozen state out of the linked file), then passes over it
+// again, and the checkpoint resumes to the same bits.
 struct LoraRun {
   std::vector<StepReport> reports;         // rank 0's
   std::vector<std::vector<float>> finals;  // rank 0's masters
@@ -550,7 +551,7 @@ struct LoraRun {
 Model lora_model(DType dtype) {
   Model m;
   m.modules = {"embed", "base", "lora"};
-  m.params.push_back({"embed.w", "embed", {32, 32}, dtype});
+  m.params.push_back({"embed.w", "embed", {32, 64}, dtype});
   for (int l = 0; l < 3; ++l) {
     m.params.push_back({fmt::format("base.w{}", l), "base", {64, 64}, dtype});
   }
@@ -567,14 +568,13 @@ Model lora_model(DType dtype) {
   return m;
 }
 
-LoraRun run_lora(const Model& model, int world, std::size_t sub_group_size, bool overlap,
-                 bool save) {
-  engine_test::ScratchDir dir(fmt::format("frozen_lora_w{}_sg{}_{}_{}{}", world, sub_group_size,
-                                          dtype_name(model.params[0].dtype),
-                                          overlap ? "overlap" : "sequential", save ? "_save" : ""));
+LoraRun run_lora(const Model& model, int world, OffloadDevice opt, std::size_t sub_group_size,
+                 bool overlap, bool save) {
+  engine_test::ScratchDir dir(fmt::format(
+      "frozen_lora_w{}_{}_sg{}_{}_{}{}", world, offload_device_name(opt), sub_group_size,
+      dtype_name(model.params[0].dtype), overlap ? "overlap" : "sequential", save ? "_save" : ""));
   const std::string ckpt = dir.path() + "/ckpt";
-  Config config =
-      engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
   config.zero.sub_group_size = sub_group_size;
   config.overlap_step = overlap;
   TrainOptions options;
@@ -619,7 +619,7 @@ LoraRun run_lora(const Model& model, int world, std::size_t sub_group_size, bool
     return Status::ok();
   });
   for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
-  EXPECT_EQ(resumed, run.finals);
+  EXPECT_EQ(resumed.size(), run.finals.size());
   for (std::size_t p = 0; p < resumed.size() && p < run.finals.size(); ++p) {
     EXPECT_EQ(std::memcmp(resumed[p].data(), run.finals[p].data(), resumed[p].size() * 4), 0)
         << "resumed " << model.params[p].name;
@@ -645,51 +645,52 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
   const std::uint64_t all_bytes = all_elements * 12;
 
   const bool save = world == 1;
-  const LoraRun skipped =
-      run_lora(model, world, 1024 / static_cast<std::size_t>(world), overlap, save);
-  const LoraRun whole = run_lora(model, world, all_elements, overlap, /*save=*/false);
-  ASSERT_EQ(skipped.reports.size(), 5u);
-  ASSERT_EQ(whole.reports.size(), 5u);
-  if (save) {
-    EXPECT_TRUE(skipped.linked) << "the checkpoint was copied, not linked";
-  }
-  // Report s + 1 of the sequential step holds pass s + 1; the overlapped step's pass s + 1 runs
-  // behind the next forward and is reported by step s + 2 (step 1's report has none).
-  for (std::size_t s = 0; s < skipped.reports.size(); ++s) {
-    const std::size_t pass = overlap ? s : s + 1;
-    const std::uint64_t none = 0;
-    // The pass after the linked save (pass 3) streams everything once.
-    const bool full = skipped.linked && pass == 3;
-    EXPECT_EQ(whole.reports[s].optimizer_nvme_read_bytes, pass == 0 ? none : all_bytes)
-        << "step " << s + 1;
-    EXPECT_EQ(whole.reports[s].optimizer_nvme_write_bytes, pass == 0 ? none : all_bytes)
-        << "step " << s + 1;
-    const StepReport& rep = skipped.reports[s];
-    EXPECT_EQ(rep.optimizer_nvme_read_bytes, pass == 0 ? none
-                                             : full    ? all_bytes
-                                                       : trainable_bytes + frozen_read_bytes)
-        << "step " << s + 1;
-    EXPECT_EQ(rep.optimizer_nvme_write_bytes, pass == 0 ? none
-                                              : full    ? all_bytes
-                                                        : trainable_bytes)
-        << "step " << s + 1;
-  }
-  // The same training: every master the same bits, the frozen ones those registered.
-  ASSERT_EQ(skipped.finals.size(), model.params.size());
-  ASSERT_EQ(whole.finals.size(), model.params.size());
-  for (std::size_t p = 0; p < model.params.size(); ++p) {
-    EXPECT_EQ(
-        std::memcmp(skipped.finals[p].data(), whole.finals[p].data(), whole.finals[p].size() * 4),
-        0)
-        << model.params[p].name;
-    if (model.params[p].module == model.frozen_module) {
-      EXPECT_EQ(std::memcmp(skipped.finals[p].data(), model.initial[p].data(),
-                            model.initial[p].size() * 4),
+  // Every element stepped, in device memory: the bits the passes over the store must give.
+  const LoraRun stepped = run_lora(model, world, OffloadDevice::kNone, 1'000'000'000, overlap,
+                                   /*save=*/false);
+  ASSERT_EQ(stepped.finals.size(), model.params.size());
+  for (std::size_t sub_group_size :
+       {1024 / static_cast<std::size_t>(world), std::size_t{1'000'000'000}}) {
+    SCOPED_TRACE(fmt::format("sub_group_size {}", sub_group_size));
+    const LoraRun skipped =
+        run_lora(model, world, OffloadDevice::kNvme, sub_group_size, overlap, save);
+    ASSERT_EQ(skipped.reports.size(), 5u);
+    if (save) {
+      EXPECT_TRUE(skipped.linked) << "the checkpoint was copied, not linked";
+    }
+    // Report s + 1 of the sequential step holds pass s + 1; the overlapped step's pass s + 1
+    // runs behind the next forward and is reported by step s + 2 (step 1's report has none).
+    for (std::size_t s = 0; s < skipped.reports.size(); ++s) {
+      const std::size_t pass = overlap ? s : s + 1;
+      const std::uint64_t none = 0;
+      // The pass after the linked save (pass 3) streams everything once.
+      const bool full = skipped.linked && pass == 3;
+      const StepReport& rep = skipped.reports[s];
+      EXPECT_EQ(rep.optimizer_nvme_read_bytes, pass == 0 ? none
+                                               : full    ? all_bytes
+                                                         : trainable_bytes + frozen_read_bytes)
+          << "step " << s + 1;
+      EXPECT_EQ(rep.optimizer_nvme_write_bytes, pass == 0 ? none
+                                                : full    ? all_bytes
+                                                          : trainable_bytes)
+          << "step " << s + 1;
+    }
+    // The same training: every master the same bits, the frozen ones those registered.
+    ASSERT_EQ(skipped.finals.size(), model.params.size());
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      EXPECT_EQ(std::memcmp(skipped.finals[p].data(), stepped.finals[p].data(),
+                            stepped.finals[p].size() * 4),
                 0)
           << model.params[p].name;
-    } else {
-      EXPECT_GT(engine_test::max_rel_diff(skipped.finals[p], model.initial[p]), 1e-3)
-          << model.params[p].name;
+      if (model.params[p].module == model.frozen_module) {
+        EXPECT_EQ(std::memcmp(skipped.finals[p].data(), model.initial[p].data(),
+                              model.initial[p].size() * 4),
+                  0)
+            << model.params[p].name;
+      } else {
+        EXPECT_GT(engine_test::max_rel_diff(skipped.finals[p], model.initial[p]), 1e-3)
+            << model.params[p].name;
+      }
     }
   }
 }

@@ -68,14 +68,18 @@ void reference_step(Reference& ref, const RigOptions& so, std::span<const Optimi
   ASSERT_TRUE(optimizer_step(groups, ranges, span, options).is_ok());
 }
 
-void run_groups(std::size_t sub_group_params, StoreMedium tier) {
+void run_groups(std::size_t sub_group_params, StoreMedium tier,
+                std::vector<std::size_t> cuts = {}) {
   const std::size_t count = 40'000 + 333;
   const std::uint64_t seed = 0x9a0 + sub_group_params;
   RigOptions so;
   so.store.param_count = count;
   so.store.sub_group_params = sub_group_params;
+  so.store.cuts = std::move(cuts);
   so.store.optimizer = OptimizerKind::kAdamW;
   so.store.tiers = {tier, tier, tier, tier, tier};
+  if (!so.store.cuts.empty())
+    so.store.tiers[static_cast<std::size_t>(Piece::kGrads)] = StoreMedium::kHost;
   so.pipeline.optimizer = three_groups(1e-2)[0];
   so.pipeline.groups = three_groups(1e-2);
   so.pipeline.ranges = transformer_like_ranges(count, seed);
@@ -108,6 +112,12 @@ TEST(OptimizerPipelineGroups, NvmeEqualsOneInMemoryStepOverTheRanges) {
 }
 
 TEST(OptimizerPipelineGroups, HostTier) { run_groups(7000, StoreMedium::kHost); }
+
+// Sub-groups also cut at given elements (shorter ones, some of one element), on both tiers.
+TEST(OptimizerPipelineGroups, SubGroupsCutAtGivenElements) {
+  run_groups(4096, StoreMedium::kNvme, {5000, 5001, 17'000, 40'000});
+  run_groups(7000, StoreMedium::kHost, {1, 7001, 30'000});
+}
 
 TEST(OptimizerPipelineGroups, BadRangesAreRefusedAtOpen) {
   RigOptions so;

@@ -5,8 +5,10 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <vector>
 
 #include "base/aligned.hpp"
+#include "base/arith.hpp"
 #include "base/random.hpp"
 #include "tier_test_util.hpp"
 
@@ -38,6 +40,67 @@ TEST(StateStore, SubGroupBytesCountsEveryPieceAndTheBlockHoldsTheNvmeOnes) {
   EXPECT_EQ(s.swap->info(*id).bytes, 231424u * 4);
   EXPECT_TRUE(s.swap->find("rank0/group4/params_half").is_ok());
   EXPECT_FALSE(s.swap->find("rank0/group5/params").is_ok());
+}
+
+// Cuts end sub-groups besides every sub_group_params: [0, 3000) in 2048 + 952, a cut at 3072
+// ends the next one early, and [3072, 10240) runs in whole sub-groups up to the cut at 9216 and
+// the partition's end. Extents are sized per sub-group, the swap capacity (layout().nvme_bytes)
+// is their sum, and with every boundary a multiple of 1024 the master and moments keep the
+// checkpoint layout (linkable); a cut elsewhere gives it up. Cuts out of order, outside the
+// partition or with the gradients on NVMe are refused.
+TEST(StateStore, CutsEndSubGroupsAndKeepTheCheckpointLayoutOnPageMultiples) {
+  tier_test::RigOptions so;
+  so.store.param_count = 10'240;
+  so.store.sub_group_params = 2048;
+  so.store.cuts = {3072, 9216};
+  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                    StoreMedium::kHost};
+  tier_test::Rig s;
+  const Status opened = tier_test::open_rig("cuts", so, &s);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  const StateStore& st = *s.store;
+  const std::vector<std::size_t> firsts = {0, 2048, 3072, 5120, 7168, 9216};
+  const std::vector<std::size_t> sizes = {2048, 1024, 2048, 2048, 2048, 1024};
+  ASSERT_EQ(st.sub_group_count(), firsts.size());
+  for (std::size_t i = 0; i < firsts.size(); ++i) {
+    EXPECT_EQ(st.sub_group_first(i), firsts[i]) << i;
+    EXPECT_EQ(st.sub_group_size(i), sizes[i]) << i;
+    EXPECT_EQ(s.swap->info(st.extent(Piece::kExpAvg, i)).bytes, sizes[i] * 4) << i;
+  }
+  EXPECT_EQ(st.sub_group_params(), 2048u);
+  EXPECT_TRUE(st.linkable());
+  Result<StoreLayout> layout = StateStore::layout(so.store);
+  ASSERT_TRUE(layout.is_ok());
+  EXPECT_TRUE(layout->checkpoint_layout);
+  EXPECT_EQ(layout->sub_group_count, firsts.size());
+  EXPECT_EQ(layout->nvme_bytes, 4096u + 3 * 10'240u * 4);  // header + master + two moments
+  EXPECT_EQ(layout->nvme_extents, 1 + 3 * firsts.size());
+
+  // A cut off the 1024-element grid: [0, 2048) [2048, 3000) [3000, 5048) [5048, 7096)
+  // [7096, 9144) [9144, 10240), each piece rounded up to pages, and no checkpoint layout.
+  StateStoreOptions off = so.store;
+  off.cuts = {3000};
+  layout = StateStore::layout(off);
+  ASSERT_TRUE(layout.is_ok());
+  EXPECT_FALSE(layout->checkpoint_layout);
+  EXPECT_EQ(layout->sub_group_count, 6u);
+  EXPECT_EQ(layout->nvme_bytes,
+            3 * (4 * round_page(2048 * 4) + round_page(952 * 4) + round_page(1096 * 4)));
+  EXPECT_EQ(layout->nvme_extents, 3 * 6u);
+
+  for (const std::vector<std::size_t>& bad :
+       {std::vector<std::size_t>{0}, std::vector<std::size_t>{10'240},
+        std::vector<std::size_t>{4096, 4096}, std::vector<std::size_t>{5000, 4000}}) {
+    StateStoreOptions o = so.store;
+    o.cuts = bad;
+    EXPECT_EQ(StateStore::layout(o).status().code(), Code::kInvalidArgument);
+  }
+  StateStoreOptions spilled = so.store;
+  spilled.tiers[static_cast<std::size_t>(Piece::kGrads)] = StoreMedium::kNvme;
+  const Status refused = StateStore::layout(spilled).status();
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument);
+  EXPECT_NE(refused.message().find("cuts with the gradients on nvme"), std::string::npos)
+      << refused.to_string();
 }
 
 TEST(StateStore, PiecesRoundTripOnBothTiersAndTrackResidency) {
