@@ -114,6 +114,14 @@ def init_write(out_dir, root):
             error = str(e)
         with open(os.path.join(out_dir, f"init_write.rank{rank}.json"), "w") as f:
             json.dump({"error": error}, f)
+        # The aborted communicator leaves MPI unfinalised, and mpirun kills every rank once one
+        # exits so: each rank waits for the others' reports before it exits.
+        world = int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1"))
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                os.path.exists(os.path.join(out_dir, f"init_write.rank{r}.json"))
+                for r in range(world)):
+            time.sleep(0.05)
         return
     with zinf.torch.Init(config=config):
         model = make_model()
