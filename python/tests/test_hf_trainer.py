@@ -2,8 +2,9 @@
 (hf_trainer_run.py, with install() added) given TrainingArguments(deepspeed=<config>) trains as
 the same script without DeepSpeed does, at ZeRO-2 and ZeRO-3 with two micro-batches a step and
 the Trainer's own AdamW and schedule; a checkpoint resumes bit-identically; save_model at stage 3
-writes the trained weights. Under mpirun the same script in 2 processes, each with half the
-micro-batch, trains as one process on the whole one. Each training runs in fresh processes (the
+writes the trained weights. Under mpirun, torchrun and `accelerate launch --multi_gpu` the same
+script in 2 processes, each with half the micro-batch, trains as one process on the whole one.
+Each training runs in fresh processes (the
 Trainer and Accelerate keep process-wide state, and install() must come before transformers is
 imported)."""
 import json
@@ -252,9 +253,26 @@ def test_install_refuses_a_real_deepspeed(tmp_path):
 # whole micro-batches' (the ranks' halves have as many tokens).
 
 BATCH, RANKS = 4, 2
-needs_mpirun = pytest.mark.skipif(shutil.which("mpirun") is None,
-                                  reason="no mpirun on PATH: the 2-process Trainer runs need an "
-                                  "MPI launcher (Open MPI)")
+# The launchers of several processes: mpirun, and torchrun (python -m torch.distributed.run),
+# the way most Trainer scripts are launched. Under mpirun install() sets torch.distributed's
+# environment from the launcher's and the engine runs its collectives on its MPI communicator;
+# under torchrun Accelerate initialises the gloo group from torchrun's environment and the engine
+# runs its collectives on a gloo group of its own made from it.
+LAUNCHERS = [
+    pytest.param("mpirun", marks=pytest.mark.skipif(
+        shutil.which("mpirun") is None,
+        reason="no mpirun on PATH: the 2-process Trainer runs under mpirun need Open MPI")),
+    pytest.param("torchrun", marks=pytest.mark.skipif(
+        not torch.distributed.is_available() or not torch.distributed.is_gloo_available(),
+        reason="torch.distributed has no gloo backend in this torch")),
+]
+# What an MPI launcher or a torchrun around pytest itself would leave in the environment: a
+# torchrun job must see torchrun's variables only.
+LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE", "PMI_RANK",
+                      "PMIX_RANK", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                      "MASTER_ADDR", "MASTER_PORT")
+# How each launcher names itself in the refusal of a job without use_cpu=True.
+LAUNCHER_NAMES = {"mpirun": "the MPI launcher", "torchrun": "torchrun"}
 
 
 def free_port() -> int:
@@ -263,19 +281,34 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def run_trainer_mpi(out, *args, fail=False):
-    """Runs hf_trainer_run.py OUT ARGS in RANKS processes under mpirun, each with a micro-batch
-    of BATCH / RANKS. Returns each rank's RESULT, by rank, or with fail=True the job's output
-    after asserting that it failed. MASTER_PORT is a free port, so that jobs beside this one
-    (DeepSpeed's default is 29500) do not meet it."""
+def run_trainer_ranks(out, launcher, *args, fail=False):
+    """Runs hf_trainer_run.py OUT ARGS in RANKS processes under `launcher` ("mpirun",
+    "torchrun", or "accelerate": `accelerate launch --multi_gpu`, which starts them through
+    torchrun), each with a micro-batch of BATCH / RANKS, meeting on a free port (DeepSpeed's
+    default, 29500, may be taken by a job beside this one). Returns each rank's RESULT, by rank,
+    or with fail=True the job's output after asserting that it failed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
-           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "MASTER_PORT": str(free_port())}
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    port = str(free_port())
+    if launcher == "mpirun":
+        env["MASTER_PORT"] = port
+        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
+                   "-np", str(RANKS), sys.executable]
+    else:
+        env = {k: v for k, v in env.items() if k not in LAUNCHER_VARIABLES}
+        if launcher == "accelerate":
+            # No accelerate config file of the user's: the flags below are the whole launch.
+            env["HF_HOME"] = str(out / "hf_home")
+            command = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu",
+                       "--num_processes", str(RANKS), "--num_machines", "1",
+                       "--mixed_precision", "no", "--dynamo_backend", "no",
+                       "--main_process_ip", "127.0.0.1", "--main_process_port", port]
+        else:
+            command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
+                       str(RANKS), "--master-addr", "127.0.0.1", "--master-port", port]
     done = subprocess.run(
-        ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-         "-np", str(RANKS), sys.executable, SCRIPT, str(out), "--steps", str(STEPS),
-         "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION),
-         "--batch", str(BATCH // RANKS), *args],
+        [*command, SCRIPT, str(out), "--steps", str(STEPS), "--save-steps", str(SAVE_STEPS),
+         "--ga", str(ACCUMULATION), "--batch", str(BATCH // RANKS), *args],
         capture_output=True, text=True, env=env, timeout=300)
     if fail:
         assert done.returncode != 0, done.stdout[-2000:]
@@ -291,16 +324,17 @@ def run_trainer_mpi(out, *args, fail=False):
     return results
 
 
-@pytest.fixture(scope="module")
-def zero3_mpi(tmp_path_factory):
-    """ZeRO-3 in 2 processes, parameters and optimizer offloaded, evaluated at each save."""
-    out = tmp_path_factory.mktemp("zero3_mpi")
-    return out, run_trainer_mpi(out, "--ds", write_config(out / "ds.json", 3), "--eval")
+@pytest.fixture(scope="module", params=LAUNCHERS)
+def zero3_ranks(request, tmp_path_factory):
+    """ZeRO-3 in 2 processes under each launcher, parameters and optimizer offloaded, evaluated
+    at each save."""
+    out = tmp_path_factory.mktemp(f"zero3_{request.param}")
+    return request.param, out, run_trainer_ranks(
+        out, request.param, "--ds", write_config(out / "ds.json", 3), "--eval")
 
 
-@needs_mpirun
-def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, zero3_mpi):
-    out, results = zero3_mpi
+def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, zero3_ranks):
+    _, out, results = zero3_ranks
     assert_losses_match(results[0], baseline[0])
     expected = baseline[0]["eval_losses"]
     assert [row[0] for row in results[0]["eval_losses"]] == [SAVE_STEPS, STEPS]
@@ -310,16 +344,15 @@ def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, zero3_m
     assert_weights_match(load_file(str(out / "final" / "model.safetensors")), baseline[1])
 
 
-@needs_mpirun
-def test_two_processes_resume_bit_identically(zero3_mpi, tmp_path):
-    out, uninterrupted = zero3_mpi
+def test_two_processes_resume_bit_identically(zero3_ranks, tmp_path):
+    launcher, out, uninterrupted = zero3_ranks
     checkpoint = out / f"checkpoint-{SAVE_STEPS}"
     # Every rank saved its partition and its random state.
     for rank in range(RANKS):
         assert (checkpoint / f"global_step{SAVE_STEPS}" / f"rank{rank}.zinfckpt").is_file()
         assert (checkpoint / f"rng_state_{rank}.pth").is_file()
-    resumed = run_trainer_mpi(tmp_path, "--ds", str(out / "ds.json"), "--resume",
-                              str(checkpoint))
+    resumed = run_trainer_ranks(tmp_path, launcher, "--ds", str(out / "ds.json"), "--resume",
+                                str(checkpoint))
     assert resumed[0]["losses"] == uninterrupted[0]["losses"][SAVE_STEPS:]
     got = load_file(str(tmp_path / "final" / "model.safetensors"))
     expected = load_file(str(out / "final" / "model.safetensors"))
@@ -328,30 +361,42 @@ def test_two_processes_resume_bit_identically(zero3_mpi, tmp_path):
         assert torch.equal(got[name], expected[name]), name
 
 
-@needs_mpirun
-def test_two_processes_at_zero2_train_and_save_as_one_process(baseline, tmp_path):
+@pytest.mark.parametrize("launcher", LAUNCHERS)
+def test_two_processes_at_zero2_train_and_save_as_one_process(launcher, baseline, tmp_path):
     """ZeRO-2: save_model takes the state dict of the parameters every rank holds whole."""
-    results = run_trainer_mpi(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2))
+    results = run_trainer_ranks(tmp_path, launcher, "--ds", write_config(tmp_path / "ds.json", 2))
     assert_losses_match(results[0], baseline[0])
     assert_weights_match(load_file(str(tmp_path / "final" / "model.safetensors")), baseline[1])
 
 
-@needs_mpirun
+@pytest.mark.skipif(not torch.distributed.is_available()
+                    or not torch.distributed.is_gloo_available(),
+                    reason="torch.distributed has no gloo backend in this torch")
+def test_accelerate_launch_runs_two_processes_as_torchrun_does(baseline, tmp_path):
+    """`accelerate launch --multi_gpu` starts the processes through torchrun; the script's
+    use_cpu=True keeps them on the CPU."""
+    results = run_trainer_ranks(tmp_path, "accelerate", "--ds",
+                                write_config(tmp_path / "ds.json", 2))
+    assert_losses_match(results[0], baseline[0])
+
+
+@pytest.mark.parametrize("launcher", LAUNCHERS)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU Accelerate counts the ranks "
                     "without use_cpu=True")
-def test_two_processes_without_use_cpu_are_refused(tmp_path):
+def test_two_processes_without_use_cpu_are_refused(launcher, tmp_path):
     """Without use_cpu=True on a machine without a GPU, Accelerate sees one process on each rank
     and would give each the whole data."""
-    output = run_trainer_mpi(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2),
-                             "--device-default", fail=True)
+    output = run_trainer_ranks(tmp_path, launcher, "--ds", write_config(tmp_path / "ds.json", 2),
+                               "--device-default", fail=True)
     assert "NotImplementedError" in output, output[-3000:]
-    assert "Accelerate counts 1 process(es) but the MPI launcher started 2" in output
+    assert (f"Accelerate counts 1 process(es) but {LAUNCHER_NAMES[launcher]} started 2"
+            in output), output[-3000:]
     assert "use_cpu=True" in output
 
 
 def test_several_processes_without_a_launcher_are_refused(tmp_path):
-    """WORLD_SIZE > 1 without RANK, and no MPI launcher: neither torchrun
-    (test_hf_trainer_torchrun.py) nor mpirun started the process, so no rank is known. The
+    """WORLD_SIZE > 1 without RANK, and no MPI launcher: neither torchrun nor mpirun started
+    the process, so no rank is known. The
     refusal comes from install(), before Accelerate would wait for the other ranks of
     torch.distributed's group at TrainingArguments."""
     stderr = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2), fail=True,
