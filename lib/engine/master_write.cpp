@@ -225,40 +225,33 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   BatchSource source(w, entries, values, root, host, *buffer);
   std::size_t cursor = 0;  // the first entry whose piece the pass has not finished
   OptimizerState& state = *w.state;
-  Status st = state.write_state(
-      Piece::kParams, [&](std::size_t first, std::size_t count, float* out) -> Status {
-        // Every element is written, so the piece is first read back as it is (read_master
-        // covers at least the piece), then the batch's elements in it are patched in.
-        ZINF_RETURN_IF_ERROR(state.read_master(
-            first, first + count, [&](std::size_t f, std::size_t n, const float* in) {
-              const std::size_t a = std::max(f, first);
-              const std::size_t b = std::min(f + n, first + count);
-              if (a < b && out + (a - first) != in + (a - f)) {
-                std::memmove(out + (a - first), in + (a - f), (b - a) * sizeof(float));
-              }
-            }));
-        const std::size_t end = first + count;
-        while (cursor < entries.size()) {
-          const BatchEntry& e = entries[cursor];
-          if (!e.owned) {
-            ++cursor;  // broadcast on the way to the next one this rank needs
-            continue;
-          }
-          if (e.lo >= end) break;
-          ZINF_ASSERT(e.hi > first);
-          ZINF_RETURN_IF_ERROR(source.bring(cursor));
-          const std::size_t a = std::max(e.lo, first);
-          const std::size_t b = std::min(e.hi, end);
-          std::memcpy(out + (a - first), source.values(cursor) + e.param_offset + (a - e.lo),
-                      (b - a) * sizeof(float));
-          if (e.hi > end) break;  // it goes on in the next piece
-          ++cursor;
-        }
-        return Status::ok();
-      });
+  // Every element is written: update_master() hands each piece over as it is, and the batch's
+  // elements in it are patched in. Each piece is then rounded into what the shards are
+  // published from while it is in cache (master_loaded(), as a checkpoint load does), so the
+  // master is not read back to publish it.
+  Status st = state.update_master([&](std::size_t first, std::size_t count, float* out) -> Status {
+    const std::size_t end = first + count;
+    while (cursor < entries.size()) {
+      const BatchEntry& e = entries[cursor];
+      if (!e.owned) {
+        ++cursor;  // broadcast on the way to the next one this rank needs
+        continue;
+      }
+      if (e.lo >= end) break;
+      ZINF_ASSERT(e.hi > first);
+      ZINF_RETURN_IF_ERROR(source.bring(cursor));
+      const std::size_t a = std::max(e.lo, first);
+      const std::size_t b = std::min(e.hi, end);
+      std::memcpy(out + (a - first), source.values(cursor) + e.param_offset + (a - e.lo),
+                  (b - a) * sizeof(float));
+      if (e.hi > end) break;  // it goes on in the next piece
+      ++cursor;
+    }
+    return state.master_loaded(first, count, out);
+  });
   st = source.finish(std::move(st), call);
   if (st.is_ok()) st = w.coord->drop_prefetched();
-  if (st.is_ok()) st = w.state->publish_master();
+  if (st.is_ok()) st = w.state->publish_loaded();
   return w.sticky->fail(std::move(st));
 }
 

@@ -22,9 +22,11 @@
 // Thread-safety: one thread (the rank's).
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <memory>
 #include <span>
 #include <string>
@@ -162,6 +164,22 @@ class OptimizerState {
   virtual Status read_state(Piece piece, StateVisitor fn) = 0;
   // fill(first, count, out) writes elements of `piece`, in partition order.
   virtual Status write_state(Piece piece, StateFill fill) = 0;
+  // write_state(kParams) where `out` holds the master's current elements when fill(first,
+  // count, out) is called, for fill to change some of them in place (Engine::write_parameters).
+  // This one reads each piece back through read_master(); a state may read ahead.
+  virtual Status update_master(StateFill fill) {
+    return write_state(Piece::kParams, [&](std::size_t first, std::size_t count, float* out) {
+      ZINF_RETURN_IF_ERROR(
+          read_master(first, first + count, [&](std::size_t f, std::size_t n, const float* in) {
+            const std::size_t a = std::max(f, first);
+            const std::size_t b = std::min(f + n, first + count);
+            if (a < b && out + (a - first) != in + (a - f)) {
+              std::memmove(out + (a - first), in + (a - f), (b - a) * sizeof(float));
+            }
+          }));
+      return fill(first, count, out);
+    });
+  }
   // Loading a linked rank file in place: whether the state's home can take the file whose block
   // checksums are `sums` as it is (StateStore::adoptable), and then doing so
   // (StateStore::adopt_checkpoint): nothing is read, each block is checked when first read.

@@ -18,8 +18,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <future>
+#include <optional>
 
 #include "base/aligned.hpp"
 #include "base/arith.hpp"
@@ -294,23 +296,19 @@ class StoreState final : public OptimizerState {
     if (s.tier(piece) == StoreMedium::kHost) {
       return fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)));
     }
-    // Two blocks: sub-group i - 1 is written on a thread of its own while `fill` fills
-    // sub-group i, so a checkpoint's load writes the NVMe state while it reads its file.
-    const std::size_t bytes = round_page(s.sub_group_params() * sizeof(float));
-    AlignedBuffer blocks[2] = {AlignedBuffer(bytes), AlignedBuffer(bytes)};
-    std::future<Status> writing;
-    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
-      AlignedBuffer& block = blocks[i % 2];  // its last write (i - 2) was waited for below
-      std::memset(block.data(), 0, block.bytes());
-      Status st = fill(s.sub_group_first(i), s.sub_group_size(i), block.as<float>());
-      Status written = writing.valid() ? writing.get() : Status::ok();
-      ZINF_RETURN_IF_ERROR(written);
-      ZINF_RETURN_IF_ERROR(st);
-      writing = std::async(std::launch::async, [&s, piece, i, &block] {
-        return s.write_piece(piece, i, block.data());
-      });
+    return rewrite_pieces(piece, /*read_back=*/false, fill);
+  }
+
+  // Each sub-group of the master read into a block (the next one read ahead while `fill` changes
+  // it), changed in place by `fill`, and written back from the same block.
+  Status update_master(StateFill fill) override {
+    StateStore& s = *store_;
+    s.clear_settled();  // as write_state()
+    if (s.tier(Piece::kParams) == StoreMedium::kHost) {
+      return fill(0, layout_.partition_elements(),
+                  reinterpret_cast<float*>(s.host_data(Piece::kParams)));
     }
-    return writing.valid() ? writing.get() : Status::ok();
+    return rewrite_pieces(Piece::kParams, /*read_back=*/true, fill);
   }
 
   Result<bool> link_checkpoint(const void* header, const std::string& path,
@@ -346,6 +344,81 @@ class StoreState final : public OptimizerState {
   std::uint64_t master_read_bytes() const override { return master_read_bytes_; }
 
  private:
+  // Blocks of one sub-group's piece for rewrite_pieces(): the pool's, registered with the I/O
+  // engine (no page pinning per request) and mapped at open (no page faults), as many as are
+  // free up to `wanted`; fresh ones only to make up two. Between steps the pool is idle.
+  struct PieceBlocks {
+    std::array<PinnedPool::Lease, 3> leases;
+    std::array<AlignedBuffer, 3> fresh;
+    std::array<std::byte*, 3> data{};
+    std::size_t count = 0;
+  };
+  void take_blocks(std::size_t wanted, PieceBlocks* b) {
+    ZINF_ASSERT(wanted >= 2 && wanted <= b->data.size());
+    const std::size_t bytes = round_page(store_->sub_group_params() * sizeof(float));
+    if (pool_ != nullptr && pool_->block_bytes() >= bytes) {
+      while (b->count < wanted) {
+        std::optional<PinnedPool::Lease> lease = pool_->try_acquire();
+        if (!lease.has_value()) break;
+        b->leases[b->count] = std::move(*lease);
+        b->data[b->count] = b->leases[b->count].data();
+        ++b->count;
+      }
+    }
+    while (b->count < 2) {
+      b->fresh[b->count] = AlignedBuffer(bytes);
+      b->data[b->count] = b->fresh[b->count].data();
+      ++b->count;
+    }
+  }
+
+  // `piece` (on NVMe) rewritten sub-group by sub-group through `fill`: sub-group i - 1 is
+  // written on a thread of its own while `fill` fills sub-group i, so a checkpoint's load writes
+  // the NVMe state while it reads its file. With `read_back`, `fill` finds the sub-group's
+  // stored values in the block, and sub-group i + 1 is read on another thread meanwhile when
+  // there are three blocks (with two, it is read beside the write of sub-group i). The tail of a
+  // block past the sub-group's elements is written as zeros, as load() wrote it.
+  Status rewrite_pieces(Piece piece, bool read_back, StateFill fill) {
+    StateStore& s = *store_;
+    PieceBlocks blocks;
+    take_blocks(read_back ? 3 : 2, &blocks);
+    const std::size_t n = blocks.count;
+    const std::size_t count = s.sub_group_count();
+    auto block = [&](std::size_t i) { return blocks.data[i % n]; };
+    auto read = [&s, piece, &block](std::size_t i) {
+      return std::async(std::launch::async,
+                        [&s, piece, i, data = block(i)] { return s.read_piece(piece, i, data); });
+    };
+    // Declared after the blocks: whatever returns, the futures wait for their I/O before the
+    // blocks go back.
+    std::future<Status> writing, reading;
+    if (read_back && count > 0) reading = read(0);
+    for (std::size_t i = 0; i < count; ++i) {
+      std::byte* data = block(i);  // its last write (i - n) was waited for below
+      const std::size_t size = s.sub_group_size(i);
+      const std::size_t tail = round_page(size * sizeof(float)) - size * sizeof(float);
+      if (read_back) {
+        ZINF_RETURN_IF_ERROR(reading.get());
+        // Block (i + 1) % 3 last held sub-group i - 2, whose write was waited for.
+        if (n >= 3 && i + 1 < count) reading = read(i + 1);
+        std::memset(data + size * sizeof(float), 0, tail);
+      } else {
+        std::memset(data, 0, size * sizeof(float) + tail);
+      }
+      Status st = fill(s.sub_group_first(i), size, reinterpret_cast<float*>(data));
+      Status written = writing.valid() ? writing.get() : Status::ok();
+      ZINF_RETURN_IF_ERROR(written);
+      ZINF_RETURN_IF_ERROR(st);
+      writing = std::async(std::launch::async,
+                           [&s, piece, i, data] { return s.write_piece(piece, i, data); });
+      // With two blocks, the other one is free once the write of i - 1 was waited for.
+      if (read_back && n < 3 && i + 1 < count) reading = read(i + 1);
+    }
+    Status written = writing.valid() ? writing.get() : Status::ok();
+    if (reading.valid()) (void)reading.get();
+    return written;
+  }
+
   // Writes the initial master and zero moments into the store, and rounds the master into the
   // publishing values from the same block, so the registered values are read once.
   Status load() {

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -341,6 +342,120 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
   }
 }
 
+// The pass reads the master once: each sub-group is read back, patched and written, and the
+// parameters are published from the values as they are written, not from the master read back
+// again. With f32 parameters at stage 2 and 3 (the only NVMe I/O a write makes is the master's),
+// a batch write reads as many pieces as it writes. Counted by fault injectors that delay every
+// read piece, or every written piece, by nothing.
+TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
+  for (const Case& c : {Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNvme}}) {
+    SCOPED_TRACE(case_name(c));
+    const Model model = engine_test::make_model(DType::kF32, 85);
+    const std::vector<std::vector<float>> fresh = fresh_values(model, 15);
+    std::vector<std::uint64_t> counted[2] = {std::vector<std::uint64_t>(2),
+                                             std::vector<std::uint64_t>(2)};
+    for (const bool reads : {true, false}) {
+      engine_test::ScratchDir dir(fmt::format("write_batch_once_{}_{}", case_name(c), reads));
+      engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
+      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+        const auto r = static_cast<std::size_t>(rank);
+        FaultSpec spec;
+        spec.latency_rate = 1.0;
+        spec.latency = std::chrono::microseconds(0);
+        spec.reads = reads;
+        spec.writes = !reads;
+        auto faults = std::make_shared<FaultInjector>(spec);
+        Env env;
+        env.device = ranks.devices[r].get();
+        env.comm = ranks.comms[r].get();
+        env.io_faults = faults;
+        ZINF_ASSIGN_OR_RETURN(
+            auto engine,
+            Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+                         env));
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+        ZINF_RETURN_IF_ERROR(engine->finalize());
+        const std::uint64_t before = faults->counts().latency;
+        ZINF_RETURN_IF_ERROR(engine->write_parameters(
+            kBatch,
+            [&](std::string_view name, std::span<float> out) {
+              std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+              return Status::ok();
+            },
+            0));
+        counted[reads ? 0 : 1][r] = faults->counts().latency - before;
+        return Status::ok();
+      });
+      for (std::size_t r = 0; r < st.size(); ++r) {
+        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+      }
+    }
+    for (std::size_t r = 0; r < 2; ++r) {
+      EXPECT_GT(counted[1][r], 0u) << "rank " << r;
+      EXPECT_EQ(counted[0][r], counted[1][r]) << "rank " << r << ": pieces read, pieces written";
+    }
+  }
+}
+
+// With half parameters the shards are published in each of the state's ways (streamed from the
+// pass into shards on NVMe or on the device, or from the store's half array with the shards in
+// host memory or the state in host memory): the gathered values after a batch write are the
+// masters rounded to bf16, bit for bit.
+TEST(WriteParametersBatch, PublishesTheMastersRounded) {
+  using D = OffloadDevice;
+  for (const Case& c : {Case{2, 3, D::kNvme, D::kNvme}, Case{2, 2, D::kNvme},
+                        Case{2, 3, D::kNvme, D::kHost}, Case{2, 2, D::kHost}}) {
+    SCOPED_TRACE(case_name(c));
+    engine_test::ScratchDir dir("write_batch_half_" + case_name(c));
+    const Model model = engine_test::make_model(DType::kBF16, 86);
+    const std::vector<std::vector<float>> fresh = fresh_values(model, 16);
+    engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
+    std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+      const auto r = static_cast<std::size_t>(rank);
+      Env env;
+      env.device = ranks.devices[r].get();
+      env.comm = ranks.comms[r].get();
+      ZINF_ASSIGN_OR_RETURN(
+          auto engine,
+          Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()), env));
+      ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+      ZINF_RETURN_IF_ERROR(engine->finalize());
+      ZINF_RETURN_IF_ERROR(engine->write_parameters(
+          kBatch,
+          [&](std::string_view name, std::span<float> out) {
+            std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+            return Status::ok();
+          },
+          1));
+      for (const auto& def : model.params) {
+        std::vector<float> master(def.element_count());
+        ZINF_RETURN_IF_ERROR(engine->read_parameters(def.name, master.data()));
+        ZINF_ASSIGN_OR_RETURN(ScopedGather g, engine->scoped_gather(def.module));
+        ZINF_ASSIGN_OR_RETURN(std::span<const std::uint16_t> view,
+                              g.param<std::uint16_t>(def.name));
+        const std::vector<std::uint16_t> want = engine_test::narrow_to_half(master, DType::kBF16);
+        if (!std::equal(view.begin(), view.end(), want.begin(), want.end())) {
+          return Status::internal(
+              fmt::format("{}: gathered values are not the master rounded", def.name));
+        }
+      }
+      // The written parameters' masters are the values given.
+      for (std::string_view name : kBatch) {
+        std::vector<float> master(model.params[param_index(model, name)].element_count());
+        ZINF_RETURN_IF_ERROR(engine->read_parameters(name, master.data()));
+        if (std::memcmp(master.data(), fresh[param_index(model, name)].data(),
+                        master.size() * sizeof(float)) != 0) {
+          return Status::internal(fmt::format("{}: the master is not the values written", name));
+        }
+      }
+      return Status::ok();
+    });
+    for (std::size_t r = 0; r < st.size(); ++r) {
+      EXPECT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+    }
+  }
+}
+
 // The batch's errors: those each rank finds alone come before any collective and leave the engine
 // usable; those found together fail every rank at once; a failure of `values` during the pass
 // fails every rank, and stays.
@@ -497,6 +612,89 @@ TEST(WriteParametersBatch, AnIoErrorOnOneRankStopsEveryRank) {
   EXPECT_EQ(written[0].code(), Code::kIoError) << written[0].to_string();
   EXPECT_EQ(written[1].code(), Code::kAborted) << written[1].to_string();
   EXPECT_THAT(written[1].message(), ::testing::HasSubstr("rank 0 failed (io_error)"));
+}
+
+// An I/O error anywhere in the pass (a read of the master, read ahead or not, or a write) on
+// rank 0 fails the call on every rank (rank 0 with the error, the other with kAborted naming it),
+// and the failure stays; a pass that meets no error writes the values. Seeded faults on rank 0's
+// reads or writes, with two and three pool blocks (the pass reads ahead with three).
+TEST(WriteParametersBatch, AnIoErrorMidwayFailsEveryRankAndStays) {
+  const Model model = engine_test::make_model(DType::kF32, 87);
+  const std::vector<std::vector<float>> fresh = fresh_values(model, 17);
+  constexpr int kWorld = 2;
+  int failed = 0, passed = 0;
+  for (const std::size_t buffer_count : {2, 3}) {
+    for (const bool reads : {true, false}) {
+      for (std::uint64_t seed = 1; seed <= 4; ++seed) {
+        const std::string label =
+            fmt::format("blocks {} {} seed {}", buffer_count, reads ? "reads" : "writes", seed);
+        SCOPED_TRACE(label);
+        engine_test::ScratchDir dir("write_batch_midway");
+        engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(10));
+        Config config =
+            engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+        config.zero.offload_optimizer.buffer_count = buffer_count;
+        config.collective_timeout_ms = 10000;
+        std::vector<Status> written(kWorld), again(kWorld);
+        std::vector<std::uint64_t> errors(kWorld);
+        std::vector<std::vector<std::vector<float>>> masters(kWorld);
+        std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+          const auto r = static_cast<std::size_t>(rank);
+          FaultSpec spec;
+          spec.seed = seed;
+          spec.eio_rate = 0.25;
+          spec.reads = reads;
+          spec.writes = !reads;
+          auto faults = std::make_shared<FaultInjector>(spec);
+          faults->set_enabled(false);
+          Env env;
+          env.device = ranks.devices[r].get();
+          env.comm = ranks.comms[r].get();
+          env.io_faults = faults;
+          ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+          ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+          ZINF_RETURN_IF_ERROR(engine->finalize());
+          auto give = [&](std::string_view name, std::span<float> out) {
+            std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+            return Status::ok();
+          };
+          faults->set_enabled(rank == 0);
+          written[r] = engine->write_parameters(kBatch, give, /*root=*/1);
+          faults->set_enabled(false);
+          errors[r] = faults->counts().eio;
+          if (!written[r].is_ok()) {
+            again[r] = engine->write_parameters(kBatch, give, /*root=*/1);
+            return Status::ok();
+          }
+          ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
+          return Status::ok();
+        });
+        for (std::size_t r = 0; r < kWorld; ++r) {
+          ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+        }
+        if (errors[0] == 0) {
+          ++passed;
+          for (std::size_t r = 0; r < kWorld; ++r) {
+            ASSERT_TRUE(written[r].is_ok()) << "rank " << r << ": " << written[r].to_string();
+            for (std::string_view name : kBatch) {
+              EXPECT_EQ(masters[r][param_index(model, name)], fresh[param_index(model, name)])
+                  << "rank " << r << ": " << name;
+            }
+          }
+          continue;
+        }
+        ++failed;
+        EXPECT_EQ(written[0].code(), Code::kIoError) << written[0].to_string();
+        EXPECT_EQ(written[1].code(), Code::kAborted) << written[1].to_string();
+        EXPECT_THAT(written[1].message(), ::testing::HasSubstr("rank 0 failed (io_error)"));
+        for (std::size_t r = 0; r < kWorld; ++r) {
+          EXPECT_EQ(again[r].to_string(), written[r].to_string()) << "rank " << r << ": sticky";
+        }
+      }
+    }
+  }
+  std::printf("write_parameters midway faults: %d calls failed, %d met no error\n", failed, passed);
+  EXPECT_GT(failed, 0);
 }
 
 }  // namespace
