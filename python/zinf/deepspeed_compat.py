@@ -445,6 +445,18 @@ class DeepSpeedEngine(_zt.ZinfEngine):
             loss = loss * steps
         return super().backward(loss, retain_graph=retain_graph)
 
+    def _apply_step(self):
+        """The engine's optimizer step; then the optimizer object the caller passed to
+        initialize() counts as stepped. DeepSpeed's engine runs that object's step() inside its
+        own, and a torch LR scheduler made over the object checks it did: the scheduler wraps
+        the object's step() to set _opt_called, and warns at its first step() ("Detected call of
+        `lr_scheduler.step()` before `optimizer.step()`") when that is unset. zinf's engine
+        applies the update itself, so it sets the flag the wrapper would have set."""
+        super()._apply_step()
+        client = getattr(self, "_client_optimizer", None)
+        if client is not None:
+            client._opt_called = True
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest=True,
                         exclude_frozen_parameters=False):
         """At stage 3 without stage3_gather_16bit_weights_on_model_save the Trainer saves a
@@ -482,7 +494,8 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
     DeepSpeedCPUAdam made from it) as the config's "optimizer" section and zinf parameter
     groups: the section takes lr and weight_decay from the optimizer's defaults and betas and eps
     from its first group; each group keeps its own lr and weight_decay, in the same order (a
-    scheduler over the object sets them by position)."""
+    scheduler over the object sets them by position; a group's "initial_lr", which a torch
+    scheduler records, is kept, and its "lr" is the next step's)."""
     defaults = optimizer.defaults
     adagrad = isinstance(optimizer, torch.optim.Adagrad)
     if adagrad:
@@ -507,7 +520,11 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
     if not adagrad:
         params["betas"] = [float(b) for b in first.get("betas", (0.9, 0.999))]
         params["eps"] = float(first.get("eps", 1e-8))
+    # A group's lr is the rate of the next step: a torch scheduler made over the optimizer set
+    # it already (to 0 at the start of a warm-up from 0), and keeps the base lr as "initial_lr",
+    # which zinf.torch scales the group by.
     zinf_groups = [{"params": list(g["params"]), "lr": float(g["lr"]),
+                    **({"initial_lr": float(g["initial_lr"])} if "initial_lr" in g else {}),
                     "weight_decay": float(g.get("weight_decay", params["weight_decay"])),
                     **({} if adagrad else {"betas": tuple(g.get("betas", params["betas"])),
                                             "eps": float(g.get("eps", params["eps"]))})}
@@ -580,6 +597,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # A scheduler the caller made over its own optimizer object then moves the engine's
         # groups (the same groups, in the same order).
         client_optimizer.param_groups = zinf_optimizer.param_groups
+        engine._client_optimizer = client_optimizer
     return engine, zinf_optimizer, loader, scheduler
 
 

@@ -55,6 +55,7 @@ import copy
 import hashlib
 import io
 import json
+import math
 import os
 import sys
 import tempfile
@@ -158,6 +159,13 @@ def _read_config(config: dict | str | os.PathLike) -> dict:
     if isinstance(config, dict):
         return copy.deepcopy(config)
     raise TypeError(f"config: expected a dict or the path of a JSON file, got {type(config)}")
+
+
+def _base_lr(group: dict) -> float:
+    """A torch parameter group's base learning rate: its "initial_lr", which torch's LR schedulers
+    record when they are made over the group (and then set "lr" to their first step's rate, 0 in
+    a warm-up from 0), else its "lr"."""
+    return float(group.get("initial_lr", group["lr"]))
 
 
 def _compute_dtype(config: dict) -> str:
@@ -690,10 +698,15 @@ class ZinfEngine(nn.Module):
                     buffer_owner._buffers[key] = buffer.to(self.dtype)
 
         self.optimizer = ZinfOptimizer(groups, self, defaults)
-        # Each group's lr at the start: the engine runs group i at lr * lr_scale_i, so a
-        # scheduler must move every group's lr by the same factor (LambdaLR, StepLR, ... do).
+        # The engine runs group i at its one learning rate times lr_scale_i, the group's base lr
+        # over the config's (_define_groups; 1 when the config's lr is 0, where every group
+        # is the default one), so a scheduler must move every group's lr by the same factor
+        # (LambdaLR, StepLR, ... do). A group without parameters for the engine has None.
         self._base_lr = defaults["lr"]
-        self._initial_lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        self._lr_scales = [
+            None if g.get("_zinf_group", "") is None
+            else (_base_lr(g) / self._base_lr if self._base_lr != 0 else 1.0)
+            for g in self.optimizer.param_groups]
         self._lr_pushed = self._base_lr
         # With the config's `scheduler` section the engine runs the schedule, and the groups'
         # "lr"s show the rate of the next step, as DeepSpeed's do (the lrs last shown, or None).
@@ -858,7 +871,9 @@ class ZinfEngine(nn.Module):
         """torch's parameter groups (model_parameters: parameters, or dicts with "params" and
         hyper-parameters) as engine groups. The first group whose hyper-parameters are the
         config's is the engine's default group; every other group is add_param_group(), with
-        its weight_decay and lr_scale = its lr / the config's lr. A group may not change betas
+        its weight_decay and lr_scale = its lr / the config's lr, where a group's lr is its
+        "initial_lr" when it has one (a torch scheduler made over the groups already set "lr" to
+        its first step's rate, which the first step runs at). A group may not change betas
         or eps (the engine's groups have one optimizer). Frozen parameters in the groups are
         dropped from them, as DeepSpeed's ZeRO-1/2 optimizer drops the parameters that do not
         require grad; a parameter that requires grad must be in a group."""
@@ -907,7 +922,8 @@ class ZinfEngine(nn.Module):
             if not group["params"]:
                 group["_zinf_group"] = None  # only frozen parameters: nothing for the engine
                 continue
-            same = (float(group["lr"]) == defaults["lr"]
+            base_lr = _base_lr(group)
+            same = (base_lr == defaults["lr"]
                     and float(group["weight_decay"]) == defaults["weight_decay"])
             if same and not default_taken:
                 group["_zinf_group"] = ""
@@ -918,7 +934,7 @@ class ZinfEngine(nn.Module):
                 raise NotImplementedError(f"parameter group {index}: its own lr needs a non-zero "
                                           "optimizer lr in the config (groups scale it)")
             self._core.add_param_group(name, float(group["weight_decay"]),
-                                       float(group["lr"]) / defaults["lr"])
+                                       base_lr / defaults["lr"])
             group["_zinf_group"] = name
         return groups
 
@@ -1551,18 +1567,33 @@ class ZinfEngine(nn.Module):
         return self.global_steps - self.skipped_steps
 
     def _scheduled_lr(self) -> float:
-        """The engine's learning rate for the groups' current lrs: each group runs at the
-        engine's lr times its initial lr / the config's lr, so every group must have moved by
-        the same factor since the start."""
-        factors = []
-        for group, initial in zip(self.optimizer.param_groups, self._initial_lrs):
+        """The engine's learning rate for the groups' current lrs: group i runs at the engine's
+        lr times its lr_scale_i, so each group's lr / lr_scale_i must be the same rate. A group
+        whose lr_scale is 0 (its base lr was 0) can only stay at 0; any lr, 0 included, may
+        follow a base lr of 0 in the config (every group's scale is then 1)."""
+        rates = []
+        for index, (group, scale) in enumerate(zip(self.optimizer.param_groups, self._lr_scales)):
+            if scale is None:
+                continue
             lr = float(group["lr"])
-            factors.append(lr / initial if initial != 0 else (1.0 if lr == 0 else float("inf")))
-        if any(abs(f - factors[0]) > 1e-12 * max(1.0, abs(factors[0])) for f in factors):
+            if not math.isfinite(lr) or lr < 0:
+                raise ValueError(f"parameter group {index}: lr {lr} is not a finite number >= 0")
+            if scale == 0:
+                if lr != 0:
+                    raise NotImplementedError(
+                        f"parameter group {index}: lr {lr}, but the group started at lr 0 while "
+                        f"the optimizer's is {self._base_lr}; the engine runs each group at a "
+                        "fixed ratio to one learning rate, and this group's ratio is 0")
+                continue
+            rates.append(lr / scale)
+        if not rates:
+            return self._lr_pushed
+        if any(abs(r - rates[0]) > 1e-12 * max(abs(r), abs(rates[0])) for r in rates):
+            lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
             raise NotImplementedError(
-                "the parameter groups' learning rates changed by different factors "
-                f"({factors}); the engine scales one learning rate per group by a fixed ratio")
-        return self._base_lr * factors[0]
+                f"the parameter groups' learning rates {lrs} changed by different factors "
+                "since the start; the engine scales one learning rate per group by a fixed ratio")
+        return rates[0]
 
     def _push_lr(self):
         if self._lrs_shown is None or self.get_lr() != self._lrs_shown:
@@ -1611,8 +1642,8 @@ class ZinfEngine(nn.Module):
         DeepSpeed's sets the groups' betas)."""
         lr = self._core.learning_rate
         betas = tuple(self._core.betas)
-        for group, initial in zip(self.optimizer.param_groups, self._initial_lrs):
-            group["lr"] = lr if initial == self._base_lr else lr * (initial / self._base_lr)
+        for group, scale in zip(self.optimizer.param_groups, self._lr_scales):
+            group["lr"] = lr if scale in (None, 1.0) else lr * scale
             if "betas" in group:
                 group["betas"] = betas
         self._lrs_shown = self.get_lr()
