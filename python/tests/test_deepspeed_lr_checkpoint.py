@@ -143,3 +143,60 @@ def test_a_base_lr_of_zero_then_a_non_zero_lr_trains_as_torch(how):
     assert lrs == want_lrs
     assert losses == pytest.approx(want_losses, rel=1e-5)
     assert_parameters_match(engine, reference)
+
+
+def trained_engine(steps=2):
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
+    for batch in mlp_batches(steps):
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    return engine
+
+
+def test_save_latest_false_leaves_latest_as_it_was(tmp_path):
+    engine = trained_engine()
+    directory = str(tmp_path / "ckpt")
+    # Into an empty directory: no `latest` is written, and a load by `latest` finds none.
+    assert engine.save_checkpoint(directory, tag="best", save_latest=False) is True
+    assert "best" in os.listdir(directory) and "latest" not in os.listdir(directory)
+    with pytest.warns(UserWarning, match="no file 'latest'"):
+        assert engine.load_checkpoint(directory) == (None, None)
+    engine.save_checkpoint(directory, tag="a")
+    with open(os.path.join(directory, "latest"), "rb") as f:
+        written = f.read()
+    engine.backward(mlp_loss(engine, mlp_batches(1, seed=5)[0]))
+    engine.step()
+    engine.save_checkpoint(directory, tag="b", save_latest=False)
+    with open(os.path.join(directory, "latest"), "rb") as f:
+        assert f.read() == written
+    assert written.decode().strip() == "a"
+    # Both tags load; the default is `latest`'s, a.
+    path, _ = engine.load_checkpoint(directory)
+    assert path == os.path.join(directory, "a") and engine.global_steps == 2
+    path, _ = engine.load_checkpoint(directory, tag="b")
+    assert path == os.path.join(directory, "b") and engine.global_steps == 3
+    # A later save with save_latest=True names its own tag and keeps the one `latest` skipped.
+    engine.save_checkpoint(directory, tag="c")
+    with open(os.path.join(directory, "latest")) as f:
+        assert f.read().strip() == "c"
+    assert engine.load_checkpoint(directory, tag="b")[0] == os.path.join(directory, "b")
+    assert not [name for name in os.listdir(directory) if name.endswith(".tmp")]
+
+
+def test_save_latest_false_is_refused_where_pruning_could_remove_latests_tag(tmp_path):
+    config = mlp_config(1)
+    config["zinf"]["keep_last"] = 2
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    with pytest.raises(NotImplementedError, match="save_latest=False.*keep_last 2"):
+        engine.save_checkpoint(str(tmp_path), tag="x", save_latest=False)
+    assert not os.path.exists(tmp_path / "x")
+
+
+def test_a_load_of_a_missing_tag_raises_naming_it(tmp_path):
+    # DeepSpeed's load_checkpoint raises for a tag that has no files (an AssertionError from
+    # its state-dict loader's empty file list); zinf's names the path. Without a tag and
+    # without `latest` both return (None, None) with a warning (test_engine.py).
+    engine = trained_engine(1)
+    engine.save_checkpoint(str(tmp_path), tag="a")
+    with pytest.raises(zinf.Error, match=f"not_found: .*'{re.escape(str(tmp_path))}/missing'"):
+        engine.load_checkpoint(str(tmp_path), tag="missing")

@@ -161,6 +161,37 @@ def _read_config(config: dict | str | os.PathLike) -> dict:
     raise TypeError(f"config: expected a dict or the path of a JSON file, got {type(config)}")
 
 
+def _read_latest(path: str) -> str | None:
+    """The content of a checkpoint directory's `latest` file, None where there is none."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def _restore_latest(save_dir: str, previous: str | None):
+    """Puts a checkpoint directory's `latest` back to `previous` (its content before a save), or
+    removes it where previous is None, as the engine replaces it: a temporary written and
+    fsynced, renamed over `latest`, the directory fsynced. At every instant `latest` names the
+    saved tag (complete) or holds its previous content."""
+    latest = os.path.join(save_dir, "latest")
+    if previous is None:
+        os.unlink(latest)
+    else:
+        temporary = latest + ".tmp"  # the engine's temporary for `latest` too
+        with open(temporary, "w") as f:
+            f.write(previous)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(temporary, latest)
+    directory = os.open(save_dir, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+
+
 def _base_lr(group: dict) -> float:
     """A torch parameter group's base learning rate: its "initial_lr", which torch's LR schedulers
     record when they are made over the group (and then set "lr" to their first step's rate, 0 in
@@ -1736,17 +1767,30 @@ class ZinfEngine(nn.Module):
         DeepSpeed does. The torch side's state (steps, learning rates, the lr_scheduler's
         state_dict, client_state) travels in the engine's client state, so the whole tag is
         written crash-safely at once: a save cut short leaves `latest` naming the previous one.
-        zinf always updates `latest`; save_latest=False is accepted and ignored. The frozen
+        save_latest=False leaves `latest` as it was (or absent), as DeepSpeed's: the engine
+        names the new tag in `latest`, then rank 0 puts the previous content back (or removes
+        the file where there was none), atomically, and every rank waits for it; a crash in
+        between leaves `latest` naming the new tag, which is complete. It is refused with
+        zinf.keep_last > 0, whose pruning after the save keeps the newest tags and may remove
+        the one `latest` names. The frozen
         parameters (stages 1 and 2; the engine does not hold them) travel in the client state
         too, rank 0's, in the compute dtype, under their first names, as DeepSpeed keeps them in
         the module's state; exclude_frozen_parameters=True leaves them out, and
         load_checkpoint() then keeps the model's."""
-        del save_latest
         tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         # Only rank 0's client state is written: the model's tensors (buffers, and frozen
         # parameters, which may be most of the model) go into rank 0's alone, serialised from
         # the tensors themselves, and the engine's copy of the blob is dropped after the save.
         keep = self.global_rank == 0
+        latest = os.path.join(save_dir, "latest")
+        if not save_latest:
+            keep_last = json.loads(self._core.config_json()).get("zinf", {}).get("keep_last", 0)
+            if keep_last > 0:
+                raise NotImplementedError(
+                    f"save_checkpoint(save_latest=False) with zinf.keep_last {keep_last}: the "
+                    "pruning after a save keeps the newest tags and may remove the one `latest` "
+                    "names; save with save_latest=True, or set keep_last 0 (keep every tag)")
+            previous = _read_latest(latest) if keep else None
         state = {"global_steps": self.global_steps, "micro_steps": self.micro_steps,
                  "skipped_steps": self.skipped_steps, "global_samples": self.global_samples,
                  "lr": self.get_lr(), "client_state": client_state or {},
@@ -1768,6 +1812,24 @@ class ZinfEngine(nn.Module):
             self._core.save_checkpoint(save_dir, tag)
         finally:
             self._core.set_client_state(b"")
+        if not save_latest:
+            failed = None
+            if keep and (previous is None or previous.strip() != tag):
+                try:
+                    _restore_latest(save_dir, previous)
+                except OSError as error:
+                    failed = error
+            if self.world_size > 1:
+                # No rank reads `latest` (a load by it) before rank 0 has put it back, and every
+                # rank learns whether it could.
+                outcome = torch.tensor([failed is not None, 0], dtype=torch.uint8)
+                self._core.broadcast_bytes(outcome, 0,
+                                           f"save_checkpoint('{save_dir}', '{tag}'): `latest`")
+                if failed is None and outcome[0]:
+                    failed = OSError(f"rank 0 could not restore '{latest}'")
+            if failed is not None:
+                raise OSError(f"save_checkpoint('{save_dir}', '{tag}', save_latest=False): the "
+                              f"tag is saved, but `latest` names it: {failed}") from failed
         return True
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin",
