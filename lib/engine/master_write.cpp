@@ -220,6 +220,9 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
     local = Status::invalid_argument(fmt::format("{}: values is null on the root", call));
   }
   if (local.is_ok()) host.resize(largest);
+  // The prefetched modules go before the pass, which may write the shards as it goes (a state
+  // that streams them, master_loaded()); an error of the prefetch is sticky.
+  if (local.is_ok()) local = w.sticky->fail(w.coord->drop_prefetched());
   ZINF_RETURN_IF_ERROR(agree_batch(w, call, std::move(local), fingerprint));
 
   BatchSource source(w, entries, values, root, host, *buffer);
@@ -227,8 +230,9 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   OptimizerState& state = *w.state;
   // Every element is written: update_master() hands each piece over as it is, and the batch's
   // elements in it are patched in. Each piece is then rounded into what the shards are
-  // published from while it is in cache (master_loaded(), as a checkpoint load does), so the
-  // master is not read back to publish it.
+  // published from while it is in cache (master_loaded(), as a checkpoint load does; a state
+  // that streams the shards writes them as their groups complete), so the master is not read
+  // back to publish it.
   Status st = state.update_master([&](std::size_t first, std::size_t count, float* out) -> Status {
     const std::size_t end = first + count;
     while (cursor < entries.size()) {
@@ -250,7 +254,6 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
     return state.master_loaded(first, count, out);
   });
   st = source.finish(std::move(st), call);
-  if (st.is_ok()) st = w.coord->drop_prefetched();
   if (st.is_ok()) st = w.state->publish_loaded();
   return w.sticky->fail(std::move(st));
 }

@@ -212,22 +212,42 @@ class StoreState final : public OptimizerState {
 
   // A checkpoint load rounds the master into the values run by run as it arrives, so
   // publish_loaded() only writes the shards. Streamed, there is no partition-wide array of
-  // values: publish_master() reads the master back.
+  // values: during update_master() (write_parameters, which drops the prefetched modules before
+  // its pass) each run is rounded into the publisher's stage, which writes each shard as its
+  // group completes; a checkpoint load's publish_master() reads the master back.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
-    if (publish_ == Publish::kStreamed) return Status::ok();
-    if (first == 0) loaded_elements_ = 0;
+    if (publish_ == Publish::kStreamed && !updating_) {
+      loaded_elements_ = kNotLoaded;
+      return Status::ok();
+    }
+    if (first == 0) {
+      loaded_elements_ = 0;
+      if (publish_ == Publish::kStreamed) pub_.restart_stream();
+    }
     if (first != loaded_elements_) {
       loaded_elements_ = kNotLoaded;  // not in order: publish_loaded() narrows it all again
       return Status::ok();
     }
-    narrow_all(first, count, values);
+    if (publish_ == Publish::kStreamed) {
+      const DType half = layout_.half_dtype();
+      ZINF_RETURN_IF_ERROR(
+          pub_.stage(first, count, [&](std::size_t lo, std::size_t hi, std::byte* dst) {
+            narrow(values + (lo - first), hi - lo, half, dst);
+          }));
+    } else {
+      narrow_all(first, count, values);
+    }
     loaded_elements_ += count;
     return Status::ok();
   }
   Status publish_loaded() override {
     const bool whole = loaded_elements_ == layout_.partition_elements();
     loaded_elements_ = 0;
-    return whole && publish_ != Publish::kStreamed ? write_values() : publish_master();
+    if (!whole) return publish_master();
+    if (publish_ != Publish::kStreamed) return write_values();
+    // The stream wrote every shard; the persistent groups' all-gather is left.
+    ZINF_ASSERT(pub_.stream_complete());
+    return pub_.publish();
   }
 
   // load() rounded the initial master into the values as it wrote it: no read back.
@@ -304,6 +324,13 @@ class StoreState final : public OptimizerState {
   Status update_master(StateFill fill) override {
     StateStore& s = *store_;
     s.clear_settled();  // as write_state()
+    // master_loaded() streams the shards only while this runs, and from element 0 on.
+    loaded_elements_ = kNotLoaded;
+    updating_ = true;
+    struct Done {
+      bool& flag;
+      ~Done() { flag = false; }
+    } done{updating_};
     if (s.tier(Piece::kParams) == StoreMedium::kHost) {
       return fill(0, layout_.partition_elements(),
                   reinterpret_cast<float*>(s.host_data(Piece::kParams)));
@@ -507,6 +534,7 @@ class StoreState final : public OptimizerState {
   // master_loaded(): the elements rounded into the values since element 0, in order.
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
   std::size_t loaded_elements_ = 0;
+  bool updating_ = false;  // update_master() runs
 };
 
 // Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not

@@ -19,6 +19,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "engine_test_util.hpp"
@@ -344,18 +345,22 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
 
 // The pass reads the master once: each sub-group is read back, patched and written, and the
 // parameters are published from the values as they are written, not from the master read back
-// again. With f32 parameters at stage 2 and 3 (the only NVMe I/O a write makes is the master's),
-// a batch write reads as many pieces as it writes. Counted by fault injectors that delay every
-// read piece, or every written piece, by nothing.
+// again. With the shards not on NVMe (the only NVMe I/O a write makes is the master's), a batch
+// write reads as many pieces as it writes: f32 parameters at stage 2 and 3 (published from the
+// values), bf16 at stage 2 (streamed into the device shards during the pass). Counted by fault
+// injectors that delay every read piece, or every written piece, by nothing.
 TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
-  for (const Case& c : {Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNvme}}) {
-    SCOPED_TRACE(case_name(c));
-    const Model model = engine_test::make_model(DType::kF32, 85);
+  for (const auto& [c, dtype] : {std::pair{Case{2, 2, OffloadDevice::kNvme}, DType::kF32},
+                                 std::pair{Case{2, 3, OffloadDevice::kNvme}, DType::kF32},
+                                 std::pair{Case{2, 2, OffloadDevice::kNvme}, DType::kBF16}}) {
+    SCOPED_TRACE(fmt::format("{} {}", case_name(c), dtype_name(dtype)));
+    const Model model = engine_test::make_model(dtype, 85);
     const std::vector<std::vector<float>> fresh = fresh_values(model, 15);
     std::vector<std::uint64_t> counted[2] = {std::vector<std::uint64_t>(2),
                                              std::vector<std::uint64_t>(2)};
     for (const bool reads : {true, false}) {
-      engine_test::ScratchDir dir(fmt::format("write_batch_once_{}_{}", case_name(c), reads));
+      engine_test::ScratchDir dir(
+          fmt::format("write_batch_once_{}_{}_{}", case_name(c), dtype_name(dtype), reads));
       engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
       std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
         const auto r = static_cast<std::size_t>(rank);
