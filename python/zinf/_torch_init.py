@@ -145,9 +145,19 @@ class Init:
     config (or config_dict_or_path): the run's config, used for where to stage (the nvme_path of
     offload_param, else of offload_optimizer); staging_dir overrides it. DeepSpeed's other
     arguments (module, data_parallel_group, remote_device, pin_memory, dtype, mpu, ...) are
-    accepted and ignored. enabled=False makes the block do nothing."""
+    accepted and ignored. enabled=False makes the block do nothing.
 
+    Blocks nest as DeepSpeed's do (Hugging Face's from_pretrained opens its own inside a
+    script's): the outermost enabled block wraps the constructors and owns the staging file, and
+    an inner one joins it, so a module built inside both is staged once, into the outer block's
+    file. An inner block's config and staging_dir are not used (DeepSpeed's inner blocks, too,
+    run with the outermost one's settings); an inner block with enabled=False changes nothing.
+    staged_bytes counts the bytes staged while the block was open, nested blocks' included."""
+
+    # The outermost enabled block while one is open, and every enabled block open (outermost
+    # first; an inner one joins the outermost).
     _active: "Init | None" = None
+    _open: "list[Init]" = []
 
     def __init__(self, module=None, config_dict_or_path=None, config=None, enabled: bool = True,
                  staging_dir: str | None = None, **_deepspeed_args):
@@ -171,8 +181,9 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
+        Init._open.append(self)
         if Init._active is not None:
-            raise RuntimeError("zinf.torch.Init blocks do not nest")
+            return self  # joins the outermost block, which stages for both
         Init._active = self
         self._file = _StagingFile(self.staging_dir)
         for cls in _module_subclasses():
@@ -192,6 +203,13 @@ class Init:
 
     def __exit__(self, *exc):
         if not self.enabled:
+            return False
+        # Blocks close innermost first; the outermost's exit restores the constructors.
+        if Init._open and Init._open[-1] is self:
+            Init._open.pop()
+        else:
+            Init._open.remove(self)
+        if Init._active is not self or self in Init._open:
             return False
         for cls, original in self._patched.items():
             cls.__init__ = original
@@ -235,7 +253,8 @@ class Init:
             self._file.users += 1
             param._zinf_staged = Staged(self._file, offset, param.shape, param.dtype,
                                         values_hash)
-            self.staged_bytes += param.numel() * 4
+            for block in dict.fromkeys(Init._open):
+                block.staged_bytes += param.numel() * 4
             param.data = torch.empty(0, dtype=param.dtype)
 
 
