@@ -1,5 +1,5 @@
 """ZeRO-3 model construction as DeepSpeed scripts use it: nested zinf.torch.Init blocks (Hugging
-Face's from_pretrained opens one inside a script's) build the model a single block builds."""
+Face's from_pretrained opens one inside a script's) build the model a single block builds, and a tensor taken inside GatheredParameters keeps its values."""
 import os
 
 import pytest
@@ -63,3 +63,32 @@ def test_a_block_entered_again_inside_itself_stages_until_its_outer_exit(tmp_pat
     assert first.weight.numel() == 0 and second.weight.numel() == 0
     assert block.staged_bytes == 2 * 4 * (64 + 8)
     assert nn.Linear(8, 8).weight.numel() == 64
+
+
+def test_a_tensor_taken_inside_gathered_parameters_keeps_its_values(tmp_path):
+    # Three layers live at most: the memory of a released module's gather is reused by the next.
+    cfg = config(tmp_path, 32, offload="none", stage3_max_live_parameters=2000)
+    torch.manual_seed(8)
+    with zinf.torch.Init(config=cfg):
+        model = Stack(32, 3)
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=cfg)
+    loss = engine(*batch(3))
+    engine.backward(loss)
+    engine.step()
+    kept = {}
+    for name, p in model.named_parameters():
+        with zinf.torch.GatheredParameters([p]):
+            kept[name] = p.data.cpu()
+    for name, values in kept.items():
+        assert torch.equal(values, engine.read_parameter(name)), name
+    # Gathered by a forward when the block starts: the block reads the forward's gather.
+    seen = {}
+
+    def read_in_forward(module, args):
+        with zinf.torch.GatheredParameters([module.weight]):
+            seen["weight"] = module.weight.detach().clone()
+
+    model.head.register_forward_pre_hook(read_in_forward)
+    engine(*batch(4))
+    assert torch.equal(seen["weight"], engine.read_parameter("head.weight"))
+    assert engine.counters()["live_elements"] == 0

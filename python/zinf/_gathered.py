@@ -31,7 +31,9 @@ class GatheredParameters:
             torch.nn.init.zeros_(model.lm_head.weight)
 
     - Parameters trained by a zinf engine: at stage 3 their engine modules are gathered for the
-      block (at stages 1 and 2 they always are). With modifier_rank=r, each parameter changed in
+      block (at stages 1 and 2 they always are), and a parameter whose module the block gathered
+      holds a copy of the gathered values for the block: the engine reuses its gathered memory
+      after the release, and a tensor taken in the block (`p.data.cpu()`) keeps its values. With modifier_rank=r, each parameter changed in
       the block, however (in place, through .data, or its .data replaced), is written at its end
       into the engine's fp32 master from rank r's values (Engine::write_parameters, which then
       republishes the parameters); the optimizer moments stay. A change is found by comparing a
@@ -58,12 +60,17 @@ class GatheredParameters:
         # Engine parameters and how they looked on entry: the data pointer, and with one rank a
         # digest of the values (with several, every parameter is written anyway).
         self._watched: list[tuple["ZinfEngine", nn.Parameter, int, bytes | None]] = []
+        # Stage 3, modules this block gathered: each parameter and the engine's view, which the
+        # parameter gives way to a copy of for the block.
+        self._copied: list[tuple[nn.Parameter, torch.Tensor]] = []
 
     def __enter__(self):
         if not self._enabled:
             return self
         if self._modifier_rank is not None:
             _refuse_write_before_step(self._params)
+        gathered_here: set[tuple[int, str]] = set()  # (engine, module) gathered by the block
+        copied: set[int] = set()
         for param in self._params:
             stage = _torch_init.staged(param)
             if stage is not None:
@@ -75,8 +82,18 @@ class GatheredParameters:
                 continue
             if engine.stage == 3:
                 owner = engine._owner[id(param)]
+                if engine._gather_count[owner] == 0:
+                    gathered_here.add((id(engine), owner))
                 engine._acquire(owner)
                 self._held.append((engine, owner))
+                if (id(engine), owner) in gathered_here and id(param) not in copied:
+                    copied.add(id(param))
+                    # The block's own copy: the engine's gathered memory is reused once the
+                    # module is released, and a tensor taken in the block (DeepSpeed-Chat keeps
+                    # `p.data.cpu()`, the same tensor on a CPU engine) must keep its values.
+                    view = param.data
+                    param.data = view.clone()
+                    self._copied.append((param, view))
             if self._modifier_rank is not None:
                 digest = _digest(param) if engine.world_size == 1 else None
                 self._watched.append((engine, param, param.data_ptr(), digest))
@@ -98,6 +115,10 @@ class GatheredParameters:
                         values = param.detach().to(dtype=torch.float32).contiguous().clone()
                     changed.append((engine, param, values))
         self._watched.clear()
+        # The engine's views back before the release, which drops them.
+        while self._copied:
+            param, view = self._copied.pop()
+            param.data = view
         while self._held:
             engine, owner = self._held.pop()
             engine._release(owner)
