@@ -1,6 +1,14 @@
 """ZeRO-3 model construction as DeepSpeed scripts use it: nested zinf.torch.Init blocks (Hugging
-Face's from_pretrained opens one inside a script's) build the model a single block builds, and a tensor taken inside GatheredParameters keeps its values."""
+Face's from_pretrained opens one inside a script's) build the model a single block builds, and
+stage-3 parameters carry DeepSpeed's ds_id, ds_shape, ds_numel and ds_status, with which
+DeepSpeed-Chat's save_zero_three_model saves the trained values (zero3_save_run.py)."""
+import copy
+import io
+import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -63,6 +71,100 @@ def test_a_block_entered_again_inside_itself_stages_until_its_outer_exit(tmp_pat
     assert first.weight.numel() == 0 and second.weight.numel() == 0
     assert block.staged_bytes == 2 * 4 * (64 + 8)
     assert nn.Linear(8, 8).weight.numel() == 64
+
+
+def test_stage3_parameters_carry_deepspeeds_attributes(tmp_path):
+    cfg = config(tmp_path, 16, offload="none")
+    torch.manual_seed(6)
+    with zinf.torch.Init(config=cfg):
+        model = Stack(16, 2)
+    model.extra = nn.Linear(16, 16)  # built outside Init: it gets them at initialize()
+    model.extra.requires_grad_(False)
+    params = dict(model.named_parameters())
+    staged = {name: p for name, p in params.items() if not name.startswith("extra.")}
+    ids = {name: p.ds_id for name, p in staged.items()}
+    assert len(set(ids.values())) == len(ids) and all(type(i) is int for i in ids.values())
+    assert not hasattr(params["extra.weight"], "ds_id")
+    assert type(copy.deepcopy(model.head).weight) is nn.Parameter  # a copy is not zinf's
+    for name, p in staged.items():
+        assert p.ds_status.name == "NOT_AVAILABLE", name
+    assert params["embed.weight"].ds_shape == torch.Size([256, 16])
+    assert params["embed.weight"].ds_numel == 256 * 16
+    with zinf.torch.GatheredParameters([params["head.weight"]]):
+        assert params["head.weight"].ds_status.name == "AVAILABLE"
+        assert params["head.bias"].ds_status.name == "NOT_AVAILABLE"
+    assert params["head.weight"].ds_status.name == "NOT_AVAILABLE"
+
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=cfg)
+    assert {name: p.ds_id for name, p in staged.items()} == ids  # kept at initialize()
+    extra = params["extra.weight"]
+    assert extra.ds_shape == torch.Size([16, 16]) and extra.ds_numel == 256
+    assert extra.ds_id not in ids.values()
+    assert isinstance(extra, nn.Parameter)
+    seen = {}
+    model.head.register_forward_pre_hook(
+        lambda module, args: seen.update(during=module.weight.ds_status.name))
+    loss = engine(*batch(2))
+    assert seen["during"] == "AVAILABLE"
+    engine.backward(loss)
+    engine.step()
+    for name, p in params.items():
+        assert p.ds_status.name == "NOT_AVAILABLE", name
+        assert p.numel() == 0
+    with zinf.torch.GatheredParameters(model.head.parameters()):
+        assert model.head.weight.ds_status.name == "AVAILABLE"
+        assert model.head.weight.shape == model.head.weight.ds_shape
+
+    # The placeholders pickle without zinf's link to the engine.
+    buffer = io.BytesIO()
+    torch.save({"w": model.head.weight, "c": model.head.weight.cpu()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert loaded["w"].numel() == 0 and type(loaded["w"]) is nn.Parameter
+
+
+def test_below_stage3_a_model_built_under_init_has_plain_parameters(tmp_path):
+    cfg = config(tmp_path, 16, stage=1, offload="none")
+    with zinf.torch.Init(config=cfg):
+        model = Stack(16, 2)
+    assert all(hasattr(p, "ds_id") for p in model.parameters())
+    zinf.torch.initialize(model=model, config=cfg)
+    for name, p in model.named_parameters():
+        assert type(p) is nn.Parameter and not hasattr(p, "ds_id"), name
+        assert not hasattr(p, "ds_status") and p.numel() > 0, name
+
+
+def check_saved(out, ranks):
+    with open(os.path.join(out, "save.rank0.json")) as f:
+        report = json.load(f)
+    names = sorted(report["diff"])
+    assert report["saved"] == names and len(names) == 9
+    for name in names:
+        assert report["diff"][name] == 0.0, name  # the trained fp32 master, bit for bit
+        assert report["moved"][name] > 1e-3, name
+    assert set(report["status"]) == {"NOT_AVAILABLE"}
+    assert report["status_gathered"] == "AVAILABLE"
+    assert len(set(report["ids"])) == 9
+    for rank in range(1, ranks):
+        with open(os.path.join(out, f"save.rank{rank}.json")) as f:
+            assert json.load(f)["ids"] == report["ids"]  # the same ids on every rank
+
+
+def test_deepspeed_chats_zero3_save_writes_the_trained_values(tmp_path):
+    result = subprocess.run([sys.executable, os.path.join(HERE, "zero3_save_run.py"),
+                             str(tmp_path)], capture_output=True, text=True, timeout=300,
+                            cwd=HERE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_saved(tmp_path, 1)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+def test_deepspeed_chats_zero3_save_writes_the_trained_values_from_two_ranks(tmp_path):
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
+               "2", sys.executable, os.path.join(HERE, "zero3_save_run.py"), str(tmp_path)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    check_saved(tmp_path, 2)
 
 
 def test_a_tensor_taken_inside_gathered_parameters_keeps_its_values(tmp_path):

@@ -20,6 +20,8 @@ which reads the staged values and writes changes back to the staging file.
 """
 from __future__ import annotations
 
+import collections
+import enum
 import hashlib
 import itertools
 import os
@@ -121,6 +123,74 @@ class Staged:
 
     def done(self):
         self.file.release_one()
+
+
+class ZeroParamStatus(enum.Enum):
+    """DeepSpeed's deepspeed.runtime.zero.partition_parameters.ZeroParamStatus, which a ZeRO-3
+    parameter's ds_status gives. zinf's gathers complete before the module runs, so a parameter
+    is never INFLIGHT."""
+
+    AVAILABLE = 1  # the full values are in .data
+    NOT_AVAILABLE = 2  # .data is an empty placeholder
+    INFLIGHT = 3
+
+
+_param_ids = itertools.count()
+
+
+class ZeroParameter(nn.Parameter):
+    """The class of a ZeRO-3 parameter: one built under Init (until initialize() gives it to an
+    engine below stage 3) or registered with a stage-3 engine. It carries DeepSpeed's attributes
+    that scripts read: ds_id (a unique int), ds_shape (the full shape, a torch.Size), ds_numel,
+    and ds_status, computed on each read from what .data holds (AVAILABLE while the full values
+    are there: inside GatheredParameters or the module's forward and backward; NOT_AVAILABLE
+    while it is the empty placeholder). DeepSpeed's ds_tensor (the rank's partition) is not
+    given: the engine holds the partition, as fp32 master on its tier. Pickling (torch.save of
+    the parameter) leaves out zinf's links to its engine and staging, and a deep copy is a
+    plain nn.Parameter."""
+
+    @property
+    def ds_status(self) -> ZeroParamStatus:
+        shape = self.__dict__.get("ds_shape")
+        if shape is None:
+            raise AttributeError("ds_status")  # a copy made by torch, not one of zinf's
+        return (ZeroParamStatus.AVAILABLE if self.shape == shape
+                else ZeroParamStatus.NOT_AVAILABLE)
+
+    def __reduce_ex__(self, proto):
+        state = {key: value for key, value in self.__dict__.items()
+                 if not key.startswith(("_zinf_", "ds_"))}
+        hooks = collections.OrderedDict()
+        if not state:
+            return torch._utils._rebuild_parameter, (self.data, self.requires_grad, hooks)
+        return (torch._utils._rebuild_parameter_with_state,
+                (self.data, self.requires_grad, hooks, state))
+
+    def __deepcopy__(self, memo):
+        if id(self) not in memo:
+            memo[id(self)] = nn.Parameter(self.data.clone(memory_format=torch.preserve_format),
+                                          self.requires_grad)
+        return memo[id(self)]
+
+
+def make_zero3(param: nn.Parameter, shape) -> None:
+    """Makes `param` a ZeroParameter of full shape `shape` (its ds_id kept if it has one)."""
+    if type(param) is nn.Parameter:
+        param.__class__ = ZeroParameter
+    elif not isinstance(param, ZeroParameter):
+        return  # a parameter subclass of another library's: left as it is
+    if "ds_id" not in param.__dict__:
+        param.ds_id = next(_param_ids)
+    param.ds_shape = torch.Size(shape)
+    param.ds_numel = param.ds_shape.numel()
+
+
+def unmake_zero3(param: nn.Parameter) -> None:
+    """Makes a ZeroParameter a plain nn.Parameter again (an engine below stage 3 took it)."""
+    if type(param) is ZeroParameter:
+        param.__class__ = nn.Parameter
+        for key in ("ds_id", "ds_shape", "ds_numel"):
+            param.__dict__.pop(key, None)
 
 
 def _module_subclasses():
@@ -256,6 +326,7 @@ class Init:
             for block in dict.fromkeys(Init._open):
                 block.staged_bytes += param.numel() * 4
             param.data = torch.empty(0, dtype=param.dtype)
+            make_zero3(param, param._zinf_staged.shape)
 
 
 def nvme_paths(config) -> list[str]:

@@ -638,6 +638,7 @@ _MODULES: dict[str, dict] = {
     "deepspeed.runtime.zero": {"Init": _zt.Init, "GatheredParameters": _zt.GatheredParameters},
     "deepspeed.runtime.zero.partition_parameters": {
         "Init": _zt.Init, "GatheredParameters": _zt.GatheredParameters,
+        "ZeroParamStatus": _zt._torch_init.ZeroParamStatus,
         "_orig_torch_arange": _orig_torch_arange,
         "zero_wrapper_for_fp_tensor_constructor": zero_wrapper_for_fp_tensor_constructor,
     },

@@ -828,6 +828,11 @@ class ZinfEngine(nn.Module):
         for pid, param in self._params.items():
             param._zinf_engine = weakref.ref(self)
             stage = _torch_init.staged(param)
+            if self.stage == 3:
+                # DeepSpeed's ds_id, ds_shape, ds_numel and ds_status (_torch_init.ZeroParameter).
+                _torch_init.make_zero3(param, stage.shape if stage is not None else param.shape)
+            else:
+                _torch_init.unmake_zero3(param)
             if stage is not None:
                 # Built under Init: the engine reads this rank's elements from the staging file
                 # during finalize().
@@ -864,6 +869,7 @@ class ZinfEngine(nn.Module):
                 f"GatheredParameters(modifier_rank={stage.modifier_rank}) under Init: the engine "
                 "does not hold frozen parameters, so it cannot write that rank's values over the "
                 "others'; make the same change on every rank")
+        _torch_init.unmake_zero3(param)
         self._frozen[id(param)] = (name, param)
 
     def _use_external(self, module: nn.Module, param: nn.Parameter):
