@@ -194,3 +194,41 @@ def test_a_tensor_taken_inside_gathered_parameters_keeps_its_values(tmp_path):
     engine(*batch(4))
     assert torch.equal(seen["weight"], engine.read_parameter("head.weight"))
     assert engine.counters()["live_elements"] == 0
+
+
+STALE_READ = """
+import warnings, torch, zinf.torch
+rank = int(__import__("os").environ["OMPI_COMM_WORLD_RANK"])
+torch.manual_seed(5)
+with zinf.torch.Init():
+    layer = torch.nn.Linear(6, 3)
+with zinf.torch.GatheredParameters([layer.weight], modifier_rank=0):
+    if rank == 0:
+        layer.weight.data.fill_(0.5)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    with zinf.torch.GatheredParameters([layer.weight], modifier_rank=0):
+        pass  # what it computes on rank 1 is replaced by rank 0's: no warning
+    with zinf.torch.GatheredParameters([layer.weight, layer.bias]):
+        seen = layer.weight.detach().clone()
+    with zinf.torch.GatheredParameters([layer.weight]):
+        pass  # warned once
+print(rank, len(caught), torch.equal(seen, torch.full((3, 6), 0.5)))
+for w in caught:
+    print("WARNING", w.category.__name__, w.message)
+"""
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+def test_a_rank_reading_another_ranks_change_before_initialize_is_warned():
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
+               "2", sys.executable, "-c", STALE_READ]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=HERE)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert "0 0 True" in lines and "1 1 False" in lines, result.stdout
+    warned = [line for line in lines if line.startswith("WARNING")]
+    assert len(warned) == 1 and warned[0].startswith(
+        "WARNING RuntimeWarning GatheredParameters on rank 1: Linear.weight (shape (3, 6), built "
+        "under Init) was changed on rank 0 inside GatheredParameters(modifier_rank=0) before "
+        "initialize(); rank 1 reads its own values, not rank 0's"), warned

@@ -3,6 +3,7 @@ inside a `with` block, for reading or, with modifier_rank, changing them."""
 from __future__ import annotations
 
 import hashlib
+import warnings
 from typing import TYPE_CHECKING
 
 import torch
@@ -74,6 +75,7 @@ class GatheredParameters:
         for param in self._params:
             stage = _torch_init.staged(param)
             if stage is not None:
+                _warn_stale_read(stage, self._modifier_rank)
                 param.data = stage.load().to(stage.dtype)
                 self._loaded.append((param, stage))
                 continue
@@ -134,6 +136,30 @@ class GatheredParameters:
                 stage.modifier_rank = self._modifier_rank
             param.data = torch.empty(0, dtype=stage.dtype)
         return False
+
+
+def _warn_stale_read(stage: _torch_init.Staged, modifier_rank) -> None:
+    """Warns (once per parameter) when this rank reads, before initialize(), a parameter that
+    another rank changed inside GatheredParameters(modifier_rank=r): zinf has no communicator
+    before initialize(), so the change reaches the other ranks only there, and this rank reads
+    its own values. (A block with the same modifier_rank r reads them too, but what it computes
+    on this rank is replaced by rank r's at initialize(). Not an error: code that reads only the
+    shape, as transformers' resize_token_embeddings does first, is right.)"""
+    writer = stage.modifier_rank
+    if writer is None or modifier_rank == writer or stage.stale_read:
+        return
+    rank = _torch_init.launch_rank()
+    if rank is None or rank == writer:
+        return
+    stage.stale_read = True
+    warnings.warn(
+        f"GatheredParameters on rank {rank}: {stage.what} (shape {tuple(stage.shape)}, built "
+        f"under Init) was changed on rank {writer} inside GatheredParameters(modifier_rank="
+        f"{writer}) before initialize(); rank {rank} reads its own values, not rank {writer}'s, "
+        f"until initialize() writes rank {writer}'s over every rank's (zinf does not broadcast at "
+        "the block's end before initialize()). Values computed from it here differ from rank "
+        f"{writer}'s: read it after initialize(), or change it inside "
+        f"GatheredParameters(modifier_rank={writer}) only", RuntimeWarning, stacklevel=3)
 
 
 def _digest(param) -> bytes:

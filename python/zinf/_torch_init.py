@@ -85,10 +85,18 @@ def _values_hash(values: torch.Tensor) -> int:
 class Staged:
     """Where a parameter built under Init keeps its values until an engine takes them."""
 
-    __slots__ = ("file", "offset", "shape", "dtype", "values_hash", "modifier_rank")
+    __slots__ = ("file", "offset", "shape", "dtype", "values_hash", "modifier_rank", "what",
+                 "stale_read")
 
-    def __init__(self, file: _StagingFile, offset: int, shape, dtype, values_hash: int):
+    def __init__(self, file: _StagingFile, offset: int, shape, dtype, values_hash: int,
+                 what: str = "a parameter"):
         self.file = file
+        # How messages name it (its module's class and attribute: the model's qualified names
+        # are known only at initialize()).
+        self.what = what
+        # A GatheredParameters block on this rank read it after another rank's block changed it
+        # (warned once).
+        self.stale_read = False
         self.offset = offset
         self.shape = tuple(shape)
         self.dtype = dtype
@@ -316,13 +324,13 @@ class Init:
         cls.__init__ = __init__
 
     def _stage(self, module: nn.Module):
-        for param in module._parameters.values():
+        for key, param in module._parameters.items():
             if param is None or hasattr(param, "_zinf_staged"):
                 continue
             offset, values_hash = self._file.append(param)
             self._file.users += 1
             param._zinf_staged = Staged(self._file, offset, param.shape, param.dtype,
-                                        values_hash)
+                                        values_hash, f"{type(module).__name__}.{key}")
             for block in dict.fromkeys(Init._open):
                 block.staged_bytes += param.numel() * 4
             param.data = torch.empty(0, dtype=param.dtype)
@@ -356,3 +364,13 @@ def _staging_dir_of(config) -> str:
 def staged(param) -> Staged | None:
     """The staging of a parameter built under Init and not yet taken by an engine."""
     return getattr(param, "_zinf_staged", None)
+
+
+def launch_rank() -> int | None:
+    """This process's rank as its launcher set it (torchrun's RANK, mpirun's or srun's), before
+    an engine exists; None when no launcher says."""
+    for variable in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK"):
+        value = os.environ.get(variable)
+        if value is not None and value.isdigit():
+            return int(value)
+    return None
