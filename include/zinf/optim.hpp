@@ -170,4 +170,10 @@ Result<StepResult> optimizer_step(std::span<const OptimizerParams> groups,
 Result<bool> all_finite(const void* data, DType dtype, std::size_t count,
                         const StepOptions& options = {});
 
+// dst[i] <- src[i] rounded to `dtype` (bf16 or f16), the bits optimizer_step() gives its half
+// output (f32_to_bf16 / f32_to_f16). Runs like optimizer_step(): tiles over the options' threads,
+// with the options' SIMD path. kInvalidArgument for another dtype or null pointers.
+Status narrow_to_half(const float* src, std::uint16_t* dst, DType dtype, std::size_t count,
+                      const StepOptions& options = {});
+
 }  // namespace zinf

@@ -390,4 +390,23 @@ Result<bool> all_finite(const void* data, DType dtype, std::size_t count,
   return all_finite_with(optim::kernels_for(simd), data, dtype, count, options);
 }
 
+Status narrow_to_half(const float* src, std::uint16_t* dst, DType dtype, std::size_t count,
+                      const StepOptions& options) {
+  if (dtype != DType::kBF16 && dtype != DType::kF16) {
+    return Status::invalid_argument("narrow_to_half: dtype not bf16 or f16");
+  }
+  if (count != 0 && (src == nullptr || dst == nullptr)) {
+    return Status::invalid_argument("narrow_to_half: src or dst is null");
+  }
+  if (options.threads < 0) {
+    return Status::invalid_argument(fmt::format("threads = {} (0 or more)", options.threads));
+  }
+  ZINF_ASSIGN_OR_RETURN(const Simd simd, resolve_simd(options.simd));
+  const optim::KernelTable& kernels = optim::kernels_for(simd);
+  for_each_tile(count, options, [&](std::size_t begin, std::size_t end) {
+    kernels.convert(src, dst, dtype, begin, end);
+  });
+  return Status::ok();
+}
+
 }  // namespace zinf

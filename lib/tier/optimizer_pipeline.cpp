@@ -371,15 +371,23 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
   *settles = false;
   if (pass) {
     // Passed over: the master is as the last step left it, and its half copy is what the update
-    // would give (optimizer_step rounds the new master exactly so).
-    if (store_.streams_half()) {
-      const auto* master = reinterpret_cast<const float*>(where(Piece::kParams));
-      auto* half = reinterpret_cast<std::uint16_t*>(where(Piece::kParamsHalf));
-      if (store_.options().half_dtype == DType::kBF16) {
-        convert_f32_to_bf16(master, half, store_.sub_group_size(i));
-      } else {
-        convert_f32_to_f16(master, half, store_.sub_group_size(i));
-      }
+    // would give (optimizer_step rounds the new master exactly so), narrowed as the update runs:
+    // on the arena's threads, with the same SIMD path.
+    if (!store_.streams_half()) return Status::ok();
+    const auto* master = reinterpret_cast<const float*>(where(Piece::kParams));
+    auto* half = reinterpret_cast<std::uint16_t*>(where(Piece::kParamsHalf));
+    StepOptions narrow_options;
+    narrow_options.simd = options_.simd;
+    narrow_options.threads = 0;  // in arena_
+    narrow_options.tile_elements = options_.tile_elements;
+    Status status;
+    arena_->execute([&] {
+      status = narrow_to_half(master, half, store_.options().half_dtype, store_.sub_group_size(i),
+                              narrow_options);
+    });
+    if (!status.is_ok()) {
+      return status.with_context(
+          fmt::format("optimizer step {}: sub-group {}: half copy", args.step, i));
     }
     return Status::ok();
   }

@@ -6,6 +6,7 @@
 #include <tbb/task_arena.h>
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -217,6 +218,36 @@ TEST(Step, AllFiniteFindsANonFiniteValueAtEveryPosition) {
   options.tile_elements = 1000;
   EXPECT_FALSE(*all_finite(data.data(), DType::kF32, data.size(), options));
   EXPECT_TRUE(*all_finite(data.data(), DType::kF32, data.size() - 1, options));
+}
+
+// narrow_to_half against the scalar conversions (f32_to_bf16 / f32_to_f16), on every SIMD path
+// and over several threads: random bit patterns (NaNs, infinities, subnormals and the rounding
+// boundaries among them), with a count that leaves a partial tile.
+TEST(Step, NarrowToHalfGivesTheScalarConversionsBits) {
+  const std::size_t count = 70001;
+  SplitMix64 rng(0x4a11);
+  std::vector<float> src(count);
+  for (float& x : src) x = std::bit_cast<float>(static_cast<std::uint32_t>(rng.next()));
+  src[0] = std::numeric_limits<float>::quiet_NaN();
+  src[1] = -std::numeric_limits<float>::infinity();
+  src[2] = std::bit_cast<float>(0x3f808000u);  // a bf16 tie
+  for (const Path& path : available_paths()) {
+    for (DType dtype : {DType::kBF16, DType::kF16}) {
+      StepOptions options;
+      options.simd = path.simd;
+      options.threads = 2;
+      options.tile_elements = 4096;
+      std::vector<std::uint16_t> got(count, 0x5a5a);
+      ASSERT_TRUE(narrow_to_half(src.data(), got.data(), dtype, count, options).is_ok());
+      for (std::size_t i = 0; i < count; ++i) {
+        const std::uint16_t want = dtype == DType::kBF16 ? f32_to_bf16(src[i]) : f32_to_f16(src[i]);
+        ASSERT_EQ(got[i], want) << path.name << " " << dtype_name(dtype) << " element " << i;
+      }
+    }
+  }
+  std::uint16_t out = 0;
+  EXPECT_EQ(narrow_to_half(src.data(), &out, DType::kF32, 1).code(), Code::kInvalidArgument);
+  EXPECT_EQ(narrow_to_half(nullptr, &out, DType::kBF16, 1).code(), Code::kInvalidArgument);
 }
 
 TEST(Step, RejectsBadArgumentsWithoutWriting) {
