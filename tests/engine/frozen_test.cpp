@@ -477,6 +477,52 @@ TEST(Frozen, ACheckpointOfATrainedModuleLoadsFrozenAndKeepsItsBits) {
   }
 }
 
+// Steps [first, last] of `model` on `world` ranks, after loading tag `load` of `ckpt` (unless
+// empty) and before saving tag `save` (unless empty); returns rank 0's masters.
+std::vector<std::vector<float>> train_between_checkpoints(const Config& config, const Model& model,
+                                                          int world, const std::string& ckpt,
+                                                          const std::string& load, int first,
+                                                          int last, const std::string& save) {
+  std::vector<std::vector<float>> out;
+  std::vector<Status> st =
+      engine_test::with_engines(config, model, world, [&](int rank, Engine& engine) -> Status {
+        if (!load.empty()) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, load));
+        TrainOptions run;
+        run.check_gathered = false;
+        run.first_step = first;
+        run.steps = last;
+        ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, run, nullptr, nullptr));
+        if (!save.empty()) ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, save));
+        ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
+                              engine_test::read_masters(engine, model));
+        if (rank == 0) out = std::move(masters);
+        return Status::ok();
+      });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  return out;
+}
+
+// Steps 1-3 of `trained`, saved; steps 4-6 of `frozen` from it, saved; steps 7-8 of `trained`
+// from that: rank 0's final masters.
+std::vector<std::vector<float>> train_frozen_between(const Config& config, const Model& trained,
+                                                     const Model& frozen, int world,
+                                                     const std::string& ckpt) {
+  train_between_checkpoints(config, trained, world, ckpt, "", 1, 3, "three");
+  train_between_checkpoints(config, frozen, world, ckpt, "three", 4, 6, "six");
+  return train_between_checkpoints(config, trained, world, ckpt, "six", 7, 8, "");
+}
+
+void expect_same_masters(const std::vector<std::vector<float>>& got,
+                         const std::vector<std::vector<float>>& expected, const Model& model,
+                         std::string_view what) {
+  ASSERT_EQ(got.size(), model.params.size()) << what;
+  ASSERT_EQ(expected.size(), model.params.size()) << what;
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    EXPECT_EQ(std::memcmp(got[p].data(), expected[p].data(), expected[p].size() * 4), 0)
+        << what << ": " << model.params[p].name;
+  }
+}
+
 // Moments loaded into a frozen module (saved trainable) decay at every step as before, whether
 // the module's sub-groups could be passed over (sub-groups of 32) or not (700): steps 4-6 with
 // block1 frozen, saved, and resumed with block1 trainable for steps 7-8 end with the same bits
@@ -492,41 +538,11 @@ TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
     for (std::size_t sub_group_size : {std::size_t{32}, std::size_t{700}}) {
       engine_test::ScratchDir dir(
           fmt::format("frozen_decay_{}_sg{}", offload_device_name(opt), sub_group_size));
-      const std::string ckpt = dir.path() + "/ckpt";
       Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
       config.zero.sub_group_size = sub_group_size;
-      TrainOptions options;
-      options.check_gathered = false;
-      auto train = [&](const Model& model, const std::string& load, int first, int last,
-                       const std::string& save) {
-        std::vector<std::vector<float>> out;
-        std::vector<Status> st = engine_test::with_engines(
-            config, model, kWorld, [&](int rank, Engine& engine) -> Status {
-              if (!load.empty()) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, load));
-              TrainOptions run = options;
-              run.first_step = first;
-              run.steps = last;
-              ZINF_RETURN_IF_ERROR(
-                  engine_test::train_rank(engine, model, rank, run, nullptr, nullptr));
-              if (!save.empty()) ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, save));
-              ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
-                                    engine_test::read_masters(engine, model));
-              if (rank == 0) out = std::move(masters);
-              return Status::ok();
-            });
-        for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
-        return out;
-      };
-      train(trained, "", 1, 3, "three");
-      train(frozen, "three", 4, 6, "six");
-      finals.push_back(train(trained, "six", 7, 8, ""));
+      finals.push_back(train_frozen_between(config, trained, frozen, kWorld, dir.path() + "/ckpt"));
     }
-    ASSERT_EQ(finals[0].size(), trained.params.size());
-    ASSERT_EQ(finals[1].size(), trained.params.size());
-    for (std::size_t p = 0; p < trained.params.size(); ++p) {
-      EXPECT_EQ(std::memcmp(finals[0][p].data(), finals[1][p].data(), finals[1][p].size() * 4), 0)
-          << offload_device_name(opt) << ": " << trained.params[p].name;
-    }
+    expect_same_masters(finals[0], finals[1], trained, offload_device_name(opt));
   }
 }
 
@@ -566,6 +582,30 @@ Model lora_model(DType dtype) {
   }
   m.frozen_module = "base";
   return m;
+}
+
+// LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver with the checkpoint linked and then
+// adopted in place (world 1, state on NVMe, sub-groups of 1024 elements, so the saved blocks line
+// up with the frozen engine's): the adopted moments of the frozen module must not be taken as
+// settled. Compared with the same sequence with the state in host memory, which never adopts.
+TEST(Frozen, AdoptedMomentsOfAFrozenModuleDecay) {
+  const Model frozen = lora_model(DType::kF32);
+  Model trained = frozen;
+  trained.frozen_module.clear();
+  std::vector<std::vector<std::vector<float>>> finals;
+  for (OffloadDevice opt : {OffloadDevice::kNvme, OffloadDevice::kHost}) {
+    engine_test::ScratchDir dir(fmt::format("frozen_adopt_{}", offload_device_name(opt)));
+    const std::string ckpt = dir.path() + "/ckpt";
+    Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
+    config.zero.sub_group_size = 1024;
+    config.overlap_step = false;
+    finals.push_back(train_frozen_between(config, trained, frozen, 1, ckpt));
+    if (opt == OffloadDevice::kNvme) {
+      EXPECT_FALSE(engine_test::read_file(ckpt + "/three/rank0.blocks").empty())
+          << "not linked: the load cannot have adopted it";
+    }
+  }
+  expect_same_masters(finals[0], finals[1], trained, "nvme against host");
 }
 
 LoraRun run_lora(const Model& model, int world, OffloadDevice opt, std::size_t sub_group_size,
