@@ -49,8 +49,8 @@ std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size
 // parameters and trainable ones fall in sub-groups of their own (StateStoreOptions::cuts): both
 // ends of each run of trainable elements, the run widened to multiples of 1024 elements (so that
 // every f32 piece stays whole 4 KiB pages) and runs that then touch merged, the partition's own
-// ends left out. A sub-group then holds trainable elements (with fewer than 1024 frozen ones or
-// padding at either end), or frozen parameters and padding only. Empty when no parameter is
+// ends left out. A sub-group then holds trainable elements (with the frozen ones or padding of
+// gaps the widening closed), or frozen parameters and padding only. Empty when no parameter is
 // frozen.
 std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank);
 

@@ -129,7 +129,7 @@ struct StateStoreOptions {
 
 // The sizes StateStore::open() will use, computable before any swap space exists (to size it).
 struct StoreLayout {
-  std::size_t sub_group_params = 0;  // the largest sub-group's parameters
+  std::size_t sub_group_params = 0;  // at least any sub-group's parameters (cuts make some fewer)
   std::size_t sub_group_count = 0;
   std::size_t block_bytes = 0;            // StateStore::block_bytes()
   std::uint64_t nvme_bytes = 0;           // swap capacity the NVMe pieces take, pages rounded
