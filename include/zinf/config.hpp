@@ -131,10 +131,12 @@ struct Fp16Config {
   double loss_scale = 0.0;
   // The dynamic scale starts at 2^initial_scale_power.
   int initial_scale_power = 16;
-  // The dynamic scale doubles at the good step that follows this many good steps in a row, then
-  // every this many, as DeepSpeed's DynamicLossScaler does.
+  // The dynamic scale doubles at every good step that makes the good steps since the last
+  // overflow (or the start) a multiple of this, as DeepSpeed's ZeRO optimizers do: with 3 and no
+  // overflow, at steps 3, 6, 9, ...
   std::int64_t loss_scale_window = 1000;
-  // Overflowing steps in a row tolerated before the scale is lowered (DeepSpeed's hysteresis):
+  // DeepSpeed's hysteresis: the this-many-th overflow since the start or the last doubling (in a
+  // row or not) halves the scale, and so does each one after it until the scale doubles again;
   // with 1, every overflow halves the scale.
   int hysteresis = 2;
   // The floor of the dynamic scale; an overflow at it makes step() return kAborted.
