@@ -2,7 +2,7 @@
 // read_master_values is Engine::read_parameters(), write_master_values Engine::write_parameters()
 // (new fp32 values of one or many parameters into this rank's slice of the master in one pass,
 // the optimizer moments left as they are, then the device copies / shards republished from the
-// master, as after a checkpoint load).
+// values written, as after a checkpoint load).
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -51,19 +51,21 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 //
 // Checks first: kNotFound for an unknown name, kInvalidArgument for a name given twice,
 // `precondition` when it is not OK, kInvalidArgument for a root outside the world, then the
-// local preparation (the broadcast buffers, `values` on the root). The ranks exchange those
-// outcomes and a fingerprint of (names, root) whatever they are, and all fail together (the
-// others with kAborted naming the rank) when any failed or differs. Then one pass over this rank's
-// partition of the master (OptimizerState::write_state, each sub-group read back and rewritten on
-// whatever tier it lives), during which the parameters are broadcast from the root one at a time in
-// layout order, each preceded by an agreement that every rank is still in the pass (so a rank that
-// fails stops every rank at the same parameter instead of leaving them waiting in the
+// local preparation (the broadcast buffers, `values` on the root, the prefetched modules dropped,
+// since the pass may write the shards). The ranks exchange those outcomes and a fingerprint of
+// (names, root) whatever they are, and all fail together (the others with kAborted naming the
+// rank) when any failed or differs. Then one pass over this rank's partition of the master
+// (OptimizerState::update_master, each sub-group handed over as it is stored and rewritten on
+// whatever tier it lives), during which the parameters are broadcast from the root one at a time
+// in layout order, each preceded by an agreement that every rank is still in the pass (so a rank
+// that fails stops every rank at the same parameter instead of leaving them waiting in the
 // broadcast; a failure after the last broadcast is agreed once the pass is over). Every rank
-// makes the same broadcasts in the same order: a rank takes the pieces
-// of the parameters it owns as its pass reaches them, which is layout order since its partition
-// lies in group order, and broadcasts those it owns no piece of on the way. Then the
-// prefetched modules are dropped and the master published. Errors from the exchange on are
-// recorded in `sticky`. Collective.
+// makes the same broadcasts in the same order: a rank takes the pieces of the parameters it owns
+// as its pass reaches them, which is layout order since its partition lies in group order, and
+// broadcasts those it owns no piece of on the way. Each patched piece goes to
+// OptimizerState::master_loaded() as it is written, and the shards are published with
+// publish_loaded(), so the master is not read back to publish them. Errors from the exchange on
+// are recorded in `sticky`. Collective.
 Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
                            const ParameterValues& values, int root, Status precondition);
 // The batch of one, `values` (the parameter's element_count floats) on the root; null there is
