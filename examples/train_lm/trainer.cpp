@@ -1197,11 +1197,12 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
            ": nothing to train (give --steps above " + std::to_string(saved_step) + ")");
       return fail_out();
     }
-    // A tag this run would save exists already in --save-dir. The engine replaces a complete tag
-    // newer than the one `latest` names (or any, with no `latest`): what a save cut short
-    // between its tag's rename and `latest`'s leaves, and what follows a `latest` pointed back;
-    // that is said. Any other (the tags of another run, when --save-dir is not --resume's) it
-    // refuses at that save: refused now, not after the steps before it.
+    // A tag this run would save exists already in --save-dir. The engine replaces a tag saved
+    // again. A complete tag newer than the one `latest` names (or any, with no `latest`) is what
+    // a save cut short between its tag's rename and `latest`'s leaves, or what follows a
+    // `latest` pointed back: this run saves it again, and that is said. Any other (the tags of
+    // another run, when --save-dir is not --resume's) would be another run's checkpoint
+    // replaced: refused now, before any step.
     const SavedTags held = saved_tags(o.save_dir);
     const std::int64_t latest_step = held.has_latest ? tag_step(held.latest) : -1;
     for (std::int64_t step = saved_step + 1; o.save_every > 0 && step <= o.steps; ++step) {
@@ -1221,8 +1222,8 @@ void run_rank(Shared& shared, int rank, zinf::Engine* engine, zinf::Device* devi
         continue;
       }
       fail("--resume " + o.resume_dir + " at step " + std::to_string(saved_step) + ": " +
-           tag.string() + " exists already, and this run would save that tag again (a tag " +
-           "is written once): give another --save-dir, or remove the tags after step " +
+           tag.string() + " exists already, and this run would save that tag again (replacing " +
+           "it): give another --save-dir, or remove the tags after step " +
            std::to_string(saved_step));
       return fail_out();
     }

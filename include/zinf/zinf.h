@@ -441,10 +441,13 @@ ZINF_C_API zinf_code_t zinf_engine_step_average(zinf_engine_t* engine, int32_t a
  * last), all into <dir>/.<tag>.tmp, synced and renamed; then replaces <dir>/latest atomically
  * and, with zinf.keep_last > 0, deletes older tags beyond that many (by default none). A save cut
  * short at any instant leaves <dir>/latest
- * naming the previous complete checkpoint. Creates `dir` if needed. ZINF_INVALID_ARGUMENT for a
- * tag that is not 1-200 characters of [A-Za-z0-9._-] (or starts with '.', or is "latest");
- * ZINF_FAILED_PRECONDITION when <dir>/<tag> exists already, or gradients were reduced since the
- * last step, or a module is gathered. tag NULL: "global_step<N>", N the steps applied. */
+ * naming the previous complete checkpoint. A tag that exists already is replaced (as DeepSpeed
+ * writes over it), the complete new tag swapped in for the old one, so a crash leaves the old tag
+ * or the new one. Creates `dir` if needed. ZINF_INVALID_ARGUMENT for a tag that is not 1-200
+ * characters of [A-Za-z0-9._-] (or starts with '.', or is "latest"); ZINF_FAILED_PRECONDITION
+ * when <dir>/<tag> exists and is not a checkpoint (neither a manifest nor rank files), or
+ * gradients were reduced since the last step, or a module is gathered. tag NULL:
+ * "global_step<N>", N the steps applied. */
 ZINF_C_API zinf_code_t zinf_engine_save_checkpoint_tag(zinf_engine_t* engine, const char* dir,
                                                        const char* tag);
 /* zinf_engine_save_checkpoint_tag(engine, dir, NULL). */

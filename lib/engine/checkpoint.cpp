@@ -11,6 +11,16 @@
 // previous tag, untouched, or the new one, complete. Older tags are deleted only after that.
 // A kill between the two renames leaves a complete tag newer than the one `latest` names; the
 // run restarted from `latest` saves that tag again, and the save replaces it (is_leftover_tag).
+//
+// A tag that exists already is replaced, as DeepSpeed's save writes over it ("last", "best", or
+// a job run again into its output directory). The new tag is written to .<tag>.tmp as any other;
+// once it is complete, renameat2(RENAME_EXCHANGE) swaps the two directories in one step, so
+// <dir>/<tag> names the old tag, complete, until it names the new one, complete; the old one,
+// now under .<tag>.tmp, is then removed. Where the filesystem has no exchange, the old tag is
+// renamed to .<tag>.old and the new one to <tag>: a crash between the two leaves no <tag> but a
+// complete .<tag>.old, which a load reads in its place and the next save renames back before
+// anything else (restore_replaced_tags). A removal unlinks a directory's manifest first, so an
+// .<tag>.old that holds one is complete.
 // One save at a time changes the directory: rank 0 holds a lock on it for the whole save
 // (SaveLock), so two jobs given one directory are refused rather than removing each other's
 // temporary directories.
@@ -18,6 +28,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <stdio.h>
 #include <sys/file.h>
 #include <unistd.h>
 
@@ -25,6 +36,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <vector>
 
@@ -34,6 +46,25 @@
 
 namespace zinf {
 namespace {
+
+CheckpointSaveSeams& save_seams() {
+  static CheckpointSaveSeams seams;
+  return seams;
+}
+
+void save_point(std::string_view point) {
+  if (save_seams().at) save_seams().at(point);
+}
+
+// Removes a tag directory (or what is left of one) by name: its manifest first, so a crash in
+// the middle never leaves a directory that holds a manifest but not every file it lists.
+void remove_tag_dir(const std::string& path) {
+  std::error_code ec;
+  std::filesystem::remove(fmt::format("{}/{}", path, kCheckpointManifest), ec);
+  (void)sync_dir(path);
+  std::filesystem::remove_all(path, ec);
+  if (ec) log_warn("checkpoint: cannot remove '{}': {}", path, ec.message());
+}
 
 CheckpointHeader header_of(const CheckpointContext& ctx, const ResumeState& resume) {
   CheckpointHeader h;
@@ -103,8 +134,7 @@ void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const st
       log_warn("checkpoint: cannot remove old tag '{}': {}", from, std::strerror(errno));
       continue;
     }
-    std::filesystem::remove_all(to, ec);
-    if (ec) log_warn("checkpoint: cannot remove '{}': {}", to, ec.message());
+    remove_tag_dir(to);
   }
   (void)sync_dir(dir);
 }
@@ -177,13 +207,35 @@ class SaveLock {
   int fd_ = -1;
 };
 
-// Rank 0's first phase of a save: the directory, its save lock, no complete tag of this name
-// (unless it is a leftover, is_leftover_tag(), which *replace then says why the save replaces),
-// a fresh temporary directory, and the serial for the new manifest. The directory is listed once,
-// under the lock.
+// A save that replaced a tag on a filesystem without RENAME_EXCHANGE and was cut short between
+// its two renames left <dir>/.<tag>.old complete and no <dir>/<tag>: each such tag gets its name
+// back before the save lists the directory, so no complete tag is lost to the removal of what
+// crashed saves left.
+void restore_replaced_tags(IoEngine& io, const std::string& dir,
+                           const std::vector<std::string>& old_dirs) {
+  for (const std::string& old : old_dirs) {
+    const std::string name = std::filesystem::path(old).filename().string();
+    const std::string tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
+    const std::string final_dir = fmt::format("{}/{}", dir, tag);
+    if (!check_checkpoint_tag(tag).is_ok() || moved_aside_tag_dir(io, dir, tag).empty()) {
+      continue;
+    }
+    if (::rename(old.c_str(), final_dir.c_str()) != 0) {
+      log_warn("checkpoint: cannot rename '{}' back to '{}': {}", old, final_dir,
+               std::strerror(errno));
+      continue;
+    }
+    log_warn("checkpoint: '{}' renamed back to '{}' (a save replacing that tag was cut short)", old,
+             final_dir);
+  }
+  (void)sync_dir(dir);
+}
+
+// Rank 0's first phase of a save: the directory, its save lock, whether a tag of this name is
+// there to replace (*replace), a fresh temporary directory, and the serial for the new manifest.
+// The directory is listed under the lock.
 Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag,
-                    const std::string& temp, SaveLock* lock, std::string* replace,
-                    std::uint64_t* serial) {
+                    const std::string& temp, SaveLock* lock, bool* replace, std::uint64_t* serial) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
@@ -191,24 +243,26 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
   }
   ZINF_RETURN_IF_ERROR(lock->lock(dir));
   RefusedCheckpointTags refused;
+  (void)list_checkpoint_tags(io, dir, &refused);
+  restore_replaced_tags(io, dir, refused.old_dirs);
   const std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir, &refused);
   const std::string final_dir = fmt::format("{}/{}", dir, tag);
-  replace->clear();
-  if (std::filesystem::exists(final_dir, ec)) {
-    const auto self = std::find_if(tags.begin(), tags.end(),
-                                   [&](const CheckpointManifest& m) { return m.tag == tag; });
-    const bool has_latest =
-        std::filesystem::exists(fmt::format("{}/{}", dir, kCheckpointLatest), ec) || ec;
-    const Result<std::string> latest =
-        has_latest ? read_latest_tag(io, dir) : Result<std::string>(std::string());
-    if (self != tags.end() && is_leftover_tag(tags, has_latest, latest, *self)) {
-      *replace = has_latest ? fmt::format("'{}/{}' names the tag '{}' of an earlier step", dir,
-                                          kCheckpointLatest, *latest)
-                            : fmt::format("there is no '{}/{}'", dir, kCheckpointLatest);
-    } else {
+  *replace = false;
+  if (std::filesystem::exists(final_dir, ec) || std::filesystem::is_symlink(final_dir, ec)) {
+    // A checkpoint of this name (complete, or one a failed save left with rank files) is
+    // replaced; anything else there is not the engine's to remove.
+    const bool ours =
+        std::any_of(tags.begin(), tags.end(),
+                    [&](const CheckpointManifest& m) { return m.tag == tag; }) ||
+        std::any_of(refused.tags.begin(), refused.tags.end(),
+                    [&](const RefusedCheckpointTags::Tag& t) { return t.tag == tag; });
+    if (!ours || std::filesystem::is_symlink(final_dir, ec)) {
       return Status::failed_precondition(fmt::format(
-          "'{}' exists already: a checkpoint tag is written once (choose another tag)", final_dir));
+          "'{}' exists and is not a checkpoint directory (no {} nor rank files): a save replaces "
+          "only a checkpoint of that tag (choose another tag, or remove it)",
+          final_dir, kCheckpointManifest));
     }
+    *replace = true;
   }
   // What crashed saves left. No other save is running here (the lock), so each is a leftover.
   for (const std::vector<std::string>* stale : {&refused.temp_dirs, &refused.old_dirs}) {
@@ -219,6 +273,50 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
     return status_from_errno(fmt::format("cannot create the directory '{}'", temp), ec.value());
   }
   *serial = tags.empty() ? 1 : tags.back().serial + 1;
+  return Status::ok();
+}
+
+// Puts the complete tag in `temp` under the name `final_dir`, where a tag of that name exists
+// (replace) or not. Replacing, at no instant is there no complete tag under `final_dir` where the
+// filesystem can exchange two names in one step; elsewhere only between two renames, and then a
+// complete `aside` (restore_replaced_tags). The old tag is removed once the new one has its name.
+Status commit_tag(const std::string& dir, const std::string& temp, const std::string& final_dir,
+                  const std::string& aside, bool replace) {
+  if (!replace) {
+    if (::rename(temp.c_str(), final_dir.c_str()) != 0) {
+      return status_from_errno(fmt::format("rename '{}' to '{}'", temp, final_dir), errno);
+    }
+    return sync_dir(dir);
+  }
+  std::error_code ec;
+  if (save_seams().exchange &&
+      ::renameat2(AT_FDCWD, temp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+    // `temp` holds the old tag now, under a name no load reads.
+    ZINF_RETURN_IF_ERROR(sync_dir(dir));
+    save_point("exchanged");
+    remove_tag_dir(temp);
+    return Status::ok();
+  }
+  if (save_seams().exchange && errno != EINVAL && errno != ENOSYS && errno != EOPNOTSUPP) {
+    return status_from_errno(fmt::format("exchange '{}' and '{}'", temp, final_dir), errno);
+  }
+  std::filesystem::remove_all(aside, ec);
+  if (::rename(final_dir.c_str(), aside.c_str()) != 0) {
+    return status_from_errno(fmt::format("rename '{}' to '{}'", final_dir, aside), errno);
+  }
+  save_point("moved-aside");
+  if (::rename(temp.c_str(), final_dir.c_str()) != 0) {
+    const int err = errno;
+    // The old tag gets its name back, so the failed save leaves it where it was.
+    if (::rename(aside.c_str(), final_dir.c_str()) != 0) {
+      log_warn("checkpoint: cannot rename '{}' back to '{}': {}", aside, final_dir,
+               std::strerror(errno));
+    }
+    return status_from_errno(fmt::format("rename '{}' to '{}'", temp, final_dir), err);
+  }
+  ZINF_RETURN_IF_ERROR(sync_dir(dir));
+  save_point("renamed");
+  remove_tag_dir(aside);
   return Status::ok();
 }
 
@@ -285,6 +383,8 @@ Status write_small_file(IoEngine& io, const std::string& path, std::string_view 
 
 }  // namespace
 
+void set_checkpoint_save_seams(CheckpointSaveSeams seams) { save_seams() = std::move(seams); }
+
 Status checkpoint_precondition(std::string_view call, const ParameterLayout& layout, long in_use,
                                bool grads_pending) {
   if (in_use >= 0) {
@@ -325,8 +425,8 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
   const std::string temp = fmt::format("{}/.{}.tmp", dir, tag);
   std::unique_ptr<IoEngine> io;
   std::uint64_t serial = 0;
-  SaveLock lock;        // rank 0's, held to the end of the save
-  std::string replace;  // why the complete tag of this name is a leftover the save replaces
+  SaveLock lock;         // rank 0's, held to the end of the save
+  bool replace = false;  // a tag of this name is there; the new one replaces it once complete
   Status local = std::move(precondition);
   if (local.is_ok()) {
     local = [&]() -> Status {
@@ -379,44 +479,24 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
                                             encode_checkpoint_manifest(m), nullptr));
       ZINF_RETURN_IF_ERROR(sync_dir(temp));
       const std::string final_dir = fmt::format("{}/{}", dir, tag);
-      const std::string aside = fmt::format("{}/.{}.old", dir, tag);
-      if (!replace.empty()) {
-        // A complete tag of this name that no load reads by default (`latest` names an older
-        // one, or there is none): what a save cut short between its rename and `latest`'s left.
-        // The run resumed from `latest` saves it again; refusing would stop an automatic restart
-        // loop forever. It is moved aside only now that the new tag is complete, and removed
-        // once the new one has its name.
-        log_warn(
-            "checkpoint: replacing '{}', left by a save cut short before '{}/{}' named it "
-            "({})",
-            final_dir, dir, kCheckpointLatest, replace);
-        std::error_code ec;
-        std::filesystem::remove_all(aside, ec);
-        if (::rename(final_dir.c_str(), aside.c_str()) != 0) {
-          return status_from_errno(fmt::format("rename '{}' to '{}'", final_dir, aside), errno);
-        }
-      }
-      if (::rename(temp.c_str(), final_dir.c_str()) != 0) {
-        return status_from_errno(fmt::format("rename '{}' to '{}'", temp, final_dir), errno);
-      }
-      ZINF_RETURN_IF_ERROR(sync_dir(dir));
-      if (!replace.empty()) {
-        std::error_code ec;
-        std::filesystem::remove_all(aside, ec);
-        if (ec) log_warn("checkpoint: cannot remove '{}': {}", aside, ec.message());
-      }
+      save_point("written");
+      ZINF_RETURN_IF_ERROR(
+          commit_tag(dir, temp, final_dir, fmt::format("{}/.{}.old", dir, tag), replace));
+      save_point("committed");
       Status latest = write_file_atomically(*io, fmt::format("{}/{}", dir, kCheckpointLatest), tag);
       if (!latest.is_ok()) {
         // While `latest` still names the previous tag, the new one goes, so a retry of the same
         // tag can succeed.
+        // A tag that replaced one stays: the old one is gone, and a tag may be saved again.
         Result<std::string> named = read_latest_tag(*io, dir);
-        if (!named.is_ok() || *named != tag) {
+        if (!replace && (!named.is_ok() || *named != tag)) {
           std::error_code ec;
           std::filesystem::remove_all(final_dir, ec);
           (void)sync_dir(dir);
         }
         return latest;
       }
+      save_point("latest");
       if (ctx.config->keep_last > 0) {
         prune_tags(*io, dir, static_cast<std::size_t>(ctx.config->keep_last), tag, resume.step);
       }
@@ -601,6 +681,15 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
       }
       ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
       tag_dir = fmt::format("{}/{}", dir, tag);
+      const std::string aside = moved_aside_tag_dir(*io, dir, tag);
+      if (!aside.empty()) {
+        // A save replacing this tag was cut short between its two renames (a filesystem
+        // without RENAME_EXCHANGE): the old tag, complete, is read where it was moved; the next
+        // save renames it back.
+        log_warn("checkpoint: '{}' is missing; loading '{}' (a save replacing it was cut short)",
+                 tag_dir, aside);
+        tag_dir = aside;
+      }
       const std::string manifest_path = fmt::format("{}/{}", tag_dir, kCheckpointManifest);
       Result<std::string> text = read_text_file(*io, manifest_path);
       if (!text.is_ok()) {

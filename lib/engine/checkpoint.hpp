@@ -31,6 +31,7 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json_fwd.hpp>
@@ -448,6 +449,13 @@ struct RefusedCheckpointTags {
 std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
                                                      RefusedCheckpointTags* refused = nullptr);
 
+// "<dir>/.<tag>.old" when it holds the complete tag `tag` (a manifest that parses and names it,
+// and every file the manifest lists) and "<dir>/<tag>" does not exist: a save that replaced the
+// tag by two renames (a filesystem without RENAME_EXCHANGE) was cut short between them. A load
+// of the tag reads it there, the next save renames it back, `zinf ckpt inspect` notes it. Empty
+// otherwise. A tag directory is removed manifest first, so a half-removed one never qualifies.
+std::string moved_aside_tag_dir(IoEngine& io, const std::string& dir, const std::string& tag);
+
 // Whether complete tag `m`, one of `tags` (list_checkpoint_tags(): oldest first by serial), is
 // the leftover of a save cut short between its rename and the rename of `latest`: of a later step
 // than the tag `latest` names (by step, as keep_last prunes and train_lm's --resume check judges:
@@ -456,6 +464,19 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
 // `latest`: read_latest_tag()'s result, read when `has_latest`.
 bool is_leftover_tag(const std::vector<CheckpointManifest>& tags, bool has_latest,
                      const Result<std::string>& latest, const CheckpointManifest& m);
+
+// Seams for tests of a save that replaces a tag (checkpoint_replace_test.cpp); process-wide,
+// default-constructed in production.
+struct CheckpointSaveSeams {
+  // false: replace a tag by two renames, as on a filesystem without renameat2(RENAME_EXCHANGE).
+  bool exchange = true;
+  // Called by rank 0 at each point of a save's commit, by name: "written" (the new tag complete
+  // in .<tag>.tmp), "exchanged" (the old tag swapped into .<tag>.tmp), "moved-aside" and
+  // "renamed" (the two renames without an exchange), "committed" (the new tag under its name),
+  // "latest" (`latest` names it). A test ends the process there to leave what a crash would.
+  std::function<void(std::string_view point)> at;
+};
+void set_checkpoint_save_seams(CheckpointSaveSeams seams);
 
 // --- Outside the engine (zinf ckpt) -----------------------------------------------------------
 

@@ -155,7 +155,8 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     problems.push_back(std::string(latest.status().message()));
   } else if (latest.is_ok() &&
              std::none_of(manifests.begin(), manifests.end(),
-                          [&](const CheckpointManifest& m) { return m.tag == *latest; })) {
+                          [&](const CheckpointManifest& m) { return m.tag == *latest; }) &&
+             moved_aside_tag_dir(*io, dir, *latest).empty()) {
     problems.push_back(fmt::format(
         "'{}/latest' names tag '{}', which is not a complete checkpoint here", dir, *latest));
   }
@@ -171,6 +172,16 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         temp));
   }
   for (const std::string& old : refused.old_dirs) {
+    const std::string name = std::filesystem::path(old).filename().string();
+    const std::string tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
+    if (check_checkpoint_tag(tag).is_ok() && !moved_aside_tag_dir(*io, dir, tag).empty()) {
+      notes.push_back(fmt::format(
+          "'{}': tag '{}', complete, moved aside by a save that was replacing it when it was cut "
+          "short (there is no '{}/{}'): a load of tag '{}' reads it there, and the next save into "
+          "this directory renames it back",
+          old, tag, dir, tag, tag));
+      continue;
+    }
     notes.push_back(fmt::format(
         "'{}': a tag a save was removing (pruned by keep_last, or a leftover it replaced) when it "
         "was cut short; no load reads it, and the next save into this directory removes it",

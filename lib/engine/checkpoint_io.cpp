@@ -605,6 +605,31 @@ Result<std::string> read_latest_tag(IoEngine& io, const std::string& dir) {
   return tag;
 }
 
+std::string moved_aside_tag_dir(IoEngine& io, const std::string& dir, const std::string& tag) {
+  const std::string final_dir = fmt::format("{}/{}", dir, tag);
+  const std::string aside = fmt::format("{}/.{}.old", dir, tag);
+  const std::string manifest_path = fmt::format("{}/{}", aside, kCheckpointManifest);
+  std::error_code ec;
+  if (std::filesystem::exists(final_dir, ec) || std::filesystem::is_symlink(final_dir, ec) ||
+      !std::filesystem::exists(manifest_path, ec)) {
+    return {};
+  }
+  Result<std::string> text = read_text_file(io, manifest_path);
+  if (!text.is_ok()) return {};
+  Result<CheckpointManifest> m = parse_checkpoint_manifest(*text, manifest_path);
+  if (!m.is_ok() || m->tag != tag) return {};
+  auto has = [&](const std::string& file) {
+    return file.empty() || std::filesystem::exists(fmt::format("{}/{}", aside, file), ec);
+  };
+  for (const ManifestFile& f : m->ranks) {
+    if (!has(f.file) || !has(f.blocks)) return {};
+  }
+  for (const ManifestFile& f : m->client_state) {
+    if (!has(f.file)) return {};
+  }
+  return aside;
+}
+
 bool is_leftover_tag(const std::vector<CheckpointManifest>& tags, bool has_latest,
                      const Result<std::string>& latest, const CheckpointManifest& m) {
   // Only the newest can be the first save's: the others were complete before it began.
