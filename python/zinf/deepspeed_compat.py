@@ -461,9 +461,9 @@ class DeepSpeedEngine(_zt.ZinfEngine):
                         exclude_frozen_parameters=False):
         """At stage 3 without stage3_gather_16bit_weights_on_model_save the Trainer saves a
         checkpoint by calling save_checkpoint(output_dir) twice (from save_model, then for the
-        optimizer). DeepSpeed writes the tag twice; zinf writes a tag once and refuses to
-        overwrite it. The second call, with no backward or step since the first, would write
-        the same state, so it is skipped."""
+        optimizer). DeepSpeed writes the tag twice; the second call, with no backward or step
+        since the first, would write the same state again (zinf replaces a tag saved again), so
+        it is skipped."""
         resolved_tag = f"global_step{self.global_steps}" if tag is None else str(tag)
         key = (os.path.abspath(save_dir), resolved_tag, self.global_steps, self.micro_steps)
         if getattr(self, "_compat_last_save", None) == key and not client_state:

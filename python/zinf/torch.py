@@ -1773,6 +1773,8 @@ class ZinfEngine(nn.Module):
         DeepSpeed does. The torch side's state (steps, learning rates, the lr_scheduler's
         state_dict, client_state) travels in the engine's client state, so the whole tag is
         written crash-safely at once: a save cut short leaves `latest` naming the previous one.
+        A tag that exists already is replaced, as DeepSpeed writes over it: the new tag is
+        written aside and swapped in once complete, so a crash leaves the old tag or the new one.
         save_latest=False leaves `latest` as it was (or absent), as DeepSpeed's: the engine
         names the new tag in `latest`, then rank 0 puts the previous content back (or removes
         the file where there was none), atomically, and every rank waits for it; a crash in
