@@ -63,6 +63,22 @@ Result<std::vector<float>> gathered_values(Engine& engine, Device& device,
   return out;
 }
 
+// Rank `rank`'s engine of `config` on `ranks`, with `faults` injected into its I/O when given,
+// and `model` registered and finalized.
+Result<std::unique_ptr<Engine>> open_finalized(engine_test::Ranks& ranks, int rank,
+                                               const Config& config, const Model& model,
+                                               std::shared_ptr<FaultInjector> faults = nullptr) {
+  const auto r = static_cast<std::size_t>(rank);
+  Env env;
+  env.device = ranks.devices[r].get();
+  env.comm = ranks.comms[r].get();
+  env.io_faults = std::move(faults);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+  ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
+  ZINF_RETURN_IF_ERROR(engine->finalize());
+  return engine;
+}
+
 class WriteParameters : public ::testing::TestWithParam<Case> {};
 
 TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
@@ -88,14 +104,11 @@ TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
   std::vector<std::vector<float>> gathered(world);
   std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
     ZINF_ASSIGN_OR_RETURN(
         auto engine,
-        Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()), env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    ZINF_RETURN_IF_ERROR(engine->finalize());
+        open_finalized(ranks, rank,
+                       engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+                       model));
     // Refused before any collective, the engine still usable afterwards.
     Status bad = engine->write_parameters("no.such.parameter", fresh.data(), root);
     if (bad.code() != Code::kNotFound) return Status::internal("unknown name: " + bad.to_string());
@@ -113,8 +126,8 @@ TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
       ZINF_RETURN_IF_ERROR(engine->read_parameters(def.name, out.data()));
       masters[r].push_back(std::move(out));
     }
-    ZINF_ASSIGN_OR_RETURN(gathered[r],
-                          gathered_values(*engine, *env.device, model.params[target].module, name));
+    ZINF_ASSIGN_OR_RETURN(gathered[r], gathered_values(*engine, *ranks.devices[r],
+                                                       model.params[target].module, name));
     return Status::ok();
   });
   for (std::size_t r = 0; r < world; ++r) {
@@ -305,15 +318,11 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
       spec.latency = std::chrono::microseconds(0);
       spec.writes = false;
       auto faults = std::make_shared<FaultInjector>(spec);
-      Env env;
-      env.device = ranks.devices[r].get();
-      env.comm = ranks.comms[r].get();
-      env.io_faults = faults;
       ZINF_ASSIGN_OR_RETURN(
           auto engine,
-          Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()), env));
-      ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-      ZINF_RETURN_IF_ERROR(engine->finalize());
+          open_finalized(ranks, rank,
+                         engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+                         model, faults));
       auto reads = [&] { return faults->counts().latency; };
       auto give = [&](std::string_view name, std::span<float> out) {
         std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
@@ -370,16 +379,11 @@ TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
         spec.reads = reads;
         spec.writes = !reads;
         auto faults = std::make_shared<FaultInjector>(spec);
-        Env env;
-        env.device = ranks.devices[r].get();
-        env.comm = ranks.comms[r].get();
-        env.io_faults = faults;
         ZINF_ASSIGN_OR_RETURN(
             auto engine,
-            Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
-                         env));
-        ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-        ZINF_RETURN_IF_ERROR(engine->finalize());
+            open_finalized(ranks, rank,
+                           engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+                           model, faults));
         const std::uint64_t before = faults->counts().latency;
         ZINF_RETURN_IF_ERROR(engine->write_parameters(
             kBatch,
@@ -416,15 +420,11 @@ TEST(WriteParametersBatch, PublishesTheMastersRounded) {
     const std::vector<std::vector<float>> fresh = fresh_values(model, 16);
     engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
     std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-      const auto r = static_cast<std::size_t>(rank);
-      Env env;
-      env.device = ranks.devices[r].get();
-      env.comm = ranks.comms[r].get();
       ZINF_ASSIGN_OR_RETURN(
           auto engine,
-          Engine::open(engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()), env));
-      ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-      ZINF_RETURN_IF_ERROR(engine->finalize());
+          open_finalized(ranks, rank,
+                         engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+                         model));
       ZINF_RETURN_IF_ERROR(engine->write_parameters(
           kBatch,
           [&](std::string_view name, std::span<float> out) {
@@ -475,15 +475,11 @@ TEST(WriteParametersBatch, RefusesBadCallsAndFailsTogether) {
   std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
     auto note = [&](const Status& s) { seen[r].push_back(s.to_string()); };
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    ZINF_ASSIGN_OR_RETURN(auto engine,
-                          Engine::open(engine_test::small_config(3, OffloadDevice::kNvme,
-                                                                 OffloadDevice::kNone, dir.path()),
-                                       env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    ZINF_RETURN_IF_ERROR(engine->finalize());
+    ZINF_ASSIGN_OR_RETURN(
+        auto engine, open_finalized(ranks, rank,
+                                    engine_test::small_config(3, OffloadDevice::kNvme,
+                                                              OffloadDevice::kNone, dir.path()),
+                                    model));
     auto give = [&](std::string_view name, std::span<float> out) {
       std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
       return Status::ok();
@@ -590,13 +586,7 @@ TEST(WriteParametersBatch, AnIoErrorOnOneRankStopsEveryRank) {
     spec.writes = false;
     auto faults = std::make_shared<FaultInjector>(spec);
     faults->set_enabled(false);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    env.io_faults = faults;
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    ZINF_RETURN_IF_ERROR(engine->finalize());
+    ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
     faults->set_enabled(rank == 0);
     const auto start = std::chrono::steady_clock::now();
     written[r] = engine->write_parameters(
@@ -652,13 +642,7 @@ TEST(WriteParametersBatch, AnIoErrorMidwayFailsEveryRankAndStays) {
           spec.writes = !reads;
           auto faults = std::make_shared<FaultInjector>(spec);
           faults->set_enabled(false);
-          Env env;
-          env.device = ranks.devices[r].get();
-          env.comm = ranks.comms[r].get();
-          env.io_faults = faults;
-          ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-          ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-          ZINF_RETURN_IF_ERROR(engine->finalize());
+          ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
           auto give = [&](std::string_view name, std::span<float> out) {
             std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
             return Status::ok();
