@@ -19,7 +19,6 @@
 #include <string>
 #include <vector>
 
-#include "base/random.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 
@@ -27,27 +26,9 @@ namespace zinf {
 namespace {
 
 using engine_test::Model;
+using engine_test::page_model;
 using engine_test::TrainOptions;
 using engine_test::with_engines;
-
-// Every group a multiple of 2048 elements, so that each rank's partition (world 1 or 2) and each
-// sub-group of 1024 parameters is whole 4 KiB pages: the store's checkpoint layout.
-Model page_model(std::uint64_t seed) {
-  Model m;
-  m.modules = {"embed", "block", "head"};
-  m.params = {
-      {"embed.w", "embed", {64, 64}, DType::kF32},
-      {"block.w", "block", {32, 64}, DType::kF32},
-      {"block.b", "block", {2048}, DType::kF32},
-      {"head.w", "head", {64, 32}, DType::kF32},
-  };
-  for (std::size_t p = 0; p < m.params.size(); ++p) {
-    std::vector<float> v(m.params[p].element_count());
-    fill_uniform(v.data(), v.size(), seed * 1000 + p, -1.0f, 1.0f);
-    m.initial.push_back(std::move(v));
-  }
-  return m;
-}
 
 Config link_config(const std::string& nvme) {
   Config c = engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, nvme);

@@ -23,7 +23,6 @@
 #include <thread>
 #include <vector>
 
-#include "base/random.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 
@@ -31,28 +30,10 @@ namespace zinf {
 namespace {
 
 using engine_test::Model;
+using engine_test::page_model;
 using engine_test::TrainOptions;
 using engine_test::with_engines;
 using Masters = std::vector<std::vector<float>>;
-
-// Every group a multiple of 2048 elements and sub-groups of 1024, so the state on NVMe is in the
-// store's checkpoint layout at world 1 and 2 and a save links the swap file.
-Model page_model(std::uint64_t seed) {
-  Model m;
-  m.modules = {"embed", "block", "head"};
-  m.params = {
-      {"embed.w", "embed", {64, 64}, DType::kF32},
-      {"block.w", "block", {32, 64}, DType::kF32},
-      {"block.b", "block", {2048}, DType::kF32},
-      {"head.w", "head", {64, 32}, DType::kF32},
-  };
-  for (std::size_t p = 0; p < m.params.size(); ++p) {
-    std::vector<float> v(m.params[p].element_count());
-    fill_uniform(v.data(), v.size(), seed * 1000 + p, -1.0f, 1.0f);
-    m.initial.push_back(std::move(v));
-  }
-  return m;
-}
 
 Config config_for(bool nvme, const std::string& scratch) {
   Config c = engine_test::small_config(2, nvme ? OffloadDevice::kNvme : OffloadDevice::kHost,

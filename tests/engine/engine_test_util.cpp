@@ -42,6 +42,23 @@ Model make_model(DType dtype, std::uint64_t seed) {
   return m;
 }
 
+Model page_model(std::uint64_t seed) {
+  Model m;
+  m.modules = {"embed", "block", "head"};
+  m.params = {
+      {"embed.w", "embed", {64, 64}, DType::kF32},
+      {"block.w", "block", {32, 64}, DType::kF32},
+      {"block.b", "block", {2048}, DType::kF32},
+      {"head.w", "head", {64, 32}, DType::kF32},
+  };
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v(m.params[p].element_count());
+    fill_uniform(v.data(), v.size(), seed * 1000 + p, -1.0f, 1.0f);
+    m.initial.push_back(std::move(v));
+  }
+  return m;
+}
+
 Ranks make_ranks(int world, std::chrono::milliseconds timeout, std::uint32_t jitter_max_us,
                  bool opaque) {
   Ranks r;

@@ -40,6 +40,10 @@ struct Model {
 // Five modules; parameter counts that 2, 3 and 4 do not divide; small parameters (biases, a
 // scalar) beside larger ones. All parameters of dtype `dtype`.
 Model make_model(DType dtype, std::uint64_t seed);
+// Three modules, every group a multiple of 2048 f32 elements, so that each rank's partition at
+// world 1 or 2 and each sub-group of 1024 parameters is whole 4 KiB pages: the store's checkpoint
+// layout, where a save links the NVMe swap file.
+Model page_model(std::uint64_t seed);
 
 // Devices and a LocalComm group of `world` ranks.
 struct Ranks {
