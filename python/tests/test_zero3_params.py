@@ -62,6 +62,21 @@ def test_nested_init_blocks_build_the_model_a_single_block_builds(tmp_path):
     assert loss.item() == pytest.approx(Stack(16, 2)(ids, labels).item(), rel=1e-6)
 
 
+def test_a_block_that_failed_to_open_leaves_later_blocks_working(tmp_path):
+    """A block whose staging directory cannot be made raises from __enter__, which gets no
+    __exit__: it must not stay the block later ones join (they would then stage nothing and
+    build the model whole)."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    with pytest.raises(OSError):
+        with zinf.torch.Init(config=config(tmp_path, 16), staging_dir=str(blocker / "staging")):
+            pass
+    with zinf.torch.Init(config=config(tmp_path, 16)) as block:
+        layer = nn.Linear(8, 8)
+    assert layer.weight.numel() == 0
+    assert block.staged_bytes == 4 * (64 + 8)
+
+
 def test_a_block_entered_again_inside_itself_stages_until_its_outer_exit(tmp_path):
     block = zinf.torch.Init(config=config(tmp_path, 16))
     with block:

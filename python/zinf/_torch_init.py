@@ -259,11 +259,14 @@ class Init:
     def __enter__(self):
         if not self.enabled:
             return self
-        Init._open.append(self)
         if Init._active is not None:
+            Init._open.append(self)
             return self  # joins the outermost block, which stages for both
-        Init._active = self
+        # Registered only once its staging file is open: a block whose __enter__ raised gets no
+        # __exit__, and must not leave later blocks joining it.
         self._file = _StagingFile(self.staging_dir)
+        Init._open.append(self)
+        Init._active = self
         for cls in _module_subclasses():
             self._wrap(cls)
         init = self
