@@ -145,6 +145,44 @@ def test_a_base_lr_of_zero_then_a_non_zero_lr_trains_as_torch(how):
     assert_parameters_match(engine, reference)
 
 
+def test_a_group_of_frozen_parameters_may_move_its_lr_alone():
+    # A parameter group holding only frozen parameters trains nothing: a scheduler (or the
+    # script) moving its lr by another factor than the trainable group's must not be refused.
+    batches = mlp_batches(STEPS)
+    config = mlp_config(2)
+    config["optimizer"]["params"].update(lr=LR, weight_decay=0.01)
+
+    def frozen_last(model):
+        for param in model[4].parameters():
+            param.requires_grad_(False)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return model, [{"params": trainable}, {"params": list(model[4].parameters())}]
+
+    model, groups = frozen_last(make_mlp())
+    torch_optimizer = torch.optim.AdamW(groups, lr=LR, weight_decay=0.01)
+    want_losses = []
+    for step, batch in enumerate(batches):
+        torch_optimizer.param_groups[1]["lr"] = LR / (step + 2)
+        loss = mlp_loss(model, batch)
+        torch_optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        torch_optimizer.step()
+        want_losses.append(loss.item())
+    zinf_model, zinf_groups = frozen_last(make_mlp())
+    engine, _, _, _ = zinf.torch.initialize(model=zinf_model, model_parameters=zinf_groups,
+                                            config=config)
+    losses = []
+    for step, batch in enumerate(batches):
+        engine.optimizer.param_groups[1]["lr"] = LR / (step + 2)
+        loss = mlp_loss(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses == pytest.approx(want_losses, rel=1e-5)
+    assert_parameters_match(engine, model)
+
+
 def trained_engine(steps=2):
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
     for batch in mlp_batches(steps):

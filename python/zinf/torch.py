@@ -735,9 +735,8 @@ class ZinfEngine(nn.Module):
         # (LambdaLR, StepLR, ... do). A group without parameters for the engine has None.
         self._base_lr = defaults["lr"]
         self._lr_scales = [
-            None if g.get("_zinf_group", "") is None
-            else (_base_lr(g) / self._base_lr if self._base_lr != 0 else 1.0)
-            for g in self.optimizer.param_groups]
+            (_base_lr(g) / self._base_lr if self._base_lr != 0 else 1.0) if in_engine else None
+            for g, in_engine in zip(self.optimizer.param_groups, self._group_in_engine)]
         self._lr_pushed = self._base_lr
         # With the config's `scheduler` section the engine runs the schedule, and the groups'
         # "lr"s show the rate of the next step, as DeepSpeed's do (the lrs last shown, or None).
@@ -852,8 +851,9 @@ class ZinfEngine(nn.Module):
                                           list(param.shape), self.dtype_name, values,
                                           group=group_of.get(pid, ""),
                                           trainable=pid not in self._no_grad)
-        for g in groups:
-            del g["_zinf_group"]
+        # Whether each group has parameters for the engine (the learning-rate scales skip those
+        # that have none).
+        self._group_in_engine = [g.pop("_zinf_group") is not None for g in groups]
         return groups
 
     def _keep_frozen(self, name: str, param: nn.Parameter):
