@@ -218,7 +218,34 @@ def test_save_latest_false_leaves_latest_as_it_was(tmp_path):
     with open(os.path.join(directory, "latest")) as f:
         assert f.read().strip() == "c"
     assert engine.load_checkpoint(directory, tag="b")[0] == os.path.join(directory, "b")
-    assert not [name for name in os.listdir(directory) if name.endswith(".tmp")]
+    assert not [name for name in os.listdir(directory) if ".tmp" in name]
+
+
+def test_a_compat_save_again_with_save_latest_is_not_skipped(tmp_path):
+    # deepspeed_compat skips a second save of the same tag at the same step (the Trainer's
+    # double call at stage 3), but not one that asks for `latest` where the first did not.
+    engine, _, _, _ = compat.initialize(model=make_mlp(), config=mlp_config(1),
+                                        dist_init_required=False)
+    engine.backward(mlp_loss(engine, mlp_batches(1)[0]))
+    engine.step()
+    directory = str(tmp_path / "ckpt")
+    engine.save_checkpoint(directory, tag="best", save_latest=False)
+    assert not os.path.exists(os.path.join(directory, "latest"))
+    engine.save_checkpoint(directory, tag="best")
+    with open(os.path.join(directory, "latest")) as f:
+        assert f.read().strip() == "best"
+
+
+def test_an_unreadable_latest_is_left_naming_the_tag_with_a_warning(tmp_path):
+    # `latest` read on rank 0 alone before the collective save: an error there must not raise
+    # (the other ranks would wait in the save); the save goes on and says what it left.
+    engine = trained_engine()
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    (directory / "latest").write_bytes(b"\xff\xfe not text")
+    with pytest.warns(UserWarning, match="could not be read before the save"):
+        engine.save_checkpoint(str(directory), tag="best", save_latest=False)
+    assert (directory / "latest").read_text().strip() == "best"
 
 
 def test_save_latest_false_is_refused_where_pruning_could_remove_latests_tag(tmp_path):

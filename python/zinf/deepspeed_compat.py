@@ -465,7 +465,8 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         since the first, would write the same state again (zinf replaces a tag saved again), so
         it is skipped."""
         resolved_tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        key = (os.path.abspath(save_dir), resolved_tag, self.global_steps, self.micro_steps)
+        key = (os.path.abspath(save_dir), resolved_tag, self.global_steps, self.micro_steps,
+               bool(save_latest), bool(exclude_frozen_parameters))
         if getattr(self, "_compat_last_save", None) == key and not client_state:
             return True
         saved = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,

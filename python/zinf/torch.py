@@ -161,13 +161,21 @@ def _read_config(config: dict | str | os.PathLike) -> dict:
     raise TypeError(f"config: expected a dict or the path of a JSON file, got {type(config)}")
 
 
-def _read_latest(path: str) -> str | None:
-    """The content of a checkpoint directory's `latest` file, None where there is none."""
+# _read_latest's answer for a `latest` that exists but cannot be read as text.
+_UNREADABLE_LATEST = object()
+
+
+def _read_latest(path: str):
+    """The content of a checkpoint directory's `latest` file, None where there is none, or
+    _UNREADABLE_LATEST (never an exception: it runs on rank 0 alone, before a collective save
+    the other ranks are already waiting in)."""
     try:
         with open(path) as f:
             return f.read()
     except FileNotFoundError:
         return None
+    except (OSError, UnicodeDecodeError):
+        return _UNREADABLE_LATEST
 
 
 def _restore_latest(save_dir: str, previous: str | None):
@@ -179,7 +187,9 @@ def _restore_latest(save_dir: str, previous: str | None):
     if previous is None:
         os.unlink(latest)
     else:
-        temporary = latest + ".tmp"  # the engine's temporary for `latest` too
+        # Not the engine's temporary (`latest.tmp`): this runs outside the engine's lock on the
+        # directory, beside which another process's save may be writing its own.
+        temporary = f"{latest}.tmp.{os.getpid()}"
         with open(temporary, "w") as f:
             f.write(previous)
             f.flush()
@@ -1822,7 +1832,11 @@ class ZinfEngine(nn.Module):
             self._core.set_client_state(b"")
         if not save_latest:
             failed = None
-            if keep and (previous is None or previous.strip() != tag):
+            if keep and previous is _UNREADABLE_LATEST:
+                warnings.warn(f"save_checkpoint('{save_dir}', '{tag}', save_latest=False): "
+                              f"'{latest}' could not be read before the save, so it is left "
+                              "naming the saved tag", stacklevel=2)
+            elif keep and (previous is None or previous.strip() != tag):
                 try:
                     _restore_latest(save_dir, previous)
                 except OSError as error:
