@@ -33,13 +33,15 @@ class GatheredParameters:
 
     - Parameters trained by a zinf engine: at stage 3 their engine modules are gathered for the
       block (at stages 1 and 2 they always are), and a parameter whose module the block gathered
-      holds a copy of the gathered values for the block: the engine reuses its gathered memory
-      after the release, and a tensor taken in the block (`p.data.cpu()`) keeps its values. With modifier_rank=r, each parameter changed in
-      the block, however (in place, through .data, or its .data replaced), is written at its end
+      holds a copy of the gathered values for the block (host memory: the gathered size again,
+      until the block ends): the engine reuses its gathered memory after the release, and a
+      tensor taken in the block (`p.data.cpu()`) keeps its values. With modifier_rank=r, each
+      parameter changed in the block, however (in place, through .data, or its .data
+      replaced), is written at its end
       into the engine's fp32 master from rank r's values (Engine::write_parameters, which then
       republishes the parameters); the optimizer moments stay. A change is found by comparing a
       digest of the values with one taken on entry (ops on .data do not move the version
-      counter; a digest holds no second copy of the parameters); with several ranks every
+      counter; the digest itself copies nothing); with several ranks every
       parameter is written. Use it between steps: after a backward
       whose step has not run it raises zinf.Error naming the parameter, before anything is
       gathered. Every rank must enter the block (the write is collective); the block's writes

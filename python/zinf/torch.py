@@ -1720,10 +1720,10 @@ class ZinfEngine(nn.Module):
     def destroy(self):
         """Frees the engine and its communicator (DeepSpeed's engine.destroy()). The model's
         parameters the engine holds become empty placeholders (at stages 1 and 2 the frozen ones,
-        the module's own tensors, keep their values); the engine cannot be used afterwards. Called for every engine still open
-        when the interpreter exits, so that an MPI job's communicators are closed before MPI is
-        finalised; that includes an engine whose initialize() raised (a refused parameter), which
-        has no hooks' state yet."""
+        the module's own tensors, keep their values); the engine cannot be used afterwards.
+        Called for every engine still open when the interpreter exits, so that an MPI job's
+        communicators are closed before MPI is finalised; that includes an engine whose
+        initialize() raised (a refused parameter), which has no hooks' state yet."""
         for param in self.__dict__.get("_params", {}).values():
             param.data = torch.empty(0, dtype=self.dtype)
         self.__dict__.get("_gathered_ptrs", {}).clear()
