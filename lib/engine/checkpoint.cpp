@@ -19,8 +19,8 @@
 // now under .<tag>.tmp, is then removed. Where the filesystem has no exchange, the old tag is
 // renamed to .<tag>.old and the new one to <tag>: a crash between the two leaves no <tag> but a
 // complete .<tag>.old, which a load reads in its place and the next save renames back before
-// anything else (restore_replaced_tags). A removal unlinks a directory's manifest first, so an
-// .<tag>.old that holds one is complete.
+// anything else (restore_replaced_tags); where that rename fails, the save leaves it in place.
+// A removal unlinks a directory's manifest first, so an .<tag>.old that holds one is complete.
 // One save at a time changes the directory: rank 0 holds a lock on it for the whole save
 // (SaveLock), so two jobs given one directory are refused rather than removing each other's
 // temporary directories.
@@ -210,7 +210,8 @@ class SaveLock {
 // A save that replaced a tag on a filesystem without RENAME_EXCHANGE and was cut short between
 // its two renames left <dir>/.<tag>.old complete and no <dir>/<tag>: each such tag gets its name
 // back before the save lists the directory, so no complete tag is lost to the removal of what
-// crashed saves left.
+// crashed saves left. Where the rename fails (no space, no permission), the tag stays there, still
+// loadable, and the save does not remove it.
 void restore_replaced_tags(IoEngine& io, const std::string& dir,
                            const std::vector<std::string>& old_dirs) {
   for (const std::string& old : old_dirs) {
@@ -220,9 +221,12 @@ void restore_replaced_tags(IoEngine& io, const std::string& dir,
     if (!check_checkpoint_tag(tag).is_ok() || moved_aside_tag_dir(io, dir, tag).empty()) {
       continue;
     }
-    if (::rename(old.c_str(), final_dir.c_str()) != 0) {
-      log_warn("checkpoint: cannot rename '{}' back to '{}': {}", old, final_dir,
-               std::strerror(errno));
+    const int failed = save_seams().restore_error;
+    if (failed != 0 || ::rename(old.c_str(), final_dir.c_str()) != 0) {
+      log_warn(
+          "checkpoint: cannot rename '{}' back to '{}' ({}): it is left there, the only "
+          "copy of tag '{}'",
+          old, final_dir, std::strerror(failed != 0 ? failed : errno), tag);
       continue;
     }
     log_warn("checkpoint: '{}' renamed back to '{}' (a save replacing that tag was cut short)", old,
@@ -264,9 +268,21 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
     }
     *replace = true;
   }
-  // What crashed saves left. No other save is running here (the lock), so each is a leftover.
+  // What crashed saves left. No other save is running here (the lock), so each is a leftover;
+  // but an .<tag>.old that restore_replaced_tags could not rename back is still the only copy of
+  // its tag, and stays.
   for (const std::vector<std::string>* stale : {&refused.temp_dirs, &refused.old_dirs}) {
-    for (const std::string& path : *stale) std::filesystem::remove_all(path, ec);
+    for (const std::string& path : *stale) {
+      if (stale == &refused.old_dirs) {
+        const std::string name = std::filesystem::path(path).filename().string();
+        const std::string old_tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
+        if (check_checkpoint_tag(old_tag).is_ok() &&
+            !moved_aside_tag_dir(io, dir, old_tag).empty()) {
+          continue;
+        }
+      }
+      std::filesystem::remove_all(path, ec);
+    }
   }
   std::filesystem::create_directory(temp, ec);
   if (ec) {

@@ -475,6 +475,9 @@ struct CheckpointSaveSeams {
   // "renamed" (the two renames without an exchange), "committed" (the new tag under its name),
   // "latest" (`latest` names it). A test ends the process there to leave what a crash would.
   std::function<void(std::string_view point)> at;
+  // Nonzero: the save's rename of a complete .<tag>.old back to <tag> fails with this errno, as
+  // on a full or read-only filesystem.
+  int restore_error = 0;
 };
 void set_checkpoint_save_seams(CheckpointSaveSeams seams);
 

@@ -9,6 +9,7 @@
 // (CheckpointSaveSeams), with the exchange of the two directories and with the two renames of a
 // filesystem without one; a fresh engine then loads the old state or the new, whole, and the
 // next save of the tag succeeds and leaves nothing behind.
+#include <errno.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <signal.h>
@@ -329,6 +330,53 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     EXPECT_TRUE((*info)["problems"].empty()) << info->dump();
     EXPECT_TRUE((*info)["notes"].empty()) << info->dump();
   }
+}
+
+// A tag a replacing save moved aside (.<tag>.old complete, no <tag>: a crash between the two
+// renames) whose rename back fails (no space, no permission: the seam) is the tag's only copy:
+// the save of another tag succeeds and leaves it, the tag still loads, and a later save whose
+// rename back succeeds gives it its name again.
+TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
+  engine_test::ScratchDir scratch("ckpt-replace-restore-fails");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = page_model(53);
+  const Config config = config_for(false, scratch.path());
+  const Masters at2 = reference(config, model, 1, 2);
+  for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 2));
+         return e.save_checkpoint(dir, "last");
+       })) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  std::filesystem::rename(dir + "/last", dir + "/.last.old");
+  CheckpointSaveSeams seams;
+  seams.restore_error = ENOSPC;
+  set_checkpoint_save_seams(seams);
+  Status saved = Status::ok();
+  for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
+         ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "last"));
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 3));
+         return e.save_checkpoint(dir, "next");
+       })) {
+    if (!st.is_ok()) saved = st;
+  }
+  set_checkpoint_save_seams({});
+  ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+  EXPECT_TRUE(std::filesystem::exists(dir + "/.last.old/" + std::string(kCheckpointManifest)));
+  Result<Masters> kept = load_masters(config, model, 1, dir, "last");
+  ASSERT_TRUE(kept.is_ok()) << kept.status().to_string();
+  EXPECT_LE(worst_diff(*kept, at2), 1e-6);
+  // The rename back succeeds now: the tag has its name again, and nothing is left over.
+  for (const Status& st : with_engines(config, model, 1, [&](int, Engine& e) {
+         ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "next"));
+         return e.save_checkpoint(dir, "next");
+       })) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
+  Result<Masters> restored = load_masters(config, model, 1, dir, "last");
+  ASSERT_TRUE(restored.is_ok()) << restored.status().to_string();
+  EXPECT_LE(worst_diff(*restored, at2), 1e-6);
 }
 
 // A directory of the tag's name that is not a checkpoint (neither a manifest nor rank files) is
