@@ -21,6 +21,8 @@
 // complete .<tag>.old, which a load reads in its place and the next save renames back before
 // anything else (restore_replaced_tags); where that rename fails, the save leaves it in place.
 // A removal unlinks a directory's manifest first, so an .<tag>.old that holds one is complete.
+// keep_last renames a tag it prunes to .<tag>.pruned, never .<tag>.old, so a crash while it
+// removes one leaves nothing a load reads or a save restores.
 // One save at a time changes the directory: rank 0 holds a lock on it for the whole save
 // (SaveLock), so two jobs given one directory are refused rather than removing each other's
 // temporary directories.
@@ -118,8 +120,9 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
 // A tag of a later step than the one just saved is never removed nor counted: it belongs to a
 // later point of training than this run has reached, so to another run saving into the same
 // directory or to the training this run was rolled back from (a resume from an older tag), and
-// the newest serials would otherwise delete it. Each old tag is first renamed to ".<tag>.old", so
-// a crash in the middle of its removal leaves nothing that looks like a checkpoint.
+// the newest serials would otherwise delete it. Each old tag is first renamed to ".<tag>.pruned",
+// so a crash in the middle of its removal leaves no tag of that name: no load reads it, no save
+// restores it (as it does a complete ".<tag>.old"), and the next save removes it.
 void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const std::string& current,
                 std::int64_t step) {
   std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir);
@@ -128,12 +131,13 @@ void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const st
   for (std::size_t i = 0; i + keep < tags.size(); ++i) {
     if (tags[i].tag == current) continue;
     const std::string from = fmt::format("{}/{}", dir, tags[i].tag);
-    const std::string to = fmt::format("{}/.{}.old", dir, tags[i].tag);
+    const std::string to = fmt::format("{}/.{}.pruned", dir, tags[i].tag);
     std::filesystem::remove_all(to, ec);
     if (::rename(from.c_str(), to.c_str()) != 0) {
       log_warn("checkpoint: cannot remove old tag '{}': {}", from, std::strerror(errno));
       continue;
     }
+    save_point("pruning");
     remove_tag_dir(to);
   }
   (void)sync_dir(dir);
@@ -271,7 +275,8 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
   // What crashed saves left. No other save is running here (the lock), so each is a leftover;
   // but an .<tag>.old that restore_replaced_tags could not rename back is still the only copy of
   // its tag, and stays.
-  for (const std::vector<std::string>* stale : {&refused.temp_dirs, &refused.old_dirs}) {
+  for (const std::vector<std::string>* stale :
+       {&refused.temp_dirs, &refused.old_dirs, &refused.pruned_dirs}) {
     for (const std::string& path : *stale) {
       if (stale == &refused.old_dirs) {
         const std::string name = std::filesystem::path(path).filename().string();

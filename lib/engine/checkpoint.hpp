@@ -439,9 +439,11 @@ struct RefusedCheckpointTags {
   std::vector<Tag> tags;
   // "<dir>/.<tag>.tmp" directories: saves in progress or cut short.
   std::vector<std::string> temp_dirs;
-  // "<dir>/.<tag>.old" directories: tags a save was removing (pruned, or a leftover it replaced)
-  // when it was cut short.
+  // "<dir>/.<tag>.old" directories: tags a save was replacing when it was cut short (or, left
+  // by an earlier version of the engine, pruning).
   std::vector<std::string> old_dirs;
+  // "<dir>/.<tag>.pruned" directories: tags keep_last was removing when a save was cut short.
+  std::vector<std::string> pruned_dirs;
 };
 
 // The complete tags under `dir` (a subdirectory with a manifest that parses and names it), oldest
@@ -473,7 +475,8 @@ struct CheckpointSaveSeams {
   // Called by rank 0 at each point of a save's commit, by name: "written" (the new tag complete
   // in .<tag>.tmp), "exchanged" (the old tag swapped into .<tag>.tmp), "moved-aside" and
   // "renamed" (the two renames without an exchange), "committed" (the new tag under its name),
-  // "latest" (`latest` names it). A test ends the process there to leave what a crash would.
+  // "latest" (`latest` names it), "pruning" (a tag keep_last removes renamed to .<tag>.pruned). A
+  // test ends the process there to leave what a crash would.
   std::function<void(std::string_view point)> at;
   // Nonzero: the save's rename of a complete .<tag>.old back to <tag> fails with this errno, as
   // on a full or read-only filesystem.
@@ -489,11 +492,11 @@ void set_checkpoint_save_seams(CheckpointSaveSeams seams);
 // the client state)}], "problems": [text], "notes": [text]}, tags oldest first. The problems: a
 // `latest` that does not read or names no complete tag, a tag directory (one with a manifest or
 // rank files) whose manifest does not read. The notes, each saying what the next save or resume
-// does with it: saves in progress or cut short (.<tag>.tmp), tags being removed when a save was
-// cut short (.<tag>.old), a latest.tmp left by a save cut short, and complete tags newer than
-// the one `latest` names (or any, when there is no `latest`): a save cut short before `latest`
-// moved to them.
-// kNotFound naming `dir` when it is not a directory, or holds neither `latest` nor a tag.
+// does with it: saves in progress or cut short (.<tag>.tmp), tags being replaced (.<tag>.old) or
+// pruned (.<tag>.pruned) when a save was cut short, a latest.tmp left by a save cut short, and
+// complete tags newer than the one `latest` names (or any, when there is no `latest`): a save cut
+// short before `latest` moved to them. kNotFound naming `dir` when it is not a directory, or holds
+// neither `latest` nor a tag.
 Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify);
 
 // --- The engine's save and load ----------------------------------------------------------------

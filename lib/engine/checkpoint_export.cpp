@@ -187,6 +187,12 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         "was cut short; no load reads it, and the next save into this directory removes it",
         old));
   }
+  for (const std::string& pruned : refused.pruned_dirs) {
+    notes.push_back(fmt::format(
+        "'{}': a tag keep_last was pruning when a save was cut short; no load reads it, and the "
+        "next save into this directory removes it",
+        pruned));
+  }
   const std::string latest_tmp = fmt::format("{}/{}.tmp", dir, kCheckpointLatest);
   if (std::filesystem::exists(latest_tmp, ec)) {
     Result<std::string> named = read_text_file(*io, latest_tmp);

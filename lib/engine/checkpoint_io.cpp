@@ -650,10 +650,14 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
     if (!entry.is_directory(ec)) continue;
     if (!check_checkpoint_tag(name).is_ok()) {
       // ".<tag>.tmp": a save in progress, or one cut short; ".<tag>.old": a tag a save was
-      // removing. The next save removes both.
+      // replacing; ".<tag>.pruned": a tag keep_last was removing. The next save removes them
+      // (all but a complete ".<tag>.old" with no "<tag>", which it renames back).
       if (refused != nullptr && name.size() > 5 && name[0] == '.') {
         if (name.ends_with(".tmp")) refused->temp_dirs.push_back(entry.path().string());
         if (name.ends_with(".old")) refused->old_dirs.push_back(entry.path().string());
+        if (name.size() > 8 && name.ends_with(".pruned")) {
+          refused->pruned_dirs.push_back(entry.path().string());
+        }
       }
       continue;
     }

@@ -379,6 +379,60 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   EXPECT_LE(worst_diff(*restored, at2), 1e-6);
 }
 
+// A crash while keep_last removes a tag (renamed aside, its manifest not yet removed) leaves no
+// tag of that name: a load of it fails, inspect notes a pruning cut short (not a replacement to
+// be renamed back), and the next save removes it without bringing it back.
+TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
+  engine_test::ScratchDir scratch("ckpt-prune-crash");
+  const std::string dir = scratch.path() + "/ckpt";
+  const Model model = page_model(59);
+  Config config = config_for(false, scratch.path());
+  config.keep_last = 1;
+  for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 1));
+         return e.save_checkpoint(dir, "a");
+       })) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  const int code = in_child([&] {
+    CheckpointSaveSeams seams;
+    seams.at = [](std::string_view point) {
+      if (point == "pruning") ::_exit(0);
+    };
+    set_checkpoint_save_seams(seams);
+    for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
+           ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "a"));
+           ZINF_RETURN_IF_ERROR(train(e, model, rank, 2, 2));
+           return e.save_checkpoint(dir, "b");
+         })) {
+      if (!st.is_ok()) return 2;
+    }
+    return 3;  // the save never pruned
+  });
+  ASSERT_EQ(code, 0);
+  EXPECT_FALSE(load_masters(config, model, 1, dir, "a").is_ok());
+  Result<nlohmann::json> crashed = inspect_checkpoints(dir, true);
+  ASSERT_TRUE(crashed.is_ok()) << crashed.status().to_string();
+  EXPECT_TRUE((*crashed)["problems"].empty()) << crashed->dump();
+  EXPECT_NE((*crashed)["notes"].dump().find("a tag keep_last was pruning"), std::string::npos)
+      << crashed->dump();
+  EXPECT_EQ((*crashed)["notes"].dump().find("moved aside"), std::string::npos) << crashed->dump();
+  const Masters at3 = reference(config, model, 1, 3);
+  for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
+         ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, ""));
+         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 3));
+         return e.save_checkpoint(dir, "c");
+       })) {
+    ASSERT_TRUE(st.is_ok()) << st.to_string();
+  }
+  EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/a"));
+  EXPECT_FALSE(std::filesystem::exists(dir + "/b"));
+  Result<Masters> loaded = load_masters(config, model, 1, dir, "");
+  ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
+  EXPECT_LE(worst_diff(*loaded, at3), 1e-6);
+}
+
 // A directory of the tag's name that is not a checkpoint (neither a manifest nor rank files) is
 // the program's: the save refuses it and leaves it as it was.
 TEST(CheckpointReplaceRefused, ADirectoryThatIsNotACheckpointIsLeftAlone) {
