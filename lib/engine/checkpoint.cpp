@@ -8,9 +8,10 @@
 // <dir>/.<tag>.tmp and fsynced; the directory is fsynced and renamed to <dir>/<tag> (atomic), and
 // <dir> fsynced; only then is <dir>/latest replaced (write a temporary, fsync, rename, fsync
 // <dir>). A load reads the tag `latest` names. So at any instant `latest` names either the
-// previous tag, untouched, or the new one, complete. Older tags are deleted only after that.
+// previous tag, untouched, or the new one, complete. Older tags (keep_last) are deleted only
+// after that; the version of the same tag a save replaces, once the new one has its name (below).
 // A kill between the two renames leaves a complete tag newer than the one `latest` names; the
-// run restarted from `latest` saves that tag again, and the save replaces it (is_leftover_tag).
+// run restarted from `latest` saves that tag again, and the save replaces it as any existing tag.
 //
 // A tag that exists already is replaced, as DeepSpeed's save writes over it ("last", "best", or
 // a job run again into its output directory). The new tag is written to .<tag>.tmp as any other;

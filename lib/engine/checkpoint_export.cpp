@@ -202,7 +202,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         latest_tmp, named.is_ok() ? fmt::format(" (naming '{}')", *named) : std::string()));
   }
   // Complete tags no resume reads by default, left by a save cut short between its tag's rename
-  // and `latest`'s (is_leftover_tag(), as a save decides it).
+  // and `latest`'s (is_leftover_tag(); the next save of such a tag replaces it as any other).
   for (const CheckpointManifest& m : manifests) {
     if (!is_leftover_tag(manifests, has_latest_file, latest, m)) continue;
     if (!has_latest_file) {
