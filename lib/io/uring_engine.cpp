@@ -389,9 +389,10 @@ class UringEngine final : public EngineCore {
         // Completions still land in the completion queue: look at it after a pause that grows
         // to kWaitRetryMax, rather than spinning on the failing call.
         if (ring.wait_errors++ == 0) {
-          log_error("io: waiting for io_uring completions failed: {}; polling the completion "
-                    "queue every {} ms until it recovers",
-                    std::strerror(-rc), kWaitRetryMax.count());
+          log_error(
+              "io: waiting for io_uring completions failed: {}; polling the completion "
+              "queue every {} ms until it recovers",
+              std::strerror(-rc), kWaitRetryMax.count());
         }
         std::this_thread::sleep_for(std::min<std::chrono::milliseconds>(
             kWaitRetryMax, std::chrono::milliseconds(1 << std::min(ring.wait_errors, 8u))));
