@@ -283,21 +283,23 @@ class StoreState final : public OptimizerState {
       return fn(0, layout_.partition_elements(),
                 reinterpret_cast<const float*>(s.host_data(piece)));
     }
-    // Two blocks: sub-group i + 1 is read on a thread of its own while `fn` takes sub-group i,
-    // so a checkpoint's save reads the NVMe state while it writes its file.
-    const std::size_t bytes = round_page(s.sub_group_params() * sizeof(float));
-    AlignedBuffer blocks[2] = {AlignedBuffer(bytes), AlignedBuffer(bytes)};
-    auto read = [&s, piece, &blocks](std::size_t i) {
-      return std::async(std::launch::async, [&s, piece, i, &blocks] {
-        return s.read_piece(piece, i, blocks[i % 2].data());
-      });
+    // Two blocks (the pool's where free, as rewrite_pieces() takes them): sub-group i + 1 is
+    // read on a thread of its own while `fn` takes sub-group i, so a checkpoint's save reads the
+    // NVMe state while it writes its file.
+    PieceBlocks blocks;
+    take_blocks(2, &blocks);
+    auto block = [&blocks](std::size_t i) { return blocks.data[i % 2]; };
+    auto read = [&s, piece, &block](std::size_t i) {
+      return std::async(std::launch::async,
+                        [&s, piece, i, data = block(i)] { return s.read_piece(piece, i, data); });
     };
     const std::size_t count = s.sub_group_count();
     std::future<Status> next = read(0);
     for (std::size_t i = 0; i < count; ++i) {
       ZINF_RETURN_IF_ERROR(next.get());
       if (i + 1 < count) next = read(i + 1);
-      Status st = fn(s.sub_group_first(i), s.sub_group_size(i), blocks[i % 2].as<const float>());
+      Status st =
+          fn(s.sub_group_first(i), s.sub_group_size(i), reinterpret_cast<const float*>(block(i)));
       if (!st.is_ok()) {
         if (next.valid()) (void)next.get();  // no read may still fill a block when it is freed
         return st;
