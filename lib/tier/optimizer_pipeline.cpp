@@ -177,7 +177,6 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
                     options.frozen_sub_groups.size(), store.sub_group_count()));
   }
   std::unique_ptr<OptimizerPipeline> p(new OptimizerPipeline(store, pool, options));
-  p->frozen_ = options.frozen_sub_groups;
   if (!options.groups.empty()) {
     // Each sub-group's ranges, relative to its first element, made once here.
     const std::vector<OptimizerRange>& ranges = options.ranges;
@@ -428,7 +427,7 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
     return status.with_context(
         fmt::format("optimizer step {}: sub-group {}: update", args.step, i));
   }
-  if (!frozen_.empty() && frozen_[i] && args.mode == StepMode::kFull) {
+  if (frozen(i) && args.mode == StepMode::kFull) {
     *settles = true;
     for (Piece piece : {Piece::kExpAvg, Piece::kExpAvgSq}) {
       if (!store_.has(piece)) continue;
@@ -476,7 +475,7 @@ Status OptimizerPipeline::run_host_only(const StepArgs& args) {
     store_.set_stored(i, args.step);
     if (pass) {
       ++stats_.sub_groups_passed;
-    } else if (!frozen_.empty() && frozen_[i]) {
+    } else if (frozen(i)) {
       store_.set_settled(i, settles);
     }
     status = hand_half(i, block, args);
@@ -733,7 +732,7 @@ Status OptimizerPipeline::finish_write(std::size_t p, const StepArgs& args) {
     store_.set_torn(i);
   } else if (args.mode == StepMode::kFull) {
     store_.set_stored(i, args.step);
-    if (!e.pass && !frozen_.empty() && frozen_[i]) store_.set_settled(i, e.settles);
+    if (!e.pass && frozen(i)) store_.set_settled(i, e.settles);
   }
   e.phase = Entry::Phase::kIdle;
   return_block(e);

@@ -236,9 +236,13 @@ class OptimizerPipeline {
   // streams). *settles: a frozen sub-group's moments are all zero after the update.
   Status update(std::size_t i, std::byte* block, const StepArgs& args, bool pass, std::int64_t* ns,
                 bool* settles);
+  // Sub-group i is one of PipelineOptions::frozen_sub_groups.
+  bool frozen(std::size_t i) const {
+    return !options_.frozen_sub_groups.empty() && options_.frozen_sub_groups[i];
+  }
   // Whether the step passes over sub-group i (frozen and settled; not in kUpdateOnly).
   bool passes(std::size_t i) const {
-    return !frozen_.empty() && frozen_[i] && store_.settled(i) && mode_ != StepMode::kUpdateOnly;
+    return frozen(i) && store_.settled(i) && mode_ != StepMode::kUpdateOnly;
   }
   // The update thread: hands one update over, and takes its result when it is done.
   void updater_main();
@@ -341,9 +345,6 @@ class OptimizerPipeline {
   bool update_settles_ = false;
   // The driver's copy of update_settles_ for the update take_update_result() took.
   bool taken_settles_ = false;
-
-  // PipelineOptions::frozen_sub_groups (empty: none).
-  std::vector<bool> frozen_;
 
   // The ranges each sub-group holds, relative to its first element: sub-group i's are
   // sub_ranges_[sub_range_first_[i], sub_range_first_[i + 1]). Empty without groups.
