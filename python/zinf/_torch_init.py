@@ -20,7 +20,6 @@ which reads the staged values and writes changes back to the staging file.
 """
 from __future__ import annotations
 
-import collections
 import enum
 import hashlib
 import itertools
@@ -165,14 +164,10 @@ class ZeroParameter(nn.Parameter):
         return (ZeroParamStatus.AVAILABLE if self.shape == shape
                 else ZeroParamStatus.NOT_AVAILABLE)
 
-    def __reduce_ex__(self, proto):
-        state = {key: value for key, value in self.__dict__.items()
-                 if not key.startswith(("_zinf_", "ds_"))}
-        hooks = collections.OrderedDict()
-        if not state:
-            return torch._utils._rebuild_parameter, (self.data, self.requires_grad, hooks)
-        return (torch._utils._rebuild_parameter_with_state,
-                (self.data, self.requires_grad, hooks, state))
+    def __getstate__(self):
+        # What nn.Parameter's own pickling saves besides the data: the user's attributes only.
+        return {key: value for key, value in self.__dict__.items()
+                if not key.startswith(("_zinf_", "ds_"))}
 
     def __deepcopy__(self, memo):
         if id(self) not in memo:
