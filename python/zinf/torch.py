@@ -767,6 +767,12 @@ class ZinfEngine(nn.Module):
         self._in_backward = False
         self._stray_gradient: str | None = None
         self._warned_refrozen = False  # _check_frozen_unchanged() warned once
+        # What _check_frozen_unchanged() looks at after each backward: the parameters frozen at
+        # initialize() (engine-held or kept as module tensors) and those trainable then.
+        self._frozen_at_start = [(self._names[pid], self._params[pid]) for pid in self._no_grad]
+        self._frozen_at_start += list(self._frozen.values())
+        self._trainable_at_start = [(self._names[pid], param) for pid, param in self._params.items()
+                                    if pid not in self._no_grad]
         self._stray_accumulated: set[int] = set()
         self._install_hooks()
 
@@ -1288,9 +1294,7 @@ class ZinfEngine(nn.Module):
         unfrozen since (or given a .grad) would never train while autograd fills a gradient
         nothing reduces: refused, naming it. One frozen since is still trained by the engine (a
         zero gradient, but weight decay and its moments still move it): warned, once."""
-        frozen = [(self._names[pid], self._params[pid]) for pid in self._no_grad]
-        frozen += list(self._frozen.values())
-        for name, param in frozen:
+        for name, param in self._frozen_at_start:
             if param.requires_grad or param.grad is not None:
                 param.grad = None
                 raise RuntimeError(
@@ -1299,11 +1303,11 @@ class ZinfEngine(nn.Module):
                     "parameters before initialize()")
         if self._warned_refrozen:
             return
-        for pid, param in self._params.items():
-            if pid not in self._no_grad and not param.requires_grad:
+        for name, param in self._trainable_at_start:
+            if not param.requires_grad:
                 self._warned_refrozen = True
                 warnings.warn(
-                    f"parameter '{self._names[pid]}' required grad at initialize() and does not "
+                    f"parameter '{name}' required grad at initialize() and does not "
                     "now: zinf still steps it (with a zero gradient, which weight decay and its "
                     "optimizer moments still move it by); freeze parameters before "
                     "initialize()", stacklevel=4)
