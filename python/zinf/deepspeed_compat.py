@@ -90,7 +90,7 @@ def _torchrun() -> tuple[int, int, int, int] | None:
     --multi_gpu`, which runs it) states them: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
     with WORLD_SIZE > 1 and no MPI launcher, the case where zinf.torch opens its engine's
     communicator on a gloo group of torch.distributed (comm="torch"). None otherwise."""
-    if _mpi_launcher() is not None or any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES):
+    if any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES):  # _mpi_launcher()'s case
         return None
     rank, size = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
     if not (rank.isdigit() and size.isdigit()) or int(size) <= 1:
@@ -115,7 +115,7 @@ def _refuse_without_launcher(call: str):
     RANK says which rank this process is, so neither torch.distributed nor zinf's engine can
     form the group."""
     size = os.environ.get("WORLD_SIZE", "")
-    if (size.isdigit() and int(size) > 1 and _launcher() is None
+    if (size.isdigit() and int(size) > 1 and _torchrun() is None
             and not any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES)):
         raise NotImplementedError(
             f"{call} (zinf.deepspeed_compat): WORLD_SIZE={size} without RANK and without an "
