@@ -167,6 +167,14 @@ std::size_t param_index(const Model& model, std::string_view name) {
   return 0;
 }
 
+// Engine::write_parameters' values callback: each parameter's row of `fresh`.
+auto values_from(const Model& model, const std::vector<std::vector<float>>& fresh) {
+  return [&model, &fresh](std::string_view name, std::span<float> out) {
+    std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
+    return Status::ok();
+  };
+}
+
 enum class Writes { kBatch, kOneByOne, kNone };
 
 // What one rank saw: the masters after two steps, after the writes, and after one more step;
@@ -324,10 +332,7 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
                          engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
                          model, faults));
       auto reads = [&] { return faults->counts().latency; };
-      auto give = [&](std::string_view name, std::span<float> out) {
-        std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
-        return Status::ok();
-      };
+      auto give = values_from(model, fresh);
       std::uint64_t before = reads();
       ZINF_RETURN_IF_ERROR(
           engine->write_parameters(kBatch[0], fresh[param_index(model, kBatch[0])].data(), 0));
@@ -385,13 +390,7 @@ TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
                            engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
                            model, faults));
         const std::uint64_t before = faults->counts().latency;
-        ZINF_RETURN_IF_ERROR(engine->write_parameters(
-            kBatch,
-            [&](std::string_view name, std::span<float> out) {
-              std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
-              return Status::ok();
-            },
-            0));
+        ZINF_RETURN_IF_ERROR(engine->write_parameters(kBatch, values_from(model, fresh), 0));
         counted[reads ? 0 : 1][r] = faults->counts().latency - before;
         return Status::ok();
       });
@@ -425,13 +424,7 @@ TEST(WriteParametersBatch, PublishesTheMastersRounded) {
           open_finalized(ranks, rank,
                          engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
                          model));
-      ZINF_RETURN_IF_ERROR(engine->write_parameters(
-          kBatch,
-          [&](std::string_view name, std::span<float> out) {
-            std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
-            return Status::ok();
-          },
-          1));
+      ZINF_RETURN_IF_ERROR(engine->write_parameters(kBatch, values_from(model, fresh), 1));
       for (const auto& def : model.params) {
         std::vector<float> master(def.element_count());
         ZINF_RETURN_IF_ERROR(engine->read_parameters(def.name, master.data()));
@@ -480,10 +473,7 @@ TEST(WriteParametersBatch, RefusesBadCallsAndFailsTogether) {
                                     engine_test::small_config(3, OffloadDevice::kNvme,
                                                               OffloadDevice::kNone, dir.path()),
                                     model));
-    auto give = [&](std::string_view name, std::span<float> out) {
-      std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
-      return Status::ok();
-    };
+    auto give = values_from(model, fresh);
     const std::vector<std::string_view> unknown = {"head.b", "no.such.parameter"};
     note(engine->write_parameters(unknown, give, root));
     const std::vector<std::string_view> twice = {"head.b", "block0.w", "head.b"};
@@ -589,13 +579,8 @@ TEST(WriteParametersBatch, AnIoErrorOnOneRankStopsEveryRank) {
     ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
     faults->set_enabled(rank == 0);
     const auto start = std::chrono::steady_clock::now();
-    written[r] = engine->write_parameters(
-        kBatch,
-        [&](std::string_view name, std::span<float> out) {
-          std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
-          return Status::ok();
-        },
-        /*root=*/1);
+    written[r] = engine->write_parameters(kBatch, values_from(model, fresh),
+                                          /*root=*/1);
     if (std::chrono::steady_clock::now() - start > timeout / 2) {
       return Status::internal("the failure was not passed on: the rank waited");
     }
@@ -643,10 +628,7 @@ TEST(WriteParametersBatch, AnIoErrorMidwayFailsEveryRankAndStays) {
           auto faults = std::make_shared<FaultInjector>(spec);
           faults->set_enabled(false);
           ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
-          auto give = [&](std::string_view name, std::span<float> out) {
-            std::memcpy(out.data(), fresh[param_index(model, name)].data(), out.size_bytes());
-            return Status::ok();
-          };
+          auto give = values_from(model, fresh);
           faults->set_enabled(rank == 0);
           written[r] = engine->write_parameters(kBatch, give, /*root=*/1);
           faults->set_enabled(false);
