@@ -54,41 +54,50 @@ Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout
   return ranges;
 }
 
-std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size_t count,
-                              FunctionRef<std::size_t(std::size_t)> first,
-                              FunctionRef<std::size_t(std::size_t)> size) {
-  const Partitioner& part = layout.partitioner();
-  bool any_frozen = false;
-  for (std::uint32_t id = 0; id < part.param_count(); ++id) {
-    any_frozen = any_frozen || !layout.param(id).spec.trainable;
+namespace {
+
+bool has_frozen(const ParameterLayout& layout) {
+  for (std::uint32_t id = 0; id < layout.partitioner().param_count(); ++id) {
+    if (!layout.param(id).spec.trainable) return true;
   }
-  std::vector<bool> frozen(count, any_frozen);
-  if (!any_frozen) return frozen;
-  // The trainable parameters' runs of the partition, in partition order, each marking the runs
-  // it overlaps.
-  std::size_t r = 0;
+  return false;
+}
+
+// fn(begin, end) for each trainable parameter's piece of rank `rank`'s partition, in partition
+// order (elements of the partition).
+template <typename Fn>
+void for_each_trainable_piece(const ParameterLayout& layout, int rank, const Fn& fn) {
+  const Partitioner& part = layout.partitioner();
   for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
     const std::size_t base = layout.offset(g);
     for (const ParamPiece& piece : part.shard_pieces(g, rank)) {
       if (!layout.param(piece.param).spec.trainable || piece.element_count == 0) continue;
-      const std::size_t begin = base + piece.shard_offset;
-      const std::size_t end = begin + piece.element_count;
-      while (r < count && first(r) + size(r) <= begin) ++r;
-      for (std::size_t k = r; k < count && first(k) < end; ++k) frozen[k] = false;
+      fn(base + piece.shard_offset, base + piece.shard_offset + piece.element_count);
     }
   }
+}
+
+}  // namespace
+
+std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size_t count,
+                              FunctionRef<std::size_t(std::size_t)> first,
+                              FunctionRef<std::size_t(std::size_t)> size) {
+  const bool any_frozen = has_frozen(layout);
+  std::vector<bool> frozen(count, any_frozen);
+  if (!any_frozen) return frozen;
+  // Each trainable piece, in partition order, marks the sub-groups it overlaps.
+  std::size_t r = 0;
+  for_each_trainable_piece(layout, rank, [&](std::size_t begin, std::size_t end) {
+    while (r < count && first(r) + size(r) <= begin) ++r;
+    for (std::size_t k = r; k < count && first(k) < end; ++k) frozen[k] = false;
+  });
   return frozen;
 }
 
 std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank) {
   constexpr std::size_t kQuantum = 1024;  // f32 elements of a 4 KiB page
-  const Partitioner& part = layout.partitioner();
-  bool any_frozen = false;
-  for (std::uint32_t id = 0; id < part.param_count(); ++id) {
-    any_frozen = any_frozen || !layout.param(id).spec.trainable;
-  }
   std::vector<std::size_t> cuts;
-  if (!any_frozen) return cuts;
+  if (!has_frozen(layout)) return cuts;
   const std::size_t count = layout.partition_elements();
   // The trainable pieces in partition order, widened to whole quanta; a cut at each end of every
   // maximal run of them.
@@ -99,23 +108,18 @@ std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank) {
     if (run_begin > 0) cuts.push_back(run_begin);
     if (run_end < count) cuts.push_back(run_end);
   };
-  for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
-    const std::size_t base = layout.offset(g);
-    for (const ParamPiece& piece : part.shard_pieces(g, rank)) {
-      if (!layout.param(piece.param).spec.trainable || piece.element_count == 0) continue;
-      const std::size_t begin = (base + piece.shard_offset) / kQuantum * kQuantum;
-      const std::size_t end =
-          std::min(round_up(base + piece.shard_offset + piece.element_count, kQuantum), count);
-      if (in_run && begin <= run_end) {
-        run_end = std::max(run_end, end);
-        continue;
-      }
-      close_run();
-      run_begin = begin;
-      run_end = end;
-      in_run = true;
+  for_each_trainable_piece(layout, rank, [&](std::size_t piece_begin, std::size_t piece_end) {
+    const std::size_t begin = piece_begin / kQuantum * kQuantum;
+    const std::size_t end = std::min(round_up(piece_end, kQuantum), count);
+    if (in_run && begin <= run_end) {
+      run_end = std::max(run_end, end);
+      return;
     }
-  }
+    close_run();
+    run_begin = begin;
+    run_end = end;
+    in_run = true;
+  });
   close_run();
   return cuts;
 }
