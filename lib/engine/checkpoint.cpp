@@ -212,6 +212,15 @@ class SaveLock {
   int fd_ = -1;
 };
 
+// The tag of `old_path`, a "<dir>/.<tag>.old" directory, where it is that tag's only complete
+// copy (moved_aside_tag_dir: no <dir>/<tag>, its manifest there); "" otherwise.
+std::string moved_aside_tag(IoEngine& io, const std::string& dir, const std::string& old_path) {
+  const std::string name = std::filesystem::path(old_path).filename().string();
+  const std::string tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
+  if (!check_checkpoint_tag(tag).is_ok() || moved_aside_tag_dir(io, dir, tag).empty()) return "";
+  return tag;
+}
+
 // A save that replaced a tag on a filesystem without RENAME_EXCHANGE and was cut short between
 // its two renames left <dir>/.<tag>.old complete and no <dir>/<tag>: each such tag gets its name
 // back before the save lists the directory, so no complete tag is lost to the removal of what
@@ -220,12 +229,9 @@ class SaveLock {
 void restore_replaced_tags(IoEngine& io, const std::string& dir,
                            const std::vector<std::string>& old_dirs) {
   for (const std::string& old : old_dirs) {
-    const std::string name = std::filesystem::path(old).filename().string();
-    const std::string tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
+    const std::string tag = moved_aside_tag(io, dir, old);
+    if (tag.empty()) continue;
     const std::string final_dir = fmt::format("{}/{}", dir, tag);
-    if (!check_checkpoint_tag(tag).is_ok() || moved_aside_tag_dir(io, dir, tag).empty()) {
-      continue;
-    }
     const int failed = save_seams().restore_error;
     if (failed != 0 || ::rename(old.c_str(), final_dir.c_str()) != 0) {
       log_warn(
@@ -279,14 +285,7 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
   for (const std::vector<std::string>* stale :
        {&refused.temp_dirs, &refused.old_dirs, &refused.pruned_dirs}) {
     for (const std::string& path : *stale) {
-      if (stale == &refused.old_dirs) {
-        const std::string name = std::filesystem::path(path).filename().string();
-        const std::string old_tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
-        if (check_checkpoint_tag(old_tag).is_ok() &&
-            !moved_aside_tag_dir(io, dir, old_tag).empty()) {
-          continue;
-        }
-      }
+      if (stale == &refused.old_dirs && !moved_aside_tag(io, dir, path).empty()) continue;
       std::filesystem::remove_all(path, ec);
     }
   }
