@@ -136,6 +136,24 @@ Status agree_batch(const MasterAccess& w, std::string_view call, Status local,
   return Status::ok();
 }
 
+// After the last agreement: the shards from the values written (OptimizerState::publish_loaded).
+// Every rank has its new master by now, so a rank that cannot publish (a shard write to the swap
+// that fails) cannot be agreed on any more: it aborts the communicator, so that the other ranks
+// fail at once in the all-gather of the persistent groups or in their next collective, naming
+// this rank, instead of waiting there until the collective timeout. The ranks' shards then
+// disagree; the error is sticky here and the communicator stays aborted on every rank.
+Status publish_agreed(const MasterAccess& w, std::string_view call) {
+  Status st = w.state->publish_loaded();
+  if (st.is_ok()) return st;
+  st = st.with_context(fmt::format("{}: publishing the new parameters", call));
+  if (w.comm->world_size() > 1) {
+    // Idempotent: where the communicator failed first (a peer gone), its own reason stays.
+    w.comm->abort(Status::aborted(fmt::format("rank {} failed ({}) after every rank agreed: {}",
+                                              w.rank, code_name(st.code()), st.message())));
+  }
+  return st;
+}
+
 }  // namespace
 
 std::string write_parameters_call(std::span<const std::string_view> names) {
@@ -254,7 +272,7 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
     return state.master_loaded(first, count, out);
   });
   st = source.finish(std::move(st), call);
-  if (st.is_ok()) st = w.state->publish_loaded();
+  if (st.is_ok()) st = publish_agreed(w, call);
   return w.sticky->fail(std::move(st));
 }
 

@@ -64,8 +64,11 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // as its pass reaches them, which is layout order since its partition lies in group order, and
 // broadcasts those it owns no piece of on the way. Each patched piece goes to
 // OptimizerState::master_loaded() as it is written, and the shards are published with
-// publish_loaded(), so the master is not read back to publish them. Errors from the exchange on
-// are recorded in `sticky`. Collective.
+// publish_loaded(), so the master is not read back to publish them. The publish comes after the
+// last agreement: a rank whose publish fails (a shard write to the swap) aborts the communicator
+// with its error, so that the other ranks fail at once with kAborted naming it rather than at the
+// collective timeout; the engine is then unusable on every rank. Errors from the exchange on are
+// recorded in `sticky`. Collective.
 Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
                            const ParameterValues& values, int root, Status precondition);
 // The batch of one, `values` (the parameter's element_count floats) on the root; null there is
