@@ -80,7 +80,7 @@ class StoreState final : public OptimizerState {
         layout_, ctx_.rank, store_->sub_group_count(),
         [&](std::size_t i) { return store_->sub_group_first(i); },
         [&](std::size_t i) { return store_->sub_group_size(i); });
-    const std::vector<bool> frozen = pipe.frozen_sub_groups;
+    frozen_ = pipe.frozen_sub_groups;
     if (publish_ == Publish::kStreamed) {
       // The pipeline hands each sub-group's half output over from its block.
       pipe.half_done = [this](std::size_t i, const std::byte* half) {
@@ -92,9 +92,9 @@ class StoreState final : public OptimizerState {
     }
     ZINF_ASSIGN_OR_RETURN(pipeline_, OptimizerPipeline::open(*store_, pool_.get(), pipe));
     ZINF_RETURN_IF_ERROR(load());
-    // load() wrote zero moments: the frozen sub-groups are settled from the first step on.
-    for (std::size_t i = 0; i < frozen.size(); ++i) {
-      if (frozen[i]) store_->set_settled(i, true);
+    // The moments are zero: the frozen sub-groups are settled from the first step on.
+    for (std::size_t i = 0; i < frozen_.size(); ++i) {
+      if (frozen_[i]) store_->set_settled(i, true);
     }
     if (store_->on_nvme(Piece::kGrads)) {
       SpillOptions spill;
@@ -308,24 +308,65 @@ class StoreState final : public OptimizerState {
     return Status::ok();
   }
 
+  // Loaded moments may be anything (a parameter saved trainable and loaded frozen keeps its
+  // moments, which each step decays): a frozen sub-group stays settled only when it was (its
+  // moments zero) and what is loaded into it is zero too; the others are stepped by the next
+  // pass, which settles again those whose moments are zero. A new master leaves the moments as
+  // they are, and the half copy is rounded from it when it is published (publish_loaded()), so
+  // it leaves the settled sub-groups settled. Settled frozen sub-groups kept so are never
+  // written on the host tier: their moments stay the untouched zero pages they were.
   Status write_state(Piece piece, StateFill fill) override {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
-    // Loaded moments may be anything (a parameter saved trainable and loaded frozen keeps its
-    // moments, which each step decays): the next pass steps every sub-group and settles again
-    // those whose moments are zero.
-    s.clear_settled();
-    if (s.tier(piece) == StoreMedium::kHost) {
-      return fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)));
+    const std::vector<bool> settled = settled_frozen();
+    std::vector<bool> zero(s.sub_group_count(), true);
+    // Whether elements [first, first + count) just written are all zero, per sub-group.
+    auto note_zeros = [&](std::size_t first, std::size_t count, const float* values) {
+      for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+        const std::size_t a = std::max(first, s.sub_group_first(i));
+        const std::size_t b = std::min(first + count, s.sub_group_first(i) + s.sub_group_size(i));
+        if (a >= b || !zero[i]) continue;
+        zero[i] = all_zero(values + (a - first), b - a);
+      }
+    };
+    Status st;
+    if (piece == Piece::kParams) {
+      st = s.tier(piece) == StoreMedium::kHost
+               ? fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)))
+               : rewrite_pieces(piece, /*read_back=*/false, fill);
+    } else if (s.tier(piece) == StoreMedium::kHost) {
+      st = write_host_moments(piece, settled, fill, &zero);
+    } else {
+      st = rewrite_pieces(piece, /*read_back=*/false,
+                          [&](std::size_t first, std::size_t count, float* out) -> Status {
+                            ZINF_RETURN_IF_ERROR(fill(first, count, out));
+                            note_zeros(first, count, out);
+                            return Status::ok();
+                          });
     }
-    return rewrite_pieces(piece, /*read_back=*/false, fill);
+    s.clear_settled();
+    for (std::size_t i = 0; i < settled.size(); ++i) {
+      if (settled[i] && (piece == Piece::kParams || zero[i])) s.set_settled(i, true);
+    }
+    return st;
   }
 
   // Each sub-group of the master read into a block (the next one read ahead while `fill` changes
   // it), changed in place by `fill`, and written back from the same block.
   Status update_master(StateFill fill) override {
     StateStore& s = *store_;
-    s.clear_settled();  // as write_state()
+    // As write_state(kParams): the settled sub-groups stay settled.
+    const std::vector<bool> settled = settled_frozen();
+    struct Resettle {
+      StateStore& s;
+      const std::vector<bool>& settled;
+      ~Resettle() {
+        s.clear_settled();
+        for (std::size_t i = 0; i < settled.size(); ++i) {
+          if (settled[i]) s.set_settled(i, true);
+        }
+      }
+    } resettle{s, settled};
     // master_loaded() streams the shards only while this runs, and from element 0 on.
     loaded_elements_ = kNotLoaded;
     updating_ = true;
@@ -448,8 +489,50 @@ class StoreState final : public OptimizerState {
     return written;
   }
 
+  // Which sub-groups are frozen and settled now (their moments zero).
+  std::vector<bool> settled_frozen() const {
+    std::vector<bool> out(store_->sub_group_count(), false);
+    for (std::size_t i = 0; i < frozen_.size(); ++i) out[i] = frozen_[i] && store_->settled(i);
+    return out;
+  }
+
+  // write_state() of a moment on the host tier, sub-group by sub-group: a sub-group that is
+  // settled (its moments zero) is filled in a scratch block and copied only when what is loaded
+  // is not all zero, so a frozen sub-group's moments that stay zero never take memory; the
+  // others are filled in place. Sets (*zero)[i] to whether sub-group i's loaded values are zero.
+  Status write_host_moments(Piece piece, const std::vector<bool>& settled, StateFill fill,
+                            std::vector<bool>* zero) {
+    StateStore& s = *store_;
+    AlignedBuffer scratch;
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      const std::size_t first = s.sub_group_first(i);
+      const std::size_t size = s.sub_group_size(i);
+      auto* dst = reinterpret_cast<float*>(s.host_data(piece, i));
+      if (!settled[i]) {
+        ZINF_RETURN_IF_ERROR(fill(first, size, dst));
+        (*zero)[i] = all_zero(dst, size);
+        continue;
+      }
+      if (scratch.bytes() == 0) scratch = AlignedBuffer(s.sub_group_params() * sizeof(float));
+      ZINF_RETURN_IF_ERROR(fill(first, size, scratch.as<float>()));
+      (*zero)[i] = all_zero(scratch.as<const float>(), size);
+      if (!(*zero)[i]) std::memcpy(dst, scratch.data(), size * sizeof(float));
+    }
+    return Status::ok();
+  }
+
+  // Every bit zero (a -0.0 moment is not the zero a settled sub-group holds).
+  static bool all_zero(const float* values, std::size_t count) {
+    const auto* bytes = reinterpret_cast<const unsigned char*>(values);
+    const std::size_t n = count * sizeof(float);
+    return n == 0 || (bytes[0] == 0 && std::memcmp(bytes, bytes + 1, n - 1) == 0);
+  }
+
   // Writes the initial master and zero moments into the store, and rounds the master into the
-  // publishing values from the same block, so the registered values are read once.
+  // publishing values from the same block, so the registered values are read once. On the host
+  // tier the moments are not written: the store's arrays are fresh zero pages
+  // (AlignedBuffer::zeroed_pages), which take memory only once a step writes them, so the
+  // moments of the frozen sub-groups (settled from the first step, never written) take none.
   Status load() {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(Piece::kParams));  // the master always lives in the store
@@ -459,6 +542,7 @@ class StoreState final : public OptimizerState {
       const std::size_t size = s.sub_group_size(i);
       for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
         if (!s.has(piece)) continue;
+        if (piece != Piece::kParams && s.tier(piece) == StoreMedium::kHost) continue;
         std::memset(block.data(), 0, block.bytes());
         if (piece == Piece::kParams) {
           ZINF_RETURN_IF_ERROR(ctx_.layout->fill_master(first, size, block.as<float>()));
@@ -526,6 +610,8 @@ class StoreState final : public OptimizerState {
   const ParameterLayout& layout_;
   Publisher& pub_;
   const Publish publish_;
+  // Per sub-group of the store: frozen parameters (and padding) only (PipelineOptions).
+  std::vector<bool> frozen_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<PinnedPool> pool_;
   std::unique_ptr<OptimizerPipeline> pipeline_;

@@ -8,6 +8,8 @@
 // checkpoint saved with the module frozen, loaded where it is frozen and where it is trainable.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <cstdio>
 #include <cstring>
@@ -730,6 +732,236 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
       } else {
         EXPECT_GT(engine_test::max_rel_diff(skipped.finals[p], model.initial[p]), 1e-3)
             << model.params[p].name;
+      }
+    }
+  }
+}
+
+// This process's resident bytes now (/proc/self/statm: pages).
+std::uint64_t resident_bytes() {
+  unsigned long long pages = 0, resident = 0;
+  std::FILE* f = std::fopen("/proc/self/statm", "r");
+  if (f != nullptr) {
+    if (std::fscanf(f, "%llu %llu", &pages, &resident) != 2) resident = 0;
+    std::fclose(f);
+  }
+  return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+// A LoRA-shaped bf16 model of 64Mi frozen elements (a base of 16 weights of 2048 x 2048) and 1Mi
+// trainable ones (8 adapters of 1024 x 128).
+Model big_lora_model() {
+  Model m;
+  m.modules = {"base", "lora"};
+  for (int l = 0; l < 16; ++l) {
+    m.params.push_back({fmt::format("base.w{}", l), "base", {2048, 2048}, DType::kBF16});
+  }
+  for (int l = 0; l < 8; ++l) {
+    m.params.push_back({fmt::format("lora.a{}", l), "lora", {1024, 128}, DType::kBF16});
+  }
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v(m.params[p].element_count());
+    fill_uniform(v.data(), v.size(), 7300 + p, -1.0f, 1.0f);
+    m.initial.push_back(std::move(v));
+  }
+  m.frozen_module = "base";
+  return m;
+}
+
+// What finalize() and three AdamW steps of big_lora_model() add to the process's resident set
+// (world 1, stage 2, the optimizer state on `opt`, its default sub-group size), and the frozen
+// and trainable element counts. The step reduces the adapters' gradients only, as a LoRA
+// training does.
+struct LoraFootprint {
+  std::uint64_t resident_growth_bytes = 0;
+  std::size_t frozen_elements = 0;
+  std::size_t trainable_elements = 0;
+};
+
+LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
+  const Model model = big_lora_model();
+  Config config;
+  config.optimizer.kind = OptimizerKind::kAdamW;
+  config.optimizer.lr = 1e-3;
+  config.optimizer.weight_decay = 0.01;
+  config.zero.stage = 2;
+  config.zero.offload_optimizer.device = opt;
+  config.zero.offload_optimizer.nvme_path = nvme_path;
+  config.cpu_threads = 2;
+  config.collective_timeout_ms = 120'000;
+  LoraFootprint out;
+  for (const engine_test::ParamDef& d : model.params) {
+    (d.module == model.frozen_module ? out.frozen_elements : out.trainable_elements) +=
+        d.element_count();
+  }
+  // The adapters' gradients, made before the first measure.
+  std::vector<std::vector<std::uint16_t>> grads;
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].module == model.frozen_module) continue;
+    std::vector<float> g(model.params[p].element_count());
+    fill_uniform(g.data(), g.size(), 7400 + p, -0.1f, 0.1f);
+    grads.push_back(engine_test::narrow_to_half(g, DType::kBF16));
+  }
+  engine_test::Ranks ranks = engine_test::make_ranks(1, std::chrono::seconds(120));
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        const std::uint64_t before = resident_bytes();
+        ZINF_RETURN_IF_ERROR(engine.finalize());
+        for (int step = 1; step <= 3; ++step) {
+          std::vector<GradientRef> refs;
+          std::size_t k = 0;
+          for (const engine_test::ParamDef& d : model.params) {
+            if (d.module == model.frozen_module) continue;
+            refs.push_back({d.name, grads[k++].data(), d.element_count(), d.dtype});
+          }
+          ZINF_RETURN_IF_ERROR(engine.gather("lora"));
+          ZINF_RETURN_IF_ERROR(engine.reduce_gradients("lora", refs));
+          ZINF_RETURN_IF_ERROR(engine.release("lora"));
+          ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
+          (void)report;
+        }
+        out.resident_growth_bytes = resident_bytes() - before;
+        return Status::ok();
+      });
+  EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
+  return out;
+}
+
+// LoRA with the optimizer state in host memory: the frozen base's moments (8 bytes an element,
+// 512 MiB here) never become resident. What finalize() and the steps add is the fp32 master of
+// every element (4 bytes) and the trainable elements' moments and gradients (12 bytes); 128 MiB
+// of slack (a quarter of the frozen moments) covers the rest (the engine's buffers, the
+// allocator, the threads). With the moments of every element written, the growth is 512 MiB
+// more.
+TEST(Frozen, LoraFrozenMomentsTakeNoHostMemory) {
+  const LoraFootprint f = lora_footprint(OffloadDevice::kHost, "");
+  const std::uint64_t all = f.frozen_elements + f.trainable_elements;
+  const std::uint64_t expected = all * 4 + f.trainable_elements * 12;
+  const std::uint64_t frozen_moments = f.frozen_elements * 8;
+  std::printf(
+      "resident growth %llu bytes; master and trainable moments and gradients %llu; "
+      "frozen moments %llu\n",
+      static_cast<unsigned long long>(f.resident_growth_bytes),
+      static_cast<unsigned long long>(expected), static_cast<unsigned long long>(frozen_moments));
+  EXPECT_LT(f.resident_growth_bytes, expected + frozen_moments / 4);
+}
+
+// The optimizer state a checkpoint's rank 0 file holds: after its 4096-byte header, the master,
+// exp_avg and exp_avg_sq of every partition element (f32); the partition's size is the
+// manifest's. Empty when the files are not there.
+struct SavedState {
+  std::size_t elements = 0;
+  std::vector<float> values;  // 3 * elements
+  const float* piece(std::size_t k) const { return values.data() + k * elements; }
+};
+
+SavedState saved_state(const std::string& tag_dir) {
+  SavedState out;
+  const std::string manifest = engine_test::read_file(tag_dir + "/manifest.json");
+  const std::string key = "\"partition_elements\":";
+  const std::size_t at = manifest.find(key);
+  if (at == std::string::npos) return out;
+  out.elements = std::stoull(manifest.substr(at + key.size()));
+  const std::string bytes = engine_test::read_file(tag_dir + "/rank0.zinfckpt");
+  if (bytes.size() < 4096 + 3 * out.elements * 4) return out;
+  out.values.resize(3 * out.elements);
+  std::memcpy(out.values.data(), bytes.data() + 4096, out.values.size() * sizeof(float));
+  return out;
+}
+
+bool all_zero_floats(const float* values, std::size_t count) {
+  for (std::size_t k = 0; k < count; ++k) {
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, values + k, 4);
+    if (bits != 0) return false;
+  }
+  return true;
+}
+
+// Where a frozen parameter's registered values lie in the saved master (its bits unchanged by
+// the steps), or SIZE_MAX.
+std::size_t find_in_master(const SavedState& s, const std::vector<float>& values) {
+  for (std::size_t at = 0; at + values.size() <= s.elements; ++at) {
+    if (std::memcmp(s.values.data() + at, values.data(), values.size() * 4) == 0) return at;
+  }
+  return SIZE_MAX;
+}
+
+// lora_model() (f32) at world 1 saved after 3 steps with the base frozen, the state in host
+// memory and on NVMe: in its rank file every base parameter's moments are zero and the other
+// moments are not all zero; the checkpoint loaded into a fresh engine and saved again gives the
+// same state bit for bit.
+TEST(Frozen, LoraCheckpointHoldsZeroMomentsForTheFrozenBase) {
+  const Model model = lora_model(DType::kF32);
+  for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+    SCOPED_TRACE(offload_device_name(opt));
+    engine_test::ScratchDir dir(fmt::format("frozen_lora_ckpt_{}", offload_device_name(opt)));
+    const std::string ckpt = dir.path() + "/ckpt";
+    Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
+    config.zero.sub_group_size = 1'000'000'000;
+    train_between_checkpoints(config, model, 1, ckpt, "", 1, 3, "three");
+    const SavedState saved = saved_state(ckpt + "/three");
+    ASSERT_FALSE(saved.values.empty());
+    std::vector<bool> frozen(saved.elements, false);
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      if (model.params[p].module != model.frozen_module) continue;
+      const std::size_t at = find_in_master(saved, model.initial[p]);
+      ASSERT_NE(at, SIZE_MAX) << model.params[p].name << " is not in the saved master";
+      for (std::size_t k = 1; k < 3; ++k) {
+        EXPECT_TRUE(all_zero_floats(saved.piece(k) + at, model.initial[p].size()))
+            << model.params[p].name << " piece " << k;
+      }
+      std::fill(frozen.begin() + at, frozen.begin() + at + model.initial[p].size(), true);
+    }
+    for (std::size_t k = 1; k < 3; ++k) {
+      bool nonzero = false;
+      for (std::size_t e = 0; e < saved.elements && !nonzero; ++e) {
+        nonzero = !frozen[e] && !all_zero_floats(saved.piece(k) + e, 1);
+      }
+      EXPECT_TRUE(nonzero) << "piece " << k << ": the trainable moments are zero";
+    }
+    // Loaded and saved again, with no step between.
+    train_between_checkpoints(config, model, 1, ckpt, "three", 4, 3, "again");
+    const SavedState again = saved_state(ckpt + "/again");
+    ASSERT_EQ(again.values.size(), saved.values.size());
+    EXPECT_EQ(std::memcmp(again.values.data(), saved.values.data(), saved.values.size() * 4), 0);
+  }
+}
+
+// The other way: lora_model() saved after 3 steps with the base trainable (its moments not
+// zero), loaded with the base frozen, where its sub-groups were settled (zero moments): saved
+// again with no step between, every parameter's master and moments are those saved, bit for bit
+// (found by its master: the two layouts differ, the frozen base having sub-groups of its own).
+TEST(Frozen, NonZeroMomentsLoadedIntoAFrozenBaseAreKept) {
+  const Model frozen = lora_model(DType::kF32);
+  Model trained = frozen;
+  trained.frozen_module.clear();
+  for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
+    SCOPED_TRACE(offload_device_name(opt));
+    engine_test::ScratchDir dir(fmt::format("frozen_lora_thawed_{}", offload_device_name(opt)));
+    const std::string ckpt = dir.path() + "/ckpt";
+    Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
+    config.zero.sub_group_size = 1'000'000'000;
+    const std::vector<std::vector<float>> masters =
+        train_between_checkpoints(config, trained, 1, ckpt, "", 1, 3, "three");
+    train_between_checkpoints(config, frozen, 1, ckpt, "three", 4, 3, "loaded");
+    const SavedState saved = saved_state(ckpt + "/three");
+    const SavedState loaded = saved_state(ckpt + "/loaded");
+    ASSERT_FALSE(saved.values.empty());
+    ASSERT_FALSE(loaded.values.empty());
+    ASSERT_EQ(masters.size(), frozen.params.size());
+    for (std::size_t p = 0; p < frozen.params.size(); ++p) {
+      const std::size_t from = find_in_master(saved, masters[p]);
+      const std::size_t to = find_in_master(loaded, masters[p]);
+      ASSERT_NE(from, SIZE_MAX) << frozen.params[p].name;
+      ASSERT_NE(to, SIZE_MAX) << frozen.params[p].name;
+      for (std::size_t k = 1; k < 3; ++k) {
+        const std::size_t bytes = masters[p].size() * 4;
+        EXPECT_FALSE(all_zero_floats(saved.piece(k) + from, masters[p].size()))
+            << frozen.params[p].name << " piece " << k;
+        EXPECT_EQ(std::memcmp(loaded.piece(k) + to, saved.piece(k) + from, bytes), 0)
+            << frozen.params[p].name << " piece " << k;
       }
     }
   }
