@@ -59,8 +59,12 @@ def test_step_accessors_follow_deepspeed():
         assert engine.was_step_applied() == (boundary and not overflow), calls
         assert engine.skipped_steps == (1 if calls >= 5 else 0)
         assert optimizer.overflow == (calls in (5, 6)), calls
-        if boundary:
+        if boundary and not overflow:
             assert engine.get_global_grad_norm() == engine.last_step_report["grad_norm"]
+            applied_norm = engine.get_global_grad_norm()
+        elif boundary:
+            # DeepSpeed's ZeRO optimizers keep the last applied step's norm over an overflow.
+            assert engine.get_global_grad_norm() == applied_norm
     assert engine.last_step_report["skipped"] is False
 
 

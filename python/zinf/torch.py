@@ -1548,11 +1548,15 @@ class ZinfEngine(nn.Module):
         return self._step_applied
 
     def get_global_grad_norm(self) -> float | None:
-        """The last optimizer step's global L2 norm of the unscaled, averaged gradients before
-        clipping (StepReport grad_norm), as DeepSpeed's; None before the first step."""
+        """The global L2 norm of the unscaled, averaged gradients before clipping (StepReport
+        grad_norm) of the last optimizer step that was applied, as DeepSpeed's; None before the
+        first step. After a step skipped for an fp16 overflow it stays the last applied step's
+        (0.0 when none was applied yet), as DeepSpeed's: its ZeRO optimizers (stages 1-3) return
+        from step() on an overflow before they compute the norm, and the engine then reads the
+        _global_grad_norm the optimizer kept (initially 0.0)."""
         if self.last_step_report is None:
             return None
-        return float(self.last_step_report["grad_norm"])
+        return self.__dict__.get("_applied_grad_norm", 0.0)
 
     def gradient_accumulation_steps(self) -> int:
         """The backward calls per optimizer step (DeepSpeed's engine method)."""
@@ -1679,6 +1683,8 @@ class ZinfEngine(nn.Module):
         self.global_samples += self.train_batch_size()
         if at_floor is not None or self.last_step_report.get("skipped"):
             self.skipped_steps += 1
+        else:
+            self._applied_grad_norm = float(self.last_step_report["grad_norm"])
         self._micro_batches_pending = 0
         if at_floor is not None:
             raise at_floor
