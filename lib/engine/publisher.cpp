@@ -1,8 +1,6 @@
 // Publisher: see publisher.hpp.
 #include "engine/publisher.hpp"
 
-#include <fmt/format.h>
-
 #include <algorithm>
 #include <cstring>
 
@@ -54,18 +52,10 @@ Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> valu
   return gather_persistent ? publish() : Status::ok();
 }
 
-Status Publisher::shard_error(std::uint32_t g, Status st) const {
-  if (st.is_ok()) return st;
-  const GroupInfo& info = layout_.group(g);
-  return st.with_context(fmt::format(
-      "writing the new shard of parameter group {} (module '{}', {} parameter(s) from '{}')", g,
-      info.module, info.param_count, layout_.partitioner().spec(info.first_param).name));
-}
-
 Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wait) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ZINF_RETURN_IF_ERROR(shard_error(g, coord_->write_shard(g, values)));
+    ZINF_RETURN_IF_ERROR(coord_->write_shard(g, values));
     // A gather of g's module queues its copies after this write's on the coordinator's stream.
     if (wait) ZINF_RETURN_IF_ERROR(coord_->wait_writes());
     // Outside a pass every group counts as written.
@@ -79,7 +69,7 @@ Status Publisher::write_group_part(std::uint32_t g, std::size_t first, std::size
                                    const std::byte* values, bool last) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    ZINF_RETURN_IF_ERROR(shard_error(g, coord_->write_shard_part(g, first, count, values)));
+    ZINF_RETURN_IF_ERROR(coord_->write_shard_part(g, first, count, values));
     // The stage is refilled next.
     ZINF_RETURN_IF_ERROR(coord_->wait_writes());
     if (!last) return Status::ok();

@@ -125,8 +125,6 @@ class Publisher {
   // counts as written after the `last` part.
   Status write_group_part(std::uint32_t g, std::size_t first, std::size_t count,
                           const std::byte* values, bool last);
-  // `st` (a shard write's outcome) with group g's shard, module and first parameter named.
-  Status shard_error(std::uint32_t g, Status st) const;
 
   const ParameterLayout& layout_;
   ParamCoordinator* coord_ = nullptr;

@@ -716,7 +716,9 @@ TEST(WriteParametersBatch, AShardWriteErrorAfterTheAgreementFailsEveryRankAtOnce
     ASSERT_GT(errors[0], 0u) << "no shard write failed";
     EXPECT_EQ(errors[1], 0u);
     EXPECT_EQ(written[0].code(), Code::kIoError) << written[0].to_string();
-    EXPECT_THAT(written[0].message(), ::testing::HasSubstr("shard of parameter group"));
+    // The call, and the swap extent of the shard that failed.
+    EXPECT_THAT(written[0].message(), ::testing::HasSubstr("publishing the new parameters"));
+    EXPECT_THAT(written[0].message(), ::testing::HasSubstr("swap extent rank0/param/group"));
     // Rank 1 passed the agreement: its call fails in the all-gather of the persistent groups,
     // or, if it got past it, its next collective does.
     const Status& seen = written[1].is_ok() ? next[1] : written[1];
