@@ -48,9 +48,13 @@ class GatheredParameters:
       are one pass over the rank's master partition, however many parameters it changed.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
       values are read into them for the block and, with modifier_rank set, written back to the
-      staging file, so initialize() takes them; with several ranks initialize() then writes
-      rank modifier_rank's values over every rank's (Engine::write_parameters, one pass over the
-      partition for all of them), as DeepSpeed broadcasts them.
+      staging file, so initialize() takes them. With several ranks and torch.distributed
+      initialised (deepspeed.init_distributed(), the Trainer), the block's end broadcasts rank
+      modifier_rank's values and every rank stages them, as DeepSpeed's block does, so every
+      rank reads them from then on (_torch_init.broadcast_staged). Without torch.distributed,
+      initialize() writes rank modifier_rank's values over every rank's (Engine::write_parameters,
+      one pass over the partition for all of them), and until then another rank reads its own
+      (a RuntimeWarning says so: _warn_stale_read).
     Other parameters are left as they are. Changes made without modifier_rank are not kept
     (at stage 3 they are lost at release; at stages 1 and 2 the next step overwrites them)."""
 
@@ -66,12 +70,21 @@ class GatheredParameters:
         # Stage 3, modules this block gathered: each parameter and the engine's view, which the
         # parameter gives way to a copy of for the block.
         self._copied: list[tuple[nn.Parameter, torch.Tensor]] = []
+        # Parameters built under Init, with modifier_rank and several ranks: the torch.distributed
+        # group that broadcasts their values at the block's end (None: initialize() writes them).
+        self._group = None
 
     def __enter__(self):
         if not self._enabled:
             return self
         if self._modifier_rank is not None:
             _refuse_write_before_step(self._params)
+            if any(_torch_init.staged(param) is not None for param in self._params):
+                self._group = _torch_init.broadcast_group()
+                world_size = torch.distributed.get_world_size() if self._group else 1
+                if self._group is not None and not 0 <= self._modifier_rank < world_size:
+                    raise ValueError(f"GatheredParameters(modifier_rank={self._modifier_rank}): "
+                                     f"torch.distributed has ranks 0 to {world_size - 1}")
         gathered_here: set[tuple[int, str]] = set()  # (engine, module) gathered by the block
         copied: set[int] = set()
         for param in self._params:
@@ -131,6 +144,10 @@ class GatheredParameters:
             by_engine.setdefault(engine, []).append((param, values))
         for engine, writes in by_engine.items():
             engine._write_parameters(writes, self._modifier_rank)
+        if self._group is not None and exc[0] is None:
+            # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them.
+            loaded, self._loaded = self._loaded, []
+            _torch_init.broadcast_staged(loaded, self._modifier_rank, self._group)
         while self._loaded:
             param, stage = self._loaded.pop()
             if self._modifier_rank is not None and exc[0] is None:
@@ -142,11 +159,12 @@ class GatheredParameters:
 
 def _warn_stale_read(stage: _torch_init.Staged, modifier_rank) -> None:
     """Warns (once per parameter) when this rank reads, before initialize(), a parameter that
-    another rank changed inside GatheredParameters(modifier_rank=r): zinf has no communicator
-    before initialize(), so the change reaches the other ranks only there, and this rank reads
-    its own values. (A block with the same modifier_rank r reads them too, but what it computes
-    on this rank is replaced by rank r's at initialize(). Not an error: code that reads only the
-    shape, as transformers' resize_token_embeddings does first, is right.)"""
+    another rank changed inside GatheredParameters(modifier_rank=r) while torch.distributed was
+    not initialised: the block's end could not broadcast it, so the change reaches the other
+    ranks only at initialize(), and this rank reads its own values. (A block with the same
+    modifier_rank r reads them too, but what it computes on this rank is replaced by rank r's at
+    initialize(). Not an error: code that reads only the shape, as transformers'
+    resize_token_embeddings does first, is right.)"""
     writer = stage.modifier_rank
     if writer is None or modifier_rank == writer or stage.stale_read:
         return
@@ -158,9 +176,10 @@ def _warn_stale_read(stage: _torch_init.Staged, modifier_rank) -> None:
         f"GatheredParameters on rank {rank}: {stage.what} (shape {tuple(stage.shape)}, built "
         f"under Init) was changed on rank {writer} inside GatheredParameters(modifier_rank="
         f"{writer}) before initialize(); rank {rank} reads its own values, not rank {writer}'s, "
-        f"until initialize() writes rank {writer}'s over every rank's (zinf does not broadcast at "
-        "the block's end before initialize()). Values computed from it here differ from rank "
-        f"{writer}'s: read it after initialize(), or change it inside "
+        f"until initialize() writes rank {writer}'s over every rank's (torch.distributed was not "
+        "initialised, so the block's end could not broadcast them). Values computed from it here "
+        f"differ from rank {writer}'s: initialise torch.distributed before building the model "
+        "(deepspeed.init_distributed()), read it after initialize(), or change it inside "
         f"GatheredParameters(modifier_rank={writer}) only", RuntimeWarning, stacklevel=3)
 
 

@@ -16,7 +16,10 @@ fp32 size on that disk until initialize() is done with it, and never outlives th
 
 Initialisation that runs after a module's constructor (transformers' post_init, a custom
 init_weights) sees the placeholders; do it inside GatheredParameters(params, modifier_rank=0),
-which reads the staged values and writes changes back to the staging file.
+which reads the staged values and writes changes back to the staging file. With several ranks
+and torch.distributed initialised, the block's end broadcasts rank modifier_rank's values and
+every rank stages them (broadcast_staged), as DeepSpeed broadcasts at the end of the block;
+without torch.distributed, initialize() writes them over every rank's.
 """
 from __future__ import annotations
 
@@ -102,8 +105,9 @@ class Staged:
         # Of the values staged: the engine compares it across ranks at finalize
         # (ParameterSpec::initializer_values_hash).
         self.values_hash = values_hash
-        # The modifier_rank of the last GatheredParameters block that changed it (None: none):
-        # initialize() writes that rank's values over every rank's.
+        # The modifier_rank of the last GatheredParameters block that changed it and could not
+        # broadcast its values (torch.distributed not initialised; None: no such block, or a
+        # later block broadcast them): initialize() writes that rank's values over every rank's.
         self.modifier_rank = None
 
     @property
@@ -372,3 +376,69 @@ def launch_rank() -> int | None:
         if value is not None and value.isdigit():
             return int(value)
     return None
+
+
+# The gloo group broadcast_group() made beside a default group of another backend, and that
+# default group (a new default group gets a new one).
+_gloo_group: tuple[object, object] | None = None
+
+
+def broadcast_group():
+    """The torch.distributed group over which a GatheredParameters(modifier_rank=r) block
+    broadcasts the staged values of its parameters at its end, or None when torch.distributed is
+    not initialised or has one rank (the block then leaves rank r's values to initialize()). The
+    default group when its backend takes CPU tensors (gloo: deepspeed.init_distributed(),
+    Accelerate on the CPU); otherwise a gloo group of the same ranks, made once (a collective
+    call: every rank enters the block)."""
+    global _gloo_group
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    world = dist.group.WORLD
+    if "gloo" in str(dist.get_backend()):
+        return world
+    if _gloo_group is None or _gloo_group[0] is not world:
+        _gloo_group = (world, dist.new_group(backend="gloo"))
+    return _gloo_group[1]
+
+
+def broadcast_staged(loaded: "list[tuple[nn.Parameter, Staged]]", root: int, group) -> None:
+    """The end of a GatheredParameters(modifier_rank=root) block before initialize(), with
+    several ranks: rank root's values of the block's staged parameters (each holding its full
+    values in .data) are broadcast over `group` and staged on every rank, as DeepSpeed's block
+    broadcasts them at its end, so that every rank reads rank root's values from then on and
+    finalize() compares the ranks' values again. The parameters are put in ds_id order (the same
+    on every rank, whatever order the block was given them in; those of another library's
+    parameter class, which have none, first, in the block's order) and flattened into one buffer per
+    dtype, one broadcast each; each parameter's values move into the buffer and its .data
+    becomes the empty placeholder, so the rank holds about the block's gathered size, not
+    twice it. Every rank must call it with the same parameters (every rank entered the block).
+    Raises ValueError on rank root when a parameter's .data no longer has its full shape."""
+    dist = torch.distributed
+    rank = dist.get_rank()
+    unique = {id(param): (param, stage) for param, stage in loaded}
+    by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, Staged]]] = {}
+    for param, stage in sorted(unique.values(), key=lambda item: getattr(item[0], "ds_id", -1)):
+        by_dtype.setdefault(stage.dtype, []).append((param, stage))
+    for dtype, members in by_dtype.items():
+        flat = torch.empty(sum(stage.numel for _, stage in members), dtype=dtype)
+        offset = 0
+        for param, stage in members:
+            if rank == root:
+                if tuple(param.data.shape) != stage.shape:
+                    raise ValueError(
+                        f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
+                        f"{tuple(param.data.shape)} at the end of the block, not its shape "
+                        f"{stage.shape}; change its values, not its shape")
+                flat[offset:offset + stage.numel].view(stage.shape).copy_(param.data)
+            param.data = torch.empty(0, dtype=stage.dtype)
+            offset += stage.numel
+        # As bytes: a copy, whatever dtypes the group's backend reduces.
+        dist.broadcast(flat.view(torch.uint8), src=root, group=group)
+        offset = 0
+        for _, stage in members:
+            stage.store(flat[offset:offset + stage.numel].view(stage.shape))
+            stage.modifier_rank = None
+            stage.stale_read = False
+            offset += stage.numel
+        del flat
