@@ -914,10 +914,18 @@ class Engine::Impl {
     const std::string call =
         fmt::format("load_checkpoint('{}'{})", dir, tag.empty() ? "" : fmt::format(", '{}'", tag));
     ZINF_RETURN_IF_ERROR(collective_call(call, settle()));
+    // A state may write the shards while the load writes the master (OptimizerState::
+    // master_loaded), so the prefetched modules go first and the caller's work on the device
+    // copies is waited for. The outcome is agreed with the other ranks' checks: a rank that
+    // fails here fails every rank at once, where after the load it failed alone and left the
+    // others waiting in the republish's all-gather.
+    Status pre = checkpoint_precondition(call);
+    if (pre.is_ok()) pre = fail(coord_->drop_prefetched());
+    if (pre.is_ok() && caller_ != nullptr) pre = fail(caller_->host_wait(timeout_));
     ResumeState r;
-    ZINF_RETURN_IF_ERROR(collective_call(
-        call, load_checkpoint_state(checkpoint_context(), call, std::string(dir), std::string(tag),
-                                    checkpoint_precondition(call), &r)));
+    ZINF_RETURN_IF_ERROR(
+        collective_call(call, load_checkpoint_state(checkpoint_context(), call, std::string(dir),
+                                                    std::string(tag), std::move(pre), &r)));
     t_ = r.step;
     numerics_->scaler().restore(r.loss_scale, r.loss_scale_good_steps,
                                 r.loss_scale_hysteresis_left);
@@ -930,8 +938,6 @@ class Engine::Impl {
     state_->restored(t_);
     // The device copies / shards from the loaded master, as finalize() places them (rounded
     // while the load wrote it, where the state can).
-    ZINF_RETURN_IF_ERROR(fail(coord_->drop_prefetched()));
-    if (caller_ != nullptr) ZINF_RETURN_IF_ERROR(fail(caller_->host_wait(timeout_)));
     return fail(state_->publish_loaded());
   }
 
