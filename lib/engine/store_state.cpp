@@ -496,27 +496,36 @@ class StoreState final : public OptimizerState {
     return out;
   }
 
-  // write_state() of a moment on the host tier, sub-group by sub-group: a sub-group that is
-  // settled (its moments zero) is filled in a scratch block and copied only when what is loaded
-  // is not all zero, so a frozen sub-group's moments that stay zero never take memory; the
-  // others are filled in place. Sets (*zero)[i] to whether sub-group i's loaded values are zero.
+  // write_state() of a moment on the host tier: a sub-group that is settled (its moments zero) is
+  // filled in a scratch block and copied only when what is loaded is not all zero, so a frozen
+  // sub-group's moments that stay zero never take memory; each run of the others is filled in
+  // place by one call (the whole partition when nothing is settled). Sets (*zero)[i] to whether
+  // sub-group i's loaded values are zero.
   Status write_host_moments(Piece piece, const std::vector<bool>& settled, StateFill fill,
                             std::vector<bool>* zero) {
     StateStore& s = *store_;
     AlignedBuffer scratch;
-    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+    const std::size_t count = s.sub_group_count();
+    for (std::size_t i = 0; i < count;) {
       const std::size_t first = s.sub_group_first(i);
-      const std::size_t size = s.sub_group_size(i);
-      auto* dst = reinterpret_cast<float*>(s.host_data(piece, i));
       if (!settled[i]) {
-        ZINF_RETURN_IF_ERROR(fill(first, size, dst));
-        (*zero)[i] = all_zero(dst, size);
+        std::size_t end = i + 1;
+        while (end < count && !settled[end]) ++end;
+        const std::size_t elements = s.sub_group_first(end - 1) + s.sub_group_size(end - 1) - first;
+        auto* dst = reinterpret_cast<float*>(s.host_data(piece, i));
+        ZINF_RETURN_IF_ERROR(fill(first, elements, dst));
+        for (std::size_t j = i; j < end; ++j) {
+          (*zero)[j] = all_zero(dst + (s.sub_group_first(j) - first), s.sub_group_size(j));
+        }
+        i = end;
         continue;
       }
+      const std::size_t size = s.sub_group_size(i);
       if (scratch.bytes() == 0) scratch = AlignedBuffer(s.sub_group_params() * sizeof(float));
       ZINF_RETURN_IF_ERROR(fill(first, size, scratch.as<float>()));
       (*zero)[i] = all_zero(scratch.as<const float>(), size);
-      if (!(*zero)[i]) std::memcpy(dst, scratch.data(), size * sizeof(float));
+      if (!(*zero)[i]) std::memcpy(s.host_data(piece, i), scratch.data(), size * sizeof(float));
+      ++i;
     }
     return Status::ok();
   }
