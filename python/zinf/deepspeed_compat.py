@@ -23,6 +23,10 @@ environment as DeepSpeed's MPI discovery does. The engine's own collectives run 
 of their own under torchrun (zinf.torch makes it from Accelerate's), on its MPI communicator
 under mpirun.
 
+Beyond the Trainer path, what DeepSpeed scripts of their own call (docs/PYTHON.md, "Beyond the
+Trainer"): deepspeed.comm's reduce, all_gather_into_tensor, reduce_scatter_tensor,
+get_global_rank, new_group and point-to-point calls.
+
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
 and no MPI launcher: no rank is known), and several processes that Accelerate counts as one (no
@@ -268,6 +272,58 @@ def _comm_broadcast(tensor, src, group=None, async_op=False):
 
 def _comm_all_gather(tensor_list, tensor, group=None, async_op=False):
     return torch.distributed.all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+
+# The collectives below are deepspeed.comm's over torch.distributed's (deepspeed/comm/comm.py,
+# TorchBackend), with DeepSpeed's argument order; on the gloo group, as the ones above.
+
+def _comm_reduce(tensor, dst, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False,
+                 **kwargs):
+    """The ranks' `tensor` reduced by `op` into rank dst's."""
+    return torch.distributed.reduce(tensor, dst, op=op, group=group, async_op=async_op)
+
+
+def _comm_all_gather_into_tensor(output_tensor, tensor, group=None, async_op=False, **kwargs):
+    """Every rank's `tensor` into `output_tensor`, rank after rank (world size x its elements)."""
+    return torch.distributed.all_gather_into_tensor(output_tensor, tensor, group=group,
+                                                    async_op=async_op)
+
+
+def _comm_reduce_scatter_tensor(output_tensor, tensor, op=torch.distributed.ReduceOp.SUM,
+                                group=None, async_op=False, **kwargs):
+    """The ranks' `tensor` reduced by `op`; rank r keeps the r-th of world-size equal slices."""
+    return torch.distributed.reduce_scatter_tensor(output_tensor, tensor, op=op, group=group,
+                                                   async_op=async_op)
+
+
+def _comm_get_global_rank(group=None, group_rank=0) -> int:
+    """The global rank of `group`'s rank group_rank (group None: the default group's, itself)."""
+    if group is None or group is torch.distributed.GroupMember.WORLD:
+        return int(group_rank)
+    return torch.distributed.get_global_rank(group, group_rank)
+
+
+def _comm_new_group(ranks):
+    """A torch.distributed gloo group of `ranks` (collective: every rank of the default group
+    calls it, as torch's new_group requires), for the collectives above. zinf's engine never
+    runs on it: its data-parallel group is always every rank."""
+    return torch.distributed.new_group(ranks=list(ranks))
+
+
+def _comm_send(tensor, dst, group=None, tag=0):
+    return torch.distributed.send(tensor, dst, group=group, tag=tag)
+
+
+def _comm_recv(tensor, src=None, group=None, tag=0):
+    return torch.distributed.recv(tensor, src, group=group, tag=tag)
+
+
+def _comm_isend(tensor, dst, group=None, tag=0):
+    return torch.distributed.isend(tensor, dst, group=group, tag=tag)
+
+
+def _comm_irecv(tensor, src=None, group=None, tag=0):
+    return torch.distributed.irecv(tensor, src, group=group, tag=tag)
 
 
 # ---- deepspeed.accelerator ----------------------------------------------------------------------
@@ -623,7 +679,12 @@ _MODULES: dict[str, dict] = {
         "is_available": lambda: True, "get_rank": _comm_get_rank,
         "get_world_size": _comm_get_world_size, "get_local_rank": _comm_get_local_rank,
         "barrier": _comm_barrier, "all_reduce": _comm_all_reduce, "broadcast": _comm_broadcast,
-        "all_gather": _comm_all_gather, "ReduceOp": torch.distributed.ReduceOp,
+        "all_gather": _comm_all_gather, "reduce": _comm_reduce,
+        "all_gather_into_tensor": _comm_all_gather_into_tensor,
+        "reduce_scatter_tensor": _comm_reduce_scatter_tensor,
+        "get_global_rank": _comm_get_global_rank, "new_group": _comm_new_group,
+        "send": _comm_send, "recv": _comm_recv, "isend": _comm_isend, "irecv": _comm_irecv,
+        "ReduceOp": torch.distributed.ReduceOp,
     },
     "deepspeed.accelerator": {"get_accelerator": get_accelerator},
     "deepspeed.zero": {
