@@ -337,12 +337,14 @@ class StoreState final : public OptimizerState {
     } else if (s.tier(piece) == StoreMedium::kHost) {
       st = write_host_moments(piece, settled, fill, &zero);
     } else {
-      st = rewrite_pieces(piece, /*read_back=*/false,
-                          [&](std::size_t first, std::size_t count, float* out) -> Status {
-                            ZINF_RETURN_IF_ERROR(fill(first, count, out));
-                            note_zeros(first, count, out);
-                            return Status::ok();
-                          });
+      st = rewrite_pieces(
+          piece, /*read_back=*/false,
+          [&](std::size_t first, std::size_t count, float* out) -> Status {
+            ZINF_RETURN_IF_ERROR(fill(first, count, out));
+            note_zeros(first, count, out);
+            return Status::ok();
+          },
+          &settled);
     }
     s.clear_settled();
     for (std::size_t i = 0; i < settled.size(); ++i) {
@@ -447,8 +449,12 @@ class StoreState final : public OptimizerState {
   // the NVMe state while it reads its file. With `read_back`, `fill` finds the sub-group's
   // stored values in the block, and sub-group i + 1 is read on another thread meanwhile when
   // there are three blocks (with two, it is read beside the write of sub-group i). The tail of a
-  // block past the sub-group's elements is written as zeros, as load() wrote it.
-  Status rewrite_pieces(Piece piece, bool read_back, StateFill fill) {
+  // block past the sub-group's elements is written as zeros, as load() wrote it. The sub-groups
+  // flagged in `zeros_unstored` (settled frozen ones, for a moment) that `fill` leaves all zero
+  // are not written: their room is given back instead (StateStore::release_piece), as load()
+  // left it.
+  Status rewrite_pieces(Piece piece, bool read_back, StateFill fill,
+                        const std::vector<bool>* zeros_unstored = nullptr) {
     StateStore& s = *store_;
     PieceBlocks blocks;
     take_blocks(read_back ? 3 : 2, &blocks);
@@ -479,6 +485,11 @@ class StoreState final : public OptimizerState {
       Status written = writing.valid() ? writing.get() : Status::ok();
       ZINF_RETURN_IF_ERROR(written);
       ZINF_RETURN_IF_ERROR(st);
+      if (zeros_unstored != nullptr && (*zeros_unstored)[i] &&
+          all_zero(reinterpret_cast<const float*>(data), size) &&
+          s.release_piece(piece, i).is_ok()) {
+        continue;  // (not read back: update_master() passes no flags)
+      }
       writing = std::async(std::launch::async,
                            [&s, piece, i, data] { return s.write_piece(piece, i, data); });
       // With two blocks, the other one is free once the write of i - 1 was waited for.
@@ -541,7 +552,10 @@ class StoreState final : public OptimizerState {
   // publishing values from the same block, so the registered values are read once. On the host
   // tier the moments are not written: the store's arrays are fresh zero pages
   // (AlignedBuffer::zeroed_pages), which take memory only once a step writes them, so the
-  // moments of the frozen sub-groups (settled from the first step, never written) take none.
+  // moments of the frozen sub-groups (settled from the first step, never written) take none. On
+  // NVMe a frozen sub-group's moments are not written either: their room in the swap file is
+  // given back (StateStore::release_piece, kZero), so they take no disk blocks (where the
+  // filesystem cannot punch holes, zeros are written as for the others).
   Status load() {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(Piece::kParams));  // the master always lives in the store
@@ -552,6 +566,10 @@ class StoreState final : public OptimizerState {
       for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
         if (!s.has(piece)) continue;
         if (piece != Piece::kParams && s.tier(piece) == StoreMedium::kHost) continue;
+        if (piece != Piece::kParams && i < frozen_.size() && frozen_[i] &&
+            s.release_piece(piece, i).is_ok()) {
+          continue;
+        }
         std::memset(block.data(), 0, block.bytes());
         if (piece == Piece::kParams) {
           ZINF_RETURN_IF_ERROR(ctx_.layout->fill_master(first, size, block.as<float>()));

@@ -72,6 +72,7 @@ struct SwapSpace::Impl {
     std::vector<std::uint64_t> checksums;      // per block
     std::vector<std::uint8_t> states;          // per block, BlockState
     std::vector<std::uint8_t> generation;      // per block: the file it was last written to
+    bool released = false;  // release()d and not written since: a hole in every new generation
   };
 
   struct Op {
@@ -149,9 +150,35 @@ struct SwapSpace::Impl {
   }
 
   // Starts a new generation of every swap file in place of the frozen one: the swap path is
-  // unlinked (the checkpoint's link keeps the frozen file) and created again, preallocated.
-  // REQUIRES: file_mutex held, frozen.
+  // unlinked (the checkpoint's link keeps the frozen file) and created again, preallocated, with
+  // the holes of the released extents. REQUIRES: file_mutex held, frozen.
   Status start_generation();
+  // Punches the extent's room out of generation `g` of every directory's file (see release()).
+  // Each directory's units of an extent lie end to end in its region, so one hole per directory.
+  Status punch(const Extent& e, std::uint8_t g) {
+    const std::uint64_t units = e.info.block_count;
+    for (std::size_t d = 0; d < dirs.size(); ++d) {
+      std::uint64_t lo = UINT64_MAX, hi = 0;
+      for (std::uint64_t u = 0; u < units; ++u) {
+        if (unit_dir(e, u) != d) continue;
+        lo = std::min(lo, unit_file_offset(e, u));
+        hi = std::max(hi, unit_file_offset(e, u) + round_up(block_io_bytes(e, u), kPage));
+      }
+      if (lo >= hi || dirs[d].files[g].fd < 0) continue;
+      if (::fallocate(dirs[d].files[g].fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE,
+                      static_cast<off_t>(lo), static_cast<off_t>(hi - lo)) != 0) {
+        const int err = errno;
+        const std::string what =
+            fmt::format("swap extent {}: giving back its room in {}", e.info.key, dirs[d].path);
+        if (err == EOPNOTSUPP || err == ENOSYS) {
+          return Status::unsupported(fmt::format("{}: the filesystem cannot punch holes", what),
+                                     err);
+        }
+        return status_from_errno(what, err);
+      }
+    }
+    return Status::ok();
+  }
   // Records that blocks [first, end) of `e` are being written to the current generation, and
   // closes an earlier generation that no longer holds any block. REQUIRES: file_mutex held.
   void move_blocks(Extent& e, std::uint64_t first, std::uint64_t end) {
@@ -334,6 +361,7 @@ struct SwapSpace::Impl {
         }
       }
       move_blocks(e, first_block, end_block);
+      e.released = false;
     }
     if (kind == IoOp::kWrite) {
       // Checksum before the write: what is recorded is what the caller handed over.
@@ -542,6 +570,14 @@ Status SwapSpace::Impl::start_generation() {
     }
     f.handle = *handle;
     f.name = d.path;
+  }
+  // The released extents take no room in the new files either (as far as the filesystem lets:
+  // one that cannot punch holes keeps the room, which only costs disk).
+  const std::uint32_t extent_total = extent_count.load(std::memory_order_acquire);
+  for (std::uint32_t x = 0; x < extent_total; ++x) {
+    if (!extents[x]->released) continue;
+    Status punched = punch(*extents[x], next);
+    if (!punched.is_ok()) log_warn("io: {}", punched.to_string());
   }
   const std::uint8_t was = current.load(std::memory_order_relaxed);
   current.store(next, std::memory_order_release);
@@ -926,6 +962,24 @@ void SwapSpace::discard(ExtentId id) {
       for (Impl::Dir& d : m.dirs) m.close_file(d.files[was]);
     }
   }
+}
+
+Status SwapSpace::release(ExtentId id) {
+  Impl& m = *impl_;
+  {
+    std::lock_guard lock(m.file_mutex);
+    Impl::Extent& e = m.extent(id);
+    for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+      ZINF_ASSERT_MSG(e.states[b] != kWriting, "SwapSpace::release: a write is in flight");
+    }
+    // A frozen file is a checkpoint's: its hole comes with the next generation.
+    if (!m.frozen.load(std::memory_order_relaxed)) {
+      ZINF_RETURN_IF_ERROR(m.punch(e, m.current.load(std::memory_order_relaxed)));
+    }
+    e.released = true;
+  }
+  discard(id);
+  return Status::ok();
 }
 
 bool SwapSpace::in_current_file(ExtentId id) const {

@@ -185,6 +185,15 @@ class SwapSpace {
   // frozen file that held only them among what this space still reads is closed. REQUIRES: no
   // op on the extent is in flight.
   void discard(ExtentId id);
+  // discard(), and the extent's room in the swap files given back to the filesystem (a hole,
+  // FALLOC_FL_PUNCH_HOLE), so an extent whose content is known by other means (zeros) takes no
+  // disk blocks. The file then reads zeros there; a later write of the extent takes room again
+  // (and fails with the filesystem's ENOSPC where the disk filled up in between). While the
+  // current files are frozen by link_files() they are left alone; each new generation gets the
+  // holes of the extents released and not written since. Errors: unsupported (the filesystem
+  // cannot punch holes), with nothing discarded; fallocate's others, naming the key. REQUIRES:
+  // no op on the extent is in flight.
+  Status release(ExtentId id);
   // Whether every block of the extent was written, its last write completed, and it lies in the
   // files the next link_files() would link (no write since a link, no block left in a frozen file).
   bool in_current_file(ExtentId id) const;

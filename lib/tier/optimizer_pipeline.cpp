@@ -11,6 +11,7 @@
 #include <cstring>
 #include <thread>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "base/cpu.hpp"
 #include "zinf/log.hpp"
@@ -549,6 +550,12 @@ Status OptimizerPipeline::start_read(std::size_t p, PinnedPool::Lease lease, con
     // Passed over, only the master is read, and only to hand its half copy over.
     if (e.pass && !(piece == Piece::kParams && store_.streams_half())) continue;
     const auto k = static_cast<std::size_t>(piece);
+    if (store_.residency(piece, i) == Residency::kZero) {
+      // Zeros not stored (StateStore::release_piece): nothing to read.
+      std::memset(e.lease.data() + store_.slot_offset(piece), 0,
+                  round_up(store_.piece_bytes(piece, i), kPage));
+      continue;
+    }
     store_.begin_read(piece, i);
     Result<SwapTicket> ticket =
         store_.swap()->read(store_.extent(piece, i), e.lease.data() + store_.slot_offset(piece));
@@ -679,6 +686,12 @@ Status OptimizerPipeline::start_write(std::size_t p, const StepArgs& args) {
   }
   for (Piece piece : write_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
+    if (e.settles && (piece == Piece::kExpAvg || piece == Piece::kExpAvgSq)) {
+      // A frozen sub-group's moments left zero: not written, their room given back
+      // (StateStore::release_piece); where the filesystem cannot, they are written as before.
+      if (store_.residency(piece, i) == Residency::kZero) continue;
+      if (store_.release_piece(piece, i).is_ok()) continue;
+    }
     store_.begin_write(piece, i);
     e.wrote_any = true;
     Result<SwapTicket> ticket =

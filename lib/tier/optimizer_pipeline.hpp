@@ -62,7 +62,9 @@
 // recorded as holding the step once those before it have been released. On the block tier only
 // its master is read, to hand the half-precision copy of it (f32_to_bf16 / f32_to_f16, the bits
 // the update gives) to half_done; on the host tier nothing at all. kUpdateOnly passes over
-// nothing.
+// nothing. On NVMe, the moments of a frozen sub-group that a full update leaves zero are not
+// written: their room is given back (StateStore::release_piece, kZero), and a later read of
+// them fills the block with zeros without I/O.
 //
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and

@@ -8,6 +8,7 @@
 
 #include "base/arith.hpp"
 #include "base/assert.hpp"
+#include "base/hash.hpp"
 
 namespace zinf {
 
@@ -92,6 +93,8 @@ std::string_view residency_name(Residency residency) {
       return "writing";
     case Residency::kLost:
       return "lost";
+    case Residency::kZero:
+      return "zero";
   }
   return "unknown";
 }
@@ -380,18 +383,27 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
                                          const std::string& later_name,
                                          std::vector<FileBlockSum>* sums) {
   ZINF_ASSERT(linkable_);
+  // Per saved extent in file order (the header first): a kZero piece, a hole in the file.
+  std::vector<bool> zero = {false};
   for (std::size_t p = 0; p <= static_cast<std::size_t>(Piece::kExpAvgSq); ++p) {
     if (!has(piece_at(p))) continue;
     for (std::size_t i = 0; i < sub_group_count_; ++i) {
-      if (residency(piece_at(p), i) != Residency::kDisk) return false;
+      const Residency r = residency(piece_at(p), i);
+      if (r != Residency::kDisk && r != Residency::kZero) return false;
+      zero.push_back(r == Residency::kZero);
     }
   }
   // The state first (a frozen file, or state left in one, says no before the header's write
-  // would start a new generation for nothing), then the header into the same file.
+  // would start a new generation for nothing), then the header into the same file. A kZero
+  // piece's room was punched out of the current file (SwapSpace::release): it reads zeros.
   const std::vector<ExtentId> in_order = saved_extents();
+  bool any_stored = false;
   for (std::size_t k = 1; k < in_order.size(); ++k) {
+    if (zero[k]) continue;
+    any_stored = true;
     if (!swap_->in_current_file(in_order[k])) return false;
   }
+  if (!any_stored) return false;  // the master is always stored: a store never stepped or loaded
   ZINF_RETURN_IF_ERROR(swap_->write_sync(header_extent_, header));
   if (!swap_->in_current_file(header_extent_)) return false;
   Status linked = swap_->link_files({path}, {later_name});
@@ -403,13 +415,22 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
     return linked;
   }
   const std::uint64_t block_bytes = swap_->options().block_bytes;
-  // The checksums of what was linked, before the header's are forgotten below.
-  for (ExtentId id : in_order) {
+  // The checksums of what was linked, before the header's are forgotten below; a hole's are
+  // those of zeros, of a block's length.
+  AlignedBuffer zeros;
+  for (std::size_t k = 0; k < in_order.size(); ++k) {
+    const ExtentId id = in_order[k];
     const ExtentInfo& info = swap_->info(id);
     const std::uint64_t start = swap_->file_offset(id);
     for (std::uint32_t b = 0; b < info.block_count; ++b) {
       const std::uint64_t end = std::min(start + (b + 1) * block_bytes, start + info.disk_bytes);
-      sums->push_back({end, swap_->block_checksum(id, b)});
+      if (!zero[k]) {
+        sums->push_back({end, swap_->block_checksum(id, b)});
+        continue;
+      }
+      if (zeros.bytes() == 0) zeros = AlignedBuffer::zeroed_pages(block_bytes);
+      const std::uint64_t length = end - (start + b * block_bytes);
+      sums->push_back({end, xxh3_64(zeros.data(), static_cast<std::size_t>(length))});
     }
   }
   // The store never reads the header back: it must not keep the frozen file open once the next
@@ -506,12 +527,28 @@ Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
     return Status::ok();
   }
   const Residency r = residency(piece, i);
+  if (r == Residency::kZero) {
+    std::memset(data, 0, round_up(piece_bytes(piece, i), kPage));
+    return Status::ok();
+  }
   if (r != Residency::kDisk && r != Residency::kInBlock && r != Residency::kLost) {
     return Status::failed_precondition(fmt::format("{}/group{}/{}: {}", options_.key_prefix, i,
                                                    piece_name(piece), residency_name(r)));
   }
   // A kLost piece is still handed to the swap space, which answers io_error for it.
   return swap_->read_sync(extent(piece, i), data);
+}
+
+Status StateStore::release_piece(Piece piece, std::size_t i) {
+  ZINF_ASSERT(on_nvme(piece));
+  const Residency r = residency(piece, i);
+  ZINF_ASSERT_MSG(r != Residency::kReading && r != Residency::kWriting,
+                  "StateStore::release_piece: the piece is in flight");
+  // New moments (or master): no longer known to be what a step leaves as it is.
+  if (piece != Piece::kGrads) records_[i].settled = false;
+  ZINF_RETURN_IF_ERROR(swap_->release(extent(piece, i)));
+  state(piece, i) = static_cast<std::uint8_t>(Residency::kZero);
+  return Status::ok();
 }
 
 Version StateStore::version(std::size_t i, std::int64_t step) const {

@@ -92,6 +92,7 @@ enum class Residency : std::uint8_t {
   kInBlock = 4,  // in a pool block (the disk copy is still the previous value)
   kWriting = 5,  // a write from a pool block is in flight
   kLost = 6,     // the last write failed: the disk content is unknown
+  kZero = 7,     // NVMe piece known to be zeros and not stored: its extent's room is given back
 };
 std::string_view residency_name(Residency residency);
 
@@ -211,6 +212,14 @@ class StateStore {
   // naming the key; failed_precondition when the piece is in flight.
   Status write_piece(Piece piece, std::size_t i, const void* data);
   Status read_piece(Piece piece, std::size_t i, void* data) const;
+  // Makes NVMe piece (i, piece) zeros without storing them: kZero, its extent's room given back
+  // to the filesystem (SwapSpace::release), so it takes no disk blocks. A read (read_piece(), a
+  // step's) gives zeros without I/O; a write stores it again; a checkpoint linked meanwhile has
+  // zeros there (a hole). Meant for moments known to be zero (a frozen sub-group's): the step
+  // still treats the piece as any other. Errors: unsupported where the filesystem cannot punch
+  // holes (the piece is left as it was: write zeros instead), the swap space's others.
+  // REQUIRES: on_nvme(piece); the piece is not in flight (kReading, kWriting).
+  Status release_piece(Piece piece, std::size_t i);
 
   // Checkpoint layout (StoreLayout::checkpoint_layout): open() creates a 4096-byte header extent
   // first ("<prefix>/checkpoint_header"), then the saved pieces (params, exp_avg, exp_avg_sq, those
@@ -223,10 +232,11 @@ class StateStore {
   // piece's latest value is on disk in the swap file's current generation, hard-links the swap
   // file as `path` (SwapSpace::link_files; `later_name` names it in later messages) and appends
   // to *sums the checksums of the linked file's first 4096 + pieces * param_count * 4 bytes, one
-  // per swap block in file order. False, with nothing linked, when the state is not there as a
-  // whole (a piece in flight or lost, a block written since an earlier link and not by a step)
-  // or the link crosses filesystems (EXDEV) or is refused (EPERM, EMLINK): the caller copies.
-  // Errors: the header's write, fdatasync's, link(2)'s other errors. REQUIRES: linkable().
+  // per swap block in file order (a kZero piece's blocks are a hole: zeros, checksummed so). False,
+  // with nothing linked, when the state is not there as a whole (a piece in flight or lost, a block
+  // written since an earlier link and not by a step) or the link crosses filesystems (EXDEV) or is
+  // refused (EPERM, EMLINK): the caller copies. Errors: the header's write, fdatasync's, link(2)'s
+  // other errors. REQUIRES: linkable().
   Result<bool> link_checkpoint(const void* header, const std::string& path,
                                const std::string& later_name, std::vector<FileBlockSum>* sums);
 
@@ -252,7 +262,8 @@ class StateStore {
   // --- Transitions, for OptimizerPipeline (each asserts the state it leaves). -----------------
   void begin_read(Piece piece, std::size_t i);         // kDisk -> kReading
   void end_read(Piece piece, std::size_t i, bool ok);  // -> kInBlock, or back to kDisk
-  void begin_write(Piece piece, std::size_t i);  // kInBlock / kAbsent / kDisk / kLost -> kWriting
+  // kInBlock / kAbsent / kDisk / kLost / kZero -> kWriting
+  void begin_write(Piece piece, std::size_t i);
   void end_write(Piece piece, std::size_t i, bool ok);  // -> kDisk, or kLost
   void drop_block(Piece piece, std::size_t i);          // kInBlock -> kDisk (read-only piece)
   // Records that sub-group i now holds `step` (all its writes landed), or that it is torn.

@@ -13,6 +13,7 @@
 
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <string>
 
 #include "base/random.hpp"
@@ -558,8 +559,9 @@ TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
 // sub-groups of its own, cut at its ends). Both end with the masters, bit for bit, of the same
 // run with the state in device memory (offload_optimizer none), which steps every element, the
 // frozen base included. At world 1 a checkpoint is linked after step 2: the step after it
-// streams everything once (moving the frozen state out of the linked file), then passes over it
-// again, and the checkpoint resumes to the same bits.
+// streams the frozen master once (moving it out of the linked file; the frozen moments are zeros
+// the store does not keep, StateStore::release_piece, so there is nothing of them to read or
+// write), then passes over it again, and the checkpoint resumes to the same bits.
 struct LoraRun {
   std::vector<StepReport> reports;         // rank 0's
   std::vector<std::vector<float>> finals;  // rank 0's masters
@@ -679,12 +681,12 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
   }
   frozen_elements /= static_cast<std::size_t>(world);
   trainable_elements /= static_cast<std::size_t>(world);
-  const std::size_t all_elements = frozen_elements + trainable_elements;
   // Master, exp_avg and exp_avg_sq: 12 bytes an element each way; the streamed pass reads the
-  // frozen master (4 bytes an element) for its half copy.
+  // frozen master (4 bytes an element) for its half copy; the pass after a linked save reads and
+  // writes the frozen master besides the trainable share.
   const std::uint64_t trainable_bytes = trainable_elements * 12;
   const std::uint64_t frozen_read_bytes = dtype == DType::kF32 ? 0 : frozen_elements * 4;
-  const std::uint64_t all_bytes = all_elements * 12;
+  const std::uint64_t full_bytes = trainable_bytes + frozen_elements * 4;
 
   const bool save = world == 1;
   // Every element stepped, in device memory: the bits the passes over the store must give.
@@ -705,15 +707,15 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
     for (std::size_t s = 0; s < skipped.reports.size(); ++s) {
       const std::size_t pass = overlap ? s : s + 1;
       const std::uint64_t none = 0;
-      // The pass after the linked save (pass 3) streams everything once.
+      // The pass after the linked save (pass 3) streams the frozen master once.
       const bool full = skipped.linked && pass == 3;
       const StepReport& rep = skipped.reports[s];
       EXPECT_EQ(rep.optimizer_nvme_read_bytes, pass == 0 ? none
-                                               : full    ? all_bytes
+                                               : full    ? full_bytes
                                                          : trainable_bytes + frozen_read_bytes)
           << "step " << s + 1;
       EXPECT_EQ(rep.optimizer_nvme_write_bytes, pass == 0 ? none
-                                                : full    ? all_bytes
+                                                : full    ? full_bytes
                                                           : trainable_bytes)
           << "step " << s + 1;
     }
@@ -776,7 +778,31 @@ struct LoraFootprint {
   std::uint64_t resident_growth_bytes = 0;
   std::size_t frozen_elements = 0;
   std::size_t trainable_elements = 0;
+  // State on NVMe: the swap file's allocated bytes (st_blocks * 512) after the steps, and the
+  // bytes this process wrote to storage across finalize() and the steps (/proc/self/io).
+  std::uint64_t swap_allocated_bytes = 0;
+  std::uint64_t written_bytes = 0;
 };
+
+// /proc/self/io's write_bytes: what this process sent to storage.
+std::uint64_t storage_written_bytes() {
+  const std::string io = engine_test::read_file("/proc/self/io");
+  const std::string key = "write_bytes: ";
+  const std::size_t at = io.find(key);
+  return at == std::string::npos ? 0 : std::stoull(io.substr(at + key.size()));
+}
+
+// The allocated bytes of the engine's swap file under `dir` (zinf-swap-*), or 0.
+std::uint64_t swap_file_allocated_bytes(const std::string& dir) {
+  std::uint64_t total = 0;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("zinf-swap-", 0) != 0) continue;
+    struct stat st {};
+    if (::stat(entry.path().c_str(), &st) == 0)
+      total += static_cast<std::uint64_t>(st.st_blocks) * 512;
+  }
+  return total;
+}
 
 LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
   const Model model = big_lora_model();
@@ -807,6 +833,7 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
       engine_test::run_engines(config, ranks, [&](int, Engine& engine) -> Status {
         ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
         const std::uint64_t before = resident_bytes();
+        const std::uint64_t written_before = storage_written_bytes();
         ZINF_RETURN_IF_ERROR(engine.finalize());
         for (int step = 1; step <= 3; ++step) {
           std::vector<GradientRef> refs;
@@ -822,6 +849,8 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
           (void)report;
         }
         out.resident_growth_bytes = resident_bytes() - before;
+        out.written_bytes = storage_written_bytes() - written_before;
+        if (!nvme_path.empty()) out.swap_allocated_bytes = swap_file_allocated_bytes(nvme_path);
         return Status::ok();
       });
   EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
@@ -964,6 +993,35 @@ TEST(Frozen, NonZeroMomentsLoadedIntoAFrozenBaseAreKept) {
             << frozen.params[p].name << " piece " << k;
       }
     }
+  }
+}
+
+// LoRA with the optimizer state on NVMe: the frozen base's moments take no blocks of the swap
+// file and are never written. The file's allocated bytes after finalize() and three steps are
+// the fp32 master of every element (4 bytes) and the trainable elements' moments (8 bytes), and
+// what the process writes is the master once at finalize() and the trainable share (12 bytes an
+// element) at each step; 128 MiB of slack (a quarter of the frozen moments) covers the rest (a
+// header page, extents rounded to swap blocks, the probe at open). With every moment stored,
+// both are 512 MiB more.
+TEST(Frozen, LoraFrozenMomentsTakeNoSwapBlocks) {
+  engine_test::ScratchDir dir("frozen_lora_swap_blocks");
+  const LoraFootprint f = lora_footprint(OffloadDevice::kNvme, dir.path());
+  const std::uint64_t all = f.frozen_elements + f.trainable_elements;
+  const std::uint64_t frozen_moments = f.frozen_elements * 8;
+  const std::uint64_t stored = all * 4 + f.trainable_elements * 8;
+  const std::uint64_t written = all * 4 + 3 * f.trainable_elements * 12;
+  std::printf(
+      "swap file allocated %llu bytes (master and trainable moments %llu); written %llu "
+      "bytes (master once, trainable share per step %llu); frozen moments %llu\n",
+      static_cast<unsigned long long>(f.swap_allocated_bytes),
+      static_cast<unsigned long long>(stored), static_cast<unsigned long long>(f.written_bytes),
+      static_cast<unsigned long long>(written), static_cast<unsigned long long>(frozen_moments));
+  EXPECT_GE(f.swap_allocated_bytes, all * 4) << "the master is not in the swap file";
+  EXPECT_LT(f.swap_allocated_bytes, stored + frozen_moments / 4);
+  if (storage_written_bytes() == 0) {
+    std::printf("no /proc/self/io write_bytes here: the written bytes are not checked\n");
+  } else {
+    EXPECT_LT(f.written_bytes, written + frozen_moments / 4);
   }
 }
 

@@ -3,12 +3,17 @@
 #include "tier/state_store.hpp"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 
 #include <cstring>
+#include <fstream>
+#include <iterator>
+#include <string>
 #include <vector>
 
 #include "base/aligned.hpp"
 #include "base/arith.hpp"
+#include "base/hash.hpp"
 #include "base/random.hpp"
 #include "tier_test_util.hpp"
 
@@ -143,6 +148,82 @@ TEST(StateStore, PiecesRoundTripOnBothTiersAndTrackResidency) {
   st.set_stored(1, 1);
   EXPECT_EQ(st.version(1, 1), Version::kNew);
   EXPECT_EQ(st.version(2, 1), Version::kOld);
+}
+
+std::uint64_t allocated_bytes(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 ? static_cast<std::uint64_t>(st.st_blocks) * 512 : 0;
+}
+
+// A released moment (release_piece, kZero): its blocks go back to the filesystem, it reads as
+// zeros, a checkpoint linked with it holds zeros there whose block checksums are those of the
+// file's bytes, and a write stores it again.
+TEST(StateStore, AReleasedPieceReadsZerosTakesNoBlocksAndLinksAsZeros) {
+  tier_test::RigOptions so;
+  so.store.param_count = 64 * 1024;
+  so.store.sub_group_params = 16 * 1024;  // 64 KiB pieces: whole swap blocks
+  so.store.with_half = false;
+  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                    StoreMedium::kHost};
+  tier_test::Rig s;
+  ASSERT_TRUE(tier_test::open_rig("release", so, &s).is_ok());
+  StateStore& st = *s.store;
+  ASSERT_TRUE(st.linkable());
+  const std::size_t piece_bytes = st.piece_bytes(Piece::kParams, 0);
+  AlignedBuffer data(piece_bytes, 4096), back(piece_bytes, 4096);
+  for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
+    for (std::size_t i = 0; i < st.sub_group_count(); ++i) {
+      fill_random_bytes(data.data(), piece_bytes, 300 + i * 3 + static_cast<std::size_t>(piece));
+      ASSERT_TRUE(st.write_piece(piece, i, data.data()).is_ok());
+    }
+  }
+  const std::string swap_path = s.swap->file_paths()[0];
+  const std::uint64_t before = allocated_bytes(swap_path);
+  for (Piece piece : {Piece::kExpAvg, Piece::kExpAvgSq}) {
+    for (std::size_t i : {std::size_t{1}, std::size_t{2}}) {
+      const Status released = st.release_piece(piece, i);
+      if (released.code() == Code::kUnsupported) GTEST_SKIP() << released.to_string();
+      ASSERT_TRUE(released.is_ok()) << released.to_string();
+      EXPECT_EQ(st.residency(piece, i), Residency::kZero);
+    }
+  }
+  // Less a page per hole, which the filesystem may take for the extents it splits.
+  EXPECT_LE(allocated_bytes(swap_path) + 4 * piece_bytes, before + 4 * 4096)
+      << "the released pieces still take their blocks";
+  std::memset(back.data(), 0xff, piece_bytes);
+  ASSERT_TRUE(st.read_piece(Piece::kExpAvg, 1, back.data()).is_ok());
+  std::vector<std::byte> zeros(piece_bytes);
+  EXPECT_EQ(std::memcmp(back.data(), zeros.data(), piece_bytes), 0);
+
+  // Linked: zeros where the released pieces are, and every block's checksum is its bytes'.
+  AlignedBuffer header(4096, 4096);
+  fill_random_bytes(header.data(), 4096, 7);
+  const std::string linked = s.dir->path() + "/linked.bin";
+  std::vector<FileBlockSum> sums;
+  Result<bool> link = st.link_checkpoint(header.data(), linked, linked, &sums);
+  ASSERT_TRUE(link.is_ok()) << link.status().to_string();
+  ASSERT_TRUE(*link);
+  std::ifstream in(linked, std::ios::binary);
+  const std::string file((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::size_t state_bytes = 4096 + 3 * so.store.param_count * 4;
+  ASSERT_GE(file.size(), state_bytes);
+  const std::size_t exp_avg_1 = 4096 + (so.store.param_count + 16 * 1024) * 4;
+  EXPECT_EQ(std::memcmp(file.data() + exp_avg_1, zeros.data(), piece_bytes), 0);
+  ASSERT_FALSE(sums.empty());
+  EXPECT_EQ(sums.back().end_offset, state_bytes);
+  std::uint64_t from = 0;
+  for (const FileBlockSum& sum : sums) {
+    EXPECT_EQ(sum.xxh3, xxh3_64(file.data() + from, sum.end_offset - from))
+        << "block ending at " << sum.end_offset;
+    from = sum.end_offset;
+  }
+
+  // Written again: stored, and read back as written.
+  fill_random_bytes(data.data(), piece_bytes, 900);
+  ASSERT_TRUE(st.write_piece(Piece::kExpAvg, 1, data.data()).is_ok());
+  EXPECT_EQ(st.residency(Piece::kExpAvg, 1), Residency::kDisk);
+  ASSERT_TRUE(st.read_piece(Piece::kExpAvg, 1, back.data()).is_ok());
+  EXPECT_EQ(std::memcmp(back.data(), data.data(), piece_bytes), 0);
 }
 
 TEST(StateStoreDeathTest, ReadingAPieceInFlightIsAnAssertion) {
