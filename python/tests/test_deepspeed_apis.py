@@ -1,8 +1,9 @@
 """DeepSpeed APIs a ported script calls beyond the training step, over zinf.deepspeed_compat:
-deepspeed.comm's reduce, all_gather_into_tensor, reduce_scatter_tensor, get_global_rank,
-new_group and send/recv on two ranks under torchrun, checked against torch.distributed's
-semantics (DeepSpeed's deepspeed/comm/comm.py passes each call to torch.distributed's) on each
-rank's seeded inputs."""
+RepeatingLoader and engine.training_dataloader, and deepspeed.comm's reduce,
+all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and send/recv on two
+ranks under torchrun. Each is checked against torch (the samplers' orders, torch.distributed's
+semantics on each rank's seeded inputs) with DeepSpeed's behaviour (deepspeed/runtime/
+dataloader.py and engine.py, comm/comm.py) written out in the test."""
 import os
 import socket
 import subprocess
@@ -10,8 +11,44 @@ import sys
 
 import pytest
 import torch
+from torch.utils.data import DistributedSampler, TensorDataset
+
+import zinf.deepspeed_compat as compat
+from conftest import make_mlp, mlp_config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def ds_initialize(**kwargs):
+    """deepspeed.initialize in this process without initialising torch.distributed (the other
+    tests of the session expect it untouched); zinf's engine does not use it."""
+    return compat.initialize(dist_init_required=False, **kwargs)
+
+
+def test_training_dataloader_and_repeating_loader_follow_deepspeeds():
+    dataset = TensorDataset(torch.arange(10, dtype=torch.float32).unsqueeze(1))
+    config = mlp_config(1)
+    batch = config["train_micro_batch_size_per_gpu"]
+    engine, _, loader, _ = ds_initialize(model=make_mlp(), config=config, training_data=dataset)
+    # DeepSpeed's engine keeps the loader it returns as engine.training_dataloader.
+    assert loader is not None and engine.training_dataloader is loader
+    engine.destroy()
+    engine, _, none, _ = ds_initialize(model=make_mlp(), config=config)
+    assert none is None and engine.training_dataloader is None
+    engine.destroy()
+
+    def order(epoch):
+        sampler = DistributedSampler(dataset, num_replicas=1, rank=0)
+        sampler.set_epoch(epoch)
+        return [int(i) for i in sampler]
+
+    # RepeatingLoader starts the loader again when it ends: the passes follow one another, each
+    # a new epoch of the loader's sampler (10 samples in batches of 4: 4, 4, 2 per pass).
+    repeating = compat.RepeatingLoader(loader)
+    assert iter(repeating) is repeating
+    assert batch == 4
+    seen = [int(v) for _ in range(8) for v in next(repeating)[0].flatten()]
+    assert seen == (order(0) + order(1) + order(2))[:28]
 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------

@@ -24,8 +24,9 @@ of their own under torchrun (zinf.torch makes it from Accelerate's), on its MPI 
 under mpirun.
 
 Beyond the Trainer path, what DeepSpeed scripts of their own call (docs/PYTHON.md, "Beyond the
-Trainer"): deepspeed.comm's reduce, all_gather_into_tensor, reduce_scatter_tensor,
-get_global_rank, new_group and point-to-point calls.
+Trainer"): RepeatingLoader and engine.training_dataloader, deepspeed.comm's reduce,
+all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and point-to-point
+calls.
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
@@ -462,6 +463,27 @@ def clone_tensors_for_torch_save(item, device=None, _copies=None):
     return item
 
 
+class RepeatingLoader:
+    """deepspeed.runtime.dataloader.RepeatingLoader (and deepspeed.utils'): iterates over
+    `loader` for ever, starting it again each time it is exhausted. Each new pass is a new
+    iter(loader), so the loader initialize() returns (engine.training_dataloader) reshuffles with
+    the next epoch, as DeepSpeed's does."""
+
+    def __init__(self, loader):
+        self.loader = loader
+        self.data_iter = iter(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        try:
+            return next(self.data_iter)
+        except StopIteration:
+            self.data_iter = iter(self.loader)
+            return next(self.data_iter)
+
+
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
     """Transformers calls this for the config's tensor_parallel.autotp_size > 1."""
     raise NotImplementedError("deepspeed.tp_model_init (zinf.deepspeed_compat): tensor "
@@ -484,7 +506,9 @@ class DeepSpeedEngine(_zt.ZinfEngine):
 
     @property
     def training_dataloader(self):
-        return None
+        """The loader initialize() made from training_data (the one it returned), or None, as
+        DeepSpeed's engine keeps it."""
+        return self.__dict__.get("_compat_training_dataloader")
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, **kwargs):
         """DeepSpeed divides the loss by gradient_accumulation_steps, unless scale_wrt_gas is
@@ -642,6 +666,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         model=model, config=config, model_parameters=model_parameters,
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     engine.__class__ = DeepSpeedEngine
+    engine._compat_training_dataloader = loader
     if (engine.global_rank, engine.world_size) != (_comm_get_rank(), _comm_get_world_size()):
         # A launcher zinf.torch runs under (srun's PMIx) whose ranks were not read above.
         raise NotImplementedError(
@@ -694,6 +719,7 @@ _MODULES: dict[str, dict] = {
     },
     "deepspeed.runtime": {},
     "deepspeed.runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
+    "deepspeed.runtime.dataloader": {"RepeatingLoader": RepeatingLoader},
     # Accelerate passes a scheduler to initialize() only when its class name is one of these.
     "deepspeed.runtime.lr_schedules": {"VALID_LR_SCHEDULES": [
         "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]},
@@ -710,6 +736,7 @@ _MODULES: dict[str, dict] = {
     "deepspeed.utils": {
         "logger": logger, "log_dist": log_dist, "is_initialized": _comm_is_initialized,
         "set_z3_leaf_modules": set_z3_leaf_modules, "get_z3_leaf_modules": get_z3_leaf_modules,
+        "RepeatingLoader": RepeatingLoader,
     },
     "deepspeed.utils.zero_to_fp32": {
         "get_fp32_state_dict_from_zero_checkpoint": _zt.get_fp32_state_dict_from_zero_checkpoint,
