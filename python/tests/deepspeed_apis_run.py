@@ -1,11 +1,14 @@
 """Run by torchrun from test_deepspeed_apis.py (two ranks): a DeepSpeed script's calls of
-deepspeed.comm over zinf.deepspeed_compat.
+deepspeed.comm and deepspeed.utils over zinf.deepspeed_compat.
 
     python -m torch.distributed.run --nproc_per_node 2 deepspeed_apis_run.py <out_dir>
 
 deepspeed.comm: each rank's seeded inputs (comm_inputs(rank)) through reduce,
 all_gather_into_tensor, reduce_scatter_tensor, an all_reduce on new_group(all ranks), send/recv
-and get_global_rank; the results go to <out_dir>/comm.rank<r>.pt."""
+and get_global_rank; the results go to <out_dir>/comm.rank<r>.pt.
+deepspeed.utils: the MLP at ZeRO-3 (optimizer on the CPU), each rank on its half of every batch,
+STEPS steps; then every parameter's safe_get_full_fp32_param and
+safe_get_full_optimizer_state(exp_avg, exp_avg_sq) go to <out_dir>/state.rank<r>.pt."""
 import os
 import sys
 
@@ -18,7 +21,11 @@ zinf.deepspeed_compat.install()
 
 import deepspeed  # noqa: E402
 import deepspeed.comm as dist  # noqa: E402
+from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state  # noqa: E402
 
+from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss  # noqa: E402
+
+STEPS = 3
 WORLD = 2
 
 
@@ -58,10 +65,28 @@ def run_comm(rank: int, out_dir: str):
     torch.save(results, os.path.join(out_dir, f"comm.rank{rank}.pt"))
 
 
+def run_state(rank: int, out_dir: str):
+    model = make_mlp()
+    engine, _, _, _ = deepspeed.initialize(model=model, config=mlp_config(3, "cpu"))
+    for x, y in mlp_batches(STEPS):
+        half = x.shape[0] // WORLD
+        batch = (x[rank * half:(rank + 1) * half], y[rank * half:(rank + 1) * half])
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    state = {}
+    for name, param in model.named_parameters():
+        state[name] = {"fp32": safe_get_full_fp32_param(param),
+                       "exp_avg": safe_get_full_optimizer_state(param, "exp_avg"),
+                       "exp_avg_sq": safe_get_full_optimizer_state(param, "exp_avg_sq")}
+    torch.save(state, os.path.join(out_dir, f"state.rank{rank}.pt"))
+    engine.destroy()
+
+
 if __name__ == "__main__":
     deepspeed.init_distributed()
     out = sys.argv[1]
     run_comm(dist.get_rank(), out)
+    run_state(dist.get_rank(), out)
     # Every rank is done with its collectives before the group goes: a rank that exits first
     # would leave the other's gloo connections to fail as it exits.
     dist.barrier()

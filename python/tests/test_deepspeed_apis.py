@@ -1,9 +1,12 @@
 """DeepSpeed APIs a ported script calls beyond the training step, over zinf.deepspeed_compat:
-RepeatingLoader and engine.training_dataloader, and deepspeed.comm's reduce,
-all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and send/recv on two
-ranks under torchrun. Each is checked against torch (the samplers' orders, torch.distributed's
-semantics on each rank's seeded inputs) with DeepSpeed's behaviour (deepspeed/runtime/
-dataloader.py and engine.py, comm/comm.py) written out in the test."""
+deepspeed.utils' safe_get_full_fp32_param / safe_set_full_fp32_param /
+safe_get_full_optimizer_state (and the gradient ones, refused), RepeatingLoader and
+engine.training_dataloader, deepspeed.comm's reduce, all_gather_into_tensor,
+reduce_scatter_tensor, get_global_rank, new_group and send/recv, and get_global_grad_norm() after
+an fp16 overflow. Each is checked against plain torch (the same model trained in one process,
+torch.optim.AdamW's state, torch.distributed's semantics), with DeepSpeed's behaviour
+(deepspeed/utils/tensor_fragment.py, runtime/dataloader.py, comm/comm.py, runtime/engine.py and
+zero/stage_1_and_2.py / stage3.py) written out in the test."""
 import os
 import socket
 import subprocess
@@ -14,15 +17,141 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import zinf.deepspeed_compat as compat
-from conftest import make_mlp, mlp_config
+from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_mlp, mlp_batches, mlp_config,
+                      mlp_loss)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+STEPS = 3
 
 
 def ds_initialize(**kwargs):
     """deepspeed.initialize in this process without initialising torch.distributed (the other
     tests of the session expect it untouched); zinf's engine does not use it."""
     return compat.initialize(dist_init_required=False, **kwargs)
+
+
+def relative_error(got, expected):
+    return ((got - expected).norm() / expected.norm()).item()
+
+
+def torch_run(model, batches, optimizer=None):
+    """Plain torch's loop (AdamW, the norm clipped to CLIP): returns the optimizer."""
+    if optimizer is None:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                      weight_decay=WEIGHT_DECAY)
+    for batch in batches:
+        mlp_loss(model, batch).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    return optimizer
+
+
+def zinf_run(engine, batches):
+    for batch in batches:
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+
+
+def assert_state_matches(engine_model, reference, optimizer, rel=1e-5):
+    """Every parameter's safe_get_full_* answers against torch's parameter and AdamW state."""
+    for (name, param), expected in zip(engine_model.named_parameters(), reference.parameters()):
+        master = compat.safe_get_full_fp32_param(param)
+        assert master.dtype == torch.float32 and master.shape == expected.shape, name
+        assert relative_error(master, expected.detach()) < rel, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = compat.safe_get_full_optimizer_state(param, key)
+            assert got.shape == expected.shape, (name, key)
+            error = relative_error(got, optimizer.state[expected][key])
+            assert error < rel, f"{name} {key}: relative error {error:.2e}"
+
+
+@pytest.mark.parametrize("stage,offload", [(1, "none"), (2, "cpu"), (3, "cpu")])
+def test_full_fp32_param_and_optimizer_state_are_torchs(stage, offload):
+    batches = mlp_batches(STEPS)
+    reference = make_mlp()
+    optimizer = torch_run(reference, batches)
+    model = make_mlp()
+    engine, _, _, _ = ds_initialize(model=model, config=mlp_config(stage, offload))
+    try:
+        zinf_run(engine, batches)
+        assert_state_matches(model, reference, optimizer)
+        # DeepSpeed's key check: a state the optimizer does not have is a ValueError.
+        with pytest.raises(ValueError, match="momentum_buffer not found in optimizer state"):
+            compat.safe_get_full_optimizer_state(model[0].weight, "momentum_buffer")
+        # Read again after a step: the state saved for the previous step is not reused.
+        extra = mlp_batches(1, seed=13)
+        torch_run(reference, extra, optimizer)
+        zinf_run(engine, extra)
+        assert_state_matches(model, reference, optimizer)
+    finally:
+        engine.destroy()
+
+
+def test_safe_set_full_fp32_param_trains_on_from_the_new_values():
+    # DeepSpeed's safe_set_full_fp32_param replaces the fp32 master and leaves the moments: the
+    # reference sets the torch parameter in place between steps and keeps AdamW's state.
+    batches = mlp_batches(4)
+    generator = torch.Generator().manual_seed(21)
+    new_weight = torch.randn(16, 6, generator=generator)
+    reference = make_mlp()
+    optimizer = torch_run(reference, batches[:2])
+    with torch.no_grad():
+        reference[0].weight.copy_(new_weight)
+    torch_run(reference, batches[2:], optimizer)
+    for stage in (2, 3):
+        model = make_mlp()
+        engine, _, _, _ = ds_initialize(model=model, config=mlp_config(stage))
+        try:
+            zinf_run(engine, batches[:2])
+            compat.safe_set_full_fp32_param(model[0].weight, new_weight.to(torch.float16))
+            assert torch.equal(compat.safe_get_full_fp32_param(model[0].weight),
+                               new_weight.to(torch.float16).float())
+            compat.safe_set_full_fp32_param(model[0].weight, new_weight)
+            assert torch.equal(compat.safe_get_full_fp32_param(model[0].weight), new_weight)
+            zinf_run(engine, batches[2:])
+            assert_state_matches(model, reference, optimizer)
+        finally:
+            engine.destroy()
+
+
+def test_gradients_are_refused_and_untrained_tensors_have_no_state():
+    model = make_mlp()
+    model[3].weight.requires_grad_(False)  # the LayerNorm's weight: frozen
+    engine, _, _, _ = ds_initialize(model=model, config=mlp_config(2))
+    try:
+        batch = mlp_batches(1)[0]
+        engine.backward(mlp_loss(engine, batch))
+        # zinf keeps no full gradient: refused, naming what to use instead.
+        with pytest.raises(NotImplementedError, match="get_global_grad_norm.*register_hook"):
+            compat.safe_get_full_grad(model[0].weight)
+        with pytest.raises(NotImplementedError, match="register_hook"):
+            compat.safe_set_full_grad(model[0].weight, torch.zeros(16, 6))
+        # The optimizer state is saved to be read, which the engine refuses between a backward
+        # and its step: refused with the way out, before any collective.
+        with pytest.raises(RuntimeError, match="after engine.step"):
+            compat.safe_get_full_optimizer_state(model[0].weight, "exp_avg")
+        before = compat.safe_get_full_fp32_param(model[0].weight)
+        with pytest.raises(RuntimeError, match="after engine.step"):
+            compat.safe_set_full_fp32_param(model[0].weight, torch.randn(16, 6))
+        assert torch.equal(compat.safe_get_full_fp32_param(model[0].weight), before)
+        engine.step()
+        # A frozen parameter and a tensor of no engine have no master, state or gradient in
+        # DeepSpeed's optimizer: None, as its functions answer without the parameter's mapping.
+        stranger = torch.nn.Parameter(torch.ones(3))
+        for tensor in (model[3].weight, stranger):
+            assert compat.safe_get_full_fp32_param(tensor) is None
+            assert compat.safe_get_full_optimizer_state(tensor, "exp_avg") is None
+            assert compat.safe_get_full_grad(tensor) is None
+        with pytest.raises(NotImplementedError, match="load_checkpoint"):
+            compat.safe_set_full_optimizer_state(model[0].weight, torch.zeros(16, 6), "exp_avg")
+    finally:
+        engine.destroy()
+    for name in ("safe_get_full_fp32_param", "safe_get_full_grad",
+                 "safe_get_full_optimizer_state", "safe_set_full_fp32_param", "RepeatingLoader"):
+        assert compat._MODULES["deepspeed.utils"][name] is getattr(compat, name)
+    assert compat._MODULES["deepspeed.runtime.dataloader"]["RepeatingLoader"] is \
+        compat.RepeatingLoader
 
 
 def test_training_dataloader_and_repeating_loader_follow_deepspeeds():
@@ -49,6 +178,44 @@ def test_training_dataloader_and_repeating_loader_follow_deepspeeds():
     assert batch == 4
     seen = [int(v) for _ in range(8) for v in next(repeating)[0].flatten()]
     assert seen == (order(0) + order(1) + order(2))[:28]
+
+
+def test_global_grad_norm_after_an_overflow_is_the_last_applied_steps():
+    # DeepSpeed's ZeRO optimizers return from step() on an overflow before computing the norm,
+    # so _global_grad_norm keeps the last applied step's (0.0 before any), which the engine's
+    # get_global_grad_norm() returns (None before the first step).
+    config = mlp_config(2)
+    config["fp16"] = {"enabled": True, "initial_scale_power": 8, "hysteresis": 1}
+    model = make_mlp()
+    engine, _, _, _ = ds_initialize(model=model, config=config)
+    batches = [(x.half(), y.half()) for x, y in mlp_batches(3)]
+    try:
+        assert engine.get_global_grad_norm() is None
+        engine.backward(mlp_loss(engine, batches[0]).float() * float("inf"))
+        engine.step()
+        assert not engine.was_step_applied()
+        assert engine.get_global_grad_norm() == 0.0
+        # The norm of an applied step: torch's norm of the fp32 gradients (fp16 compute, so to
+        # fp16's precision), taken from the engine's fp16 values of the parameters.
+        reference = make_mlp()
+        with torch.no_grad():
+            for (name, mine), (_, theirs) in zip(model.named_parameters(),
+                                                 reference.named_parameters()):
+                theirs.copy_(compat.safe_get_full_fp32_param(mine).half().float())
+        x, y = batches[1]
+        mlp_loss(reference, (x.float(), y.float())).backward()
+        expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), float("inf")).item()
+        engine.backward(mlp_loss(engine, batches[1]).float())
+        engine.step()
+        assert engine.was_step_applied()
+        applied = engine.get_global_grad_norm()
+        assert applied == pytest.approx(expected, rel=2e-2)
+        engine.backward(mlp_loss(engine, batches[2]).float() * float("inf"))
+        engine.step()
+        assert not engine.was_step_applied() and engine.skipped_steps == 2
+        assert engine.get_global_grad_norm() == applied
+    finally:
+        engine.destroy()
 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------
@@ -92,3 +259,17 @@ def test_deepspeed_comm_collectives_follow_torch_distributed(two_rank_run):
     assert torch.equal(results[1]["recv"], inputs[0]["send"])
 
 
+def test_full_state_at_stage_3_on_two_ranks_is_torchs_on_the_full_batch(two_rank_run):
+    from deepspeed_apis_run import STEPS as RUN_STEPS
+
+    reference = make_mlp()
+    optimizer = torch_run(reference, mlp_batches(RUN_STEPS))
+    states = [torch.load(two_rank_run / f"state.rank{rank}.pt") for rank in range(2)]
+    for name, expected in reference.named_parameters():
+        # Every rank gets the whole tensor, the same bits on both.
+        for key in ("fp32", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(states[0][name][key], states[1][name][key]), (name, key)
+        assert relative_error(states[0][name]["fp32"], expected.detach()) < 1e-5, name
+        for key in ("exp_avg", "exp_avg_sq"):
+            error = relative_error(states[0][name][key], optimizer.state[expected][key])
+            assert error < 1e-5, f"{name} {key}: relative error {error:.2e}"

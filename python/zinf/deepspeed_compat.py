@@ -24,14 +24,16 @@ of their own under torchrun (zinf.torch makes it from Accelerate's), on its MPI 
 under mpirun.
 
 Beyond the Trainer path, what DeepSpeed scripts of their own call (docs/PYTHON.md, "Beyond the
-Trainer"): RepeatingLoader and engine.training_dataloader, deepspeed.comm's reduce,
-all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and point-to-point
-calls.
+Trainer"): deepspeed.utils' safe_get_full_fp32_param, safe_set_full_fp32_param and
+safe_get_full_optimizer_state, RepeatingLoader and engine.training_dataloader, deepspeed.comm's
+reduce, all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and
+point-to-point calls.
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
-and no MPI launcher: no rank is known), and several processes that Accelerate counts as one (no
-use_cpu=True on a machine without a GPU: each would train on the whole data).
+and no MPI launcher: no rank is known), several processes that Accelerate counts as one (no
+use_cpu=True on a machine without a GPU: each would train on the whole data), and a parameter's
+full gradient (safe_get_full_grad: the engine keeps none) or the writing of a gradient or moment.
 
 No `deepspeed` distribution is installed: the modules are registered in sys.modules, and a finder
 on sys.meta_path answers importlib.util.find_spec and importlib.metadata for the name, which
@@ -42,13 +44,17 @@ from __future__ import annotations
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
+import json
 import logging
 import math
 import os
 import pathlib
 import re
+import shutil
 import sys
+import tempfile
 import types
+import weakref
 
 import torch
 
@@ -484,6 +490,228 @@ class RepeatingLoader:
             return next(self.data_iter)
 
 
+# ---- deepspeed.utils: one parameter's full fp32 state (deepspeed/utils/tensor_fragment.py) ------
+# DeepSpeed's functions find the optimizer from attributes it sets on each parameter; here the
+# engine that deepspeed.initialize() made is found by the parameter's id, kept with weak
+# references so that neither outlives the caller's. Like DeepSpeed's at stage 3 they are
+# collective: every rank calls them for the same parameters in the same order.
+
+_param_engines: dict[int, tuple] = {}  # id(param) -> (weakref to param, weakref to engine)
+
+
+def _remember_parameters(engine: "DeepSpeedEngine"):
+    for key in [k for k, (param, _) in _param_engines.items() if param() is None]:
+        del _param_engines[key]
+    own = weakref.ref(engine)
+    for param in engine.module.parameters():
+        _param_engines[id(param)] = (weakref.ref(param), own)
+
+
+def _engine_of(param) -> "DeepSpeedEngine | None":
+    """The live engine that trains `param`, or None (a tensor no engine of deepspeed.initialize()
+    holds, as DeepSpeed's functions return None for a parameter without its mapping)."""
+    entry = _param_engines.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def _trained_name(engine: "DeepSpeedEngine", param) -> str | None:
+    """The engine's name of `param` when the engine trains it (an fp32 master and optimizer
+    state); None for a frozen parameter (requires_grad False at initialize()), which has none in
+    DeepSpeed's optimizer either."""
+    pid = id(param)
+    if pid not in engine._params or pid in engine._no_grad:
+        return None
+    return engine._names[pid]
+
+
+def safe_get_full_fp32_param(param):
+    """deepspeed.utils.safe_get_full_fp32_param: the parameter's fp32 master, whole, in its full
+    shape (at stage 3 too), a new CPU tensor on every rank. Collective (Engine.read_parameters).
+    None for a tensor the engine does not train (a frozen parameter, another module's)."""
+    engine = _engine_of(param)
+    name = None if engine is None else _trained_name(engine, param)
+    return None if name is None else engine.read_parameter(name)
+
+
+def safe_set_full_fp32_param(param, value):
+    """deepspeed.utils.safe_set_full_fp32_param: replaces the parameter's fp32 master with
+    `value` (its full shape, any float dtype), and the model's copy follows, as DeepSpeed's
+    update of the master does at its next step. Collective: every rank passes the same value, as
+    with DeepSpeed (each of its ranks copies its own slice from its own value); zinf writes
+    rank 0's (Engine.write_parameters). The optimizer moments stay. Refused between a backward
+    and its step (the engine holds gradients reduced against the old values). Nothing happens
+    for a tensor the engine does not train, as DeepSpeed's does nothing without its mapping."""
+    engine = _engine_of(param)
+    name = None if engine is None else _trained_name(engine, param)
+    if name is None:
+        return
+    shape = tuple(engine._shapes[id(param)])
+    if tuple(value.shape) != shape and value.numel() != math.prod(shape):
+        raise ValueError(f"safe_set_full_fp32_param('{name}'): value of shape "
+                         f"{tuple(value.shape)}, the parameter's is {shape}")
+    if engine._micro_batches_pending:
+        # Refused alike on every rank, before the collective (the engine's own refusal would
+        # abort the communicator).
+        raise RuntimeError(
+            f"safe_set_full_fp32_param('{name}') (zinf.deepspeed_compat): the engine holds "
+            "gradients reduced since the last step, against the present values; call it after "
+            "engine.step() and before the next engine.backward()")
+    values = value.detach().to(device="cpu", dtype=torch.float32).reshape(shape).contiguous()
+    engine._write_parameters([(param, values)], root=0)
+    engine._compat_state_version += 1
+
+
+def safe_get_full_grad(param):
+    """deepspeed.utils.safe_get_full_grad. A parameter's .grad when it has one (DeepSpeed's
+    first answer), and None for a tensor the engine does not train (DeepSpeed's for a parameter
+    without gradients). Otherwise refused: zinf's engine takes each gradient as the backward
+    produces it and reduces it into the ranks' partitions (on the device, host or NVMe, partly
+    consumed by an overlapped step), and keeps no full copy that could be read back."""
+    if param.grad is not None:
+        return param.grad
+    engine = _engine_of(param)
+    name = None if engine is None else _trained_name(engine, param)
+    if name is None:
+        return None
+    raise NotImplementedError(
+        f"deepspeed.utils.safe_get_full_grad('{name}') (zinf.deepspeed_compat): zinf's engine "
+        "reduces each gradient into its partitions as the backward produces it and keeps no "
+        "full copy to read back. For the global gradient norm use engine.get_global_grad_norm() "
+        "after the step; to see this rank's gradient of each micro-batch (multiplied by the loss "
+        "scale) before the engine takes it, register a hook: param.register_hook(fn)")
+
+
+def safe_set_full_grad(param, value):
+    """deepspeed.utils.safe_set_full_grad: refused (see safe_get_full_grad)."""
+    raise NotImplementedError(
+        "deepspeed.utils.safe_set_full_grad (zinf.deepspeed_compat): zinf's engine reduces each "
+        "gradient into its partitions during the backward and offers no way to replace it; to "
+        "change a gradient, change it in a hook before the engine takes it: "
+        "param.register_hook(lambda grad: new_grad)")
+
+
+# The optimizer state keys DeepSpeed's optimizers use, and the piece of a zinf rank file each is
+# (lib/tier/state_store.hpp Piece: 0 the master, 1 exp_avg, 2 exp_avg_sq; docs/ENGINE.md
+# "Checkpoints", "Format").
+_STATE_PIECES = {"exp_avg": 1, "exp_avg_sq": 2}
+_HEADER_BYTES = 4096
+
+
+def _read_state_piece(tag_dir: str, name: str, key: str) -> torch.Tensor:
+    """Parameter `name`'s optimizer state `key` from the rank files of the checkpoint tag_dir,
+    whole: the parameter lies at its group's group_offset in the concatenation of the ranks'
+    shards of that group (shard_elements each), and a rank's shard of group g at the group's
+    partition_offset in each piece of its file, after the 4096-byte header; the header's
+    piece_mask (u32 at 28) says which pieces the file holds, in Piece order, and its
+    partition_elements (u64 at 32) each piece's length (checkpoint_export.cpp's read_master
+    reads piece 0 so)."""
+    with open(os.path.join(tag_dir, "manifest.json")) as f:
+        manifest = json.load(f)
+    entry = next((p for p in manifest["params"] if p["name"] == name), None)
+    if entry is None:
+        raise KeyError(f"parameter '{name}' is not in {tag_dir}")
+    group = manifest["groups"][entry["group"]]
+    shard, base = int(group["shard_elements"]), int(group["partition_offset"])
+    count = math.prod(entry["shape"])
+    out = torch.empty(count, dtype=torch.float32)
+    done, headers = 0, {}
+    while done < count:
+        position = int(entry["group_offset"]) + done
+        rank, within = divmod(position, shard)
+        take = min(count - done, shard - within)
+        path = os.path.join(tag_dir, manifest["ranks"][rank]["file"])
+        with open(path, "rb") as f:
+            if rank not in headers:
+                head = f.read(40)
+                mask = int.from_bytes(head[28:32], "little")
+                headers[rank] = (mask, int.from_bytes(head[32:40], "little"))
+            mask, partition = headers[rank]
+            piece = _STATE_PIECES[key]
+            if not mask >> piece & 1:
+                raise ValueError(f"{key} not found in optimizer state")
+            index = bin(mask & ((1 << piece) - 1)).count("1")  # pieces saved before it
+            f.seek(_HEADER_BYTES + (index * partition + base + within) * 4)
+            data = f.read(take * 4)
+        out[done:done + take] = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        done += take
+    return out.reshape(entry["shape"])
+
+
+def _state_checkpoint(engine: "DeepSpeedEngine") -> str:
+    """The tag directory of a checkpoint of the engine's present optimizer state, saved into a
+    scratch directory of the system's temporary directory (made by rank 0, its path broadcast)
+    on the first call since the state last changed (a step, a load, a safe_set_*) and kept for
+    the calls until then; the previous one is removed. Collective. The ranks must share the
+    directory: a job over several machines is refused."""
+    version = (engine.global_steps, engine._compat_state_version)
+    cached = engine.__dict__.get("_compat_state_dir")
+    if cached is not None and cached[0] == version:
+        return os.path.join(cached[1], "state")
+    launcher = _launcher()
+    if launcher is not None and launcher[0][3] != launcher[0][1]:
+        raise NotImplementedError(
+            "deepspeed.utils.safe_get_full_optimizer_state (zinf.deepspeed_compat): the engine "
+            "reads the moments from a checkpoint in a directory every rank must reach, and the "
+            "job spans several machines; save a checkpoint to a shared directory instead "
+            "(engine.save_checkpoint)")
+    if engine._micro_batches_pending:
+        # Every rank has them alike, so every rank refuses here, before any collective.
+        raise RuntimeError(
+            "deepspeed.utils.safe_get_full_optimizer_state (zinf.deepspeed_compat): called "
+            "between a backward and its step for the first time since the last step; the engine "
+            "saves the optimizer state to read it, which it refuses while it holds reduced "
+            "gradients. Call it after engine.step() and before the next engine.backward()")
+    _drop_state_checkpoint(engine)
+    path = tempfile.mkdtemp(prefix="zinf_optimizer_state_") if engine.global_rank == 0 else ""
+    if engine.world_size > 1:
+        buffer = torch.zeros(4096, dtype=torch.uint8)
+        encoded = path.encode()
+        buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        engine._core.broadcast_bytes(buffer, 0, "safe_get_full_optimizer_state: directory")
+        path = bytes(buffer.tolist()).rstrip(b"\0").decode()
+    engine.__dict__["_compat_state_dir"] = (version, path)
+    engine._core.save_checkpoint(path, "state")
+    return os.path.join(path, "state")
+
+
+def _drop_state_checkpoint(engine: "DeepSpeedEngine"):
+    cached = engine.__dict__.pop("_compat_state_dir", None)
+    if cached is not None and engine.global_rank == 0:
+        shutil.rmtree(cached[1], ignore_errors=True)
+
+
+def safe_get_full_optimizer_state(param, optim_state_key):
+    """deepspeed.utils.safe_get_full_optimizer_state: the parameter's optimizer state
+    `optim_state_key` ("exp_avg", "exp_avg_sq": Adam and AdamW have both, Adagrad exp_avg_sq (its
+    sum of squares), Lion exp_avg), whole, in the parameter's full shape, a new fp32 CPU tensor
+    on every rank; ValueError for a key the optimizer does not have, as DeepSpeed's. None for a
+    tensor the engine does not train. Collective. The engine has no call that reads a moment, so
+    the state is saved as a checkpoint (Engine.save_checkpoint, into a scratch directory of the
+    system's temporary directory) once after each step, read from its rank files, and removed at
+    the next step or when the engine is destroyed: the first call after a step costs a save of
+    the whole state. A save is refused between a backward and its step, so the first call after
+    a step must come before the next backward (later calls read the saved state)."""
+    engine = _engine_of(param)
+    name = None if engine is None else _trained_name(engine, param)
+    if name is None:
+        return None
+    if optim_state_key not in _STATE_PIECES:
+        raise ValueError(f"{optim_state_key} not found in optimizer state")
+    return _read_state_piece(_state_checkpoint(engine), name, optim_state_key)
+
+
+def safe_set_full_optimizer_state(param, value, optim_state_key):
+    """deepspeed.utils.safe_set_full_optimizer_state: refused. The engine writes a parameter's
+    master (safe_set_full_fp32_param) but has no call that writes its moments."""
+    raise NotImplementedError(
+        "deepspeed.utils.safe_set_full_optimizer_state (zinf.deepspeed_compat): zinf's engine "
+        "has no call that replaces a parameter's optimizer moments; safe_set_full_fp32_param "
+        "replaces its fp32 master, and a checkpoint (engine.load_checkpoint) replaces the whole "
+        "optimizer state")
+
+
 def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
     """Transformers calls this for the config's tensor_parallel.autotp_size > 1."""
     raise NotImplementedError("deepspeed.tp_model_init (zinf.deepspeed_compat): tensor "
@@ -504,11 +732,24 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         """DeepSpeedEngine.config: the config dict (the Trainer reads its ZeRO stage)."""
         return self._config
 
+    # Bumped by what changes the optimizer state other than a step (a load, safe_set_*), so that
+    # safe_get_full_optimizer_state saves it afresh.
+    _compat_state_version = 0
+
     @property
     def training_dataloader(self):
         """The loader initialize() made from training_data (the one it returned), or None, as
         DeepSpeed's engine keeps it."""
         return self.__dict__.get("_compat_training_dataloader")
+
+    def load_checkpoint(self, *args, **kwargs):
+        loaded = super().load_checkpoint(*args, **kwargs)
+        self._compat_state_version += 1
+        return loaded
+
+    def destroy(self):
+        _drop_state_checkpoint(self)
+        super().destroy()
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, **kwargs):
         """DeepSpeed divides the loss by gradient_accumulation_steps, unless scale_wrt_gas is
@@ -667,6 +908,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     engine.__class__ = DeepSpeedEngine
     engine._compat_training_dataloader = loader
+    _remember_parameters(engine)
     if (engine.global_rank, engine.world_size) != (_comm_get_rank(), _comm_get_world_size()):
         # A launcher zinf.torch runs under (srun's PMIx) whose ranks were not read above.
         raise NotImplementedError(
@@ -684,6 +926,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 
 # ---- the modules under DeepSpeed's names ---------------------------------------------------------
+
+# DeepSpeed's deepspeed.utils.tensor_fragment functions, which deepspeed.utils exports too.
+_TENSOR_FRAGMENT = {
+    "safe_get_full_fp32_param": safe_get_full_fp32_param,
+    "safe_set_full_fp32_param": safe_set_full_fp32_param,
+    "safe_get_full_grad": safe_get_full_grad, "safe_set_full_grad": safe_set_full_grad,
+    "safe_get_full_optimizer_state": safe_get_full_optimizer_state,
+    "safe_set_full_optimizer_state": safe_set_full_optimizer_state,
+}
 
 # Each module install() registers, with its attributes. The packages among them (those with
 # submodules) get a __path__, so that an import of a submodule not listed here reaches the
@@ -736,8 +987,9 @@ _MODULES: dict[str, dict] = {
     "deepspeed.utils": {
         "logger": logger, "log_dist": log_dist, "is_initialized": _comm_is_initialized,
         "set_z3_leaf_modules": set_z3_leaf_modules, "get_z3_leaf_modules": get_z3_leaf_modules,
-        "RepeatingLoader": RepeatingLoader,
+        "RepeatingLoader": RepeatingLoader, **_TENSOR_FRAGMENT,
     },
+    "deepspeed.utils.tensor_fragment": dict(_TENSOR_FRAGMENT),
     "deepspeed.utils.zero_to_fp32": {
         "get_fp32_state_dict_from_zero_checkpoint": _zt.get_fp32_state_dict_from_zero_checkpoint,
         "load_state_dict_from_zero_checkpoint": _zt.load_state_dict_from_zero_checkpoint,
