@@ -2,13 +2,15 @@
 deepspeed.utils' safe_get_full_fp32_param / safe_set_full_fp32_param /
 safe_get_full_optimizer_state (and the gradient ones, refused), RepeatingLoader and
 engine.training_dataloader, deepspeed.comm's reduce, all_gather_into_tensor,
-reduce_scatter_tensor, get_global_rank, new_group and send/recv, and get_global_grad_norm() after
-an fp16 overflow. Each is checked against plain torch (the same model trained in one process,
-torch.optim.AdamW's state, torch.distributed's semantics), with DeepSpeed's behaviour
+reduce_scatter_tensor, get_global_rank, new_group and send/recv, get_global_grad_norm() after an
+fp16 overflow, and the zero_to_fp32.py script written into each checkpoint directory. Each is
+checked against plain torch (the same model trained in one process, torch.optim.AdamW's state,
+torch.distributed's semantics) or the files on disk, with DeepSpeed's behaviour
 (deepspeed/utils/tensor_fragment.py, runtime/dataloader.py, comm/comm.py, runtime/engine.py and
-zero/stage_1_and_2.py / stage3.py) written out in the test."""
+zero/stage_1_and_2.py / stage3.py, utils/zero_to_fp32.py) written out in the test."""
 import os
 import socket
+import stat
 import subprocess
 import sys
 
@@ -216,6 +218,63 @@ def test_global_grad_norm_after_an_overflow_is_the_last_applied_steps():
         assert engine.get_global_grad_norm() == applied
     finally:
         engine.destroy()
+
+
+@pytest.mark.parametrize("safe", [False, True])
+def test_zero_to_fp32_script_in_the_checkpoint_directory(tmp_path, safe):
+    if safe:
+        pytest.importorskip("safetensors", reason="safetensors is not installed")
+    batches = mlp_batches(STEPS)
+    reference = make_mlp()
+    optimizer = torch_run(reference, batches[:2])
+    early = {name: p.detach().clone() for name, p in reference.named_parameters()}
+    torch_run(reference, batches[2:], optimizer)
+    model = make_mlp()
+    engine, _, _, _ = ds_initialize(model=model, config=mlp_config(3))
+    save_dir = tmp_path / "ckpt"
+    try:
+        zinf_run(engine, batches[:2])
+        engine.save_checkpoint(str(save_dir), tag="early")
+        zinf_run(engine, batches[2:])
+        engine.save_checkpoint(str(save_dir))
+    finally:
+        engine.destroy()
+    # As DeepSpeed's engine does: rank 0 writes the script into the directory, executable.
+    script = save_dir / "zero_to_fp32.py"
+    assert script.is_file() and script.stat().st_mode & stat.S_IXUSR
+    assert not [p for p in os.listdir(save_dir) if p.endswith(".tmp")]
+    # DeepSpeed's command line, run where it lies: `python zero_to_fp32.py . out_dir`, with -t
+    # for a tag other than latest's.
+    options = ["--safe_serialization"] if safe else []
+    done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "out", "-t", "early",
+                           *options], cwd=save_dir, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    name = "model.safetensors" if safe else "pytorch_model.bin"
+
+    def read(path):
+        if safe:
+            from safetensors.torch import load_file
+            return load_file(path)
+        return torch.load(path)
+
+    def assert_weights(weights, expected):
+        assert sorted(weights) == sorted(expected)
+        for key, values in expected.items():
+            assert weights[key].dtype == torch.float32
+            error = relative_error(weights[key], values)
+            assert error < 1e-5, f"{key}: relative error {error:.2e}"
+
+    assert_weights(read(save_dir / "out" / name), early)
+    # Without -t: the tag `latest` names, the last save's.
+    done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "last", *options],
+                          cwd=save_dir, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert_weights(read(save_dir / "last" / name),
+                   {n: p.detach() for n, p in reference.named_parameters()})
+    # Weights over --max_shard_size are refused (one file), naming the size.
+    done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "small", "--max_shard_size",
+                           "500B"], cwd=save_dir, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "over --max_shard_size 500B" in done.stderr
 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------

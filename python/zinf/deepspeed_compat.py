@@ -27,7 +27,7 @@ Beyond the Trainer path, what DeepSpeed scripts of their own call (docs/PYTHON.m
 Trainer"): deepspeed.utils' safe_get_full_fp32_param, safe_set_full_fp32_param and
 safe_get_full_optimizer_state, RepeatingLoader and engine.training_dataloader, deepspeed.comm's
 reduce, all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and
-point-to-point calls.
+point-to-point calls, and a zero_to_fp32.py script written into each checkpoint directory.
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
@@ -59,6 +59,7 @@ import weakref
 import torch
 
 import zinf.torch as _zt
+import zinf.zero_to_fp32 as _zero_to_fp32
 
 # The DeepSpeed release whose API this module stands for, with "+zinf" as a PEP 440 local
 # version. Transformers and Accelerate compare it to turn features on (Accelerate's tensor
@@ -793,8 +794,33 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         saved = super().save_checkpoint(save_dir, tag=tag, client_state=client_state,
                                         save_latest=save_latest,
                                         exclude_frozen_parameters=exclude_frozen_parameters)
+        if self.global_rank == 0:
+            _write_recovery_script(save_dir)
         self._compat_last_save = key
         return saved
+
+
+def _write_recovery_script(save_dir: str):
+    """DeepSpeed's engine copies its zero_to_fp32.py into the checkpoint directory (rank 0, at
+    each save), so that `python zero_to_fp32.py . out_dir` run there writes the consolidated
+    fp32 weights offline. zinf's equivalent is the module zinf.zero_to_fp32 (the same command
+    line, over zinf.torch.get_fp32_state_dict_from_zero_checkpoint; it needs the zinf package).
+    Written under a temporary name, synced and renamed, so that the directory holds the whole
+    script or the previous one; executable, as DeepSpeed's."""
+    source = pathlib.Path(__file__).with_name("zero_to_fp32.py").read_bytes()
+    target = os.path.join(save_dir, "zero_to_fp32.py")
+    temporary = os.path.join(save_dir, ".zero_to_fp32.py.tmp")
+    with open(temporary, "wb") as f:
+        f.write(source)
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(temporary, 0o755)
+    os.replace(temporary, target)
+    directory = os.open(save_dir, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
 
 
 # ---- deepspeed.initialize ------------------------------------------------------------------------
@@ -993,6 +1019,8 @@ _MODULES: dict[str, dict] = {
     "deepspeed.utils.zero_to_fp32": {
         "get_fp32_state_dict_from_zero_checkpoint": _zt.get_fp32_state_dict_from_zero_checkpoint,
         "load_state_dict_from_zero_checkpoint": _zt.load_state_dict_from_zero_checkpoint,
+        "convert_zero_checkpoint_to_fp32_state_dict":
+            _zero_to_fp32.convert_zero_checkpoint_to_fp32_state_dict,
     },
     "deepspeed.checkpoint": {},
     "deepspeed.checkpoint.utils": {"clone_tensors_for_torch_save": clone_tensors_for_torch_save},
