@@ -271,12 +271,12 @@ class StateStore {
   void set_torn(std::size_t i);
 
   // Whether a step may pass over sub-group i (see "Settled" above). False after open(); cleared
-  // by write_piece() of the master or a moment, and for every sub-group by a successful
-  // link_checkpoint() (the next step's writes start a new generation of the swap file, and a
-  // sub-group passed over would keep the linked file open and in use: streaming it once more moves
-  // it into the new one) and by adopt_checkpoint() (the adopted moments are not known to be zero).
-  // REQUIRES (set_settled true): a step would leave sub-group i's stored pieces as they are, the
-  // half piece (when the store keeps it) included, which must then hold the master's rounding.
+  // by write_piece() or release_piece() of the master or a moment, and for every sub-group by a
+  // successful link_checkpoint() (the next step's writes start a new generation of the swap file,
+  // and a sub-group passed over would keep the linked file open and in use: streaming it once more
+  // moves it into the new one) and by adopt_checkpoint() (the adopted moments are not known to be
+  // zero). REQUIRES (set_settled true): a step would leave sub-group i's stored pieces as they are,
+  // the half piece (when the store keeps it) included, which must then hold the master's rounding.
   bool settled(std::size_t i) const { return records_[i].settled; }
   void set_settled(std::size_t i, bool settled);
   void clear_settled();
