@@ -210,16 +210,12 @@ class StoreState final : public OptimizerState {
     return write_values();
   }
 
-  // A checkpoint load rounds the master into the values run by run as it arrives, so
-  // publish_loaded() only writes the shards. Streamed, there is no partition-wide array of
-  // values: during update_master() (write_parameters, which drops the prefetched modules before
-  // its pass) each run is rounded into the publisher's stage, which writes each shard as its
-  // group completes; a checkpoint load's publish_master() reads the master back.
+  // A checkpoint load or write_parameters rounds the master into the values run by run as it
+  // writes it, so publish_loaded() only writes the shards. Streamed, there is no partition-wide
+  // array of values: each run is rounded into the publisher's stage, which writes each shard as
+  // its group completes (both callers drop the prefetched modules before they write the master),
+  // so the master is not read back to publish it.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
-    if (publish_ == Publish::kStreamed && !updating_) {
-      loaded_elements_ = kNotLoaded;
-      return Status::ok();
-    }
     if (first == 0) {
       loaded_elements_ = 0;
       if (publish_ == Publish::kStreamed) pub_.restart_stream();
@@ -369,13 +365,8 @@ class StoreState final : public OptimizerState {
         }
       }
     } resettle{s, settled};
-    // master_loaded() streams the shards only while this runs, and from element 0 on.
+    // master_loaded() streams the shards from element 0 on.
     loaded_elements_ = kNotLoaded;
-    updating_ = true;
-    struct Done {
-      bool& flag;
-      ~Done() { flag = false; }
-    } done{updating_};
     if (s.tier(Piece::kParams) == StoreMedium::kHost) {
       return fill(0, layout_.partition_elements(),
                   reinterpret_cast<float*>(s.host_data(Piece::kParams)));
@@ -649,7 +640,6 @@ class StoreState final : public OptimizerState {
   // master_loaded(): the elements rounded into the values since element 0, in order.
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
   std::size_t loaded_elements_ = 0;
-  bool updating_ = false;  // update_master() runs
 };
 
 // Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not
