@@ -2,12 +2,20 @@
 go into the engine's fp32 master (Engine::write_parameters) and training goes on from them, with
 the optimizer moments as they were, exactly as torch does when the same change is made to its
 parameters between the same steps."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import zinf.torch
 from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_batches, make_mlp, make_model,
                       mlp_batches, mlp_config, mlp_loss, train_zinf, train_mlp_zinf, zinf_config)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def change(model):
@@ -119,3 +127,49 @@ def test_a_write_before_the_step_names_the_parameter_with_offload(stage, offload
     with zinf.torch.GatheredParameters(model[4].weight, modifier_rank=0):
         model[4].weight.data.fill_(2.0)
     assert torch.equal(engine.read_parameter("4.weight"), torch.full((3, 16), 2.0))
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_sign_flip_of_zeros_is_a_change(stage, tmp_path):
+    """A change is a change of the bits: zeros set to -0.0 (equal as numbers) are written, and
+    a bias holding NaN that the block leaves alone stays as it was."""
+    model = make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage, "cpu",
+                                                                           tmp_path))
+    with zinf.torch.GatheredParameters(model[4].bias, modifier_rank=0):
+        model[4].bias.data.fill_(0.0)
+    assert torch.equal(engine.read_parameter("4.bias").view(torch.int32),
+                       torch.zeros(3, dtype=torch.int32))
+    with zinf.torch.GatheredParameters(model[4].bias, modifier_rank=0):
+        model[4].bias.data.mul_(-1.0)
+    assert torch.equal(engine.read_parameter("4.bias").view(torch.int32),
+                       torch.full((3,), -2**31, dtype=torch.int32))
+    nan_bias = torch.tensor([float("nan"), 1.0, 2.0] * 5 + [3.0])
+    with zinf.torch.GatheredParameters(model[0].bias, modifier_rank=0):
+        model[0].bias.data.copy_(nan_bias)
+    with zinf.torch.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        pass
+    assert torch.equal(engine.read_parameter("0.bias").view(torch.int32),
+                       nan_bias.view(torch.int32))
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(tmp_path):
+    """GatheredParameters(model.parameters(), modifier_rank=0) at stage 3 on two ranks, over a
+    model of 68 MB fp32 (gathered_memory.py under mpirun): the root's peak RSS grows by the
+    engine's gather and the block's copy (2x the model), not by a third copy of what it writes;
+    every rank then reads the written bias from the master."""
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x",
+               "MALLOC_MMAP_THRESHOLD_", "-np", "2", sys.executable,
+               os.path.join(HERE, "gathered_memory.py"), str(tmp_path), "512", "64",
+               "write_one"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = sorted((json.loads(line) for line in result.stdout.splitlines()
+                      if line.startswith("{")), key=lambda r: r["rank"])
+    print(json.dumps(reports))
+    assert [r["rank"] for r in reports] == [0, 1]
+    for report in reports:
+        assert report["right"], report
+        assert report["peak_growth_bytes"] < 2.5 * report["model_bytes"], report

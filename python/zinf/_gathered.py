@@ -39,10 +39,11 @@ class GatheredParameters:
       parameter changed in the block, however (in place, through .data, or its .data
       replaced), is written at its end
       into the engine's fp32 master from rank r's values (Engine::write_parameters, which then
-      republishes the parameters); the optimizer moments stay. A change is found by comparing a
-      digest of the values with one taken on entry (ops on .data do not move the version
-      counter; the digest itself copies nothing); with several ranks every
-      parameter is written. Use it between steps: after a backward
+      republishes the parameters); the optimizer moments stay. A change is found by comparing
+      the block's copy with the gathered values it was made from (ops on .data do not move the
+      version counter), or, for a parameter whose module was gathered already, a digest of the
+      values with one taken on entry (the digest itself copies nothing); with several ranks
+      every parameter is written. Use it between steps: after a backward
       whose step has not run it raises zinf.Error naming the parameter, before anything is
       gathered. Every rank must enter the block (the write is collective); the block's writes
       are one pass over the rank's master partition, however many parameters it changed.
@@ -64,9 +65,12 @@ class GatheredParameters:
         self._enabled = enabled
         self._held: list[tuple["ZinfEngine", str]] = []
         self._loaded: list[tuple[nn.Parameter, _torch_init.Staged]] = []
-        # Engine parameters and how they looked on entry: the data pointer, and with one rank a
-        # digest of the values (with several, every parameter is written anyway).
-        self._watched: list[tuple["ZinfEngine", nn.Parameter, int, bytes | None]] = []
+        # Engine parameters and how they looked on entry: the data pointer, and with one rank
+        # what the values are compared with at the end: the engine's view the block's copy was
+        # made from, or a digest of the values (with several ranks, every parameter is written
+        # anyway).
+        self._watched: list[tuple["ZinfEngine", nn.Parameter, int,
+                                  torch.Tensor | bytes | None]] = []
         # Stage 3, modules this block gathered: each parameter and the engine's view, which the
         # parameter gives way to a copy of for the block.
         self._copied: list[tuple[nn.Parameter, torch.Tensor]] = []
@@ -112,24 +116,37 @@ class GatheredParameters:
                     param.data = view.clone()
                     self._copied.append((param, view))
             if self._modifier_rank is not None:
-                digest = _digest(param) if engine.world_size == 1 else None
-                self._watched.append((engine, param, param.data_ptr(), digest))
+                # With one rank, what the end compares the values with: the view the block's
+                # copy was made from (the block changes the copy only), else a digest.
+                entry = None
+                if engine.world_size == 1:
+                    entry = (self._copied[-1][1] if self._copied and self._copied[-1][0] is param
+                             else _digest(param))
+                self._watched.append((engine, param, param.data_ptr(), entry))
         return self
 
     def __exit__(self, *exc):
         # With several ranks every parameter is written (the write is collective, and only the
-        # modifier rank's changes count, so the others cannot tell); with one, those whose values'
-        # digest differs from the one taken on entry, or whose .data was replaced (the write
-        # points it back at the engine's memory).
+        # modifier rank's changes count, so the others cannot tell); with one, those whose values
+        # differ from the engine's view the block's copy was made from, or whose digest differs
+        # from the one taken on entry, or whose .data was replaced (the write points it back at
+        # the engine's memory).
         changed = []
         if exc[0] is None:
-            for engine, param, ptr, digest in self._watched:
-                if digest is None or param.data_ptr() != ptr or _digest(param) != digest:
-                    # Copied before the release below frees the gathered values; only the
-                    # modifier rank's are written, so the other ranks keep none.
+            for engine, param, ptr, entry in self._watched:
+                if (entry is None or param.data_ptr() != ptr
+                        or (not _same_bits(param.data, entry) if isinstance(entry, torch.Tensor)
+                            else _digest(param) != entry)):
+                    # Only the modifier rank's values are written, so the other ranks keep none.
+                    # Copied where they are the engine's gathered memory, which the release below
+                    # gives back (the block's own copy, or a tensor of the script's, is kept as
+                    # it is).
                     values = None
                     if engine.world_size == 1 or engine.global_rank == self._modifier_rank:
-                        values = param.detach().to(dtype=torch.float32).contiguous().clone()
+                        values = param.detach().to(dtype=torch.float32).contiguous()
+                        if (engine.stage < 3 or values.untyped_storage().data_ptr()
+                                in engine._gathered_ptrs):
+                            values = values.clone()
                     changed.append((engine, param, values))
         self._watched.clear()
         # The engine's views back before the release, which drops them.
@@ -181,6 +198,18 @@ def _warn_stale_read(stage: _torch_init.Staged, modifier_rank) -> None:
         f"differ from rank {writer}'s: initialise torch.distributed before building the model "
         "(deepspeed.init_distributed()), read it after initialize(), or change it inside "
         f"GatheredParameters(modifier_rank={writer}) only", RuntimeWarning, stacklevel=3)
+
+
+_BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _same_bits(values: torch.Tensor, entry: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (compared as integers: a NaN equals itself, and
+    -0.0 differs from 0.0, as a digest of the bytes has them)."""
+    if values.shape != entry.shape or values.dtype != entry.dtype:
+        return False
+    bits = _BITS_OF_SIZE[values.element_size()]
+    return torch.equal(values.contiguous().view(bits), entry.contiguous().view(bits))
 
 
 def _digest(param) -> bytes:
