@@ -52,7 +52,8 @@ class GatheredParameters:
       staging file, so initialize() takes them. With several ranks and torch.distributed
       initialised (deepspeed.init_distributed(), the Trainer), the block's end broadcasts rank
       modifier_rank's values and every rank stages them, as DeepSpeed's block does, so every
-      rank reads them from then on (_torch_init.broadcast_staged). Without torch.distributed,
+      rank reads them from then on (_torch_init.broadcast_staged; every rank must enter the
+      block, as the broadcast is collective). Without torch.distributed,
       initialize() writes rank modifier_rank's values over every rank's (Engine::write_parameters,
       one pass over the partition for all of them), and until then another rank reads its own
       (a RuntimeWarning says so: _warn_stale_read).
