@@ -165,7 +165,11 @@ class GatheredParameters:
         if self._group is not None and exc[0] is None:
             # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them.
             loaded, self._loaded = self._loaded, []
-            _torch_init.broadcast_staged(loaded, self._modifier_rank, self._group)
+            try:
+                _torch_init.broadcast_staged(loaded, self._modifier_rank, self._group)
+            finally:
+                for param, stage in loaded:
+                    param.data = torch.empty(0, dtype=stage.dtype)
         while self._loaded:
             param, stage = self._loaded.pop()
             if self._modifier_rank is not None and exc[0] is None:
