@@ -12,8 +12,8 @@ write: init_model's Stack and a bf16 Linear, each rank drawing them with a seed 
 rank 1 sets the head's bias to 0.25 inside GatheredParameters(modifier_rank=1); then every rank
 reads them all in GatheredParameters(modifier_rank=None) and initializes an engine with the
 Stack. Writes <out_dir>/write.rank<r>.pt: what the rank read ("seen"), the engine's fp32
-masters ("masters") and the messages of the RuntimeWarnings raised from the first block on
-("warnings").
+masters ("masters"), the messages of the RuntimeWarnings raised from the first block on
+("warnings") and the error of a block with modifier_rank=2 ("refused").
 resize: DeepSpeed-Chat's start under zinf.deepspeed_compat: HfDeepSpeedConfig at stage 3,
 from_pretrained(<model_dir>) (weights loaded on rank 0 inside GatheredParameters(modifier_rank=0)),
 resize_token_embeddings(NEW_VOCAB) (new rows drawn from the old embeddings' mean and covariance,
@@ -63,10 +63,16 @@ def write(out_dir, rank):
         with zinf.torch.GatheredParameters(params):
             seen = {n: p.detach().clone() for n, p in model.named_parameters()}
             seen.update({f"half.{n}": p.detach().clone() for n, p in half.named_parameters()})
+        try:
+            with zinf.torch.GatheredParameters(params, modifier_rank=2):
+                pass
+            refused = None
+        except ValueError as e:
+            refused = str(e)
     engine, _, _, _ = zinf.torch.initialize(model=model, config=cfg)
     masters = {n: engine.read_parameter(n) for n, _ in model.named_parameters()}
     engine.destroy()
-    torch.save({"seen": seen, "masters": masters,
+    torch.save({"seen": seen, "masters": masters, "refused": refused,
                 "warnings": [str(w.message) for w in caught if w.category is RuntimeWarning]},
                os.path.join(out_dir, f"write.rank{rank}.pt"))
 

@@ -77,6 +77,8 @@ def test_a_change_on_the_modifier_rank_is_read_on_every_rank_before_initialize(t
             assert report["seen"][name].dtype == values.dtype, f"rank {rank}: {name}"
             assert torch.equal(report["seen"][name], values), f"rank {rank}: {name}"
         assert report["warnings"] == [], f"rank {rank}"
+        assert report["refused"] == ("GatheredParameters(modifier_rank=2): torch.distributed has "
+                                     "ranks 0 to 1"), f"rank {rank}"
         for name, values in report["masters"].items():
             assert torch.equal(values, expected[name]), f"rank {rank}: {name}"
 
