@@ -700,7 +700,28 @@ def safe_get_full_optimizer_state(param, optim_state_key):
         return None
     if optim_state_key not in _STATE_PIECES:
         raise ValueError(f"{optim_state_key} not found in optimizer state")
-    return _read_state_piece(_state_checkpoint(engine), name, optim_state_key)
+    tag_dir = _state_checkpoint(engine)
+    failed = None
+    try:
+        value = _read_state_piece(tag_dir, name, optim_state_key)
+    except (OSError, ValueError, KeyError) as error:
+        failed = error
+    if engine.world_size > 1:
+        # Every rank leaves only once every rank has read: rank 0 removes the directory when
+        # the state changes or the engine is destroyed, and another rank may still be reading
+        # other ranks' files. The ranks learn each other's outcome on the way.
+        send = torch.tensor([failed is not None, 0], dtype=torch.uint8)
+        outcomes = torch.zeros(2 * engine.world_size, dtype=torch.uint8)
+        engine._core.all_gather_bytes(send, outcomes,
+                                      f"safe_get_full_optimizer_state('{name}')")
+        others = [r for r in range(engine.world_size)
+                  if outcomes[2 * r] and r != engine.global_rank]
+        if failed is None and others:
+            raise RuntimeError(f"safe_get_full_optimizer_state('{name}'): rank {others[0]} "
+                               f"could not read the saved state in {tag_dir}")
+    if failed is not None:
+        raise failed
+    return value
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key):
