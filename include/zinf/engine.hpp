@@ -417,8 +417,9 @@ class Engine {
   // kInvalidArgument naming the parameter when the registered parameters (names, shapes) differ,
   // or both optimizers when the optimizer differs; kCorruption naming the file when a file's size
   // or checksum does not match the manifest; kNotFound naming <dir>/latest (or the manifest) when
-  // there is no checkpoint. Those leave the engine as it was; an error while the state is being
-  // replaced is sticky.
+  // there is no checkpoint. Those leave the engine as it was (every rank fails, the others with
+  // kAborted naming the rank). An error while the state is being replaced, the republish's shard
+  // writes included, fails every rank in this call the same way and is sticky.
   Status load_checkpoint(std::string_view dir, std::string_view tag = {});
   // The optimizer steps applied so far (StepReport::step of the last step(); a step skipped for
   // overflow does not count): 0 after open(), and the checkpoint's count after
@@ -459,8 +460,9 @@ class Engine {
   // kAborted naming that rank (the outcomes are agreed, so a call refused on one rank does not
   // leave the others waiting), and every rank kInvalidArgument when the ranks' names or roots
   // differ. Once the pass has begun, an error (one `values` returned, which comes back with the
-  // parameter's name; an I/O error; a collective's) fails every rank at the same parameter and is
-  // sticky: some masters may hold their new values and others not.
+  // parameter's name; an I/O error, a write of the new shards included; a collective's) fails
+  // every rank in this call, the others with kAborted naming the rank, and is sticky: some
+  // masters may hold their new values and others not, and the ranks' shards may disagree.
   Status write_parameters(std::span<const std::string_view> names, const ParameterValues& values,
                           int root = 0);
 

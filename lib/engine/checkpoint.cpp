@@ -772,8 +772,8 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   local = [&]() -> Status {
     if (adopt) {
       // The file becomes the state's home: nothing is read now; every block is checked against
-      // its checksum when first read (the republish reads the master, a step the rest), and a
-      // mismatch then is kCorruption naming this file.
+      // its checksum when first read (write_loaded() below reads the master, a step the rest),
+      // and a mismatch then is kCorruption naming this file.
       return ctx.state->adopt_checkpoint(own->path(), own->path(), own->block_sums());
     }
     for (std::size_t pi = 0; pi < pieces.size(); ++pi) {
@@ -813,6 +813,14 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
     }
     return Status::ok();
   }();
+  // The new shards from the loaded master, written and waited for before the ranks agree; the
+  // caller all-gathers the persistent groups only once every rank's load and writes succeeded.
+  // So a rank whose shard write fails, or (a file taken in place) whose master fails its
+  // checksum when this first reads it, fails every rank here rather than leaving them in the
+  // all-gather. A state that streams the shards (OptimizerState::master_loaded) wrote them
+  // during the load, before the file's checksum was known: a mismatch then fails every rank
+  // stickily, so nothing gathers those shards.
+  if (local.is_ok()) local = ctx.state->write_loaded();
   ZINF_RETURN_IF_ERROR(ctx.sticky->fail(ctx.exchange->agree(call, local.with_context(call))));
   resume->step = header.step;
   resume->loss_scale = header.loss_scale;

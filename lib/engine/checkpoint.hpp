@@ -547,6 +547,10 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
 // read it, kAborted naming that rank on the others) and is sticky: the partition is then part
 // old, part new, and the engine refuses every later call instead of training on it. The step,
 // loss scaler, schedule and client state are taken only once every rank's checksum matched.
+// Before that last agreement each rank writes its new shards from the loaded master
+// (OptimizerState::write_loaded()), so a shard write that fails, or a master block of a file taken
+// in place that fails its checksum when first read there, fails every rank the same way; the
+// caller all-gathers the persistent groups (Publisher::publish()) only after a success.
 // Collective.
 Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
                              const std::string& dir, const std::string& tag, Status precondition,

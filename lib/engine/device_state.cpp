@@ -55,13 +55,13 @@ class DeviceState final : public InMemoryState {
   }
   // The master rounded on the host into the publisher's buffer, which is freed again after:
   // the device optimizer publishes from device memory.
-  Status publish_master() override {
+  Status publish_master(bool gather_persistent) override {
     pub_.allocate_buffer();
     Status st = read_master(0, partition_elements_,
                             [&](std::size_t first, std::size_t count, const float* src) {
                               narrow_all(first, count, src);
                             });
-    if (st.is_ok()) st = write_buffer();
+    if (st.is_ok()) st = write_buffer(gather_persistent);
     pub_.free_buffer();
     return st;
   }

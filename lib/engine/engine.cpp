@@ -914,11 +914,11 @@ class Engine::Impl {
     const std::string call =
         fmt::format("load_checkpoint('{}'{})", dir, tag.empty() ? "" : fmt::format(", '{}'", tag));
     ZINF_RETURN_IF_ERROR(collective_call(call, settle()));
-    // A state may write the shards while the load writes the master (OptimizerState::
-    // master_loaded), so the prefetched modules go first and the caller's work on the device
-    // copies is waited for. The outcome is agreed with the other ranks' checks: a rank that
-    // fails here fails every rank at once, where after the load it failed alone and left the
-    // others waiting in the republish's all-gather.
+    // The load writes the shards (OptimizerState::master_loaded, write_loaded), so the
+    // prefetched modules go first and the caller's work on the device copies is waited for. The
+    // outcome is agreed with the other ranks' checks: a rank that fails here fails every rank at
+    // once, where after the load it failed alone and left the others waiting in the republish's
+    // all-gather.
     Status pre = checkpoint_precondition(call);
     if (pre.is_ok()) pre = fail(coord_->drop_prefetched());
     if (pre.is_ok() && caller_ != nullptr) pre = fail(caller_->host_wait(timeout_));
@@ -936,9 +936,9 @@ class Engine::Impl {
     if (!order.empty()) coord_->restore_order(std::move(order));
     client_state_ = std::move(r.client_state);
     state_->restored(t_);
-    // The device copies / shards from the loaded master, as finalize() places them (rounded
-    // while the load wrote it, where the state can).
-    return fail(state_->publish_loaded());
+    // The load wrote the shards from the loaded master, as finalize() places them, and every
+    // rank agreed that every rank's writes succeeded: the persistent groups are all-gathered.
+    return fail(publisher_.publish());
   }
 
   Result<SwapCheckReport> verify_swap() {
@@ -956,8 +956,8 @@ class Engine::Impl {
 
   // --- Read back -------------------------------------------------------------------------------
   MasterAccess master_access() {
-    return {state_.get(), coord_.get(), &layout_, &device_, &comm_,     stream_.get(),
-            event_.get(), timeout_,     rank_,    &sticky_, &*exchange_};
+    return {state_.get(),  coord_.get(), &publisher_, &layout_, &device_, &comm_,
+            stream_.get(), event_.get(), timeout_,    rank_,    &sticky_, &*exchange_};
   }
   Status read_parameters(std::string_view name, float* out) {
     ZINF_RETURN_IF_ERROR(settle());

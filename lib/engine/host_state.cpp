@@ -69,16 +69,16 @@ class HostState final : public InMemoryState {
     narrow([](DType dtype) { return dtype == DType::kF32; });
     return write_buffer();
   }
-  Status publish_master() override {
+  Status publish_master(bool gather_persistent) override {
     narrow([](DType) { return true; });
-    return write_buffer();
+    return write_buffer(gather_persistent);
   }
   // A checkpoint load rounds the master into the buffer run by run as it arrives, so
-  // publish_loaded() only writes the shards.
+  // write_loaded() only writes the shards.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
     if (first == 0) loaded_elements_ = 0;
     if (first != loaded_elements_) {
-      loaded_elements_ = kNotLoaded;  // not in order: publish_loaded() narrows it all again
+      loaded_elements_ = kNotLoaded;  // not in order: write_loaded() narrows it all again
       return Status::ok();
     }
     pub_.narrow_groups(
@@ -87,10 +87,11 @@ class HostState final : public InMemoryState {
     loaded_elements_ += count;
     return Status::ok();
   }
-  Status publish_loaded() override {
+  Status write_loaded() override {
     const bool whole = loaded_elements_ == partition_elements_;
     loaded_elements_ = 0;
-    return whole ? write_buffer() : publish_master();
+    return whole ? write_buffer(/*gather_persistent=*/false)
+                 : publish_master(/*gather_persistent=*/false);
   }
 
   Status read_master(std::size_t, std::size_t, MasterVisitor fn) override {

@@ -136,24 +136,6 @@ Status agree_batch(const MasterAccess& w, std::string_view call, Status local,
   return Status::ok();
 }
 
-// After the last agreement: the shards from the values written (OptimizerState::publish_loaded).
-// Every rank has its new master by now, so a rank that cannot publish (a shard write to the swap
-// that fails) cannot be agreed on any more: it aborts the communicator, so that the other ranks
-// fail at once in the all-gather of the persistent groups or in their next collective, naming
-// this rank, instead of waiting there until the collective timeout. The ranks' shards then
-// disagree; the error is sticky here and the communicator stays aborted on every rank.
-Status publish_agreed(const MasterAccess& w, std::string_view call) {
-  Status st = w.state->publish_loaded();
-  if (st.is_ok()) return st;
-  st = st.with_context(fmt::format("{}: publishing the new parameters", call));
-  if (w.comm->world_size() > 1) {
-    // Idempotent: where the communicator failed first (a peer gone), its own reason stays.
-    w.comm->abort(Status::aborted(fmt::format("rank {} failed ({}) after every rank agreed: {}",
-                                              w.rank, code_name(st.code()), st.message())));
-  }
-  return st;
-}
-
 }  // namespace
 
 std::string write_parameters_call(std::span<const std::string_view> names) {
@@ -271,8 +253,17 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
     }
     return state.master_loaded(first, count, out);
   });
+  // The shards from the new master, written and waited for as part of the pass, so that the
+  // last agreement tells every rank whether every rank's shards are written; only then are the
+  // persistent groups all-gathered. A rank whose shard write failed thus fails every rank in
+  // this call (the ranks' shards now disagree: the error is sticky everywhere) instead of
+  // leaving them in the all-gather, or returning OK where no all-gather follows.
+  if (st.is_ok()) {
+    st = state.write_loaded();
+    if (!st.is_ok()) st = st.with_context(fmt::format("{}: writing the new shards", call));
+  }
   st = source.finish(std::move(st), call);
-  if (st.is_ok()) st = publish_agreed(w, call);
+  if (st.is_ok()) st = w.publisher->publish();
   return w.sticky->fail(std::move(st));
 }
 

@@ -14,6 +14,7 @@
 
 #include "engine/layout.hpp"
 #include "engine/optimizer_state.hpp"
+#include "engine/publisher.hpp"
 #include "engine/rank_exchange.hpp"
 #include "zero/param_coordinator.hpp"
 #include "zinf/comm.hpp"
@@ -26,6 +27,7 @@ namespace zinf {
 struct MasterAccess {
   OptimizerState* state = nullptr;
   ParamCoordinator* coord = nullptr;
+  Publisher* publisher = nullptr;
   const ParameterLayout* layout = nullptr;
   Device* device = nullptr;
   Communicator* comm = nullptr;
@@ -63,11 +65,12 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // makes the same broadcasts in the same order: a rank takes the pieces of the parameters it owns
 // as its pass reaches them, which is layout order since its partition lies in group order, and
 // broadcasts those it owns no piece of on the way. Each patched piece goes to
-// OptimizerState::master_loaded() as it is written, and the shards are published with
-// publish_loaded(), so the master is not read back to publish them. The publish comes after the
-// last agreement: a rank whose publish fails (a shard write to the swap) aborts the communicator
-// with its error, so that the other ranks fail at once with kAborted naming it rather than at the
-// collective timeout; the engine is then unusable on every rank. Errors from the exchange on are
+// OptimizerState::master_loaded() as it is written, and the shards are written from them with
+// write_loaded(), so the master is not read back to publish them. The shard writes come before
+// the last agreement and the all-gather of the persistent groups after it: a rank whose shard
+// write fails (a write to the swap) fails every rank in this call, itself with the error naming
+// the shard's swap extent, file and offset, the others with kAborted naming it, and the engine is
+// then unusable on every rank, since their shards disagree. Errors from the exchange on are
 // recorded in `sticky`. Collective.
 Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
                            const ParameterValues& values, int root, Status precondition);

@@ -79,8 +79,10 @@ Status InMemoryState::set_group_params(std::span<const OptimizerParams> groups) 
   return Status::ok();
 }
 
-Status InMemoryState::write_buffer() {
-  return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); });
+Status InMemoryState::write_buffer(bool gather_persistent) {
+  ZINF_RETURN_IF_ERROR(pub_.write_shards(
+      [&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); }, gather_persistent));
+  return gather_persistent ? Status::ok() : pub_.wait_writes();
 }
 
 }  // namespace zinf

@@ -141,21 +141,28 @@ class OptimizerState {
   virtual Status write_step() {
     return Status::unsupported("write_step: the state does not overlap");
   }
-  // The shards from the fp32 master, as at finalize (and after a checkpoint is loaded).
-  virtual Status publish_master() = 0;
+  // The shards from the fp32 master, as at finalize (and after a checkpoint is loaded), then the
+  // persistent groups all-gathered when `gather_persistent`; when not, the shard writes are
+  // waited for, so that a failed one shows here, and the caller all-gathers them
+  // (Publisher::publish()).
+  virtual Status publish_master(bool gather_persistent) = 0;
   // The first placement, at finalize, once the coordinator exists.
-  virtual Status place_initial() { return publish_master(); }
+  virtual Status place_initial() { return publish_master(/*gather_persistent=*/true); }
   // Loading a checkpoint: master elements [first, first + count) were just written (through
   // write_state(kParams)) and are `values`. A state may round them now into what its shards are
-  // published from, while they are in cache; when such calls covered the whole partition in
-  // order, from element 0, publish_loaded() then writes the shards without reading the master
-  // again. Errors are those of writing shards.
+  // published from, while they are in cache, or write the shards of the groups they complete;
+  // when such calls covered the whole partition in order, from element 0, write_loaded() then
+  // writes the shards without reading the master again. Errors are those of writing shards.
   virtual Status master_loaded(std::size_t first, std::size_t count, const float* values) {
     (void)first, (void)count, (void)values;
     return Status::ok();
   }
-  // After a checkpoint load: the shards from the loaded master, as publish_master() places them.
-  virtual Status publish_loaded() { return publish_master(); }
+  // After a checkpoint load or Engine::write_parameters' pass: every shard from the new master,
+  // as publish_master() writes them, the writes waited for; the persistent groups are not
+  // all-gathered. Local: the ranks agree that every rank's writes succeeded before any of them
+  // all-gathers (Publisher::publish()), so a rank whose write failed fails every rank in the
+  // same call instead of leaving them in the all-gather.
+  virtual Status write_loaded() { return publish_master(/*gather_persistent=*/false); }
 
   // Calls fn over the fp32 master in partition order, in pieces, covering at least elements
   // [begin, end) (pieces outside it may be skipped).
@@ -222,8 +229,9 @@ class InMemoryState : public OptimizerState {
 
  protected:
   explicit InMemoryState(const StateContext& ctx);
-  // Every group's shard from the publisher's buffer (publisher.hpp), then published.
-  Status write_buffer();
+  // Every group's shard from the publisher's buffer (publisher.hpp), then the persistent groups
+  // all-gathered when `gather_persistent`, else the writes waited for (publish_master()).
+  Status write_buffer(bool gather_persistent = true);
 
   StateContext ctx_;
   const ParameterLayout& layout_;

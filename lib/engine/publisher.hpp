@@ -7,7 +7,9 @@
 //     need not match the groups (sub-groups of the optimizer pass), and each group is assembled
 //     in a one-group stage and written once its last element is in (stage());
 //   - device memory: the device optimizer's buffers written straight into the shards.
-// After the shards are written, publish() all-gathers what stays gathered.
+// After the shards are written, publish() all-gathers what stays gathered. Outside a step
+// (a checkpoint load, Engine::write_parameters) the shard writes are waited for first
+// (wait_writes()) and the ranks agree that each rank's succeeded before any of them publishes.
 //
 // The overlapped step (zinf.overlap_step, step_runner.hpp) writes the shards on the step
 // runner's thread while the rank's thread gathers modules for the next forward pass. Both go
@@ -94,10 +96,16 @@ class Publisher {
     return stream_descending_ ? stream_group_ == 0 : stream_group_ == stream_end_group_;
   }
 
-  // All-gathers the groups that stay gathered from the shards just written.
+  // All-gathers the groups that stay gathered from the shards just written. Collective.
   Status publish() {
     std::lock_guard<std::mutex> lock(mu_);
     return coord_->publish();
+  }
+  // Waits until every shard write so far is done (ParamCoordinator::wait_writes()): a write that
+  // failed shows here, before publish(). Local.
+  Status wait_writes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return coord_->wait_writes();
   }
 
   // --- The overlapped step -------------------------------------------------------------------

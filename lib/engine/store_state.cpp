@@ -184,9 +184,10 @@ class StoreState final : public OptimizerState {
     return write_values(gather_persistent);
   }
 
-  Status publish_master() override {
+  Status publish_master(bool gather_persistent) override {
     if (publish_ == Publish::kStreamed) {
-      // The shards from the fp32 master, rounded group by group in the publisher's stage.
+      // The shards from the fp32 master, rounded group by group in the publisher's stage (each
+      // write waited for, since the stage is refilled).
       pub_.restart_stream();
       Status st;
       const DType half = layout_.half_dtype();
@@ -201,27 +202,28 @@ class StoreState final : public OptimizerState {
       ZINF_RETURN_IF_ERROR(st);
       ZINF_ASSERT(pub_.stream_complete());
       master_read_ = AlignedBuffer();  // the read-back buffer is made again when needed
-      return pub_.publish();
+      return gather_persistent ? pub_.publish() : Status::ok();
     }
     ZINF_RETURN_IF_ERROR(read_master(0, layout_.partition_elements(),
                                      [&](std::size_t first, std::size_t count, const float* src) {
                                        narrow_all(first, count, src);
                                      }));
-    return write_values();
+    return write_values_and_wait(gather_persistent);
   }
 
   // A checkpoint load or write_parameters rounds the master into the values run by run as it
-  // writes it, so publish_loaded() only writes the shards. Streamed, there is no partition-wide
+  // writes it, so write_loaded() only writes the shards. Streamed, there is no partition-wide
   // array of values: each run is rounded into the publisher's stage, which writes each shard as
   // its group completes (both callers drop the prefetched modules before they write the master),
-  // so the master is not read back to publish it.
+  // so the master is not read back to publish it. A failed shard write fails the load or the
+  // pass, which the ranks agree on.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
     if (first == 0) {
       loaded_elements_ = 0;
       if (publish_ == Publish::kStreamed) pub_.restart_stream();
     }
     if (first != loaded_elements_) {
-      loaded_elements_ = kNotLoaded;  // not in order: publish_loaded() narrows it all again
+      loaded_elements_ = kNotLoaded;  // not in order: write_loaded() narrows it all again
       return Status::ok();
     }
     if (publish_ == Publish::kStreamed) {
@@ -236,19 +238,19 @@ class StoreState final : public OptimizerState {
     loaded_elements_ += count;
     return Status::ok();
   }
-  Status publish_loaded() override {
+  Status write_loaded() override {
     const bool whole = loaded_elements_ == layout_.partition_elements();
     loaded_elements_ = 0;
-    if (!whole) return publish_master();
-    if (publish_ != Publish::kStreamed) return write_values();
-    // The stream wrote every shard; the persistent groups' all-gather is left.
+    if (!whole) return publish_master(/*gather_persistent=*/false);
+    if (publish_ != Publish::kStreamed) return write_values_and_wait(/*gather_persistent=*/false);
+    // The stream wrote every shard, each waited for; the persistent groups' all-gather is left.
     ZINF_ASSERT(pub_.stream_complete());
-    return pub_.publish();
+    return Status::ok();
   }
 
   // load() rounded the initial master into the values as it wrote it: no read back.
   Status place_initial() override {
-    if (publish_ == Publish::kStreamed) return publish_master();
+    if (publish_ == Publish::kStreamed) return publish_master(/*gather_persistent=*/true);
     return write_values();
   }
 
@@ -308,7 +310,7 @@ class StoreState final : public OptimizerState {
   // moments, which each step decays): a frozen sub-group stays settled only when it was (its
   // moments zero) and what is loaded into it is zero too; the others are stepped by the next
   // pass, which settles again those whose moments are zero. A new master leaves the moments as
-  // they are, and the half copy is rounded from it when it is published (publish_loaded()), so
+  // they are, and the half copy is rounded from it when it is published (write_loaded()), so
   // it leaves the settled sub-groups settled. Settled frozen sub-groups kept so are never
   // written on the host tier: their moments stay the untouched zero pages they were.
   Status write_state(Piece piece, StateFill fill) override {
@@ -622,6 +624,12 @@ class StoreState final : public OptimizerState {
   Status write_values(bool gather_persistent = true) {
     return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
                              gather_persistent);
+  }
+  // write_values(), and where the persistent groups are left to the caller, the writes waited
+  // for, so that a failed one shows here (publish_master()).
+  Status write_values_and_wait(bool gather_persistent) {
+    ZINF_RETURN_IF_ERROR(write_values(gather_persistent));
+    return gather_persistent ? Status::ok() : pub_.wait_writes();
   }
 
   StateContext ctx_;

@@ -4,8 +4,8 @@
 // Bad calls (an unknown name, a module gathered) fail before any collective and leave the engine
 // usable. The batch form writes the same bits as the same writes made one by one, in one pass
 // over the partition (its NVMe reads are those of a single write), and a failure on one rank
-// during the pass stops every rank, as a shard write failure after the last agreement does, at
-// once. (python/tests/test_gathered_write.py checks that training goes on from the new values as
+// during the pass stops every rank, as a failed write of the new shards does, in the same call.
+// (python/tests/test_gathered_write.py checks that training goes on from the new values as
 // torch does.)
 #include <fmt/format.h>
 #include <gmock/gmock.h>
@@ -669,66 +669,74 @@ TEST(WriteParametersBatch, AnIoErrorMidwayFailsEveryRankAndStays) {
   EXPECT_GT(failed, 0);
 }
 
-// After the last agreement the new shards are written (stage 3, the shards on NVMe, the state in
-// host memory: the pass writes nothing to NVMe). A write error there on rank 0 fails rank 0 with
-// the error, naming the shard, and aborts the communicator: the other rank fails at once (in the
-// call's all-gather of the persistent groups, or in its next collective) with kAborted naming
-// rank 0, instead of waiting until the collective timeout; and both stay failed.
-TEST(WriteParametersBatch, AShardWriteErrorAfterTheAgreementFailsEveryRankAtOnce) {
+// The new shards are written before the last agreement (stage 3, the shards on NVMe; the state
+// in host memory, in HostState's memory or on an opaque device: the pass writes nothing to NVMe),
+// and the persistent groups are all-gathered only after every rank agreed that its shards are
+// written. A write error there on rank 0 fails the call on both ranks: rank 0 with the error,
+// naming the shard's swap extent, the other with kAborted naming rank 0, at once rather than at
+// the collective timeout, also without persistent groups (no all-gather follows the writes, so
+// the other rank returned OK before). Both engines stay failed, since their shards disagree; the
+// communicator is not aborted.
+TEST(WriteParametersBatch, AShardWriteErrorFailsEveryRankInTheSameCall) {
   using D = OffloadDevice;
-  for (const Case& c : {Case{2, 3, D::kNone, D::kNvme}, Case{2, 3, D::kHost, D::kNvme}}) {
-    SCOPED_TRACE(case_name(c));
-    engine_test::ScratchDir dir("write_batch_shard_error_" + case_name(c));
-    const Model model = engine_test::make_model(DType::kF32, 88);
-    const std::vector<std::vector<float>> fresh = fresh_values(model, 18);
-    const auto timeout = std::chrono::seconds(6);
-    engine_test::Ranks ranks = engine_test::make_ranks(c.world, timeout);
-    Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
-    config.collective_timeout_ms = 6000;
-    std::vector<Status> written(2), next(2), again(2);
-    std::vector<std::uint64_t> errors(2);
-    std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-      const auto r = static_cast<std::size_t>(rank);
-      FaultSpec spec;
-      spec.seed = 18;
-      spec.eio_rate = 1.0;
-      spec.reads = false;
-      auto faults = std::make_shared<FaultInjector>(spec);
-      faults->set_enabled(false);
-      ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
-      faults->set_enabled(rank == 0);
-      const auto start = std::chrono::steady_clock::now();
-      written[r] = engine->write_parameters(kBatch, values_from(model, fresh), /*root=*/1);
-      faults->set_enabled(false);
-      errors[r] = faults->counts().eio;
-      // The next collective call (a read-back, which every rank makes).
-      std::vector<float> out(model.params[0].element_count());
-      next[r] = engine->read_parameters(model.params[0].name, out.data());
-      if (std::chrono::steady_clock::now() - start > timeout / 2) {
-        return Status::internal("the failure was not passed on: the rank waited");
+  const Case cases[] = {Case{2, 3, D::kNone, D::kNvme}, Case{2, 3, D::kHost, D::kNvme},
+                        Case{2, 3, D::kNone, D::kNvme, /*opaque=*/true}};
+  for (const Case& c : cases) {
+    for (const bool none_persistent : {false, true}) {
+      const std::string label =
+          fmt::format("{}{}", case_name(c), none_persistent ? "_none_persistent" : "");
+      SCOPED_TRACE(label);
+      engine_test::ScratchDir dir("write_batch_shard_error_" + label);
+      const Model model = engine_test::make_model(DType::kF32, 88);
+      const std::vector<std::vector<float>> fresh = fresh_values(model, 18);
+      const auto timeout = std::chrono::seconds(6);
+      engine_test::Ranks ranks = engine_test::make_ranks(c.world, timeout, 0, c.opaque);
+      Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
+      config.collective_timeout_ms = 6000;
+      if (none_persistent) config.zero.stage3_param_persistence_threshold = 0;
+      std::vector<Status> written(2), next(2), again(2);
+      std::vector<std::uint64_t> errors(2);
+      std::vector<double> seconds(2);
+      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+        const auto r = static_cast<std::size_t>(rank);
+        FaultSpec spec;
+        spec.seed = 18;
+        spec.eio_rate = 1.0;
+        spec.reads = false;
+        auto faults = std::make_shared<FaultInjector>(spec);
+        faults->set_enabled(false);
+        ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
+        faults->set_enabled(rank == 0);
+        const auto start = std::chrono::steady_clock::now();
+        written[r] = engine->write_parameters(kBatch, values_from(model, fresh), /*root=*/1);
+        seconds[r] =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        faults->set_enabled(false);
+        errors[r] = faults->counts().eio;
+        std::vector<float> out(model.params[0].element_count());
+        next[r] = engine->read_parameters(model.params[0].name, out.data());
+        again[r] = engine->write_parameters(kBatch, values_from(model, fresh), /*root=*/1);
+        return Status::ok();
+      });
+      for (std::size_t r = 0; r < 2; ++r) {
+        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
       }
-      again[r] = engine->write_parameters(kBatch, values_from(model, fresh), /*root=*/1);
-      return Status::ok();
-    });
-    for (std::size_t r = 0; r < 2; ++r) {
-      ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+      ASSERT_GT(errors[0], 0u) << "no shard write failed";
+      EXPECT_EQ(errors[1], 0u);
+      EXPECT_EQ(written[0].code(), Code::kIoError) << written[0].to_string();
+      // The call, and the swap extent of the shard that failed.
+      EXPECT_THAT(written[0].message(), ::testing::HasSubstr("write_parameters('head.b' and 4"));
+      EXPECT_THAT(written[0].message(), ::testing::HasSubstr("swap extent rank0/param/group"));
+      EXPECT_EQ(written[1].code(), Code::kAborted) << written[1].to_string();
+      EXPECT_THAT(written[1].message(), ::testing::HasSubstr("rank 0 failed (io_error)"));
+      for (std::size_t r = 0; r < 2; ++r) {
+        EXPECT_LT(seconds[r], 3.0) << "rank " << r << " waited for the collective timeout";
+        EXPECT_EQ(next[r].to_string(), written[r].to_string()) << "rank " << r << ": sticky";
+        EXPECT_EQ(again[r].to_string(), written[r].to_string()) << "rank " << r << ": sticky";
+        EXPECT_TRUE(ranks.comms[r]->status().is_ok())
+            << "rank " << r << ": " << ranks.comms[r]->status().to_string();
+      }
     }
-    ASSERT_GT(errors[0], 0u) << "no shard write failed";
-    EXPECT_EQ(errors[1], 0u);
-    EXPECT_EQ(written[0].code(), Code::kIoError) << written[0].to_string();
-    // The call, and the swap extent of the shard that failed.
-    EXPECT_THAT(written[0].message(), ::testing::HasSubstr("publishing the new parameters"));
-    EXPECT_THAT(written[0].message(), ::testing::HasSubstr("swap extent rank0/param/group"));
-    // Rank 1 passed the agreement: its call fails in the all-gather of the persistent groups,
-    // or, if it got past it, its next collective does.
-    const Status& seen = written[1].is_ok() ? next[1] : written[1];
-    EXPECT_EQ(seen.code(), Code::kAborted) << seen.to_string();
-    EXPECT_THAT(seen.message(), ::testing::HasSubstr("rank 0 failed (io_error)"));
-    for (std::size_t r = 0; r < 2; ++r) {
-      EXPECT_FALSE(next[r].is_ok()) << "rank " << r << ": the engine went on";
-      EXPECT_FALSE(again[r].is_ok()) << "rank " << r << ": the engine went on";
-    }
-    EXPECT_EQ(again[0].to_string(), written[0].to_string()) << "rank 0: sticky";
   }
 }
 
