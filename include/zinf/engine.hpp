@@ -348,7 +348,8 @@ class Engine {
   //                         (HostDevice), where host code reads them, it waits on the host for
   //                         that work first. Bucket reuse may still block the host on earlier
   //                         reduce-scatters, which may wait for the compute stream.
-  //   step(), load_checkpoint()  wait on the host for the work queued on it so far first.
+  //   step(), load_checkpoint(), write_parameters()  wait on the host for the work queued on
+  //                         it so far first.
   // Errors of the engine's streams reach the compute stream through the waits (a HostDevice
   // stream that waits on a failed event fails too) and the engine's next host wait.
   // REQUIRES: no module gathered (else kFailedPrecondition naming it). Changing or clearing it,

@@ -966,14 +966,23 @@ class Engine::Impl {
 
   Status write_parameters(std::string_view name, const float* values, int root) {
     ZINF_RETURN_IF_ERROR(settle());
-    Status pre = checkpoint_precondition(fmt::format("write_parameters('{}')", name));
+    Status pre = write_precondition(fmt::format("write_parameters('{}')", name));
     return write_master_values(master_access(), name, values, root, std::move(pre));
   }
   Status write_parameters(std::span<const std::string_view> names, const ParameterValues& values,
                           int root) {
     ZINF_RETURN_IF_ERROR(settle());
-    Status pre = checkpoint_precondition(write_parameters_call(names));
+    Status pre = write_precondition(write_parameters_call(names));
     return write_master_values(master_access(), names, values, root, std::move(pre));
+  }
+  // write_parameters' precondition, agreed with the ranks' checks: a checkpoint's, and the
+  // caller's work queued on the compute stream done, as step() and load_checkpoint() wait for
+  // it: the call rewrites the device copies, the persistent groups' gathered values themselves,
+  // which that work may still be reading.
+  Status write_precondition(std::string_view call) {
+    Status pre = checkpoint_precondition(call);
+    if (pre.is_ok() && caller_ != nullptr) pre = fail(caller_->host_wait(timeout_));
+    return pre;
   }
 
   MemoryReport memory() const {

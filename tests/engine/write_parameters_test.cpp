@@ -20,6 +20,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -306,6 +307,64 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{4, 2, OffloadDevice::kHost},
                       Case{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}),
     [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+
+// With a compute stream (Engine::set_compute_stream) on an opaque device, the caller's work
+// queued before write_parameters() still reads the old values: at stage 2 every group stays
+// gathered, and the call rewrites the gathered copies themselves, so it waits for the work queued
+// on the compute stream first, as step() and load_checkpoint() do. Each rank queues a slow read
+// of the largest parameter (a host function that sleeps, then the copy), releases the module
+// and writes new values at once; the read must see the values from before the call, and a
+// gather after it the new ones.
+TEST(WriteParametersBatch, WaitsForTheComputeStreamsWorkBeforeItRewritesTheGatheredCopies) {
+  const Model model = engine_test::make_model(DType::kF32, 89);
+  std::size_t target = 0;
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].element_count() > model.params[target].element_count()) target = p;
+  }
+  const engine_test::ParamDef& def = model.params[target];
+  const std::vector<std::vector<float>> fresh = fresh_values(model, 21);
+  constexpr int kWorld = 2;
+  for (const OffloadDevice optimizer : {OffloadDevice::kNone, OffloadDevice::kHost}) {
+    SCOPED_TRACE(offload_device_name(optimizer));
+    engine_test::ScratchDir dir(
+        fmt::format("write_compute_stream_{}", offload_device_name(optimizer)));
+    engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(30),
+                                                       /*jitter_max_us=*/0, /*opaque=*/true);
+    const Config config = engine_test::small_config(2, optimizer, OffloadDevice::kNone, dir.path());
+    std::vector<std::vector<float>> before(kWorld), after(kWorld);
+    std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+      const auto r = static_cast<std::size_t>(rank);
+      Device& device = *ranks.devices[r];
+      // Declared before the engine, so that it outlives it.
+      ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, device.create_stream("compute"));
+      ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model));
+      ZINF_RETURN_IF_ERROR(engine->set_compute_stream(compute.get()));
+      before[r].resize(def.element_count());
+      ZINF_RETURN_IF_ERROR(engine->gather(def.module));
+      ZINF_ASSIGN_OR_RETURN(TensorView view, engine->parameter(def.name));
+      ZINF_RETURN_IF_ERROR(device.launch_host(*compute, [] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        return Status::ok();
+      }));
+      ZINF_RETURN_IF_ERROR(
+          device.copy_d2h(before[r].data(), view.data, before[r].size() * 4, *compute));
+      ZINF_RETURN_IF_ERROR(engine->release(def.module));
+      Status written = engine->write_parameters(
+          def.name, rank == 1 ? fresh[target].data() : nullptr, /*root=*/1);
+      ZINF_RETURN_IF_ERROR(device.synchronize(*compute, std::chrono::seconds(30)));
+      ZINF_RETURN_IF_ERROR(written);
+      ZINF_RETURN_IF_ERROR(engine->set_compute_stream(nullptr));
+      ZINF_ASSIGN_OR_RETURN(after[r], gathered_values(*engine, device, def.module, def.name));
+      return Status::ok();
+    });
+    for (std::size_t r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+      EXPECT_EQ(before[r], model.initial[target])
+          << "rank " << r << ": the queued read saw values written after it";
+      EXPECT_EQ(after[r], fresh[target]) << "rank " << r;
+    }
+  }
+}
 
 // With the optimizer state on NVMe, the batch is one pass: it reads as much from NVMe as one
 // write of a single parameter, where writing the same parameters one by one reads that once per
