@@ -435,6 +435,14 @@ class Engine {
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
   // unknown name.
   Status read_parameters(std::string_view name, float* out);
+  // One optimizer moment of parameter `name`, whole, as read_parameters() gives its master:
+  // `state` is "exp_avg" or "exp_avg_sq" (element_count floats into `out`; zeros before the
+  // first step). Collective, as read_parameters(). It reads this rank's whole partition of that
+  // moment (each sub-group, on whatever tier it lives) to take the parameter's slice: to read
+  // every parameter's moments, save a checkpoint instead. kNotFound for an unknown name;
+  // kInvalidArgument for a state the optimizer does not keep (Adagrad has no exp_avg, Lion no
+  // exp_avg_sq), naming those it keeps.
+  Status read_optimizer_state(std::string_view name, std::string_view state, float* out);
   // Replaces the fp32 master of parameter `name` with rank `root`'s `values` (element_count
   // floats; the other ranks' `values` are ignored and may be null), and republishes the device
   // copies / shards from the master, as load_checkpoint() does; the optimizer moments stay.

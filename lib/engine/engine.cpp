@@ -963,6 +963,10 @@ class Engine::Impl {
     ZINF_RETURN_IF_ERROR(settle());
     return read_master_values(master_access(), name, out);
   }
+  Status read_optimizer_state(std::string_view name, std::string_view state, float* out) {
+    ZINF_RETURN_IF_ERROR(settle());
+    return read_moment_values(master_access(), config_.optimizer.kind, name, state, out);
+  }
 
   Status write_parameters(std::string_view name, const float* values, int root) {
     ZINF_RETURN_IF_ERROR(settle());
@@ -1166,6 +1170,9 @@ const std::string& Engine::client_state() const { return impl_->client_state_; }
 Result<SwapCheckReport> Engine::verify_swap() { return impl_->verify_swap(); }
 Status Engine::read_parameters(std::string_view name, float* out) {
   return impl_->read_parameters(name, out);
+}
+Status Engine::read_optimizer_state(std::string_view name, std::string_view state, float* out) {
+  return impl_->read_optimizer_state(name, state, out);
 }
 Status Engine::write_parameters(std::string_view name, const float* values, int root) {
   return impl_->write_parameters(name, values, root);

@@ -280,41 +280,51 @@ Status write_master_values(const MasterAccess& w, std::string_view name, const f
                              std::move(precondition));
 }
 
-Status read_master_values(const MasterAccess& w, std::string_view name, float* out) {
+namespace {
+
+// read_master_values() and read_moment_values(): `call` names the call in errors; `piece` is the
+// master or a moment the state has.
+Status read_values(const MasterAccess& w, const std::string& call, Piece piece,
+                   std::string_view name, float* out) {
   const std::optional<std::size_t> id = w.layout->find_param(name);
-  if (!id.has_value()) {
-    return Status::not_found(fmt::format("read_parameters('{}'): unknown parameter", name));
-  }
-  if (out == nullptr) {
-    return Status::invalid_argument(fmt::format("read_parameters('{}'): out is null", name));
-  }
+  if (!id.has_value()) return Status::not_found(fmt::format("{}: unknown parameter", call));
+  if (out == nullptr) return Status::invalid_argument(fmt::format("{}: out is null", call));
   const Partitioner& part = w.layout->partitioner();
   const ParamLocation& loc = part.location(static_cast<ParamId>(*id));
   const GroupInfo& info = part.group(loc.group);
   const std::size_t shard = info.shard_element_count;
-  // This rank's master slice of the group, then an all-gather of the whole group in f32. The
-  // buffer and the slice come first and every rank learns whether every rank has them, so a
-  // rank that cannot allocate fails every rank at once instead of leaving them waiting in the
-  // all-gather until the collective timeout.
+  // This rank's slice of the group, then an all-gather of the whole group in f32. The buffer and
+  // the slice come first and every rank learns whether every rank has them, so a rank that
+  // cannot allocate fails every rank at once instead of leaving them waiting in the all-gather
+  // until the collective timeout.
   Result<DeviceBuffer> full = DeviceBuffer::allocate(*w.device, info.padded_element_count * 4);
   Status local = full.status();
   std::vector<float> slice;
   const std::size_t first = w.layout->offset(loc.group);
+  // Copies the part of [f, f + count) that lies in this rank's slice.
+  auto take = [&](std::size_t f, std::size_t count, const float* src) {
+    const std::size_t lo = std::max(f, first);
+    const std::size_t hi = std::min(f + count, first + shard);
+    if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
+  };
   if (local.is_ok()) {
     slice.resize(shard);
-    local = w.sticky->fail(w.state->read_master(
-        first, first + shard, [&](std::size_t f, std::size_t count, const float* src) {
-          const std::size_t lo = std::max(f, first);
-          const std::size_t hi = std::min(f + count, first + shard);
-          if (lo < hi) std::memcpy(slice.data() + (lo - first), src + (lo - f), (hi - lo) * 4);
-        }));
+    if (piece == Piece::kParams) {
+      local = w.state->read_master(first, first + shard, take);
+    } else {
+      // The whole piece passes by (OptimizerState reads moments only whole).
+      local = w.state->read_state(piece, [&](std::size_t f, std::size_t count, const float* src) {
+        take(f, count, src);
+        return Status::ok();
+      });
+    }
+    local = w.sticky->fail(std::move(local));
   }
-  ZINF_RETURN_IF_ERROR(
-      w.exchange->agree(fmt::format("read_parameters('{}')", name), std::move(local)));
+  ZINF_RETURN_IF_ERROR(w.exchange->agree(call, std::move(local)));
   float* own = full->as<float>() + part.shard_offset(loc.group, w.rank);
   Status st = w.device->copy_h2d(own, slice.data(), shard * 4, *w.stream);
   if (st.is_ok()) {
-    st = w.comm->all_gather(own, full->data(), shard, DType::kF32, *w.stream, "read_parameters");
+    st = w.comm->all_gather(own, full->data(), shard, DType::kF32, *w.stream, call);
   }
   if (st.is_ok()) {
     st = w.device->copy_d2h(out, full->as<float>() + loc.group_offset, loc.element_count * 4,
@@ -323,6 +333,26 @@ Status read_master_values(const MasterAccess& w, std::string_view name, float* o
   if (st.is_ok()) st = w.device->record(*w.event, *w.stream);
   if (st.is_ok()) st = w.comm->wait(*w.event, w.timeout);
   return w.sticky->fail(st);
+}
+
+}  // namespace
+
+Status read_master_values(const MasterAccess& w, std::string_view name, float* out) {
+  return read_values(w, fmt::format("read_parameters('{}')", name), Piece::kParams, name, out);
+}
+
+Status read_moment_values(const MasterAccess& w, OptimizerKind kind, std::string_view name,
+                          std::string_view state, float* out) {
+  const std::string call = fmt::format("read_optimizer_state('{}', '{}')", name, state);
+  std::string kept;
+  for (Piece piece : state_pieces(kind)) {
+    if (piece == Piece::kParams) continue;
+    if (piece_name(piece) == state) return read_values(w, call, piece, name, out);
+    kept += fmt::format("{}\"{}\"", kept.empty() ? "" : ", ", piece_name(piece));
+  }
+  return Status::invalid_argument(fmt::format("{}: {} keeps no \"{}\" (it keeps {})", call,
+                                              optimizer_name(kind), state,
+                                              kept.empty() ? "none" : kept));
 }
 
 }  // namespace zinf

@@ -44,6 +44,10 @@ struct MasterAccess {
 // that cannot fails every rank at once. kNotFound for an unknown parameter, kInvalidArgument for
 // a null `out`. Collective.
 Status read_master_values(const MasterAccess& w, std::string_view name, float* out);
+// The same for a moment of the optimizer (`state`: "exp_avg" or "exp_avg_sq"), which it reads
+// whole to take the slice; kInvalidArgument for a state `kind` does not keep.
+Status read_moment_values(const MasterAccess& w, OptimizerKind kind, std::string_view name,
+                          std::string_view state, float* out);
 
 // The call as errors name it: "write_parameters('a')", or "write_parameters('a' and 3 more)".
 std::string write_parameters_call(std::span<const std::string_view> names);

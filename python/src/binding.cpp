@@ -306,18 +306,30 @@ class PyEngine {
 
   // The fp32 master of parameter `name` into `out`, which must hold exactly its elements.
   void read_parameters(const std::string& name, FloatArray out) {
+    float* data = checked_out("read_parameters('" + name + "')", name, out);
+    zinf::Engine& core = engine();
+    without_gil([&] { return core.read_parameters(name, data); });
+  }
+
+  // One optimizer moment of `name` ("exp_avg" or "exp_avg_sq") into `out`, as read_parameters.
+  void read_optimizer_state(const std::string& name, const std::string& state, FloatArray out) {
+    float* data = checked_out("read_optimizer_state('" + name + "', '" + state + "')", name, out);
+    zinf::Engine& core = engine();
+    without_gil([&] { return core.read_optimizer_state(name, state, data); });
+  }
+
+  // `out`'s data when it holds exactly parameter `name`'s elements; `call` names the call.
+  float* checked_out(const std::string& call, const std::string& name, FloatArray out) const {
     const auto it = element_counts_.find(name);
     if (it == element_counts_.end()) {
-      throw ZinfError(zinf::Status::not_found("read_parameters: no parameter '" + name + "'"));
+      throw ZinfError(zinf::Status::not_found(call + ": no parameter '" + name + "'"));
     }
     if (out.size() != it->second) {
       throw ZinfError(zinf::Status::invalid_argument(
-          "read_parameters('" + name + "'): out holds " + std::to_string(out.size()) +
-          " floats, the parameter " + std::to_string(it->second)));
+          call + ": out holds " + std::to_string(out.size()) + " floats, the parameter " +
+          std::to_string(it->second)));
     }
-    float* data = out.data();
-    zinf::Engine& core = engine();
-    without_gil([&] { return core.read_parameters(name, data); });
+    return out.data();
   }
 
   // Rank `root`'s values replace the fp32 master of `name` on every rank (Engine::
@@ -659,6 +671,8 @@ NB_MODULE(_zinf, m) {
              return nb::bytes(blob.data(), blob.size());
            })
       .def("read_parameters", &PyEngine::read_parameters, nb::arg("name"), nb::arg("out"))
+      .def("read_optimizer_state", &PyEngine::read_optimizer_state, nb::arg("name"),
+           nb::arg("state"), nb::arg("out"))
       .def("write_parameters", &PyEngine::write_parameters, nb::arg("name"),
            nb::arg("values").none(), nb::arg("root") = 0)
       .def("write_parameters_batch", &PyEngine::write_parameters_batch, nb::arg("names"),

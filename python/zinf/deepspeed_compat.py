@@ -50,9 +50,7 @@ import math
 import os
 import pathlib
 import re
-import shutil
 import sys
-import tempfile
 import types
 import weakref
 
@@ -561,7 +559,6 @@ def safe_set_full_fp32_param(param, value):
             "engine.step() and before the next engine.backward()")
     values = value.detach().to(device="cpu", dtype=torch.float32).reshape(shape).contiguous()
     engine._write_parameters([(param, values)], root=0)
-    engine._compat_state_version += 1
 
 
 def safe_get_full_grad(param):
@@ -596,91 +593,9 @@ def safe_set_full_grad(param, value):
 # The optimizer state keys DeepSpeed's optimizers use, and the piece of a zinf rank file each is
 # (lib/tier/state_store.hpp Piece: 0 the master, 1 exp_avg, 2 exp_avg_sq; docs/ENGINE.md
 # "Checkpoints", "Format").
-_STATE_PIECES = {"exp_avg": 1, "exp_avg_sq": 2}
-_HEADER_BYTES = 4096
-
-
-def _read_state_piece(tag_dir: str, name: str, key: str) -> torch.Tensor:
-    """Parameter `name`'s optimizer state `key` from the rank files of the checkpoint tag_dir,
-    whole: the parameter lies at its group's group_offset in the concatenation of the ranks'
-    shards of that group (shard_elements each), and a rank's shard of group g at the group's
-    partition_offset in each piece of its file, after the 4096-byte header; the header's
-    piece_mask (u32 at 28) says which pieces the file holds, in Piece order, and its
-    partition_elements (u64 at 32) each piece's length (checkpoint_export.cpp's read_master
-    reads piece 0 so)."""
-    with open(os.path.join(tag_dir, "manifest.json")) as f:
-        manifest = json.load(f)
-    entry = next((p for p in manifest["params"] if p["name"] == name), None)
-    if entry is None:
-        raise KeyError(f"parameter '{name}' is not in {tag_dir}")
-    group = manifest["groups"][entry["group"]]
-    shard, base = int(group["shard_elements"]), int(group["partition_offset"])
-    count = math.prod(entry["shape"])
-    out = torch.empty(count, dtype=torch.float32)
-    done, headers = 0, {}
-    while done < count:
-        position = int(entry["group_offset"]) + done
-        rank, within = divmod(position, shard)
-        take = min(count - done, shard - within)
-        path = os.path.join(tag_dir, manifest["ranks"][rank]["file"])
-        with open(path, "rb") as f:
-            if rank not in headers:
-                head = f.read(40)
-                mask = int.from_bytes(head[28:32], "little")
-                headers[rank] = (mask, int.from_bytes(head[32:40], "little"))
-            mask, partition = headers[rank]
-            piece = _STATE_PIECES[key]
-            if not mask >> piece & 1:
-                raise ValueError(f"{key} not found in optimizer state")
-            index = bin(mask & ((1 << piece) - 1)).count("1")  # pieces saved before it
-            f.seek(_HEADER_BYTES + (index * partition + base + within) * 4)
-            data = f.read(take * 4)
-        out[done:done + take] = torch.frombuffer(bytearray(data), dtype=torch.float32)
-        done += take
-    return out.reshape(entry["shape"])
-
-
-def _state_checkpoint(engine: "DeepSpeedEngine") -> str:
-    """The tag directory of a checkpoint of the engine's present optimizer state, saved into a
-    scratch directory of the system's temporary directory (made by rank 0, its path broadcast)
-    on the first call since the state last changed (a step, a load, a safe_set_*) and kept for
-    the calls until then; the previous one is removed. Collective. The ranks must share the
-    directory: a job over several machines is refused."""
-    version = (engine.global_steps, engine._compat_state_version)
-    cached = engine.__dict__.get("_compat_state_dir")
-    if cached is not None and cached[0] == version:
-        return os.path.join(cached[1], "state")
-    launcher = _launcher()
-    if launcher is not None and launcher[0][3] != launcher[0][1]:
-        raise NotImplementedError(
-            "deepspeed.utils.safe_get_full_optimizer_state (zinf.deepspeed_compat): the engine "
-            "reads the moments from a checkpoint in a directory every rank must reach, and the "
-            "job spans several machines; save a checkpoint to a shared directory instead "
-            "(engine.save_checkpoint)")
-    if engine._micro_batches_pending:
-        # Every rank has them alike, so every rank refuses here, before any collective.
-        raise RuntimeError(
-            "deepspeed.utils.safe_get_full_optimizer_state (zinf.deepspeed_compat): called "
-            "between a backward and its step for the first time since the last step; the engine "
-            "saves the optimizer state to read it, which it refuses while it holds reduced "
-            "gradients. Call it after engine.step() and before the next engine.backward()")
-    _drop_state_checkpoint(engine)
-    path = tempfile.mkdtemp(prefix="zinf_optimizer_state_") if engine.global_rank == 0 else ""
-    if engine.world_size > 1:
-        buffer = torch.zeros(4096, dtype=torch.uint8)
-        encoded = path.encode()
-        buffer[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-        engine._core.broadcast_bytes(buffer, 0, "safe_get_full_optimizer_state: directory")
-        path = bytes(buffer.tolist()).rstrip(b"\0").decode()
-    engine.__dict__["_compat_state_dir"] = (version, path)
-    engine._core.save_checkpoint(path, "state")
-    return os.path.join(path, "state")
-
-
-def _drop_state_checkpoint(engine: "DeepSpeedEngine"):
-    cached = engine.__dict__.pop("_compat_state_dir", None)
-    if cached is not None and engine.global_rank == 0:
-        shutil.rmtree(cached[1], ignore_errors=True)
+# The moments each optimizer keeps, by the config's optimizer type (lower-cased).
+_OPTIMIZER_STATES = {"adam": ("exp_avg", "exp_avg_sq"), "adamw": ("exp_avg", "exp_avg_sq"),
+                     "adagrad": ("exp_avg_sq",), "lion": ("exp_avg",)}
 
 
 def safe_get_full_optimizer_state(param, optim_state_key):
@@ -688,40 +603,20 @@ def safe_get_full_optimizer_state(param, optim_state_key):
     `optim_state_key` ("exp_avg", "exp_avg_sq": Adam and AdamW have both, Adagrad exp_avg_sq (its
     sum of squares), Lion exp_avg), whole, in the parameter's full shape, a new fp32 CPU tensor
     on every rank; ValueError for a key the optimizer does not have, as DeepSpeed's. None for a
-    tensor the engine does not train. Collective. The engine has no call that reads a moment, so
-    the state is saved as a checkpoint (Engine.save_checkpoint, into a scratch directory of the
-    system's temporary directory) once after each step, read from its rank files, and removed at
-    the next step or when the engine is destroyed: the first call after a step costs a save of
-    the whole state. A save is refused between a backward and its step, so the first call after
-    a step must come before the next backward (later calls read the saved state)."""
+    tensor the engine does not train. Collective (Engine.read_optimizer_state): each rank reads
+    its whole partition of that moment (from NVMe, where the state lives there) to take the
+    parameter's slice, so reading every parameter's state this way costs a pass over the state
+    per parameter; a checkpoint (engine.save_checkpoint) reads it once."""
     engine = _engine_of(param)
     name = None if engine is None else _trained_name(engine, param)
     if name is None:
         return None
-    if optim_state_key not in _STATE_PIECES:
+    kept = _OPTIMIZER_STATES.get(engine._optimizer_name.lower(), ("exp_avg", "exp_avg_sq"))
+    if optim_state_key not in kept:
         raise ValueError(f"{optim_state_key} not found in optimizer state")
-    tag_dir = _state_checkpoint(engine)
-    failed = None
-    try:
-        value = _read_state_piece(tag_dir, name, optim_state_key)
-    except (OSError, ValueError, KeyError) as error:
-        failed = error
-    if engine.world_size > 1:
-        # Every rank leaves only once every rank has read: rank 0 removes the directory when
-        # the state changes or the engine is destroyed, and another rank may still be reading
-        # other ranks' files. The ranks learn each other's outcome on the way.
-        send = torch.tensor([failed is not None, 0], dtype=torch.uint8)
-        outcomes = torch.zeros(2 * engine.world_size, dtype=torch.uint8)
-        engine._core.all_gather_bytes(send, outcomes,
-                                      f"safe_get_full_optimizer_state('{name}')")
-        others = [r for r in range(engine.world_size)
-                  if outcomes[2 * r] and r != engine.global_rank]
-        if failed is None and others:
-            raise RuntimeError(f"safe_get_full_optimizer_state('{name}'): rank {others[0]} "
-                               f"could not read the saved state in {tag_dir}")
-    if failed is not None:
-        raise failed
-    return value
+    out = torch.empty(engine._shapes[id(param)], dtype=torch.float32)
+    engine._core.read_optimizer_state(name, optim_state_key, out)
+    return out
 
 
 def safe_set_full_optimizer_state(param, value, optim_state_key):
@@ -754,24 +649,11 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         """DeepSpeedEngine.config: the config dict (the Trainer reads its ZeRO stage)."""
         return self._config
 
-    # Bumped by what changes the optimizer state other than a step (a load, safe_set_*), so that
-    # safe_get_full_optimizer_state saves it afresh.
-    _compat_state_version = 0
-
     @property
     def training_dataloader(self):
         """The loader initialize() made from training_data (the one it returned), or None, as
         DeepSpeed's engine keeps it."""
         return self.__dict__.get("_compat_training_dataloader")
-
-    def load_checkpoint(self, *args, **kwargs):
-        loaded = super().load_checkpoint(*args, **kwargs)
-        self._compat_state_version += 1
-        return loaded
-
-    def destroy(self):
-        _drop_state_checkpoint(self)
-        super().destroy()
 
     def backward(self, loss, retain_graph=False, scale_wrt_gas=True, **kwargs):
         """DeepSpeed divides the loss by gradient_accumulation_steps, unless scale_wrt_gas is

@@ -430,6 +430,8 @@ Reference run_reference(const Config& config, const Model& model, int world,
       if (!r.is_ok()) std::abort();
     }
   }
+  ref.exp_avg = std::move(m);
+  ref.exp_avg_sq = std::move(v);
   return ref;
 }
 

@@ -138,6 +138,8 @@ Status register_model(Engine& engine, const Model& model);
 // device-dtype values the model computes with during that step (widened to f32).
 struct Reference {
   std::vector<std::vector<float>> master;
+  // The final moments (Adam/AdamW's; zeros for a parameter left out of the step).
+  std::vector<std::vector<float>> exp_avg, exp_avg_sq;
   std::vector<std::vector<std::vector<float>>> device_per_step;
 };
 Reference run_reference(const Config& config, const Model& model, int world,
