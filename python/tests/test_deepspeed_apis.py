@@ -331,3 +331,47 @@ def test_full_state_at_stage_3_on_two_ranks_is_torchs_on_the_full_batch(two_rank
         for key in ("exp_avg", "exp_avg_sq"):
             error = relative_error(states[0][name][key], optimizer.state[expected][key])
             assert error < 1e-5, f"{name} {key}: relative error {error:.2e}"
+
+
+def test_srun_with_pmix_is_an_mpi_launcher(monkeypatch):
+    """srun --mpi=pmix sets PMIX_RANK and Slurm's task counts, and no OMPI_COMM_WORLD_* or PMI_*:
+    deepspeed_compat reads its ranks from them, as zinf.torch picks its MPI communicator there,
+    and sets the torch.distributed environment from them; MASTER_ADDR must be given when the
+    tasks span several nodes."""
+    for key in list(os.environ):
+        if key.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL")):
+            monkeypatch.delenv(key)
+    # Set by the code under test: each recorded (set, then removed) so that the test's end
+    # restores it as it was.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT"):
+        monkeypatch.setenv(key, "")
+        monkeypatch.delenv(key)
+    # 8 tasks: 2 on each of nodes 0-2, 2 on node 3; this one the second task of node 1.
+    monkeypatch.setenv("PMIX_RANK", "3")
+    monkeypatch.setenv("SLURM_PROCID", "3")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "8")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "4")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2(x3),2")
+    monkeypatch.setenv("SLURM_NODEID", "1")
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    assert compat._mpi_launcher() == (3, 8, 1, 2)
+    with pytest.raises(ValueError, match="MASTER_ADDR"):
+        compat._launcher_environment("deepspeed.init_distributed")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    assert compat._launcher_environment("deepspeed.init_distributed") == (3, 8, 1)
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")] == [
+        "3", "8", "1", "2"]
+    # One node of 2 tasks: every task here, so the rendezvous is this machine's.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR"):
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("PMIX_RANK", "1")
+    monkeypatch.setenv("SLURM_STEP_NUM_TASKS", "2")
+    monkeypatch.setenv("SLURM_STEP_NUM_NODES", "1")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "2")
+    monkeypatch.setenv("SLURM_NODEID", "0")
+    assert compat._launcher_environment("deepspeed.init_distributed") == (1, 2, 1)
+    assert os.environ["MASTER_ADDR"] == "127.0.0.1"
+    # The batch script's own shell has Slurm's variables but no PMIX_RANK: one process.
+    monkeypatch.delenv("PMIX_RANK")
+    assert compat._mpi_launcher() is None

@@ -80,9 +80,9 @@ Author: zinf
 def _mpi_launcher() -> tuple[int, int, int, int] | None:
     """(rank, size, local_rank, local_size) of this process as an MPI launcher states them: Open
     MPI's mpirun (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE) or MPICH's and Intel
-    MPI's Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS). None when neither
-    started the process. zinf.torch opens its engine's communicator (MpiComm) under the same
-    launchers."""
+    MPI's Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), or Slurm's srun with
+    PMIx (_srun_pmix()). None when none of them started the process. zinf.torch opens its
+    engine's communicator (MpiComm) under the same launchers."""
     for rank_key, size_key, local_key, local_size_key in (
             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
              "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -92,7 +92,40 @@ def _mpi_launcher() -> tuple[int, int, int, int] | None:
             local, local_size = os.environ.get(local_key, ""), os.environ.get(local_size_key, "")
             return (int(rank), int(size), int(local) if local.isdigit() else 0,
                     int(local_size) if local_size.isdigit() else int(size))
-    return None
+    return _srun_pmix()
+
+
+def _srun_pmix() -> tuple[int, int, int, int] | None:
+    """(rank, size, local_rank, local_size) of a task srun started with PMIx (srun --mpi=pmix):
+    PMIX_RANK (set only in such a task; SLURM_PROCID is set in the batch script's own shell too),
+    SLURM_STEP_NUM_TASKS (else SLURM_NTASKS), SLURM_LOCALID, and this node's task count, its
+    entry (SLURM_NODEID) of SLURM_STEP_TASKS_PER_NODE (else SLURM_TASKS_PER_NODE), which lists
+    counts with repeats ("2(x3),1": three nodes of 2, then one of 1). None without PMIX_RANK or
+    a task count."""
+    rank = os.environ.get("PMIX_RANK", "")
+    size = os.environ.get("SLURM_STEP_NUM_TASKS", os.environ.get("SLURM_NTASKS", ""))
+    if not (rank.isdigit() and size.isdigit()):
+        return None
+    local = os.environ.get("SLURM_LOCALID", "")
+    per_node = []
+    spec = os.environ.get("SLURM_STEP_TASKS_PER_NODE", os.environ.get("SLURM_TASKS_PER_NODE", ""))
+    for item in filter(None, spec.split(",")):
+        m = re.fullmatch(r"(\d+)(?:\(x(\d+)\))?", item)
+        if m is None:
+            per_node = []
+            break
+        per_node += [int(m.group(1))] * int(m.group(2) or 1)
+    node = os.environ.get("SLURM_NODEID", "")
+    nodes = os.environ.get("SLURM_STEP_NUM_NODES", os.environ.get("SLURM_NNODES", "1"))
+    if node.isdigit() and int(node) < len(per_node):
+        local_size = per_node[int(node)]
+    elif nodes == "1":
+        local_size = int(size)
+    else:
+        # Several nodes, this one's count not stated: 1, which tells _launcher_environment
+        # that the tasks are not all here (it then needs MASTER_ADDR).
+        local_size = 1
+    return int(rank), int(size), int(local) if local.isdigit() else 0, local_size
 
 
 def _torchrun() -> tuple[int, int, int, int] | None:
