@@ -686,10 +686,19 @@ Status OptimizerPipeline::start_write(std::size_t p, const StepArgs& args) {
   }
   for (Piece piece : write_pieces_) {
     const auto k = static_cast<std::size_t>(piece);
-    if (e.settles && (piece == Piece::kExpAvg || piece == Piece::kExpAvgSq)) {
+    const bool moment = piece == Piece::kExpAvg || piece == Piece::kExpAvgSq;
+    if (store_.residency(piece, i) == Residency::kZero &&
+        ((e.settles && moment) || all_zero_bytes(e.lease.data() + store_.slot_offset(piece),
+                                                 store_.piece_bytes(piece, i)))) {
+      // Released zeros that are still zeros stay released, whether or not the sub-group
+      // settles: a frozen sub-group's exp_avg released while its exp_avg_sq still decays, or any
+      // released piece in io-only mode (which writes back what it read). Writing them would fill
+      // the hole with zeros, taking new disk blocks, which a full disk refuses mid-step.
+      continue;
+    }
+    if (e.settles && moment) {
       // A frozen sub-group's moments left zero: not written, their room given back
       // (StateStore::release_piece); where the filesystem cannot, they are written as before.
-      if (store_.residency(piece, i) == Residency::kZero) continue;
       if (store_.release_piece(piece, i).is_ok()) continue;
     }
     store_.begin_write(piece, i);

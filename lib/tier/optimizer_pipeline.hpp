@@ -64,7 +64,10 @@
 // the update gives) to half_done; on the host tier nothing at all. kUpdateOnly passes over
 // nothing. On NVMe, the moments of a frozen sub-group that a full update leaves zero are not
 // written: their room is given back (StateStore::release_piece, kZero), and a later read of
-// them fills the block with zeros without I/O.
+// them fills the block with zeros without I/O. A released piece whose new value is still all zero
+// bytes is never written back, in any mode and whether or not its sub-group settles (a frozen
+// sub-group's exp_avg released while its exp_avg_sq still decays): it stays kZero, so a step
+// takes no new disk blocks for it.
 //
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
@@ -134,9 +137,10 @@ struct PipelineOptions {
 enum class StepMode : std::uint8_t {
   kFull = 0,  // read, update, write: the optimizer step
   // Benchmarks only. kIoOnly: the identical reads and writes with no update (the values written
-  // are those read, and the half-precision piece gets whatever the block held). kUpdateOnly: the
-  // identical updates, sub-group by sub-group, on the pool's blocks as they are (sub-group i in
-  // block i mod blocks) on the update thread, with no I/O; host pieces are updated in place.
+  // are those read, and the half-precision piece gets whatever the block held; a released piece,
+  // kZero, is neither read nor written, as in a full step). kUpdateOnly: the identical updates,
+  // sub-group by sub-group, on the pool's blocks as they are (sub-group i in block i mod blocks)
+  // on the update thread, with no I/O; host pieces are updated in place.
   // Neither changes the versions the store records.
   kIoOnly = 1,
   kUpdateOnly = 2,

@@ -216,8 +216,9 @@ class StateStore {
   // to the filesystem (SwapSpace::release), so it takes no disk blocks. A read (read_piece(), a
   // step's) gives zeros without I/O; a write stores it again; a checkpoint linked meanwhile has
   // zeros there (a hole). Meant for moments known to be zero (a frozen sub-group's): the step
-  // still treats the piece as any other. Errors: unsupported where the filesystem cannot punch
-  // holes (the piece is left as it was: write zeros instead), the swap space's others.
+  // still treats the piece as any other; a step writes it again only when its new value is not
+  // all zero. Errors: unsupported where the filesystem cannot punch holes (the piece is left as it
+  // was: write zeros instead), the swap space's others.
   // REQUIRES: on_nvme(piece); the piece is not in flight (kReading, kWriting).
   Status release_piece(Piece piece, std::size_t i);
 

@@ -13,7 +13,10 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
+#include "base/aligned.hpp"
+#include "base/random.hpp"
 #include "common/loop_mount.hpp"
 #include "io/fault.hpp"
 #include "tier_test_util.hpp"
@@ -159,6 +162,97 @@ TEST_F(LoopFilesystem, ReadOnlyMidStepFailsNamingTheFileAndKeepsUntornState) {
   // Sticky, and what is on the read-only disk is still readable and verified.
   EXPECT_EQ(rig_.pipeline->step({.step = 2}).status().to_string(), message);
   std::printf("sub-groups: %s\n", check_versions(1, old).c_str());
+}
+
+// A frozen sub-group whose exp_avg is released (kZero, as finalize or a checkpoint load of zeros
+// leaves it) and whose exp_avg_sq is not zero (a parameter trained, then frozen: exp_avg underflows
+// long before exp_avg_sq) is updated by every step until exp_avg_sq decays to zero. Its exp_avg
+// stays zero and is not written back into its hole, so a step on a disk that filled up meanwhile
+// takes no new block: it succeeds, as it did when the swap file was wholly preallocated.
+TEST(LoopFilesystemFrozen, AReleasedMomentStaysReleasedThroughStepsOnAFullDisk) {
+  const std::uint64_t seed = 1903;
+  LoopMount mount("frozen-full", 128);
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  std::printf("loop fs frozen moments: seed %llu, %s on %s\n",
+              static_cast<unsigned long long>(seed), mount.path().c_str(), mount.device().c_str());
+  constexpr std::size_t kSub = 16384, kCount = 8 * kSub;
+  const std::vector<bool> frozen = {false, false, true, true, true, false, false, true};
+  RigOptions so;
+  so.swap_dir = mount.path();
+  so.io_block_bytes = 16 << 10;
+  so.store.param_count = kCount;
+  so.store.sub_group_params = kSub;
+  so.store.optimizer = OptimizerKind::kAdamW;
+  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
+                    StoreMedium::kHost};
+  OptimizerParams trained;
+  trained.kind = OptimizerKind::kAdamW;
+  trained.lr = 1e-2;
+  trained.weight_decay = 0.1;
+  OptimizerParams still = trained;
+  still.lr = 0.0;
+  still.weight_decay = 0.0;
+  so.pipeline.optimizer = trained;
+  so.pipeline.groups = {trained, still};
+  so.pipeline.ranges = {{0, 0}, {2 * kSub, 1}, {5 * kSub, 0}, {7 * kSub, 1}};
+  so.pipeline.frozen_sub_groups = frozen;
+  so.pipeline.threads = 1;
+  Rig s;
+  Reference ref;
+  const Status opened = tier_test::open_loaded_rig("loop-frozen", so, seed, 0, &s, &ref);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  AlignedBuffer block(kSub * 4 + 4096);
+  auto load_frozen_grads = [&](std::uint64_t grads_seed) {
+    ref.make_grads(DType::kF32, grads_seed);
+    auto* g = reinterpret_cast<float*>(ref.grads.data());
+    for (std::size_t i = 0; i < frozen.size(); ++i) {
+      if (frozen[i]) std::fill_n(g + i * kSub, kSub, 0.0f);
+    }
+    ASSERT_TRUE(tier_test::load_grads(*s.store, ref).is_ok());
+  };
+  // The frozen moments zero, as finalize leaves them: step 1 settles and releases them.
+  std::memset(block.data(), 0, block.bytes());
+  for (std::size_t i = 0; i < frozen.size(); ++i) {
+    if (!frozen[i]) continue;
+    for (Piece piece : {Piece::kExpAvg, Piece::kExpAvgSq}) {
+      ASSERT_TRUE(s.store->write_piece(piece, i, block.data()).is_ok());
+    }
+  }
+  ASSERT_NO_FATAL_FAILURE(load_frozen_grads(seed + 1));
+  ASSERT_TRUE(s.pipeline->step({.step = 1}).is_ok());
+  if (s.store->residency(Piece::kExpAvg, 3) != Residency::kZero) {
+    GTEST_SKIP() << "this filesystem cannot punch holes";
+  }
+  // Sub-group 3's exp_avg_sq loaded non-zero (seeded, positive); its exp_avg stays released.
+  std::vector<float> v(kSub);
+  fill_uniform(v.data(), kSub, seed + 2, 1e-6f, 1e-3f);
+  std::memcpy(block.data(), v.data(), kSub * 4);
+  ASSERT_TRUE(s.store->write_piece(Piece::kExpAvgSq, 3, block.data()).is_ok());
+  AlignedBuffer master(kSub * 4 + 4096);
+  ASSERT_TRUE(s.store->read_piece(Piece::kParams, 3, master.data()).is_ok());
+
+  const std::uint64_t filled = mount.fill();
+  std::printf("filled the filesystem with %llu bytes\n", static_cast<unsigned long long>(filled));
+  const double beta2 = still.beta2;
+  for (std::int64_t t = 2; t <= 3; ++t) {
+    ASSERT_NO_FATAL_FAILURE(load_frozen_grads(seed + static_cast<std::uint64_t>(t)));
+    Result<StepStats> r = s.pipeline->step({.step = t});
+    ASSERT_TRUE(r.is_ok()) << "step " << t << " on a full disk: " << r.status().to_string();
+    EXPECT_EQ(s.store->residency(Piece::kExpAvg, 3), Residency::kZero) << "step " << t;
+    EXPECT_EQ(s.store->residency(Piece::kExpAvgSq, 3), Residency::kDisk) << "step " << t;
+    // Gradient zero: exp_avg_sq only decays, by beta2 a step; the master does not move.
+    for (float& x : v) x = static_cast<float>(beta2 * x);
+  }
+  ASSERT_TRUE(s.store->read_piece(Piece::kExpAvgSq, 3, block.data()).is_ok());
+  const float* got = block.as<const float>();
+  for (std::size_t k = 0; k < kSub; ++k) {
+    ASSERT_NEAR(got[k], v[k], 1e-6 * v[k]) << "exp_avg_sq " << k;
+  }
+  ASSERT_TRUE(s.store->read_piece(Piece::kExpAvg, 3, block.data()).is_ok());
+  std::vector<float> zeros(kSub, 0.0f);
+  EXPECT_EQ(std::memcmp(block.data(), zeros.data(), kSub * 4), 0);
+  ASSERT_TRUE(s.store->read_piece(Piece::kParams, 3, block.data()).is_ok());
+  EXPECT_EQ(std::memcmp(block.data(), master.data(), kSub * 4), 0);
 }
 
 }  // namespace
