@@ -155,9 +155,12 @@ struct SwapSpace::Impl {
   Status start_generation();
   // Punches the extent's room out of generation `g` of every directory's file (see release()).
   // Each directory's units of an extent lie end to end in its region, so one hole per directory.
-  Status punch(const Extent& e, std::uint8_t g) {
+  // The directories are punched in order; on an error, *punched_dirs (when given) says how many
+  // were punched before it: their part of the extent reads zeros now.
+  Status punch(const Extent& e, std::uint8_t g, std::size_t* punched_dirs = nullptr) {
     const std::uint64_t units = e.info.block_count;
     for (std::size_t d = 0; d < dirs.size(); ++d) {
+      if (punched_dirs != nullptr) *punched_dirs = d;
       std::uint64_t lo = UINT64_MAX, hi = 0;
       for (std::uint64_t u = 0; u < units; ++u) {
         if (unit_dir(e, u) != d) continue;
@@ -177,7 +180,21 @@ struct SwapSpace::Impl {
         return status_from_errno(what, err);
       }
     }
+    if (punched_dirs != nullptr) *punched_dirs = dirs.size();
     return Status::ok();
+  }
+  // discard() with file_mutex held.
+  void discard_locked(Extent& e) {
+    for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+      ZINF_ASSERT_MSG(e.states[b] != kWriting, "SwapSpace::discard: a write is in flight");
+      const std::uint8_t was = e.generation[b];
+      e.states[b] = kNeverWritten;
+      e.generation[b] = kNoGeneration;
+      if (was == kNoGeneration) continue;
+      if (--live_blocks[was] == 0 && was != current.load(std::memory_order_relaxed)) {
+        for (Dir& d : dirs) close_file(d.files[was]);
+      }
+    }
   }
   // Records that blocks [first, end) of `e` are being written to the current generation, and
   // closes an earlier generation that no longer holds any block. REQUIRES: file_mutex held.
@@ -332,8 +349,8 @@ struct SwapSpace::Impl {
         const std::uint64_t at = b * options.block_bytes;
         if (state == kLost) {
           return Status::io_error(fmt::format(
-              "swap extent {} at offset {}: the last write of this block failed; its content "
-              "is unknown",
+              "swap extent {} at offset {}: the last write of this block failed (or a release "
+              "gave its room back part-way); its content is unknown",
               e.info.key, at));
         }
         return Status::failed_precondition(fmt::format(
@@ -951,34 +968,48 @@ Status SwapSpace::adopt_file(const std::string& path, const std::string& name,
 void SwapSpace::discard(ExtentId id) {
   Impl& m = *impl_;
   std::lock_guard lock(m.file_mutex);
-  Impl::Extent& e = m.extent(id);
-  for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
-    ZINF_ASSERT_MSG(e.states[b] != kWriting, "SwapSpace::discard: a write is in flight");
-    const std::uint8_t was = e.generation[b];
-    e.states[b] = kNeverWritten;
-    e.generation[b] = kNoGeneration;
-    if (was == kNoGeneration) continue;
-    if (--m.live_blocks[was] == 0 && was != m.current.load(std::memory_order_relaxed)) {
-      for (Impl::Dir& d : m.dirs) m.close_file(d.files[was]);
-    }
-  }
+  m.discard_locked(m.extent(id));
 }
 
 Status SwapSpace::release(ExtentId id) {
   Impl& m = *impl_;
-  {
-    std::lock_guard lock(m.file_mutex);
-    Impl::Extent& e = m.extent(id);
-    for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
-      ZINF_ASSERT_MSG(e.states[b] != kWriting, "SwapSpace::release: a write is in flight");
-    }
-    // A frozen file is a checkpoint's: its hole comes with the next generation.
-    if (!m.frozen.load(std::memory_order_relaxed)) {
-      ZINF_RETURN_IF_ERROR(m.punch(e, m.current.load(std::memory_order_relaxed)));
-    }
-    e.released = true;
+  // One critical section: no write can start a generation, or move a block, between the hole and
+  // the blocks' new state.
+  std::lock_guard lock(m.file_mutex);
+  Impl::Extent& e = m.extent(id);
+  for (std::uint64_t b = 0; b < e.info.block_count; ++b) {
+    ZINF_ASSERT_MSG(e.states[b] != kWriting, "SwapSpace::release: a write is in flight");
   }
-  discard(id);
+  // A frozen file is a checkpoint's: its hole comes with the next generation.
+  if (!m.frozen.load(std::memory_order_relaxed)) {
+    const std::uint8_t now = m.current.load(std::memory_order_relaxed);
+    std::size_t punched_dirs = 0;
+    Status punched = m.punch(e, now, &punched_dirs);
+    if (!punched.is_ok()) {
+      // The directories before the one that failed gave their part back and read zeros there:
+      // the blocks of the current file there no longer hold what their checksums say, so they
+      // are lost (a read answers io_error) until the extent is written again; the others (in
+      // the other directories, or still read from an earlier generation) keep their content.
+      std::vector<bool> gave_back(punched_dirs, false);
+      for (std::uint64_t u = 0; u < e.info.block_count; ++u) {
+        const std::uint32_t d = m.unit_dir(e, u);
+        if (d >= punched_dirs) continue;
+        gave_back[d] = true;
+        if (e.states[u] == kValid && e.generation[u] == now) e.states[u] = kLost;
+      }
+      std::string where;
+      for (std::size_t d = 0; d < punched_dirs; ++d) {
+        if (gave_back[d]) where += fmt::format("{}{}", where.empty() ? "" : ", ", m.dirs[d].path);
+      }
+      if (where.empty()) return punched;  // nothing given back, nothing discarded
+      return Status(punched.code(), punched.sys_code(),
+                    fmt::format("{}; its room in {} was given back already: the blocks there read "
+                                "zeros and are marked lost until the extent is written again",
+                                punched.message(), where));
+    }
+  }
+  e.released = true;
+  m.discard_locked(e);
   return Status::ok();
 }
 

@@ -190,9 +190,15 @@ class SwapSpace {
   // disk blocks. The file then reads zeros there; a later write of the extent takes room again
   // (and fails with the filesystem's ENOSPC where the disk filled up in between). While the
   // current files are frozen by link_files() they are left alone; each new generation gets the
-  // holes of the extents released and not written since. Errors: unsupported (the filesystem
-  // cannot punch holes), with nothing discarded; fallocate's others, naming the key. REQUIRES:
-  // no op on the extent is in flight.
+  // holes of the extents released and not written since. The hole and the discard happen under
+  // one lock, so no write or new generation comes between them. Errors: unsupported (the
+  // filesystem cannot punch holes) and fallocate's others, naming the key and the directory. With
+  // several directories they are punched in order, and a hole cannot be filled back: when one
+  // fails after an earlier directory gave its part back, that part reads zeros, so its blocks are
+  // marked lost (read() answers io_error for them until the extent is written again), the rest
+  // keep their content, and the message names the directories whose room was given back;
+  // otherwise nothing is given back and nothing discarded. REQUIRES: no op on the extent is in
+  // flight.
   Status release(ExtentId id);
   // Whether every block of the extent was written, its last write completed, and it lies in the
   // files the next link_files() would link (no write since a link, no block left in a frozen file).

@@ -218,7 +218,9 @@ class StateStore {
   // zeros there (a hole). Meant for moments known to be zero (a frozen sub-group's): the step
   // still treats the piece as any other; a step writes it again only when its new value is not
   // all zero. Errors: unsupported where the filesystem cannot punch holes (the piece is left as it
-  // was: write zeros instead), the swap space's others.
+  // was: write zeros instead), the swap space's others; with several swap directories a release
+  // that fails part-way leaves the piece reading io_error until it is written again
+  // (SwapSpace::release), so the caller writes zeros instead here too.
   // REQUIRES: on_nvme(piece); the piece is not in flight (kReading, kWriting).
   Status release_piece(Piece piece, std::size_t i);
 

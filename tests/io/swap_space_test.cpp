@@ -6,6 +6,8 @@
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <linux/fs.h>
+#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -523,6 +525,87 @@ TEST_P(SwapTest, ASpaceWhoseNameWasTakenLinksNothingAndLeavesTheNameAlone) {
   const std::vector<unsigned char> linked = file_bytes(from_second);
   ASSERT_GE(linked.size(), 2 * kBlock);
   EXPECT_EQ(std::memcmp(linked.data(), data_b.data(), 2 * kBlock), 0);
+}
+
+// Sets or clears the append-only attribute of `path` (FS_APPEND_FL), on which the filesystem
+// refuses to punch holes (EPERM); false where it cannot be set (not root, no such attribute).
+bool set_append_only(const std::string& path, bool on) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0) return false;
+  int flags = 0;
+  bool ok = ::ioctl(fd, FS_IOC_GETFLAGS, &flags) == 0;
+  if (ok) {
+    flags = on ? (flags | FS_APPEND_FL) : (flags & ~FS_APPEND_FL);
+    ok = ::ioctl(fd, FS_IOC_SETFLAGS, &flags) == 0;
+  }
+  ::close(fd);
+  return ok;
+}
+
+// release() over two directories whose second refuses the hole (its swap file append-only) after
+// the first gave its part back: the first directory's blocks read zeros now, so they are lost
+// (io_error, not a checksum mismatch or silent zeros), the second's keep their content, the error
+// names both directories, and a write stores the extent again.
+TEST_P(SwapTest, AReleaseThatFailsPartWayMarksTheBlocksGivenBackLost) {
+  const std::uint64_t seed = 0x4e1;
+  std::printf("release failing part-way: seed %llu\n", static_cast<unsigned long long>(seed));
+  ScratchDir root("swap-release-part");
+  SwapOptions options;
+  for (const char* d : {"/d0", "/d1"}) {
+    options.dirs.push_back(root.path() + d);
+    std::filesystem::create_directories(options.dirs.back());
+  }
+  options.capacity_bytes = 4 << 20;
+  options.block_bytes = kBlock;
+  auto io = engine();
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  SwapSpace& swap = **opened;
+  constexpr std::size_t kUnits = 4;  // two in each directory
+  const ExtentId id = *swap.create("k", kUnits * kBlock);
+  AlignedBuffer data = random_buffer(kUnits * kBlock, seed);
+  ASSERT_TRUE(swap.write_sync(id, data.data()).is_ok());
+  const std::string second = swap.file_paths()[1];
+  if (!set_append_only(second, true)) GTEST_SKIP() << "cannot make " << second << " append-only";
+  struct Restore {
+    std::string path;
+    ~Restore() { (void)set_append_only(path, false); }  // or the scratch directory stays
+  } restore{second};
+
+  const Status released = swap.release(id);
+  if (released.code() == Code::kUnsupported) GTEST_SKIP() << released.to_string();
+  ASSERT_FALSE(released.is_ok());
+  std::printf("%s\n", released.to_string().c_str());
+  EXPECT_EQ(released.sys_code(), EPERM) << released.to_string();
+  const std::string message(released.message());
+  EXPECT_NE(message.find("swap extent k"), std::string::npos) << message;
+  EXPECT_NE(message.find(options.dirs[1]), std::string::npos) << message;
+  EXPECT_NE(message.find("given back already"), std::string::npos) << message;
+  EXPECT_NE(message.find(options.dirs[0] + "/"), std::string::npos) << message;
+  // Block by block: those of the first directory lost, those of the second as written.
+  AlignedBuffer back(kBlock, 4096);
+  int lost = 0, kept = 0;
+  for (std::size_t u = 0; u < kUnits; ++u) {
+    Result<SwapTicket> t = swap.read(id, u * kBlock, kBlock, back.data());
+    if (!t.is_ok()) {
+      EXPECT_EQ(t.status().code(), Code::kIoError) << t.status().to_string();
+      ++lost;
+      continue;
+    }
+    ASSERT_TRUE(swap.wait(*t, std::chrono::seconds(10)).is_ok()) << "block " << u;
+    EXPECT_EQ(std::memcmp(back.data(), data.data() + u * kBlock, kBlock), 0) << "block " << u;
+    ++kept;
+  }
+  EXPECT_EQ(lost, 2);
+  EXPECT_EQ(kept, 2);
+  // Written again, the extent reads back whole.
+  ASSERT_TRUE(set_append_only(second, false));
+  AlignedBuffer next = random_buffer(kUnits * kBlock, seed + 1);
+  ASSERT_TRUE(swap.write_sync(id, next.data()).is_ok());
+  AlignedBuffer whole(kUnits * kBlock, 4096);
+  ASSERT_TRUE(swap.read_sync(id, whole.data()).is_ok());
+  EXPECT_EQ(std::memcmp(whole.data(), next.data(), kUnits * kBlock), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);
