@@ -318,9 +318,17 @@ class StoreState final : public OptimizerState {
     ZINF_ASSERT(s.has(piece));
     const std::vector<bool> settled = settled_frozen();
     std::vector<bool> zero(s.sub_group_count(), true);
-    // Whether elements [first, first + count) just written are all zero, per sub-group.
+    // Whether elements [first, first + count) just written are all zero, per sub-group. Only the
+    // sub-groups the range overlaps are visited, from the last one starting at or before `first`
+    // (found by bisection), so a load that fills sub-group by sub-group stays linear in them.
     auto note_zeros = [&](std::size_t first, std::size_t count, const float* values) {
-      for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      std::size_t lo = 0, hi = s.sub_group_count();
+      while (hi - lo > 1) {
+        const std::size_t mid = lo + (hi - lo) / 2;
+        (s.sub_group_first(mid) <= first ? lo : hi) = mid;
+      }
+      for (std::size_t i = lo; i < s.sub_group_count() && s.sub_group_first(i) < first + count;
+           ++i) {
         const std::size_t a = std::max(first, s.sub_group_first(i));
         const std::size_t b = std::min(first + count, s.sub_group_first(i) + s.sub_group_size(i));
         if (a >= b || !zero[i]) continue;
