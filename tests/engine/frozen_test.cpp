@@ -1034,6 +1034,63 @@ TEST(Frozen, LoraFrozenMomentsTakeNoSwapBlocks) {
   }
 }
 
+// lora_model() (f32) with the state on NVMe saved after 3 steps, loaded into a fresh engine: the
+// frozen base's moments loaded are zero, so its sub-groups stay settled (their moments released,
+// not written) and the passes after the load move what the passes of a run that never saved move:
+// the trainable share. With sub-groups of 700 the save copies and the load writes the state; with
+// the default size the save links the swap file and the load adopts it, whose moments are not
+// known to be zero, so the first pass after it streams the frozen sub-groups once more (reading
+// their master and zero moments, writing the master) and only the later ones are the trainable
+// share. (Each StepReport carries the optimizer pass before it: the overlapped step runs a pass
+// beside the next backward.)
+TEST(Frozen, ALoadOfZeroFrozenMomentsKeepsThePassAtTheTrainableShare) {
+  const Model model = lora_model(DType::kF32);
+  for (std::size_t sub_group_size : {std::size_t{700}, std::size_t{1'000'000'000}}) {
+    SCOPED_TRACE(fmt::format("sub_group_size {}", sub_group_size));
+    engine_test::ScratchDir dir(fmt::format("frozen_zero_load_{}", sub_group_size));
+    const std::string ckpt = dir.path() + "/ckpt";
+    Config config =
+        engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+    config.zero.sub_group_size = sub_group_size;
+    train_between_checkpoints(config, model, 1, ckpt, "", 1, 3, "three");
+    const bool adopted = !engine_test::read_file(ckpt + "/three/rank0.blocks").empty();
+    EXPECT_EQ(adopted, sub_group_size > 700) << "linked";
+    // Steps 4-7 after the load, and steps 1-4 of a run that never saved.
+    std::vector<StepReport> loaded, fresh;
+    for (bool load : {true, false}) {
+      std::vector<Status> st =
+          engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
+            if (load) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "three"));
+            TrainOptions run;
+            run.check_gathered = false;
+            run.first_step = load ? 4 : 1;
+            run.steps = load ? 7 : 4;
+            return engine_test::train_rank(engine, model, rank, run, nullptr,
+                                           load ? &loaded : &fresh);
+          });
+      for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+    }
+    ASSERT_EQ(loaded.size(), 4u);
+    ASSERT_EQ(fresh.size(), 4u);
+    for (std::size_t k = 1; k < 4; ++k) {
+      std::printf(
+          "sub-groups of %zu, pass %zu after the load: read %llu, written %llu; without a save: "
+          "read %llu, written %llu\n",
+          sub_group_size, k, static_cast<unsigned long long>(loaded[k].optimizer_nvme_read_bytes),
+          static_cast<unsigned long long>(loaded[k].optimizer_nvme_write_bytes),
+          static_cast<unsigned long long>(fresh[k].optimizer_nvme_read_bytes),
+          static_cast<unsigned long long>(fresh[k].optimizer_nvme_write_bytes));
+      EXPECT_GT(fresh[k].optimizer_nvme_write_bytes, 0u) << k;
+      if (adopted && k == 1) {
+        EXPECT_GT(loaded[k].optimizer_nvme_write_bytes, fresh[k].optimizer_nvme_write_bytes);
+        continue;
+      }
+      EXPECT_EQ(loaded[k].optimizer_nvme_read_bytes, fresh[k].optimizer_nvme_read_bytes) << k;
+      EXPECT_EQ(loaded[k].optimizer_nvme_write_bytes, fresh[k].optimizer_nvme_write_bytes) << k;
+    }
+  }
+}
+
 TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World1Sequential) {
   check_lora_pass(1, DType::kBF16, /*overlap=*/false);
 }
