@@ -109,7 +109,7 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
   for (ParamId id = 0; id < part.param_count(); ++id) {
     const ParamLocation& loc = part.location(id);
     m.params.push_back({layout.param(id).spec.name, part.spec(id).shape, part.spec(id).dtype,
-                        loc.group, loc.group_offset});
+                        loc.group, loc.group_offset, layout.param(id).spec.trainable});
   }
   for (std::uint32_t g = 0; g < part.group_count(); ++g) {
     m.groups.push_back({part.group(g).shard_element_count, layout.offset(g)});

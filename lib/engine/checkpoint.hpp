@@ -117,6 +117,11 @@ struct ManifestParam {
   DType dtype = DType::kF32;
   std::uint32_t group = 0;
   std::uint64_t group_offset = 0;
+  // ParameterSpec::trainable. Written as "trainable": false for a frozen parameter only, and read
+  // as true where absent, so that a manifest without frozen parameters (and every earlier one)
+  // reads as before; offline readers (zero_to_fp32.py --exclude_frozen_parameters) use it to tell
+  // the frozen parameters the engine holds at stage 3.
+  bool trainable = true;
 };
 // A saved group: each rank's slice of it, and where that slice starts in the rank's partition.
 struct ManifestGroup {

@@ -253,11 +253,13 @@ void files_from(const Reader& r, const Json& arr, std::string_view key,
 std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
   Json params = Json::array();
   for (const ManifestParam& p : m.params) {
-    params.push_back({{"name", p.name},
-                      {"shape", p.shape},
-                      {"dtype", std::string(dtype_name(p.dtype))},
-                      {"group", p.group},
-                      {"group_offset", p.group_offset}});
+    Json e = {{"name", p.name},
+              {"shape", p.shape},
+              {"dtype", std::string(dtype_name(p.dtype))},
+              {"group", p.group},
+              {"group_offset", p.group_offset}};
+    if (!p.trainable) e["trainable"] = false;
+    params.push_back(std::move(e));
   }
   Json groups = Json::array();
   for (const ManifestGroup& g : m.groups) {
@@ -442,6 +444,7 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
       }
       r.get(e, "group", &p.group, &st);
       r.get(e, "group_offset", &p.group_offset, &st);
+      if (e.is_object() && e.contains("trainable")) r.get(e, "trainable", &p.trainable, &st);
       std::uint64_t elements = 1;
       if (const Json* shape = r.array(e, "shape", &st)) {
         for (const Json& d : *shape) {

@@ -144,6 +144,26 @@ TEST_F(ManifestEdits, ARankFileOutsideTheDirectoryIsCorruptionNotOpened) {
   }
 }
 
+// "trainable" is written for a frozen parameter only: absent it reads as true (every manifest
+// before the key, and every parameter of this model), false reads back and is written again as it
+// was, and a value that is not true or false is corruption naming the key.
+TEST_F(ManifestEdits, TrainableIsOptionalAndRoundTrips) {
+  EXPECT_EQ(original_["params"][0].count("trainable"), 0u);
+  Result<CheckpointManifest> plain = parse_checkpoint_manifest(text_, manifest());
+  ASSERT_TRUE(plain.is_ok()) << plain.status().to_string();
+  for (const ManifestParam& p : plain->params) EXPECT_TRUE(p.trainable) << p.name;
+  nlohmann::json edited = original_;
+  edited["params"][1]["trainable"] = false;
+  const std::string text = stamp(edited);
+  Result<CheckpointManifest> frozen = parse_checkpoint_manifest(text, manifest());
+  ASSERT_TRUE(frozen.is_ok()) << frozen.status().to_string();
+  EXPECT_TRUE(frozen->params[0].trainable);
+  EXPECT_FALSE(frozen->params[1].trainable);
+  EXPECT_EQ(encode_checkpoint_manifest(*frozen), text);
+  expect_corruption_naming(parse_edited([](nlohmann::json& m) { m["params"][0]["trainable"] = 0; }),
+                           manifest(), "'trainable' is not true or false");
+}
+
 TEST_F(ManifestEdits, MissingKeysAndOtherTypesAreCorruptionNamingTheKey) {
   expect_corruption_naming(parse_edited([](nlohmann::json& m) { m.erase("step"); }), manifest(),
                            "'step' is missing");
