@@ -312,7 +312,10 @@ class StoreState final : public OptimizerState {
   // pass, which settles again those whose moments are zero. A new master leaves the moments as
   // they are, and the half copy is rounded from it when it is published (write_loaded()), so
   // it leaves the settled sub-groups settled. Settled frozen sub-groups kept so are never
-  // written on the host tier: their moments stay the untouched zero pages they were.
+  // written on the host tier: their moments stay the untouched zero pages they were. On NVMe,
+  // zeros loaded into a settled sub-group's moment or into a released one (kZero: a frozen
+  // sub-group whose other moment is not zero is not settled, yet its zero moment is a hole) are
+  // not written: the moment stays (or becomes) released, so a load takes no disk blocks for it.
   Status write_state(Piece piece, StateFill fill) override {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
@@ -343,6 +346,10 @@ class StoreState final : public OptimizerState {
     } else if (s.tier(piece) == StoreMedium::kHost) {
       st = write_host_moments(piece, settled, fill, &zero);
     } else {
+      std::vector<bool> unstored = settled;
+      for (std::size_t i = 0; i < unstored.size(); ++i) {
+        unstored[i] = unstored[i] || s.residency(piece, i) == Residency::kZero;
+      }
       st = rewrite_pieces(
           piece, /*read_back=*/false,
           [&](std::size_t first, std::size_t count, float* out) -> Status {
@@ -350,7 +357,7 @@ class StoreState final : public OptimizerState {
             note_zeros(first, count, out);
             return Status::ok();
           },
-          &settled);
+          &unstored);
     }
     s.clear_settled();
     for (std::size_t i = 0; i < settled.size(); ++i) {
@@ -451,9 +458,9 @@ class StoreState final : public OptimizerState {
   // stored values in the block, and sub-group i + 1 is read on another thread meanwhile when
   // there are three blocks (with two, it is read beside the write of sub-group i). The tail of a
   // block past the sub-group's elements is written as zeros, as load() wrote it. The sub-groups
-  // flagged in `zeros_unstored` (settled frozen ones, for a moment) that `fill` leaves all zero
-  // are not written: their room is given back instead (StateStore::release_piece), as load()
-  // left it.
+  // flagged in `zeros_unstored` (for a moment: settled frozen ones, and those whose piece is
+  // released) that `fill` leaves all zero are not written: their room is given back instead
+  // (StateStore::release_piece), as load() left it; a piece released already is left as it is.
   Status rewrite_pieces(Piece piece, bool read_back, StateFill fill,
                         const std::vector<bool>* zeros_unstored = nullptr) {
     StateStore& s = *store_;
@@ -488,7 +495,7 @@ class StoreState final : public OptimizerState {
       ZINF_RETURN_IF_ERROR(st);
       if (zeros_unstored != nullptr && (*zeros_unstored)[i] &&
           all_zero(reinterpret_cast<const float*>(data), size) &&
-          s.release_piece(piece, i).is_ok()) {
+          (s.residency(piece, i) == Residency::kZero || s.release_piece(piece, i).is_ok())) {
         continue;  // (not read back: update_master() passes no flags)
       }
       writing = std::async(std::launch::async,

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "base/random.hpp"
+#include "common/loop_mount.hpp"
 #include "engine_test_util.hpp"
 
 namespace zinf {
@@ -26,6 +27,7 @@ namespace {
 using engine_test::Model;
 using engine_test::Reference;
 using engine_test::TrainOptions;
+using test_common::LoopMount;
 
 struct Case {
   int world = 1;
@@ -1089,6 +1091,159 @@ TEST(Frozen, ALoadOfZeroFrozenMomentsKeepsThePassAtTheTrainableShare) {
       EXPECT_EQ(loaded[k].optimizer_nvme_write_bytes, fresh[k].optimizer_nvme_write_bytes) << k;
     }
   }
+}
+
+// The swap files' (zinf-swap-*) logical bytes under `dir` and their allocated bytes
+// (st_blocks * 512): the difference is their holes.
+struct SwapFileBytes {
+  std::uint64_t size = 0;
+  std::uint64_t allocated = 0;
+};
+SwapFileBytes swap_file_bytes(const std::string& dir) {
+  SwapFileBytes out;
+  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
+    if (entry.path().filename().string().rfind("zinf-swap-", 0) != 0) continue;
+    struct stat st {};
+    if (::stat(entry.path().c_str(), &st) != 0) continue;
+    out.size += static_cast<std::uint64_t>(st.st_size);
+    out.allocated += static_cast<std::uint64_t>(st.st_blocks) * 512;
+  }
+  return out;
+}
+
+// A checkpoint whose frozen base has exp_avg zero and exp_avg_sq not (the base trained with
+// beta1 = 0 for 3 steps, then frozen for one: exp_avg = beta1 * m + (1 - beta1) * 0 is exactly
+// zero, exp_avg_sq only decays), tag "four" of `ckpt`, saved with the state in host memory. Sets
+// *base_elements to the base's element count, after checking in the rank file that each base
+// parameter's exp_avg is zero and its exp_avg_sq is not.
+void save_zero_exp_avg_checkpoint(const Model& frozen, const std::string& ckpt,
+                                  const std::string& scratch, std::size_t* base_elements) {
+  Model trained = frozen;
+  trained.frozen_module.clear();
+  Config host = engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, scratch);
+  host.optimizer.beta1 = 0.0;
+  train_between_checkpoints(host, trained, 1, ckpt, "", 1, 3, "three");
+  const std::vector<std::vector<float>> masters =
+      train_between_checkpoints(host, frozen, 1, ckpt, "three", 4, 4, "four");
+  const SavedState saved = saved_state(ckpt + "/four");
+  ASSERT_FALSE(saved.values.empty());
+  ASSERT_EQ(masters.size(), frozen.params.size());
+  *base_elements = 0;
+  for (std::size_t p = 0; p < frozen.params.size(); ++p) {
+    if (frozen.params[p].module != frozen.frozen_module) continue;
+    const std::size_t at = find_in_master(saved, masters[p]);
+    ASSERT_NE(at, SIZE_MAX) << frozen.params[p].name << " is not in the saved master";
+    EXPECT_TRUE(all_zero_floats(saved.piece(1) + at, masters[p].size())) << frozen.params[p].name;
+    EXPECT_FALSE(all_zero_floats(saved.piece(2) + at, masters[p].size())) << frozen.params[p].name;
+    *base_elements += masters[p].size();
+  }
+}
+
+// The engine that loads it: lora_model() with the state on NVMe under `nvme_path`, the base in a
+// sub-group of its own, the sequential step (each report carries its own step's pass).
+Config zero_exp_avg_load_config(const std::string& nvme_path) {
+  Config nvme = engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, nvme_path);
+  nvme.optimizer.beta1 = 0.0;
+  nvme.zero.sub_group_size = 1'000'000'000;
+  nvme.overlap_step = false;
+  return nvme;
+}
+
+// save_zero_exp_avg_checkpoint()'s checkpoint loaded twice into one engine, with a step after
+// each load. The first load leaves the base's exp_avg released (a hole of the swap file) and
+// writes its exp_avg_sq, so the base's sub-group is not settled; the second load of the same
+// zeros leaves the released exp_avg released too: the swap file takes no block more, and the
+// pass after each load writes the same bytes (the trainable share, the base's master and
+// exp_avg_sq; not its zero exp_avg, which a released piece that stays zero never writes back).
+TEST(Frozen, ASecondLoadOfZeroExpAvgIntoAFrozenBaseLeavesItReleased) {
+  const Model frozen = lora_model(DType::kF32);
+  engine_test::ScratchDir dir("frozen_zero_exp_avg_reload");
+  const std::string ckpt = dir.path() + "/ckpt";
+  const std::string swap = dir.path() + "/swap";
+  std::filesystem::create_directories(swap);
+  std::size_t base_elements = 0;
+  ASSERT_NO_FATAL_FAILURE(save_zero_exp_avg_checkpoint(frozen, ckpt, swap, &base_elements));
+  SwapFileBytes after_first, after_second;
+  std::vector<StepReport> first, second;
+  std::vector<Status> st = engine_test::with_engines(
+      zero_exp_avg_load_config(swap), frozen, 1, [&](int rank, Engine& engine) -> Status {
+        TrainOptions run;
+        run.check_gathered = false;
+        run.first_step = 5;
+        run.steps = 5;
+        ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "four"));
+        after_first = swap_file_bytes(swap);
+        ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, frozen, rank, run, nullptr, &first));
+        ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "four"));
+        after_second = swap_file_bytes(swap);
+        return engine_test::train_rank(engine, frozen, rank, run, nullptr, &second);
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  std::printf(
+      "swap file %llu bytes; allocated after the first load %llu, after the second %llu; the "
+      "base's exp_avg %zu bytes\n",
+      static_cast<unsigned long long>(after_first.size),
+      static_cast<unsigned long long>(after_first.allocated),
+      static_cast<unsigned long long>(after_second.allocated), base_elements * 4);
+  // (Half of it: st_blocks also counts the blocks of the file's extent tree.)
+  if (after_first.size - after_first.allocated < base_elements * 4 / 2) {
+    GTEST_SKIP() << "the swap file has no hole for the base's exp_avg: this filesystem cannot "
+                    "punch holes";
+  }
+  EXPECT_EQ(after_second.allocated, after_first.allocated);
+  ASSERT_EQ(first.size(), 1u);
+  ASSERT_EQ(second.size(), 1u);
+  std::printf("the pass after the first load wrote %llu bytes, after the second %llu\n",
+              static_cast<unsigned long long>(first[0].optimizer_nvme_write_bytes),
+              static_cast<unsigned long long>(second[0].optimizer_nvme_write_bytes));
+  EXPECT_GT(first[0].optimizer_nvme_write_bytes, 0u);
+  EXPECT_EQ(second[0].optimizer_nvme_write_bytes, first[0].optimizer_nvme_write_bytes);
+}
+
+// The same two loads with the swap file on a small ext4 on a loop device
+// (tests/common/loop_mount.hpp) that fills up between them: the second load takes no block for
+// the released exp_avg, so it succeeds, and so does the step after it (a load that wrote the zero
+// exp_avg back into its hole failed with no_space naming the swap file, stickily). Skips, naming
+// the reason, where the machine cannot mount a loop filesystem.
+TEST(Frozen, ASecondLoadOfZeroExpAvgIntoAFrozenBaseSucceedsOnAFullDisk) {
+  LoopMount mount("frozen-reload", 32);
+  if (!mount.ok()) GTEST_SKIP() << mount.reason();
+  const Model frozen = lora_model(DType::kF32);
+  engine_test::ScratchDir dir("frozen_zero_exp_avg_full");
+  const std::string ckpt = dir.path() + "/ckpt";
+  std::size_t base_elements = 0;
+  ASSERT_NO_FATAL_FAILURE(save_zero_exp_avg_checkpoint(frozen, ckpt, dir.path(), &base_elements));
+  SwapFileBytes after_first;
+  std::uint64_t filled = 0;
+  Status second, stepped;
+  std::vector<Status> st = engine_test::with_engines(
+      zero_exp_avg_load_config(mount.path()), frozen, 1, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "four"));
+        after_first = swap_file_bytes(mount.path());
+        filled = mount.fill();
+        second = engine.load_checkpoint(ckpt, "four");
+        TrainOptions run;
+        run.check_gathered = false;
+        run.first_step = 5;
+        run.steps = 5;
+        stepped = engine_test::train_rank(engine, frozen, rank, run, nullptr, nullptr);
+        return Status::ok();
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  std::printf("swap file %llu bytes, %llu allocated after the first load\n",
+              static_cast<unsigned long long>(after_first.size),
+              static_cast<unsigned long long>(after_first.allocated));
+  std::printf("filled %s with %llu bytes; second load: %s; step after it: %s\n",
+              mount.path().c_str(), static_cast<unsigned long long>(filled),
+              second.to_string().c_str(), stepped.to_string().c_str());
+  // (Half of it: st_blocks also counts the blocks of the file's extent tree.)
+  if (after_first.size - after_first.allocated < base_elements * 4 / 2) {
+    GTEST_SKIP() << "the swap file has no hole for the base's exp_avg: this filesystem cannot "
+                    "punch holes";
+  }
+  ASSERT_GT(filled, 0u);
+  EXPECT_TRUE(second.is_ok()) << second.to_string();
+  EXPECT_TRUE(stepped.is_ok()) << stepped.to_string();
 }
 
 TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World1Sequential) {
