@@ -54,20 +54,21 @@ class DeviceState final : public InMemoryState {
     return pub_.publish();
   }
   // The master rounded on the host into the publisher's buffer, which is freed again after:
-  // the device optimizer publishes from device memory.
+  // the device optimizer publishes from device memory. (A buffer kept after a failed write,
+  // free_buffer_after(), is reused rather than freed under copies that may still read it.)
   Status publish_master(bool gather_persistent) override {
-    pub_.allocate_buffer();
+    if (pub_.buffer_bytes() == 0) pub_.allocate_buffer();
     Status st = read_master(0, partition_elements_,
                             [&](std::size_t first, std::size_t count, const float* src) {
                               narrow_all(first, count, src);
                             });
     if (st.is_ok()) st = write_buffer(gather_persistent);
-    pub_.free_buffer();
+    free_buffer_after(st);
     return st;
   }
   Status place_initial() override {
     Status st = write_buffer();
-    pub_.free_buffer();
+    free_buffer_after(st);
     return st;
   }
 
@@ -113,6 +114,23 @@ class DeviceState final : public InMemoryState {
     constexpr std::size_t kChunkElements = std::size_t{4} << 20;
     return std::min(kChunkElements, std::max<std::size_t>(partition_elements_, 1));
   }
+  // Frees the publisher's buffer once no copy queued from it can still read it; `st` is what
+  // the publish returned. After a publish that succeeded every copy from the buffer was waited
+  // for (publish(), or wait_writes() in write_buffer()). One that failed part way returned
+  // without waiting: a copy up queued before the failure (a persistent group's, into its
+  // gathered buffer on the coordinator's stream) may still be running, and on the opaque
+  // HostDevice it does run later, on the stream's worker thread (CUDA stages a pageable source
+  // before copy_async() returns), so freeing the buffer then is a use after free. The copies are
+  // waited for, their status ignored (`st` is the result). Where that wait cannot vouch for them
+  // (it fails: a coordinator that failed before returns its sticky error without waiting, or
+  // its stream failed), the buffer is kept instead: such a failure leaves the engine failed for
+  // good (a load or write_parameters is sticky, a finalize is refused), and the engine's
+  // teardown waits for the coordinator's stream before the publisher, which owns the buffer,
+  // goes.
+  void free_buffer_after(const Status& st) {
+    if (st.is_ok() || pub_.wait_writes().is_ok()) pub_.free_buffer();
+  }
+
   void narrow_all(std::size_t first, std::size_t count, const float* src) {
     pub_.narrow_groups(
         first, count, src, [](DType) { return true; },
