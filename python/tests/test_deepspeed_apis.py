@@ -8,6 +8,7 @@ checked against plain torch (the same model trained in one process, torch.optim.
 torch.distributed's semantics) or the files on disk, with DeepSpeed's behaviour
 (deepspeed/utils/tensor_fragment.py, runtime/dataloader.py, comm/comm.py, runtime/engine.py and
 zero/stage_1_and_2.py / stage3.py, utils/zero_to_fp32.py) written out in the test."""
+import json
 import os
 import socket
 import stat
@@ -19,6 +20,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 import zinf.deepspeed_compat as compat
+import zinf.zero_to_fp32 as _zero_to_fp32
 from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_mlp, mlp_batches, mlp_config,
                       mlp_loss)
 
@@ -270,10 +272,81 @@ def test_zero_to_fp32_script_in_the_checkpoint_directory(tmp_path, safe):
     assert done.returncode == 0, done.stderr[-3000:]
     assert_weights(read(save_dir / "last" / name),
                    {n: p.detach() for n, p in reference.named_parameters()})
-    # Weights over --max_shard_size are refused (one file), naming the size.
-    done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "small", "--max_shard_size",
-                           "500B"], cwd=save_dir, capture_output=True, text=True, timeout=120)
-    assert done.returncode != 0 and "over --max_shard_size 500B" in done.stderr
+    # Weights over --max_shard_size go into shards named as DeepSpeed's script (Hugging Face's
+    # split) names them, each at most that size unless one weight is larger, and an index that
+    # maps every name to its file; 0.5KB is a size as DeepSpeed reads it (500 bytes). The
+    # script's main() in this process, to spare the subprocesses' start.
+    last = {n: p.detach() for n, p in reference.named_parameters()}
+    assert _zero_to_fp32.main([str(save_dir), str(save_dir / "small"), "--max_shard_size",
+                               "0.5KB", *options]) == 0
+    with open(save_dir / "small" / f"{name}.index.json") as f:
+        index = json.load(f)
+    files = sorted(set(index["weight_map"].values()))
+    stem, extension = name.split(".")
+    assert len(files) > 1
+    assert files == [f"{stem}-{i:05d}-of-{len(files):05d}.{extension}"
+                     for i in range(1, len(files) + 1)]
+    assert sorted(os.listdir(save_dir / "small")) == sorted(files + [f"{name}.index.json"])
+    assert index["metadata"]["total_size"] == sum(v.numel() * 4 for v in last.values())
+    merged = {}
+    for file in files:
+        part = read(save_dir / "small" / file)
+        assert len(part) == 1 or sum(v.numel() * 4 for v in part.values()) <= 500, file
+        assert all(index["weight_map"][key] == file for key in part)
+        merged.update(part)
+    assert_weights(merged, last)
+    # "5G" is 5 GB (DeepSpeed's huggingface_hub reads GB; the letter alone is read too): one
+    # file, no index.
+    assert _zero_to_fp32.main([str(save_dir), str(save_dir / "whole"), "--max_shard_size", "5G",
+                               *options]) == 0
+    assert os.listdir(save_dir / "whole") == [name]
+    # A size that is not one is refused before any work, naming it.
+    with pytest.raises(ValueError, match="--max_shard_size '5XB': a number of bytes"):
+        _zero_to_fp32.main([str(save_dir), str(save_dir / "bad"), "--max_shard_size", "5XB"])
+    assert not (save_dir / "bad").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_zero_to_fp32_excludes_frozen_parameters_at_every_stage(tmp_path, stage):
+    """DeepSpeed's --exclude_frozen_parameters (and the functions' exclude_frozen_parameters=)
+    leaves out every parameter with requires_grad False, at every stage: at stages 1 and 2 zinf
+    keeps them in the client state, at stage 3 the engine holds them and the manifest marks
+    them. lazy_mode=True gives, as DeepSpeed's, weights that read themselves on .contiguous()."""
+    model = make_mlp()
+    model[3].weight.requires_grad_(False)
+    frozen = model[3].weight.detach().clone()
+    engine, _, _, _ = ds_initialize(model=model, config=mlp_config(stage))
+    save_dir = tmp_path / "ckpt"
+    try:
+        zinf_run(engine, mlp_batches(2))
+        masters = {n: compat.safe_get_full_fp32_param(p) for n, p in model.named_parameters()
+                   if p.requires_grad}
+        engine.save_checkpoint(str(save_dir))
+    finally:
+        engine.destroy()
+    trainable = sorted(masters)
+    assert "3.weight" not in trainable
+    for exclude in (False, True):
+        out = f"out{int(exclude)}"
+        done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", out] +
+                              (["--exclude_frozen_parameters"] if exclude else []),
+                              cwd=save_dir, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        weights = torch.load(save_dir / out / "pytorch_model.bin")
+        assert sorted(weights) == (trainable if exclude else sorted(trainable + ["3.weight"]))
+        for key, values in masters.items():
+            assert torch.equal(weights[key], values), key
+        if not exclude:
+            assert torch.equal(weights["3.weight"], frozen)
+    from zinf.torch import get_fp32_state_dict_from_zero_checkpoint
+    plain = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), exclude_frozen_parameters=True)
+    assert sorted(plain) == trainable
+    lazy = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), lazy_mode=True)
+    assert sorted(lazy) == sorted(trainable + ["3.weight"])
+    assert lazy["3.weight"].shape == frozen.shape and lazy["3.weight"].dtype == torch.float32
+    assert torch.equal(lazy["3.weight"].contiguous(), frozen)
+    for key, values in masters.items():
+        assert torch.equal(lazy[key].contiguous(), values), key
 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------

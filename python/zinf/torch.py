@@ -2018,51 +2018,165 @@ def export_safetensors(checkpoint_dir: str, out: str, tag: Any = None,
     _zinf.export_checkpoint(str(checkpoint_dir), "" if tag is None else str(tag), str(out), dtype)
 
 
+_SAFETENSORS_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+def _safetensors_header(f) -> tuple[dict, int]:
+    """The JSON header of the safetensors file open as `f` (an 8-byte little-endian header size,
+    a JSON header of {name: {dtype, shape, data_offsets}}, then the data), and the offset of its
+    data."""
+    f.seek(0)
+    header_bytes = int.from_bytes(f.read(8), "little")
+    header = json.loads(f.read(header_bytes))
+    header.pop("__metadata__", None)
+    return header, 8 + header_bytes
+
+
+def _tensor_of(data, entry: dict, offset: int = 0) -> torch.Tensor:
+    """One tensor of a safetensors header `entry` over `data`, whose byte `offset` is the
+    entry's data_offsets origin."""
+    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
+    begin, end = entry["data_offsets"]
+    count = (end - begin) // dtype.itemsize
+    return (torch.frombuffer(data, dtype=dtype, count=count, offset=offset + begin)
+            if count else torch.empty(0, dtype=dtype)).reshape(entry["shape"])
+
+
 def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
-    """The tensors of a safetensors file (an 8-byte little-endian header size, a JSON header of
-    {name: {dtype, shape, data_offsets}}, then the data), as CPU tensors over one buffer of the
-    file's data, read once."""
-    dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    """The tensors of a safetensors file as CPU tensors over one buffer of the file's data, read
+    once."""
     with open(path, "rb") as f:
-        header_bytes = int.from_bytes(f.read(8), "little")
-        header = json.loads(f.read(header_bytes))
+        header, _ = _safetensors_header(f)
         data = bytearray(f.read())
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype = dtypes[entry["dtype"]]
+    return {name: _tensor_of(data, entry) for name, entry in header.items()}
+
+
+class _ExportedWeights:
+    """The safetensors file export_safetensors() wrote into a temporary directory, read one
+    tensor at a time. The directory is removed when the last _LazyWeight over it goes (the
+    TemporaryDirectory's own finalizer), or at exit."""
+
+    def __init__(self, scratch: tempfile.TemporaryDirectory, path: str):
+        self._scratch = scratch
+        self._path = path
+        with open(path, "rb") as f:
+            self.header, self._data_offset = _safetensors_header(f)
+
+    def read(self, name: str) -> torch.Tensor:
+        entry = self.header[name]
         begin, end = entry["data_offsets"]
-        count = (end - begin) // dtype.itemsize
-        tensors[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=begin)
-                         if count else torch.empty(0, dtype=dtype)).reshape(entry["shape"])
-    return tensors
+        with open(self._path, "rb") as f:
+            f.seek(self._data_offset + begin)
+            data = bytearray(f.read(end - begin))
+        return _tensor_of(data, {**entry, "data_offsets": (0, end - begin)})
 
 
-def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = None
-                                             ) -> dict[str, torch.Tensor]:
+class _LazyWeight:
+    """One weight of get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True), as DeepSpeed's
+    lazy-mode GatheredTensor: shape and dtype at once, the fp32 CPU tensor from contiguous(),
+    read then (from the exported file, or converted from the frozen value the checkpoint's
+    client state holds), so that one weight at a time is in memory."""
+
+    def __init__(self, name: str, shape, read):
+        self.name = name
+        self.shape = torch.Size(shape)
+        self.dtype = torch.float32
+        self._read = read
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def element_size(self) -> int:
+        return 4
+
+    def contiguous(self) -> torch.Tensor:
+        return self._read()
+
+    def __repr__(self) -> str:
+        return f"_LazyWeight({self.name!r}, shape={tuple(self.shape)}, dtype=torch.float32)"
+
+
+def _checkpoint_tag(checkpoint_dir: str, tag: Any) -> str:
+    """`tag`, or the tag <checkpoint_dir>/latest names; a missing tag directory is
+    FileNotFoundError naming it (DeepSpeed's ValueError / FileNotFoundError)."""
+    if tag is None:
+        latest = os.path.join(checkpoint_dir, "latest")
+        if not os.path.isfile(latest):
+            raise ValueError(f"no file 'latest' at {latest}: pass tag= to name the checkpoint")
+        with open(latest) as f:
+            tag = f.read().strip()
+    if not os.path.isdir(os.path.join(checkpoint_dir, str(tag))):
+        path = os.path.join(checkpoint_dir, str(tag))
+        raise FileNotFoundError(f"the checkpoint directory '{path}' does not exist")
+    return str(tag)
+
+
+def _frozen_parameter_names(checkpoint_dir: str, tag: Any = None) -> set[str]:
+    """The names of the frozen parameters (requires_grad False at initialize()) a checkpoint
+    holds: at stages 1 and 2 those zinf.torch keeps in its client state, at stage 3 those the
+    engine holds, which the manifest marks "trainable": false (checkpoints written before that
+    field hold none marked, so none are named)."""
+    tag = _checkpoint_tag(checkpoint_dir, tag)
+    names = set()
+    manifest = os.path.join(checkpoint_dir, tag, "manifest.json")
+    if os.path.isfile(manifest):
+        with open(manifest) as f:
+            names.update(p["name"] for p in json.load(f).get("params", [])
+                         if p.get("trainable", True) is False)
+    client = os.path.join(checkpoint_dir, tag, "client_state.bin")
+    if os.path.isfile(client):
+        state = torch.load(client, weights_only=False, mmap=True)
+        if isinstance(state, dict):
+            names.update(state.get("frozen", {}))
+    return names
+
+
+def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = None,
+                                             exclude_frozen_parameters: bool = False,
+                                             lazy_mode: bool = False) -> dict[str, Any]:
     """deepspeed.utils.zero_to_fp32's function: every parameter's full fp32 master of
     <checkpoint_dir>/<tag> (default: the tag in <checkpoint_dir>/latest) as a dict of CPU
     tensors, named as the model's parameters, and the frozen parameters zinf.torch saved in the
     checkpoint's client state (converted to fp32 from the compute dtype they were saved in), as
-    DeepSpeed's adds its frozen parameters. A parameter shared by several modules (tied
-    embeddings) appears once, under its first owner's name, and there are no buffers (a zinf
-    checkpoint holds neither): load it with load_state_dict_from_zero_checkpoint(model, dir),
-    which fills both in from the model. The weights pass through a safetensors file in the
-    system's temporary directory (the model's fp32 size), removed before this returns."""
-    with tempfile.TemporaryDirectory(prefix="zinf_fp32_") as scratch:
-        out = os.path.join(scratch, "model.safetensors")
+    DeepSpeed's adds its frozen parameters. exclude_frozen_parameters=True leaves out every
+    frozen parameter, those the engine holds at stage 3 too (which its manifest marks). A
+    parameter shared by several modules (tied embeddings) appears once, under its first owner's
+    name (DeepSpeed's names it under each: the checkpoint does not record the other names), and
+    there are no buffers (a zinf checkpoint holds neither): load it with
+    load_state_dict_from_zero_checkpoint(model, dir), which fills both in from the model. The
+    weights pass through a safetensors file in the system's temporary directory (the model's
+    fp32 size). lazy_mode=True returns, as DeepSpeed's, a weight per name that reads itself on
+    .contiguous() (shape and dtype at once), so that one weight at a time is in memory; the
+    temporary file stays until the last of them is gone. Without it the file is read whole and
+    removed before this returns."""
+    tag = _checkpoint_tag(checkpoint_dir, tag)
+    excluded = (_frozen_parameter_names(checkpoint_dir, tag) if exclude_frozen_parameters
+                else set())
+    scratch = tempfile.TemporaryDirectory(prefix="zinf_fp32_")
+    try:
+        out = os.path.join(scratch.name, "model.safetensors")
         export_safetensors(checkpoint_dir, out, tag)
-        weights = _read_safetensors(out)
-    if tag is None:
-        with open(os.path.join(checkpoint_dir, "latest")) as f:
-            tag = f.read().strip()
-    client = os.path.join(checkpoint_dir, str(tag), "client_state.bin")
-    if os.path.isfile(client):
-        state = torch.load(client, weights_only=False)
+        if lazy_mode:
+            source = _ExportedWeights(scratch, out)
+            weights = {name: _LazyWeight(name, entry["shape"],
+                                         lambda name=name: source.read(name))
+                       for name, entry in source.header.items() if name not in excluded}
+        else:
+            weights = {name: tensor for name, tensor in _read_safetensors(out).items()
+                       if name not in excluded}
+    except BaseException:
+        scratch.cleanup()
+        raise
+    if not lazy_mode:
+        scratch.cleanup()
+    client = os.path.join(checkpoint_dir, tag, "client_state.bin")
+    if os.path.isfile(client) and not exclude_frozen_parameters:
+        state = torch.load(client, weights_only=False, mmap=lazy_mode)
         frozen = state.get("frozen", {}) if isinstance(state, dict) else {}
         for name, values in frozen.items():
-            weights[name] = values.to(torch.float32)
+            weights[name] = (_LazyWeight(name, values.shape,
+                                         lambda values=values: values.to(torch.float32))
+                             if lazy_mode else values.to(torch.float32))
     return weights
 
 
