@@ -412,7 +412,7 @@ def test_srun_with_pmix_is_an_mpi_launcher(monkeypatch):
     and sets the torch.distributed environment from them; MASTER_ADDR must be given when the
     tasks span several nodes."""
     for key in list(os.environ):
-        if key.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL")):
+        if key.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL", "TORCHELASTIC_")):
             monkeypatch.delenv(key)
     # Set by the code under test: each recorded (set, then removed) so that the test's end
     # restores it as it was.
@@ -448,3 +448,36 @@ def test_srun_with_pmix_is_an_mpi_launcher(monkeypatch):
     # The batch script's own shell has Slurm's variables but no PMIX_RANK: one process.
     monkeypatch.delenv("PMIX_RANK")
     assert compat._mpi_launcher() is None
+
+
+def test_torchrun_under_srun_is_torchruns(monkeypatch):
+    """`srun --mpi=pmix torchrun --nproc-per-node 4 ...` on 2 nodes: each torchrun is one srun
+    task (PMIX_RANK the node's index, SLURM_STEP_NUM_TASKS the node count), and its workers
+    inherit those variables beside the RANK and WORLD_SIZE torchrun gives them. torchrun's word
+    wins (its agent sets TORCHELASTIC_RUN_ID for every worker), in deepspeed_compat's launcher
+    and in zinf.torch's choice of communicator; without TORCHELASTIC_RUN_ID (RANK set by other
+    means), srun's ranks are the launcher's and the mismatch is refused."""
+    for key in list(os.environ):
+        if key.startswith(("OMPI_", "PMI_", "PMIX_", "SLURM_", "MPI_LOCAL", "TORCHELASTIC_")):
+            monkeypatch.delenv(key)
+    # Worker 1 of node 1 (rank 5 of 8), as torch.distributed.run's agent sets it.
+    for key, value in (("PMIX_RANK", "1"), ("SLURM_PROCID", "1"), ("SLURM_STEP_NUM_TASKS", "2"),
+                       ("SLURM_STEP_NUM_NODES", "2"), ("SLURM_STEP_TASKS_PER_NODE", "1(x2)"),
+                       ("SLURM_NODEID", "1"), ("SLURM_LOCALID", "0"), ("RANK", "5"),
+                       ("WORLD_SIZE", "8"), ("LOCAL_RANK", "1"), ("LOCAL_WORLD_SIZE", "4"),
+                       ("MASTER_ADDR", "node0"), ("MASTER_PORT", "29400"),
+                       ("TORCHELASTIC_RUN_ID", "1234")):
+        monkeypatch.setenv(key, value)
+    assert compat._mpi_launcher() is None
+    assert compat._launcher() == ((5, 8, 1, 4), "torchrun")
+    assert compat._launcher_environment("deepspeed.init_distributed") == (5, 8, 1)
+    assert [os.environ[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                    "MASTER_ADDR", "MASTER_PORT")] == [
+        "5", "8", "1", "4", "node0", "29400"]
+    assert compat._zt._choose_comm(None) == "torch"
+    # The same variables without torchrun's: srun's task is the launcher, and RANK=5 disagrees.
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+    assert compat._mpi_launcher() == (1, 2, 0, 1)
+    with pytest.raises(ValueError, match="RANK=5 in the environment, but the MPI launcher says 1"):
+        compat._launcher_environment("deepspeed.init_distributed")
+    assert compat._zt._choose_comm(None) == "mpi"

@@ -81,8 +81,12 @@ def _mpi_launcher() -> tuple[int, int, int, int] | None:
     """(rank, size, local_rank, local_size) of this process as an MPI launcher states them: Open
     MPI's mpirun (OMPI_COMM_WORLD_RANK, _SIZE, _LOCAL_RANK, _LOCAL_SIZE) or MPICH's and Intel
     MPI's Hydra (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS), or Slurm's srun with
-    PMIx (_srun_pmix()). None when none of them started the process. zinf.torch opens its
-    engine's communicator (MpiComm) under the same launchers."""
+    PMIx (_srun_pmix()). None when none of them started the process, or when torchrun did
+    (`srun torchrun ...`, `mpirun torchrun ...`: the workers inherit the variables of the task
+    that ran torchrun, which describe the torchrun processes, not them). zinf.torch opens its
+    engine's communicator (MpiComm) under the same launchers (_choose_comm)."""
+    if _zt._started_by_torchrun():
+        return None
     for rank_key, size_key, local_key, local_size_key in (
             ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
              "OMPI_COMM_WORLD_LOCAL_SIZE"),
@@ -131,10 +135,12 @@ def _srun_pmix() -> tuple[int, int, int, int] | None:
 def _torchrun() -> tuple[int, int, int, int] | None:
     """(rank, size, local_rank, local_size) of this process as torchrun (or `accelerate launch
     --multi_gpu`, which runs it) states them: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-    with WORLD_SIZE > 1 and no MPI launcher, the case where zinf.torch opens its engine's
-    communicator on a gloo group of torch.distributed (comm="torch"). None otherwise."""
-    if any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES):  # _mpi_launcher()'s case
-        return None
+    with WORLD_SIZE > 1 and either torchrun's TORCHELASTIC_RUN_ID or no MPI launcher's
+    variables, the case where zinf.torch opens its engine's communicator on a gloo group of
+    torch.distributed (comm="torch"). None otherwise."""
+    if (not _zt._started_by_torchrun()
+            and any(v in os.environ for v in _zt._MPI_LAUNCHER_VARIABLES)):
+        return None  # _mpi_launcher()'s case
     rank, size = os.environ.get("RANK", ""), os.environ.get("WORLD_SIZE", "")
     if not (rank.isdigit() and size.isdigit()) or int(size) <= 1:
         return None
@@ -872,12 +878,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine._compat_training_dataloader = loader
     _remember_parameters(engine)
     if (engine.global_rank, engine.world_size) != (_comm_get_rank(), _comm_get_world_size()):
-        # A launcher zinf.torch runs under (srun's PMIx) whose ranks were not read above.
+        # The engine's communicator and torch.distributed's group were formed from different
+        # launchers' ranks (a group the script made itself, say, on other ranks).
         raise NotImplementedError(
             f"deepspeed.initialize (zinf.deepspeed_compat): the engine is rank "
             f"{engine.global_rank} of {engine.world_size}, but torch.distributed rank "
             f"{_comm_get_rank()} of {_comm_get_world_size()}; launch with torchrun, Open MPI's "
-            "mpirun or an MPI with Hydra's PMI_RANK and PMI_SIZE")
+            "mpirun, an MPI with Hydra's PMI_RANK and PMI_SIZE, or srun --mpi=pmix, and let "
+            "deepspeed.init_distributed() form the group from the launcher")
     _record_shapes(engine)
     if client_optimizer is not None:
         # A scheduler the caller made over its own optimizer object then moves the engine's

@@ -348,17 +348,28 @@ def _map_tensors(value, fn):
 _MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
+def _started_by_torchrun() -> bool:
+    """Whether torchrun (torch.distributed.run's elastic agent, which `accelerate launch` runs
+    too) started this process: the agent sets TORCHELASTIC_RUN_ID and RANK for every worker. Its
+    word wins over an MPI launcher's variables, which the workers inherit from the launcher that
+    started torchrun itself (`srun torchrun ...`: each node's torchrun is one srun task, whose
+    PMIX_RANK is the node's index and SLURM_STEP_NUM_TASKS the node count)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
+
+
 def _choose_comm(comm: str | None) -> str:
     """"local" (one process), "mpi" (this process's rank of an mpirun/srun job) or "torch" (this
-    process's rank of a torchrun job, over a gloo group of torch.distributed). None picks "mpi"
-    when an MPI launcher started the process (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or PMIX_RANK in the
-    environment), "torch" when torchrun did (WORLD_SIZE > 1 and RANK set, no MPI launcher), else
-    "local"."""
+    process's rank of a torchrun job, over a gloo group of torch.distributed). None picks "torch"
+    when torchrun started the process with WORLD_SIZE > 1 (TORCHELASTIC_RUN_ID and RANK set,
+    whatever launcher started torchrun), else "mpi" when an MPI launcher did
+    (OMPI_COMM_WORLD_SIZE, PMI_SIZE, or PMIX_RANK in the environment), else "torch" when
+    WORLD_SIZE > 1 and RANK is set, else "local"."""
     if comm is not None:
         if comm not in ("local", "mpi", "torch"):
             raise ValueError(f"comm={comm!r}: not \"local\", \"mpi\" or \"torch\"")
         return comm
-    if any(v in os.environ for v in _MPI_LAUNCHER_VARIABLES):
+    if (not _started_by_torchrun()
+            and any(v in os.environ for v in _MPI_LAUNCHER_VARIABLES)):
         return "mpi"
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         if "RANK" not in os.environ:
