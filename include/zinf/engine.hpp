@@ -433,7 +433,8 @@ class Engine {
 
   // The fp32 master values of parameter `name` (element_count floats into `out`). Collective
   // (each rank owns a slice): every rank must call it with the same name. kNotFound for an
-  // unknown name.
+  // unknown name. A rank that fails to read its slice (a read error of its state, a null `out`)
+  // fails every rank in the call, the others with kAborted naming it; the error is not sticky.
   Status read_parameters(std::string_view name, float* out);
   // One optimizer moment of parameter `name`, whole, as read_parameters() gives its master:
   // `state` is "exp_avg" or "exp_avg_sq" (element_count floats into `out`; zeros before the
@@ -441,7 +442,10 @@ class Engine {
   // moment (each sub-group, on whatever tier it lives) to take the parameter's slice: to read
   // every parameter's moments, save a checkpoint instead. kNotFound for an unknown name;
   // kInvalidArgument for a state the optimizer does not keep (Adagrad has no exp_avg, Lion no
-  // exp_avg_sq), naming those it keeps.
+  // exp_avg_sq), naming those it keeps. Like read_parameters, it waits for the last step's pass,
+  // returns kFailedPrecondition ("call step() first") while the next step's pass updates the
+  // state during the backward (the overlapped step's updates in the backward), and fails every
+  // rank when one cannot read its slice, without a sticky error.
   Status read_optimizer_state(std::string_view name, std::string_view state, float* out);
   // Replaces the fp32 master of parameter `name` with rank `root`'s `values` (element_count
   // floats; the other ranks' `values` are ignored and may be null), and republishes the device

@@ -288,16 +288,20 @@ Status read_values(const MasterAccess& w, const std::string& call, Piece piece,
                    std::string_view name, float* out) {
   const std::optional<std::size_t> id = w.layout->find_param(name);
   if (!id.has_value()) return Status::not_found(fmt::format("{}: unknown parameter", call));
-  if (out == nullptr) return Status::invalid_argument(fmt::format("{}: out is null", call));
   const Partitioner& part = w.layout->partitioner();
   const ParamLocation& loc = part.location(static_cast<ParamId>(*id));
   const GroupInfo& info = part.group(loc.group);
   const std::size_t shard = info.shard_element_count;
-  // This rank's slice of the group, then an all-gather of the whole group in f32. The buffer and
-  // the slice come first and every rank learns whether every rank has them, so a rank that
-  // cannot allocate fails every rank at once instead of leaving them waiting in the all-gather
-  // until the collective timeout.
-  Result<DeviceBuffer> full = DeviceBuffer::allocate(*w.device, info.padded_element_count * 4);
+  // This rank's slice of the group, copied into the buffer, then an all-gather of the whole group
+  // in f32. Everything a rank can fail at alone comes first (a null `out`, the buffer, reading
+  // the slice, queueing its copy), and every rank learns whether every rank got there, so a rank
+  // that failed fails every rank at once instead of leaving them waiting in the all-gather until
+  // the collective timeout. Those errors are not sticky: nothing changed (a read error of the
+  // state stays where it is, and the step that reads it fails in turn).
+  Result<DeviceBuffer> full =
+      out == nullptr
+          ? Result<DeviceBuffer>(Status::invalid_argument(fmt::format("{}: out is null", call)))
+          : DeviceBuffer::allocate(*w.device, info.padded_element_count * 4);
   Status local = full.status();
   std::vector<float> slice;
   const std::size_t first = w.layout->offset(loc.group);
@@ -318,14 +322,19 @@ Status read_values(const MasterAccess& w, const std::string& call, Piece piece,
         return Status::ok();
       });
     }
-    local = w.sticky->fail(std::move(local));
   }
-  ZINF_RETURN_IF_ERROR(w.exchange->agree(call, std::move(local)));
-  float* own = full->as<float>() + part.shard_offset(loc.group, w.rank);
-  Status st = w.device->copy_h2d(own, slice.data(), shard * 4, *w.stream);
-  if (st.is_ok()) {
-    st = w.comm->all_gather(own, full->data(), shard, DType::kF32, *w.stream, call);
+  float* own = local.is_ok() ? full->as<float>() + part.shard_offset(loc.group, w.rank) : nullptr;
+  bool queued = false;
+  if (local.is_ok()) {
+    local = w.device->copy_h2d(own, slice.data(), shard * 4, *w.stream);
+    queued = true;
   }
+  if (Status agreed = w.exchange->agree(call, std::move(local)); !agreed.is_ok()) {
+    // The queued copy reads `slice`, which is freed on return.
+    if (queued) (void)w.device->synchronize(*w.stream, w.timeout);
+    return agreed;
+  }
+  Status st = w.comm->all_gather(own, full->data(), shard, DType::kF32, *w.stream, call);
   if (st.is_ok()) {
     st = w.device->copy_d2h(out, full->as<float>() + loc.group_offset, loc.element_count * 4,
                             *w.stream);

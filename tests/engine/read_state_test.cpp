@@ -1,14 +1,19 @@
 // Engine::read_optimizer_state: a parameter's optimizer moment, whole, on every rank, after
 // training, against the single-process reference's moments (the same bits, as the masters are),
-// at every stage, with the state in host memory and on NVMe; and its refusals.
+// at every stage, with the state in host memory and on NVMe; its refusals; and what a failure on
+// one rank does to the others.
 #include <fmt/format.h>
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "engine_test_util.hpp"
+#include "io/fault.hpp"
 
 namespace zinf {
 namespace {
@@ -79,6 +84,62 @@ INSTANTIATE_TEST_SUITE_P(Cases, ReadOptimizerState,
                            return fmt::format("w{}_s{}_{}", info.param.world, info.param.stage,
                                               offload_device_name(info.param.optimizer));
                          });
+
+// A read that fails on one rank (an I/O error reading its NVMe state, or a null `out`) fails every
+// rank in the same call (the others with kAborted naming it), not in the all-gather after their
+// collective timeout; and it leaves no rank's engine failed: once the fault is gone, every rank
+// reads again and they agree.
+TEST(ReadOptimizerStateErrors, AFailureOnOneRankFailsEveryRankAndStaysNoFailure) {
+  constexpr int kWorld = 2;
+  engine_test::ScratchDir dir("read_state_errors");
+  const Model model = engine_test::make_model(DType::kF32, 93);
+  Config config =
+      engine_test::small_config(2, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  config.collective_timeout_ms = 5000;
+  engine_test::TrainOptions options;
+  options.steps = 2;
+  options.check_gathered = false;
+  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(5));
+  const std::string& name = model.params[0].name;
+  const std::size_t count = model.params[0].element_count();
+  std::vector<Status> failed_read(kWorld), null_out(kWorld);
+  std::vector<std::vector<float>> again(kWorld, std::vector<float>(count));
+  const std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    FaultSpec spec;
+    spec.eio_rate = 1.0;
+    spec.writes = false;
+    auto faults = std::make_shared<FaultInjector>(spec);
+    faults->set_enabled(false);
+    Env env;
+    env.device = ranks.devices[r].get();
+    env.comm = ranks.comms[r].get();
+    env.io_faults = faults;
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+    engine_test::TrainOptions rank_options = options;
+    rank_options.device = env.device;
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, rank_options, nullptr, nullptr));
+    std::vector<float> out(count);
+    // The last step's pass done (it may still run behind the call): the faults meet this read.
+    ZINF_RETURN_IF_ERROR(engine->read_parameters(name, out.data()));
+    faults->set_enabled(rank == 0);
+    failed_read[r] = engine->read_optimizer_state(name, "exp_avg_sq", out.data());
+    faults->set_enabled(false);
+    null_out[r] = engine->read_optimizer_state(name, "exp_avg", rank == 1 ? nullptr : out.data());
+    return engine->read_optimizer_state(name, "exp_avg_sq", again[r].data());
+  });
+  for (std::size_t r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+  }
+  EXPECT_EQ(failed_read[0].code(), Code::kIoError) << failed_read[0].to_string();
+  EXPECT_EQ(failed_read[1].code(), Code::kAborted) << failed_read[1].to_string();
+  EXPECT_THAT(failed_read[1].message(), ::testing::HasSubstr("rank 0 failed (io_error)"));
+  EXPECT_EQ(null_out[1].code(), Code::kInvalidArgument) << null_out[1].to_string();
+  EXPECT_EQ(null_out[0].code(), Code::kAborted) << null_out[0].to_string();
+  EXPECT_THAT(null_out[0].message(), ::testing::HasSubstr("rank 1 failed (invalid_argument)"));
+  EXPECT_EQ(std::memcmp(again[0].data(), again[1].data(), count * sizeof(float)), 0);
+}
 
 }  // namespace
 }  // namespace zinf
