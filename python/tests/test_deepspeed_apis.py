@@ -92,6 +92,47 @@ def test_full_fp32_param_and_optimizer_state_are_torchs(stage, offload):
         engine.destroy()
 
 
+def test_optimizer_state_while_the_step_runs_beside_the_backward_is_refused():
+    """Where nothing global decides the step first (fp32 or bf16, no gradient_clipping) at stage
+    2 or 3 with offload_optimizer cpu, the engine opens the step's optimizer pass during its
+    last backward (zinf.overlap_step, docs/ENGINE.md "Updates during the backward"): between that
+    backward and step() the moments are being updated, and safe_get_full_optimizer_state is
+    refused naming step(); after step() it reads the step's moments, torch.optim.AdamW's
+    without clipping. With gradient_clipping the pass waits for step(), and a read between gives
+    the last step's moments."""
+    batches = mlp_batches(STEPS)
+    reference = make_mlp()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    for batch in batches:
+        mlp_loss(reference, batch).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    for clip in (False, True):
+        model = make_mlp()
+        config = mlp_config(2, "cpu")
+        if not clip:
+            del config["gradient_clipping"]
+        engine, _, _, _ = ds_initialize(model=model, config=config)
+        try:
+            zinf_run(engine, batches[:-1])
+            before = compat.safe_get_full_optimizer_state(model[0].weight, "exp_avg")
+            engine.backward(mlp_loss(engine, batches[-1]))
+            if clip:
+                assert torch.equal(
+                    compat.safe_get_full_optimizer_state(model[0].weight, "exp_avg"), before)
+            else:
+                with pytest.raises(RuntimeError, match=r"failed_precondition: the optimizer step "
+                                   r"3 is updating the state beside the backward .*call step\(\) "
+                                   "first"):
+                    compat.safe_get_full_optimizer_state(model[0].weight, "exp_avg")
+            engine.step()
+            if not clip:
+                assert_state_matches(model, reference, optimizer)
+        finally:
+            engine.destroy()
+
+
 def test_safe_set_full_fp32_param_trains_on_from_the_new_values():
     # DeepSpeed's safe_set_full_fp32_param replaces the fp32 master and leaves the moments: the
     # reference sets the torch parameter in place between steps and keeps AdamW's state.
