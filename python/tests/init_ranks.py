@@ -6,6 +6,7 @@ and read on every rank before initialize().
     mpirun -np 2 python init_ranks.py <out_dir> <model_dir> [write] [resize]
     python -m torch.distributed.run --nproc_per_node 2 init_ranks.py <out_dir> <model_dir> ...
     python init_ranks.py <out_dir> <model_dir> resize
+    mpirun -np 2 python init_ranks.py <out_dir> - errors
 
 write: init_model's Stack and a bf16 Linear, each rank drawing them with a seed of its own; rank
 0 loads WRITE_SEED's weights into all of them inside GatheredParameters(modifier_rank=0), and
@@ -18,9 +19,19 @@ resize: DeepSpeed-Chat's start under zinf.deepspeed_compat: HfDeepSpeedConfig at
 from_pretrained(<model_dir>) (weights loaded on rank 0 inside GatheredParameters(modifier_rank=0)),
 resize_token_embeddings(NEW_VOCAB) (new rows drawn from the old embeddings' mean and covariance,
 read on every rank), deepspeed.initialize. Writes <out_dir>/resize.w<world>.rank<r>.pt: the
-engine's masters and the warnings, or initialize()'s error."""
+engine's masters and the warnings, or initialize()'s error.
+errors (torch.distributed's timeout 20 s, so that a rank left waiting fails fast): a Linear
+built under Init, each rank drawing it with a seed of its own, then GatheredParameters(
+modifier_rank=0) blocks that end badly on one rank: "shape", rank 0 replaces the weight's .data
+with a tensor of another shape; "raise_other", rank 0 sets the bias to seeded random values and
+the block raises on rank 1; "raise_root", rank 0 sets the bias, then the block raises on rank 0.
+Writes <out_dir>/errors.rank<r>.pt: for each, the message of what the block raised on the rank
+(or None) and the seconds it took, and the Linear's values read after it ("after"); also the
+values read before the first ("before") and those rank 0 set in raise_other ("set")."""
+import datetime
 import os
 import sys
+import time
 import warnings
 
 import torch
@@ -107,13 +118,64 @@ def resize(out_dir, model_dir, rank, world_size):
     torch.save(report, os.path.join(out_dir, f"resize.w{world_size}.rank{rank}.pt"))
 
 
+def errors(out_dir, rank):
+    cfg = config(out_dir, WIDTH, offload="cpu")
+    torch.manual_seed(5 + rank)
+    with zinf.torch.Init(config=cfg):
+        lin = torch.nn.Linear(WIDTH, 4)
+    params = list(lin.parameters())
+
+    def read():
+        with zinf.torch.GatheredParameters(params):
+            return {n: p.detach().clone() for n, p in lin.named_parameters()}
+
+    generator = torch.Generator().manual_seed(40)
+    values = torch.randn(4, generator=generator)
+
+    def shape():
+        if rank == 0:
+            lin.weight.data = torch.randn(2, 2, generator=generator)
+
+    def raise_other():
+        if rank == 0:
+            lin.bias.data.copy_(values)
+        else:
+            raise RuntimeError("the block fails on rank 1")
+
+    def raise_root():
+        if rank == 0:
+            lin.bias.data.copy_(-values)
+            raise RuntimeError("the block fails on rank 0")
+
+    report = {"before": read(), "set": values}
+    for name, body in (("shape", shape), ("raise_other", raise_other),
+                       ("raise_root", raise_root)):
+        started = time.perf_counter()
+        error = None
+        try:
+            with zinf.torch.GatheredParameters(params, modifier_rank=0):
+                body()
+        except (ValueError, RuntimeError) as e:
+            error = str(e)
+        report[name] = {"error": error, "seconds": time.perf_counter() - started,
+                        "after": read()}
+    torch.save(report, os.path.join(out_dir, f"errors.rank{rank}.pt"))
+    # Both ranks leave together, the group closed first (a rank whose peer had exited while its
+    # group was open was seen to abort at exit).
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     zinf.deepspeed_compat.install()
-    zinf.deepspeed_compat.init_distributed()
+    short = {"timeout": datetime.timedelta(seconds=20)} if "errors" in sys.argv[3:] else {}
+    zinf.deepspeed_compat.init_distributed(**short)
     rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     out, model_dir = sys.argv[1], sys.argv[2]
     if "write" in sys.argv[3:]:
         write(out, rank)
     if "resize" in sys.argv[3:]:
         resize(out, model_dir, rank, world_size)
+    if "errors" in sys.argv[3:]:
+        errors(out, rank)

@@ -116,3 +116,33 @@ def test_resize_token_embeddings_after_a_zero3_from_pretrained(two_rank_runs, ti
     new_rows = one["masters"]["transformer.wte.weight"][old_vocab:]
     old_mean = pretrained["transformer.wte.weight"].mean(dim=0)
     assert (new_rows - old_mean).abs().max() < 5e-3
+
+
+def test_a_block_that_ends_badly_on_one_rank_ends_on_every_rank_at_once(tmp_path):
+    """Before initialize(), the end of a GatheredParameters(modifier_rank=0) block is collective
+    (init_ranks.py errors, torch.distributed's timeout 20 s): when rank 0 left a parameter with
+    another shape every rank raises the same error, naming it and both shapes, and keeps its
+    values; when the block raised on rank 1 only, rank 0's values still reach every rank; when it
+    raised on rank 0, no rank takes any of its changes. No rank waits for the timeout."""
+    launch("mpirun", [str(tmp_path), "-", "errors"], timeout=240)
+    reports = [torch.load(tmp_path / f"errors.rank{rank}.pt") for rank in (0, 1)]
+    shape_error = ("GatheredParameters(modifier_rank=0): Linear.weight has shape (2, 2) at the "
+                   "end of the block on rank 0, not its shape (4, 16); change its values, not "
+                   "its shape")
+    values = reports[0]["set"]
+    root_before = reports[0]["before"]
+    for rank, report in enumerate(reports):
+        assert not torch.equal(report["before"]["weight"], reports[1 - rank]["before"]["weight"])
+        assert report["shape"]["error"] == shape_error, f"rank {rank}"
+        for name, before in report["before"].items():
+            assert torch.equal(report["shape"]["after"][name], before), f"rank {rank}: {name}"
+        assert report["raise_other"]["error"] == (
+            "the block fails on rank 1" if rank == 1 else None)
+        assert torch.equal(report["raise_other"]["after"]["bias"], values), f"rank {rank}"
+        assert torch.equal(report["raise_other"]["after"]["weight"], root_before["weight"])
+        assert report["raise_root"]["error"] == (
+            "the block fails on rank 0" if rank == 0 else None)
+        for name, kept in report["raise_other"]["after"].items():
+            assert torch.equal(report["raise_root"]["after"][name], kept), f"rank {rank}: {name}"
+        for case in ("shape", "raise_other", "raise_root"):
+            assert report[case]["seconds"] < 15, f"rank {rank}: {case}"

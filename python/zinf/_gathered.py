@@ -53,7 +53,12 @@ class GatheredParameters:
       initialised (deepspeed.init_distributed(), the Trainer), the block's end broadcasts rank
       modifier_rank's values and every rank stages them, as DeepSpeed's block does, so every
       rank reads them from then on (_torch_init.broadcast_staged; every rank must enter the
-      block, as the broadcast is collective). Without torch.distributed,
+      block, as the broadcast is collective). Rank modifier_rank first checks the shapes and
+      every rank learns the outcome before any values move: a parameter left with another
+      shape there makes every rank raise the same ValueError naming it and both shapes, and a
+      block that raised there broadcasts nothing (every rank keeps its staged values); one that
+      raised on another rank only still takes rank modifier_rank's values. Without
+      torch.distributed,
       initialize() writes rank modifier_rank's values over every rank's (Engine::write_parameters,
       one pass over the partition for all of them), and until then another rank reads its own
       (a RuntimeWarning says so: _warn_stale_read).
@@ -162,11 +167,14 @@ class GatheredParameters:
             by_engine.setdefault(engine, []).append((param, values))
         for engine, writes in by_engine.items():
             engine._write_parameters(writes, self._modifier_rank)
-        if self._group is not None and exc[0] is None:
-            # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them.
+        if self._group is not None:
+            # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them;
+            # every rank takes part even when the block raised on it (when it raised on the
+            # modifier rank, nothing is broadcast and every rank keeps its staged values).
             loaded, self._loaded = self._loaded, []
             try:
-                _torch_init.broadcast_staged(loaded, self._modifier_rank, self._group)
+                _torch_init.broadcast_staged(loaded, self._modifier_rank, self._group,
+                                             exc[0] is not None)
             finally:
                 for param, stage in loaded:
                     param.data = torch.empty(0, dtype=stage.dtype)

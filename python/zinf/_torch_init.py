@@ -402,7 +402,8 @@ def broadcast_group():
     return _gloo_group[1]
 
 
-def broadcast_staged(loaded: "list[tuple[nn.Parameter, Staged]]", root: int, group) -> None:
+def broadcast_staged(loaded: "list[tuple[nn.Parameter, Staged]]", root: int, group,
+                     failed: bool = False) -> None:
     """The end of a GatheredParameters(modifier_rank=root) block before initialize(), with
     several ranks: rank root's values of the block's staged parameters (each holding its full
     values in .data) are broadcast over `group` and staged on every rank, as DeepSpeed's block
@@ -412,24 +413,55 @@ def broadcast_staged(loaded: "list[tuple[nn.Parameter, Staged]]", root: int, gro
     parameter class, which have none, first, in the block's order) and flattened into one buffer per
     dtype, one broadcast each; each parameter's values move into the buffer and its .data
     becomes the empty placeholder, so the rank holds about the block's gathered size, not
-    twice it. Every rank must call it with the same parameters (every rank entered the block).
-    Raises ValueError on rank root when a parameter's .data no longer has its full shape."""
+    twice it. Every rank must call it with the same parameters (every rank entered the block),
+    `failed` saying whether the block raised on this rank.
+
+    Before any values move, rank root checks every parameter's shape and broadcasts the outcome,
+    so that every rank ends the same way and none is left waiting in a broadcast: when a
+    parameter's .data no longer has its full shape on rank root, every rank raises the same
+    ValueError naming it and both shapes, and nothing is staged; when the block raised on rank
+    root (failed), nothing is broadcast and every rank keeps its staged values, as one rank
+    keeps them when its block raises. A block that raised on another rank only still takes
+    rank root's values."""
     dist = torch.distributed
     rank = dist.get_rank()
     unique = {id(param): (param, stage) for param, stage in loaded}
+    ordered = sorted(unique.values(), key=lambda item: getattr(item[0], "ds_id", -1))
+    # Rank root's outcome: 0 the values follow, 1 the block raised there, 2 a shape changed (the
+    # message's bytes follow).
+    message = b""
+    outcome = 0
+    if rank == root:
+        if failed:
+            outcome = 1
+        else:
+            for param, stage in ordered:
+                if tuple(param.data.shape) != stage.shape:
+                    outcome = 2
+                    message = (
+                        f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
+                        f"{tuple(param.data.shape)} at the end of the block on rank {root}, not "
+                        f"its shape {stage.shape}; change its values, not its shape").encode()
+                    break
+    header = torch.tensor([outcome, len(message)], dtype=torch.int64)
+    dist.broadcast(header, src=root, group=group)
+    outcome, message_bytes = int(header[0]), int(header[1])
+    if outcome == 1:
+        return
+    if outcome == 2:
+        text = torch.empty(message_bytes, dtype=torch.uint8)
+        if rank == root:
+            text.copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
+        dist.broadcast(text, src=root, group=group)
+        raise ValueError(bytes(text.tolist()).decode())
     by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, Staged]]] = {}
-    for param, stage in sorted(unique.values(), key=lambda item: getattr(item[0], "ds_id", -1)):
+    for param, stage in ordered:
         by_dtype.setdefault(stage.dtype, []).append((param, stage))
     for dtype, members in by_dtype.items():
         flat = torch.empty(sum(stage.numel for _, stage in members), dtype=dtype)
         offset = 0
         for param, stage in members:
             if rank == root:
-                if tuple(param.data.shape) != stage.shape:
-                    raise ValueError(
-                        f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
-                        f"{tuple(param.data.shape)} at the end of the block, not its shape "
-                        f"{stage.shape}; change its values, not its shape")
                 flat[offset:offset + stage.numel].view(stage.shape).copy_(param.data)
             param.data = torch.empty(0, dtype=stage.dtype)
             offset += stage.numel
