@@ -154,16 +154,19 @@ def test_a_sign_flip_of_zeros_is_a_change(stage, tmp_path):
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
-def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(tmp_path):
-    """GatheredParameters(model.parameters(), modifier_rank=0) at stage 3 on two ranks, over a
-    model of 68 MB fp32 (gathered_memory.py under mpirun): the root's peak RSS grows by the
-    engine's gather and the block's copy (2x the model), not by a third copy of what it writes;
-    every rank then reads the written bias from the master."""
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(dtype, tmp_path):
+    """GatheredParameters(model.parameters(), modifier_rank=0) at stage 3 on two ranks, halving
+    every parameter of a model of 68 MB fp32 (gathered_memory.py write_all under mpirun): the
+    root's peak RSS grows by the engine's gather and the block's copy (2x the gathered size, in
+    the dtype the model computes in), not by a copy of what it writes (in bf16, converted to fp32
+    one parameter at a time as the write reaches it, not all at once: 4x before); every rank then
+    reads the halved values from the masters."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
     command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x",
                "MALLOC_MMAP_THRESHOLD_", "-np", "2", sys.executable,
                os.path.join(HERE, "gathered_memory.py"), str(tmp_path), "512", "64",
-               "write_one"]
+               "write_all", dtype]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = sorted((json.loads(line) for line in result.stdout.splitlines()
@@ -172,4 +175,78 @@ def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(tmp_
     assert [r["rank"] for r in reports] == [0, 1]
     for report in reports:
         assert report["right"], report
-        assert report["peak_growth_bytes"] < 2.5 * report["model_bytes"], report
+        assert report["gathered_bytes"] == report["model_bytes"] // (2 if dtype == "bf16" else 1)
+        assert report["peak_growth_bytes"] < 2.5 * report["gathered_bytes"], report
+
+
+@pytest.fixture(scope="module")
+def two_rank_blocks(tmp_path_factory):
+    """gathered_ranks.py under mpirun: each rank's report, by rank."""
+    if shutil.which("mpirun") is None:
+        pytest.skip("no mpirun on PATH")
+    out = tmp_path_factory.mktemp("gathered_ranks")
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
+               "2", sys.executable, os.path.join(HERE, "gathered_ranks.py"), str(out)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return [torch.load(out / f"gathered_ranks.rank{rank}.pt") for rank in (0, 1)]
+
+
+def assert_bits(got, expected, what):
+    assert torch.equal(got.view(torch.int32), expected.view(torch.int32)), what
+
+
+def assert_only_written(reports, scenario, name):
+    """On every rank: `name`'s master holds rank 0's values as its bf16 block saw them, and
+    every other master kept every bit."""
+    values = reports[0][scenario]["set"].bfloat16().float()
+    for rank, report in enumerate(reports):
+        run = report[scenario]
+        assert run["error"] is None, f"rank {rank}: {run['error']}"
+        for other, before in run["before"].items():
+            assert not torch.equal(before, before.bfloat16().float()), other  # not bf16 already
+            expected = values if other == name else before
+            assert_bits(run["after"][other], expected, f"{scenario}, rank {rank}: {other}")
+
+
+def test_a_block_that_changes_nothing_on_two_ranks_keeps_every_master_bit(two_rank_blocks):
+    """bf16 at stage 3: the block's values are the masters rounded to bf16, so writing them back
+    would round every master."""
+    for rank, report in enumerate(two_rank_blocks):
+        run = report["noop"]
+        assert run["error"] is None
+        for name, before in run["before"].items():
+            assert not torch.equal(before, before.bfloat16().float()), name  # not bf16 already
+            assert_bits(run["after"][name], before, f"rank {rank}: {name}")
+
+
+def test_only_the_parameter_changed_on_the_modifier_rank_is_written(two_rank_blocks):
+    assert_only_written(two_rank_blocks, "one", "4.bias")
+
+
+def test_ranks_may_list_the_parameters_in_different_orders(two_rank_blocks):
+    assert_only_written(two_rank_blocks, "order", "0.bias")
+    # The engine trains on afterwards, the ranks agreeing.
+    trained = [report["order"]["trained"] for report in two_rank_blocks]
+    for name, values in trained[0].items():
+        assert not torch.equal(values, two_rank_blocks[0]["order"]["after"][name]), name
+        assert_bits(trained[1][name], values, name)
+
+
+def test_a_block_that_raises_on_another_rank_still_writes_the_modifier_ranks_changes(
+        two_rank_blocks):
+    """Every rank takes part in the block's end whatever happened in it, so none is left
+    waiting: the block raised on rank 1, which still writes rank 0's change, then raises."""
+    assert two_rank_blocks[1]["raise_other"]["error"] == "the block fails on rank 1"
+    two_rank_blocks[1]["raise_other"]["error"] = None
+    assert_only_written(two_rank_blocks, "raise_other", "3.weight")
+
+
+def test_a_block_that_raises_on_the_modifier_rank_writes_nothing(two_rank_blocks):
+    """As with one rank, a block that raises on the modifier rank keeps none of its changes, on
+    any rank; the other ranks end it without an error."""
+    assert [r["raise_root"]["error"] for r in two_rank_blocks] == [
+        "the block fails on rank 0", None]
+    for rank, report in enumerate(two_rank_blocks):
+        for name, before in report["raise_root"]["before"].items():
+            assert_bits(report["raise_root"]["after"][name], before, f"rank {rank}: {name}")

@@ -42,11 +42,19 @@ class GatheredParameters:
       republishes the parameters); the optimizer moments stay. A change is found by comparing
       the block's copy with the gathered values it was made from (ops on .data do not move the
       version counter), or, for a parameter whose module was gathered already, a digest of the
-      values with one taken on entry (the digest itself copies nothing); with several ranks
-      every parameter is written. Use it between steps: after a backward
+      values with one taken on entry (the digest itself copies nothing). With several ranks
+      rank r finds its changes so and broadcasts which parameters it changed, and every rank
+      writes those, in the engine's parameter order (the ranks may list them in any order);
+      the others keep their fp32 masters to the bit (a block that changes nothing writes
+      nothing). The values written are converted to fp32 one parameter at a time as the write
+      reaches them. Use it between steps: after a backward
       whose step has not run it raises zinf.Error naming the parameter, before anything is
       gathered. Every rank must enter the block (the write is collective); the block's writes
       are one pass over the rank's master partition, however many parameters it changed.
+      Every rank takes part in the block's end even when the block raised on it, so that no
+      rank is left waiting: when it raised on rank r nothing is written (as with one rank);
+      when it raised on another rank only, rank r's changes are written on every rank, and
+      then the exception propagates there.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
       values are read into them for the block and, with modifier_rank set, written back to the
       staging file, so initialize() takes them. With several ranks and torch.distributed
@@ -95,9 +103,15 @@ class GatheredParameters:
                 if self._group is not None and not 0 <= self._modifier_rank < world_size:
                     raise ValueError(f"GatheredParameters(modifier_rank={self._modifier_rank}): "
                                      f"torch.distributed has ranks 0 to {world_size - 1}")
+            for param in self._params:
+                engine = engine_of(param)
+                if (engine is not None and engine.world_size > 1
+                        and not 0 <= self._modifier_rank < engine.world_size):
+                    raise ValueError(f"GatheredParameters(modifier_rank={self._modifier_rank}): "
+                                     f"the engine has ranks 0 to {engine.world_size - 1}")
         gathered_here: set[tuple[int, str]] = set()  # (engine, module) gathered by the block
         copied: set[int] = set()
-        for param in self._params:
+        for param in _in_engine_order(self._params):
             stage = _torch_init.staged(param)
             if stage is not None:
                 _warn_stale_read(stage, self._modifier_rank)
@@ -122,38 +136,38 @@ class GatheredParameters:
                     param.data = view.clone()
                     self._copied.append((param, view))
             if self._modifier_rank is not None:
-                # With one rank, what the end compares the values with: the view the block's
-                # copy was made from (the block changes the copy only), else a digest.
+                # On the rank whose changes count (the only one, or the modifier rank), what the
+                # end compares the values with: the view the block's copy was made from (the
+                # block changes the copy only), else a digest.
                 entry = None
-                if engine.world_size == 1:
+                if engine.world_size == 1 or engine.global_rank == self._modifier_rank:
                     entry = (self._copied[-1][1] if self._copied and self._copied[-1][0] is param
                              else _digest(param))
                 self._watched.append((engine, param, param.data_ptr(), entry))
         return self
 
     def __exit__(self, *exc):
-        # With several ranks every parameter is written (the write is collective, and only the
-        # modifier rank's changes count, so the others cannot tell); with one, those whose values
-        # differ from the engine's view the block's copy was made from, or whose digest differs
-        # from the one taken on entry, or whose .data was replaced (the write points it back at
-        # the engine's memory).
-        changed = []
-        if exc[0] is None:
-            for engine, param, ptr, entry in self._watched:
-                if (entry is None or param.data_ptr() != ptr
-                        or (not _same_bits(param.data, entry) if isinstance(entry, torch.Tensor)
-                            else _digest(param) != entry)):
-                    # Only the modifier rank's values are written, so the other ranks keep none.
-                    # Copied where they are the engine's gathered memory, which the release below
-                    # gives back (the block's own copy, or a tensor of the script's, is kept as
-                    # it is).
-                    values = None
-                    if engine.world_size == 1 or engine.global_rank == self._modifier_rank:
-                        values = param.detach().to(dtype=torch.float32).contiguous()
-                        if (engine.stage < 3 or values.untyped_storage().data_ptr()
-                                in engine._gathered_ptrs):
-                            values = values.clone()
-                    changed.append((engine, param, values))
+        # The parameters changed on the rank whose changes count (the only one, or the modifier
+        # rank; none when the block raised there): those whose values differ from the engine's
+        # view the block's copy was made from, or whose digest differs from the one taken on
+        # entry, or whose .data was replaced (the write points it back at the engine's memory).
+        # Each keeps the tensor that holds its values, in its own dtype: the write converts them
+        # to fp32 one parameter at a time, as it reaches them. Copied (in their dtype) where they
+        # are the engine's memory, which the release below gives back or the write republishes
+        # (the block's own copy, or a tensor of the script's, is kept as it is).
+        changed: dict = {}  # engine -> {id(param): (param, values)}, engines in block order
+        for engine, param, ptr, entry in self._watched:
+            writes = changed.setdefault(engine, {})
+            if exc[0] is not None or entry is None or id(param) in writes:
+                continue
+            if (param.data_ptr() != ptr
+                    or (not _same_bits(param.data, entry) if isinstance(entry, torch.Tensor)
+                        else _digest(param) != entry)):
+                values = param.detach()
+                if (engine.stage < 3
+                        or values.untyped_storage().data_ptr() in engine._gathered_ptrs):
+                    values = values.clone()
+                writes[id(param)] = (param, values)
         self._watched.clear()
         # The engine's views back before the release, which drops them.
         while self._copied:
@@ -162,11 +176,12 @@ class GatheredParameters:
         while self._held:
             engine, owner = self._held.pop()
             engine._release(owner)
-        by_engine: dict = {}
-        for engine, param, values in changed:
-            by_engine.setdefault(engine, []).append((param, values))
-        for engine, writes in by_engine.items():
-            engine._write_parameters(writes, self._modifier_rank)
+        # With several ranks every rank takes part, whether the block raised on it or not (the
+        # modifier rank says which parameters it changed, and every rank writes those), so that
+        # no rank is left waiting; with one, an engine with nothing changed is not called.
+        for engine, writes in changed.items():
+            if writes or engine.world_size > 1:
+                engine._write_parameters(list(writes.values()), self._modifier_rank)
         if self._group is not None:
             # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them;
             # every rank takes part even when the block raised on it (when it raised on the
@@ -211,6 +226,24 @@ def _warn_stale_read(stage: _torch_init.Staged, modifier_rank) -> None:
         f"differ from rank {writer}'s: initialise torch.distributed before building the model "
         "(deepspeed.init_distributed()), read it after initialize(), or change it inside "
         f"GatheredParameters(modifier_rank={writer}) only", RuntimeWarning, stacklevel=3)
+
+
+def _in_engine_order(params: list) -> list:
+    """The block's parameters with those of each engine in the engine's parameter order (the
+    others first, in the block's order), so that every rank gathers and writes them in the same
+    order whatever order it was given them in."""
+    orders: dict = {}
+
+    def key(param):
+        engine = engine_of(param)
+        if engine is None or _torch_init.staged(param) is not None:
+            return (0, 0, 0)
+        if engine not in orders:
+            orders[engine] = (len(orders), {pid: i for i, pid in enumerate(engine._params)})
+        number, order = orders[engine]
+        return (1, number, order.get(id(param), -1))
+
+    return sorted(params, key=key)
 
 
 _BITS_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}

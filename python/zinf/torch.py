@@ -1770,10 +1770,34 @@ class ZinfEngine(nn.Module):
         return self._core.memory()
 
     def _write_parameters(self, writes: list[tuple[nn.Parameter, torch.Tensor]], root: int):
-        """Rank root's values into the masters of the parameters (collective: one pass over the
-        partition for all of them), and the views refreshed."""
+        """Rank root's values into the masters of the parameters it changed (collective: one
+        pass over the partition for all of them), and the views refreshed. `writes` holds this
+        rank's changed parameters, each with a tensor of its values in any dtype (converted to
+        fp32 as the pass reaches it, so that no more than one parameter is held in fp32 besides
+        them). With several ranks only root's count, and every rank must call it: root
+        broadcasts which of the engine's parameters it changed (one byte each, in the engine's
+        parameter order, over its communicator) and every rank writes those, in the engine's
+        order whatever order the ranks listed them in; the others are not touched, so their
+        fp32 masters keep every bit. Nothing changed: nothing is written."""
         values = {self._names[id(param)]: tensor for param, tensor in writes}
-        self._write_batch(list(values), values.__getitem__, root)
+        if self.world_size > 1:
+            bits = [self.global_rank == root and self._names[pid] in values
+                    for pid in self._params]
+            # broadcast_bytes moves an even number of bytes.
+            mask = torch.tensor(bits + [False] * (len(bits) % 2), dtype=torch.uint8)
+            with self._aborting_on_error("GatheredParameters: the parameters changed"):
+                self._core.broadcast_bytes(mask, root, f"GatheredParameters: the parameters "
+                                           f"changed on rank {root}")
+            names = [self._names[pid] for pid, bit in zip(self._params, mask.tolist()) if bit]
+        else:
+            names = [self._names[pid] for pid in self._params if self._names[pid] in values]
+        if not names:
+            return
+
+        def values_of(name):
+            return values.pop(name).detach().to(device="cpu", dtype=torch.float32).contiguous()
+
+        self._write_batch(names, values_of, root)
         self._refresh_views()
 
     def _write_batch(self, names: list[str], values_of, root: int):
