@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "base/random.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 #include "io/fault.hpp"
@@ -166,6 +167,61 @@ TEST(CheckpointPublish, ACorruptLinkedMasterOnOneRankFailsEveryRankInTheLoad) {
   }
   expect_every_rank_failed(o, ranks, Code::kCorruption, victim);
   EXPECT_THAT(o.loaded[0].message(), ::testing::HasSubstr("checksum"));
+}
+
+// One rank on an opaque device whose stream runs each operation after a random delay of up to
+// 20 ms (seeded: make_ranks' jitter), stage 3, the optimizer state on the device (DeviceState)
+// and the shards on NVMe: the republish of a load writes the persistent bias (the first group)
+// with a copy up queued on the coordinator's stream from the publisher's buffer, then fails
+// writing the next group's shard (EIO on every write). The load fails with the write's io_error,
+// stickily, and the buffer outlives the queued copy: an AddressSanitizer build reports the copy's
+// read of a freed buffer where the failed publish freed it at once.
+TEST(CheckpointPublish, AShardWriteErrorAfterAQueuedPersistentCopyFailsTheLoadOnAnOpaqueDevice) {
+  engine_test::ScratchDir dir("ckpt_publish_opaque_copy");
+  const std::string ckpt = dir.path() + "/ckpt";
+  Model model;
+  model.modules = {"a", "b"};
+  model.params = {{"a.b", "a", {16}, DType::kF32},
+                  {"a.w", "a", {48, 64}, DType::kF32},
+                  {"b.w", "b", {64, 64}, DType::kF32}};
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    std::vector<float> v(model.params[p].element_count());
+    fill_uniform(v.data(), v.size(), 9300 + p, -1.0f, 1.0f);
+    model.initial.push_back(std::move(v));
+  }
+  engine_test::Ranks ranks = engine_test::make_ranks(1, kTimeout, /*jitter_max_us=*/20'000,
+                                                     /*opaque=*/true);
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNvme, dir.path());
+  config.collective_timeout_ms = 6000;
+  FaultSpec spec;
+  spec.seed = 23;
+  spec.eio_rate = 1.0;
+  spec.reads = false;
+  auto faults = std::make_shared<FaultInjector>(spec);
+  faults->set_enabled(false);
+  Env env;
+  env.device = ranks.devices[0].get();
+  env.comm = ranks.comms[0].get();
+  env.io_faults = faults;
+  Status loaded, next;
+  {
+    Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    Engine& engine = **opened;
+    ASSERT_TRUE(engine_test::register_model(engine, model).is_ok());
+    ASSERT_TRUE(engine.finalize().is_ok());
+    ASSERT_TRUE(engine.save_checkpoint(ckpt, "a").is_ok());
+    faults->set_enabled(true);
+    loaded = engine.load_checkpoint(ckpt, "a");
+    faults->set_enabled(false);
+    std::vector<float> out(model.params[0].element_count());
+    next = engine.read_parameters(model.params[0].name, out.data());
+  }
+  EXPECT_GT(faults->counts().eio, 0u) << "no shard write failed";
+  EXPECT_EQ(loaded.code(), Code::kIoError) << loaded.to_string();
+  EXPECT_THAT(loaded.message(), ::testing::HasSubstr("swap extent rank0/param/group"));
+  EXPECT_EQ(next.to_string(), loaded.to_string()) << "sticky";
 }
 
 }  // namespace
