@@ -325,9 +325,9 @@ class PyEngine {
       throw ZinfError(zinf::Status::not_found(call + ": no parameter '" + name + "'"));
     }
     if (out.size() != it->second) {
-      throw ZinfError(zinf::Status::invalid_argument(
-          call + ": out holds " + std::to_string(out.size()) + " floats, the parameter " +
-          std::to_string(it->second)));
+      throw ZinfError(
+          zinf::Status::invalid_argument(call + ": out holds " + std::to_string(out.size()) +
+                                         " floats, the parameter " + std::to_string(it->second)));
     }
     return out.data();
   }
