@@ -52,13 +52,8 @@ void load_counting(const Config& config, const Model& model, const std::string& 
     spec.latency = std::chrono::microseconds(0);
     spec.writes = false;
     auto faults = std::make_shared<FaultInjector>(spec);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    env.io_faults = faults;
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-    ZINF_RETURN_IF_ERROR(engine->finalize());
+    ZINF_ASSIGN_OR_RETURN(auto engine,
+                          engine_test::open_finalized(ranks, rank, config, model, faults));
     const std::uint64_t before = faults->counts().latency;
     ZINF_RETURN_IF_ERROR(engine->load_checkpoint(ckpt));
     (*reads)[r] = faults->counts().latency - before;

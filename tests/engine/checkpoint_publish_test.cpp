@@ -88,13 +88,8 @@ TEST(CheckpointPublish, AShardWriteErrorOnOneRankFailsEveryRankInTheLoad) {
         spec.reads = false;
         auto faults = std::make_shared<FaultInjector>(spec);
         faults->set_enabled(false);
-        Env env;
-        env.device = ranks.devices[r].get();
-        env.comm = ranks.comms[r].get();
-        env.io_faults = faults;
-        ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
-        ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-        ZINF_RETURN_IF_ERROR(engine->finalize());
+        ZINF_ASSIGN_OR_RETURN(auto engine,
+                              engine_test::open_finalized(ranks, rank, config, model, faults));
         ZINF_RETURN_IF_ERROR(engine->save_checkpoint(ckpt, "a"));
         faults->set_enabled(rank == 0);
         const auto start = std::chrono::steady_clock::now();
@@ -200,17 +195,12 @@ TEST(CheckpointPublish, AShardWriteErrorAfterAQueuedPersistentCopyFailsTheLoadOn
   spec.reads = false;
   auto faults = std::make_shared<FaultInjector>(spec);
   faults->set_enabled(false);
-  Env env;
-  env.device = ranks.devices[0].get();
-  env.comm = ranks.comms[0].get();
-  env.io_faults = faults;
   Status loaded, next;
   {
-    Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+    Result<std::unique_ptr<Engine>> opened =
+        engine_test::open_finalized(ranks, 0, config, model, faults);
     ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
     Engine& engine = **opened;
-    ASSERT_TRUE(engine_test::register_model(engine, model).is_ok());
-    ASSERT_TRUE(engine.finalize().is_ok());
     ASSERT_TRUE(engine.save_checkpoint(ckpt, "a").is_ok());
     faults->set_enabled(true);
     loaded = engine.load_checkpoint(ckpt, "a");

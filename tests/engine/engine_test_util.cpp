@@ -315,6 +315,26 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
   return Status::ok();
 }
 
+Result<std::unique_ptr<Engine>> open_rank(Ranks& ranks, int rank, const Config& config,
+                                          std::shared_ptr<FaultInjector> faults) {
+  const auto r = static_cast<std::size_t>(rank);
+  Env env;
+  env.device = ranks.devices[r].get();
+  env.comm = ranks.comms[r].get();
+  env.io_faults = std::move(faults);
+  return Engine::open(config, env);
+}
+
+Result<std::unique_ptr<Engine>> open_finalized(Ranks& ranks, int rank, const Config& config,
+                                               const Model& model,
+                                               std::shared_ptr<FaultInjector> faults) {
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                        open_rank(ranks, rank, config, std::move(faults)));
+  ZINF_RETURN_IF_ERROR(register_model(*engine, model));
+  ZINF_RETURN_IF_ERROR(engine->finalize());
+  return engine;
+}
+
 Reference run_reference(const Config& config, const Model& model, int world,
                         const TrainOptions& options) {
   const std::size_t count = model.params.size();

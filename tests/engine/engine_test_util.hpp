@@ -55,6 +55,10 @@ struct Ranks {
 Ranks make_ranks(int world, std::chrono::milliseconds timeout = std::chrono::seconds(30),
                  std::uint32_t jitter_max_us = 0, bool opaque = false);
 
+// Rank `rank`'s engine of `config` on `ranks`, with `faults` injected into its I/O when given.
+Result<std::unique_ptr<Engine>> open_rank(Ranks& ranks, int rank, const Config& config,
+                                          std::shared_ptr<FaultInjector> faults = nullptr);
+
 // Runs fn(rank) on one thread per rank; returns each rank's Status.
 std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn);
 
@@ -130,6 +134,11 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
                   std::vector<StepReport>* reports);
 
 Status register_model(Engine& engine, const Model& model);
+
+// open_rank(), with `model` registered and the engine finalized.
+Result<std::unique_ptr<Engine>> open_finalized(Ranks& ranks, int rank, const Config& config,
+                                               const Model& model,
+                                               std::shared_ptr<FaultInjector> faults = nullptr);
 
 // The single-process reference: AdamW (or config.optimizer) on whole parameters, gradients
 // averaged over `world` ranks in rank order and accumulated over micro-batches exactly as the

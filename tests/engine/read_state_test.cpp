@@ -111,13 +111,10 @@ TEST(ReadOptimizerStateErrors, AFailureOnOneRankFailsEveryRankAndStaysNoFailure)
     spec.writes = false;
     auto faults = std::make_shared<FaultInjector>(spec);
     faults->set_enabled(false);
-    Env env;
-    env.device = ranks.devices[r].get();
-    env.comm = ranks.comms[r].get();
-    env.io_faults = faults;
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                          engine_test::open_rank(ranks, rank, config, faults));
     engine_test::TrainOptions rank_options = options;
-    rank_options.device = env.device;
+    rank_options.device = ranks.devices[r].get();
     ZINF_RETURN_IF_ERROR(
         engine_test::train_rank(*engine, model, rank, rank_options, nullptr, nullptr));
     std::vector<float> out(count);

@@ -65,22 +65,6 @@ Result<std::vector<float>> gathered_values(Engine& engine, Device& device,
   return out;
 }
 
-// Rank `rank`'s engine of `config` on `ranks`, with `faults` injected into its I/O when given,
-// and `model` registered and finalized.
-Result<std::unique_ptr<Engine>> open_finalized(engine_test::Ranks& ranks, int rank,
-                                               const Config& config, const Model& model,
-                                               std::shared_ptr<FaultInjector> faults = nullptr) {
-  const auto r = static_cast<std::size_t>(rank);
-  Env env;
-  env.device = ranks.devices[r].get();
-  env.comm = ranks.comms[r].get();
-  env.io_faults = std::move(faults);
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
-  ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
-  ZINF_RETURN_IF_ERROR(engine->finalize());
-  return engine;
-}
-
 class WriteParameters : public ::testing::TestWithParam<Case> {};
 
 TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
@@ -108,9 +92,9 @@ TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
     const auto r = static_cast<std::size_t>(rank);
     ZINF_ASSIGN_OR_RETURN(
         auto engine,
-        open_finalized(ranks, rank,
-                       engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
-                       model));
+        engine_test::open_finalized(
+            ranks, rank, engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+            model));
     // Refused before any collective, the engine still usable afterwards.
     Status bad = engine->write_parameters("no.such.parameter", fresh.data(), root);
     if (bad.code() != Code::kNotFound) return Status::internal("unknown name: " + bad.to_string());
@@ -337,7 +321,7 @@ TEST(WriteParametersBatch, WaitsForTheComputeStreamsWorkBeforeItRewritesTheGathe
       Device& device = *ranks.devices[r];
       // Declared before the engine, so that it outlives it.
       ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> compute, device.create_stream("compute"));
-      ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model));
+      ZINF_ASSIGN_OR_RETURN(auto engine, engine_test::open_finalized(ranks, rank, config, model));
       ZINF_RETURN_IF_ERROR(engine->set_compute_stream(compute.get()));
       before[r].resize(def.element_count());
       ZINF_RETURN_IF_ERROR(engine->gather(def.module));
@@ -388,9 +372,9 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
       auto faults = std::make_shared<FaultInjector>(spec);
       ZINF_ASSIGN_OR_RETURN(
           auto engine,
-          open_finalized(ranks, rank,
-                         engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
-                         model, faults));
+          engine_test::open_finalized(
+              ranks, rank, engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+              model, faults));
       auto reads = [&] { return faults->counts().latency; };
       auto give = values_from(model, fresh);
       std::uint64_t before = reads();
@@ -446,9 +430,9 @@ TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
         auto faults = std::make_shared<FaultInjector>(spec);
         ZINF_ASSIGN_OR_RETURN(
             auto engine,
-            open_finalized(ranks, rank,
-                           engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
-                           model, faults));
+            engine_test::open_finalized(
+                ranks, rank, engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+                model, faults));
         const std::uint64_t before = faults->counts().latency;
         ZINF_RETURN_IF_ERROR(engine->write_parameters(kBatch, values_from(model, fresh), 0));
         counted[reads ? 0 : 1][r] = faults->counts().latency - before;
@@ -481,9 +465,9 @@ TEST(WriteParametersBatch, PublishesTheMastersRounded) {
     std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
       ZINF_ASSIGN_OR_RETURN(
           auto engine,
-          open_finalized(ranks, rank,
-                         engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
-                         model));
+          engine_test::open_finalized(
+              ranks, rank, engine_test::small_config(c.stage, c.optimizer, c.params, dir.path()),
+              model));
       ZINF_RETURN_IF_ERROR(engine->write_parameters(kBatch, values_from(model, fresh), 1));
       for (const auto& def : model.params) {
         std::vector<float> master(def.element_count());
@@ -529,10 +513,11 @@ TEST(WriteParametersBatch, RefusesBadCallsAndFailsTogether) {
     const auto r = static_cast<std::size_t>(rank);
     auto note = [&](const Status& s) { seen[r].push_back(s.to_string()); };
     ZINF_ASSIGN_OR_RETURN(
-        auto engine, open_finalized(ranks, rank,
-                                    engine_test::small_config(3, OffloadDevice::kNvme,
-                                                              OffloadDevice::kNone, dir.path()),
-                                    model));
+        auto engine,
+        engine_test::open_finalized(
+            ranks, rank,
+            engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path()),
+            model));
     auto give = values_from(model, fresh);
     const std::vector<std::string_view> unknown = {"head.b", "no.such.parameter"};
     note(engine->write_parameters(unknown, give, root));
@@ -636,7 +621,8 @@ TEST(WriteParametersBatch, AnIoErrorOnOneRankStopsEveryRank) {
     spec.writes = false;
     auto faults = std::make_shared<FaultInjector>(spec);
     faults->set_enabled(false);
-    ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
+    ZINF_ASSIGN_OR_RETURN(auto engine,
+                          engine_test::open_finalized(ranks, rank, config, model, faults));
     faults->set_enabled(rank == 0);
     const auto start = std::chrono::steady_clock::now();
     written[r] = engine->write_parameters(kBatch, values_from(model, fresh),
@@ -687,7 +673,8 @@ TEST(WriteParametersBatch, AnIoErrorMidwayFailsEveryRankAndStays) {
           spec.writes = !reads;
           auto faults = std::make_shared<FaultInjector>(spec);
           faults->set_enabled(false);
-          ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
+          ZINF_ASSIGN_OR_RETURN(auto engine,
+                                engine_test::open_finalized(ranks, rank, config, model, faults));
           auto give = values_from(model, fresh);
           faults->set_enabled(rank == 0);
           written[r] = engine->write_parameters(kBatch, give, /*root=*/1);
@@ -764,7 +751,8 @@ TEST(WriteParametersBatch, AShardWriteErrorFailsEveryRankInTheSameCall) {
         spec.reads = false;
         auto faults = std::make_shared<FaultInjector>(spec);
         faults->set_enabled(false);
-        ZINF_ASSIGN_OR_RETURN(auto engine, open_finalized(ranks, rank, config, model, faults));
+        ZINF_ASSIGN_OR_RETURN(auto engine,
+                              engine_test::open_finalized(ranks, rank, config, model, faults));
         faults->set_enabled(rank == 0);
         const auto start = std::chrono::steady_clock::now();
         written[r] = engine->write_parameters(kBatch, values_from(model, fresh), /*root=*/1);
