@@ -11,6 +11,8 @@ them):
                step trains on every rank
   raise_other: rank 0 sets 3.weight; the block raises on rank 1 only
   raise_root:  rank 0 sets 3.bias, then the block raises on rank 0 only
+  reshape:     rank 0 points 4.bias at a tensor of another shape (every rank raises ValueError,
+               nothing is written); then one step trains on every rank
 
     mpirun -np 2 python gathered_ranks.py <out_dir>
 
@@ -63,8 +65,8 @@ def main():
                     values = change()
                 if rank == fail_on:
                     raise RuntimeError(f"the block fails on rank {rank}")
-        except RuntimeError as e:
-            error = str(e)
+        except (RuntimeError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}" if isinstance(e, ValueError) else str(e)
         return {"before": before, "after": masters(), "set": values, "error": error}
 
     def set_to(name):
@@ -86,6 +88,16 @@ def main():
     report["raise_other"] = run(params, set_to("3.weight"), fail_on=1)
     train(engine, 1, seed=16)
     report["raise_root"] = run(params, set_to("3.bias"), fail_on=0)
+    train(engine, 1, seed=17)
+
+    def reshape():
+        if rank == 0:
+            bias = by_name["4.bias"]
+            bias.data = torch.randn(bias.ds_shape[0] + 1, generator=generator)
+
+    report["reshape"] = run(params, reshape)
+    train(engine, 1, seed=18)
+    report["reshape"]["trained"] = masters()
     engine.destroy()
     torch.save(report, os.path.join(out_dir, f"gathered_ranks.rank{rank}.pt"))
 

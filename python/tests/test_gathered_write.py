@@ -250,3 +250,42 @@ def test_a_block_that_raises_on_the_modifier_rank_writes_nothing(two_rank_blocks
     for rank, report in enumerate(two_rank_blocks):
         for name, before in report["raise_root"]["before"].items():
             assert_bits(report["raise_root"]["after"][name], before, f"rank {rank}: {name}")
+
+
+def test_a_parameter_given_another_shape_on_the_modifier_rank_is_refused_on_every_rank(
+        two_rank_blocks):
+    """Rank 0 points 4.bias at a tensor of another shape: every rank raises ValueError naming
+    it, no master changes, and the engine trains on, the ranks agreeing."""
+    for rank, report in enumerate(two_rank_blocks):
+        run = report["reshape"]
+        assert run["error"] is not None and run["error"].startswith("ValueError"), run["error"]
+        assert "'4.bias'" in run["error"] and "another shape on rank 0" in run["error"]
+        for name, before in run["before"].items():
+            assert_bits(run["after"][name], before, f"rank {rank}: {name}")
+    trained = [report["reshape"]["trained"] for report in two_rank_blocks]
+    for name, values in trained[0].items():
+        assert not torch.equal(values, two_rank_blocks[0]["reshape"]["after"][name]), name
+        assert_bits(trained[1][name], values, name)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_parameter_given_another_shape_is_refused_and_training_goes_on(stage):
+    """One rank: a parameter pointed at a tensor of another shape inside the block (the same
+    elements transposed, too) is refused with ValueError naming it, nothing is written, and the
+    engine trains on."""
+    model = make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage))
+    try:
+        batches = mlp_batches(3)
+        train_mlp_zinf(engine, batches[:1])
+        weight = engine.read_parameter("0.weight")
+        for replace in (lambda p: torch.randn(p.shape[0] + 1), lambda p: p.data.t().contiguous()):
+            with pytest.raises(ValueError, match=r"'0\.weight' of shape \(16, 6\) was given "
+                                                 r"another shape on rank 0"):
+                with zinf.torch.GatheredParameters(model[0].weight, modifier_rank=0):
+                    model[0].weight.data = replace(model[0].weight)
+            assert torch.equal(engine.read_parameter("0.weight"), weight)
+        train_mlp_zinf(engine, batches[1:])
+        assert not torch.equal(engine.read_parameter("0.weight"), weight)
+    finally:
+        engine.destroy()

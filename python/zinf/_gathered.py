@@ -79,10 +79,9 @@ class GatheredParameters:
         self._enabled = enabled
         self._held: list[tuple["ZinfEngine", str]] = []
         self._loaded: list[tuple[nn.Parameter, _torch_init.Staged]] = []
-        # Engine parameters and how they looked on entry: the data pointer, and with one rank
-        # what the values are compared with at the end: the engine's view the block's copy was
-        # made from, or a digest of the values (with several ranks, every parameter is written
-        # anyway).
+        # Engine parameters and how they looked on entry: the data pointer, and on the rank whose
+        # changes count (the only one, or the modifier rank) what the values are compared with at
+        # the end: the engine's view the block's copy was made from, or a digest of the values.
         self._watched: list[tuple["ZinfEngine", nn.Parameter, int,
                                   torch.Tensor | bytes | None]] = []
         # Stage 3, modules this block gathered: each parameter and the engine's view, which the
@@ -229,9 +228,9 @@ def _warn_stale_read(stage: _torch_init.Staged, modifier_rank) -> None:
 
 
 def _in_engine_order(params: list) -> list:
-    """The block's parameters with those of each engine in the engine's parameter order (the
-    others first, in the block's order), so that every rank gathers and writes them in the same
-    order whatever order it was given them in."""
+    """The block's parameters with those of each engine in the engine's parameter order, the
+    engines in the order they were made (the others first, in the block's order), so that every
+    rank gathers and writes them in the same order whatever order it was given them in."""
     orders: dict = {}
 
     def key(param):
@@ -239,9 +238,8 @@ def _in_engine_order(params: list) -> list:
         if engine is None or _torch_init.staged(param) is not None:
             return (0, 0, 0)
         if engine not in orders:
-            orders[engine] = (len(orders), {pid: i for i, pid in enumerate(engine._params)})
-        number, order = orders[engine]
-        return (1, number, order.get(id(param), -1))
+            orders[engine] = {pid: i for i, pid in enumerate(engine._params)}
+        return (1, engine._serial, orders[engine].get(id(param), -1))
 
     return sorted(params, key=key)
 

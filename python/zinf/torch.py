@@ -54,6 +54,7 @@ import contextlib
 import copy
 import hashlib
 import io
+import itertools
 import json
 import math
 import os
@@ -511,6 +512,7 @@ def _linger_after_abort():
 # Engines not destroyed yet; closed at exit (atexit runs before the interpreter finalises, and
 # the C library's exit handlers, MPI_Finalize among them, after it).
 _open_engines: "weakref.WeakSet[ZinfEngine]" = weakref.WeakSet()
+_engine_serials = itertools.count()
 
 
 @atexit.register
@@ -679,6 +681,9 @@ class ZinfEngine(nn.Module):
         self._core = _zinf.Engine(json.dumps(declared), [], device_memory_limit_bytes, chosen,
                                   _make_transport(chosen, declared))
         _open_engines.add(self)
+        # Engines are made collectively, in the same order on every rank: this number orders
+        # them alike everywhere (GatheredParameters over several engines' parameters).
+        self._serial = next(_engine_serials)
         if self._core.world_size > 1:
             _install_abort_on_uncaught_exception()
         self.global_rank = self._core.rank
@@ -1778,19 +1783,34 @@ class ZinfEngine(nn.Module):
         broadcasts which of the engine's parameters it changed (one byte each, in the engine's
         parameter order, over its communicator) and every rank writes those, in the engine's
         order whatever order the ranks listed them in; the others are not touched, so their
-        fp32 masters keep every bit. Nothing changed: nothing is written."""
+        fp32 masters keep every bit. Nothing changed: nothing is written. A parameter root left
+        with another shape is refused before anything is written: every rank raises ValueError
+        naming it, and the engine goes on."""
         values = {self._names[id(param)]: tensor for param, tensor in writes}
+        # 1: changed; 2: changed to another shape (refused).
+        flags = {}
+        if self.world_size == 1 or self.global_rank == root:
+            for param, tensor in writes:
+                pid = id(param)
+                flags[pid] = 1 if tuple(tensor.shape) == tuple(self._shapes[pid]) else 2
         if self.world_size > 1:
-            bits = [self.global_rank == root and self._names[pid] in values
-                    for pid in self._params]
+            codes = [flags.get(pid, 0) for pid in self._params]
             # broadcast_bytes moves an even number of bytes.
-            mask = torch.tensor(bits + [False] * (len(bits) % 2), dtype=torch.uint8)
+            mask = torch.tensor(codes + [0] * (len(codes) % 2), dtype=torch.uint8)
             with self._aborting_on_error("GatheredParameters: the parameters changed"):
                 self._core.broadcast_bytes(mask, root, f"GatheredParameters: the parameters "
                                            f"changed on rank {root}")
-            names = [self._names[pid] for pid, bit in zip(self._params, mask.tolist()) if bit]
-        else:
-            names = [self._names[pid] for pid in self._params if self._names[pid] in values]
+            flags = {pid: code for pid, code in zip(self._params, mask.tolist()) if code}
+        reshaped = [pid for pid in self._params if flags.get(pid) == 2]
+        if reshaped:
+            self._refresh_views()  # stages 1 and 2: the parameters back on the engine's copy
+            name = self._names[reshaped[0]]
+            given = (f" (given {tuple(values[name].shape)})" if name in values else "")
+            raise ValueError(
+                f"GatheredParameters(modifier_rank={root}): parameter '{name}' of shape "
+                f"{tuple(self._shapes[reshaped[0]])} was given another shape on rank {root}"
+                f"{given}; a parameter keeps its shape, so nothing was written")
+        names = [self._names[pid] for pid in self._params if flags.get(pid)]
         if not names:
             return
 
@@ -2196,9 +2216,12 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
             weights = {name: _LazyWeight(name, entry["shape"],
                                          lambda name=name: source.read(name))
                        for name, entry in source.header.items() if name not in excluded}
+        elif excluded:
+            # Only the kept weights read: the frozen ones left out take no memory.
+            source = _ExportedWeights(scratch, out)
+            weights = {name: source.read(name) for name in source.header if name not in excluded}
         else:
-            weights = {name: tensor for name, tensor in _read_safetensors(out).items()
-                       if name not in excluded}
+            weights = _read_safetensors(out)
     except BaseException:
         scratch.cleanup()
         raise
