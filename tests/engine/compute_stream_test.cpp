@@ -27,6 +27,7 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/sanitizer.hpp"
 #include "engine_test_util.hpp"
 #include "zero/caller_stream.hpp"
 
@@ -316,25 +317,12 @@ struct SkipWaits {
   ~SkipWaits() { g_test_skip_caller_stream_waits = 0; }
 };
 
-// GCC says -fsanitize=thread with __SANITIZE_THREAD__, clang with __has_feature.
-#if defined(__SANITIZE_THREAD__)
-constexpr bool kThreadSanitizer = true;
-#elif defined(__has_feature)
-#if __has_feature(thread_sanitizer)
-constexpr bool kThreadSanitizer = true;
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
-#else
-constexpr bool kThreadSanitizer = false;
-#endif
-
 // Each control makes a data race on purpose (a stream reads a buffer while another writes it),
 // which a ThreadSanitizer build rightly reports and fails on: there they skip.
 class ComputeStreamControl : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (kThreadSanitizer) GTEST_SKIP() << "races on purpose, which ThreadSanitizer reports";
+    if (test::kThreadSanitizer) GTEST_SKIP() << "races on purpose, which ThreadSanitizer reports";
   }
 };
 
