@@ -551,9 +551,7 @@ class StoreState final : public OptimizerState {
 
   // Every bit zero (a -0.0 moment is not the zero a settled sub-group holds).
   static bool all_zero(const float* values, std::size_t count) {
-    const auto* bytes = reinterpret_cast<const unsigned char*>(values);
-    const std::size_t n = count * sizeof(float);
-    return n == 0 || (bytes[0] == 0 && std::memcmp(bytes, bytes + 1, n - 1) == 0);
+    return all_zero_bytes(values, count * sizeof(float));
   }
 
   // Writes the initial master and zero moments into the store, and rounds the master into the

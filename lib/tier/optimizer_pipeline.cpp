@@ -22,11 +22,6 @@ namespace {
 
 constexpr auto kPollInterval = std::chrono::microseconds(100);
 
-// Every one of `bytes` bytes at `data` is zero (+0.0f, not -0.0f, for floats).
-bool all_zero_bytes(const std::byte* data, std::size_t bytes) {
-  return bytes == 0 || (data[0] == std::byte{0} && std::memcmp(data, data + 1, bytes - 1) == 0);
-}
-
 }  // namespace
 
 // One sub-group in flight: its block, and the swap tickets of its pieces' reads or writes.

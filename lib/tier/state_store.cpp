@@ -519,6 +519,11 @@ Status StateStore::write_piece(Piece piece, std::size_t i, const void* data) {
   return status;
 }
 
+bool all_zero_bytes(const void* data, std::size_t bytes) {
+  const auto* b = static_cast<const unsigned char*>(data);
+  return bytes == 0 || (b[0] == 0 && std::memcmp(b, b + 1, bytes - 1) == 0);
+}
+
 Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
   ZINF_ASSERT(has(piece));
   if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);

@@ -149,6 +149,10 @@ struct FileBlockSum {
   std::uint64_t xxh3 = 0;
 };
 
+// Every one of `bytes` bytes at `data` is zero: the zeros a settled or released piece holds
+// (+0.0f, not -0.0f, for floats).
+bool all_zero_bytes(const void* data, std::size_t bytes);
+
 class StateStore {
  public:
   // The layout open() would give `options`; invalid_argument as open() for bad options.
