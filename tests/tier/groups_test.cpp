@@ -156,26 +156,12 @@ TEST(OptimizerPipelineGroups, BadRangesAreRefusedAtOpen) {
 // pass over them the same way.
 void run_frozen(StoreMedium tier, bool streamed, bool gated) {
   constexpr std::size_t kSub = 1000, kCount = 8 * kSub;
-  const std::vector<bool> frozen = {false, false, true, true, true, false, false, true};
+  const std::vector<bool>& frozen = tier_test::kFrozenSubGroups;
   const std::uint64_t seed = 0xf20 + static_cast<std::uint64_t>(tier) * 2 + (streamed ? 1 : 0);
-  RigOptions so;
-  so.store.param_count = kCount;
-  so.store.sub_group_params = kSub;
-  so.store.optimizer = OptimizerKind::kAdamW;
-  so.store.tiers = {tier, tier, tier, StoreMedium::kHost,
-                    streamed ? StoreMedium::kBlock : StoreMedium::kHost};
-  OptimizerParams trained;
-  trained.kind = OptimizerKind::kAdamW;
-  trained.lr = 1e-2;
-  trained.weight_decay = 0.1;
-  OptimizerParams still = trained;
-  still.lr = 0.0;
-  still.weight_decay = 0.0;
-  so.pipeline.optimizer = trained;
-  so.pipeline.groups = {trained, still};
-  so.pipeline.ranges = {{0, 0}, {2 * kSub, 1}, {5 * kSub, 0}, {7 * kSub, 1}};
-  so.pipeline.frozen_sub_groups = frozen;
-  so.pipeline.threads = 2;
+  RigOptions so = tier_test::frozen_rig_options(
+      kSub,
+      {tier, tier, tier, StoreMedium::kHost, streamed ? StoreMedium::kBlock : StoreMedium::kHost},
+      /*threads=*/2);
   // The streamed half output, collected as half_done hands it over.
   std::vector<std::uint16_t> streamed_half(kCount);
   so.pipeline.half_done = [&](std::size_t i, const std::byte* half) {

@@ -175,28 +175,15 @@ TEST(LoopFilesystemFrozen, AReleasedMomentStaysReleasedThroughStepsOnAFullDisk) 
   if (!mount.ok()) GTEST_SKIP() << mount.reason();
   std::printf("loop fs frozen moments: seed %llu, %s on %s\n",
               static_cast<unsigned long long>(seed), mount.path().c_str(), mount.device().c_str());
-  constexpr std::size_t kSub = 16384, kCount = 8 * kSub;
-  const std::vector<bool> frozen = {false, false, true, true, true, false, false, true};
-  RigOptions so;
+  constexpr std::size_t kSub = 16384;
+  const std::vector<bool>& frozen = tier_test::kFrozenSubGroups;
+  RigOptions so =
+      tier_test::frozen_rig_options(kSub,
+                                    {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme,
+                                     StoreMedium::kHost, StoreMedium::kHost},
+                                    /*threads=*/1);
   so.swap_dir = mount.path();
   so.io_block_bytes = 16 << 10;
-  so.store.param_count = kCount;
-  so.store.sub_group_params = kSub;
-  so.store.optimizer = OptimizerKind::kAdamW;
-  so.store.tiers = {StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kNvme, StoreMedium::kHost,
-                    StoreMedium::kHost};
-  OptimizerParams trained;
-  trained.kind = OptimizerKind::kAdamW;
-  trained.lr = 1e-2;
-  trained.weight_decay = 0.1;
-  OptimizerParams still = trained;
-  still.lr = 0.0;
-  still.weight_decay = 0.0;
-  so.pipeline.optimizer = trained;
-  so.pipeline.groups = {trained, still};
-  so.pipeline.ranges = {{0, 0}, {2 * kSub, 1}, {5 * kSub, 0}, {7 * kSub, 1}};
-  so.pipeline.frozen_sub_groups = frozen;
-  so.pipeline.threads = 1;
   Rig s;
   Reference ref;
   const Status opened = tier_test::open_loaded_rig("loop-frozen", so, seed, 0, &s, &ref);
@@ -233,7 +220,7 @@ TEST(LoopFilesystemFrozen, AReleasedMomentStaysReleasedThroughStepsOnAFullDisk) 
 
   const std::uint64_t filled = mount.fill();
   std::printf("filled the filesystem with %llu bytes\n", static_cast<unsigned long long>(filled));
-  const double beta2 = still.beta2;
+  const double beta2 = so.pipeline.groups[1].beta2;
   for (std::int64_t t = 2; t <= 3; ++t) {
     ASSERT_NO_FATAL_FAILURE(load_frozen_grads(seed + static_cast<std::uint64_t>(t)));
     Result<StepStats> r = s.pipeline->step({.step = t});

@@ -191,6 +191,28 @@ std::string compare_all(StateStore& store, const Reference& ref) {
   return out;
 }
 
+RigOptions frozen_rig_options(std::size_t sub, const std::array<StoreMedium, kPieceCount>& tiers,
+                              int threads) {
+  RigOptions so;
+  so.store.param_count = kFrozenSubGroups.size() * sub;
+  so.store.sub_group_params = sub;
+  so.store.optimizer = OptimizerKind::kAdamW;
+  so.store.tiers = tiers;
+  OptimizerParams trained;
+  trained.kind = OptimizerKind::kAdamW;
+  trained.lr = 1e-2;
+  trained.weight_decay = 0.1;
+  OptimizerParams still = trained;
+  still.lr = 0.0;
+  still.weight_decay = 0.0;
+  so.pipeline.optimizer = trained;
+  so.pipeline.groups = {trained, still};
+  so.pipeline.ranges = {{0, 0}, {2 * sub, 1}, {5 * sub, 0}, {7 * sub, 1}};
+  so.pipeline.frozen_sub_groups = kFrozenSubGroups;
+  so.pipeline.threads = threads;
+  return so;
+}
+
 Status open_loaded_rig(const std::string& name, const RigOptions& options, std::uint64_t seed,
                        std::uint64_t grads_seed, Rig* setup, Reference* ref) {
   ZINF_RETURN_IF_ERROR(open_rig(name, options, setup));

@@ -3,6 +3,7 @@
 // against.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -39,6 +40,15 @@ struct RigOptions {
   // The swap directory; "" for a fresh scratch directory.
   std::string swap_dir;
 };
+
+// The frozen-parameter layout the frozen tests share: 8 sub-groups of `sub` AdamW elements on
+// the piece tiers `tiers`, sub-groups 2-4 and 7 frozen (kFrozenSubGroups): parameter group 1
+// (lr 0, weight decay 0) over them, group 0 (lr 1e-2, weight decay 0.1) over the others, as the
+// engine's param_groups give a frozen parameter; `threads` pipeline threads.
+inline const std::vector<bool> kFrozenSubGroups = {false, false, true,  true,
+                                                   true,  false, false, true};
+RigOptions frozen_rig_options(std::size_t sub, const std::array<StoreMedium, kPieceCount>& tiers,
+                              int threads);
 
 // Everything one tiered optimizer needs, opened in order; `ok` false with a message on failure.
 struct Rig {
