@@ -33,6 +33,19 @@ using io_test::ScratchMount;
 
 constexpr std::size_t kBlock = 64 << 10;
 
+// Swap options over `dir_count` fresh directories d0, d1, ... under `root`, blocks of kBlock.
+SwapOptions options_over_dirs(const ScratchDir& root, std::size_t dir_count,
+                              std::uint64_t capacity_bytes) {
+  SwapOptions options;
+  for (std::size_t d = 0; d < dir_count; ++d) {
+    options.dirs.push_back(fmt::format("{}/d{}", root.path(), d));
+    std::filesystem::create_directories(options.dirs.back());
+  }
+  options.capacity_bytes = capacity_bytes;
+  options.block_bytes = kBlock;
+  return options;
+}
+
 class SwapTest : public io_test::EngineKindTest {
  protected:
   std::unique_ptr<IoEngine> engine(std::shared_ptr<FaultInjector> faults = nullptr) {
@@ -52,13 +65,7 @@ TEST_P(SwapTest, ExtentsRoundTripAcrossDirectories) {
     std::printf("swap round trip over %zu dirs: seed %llu\n", dir_count,
                 static_cast<unsigned long long>(seed));
     ScratchDir root("swap-rt");
-    SwapOptions options;
-    for (std::size_t d = 0; d < dir_count; ++d) {
-      options.dirs.push_back(root.path() + "/d" + std::to_string(d));
-      std::filesystem::create_directories(options.dirs.back());
-    }
-    options.capacity_bytes = 16 << 20;
-    options.block_bytes = kBlock;
+    const SwapOptions options = options_over_dirs(root, dir_count, 16 << 20);
     auto io = engine();
     ASSERT_TRUE(io);
     Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(*io, options);
@@ -337,17 +344,13 @@ TEST_P(SwapTest, LinkedFileNeverChangesAfterwards) {
     std::printf("linked swap files over %zu dirs: seed %llu\n", dir_count,
                 static_cast<unsigned long long>(seed));
     ScratchDir root("swap-link");
-    SwapOptions options;
+    const SwapOptions options = options_over_dirs(root, dir_count, 4 << 20);
     std::vector<std::string> links;
     std::vector<std::string> names;
     for (std::size_t d = 0; d < dir_count; ++d) {
-      options.dirs.push_back(fmt::format("{}/d{}", root.path(), d));
-      std::filesystem::create_directories(options.dirs.back());
       links.push_back(fmt::format("{}/linked{}.bin", root.path(), d));
       names.push_back(fmt::format("checkpoint file {}", d));
     }
-    options.capacity_bytes = 4 << 20;
-    options.block_bytes = kBlock;
     auto io = engine();
     ASSERT_TRUE(io);
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
@@ -550,13 +553,7 @@ TEST_P(SwapTest, AReleaseThatFailsPartWayMarksTheBlocksGivenBackLost) {
   const std::uint64_t seed = 0x4e1;
   std::printf("release failing part-way: seed %llu\n", static_cast<unsigned long long>(seed));
   ScratchDir root("swap-release-part");
-  SwapOptions options;
-  for (const char* d : {"/d0", "/d1"}) {
-    options.dirs.push_back(root.path() + d);
-    std::filesystem::create_directories(options.dirs.back());
-  }
-  options.capacity_bytes = 4 << 20;
-  options.block_bytes = kBlock;
+  const SwapOptions options = options_over_dirs(root, 2, 4 << 20);
   auto io = engine();
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
