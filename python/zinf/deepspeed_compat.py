@@ -27,7 +27,8 @@ Beyond the Trainer path, what DeepSpeed scripts of their own call (docs/PYTHON.m
 Trainer"): deepspeed.utils' safe_get_full_fp32_param, safe_set_full_fp32_param and
 safe_get_full_optimizer_state, RepeatingLoader and engine.training_dataloader, deepspeed.comm's
 reduce, all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and
-point-to-point calls, and a zero_to_fp32.py script written into each checkpoint directory.
+point-to-point calls, a zero_to_fp32.py script written into each checkpoint directory, the
+config's csv_monitor and tensorboard sections with engine.monitor (zinf._monitor).
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
@@ -56,6 +57,7 @@ import weakref
 
 import torch
 
+import zinf._monitor as _monitor
 import zinf.torch as _zt
 import zinf.zero_to_fp32 as _zero_to_fp32
 
@@ -680,8 +682,9 @@ def tp_model_init(model, tp_size, dtype, config=None, **kwargs):
 class DeepSpeedEngine(_zt.ZinfEngine):
     """zinf's engine with what the Trainer and Accelerate read from DeepSpeed's: the config as a
     dict, backward's scale_wrt_gas, and a save_checkpoint that may be called twice for one
-    checkpoint. initialize() makes it from the ZinfEngine that zinf.torch.initialize() built (it
-    adds no state that construction would set)."""
+    checkpoint; and DeepSpeed's monitor, engine.monitor, to which backward() and step() write
+    DeepSpeed's training events. initialize() makes it from the ZinfEngine that
+    zinf.torch.initialize() built, and sets engine.monitor."""
 
     @property
     def config(self) -> dict:
@@ -705,9 +708,43 @@ class DeepSpeedEngine(_zt.ZinfEngine):
             raise NotImplementedError(f"DeepSpeedEngine.backward (zinf.deepspeed_compat): "
                                       f"options {sorted(kwargs)} are not supported")
         steps = self.gradient_accumulation_steps()
+        monitor = self.__dict__.get("monitor")
+        logged = None
+        if monitor is not None and monitor.enabled:
+            # DeepSpeed's train_loss: the sum over the step's micro-batches of each loss's mean
+            # as its backward takes it (divided by gradient_accumulation_steps unless
+            # scale_wrt_gas is False), so the micro-batches' mean; written at the boundary's
+            # backward with the samples of the steps before this one.
+            boundary = self.is_gradient_accumulation_boundary()
+            logged = (loss.float() / steps if steps > 1 and scale_wrt_gas else loss)
+            logged = logged.mean().detach()
         if not scale_wrt_gas and steps != 1:
             loss = loss * steps
-        return super().backward(loss, retain_graph=retain_graph)
+        result = super().backward(loss, retain_graph=retain_graph)
+        if logged is not None:
+            losses = self.__dict__.get("_monitor_losses")
+            self._monitor_losses = logged if losses is None else losses + logged
+            if boundary and self.global_rank == 0:
+                monitor.write_events([("Train/Samples/train_loss", self._monitor_losses.item(),
+                                       self.global_samples)])
+        return result
+
+    def step(self, lr_kwargs=None):
+        """zinf's step; then, where it took an optimizer step (applied or skipped for an fp16
+        overflow) and engine.monitor is enabled, rank 0 writes DeepSpeed's events of the step:
+        the learning rate of the first parameter group for the next step, and with fp16 the
+        loss scale the next step uses, both at the samples of the steps taken so far."""
+        steps_before = self.global_steps
+        super().step(lr_kwargs)
+        monitor = self.__dict__.get("monitor")
+        if (monitor is None or not monitor.enabled or self.global_steps == steps_before
+                or self.global_rank != 0):
+            return
+        events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
+        if self.fp16_enabled():
+            events.append(("Train/Samples/loss_scale", self.optimizer.cur_scale,
+                           self.global_samples))
+        monitor.write_events(events)
 
     def _apply_step(self):
         """The engine's optimizer step; then the optimizer object the caller passed to
@@ -716,7 +753,12 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         the object's step() to set _opt_called, and warns at its first step() ("Detected call of
         `lr_scheduler.step()` before `optimizer.step()`") when that is unset. zinf's engine
         applies the update itself, so it sets the flag the wrapper would have set."""
-        super()._apply_step()
+        try:
+            super()._apply_step()
+        finally:
+            # The train_loss of the next step starts afresh, as DeepSpeed's _take_model_step
+            # resets its sum.
+            self._monitor_losses = None
         client = getattr(self, "_client_optimizer", None)
         if client is not None:
             client._opt_called = True
@@ -860,6 +902,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         _check_world("initialize")
     _check_accelerate_processes()
     config = _clean_config(_zt._read_config(config))
+    _monitor.check_config(config, _comm_get_rank())
     client_optimizer = None
     if optimizer is not None:
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -876,6 +919,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     engine.__class__ = DeepSpeedEngine
     engine._compat_training_dataloader = loader
+    engine.monitor = _monitor.MonitorMaster(config, engine.global_rank)
     _remember_parameters(engine)
     if (engine.global_rank, engine.world_size) != (_comm_get_rank(), _comm_get_world_size()):
         # The engine's communicator and torch.distributed's group were formed from different

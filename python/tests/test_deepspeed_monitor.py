@@ -1,0 +1,290 @@
+"""DeepSpeed's monitors over zinf.deepspeed_compat: the config's csv_monitor and tensorboard
+sections and engine.monitor.
+
+What DeepSpeed writes (deepspeed/runtime/engine.py, monitor/csv_monitor.py, tensorboard.py):
+rank 0 alone; "Train/Samples/train_loss" in the backward of the micro-batch that ends a gradient
+accumulation, the sum over the step's micro-batches of loss / gradient_accumulation_steps (their
+mean), at the samples of the steps before it; "Train/Samples/lr" (the first group's lr after the
+step, the next step's) and with fp16 "Train/Samples/loss_scale" (the scale after the step) in
+engine.step() at that boundary, at the samples counting the step (a step skipped for an overflow
+counts). The CSV monitor keeps one file per event in <output_path>/<job_name>/, named after the
+event with "/" and " " as "_", headed "step,<last part of the name>", each row "step,value",
+written by Python's csv module (lines end in CRLF)."""
+import csv
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import zinf._monitor as _monitor
+import zinf.deepspeed_compat as compat
+from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GAS = 2
+STEPS = 4
+# A linear warm-up, so that every step's learning rate differs. DeepSpeed's WarmupLR counts
+# last_batch_iteration from -1, one more at each applied step, and sets min_lr + (max_lr - min_lr)
+# * min(1, last_batch_iteration / warmup_num_steps): after k applied steps, iteration k - 1.
+MIN_LR, MAX_LR, WARMUP = 1e-4, 1e-3, 10
+SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": MIN_LR, "warmup_max_lr": MAX_LR,
+                                            "warmup_num_steps": WARMUP,
+                                            "warmup_type": "linear"}}
+
+
+def ds_initialize(**kwargs):
+    """deepspeed.initialize without initialising torch.distributed (the other tests of the
+    session expect it untouched)."""
+    return compat.initialize(dist_init_required=False, **kwargs)
+
+
+def monitored_config(out_dir, fp16=False, **sections):
+    config = mlp_config(2)
+    config["gradient_accumulation_steps"] = GAS
+    config["scheduler"] = SCHEDULER
+    config["csv_monitor"] = {"enabled": True, "output_path": str(out_dir), "job_name": "run1"}
+    if fp16:
+        # The scale doubles after 2 good steps in a row and halves at an overflow (hysteresis 1).
+        config["fp16"] = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2,
+                          "hysteresis": 1}
+    config.update(sections)
+    return config
+
+
+def read_csv(path):
+    """(the header, [(step, value)]) of a CSV monitor file, checking DeepSpeed's CRLF lines."""
+    with open(path, "rb") as f:
+        data = f.read()
+    text = data.decode()
+    assert text.endswith("\r\n") and text.count("\r\n") == text.count("\n"), repr(text)
+    rows = list(csv.reader(io.StringIO(text, newline="")))
+    return rows[0], [(int(step), float(value)) for step, value in rows[1:]]
+
+
+def train(engine, scheduler, batches, fp16=False, overflow_at=None):
+    """The DeepSpeed loop: forward, backward, step per micro-batch. Returns the losses the
+    forward returned (as floats), and after each optimizer step the scheduler's lr and the loss
+    scale. overflow_at: the micro-batch whose loss is made infinite (an fp16 overflow)."""
+    losses, lrs, scales = [], [], []
+    for index, (x, y) in enumerate(batches):
+        if fp16:
+            x, y = x.half(), y.half()
+        loss = mlp_loss(engine, (x, y)).float()
+        if index == overflow_at:
+            loss = loss * float("inf")
+        losses.append(loss.item())
+        engine.backward(loss)
+        engine.step()
+        if (index + 1) % GAS == 0:
+            lrs.append(scheduler.get_last_lr()[0])
+            scales.append(engine.loss_scale)
+    return losses, lrs, scales
+
+
+@pytest.mark.parametrize("fp16", [False, True])
+def test_csv_monitor_writes_deepspeeds_files(tmp_path, fp16):
+    # With fp16 the third step overflows (its micro-batches' losses infinite): DeepSpeed logs
+    # its train_loss (inf), the lr it leaves unchanged and the halved loss scale, and counts its
+    # samples.
+    overflow_at = 3 * GAS - 1 if fp16 else None
+    engine, _, _, scheduler = ds_initialize(model=make_mlp(),
+                                            config=monitored_config(tmp_path, fp16))
+    try:
+        assert engine.monitor.enabled
+        losses, lrs, scales = train(engine, scheduler, mlp_batches(STEPS * GAS), fp16,
+                                    overflow_at)
+        samples = engine.train_batch_size()
+        assert samples == 4 * GAS
+    finally:
+        engine.destroy()
+    log_dir = tmp_path / "run1"
+    names = {"Train_Samples_train_loss.csv", "Train_Samples_lr.csv"}
+    if fp16:
+        names.add("Train_Samples_loss_scale.csv")
+    assert set(os.listdir(log_dir)) == names
+
+    header, rows = read_csv(log_dir / "Train_Samples_train_loss.csv")
+    assert header == ["step", "train_loss"]
+    assert [step for step, _ in rows] == [k * samples for k in range(STEPS)]
+    for k, (_, value) in enumerate(rows):
+        step_losses = losses[k * GAS:(k + 1) * GAS]
+        assert value == pytest.approx(sum(step_losses) / GAS, rel=1e-6), k
+
+    # The lr after each step: the scheduler's, and DeepSpeed's WarmupLR formula of the steps
+    # applied (the overflowed step applies nothing).
+    header, rows = read_csv(log_dir / "Train_Samples_lr.csv")
+    assert header == ["step", "lr"]
+    assert [step for step, _ in rows] == [k * samples for k in range(1, STEPS + 1)]
+    assert [value for _, value in rows] == lrs
+    applied = 0
+    for k, (_, value) in enumerate(rows, start=1):
+        applied += 0 if (fp16 and k == 3) else 1
+        expected = MIN_LR + (MAX_LR - MIN_LR) * min(1.0, (applied - 1) / WARMUP)
+        assert value == pytest.approx(expected, rel=1e-6), k
+    assert len(set(lrs)) == (STEPS - 1 if fp16 else STEPS)
+
+    if fp16:
+        header, rows = read_csv(log_dir / "Train_Samples_loss_scale.csv")
+        assert header == ["step", "loss_scale"]
+        assert [step for step, _ in rows] == [k * samples for k in range(1, STEPS + 1)]
+        assert [value for _, value in rows] == scales == [256.0, 512.0, 256.0, 256.0]
+
+
+def test_csv_monitor_appends_with_a_header_per_process_run(tmp_path):
+    # DeepSpeed opens each file for appending and heads it at its first write in this monitor,
+    # so a second run into the same directory adds a header line and its rows.
+    for _ in range(2):
+        engine, _, _, scheduler = ds_initialize(model=make_mlp(),
+                                                config=monitored_config(tmp_path))
+        try:
+            train(engine, scheduler, mlp_batches(GAS))
+        finally:
+            engine.destroy()
+    with open(tmp_path / "run1" / "Train_Samples_lr.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    assert [row[0] for row in rows] == ["step", str(GAS * 4), "step", str(GAS * 4)]
+
+
+def test_monitor_write_events_adds_a_scripts_events(tmp_path):
+    config = mlp_config(1)
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path)}
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=config)
+    try:
+        assert engine.monitor.enabled
+        engine.monitor.write_events([("Eval/accuracy of model", 0.25, 7),
+                                     ("Eval/accuracy of model", 0.5, 9), ("tokens", 1234, 9)])
+    finally:
+        engine.destroy()
+    # job_name defaults to DeepSpeed's "DeepSpeedJobName".
+    log_dir = tmp_path / "DeepSpeedJobName"
+    assert sorted(os.listdir(log_dir)) == ["Eval_accuracy_of_model.csv", "tokens.csv"]
+    assert read_csv(log_dir / "Eval_accuracy_of_model.csv") == (["step", "accuracy of model"],
+                                                               [(7, 0.25), (9, 0.5)])
+    assert read_csv(log_dir / "tokens.csv") == (["step", "tokens"], [(9, 1234.0)])
+
+
+def test_without_a_monitor_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = mlp_config(1)
+    config["csv_monitor"] = {"enabled": False, "output_path": "logs"}
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=config)
+    try:
+        assert not engine.monitor.enabled
+        for batch in mlp_batches(2):
+            engine.backward(mlp_loss(engine, batch))
+            engine.step()
+        engine.monitor.write_events([("custom", 1.0, 1)])
+    finally:
+        engine.destroy()
+    assert os.listdir(tmp_path) == []
+
+
+def test_tensorboard_without_its_package_is_refused_naming_the_key(tmp_path, monkeypatch):
+    # DeepSpeed raises the package's ImportError there (check_tb_availability); zinf says which
+    # key asked for it, before the engine is built, and creates no directory.
+    real_find_spec = _monitor.importlib.util.find_spec
+    monkeypatch.setattr(_monitor.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "tensorboard" else real_find_spec(name,
+                                                                                          *a))
+    config = mlp_config(1)
+    config["tensorboard"] = {"enabled": True, "output_path": str(tmp_path / "tb")}
+    with pytest.raises(ImportError, match=r'"tensorboard.enabled".*pip install tensorboard'):
+        ds_initialize(model=make_mlp(), config=config)
+    assert not (tmp_path / "tb").exists()
+
+
+def test_tensorboard_writes_deepspeeds_scalars(tmp_path):
+    pytest.importorskip("tensorboard", reason="the tensorboard package is not installed (zinf "
+                                              "does not depend on it)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    config = monitored_config(tmp_path, tensorboard={"enabled": True,
+                                                     "output_path": str(tmp_path / "tb"),
+                                                     "job_name": "tbrun"})
+    engine, _, _, scheduler = ds_initialize(model=make_mlp(), config=config)
+    try:
+        losses, lrs, _ = train(engine, scheduler, mlp_batches(STEPS * GAS))
+        engine.monitor.write_events([("Custom/value", 2.5, 3)])
+        samples = engine.train_batch_size()
+    finally:
+        engine.destroy()
+    events = EventAccumulator(str(tmp_path / "tb" / "tbrun"))
+    events.Reload()
+    assert set(events.Tags()["scalars"]) == {"Train/Samples/train_loss", "Train/Samples/lr",
+                                            "Custom/value"}
+    train_loss = events.Scalars("Train/Samples/train_loss")
+    assert [e.step for e in train_loss] == [k * samples for k in range(STEPS)]
+    for k, event in enumerate(train_loss):
+        assert event.value == pytest.approx(sum(losses[k * GAS:(k + 1) * GAS]) / GAS, rel=1e-6)
+    lr = events.Scalars("Train/Samples/lr")
+    assert [e.step for e in lr] == [k * samples for k in range(1, STEPS + 1)]
+    assert [e.value for e in lr] == pytest.approx(lrs, rel=1e-6)
+    assert [(e.step, e.value) for e in events.Scalars("Custom/value")] == [(3, 2.5)]
+
+
+@pytest.mark.parametrize("key", ["wandb", "comet"])
+def test_wandb_and_comet_warn_that_zinf_does_not_log_to_them(key):
+    config = mlp_config(1)
+    config[key] = {"enabled": True}
+    with pytest.warns(UserWarning, match=rf'"{key}.enabled": zinf.deepspeed_compat does not '):
+        engine, _, _, _ = ds_initialize(model=make_mlp(), config=config)
+    try:
+        assert not engine.monitor.enabled
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("section,message", [
+    ({"enabled": "yes"}, r'"csv_monitor.enabled": expected true or false'),
+    ({"enabled": True, "output_path": 3}, r'"csv_monitor.output_path": expected a string'),
+    ([], r'"csv_monitor": expected an object'),
+])
+def test_a_malformed_monitor_section_is_refused_naming_the_key(section, message):
+    config = mlp_config(1)
+    config["csv_monitor"] = section
+    with pytest.raises(ValueError, match=message):
+        ds_initialize(model=make_mlp(), config=config)
+
+
+# ---- two ranks under torchrun ------------------------------------------------------------------
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_only_rank_0_writes_its_own_losses(tmp_path):
+    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
+        pytest.skip("torch.distributed has no gloo backend in this torch")
+    from deepspeed_monitor_run import GAS as RUN_GAS, STEPS as RUN_STEPS
+
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
+               os.path.join(HERE, "deepspeed_monitor_run.py"), str(tmp_path)]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    runs = []
+    for rank in (0, 1):
+        with open(tmp_path / f"losses.rank{rank}.json") as f:
+            runs.append(json.load(f))
+    # engine.monitor.enabled on every rank, as DeepSpeed's; one header, rank 0's rows only.
+    assert [run["monitor_enabled"] for run in runs] == [True, True]
+    samples = runs[0]["train_batch_size"]
+    assert samples == 4 * RUN_GAS * 2
+    header, rows = read_csv(tmp_path / "logs" / "run2" / "Train_Samples_train_loss.csv")
+    assert header == ["step", "train_loss"]
+    assert [step for step, _ in rows] == [k * samples for k in range(RUN_STEPS)]
+    for k, (_, value) in enumerate(rows):
+        mine = [run["losses"][k * RUN_GAS:(k + 1) * RUN_GAS] for run in runs]
+        assert value == pytest.approx(sum(mine[0]) / RUN_GAS, rel=1e-6), k
+        assert value != pytest.approx(sum(mine[1]) / RUN_GAS, rel=1e-3), k
+    header, rows = read_csv(tmp_path / "logs" / "run2" / "Train_Samples_lr.csv")
+    assert [step for step, _ in rows] == [k * samples for k in range(1, RUN_STEPS + 1)]
