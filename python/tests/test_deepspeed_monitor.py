@@ -1,5 +1,5 @@
 """DeepSpeed's monitors over zinf.deepspeed_compat: the config's csv_monitor and tensorboard
-sections and engine.monitor.
+sections and engine.monitor, and deepspeed.runtime.utils.see_memory_usage.
 
 What DeepSpeed writes (deepspeed/runtime/engine.py, monitor/csv_monitor.py, tensorboard.py):
 rank 0 alone; "Train/Samples/train_loss" in the backward of the micro-batch that ends a gradient
@@ -14,6 +14,8 @@ import csv
 import io
 import json
 import os
+import re
+import resource
 import socket
 import subprocess
 import sys
@@ -249,6 +251,33 @@ def test_a_malformed_monitor_section_is_refused_naming_the_key(section, message)
     config["csv_monitor"] = section
     with pytest.raises(ValueError, match=message):
         ds_initialize(model=make_mlp(), config=config)
+
+
+def test_see_memory_usage_prints_only_when_forced(capsys):
+    assert compat._MODULES["deepspeed.runtime.utils"]["see_memory_usage"] is \
+        compat.see_memory_usage
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=mlp_config(2))
+    try:
+        compat.see_memory_usage("not forced")
+        assert capsys.readouterr().out == ""
+        compat.see_memory_usage("after initialize", force=True)
+        out = capsys.readouterr().out
+        peak_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kB on Linux
+        memory = engine.memory()
+    finally:
+        engine.destroy()
+    lines = out.splitlines()
+    assert lines[0] == "after initialize"
+    rss = re.search(r"CPU RSS ([0-9.]+) GB, peak ([0-9.]+) GB", out)
+    assert rss, out
+    assert 0 < float(rss.group(1)) <= float(rss.group(2))
+    assert float(rss.group(2)) == pytest.approx(peak_bytes / 2**30, abs=0.011)
+    assert re.search(r"CPU Virtual Memory:  used = [0-9.]+ GB, percent = [0-9.]+%", out), out
+    line = [line for line in lines if line.startswith(f"engine {engine._serial} (rank 0)")]
+    assert line == [f"engine {engine._serial} (rank 0): device "
+                    f"{memory['device_bytes'] / 2**30:.2f} GB, host "
+                    f"{memory['host_bytes'] / 2**30:.2f} GB, NVMe "
+                    f"{memory['nvme_bytes'] / 2**30:.2f} GB"], out
 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------

@@ -28,7 +28,8 @@ Trainer"): deepspeed.utils' safe_get_full_fp32_param, safe_set_full_fp32_param a
 safe_get_full_optimizer_state, RepeatingLoader and engine.training_dataloader, deepspeed.comm's
 reduce, all_gather_into_tensor, reduce_scatter_tensor, get_global_rank, new_group and
 point-to-point calls, a zero_to_fp32.py script written into each checkpoint directory, the
-config's csv_monitor and tensorboard sections with engine.monitor (zinf._monitor).
+config's csv_monitor and tensorboard sections with engine.monitor (zinf._monitor), and
+deepspeed.runtime.utils.see_memory_usage.
 
 What it refuses, each with an error that says so: sequence parallelism (Ulysses), tensor
 parallelism (autotp), an mpu, several processes without a launcher (WORLD_SIZE > 1 but no RANK
@@ -42,6 +43,7 @@ Transformers and Accelerate check before they use it.
 """
 from __future__ import annotations
 
+import gc
 import importlib.abc
 import importlib.machinery
 import importlib.metadata
@@ -472,6 +474,58 @@ logger = logging.getLogger("DeepSpeed")
 
 def log_dist(message, ranks=None, level=logging.INFO):
     logger.log(level, message)
+
+
+def _process_memory_bytes() -> tuple[int, int]:
+    """(resident bytes, peak resident bytes) of this process, from /proc/self/status (Linux)."""
+    figures = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                figures[key] = int(value.split()[0]) * 1024  # stated in kB
+    return figures.get("VmRSS", 0), figures.get("VmHWM", 0)
+
+
+def _machine_memory_used() -> tuple[int, float]:
+    """(bytes in use, percent of the total) of the machine's memory, as psutil's
+    virtual_memory() counts it (total less available), from /proc/meminfo."""
+    figures = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable"):
+                figures[key] = int(value.split()[0]) * 1024
+    total = figures.get("MemTotal", 0)
+    used = total - figures.get("MemAvailable", total)
+    return used, (100.0 * used / total if total else 0.0)
+
+
+def see_memory_usage(message, force=False):
+    """deepspeed.runtime.utils.see_memory_usage: nothing unless force is true, nor on a rank
+    other than 0 of torch.distributed's group, as DeepSpeed's. Otherwise, after a garbage
+    collection, prints `message`, this process's resident memory (now and at its peak), the
+    machine's memory in use (DeepSpeed's "CPU Virtual Memory" line) and, for each engine of this
+    process, the bytes of its state on the device, the host and NVMe (engine.memory()): where
+    DeepSpeed prints the accelerator's allocator figures, zinf's device memory is the engine's."""
+    if not force:
+        return
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    gc.collect()
+    gib = 1024**3
+    rss, peak = _process_memory_bytes()
+    used, percent = _machine_memory_used()
+    lines = [str(message),
+             f"CPU RSS {rss / gib:.2f} GB, peak {peak / gib:.2f} GB",
+             f"CPU Virtual Memory:  used = {used / gib:.2f} GB, percent = {percent:.1f}%"]
+    for engine in sorted(_zt._open_engines, key=lambda e: e._serial):
+        memory = engine.memory()
+        lines.append(f"engine {engine._serial} (rank {engine.global_rank}): device "
+                     f"{memory['device_bytes'] / gib:.2f} GB, host "
+                     f"{memory['host_bytes'] / gib:.2f} GB, NVMe "
+                     f"{memory['nvme_bytes'] / gib:.2f} GB")
+    print("\n".join(lines), flush=True)
 
 
 def set_z3_leaf_modules(model, leaf_module_classes):
@@ -985,6 +1039,7 @@ _MODULES: dict[str, dict] = {
     "deepspeed.runtime": {},
     "deepspeed.runtime.engine": {"DeepSpeedEngine": DeepSpeedEngine},
     "deepspeed.runtime.dataloader": {"RepeatingLoader": RepeatingLoader},
+    "deepspeed.runtime.utils": {"see_memory_usage": see_memory_usage},
     # Accelerate passes a scheduler to initialize() only when its class name is one of these.
     "deepspeed.runtime.lr_schedules": {"VALID_LR_SCHEDULES": [
         "LRRangeTest", "OneCycle", "WarmupLR", "WarmupDecayLR", "WarmupCosineLR"]},
