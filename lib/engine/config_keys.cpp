@@ -410,8 +410,8 @@ constexpr std::string_view kProgramSide =
     "the training program's data loading, logging or checkpoint bookkeeping; zinf does not see "
     "it";
 constexpr std::string_view kMonitor =
-    "logging of the training program; zinf reports through "
-    "StepReport, its trace and its counters";
+    "the training program's logging (zinf.deepspeed_compat writes csv_monitor and tensorboard); "
+    "the engine reports through StepReport, its trace and its counters";
 
 constexpr std::string_view kIgnoredByDeepSpeed =
     "DeepSpeed reads no key of this name either (it ignores keys it does not know)";
