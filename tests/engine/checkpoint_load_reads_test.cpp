@@ -47,11 +47,7 @@ void load_counting(const Config& config, const Model& model, const std::string& 
   reads->assign(kWorld, 0);
   std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
-    FaultSpec spec;
-    spec.latency_rate = 1.0;
-    spec.latency = std::chrono::microseconds(0);
-    spec.writes = false;
-    auto faults = std::make_shared<FaultInjector>(spec);
+    auto faults = engine_test::io_counter(/*reads=*/true);
     ZINF_ASSIGN_OR_RETURN(auto engine,
                           engine_test::open_finalized(ranks, rank, config, model, faults));
     const std::uint64_t before = faults->counts().latency;

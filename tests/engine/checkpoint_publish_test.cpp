@@ -82,12 +82,7 @@ TEST(CheckpointPublish, AShardWriteErrorOnOneRankFailsEveryRankInTheLoad) {
       std::vector<std::uint64_t> errors(kWorld);
       std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
         const auto r = static_cast<std::size_t>(rank);
-        FaultSpec spec;
-        spec.seed = 19;
-        spec.eio_rate = 1.0;
-        spec.reads = false;
-        auto faults = std::make_shared<FaultInjector>(spec);
-        faults->set_enabled(false);
+        auto faults = engine_test::failing_io(/*reads=*/false);
         ZINF_ASSIGN_OR_RETURN(auto engine,
                               engine_test::open_finalized(ranks, rank, config, model, faults));
         ZINF_RETURN_IF_ERROR(engine->save_checkpoint(ckpt, "a"));
@@ -189,12 +184,7 @@ TEST(CheckpointPublish, AShardWriteErrorAfterAQueuedPersistentCopyFailsTheLoadOn
   Config config =
       engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNvme, dir.path());
   config.collective_timeout_ms = 6000;
-  FaultSpec spec;
-  spec.seed = 23;
-  spec.eio_rate = 1.0;
-  spec.reads = false;
-  auto faults = std::make_shared<FaultInjector>(spec);
-  faults->set_enabled(false);
+  auto faults = engine_test::failing_io(/*reads=*/false);
   Status loaded, next;
   {
     Result<std::unique_ptr<Engine>> opened =

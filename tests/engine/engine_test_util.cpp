@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "base/random.hpp"
+#include "io/fault.hpp"
 #include "kernels/adam.h"
 #include "zinf/dtype.hpp"
 #include "zinf/optim.hpp"
@@ -313,6 +314,25 @@ Status train_rank(Engine& engine, const Model& model, int rank, const TrainOptio
   }
   if (options.compute_stream != nullptr) return engine.set_compute_stream(nullptr);
   return Status::ok();
+}
+
+std::shared_ptr<FaultInjector> failing_io(bool reads) {
+  FaultSpec spec;
+  spec.eio_rate = 1.0;
+  spec.reads = reads;
+  spec.writes = !reads;
+  auto faults = std::make_shared<FaultInjector>(spec);
+  faults->set_enabled(false);
+  return faults;
+}
+
+std::shared_ptr<FaultInjector> io_counter(bool reads) {
+  FaultSpec spec;
+  spec.latency_rate = 1.0;
+  spec.latency = std::chrono::microseconds(0);
+  spec.reads = reads;
+  spec.writes = !reads;
+  return std::make_shared<FaultInjector>(spec);
 }
 
 Result<std::unique_ptr<Engine>> open_rank(Ranks& ranks, int rank, const Config& config,

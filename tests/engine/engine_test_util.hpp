@@ -59,6 +59,13 @@ Ranks make_ranks(int world, std::chrono::milliseconds timeout = std::chrono::sec
 Result<std::unique_ptr<Engine>> open_rank(Ranks& ranks, int rank, const Config& config,
                                           std::shared_ptr<FaultInjector> faults = nullptr);
 
+// A fault injector that fails every read (`reads`) or every write with EIO once enabled; made
+// disabled, so that an engine opens and finalizes before the test enables it (on one rank, say).
+std::shared_ptr<FaultInjector> failing_io(bool reads);
+// A fault injector that counts each read (`reads`) or write piece in FaultCounts::latency and
+// neither delays nor fails any: how many pieces a call moves.
+std::shared_ptr<FaultInjector> io_counter(bool reads);
+
 // Runs fn(rank) on one thread per rank; returns each rank's Status.
 std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn);
 

@@ -365,11 +365,7 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
     std::vector<std::uint64_t> one(2), batch(2), singles(2);
     std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
       const auto r = static_cast<std::size_t>(rank);
-      FaultSpec spec;
-      spec.latency_rate = 1.0;
-      spec.latency = std::chrono::microseconds(0);
-      spec.writes = false;
-      auto faults = std::make_shared<FaultInjector>(spec);
+      auto faults = engine_test::io_counter(/*reads=*/true);
       ZINF_ASSIGN_OR_RETURN(
           auto engine,
           engine_test::open_finalized(
@@ -422,12 +418,7 @@ TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
       engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
       std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
         const auto r = static_cast<std::size_t>(rank);
-        FaultSpec spec;
-        spec.latency_rate = 1.0;
-        spec.latency = std::chrono::microseconds(0);
-        spec.reads = reads;
-        spec.writes = !reads;
-        auto faults = std::make_shared<FaultInjector>(spec);
+        auto faults = engine_test::io_counter(reads);
         ZINF_ASSIGN_OR_RETURN(
             auto engine,
             engine_test::open_finalized(
@@ -616,11 +607,7 @@ TEST(WriteParametersBatch, AnIoErrorOnOneRankStopsEveryRank) {
   std::vector<Status> written(kWorld);
   std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
-    FaultSpec spec;
-    spec.eio_rate = 1.0;
-    spec.writes = false;
-    auto faults = std::make_shared<FaultInjector>(spec);
-    faults->set_enabled(false);
+    auto faults = engine_test::failing_io(/*reads=*/true);
     ZINF_ASSIGN_OR_RETURN(auto engine,
                           engine_test::open_finalized(ranks, rank, config, model, faults));
     faults->set_enabled(rank == 0);
@@ -745,12 +732,7 @@ TEST(WriteParametersBatch, AShardWriteErrorFailsEveryRankInTheSameCall) {
       std::vector<double> seconds(2);
       std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
         const auto r = static_cast<std::size_t>(rank);
-        FaultSpec spec;
-        spec.seed = 18;
-        spec.eio_rate = 1.0;
-        spec.reads = false;
-        auto faults = std::make_shared<FaultInjector>(spec);
-        faults->set_enabled(false);
+        auto faults = engine_test::failing_io(/*reads=*/false);
         ZINF_ASSIGN_OR_RETURN(auto engine,
                               engine_test::open_finalized(ranks, rank, config, model, faults));
         faults->set_enabled(rank == 0);
