@@ -167,14 +167,24 @@ std::uint64_t activation_bytes(const ModelShape& m, const TrainingShape& t) {
   return layers + logits;
 }
 
+std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t world_size) {
+  return std::min(ceil_div(trainable_param_count(model), world_size),
+                  ceil_div(param_count(model), world_size));
+}
+
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,
                                const EngineSetup& s) {
   ZINF_ASSERT_MSG(validate_setup(s).is_ok(), "estimate_memory: invalid setup");
+  ZINF_ASSERT_MSG(!s.gradients_on_nvme || frozen_param_count(model) == 0,
+                  "estimate_memory: the engine refuses gradients_on_nvme with frozen parameters");
   MemoryEstimate e;
   const std::uint64_t p = param_count(model);
   const std::uint64_t pr = ceil_div(p, s.world_size);
+  const std::uint64_t tr = trainable_shard_params(model, s.world_size);
   e.param_count = p;
   e.shard_params = pr;
+  e.trainable_params = trainable_param_count(model);
+  e.trainable_shard_params = tr;
   e.ranks_per_machine = s.ranks_per_machine;
   auto add = [&e](MemoryUse kind, MemoryTier tier, std::uint64_t bytes) {
     e.rank_bytes[static_cast<int>(kind)][static_cast<int>(tier)] += bytes;
@@ -187,7 +197,9 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
     add(MemoryUse::kHalfParams, MemoryTier::kDevice, 2 * p);
   }
   add(MemoryUse::kMasterParams, optimizer_tier, 4 * pr);
-  add(MemoryUse::kMoments, optimizer_tier, 8 * pr);
+  // The frozen elements' moments are never resident, except in the swap file, which is
+  // preallocated whole (the header says when).
+  add(MemoryUse::kMoments, optimizer_tier, 8 * (optimizer_tier == MemoryTier::kNvme ? pr : tr));
   if (optimizer_tier == MemoryTier::kNvme && (4 * std::min(s.sub_group_params, pr)) % 4096 == 0 &&
       (4 * pr) % 4096 == 0) {
     // The store's checkpoint layout (StateStore::layout): a 4096-byte header page in front of the
@@ -207,7 +219,10 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
     const std::uint64_t buffers = std::min(s.gradient_spill_buffers, ceil_div(pr, sub_group));
     add(MemoryUse::kGradients, MemoryTier::kHost, buffers * ((4 * sub_group + 4095) / 4096 * 4096));
   } else {
-    add(MemoryUse::kGradients, MemoryTier::kHost, 4 * pr);
+    // The host accumulator is fresh zero pages that only reductions write: at stages 2-3 a
+    // frozen group is never reduced, so its slice is never resident. Stage 1 reduce-scatters the
+    // frozen groups' zeros into it with the rest.
+    add(MemoryUse::kGradients, MemoryTier::kHost, 4 * (s.stage == 1 ? pr : tr));
   }
   if (s.stage == 1) add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * p);
 

@@ -58,6 +58,24 @@
 //   comm buckets    device: 2·2·reduce_bucket_params (one bucket filling while one is reduced)
 //   reserved        device: device_reserved_bytes (CUDA context, cuBLAS workspace, allocator
 //                   slack), a fixed figure until the GPU backend measures it
+// Frozen parameters (ModelShape::trainable_params; docs/ENGINE.md "What a frozen parameter
+// costs"), T trainable of P, Tr = min(ceil(T / N), Pr) a rank's trainable share:
+//   moments         8·Tr on the device (offload_optimizer none) and in host memory (cpu): the
+//                   frozen sub-groups' moments stay zero and are never resident (host: fresh
+//                   zero pages no step writes). On NVMe still 8·Pr: the swap file is preallocated
+//                   whole at open (and for each new generation after a linked checkpoint save)
+//                   before the frozen moments' room is given back, so the filesystem needs room
+//                   for all of it then; in between it holds 8·Tr.
+//   gradients       4·Tr with the optimizer offloaded (cpu, nvme) at stages 2-3: the host
+//                   accumulator is fresh zero pages that only reductions write, and a frozen
+//                   group is never reduced. On the device (optimizer none: the slice is zeroed
+//                   there) and at stage 1 (which reduce-scatters the frozen zeros) 4·Pr. The
+//                   engine refuses gradients_on_nvme with a frozen parameter.
+//   everything else as for trainable parameters: the fp32 master, the half params and the half
+//                   copy (written from the master at finalize).
+//   Frozen and trainable elements meet at sub-group cuts widened to 1024 elements; those
+//   widened edges (at most 2·1024 frozen elements a run of trainable ones) keep moments too,
+//   which the estimate leaves out.
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
 // pinned pool (engine_bytes()); activations belong to the training code, gathered params and
 // buckets are transient, and the reserved bytes to the runtime.
@@ -165,7 +183,9 @@ struct MemoryEstimate {
   std::array<std::array<std::uint64_t, kMemoryTierCount>, kMemoryUseCount> rank_bytes{};
   std::uint64_t ranks_per_machine = 1;
   std::uint64_t param_count = 0;
-  std::uint64_t shard_params = 0;  // Pr
+  std::uint64_t shard_params = 0;            // Pr
+  std::uint64_t trainable_params = 0;        // T (= param_count with nothing frozen)
+  std::uint64_t trainable_shard_params = 0;  // Tr
 
   std::uint64_t bytes(MemoryUse kind, MemoryTier tier) const {
     return rank_bytes[static_cast<int>(kind)][static_cast<int>(tier)];
@@ -190,7 +210,10 @@ std::uint64_t activation_checkpoint_bytes(const ModelShape& model, const Trainin
 // examples/train_lm sizes it. 0 without offload_activations.
 std::uint64_t activation_arena_bytes(const ModelShape& model, const TrainingShape& training);
 
-// REQUIRES: validate_setup(setup) is OK.
+// A rank's trainable share: min(ceil(T / N), ceil(P / N)).
+std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t world_size);
+
+// REQUIRES: validate_setup(setup) is OK; no gradients_on_nvme with frozen parameters.
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,
                                const EngineSetup& setup);
 

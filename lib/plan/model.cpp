@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cmath>
+#include <string>
 
 #include "base/assert.hpp"
 
@@ -110,12 +112,135 @@ std::uint64_t layer_params(const ModelShape& m) {
 }
 
 std::uint64_t param_count(const ModelShape& m) {
-  if (m.param_count_override != 0) return m.param_count_override;
+  if (m.param_count_override != 0) return m.param_count_override + m.adapter_params;
   const std::uint64_t h = m.hidden;
   const std::uint64_t norm = m.layer_norm ? 2 * h : h;
   std::uint64_t total = m.vocab * h + m.positions * h + m.layers * layer_params(m) + norm;
   if (!m.tied_embeddings) total += m.vocab * h;
-  return total;
+  return total + m.adapter_params;
+}
+
+std::uint64_t trainable_param_count(const ModelShape& m) {
+  const std::uint64_t all = param_count(m);
+  return m.trainable_params == 0 ? all : std::min(m.trainable_params, all);
+}
+
+std::uint64_t frozen_param_count(const ModelShape& m) {
+  return param_count(m) - trainable_param_count(m);
+}
+
+Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param_count) {
+  const std::string shown(text);
+  auto not_a_number = [&] {
+    return Status::invalid_argument(
+        fmt::format("--trainable {}: not a count (40M, 1.2B, 350k) or a share of the model "
+                    "(0.5%, 0.005)",
+                    shown));
+  };
+  if (!text.empty() && text.front() == '-') {
+    return Status::invalid_argument(fmt::format("--trainable {}: must not be negative", shown));
+  }
+  // Digits with at most one decimal point, then at most one suffix.
+  std::size_t i = 0;
+  bool any_digit = false;
+  bool point = false;
+  for (; i < text.size(); ++i) {
+    const char c = text[i];
+    if (std::isdigit(static_cast<unsigned char>(c))) {
+      any_digit = true;
+    } else if (c == '.' && !point) {
+      point = true;
+    } else {
+      break;
+    }
+  }
+  if (!any_digit) return not_a_number();
+  const double value = std::stod(std::string(text.substr(0, i)));
+  const std::string_view suffix = text.substr(i);
+  double count = 0;
+  if (suffix == "%") {
+    count = value / 100.0 * static_cast<double>(param_count);
+  } else if (suffix.empty() && value < 1.0) {
+    count = value * static_cast<double>(param_count);
+  } else if (suffix.size() <= 1) {
+    double unit = 1;
+    switch (suffix.empty() ? '\0' : std::tolower(static_cast<unsigned char>(suffix[0]))) {
+      case '\0':
+        unit = 1;
+        break;
+      case 'k':
+        unit = 1e3;
+        break;
+      case 'm':
+        unit = 1e6;
+        break;
+      case 'b':
+      case 'g':
+        unit = 1e9;
+        break;
+      case 't':
+        unit = 1e12;
+        break;
+      default:
+        return not_a_number();
+    }
+    count = value * unit;
+  } else {
+    return not_a_number();
+  }
+  if (count > static_cast<double>(param_count) + 0.5) {
+    return Status::invalid_argument(
+        fmt::format("--trainable {}: more than the model's {} parameters ({})", shown, param_count,
+                    format_param_count(param_count)));
+  }
+  const auto rounded = static_cast<std::uint64_t>(std::llround(count));
+  if (rounded == 0) {
+    return Status::invalid_argument(fmt::format(
+        "--trainable {}: no parameter would train (the engine refuses a model whose every "
+        "parameter is frozen)",
+        shown));
+  }
+  return std::min(rounded, param_count);
+}
+
+Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t rank,
+                                          std::string_view targets) {
+  if (rank == 0) return Status::invalid_argument("--lora-rank 0: must be at least 1");
+  if (m.kind != ModelKind::kTransformer || m.heads == 0 || m.hidden % m.heads != 0) {
+    return Status::invalid_argument(
+        "--lora-rank: needs a transformer's shapes (--model, or --params with --layers and "
+        "--hidden), not --arch train_lm");
+  }
+  const std::uint64_t h = m.hidden;
+  const std::uint64_t kv_width = (m.kv_heads == 0 ? m.heads : m.kv_heads) * (h / m.heads);
+  const std::uint64_t mlp = m.intermediate;
+  std::uint64_t per_layer = 0;  // in + out of every adapted projection of one layer
+  std::string seen = ",";
+  std::size_t start = 0;
+  while (start <= targets.size()) {
+    const std::size_t comma = std::min(targets.find(',', start), targets.size());
+    const std::string name(targets.substr(start, comma - start));
+    start = comma + 1;
+    if (seen.find("," + name + ",") != std::string::npos) {
+      return Status::invalid_argument(
+          fmt::format("--lora-targets {}: {} is named twice", targets, name));
+    }
+    seen += name + ",";
+    if (name == "q" || name == "o") {
+      per_layer += 2 * h;
+    } else if (name == "k" || name == "v") {
+      per_layer += h + kv_width;
+    } else if ((name == "gate" && m.gated_mlp) || name == "up" || name == "down") {
+      per_layer += h + mlp;
+    } else if (name == "gate") {
+      return Status::invalid_argument(fmt::format(
+          "--lora-targets {}: gate needs a gated MLP (SwiGLU), which {} has not", targets, m.name));
+    } else {
+      return Status::invalid_argument(fmt::format(
+          "--lora-targets {}: \"{}\" is none of q, k, v, o, gate, up, down", targets, name));
+    }
+  }
+  return rank * per_layer * m.layers;
 }
 
 std::string format_param_count(std::uint64_t params) {

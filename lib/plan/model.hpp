@@ -23,6 +23,8 @@
 #include <string>
 #include <string_view>
 
+#include "zinf/status.hpp"
+
 namespace zinf::plan {
 
 // What kind of network the shape describes; their activations differ (estimate.hpp).
@@ -57,10 +59,43 @@ struct ModelShape {
   // The count its publisher lists for the released checkpoint; 0 for custom shapes.
   std::uint64_t published_param_count = 0;
   std::string source;  // where the shape and the published count come from
+  // Fine-tuning with frozen parameters (docs/ENGINE.md, "Frozen parameters"; zinf plan
+  // --trainable, --lora-rank). adapter_params: LoRA adapters added to the model, counted in
+  // param_count() and trainable. trainable_params: how many of param_count() take gradients and
+  // optimizer steps; 0 means every one (the default: nothing frozen).
+  std::uint64_t adapter_params = 0;
+  std::uint64_t trainable_params = 0;
 };
 
-// Parameter count from the layer shapes (see the formula above), or param_count_override.
+// Parameter count from the layer shapes (see the formula above), or param_count_override; plus
+// adapter_params.
 std::uint64_t param_count(const ModelShape& model);
+
+// The parameters that train (trainable_params, or every one when it is 0) and those frozen (the
+// rest).
+std::uint64_t trainable_param_count(const ModelShape& model);
+std::uint64_t frozen_param_count(const ModelShape& model);
+
+// `zinf plan --trainable TEXT` for a model of `param_count` parameters: a count ("40M", "1.2B",
+// "350k", "123456"; k = 1e3, M = 1e6, B or G = 1e9, T = 1e12) or a share of the model ("0.5%",
+// or a plain fraction below 1 such as "0.005"), rounded to the nearest parameter. Fails with
+// invalid_argument, the message naming --trainable, when the text is not such a number, is
+// negative, gives 0 parameters (the engine refuses a model whose every parameter is frozen) or
+// more than `param_count`.
+Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param_count);
+
+// The parameters of LoRA adapters of rank r (Hu et al. 2021, "LoRA: Low-Rank Adaptation of
+// Large Language Models") on the projections named in `targets`, a comma-separated list of q, k,
+// v, o (attention: query, key, value, output) and gate, up, down (MLP; gate only in a gated
+// MLP), in every layer. An adapter of a W of `in` inputs and `out` outputs is A (r x in) and B
+// (out x r): r·(in + out) parameters. With d = h / a the head width and k·d the key/value width:
+//   q, o      r·2h            k, v      r·(h + k·d)
+//   gate, up  r·(h + I)       down      r·(I + h)
+// PEFT's default target_modules for Llama are q_proj and v_proj ("q,v"). Fails with
+// invalid_argument (naming --lora-rank or --lora-targets) for rank 0, an unknown or repeated
+// target, gate without a gated MLP, or a model that is not a transformer (ModelKind::kTrainLm).
+Result<std::uint64_t> lora_adapter_params(const ModelShape& model, std::uint64_t rank,
+                                          std::string_view targets);
 
 // A parameter count as people write it, three significant figures or so: "950", "60.0k",
 // "1.20M", "6.74B" (1k = 1e3, 1M = 1e6, 1B = 1e9).

@@ -117,7 +117,10 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
   size_buckets(model, &s);
   const MemoryEstimate e = estimate_memory(model, training, s);
   const std::uint64_t p = param_count(model);
-  out.state_bytes = 18 * p;
+  const std::uint64_t frozen = frozen_param_count(model);
+  // DeepSpeed keeps a frozen parameter's 16-bit weight only: it has no fp32 master, optimizer
+  // state or gradient (the ZeRO optimizer takes the parameters with requires_grad).
+  out.state_bytes = 18 * (p - frozen) + 2 * frozen;
   out.usable_bytes = usable(budgets.gpu_mem_bytes, budgets.headroom);
   out.activation_bytes = e.bytes(MemoryUse::kActivations, MemoryTier::kDevice);
   out.gathered_bytes = e.bytes(MemoryUse::kGatheredParams, MemoryTier::kDevice);
@@ -130,8 +133,13 @@ NoOffloadComparison no_offload_gpus(const ModelShape& model, const TrainingShape
       gib(static_cast<double>(out.activation_bytes)), gib(static_cast<double>(out.gathered_bytes)),
       gib(static_cast<double>(out.bucket_bytes)), gib(static_cast<double>(out.reserved_bytes)));
   const std::string state =
-      fmt::format("18 B/param x {} params = {} of model state", format_param_count(p),
-                  gib(static_cast<double>(out.state_bytes)));
+      frozen == 0
+          ? fmt::format("18 B/param x {} params = {} of model state", format_param_count(p),
+                        gib(static_cast<double>(out.state_bytes)))
+          : fmt::format(
+                "18 B/param x {} trainable + 2 B/param x {} frozen params = {} of model state",
+                format_param_count(p - frozen), format_param_count(frozen),
+                gib(static_cast<double>(out.state_bytes)));
   if (out.fixed_bytes >= out.usable_bytes) {
     out.gpus_needed = 0;
     out.arithmetic = fmt::format(
@@ -268,6 +276,8 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
         }
         for (bool spill : {false, true}) {
           if (spill && !constraints.allow_gradient_spill) continue;
+          // The engine refuses gradients_on_nvme with a frozen parameter.
+          if (spill && frozen_param_count(model) > 0) continue;
           s.gradients_on_nvme = spill;
           bool whole_shard_done = false;
           for (std::uint64_t sub_group : sub_groups) {

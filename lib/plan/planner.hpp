@@ -19,7 +19,10 @@
 //              parameter: the engine accumulates gradients in fp32, where the ZeRO paper's
 //              16 B keeps them in half precision)
 //   + fixed   (activations + gathered params + comm buckets + reserved)
-// ≤ (1 − headroom)·gpu_mem, so N = ceil(18·P / ((1 − headroom)·gpu_mem − fixed)).
+// ≤ (1 − headroom)·gpu_mem, so N = ceil(18·P / ((1 − headroom)·gpu_mem − fixed)). With frozen
+// parameters (T of P trainable) the state is DeepSpeed's for them, 18·T + 2·(P − T): a frozen
+// parameter keeps its 16-bit weight only (no fp32 master, optimizer state or gradient).
+// Gradients spilled to NVMe are not searched with frozen parameters (the engine refuses them).
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -83,7 +86,7 @@ struct Candidate {
 };
 
 struct NoOffloadComparison {
-  std::uint64_t state_bytes = 0;       // 18·P
+  std::uint64_t state_bytes = 0;       // 18·P (18·T + 2·(P − T) with frozen parameters)
   std::uint64_t usable_bytes = 0;      // (1 − headroom)·gpu_mem
   std::uint64_t fixed_bytes = 0;       // activations + gathered + buckets + reserved
   std::uint64_t activation_bytes = 0;  // the parts of fixed_bytes

@@ -12,19 +12,19 @@ constexpr double kGiga = 1e9;
 
 double seconds(double bytes, double gbps) { return gbps > 0 ? bytes / (gbps * kGiga) : 0.0; }
 
-// The NVMe pipeline over `params` parameters (all ranks of a machine) in `sub_groups` sub-groups
-// with `buffers` blocks; out->update_alone_s must be set. See the header for the formula.
-void nvme_pipeline(double params, std::uint64_t sub_groups, std::uint64_t buffers,
-                   double read_per_param, double write_per_param, const MachineProfile& profile,
-                   StepPrediction* out) {
+// The NVMe pipeline reading `read_bytes` and writing `write_bytes` (all ranks of a machine) in
+// `sub_groups` sub-groups with `buffers` blocks; out->update_alone_s must be set. See the header
+// for the formula.
+void nvme_pipeline(double read_bytes, double write_bytes, std::uint64_t sub_groups,
+                   std::uint64_t buffers, const MachineProfile& profile, StepPrediction* out) {
   ZINF_ASSERT_MSG(profile.nvme_read_gbps > 0 && profile.nvme_write_gbps > 0,
                   "predict_step: no NVMe rates for state on NVMe");
   ZINF_ASSERT(sub_groups > 0);
-  out->nvme_read_bytes += static_cast<std::uint64_t>(params * read_per_param);
-  out->nvme_write_bytes += static_cast<std::uint64_t>(params * write_per_param);
-  out->io_read_s = seconds(params * read_per_param, profile.nvme_read_gbps);
-  out->io_write_s = seconds(params * write_per_param, profile.nvme_write_gbps);
-  const double both_bytes = params * (read_per_param + write_per_param);
+  out->nvme_read_bytes += static_cast<std::uint64_t>(read_bytes);
+  out->nvme_write_bytes += static_cast<std::uint64_t>(write_bytes);
+  out->io_read_s = seconds(read_bytes, profile.nvme_read_gbps);
+  out->io_write_s = seconds(write_bytes, profile.nvme_write_gbps);
+  const double both_bytes = read_bytes + write_bytes;
   out->io_alone_s = profile.nvme_duplex_gbps > 0
                         ? std::max({out->io_read_s, out->io_write_s,
                                     seconds(both_bytes, profile.nvme_duplex_gbps)})
@@ -43,20 +43,28 @@ void nvme_pipeline(double params, std::uint64_t sub_groups, std::uint64_t buffer
   out->pipeline_s = static_cast<double>(sub_groups - 1) * per_sub_group + (r + u + w);
 }
 
-// The optimizer pipeline over one machine's shards (see the header for the formula).
-void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
-                      const MachineProfile& profile, StepPrediction* out) {
+// The optimizer pipeline over one machine's shards of `shard_params` elements, of which
+// `trainable_params` train (see the header for the formula).
+void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params,
+                      const EngineSetup& s, const MachineProfile& profile, StepPrediction* out) {
   const double ranks = static_cast<double>(s.ranks_per_machine);
   const bool on_device = s.optimizer == OffloadDevice::kNone;
-  // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2).
+  // The device steps every element; offloaded, the pass passes over the frozen sub-groups but
+  // reads their master to hand on the half copy where the half output streams.
+  const std::uint64_t stepped = on_device ? shard_params : trainable_params;
+  const std::uint64_t frozen_read = !on_device && streams_half(s) ? shard_params - stepped : 0;
+  // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2); a frozen
+  // element read for its half copy: read p (4), write the half (2).
   const double adam_bytes_per_param = 30.0;
+  const double frozen_bytes_per_param = 6.0;
   const double adam_gbps = on_device ? profile.gpu_mem_gbps : profile.mem_adam_gbps;
   ZINF_ASSERT_MSG(adam_gbps > 0, "predict_step: no memory bandwidth for the optimizer");
   out->adam_memory_bytes =
-      static_cast<std::uint64_t>(ranks * static_cast<double>(shard_params) * adam_bytes_per_param);
+      static_cast<std::uint64_t>(ranks * static_cast<double>(stepped) * adam_bytes_per_param +
+                                 ranks * static_cast<double>(frozen_read) * frozen_bytes_per_param);
   // Device optimizers run per GPU, in parallel; the CPU optimizer of R ranks shares one memory.
   out->update_alone_s =
-      on_device ? seconds(static_cast<double>(shard_params) * adam_bytes_per_param, adam_gbps)
+      on_device ? seconds(static_cast<double>(stepped) * adam_bytes_per_param, adam_gbps)
                 : seconds(static_cast<double>(out->adam_memory_bytes), adam_gbps);
 
   if (s.optimizer != OffloadDevice::kNvme) {
@@ -66,11 +74,17 @@ void predict_pipeline(std::uint64_t shard_params, const EngineSetup& s,
     return;
   }
   const double read_per_param = s.gradients_on_nvme ? 16.0 : 12.0;
-  // With the half params' home on NVMe too, the update writes them in the same pass.
-  const double write_per_param = s.params == OffloadDevice::kNvme ? 14.0 : 12.0;
-  nvme_pipeline(ranks * static_cast<double>(shard_params),
-                ceil_div(shard_params, s.sub_group_params), s.buffer_count, read_per_param,
-                write_per_param, profile, out);
+  const double write_per_param = 12.0;
+  // With the half params' home on NVMe too, the pass writes every new half shard, frozen or not.
+  const double half_write_per_param = s.params == OffloadDevice::kNvme ? 2.0 : 0.0;
+  const double stepped_params = ranks * static_cast<double>(stepped);
+  const double read_bytes =
+      stepped_params * read_per_param + ranks * static_cast<double>(frozen_read) * 4.0;
+  const double write_bytes = stepped_params * write_per_param +
+                             ranks * static_cast<double>(shard_params) * half_write_per_param;
+  const std::uint64_t sub_groups = std::max<std::uint64_t>(
+      1, ceil_div(stepped, s.sub_group_params) + ceil_div(frozen_read, s.sub_group_params));
+  nvme_pipeline(read_bytes, write_bytes, sub_groups, s.buffer_count, profile, out);
 }
 }  // namespace
 
@@ -83,7 +97,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double ranks = static_cast<double>(s.ranks_per_machine);
   const double n = static_cast<double>(s.world_size);
 
-  predict_pipeline(pr, s, profile, &out);
+  const std::uint64_t t = trainable_param_count(model);
+  const std::uint64_t tr = trainable_shard_params(model, s.world_size);
+  predict_pipeline(pr, tr, s, profile, &out);
   // The new half params go to their home: uploaded to the device when the optimizer ran on the
   // host; downloaded when it ran on the device but the params live offloaded; written to NVMe
   // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe.
@@ -102,13 +118,17 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
 
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
-  double flops = (6.0 * static_cast<double>(p) +
+  double flops = (6.0 * static_cast<double>(t) + 4.0 * static_cast<double>(p - t) +
                   12.0 * static_cast<double>(model.layers * model.hidden * training.seq_len)) *
                  tokens;
   if (training.checkpoint_activations) flops *= 4.0 / 3.0;
   out.compute_s = profile.gpu_tflops > 0 ? flops / (profile.gpu_tflops * 1e12) : 0.0;
 
-  const double collective_bytes = (s.stage == 3 ? 3.0 : 2.0) * 2.0 * static_cast<double>(p);
+  // All-gathers move every parameter; reduce-scatters the trainable ones (stage 1 reduces the
+  // frozen groups' zero gradients too).
+  const double reduced = static_cast<double>(s.stage == 1 ? p : t);
+  const double collective_bytes =
+      (s.stage == 3 ? 2.0 : 1.0) * 2.0 * static_cast<double>(p) + 2.0 * reduced;
   out.collectives_s = seconds(collective_bytes * (n - 1.0) / n, profile.gpu_link_gbps);
 
   if (s.stage == 3 && s.params != OffloadDevice::kNone) {
@@ -126,7 +146,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // later micro-batches read the sums back before adding).
   double offload_first_s = 0.0, offload_later_s = 0.0;
   if (s.optimizer != OffloadDevice::kNone) {
-    offload_first_s = offload_later_s = seconds(2.0 * static_cast<double>(pr), profile.h2d_gbps);
+    const std::uint64_t offloaded = s.stage == 1 ? pr : tr;
+    offload_first_s = offload_later_s =
+        seconds(2.0 * static_cast<double>(offloaded), profile.h2d_gbps);
     if (s.gradients_on_nvme) {
       const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
       out.nvme_write_bytes += static_cast<std::uint64_t>(micro_batches * spill_bytes);
@@ -191,8 +213,9 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   out.update_alone_s = seconds(params * 30.0, profile.mem_adam_gbps);
   out.sub_groups = l.sub_groups;
   if (spec.tier == OffloadDevice::kNvme) {
-    nvme_pipeline(params, l.sub_groups, l.blocks, static_cast<double>(l.read_per_param),
-                  static_cast<double>(l.write_per_param), profile, &out);
+    nvme_pipeline(params * static_cast<double>(l.read_per_param),
+                  params * static_cast<double>(l.write_per_param), l.sub_groups, l.blocks, profile,
+                  &out);
   } else {
     out.pipeline_s = out.update_alone_s;
   }

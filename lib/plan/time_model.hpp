@@ -25,18 +25,35 @@
 //            State on the host: pipeline = U (no I/O).
 //   upload   new half params to the device, 2·Pr at h2d_gbps (overlaps the pipeline)
 //   optimizer_step = max(pipeline, upload)
+//   frozen parameters (T trainable of P, Tr and Fr = Pr − Tr a rank's trainable and frozen
+//            shares; docs/ENGINE.md "Frozen parameters"): with the optimizer state offloaded the
+//            pass passes over the frozen sub-groups (no read of their master, moments or
+//            gradient, no update, no write), except that where the half output streams
+//            (streams_half: state on NVMe, shards not in host memory) it reads a frozen
+//            sub-group's master to hand on its half copy. So the update moves 30·Tr bytes, and
+//            6·Fr more when streamed (read the master, write the half); NVMe reads
+//            12·Tr + (4·Fr when streamed), writes 12·Tr (+ 2·Pr with the half params' home on
+//            NVMe: every shard is rewritten); n = ceil(Tr / Sg) + (ceil(Fr / Sg) when
+//            streamed), at least 1. The upload is the whole shard's, as the shards of frozen
+//            groups are rewritten after each step. The optimizer on the device steps every
+//            element as before (30·Pr).
 //
 // Forward and backward, per rank, for grad_accum_steps micro-batches each:
-//   compute        F = (6·P + 12·L·h·s)·s·b FLOPs per micro-batch (PaLM, Chowdhery et al.
-//                  2022, appendix B), × 4/3 with activation checkpointing (one more forward);
+//   compute        F = (6·T + 4·(P − T) + 12·L·h·s)·s·b FLOPs per micro-batch (PaLM,
+//                  Chowdhery et al. 2022, appendix B: 2 a parameter forward, 4 backward, of
+//                  which a frozen parameter, which takes no weight gradient, does half: the
+//                  input's gradient), × 4/3 with activation checkpointing (one more forward);
 //                  compute = F / (gpu_tflops·1e12). Not modelled (0) when gpu_tflops is 0.
-//   collectives    stage 3: all-gather 2·P twice (forward, backward) and reduce-scatter 2·P;
-//                  stages 1-2: reduce-scatter and all-gather 2·P; each moves (N−1)/N of its
+//   collectives    stage 3: all-gather 2·P twice (forward, backward) and reduce-scatter 2·T;
+//                  stage 2: reduce-scatter 2·T and all-gather 2·P; stage 1: reduce-scatter
+//                  and all-gather 2·P (stage 1 reduces the frozen groups' zero gradients too;
+//                  at stages 2-3 a frozen module is never reduced); each moves (N−1)/N of its
 //                  bytes per rank at gpu_link_gbps. Not modelled (0) when gpu_link_gbps is 0.
 //   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)
 //                  at h2d_gbps; from NVMe also R·2·2·Pr read at nvme_read_gbps (overlapped
 //                  with the copy)
-//   grad offload   optimizer offloaded: 2·Pr device→host at h2d_gbps. Spilled gradients
+//   grad offload   optimizer offloaded: 2·Tr device→host at h2d_gbps (2·Pr at stage 1, which
+//                  reduces the frozen groups' zeros too). Spilled gradients
 //                  (gradients_on_nvme) also go to NVMe as the engine's SpillAccumulator moves
 //                  them: every micro-batch writes each completed sub-group, R·4·Pr at
 //                  nvme_write_gbps; every later micro-batch first reads the sums back, R·4·Pr

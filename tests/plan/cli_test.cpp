@@ -329,5 +329,59 @@ TEST_F(PlanCli, OffloadedActivationsAreWrittenIntoTheConfig) {
   std::remove(path.c_str());
 }
 
+// --trainable over the model's count, negative, zero or not a number: exit 1, naming the option.
+TEST_F(PlanCli, TrainableOutOfRangeExitsOneNamingTheOption) {
+  const std::string base =
+      "plan --model llama-2-7b --gpu-mem 80GB --host-mem 256GB" + std::string(kRates);
+  for (const char* value : {"8B", "100.5%", "-5", "abc", "0", "12x"}) {
+    const CliRun r = run_zinf(base + " --trainable " + value);
+    EXPECT_EQ(r.exit_code, 1) << value << "\n" << r.out;
+    EXPECT_NE(r.err.find(std::string("--trainable ") + value), std::string::npos) << r.err;
+  }
+  CliRun r = run_zinf(base + " --trainable 1% --lora-rank 8");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--trainable and --lora-rank"), std::string::npos) << r.err;
+  r = run_zinf(base + " --lora-rank 0");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--lora-rank 0"), std::string::npos) << r.err;
+}
+
+// The 70B LoRA case of docs/PLAN.md: one 80 GB GPU, 256 GB host, 2 TB NVMe. Every parameter
+// trainable needs the gradients spilled to NVMe; with the base frozen (rank 16 on q and v) the
+// trainable share's gradients and moments are all the optimizer keeps beyond the masters, and the
+// step is the trainable share's. The output says how much trains; without the option the JSON
+// has no such keys.
+TEST_F(PlanCli, LoraPlanShowsTheTrainableShare) {
+  const std::string base =
+      "plan --model llama-2-70b --gpus 1 --gpu-mem 80GB --host-mem 256GB --nvme-capacity 2TB "
+      "--seq 4096 --checkpoint-activations --gpu-tflops 400 --gpu-link-gbps 100" +
+      std::string(kRates);
+  CliRun r = run_zinf(base + " --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json all = nlohmann::json::parse(r.out);
+  EXPECT_FALSE(all.at("model").contains("trainable_params"));
+  EXPECT_EQ(all.at("placement").at("gradients_on_nvme"), true);
+  r = run_zinf(base + " --lora-rank 16 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json lora = nlohmann::json::parse(r.out);
+  EXPECT_EQ(lora.at("model").at("trainable_params"), 32'768'000);
+  EXPECT_EQ(lora.at("model").at("params"), 68'976'648'192 + 32'768'000);
+  EXPECT_EQ(lora.at("model").at("lora").at("targets"), "q,v");
+  EXPECT_EQ(lora.at("placement").at("gradients_on_nvme"), false);
+  // Moments and gradients of the adapters only: 8 + 4 bytes of 32,768,000 parameters (the
+  // moments' swap-file room stays: it is preallocated whole at open).
+  EXPECT_EQ(lora.at("bytes_per_state_per_rank").at("gradients").at("host"), 4 * 32'768'000);
+  EXPECT_LT(lora.at("predicted_step_s").get<double>(), all.at("predicted_step_s").get<double>());
+  r = run_zinf(base + " --lora-rank 16");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("trainable 32.77M params (0.0475% of the model), 68.98B frozen: LoRA rank "
+                       "16 adapters on q,v in each of 80 layers"),
+            std::string::npos)
+      << r.out;
+  EXPECT_NE(r.out.find("18 B/param x 32.77M trainable + 2 B/param x 68.98B frozen params"),
+            std::string::npos)
+      << r.out;
+}
+
 }  // namespace
 }  // namespace zinf::plan

@@ -49,6 +49,10 @@ struct PlanOptions {
   bool no_overlap_step = false;
   double overlap_fraction = 2.0 / 3.0;
   bool gradient_clipping = false;
+  std::string trainable;  // "": every parameter trains
+  std::uint64_t lora_rank = 0;
+  bool lora_rank_given = false;  // --lora-rank 0 is refused, not taken as absent
+  std::string lora_targets = "q,v";
   std::string arch = "transformer";
   std::uint64_t context_bytes = 16;
   std::uint64_t embed_dim = 16;
@@ -464,6 +468,28 @@ void run_plan(const PlanOptions& o) {
     model = custom_model(params, o.layers, o.hidden);
     model.vocab = o.vocab;
   }
+  if (!o.trainable.empty() && o.lora_rank_given) {
+    fail(
+        "--trainable and --lora-rank: give one (--lora-rank adds its adapters to the model and "
+        "trains them alone)");
+    return;
+  }
+  if (o.lora_rank_given) {
+    Result<std::uint64_t> adapters = lora_adapter_params(model, o.lora_rank, o.lora_targets);
+    if (!adapters.is_ok()) {
+      fail(std::string(adapters.status().message()));
+      return;
+    }
+    model.adapter_params = *adapters;
+    model.trainable_params = *adapters;
+  } else if (!o.trainable.empty()) {
+    Result<std::uint64_t> trainable = parse_trainable(o.trainable, param_count(model));
+    if (!trainable.is_ok()) {
+      fail(std::string(trainable.status().message()));
+      return;
+    }
+    model.trainable_params = *trainable;
+  }
   for (const auto& [flag, value] :
        {std::pair{"--seq", o.seq}, std::pair{"--micro-batch", o.micro_batch},
         std::pair{"--grad-accum", o.grad_accum}}) {
@@ -599,7 +625,7 @@ void run_plan(const PlanOptions& o) {
                            {"every_placement", false}});
     }
   }
-  const nlohmann::json out = {
+  nlohmann::json out = {
       {"fits", plan.fits},
       {"model",
        {{"name", model.name},
@@ -631,12 +657,35 @@ void run_plan(const PlanOptions& o) {
       {"candidates_fitting", plan.candidates_fitting},
       {"profile", profile_json(profile)},
       {"notes", notes}};
+  const bool frozen_asked = !o.trainable.empty() || o.lora_rank_given;
+  const std::uint64_t trainable = trainable_param_count(model);
+  const double trainable_share =
+      static_cast<double>(trainable) / static_cast<double>(param_count(model));
+  if (frozen_asked) {
+    out["model"]["trainable_params"] = trainable;
+    out["model"]["frozen_params"] = frozen_param_count(model);
+    out["model"]["trainable_fraction"] = trainable_share;
+    if (o.lora_rank_given) {
+      out["model"]["lora"] = {{"rank", o.lora_rank},
+                              {"targets", o.lora_targets},
+                              {"adapter_params", model.adapter_params}};
+    }
+  }
 
   if (o.json) {
     print_json(out);
   } else {
     fmt::print("model     {}: {} params, {} layers, hidden {}\n", model.name,
                format_param_count(c.memory.param_count), model.layers, model.hidden);
+    if (frozen_asked) {
+      fmt::print("trainable {} params ({:.3g}% of the model), {} frozen{}\n",
+                 format_param_count(trainable), 100.0 * trainable_share,
+                 format_param_count(frozen_param_count(model)),
+                 o.lora_rank_given
+                     ? fmt::format(": LoRA rank {} adapters on {} in each of {} layers",
+                                   o.lora_rank, o.lora_targets, model.layers)
+                     : std::string());
+    }
     fmt::print("training  seq {}, micro-batch {}, grad accumulation {}, checkpointing {}\n",
                training.seq_len, training.micro_batch, training.grad_accum_steps,
                training.checkpoint_activations ? "on" : "off");
@@ -789,6 +838,18 @@ void setup_plan(CLI::App& app) {
                 "The config clips gradients exactly (gradient_clipping > 0, without "
                 "zinf.clip_from_previous_step): the pass waits for the global norm at step() and "
                 "hides behind the next forward only, so --overlap-fraction defaults to 1/3");
+  sub->add_option("--trainable", o->trainable,
+                  "Fine-tuning with the rest frozen: the parameters that train, a count (40M, "
+                  "1.2B) or a share of the model (0.5%, 0.005); frozen ones cost what the engine "
+                  "charges them (no moments in memory, no optimizer pass)");
+  CLI::Option* lora_rank =
+      sub->add_option("--lora-rank", o->lora_rank,
+                      "LoRA adapters of this rank on --lora-targets in every layer, added to the "
+                      "model and trained alone (the base frozen)");
+  sub->add_option("--lora-targets", o->lora_targets,
+                  "With --lora-rank: projections adapted, of q,k,v,o,gate,up,down (PEFT's default "
+                  "for Llama: q,v)")
+      ->capture_default_str();
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
@@ -862,8 +923,9 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--host-compute", o->host_compute,
                 "--step-only with --compute-s: the compute runs on this machine's CPU cores "
                 "(HostDevice), which the optimizer's update then shares");
-  sub->callback([o, fraction] {
+  sub->callback([o, fraction, lora_rank] {
     if (o->gradient_clipping && fraction->count() == 0) o->overlap_fraction = 1.0 / 3.0;
+    o->lora_rank_given = lora_rank->count() > 0;
     run_plan(*o);
   });
 }

@@ -1,0 +1,232 @@
+// The planner with frozen parameters (zinf plan --trainable, --lora-rank): the estimate, the time
+// model and the no-offload comparison against the per-element costs docs/ENGINE.md gives a
+// frozen parameter ("What a frozen parameter costs") and DeepSpeed's, written out here in double
+// precision; the parsing of --trainable and the adapters' count of --lora-rank.
+#include <gtest/gtest.h>
+
+#include <array>
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "plan/estimate.hpp"
+#include "plan/model.hpp"
+#include "plan/planner.hpp"
+#include "plan/time_model.hpp"
+
+namespace zinf::plan {
+namespace {
+
+constexpr MemoryTier kDev = MemoryTier::kDevice;
+constexpr MemoryTier kHost = MemoryTier::kHost;
+constexpr MemoryTier kNvme = MemoryTier::kNvme;
+
+// Llama-2-7B with 12,345,679 trainable parameters (not a multiple of the world).
+ModelShape lora7b() {
+  ModelShape m = *find_model_preset("llama-2-7b");
+  m.trainable_params = 12'345'679;
+  return m;
+}
+
+// Per tier, the bytes a rank saves by freezing: Fr = Pr − ceil(T / N) frozen elements of its
+// shard, each without its moments (8 B) on the device and in host memory (on NVMe the swap file
+// is preallocated whole), and without its gradient slice (4 B) where the accumulator is the host's
+// zero pages and stages 2-3 never reduce a frozen group.
+std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const EngineSetup& s) {
+  const double p = static_cast<double>(param_count(m));
+  const double t = static_cast<double>(m.trainable_params);
+  const double n = static_cast<double>(s.world_size);
+  const double frozen = std::ceil(p / n) - std::ceil(t / n);
+  std::array<double, kMemoryTierCount> saved{};
+  if (s.optimizer == OffloadDevice::kNone) saved[0] += 8 * frozen;
+  if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen;
+  if (s.optimizer != OffloadDevice::kNone && s.stage != 1) saved[1] += 4 * frozen;
+  return saved;
+}
+
+TEST(FrozenEstimate, FrozenElementsCostWhatTheEngineCharges) {
+  const ModelShape frozen = lora7b();
+  ModelShape trainable = frozen;
+  trainable.trainable_params = 0;
+  const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (OffloadDevice opt : tiers) {
+      for (OffloadDevice params : tiers) {
+        if (stage != 3 && params != OffloadDevice::kNone) continue;
+        EngineSetup s;
+        s.stage = stage;
+        s.world_size = 8;
+        s.ranks_per_machine = 8;
+        s.optimizer = opt;
+        s.params = params;
+        s.sub_group_params = 1 << 24;
+        s.param_staging_params = 1 << 22;
+        const MemoryEstimate a = estimate_memory(trainable, TrainingShape{}, s);
+        const MemoryEstimate f = estimate_memory(frozen, TrainingShape{}, s);
+        const auto saved = saved_bytes(frozen, s);
+        for (int t = 0; t < kMemoryTierCount; ++t) {
+          const auto tier = static_cast<MemoryTier>(t);
+          EXPECT_EQ(static_cast<double>(a.rank_tier_bytes(tier) - f.rank_tier_bytes(tier)),
+                    saved[t])
+              << "stage " << stage << ", optimizer " << offload_device_name(opt) << ", params "
+              << offload_device_name(params) << ", " << memory_tier_name(tier);
+        }
+        EXPECT_EQ(f.trainable_params, 12'345'679u);
+        EXPECT_EQ(f.trainable_shard_params, (12'345'679u + 7) / 8);
+      }
+    }
+  }
+}
+
+// The optimizer pass with the state offloaded: the trainable share's update (30 B an element) and
+// NVMe traffic (12 B read and written), plus the frozen masters' read (4 B, and 2 B of half copy
+// written through memory) where the half output streams. Forward and backward: 6 FLOPs a
+// trainable parameter and a token, 4 a frozen one; the trainable gradients' offload at stage 3.
+TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
+  const ModelShape m = lora7b();
+  const double p = static_cast<double>(param_count(m));
+  const double t = static_cast<double>(m.trainable_params);
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.nvme_read_gbps = 6;
+  profile.nvme_write_gbps = 4;
+  profile.h2d_gbps = 20;
+  profile.gpu_tflops = 300;
+  TrainingShape training;
+  training.seq_len = 1024;
+  for (OffloadDevice params : {OffloadDevice::kNone, OffloadDevice::kHost}) {
+    EngineSetup s;
+    s.stage = 3;
+    s.world_size = 2;
+    s.ranks_per_machine = 2;
+    s.optimizer = OffloadDevice::kNvme;
+    s.params = params;
+    s.sub_group_params = 1 << 22;
+    const double pr = std::ceil(p / 2);
+    const double tr = std::ceil(t / 2);
+    const double fr = pr - tr;
+    // Params on the device: the half output streams, so the frozen masters are read. Params in
+    // host memory: the store's half array holds the half copy; nothing frozen is touched.
+    const bool streamed = params == OffloadDevice::kNone;
+    const StepPrediction x = predict_step(m, training, s, profile);
+    EXPECT_EQ(static_cast<double>(x.adam_memory_bytes), 2 * (30 * tr + (streamed ? 6 * fr : 0)));
+    EXPECT_EQ(static_cast<double>(x.nvme_read_bytes), 2 * (12 * tr + (streamed ? 4 * fr : 0)));
+    EXPECT_EQ(static_cast<double>(x.nvme_write_bytes), 2 * 12 * tr);
+    const double sub_groups =
+        std::ceil(tr / (1 << 22)) + (streamed ? std::ceil(fr / (1 << 22)) : 0);
+    EXPECT_EQ(static_cast<double>(x.sub_groups), sub_groups);
+    EXPECT_NEAR(x.update_alone_s, 2 * (30 * tr + (streamed ? 6 * fr : 0)) / 40e9, 1e-12);
+    EXPECT_NEAR(x.grad_offload_s, 2 * tr / 20e9, 1e-12);
+    const double flops =
+        (6 * t + 4 * (p - t) + 12.0 * m.layers * m.hidden * 1024) * 1024;  // one micro-batch
+    EXPECT_NEAR(x.compute_s, flops / 300e12, 1e-9);
+  }
+}
+
+// Stage 3 reduce-scatters the trainable gradients only; stage 1 all of them (the frozen zeros
+// too). The all-gathers move every parameter.
+TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
+  const ModelShape m = lora7b();
+  const double p = static_cast<double>(param_count(m));
+  const double t = static_cast<double>(m.trainable_params);
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.gpu_link_gbps = 100;
+  for (int stage = 1; stage <= 3; ++stage) {
+    EngineSetup s;
+    s.stage = stage;
+    s.world_size = 4;
+    s.ranks_per_machine = 4;
+    const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
+    const double gathered = (stage == 3 ? 2 : 1) * 2 * p;
+    const double reduced = 2 * (stage == 1 ? p : t);
+    EXPECT_NEAR(x.collectives_s, (gathered + reduced) * 0.75 / 100e9, 1e-12) << stage;
+  }
+}
+
+// DeepSpeed keeps a frozen parameter's bf16 weight only: 18·T + 2·(P − T) bytes of state.
+TEST(FrozenPlan, NoOffloadCountsDeepSpeedsFrozenCost) {
+  const ModelShape m = lora7b();
+  const std::uint64_t p = param_count(m);
+  const std::uint64_t t = 12'345'679;
+  Budgets budgets;
+  budgets.gpu_mem_bytes = 24'000'000'000;
+  const NoOffloadComparison c = no_offload_gpus(m, TrainingShape{}, budgets);
+  EXPECT_EQ(c.state_bytes, 18 * t + 2 * (p - t));
+  const std::uint64_t for_state = c.usable_bytes - c.fixed_bytes;
+  EXPECT_EQ(c.gpus_needed, (c.state_bytes + for_state - 1) / for_state);
+  EXPECT_NE(c.arithmetic.find("18 B/param x 12.35M trainable + 2 B/param x 6.73B frozen params"),
+            std::string::npos)
+      << c.arithmetic;
+}
+
+// The engine refuses zinf.gradients_on_nvme with a frozen parameter: the planner does not offer
+// it, where with every parameter trainable it is the plan (the 70B case of docs/PLAN.md).
+TEST(FrozenPlan, GradientsAreNotSpilledWithFrozenParameters) {
+  ModelShape m = *find_model_preset("llama-2-70b");
+  TrainingShape training;
+  training.seq_len = 4096;
+  training.checkpoint_activations = true;
+  Budgets budgets;
+  budgets.gpus = 4;
+  budgets.gpu_mem_bytes = 48'000'000'000;
+  budgets.host_mem_bytes = 256'000'000'000;
+  budgets.nvme_bytes = 4'000'000'000'000;
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.nvme_read_gbps = 6;
+  profile.nvme_write_gbps = 4;
+  auto all = make_plan(m, training, budgets, profile);
+  ASSERT_TRUE(all.is_ok());
+  ASSERT_TRUE(all->fits);
+  EXPECT_TRUE(all->best.setup.gradients_on_nvme);
+  m.trainable_params = 40'000'000;
+  auto lora = make_plan(m, training, budgets, profile);
+  ASSERT_TRUE(lora.is_ok());
+  ASSERT_TRUE(lora->fits);
+  EXPECT_FALSE(lora->best.setup.gradients_on_nvme);
+  EXPECT_LT(lora->best.time.step_s, all->best.time.step_s);
+}
+
+TEST(Trainable, ParsesCountsAndShares) {
+  const std::uint64_t p = 6'738'415'616;
+  EXPECT_EQ(parse_trainable("40M", p).value(), 40'000'000u);
+  EXPECT_EQ(parse_trainable("1.5B", p).value(), 1'500'000'000u);
+  EXPECT_EQ(parse_trainable("350k", p).value(), 350'000u);
+  EXPECT_EQ(parse_trainable("123456", p).value(), 123'456u);
+  EXPECT_EQ(parse_trainable("0.5%", p).value(), 33'692'078u);  // 33,692,078.08
+  EXPECT_EQ(parse_trainable("0.005", p).value(), 33'692'078u);
+  EXPECT_EQ(parse_trainable("100%", p).value(), p);
+}
+
+TEST(Trainable, RefusesWithAMessageNamingTheOption) {
+  const std::uint64_t p = 6'738'415'616;
+  for (const char* text :
+       {"7B", "101%", "-5", "-0.5%", "abc", "", "40X", "40MB", "0", "0.0%", "1.2.3"}) {
+    Result<std::uint64_t> r = parse_trainable(text, p);
+    ASSERT_FALSE(r.is_ok()) << text;
+    EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << text;
+    EXPECT_NE(r.status().message().find("--trainable"), std::string_view::npos) << text;
+  }
+  EXPECT_NE(parse_trainable("7B", p).status().message().find("more than the model's 6738415616"),
+            std::string_view::npos);
+  EXPECT_NE(parse_trainable("-5", p).status().message().find("negative"), std::string_view::npos);
+}
+
+// r·(in + out) a projection: Llama-2-70B (h 8192, 8 key/value heads of 128, I 28672, 80 layers).
+TEST(Lora, AdapterCountsFromTheShapes) {
+  const ModelShape m = *find_model_preset("llama-2-70b");
+  const std::uint64_t q = 8192 + 8192, kv = 8192 + 1024, mlp = 8192 + 28672;
+  EXPECT_EQ(lora_adapter_params(m, 16, "q,v").value(), 16 * (q + kv) * 80);
+  EXPECT_EQ(lora_adapter_params(m, 16, "q,v").value(), 32'768'000u);
+  EXPECT_EQ(lora_adapter_params(m, 8, "q,k,v,o,gate,up,down").value(),
+            8 * (2 * q + 2 * kv + 3 * mlp) * 80);
+  EXPECT_FALSE(lora_adapter_params(m, 0, "q,v").is_ok());
+  EXPECT_FALSE(lora_adapter_params(m, 8, "q,x").is_ok());
+  EXPECT_FALSE(lora_adapter_params(m, 8, "q,q").is_ok());
+  EXPECT_FALSE(lora_adapter_params(*find_model_preset("gpt2"), 8, "gate").is_ok());
+  EXPECT_FALSE(lora_adapter_params(train_lm_model(2, 64, 16, 16), 8, "q").is_ok());
+}
+
+}  // namespace
+}  // namespace zinf::plan
