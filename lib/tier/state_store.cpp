@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 
 #include "base/arith.hpp"
@@ -542,6 +543,60 @@ Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
   }
   // A kLost piece is still handed to the swap space, which answers io_error for it.
   return swap_->read_sync(extent(piece, i), data);
+}
+
+StateStore::ElementRange StateStore::read_range(Piece piece, std::size_t i, std::size_t begin,
+                                                std::size_t end) const {
+  ZINF_ASSERT(has(piece) && begin < end && end <= sub_group_size(i));
+  if (tier(piece) != StoreMedium::kNvme) return {begin, end};
+  // Block bounds are whole pages, so whole elements of a 2- or 4-byte dtype.
+  const std::size_t element_bytes = dtype_bytes(dtype(piece));
+  const std::size_t block_bytes = swap_->options().block_bytes;
+  const std::size_t first_byte = begin * element_bytes / block_bytes * block_bytes;
+  const std::size_t end_byte =
+      std::min(round_up(end * element_bytes, block_bytes), piece_bytes(piece, i));
+  return {first_byte / element_bytes, end_byte / element_bytes};
+}
+
+Status StateStore::read_piece(Piece piece, std::size_t i, ElementRange range, void* data) const {
+  ZINF_ASSERT(has(piece) && range.begin < range.end && range.end <= sub_group_size(i));
+  if (range.begin == 0 && range.end == sub_group_size(i)) return read_piece(piece, i, data);
+  if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);
+  const std::size_t element_bytes = dtype_bytes(dtype(piece));
+  const std::size_t bytes = (range.end - range.begin) * element_bytes;
+  if (tier(piece) == StoreMedium::kHost) {
+    std::memcpy(data, host_data(piece, i) + range.begin * element_bytes, bytes);
+    return Status::ok();
+  }
+  const ElementRange whole = read_range(piece, i, range.begin, range.end);
+  ZINF_ASSERT_MSG(whole.begin == range.begin && whole.end == range.end,
+                  "StateStore::read_piece: a range not on swap block bounds");
+  const Residency r = residency(piece, i);
+  if (r == Residency::kZero) {
+    std::memset(data, 0, round_up(bytes, kPage));
+    return Status::ok();
+  }
+  if (r != Residency::kDisk && r != Residency::kInBlock && r != Residency::kLost) {
+    return Status::failed_precondition(fmt::format("{}/group{}/{}: {}", options_.key_prefix, i,
+                                                   piece_name(piece), residency_name(r)));
+  }
+  // As SwapSpace::read_sync() for a whole extent: past the timeout the read is cancelled and
+  // waited for once more, and abandoned when even that does not end it, so the ticket is always
+  // redeemed on return. A kLost piece is handed to the swap space, which answers io_error.
+  constexpr std::chrono::milliseconds kTimeout = std::chrono::seconds(60);
+  ZINF_ASSIGN_OR_RETURN(SwapTicket ticket,
+                        swap_->read(extent(piece, i), range.begin * element_bytes, bytes, data));
+  Status st = swap_->wait(ticket, kTimeout);
+  if (st.code() != Code::kTimeout) return st;
+  swap_->cancel(ticket);
+  Status again = swap_->wait(ticket, kTimeout);
+  if (again.is_ok()) return again;  // it landed just after the timeout
+  if (again.code() != Code::kTimeout) {
+    return Status::timeout(fmt::format("{}; it was cancelled", st.message()));
+  }
+  swap_->abandon(ticket);
+  return Status::timeout(
+      fmt::format("{}; cancelling it did not end it either, so it was abandoned", st.message()));
 }
 
 Status StateStore::release_piece(Piece piece, std::size_t i) {

@@ -216,6 +216,21 @@ class StateStore {
   // naming the key; failed_precondition when the piece is in flight.
   Status write_piece(Piece piece, std::size_t i, const void* data);
   Status read_piece(Piece piece, std::size_t i, void* data) const;
+  // Part of a piece: the elements of sub-group i that a read of its elements [begin, end)
+  // (counted from the sub-group's first) moves. On NVMe that is every swap block that holds one
+  // of them, whole (the block is what is checksummed: SwapSpace's block_bytes), so the range
+  // grows to block bounds, capped at the sub-group's end; on the host tier it is [begin, end).
+  // REQUIRES: begin < end <= sub_group_size(i).
+  struct ElementRange {
+    std::size_t begin = 0;
+    std::size_t end = 0;
+  };
+  ElementRange read_range(Piece piece, std::size_t i, std::size_t begin, std::size_t end) const;
+  // Reads elements [range.begin, range.end) of piece i into `data` as read_piece() reads the
+  // whole piece: the same errors, every block's checksum checked, a kZero piece read as zeros
+  // without I/O. For NVMe pieces `data` must be 4096-aligned and hold the range's bytes rounded
+  // up to 4096. REQUIRES: `range` is what read_range() gave for piece i.
+  Status read_piece(Piece piece, std::size_t i, ElementRange range, void* data) const;
   // Makes NVMe piece (i, piece) zeros without storing them: kZero, its extent's room given back
   // to the filesystem (SwapSpace::release), so it takes no disk blocks. A read (read_piece(), a
   // step's) gives zeros without I/O; a write stores it again; a checkpoint linked meanwhile has
