@@ -438,14 +438,16 @@ class Engine {
   Status read_parameters(std::string_view name, float* out);
   // One optimizer moment of parameter `name`, whole, as read_parameters() gives its master:
   // `state` is "exp_avg" or "exp_avg_sq" (element_count floats into `out`; zeros before the
-  // first step). Collective, as read_parameters(). It reads this rank's whole partition of that
-  // moment (each sub-group, on whatever tier it lives) to take the parameter's slice: to read
-  // every parameter's moments, save a checkpoint instead. kNotFound for an unknown name;
-  // kInvalidArgument for a state the optimizer does not keep (Adagrad has no exp_avg, Lion no
-  // exp_avg_sq), naming those it keeps. Like read_parameters, it waits for the last step's pass,
-  // returns kFailedPrecondition ("call step() first") while the next step's pass updates the
-  // state during the backward (the overlapped step's updates in the backward), and fails every
-  // rank when one cannot read its slice, without a sticky error.
+  // first step). Collective, as read_parameters(). Each rank reads its part of the parameter:
+  // with the state on NVMe, the swap blocks (aio block_size) that hold it, so a loop over every
+  // parameter reads each moment about once; in host memory, nothing but the slice; on a GPU
+  // (offload_optimizer "none"), the rank's whole partition of that moment comes to the host per
+  // call: to read every parameter's moments there, save a checkpoint instead. kNotFound for an
+  // unknown name; kInvalidArgument for a state the optimizer does not keep (Adagrad has no
+  // exp_avg, Lion no exp_avg_sq), naming those it keeps. Like read_parameters, it waits for the
+  // last step's pass, returns kFailedPrecondition ("call step() first") while the next step's
+  // pass updates the state during the backward (the overlapped step's updates in the backward),
+  // and fails every rank when one cannot read its slice, without a sticky error.
   Status read_optimizer_state(std::string_view name, std::string_view state, float* out);
   // Replaces the fp32 master of parameter `name` with rank `root`'s `values` (element_count
   // floats; the other ranks' `values` are ignored and may be null), and republishes the device

@@ -313,14 +313,22 @@ Status read_values(const MasterAccess& w, const std::string& call, Piece piece,
   };
   if (local.is_ok()) {
     slice.resize(shard);
-    if (piece == Piece::kParams) {
-      local = w.state->read_master(first, first + shard, take);
-    } else {
-      // The whole piece passes by (OptimizerState reads moments only whole).
-      local = w.state->read_state(piece, [&](std::size_t f, std::size_t count, const float* src) {
-        take(f, count, src);
-        return Status::ok();
-      });
+    // Only the parameter's part of the slice is read (where the state is on NVMe, only the
+    // sub-groups that hold it); the rest of the slice stays zero, which the all-gather carries
+    // and nobody copies out. A rank that owns none of the parameter reads nothing.
+    const std::optional<ParamPiece> own_part = part.param_piece(static_cast<ParamId>(*id), w.rank);
+    if (own_part.has_value()) {
+      const std::size_t begin = first + own_part->shard_offset;
+      const std::size_t end = begin + own_part->element_count;
+      if (piece == Piece::kParams) {
+        local = w.state->read_master(begin, end, take);
+      } else {
+        local = w.state->read_state_range(piece, begin, end,
+                                          [&](std::size_t f, std::size_t count, const float* src) {
+                                            take(f, count, src);
+                                            return Status::ok();
+                                          });
+      }
     }
   }
   float* own = local.is_ok() ? full->as<float>() + part.shard_offset(loc.group, w.rank) : nullptr;

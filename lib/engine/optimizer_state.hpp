@@ -169,6 +169,16 @@ class OptimizerState {
   virtual Status read_master(std::size_t begin, std::size_t end, MasterVisitor fn) = 0;
   // Calls fn over all of `piece` (the master or a moment the optimizer has) in partition order.
   virtual Status read_state(Piece piece, StateVisitor fn) = 0;
+  // Calls fn over `piece` in partition order, in pieces, covering at least elements [begin, end)
+  // (pieces outside it may be skipped), reading no more of the state than the pieces it hands
+  // over (one parameter's moment, Engine::read_optimizer_state). This one reads it all, which
+  // costs nothing where the state is an array in host memory; a state whose read moves or reads
+  // the elements it hands over reads only those that cover the range.
+  virtual Status read_state_range(Piece piece, std::size_t begin, std::size_t end,
+                                  StateVisitor fn) {
+    (void)begin, (void)end;
+    return read_state(piece, fn);
+  }
   // fill(first, count, out) writes elements of `piece`, in partition order.
   virtual Status write_state(Piece piece, StateFill fill) = 0;
   // write_state(kParams) where `out` holds the master's current elements when fill(first,

@@ -264,46 +264,29 @@ class StoreState final : public OptimizerState {
     if (master_read_.bytes() == 0) {
       master_read_ = AlignedBuffer(round_page(s.sub_group_params() * sizeof(float)));
     }
+    if (begin >= end) return Status::ok();
+    // Of each sub-group that holds elements of [begin, end), only the swap blocks that do
+    // (one parameter's master, Engine::read_parameters).
     for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
       const std::size_t first = s.sub_group_first(i);
-      if (first >= end || first + s.sub_group_size(i) <= begin) continue;
-      ZINF_RETURN_IF_ERROR(s.read_piece(Piece::kParams, i, master_read_.data()));
-      master_read_bytes_ += round_page(s.piece_bytes(Piece::kParams, i));
-      fn(first, s.sub_group_size(i), master_read_.as<const float>());
+      const std::size_t size = s.sub_group_size(i);
+      if (first >= end || first + size <= begin) continue;
+      const StateStore::ElementRange r = s.read_range(
+          Piece::kParams, i, std::max(begin, first) - first, std::min(end, first + size) - first);
+      ZINF_RETURN_IF_ERROR(s.read_piece(Piece::kParams, i, r, master_read_.data()));
+      master_read_bytes_ += round_page((r.end - r.begin) * sizeof(float));
+      fn(first + r.begin, r.end - r.begin, master_read_.as<const float>());
     }
     return Status::ok();
   }
 
   Status read_state(Piece piece, StateVisitor fn) override {
-    StateStore& s = *store_;
-    ZINF_ASSERT(s.has(piece));
-    if (s.tier(piece) == StoreMedium::kHost) {
-      return fn(0, layout_.partition_elements(),
-                reinterpret_cast<const float*>(s.host_data(piece)));
-    }
-    // Two blocks (the pool's where free, as rewrite_pieces() takes them): sub-group i + 1 is
-    // read on a thread of its own while `fn` takes sub-group i, so a checkpoint's save reads the
-    // NVMe state while it writes its file.
-    PieceBlocks blocks;
-    take_blocks(2, &blocks);
-    auto block = [&blocks](std::size_t i) { return blocks.data[i % 2]; };
-    auto read = [&s, piece, &block](std::size_t i) {
-      return std::async(std::launch::async,
-                        [&s, piece, i, data = block(i)] { return s.read_piece(piece, i, data); });
-    };
-    const std::size_t count = s.sub_group_count();
-    std::future<Status> next = read(0);
-    for (std::size_t i = 0; i < count; ++i) {
-      ZINF_RETURN_IF_ERROR(next.get());
-      if (i + 1 < count) next = read(i + 1);
-      Status st =
-          fn(s.sub_group_first(i), s.sub_group_size(i), reinterpret_cast<const float*>(block(i)));
-      if (!st.is_ok()) {
-        if (next.valid()) (void)next.get();  // no read may still fill a block when it is freed
-        return st;
-      }
-    }
-    return Status::ok();
+    return read_elements(piece, 0, layout_.partition_elements(), fn);
+  }
+  Status read_state_range(Piece piece, std::size_t begin, std::size_t end,
+                          StateVisitor fn) override {
+    if (begin >= end) return Status::ok();
+    return read_elements(piece, begin, std::min(end, layout_.partition_elements()), fn);
   }
 
   // Loaded moments may be anything (a parameter saved trainable and loaded frozen keeps its
@@ -424,6 +407,66 @@ class StoreState final : public OptimizerState {
   std::uint64_t master_read_bytes() const override { return master_read_bytes_; }
 
  private:
+  // read_state(): fn over `piece` in partition order, covering elements [begin, end) (on the
+  // host tier, the whole array at once). On NVMe only the sub-groups that hold elements of the
+  // range are read, and of those only the swap blocks that do (StateStore::read_range; all of
+  // each sub-group in between), so one parameter's moment costs its own bytes, not the
+  // partition's. Two blocks (the pool's where free, as rewrite_pieces() takes them): sub-group
+  // i + 1 is read on a thread of its own while `fn` takes sub-group i, so a checkpoint's save
+  // reads the NVMe state while it writes its file. Each read goes through
+  // StateStore::read_piece, which checks the blocks' checksums and reads a released (kZero)
+  // piece as zeros.
+  Status read_elements(Piece piece, std::size_t begin, std::size_t end, StateVisitor fn) {
+    StateStore& s = *store_;
+    ZINF_ASSERT(s.has(piece) && begin < end && end <= layout_.partition_elements());
+    if (s.tier(piece) == StoreMedium::kHost) {
+      return fn(0, layout_.partition_elements(),
+                reinterpret_cast<const float*>(s.host_data(piece)));
+    }
+    // The first sub-group that ends after `begin` (the firsts increase: bisection), then every
+    // one up to the last that starts before `end`.
+    const std::size_t count = s.sub_group_count();
+    std::size_t first = 0;
+    for (std::size_t hi = count; first < hi;) {
+      const std::size_t mid = first + (hi - first) / 2;
+      if (s.sub_group_first(mid) + s.sub_group_size(mid) <= begin) {
+        first = mid + 1;
+      } else {
+        hi = mid;
+      }
+    }
+    std::size_t last = first;
+    while (last < count && s.sub_group_first(last) < end) ++last;
+    ZINF_ASSERT(first < last);
+    // Sub-group i's part of the range, grown to what a read moves.
+    auto range = [&](std::size_t i) {
+      const std::size_t at = s.sub_group_first(i);
+      return s.read_range(piece, i, std::max(begin, at) - at,
+                          std::min(end, at + s.sub_group_size(i)) - at);
+    };
+    PieceBlocks blocks;
+    take_blocks(2, &blocks);
+    auto block = [&blocks](std::size_t i) { return blocks.data[i % 2]; };
+    auto read = [&s, piece, &block, &range](std::size_t i) {
+      return std::async(std::launch::async, [&s, piece, i, r = range(i), data = block(i)] {
+        return s.read_piece(piece, i, r, data);
+      });
+    };
+    std::future<Status> next = read(first);
+    for (std::size_t i = first; i < last; ++i) {
+      ZINF_RETURN_IF_ERROR(next.get());
+      if (i + 1 < last) next = read(i + 1);
+      const StateStore::ElementRange r = range(i);
+      Status st = fn(s.sub_group_first(i) + r.begin, r.end - r.begin,
+                     reinterpret_cast<const float*>(block(i)));
+      if (!st.is_ok()) {
+        if (next.valid()) (void)next.get();  // no read may still fill a block when it is freed
+        return st;
+      }
+    }
+    return Status::ok();
+  }
+
   // Blocks of one sub-group's piece for rewrite_pieces(): the pool's, registered with the I/O
   // engine (no page pinning per request) and mapped at open (no page faults), as many as are
   // free up to `wanted`; fresh ones only to make up two. Between steps the pool is idle.

@@ -1,7 +1,8 @@
 // Engine::read_optimizer_state: a parameter's optimizer moment, whole, on every rank, after
 // training, against the single-process reference's moments (the same bits, as the masters are),
-// at every stage, with the state in host memory and on NVMe; its refusals; and what a failure on
-// one rank does to the others.
+// at every stage, with the state in host memory and on NVMe; its refusals; what a failure on
+// one rank does to the others; and, with the state on NVMe, that a parameter's moment is read
+// from the sub-groups that hold it and no others.
 #include <fmt/format.h>
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -9,6 +10,7 @@
 #include <chrono>
 #include <cstring>
 #include <memory>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -83,6 +85,159 @@ INSTANTIATE_TEST_SUITE_P(Cases, ReadOptimizerState,
                          [](const ::testing::TestParamInfo<Case>& info) {
                            return fmt::format("w{}_s{}_{}", info.param.world, info.param.stage,
                                               offload_device_name(info.param.optimizer));
+                         });
+
+// Three modules, one group each, f32. Two ways to cut the state on NVMe:
+//
+// Sub-groups of 256 elements (aio block 64 KiB, larger than any sub-group's 1 KiB moment: each
+// sub-group's moment is one piece of I/O). m0.w and m2.w are {8, 128}, m1.b {200}; the partition
+// at world 1 (each group padded to a multiple of 128 elements, each parameter starting at a
+// multiple of 16) is
+//   sub-groups 0-3  m0.w  [0, 1024)
+//   sub-group  4    m1.a  [1024, 1124)   in the middle of the partition, inside one sub-group
+//   sub-groups 4-5  m1.b  [1136, 1336)   across the boundary at 1280
+//   sub-groups 5-9  m2.w  [1408, 2432)
+// and at world 2 (groups padded to multiples of 256) each rank's is m0.w's slice (512), m1's
+// (256: sub-group 2, which holds m1.a and rank 0's part of m1.b, or rank 1's), then m2.w's (512):
+// five sub-groups.
+//
+// One sub-group (the default sub_group_size) read in swap blocks of 4 KiB (aio block_size
+// 4096: 1024 elements, one piece of I/O each). m0.w and m2.w are {32, 128}, m1.b {1000}; at
+// world 1 the partition is
+//   blocks 0-3  m0.w  [0, 4096)
+//   block  4    m1.a  [4096, 4196)
+//   blocks 4-5  m1.b  [4208, 5208)   across the block boundary at 5120
+//   blocks 5-9  m2.w  [5248, 9344)
+// ten blocks in all (the last one partial); at world 2 each rank's is m0.w's slice [0, 2048),
+// m1's [2048, 2688) (m1.a and m1.b's first 528 on rank 0, m1.b's last 472 on rank 1), m2.w's
+// [2688, 4736): five blocks.
+struct SliceCase {
+  int world;
+  int stage;
+  OffloadDevice optimizer;
+  bool blocks;  // one sub-group read in 4 KiB blocks, else sub-groups of 256 elements
+};
+
+Model slice_model(bool blocks, std::uint64_t seed) {
+  const std::int64_t rows = blocks ? 32 : 8;
+  Model m;
+  m.modules = {"m0", "m1", "m2"};
+  m.params = {
+      {"m0.w", "m0", {rows, 128}, DType::kF32},
+      {"m1.a", "m1", {100}, DType::kF32},
+      {"m1.b", "m1", {blocks ? 1000 : 200}, DType::kF32},
+      {"m2.w", "m2", {rows, 128}, DType::kF32},
+  };
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  for (const engine_test::ParamDef& def : m.params) {
+    std::vector<float> v(def.element_count());
+    for (float& x : v) x = dist(rng);
+    m.initial.push_back(std::move(v));
+  }
+  return m;
+}
+
+// The pieces of NVMe I/O one read_optimizer_state of each of slice_model's parameters makes on
+// rank `rank`: one per sub-group or block that holds the rank's part of it, none where the rank
+// owns none of it (m1.a at world 2, on rank 1). A read of the whole partition makes 10 (sub-groups,
+// world 1), 5 (sub-groups, world 2), 10 (blocks, world 1) or 5 (blocks, world 2).
+std::vector<std::uint64_t> expected_reads(const SliceCase& c, int rank) {
+  if (c.world == 1) return {4, 1, 2, 5};
+  const std::uint64_t m1a = rank == 0 ? 1 : 0;
+  return {2, m1a, 1, c.blocks ? 3u : 2u};
+}
+
+class ReadOptimizerStateSlice : public ::testing::TestWithParam<SliceCase> {};
+
+// Every parameter's master and moments are the reference's bits when the parameter sits inside
+// one sub-group (or swap block) in the middle of the partition, or across a boundary; on NVMe each
+// read moves the sub-groups or blocks that hold the parameter and no others (read pieces counted
+// by engine_test::io_counter).
+TEST_P(ReadOptimizerStateSlice, ReadsTheSubGroupsThatHoldTheParameter) {
+  const SliceCase c = GetParam();
+  engine_test::ScratchDir dir(fmt::format("read_state_slice_w{}_s{}_{}_{}", c.world, c.stage,
+                                          offload_device_name(c.optimizer), c.blocks));
+  const Model model = slice_model(c.blocks, 97);
+  Config config = engine_test::small_config(c.stage, c.optimizer, OffloadDevice::kNone, dir.path());
+  if (c.blocks) {
+    config.zero.sub_group_size = Config().zero.sub_group_size;
+    config.aio_block_bytes = 4096;
+  } else {
+    config.zero.sub_group_size = 256;
+  }
+  engine_test::TrainOptions options;
+  options.steps = 3;
+  const engine_test::Reference ref = engine_test::run_reference(config, model, c.world, options);
+  engine_test::Ranks ranks = engine_test::make_ranks(c.world);
+  const bool nvme = c.optimizer == OffloadDevice::kNvme;
+  // reads[rank][3 * p + k]: the pieces read by read_parameters (k = 0) and
+  // read_optimizer_state of exp_avg (1) and exp_avg_sq (2) of parameter p.
+  std::vector<std::vector<std::uint64_t>> reads(static_cast<std::size_t>(c.world));
+  const std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    const std::shared_ptr<FaultInjector> faults = engine_test::io_counter(/*reads=*/true);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                          engine_test::open_rank(ranks, rank, config, faults));
+    engine_test::TrainOptions rank_options = options;
+    rank_options.device = ranks.devices[r].get();
+    ZINF_RETURN_IF_ERROR(
+        engine_test::train_rank(*engine, model, rank, rank_options, &ref.device_per_step, nullptr));
+    // The last step's pass done (it may still run behind the call), so that only the reads
+    // below are counted.
+    std::vector<float> master(model.params[0].element_count());
+    ZINF_RETURN_IF_ERROR(engine->read_parameters(model.params[0].name, master.data()));
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      const std::string& name = model.params[p].name;
+      for (const char* state : {"params", "exp_avg", "exp_avg_sq"}) {
+        const std::string_view which = state;
+        const std::vector<float>& want = which == "params"    ? ref.master[p]
+                                         : which == "exp_avg" ? ref.exp_avg[p]
+                                                              : ref.exp_avg_sq[p];
+        std::vector<float> got(want.size(), -1.0f);
+        const std::uint64_t before = faults->counts().latency;
+        ZINF_RETURN_IF_ERROR(which == "params"
+                                 ? engine->read_parameters(name, got.data())
+                                 : engine->read_optimizer_state(name, state, got.data()));
+        reads[r].push_back(faults->counts().latency - before);
+        if (std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) != 0) {
+          return Status::internal(fmt::format("{} of '{}': max rel diff {}", state, name,
+                                              engine_test::max_rel_diff(got, want)));
+        }
+      }
+    }
+    return Status::ok();
+  });
+  for (std::size_t r = 0; r < st.size(); ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << r << ": " << st[r].to_string();
+  }
+  for (std::size_t r = 0; r < reads.size(); ++r) {
+    const std::vector<std::uint64_t> want_reads = expected_reads(c, static_cast<int>(r));
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      const std::uint64_t want = nvme ? want_reads[p] : 0;
+      for (std::size_t k = 0; k < 3; ++k) {
+        EXPECT_EQ(reads[r][3 * p + k], want) << "rank " << r << ", "
+                                             << (k == 0   ? "master"
+                                                 : k == 1 ? "exp_avg"
+                                                          : "exp_avg_sq")
+                                             << " of " << model.params[p].name;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, ReadOptimizerStateSlice,
+                         ::testing::Values(SliceCase{1, 2, OffloadDevice::kNvme, false},
+                                           SliceCase{1, 1, OffloadDevice::kHost, false},
+                                           SliceCase{2, 2, OffloadDevice::kNvme, false},
+                                           SliceCase{2, 3, OffloadDevice::kNvme, false},
+                                           SliceCase{2, 3, OffloadDevice::kHost, false},
+                                           SliceCase{1, 2, OffloadDevice::kNvme, true},
+                                           SliceCase{2, 3, OffloadDevice::kNvme, true}),
+                         [](const ::testing::TestParamInfo<SliceCase>& info) {
+                           return fmt::format("w{}_s{}_{}_{}", info.param.world, info.param.stage,
+                                              offload_device_name(info.param.optimizer),
+                                              info.param.blocks ? "blocks" : "sub_groups");
                          });
 
 // A read that fails on one rank (an I/O error reading its NVMe state, or a null `out`) fails every
