@@ -803,6 +803,12 @@ Status SwapSpace::read_sync(ExtentId id, void* dst, std::chrono::milliseconds ti
   return finish_sync(ticket, timeout);
 }
 
+Status SwapSpace::read_sync(ExtentId id, std::uint64_t offset, std::uint64_t bytes, void* dst,
+                            std::chrono::milliseconds timeout) {
+  ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, read(id, offset, bytes, dst));
+  return finish_sync(ticket, timeout);
+}
+
 Result<SwapVerifyReport> SwapSpace::verify(std::chrono::milliseconds timeout) {
   SwapVerifyReport report;
   const std::uint64_t block_bytes = impl_->options.block_bytes;

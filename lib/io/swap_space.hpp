@@ -148,6 +148,9 @@ class SwapSpace {
                     std::chrono::milliseconds timeout = std::chrono::seconds(60));
   Status read_sync(ExtentId id, void* dst,
                    std::chrono::milliseconds timeout = std::chrono::seconds(60));
+  // Bytes [offset, offset + bytes) of the extent, as read(id, offset, bytes, dst).
+  Status read_sync(ExtentId id, std::uint64_t offset, std::uint64_t bytes, void* dst,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
   // Reads back every block whose last write completed, one block at a time, and checks it
   // against the checksum kept when it was written: the corruption of wait() for the first bad

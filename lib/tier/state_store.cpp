@@ -4,7 +4,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <chrono>
 #include <cstring>
 
 #include "base/arith.hpp"
@@ -580,23 +579,8 @@ Status StateStore::read_piece(Piece piece, std::size_t i, ElementRange range, vo
     return Status::failed_precondition(fmt::format("{}/group{}/{}: {}", options_.key_prefix, i,
                                                    piece_name(piece), residency_name(r)));
   }
-  // As SwapSpace::read_sync() for a whole extent: past the timeout the read is cancelled and
-  // waited for once more, and abandoned when even that does not end it, so the ticket is always
-  // redeemed on return. A kLost piece is handed to the swap space, which answers io_error.
-  constexpr std::chrono::milliseconds kTimeout = std::chrono::seconds(60);
-  ZINF_ASSIGN_OR_RETURN(SwapTicket ticket,
-                        swap_->read(extent(piece, i), range.begin * element_bytes, bytes, data));
-  Status st = swap_->wait(ticket, kTimeout);
-  if (st.code() != Code::kTimeout) return st;
-  swap_->cancel(ticket);
-  Status again = swap_->wait(ticket, kTimeout);
-  if (again.is_ok()) return again;  // it landed just after the timeout
-  if (again.code() != Code::kTimeout) {
-    return Status::timeout(fmt::format("{}; it was cancelled", st.message()));
-  }
-  swap_->abandon(ticket);
-  return Status::timeout(
-      fmt::format("{}; cancelling it did not end it either, so it was abandoned", st.message()));
+  // A kLost piece is handed to the swap space, which answers io_error.
+  return swap_->read_sync(extent(piece, i), range.begin * element_bytes, bytes, data);
 }
 
 Status StateStore::release_piece(Piece piece, std::size_t i) {
