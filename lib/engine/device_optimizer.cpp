@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstring>
 
 #include "base/assert.hpp"
 #include "kernels/sq_norm.h"
+#include "tier/state_store.hpp"
 
 namespace zinf {
 namespace {
@@ -27,6 +29,9 @@ kernels::AdamStepArgs adam_args(const OptimizerParams& params, std::int64_t step
 }
 
 constexpr std::size_t kScratchFloats = kernels::kSqNormPartials + 2;  // partials, sum, flag
+
+// round_frozen()'s zero gradients and moments: at most 1 Mi elements each (12 MiB together).
+constexpr std::size_t kZeroElementsMax = std::size_t{1} << 20;
 
 }  // namespace
 
@@ -47,32 +52,64 @@ Status DeviceOptimizer::check(const OptimizerParams& params, const Device& devic
 
 Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
     Device& device, std::vector<Group> groups, std::size_t partition_elements, const float* master,
-    std::chrono::milliseconds timeout, std::vector<OptimizerRange> ranges) {
+    std::chrono::milliseconds timeout, std::vector<OptimizerRange> ranges,
+    std::vector<bool> frozen) {
   std::unique_ptr<DeviceOptimizer> o(new DeviceOptimizer(device, timeout));
   o->groups_ = std::move(groups);
   o->partition_elements_ = partition_elements;
   if (ranges.empty()) ranges.push_back(OptimizerRange{});
   ZINF_ASSERT(ranges[0].begin == 0);
+  ZINF_ASSERT(frozen.empty() || frozen.size() == ranges.size());
   // Cut each dtype group at the range boundaries inside it.
+  std::size_t tiled = 0;
   for (std::uint32_t g = 0; g < o->groups_.size(); ++g) {
     const Group& group = o->groups_[g];
+    ZINF_ASSERT(group.offset == tiled);
     const std::size_t end = group.offset + group.count;
+    tiled = end;
     auto r = std::upper_bound(ranges.begin(), ranges.end(), group.offset,
                               [](std::size_t e, const OptimizerRange& x) { return e < x.begin; }) -
              1;
     for (std::size_t b = group.offset; b < end; ++r) {
       const std::size_t stop = r + 1 != ranges.end() ? std::min(end, r[1].begin) : end;
       ZINF_ASSERT(r->group < kMaxOptimizerGroups);
-      o->runs_.push_back(Run{g, r->group, b, stop - b});
+      const bool run_frozen =
+          !frozen.empty() && frozen[static_cast<std::size_t>(r - ranges.begin())];
+      o->runs_.push_back(Run{g, r->group, b, stop - b, run_frozen, b});
       b = stop;
     }
+  }
+  ZINF_ASSERT(tiled == partition_elements);
+  // The frozen runs' moments are zero and stay so: only the other runs' are stored, packed.
+  std::size_t moment_elements = partition_elements;
+  for (Run& r : o->runs_) {
+    if (!r.frozen) continue;
+    o->packed_ = true;
+    if (o->groups_[r.group].dtype != DType::kF32) {
+      o->zero_elements_ = std::max(o->zero_elements_, std::min(r.count, kZeroElementsMax));
+    }
+  }
+  if (o->packed_) {
+    std::size_t next = 0;
+    for (Run& r : o->runs_) {
+      if (r.frozen) {
+        r.moment = kNoMoment;
+        continue;
+      }
+      // Congruent to the run's offset modulo 16 elements: where the master and gradients of a
+      // run are 16-byte aligned, so are its moments, and the kernel's vector path stays.
+      r.moment = (next + 15) / 16 * 16 + r.offset % 16;
+      next = r.moment + r.count;
+    }
+    moment_elements = next;
   }
   ZINF_ASSIGN_OR_RETURN(o->ops_, make_device_ops(device));
   ZINF_ASSIGN_OR_RETURN(o->stream_, device.create_stream("optimizer"));
   const std::size_t bytes = std::max<std::size_t>(partition_elements, 1) * sizeof(float);
+  const std::size_t moment_bytes = std::max<std::size_t>(moment_elements, 1) * sizeof(float);
   ZINF_ASSIGN_OR_RETURN(o->master_, DeviceBuffer::allocate(device, bytes));
-  ZINF_ASSIGN_OR_RETURN(o->exp_avg_, DeviceBuffer::allocate(device, bytes));
-  ZINF_ASSIGN_OR_RETURN(o->exp_avg_sq_, DeviceBuffer::allocate(device, bytes));
+  ZINF_ASSIGN_OR_RETURN(o->exp_avg_, DeviceBuffer::allocate(device, moment_bytes));
+  ZINF_ASSIGN_OR_RETURN(o->exp_avg_sq_, DeviceBuffer::allocate(device, moment_bytes));
   ZINF_ASSIGN_OR_RETURN(o->grads_, DeviceBuffer::allocate(device, bytes));
   std::size_t half_bytes = 0;
   for (const Group& g : o->groups_) {
@@ -84,10 +121,18 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   ZINF_ASSIGN_OR_RETURN(o->scratch_, DeviceBuffer::allocate(device, kScratchFloats * 4));
   ZINF_ASSIGN_OR_RETURN(o->result_, RegisteredBuffer::allocate(device, sizeof(float)));
   Stream& s = *o->stream_;
+  if (o->zero_elements_ > 0) {
+    const std::size_t zero_bytes = o->zero_elements_ * sizeof(float);
+    for (DeviceBuffer* b : {&o->zero_grads_, &o->zero_exp_avg_, &o->zero_exp_avg_sq_}) {
+      ZINF_ASSIGN_OR_RETURN(*b, DeviceBuffer::allocate(device, zero_bytes));
+      ZINF_RETURN_IF_ERROR(device.memset_async(b->data(), 0, zero_bytes, s));
+    }
+  }
   ZINF_RETURN_IF_ERROR(device.copy_h2d(o->master_.data(), master, partition_elements * 4, s));
-  ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, bytes, s));
-  ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, bytes, s));
+  ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, moment_bytes, s));
+  ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->grads_.data(), 0, bytes, s));
+  ZINF_RETURN_IF_ERROR(o->round_frozen(0, partition_elements));
   ZINF_RETURN_IF_ERROR(device.synchronize(s, timeout));
   return o;
 }
@@ -119,19 +164,40 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
   std::size_t run = 0;
   for (std::uint32_t gi = 0; gi < groups_.size(); ++gi) {
     const Group& g = groups_[gi];
-    // The overflow check ran before the step: the flag is not read.
-    ZINF_RETURN_IF_ERROR(
-        ops_->scale(grads_.as<float>() + g.offset, g.count, grad_scale, flag, *stream_));
-    for (; run < runs_.size() && runs_[run].group == gi; ++run) {
-      const Run& r = runs_[run];
+    const std::size_t first_run = run;
+    while (run < runs_.size() && runs_[run].group == gi) ++run;
+    // The gradients of each stretch of runs that are not frozen: a frozen run's are zero, which
+    // the scale leaves zero. The overflow check ran before the step: the flag is not read.
+    for (std::size_t k = first_run; k < run;) {
+      if (runs_[k].frozen) {
+        ++k;
+        continue;
+      }
+      std::size_t e = k;
+      while (e < run && !runs_[e].frozen) ++e;
+      const std::size_t lo = runs_[k].offset;
+      const std::size_t hi = runs_[e - 1].offset + runs_[e - 1].count;
+      ZINF_RETURN_IF_ERROR(
+          ops_->scale(grads_.as<float>() + lo, hi - lo, grad_scale, flag, *stream_));
+      k = e;
+    }
+    for (std::size_t k = first_run; k < run; ++k) {
+      const Run& r = runs_[k];
       ZINF_ASSERT(r.param_group < groups.size());
+      if (r.frozen) {
+        ZINF_ASSERT(groups[r.param_group].lr == 0 && groups[r.param_group].weight_decay == 0);
+        // Zero moments and gradient at learning rate 0: the step would leave every bit as it is
+        // (the half copy was rounded from this master).
+        if (packed_) continue;
+      }
       const std::size_t at = r.offset;
       void* half = g.dtype == DType::kF32
                        ? nullptr
                        : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
       ZINF_RETURN_IF_ERROR(ops_->adam_step(master_.as<float>() + at, grads_.as<float>() + at,
-                                           exp_avg_.as<float>() + at, exp_avg_sq_.as<float>() + at,
-                                           half, g.dtype, r.count, args[r.param_group], *stream_));
+                                           exp_avg_.as<float>() + r.moment,
+                                           exp_avg_sq_.as<float>() + r.moment, half, g.dtype,
+                                           r.count, args[r.param_group], *stream_));
     }
   }
   return device_.synchronize(*stream_, timeout_);
@@ -152,21 +218,133 @@ DeviceBuffer& DeviceOptimizer::state(int which, std::size_t first, std::size_t c
   return which == 0 ? master_ : which == 1 ? exp_avg_ : exp_avg_sq_;
 }
 
+template <typename Fn>
+Status DeviceOptimizer::for_each_run(std::size_t first, std::size_t count, Fn fn) {
+  const std::size_t end = first + count;
+  auto it = std::upper_bound(runs_.begin(), runs_.end(), first,
+                             [](std::size_t e, const Run& r) { return e < r.offset; });
+  if (it != runs_.begin()) --it;
+  for (; it != runs_.end() && it->offset < end; ++it) {
+    const std::size_t lo = std::max(first, it->offset);
+    const std::size_t hi = std::min(end, it->offset + it->count);
+    if (lo < hi) ZINF_RETURN_IF_ERROR(fn(*it, lo, hi));
+  }
+  return Status::ok();
+}
+
+Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
+  if (!packed_ || zero_elements_ == 0) return Status::ok();
+  // The frozen group's step (learning rate 0, weight decay 0) on zero moments and gradients:
+  // p * (1 - 0) - 0 * 0 / (0 + eps) = p, rounded into the half copy as a step rounds it.
+  kernels::AdamHyper hyper;
+  hyper.lr = 0.0f;
+  hyper.weight_decay = 0.0f;
+  hyper.adamw = true;
+  const kernels::AdamStepArgs args = kernels::adam_step_args(hyper, 1);
+  return for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+    const Group& g = groups_[r.group];
+    if (!r.frozen || g.dtype == DType::kF32) return Status::ok();
+    for (std::size_t b = lo; b < hi; b += zero_elements_) {
+      const std::size_t n = std::min(zero_elements_, hi - b);
+      ZINF_RETURN_IF_ERROR(ops_->adam_step(
+          master_.as<float>() + b, zero_grads_.as<const float>(), zero_exp_avg_.as<float>(),
+          zero_exp_avg_sq_.as<float>(), half_.as<std::byte>() + g.byte_offset + (b - g.offset) * 2,
+          g.dtype, n, args, *stream_));
+    }
+    return Status::ok();
+  });
+}
+
+Status DeviceOptimizer::unpack() {
+  const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
+  std::array<DeviceBuffer, 2> full;
+  for (DeviceBuffer& b : full) {
+    Result<DeviceBuffer> r = DeviceBuffer::allocate(device_, bytes);
+    if (!r.is_ok()) {
+      return r.status().with_context(
+          "non-zero optimizer moments written into a frozen parameter (saved trainable) need "
+          "moments for every element of the partition on the device");
+    }
+    b = std::move(r).value();
+  }
+  std::array<DeviceBuffer*, 2> packed = {&exp_avg_, &exp_avg_sq_};
+  for (std::size_t k = 0; k < full.size(); ++k) {
+    ZINF_RETURN_IF_ERROR(device_.memset_async(full[k].data(), 0, bytes, *stream_));
+    for (const Run& r : runs_) {
+      if (r.frozen) continue;
+      ZINF_RETURN_IF_ERROR(device_.copy_d2d(full[k].as<float>() + r.offset,
+                                            packed[k]->as<const float>() + r.moment,
+                                            r.count * sizeof(float), *stream_));
+    }
+  }
+  ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+  exp_avg_ = std::move(full[0]);
+  exp_avg_sq_ = std::move(full[1]);
+  for (Run& r : runs_) r.moment = r.offset;
+  packed_ = false;
+  // Every run is stepped from now on, which writes the half copy of the frozen ones too.
+  zero_grads_ = DeviceBuffer();
+  zero_exp_avg_ = DeviceBuffer();
+  zero_exp_avg_sq_ = DeviceBuffer();
+  zero_elements_ = 0;
+  return Status::ok();
+}
+
 Status DeviceOptimizer::read_state(int which, std::size_t first, std::size_t count, float* out) {
-  const float* src = state(which, first, count).as<const float>() + first;
-  ZINF_RETURN_IF_ERROR(device_.copy_d2h(out, src, count * sizeof(float), *stream_));
+  const DeviceBuffer& buffer = state(which, first, count);
+  if (which == 0 || !packed_) {
+    ZINF_RETURN_IF_ERROR(
+        device_.copy_d2h(out, buffer.as<const float>() + first, count * sizeof(float), *stream_));
+    return device_.synchronize(*stream_, timeout_);
+  }
+  ZINF_RETURN_IF_ERROR(
+      for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+        float* dst = out + (lo - first);
+        if (r.moment == kNoMoment) {
+          std::memset(dst, 0, (hi - lo) * sizeof(float));
+          return Status::ok();
+        }
+        return device_.copy_d2h(dst, buffer.as<const float>() + r.moment + (lo - r.offset),
+                                (hi - lo) * sizeof(float), *stream_);
+      }));
   return device_.synchronize(*stream_, timeout_);
 }
 
 Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t count,
                                     const float* in) {
-  float* dst = state(which, first, count).as<float>() + first;
-  ZINF_RETURN_IF_ERROR(device_.copy_h2d(dst, in, count * sizeof(float), *stream_));
+  (void)state(which, first, count);
+  if (which != 0 && packed_) {
+    // Zeros for a frozen run are what it holds; anything else (moments saved trainable) is kept,
+    // in moments for the whole partition.
+    bool keep = false;
+    ZINF_RETURN_IF_ERROR(
+        for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+          if (r.frozen && !all_zero_bytes(in + (lo - first), (hi - lo) * sizeof(float))) {
+            keep = true;
+          }
+          return Status::ok();
+        }));
+    if (keep) ZINF_RETURN_IF_ERROR(unpack());
+  }
+  DeviceBuffer& buffer = state(which, first, count);
+  if (which == 0 || !packed_) {
+    ZINF_RETURN_IF_ERROR(
+        device_.copy_h2d(buffer.as<float>() + first, in, count * sizeof(float), *stream_));
+    if (which == 0) ZINF_RETURN_IF_ERROR(round_frozen(first, count));
+    return device_.synchronize(*stream_, timeout_);
+  }
+  ZINF_RETURN_IF_ERROR(
+      for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+        if (r.moment == kNoMoment) return Status::ok();
+        return device_.copy_h2d(buffer.as<float>() + r.moment + (lo - r.offset), in + (lo - first),
+                                (hi - lo) * sizeof(float), *stream_);
+      }));
   return device_.synchronize(*stream_, timeout_);
 }
 
 std::uint64_t DeviceOptimizer::device_bytes() const {
-  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes();
+  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes() +
+         zero_grads_.bytes() + zero_exp_avg_.bytes() + zero_exp_avg_sq_.bytes();
 }
 
 }  // namespace zinf

@@ -15,6 +15,23 @@
 // group is one adam_step launch with that group's per-step scalars. Pieces start at parameter or
 // slice boundaries (multiples of 16 elements), so every launch keeps the vectorised path.
 //
+// Frozen runs: create() may mark ranges as frozen, their elements those of frozen parameters
+// (ParameterSpec::trainable false) and padding, stepped with learning rate 0 and weight decay 0
+// on a gradient that is always zero (param_groups.hpp): Adam leaves their moments at zero and
+// their master as it is, so while their moments are zero a step is the identity there. Their
+// moments then take no device memory: exp_avg and exp_avg_sq hold the other runs' only, packed
+// (each run's at its own moment offset, kept congruent to its partition offset modulo 16
+// elements so that every launch keeps the vectorised path), and step() launches neither scale
+// nor adam_step over them. Their bf16/f16 copy (what values() returns) is what the step would
+// write, the master rounded: adam_step with the frozen group's scalars over zero scratch moments
+// and gradients (a few MiB, a bounded chunk at a time) writes it at create() and after each
+// write_state() of the master. read_state() gives their moments as zeros and write_state()
+// accepts all-zero ones and stores nothing; non-zero moments written there (a checkpoint saved
+// with the parameter trainable) are kept: the moments are then allocated for the whole partition
+// ("unpacked", for the rest of the optimizer's life) and every run is stepped as any other. The
+// results are the same bits as stepping every run. The gradient accumulator keeps the whole
+// partition (the reducer adds at partition offsets).
+//
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
 // multiply-adds, so results agree with a CPU run to within float rounding, not to the bit.
@@ -49,12 +66,16 @@ class DeviceOptimizer {
   // kUnsupported naming optimizer.type for an optimizer the device cannot step.
   static Status check(const OptimizerParams& params, const Device& device);
   // Allocates the state for `partition_elements` elements and uploads `master` (host memory,
-  // partition_elements floats); the moments start at zero.
+  // partition_elements floats); the moments start at zero. `frozen`, empty or one flag per range:
+  // the ranges whose elements never take a gradient and step with learning rate 0 and weight
+  // decay 0 (above). REQUIRES: the groups lie one after another from element 0 to
+  // partition_elements.
   static Result<std::unique_ptr<DeviceOptimizer>> create(Device& device, std::vector<Group> groups,
                                                          std::size_t partition_elements,
                                                          const float* master,
                                                          std::chrono::milliseconds timeout,
-                                                         std::vector<OptimizerRange> ranges = {});
+                                                         std::vector<OptimizerRange> ranges = {},
+                                                         std::vector<bool> frozen = {});
   ~DeviceOptimizer();
 
   // The fp32 gradient accumulator (device memory, partition_elements floats).
@@ -63,7 +84,8 @@ class DeviceOptimizer {
   Result<double> sum_of_squares();
   // One optimizer step at step number `step` (from 1): grads *= grad_scale, then Adam/AdamW,
   // each range of the partition with groups[its group] (one group, `params`, in the first form).
-  // REQUIRES: every group create()'s ranges name is in `groups`; at most kMaxOptimizerGroups.
+  // REQUIRES: every group create()'s ranges name is in `groups`; at most kMaxOptimizerGroups;
+  // the frozen ranges' group has learning rate 0 and weight decay 0.
   Status step(std::int64_t step, float grad_scale, const OptimizerParams& params);
   Status step(std::int64_t step, float grad_scale, std::span<const OptimizerParams> groups);
   // Group g's new values in its dtype (device memory): the master for f32 groups, else the half
@@ -73,9 +95,16 @@ class DeviceOptimizer {
   Status read_master(std::size_t first, std::size_t count, float* out);
   // Checkpoints: elements [first, first + count) of the master (which 0), exp_avg (1) or
   // exp_avg_sq (2), read into or written from host memory; both return when the copy is done.
+  // Frozen runs' moments read as zeros; a write of non-zero moments into one allocates the
+  // moments of the whole partition first (kResourceExhausted, nothing written, when the device
+  // has no room for them).
   Status read_state(int which, std::size_t first, std::size_t count, float* out);
   Status write_state(int which, std::size_t first, std::size_t count, const float* in);
+  // The device memory the optimizer holds: master, moments, gradients, half copy, scratch.
   std::uint64_t device_bytes() const;
+  // Whether the frozen runs' moments take no memory (there are frozen runs, and no non-zero
+  // moment was written into one).
+  bool packed() const { return packed_; }
 
  private:
   DeviceOptimizer(Device& device, std::chrono::milliseconds timeout)
@@ -83,6 +112,16 @@ class DeviceOptimizer {
   // The buffer read_state() and write_state() mean by `which`, once [first, first + count) is
   // checked to lie inside the partition.
   DeviceBuffer& state(int which, std::size_t first, std::size_t count);
+  // Calls fn(run, lo, hi) for each run that elements [first, first + count) meet, with the
+  // elements [lo, hi) of it they hold, in order.
+  template <typename Fn>
+  Status for_each_run(std::size_t first, std::size_t count, Fn fn);
+  // The bf16/f16 copy of the frozen runs' elements in [first, first + count) rounded from the
+  // master, as a step writes it (while packed).
+  Status round_frozen(std::size_t first, std::size_t count);
+  // Moments for the whole partition: the packed ones moved to their partition offsets, the
+  // frozen runs' zero; from now on every run is stepped.
+  Status unpack();
 
   Device& device_;
   std::chrono::milliseconds timeout_;
@@ -92,7 +131,10 @@ class DeviceOptimizer {
     std::uint32_t param_group = 0;  // the parameter group whose hyper-parameters apply
     std::size_t offset = 0;         // first element in the partition
     std::size_t count = 0;
+    bool frozen = false;     // create()'s frozen ranges
+    std::size_t moment = 0;  // first element of its moments (kNoMoment: none, packed)
   };
+  static constexpr std::size_t kNoMoment = SIZE_MAX;
   std::vector<Group> groups_;
   std::vector<Run> runs_;  // in partition order
   std::size_t partition_elements_ = 0;
@@ -101,6 +143,10 @@ class DeviceOptimizer {
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
   DeviceBuffer half_;     // the half groups' new values, packed as the engine packs them
   DeviceBuffer scratch_;  // sum-of-squares partials, its result, the scale's inf flag
+  // While packed: zero gradients and moments for round_frozen(), zero_elements_ floats each.
+  DeviceBuffer zero_grads_, zero_exp_avg_, zero_exp_avg_sq_;
+  std::size_t zero_elements_ = 0;
+  bool packed_ = false;
   RegisteredBuffer result_;
 };
 

@@ -1,13 +1,15 @@
 // DeviceState: the optimizer state in device memory (offload_optimizer "none" on a device that
 // is not host-accessible), stepped by DeviceOptimizer. The host sees only what it asks for: the
 // norm, and the master or moments read back in bounded chunks; the new values go from the device
-// optimizer's buffers straight into the shards.
+// optimizer's buffers straight into the shards. The frozen parameters' runs (the frozen group's,
+// param_groups.hpp) are the device optimizer's frozen runs: their moments take no device memory.
 #include <algorithm>
 #include <vector>
 
 #include "base/aligned.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/optimizer_state.hpp"
+#include "engine/param_groups.hpp"
 
 namespace zinf {
 namespace {
@@ -15,6 +17,24 @@ namespace {
 // Which state DeviceOptimizer::read_state and write_state mean by `piece`.
 int piece_index(Piece piece) {
   return piece == Piece::kParams ? 0 : piece == Piece::kExpAvg ? 1 : 2;
+}
+
+// For each of `ranges` (over the partition of ctx.rank): whether it is the frozen parameters'
+// group's (the last of ctx.groups, learning rate 0 and weight decay 0) and holds no trainable
+// element, so its gradient is always zero and its moments stay zero.
+std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const OptimizerRange> ranges) {
+  std::vector<bool> out(ranges.size(), false);
+  if (ctx.groups.size() < 2) return out;
+  const std::size_t total = ctx.layout->partition_elements();
+  auto end = [&](std::size_t r) { return r + 1 < ranges.size() ? ranges[r + 1].begin : total; };
+  const std::vector<bool> untrained = frozen_runs(
+      *ctx.layout, ctx.rank, ranges.size(), [&](std::size_t r) { return ranges[r].begin; },
+      [&](std::size_t r) { return end(r) - ranges[r].begin; });
+  const auto frozen = static_cast<std::uint32_t>(ctx.groups.size() - 1);
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    out[r] = ranges[r].group == frozen && untrained[r];
+  }
+  return out;
 }
 
 class DeviceState final : public InMemoryState {
@@ -34,9 +54,12 @@ class DeviceState final : public InMemoryState {
     ZINF_RETURN_IF_ERROR(layout_.fill_master(0, partition_elements_, master.as<float>()));
     pub_.allocate_buffer();
     narrow_all(0, partition_elements_, master.as<const float>());
-    ZINF_ASSIGN_OR_RETURN(opt_, DeviceOptimizer::create(
-                                    *ctx_.device, std::move(groups), partition_elements_,
-                                    master.as<const float>(), ctx_.timeout, context_ranges(ctx_)));
+    std::vector<OptimizerRange> ranges = context_ranges(ctx_);
+    std::vector<bool> frozen = frozen_ranges(ctx_, ranges);
+    ZINF_ASSIGN_OR_RETURN(
+        opt_, DeviceOptimizer::create(*ctx_.device, std::move(groups), partition_elements_,
+                                      master.as<const float>(), ctx_.timeout, std::move(ranges),
+                                      std::move(frozen)));
     return Status::ok();
   }
 

@@ -1,0 +1,250 @@
+// DeviceOptimizer's frozen runs (device_optimizer.hpp), on an opaque HostDevice that runs the
+// kernels' scalar references: an optimizer told which ranges are frozen keeps no moments for
+// them, and its master, moments and bf16 copies are the same bits as those of one that steps
+// every range, through steps, master writes, zero moments written into a frozen run (kept
+// packed) and non-zero ones (the moments then allocated for every element, and decaying).
+#include "engine/device_optimizer.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <vector>
+
+namespace zinf {
+namespace {
+
+constexpr auto kTimeout = std::chrono::seconds(30);
+
+std::vector<float> seeded(std::size_t n, std::uint64_t seed, float lo, float hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (float& x : v) x = dist(rng);
+  return v;
+}
+
+// Three dtype groups (bf16, f32, bf16) cut into runs of the default group (0), a second group
+// (1) and the frozen group (2, learning rate 0 and weight decay 0), frozen runs in each.
+constexpr std::size_t kPartition = 12'008;
+const std::vector<DeviceOptimizer::Group> kGroups = {
+    {0, 4000, 0, DType::kBF16}, {4000, 3000, 8000, DType::kF32}, {7000, 5008, 8000, DType::kBF16}};
+const std::vector<OptimizerRange> kRanges = {{0, 0},    {1024, 2}, {2048, 1}, {4000, 2},
+                                             {5600, 0}, {7000, 2}, {9000, 1}, {11'003, 2}};
+constexpr std::uint32_t kFrozenGroup = 2;
+
+std::size_t range_end(std::size_t r) {
+  return r + 1 < kRanges.size() ? kRanges[r + 1].begin : kPartition;
+}
+
+std::vector<bool> frozen_flags() {
+  std::vector<bool> out;
+  for (const OptimizerRange& r : kRanges) out.push_back(r.group == kFrozenGroup);
+  return out;
+}
+
+// Whether partition element e is in a frozen range.
+std::vector<bool> frozen_elements() {
+  std::vector<bool> out(kPartition, false);
+  for (std::size_t r = 0; r < kRanges.size(); ++r) {
+    if (kRanges[r].group != kFrozenGroup) continue;
+    std::fill(out.begin() + static_cast<std::ptrdiff_t>(kRanges[r].begin),
+              out.begin() + static_cast<std::ptrdiff_t>(range_end(r)), true);
+  }
+  return out;
+}
+
+std::vector<OptimizerParams> group_params() {
+  OptimizerParams base;
+  base.kind = OptimizerKind::kAdamW;
+  base.lr = 1e-2;
+  base.weight_decay = 0.01;
+  OptimizerParams second = base;
+  second.lr = 3e-2;
+  second.weight_decay = 0.1;
+  OptimizerParams frozen = base;
+  frozen.lr = 0;
+  frozen.weight_decay = 0;
+  return {base, second, frozen};
+}
+
+class DeviceOptimizerFrozen : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    HostDeviceOptions o;
+    o.opaque = true;
+    device_ = std::move(make_host_device(o)).value();
+    stream_ = std::move(device_->create_stream("test")).value();
+    master_ = seeded(kPartition, 8101, -1.0f, 1.0f);
+    packed_ = std::move(DeviceOptimizer::create(*device_, kGroups, kPartition, master_.data(),
+                                                kTimeout, kRanges, frozen_flags()))
+                  .value();
+    full_ = std::move(DeviceOptimizer::create(*device_, kGroups, kPartition, master_.data(),
+                                              kTimeout, kRanges))
+                .value();
+  }
+
+  // Seeded gradients, zero on the frozen elements (they take none), into both accumulators.
+  void set_grads(std::uint64_t seed) {
+    std::vector<float> g = seeded(kPartition, seed, -0.5f, 0.5f);
+    const std::vector<bool> frozen = frozen_elements();
+    for (std::size_t e = 0; e < kPartition; ++e) {
+      if (frozen[e]) g[e] = 0.0f;
+    }
+    for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+      ASSERT_TRUE(device_->copy_h2d(o->grads(), g.data(), g.size() * 4, *stream_).is_ok());
+      ASSERT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
+    }
+  }
+
+  void step_both(std::int64_t step) {
+    const std::vector<OptimizerParams> groups = group_params();
+    for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+      ASSERT_TRUE(o->step(step, 0.5f, groups).is_ok());
+    }
+  }
+
+  // Piece `which` read in chunks of 1000 elements (chunks that end inside runs).
+  std::vector<float> read(DeviceOptimizer& o, int which) {
+    std::vector<float> out(kPartition);
+    for (std::size_t first = 0; first < kPartition; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+      EXPECT_TRUE(o.read_state(which, first, count, out.data() + first).is_ok());
+    }
+    return out;
+  }
+  void write(DeviceOptimizer& o, int which, const std::vector<float>& in) {
+    for (std::size_t first = 0; first < kPartition; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+      ASSERT_TRUE(o.write_state(which, first, count, in.data() + first).is_ok());
+    }
+  }
+  std::vector<std::uint16_t> half(DeviceOptimizer& o, std::uint32_t g) {
+    std::vector<std::uint16_t> out(kGroups[g].count);
+    EXPECT_TRUE(device_->copy_d2h(out.data(), o.values(g), out.size() * 2, *stream_).is_ok());
+    EXPECT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
+    return out;
+  }
+
+  // The packed optimizer's master, moments and bf16 copies are the full one's, bit for bit.
+  void expect_same(const char* what) {
+    SCOPED_TRACE(what);
+    for (int which = 0; which < 3; ++which) {
+      const std::vector<float> a = read(*packed_, which);
+      const std::vector<float> b = read(*full_, which);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "piece " << which;
+    }
+    for (std::uint32_t g : {0u, 2u}) {
+      EXPECT_EQ(half(*packed_, g), half(*full_, g)) << "group " << g;
+    }
+  }
+
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Stream> stream_;
+  std::vector<float> master_;
+  std::unique_ptr<DeviceOptimizer> packed_, full_;
+};
+
+std::size_t frozen_count() {
+  std::size_t n = 0;
+  for (bool f : frozen_elements()) n += f ? 1 : 0;
+  return n;
+}
+
+TEST_F(DeviceOptimizerFrozen, FrozenMomentsTakeNoDeviceMemoryAndStepTheSameBits) {
+  ASSERT_TRUE(packed_->packed());
+  ASSERT_FALSE(full_->packed());
+  const std::uint64_t frozen_moments = frozen_count() * 8;
+  // The packed optimizer holds zero scratch for the bf16 rounding (three floats per element of
+  // the largest frozen bf16 run, 2003 here) and up to 15 elements of alignment per run.
+  const std::uint64_t extra = 3 * 4 * 2003 + kRanges.size() * 15 * 8;
+  std::printf(
+      "device bytes: every moment %llu, frozen moments packed out %llu; frozen moments "
+      "%llu\n",
+      static_cast<unsigned long long>(full_->device_bytes()),
+      static_cast<unsigned long long>(packed_->device_bytes()),
+      static_cast<unsigned long long>(frozen_moments));
+  EXPECT_LE(packed_->device_bytes() + frozen_moments, full_->device_bytes() + extra);
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    set_grads(900 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("three steps");
+  // The frozen master kept its bits, the trainable one moved.
+  const std::vector<float> m = read(*packed_, 0);
+  const std::vector<bool> frozen = frozen_elements();
+  std::size_t moved = 0;
+  for (std::size_t e = 0; e < kPartition; ++e) {
+    if (frozen[e]) {
+      ASSERT_EQ(std::memcmp(&m[e], &master_[e], 4), 0) << "element " << e;
+    } else {
+      moved += m[e] != master_[e] ? 1 : 0;
+    }
+  }
+  EXPECT_GT(moved, (kPartition - frozen_count()) / 2);
+}
+
+// A checkpoint's master written (new values everywhere, the frozen runs' bf16 copies rounded
+// again), then moments with zeros on the frozen runs (kept packed), then moments saved with
+// every run trainable (non-zero on the frozen runs: kept, the optimizer then unpacked), each
+// followed by steps: the same bits as the optimizer that steps every run, and the frozen moments
+// decay.
+TEST_F(DeviceOptimizerFrozen, CheckpointWritesKeepTheBitsOfTheFullState) {
+  set_grads(700);
+  step_both(1);
+  const std::uint64_t packed_bytes = packed_->device_bytes();
+  // A new master.
+  const std::vector<float> master = seeded(kPartition, 8102, -2.0f, 2.0f);
+  write(*packed_, 0, master);
+  write(*full_, 0, master);
+  set_grads(701);
+  step_both(2);
+  expect_same("master written");
+  // Moments with zeros on the frozen runs: nothing more allocated.
+  const std::vector<bool> frozen = frozen_elements();
+  for (int which = 1; which < 3; ++which) {
+    std::vector<float> v = seeded(kPartition, 8103 + static_cast<std::uint64_t>(which), 0.0f, 0.1f);
+    for (std::size_t e = 0; e < kPartition; ++e) {
+      if (frozen[e]) v[e] = 0.0f;
+    }
+    write(*packed_, which, v);
+    write(*full_, which, v);
+    const std::vector<float> back = read(*packed_, which);
+    EXPECT_EQ(std::memcmp(back.data(), v.data(), v.size() * 4), 0) << "piece " << which;
+  }
+  EXPECT_TRUE(packed_->packed());
+  EXPECT_EQ(packed_->device_bytes(), packed_bytes);
+  set_grads(702);
+  step_both(3);
+  expect_same("zero frozen moments written");
+  // Moments saved with every run trainable.
+  std::vector<std::vector<float>> loaded;
+  for (int which = 1; which < 3; ++which) {
+    loaded.push_back(seeded(kPartition, 8105 + static_cast<std::uint64_t>(which), 0.01f, 0.1f));
+    write(*packed_, which, loaded.back());
+    write(*full_, which, loaded.back());
+    EXPECT_FALSE(packed_->packed()) << "piece " << which;
+    const std::vector<float> back = read(*packed_, which);
+    EXPECT_EQ(std::memcmp(back.data(), loaded.back().data(), back.size() * 4), 0)
+        << "piece " << which;
+  }
+  EXPECT_EQ(packed_->device_bytes(), full_->device_bytes());
+  for (std::int64_t step = 4; step <= 5; ++step) {
+    set_grads(700 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("non-zero frozen moments written");
+  // They decayed: a frozen element's moments are not those loaded.
+  const std::vector<float> m = read(*packed_, 1);
+  std::size_t decayed = 0;
+  for (std::size_t e = 0; e < kPartition; ++e) {
+    if (frozen[e] && m[e] != loaded[0][e]) ++decayed;
+  }
+  EXPECT_EQ(decayed, frozen_count());
+}
+
+}  // namespace
+}  // namespace zinf
