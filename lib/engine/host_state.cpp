@@ -2,14 +2,43 @@
 // "none" on HostDevice, where device memory is host memory), stepped in place by the CPU
 // optimizer, one call per group, so each half group's new values are written in its own dtype
 // into the publisher's buffer by the same pass; f32 groups' new values are the master itself.
+//
+// Frozen parameters: the moments and the gradient accumulator are fresh zero pages
+// (AlignedBuffer::zeroed_pages), which take memory only where they are written. The frozen
+// group's ranges (param_groups.hpp: lr 0, weight decay 0, a gradient that is always zero) are
+// not stepped while their moments are zero, since a step would leave every bit there as it is
+// (their half copy in the publisher's buffer was rounded from this master by publish_master()
+// or master_loaded(), as the step rounds it), and a checkpoint's zeros are not written there; so
+// the frozen moments, and at stages 2 and 3 the frozen share of the accumulator, never become
+// resident. Non-zero moments loaded into a frozen range (saved trainable) are kept, and from
+// then on every range is stepped.
 #include <cstring>
 
+#include "base/aligned.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
+#include "tier/state_store.hpp"
 #include "zinf/optim.hpp"
 
 namespace zinf {
 namespace {
+
+// For each of `ranges` (over the partition of ctx.rank): whether it is the frozen parameters'
+// group's (the last of ctx.groups) and holds no trainable element. (DeviceState asks the same.)
+std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const OptimizerRange> ranges) {
+  std::vector<bool> out(ranges.size(), false);
+  if (ctx.groups.size() < 2) return out;
+  const std::size_t total = ctx.layout->partition_elements();
+  auto end = [&](std::size_t r) { return r + 1 < ranges.size() ? ranges[r + 1].begin : total; };
+  const std::vector<bool> untrained = frozen_runs(
+      *ctx.layout, ctx.rank, ranges.size(), [&](std::size_t r) { return ranges[r].begin; },
+      [&](std::size_t r) { return end(r) - ranges[r].begin; });
+  const auto frozen = static_cast<std::uint32_t>(ctx.groups.size() - 1);
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    out[r] = ranges[r].group == frozen && untrained[r];
+  }
+  return out;
+}
 
 class HostState final : public InMemoryState {
  public:
@@ -19,24 +48,44 @@ class HostState final : public InMemoryState {
     Device& device = *ctx_.device;
     const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
     ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device, bytes));
-    ZINF_ASSIGN_OR_RETURN(exp_avg_, DeviceBuffer::allocate(device, bytes));
-    ZINF_ASSIGN_OR_RETURN(exp_avg_sq_, DeviceBuffer::allocate(device, bytes));
-    ZINF_ASSIGN_OR_RETURN(grads_, DeviceBuffer::allocate(device, bytes));
+    exp_avg_ = AlignedBuffer::zeroed_pages(bytes);
+    exp_avg_sq_ = AlignedBuffer::zeroed_pages(bytes);
+    grads_ = AlignedBuffer::zeroed_pages(bytes);
     ZINF_RETURN_IF_ERROR(layout_.fill_master(0, partition_elements_, master_.as<float>()));
-    std::memset(exp_avg_.data(), 0, bytes);
-    std::memset(exp_avg_sq_.data(), 0, bytes);
     pub_.allocate_buffer();
     const std::vector<OptimizerRange> ranges = context_ranges(ctx_);
+    const std::vector<bool> frozen = frozen_ranges(ctx_, ranges);
+    for (std::size_t r = 0; r < ranges.size(); ++r) {
+      if (!frozen[r]) continue;
+      const std::size_t end = r + 1 < ranges.size() ? ranges[r + 1].begin : partition_elements_;
+      frozen_.push_back({ranges[r].begin, end});
+    }
+    settled_ = !frozen_.empty();
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-      group_ranges_.push_back(
-          slice_ranges(ranges, layout_.offset(g), layout_.group(g).shard_element_count));
+      const std::size_t offset = layout_.offset(g);
+      const std::size_t end = offset + layout_.group(g).shard_element_count;
+      group_ranges_.push_back(slice_ranges(ranges, offset, end - offset));
+      // The stretches of the group between frozen ranges, each with the group's ranges in it.
+      std::vector<Trained> stretches;
+      auto add = [&](std::size_t lo, std::size_t hi) {
+        stretches.push_back({{lo, hi}, slice_ranges(group_ranges_.back(), lo - offset, hi - lo)});
+      };
+      std::size_t at = offset;
+      for (const Stretch& f : frozen_) {
+        const std::size_t lo = std::max(f.begin, offset), hi = std::min(f.end, end);
+        if (lo >= hi) continue;
+        if (lo > at) add(at, lo);
+        at = hi;
+      }
+      if (at < end) add(at, end);
+      trained_.push_back(std::move(stretches));
     }
     return Status::ok();
   }
 
-  // The device buffer is not fresh zero pages; the reducer never reads a group's slice before
-  // its first reduction since the last step has overwritten it.
-  GradTarget grad_target() override { return {.accumulator = grads_.as<float>()}; }
+  // Fresh zero pages: the reducer does not clear them, and never writes the frozen slices at
+  // stages 2 and 3.
+  GradTarget grad_target() override { return {.accumulator = grads_.as<float>(), .zeroed = true}; }
   Result<double> local_sum_of_squares() override {
     return sum_of_squares(grads_.as<const float>(), partition_elements_);
   }
@@ -48,19 +97,17 @@ class HostState final : public InMemoryState {
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
       const GroupInfo& info = layout_.group(g);
       const std::size_t offset = layout_.offset(g);
-      OptimizerSpan span;
-      span.params = master_.as<float>() + offset;
-      span.exp_avg = exp_avg_.as<float>() + offset;
-      span.exp_avg_sq = exp_avg_sq_.as<float>() + offset;
-      span.grads = grads_.as<float>() + offset;
-      span.grad_dtype = DType::kF32;
-      if (info.dtype != DType::kF32) {
-        span.params_half = pub_.buffer(g);
-        span.half_dtype = info.dtype;
+      if (!settled_) {
+        ZINF_RETURN_IF_ERROR(
+            step_stretch(g, offset, info.shard_element_count, group_ranges_[g], so));
+        continue;
       }
-      span.count = info.shard_element_count;
-      ZINF_ASSIGN_OR_RETURN(StepResult r, optimizer_step(groups_, group_ranges_[g], span, so));
-      (void)r;
+      // The frozen ranges are passed over: the result is that of the whole group's call, bit for
+      // bit (optimizer_step() over ranges equals one call per range).
+      for (const Trained& t : trained_[g]) {
+        ZINF_RETURN_IF_ERROR(
+            step_stretch(g, t.stretch.begin, t.stretch.end - t.stretch.begin, t.ranges, so));
+      }
     }
     return StepStats{};
   }
@@ -99,20 +146,76 @@ class HostState final : public InMemoryState {
     return Status::ok();
   }
   Status read_state(Piece piece, StateVisitor fn) override {
-    return fn(0, partition_elements_, buffer(piece).as<const float>());
+    return fn(0, partition_elements_, buffer(piece));
   }
+  // While the frozen moments are zero, a moment's frozen ranges are filled into a bounded
+  // scratch block and copied only when what is loaded there is not all zero (then every range
+  // is stepped from now on); the rest is filled in place.
   Status write_state(Piece piece, StateFill fill) override {
-    return fill(0, partition_elements_, buffer(piece).as<float>());
+    float* dst = buffer(piece);
+    if (piece == Piece::kParams || !settled_) return fill(0, partition_elements_, dst);
+    constexpr std::size_t kScratchElements = std::size_t{1} << 20;
+    std::vector<float> scratch;
+    std::size_t at = 0;
+    for (const Stretch& f : frozen_) {
+      if (f.begin > at) ZINF_RETURN_IF_ERROR(fill(at, f.begin - at, dst + at));
+      for (std::size_t b = f.begin; b < f.end; b += kScratchElements) {
+        const std::size_t count = std::min(kScratchElements, f.end - b);
+        if (scratch.size() < count) scratch.resize(count);
+        ZINF_RETURN_IF_ERROR(fill(b, count, scratch.data()));
+        if (settled_ && all_zero_bytes(scratch.data(), count * sizeof(float))) continue;
+        settled_ = false;
+        std::memcpy(dst + b, scratch.data(), count * sizeof(float));
+      }
+      at = f.end;
+    }
+    if (at < partition_elements_)
+      ZINF_RETURN_IF_ERROR(fill(at, partition_elements_ - at, dst + at));
+    return Status::ok();
   }
 
+  // The moments and the accumulator are counted whole, as mapped; the pages of them never
+  // written (a frozen parameter's) take no memory.
   void add_memory(MemoryReport& report) const override {
     report.device_bytes +=
         master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes();
   }
 
  private:
-  DeviceBuffer& buffer(Piece piece) {
-    return piece == Piece::kParams ? master_ : piece == Piece::kExpAvg ? exp_avg_ : exp_avg_sq_;
+  // Elements [begin, end) of the partition.
+  struct Stretch {
+    std::size_t begin = 0, end = 0;
+  };
+  // A stretch of a dtype group that is stepped while the frozen moments are zero, and the
+  // group's ranges in it (relative to its first element).
+  struct Trained {
+    Stretch stretch;
+    std::vector<OptimizerRange> ranges;
+  };
+
+  float* buffer(Piece piece) {
+    return piece == Piece::kParams   ? master_.as<float>()
+           : piece == Piece::kExpAvg ? exp_avg_.as<float>()
+                                     : exp_avg_sq_.as<float>();
+  }
+  // Elements [first, first + count) of dtype group g (`ranges` relative to `first`) stepped.
+  Status step_stretch(std::uint32_t g, std::size_t first, std::size_t count,
+                      const std::vector<OptimizerRange>& ranges, const StepOptions& so) {
+    const GroupInfo& info = layout_.group(g);
+    OptimizerSpan span;
+    span.params = master_.as<float>() + first;
+    span.exp_avg = exp_avg_.as<float>() + first;
+    span.exp_avg_sq = exp_avg_sq_.as<float>() + first;
+    span.grads = grads_.as<float>() + first;
+    span.grad_dtype = DType::kF32;
+    if (info.dtype != DType::kF32) {
+      span.params_half = pub_.buffer(g) + (first - layout_.offset(g)) * dtype_bytes(info.dtype);
+      span.half_dtype = info.dtype;
+    }
+    span.count = count;
+    ZINF_ASSIGN_OR_RETURN(StepResult r, optimizer_step(groups_, ranges, span, so));
+    (void)r;
+    return Status::ok();
   }
   void narrow(FunctionRef<bool(DType)> want) {
     pub_.narrow_groups(0, partition_elements_, master_.as<const float>(), want,
@@ -121,7 +224,14 @@ class HostState final : public InMemoryState {
 
   // Per dtype group: the parameter groups' runs in it, relative to its offset.
   std::vector<std::vector<OptimizerRange>> group_ranges_;
-  DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
+  // The frozen group's ranges, in order; per dtype group, its stretches between them.
+  std::vector<Stretch> frozen_;
+  std::vector<std::vector<Trained>> trained_;
+  // The frozen ranges' moments are zero (nothing non-zero was written there): they are not
+  // stepped.
+  bool settled_ = false;
+  DeviceBuffer master_;
+  AlignedBuffer exp_avg_, exp_avg_sq_, grads_;
   // master_loaded(): the elements rounded into the buffer since element 0, in order.
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
   std::size_t loaded_elements_ = 0;
