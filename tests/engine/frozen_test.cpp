@@ -160,6 +160,18 @@ std::vector<Case> equivalence_cases() {
   cases.push_back({.world = 2, .stage = 3, .optimizer = OffloadDevice::kNone, .opaque = true});
   cases.push_back({.world = 2, .stage = 2, .optimizer = OffloadDevice::kNone, .opaque = true});
   cases.push_back({.world = 2, .stage = 1, .optimizer = OffloadDevice::kNone, .opaque = true});
+  // bf16 on the device: the frozen module's bf16 copies are rounded from its master, not stepped.
+  cases.push_back({.world = 2,
+                   .stage = 3,
+                   .optimizer = OffloadDevice::kNone,
+                   .dtype = DType::kBF16,
+                   .opaque = true});
+  cases.push_back({.world = 1,
+                   .stage = 2,
+                   .optimizer = OffloadDevice::kNone,
+                   .frozen = "embed",
+                   .dtype = DType::kBF16,
+                   .opaque = true});
   // Every optimizer kind with weight decay, state in host memory and on NVMe.
   for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kAdagrad, OptimizerKind::kLion}) {
     for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
@@ -485,19 +497,27 @@ TEST(Frozen, ACheckpointOfATrainedModuleLoadsFrozenAndKeepsItsBits) {
 }
 
 // Steps [first, last] of `model` on `world` ranks, after loading tag `load` of `ckpt` (unless
-// empty) and before saving tag `save` (unless empty); returns rank 0's masters.
+// empty) and before saving tag `save` (unless empty); returns rank 0's masters. With `opaque`
+// the ranks' devices are opaque HostDevices (the state of offload_optimizer none in device
+// memory, stepped by DeviceOptimizer).
 std::vector<std::vector<float>> train_between_checkpoints(const Config& config, const Model& model,
                                                           int world, const std::string& ckpt,
                                                           const std::string& load, int first,
-                                                          int last, const std::string& save) {
+                                                          int last, const std::string& save,
+                                                          bool opaque = false) {
   std::vector<std::vector<float>> out;
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(world, std::chrono::seconds(30), /*jitter_max_us=*/0, opaque);
   std::vector<Status> st =
-      engine_test::with_engines(config, model, world, [&](int rank, Engine& engine) -> Status {
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        ZINF_RETURN_IF_ERROR(engine.finalize());
         if (!load.empty()) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, load));
         TrainOptions run;
         run.check_gathered = false;
         run.first_step = first;
         run.steps = last;
+        run.device = ranks.devices[static_cast<std::size_t>(rank)].get();
         ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, run, nullptr, nullptr));
         if (!save.empty()) ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, save));
         ZINF_ASSIGN_OR_RETURN(std::vector<std::vector<float>> masters,
@@ -883,6 +903,115 @@ TEST(Frozen, LoraFrozenMomentsTakeNoHostMemory) {
   EXPECT_LT(f.resident_growth_bytes, expected + frozen_moments / 4);
 }
 
+// LoRA with the optimizer state in device memory on the host (offload_optimizer none on a
+// host-accessible device: HostState): the frozen base's moments (8 bytes an element, 512 MiB
+// here) and, at stage 2, its share of the gradient accumulator (4 bytes an element) never become
+// resident. What finalize() and the steps add is at most the fp32 master of every element (4
+// bytes), the bf16 values the step writes and the bf16 parameters on the device (2 + 2 bytes;
+// less where the allocator hands the registered values that finalize() frees back to the
+// system), and the trainable elements' moments and gradients (12 bytes); 128 MiB of slack (a
+// quarter of the frozen moments) covers the rest. With the moments and gradients of every element
+// written, the growth is 768 MiB more.
+TEST(Frozen, LoraFrozenMomentsTakeNoHostMemoryWithTheStateOnTheHostDevice) {
+  if (test::kThreadSanitizer) {
+    GTEST_SKIP() << "measures resident memory, which ThreadSanitizer's shadow memory inflates";
+  }
+  const LoraFootprint f = lora_footprint(OffloadDevice::kNone, "");
+  const std::uint64_t all = f.frozen_elements + f.trainable_elements;
+  const std::uint64_t expected = all * 8 + f.trainable_elements * 12;
+  const std::uint64_t frozen_moments = f.frozen_elements * 8;
+  std::printf(
+      "resident growth %llu bytes; master, bf16 values and parameters, trainable moments and "
+      "gradients %llu; "
+      "frozen moments %llu\n",
+      static_cast<unsigned long long>(f.resident_growth_bytes),
+      static_cast<unsigned long long>(expected), static_cast<unsigned long long>(frozen_moments));
+  EXPECT_LT(f.resident_growth_bytes, expected + frozen_moments / 4);
+}
+
+// The device memory (MemoryReport::device_bytes) of big_lora_model() after finalize() and three
+// AdamW steps, world 1, stage 2, offload_optimizer none on an opaque device (the state in device
+// memory, DeviceOptimizer), with the base frozen, and after finalize() with the base trainable.
+struct LoraDeviceBytes {
+  std::uint64_t frozen_bytes = 0;     // after finalize(), base frozen
+  std::uint64_t stepped_bytes = 0;    // after the three steps, base frozen
+  std::uint64_t trainable_bytes = 0;  // after finalize(), base trainable
+  std::size_t frozen_elements = 0;
+};
+
+LoraDeviceBytes lora_device_bytes() {
+  LoraDeviceBytes out;
+  Model model = big_lora_model();
+  Config config;
+  config.optimizer.kind = OptimizerKind::kAdamW;
+  config.optimizer.lr = 1e-3;
+  config.optimizer.weight_decay = 0.01;
+  config.zero.stage = 2;
+  config.zero.offload_optimizer.device = OffloadDevice::kNone;
+  config.cpu_threads = 2;
+  config.collective_timeout_ms = 120'000;
+  for (const engine_test::ParamDef& d : model.params) {
+    if (d.module == model.frozen_module) out.frozen_elements += d.element_count();
+  }
+  std::vector<std::vector<std::uint16_t>> grads;
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].module == model.frozen_module) continue;
+    std::vector<float> g(model.params[p].element_count());
+    fill_uniform(g.data(), g.size(), 7400 + p, -0.1f, 0.1f);
+    grads.push_back(engine_test::narrow_to_half(g, DType::kBF16));
+  }
+  for (bool frozen : {true, false}) {
+    model.frozen_module = frozen ? "base" : "";
+    engine_test::Ranks ranks = engine_test::make_ranks(1, std::chrono::seconds(120),
+                                                       /*jitter_max_us=*/0, /*opaque=*/true);
+    std::vector<Status> st =
+        engine_test::run_engines(config, ranks, [&](int, Engine& engine) -> Status {
+          ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+          ZINF_RETURN_IF_ERROR(engine.finalize());
+          (frozen ? out.frozen_bytes : out.trainable_bytes) = engine.memory().device_bytes;
+          if (!frozen) return Status::ok();
+          for (int step = 1; step <= 3; ++step) {
+            std::vector<GradientRef> refs;
+            std::size_t k = 0;
+            for (const engine_test::ParamDef& d : model.params) {
+              if (d.module == "base") continue;
+              refs.push_back({d.name, grads[k++].data(), d.element_count(), d.dtype});
+            }
+            ZINF_RETURN_IF_ERROR(engine.gather("lora"));
+            ZINF_RETURN_IF_ERROR(engine.reduce_gradients("lora", refs));
+            ZINF_RETURN_IF_ERROR(engine.release("lora"));
+            ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
+            (void)report;
+          }
+          out.stepped_bytes = engine.memory().device_bytes;
+          return Status::ok();
+        });
+    EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
+  }
+  return out;
+}
+
+// LoRA with the optimizer state in device memory (offload_optimizer none on a GPU, here an
+// opaque device): the frozen base's moments (8 bytes an element, 512 MiB here) take no device
+// memory. The device bytes with the base frozen are those with it trainable less the frozen
+// moments, plus the device optimizer's zero scratch (12 MiB at most) and its alignment, and
+// three steps allocate no moments.
+TEST(Frozen, LoraFrozenMomentsTakeNoDeviceMemory) {
+  const LoraDeviceBytes b = lora_device_bytes();
+  const std::uint64_t frozen_moments = b.frozen_elements * 8;
+  const std::uint64_t scratch = std::uint64_t{12} << 20;
+  std::printf(
+      "device bytes after finalize: base trainable %llu, base frozen %llu (after three steps "
+      "%llu); frozen moments %llu\n",
+      static_cast<unsigned long long>(b.trainable_bytes),
+      static_cast<unsigned long long>(b.frozen_bytes),
+      static_cast<unsigned long long>(b.stepped_bytes),
+      static_cast<unsigned long long>(frozen_moments));
+  EXPECT_LE(b.frozen_bytes + frozen_moments, b.trainable_bytes + scratch + 4096);
+  EXPECT_GE(b.frozen_bytes + frozen_moments, b.trainable_bytes);
+  EXPECT_LT(b.stepped_bytes, b.trainable_bytes - frozen_moments / 2);
+}
+
 // The optimizer state a checkpoint's rank 0 file holds: after its 4096-byte header, the master,
 // exp_avg and exp_avg_sq of every partition element (f32); the partition's size is the
 // manifest's. Empty when the files are not there.
@@ -932,16 +1061,26 @@ std::size_t find_in_master(const SavedState& s, const std::vector<float>& values
 // for bit.
 TEST(Frozen, LoraCheckpointHoldsZeroMomentsForTheFrozenBase) {
   const Model model = lora_model(DType::kF32);
-  for (auto [opt, sub_group_size] : {std::pair{OffloadDevice::kHost, std::size_t{1'000'000'000}},
-                                     std::pair{OffloadDevice::kNvme, std::size_t{1'000'000'000}},
-                                     std::pair{OffloadDevice::kNvme, std::size_t{700}}}) {
-    const std::string name = fmt::format("{}_sg{}", offload_device_name(opt), sub_group_size);
+  struct Home {
+    OffloadDevice opt;
+    std::size_t sub_group_size;
+    bool opaque;  // offload_optimizer none on an opaque device: the device optimizer's state
+  };
+  for (const Home h :
+       {Home{OffloadDevice::kHost, 1'000'000'000, false},
+        Home{OffloadDevice::kNvme, 1'000'000'000, false}, Home{OffloadDevice::kNvme, 700, false},
+        Home{OffloadDevice::kNone, 1'000'000'000, false},
+        Home{OffloadDevice::kNone, 1'000'000'000, true}}) {
+    const OffloadDevice opt = h.opt;
+    const std::size_t sub_group_size = h.sub_group_size;
+    const std::string name = fmt::format("{}_sg{}{}", offload_device_name(opt), sub_group_size,
+                                         h.opaque ? "_opaque" : "");
     SCOPED_TRACE(name);
     engine_test::ScratchDir dir("frozen_lora_ckpt_" + name);
     const std::string ckpt = dir.path() + "/ckpt";
     Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
     config.zero.sub_group_size = sub_group_size;
-    train_between_checkpoints(config, model, 1, ckpt, "", 1, 3, "three");
+    train_between_checkpoints(config, model, 1, ckpt, "", 1, 3, "three", h.opaque);
     EXPECT_EQ(!engine_test::read_file(ckpt + "/three/rank0.blocks").empty(),
               opt == OffloadDevice::kNvme && sub_group_size > 700)
         << "linked";
@@ -966,7 +1105,7 @@ TEST(Frozen, LoraCheckpointHoldsZeroMomentsForTheFrozenBase) {
       EXPECT_TRUE(nonzero) << "piece " << k << ": the trainable moments are zero";
     }
     // Loaded and saved again, with no step between.
-    train_between_checkpoints(config, model, 1, ckpt, "three", 4, 3, "again");
+    train_between_checkpoints(config, model, 1, ckpt, "three", 4, 3, "again", h.opaque);
     const SavedState again = saved_state(ckpt + "/again");
     ASSERT_EQ(again.values.size(), saved.values.size());
     EXPECT_EQ(std::memcmp(again.values.data(), saved.values.data(), saved.values.size() * 4), 0);
@@ -981,15 +1120,18 @@ TEST(Frozen, NonZeroMomentsLoadedIntoAFrozenBaseAreKept) {
   const Model frozen = lora_model(DType::kF32);
   Model trained = frozen;
   trained.frozen_module.clear();
-  for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
-    SCOPED_TRACE(offload_device_name(opt));
-    engine_test::ScratchDir dir(fmt::format("frozen_lora_thawed_{}", offload_device_name(opt)));
+  for (auto [opt, opaque] :
+       {std::pair{OffloadDevice::kHost, false}, std::pair{OffloadDevice::kNvme, false},
+        std::pair{OffloadDevice::kNone, false}, std::pair{OffloadDevice::kNone, true}}) {
+    const std::string name = fmt::format("{}{}", offload_device_name(opt), opaque ? "_opaque" : "");
+    SCOPED_TRACE(name);
+    engine_test::ScratchDir dir("frozen_lora_thawed_" + name);
     const std::string ckpt = dir.path() + "/ckpt";
     Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
     config.zero.sub_group_size = 1'000'000'000;
     const std::vector<std::vector<float>> masters =
-        train_between_checkpoints(config, trained, 1, ckpt, "", 1, 3, "three");
-    train_between_checkpoints(config, frozen, 1, ckpt, "three", 4, 3, "loaded");
+        train_between_checkpoints(config, trained, 1, ckpt, "", 1, 3, "three", opaque);
+    train_between_checkpoints(config, frozen, 1, ckpt, "three", 4, 3, "loaded", opaque);
     const SavedState saved = saved_state(ckpt + "/three");
     const SavedState loaded = saved_state(ckpt + "/loaded");
     ASSERT_FALSE(saved.values.empty());
