@@ -152,6 +152,84 @@ def test_csv_monitor_appends_with_a_header_per_process_run(tmp_path):
     assert [row[0] for row in rows] == ["step", str(GAS * 4), "step", str(GAS * 4)]
 
 
+def check_train_loss_rows(log_dir, step_losses, samples):
+    """Train_Samples_train_loss.csv holds one row per optimizer step, at the samples of the
+    steps before it, with the mean of the step's micro-batch losses; Train_Samples_lr.csv one row
+    per step, at the samples counting it."""
+    header, rows = read_csv(log_dir / "Train_Samples_train_loss.csv")
+    assert header == ["step", "train_loss"]
+    assert [step for step, _ in rows] == [k * samples for k in range(len(step_losses))]
+    for k, ((_, value), losses) in enumerate(zip(rows, step_losses)):
+        assert value == pytest.approx(sum(losses) / len(losses), rel=1e-6), k
+    _, rows = read_csv(log_dir / "Train_Samples_lr.csv")
+    assert [step for step, _ in rows] == [k * samples for k in range(1, len(step_losses) + 1)]
+
+
+def test_train_loss_with_every_backward_before_one_step(tmp_path):
+    # zinf's engine takes the optimizer step at the step() after gradient_accumulation_steps
+    # backward passes however they are interleaved with step() calls: the loss is written in
+    # the backward that completes the accumulation.
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=monitored_config(tmp_path))
+    losses = []
+    try:
+        batches = mlp_batches(STEPS * GAS)
+        for k in range(STEPS):
+            for batch in batches[k * GAS:(k + 1) * GAS]:
+                loss = mlp_loss(engine, batch)
+                losses.append(loss.item())
+                engine.backward(loss)
+            engine.step()
+        assert engine.global_steps == STEPS
+        samples = engine.train_batch_size()
+    finally:
+        engine.destroy()
+    check_train_loss_rows(tmp_path / "run1",
+                          [losses[k * GAS:(k + 1) * GAS] for k in range(STEPS)], samples)
+
+
+def test_train_loss_on_the_trainers_path_with_a_partial_last_accumulation(tmp_path):
+    # The Trainer under Accelerate: the boundary set before each backward, the loss divided by
+    # the micro-batches of its accumulation (fewer in the last one), backward with
+    # scale_wrt_gas=False, then step() after every micro-batch. DeepSpeed sums the losses as
+    # given, so each row is the accumulation's mean.
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=monitored_config(tmp_path))
+    groups = [[0, 1], [2, 3], [4]]
+    batches = mlp_batches(5)
+    losses = []
+    try:
+        for group in groups:
+            for position, index in enumerate(group):
+                engine.set_gradient_accumulation_boundary(position == len(group) - 1)
+                loss = mlp_loss(engine, batches[index])
+                losses.append(loss.item())
+                engine.backward(loss / len(group), scale_wrt_gas=False)
+                engine.step()
+        assert engine.global_steps == len(groups)
+        samples = engine.train_batch_size()
+    finally:
+        engine.destroy()
+    check_train_loss_rows(tmp_path / "run1", [[losses[i] for i in group] for group in groups],
+                          samples)
+
+
+def test_train_loss_without_gradient_accumulation(tmp_path):
+    config = monitored_config(tmp_path)
+    config["gradient_accumulation_steps"] = 1
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=config)
+    losses = []
+    try:
+        for batch in mlp_batches(3):
+            loss = mlp_loss(engine, batch)
+            losses.append(loss.item())
+            engine.backward(loss)
+            engine.step()
+        samples = engine.train_batch_size()
+        assert samples == 4
+    finally:
+        engine.destroy()
+    check_train_loss_rows(tmp_path / "run1", [[loss] for loss in losses], samples)
+
+
 def test_monitor_write_events_adds_a_scripts_events(tmp_path):
     config = mlp_config(1)
     config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path)}

@@ -767,9 +767,8 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         if monitor is not None and monitor.enabled:
             # DeepSpeed's train_loss: the sum over the step's micro-batches of each loss's mean
             # as its backward takes it (divided by gradient_accumulation_steps unless
-            # scale_wrt_gas is False), so the micro-batches' mean; written at the boundary's
-            # backward with the samples of the steps before this one.
-            boundary = self.is_gradient_accumulation_boundary()
+            # scale_wrt_gas is False), so the micro-batches' mean; written at the backward that
+            # completes the accumulation, with the samples of the steps before this one.
             logged = (loss.float() / steps if steps > 1 and scale_wrt_gas else loss)
             logged = logged.mean().detach()
         if not scale_wrt_gas and steps != 1:
@@ -778,6 +777,12 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         if logged is not None:
             losses = self.__dict__.get("_monitor_losses")
             self._monitor_losses = logged if losses is None else losses + logged
+            # Whether the next step() applies the optimizer, by step()'s own rule, now that this
+            # micro-batch is counted: so also where every backward of the accumulation comes
+            # before a single step() (is_gradient_accumulation_boundary() asked before the
+            # backward would see the count of the first one there).
+            override = self._boundary_override
+            boundary = (self.micro_steps % steps == 0) if override is None else override
             if boundary and self.global_rank == 0:
                 monitor.write_events([("Train/Samples/train_loss", self._monitor_losses.item(),
                                        self.global_samples)])
