@@ -261,11 +261,7 @@ TEST(ReadOptimizerStateErrors, AFailureOnOneRankFailsEveryRankAndStaysNoFailure)
   std::vector<std::vector<float>> again(kWorld, std::vector<float>(count));
   const std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
-    FaultSpec spec;
-    spec.eio_rate = 1.0;
-    spec.writes = false;
-    auto faults = std::make_shared<FaultInjector>(spec);
-    faults->set_enabled(false);
+    auto faults = engine_test::failing_io(/*reads=*/true);
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
                           engine_test::open_rank(ranks, rank, config, faults));
     engine_test::TrainOptions rank_options = options;
