@@ -25,6 +25,7 @@ import torch
 
 import zinf._monitor as _monitor
 import zinf.deepspeed_compat as compat
+import zinf.torch as _zt
 from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -358,6 +359,44 @@ def test_see_memory_usage_prints_only_when_forced(capsys):
                     f"{memory['nvme_bytes'] / 2**30:.2f} GB"], out
 
 
+def test_see_memory_usage_skips_an_engine_whose_initialize_failed(capsys):
+    # An engine whose initialize() raised stays among the process's engines while something
+    # holds it (here the kept exception's traceback); it has no buffers to report.
+    frozen = make_mlp()
+    for param in frozen.parameters():
+        param.requires_grad_(False)
+    with pytest.raises(ValueError) as failed:
+        ds_initialize(model=frozen, config=mlp_config(2))
+    unfinished = [e for e in _zt._open_engines if not e._core.finalized]
+    assert unfinished, failed.value
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=mlp_config(2))
+    try:
+        compat.see_memory_usage("two engines", force=True)
+        out = capsys.readouterr().out
+    finally:
+        engine.destroy()
+        for other in unfinished:
+            other.destroy()
+    assert out.splitlines()[0] == "two engines"
+    assert f"engine {engine._serial} (rank 0): device " in out
+    assert f"engine {unfinished[0]._serial} " not in out, out
+
+
+def test_see_memory_usage_is_silent_off_rank_0_before_torch_distributed(capsys, monkeypatch):
+    # Before torch.distributed is initialised (under torchrun, ahead of deepspeed.initialize),
+    # the rank is the launcher's, as deepspeed.comm.get_rank() gives it.
+    assert not torch.distributed.is_initialized()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    compat.see_memory_usage("off rank 0", force=True)
+    assert capsys.readouterr().out == ""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    compat.see_memory_usage("on rank 0", force=True)
+    assert capsys.readouterr().out.splitlines()[0] == "on rank 0"
+
+
 # ---- two ranks under torchrun ------------------------------------------------------------------
 
 def free_port():
@@ -395,3 +434,10 @@ def test_only_rank_0_writes_its_own_losses(tmp_path):
         assert value != pytest.approx(sum(mine[1]) / RUN_GAS, rel=1e-3), k
     header, rows = read_csv(tmp_path / "logs" / "run2" / "Train_Samples_lr.csv")
     assert [step for step, _ in rows] == [k * samples for k in range(1, RUN_STEPS + 1)]
+    # Every rank wrote an event of its own through engine.monitor.write_events: rank 0's alone
+    # reached the file.
+    assert read_csv(tmp_path / "logs" / "run2" / "Custom_rank.csv") == (["step", "rank"],
+                                                                       [(5, 0.0)])
+    # Every rank called see_memory_usage(force=True): rank 0 alone printed.
+    assert re.findall(r"^memory of rank \d$", done.stdout, re.M) == ["memory of rank 0"], \
+        done.stdout[-3000:]

@@ -503,14 +503,15 @@ def _machine_memory_used() -> tuple[int, float]:
 
 def see_memory_usage(message, force=False):
     """deepspeed.runtime.utils.see_memory_usage: nothing unless force is true, nor on a rank
-    other than 0 of torch.distributed's group, as DeepSpeed's. Otherwise, after a garbage
-    collection, prints `message`, this process's resident memory (now and at its peak), the
-    machine's memory in use (DeepSpeed's "CPU Virtual Memory" line) and, for each engine of this
-    process, the bytes of its state on the device, the host and NVMe (engine.memory()): where
-    DeepSpeed prints the accelerator's allocator figures, zinf's device memory is the engine's."""
-    if not force:
-        return
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+    other than 0 (deepspeed.comm's rank: torch.distributed's, or the launcher's before it is
+    initialised), as DeepSpeed's. Otherwise, after a garbage collection, prints `message`, this
+    process's resident memory (now and at its peak), the machine's memory in use (DeepSpeed's
+    "CPU Virtual Memory" line) and, for each engine of this process, the bytes of its state on
+    the device, the host and NVMe (engine.memory()): where DeepSpeed prints the accelerator's
+    allocator figures, zinf's device memory is the engine's. An engine whose initialize() failed
+    before it was finalized (one still referenced, by a kept exception say) has no buffers and
+    is left out; the call never raises for an engine."""
+    if not force or _comm_get_rank() != 0:
         return
     gc.collect()
     gib = 1024**3
@@ -520,9 +521,15 @@ def see_memory_usage(message, force=False):
              f"CPU RSS {rss / gib:.2f} GB, peak {peak / gib:.2f} GB",
              f"CPU Virtual Memory:  used = {used / gib:.2f} GB, percent = {percent:.1f}%"]
     for engine in sorted(_zt._open_engines, key=lambda e: e._serial):
-        memory = engine.memory()
-        lines.append(f"engine {engine._serial} (rank {engine.global_rank}): device "
-                     f"{memory['device_bytes'] / gib:.2f} GB, host "
+        if not engine._core.finalized:
+            continue
+        name = f"engine {engine._serial} (rank {engine.global_rank})"
+        try:
+            memory = engine.memory()
+        except Exception as error:  # a diagnostic print does not stop the training script
+            lines.append(f"{name}: memory not available: {error}")
+            continue
+        lines.append(f"{name}: device {memory['device_bytes'] / gib:.2f} GB, host "
                      f"{memory['host_bytes'] / gib:.2f} GB, NVMe "
                      f"{memory['nvme_bytes'] / gib:.2f} GB")
     print("\n".join(lines), flush=True)
