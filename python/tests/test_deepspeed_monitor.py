@@ -11,6 +11,7 @@ counts). The CSV monitor keeps one file per event in <output_path>/<job_name>/, 
 event with "/" and " " as "_", headed "step,<last part of the name>", each row "step,value",
 written by Python's csv module (lines end in CRLF)."""
 import csv
+import importlib.machinery
 import io
 import json
 import os
@@ -19,6 +20,7 @@ import resource
 import socket
 import subprocess
 import sys
+import types
 
 import pytest
 import torch
@@ -136,11 +138,16 @@ def test_csv_monitor_writes_deepspeeds_files(tmp_path, fp16):
         assert header == ["step", "loss_scale"]
         assert [step for step, _ in rows] == [k * samples for k in range(1, STEPS + 1)]
         assert [value for _, value in rows] == scales == [256.0, 512.0, 256.0, 256.0]
+        # DeepSpeed's scaler holds the initial scale as an int (2**initial_scale_power) until
+        # it first changes it, by a float factor.
+        with open(log_dir / "Train_Samples_loss_scale.csv", newline="") as f:
+            assert [row[1] for row in csv.reader(f)][1:] == ["256", "512.0", "256.0", "256.0"]
 
 
-def test_csv_monitor_appends_with_a_header_per_process_run(tmp_path):
-    # DeepSpeed opens each file for appending and heads it at its first write in this monitor,
-    # so a second run into the same directory adds a header line and its rows.
+def test_csv_monitor_appends_with_a_header_per_initialize(tmp_path):
+    # DeepSpeed opens each file for appending and heads it at its first write in this monitor
+    # (one per initialize), so a second engine into the same directory, in the same process,
+    # adds a header line and its rows.
     for _ in range(2):
         engine, _, _, scheduler = ds_initialize(model=make_mlp(),
                                                 config=monitored_config(tmp_path))
@@ -320,16 +327,115 @@ def test_wandb_and_comet_warn_that_zinf_does_not_log_to_them(key):
         engine.destroy()
 
 
-@pytest.mark.parametrize("section,message", [
-    ({"enabled": "yes"}, r'"csv_monitor.enabled": expected true or false'),
-    ({"enabled": True, "output_path": 3}, r'"csv_monitor.output_path": expected a string'),
-    ([], r'"csv_monitor": expected an object'),
+@pytest.mark.parametrize("key,section,message", [
+    ("csv_monitor", {"enabled": "yes"}, r'"csv_monitor.enabled": expected true or false'),
+    ("csv_monitor", {"enabled": True, "output_path": 3},
+     r'"csv_monitor.output_path": expected a string'),
+    ("csv_monitor", [], r'"csv_monitor": expected an object'),
+    # DeepSpeed's config models forbid keys they do not define.
+    ("csv_monitor", {"enabled": True, "outputpath": "logs"},
+     r'"csv_monitor.outputpath": not a key of this section \(enabled, output_path, job_name\)'),
+    ("tensorboard", {"enabled": False, "log_dir": "logs"},
+     r'"tensorboard.log_dir": not a key of this section'),
 ])
-def test_a_malformed_monitor_section_is_refused_naming_the_key(section, message):
+def test_a_malformed_monitor_section_is_refused_naming_the_key(key, section, message):
     config = mlp_config(1)
-    config["csv_monitor"] = section
+    config[key] = section
     with pytest.raises(ValueError, match=message):
         ds_initialize(model=make_mlp(), config=config)
+
+
+def test_auto_in_a_monitor_section_is_the_default(tmp_path, monkeypatch):
+    # DeepSpeed's config models drop a key set to "auto" (the Trainer's placeholder), leaving
+    # its default: job_name "auto" writes to DeepSpeedJobName, enabled "auto" is false, and a
+    # section "auto" is no section.
+    monkeypatch.chdir(tmp_path)
+    config = mlp_config(1)
+    config["csv_monitor"] = {"enabled": True, "output_path": "logs", "job_name": "auto"}
+    config["tensorboard"] = {"enabled": "auto", "output_path": "tb"}
+    config["wandb"] = "auto"
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=config)
+    try:
+        assert engine.monitor.enabled
+        assert engine.monitor.tb_monitor is None
+        engine.monitor.write_events([("custom", 1.5, 2)])
+    finally:
+        engine.destroy()
+    assert os.listdir(tmp_path) == ["logs"]
+    assert os.listdir(tmp_path / "logs") == ["DeepSpeedJobName"]
+    assert read_csv(tmp_path / "logs" / "DeepSpeedJobName" / "custom.csv") == (
+        ["step", "custom"], [(2, 1.5)])
+
+
+class FakeSummaryWriter:
+    """torch.utils.tensorboard.SummaryWriter as the tensorboard monitor uses it, recording the
+    calls (the tensorboard package is optional)."""
+    made = []
+
+    def __init__(self, log_dir):
+        self.log_dir = log_dir
+        self.scalars = []
+        self.flushes = 0
+        self.closed = False
+        FakeSummaryWriter.made.append(self)
+
+    def add_scalar(self, name, value, step):
+        assert not self.closed
+        self.scalars.append((name, value, step))
+
+    def flush(self):
+        self.flushes += 1
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture
+def fake_tensorboard(monkeypatch):
+    real_find_spec = _monitor.importlib.util.find_spec
+    monkeypatch.setattr(
+        _monitor.importlib.util, "find_spec",
+        lambda name, *a: (importlib.machinery.ModuleSpec("tensorboard", None)
+                          if name == "tensorboard" else real_find_spec(name, *a)))
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = FakeSummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    FakeSummaryWriter.made.clear()
+    return FakeSummaryWriter.made
+
+
+def test_destroy_closes_the_tensorboard_writer(tmp_path, fake_tensorboard):
+    # SummaryWriter runs a thread of its own until close(): each engine's would outlive it.
+    config = monitored_config(tmp_path, tensorboard={"enabled": True,
+                                                     "output_path": str(tmp_path / "tb")})
+    engine, _, _, scheduler = ds_initialize(model=make_mlp(), config=config)
+    try:
+        losses, _, _ = train(engine, scheduler, mlp_batches(GAS))
+        [writer] = fake_tensorboard
+        assert writer.log_dir == str(tmp_path / "tb" / "DeepSpeedJobName")
+        assert [name for name, _, _ in writer.scalars] == ["Train/Samples/train_loss",
+                                                          "Train/Samples/lr"]
+        assert writer.scalars[0][1] == pytest.approx(sum(losses) / GAS, rel=1e-6)
+        assert not writer.closed
+    finally:
+        engine.destroy()
+    assert writer.closed
+    engine.destroy()  # a second destroy() closes nothing twice
+
+
+def test_a_monitor_that_cannot_be_made_leaves_no_engine_open(tmp_path):
+    # The CSV directory under a regular file: os.makedirs fails on rank 0 after the engine was
+    # built; initialize() destroys it before the error propagates.
+    (tmp_path / "file").write_text("x")
+    config = mlp_config(2)
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "file")}
+    model = make_mlp()
+    open_before = set(_zt._open_engines)
+    with pytest.raises(OSError) as failed:
+        ds_initialize(model=model, config=config)
+    assert set(_zt._open_engines) == open_before, failed.value
+    # destroy() leaves the parameters the engine held as empty placeholders.
+    assert [p.numel() for p in model.parameters()] == [0] * len(list(model.parameters()))
 
 
 def test_see_memory_usage_prints_only_when_forced(capsys):

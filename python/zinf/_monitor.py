@@ -9,15 +9,21 @@ rank 0 writes, as in DeepSpeed (its MonitorMaster makes the monitors on rank 0 a
 - csv_monitor: one file per event name in <output_path>/<job_name>/ (job_name
   "DeepSpeedJobName" unless given; an empty output_path puts it under the working directory):
   the name with "/" and " " replaced by "_", then ".csv". The file is opened for appending, and
-  the first write of each name by this process adds the header line "step,<the name's last
+  the first write of each name by this monitor (one per initialize(), so an engine made again in
+  the same process heads its rows again) adds the header line "step,<the name's last
   '/'-separated part>"; each event is a row "<step>,<value>", through Python's csv module with
   its default (Excel) dialect, so lines end in "\\r\\n", as DeepSpeed's csvMonitor writes them.
 - tensorboard: torch.utils.tensorboard's SummaryWriter on <output_path>/<job_name>/, each event
   one add_scalar(name, value, step), flushed after each write_events(), as DeepSpeed's
-  TensorBoardMonitor. It needs the `tensorboard` package, which zinf does not depend on:
+  TensorBoardMonitor; engine.destroy() closes it. It needs the `tensorboard` package, which zinf does not depend on:
   without it, initialize() raises ImportError naming `tensorboard.enabled` (DeepSpeed raises the
   package's ImportError there too, after printing that it wants `pip install tensorboard`).
 - wandb and comet: not written by zinf; initialize() warns on rank 0, naming the key.
+
+As DeepSpeed's config models (deepspeed/monitor/config.py over DeepSpeedConfigModel), a key set to
+"auto" (the Trainer's placeholder) counts as absent, a section "auto" as no section, and a key the
+csv_monitor or tensorboard section does not define is refused (DeepSpeed's models forbid extra
+keys).
 """
 from __future__ import annotations
 
@@ -29,15 +35,26 @@ import warnings
 # DeepSpeed's defaults (deepspeed/monitor/config.py: TensorBoardConfig, CSVConfig).
 _DEFAULT_JOB_NAME = "DeepSpeedJobName"
 _WRITTEN = ("csv_monitor", "tensorboard")
+# The keys of the written sections (CSVConfig and TensorBoardConfig define the same three).
+_KEYS = ("enabled", "output_path", "job_name")
 _NOT_WRITTEN = {"wandb": "Weights & Biases", "comet": "Comet"}
 
 
 def _section(config: dict, key: str) -> dict:
-    """The config's monitor section `key` ({} when absent), its "enabled" a bool and its paths
-    strings, or ValueError naming the key."""
+    """The config's monitor section `key` ({} when absent or "auto") without its keys set to
+    "auto", its "enabled" a bool and its paths strings, a written section holding no other key,
+    or ValueError naming the key."""
     section = config.get(key, {})
+    if section == "auto":
+        section = {}
     if not isinstance(section, dict):
         raise ValueError(f"config \"{key}\": expected an object, got {section!r}")
+    section = {name: value for name, value in section.items() if value != "auto"}
+    if key in _WRITTEN:
+        for name in section:
+            if name not in _KEYS:
+                raise ValueError(f"config \"{key}.{name}\": not a key of this section "
+                                 f"({', '.join(_KEYS)}), as in DeepSpeed, which refuses it too")
     enabled = section.get("enabled", False)
     if not isinstance(enabled, bool):
         raise ValueError(f"config \"{key}.enabled\": expected true or false, got {enabled!r}")
@@ -112,12 +129,18 @@ class TensorBoardMonitor:
             self.summary_writer.add_scalar(name, value, step)
         self.summary_writer.flush()
 
+    def close(self) -> None:
+        """Flushes the writer and ends its thread."""
+        self.summary_writer.close()
+
 
 class MonitorMaster:
     """engine.monitor: DeepSpeed's MonitorMaster over the config's csv_monitor and tensorboard
     sections. `enabled` is true when one of them is (on every rank, as DeepSpeed's is: a script
-    tests it before it builds its events); write_events(list of (name, value, step)) writes
-    each event to every enabled monitor on rank 0 and does nothing on the other ranks."""
+    tests it before it builds its events; DeepSpeed's is true for an enabled wandb or comet
+    section too); write_events(list of (name, value, step)) writes each event to every enabled
+    monitor on rank 0 and does nothing on the other ranks. close() ends the TensorBoard writer
+    (engine.destroy() calls it); the monitors write nothing afterwards."""
 
     def __init__(self, config: dict, rank: int):
         sections = {key: _section(config, key) for key in _WRITTEN}
@@ -138,3 +161,8 @@ class MonitorMaster:
         for monitor in (self.tb_monitor, self.csv_monitor):
             if monitor is not None:
                 monitor.write_events(event_list)
+
+    def close(self) -> None:
+        tb_monitor, self.tb_monitor, self.csv_monitor = self.tb_monitor, None, None
+        if tb_monitor is not None:
+            tb_monitor.close()

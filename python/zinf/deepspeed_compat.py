@@ -808,9 +808,25 @@ class DeepSpeedEngine(_zt.ZinfEngine):
             return
         events = [("Train/Samples/lr", self.get_lr()[0], self.global_samples)]
         if self.fp16_enabled():
-            events.append(("Train/Samples/loss_scale", self.optimizer.cur_scale,
-                           self.global_samples))
+            # DeepSpeed's scaler holds the initial scale as an int (2**initial_scale_power)
+            # until it first changes it, by a float factor: its rows read "256" until then and
+            # "512.0" after.
+            scale = self.optimizer.cur_scale
+            if self.__dict__.get("_monitor_scale_moved") is False:
+                if scale == self._monitor_initial_scale and float(scale).is_integer():
+                    scale = int(scale)
+                else:
+                    self._monitor_scale_moved = True
+            events.append(("Train/Samples/loss_scale", scale, self.global_samples))
         monitor.write_events(events)
+
+    def destroy(self):
+        """zinf's destroy(); first the monitors are closed (the TensorBoard writer's thread
+        ends)."""
+        monitor = self.__dict__.get("monitor")
+        if monitor is not None:
+            monitor.close()
+        super().destroy()
 
     def _apply_step(self):
         """The engine's optimizer step; then the optimizer object the caller passed to
@@ -985,7 +1001,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         lr_scheduler=lr_scheduler, training_data=training_data, collate_fn=collate_fn)
     engine.__class__ = DeepSpeedEngine
     engine._compat_training_dataloader = loader
-    engine.monitor = _monitor.MonitorMaster(config, engine.global_rank)
+    try:
+        with engine._aborting_on_error("deepspeed.initialize: the monitors"):
+            engine.monitor = _monitor.MonitorMaster(config, engine.global_rank)
+    except BaseException:
+        # Rank 0 could not make its monitors' directory or writer: the engine goes, and with
+        # several ranks the others' next collective fails naming this rank.
+        engine.destroy()
+        raise
+    engine._monitor_initial_scale = engine.loss_scale
+    engine._monitor_scale_moved = False
     _remember_parameters(engine)
     if (engine.global_rank, engine.world_size) != (_comm_get_rank(), _comm_get_world_size()):
         # The engine's communicator and torch.distributed's group were formed from different
