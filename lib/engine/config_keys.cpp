@@ -410,8 +410,16 @@ constexpr std::string_view kProgramSide =
     "the training program's data loading, logging or checkpoint bookkeeping; zinf does not see "
     "it";
 constexpr std::string_view kMonitor =
-    "the training program's logging (zinf.deepspeed_compat writes csv_monitor and tensorboard); "
-    "the engine reports through StepReport, its trace and its counters";
+    "logging of the training program; zinf reports through "
+    "StepReport, its trace and its counters";
+// The monitors zinf.deepspeed_compat writes (python/zinf/_monitor.py) or warns about; the engine
+// itself still leaves them to the program.
+constexpr std::string_view kMonitorWritten =
+    "logging of the training program; the engine reports through StepReport, its trace and its "
+    "counters, and zinf.deepspeed_compat writes this section as DeepSpeed does (docs/PYTHON.md)";
+constexpr std::string_view kMonitorWarned =
+    "logging of the training program; zinf.deepspeed_compat does not log to this service and "
+    "warns when the section is enabled";
 
 constexpr std::string_view kIgnoredByDeepSpeed =
     "DeepSpeed reads no key of this name either (it ignores keys it does not know)";
@@ -468,10 +476,10 @@ const Key kRootKeys[] = {
     {.name = "wall_clock_breakdown", .no_effect = kMonitor},
     {.name = "memory_breakdown", .no_effect = kMonitor},
     {.name = "dump_state", .no_effect = kMonitor},
-    {.name = "tensorboard", .no_effect = kMonitor},
-    {.name = "wandb", .no_effect = kMonitor},
-    {.name = "csv_monitor", .no_effect = kMonitor},
-    {.name = "comet", .no_effect = kMonitor},
+    {.name = "tensorboard", .no_effect = kMonitorWritten},
+    {.name = "wandb", .no_effect = kMonitorWarned},
+    {.name = "csv_monitor", .no_effect = kMonitorWritten},
+    {.name = "comet", .no_effect = kMonitorWarned},
     {.name = "flops_profiler", .no_effect = kMonitor},
     {.name = "comms_logger", .no_effect = kMonitor},
     // In LLaMA-Factory's example configs.
