@@ -554,12 +554,29 @@ void expect_same_masters(const std::vector<std::vector<float>>& got,
 // the module's sub-groups could be passed over (sub-groups of 32) or not (700): steps 4-6 with
 // block1 frozen, saved, and resumed with block1 trainable for steps 7-8 end with the same bits
 // both ways, the state in host memory and on NVMe. A pass that skipped the loaded frozen
-// sub-groups would keep their moments, and block1 would train differently once thawed.
+// sub-groups would keep their moments, and block1 would train differently once thawed. With the
+// state in the host device's memory (offload_optimizer none: HostState, which passes over the
+// frozen ranges until non-zero moments are loaded into them) the same CPU optimizer gives the
+// same bits as the state in host memory.
 TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
   constexpr int kWorld = 2;
   const Model trained = engine_test::make_model(DType::kF32, 97);
   Model frozen = trained;
   frozen.frozen_module = "block1";
+  std::vector<std::vector<float>> host;
+  {
+    engine_test::ScratchDir dir("frozen_decay_none");
+    Config config =
+        engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, dir.path());
+    const std::vector<std::vector<float>> none =
+        train_frozen_between(config, trained, frozen, kWorld, dir.path() + "/ckpt");
+    engine_test::ScratchDir host_dir("frozen_decay_cpu_sg700");
+    config =
+        engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, host_dir.path());
+    config.zero.sub_group_size = 700;
+    host = train_frozen_between(config, trained, frozen, kWorld, host_dir.path() + "/ckpt");
+    expect_same_masters(none, host, trained, "none");
+  }
   for (OffloadDevice opt : {OffloadDevice::kHost, OffloadDevice::kNvme}) {
     std::vector<std::vector<std::vector<float>>> finals;
     for (std::size_t sub_group_size : {std::size_t{32}, std::size_t{700}}) {
