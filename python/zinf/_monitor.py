@@ -15,9 +15,10 @@ rank 0 writes, as in DeepSpeed (its MonitorMaster makes the monitors on rank 0 a
   its default (Excel) dialect, so lines end in "\\r\\n", as DeepSpeed's csvMonitor writes them.
 - tensorboard: torch.utils.tensorboard's SummaryWriter on <output_path>/<job_name>/, each event
   one add_scalar(name, value, step), flushed after each write_events(), as DeepSpeed's
-  TensorBoardMonitor; engine.destroy() closes it. It needs the `tensorboard` package, which zinf does not depend on:
-  without it, initialize() raises ImportError naming `tensorboard.enabled` (DeepSpeed raises the
-  package's ImportError there too, after printing that it wants `pip install tensorboard`).
+  TensorBoardMonitor; engine.destroy() closes it. It needs the `tensorboard` package, which
+  zinf does not depend on: without it, initialize() raises ImportError naming
+  `tensorboard.enabled` (DeepSpeed raises the package's ImportError there too, after printing
+  that it wants `pip install tensorboard`).
 - wandb and comet: not written by zinf; initialize() warns on rank 0, naming the key.
 
 As DeepSpeed's config models (deepspeed/monitor/config.py over DeepSpeedConfigModel), a key set to
