@@ -19,24 +19,6 @@ int piece_index(Piece piece) {
   return piece == Piece::kParams ? 0 : piece == Piece::kExpAvg ? 1 : 2;
 }
 
-// For each of `ranges` (over the partition of ctx.rank): whether it is the frozen parameters'
-// group's (the last of ctx.groups, learning rate 0 and weight decay 0) and holds no trainable
-// element, so its gradient is always zero and its moments stay zero.
-std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const OptimizerRange> ranges) {
-  std::vector<bool> out(ranges.size(), false);
-  if (ctx.groups.size() < 2) return out;
-  const std::size_t total = ctx.layout->partition_elements();
-  auto end = [&](std::size_t r) { return r + 1 < ranges.size() ? ranges[r + 1].begin : total; };
-  const std::vector<bool> untrained = frozen_runs(
-      *ctx.layout, ctx.rank, ranges.size(), [&](std::size_t r) { return ranges[r].begin; },
-      [&](std::size_t r) { return end(r) - ranges[r].begin; });
-  const auto frozen = static_cast<std::uint32_t>(ctx.groups.size() - 1);
-  for (std::size_t r = 0; r < ranges.size(); ++r) {
-    out[r] = ranges[r].group == frozen && untrained[r];
-  }
-  return out;
-}
-
 class DeviceState final : public InMemoryState {
  public:
   explicit DeviceState(const StateContext& ctx) : InMemoryState(ctx) {}
@@ -108,9 +90,16 @@ class DeviceState final : public InMemoryState {
     return Status::ok();
   }
   Status read_state(Piece piece, StateVisitor fn) override {
-    std::vector<float> chunk(chunk_elements());
-    for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
-      const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
+    return read_state_range(piece, 0, partition_elements_, fn);
+  }
+  // Only the elements asked for come down, as read_master's.
+  Status read_state_range(Piece piece, std::size_t begin, std::size_t end,
+                          StateVisitor fn) override {
+    const std::size_t lo = std::min(begin, partition_elements_);
+    const std::size_t hi = std::min(end, partition_elements_);
+    std::vector<float> chunk(std::min(hi - lo, chunk_elements()));
+    for (std::size_t first = lo; first < hi; first += chunk.size()) {
+      const std::size_t count = std::min(chunk.size(), hi - first);
       ZINF_RETURN_IF_ERROR(opt_->read_state(piece_index(piece), first, count, chunk.data()));
       ZINF_RETURN_IF_ERROR(fn(first, count, chunk.data()));
     }

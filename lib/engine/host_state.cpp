@@ -23,23 +23,6 @@
 namespace zinf {
 namespace {
 
-// For each of `ranges` (over the partition of ctx.rank): whether it is the frozen parameters'
-// group's (the last of ctx.groups) and holds no trainable element. (DeviceState asks the same.)
-std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const OptimizerRange> ranges) {
-  std::vector<bool> out(ranges.size(), false);
-  if (ctx.groups.size() < 2) return out;
-  const std::size_t total = ctx.layout->partition_elements();
-  auto end = [&](std::size_t r) { return r + 1 < ranges.size() ? ranges[r + 1].begin : total; };
-  const std::vector<bool> untrained = frozen_runs(
-      *ctx.layout, ctx.rank, ranges.size(), [&](std::size_t r) { return ranges[r].begin; },
-      [&](std::size_t r) { return end(r) - ranges[r].begin; });
-  const auto frozen = static_cast<std::uint32_t>(ctx.groups.size() - 1);
-  for (std::size_t r = 0; r < ranges.size(); ++r) {
-    out[r] = ranges[r].group == frozen && untrained[r];
-  }
-  return out;
-}
-
 class HostState final : public InMemoryState {
  public:
   explicit HostState(const StateContext& ctx) : InMemoryState(ctx) {}

@@ -5,6 +5,8 @@
 
 #include <algorithm>
 
+#include "engine/param_groups.hpp"
+
 namespace zinf {
 
 std::vector<Piece> state_pieces(OptimizerKind kind) {
@@ -41,6 +43,21 @@ std::vector<OptimizerParams> context_groups(const StateContext& ctx) {
 std::vector<OptimizerRange> context_ranges(const StateContext& ctx) {
   if (ctx.group_ranges.empty()) return {OptimizerRange{}};
   return {ctx.group_ranges.begin(), ctx.group_ranges.end()};
+}
+
+std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const OptimizerRange> ranges) {
+  std::vector<bool> out(ranges.size(), false);
+  if (ctx.groups.size() < 2) return out;
+  const std::size_t total = ctx.layout->partition_elements();
+  auto end = [&](std::size_t r) { return r + 1 < ranges.size() ? ranges[r + 1].begin : total; };
+  const std::vector<bool> untrained = frozen_runs(
+      *ctx.layout, ctx.rank, ranges.size(), [&](std::size_t r) { return ranges[r].begin; },
+      [&](std::size_t r) { return end(r) - ranges[r].begin; });
+  const auto frozen = static_cast<std::uint32_t>(ctx.groups.size() - 1);
+  for (std::size_t r = 0; r < ranges.size(); ++r) {
+    out[r] = ranges[r].group == frozen && untrained[r];
+  }
+  return out;
 }
 
 Status check_group_params(std::span<const OptimizerParams> groups, std::size_t count,

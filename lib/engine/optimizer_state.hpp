@@ -264,6 +264,10 @@ StateStoreOptions store_options(const Config& config, const ParameterLayout& lay
 // The context's groups and ranges, or one group (config->optimizer) over one range.
 std::vector<OptimizerParams> context_groups(const StateContext& ctx);
 std::vector<OptimizerRange> context_ranges(const StateContext& ctx);
+// For each of `ranges` (over the partition of ctx.rank): whether it is the frozen parameters'
+// group's (the last of ctx.groups, learning rate 0 and weight decay 0) and holds no trainable
+// element, so its gradient is always zero and its moments stay zero once they are.
+std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const OptimizerRange> ranges);
 // kInvalidArgument when `groups` is not as many as the state was opened with or changes kind.
 Status check_group_params(std::span<const OptimizerParams> groups, std::size_t count,
                           OptimizerKind kind);

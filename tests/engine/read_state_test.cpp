@@ -26,6 +26,9 @@ struct Case {
   int world;
   int stage;
   OffloadDevice optimizer;
+  // With kNone: the ranks' devices opaque (not host-accessible, as a GPU), so the state is the
+  // device's (DeviceState), read back in chunks.
+  bool opaque = false;
 };
 
 class ReadOptimizerState : public ::testing::TestWithParam<Case> {};
@@ -39,8 +42,14 @@ TEST_P(ReadOptimizerState, GivesEveryRankTheReferenceMoments) {
       engine_test::small_config(c.stage, c.optimizer, OffloadDevice::kNone, dir.path());
   engine_test::TrainOptions options;
   options.steps = 4;
+  // The device's kernel rounds each operation where the host optimizer fuses multiply-adds
+  // (device_optimizer.hpp): equal to within float rounding there, bit for bit elsewhere.
+  // The second moment, a sum of squares, drifts most (1.3e-5 measured after 4 steps).
+  const double tolerance = c.opaque ? 1e-4 : 0.0;
+  options.gathered_tolerance = c.opaque ? 1e-5 : 0.0;
   const engine_test::Reference ref = engine_test::run_reference(config, model, c.world, options);
-  engine_test::Ranks ranks = engine_test::make_ranks(c.world);
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
   const std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
         engine_test::TrainOptions rank_options = options;
@@ -54,7 +63,10 @@ TEST_P(ReadOptimizerState, GivesEveryRankTheReferenceMoments) {
                 std::string_view(state) == "exp_avg" ? ref.exp_avg[p] : ref.exp_avg_sq[p];
             std::vector<float> got(want.size(), -1.0f);
             ZINF_RETURN_IF_ERROR(engine.read_optimizer_state(name, state, got.data()));
-            if (std::memcmp(got.data(), want.data(), want.size() * sizeof(float)) != 0) {
+            const bool same = tolerance == 0.0 ? std::memcmp(got.data(), want.data(),
+                                                             want.size() * sizeof(float)) == 0
+                                               : engine_test::max_rel_diff(got, want) <= tolerance;
+            if (!same) {
               return Status::internal(fmt::format("{} of '{}': max rel diff {}", state, name,
                                                   engine_test::max_rel_diff(got, want)));
             }
@@ -76,16 +88,17 @@ TEST_P(ReadOptimizerState, GivesEveryRankTheReferenceMoments) {
     EXPECT_TRUE(st[r].is_ok()) << r << ": " << st[r].to_string();
 }
 
-INSTANTIATE_TEST_SUITE_P(Cases, ReadOptimizerState,
-                         ::testing::Values(Case{1, 1, OffloadDevice::kHost},
-                                           Case{2, 1, OffloadDevice::kNvme},
-                                           Case{2, 2, OffloadDevice::kHost},
-                                           Case{2, 3, OffloadDevice::kHost},
-                                           Case{2, 3, OffloadDevice::kNvme}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return fmt::format("w{}_s{}_{}", info.param.world, info.param.stage,
-                                              offload_device_name(info.param.optimizer));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Cases, ReadOptimizerState,
+    ::testing::Values(Case{1, 1, OffloadDevice::kHost}, Case{2, 1, OffloadDevice::kNvme},
+                      Case{2, 2, OffloadDevice::kHost}, Case{2, 3, OffloadDevice::kHost},
+                      Case{2, 3, OffloadDevice::kNvme}, Case{1, 2, OffloadDevice::kNone, true},
+                      Case{2, 3, OffloadDevice::kNone, true}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return fmt::format("w{}_s{}_{}{}", info.param.world, info.param.stage,
+                         offload_device_name(info.param.optimizer),
+                         info.param.opaque ? "_device" : "");
+    });
 
 // Three modules, one group each, f32. Two ways to cut the state on NVMe:
 //
