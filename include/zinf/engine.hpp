@@ -439,10 +439,9 @@ class Engine {
   // One optimizer moment of parameter `name`, whole, as read_parameters() gives its master:
   // `state` is "exp_avg" or "exp_avg_sq" (element_count floats into `out`; zeros before the
   // first step). Collective, as read_parameters(). Each rank reads its part of the parameter:
-  // with the state on NVMe, the swap blocks (aio block_size) that hold it, so a loop over every
-  // parameter reads each moment about once; in host memory, nothing but the slice; on a GPU
-  // (offload_optimizer "none"), the rank's whole partition of that moment comes to the host per
-  // call: to read every parameter's moments there, save a checkpoint instead. kNotFound for an
+  // with the state on NVMe, the swap blocks (aio block_size) that hold it, the parameter's bytes
+  // and at most two blocks more per call; in host memory, nothing but the slice; on a GPU
+  // (offload_optimizer "none"), the slice comes to the host. kNotFound for an
   // unknown name; kInvalidArgument for a state the optimizer does not keep (Adagrad has no
   // exp_avg, Lion no exp_avg_sq), naming those it keeps. Like read_parameters, it waits for the
   // last step's pass, returns kFailedPrecondition ("call step() first") while the next step's

@@ -313,8 +313,8 @@ Status read_values(const MasterAccess& w, const std::string& call, Piece piece,
   };
   if (local.is_ok()) {
     slice.resize(shard);
-    // Only the parameter's part of the slice is read (where the state is on NVMe, only the
-    // sub-groups that hold it); the rest of the slice stays zero, which the all-gather carries
+    // Only the parameter's part of the slice is read (where the state is on NVMe, only the swap
+    // blocks that hold it); the rest of the slice stays zero, which the all-gather carries
     // and nobody copies out. A rank that owns none of the parameter reads nothing.
     const std::optional<ParamPiece> own_part = part.param_piece(static_cast<ParamId>(*id), w.rank);
     if (own_part.has_value()) {

@@ -285,8 +285,9 @@ class StoreState final : public OptimizerState {
   }
   Status read_state_range(Piece piece, std::size_t begin, std::size_t end,
                           StateVisitor fn) override {
-    if (begin >= end) return Status::ok();
-    return read_elements(piece, begin, std::min(end, layout_.partition_elements()), fn);
+    const std::size_t total = layout_.partition_elements();
+    if (std::min(begin, total) >= std::min(end, total)) return Status::ok();
+    return read_elements(piece, begin, std::min(end, total), fn);
   }
 
   // Loaded moments may be anything (a parameter saved trainable and loaded frozen keeps its
@@ -407,13 +408,13 @@ class StoreState final : public OptimizerState {
   std::uint64_t master_read_bytes() const override { return master_read_bytes_; }
 
  private:
-  // read_state(): fn over `piece` in partition order, covering elements [begin, end) (on the
-  // host tier, the whole array at once). On NVMe only the sub-groups that hold elements of the
-  // range are read, and of those only the swap blocks that do (StateStore::read_range; all of
-  // each sub-group in between), so one parameter's moment costs its own bytes, not the
-  // partition's. Two blocks (the pool's where free, as rewrite_pieces() takes them): sub-group
-  // i + 1 is read on a thread of its own while `fn` takes sub-group i, so a checkpoint's save
-  // reads the NVMe state while it writes its file. Each read goes through
+  // read_state() and read_state_range(): fn over `piece` in partition order, covering elements
+  // [begin, end) (on the host tier, the whole array at once). On NVMe only the sub-groups that hold
+  // elements of the range are read, and of those only the swap blocks that do
+  // (StateStore::read_range; all of each sub-group in between), so one parameter's moment costs its
+  // own bytes, not the partition's. Two blocks (the pool's where free, as rewrite_pieces() takes
+  // them): sub-group i + 1 is read on a thread of its own while `fn` takes sub-group i, so a
+  // checkpoint's save reads the NVMe state while it writes its file. Each read goes through
   // StateStore::read_piece, which checks the blocks' checksums and reads a released (kZero)
   // piece as zeros.
   Status read_elements(Piece piece, std::size_t begin, std::size_t end, StateVisitor fn) {

@@ -799,8 +799,7 @@ Status SwapSpace::write_sync(ExtentId id, const void* src, std::chrono::millisec
 }
 
 Status SwapSpace::read_sync(ExtentId id, void* dst, std::chrono::milliseconds timeout) {
-  ZINF_ASSIGN_OR_RETURN(SwapTicket ticket, read(id, dst));
-  return finish_sync(ticket, timeout);
+  return read_sync(id, 0, info(id).bytes, dst, timeout);
 }
 
 Status SwapSpace::read_sync(ExtentId id, std::uint64_t offset, std::uint64_t bytes, void* dst,

@@ -706,9 +706,8 @@ def safe_get_full_optimizer_state(param, optim_state_key):
     sum of squares), Lion exp_avg), whole, in the parameter's full shape, a new fp32 CPU tensor
     on every rank; ValueError for a key the optimizer does not have, as DeepSpeed's. None for a
     tensor the engine does not train. Collective (Engine.read_optimizer_state): each rank reads
-    its whole partition of that moment (from NVMe, where the state lives there) to take the
-    parameter's slice, so reading every parameter's state this way costs a pass over the state
-    per parameter; a checkpoint (engine.save_checkpoint) reads it once."""
+    its part of the parameter only (from NVMe, where the state lives there, the swap blocks that
+    hold it: the parameter's bytes and at most two blocks more per call)."""
     engine = _engine_of(param)
     name = None if engine is None else _trained_name(engine, param)
     if name is None:
