@@ -1,6 +1,6 @@
-// Whether this test build runs under ThreadSanitizer, for the tests that cannot: those that race
-// on purpose, and those that measure the process's resident memory (the sanitizer's shadow
-// memory grows with every byte the program touches).
+// Whether this test build runs under ThreadSanitizer (or AddressSanitizer), for the tests that
+// cannot: those that race on purpose, and those that measure the process's resident memory (the
+// sanitizer's shadow memory grows with every byte the program touches).
 #pragma once
 
 namespace zinf::test {
@@ -16,6 +16,20 @@ inline constexpr bool kThreadSanitizer = false;
 #endif
 #else
 inline constexpr bool kThreadSanitizer = false;
+#endif
+
+// Likewise AddressSanitizer (-fsanitize=address), whose shadow memory adds an eighth of every
+// byte touched to the resident set and whose allocator keeps freed memory in quarantine.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kAddressSanitizer = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kAddressSanitizer = true;
+#else
+inline constexpr bool kAddressSanitizer = false;
+#endif
+#else
+inline constexpr bool kAddressSanitizer = false;
 #endif
 
 }  // namespace zinf::test
