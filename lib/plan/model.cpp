@@ -5,7 +5,10 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
+#include <cerrno>
+#include <charconv>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 #include "base/assert.hpp"
@@ -129,7 +132,7 @@ std::uint64_t frozen_param_count(const ModelShape& m) {
   return param_count(m) - trainable_param_count(m);
 }
 
-Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param_count) {
+Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t model_params) {
   const std::string shown(text);
   auto not_a_number = [&] {
     return Status::invalid_argument(
@@ -155,13 +158,19 @@ Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param
     }
   }
   if (!any_digit) return not_a_number();
-  const double value = std::stod(std::string(text.substr(0, i)));
+  // strtod, not std::stod, which throws std::out_of_range on a number past the double's range
+  // (hundreds of digits) or one that underflows it (a share of 1e-400): the first is more than
+  // any model, the second no parameter, and both are refused below with --trainable named.
+  const std::string digits(text.substr(0, i));
+  errno = 0;
+  double value = std::strtod(digits.c_str(), nullptr);
+  if (errno == ERANGE) value = value > 1.0 ? HUGE_VAL : 0.0;
   const std::string_view suffix = text.substr(i);
   double count = 0;
   if (suffix == "%") {
-    count = value / 100.0 * static_cast<double>(param_count);
+    count = value / 100.0 * static_cast<double>(model_params);
   } else if (suffix.empty() && value < 1.0) {
-    count = value * static_cast<double>(param_count);
+    count = value * static_cast<double>(model_params);
   } else if (suffix.size() <= 1) {
     double unit = 1;
     switch (suffix.empty() ? '\0' : std::tolower(static_cast<unsigned char>(suffix[0]))) {
@@ -188,10 +197,10 @@ Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param
   } else {
     return not_a_number();
   }
-  if (count > static_cast<double>(param_count) + 0.5) {
+  if (!(count <= static_cast<double>(model_params) + 0.5)) {
     return Status::invalid_argument(
-        fmt::format("--trainable {}: more than the model's {} parameters ({})", shown, param_count,
-                    format_param_count(param_count)));
+        fmt::format("--trainable {}: more than the model's {} parameters ({})", shown, model_params,
+                    format_param_count(model_params)));
   }
   const auto rounded = static_cast<std::uint64_t>(std::llround(count));
   if (rounded == 0) {
@@ -200,7 +209,27 @@ Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param
         "parameter is frozen)",
         shown));
   }
-  return std::min(rounded, param_count);
+  return std::min(rounded, model_params);
+}
+
+Result<std::uint64_t> parse_lora_rank(std::string_view text) {
+  const std::string shown(text);
+  if (!text.empty() && text.front() == '-') {
+    return Status::invalid_argument(fmt::format("--lora-rank {}: must not be negative", shown));
+  }
+  std::uint64_t rank = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), rank);
+  if (error == std::errc::result_out_of_range) {
+    return Status::invalid_argument(
+        fmt::format("--lora-rank {}: more than any projection's width", shown));
+  }
+  if (error != std::errc{} || end != text.data() + text.size()) {
+    return Status::invalid_argument(
+        fmt::format("--lora-rank {}: not a whole number (8, 16, 64)", shown));
+  }
+  if (rank == 0)
+    return Status::invalid_argument(fmt::format("--lora-rank {}: must be at least 1", shown));
+  return rank;
 }
 
 Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t rank,
@@ -215,6 +244,9 @@ Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t ran
   const std::uint64_t kv_width = (m.kv_heads == 0 ? m.heads : m.kv_heads) * (h / m.heads);
   const std::uint64_t mlp = m.intermediate;
   std::uint64_t per_layer = 0;  // in + out of every adapted projection of one layer
+  // A rank-r adapter B·A of a W of `in` inputs and `out` outputs has rank at most min(in, out):
+  // a larger r adds parameters without adding anything an adapter can express.
+  std::uint64_t max_rank = UINT64_MAX;
   std::string seen = ",";
   std::size_t start = 0;
   while (start <= targets.size()) {
@@ -228,10 +260,13 @@ Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t ran
     seen += name + ",";
     if (name == "q" || name == "o") {
       per_layer += 2 * h;
+      max_rank = std::min(max_rank, h);
     } else if (name == "k" || name == "v") {
       per_layer += h + kv_width;
+      max_rank = std::min({max_rank, h, kv_width});
     } else if ((name == "gate" && m.gated_mlp) || name == "up" || name == "down") {
       per_layer += h + mlp;
+      max_rank = std::min({max_rank, h, mlp});
     } else if (name == "gate") {
       return Status::invalid_argument(fmt::format(
           "--lora-targets {}: gate needs a gated MLP (SwiGLU), which {} has not", targets, m.name));
@@ -240,7 +275,19 @@ Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t ran
           "--lora-targets {}: \"{}\" is none of q, k, v, o, gate, up, down", targets, name));
     }
   }
-  return rank * per_layer * m.layers;
+  if (rank > max_rank) {
+    return Status::invalid_argument(
+        fmt::format("--lora-rank {}: more than {}, the smallest min(inputs, outputs) of the "
+                    "projections on --lora-targets {} (an adapter's rank cannot exceed it)",
+                    rank, max_rank, targets));
+  }
+  std::uint64_t adapters = 0;
+  if (__builtin_mul_overflow(rank, per_layer, &adapters) ||
+      __builtin_mul_overflow(adapters, m.layers, &adapters)) {
+    return Status::invalid_argument(
+        fmt::format("--lora-rank {}: the adapters' parameter count overflows 64 bits", rank));
+  }
+  return adapters;
 }
 
 std::string format_param_count(std::uint64_t params) {

@@ -76,13 +76,17 @@ std::uint64_t param_count(const ModelShape& model);
 std::uint64_t trainable_param_count(const ModelShape& model);
 std::uint64_t frozen_param_count(const ModelShape& model);
 
-// `zinf plan --trainable TEXT` for a model of `param_count` parameters: a count ("40M", "1.2B",
+// `zinf plan --trainable TEXT` for a model of `model_params` parameters: a count ("40M", "1.2B",
 // "350k", "123456"; k = 1e3, M = 1e6, B or G = 1e9, T = 1e12) or a share of the model ("0.5%",
 // or a plain fraction below 1 such as "0.005"), rounded to the nearest parameter. Fails with
 // invalid_argument, the message naming --trainable, when the text is not such a number, is
 // negative, gives 0 parameters (the engine refuses a model whose every parameter is frozen) or
-// more than `param_count`.
-Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param_count);
+// more than `model_params` (a number past a double's range included).
+Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t model_params);
+
+// `zinf plan --lora-rank TEXT`: a whole number of at least 1. Fails with invalid_argument, the
+// message naming --lora-rank, for a negative number, one past 64 bits, 0 or not a number.
+Result<std::uint64_t> parse_lora_rank(std::string_view text);
 
 // The parameters of LoRA adapters of rank r (Hu et al. 2021, "LoRA: Low-Rank Adaptation of
 // Large Language Models") on the projections named in `targets`, a comma-separated list of q, k,
@@ -91,9 +95,13 @@ Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t param
 // (out x r): r·(in + out) parameters. With d = h / a the head width and k·d the key/value width:
 //   q, o      r·2h            k, v      r·(h + k·d)
 //   gate, up  r·(h + I)       down      r·(I + h)
-// PEFT's default target_modules for Llama are q_proj and v_proj ("q,v"). Fails with
-// invalid_argument (naming --lora-rank or --lora-targets) for rank 0, an unknown or repeated
-// target, gate without a gated MLP, or a model that is not a transformer (ModelKind::kTrainLm).
+// PEFT's default target_modules for Llama are q_proj and v_proj ("q,v"). GPT-2 fuses the query,
+// key and value into one c_attn (h inputs, 3h outputs; PEFT's default target for GPT-2), whose
+// adapter is r·(h + 3h) = 4rh a layer: the count "q,v" gives here ("q,k,v" counts three separate
+// adapters, 6rh). Fails with invalid_argument (naming --lora-rank or --lora-targets) for rank 0,
+// a rank above the smallest min(in, out) of the adapted projections (no adapter has a higher
+// rank), an unknown or repeated target, gate without a gated MLP, a count past 64 bits, or a
+// model that is not a transformer (ModelKind::kTrainLm).
 Result<std::uint64_t> lora_adapter_params(const ModelShape& model, std::uint64_t rank,
                                           std::string_view targets);
 

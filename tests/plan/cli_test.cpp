@@ -346,6 +346,56 @@ TEST_F(PlanCli, TrainableOutOfRangeExitsOneNamingTheOption) {
   EXPECT_NE(r.err.find("--lora-rank 0"), std::string::npos) << r.err;
 }
 
+// Numbers a double cannot hold (a count of 400 digits, a share that underflows) are refused
+// naming --trainable, not a crash (std::stod threw std::out_of_range: exit 134).
+TEST_F(PlanCli, TrainableBeyondADoubleExitsOne) {
+  const std::string base =
+      "plan --model llama-2-7b --gpu-mem 80GB --host-mem 256GB" + std::string(kRates);
+  const std::string huge(400, '9');
+  CliRun r = run_zinf(base + " --trainable " + huge);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("more than the model's"), std::string::npos) << r.err;
+  const std::string tiny = "0." + std::string(400, '0') + "1%";
+  r = run_zinf(base + " --trainable " + tiny);
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("no parameter would train"), std::string::npos) << r.err;
+}
+
+// --lora-rank negative, past 64 bits, not a number or above the adapted projections' width, and
+// the options that would be ignored (--lora-targets alone; --trainable, --lora-rank with
+// --step-only): exit 1, naming the options.
+TEST_F(PlanCli, LoraOptionsOutOfRangeExitOneNamingTheOption) {
+  const std::string base =
+      "plan --model llama-2-70b --gpu-mem 80GB --host-mem 256GB --nvme-capacity 2TB" +
+      std::string(kRates);
+  const struct {
+    const char* args;
+    const char* message;
+  } cases[] = {
+      {" --lora-rank -1", "--lora-rank -1: must not be negative"},
+      {" --lora-rank 99999999999999999999999", "--lora-rank 99999999999999999999999: more than"},
+      {" --lora-rank 8x", "--lora-rank 8x: not a whole number"},
+      // v's outputs are 8 key/value heads of 128: 1024.
+      {" --lora-rank 1025", "--lora-rank 1025: more than 1024"},
+      {" --lora-rank 99999999999999", "--lora-rank 99999999999999: more than 1024"},
+      {" --lora-rank 8193 --lora-targets q", "--lora-rank 8193: more than 8192"},
+      {" --lora-targets q,k", "--lora-targets q,k: needs --lora-rank"},
+  };
+  for (const auto& c : cases) {
+    const CliRun r = run_zinf(base + c.args);
+    EXPECT_EQ(r.exit_code, 1) << c.args << "\n" << r.out;
+    EXPECT_NE(r.err.find(c.message), std::string::npos) << c.args << ": " << r.err;
+  }
+  CliRun r = run_zinf(base + " --lora-rank 1024 --json");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  for (const char* option : {" --trainable 1%", " --lora-rank 8", " --lora-targets q"}) {
+    r = run_zinf(std::string("plan --step-only --params 1G --tier host --mem-adam-gbps 50") +
+                 option);
+    EXPECT_EQ(r.exit_code, 1) << option << "\n" << r.out;
+    EXPECT_NE(r.err.find("do not apply to --step-only"), std::string::npos) << option << r.err;
+  }
+}
+
 // The 70B LoRA case of docs/PLAN.md: one 80 GB GPU, 256 GB host, 2 TB NVMe. Every parameter
 // trainable needs the gradients spilled to NVMe; with the base frozen (rank 16 on q and v) the
 // trainable share's gradients and moments are all the optimizer keeps beyond the masters, and the

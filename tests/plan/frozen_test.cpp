@@ -213,6 +213,16 @@ TEST(Trainable, RefusesWithAMessageNamingTheOption) {
   EXPECT_NE(parse_trainable("-5", p).status().message().find("negative"), std::string_view::npos);
 }
 
+TEST(Lora, RankParsesWholeNumbersOnly) {
+  EXPECT_EQ(parse_lora_rank("16").value(), 16u);
+  for (const char* text : {"-1", "0", "", "8x", "1.5", "99999999999999999999999"}) {
+    Result<std::uint64_t> r = parse_lora_rank(text);
+    ASSERT_FALSE(r.is_ok()) << text;
+    EXPECT_NE(r.status().message().find(std::string("--lora-rank ") + text), std::string::npos)
+        << text;
+  }
+}
+
 // r·(in + out) a projection: Llama-2-70B (h 8192, 8 key/value heads of 128, I 28672, 80 layers).
 TEST(Lora, AdapterCountsFromTheShapes) {
   const ModelShape m = *find_model_preset("llama-2-70b");
@@ -222,6 +232,21 @@ TEST(Lora, AdapterCountsFromTheShapes) {
   EXPECT_EQ(lora_adapter_params(m, 8, "q,k,v,o,gate,up,down").value(),
             8 * (2 * q + 2 * kv + 3 * mlp) * 80);
   EXPECT_FALSE(lora_adapter_params(m, 0, "q,v").is_ok());
+  // An adapter's rank is at most min(in, out) of its projection: 1024 for v (8 heads of 128).
+  EXPECT_TRUE(lora_adapter_params(m, 1024, "q,v").is_ok());
+  EXPECT_FALSE(lora_adapter_params(m, 1025, "q,v").is_ok());
+  EXPECT_TRUE(lora_adapter_params(m, 8192, "q,o").is_ok());
+  EXPECT_FALSE(lora_adapter_params(m, 8193, "q,o").is_ok());
+  EXPECT_FALSE(lora_adapter_params(m, std::uint64_t{1} << 62, "q").is_ok());
+  // The count past 64 bits is refused, not wrapped.
+  ModelShape wide = m;
+  wide.hidden = std::uint64_t{1} << 40;
+  wide.heads = 1;
+  wide.kv_heads = 1;
+  wide.layers = std::uint64_t{1} << 20;
+  Result<std::uint64_t> huge = lora_adapter_params(wide, 1 << 20, "q");
+  ASSERT_FALSE(huge.is_ok());
+  EXPECT_NE(huge.status().message().find("overflows"), std::string_view::npos);
   EXPECT_FALSE(lora_adapter_params(m, 8, "q,x").is_ok());
   EXPECT_FALSE(lora_adapter_params(m, 8, "q,q").is_ok());
   EXPECT_FALSE(lora_adapter_params(*find_model_preset("gpt2"), 8, "gate").is_ok());

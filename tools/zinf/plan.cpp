@@ -50,9 +50,12 @@ struct PlanOptions {
   double overlap_fraction = 2.0 / 3.0;
   bool gradient_clipping = false;
   std::string trainable;  // "": every parameter trains
+  // Text, parsed in run_plan: CLI11 reads "-1" into an unsigned option as 2^64 - 1.
+  std::string lora_rank_text;
   std::uint64_t lora_rank = 0;
   bool lora_rank_given = false;  // --lora-rank 0 is refused, not taken as absent
   std::string lora_targets = "q,v";
+  bool lora_targets_given = false;
   std::string arch = "transformer";
   std::uint64_t context_bytes = 16;
   std::uint64_t embed_dim = 16;
@@ -422,6 +425,12 @@ void run_plan(const PlanOptions& o) {
     return;
   }
   if (o.step_only) {
+    if (!o.trainable.empty() || o.lora_rank_given || o.lora_targets_given) {
+      fail(
+          "--trainable, --lora-rank and --lora-targets do not apply to --step-only (it predicts "
+          "`zinf bench step`, which steps every parameter)");
+      return;
+    }
     run_step_only(o);
     return;
   }
@@ -472,6 +481,10 @@ void run_plan(const PlanOptions& o) {
     fail(
         "--trainable and --lora-rank: give one (--lora-rank adds its adapters to the model and "
         "trains them alone)");
+    return;
+  }
+  if (o.lora_targets_given && !o.lora_rank_given) {
+    fail(fmt::format("--lora-targets {}: needs --lora-rank (the adapters' rank)", o.lora_targets));
     return;
   }
   if (o.lora_rank_given) {
@@ -843,13 +856,14 @@ void setup_plan(CLI::App& app) {
                   "1.2B) or a share of the model (0.5%, 0.005); frozen ones cost what the engine "
                   "charges them (no moments in memory, no optimizer pass)");
   CLI::Option* lora_rank =
-      sub->add_option("--lora-rank", o->lora_rank,
+      sub->add_option("--lora-rank", o->lora_rank_text,
                       "LoRA adapters of this rank on --lora-targets in every layer, added to the "
                       "model and trained alone (the base frozen)");
-  sub->add_option("--lora-targets", o->lora_targets,
-                  "With --lora-rank: projections adapted, of q,k,v,o,gate,up,down (PEFT's default "
-                  "for Llama: q,v)")
-      ->capture_default_str();
+  CLI::Option* lora_targets =
+      sub->add_option("--lora-targets", o->lora_targets,
+                      "With --lora-rank: projections adapted, of q,k,v,o,gate,up,down (PEFT's "
+                      "default for Llama: q,v; on GPT-2 q,v counts its fused c_attn's adapter)")
+          ->capture_default_str();
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
@@ -923,9 +937,18 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--host-compute", o->host_compute,
                 "--step-only with --compute-s: the compute runs on this machine's CPU cores "
                 "(HostDevice), which the optimizer's update then shares");
-  sub->callback([o, fraction, lora_rank] {
+  sub->callback([o, fraction, lora_rank, lora_targets] {
     if (o->gradient_clipping && fraction->count() == 0) o->overlap_fraction = 1.0 / 3.0;
     o->lora_rank_given = lora_rank->count() > 0;
+    o->lora_targets_given = lora_targets->count() > 0;
+    if (o->lora_rank_given) {
+      Result<std::uint64_t> rank = parse_lora_rank(o->lora_rank_text);
+      if (!rank.is_ok()) {
+        fail(std::string(rank.status().message()));
+        return;
+      }
+      o->lora_rank = *rank;
+    }
     run_plan(*o);
   });
 }
