@@ -22,8 +22,13 @@
 //                   the shards, one group at a time through a buffer of the largest group's
 //                   shard, 2·ceil(max(layer, largest tensor) / N) (= 2·param_staging_params).
 //                   Otherwise 2·Pr: the CPU optimizer writes them beside the master (optimizer
-//                   on the host, or shards in host memory), or the in-memory step's publish
-//                   copy (optimizer on the device of this version, which runs it on the host)
+//                   on the host, or shards in host memory). With the optimizer on the device
+//                   (offload_optimizer none on a GPU: lib/engine/device_state.cpp) 2·Pr on the
+//                   device, the device optimizer's own half copy, which the shards are written
+//                   from (the host's publish buffer is freed once the first values are placed),
+//                   and with frozen elements three fp32 zero buffers (gradient, m, v) of
+//                   min(largest frozen run, 1 Mi) elements it rounds their half copy with:
+//                   12·min(Pr − Tr, 2^20) bytes
 //   activations     device, per micro-batch (Korthikanti et al. 2022, "Reducing Activation
 //                   Recomputation in Large Transformer Models", eq. 1, 16-bit, no tensor or
 //                   sequence parallelism):

@@ -1,7 +1,9 @@
 // Issue 8: "bytes predicted per tier match what the engine actually allocates within 5%, in a
 // test that opens the engine with the planned config". For every placement the planner can
 // choose, the plan (forced to that placement) is written as JSON by config_to_json(), parsed by
-// the engine's own parse_config(), and opened on 4 ranks (HostDevice + LocalComm); rank 0's
+// the engine's own parse_config(), and opened on 4 ranks (HostDevice + LocalComm; an opaque
+// HostDevice with the optimizer on the device, so that the engine takes a GPU's path, the device
+// optimizer of lib/engine/device_state.cpp, which the planner costs); rank 0's
 // MemoryReport after finalize() is compared with the estimate's engine-owned bytes per tier.
 // Placements with the optimizer on NVMe at stages 2-3 run both with and without
 // zinf.gradients_on_nvme. The two agree to the byte (the issue asked for 5%), which the test
@@ -118,6 +120,7 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
     for (int r = 0; r < kWorld; ++r) {
       HostDeviceOptions o;
       o.ordinal = r;
+      o.opaque = pl.optimizer == OffloadDevice::kNone;
       devices.push_back(std::move(make_host_device(o)).value());
       raw.push_back(devices.back().get());
     }

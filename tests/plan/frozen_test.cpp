@@ -4,6 +4,7 @@
 // precision; the parsing of --trainable and the adapters' count of --lora-rank.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdint>
@@ -31,14 +32,17 @@ ModelShape lora7b() {
 // Per tier, the bytes a rank saves by freezing: Fr = Pr − ceil(T / N) frozen elements of its
 // shard, each without its moments (8 B) on the device and in host memory (on NVMe the swap file
 // is preallocated whole), and without its gradient slice (4 B) where the accumulator is the host's
-// zero pages and stages 2-3 never reduce a frozen group.
+// zero pages and stages 2-3 never reduce a frozen group. The device optimizer spends some of it
+// on three fp32 zero buffers (gradient, m, v) of min(largest frozen run, 1 Mi) elements, with
+// which it rounds the frozen half copy (lib/engine/device_optimizer.cpp).
 std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const EngineSetup& s) {
   const double p = static_cast<double>(param_count(m));
   const double t = static_cast<double>(m.trainable_params);
   const double n = static_cast<double>(s.world_size);
   const double frozen = std::ceil(p / n) - std::ceil(t / n);
   std::array<double, kMemoryTierCount> saved{};
-  if (s.optimizer == OffloadDevice::kNone) saved[0] += 8 * frozen;
+  if (s.optimizer == OffloadDevice::kNone)
+    saved[0] += 8 * frozen - 12 * std::min(frozen, 1048576.0);
   if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen;
   if (s.optimizer != OffloadDevice::kNone && s.stage != 1) saved[1] += 4 * frozen;
   return saved;
