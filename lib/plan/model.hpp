@@ -65,6 +65,11 @@ struct ModelShape {
   // optimizer steps; 0 means every one (the default: nothing frozen).
   std::uint64_t adapter_params = 0;
   std::uint64_t trainable_params = 0;
+  // Runs of trainable parameters in the model's registration order, which the engine's
+  // optimizer pass cuts its sub-groups at (docs/ENGINE.md, "Frozen parameters"): LoRA's adapters
+  // follow each adapted projection (PEFT's module order), one run a projection, layers x targets.
+  // 0: unknown (--trainable), taken as one.
+  std::uint64_t trainable_runs = 0;
 };
 
 // Parameter count from the layer shapes (see the formula above), or param_count_override; plus

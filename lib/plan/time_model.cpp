@@ -46,12 +46,15 @@ void nvme_pipeline(double read_bytes, double write_bytes, std::uint64_t sub_grou
 // The optimizer pipeline over one machine's shards of `shard_params` elements, of which
 // `trainable_params` train (see the header for the formula).
 void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params,
-                      const EngineSetup& s, const MachineProfile& profile, StepPrediction* out) {
+                      std::uint64_t trainable_runs, const EngineSetup& s,
+                      const MachineProfile& profile, StepPrediction* out) {
   const double ranks = static_cast<double>(s.ranks_per_machine);
   const bool on_device = s.optimizer == OffloadDevice::kNone;
-  // The device steps every element; offloaded, the pass passes over the frozen sub-groups but
-  // reads their master to hand on the half copy where the half output streams.
-  const std::uint64_t stepped = on_device ? shard_params : trainable_params;
+  // The pass steps the trainable share: the device optimizer skips its frozen runs (their moments
+  // are zero and not stored, lib/engine/device_optimizer.cpp); offloaded, the pass passes over
+  // the frozen sub-groups but reads their master to hand on the half copy where the half output
+  // streams.
+  const std::uint64_t stepped = trainable_params;
   const std::uint64_t frozen_read = !on_device && streams_half(s) ? shard_params - stepped : 0;
   // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2); a frozen
   // element read for its half copy: read p (4), write the half (2).
@@ -82,8 +85,12 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
       stepped_params * read_per_param + ranks * static_cast<double>(frozen_read) * 4.0;
   const double write_bytes = stepped_params * write_per_param +
                              ranks * static_cast<double>(shard_params) * half_write_per_param;
-  const std::uint64_t sub_groups = std::max<std::uint64_t>(
-      1, ceil_div(stepped, s.sub_group_params) + ceil_div(frozen_read, s.sub_group_params));
+  // The pass cuts its sub-groups at both ends of each trainable run as well as every Sg
+  // elements: at least a sub-group a run, and the frozen gaps between runs one more each.
+  std::uint64_t sub_groups = ceil_div(stepped, s.sub_group_params);
+  if (stepped < shard_params) sub_groups = std::max(sub_groups, trainable_runs);
+  if (frozen_read > 0) sub_groups += ceil_div(frozen_read, s.sub_group_params) + trainable_runs - 1;
+  sub_groups = std::max<std::uint64_t>(1, sub_groups);
   nvme_pipeline(read_bytes, write_bytes, sub_groups, s.buffer_count, profile, out);
 }
 }  // namespace
@@ -99,7 +106,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
 
   const std::uint64_t t = trainable_param_count(model);
   const std::uint64_t tr = trainable_shard_params(model, s.world_size);
-  predict_pipeline(pr, tr, s, profile, &out);
+  // A rank's share of the trainable runs: each rank's partition holds 1/N of the model's.
+  const std::uint64_t runs =
+      std::max<std::uint64_t>(1, ceil_div(model.trainable_runs, s.world_size));
+  predict_pipeline(pr, tr, runs, s, profile, &out);
   // The new half params go to their home: uploaded to the device when the optimizer ran on the
   // host; downloaded when it ran on the device but the params live offloaded; written to NVMe
   // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe.
@@ -118,17 +128,22 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
 
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
-  double flops = (6.0 * static_cast<double>(t) + 4.0 * static_cast<double>(p - t) +
-                  12.0 * static_cast<double>(model.layers * model.hidden * training.seq_len)) *
-                 tokens;
-  if (training.checkpoint_activations) flops *= 4.0 / 3.0;
+  const double attention = static_cast<double>(model.layers * model.hidden * training.seq_len);
+  double flops =
+      (6.0 * static_cast<double>(t) + 4.0 * static_cast<double>(p - t) + 12.0 * attention) * tokens;
+  // Checkpointing runs the forward once more: 2 a parameter, frozen or not, and the attention's
+  // forward third (4·L·h·s). Without frozen parameters this is the 4/3 of the whole.
+  if (training.checkpoint_activations) {
+    flops += (2.0 * static_cast<double>(p) + 4.0 * attention) * tokens;
+  }
   out.compute_s = profile.gpu_tflops > 0 ? flops / (profile.gpu_tflops * 1e12) : 0.0;
 
-  // All-gathers move every parameter; reduce-scatters the trainable ones (stage 1 reduces the
-  // frozen groups' zero gradients too).
+  // All-gathers move every parameter (half precision); reduce-scatters the trainable ones (stage 1
+  // reduces the frozen groups' zero gradients too) in fp32: the engine fills its buckets with the
+  // fp32 gradients and reduce-scatters them as such (lib/zero/grad_reducer.cpp, reduce_group).
   const double reduced = static_cast<double>(s.stage == 1 ? p : t);
   const double collective_bytes =
-      (s.stage == 3 ? 2.0 : 1.0) * 2.0 * static_cast<double>(p) + 2.0 * reduced;
+      (s.stage == 3 ? 2.0 : 1.0) * 2.0 * static_cast<double>(p) + 4.0 * reduced;
   out.collectives_s = seconds(collective_bytes * (n - 1.0) / n, profile.gpu_link_gbps);
 
   if (s.stage == 3 && s.params != OffloadDevice::kNone) {
@@ -146,9 +161,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // later micro-batches read the sums back before adding).
   double offload_first_s = 0.0, offload_later_s = 0.0;
   if (s.optimizer != OffloadDevice::kNone) {
+    // The reduced fp32 chunks come down as they are (GradReducer::accumulate): 4 B an element.
     const std::uint64_t offloaded = s.stage == 1 ? pr : tr;
     offload_first_s = offload_later_s =
-        seconds(2.0 * static_cast<double>(offloaded), profile.h2d_gbps);
+        seconds(4.0 * static_cast<double>(offloaded), profile.h2d_gbps);
     if (s.gradients_on_nvme) {
       const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
       out.nvme_write_bytes += static_cast<std::uint64_t>(micro_batches * spill_bytes);

@@ -33,33 +33,44 @@
 //            sub-group's master to hand on its half copy. So the update moves 30·Tr bytes, and
 //            6·Fr more when streamed (read the master, write the half); NVMe reads
 //            12·Tr + (4·Fr when streamed), writes 12·Tr (+ 2·Pr with the half params' home on
-//            NVMe: every shard is rewritten); n = ceil(Tr / Sg) + (ceil(Fr / Sg) when
-//            streamed), at least 1. The upload is the whole shard's, as the shards of frozen
-//            groups are rewritten after each step. The optimizer on the device steps every
-//            element as before (30·Pr).
+//            NVMe: every shard is rewritten). The engine cuts sub-groups at both ends of each
+//            run of trainable elements too: with k = max(1, ceil(runs / N)) a rank's share of
+//            the model's trainable runs (ModelShape::trainable_runs, LoRA: one an adapted
+//            projection; unknown for --trainable: 1), n = max(ceil(Tr / Sg), k) +
+//            (ceil(Fr / Sg) + k − 1 when streamed: the frozen gaps between the runs), at least
+//            1. The upload is the whole shard's, as the shards of frozen
+//            groups are rewritten after each step. The optimizer on the device moves 30·Tr
+//            too: it skips its frozen runs, whose moments it does not store.
 //
 // Forward and backward, per rank, for grad_accum_steps micro-batches each:
 //   compute        F = (6·T + 4·(P − T) + 12·L·h·s)·s·b FLOPs per micro-batch (PaLM,
 //                  Chowdhery et al. 2022, appendix B: 2 a parameter forward, 4 backward, of
 //                  which a frozen parameter, which takes no weight gradient, does half: the
-//                  input's gradient), × 4/3 with activation checkpointing (one more forward);
+//                  input's gradient; an upper bound, as a frozen layer below every trainable
+//                  one needs no input gradient either); activation checkpointing adds one more
+//                  forward, (2·P + 4·L·h·s)·s·b (the 4/3 of the whole when nothing is frozen);
 //                  compute = F / (gpu_tflops·1e12). Not modelled (0) when gpu_tflops is 0.
-//   collectives    stage 3: all-gather 2·P twice (forward, backward) and reduce-scatter 2·T;
-//                  stage 2: reduce-scatter 2·T and all-gather 2·P; stage 1: reduce-scatter
-//                  and all-gather 2·P (stage 1 reduces the frozen groups' zero gradients too;
-//                  at stages 2-3 a frozen module is never reduced); each moves (N−1)/N of its
-//                  bytes per rank at gpu_link_gbps. Not modelled (0) when gpu_link_gbps is 0.
+//   collectives    stage 3: all-gather 2·P twice (forward, backward) and reduce-scatter 4·T
+//                  (the engine reduces fp32 gradients); stage 2: reduce-scatter 4·T and
+//                  all-gather 2·P; stage 1: reduce-scatter 4·P and all-gather 2·P (stage 1
+//                  reduces the frozen groups' zero gradients too; at stages 2-3 a frozen module
+//                  is never reduced); each moves (N−1)/N of its bytes per rank at gpu_link_gbps.
+//                  Not modelled (0) when gpu_link_gbps is 0. Stage 1 is charged per
+//                  micro-batch, overlapped, as the others: the engine reduces its accumulated
+//                  gradients once a step, at step(), behind no compute (an over-count with
+//                  grad_accum_steps > 1, an under-count of the step's serial part).
 //   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)
 //                  at h2d_gbps; from NVMe also R·2·2·Pr read at nvme_read_gbps (overlapped
 //                  with the copy)
-//   grad offload   optimizer offloaded: 2·Tr device→host at h2d_gbps (2·Pr at stage 1, which
-//                  reduces the frozen groups' zeros too). Spilled gradients
-//                  (gradients_on_nvme) also go to NVMe as the engine's SpillAccumulator moves
-//                  them: every micro-batch writes each completed sub-group, R·4·Pr at
-//                  nvme_write_gbps; every later micro-batch first reads the sums back, R·4·Pr
-//                  at nvme_read_gbps, at the same time as the writes (io as for the pipeline:
-//                  max(r, w, (r + w)/duplex), or r + w with no duplex rate). grad_offload_s is
-//                  the mean over the micro-batches.
+//   grad offload   optimizer offloaded: 4·Tr device→host at h2d_gbps, the reduced fp32
+//                  gradients (4·Pr at stage 1, which reduces the frozen groups' zeros too, once a
+//                  step in the engine: charged per micro-batch as the stage-1 collectives are).
+//                  Spilled gradients (gradients_on_nvme) also go to NVMe as the engine's
+//                  SpillAccumulator moves them: every micro-batch writes each completed sub-group,
+//                  R·4·Pr at nvme_write_gbps; every later micro-batch first reads the sums back,
+//                  R·4·Pr at nvme_read_gbps, at the same time as the writes (io as for the
+//                  pipeline: max(r, w, (r + w)/duplex), or r + w with no duplex rate).
+//                  grad_offload_s is the mean over the micro-batches.
 //   forward_backward = Σ over micro-batches of max(compute, collectives, param fetch, that
 //                  micro-batch's grad offload) (the engine prefetches and reduces while
 //                  modules compute)

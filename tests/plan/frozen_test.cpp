@@ -85,7 +85,8 @@ TEST(FrozenEstimate, FrozenElementsCostWhatTheEngineCharges) {
 // The optimizer pass with the state offloaded: the trainable share's update (30 B an element) and
 // NVMe traffic (12 B read and written), plus the frozen masters' read (4 B, and 2 B of half copy
 // written through memory) where the half output streams. Forward and backward: 6 FLOPs a
-// trainable parameter and a token, 4 a frozen one; the trainable gradients' offload at stage 3.
+// trainable parameter and a token, 4 a frozen one; the trainable fp32 gradients' offload at
+// stage 3.
 TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
   const ModelShape m = lora7b();
   const double p = static_cast<double>(param_count(m));
@@ -120,15 +121,97 @@ TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
         std::ceil(tr / (1 << 22)) + (streamed ? std::ceil(fr / (1 << 22)) : 0);
     EXPECT_EQ(static_cast<double>(x.sub_groups), sub_groups);
     EXPECT_NEAR(x.update_alone_s, 2 * (30 * tr + (streamed ? 6 * fr : 0)) / 40e9, 1e-12);
-    EXPECT_NEAR(x.grad_offload_s, 2 * tr / 20e9, 1e-12);
+    EXPECT_NEAR(x.grad_offload_s, 4 * tr / 20e9, 1e-12);  // fp32, as the engine reduces them
     const double flops =
         (6 * t + 4 * (p - t) + 12.0 * m.layers * m.hidden * 1024) * 1024;  // one micro-batch
     EXPECT_NEAR(x.compute_s, flops / 300e12, 1e-9);
   }
 }
 
-// Stage 3 reduce-scatters the trainable gradients only; stage 1 all of them (the frozen zeros
-// too). The all-gathers move every parameter.
+// The optimizer on the device skips its frozen runs (lib/engine/device_optimizer.cpp, step():
+// their moments are zero and not stored): 30 B of device memory traffic a trainable element, none
+// a frozen one.
+TEST(FrozenTime, DeviceOptimizerStepsTheTrainableShare) {
+  const ModelShape m = lora7b();
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.gpu_mem_gbps = 2000;
+  for (int stage = 1; stage <= 3; ++stage) {
+    EngineSetup s;
+    s.stage = stage;
+    s.world_size = 4;
+    s.ranks_per_machine = 4;
+    s.optimizer = OffloadDevice::kNone;
+    const double tr = std::ceil(static_cast<double>(m.trainable_params) / 4);
+    const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
+    EXPECT_EQ(static_cast<double>(x.adam_memory_bytes), 4 * 30 * tr) << stage;
+    EXPECT_NEAR(x.update_alone_s, 30 * tr / 2000e9, 1e-15) << stage;
+  }
+}
+
+// Activation checkpointing runs the forward once more: 2 FLOPs a parameter and a token, frozen
+// or not, and the attention's forward 4·L·h·s, on top of the 6 / 4 of the step without it. With
+// nothing frozen that is the whole step's 4/3.
+TEST(FrozenTime, CheckpointingAddsOneForward) {
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.gpu_tflops = 300;
+  TrainingShape training;
+  training.seq_len = 2048;
+  training.micro_batch = 2;
+  training.checkpoint_activations = true;
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 2;
+  s.ranks_per_machine = 2;
+  const ModelShape lora = lora7b();
+  ModelShape full = lora;
+  full.trainable_params = 0;
+  const double p = static_cast<double>(param_count(lora));
+  const double t = static_cast<double>(lora.trainable_params);
+  const double attention = 12.0 * lora.layers * lora.hidden * 2048;
+  const double tokens = 2048.0 * 2;
+  const double lora_flops =
+      (6 * t + 4 * (p - t) + attention) * tokens + (2 * p + attention / 3) * tokens;
+  EXPECT_NEAR(predict_step(lora, training, s, profile).compute_s / (lora_flops / 300e12), 1.0,
+              1e-12);
+  const double full_flops = (6 * p + attention) * tokens * 4 / 3;
+  EXPECT_NEAR(predict_step(full, training, s, profile).compute_s / (full_flops / 300e12), 1.0,
+              1e-12);
+}
+
+// The engine cuts the pass's sub-groups at each run of trainable elements: LoRA's adapters, one
+// run an adapted projection, make at least a sub-group each, and where the half output streams
+// the frozen gaps between them one more each.
+TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
+  ModelShape m = lora7b();
+  m.trainable_runs = 2 * 32;  // q and v in each of 32 layers
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.nvme_read_gbps = 6;
+  profile.nvme_write_gbps = 4;
+  for (OffloadDevice params : {OffloadDevice::kNone, OffloadDevice::kHost}) {
+    EngineSetup s;
+    s.stage = 3;
+    s.world_size = 2;
+    s.ranks_per_machine = 2;
+    s.optimizer = OffloadDevice::kNvme;
+    s.params = params;
+    s.sub_group_params = 1 << 22;
+    const double pr = std::ceil(static_cast<double>(param_count(m)) / 2);
+    const double tr = std::ceil(static_cast<double>(m.trainable_params) / 2);
+    const double runs = 32;  // a rank's share of the 64 runs
+    const bool streamed = params == OffloadDevice::kNone;
+    const double sub_groups = std::max(std::ceil(tr / (1 << 22)), runs) +
+                              (streamed ? std::ceil((pr - tr) / (1 << 22)) + runs - 1 : 0);
+    EXPECT_EQ(static_cast<double>(predict_step(m, TrainingShape{}, s, profile).sub_groups),
+              sub_groups)
+        << offload_device_name(params);
+  }
+}
+
+// Stage 3 reduce-scatters the trainable gradients only, in fp32; stage 1 all of them (the frozen
+// zeros too). The all-gathers move every parameter, in half precision.
 TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
   const ModelShape m = lora7b();
   const double p = static_cast<double>(param_count(m));
@@ -143,7 +226,7 @@ TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
     s.ranks_per_machine = 4;
     const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
     const double gathered = (stage == 3 ? 2 : 1) * 2 * p;
-    const double reduced = 2 * (stage == 1 ? p : t);
+    const double reduced = 4 * (stage == 1 ? p : t);
     EXPECT_NEAR(x.collectives_s, (gathered + reduced) * 0.75 / 100e9, 1e-12) << stage;
   }
 }

@@ -495,6 +495,11 @@ void run_plan(const PlanOptions& o) {
     }
     model.adapter_params = *adapters;
     model.trainable_params = *adapters;
+    // One run of trainable parameters an adapted projection: the targets were checked above.
+    const auto targets =
+        static_cast<std::uint64_t>(std::count(o.lora_targets.begin(), o.lora_targets.end(), ',')) +
+        1;
+    model.trainable_runs = targets * model.layers;
   } else if (!o.trainable.empty()) {
     Result<std::uint64_t> trainable = parse_trainable(o.trainable, param_count(model));
     if (!trainable.is_ok()) {
