@@ -173,35 +173,16 @@ int run(std::size_t params, const std::string& dir, OffloadDevice offload, int r
 }  // namespace
 
 int main(int argc, char** argv) {
+  using namespace zinf::bench;
   std::size_t params = std::size_t{1} << 28;
   std::string dir = "/tmp/zinf-bench-checkpoint";
   zinf::OffloadDevice offload = zinf::OffloadDevice::kNvme;
   int rounds = 3;
-  if (argc % 2 == 0) {  // every option takes a value: an odd count of words is a mistake
-    fmt::print(stderr,
-               "usage: bench_engine_checkpoint [--params N] [--dir DIR] [--offload cpu|nvme] "
-               "[--rounds R]\n");
-    return 2;
-  }
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string key = argv[i];
-    const std::string value = argv[i + 1];
-    if (key == "--params") {
-      params = std::stoull(value);
-    } else if (key == "--dir") {
-      dir = value;
-    } else if (key == "--offload") {
-      if (value != "cpu" && value != "nvme") {
-        fmt::print(stderr, "--offload {}: expected cpu or nvme\n", value);
-        return 2;
-      }
-      offload = value == "cpu" ? zinf::OffloadDevice::kHost : zinf::OffloadDevice::kNvme;
-    } else if (key == "--rounds") {
-      rounds = std::max(1, std::atoi(value.c_str()));
-    } else {
-      fmt::print(stderr, "unknown option {}\n", key);
-      return 2;
-    }
-  }
+  const int parsed = parse_options(argc, argv, "bench_engine_checkpoint",
+                                   {{"--params", "N", count_into(&params)},
+                                    {"--dir", "DIR", text_into(&dir)},
+                                    {"--offload", "cpu|nvme", offload_into(&offload)},
+                                    {"--rounds", "R", rounds_into(&rounds)}});
+  if (parsed != 0) return parsed;
   return run(params, dir, offload, rounds);
 }

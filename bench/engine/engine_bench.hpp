@@ -1,21 +1,25 @@
 // What the engine benchmarks share: one rank (a HostDevice and a LocalComm group of one) with an
 // engine at stage 2, AdamW, its optimizer state offloaded to `offload` in `dir`; the raw drive
 // under it, the limit a pass of the engine over its NVMe state answers to; a failure's report;
-// and elapsed seconds.
+// elapsed seconds; and the command line of --key value options they all take.
 #pragma once
 
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <string_view>
+#include <system_error>
 #include <vector>
 
 #include "base/random.hpp"
@@ -129,4 +133,75 @@ inline double seconds_since(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+// One option of a benchmark's command line, "--key value": every option takes a value.
+struct Option {
+  std::string_view key;    // "--params"
+  std::string_view value;  // what the usage line calls the value: "N" gives "[--params N]"
+  // Takes the value: "" when taken, else why it is refused ("expected a count").
+  std::function<std::string(std::string_view)> take;
+};
+
+// A count (decimal digits only), raised to `at_least`.
+inline std::function<std::string(std::string_view)> count_into(std::size_t* out,
+                                                               std::size_t at_least = 0) {
+  return [out, at_least](std::string_view text) -> std::string {
+    std::size_t value = 0;
+    const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+    if (ec != std::errc() || end != text.data() + text.size()) return "expected a count";
+    *out = std::max(value, at_least);
+    return "";
+  };
+}
+// A count of rounds: at least 1.
+inline std::function<std::string(std::string_view)> rounds_into(int* out) {
+  return [out](std::string_view text) -> std::string {
+    std::size_t value = 0;
+    if (std::string why = count_into(&value, 1)(text); !why.empty()) return why;
+    if (value > 1'000'000) return "expected at most 1000000 rounds";
+    *out = static_cast<int>(value);
+    return "";
+  };
+}
+inline std::function<std::string(std::string_view)> text_into(std::string* out) {
+  return [out](std::string_view text) -> std::string {
+    *out = text;
+    return "";
+  };
+}
+// "cpu" (host memory) or "nvme", as the config's offload_optimizer.device spells them.
+inline std::function<std::string(std::string_view)> offload_into(OffloadDevice* out) {
+  return [out](std::string_view text) -> std::string {
+    if (text != "cpu" && text != "nvme") return "expected cpu or nvme";
+    *out = text == "cpu" ? OffloadDevice::kHost : OffloadDevice::kNvme;
+    return "";
+  };
+}
+
+// Hands each "--key value" of argv to its option's taker, in order. Returns 0, or 2 (main's exit
+// code for a bad command line) after printing why on stderr: the usage line for an odd count of
+// words or an unknown key, the key, value and reason for a value refused.
+inline int parse_options(int argc, char** argv, std::string_view program,
+                         const std::vector<Option>& options) {
+  auto usage = [&] {
+    std::string line = fmt::format("usage: {}", program);
+    for (const Option& o : options) line += fmt::format(" [{} {}]", o.key, o.value);
+    fmt::print(stderr, "{}\n", line);
+    return 2;
+  };
+  if (argc % 2 == 0) return usage();  // the program's name, then pairs: an even count is a mistake
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string_view key = argv[i];
+    const auto option =
+        std::find_if(options.begin(), options.end(), [&](const Option& o) { return o.key == key; });
+    if (option == options.end()) {
+      fmt::print(stderr, "unknown option {}\n", key);
+      return usage();
+    }
+    if (const std::string why = option->take(argv[i + 1]); !why.empty()) {
+      fmt::print(stderr, "{} {}: {}\n", key, argv[i + 1], why);
+      return 2;
+    }
+  }
+  return 0;
+}
 }  // namespace zinf::bench

@@ -115,34 +115,18 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
 }  // namespace
 
 int main(int argc, char** argv) {
+  using namespace zinf::bench;
   std::size_t params = std::size_t{1} << 24;
   std::size_t tensors = 64;
-  std::size_t sub_group = Config().zero.sub_group_size;
+  std::size_t sub_group = zinf::Config().zero.sub_group_size;
   std::string dir = "/tmp/zinf-bench-read-state";
   int rounds = 3;
-  if (argc % 2 == 0) {  // every option takes a value: an odd count of words is a mistake
-    fmt::print(stderr,
-               "usage: bench_engine_read_state [--params N] [--tensors K] [--sub-group S] "
-               "[--dir DIR] [--rounds R]\n");
-    return 2;
-  }
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string key = argv[i];
-    const std::string value = argv[i + 1];
-    if (key == "--params") {
-      params = std::stoull(value);
-    } else if (key == "--tensors") {
-      tensors = std::max<std::size_t>(1, std::stoull(value));
-    } else if (key == "--sub-group") {
-      sub_group = std::max<std::size_t>(1, std::stoull(value));
-    } else if (key == "--dir") {
-      dir = value;
-    } else if (key == "--rounds") {
-      rounds = std::max(1, std::atoi(value.c_str()));
-    } else {
-      fmt::print(stderr, "unknown option {}\n", key);
-      return 2;
-    }
-  }
+  const int parsed = parse_options(argc, argv, "bench_engine_read_state",
+                                   {{"--params", "N", count_into(&params)},
+                                    {"--tensors", "K", count_into(&tensors, 1)},
+                                    {"--sub-group", "S", count_into(&sub_group, 1)},
+                                    {"--dir", "DIR", text_into(&dir)},
+                                    {"--rounds", "R", rounds_into(&rounds)}});
+  if (parsed != 0) return parsed;
   return run(params, tensors, sub_group, dir, rounds);
 }
