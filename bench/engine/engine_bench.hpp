@@ -17,6 +17,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -91,6 +92,16 @@ class RawDrive {
     ZINF_ASSIGN_OR_RETURN(file_, engine_->open_file(path, file_options));
     return Status::ok();
   }
+  // open(), then the file written once, untimed, as the engine's swap file is there before its
+  // first pass: ready to read. invalid_argument when `bytes` is under one 8 MiB request.
+  Status open_written(const std::string& path, std::uint64_t bytes) {
+    ZINF_RETURN_IF_ERROR(open(path, bytes));
+    if (bytes_ == 0) {
+      return Status::invalid_argument(
+          fmt::format("{}: {} bytes are under one 8 MiB request of the raw drive", path, bytes));
+    }
+    return move(IoOp::kWrite).status();
+  }
   ~RawDrive() {
     if (engine_ != nullptr && file_.valid()) (void)engine_->close_file(file_);
     if (!path_.empty()) std::filesystem::remove(path_);
@@ -123,6 +134,38 @@ class RawDrive {
   FileHandle file_;
   std::uint64_t bytes_ = 0;
 };
+
+// Parameter `tensor`'s values of write `generation`: a cheap seeded pattern in [-0.5, 0.5),
+// different for each.
+inline void make_values(std::uint64_t generation, std::size_t tensor, std::span<float> out) {
+  std::uint64_t x = generation * 0x9e3779b97f4a7c15ull + tensor * 0xbf58476d1ce4e5b9ull + 1;
+  for (float& v : out) {
+    x = x * 6364136223846793005ull + 1442695040888963407ull;
+    v = static_cast<float>(x >> 40) * 0x1.0p-24f - 0.5f;
+  }
+}
+
+// Registers `tensors` f32 parameters "w<i>" of `each` elements, each in a module "m<i>" of its
+// own, parameter i's elements [first, first + count) made by init(i, first, count, out); returns
+// their names.
+inline Result<std::vector<std::string>> register_tensors(
+    Engine& engine, std::size_t tensors, std::size_t each,
+    const std::function<void(std::size_t, std::size_t, std::size_t, float*)>& init) {
+  std::vector<std::string> names(tensors);
+  for (std::size_t i = 0; i < tensors; ++i) {
+    names[i] = fmt::format("w{}", i);
+    ParameterSpec spec;
+    spec.name = names[i];
+    spec.module = fmt::format("m{}", i);
+    spec.shape = {static_cast<std::int64_t>(each)};
+    spec.initializer = [i, init](std::size_t first, std::size_t count, float* out) {
+      init(i, first, count, out);
+      return Status::ok();
+    };
+    ZINF_RETURN_IF_ERROR(engine.register_parameter(spec).with_context(names[i]));
+  }
+  return names;
+}
 
 inline int fail(std::string_view what, const Status& st) {
   fmt::print(stderr, "{}: {}\n", what, st.to_string());

@@ -42,6 +42,7 @@
 namespace {
 
 using zinf::bench::fail;
+using zinf::bench::make_values;
 using zinf::bench::median;
 using zinf::bench::RawDrive;
 using zinf::bench::seconds_since;
@@ -59,15 +60,6 @@ std::uint64_t read_bytes() {
   return 0;
 }
 
-// Parameter `tensor`'s master values as written after the step: a cheap seeded pattern.
-void make_values(std::size_t tensor, std::span<float> out) {
-  std::uint64_t x = tensor * 0xbf58476d1ce4e5b9ull + 0x9e3779b97f4a7c15ull;
-  for (float& v : out) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    v = static_cast<float>(x >> 40) * 0x1.0p-24f - 0.5f;
-  }
-}
-
 // Parameter `tensor`'s gradient of the one step.
 void make_grad(std::size_t tensor, std::span<float> out) {
   for (std::size_t k = 0; k < out.size(); ++k) {
@@ -81,21 +73,14 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
   if (!opened.is_ok()) return fail("open", opened.status());
   Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
-  std::vector<std::string> names(tensors);
-  for (std::size_t i = 0; i < tensors; ++i) {
-    names[i] = fmt::format("w{}", i);
-    ParameterSpec spec;
-    spec.name = names[i];
-    spec.module = fmt::format("m{}", i);
-    spec.shape = {static_cast<std::int64_t>(each)};
-    spec.initializer = [i](std::size_t first, std::size_t count, float* out) {
-      for (std::size_t k = 0; k < count; ++k) {
-        out[k] = static_cast<float>((first + k + i * 7919) % 1000) * 1e-3f - 0.5f;
-      }
-      return Status::ok();
-    };
-    if (Status st = engine.register_parameter(spec); !st.is_ok()) return fail("register", st);
-  }
+  Result<std::vector<std::string>> registered = bench::register_tensors(
+      engine, tensors, each, [](std::size_t i, std::size_t first, std::size_t count, float* out) {
+        for (std::size_t k = 0; k < count; ++k) {
+          out[k] = static_cast<float>((first + k + i * 7919) % 1000) * 1e-3f - 0.5f;
+        }
+      });
+  if (!registered.is_ok()) return fail("register", registered.status());
+  const std::vector<std::string>& names = *registered;
   if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
   // One step, so that the moments hold the gradients' traces.
   std::vector<float> grad(each);
@@ -112,7 +97,7 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
   // step's pass, which may run on behind step(), so nothing of it is counted below.
   std::vector<float> out(each), want(each);
   for (std::size_t i = 0; i < tensors; ++i) {
-    make_values(i, want);
+    make_values(1, i, want);
     if (Status st = engine.write_parameters(names[i], want.data()); !st.is_ok()) {
       return fail("write_parameters", st);
     }
@@ -124,16 +109,8 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
   // to the partition's bytes. It is written once, untimed, before the first round.
   const std::uint64_t partition_bytes = std::uint64_t{4} * each * tensors;
   RawDrive raw;
-  if (Status st = raw.open(dir + "/raw.bin", partition_bytes); !st.is_ok()) {
+  if (Status st = raw.open_written(dir + "/raw.bin", partition_bytes); !st.is_ok()) {
     return fail("raw file", st);
-  }
-  if (raw.bytes() == 0) {
-    fmt::print(stderr, "--params {}: the partition is under one 8 MiB request of the raw read\n",
-               each * tensors);
-    return 2;
-  }
-  if (Result<IoBenchResult> w = raw.move(IoOp::kWrite); !w.is_ok()) {
-    return fail("raw write", w.status());
   }
   const double raw_scale = static_cast<double>(partition_bytes) / static_cast<double>(raw.bytes());
 
@@ -207,7 +184,7 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
     if (Status st = engine.read_parameters(names[i], out.data()); !st.is_ok()) {
       return fail("read_parameters", st);
     }
-    make_values(i, want);
+    make_values(1, i, want);
     masters_differ += std::memcmp(out.data(), want.data(), each * sizeof(float)) != 0;
     if (Status st = engine.read_optimizer_state(names[i], "exp_avg", out.data()); !st.is_ok()) {
       return fail("read_optimizer_state", st);

@@ -49,20 +49,12 @@
 namespace {
 
 using zinf::bench::fail;
+using zinf::bench::make_values;
 using zinf::bench::median;
 using zinf::bench::RawDrive;
 using zinf::bench::seconds_since;
 
 using namespace zinf;
-
-// Parameter `tensor`'s values of write `generation`: a cheap seeded pattern, different for each.
-void make_values(std::uint64_t generation, std::size_t tensor, std::span<float> out) {
-  std::uint64_t x = generation * 0x9e3779b97f4a7c15ull + tensor * 0xbf58476d1ce4e5b9ull + 1;
-  for (float& v : out) {
-    x = x * 6364136223846793005ull + 1442695040888963407ull;
-    v = static_cast<float>(x >> 40) * 0x1.0p-24f - 0.5f;
-  }
-}
 
 int run(std::size_t params, std::size_t tensors, const std::string& dir, OffloadDevice offload,
         int rounds) {
@@ -70,20 +62,12 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
   if (!opened.is_ok()) return fail("open", opened.status());
   Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
-  std::vector<std::string> names(tensors);
-  for (std::size_t i = 0; i < tensors; ++i) {
-    names[i] = fmt::format("w{}", i);
-    ParameterSpec spec;
-    spec.name = names[i];
-    spec.module = fmt::format("m{}", i);
-    spec.shape = {static_cast<std::int64_t>(each)};
-    spec.initializer = [i](std::size_t first, std::size_t count, float* out) {
-      make_values(0, i, std::span<float>(out, count));
-      (void)first;
-      return Status::ok();
-    };
-    if (Status st = engine.register_parameter(spec); !st.is_ok()) return fail("register", st);
-  }
+  Result<std::vector<std::string>> registered =
+      bench::register_tensors(engine, tensors, each,
+                              [](std::size_t i, std::size_t /*first*/, std::size_t count,
+                                 float* out) { make_values(0, i, std::span<float>(out, count)); });
+  if (!registered.is_ok()) return fail("register", registered.status());
+  const std::vector<std::string>& names = *registered;
   if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
   const std::vector<std::string_view> views(names.begin(), names.end());
 
@@ -116,16 +100,8 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
   const std::uint64_t master_bytes = std::uint64_t{4} * each * tensors;
   RawDrive raw;
   if (on_drive) {
-    if (Status st = raw.open(dir + "/raw.bin", master_bytes); !st.is_ok()) {
+    if (Status st = raw.open_written(dir + "/raw.bin", master_bytes); !st.is_ok()) {
       return fail("raw file", st);
-    }
-    if (raw.bytes() == 0) {
-      fmt::print(stderr, "--params {}: the master is under one 8 MiB request of the raw pass\n",
-                 each * tensors);
-      return 2;
-    }
-    if (Result<IoBenchResult> w = raw.move(IoOp::kWrite); !w.is_ok()) {
-      return fail("raw write", w.status());
     }
   }
   const double raw_scale = static_cast<double>(master_bytes) / static_cast<double>(raw.bytes());
