@@ -166,6 +166,12 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
       }
     }
   }
+  if (!options.frozen_half_kept.empty() &&
+      options.frozen_half_kept.size() != store.sub_group_count()) {
+    return Status::invalid_argument(
+        fmt::format("OptimizerPipeline: {} frozen_half_kept flags for a store of {} sub-groups",
+                    options.frozen_half_kept.size(), store.sub_group_count()));
+  }
   if (!options.frozen_sub_groups.empty() &&
       options.frozen_sub_groups.size() != store.sub_group_count()) {
     return Status::invalid_argument(
@@ -367,8 +373,8 @@ Status OptimizerPipeline::update(std::size_t i, std::byte* block, const StepArgs
   if (pass) {
     // Passed over: the master is as the last step left it, and its half copy is what the update
     // would give (optimizer_step rounds the new master exactly so), narrowed as the update runs:
-    // on the arena's threads, with the same SIMD path.
-    if (!store_.streams_half()) return Status::ok();
+    // on the arena's threads, with the same SIMD path. Not made where the caller keeps it.
+    if (!store_.streams_half() || half_kept(i)) return Status::ok();
     const auto* master = reinterpret_cast<const float*>(where(Piece::kParams));
     auto* half = reinterpret_cast<std::uint16_t*>(where(Piece::kParamsHalf));
     StepOptions narrow_options;
@@ -474,15 +480,18 @@ Status OptimizerPipeline::run_host_only(const StepArgs& args) {
     } else if (frozen(i)) {
       store_.set_settled(i, settles);
     }
-    status = hand_half(i, block, args);
+    status = hand_half(i, block, pass, args);
   }
   if (block != nullptr) entries_[0].lease.release();
   return status;
 }
 
-Status OptimizerPipeline::hand_half(std::size_t i, const std::byte* block, const StepArgs& args) {
+Status OptimizerPipeline::hand_half(std::size_t i, const std::byte* block, bool pass,
+                                    const StepArgs& args) {
   if (!store_.streams_half()) return Status::ok();
-  Status status = options_.half_done(i, block + store_.slot_offset(Piece::kParamsHalf));
+  const std::byte* half =
+      pass && half_kept(i) ? nullptr : block + store_.slot_offset(Piece::kParamsHalf);
+  Status status = options_.half_done(i, half);
   if (!status.is_ok()) {
     return status.with_context(
         fmt::format("optimizer step {}: sub-group {}: handing over the half output", args.step, i));
@@ -542,8 +551,9 @@ Status OptimizerPipeline::start_read(std::size_t p, PinnedPool::Lease lease, con
   stats_.blocks_peak = std::max(stats_.blocks_peak, held_);
   if (e.pass) ++stats_.sub_groups_passed;
   for (Piece piece : read_pieces_) {
-    // Passed over, only the master is read, and only to hand its half copy over.
-    if (e.pass && !(piece == Piece::kParams && store_.streams_half())) continue;
+    // Passed over, only the master is read, and only to hand its half copy over (not where the
+    // caller keeps it).
+    if (e.pass && !(piece == Piece::kParams && store_.streams_half() && !half_kept(i))) continue;
     const auto k = static_cast<std::size_t>(piece);
     if (store_.residency(piece, i) == Residency::kZero) {
       // Zeros not stored (StateStore::release_piece): nothing to read.
@@ -791,7 +801,9 @@ Status OptimizerPipeline::run_pipelined(const StepArgs& args) {
   auto written_back = [&](std::size_t p, bool hand_over) {
     ++updated_;  // from here on p is among the writing sub-groups, even if a write fails
     Status s = start_write(p, args);
-    if (s.is_ok() && hand_over) s = hand_half(sub_group_at(p), entry(p).lease.data(), args);
+    if (s.is_ok() && hand_over) {
+      s = hand_half(sub_group_at(p), entry(p).lease.data(), entry(p).pass, args);
+    }
     if (s.is_ok() && write_pieces_.empty()) {
       // Nothing to write back (only gradients on nvme): the sub-group is done.
       s = finish_write(p, args);

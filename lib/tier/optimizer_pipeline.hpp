@@ -61,13 +61,15 @@
 // goes through the step in its place, in order and behind the gate like any other, and is
 // recorded as holding the step once those before it have been released. On the block tier only
 // its master is read, to hand the half-precision copy of it (f32_to_bf16 / f32_to_f16, the bits
-// the update gives) to half_done; on the host tier nothing at all. kUpdateOnly passes over
-// nothing. On NVMe, the moments of a frozen sub-group that a full update leaves zero are not
-// written: their room is given back (StateStore::release_piece, kZero), and a later read of
-// them fills the block with zeros without I/O. A released piece whose new value is still all zero
-// bytes is never written back, in any mode and whether or not its sub-group settles (a frozen
-// sub-group's exp_avg released while its exp_avg_sq still decays): it stays kZero, so a step
-// takes no new disk blocks for it.
+// the update gives) to half_done; on the host tier nothing at all. Where the caller keeps that
+// half copy itself (PipelineOptions::frozen_half_kept: it did not change), not even the master
+// is read, and half_done gets a null pointer for the sub-group, in its place in the order.
+// kUpdateOnly passes over nothing. On NVMe, the moments of a frozen sub-group that a full update
+// leaves zero are not written: their room is given back (StateStore::release_piece, kZero), and a
+// later read of them fills the block with zeros without I/O. A released piece whose new value is
+// still all zero bytes is never written back, in any mode and whether or not its sub-group settles
+// (a frozen sub-group's exp_avg released while its exp_avg_sq still decays): it stays kZero, so a
+// step takes no new disk blocks for it.
 //
 // Telemetry per step (StepStats) and, with a Trace, one span per sub-group for each read (from
 // submission to the poll that saw it complete), update and write, on tracks "read", "update" and
@@ -132,6 +134,11 @@ struct PipelineOptions {
   // the caller keeps such a sub-group's gradients zero and steps its elements with learning rate
   // and weight decay 0 (or they are zero padding).
   std::vector<bool> frozen_sub_groups;
+  // Empty, or one flag per sub-group of the store: true for a frozen sub-group whose half output
+  // the caller does not need when the step passes over it (it keeps the half copy, which a
+  // passed-over sub-group leaves as it was). Passed over, such a sub-group reads nothing, and
+  // half_done is called with a null `half` for it. Only with the half piece on the block tier.
+  std::vector<bool> frozen_half_kept;
 };
 
 enum class StepMode : std::uint8_t {
@@ -250,6 +257,11 @@ class OptimizerPipeline {
   bool passes(std::size_t i) const {
     return frozen(i) && store_.settled(i) && mode_ != StepMode::kUpdateOnly;
   }
+  // Passed over, sub-group i's half output is not made: nothing of it is read, and half_done
+  // gets a null pointer (PipelineOptions::frozen_half_kept).
+  bool half_kept(std::size_t i) const {
+    return !options_.frozen_half_kept.empty() && options_.frozen_half_kept[i];
+  }
   // The update thread: hands one update over, and takes its result when it is done.
   void updater_main();
   void start_update(std::size_t i, std::byte* block, const StepArgs& args, bool pass);
@@ -267,8 +279,9 @@ class OptimizerPipeline {
   Status finish_read(std::size_t p, const StepArgs& args);
   Status start_write(std::size_t p, const StepArgs& args);
   bool writes_done(std::size_t p);
-  // Hands sub-group i's half output in `block` to options_.half_done (when it streams).
-  Status hand_half(std::size_t i, const std::byte* block, const StepArgs& args);
+  // Hands sub-group i's half output in `block` to options_.half_done (when it streams); a null
+  // pointer when the step passed over it (`pass`) and the caller keeps its half copy.
+  Status hand_half(std::size_t i, const std::byte* block, bool pass, const StepArgs& args);
   // True once every pending ticket of `pieces` at position p has finished.
   bool pieces_done(std::size_t p, const std::vector<Piece>& pieces);
   // Waits for position p's transfer of `piece` (`what`: "reading" / "writing") until it has

@@ -153,8 +153,11 @@ TEST(OptimizerPipelineGroups, BadRangesAreRefusedAtOpen) {
 // the reference's, bit for bit, the half output included. A moment written into one of them
 // makes the step update it again; its other moment, released and still zero, is neither read nor
 // written back (it stays released, in a full step as in an io-only one). Gated, descending steps
-// pass over them the same way.
-void run_frozen(StoreMedium tier, bool streamed, bool gated) {
+// pass over them the same way. With `kept` (PipelineOptions::frozen_half_kept for every frozen
+// sub-group) the caller keeps the half copy of those passed over: nothing of them is read, not
+// even the master, and half_done gets a null pointer for each in its place (the half copy it
+// kept from the last full update is still the reference's).
+void run_frozen(StoreMedium tier, bool streamed, bool gated, bool kept = false) {
   constexpr std::size_t kSub = 1000, kCount = 8 * kSub;
   const std::vector<bool>& frozen = tier_test::kFrozenSubGroups;
   const std::uint64_t seed = 0xf20 + static_cast<std::uint64_t>(tier) * 2 + (streamed ? 1 : 0);
@@ -162,12 +165,22 @@ void run_frozen(StoreMedium tier, bool streamed, bool gated) {
       kSub,
       {tier, tier, tier, StoreMedium::kHost, streamed ? StoreMedium::kBlock : StoreMedium::kHost},
       /*threads=*/2);
-  // The streamed half output, collected as half_done hands it over.
+  // The streamed half output, collected as half_done hands it over, and the sub-groups handed
+  // over in this step (null: kept).
   std::vector<std::uint16_t> streamed_half(kCount);
+  std::vector<int> handed, handed_null;
+  handed.reserve(64);
+  handed_null.reserve(64);
   so.pipeline.half_done = [&](std::size_t i, const std::byte* half) {
+    handed.push_back(static_cast<int>(i));
+    if (half == nullptr) {
+      handed_null.push_back(static_cast<int>(i));
+      return Status::ok();
+    }
     std::memcpy(streamed_half.data() + i * kSub, half, kSub * 2);
     return Status::ok();
   };
+  if (kept) so.pipeline.frozen_half_kept = frozen;
   Rig s;
   Reference ref;
   const Status opened = tier_test::open_loaded_rig("frozen", so, seed, 0, &s, &ref);
@@ -210,6 +223,8 @@ void run_frozen(StoreMedium tier, bool streamed, bool gated) {
       args.descending = true;
       args.ready = ready;
     }
+    handed.clear();
+    handed_null.clear();
     Result<StepStats> stats = s.pipeline->step(args);
     ASSERT_TRUE(stats.is_ok()) << stats.status().to_string();
     reference_step(ref, so, so.pipeline.groups, so.pipeline.ranges, t);
@@ -227,7 +242,7 @@ void run_frozen(StoreMedium tier, bool streamed, bool gated) {
       const std::uint64_t updated = (8 - passed) * kSub * 12;
       const std::uint64_t released = t == 2 ? 4 * kSub * 8 : 0;
       const std::uint64_t unread = t >= 5 ? kSub * 4 : 0;
-      EXPECT_EQ(stats->read_bytes, updated - unread + (streamed ? passed * kSub * 4 : 0))
+      EXPECT_EQ(stats->read_bytes, updated - unread + (streamed && !kept ? passed * kSub * 4 : 0))
           << "step " << t;
       EXPECT_EQ(stats->write_bytes, updated - released - unread) << "step " << t;
       for (std::size_t i = 0; i < frozen.size(); ++i) {
@@ -241,6 +256,19 @@ void run_frozen(StoreMedium tier, bool streamed, bool gated) {
     ASSERT_EQ(tier_test::compare_all(*s.store, ref), "") << "step " << t;
     if (streamed) {
       EXPECT_EQ(std::memcmp(streamed_half.data(), ref.half.data(), kCount * 2), 0) << "step " << t;
+      // Every sub-group handed over once, in the step's order; null for those passed over and
+      // kept.
+      EXPECT_EQ(handed.size(), frozen.size()) << "step " << t;
+      for (std::size_t k = 0; k < handed.size(); ++k) {
+        const std::size_t want = gated ? frozen.size() - 1 - k : k;
+        EXPECT_EQ(handed[k], static_cast<int>(want)) << "step " << t;
+      }
+      EXPECT_EQ(handed_null.size(), kept ? passed : 0) << "step " << t;
+      for (int i : handed_null) {
+        EXPECT_TRUE(frozen[static_cast<std::size_t>(i)] &&
+                    s.store->settled(static_cast<std::size_t>(i)))
+            << i;
+      }
     }
     for (std::size_t i = 0; i < frozen.size(); ++i) {
       EXPECT_EQ(s.store->stored_step(i), t) << "sub-group " << i;
@@ -273,6 +301,10 @@ TEST(OptimizerPipelineGroups, FrozenSubGroupsOnNvmeStreamingTheHalfOutput) {
 }
 TEST(OptimizerPipelineGroups, FrozenSubGroupsOnNvmeGatedDescending) {
   run_frozen(StoreMedium::kNvme, /*streamed=*/true, /*gated=*/true);
+}
+TEST(OptimizerPipelineGroups, FrozenSubGroupsOnNvmeWithTheirHalfCopyKeptReadNothing) {
+  run_frozen(StoreMedium::kNvme, /*streamed=*/true, /*gated=*/false, /*kept=*/true);
+  run_frozen(StoreMedium::kNvme, /*streamed=*/true, /*gated=*/true, /*kept=*/true);
 }
 TEST(OptimizerPipelineGroups, FrozenSubGroupsOnTheHostTier) {
   run_frozen(StoreMedium::kHost, /*streamed=*/false, /*gated=*/false);
