@@ -51,12 +51,15 @@ class DeviceState final : public InMemoryState {
     ZINF_RETURN_IF_ERROR(opt_->step(step, grad_scale, groups_));
     return StepStats{};
   }
+  // The frozen groups' shards are left as they are: the step did not change them
+  // (publisher.hpp).
   Status publish_step() override {
     ParamCoordinator& coord = pub_.coordinator();
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      if (layout_.frozen_group(g)) continue;
       ZINF_RETURN_IF_ERROR(coord.write_shard_from_device(g, opt_->values(g)));
     }
-    return pub_.publish();
+    return pub_.publish(/*frozen_too=*/false);
   }
   // The master rounded on the host into the publisher's buffer, which is freed again after:
   // the device optimizer publishes from device memory. (A buffer kept after a failed write,

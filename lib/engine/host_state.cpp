@@ -94,10 +94,12 @@ class HostState final : public InMemoryState {
     }
     return StepStats{};
   }
-  // The step wrote the half groups; the f32 groups are narrowed (copied) from the master.
+  // The step wrote the half groups; the f32 groups are narrowed (copied) from the master. The
+  // frozen groups' shards are left as they are: the step did not change them (publisher.hpp).
   Status publish_step() override {
     narrow([](DType dtype) { return dtype == DType::kF32; });
-    return write_buffer();
+    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); },
+                             /*gather_persistent=*/true, /*frozen_too=*/false);
   }
   Status publish_master(bool gather_persistent) override {
     narrow([](DType) { return true; });

@@ -140,6 +140,15 @@ Status ParameterLayout::lay_out(const Config& config, int rank, int world, RankE
         "is sharded; set it below {} to shard the large ones",
         z.stage3_param_persistence_threshold, largest, largest);
   }
+  frozen_groups_.assign(groups, false);
+  for (std::uint32_t g = 0; g < groups; ++g) {
+    const GroupInfo& info = part_->group(g);
+    bool frozen = info.param_count > 0;
+    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+      frozen = frozen && !regs_[id].spec.trainable;
+    }
+    frozen_groups_[g] = frozen;
+  }
   partition_elements_ = GradReducer::partition_element_count(*part_);
   std::size_t offset = 0, byte_offset = 0;
   bool all_same_half = true;

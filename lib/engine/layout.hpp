@@ -82,6 +82,11 @@ class ParameterLayout {
   std::size_t largest_half_shard_bytes() const;
   // Per group: it stays gathered (stages 1 and 2, or under the persistence threshold).
   const std::vector<bool>& persistent() const { return persistent_; }
+  // Group g holds frozen parameters only (ParameterSpec::trainable false; a module is all frozen
+  // or all trainable, so grouped by module a group is one or the other). No step changes such a
+  // group's master or its device-dtype values: a step neither writes its shard nor all-gathers it
+  // again (publisher.hpp).
+  bool frozen_group(std::uint32_t g) const { return frozen_groups_[g]; }
   // The coordinator's modules (taken once: the coordinator keeps them).
   std::vector<CoordinatorModule> take_coordinator_modules() { return std::move(coord_modules_); }
 
@@ -118,6 +123,7 @@ class ParameterLayout {
   std::optional<Partitioner> part_;
   std::vector<CoordinatorModule> coord_modules_;
   std::vector<bool> persistent_;
+  std::vector<bool> frozen_groups_;
   std::size_t partition_elements_ = 0;
   std::vector<std::size_t> offsets_;
   std::vector<std::size_t> byte_offsets_;

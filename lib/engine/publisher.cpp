@@ -43,13 +43,27 @@ void Publisher::narrow_groups(std::size_t first, std::size_t count, const float*
 }
 
 Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
-                               bool gather_persistent) {
+                               bool gather_persistent, bool frozen_too) {
   for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+    if (!frozen_too && layout_.frozen_group(g)) continue;
     // The values stay until the next step: no wait for each copy up (publish() or the
     // overlapped step's end waits for them all).
     ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
   }
-  return gather_persistent ? publish() : Status::ok();
+  return gather_persistent ? publish(frozen_too) : Status::ok();
+}
+
+Status Publisher::publish(bool frozen_too) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (frozen_too) return coord_->publish();
+  // Every rank froze the same parameters (ParameterLayout::check_trainable_agree), so every rank
+  // all-gathers the same groups in the same order.
+  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+    if (layout_.persistent()[g] && !layout_.frozen_group(g)) {
+      ZINF_RETURN_IF_ERROR(coord_->publish_group(g));
+    }
+  }
+  return coord_->publish_wait();
 }
 
 Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wait) {
@@ -83,7 +97,12 @@ void Publisher::begin_pass() {
   std::lock_guard<std::mutex> lock(mu_);
   in_pass_ = true;
   pass_error_ = Status::ok();
+  // A frozen group's shard already holds what the pass would write (it writes none): a gather
+  // of a frozen module does not wait for the pass.
   written_.assign(layout_.group_count(), 0);
+  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+    if (layout_.frozen_group(g)) written_[g] = 1;
+  }
 }
 
 void Publisher::end_pass(Status outcome) {
@@ -100,8 +119,9 @@ void Publisher::allocate_stage() {
   stage_ = AlignedBuffer(std::max<std::size_t>(layout_.largest_half_shard_bytes(), 64));
 }
 
-void Publisher::restart_stream(bool descending) {
+void Publisher::restart_stream(bool descending, bool frozen_too) {
   stream_descending_ = descending;
+  stream_frozen_too_ = frozen_too;
   stream_next_ = descending ? layout_.partition_elements() : 0;
   stream_group_ = descending ? layout_.group_count() : 0;
   stream_end_group_ = layout_.group_count();
@@ -113,7 +133,7 @@ bool Publisher::can_turn_at(std::size_t element) const {
   // The group holding `element` past its start, if any, is written in two parts.
   const std::uint32_t g = layout_.first_group_ending_after(element);
   return g == layout_.group_count() || layout_.offset(g) >= element ||
-         coord_->writes_shard_parts(g);
+         (!stream_frozen_too_ && layout_.frozen_group(g)) || coord_->writes_shard_parts(g);
 }
 
 Status Publisher::stage(std::size_t first, std::size_t count,
@@ -131,8 +151,10 @@ Status Publisher::stage(std::size_t first, std::size_t count,
       const std::size_t count = layout_.group(g).shard_element_count - lo;
       ZINF_ASSERT_MSG(stream_filled_ == count, "Publisher::stage: a turn with a gap in its group");
       const std::size_t bytes = dtype_bytes(layout_.half_dtype());
-      ZINF_RETURN_IF_ERROR(
-          write_group_part(g, lo, count, stage_.data() + lo * bytes, /*last=*/false));
+      if (stream_frozen_too_ || !layout_.frozen_group(g)) {
+        ZINF_RETURN_IF_ERROR(
+            write_group_part(g, lo, count, stage_.data() + lo * bytes, /*last=*/false));
+      }
     }
     stream_descending_ = false;
     stream_stop_ = stream_next_;
@@ -151,13 +173,15 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     const std::uint32_t g = stream_descending_ ? stream_group_ - 1 : stream_group_;
     const std::size_t group_first = layout_.offset(g);
     const std::size_t group_count = layout_.group(g).shard_element_count;
+    // A frozen group in a step's stream: counted through, never filled or written.
+    const bool skip = !stream_frozen_too_ && layout_.frozen_group(g);
     // After a turn the ascending ranges stop where the descending ones ended: a group straddling
     // that point gets its lower part here.
     const std::size_t group_end = std::min(group_first + group_count, stream_stop_);
     const std::size_t lo = std::max(first, group_first);
     const std::size_t hi = std::min(end, group_end);
     if (lo < hi) {
-      fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
+      if (!skip) fill(lo, hi, stage_.data() + (lo - group_first) * bytes);
       stream_filled_ += hi - lo;
     }
     // The group goes on in the next range: past `end` going up, before `first` going down.
@@ -165,7 +189,9 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     ZINF_ASSERT_MSG(stream_filled_ == group_end - group_first,
                     "Publisher::stage: a group written half filled");
     // The stage is refilled by the next group: the copy up must have read it.
-    if (group_end - group_first < group_count) {
+    if (skip) {
+      // Counted as written since begin_pass().
+    } else if (group_end - group_first < group_count) {
       ZINF_RETURN_IF_ERROR(write_group_part(g, 0, group_end - group_first, stage_.data(),
                                             /*last=*/true));
     } else {

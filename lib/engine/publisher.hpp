@@ -11,6 +11,13 @@
 // (a checkpoint load, Engine::write_parameters) the shard writes are waited for first
 // (wait_writes()) and the ranks agree that each rank's succeeded before any of them publishes.
 //
+// Frozen groups (ParameterLayout::frozen_group()) are published only after the master was
+// written (finalize, a checkpoint load, write_parameters). A step leaves their master and their
+// device-dtype values as they are, bit for bit (docs/ENGINE.md "Frozen parameters"), so after a
+// step (`frozen_too` false) their shards are not written, their persistent groups not
+// all-gathered again, and the stream drops their elements (the pass hands over only those that
+// share a sub-group with trainable ones); a pass counts them as written from its start.
+//
 // The overlapped step (zinf.overlap_step, step_runner.hpp) writes the shards on the step
 // runner's thread while the rank's thread gathers modules for the next forward pass. Both go
 // through the coordinator, which is single-threaded, so each holds mutex() for its coordinator
@@ -64,8 +71,10 @@ class Publisher {
 
   // Every group's shard from values(g), then publish() when `gather_persistent` (the
   // overlapped step publishes persistent groups module by module from the rank's thread).
+  // `frozen_too` false (after a step): the frozen groups are left as they are, values(g) not
+  // asked for.
   Status write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
-                      bool gather_persistent = true);
+                      bool gather_persistent = true, bool frozen_too = true);
 
   // --- The half-precision stream -----------------------------------------------------------
   // A group is written only when every one of its elements was filled in this pass, so no shard
@@ -77,7 +86,9 @@ class Publisher {
   std::uint64_t stage_bytes() const { return stage_.bytes(); }
   // `descending`: the ranges come from the end of the partition to its start (a pass from the
   // last sub-group to the first), and the groups are written from the last to the first.
-  void restart_stream(bool descending = false);
+  // `frozen_too` false (a step's stream): the ranges still cover the whole partition, but the
+  // elements of frozen groups are neither filled nor written (fill is not called for them).
+  void restart_stream(bool descending = false, bool frozen_too = true);
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
   // restart_stream()); descending, first + count is where the previous range began (the
@@ -89,18 +100,16 @@ class Publisher {
   // Whether a descending stream may turn at partition element `element`: at a group's start, or
   // inside a group whose shard can be written in parts (ParamCoordinator::writes_shard_parts(),
   // not on NVMe): the stage holds one group, so the straddling group's upper part goes into its
-  // shard at the turn.
+  // shard at the turn; or inside a frozen group that the stream does not write.
   bool can_turn_at(std::size_t element) const;
   // The stream since restart_stream() wrote every group.
   bool stream_complete() const {
     return stream_descending_ ? stream_group_ == 0 : stream_group_ == stream_end_group_;
   }
 
-  // All-gathers the groups that stay gathered from the shards just written. Collective.
-  Status publish() {
-    std::lock_guard<std::mutex> lock(mu_);
-    return coord_->publish();
-  }
+  // All-gathers the groups that stay gathered from the shards just written; `frozen_too` false
+  // (after a step), not the frozen ones. Collective.
+  Status publish(bool frozen_too = true);
   // Waits until every shard write so far is done (ParamCoordinator::wait_writes()): a write that
   // failed shows here, before publish(). Local.
   Status wait_writes() {
@@ -112,7 +121,8 @@ class Publisher {
   // Held around every coordinator call while a pass may be running on another thread.
   std::mutex& mutex() { return mu_; }
   std::condition_variable& written_cv() { return written_cv_; }
-  // A pass starts: no group of it is written yet. REQUIRES: mutex() not held.
+  // A pass starts: no group of it is written yet but the frozen ones, which no pass writes.
+  // REQUIRES: mutex() not held.
   void begin_pass();
   // The pass is over, every group written when `outcome` is OK: nobody waits for it any more.
   void end_pass(Status outcome);
@@ -139,6 +149,7 @@ class Publisher {
   AlignedBuffer buffer_;
   AlignedBuffer stage_;  // one group's new shard, the largest group's size
   bool stream_descending_ = false;
+  bool stream_frozen_too_ = true;  // restart_stream()'s `frozen_too`
   // Ascending: the partition element the next range starts at, and the group being assembled.
   // Descending: the element the next range ends at, and one past the group being assembled.
   std::size_t stream_next_ = 0;

@@ -82,6 +82,14 @@ class StoreState final : public OptimizerState {
         [&](std::size_t i) { return store_->sub_group_size(i); });
     frozen_ = pipe.frozen_sub_groups;
     if (publish_ == Publish::kStreamed) {
+      // A step's stream drops the frozen groups' elements (Publisher::restart_stream): a passed
+      // frozen sub-group that holds nothing else needs no half output, so not even its master
+      // is read. One that holds a trainable group's padding still hands its half copy over.
+      pipe.frozen_half_kept.assign(frozen_.size(), false);
+      for (std::size_t i = 0; i < frozen_.size(); ++i) {
+        pipe.frozen_half_kept[i] =
+            frozen_[i] && frozen_groups_only(store_->sub_group_first(i), store_->sub_group_size(i));
+      }
       // The pipeline hands each sub-group's half output over from its block.
       pipe.half_done = [this](std::size_t i, const std::byte* half) {
         return stream_half(i, half);
@@ -135,15 +143,15 @@ class StoreState final : public OptimizerState {
   }
 
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
-    // Streamed, the pass writes the shards as it goes (stream_half()).
-    pub_.restart_stream();
+    // Streamed, the pass writes the shards as it goes (stream_half()), but not the frozen groups'.
+    pub_.restart_stream(/*descending=*/false, /*frozen_too=*/false);
     return pipeline_->step({.step = step, .grad_scale = grad_scale});
   }
 
   Result<StepStats> step_gated(std::int64_t step, float grad_scale, const PassGate& gate) override {
     ZINF_ASSERT(gates() && gate.ready != nullptr);
     gate_ = gate;
-    pub_.restart_stream(gate.descending);
+    pub_.restart_stream(gate.descending, /*frozen_too=*/false);
     return pipeline_->step({.step = step,
                             .grad_scale = grad_scale,
                             .late_grad_scale = gate.grad_scale,
@@ -158,30 +166,44 @@ class StoreState final : public OptimizerState {
   bool gates() const override { return spill_ == nullptr; }
   Status write_step() override { return publish_pass(/*gather_persistent=*/false); }
 
-  // After the pass: every shard written (streamed, the pass did it), and the persistent groups
-  // all-gathered when `gather_persistent`.
+  // After the pass: every shard but the frozen groups' written (streamed, the pass did it), and
+  // the persistent groups but the frozen ones all-gathered when `gather_persistent`. The step
+  // left the frozen groups as they were (Publisher: "Frozen groups").
   Status publish_pass(bool gather_persistent) {
     if (publish_ == Publish::kStreamed) {
       // The pass wrote every shard; the persistent groups' all-gather is left.
       ZINF_ASSERT(pub_.stream_complete());
-      return gather_persistent ? pub_.publish() : Status::ok();
+      return gather_persistent ? pub_.publish(/*frozen_too=*/false) : Status::ok();
     }
     // From the store, the pass wrote every group's new values into the store's half array;
-    // narrowed, the f32 groups (all groups, without a half piece) come from the master.
-    bool any = false;
-    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-      any = any || needs_master_copy(layout_.group(g).dtype);
+    // narrowed, the f32 groups (all groups, without a half piece) come from the master: of each
+    // run of such groups that are not frozen, its master only.
+    std::uint32_t g = 0;
+    while (g < layout_.group_count()) {
+      auto copied = [&](std::uint32_t h) {
+        return needs_master_copy(layout_.group(h).dtype) && !layout_.frozen_group(h);
+      };
+      if (!copied(g)) {
+        ++g;
+        continue;
+      }
+      const std::uint32_t run_first = g;
+      while (g < layout_.group_count() && copied(g)) ++g;
+      const std::size_t begin = layout_.offset(run_first);
+      const std::size_t end = layout_.offset(g - 1) + layout_.group(g - 1).shard_element_count;
+      ZINF_RETURN_IF_ERROR(
+          read_master(begin, end, [&](std::size_t first, std::size_t count, const float* src) {
+            // On the host tier read_master() hands the whole partition over.
+            const std::size_t lo = std::max(first, begin);
+            const std::size_t hi = std::min(first + count, end);
+            if (lo >= hi) return;
+            pub_.narrow_groups(
+                lo, hi - lo, src + (lo - first),
+                [&](DType dtype) { return needs_master_copy(dtype); },
+                [&](std::uint32_t h) { return values(h); });
+          }));
     }
-    if (any) {
-      ZINF_RETURN_IF_ERROR(read_master(0, layout_.partition_elements(),
-                                       [&](std::size_t first, std::size_t count, const float* src) {
-                                         pub_.narrow_groups(
-                                             first, count, src,
-                                             [&](DType dtype) { return needs_master_copy(dtype); },
-                                             [&](std::uint32_t g) { return values(g); });
-                                       }));
-    }
-    return write_values(gather_persistent);
+    return write_values(gather_persistent, /*frozen_too=*/false);
   }
 
   Status publish_master(bool gather_persistent) override {
@@ -649,14 +671,27 @@ class StoreState final : public OptimizerState {
     return self->gate_.ascend(self->gate_.user, self->store_->sub_group_first(left));
   }
 
-  // The pipeline's half_done: sub-group i's new half values, from its pool block.
+  // The pipeline's half_done: sub-group i's new half values, from its pool block. Null for a
+  // passed frozen sub-group of frozen groups only (PipelineOptions::frozen_half_kept): the
+  // step's stream asks nothing of it, but the range keeps the stream in order.
   Status stream_half(std::size_t i, const std::byte* half) {
     const std::size_t first = store_->sub_group_first(i);
     const std::size_t bytes = dtype_bytes(layout_.half_dtype());
     return pub_.stage(first, store_->sub_group_size(i),
                       [&](std::size_t lo, std::size_t hi, std::byte* dst) {
+                        ZINF_ASSERT_MSG(half != nullptr, "stream_half: a kept half copy asked for");
                         std::memcpy(dst, half + (lo - first) * bytes, (hi - lo) * bytes);
                       });
+  }
+
+  // Partition elements [first, first + count) lie in frozen groups only.
+  bool frozen_groups_only(std::size_t first, std::size_t count) const {
+    const std::size_t end = first + count;
+    for (std::uint32_t g = layout_.first_group_ending_after(first);
+         g < layout_.group_count() && layout_.offset(g) < end; ++g) {
+      if (layout_.group(g).shard_element_count > 0 && !layout_.frozen_group(g)) return false;
+    }
+    return true;
   }
 
   // The groups the pass does not produce in their dtype: f32 groups, or all of them when the
@@ -678,9 +713,9 @@ class StoreState final : public OptimizerState {
     pub_.narrow_groups(
         first, count, src, [](DType) { return true; }, [&](std::uint32_t g) { return values(g); });
   }
-  Status write_values(bool gather_persistent = true) {
+  Status write_values(bool gather_persistent = true, bool frozen_too = true) {
     return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
-                             gather_persistent);
+                             gather_persistent, frozen_too);
   }
   // write_values(), and where the persistent groups are left to the caller, the writes waited
   // for, so that a failed one shows here (publish_master()).

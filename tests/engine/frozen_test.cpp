@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +22,7 @@
 #include "common/loop_mount.hpp"
 #include "common/sanitizer.hpp"
 #include "engine_test_util.hpp"
+#include "io/fault.hpp"
 
 namespace zinf {
 namespace {
@@ -593,9 +595,9 @@ TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
 // A LoRA-shaped model: a trainable embedding (2048 elements), a frozen base of three 64 x 64
 // weights and six trainable 512-element adapters, the optimizer state (AdamW) on NVMe. The
 // optimizer pass moves only the trainable share: per step and rank it reads and writes the
-// trainable elements' master and moments (12 bytes each), and, when the new bf16 parameters
-// stream from the pass, reads the frozen elements' master (4 bytes each) to hand their half copy
-// on; with f32 parameters it reads nothing of them. So with sub-groups of 1024 / world elements
+// trainable elements' master and moments (12 bytes each), and nothing of the frozen elements:
+// not even their master when the new bf16 parameters stream from the pass (a step does not
+// republish a frozen group). So with sub-groups of 1024 / world elements
 // (each all frozen or all trainable) and with one of the default size (1e9: the frozen base gets
 // sub-groups of its own, cut at its ends). Both end with the masters, bit for bit, of the same
 // run with the state in device memory (offload_optimizer none), which steps every element, the
@@ -654,12 +656,15 @@ TEST(Frozen, AdoptedMomentsOfAFrozenModuleDecay) {
 }
 
 LoraRun run_lora(const Model& model, int world, OffloadDevice opt, std::size_t sub_group_size,
-                 bool overlap, bool save) {
-  engine_test::ScratchDir dir(fmt::format(
-      "frozen_lora_w{}_{}_sg{}_{}_{}{}", world, offload_device_name(opt), sub_group_size,
-      dtype_name(model.params[0].dtype), overlap ? "overlap" : "sequential", save ? "_save" : ""));
+                 bool overlap, bool save, OffloadDevice params = OffloadDevice::kNone) {
+  engine_test::ScratchDir dir(fmt::format("frozen_lora_w{}_{}_{}_sg{}_{}_{}{}", world,
+                                          offload_device_name(opt), offload_device_name(params),
+                                          sub_group_size, dtype_name(model.params[0].dtype),
+                                          overlap ? "overlap" : "sequential", save ? "_save" : ""));
   const std::string ckpt = dir.path() + "/ckpt";
-  Config config = engine_test::small_config(2, opt, OffloadDevice::kNone, dir.path());
+  // Stage 3 where the parameters are offloaded (offload_param applies to stage 3 only).
+  const int stage = params == OffloadDevice::kNone ? 2 : 3;
+  Config config = engine_test::small_config(stage, opt, params, dir.path());
   config.zero.sub_group_size = sub_group_size;
   config.overlap_step = overlap;
   TrainOptions options;
@@ -722,11 +727,11 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
   }
   frozen_elements /= static_cast<std::size_t>(world);
   trainable_elements /= static_cast<std::size_t>(world);
-  // Master, exp_avg and exp_avg_sq: 12 bytes an element each way; the streamed pass reads the
-  // frozen master (4 bytes an element) for its half copy; the pass after a linked save reads and
-  // writes the frozen master besides the trainable share.
+  // Master, exp_avg and exp_avg_sq: 12 bytes an element each way (the streamed pass does not
+  // read the frozen master: the frozen groups' shards are not written again); the pass after a
+  // linked save reads and writes the frozen master besides the trainable share.
   const std::uint64_t trainable_bytes = trainable_elements * 12;
-  const std::uint64_t frozen_read_bytes = dtype == DType::kF32 ? 0 : frozen_elements * 4;
+  const std::uint64_t frozen_read_bytes = 0;
   const std::uint64_t full_bytes = trainable_bytes + frozen_elements * 4;
 
   const bool save = world == 1;
@@ -1424,6 +1429,153 @@ TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World2Overlapped) {
 }
 TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World1Overlapped) {
   check_lora_pass(1, DType::kBF16, /*overlap=*/true);
+}
+
+// A step does not republish the frozen groups: lora_model() at stage 3 with the parameter shards
+// on NVMe, the optimizer state on NVMe (bf16: the new parameters stream from the pass into the
+// shards) or in host memory (the store's half array), sequential and overlapped. Each step
+// writes the shards of the trainable groups only (2 bytes an element, each group's shard a whole
+// number of 4 KiB pages), and the pass reads the trainable state only (12 bytes an element;
+// nothing of the frozen master). f32 parameters with the state on NVMe are narrowed from the
+// master after the pass: only the trainable groups' master is read back (4 bytes an element).
+// The masters end as those of the same training with every element stepped in device memory
+// (offload_optimizer none, stage 2), bit for bit; the gradients are computed from the gathered
+// copies (engine_test::make_grad), so a shard left stale would change them.
+void check_lora_publish(int world, OffloadDevice opt, DType dtype, bool overlap) {
+  const Model model = lora_model(dtype);
+  constexpr std::uint64_t kPage = 4096;
+  // Rank 0's slice of each module's group (one group a module: each is under
+  // zinf.group_max_elements; every group is a multiple of 128 * world elements, no padding).
+  std::uint64_t shard_bytes = 0, frozen_shard_bytes = 0;
+  std::size_t trainable_elements = 0;
+  for (const std::string& m : model.modules) {
+    std::size_t elements = 0;
+    for (const engine_test::ParamDef& d : model.params) {
+      if (d.module == m) elements += d.element_count();
+    }
+    elements /= static_cast<std::size_t>(world);
+    const std::uint64_t bytes =
+        (elements * dtype_bytes(dtype) + kPage - 1) / kPage * kPage;  // whole pages on NVMe
+    if (m == model.frozen_module) {
+      frozen_shard_bytes += bytes;
+    } else {
+      shard_bytes += bytes;
+      trainable_elements += elements;
+    }
+  }
+  const bool state_on_nvme = opt == OffloadDevice::kNvme;
+  const LoraRun stepped = run_lora(model, world, OffloadDevice::kNone, 1'000'000'000, overlap,
+                                   /*save=*/false);
+  const LoraRun run =
+      run_lora(model, world, opt, 1'000'000'000, overlap, /*save=*/false, OffloadDevice::kNvme);
+  ASSERT_EQ(run.reports.size(), 5u);
+  for (std::size_t s = 0; s < run.reports.size(); ++s) {
+    const std::size_t pass = overlap ? s : s + 1;  // see check_lora_pass
+    if (pass == 0) continue;
+    const StepReport& rep = run.reports[s];
+    std::printf(
+        "step %zu: shards written %llu (trainable %llu, frozen %llu), optimizer read %llu, master "
+        "read back %llu\n",
+        s + 1, static_cast<unsigned long long>(rep.param_nvme_write_bytes),
+        static_cast<unsigned long long>(shard_bytes),
+        static_cast<unsigned long long>(frozen_shard_bytes),
+        static_cast<unsigned long long>(rep.optimizer_nvme_read_bytes),
+        static_cast<unsigned long long>(rep.master_nvme_read_bytes));
+    EXPECT_EQ(rep.param_nvme_write_bytes, shard_bytes) << "step " << s + 1;
+    EXPECT_EQ(rep.optimizer_nvme_read_bytes, state_on_nvme ? trainable_elements * 12 : 0)
+        << "step " << s + 1;
+    const std::uint64_t master_read =
+        state_on_nvme && dtype == DType::kF32 ? trainable_elements * 4 : 0;
+    EXPECT_EQ(rep.master_nvme_read_bytes, master_read) << "step " << s + 1;
+  }
+  ASSERT_EQ(run.finals.size(), model.params.size());
+  ASSERT_EQ(stepped.finals.size(), model.params.size());
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    EXPECT_EQ(
+        std::memcmp(run.finals[p].data(), stepped.finals[p].data(), stepped.finals[p].size() * 4),
+        0)
+        << model.params[p].name;
+  }
+}
+
+TEST(Frozen, AStepWritesOnlyTheTrainableShardsStreamedSequential) {
+  check_lora_publish(1, OffloadDevice::kNvme, DType::kBF16, /*overlap=*/false);
+}
+TEST(Frozen, AStepWritesOnlyTheTrainableShardsStreamedOverlappedWorld2) {
+  check_lora_publish(2, OffloadDevice::kNvme, DType::kBF16, /*overlap=*/true);
+}
+TEST(Frozen, AStepWritesOnlyTheTrainableShardsStateInHostMemory) {
+  check_lora_publish(1, OffloadDevice::kHost, DType::kBF16, /*overlap=*/true);
+}
+TEST(Frozen, AStepReadsBackOnlyTheTrainableMasterF32) {
+  check_lora_publish(1, OffloadDevice::kNvme, DType::kF32, /*overlap=*/false);
+}
+
+// The overlapped step: a gather of the frozen module right after step() does not wait for the
+// pass, which writes nothing of it. lora_model() (bf16) at stage 3 with the shards in device
+// memory and the state on NVMe (streamed), every read of the engine's I/O delayed by 250 ms from
+// step 2 on (seed 5), so that each pass takes seconds. After step 2, gather("base") returns with
+// no wait while the pass still runs (the trainable embedding's gather right after waits for it),
+// and the training ends, bit for bit, where the same training with every element stepped in
+// device memory ends.
+TEST(Frozen, AGatherOfTheFrozenModuleDoesNotWaitForThePass) {
+  const Model model = lora_model(DType::kBF16);
+  const LoraRun stepped = run_lora(model, 1, OffloadDevice::kNone, 1'000'000'000,
+                                   /*overlap=*/true, /*save=*/false);
+  ASSERT_EQ(stepped.finals.size(), model.params.size());
+  engine_test::ScratchDir dir("frozen_gather_during_pass");
+  Config config =
+      engine_test::small_config(3, OffloadDevice::kNvme, OffloadDevice::kNone, dir.path());
+  config.zero.sub_group_size = 1'000'000'000;
+  config.overlap_step = true;
+  FaultSpec spec;
+  spec.seed = 5;
+  spec.latency_rate = 1.0;
+  spec.latency = std::chrono::milliseconds(250);
+  spec.writes = false;
+  auto slow_reads = std::make_shared<FaultInjector>(spec);
+  slow_reads->set_enabled(false);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Result<std::unique_ptr<Engine>> opened = engine_test::open_rank(ranks, 0, config, slow_reads);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  Engine& engine = **opened;
+  TrainOptions options;
+  options.check_gathered = false;
+  options.steps = 1;
+  Status st = engine_test::train_rank(engine, model, 0, options, nullptr, nullptr);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  slow_reads->set_enabled(true);
+  options.first_step = 2;
+  options.steps = 2;
+  st = engine_test::train_rank(engine, model, 0, options, nullptr, nullptr);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  // Step 2's pass runs on: each read of the embedding's and the adapters' state takes 250 ms.
+  using Clock = std::chrono::steady_clock;
+  const auto t0 = Clock::now();
+  st = engine.gather("base");
+  const double frozen_s = std::chrono::duration<double>(Clock::now() - t0).count();
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_TRUE(engine.release("base").is_ok());
+  const auto t1 = Clock::now();
+  st = engine.gather("embed");
+  const double trainable_s = std::chrono::duration<double>(Clock::now() - t1).count();
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  ASSERT_TRUE(engine.release("embed").is_ok());
+  std::printf("gather('base') %.3f s, then gather('embed') %.3f s\n", frozen_s, trainable_s);
+  EXPECT_LT(frozen_s, 0.2) << "the frozen module's gather waited for the pass";
+  EXPECT_GT(trainable_s, 0.2) << "the pass was over before the frozen module's gather";
+  slow_reads->set_enabled(false);
+  options.first_step = 3;
+  options.steps = 5;
+  st = engine_test::train_rank(engine, model, 0, options, nullptr, nullptr);
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  Result<std::vector<std::vector<float>>> finals = engine_test::read_masters(engine, model);
+  ASSERT_TRUE(finals.is_ok()) << finals.status().to_string();
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    EXPECT_EQ(
+        std::memcmp((*finals)[p].data(), stepped.finals[p].data(), stepped.finals[p].size() * 4), 0)
+        << model.params[p].name;
+  }
 }
 
 }  // namespace
