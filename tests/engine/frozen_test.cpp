@@ -600,10 +600,11 @@ TEST(Frozen, LoadedMomentsOfAFrozenModuleDecayAsWhenNothingIsPassedOver) {
 // republish a frozen group). So with sub-groups of 1024 / world elements
 // (each all frozen or all trainable) and with one of the default size (1e9: the frozen base gets
 // sub-groups of its own, cut at its ends). Both end with the masters, bit for bit, of the same
-// run with the state in device memory (offload_optimizer none), which steps every element, the
-// frozen base included. At world 1 a checkpoint is linked after step 2: the step after it
-// streams the frozen master once (moving it out of the linked file; the frozen moments are zeros
-// the store does not keep, StateStore::release_piece, so there is nothing of them to read or
+// run with the state in device memory (offload_optimizer none on the host device, which passes
+// over the frozen ranges too, so that run's frozen masters keep their initial bits and its
+// trainable ones are stepped as here). At world 1 a checkpoint is linked after step 2: the step
+// after it streams the frozen master once (moving it out of the linked file; the frozen moments are
+// zeros the store does not keep, StateStore::release_piece, so there is nothing of them to read or
 // write), then passes over it again, and the checkpoint resumes to the same bits.
 struct LoraRun {
   std::vector<StepReport> reports;         // rank 0's
@@ -1438,7 +1439,7 @@ TEST(Frozen, OptimizerPassSkipsFrozenSubGroupsBf16World1Overlapped) {
 // number of 4 KiB pages), and the pass reads the trainable state only (12 bytes an element;
 // nothing of the frozen master). f32 parameters with the state on NVMe are narrowed from the
 // master after the pass: only the trainable groups' master is read back (4 bytes an element).
-// The masters end as those of the same training with every element stepped in device memory
+// The masters end as those of the same training with the state in device memory
 // (offload_optimizer none, stage 2), bit for bit; the gradients are computed from the gathered
 // copies (engine_test::make_grad), so a shard left stale would change them.
 void check_lora_publish(int world, OffloadDevice opt, DType dtype, bool overlap) {
@@ -1517,8 +1518,8 @@ TEST(Frozen, AStepReadsBackOnlyTheTrainableMasterF32) {
 // step 2 on (seed 5), so that each pass takes seconds. After step 2, gather("base") returns while
 // the pass still reads: fewer of the pass's delayed reads have happened then than when the
 // trainable embedding's gather, which waits for the pass, returns (no clock is compared, so a
-// slow machine cannot fail it). The training ends, bit for bit, where the same training with
-// every element stepped in device memory ends.
+// slow machine cannot fail it). The training ends, bit for bit, where the same training with the
+// state in device memory ends.
 TEST(Frozen, AGatherOfTheFrozenModuleDoesNotWaitForThePass) {
   const Model model = lora_model(DType::kBF16);
   const LoraRun stepped = run_lora(model, 1, OffloadDevice::kNone, 1'000'000'000,
