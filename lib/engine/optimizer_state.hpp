@@ -115,7 +115,9 @@ class OptimizerState {
   }
   // One optimizer step at step number `step` (from 1), the gradients times grad_scale.
   virtual Result<StepStats> step(std::int64_t step, float grad_scale) = 0;
-  // After step(): the new parameters into every shard, and the gathered groups published.
+  // After step(): the new parameters into every trainable group's shard, and the gathered groups
+  // published. A frozen group (ParameterLayout::frozen_group) is left as it is: a step never
+  // changes it (learning rate 0).
   virtual Status publish_step() = 0;
   // Whether step() and write_step() may run on the step runner's thread while the rank's thread
   // gathers (zinf.overlap_step; step_runner.hpp). Only the store's state does: its pass is long
@@ -135,9 +137,9 @@ class OptimizerState {
     (void)step, (void)grad_scale, (void)gate;
     return Status::unsupported("step_gated: the state cannot update during the backward");
   }
-  // After step(), on the step runner's thread: every shard written, in group order, through the
-  // publisher (which counts them); the persistent groups are left for the rank's thread to
-  // all-gather. REQUIRES: overlaps().
+  // After step(), on the step runner's thread: every trainable group's shard written, in group
+  // order, through the publisher (which counts the frozen ones written at the pass's start); the
+  // persistent groups are left for the rank's thread to all-gather. REQUIRES: overlaps().
   virtual Status write_step() {
     return Status::unsupported("write_step: the state does not overlap");
   }
