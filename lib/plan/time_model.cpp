@@ -52,19 +52,15 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
   const bool on_device = s.optimizer == OffloadDevice::kNone;
   // The pass steps the trainable share: the device optimizer skips its frozen runs (their moments
   // are zero and not stored, lib/engine/device_optimizer.cpp); offloaded, the pass passes over
-  // the frozen sub-groups but reads their master to hand on the half copy where the half output
-  // streams.
+  // the frozen sub-groups, and reads nothing of them even where the half output streams (the
+  // frozen groups' shards are not republished, so their half copy is not handed on).
   const std::uint64_t stepped = trainable_params;
-  const std::uint64_t frozen_read = !on_device && streams_half(s) ? shard_params - stepped : 0;
-  // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2); a frozen
-  // element read for its half copy: read p (4), write the half (2).
+  // Read the fp32 gradient (4), read and write p, m, v (24), write the half copy (2).
   const double adam_bytes_per_param = 30.0;
-  const double frozen_bytes_per_param = 6.0;
   const double adam_gbps = on_device ? profile.gpu_mem_gbps : profile.mem_adam_gbps;
   ZINF_ASSERT_MSG(adam_gbps > 0, "predict_step: no memory bandwidth for the optimizer");
   out->adam_memory_bytes =
-      static_cast<std::uint64_t>(ranks * static_cast<double>(stepped) * adam_bytes_per_param +
-                                 ranks * static_cast<double>(frozen_read) * frozen_bytes_per_param);
+      static_cast<std::uint64_t>(ranks * static_cast<double>(stepped) * adam_bytes_per_param);
   // Device optimizers run per GPU, in parallel; the CPU optimizer of R ranks shares one memory.
   out->update_alone_s =
       on_device ? seconds(static_cast<double>(stepped) * adam_bytes_per_param, adam_gbps)
@@ -78,18 +74,18 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
   }
   const double read_per_param = s.gradients_on_nvme ? 16.0 : 12.0;
   const double write_per_param = 12.0;
-  // With the half params' home on NVMe too, the pass writes every new half shard, frozen or not.
+  // With the half params' home on NVMe too, the pass writes the new half shards of the trainable
+  // groups: a frozen group's shard already holds what a step would write.
   const double half_write_per_param = s.params == OffloadDevice::kNvme ? 2.0 : 0.0;
   const double stepped_params = ranks * static_cast<double>(stepped);
-  const double read_bytes =
-      stepped_params * read_per_param + ranks * static_cast<double>(frozen_read) * 4.0;
-  const double write_bytes = stepped_params * write_per_param +
-                             ranks * static_cast<double>(shard_params) * half_write_per_param;
+  const double read_bytes = stepped_params * read_per_param;
+  const double write_bytes =
+      stepped_params * write_per_param + stepped_params * half_write_per_param;
   // The pass cuts its sub-groups at both ends of each trainable run as well as every Sg
-  // elements: at least a sub-group a run, and the frozen gaps between runs one more each.
+  // elements: at least a sub-group a run. The frozen gaps between runs are sub-groups too, but
+  // passed over, reading and writing nothing, they take no part in the pipeline's time.
   std::uint64_t sub_groups = ceil_div(stepped, s.sub_group_params);
   if (stepped < shard_params) sub_groups = std::max(sub_groups, trainable_runs);
-  if (frozen_read > 0) sub_groups += ceil_div(frozen_read, s.sub_group_params) + trainable_runs - 1;
   sub_groups = std::max<std::uint64_t>(1, sub_groups);
   nvme_pipeline(read_bytes, write_bytes, sub_groups, s.buffer_count, profile, out);
 }
@@ -112,8 +108,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   predict_pipeline(pr, tr, runs, s, profile, &out);
   // The new half params go to their home: uploaded to the device when the optimizer ran on the
   // host; downloaded when it ran on the device but the params live offloaded; written to NVMe
-  // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe.
-  const double half_bytes = 2.0 * static_cast<double>(pr);
+  // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe. Only
+  // the trainable groups' shards are republished: no step changes a frozen one.
+  const double half_bytes = 2.0 * static_cast<double>(tr);
   if (s.optimizer != OffloadDevice::kNone && s.params == OffloadDevice::kNone) {
     out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
   } else if (s.optimizer == OffloadDevice::kNone && s.params != OffloadDevice::kNone) {

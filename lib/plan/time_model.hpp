@@ -28,19 +28,18 @@
 //   frozen parameters (T trainable of P, Tr and Fr = Pr − Tr a rank's trainable and frozen
 //            shares; docs/ENGINE.md "Frozen parameters"): with the optimizer state offloaded the
 //            pass passes over the frozen sub-groups (no read of their master, moments or
-//            gradient, no update, no write), except that where the half output streams
-//            (streams_half: state on NVMe, shards not in host memory) it reads a frozen
-//            sub-group's master to hand on its half copy. So the update moves 30·Tr bytes, and
-//            6·Fr more when streamed (read the master, write the half); NVMe reads
-//            12·Tr + (4·Fr when streamed), writes 12·Tr (+ 2·Pr with the half params' home on
-//            NVMe: every shard is rewritten). The engine cuts sub-groups at both ends of each
+//            gradient, no update, no write), and a step does not republish the frozen groups
+//            (no step changes them), so where the half output streams (streams_half) the pass
+//            does not read a frozen master for its half copy either. The update moves 30·Tr
+//            bytes; NVMe reads 12·Tr, writes 12·Tr (+ 2·Tr with the half params' home on NVMe:
+//            the trainable groups' new shards). The engine cuts sub-groups at both ends of each
 //            run of trainable elements too: with k = max(1, ceil(runs / N)) a rank's share of
 //            the model's trainable runs (ModelShape::trainable_runs, LoRA: one an adapted
-//            projection; unknown for --trainable: 1), n = max(ceil(Tr / Sg), k) +
-//            (ceil(Fr / Sg) + k − 1 when streamed: the frozen gaps between the runs), at least
-//            1. The upload is the whole shard's, as the shards of frozen
-//            groups are rewritten after each step. The optimizer on the device moves 30·Tr
-//            too: it skips its frozen runs, whose moments it does not store.
+//            projection; unknown for --trainable: 1), n = max(ceil(Tr / Sg), k), at least 1
+//            (the frozen sub-groups between the runs move nothing and are not counted). The new
+//            half params that go to their home (the upload) are 2·Tr: only the trainable
+//            groups' shards are rewritten after a step. The optimizer on the
+//            device moves 30·Tr too: it skips its frozen runs, whose moments it does not store.
 //
 // Forward and backward, per rank, for grad_accum_steps micro-batches each:
 //   compute        F = (6·T + 4·(P − T) + 12·L·h·s)·s·b FLOPs per micro-batch (PaLM,

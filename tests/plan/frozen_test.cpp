@@ -83,10 +83,12 @@ TEST(FrozenEstimate, FrozenElementsCostWhatTheEngineCharges) {
 }
 
 // The optimizer pass with the state offloaded: the trainable share's update (30 B an element) and
-// NVMe traffic (12 B read and written), plus the frozen masters' read (4 B, and 2 B of half copy
-// written through memory) where the half output streams. Forward and backward: 6 FLOPs a
-// trainable parameter and a token, 4 a frozen one; the trainable fp32 gradients' offload at
-// stage 3.
+// NVMe traffic (12 B read and written, and 2 B of new half shard written with the params on
+// NVMe). A step does not republish the frozen groups, so nothing of a frozen element moves in the
+// pass, not even where the half output streams (params on the device or on NVMe): its master is
+// not read for a half copy, its shard not written. The frozen shards are still fetched from NVMe
+// in the forward and backward gathers (2 B, twice). Forward and backward: 6 FLOPs a trainable
+// parameter and a token, 4 a frozen one; the trainable fp32 gradients' offload at stage 3.
 TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
   const ModelShape m = lora7b();
   const double p = static_cast<double>(param_count(m));
@@ -99,7 +101,7 @@ TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
   profile.gpu_tflops = 300;
   TrainingShape training;
   training.seq_len = 1024;
-  for (OffloadDevice params : {OffloadDevice::kNone, OffloadDevice::kHost}) {
+  for (OffloadDevice params : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
     EngineSetup s;
     s.stage = 3;
     s.world_size = 2;
@@ -107,24 +109,76 @@ TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
     s.optimizer = OffloadDevice::kNvme;
     s.params = params;
     s.sub_group_params = 1 << 22;
+    s.param_staging_params = 1 << 22;
     const double pr = std::ceil(p / 2);
     const double tr = std::ceil(t / 2);
-    const double fr = pr - tr;
-    // Params on the device: the half output streams, so the frozen masters are read. Params in
-    // host memory: the store's half array holds the half copy; nothing frozen is touched.
-    const bool streamed = params == OffloadDevice::kNone;
+    const bool shards_on_nvme = params == OffloadDevice::kNvme;
     const StepPrediction x = predict_step(m, training, s, profile);
-    EXPECT_EQ(static_cast<double>(x.adam_memory_bytes), 2 * (30 * tr + (streamed ? 6 * fr : 0)));
-    EXPECT_EQ(static_cast<double>(x.nvme_read_bytes), 2 * (12 * tr + (streamed ? 4 * fr : 0)));
-    EXPECT_EQ(static_cast<double>(x.nvme_write_bytes), 2 * 12 * tr);
-    const double sub_groups =
-        std::ceil(tr / (1 << 22)) + (streamed ? std::ceil(fr / (1 << 22)) : 0);
-    EXPECT_EQ(static_cast<double>(x.sub_groups), sub_groups);
-    EXPECT_NEAR(x.update_alone_s, 2 * (30 * tr + (streamed ? 6 * fr : 0)) / 40e9, 1e-12);
-    EXPECT_NEAR(x.grad_offload_s, 4 * tr / 20e9, 1e-12);  // fp32, as the engine reduces them
+    const std::string where(offload_device_name(params));
+    EXPECT_EQ(static_cast<double>(x.adam_memory_bytes), 2 * 30 * tr) << where;
+    const double fetched = shards_on_nvme ? 2 * 2 * 2 * pr : 0;  // both ranks, both passes
+    EXPECT_EQ(static_cast<double>(x.nvme_read_bytes), 2 * 12 * tr + fetched) << where;
+    EXPECT_EQ(static_cast<double>(x.nvme_write_bytes), 2 * (12 + (shards_on_nvme ? 2 : 0)) * tr)
+        << where;
+    EXPECT_EQ(static_cast<double>(x.sub_groups), std::ceil(tr / (1 << 22))) << where;
+    EXPECT_NEAR(x.update_alone_s, 2 * 30 * tr / 40e9, 1e-12) << where;
+    // Params on the device: the trainable groups' new half shards go up, 2 B a trainable element.
+    EXPECT_NEAR(x.param_upload_s, params == OffloadDevice::kNone ? 2 * tr / 20e9 : 0.0, 1e-12)
+        << where;
+    EXPECT_NEAR(x.grad_offload_s, 4 * tr / 20e9, 1e-12) << where;  // fp32, as reduced
     const double flops =
         (6 * t + 4 * (p - t) + 12.0 * m.layers * m.hidden * 1024) * 1024;  // one micro-batch
-    EXPECT_NEAR(x.compute_s, flops / 300e12, 1e-9);
+    EXPECT_NEAR(x.compute_s, flops / 300e12, 1e-9) << where;
+  }
+}
+
+// The new half params that go to their home after the step are the trainable groups' only:
+// uploaded from the host optimizer to the device, downloaded from the device optimizer to
+// offloaded shards, or written to NVMe beside the host optimizer, 2 B a trainable element, where
+// the whole shard (2 B an element) went before.
+TEST(FrozenTime, OnlyTheTrainableShardsAreRepublished) {
+  const ModelShape m = lora7b();
+  const double p = static_cast<double>(param_count(m));
+  const double t = static_cast<double>(m.trainable_params);
+  const double pr = std::ceil(p / 4);
+  const double tr = std::ceil(t / 4);
+  MachineProfile profile;
+  profile.mem_adam_gbps = 40;
+  profile.gpu_mem_gbps = 2000;
+  profile.nvme_read_gbps = 6;
+  profile.nvme_write_gbps = 4;
+  profile.h2d_gbps = 16;
+  struct Case {
+    OffloadDevice optimizer, params;
+    double upload_s, nvme_write_bytes, nvme_read_bytes;
+  };
+  const Case cases[] = {
+      // Host optimizer, params on the device: 2·Tr up the link.
+      {OffloadDevice::kHost, OffloadDevice::kNone, 2 * tr / 16e9, 0, 0},
+      // Device optimizer, params in host memory: 2·Tr down the link.
+      {OffloadDevice::kNone, OffloadDevice::kHost, 2 * tr / 16e9, 0, 0},
+      // Device optimizer, params on NVMe: 2·Tr down the link and on to the drive, the four
+      // ranks' writes the slower; the gathers still fetch every shard, frozen too, twice.
+      {OffloadDevice::kNone, OffloadDevice::kNvme, 4 * 2 * tr / 4e9, 4 * 2 * tr, 4 * 2 * 2 * pr},
+      // Host optimizer, params on NVMe: the four ranks write 2·Tr each to the drive.
+      {OffloadDevice::kHost, OffloadDevice::kNvme, 4 * 2 * tr / 4e9, 4 * 2 * tr, 4 * 2 * 2 * pr},
+  };
+  for (const Case& c : cases) {
+    EngineSetup s;
+    s.stage = 3;
+    s.world_size = 4;
+    s.ranks_per_machine = 4;
+    s.optimizer = c.optimizer;
+    s.params = c.params;
+    s.param_staging_params = 1 << 22;
+    const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
+    const std::string where = std::string("optimizer ") +
+                              std::string(offload_device_name(c.optimizer)) + ", params " +
+                              std::string(offload_device_name(c.params));
+    EXPECT_NEAR(x.param_upload_s, c.upload_s, 1e-12) << where;
+    EXPECT_EQ(static_cast<double>(x.nvme_write_bytes), c.nvme_write_bytes) << where;
+    EXPECT_EQ(static_cast<double>(x.nvme_read_bytes), c.nvme_read_bytes) << where;
+    EXPECT_DOUBLE_EQ(x.optimizer_step_s, std::max(x.pipeline_s, x.param_upload_s)) << where;
   }
 }
 
@@ -181,8 +235,8 @@ TEST(FrozenTime, CheckpointingAddsOneForward) {
 }
 
 // The engine cuts the pass's sub-groups at each run of trainable elements: LoRA's adapters, one
-// run an adapted projection, make at least a sub-group each, and where the half output streams
-// the frozen gaps between them one more each.
+// run an adapted projection, make at least a sub-group each. The frozen gaps between them are
+// passed over and read nothing, even where the half output streams, so they are not counted.
 TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
   ModelShape m = lora7b();
   m.trainable_runs = 2 * 32;  // q and v in each of 32 layers
@@ -198,12 +252,9 @@ TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
     s.optimizer = OffloadDevice::kNvme;
     s.params = params;
     s.sub_group_params = 1 << 22;
-    const double pr = std::ceil(static_cast<double>(param_count(m)) / 2);
     const double tr = std::ceil(static_cast<double>(m.trainable_params) / 2);
     const double runs = 32;  // a rank's share of the 64 runs
-    const bool streamed = params == OffloadDevice::kNone;
-    const double sub_groups = std::max(std::ceil(tr / (1 << 22)), runs) +
-                              (streamed ? std::ceil((pr - tr) / (1 << 22)) + runs - 1 : 0);
+    const double sub_groups = std::max(std::ceil(tr / (1 << 22)), runs);
     EXPECT_EQ(static_cast<double>(predict_step(m, TrainingShape{}, s, profile).sub_groups),
               sub_groups)
         << offload_device_name(params);
