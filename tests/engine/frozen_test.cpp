@@ -174,6 +174,15 @@ std::vector<Case> equivalence_cases() {
                    .frozen = "embed",
                    .dtype = DType::kBF16,
                    .opaque = true});
+  // bf16 with the state in host-device memory (HostState): the step passes over the frozen
+  // ranges, so the frozen module's bf16 copies are the ones rounded when the master was placed.
+  cases.push_back(
+      {.world = 2, .stage = 3, .optimizer = OffloadDevice::kNone, .dtype = DType::kBF16});
+  cases.push_back({.world = 1,
+                   .stage = 2,
+                   .optimizer = OffloadDevice::kNone,
+                   .frozen = "embed",
+                   .dtype = DType::kBF16});
   // Every optimizer kind with weight decay, state in host memory and on NVMe.
   for (OptimizerKind kind : {OptimizerKind::kAdam, OptimizerKind::kAdagrad, OptimizerKind::kLion}) {
     for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
