@@ -152,6 +152,10 @@ void group_params(const OptimizerParams& base, double lr, std::span<const ParamG
   frozen = base;
   frozen.lr = 0.0;
   frozen.weight_decay = 0.0;
+  // A frozen element's update divides its zero first moment by sqrt(0) + eps: with eps 0 that is
+  // NaN, and -0 * NaN is NaN. No other bit depends on eps here (the moments do not; the update
+  // is multiplied by lr 0), so any eps above 0 keeps the frozen masters as they are.
+  frozen.eps = std::max(frozen.eps, kFrozenEps);
 }
 
 }  // namespace zinf

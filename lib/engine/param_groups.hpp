@@ -59,9 +59,13 @@ inline std::uint32_t frozen_group(std::span<const ParamGroup> groups) {
   return static_cast<std::uint32_t>(groups.size()) + 1;
 }
 
+// The least eps of the frozen parameters' group.
+inline constexpr double kFrozenEps = 1e-8;
+
 // out[0] = base with lr; out[i + 1] = base with lr * groups[i].lr_scale and groups[i]'s
-// weight_decay when set; out[groups.size() + 1] = base with lr 0 and weight decay 0 (the frozen
-// group). REQUIRES: out->size() == groups.size() + 2 (nothing is allocated).
+// weight_decay when set; out[groups.size() + 1] = base with lr 0, weight decay 0 and an eps of at
+// least kFrozenEps (the frozen group: with eps 0 its update would be 0 / 0). REQUIRES:
+// out->size() == groups.size() + 2 (nothing is allocated).
 void group_params(const OptimizerParams& base, double lr, std::span<const ParamGroup> groups,
                   std::vector<OptimizerParams>* out);
 
