@@ -2,7 +2,8 @@
 // produced them. Three ways, each used by one optimizer-state home (optimizer_state.hpp):
 //   - a buffer of the partition's new device-dtype values, packed group after group
 //     (buffer()): f32 groups narrowed from the fp32 master, half groups written by the step in
-//     the same pass, then every group's shard written (write_shards());
+//     the same pass, then every group's shard written, or after a step every trainable one's
+//     (write_shards());
 //   - the half-precision stream: the new half values arrive in partition order, in ranges that
 //     need not match the groups (sub-groups of the optimizer pass), and each group is assembled
 //     in a one-group stage and written once its last element is in (stage());

@@ -171,7 +171,7 @@ class StoreState final : public OptimizerState {
   // left the frozen groups as they were (Publisher: "Frozen groups").
   Status publish_pass(bool gather_persistent) {
     if (publish_ == Publish::kStreamed) {
-      // The pass wrote every shard; the persistent groups' all-gather is left.
+      // The pass wrote every trainable group's shard; the persistent groups' all-gather is left.
       ZINF_ASSERT(pub_.stream_complete());
       return gather_persistent ? pub_.publish(/*frozen_too=*/false) : Status::ok();
     }
