@@ -29,6 +29,15 @@ ModelShape lora7b() {
   return m;
 }
 
+// `ranks` ranks on one machine at stage `stage`; the rest of the setup its defaults.
+EngineSetup one_machine(int stage, int ranks) {
+  EngineSetup s;
+  s.stage = stage;
+  s.world_size = ranks;
+  s.ranks_per_machine = ranks;
+  return s;
+}
+
 // Per tier, the bytes a rank saves by freezing: Fr = Pr − ceil(T / N) frozen elements of its
 // shard, each without its moments (8 B) on the device and in host memory (on NVMe the swap file
 // is preallocated whole), and without its gradient slice (4 B) where the accumulator is the host's
@@ -57,10 +66,7 @@ TEST(FrozenEstimate, FrozenElementsCostWhatTheEngineCharges) {
     for (OffloadDevice opt : tiers) {
       for (OffloadDevice params : tiers) {
         if (stage != 3 && params != OffloadDevice::kNone) continue;
-        EngineSetup s;
-        s.stage = stage;
-        s.world_size = 8;
-        s.ranks_per_machine = 8;
+        EngineSetup s = one_machine(stage, 8);
         s.optimizer = opt;
         s.params = params;
         s.sub_group_params = 1 << 24;
@@ -102,10 +108,7 @@ TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
   TrainingShape training;
   training.seq_len = 1024;
   for (OffloadDevice params : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
-    EngineSetup s;
-    s.stage = 3;
-    s.world_size = 2;
-    s.ranks_per_machine = 2;
+    EngineSetup s = one_machine(3, 2);
     s.optimizer = OffloadDevice::kNvme;
     s.params = params;
     s.sub_group_params = 1 << 22;
@@ -164,10 +167,7 @@ TEST(FrozenTime, OnlyTheTrainableShardsAreRepublished) {
       {OffloadDevice::kHost, OffloadDevice::kNvme, 4 * 2 * tr / 4e9, 4 * 2 * tr, 4 * 2 * 2 * pr},
   };
   for (const Case& c : cases) {
-    EngineSetup s;
-    s.stage = 3;
-    s.world_size = 4;
-    s.ranks_per_machine = 4;
+    EngineSetup s = one_machine(3, 4);
     s.optimizer = c.optimizer;
     s.params = c.params;
     s.param_staging_params = 1 << 22;
@@ -191,10 +191,7 @@ TEST(FrozenTime, DeviceOptimizerStepsTheTrainableShare) {
   profile.mem_adam_gbps = 40;
   profile.gpu_mem_gbps = 2000;
   for (int stage = 1; stage <= 3; ++stage) {
-    EngineSetup s;
-    s.stage = stage;
-    s.world_size = 4;
-    s.ranks_per_machine = 4;
+    EngineSetup s = one_machine(stage, 4);
     s.optimizer = OffloadDevice::kNone;
     const double tr = std::ceil(static_cast<double>(m.trainable_params) / 4);
     const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
@@ -214,10 +211,7 @@ TEST(FrozenTime, CheckpointingAddsOneForward) {
   training.seq_len = 2048;
   training.micro_batch = 2;
   training.checkpoint_activations = true;
-  EngineSetup s;
-  s.stage = 3;
-  s.world_size = 2;
-  s.ranks_per_machine = 2;
+  EngineSetup s = one_machine(3, 2);
   const ModelShape lora = lora7b();
   ModelShape full = lora;
   full.trainable_params = 0;
@@ -245,10 +239,7 @@ TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
   profile.nvme_read_gbps = 6;
   profile.nvme_write_gbps = 4;
   for (OffloadDevice params : {OffloadDevice::kNone, OffloadDevice::kHost}) {
-    EngineSetup s;
-    s.stage = 3;
-    s.world_size = 2;
-    s.ranks_per_machine = 2;
+    EngineSetup s = one_machine(3, 2);
     s.optimizer = OffloadDevice::kNvme;
     s.params = params;
     s.sub_group_params = 1 << 22;
@@ -271,10 +262,7 @@ TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
   profile.mem_adam_gbps = 40;
   profile.gpu_link_gbps = 100;
   for (int stage = 1; stage <= 3; ++stage) {
-    EngineSetup s;
-    s.stage = stage;
-    s.world_size = 4;
-    s.ranks_per_machine = 4;
+    EngineSetup s = one_machine(stage, 4);
     const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
     const double gathered = (stage == 3 ? 2 : 1) * 2 * p;
     const double reduced = 4 * (stage == 1 ? p : t);
