@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,21 +64,32 @@ std::vector<std::uint16_t> to_bf16(const std::vector<float>& values) {
   return out;
 }
 
-TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
-  if (test::kThreadSanitizer || test::kAddressSanitizer) {
-    GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
+// `count` tensors of `elements` values each, uniform in [-1, 1), tensor k from seed first_seed + k.
+std::vector<std::vector<float>> seeded_tensors(int count, std::size_t elements,
+                                               std::uint64_t first_seed) {
+  std::vector<std::vector<float>> out(static_cast<std::size_t>(count));
+  for (std::size_t k = 0; k < out.size(); ++k) {
+    out[k].resize(elements);
+    fill_uniform(out[k].data(), elements, first_seed + k, -1.0f, 1.0f);
   }
+  return out;
+}
+
+// The model as the planner sees it: the base by count (layers of one weight each), the adapters
+// trainable.
+ModelShape lora_shape() {
   const std::uint64_t base = kBaseWeights * kSide * kSide;
   const std::uint64_t adapters = kAdapters * kSide * kRank;
-  // The model as the planner sees it: the base by count (layers of one weight each), the
-  // adapters trainable.
   ModelShape model = custom_model(base + adapters, kBaseWeights, kSide);
   model.vocab = kSide;
   model.intermediate = kSide;
   model.trainable_params = adapters;
-  ModelShape all_trainable = model;
-  all_trainable.trainable_params = 0;
+  return model;
+}
 
+// The planner's best setup for `model` on one GPU, forced to stage 2 with the optimizer state on
+// `optimizer`.
+Result<EngineSetup> stage2_setup(const ModelShape& model, OffloadDevice optimizer) {
   Budgets budgets;
   budgets.gpus = 1;
   budgets.gpu_mem_bytes = 8'000'000'000;
@@ -86,10 +98,61 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
   profile.mem_adam_gbps = 20;
   PlanConstraints forced;
   forced.stage = 2;
-  forced.optimizer = OffloadDevice::kHost;
-  auto plan = make_plan(model, TrainingShape{}, budgets, profile, forced);
-  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-  const EngineSetup setup = plan->best.setup;
+  forced.optimizer = optimizer;
+  ZINF_ASSIGN_OR_RETURN(PlanResult plan,
+                        make_plan(model, TrainingShape{}, budgets, profile, forced));
+  return plan.best.setup;
+}
+
+// The engine config the planner writes for `setup`, on two CPU threads.
+Result<Config> engine_config(const EngineSetup& setup) {
+  PlanConfig plan_config;
+  plan_config.setup = setup;
+  ZINF_ASSIGN_OR_RETURN(Config config, parse_config(config_to_json(plan_config)));
+  config.cpu_threads = 2;
+  return config;
+}
+
+// Opens an engine of `config` on `device` and `comm` (world 1), registers the base weights
+// ("base.w<l>", kSide x kSide, frozen) from `base_values` and the adapters ("lora.a<a>",
+// kSide x kRank) from `adapter_values`, all bf16, finalizes it and runs fn(engine).
+Status with_lora_engine(const Config& config, Device* device, Communicator* comm,
+                        const std::vector<std::vector<float>>& base_values,
+                        const std::vector<std::vector<float>>& adapter_values,
+                        const std::function<Status(Engine&)>& fn) {
+  Env env;
+  env.device = device;
+  env.comm = comm;
+  ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
+  for (int l = 0; l < kBaseWeights; ++l) {
+    ParameterSpec spec{
+        fmt::format("base.w{}", l), "base", {kSide, kSide}, DType::kBF16, base_values[l].data()};
+    spec.trainable = false;
+    ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
+  }
+  for (int a = 0; a < kAdapters; ++a) {
+    ZINF_RETURN_IF_ERROR(engine->register_parameter({fmt::format("lora.a{}", a),
+                                                     "lora",
+                                                     {kSide, kRank},
+                                                     DType::kBF16,
+                                                     adapter_values[a].data()}));
+  }
+  ZINF_RETURN_IF_ERROR(engine->finalize());
+  return fn(*engine);
+}
+
+TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
+  if (test::kThreadSanitizer || test::kAddressSanitizer) {
+    GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
+  }
+  const std::uint64_t base = kBaseWeights * kSide * kSide;
+  const ModelShape model = lora_shape();
+  ModelShape all_trainable = model;
+  all_trainable.trainable_params = 0;
+
+  Result<EngineSetup> planned = stage2_setup(model, OffloadDevice::kHost);
+  ASSERT_TRUE(planned.is_ok()) << planned.status().to_string();
+  const EngineSetup setup = *planned;
   const MemoryEstimate frozen_estimate = estimate_memory(model, TrainingShape{}, setup);
   const MemoryEstimate trainable_estimate = estimate_memory(all_trainable, TrainingShape{}, setup);
   auto engine_total = [](const MemoryEstimate& e) {
@@ -101,23 +164,16 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
   // makes resident at stage 2 with the state in host memory.
   ASSERT_EQ(predicted_all_trainable - predicted, 12 * base);
 
-  PlanConfig plan_config;
-  plan_config.setup = setup;
-  Result<Config> config = parse_config(config_to_json(plan_config));
+  Result<Config> config = engine_config(setup);
   ASSERT_TRUE(config.is_ok()) << config.status().to_string();
-  config->cpu_threads = 2;
 
   // Seeded values, made before the first measure, as are the adapters' gradients.
-  std::vector<std::vector<float>> base_values(kBaseWeights);
-  for (int l = 0; l < kBaseWeights; ++l) {
-    base_values[l].resize(static_cast<std::size_t>(kSide * kSide));
-    fill_uniform(base_values[l].data(), base_values[l].size(), 8100 + l, -1.0f, 1.0f);
-  }
-  std::vector<std::vector<float>> adapter_values(kAdapters);
+  const std::vector<std::vector<float>> base_values =
+      seeded_tensors(kBaseWeights, kSide * kSide, 8100);
+  const std::vector<std::vector<float>> adapter_values =
+      seeded_tensors(kAdapters, kSide * kRank, 8200);
   std::vector<std::vector<std::uint16_t>> grads(kAdapters);
   for (int a = 0; a < kAdapters; ++a) {
-    adapter_values[a].resize(static_cast<std::size_t>(kSide * kRank));
-    fill_uniform(adapter_values[a].data(), adapter_values[a].size(), 8200 + a, -1.0f, 1.0f);
     std::vector<float> g(adapter_values[a].size());
     fill_uniform(g.data(), g.size(), 8300 + a, -0.1f, 0.1f);
     grads[a] = to_bf16(g);
@@ -135,43 +191,28 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
   const std::uint64_t before = resident_anon_bytes();
   ASSERT_GT(before, 0u) << "no RssAnon in /proc/self/status";
   std::int64_t growth = 0;
-  const Status st = [&]() -> Status {
-    Env env;
-    env.device = device.get();
-    env.comm = (*comms)[0].get();
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(*config, env));
-    for (int l = 0; l < kBaseWeights; ++l) {
-      ParameterSpec spec{
-          fmt::format("base.w{}", l), "base", {kSide, kSide}, DType::kBF16, base_values[l].data()};
-      spec.trainable = false;
-      ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
-    }
-    for (int a = 0; a < kAdapters; ++a) {
-      ZINF_RETURN_IF_ERROR(engine->register_parameter({fmt::format("lora.a{}", a),
-                                                       "lora",
-                                                       {kSide, kRank},
-                                                       DType::kBF16,
-                                                       adapter_values[a].data()}));
-    }
-    ZINF_RETURN_IF_ERROR(engine->finalize());
-    for (int step = 1; step <= 3; ++step) {
-      std::vector<std::string> names;
-      std::vector<GradientRef> refs;
-      for (int a = 0; a < kAdapters; ++a) names.push_back(fmt::format("lora.a{}", a));
-      for (int a = 0; a < kAdapters; ++a) {
-        refs.push_back({names[a], grads[a].data(), grads[a].size(), DType::kBF16});
-      }
-      ZINF_RETURN_IF_ERROR(engine->gather("lora"));
-      ZINF_RETURN_IF_ERROR(engine->reduce_gradients("lora", refs));
-      ZINF_RETURN_IF_ERROR(engine->release("lora"));
-      ZINF_ASSIGN_OR_RETURN(StepReport report, engine->step());
-      if (report.skipped) return Status::internal("a step was skipped");
-    }
-    // Signed: the resident set may shrink (pages given back), which an unsigned difference
-    // would turn into a huge growth.
-    growth = static_cast<std::int64_t>(resident_anon_bytes()) - static_cast<std::int64_t>(before);
-    return Status::ok();
-  }();
+  const Status st = with_lora_engine(
+      *config, device.get(), (*comms)[0].get(), base_values, adapter_values,
+      [&](Engine& engine) -> Status {
+        for (int step = 1; step <= 3; ++step) {
+          std::vector<std::string> names;
+          std::vector<GradientRef> refs;
+          for (int a = 0; a < kAdapters; ++a) names.push_back(fmt::format("lora.a{}", a));
+          for (int a = 0; a < kAdapters; ++a) {
+            refs.push_back({names[a], grads[a].data(), grads[a].size(), DType::kBF16});
+          }
+          ZINF_RETURN_IF_ERROR(engine.gather("lora"));
+          ZINF_RETURN_IF_ERROR(engine.reduce_gradients("lora", refs));
+          ZINF_RETURN_IF_ERROR(engine.release("lora"));
+          ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
+          if (report.skipped) return Status::internal("a step was skipped");
+        }
+        // Signed: the resident set may shrink (pages given back), which an unsigned difference
+        // would turn into a huge growth.
+        growth =
+            static_cast<std::int64_t>(resident_anon_bytes()) - static_cast<std::int64_t>(before);
+        return Status::ok();
+      });
   ASSERT_TRUE(st.is_ok()) << st.to_string();
 
   std::printf(
@@ -193,38 +234,20 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
 // rounding the frozen half copy (3 x 4 B x min(largest frozen run, 1 Mi)) do. Packing the
 // trainable runs' moments at 16-element alignment adds at most 15 elements (120 B) a run.
 TEST(FrozenMatch, DeviceOptimizerBytesAreTheEstimate) {
-  const std::uint64_t base = kBaseWeights * kSide * kSide;
-  const std::uint64_t adapters = kAdapters * kSide * kRank;
-  ModelShape model = custom_model(base + adapters, kBaseWeights, kSide);
-  model.vocab = kSide;
-  model.intermediate = kSide;
-  model.trainable_params = adapters;
-
-  Budgets budgets;
-  budgets.gpus = 1;
-  budgets.gpu_mem_bytes = 8'000'000'000;
-  budgets.host_mem_bytes = 8'000'000'000;
-  MachineProfile profile;
-  profile.mem_adam_gbps = 20;
-  PlanConstraints forced;
-  forced.stage = 2;
-  forced.optimizer = OffloadDevice::kNone;
-  auto plan = make_plan(model, TrainingShape{}, budgets, profile, forced);
-  ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
-  const EngineSetup setup = plan->best.setup;
+  const ModelShape model = lora_shape();
+  Result<EngineSetup> planned = stage2_setup(model, OffloadDevice::kNone);
+  ASSERT_TRUE(planned.is_ok()) << planned.status().to_string();
+  const EngineSetup setup = *planned;
   const MemoryEstimate estimate = estimate_memory(model, TrainingShape{}, setup);
   const std::uint64_t predicted = estimate.engine_bytes(MemoryTier::kDevice);
-  PlanConfig plan_config;
-  plan_config.setup = setup;
-  Result<Config> config = parse_config(config_to_json(plan_config));
+  Result<Config> config = engine_config(setup);
   ASSERT_TRUE(config.is_ok()) << config.status().to_string();
-  config->cpu_threads = 2;
 
-  std::vector<std::vector<float>> values(kBaseWeights + kAdapters);
-  for (std::size_t k = 0; k < values.size(); ++k) {
-    values[k].resize(static_cast<std::size_t>(k < kBaseWeights ? kSide * kSide : kSide * kRank));
-    fill_uniform(values[k].data(), values[k].size(), 8400 + k, -1.0f, 1.0f);
-  }
+  // Seeded values: the base weights' from seeds 8400 on, then the adapters'.
+  const std::vector<std::vector<float>> base_values =
+      seeded_tensors(kBaseWeights, kSide * kSide, 8400);
+  const std::vector<std::vector<float>> adapter_values =
+      seeded_tensors(kAdapters, kSide * kRank, 8400 + kBaseWeights);
   HostDeviceOptions device_options;
   device_options.opaque = true;
   std::unique_ptr<Device> device = std::move(make_host_device(device_options)).value();
@@ -232,28 +255,11 @@ TEST(FrozenMatch, DeviceOptimizerBytesAreTheEstimate) {
   auto comms = make_local_comm_group(raw);
   ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
   MemoryReport got;
-  const Status st = [&]() -> Status {
-    Env env;
-    env.device = device.get();
-    env.comm = (*comms)[0].get();
-    ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(*config, env));
-    for (int l = 0; l < kBaseWeights; ++l) {
-      ParameterSpec spec{
-          fmt::format("base.w{}", l), "base", {kSide, kSide}, DType::kBF16, values[l].data()};
-      spec.trainable = false;
-      ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
-    }
-    for (int a = 0; a < kAdapters; ++a) {
-      ZINF_RETURN_IF_ERROR(engine->register_parameter({fmt::format("lora.a{}", a),
-                                                       "lora",
-                                                       {kSide, kRank},
-                                                       DType::kBF16,
-                                                       values[kBaseWeights + a].data()}));
-    }
-    ZINF_RETURN_IF_ERROR(engine->finalize());
-    got = engine->memory();
-    return Status::ok();
-  }();
+  const Status st = with_lora_engine(*config, device.get(), (*comms)[0].get(), base_values,
+                                     adapter_values, [&](Engine& engine) -> Status {
+                                       got = engine.memory();
+                                       return Status::ok();
+                                     });
   ASSERT_TRUE(st.is_ok()) << st.to_string();
   std::printf("device bytes: estimate %llu, engine %llu\n",
               static_cast<unsigned long long>(predicted),
