@@ -46,14 +46,20 @@ struct RangeCase {
   std::uint64_t pieces;              // swap blocks read
 };
 
+// Every read piece delayed by nothing, writes untouched: the injector counts the pieces read
+// (FaultCounts::latency) and changes nothing.
+FaultSpec counted_reads() {
+  FaultSpec spec;
+  spec.latency_rate = 1.0;
+  spec.latency = std::chrono::microseconds(0);
+  spec.writes = false;
+  return spec;
+}
+
 class StateStoreRange : public ::testing::Test {
  protected:
   void SetUp() override {
-    FaultSpec spec;
-    spec.latency_rate = 1.0;
-    spec.latency = std::chrono::microseconds(0);
-    spec.writes = false;
-    faults_ = std::make_shared<FaultInjector>(spec);
+    faults_ = std::make_shared<FaultInjector>(counted_reads());
     tier_test::RigOptions so;
     so.store.param_count = 2 * kSubGroup;
     so.store.sub_group_params = kSubGroup;
@@ -290,10 +296,7 @@ class StateStoreRangeStriped : public ::testing::TestWithParam<StripedCase> {};
 
 TEST_P(StateStoreRangeStriped, EveryRangeOfTheGridReadsItsBlocksBytesAndNothingPast) {
   const StripedCase c = GetParam();
-  FaultSpec spec;  // every read piece delayed by nothing: counted
-  spec.latency_rate = 1.0;
-  spec.latency = std::chrono::microseconds(0);
-  spec.writes = false;
+  const FaultSpec spec = counted_reads();
   StripedRig rig;
   const Status opened =
       open_striped("range-striped", c.sub, c.dtype, c.dirs, StoreMedium::kNvme, spec, &rig);
@@ -380,10 +383,7 @@ void read_grid_one_odd(
 // A released moment of a striped store reads as zeros without I/O, in every range, and leaves
 // the guard page; the sub-groups beside it still read their bytes.
 TEST(StateStoreRangeStates, AReleasedMomentReadsZerosInEveryRange) {
-  FaultSpec spec;  // every read piece delayed by nothing: counted
-  spec.latency_rate = 1.0;
-  spec.latency = std::chrono::microseconds(0);
-  spec.writes = false;
+  const FaultSpec spec = counted_reads();
   StripedRig rig;
   const Status opened =
       open_striped("range-zero", 10001, DType::kBF16, 2, StoreMedium::kNvme, spec, &rig);
