@@ -39,15 +39,10 @@
 #include "zinf/config.hpp"
 #include "zinf/engine.hpp"
 
-namespace {
-
-using zinf::bench::fail;
-using zinf::bench::make_values;
-using zinf::bench::median;
-using zinf::bench::RawDrive;
-using zinf::bench::seconds_since;
-
 using namespace zinf;
+using namespace zinf::bench;
+
+namespace {
 
 // Bytes this process has had the block layer read for it so far (every thread).
 std::uint64_t read_bytes() {
@@ -212,7 +207,6 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
 }  // namespace
 
 int main(int argc, char** argv) {
-  using namespace zinf::bench;
   std::size_t params = std::size_t{1} << 24;
   std::size_t tensors = 64;
   std::size_t sub_group = zinf::Config().zero.sub_group_size;

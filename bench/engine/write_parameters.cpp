@@ -46,15 +46,10 @@
 #include "zinf/device.hpp"
 #include "zinf/engine.hpp"
 
-namespace {
-
-using zinf::bench::fail;
-using zinf::bench::make_values;
-using zinf::bench::median;
-using zinf::bench::RawDrive;
-using zinf::bench::seconds_since;
-
 using namespace zinf;
+using namespace zinf::bench;
+
+namespace {
 
 int run(std::size_t params, std::size_t tensors, const std::string& dir, OffloadDevice offload,
         int rounds) {
@@ -194,7 +189,6 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
 }  // namespace
 
 int main(int argc, char** argv) {
-  using namespace zinf::bench;
   std::size_t params = std::size_t{1} << 24;
   std::size_t tensors = 32;
   std::string dir = "/tmp/zinf-bench-write-parameters";
