@@ -14,18 +14,14 @@
 #include <random>
 #include <vector>
 
+#include "engine/engine_test_util.hpp"
+
 namespace zinf {
 namespace {
 
-constexpr auto kTimeout = std::chrono::seconds(30);
+using engine_test::seeded;
 
-std::vector<float> seeded(std::size_t n, std::uint64_t seed, float lo, float hi) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
+constexpr auto kTimeout = std::chrono::seconds(30);
 
 // Three dtype groups (bf16, f32, bf16) cut into runs of the default group (0), a second group
 // (1) and the frozen group (2, learning rate 0 and weight decay 0), frozen runs in each.

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <thread>
 #include <utility>
 
@@ -117,6 +118,14 @@ bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask
   if (!f.seekg(static_cast<std::streamoff>(offset)) || !f.read(&byte, 1)) return false;
   byte = static_cast<char>(static_cast<unsigned char>(byte) ^ mask);
   return static_cast<bool>(f.seekp(static_cast<std::streamoff>(offset)).write(&byte, 1));
+}
+
+std::vector<float> seeded(std::size_t count, std::uint64_t seed, float lo, float hi) {
+  std::mt19937_64 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> values(count);
+  for (float& x : values) x = dist(rng);
+  return values;
 }
 
 std::vector<float> widen_view(const TensorView& view) {

@@ -90,6 +90,9 @@ Result<std::vector<std::vector<float>>> read_masters(Engine& engine, const Model
 // The whole file's bytes; empty when it cannot be opened.
 std::string read_file(const std::string& path);
 
+// `count` values drawn uniformly from [lo, hi) by std::mt19937_64 seeded with `seed`.
+std::vector<float> seeded(std::size_t count, std::uint64_t seed, float lo, float hi);
+
 // A gathered parameter (host-accessible memory) widened to f32.
 std::vector<float> widen_view(const TensorView& view);
 // Gradient values rounded to nearest even in `dtype` (kBF16 or kF16), as a program hands them.

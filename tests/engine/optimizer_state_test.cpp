@@ -26,6 +26,8 @@
 namespace zinf {
 namespace {
 
+using engine_test::seeded;
+
 enum class Home { kDevice, kHost, kStoreHost, kStoreNvme };
 
 std::string home_name(Home h) {
@@ -43,14 +45,6 @@ std::string home_name(Home h) {
 }
 
 constexpr std::size_t kCounts[] = {12'345, 7'001, 37};  // one module, one group at world 1
-
-std::vector<float> seeded(std::size_t n, std::uint64_t seed, float lo, float hi) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> dist(lo, hi);
-  std::vector<float> v(n);
-  for (float& x : v) x = dist(rng);
-  return v;
-}
 
 class OptimizerStateContract : public ::testing::TestWithParam<Home> {
  protected:
