@@ -120,6 +120,24 @@ bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask
   return static_cast<bool>(f.seekp(static_cast<std::streamoff>(offset)).write(&byte, 1));
 }
 
+Model big_lora_model() {
+  Model m;
+  m.modules = {"base", "lora"};
+  for (int l = 0; l < 16; ++l) {
+    m.params.push_back({fmt::format("base.w{}", l), "base", {2048, 2048}, DType::kBF16});
+  }
+  for (int l = 0; l < 8; ++l) {
+    m.params.push_back({fmt::format("lora.a{}", l), "lora", {1024, 128}, DType::kBF16});
+  }
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v(m.params[p].element_count());
+    fill_uniform(v.data(), v.size(), 7300 + p, -1.0f, 1.0f);
+    m.initial.push_back(std::move(v));
+  }
+  m.frozen_module = "base";
+  return m;
+}
+
 std::vector<float> seeded(std::size_t count, std::uint64_t seed, float lo, float hi) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> dist(lo, hi);

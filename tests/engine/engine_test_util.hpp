@@ -45,6 +45,10 @@ Model make_model(DType dtype, std::uint64_t seed);
 // layout, where a save links the NVMe swap file.
 Model page_model(std::uint64_t seed);
 
+// A LoRA-shaped bf16 model of 64 Mi frozen elements (module "base": 16 weights of 2048 x 2048)
+// and 1 Mi trainable ones (module "lora": 8 adapters of 1024 x 128), seeded values in [-1, 1).
+Model big_lora_model();
+
 // Devices and a LocalComm group of `world` ranks.
 struct Ranks {
   std::vector<std::unique_ptr<Device>> devices;

@@ -14,32 +14,14 @@
 #include <cstdio>
 #include <vector>
 
-#include "base/random.hpp"
 #include "engine_test_util.hpp"
 
 namespace zinf {
 namespace {
 
+using engine_test::big_lora_model;
 using engine_test::Model;
 using engine_test::TrainOptions;
-
-Model big_lora_model() {
-  Model m;
-  m.modules = {"base", "lora"};
-  for (int l = 0; l < 16; ++l) {
-    m.params.push_back({fmt::format("base.w{}", l), "base", {2048, 2048}, DType::kBF16});
-  }
-  for (int l = 0; l < 8; ++l) {
-    m.params.push_back({fmt::format("lora.a{}", l), "lora", {1024, 128}, DType::kBF16});
-  }
-  for (std::size_t p = 0; p < m.params.size(); ++p) {
-    std::vector<float> v(m.params[p].element_count());
-    fill_uniform(v.data(), v.size(), 7300 + p, -1.0f, 1.0f);
-    m.initial.push_back(std::move(v));
-  }
-  m.frozen_module = "base";
-  return m;
-}
 
 void check_big_lora_step(OffloadDevice opt) {
   const Model model = big_lora_model();

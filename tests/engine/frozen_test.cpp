@@ -27,6 +27,7 @@
 namespace zinf {
 namespace {
 
+using engine_test::big_lora_model;
 using engine_test::Model;
 using engine_test::Reference;
 using engine_test::TrainOptions;
@@ -804,26 +805,6 @@ std::uint64_t resident_bytes() {
     std::fclose(f);
   }
   return resident * static_cast<std::uint64_t>(::sysconf(_SC_PAGESIZE));
-}
-
-// A LoRA-shaped bf16 model of 64Mi frozen elements (a base of 16 weights of 2048 x 2048) and 1Mi
-// trainable ones (8 adapters of 1024 x 128).
-Model big_lora_model() {
-  Model m;
-  m.modules = {"base", "lora"};
-  for (int l = 0; l < 16; ++l) {
-    m.params.push_back({fmt::format("base.w{}", l), "base", {2048, 2048}, DType::kBF16});
-  }
-  for (int l = 0; l < 8; ++l) {
-    m.params.push_back({fmt::format("lora.a{}", l), "lora", {1024, 128}, DType::kBF16});
-  }
-  for (std::size_t p = 0; p < m.params.size(); ++p) {
-    std::vector<float> v(m.params[p].element_count());
-    fill_uniform(v.data(), v.size(), 7300 + p, -1.0f, 1.0f);
-    m.initial.push_back(std::move(v));
-  }
-  m.frozen_module = "base";
-  return m;
 }
 
 // What finalize() and three AdamW steps of big_lora_model() add to the process's resident set
