@@ -841,8 +841,9 @@ std::uint64_t swap_file_allocated_bytes(const std::string& dir) {
   return total;
 }
 
-LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
-  const Model model = big_lora_model();
+// World 1, stage 2, AdamW, the optimizer state on `opt` (in `nvme_path` when on NVMe), its
+// default sub-group size: the config of the LoRA footprint tests.
+Config lora_config(OffloadDevice opt, const std::string& nvme_path) {
   Config config;
   config.optimizer.kind = OptimizerKind::kAdamW;
   config.optimizer.lr = 1e-3;
@@ -852,19 +853,51 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
   config.zero.offload_optimizer.nvme_path = nvme_path;
   config.cpu_threads = 2;
   config.collective_timeout_ms = 120'000;
+  return config;
+}
+
+// big_lora_model()'s adapters' gradients (module "lora", in order), seeded, in bf16.
+std::vector<std::vector<std::uint16_t>> lora_grads(const Model& model) {
+  std::vector<std::vector<std::uint16_t>> grads;
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].module != "lora") continue;
+    std::vector<float> g(model.params[p].element_count());
+    fill_uniform(g.data(), g.size(), 7400 + p, -0.1f, 0.1f);
+    grads.push_back(engine_test::narrow_to_half(g, DType::kBF16));
+  }
+  return grads;
+}
+
+// Three AdamW steps of big_lora_model() on `engine`, finalized: each gathers the adapters,
+// reduces `grads` (lora_grads()) for them and releases them, as a LoRA training does.
+Status step_lora(Engine& engine, const Model& model,
+                 const std::vector<std::vector<std::uint16_t>>& grads) {
+  for (int step = 1; step <= 3; ++step) {
+    std::vector<GradientRef> refs;
+    std::size_t k = 0;
+    for (const engine_test::ParamDef& d : model.params) {
+      if (d.module != "lora") continue;
+      refs.push_back({d.name, grads[k++].data(), d.element_count(), d.dtype});
+    }
+    ZINF_RETURN_IF_ERROR(engine.gather("lora"));
+    ZINF_RETURN_IF_ERROR(engine.reduce_gradients("lora", refs));
+    ZINF_RETURN_IF_ERROR(engine.release("lora"));
+    ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
+    (void)report;
+  }
+  return Status::ok();
+}
+
+LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
+  const Model model = big_lora_model();
+  const Config config = lora_config(opt, nvme_path);
   LoraFootprint out;
   for (const engine_test::ParamDef& d : model.params) {
     (d.module == model.frozen_module ? out.frozen_elements : out.trainable_elements) +=
         d.element_count();
   }
   // The adapters' gradients, made before the first measure.
-  std::vector<std::vector<std::uint16_t>> grads;
-  for (std::size_t p = 0; p < model.params.size(); ++p) {
-    if (model.params[p].module == model.frozen_module) continue;
-    std::vector<float> g(model.params[p].element_count());
-    fill_uniform(g.data(), g.size(), 7400 + p, -0.1f, 0.1f);
-    grads.push_back(engine_test::narrow_to_half(g, DType::kBF16));
-  }
+  const std::vector<std::vector<std::uint16_t>> grads = lora_grads(model);
   engine_test::Ranks ranks = engine_test::make_ranks(1, std::chrono::seconds(120));
   std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int, Engine& engine) -> Status {
@@ -872,19 +905,7 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
         const std::uint64_t before = resident_bytes();
         const std::uint64_t written_before = storage_written_bytes();
         ZINF_RETURN_IF_ERROR(engine.finalize());
-        for (int step = 1; step <= 3; ++step) {
-          std::vector<GradientRef> refs;
-          std::size_t k = 0;
-          for (const engine_test::ParamDef& d : model.params) {
-            if (d.module == model.frozen_module) continue;
-            refs.push_back({d.name, grads[k++].data(), d.element_count(), d.dtype});
-          }
-          ZINF_RETURN_IF_ERROR(engine.gather("lora"));
-          ZINF_RETURN_IF_ERROR(engine.reduce_gradients("lora", refs));
-          ZINF_RETURN_IF_ERROR(engine.release("lora"));
-          ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
-          (void)report;
-        }
+        ZINF_RETURN_IF_ERROR(step_lora(engine, model, grads));
         const std::uint64_t after = resident_bytes();  // a set that shrank grew by nothing
         out.resident_growth_bytes = after > before ? after - before : 0;
         out.written_bytes = storage_written_bytes() - written_before;
@@ -893,6 +914,23 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
       });
   EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
   return out;
+}
+
+// Checks that lora_footprint(opt) grows the resident set by less than `every_element_bytes` an
+// element of the model and 12 bytes a trainable element (their moments and gradients), plus 128
+// MiB of slack (a quarter of the frozen moments), for the rest: the engine's buffers, the
+// allocator, the threads. `expected_what` names what the expected bytes hold, for the print.
+void check_lora_host_footprint(OffloadDevice opt, std::uint64_t every_element_bytes,
+                               const char* expected_what) {
+  const LoraFootprint f = lora_footprint(opt, "");
+  const std::uint64_t all = f.frozen_elements + f.trainable_elements;
+  const std::uint64_t expected = all * every_element_bytes + f.trainable_elements * 12;
+  const std::uint64_t frozen_moments = f.frozen_elements * 8;
+  std::printf("resident growth %llu bytes; %s %llu; frozen moments %llu\n",
+              static_cast<unsigned long long>(f.resident_growth_bytes), expected_what,
+              static_cast<unsigned long long>(expected),
+              static_cast<unsigned long long>(frozen_moments));
+  EXPECT_LT(f.resident_growth_bytes, expected + frozen_moments / 4);
 }
 
 // LoRA with the optimizer state in host memory: the frozen base's moments (8 bytes an element,
@@ -905,16 +943,7 @@ TEST(Frozen, LoraFrozenMomentsTakeNoHostMemory) {
   if (test::kThreadSanitizer || test::kAddressSanitizer) {
     GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
   }
-  const LoraFootprint f = lora_footprint(OffloadDevice::kHost, "");
-  const std::uint64_t all = f.frozen_elements + f.trainable_elements;
-  const std::uint64_t expected = all * 4 + f.trainable_elements * 12;
-  const std::uint64_t frozen_moments = f.frozen_elements * 8;
-  std::printf(
-      "resident growth %llu bytes; master and trainable moments and gradients %llu; "
-      "frozen moments %llu\n",
-      static_cast<unsigned long long>(f.resident_growth_bytes),
-      static_cast<unsigned long long>(expected), static_cast<unsigned long long>(frozen_moments));
-  EXPECT_LT(f.resident_growth_bytes, expected + frozen_moments / 4);
+  check_lora_host_footprint(OffloadDevice::kHost, 4, "master and trainable moments and gradients");
 }
 
 // LoRA with the optimizer state in device memory on the host (offload_optimizer none on a
@@ -930,17 +959,8 @@ TEST(Frozen, LoraFrozenMomentsTakeNoHostMemoryWithTheStateOnTheHostDevice) {
   if (test::kThreadSanitizer || test::kAddressSanitizer) {
     GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
   }
-  const LoraFootprint f = lora_footprint(OffloadDevice::kNone, "");
-  const std::uint64_t all = f.frozen_elements + f.trainable_elements;
-  const std::uint64_t expected = all * 8 + f.trainable_elements * 12;
-  const std::uint64_t frozen_moments = f.frozen_elements * 8;
-  std::printf(
-      "resident growth %llu bytes; master, bf16 values and parameters, trainable moments and "
-      "gradients %llu; "
-      "frozen moments %llu\n",
-      static_cast<unsigned long long>(f.resident_growth_bytes),
-      static_cast<unsigned long long>(expected), static_cast<unsigned long long>(frozen_moments));
-  EXPECT_LT(f.resident_growth_bytes, expected + frozen_moments / 4);
+  check_lora_host_footprint(OffloadDevice::kNone, 8,
+                            "master, bf16 values and parameters, trainable moments and gradients");
 }
 
 // The device memory (MemoryReport::device_bytes) of big_lora_model() after finalize() and three
@@ -956,24 +976,11 @@ struct LoraDeviceBytes {
 LoraDeviceBytes lora_device_bytes() {
   LoraDeviceBytes out;
   Model model = big_lora_model();
-  Config config;
-  config.optimizer.kind = OptimizerKind::kAdamW;
-  config.optimizer.lr = 1e-3;
-  config.optimizer.weight_decay = 0.01;
-  config.zero.stage = 2;
-  config.zero.offload_optimizer.device = OffloadDevice::kNone;
-  config.cpu_threads = 2;
-  config.collective_timeout_ms = 120'000;
+  const Config config = lora_config(OffloadDevice::kNone, "");
   for (const engine_test::ParamDef& d : model.params) {
     if (d.module == model.frozen_module) out.frozen_elements += d.element_count();
   }
-  std::vector<std::vector<std::uint16_t>> grads;
-  for (std::size_t p = 0; p < model.params.size(); ++p) {
-    if (model.params[p].module == model.frozen_module) continue;
-    std::vector<float> g(model.params[p].element_count());
-    fill_uniform(g.data(), g.size(), 7400 + p, -0.1f, 0.1f);
-    grads.push_back(engine_test::narrow_to_half(g, DType::kBF16));
-  }
+  const std::vector<std::vector<std::uint16_t>> grads = lora_grads(model);
   for (bool frozen : {true, false}) {
     model.frozen_module = frozen ? "base" : "";
     engine_test::Ranks ranks = engine_test::make_ranks(1, std::chrono::seconds(120),
@@ -984,19 +991,7 @@ LoraDeviceBytes lora_device_bytes() {
           ZINF_RETURN_IF_ERROR(engine.finalize());
           (frozen ? out.frozen_bytes : out.trainable_bytes) = engine.memory().device_bytes;
           if (!frozen) return Status::ok();
-          for (int step = 1; step <= 3; ++step) {
-            std::vector<GradientRef> refs;
-            std::size_t k = 0;
-            for (const engine_test::ParamDef& d : model.params) {
-              if (d.module == "base") continue;
-              refs.push_back({d.name, grads[k++].data(), d.element_count(), d.dtype});
-            }
-            ZINF_RETURN_IF_ERROR(engine.gather("lora"));
-            ZINF_RETURN_IF_ERROR(engine.reduce_gradients("lora", refs));
-            ZINF_RETURN_IF_ERROR(engine.release("lora"));
-            ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
-            (void)report;
-          }
+          ZINF_RETURN_IF_ERROR(step_lora(engine, model, grads));
           out.stepped_bytes = engine.memory().device_bytes;
           return Status::ok();
         });
