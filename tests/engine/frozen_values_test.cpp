@@ -75,6 +75,15 @@ Status write_frozen(Engine& engine, const Model& model,
   return Status::ok();
 }
 
+// Trains `model` on `rank` through steps first_step .. last_step, the gathered values unchecked.
+Status train_steps(Engine& engine, const Model& model, int rank, int first_step, int last_step) {
+  TrainOptions options;
+  options.check_gathered = false;
+  options.first_step = first_step;
+  options.steps = last_step;
+  return engine_test::train_rank(engine, model, rank, options, nullptr, nullptr);
+}
+
 struct ValuesCase {
   std::string name;
   int world;
@@ -104,31 +113,18 @@ TEST_P(FrozenValues, WrittenAndLoadedValuesStayThroughSteps) {
   const std::vector<std::vector<float>> second = new_frozen_values(model, 2000);
   const std::vector<Status> st =
       engine_test::with_engines(config, model, c.world, [&](int rank, Engine& engine) -> Status {
-        TrainOptions options;
-        options.check_gathered = false;
-        options.steps = 2;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 1, 2));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, model.initial, "after steps 1-2"));
         ZINF_RETURN_IF_ERROR(write_frozen(engine, model, first));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, first, "after write_parameters"));
-        options.first_step = 3;
-        options.steps = 4;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 3, 4));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, first, "write_parameters, steps 3-4"));
         ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, "a"));
         ZINF_RETURN_IF_ERROR(write_frozen(engine, model, second));
-        options.first_step = 5;
-        options.steps = 5;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 5, 5));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, second, "a second write, step 5"));
         ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "a"));
-        options.first_step = 5;
-        options.steps = 7;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 5, 7));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, first, "the load, steps 5-7"));
         ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
         for (std::size_t p = 0; p < model.params.size(); ++p) {
@@ -190,11 +186,7 @@ TEST(FrozenValues, AZeroEpsLeavesTheFrozenMastersAsTheyAre) {
       model.frozen_module = "block1";
       const std::vector<Status> st =
           engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
-            TrainOptions options;
-            options.check_gathered = false;
-            options.steps = 2;
-            ZINF_RETURN_IF_ERROR(
-                engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+            ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 1, 2));
             ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
             for (std::size_t p = 0; p < model.params.size(); ++p) {
               const std::vector<float>& got = masters[p];
