@@ -742,7 +742,6 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
   // read the frozen master: the frozen groups' shards are not written again); the pass after a
   // linked save reads and writes the frozen master besides the trainable share.
   const std::uint64_t trainable_bytes = trainable_elements * 12;
-  const std::uint64_t frozen_read_bytes = 0;
   const std::uint64_t full_bytes = trainable_bytes + frozen_elements * 4;
 
   const bool save = world == 1;
@@ -769,7 +768,7 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
       const StepReport& rep = skipped.reports[s];
       EXPECT_EQ(rep.optimizer_nvme_read_bytes, pass == 0 ? none
                                                : full    ? full_bytes
-                                                         : trainable_bytes + frozen_read_bytes)
+                                                         : trainable_bytes)
           << "step " << s + 1;
       EXPECT_EQ(rep.optimizer_nvme_write_bytes, pass == 0 ? none
                                                 : full    ? full_bytes
@@ -829,16 +828,22 @@ std::uint64_t storage_written_bytes() {
   return at == std::string::npos ? 0 : std::stoull(io.substr(at + key.size()));
 }
 
-// The allocated bytes of the engine's swap file under `dir` (zinf-swap-*), or 0.
-std::uint64_t swap_file_allocated_bytes(const std::string& dir) {
-  std::uint64_t total = 0;
+// The swap files' (zinf-swap-*) logical bytes under `dir` and their allocated bytes
+// (st_blocks * 512): the difference is their holes.
+struct SwapFileBytes {
+  std::uint64_t size = 0;
+  std::uint64_t allocated = 0;
+};
+SwapFileBytes swap_file_bytes(const std::string& dir) {
+  SwapFileBytes out;
   for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
     if (entry.path().filename().string().rfind("zinf-swap-", 0) != 0) continue;
     struct stat st {};
-    if (::stat(entry.path().c_str(), &st) == 0)
-      total += static_cast<std::uint64_t>(st.st_blocks) * 512;
+    if (::stat(entry.path().c_str(), &st) != 0) continue;
+    out.size += static_cast<std::uint64_t>(st.st_size);
+    out.allocated += static_cast<std::uint64_t>(st.st_blocks) * 512;
   }
-  return total;
+  return out;
 }
 
 // World 1, stage 2, AdamW, the optimizer state on `opt` (in `nvme_path` when on NVMe), its
@@ -909,7 +914,7 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path) {
         const std::uint64_t after = resident_bytes();  // a set that shrank grew by nothing
         out.resident_growth_bytes = after > before ? after - before : 0;
         out.written_bytes = storage_written_bytes() - written_before;
-        if (!nvme_path.empty()) out.swap_allocated_bytes = swap_file_allocated_bytes(nvme_path);
+        if (!nvme_path.empty()) out.swap_allocated_bytes = swap_file_bytes(nvme_path).allocated;
         return Status::ok();
       });
   EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
@@ -1246,24 +1251,6 @@ TEST(Frozen, ALoadOfZeroFrozenMomentsKeepsThePassAtTheTrainableShare) {
       EXPECT_EQ(loaded[k].optimizer_nvme_write_bytes, fresh[k].optimizer_nvme_write_bytes) << k;
     }
   }
-}
-
-// The swap files' (zinf-swap-*) logical bytes under `dir` and their allocated bytes
-// (st_blocks * 512): the difference is their holes.
-struct SwapFileBytes {
-  std::uint64_t size = 0;
-  std::uint64_t allocated = 0;
-};
-SwapFileBytes swap_file_bytes(const std::string& dir) {
-  SwapFileBytes out;
-  for (const auto& entry : std::filesystem::recursive_directory_iterator(dir)) {
-    if (entry.path().filename().string().rfind("zinf-swap-", 0) != 0) continue;
-    struct stat st {};
-    if (::stat(entry.path().c_str(), &st) != 0) continue;
-    out.size += static_cast<std::uint64_t>(st.st_size);
-    out.allocated += static_cast<std::uint64_t>(st.st_blocks) * 512;
-  }
-  return out;
 }
 
 // A checkpoint whose frozen base has exp_avg zero and exp_avg_sq not (the base trained with
