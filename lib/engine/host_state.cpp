@@ -98,8 +98,7 @@ class HostState final : public InMemoryState {
   // frozen groups' shards are left as they are: the step did not change them (publisher.hpp).
   Status publish_step() override {
     narrow([](DType dtype) { return dtype == DType::kF32; });
-    return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); },
-                             /*gather_persistent=*/true, /*frozen_too=*/false);
+    return write_buffer(/*gather_persistent=*/true, /*frozen_too=*/false);
   }
   Status publish_master(bool gather_persistent) override {
     narrow([](DType) { return true; });
@@ -146,9 +145,13 @@ class HostState final : public InMemoryState {
       if (f.begin > at) ZINF_RETURN_IF_ERROR(fill(at, f.begin - at, dst + at));
       for (std::size_t b = f.begin; b < f.end; b += kScratchElements) {
         const std::size_t count = std::min(kScratchElements, f.end - b);
+        if (!settled_) {  // every range is stepped now: filled in place
+          ZINF_RETURN_IF_ERROR(fill(b, count, dst + b));
+          continue;
+        }
         if (scratch.size() < count) scratch.resize(count);
         ZINF_RETURN_IF_ERROR(fill(b, count, scratch.data()));
-        if (settled_ && all_zero_bytes(scratch.data(), count * sizeof(float))) continue;
+        if (all_zero_bytes(scratch.data(), count * sizeof(float))) continue;
         settled_ = false;
         std::memcpy(dst + b, scratch.data(), count * sizeof(float));
       }

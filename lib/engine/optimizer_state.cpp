@@ -53,6 +53,8 @@ std::vector<bool> frozen_ranges(const StateContext& ctx, std::span<const Optimiz
   const std::vector<bool> untrained = frozen_runs(
       *ctx.layout, ctx.rank, ranges.size(), [&](std::size_t r) { return ranges[r].begin; },
       [&](std::size_t r) { return end(r) - ranges[r].begin; });
+  // The frozen group is the last of ctx.groups (param_groups.hpp: frozen_group(), one past the
+  // added groups, after the default group).
   const auto frozen = static_cast<std::uint32_t>(ctx.groups.size() - 1);
   for (std::size_t r = 0; r < ranges.size(); ++r) {
     out[r] = ranges[r].group == frozen && untrained[r];
@@ -96,9 +98,10 @@ Status InMemoryState::set_group_params(std::span<const OptimizerParams> groups) 
   return Status::ok();
 }
 
-Status InMemoryState::write_buffer(bool gather_persistent) {
-  ZINF_RETURN_IF_ERROR(pub_.write_shards(
-      [&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); }, gather_persistent));
+Status InMemoryState::write_buffer(bool gather_persistent, bool frozen_too) {
+  ZINF_RETURN_IF_ERROR(
+      pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); },
+                        gather_persistent, frozen_too));
   return gather_persistent ? Status::ok() : pub_.wait_writes();
 }
 

@@ -241,9 +241,10 @@ class InMemoryState : public OptimizerState {
 
  protected:
   explicit InMemoryState(const StateContext& ctx);
-  // Every group's shard from the publisher's buffer (publisher.hpp), then the persistent groups
-  // all-gathered when `gather_persistent`, else the writes waited for (publish_master()).
-  Status write_buffer(bool gather_persistent = true);
+  // Every group's shard from the publisher's buffer (publisher.hpp), or every trainable group's
+  // unless `frozen_too` (after a step), then the persistent groups all-gathered when
+  // `gather_persistent`, else the writes waited for (publish_master()).
+  Status write_buffer(bool gather_persistent = true, bool frozen_too = true);
 
   StateContext ctx_;
   const ParameterLayout& layout_;
