@@ -80,6 +80,21 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
     }
   }
   ZINF_ASSERT(tiled == partition_elements);
+  // The gradients step() scales: each dtype group's stretches of runs that are not frozen (a
+  // frozen run's gradients are zero, which the scale leaves zero).
+  for (std::size_t k = 0; k < o->runs_.size();) {
+    const Run& first = o->runs_[k];
+    std::size_t e = k + 1;
+    while (e < o->runs_.size() && o->runs_[e].group == first.group &&
+           o->runs_[e].frozen == first.frozen) {
+      ++e;
+    }
+    const Run& last = o->runs_[e - 1];
+    if (!first.frozen) {
+      o->scale_spans_.push_back({first.offset, last.offset + last.count - first.offset});
+    }
+    k = e;
+  }
   // The frozen runs' moments are zero and stay so: only the other runs' are stored, packed.
   std::size_t moment_elements = partition_elements;
   for (Run& r : o->runs_) {
@@ -161,44 +176,27 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
   std::array<kernels::AdamStepArgs, kMaxOptimizerGroups> args;
   for (std::size_t g = 0; g < groups.size(); ++g) args[g] = adam_args(groups[g], step);
   auto* flag = reinterpret_cast<std::int32_t*>(scratch_.as<float>() + kernels::kSqNormPartials + 1);
-  std::size_t run = 0;
-  for (std::uint32_t gi = 0; gi < groups_.size(); ++gi) {
-    const Group& g = groups_[gi];
-    const std::size_t first_run = run;
-    while (run < runs_.size() && runs_[run].group == gi) ++run;
-    // The gradients of each stretch of runs that are not frozen: a frozen run's are zero, which
-    // the scale leaves zero. The overflow check ran before the step: the flag is not read.
-    for (std::size_t k = first_run; k < run;) {
-      if (runs_[k].frozen) {
-        ++k;
-        continue;
-      }
-      std::size_t e = k;
-      while (e < run && !runs_[e].frozen) ++e;
-      const std::size_t lo = runs_[k].offset;
-      const std::size_t hi = runs_[e - 1].offset + runs_[e - 1].count;
-      ZINF_RETURN_IF_ERROR(
-          ops_->scale(grads_.as<float>() + lo, hi - lo, grad_scale, flag, *stream_));
-      k = e;
+  // The overflow check ran before the step: the flag is not read.
+  for (const Span& s : scale_spans_) {
+    ZINF_RETURN_IF_ERROR(
+        ops_->scale(grads_.as<float>() + s.offset, s.count, grad_scale, flag, *stream_));
+  }
+  for (const Run& r : runs_) {
+    const Group& g = groups_[r.group];
+    ZINF_ASSERT(r.param_group < groups.size());
+    if (r.frozen) {
+      ZINF_ASSERT(groups[r.param_group].lr == 0 && groups[r.param_group].weight_decay == 0);
+      // Zero moments and gradient at learning rate 0: the step would leave every bit as it is
+      // (the half copy was rounded from this master).
+      if (packed_) continue;
     }
-    for (std::size_t k = first_run; k < run; ++k) {
-      const Run& r = runs_[k];
-      ZINF_ASSERT(r.param_group < groups.size());
-      if (r.frozen) {
-        ZINF_ASSERT(groups[r.param_group].lr == 0 && groups[r.param_group].weight_decay == 0);
-        // Zero moments and gradient at learning rate 0: the step would leave every bit as it is
-        // (the half copy was rounded from this master).
-        if (packed_) continue;
-      }
-      const std::size_t at = r.offset;
-      void* half = g.dtype == DType::kF32
-                       ? nullptr
-                       : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
-      ZINF_RETURN_IF_ERROR(ops_->adam_step(master_.as<float>() + at, grads_.as<float>() + at,
-                                           exp_avg_.as<float>() + r.moment,
-                                           exp_avg_sq_.as<float>() + r.moment, half, g.dtype,
-                                           r.count, args[r.param_group], *stream_));
-    }
+    const std::size_t at = r.offset;
+    void* half = g.dtype == DType::kF32
+                     ? nullptr
+                     : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
+    ZINF_RETURN_IF_ERROR(ops_->adam_step(
+        master_.as<float>() + at, grads_.as<float>() + at, exp_avg_.as<float>() + r.moment,
+        exp_avg_sq_.as<float>() + r.moment, half, g.dtype, r.count, args[r.param_group], *stream_));
   }
   return device_.synchronize(*stream_, timeout_);
 }

@@ -137,6 +137,12 @@ class DeviceOptimizer {
   static constexpr std::size_t kNoMoment = SIZE_MAX;
   std::vector<Group> groups_;
   std::vector<Run> runs_;  // in partition order
+  // The gradient elements step() scales (partition offset, count).
+  struct Span {
+    std::size_t offset = 0;
+    std::size_t count = 0;
+  };
+  std::vector<Span> scale_spans_;
   std::size_t partition_elements_ = 0;
   std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<Stream> stream_;
