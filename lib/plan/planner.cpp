@@ -257,6 +257,8 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
       have_closest = true;
     }
   };
+  // The engine refuses gradients_on_nvme with a frozen parameter.
+  const bool may_spill = constraints.allow_gradient_spill && frozen_param_count(model) == 0;
   for (int stage : stages) {
     for (OffloadDevice optimizer : offloads) {
       if (constraints.optimizer && *constraints.optimizer != optimizer) continue;
@@ -275,9 +277,7 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
           continue;
         }
         for (bool spill : {false, true}) {
-          if (spill && !constraints.allow_gradient_spill) continue;
-          // The engine refuses gradients_on_nvme with a frozen parameter.
-          if (spill && frozen_param_count(model) > 0) continue;
+          if (spill && !may_spill) continue;
           s.gradients_on_nvme = spill;
           bool whole_shard_done = false;
           for (std::uint64_t sub_group : sub_groups) {
