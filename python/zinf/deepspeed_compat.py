@@ -783,12 +783,9 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         if logged is not None:
             losses = self.__dict__.get("_monitor_losses")
             self._monitor_losses = logged if losses is None else losses + logged
-            # Whether the next step() applies the optimizer, by step()'s own rule, now that this
-            # micro-batch is counted: so also where every backward of the accumulation comes
-            # before a single step() (is_gradient_accumulation_boundary() asked before the
-            # backward would see the count of the first one there).
-            override = self._boundary_override
-            boundary = (self.micro_steps % steps == 0) if override is None else override
+            # Asked after the backward, which counted this micro-batch: so also where every
+            # backward of the accumulation comes before a single step().
+            boundary = self.is_gradient_accumulation_boundary()
             if boundary and self.global_rank == 0:
                 monitor.write_events([("Train/Samples/train_loss", self._monitor_losses.item(),
                                        self.global_samples)])
