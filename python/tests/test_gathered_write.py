@@ -289,3 +289,55 @@ def test_a_parameter_given_another_shape_is_refused_and_training_goes_on(stage):
         assert not torch.equal(engine.read_parameter("0.weight"), weight)
     finally:
         engine.destroy()
+
+
+class _CountingDict(dict):
+    """A dict that counts the entries walked through it (iteration, keys, values, items)."""
+
+    walked = 0
+
+    def _walk(self, entries):
+        _CountingDict.walked += len(self)
+        return entries
+
+    def __iter__(self):
+        return self._walk(super().__iter__())
+
+    def keys(self):
+        return self._walk(super().keys())
+
+    def values(self):
+        return self._walk(super().values())
+
+    def items(self):
+        return self._walk(super().items())
+
+
+def test_a_block_per_parameter_does_not_walk_the_engines_parameters():
+    """A block per parameter (as from_pretrained under ZeRO-3 loads one module at a time) takes
+    time linear in the block's parameters, not the model's: no block, reading or writing,
+    walks every parameter of the engine, so a loop of them is linear in the model's size
+    (gathered_loop_bench.py times it)."""
+    generator = torch.Generator().manual_seed(31)
+    model = torch.nn.ModuleList(torch.nn.Linear(3, 2) for _ in range(40))
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(3))
+    try:
+        engine._params = _CountingDict(engine._params)
+        _CountingDict.walked = 0
+        for index, layer in enumerate(model):
+            with zinf.torch.GatheredParameters(layer.bias):
+                pass
+            with zinf.torch.GatheredParameters([layer.bias, layer.weight], modifier_rank=0):
+                if index % 2 == 0:
+                    with torch.no_grad():
+                        layer.weight.copy_(torch.randn(2, 3, generator=generator))
+        walked = _CountingDict.walked
+        engine._params = dict(engine._params)
+        assert walked == 0
+        # The writes landed.
+        reread = torch.Generator().manual_seed(31)
+        for index in range(0, 40, 2):
+            assert torch.equal(engine.read_parameter(f"{index}.weight"),
+                               torch.randn(2, 3, generator=reread)), index
+    finally:
+        engine.destroy()

@@ -231,15 +231,12 @@ def _in_engine_order(params: list) -> list:
     """The block's parameters with those of each engine in the engine's parameter order, the
     engines in the order they were made (the others first, in the block's order), so that every
     rank gathers and writes them in the same order whatever order it was given them in."""
-    orders: dict = {}
 
     def key(param):
         engine = engine_of(param)
         if engine is None or _torch_init.staged(param) is not None:
             return (0, 0, 0)
-        if engine not in orders:
-            orders[engine] = {pid: i for i, pid in enumerate(engine._params)}
-        return (1, engine._serial, orders[engine].get(id(param), -1))
+        return (1, engine._serial, engine._position.get(id(param), -1))
 
     return sorted(params, key=key)
 

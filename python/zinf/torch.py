@@ -853,6 +853,11 @@ class ZinfEngine(nn.Module):
         if len(self._params) == len(self._no_grad):
             raise ValueError(f"none of the model's {len(self._frozen) + len(self._no_grad)} "
                              "parameters requires grad: there is nothing to train")
+        # pid -> its index in the engine's parameter order (_params' order, fixed from here on):
+        # GatheredParameters orders and writes a block's parameters by it, in time linear in the
+        # block's parameters, not the model's.
+        self._param_ids: list[int] = list(self._params)
+        self._position: dict[int, int] = {pid: i for i, pid in enumerate(self._param_ids)}
         groups = self._define_groups(model_parameters, defaults)
         group_of = {id(p): g["_zinf_group"] for g in groups for p in g["params"]}
         self._shapes = {}
@@ -1780,28 +1785,33 @@ class ZinfEngine(nn.Module):
         rank's changed parameters, each with a tensor of its values in any dtype (converted to
         fp32 as the pass reaches it, so that no more than one parameter is held in fp32 besides
         them). With several ranks only root's count, and every rank must call it: root
-        broadcasts which of the engine's parameters it changed (one byte each, in the engine's
-        parameter order, over its communicator) and every rank writes those, in the engine's
-        order whatever order the ranks listed them in; the others are not touched, so their
-        fp32 masters keep every bit. Nothing changed: nothing is written. A parameter root left
-        with another shape is refused before anything is written: every rank raises ValueError
-        naming it, and the engine goes on."""
+        broadcasts which of the engine's parameters it changed (how many, then their positions
+        in the engine's parameter order, over its communicator: a block end that changed nothing
+        costs one broadcast of 8 bytes, however many parameters the engine has) and every rank
+        writes those, in the engine's order whatever order the ranks listed them in; the others
+        are not touched, so their fp32 masters keep every bit. Nothing changed: nothing is
+        written. A parameter root left with another shape is refused before anything is
+        written: every rank raises ValueError naming it, and the engine goes on."""
         values = {self._names[id(param)]: tensor for param, tensor in writes}
-        # 1: changed; 2: changed to another shape (refused).
-        flags = {}
+        # Root's changed parameters in the engine's order, each as its position * 2, + 1 where
+        # it was given another shape (refused).
+        marks = []
         if self.world_size == 1 or self.global_rank == root:
-            for param, tensor in writes:
-                pid = id(param)
-                flags[pid] = 1 if tuple(tensor.shape) == tuple(self._shapes[pid]) else 2
+            marks = sorted({self._position[id(param)] * 2
+                            + (tuple(tensor.shape) != tuple(self._shapes[id(param)]))
+                            for param, tensor in writes})
         if self.world_size > 1:
-            codes = [flags.get(pid, 0) for pid in self._params]
-            # broadcast_bytes moves an even number of bytes.
-            mask = torch.tensor(codes + [0] * (len(codes) % 2), dtype=torch.uint8)
+            what = f"GatheredParameters: the parameters changed on rank {root}"
+            count = torch.tensor([len(marks)], dtype=torch.int64)
             with self._aborting_on_error("GatheredParameters: the parameters changed"):
-                self._core.broadcast_bytes(mask, root, f"GatheredParameters: the parameters "
-                                           f"changed on rank {root}")
-            flags = {pid: code for pid, code in zip(self._params, mask.tolist()) if code}
-        reshaped = [pid for pid in self._params if flags.get(pid) == 2]
+                self._core.broadcast_bytes(count.view(torch.uint8), root, what)
+                received = torch.tensor(marks, dtype=torch.int64) if marks else torch.empty(
+                    int(count[0]), dtype=torch.int64)
+                if received.numel() > 0:
+                    self._core.broadcast_bytes(received.view(torch.uint8), root, what)
+            marks = received.tolist()
+        changed = [self._param_ids[mark >> 1] for mark in marks]
+        reshaped = [self._param_ids[mark >> 1] for mark in marks if mark & 1]
         if reshaped:
             self._refresh_views()  # stages 1 and 2: the parameters back on the engine's copy
             name = self._names[reshaped[0]]
@@ -1810,7 +1820,7 @@ class ZinfEngine(nn.Module):
                 f"GatheredParameters(modifier_rank={root}): parameter '{name}' of shape "
                 f"{tuple(self._shapes[reshaped[0]])} was given another shape on rank {root}"
                 f"{given}; a parameter keeps its shape, so nothing was written")
-        names = [self._names[pid] for pid in self._params if flags.get(pid)]
+        names = [self._names[pid] for pid in changed]
         if not names:
             return
 
