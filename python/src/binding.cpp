@@ -19,6 +19,7 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -480,21 +481,27 @@ class PyEngine {
     if (it != activation_bytes_.end()) it->second = 0;
   }
 
-  // Rank `root`'s bytes of `buffer` into every rank's `buffer` (a contiguous CPU array of an
-  // even number of bytes, the same on every rank), over the engine's communicator; collective.
+  // Rank `root`'s bytes of `buffer` into every rank's `buffer` (a contiguous CPU array of any
+  // number of bytes, the same on every rank), over the engine's communicator; collective.
   // For what the engine does not hold (zinf.torch's frozen parameters at stages 1 and 2).
   // Between engine calls: the engine must have no collective of its own in flight.
   void broadcast_bytes(const HostArray& buffer, int root, const std::string& name) {
     const std::size_t bytes = buffer.nbytes();
-    if (bytes % 2 != 0) {
-      throw ZinfError(zinf::Status::invalid_argument(
-          "broadcast_bytes('" + name + "'): " + std::to_string(bytes) + " bytes (must be even)"));
-    }
-    void* data = buffer.data();
-    // DType has no byte type: the bytes move as 2-byte elements.
+    auto* data = static_cast<std::uint8_t*>(buffer.data());
+    // DType has no byte type: the bytes move as 2-byte elements, in place, and an odd last byte
+    // in a pair of its own (the buffer has no byte after it to pad with), in a second broadcast
+    // issued behind the first and waited for with it.
+    const std::size_t even_bytes = bytes - bytes % 2;
+    std::array<std::uint8_t, 2> tail = {bytes % 2 != 0 ? data[bytes - 1] : std::uint8_t{0}, 0};
     run_client_collective([&](zinf::Communicator& comm, zinf::Stream& stream) {
-      return comm.broadcast(data, data, bytes / 2, zinf::DType::kF16, root, stream, name);
+      if (even_bytes > 0 || bytes == 0) {
+        ZINF_RETURN_IF_ERROR(
+            comm.broadcast(data, data, even_bytes / 2, zinf::DType::kF16, root, stream, name));
+      }
+      if (bytes % 2 == 0) return zinf::Status::ok();
+      return comm.broadcast(tail.data(), tail.data(), 1, zinf::DType::kF16, root, stream, name);
     });
+    if (bytes % 2 != 0) data[bytes - 1] = tail[0];
   }
 
   // Every rank's `send` (a contiguous CPU array of an even number of bytes, the same on every

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import zinf
+from _helpers import mpirun, torchrun, why_mpirun_unavailable, why_torchrun_unavailable
 
 
 def open_engine(stage=1, dtype="f32", values=None, **zero):
@@ -143,20 +144,25 @@ def test_write_parameters_batch_fails_for_bad_values(returned, match):
 
 def test_client_collectives_in_one_rank_and_their_refusals():
     """broadcast_bytes and all_gather_bytes over a one-rank engine: the bytes stay (the root's
-    own), the gather is the send; odd sizes, a wrong recv size and a root outside the world are
-    refused naming the call. (Several ranks: test_frozen's rank tests.)"""
+    own, of any size), the gather is the send; an odd send size, a wrong recv size and a root
+    outside the world are refused naming the call. (Several ranks:
+    test_broadcast_bytes_on_two_ranks_gives_every_rank_the_roots_bytes.)"""
     engine, _ = open_engine()
     generator = torch.Generator().manual_seed(11)
     values = torch.randn(6, generator=generator).to(torch.bfloat16)
     expected = values.clone()
     engine.broadcast_bytes(values.view(torch.uint8), 0, "values")
     assert torch.equal(values, expected)
+    odd = torch.randint(0, 256, (3,), dtype=torch.uint8, generator=generator)
+    expected = odd.clone()
+    engine.broadcast_bytes(odd, 0, "odd")
+    assert torch.equal(odd, expected)
     send = torch.randint(0, 256, (16,), dtype=torch.uint8, generator=generator)
     recv = torch.empty(1, 16, dtype=torch.uint8)
     engine.all_gather_bytes(send, recv, "digest")
     assert torch.equal(recv[0], send)
-    with pytest.raises(zinf.Error, match=r"broadcast_bytes\('odd'\): 3 bytes"):
-        engine.broadcast_bytes(torch.zeros(3, dtype=torch.uint8), 0, "odd")
+    with pytest.raises(zinf.Error, match=r"all_gather_bytes\('odd'\): send holds 3 bytes"):
+        engine.all_gather_bytes(odd, torch.empty(1, 3, dtype=torch.uint8), "odd")
     with pytest.raises(zinf.Error, match=r"all_gather_bytes\('short'\).*recv 8 \(must be 16\)"):
         engine.all_gather_bytes(send, torch.empty(8, dtype=torch.uint8), "short")
     with pytest.raises(zinf.Error, match="root"):
@@ -164,3 +170,30 @@ def test_client_collectives_in_one_rank_and_their_refusals():
     engine.close()
     with pytest.raises(zinf.Error, match="closed"):
         engine.broadcast_bytes(values.view(torch.uint8), 0, "values")
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "torchrun"])
+def test_broadcast_bytes_on_two_ranks_gives_every_rank_the_roots_bytes(launcher, tmp_path):
+    """bytes_ranks.py on two ranks, over the "mpi" and the "torch" communicator: after each
+    broadcast every rank holds the root's bytes, whatever the size, odd ones included (each
+    rank's own bytes differ from the root's: a broadcast that moved nothing would fail)."""
+    from bytes_ranks import SIZES, drawn
+
+    if launcher == "mpirun":
+        if why_mpirun_unavailable() is not None:
+            pytest.skip(why_mpirun_unavailable())
+        result = mpirun("bytes_ranks.py", [tmp_path, "mpi"], timeout=120)
+    else:
+        if why_torchrun_unavailable() is not None:
+            pytest.skip(why_torchrun_unavailable())
+        result = torchrun("bytes_ranks.py", [tmp_path, "torch"], timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for rank in (0, 1):
+        report = torch.load(tmp_path / f"bytes.rank{rank}.pt")
+        assert report["world_size"] == 2
+        for size in SIZES:
+            for root in (0, 1):
+                assert torch.equal(report["received"][(size, root)], drawn(size, root)), \
+                    (rank, size, root)
+                if root != rank:
+                    assert not torch.equal(drawn(size, rank), drawn(size, root)), (size, rank)

@@ -1919,7 +1919,7 @@ class ZinfEngine(nn.Module):
             if self.world_size > 1:
                 # No rank reads `latest` (a load by it) before rank 0 has put it back, and every
                 # rank learns whether it could.
-                outcome = torch.tensor([failed is not None, 0], dtype=torch.uint8)
+                outcome = torch.tensor([failed is not None], dtype=torch.uint8)
                 self._core.broadcast_bytes(outcome, 0,
                                            f"save_checkpoint('{save_dir}', '{tag}'): `latest`")
                 if failed is None and outcome[0]:
