@@ -427,33 +427,27 @@ def broadcast_staged(loaded: "list[tuple[nn.Parameter, Staged]]", root: int, gro
     rank = dist.get_rank()
     unique = {id(param): (param, stage) for param, stage in loaded}
     ordered = sorted(unique.values(), key=lambda item: getattr(item[0], "ds_id", -1))
-    # Rank root's outcome: 0 the values follow, 1 the block raised there, 2 a shape changed (the
-    # message's bytes follow).
-    message = b""
-    outcome = 0
+    # Rank root's outcome, (whether the block raised there, the ValueError's message where a
+    # shape changed there): (False, None), the values follow.
+    outcome = [(False, None)]
     if rank == root:
         if failed:
-            outcome = 1
+            outcome = [(True, None)]
         else:
             for param, stage in ordered:
                 if tuple(param.data.shape) != stage.shape:
-                    outcome = 2
-                    message = (
-                        f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
-                        f"{tuple(param.data.shape)} at the end of the block on rank {root}, not "
-                        f"its shape {stage.shape}; change its values, not its shape").encode()
+                    outcome = [(False,
+                                f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
+                                f"{tuple(param.data.shape)} at the end of the block on rank "
+                                f"{root}, not its shape {stage.shape}; change its values, not its "
+                                "shape")]
                     break
-    header = torch.tensor([outcome, len(message)], dtype=torch.int64)
-    dist.broadcast(header, src=root, group=group)
-    outcome, message_bytes = int(header[0]), int(header[1])
-    if outcome == 1:
+    dist.broadcast_object_list(outcome, src=root, group=group)
+    raised_on_root, message = outcome[0]
+    if raised_on_root:
         return
-    if outcome == 2:
-        text = torch.empty(message_bytes, dtype=torch.uint8)
-        if rank == root:
-            text.copy_(torch.frombuffer(bytearray(message), dtype=torch.uint8))
-        dist.broadcast(text, src=root, group=group)
-        raise ValueError(bytes(text.tolist()).decode())
+    if message is not None:
+        raise ValueError(message)
     by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, Staged]]] = {}
     for param, stage in ordered:
         by_dtype.setdefault(stage.dtype, []).append((param, stage))
