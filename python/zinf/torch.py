@@ -2176,24 +2176,19 @@ def _checkpoint_tag(checkpoint_dir: str, tag: Any) -> str:
     return str(tag)
 
 
-def _frozen_parameter_names(checkpoint_dir: str, tag: Any = None) -> set[str]:
-    """The names of the frozen parameters (requires_grad False at initialize()) a checkpoint
-    holds: at stages 1 and 2 those zinf.torch keeps in its client state, at stage 3 those the
-    engine holds, which the manifest marks "trainable": false (checkpoints written before that
-    field hold none marked, so none are named)."""
+def _engine_frozen_names(checkpoint_dir: str, tag: Any = None) -> set[str]:
+    """The names of the frozen parameters (requires_grad False at initialize()) that the engine
+    holds in a checkpoint, and so exports: those of stage 3, which the manifest marks
+    "trainable": false (checkpoints written before that field hold none marked, so none are
+    named). The frozen parameters of stages 1 and 2 are not the engine's: zinf.torch keeps them
+    in the client state, which is read only where they are wanted."""
     tag = _checkpoint_tag(checkpoint_dir, tag)
-    names = set()
     manifest = os.path.join(checkpoint_dir, tag, "manifest.json")
-    if os.path.isfile(manifest):
-        with open(manifest) as f:
-            names.update(p["name"] for p in json.load(f).get("params", [])
-                         if p.get("trainable", True) is False)
-    client = os.path.join(checkpoint_dir, tag, "client_state.bin")
-    if os.path.isfile(client):
-        state = torch.load(client, weights_only=False, mmap=True)
-        if isinstance(state, dict):
-            names.update(state.get("frozen", {}))
-    return names
+    if not os.path.isfile(manifest):
+        return set()
+    with open(manifest) as f:
+        return {p["name"] for p in json.load(f).get("params", [])
+                if p.get("trainable", True) is False}
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = None,
@@ -2215,8 +2210,7 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
     temporary file stays until the last of them is gone. Without it the file is read whole and
     removed before this returns."""
     tag = _checkpoint_tag(checkpoint_dir, tag)
-    excluded = (_frozen_parameter_names(checkpoint_dir, tag) if exclude_frozen_parameters
-                else set())
+    excluded = _engine_frozen_names(checkpoint_dir, tag) if exclude_frozen_parameters else set()
     scratch = tempfile.TemporaryDirectory(prefix="zinf_fp32_")
     try:
         out = os.path.join(scratch.name, "model.safetensors")
