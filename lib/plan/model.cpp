@@ -5,13 +5,12 @@
 #include <algorithm>
 #include <array>
 #include <cctype>
-#include <cerrno>
 #include <charconv>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 
 #include "base/assert.hpp"
+#include "base/size_text.hpp"
 
 namespace zinf::plan {
 namespace {
@@ -143,59 +142,21 @@ Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t model
   if (!text.empty() && text.front() == '-') {
     return Status::invalid_argument(fmt::format("--trainable {}: must not be negative", shown));
   }
-  // Digits with at most one decimal point, then at most one suffix.
-  std::size_t i = 0;
-  bool any_digit = false;
-  bool point = false;
-  for (; i < text.size(); ++i) {
-    const char c = text[i];
-    if (std::isdigit(static_cast<unsigned char>(c))) {
-      any_digit = true;
-    } else if (c == '.' && !point) {
-      point = true;
-    } else {
-      break;
-    }
-  }
-  if (!any_digit) return not_a_number();
-  // strtod, not std::stod, which throws std::out_of_range on a number past the double's range
-  // (hundreds of digits) or one that underflows it (a share of 1e-400): the first is more than
-  // any model, the second no parameter, and both are refused below with --trainable named.
-  const std::string digits(text.substr(0, i));
-  errno = 0;
-  double value = std::strtod(digits.c_str(), nullptr);
-  if (errno == ERANGE) value = value > 1.0 ? HUGE_VAL : 0.0;
-  const std::string_view suffix = text.substr(i);
-  double count = 0;
-  if (suffix == "%") {
-    count = value / 100.0 * static_cast<double>(model_params);
-  } else if (suffix.empty() && value < 1.0) {
-    count = value * static_cast<double>(model_params);
-  } else if (suffix.size() <= 1) {
-    double unit = 1;
-    switch (suffix.empty() ? '\0' : std::tolower(static_cast<unsigned char>(suffix[0]))) {
-      case '\0':
-        unit = 1;
-        break;
-      case 'k':
-        unit = 1e3;
-        break;
-      case 'm':
-        unit = 1e6;
-        break;
-      case 'b':
-      case 'g':
-        unit = 1e9;
-        break;
-      case 't':
-        unit = 1e12;
-        break;
-      default:
-        return not_a_number();
-    }
-    count = value * unit;
-  } else {
-    return not_a_number();
+  // A share is a plain number: "0.5%", or a fraction below 1 with no unit.
+  std::string_view number = text;
+  const bool percent = !number.empty() && number.back() == '%';
+  if (percent) number.remove_suffix(1);
+  const bool plain = number.find_first_not_of("0123456789.") == std::string_view::npos;
+  // A count is what --params takes (base/size_text.hpp): past a double's range it is infinite,
+  // more than any model, and a share below its smallest value 0, no parameter; both are refused
+  // below with --trainable named.
+  const std::optional<double> value = parse_scaled(number, /*decimal=*/true);
+  if (!value || (percent && !plain)) return not_a_number();
+  double count = *value;
+  if (percent) {
+    count = *value / 100.0 * static_cast<double>(model_params);
+  } else if (plain && *value < 1.0) {
+    count = *value * static_cast<double>(model_params);
   }
   if (!(count <= static_cast<double>(model_params) + 0.5)) {
     return Status::invalid_argument(

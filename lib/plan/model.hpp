@@ -81,9 +81,10 @@ std::uint64_t param_count(const ModelShape& model);
 std::uint64_t trainable_param_count(const ModelShape& model);
 std::uint64_t frozen_param_count(const ModelShape& model);
 
-// `zinf plan --trainable TEXT` for a model of `model_params` parameters: a count ("40M", "1.2B",
-// "350k", "123456"; k = 1e3, M = 1e6, B or G = 1e9, T = 1e12) or a share of the model ("0.5%",
-// or a plain fraction below 1 such as "0.005"), rounded to the nearest parameter. Fails with
+// `zinf plan --trainable TEXT` for a model of `model_params` parameters: a count as --params
+// takes it ("40M", "1.2B", "350k", "123456"; k = 1e3, M = 1e6, B or G = 1e9, T = 1e12: a count
+// of base/size_text.hpp's parse_scaled()) or a share of the model ("0.5%", or a plain fraction
+// below 1 such as "0.005"), rounded to the nearest parameter. Fails with
 // invalid_argument, the message naming --trainable, when the text is not such a number, is
 // negative, gives 0 parameters (the engine refuses a model whose every parameter is frozen) or
 // more than `model_params` (a number past a double's range included).

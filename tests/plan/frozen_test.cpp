@@ -323,12 +323,19 @@ TEST(Trainable, ParsesCountsAndShares) {
   EXPECT_EQ(parse_trainable("0.5%", p).value(), 33'692'078u);  // 33,692,078.08
   EXPECT_EQ(parse_trainable("0.005", p).value(), 33'692'078u);
   EXPECT_EQ(parse_trainable("100%", p).value(), p);
+  // The units --params takes (base/size_text.hpp's counts): G is B, decimal unless "iB" says
+  // binary, and "MB" as a count is 1e6 as it is for --params.
+  EXPECT_EQ(parse_trainable("1.5G", p).value(), 1'500'000'000u);
+  EXPECT_EQ(parse_trainable("0.002T", p).value(), 2'000'000'000u);
+  EXPECT_EQ(parse_trainable("40MB", p).value(), 40'000'000u);
+  EXPECT_EQ(parse_trainable("1GiB", p).value(), 1'073'741'824u);
+  EXPECT_EQ(parse_trainable("2k", p).value(), 2'000u);
 }
 
 TEST(Trainable, RefusesWithAMessageNamingTheOption) {
   const std::uint64_t p = 6'738'415'616;
-  for (const char* text :
-       {"7B", "101%", "-5", "-0.5%", "abc", "", "40X", "40MB", "0", "0.0%", "1.2.3"}) {
+  for (const char* text : {"7B", "101%", "-5", "-0.5%", "abc", "", "40X", "40MiX", "0", "0.0%",
+                           "1.2.3", "5k%", "%", "1e9", " 40M"}) {
     Result<std::uint64_t> r = parse_trainable(text, p);
     ASSERT_FALSE(r.is_ok()) << text;
     EXPECT_EQ(r.status().code(), Code::kInvalidArgument) << text;

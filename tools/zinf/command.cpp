@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cctype>
 #include <cstdio>
 #include <iostream>
 
@@ -67,63 +66,6 @@ void Table::print() const {
 }
 
 void print_json(const nlohmann::json& object) { std::cout << object.dump() << std::endl; }
-
-bool parse_size(std::string_view text, std::size_t* bytes, bool decimal) {
-  std::size_t i = 0;
-  double value = 0;
-  bool any_digit = false;
-  double fraction_scale = 0;
-  for (; i < text.size(); ++i) {
-    const char c = text[i];
-    if (std::isdigit(static_cast<unsigned char>(c))) {
-      any_digit = true;
-      if (fraction_scale > 0) {
-        value += (c - '0') * fraction_scale;
-        fraction_scale /= 10;
-      } else {
-        value = value * 10 + (c - '0');
-      }
-    } else if (c == '.' && fraction_scale == 0) {
-      fraction_scale = 0.1;
-    } else {
-      break;
-    }
-  }
-  if (!any_digit) return false;
-  std::string suffix(text.substr(i));
-  for (char& c : suffix) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  double multiplier = 1;
-  const double k = decimal ? 1e3 : 1024.0;
-  if (suffix.empty()) {
-    multiplier = 1;
-  } else if (suffix == "b") {
-    // A count's "7B" is 7 billion (as model names and train_lm --params write it); a size's
-    // is 7 bytes.
-    multiplier = decimal ? 1e9 : 1;
-  } else if (suffix == "k" || suffix == "kib" || suffix == "kb") {
-    multiplier = suffix == "kb" ? 1e3 : k;
-  } else if (suffix == "m" || suffix == "mib" || suffix == "mb") {
-    multiplier = suffix == "mb" ? 1e6 : k * k;
-  } else if (suffix == "g" || suffix == "gib" || suffix == "gb") {
-    multiplier = suffix == "gb" ? 1e9 : k * k * k;
-  } else if (suffix == "t" || suffix == "tib" || suffix == "tb") {
-    multiplier = suffix == "tb" ? 1e12 : k * k * k * k;
-  } else {
-    return false;
-  }
-  if (suffix == "kib" || suffix == "mib" || suffix == "gib" || suffix == "tib") {
-    // An explicit binary unit is binary even for counts.
-    multiplier = suffix == "kib"   ? 1024.0
-                 : suffix == "mib" ? 1048576.0
-                 : suffix == "gib" ? 1073741824.0
-                                   : 1099511627776.0;
-  }
-  // A size beyond 64 bits is refused (converting it would be undefined behaviour).
-  const double rounded = value * multiplier + 0.5;
-  if (!(rounded < 18446744073709551616.0)) return false;  // 2^64
-  *bytes = static_cast<std::size_t>(rounded);
-  return true;
-}
 
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

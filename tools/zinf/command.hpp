@@ -12,6 +12,8 @@
 #include <string_view>
 #include <vector>
 
+#include "base/size_text.hpp"
+
 namespace zinf::cli {
 
 using CommandSetup = void (*)(CLI::App& app);
@@ -51,11 +53,9 @@ class Table {
 // Prints one JSON object on one line to stdout.
 void print_json(const nlohmann::json& object);
 
-// Parses sizes like "4GiB", "1MiB", "128K", "256M" (binary multiples for K/M/G/T with or
-// without "iB"; plain digits are bytes) and counts like "256M" or "7B" params (decimal when
-// `decimal`, where B is a billion, as in model names).
-// False for anything else, and for a size of 2^64 or more.
-bool parse_size(std::string_view text, std::size_t* bytes, bool decimal = false);
+// Sizes like "4GiB", "48GB", "256M" and counts like "256M" or "7B" params (decimal), the
+// library's one grammar for both (base/size_text.hpp).
+using zinf::parse_size;
 std::string format_bytes(double bytes);
 
 }  // namespace zinf::cli
