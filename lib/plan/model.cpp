@@ -193,8 +193,10 @@ Result<std::uint64_t> parse_lora_rank(std::string_view text) {
   return rank;
 }
 
-Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t rank,
-                                          std::string_view targets) {
+Status apply_lora(ModelShape* model, std::uint64_t rank, std::string_view targets) {
+  ZINF_ASSERT_MSG(model->adapter_params == 0 && model->trainable_params == 0,
+                  "apply_lora: the model has adapters or frozen parameters already");
+  const ModelShape& m = *model;
   if (rank == 0) return Status::invalid_argument("--lora-rank 0: must be at least 1");
   if (m.kind != ModelKind::kTransformer || m.heads == 0 || m.hidden % m.heads != 0) {
     return Status::invalid_argument(
@@ -208,6 +210,7 @@ Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t ran
   // A rank-r adapter B·A of a W of `in` inputs and `out` outputs has rank at most min(in, out):
   // a larger r adds parameters without adding anything an adapter can express.
   std::uint64_t max_rank = UINT64_MAX;
+  std::uint64_t projections = 0;  // adapted a layer
   std::string seen = ",";
   std::size_t start = 0;
   while (start <= targets.size()) {
@@ -219,6 +222,7 @@ Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t ran
           fmt::format("--lora-targets {}: {} is named twice", targets, name));
     }
     seen += name + ",";
+    ++projections;
     if (name == "q" || name == "o") {
       per_layer += 2 * h;
       max_rank = std::min(max_rank, h);
@@ -248,7 +252,12 @@ Result<std::uint64_t> lora_adapter_params(const ModelShape& m, std::uint64_t ran
     return Status::invalid_argument(
         fmt::format("--lora-rank {}: the adapters' parameter count overflows 64 bits", rank));
   }
-  return adapters;
+  model->adapter_params = adapters;
+  model->trainable_params = adapters;
+  // One run of trainable parameters an adapted projection (PEFT's module order puts each
+  // adapter after its projection).
+  model->trainable_runs = projections * m.layers;
+  return Status::ok();
 }
 
 std::string format_param_count(std::uint64_t params) {

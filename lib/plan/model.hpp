@@ -94,7 +94,7 @@ Result<std::uint64_t> parse_trainable(std::string_view text, std::uint64_t model
 // message naming --lora-rank, for a negative number, one past 64 bits, 0 or not a number.
 Result<std::uint64_t> parse_lora_rank(std::string_view text);
 
-// The parameters of LoRA adapters of rank r (Hu et al. 2021, "LoRA: Low-Rank Adaptation of
+// Adds to *model LoRA adapters of rank r (Hu et al. 2021, "LoRA: Low-Rank Adaptation of
 // Large Language Models") on the projections named in `targets`, a comma-separated list of q, k,
 // v, o (attention: query, key, value, output) and gate, up, down (MLP; gate only in a gated
 // MLP), in every layer. An adapter of a W of `in` inputs and `out` outputs is A (r x in) and B
@@ -107,9 +107,11 @@ Result<std::uint64_t> parse_lora_rank(std::string_view text);
 // adapters, 6rh). Fails with invalid_argument (naming --lora-rank or --lora-targets) for rank 0,
 // a rank above the smallest min(in, out) of the adapted projections (no adapter has a higher
 // rank), an unknown or repeated target, gate without a gated MLP, a count past 64 bits, or a
-// model that is not a transformer (ModelKind::kTrainLm).
-Result<std::uint64_t> lora_adapter_params(const ModelShape& model, std::uint64_t rank,
-                                          std::string_view targets);
+// model that is not a transformer (ModelKind::kTrainLm), leaving *model as it was. On success
+// the adapters train alone: adapter_params and trainable_params are their count, and
+// trainable_runs is layers x targets (one run an adapted projection).
+// REQUIRES: model has no adapters and nothing frozen yet (adapter_params and trainable_params 0).
+Status apply_lora(ModelShape* model, std::uint64_t rank, std::string_view targets);
 
 // A parameter count as people write it, three significant figures or so: "950", "60.0k",
 // "1.20M", "6.74B" (1k = 1e3, 1M = 1e6, 1B = 1e9).

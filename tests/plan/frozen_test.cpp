@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
@@ -232,8 +233,9 @@ TEST(FrozenTime, CheckpointingAddsOneForward) {
 // run an adapted projection, make at least a sub-group each. The frozen gaps between them are
 // passed over and read nothing, even where the half output streams, so they are not counted.
 TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
-  ModelShape m = lora7b();
-  m.trainable_runs = 2 * 32;  // q and v in each of 32 layers
+  ModelShape m = *find_model_preset("llama-2-7b");
+  ASSERT_TRUE(apply_lora(&m, 16, "q,v").is_ok());
+  ASSERT_EQ(m.trainable_runs, 2u * 32);  // q and v in each of 32 layers
   MachineProfile profile;
   profile.mem_adam_gbps = 40;
   profile.nvme_read_gbps = 6;
@@ -353,6 +355,34 @@ TEST(Lora, RankParsesWholeNumbersOnly) {
     ASSERT_FALSE(r.is_ok()) << text;
     EXPECT_NE(r.status().message().find(std::string("--lora-rank ") + text), std::string::npos)
         << text;
+  }
+}
+
+// apply_lora()'s adapters on a copy of `m`: their count, or its error.
+Result<std::uint64_t> lora_adapter_params(ModelShape m, std::uint64_t rank,
+                                          std::string_view targets) {
+  ZINF_RETURN_IF_ERROR(apply_lora(&m, rank, targets));
+  return m.adapter_params;
+}
+
+// apply_lora() adds the adapters to the model's count and trains them alone, one run an adapted
+// projection; a refused one leaves the model as it was.
+TEST(Lora, AppliedAdaptersTrainAloneInOneRunAProjection) {
+  const ModelShape base = *find_model_preset("llama-2-70b");
+  ModelShape m = base;
+  ASSERT_TRUE(apply_lora(&m, 16, "q,k,v").is_ok());
+  const std::uint64_t adapters = 16 * ((8192 + 8192) + 2 * (8192 + 1024)) * 80;
+  EXPECT_EQ(m.adapter_params, adapters);
+  EXPECT_EQ(trainable_param_count(m), adapters);
+  EXPECT_EQ(param_count(m), param_count(base) + adapters);
+  EXPECT_EQ(frozen_param_count(m), param_count(base));
+  EXPECT_EQ(m.trainable_runs, 3u * 80);
+  for (const char* targets : {"q,x", "q,q", ""}) {
+    ModelShape refused = base;
+    EXPECT_FALSE(apply_lora(&refused, 8, targets).is_ok()) << targets;
+    EXPECT_EQ(refused.adapter_params, 0u) << targets;
+    EXPECT_EQ(refused.trainable_params, 0u) << targets;
+    EXPECT_EQ(refused.trainable_runs, 0u) << targets;
   }
 }
 

@@ -488,18 +488,11 @@ void run_plan(const PlanOptions& o) {
     return;
   }
   if (o.lora_rank_given) {
-    Result<std::uint64_t> adapters = lora_adapter_params(model, o.lora_rank, o.lora_targets);
-    if (!adapters.is_ok()) {
-      fail(std::string(adapters.status().message()));
+    const Status lora = apply_lora(&model, o.lora_rank, o.lora_targets);
+    if (!lora.is_ok()) {
+      fail(std::string(lora.message()));
       return;
     }
-    model.adapter_params = *adapters;
-    model.trainable_params = *adapters;
-    // One run of trainable parameters an adapted projection: the targets were checked above.
-    const auto targets =
-        static_cast<std::uint64_t>(std::count(o.lora_targets.begin(), o.lora_targets.end(), ',')) +
-        1;
-    model.trainable_runs = targets * model.layers;
   } else if (!o.trainable.empty()) {
     Result<std::uint64_t> trainable = parse_trainable(o.trainable, param_count(model));
     if (!trainable.is_ok()) {
