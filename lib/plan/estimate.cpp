@@ -168,8 +168,8 @@ std::uint64_t activation_bytes(const ModelShape& m, const TrainingShape& t) {
 }
 
 std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t world_size) {
-  return std::min(ceil_div(trainable_param_count(model), world_size),
-                  ceil_div(param_count(model), world_size));
+  // trainable_param_count() is at most param_count(): at most a rank's shard Pr.
+  return ceil_div(trainable_param_count(model), world_size);
 }
 
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,

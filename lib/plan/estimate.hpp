@@ -215,7 +215,7 @@ std::uint64_t activation_checkpoint_bytes(const ModelShape& model, const Trainin
 // examples/train_lm sizes it. 0 without offload_activations.
 std::uint64_t activation_arena_bytes(const ModelShape& model, const TrainingShape& training);
 
-// A rank's trainable share: min(ceil(T / N), ceil(P / N)).
+// A rank's trainable share: ceil(T / N), at most its shard ceil(P / N) (T <= P).
 std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t world_size);
 
 // REQUIRES: validate_setup(setup) is OK; no gradients_on_nvme with frozen parameters.

@@ -83,10 +83,10 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
       stepped_params * write_per_param + stepped_params * half_write_per_param;
   // The pass cuts its sub-groups at both ends of each trainable run as well as every Sg
   // elements: at least a sub-group a run. The frozen gaps between runs are sub-groups too, but
-  // passed over, reading and writing nothing, they take no part in the pipeline's time.
+  // passed over, reading and writing nothing, they take no part in the pipeline's time. At least
+  // one either way: a rank steps at least one element, and predict_step() counts a run at least.
   std::uint64_t sub_groups = ceil_div(stepped, s.sub_group_params);
   if (stepped < shard_params) sub_groups = std::max(sub_groups, trainable_runs);
-  sub_groups = std::max<std::uint64_t>(1, sub_groups);
   nvme_pipeline(read_bytes, write_bytes, sub_groups, s.buffer_count, profile, out);
 }
 }  // namespace
