@@ -87,6 +87,11 @@ class ParameterLayout {
   // group's master or its device-dtype values: a step neither writes its shard nor all-gathers it
   // again (publisher.hpp).
   bool frozen_group(std::uint32_t g) const { return frozen_groups_[g]; }
+  // Whether a step rewrites group g: it holds trainable parameters (it is not frozen_group()).
+  // After a step only such groups' shards are written and, where they stay gathered, all-gathered
+  // again; a frozen group's shard already holds what the step would write, and it is published
+  // only after its master was written (finalize, a checkpoint load, write_parameters).
+  bool republished(std::uint32_t g) const { return !frozen_groups_[g]; }
   // The coordinator's modules (taken once: the coordinator keeps them).
   std::vector<CoordinatorModule> take_coordinator_modules() { return std::move(coord_modules_); }
 

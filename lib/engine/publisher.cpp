@@ -45,7 +45,7 @@ void Publisher::narrow_groups(std::size_t first, std::size_t count, const float*
 Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                                bool gather_persistent, bool frozen_too) {
   for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-    if (!frozen_too && layout_.frozen_group(g)) continue;
+    if (!publishes(g, frozen_too)) continue;
     // The values stay until the next step: no wait for each copy up (publish() or the
     // overlapped step's end waits for them all).
     ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
@@ -55,15 +55,9 @@ Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> valu
 
 Status Publisher::publish(bool frozen_too) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (frozen_too) return coord_->publish();
   // Every rank froze the same parameters (ParameterLayout::check_trainable_agree), so every rank
   // all-gathers the same groups in the same order.
-  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-    if (layout_.persistent()[g] && !layout_.frozen_group(g)) {
-      ZINF_RETURN_IF_ERROR(coord_->publish_group(g));
-    }
-  }
-  return coord_->publish_wait();
+  return coord_->publish([&](std::uint32_t g) { return publishes(g, frozen_too); });
 }
 
 Status Publisher::write_group(std::uint32_t g, const std::byte* values, bool wait) {
@@ -101,7 +95,7 @@ void Publisher::begin_pass() {
   // of a frozen module does not wait for the pass.
   written_.assign(layout_.group_count(), 0);
   for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-    if (layout_.frozen_group(g)) written_[g] = 1;
+    if (!publishes(g, /*frozen_too=*/false)) written_[g] = 1;
   }
 }
 
@@ -133,7 +127,7 @@ bool Publisher::can_turn_at(std::size_t element) const {
   // The group holding `element` past its start, if any, is written in two parts.
   const std::uint32_t g = layout_.first_group_ending_after(element);
   return g == layout_.group_count() || layout_.offset(g) >= element ||
-         (!stream_frozen_too_ && layout_.frozen_group(g)) || coord_->writes_shard_parts(g);
+         !publishes(g, stream_frozen_too_) || coord_->writes_shard_parts(g);
 }
 
 Status Publisher::stage(std::size_t first, std::size_t count,
@@ -151,7 +145,7 @@ Status Publisher::stage(std::size_t first, std::size_t count,
       const std::size_t count = layout_.group(g).shard_element_count - lo;
       ZINF_ASSERT_MSG(stream_filled_ == count, "Publisher::stage: a turn with a gap in its group");
       const std::size_t bytes = dtype_bytes(layout_.half_dtype());
-      if (stream_frozen_too_ || !layout_.frozen_group(g)) {
+      if (publishes(g, stream_frozen_too_)) {
         ZINF_RETURN_IF_ERROR(
             write_group_part(g, lo, count, stage_.data() + lo * bytes, /*last=*/false));
       }
@@ -174,7 +168,7 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     const std::size_t group_first = layout_.offset(g);
     const std::size_t group_count = layout_.group(g).shard_element_count;
     // A frozen group in a step's stream: counted through, never filled or written.
-    const bool skip = !stream_frozen_too_ && layout_.frozen_group(g);
+    const bool skip = !publishes(g, stream_frozen_too_);
     // After a turn the ascending ranges stop where the descending ones ended: a group straddling
     // that point gets its lower part here.
     const std::size_t group_end = std::min(group_first + group_count, stream_stop_);

@@ -15,9 +15,10 @@
 // Frozen groups (ParameterLayout::frozen_group()) are published only after the master was
 // written (finalize, a checkpoint load, write_parameters). A step leaves their master and their
 // device-dtype values as they are, bit for bit (docs/ENGINE.md "Frozen parameters"), so after a
-// step (`frozen_too` false) their shards are not written, their persistent groups not
-// all-gathered again, and the stream drops their elements (the pass hands over only those that
-// share a sub-group with trainable ones); a pass counts them as written from its start.
+// step (`frozen_too` false) only the groups ParameterLayout::republished() says a step rewrites
+// are published (publishes()): the frozen groups' shards are not written, their persistent
+// groups not all-gathered again, and the stream drops their elements (the pass hands over only
+// those that share a sub-group with trainable ones); a pass counts them as written from its start.
 //
 // The overlapped step (zinf.overlap_step, step_runner.hpp) writes the shards on the step
 // runner's thread while the rank's thread gathers modules for the next forward pass. Both go
@@ -138,6 +139,12 @@ class Publisher {
   bool in_pass() const { return in_pass_; }
 
  private:
+  // Whether a publish with `frozen_too` writes group g's shard (and all-gathers it when it stays
+  // gathered): every group after the master was written, after a step (`frozen_too` false) only
+  // those the step rewrote.
+  bool publishes(std::uint32_t g, bool frozen_too) const {
+    return frozen_too || layout_.republished(g);
+  }
   // Group g's shard, under mutex(); g counts as written once it returns ok.
   Status write_group(std::uint32_t g, const std::byte* values, bool wait);
   // Elements [first, first + count) of group g's shard, waited for (the stage is reused); g

@@ -159,7 +159,7 @@ void OverlappedStep::arm_next_backward() {
   const ParameterLayout& layout = *parts_.layout;
   // A frozen group is not all-gathered again: no pass changes it (publisher.hpp).
   for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
-    persistent_done_[g] = layout.persistent()[g] && !layout.frozen_group(g) ? 0 : 1;
+    persistent_done_[g] = layout.persistent()[g] && layout.republished(g) ? 0 : 1;
   }
   std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 0);
 }

@@ -181,7 +181,7 @@ class StoreState final : public OptimizerState {
     std::uint32_t g = 0;
     while (g < layout_.group_count()) {
       auto copied = [&](std::uint32_t h) {
-        return needs_master_copy(layout_.group(h).dtype) && !layout_.frozen_group(h);
+        return needs_master_copy(layout_.group(h).dtype) && layout_.republished(h);
       };
       if (!copied(g)) {
         ++g;
@@ -684,12 +684,13 @@ class StoreState final : public OptimizerState {
                       });
   }
 
-  // Partition elements [first, first + count) lie in frozen groups only.
+  // Partition elements [first, first + count) lie in groups that a step does not rewrite (frozen
+  // groups) only.
   bool frozen_groups_only(std::size_t first, std::size_t count) const {
     const std::size_t end = first + count;
     for (std::uint32_t g = layout_.first_group_ending_after(first);
          g < layout_.group_count() && layout_.offset(g) < end; ++g) {
-      if (layout_.group(g).shard_element_count > 0 && !layout_.frozen_group(g)) return false;
+      if (layout_.group(g).shard_element_count > 0 && layout_.republished(g)) return false;
     }
     return true;
   }

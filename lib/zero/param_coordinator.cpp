@@ -244,14 +244,6 @@ Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* de
   return st;
 }
 
-Status ParamCoordinator::publish() {
-  ZINF_RETURN_IF_ERROR(error_);
-  for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
-    if (persistent_[g]) ZINF_RETURN_IF_ERROR(publish_group(g));
-  }
-  return publish_wait();
-}
-
 Status ParamCoordinator::publish_group(std::uint32_t g) {
   ZINF_RETURN_IF_ERROR(error_);
   ZINF_ASSERT(persistent_[g]);

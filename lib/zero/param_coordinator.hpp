@@ -124,8 +124,19 @@ class ParamCoordinator {
   // Waits until every write_shard() so far has read its host memory, so the caller may reuse it
   // before publish() (the engine streams a step's shards through one staging buffer).
   Status wait_writes();
-  // All-gathers every persistent group (after write_shard of each). Collective.
-  Status publish();
+  // All-gathers every persistent group (after write_shard of each), or those of them for which
+  // want(g) holds (after a step, the groups it rewrote). Collective: every rank all-gathers the
+  // same groups in the same order.
+  Status publish() {
+    return publish([](std::uint32_t) { return true; });
+  }
+  template <typename Want>
+  Status publish(Want want) {
+    for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+      if (persistent_[g] && want(g)) ZINF_RETURN_IF_ERROR(publish_group(g));
+    }
+    return publish_wait();
+  }
   // The same for persistent group g alone, queued on the coordinator's stream (after the
   // write_shard() of g queued there); publish_wait() waits for every one queued. Collective: every
   // rank calls it for the same groups in the same order. The overlapped step publishes each
