@@ -193,12 +193,13 @@ Status ParamCoordinator::write_shard_part(std::uint32_t g, std::size_t first, st
 }
 
 Status ParamCoordinator::wait_writes() {
-  ZINF_RETURN_IF_ERROR(error_);
   // Copies up to device shards and persistent groups are on the stream; host and NVMe shards
-  // were copied (or staged) before write_shard() returned.
+  // were copied (or staged) before write_shard() returned. The stream is waited for after an
+  // earlier failure too: its copies still read the caller's memory until they have run (a
+  // stream runs, or skips, the work queued behind a failure), and the caller frees it next.
   Status st = wait_stream_for_writes();
-  if (!st.is_ok()) error_ = st;
-  return st;
+  if (error_.is_ok()) error_ = st;
+  return error_;
 }
 
 Status ParamCoordinator::wait_stream_for_writes() {

@@ -122,7 +122,11 @@ class ParamCoordinator {
   // into host shards, and through a staging block to NVMe.
   Status write_shard_from_device(std::uint32_t g, const void* device_shard);
   // Waits until every write_shard() so far has read its host memory, so the caller may reuse it
-  // before publish() (the engine streams a step's shards through one staging buffer).
+  // before publish() (the engine streams a step's shards through one staging buffer). It waits
+  // even when an earlier call failed, and only then returns that first (sticky) error, so after a
+  // failed write the caller may still free or reuse the memory the other writes read from. The
+  // one exception is this wait running out itself (kTimeout: the stream is stuck), after which
+  // queued writes may still read their memory.
   Status wait_writes();
   // All-gathers every persistent group (after write_shard of each), or those of them for which
   // want(g) holds (after a step, the groups it rewrote). Collective: every rank all-gathers the

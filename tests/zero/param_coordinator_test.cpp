@@ -1,0 +1,167 @@
+// ParamCoordinator::wait_writes() after a failed shard write: it returns the first error only once
+// every write queued on the coordinator's stream has run, so the caller may free the memory those
+// writes read from.
+#include "zero/param_coordinator.hpp"
+
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "common/scratch_dir.hpp"
+#include "io/fault.hpp"
+#include "io/io_engine.hpp"
+#include "io/swap_space.hpp"
+#include "zero/partitioner.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+
+namespace zinf {
+namespace {
+
+// Two ranks at stage 3, three modules of one group each: groups 0 and 2 stay gathered (their
+// shards are copied up on the coordinator's stream), group 1's shard lives on NVMe, where rank 0's
+// write fails with EIO. Rank 0 writes group 0's shard, queues its all-gather, which waits on the
+// stream for rank 1, then writes group 2's shard (a copy queued behind the all-gather) and group
+// 1's, which fails. Rank 1 joins the all-gather 300 ms later. wait_writes() on rank 0 must return
+// the write's EIO, and only after group 2's copy ran: its slice of the gathered buffer then holds
+// the values written (HostDevice memory reads as the host's; unwritten memory is 0xff bytes).
+// Returning at once, it would find the copy still queued behind the all-gather. No write comes
+// after the failed one: a coordinator that failed refuses every later write.
+TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRun) {
+  constexpr int kWorld = 2;
+  constexpr std::uint64_t kSeed = 4711;
+  SCOPED_TRACE(testing::Message() << "seed " << kSeed);
+  test::ScratchDir dir("param_coordinator_wait_writes");
+
+  PartitionerOptions po;
+  po.world_size = kWorld;
+  po.stage = ZeroStage::kStage3;
+  Result<Partitioner> created = Partitioner::create(po);
+  ASSERT_TRUE(created.is_ok()) << created.status().to_string();
+  Partitioner& part = *created;
+  for (int m = 0; m < 3; ++m) {
+    const std::string module = fmt::format("m{}", m);
+    ASSERT_TRUE(part.add({fmt::format("m{}.w", m), module, {16, 32}, DType::kF32}).is_ok());
+  }
+  ASSERT_TRUE(part.finalize().is_ok());
+  ASSERT_EQ(part.group_count(), 3u);
+  const std::vector<bool> persistent = {true, false, true};
+
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < kWorld; ++r) {
+    HostDeviceOptions options;
+    options.ordinal = r;
+    Result<std::unique_ptr<Device>> device = make_host_device(options);
+    ASSERT_TRUE(device.is_ok()) << device.status().to_string();
+    raw.push_back(device->get());
+    devices.push_back(std::move(*device));
+  }
+  LocalCommOptions comm_options;
+  comm_options.timeout = std::chrono::seconds(20);
+  Result<std::vector<std::unique_ptr<Communicator>>> comms =
+      make_local_comm_group(raw, comm_options);
+  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
+
+  // Each rank's NVMe shard in a swap space of its own; rank 0's writes fail once enabled.
+  FaultSpec spec;
+  spec.seed = kSeed;
+  spec.eio_rate = 1.0;
+  spec.reads = false;
+  auto failing = std::make_shared<FaultInjector>(spec);
+  failing->set_enabled(false);
+  std::vector<std::unique_ptr<IoEngine>> engines;
+  std::vector<std::unique_ptr<SwapSpace>> swaps;
+  std::vector<std::unique_ptr<ParamCoordinator>> coords;
+  for (int r = 0; r < kWorld; ++r) {
+    IoOptions io;
+    io.block_bytes = 64 << 10;
+    io.queue_depth = 8;
+    if (r == 0) io.faults = failing;
+    Result<std::unique_ptr<IoEngine>> engine = open_engine(io);
+    ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
+    SwapOptions so;
+    so.dirs = {dir.path()};
+    so.file_name = fmt::format("rank{}-{{pid}}.bin", r);
+    so.block_bytes = 64 << 10;
+    so.capacity_bytes = 1 << 20;
+    so.max_ops = 16;
+    Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(**engine, so);
+    ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+    std::vector<CoordinatorModule> modules;
+    for (std::uint32_t g = 0; g < 3; ++g) modules.push_back({fmt::format("m{}", g), {g}});
+    ParamCoordinatorOptions co;
+    co.shard_tier = OffloadDevice::kNvme;
+    co.staging_blocks = 2;
+    co.timeout = std::chrono::seconds(20);
+    Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
+        part, r, *devices[static_cast<std::size_t>(r)], *(*comms)[static_cast<std::size_t>(r)],
+        std::move(modules), persistent, co, swap->get(), engine->get(), nullptr);
+    ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
+    engines.push_back(std::move(*engine));
+    swaps.push_back(std::move(*swap));
+    coords.push_back(std::move(*coord));
+  }
+
+  // Seeded shards, one per rank and group.
+  const std::size_t shard_elements = part.group(0).shard_element_count;
+  std::vector<std::vector<float>> shards;
+  for (std::size_t k = 0; k < 3 * kWorld; ++k) {
+    shards.emplace_back(shard_elements);
+    fill_uniform(shards.back().data(), shard_elements, kSeed * 31 + k);
+  }
+  auto shard = [&](int rank, std::uint32_t g) {
+    return shards[3 * static_cast<std::size_t>(rank) + g].data();
+  };
+
+  std::thread late([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ParamCoordinator& c = *coords[1];
+    EXPECT_TRUE(c.write_shard(0, shard(1, 0)).is_ok());
+    EXPECT_TRUE(c.publish_group(0).is_ok());
+    EXPECT_TRUE(c.publish_wait().is_ok());
+  });
+  // Joined on every way out, before the coordinators go.
+  struct Join {
+    std::thread& thread;
+    ~Join() {
+      if (thread.joinable()) thread.join();
+    }
+  } join{late};
+  ParamCoordinator& c = *coords[0];
+  ASSERT_TRUE(c.write_shard(0, shard(0, 0)).is_ok());
+  ASSERT_TRUE(c.publish_group(0).is_ok());
+  ASSERT_TRUE(c.write_shard(2, shard(0, 2)).is_ok());
+  failing->set_enabled(true);
+  const Status failed = c.write_shard(1, shard(0, 1));
+  EXPECT_EQ(failed.code(), Code::kIoError) << failed.to_string();
+  const Status waited = c.wait_writes();
+  // What the copy of group 2's shard left in rank 0's slice, read right as wait_writes() returns.
+  std::vector<float> slice(shard_elements);
+  std::memcpy(slice.data(), static_cast<const float*>(c.group_data(2)) + part.shard_offset(2, 0),
+              shard_elements * sizeof(float));
+  late.join();
+  EXPECT_EQ(waited.code(), Code::kIoError) << waited.to_string();
+  EXPECT_EQ(waited.sys_code(), EIO) << waited.to_string();
+  EXPECT_EQ(std::memcmp(slice.data(), shard(0, 2), shard_elements * sizeof(float)), 0)
+      << "wait_writes() returned while group 2's copy was still queued";
+  // And the all-gather it waited behind is whole: both ranks' shards of group 0.
+  const auto* full = static_cast<const float*>(c.group_data(0));
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(
+        std::memcmp(full + part.shard_offset(0, r), shard(r, 0), shard_elements * sizeof(float)), 0)
+        << "rank " << r << "'s shard of group 0";
+  }
+  // Sticky: every later call returns the same error.
+  EXPECT_EQ(c.wait_writes().code(), Code::kIoError);
+  EXPECT_EQ(c.write_shard(2, shard(0, 2)).code(), Code::kIoError);
+}
+
+}  // namespace
+}  // namespace zinf
