@@ -525,23 +525,7 @@ bool all_zero_bytes(const void* data, std::size_t bytes) {
 }
 
 Status StateStore::read_piece(Piece piece, std::size_t i, void* data) const {
-  ZINF_ASSERT(has(piece));
-  if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);
-  if (tier(piece) == StoreMedium::kHost) {
-    std::memcpy(data, host_data(piece, i), piece_bytes(piece, i));
-    return Status::ok();
-  }
-  const Residency r = residency(piece, i);
-  if (r == Residency::kZero) {
-    std::memset(data, 0, round_up(piece_bytes(piece, i), kPage));
-    return Status::ok();
-  }
-  if (r != Residency::kDisk && r != Residency::kInBlock && r != Residency::kLost) {
-    return Status::failed_precondition(fmt::format("{}/group{}/{}: {}", options_.key_prefix, i,
-                                                   piece_name(piece), residency_name(r)));
-  }
-  // A kLost piece is still handed to the swap space, which answers io_error for it.
-  return swap_->read_sync(extent(piece, i), data);
+  return read_piece(piece, i, ElementRange{0, sub_group_size(i)}, data);
 }
 
 StateStore::ElementRange StateStore::read_range(Piece piece, std::size_t i, std::size_t begin,
@@ -559,7 +543,6 @@ StateStore::ElementRange StateStore::read_range(Piece piece, std::size_t i, std:
 
 Status StateStore::read_piece(Piece piece, std::size_t i, ElementRange range, void* data) const {
   ZINF_ASSERT(has(piece) && range.begin < range.end && range.end <= sub_group_size(i));
-  if (range.begin == 0 && range.end == sub_group_size(i)) return read_piece(piece, i, data);
   if (tier(piece) == StoreMedium::kBlock) return not_kept(options_.key_prefix, i, piece);
   const std::size_t element_bytes = dtype_bytes(dtype(piece));
   const std::size_t bytes = (range.end - range.begin) * element_bytes;
@@ -579,7 +562,7 @@ Status StateStore::read_piece(Piece piece, std::size_t i, ElementRange range, vo
     return Status::failed_precondition(fmt::format("{}/group{}/{}: {}", options_.key_prefix, i,
                                                    piece_name(piece), residency_name(r)));
   }
-  // A kLost piece is handed to the swap space, which answers io_error.
+  // A kLost piece is still handed to the swap space, which answers io_error for it.
   return swap_->read_sync(extent(piece, i), range.begin * element_bytes, bytes, data);
 }
 

@@ -226,10 +226,13 @@ class StateStore {
     std::size_t end = 0;
   };
   ElementRange read_range(Piece piece, std::size_t i, std::size_t begin, std::size_t end) const;
-  // Reads elements [range.begin, range.end) of piece i into `data` as read_piece() reads the
-  // whole piece: the same errors, every block's checksum checked, a kZero piece read as zeros
-  // without I/O. For NVMe pieces `data` must be 4096-aligned and hold the range's bytes rounded
-  // up to 4096. REQUIRES: `range` is what read_range() gave for piece i.
+  // Reads elements [range.begin, range.end) of piece i into `data`: the same errors as the whole
+  // read_piece() above (which is this one over the whole sub-group), every block's checksum
+  // checked, a kZero piece read as zeros without I/O. For NVMe pieces `data` must be
+  // 4096-aligned and hold the range's bytes rounded up to 4096. The range is not grown here: the
+  // caller needs the grown one before the read, to size `data` and to know which elements it
+  // will hold (and, reading several ranges of one sub-group, to read a block they share once).
+  // REQUIRES: `range` is what read_range() gave for piece i.
   Status read_piece(Piece piece, std::size_t i, ElementRange range, void* data) const;
   // Makes NVMe piece (i, piece) zeros without storing them: kZero, its extent's room given back
   // to the filesystem (SwapSpace::release), so it takes no disk blocks. A read (read_piece(), a
