@@ -22,6 +22,7 @@
 #include <cstring>
 #include <future>
 #include <optional>
+#include <span>
 
 #include "base/aligned.hpp"
 #include "base/arith.hpp"
@@ -98,6 +99,7 @@ class StoreState final : public OptimizerState {
     } else if (publish_ == Publish::kNarrowed) {
       pub_.allocate_buffer();
     }
+    if (publish_ != Publish::kStreamed) copied_runs_ = copied_runs();
     ZINF_ASSIGN_OR_RETURN(pipeline_, OptimizerPipeline::open(*store_, pool_.get(), pipe));
     ZINF_RETURN_IF_ERROR(load());
     // The moments are zero: the frozen sub-groups are settled from the first step on.
@@ -177,32 +179,24 @@ class StoreState final : public OptimizerState {
     }
     // From the store, the pass wrote every group's new values into the store's half array;
     // narrowed, the f32 groups (all groups, without a half piece) come from the master: of each
-    // run of such groups that are not frozen, its master only.
-    std::uint32_t g = 0;
-    while (g < layout_.group_count()) {
-      auto copied = [&](std::uint32_t h) {
-        return needs_master_copy(layout_.group(h).dtype) && layout_.republished(h);
-      };
-      if (!copied(g)) {
-        ++g;
-        continue;
+    // run of such groups that are not frozen, its master only, all runs in one walk, so that a
+    // swap block two runs share is read once.
+    std::size_t run = 0;  // the first run not wholly narrowed yet (the reads go up)
+    ZINF_RETURN_IF_ERROR(read_master_spans(copied_runs_, [&](std::size_t first, std::size_t count,
+                                                             const float* src) {
+      // A read may hold more than the runs (on the host tier the whole partition; between two
+      // runs that share a swap block, the frozen elements there): only the runs' are narrowed.
+      const std::size_t end = first + count;
+      while (run < copied_runs_.size() && copied_runs_[run].end <= first) ++run;
+      for (std::size_t r = run; r < copied_runs_.size() && copied_runs_[r].begin < end; ++r) {
+        const std::size_t lo = std::max(first, copied_runs_[r].begin);
+        const std::size_t hi = std::min(end, copied_runs_[r].end);
+        pub_.narrow_groups(
+            lo, hi - lo, src + (lo - first), [&](DType dtype) { return needs_master_copy(dtype); },
+            [&](std::uint32_t h) { return values(h); });
       }
-      const std::uint32_t run_first = g;
-      while (g < layout_.group_count() && copied(g)) ++g;
-      const std::size_t begin = layout_.offset(run_first);
-      const std::size_t end = layout_.offset(g - 1) + layout_.group(g - 1).shard_element_count;
-      ZINF_RETURN_IF_ERROR(
-          read_master(begin, end, [&](std::size_t first, std::size_t count, const float* src) {
-            // On the host tier read_master() hands the whole partition over.
-            const std::size_t lo = std::max(first, begin);
-            const std::size_t hi = std::min(first + count, end);
-            if (lo >= hi) return;
-            pub_.narrow_groups(
-                lo, hi - lo, src + (lo - first),
-                [&](DType dtype) { return needs_master_copy(dtype); },
-                [&](std::uint32_t h) { return values(h); });
-          }));
-    }
+      return Status::ok();
+    }));
     return write_values(gather_persistent, /*frozen_too=*/false);
   }
 
@@ -276,40 +270,28 @@ class StoreState final : public OptimizerState {
     return write_values();
   }
 
+  // Of each sub-group that holds elements of [begin, end), only the swap blocks that do (one
+  // parameter's master, Engine::read_parameters); on the host tier the whole partition at once.
   Status read_master(std::size_t begin, std::size_t end, MasterVisitor fn) override {
-    StateStore& s = *store_;
-    if (s.tier(Piece::kParams) == StoreMedium::kHost) {
-      fn(0, layout_.partition_elements(),
-         reinterpret_cast<const float*>(s.host_data(Piece::kParams)));
-      return Status::ok();
-    }
-    if (master_read_.bytes() == 0) {
-      master_read_ = AlignedBuffer(round_page(s.sub_group_params() * sizeof(float)));
-    }
-    if (begin >= end) return Status::ok();
-    // Of each sub-group that holds elements of [begin, end), only the swap blocks that do
-    // (one parameter's master, Engine::read_parameters).
-    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
-      const std::size_t first = s.sub_group_first(i);
-      const std::size_t size = s.sub_group_size(i);
-      if (first >= end || first + size <= begin) continue;
-      const StateStore::ElementRange r = s.read_range(
-          Piece::kParams, i, std::max(begin, first) - first, std::min(end, first + size) - first);
-      ZINF_RETURN_IF_ERROR(s.read_piece(Piece::kParams, i, r, master_read_.data()));
-      master_read_bytes_ += round_page((r.end - r.begin) * sizeof(float));
-      fn(first + r.begin, r.end - r.begin, master_read_.as<const float>());
-    }
-    return Status::ok();
+    const Span span{begin, std::min(end, layout_.partition_elements())};
+    return read_master_spans({&span, span.begin < span.end ? 1u : 0u},
+                             [&](std::size_t first, std::size_t count, const float* src) {
+                               fn(first, count, src);
+                               return Status::ok();
+                             });
   }
 
+  // Both with reads ahead: a checkpoint's save reads the NVMe state while it writes its file.
   Status read_state(Piece piece, StateVisitor fn) override {
-    return read_elements(piece, 0, layout_.partition_elements(), fn);
+    const Span all{0, layout_.partition_elements()};
+    return read_spans(piece, {&all, 1}, /*read_ahead=*/true, fn);
   }
   Status read_state_range(Piece piece, std::size_t begin, std::size_t end,
                           StateVisitor fn) override {
     const std::size_t total = layout_.partition_elements();
     if (std::min(begin, total) >= std::min(end, total)) return Status::ok();
-    return read_elements(piece, begin, std::min(end, total), fn);
+    const Span span{begin, std::min(end, total)};
+    return read_spans(piece, {&span, 1}, /*read_ahead=*/true, fn);
   }
 
   // Loaded moments may be anything (a parameter saved trainable and loaded frozen keeps its
@@ -430,64 +412,122 @@ class StoreState final : public OptimizerState {
   std::uint64_t master_read_bytes() const override { return master_read_bytes_; }
 
  private:
-  // read_state() and read_state_range(): fn over `piece` in partition order, covering elements
-  // [begin, end) (on the host tier, the whole array at once). On NVMe only the sub-groups that hold
-  // elements of the range are read, and of those only the swap blocks that do
-  // (StateStore::read_range; all of each sub-group in between), so one parameter's moment costs its
-  // own bytes, not the partition's. Two blocks (the pool's where free, as rewrite_pieces() takes
-  // them): sub-group i + 1 is read on a thread of its own while `fn` takes sub-group i, so a
-  // checkpoint's save reads the NVMe state while it writes its file. Each read goes through
-  // StateStore::read_piece, which checks the blocks' checksums and reads a released (kZero)
-  // piece as zeros.
-  Status read_elements(Piece piece, std::size_t begin, std::size_t end, StateVisitor fn) {
+  // Partition elements [begin, end).
+  struct Span {
+    std::size_t begin = 0;
+    std::size_t end = 0;
+  };
+  // One read of read_spans(): elements `range` of sub-group i.
+  struct SpanRead {
+    std::size_t i = 0;
+    StateStore::ElementRange range;
+  };
+  // The reads that cover `spans` (increasing, disjoint, none empty, inside the partition) of an
+  // NVMe piece, in partition order: of each sub-group that holds elements of the spans, the swap
+  // blocks that do (StateStore::read_range), none twice. Where the grown ranges of two spans in
+  // one sub-group meet (a block holds the end of one and the start of the next), they are one
+  // read, which holds the elements between them too.
+  class SpanWalk {
+   public:
+    SpanWalk(const StateStore& s, Piece piece, std::span<const Span> spans)
+        : s_(s), piece_(piece), spans_(spans) {}
+    // The next read into *read; false after the last.
+    bool next(SpanRead* read) {
+      while (span_ < spans_.size() && spans_[span_].end <= done_) ++span_;
+      if (span_ == spans_.size()) return false;
+      const std::size_t from = std::max(done_, spans_[span_].begin);
+      // The sub-group that holds `from`: the firsts increase (bisection, from the last read's).
+      std::size_t hi = s_.sub_group_count();
+      while (hi - i_ > 1) {
+        const std::size_t mid = i_ + (hi - i_) / 2;
+        (s_.sub_group_first(mid) <= from ? i_ : hi) = mid;
+      }
+      const std::size_t at = s_.sub_group_first(i_);
+      const std::size_t stop = at + s_.sub_group_size(i_);
+      StateStore::ElementRange r =
+          s_.read_range(piece_, i_, from - at, std::min(spans_[span_].end, stop) - at);
+      for (std::size_t k = span_ + 1; k < spans_.size() && spans_[k].begin < stop; ++k) {
+        const StateStore::ElementRange more =
+            s_.read_range(piece_, i_, spans_[k].begin - at, std::min(spans_[k].end, stop) - at);
+        if (more.begin > r.end) break;
+        r.end = std::max(r.end, more.end);
+      }
+      // A read ends on a block bound or at its sub-group's end, so the next one starts past it.
+      done_ = at + r.end;
+      *read = {i_, r};
+      return true;
+    }
+
+   private:
+    const StateStore& s_;
+    const Piece piece_;
+    const std::span<const Span> spans_;
+    std::size_t span_ = 0;  // the first span not wholly read
+    std::size_t done_ = 0;  // the partition elements below it are read or not wanted
+    std::size_t i_ = 0;     // the last read's sub-group
+  };
+
+  // fn over `piece` (the master or a moment) in partition order, covering `spans` (as SpanWalk
+  // takes them); on the host tier the whole array at once. On NVMe only the sub-groups that hold
+  // elements of the spans are read, and of those only the swap blocks that do (SpanWalk), so one
+  // parameter's moment costs its own bytes, not the partition's, and a block that two spans share
+  // is read once; fn takes each read's elements. Each read goes through StateStore::read_piece,
+  // which checks the blocks' checksums and reads a released (kZero) piece as zeros.
+  // `read_ahead`: two blocks (the pool's where free, as rewrite_pieces() takes them), and the
+  // next read on a thread of its own while `fn` takes the current one, so a checkpoint's save
+  // reads the NVMe state while it writes its file. Otherwise one read at a time into
+  // master_read_, which is kept: the step's read-back of the master allocates nothing after the
+  // first.
+  Status read_spans(Piece piece, std::span<const Span> spans, bool read_ahead, StateVisitor fn) {
     StateStore& s = *store_;
-    ZINF_ASSERT(s.has(piece) && begin < end && end <= layout_.partition_elements());
+    ZINF_ASSERT(s.has(piece));
     if (s.tier(piece) == StoreMedium::kHost) {
       return fn(0, layout_.partition_elements(),
                 reinterpret_cast<const float*>(s.host_data(piece)));
     }
-    // The first sub-group that ends after `begin` (the firsts increase: bisection), then every
-    // one up to the last that starts before `end`.
-    const std::size_t count = s.sub_group_count();
-    std::size_t first = 0;
-    for (std::size_t hi = count; first < hi;) {
-      const std::size_t mid = first + (hi - first) / 2;
-      if (s.sub_group_first(mid) + s.sub_group_size(mid) <= begin) {
-        first = mid + 1;
-      } else {
-        hi = mid;
-      }
-    }
-    std::size_t last = first;
-    while (last < count && s.sub_group_first(last) < end) ++last;
-    ZINF_ASSERT(first < last);
-    // Sub-group i's part of the range, grown to what a read moves.
-    auto range = [&](std::size_t i) {
-      const std::size_t at = s.sub_group_first(i);
-      return s.read_range(piece, i, std::max(begin, at) - at,
-                          std::min(end, at + s.sub_group_size(i)) - at);
-    };
+    SpanWalk walk(s, piece, spans);
+    SpanRead at;
+    if (!walk.next(&at)) return Status::ok();
     PieceBlocks blocks;
-    take_blocks(2, &blocks);
-    auto block = [&blocks](std::size_t i) { return blocks.data[i % 2]; };
-    auto read = [&s, piece, &block, &range](std::size_t i) {
-      return std::async(std::launch::async, [&s, piece, i, r = range(i), data = block(i)] {
-        return s.read_piece(piece, i, r, data);
-      });
+    if (read_ahead) {
+      take_blocks(2, &blocks);
+    } else {
+      if (master_read_.bytes() == 0) {
+        master_read_ = AlignedBuffer(round_page(s.sub_group_params() * sizeof(float)));
+      }
+      blocks.data = {master_read_.data(), master_read_.data(), nullptr};
+    }
+    auto block = [&blocks](std::size_t k) { return blocks.data[k % 2]; };
+    auto read = [&s, piece](SpanRead r, std::byte* data) {
+      return s.read_piece(piece, r.i, r.range, data);
     };
-    std::future<Status> next = read(first);
-    for (std::size_t i = first; i < last; ++i) {
-      ZINF_RETURN_IF_ERROR(next.get());
-      if (i + 1 < last) next = read(i + 1);
-      const StateStore::ElementRange r = range(i);
-      Status st = fn(s.sub_group_first(i) + r.begin, r.end - r.begin,
-                     reinterpret_cast<const float*>(block(i)));
+    std::future<Status> ahead;
+    if (read_ahead) ahead = std::async(std::launch::async, read, at, block(0));
+    for (std::size_t k = 0;; ++k) {
+      ZINF_RETURN_IF_ERROR(read_ahead ? ahead.get() : read(at, block(k)));
+      SpanRead next;
+      const bool more = walk.next(&next);
+      if (more && read_ahead) ahead = std::async(std::launch::async, read, next, block(k + 1));
+      Status st = fn(s.sub_group_first(at.i) + at.range.begin, at.range.end - at.range.begin,
+                     reinterpret_cast<const float*>(block(k)));
       if (!st.is_ok()) {
-        if (next.valid()) (void)next.get();  // no read may still fill a block when it is freed
+        if (ahead.valid()) (void)ahead.get();  // no read may still fill a block when it is freed
         return st;
       }
+      if (!more) return Status::ok();
+      at = next;
     }
-    return Status::ok();
+  }
+
+  // read_spans() of the master without reads ahead, counting the bytes read from NVMe
+  // (master_read_bytes()).
+  Status read_master_spans(std::span<const Span> spans, StateVisitor fn) {
+    const bool nvme = store_->tier(Piece::kParams) == StoreMedium::kNvme;
+    return read_spans(Piece::kParams, spans, /*read_ahead=*/false,
+                      [&](std::size_t first, std::size_t count, const float* src) {
+                        if (nvme) master_read_bytes_ += round_page(count * sizeof(float));
+                        return fn(first, count, src);
+                      });
   }
 
   // Blocks of one sub-group's piece for rewrite_pieces(): the pool's, registered with the I/O
@@ -684,6 +724,26 @@ class StoreState final : public OptimizerState {
                       });
   }
 
+  // The spans of the partition whose groups publish_pass() narrows from the master: runs of
+  // groups that need_master_copy() and are not frozen (empty runs left out).
+  std::vector<Span> copied_runs() const {
+    std::vector<Span> runs;
+    auto copied = [&](std::uint32_t g) {
+      return needs_master_copy(layout_.group(g).dtype) && layout_.republished(g);
+    };
+    for (std::uint32_t g = 0; g < layout_.group_count();) {
+      if (!copied(g)) {
+        ++g;
+        continue;
+      }
+      const std::size_t begin = layout_.offset(g);
+      while (g < layout_.group_count() && copied(g)) ++g;
+      const std::size_t end = layout_.offset(g - 1) + layout_.group(g - 1).shard_element_count;
+      if (begin < end) runs.push_back({begin, end});
+    }
+    return runs;
+  }
+
   // Partition elements [first, first + count) lie in groups that a step does not rewrite (frozen
   // groups) only.
   bool frozen_groups_only(std::size_t first, std::size_t count) const {
@@ -737,6 +797,9 @@ class StoreState final : public OptimizerState {
   std::unique_ptr<SpillAccumulator> spill_;  // gradients_on_nvme
   PassGate gate_;                            // the running step_gated()'s
   AlignedBuffer master_read_;                // one sub-group of master read back from NVMe
+  // Not streamed: the runs of groups whose new values publish_pass() narrows from the master
+  // (needs_master_copy(), not frozen), each a span of the partition, in order.
+  std::vector<Span> copied_runs_;
   std::uint64_t master_read_bytes_ = 0;
   // master_loaded(): the elements rounded into the values since element 0, in order.
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
