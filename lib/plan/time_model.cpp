@@ -121,7 +121,17 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     out.param_upload_s =
         std::max(out.param_upload_s, seconds(ranks * half_bytes, profile.nvme_write_gbps));
   }
-  out.optimizer_step_s = std::max(out.pipeline_s, out.param_upload_s);
+  // Collectives move fp32 gradients into their reduce-scatters (the engine fills its buckets with
+  // the fp32 gradients and reduce-scatters them as such: lib/zero/grad_reducer.cpp, reduce_group)
+  // and half params out of their all-gathers; each moves (N-1)/N of its bytes per rank.
+  const double micro_batches =
+      static_cast<double>(std::max<std::uint64_t>(1, training.grad_accum_steps));
+  const double link_share = (n - 1.0) / n;
+  // Stages 1-2 all-gather the new half params once a step, as the optimizer step publishes them:
+  // part of the optimizer step, beside their upload.
+  const double published = s.stage == 3 ? 0.0 : 2.0 * static_cast<double>(p);
+  out.publish_gather_s = seconds(published * link_share, profile.gpu_link_gbps);
+  out.optimizer_step_s = std::max({out.pipeline_s, out.param_upload_s, out.publish_gather_s});
 
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
@@ -135,13 +145,31 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   }
   out.compute_s = profile.gpu_tflops > 0 ? flops / (profile.gpu_tflops * 1e12) : 0.0;
 
-  // All-gathers move every parameter (half precision); reduce-scatters the trainable ones (stage 1
-  // reduces the frozen groups' zero gradients too) in fp32: the engine fills its buckets with the
-  // fp32 gradients and reduce-scatters them as such (lib/zero/grad_reducer.cpp, reduce_group).
-  const double reduced = static_cast<double>(s.stage == 1 ? p : t);
-  const double collective_bytes =
-      (s.stage == 3 ? 2.0 : 1.0) * 2.0 * static_cast<double>(p) + 4.0 * reduced;
-  out.collectives_s = seconds(collective_bytes * (n - 1.0) / n, profile.gpu_link_gbps);
+  // Per micro-batch, behind its compute: stage 3 all-gathers every module for the forward and
+  // again for the backward, and stages 2-3 reduce-scatter the trainable gradients (a frozen
+  // module is never reduced). Stage 1 adds each micro-batch's gradients into its full fp32 copy
+  // on the device and reduces nothing until step().
+  const double gathered = s.stage == 3 ? 2.0 * 2.0 * static_cast<double>(p) : 0.0;
+  const double reduced = s.stage == 1 ? 0.0 : 4.0 * static_cast<double>(t);
+  out.collectives_s = seconds((gathered + reduced) * link_share, profile.gpu_link_gbps);
+  // Stage 1 reduce-scatters the accumulated full gradients once a step, at step(), every group
+  // (the frozen groups' zeros too: 4·P), and the reduced fp32 shard comes down to an offloaded
+  // optimizer's accumulator chunk by chunk as it goes (GradReducer::reduce_accumulated): before
+  // the optimizer step can begin, behind no compute.
+  if (s.stage == 1) {
+    out.step_reduce_s = seconds(4.0 * static_cast<double>(p) * link_share, profile.gpu_link_gbps);
+    if (s.optimizer != OffloadDevice::kNone) {
+      out.step_reduce_s =
+          std::max(out.step_reduce_s, seconds(4.0 * static_cast<double>(pr), profile.h2d_gbps));
+    }
+  }
+  // The bytes per rank and step as the engine's counters count them (EngineCounters: the whole
+  // bucket into a reduce-scatter, the whole group out of an all-gather), with more than one rank.
+  if (s.world_size > 1) {
+    out.reduce_scatter_bytes = static_cast<std::uint64_t>(
+        s.stage == 1 ? 4.0 * static_cast<double>(p) : micro_batches * reduced);
+    out.all_gather_bytes = static_cast<std::uint64_t>(micro_batches * gathered + published);
+  }
 
   if (s.stage == 3 && s.params != OffloadDevice::kNone) {
     const double fetch_bytes = 2.0 * 2.0 * static_cast<double>(pr);
@@ -152,16 +180,12 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
           std::max(out.param_fetch_s, seconds(ranks * fetch_bytes, profile.nvme_read_gbps));
     }
   }
-  const double micro_batches =
-      static_cast<double>(std::max<std::uint64_t>(1, training.grad_accum_steps));
   // Gradient offload of the first micro-batch and of each later one (they differ when spilled:
   // later micro-batches read the sums back before adding).
   double offload_first_s = 0.0, offload_later_s = 0.0;
-  if (s.optimizer != OffloadDevice::kNone) {
+  if (s.optimizer != OffloadDevice::kNone && s.stage != 1) {
     // The reduced fp32 chunks come down as they are (GradReducer::accumulate): 4 B an element.
-    const std::uint64_t offloaded = s.stage == 1 ? pr : tr;
-    offload_first_s = offload_later_s =
-        seconds(4.0 * static_cast<double>(offloaded), profile.h2d_gbps);
+    offload_first_s = offload_later_s = seconds(4.0 * static_cast<double>(tr), profile.h2d_gbps);
     if (s.gradients_on_nvme) {
       const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
       out.nvme_write_bytes += static_cast<std::uint64_t>(micro_batches * spill_bytes);
@@ -184,7 +208,8 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     const double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
     out.optimizer_hidden_s = std::min(out.optimizer_step_s, fraction * out.forward_backward_s);
   }
-  out.step_s = out.forward_backward_s + out.optimizer_step_s - out.optimizer_hidden_s;
+  out.step_s =
+      out.forward_backward_s + out.step_reduce_s + out.optimizer_step_s - out.optimizer_hidden_s;
   return out;
 }
 

@@ -24,7 +24,10 @@
 //                                                      not overlapped)
 //            State on the host: pipeline = U (no I/O).
 //   upload   new half params to the device, 2·Pr at h2d_gbps (overlaps the pipeline)
-//   optimizer_step = max(pipeline, upload)
+//   publish  stages 1-2: the new half params all-gathered, 2·P, (N−1)/N of it per rank at
+//            gpu_link_gbps, once a step as the step publishes them (stage 3 gathers per module
+//            in the forward and backward instead)
+//   optimizer_step = max(pipeline, upload, publish)
 //   frozen parameters (T trainable of P, Tr and Fr = Pr − Tr a rank's trainable and frozen
 //            shares; docs/ENGINE.md "Frozen parameters"): with the optimizer state offloaded the
 //            pass passes over the frozen sub-groups (no read of their master, moments or
@@ -49,21 +52,27 @@
 //                  one needs no input gradient either); activation checkpointing adds one more
 //                  forward, (2·P + 4·L·h·s)·s·b (the 4/3 of the whole when nothing is frozen);
 //                  compute = F / (gpu_tflops·1e12). Not modelled (0) when gpu_tflops is 0.
-//   collectives    stage 3: all-gather 2·P twice (forward, backward) and reduce-scatter 4·T
-//                  (the engine reduces fp32 gradients); stage 2: reduce-scatter 4·T and
-//                  all-gather 2·P; stage 1: reduce-scatter 4·P and all-gather 2·P (stage 1
-//                  reduces the frozen groups' zero gradients too; at stages 2-3 a frozen module
-//                  is never reduced); each moves (N−1)/N of its bytes per rank at gpu_link_gbps.
-//                  Not modelled (0) when gpu_link_gbps is 0. Stage 1 is charged per
-//                  micro-batch, overlapped, as the others: the engine reduces its accumulated
-//                  gradients once a step, at step(), behind no compute (an over-count with
-//                  grad_accum_steps > 1, an under-count of the step's serial part).
+//   collectives    per micro-batch: stage 3 all-gathers 2·P twice (forward, backward) and
+//                  reduce-scatters 4·T (the engine reduces fp32 gradients); stage 2
+//                  reduce-scatters 4·T (at stages 2-3 a frozen module is never reduced); stage 1
+//                  nothing: it adds each micro-batch's gradients into its full fp32 copy on the
+//                  device. Each moves (N−1)/N of its bytes per rank at gpu_link_gbps. Not
+//                  modelled (0) when gpu_link_gbps is 0.
+//   step reduce    stage 1, once a step at step(), before the optimizer step and behind no
+//                  compute: reduce-scatter the accumulated 4·P (the frozen groups' zeros too),
+//                  (N−1)/N per rank at gpu_link_gbps, with the optimizer offloaded the reduced
+//                  4·Pr coming down to the host as it goes (the max of the two)
+//   bytes          reduce_scatter_bytes and all_gather_bytes per rank and step, as the engine's
+//                  EngineCounters count them (a bucket's whole fp32 bytes into a reduce-scatter,
+//                  a group's whole half bytes out of an all-gather; 0 with one rank): stage 1
+//                  4·P and 2·P; stage 2 4·T·m and 2·P; stage 3 4·T·m and 2·2·P·m, m =
+//                  grad_accum_steps (stage 3's persistent small tensors, gathered once a step
+//                  instead, counted as the others)
 //   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)
 //                  at h2d_gbps; from NVMe also R·2·2·Pr read at nvme_read_gbps (overlapped
 //                  with the copy)
-//   grad offload   optimizer offloaded: 4·Tr device→host at h2d_gbps, the reduced fp32
-//                  gradients (4·Pr at stage 1, which reduces the frozen groups' zeros too, once a
-//                  step in the engine: charged per micro-batch as the stage-1 collectives are).
+//   grad offload   optimizer offloaded, stages 2-3: 4·Tr device→host at h2d_gbps, the reduced
+//                  fp32 gradients (stage 1's come down in its step reduce).
 //                  Spilled gradients (gradients_on_nvme) also go to NVMe as the engine's
 //                  SpillAccumulator moves them: every micro-batch writes each completed sub-group,
 //                  R·4·Pr at nvme_write_gbps; every later micro-batch first reads the sums back,
@@ -75,19 +84,19 @@
 //                  modules compute)
 // step, sequential (zinf.overlap_step false, or the optimizer on the device, which the engine
 // does not overlap):
-//   step = forward_backward + optimizer_step
+//   step = forward_backward + step_reduce + optimizer_step
 // step, overlapped (zinf.overlap_step, the default, with the optimizer state offloaded: the
 // optimizer pass of step t runs behind the compute of step t+1, docs/ENGINE.md "The overlapped
 // step"): of the pass, at most c·forward_backward hides behind compute, c =
 // overlap_compute_fraction, the part of the compute the pass can run behind:
 //   hidden = min(optimizer_step, c·forward_backward)
-//   step   = forward_backward + optimizer_step − hidden
-// With c = 1 (the pass behind the forward and the backward) step = max(forward_backward,
-// optimizer_step). The engine's pass runs during the backward where no global norm or loss
-// scale decides the step first, from the last sub-group to the first, and the next forward
-// waits for its end (it needs the first sub-group first): c = 2/3, the backward's share of the
-// FLOPs, models it (the default). With exact clipping the pass starts at step() and hides behind
-// the next forward only, about a third (a quarter with checkpointing): c = 1/3.
+//   step   = forward_backward + step_reduce + optimizer_step − hidden
+// With c = 1 (the pass behind the forward and the backward) step = step_reduce +
+// max(forward_backward, optimizer_step). The engine's pass runs during the backward where no global
+// norm or loss scale decides the step first, from the last sub-group to the first, and the next
+// forward waits for its end (it needs the first sub-group first): c = 2/3, the backward's share of
+// the FLOPs, models it (the default). With exact clipping the pass starts at step() and hides
+// behind the next forward only, about a third (a quarter with checkpointing): c = 1/3.
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -132,6 +141,7 @@ struct StepPrediction {
   double io_alone_s = 0;  // io_read_s + io_write_s
   double pipeline_s = 0;
   double param_upload_s = 0;
+  double publish_gather_s = 0;  // stages 1-2: the new half params all-gathered
   double optimizer_step_s = 0;
   std::uint64_t sub_groups = 0;
   std::uint64_t buffers = 0;
@@ -142,11 +152,15 @@ struct StepPrediction {
   double grad_offload_s = 0;
   double forward_backward_s = 0;
   double optimizer_hidden_s = 0;  // of optimizer_step_s, behind compute (the overlapped step)
+  double step_reduce_s = 0;       // stage 1's reduce-scatter at step(), behind no compute
   double step_s = 0;
   // Traffic per step, per machine.
   std::uint64_t nvme_read_bytes = 0;
   std::uint64_t nvme_write_bytes = 0;
   std::uint64_t adam_memory_bytes = 0;
+  // Collectives per step, per rank, as EngineCounters counts them (see above).
+  std::uint64_t reduce_scatter_bytes = 0;
+  std::uint64_t all_gather_bytes = 0;
 };
 
 // REQUIRES: validate_setup(setup) is OK; profile.mem_adam_gbps > 0; NVMe rates > 0 when any

@@ -7,7 +7,8 @@
 // MemoryReport after finalize() is compared with the estimate's engine-owned bytes per tier.
 // Placements with the optimizer on NVMe at stages 2-3 run both with and without
 // zinf.gradients_on_nvme. The two agree to the byte (the issue asked for 5%), which the test
-// requires, so a change to what the engine allocates must come with the estimator's.
+// requires, so a change to what the engine allocates must come with the estimator's. The
+// collectives a step moves are checked the same way, against the engine's counters.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -21,13 +22,16 @@
 #include <thread>
 #include <vector>
 
+#include "base/random.hpp"
 #include "plan/config.hpp"
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
 #include "plan/planner.hpp"
+#include "plan/time_model.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf::plan {
@@ -171,6 +175,139 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
     }
     std::error_code ignored;
     fs::remove_all(dir, ignored);
+  }
+}
+
+// The collectives of a step, predicted (predict_step()'s reduce_scatter_bytes and
+// all_gather_bytes) against the engine's own counters over one step of 4 micro-batches on 4
+// ranks, at each stage with the optimizer state in host memory: stage 1 adds each micro-batch's
+// gradients into its full copy and reduce-scatters the sum once, at step(); stages 2-3
+// reduce-scatter every micro-batch's; stages 1-2 all-gather the new params once a step, stage 3
+// every module for each forward and each backward.
+TEST(EngineMatch, PredictedCollectiveBytesPerStepAreTheEngineCounters) {
+  constexpr int kMicroBatches = 4;
+  const ModelShape model = planner_model();
+  TrainingShape training;
+  training.grad_accum_steps = kMicroBatches;
+  Budgets budgets;
+  budgets.gpus = kWorld;
+  budgets.gpu_mem_bytes = 8'000'000'000;
+  budgets.host_mem_bytes = 8'000'000'000;
+  MachineProfile profile;
+  profile.mem_adam_gbps = 20;
+
+  // Seeded values and gradients: module m's weight from seed 9100 + m, micro-batch k's gradient
+  // of it from 9200 + 16·k + m (the same on every rank: the counters do not depend on them).
+  const std::size_t elements = static_cast<std::size_t>(kSide * kSide);
+  std::vector<std::vector<float>> values(kModules, std::vector<float>(elements));
+  std::vector<std::vector<std::vector<std::uint16_t>>> grads(
+      kMicroBatches,
+      std::vector<std::vector<std::uint16_t>>(kModules, std::vector<std::uint16_t>(elements)));
+  std::vector<float> g(elements);
+  for (int m = 0; m < kModules; ++m) {
+    fill_uniform(values[m].data(), elements, 9100 + m, -1.0f, 1.0f);
+    for (int k = 0; k < kMicroBatches; ++k) {
+      fill_uniform(g.data(), elements, 9200 + 16 * k + m, -0.1f, 0.1f);
+      convert_f32_to_bf16(g.data(), grads[k][m].data(), elements);
+    }
+  }
+
+  std::printf("stage  reduce-scatter predicted / engine   all-gather predicted / engine\n");
+  for (int stage = 1; stage <= 3; ++stage) {
+    PlanConstraints forced;
+    forced.stage = stage;
+    forced.optimizer = OffloadDevice::kHost;
+    forced.params = OffloadDevice::kNone;
+    auto plan = make_plan(model, training, budgets, profile, forced);
+    ASSERT_TRUE(plan.is_ok()) << plan.status().to_string();
+    ASSERT_TRUE(plan->fits);
+    const EngineSetup setup = plan->best.setup;
+    const StepPrediction predicted = predict_step(model, training, setup, profile);
+    PlanConfig plan_config;
+    plan_config.setup = setup;
+    plan_config.grad_accum_steps = kMicroBatches;
+    plan_config.pinned_pool_bytes = pinned_pool_bytes(setup);
+    Result<Config> config = parse_config(config_to_json(plan_config));
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+    ASSERT_EQ(config->gradient_accumulation_steps, static_cast<std::size_t>(kMicroBatches));
+
+    std::vector<std::unique_ptr<Device>> devices;
+    std::vector<Device*> raw;
+    for (int r = 0; r < kWorld; ++r) {
+      HostDeviceOptions o;
+      o.ordinal = r;
+      devices.push_back(std::move(make_host_device(o)).value());
+      raw.push_back(devices.back().get());
+    }
+    auto comms = make_local_comm_group(raw);
+    ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
+    std::vector<EngineCounters> before(kWorld), after(kWorld);
+    std::vector<Status> status(kWorld);
+    std::vector<std::thread> threads;
+    for (int r = 0; r < kWorld; ++r) {
+      threads.emplace_back([&, r] {
+        const auto rank = static_cast<std::size_t>(r);
+        status[rank] = [&]() -> Status {
+          Env env;
+          env.device = raw[rank];
+          env.comm = (*comms)[rank].get();
+          ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(*config, env));
+          std::vector<std::string> names;
+          for (int m = 0; m < kModules; ++m) {
+            const std::string module = fmt::format("layer{}", m);
+            names.push_back(module + ".w");
+            ZINF_RETURN_IF_ERROR(engine->register_parameter(
+                {names.back(), module, {kSide, kSide}, DType::kBF16, values[m].data()}));
+          }
+          ZINF_RETURN_IF_ERROR(engine->finalize());
+          // Two steps, counted from the end of the first to the end of the second: one step's
+          // reductions and one publish of new params, wherever the overlapped step puts it (the
+          // pass that publishes step 1's params may end in step 2's first forward).
+          for (int step = 1; step <= 2; ++step) {
+            for (int k = 0; k < kMicroBatches; ++k) {
+              for (int m = 0; m < kModules; ++m) {  // the forward
+                const std::string module = fmt::format("layer{}", m);
+                ZINF_RETURN_IF_ERROR(engine->gather(module));
+                ZINF_RETURN_IF_ERROR(engine->release(module));
+              }
+              for (int m = kModules - 1; m >= 0; --m) {  // the backward
+                const std::string module = fmt::format("layer{}", m);
+                const GradientRef ref{names[m], grads[k][m].data(), elements, DType::kBF16};
+                ZINF_RETURN_IF_ERROR(engine->gather(module));
+                ZINF_RETURN_IF_ERROR(engine->reduce_gradients(module, {&ref, 1}));
+                ZINF_RETURN_IF_ERROR(engine->release(module));
+              }
+            }
+            ZINF_ASSIGN_OR_RETURN(StepReport report, engine->step());
+            if (report.skipped) return Status::internal("a step was skipped");
+            if (report.micro_batches != kMicroBatches) {
+              return Status::internal(fmt::format("{} micro-batches", report.micro_batches));
+            }
+            if (step == 1) before[rank] = engine->counters();
+          }
+          after[rank] = engine->counters();
+          return Status::ok();
+        }();
+      });
+    }
+    for (std::thread& t : threads) t.join();
+    for (const Status& st : status) ASSERT_TRUE(st.is_ok()) << st.to_string();
+
+    for (int r = 0; r < kWorld; ++r) {
+      const auto rank = static_cast<std::size_t>(r);
+      const std::uint64_t reduced =
+          after[rank].reduce_scatter_bytes - before[rank].reduce_scatter_bytes;
+      const std::uint64_t gathered = after[rank].all_gather_bytes - before[rank].all_gather_bytes;
+      if (r == 0) {
+        std::printf("%5d  %14llu / %-14llu   %10llu / %llu\n", stage,
+                    static_cast<unsigned long long>(predicted.reduce_scatter_bytes),
+                    static_cast<unsigned long long>(reduced),
+                    static_cast<unsigned long long>(predicted.all_gather_bytes),
+                    static_cast<unsigned long long>(gathered));
+      }
+      EXPECT_EQ(predicted.reduce_scatter_bytes, reduced) << "stage " << stage << ", rank " << r;
+      EXPECT_EQ(predicted.all_gather_bytes, gathered) << "stage " << stage << ", rank " << r;
+    }
   }
 }
 

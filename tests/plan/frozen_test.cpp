@@ -254,8 +254,10 @@ TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
   }
 }
 
-// Stage 3 reduce-scatters the trainable gradients only, in fp32; stage 1 all of them (the frozen
-// zeros too). The all-gathers move every parameter, in half precision.
+// Stages 2-3 reduce-scatter the trainable gradients only, in fp32, every micro-batch; stage 1
+// all of them (the frozen zeros too), once a step at step(). Stage 3 all-gathers every parameter
+// for each forward and backward, stages 1-2 once a step as the step publishes them, in half
+// precision.
 TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
   const ModelShape m = lora7b();
   const double p = static_cast<double>(param_count(m));
@@ -263,12 +265,18 @@ TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
   MachineProfile profile;
   profile.mem_adam_gbps = 40;
   profile.gpu_link_gbps = 100;
+  TrainingShape training;
+  training.grad_accum_steps = 4;
   for (int stage = 1; stage <= 3; ++stage) {
     EngineSetup s = one_machine(stage, 4);
-    const StepPrediction x = predict_step(m, TrainingShape{}, s, profile);
-    const double gathered = (stage == 3 ? 2 : 1) * 2 * p;
-    const double reduced = 4 * (stage == 1 ? p : t);
+    const StepPrediction x = predict_step(m, training, s, profile);
+    const double gathered = stage == 3 ? 2 * 2 * p : 0;
+    const double reduced = stage == 1 ? 0 : 4 * t;
     EXPECT_NEAR(x.collectives_s, (gathered + reduced) * 0.75 / 100e9, 1e-12) << stage;
+    EXPECT_NEAR(x.step_reduce_s, stage == 1 ? 4 * p * 0.75 / 100e9 : 0, 1e-12) << stage;
+    EXPECT_NEAR(x.publish_gather_s, stage == 3 ? 0 : 2 * p * 0.75 / 100e9, 1e-12) << stage;
+    EXPECT_EQ(static_cast<double>(x.reduce_scatter_bytes), stage == 1 ? 4 * p : 4 * 4 * t) << stage;
+    EXPECT_EQ(static_cast<double>(x.all_gather_bytes), stage == 3 ? 4 * gathered : 2 * p) << stage;
   }
 }
 

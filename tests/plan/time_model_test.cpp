@@ -181,6 +181,48 @@ TEST(TimeModel, ForwardBackwardPartsOverlap) {
   EXPECT_NEAR(predict_step(m, tr, s, p).compute_s, t.compute_s * 4 / 3, 1e-9);
 }
 
+// Stage 1 adds each micro-batch's gradients into its full fp32 copy and reduce-scatters the sum
+// once, at step() (GradReducer::reduce_accumulated), the reduced shard coming down to the host
+// optimizer as it goes: with 4 micro-batches the forward and backward is 4 computes, nothing
+// reduced behind them, and the step pays one reduction, behind no compute, before the optimizer
+// step; the new params' all-gather is the optimizer step's publish.
+TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  TrainingShape tr;
+  tr.seq_len = 2048;
+  tr.micro_batch = 1;
+  tr.grad_accum_steps = 4;
+  EngineSetup s;
+  s.stage = 1;
+  s.world_size = 8;
+  s.ranks_per_machine = 8;
+  s.optimizer = OffloadDevice::kHost;
+  s.overlap_step = false;
+  MachineProfile p = profile(40, 0, 0);
+  p.gpu_tflops = 400;
+  p.gpu_link_gbps = 50;
+  p.h2d_gbps = 25;
+  const StepPrediction t = predict_step(m, tr, s, p);
+  const double params = static_cast<double>(param_count(m));
+  const double shard = static_cast<double>((param_count(m) + 7) / 8);
+  EXPECT_EQ(t.collectives_s, 0.0);
+  EXPECT_EQ(t.grad_offload_s, 0.0);
+  EXPECT_NEAR(t.forward_backward_s, 4 * t.compute_s, 1e-12);
+  // 4·P through the link (7/8 of it a rank), 27 GB: 0.47 s; the shard's 4·Pr at 25 GB/s: 0.13 s.
+  EXPECT_NEAR(t.step_reduce_s, std::max(4 * params * 7 / 8 / 50e9, 4 * shard / 25e9), 1e-12);
+  EXPECT_NEAR(t.step_reduce_s, 4 * params * 7 / 8 / 50e9, 1e-12);
+  EXPECT_NEAR(t.publish_gather_s, 2 * params * 7 / 8 / 50e9, 1e-12);
+  EXPECT_NEAR(t.optimizer_step_s, std::max({t.pipeline_s, t.param_upload_s, t.publish_gather_s}),
+              1e-12);
+  EXPECT_NEAR(t.step_s, t.forward_backward_s + t.step_reduce_s + t.optimizer_step_s, 1e-12);
+  // A slow host link makes the shard's way down the bound.
+  p.h2d_gbps = 1;
+  EXPECT_NEAR(predict_step(m, tr, s, p).step_reduce_s, 4 * shard / 1e9, 1e-12);
+  // The optimizer on the device keeps the reduced shard there.
+  s.optimizer = OffloadDevice::kNone;
+  EXPECT_NEAR(predict_step(m, tr, s, p).step_reduce_s, 4 * params * 7 / 8 / 50e9, 1e-12);
+}
+
 // zinf.overlap_step: the optimizer pass of step t runs behind the compute of step t+1. With the
 // whole forward + backward to hide behind (fraction 1) the step is max(compute, optimizer); with
 // a fraction c, forward_backward + optimizer − min(optimizer, c·forward_backward); sequential

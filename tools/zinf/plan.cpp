@@ -251,6 +251,10 @@ nlohmann::json parts_json(const StepPrediction& t) {
           {"io_write_s", t.io_write_s},
           {"update_alone_s", t.update_alone_s},
           {"param_upload_s", t.param_upload_s},
+          {"publish_gather_s", t.publish_gather_s},
+          {"step_reduce_s", t.step_reduce_s},
+          {"reduce_scatter_bytes", t.reduce_scatter_bytes},
+          {"all_gather_bytes", t.all_gather_bytes},
           {"sub_groups", t.sub_groups},
           {"buffers", t.buffers},
           {"nvme_read_bytes", t.nvme_read_bytes},
@@ -733,15 +737,17 @@ void run_plan(const PlanOptions& o) {
     table.add_row({"fits", fit_cell(c.use[0]), fit_cell(c.use[1]), fit_cell(c.use[2])});
     table.print();
     const StepPrediction& t = c.time;
+    const std::string step_reduce =
+        t.step_reduce_s > 0 ? fmt::format(" + step reduce {}", secs(t.step_reduce_s)) : "";
     if (t.optimizer_hidden_s > 0) {
       fmt::print(
-          "\npredicted step {} = forward+backward {} + optimizer step {} - {} of it hidden behind "
-          "compute (zinf.overlap_step)\n",
-          secs(t.step_s), secs(t.forward_backward_s), secs(t.optimizer_step_s),
+          "\npredicted step {} = forward+backward {}{} + optimizer step {} - {} of it hidden "
+          "behind compute (zinf.overlap_step)\n",
+          secs(t.step_s), secs(t.forward_backward_s), step_reduce, secs(t.optimizer_step_s),
           secs(t.optimizer_hidden_s));
     } else {
-      fmt::print("\npredicted step {} = forward+backward {} + optimizer step {}\n", secs(t.step_s),
-                 secs(t.forward_backward_s), secs(t.optimizer_step_s));
+      fmt::print("\npredicted step {} = forward+backward {}{} + optimizer step {}\n",
+                 secs(t.step_s), secs(t.forward_backward_s), step_reduce, secs(t.optimizer_step_s));
     }
     Table time({"part", "time", "what"});
     time.add_row(
@@ -755,7 +761,13 @@ void run_plan(const PlanOptions& o) {
                                             : "not modelled: pass --gpu-link-gbps"});
     time.add_row({"  param fetch", secs(t.param_fetch_s), "offloaded params to the GPU, twice"});
     time.add_row({"  grad offload", secs(t.grad_offload_s), "gradients to the host / NVMe"});
-    time.add_row({"optimizer step", secs(t.optimizer_step_s), "max(pipeline, param upload)"});
+    if (c.setup.stage == 1) {
+      time.add_row(
+          {"step reduce", secs(t.step_reduce_s), "accumulated gradients reduced at step()"});
+    }
+    time.add_row({"optimizer step", secs(t.optimizer_step_s),
+                  c.setup.stage == 3 ? "max(pipeline, param upload)"
+                                     : "max(pipeline, param upload, publish)"});
     time.add_row({"  pipeline", secs(t.pipeline_s),
                   c.setup.optimizer == OffloadDevice::kNvme
                       ? fmt::format("{} sub-groups, {} buffers", t.sub_groups, t.buffers)
@@ -768,6 +780,9 @@ void run_plan(const PlanOptions& o) {
         {"  update alone", secs(t.update_alone_s),
          fmt::format("{} through memory", format_bytes(static_cast<double>(t.adam_memory_bytes)))});
     time.add_row({"  param upload", secs(t.param_upload_s), "new half params to their home"});
+    if (c.setup.stage != 3) {
+      time.add_row({"  publish", secs(t.publish_gather_s), "new half params all-gathered"});
+    }
     time.print();
     fmt::print("\nwithout offload: {}\n",
                plan.no_offload.gpus_needed > 0
