@@ -13,13 +13,13 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/resident_memory.hpp"
 #include "common/sanitizer.hpp"
 #include "plan/config.hpp"
 #include "plan/estimate.hpp"
@@ -28,6 +28,7 @@
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
+#include "zinf/dtype.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf::plan {
@@ -37,32 +38,6 @@ constexpr std::int64_t kSide = 1024;
 constexpr int kBaseWeights = 12;  // frozen: 12 Mi elements
 constexpr int kAdapters = 8;      // trainable: 8 of 1024 x 32, 256 Ki elements
 constexpr std::int64_t kRank = 32;
-
-// This process's resident anonymous bytes now (RssAnon in /proc/self/status, kB): what the
-// engine allocates, without the file-backed pages (the binary, its libraries) that statm's
-// resident count also holds and that page in and out with no allocation.
-std::uint64_t resident_anon_bytes() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return 0;
-  char line[256];
-  unsigned long long kib = 0;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "RssAnon: %llu kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return kib * 1024;
-}
-
-// bf16 by truncation: any finite gradient will do.
-std::vector<std::uint16_t> to_bf16(const std::vector<float>& values) {
-  std::vector<std::uint16_t> out(values.size());
-  for (std::size_t i = 0; i < values.size(); ++i) {
-    std::uint32_t bits = 0;
-    std::memcpy(&bits, &values[i], sizeof bits);
-    out[i] = static_cast<std::uint16_t>(bits >> 16);
-  }
-  return out;
-}
 
 // `count` tensors of `elements` values each, uniform in [-1, 1), tensor k from seed first_seed + k.
 std::vector<std::vector<float>> seeded_tensors(int count, std::size_t elements,
@@ -176,7 +151,8 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
   for (int a = 0; a < kAdapters; ++a) {
     std::vector<float> g(adapter_values[a].size());
     fill_uniform(g.data(), g.size(), 8300 + a, -0.1f, 0.1f);
-    grads[a] = to_bf16(g);
+    grads[a].resize(g.size());
+    convert_f32_to_bf16(g.data(), grads[a].data(), g.size());
   }
 
   HostDeviceOptions device_options;
@@ -188,7 +164,7 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
   // Memory freed before this point goes back to the system first, so that the engine's
   // allocations are not served from it unseen.
   ::malloc_trim(0);
-  const std::uint64_t before = resident_anon_bytes();
+  const std::uint64_t before = test::resident_anon_bytes();
   ASSERT_GT(before, 0u) << "no RssAnon in /proc/self/status";
   std::int64_t growth = 0;
   const Status st = with_lora_engine(
@@ -209,8 +185,8 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
         }
         // Signed: the resident set may shrink (pages given back), which an unsigned difference
         // would turn into a huge growth.
-        growth =
-            static_cast<std::int64_t>(resident_anon_bytes()) - static_cast<std::int64_t>(before);
+        growth = static_cast<std::int64_t>(test::resident_anon_bytes()) -
+                 static_cast<std::int64_t>(before);
         return Status::ok();
       });
   ASSERT_TRUE(st.is_ok()) << st.to_string();
