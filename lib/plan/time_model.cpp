@@ -205,7 +205,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   out.forward_backward_s = std::max(others_s, offload_first_s) +
                            (micro_batches - 1.0) * std::max(others_s, offload_later_s);
   if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
-    const double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
+    double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
+    // Stage 1's pass cannot begin before step()'s reduction: it hides behind the next forward
+    // at most, as with exact clipping.
+    if (s.stage == 1) fraction = std::min(fraction, 1.0 / 3.0);
     out.optimizer_hidden_s = std::min(out.optimizer_step_s, fraction * out.forward_backward_s);
   }
   out.step_s =

@@ -96,7 +96,8 @@
 // norm or loss scale decides the step first, from the last sub-group to the first, and the next
 // forward waits for its end (it needs the first sub-group first): c = 2/3, the backward's share of
 // the FLOPs, models it (the default). With exact clipping the pass starts at step() and hides
-// behind the next forward only, about a third (a quarter with checkpointing): c = 1/3.
+// behind the next forward only, about a third (a quarter with checkpointing): c = 1/3. So does
+// stage 1's, which waits for step()'s reduction whatever the config: there c is at most 1/3.
 //
 // Thread-safety: values and pure functions.
 #pragma once

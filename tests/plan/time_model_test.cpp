@@ -215,6 +215,21 @@ TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
   EXPECT_NEAR(t.optimizer_step_s, std::max({t.pipeline_s, t.param_upload_s, t.publish_gather_s}),
               1e-12);
   EXPECT_NEAR(t.step_s, t.forward_backward_s + t.step_reduce_s + t.optimizer_step_s, 1e-12);
+  // Overlapped, the pass begins at step(), after the reduction, and hides behind the next
+  // forward at most: a third of the compute, even where the fraction asks for the backward's
+  // two thirds (the default) or all of it.
+  ASSERT_GT(t.optimizer_step_s, t.forward_backward_s);
+  s.overlap_step = true;
+  for (const double fraction : {2.0 / 3.0, 1.0}) {
+    s.overlap_compute_fraction = fraction;
+    const StepPrediction o = predict_step(m, tr, s, p);
+    EXPECT_NEAR(o.optimizer_hidden_s, o.forward_backward_s / 3, 1e-12) << fraction;
+    EXPECT_NEAR(o.step_s, t.step_s - t.forward_backward_s / 3, 1e-12) << fraction;
+  }
+  s.overlap_compute_fraction = 0.25;
+  EXPECT_NEAR(predict_step(m, tr, s, p).optimizer_hidden_s, t.forward_backward_s / 4, 1e-12);
+  s.overlap_step = false;
+  s.overlap_compute_fraction = 2.0 / 3.0;
   // A slow host link makes the shard's way down the bound.
   p.h2d_gbps = 1;
   EXPECT_NEAR(predict_step(m, tr, s, p).step_reduce_s, 4 * shard / 1e9, 1e-12);
