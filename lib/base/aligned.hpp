@@ -5,12 +5,16 @@
 
 #include <sys/mman.h>
 
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <string>
+#include <string_view>
 #include <utility>
 
 #include "base/assert.hpp"
+#include "zinf/status.hpp"
 
 namespace zinf {
 
@@ -26,19 +30,26 @@ class AlignedBuffer {
     ZINF_ASSERT_MSG(posix_memalign(&p, alignment, rounded) == 0, "out of host memory");
     data_ = static_cast<std::byte*>(p);
   }
-  // A page-aligned buffer of zeros from an anonymous mapping: its pages take no memory until
-  // they are first written, so a large array that is filled piece by piece (or stays zero for a
-  // while, like a gradient accumulator before the first backward pass) does not count in the
-  // resident set before it is used.
-  static AlignedBuffer zeroed_pages(std::size_t bytes) {
-    AlignedBuffer buffer;
-    if (bytes == 0) return buffer;
+  // A page-aligned buffer of zeros from an anonymous mapping, into *out (what it held is
+  // released first; 0 bytes leave it empty): its pages take no memory until they are first
+  // written, so a large array that is filled piece by piece (or stays zero for a while, like a
+  // gradient accumulator before the first backward pass) does not count in the resident set
+  // before it is used. kResourceExhausted, naming `what` and the bytes asked, when the kernel
+  // refuses the mapping (the address space or the overcommit limit); *out is then empty.
+  static Status zeroed_pages(std::size_t bytes, std::string_view what, AlignedBuffer* out) {
+    *out = AlignedBuffer();
+    if (bytes == 0) return Status::ok();
     void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    ZINF_ASSERT_MSG(p != MAP_FAILED, "out of host memory (mmap)");
-    buffer.data_ = static_cast<std::byte*>(p);
-    buffer.bytes_ = bytes;
-    buffer.mapped_ = true;
-    return buffer;
+    if (p == MAP_FAILED) {
+      const int err = errno;
+      const Status st = status_from_errno(
+          std::string(what) + ": mapping " + std::to_string(bytes) + " bytes of zero pages", err);
+      return Status(Code::kResourceExhausted, err, std::string(st.message()));
+    }
+    out->data_ = static_cast<std::byte*>(p);
+    out->bytes_ = bytes;
+    out->mapped_ = true;
+    return Status::ok();
   }
 
   AlignedBuffer(AlignedBuffer&& other) noexcept

@@ -31,9 +31,10 @@ class HostState final : public InMemoryState {
     Device& device = *ctx_.device;
     const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
     ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device, bytes));
-    exp_avg_ = AlignedBuffer::zeroed_pages(bytes);
-    exp_avg_sq_ = AlignedBuffer::zeroed_pages(bytes);
-    grads_ = AlignedBuffer::zeroed_pages(bytes);
+    ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(bytes, "optimizer state exp_avg", &exp_avg_));
+    ZINF_RETURN_IF_ERROR(
+        AlignedBuffer::zeroed_pages(bytes, "optimizer state exp_avg_sq", &exp_avg_sq_));
+    ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(bytes, "optimizer state gradients", &grads_));
     ZINF_RETURN_IF_ERROR(layout_.fill_master(0, partition_elements_, master_.as<float>()));
     pub_.allocate_buffer();
     const std::vector<OptimizerRange> ranges = context_ranges(ctx_);

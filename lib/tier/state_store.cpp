@@ -253,8 +253,9 @@ Result<std::unique_ptr<StateStore>> StateStore::open(const StateStoreOptions& op
     } else {
       // One array for the whole partition, of zero pages that take memory only once written,
       // so a piece nobody fills before the first step (the gradients) costs nothing at open.
-      s.host_[p] = AlignedBuffer::zeroed_pages(
-          round_up(options.param_count * dtype_bytes(s.dtype(piece)), kPage));
+      ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(
+          round_up(options.param_count * dtype_bytes(s.dtype(piece)), kPage),
+          fmt::format("StateStore: host array of {}", piece_name(piece)), &s.host_[p]));
     }
   }
   s.block_bytes_ = offset;
@@ -428,7 +429,10 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
         sums->push_back({end, swap_->block_checksum(id, b)});
         continue;
       }
-      if (zeros.bytes() == 0) zeros = AlignedBuffer::zeroed_pages(block_bytes);
+      if (zeros.bytes() == 0) {
+        ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(
+            block_bytes, "StateStore: a block of zeros to checksum holes", &zeros));
+      }
       const std::uint64_t length = end - (start + b * block_bytes);
       sums->push_back({end, xxh3_64(zeros.data(), static_cast<std::size_t>(length))});
     }

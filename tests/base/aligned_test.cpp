@@ -1,0 +1,51 @@
+// AlignedBuffer (lib/base/aligned.hpp): zeroed_pages() maps zeros, and a mapping the kernel
+// refuses is a Status naming what was asked for, not the end of the process.
+#include "base/aligned.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+
+namespace zinf {
+namespace {
+
+TEST(ZeroedPages, MapsZerosThatCanBeWritten) {
+  AlignedBuffer buffer;
+  const std::size_t bytes = (std::size_t{3} << 20) + 100;
+  ASSERT_TRUE(AlignedBuffer::zeroed_pages(bytes, "test array", &buffer).is_ok());
+  ASSERT_EQ(buffer.bytes(), bytes);
+  ASSERT_EQ(reinterpret_cast<std::uintptr_t>(buffer.data()) % 4096, 0u);
+  for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(buffer.data()[i], std::byte{0}) << i;
+  std::mt19937_64 rng(5);
+  const std::size_t at = rng() % bytes;
+  buffer.data()[at] = std::byte{0x5a};
+  EXPECT_EQ(buffer.data()[at], std::byte{0x5a});
+  // A second map into the same buffer replaces the first with fresh zeros.
+  ASSERT_TRUE(AlignedBuffer::zeroed_pages(4096, "test array", &buffer).is_ok());
+  EXPECT_EQ(buffer.bytes(), 4096u);
+  EXPECT_EQ(buffer.data()[at % 4096], std::byte{0});
+  ASSERT_TRUE(AlignedBuffer::zeroed_pages(0, "test array", &buffer).is_ok());
+  EXPECT_EQ(buffer.bytes(), 0u);
+  EXPECT_EQ(buffer.data(), nullptr);
+}
+
+// More than any address space holds (2^62 bytes; user space is 2^47 on x86-64 and AArch64).
+TEST(ZeroedPages, AMappingTheKernelRefusesIsResourceExhaustedNamingWhatAndTheBytes) {
+  AlignedBuffer buffer;
+  ASSERT_TRUE(AlignedBuffer::zeroed_pages(4096, "earlier", &buffer).is_ok());
+  const std::size_t bytes = std::size_t{1} << 62;
+  const Status st = AlignedBuffer::zeroed_pages(bytes, "the moments of layer 7", &buffer);
+  ASSERT_FALSE(st.is_ok());
+  EXPECT_EQ(st.code(), Code::kResourceExhausted) << st.to_string();
+  EXPECT_NE(st.sys_code(), 0);
+  const std::string message(st.message());
+  EXPECT_NE(message.find("the moments of layer 7"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(bytes) + " bytes"), std::string::npos) << message;
+  EXPECT_EQ(buffer.bytes(), 0u);
+  EXPECT_EQ(buffer.data(), nullptr);
+}
+
+}  // namespace
+}  // namespace zinf
