@@ -270,6 +270,25 @@ std::size_t HostDevice::memory_used_bytes() const {
   return used_bytes_;
 }
 
+Status HostDevice::reserve(std::size_t bytes, std::string_view what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (bytes > options_.memory_limit_bytes - used_bytes_) {
+    return Status::resource_exhausted(
+        fmt::format("{}: {}: {} bytes would exceed the device memory limit ({} of {} bytes in use)",
+                    name_, what, bytes, used_bytes_, options_.memory_limit_bytes));
+  }
+  used_bytes_ += bytes;
+  reserved_bytes_ += bytes;
+  return Status::ok();
+}
+
+void HostDevice::unreserve(std::size_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ZINF_ASSERT_MSG(bytes <= reserved_bytes_, "unreserve of more bytes than reserve() counted");
+  used_bytes_ -= bytes;
+  reserved_bytes_ -= bytes;
+}
+
 Status HostDevice::register_host(void* ptr, std::size_t bytes) {
   if (ptr == nullptr || bytes == 0) {
     return Status::invalid_argument(

@@ -123,8 +123,18 @@ class HostDevice final : public Device {
   Status free(void* ptr) override;
   Result<void*> allocate_async(std::size_t bytes, Stream& stream) override;
   Status free_async(void* ptr, Stream& stream) override;
+  // Includes the bytes reserve() counts.
   std::size_t memory_used_bytes() const override;
   std::size_t memory_limit_bytes() const override { return options_.memory_limit_bytes; }
+  // Counts `bytes` of host memory that stands for this device's memory but that its user maps
+  // itself (HostState's moments and gradient accumulator, zero pages that take memory only where
+  // written) against memory_limit_bytes(), as allocate() counts its own: a configuration that
+  // would not fit the device fails where it would fail on a GPU. kResourceExhausted naming
+  // `what` and `bytes` when the limit cannot hold them (nothing is counted then).
+  Status reserve(std::size_t bytes, std::string_view what);
+  // Stops counting `bytes` that reserve() counted.
+  // REQUIRES: at most the bytes reserved and not yet given back.
+  void unreserve(std::size_t bytes);
   Status register_host(void* ptr, std::size_t bytes) override;
   Status unregister_host(void* ptr) override;
   // Whether [ptr, ptr + bytes) lies inside one register_host range.
@@ -175,7 +185,8 @@ class HostDevice final : public Device {
   std::map<std::uintptr_t, std::size_t> allocations_;  // base -> bytes
   std::set<std::uintptr_t> pending_frees_;             // queued by free_async, not yet run
   std::map<std::uintptr_t, std::size_t> registered_;   // register_host ranges
-  std::size_t used_bytes_ = 0;
+  std::size_t used_bytes_ = 0;                         // allocations and reservations
+  std::size_t reserved_bytes_ = 0;                     // reserve()'s share of used_bytes_
   std::uint32_t streams_created_ = 0;
   int live_streams_ = 0;
   int live_events_ = 0;

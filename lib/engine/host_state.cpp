@@ -12,9 +12,18 @@
 // the frozen moments, and at stages 2 and 3 the frozen share of the accumulator, never become
 // resident. Non-zero moments loaded into a frozen range (saved trainable) are kept, and from
 // then on every range is stepped.
+//
+// Memory: the zero pages are host memory the HostDevice does not allocate, but they stand for its
+// memory (on a GPU they would be device allocations), so their bytes, mapped, are counted against
+// its memory limit (HostDevice::reserve) and in the memory report; the limit has to hold what the
+// state may grow to, whether or not a step has written those pages yet.
+#include <fmt/format.h>
+
 #include <cstring>
+#include <string>
 
 #include "base/aligned.hpp"
+#include "device/host_device.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
 #include "tier/state_store.hpp"
@@ -25,16 +34,19 @@ namespace {
 
 class HostState final : public InMemoryState {
  public:
-  explicit HostState(const StateContext& ctx) : InMemoryState(ctx) {}
+  explicit HostState(const StateContext& ctx)
+      : InMemoryState(ctx), host_device_(dynamic_cast<HostDevice*>(ctx.device)) {}
+  ~HostState() override {
+    if (host_device_ != nullptr) host_device_->unreserve(reserved_bytes_);
+  }
 
   Status open() {
     Device& device = *ctx_.device;
     const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
     ZINF_ASSIGN_OR_RETURN(master_, DeviceBuffer::allocate(device, bytes));
-    ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(bytes, "optimizer state exp_avg", &exp_avg_));
-    ZINF_RETURN_IF_ERROR(
-        AlignedBuffer::zeroed_pages(bytes, "optimizer state exp_avg_sq", &exp_avg_sq_));
-    ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(bytes, "optimizer state gradients", &grads_));
+    ZINF_RETURN_IF_ERROR(map_zeroed(bytes, "exp_avg", &exp_avg_));
+    ZINF_RETURN_IF_ERROR(map_zeroed(bytes, "exp_avg_sq", &exp_avg_sq_));
+    ZINF_RETURN_IF_ERROR(map_zeroed(bytes, "gradients", &grads_));
     ZINF_RETURN_IF_ERROR(layout_.fill_master(0, partition_elements_, master_.as<float>()));
     pub_.allocate_buffer();
     const std::vector<OptimizerRange> ranges = context_ranges(ctx_);
@@ -163,8 +175,9 @@ class HostState final : public InMemoryState {
     return Status::ok();
   }
 
-  // The moments and the accumulator are counted whole, as mapped; the pages of them never
-  // written (a frozen parameter's) take no memory.
+  // The moments and the accumulator are counted whole, as mapped (what the host device's limit
+  // counts, what they may grow to): the report has no resident figure, and the pages of them
+  // never written (a frozen parameter's) take no memory.
   void add_memory(MemoryReport& report) const override {
     report.device_bytes +=
         master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes();
@@ -182,6 +195,19 @@ class HostState final : public InMemoryState {
     std::vector<OptimizerRange> ranges;
   };
 
+  // `bytes` of fresh zero pages into *out, counted against the host device's memory limit.
+  // kResourceExhausted naming the tensor and the bytes when the limit or the kernel refuses them.
+  Status map_zeroed(std::size_t bytes, const char* tensor, AlignedBuffer* out) {
+    const std::string what = fmt::format("optimizer state {} in host device memory", tensor);
+    if (host_device_ != nullptr) ZINF_RETURN_IF_ERROR(host_device_->reserve(bytes, what));
+    Status st = AlignedBuffer::zeroed_pages(bytes, what, out);
+    if (!st.is_ok()) {
+      if (host_device_ != nullptr) host_device_->unreserve(bytes);
+      return st;
+    }
+    if (host_device_ != nullptr) reserved_bytes_ += bytes;
+    return Status::ok();
+  }
   float* buffer(Piece piece) {
     return piece == Piece::kParams   ? master_.as<float>()
            : piece == Piece::kExpAvg ? exp_avg_.as<float>()
@@ -219,6 +245,10 @@ class HostState final : public InMemoryState {
   // The frozen ranges' moments are zero (nothing non-zero was written there): they are not
   // stepped.
   bool settled_ = false;
+  // The device when it is a HostDevice (the only host-accessible one zinf has), which counts the
+  // zero pages' bytes (reserved_bytes_) against its limit.
+  HostDevice* host_device_ = nullptr;
+  std::size_t reserved_bytes_ = 0;
   DeviceBuffer master_;
   AlignedBuffer exp_avg_, exp_avg_sq_, grads_;
   // master_loaded(): the elements rounded into the buffer since element 0, in order.

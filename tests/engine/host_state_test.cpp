@@ -1,0 +1,194 @@
+// HostState (lib/engine/host_state.cpp), offload_optimizer none on a host-accessible device:
+// its zero-page moments and gradient accumulator count against the HostDevice's memory limit
+// and fail as a Status, naming the tensor and the bytes, when the limit or the kernel refuses
+// them.
+#include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/sanitizer.hpp"
+#include "engine/engine_test_util.hpp"
+#include "engine/layout.hpp"
+#include "engine/optimizer_state.hpp"
+#include "engine/param_groups.hpp"
+#include "engine/publisher.hpp"
+#include "engine/rank_exchange.hpp"
+#include "zero/zero_counters.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::seeded;
+
+bool contains(const Status& st, const std::string& text) {
+  return st.message().find(text) != std::string_view::npos;
+}
+
+// One rank's layout of f32 modules "base" and "lora" (stage 2, AdamW), "base" frozen when asked,
+// and the StateContext of a HostState over it on `device` (the layout's own rank device when
+// null).
+class HostStateFixture {
+ public:
+  HostStateFixture(std::size_t base_elements, std::size_t lora_elements, bool base_frozen) {
+    ranks_ = engine_test::make_ranks(1, std::chrono::seconds(30));
+    config_.zero.stage = 2;
+    config_.optimizer.kind = OptimizerKind::kAdamW;
+    config_.optimizer.lr = 1e-2;
+    config_.optimizer.weight_decay = 0.05;
+    config_.zero.offload_optimizer.device = OffloadDevice::kNone;
+    values_.push_back(seeded(base_elements, 11, -1.0f, 1.0f));
+    values_.push_back(seeded(lora_elements, 12, -1.0f, 1.0f));
+    const char* names[] = {"base", "lora"};
+    for (std::size_t i = 0; i < 2; ++i) {
+      ParameterSpec spec;
+      spec.name = std::string(names[i]) + ".weight";
+      spec.module = names[i];
+      spec.shape = {static_cast<std::int64_t>(values_[i].size())};
+      spec.initial_values = values_[i].data();
+      spec.trainable = !(i == 0 && base_frozen);
+      EXPECT_TRUE(layout_.add(spec).is_ok());
+    }
+    Device& device = *ranks_.devices[0];
+    stream_ = std::move(device.create_stream("test")).value();
+    event_ = std::move(device.create_event()).value();
+    auto exchange = RankExchange::create(device, *ranks_.comms[0], *stream_, *event_,
+                                         std::chrono::seconds(30), sticky_);
+    EXPECT_TRUE(exchange.is_ok()) << exchange.status().to_string();
+    Status laid = layout_.lay_out(config_, 0, 1, *exchange);
+    EXPECT_TRUE(laid.is_ok()) << laid.to_string();
+    auto ranges = partition_group_ranges(layout_, 0, {});
+    EXPECT_TRUE(ranges.is_ok()) << ranges.status().to_string();
+    group_ranges_ = std::move(ranges).value();
+    group_params_.resize(2);
+    group_params(config_.optimizer, config_.optimizer.lr, {}, &group_params_);
+  }
+
+  StateContext context(Device* device) {
+    StateContext ctx;
+    ctx.config = &config_;
+    ctx.device = device != nullptr ? device : ranks_.devices[0].get();
+    ctx.layout = &layout_;
+    ctx.publisher = &publisher_;
+    ctx.counters = &counters_;
+    ctx.group_ranges = group_ranges_;
+    ctx.groups = group_params_;
+    return ctx;
+  }
+
+  engine_test::Ranks ranks_;
+  Config config_;
+  ParameterLayout layout_;
+  Publisher publisher_{layout_};
+  StickyError sticky_;
+  ZeroCounters counters_;
+  std::unique_ptr<Stream> stream_;
+  std::unique_ptr<Event> event_;
+  std::vector<std::vector<float>> values_;
+  std::vector<OptimizerRange> group_ranges_;
+  std::vector<OptimizerParams> group_params_;
+};
+
+std::unique_ptr<Device> limited_device(std::size_t limit_bytes) {
+  HostDeviceOptions o;
+  o.memory_limit_bytes = limit_bytes;
+  return std::move(make_host_device(o)).value();
+}
+
+// The master is a device allocation; the two moments and the gradient accumulator are zero pages
+// that count against the device's limit as well: 16 bytes an element in all. A limit a byte short
+// of each prefix of them fails at create with kResourceExhausted naming the tensor that did not
+// fit and its bytes, and gives back what it counted; the limit of all four holds them, and
+// closing the state gives every byte back.
+TEST(HostStateMemory, ZeroPagesCountAgainstTheHostDeviceLimit) {
+  HostStateFixture f(6'000, 2'000, /*base_frozen=*/true);
+  const std::size_t bytes = f.layout_.partition_elements() * sizeof(float);
+  ASSERT_GT(bytes, 0u);
+  struct Short {
+    std::size_t limit_bytes;
+    const char* tensor;
+  };
+  for (const Short& s : {Short{2 * bytes - 1, "exp_avg"}, Short{3 * bytes - 1, "exp_avg_sq"},
+                         Short{4 * bytes - 1, "gradients"}}) {
+    std::unique_ptr<Device> device = limited_device(s.limit_bytes);
+    Result<std::unique_ptr<OptimizerState>> state = open_host_state(f.context(device.get()));
+    ASSERT_FALSE(state.is_ok()) << "limit " << s.limit_bytes << " holds the state";
+    EXPECT_EQ(state.status().code(), Code::kResourceExhausted) << state.status().to_string();
+    EXPECT_TRUE(contains(state.status(), std::string("optimizer state ") + s.tensor + " "))
+        << state.status().to_string();
+    EXPECT_TRUE(contains(state.status(), std::to_string(bytes) + " bytes"))
+        << state.status().to_string();
+    EXPECT_EQ(device->memory_used_bytes(), 0u) << s.tensor;
+  }
+  std::unique_ptr<Device> device = limited_device(4 * bytes);
+  Result<std::unique_ptr<OptimizerState>> state = open_host_state(f.context(device.get()));
+  ASSERT_TRUE(state.is_ok()) << state.status().to_string();
+  EXPECT_EQ(device->memory_used_bytes(), 4 * bytes);
+  MemoryReport report;
+  (*state)->add_memory(report);
+  EXPECT_EQ(report.device_bytes, 4 * bytes);
+  (*state).reset();
+  EXPECT_EQ(device->memory_used_bytes(), 0u);
+}
+
+// The kernel refusing a zero-page mapping (here: the address space limit, RLIMIT_AS, lowered so
+// that the master and the first moment fit and the second does not) fails the create with
+// kResourceExhausted naming the tensor and the bytes, rather than ending the process. Run in a
+// forked child, whose address space limit the rest of the tests do not share; it reports the
+// status through a pipe.
+TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
+  if (test::kThreadSanitizer || test::kAddressSanitizer) {
+    GTEST_SKIP() << "limits the address space, which a sanitizer's shadow memory fills";
+  }
+  // 16 MiB an array: far more than what the create allocates besides them.
+  HostStateFixture f(std::size_t{3} << 20, std::size_t{1} << 20, /*base_frozen=*/false);
+  const std::size_t bytes = f.layout_.partition_elements() * sizeof(float);
+  int fds[2];
+  ASSERT_EQ(::pipe(fds), 0);
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::close(fds[0]);
+    unsigned long long vm_pages = 0;
+    std::FILE* statm = std::fopen("/proc/self/statm", "r");
+    if (statm == nullptr || std::fscanf(statm, "%llu", &vm_pages) != 1) ::_exit(2);
+    std::fclose(statm);
+    const std::size_t vm_bytes = vm_pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    // Room for the master and exp_avg, and 4 MiB besides: not for exp_avg_sq.
+    rlimit as{};
+    as.rlim_cur = as.rlim_max = vm_bytes + 2 * bytes + (std::size_t{4} << 20);
+    if (::setrlimit(RLIMIT_AS, &as) != 0) ::_exit(3);
+    Result<std::unique_ptr<OptimizerState>> state = open_host_state(f.context(nullptr));
+    const std::string out = state.is_ok()
+                                ? std::string("ok")
+                                : std::to_string(static_cast<int>(state.status().code())) + "|" +
+                                      std::string(state.status().message());
+    const ssize_t written = ::write(fds[1], out.data(), out.size());
+    ::_exit(written == static_cast<ssize_t>(out.size()) ? 0 : 4);
+  }
+  ::close(fds[1]);
+  std::string got;
+  char chunk[512];
+  for (ssize_t n; (n = ::read(fds[0], chunk, sizeof(chunk))) > 0;) got.append(chunk, n);
+  ::close(fds[0]);
+  int wstatus = 0;
+  ASSERT_EQ(::waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFEXITED(wstatus)) << "the child ended by signal " << WTERMSIG(wstatus);
+  ASSERT_EQ(WEXITSTATUS(wstatus), 0);
+  EXPECT_EQ(got.substr(0, got.find('|')),
+            std::to_string(static_cast<int>(Code::kResourceExhausted)))
+      << got;
+  EXPECT_NE(got.find("optimizer state exp_avg_sq "), std::string::npos) << got;
+  EXPECT_NE(got.find(std::to_string(bytes) + " bytes"), std::string::npos) << got;
+}
+
+}  // namespace
+}  // namespace zinf
