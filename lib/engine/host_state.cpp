@@ -107,10 +107,19 @@ class HostState final : public InMemoryState {
     }
     return StepStats{};
   }
-  // The step wrote the half groups; the f32 groups are narrowed (copied) from the master. The
-  // frozen groups' shards are left as they are: the step did not change them (publisher.hpp).
+  // The step wrote the half groups; the trainable f32 groups are narrowed (copied) from the
+  // master. The frozen groups are left as they are, in the buffer and in their shards: no step
+  // changes their master (publisher.hpp), and publish_master() or master_loaded() put it in the
+  // buffer after each write of it.
   Status publish_step() override {
-    narrow([](DType dtype) { return dtype == DType::kF32; });
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      if (layout_.group(g).dtype != DType::kF32 || layout_.frozen_group(g)) continue;
+      const std::size_t offset = layout_.offset(g);
+      pub_.narrow_groups(
+          offset, layout_.group(g).shard_element_count, master_.as<const float>() + offset,
+          [](DType dtype) { return dtype == DType::kF32; },
+          [&](std::uint32_t h) { return pub_.buffer(h); });
+    }
     return write_buffer(/*gather_persistent=*/true, /*frozen_too=*/false);
   }
   Status publish_master(bool gather_persistent) override {

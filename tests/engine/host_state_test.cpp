@@ -1,7 +1,7 @@
 // HostState (lib/engine/host_state.cpp), offload_optimizer none on a host-accessible device:
 // its zero-page moments and gradient accumulator count against the HostDevice's memory limit
 // and fail as a Status, naming the tensor and the bytes, when the limit or the kernel refuses
-// them.
+// them; and a step does not narrow a frozen f32 group into the publish buffer again.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -22,6 +22,7 @@
 #include "engine/param_groups.hpp"
 #include "engine/publisher.hpp"
 #include "engine/rank_exchange.hpp"
+#include "zero/param_coordinator.hpp"
 #include "zero/zero_counters.hpp"
 
 namespace zinf {
@@ -188,6 +189,77 @@ TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
       << got;
   EXPECT_NE(got.find("optimizer state exp_avg_sq "), std::string::npos) << got;
   EXPECT_NE(got.find(std::to_string(bytes) + " bytes"), std::string::npos) << got;
+}
+
+// After a step, the trainable f32 groups are narrowed from the master into the publish buffer
+// and written to their shards; a frozen group is neither: no step changes its master, so the
+// buffer holds it since place_initial(). The frozen group's buffer is overwritten after the
+// first step: the second step leaves it so, while the trainable group's is the new master.
+TEST(HostStatePublish, AStepDoesNotNarrowAFrozenGroupAgain) {
+  HostStateFixture f(5'000, 3'000, /*base_frozen=*/true);
+  Device& device = *f.ranks_.devices[0];
+  ParamCoordinatorOptions co;
+  auto coord = ParamCoordinator::create(f.layout_.partitioner(), 0, device, *f.ranks_.comms[0],
+                                        f.layout_.take_coordinator_modules(),
+                                        f.layout_.persistent(), co, nullptr, nullptr, &f.counters_);
+  ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
+  f.publisher_.set_coordinator(coord->get());
+  Result<std::unique_ptr<OptimizerState>> opened = open_host_state(f.context(nullptr));
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  OptimizerState& state = **opened;
+  ASSERT_TRUE(state.place_initial().is_ok());
+
+  std::uint32_t frozen = UINT32_MAX, trained = UINT32_MAX;
+  for (std::uint32_t g = 0; g < f.layout_.group_count(); ++g) {
+    ASSERT_EQ(f.layout_.group(g).dtype, DType::kF32);
+    (f.layout_.frozen_group(g) ? frozen : trained) = g;
+  }
+  ASSERT_NE(frozen, UINT32_MAX);
+  ASSERT_NE(trained, UINT32_MAX);
+  auto group_bytes = [&](std::uint32_t g) {
+    return f.layout_.group(g).shard_element_count * sizeof(float);
+  };
+  auto master_of = [&](std::uint32_t g) {
+    std::vector<float> out(f.layout_.group(g).shard_element_count);
+    Status st = state.read_state(Piece::kParams, [&](std::size_t, std::size_t, const float* v) {
+      std::memcpy(out.data(), v + f.layout_.offset(g), out.size() * sizeof(float));
+      return Status::ok();
+    });
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+    return out;
+  };
+  auto buffer_of = [&](std::uint32_t g) {
+    std::vector<float> out(f.layout_.group(g).shard_element_count);
+    std::memcpy(out.data(), f.publisher_.buffer(g), group_bytes(g));
+    return out;
+  };
+  ASSERT_EQ(buffer_of(frozen), master_of(frozen));
+
+  // The trainable group's gradients; the frozen slice of the accumulator stays zero.
+  auto step = [&](std::int64_t t) {
+    const GradTarget target = state.grad_target();
+    ASSERT_FALSE(target.on_device);
+    const std::vector<float> g =
+        seeded(f.layout_.group(trained).shard_element_count, 100 + t, -1.0f, 1.0f);
+    std::memcpy(target.accumulator + f.layout_.offset(trained), g.data(), group_bytes(trained));
+    ASSERT_TRUE(state.step(t, 1.0f).is_ok());
+    ASSERT_TRUE(state.publish_step().is_ok());
+  };
+  const std::vector<float> trained_before = master_of(trained);
+  step(1);
+  EXPECT_NE(master_of(trained), trained_before);
+  EXPECT_EQ(buffer_of(trained), master_of(trained));
+  EXPECT_EQ(buffer_of(frozen), master_of(frozen));
+
+  const std::vector<float> marker = seeded(f.layout_.group(frozen).shard_element_count, 7, 5, 6);
+  std::memcpy(f.publisher_.buffer(frozen), marker.data(), group_bytes(frozen));
+  step(2);
+  EXPECT_EQ(buffer_of(trained), master_of(trained));
+  EXPECT_EQ(buffer_of(frozen), marker) << "the frozen group was narrowed again";
+  // The frozen master is the registered values (and the group's padding, zeros), bit for bit.
+  std::vector<float> frozen_master = f.values_[0];
+  frozen_master.resize(f.layout_.group(frozen).shard_element_count, 0.0f);
+  EXPECT_EQ(master_of(frozen), frozen_master);
 }
 
 }  // namespace
