@@ -78,6 +78,26 @@ class HostDeviceOps final : public DeviceOps {
     });
   }
 
+  Status narrow(const float* src, DType dst_dtype, void* dst, std::size_t count,
+                Stream& stream) override {
+    if (count == 0) return Status::ok();
+    if (src == nullptr || dst == nullptr) {
+      return Status::invalid_argument(
+          fmt::format("{}: narrow of {} elements with a null pointer", device_.name(), count));
+    }
+    if (dst_dtype == DType::kF32) return device_.copy_d2d(dst, src, count * sizeof(float), stream);
+    const auto* s = static_cast<const float*>(device_.host_address(src));
+    auto* d = static_cast<std::uint16_t*>(device_.host_address(dst));
+    return device_.launch_host(stream, [s, dst_dtype, d, count] {
+      if (dst_dtype == DType::kBF16) {
+        convert_f32_to_bf16(s, d, count);
+      } else {
+        convert_f32_to_f16(s, d, count);
+      }
+      return Status::ok();
+    });
+  }
+
   Status adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
                    void* param_half, DType half_dtype, std::size_t count,
                    const kernels::AdamStepArgs& args, Stream& stream) override {

@@ -14,6 +14,9 @@
 //               HostDevice ops use the scalar reference, which sums in fp64 throughout.
 //   adam_step   Adam / AdamW over state in device memory, writing the bf16/f16 copy in the same
 //               pass (kernels/adam.h): the optimizer of offload_optimizer "none".
+//   narrow      dst[i] = round(src[i]) to bf16 / f16, ties to even (kernels/cast.h; an f32
+//               destination is a copy): the half copy of frozen runs, which no step writes,
+//               rounded from the master as adam_step rounds its output.
 //
 // Fills are Device::memset_async and moves are Device::copy_async; what comes back to the host
 // (reduced gradient chunks, bound for the fp32 accumulator in host memory or on NVMe) comes
@@ -22,7 +25,9 @@
 // Implementations: for CudaDevice the kernels of kernels/ on the stream's cudaStream_t (launch
 // errors become a Status through status_from_cuda); for HostDevice, opaque or not, the kernels'
 // scalar references (kernels/*_ref.cpp, the ground truth the kernels are tested against) run as
-// host functions in stream order on the memory's host addresses, so both give the same bits.
+// host functions in stream order on the memory's host addresses, so both give the same bits
+// (narrow: lib/base's convert_f32_to_bf16 / convert_f32_to_f16, whose every path gives the
+// cast references' bits, include/zinf/dtype.hpp's f32_to_bf16 / f32_to_f16).
 //
 // Thread-safety: as Device (any thread); the ops hold no state between calls.
 #pragma once
@@ -63,6 +68,13 @@ class DeviceOps {
   // `partials` is kernels::kSqNormPartials floats of device scratch, `out` one device float.
   virtual Status sum_of_squares(const float* x, std::size_t count, float* partials, float* out,
                                 Stream& stream) = 0;
+  // Enqueues dst[i] = src[i] rounded to `dst_dtype` for i < count on `stream`: bf16 and f16
+  // round to nearest with ties to even, overflow to infinity of the same sign, f16 keeps
+  // subnormals, a NaN keeps its sign and top payload bits (zinf::f32_to_bf16 / f32_to_f16, the
+  // rounding adam_step gives its half copy); f32 copies. Both are device pointers.
+  // REQUIRES: the ranges do not overlap and stay valid until the stream has run the op.
+  virtual Status narrow(const float* src, DType dst_dtype, void* dst, std::size_t count,
+                        Stream& stream) = 0;
   // Enqueues one Adam/AdamW step (kernels/adam.h) over `count` elements of device memory; with
   // half_dtype bf16 or f16 the new parameters are also written, rounded, to `param_half`
   // (half_dtype kF32: no copy, param_half may be null).

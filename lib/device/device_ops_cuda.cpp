@@ -4,6 +4,7 @@
 #include "device/cuda_device.hpp"
 #include "device/cuda_status.hpp"
 #include "device/device_ops.hpp"
+#include "kernels/cast.h"
 #include "kernels/sq_norm.h"
 #include "kernels/unscale.h"
 #include "kernels/widen.h"
@@ -43,6 +44,22 @@ class CudaDeviceOps final : public DeviceOps {
     return launched(kernels::sq_norm(x, kernels::HalfType::kNone, count, partials, out,
                                      /*accumulate=*/false, stream.native_handle()),
                     "sum of squares", count, stream);
+  }
+
+  Status narrow(const float* src, DType dst_dtype, void* dst, std::size_t count,
+                Stream& stream) override {
+    if (count == 0) return Status::ok();
+    if (dst_dtype == DType::kF32) return device_.copy_d2d(dst, src, count * sizeof(float), stream);
+    ZINF_RETURN_IF_ERROR(make_cuda_device_current(device_));
+    auto* d = static_cast<std::uint16_t*>(dst);
+    const int err = dst_dtype == DType::kBF16
+                        ? kernels::cast_f32_to_bf16(src, d, count, stream.native_handle())
+                        : kernels::cast_f32_to_f16(src, d, count, stream.native_handle());
+    if (err == 0) return Status::ok();
+    return status_from_cuda(
+        fmt::format("{}: narrow of {} elements to {} on stream '{}'", device_.name(), count,
+                    dtype_name(dst_dtype), stream.name()),
+        err);
   }
 
   Status adam_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq,
