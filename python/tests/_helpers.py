@@ -49,13 +49,15 @@ def torchrun(script: str, args, timeout: float, ranks: int = 2, env: dict | None
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
-def mpirun(script: str, args, timeout: float, ranks: int = 2) -> subprocess.CompletedProcess:
-    """Runs python/tests/`script` with `args` in `ranks` processes under mpirun. Returns the
-    finished process, its output captured as text."""
+def mpirun(script: str, args, timeout: float, ranks: int = 2, env: dict | None = None,
+           exported=()) -> subprocess.CompletedProcess:
+    """Runs python/tests/`script` with `args` in `ranks` processes under mpirun, in `env`
+    (default this process's environment), the variables `exported` passed to the ranks
+    explicitly (-x). Returns the finished process, its output captured as text."""
     command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "-np", str(ranks), sys.executable, os.path.join(HERE, script),
-               *[str(arg) for arg in args]]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+               *[part for name in exported for part in ("-x", name)], "-np", str(ranks),
+               sys.executable, os.path.join(HERE, script), *[str(arg) for arg in args]]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def why_mpirun_unavailable() -> str | None:

@@ -10,7 +10,6 @@ torch.distributed's semantics) or the files on disk, with DeepSpeed's behaviour
 zero/stage_1_and_2.py / stage3.py, utils/zero_to_fp32.py) written out in the test."""
 import json
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -21,17 +20,11 @@ from torch.utils.data import DistributedSampler, TensorDataset
 
 import zinf.deepspeed_compat as compat
 import zinf.zero_to_fp32 as _zero_to_fp32
+from _helpers import ds_initialize, torchrun, why_torchrun_unavailable
 from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_mlp, mlp_batches, mlp_config,
                       mlp_loss)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 STEPS = 3
-
-
-def ds_initialize(**kwargs):
-    """deepspeed.initialize in this process without initialising torch.distributed (the other
-    tests of the session expect it untouched); zinf's engine does not use it."""
-    return compat.initialize(dist_init_required=False, **kwargs)
 
 
 def relative_error(got, expected):
@@ -398,23 +391,12 @@ def test_zero_to_fp32_excludes_frozen_parameters_at_every_stage(tmp_path, stage,
 
 # ---- two ranks under torchrun ------------------------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def two_rank_run(tmp_path_factory):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed has no gloo backend in this torch")
+    if why_torchrun_unavailable() is not None:
+        pytest.skip(why_torchrun_unavailable())
     out = tmp_path_factory.mktemp("deepspeed_apis")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               os.path.join(HERE, "deepspeed_apis_run.py"), str(out)]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = torchrun("deepspeed_apis_run.py", [out], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out
 

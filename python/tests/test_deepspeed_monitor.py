@@ -17,8 +17,6 @@ import json
 import os
 import re
 import resource
-import socket
-import subprocess
 import sys
 import types
 
@@ -28,9 +26,9 @@ import torch
 import zinf._monitor as _monitor
 import zinf.deepspeed_compat as compat
 import zinf.torch as _zt
+from _helpers import ds_initialize, torchrun, why_torchrun_unavailable
 from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 GAS = 2
 STEPS = 4
 # A linear warm-up, so that every step's learning rate differs. DeepSpeed's WarmupLR counts
@@ -40,12 +38,6 @@ MIN_LR, MAX_LR, WARMUP = 1e-4, 1e-3, 10
 SCHEDULER = {"type": "WarmupLR", "params": {"warmup_min_lr": MIN_LR, "warmup_max_lr": MAX_LR,
                                             "warmup_num_steps": WARMUP,
                                             "warmup_type": "linear"}}
-
-
-def ds_initialize(**kwargs):
-    """deepspeed.initialize without initialising torch.distributed (the other tests of the
-    session expect it untouched)."""
-    return compat.initialize(dist_init_required=False, **kwargs)
 
 
 def monitored_config(out_dir, fp16=False, **sections):
@@ -505,23 +497,12 @@ def test_see_memory_usage_is_silent_off_rank_0_before_torch_distributed(capsys, 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_only_rank_0_writes_its_own_losses(tmp_path):
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        pytest.skip("torch.distributed has no gloo backend in this torch")
+    if why_torchrun_unavailable() is not None:
+        pytest.skip(why_torchrun_unavailable())
     from deepspeed_monitor_run import GAS as RUN_GAS, STEPS as RUN_STEPS
 
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               os.path.join(HERE, "deepspeed_monitor_run.py"), str(tmp_path)]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    done = torchrun("deepspeed_monitor_run.py", [tmp_path], timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     runs = []
     for rank in (0, 1):

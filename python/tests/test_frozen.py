@@ -7,7 +7,6 @@ With two ranks (mpirun, torchrun) at stages 1 and 2, every rank takes rank 0's f
 initialize() and at load_checkpoint()."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -18,6 +17,7 @@ import torch
 from torch import nn
 
 import zinf.torch
+from _helpers import mpirun, torchrun, why_mpirun_unavailable, why_torchrun_unavailable
 from conftest import BETAS, EPS, LR, WEIGHT_DECAY, zinf_config
 
 # Small enough that the clipping acts at every step of these problems (checked below).
@@ -695,24 +695,13 @@ RANK_STAGES = [1, 2]
 
 
 def launch_two_ranks(launcher, out, args):
-    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "frozen_ranks.py")
-    env = None
     if launcher == "mpirun":
-        if shutil.which("mpirun") is None:
-            pytest.skip("no mpirun on PATH")
-        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                   "-np", "2", sys.executable, script, str(out), *args]
-    else:
-        from test_torchrun import _why_not_runnable, free_port
-
-        if _why_not_runnable() is not None:
-            pytest.skip(_why_not_runnable())
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), script,
-                   str(out), *args]
-        env = {k: v for k, v in os.environ.items()
-               if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+        if why_mpirun_unavailable() is not None:
+            pytest.skip(why_mpirun_unavailable())
+        return mpirun("frozen_ranks.py", [out, *args], timeout=600)
+    if why_torchrun_unavailable() is not None:
+        pytest.skip(why_torchrun_unavailable())
+    return torchrun("frozen_ranks.py", [out, *args], timeout=600)
 
 
 @pytest.fixture(scope="module", params=["mpirun", "torchrun"])

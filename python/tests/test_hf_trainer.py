@@ -10,7 +10,6 @@ imported)."""
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import textwrap
@@ -27,6 +26,7 @@ pytest.importorskip("accelerate", reason="accelerate is not installed: the Train
 from safetensors.torch import load_file  # noqa: E402
 
 import zinf.torch  # noqa: E402
+from _helpers import free_port  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_trainer_run.py")
 STEPS, SAVE_STEPS, ACCUMULATION = 6, 3, 2
@@ -273,12 +273,6 @@ LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE"
                       "MASTER_ADDR", "MASTER_PORT")
 # How each launcher names itself in the refusal of a job without use_cpu=True.
 LAUNCHER_NAMES = {"mpirun": "the MPI launcher", "torchrun": "torchrun"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def run_trainer_ranks(out, launcher, *args, fail=False):

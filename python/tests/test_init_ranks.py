@@ -3,13 +3,14 @@ DeepSpeed scripts and the Hugging Face Trainer have it: a GatheredParameters(mod
 block before initialize() broadcasts rank r's values at its end, so every rank reads them from
 then on, with no warning, and initialize() takes them. The ranks run init_ranks.py."""
 import os
-import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from _helpers import (free_port, mpirun, torchrun, why_mpirun_unavailable,
+                      why_torchrun_unavailable)
 from init_model import Stack
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -18,27 +19,22 @@ SCRIPT = os.path.join(HERE, "init_ranks.py")
 
 def launch(launcher, args, timeout=300):
     """Runs init_ranks.py with `args` on two ranks under `launcher`, or in one process ("one")."""
-    from test_torchrun import _why_not_runnable, free_port
-
     env = {k: v for k, v in os.environ.items()
            if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "RANK", "WORLD_SIZE",
                         "MASTER_ADDR", "MASTER_PORT")}
     if launcher == "mpirun":
-        if shutil.which("mpirun") is None:
-            pytest.skip("no mpirun on PATH")
+        if why_mpirun_unavailable() is not None:
+            pytest.skip(why_mpirun_unavailable())
         # deepspeed.init_distributed() meets the ranks at 127.0.0.1:MASTER_PORT.
         env["MASTER_PORT"] = str(free_port())
-        command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-                   "-x", "MASTER_PORT", "-np", "2", sys.executable, SCRIPT, *args]
+        result = mpirun("init_ranks.py", args, timeout, env=env, exported=["MASTER_PORT"])
     elif launcher == "torchrun":
-        if _why_not_runnable() is not None:
-            pytest.skip(_why_not_runnable())
-        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                   "--master_addr", "127.0.0.1", "--master_port", str(free_port()), SCRIPT,
-                   *args]
+        if why_torchrun_unavailable() is not None:
+            pytest.skip(why_torchrun_unavailable())
+        result = torchrun("init_ranks.py", args, timeout, env=env)
     else:
-        command = [sys.executable, SCRIPT, *args]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+        result = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True,
+                                timeout=timeout, env=env)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
 
 

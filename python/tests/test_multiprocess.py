@@ -2,28 +2,23 @@
 on half of every batch must end where plain torch ends on the full batch in one process, and a
 rank that raises must make the other fail promptly, naming it. The ranks run mp_train.py."""
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
+from _helpers import mpirun as run_mpirun, why_mpirun_unavailable
 from conftest import (RANK_1_RAISES, assert_rank_0_failed_naming_rank_1,
                       assert_two_ranks_match_torch, make_model)
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = [f"{stage}-{offload}" for stage in (1, 2, 3) for offload in ("none", "cpu", "nvme")]
 
-pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+pytestmark = pytest.mark.skipif(why_mpirun_unavailable() is not None,
+                                reason=str(why_mpirun_unavailable()))
 
 
 def mpirun(args, timeout, ranks=2):
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
-               "-np", str(ranks), sys.executable, os.path.join(HERE, "mp_train.py"), *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+    return run_mpirun("mp_train.py", args, timeout, ranks)
 
 
 @pytest.fixture(scope="module")

@@ -4,53 +4,28 @@ half of every batch must end where plain torch ends on the full batch in one pro
 checkpoint saved under torchrun must load in one process with the same masters and go on from
 there, and a rank that raises must make the other fail promptly, naming it. The ranks run
 torchrun_train.py."""
-import importlib.util
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 
 import pytest
 import torch
 
 import zinf.torch
+from _helpers import torchrun as run_torchrun, why_torchrun_unavailable
 from conftest import (RANK_1_RAISES, assert_rank_0_failed_naming_rank_1,
                       assert_two_ranks_match_torch, make_batches, make_model, relative_errors,
                       zinf_config)
 from mp_train import shard
 from torchrun_train import CHECKPOINT_STEP, CHECKPOINT_STEPS
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 CASES = ["1-cpu", "2-cpu", "3-cpu", "3-nvme"]
 
-
-def _why_not_runnable():
-    if importlib.util.find_spec("torch.distributed.run") is None:
-        return "torch.distributed.run is not available in this torch"
-    if not torch.distributed.is_available() or not torch.distributed.is_gloo_available():
-        return "torch.distributed has no gloo backend in this torch"
-    return None
+pytestmark = pytest.mark.skipif(why_torchrun_unavailable() is not None,
+                                reason=str(why_torchrun_unavailable()))
 
 
-pytestmark = pytest.mark.skipif(_why_not_runnable() is not None,
-                                reason=str(_why_not_runnable()))
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def torchrun(args, timeout, ranks=2):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-               "--master_addr", "127.0.0.1", "--master_port", str(free_port()),
-               os.path.join(HERE, "torchrun_train.py"), *args]
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")}
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+def torchrun(args, timeout):
+    return run_torchrun("torchrun_train.py", args, timeout)
 
 
 @pytest.fixture(scope="module")
