@@ -14,7 +14,10 @@ run ("losses", CHECKPOINT_STEP steps, the save, then the rest), the fp32 masters
 ("resumed_initialized") and after load_checkpoint ("loaded"), and the losses of the steps after
 the checkpoint ("resumed_losses").
 layout: stage 2, rank 1's model with one frozen parameter fewer (a buffer in its place); every
-rank writes initialize()'s error to <out_dir>/layout.rank<r>.json."""
+rank writes initialize()'s error to <out_dir>/layout.rank<r>.json.
+buckets: stage 2, the frozen parameters broadcast in buckets of BUCKET_BYTES, the first base
+weight not contiguous; every rank writes <out_dir>/buckets.rank<r>.pt: the frozen parameters as
+built and as initialize() left them, and the names each broadcast carried."""
 import json
 import os
 import sys
@@ -27,6 +30,8 @@ from test_frozen import STEPS, batches, config, loss_of, make  # noqa: E402
 
 CHECKPOINT_STEP = 3
 KIND = "lora"
+# Less than the LoRA model's frozen bytes (fp32: base weights of 384 and 1024 bytes, biases of 64).
+BUCKET_BYTES = 512
 
 
 def make_with_frozen_seed(seed, frozen_seed):
@@ -104,11 +109,35 @@ def layout(out_dir, rank):
         json.dump({"error": error}, f)
 
 
+def buckets(out_dir, rank):
+    model = make_with_frozen_seed(21, 100 + rank)
+    weight = model.first.base.weight
+    weight.data = weight.data.t().contiguous().t()  # the same values over a transposed layout
+    built = frozen_of(model)
+    carried = []
+    broadcast_bucket = zinf.torch.ZinfEngine._broadcast_bucket
+
+    def counted(engine, bucket, bucket_bytes):
+        carried.append([name for name, _ in bucket])
+        return broadcast_bucket(engine, bucket, bucket_bytes)
+
+    zinf.torch.ZinfEngine._broadcast_bucket = counted
+    zinf.torch._FROZEN_BUCKET_BYTES = BUCKET_BYTES
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(2),
+                                            model_parameters=model.parameters())
+    torch.save({"built": built, "initialized": frozen_of(model), "carried": carried,
+                "contiguous": model.first.base.weight.is_contiguous()},
+               os.path.join(out_dir, f"buckets.rank{rank}.pt"))
+    engine.destroy()
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
     if sys.argv[2] == "layout":
         layout(sys.argv[1], rank)
+    elif sys.argv[2] == "buckets":
+        buckets(sys.argv[1], rank)
     else:
         for stage in sys.argv[2:]:
             run(sys.argv[1], int(stage), rank)

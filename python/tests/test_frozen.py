@@ -774,3 +774,20 @@ def test_ranks_whose_frozen_parameters_differ_in_shape_are_refused_on_every_rank
         assert error is not None and ("the frozen parameters (requires_grad False) of rank 1 "
                                       "differ from rank 0's in their names, shapes or dtypes"
                                       in error), error
+
+
+def test_frozen_parameters_move_in_buckets_of_rank_0s_bytes(tmp_path):
+    # initialize() broadcasts consecutive frozen parameters together, up to a bucket's bytes
+    # (frozen_ranks.BUCKET_BYTES here), one larger than a bucket alone: every rank ends with rank
+    # 0's values, a parameter over a non-contiguous layout included.
+    result = launch_two_ranks("mpirun", tmp_path, ["buckets"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    reports = [torch.load(tmp_path / f"buckets.rank{rank}.pt") for rank in (0, 1)]
+    for rank, report in enumerate(reports):
+        assert report["carried"] == [["first.base.weight", "first.base.bias"],
+                                     ["second.base.weight"], ["second.base.bias"]], rank
+        assert not report["contiguous"]
+        for name, values in reports[0]["built"].items():
+            assert torch.equal(report["initialized"][name], values), f"rank {rank}: {name}"
+            if rank == 1:
+                assert not torch.equal(report["built"][name], values), name

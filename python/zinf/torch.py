@@ -118,6 +118,9 @@ _FLOOR_OVERFLOW = "with the loss scale already at fp16.min_loss_scale"
 # gives: such an error at stage 3 gets a note on register_external_parameter().
 _SHAPE_WORDS = ("size", "shape", "dimension", "matrix", "mat1", "mat2", "elements", "numel")
 _TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The most bytes of frozen parameters initialize() broadcasts at once (stages 1 and 2, several
+# ranks): few collectives for many small tensors, and no more than this held twice.
+_FROZEN_BUCKET_BYTES = 64 << 20
 
 
 def _load_config_text(text: str, path: str) -> dict:
@@ -1040,9 +1043,12 @@ class ZinfEngine(nn.Module):
         train one model. (The engine holds the trainable ones, compared across ranks at
         finalize; at stage 3 it holds the frozen ones too.) The ranks first exchange a digest
         of the frozen parameters' names, shapes and dtypes, so that every rank raises the same
-        error when they differ; then each parameter is broadcast in place, in order, over the
-        engine's communicator (MPI, the torch group or the local one), within
-        zinf.collective_timeout_ms."""
+        error when they differ; then the parameters are broadcast in order over the engine's
+        communicator (MPI, the torch group or the local one), within
+        zinf.collective_timeout_ms: consecutive ones packed into buckets of up to
+        _FROZEN_BUCKET_BYTES, one broadcast each (a model's many small frozen tensors, norms and
+        biases, would otherwise cost a collective each), a parameter larger than a bucket alone
+        and in place. A failed broadcast names the parameters it carried."""
         if self.world_size == 1 or self.stage == 3 or not self._frozen:
             return
         frozen = list(self._frozen.values())
@@ -1059,15 +1065,55 @@ class ZinfEngine(nn.Module):
                 "differ from rank 0's in their names, shapes or dtypes: every rank must build the "
                 "same model and freeze the same parameters (zinf.torch copies rank 0's frozen "
                 "parameters to every rank)")
+        bucket: list[tuple[str, torch.Tensor]] = []
+        bucket_bytes = 0
         for name, param in frozen:
             data = param.data
-            if data.numel() == 0:
+            data_bytes = data.numel() * data.element_size()
+            if data_bytes == 0:
                 continue
+            if bucket and bucket_bytes + data_bytes > _FROZEN_BUCKET_BYTES:
+                self._broadcast_bucket(bucket, bucket_bytes)
+                bucket, bucket_bytes = [], 0
+            bucket.append((name, data))
+            bucket_bytes += data_bytes
+        if bucket:
+            self._broadcast_bucket(bucket, bucket_bytes)
+
+    def _broadcast_bucket(self, bucket: list[tuple[str, torch.Tensor]], bucket_bytes: int):
+        """Rank 0's bytes of the tensors in `bucket` (name, tensor) over every rank's, in one
+        broadcast: a lone tensor in place (through a contiguous copy where it is not
+        contiguous), several through one buffer of their bytes, one after another."""
+        names = [name for name, _ in bucket]
+        shown = ", ".join(f"'{name}'" for name in names[:8])
+        what = (f"initialize: broadcasting frozen parameter {shown}" if len(names) == 1 else
+                f"initialize: broadcasting frozen parameters {shown}"
+                + (f" and {len(names) - 8} more" if len(names) > 8 else ""))
+        if len(bucket) == 1:
+            data = bucket[0][1]
             buffer = data if data.is_contiguous() else data.contiguous()
-            self._core.broadcast_bytes(buffer.view(-1).view(torch.uint8), 0,
-                                       f"initialize: broadcasting frozen parameter '{name}'")
+            self._core.broadcast_bytes(buffer.view(-1).view(torch.uint8), 0, what)
             if buffer is not data:
                 data.copy_(buffer)
+            return
+        flat = torch.empty(bucket_bytes, dtype=torch.uint8)
+        offset = 0
+        for _, data in bucket:
+            data_bytes = data.numel() * data.element_size()
+            flat[offset:offset + data_bytes].copy_(data.contiguous().view(-1).view(torch.uint8))
+            offset += data_bytes
+        self._core.broadcast_bytes(flat, 0, what)
+        offset = 0
+        for _, data in bucket:
+            data_bytes = data.numel() * data.element_size()
+            received = flat[offset:offset + data_bytes]
+            if data.is_contiguous():
+                data.view(-1).view(torch.uint8).copy_(received)
+            else:
+                buffer = torch.empty(data.shape, dtype=data.dtype)
+                buffer.view(-1).view(torch.uint8).copy_(received)
+                data.copy_(buffer)
+            offset += data_bytes
 
     def _install_hooks(self):
         self._gather_count: dict[str, int] = {m: 0 for m in self._owned}
