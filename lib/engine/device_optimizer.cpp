@@ -30,9 +30,6 @@ kernels::AdamStepArgs adam_args(const OptimizerParams& params, std::int64_t step
 
 constexpr std::size_t kScratchFloats = kernels::kSqNormPartials + 2;  // partials, sum, flag
 
-// round_frozen()'s zero gradients and moments: at most 1 Mi elements each (12 MiB together).
-constexpr std::size_t kZeroElementsMax = std::size_t{1} << 20;
-
 }  // namespace
 
 Status DeviceOptimizer::check(const OptimizerParams& params, const Device& device) {
@@ -97,13 +94,7 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   }
   // The frozen runs' moments are zero and stay so: only the other runs' are stored, packed.
   std::size_t moment_elements = partition_elements;
-  for (Run& r : o->runs_) {
-    if (!r.frozen) continue;
-    o->packed_ = true;
-    if (o->groups_[r.group].dtype != DType::kF32) {
-      o->zero_elements_ = std::max(o->zero_elements_, std::min(r.count, kZeroElementsMax));
-    }
-  }
+  o->packed_ = std::any_of(o->runs_.begin(), o->runs_.end(), [](const Run& r) { return r.frozen; });
   if (o->packed_) {
     std::size_t next = 0;
     for (Run& r : o->runs_) {
@@ -136,13 +127,6 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   ZINF_ASSIGN_OR_RETURN(o->scratch_, DeviceBuffer::allocate(device, kScratchFloats * 4));
   ZINF_ASSIGN_OR_RETURN(o->result_, RegisteredBuffer::allocate(device, sizeof(float)));
   Stream& s = *o->stream_;
-  if (o->zero_elements_ > 0) {
-    const std::size_t zero_bytes = o->zero_elements_ * sizeof(float);
-    for (DeviceBuffer* b : {&o->zero_grads_, &o->zero_exp_avg_, &o->zero_exp_avg_sq_}) {
-      ZINF_ASSIGN_OR_RETURN(*b, DeviceBuffer::allocate(device, zero_bytes));
-      ZINF_RETURN_IF_ERROR(device.memset_async(b->data(), 0, zero_bytes, s));
-    }
-  }
   ZINF_RETURN_IF_ERROR(device.copy_h2d(o->master_.data(), master, partition_elements * 4, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, moment_bytes, s));
@@ -231,25 +215,18 @@ Status DeviceOptimizer::for_each_run(std::size_t first, std::size_t count, Fn fn
 }
 
 Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
-  if (!packed_ || zero_elements_ == 0) return Status::ok();
-  // The frozen group's step (learning rate 0, weight decay 0) on zero moments and gradients:
-  // p * (1 - 0) - 0 * 0 / (0 + eps) = p, rounded into the half copy as a step rounds it.
-  kernels::AdamHyper hyper;
-  hyper.lr = 0.0f;
-  hyper.weight_decay = 0.0f;
-  hyper.adamw = true;
-  const kernels::AdamStepArgs args = kernels::adam_step_args(hyper, 1);
+  if (!packed_) return Status::ok();
+  // The frozen group's step (learning rate 0, weight decay 0) on zero moments and gradient
+  // computes p * (1 - 0) - 0 * (0 / (0 + eps)) = p for every finite p, -0 included, and rounds
+  // it to the half copy with f32_to_bf16 / f32_to_f16; narrow rounds the master with the same
+  // functions, so the copy has the bits the step would write. (A NaN master keeps its sign and
+  // payload here, where the step's arithmetic may have given the device's canonical NaN.)
   return for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
     const Group& g = groups_[r.group];
     if (!r.frozen || g.dtype == DType::kF32) return Status::ok();
-    for (std::size_t b = lo; b < hi; b += zero_elements_) {
-      const std::size_t n = std::min(zero_elements_, hi - b);
-      ZINF_RETURN_IF_ERROR(ops_->adam_step(
-          master_.as<float>() + b, zero_grads_.as<const float>(), zero_exp_avg_.as<float>(),
-          zero_exp_avg_sq_.as<float>(), half_.as<std::byte>() + g.byte_offset + (b - g.offset) * 2,
-          g.dtype, n, args, *stream_));
-    }
-    return Status::ok();
+    return ops_->narrow(master_.as<const float>() + lo, g.dtype,
+                        half_.as<std::byte>() + g.byte_offset + (lo - g.offset) * 2, hi - lo,
+                        *stream_);
   });
 }
 
@@ -279,12 +256,8 @@ Status DeviceOptimizer::unpack() {
   exp_avg_ = std::move(full[0]);
   exp_avg_sq_ = std::move(full[1]);
   for (Run& r : runs_) r.moment = r.offset;
-  packed_ = false;
   // Every run is stepped from now on, which writes the half copy of the frozen ones too.
-  zero_grads_ = DeviceBuffer();
-  zero_exp_avg_ = DeviceBuffer();
-  zero_exp_avg_sq_ = DeviceBuffer();
-  zero_elements_ = 0;
+  packed_ = false;
   return Status::ok();
 }
 
@@ -341,8 +314,7 @@ Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t co
 }
 
 std::uint64_t DeviceOptimizer::device_bytes() const {
-  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes() +
-         zero_grads_.bytes() + zero_exp_avg_.bytes() + zero_exp_avg_sq_.bytes();
+  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes();
 }
 
 }  // namespace zinf

@@ -23,14 +23,13 @@
 // (each run's at its own moment offset, kept congruent to its partition offset modulo 16
 // elements so that every launch keeps the vectorised path), and step() launches neither scale
 // nor adam_step over them. Their bf16/f16 copy (what values() returns) is what the step would
-// write, the master rounded: adam_step with the frozen group's scalars over zero scratch moments
-// and gradients (a few MiB, a bounded chunk at a time) writes it at create() and after each
-// write_state() of the master. read_state() gives their moments as zeros and write_state()
-// accepts all-zero ones and stores nothing; non-zero moments written there (a checkpoint saved
-// with the parameter trainable) are kept: the moments are then allocated for the whole partition
-// ("unpacked", for the rest of the optimizer's life) and every run is stepped as any other. The
-// results are the same bits as stepping every run. The gradient accumulator keeps the whole
-// partition (the reducer adds at partition offsets).
+// write, the master rounded: DeviceOps::narrow, which rounds as adam_step rounds its output,
+// writes it at create() and after each write_state() of the master. read_state() gives their
+// moments as zeros and write_state() accepts all-zero ones and stores nothing; non-zero moments
+// written there (a checkpoint saved with the parameter trainable) are kept: the moments are then
+// allocated for the whole partition ("unpacked", for the rest of the optimizer's life) and every
+// run is stepped as any other. The results are the same bits as stepping every run. The gradient
+// accumulator keeps the whole partition (the reducer adds at partition offsets).
 //
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
@@ -100,7 +99,7 @@ class DeviceOptimizer {
   // has no room for them).
   Status read_state(int which, std::size_t first, std::size_t count, float* out);
   Status write_state(int which, std::size_t first, std::size_t count, const float* in);
-  // The device memory the optimizer holds: master, moments, gradients, half copy, scratch.
+  // The device memory the optimizer holds: master, moments, gradients, half copy.
   std::uint64_t device_bytes() const;
   // Whether the frozen runs' moments take no memory (there are frozen runs, and no non-zero
   // moment was written into one).
@@ -149,9 +148,6 @@ class DeviceOptimizer {
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
   DeviceBuffer half_;     // the half groups' new values, packed as the engine packs them
   DeviceBuffer scratch_;  // sum-of-squares partials, its result, the scale's inf flag
-  // While packed: zero gradients and moments for round_frozen(), zero_elements_ floats each.
-  DeviceBuffer zero_grads_, zero_exp_avg_, zero_exp_avg_sq_;
-  std::size_t zero_elements_ = 0;
   bool packed_ = false;
   RegisteredBuffer result_;
 };

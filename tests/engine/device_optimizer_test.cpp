@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -74,11 +75,11 @@ class DeviceOptimizerFrozen : public ::testing::Test {
     o.opaque = true;
     device_ = std::move(make_host_device(o)).value();
     stream_ = std::move(device_->create_stream("test")).value();
-    master_ = seeded(kPartition, 8101, -1.0f, 1.0f);
-    packed_ = std::move(DeviceOptimizer::create(*device_, kGroups, kPartition, master_.data(),
+    if (master_.empty()) master_ = seeded(kPartition, 8101, -1.0f, 1.0f);
+    packed_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
                                                 kTimeout, kRanges, frozen_flags()))
                   .value();
-    full_ = std::move(DeviceOptimizer::create(*device_, kGroups, kPartition, master_.data(),
+    full_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
                                               kTimeout, kRanges))
                 .value();
   }
@@ -119,7 +120,7 @@ class DeviceOptimizerFrozen : public ::testing::Test {
     }
   }
   std::vector<std::uint16_t> half(DeviceOptimizer& o, std::uint32_t g) {
-    std::vector<std::uint16_t> out(kGroups[g].count);
+    std::vector<std::uint16_t> out(groups_[g].count);
     EXPECT_TRUE(device_->copy_d2h(out.data(), o.values(g), out.size() * 2, *stream_).is_ok());
     EXPECT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
     return out;
@@ -138,9 +139,10 @@ class DeviceOptimizerFrozen : public ::testing::Test {
     }
   }
 
+  std::vector<DeviceOptimizer::Group> groups_ = kGroups;
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
-  std::vector<float> master_;
+  std::vector<float> master_;  // set before SetUp() to replace the seeded default
   std::unique_ptr<DeviceOptimizer> packed_, full_;
 };
 
@@ -154,16 +156,18 @@ TEST_F(DeviceOptimizerFrozen, FrozenMomentsTakeNoDeviceMemoryAndStepTheSameBits)
   ASSERT_TRUE(packed_->packed());
   ASSERT_FALSE(full_->packed());
   const std::uint64_t frozen_moments = frozen_count() * 8;
-  // The packed optimizer holds zero scratch for the bf16 rounding (three floats per element of
-  // the largest frozen bf16 run, 2003 here) and up to 15 elements of alignment per run.
-  const std::uint64_t extra = 3 * 4 * 2003 + kRanges.size() * 15 * 8;
+  // The packed moments hold the trainable runs' elements and the alignment that keeps each run's
+  // moments congruent to its offset modulo 16: 16 elements, before the run at 9000 (its moments
+  // at 4392, where those before end at 4376). Nothing else: the frozen runs' half copy is rounded
+  // from the master without scratch.
+  const std::uint64_t alignment = 16 * 8;
   std::printf(
       "device bytes: every moment %llu, frozen moments packed out %llu; frozen moments "
       "%llu\n",
       static_cast<unsigned long long>(full_->device_bytes()),
       static_cast<unsigned long long>(packed_->device_bytes()),
       static_cast<unsigned long long>(frozen_moments));
-  EXPECT_LE(packed_->device_bytes() + frozen_moments, full_->device_bytes() + extra);
+  EXPECT_EQ(packed_->device_bytes() + frozen_moments, full_->device_bytes() + alignment);
   for (std::int64_t step = 1; step <= 3; ++step) {
     set_grads(900 + static_cast<std::uint64_t>(step));
     step_both(step);
@@ -181,6 +185,53 @@ TEST_F(DeviceOptimizerFrozen, FrozenMomentsTakeNoDeviceMemoryAndStepTheSameBits)
     }
   }
   EXPECT_GT(moved, (kPartition - frozen_count()) / 2);
+}
+
+// f16 copies of a master whose magnitudes run from below the smallest f16 subnormal to beyond
+// the largest finite f16 (rounding to zero, subnormals, ties, infinities), with signed zeros: the
+// frozen runs' copies rounded at create() and after a master write are the bits the full
+// optimizer's learning-rate-0 steps write.
+class DeviceOptimizerFrozenF16 : public DeviceOptimizerFrozen {
+ protected:
+  void SetUp() override {
+    for (DeviceOptimizer::Group& g : groups_) {
+      if (g.dtype == DType::kBF16) g.dtype = DType::kF16;
+    }
+    master_ = wide(8201);
+    DeviceOptimizerFrozen::SetUp();
+  }
+  static std::vector<float> wide(std::uint64_t seed) {
+    std::vector<float> out = seeded(kPartition, seed, -2.0f, 2.0f);
+    std::mt19937_64 rng(seed + 1);
+    for (float& x : out) x = std::ldexp(x, static_cast<int>(rng() % 48) - 30);  // 2^-30..2^18
+    out[5] = -0.0f;
+    out[1030] = 0.0f;
+    out[7001] = 65520.0f;  // ties to infinity
+    out[7002] = 0x1p-25f;  // half the smallest subnormal: ties to zero
+    return out;
+  }
+};
+
+TEST_F(DeviceOptimizerFrozenF16, FrozenCopiesAreTheStepsBits) {
+  ASSERT_TRUE(packed_->packed());
+  set_grads(600);
+  step_both(1);
+  expect_same("created");
+  // Some frozen f16 elements are infinite, subnormal, zero: the wide master reaches them.
+  const std::vector<std::uint16_t> h = half(*packed_, 2);
+  std::size_t inf = 0, subnormal = 0;
+  for (std::size_t i = 11'003 - 7000; i < h.size(); ++i) {
+    inf += (h[i] & 0x7fff) == 0x7c00 ? 1 : 0;
+    subnormal += (h[i] & 0x7c00) == 0 && (h[i] & 0x3ff) != 0 ? 1 : 0;
+  }
+  EXPECT_GT(inf, 10u);
+  EXPECT_GT(subnormal, 10u);
+  const std::vector<float> master = wide(8202);
+  write(*packed_, 0, master);
+  write(*full_, 0, master);
+  set_grads(601);
+  step_both(2);
+  expect_same("master written");
 }
 
 // A checkpoint's master written (new values everywhere, the frozen runs' bf16 copies rounded
