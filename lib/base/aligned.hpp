@@ -4,6 +4,7 @@
 #pragma once
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstddef>
@@ -50,6 +51,22 @@ class AlignedBuffer {
     out->bytes_ = bytes;
     out->mapped_ = true;
     return Status::ok();
+  }
+  // Asks the kernel not to back the whole pages inside bytes [offset_bytes, offset_bytes +
+  // bytes) of a zeroed_pages() buffer with transparent huge pages (MADV_NOHUGEPAGE): where
+  // /sys/kernel/mm/transparent_hugepage/enabled is "always", the first write next to a range
+  // that stays zero would otherwise fault in the whole 2 MiB page around it, zeros included.
+  // Each call splits the mapping into up to three (the kernel's map count limit,
+  // vm.max_map_count, bounds them all). Advice only: false when there is no whole page inside
+  // the range or the kernel refused (no THP support, the map count limit), and nothing is lost.
+  // REQUIRES: a zeroed_pages() buffer; offset_bytes + bytes <= this->bytes().
+  bool advise_no_huge_pages(std::size_t offset_bytes, std::size_t bytes) {
+    ZINF_ASSERT(mapped_ && offset_bytes + bytes <= bytes_);
+    const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+    const std::size_t lo = (offset_bytes + page - 1) / page * page;
+    const std::size_t hi = (offset_bytes + bytes) / page * page;
+    if (hi <= lo) return false;
+    return ::madvise(data_ + lo, hi - lo, MADV_NOHUGEPAGE) == 0;
   }
 
   AlignedBuffer(AlignedBuffer&& other) noexcept

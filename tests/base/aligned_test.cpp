@@ -1,10 +1,14 @@
-// AlignedBuffer (lib/base/aligned.hpp): zeroed_pages() maps zeros, and a mapping the kernel
-// refuses is a Status naming what was asked for, not the end of the process.
+// AlignedBuffer (lib/base/aligned.hpp): zeroed_pages() maps zeros, a mapping the kernel refuses
+// is a Status naming what was asked for, not the end of the process, and
+// advise_no_huge_pages() marks the whole pages of a range off transparent huge pages.
 #include "base/aligned.hpp"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cstdint>
+#include <cstdio>
+#include <fstream>
 #include <random>
 #include <string>
 
@@ -45,6 +49,49 @@ TEST(ZeroedPages, AMappingTheKernelRefusesIsResourceExhaustedNamingWhatAndTheByt
   EXPECT_NE(message.find(std::to_string(bytes) + " bytes"), std::string::npos) << message;
   EXPECT_EQ(buffer.bytes(), 0u);
   EXPECT_EQ(buffer.data(), nullptr);
+}
+
+// The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps), with a
+// space on each side of every flag; empty when no mapping holds it.
+std::string vm_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &lo, &hi) == 2) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.substr(8) + " ";
+    }
+  }
+  return "";
+}
+
+// The whole pages inside the range are marked "nh" (MADV_NOHUGEPAGE); the pages around it, and
+// the page the range begins inside of, are not.
+TEST(ZeroedPages, AdviseNoHugePagesMarksTheWholePagesInsideTheRange) {
+  constexpr std::size_t kMiB = std::size_t{1} << 20;
+  AlignedBuffer buffer;
+  ASSERT_TRUE(AlignedBuffer::zeroed_pages(8 * kMiB, "test array", &buffer).is_ok());
+  EXPECT_FALSE(buffer.advise_no_huge_pages(100, 200)) << "no whole page inside";
+  if (!buffer.advise_no_huge_pages(kMiB + 100, 4 * kMiB)) {
+    GTEST_SKIP() << "the kernel refuses MADV_NOHUGEPAGE (built without transparent huge pages)";
+  }
+  const std::byte* p = buffer.data();
+  const auto page = static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+  EXPECT_NE(vm_flags(p + 3 * kMiB).find(" nh "), std::string::npos) << vm_flags(p + 3 * kMiB);
+  EXPECT_NE(vm_flags(p + kMiB + page).find(" nh "), std::string::npos);
+  EXPECT_NE(vm_flags(p + 5 * kMiB - 1).find(" nh "), std::string::npos);
+  for (std::size_t at : {std::size_t{0}, kMiB, kMiB + page - 1, 5 * kMiB, 8 * kMiB - 1}) {
+    const std::string flags = vm_flags(p + at);
+    ASSERT_FALSE(flags.empty()) << at;
+    EXPECT_EQ(flags.find(" nh "), std::string::npos) << at << ": " << flags;
+  }
+  // Still zeros, and writable on both sides.
+  buffer.data()[3 * kMiB] = std::byte{1};
+  buffer.data()[6 * kMiB] = std::byte{2};
+  EXPECT_EQ(buffer.data()[3 * kMiB + 1], std::byte{0});
 }
 
 }  // namespace

@@ -1,7 +1,8 @@
 // HostState (lib/engine/host_state.cpp), offload_optimizer none on a host-accessible device:
 // its zero-page moments and gradient accumulator count against the HostDevice's memory limit
 // and fail as a Status, naming the tensor and the bytes, when the limit or the kernel refuses
-// them; and a step does not narrow a frozen f32 group into the publish buffer again.
+// them; their frozen ranges are advised off transparent huge pages; and a step does not narrow a
+// frozen f32 group into the publish buffer again.
 #include <gtest/gtest.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -11,10 +12,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "base/aligned.hpp"
 #include "common/sanitizer.hpp"
 #include "engine/engine_test_util.hpp"
 #include "engine/layout.hpp"
@@ -189,6 +192,72 @@ TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
       << got;
   EXPECT_NE(got.find("optimizer state exp_avg_sq "), std::string::npos) << got;
   EXPECT_NE(got.find(std::to_string(bytes) + " bytes"), std::string::npos) << got;
+}
+
+// The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps), with a
+// space on each side of every flag; empty when no mapping holds it.
+std::string vm_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &lo, &hi) == 2) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.substr(8) + " ";
+    }
+  }
+  return "";
+}
+
+// The frozen range of both moments and of the gradient accumulator is advised off transparent
+// huge pages ("nh" in its mapping's flags), so that with THP "always" the first write into the
+// trainable range beside it does not fault in 2 MiB pages over its zeros; the trainable range is
+// not advised.
+TEST(HostStateMemory, TheFrozenRangesAreAdvisedOffHugePages) {
+  {
+    AlignedBuffer probe;
+    ASSERT_TRUE(AlignedBuffer::zeroed_pages(std::size_t{1} << 20, "probe", &probe).is_ok());
+    if (!probe.advise_no_huge_pages(0, probe.bytes())) {
+      GTEST_SKIP() << "the kernel refuses MADV_NOHUGEPAGE (built without transparent huge pages)";
+    }
+  }
+  // 8 MiB of frozen elements, 4 MiB of trainable ones an array.
+  HostStateFixture f(std::size_t{2} << 20, std::size_t{1} << 20, /*base_frozen=*/true);
+  Result<std::unique_ptr<OptimizerState>> opened = open_host_state(f.context(nullptr));
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  OptimizerState& state = **opened;
+  std::uint32_t frozen = UINT32_MAX, trained = UINT32_MAX;
+  for (std::uint32_t g = 0; g < f.layout_.group_count(); ++g) {
+    (f.layout_.frozen_group(g) ? frozen : trained) = g;
+  }
+  ASSERT_NE(frozen, UINT32_MAX);
+  ASSERT_NE(trained, UINT32_MAX);
+  auto array = [&](Piece piece) {
+    const float* out = nullptr;
+    EXPECT_TRUE(state
+                    .read_state(piece,
+                                [&](std::size_t, std::size_t, const float* values) {
+                                  out = values;
+                                  return Status::ok();
+                                })
+                    .is_ok());
+    return out;
+  };
+  const float* arrays[] = {array(Piece::kExpAvg), array(Piece::kExpAvgSq),
+                           state.grad_target().accumulator};
+  auto middle = [&](const float* a, std::uint32_t g) {
+    return a + f.layout_.offset(g) + f.layout_.group(g).shard_element_count / 2;
+  };
+  for (const float* a : arrays) {
+    ASSERT_NE(a, nullptr);
+    const std::string in_frozen = vm_flags(middle(a, frozen));
+    const std::string in_trained = vm_flags(middle(a, trained));
+    EXPECT_NE(in_frozen.find(" nh "), std::string::npos) << in_frozen;
+    ASSERT_FALSE(in_trained.empty());
+    EXPECT_EQ(in_trained.find(" nh "), std::string::npos) << in_trained;
+  }
 }
 
 // After a step, the trainable f32 groups are narrowed from the master into the publish buffer
