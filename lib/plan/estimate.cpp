@@ -209,14 +209,12 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
 
   // The new half params before they go to their home. The optimizer on the device keeps its own
   // half copy of the shard there, which the shards are written from (the host's publish buffer
-  // is freed once the first values are placed), and with frozen elements its zero gradients and
-  // moments for rounding their half copy: min(largest frozen run, 1 Mi) elements each, fp32, the
-  // run at most the frozen share. Offloaded, on the host: streamed one group at a time with the
-  // optimizer on NVMe and the shards not in host memory, else the whole shard.
+  // is freed once the first values are placed); it rounds the frozen runs' half copy from the
+  // master in place (DeviceOps::narrow), with no scratch. Offloaded, on the host: streamed one
+  // group at a time with the optimizer on NVMe and the shards not in host memory, else the whole
+  // shard.
   if (s.optimizer == OffloadDevice::kNone) {
     add(MemoryUse::kHalfCopy, MemoryTier::kDevice, 2 * pr);
-    add(MemoryUse::kHalfCopy, MemoryTier::kDevice,
-        3 * 4 * std::min<std::uint64_t>(pr - tr, std::uint64_t{1} << 20));
   } else {
     add(MemoryUse::kHalfCopy, MemoryTier::kHost,
         streams_half(s) ? 2 * s.param_staging_params : 2 * pr);

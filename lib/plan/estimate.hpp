@@ -25,10 +25,8 @@
 //                   on the host, or shards in host memory). With the optimizer on the device
 //                   (offload_optimizer none on a GPU: lib/engine/device_state.cpp) 2·Pr on the
 //                   device, the device optimizer's own half copy, which the shards are written
-//                   from (the host's publish buffer is freed once the first values are placed),
-//                   and with frozen elements three fp32 zero buffers (gradient, m, v) of
-//                   min(largest frozen run, 1 Mi) elements it rounds their half copy with:
-//                   12·min(Pr − Tr, 2^20) bytes
+//                   from (the host's publish buffer is freed once the first values are placed);
+//                   the frozen runs' half copy is rounded from the master with no scratch
 //   activations     device, per micro-batch (Korthikanti et al. 2022, "Reducing Activation
 //                   Recomputation in Large Transformer Models", eq. 1, 16-bit, no tensor or
 //                   sequence parallelism):

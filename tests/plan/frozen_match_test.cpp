@@ -206,9 +206,9 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
 // The optimizer on the device (offload_optimizer none on a GPU; here an opaque HostDevice, which
 // takes a GPU's path: lib/engine/device_state.cpp) allocates what it holds, so the estimate's
 // device bytes are compared with the engine's MemoryReport: the frozen base's moments take no
-// device memory, and the device optimizer's half copy (2 B an element) and its zero buffers for
-// rounding the frozen half copy (3 x 4 B x min(largest frozen run, 1 Mi)) do. Packing the
-// trainable runs' moments at 16-element alignment adds at most 15 elements (120 B) a run.
+// device memory, and the device optimizer's half copy (2 B an element) does (it rounds the frozen
+// runs' half copy from the master with no scratch). Packing the trainable runs' moments at
+// 16-element alignment adds at most 15 elements (120 B) a run.
 TEST(FrozenMatch, DeviceOptimizerBytesAreTheEstimate) {
   const ModelShape model = lora_shape();
   Result<EngineSetup> planned = stage2_setup(model, OffloadDevice::kNone);

@@ -42,17 +42,15 @@ EngineSetup one_machine(int stage, int ranks) {
 // Per tier, the bytes a rank saves by freezing: Fr = Pr − ceil(T / N) frozen elements of its
 // shard, each without its moments (8 B) on the device and in host memory (on NVMe the swap file
 // is preallocated whole), and without its gradient slice (4 B) where the accumulator is the host's
-// zero pages and stages 2-3 never reduce a frozen group. The device optimizer spends some of it
-// on three fp32 zero buffers (gradient, m, v) of min(largest frozen run, 1 Mi) elements, with
-// which it rounds the frozen half copy (lib/engine/device_optimizer.cpp).
+// zero pages and stages 2-3 never reduce a frozen group. The device optimizer rounds the frozen
+// half copy from the master with no scratch (lib/engine/device_optimizer.cpp, DeviceOps::narrow).
 std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const EngineSetup& s) {
   const double p = static_cast<double>(param_count(m));
   const double t = static_cast<double>(m.trainable_params);
   const double n = static_cast<double>(s.world_size);
   const double frozen = std::ceil(p / n) - std::ceil(t / n);
   std::array<double, kMemoryTierCount> saved{};
-  if (s.optimizer == OffloadDevice::kNone)
-    saved[0] += 8 * frozen - 12 * std::min(frozen, 1048576.0);
+  if (s.optimizer == OffloadDevice::kNone) saved[0] += 8 * frozen;
   if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen;
   if (s.optimizer != OffloadDevice::kNone && s.stage != 1) saved[1] += 4 * frozen;
   return saved;
