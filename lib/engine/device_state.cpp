@@ -56,7 +56,7 @@ class DeviceState final : public InMemoryState {
   Status publish_step() override {
     ParamCoordinator& coord = pub_.coordinator();
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-      if (layout_.frozen_group(g)) continue;
+      if (!layout_.republished(g)) continue;
       ZINF_RETURN_IF_ERROR(coord.write_shard_from_device(g, opt_->values(g)));
     }
     return pub_.publish(/*frozen_too=*/false);

@@ -124,7 +124,7 @@ class HostState final : public InMemoryState {
   // buffer after each write of it.
   Status publish_step() override {
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-      if (layout_.group(g).dtype != DType::kF32 || layout_.frozen_group(g)) continue;
+      if (layout_.group(g).dtype != DType::kF32 || !layout_.republished(g)) continue;
       const std::size_t offset = layout_.offset(g);
       pub_.narrow_groups(
           offset, layout_.group(g).shard_element_count, master_.as<const float>() + offset,
