@@ -7,13 +7,15 @@
 #include <unistd.h>
 
 #include <cstdint>
-#include <cstdio>
-#include <fstream>
 #include <random>
 #include <string>
 
+#include "common/resident_memory.hpp"
+
 namespace zinf {
 namespace {
+
+using test::vm_flags;
 
 TEST(ZeroedPages, MapsZerosThatCanBeWritten) {
   AlignedBuffer buffer;
@@ -49,23 +51,6 @@ TEST(ZeroedPages, AMappingTheKernelRefusesIsResourceExhaustedNamingWhatAndTheByt
   EXPECT_NE(message.find(std::to_string(bytes) + " bytes"), std::string::npos) << message;
   EXPECT_EQ(buffer.bytes(), 0u);
   EXPECT_EQ(buffer.data(), nullptr);
-}
-
-// The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps), with a
-// space on each side of every flag; empty when no mapping holds it.
-std::string vm_flags(const void* address) {
-  std::ifstream smaps("/proc/self/smaps");
-  const auto at = reinterpret_cast<std::uintptr_t>(address);
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    unsigned long long lo = 0, hi = 0;
-    if (std::sscanf(line.c_str(), "%llx-%llx ", &lo, &hi) == 2) {
-      inside = lo <= at && at < hi;
-    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
-      return line.substr(8) + " ";
-    }
-  }
-  return "";
 }
 
 // The whole pages inside the range are marked "nh" (MADV_NOHUGEPAGE); the pages around it, and

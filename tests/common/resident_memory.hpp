@@ -1,9 +1,12 @@
-// The process's resident memory, for tests that check what an allocation really costs (fresh zero
-// pages that nothing writes are allocated but never resident).
+// The process's memory as the kernel reports it, for tests that check what an allocation really
+// costs (fresh zero pages that nothing writes are allocated but never resident) and how it is
+// mapped.
 #pragma once
 
 #include <cstdint>
 #include <cstdio>
+#include <fstream>
+#include <string>
 
 namespace zinf::test {
 
@@ -21,6 +24,23 @@ inline std::uint64_t resident_anon_bytes() {
   }
   std::fclose(f);
   return kib * 1024;
+}
+
+// The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps), with a
+// space on each side of every flag; empty when no mapping holds it.
+inline std::string vm_flags(const void* address) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto at = reinterpret_cast<std::uintptr_t>(address);
+  bool inside = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long lo = 0, hi = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &lo, &hi) == 2) {
+      inside = lo <= at && at < hi;
+    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
+      return line.substr(8) + " ";
+    }
+  }
+  return "";
 }
 
 }  // namespace zinf::test

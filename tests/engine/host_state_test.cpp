@@ -12,12 +12,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "base/aligned.hpp"
+#include "common/resident_memory.hpp"
 #include "common/sanitizer.hpp"
 #include "engine/engine_test_util.hpp"
 #include "engine/layout.hpp"
@@ -32,6 +32,7 @@ namespace zinf {
 namespace {
 
 using engine_test::seeded;
+using test::vm_flags;
 
 bool contains(const Status& st, const std::string& text) {
   return st.message().find(text) != std::string_view::npos;
@@ -192,23 +193,6 @@ TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
       << got;
   EXPECT_NE(got.find("optimizer state exp_avg_sq "), std::string::npos) << got;
   EXPECT_NE(got.find(std::to_string(bytes) + " bytes"), std::string::npos) << got;
-}
-
-// The VmFlags of the mapping of this process that holds `address` (/proc/self/smaps), with a
-// space on each side of every flag; empty when no mapping holds it.
-std::string vm_flags(const void* address) {
-  std::ifstream smaps("/proc/self/smaps");
-  const auto at = reinterpret_cast<std::uintptr_t>(address);
-  bool inside = false;
-  for (std::string line; std::getline(smaps, line);) {
-    unsigned long long lo = 0, hi = 0;
-    if (std::sscanf(line.c_str(), "%llx-%llx ", &lo, &hi) == 2) {
-      inside = lo <= at && at < hi;
-    } else if (inside && line.rfind("VmFlags:", 0) == 0) {
-      return line.substr(8) + " ";
-    }
-  }
-  return "";
 }
 
 // The frozen range of both moments and of the gradient accumulator is advised off transparent
