@@ -1,6 +1,8 @@
 """Times a loop of single-parameter GatheredParameters blocks over a model of N tiny parameters
-(each its own module, as transformers' from_pretrained gathers one module at a time under
-ZeRO-3), for each N given: the time per block should not grow with N.
+(each its own module, as a loop that reads one parameter at a time after initialize(), such as
+DeepSpeed-Chat's save_zero_three_model, makes), for each N given: the time per block should not
+grow with N. Blocks that change a parameter are not timed: each costs a pass over the rank's
+master partition (docs/PYTHON.md).
 
     python python/tests/gathered_loop_bench.py [N ...]            (default 1000 4000)
     mpirun -np 2 python python/tests/gathered_loop_bench.py [N ...]
