@@ -4,9 +4,6 @@ the optimizer moments as they were, exactly as torch does when the same change i
 parameters between the same steps."""
 import json
 import os
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,8 +11,7 @@ import torch
 import zinf.torch
 from conftest import (BETAS, CLIP, EPS, LR, WEIGHT_DECAY, make_batches, make_mlp, make_model,
                       mlp_batches, mlp_config, mlp_loss, train_zinf, train_mlp_zinf, zinf_config)
-
-HERE = os.path.dirname(os.path.abspath(__file__))
+from _helpers import mpirun, why_mpirun_unavailable
 
 
 def change(model):
@@ -153,7 +149,7 @@ def test_a_sign_flip_of_zeros_is_a_change(stage, tmp_path):
                        nan_bias.view(torch.int32))
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+@pytest.mark.skipif(why_mpirun_unavailable() is not None, reason=str(why_mpirun_unavailable()))
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(dtype, tmp_path):
     """GatheredParameters(model.parameters(), modifier_rank=0) at stage 3 on two ranks, halving
@@ -163,11 +159,8 @@ def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(dtyp
     one parameter at a time as the write reaches it, not all at once: 4x before); every rank then
     reads the halved values from the masters."""
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="131072")
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-x",
-               "MALLOC_MMAP_THRESHOLD_", "-np", "2", sys.executable,
-               os.path.join(HERE, "gathered_memory.py"), str(tmp_path), "512", "64",
-               "write_all", dtype]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+    result = mpirun("gathered_memory.py", [tmp_path, 512, 64, "write_all", dtype], timeout=300,
+                    env=env, exported=["MALLOC_MMAP_THRESHOLD_"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     reports = sorted((json.loads(line) for line in result.stdout.splitlines()
                       if line.startswith("{")), key=lambda r: r["rank"])
@@ -182,12 +175,10 @@ def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(dtyp
 @pytest.fixture(scope="module")
 def two_rank_blocks(tmp_path_factory):
     """gathered_ranks.py under mpirun: each rank's report, by rank."""
-    if shutil.which("mpirun") is None:
-        pytest.skip("no mpirun on PATH")
+    if why_mpirun_unavailable() is not None:
+        pytest.skip(why_mpirun_unavailable())
     out = tmp_path_factory.mktemp("gathered_ranks")
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
-               "2", sys.executable, os.path.join(HERE, "gathered_ranks.py"), str(out)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    result = mpirun("gathered_ranks.py", [out], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return [torch.load(out / f"gathered_ranks.rank{rank}.pt") for rank in (0, 1)]
 
@@ -313,16 +304,32 @@ class _CountingDict(dict):
         return self._walk(super().items())
 
 
+class _CountingList(list):
+    """A list that counts the entries walked through it (iteration), into _CountingDict.walked."""
+
+    def __iter__(self):
+        _CountingDict.walked += len(self)
+        return super().__iter__()
+
+
+# The engine's per-parameter tables: none may be walked whole by a block.
+_PER_PARAMETER_DICTS = ("_params", "_names", "_shapes", "_owner", "_position")
+
+
 def test_a_block_per_parameter_does_not_walk_the_engines_parameters():
-    """A block per parameter (as from_pretrained under ZeRO-3 loads one module at a time) takes
-    time linear in the block's parameters, not the model's: no block, reading or writing,
-    walks every parameter of the engine, so a loop of them is linear in the model's size
-    (gathered_loop_bench.py times it)."""
+    """A block per parameter after initialize() (as DeepSpeed-Chat's save_zero_three_model reads
+    one at a time): the Python side of no block, reading or writing, walks the engine's
+    per-parameter tables (its parameters, their names, shapes, owners, positions), so the
+    package adds work linear in the block's parameters, not the model's (gathered_loop_bench.py
+    times reading blocks). A writing block still costs the engine's pass over the rank's master
+    partition, which this does not count."""
     generator = torch.Generator().manual_seed(31)
     model = torch.nn.ModuleList(torch.nn.Linear(3, 2) for _ in range(40))
     engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(3))
     try:
-        engine._params = _CountingDict(engine._params)
+        for table in _PER_PARAMETER_DICTS:
+            setattr(engine, table, _CountingDict(getattr(engine, table)))
+        engine._param_ids = _CountingList(engine._param_ids)
         _CountingDict.walked = 0
         for index, layer in enumerate(model):
             with zinf.torch.GatheredParameters(layer.bias):
@@ -332,7 +339,9 @@ def test_a_block_per_parameter_does_not_walk_the_engines_parameters():
                     with torch.no_grad():
                         layer.weight.copy_(torch.randn(2, 3, generator=generator))
         walked = _CountingDict.walked
-        engine._params = dict(engine._params)
+        for table in _PER_PARAMETER_DICTS:
+            setattr(engine, table, dict(getattr(engine, table)))
+        engine._param_ids = list(engine._param_ids)
         assert walked == 0
         # The writes landed.
         reread = torch.Generator().manual_seed(31)
