@@ -490,9 +490,11 @@ class PyEngine {
     auto* data = static_cast<std::uint8_t*>(buffer.data());
     // DType has no byte type: the bytes move as 2-byte elements, in place, and an odd last byte
     // in a pair of its own (the buffer has no byte after it to pad with), in a second broadcast
-    // issued behind the first and waited for with it.
+    // issued behind the first and waited for with it. The pair is the engine's, not this
+    // frame's: a wait that runs out returns while the stream may still write it.
     const std::size_t even_bytes = bytes - bytes % 2;
-    std::array<std::uint8_t, 2> tail = {bytes % 2 != 0 ? data[bytes - 1] : std::uint8_t{0}, 0};
+    std::array<std::uint8_t, 2>& tail = client_tail_;
+    tail = {bytes % 2 != 0 ? data[bytes - 1] : std::uint8_t{0}, 0};
     run_client_collective([&](zinf::Communicator& comm, zinf::Stream& stream) {
       if (even_bytes > 0 || bytes == 0) {
         ZINF_RETURN_IF_ERROR(
@@ -570,6 +572,7 @@ class PyEngine {
   std::vector<std::unique_ptr<zinf::Communicator>> comms_;
   std::unique_ptr<zinf::Stream> client_stream_;  // broadcast_bytes and all_gather_bytes
   std::unique_ptr<zinf::Event> client_done_;
+  std::array<std::uint8_t, 2> client_tail_{};  // broadcast_bytes' odd last byte, in a pair
   std::unique_ptr<zinf::Engine> engine_;
   std::unordered_map<std::string, std::size_t> element_counts_;
   // Bytes of each activation saved and not loaded yet (0: none), for load_activation's check.
