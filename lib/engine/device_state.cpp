@@ -136,14 +136,13 @@ class DeviceState final : public InMemoryState {
   // gathered buffer on the coordinator's stream) may still be running, and on the opaque
   // HostDevice it does run later, on the stream's worker thread (CUDA stages a pageable source
   // before copy_async() returns), so freeing the buffer then is a use after free. The copies are
-  // waited for, their status ignored (`st` is the result). Where that wait cannot vouch for them
-  // (it fails: a coordinator that failed before returns its sticky error without waiting, or
-  // its stream failed), the buffer is kept instead: such a failure leaves the engine failed for
-  // good (a load or write_parameters is sticky, a finalize is refused), and the engine's
-  // teardown waits for the coordinator's stream before the publisher, which owns the buffer,
-  // goes.
+  // waited for (drain_writes(): the wait's own status, not the coordinator's sticky error), and
+  // `st` stays the result. Where that wait cannot vouch for them (it runs out, or the stream
+  // failed), the buffer is kept instead: such a failure leaves the engine failed for good (a
+  // load or write_parameters is sticky, a finalize is refused), and the engine's teardown waits
+  // for the coordinator's stream before the publisher, which owns the buffer, goes.
   void free_buffer_after(const Status& st) {
-    if (st.is_ok() || pub_.wait_writes().is_ok()) pub_.free_buffer();
+    if (st.is_ok() || pub_.drain_writes().is_ok()) pub_.free_buffer();
   }
 
   void narrow_all(std::size_t first, std::size_t count, const float* src) {

@@ -118,6 +118,12 @@ class Publisher {
     std::lock_guard<std::mutex> lock(mu_);
     return coord_->wait_writes();
   }
+  // The wait alone (ParamCoordinator::drain_writes()): ok when no write so far can still read its
+  // memory, even after an earlier failure. Local.
+  Status drain_writes() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return coord_->drain_writes();
+  }
 
   // --- The overlapped step -------------------------------------------------------------------
   // Held around every coordinator call while a pass may be running on another thread.

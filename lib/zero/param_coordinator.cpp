@@ -192,14 +192,14 @@ Status ParamCoordinator::write_shard_part(std::uint32_t g, std::size_t first, st
   return Status::ok();
 }
 
-Status ParamCoordinator::wait_writes() {
+Status ParamCoordinator::drain_writes() {
   // Copies up to device shards and persistent groups are on the stream; host and NVMe shards
   // were copied (or staged) before write_shard() returned. The stream is waited for after an
   // earlier failure too: its copies still read the caller's memory until they have run (a
   // stream runs, or skips, the work queued behind a failure), and the caller frees it next.
   Status st = wait_stream_for_writes();
   if (error_.is_ok()) error_ = st;
-  return error_;
+  return st;
 }
 
 Status ParamCoordinator::wait_stream_for_writes() {

@@ -121,13 +121,20 @@ class ParamCoordinator {
   // before publish() returns: device-to-device into device shards and persistent groups, down
   // into host shards, and through a staging block to NVMe.
   Status write_shard_from_device(std::uint32_t g, const void* device_shard);
-  // Waits until every write_shard() so far has read its host memory, so the caller may reuse it
-  // before publish() (the engine streams a step's shards through one staging buffer). It waits
-  // even when an earlier call failed, and only then returns that first (sticky) error, so after a
-  // failed write the caller may still free or reuse the memory the other writes read from. The
-  // one exception is this wait running out itself (kTimeout: the stream is stuck), after which
-  // queued writes may still read their memory.
-  Status wait_writes();
+  // Waits until every write_shard() so far has read its host memory, and returns the wait's own
+  // status: ok when it did, so the caller may free or reuse the memory those writes read from,
+  // even after an earlier call failed. A failure (kTimeout: the stream is stuck; or the stream
+  // itself failed) means queued writes may still read their memory; it becomes the sticky error
+  // when it is the first.
+  Status drain_writes();
+  // drain_writes(), then the first (sticky) error: what the caller checks before reusing the
+  // memory for the next writes or before publish() (the engine streams a step's shards through
+  // one staging buffer). Whatever it returns, the drain was tried; drain_writes() alone says
+  // whether it completed.
+  Status wait_writes() {
+    (void)drain_writes();  // a drain that failed is the sticky error when it is the first
+    return error_;
+  }
   // All-gathers every persistent group (after write_shard of each), or those of them for which
   // want(g) holds (after a step, the groups it rewrote). Collective: every rank all-gathers the
   // same groups in the same order.

@@ -1,6 +1,6 @@
 // ParamCoordinator::wait_writes() after a failed shard write: it returns the first error only once
 // every write queued on the coordinator's stream has run, so the caller may free the memory those
-// writes read from.
+// writes read from; drain_writes() says the wait itself completed.
 #include "zero/param_coordinator.hpp"
 
 #include <fmt/format.h>
@@ -31,8 +31,9 @@ namespace {
 // 1's, which fails. Rank 1 joins the all-gather 300 ms later. wait_writes() on rank 0 must return
 // the write's EIO, and only after group 2's copy ran: its slice of the gathered buffer then holds
 // the values written (HostDevice memory reads as the host's; unwritten memory is 0xff bytes).
-// Returning at once, it would find the copy still queued behind the all-gather. No write comes
-// after the failed one: a coordinator that failed refuses every later write.
+// Returning at once, it would find the copy still queued behind the all-gather. drain_writes()
+// then returns ok, the wait's own status, not the sticky EIO: the caller may free the memory. No
+// write comes after the failed one: a coordinator that failed refuses every later write.
 TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRun) {
   constexpr int kWorld = 2;
   constexpr std::uint64_t kSeed = 4711;
@@ -158,6 +159,9 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
         std::memcmp(full + part.shard_offset(0, r), shard(r, 0), shard_elements * sizeof(float)), 0)
         << "rank " << r << "'s shard of group 0";
   }
+  // The wait itself completed: nothing queued can still read the shards.
+  const Status drained = c.drain_writes();
+  EXPECT_TRUE(drained.is_ok()) << drained.to_string();
   // Sticky: every later call returns the same error.
   EXPECT_EQ(c.wait_writes().code(), Code::kIoError);
   EXPECT_EQ(c.write_shard(2, shard(0, 2)).code(), Code::kIoError);
