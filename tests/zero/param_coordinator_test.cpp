@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
@@ -28,7 +29,8 @@ namespace {
 // shards are copied up on the coordinator's stream), group 1's shard lives on NVMe, where rank 0's
 // write fails with EIO. Rank 0 writes group 0's shard, queues its all-gather, which waits on the
 // stream for rank 1, then writes group 2's shard (a copy queued behind the all-gather) and group
-// 1's, which fails. Rank 1 joins the all-gather 300 ms later. wait_writes() on rank 0 must return
+// 1's, which fails. Rank 1 joins the all-gather only once rank 0 is about to wait (and 50 ms
+// later), so the copy is still queued when the wait starts. wait_writes() on rank 0 must return
 // the write's EIO, and only after group 2's copy ran: its slice of the gathered buffer then holds
 // the values written (HostDevice memory reads as the host's; unwritten memory is 0xff bytes).
 // Returning at once, it would find the copy still queued behind the all-gather. drain_writes()
@@ -121,8 +123,15 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
     return shards[3 * static_cast<std::size_t>(rank) + g].data();
   };
 
+  // Set just before rank 0 waits, or on any way out before that, so rank 1 never waits forever.
+  std::atomic<bool> waiting{false};
+  auto signal_waiting = [&] {
+    waiting.store(true);
+    waiting.notify_all();
+  };
   std::thread late([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    waiting.wait(false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
     ParamCoordinator& c = *coords[1];
     EXPECT_TRUE(c.write_shard(0, shard(1, 0)).is_ok());
     EXPECT_TRUE(c.publish_group(0).is_ok());
@@ -131,10 +140,12 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   // Joined on every way out, before the coordinators go.
   struct Join {
     std::thread& thread;
+    decltype(signal_waiting)& signal;
     ~Join() {
+      signal();
       if (thread.joinable()) thread.join();
     }
-  } join{late};
+  } join{late, signal_waiting};
   ParamCoordinator& c = *coords[0];
   ASSERT_TRUE(c.write_shard(0, shard(0, 0)).is_ok());
   ASSERT_TRUE(c.publish_group(0).is_ok());
@@ -142,6 +153,7 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   failing->set_enabled(true);
   const Status failed = c.write_shard(1, shard(0, 1));
   EXPECT_EQ(failed.code(), Code::kIoError) << failed.to_string();
+  signal_waiting();
   const Status waited = c.wait_writes();
   // What the copy of group 2's shard left in rank 0's slice, read right as wait_writes() returns.
   std::vector<float> slice(shard_elements);
