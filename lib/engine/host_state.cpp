@@ -125,11 +125,10 @@ class HostState final : public InMemoryState {
   Status publish_step() override {
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
       if (layout_.group(g).dtype != DType::kF32 || !layout_.republished(g)) continue;
+      // Group g alone: Publisher::narrow_groups() would walk every group for each g.
       const std::size_t offset = layout_.offset(g);
-      pub_.narrow_groups(
-          offset, layout_.group(g).shard_element_count, master_.as<const float>() + offset,
-          [](DType dtype) { return dtype == DType::kF32; },
-          [&](std::uint32_t h) { return pub_.buffer(h); });
+      zinf::narrow(master_.as<const float>() + offset, layout_.group(g).shard_element_count,
+                   DType::kF32, pub_.buffer(g));
     }
     return write_buffer(/*gather_persistent=*/true, /*frozen_too=*/false);
   }
