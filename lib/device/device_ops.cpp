@@ -8,6 +8,7 @@
 
 #include "base/arith.hpp"
 #include "device/host_device.hpp"
+#include "kernels/cast.h"
 #include "kernels/sq_norm.h"
 #include "kernels/unscale.h"
 #include "kernels/widen.h"
@@ -90,9 +91,9 @@ class HostDeviceOps final : public DeviceOps {
     auto* d = static_cast<std::uint16_t*>(device_.host_address(dst));
     return device_.launch_host(stream, [s, dst_dtype, d, count] {
       if (dst_dtype == DType::kBF16) {
-        convert_f32_to_bf16(s, d, count);
+        kernels::cast_f32_to_bf16_ref(s, d, count);
       } else {
-        convert_f32_to_f16(s, d, count);
+        kernels::cast_f32_to_f16_ref(s, d, count);
       }
       return Status::ok();
     });

@@ -25,9 +25,7 @@
 // Implementations: for CudaDevice the kernels of kernels/ on the stream's cudaStream_t (launch
 // errors become a Status through status_from_cuda); for HostDevice, opaque or not, the kernels'
 // scalar references (kernels/*_ref.cpp, the ground truth the kernels are tested against) run as
-// host functions in stream order on the memory's host addresses, so both give the same bits
-// (narrow: lib/base's convert_f32_to_bf16 / convert_f32_to_f16, whose every path gives the
-// cast references' bits, include/zinf/dtype.hpp's f32_to_bf16 / f32_to_f16).
+// host functions in stream order on the memory's host addresses, so both give the same bits.
 //
 // Thread-safety: as Device (any thread); the ops hold no state between calls.
 #pragma once
