@@ -23,12 +23,15 @@
 // (each run's at its own moment offset, kept congruent to its partition offset modulo 16
 // elements so that every launch keeps the vectorised path), and step() launches neither scale
 // nor adam_step over them. Their bf16/f16 copy (what values() returns) is what the step would
-// write, the master rounded: DeviceOps::narrow, which rounds as adam_step rounds its output,
-// writes it at create() and after each write_state() of the master. read_state() gives their
-// moments as zeros and write_state() accepts all-zero ones and stores nothing; non-zero moments
-// written there (a checkpoint saved with the parameter trainable) are kept: the moments are then
-// allocated for the whole partition ("unpacked", for the rest of the optimizer's life) and every
-// run is stepped as any other. The results are the same bits as stepping every run. The gradient
+// write for every finite master element, the master rounded: DeviceOps::narrow, which rounds as
+// adam_step rounds its output, writes it at create() and after each write_state() of the master.
+// read_state() gives their moments as zeros and write_state() accepts all-zero ones and stores
+// nothing; non-zero moments written there (a checkpoint saved with the parameter trainable) are
+// kept: the moments are then allocated for the whole partition ("unpacked", for the rest of the
+// optimizer's life) and every run is stepped as any other. The results are the same bits as
+// stepping every run, for every finite master element: a step would turn a NaN into the kernel's
+// canonical NaN on CUDA where narrow keeps its payload, and, under plain Adam, an infinity into a
+// NaN (0 * inf in the zero weight decay's term), where a frozen run keeps both. The gradient
 // accumulator keeps the whole partition (the reducer adds at partition offsets).
 //
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
