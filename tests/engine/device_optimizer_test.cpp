@@ -204,8 +204,12 @@ class DeviceOptimizerFrozenF16 : public DeviceOptimizerFrozen {
     std::vector<float> out = seeded(kPartition, seed, -2.0f, 2.0f);
     std::mt19937_64 rng(seed + 1);
     for (float& x : out) x = std::ldexp(x, static_cast<int>(rng() % 48) - 30);  // 2^-30..2^18
+    // Signed zeros in a trainable run (5) and in frozen ones of both half groups (1030, 1031,
+    // 7003): a copy that loses -0's sign differs from the step's.
     out[5] = -0.0f;
     out[1030] = 0.0f;
+    out[1031] = -0.0f;
+    out[7003] = -0.0f;
     out[7001] = 65520.0f;  // ties to infinity
     out[7002] = 0x1p-25f;  // half the smallest subnormal: ties to zero
     return out;
@@ -226,6 +230,9 @@ TEST_F(DeviceOptimizerFrozenF16, FrozenCopiesAreTheStepsBits) {
   }
   EXPECT_GT(inf, 10u);
   EXPECT_GT(subnormal, 10u);
+  // The frozen negative zeros kept their sign.
+  EXPECT_EQ(half(*packed_, 0)[1031], 0x8000);
+  EXPECT_EQ(h[7003 - 7000], 0x8000);
   const std::vector<float> master = wide(8202);
   write(*packed_, 0, master);
   write(*full_, 0, master);
