@@ -405,6 +405,15 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
     if (!swap_->in_current_file(in_order[k])) return false;
   }
   if (!any_stored) return false;  // the master is always stored: a store never stepped or loaded
+  const std::uint64_t block_bytes = swap_->options().block_bytes;
+  // A hole's checksums are those of zeros, of a block's length. The block of zeros is mapped
+  // before anything changes: a refusal after the link would return with the header still held
+  // and the settled sub-groups still passed over.
+  AlignedBuffer zeros;
+  if (std::find(zero.begin(), zero.end(), true) != zero.end()) {
+    ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(
+        block_bytes, "StateStore: a block of zeros to checksum holes", &zeros));
+  }
   ZINF_RETURN_IF_ERROR(swap_->write_sync(header_extent_, header));
   if (!swap_->in_current_file(header_extent_)) return false;
   Status linked = swap_->link_files({path}, {later_name});
@@ -415,10 +424,7 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
     }
     return linked;
   }
-  const std::uint64_t block_bytes = swap_->options().block_bytes;
-  // The checksums of what was linked, before the header's are forgotten below; a hole's are
-  // those of zeros, of a block's length.
-  AlignedBuffer zeros;
+  // The checksums of what was linked, before the header's are forgotten below.
   for (std::size_t k = 0; k < in_order.size(); ++k) {
     const ExtentId id = in_order[k];
     const ExtentInfo& info = swap_->info(id);
@@ -428,10 +434,6 @@ Result<bool> StateStore::link_checkpoint(const void* header, const std::string& 
       if (!zero[k]) {
         sums->push_back({end, swap_->block_checksum(id, b)});
         continue;
-      }
-      if (zeros.bytes() == 0) {
-        ZINF_RETURN_IF_ERROR(AlignedBuffer::zeroed_pages(
-            block_bytes, "StateStore: a block of zeros to checksum holes", &zeros));
       }
       const std::uint64_t length = end - (start + b * block_bytes);
       sums->push_back({end, xxh3_64(zeros.data(), static_cast<std::size_t>(length))});
