@@ -52,6 +52,10 @@ class AlignedBuffer {
     out->mapped_ = true;
     return Status::ok();
   }
+  // The most ranges of one buffer a caller advises off huge pages: each advised range splits the
+  // mapping in up to three, and vm.max_map_count (65530 by default) bounds all of a process's
+  // mappings; a caller with more ranges than this advises none.
+  static constexpr std::size_t kMaxAdvisedStretches = 1024;
   // Asks the kernel not to back the whole pages inside bytes [offset_bytes, offset_bytes +
   // bytes) of a zeroed_pages() buffer with transparent huge pages (MADV_NOHUGEPAGE): where
   // /sys/kernel/mm/transparent_hugepage/enabled is "always", the first write next to a range

@@ -59,9 +59,9 @@ class HostState final : public InMemoryState {
     settled_ = !frozen_.empty();
     // With transparent huge pages "always", the first write into a trainable run would fault in
     // the 2 MiB pages around it, over its frozen neighbours' zeros too: those are advised off
-    // huge pages. Each advised range splits a mapping, so past kMaxAdvisedStretches (far below
-    // the kernel's map count limit) none is.
-    if (frozen_.size() <= kMaxAdvisedStretches) {
+    // huge pages. Each advised range splits a mapping, so past AlignedBuffer::kMaxAdvisedStretches
+    // (far below the kernel's map count limit) none is.
+    if (frozen_.size() <= AlignedBuffer::kMaxAdvisedStretches) {
       for (const Stretch& f : frozen_) {
         for (AlignedBuffer* a : {&exp_avg_, &exp_avg_sq_, &grads_}) {
           (void)a->advise_no_huge_pages(f.begin * sizeof(float), (f.end - f.begin) * sizeof(float));
@@ -272,9 +272,6 @@ class HostState final : public InMemoryState {
   AlignedBuffer exp_avg_, exp_avg_sq_, grads_;
   // master_loaded(): the elements rounded into the buffer since element 0, in order.
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
-  // The most frozen ranges advised off transparent huge pages: each splits each of the three
-  // arrays' mappings in up to three.
-  static constexpr std::size_t kMaxAdvisedStretches = 1024;
   std::size_t loaded_elements_ = 0;
 };
 

@@ -82,6 +82,7 @@ class StoreState final : public OptimizerState {
         [&](std::size_t i) { return store_->sub_group_first(i); },
         [&](std::size_t i) { return store_->sub_group_size(i); });
     frozen_ = pipe.frozen_sub_groups;
+    advise_frozen_off_huge_pages();
     if (publish_ == Publish::kStreamed) {
       // A step's stream drops the frozen groups' elements (Publisher::restart_stream): a passed
       // frozen sub-group that holds nothing else needs no half output, so not even its master
@@ -653,6 +654,27 @@ class StoreState final : public OptimizerState {
       ++i;
     }
     return Status::ok();
+  }
+
+  // With transparent huge pages "always", the first write into a trainable sub-group would
+  // fault in the 2 MiB pages around it, over its frozen neighbours' zeros too: the host arrays
+  // of the moments and the gradients are advised off huge pages over each run of consecutive
+  // frozen sub-groups (StateStore::advise_cold). Each advised run splits a mapping, so past
+  // AlignedBuffer::kMaxAdvisedStretches runs (far below the kernel's map count limit) none is.
+  void advise_frozen_off_huge_pages() {
+    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first sub-group, count)
+    for (std::size_t i = 0; i < frozen_.size();) {
+      if (!frozen_[i]) {
+        ++i;
+        continue;
+      }
+      std::size_t end = i;
+      while (end < frozen_.size() && frozen_[end]) ++end;
+      runs.emplace_back(i, end - i);
+      i = end;
+    }
+    if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return;
+    for (const auto& [first, count] : runs) store_->advise_cold(first, count);
   }
 
   // Every bit zero (a -0.0 moment is not the zero a settled sub-group holds).
