@@ -128,8 +128,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       static_cast<double>(std::max<std::uint64_t>(1, training.grad_accum_steps));
   const double link_share = (n - 1.0) / n;
   // Stages 1-2 all-gather the new half params once a step, as the optimizer step publishes them:
-  // part of the optimizer step, beside their upload.
-  const double published = s.stage == 3 ? 0.0 : 2.0 * static_cast<double>(p);
+  // part of the optimizer step, beside their upload. Only the trainable groups are republished
+  // (the engine's publish after a step leaves the frozen groups, which no step changes), 2·T.
+  const double published = s.stage == 3 ? 0.0 : 2.0 * static_cast<double>(t);
   out.publish_gather_s = seconds(published * link_share, profile.gpu_link_gbps);
   out.optimizer_step_s = std::max({out.pipeline_s, out.param_upload_s, out.publish_gather_s});
 

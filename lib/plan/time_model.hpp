@@ -24,9 +24,10 @@
 //                                                      not overlapped)
 //            State on the host: pipeline = U (no I/O).
 //   upload   new half params to the device, 2·Pr at h2d_gbps (overlaps the pipeline)
-//   publish  stages 1-2: the new half params all-gathered, 2·P, (N−1)/N of it per rank at
-//            gpu_link_gbps, once a step as the step publishes them (stage 3 gathers per module
-//            in the forward and backward instead)
+//   publish  stages 1-2: the new half params all-gathered, 2·T (the trainable groups: a step
+//            republishes no frozen group), (N−1)/N of it per rank at gpu_link_gbps, once a step
+//            as the step publishes them (stage 3 gathers per module in the forward and backward
+//            instead)
 //   optimizer_step = max(pipeline, upload, publish)
 //   frozen parameters (T trainable of P, Tr and Fr = Pr − Tr a rank's trainable and frozen
 //            shares; docs/ENGINE.md "Frozen parameters"): with the optimizer state offloaded the
@@ -65,7 +66,7 @@
 //   bytes          reduce_scatter_bytes and all_gather_bytes per rank and step, as the engine's
 //                  EngineCounters count them (a bucket's whole fp32 bytes into a reduce-scatter,
 //                  a group's whole half bytes out of an all-gather; 0 with one rank): stage 1
-//                  4·P and 2·P; stage 2 4·T·m and 2·P; stage 3 4·T·m and 2·2·P·m, m =
+//                  4·P and 2·T; stage 2 4·T·m and 2·T; stage 3 4·T·m and 2·2·P·m, m =
 //                  grad_accum_steps (stage 3's persistent small tensors, gathered once a step
 //                  instead, counted as the others)
 //   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)

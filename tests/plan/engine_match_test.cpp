@@ -162,13 +162,19 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
 
 // The collectives of a step, predicted (predict_step()'s reduce_scatter_bytes and
 // all_gather_bytes) against the engine's own counters over one step of 4 micro-batches on 4
-// ranks, at each stage with the optimizer state in host memory: stage 1 adds each micro-batch's
-// gradients into its full copy and reduce-scatters the sum once, at step(); stages 2-3
-// reduce-scatter every micro-batch's; stages 1-2 all-gather the new params once a step, stage 3
-// every module for each forward and each backward.
+// ranks, at each stage with the optimizer state in host memory and the first layer frozen: stage
+// 1 adds each micro-batch's gradients into its full copy and reduce-scatters the sum once, at
+// step() (the frozen layer's zeros too); stages 2-3 reduce-scatter every micro-batch's trainable
+// ones; stages 1-2 all-gather the new trainable params once a step, stage 3 every module for each
+// forward and each backward.
 TEST(EngineMatch, PredictedCollectiveBytesPerStepAreTheEngineCounters) {
   constexpr int kMicroBatches = 4;
-  const ModelShape model = planner_model();
+  // The first layer frozen: it is gathered as any other but never reduced, and a step does not
+  // republish it, so stages 1-2 all-gather the 7 trainable layers after a step.
+  constexpr int kFrozenModules = 1;
+  ModelShape model = planner_model();
+  model.trainable_params = (kModules - kFrozenModules) * kSide * kSide;
+  model.trainable_runs = 1;
   TrainingShape training;
   training.grad_accum_steps = kMicroBatches;
   Budgets budgets;
@@ -220,8 +226,9 @@ TEST(EngineMatch, PredictedCollectiveBytesPerStepAreTheEngineCounters) {
       for (int m = 0; m < kModules; ++m) {
         const std::string module = fmt::format("layer{}", m);
         names.push_back(module + ".w");
-        ZINF_RETURN_IF_ERROR(engine.register_parameter(
-            {names.back(), module, {kSide, kSide}, DType::kBF16, values[m].data()}));
+        ParameterSpec spec{names.back(), module, {kSide, kSide}, DType::kBF16, values[m].data()};
+        spec.trainable = m >= kFrozenModules;
+        ZINF_RETURN_IF_ERROR(engine.register_parameter(spec));
       }
       ZINF_RETURN_IF_ERROR(engine.finalize());
       // Two steps, counted from the end of the first to the end of the second: one step's
@@ -234,11 +241,15 @@ TEST(EngineMatch, PredictedCollectiveBytesPerStepAreTheEngineCounters) {
             ZINF_RETURN_IF_ERROR(engine.gather(module));
             ZINF_RETURN_IF_ERROR(engine.release(module));
           }
-          for (int m = kModules - 1; m >= 0; --m) {  // the backward
+          // The backward, the frozen layer's too (gathered for its input's gradient, which a
+          // layer above a trainable one needs): only the trainable modules reduce.
+          for (int m = kModules - 1; m >= 0; --m) {
             const std::string module = fmt::format("layer{}", m);
-            const GradientRef ref{names[m], grads[k][m].data(), elements, DType::kBF16};
             ZINF_RETURN_IF_ERROR(engine.gather(module));
-            ZINF_RETURN_IF_ERROR(engine.reduce_gradients(module, {&ref, 1}));
+            if (m >= kFrozenModules) {
+              const GradientRef ref{names[m], grads[k][m].data(), elements, DType::kBF16};
+              ZINF_RETURN_IF_ERROR(engine.reduce_gradients(module, {&ref, 1}));
+            }
             ZINF_RETURN_IF_ERROR(engine.release(module));
           }
         }
