@@ -161,8 +161,9 @@ struct EngineSetup {
   std::uint64_t io_block_bytes = std::uint64_t{1} << 20;
   std::uint64_t io_queue_depth = 32;
   // zinf.overlap_step: with the optimizer offloaded, the optimizer pass runs behind the next
-  // step's compute (time_model.hpp), at most behind this fraction of forward + backward: 2/3, the
-  // backward's share of the compute, is the engine's schedule with updates during the backward.
+  // step's compute (time_model.hpp), at most behind this fraction of one micro-batch's forward +
+  // backward: 2/3, the backward's share of the compute, is the engine's schedule with updates
+  // during the backward.
   bool overlap_step = true;
   double overlap_compute_fraction = 2.0 / 3.0;
 };

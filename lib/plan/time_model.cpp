@@ -89,6 +89,13 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
   if (stepped < shard_params) sub_groups = std::max(sub_groups, trainable_runs);
   nvme_pipeline(read_bytes, write_bytes, sub_groups, s.buffer_count, profile, out);
 }
+
+// Whether the engine's overlapped pass opens during the backward (Engine's opens_in_backward_:
+// the state gates the pass on each sub-group's reductions and the reducer zeroes its
+// accumulator group by group): at stages 2-3 with the gradients in host memory. At stage 1,
+// which reduce-scatters at step(), and with the gradients spilled to NVMe, whose sub-groups are
+// read whole, it starts at step().
+bool pass_opens_in_backward(const EngineSetup& s) { return s.stage >= 2 && !s.gradients_on_nvme; }
 }  // namespace
 
 StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
@@ -139,11 +146,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double attention = static_cast<double>(model.layers * model.hidden * training.seq_len);
   double flops =
       (6.0 * static_cast<double>(t) + 4.0 * static_cast<double>(p - t) + 12.0 * attention) * tokens;
-  // Checkpointing runs the forward once more: 2 a parameter, frozen or not, and the attention's
-  // forward third (4·L·h·s). Without frozen parameters this is the 4/3 of the whole.
-  if (training.checkpoint_activations) {
-    flops += (2.0 * static_cast<double>(p) + 4.0 * attention) * tokens;
-  }
+  // The forward alone: 2 a parameter, frozen or not, and the attention's forward third
+  // (4·L·h·s). Checkpointing runs it once more: without frozen parameters the 4/3 of the whole.
+  const double forward_flops = (2.0 * static_cast<double>(p) + 4.0 * attention) * tokens;
+  if (training.checkpoint_activations) flops += forward_flops;
   out.compute_s = profile.gpu_tflops > 0 ? flops / (profile.gpu_tflops * 1e12) : 0.0;
 
   // Per micro-batch, behind its compute: stage 3 all-gathers every module for the forward and
@@ -207,10 +213,17 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
                            (micro_batches - 1.0) * std::max(others_s, offload_later_s);
   if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
     double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
-    // Stage 1's pass cannot begin before step()'s reduction: it hides behind the next forward
-    // at most, as with exact clipping.
-    if (s.stage == 1) fraction = std::min(fraction, 1.0 / 3.0);
-    out.optimizer_hidden_s = std::min(out.optimizer_step_s, fraction * out.forward_backward_s);
+    // Where the pass starts at step() it hides behind the next step's first forward at most:
+    // the forward's share of a micro-batch's FLOPs (a third, a quarter with checkpointing, more
+    // with frozen parameters, which do less of the backward).
+    if (!pass_opens_in_backward(s) && flops > 0) {
+      fraction = std::min(fraction, forward_flops / flops);
+    }
+    // One micro-batch's time, not the step's: the pass that opens in the backward opens in the
+    // last micro-batch's, and one that starts at step() meets the next step's first micro-batch
+    // (the two are alike but where gradients are spilled, and there the pass starts at step()).
+    const double micro_batch_s = std::max(others_s, offload_first_s);
+    out.optimizer_hidden_s = std::min(out.optimizer_step_s, fraction * micro_batch_s);
   }
   out.step_s =
       out.forward_backward_s + out.step_reduce_s + out.optimizer_step_s - out.optimizer_hidden_s;

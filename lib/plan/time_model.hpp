@@ -88,17 +88,23 @@
 //   step = forward_backward + step_reduce + optimizer_step
 // step, overlapped (zinf.overlap_step, the default, with the optimizer state offloaded: the
 // optimizer pass of step t runs behind the compute of step t+1, docs/ENGINE.md "The overlapped
-// step"): of the pass, at most c·forward_backward hides behind compute, c =
-// overlap_compute_fraction, the part of the compute the pass can run behind:
-//   hidden = min(optimizer_step, c·forward_backward)
+// step"): the pass meets one micro-batch's compute, not the step's (it opens in the last
+// micro-batch's backward, or starts at step() and meets the next step's first micro-batch), and
+// of that at most c hides it, c = overlap_compute_fraction:
+//   mb     = the first micro-batch's max(compute, collectives, param fetch, grad offload)
+//   hidden = min(optimizer_step, c·mb)
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
-// With c = 1 (the pass behind the forward and the backward) step = step_reduce +
-// max(forward_backward, optimizer_step). The engine's pass runs during the backward where no global
-// norm or loss scale decides the step first, from the last sub-group to the first, and the next
-// forward waits for its end (it needs the first sub-group first): c = 2/3, the backward's share of
-// the FLOPs, models it (the default). With exact clipping the pass starts at step() and hides
-// behind the next forward only, about a third (a quarter with checkpointing): c = 1/3. So does
-// stage 1's, which waits for step()'s reduction whatever the config: there c is at most 1/3.
+// With one micro-batch and c = 1 (the pass behind the forward and the backward) step =
+// step_reduce + max(forward_backward, optimizer_step). The engine's pass runs during the backward
+// where no global norm or loss scale decides the step first, from the last sub-group to the
+// first, and the next forward waits for its end (it needs the first sub-group first): c = 2/3,
+// the backward's share of the FLOPs, models it (the default). With exact clipping the pass starts
+// at step() and hides behind the next forward only: c = 1/3 (zinf plan --gradient-clipping). The
+// engine opens the pass in the backward only at stages 2-3 with the gradients in host memory
+// (Engine's opens_in_backward_); at stage 1, which waits for step()'s reduction, and with the
+// gradients spilled to NVMe it starts at step() whatever the config, and c is at most the
+// forward's share of a micro-batch's FLOPs, F_fwd / F with F_fwd = (2·P + 4·L·h·s)·s·b: a third,
+// a quarter with checkpointing, more with frozen parameters.
 //
 // Thread-safety: values and pure functions.
 #pragma once

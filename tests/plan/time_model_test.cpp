@@ -172,10 +172,14 @@ TEST(TimeModel, ForwardBackwardPartsOverlap) {
   EXPECT_NEAR(t.forward_backward_s,
               2 * std::max({t.compute_s, t.collectives_s, t.param_fetch_s, t.grad_offload_s}),
               1e-12);
-  // The overlapped step (the default) hides the optimizer behind the backward, two thirds of
-  // the compute: the forward, then the longer of the backward and the optimizer step.
-  const double forward = t.forward_backward_s / 3;
-  EXPECT_NEAR(t.step_s, forward + std::max(2 * forward, t.optimizer_step_s), 1e-9);
+  // The overlapped step (the default) opens the pass in the last micro-batch's backward, two
+  // thirds of one micro-batch's compute: the first micro-batch, the last one's forward, then the
+  // longer of its backward and the optimizer step.
+  ASSERT_GT(t.optimizer_step_s, t.forward_backward_s / 3);
+  const double micro_batch = t.forward_backward_s / 2;
+  const double forward = micro_batch / 3;
+  EXPECT_NEAR(t.optimizer_hidden_s, 2 * forward, 1e-9);
+  EXPECT_NEAR(t.step_s, micro_batch + forward + std::max(2 * forward, t.optimizer_step_s), 1e-9);
   // Checkpointing recomputes the forward: 4/3 of the FLOPs.
   tr.checkpoint_activations = true;
   EXPECT_NEAR(predict_step(m, tr, s, p).compute_s, t.compute_s * 4 / 3, 1e-9);
@@ -216,18 +220,25 @@ TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
               1e-12);
   EXPECT_NEAR(t.step_s, t.forward_backward_s + t.step_reduce_s + t.optimizer_step_s, 1e-12);
   // Overlapped, the pass begins at step(), after the reduction, and hides behind the next
-  // forward at most: a third of the compute, even where the fraction asks for the backward's
-  // two thirds (the default) or all of it.
+  // step's first forward at most: a third of one micro-batch's compute (a twelfth of the four),
+  // even where the fraction asks for the backward's two thirds (the default) or all of it.
   ASSERT_GT(t.optimizer_step_s, t.forward_backward_s);
   s.overlap_step = true;
+  const double micro_batch = t.forward_backward_s / 4;
   for (const double fraction : {2.0 / 3.0, 1.0}) {
     s.overlap_compute_fraction = fraction;
     const StepPrediction o = predict_step(m, tr, s, p);
-    EXPECT_NEAR(o.optimizer_hidden_s, o.forward_backward_s / 3, 1e-12) << fraction;
-    EXPECT_NEAR(o.step_s, t.step_s - t.forward_backward_s / 3, 1e-12) << fraction;
+    EXPECT_NEAR(o.optimizer_hidden_s, micro_batch / 3, 1e-12) << fraction;
+    EXPECT_NEAR(o.step_s, t.step_s - micro_batch / 3, 1e-12) << fraction;
   }
   s.overlap_compute_fraction = 0.25;
-  EXPECT_NEAR(predict_step(m, tr, s, p).optimizer_hidden_s, t.forward_backward_s / 4, 1e-12);
+  EXPECT_NEAR(predict_step(m, tr, s, p).optimizer_hidden_s, micro_batch / 4, 1e-12);
+  // With checkpointing the forward is a quarter of a micro-batch's FLOPs.
+  s.overlap_compute_fraction = 2.0 / 3.0;
+  tr.checkpoint_activations = true;
+  const StepPrediction c = predict_step(m, tr, s, p);
+  EXPECT_NEAR(c.optimizer_hidden_s, c.forward_backward_s / 4 / 4, 1e-12);
+  tr.checkpoint_activations = false;
   s.overlap_step = false;
   s.overlap_compute_fraction = 2.0 / 3.0;
   // A slow host link makes the shard's way down the bound.
@@ -361,6 +372,57 @@ TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {
     EXPECT_NEAR(static_cast<double>(t.nvme_write_bytes), 4 * 12 * shard + k * spill, 1e3) << micro;
     EXPECT_NEAR(static_cast<double>(t.nvme_read_bytes), 4 * 16 * shard + (k - 1) * spill, 1e3)
         << micro;
+  }
+}
+
+// With the gradients spilled to NVMe the engine does not open the pass in the backward (the
+// pipeline reads a sub-group's gradients whole, once every reduction into it has run): it starts
+// at step() and hides behind the next step's first forward at most, as at stage 1, a third of
+// one micro-batch (a quarter with checkpointing) whatever --overlap-fraction asks. With the
+// gradients in host memory the same setup hides c of one micro-batch.
+TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  TrainingShape tr;
+  tr.seq_len = 2048;
+  tr.micro_batch = 1;
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 4;
+  s.ranks_per_machine = 4;
+  s.optimizer = OffloadDevice::kNvme;
+  s.sub_group_params = 1 << 24;
+  MachineProfile p = profile(40, 6, 4);
+  p.h2d_gbps = 1000;
+  p.gpu_tflops = 400;
+  p.gpu_link_gbps = 100;
+  const double shard = static_cast<double>((param_count(m) + 3) / 4);
+  const double spill = 4 * 4 * shard;  // R * 4 B * Pr, written at 4 GB/s
+  for (const bool checkpoint : {false, true}) {
+    tr.checkpoint_activations = checkpoint;
+    const double forward_share = checkpoint ? 0.25 : 1.0 / 3.0;
+    for (const double fraction : {2.0 / 3.0, 1.0}) {
+      s.overlap_compute_fraction = fraction;
+      s.gradients_on_nvme = false;
+      tr.grad_accum_steps = 1;
+      const StepPrediction host = predict_step(m, tr, s, p);
+      ASSERT_GT(host.optimizer_step_s, host.forward_backward_s);
+      EXPECT_NEAR(host.optimizer_hidden_s, fraction * host.forward_backward_s, 1e-9)
+          << checkpoint << " " << fraction;
+      s.gradients_on_nvme = true;
+      // One micro-batch and three: the pass meets the next step's first micro-batch, which
+      // writes its gradients to the drive and reads nothing back.
+      for (const std::uint64_t micro : {1u, 3u}) {
+        tr.grad_accum_steps = micro;
+        const StepPrediction spilled = predict_step(m, tr, s, p);
+        const double first = std::max({spilled.compute_s, spilled.collectives_s, spill / 4e9});
+        EXPECT_NEAR(spilled.optimizer_hidden_s, forward_share * first, 1e-9)
+            << checkpoint << " " << fraction << " " << micro;
+        EXPECT_NEAR(spilled.step_s,
+                    spilled.forward_backward_s + spilled.optimizer_step_s - forward_share * first,
+                    1e-9)
+            << checkpoint << " " << fraction << " " << micro;
+      }
+    }
   }
 }
 
