@@ -855,9 +855,9 @@ void setup_plan(CLI::App& app) {
                 "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
   CLI::Option* fraction =
       sub->add_option("--overlap-fraction", o->overlap_fraction,
-                      "Part of forward + backward the overlapped optimizer pass hides behind (the "
-                      "backward, 2/3: updates during the backward; 1/3: behind the next forward "
-                      "only, as with exact clipping; 1: both)")
+                      "Part of one micro-batch's forward + backward the overlapped optimizer pass "
+                      "hides behind (the backward, 2/3: updates during the backward; 1/3: behind "
+                      "the next forward only, as with exact clipping; 1: both)")
           ->check(CLI::Range(0.0, 1.0))
           ->capture_default_str();
   sub->add_flag("--gradient-clipping", o->gradient_clipping,
