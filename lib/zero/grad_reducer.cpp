@@ -157,6 +157,16 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
   for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
     r->group_names_.push_back(fmt::format("grads group {}", g));
   }
+  ZINF_ASSERT(options.frozen.empty() || options.frozen.size() == partitioner.param_count());
+  r->frozen_groups_.assign(partitioner.group_count(), false);
+  for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
+    const GroupInfo& info = partitioner.group(g);
+    bool frozen = !options.frozen.empty() && info.param_count > 0;
+    for (ParamId id = info.first_param; frozen && id < info.first_param + info.param_count; ++id) {
+      frozen = options.frozen[id];
+    }
+    r->frozen_groups_[g] = frozen;
+  }
   ZINF_ASSIGN_OR_RETURN(r->stream_, device.create_stream("grad_reduce"));
   ZINF_ASSIGN_OR_RETURN(r->done_, device.create_event());
   const std::size_t bucket_bytes =
@@ -176,10 +186,14 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
     ZINF_ASSIGN_OR_RETURN(r->bucket_free_[k], device.create_event());
   }
   if (!partitioner.partitions(StateKind::kGradients)) {
+    // A frozen group takes no gradients: no full copy (an empty buffer), and it is never
+    // reduce-scattered (its slice of the accumulator is zeroed once: zero_frozen_groups()).
     for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
-      ZINF_ASSIGN_OR_RETURN(
-          DeviceBuffer full,
-          DeviceBuffer::allocate(device, partitioner.group(g).padded_element_count * 4));
+      DeviceBuffer full;
+      if (!r->frozen_groups_[g]) {
+        ZINF_ASSIGN_OR_RETURN(
+            full, DeviceBuffer::allocate(device, partitioner.group(g).padded_element_count * 4));
+      }
       r->full_.push_back(std::move(full));
     }
   }
@@ -188,9 +202,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
   if (!device.host_accessible()) ZINF_RETURN_IF_ERROR(r->create_device_side());
   if (options.accumulator_zeroed) {
     // The same as zero() without touching the accumulator's pages.
-    if (r->ops_ == nullptr) {
-      for (DeviceBuffer& full : r->full_) std::memset(full.data(), 0, full.bytes());
-    }
+    if (r->ops_ == nullptr) r->clear_full();
     std::fill(r->counts_.begin(), r->counts_.end(), 0u);
   } else {
     r->zero();
@@ -200,17 +212,21 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
 }
 
 Status GradReducer::zero_frozen_groups() {
-  if (options_.frozen.empty() || !partitioner_.partitions(StateKind::kGradients)) {
-    // Stage 1's frozen gradients are the full copies' zeros (zero(), create_device_side()),
-    // reduce-scattered into the accumulator with the rest at every step.
-    return Status::ok();
-  }
-  ZINF_ASSERT(options_.frozen.size() == partitioner_.param_count());
+  if (options_.frozen.empty()) return Status::ok();
+  const bool stage1 = !partitioner_.partitions(StateKind::kGradients);
   for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
     const GroupInfo& info = partitioner_.group(g);
-    if (info.param_count == 0 || !options_.frozen[info.first_param]) continue;
-    for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-      ZINF_ASSERT_MSG(options_.frozen[id], "a gradient group mixes frozen and trainable params");
+    if (!stage1 && info.param_count > 0 && options_.frozen[info.first_param]) {
+      // Stages 2-3 reduce a group's shard whole, each parameter's gradient read into it.
+      ZINF_ASSERT_MSG(frozen_groups_[g], "a gradient group mixes frozen and trainable params");
+    }
+    // Stage 1 reduces a group that mixes them as a trainable one: its full copy keeps zeros in
+    // the frozen parameters' ranges.
+    if (!frozen_groups_[g]) continue;
+    if (stage1 && options_.accumulator != nullptr) {
+      // Not the caller's array: the accumulator's own zero() cleared it (create() ran zero()),
+      // and no chunk is added into a frozen group's slice.
+      continue;
     }
     const std::size_t count = info.shard_element_count;
     if (options_.accumulator_on_device) {
@@ -236,16 +252,22 @@ void GradReducer::zero() {
   }
   // On a device that is not host-accessible stage 1's full gradients are not cleared: the first
   // gradient of each parameter after this overwrites its range (reduce_on_device).
-  if (ops_ == nullptr) {
-    for (DeviceBuffer& full : full_) std::memset(full.data(), 0, full.bytes());
-  }
+  if (ops_ == nullptr) clear_full();
   std::fill(counts_.begin(), counts_.end(), 0u);
+}
+
+void GradReducer::clear_full() {
+  for (DeviceBuffer& full : full_) {
+    if (full.bytes() > 0) std::memset(full.data(), 0, full.bytes());
+  }
 }
 
 void GradReducer::zero_group(std::uint32_t g) {
   ZINF_ASSERT(zeroes_groups());
   group_reduced_[g] = false;  // its next reduction overwrites the slice
-  if (ops_ == nullptr && !full_.empty()) std::memset(full_[g].data(), 0, full_[g].bytes());
+  if (ops_ == nullptr && !full_.empty() && full_[g].bytes() > 0) {
+    std::memset(full_[g].data(), 0, full_[g].bytes());
+  }
   forget_group(g);
 }
 
@@ -377,6 +399,7 @@ Status GradReducer::reduce(std::span<const std::uint32_t> groups,
     // Stage 1: accumulate locally; the reduce-scatter waits for the step.
     for (std::uint32_t g : groups) {
       const GroupInfo& info = partitioner_.group(g);
+      ZINF_ASSERT_MSG(!frozen_groups_[g], "a frozen group takes no gradients");
       float* full = full_[g].as<float>();
       for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
         const ParamLocation& loc = partitioner_.location(id);
@@ -432,8 +455,11 @@ void GradReducer::count_group(const GroupInfo& info) {
 
 Status GradReducer::reduce_accumulated() {
   if (partitioner_.partitions(StateKind::kGradients)) return Status::ok();
+  // A frozen group has no full copy and is not reduced: its slice of the accumulator holds the
+  // zeros zero_frozen_groups() wrote, which is what reducing its zero gradients gave.
   if (ops_ != nullptr) {
     for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+      if (frozen_groups_[g]) continue;
       float* full = full_[g].as<float>();
       ZINF_RETURN_IF_ERROR(reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
         return device_.copy_d2d(dst, full + begin, count * sizeof(float), *fill_stream_);
@@ -443,6 +469,7 @@ Status GradReducer::reduce_accumulated() {
     return wait();
   }
   for (std::uint32_t g = 0; g < partitioner_.group_count(); ++g) {
+    if (frozen_groups_[g]) continue;
     const float* full = full_[g].as<float>();
     ZINF_RETURN_IF_ERROR(reduce_group(g, [&](float* dst, std::size_t begin, std::size_t count) {
       std::memcpy(dst, full + begin, count * sizeof(float));
@@ -450,7 +477,7 @@ Status GradReducer::reduce_accumulated() {
     }));
   }
   ZINF_RETURN_IF_ERROR(wait());
-  for (DeviceBuffer& f : full_) std::memset(f.data(), 0, f.bytes());
+  clear_full();
   return Status::ok();
 }
 
@@ -466,6 +493,7 @@ Status GradReducer::create_device_side() {
   }
   // Stage 1's padding is never written after this.
   for (DeviceBuffer& full : full_) {
+    if (full.bytes() == 0) continue;  // a frozen group's
     ZINF_RETURN_IF_ERROR(device_.memset_async(full.data(), 0, full.bytes(), *fill_stream_));
   }
   return device_.synchronize(*fill_stream_, options_.timeout);
@@ -482,6 +510,7 @@ Status GradReducer::reduce_on_device(std::span<const std::uint32_t> groups,
     // zero() overwrites its range, so nothing has to clear the full gradients between steps.
     for (std::uint32_t g : groups) {
       const GroupInfo& info = partitioner_.group(g);
+      ZINF_ASSERT_MSG(!frozen_groups_[g], "a frozen group takes no gradients");
       float* full = full_[g].as<float>();
       for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
         const ParamLocation& loc = partitioner_.location(id);

@@ -11,7 +11,8 @@
 //                accumulator. Two buckets alternate: bucket k+1 is filled while k is reduced.
 //   stage 1      reduce() adds the gradients into a full-size fp32 copy of each group on this
 //                rank; reduce_accumulated() (at the step) reduce-scatters those in the same
-//                buckets into the accumulator and zeroes them.
+//                buckets into the accumulator and zeroes them. A frozen group (options.frozen)
+//                has no full copy and is not reduce-scattered (its slice is zeroed once).
 //
 // Gradients may be f32, bf16 or f16; they are widened to f32 in the bucket, so the averages and
 // the sums over micro-batches are f32 whatever the parameter's dtype. Padding stays zero. An
@@ -76,9 +77,12 @@ struct GradReducerOptions {
   // Per parameter (indexed by ParamId; empty: none): a frozen parameter, which takes no
   // gradients. REQUIRES: a group holds only frozen or only trainable parameters wherever
   // gradients are partitioned (the engine groups by module, and a module is one or the other),
-  // and `accumulator` is not set with a frozen parameter. A frozen group is never reduced; its
-  // slice of the accumulator is zeroed once at create() and never written after, so the step's
-  // norm and update see a zero gradient there. micro_batches() counts only the trainable ones.
+  // and `accumulator` is not set with a frozen parameter there. A frozen group (every parameter
+  // of it frozen) is never reduced, at any stage; its slice of the accumulator is zeroed once at
+  // create() and never written after, so the step's norm and update see a zero gradient there.
+  // At stage 1 it has no full-size copy either (4 bytes an element less), and
+  // reduce_accumulated() moves the trainable groups only; a stage-1 group that mixes the two is
+  // reduced whole, zeros in its frozen ranges. micro_batches() counts only the trainable ones.
   std::vector<bool> frozen;
 };
 
@@ -173,6 +177,8 @@ class GradReducer {
   void count_group(const GroupInfo& info);
   // Zeroes the frozen groups' slices of the accumulator (in memory or on the device), once.
   Status zero_frozen_groups();
+  // Stage 1's full gradients, host-accessible: zeroed (a frozen group's empty buffer skipped).
+  void clear_full();
   bool overwrites_first() const {
     return options_.accumulator_on_device || memory_accumulator_ != nullptr;
   }
@@ -209,7 +215,9 @@ class GradReducer {
   DeviceBuffer recv_[2];  // world > 1: one rank reduce-scatters its bucket in place
   std::unique_ptr<Event> bucket_free_[2];
   int next_bucket_ = 0;
-  std::vector<DeviceBuffer> full_;  // stage 1: per group, padded_element_count floats
+  // Stage 1: per group, padded_element_count floats; empty for a frozen group.
+  std::vector<DeviceBuffer> full_;
+  std::vector<bool> frozen_groups_;  // per group: every parameter frozen (options.frozen)
   // Not host_accessible() devices only (ops_ set): see reduce_group.
   std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<Stream> fill_stream_;

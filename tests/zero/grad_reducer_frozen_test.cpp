@@ -1,0 +1,218 @@
+// GradReducer at stage 1 with frozen parameters (GradReducerOptions::frozen), on HostDevice +
+// LocalComm, 2 and 4 ranks, host-accessible and opaque devices: a LoRA-shaped model (two frozen
+// base modules, each followed by a small trainable adapter module) reduced over two steps of two
+// micro-batches, the adapters' gradients only. Each rank's accumulator holds the mean over ranks
+// of its slice of the adapters' sums, bit for bit, and +0.0 over the base slices (it starts as
+// NaN); the reduce-scatters move the adapter groups only (ZeroCounters::reduce_scatter_bytes);
+// and the reducer allocates 4 bytes less per element of a frozen group (no full-size copy of it)
+// than one made without the frozen flags.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "base/random.hpp"
+#include "zero/grad_reducer.hpp"
+#include "zinf/comm.hpp"
+#include "zinf/device.hpp"
+
+namespace zinf {
+namespace {
+
+struct Case {
+  int world;
+  bool opaque;
+};
+
+struct ParamDef {
+  const char* name;
+  const char* module;
+  std::vector<std::int64_t> shape;
+  bool frozen;
+};
+
+const std::vector<ParamDef>& lora_params() {
+  static const std::vector<ParamDef> defs = {
+      {"base0.w", "base0", {64, 48}, true}, {"base0.b", "base0", {48}, true},
+      {"lora0.a", "lora0", {4, 48}, false}, {"lora0.b", "lora0", {64, 4}, false},
+      {"base1.w", "base1", {96, 40}, true}, {"lora1.a", "lora1", {8, 40}, false},
+      {"lora1.b", "lora1", {96, 8}, false},
+  };
+  return defs;
+}
+
+class GradReducerFrozenStage1 : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyOfTheFrozen) {
+  const Case c = GetParam();
+  const std::uint64_t seed = 9100 + static_cast<std::uint64_t>(c.world) * 2 + (c.opaque ? 1 : 0);
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  PartitionerOptions po;
+  po.world_size = c.world;
+  po.stage = ZeroStage::kStage1;
+  Partitioner p = std::move(Partitioner::create(po)).value();
+  std::vector<bool> frozen;
+  for (const ParamDef& d : lora_params()) {
+    ASSERT_TRUE(p.add({d.name, d.module, d.shape, DType::kF32}).is_ok());
+    frozen.push_back(d.frozen);
+  }
+  ASSERT_TRUE(p.finalize().is_ok());
+  // The groups' kind, and the elements (padding included) of each kind over all ranks.
+  std::vector<bool> group_frozen(p.group_count());
+  std::size_t frozen_padded = 0, trainable_padded = 0;
+  for (std::uint32_t g = 0; g < p.group_count(); ++g) {
+    const GroupInfo& info = p.group(g);
+    ASSERT_GT(info.param_count, 0u);
+    group_frozen[g] = frozen[info.first_param];
+    (group_frozen[g] ? frozen_padded : trainable_padded) += info.padded_element_count;
+  }
+  ASSERT_GT(frozen_padded, 0u);
+  ASSERT_GT(trainable_padded, 0u);
+
+  const int micro_batches = 2;
+  const int steps = 2;
+  // grads[rank][micro][param]; empty for a frozen parameter (it takes none).
+  std::vector<std::vector<std::vector<std::vector<float>>>> grads(
+      static_cast<std::size_t>(c.world));
+  for (int r = 0; r < c.world; ++r) {
+    for (int k = 0; k < micro_batches; ++k) {
+      std::vector<std::vector<float>> per(p.param_count());
+      for (ParamId id = 0; id < p.param_count(); ++id) {
+        if (frozen[id]) continue;
+        per[id].resize(p.location(id).element_count);
+        fill_uniform(per[id].data(), per[id].size(), seed * 7919 + r * 131 + k * 17 + id, -1.0f,
+                     1.0f);
+      }
+      grads[static_cast<std::size_t>(r)].push_back(std::move(per));
+    }
+  }
+
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < c.world; ++r) {
+    HostDeviceOptions o;
+    o.ordinal = r;
+    o.jitter_max_us = 30;
+    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
+    o.opaque = c.opaque;
+    devices.push_back(std::move(make_host_device(o)).value());
+    raw.push_back(devices.back().get());
+  }
+  auto comms = std::move(make_local_comm_group(raw)).value();
+  const std::size_t partition = GradReducer::partition_element_count(p);
+  std::vector<std::vector<float>> acc(static_cast<std::size_t>(c.world),
+                                      std::vector<float>(partition, std::nanf("")));
+  std::vector<ZeroCounters> counters(static_cast<std::size_t>(c.world));
+  // Device bytes a reducer allocates, made with the frozen flags and without them.
+  std::vector<std::size_t> bytes_frozen(static_cast<std::size_t>(c.world));
+  std::vector<std::size_t> bytes_plain(static_cast<std::size_t>(c.world));
+  std::vector<Status> st(static_cast<std::size_t>(c.world));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < c.world; ++rank) {
+    threads.emplace_back([&, rank] {
+      const auto r = static_cast<std::size_t>(rank);
+      st[r] = [&]() -> Status {
+        Device& device = *devices[r];
+        GradReducerOptions ro;
+        ro.bucket_elements = 256;  // several buckets a group
+        {
+          std::vector<float> scratch(partition);
+          const std::size_t before = device.memory_used_bytes();
+          ZINF_ASSIGN_OR_RETURN(auto plain, GradReducer::create(p, rank, device, *comms[r],
+                                                                scratch.data(), ro, nullptr));
+          bytes_plain[r] = device.memory_used_bytes() - before;
+        }
+        ro.frozen = frozen;
+        const std::size_t before = device.memory_used_bytes();
+        ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, device, *comms[r],
+                                                                acc[r].data(), ro, &counters[r]));
+        bytes_frozen[r] = device.memory_used_bytes() - before;
+        for (int step = 0; step < steps; ++step) {
+          if (step > 0) reducer->zero();
+          for (int k = 0; k < micro_batches; ++k) {
+            std::vector<GradSource> sources(p.param_count());
+            std::vector<DeviceBuffer> uploads;
+            ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("upload"));
+            for (ParamId id = 0; id < p.param_count(); ++id) {
+              if (frozen[id]) continue;
+              const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+              sources[id] = {g.data(), DType::kF32};
+              if (!c.opaque) continue;
+              // A device that is not host-accessible reads gradients from its own memory.
+              ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
+                                    DeviceBuffer::allocate(device, g.size() * 4));
+              ZINF_RETURN_IF_ERROR(device.copy_h2d(buffer.data(), g.data(), g.size() * 4, *stream));
+              sources[id].data = buffer.data();
+              uploads.push_back(std::move(buffer));
+            }
+            ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+            for (const char* m : {"lora1", "lora0"}) {
+              ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(m));
+              ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
+            }
+          }
+          ZINF_RETURN_IF_ERROR(reducer->wait());
+          ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
+          ZINF_RETURN_IF_ERROR(reducer->wait());
+          ZINF_ASSIGN_OR_RETURN(int micro, reducer->micro_batches());
+          if (micro != micro_batches) return Status::internal("micro-batch count");
+        }
+        return Status::ok();
+      }();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+
+  for (int rank = 0; rank < c.world; ++rank) {
+    const auto r = static_cast<std::size_t>(rank);
+    // Each rank sums its micro-batches (f32, in order); the reduce-scatter takes the mean over
+    // ranks in rank order. A frozen group's slice is +0.0, padding too.
+    std::vector<float> expected(partition, 0.0f);
+    std::size_t offset = 0;
+    for (std::uint32_t g = 0; g < p.group_count(); ++g) {
+      if (!group_frozen[g]) {
+        for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
+          for (std::size_t i = 0; i < piece.element_count; ++i) {
+            std::vector<float> full(static_cast<std::size_t>(c.world), 0.0f);
+            for (int q = 0; q < c.world; ++q) {
+              for (int k = 0; k < micro_batches; ++k) {
+                full[static_cast<std::size_t>(q)] +=
+                    grads[static_cast<std::size_t>(q)][static_cast<std::size_t>(k)][piece.param]
+                         [piece.param_offset + i];
+              }
+            }
+            float s = full[0];
+            for (int q = 1; q < c.world; ++q) s += full[static_cast<std::size_t>(q)];
+            expected[offset + piece.shard_offset + i] = s / static_cast<float>(c.world);
+          }
+        }
+      }
+      offset += p.group(g).shard_element_count;
+    }
+    EXPECT_EQ(std::memcmp(acc[r].data(), expected.data(), partition * 4), 0) << "rank " << rank;
+    // Every step reduce-scatters the trainable groups' full copies only: 4 bytes an element of
+    // them (padding included), nothing of the frozen groups.
+    EXPECT_EQ(counters[r].reduce_scatter_bytes,
+              static_cast<std::uint64_t>(steps) * trainable_padded * 4)
+        << "rank " << rank << "; frozen groups' share would be " << frozen_padded * 4 * steps;
+    // No full-size copy of a frozen group: 4 bytes an element of the frozen groups less.
+    EXPECT_EQ(bytes_plain[r] - bytes_frozen[r], frozen_padded * 4)
+        << "rank " << rank << ": reducer bytes " << bytes_frozen[r] << " with frozen groups, "
+        << bytes_plain[r] << " without";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, GradReducerFrozenStage1,
+                         ::testing::Values(Case{2, false}, Case{4, false}, Case{2, true},
+                                           Case{4, true}),
+                         [](const ::testing::TestParamInfo<Case>& info) {
+                           return fmt::format("w{}{}", info.param.world,
+                                              info.param.opaque ? "_opaque" : "");
+                         });
+
+}  // namespace
+}  // namespace zinf
