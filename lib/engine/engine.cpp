@@ -992,12 +992,8 @@ class Engine::Impl {
   MemoryReport memory() const {
     MemoryReport m;
     m.device_bytes = coord_->device_bytes();
-    const Partitioner& part = layout_.partitioner();
-    if (!part.partitions(StateKind::kGradients)) {
-      for (std::uint32_t g = 0; g < part.group_count(); ++g) {
-        m.device_bytes += part.group(g).padded_element_count * 4;  // stage 1's full gradients
-      }
-    }
+    // Stage 1's full gradients (none for a frozen group).
+    m.device_bytes += reducer_->full_bytes();
     m.host_bytes = coord_->host_bytes();
     // The publish copy of the new values, or the one-group stage of the streamed half output.
     m.host_bytes += publisher_.buffer_bytes() + publisher_.stage_bytes();

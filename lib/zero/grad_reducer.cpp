@@ -256,6 +256,12 @@ void GradReducer::zero() {
   std::fill(counts_.begin(), counts_.end(), 0u);
 }
 
+std::size_t GradReducer::full_bytes() const {
+  std::size_t bytes = 0;
+  for (const DeviceBuffer& full : full_) bytes += full.bytes();
+  return bytes;
+}
+
 void GradReducer::clear_full() {
   for (DeviceBuffer& full : full_) {
     if (full.bytes() > 0) std::memset(full.data(), 0, full.bytes());

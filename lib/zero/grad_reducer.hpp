@@ -111,6 +111,8 @@ class GradReducer {
   static std::size_t partition_element_count(const Partitioner& partitioner);
   std::size_t partition_offset(std::uint32_t group) const { return offsets_[group]; }
   std::size_t chunk_elements() const { return chunk_elements_; }
+  // Stage 1's full-size gradients of the trainable groups, bytes (0 at stages 2-3).
+  std::size_t full_bytes() const;
 
   // Reduces the gradients of the parameters of `groups` (sources indexed by ParamId; every
   // parameter of these groups must have one). Collective over `groups` at stages 2 and 3; local

@@ -1025,6 +1025,78 @@ TEST(Frozen, LoraFrozenMomentsTakeNoDeviceMemory) {
   EXPECT_LT(b.stepped_bytes, b.trainable_bytes - frozen_moments / 2);
 }
 
+// Stage 1 with lora_model() (bf16) on 2 ranks, the optimizer state in host memory: each rank
+// keeps a full-size fp32 gradient copy of the trainable groups only (MemoryReport::device_bytes
+// with the base frozen is 4 bytes an element of the base less than with it trainable), and each
+// step reduce-scatters the trainable groups only (EngineCounters::reduce_scatter_bytes: 4 bytes
+// an element of "embed" and "lora"; their groups need no padding on 2 ranks, 2048 and 3072
+// elements being multiples of 2 x 128).
+TEST(Frozen, Stage1ReducesAndKeepsFullGradientsOfTheTrainableGroupsOnly) {
+  constexpr int kWorld = 2;
+  constexpr int kSteps = 3;
+  engine_test::ScratchDir dir("frozen_stage1_reduce");
+  const Config config =
+      engine_test::small_config(1, OffloadDevice::kHost, OffloadDevice::kNone, dir.path());
+  Model model = lora_model(DType::kBF16);
+  std::size_t base_elements = 0, trainable_elements = 0;
+  for (const engine_test::ParamDef& d : model.params) {
+    (d.module == "base" ? base_elements : trainable_elements) += d.element_count();
+  }
+  ASSERT_EQ(trainable_elements % (kWorld * 128), 0u);
+  ASSERT_EQ(base_elements % (kWorld * 128), 0u);
+  // Seeded gradients of the trainable parameters, bf16.
+  std::vector<std::vector<std::uint16_t>> grads(model.params.size());
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    std::vector<float> g(model.params[p].element_count());
+    fill_uniform(g.data(), g.size(), 7700 + p, -0.1f, 0.1f);
+    grads[p] = engine_test::narrow_to_half(g, DType::kBF16);
+  }
+  std::uint64_t device_bytes[2] = {0, 0};  // base frozen, base trainable (rank 0's)
+  std::vector<std::uint64_t> reduced(kWorld, 0);
+  for (int trainable = 0; trainable < 2; ++trainable) {
+    model.frozen_module = trainable == 1 ? "" : "base";
+    engine_test::Ranks ranks = engine_test::make_ranks(kWorld);
+    std::vector<Status> st =
+        engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+          ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+          ZINF_RETURN_IF_ERROR(engine.finalize());
+          if (rank == 0) device_bytes[trainable] = engine.memory().device_bytes;
+          if (trainable == 1) return Status::ok();
+          const std::uint64_t before = engine.counters().reduce_scatter_bytes;
+          for (int step = 0; step < kSteps; ++step) {
+            for (const char* module : {"lora", "embed"}) {
+              std::vector<GradientRef> refs;
+              for (std::size_t p = 0; p < model.params.size(); ++p) {
+                const engine_test::ParamDef& d = model.params[p];
+                if (d.module != module) continue;
+                refs.push_back({d.name, grads[p].data(), d.element_count(), d.dtype});
+              }
+              ZINF_RETURN_IF_ERROR(engine.gather(module));
+              ZINF_RETURN_IF_ERROR(engine.reduce_gradients(module, refs));
+              ZINF_RETURN_IF_ERROR(engine.release(module));
+            }
+            ZINF_ASSIGN_OR_RETURN(StepReport report, engine.step());
+            if (report.skipped) return Status::internal("a step was skipped");
+          }
+          reduced[static_cast<std::size_t>(rank)] = engine.counters().reduce_scatter_bytes - before;
+          return Status::ok();
+        });
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(st[static_cast<std::size_t>(r)].is_ok())
+          << "rank " << r << ": " << st[static_cast<std::size_t>(r)].to_string();
+    }
+  }
+  std::printf("device bytes: base frozen %llu, trainable %llu; reduce-scatter bytes a step %llu\n",
+              static_cast<unsigned long long>(device_bytes[0]),
+              static_cast<unsigned long long>(device_bytes[1]),
+              static_cast<unsigned long long>(reduced[0] / kSteps));
+  EXPECT_EQ(device_bytes[1] - device_bytes[0], base_elements * 4);
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(reduced[static_cast<std::size_t>(r)], kSteps * trainable_elements * 4)
+        << "rank " << r << " (the base's share would be " << kSteps * base_elements * 4 << ")";
+  }
+}
+
 // The optimizer state a checkpoint's rank 0 file holds: after its 4096-byte header, the master,
 // exp_avg and exp_avg_sq of every partition element (f32); the partition's size is the
 // manifest's. Empty when the files are not there.
