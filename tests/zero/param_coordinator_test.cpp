@@ -6,10 +6,11 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
-#include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
@@ -29,11 +30,14 @@ namespace {
 // shards are copied up on the coordinator's stream), group 1's shard lives on NVMe, where rank 0's
 // write fails with EIO. Rank 0 writes group 0's shard, queues its all-gather, which waits on the
 // stream for rank 1, then writes group 2's shard (a copy queued behind the all-gather) and group
-// 1's, which fails. Rank 1 joins the all-gather only once rank 0 is about to wait (and 50 ms
-// later), so the copy is still queued when the wait starts. wait_writes() on rank 0 must return
-// the write's EIO, and only after group 2's copy ran: its slice of the gathered buffer then holds
-// the values written (HostDevice memory reads as the host's; unwritten memory is 0xff bytes).
-// Returning at once, it would find the copy still queued behind the all-gather. drain_writes()
+// 1's, which fails. Rank 1 joins the all-gather only after rank 0's wait_writes() has returned
+// and rank 0 has read the slice group 2's copy writes, or after the wait has gone 2 s without
+// returning, so the copy is still queued when the wait starts, whatever the load. wait_writes()
+// on rank 0 must return the write's EIO, and only after group 2's copy ran: its slice of the
+// gathered buffer then holds the values written (HostDevice memory reads as the host's; unwritten
+// memory is 0xff bytes). A wait_writes() that returned at once would find the copy still queued
+// behind the all-gather, which cannot run before rank 1 joins; one that drains blocks until rank
+// 1 gives up waiting for the return and joins. drain_writes()
 // then returns ok, the wait's own status, not the sticky EIO: the caller may free the memory. No
 // write comes after the failed one: a coordinator that failed refuses every later write.
 TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRun) {
@@ -123,15 +127,27 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
     return shards[3 * static_cast<std::size_t>(rank) + g].data();
   };
 
-  // Set just before rank 0 waits, or on any way out before that, so rank 1 never waits forever.
-  std::atomic<bool> waiting{false};
-  auto signal_waiting = [&] {
-    waiting.store(true);
-    waiting.notify_all();
+  // `waiting` is set just before rank 0 waits, `returned` once its wait returned and the slice
+  // was read; both on any way out before that, so rank 1 never waits forever.
+  std::mutex mutex;
+  std::condition_variable changed;
+  bool waiting = false;
+  bool returned = false;
+  auto set_flag = [&](bool* flag) {
+    {
+      std::lock_guard<std::mutex> lock(mutex);
+      *flag = true;
+    }
+    changed.notify_all();
   };
   std::thread late([&] {
-    waiting.wait(false);
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    {
+      std::unique_lock<std::mutex> lock(mutex);
+      changed.wait(lock, [&] { return waiting; });
+      // A wait_writes() that drains does not return before this rank joins: 2 s without a
+      // return is that one, and the join then lets it return.
+      changed.wait_for(lock, std::chrono::seconds(2), [&] { return returned; });
+    }
     ParamCoordinator& c = *coords[1];
     EXPECT_TRUE(c.write_shard(0, shard(1, 0)).is_ok());
     EXPECT_TRUE(c.publish_group(0).is_ok());
@@ -140,12 +156,15 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   // Joined on every way out, before the coordinators go.
   struct Join {
     std::thread& thread;
-    decltype(signal_waiting)& signal;
+    decltype(set_flag)& set;
+    bool* waiting;
+    bool* returned;
     ~Join() {
-      signal();
+      set(waiting);
+      set(returned);
       if (thread.joinable()) thread.join();
     }
-  } join{late, signal_waiting};
+  } join{late, set_flag, &waiting, &returned};
   ParamCoordinator& c = *coords[0];
   ASSERT_TRUE(c.write_shard(0, shard(0, 0)).is_ok());
   ASSERT_TRUE(c.publish_group(0).is_ok());
@@ -153,12 +172,14 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   failing->set_enabled(true);
   const Status failed = c.write_shard(1, shard(0, 1));
   EXPECT_EQ(failed.code(), Code::kIoError) << failed.to_string();
-  signal_waiting();
+  set_flag(&waiting);
   const Status waited = c.wait_writes();
-  // What the copy of group 2's shard left in rank 0's slice, read right as wait_writes() returns.
+  // What the copy of group 2's shard left in rank 0's slice, read before rank 1 may join when
+  // wait_writes() returned early.
   std::vector<float> slice(shard_elements);
   std::memcpy(slice.data(), static_cast<const float*>(c.group_data(2)) + part.shard_offset(2, 0),
               shard_elements * sizeof(float));
+  set_flag(&returned);
   late.join();
   EXPECT_EQ(waited.code(), Code::kIoError) << waited.to_string();
   EXPECT_EQ(waited.sys_code(), EIO) << waited.to_string();
