@@ -24,14 +24,19 @@ TEST(ZeroedPages, MapsZerosThatCanBeWritten) {
   ASSERT_EQ(buffer.bytes(), bytes);
   ASSERT_EQ(reinterpret_cast<std::uintptr_t>(buffer.data()) % 4096, 0u);
   for (std::size_t i = 0; i < bytes; ++i) ASSERT_EQ(buffer.data()[i], std::byte{0}) << i;
+  // Written anywhere, and inside the first 4096 bytes, which the second map below covers.
   std::mt19937_64 rng(5);
   const std::size_t at = rng() % bytes;
+  const std::size_t first_page_at = rng() % 4096;
   buffer.data()[at] = std::byte{0x5a};
+  buffer.data()[first_page_at] = std::byte{0xa5};
   EXPECT_EQ(buffer.data()[at], std::byte{0x5a});
-  // A second map into the same buffer replaces the first with fresh zeros.
+  EXPECT_EQ(buffer.data()[first_page_at], std::byte{0xa5});
+  // A second map into the same buffer replaces the first with fresh zeros: none of the bytes
+  // written above shows through, wherever the kernel places the new mapping.
   ASSERT_TRUE(AlignedBuffer::zeroed_pages(4096, "test array", &buffer).is_ok());
   EXPECT_EQ(buffer.bytes(), 4096u);
-  EXPECT_EQ(buffer.data()[at % 4096], std::byte{0});
+  for (std::size_t i = 0; i < 4096; ++i) ASSERT_EQ(buffer.data()[i], std::byte{0}) << i;
   ASSERT_TRUE(AlignedBuffer::zeroed_pages(0, "test array", &buffer).is_ok());
   EXPECT_EQ(buffer.bytes(), 0u);
   EXPECT_EQ(buffer.data(), nullptr);
