@@ -30,10 +30,13 @@ void Publisher::narrow_groups(std::size_t first, std::size_t count, const float*
                               FunctionRef<bool(DType)> want,
                               FunctionRef<std::byte*(std::uint32_t)> values) {
   const std::size_t end = first + count;
-  for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+  // Only the groups overlapping [first, end): a caller narrowing run by run does not walk every
+  // group for each run.
+  for (std::uint32_t g = layout_.first_group_ending_after(first); g < layout_.group_count(); ++g) {
+    const std::size_t group_first = layout_.offset(g);
+    if (group_first >= end) break;
     const GroupInfo& info = layout_.group(g);
     if (!want(info.dtype)) continue;
-    const std::size_t group_first = layout_.offset(g);
     const std::size_t lo = std::max(first, group_first);
     const std::size_t hi = std::min(end, group_first + info.shard_element_count);
     if (lo >= hi) continue;
