@@ -227,12 +227,15 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
     const std::uint64_t buffers = std::min(s.gradient_spill_buffers, ceil_div(pr, sub_group));
     add(MemoryUse::kGradients, MemoryTier::kHost, buffers * ((4 * sub_group + 4095) / 4096 * 4096));
   } else {
-    // The host accumulator is fresh zero pages that only reductions write: at stages 2-3 a
-    // frozen group is never reduced, so its slice is never resident. Stage 1 reduce-scatters the
-    // frozen groups' zeros into it with the rest.
-    add(MemoryUse::kGradients, MemoryTier::kHost, 4 * (s.stage == 1 ? pr : tr));
+    // The host accumulator is fresh zero pages that only reductions write, and a frozen group is
+    // never reduced at any stage (GradReducer: its slice is left as the zero pages), so only the
+    // trainable share is ever resident.
+    add(MemoryUse::kGradients, MemoryTier::kHost, 4 * tr);
   }
-  if (s.stage == 1) add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * p);
+  // Stage 1's full-size fp32 gradient copies, one a trainable group: a frozen group has none.
+  if (s.stage == 1) {
+    add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * trainable_param_count(model));
+  }
 
   add(MemoryUse::kActivations, MemoryTier::kDevice, activation_bytes(model, training));
   if (training.offload_activations) {

@@ -15,7 +15,8 @@
 //                   optimizer on NVMe) 4·Pr on NVMe, one extent per sub-group, and on the host
 //                   min(gradient_spill_buffers, ceil(Pr / Sg')) buffers of 4·Sg' bytes rounded
 //                   up to 4 KiB, Sg' = min(Sg, Pr); stage 1 also keeps the full fp32
-//                   gradients, 4·P, on the device until the step reduces them
+//                   gradients, 4·P (4·T with frozen parameters, below), on the device until
+//                   the step reduces them
 //   half copy       the new half params on the host before they go to their home. Streamed
 //                   (optimizer on NVMe, shards not in host memory: offload_param nvme or none,
 //                   or stages 1-2): each sub-group's half output goes from its pool buffer into
@@ -69,11 +70,11 @@
 //                   whole at open (and for each new generation after a linked checkpoint save)
 //                   before the frozen moments' room is given back, so the filesystem needs room
 //                   for all of it then; in between it holds 8·Tr.
-//   gradients       4·Tr with the optimizer offloaded (cpu, nvme) at stages 2-3: the host
-//                   accumulator is fresh zero pages that only reductions write, and a frozen
-//                   group is never reduced. On the device (optimizer none: the slice is zeroed
-//                   there) and at stage 1 (which reduce-scatters the frozen zeros) 4·Pr. The
-//                   engine refuses gradients_on_nvme with a frozen parameter.
+//   gradients       4·Tr with the optimizer offloaded (cpu, nvme): the host accumulator is
+//                   fresh zero pages that only reductions write, and a frozen group is never
+//                   reduced, at any stage. On the device (optimizer none: the slice is zeroed
+//                   there) 4·Pr. Stage 1's full-size copies are 4·T: a frozen group has none.
+//                   The engine refuses gradients_on_nvme with a frozen parameter.
 //   everything else as for trainable parameters: the fp32 master, the half params and the half
 //                   copy (written from the master at finalize).
 //   Frozen and trainable elements meet at sub-group cuts widened to 1024 elements; those

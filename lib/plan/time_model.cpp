@@ -159,22 +159,24 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double gathered = s.stage == 3 ? 2.0 * 2.0 * static_cast<double>(p) : 0.0;
   const double reduced = s.stage == 1 ? 0.0 : 4.0 * static_cast<double>(t);
   out.collectives_s = seconds((gathered + reduced) * link_share, profile.gpu_link_gbps);
-  // Stage 1 reduce-scatters the accumulated full gradients once a step, at step(), every group
-  // (the frozen groups' zeros too: 4·P), and the reduced fp32 shard comes down to an offloaded
-  // optimizer's accumulator chunk by chunk as it goes (GradReducer::reduce_accumulated): before
-  // the optimizer step can begin, behind no compute.
+  // Stage 1 reduce-scatters the accumulated full gradients of the trainable groups once a step,
+  // at step() (a frozen group has no full copy and is not reduced: 4·T), and the reduced fp32
+  // shard comes down to an offloaded optimizer's accumulator chunk by chunk as it goes
+  // (GradReducer::reduce_accumulated), 4·Tr: before the optimizer step can begin, behind no
+  // compute.
+  const double step_reduced = s.stage == 1 ? 4.0 * static_cast<double>(t) : 0.0;
   if (s.stage == 1) {
-    out.step_reduce_s = seconds(4.0 * static_cast<double>(p) * link_share, profile.gpu_link_gbps);
+    out.step_reduce_s = seconds(step_reduced * link_share, profile.gpu_link_gbps);
     if (s.optimizer != OffloadDevice::kNone) {
       out.step_reduce_s =
-          std::max(out.step_reduce_s, seconds(4.0 * static_cast<double>(pr), profile.h2d_gbps));
+          std::max(out.step_reduce_s, seconds(4.0 * static_cast<double>(tr), profile.h2d_gbps));
     }
   }
   // The bytes per rank and step as the engine's counters count them (EngineCounters: the whole
   // bucket into a reduce-scatter, the whole group out of an all-gather), with more than one rank.
   if (s.world_size > 1) {
-    out.reduce_scatter_bytes = static_cast<std::uint64_t>(
-        s.stage == 1 ? 4.0 * static_cast<double>(p) : micro_batches * reduced);
+    out.reduce_scatter_bytes =
+        static_cast<std::uint64_t>(s.stage == 1 ? step_reduced : micro_batches * reduced);
     out.all_gather_bytes = static_cast<std::uint64_t>(micro_batches * gathered + published);
   }
 

@@ -60,13 +60,14 @@
 //                  device. Each moves (N−1)/N of its bytes per rank at gpu_link_gbps. Not
 //                  modelled (0) when gpu_link_gbps is 0.
 //   step reduce    stage 1, once a step at step(), before the optimizer step and behind no
-//                  compute: reduce-scatter the accumulated 4·P (the frozen groups' zeros too),
-//                  (N−1)/N per rank at gpu_link_gbps, with the optimizer offloaded the reduced
-//                  4·Pr coming down to the host as it goes (the max of the two)
+//                  compute: reduce-scatter the accumulated 4·T (a frozen group has no full copy
+//                  and is never reduced), (N−1)/N per rank at gpu_link_gbps, with the optimizer
+//                  offloaded the reduced 4·Tr coming down to the host as it goes (the max of
+//                  the two)
 //   bytes          reduce_scatter_bytes and all_gather_bytes per rank and step, as the engine's
 //                  EngineCounters count them (a bucket's whole fp32 bytes into a reduce-scatter,
 //                  a group's whole half bytes out of an all-gather; 0 with one rank): stage 1
-//                  4·P and 2·T; stage 2 4·T·m and 2·T; stage 3 4·T·m and 2·2·P·m, m =
+//                  4·T and 2·T; stage 2 4·T·m and 2·T; stage 3 4·T·m and 2·2·P·m, m =
 //                  grad_accum_steps (stage 3's persistent small tensors, gathered once a step
 //                  instead, counted as the others)
 //   param fetch    stage 3 with params offloaded: 2·2·Pr host→device (forward and backward)

@@ -163,14 +163,14 @@ TEST(EngineMatch, PlannedBytesPerTierAreWhatTheEngineAllocates) {
 // The collectives of a step, predicted (predict_step()'s reduce_scatter_bytes and
 // all_gather_bytes) against the engine's own counters over one step of 4 micro-batches on 4
 // ranks, at each stage with the optimizer state in host memory and the first layer frozen: stage
-// 1 adds each micro-batch's gradients into its full copy and reduce-scatters the sum once, at
-// step() (the frozen layer's zeros too); stages 2-3 reduce-scatter every micro-batch's trainable
-// ones; stages 1-2 all-gather the new trainable params once a step, stage 3 every module for each
-// forward and each backward.
+// 1 adds each micro-batch's gradients into the trainable layers' full copies and reduce-scatters
+// the sums once, at step() (the frozen layer has no full copy and is not reduced); stages 2-3
+// reduce-scatter every micro-batch's trainable ones; stages 1-2 all-gather the new trainable
+// params once a step, stage 3 every module for each forward and each backward.
 TEST(EngineMatch, PredictedCollectiveBytesPerStepAreTheEngineCounters) {
   constexpr int kMicroBatches = 4;
-  // The first layer frozen: it is gathered as any other but never reduced, and a step does not
-  // republish it, so stages 1-2 all-gather the 7 trainable layers after a step.
+  // The first layer frozen: it is gathered as any other but never reduced, at any stage, and a
+  // step does not republish it, so stages 1-2 all-gather the 7 trainable layers after a step.
   constexpr int kFrozenModules = 1;
   ModelShape model = planner_model();
   model.trainable_params = (kModules - kFrozenModules) * kSide * kSide;

@@ -42,8 +42,10 @@ EngineSetup one_machine(int stage, int ranks) {
 // Per tier, the bytes a rank saves by freezing: Fr = Pr − ceil(T / N) frozen elements of its
 // shard, each without its moments (8 B) on the device and in host memory (on NVMe the swap file
 // is preallocated whole), and without its gradient slice (4 B) where the accumulator is the host's
-// zero pages and stages 2-3 never reduce a frozen group. The device optimizer rounds the frozen
-// half copy from the master with no scratch (lib/engine/device_optimizer.cpp, DeviceOps::narrow).
+// zero pages, which no stage writes for a frozen group (it is never reduced). Stage 1 also keeps
+// no full-size fp32 gradient copy of a frozen group: 4 B a frozen element of the model, P − T, on
+// the device. The device optimizer rounds the frozen half copy from the master with no scratch
+// (lib/engine/device_optimizer.cpp, DeviceOps::narrow).
 std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const EngineSetup& s) {
   const double p = static_cast<double>(param_count(m));
   const double t = static_cast<double>(m.trainable_params);
@@ -52,7 +54,8 @@ std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const Engi
   std::array<double, kMemoryTierCount> saved{};
   if (s.optimizer == OffloadDevice::kNone) saved[0] += 8 * frozen;
   if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen;
-  if (s.optimizer != OffloadDevice::kNone && s.stage != 1) saved[1] += 4 * frozen;
+  if (s.optimizer != OffloadDevice::kNone) saved[1] += 4 * frozen;
+  if (s.stage == 1) saved[0] += 4 * (p - t);
   return saved;
 }
 
@@ -252,11 +255,13 @@ TEST(FrozenTime, SubGroupsAreCutAtEachTrainableRun) {
   }
 }
 
-// Stages 2-3 reduce-scatter the trainable gradients only, in fp32, every micro-batch; stage 1
-// all of them (the frozen zeros too), once a step at step(). Stage 3 all-gathers every parameter
-// for each forward and backward, stages 1-2 the trainable ones once a step as the step publishes
-// them (no step republishes a frozen group), in half precision.
-TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
+// No stage reduces a frozen module. Stages 2-3 reduce-scatter the trainable gradients, in fp32,
+// every micro-batch; stage 1 the trainable groups' full copies once a step at step() (a frozen
+// group has none), and with the optimizer offloaded the reduced 4·Tr comes down to the host as it
+// goes. Stage 3 all-gathers every parameter for each forward and backward, stages 1-2 the
+// trainable ones once a step as the step publishes them (no step republishes a frozen group), in
+// half precision.
+TEST(FrozenTime, ReductionsSkipFrozenModules) {
   const ModelShape m = lora7b();
   const double p = static_cast<double>(param_count(m));
   const double t = static_cast<double>(m.trainable_params);
@@ -271,11 +276,18 @@ TEST(FrozenTime, ReductionsSkipFrozenModulesAtStages2And3) {
     const double gathered = stage == 3 ? 2 * 2 * p : 0;
     const double reduced = stage == 1 ? 0 : 4 * t;
     EXPECT_NEAR(x.collectives_s, (gathered + reduced) * 0.75 / 100e9, 1e-12) << stage;
-    EXPECT_NEAR(x.step_reduce_s, stage == 1 ? 4 * p * 0.75 / 100e9 : 0, 1e-12) << stage;
+    EXPECT_NEAR(x.step_reduce_s, stage == 1 ? 4 * t * 0.75 / 100e9 : 0, 1e-12) << stage;
     EXPECT_NEAR(x.publish_gather_s, stage == 3 ? 0 : 2 * t * 0.75 / 100e9, 1e-12) << stage;
-    EXPECT_EQ(static_cast<double>(x.reduce_scatter_bytes), stage == 1 ? 4 * p : 4 * 4 * t) << stage;
+    EXPECT_EQ(static_cast<double>(x.reduce_scatter_bytes), stage == 1 ? 4 * t : 4 * 4 * t) << stage;
     EXPECT_EQ(static_cast<double>(x.all_gather_bytes), stage == 3 ? 4 * gathered : 2 * t) << stage;
   }
+  // Stage 1 with the optimizer in host memory and a slow copy to the host: the step's reduction
+  // waits for the trainable share of the shard, 4·ceil(T / 4) bytes at 1 GB/s.
+  EngineSetup s = one_machine(1, 4);
+  s.optimizer = OffloadDevice::kHost;
+  profile.h2d_gbps = 1;
+  const StepPrediction x = predict_step(m, training, s, profile);
+  EXPECT_NEAR(x.step_reduce_s, 4 * std::ceil(t / 4) / 1e9, 1e-12);
 }
 
 // DeepSpeed keeps a frozen parameter's bf16 weight only: 18·T + 2·(P − T) bytes of state.
