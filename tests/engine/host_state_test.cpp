@@ -21,93 +21,24 @@
 #include <thread>
 #include <vector>
 
-#include "base/aligned.hpp"
-#include "common/resident_memory.hpp"
 #include "common/sanitizer.hpp"
 #include "engine/engine_test_util.hpp"
-#include "engine/layout.hpp"
 #include "engine/optimizer_state.hpp"
-#include "engine/param_groups.hpp"
-#include "engine/publisher.hpp"
-#include "engine/rank_exchange.hpp"
+#include "engine/state_fixture.hpp"
 #include "zero/param_coordinator.hpp"
-#include "zero/zero_counters.hpp"
 
 namespace zinf {
 namespace {
 
 using engine_test::seeded;
-using test::vm_flags;
+using engine_test::StateFixture;
+using engine_test::whole_array;
 
 constexpr auto kChildTimeout = std::chrono::seconds(60);
 
 bool contains(const Status& st, const std::string& text) {
   return st.message().find(text) != std::string_view::npos;
 }
-
-// One rank's layout of f32 modules "base" and "lora" (stage 2, AdamW), "base" frozen when asked,
-// and the StateContext of a HostState over it on `device` (the layout's own rank device when
-// null).
-class HostStateFixture {
- public:
-  HostStateFixture(std::size_t base_elements, std::size_t lora_elements, bool base_frozen) {
-    ranks_ = engine_test::make_ranks(1, std::chrono::seconds(30));
-    config_.zero.stage = 2;
-    config_.optimizer.kind = OptimizerKind::kAdamW;
-    config_.optimizer.lr = 1e-2;
-    config_.optimizer.weight_decay = 0.05;
-    config_.zero.offload_optimizer.device = OffloadDevice::kNone;
-    values_.push_back(seeded(base_elements, 11, -1.0f, 1.0f));
-    values_.push_back(seeded(lora_elements, 12, -1.0f, 1.0f));
-    const char* names[] = {"base", "lora"};
-    for (std::size_t i = 0; i < 2; ++i) {
-      ParameterSpec spec;
-      spec.name = std::string(names[i]) + ".weight";
-      spec.module = names[i];
-      spec.shape = {static_cast<std::int64_t>(values_[i].size())};
-      spec.initial_values = values_[i].data();
-      spec.trainable = !(i == 0 && base_frozen);
-      EXPECT_TRUE(layout_.add(spec).is_ok());
-    }
-    Device& device = *ranks_.devices[0];
-    stream_ = std::move(device.create_stream("test")).value();
-    event_ = std::move(device.create_event()).value();
-    auto exchange = RankExchange::create(device, *ranks_.comms[0], *stream_, *event_,
-                                         std::chrono::seconds(30), sticky_);
-    EXPECT_TRUE(exchange.is_ok()) << exchange.status().to_string();
-    Status laid = layout_.lay_out(config_, 0, 1, *exchange);
-    EXPECT_TRUE(laid.is_ok()) << laid.to_string();
-    auto ranges = partition_group_ranges(layout_, 0, {});
-    EXPECT_TRUE(ranges.is_ok()) << ranges.status().to_string();
-    group_ranges_ = std::move(ranges).value();
-    group_params_.resize(2);
-    group_params(config_.optimizer, config_.optimizer.lr, {}, &group_params_);
-  }
-
-  StateContext context(Device* device) {
-    StateContext ctx;
-    ctx.config = &config_;
-    ctx.device = device != nullptr ? device : ranks_.devices[0].get();
-    ctx.layout = &layout_;
-    ctx.publisher = &publisher_;
-    ctx.counters = &counters_;
-    ctx.group_ranges = group_ranges_;
-    ctx.groups = group_params_;
-    return ctx;
-  }
-
-  engine_test::Ranks ranks_;
-  Config config_;
-  ParameterLayout layout_;
-  Publisher publisher_{layout_};
-  StickyError sticky_;
-  ZeroCounters counters_;
-  std::unique_ptr<Stream> stream_;
-  std::unique_ptr<Event> event_;
-  std::vector<std::vector<float>> values_;
-  std::vector<OptimizerRange> group_ranges_;
-  std::vector<OptimizerParams> group_params_;
-};
 
 std::unique_ptr<Device> limited_device(std::size_t limit_bytes) {
   HostDeviceOptions o;
@@ -121,7 +52,7 @@ std::unique_ptr<Device> limited_device(std::size_t limit_bytes) {
 // fit and its bytes, and gives back what it counted; the limit of all four holds them, and
 // closing the state gives every byte back.
 TEST(HostStateMemory, ZeroPagesCountAgainstTheHostDeviceLimit) {
-  HostStateFixture f(6'000, 2'000, /*base_frozen=*/true);
+  StateFixture f(6'000, 2'000, {.base_frozen = true});
   const std::size_t bytes = f.layout_.partition_elements() * sizeof(float);
   ASSERT_GT(bytes, 0u);
   struct Short {
@@ -201,7 +132,7 @@ TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
   if (pid == 0) {
     ::close(fds[0]);
     // 16 MiB an array: far more than what the create allocates besides them.
-    HostStateFixture f(std::size_t{3} << 20, std::size_t{1} << 20, /*base_frozen=*/false);
+    StateFixture f(std::size_t{3} << 20, std::size_t{1} << 20, {.base_frozen = false});
     const std::size_t bytes = f.layout_.partition_elements() * sizeof(float);
     unsigned long long vm_pages = 0;
     std::FILE* statm = std::fopen("/proc/self/statm", "r");
@@ -250,47 +181,15 @@ TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
 // trainable range beside it does not fault in 2 MiB pages over its zeros; the trainable range is
 // not advised.
 TEST(HostStateMemory, TheFrozenRangesAreAdvisedOffHugePages) {
-  {
-    AlignedBuffer probe;
-    ASSERT_TRUE(AlignedBuffer::zeroed_pages(std::size_t{1} << 20, "probe", &probe).is_ok());
-    if (!probe.advise_no_huge_pages(0, probe.bytes())) {
-      GTEST_SKIP() << "the kernel refuses MADV_NOHUGEPAGE (built without transparent huge pages)";
-    }
-  }
+  if (!engine_test::kernel_advises_no_huge_pages()) GTEST_SKIP() << engine_test::kNoHugePageAdvice;
   // 8 MiB of frozen elements, 4 MiB of trainable ones an array.
-  HostStateFixture f(std::size_t{2} << 20, std::size_t{1} << 20, /*base_frozen=*/true);
+  StateFixture f(std::size_t{2} << 20, std::size_t{1} << 20, {.base_frozen = true});
   Result<std::unique_ptr<OptimizerState>> opened = open_host_state(f.context(nullptr));
   ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
   OptimizerState& state = **opened;
-  std::uint32_t frozen = UINT32_MAX, trained = UINT32_MAX;
-  for (std::uint32_t g = 0; g < f.layout_.group_count(); ++g) {
-    (f.layout_.frozen_group(g) ? frozen : trained) = g;
-  }
-  ASSERT_NE(frozen, UINT32_MAX);
-  ASSERT_NE(trained, UINT32_MAX);
-  auto array = [&](Piece piece) {
-    const float* out = nullptr;
-    EXPECT_TRUE(state
-                    .read_state(piece,
-                                [&](std::size_t, std::size_t, const float* values) {
-                                  out = values;
-                                  return Status::ok();
-                                })
-                    .is_ok());
-    return out;
-  };
-  const float* arrays[] = {array(Piece::kExpAvg), array(Piece::kExpAvgSq),
-                           state.grad_target().accumulator};
-  auto middle = [&](const float* a, std::uint32_t g) {
-    return a + f.layout_.offset(g) + f.layout_.group(g).shard_element_count / 2;
-  };
-  for (const float* a : arrays) {
-    ASSERT_NE(a, nullptr);
-    const std::string in_frozen = vm_flags(middle(a, frozen));
-    const std::string in_trained = vm_flags(middle(a, trained));
-    EXPECT_NE(in_frozen.find(" nh "), std::string::npos) << in_frozen;
-    ASSERT_FALSE(in_trained.empty());
-    EXPECT_EQ(in_trained.find(" nh "), std::string::npos) << in_trained;
+  for (const float* a : {whole_array(state, Piece::kExpAvg), whole_array(state, Piece::kExpAvgSq),
+                         static_cast<const float*>(state.grad_target().accumulator)}) {
+    engine_test::expect_huge_page_advice(f.layout_, a, /*frozen_advised=*/true);
   }
 }
 
@@ -299,7 +198,7 @@ TEST(HostStateMemory, TheFrozenRangesAreAdvisedOffHugePages) {
 // buffer holds it since place_initial(). The frozen group's buffer is overwritten after the
 // first step: the second step leaves it so, while the trainable group's is the new master.
 TEST(HostStatePublish, AStepDoesNotNarrowAFrozenGroupAgain) {
-  HostStateFixture f(5'000, 3'000, /*base_frozen=*/true);
+  StateFixture f(5'000, 3'000, {.base_frozen = true});
   Device& device = *f.ranks_.devices[0];
   ParamCoordinatorOptions co;
   auto coord = ParamCoordinator::create(f.layout_.partitioner(), 0, device, *f.ranks_.comms[0],
