@@ -1096,13 +1096,16 @@ class ZinfEngine(nn.Module):
             if buffer is not data:
                 data.copy_(buffer)
             return
+        # Rank 0 packs its bytes and sends them; the others receive them and unpack.
         flat = torch.empty(bucket_bytes, dtype=torch.uint8)
         offset = 0
-        for _, data in bucket:
+        for _, data in bucket if self.global_rank == 0 else ():
             data_bytes = data.numel() * data.element_size()
             flat[offset:offset + data_bytes].copy_(data.contiguous().view(-1).view(torch.uint8))
             offset += data_bytes
         self._core.broadcast_bytes(flat, 0, what)
+        if self.global_rank == 0:
+            return
         offset = 0
         for _, data in bucket:
             data_bytes = data.numel() * data.element_size()
