@@ -312,17 +312,19 @@ class _CountingList(list):
         return super().__iter__()
 
 
-# The engine's per-parameter tables: none may be walked whole by a block.
-_PER_PARAMETER_DICTS = ("_params", "_names", "_shapes", "_owner", "_position")
+# The engine's per-parameter and per-module tables: none may be walked whole by a block.
+_PER_PARAMETER_DICTS = ("_params", "_names", "_shapes", "_owner", "_position", "_owned",
+                        "_gather_count")
 
 
 def test_a_block_per_parameter_does_not_walk_the_engines_parameters():
-    """A block per parameter after initialize() (as DeepSpeed-Chat's save_zero_three_model reads
-    one at a time): the Python side of no block, reading or writing, walks the engine's
-    per-parameter tables (its parameters, their names, shapes, owners, positions), so the
-    package adds work linear in the block's parameters, not the model's (gathered_loop_bench.py
-    times reading blocks). A writing block still costs the engine's pass over the rank's master
-    partition, which this does not count."""
+    """A block per parameter after initialize() at stage 3 (as DeepSpeed-Chat's
+    save_zero_three_model reads one at a time): the Python side of no block, reading or
+    writing, walks the engine's per-parameter or per-module tables (its parameters, their names,
+    shapes, owners, positions, the modules' parameters and gather counts), so the package adds
+    work linear in the block's parameters, not the model's (gathered_loop_bench.py times reading
+    blocks). A writing block still costs the engine's pass over the rank's master partition,
+    which this does not count, and at stages 1 and 2 the refresh of every view (docs/PYTHON.md)."""
     generator = torch.Generator().manual_seed(31)
     model = torch.nn.ModuleList(torch.nn.Linear(3, 2) for _ in range(40))
     engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(3))
