@@ -12,8 +12,6 @@
 #include <errno.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
-#include <signal.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,9 +19,9 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "common/child_process.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 
@@ -202,23 +200,6 @@ INSTANTIATE_TEST_SUITE_P(Cases, CheckpointReplace,
                                            ReplaceCase{2, true, false}),
                          case_name);
 
-// Runs `fn` in a child process and waits for it (60 s at most): its exit status, or -1.
-int in_child(const std::function<int()>& fn) {
-  const pid_t pid = ::fork();
-  if (pid == 0) ::_exit(fn());
-  if (pid < 0) return -1;
-  int status = 0;
-  for (int waited_ms = 0; waited_ms < 60000; waited_ms += 10) {
-    if (::waitpid(pid, &status, WNOHANG) == pid) {
-      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, &status, 0);
-  return -1;
-}
-
 struct CrashCase {
   bool exchange;
   bool nvme;
@@ -264,7 +245,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
          })) {
       ASSERT_TRUE(st.is_ok()) << st.to_string();
     }
-    const int code = in_child([&] {
+    const test::ChildEnd child = test::in_child([&](int) {
       CheckpointSaveSeams seams;
       seams.exchange = c.exchange;
       seams.at = [&](std::string_view point) {
@@ -283,7 +264,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
       }
       return 3;  // the save never reached the point
     });
-    ASSERT_EQ(code, 0);
+    ASSERT_EQ(child.exit_code(), 0);
 
     const Masters& want = c.new_state ? at4 : at2;
     // inspect finds no problem: what is left is a complete tag, a save's temporary, or the tag
@@ -394,7 +375,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
-  const int code = in_child([&] {
+  const test::ChildEnd child = test::in_child([&](int) {
     CheckpointSaveSeams seams;
     seams.at = [](std::string_view point) {
       if (point == "pruning") ::_exit(0);
@@ -409,7 +390,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
     }
     return 3;  // the save never pruned
   });
-  ASSERT_EQ(code, 0);
+  ASSERT_EQ(child.exit_code(), 0);
   EXPECT_FALSE(load_masters(config, model, 1, dir, "a").is_ok());
   Result<nlohmann::json> crashed = inspect_checkpoints(dir, true);
   ASSERT_TRUE(crashed.is_ok()) << crashed.status().to_string();

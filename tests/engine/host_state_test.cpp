@@ -4,23 +4,19 @@
 // them; their frozen ranges are advised off transparent huge pages; and a step does not narrow a
 // frozen f32 group into the publish buffer again.
 #include <gtest/gtest.h>
-#include <poll.h>
-#include <signal.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
+#include "common/child_process.hpp"
 #include "common/sanitizer.hpp"
 #include "engine/engine_test_util.hpp"
 #include "engine/optimizer_state.hpp"
@@ -82,37 +78,6 @@ TEST(HostStateMemory, ZeroPagesCountAgainstTheHostDeviceLimit) {
   EXPECT_EQ(device->memory_used_bytes(), 0u);
 }
 
-// Waits up to `deadline` for child `pid` to end, reading what it writes to `fd` (EOF when it
-// exits) into *out; kills it when the deadline passes. True with *wstatus when it ended in time.
-bool await_child(pid_t pid, int fd, std::chrono::steady_clock::time_point deadline,
-                 std::string* out, int* wstatus) {
-  using std::chrono::steady_clock;
-  bool reading = true;
-  while (steady_clock::now() < deadline) {
-    if (reading) {
-      const auto left =
-          std::chrono::ceil<std::chrono::milliseconds>(deadline - steady_clock::now());
-      pollfd p{fd, POLLIN, 0};
-      const int ready = ::poll(&p, 1, static_cast<int>(std::max<std::int64_t>(left.count(), 1)));
-      if (ready < 0 && errno != EINTR) reading = false;
-      if (ready > 0) {
-        char chunk[512];
-        const ssize_t n = ::read(fd, chunk, sizeof(chunk));
-        if (n > 0) out->append(chunk, static_cast<std::size_t>(n));
-        if (n == 0 || (n < 0 && errno != EINTR)) reading = false;
-      }
-      continue;
-    }
-    const pid_t done = ::waitpid(pid, wstatus, WNOHANG);
-    if (done == pid) return true;
-    if (done < 0 && errno != EINTR) return false;
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  ::kill(pid, SIGKILL);
-  ::waitpid(pid, wstatus, 0);
-  return false;
-}
-
 // The kernel refusing a zero-page mapping (here: the address space limit, RLIMIT_AS, lowered so
 // that the master and the first moment fit and the second does not) fails the create with
 // kResourceExhausted naming the tensor and the bytes, rather than ending the process. Run in a
@@ -125,43 +90,35 @@ TEST(HostStateMemory, AMappingTheKernelRefusesIsAStatus) {
   if (test::kThreadSanitizer || test::kAddressSanitizer) {
     GTEST_SKIP() << "limits the address space, which a sanitizer's shadow memory fills";
   }
-  int fds[2];
-  ASSERT_EQ(::pipe(fds), 0);
-  const pid_t pid = ::fork();
-  ASSERT_GE(pid, 0);
-  if (pid == 0) {
-    ::close(fds[0]);
-    // 16 MiB an array: far more than what the create allocates besides them.
-    StateFixture f(std::size_t{3} << 20, std::size_t{1} << 20, {.base_frozen = false});
-    const std::size_t bytes = f.layout_.partition_elements() * sizeof(float);
-    unsigned long long vm_pages = 0;
-    std::FILE* statm = std::fopen("/proc/self/statm", "r");
-    if (statm == nullptr || std::fscanf(statm, "%llu", &vm_pages) != 1) ::_exit(2);
-    std::fclose(statm);
-    const std::size_t vm_bytes = vm_pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
-    // Room for the master and exp_avg, and 4 MiB besides: not for exp_avg_sq.
-    rlimit as{};
-    as.rlim_cur = as.rlim_max = vm_bytes + 2 * bytes + (std::size_t{4} << 20);
-    if (::setrlimit(RLIMIT_AS, &as) != 0) ::_exit(3);
-    Result<std::unique_ptr<OptimizerState>> state = open_host_state(f.context(nullptr));
-    const std::string out =
-        std::to_string(bytes) + "|" +
-        (state.is_ok() ? std::string("ok")
-                       : std::to_string(static_cast<int>(state.status().code())) + "|" +
-                             std::string(state.status().message()));
-    const ssize_t written = ::write(fds[1], out.data(), out.size());
-    ::_exit(written == static_cast<ssize_t>(out.size()) ? 0 : 4);
-  }
-  ::close(fds[1]);
-  std::string got;
-  int wstatus = 0;
-  const bool ended =
-      await_child(pid, fds[0], std::chrono::steady_clock::now() + kChildTimeout, &got, &wstatus);
-  ::close(fds[0]);
-  ASSERT_TRUE(ended) << "the child did not end within " << kChildTimeout.count()
-                     << " s and was killed; it wrote: " << got;
-  ASSERT_TRUE(WIFEXITED(wstatus)) << "the child ended by signal " << WTERMSIG(wstatus);
-  ASSERT_EQ(WEXITSTATUS(wstatus), 0);
+  const test::ChildEnd child = test::in_child(
+      [](int fd) {
+        // 16 MiB an array: far more than what the create allocates besides them.
+        StateFixture f(std::size_t{3} << 20, std::size_t{1} << 20, {.base_frozen = false});
+        const std::size_t bytes = f.layout_.partition_elements() * sizeof(float);
+        unsigned long long vm_pages = 0;
+        std::FILE* statm = std::fopen("/proc/self/statm", "r");
+        if (statm == nullptr || std::fscanf(statm, "%llu", &vm_pages) != 1) return 2;
+        std::fclose(statm);
+        const std::size_t vm_bytes = vm_pages * static_cast<std::size_t>(::sysconf(_SC_PAGESIZE));
+        // Room for the master and exp_avg, and 4 MiB besides: not for exp_avg_sq.
+        rlimit as{};
+        as.rlim_cur = as.rlim_max = vm_bytes + 2 * bytes + (std::size_t{4} << 20);
+        if (::setrlimit(RLIMIT_AS, &as) != 0) return 3;
+        Result<std::unique_ptr<OptimizerState>> state = open_host_state(f.context(nullptr));
+        const std::string out =
+            std::to_string(bytes) + "|" +
+            (state.is_ok() ? std::string("ok")
+                           : std::to_string(static_cast<int>(state.status().code())) + "|" +
+                                 std::string(state.status().message()));
+        const ssize_t written = ::write(fd, out.data(), out.size());
+        return written == static_cast<ssize_t>(out.size()) ? 0 : 4;
+      },
+      kChildTimeout);
+  const std::string& got = child.output;
+  ASSERT_TRUE(child.ended) << "the child did not end within " << kChildTimeout.count()
+                           << " s and was killed; it wrote: " << got;
+  ASSERT_TRUE(WIFEXITED(child.wstatus)) << "the child ended by signal " << WTERMSIG(child.wstatus);
+  ASSERT_EQ(WEXITSTATUS(child.wstatus), 0);
   const std::size_t bar = got.find('|');
   ASSERT_NE(bar, std::string::npos) << got;
   const std::string bytes = got.substr(0, bar);
