@@ -278,12 +278,15 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   }
   out.optimizer_step_s = out.pipeline_s;
   ZINF_ASSERT(spec.compute_s >= 0);
+  ZINF_ASSERT(spec.micro_batches >= 1);
   out.forward_backward_s = spec.compute_s;
   if (spec.compute_s > 0 && spec.overlap) {
     const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
     const double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
+    // The pass meets one micro-batch, as in predict_step.
+    const double micro_batch_s = spec.compute_s / static_cast<double>(spec.micro_batches);
     out.optimizer_hidden_s =
-        std::clamp(out.optimizer_step_s - unhidden, 0.0, fraction * out.forward_backward_s);
+        std::clamp(out.optimizer_step_s - unhidden, 0.0, fraction * micro_batch_s);
   }
   out.step_s = out.forward_backward_s + out.optimizer_step_s - out.optimizer_hidden_s;
   return out;

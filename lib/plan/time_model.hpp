@@ -197,9 +197,11 @@ struct StepOnlySpec {
   bool half_on_nvme = true;
   // A training step around the optimizer step (compute_s 0: the optimizer step alone, as bench
   // step runs it): the program's compute of a step, measured (forward + backward + gathers +
-  // reductions of every micro-batch); host_compute when it runs on this machine's CPU cores
-  // (HostDevice, as examples/train_lm); overlap for zinf.overlap_step.
+  // reductions of every micro-batch), in micro_batches alike micro-batches; host_compute when
+  // it runs on this machine's CPU cores (HostDevice, as examples/train_lm); overlap for
+  // zinf.overlap_step.
   double compute_s = 0;
+  std::uint64_t micro_batches = 1;
   bool host_compute = false;
   bool overlap = true;
   double overlap_fraction = 2.0 / 3.0;  // c, as EngineSetup::overlap_compute_fraction
@@ -218,15 +220,18 @@ struct StepOnlyLayout {
 StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 
 // With spec.compute_s, forward_backward_s is that compute and step_s the training step: the
-// sum with overlap off, and with overlap on
-//   hidden = min(optimizer_step − H, c·compute),   step = compute + optimizer_step − hidden
+// sum with overlap off, and with overlap on the pass meets one micro-batch, mb = compute / m
+// with m = spec.micro_batches (predict_step's window):
+//   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
 // with c = spec.overlap_fraction (as in predict_step) and H the part of the pass that cannot
-// hide: 0 when the compute runs elsewhere (a GPU), so with c = 1 step = max(compute,
-// optimizer_step); the update U when the compute runs on the host's cores, which the update's
-// threads then share (all of them, at the memory's bandwidth). With c = 2/3 (the pass behind
-// the backward) and F = compute/3 the forward: step = F + max(2F + H, optimizer_step).
+// hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and c = 1 step =
+// max(compute, optimizer_step); the update U when the compute runs on the host's cores, which
+// the update's threads then share (all of them, at the memory's bandwidth). With one
+// micro-batch, c = 2/3 (the pass behind the backward) and F = compute/3 the forward:
+// step = F + max(2F + H, optimizer_step).
 // REQUIRES: step_only_layout(spec).sub_group_params > 0, at least 2 blocks on NVMe,
-// profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme, spec.compute_s >= 0.
+// profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme, spec.compute_s >= 0,
+// spec.micro_batches >= 1.
 StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile);
 
 }  // namespace zinf::plan

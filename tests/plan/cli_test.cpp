@@ -154,6 +154,31 @@ TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping --overlap-fraction 0.5"), 3.0);
 }
 
+// --compute-s is the compute of a whole step, over --grad-accum micro-batches, and the pass
+// meets one of them: c of 6 s / 3.
+TEST_F(PlanCli, StepOnlyComputeSpansTheMicroBatches) {
+  const std::string step =
+      "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB "
+      "--compute-s 6 --grad-accum 3 --json" +
+      std::string(kRates);
+  for (const auto& [flags, hidden] :
+       {std::pair{"", 4.0 / 3.0}, std::pair{" --gradient-clipping", 2.0 / 3.0},
+        std::pair{" --overlap-fraction 1", 2.0}}) {
+    const CliRun r = run_zinf(step + flags);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j.at("micro_batches"), 3) << flags;
+    EXPECT_NEAR(j.at("optimizer_hidden_s").get<double>(), hidden, 1e-12) << flags;
+    EXPECT_NEAR(j.at("step_s").get<double>(), 6.0 + j.at("optimizer_step_s").get<double>() - hidden,
+                1e-9)
+        << flags;
+  }
+  const CliRun zero =
+      run_zinf("plan --step-only --params 1G --compute-s 6 --grad-accum 0" + std::string(kRates));
+  EXPECT_EQ(zero.exit_code, 1);
+  EXPECT_NE(zero.err.find("--grad-accum 0: must be"), std::string::npos) << zero.err;
+}
+
 TEST_F(PlanCli, BadOptionsExitOneWithAMessage) {
   CliRun r = run_zinf("plan --model gpt-17 --gpu-mem 8GB --host-mem 8GB" + std::string(kRates));
   EXPECT_EQ(r.exit_code, 1);

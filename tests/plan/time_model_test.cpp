@@ -426,5 +426,24 @@ TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
   }
 }
 
+// --step-only: --compute-s is the whole step's compute over its --grad-accum micro-batches, and
+// the pass meets one of them: hidden = min(pass, c·compute/m).
+TEST(TimeModel, StepOnlyPassHidesBehindOneMicroBatch) {
+  StepOnlySpec spec = state_only(1'000'000'000, 1u << 30);
+  spec.compute_s = 6.0;
+  const MachineProfile p = profile(20, 2, 1);
+  for (const std::uint64_t micro : {1u, 3u}) {
+    spec.micro_batches = micro;
+    const double mb = 6.0 / static_cast<double>(micro);
+    for (const double fraction : {0.25, 2.0 / 3.0, 1.0}) {
+      spec.overlap_fraction = fraction;
+      const StepPrediction t = predict_optimizer_step(spec, p);
+      ASSERT_GT(t.optimizer_step_s, 6.0);
+      EXPECT_NEAR(t.optimizer_hidden_s, fraction * mb, 1e-12) << micro << " " << fraction;
+      EXPECT_NEAR(t.step_s, 6.0 + t.optimizer_step_s - fraction * mb, 1e-9);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace zinf::plan

@@ -310,7 +310,12 @@ void run_step_only(const PlanOptions& o) {
     fail("--host-compute needs --compute-s, the measured compute of a step");
     return;
   }
+  if (o.grad_accum == 0) {
+    fail("--grad-accum 0: must be at least 1");
+    return;
+  }
   spec.compute_s = o.compute_s;
+  spec.micro_batches = o.grad_accum;
   spec.host_compute = o.host_compute;
   spec.overlap = !o.no_overlap_step;
   spec.overlap_fraction = o.overlap_fraction;
@@ -343,6 +348,7 @@ void run_step_only(const PlanOptions& o) {
                               {"step_s", t.step_s},
                               {"optimizer_step_s", t.optimizer_step_s},
                               {"compute_s", t.forward_backward_s},
+                              {"micro_batches", spec.micro_batches},
                               {"host_compute", spec.host_compute},
                               {"overlap", spec.overlap},
                               {"optimizer_hidden_s", t.optimizer_hidden_s},
@@ -368,7 +374,11 @@ void run_step_only(const PlanOptions& o) {
   Table table({"part", "predicted", "from"});
   const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
   if (spec.compute_s > 0) {
+    // The max forms hold where the pass may hide behind the whole compute: one micro-batch.
+    const bool behind_part = spec.micro_batches > 1;
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
+                      : behind_part       ? "compute + optimizer step - the part hidden behind one "
+                                            "micro-batch's compute: overlapped"
                       : spec.host_compute ? "max(compute + update, optimizer step): overlapped, "
                                             "the update on the cores that compute"
                                           : "max(compute, optimizer step): overlapped";
@@ -846,7 +856,9 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--vocab", o->vocab, "Vocabulary, without --model")->capture_default_str();
   sub->add_option("--seq", o->seq, "Sequence length")->capture_default_str();
   sub->add_option("--micro-batch", o->micro_batch, "Micro-batch per GPU")->capture_default_str();
-  sub->add_option("--grad-accum", o->grad_accum, "Micro-batches per step")->capture_default_str();
+  sub->add_option("--grad-accum", o->grad_accum,
+                  "Micro-batches per step (with --step-only: the micro-batches --compute-s spans)")
+      ->capture_default_str();
   sub->add_flag("--checkpoint-activations", o->checkpoint_activations,
                 "Activation checkpointing (recompute each layer in backward)");
   sub->add_flag("--offload-activations", o->offload_activations,
@@ -945,7 +957,8 @@ void setup_plan(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--compute-s", o->compute_s,
                   "--step-only: predict a training step around it, whose compute (forward, "
-                  "backward, gathers, reductions) takes this many seconds (measured); "
+                  "backward, gathers, reductions of all --grad-accum micro-batches) takes this "
+                  "many seconds (measured); the pass hides behind one micro-batch's share; "
                   "--no-overlap-step: the sequential step");
   sub->add_flag("--host-compute", o->host_compute,
                 "--step-only with --compute-s: the compute runs on this machine's CPU cores "
