@@ -167,6 +167,11 @@ struct EngineSetup {
   // during the backward.
   bool overlap_step = true;
   double overlap_compute_fraction = 2.0 / 3.0;
+  // Exact clipping (gradient_clipping > 0 without zinf.clip_from_previous_step) or fp16 loss
+  // scaling: the step's global norm or overflow check needs every gradient, so the engine updates
+  // nothing before step() (Engine's in_backward_) and the pass hides behind the next forward at
+  // most, as where it starts at step().
+  bool exact_clipping_or_loss_scaling = false;
 };
 
 // OK when `setup` is one the engine can run: stage in 1..3, params offloaded only at stage 3,

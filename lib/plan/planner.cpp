@@ -217,6 +217,7 @@ Result<PlanResult> make_plan(const ModelShape& model, const TrainingShape& train
   size_buckets(model, &base);
   base.overlap_step = constraints.overlap_step;
   base.overlap_compute_fraction = constraints.overlap_compute_fraction;
+  base.exact_clipping_or_loss_scaling = constraints.exact_clipping_or_loss_scaling;
   base.device_reserved_bytes = constraints.device_reserved_bytes;
   if (profile.nvme_block_bytes > 0 && profile.nvme_queue_depth > 0) {
     base.io_block_bytes = profile.nvme_block_bytes;

@@ -63,6 +63,8 @@ struct PlanConstraints {
   // (EngineSetup, time_model.hpp).
   bool overlap_step = true;
   double overlap_compute_fraction = 2.0 / 3.0;
+  // EngineSetup::exact_clipping_or_loss_scaling: the config clips exactly or scales the loss.
+  bool exact_clipping_or_loss_scaling = false;
   // zinf.device_reserved_bytes: device memory each GPU leaves to the runtime (CUDA context,
   // cuBLAS workspace, allocator slack) in every placement; EngineSetup's 1 GiB by default.
   std::uint64_t device_reserved_bytes = EngineSetup{}.device_reserved_bytes;

@@ -96,6 +96,13 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
 // which reduce-scatters at step(), and with the gradients spilled to NVMe, whose sub-groups are
 // read whole, it starts at step().
 bool pass_opens_in_backward(const EngineSetup& s) { return s.stage >= 2 && !s.gradients_on_nvme; }
+
+// Whether the pass updates during the backward (Engine's in_backward_): where it opens there and
+// nothing global decides the step first. With exact clipping or fp16 loss scaling it only reads
+// ahead until step() has the norm or the overflow check, and the updates meet the next forward.
+bool updates_in_backward(const EngineSetup& s) {
+  return pass_opens_in_backward(s) && !s.exact_clipping_or_loss_scaling;
+}
 }  // namespace
 
 StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
@@ -215,10 +222,11 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
                            (micro_batches - 1.0) * std::max(others_s, offload_later_s);
   if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
     double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
-    // Where the pass starts at step() it hides behind the next step's first forward at most:
+    // Where the updates start at step() (stage 1, spilled gradients, exact clipping, loss
+    // scaling) they hide behind the next step's first forward at most:
     // the forward's share of a micro-batch's FLOPs (a third, a quarter with checkpointing, more
     // with frozen parameters, which do less of the backward).
-    if (!pass_opens_in_backward(s) && flops > 0) {
+    if (!updates_in_backward(s) && flops > 0) {
       fraction = std::min(fraction, forward_flops / flops);
     }
     // One micro-batch's time, not the step's: the pass that opens in the backward opens in the
@@ -282,7 +290,9 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   out.forward_backward_s = spec.compute_s;
   if (spec.compute_s > 0 && spec.overlap) {
     const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
-    const double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
+    double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
+    // With exact clipping or loss scaling the updates wait for step(): the next forward at most.
+    if (spec.exact_clipping_or_loss_scaling) fraction = std::min(fraction, 1.0 / 3.0);
     // The pass meets one micro-batch, as in predict_step.
     const double micro_batch_s = spec.compute_s / static_cast<double>(spec.micro_batches);
     out.optimizer_hidden_s =

@@ -99,13 +99,14 @@
 // step_reduce + max(forward_backward, optimizer_step). The engine's pass runs during the backward
 // where no global norm or loss scale decides the step first, from the last sub-group to the
 // first, and the next forward waits for its end (it needs the first sub-group first): c = 2/3,
-// the backward's share of the FLOPs, models it (the default). With exact clipping the pass starts
-// at step() and hides behind the next forward only: c = 1/3 (zinf plan --gradient-clipping). The
-// engine opens the pass in the backward only at stages 2-3 with the gradients in host memory
-// (Engine's opens_in_backward_); at stage 1, which waits for step()'s reduction, and with the
-// gradients spilled to NVMe it starts at step() whatever the config, and c is at most the
-// forward's share of a micro-batch's FLOPs, F_fwd / F with F_fwd = (2·P + 4·L·h·s)·s·b: a third,
-// a quarter with checkpointing, more with frozen parameters.
+// the backward's share of the FLOPs, models it (the default). The engine opens the pass in the
+// backward only at stages 2-3 with the gradients in host memory (Engine's opens_in_backward_),
+// and updates there only without exact clipping and fp16 loss scaling (in_backward_;
+// EngineSetup::exact_clipping_or_loss_scaling). Otherwise (stage 1, which waits for step()'s
+// reduction; spilled gradients; exact clipping; loss scaling) the updates start at step() and
+// c is at most the forward's share of a micro-batch's FLOPs, F_fwd / F with
+// F_fwd = (2·P + 4·L·h·s)·s·b: a third, a quarter with checkpointing, more with frozen
+// parameters.
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -205,6 +206,8 @@ struct StepOnlySpec {
   bool host_compute = false;
   bool overlap = true;
   double overlap_fraction = 2.0 / 3.0;  // c, as EngineSetup::overlap_compute_fraction
+  // As EngineSetup::exact_clipping_or_loss_scaling: the pass hides behind the next forward only.
+  bool exact_clipping_or_loss_scaling = false;
 };
 
 struct StepOnlyLayout {
@@ -223,10 +226,11 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 // sum with overlap off, and with overlap on the pass meets one micro-batch, mb = compute / m
 // with m = spec.micro_batches (predict_step's window):
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
-// with c = spec.overlap_fraction (as in predict_step) and H the part of the pass that cannot
-// hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and c = 1 step =
-// max(compute, optimizer_step); the update U when the compute runs on the host's cores, which
-// the update's threads then share (all of them, at the memory's bandwidth). With one
+// with c = spec.overlap_fraction (as in predict_step), at most 1/3 (the forward's share of a
+// micro-batch without checkpointing) with exact clipping or loss scaling, and H the part of the
+// pass that cannot hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and c =
+// 1 step = max(compute, optimizer_step); the update U when the compute runs on the host's cores,
+// which the update's threads then share (all of them, at the memory's bandwidth). With one
 // micro-batch, c = 2/3 (the pass behind the backward) and F = compute/3 the forward:
 // step = F + max(2F + H, optimizer_step).
 // REQUIRES: step_only_layout(spec).sub_group_params > 0, at least 2 blocks on NVMe,

@@ -135,7 +135,9 @@ TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {
   EXPECT_EQ(j.at("params"), 1'000'000'000);
 }
 
-// With exact clipping the pass hides behind the next forward only: a third of the compute.
+// With exact clipping the pass hides behind the next forward only: a third of the compute, at
+// most, whatever --overlap-fraction asks. So with fp16 loss scaling, whose overflow check also
+// needs every gradient before the step.
 TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   const std::string step =
       "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB "
@@ -151,7 +153,10 @@ TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   };
   EXPECT_DOUBLE_EQ(hidden(""), 4.0);                      // 2/3 of 6 s: behind the backward
   EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping"), 2.0);  // 1/3: behind the next forward
-  EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping --overlap-fraction 0.5"), 3.0);
+  EXPECT_DOUBLE_EQ(hidden(" --fp16"), 2.0);
+  EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping --overlap-fraction 0.5"), 2.0);
+  EXPECT_DOUBLE_EQ(hidden(" --fp16 --overlap-fraction 0.25"), 1.5);
+  EXPECT_DOUBLE_EQ(hidden(" --overlap-fraction 0.5"), 3.0);
 }
 
 // --compute-s is the compute of a whole step, over --grad-accum micro-batches, and the pass
@@ -177,6 +182,28 @@ TEST_F(PlanCli, StepOnlyComputeSpansTheMicroBatches) {
       run_zinf("plan --step-only --params 1G --compute-s 6 --grad-accum 0" + std::string(kRates));
   EXPECT_EQ(zero.exit_code, 1);
   EXPECT_NE(zero.err.find("--grad-accum 0: must be"), std::string::npos) << zero.err;
+}
+
+// A plan's --gradient-clipping and --fp16 reach its step: the pass hides behind the forward's
+// share of the compute, a quarter with checkpointing, where without them it hides behind the
+// backward's two thirds.
+TEST_F(PlanCli, ClippingOrLossScalingHidesThePlansPassBehindTheForward) {
+  const std::string plan =
+      "plan --model llama-2-7b --gpus 1 --gpu-mem 80GB --host-mem 256GB --gpu-tflops 100 "
+      "--offload-optimizer cpu --stage 3 --h2d-gbps 1000 --json" +
+      std::string(kRates);
+  for (const auto& [flags, share] :
+       {std::pair{"", 2.0 / 3.0}, std::pair{" --gradient-clipping", 1.0 / 3.0},
+        std::pair{" --fp16", 1.0 / 3.0},
+        std::pair{" --gradient-clipping --checkpoint-activations", 0.25}}) {
+    const CliRun r = run_zinf(plan + flags);
+    ASSERT_EQ(r.exit_code, 0) << flags << "\n" << r.err;
+    const nlohmann::json parts = nlohmann::json::parse(r.out).at("parts");
+    ASSERT_GT(parts.at("optimizer_step_s").get<double>(), parts.at("compute_s").get<double>());
+    EXPECT_NEAR(parts.at("optimizer_hidden_s").get<double>() / parts.at("compute_s").get<double>(),
+                share, 1e-2)
+        << flags;
+  }
 }
 
 TEST_F(PlanCli, BadOptionsExitOneWithAMessage) {

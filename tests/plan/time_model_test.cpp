@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
@@ -426,8 +427,67 @@ TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
   }
 }
 
+// The engine updates during the backward only where nothing global decides the step first
+// (Engine's in_backward_): with exact clipping or fp16 loss scaling the updates wait for step()
+// and meet the next forward only, the forward's share of a micro-batch's FLOPs: a third, a
+// quarter with checkpointing, and about a half where most parameters are frozen (a twentieth
+// trains here) (their backward
+// computes no weight gradients), whatever --overlap-fraction asks above it.
+TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
+  ModelShape m = *find_model_preset("llama-2-7b");
+  TrainingShape tr;
+  tr.seq_len = 2048;
+  EngineSetup s;
+  s.stage = 3;
+  s.world_size = 4;
+  s.ranks_per_machine = 4;
+  s.optimizer = OffloadDevice::kNvme;
+  s.sub_group_params = 1 << 24;
+  MachineProfile p = profile(40, 6, 4);
+  p.h2d_gbps = 1000;
+  p.gpu_tflops = 400;  // no link figure: the compute is the micro-batch
+  const double params = static_cast<double>(param_count(m));
+  const double attention = 32.0 * 4096 * 2048;
+  struct Case {
+    bool checkpoint;
+    double trainable;
+  };
+  for (const Case c :
+       {Case{false, params}, Case{true, params}, Case{false, std::floor(params / 20)}}) {
+    tr.checkpoint_activations = c.checkpoint;
+    m.trainable_params = static_cast<std::uint64_t>(c.trainable);
+    const double forward = 2 * params + 4 * attention;
+    const double all = 6 * c.trainable + 4 * (params - c.trainable) + 12 * attention +
+                       (c.checkpoint ? forward : 0.0);
+    const double share = forward / all;
+    for (const double fraction : {0.2, 2.0 / 3.0, 1.0}) {
+      s.overlap_compute_fraction = fraction;
+      s.exact_clipping_or_loss_scaling = false;
+      const StepPrediction backward = predict_step(m, tr, s, p);
+      ASSERT_GT(backward.optimizer_step_s, backward.compute_s);
+      EXPECT_NEAR(backward.compute_s, all * 2048 / 400e12, 1e-9);
+      EXPECT_NEAR(backward.optimizer_hidden_s, fraction * backward.compute_s, 1e-9)
+          << c.checkpoint << " " << c.trainable << " " << fraction;
+      s.exact_clipping_or_loss_scaling = true;
+      const StepPrediction at_step = predict_step(m, tr, s, p);
+      EXPECT_NEAR(at_step.optimizer_hidden_s, std::min(fraction, share) * at_step.compute_s, 1e-9)
+          << c.checkpoint << " " << c.trainable << " " << fraction;
+      EXPECT_NEAR(at_step.step_s,
+                  at_step.forward_backward_s + at_step.optimizer_step_s -
+                      std::min(fraction, share) * at_step.compute_s,
+                  1e-9);
+    }
+  }
+  // The shares the three cases stand for.
+  EXPECT_NEAR((2 * params + 4 * attention) / (6 * params + 12 * attention), 1.0 / 3.0, 1e-12);
+  EXPECT_NEAR((2 * params + 4 * attention) / (8 * params + 16 * attention), 0.25, 1e-12);
+  const double lora = std::floor(params / 20);
+  EXPECT_GT((2 * params + 4 * attention) / (6 * lora + 4 * (params - lora) + 12 * attention), 0.45);
+}
+
 // --step-only: --compute-s is the whole step's compute over its --grad-accum micro-batches, and
-// the pass meets one of them: hidden = min(pass, c·compute/m).
+// the pass meets one of them: hidden = min(pass, c·compute/m), c at most 1/3 (the next forward)
+// with exact clipping or loss scaling.
 TEST(TimeModel, StepOnlyPassHidesBehindOneMicroBatch) {
   StepOnlySpec spec = state_only(1'000'000'000, 1u << 30);
   spec.compute_s = 6.0;
@@ -437,10 +497,15 @@ TEST(TimeModel, StepOnlyPassHidesBehindOneMicroBatch) {
     const double mb = 6.0 / static_cast<double>(micro);
     for (const double fraction : {0.25, 2.0 / 3.0, 1.0}) {
       spec.overlap_fraction = fraction;
+      spec.exact_clipping_or_loss_scaling = false;
       const StepPrediction t = predict_optimizer_step(spec, p);
       ASSERT_GT(t.optimizer_step_s, 6.0);
       EXPECT_NEAR(t.optimizer_hidden_s, fraction * mb, 1e-12) << micro << " " << fraction;
       EXPECT_NEAR(t.step_s, 6.0 + t.optimizer_step_s - fraction * mb, 1e-9);
+      spec.exact_clipping_or_loss_scaling = true;
+      EXPECT_NEAR(predict_optimizer_step(spec, p).optimizer_hidden_s,
+                  std::min(fraction, 1.0 / 3.0) * mb, 1e-12)
+          << micro << " " << fraction;
     }
   }
 }

@@ -49,6 +49,7 @@ struct PlanOptions {
   bool no_overlap_step = false;
   double overlap_fraction = 2.0 / 3.0;
   bool gradient_clipping = false;
+  bool fp16 = false;
   std::string trainable;  // "": every parameter trains
   // Text, parsed in run_plan: CLI11 reads "-1" into an unsigned option as 2^64 - 1.
   std::string lora_rank_text;
@@ -319,6 +320,7 @@ void run_step_only(const PlanOptions& o) {
   spec.host_compute = o.host_compute;
   spec.overlap = !o.no_overlap_step;
   spec.overlap_fraction = o.overlap_fraction;
+  spec.exact_clipping_or_loss_scaling = o.gradient_clipping || o.fp16;
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
   const std::uint64_t working_set =
@@ -374,8 +376,9 @@ void run_step_only(const PlanOptions& o) {
   Table table({"part", "predicted", "from"});
   const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
   if (spec.compute_s > 0) {
-    // The max forms hold where the pass may hide behind the whole compute: one micro-batch.
-    const bool behind_part = spec.micro_batches > 1;
+    // The max forms hold where the pass may hide behind the whole compute: one micro-batch, c
+    // of it, updates during the backward.
+    const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling;
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
                       : behind_part       ? "compute + optimizer step - the part hidden behind one "
                                             "micro-batch's compute: overlapped"
@@ -556,6 +559,7 @@ void run_plan(const PlanOptions& o) {
   constraints.allow_gradient_spill = !o.no_gradient_spill;
   constraints.overlap_step = !o.no_overlap_step;
   constraints.overlap_compute_fraction = o.overlap_fraction;
+  constraints.exact_clipping_or_loss_scaling = o.gradient_clipping || o.fp16;
   if (o.stage != 0) constraints.stage = o.stage;
   if (!o.device_reserved.empty()) {
     std::uint64_t reserved = 0;
@@ -865,17 +869,22 @@ void setup_plan(CLI::App& app) {
                 "With --checkpoint-activations: the checkpoints live in host memory");
   sub->add_flag("--no-overlap-step", o->no_overlap_step,
                 "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
-  CLI::Option* fraction =
-      sub->add_option("--overlap-fraction", o->overlap_fraction,
-                      "Part of one micro-batch's forward + backward the overlapped optimizer pass "
-                      "hides behind (the backward, 2/3: updates during the backward; 1/3: behind "
-                      "the next forward only, as with exact clipping; 1: both)")
-          ->check(CLI::Range(0.0, 1.0))
-          ->capture_default_str();
+  sub->add_option("--overlap-fraction", o->overlap_fraction,
+                  "Part of one micro-batch's forward + backward the overlapped optimizer pass "
+                  "hides behind (the backward, 2/3: updates during the backward; 1: both); where "
+                  "the updates start at step() (stage 1, spilled gradients, --gradient-clipping, "
+                  "--fp16) at most the next forward's share")
+      ->check(CLI::Range(0.0, 1.0))
+      ->capture_default_str();
   sub->add_flag("--gradient-clipping", o->gradient_clipping,
                 "The config clips gradients exactly (gradient_clipping > 0, without "
                 "zinf.clip_from_previous_step): the pass waits for the global norm at step() and "
-                "hides behind the next forward only, so --overlap-fraction defaults to 1/3");
+                "hides behind the next forward only (a third of a micro-batch, a quarter with "
+                "checkpointing; a third with --step-only)");
+  sub->add_flag("--fp16", o->fp16,
+                "The config trains in fp16 with loss scaling (fp16.enabled): the pass waits for "
+                "the overflow check at step() and hides behind the next forward only, as with "
+                "--gradient-clipping");
   sub->add_option("--trainable", o->trainable,
                   "Fine-tuning with the rest frozen: the parameters that train, a count (40M, "
                   "1.2B) or a share of the model (0.5%, 0.005); frozen ones cost what the engine "
@@ -963,8 +972,7 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--host-compute", o->host_compute,
                 "--step-only with --compute-s: the compute runs on this machine's CPU cores "
                 "(HostDevice), which the optimizer's update then shares");
-  sub->callback([o, fraction, lora_rank, lora_targets] {
-    if (o->gradient_clipping && fraction->count() == 0) o->overlap_fraction = 1.0 / 3.0;
+  sub->callback([o, lora_rank, lora_targets] {
     o->lora_rank_given = lora_rank->count() > 0;
     o->lora_targets_given = lora_targets->count() > 0;
     if (o->lora_rank_given) {
