@@ -198,10 +198,11 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   }
   // Gradient offload of the first micro-batch and of each later one (they differ when spilled:
   // later micro-batches read the sums back before adding).
-  double offload_first_s = 0.0, offload_later_s = 0.0;
+  double offload_first_s = 0.0, offload_later_s = 0.0, offload_link_s = 0.0;
   if (s.optimizer != OffloadDevice::kNone && s.stage != 1) {
     // The reduced fp32 chunks come down as they are (GradReducer::accumulate): 4 B an element.
-    offload_first_s = offload_later_s = seconds(4.0 * static_cast<double>(tr), profile.h2d_gbps);
+    offload_link_s = seconds(4.0 * static_cast<double>(tr), profile.h2d_gbps);
+    offload_first_s = offload_later_s = offload_link_s;
     if (s.gradients_on_nvme) {
       const double spill_bytes = ranks * 4.0 * static_cast<double>(pr);
       out.nvme_write_bytes += static_cast<std::uint64_t>(micro_batches * spill_bytes);
@@ -221,19 +222,32 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   out.forward_backward_s = std::max(others_s, offload_first_s) +
                            (micro_batches - 1.0) * std::max(others_s, offload_later_s);
   if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
-    double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
-    // Where the updates start at step() (stage 1, spilled gradients, exact clipping, loss
-    // scaling) they hide behind the next step's first forward at most:
-    // the forward's share of a micro-batch's FLOPs (a third, a quarter with checkpointing, more
-    // with frozen parameters, which do less of the backward).
-    if (!updates_in_backward(s) && flops > 0) {
-      fraction = std::min(fraction, forward_flops / flops);
+    const double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
+    // What the pass can run behind: a micro-batch's compute and its transfers over the links,
+    // not its NVMe traffic where the pass's state is on NVMe, the same drive: the gradient spill
+    // writes there, and a parameter read from there reaches the device only once the drive gives
+    // it, so the fetch of parameters on NVMe waits on the drive too.
+    const bool pass_on_drive = s.optimizer == OffloadDevice::kNvme;
+    const double fetch_s =
+        pass_on_drive && s.params == OffloadDevice::kNvme ? 0.0 : out.param_fetch_s;
+    const double offload_s = pass_on_drive ? offload_link_s : offload_first_s;
+    // One micro-batch's time, not the step's: the pass that updates in the backward does so in
+    // the last micro-batch's, and one that starts at step() meets the next step's first
+    // micro-batch.
+    const double micro_batch_s = std::max({out.compute_s, out.collectives_s, fetch_s, offload_s});
+    double window_s = fraction * micro_batch_s;
+    if (!updates_in_backward(s)) {
+      // The pass starts at step() (stage 1, spilled gradients) or updates only after it (exact
+      // clipping, loss scaling): it hides behind the next step's first forward at most, the
+      // forward's FLOPs (a third of a micro-batch's, a quarter with checkpointing, more with
+      // frozen parameters, which do less of the backward), stage 3's forward all-gather (half of
+      // the micro-batch's gathers) and the forward's half of the parameter fetch.
+      const double forward_compute_s =
+          profile.gpu_tflops > 0 ? forward_flops / (profile.gpu_tflops * 1e12) : 0.0;
+      const double forward_gather_s = seconds(gathered / 2.0 * link_share, profile.gpu_link_gbps);
+      window_s = std::min(window_s, std::max({forward_compute_s, forward_gather_s, fetch_s / 2.0}));
     }
-    // One micro-batch's time, not the step's: the pass that opens in the backward opens in the
-    // last micro-batch's, and one that starts at step() meets the next step's first micro-batch
-    // (the two are alike but where gradients are spilled, and there the pass starts at step()).
-    const double micro_batch_s = std::max(others_s, offload_first_s);
-    out.optimizer_hidden_s = std::min(out.optimizer_step_s, fraction * micro_batch_s);
+    out.optimizer_hidden_s = std::min(out.optimizer_step_s, window_s);
   }
   out.step_s =
       out.forward_backward_s + out.step_reduce_s + out.optimizer_step_s - out.optimizer_hidden_s;

@@ -89,24 +89,29 @@
 //   step = forward_backward + step_reduce + optimizer_step
 // step, overlapped (zinf.overlap_step, the default, with the optimizer state offloaded: the
 // optimizer pass of step t runs behind the compute of step t+1, docs/ENGINE.md "The overlapped
-// step"): the pass meets one micro-batch's compute, not the step's (it opens in the last
-// micro-batch's backward, or starts at step() and meets the next step's first micro-batch), and
-// of that at most c hides it, c = overlap_compute_fraction:
-//   mb     = the first micro-batch's max(compute, collectives, param fetch, grad offload)
+// step"): the pass meets one micro-batch, not the step (it updates in the last micro-batch's
+// backward, or starts at step() and meets the next step's first micro-batch), and runs behind
+// its compute and link transfers, not behind NVMe traffic where the optimizer state is on NVMe,
+// the pass's own drive (the gradient spill; the fetch of parameters on NVMe, which reach the
+// device only through the drive). Of that window at most c hides it, c =
+// overlap_compute_fraction:
+//   mb     = max(compute, collectives, param fetch, grad offload), less the drive's parts
 //   hidden = min(optimizer_step, c·mb)
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
-// With one micro-batch and c = 1 (the pass behind the forward and the backward) step =
-// step_reduce + max(forward_backward, optimizer_step). The engine's pass runs during the backward
-// where no global norm or loss scale decides the step first, from the last sub-group to the
-// first, and the next forward waits for its end (it needs the first sub-group first): c = 2/3,
-// the backward's share of the FLOPs, models it (the default). The engine opens the pass in the
+// With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
+// backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
+// during the backward where no global norm or loss scale decides the step first, from the last
+// sub-group to the first, and the next forward waits for its end (it needs the first sub-group
+// first): c = 2/3, the backward's share of the FLOPs, models it (the default). It opens in the
 // backward only at stages 2-3 with the gradients in host memory (Engine's opens_in_backward_),
 // and updates there only without exact clipping and fp16 loss scaling (in_backward_;
 // EngineSetup::exact_clipping_or_loss_scaling). Otherwise (stage 1, which waits for step()'s
 // reduction; spilled gradients; exact clipping; loss scaling) the updates start at step() and
-// c is at most the forward's share of a micro-batch's FLOPs, F_fwd / F with
-// F_fwd = (2·P + 4·L·h·s)·s·b: a third, a quarter with checkpointing, more with frozen
-// parameters.
+// hide behind the next step's first forward at most, whatever c says:
+//   hidden = min(optimizer_step, c·mb, max(F_fwd / rate, stage 3's forward all-gather,
+//                half the param fetch))
+// with F_fwd = (2·P + 4·L·h·s)·s·b the forward's FLOPs: a third of a micro-batch's, a quarter
+// with checkpointing, more with frozen parameters.
 //
 // Thread-safety: values and pure functions.
 #pragma once
@@ -228,10 +233,10 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
 // with c = spec.overlap_fraction (as in predict_step), at most 1/3 (the forward's share of a
 // micro-batch without checkpointing) with exact clipping or loss scaling, and H the part of the
-// pass that cannot hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and c =
-// 1 step = max(compute, optimizer_step); the update U when the compute runs on the host's cores,
-// which the update's threads then share (all of them, at the memory's bandwidth). With one
-// micro-batch, c = 2/3 (the pass behind the backward) and F = compute/3 the forward:
+// pass that cannot hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and
+// c = 1 step = max(compute, optimizer_step); the update U when the compute runs on the host's
+// cores, which the update's threads then share (all of them, at the memory's bandwidth). With
+// one micro-batch, c = 2/3 (the pass behind the backward) and F = compute/3 the forward:
 // step = F + max(2F + H, optimizer_step).
 // REQUIRES: step_only_layout(spec).sub_group_params > 0, at least 2 blocks on NVMe,
 // profile.mem_adam_gbps > 0, NVMe rates > 0 for tier nvme, spec.compute_s >= 0,
