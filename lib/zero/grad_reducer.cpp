@@ -150,6 +150,11 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
     largest_shard = std::max(largest_shard, partitioner.group(g).shard_element_count);
   }
   r->partition_elements_ = offset;
+  if (!options.group_offsets.empty()) {
+    ZINF_ASSERT(options.accumulator_on_device);
+    ZINF_ASSERT(options.group_offsets.size() == partitioner.group_count());
+    r->offsets_ = options.group_offsets;
+  }
   // A chunk larger than the largest shard would only waste bucket memory.
   r->chunk_elements_ = std::clamp<std::size_t>(
       options.bucket_elements / static_cast<std::size_t>(r->world_), 1, largest_shard);
@@ -166,6 +171,8 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
       frozen = options.frozen[id];
     }
     r->frozen_groups_[g] = frozen;
+    // A group without room in the accumulator is never written: it takes no gradients.
+    ZINF_ASSERT(r->offsets_[g] != GradReducerOptions::kNoRoom || frozen);
   }
   ZINF_ASSIGN_OR_RETURN(r->stream_, device.create_stream("grad_reduce"));
   ZINF_ASSIGN_OR_RETURN(r->done_, device.create_event());
@@ -222,7 +229,7 @@ Status GradReducer::zero_frozen_groups() {
     }
     // Stage 1 reduces a group that mixes them as a trainable one: its full copy keeps zeros in
     // the frozen parameters' ranges.
-    if (!frozen_groups_[g]) continue;
+    if (!frozen_groups_[g] || offsets_[g] == GradReducerOptions::kNoRoom) continue;
     if (stage1 && options_.accumulator != nullptr) {
       // Not the caller's array: the accumulator's own zero() cleared it (create() ran zero()),
       // and no chunk is added into a frozen group's slice.
@@ -326,6 +333,7 @@ Status GradReducer::reduce_group(std::uint32_t g, Fill fill) {
   const GroupInfo& info = partitioner_.group(g);
   const std::size_t shard = info.shard_element_count;
   const std::string& name = group_names_[g];
+  ZINF_ASSERT_MSG(offsets_[g] != GradReducerOptions::kNoRoom, "a frozen group takes no gradients");
   for (std::size_t c0 = 0; c0 < shard; c0 += chunk_elements_) {
     const std::size_t count = std::min(chunk_elements_, shard - c0);
     const int k = next_bucket_;

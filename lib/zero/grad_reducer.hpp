@@ -2,7 +2,8 @@
 //
 // Every rank owns a slice of every partitioner group (Partitioner), and its fp32 gradient
 // accumulator is those slices laid end to end: group g's slice starts at partition_offset(g)
-// (the sum of the earlier groups' shard_element_count). Two ways in, by stage:
+// (the sum of the earlier groups' shard_element_count, or where options.group_offsets puts it: a
+// device accumulator with no room for the frozen groups). Two ways in, by stage:
 //
 //   stages 2, 3  reduce(): the module's gradients are cut in buckets; a bucket takes the same
 //                `chunk` elements from every rank's slice of the group (so it is world * chunk
@@ -84,6 +85,13 @@ struct GradReducerOptions {
   // reduce_accumulated() moves the trainable groups only; a stage-1 group that mixes the two is
   // reduced whole, zeros in its frozen ranges. micro_batches() counts only the trainable ones.
   std::vector<bool> frozen;
+  // Per group (empty: each group's partition offset, the slices laid end to end): where group
+  // g's slice starts in the accumulator, or kNoRoom for a group that has none (its slice is
+  // never written: the device optimizer's gradients, which leave out the groups of frozen runs
+  // only). REQUIRES: accumulator_on_device; a group with kNoRoom is frozen (above); slices with
+  // room do not overlap and lie inside the accumulator.
+  std::vector<std::size_t> group_offsets;
+  static constexpr std::size_t kNoRoom = SIZE_MAX;
 };
 
 // One parameter's gradient as the reducer reads it (device memory; read by host code only when
@@ -107,7 +115,8 @@ class GradReducer {
                                                      ZeroCounters* counters);
   ~GradReducer();
 
-  // The accumulator's size and where group g's slice starts in it.
+  // The accumulator's size without options.group_offsets (every group's slice, end to end), and
+  // where group g's slice starts in it (options.group_offsets[g] when given).
   static std::size_t partition_element_count(const Partitioner& partitioner);
   std::size_t partition_offset(std::uint32_t group) const { return offsets_[group]; }
   std::size_t chunk_elements() const { return chunk_elements_; }

@@ -214,5 +214,174 @@ INSTANTIATE_TEST_SUITE_P(Ranks, GradReducerFrozenStage1,
                                               info.param.opaque ? "_opaque" : "");
                          });
 
+// GradReducerOptions::group_offsets, stages 1 and 2, 2 ranks, an opaque device with the
+// accumulator in its memory (the device optimizer's packed gradients): lora_params()'s groups
+// placed in reverse order with gaps between them, the first frozen group given no room
+// (kNoRoom) and the second some. Each trainable group's slice lands at its offset, bit for bit
+// the reference of the test above; the frozen group with room reads +0.0; and every other
+// element of the accumulator (the gaps, where a group without room would have been) keeps the
+// NaN it started with: nothing is written outside the slices given.
+class GradReducerGroupOffsets : public ::testing::TestWithParam<ZeroStage> {};
+
+TEST_P(GradReducerGroupOffsets, WritesEachGroupAtItsOffsetAndNothingElsewhere) {
+  constexpr int kWorld = 2;
+  constexpr int kMicroBatches = 2;
+  const ZeroStage stage = GetParam();
+  const std::uint64_t seed = 9300 + static_cast<std::uint64_t>(stage);
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  PartitionerOptions po;
+  po.world_size = kWorld;
+  po.stage = stage;
+  Partitioner p = std::move(Partitioner::create(po)).value();
+  std::vector<bool> frozen;
+  for (const ParamDef& d : lora_params()) {
+    ASSERT_TRUE(p.add({d.name, d.module, d.shape, DType::kF32}).is_ok());
+    frozen.push_back(d.frozen);
+  }
+  ASSERT_TRUE(p.finalize().is_ok());
+  // Offsets from the last group to the first, 7 elements apart, 5 before the first; the first
+  // frozen group has none.
+  std::vector<std::size_t> offsets(p.group_count(), GradReducerOptions::kNoRoom);
+  std::uint32_t no_room = p.group_count();
+  std::size_t next = 5;
+  for (std::uint32_t g = p.group_count(); g-- > 0;) {
+    const GroupInfo& info = p.group(g);
+    if (frozen[info.first_param] && no_room == p.group_count()) {
+      no_room = g;
+      continue;
+    }
+    offsets[g] = next;
+    next += info.shard_element_count + 7;
+  }
+  ASSERT_LT(no_room, p.group_count());
+  const std::size_t total = next;
+  // grads[rank][micro][param]; empty for a frozen parameter.
+  std::vector<std::vector<std::vector<std::vector<float>>>> grads(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    for (int k = 0; k < kMicroBatches; ++k) {
+      std::vector<std::vector<float>> per(p.param_count());
+      for (ParamId id = 0; id < p.param_count(); ++id) {
+        if (frozen[id]) continue;
+        per[id].resize(p.location(id).element_count);
+        fill_uniform(per[id].data(), per[id].size(), seed * 7919 + r * 131 + k * 17 + id, -1.0f,
+                     1.0f);
+      }
+      grads[static_cast<std::size_t>(r)].push_back(std::move(per));
+    }
+  }
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < kWorld; ++r) {
+    HostDeviceOptions o;
+    o.ordinal = r;
+    o.jitter_max_us = 30;
+    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
+    o.opaque = true;
+    devices.push_back(std::move(make_host_device(o)).value());
+    raw.push_back(devices.back().get());
+  }
+  auto comms = std::move(make_local_comm_group(raw)).value();
+  std::vector<std::vector<float>> acc(kWorld, std::vector<float>(total));
+  std::vector<Status> st(kWorld);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kWorld; ++rank) {
+    threads.emplace_back([&, rank] {
+      const auto r = static_cast<std::size_t>(rank);
+      st[r] = [&]() -> Status {
+        Device& device = *devices[r];
+        ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("upload"));
+        ZINF_ASSIGN_OR_RETURN(DeviceBuffer accumulator,
+                              DeviceBuffer::allocate(device, total * sizeof(float)));
+        const std::vector<float> nans(total, std::nanf(""));
+        ZINF_RETURN_IF_ERROR(
+            device.copy_h2d(accumulator.data(), nans.data(), total * sizeof(float), *stream));
+        ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+        GradReducerOptions ro;
+        ro.bucket_elements = 256;  // several buckets a group
+        ro.accumulator_on_device = true;
+        ro.frozen = frozen;
+        ro.group_offsets = offsets;
+        ZINF_ASSIGN_OR_RETURN(
+            auto reducer,
+            GradReducer::create(p, rank, device, *comms[r], accumulator.as<float>(), ro, nullptr));
+        for (int k = 0; k < kMicroBatches; ++k) {
+          std::vector<GradSource> sources(p.param_count());
+          std::vector<DeviceBuffer> uploads;
+          for (ParamId id = 0; id < p.param_count(); ++id) {
+            if (frozen[id]) continue;
+            const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+            ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
+                                  DeviceBuffer::allocate(device, g.size() * 4));
+            ZINF_RETURN_IF_ERROR(device.copy_h2d(buffer.data(), g.data(), g.size() * 4, *stream));
+            sources[id] = {buffer.data(), DType::kF32};
+            uploads.push_back(std::move(buffer));
+          }
+          ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+          for (const char* m : {"lora1", "lora0"}) {
+            ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(m));
+            ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
+          }
+          ZINF_RETURN_IF_ERROR(reducer->wait());
+        }
+        ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
+        ZINF_RETURN_IF_ERROR(reducer->wait());
+        ZINF_RETURN_IF_ERROR(
+            device.copy_d2h(acc[r].data(), accumulator.data(), total * sizeof(float), *stream));
+        return device.synchronize(*stream);
+      }();
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+
+  for (int rank = 0; rank < kWorld; ++rank) {
+    // Stage 1 sums the micro-batches on each rank, then takes the mean over ranks; stages 2-3
+    // take each micro-batch's mean and sum those. Means over ranks in rank order.
+    std::vector<float> expected(total, std::nanf(""));
+    for (std::uint32_t g = 0; g < p.group_count(); ++g) {
+      if (offsets[g] == GradReducerOptions::kNoRoom) continue;
+      const GroupInfo& info = p.group(g);
+      float* slice = expected.data() + offsets[g];
+      std::fill_n(slice, info.shard_element_count, 0.0f);
+      if (frozen[info.first_param]) continue;
+      for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
+        for (std::size_t i = 0; i < piece.element_count; ++i) {
+          auto grad = [&](int q, int k) {
+            return grads[static_cast<std::size_t>(q)][static_cast<std::size_t>(k)][piece.param]
+                        [piece.param_offset + i];
+          };
+          float v = 0.0f;
+          if (stage == ZeroStage::kStage1) {
+            const float s0 = grad(0, 0) + grad(0, 1);
+            const float s1 = grad(1, 0) + grad(1, 1);
+            v = (s0 + s1) / 2.0f;
+          } else {
+            v = (grad(0, 0) + grad(1, 0)) / 2.0f;
+            v += (grad(0, 1) + grad(1, 1)) / 2.0f;
+          }
+          slice[piece.shard_offset + i] = v;
+        }
+      }
+    }
+    const std::vector<float>& got = acc[static_cast<std::size_t>(rank)];
+    std::size_t differ = 0;
+    for (std::size_t e = 0; e < total; ++e) {
+      const bool same =
+          std::isnan(expected[e]) ? std::isnan(got[e]) : std::memcmp(&got[e], &expected[e], 4) == 0;
+      if (!same && differ++ < 5) {
+        ADD_FAILURE() << "rank " << rank << " element " << e << ": " << got[e] << ", expected "
+                      << expected[e];
+      }
+    }
+    EXPECT_EQ(differ, 0u) << "rank " << rank;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Stages, GradReducerGroupOffsets,
+                         ::testing::Values(ZeroStage::kStage1, ZeroStage::kStage2),
+                         [](const ::testing::TestParamInfo<ZeroStage>& info) {
+                           return fmt::format("stage{}", static_cast<int>(info.param));
+                         });
+
 }  // namespace
 }  // namespace zinf
