@@ -49,8 +49,8 @@ Status DeviceOptimizer::check(const OptimizerParams& params, const Device& devic
 
 Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
     Device& device, std::vector<Group> groups, std::size_t partition_elements, const float* master,
-    std::chrono::milliseconds timeout, std::vector<OptimizerRange> ranges,
-    std::vector<bool> frozen) {
+    std::chrono::milliseconds timeout, std::vector<OptimizerRange> ranges, std::vector<bool> frozen,
+    bool pack_grads) {
   std::unique_ptr<DeviceOptimizer> o(new DeviceOptimizer(device, timeout));
   o->groups_ = std::move(groups);
   o->partition_elements_ = partition_elements;
@@ -72,11 +72,33 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
       ZINF_ASSERT(r->group < kMaxOptimizerGroups);
       const bool run_frozen =
           !frozen.empty() && frozen[static_cast<std::size_t>(r - ranges.begin())];
-      o->runs_.push_back(Run{g, r->group, b, stop - b, run_frozen, b});
+      o->runs_.push_back(Run{g, r->group, b, stop - b, run_frozen, b, b});
       b = stop;
     }
   }
   ZINF_ASSERT(tiled == partition_elements);
+  // The gradients: the whole partition, or (pack_grads) the dtype groups that hold a run that is
+  // not frozen, each at the first offset past the one before that is congruent to its partition
+  // offset modulo 16 elements (the kernels' vector path, as the moments). A group of frozen runs
+  // only is never written (the reducer reduces no frozen group), so it needs no room.
+  std::vector<bool> room(o->groups_.size(), !pack_grads);
+  for (const Run& r : o->runs_) {
+    if (!r.frozen) room[r.group] = true;
+  }
+  o->grad_offsets_.assign(o->groups_.size(), kNoGrad);
+  std::size_t grad_next = 0;
+  for (std::uint32_t g = 0; g < o->groups_.size(); ++g) {
+    if (!room[g]) continue;
+    const Group& group = o->groups_[g];
+    o->grad_offsets_[g] = grad_next + (group.offset - grad_next) % 16;
+    grad_next = o->grad_offsets_[g] + group.count;
+  }
+  o->grad_elements_ = grad_next;
+  for (Run& r : o->runs_) {
+    const std::size_t at = o->grad_offsets_[r.group];
+    r.grad = at == kNoGrad ? kNoGrad : at + (r.offset - o->groups_[r.group].offset);
+    if (r.grad == kNoGrad) o->zero_elements_ = std::max(o->zero_elements_, r.count);
+  }
   // The gradients step() scales: each dtype group's stretches of runs that are not frozen (a
   // frozen run's gradients are zero, which the scale leaves zero).
   for (std::size_t k = 0; k < o->runs_.size();) {
@@ -88,7 +110,7 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
     }
     const Run& last = o->runs_[e - 1];
     if (!first.frozen) {
-      o->scale_spans_.push_back({first.offset, last.offset + last.count - first.offset});
+      o->scale_spans_.push_back({first.grad, last.offset + last.count - first.offset});
     }
     k = e;
   }
@@ -113,10 +135,11 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   ZINF_ASSIGN_OR_RETURN(o->stream_, device.create_stream("optimizer"));
   const std::size_t bytes = std::max<std::size_t>(partition_elements, 1) * sizeof(float);
   const std::size_t moment_bytes = std::max<std::size_t>(moment_elements, 1) * sizeof(float);
+  const std::size_t grad_bytes = std::max<std::size_t>(o->grad_elements_, 1) * sizeof(float);
   ZINF_ASSIGN_OR_RETURN(o->master_, DeviceBuffer::allocate(device, bytes));
   ZINF_ASSIGN_OR_RETURN(o->exp_avg_, DeviceBuffer::allocate(device, moment_bytes));
   ZINF_ASSIGN_OR_RETURN(o->exp_avg_sq_, DeviceBuffer::allocate(device, moment_bytes));
-  ZINF_ASSIGN_OR_RETURN(o->grads_, DeviceBuffer::allocate(device, bytes));
+  ZINF_ASSIGN_OR_RETURN(o->grads_, DeviceBuffer::allocate(device, grad_bytes));
   std::size_t half_bytes = 0;
   for (const Group& g : o->groups_) {
     if (g.dtype != DType::kF32) half_bytes = std::max(half_bytes, g.byte_offset + g.count * 2);
@@ -130,7 +153,7 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   ZINF_RETURN_IF_ERROR(device.copy_h2d(o->master_.data(), master, partition_elements * 4, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, moment_bytes, s));
-  ZINF_RETURN_IF_ERROR(device.memset_async(o->grads_.data(), 0, bytes, s));
+  ZINF_RETURN_IF_ERROR(device.memset_async(o->grads_.data(), 0, grad_bytes, s));
   ZINF_RETURN_IF_ERROR(o->round_frozen(0, partition_elements));
   ZINF_RETURN_IF_ERROR(device.synchronize(s, timeout));
   return o;
@@ -143,7 +166,9 @@ DeviceOptimizer::~DeviceOptimizer() {
 Result<double> DeviceOptimizer::sum_of_squares() {
   float* scratch = scratch_.as<float>();
   float* sum = scratch + kernels::kSqNormPartials;
-  ZINF_RETURN_IF_ERROR(ops_->sum_of_squares(grads(), partition_elements_, scratch, sum, *stream_));
+  // Over the gradients kept (the groups of frozen runs only are zero and are not: the same sum
+  // up to the order of the fp32 block sums on CUDA), the alignment gaps' zeros included.
+  ZINF_RETURN_IF_ERROR(ops_->sum_of_squares(grads(), grad_elements_, scratch, sum, *stream_));
   ZINF_RETURN_IF_ERROR(device_.copy_d2h(result_.data(), sum, sizeof(float), *stream_));
   ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
   return static_cast<double>(*result_.as<float>());
@@ -178,8 +203,12 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
     void* half = g.dtype == DType::kF32
                      ? nullptr
                      : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
+    // A frozen run without gradients (unpacked) steps on zeros, aligned as its master is.
+    ZINF_ASSERT(r.grad != kNoGrad || (r.frozen && r.count <= zero_elements_));
+    const float* grad =
+        r.grad == kNoGrad ? zeros_.as<const float>() + at % 16 : grads_.as<const float>() + r.grad;
     ZINF_RETURN_IF_ERROR(ops_->adam_step(
-        master_.as<float>() + at, grads_.as<float>() + at, exp_avg_.as<float>() + r.moment,
+        master_.as<float>() + at, grad, exp_avg_.as<float>() + r.moment,
         exp_avg_sq_.as<float>() + r.moment, half, g.dtype, r.count, args[r.param_group], *stream_));
   }
   return device_.synchronize(*stream_, timeout_);
@@ -232,18 +261,25 @@ Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
 
 Status DeviceOptimizer::unpack() {
   const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
-  std::array<DeviceBuffer, 2> full;
-  for (DeviceBuffer& b : full) {
-    Result<DeviceBuffer> r = DeviceBuffer::allocate(device_, bytes);
+  // The moments, and zeros for the frozen runs that have no gradients (largest run's, and room
+  // to keep each congruent to its master modulo 16 elements).
+  std::array<DeviceBuffer, 3> full;
+  const std::size_t zero_bytes = zero_elements_ > 0 ? (zero_elements_ + 16) * sizeof(float) : 0;
+  for (std::size_t k = 0; k < full.size(); ++k) {
+    if (k == 2 && zero_bytes == 0) break;
+    Result<DeviceBuffer> r = DeviceBuffer::allocate(device_, k < 2 ? bytes : zero_bytes);
     if (!r.is_ok()) {
       return r.status().with_context(
           "non-zero optimizer moments written into a frozen parameter (saved trainable) need "
           "moments for every element of the partition on the device");
     }
-    b = std::move(r).value();
+    full[k] = std::move(r).value();
+  }
+  if (zero_bytes > 0) {
+    ZINF_RETURN_IF_ERROR(device_.memset_async(full[2].data(), 0, zero_bytes, *stream_));
   }
   std::array<DeviceBuffer*, 2> packed = {&exp_avg_, &exp_avg_sq_};
-  for (std::size_t k = 0; k < full.size(); ++k) {
+  for (std::size_t k = 0; k < packed.size(); ++k) {
     ZINF_RETURN_IF_ERROR(device_.memset_async(full[k].data(), 0, bytes, *stream_));
     for (const Run& r : runs_) {
       if (r.frozen) continue;
@@ -255,6 +291,7 @@ Status DeviceOptimizer::unpack() {
   ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
   exp_avg_ = std::move(full[0]);
   exp_avg_sq_ = std::move(full[1]);
+  zeros_ = std::move(full[2]);
   for (Run& r : runs_) r.moment = r.offset;
   // Every run is stepped from now on, which writes the half copy of the frozen ones too.
   packed_ = false;
@@ -314,7 +351,8 @@ Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t co
 }
 
 std::uint64_t DeviceOptimizer::device_bytes() const {
-  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes();
+  return master_.bytes() + exp_avg_.bytes() + exp_avg_sq_.bytes() + grads_.bytes() + half_.bytes() +
+         zeros_.bytes();
 }
 
 }  // namespace zinf

@@ -31,8 +31,17 @@
 // optimizer's life) and every run is stepped as any other. The results are the same bits as
 // stepping every run, for every finite master element: a step would turn a NaN into the kernel's
 // canonical NaN on CUDA where narrow keeps its payload, and, under plain Adam, an infinity into a
-// NaN (0 * inf in the zero weight decay's term), where a frozen run keeps both. The gradient
-// accumulator keeps the whole partition (the reducer adds at partition offsets).
+// NaN (0 * inf in the zero weight decay's term), where a frozen run keeps both.
+//
+// The gradient accumulator keeps the whole partition (group g's slice at its partition offset),
+// or, asked to pack the gradients at create(), only the dtype groups that hold a run that is not
+// frozen: a group of frozen runs only (a frozen partitioner group without padding) is never
+// written by the reducer (a frozen group takes no gradients) and its gradients are zero, so it
+// gets no room (grad_offsets(): kNoGrad), and the others lie one after another, each congruent to
+// its partition offset modulo 16 elements. The norm is then summed over the packed array: the
+// same sum up to the order in which CUDA's fp32 block sums add up (the HostDevice's reference
+// sums in fp64, in order: the same bits). Once unpacked, a frozen run without room steps on a
+// zero buffer the size of the largest such run, allocated with the moments.
 //
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
@@ -70,18 +79,26 @@ class DeviceOptimizer {
   // Allocates the state for `partition_elements` elements and uploads `master` (host memory,
   // partition_elements floats); the moments start at zero. `frozen`, empty or one flag per range:
   // the ranges whose elements never take a gradient and step with learning rate 0 and weight
-  // decay 0 (above). REQUIRES: the groups lie one after another from element 0 to
+  // decay 0 (above). `pack_grads`: the gradient accumulator leaves out the groups of frozen runs
+  // only (above). REQUIRES: the groups lie one after another from element 0 to
   // partition_elements.
   static Result<std::unique_ptr<DeviceOptimizer>> create(Device& device, std::vector<Group> groups,
                                                          std::size_t partition_elements,
                                                          const float* master,
                                                          std::chrono::milliseconds timeout,
                                                          std::vector<OptimizerRange> ranges = {},
-                                                         std::vector<bool> frozen = {});
+                                                         std::vector<bool> frozen = {},
+                                                         bool pack_grads = false);
   ~DeviceOptimizer();
 
-  // The fp32 gradient accumulator (device memory, partition_elements floats).
+  // The fp32 gradient accumulator (device memory): group g's gradients, its count elements, at
+  // grads() + grad_offsets()[g], kNoGrad for a group that has none (packed, above); without
+  // packing grad_offsets()[g] is the group's partition offset.
+  static constexpr std::size_t kNoGrad = SIZE_MAX;
   float* grads() const { return grads_.as<float>(); }
+  const std::vector<std::size_t>& grad_offsets() const { return grad_offsets_; }
+  // The accumulator's elements (its groups' and the gaps that align them).
+  std::size_t grad_elements() const { return grad_elements_; }
   // The sum of squares of the accumulator (inf or NaN when an element is).
   Result<double> sum_of_squares();
   // One optimizer step at step number `step` (from 1): grads *= grad_scale, then Adam/AdamW,
@@ -102,7 +119,8 @@ class DeviceOptimizer {
   // has no room for them).
   Status read_state(int which, std::size_t first, std::size_t count, float* out);
   Status write_state(int which, std::size_t first, std::size_t count, const float* in);
-  // The device memory the optimizer holds: master, moments, gradients, half copy.
+  // The device memory the optimizer holds: master, moments, gradients, half copy (and, once
+  // unpacked, the zero gradients of the frozen runs without room).
   std::uint64_t device_bytes() const;
   // Whether the frozen runs' moments take no memory (there are frozen runs, and no non-zero
   // moment was written into one).
@@ -135,22 +153,27 @@ class DeviceOptimizer {
     std::size_t count = 0;
     bool frozen = false;     // create()'s frozen ranges
     std::size_t moment = 0;  // first element of its moments (kNoMoment: none, packed)
+    std::size_t grad = 0;    // first element of its gradients in grads_ (kNoGrad: none)
   };
   static constexpr std::size_t kNoMoment = SIZE_MAX;
   std::vector<Group> groups_;
   std::vector<Run> runs_;  // in partition order
-  // The gradient elements step() scales (partition offset, count).
+  // The gradient elements step() scales (offset in grads_, count).
   struct Span {
     std::size_t offset = 0;
     std::size_t count = 0;
   };
   std::vector<Span> scale_spans_;
   std::size_t partition_elements_ = 0;
+  std::vector<std::size_t> grad_offsets_;  // per dtype group (grad_offsets())
+  std::size_t grad_elements_ = 0;
+  std::size_t zero_elements_ = 0;  // the largest frozen run without gradients
   std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<Stream> stream_;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
   DeviceBuffer half_;     // the half groups' new values, packed as the engine packs them
   DeviceBuffer scratch_;  // sum-of-squares partials, its result, the scale's inf flag
+  DeviceBuffer zeros_;    // unpacked: zero gradients for the frozen runs without room
   bool packed_ = false;
   RegisteredBuffer result_;
 };

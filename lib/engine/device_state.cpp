@@ -2,7 +2,8 @@
 // is not host-accessible), stepped by DeviceOptimizer. The host sees only what it asks for: the
 // norm, and the master or moments read back in bounded chunks; the new values go from the device
 // optimizer's buffers straight into the shards. The frozen parameters' runs (the frozen group's,
-// param_groups.hpp) are the device optimizer's frozen runs: their moments take no device memory.
+// param_groups.hpp) are the device optimizer's frozen runs: their moments take no device memory,
+// nor do the gradients of a frozen group (the reducer is given no room for it).
 #include <algorithm>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include "engine/device_optimizer.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
+#include "zero/grad_reducer.hpp"
 
 namespace zinf {
 namespace {
@@ -41,11 +43,16 @@ class DeviceState final : public InMemoryState {
     ZINF_ASSIGN_OR_RETURN(
         opt_, DeviceOptimizer::create(*ctx_.device, std::move(groups), partition_elements_,
                                       master.as<const float>(), ctx_.timeout, std::move(ranges),
-                                      std::move(frozen)));
+                                      std::move(frozen), /*pack_grads=*/true));
     return Status::ok();
   }
 
-  GradTarget grad_target() override { return {.accumulator = opt_->grads(), .on_device = true}; }
+  // The device optimizer's groups are the partitioner's: a frozen group of frozen runs only has
+  // no room in the accumulator, which the reducer never writes.
+  GradTarget grad_target() override {
+    static_assert(DeviceOptimizer::kNoGrad == GradReducerOptions::kNoRoom);
+    return {.accumulator = opt_->grads(), .on_device = true, .group_offsets = opt_->grad_offsets()};
+  }
   Result<double> local_sum_of_squares() override { return opt_->sum_of_squares(); }
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
     ZINF_RETURN_IF_ERROR(opt_->step(step, grad_scale, groups_));

@@ -191,6 +191,7 @@ class Engine::Impl {
     ro.accumulator_zeroed = target.zeroed;
     ro.accumulator = target.custom;
     ro.accumulator_on_device = target.on_device;
+    ro.group_offsets = target.group_offsets;
     ro.frozen.resize(layout_.partitioner().param_count());
     for (std::size_t id = 0; id < ro.frozen.size(); ++id) {
       ro.frozen[id] = !layout_.param(id).spec.trainable;

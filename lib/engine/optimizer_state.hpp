@@ -75,6 +75,9 @@ struct GradTarget {
   GradAccumulator* custom = nullptr;  // instead of `accumulator` (gradients on NVMe)
   bool on_device = false;             // `accumulator` is device memory of a GPU
   bool zeroed = false;                // the accumulator holds fresh zero pages
+  // Per partitioner group (empty: partition offsets): where its slice starts in `accumulator`,
+  // GradReducerOptions::kNoRoom for a frozen group given none (on_device only).
+  std::vector<std::size_t> group_offsets = {};
 };
 
 // The overlapped step's gate (step_gated()): whether the gradients of partition elements

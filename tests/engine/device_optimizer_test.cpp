@@ -2,7 +2,8 @@
 // kernels' scalar references: an optimizer told which ranges are frozen keeps no moments for
 // them, and its master, moments and bf16 copies are the same bits as those of one that steps
 // every range, through steps, master writes, zero moments written into a frozen run (kept
-// packed) and non-zero ones (the moments then allocated for every element, and decaying).
+// packed) and non-zero ones (the moments then allocated for every element, and decaying). The
+// frozen-run optimizer also packs its gradients: a group of frozen runs only has none.
 #include "engine/device_optimizer.hpp"
 
 #include <gtest/gtest.h>
@@ -24,11 +25,15 @@ using engine_test::seeded;
 
 constexpr auto kTimeout = std::chrono::seconds(30);
 
-// Three dtype groups (bf16, f32, bf16) cut into runs of the default group (0), a second group
-// (1) and the frozen group (2, learning rate 0 and weight decay 0), frozen runs in each.
-constexpr std::size_t kPartition = 12'008;
-const std::vector<DeviceOptimizer::Group> kGroups = {
-    {0, 4000, 0, DType::kBF16}, {4000, 3000, 8000, DType::kF32}, {7000, 5008, 8000, DType::kBF16}};
+// Four dtype groups (bf16, f32, bf16, bf16) cut into runs of the default group (0), a second
+// group (1) and the frozen group (2, learning rate 0 and weight decay 0), frozen runs in each;
+// the last group's one run is frozen (a frozen partitioner group: no room for gradients).
+constexpr std::size_t kPartition = 14'008;
+constexpr std::size_t kFrozenGroupElements = 2000;  // the last dtype group's
+const std::vector<DeviceOptimizer::Group> kGroups = {{0, 4000, 0, DType::kBF16},
+                                                     {4000, 3000, 8000, DType::kF32},
+                                                     {7000, 5008, 8000, DType::kBF16},
+                                                     {12'008, 2000, 18'016, DType::kBF16}};
 const std::vector<OptimizerRange> kRanges = {{0, 0},    {1024, 2}, {2048, 1}, {4000, 2},
                                              {5600, 0}, {7000, 2}, {9000, 1}, {11'003, 2}};
 constexpr std::uint32_t kFrozenGroup = 2;
@@ -71,20 +76,24 @@ std::vector<OptimizerParams> group_params() {
 class DeviceOptimizerFrozen : public ::testing::Test {
  protected:
   void SetUp() override {
-    HostDeviceOptions o;
-    o.opaque = true;
-    device_ = std::move(make_host_device(o)).value();
+    if (device_ == nullptr) {
+      HostDeviceOptions o;
+      o.opaque = true;
+      device_ = std::move(make_host_device(o)).value();
+    }
     stream_ = std::move(device_->create_stream("test")).value();
     if (master_.empty()) master_ = seeded(kPartition, 8101, -1.0f, 1.0f);
     packed_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
-                                                kTimeout, kRanges, frozen_flags()))
+                                                kTimeout, kRanges, frozen_flags(),
+                                                /*pack_grads=*/true))
                   .value();
     full_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
                                               kTimeout, kRanges))
                 .value();
   }
 
-  // Seeded gradients, zero on the frozen elements (they take none), into both accumulators.
+  // Seeded gradients, zero on the frozen elements (they take none), into both accumulators,
+  // each group's where grad_offsets() puts it (none for a group without room).
   void set_grads(std::uint64_t seed) {
     std::vector<float> g = seeded(kPartition, seed, -0.5f, 0.5f);
     const std::vector<bool> frozen = frozen_elements();
@@ -92,7 +101,14 @@ class DeviceOptimizerFrozen : public ::testing::Test {
       if (frozen[e]) g[e] = 0.0f;
     }
     for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
-      ASSERT_TRUE(device_->copy_h2d(o->grads(), g.data(), g.size() * 4, *stream_).is_ok());
+      for (std::size_t k = 0; k < groups_.size(); ++k) {
+        const std::size_t at = o->grad_offsets()[k];
+        if (at == DeviceOptimizer::kNoGrad) continue;
+        ASSERT_TRUE(device_
+                        ->copy_h2d(o->grads() + at, g.data() + groups_[k].offset,
+                                   groups_[k].count * 4, *stream_)
+                        .is_ok());
+      }
       ASSERT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
     }
   }
@@ -134,7 +150,7 @@ class DeviceOptimizerFrozen : public ::testing::Test {
       const std::vector<float> b = read(*full_, which);
       EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "piece " << which;
     }
-    for (std::uint32_t g : {0u, 2u}) {
+    for (std::uint32_t g : {0u, 2u, 3u}) {
       EXPECT_EQ(half(*packed_, g), half(*full_, g)) << "group " << g;
     }
   }
@@ -159,15 +175,21 @@ TEST_F(DeviceOptimizerFrozen, FrozenMomentsTakeNoDeviceMemoryAndStepTheSameBits)
   // The packed moments hold the trainable runs' elements and the alignment that keeps each run's
   // moments congruent to its offset modulo 16: 16 elements, before the run at 9000 (its moments
   // at 4392, where those before end at 4376). Nothing else: the frozen runs' half copy is rounded
-  // from the master without scratch.
+  // from the master without scratch. The gradients leave out the last group (frozen runs only):
+  // the others lie at their partition offsets, which they keep.
   const std::uint64_t alignment = 16 * 8;
+  const std::vector<std::size_t> at = packed_->grad_offsets();
+  EXPECT_EQ(at, (std::vector<std::size_t>{0, 4000, 7000, DeviceOptimizer::kNoGrad}));
+  EXPECT_EQ(packed_->grad_elements(), kPartition - kFrozenGroupElements);
+  EXPECT_EQ(full_->grad_offsets(), (std::vector<std::size_t>{0, 4000, 7000, 12'008}));
   std::printf(
       "device bytes: every moment %llu, frozen moments packed out %llu; frozen moments "
       "%llu\n",
       static_cast<unsigned long long>(full_->device_bytes()),
       static_cast<unsigned long long>(packed_->device_bytes()),
       static_cast<unsigned long long>(frozen_moments));
-  EXPECT_EQ(packed_->device_bytes() + frozen_moments, full_->device_bytes() + alignment);
+  EXPECT_EQ(packed_->device_bytes() + frozen_moments + kFrozenGroupElements * 4,
+            full_->device_bytes() + alignment);
   for (std::int64_t step = 1; step <= 3; ++step) {
     set_grads(900 + static_cast<std::uint64_t>(step));
     step_both(step);
@@ -285,7 +307,10 @@ TEST_F(DeviceOptimizerFrozen, CheckpointWritesKeepTheBitsOfTheFullState) {
     EXPECT_EQ(std::memcmp(back.data(), loaded.back().data(), back.size() * 4), 0)
         << "piece " << which;
   }
-  EXPECT_EQ(packed_->device_bytes(), full_->device_bytes());
+  // Every moment; the gradients still without the last group, which steps on a zero buffer of
+  // its run's size (and 16 elements to align it).
+  EXPECT_EQ(packed_->device_bytes() + kFrozenGroupElements * 4,
+            full_->device_bytes() + (kFrozenGroupElements + 16) * 4);
   for (std::int64_t step = 4; step <= 5; ++step) {
     set_grads(700 + static_cast<std::uint64_t>(step));
     step_both(step);
@@ -298,6 +323,33 @@ TEST_F(DeviceOptimizerFrozen, CheckpointWritesKeepTheBitsOfTheFullState) {
     if (frozen[e] && m[e] != loaded[0][e]) ++decayed;
   }
   EXPECT_EQ(decayed, frozen_count());
+}
+
+// The same on a GPU (skipped without one): the packed gradients at their offsets step the same
+// bits through CUDA's kernels, and the norm over the packed accumulator, whose fp32 block sums
+// fall on other elements than over the whole partition, is the full one's to float rounding
+// (printed, with the difference).
+class DeviceOptimizerFrozenCuda : public DeviceOptimizerFrozen {
+ protected:
+  void SetUp() override {
+    Result<std::unique_ptr<Device>> cuda = make_cuda_device(0);
+    if (!cuda.is_ok()) GTEST_SKIP() << "no CUDA device: " << cuda.status().to_string();
+    device_ = std::move(cuda).value();
+    DeviceOptimizerFrozen::SetUp();
+  }
+};
+
+TEST_F(DeviceOptimizerFrozenCuda, PackedGradientsStepTheSameBits) {
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    set_grads(950 + static_cast<std::uint64_t>(step));
+    const double packed = packed_->sum_of_squares().value();
+    const double full = full_->sum_of_squares().value();
+    std::printf("step %lld: sum of squares packed %.9g, full %.9g, difference %.3g\n",
+                static_cast<long long>(step), packed, full, packed - full);
+    EXPECT_NEAR(packed, full, 1e-6 * full);
+    step_both(step);
+  }
+  expect_same("three steps on the GPU");
 }
 
 }  // namespace
