@@ -220,7 +220,9 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
         streams_half(s) ? 2 * s.param_staging_params : 2 * pr);
   }
   if (s.optimizer == OffloadDevice::kNone) {
-    add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * pr);
+    // The device optimizer's accumulator is packed: a group whose runs are all frozen gets no
+    // slot (the host device's HostState maps zero pages a frozen range never writes).
+    add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * tr);
   } else if (s.gradients_on_nvme) {
     add(MemoryUse::kGradients, MemoryTier::kNvme, 4 * pr);
     const std::uint64_t sub_group = std::min(s.sub_group_params, pr);

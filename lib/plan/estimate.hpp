@@ -70,10 +70,11 @@
 //                   whole at open (and for each new generation after a linked checkpoint save)
 //                   before the frozen moments' room is given back, so the filesystem needs room
 //                   for all of it then; in between it holds 8·Tr.
-//   gradients       4·Tr with the optimizer offloaded (cpu, nvme): the host accumulator is
-//                   fresh zero pages that only reductions write, and a frozen group is never
-//                   reduced, at any stage. On the device (optimizer none: the slice is zeroed
-//                   there) 4·Pr. Stage 1's full-size copies are 4·T: a frozen group has none.
+//   gradients       4·Tr: offloaded (cpu, nvme) the host accumulator is fresh zero pages that
+//                   only reductions write, and a frozen group is never reduced, at any stage;
+//                   on the device (optimizer none) the device optimizer gives a group of frozen
+//                   runs no slot in its packed accumulator. Stage 1's full-size copies are 4·T:
+//                   a frozen group has none.
 //                   The engine refuses gradients_on_nvme with a frozen parameter.
 //   everything else as for trainable parameters: the fp32 master, the half params and the half
 //                   copy (written from the master at finalize).

@@ -41,8 +41,9 @@ EngineSetup one_machine(int stage, int ranks) {
 
 // Per tier, the bytes a rank saves by freezing: Fr = Pr − ceil(T / N) frozen elements of its
 // shard, each without its moments (8 B) on the device and in host memory (on NVMe the swap file
-// is preallocated whole), and without its gradient slice (4 B) where the accumulator is the host's
-// zero pages, which no stage writes for a frozen group (it is never reduced). Stage 1 also keeps
+// is preallocated whole), and without its gradient slice (4 B): the host accumulator's zero pages
+// no stage writes for a frozen group (it is never reduced), and on the device no slot in the
+// device optimizer's packed accumulator. Stage 1 also keeps
 // no full-size fp32 gradient copy of a frozen group: 4 B a frozen element of the model, P − T, on
 // the device. The device optimizer rounds the frozen half copy from the master with no scratch
 // (lib/engine/device_optimizer.cpp, DeviceOps::narrow).
@@ -52,7 +53,7 @@ std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const Engi
   const double n = static_cast<double>(s.world_size);
   const double frozen = std::ceil(p / n) - std::ceil(t / n);
   std::array<double, kMemoryTierCount> saved{};
-  if (s.optimizer == OffloadDevice::kNone) saved[0] += 8 * frozen;
+  if (s.optimizer == OffloadDevice::kNone) saved[0] += 12 * frozen;
   if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen;
   if (s.optimizer != OffloadDevice::kNone) saved[1] += 4 * frozen;
   if (s.stage == 1) saved[0] += 4 * (p - t);
