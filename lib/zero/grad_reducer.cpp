@@ -230,11 +230,10 @@ Status GradReducer::zero_frozen_groups() {
     // Stage 1 reduces a group that mixes them as a trainable one: its full copy keeps zeros in
     // the frozen parameters' ranges.
     if (!frozen_groups_[g] || offsets_[g] == GradReducerOptions::kNoRoom) continue;
-    if (stage1 && options_.accumulator != nullptr) {
-      // Not the caller's array: the accumulator's own zero() cleared it (create() ran zero()),
-      // and no chunk is added into a frozen group's slice.
-      continue;
-    }
+    // A custom accumulator (the NVMe spill) counts a sub-group done once every element of it
+    // was added, and no chunk is ever added into a frozen group's slice.
+    ZINF_ASSERT_MSG(options_.accumulator == nullptr,
+                    "frozen parameters with a custom gradient accumulator");
     const std::size_t count = info.shard_element_count;
     if (options_.accumulator_on_device) {
       ZINF_RETURN_IF_ERROR(device_.memset_async(device_accumulator_ + offsets_[g], 0,

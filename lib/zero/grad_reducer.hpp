@@ -78,10 +78,10 @@ struct GradReducerOptions {
   // Per parameter (indexed by ParamId; empty: none): a frozen parameter, which takes no
   // gradients. REQUIRES: a group holds only frozen or only trainable parameters wherever
   // gradients are partitioned (the engine groups by module, and a module is one or the other),
-  // and `accumulator` is not set with a frozen parameter there. A frozen group (every parameter
-  // of it frozen) is never reduced, at any stage; its slice of the accumulator is zeroed once at
-  // create() and never written after, so the step's norm and update see a zero gradient there.
-  // At stage 1 it has no full-size copy either (4 bytes an element less), and
+  // and `accumulator` is not set with a frozen parameter (at any stage). A frozen group (every
+  // parameter of it frozen) is never reduced, at any stage; its slice of the accumulator is zeroed
+  // once at create() and never written after, so the step's norm and update see a zero gradient
+  // there. At stage 1 it has no full-size copy either (4 bytes an element less), and
   // reduce_accumulated() moves the trainable groups only; a stage-1 group that mixes the two is
   // reduced whole, zeros in its frozen ranges. micro_batches() counts only the trainable ones.
   std::vector<bool> frozen;
