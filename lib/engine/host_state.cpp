@@ -9,9 +9,9 @@
 // not stepped while their moments are zero, since a step would leave every bit there as it is
 // (their half copy in the publisher's buffer was rounded from this master by publish_master()
 // or master_loaded(), as the step rounds it), and a checkpoint's zeros are not written there; so
-// the frozen moments, and at stages 2 and 3 the frozen share of the accumulator, never become
-// resident. Non-zero moments loaded into a frozen range (saved trainable) are kept, and from
-// then on every range is stepped.
+// the frozen moments, and the frozen share of the accumulator (no stage reduces a frozen
+// group), never become resident. Non-zero moments loaded into a frozen range (saved trainable) are
+// kept, and from then on every range is stepped.
 //
 // Memory: the zero pages are host memory the HostDevice does not allocate, but they stand for its
 // memory (on a GPU they would be device allocations), so their bytes, mapped, are counted against
@@ -90,8 +90,8 @@ class HostState final : public InMemoryState {
     return Status::ok();
   }
 
-  // Fresh zero pages: the reducer does not clear them, and never writes the frozen slices at
-  // stages 2 and 3.
+  // Fresh zero pages: the reducer does not clear them, and never writes the frozen slices (at
+  // any stage).
   GradTarget grad_target() override { return {.accumulator = grads_.as<float>(), .zeroed = true}; }
   Result<double> local_sum_of_squares() override {
     return sum_of_squares(grads_.as<const float>(), partition_elements_);
@@ -125,7 +125,6 @@ class HostState final : public InMemoryState {
   Status publish_step() override {
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
       if (layout_.group(g).dtype != DType::kF32 || !layout_.republished(g)) continue;
-      // Group g alone: Publisher::narrow_groups() would walk every group for each g.
       const std::size_t offset = layout_.offset(g);
       zinf::narrow(master_.as<const float>() + offset, layout_.group(g).shard_element_count,
                    DType::kF32, pub_.buffer(g));
