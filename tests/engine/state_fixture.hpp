@@ -103,10 +103,15 @@ class StateFixture {
 inline constexpr const char* kNoHugePageAdvice =
     "the kernel refuses MADV_NOHUGEPAGE (built without transparent huge pages)";
 
-// Whether the kernel takes MADV_NOHUGEPAGE on a zero-page mapping.
+// Whether the kernel takes MADV_NOHUGEPAGE on a zero-page mapping. A mapping the kernel refuses
+// is a test failure, not a reason to skip.
 inline bool kernel_advises_no_huge_pages() {
   AlignedBuffer probe;
-  if (!AlignedBuffer::zeroed_pages(std::size_t{1} << 20, "probe", &probe).is_ok()) return false;
+  const Status mapped = AlignedBuffer::zeroed_pages(std::size_t{1} << 20, "probe", &probe);
+  if (!mapped.is_ok()) {
+    ADD_FAILURE() << mapped.to_string();
+    return false;
+  }
   return probe.advise_no_huge_pages(0, probe.bytes());
 }
 
