@@ -11,13 +11,10 @@
 
 #include <cmath>
 #include <cstring>
-#include <thread>
+#include <optional>
 #include <vector>
 
-#include "base/random.hpp"
-#include "zero/grad_reducer.hpp"
-#include "zinf/comm.hpp"
-#include "zinf/device.hpp"
+#include "zero/grad_reducer_test_util.hpp"
 
 namespace zinf {
 namespace {
@@ -44,22 +41,31 @@ const std::vector<ParamDef>& lora_params() {
   return defs;
 }
 
+// A partitioner of `world` ranks at `stage` over lora_params(), in `p`, and each parameter's
+// frozen flag in `frozen`.
+void make_lora_partitioner(int world, ZeroStage stage, std::optional<Partitioner>& p,
+                           std::vector<bool>& frozen) {
+  PartitionerOptions po;
+  po.world_size = world;
+  po.stage = stage;
+  p.emplace(std::move(Partitioner::create(po)).value());
+  for (const ParamDef& d : lora_params()) {
+    ASSERT_TRUE(p->add({d.name, d.module, d.shape, DType::kF32}).is_ok());
+    frozen.push_back(d.frozen);
+  }
+  ASSERT_TRUE(p->finalize().is_ok());
+}
+
 class GradReducerFrozenStage1 : public ::testing::TestWithParam<Case> {};
 
 TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyOfTheFrozen) {
   const Case c = GetParam();
   const std::uint64_t seed = 9100 + static_cast<std::uint64_t>(c.world) * 2 + (c.opaque ? 1 : 0);
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  PartitionerOptions po;
-  po.world_size = c.world;
-  po.stage = ZeroStage::kStage1;
-  Partitioner p = std::move(Partitioner::create(po)).value();
+  std::optional<Partitioner> lora;
   std::vector<bool> frozen;
-  for (const ParamDef& d : lora_params()) {
-    ASSERT_TRUE(p.add({d.name, d.module, d.shape, DType::kF32}).is_ok());
-    frozen.push_back(d.frozen);
-  }
-  ASSERT_TRUE(p.finalize().is_ok());
+  ASSERT_NO_FATAL_FAILURE(make_lora_partitioner(c.world, ZeroStage::kStage1, lora, frozen));
+  Partitioner& p = *lora;
   // The groups' kind, and the elements (padding included) of each kind over all ranks.
   std::vector<bool> group_frozen(p.group_count());
   std::size_t frozen_padded = 0, trainable_padded = 0;
@@ -75,33 +81,8 @@ TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyO
   const int micro_batches = 2;
   const int steps = 2;
   // grads[rank][micro][param]; empty for a frozen parameter (it takes none).
-  std::vector<std::vector<std::vector<std::vector<float>>>> grads(
-      static_cast<std::size_t>(c.world));
-  for (int r = 0; r < c.world; ++r) {
-    for (int k = 0; k < micro_batches; ++k) {
-      std::vector<std::vector<float>> per(p.param_count());
-      for (ParamId id = 0; id < p.param_count(); ++id) {
-        if (frozen[id]) continue;
-        per[id].resize(p.location(id).element_count);
-        fill_uniform(per[id].data(), per[id].size(), seed * 7919 + r * 131 + k * 17 + id, -1.0f,
-                     1.0f);
-      }
-      grads[static_cast<std::size_t>(r)].push_back(std::move(per));
-    }
-  }
-
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < c.world; ++r) {
-    HostDeviceOptions o;
-    o.ordinal = r;
-    o.jitter_max_us = 30;
-    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
-    o.opaque = c.opaque;
-    devices.push_back(std::move(make_host_device(o)).value());
-    raw.push_back(devices.back().get());
-  }
-  auto comms = std::move(make_local_comm_group(raw)).value();
+  const test::RankGrads grads = test::seeded_grads(p, c.world, micro_batches, seed, frozen);
+  test::HostRanks ranks = test::make_host_ranks(c.world, seed, c.opaque);
   const std::size_t partition = GradReducer::partition_element_count(p);
   std::vector<std::vector<float>> acc(static_cast<std::size_t>(c.world),
                                       std::vector<float>(partition, std::nanf("")));
@@ -109,62 +90,48 @@ TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyO
   // Device bytes a reducer allocates, made with the frozen flags and without them.
   std::vector<std::size_t> bytes_frozen(static_cast<std::size_t>(c.world));
   std::vector<std::size_t> bytes_plain(static_cast<std::size_t>(c.world));
-  std::vector<Status> st(static_cast<std::size_t>(c.world));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < c.world; ++rank) {
-    threads.emplace_back([&, rank] {
-      const auto r = static_cast<std::size_t>(rank);
-      st[r] = [&]() -> Status {
-        Device& device = *devices[r];
-        GradReducerOptions ro;
-        ro.bucket_elements = 256;  // several buckets a group
-        {
-          std::vector<float> scratch(partition);
-          const std::size_t before = device.memory_used_bytes();
-          ZINF_ASSIGN_OR_RETURN(auto plain, GradReducer::create(p, rank, device, *comms[r],
-                                                                scratch.data(), ro, nullptr));
-          bytes_plain[r] = device.memory_used_bytes() - before;
+  const std::vector<Status> st = test::run_ranks(c.world, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Device& device = *ranks.devices[r];
+    GradReducerOptions ro;
+    ro.bucket_elements = 256;  // several buckets a group
+    {
+      std::vector<float> scratch(partition);
+      const std::size_t before = device.memory_used_bytes();
+      ZINF_ASSIGN_OR_RETURN(auto plain, GradReducer::create(p, rank, device, *ranks.comms[r],
+                                                            scratch.data(), ro, nullptr));
+      bytes_plain[r] = device.memory_used_bytes() - before;
+    }
+    ro.frozen = frozen;
+    const std::size_t before = device.memory_used_bytes();
+    ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, device, *ranks.comms[r],
+                                                            acc[r].data(), ro, &counters[r]));
+    bytes_frozen[r] = device.memory_used_bytes() - before;
+    for (int step = 0; step < steps; ++step) {
+      if (step > 0) reducer->zero();
+      for (int k = 0; k < micro_batches; ++k) {
+        std::vector<GradSource> sources(p.param_count());
+        std::vector<DeviceBuffer> uploads;
+        ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("upload"));
+        for (ParamId id = 0; id < p.param_count(); ++id) {
+          if (frozen[id]) continue;
+          const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+          sources[id] = {g.data(), DType::kF32};
+          if (!c.opaque) continue;
+          // A device that is not host-accessible reads gradients from its own memory.
+          ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::allocate(device, g.size() * 4));
+          ZINF_RETURN_IF_ERROR(device.copy_h2d(buffer.data(), g.data(), g.size() * 4, *stream));
+          sources[id].data = buffer.data();
+          uploads.push_back(std::move(buffer));
         }
-        ro.frozen = frozen;
-        const std::size_t before = device.memory_used_bytes();
-        ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, device, *comms[r],
-                                                                acc[r].data(), ro, &counters[r]));
-        bytes_frozen[r] = device.memory_used_bytes() - before;
-        for (int step = 0; step < steps; ++step) {
-          if (step > 0) reducer->zero();
-          for (int k = 0; k < micro_batches; ++k) {
-            std::vector<GradSource> sources(p.param_count());
-            std::vector<DeviceBuffer> uploads;
-            ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("upload"));
-            for (ParamId id = 0; id < p.param_count(); ++id) {
-              if (frozen[id]) continue;
-              const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
-              sources[id] = {g.data(), DType::kF32};
-              if (!c.opaque) continue;
-              // A device that is not host-accessible reads gradients from its own memory.
-              ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
-                                    DeviceBuffer::allocate(device, g.size() * 4));
-              ZINF_RETURN_IF_ERROR(device.copy_h2d(buffer.data(), g.data(), g.size() * 4, *stream));
-              sources[id].data = buffer.data();
-              uploads.push_back(std::move(buffer));
-            }
-            ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
-            for (const char* m : {"lora1", "lora0"}) {
-              ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(m));
-              ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
-            }
-          }
-          ZINF_RETURN_IF_ERROR(reducer->wait());
-          ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
-          ZINF_RETURN_IF_ERROR(reducer->wait());
-          ZINF_ASSIGN_OR_RETURN(int micro, reducer->micro_batches());
-          if (micro != micro_batches) return Status::internal("micro-batch count");
-        }
-        return Status::ok();
-      }();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+        ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+        ZINF_RETURN_IF_ERROR(test::reduce_modules(p, *reducer, {"lora1", "lora0"}, sources));
+      }
+      ZINF_RETURN_IF_ERROR(reducer->wait());
+      ZINF_RETURN_IF_ERROR(test::finish_step(*reducer, micro_batches));
+    }
+    return Status::ok();
+  });
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
 
   for (int rank = 0; rank < c.world; ++rank) {
@@ -177,17 +144,8 @@ TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyO
       if (!group_frozen[g]) {
         for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
           for (std::size_t i = 0; i < piece.element_count; ++i) {
-            std::vector<float> full(static_cast<std::size_t>(c.world), 0.0f);
-            for (int q = 0; q < c.world; ++q) {
-              for (int k = 0; k < micro_batches; ++k) {
-                full[static_cast<std::size_t>(q)] +=
-                    grads[static_cast<std::size_t>(q)][static_cast<std::size_t>(k)][piece.param]
-                         [piece.param_offset + i];
-              }
-            }
-            float s = full[0];
-            for (int q = 1; q < c.world; ++q) s += full[static_cast<std::size_t>(q)];
-            expected[offset + piece.shard_offset + i] = s / static_cast<float>(c.world);
+            expected[offset + piece.shard_offset + i] = test::stage1_mean(
+                grads, c.world, micro_batches, piece.param, piece.param_offset + i);
           }
         }
       }
@@ -229,16 +187,10 @@ TEST_P(GradReducerGroupOffsets, WritesEachGroupAtItsOffsetAndNothingElsewhere) {
   const ZeroStage stage = GetParam();
   const std::uint64_t seed = 9300 + static_cast<std::uint64_t>(stage);
   SCOPED_TRACE(testing::Message() << "seed " << seed);
-  PartitionerOptions po;
-  po.world_size = kWorld;
-  po.stage = stage;
-  Partitioner p = std::move(Partitioner::create(po)).value();
+  std::optional<Partitioner> lora;
   std::vector<bool> frozen;
-  for (const ParamDef& d : lora_params()) {
-    ASSERT_TRUE(p.add({d.name, d.module, d.shape, DType::kF32}).is_ok());
-    frozen.push_back(d.frozen);
-  }
-  ASSERT_TRUE(p.finalize().is_ok());
+  ASSERT_NO_FATAL_FAILURE(make_lora_partitioner(kWorld, stage, lora, frozen));
+  Partitioner& p = *lora;
   // Offsets from the last group to the first, 7 elements apart, 5 before the first; the first
   // frozen group has none.
   std::vector<std::size_t> offsets(p.group_count(), GradReducerOptions::kNoRoom);
@@ -256,82 +208,47 @@ TEST_P(GradReducerGroupOffsets, WritesEachGroupAtItsOffsetAndNothingElsewhere) {
   ASSERT_LT(no_room, p.group_count());
   const std::size_t total = next;
   // grads[rank][micro][param]; empty for a frozen parameter.
-  std::vector<std::vector<std::vector<std::vector<float>>>> grads(kWorld);
-  for (int r = 0; r < kWorld; ++r) {
+  const test::RankGrads grads = test::seeded_grads(p, kWorld, kMicroBatches, seed, frozen);
+  test::HostRanks ranks = test::make_host_ranks(kWorld, seed, /*opaque=*/true);
+  std::vector<std::vector<float>> acc(kWorld, std::vector<float>(total));
+  const std::vector<Status> st = test::run_ranks(kWorld, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Device& device = *ranks.devices[r];
+    ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("upload"));
+    ZINF_ASSIGN_OR_RETURN(DeviceBuffer accumulator,
+                          DeviceBuffer::allocate(device, total * sizeof(float)));
+    const std::vector<float> nans(total, std::nanf(""));
+    ZINF_RETURN_IF_ERROR(
+        device.copy_h2d(accumulator.data(), nans.data(), total * sizeof(float), *stream));
+    ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+    GradReducerOptions ro;
+    ro.bucket_elements = 256;  // several buckets a group
+    ro.accumulator_on_device = true;
+    ro.frozen = frozen;
+    ro.group_offsets = offsets;
+    ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, device, *ranks.comms[r],
+                                                            accumulator.as<float>(), ro, nullptr));
     for (int k = 0; k < kMicroBatches; ++k) {
-      std::vector<std::vector<float>> per(p.param_count());
+      std::vector<GradSource> sources(p.param_count());
+      std::vector<DeviceBuffer> uploads;
       for (ParamId id = 0; id < p.param_count(); ++id) {
         if (frozen[id]) continue;
-        per[id].resize(p.location(id).element_count);
-        fill_uniform(per[id].data(), per[id].size(), seed * 7919 + r * 131 + k * 17 + id, -1.0f,
-                     1.0f);
+        const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+        ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer, DeviceBuffer::allocate(device, g.size() * 4));
+        ZINF_RETURN_IF_ERROR(device.copy_h2d(buffer.data(), g.data(), g.size() * 4, *stream));
+        sources[id] = {buffer.data(), DType::kF32};
+        uploads.push_back(std::move(buffer));
       }
-      grads[static_cast<std::size_t>(r)].push_back(std::move(per));
+      ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+      ZINF_RETURN_IF_ERROR(test::reduce_modules(p, *reducer, {"lora1", "lora0"}, sources));
+      ZINF_RETURN_IF_ERROR(reducer->wait());
     }
-  }
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < kWorld; ++r) {
-    HostDeviceOptions o;
-    o.ordinal = r;
-    o.jitter_max_us = 30;
-    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
-    o.opaque = true;
-    devices.push_back(std::move(make_host_device(o)).value());
-    raw.push_back(devices.back().get());
-  }
-  auto comms = std::move(make_local_comm_group(raw)).value();
-  std::vector<std::vector<float>> acc(kWorld, std::vector<float>(total));
-  std::vector<Status> st(kWorld);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < kWorld; ++rank) {
-    threads.emplace_back([&, rank] {
-      const auto r = static_cast<std::size_t>(rank);
-      st[r] = [&]() -> Status {
-        Device& device = *devices[r];
-        ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("upload"));
-        ZINF_ASSIGN_OR_RETURN(DeviceBuffer accumulator,
-                              DeviceBuffer::allocate(device, total * sizeof(float)));
-        const std::vector<float> nans(total, std::nanf(""));
-        ZINF_RETURN_IF_ERROR(
-            device.copy_h2d(accumulator.data(), nans.data(), total * sizeof(float), *stream));
-        ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
-        GradReducerOptions ro;
-        ro.bucket_elements = 256;  // several buckets a group
-        ro.accumulator_on_device = true;
-        ro.frozen = frozen;
-        ro.group_offsets = offsets;
-        ZINF_ASSIGN_OR_RETURN(
-            auto reducer,
-            GradReducer::create(p, rank, device, *comms[r], accumulator.as<float>(), ro, nullptr));
-        for (int k = 0; k < kMicroBatches; ++k) {
-          std::vector<GradSource> sources(p.param_count());
-          std::vector<DeviceBuffer> uploads;
-          for (ParamId id = 0; id < p.param_count(); ++id) {
-            if (frozen[id]) continue;
-            const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
-            ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
-                                  DeviceBuffer::allocate(device, g.size() * 4));
-            ZINF_RETURN_IF_ERROR(device.copy_h2d(buffer.data(), g.data(), g.size() * 4, *stream));
-            sources[id] = {buffer.data(), DType::kF32};
-            uploads.push_back(std::move(buffer));
-          }
-          ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
-          for (const char* m : {"lora1", "lora0"}) {
-            ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(m));
-            ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
-          }
-          ZINF_RETURN_IF_ERROR(reducer->wait());
-        }
-        ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
-        ZINF_RETURN_IF_ERROR(reducer->wait());
-        ZINF_RETURN_IF_ERROR(
-            device.copy_d2h(acc[r].data(), accumulator.data(), total * sizeof(float), *stream));
-        return device.synchronize(*stream);
-      }();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+    ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
+    ZINF_RETURN_IF_ERROR(reducer->wait());
+    ZINF_RETURN_IF_ERROR(
+        device.copy_d2h(acc[r].data(), accumulator.data(), total * sizeof(float), *stream));
+    return device.synchronize(*stream);
+  });
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
 
   for (int rank = 0; rank < kWorld; ++rank) {

@@ -12,12 +12,10 @@
 
 #include <cmath>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "base/random.hpp"
-#include "zinf/comm.hpp"
-#include "zinf/device.hpp"
+#include "zero/grad_reducer_test_util.hpp"
 
 namespace zinf {
 namespace {
@@ -48,102 +46,65 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
   ASSERT_TRUE(p.finalize().is_ok());
   const int micro_batches = 2;
   // grads[rank][micro][param], already rounded to the gradient dtype.
-  std::vector<std::vector<std::vector<std::vector<float>>>> grads(
-      static_cast<std::size_t>(c.world));
-  for (int r = 0; r < c.world; ++r) {
-    for (int k = 0; k < micro_batches; ++k) {
-      std::vector<std::vector<float>> per;
-      for (ParamId id = 0; id < p.param_count(); ++id) {
-        std::vector<float> g(p.location(id).element_count);
-        fill_uniform(g.data(), g.size(), seed * 7919 + r * 131 + k * 17 + id, -1.0f, 1.0f);
-        if (c.grad_dtype == DType::kBF16) {
-          for (float& x : g) x = bf16_to_f32(f32_to_bf16(x));
-        }
-        per.push_back(std::move(g));
-      }
-      grads[static_cast<std::size_t>(r)].push_back(std::move(per));
-    }
-  }
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < c.world; ++r) {
-    HostDeviceOptions o;
-    o.ordinal = r;
-    o.jitter_max_us = 30;  // a missing wait between a bucket's fill and its reduce shows up
-    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
-    o.opaque = c.opaque;
-    devices.push_back(std::move(make_host_device(o)).value());
-    raw.push_back(devices.back().get());
-  }
-  auto comms = std::move(make_local_comm_group(raw)).value();
+  const test::RankGrads grads =
+      test::seeded_grads(p, c.world, micro_batches, seed, {}, c.grad_dtype);
+  test::HostRanks ranks = test::make_host_ranks(c.world, seed, c.opaque);
   const std::size_t partition = GradReducer::partition_element_count(p);
   // The reducer does not clear an accumulator in memory: each group's first reduction
   // overwrites its slice, padding included, so whatever it held before must not show.
   std::vector<std::vector<float>> acc(static_cast<std::size_t>(c.world),
                                       std::vector<float>(partition, std::nanf("")));
   std::vector<ZeroCounters> counters(static_cast<std::size_t>(c.world));
-  std::vector<Status> st(static_cast<std::size_t>(c.world));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < c.world; ++rank) {
-    threads.emplace_back([&, rank] {
-      const auto r = static_cast<std::size_t>(rank);
-      st[r] = [&]() -> Status {
-        GradReducerOptions ro;
-        ro.bucket_elements = c.bucket_elements;
-        ZINF_ASSIGN_OR_RETURN(auto reducer, GradReducer::create(p, rank, *devices[r], *comms[r],
-                                                                acc[r].data(), ro, &counters[r]));
-        // Two steps over the same gradients: the second, after zero(), must store over the
-        // first's sums, not add to them.
-        for (int step = 0; step < 2; ++step) {
-          if (step == 1) reducer->zero();
-          for (int k = 0; k < micro_batches; ++k) {
-            std::vector<std::vector<std::uint16_t>> halves;
-            std::vector<GradSource> sources(p.param_count());
-            for (ParamId id = 0; id < p.param_count(); ++id) {
-              const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
-              if (c.grad_dtype == DType::kF32) {
-                sources[id] = {g.data(), DType::kF32};
-              } else {
-                halves.emplace_back(g.size());
-                convert_f32_to_bf16(g.data(), halves.back().data(), g.size());
-              }
-            }
-            if (c.grad_dtype != DType::kF32) {
-              for (ParamId id = 0; id < p.param_count(); ++id) {
-                sources[id] = {halves[id].data(), DType::kBF16};
-              }
-            }
-            // A device that is not host-accessible reads gradients from its own memory.
-            std::vector<DeviceBuffer> uploads;
-            if (c.opaque) {
-              ZINF_ASSIGN_OR_RETURN(auto stream, devices[r]->create_stream("upload"));
-              for (ParamId id = 0; id < p.param_count(); ++id) {
-                const std::size_t bytes = p.location(id).element_count * dtype_bytes(c.grad_dtype);
-                ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
-                                      DeviceBuffer::allocate(*devices[r], bytes));
-                ZINF_RETURN_IF_ERROR(
-                    devices[r]->copy_h2d(buffer.data(), sources[id].data, bytes, *stream));
-                sources[id].data = buffer.data();
-                uploads.push_back(std::move(buffer));
-              }
-              ZINF_RETURN_IF_ERROR(devices[r]->synchronize(*stream));
-            }
-            // Module by module, backward order.
-            for (int m = 2; m >= 0; --m) {
-              ZINF_ASSIGN_OR_RETURN(auto groups, p.module_groups(fmt::format("m{}", m)));
-              ZINF_RETURN_IF_ERROR(reducer->reduce(groups, sources));
-            }
+  const std::vector<Status> st = test::run_ranks(c.world, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    GradReducerOptions ro;
+    ro.bucket_elements = c.bucket_elements;
+    ZINF_ASSIGN_OR_RETURN(auto reducer,
+                          GradReducer::create(p, rank, *ranks.devices[r], *ranks.comms[r],
+                                              acc[r].data(), ro, &counters[r]));
+    // Two steps over the same gradients: the second, after zero(), must store over the
+    // first's sums, not add to them.
+    for (int step = 0; step < 2; ++step) {
+      if (step == 1) reducer->zero();
+      for (int k = 0; k < micro_batches; ++k) {
+        std::vector<std::vector<std::uint16_t>> halves;
+        std::vector<GradSource> sources(p.param_count());
+        for (ParamId id = 0; id < p.param_count(); ++id) {
+          const std::vector<float>& g = grads[r][static_cast<std::size_t>(k)][id];
+          if (c.grad_dtype == DType::kF32) {
+            sources[id] = {g.data(), DType::kF32};
+          } else {
+            halves.emplace_back(g.size());
+            convert_f32_to_bf16(g.data(), halves.back().data(), g.size());
           }
-          ZINF_RETURN_IF_ERROR(reducer->reduce_accumulated());
-          ZINF_RETURN_IF_ERROR(reducer->wait());
-          ZINF_ASSIGN_OR_RETURN(int micro, reducer->micro_batches());
-          if (micro != micro_batches) return Status::internal("micro-batch count");
         }
-        return Status::ok();
-      }();
-    });
-  }
-  for (std::thread& t : threads) t.join();
+        if (c.grad_dtype != DType::kF32) {
+          for (ParamId id = 0; id < p.param_count(); ++id) {
+            sources[id] = {halves[id].data(), DType::kBF16};
+          }
+        }
+        // A device that is not host-accessible reads gradients from its own memory.
+        std::vector<DeviceBuffer> uploads;
+        if (c.opaque) {
+          ZINF_ASSIGN_OR_RETURN(auto stream, ranks.devices[r]->create_stream("upload"));
+          for (ParamId id = 0; id < p.param_count(); ++id) {
+            const std::size_t bytes = p.location(id).element_count * dtype_bytes(c.grad_dtype);
+            ZINF_ASSIGN_OR_RETURN(DeviceBuffer buffer,
+                                  DeviceBuffer::allocate(*ranks.devices[r], bytes));
+            ZINF_RETURN_IF_ERROR(
+                ranks.devices[r]->copy_h2d(buffer.data(), sources[id].data, bytes, *stream));
+            sources[id].data = buffer.data();
+            uploads.push_back(std::move(buffer));
+          }
+          ZINF_RETURN_IF_ERROR(ranks.devices[r]->synchronize(*stream));
+        }
+        // Module by module, backward order.
+        ZINF_RETURN_IF_ERROR(test::reduce_modules(p, *reducer, {"m2", "m1", "m0"}, sources));
+      }
+      ZINF_RETURN_IF_ERROR(test::finish_step(*reducer, micro_batches));
+    }
+    return Status::ok();
+  });
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
 
   for (int rank = 0; rank < c.world; ++rank) {
@@ -166,17 +127,8 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
           float total = 0.0f;
           if (c.stage == ZeroStage::kStage1) {
             // Each rank sums its micro-batches; then the mean over ranks in rank order.
-            std::vector<float> full(static_cast<std::size_t>(c.world), 0.0f);
-            for (int q = 0; q < c.world; ++q) {
-              for (int k = 0; k < micro_batches; ++k) {
-                full[static_cast<std::size_t>(q)] +=
-                    grads[static_cast<std::size_t>(q)][static_cast<std::size_t>(k)][piece.param]
-                         [piece.param_offset + i];
-              }
-            }
-            float s = full[0];
-            for (int q = 1; q < c.world; ++q) s += full[static_cast<std::size_t>(q)];
-            total = s / static_cast<float>(c.world);
+            total = test::stage1_mean(grads, c.world, micro_batches, piece.param,
+                                      piece.param_offset + i);
           } else {
             for (int k = 0; k < micro_batches; ++k) {
               float s = grads[0][static_cast<std::size_t>(k)][piece.param][piece.param_offset + i];
