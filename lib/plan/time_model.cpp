@@ -187,13 +187,16 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     out.all_gather_bytes = static_cast<std::uint64_t>(micro_batches * gathered + published);
   }
 
+  // The fetch's time on the drive, where the parameters live on NVMe: all ranks of the machine
+  // read their modules from it, half for the forward and half for the backward.
+  double fetch_drive_s = 0.0;
   if (s.stage == 3 && s.params != OffloadDevice::kNone) {
     const double fetch_bytes = 2.0 * 2.0 * static_cast<double>(pr);
     out.param_fetch_s = seconds(fetch_bytes, profile.h2d_gbps);
     if (s.params == OffloadDevice::kNvme) {
       out.nvme_read_bytes += static_cast<std::uint64_t>(ranks * fetch_bytes);
-      out.param_fetch_s =
-          std::max(out.param_fetch_s, seconds(ranks * fetch_bytes, profile.nvme_read_gbps));
+      fetch_drive_s = seconds(ranks * fetch_bytes, profile.nvme_read_gbps);
+      out.param_fetch_s = std::max(out.param_fetch_s, fetch_drive_s);
     }
   }
   // Gradient offload of the first micro-batch and of each later one (they differ when spilled:
@@ -223,29 +226,35 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
                            (micro_batches - 1.0) * std::max(others_s, offload_later_s);
   if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
     const double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
-    // What the pass can run behind: a micro-batch's compute and its transfers over the links,
-    // not its NVMe traffic where the pass's state is on NVMe, the same drive: the gradient spill
-    // writes there, and a parameter read from there reaches the device only once the drive gives
-    // it, so the fetch of parameters on NVMe waits on the drive too.
-    const bool pass_on_drive = s.optimizer == OffloadDevice::kNvme;
-    const double fetch_s =
-        pass_on_drive && s.params == OffloadDevice::kNvme ? 0.0 : out.param_fetch_s;
-    const double offload_s = pass_on_drive ? offload_link_s : offload_first_s;
+    // The pass uses an NVMe drive where the optimizer state is there, and where the parameters'
+    // home is (it writes the new half params there, param_upload_s). The micro-batch's parameter
+    // fetch reads that drive, and what waits on the fetch waits on the drive: the pass hides in
+    // the micro-batch's time less the drive's, never behind compute that itself waits for the
+    // drive. The gradient spill writes that drive in the backward; it is not part of the window
+    // (the micro-batch counts the gradients' link time only), and the pass that meets a spilling
+    // micro-batch starts at step() and meets the next forward, which spills nothing.
+    const bool pass_on_drive =
+        s.optimizer == OffloadDevice::kNvme || s.params == OffloadDevice::kNvme;
+    const double drive_s = pass_on_drive ? fetch_drive_s : 0.0;
     // One micro-batch's time, not the step's: the pass that updates in the backward does so in
     // the last micro-batch's, and one that starts at step() meets the next step's first
     // micro-batch.
-    const double micro_batch_s = std::max({out.compute_s, out.collectives_s, fetch_s, offload_s});
-    double window_s = fraction * micro_batch_s;
+    const double micro_batch_s =
+        std::max({out.compute_s, out.collectives_s, out.param_fetch_s, offload_link_s});
+    double window_s = fraction * std::max(0.0, micro_batch_s - drive_s);
     if (!updates_in_backward(s)) {
       // The pass starts at step() (stage 1, spilled gradients) or updates only after it (exact
       // clipping, loss scaling): it hides behind the next step's first forward at most, the
       // forward's FLOPs (a third of a micro-batch's, a quarter with checkpointing, more with
       // frozen parameters, which do less of the backward), stage 3's forward all-gather (half of
-      // the micro-batch's gathers) and the forward's half of the parameter fetch.
+      // the micro-batch's gathers) and the forward's half of the parameter fetch, less the
+      // forward's half of the fetch's time on the drive.
       const double forward_compute_s =
           profile.gpu_tflops > 0 ? forward_flops / (profile.gpu_tflops * 1e12) : 0.0;
       const double forward_gather_s = seconds(gathered / 2.0 * link_share, profile.gpu_link_gbps);
-      window_s = std::min(window_s, std::max({forward_compute_s, forward_gather_s, fetch_s / 2.0}));
+      const double forward_s =
+          std::max({forward_compute_s, forward_gather_s, out.param_fetch_s / 2.0});
+      window_s = std::min(fraction * micro_batch_s, std::max(0.0, forward_s - drive_s / 2.0));
     }
     out.optimizer_hidden_s = std::min(out.optimizer_step_s, window_s);
   }

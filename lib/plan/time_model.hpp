@@ -91,12 +91,14 @@
 // optimizer pass of step t runs behind the compute of step t+1, docs/ENGINE.md "The overlapped
 // step"): the pass meets one micro-batch, not the step (it updates in the last micro-batch's
 // backward, or starts at step() and meets the next step's first micro-batch), and runs behind
-// its compute and link transfers, not behind NVMe traffic where the optimizer state is on NVMe,
-// the pass's own drive (the gradient spill; the fetch of parameters on NVMe, which reach the
-// device only through the drive). Of that window at most c hides it, c =
-// overlap_compute_fraction:
-//   mb     = max(compute, collectives, param fetch, grad offload), less the drive's parts
-//   hidden = min(optimizer_step, c·mb)
+// its compute and link transfers, not behind the micro-batch's time on the pass's own drive:
+// where the optimizer state is on NVMe, or the params are (the pass writes their new half shards
+// there), the fetch of parameters on NVMe reads that drive and the compute waits for it, so the
+// fetch's NVMe time (drive; 0 where the pass uses no drive) hides nothing. The gradient spill
+// writes the drive too, in the backward, but a spilling pass starts at step() and meets the next
+// forward, which spills nothing. Of that window at most c hides it, c = overlap_compute_fraction:
+//   mb     = max(compute, collectives, param fetch, the gradients' link time)
+//   hidden = min(optimizer_step, c·max(0, mb − drive))
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
 // With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
 // backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
@@ -108,8 +110,8 @@
 // EngineSetup::exact_clipping_or_loss_scaling). Otherwise (stage 1, which waits for step()'s
 // reduction; spilled gradients; exact clipping; loss scaling) the updates start at step() and
 // hide behind the next step's first forward at most, whatever c says:
-//   hidden = min(optimizer_step, c·mb, max(F_fwd / rate, stage 3's forward all-gather,
-//                half the param fetch))
+//   hidden = min(optimizer_step, c·mb, max(0, max(F_fwd / rate, stage 3's forward all-gather,
+//                half the param fetch) − drive/2))
 // with F_fwd = (2·P + 4·L·h·s)·s·b the forward's FLOPs: a third of a micro-batch's, a quarter
 // with checkpointing, more with frozen parameters.
 //
