@@ -184,6 +184,26 @@ TEST_F(PlanCli, StepOnlyComputeSpansTheMicroBatches) {
   EXPECT_NE(zero.err.find("--grad-accum 0: must be"), std::string::npos) << zero.err;
 }
 
+// The table names the step's formula: max(compute, optimizer step) only where the pass may hide
+// behind all of the compute (one micro-batch, --overlap-fraction 1); with the default 2/3 of one
+// micro-batch it is the sum less the part hidden (S/3 + max(2S/3, optimizer step)).
+TEST_F(PlanCli, StepOnlyTableNamesTheMaxOnlyBehindTheWholeCompute) {
+  const std::string step =
+      "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB --compute-s 6" +
+      std::string(kRates);
+  const std::string max_form = "max(compute, optimizer step): overlapped";
+  const std::string part_form = "the part hidden behind one micro-batch's compute";
+  for (const auto& [flags, is_max] :
+       {std::pair{"", false}, std::pair{" --overlap-fraction 0.5", false},
+        std::pair{" --overlap-fraction 1", true},
+        std::pair{" --grad-accum 2 --overlap-fraction 1", false}}) {
+    const CliRun r = run_zinf(step + flags);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out.find(max_form) != std::string::npos, is_max) << flags << r.out;
+    EXPECT_EQ(r.out.find(part_form) != std::string::npos, !is_max) << flags << r.out;
+  }
+}
+
 // A plan's --gradient-clipping and --fp16 reach its step: the pass hides behind the forward's
 // share of the compute, a quarter with checkpointing, where without them it hides behind the
 // backward's two thirds.

@@ -8,8 +8,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <initializer_list>
 #include <memory>
 #include <string>
+#include <utility>
 
 #include "base/cpu.hpp"
 #include "command.hpp"
@@ -263,6 +265,17 @@ nlohmann::json parts_json(const StepPrediction& t) {
           {"adam_memory_bytes", t.adam_memory_bytes}};
 }
 
+// Whether every count is at least 1; fails naming the first flag that is 0.
+bool counts_positive(std::initializer_list<std::pair<const char*, std::uint64_t>> counts) {
+  for (const auto& [flag, value] : counts) {
+    if (value == 0) {
+      fail(fmt::format("{} 0: must be at least 1", flag));
+      return false;
+    }
+  }
+  return true;
+}
+
 void run_step_only(const PlanOptions& o) {
   StepOnlySpec spec;
   if (o.params.empty()) {
@@ -311,10 +324,7 @@ void run_step_only(const PlanOptions& o) {
     fail("--host-compute needs --compute-s, the measured compute of a step");
     return;
   }
-  if (o.grad_accum == 0) {
-    fail("--grad-accum 0: must be at least 1");
-    return;
-  }
+  if (!counts_positive({{"--grad-accum", o.grad_accum}})) return;
   spec.compute_s = o.compute_s;
   spec.micro_batches = o.grad_accum;
   spec.host_compute = o.host_compute;
@@ -376,9 +386,12 @@ void run_step_only(const PlanOptions& o) {
   Table table({"part", "predicted", "from"});
   const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
   if (spec.compute_s > 0) {
-    // The max forms hold where the pass may hide behind the whole compute: one micro-batch, c
-    // of it, updates during the backward.
-    const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling;
+    // The max forms hold only where the pass may hide behind the whole compute: one
+    // micro-batch, all of it (c = 1), updates during the backward. Otherwise the figure is
+    // compute + optimizer step less the part hidden (with one micro-batch and c = 2/3,
+    // S/3 + max(2S/3 + H, optimizer step)).
+    const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling ||
+                             spec.overlap_fraction < 1.0;
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
                       : behind_part       ? "compute + optimizer step - the part hidden behind one "
                                             "micro-batch's compute: overlapped"
@@ -518,13 +531,9 @@ void run_plan(const PlanOptions& o) {
     }
     model.trainable_params = *trainable;
   }
-  for (const auto& [flag, value] :
-       {std::pair{"--seq", o.seq}, std::pair{"--micro-batch", o.micro_batch},
-        std::pair{"--grad-accum", o.grad_accum}}) {
-    if (value == 0) {
-      fail(fmt::format("{} 0: must be at least 1", flag));
-      return;
-    }
+  if (!counts_positive(
+          {{"--seq", o.seq}, {"--micro-batch", o.micro_batch}, {"--grad-accum", o.grad_accum}})) {
+    return;
   }
   TrainingShape training;
   training.seq_len = o.seq;
