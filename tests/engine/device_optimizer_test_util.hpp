@@ -1,0 +1,170 @@
+// The device optimizer's frozen-run tests, shared by tests/engine (an opaque HostDevice) and
+// tests/gpu (CUDA): a partition of four dtype groups with frozen runs, and a fixture holding an
+// optimizer told which runs are frozen (packed moments and gradients) beside one that steps every
+// run, with seeded gradients, steps and bit-for-bit comparisons of their state.
+#pragma once
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <vector>
+
+#include "engine/device_optimizer.hpp"
+#include "engine/engine_test_util.hpp"
+
+namespace zinf::device_optimizer_test {
+
+using engine_test::seeded;
+
+constexpr auto kTimeout = std::chrono::seconds(30);
+
+// Four dtype groups (bf16, bf16, f32, bf16) cut into runs of the default group (0), a second
+// group (1) and the frozen group (2, learning rate 0 and weight decay 0), frozen runs in each.
+// The second dtype group's one run is frozen (a frozen partitioner group: no room for
+// gradients), and its 2003 elements are not a multiple of 16: the packed gradients of the groups
+// after it lie before their partition offsets, the first of them past an alignment gap.
+constexpr std::size_t kPartition = 14'011;
+constexpr std::size_t kFrozenGroupElements = 2003;  // the second dtype group's
+inline const std::vector<DeviceOptimizer::Group> kGroups = {{0, 4000, 0, DType::kBF16},
+                                                            {4000, 2003, 8000, DType::kBF16},
+                                                            {6003, 3000, 12'006, DType::kF32},
+                                                            {9003, 5008, 12'006, DType::kBF16}};
+inline const std::vector<OptimizerRange> kRanges = {{0, 0},    {1024, 2},   {2048, 1},
+                                                    {4000, 2}, {6003, 2},   {7603, 0},
+                                                    {9003, 2}, {11'003, 1}, {13'006, 2}};
+constexpr std::uint32_t kFrozenGroup = 2;
+
+inline std::size_t range_end(std::size_t r) {
+  return r + 1 < kRanges.size() ? kRanges[r + 1].begin : kPartition;
+}
+
+inline std::vector<bool> frozen_flags() {
+  std::vector<bool> out;
+  for (const OptimizerRange& r : kRanges) out.push_back(r.group == kFrozenGroup);
+  return out;
+}
+
+// Whether partition element e is in a frozen range.
+inline std::vector<bool> frozen_elements() {
+  std::vector<bool> out(kPartition, false);
+  for (std::size_t r = 0; r < kRanges.size(); ++r) {
+    if (kRanges[r].group != kFrozenGroup) continue;
+    std::fill(out.begin() + static_cast<std::ptrdiff_t>(kRanges[r].begin),
+              out.begin() + static_cast<std::ptrdiff_t>(range_end(r)), true);
+  }
+  return out;
+}
+
+inline std::vector<OptimizerParams> group_params() {
+  OptimizerParams base;
+  base.kind = OptimizerKind::kAdamW;
+  base.lr = 1e-2;
+  base.weight_decay = 0.01;
+  OptimizerParams second = base;
+  second.lr = 3e-2;
+  second.weight_decay = 0.1;
+  OptimizerParams frozen = base;
+  frozen.lr = 0;
+  frozen.weight_decay = 0;
+  return {base, second, frozen};
+}
+
+class DeviceOptimizerFrozen : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (device_ == nullptr) {
+      HostDeviceOptions o;
+      o.opaque = true;
+      device_ = std::move(make_host_device(o)).value();
+    }
+    stream_ = std::move(device_->create_stream("test")).value();
+    if (master_.empty()) master_ = seeded(kPartition, 8101, -1.0f, 1.0f);
+    packed_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
+                                                kTimeout, kRanges, frozen_flags(),
+                                                /*pack_grads=*/true))
+                  .value();
+    full_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
+                                              kTimeout, kRanges))
+                .value();
+  }
+
+  // Seeded gradients, zero on the frozen elements (they take none), into both accumulators,
+  // each group's where grad_offsets() puts it (none for a group without room).
+  void set_grads(std::uint64_t seed) {
+    std::vector<float> g = seeded(kPartition, seed, -0.5f, 0.5f);
+    const std::vector<bool> frozen = frozen_elements();
+    for (std::size_t e = 0; e < kPartition; ++e) {
+      if (frozen[e]) g[e] = 0.0f;
+    }
+    for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+      for (std::size_t k = 0; k < groups_.size(); ++k) {
+        const std::size_t at = o->grad_offsets()[k];
+        if (at == DeviceOptimizer::kNoGrad) continue;
+        ASSERT_TRUE(device_
+                        ->copy_h2d(o->grads() + at, g.data() + groups_[k].offset,
+                                   groups_[k].count * 4, *stream_)
+                        .is_ok());
+      }
+      ASSERT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
+    }
+  }
+
+  void step_both(std::int64_t step) {
+    const std::vector<OptimizerParams> groups = group_params();
+    for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+      ASSERT_TRUE(o->step(step, 0.5f, groups).is_ok());
+    }
+  }
+
+  // Piece `which` read in chunks of 1000 elements (chunks that end inside runs).
+  std::vector<float> read(DeviceOptimizer& o, int which) {
+    std::vector<float> out(kPartition);
+    for (std::size_t first = 0; first < kPartition; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+      EXPECT_TRUE(o.read_state(which, first, count, out.data() + first).is_ok());
+    }
+    return out;
+  }
+  void write(DeviceOptimizer& o, int which, const std::vector<float>& in) {
+    for (std::size_t first = 0; first < kPartition; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+      ASSERT_TRUE(o.write_state(which, first, count, in.data() + first).is_ok());
+    }
+  }
+  std::vector<std::uint16_t> half(DeviceOptimizer& o, std::uint32_t g) {
+    std::vector<std::uint16_t> out(groups_[g].count);
+    EXPECT_TRUE(device_->copy_d2h(out.data(), o.values(g), out.size() * 2, *stream_).is_ok());
+    EXPECT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
+    return out;
+  }
+
+  // The packed optimizer's master, moments and bf16 copies are the full one's, bit for bit.
+  void expect_same(const char* what) {
+    SCOPED_TRACE(what);
+    for (int which = 0; which < 3; ++which) {
+      const std::vector<float> a = read(*packed_, which);
+      const std::vector<float> b = read(*full_, which);
+      EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "piece " << which;
+    }
+    for (std::uint32_t g : {0u, 1u, 3u}) {
+      EXPECT_EQ(half(*packed_, g), half(*full_, g)) << "group " << g;
+    }
+  }
+
+  std::vector<DeviceOptimizer::Group> groups_ = kGroups;
+  std::unique_ptr<Device> device_;
+  std::unique_ptr<Stream> stream_;
+  std::vector<float> master_;  // set before SetUp() to replace the seeded default
+  std::unique_ptr<DeviceOptimizer> packed_, full_;
+};
+
+inline std::size_t frozen_count() {
+  std::size_t n = 0;
+  for (bool f : frozen_elements()) n += f ? 1 : 0;
+  return n;
+}
+
+}  // namespace zinf::device_optimizer_test
