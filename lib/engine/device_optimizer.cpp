@@ -268,10 +268,17 @@ Status DeviceOptimizer::unpack() {
   for (std::size_t k = 0; k < full.size(); ++k) {
     if (k == 2 && zero_bytes == 0) break;
     Result<DeviceBuffer> r = DeviceBuffer::allocate(device_, k < 2 ? bytes : zero_bytes);
-    if (!r.is_ok()) {
+    if (!r.is_ok() && k < 2) {
       return r.status().with_context(
           "non-zero optimizer moments written into a frozen parameter (saved trainable) need "
           "moments for every element of the partition on the device");
+    }
+    if (!r.is_ok()) {
+      return r.status().with_context(fmt::format(
+          "non-zero optimizer moments written into a frozen parameter (saved trainable) step it, "
+          "and a frozen group without gradient slots steps on a device buffer of zeros: {} bytes "
+          "(its largest run, {} elements, and 16 to align it)",
+          zero_bytes, zero_elements_));
     }
     full[k] = std::move(r).value();
   }

@@ -193,5 +193,43 @@ TEST_F(DeviceOptimizerFrozen, CheckpointWritesKeepTheBitsOfTheFullState) {
   EXPECT_EQ(decayed, frozen_count());
 }
 
+// Non-zero moments written into a frozen run on a device with room for the moments of every
+// element but not for the zeros a frozen group without gradient slots steps on: the error names
+// that buffer and its bytes.
+TEST(DeviceOptimizerFrozenUnpack, NoRoomForTheZeroGradientsNamesThatBuffer) {
+  using device_optimizer_test::frozen_flags;
+  using device_optimizer_test::kGroups;
+  using device_optimizer_test::kRanges;
+  const std::vector<float> master = seeded(kPartition, 8301, -1.0f, 1.0f);
+  HostDeviceOptions o;
+  o.opaque = true;
+  std::size_t packed_bytes = 0;
+  {
+    std::unique_ptr<Device> device = std::move(make_host_device(o)).value();
+    std::unique_ptr<DeviceOptimizer> packed =
+        std::move(DeviceOptimizer::create(*device, kGroups, kPartition, master.data(),
+                                          device_optimizer_test::kTimeout, kRanges, frozen_flags(),
+                                          /*pack_grads=*/true))
+            .value();
+    packed_bytes = device->memory_used_bytes();
+  }
+  // Room for both full moments, and 16 elements short of the zeros.
+  const std::size_t zero_bytes = (kFrozenGroupElements + 16) * 4;
+  o.memory_limit_bytes = packed_bytes + 2 * kPartition * 4 + zero_bytes - 16 * 4;
+  std::unique_ptr<Device> device = std::move(make_host_device(o)).value();
+  std::unique_ptr<DeviceOptimizer> packed =
+      std::move(DeviceOptimizer::create(*device, kGroups, kPartition, master.data(),
+                                        device_optimizer_test::kTimeout, kRanges, frozen_flags(),
+                                        /*pack_grads=*/true))
+          .value();
+  const std::vector<float> moments = seeded(kPartition, 8302, 0.01f, 0.1f);
+  const Status s = packed->write_state(1, 0, kPartition, moments.data());
+  ASSERT_FALSE(s.is_ok());
+  EXPECT_EQ(s.code(), Code::kResourceExhausted) << s.to_string();
+  EXPECT_NE(s.message().find("device buffer of zeros: 8076 bytes"), std::string_view::npos)
+      << s.to_string();
+  EXPECT_EQ(s.message().find("moments for every element"), std::string_view::npos) << s.to_string();
+}
+
 }  // namespace
 }  // namespace zinf
