@@ -103,11 +103,12 @@ struct GradSource {
 
 class GradReducer {
  public:
-  // `accumulator`: partition_element_count() floats that host code may write (host memory, or
-  // device memory of a host-accessible device), owned by the caller; never cleared (a group's
-  // first reduction since zero() overwrites its slice), so it may start as anything. Ignored
-  // (may be null) when options.accumulator is set. `counters` (optional) receives bucket and byte
-  // counts.
+  // `accumulator`: partition_element_count() floats, or with options.group_offsets as many as
+  // the slices given reach (group g's shard_element_count floats from group_offsets[g], for each
+  // group with room), that host code may write (host memory, or device memory of a
+  // host-accessible device), owned by the caller; never cleared (a group's first reduction since
+  // zero() overwrites its slice), so it may start as anything. Ignored (may be null) when
+  // options.accumulator is set. `counters` (optional) receives bucket and byte counts.
   static Result<std::unique_ptr<GradReducer>> create(const Partitioner& partitioner, int rank,
                                                      Device& device, Communicator& comm,
                                                      float* accumulator,
