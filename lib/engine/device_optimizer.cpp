@@ -97,7 +97,9 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   for (Run& r : o->runs_) {
     const std::size_t at = o->grad_offsets_[r.group];
     r.grad = at == kNoGrad ? kNoGrad : at + (r.offset - o->groups_[r.group].offset);
-    if (r.grad == kNoGrad) o->zero_elements_ = std::max(o->zero_elements_, r.count);
+    if (r.grad == kNoGrad) {
+      o->zero_elements_ = std::max(o->zero_elements_, std::min(r.count, kZeroChunkElements));
+    }
   }
   // The gradients step() scales: each dtype group's stretches of runs that are not frozen (a
   // frozen run's gradients are zero, which the scale leaves zero).
@@ -199,17 +201,22 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
       // (the half copy was rounded from this master).
       if (packed_) continue;
     }
-    const std::size_t at = r.offset;
-    void* half = g.dtype == DType::kF32
-                     ? nullptr
-                     : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
-    // A frozen run without gradients (unpacked) steps on zeros, aligned as its master is.
-    ZINF_ASSERT(r.grad != kNoGrad || (r.frozen && r.count <= zero_elements_));
-    const float* grad =
-        r.grad == kNoGrad ? zeros_.as<const float>() + at % 16 : grads_.as<const float>() + r.grad;
-    ZINF_RETURN_IF_ERROR(ops_->adam_step(
-        master_.as<float>() + at, grad, exp_avg_.as<float>() + r.moment,
-        exp_avg_sq_.as<float>() + r.moment, half, g.dtype, r.count, args[r.param_group], *stream_));
+    // A frozen run without gradients (unpacked) steps on zeros, aligned as its master is, a chunk
+    // of at most zero_elements_ at a time; any other run in one launch.
+    ZINF_ASSERT(r.grad != kNoGrad || (r.frozen && zero_elements_ > 0));
+    const std::size_t chunk = r.grad == kNoGrad ? zero_elements_ : r.count;
+    for (std::size_t done = 0; done < r.count; done += chunk) {
+      const std::size_t at = r.offset + done;
+      void* half = g.dtype == DType::kF32
+                       ? nullptr
+                       : half_.as<std::byte>() + g.byte_offset + (at - g.offset) * 2;
+      const float* grad = r.grad == kNoGrad ? zeros_.as<const float>() + at % 16
+                                            : grads_.as<const float>() + r.grad + done;
+      ZINF_RETURN_IF_ERROR(
+          ops_->adam_step(master_.as<float>() + at, grad, exp_avg_.as<float>() + r.moment + done,
+                          exp_avg_sq_.as<float>() + r.moment + done, half, g.dtype,
+                          std::min(chunk, r.count - done), args[r.param_group], *stream_));
+    }
   }
   return device_.synchronize(*stream_, timeout_);
 }
@@ -261,8 +268,8 @@ Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
 
 Status DeviceOptimizer::unpack() {
   const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
-  // The moments, and zeros for the frozen runs that have no gradients (largest run's, and room
-  // to keep each congruent to its master modulo 16 elements).
+  // The moments, and zeros for the frozen runs that have no gradients (the largest run's or a
+  // chunk's, and room to keep each congruent to its master modulo 16 elements).
   std::array<DeviceBuffer, 3> full;
   const std::size_t zero_bytes = zero_elements_ > 0 ? (zero_elements_ + 16) * sizeof(float) : 0;
   for (std::size_t k = 0; k < full.size(); ++k) {
@@ -277,7 +284,7 @@ Status DeviceOptimizer::unpack() {
       return r.status().with_context(fmt::format(
           "non-zero optimizer moments written into a frozen parameter (saved trainable) step it, "
           "and a frozen group without gradient slots steps on a device buffer of zeros: {} bytes "
-          "(its largest run, {} elements, and 16 to align it)",
+          "({} elements, and 16 to align them)",
           zero_bytes, zero_elements_));
     }
     full[k] = std::move(r).value();

@@ -41,7 +41,8 @@
 // its partition offset modulo 16 elements. The norm is then summed over the packed array: the
 // same sum up to the order in which CUDA's fp32 block sums add up (the HostDevice's reference
 // sums in fp64, in order: the same bits). Once unpacked, a frozen run without room steps on a
-// zero buffer the size of the largest such run, allocated with the moments.
+// zero buffer in chunks of at most kZeroChunkElements; the buffer, allocated with the moments, is
+// the largest such run's size or a chunk's, whichever is smaller.
 //
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses
@@ -95,6 +96,10 @@ class DeviceOptimizer {
   // grads() + grad_offsets()[g], kNoGrad for a group that has none (packed, above); without
   // packing grad_offsets()[g] is the group's partition offset.
   static constexpr std::size_t kNoGrad = SIZE_MAX;
+  // A frozen run without gradients, stepped after unpack(), steps on a buffer of zeros in chunks
+  // of at most this many elements (Adam is element-wise: the same bits as one launch over the
+  // run), so that buffer takes 4 MiB however large the frozen runs are.
+  static constexpr std::size_t kZeroChunkElements = std::size_t{1} << 20;
   float* grads() const { return grads_.as<float>(); }
   const std::vector<std::size_t>& grad_offsets() const { return grad_offsets_; }
   // The accumulator's elements (its groups' and the gaps that align them).
@@ -167,7 +172,7 @@ class DeviceOptimizer {
   std::size_t partition_elements_ = 0;
   std::vector<std::size_t> grad_offsets_;  // per dtype group (grad_offsets())
   std::size_t grad_elements_ = 0;
-  std::size_t zero_elements_ = 0;  // the largest frozen run without gradients
+  std::size_t zero_elements_ = 0;  // the zeros' elements: largest such run, or a chunk
   std::unique_ptr<DeviceOps> ops_;
   std::unique_ptr<Stream> stream_;
   DeviceBuffer master_, exp_avg_, exp_avg_sq_, grads_;
