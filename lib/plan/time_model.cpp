@@ -234,9 +234,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     // drive. The gradient spill writes that drive in the backward; it is not part of the window
     // (the micro-batch counts the gradients' link time only), and the pass that meets a spilling
     // micro-batch starts at step() and meets the next forward, which spills nothing.
-    const bool pass_on_drive =
-        s.optimizer == OffloadDevice::kNvme || s.params == OffloadDevice::kNvme;
-    const double drive_s = pass_on_drive ? fetch_drive_s : 0.0;
+    // Only parameters on NVMe are fetched from a drive, and then the pass uses it too (it writes
+    // the new half params there): the drive's part of the window is the fetch's.
+    const double drive_s = fetch_drive_s;
     // One micro-batch's time, not the step's: the pass that updates in the backward does so in
     // the last micro-batch's, and one that starts at step() meets the next step's first
     // micro-batch.
@@ -255,7 +255,7 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       const double forward_gather_s = seconds(gathered / 2.0 * link_share, profile.gpu_link_gbps);
       const double forward_s =
           std::max({forward_compute_s, forward_gather_s, out.param_fetch_s / 2.0});
-      window_s = std::min(fraction * micro_batch_s, std::max(0.0, forward_s - drive_s / 2.0));
+      window_s = std::min(window_s, std::max(0.0, forward_s - drive_s / 2.0));
     }
     out.optimizer_hidden_s = std::min(out.optimizer_step_s, window_s);
   }

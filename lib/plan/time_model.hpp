@@ -110,8 +110,8 @@
 // EngineSetup::exact_clipping_or_loss_scaling). Otherwise (stage 1, which waits for step()'s
 // reduction; spilled gradients; exact clipping; loss scaling) the updates start at step() and
 // hide behind the next step's first forward at most, whatever c says:
-//   hidden = min(optimizer_step, c·mb, max(0, max(F_fwd / rate, stage 3's forward all-gather,
-//                half the param fetch) − drive/2))
+//   hidden = min(optimizer_step, c·max(0, mb − drive), max(0, max(F_fwd / rate, stage 3's
+//                forward all-gather, half the param fetch) − drive/2))
 // with F_fwd = (2·P + 4·L·h·s)·s·b the forward's FLOPs: a third of a micro-batch's, a quarter
 // with checkpointing, more with frozen parameters.
 //

@@ -515,6 +515,18 @@ TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
     EXPECT_NEAR(at_step.step_s,
                 at_step.forward_backward_s + at_step.optimizer_step_s - (forward - fetch / 2),
                 1e-9);
+    // A small c: the window c·(mb − drive) bounds the pass that waits for step() too, which
+    // never hides more than the one updating in the backward.
+    s.overlap_compute_fraction = 0.1;
+    s.exact_clipping_or_loss_scaling = false;
+    const StepPrediction small_backward = predict_step(m, tr, s, p);
+    EXPECT_NEAR(small_backward.optimizer_hidden_s, 0.1 * (compute - fetch), 1e-9);
+    s.exact_clipping_or_loss_scaling = true;
+    const StepPrediction small_at_step = predict_step(m, tr, s, p);
+    ASSERT_LT(0.1 * (compute - fetch), forward - fetch / 2);
+    EXPECT_NEAR(small_at_step.optimizer_hidden_s, 0.1 * (compute - fetch), 1e-9)
+        << offload_device_name(optimizer);
+    s.overlap_compute_fraction = EngineSetup{}.overlap_compute_fraction;
   }
 }
 
