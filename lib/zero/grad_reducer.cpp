@@ -163,6 +163,12 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
     r->group_names_.push_back(fmt::format("grads group {}", g));
   }
   ZINF_ASSERT(options.frozen.empty() || options.frozen.size() == partitioner.param_count());
+  // A custom accumulator (the NVMe spill) counts a sub-group done once every element of it was
+  // added, and no chunk is ever added for a frozen parameter.
+  ZINF_ASSERT_MSG(
+      options.accumulator == nullptr ||
+          std::find(options.frozen.begin(), options.frozen.end(), true) == options.frozen.end(),
+      "frozen parameters with a custom gradient accumulator");
   r->frozen_groups_.assign(partitioner.group_count(), false);
   for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
     const GroupInfo& info = partitioner.group(g);
@@ -230,10 +236,6 @@ Status GradReducer::zero_frozen_groups() {
     // Stage 1 reduces a group that mixes them as a trainable one: its full copy keeps zeros in
     // the frozen parameters' ranges.
     if (!frozen_groups_[g] || offsets_[g] == GradReducerOptions::kNoRoom) continue;
-    // A custom accumulator (the NVMe spill) counts a sub-group done once every element of it
-    // was added, and no chunk is ever added into a frozen group's slice.
-    ZINF_ASSERT_MSG(options_.accumulator == nullptr,
-                    "frozen parameters with a custom gradient accumulator");
     const std::size_t count = info.shard_element_count;
     if (options_.accumulator_on_device) {
       ZINF_RETURN_IF_ERROR(device_.memset_async(device_accumulator_ + offsets_[g], 0,
@@ -241,8 +243,6 @@ Status GradReducer::zero_frozen_groups() {
     } else if (!options_.accumulator_zeroed) {
       // Fresh zero pages (accumulator_zeroed) hold zeros already: writing them would make the
       // frozen share of the accumulator resident for nothing.
-      ZINF_ASSERT_MSG(memory_accumulator_ != nullptr,
-                      "frozen parameters with a custom gradient accumulator");
       std::memset(memory_accumulator_->data() + offsets_[g], 0, count * sizeof(float));
     }
   }
