@@ -81,6 +81,46 @@ class DeviceState final : public InMemoryState {
     free_buffer_after(st);
     return st;
   }
+  // After update_master_range(): only its groups' values come down, are rounded into the
+  // publisher's buffer and written to their shards.
+  Status write_loaded() override {
+    if (!ranged_) return publish_master(/*gather_persistent=*/false);
+    ranged_ = false;
+    if (pub_.buffer_bytes() == 0) pub_.allocate_buffer();
+    Status st = read_master(range_.begin, range_.end,
+                            [&](std::size_t first, std::size_t count, const float* src) {
+                              narrow_all(first, count, src);
+                            });
+    if (st.is_ok()) {
+      st = pub_.write_group_shards(
+          [&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); }, range_.first_group,
+          range_.end_group);
+    }
+    if (st.is_ok()) st = pub_.wait_writes();
+    free_buffer_after(st);
+    return st;
+  }
+  // The range widened to whole groups, through the host chunk: read, changed, written back.
+  Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) override {
+    end = std::min(end, partition_elements_);
+    ranged_ = false;
+    if (begin >= end) return Status::ok();
+    if (begin > 0 || end < partition_elements_) {
+      range_ = groups_spanning(layout_, begin, end);
+      begin = range_.begin;
+      end = range_.end;
+      ranged_ = true;
+    }
+    std::vector<float> chunk(std::min(end - begin, chunk_elements()));
+    for (std::size_t first = begin; first < end; first += chunk.size()) {
+      const std::size_t count = std::min(chunk.size(), end - first);
+      ZINF_RETURN_IF_ERROR(opt_->read_master(first, count, chunk.data()));
+      ZINF_RETURN_IF_ERROR(fill(first, count, chunk.data()));
+      ZINF_RETURN_IF_ERROR(
+          opt_->write_state(piece_index(Piece::kParams), first, count, chunk.data()));
+    }
+    return Status::ok();
+  }
   Status place_initial() override {
     Status st = write_buffer();
     free_buffer_after(st);
@@ -116,6 +156,7 @@ class DeviceState final : public InMemoryState {
     return Status::ok();
   }
   Status write_state(Piece piece, StateFill fill) override {
+    if (piece == Piece::kParams) ranged_ = false;
     std::vector<float> chunk(chunk_elements());
     for (std::size_t first = 0; first < partition_elements_; first += chunk.size()) {
       const std::size_t count = std::min(chunk.size(), partition_elements_ - first);
@@ -159,6 +200,10 @@ class DeviceState final : public InMemoryState {
   }
 
   std::unique_ptr<DeviceOptimizer> opt_;
+  // update_master_range() of less than the partition: its groups and their span, until
+  // write_loaded().
+  bool ranged_ = false;
+  GroupSpan range_;
 };
 
 }  // namespace

@@ -136,9 +136,10 @@ class HostState final : public InMemoryState {
     return write_buffer(gather_persistent);
   }
   // A checkpoint load rounds the master into the buffer run by run as it arrives, so
-  // write_loaded() only writes the shards.
+  // write_loaded() only writes the shards; after update_master_range(), the same over its groups
+  // alone, and write_loaded() writes only those groups' shards.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
-    if (first == 0) loaded_elements_ = 0;
+    if (first == (ranged_ ? range_.begin : 0)) loaded_elements_ = first;
     if (first != loaded_elements_) {
       loaded_elements_ = kNotLoaded;  // not in order: write_loaded() narrows it all again
       return Status::ok();
@@ -150,10 +151,33 @@ class HostState final : public InMemoryState {
     return Status::ok();
   }
   Status write_loaded() override {
-    const bool whole = loaded_elements_ == partition_elements_;
+    const bool ranged = ranged_;
+    const bool whole = loaded_elements_ == (ranged ? range_.end : partition_elements_);
     loaded_elements_ = 0;
-    return whole ? write_buffer(/*gather_persistent=*/false)
-                 : publish_master(/*gather_persistent=*/false);
+    ranged_ = false;
+    if (!whole) return publish_master(/*gather_persistent=*/false);
+    if (!ranged) return write_buffer(/*gather_persistent=*/false);
+    ZINF_RETURN_IF_ERROR(
+        pub_.write_group_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); },
+                                range_.first_group, range_.end_group));
+    return pub_.wait_writes();
+  }
+  // The range widened to whole groups, changed in place.
+  Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) override {
+    end = std::min(end, partition_elements_);
+    loaded_elements_ = kNotLoaded;
+    ranged_ = false;
+    if (begin >= end) return Status::ok();
+    if (begin > 0 || end < partition_elements_) {
+      range_ = groups_spanning(layout_, begin, end);
+      begin = range_.begin;
+      end = range_.end;
+      ranged_ = true;
+    }
+    return fill(begin, end - begin, master_.as<float>() + begin);
+  }
+  Status update_master(StateFill fill) override {
+    return update_master_range(0, partition_elements_, fill);
   }
 
   Status read_master(std::size_t, std::size_t, MasterVisitor fn) override {
@@ -167,6 +191,7 @@ class HostState final : public InMemoryState {
   // scratch block and copied only when what is loaded there is not all zero (then every range
   // is stepped from now on); the rest is filled in place.
   Status write_state(Piece piece, StateFill fill) override {
+    if (piece == Piece::kParams) ranged_ = false;  // master_loaded() from element 0
     float* dst = buffer(piece);
     if (piece == Piece::kParams || !settled_) return fill(0, partition_elements_, dst);
     constexpr std::size_t kScratchElements = std::size_t{1} << 20;
@@ -269,7 +294,12 @@ class HostState final : public InMemoryState {
   std::size_t reserved_bytes_ = 0;
   DeviceBuffer master_;
   AlignedBuffer exp_avg_, exp_avg_sq_, grads_;
-  // master_loaded(): the elements rounded into the buffer since element 0, in order.
+  // update_master_range() of less than the partition: its groups and their span, until
+  // write_loaded().
+  bool ranged_ = false;
+  GroupSpan range_;
+  // master_loaded(): the element up to which the master was rounded into the buffer, in order,
+  // since element 0 (or since range_.begin after update_master_range()).
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
   std::size_t loaded_elements_ = 0;
 };

@@ -202,6 +202,16 @@ class OptimizerState {
       return fill(first, count, out);
     });
   }
+  // update_master() over partition elements [begin, end) only (Engine::write_parameters of a
+  // few parameters): fill is called over at least that range, in order, and the master outside
+  // what it is called over is left as it is. A state may widen the range (to whole groups, so
+  // that master_loaded() over it lets write_loaded() write those groups' shards alone); when the
+  // calls covered the widened range in order, write_loaded() then writes only the shards of the
+  // groups it overlaps. This one updates the whole master, and write_loaded() writes every shard.
+  virtual Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) {
+    (void)begin, (void)end;
+    return update_master(fill);
+  }
   // Loading a linked rank file in place: whether the state's home can take the file whose block
   // checksums are `sums` as it is (StateStore::adoptable), and then doing so
   // (StateStore::adopt_checkpoint): nothing is read, each block is checked when first read.

@@ -22,6 +22,16 @@ void narrow(const float* src, std::size_t count, DType dtype, void* dst) {
   }
 }
 
+GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std::size_t end) {
+  ZINF_ASSERT(begin < end && end <= layout.partition_elements());
+  GroupSpan out;
+  out.first_group = layout.first_group_ending_after(begin);
+  out.end_group = layout.first_group_ending_after(end - 1) + 1;
+  out.begin = layout.offset(out.first_group);
+  out.end = layout.offset(out.end_group - 1) + layout.group(out.end_group - 1).shard_element_count;
+  return out;
+}
+
 void Publisher::allocate_buffer() {
   buffer_ = AlignedBuffer(std::max<std::size_t>(layout_.device_copy_bytes(), 64));
 }
@@ -54,6 +64,20 @@ Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> valu
     ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
   }
   return gather_persistent ? publish(frozen_too) : Status::ok();
+}
+
+Status Publisher::write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
+                                     std::uint32_t first_group, std::uint32_t end_group) {
+  ZINF_ASSERT(first_group <= end_group && end_group <= layout_.group_count());
+  for (std::uint32_t g = first_group; g < end_group; ++g) {
+    ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
+  }
+  return Status::ok();
+}
+
+Status Publisher::publish_groups(std::uint32_t first_group, std::uint32_t end_group) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return coord_->publish([&](std::uint32_t g) { return g >= first_group && g < end_group; });
 }
 
 Status Publisher::publish(bool frozen_too) {
@@ -124,6 +148,15 @@ void Publisher::restart_stream(bool descending, bool frozen_too) {
   stream_end_group_ = layout_.group_count();
   stream_stop_ = layout_.partition_elements();
   stream_filled_ = 0;
+}
+
+void Publisher::restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group) {
+  ZINF_ASSERT(first_group < end_group && end_group <= layout_.group_count());
+  restart_stream();
+  stream_next_ = layout_.offset(first_group);
+  stream_group_ = first_group;
+  stream_end_group_ = end_group;
+  stream_stop_ = layout_.offset(end_group - 1) + layout_.group(end_group - 1).shard_element_count;
 }
 
 bool Publisher::can_turn_at(std::size_t element) const {

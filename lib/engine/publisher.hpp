@@ -51,6 +51,17 @@ namespace zinf {
 // dst (count elements of dtype) <- src floats, rounded to nearest even.
 void narrow(const float* src, std::size_t count, DType dtype, void* dst);
 
+// The groups whose slices hold partition elements [begin, end), [first_group, end_group), and
+// their slices' span of the partition, [begin, end) widened to whole groups
+// (OptimizerState::update_master_range). REQUIRES: begin < end <= layout.partition_elements().
+struct GroupSpan {
+  std::uint32_t first_group = 0;
+  std::uint32_t end_group = 0;
+  std::size_t begin = 0;
+  std::size_t end = 0;
+};
+GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std::size_t end);
+
 class Publisher {
  public:
   explicit Publisher(const ParameterLayout& layout) : layout_(layout) {}
@@ -77,6 +88,10 @@ class Publisher {
   // asked for.
   Status write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                       bool gather_persistent = true, bool frozen_too = true);
+  // Groups [first_group, end_group)'s shards from values(g), not all-gathered (after a write of
+  // those groups' master alone: Engine::write_parameters).
+  Status write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
+                            std::uint32_t first_group, std::uint32_t end_group);
 
   // --- The half-precision stream -----------------------------------------------------------
   // A group is written only when every one of its elements was filled in this pass, so no shard
@@ -91,6 +106,9 @@ class Publisher {
   // `frozen_too` false (a step's stream): the ranges still cover the whole partition, but the
   // elements of frozen groups are neither filled nor written (fill is not called for them).
   void restart_stream(bool descending = false, bool frozen_too = true);
+  // An ascending stream of groups [first_group, end_group) only: the ranges start at the first
+  // one's slice and end at the last one's end (a write of those groups' master alone).
+  void restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group);
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
   // restart_stream()); descending, first + count is where the previous range began (the
@@ -112,6 +130,9 @@ class Publisher {
   // All-gathers the groups that stay gathered from the shards just written; `frozen_too` false
   // (after a step), not the frozen ones. Collective.
   Status publish(bool frozen_too = true);
+  // The same for groups [first_group, end_group) only: every rank passes the same groups.
+  // Collective.
+  Status publish_groups(std::uint32_t first_group, std::uint32_t end_group);
   // Waits until every shard write so far is done (ParamCoordinator::wait_writes()): a write that
   // failed shows here, before publish(). Local.
   Status wait_writes() {

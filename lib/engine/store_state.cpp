@@ -234,10 +234,18 @@ class StoreState final : public OptimizerState {
   // its group completes (both callers drop the prefetched modules before they write the master),
   // so the master is not read back to publish it. A failed shard write fails the load or the
   // pass, which the ranks agree on.
+  // After update_master_range(), the same over its groups alone: the calls start at the first
+  // group's slice, and write_loaded() writes those groups' shards.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
-    if (first == 0) {
-      loaded_elements_ = 0;
-      if (publish_ == Publish::kStreamed) pub_.restart_stream();
+    if (first == (ranged_ ? range_.begin : 0)) {
+      loaded_elements_ = first;
+      if (publish_ == Publish::kStreamed) {
+        if (ranged_) {
+          pub_.restart_stream_groups(range_.first_group, range_.end_group);
+        } else {
+          pub_.restart_stream();
+        }
+      }
     }
     if (first != loaded_elements_) {
       loaded_elements_ = kNotLoaded;  // not in order: write_loaded() narrows it all again
@@ -256,9 +264,17 @@ class StoreState final : public OptimizerState {
     return Status::ok();
   }
   Status write_loaded() override {
-    const bool whole = loaded_elements_ == layout_.partition_elements();
+    const bool ranged = ranged_;
+    const bool whole = loaded_elements_ == (ranged ? range_.end : layout_.partition_elements());
     loaded_elements_ = 0;
+    ranged_ = false;
     if (!whole) return publish_master(/*gather_persistent=*/false);
+    if (ranged && publish_ != Publish::kStreamed) {
+      ZINF_RETURN_IF_ERROR(
+          pub_.write_group_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
+                                  range_.first_group, range_.end_group));
+      return pub_.wait_writes();
+    }
     if (publish_ != Publish::kStreamed) return write_values_and_wait(/*gather_persistent=*/false);
     // The stream wrote every shard, each waited for; the persistent groups' all-gather is left.
     ZINF_ASSERT(pub_.stream_complete());
@@ -308,6 +324,7 @@ class StoreState final : public OptimizerState {
   Status write_state(Piece piece, StateFill fill) override {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
+    if (piece == Piece::kParams) ranged_ = false;  // master_loaded() from element 0
     const std::vector<bool> settled = settled_frozen();
     std::vector<bool> zero(s.sub_group_count(), true);
     // Whether elements [first, first + count) just written are all zero, per sub-group. Only the
@@ -358,7 +375,27 @@ class StoreState final : public OptimizerState {
   // Each sub-group of the master read into a block (the next one read ahead while `fill` changes
   // it), changed in place by `fill`, and written back from the same block.
   Status update_master(StateFill fill) override {
+    return update_master_range(0, layout_.partition_elements(), fill);
+  }
+
+  // The range widened to whole groups; on the host tier those elements in place, on NVMe only
+  // the sub-groups that hold them, each read, changed and written back whole (fill is called
+  // over the range's part of it). master_loaded() over the range in order then lets
+  // write_loaded() write only its groups' shards.
+  Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) override {
     StateStore& s = *store_;
+    const std::size_t total = layout_.partition_elements();
+    end = std::min(end, total);
+    // master_loaded() streams the shards from the range's start on.
+    loaded_elements_ = kNotLoaded;
+    ranged_ = false;
+    if (begin >= end) return Status::ok();
+    if (begin > 0 || end < total) {
+      range_ = groups_spanning(layout_, begin, end);
+      begin = range_.begin;
+      end = range_.end;
+      ranged_ = true;
+    }
     // As write_state(kParams): the settled sub-groups stay settled.
     const std::vector<bool> settled = settled_frozen();
     struct Resettle {
@@ -371,13 +408,27 @@ class StoreState final : public OptimizerState {
         }
       }
     } resettle{s, settled};
-    // master_loaded() streams the shards from element 0 on.
-    loaded_elements_ = kNotLoaded;
     if (s.tier(Piece::kParams) == StoreMedium::kHost) {
-      return fill(0, layout_.partition_elements(),
-                  reinterpret_cast<float*>(s.host_data(Piece::kParams)));
+      return fill(begin, end - begin,
+                  reinterpret_cast<float*>(s.host_data(Piece::kParams)) + begin);
     }
-    return rewrite_pieces(Piece::kParams, /*read_back=*/true, fill);
+    // The sub-groups that hold elements [begin, end): the firsts increase.
+    auto holding = [&s](std::size_t element) {
+      std::size_t lo = 0, hi = s.sub_group_count();
+      while (hi - lo > 1) {
+        const std::size_t mid = lo + (hi - lo) / 2;
+        (s.sub_group_first(mid) <= element ? lo : hi) = mid;
+      }
+      return lo;
+    };
+    return rewrite_pieces(
+        Piece::kParams, /*read_back=*/true,
+        [&](std::size_t first, std::size_t count, float* out) -> Status {
+          const std::size_t a = std::max(first, begin);
+          const std::size_t b = std::min(first + count, end);
+          return fill(a, b - a, out + (a - first));
+        },
+        /*zeros_unstored=*/nullptr, holding(begin), holding(end - 1) + 1);
   }
 
   Result<bool> link_checkpoint(const void* header, const std::string& path,
@@ -568,13 +619,15 @@ class StoreState final : public OptimizerState {
   // flagged in `zeros_unstored` (for a moment: settled frozen ones, and those whose piece is
   // released) that `fill` leaves all zero are not written: their room is given back instead
   // (StateStore::release_piece), as load() left it; a piece released already is left as it is.
+  // Only sub-groups [first_sub, end_sub) are rewritten.
   Status rewrite_pieces(Piece piece, bool read_back, StateFill fill,
-                        const std::vector<bool>* zeros_unstored = nullptr) {
+                        const std::vector<bool>* zeros_unstored = nullptr,
+                        std::size_t first_sub = 0, std::size_t end_sub = SIZE_MAX) {
     StateStore& s = *store_;
     PieceBlocks blocks;
     take_blocks(read_back ? 3 : 2, &blocks);
     const std::size_t n = blocks.count;
-    const std::size_t count = s.sub_group_count();
+    const std::size_t count = std::min(end_sub, s.sub_group_count());
     auto block = [&](std::size_t i) { return blocks.data[i % n]; };
     auto read = [&s, piece, &block](std::size_t i) {
       return std::async(std::launch::async,
@@ -583,8 +636,8 @@ class StoreState final : public OptimizerState {
     // Declared after the blocks: whatever returns, the futures wait for their I/O before the
     // blocks go back.
     std::future<Status> writing, reading;
-    if (read_back && count > 0) reading = read(0);
-    for (std::size_t i = 0; i < count; ++i) {
+    if (read_back && first_sub < count) reading = read(first_sub);
+    for (std::size_t i = first_sub; i < count; ++i) {
       std::byte* data = block(i);  // its last write (i - n) was waited for below
       const std::size_t size = s.sub_group_size(i);
       const std::size_t tail = round_page(size * sizeof(float)) - size * sizeof(float);
@@ -823,9 +876,14 @@ class StoreState final : public OptimizerState {
   // (needs_master_copy(), not frozen), each a span of the partition, in order.
   std::vector<Span> copied_runs_;
   std::uint64_t master_read_bytes_ = 0;
-  // master_loaded(): the elements rounded into the values since element 0, in order.
+  // master_loaded(): the element up to which the master was rounded into the values, in order,
+  // since element 0 (or since range_.begin after update_master_range()).
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
   std::size_t loaded_elements_ = 0;
+  // update_master_range() of less than the partition: its groups and their span, until
+  // write_loaded().
+  bool ranged_ = false;
+  GroupSpan range_;
 };
 
 // Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not
