@@ -443,6 +443,10 @@ class StoreState final : public OptimizerState {
   }
   Status adopt_checkpoint(const std::string& path, const std::string& later_name,
                           const std::vector<FileBlockSum>& sums) override {
+    // The load's write_loaded() follows with no master_loaded(): what a failed write left here
+    // must not pass for values rounded from the adopted master.
+    loaded_elements_ = kNotLoaded;
+    ranged_ = false;
     return store_->adopt_checkpoint(path, later_name, sums);
   }
 
