@@ -60,15 +60,16 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // local preparation (the broadcast buffers, `values` on the root, the prefetched modules dropped,
 // since the pass may write the shards). The ranks exchange those outcomes and a fingerprint of
 // (names, root) whatever they are, and all fail together (the others with kAborted naming the
-// rank) when any failed or differs. Then one pass over this rank's partition of the master
-// (OptimizerState::update_master, each sub-group handed over as it is stored and rewritten on
-// whatever tier it lives), during which the parameters are broadcast from the root one at a time
-// in layout order, each preceded by an agreement that every rank is still in the pass (so a rank
-// that fails stops every rank at the same parameter instead of leaving them waiting in the
-// broadcast; a failure after the last broadcast is agreed once the pass is over). Every rank
-// makes the same broadcasts in the same order: a rank takes the pieces of the parameters it owns
-// as its pass reaches them, which is layout order since its partition lies in group order, and
-// broadcasts those it owns no piece of on the way. Each patched piece goes to
+// rank) when any failed or differs. Then one pass over this rank's slice of the named
+// parameters' groups, first to last in layout order, the same groups on every rank
+// (OptimizerState::update_master_range, each sub-group holding the span handed over as it is
+// stored and rewritten on whatever tier it lives), during which the parameters are broadcast from
+// the root one at a time in layout order, each preceded by an agreement that every rank is still in
+// the pass (so a rank that fails stops every rank at the same parameter instead of leaving them
+// waiting in the broadcast; a failure after the last broadcast is agreed once the pass is over).
+// Every rank makes the same broadcasts in the same order: a rank takes the pieces of the parameters
+// it owns as its pass reaches them, which is layout order since its partition lies in group order,
+// and broadcasts those it owns no piece of on the way. Each patched piece goes to
 // OptimizerState::master_loaded() as it is written, and the shards are written from them with
 // write_loaded(), so the master is not read back to publish them. The shard writes come before
 // the last agreement and the all-gather of the persistent groups after it: a rank whose shard

@@ -156,14 +156,17 @@ class OptimizerState {
   // Loading a checkpoint: master elements [first, first + count) were just written (through
   // write_state(kParams)) and are `values`. A state may round them now into what its shards are
   // published from, while they are in cache, or write the shards of the groups they complete;
-  // when such calls covered the whole partition in order, from element 0, write_loaded() then
-  // writes the shards without reading the master again. Errors are those of writing shards.
+  // when such calls covered the whole partition in order, from element 0 (after
+  // update_master_range(): its span, widened to whole groups, in order from its start),
+  // write_loaded() then writes those shards without reading the master again. Errors are those
+  // of writing shards.
   virtual Status master_loaded(std::size_t first, std::size_t count, const float* values) {
     (void)first, (void)count, (void)values;
     return Status::ok();
   }
-  // After a checkpoint load or Engine::write_parameters' pass: every shard from the new master,
-  // as publish_master() writes them, the writes waited for; the persistent groups are not
+  // After a checkpoint load or Engine::write_parameters' pass: every shard from the new master
+  // (after update_master_range(): the shards of its span's groups), as publish_master() writes
+  // them, the writes waited for; the persistent groups are not
   // all-gathered. Local: the ranks agree that every rank's writes succeeded before any of them
   // all-gathers (Publisher::publish()), so a rank whose write failed fails every rank in the
   // same call instead of leaving them in the all-gather.
