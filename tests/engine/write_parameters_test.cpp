@@ -352,10 +352,11 @@ TEST(WriteParametersBatch, WaitsForTheComputeStreamsWorkBeforeItRewritesTheGathe
   }
 }
 
-// With the optimizer state on NVMe, the batch is one pass: it reads at least what one write of a
-// single parameter reads, and fewer pieces than writing the same parameters one by one, which
-// reads each one's sub-groups again (the batch spans the partition; its sub-groups are read
-// once). The reads are counted by a fault injector that delays every read piece by nothing.
+// With the optimizer state on NVMe, the batch is one pass: its names span the partition, so it
+// reads exactly what a write of every parameter reads (each sub-group once), at least what one
+// write of a single parameter reads, and fewer pieces than writing the same parameters one by
+// one, which reads each one's sub-groups again. The reads are counted by a fault injector that
+// delays every read piece by nothing.
 TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
   for (const Case& c :
        {Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}}) {
@@ -365,7 +366,7 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
     const std::vector<std::vector<float>> fresh = fresh_values(model, 10);
     engine_test::Ranks ranks =
         engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
-    std::vector<std::uint64_t> one(2), batch(2), singles(2);
+    std::vector<std::uint64_t> one(2), batch(2), singles(2), every(2);
     std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
       const auto r = static_cast<std::size_t>(rank);
       auto faults = engine_test::io_counter(/*reads=*/true);
@@ -389,11 +390,17 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
             engine->write_parameters(name, fresh[param_index(model, name)].data(), 0));
       }
       singles[r] = reads() - before;
+      std::vector<std::string_view> all;
+      for (const auto& def : model.params) all.push_back(def.name);
+      before = reads();
+      ZINF_RETURN_IF_ERROR(engine->write_parameters(all, give, 0));
+      every[r] = reads() - before;
       return Status::ok();
     });
     for (std::size_t r = 0; r < 2; ++r) {
       ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
       EXPECT_GT(one[r], 0u) << "rank " << r;
+      EXPECT_EQ(batch[r], every[r]) << "rank " << r;
       EXPECT_GE(batch[r], one[r]) << "rank " << r;
       EXPECT_LT(batch[r], singles[r]) << "rank " << r;
     }
