@@ -105,12 +105,7 @@ class DeviceState final : public InMemoryState {
     end = std::min(end, partition_elements_);
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    if (begin > 0 || end < partition_elements_) {
-      range_ = groups_spanning(layout_, begin, end);
-      begin = range_.begin;
-      end = range_.end;
-      ranged_ = true;
-    }
+    ranged_ = widen_to_groups(layout_, &begin, &end, &range_);
     std::vector<float> chunk(std::min(end - begin, chunk_elements()));
     for (std::size_t first = begin; first < end; first += chunk.size()) {
       const std::size_t count = std::min(chunk.size(), end - first);

@@ -168,12 +168,7 @@ class HostState final : public InMemoryState {
     loaded_elements_ = kNotLoaded;
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    if (begin > 0 || end < partition_elements_) {
-      range_ = groups_spanning(layout_, begin, end);
-      begin = range_.begin;
-      end = range_.end;
-      ranged_ = true;
-    }
+    ranged_ = widen_to_groups(layout_, &begin, &end, &range_);
     return fill(begin, end - begin, master_.as<float>() + begin);
   }
   Status update_master(StateFill fill) override {

@@ -32,6 +32,15 @@ GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std:
   return out;
 }
 
+bool widen_to_groups(const ParameterLayout& layout, std::size_t* begin, std::size_t* end,
+                     GroupSpan* span) {
+  if (*begin == 0 && *end >= layout.partition_elements()) return false;
+  *span = groups_spanning(layout, *begin, *end);
+  *begin = span->begin;
+  *end = span->end;
+  return true;
+}
+
 void Publisher::allocate_buffer() {
   buffer_ = AlignedBuffer(std::max<std::size_t>(layout_.device_copy_bytes(), 64));
 }

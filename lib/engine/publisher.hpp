@@ -61,6 +61,11 @@ struct GroupSpan {
   std::size_t end = 0;
 };
 GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std::size_t end);
+// What update_master_range() updates: [*begin, *end) widened to whole groups, `*span` those
+// groups, unless it is the whole partition (then left as it is). Returns whether it is a part of
+// the partition (a ranged update). REQUIRES: *begin < *end <= layout.partition_elements().
+bool widen_to_groups(const ParameterLayout& layout, std::size_t* begin, std::size_t* end,
+                     GroupSpan* span);
 
 class Publisher {
  public:

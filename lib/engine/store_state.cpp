@@ -390,12 +390,7 @@ class StoreState final : public OptimizerState {
     loaded_elements_ = kNotLoaded;
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    if (begin > 0 || end < total) {
-      range_ = groups_spanning(layout_, begin, end);
-      begin = range_.begin;
-      end = range_.end;
-      ranged_ = true;
-    }
+    ranged_ = widen_to_groups(layout_, &begin, &end, &range_);
     // As write_state(kParams): the settled sub-groups stay settled.
     const std::vector<bool> settled = settled_frozen();
     struct Resettle {
