@@ -13,7 +13,9 @@ Config engine_config(const PlanConfig& c) {
   Config e;
   e.train_micro_batch_size_per_gpu = c.micro_batch;
   e.gradient_accumulation_steps = c.grad_accum_steps;
-  e.bf16_enabled = true;
+  e.gradient_clipping = c.gradient_clipping;
+  e.fp16.enabled = c.fp16;
+  e.bf16_enabled = !c.fp16;
   ZeroConfig& z = e.zero;
   z.stage = s.stage;
   z.offload_optimizer.device = s.optimizer;
@@ -69,6 +71,11 @@ Result<PlanConfig> plan_config(const Config& e) {
   s.gradient_spill_buffers = e.gradient_spill_buffers;
   s.device_reserved_bytes = e.device_reserved_bytes;
   c.pinned_pool_bytes = e.pinned_pool_bytes;
+  c.gradient_clipping = e.gradient_clipping;
+  c.fp16 = e.fp16.enabled;
+  // Clipping each step by its own norm, or checking it for overflow, needs every gradient first.
+  s.exact_clipping_or_loss_scaling =
+      (e.gradient_clipping > 0 && !e.clip_from_previous_step) || e.fp16.enabled;
   // The planner models offloaded checkpoints in the host arena only (none on the activation
   // NVMe tier): a config that offloads them with no arena reads as checkpoints on the device.
   if (e.activations.cpu_checkpointing) c.activation_host_bytes = e.activations.host_bytes;

@@ -27,10 +27,17 @@ struct PlanConfig {
   // The host arena of offloaded activation checkpoints (activation_checkpointing.
   // cpu_checkpointing true, zinf.activation_host_bytes); 0: the checkpoints stay on the device.
   std::uint64_t activation_host_bytes = 0;
+  // The step the plan was timed for, written where DeepSpeed has them: "gradient_clipping" (0:
+  // off; clipped exactly, each step by its own norm) and "fp16" with dynamic loss scaling (in
+  // place of bf16, which DeepSpeed and the engine refuse beside it). Either makes the pass wait
+  // for step() (setup.exact_clipping_or_loss_scaling, which plan_config() derives from them).
+  double gradient_clipping = 0.0;
+  bool fp16 = false;
 };
 
-// The engine config of a plan: the plan's knobs set, bf16 on, every other key at Config's
-// default. pinned_pool_bytes is at least pinned_pool_bytes(config.setup).
+// The engine config of a plan: the plan's knobs set, bf16 on (fp16 instead where config.fp16),
+// every other key at Config's default. pinned_pool_bytes is at least
+// pinned_pool_bytes(config.setup).
 Config engine_config(const PlanConfig& config);
 
 // The plan of an engine config. Fails with invalid_argument naming the key when the planner

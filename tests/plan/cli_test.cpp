@@ -107,6 +107,42 @@ TEST_F(PlanCli, OutWritesAConfigTheParserAccepts) {
   std::remove(path.c_str());
 }
 
+// --gradient-clipping and --fp16 change the predicted step (the pass waits for step()), so the
+// config --out writes says them as DeepSpeed does: "gradient_clipping" above 0, and "fp16"
+// enabled in place of bf16; read back, the plan is the one that was timed.
+TEST_F(PlanCli, OutWritesClippingAndFp16) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_cli_clip.json";
+  const std::string plan =
+      "plan --model llama-3-8b --gpus 1 --gpu-mem 24GB --host-mem 64GB --nvme-capacity 1TB "
+      "--nvme-path /mnt/nvme --checkpoint-activations --out " +
+      path + kRates;
+  struct Case {
+    const char* flags;
+    double clipping;
+    bool fp16;
+  };
+  for (const Case& c :
+       {Case{"", 0.0, false}, Case{" --gradient-clipping", 1.0, false}, Case{" --fp16", 0.0, true},
+        Case{" --gradient-clipping --fp16", 1.0, true}}) {
+    const CliRun r = run_zinf(plan + c.flags);
+    ASSERT_EQ(r.exit_code, 0) << c.flags << r.err;
+    std::ifstream file(path);
+    std::stringstream text;
+    text << file.rdbuf();
+    const nlohmann::json j = nlohmann::json::parse(text.str());
+    EXPECT_EQ(j.at("gradient_clipping").get<double>(), c.clipping) << c.flags;
+    EXPECT_EQ(j.at("fp16").at("enabled"), c.fp16) << c.flags;
+    EXPECT_EQ(j.at("bf16").at("enabled"), !c.fp16) << c.flags;
+    auto config = config_from_json(text.str());
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string() << "\n" << text.str();
+    EXPECT_EQ(config->setup.exact_clipping_or_loss_scaling, c.clipping > 0 || c.fp16) << c.flags;
+    EXPECT_EQ(config->gradient_clipping, c.clipping) << c.flags;
+    EXPECT_EQ(config->fp16, c.fp16) << c.flags;
+  }
+  std::remove(path.c_str());
+}
+
 TEST_F(PlanCli, NothingFitsExitsTwoNamingTheShortTier) {
   const CliRun r = run_zinf(
       "plan --model llama-2-70b --gpus 4 --gpu-mem 48GB --host-mem 256GB --nvme-capacity 512GB "

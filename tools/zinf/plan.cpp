@@ -843,6 +843,11 @@ void run_plan(const PlanOptions& o) {
                            : o.nvme_path;
     config.pinned_pool_bytes = pinned_pool_bytes(c.setup);
     config.activation_host_bytes = activation_arena_bytes(model, training);
+    // The prediction assumed these; the config says so, so the engine runs what was timed. The
+    // clipping norm is 1.0 (the Hugging Face Trainer's max_grad_norm): the step time does not
+    // depend on it, only on clipping being on.
+    config.gradient_clipping = o.gradient_clipping ? 1.0 : 0.0;
+    config.fp16 = o.fp16;
     const Status s = write_config(config, o.out);
     if (!s.is_ok()) {
       fail(s.to_string());
@@ -889,11 +894,11 @@ void setup_plan(CLI::App& app) {
                 "The config clips gradients exactly (gradient_clipping > 0, without "
                 "zinf.clip_from_previous_step): the pass waits for the global norm at step() and "
                 "hides behind the next forward only (a third of a micro-batch, a quarter with "
-                "checkpointing; a third with --step-only)");
+                "checkpointing; a third with --step-only); --out writes gradient_clipping 1.0");
   sub->add_flag("--fp16", o->fp16,
                 "The config trains in fp16 with loss scaling (fp16.enabled): the pass waits for "
                 "the overflow check at step() and hides behind the next forward only, as with "
-                "--gradient-clipping");
+                "--gradient-clipping; --out writes fp16.enabled true in place of bf16");
   sub->add_option("--trainable", o->trainable,
                   "Fine-tuning with the rest frozen: the parameters that train, a count (40M, "
                   "1.2B) or a share of the model (0.5%, 0.005); frozen ones cost what the engine "
