@@ -90,6 +90,23 @@ void predict_pipeline(std::uint64_t shard_params, std::uint64_t trainable_params
   nvme_pipeline(read_bytes, write_bytes, sub_groups, s.buffer_count, profile, out);
 }
 
+// A micro-batch's FLOPs, and its forward's: 6 a token for a trainable parameter and 4 for a
+// frozen one, 12·L·h·s for the attention (of which the forward does 2 a parameter and 4·L·h·s),
+// and checkpointing's second forward. `attention` is L·h·s; counts as doubles.
+struct MicroBatchFlops {
+  double forward = 0;
+  double total = 0;
+};
+
+MicroBatchFlops micro_batch_flops(double params, double trainable, double attention, double tokens,
+                                  bool checkpoint_activations) {
+  MicroBatchFlops f;
+  f.forward = (2.0 * params + 4.0 * attention) * tokens;
+  f.total = (6.0 * trainable + 4.0 * (params - trainable) + 12.0 * attention) * tokens;
+  if (checkpoint_activations) f.total += f.forward;
+  return f;
+}
+
 // Whether the engine's overlapped pass opens during the backward (Engine's opens_in_backward_:
 // the state gates the pass on each sub-group's reductions and the reducer zeroes its
 // accumulator group by group): at stages 2-3 with the gradients in host memory. At stage 1,
@@ -151,13 +168,13 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
   const double attention = static_cast<double>(model.layers * model.hidden * training.seq_len);
-  double flops =
-      (6.0 * static_cast<double>(t) + 4.0 * static_cast<double>(p - t) + 12.0 * attention) * tokens;
   // The forward alone: 2 a parameter, frozen or not, and the attention's forward third
   // (4·L·h·s). Checkpointing runs it once more: without frozen parameters the 4/3 of the whole.
-  const double forward_flops = (2.0 * static_cast<double>(p) + 4.0 * attention) * tokens;
-  if (training.checkpoint_activations) flops += forward_flops;
-  out.compute_s = profile.gpu_tflops > 0 ? flops / (profile.gpu_tflops * 1e12) : 0.0;
+  const MicroBatchFlops flops =
+      micro_batch_flops(static_cast<double>(p), static_cast<double>(t), attention, tokens,
+                        training.checkpoint_activations);
+  const double forward_flops = flops.forward;
+  out.compute_s = profile.gpu_tflops > 0 ? flops.total / (profile.gpu_tflops * 1e12) : 0.0;
 
   // Per micro-batch, behind its compute: stage 3 all-gathers every module for the forward and
   // again for the backward, and stages 2-3 reduce-scatter the trainable gradients (a frozen
@@ -315,8 +332,15 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   if (spec.compute_s > 0 && spec.overlap) {
     const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
     double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
-    // With exact clipping or loss scaling the updates wait for step(): the next forward at most.
-    if (spec.exact_clipping_or_loss_scaling) fraction = std::min(fraction, 1.0 / 3.0);
+    // With exact clipping or loss scaling the updates wait for step(): the next forward at most,
+    // its share of a micro-batch's FLOPs counted as predict_step counts it, for a model with
+    // nothing frozen and the attention's FLOPs left out (--step-only has no shape): 1/3, 1/4
+    // with checkpointing.
+    if (spec.exact_clipping_or_loss_scaling) {
+      const MicroBatchFlops flops =
+          micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
+      fraction = std::min(fraction, flops.forward / flops.total);
+    }
     // The pass meets one micro-batch, as in predict_step.
     const double micro_batch_s = spec.compute_s / static_cast<double>(spec.micro_batches);
     out.optimizer_hidden_s =

@@ -215,6 +215,8 @@ struct StepOnlySpec {
   double overlap_fraction = 2.0 / 3.0;  // c, as EngineSetup::overlap_compute_fraction
   // As EngineSetup::exact_clipping_or_loss_scaling: the pass hides behind the next forward only.
   bool exact_clipping_or_loss_scaling = false;
+  // As TrainingShape::checkpoint_activations: the forward runs twice, a quarter of the compute.
+  bool checkpoint_activations = false;
 };
 
 struct StepOnlyLayout {
@@ -233,8 +235,9 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 // sum with overlap off, and with overlap on the pass meets one micro-batch, mb = compute / m
 // with m = spec.micro_batches (predict_step's window):
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
-// with c = spec.overlap_fraction (as in predict_step), at most 1/3 (the forward's share of a
-// micro-batch without checkpointing) with exact clipping or loss scaling, and H the part of the
+// with c = spec.overlap_fraction (as in predict_step), at most the forward's share of a
+// micro-batch with exact clipping or loss scaling: predict_step's FLOP count with nothing frozen
+// and no attention term, 1/3, or 1/4 with spec.checkpoint_activations; and H the part of the
 // pass that cannot hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and
 // c = 1 step = max(compute, optimizer_step); the update U when the compute runs on the host's
 // cores, which the update's threads then share (all of them, at the memory's bandwidth). With

@@ -171,9 +171,9 @@ TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {
   EXPECT_EQ(j.at("params"), 1'000'000'000);
 }
 
-// With exact clipping the pass hides behind the next forward only: a third of the compute, at
-// most, whatever --overlap-fraction asks. So with fp16 loss scaling, whose overflow check also
-// needs every gradient before the step.
+// With exact clipping the pass hides behind the next forward only: a third of the compute, a
+// quarter with checkpointing, at most, whatever --overlap-fraction asks. So with fp16 loss scaling,
+// whose overflow check also needs every gradient before the step.
 TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   const std::string step =
       "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB "
@@ -193,6 +193,11 @@ TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping --overlap-fraction 0.5"), 2.0);
   EXPECT_DOUBLE_EQ(hidden(" --fp16 --overlap-fraction 0.25"), 1.5);
   EXPECT_DOUBLE_EQ(hidden(" --overlap-fraction 0.5"), 3.0);
+  // With checkpointing the forward is a quarter of the compute (it runs twice among four
+  // forwards' worth of FLOPs), as a plan with a model counts it.
+  EXPECT_DOUBLE_EQ(hidden(" --gradient-clipping --checkpoint-activations"), 1.5);
+  EXPECT_DOUBLE_EQ(hidden(" --fp16 --checkpoint-activations --overlap-fraction 1"), 1.5);
+  EXPECT_DOUBLE_EQ(hidden(" --checkpoint-activations"), 4.0);
 }
 
 // --compute-s is the compute of a whole step, over --grad-accum micro-batches, and the pass

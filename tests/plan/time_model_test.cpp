@@ -589,26 +589,31 @@ TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
 }
 
 // --step-only: --compute-s is the whole step's compute over its --grad-accum micro-batches, and
-// the pass meets one of them: hidden = min(pass, c·compute/m), c at most 1/3 (the next forward)
-// with exact clipping or loss scaling.
+// the pass meets one of them: hidden = min(pass, c·compute/m), c at most the next forward's share
+// with exact clipping or loss scaling: 1/3 (2 FLOPs a parameter of 6), 1/4 with checkpointing
+// (2 of 8: the forward runs twice), as predict_step counts them.
 TEST(TimeModel, StepOnlyPassHidesBehindOneMicroBatch) {
   StepOnlySpec spec = state_only(1'000'000'000, 1u << 30);
   spec.compute_s = 6.0;
   const MachineProfile p = profile(20, 2, 1);
-  for (const std::uint64_t micro : {1u, 3u}) {
-    spec.micro_batches = micro;
-    const double mb = 6.0 / static_cast<double>(micro);
-    for (const double fraction : {0.25, 2.0 / 3.0, 1.0}) {
-      spec.overlap_fraction = fraction;
-      spec.exact_clipping_or_loss_scaling = false;
-      const StepPrediction t = predict_optimizer_step(spec, p);
-      ASSERT_GT(t.optimizer_step_s, 6.0);
-      EXPECT_NEAR(t.optimizer_hidden_s, fraction * mb, 1e-12) << micro << " " << fraction;
-      EXPECT_NEAR(t.step_s, 6.0 + t.optimizer_step_s - fraction * mb, 1e-9);
-      spec.exact_clipping_or_loss_scaling = true;
-      EXPECT_NEAR(predict_optimizer_step(spec, p).optimizer_hidden_s,
-                  std::min(fraction, 1.0 / 3.0) * mb, 1e-12)
-          << micro << " " << fraction;
+  for (const bool checkpoint : {false, true}) {
+    spec.checkpoint_activations = checkpoint;
+    const double forward_share = checkpoint ? 2.0 / 8.0 : 2.0 / 6.0;
+    for (const std::uint64_t micro : {1u, 3u}) {
+      spec.micro_batches = micro;
+      const double mb = 6.0 / static_cast<double>(micro);
+      for (const double fraction : {0.25, 2.0 / 3.0, 1.0}) {
+        spec.overlap_fraction = fraction;
+        spec.exact_clipping_or_loss_scaling = false;
+        const StepPrediction t = predict_optimizer_step(spec, p);
+        ASSERT_GT(t.optimizer_step_s, 6.0);
+        EXPECT_NEAR(t.optimizer_hidden_s, fraction * mb, 1e-12) << micro << " " << fraction;
+        EXPECT_NEAR(t.step_s, 6.0 + t.optimizer_step_s - fraction * mb, 1e-9);
+        spec.exact_clipping_or_loss_scaling = true;
+        EXPECT_NEAR(predict_optimizer_step(spec, p).optimizer_hidden_s,
+                    std::min(fraction, forward_share) * mb, 1e-12)
+            << checkpoint << " " << micro << " " << fraction;
+      }
     }
   }
 }

@@ -331,6 +331,7 @@ void run_step_only(const PlanOptions& o) {
   spec.overlap = !o.no_overlap_step;
   spec.overlap_fraction = o.overlap_fraction;
   spec.exact_clipping_or_loss_scaling = o.gradient_clipping || o.fp16;
+  spec.checkpoint_activations = o.checkpoint_activations;
   nlohmann::json notes = nlohmann::json::array();
   MachineProfile profile;
   const std::uint64_t working_set =
@@ -894,7 +895,7 @@ void setup_plan(CLI::App& app) {
                 "The config clips gradients exactly (gradient_clipping > 0, without "
                 "zinf.clip_from_previous_step): the pass waits for the global norm at step() and "
                 "hides behind the next forward only (a third of a micro-batch, a quarter with "
-                "checkpointing; a third with --step-only); --out writes gradient_clipping 1.0");
+                "checkpointing); --out writes gradient_clipping 1.0");
   sub->add_flag("--fp16", o->fp16,
                 "The config trains in fp16 with loss scaling (fp16.enabled): the pass waits for "
                 "the overflow check at step() and hides behind the next forward only, as with "
