@@ -225,58 +225,80 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   if (local.is_ok()) local = w.sticky->fail(w.coord->drop_prefetched());
   ZINF_RETURN_IF_ERROR(agree_batch(w, call, std::move(local), fingerprint));
 
-  // The groups the names lie in, [first_group, end_group), the same on every rank, and this
-  // rank's slices of them, one span of the partition (the groups between two named ones
-  // included, when the names lie apart): only that span of the master is updated, only those
-  // groups' shards written and, where they stay gathered, all-gathered again. The rest of the
-  // partition holds what it held, so a write of one parameter costs its groups, not the rank's
-  // whole partition.
-  const std::uint32_t first_group = part.location(ids.front()).group;
-  const std::uint32_t end_group = part.location(ids.back()).group + 1;
-  const std::size_t span_begin = w.layout->offset(first_group);
-  const std::size_t span_end =
-      w.layout->offset(end_group - 1) + w.layout->group(end_group - 1).shard_element_count;
+  // The groups the names lie in, the same on every rank, and this rank's slices of them: only
+  // those slices of the master are updated, only those groups' shards written and, where they
+  // stay gathered, all-gathered again. The rest of the partition holds what it held, so a write
+  // of one parameter costs its groups, not the rank's whole partition, and a batch of parameters
+  // far apart (the embedding and the head) costs their groups, not every group between them.
+  //
+  // The groups go to the state in runs: a run of neighbouring named groups is one ranged update
+  // (update_master_range, then write_loaded), and two runs are one across the groups between
+  // them where the state would read and rewrite one block of the master for both
+  // (shares_rewrite: an NVMe sub-group that holds the end of one and the start of the next),
+  // whose gap then costs no more than that block did. Runs cost no collective: the broadcasts
+  // are one per parameter whatever the runs, and the all-gathers one per named group that stays
+  // gathered, made once after the last run. A rank's runs may thus differ from another's (its
+  // sub-groups are cut at its frozen pieces); the groups all-gathered do not, being the named
+  // ones. The groups a run takes between named ones get their shards written again from their
+  // master as it is, which is what they hold, so their gathered copies stay as they are.
+  std::vector<std::uint8_t> named(w.layout->group_count(), 0);
+  for (ParamId id : ids) named[part.location(id).group] = 1;
+  std::vector<GroupSpan> runs;
+  for (std::uint32_t g = 0; g < w.layout->group_count(); ++g) {
+    if (named[g] == 0) continue;
+    const GroupSpan one = group_run(*w.layout, g, g + 1);
+    if (!runs.empty() &&
+        (runs.back().end_group == g || w.state->shares_rewrite(runs.back().end, one.begin))) {
+      runs.back() = group_run(*w.layout, runs.back().first_group, g + 1);
+    } else {
+      runs.push_back(one);
+    }
+  }
 
   BatchSource source(w, entries, values, root, host, *buffer);
   std::size_t cursor = 0;  // the first entry whose piece the pass has not finished
   OptimizerState& state = *w.state;
-  // Every element of the span is written: update_master_range() hands each piece over as it is,
+  // Every element of a run is written: update_master_range() hands each piece over as it is,
   // and the batch's elements in it are patched in. Each piece is then rounded into what the shards
   // are published from while it is in cache (master_loaded(), as a checkpoint load does; a state
   // that streams the shards writes them as their groups complete), so the master is not read
-  // back to publish it.
-  Status st = state.update_master_range(
-      span_begin, span_end, [&](std::size_t first, std::size_t count, float* out) -> Status {
-        const std::size_t end = first + count;
-        while (cursor < entries.size()) {
-          const BatchEntry& e = entries[cursor];
-          if (!e.owned) {
-            ++cursor;  // broadcast on the way to the next one this rank needs
-            continue;
-          }
-          if (e.lo >= end) break;
-          ZINF_ASSERT(e.hi > first);
-          ZINF_RETURN_IF_ERROR(source.bring(cursor));
-          const std::size_t a = std::max(e.lo, first);
-          const std::size_t b = std::min(e.hi, end);
-          std::memcpy(out + (a - first), source.values(cursor) + e.param_offset + (a - e.lo),
-                      (b - a) * sizeof(float));
-          if (e.hi > end) break;  // it goes on in the next piece
-          ++cursor;
-        }
-        return state.master_loaded(first, count, out);
-      });
-  // The shards from the new master, written and waited for as part of the pass, so that the
-  // last agreement tells every rank whether every rank's shards are written; only then are the
-  // persistent groups all-gathered. A rank whose shard write failed thus fails every rank in
-  // this call (the ranks' shards now disagree: the error is sticky everywhere) instead of
-  // leaving them in the all-gather, or returning OK where no all-gather follows.
-  if (st.is_ok()) {
-    st = state.write_loaded();
-    if (!st.is_ok()) st = st.with_context(fmt::format("{}: writing the new shards", call));
+  // back to publish it. The shards of a run are written (write_loaded) and waited for before the
+  // next run, as part of the pass, so that the last agreement tells every rank whether every
+  // rank's shards are written; only then are the persistent groups all-gathered. A rank whose
+  // shard write failed thus fails every rank in this call (the ranks' shards now disagree: the
+  // error is sticky everywhere) instead of leaving them in the all-gather, or returning OK where
+  // no all-gather follows.
+  auto fill = [&](std::size_t first, std::size_t count, float* out) -> Status {
+    const std::size_t end = first + count;
+    while (cursor < entries.size()) {
+      const BatchEntry& e = entries[cursor];
+      if (!e.owned) {
+        ++cursor;  // broadcast on the way to the next one this rank needs
+        continue;
+      }
+      if (e.lo >= end) break;
+      ZINF_ASSERT(e.hi > first);
+      ZINF_RETURN_IF_ERROR(source.bring(cursor));
+      const std::size_t a = std::max(e.lo, first);
+      const std::size_t b = std::min(e.hi, end);
+      std::memcpy(out + (a - first), source.values(cursor) + e.param_offset + (a - e.lo),
+                  (b - a) * sizeof(float));
+      if (e.hi > end) break;  // it goes on in the next piece
+      ++cursor;
+    }
+    return state.master_loaded(first, count, out);
+  };
+  Status st;
+  for (const GroupSpan& run : runs) {
+    st = state.update_master_range(run.begin, run.end, fill);
+    if (st.is_ok()) {
+      st = state.write_loaded();
+      if (!st.is_ok()) st = st.with_context(fmt::format("{}: writing the new shards", call));
+    }
+    if (!st.is_ok()) break;
   }
   st = source.finish(std::move(st), call);
-  if (st.is_ok()) st = w.publisher->publish_groups(first_group, end_group);
+  if (st.is_ok()) st = w.publisher->publish_groups(named);
   return w.sticky->fail(std::move(st));
 }
 

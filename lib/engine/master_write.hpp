@@ -61,22 +61,24 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // since the pass may write the shards). The ranks exchange those outcomes and a fingerprint of
 // (names, root) whatever they are, and all fail together (the others with kAborted naming the
 // rank) when any failed or differs. Then one pass over this rank's slice of the named
-// parameters' groups, first to last in layout order, the same groups on every rank
-// (OptimizerState::update_master_range, each sub-group holding the span handed over as it is
-// stored and rewritten on whatever tier it lives), during which the parameters are broadcast from
-// the root one at a time in layout order, each preceded by an agreement that every rank is still in
-// the pass (so a rank that fails stops every rank at the same parameter instead of leaving them
-// waiting in the broadcast; a failure after the last broadcast is agreed once the pass is over).
-// Every rank makes the same broadcasts in the same order: a rank takes the pieces of the parameters
-// it owns as its pass reaches them, which is layout order since its partition lies in group order,
-// and broadcasts those it owns no piece of on the way. Each patched piece goes to
-// OptimizerState::master_loaded() as it is written, and the shards are written from them with
-// write_loaded(), so the master is not read back to publish them. The shard writes come before
-// the last agreement and the all-gather of the persistent groups after it: a rank whose shard
-// write fails (a write to the swap) fails every rank in this call, itself with the error naming
-// the shard's swap extent, file and offset, the others with kAborted naming it, and the engine is
-// then unusable on every rank, since their shards disagree. Errors from the exchange on are
-// recorded in `sticky`. Collective.
+// parameters' groups in layout order, the same groups on every rank, in runs of neighbouring
+// named groups (two runs joined across the groups between them where the state would rewrite
+// one block for both, OptimizerState::shares_rewrite): an OptimizerState::update_master_range
+// per run, each sub-group holding the run handed over as it is stored and rewritten on whatever
+// tier it lives, so the groups between runs cost nothing. During the pass the parameters are
+// broadcast from the root one at a time in layout order, each preceded by an agreement that every
+// rank is still in the pass (so a rank that fails stops every rank at the same parameter instead
+// of leaving them waiting in the broadcast; a failure after the last broadcast is agreed once the
+// pass is over). Every rank makes the same broadcasts in the same order, whatever its runs: a
+// rank takes the pieces of the parameters it owns as its pass reaches them, which is layout order
+// since its partition lies in group order, and broadcasts those it owns no piece of on the way.
+// Each patched piece goes to OptimizerState::master_loaded() as it is written, and each run's
+// shards are written from them with write_loaded(), so the master is not read back to publish
+// them. The shard writes come before the last agreement and the all-gather of the named groups
+// that stay gathered after it: a rank whose shard write fails (a write to the swap) fails every
+// rank in this call, itself with the error naming the shard's swap extent, file and offset, the
+// others with kAborted naming it, and the engine is then unusable on every rank, since their
+// shards disagree. Errors from the exchange on are recorded in `sticky`. Collective.
 Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
                            const ParameterValues& values, int root, Status precondition);
 // The batch of one, `values` (the parameter's element_count floats) on the root; null there is

@@ -215,6 +215,16 @@ class OptimizerState {
     (void)begin, (void)end;
     return update_master(fill);
   }
+  // Whether an update_master_range() that ends at element `end` and a later one that starts at
+  // element `begin` (end <= begin) would both read and rewrite one block of the master (the
+  // store's NVMe sub-group holding elements end - 1 and begin), so that one call across the gap
+  // costs less than the two (Engine::write_parameters then makes one). The answer may differ
+  // between ranks (a rank's sub-groups are cut at its frozen pieces). This one: the master is in
+  // memory, where two calls cost no more than their elements.
+  virtual bool shares_rewrite(std::size_t end, std::size_t begin) const {
+    (void)end, (void)begin;
+    return false;
+  }
   // Loading a linked rank file in place: whether the state's home can take the file whose block
   // checksums are `sums` as it is (StateStore::adoptable), and then doing so
   // (StateStore::adopt_checkpoint): nothing is read, each block is checked when first read.

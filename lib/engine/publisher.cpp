@@ -24,11 +24,18 @@ void narrow(const float* src, std::size_t count, DType dtype, void* dst) {
 
 GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std::size_t end) {
   ZINF_ASSERT(begin < end && end <= layout.partition_elements());
+  return group_run(layout, layout.first_group_ending_after(begin),
+                   layout.first_group_ending_after(end - 1) + 1);
+}
+
+GroupSpan group_run(const ParameterLayout& layout, std::uint32_t first_group,
+                    std::uint32_t end_group) {
+  ZINF_ASSERT(first_group < end_group && end_group <= layout.group_count());
   GroupSpan out;
-  out.first_group = layout.first_group_ending_after(begin);
-  out.end_group = layout.first_group_ending_after(end - 1) + 1;
-  out.begin = layout.offset(out.first_group);
-  out.end = layout.offset(out.end_group - 1) + layout.group(out.end_group - 1).shard_element_count;
+  out.first_group = first_group;
+  out.end_group = end_group;
+  out.begin = layout.offset(first_group);
+  out.end = layout.offset(end_group - 1) + layout.group(end_group - 1).shard_element_count;
   return out;
 }
 
@@ -84,9 +91,10 @@ Status Publisher::write_group_shards(FunctionRef<const std::byte*(std::uint32_t)
   return Status::ok();
 }
 
-Status Publisher::publish_groups(std::uint32_t first_group, std::uint32_t end_group) {
+Status Publisher::publish_groups(std::span<const std::uint8_t> chosen) {
+  ZINF_ASSERT(chosen.size() == layout_.group_count());
   std::lock_guard<std::mutex> lock(mu_);
-  return coord_->publish([&](std::uint32_t g) { return g >= first_group && g < end_group; });
+  return coord_->publish([&](std::uint32_t g) { return chosen[g] != 0; });
 }
 
 Status Publisher::publish(bool frozen_too) {

@@ -37,6 +37,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <mutex>
+#include <span>
 #include <vector>
 
 #include "base/aligned.hpp"
@@ -61,6 +62,10 @@ struct GroupSpan {
   std::size_t end = 0;
 };
 GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std::size_t end);
+// Groups [first_group, end_group) and their slices' span of the partition.
+// REQUIRES: first_group < end_group <= layout.group_count().
+GroupSpan group_run(const ParameterLayout& layout, std::uint32_t first_group,
+                    std::uint32_t end_group);
 // What update_master_range() updates: [*begin, *end) widened to whole groups, `*span` those
 // groups, unless it is the whole partition (then left as it is). Returns whether it is a part of
 // the partition (a ranged update). REQUIRES: *begin < *end <= layout.partition_elements().
@@ -135,9 +140,9 @@ class Publisher {
   // All-gathers the groups that stay gathered from the shards just written; `frozen_too` false
   // (after a step), not the frozen ones. Collective.
   Status publish(bool frozen_too = true);
-  // The same for groups [first_group, end_group) only: every rank passes the same groups.
-  // Collective.
-  Status publish_groups(std::uint32_t first_group, std::uint32_t end_group);
+  // The same for the groups g where chosen[g] is nonzero only (chosen: one entry per group):
+  // every rank passes the same groups. Collective.
+  Status publish_groups(std::span<const std::uint8_t> chosen);
   // Waits until every shard write so far is done (ParamCoordinator::wait_writes()): a write that
   // failed shows here, before publish(). Local.
   Status wait_writes() {

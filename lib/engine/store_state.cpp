@@ -37,6 +37,19 @@ namespace {
 
 enum class Publish : std::uint8_t { kStreamed, kFromStore, kNarrowed };
 
+// The sub-group that holds partition element `element` (the last one starting at or before it),
+// found by bisection from sub-group `from` on (the firsts increase). REQUIRES: sub-group `from`
+// starts at or before `element`.
+std::size_t sub_group_holding(const StateStore& s, std::size_t element, std::size_t from = 0) {
+  ZINF_ASSERT(from < s.sub_group_count() && s.sub_group_first(from) <= element);
+  std::size_t lo = from, hi = s.sub_group_count();
+  while (hi - lo > 1) {
+    const std::size_t mid = lo + (hi - lo) / 2;
+    (s.sub_group_first(mid) <= element ? lo : hi) = mid;
+  }
+  return lo;
+}
+
 class StoreState final : public OptimizerState {
  public:
   StoreState(const StateContext& ctx, Publish publish)
@@ -331,13 +344,8 @@ class StoreState final : public OptimizerState {
     // sub-groups the range overlaps are visited, from the last one starting at or before `first`
     // (found by bisection), so a load that fills sub-group by sub-group stays linear in them.
     auto note_zeros = [&](std::size_t first, std::size_t count, const float* values) {
-      std::size_t lo = 0, hi = s.sub_group_count();
-      while (hi - lo > 1) {
-        const std::size_t mid = lo + (hi - lo) / 2;
-        (s.sub_group_first(mid) <= first ? lo : hi) = mid;
-      }
-      for (std::size_t i = lo; i < s.sub_group_count() && s.sub_group_first(i) < first + count;
-           ++i) {
+      for (std::size_t i = sub_group_holding(s, first);
+           i < s.sub_group_count() && s.sub_group_first(i) < first + count; ++i) {
         const std::size_t a = std::max(first, s.sub_group_first(i));
         const std::size_t b = std::min(first + count, s.sub_group_first(i) + s.sub_group_size(i));
         if (a >= b || !zero[i]) continue;
@@ -407,15 +415,8 @@ class StoreState final : public OptimizerState {
       return fill(begin, end - begin,
                   reinterpret_cast<float*>(s.host_data(Piece::kParams)) + begin);
     }
-    // The sub-groups that hold elements [begin, end): the firsts increase.
-    auto holding = [&s](std::size_t element) {
-      std::size_t lo = 0, hi = s.sub_group_count();
-      while (hi - lo > 1) {
-        const std::size_t mid = lo + (hi - lo) / 2;
-        (s.sub_group_first(mid) <= element ? lo : hi) = mid;
-      }
-      return lo;
-    };
+    // The sub-groups that hold elements [begin, end).
+    const std::size_t first_sub = sub_group_holding(s, begin);
     return rewrite_pieces(
         Piece::kParams, /*read_back=*/true,
         [&](std::size_t first, std::size_t count, float* out) -> Status {
@@ -423,7 +424,15 @@ class StoreState final : public OptimizerState {
           const std::size_t b = std::min(first + count, end);
           return fill(a, b - a, out + (a - first));
         },
-        /*zeros_unstored=*/nullptr, holding(begin), holding(end - 1) + 1);
+        /*zeros_unstored=*/nullptr, first_sub, sub_group_holding(s, end - 1, first_sub) + 1);
+  }
+
+  // On NVMe, where a ranged update reads and rewrites whole sub-groups: whether one holds both.
+  bool shares_rewrite(std::size_t end, std::size_t begin) const override {
+    const StateStore& s = *store_;
+    if (s.tier(Piece::kParams) == StoreMedium::kHost) return false;
+    ZINF_ASSERT(0 < end && end <= begin && begin < layout_.partition_elements());
+    return sub_group_holding(s, end - 1) == sub_group_holding(s, begin);
   }
 
   Result<bool> link_checkpoint(const void* header, const std::string& path,
@@ -487,12 +496,8 @@ class StoreState final : public OptimizerState {
       while (span_ < spans_.size() && spans_[span_].end <= done_) ++span_;
       if (span_ == spans_.size()) return false;
       const std::size_t from = std::max(done_, spans_[span_].begin);
-      // The sub-group that holds `from`: the firsts increase (bisection, from the last read's).
-      std::size_t hi = s_.sub_group_count();
-      while (hi - i_ > 1) {
-        const std::size_t mid = i_ + (hi - i_) / 2;
-        (s_.sub_group_first(mid) <= from ? i_ : hi) = mid;
-      }
+      // The sub-group that holds `from`, from the last read's on.
+      i_ = sub_group_holding(s_, from, i_);
       const std::size_t at = s_.sub_group_first(i_);
       const std::size_t stop = at + s_.sub_group_size(i_);
       StateStore::ElementRange r =

@@ -3,9 +3,10 @@
 // parameters keep their masters to the bit, and the gathered device copy shows the new values.
 // Bad calls (an unknown name, a module gathered) fail before any collective and leave the engine
 // usable. The batch form writes the same bits as the same writes made one by one, in one pass
-// over the span of its parameters' groups, and a write updates, writes and all-gathers only the
-// groups it names (its NVMe reads are those groups' sub-groups); a failure on one rank during the
-// pass stops every rank, as a failed write of the new shards does, in the same call.
+// over its parameters' groups, and a write updates, writes and all-gathers only the groups it
+// names, not those between them (its NVMe reads are those groups' sub-groups, each once); a
+// failure on one rank during the pass stops every rank, as a failed write of the new shards does,
+// in the same call.
 // (python/tests/test_gathered_write.py checks that training goes on from the new values as
 // torch does.)
 #include <fmt/format.h>
@@ -521,6 +522,178 @@ TEST(WriteParametersBatch, OneParameterCostsItsGroupNotThePartition) {
         }
       }
       EXPECT_TRUE(same_bits(gathered[r], rounded)) << "rank " << r;
+    }
+  }
+}
+
+// A batch of two parameters far apart (the embedding, in the first group, and the head's weight,
+// near the last) costs what the two written alone cost, not the groups between them: the NVMe
+// pieces read and written, the shard bytes written to NVMe and the bytes all-gathered are the
+// sums of the two singles', and fewer than a write of every parameter makes; the masters after
+// it are the batch's values for its two and the earlier write's for the rest, and the gathered
+// values are those written. Stage 2 and stage 3 with the shards on NVMe, sub-groups of 128
+// elements (about eleven per rank), so the two parameters' sub-groups are apart.
+TEST(WriteParametersBatch, TwoParametersFarApartCostTheirGroupsAlone) {
+  using D = OffloadDevice;
+  for (const Case& c : {Case{2, 2, D::kNvme}, Case{2, 3, D::kNvme, D::kNvme}}) {
+    SCOPED_TRACE(case_name(c));
+    const Model model = engine_test::make_model(DType::kF32, 89);
+    const std::vector<std::vector<float>> fresh = fresh_values(model, 21);
+    const std::vector<std::vector<float>> fresher = fresh_values(model, 22);
+    const std::vector<std::string_view> pair = {"head.w", "embed.w"};  // out of layout order
+    std::vector<std::string_view> all;
+    for (const auto& def : model.params) all.push_back(def.name);
+    // Per rank, for the write of every parameter [0], of each of the two alone [1], [2], and of
+    // the two in one batch [3]: pieces read, pieces written, shard bytes written to NVMe, bytes
+    // all-gathered.
+    struct Cost {
+      std::uint64_t reads = 0, writes = 0, shard_bytes = 0, gathered_bytes = 0;
+    };
+    std::vector<std::array<Cost, 4>> cost(2);
+    std::vector<std::vector<std::vector<float>>> masters(2);
+    std::vector<std::vector<std::vector<float>>> gathered(2);
+    for (const bool reads : {true, false}) {
+      engine_test::ScratchDir dir(fmt::format("write_far_cost_{}_{}", case_name(c), reads));
+      engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
+      Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
+      config.zero.sub_group_size = 128;
+      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+        const auto r = static_cast<std::size_t>(rank);
+        auto faults = engine_test::io_counter(reads);
+        ZINF_ASSIGN_OR_RETURN(auto engine,
+                              engine_test::open_finalized(ranks, rank, config, model, faults));
+        for (std::size_t k = 0; k < 4; ++k) {
+          const std::uint64_t pieces = faults->counts().latency;
+          const EngineCounters before = engine->counters();
+          if (k == 0) {
+            ZINF_RETURN_IF_ERROR(engine->write_parameters(all, values_from(model, fresh), 0));
+          } else if (k < 3) {
+            const std::string_view name = pair[k - 1];
+            ZINF_RETURN_IF_ERROR(
+                engine->write_parameters(name, fresh[param_index(model, name)].data(), 0));
+          } else {
+            ZINF_RETURN_IF_ERROR(engine->write_parameters(pair, values_from(model, fresher), 0));
+          }
+          const EngineCounters& after = engine->counters();
+          Cost& at = cost[r][k];
+          (reads ? at.reads : at.writes) = faults->counts().latency - pieces;
+          at.shard_bytes = after.param_nvme_write_bytes - before.param_nvme_write_bytes;
+          at.gathered_bytes = after.all_gather_bytes - before.all_gather_bytes;
+        }
+        if (reads) {
+          ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
+          for (std::string_view name : pair) {
+            const auto& def = model.params[param_index(model, name)];
+            ZINF_ASSIGN_OR_RETURN(std::vector<float> values,
+                                  gathered_values(*engine, *ranks.devices[r], def.module, name));
+            gathered[r].push_back(std::move(values));
+          }
+        }
+        return Status::ok();
+      });
+      for (std::size_t r = 0; r < st.size(); ++r) {
+        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+      }
+    }
+    for (std::size_t r = 0; r < 2; ++r) {
+      const auto& [whole, head, embed, batch] = cost[r];
+      std::printf(
+          "rank %zu: every parameter: %llu pieces read, %llu written, %llu shard bytes, "
+          "%llu gathered; the two alone: %llu + %llu, %llu + %llu, %llu + %llu, %llu + %llu; "
+          "the two in one batch: %llu, %llu, %llu, %llu\n",
+          r, static_cast<unsigned long long>(whole.reads),
+          static_cast<unsigned long long>(whole.writes),
+          static_cast<unsigned long long>(whole.shard_bytes),
+          static_cast<unsigned long long>(whole.gathered_bytes),
+          static_cast<unsigned long long>(head.reads), static_cast<unsigned long long>(embed.reads),
+          static_cast<unsigned long long>(head.writes),
+          static_cast<unsigned long long>(embed.writes),
+          static_cast<unsigned long long>(head.shard_bytes),
+          static_cast<unsigned long long>(embed.shard_bytes),
+          static_cast<unsigned long long>(head.gathered_bytes),
+          static_cast<unsigned long long>(embed.gathered_bytes),
+          static_cast<unsigned long long>(batch.reads),
+          static_cast<unsigned long long>(batch.writes),
+          static_cast<unsigned long long>(batch.shard_bytes),
+          static_cast<unsigned long long>(batch.gathered_bytes));
+      EXPECT_GT(head.reads, 0u) << "rank " << r;
+      EXPECT_GT(embed.reads, 0u) << "rank " << r;
+      EXPECT_EQ(batch.reads, head.reads + embed.reads) << "rank " << r;
+      EXPECT_EQ(batch.writes, head.writes + embed.writes) << "rank " << r;
+      EXPECT_EQ(batch.shard_bytes, head.shard_bytes + embed.shard_bytes) << "rank " << r;
+      EXPECT_EQ(batch.gathered_bytes, head.gathered_bytes + embed.gathered_bytes) << "rank " << r;
+      EXPECT_LT(batch.reads * 2, whole.reads) << "rank " << r;
+      EXPECT_LT(batch.writes * 2, whole.writes) << "rank " << r;
+      if (c.params == D::kNvme) {
+        EXPECT_GT(batch.shard_bytes, 0u) << "rank " << r;
+        EXPECT_LT(batch.shard_bytes, whole.shard_bytes) << "rank " << r;
+      }
+      if (c.stage == 2) {
+        EXPECT_GT(batch.gathered_bytes, 0u) << "rank " << r;
+      }
+      EXPECT_LT(batch.gathered_bytes, whole.gathered_bytes) << "rank " << r;
+      for (std::size_t p = 0; p < model.params.size(); ++p) {
+        const bool named = std::find(pair.begin(), pair.end(), model.params[p].name) != pair.end();
+        EXPECT_TRUE(same_bits(masters[r][p], named ? fresher[p] : fresh[p]))
+            << "rank " << r << " parameter " << model.params[p].name;
+      }
+      for (std::size_t i = 0; i < pair.size(); ++i) {
+        EXPECT_TRUE(same_bits(gathered[r][i], fresher[param_index(model, pair[i])]))
+            << "rank " << r << " gathered " << pair[i];
+      }
+    }
+  }
+}
+
+// Two parameters far apart whose groups' slices lie in one sub-group (one per rank here) are
+// one ranged update across the groups between them: the sub-group is read and written once, as
+// for either parameter alone, not once for each; the masters are those written.
+TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
+  const Case c{2, 2, OffloadDevice::kNvme};
+  const Model model = engine_test::make_model(DType::kF32, 90);
+  const std::vector<std::vector<float>> fresh = fresh_values(model, 23);
+  const std::vector<std::string_view> pair = {"embed.w", "head.w"};
+  // Per rank, for a write of embed.w alone [0] and of the two in one batch [1]: pieces read,
+  // pieces written.
+  std::vector<std::array<std::uint64_t, 2>> read(2), written(2);
+  std::vector<std::vector<std::vector<float>>> masters(2);
+  for (const bool reads : {true, false}) {
+    engine_test::ScratchDir dir(fmt::format("write_one_sub_group_{}", reads));
+    engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
+    Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
+    config.zero.sub_group_size = 1 << 20;
+    std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+      const auto r = static_cast<std::size_t>(rank);
+      auto faults = engine_test::io_counter(reads);
+      ZINF_ASSIGN_OR_RETURN(auto engine,
+                            engine_test::open_finalized(ranks, rank, config, model, faults));
+      for (std::size_t k = 0; k < 2; ++k) {
+        const std::uint64_t pieces = faults->counts().latency;
+        if (k == 0) {
+          ZINF_RETURN_IF_ERROR(
+              engine->write_parameters(pair[0], fresh[param_index(model, pair[0])].data(), 0));
+        } else {
+          ZINF_RETURN_IF_ERROR(engine->write_parameters(pair, values_from(model, fresh), 0));
+        }
+        (reads ? read : written)[r][k] = faults->counts().latency - pieces;
+      }
+      if (reads) {
+        ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
+      }
+      return Status::ok();
+    });
+    for (std::size_t r = 0; r < st.size(); ++r) {
+      ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+    }
+  }
+  for (std::size_t r = 0; r < 2; ++r) {
+    EXPECT_GT(read[r][0], 0u) << "rank " << r;
+    EXPECT_EQ(read[r][1], read[r][0]) << "rank " << r;
+    EXPECT_EQ(written[r][1], written[r][0]) << "rank " << r;
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      const bool named = std::find(pair.begin(), pair.end(), model.params[p].name) != pair.end();
+      EXPECT_TRUE(same_bits(masters[r][p], named ? fresh[p] : model.initial[p]))
+          << "rank " << r << " parameter " << model.params[p].name;
     }
   }
 }
