@@ -24,6 +24,16 @@
 // for bit.
 //
 //   build/bin/bench_engine_write_parameters --params 16777216 --tensors 32 --dir /tmp/zinf-wp
+//
+// --case far instead times, round by round in a turning order, writes of the first and the last
+// parameter, which lie in the partition's first and last groups (the embedding and the LM head
+// of a model):
+//   pair      write_parameters({first, last}, values_fn): one batch of the two
+//   two       write_parameters(first, values), then write_parameters(last, values)
+//   whole     write_parameters(names, values_fn): every parameter in one batch
+// A batch costs its parameters' groups alone, not the groups between them, so pair costs what
+// two does and, with the state on NVMe, a fraction of whole; the end prints the medians of
+// pair / two and pair / whole and checks the masters as above.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -186,6 +196,92 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
   return same ? 0 : 1;
 }
 
+// --case far (the file's comment).
+int run_far(std::size_t params, std::size_t tensors, const std::string& dir, OffloadDevice offload,
+            int rounds) {
+  if (tensors < 2) {
+    fmt::print(stderr, "--case far needs --tensors 2 or more\n");
+    return 2;
+  }
+  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, std::size_t{1} << 22);
+  if (!opened.is_ok()) return fail("open", opened.status());
+  Engine& engine = *opened->engine;
+  const std::size_t each = params / tensors;
+  Result<std::vector<std::string>> registered =
+      bench::register_tensors(engine, tensors, each,
+                              [](std::size_t i, std::size_t /*first*/, std::size_t count,
+                                 float* out) { make_values(0, i, std::span<float>(out, count)); });
+  if (!registered.is_ok()) return fail("register", registered.status());
+  const std::vector<std::string>& names = *registered;
+  if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
+  const std::vector<std::string_view> views(names.begin(), names.end());
+  const std::vector<std::string_view> ends = {views.front(), views.back()};
+
+  // Each write's values are generation `last[i]` of parameter i, made inside the timed call.
+  std::uint64_t generation = 0;
+  std::vector<std::uint64_t> last(tensors, 0);
+  std::vector<float> one(each);
+  auto batch = [&](std::span<const std::string_view> which) -> Result<double> {
+    ++generation;
+    const auto t0 = std::chrono::steady_clock::now();
+    ZINF_RETURN_IF_ERROR(
+        engine.write_parameters(which, [&](std::string_view name, std::span<float> out) {
+          const std::size_t i = std::stoull(std::string(name.substr(1)));
+          make_values(generation, i, out);
+          last[i] = generation;
+          return Status::ok();
+        }));
+    return seconds_since(t0);
+  };
+  auto two = [&]() -> Result<double> {
+    ++generation;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (const std::size_t i : {std::size_t{0}, tensors - 1}) {
+      make_values(generation, i, one);
+      last[i] = generation;
+      ZINF_RETURN_IF_ERROR(engine.write_parameters(names[i], one.data()));
+    }
+    return seconds_since(t0);
+  };
+
+  fmt::print(
+      "{} f32 parameters in {} tensors, state {}, sub-groups of {} elements; {} and {} "
+      "written\n",
+      each * tensors, tensors, offload_device_name(offload), engine.config().zero.sub_group_size,
+      names.front(), names.back());
+  fmt::print(
+      "| round | pair (one batch of the two) | two (two singles) | whole (every parameter) | "
+      "pair / two | pair / whole |\n|---|---|---|---|---|---|\n");
+  enum Subject { kPair, kTwo, kWhole };
+  const char* const subject_names[] = {"pair", "two", "whole"};
+  std::vector<double> to_two, to_whole;
+  for (int round = 1; round <= rounds; ++round) {
+    double times[3] = {0, 0, 0};
+    for (int k = 0; k < 3; ++k) {
+      const auto subject = static_cast<Subject>((round - 1 + k) % 3);
+      Result<double> s = subject == kPair ? batch(ends) : subject == kTwo ? two() : batch(views);
+      if (!s.is_ok()) return fail(subject_names[subject], s.status());
+      times[subject] = *s;
+    }
+    to_two.push_back(times[kPair] / times[kTwo]);
+    to_whole.push_back(times[kPair] / times[kWhole]);
+    fmt::print("| {} | {:.4f} s | {:.4f} s | {:.4f} s | {:.2f} | {:.2f} |\n", round, times[kPair],
+               times[kTwo], times[kWhole], to_two.back(), to_whole.back());
+  }
+  bool same = true;
+  std::vector<float> out(each);
+  for (std::size_t i = 0; i < tensors; ++i) {
+    if (Status st = engine.read_parameters(names[i], out.data()); !st.is_ok()) {
+      return fail("read_parameters", st);
+    }
+    make_values(last[i], i, one);
+    same = same && std::memcmp(out.data(), one.data(), each * sizeof(float)) == 0;
+  }
+  fmt::print("median pair / two {:.2f}, pair / whole {:.2f}; masters {} the last values written\n",
+             median(to_two), median(to_whole), same ? "equal" : "DIFFER FROM");
+  return same ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -194,12 +290,19 @@ int main(int argc, char** argv) {
   std::string dir = "/tmp/zinf-bench-write-parameters";
   zinf::OffloadDevice offload = zinf::OffloadDevice::kNvme;
   int rounds = 5;
+  std::string which = "all";
   const int parsed = parse_options(argc, argv, "bench_engine_write_parameters",
                                    {{"--params", "N", count_into(&params)},
                                     {"--tensors", "K", count_into(&tensors, 1)},
                                     {"--dir", "DIR", text_into(&dir)},
                                     {"--offload", "cpu|nvme", offload_into(&offload)},
-                                    {"--rounds", "R", rounds_into(&rounds)}});
+                                    {"--rounds", "R", rounds_into(&rounds)},
+                                    {"--case", "all|far", text_into(&which)}});
   if (parsed != 0) return parsed;
+  if (which != "all" && which != "far") {
+    fmt::print(stderr, "--case {}: expected all or far\n", which);
+    return 2;
+  }
+  if (which == "far") return run_far(params, tensors, dir, offload, rounds);
   return run(params, tensors, dir, offload, rounds);
 }
