@@ -506,22 +506,44 @@ class PyEngine {
     if (bytes % 2 != 0) data[bytes - 1] = tail[0];
   }
 
-  // Every rank's `send` (a contiguous CPU array of an even number of bytes, the same on every
-  // rank) into `recv`, rank after rank; collective, between engine calls as broadcast_bytes.
+  // Every rank's `send` (a contiguous CPU array of any number of bytes, the same on every rank)
+  // into `recv`, rank after rank; collective, between engine calls as broadcast_bytes.
   void all_gather_bytes(const HostArray& send, const HostArray& recv, const std::string& name) {
     const std::size_t bytes = send.nbytes();
     const std::size_t world = static_cast<std::size_t>(engine().world_size());
-    if (bytes % 2 != 0 || recv.nbytes() != bytes * world) {
+    if (recv.nbytes() != bytes * world) {
       throw ZinfError(zinf::Status::invalid_argument(
           "all_gather_bytes('" + name + "'): send holds " + std::to_string(bytes) +
-          " bytes (must be even), recv " + std::to_string(recv.nbytes()) + " (must be " +
+          " bytes, recv " + std::to_string(recv.nbytes()) + " (must be " +
           std::to_string(bytes * world) + ")"));
     }
-    const void* in = send.data();
-    void* out = recv.data();
+    const auto* in = static_cast<const std::uint8_t*>(send.data());
+    auto* out = static_cast<std::uint8_t*>(recv.data());
+    // As in broadcast_bytes, the bytes move as 2-byte elements. With an odd size the even
+    // prefixes land packed at the front of `recv` (rank r's at r * even_bytes, which `recv`
+    // holds: even_bytes * world < bytes * world), and each rank's odd last byte in a pair of its
+    // own, gathered into the engine's pairs (the engine's, not this frame's, as broadcast_bytes'
+    // tail); then the prefixes move up to r * bytes, the last rank's first, so that none is
+    // overwritten before it has moved, and the last bytes go behind them.
+    const std::size_t even_bytes = bytes - bytes % 2;
+    if (bytes % 2 != 0) {
+      client_tail_ = {in[bytes - 1], 0};
+      client_tails_.resize(2 * world);  // the world does not change: sized once
+    }
     run_client_collective([&](zinf::Communicator& comm, zinf::Stream& stream) {
-      return comm.all_gather(in, out, bytes / 2, zinf::DType::kF16, stream, name);
+      if (even_bytes > 0 || bytes == 0) {
+        ZINF_RETURN_IF_ERROR(
+            comm.all_gather(in, out, even_bytes / 2, zinf::DType::kF16, stream, name));
+      }
+      if (bytes % 2 == 0) return zinf::Status::ok();
+      return comm.all_gather(client_tail_.data(), client_tails_.data(), 1, zinf::DType::kF16,
+                             stream, name);
     });
+    if (bytes % 2 == 0) return;
+    for (std::size_t r = world; r-- > 0;) {
+      std::memmove(out + r * bytes, out + r * even_bytes, even_bytes);
+      out[r * bytes + even_bytes] = client_tails_[2 * r];
+    }
   }
 
   // Destroys the engine, then the communicator (an MpiComm stops its progress thread and frees
@@ -572,7 +594,9 @@ class PyEngine {
   std::vector<std::unique_ptr<zinf::Communicator>> comms_;
   std::unique_ptr<zinf::Stream> client_stream_;  // broadcast_bytes and all_gather_bytes
   std::unique_ptr<zinf::Event> client_done_;
-  std::array<std::uint8_t, 2> client_tail_{};  // broadcast_bytes' odd last byte, in a pair
+  // broadcast_bytes' odd last byte, or this rank's for all_gather_bytes, in a pair.
+  std::array<std::uint8_t, 2> client_tail_{};
+  std::vector<std::uint8_t> client_tails_;  // all_gather_bytes: every rank's pair, rank by rank
   std::unique_ptr<zinf::Engine> engine_;
   std::unordered_map<std::string, std::size_t> element_counts_;
   // Bytes of each activation saved and not loaded yet (0: none), for load_activation's check.
