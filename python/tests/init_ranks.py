@@ -26,7 +26,8 @@ modifier_rank=0) blocks that end badly on one rank: "shape", rank 0 replaces the
 with a tensor of another shape; "raise_other", rank 0 sets the bias to seeded random values and
 the block raises on rank 1; "raise_root", rank 0 sets the bias, then the block raises on rank 0.
 Writes <out_dir>/errors.rank<r>.pt: for each, the message of what the block raised on the rank
-(or None) and the seconds it took, and the Linear's values read after it ("after"); also the
+(or None), the seconds it took, the torch.distributed broadcasts its end made ("broadcasts")
+and the Linear's values read after it ("after"); also the
 values read before the first ("before") and those rank 0 set in raise_other ("set")."""
 import datetime
 import os
@@ -147,18 +148,32 @@ def errors(out_dir, rank):
             lin.bias.data.copy_(-values)
             raise RuntimeError("the block fails on rank 0")
 
+    # The broadcasts each block's end makes, counted under both of torch.distributed's names
+    # (broadcast_object_list calls the module's own).
+    c10d = torch.distributed.distributed_c10d
+    original = c10d.broadcast
+    broadcasts = [0]
+
+    def counted(*args, **kwargs):
+        broadcasts[0] += 1
+        return original(*args, **kwargs)
+
     report = {"before": read(), "set": values}
     for name, body in (("shape", shape), ("raise_other", raise_other),
                        ("raise_root", raise_root)):
         started = time.perf_counter()
         error = None
+        broadcasts[0] = 0
+        c10d.broadcast = torch.distributed.broadcast = counted
         try:
             with zinf.torch.GatheredParameters(params, modifier_rank=0):
                 body()
         except (ValueError, RuntimeError) as e:
             error = str(e)
+        finally:
+            c10d.broadcast = torch.distributed.broadcast = original
         report[name] = {"error": error, "seconds": time.perf_counter() - started,
-                        "after": read()}
+                        "after": read(), "broadcasts": broadcasts[0]}
     torch.save(report, os.path.join(out_dir, f"errors.rank{rank}.pt"))
     # Both ranks leave together, the group closed first (a rank whose peer had exited while its
     # group was open was seen to abort at exit).

@@ -119,7 +119,8 @@ def test_a_block_that_ends_badly_on_one_rank_ends_on_every_rank_at_once(tmp_path
     (init_ranks.py errors, torch.distributed's timeout 20 s): when rank 0 left a parameter with
     another shape every rank raises the same error, naming it and both shapes, and keeps its
     values; when the block raised on rank 1 only, rank 0's values still reach every rank; when it
-    raised on rank 0, no rank takes any of its changes. No rank waits for the timeout."""
+    raised on rank 0, no rank takes any of its changes. No rank waits for the timeout. Rank 0's
+    outcome takes one broadcast (not broadcast_object_list's two)."""
     launch("mpirun", [str(tmp_path), "-", "errors"], timeout=240)
     reports = [torch.load(tmp_path / f"errors.rank{rank}.pt") for rank in (0, 1)]
     shape_error = ("GatheredParameters(modifier_rank=0): Linear.weight has shape (2, 2) at the "
@@ -142,3 +143,6 @@ def test_a_block_that_ends_badly_on_one_rank_ends_on_every_rank_at_once(tmp_path
             assert torch.equal(report["raise_root"]["after"][name], kept), f"rank {rank}: {name}"
         for case in ("shape", "raise_other", "raise_root"):
             assert report[case]["seconds"] < 15, f"rank {rank}: {case}"
+        # Rank 0's outcome is one broadcast; then the values (one dtype), or a changed shape.
+        assert [report[case]["broadcasts"] for case in ("shape", "raise_other", "raise_root")] \
+            == [2, 2, 1], f"rank {rank}"

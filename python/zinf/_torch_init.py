@@ -427,27 +427,31 @@ def broadcast_staged(loaded: "list[tuple[nn.Parameter, Staged]]", root: int, gro
     rank = dist.get_rank()
     unique = {id(param): (param, stage) for param, stage in loaded}
     ordered = sorted(unique.values(), key=lambda item: getattr(item[0], "ds_id", -1))
-    # Rank root's outcome, (whether the block raised there, the ValueError's message where a
-    # shape changed there): (False, None), the values follow.
-    outcome = [(False, None)]
+    # Rank root's outcome in one broadcast: whether the block raised there, and the position in
+    # `ordered` of the first parameter left with another shape there (-1: none) and that
+    # shape's length; only then its shape follows, and every rank words the same error from it.
+    header = torch.tensor([0, -1, 0], dtype=torch.int64)
     if rank == root:
         if failed:
-            outcome = [(True, None)]
+            header[0] = 1
         else:
-            for param, stage in ordered:
+            for index, (param, stage) in enumerate(ordered):
                 if tuple(param.data.shape) != stage.shape:
-                    outcome = [(False,
-                                f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
-                                f"{tuple(param.data.shape)} at the end of the block on rank "
-                                f"{root}, not its shape {stage.shape}; change its values, not its "
-                                "shape")]
+                    header[1:] = torch.tensor([index, param.data.dim()])
                     break
-    dist.broadcast_object_list(outcome, src=root, group=group)
-    raised_on_root, message = outcome[0]
+    dist.broadcast(header, src=root, group=group)
+    raised_on_root, bad, dims = header.tolist()
     if raised_on_root:
         return
-    if message is not None:
-        raise ValueError(message)
+    if bad >= 0:
+        shape = torch.tensor(ordered[bad][0].data.shape if rank == root else [0] * dims,
+                             dtype=torch.int64)
+        if dims > 0:
+            dist.broadcast(shape, src=root, group=group)
+        stage = ordered[bad][1]
+        raise ValueError(f"GatheredParameters(modifier_rank={root}): {stage.what} has shape "
+                         f"{tuple(shape.tolist())} at the end of the block on rank {root}, not "
+                         f"its shape {stage.shape}; change its values, not its shape")
     by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, Staged]]] = {}
     for param, stage in ordered:
         by_dtype.setdefault(stage.dtype, []).append((param, stage))
