@@ -53,11 +53,14 @@ def mpirun(script: str, args, timeout: float, ranks: int = 2, env: dict | None =
            exported=()) -> subprocess.CompletedProcess:
     """Runs python/tests/`script` with `args` in `ranks` processes under mpirun, in `env`
     (default this process's environment), the variables `exported` passed to the ranks
-    explicitly (-x). Returns the finished process, its output captured as text."""
+    explicitly (-x); `script` "-c" runs the code args[0] instead (`python -c`), in python/tests.
+    Returns the finished process, its output captured as text."""
+    target = script if script == "-c" else os.path.join(HERE, script)
     command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none",
                *[part for name in exported for part in ("-x", name)], "-np", str(ranks),
-               sys.executable, os.path.join(HERE, script), *[str(arg) for arg in args]]
-    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env)
+               sys.executable, target, *[str(arg) for arg in args]]
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=HERE if script == "-c" else None)
 
 
 def why_mpirun_unavailable() -> str | None:

@@ -6,7 +6,6 @@ import copy
 import io
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -15,6 +14,7 @@ import torch
 from torch import nn
 
 import zinf.torch
+from _helpers import mpirun, why_mpirun_unavailable
 from init_model import Stack, batch, config
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -173,11 +173,9 @@ def test_deepspeed_chats_zero3_save_writes_the_trained_values(tmp_path):
     check_saved(tmp_path, 1)
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+@pytest.mark.skipif(why_mpirun_unavailable() is not None, reason=str(why_mpirun_unavailable()))
 def test_deepspeed_chats_zero3_save_writes_the_trained_values_from_two_ranks(tmp_path):
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
-               "2", sys.executable, os.path.join(HERE, "zero3_save_run.py"), str(tmp_path)]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=HERE)
+    result = mpirun("zero3_save_run.py", [tmp_path], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     check_saved(tmp_path, 2)
 
@@ -234,11 +232,9 @@ for w in caught:
 """
 
 
-@pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
+@pytest.mark.skipif(why_mpirun_unavailable() is not None, reason=str(why_mpirun_unavailable()))
 def test_a_rank_reading_another_ranks_change_before_initialize_is_warned():
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--bind-to", "none", "-np",
-               "2", sys.executable, "-c", STALE_READ]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=HERE)
+    result = mpirun("-c", [STALE_READ], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     lines = result.stdout.splitlines()
     assert "0 0 True" in lines and "1 1 False" in lines, result.stdout
