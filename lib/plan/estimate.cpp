@@ -256,7 +256,16 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
         s.persistence_threshold_params >= model.hidden ? small_tensor_params(model) : 0;
     add(MemoryUse::kGatheredParams, MemoryTier::kDevice, 2 * std::min(p, live) + 2 * persistent);
   }
-  add(MemoryUse::kCommBuckets, MemoryTier::kDevice, 2 * 2 * s.reduce_bucket_params);
+  // The gradient reducer's buffers, allocated at open for the engine's life (GradReducer::create):
+  // two fp32 buckets of `chunk` elements from each of the N ranks' slices, chunk =
+  // reduce_bucket / N capped at the largest group's shard (param_staging_params, where the setup
+  // has it); with more than one rank two receive buffers of a chunk; and, the device not being
+  // host memory, two pinned host buffers of a chunk that each reduced chunk comes back through.
+  std::uint64_t chunk = std::max<std::uint64_t>(1, s.reduce_bucket_params / s.world_size);
+  if (s.param_staging_params > 0) chunk = std::min(chunk, s.param_staging_params);
+  const std::uint64_t receive = s.world_size > 1 ? 2 * 4 * chunk : 0;
+  add(MemoryUse::kCommBuckets, MemoryTier::kDevice, 2 * 4 * chunk * s.world_size + receive);
+  add(MemoryUse::kCommBuckets, MemoryTier::kHost, 2 * 4 * chunk);
   add(MemoryUse::kReserved, MemoryTier::kDevice, s.device_reserved_bytes);
   return e;
 }

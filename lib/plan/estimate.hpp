@@ -59,7 +59,14 @@
 //   gathered params stage 3 only, device: 2·(min(P, max_live_params) + prefetch_bucket_params)
 //                   for the layers being run and prefetched, + 2·persistent params (tensors
 //                   below stage3_param_persistence_threshold stay gathered: norms and biases)
-//   comm buckets    device: 2·2·reduce_bucket_params (one bucket filling while one is reduced)
+//   comm buckets    the gradient reducer's (lib/zero/grad_reducer.cpp, GradReducer::create),
+//                   allocated at open for the engine's life, with chunk = reduce_bucket_params / N
+//                   capped at the largest group's shard (param_staging_params, where set):
+//                   device: 2·4·chunk·N (two fp32 buckets, one filling while one is reduced)
+//                   + 2·4·chunk receive buffers with N > 1; host, pinned: 2·4·chunk that the
+//                   reduced chunks come back through (a GPU; a host-memory device reads them in
+//                   place, and one such rank at stages 2-3 with its gradients in host memory
+//                   allocates no bucket at all: it adds them in place)
 //   reserved        device: device_reserved_bytes (CUDA context, cuBLAS workspace, allocator
 //                   slack), a fixed figure until the GPU backend measures it
 // Frozen parameters (ModelShape::trainable_params; docs/ENGINE.md "What a frozen parameter
@@ -86,8 +93,9 @@
 //   widened edges (at most 2·1024 frozen elements a run of trainable ones) keep moments too,
 //   which the estimate leaves out.
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
-// pinned pool (engine_bytes()); activations belong to the training code, gathered params and
-// buckets are transient, and the reserved bytes to the runtime.
+// pinned pool (engine_bytes()); activations belong to the training code, gathered params are
+// transient, the reducer's buckets are the engine's but outside its MemoryReport, and the
+// reserved bytes belong to the runtime.
 // Per machine: every tier's per-rank bytes × R (each rank holds an equal shard, and the R ranks
 // of a machine share its host memory and NVMe).
 //

@@ -41,9 +41,41 @@ TEST(Estimate, StagesPartitionAsTheEngineDoes) {
     // the shard on the device and frees the host's publish buffer once the values are placed:
     // the host holds nothing.
     EXPECT_EQ(e.bytes(MemoryUse::kHalfCopy, kDev), 2 * pr);
-    EXPECT_EQ(e.rank_tier_bytes(kHost), 0u);
+    // On the host only the reducer's two pinned buffers of a chunk (comm buckets, below).
+    EXPECT_EQ(e.rank_tier_bytes(kHost), e.bytes(MemoryUse::kCommBuckets, kHost));
     EXPECT_EQ(e.rank_tier_bytes(kNvme), 0u);
     EXPECT_EQ(e.bytes(MemoryUse::kGatheredParams, kDev) > 0, stage == 3);
+  }
+}
+
+// The reducer's buffers as lib/zero/grad_reducer.cpp allocates them: chunk = reduce_bucket / N
+// elements (capped at the largest group's shard), two fp32 buckets of N chunks, two receive
+// buffers of a chunk with more than one rank, and two pinned host buffers of a chunk on a GPU.
+TEST(Estimate, CommBucketsAreTheReducersBuffers) {
+  const ModelShape m = llama7b();
+  TrainingShape t;
+  struct Case {
+    std::uint64_t ranks, bucket_params, staging_params, device_bytes, host_bytes;
+  };
+  // 8 ranks, 2^24-element buckets: chunk 2^21; 2·4·2^21·8 + 2·4·2^21 = 150,994,944 on the
+  // device, 2·4·2^21 = 16,777,216 on the host. One rank: no receive buffers, 2·4·2^24 and
+  // 2·4·2^24. A bucket over 3 ranks of 10^6: chunk 333,333. A chunk capped by a 100,000-element
+  // shard: 2·4·100,000·4 + 2·4·100,000 and 2·4·100,000.
+  for (const Case c :
+       {Case{8, 1 << 24, 0, 150'994'944, 16'777'216}, Case{1, 1 << 24, 0, 134'217'728, 134'217'728},
+        Case{3, 1'000'000, 0, 8 * 333'333 * 3 + 8 * 333'333, 8 * 333'333},
+        Case{4, 1 << 24, 100'000, 3'200'000 + 800'000, 800'000}}) {
+    for (int stage = 1; stage <= 3; ++stage) {
+      EngineSetup s;
+      s.stage = stage;
+      s.world_size = c.ranks;
+      s.ranks_per_machine = c.ranks;
+      s.reduce_bucket_params = c.bucket_params;
+      s.param_staging_params = c.staging_params;
+      const MemoryEstimate e = estimate_memory(m, t, s);
+      EXPECT_EQ(e.bytes(MemoryUse::kCommBuckets, kDev), c.device_bytes) << c.ranks << " " << stage;
+      EXPECT_EQ(e.bytes(MemoryUse::kCommBuckets, kHost), c.host_bytes) << c.ranks << " " << stage;
+    }
   }
 }
 
