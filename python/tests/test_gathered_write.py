@@ -101,6 +101,69 @@ def test_changes_made_through_data_are_written(stage, offload, tmp_path):
     assert torch.allclose(mlp_loss(engine, batch), mlp_loss(reference, batch), rtol=1e-6)
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_write_at_stages_1_and_2_leaves_every_view_on_the_engines_copy(stage):
+    """Stages 1 and 2: the engine's full device copy does not move when a block writes (its
+    groups are rewritten in place), so only the block's own parameters need their views back:
+    one whose .data the block replaced points at the engine's copy again, and every other keeps
+    the memory it had. The module and the engine hold the written values (param.data, a
+    forward, the fp32 masters), and training goes on from them as torch's does with the same
+    change between the same steps, the optimizer moments kept."""
+    model, reference = make_mlp(), make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage))
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+
+    def torch_step(batch):
+        loss = mlp_loss(reference, batch)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+        return loss.item()
+
+    try:
+        batches = mlp_batches(5)
+        losses = train_mlp_zinf(engine, batches[:2])
+        expected_losses = [torch_step(batch) for batch in batches[:2]]
+        views = {name: p.data_ptr() for name, p in model.named_parameters()}
+        generator = torch.Generator().manual_seed(29)
+        weight = torch.randn(16, 6, generator=generator)
+        bias = torch.randn(16, generator=generator)
+        untouched = engine.read_parameter("0.bias")
+        # Parameters of three modules; 0.bias is in no block.
+        with zinf.torch.GatheredParameters([model[4].weight, model[0].weight, model[3].bias],
+                                           modifier_rank=0):
+            model[0].weight.data.copy_(weight)
+            model[3].bias.data = bias.clone()
+            with torch.no_grad():
+                model[4].weight.mul_(-0.5)
+        with torch.no_grad():
+            reference[0].weight.copy_(weight)
+            reference[3].bias.copy_(bias)
+            reference[4].weight.mul_(-0.5)
+        assert {name: p.data_ptr() for name, p in model.named_parameters()} == views
+        assert torch.equal(engine.read_parameter("0.weight"), weight)
+        assert torch.equal(engine.read_parameter("3.bias"), bias)
+        assert torch.equal(engine.read_parameter("0.bias"), untouched)
+        for name, expected in reference.named_parameters():
+            got = engine.read_parameter(name)
+            assert torch.equal(model.get_parameter(name).detach(), got), name
+            assert ((got - expected).norm() / expected.norm()).item() < 1e-5, name
+        assert torch.allclose(mlp_loss(engine, batches[2]), mlp_loss(reference, batches[2]),
+                              rtol=1e-5)
+        losses += train_mlp_zinf(engine, batches[2:])
+        expected_losses += [torch_step(batch) for batch in batches[2:]]
+        assert losses == pytest.approx(expected_losses, rel=1e-5)
+        assert {name: p.data_ptr() for name, p in model.named_parameters()} == views
+        for name, expected in reference.named_parameters():
+            got = engine.read_parameter(name)
+            assert ((got - expected).norm() / expected.norm()).item() < 1e-5, name
+            assert torch.equal(model.get_parameter(name).detach(), got), name
+    finally:
+        engine.destroy()
+
+
 @pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "cpu")])
 def test_a_write_before_the_step_names_the_parameter_with_offload(stage, offload, tmp_path):
     """With the optimizer state offloaded and no clipping, the step's optimizer pass runs during
@@ -317,17 +380,18 @@ _PER_PARAMETER_DICTS = ("_params", "_names", "_shapes", "_owner", "_position", "
                         "_gather_count")
 
 
-def test_a_block_per_parameter_does_not_walk_the_engines_parameters():
-    """A block per parameter after initialize() at stage 3 (as DeepSpeed-Chat's
-    save_zero_three_model reads one at a time): the Python side of no block, reading or
-    writing, walks the engine's per-parameter or per-module tables (its parameters, their names,
-    shapes, owners, positions, the modules' parameters and gather counts), so the package adds
-    work linear in the block's parameters, not the model's (gathered_loop_bench.py times reading
-    blocks). A writing block still costs the engine's pass over the rank's master partition,
-    which this does not count, and at stages 1 and 2 the refresh of every view (docs/PYTHON.md)."""
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_block_per_parameter_does_not_walk_the_engines_parameters(stage):
+    """A block per parameter after initialize() (as DeepSpeed-Chat's save_zero_three_model
+    reads one at a time): the Python side of no block, reading or writing, walks the engine's
+    per-parameter or per-module tables (its parameters, their names, shapes, owners, positions,
+    the modules' parameters and gather counts), so the package adds work linear in the block's
+    parameters, not the model's (gathered_loop_bench.py times such loops); at stage 2 a writing
+    block refreshes the views of its own parameters only. A writing block still costs the
+    engine's write of its parameters' groups, which this does not count."""
     generator = torch.Generator().manual_seed(31)
     model = torch.nn.ModuleList(torch.nn.Linear(3, 2) for _ in range(40))
-    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(3))
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage))
     try:
         for table in _PER_PARAMETER_DICTS:
             setattr(engine, table, _CountingDict(getattr(engine, table)))
@@ -345,10 +409,12 @@ def test_a_block_per_parameter_does_not_walk_the_engines_parameters():
             setattr(engine, table, dict(getattr(engine, table)))
         engine._param_ids = list(engine._param_ids)
         assert walked == 0
-        # The writes landed.
+        # The writes landed, in the engine and in the module.
         reread = torch.Generator().manual_seed(31)
         for index in range(0, 40, 2):
-            assert torch.equal(engine.read_parameter(f"{index}.weight"),
-                               torch.randn(2, 3, generator=reread)), index
+            written = torch.randn(2, 3, generator=reread)
+            assert torch.equal(engine.read_parameter(f"{index}.weight"), written), index
+            if stage < 3:
+                assert torch.equal(model[index].weight.detach(), written), index
     finally:
         engine.destroy()

@@ -50,7 +50,9 @@ class GatheredParameters:
       reaches them. Use it between steps: after a backward
       whose step has not run it raises zinf.Error naming the parameter, before anything is
       gathered. Every rank must enter the block (the write is collective); the block's writes
-      are one pass over the rank's master partition, however many parameters it changed.
+      are one write of the changed parameters' groups, however many parameters it changed,
+      and at stages 1 and 2 only the block's own parameters are pointed back at the engine's
+      device copy, which does not move.
       Every rank takes part in the block's end even when the block raised on it, so that no
       rank is left waiting: when it raised on rank r nothing is written (as with one rank);
       when it raised on another rank only, rank r's changes are written on every rank, and
@@ -155,8 +157,10 @@ class GatheredParameters:
         # are the engine's memory, which the release below gives back or the write republishes
         # (the block's own copy, or a tensor of the script's, is kept as it is).
         changed: dict = {}  # engine -> {id(param): (param, values)}, engines in block order
+        block: dict = {}  # engine -> the block's parameters it trains
         for engine, param, ptr, entry in self._watched:
             writes = changed.setdefault(engine, {})
+            block.setdefault(engine, []).append(param)
             if exc[0] is not None or entry is None or id(param) in writes:
                 continue
             if (param.data_ptr() != ptr
@@ -180,7 +184,8 @@ class GatheredParameters:
         # no rank is left waiting; with one, an engine with nothing changed is not called.
         for engine, writes in changed.items():
             if writes or engine.world_size > 1:
-                engine._write_parameters(list(writes.values()), self._modifier_rank)
+                engine._write_parameters(list(writes.values()), self._modifier_rank,
+                                         block[engine])
         if self._group is not None:
             # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them;
             # every rank takes part even when the block raised on it (when it raised on the

@@ -1783,17 +1783,28 @@ class ZinfEngine(nn.Module):
         for param in self._params.values():
             param.grad = None
 
-    def _refresh_views(self):
-        """Stages 1 and 2: points each parameter at the engine's full device copy, which lives as
-        long as the engine (gather and release are bookkeeping there, so the views outlast the
-        release)."""
+    def _refresh_views(self, params=None):
+        """Stages 1 and 2: points each parameter (or each of `params`, this engine's) at the
+        engine's full device copy, which lives as long as the engine (gather and release are
+        bookkeeping there, so the views outlast the release). The copy never moves: every group
+        is allocated once when the engine is finalized and rewritten in place by a step, a
+        write (Engine::write_parameters) or a checkpoint load, so a parameter needs this only
+        where its .data was pointed elsewhere (inside GatheredParameters), or on first use."""
         if self.stage == 3:
             return
-        for engine_module, params in self._owned.items():
-            self._core.gather(engine_module)
+        if params is None:
+            owned = self._owned.items()
+        else:
+            owned = {}
             for param in params:
+                owned.setdefault(self._owner[id(param)], []).append(param)
+            owned = owned.items()
+        for engine_module, members in owned:
+            self._core.gather(engine_module)
+            for param in members:
                 fresh = torch.from_dlpack(self._core.parameter(self._names[id(param)]))
-                if fresh.data_ptr() != param.data.data_ptr():
+                if (fresh.data_ptr() != param.data.data_ptr() or fresh.shape != param.shape
+                        or fresh.stride() != param.stride() or fresh.dtype != param.dtype):
                     param.data = fresh
             self._core.release(engine_module)
 
@@ -1828,9 +1839,13 @@ class ZinfEngine(nn.Module):
         """Bytes of this rank's state on each tier."""
         return self._core.memory()
 
-    def _write_parameters(self, writes: list[tuple[nn.Parameter, torch.Tensor]], root: int):
+    def _write_parameters(self, writes: list[tuple[nn.Parameter, torch.Tensor]], root: int,
+                          block=()):
         """Rank root's values into the masters of the parameters it changed (collective: one
-        pass over the partition for all of them), and the views refreshed. `writes` holds this
+        pass over the groups that hold them), and at stages 1 and 2 the views of the block's
+        parameters `block` (this engine's; a rank may have pointed their .data elsewhere)
+        refreshed: the engine's device copy does not move, so no other view can have changed,
+        and the block's end costs its own parameters, not the model's. `writes` holds this
         rank's changed parameters, each with a tensor of its values in any dtype (converted to
         fp32 as the pass reaches it, so that no more than one parameter is held in fp32 besides
         them). With several ranks only root's count, and every rank must call it: root
@@ -1861,8 +1876,8 @@ class ZinfEngine(nn.Module):
             marks = received.tolist()
         changed = [self._param_ids[mark >> 1] for mark in marks]
         reshaped = [self._param_ids[mark >> 1] for mark in marks if mark & 1]
+        self._refresh_views(block)  # stages 1 and 2: the block's parameters on the engine's copy
         if reshaped:
-            self._refresh_views()  # stages 1 and 2: the parameters back on the engine's copy
             name = self._names[reshaped[0]]
             given = (f" (given {tuple(values[name].shape)})" if name in values else "")
             raise ValueError(
@@ -1877,7 +1892,6 @@ class ZinfEngine(nn.Module):
             return values.pop(name).detach().to(device="cpu", dtype=torch.float32).contiguous()
 
         self._write_batch(names, values_of, root)
-        self._refresh_views()
 
     def _write_batch(self, names: list[str], values_of, root: int):
         """Engine.write_parameters_batch: values_of(name) gives a parameter's fp32 values on
