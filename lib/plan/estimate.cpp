@@ -234,9 +234,8 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
     // trainable share is ever resident.
     add(MemoryUse::kGradients, MemoryTier::kHost, 4 * tr);
   }
-  // Stage 1's full-size fp32 gradient copies, one a trainable group: a frozen group has none.
-  // A group mixing frozen and trainable parameters has one of all its elements, uncounted here
-  // (estimate.hpp).
+  // Stage 1's full-size fp32 gradient copies, one a trainable group: a frozen group has none, and
+  // the engine's groups never mix the two (estimate.hpp).
   if (s.stage == 1) {
     add(MemoryUse::kGradients, MemoryTier::kDevice, 4 * trainable_param_count(model));
   }

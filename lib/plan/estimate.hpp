@@ -81,11 +81,12 @@
 //                   only reductions write, and a frozen group is never reduced, at any stage;
 //                   on the device (optimizer none) the device optimizer gives a group of frozen
 //                   runs no slot in its packed accumulator. Stage 1's full-size copies are 4·T:
-//                   a frozen group has none. That assumes no gradient group mixes frozen and
-//                   trainable parameters: the engine gives a stage-1 group that does a full copy
-//                   of all its elements and reduces it whole (GradReducer), 4 B a frozen element
-//                   of it too, which the estimate and predict_step's step_reduce do not count
-//                   (ModelShape does not say how the groups fall).
+//                   a frozen group has none. No group of the engine's mixes frozen and
+//                   trainable parameters: its layout groups by module (ParameterLayout, the
+//                   Partitioner's group_by_module), and register_parameter refuses a module that
+//                   mixes them. (GradReducer would give a stage-1 group that did a full copy of
+//                   all its elements and reduce it whole; only a Partitioner without
+//                   group_by_module, which the engine never makes, has one.)
 //                   The engine refuses gradients_on_nvme with a frozen parameter.
 //   everything else as for trainable parameters: the fp32 master, the half params and the half
 //                   copy (written from the master at finalize).

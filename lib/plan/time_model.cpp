@@ -195,8 +195,8 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double reduced = s.stage == 1 ? 0.0 : 4.0 * static_cast<double>(t);
   out.collectives_s = seconds((gathered + reduced) * link_share, profile.gpu_link_gbps);
   // Stage 1 reduce-scatters the accumulated full gradients of the trainable groups once a step,
-  // at step() (a frozen group has no full copy and is not reduced: 4·T; a group that mixes
-  // frozen and trainable parameters is reduced whole, which this does not count), and the reduced
+  // at step() (a frozen group has no full copy and is not reduced: 4·T; the engine's groups,
+  // one module's each, are all frozen or all trainable), and the reduced
   // fp32 shard comes down to an offloaded optimizer's accumulator chunk by chunk as it goes
   // (GradReducer::reduce_accumulated), 4·Tr: before the optimizer step can begin, behind no
   // compute.
