@@ -164,6 +164,57 @@ def test_a_write_at_stages_1_and_2_leaves_every_view_on_the_engines_copy(stage):
         engine.destroy()
 
 
+STAGE2_RANKS = """
+import torch, zinf.torch
+from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss, train_mlp_zinf
+torch.set_num_threads(1)
+model = make_mlp()
+config = mlp_config(2)
+config["zinf"]["collective_timeout_ms"] = 20000
+engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+rank = engine.global_rank
+train_mlp_zinf(engine, mlp_batches(2))
+views = {name: p.data_ptr() for name, p in model.named_parameters()}
+weight = torch.randn(16, 6, generator=torch.Generator().manual_seed(41))
+stray = torch.randn(3, generator=torch.Generator().manual_seed(42 + rank))
+# Rank 0 writes 0.weight; rank 1 points 4.bias elsewhere, which is not written.
+bias = engine.read_parameter("4.bias")
+with zinf.torch.GatheredParameters([model[0].weight, model[4].bias], modifier_rank=0):
+    if rank == 0:
+        model[0].weight.data.copy_(weight)
+    else:
+        model[4].bias.data = stray.clone()
+assert {name: p.data_ptr() for name, p in model.named_parameters()} == views, rank
+assert torch.equal(model[0].weight.detach(), weight), rank
+assert torch.equal(engine.read_parameter("0.weight"), weight), rank
+assert torch.equal(model[4].bias.detach(), bias), rank
+# Rank 0 changes nothing; rank 1 points 3.weight elsewhere: back on the engine's copy too.
+norm = engine.read_parameter("3.weight")
+with zinf.torch.GatheredParameters([model[3].weight], modifier_rank=0):
+    if rank == 1:
+        model[3].weight.data = torch.zeros(16)
+assert {name: p.data_ptr() for name, p in model.named_parameters()} == views, rank
+assert torch.equal(model[3].weight.detach(), norm), rank
+train_mlp_zinf(engine, mlp_batches(1, seed=13))
+print("rank", rank, "ok", float(model[0].weight.detach().sum()), flush=True)
+engine.destroy()
+"""
+
+
+def test_a_write_at_stage_2_on_two_ranks_leaves_every_view_on_the_engines_copy():
+    """Stage 2 on two ranks (mpirun): after a block whose end writes rank 0's change, and after
+    one where rank 0 changed nothing, every parameter on both ranks is on the memory it had and
+    holds the engine's values, including those whose .data rank 1 pointed elsewhere in the
+    block (not written: only rank 0's changes count); both ranks then train alike."""
+    if why_mpirun_unavailable() is not None:
+        pytest.skip(why_mpirun_unavailable())
+    result = mpirun("-c", [STAGE2_RANKS], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    lines = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert [line.split()[:3] for line in lines] == [["rank", "0", "ok"], ["rank", "1", "ok"]]
+    assert lines[0].split()[3] == lines[1].split()[3], lines
+
+
 @pytest.mark.parametrize("stage,offload", [(2, "cpu"), (3, "cpu")])
 def test_a_write_before_the_step_names_the_parameter_with_offload(stage, offload, tmp_path):
     """With the optimizer state offloaded and no clipping, the step's optimizer pass runs during
