@@ -38,6 +38,7 @@ Config engine_config(const PlanConfig& c) {
   e.gradients_on_nvme = s.gradients_on_nvme;
   e.gradient_spill_buffers = s.gradient_spill_buffers;
   e.device_reserved_bytes = s.device_reserved_bytes;
+  e.overlap_step = s.overlap_step;
   if (c.activation_host_bytes > 0) {
     e.activations.cpu_checkpointing = true;
     e.activations.host_bytes = c.activation_host_bytes;
@@ -70,6 +71,7 @@ Result<PlanConfig> plan_config(const Config& e) {
   s.gradients_on_nvme = e.gradients_on_nvme;
   s.gradient_spill_buffers = e.gradient_spill_buffers;
   s.device_reserved_bytes = e.device_reserved_bytes;
+  s.overlap_step = e.overlap_step;
   c.pinned_pool_bytes = e.pinned_pool_bytes;
   c.gradient_clipping = e.gradient_clipping;
   c.fp16 = e.fp16.enabled;

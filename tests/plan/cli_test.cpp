@@ -143,6 +143,31 @@ TEST_F(PlanCli, OutWritesClippingAndFp16) {
   std::remove(path.c_str());
 }
 
+// --no-overlap-step predicts the sequential step; the config --out writes runs it
+// (zinf.overlap_step false), and read back it is the plan that was timed.
+TEST_F(PlanCli, OutWritesTheSequentialStep) {
+  const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
+  const std::string path = std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_cli_overlap.json";
+  const std::string plan =
+      "plan --model llama-3-8b --gpus 1 --gpu-mem 24GB --host-mem 64GB --nvme-capacity 1TB "
+      "--nvme-path /mnt/nvme --checkpoint-activations --out " +
+      path + kRates;
+  for (const auto& [flags, overlap] :
+       {std::pair{"", true}, std::pair{" --no-overlap-step", false}}) {
+    const CliRun r = run_zinf(plan + flags);
+    ASSERT_EQ(r.exit_code, 0) << flags << r.err;
+    std::ifstream file(path);
+    std::stringstream text;
+    text << file.rdbuf();
+    const nlohmann::json j = nlohmann::json::parse(text.str());
+    EXPECT_EQ(j.at("zinf").at("overlap_step"), overlap) << flags;
+    auto config = config_from_json(text.str());
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string() << "\n" << text.str();
+    EXPECT_EQ(config->setup.overlap_step, overlap) << flags;
+  }
+  std::remove(path.c_str());
+}
+
 TEST_F(PlanCli, NothingFitsExitsTwoNamingTheShortTier) {
   const CliRun r = run_zinf(
       "plan --model llama-2-70b --gpus 4 --gpu-mem 48GB --host-mem 256GB --nvme-capacity 512GB "
