@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-#include <thread>
 #include <utility>
 
 #include "base/random.hpp"
@@ -63,31 +62,12 @@ Model page_model(std::uint64_t seed) {
 
 Ranks make_ranks(int world, std::chrono::milliseconds timeout, std::uint32_t jitter_max_us,
                  bool opaque) {
-  Ranks r;
-  std::vector<Device*> raw;
-  for (int i = 0; i < world; ++i) {
-    HostDeviceOptions o;
-    o.ordinal = i;
-    o.jitter_max_us = jitter_max_us;
-    o.jitter_seed = 77 + static_cast<std::uint64_t>(i);
-    o.opaque = opaque;
-    r.devices.push_back(std::move(make_host_device(o)).value());
-    raw.push_back(r.devices.back().get());
-  }
-  LocalCommOptions co;
-  co.timeout = timeout;
-  r.comms = std::move(make_local_comm_group(raw, co)).value();
-  return r;
-}
-
-std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn) {
-  std::vector<Status> statuses(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int r = 0; r < world; ++r) {
-    threads.emplace_back([&, r] { statuses[static_cast<std::size_t>(r)] = fn(r); });
-  }
-  for (std::thread& t : threads) t.join();
-  return statuses;
+  test::HostRanksOptions o;
+  o.timeout = timeout;
+  o.jitter_max_us = jitter_max_us;
+  o.jitter_seed = 77;
+  o.opaque = opaque;
+  return test::make_host_ranks(world, o);
 }
 
 std::vector<Status> run_engines(const Config& config, Ranks& ranks,

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "common/run_ranks.hpp"
 #include "common/scratch_dir.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
@@ -49,11 +50,8 @@ Model page_model(std::uint64_t seed);
 // and 1 Mi trainable ones (module "lora": 8 adapters of 1024 x 128), seeded values in [-1, 1).
 Model big_lora_model();
 
-// Devices and a LocalComm group of `world` ranks.
-struct Ranks {
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<std::unique_ptr<Communicator>> comms;
-};
+// Devices and a LocalComm group of `world` ranks (common/run_ranks.hpp).
+using Ranks = test::HostRanks;
 // With `opaque`, the HostDevices are opaque (HostDeviceOptions::opaque): not host-accessible,
 // their pointers fault when host code dereferences them, as a GPU's would.
 Ranks make_ranks(int world, std::chrono::milliseconds timeout = std::chrono::seconds(30),
@@ -70,8 +68,8 @@ std::shared_ptr<FaultInjector> failing_io(bool reads);
 // neither delays nor fails any: how many pieces a call moves.
 std::shared_ptr<FaultInjector> io_counter(bool reads);
 
-// Runs fn(rank) on one thread per rank; returns each rank's Status.
-std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& fn);
+// Runs fn(rank) on one thread per rank; returns each rank's Status (common/run_ranks.hpp).
+using test::run_ranks;
 
 // Opens an engine of `config` on each rank's device and communicator of `ranks` and runs
 // fn(rank, engine) on one thread per rank; returns each rank's Status (a failed open is the

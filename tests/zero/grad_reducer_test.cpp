@@ -105,7 +105,7 @@ TEST_P(GradReducerTest, AccumulatorHoldsTheMeanOfItsSliceInTheExpectedBuckets) {
     }
     return Status::ok();
   });
-  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  ASSERT_TRUE(test::ranks_ok(st));
 
   for (int rank = 0; rank < c.world; ++rank) {
     std::vector<float> expected(partition, 0.0f);

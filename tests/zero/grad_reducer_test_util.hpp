@@ -1,16 +1,16 @@
 // Shared pieces of the GradReducer tests: seeded gradients for every rank and micro-batch, one
 // HostDevice and LocalComm a rank, one thread a rank, and the end of a step (the accumulated
-// gradients reduced, the micro-batch count checked).
+// gradients reduced, the micro-batch count checked). The ranks run on common/run_ranks.hpp.
 #pragma once
 
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/run_ranks.hpp"
 #include "zero/grad_reducer.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
@@ -48,37 +48,13 @@ inline RankGrads seeded_grads(const Partitioner& p, int world, int micro_batches
 
 // One HostDevice a rank, jittered by seed + rank (a missing wait between a bucket's fill and its
 // reduce shows up), and a LocalComm group over them.
-struct HostRanks {
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<std::unique_ptr<Communicator>> comms;
-};
-
 inline HostRanks make_host_ranks(int world, std::uint64_t seed, bool opaque) {
-  HostRanks ranks;
-  std::vector<Device*> raw;
-  for (int r = 0; r < world; ++r) {
-    HostDeviceOptions o;
-    o.ordinal = r;
-    o.jitter_max_us = 30;
-    o.jitter_seed = seed + static_cast<std::uint64_t>(r);
-    o.opaque = opaque;
-    ranks.devices.push_back(std::move(make_host_device(o)).value());
-    raw.push_back(ranks.devices.back().get());
-  }
-  ranks.comms = std::move(make_local_comm_group(raw)).value();
-  return ranks;
-}
-
-// body(rank) on a thread a rank; the statuses in rank order.
-template <typename Body>
-std::vector<Status> run_ranks(int world, Body body) {
-  std::vector<Status> st(static_cast<std::size_t>(world));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] { st[static_cast<std::size_t>(rank)] = body(rank); });
-  }
-  for (std::thread& t : threads) t.join();
-  return st;
+  HostRanksOptions o;
+  o.timeout = std::chrono::seconds(60);  // LocalCommOptions' default
+  o.jitter_max_us = 30;
+  o.jitter_seed = seed;
+  o.opaque = opaque;
+  return make_host_ranks(world, o);
 }
 
 // One micro-batch's gradients reduced module by module, in the order given.

@@ -1,0 +1,87 @@
+// common/run_ranks.hpp, the rank runner of the zero and engine tests: one thread a rank, the
+// statuses in rank order, an exception kept as its rank's error, ranks_ok() naming each failed
+// rank, and a rank still running at the deadline named before the process aborts.
+#include "common/run_ranks.hpp"
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <set>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace zinf {
+namespace {
+
+TEST(RunRanks, EachRankOnItsOwnThreadItsStatusInRankOrder) {
+  constexpr int kWorld = 4;
+  std::vector<std::thread::id> ids(kWorld);
+  const std::vector<Status> st = test::run_ranks(kWorld, [&](int rank) -> Status {
+    ids[static_cast<std::size_t>(rank)] = std::this_thread::get_id();
+    if (rank % 2 == 0) return Status::ok();
+    return Status::not_found("rank " + std::to_string(rank) + " found nothing");
+  });
+  ASSERT_EQ(st.size(), static_cast<std::size_t>(kWorld));
+  for (int rank = 0; rank < kWorld; ++rank) {
+    const Status& s = st[static_cast<std::size_t>(rank)];
+    if (rank % 2 == 0) {
+      EXPECT_TRUE(s.is_ok()) << rank << ": " << s.to_string();
+    } else {
+      EXPECT_EQ(s.code(), Code::kNotFound) << rank;
+      EXPECT_EQ(s.message(), "rank " + std::to_string(rank) + " found nothing");
+    }
+  }
+  const std::set<std::thread::id> distinct(ids.begin(), ids.end());
+  EXPECT_EQ(distinct.size(), static_cast<std::size_t>(kWorld));
+  EXPECT_EQ(distinct.count(std::this_thread::get_id()), 0u);
+}
+
+TEST(RunRanks, AnExceptionIsItsRanksError) {
+  const std::vector<Status> st = test::run_ranks(3, [](int rank) -> Status {
+    if (rank == 1) throw std::runtime_error("out of cheese");
+    if (rank == 2) throw 7;
+    return Status::ok();
+  });
+  ASSERT_EQ(st.size(), 3u);
+  EXPECT_TRUE(st[0].is_ok()) << st[0].to_string();
+  EXPECT_EQ(st[1].code(), Code::kInternal);
+  EXPECT_EQ(st[1].message(), "rank 1 threw: out of cheese");
+  EXPECT_EQ(st[2].code(), Code::kInternal);
+  EXPECT_EQ(st[2].message(), "rank 2 threw a non-std exception");
+}
+
+TEST(RunRanks, RanksOkNamesEachFailedRank) {
+  EXPECT_TRUE(test::ranks_ok({Status::ok(), Status::ok()}));
+  const ::testing::AssertionResult r = test::ranks_ok(
+      {Status::ok(), Status::aborted("peer gone"), Status::ok(), Status::internal("bad sum")});
+  ASSERT_FALSE(r);
+  const std::string message = r.message();
+  EXPECT_NE(message.find("rank 1: " + Status::aborted("peer gone").to_string()), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("rank 3: " + Status::internal("bad sum").to_string()), std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("rank 0"), std::string::npos) << message;
+  EXPECT_EQ(message.find("rank 2"), std::string::npos) << message;
+}
+
+// Rank 1 sleeps past a deadline of 200 ms: the process aborts, naming it as still running and
+// rank 0's error.
+TEST(RunRanksDeathTest, ARankPastTheDeadlineIsNamedAndTheProcessAborts) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_DEATH(
+      test::run_ranks(
+          2,
+          [](int rank) -> Status {
+            if (rank == 0) return Status::internal("rank 0 gave up");
+            std::this_thread::sleep_for(std::chrono::seconds(20));
+            return Status::ok();
+          },
+          std::chrono::milliseconds(200)),
+      "1 of 2 ranks still running after 200 ms:\n  rank 0: .*rank 0 gave up\n  rank 1: still "
+      "running");
+}
+
+}  // namespace
+}  // namespace zinf
