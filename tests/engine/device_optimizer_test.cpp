@@ -82,7 +82,7 @@ TEST_F(DeviceOptimizerFrozen, FrozenMomentsTakeNoDeviceMemoryAndStepTheSameBits)
 class DeviceOptimizerFrozenF16 : public DeviceOptimizerFrozen {
  protected:
   void SetUp() override {
-    for (DeviceOptimizer::Group& g : groups_) {
+    for (DeviceOptimizer::Group& g : partition_.groups) {
       if (g.dtype == DType::kBF16) g.dtype = DType::kF16;
     }
     master_ = wide(8201);
@@ -234,85 +234,46 @@ TEST(DeviceOptimizerFrozenUnpack, NoRoomForTheZeroGradientsNamesThatBuffer) {
 // A frozen group without gradient slots larger than DeviceOptimizer::kZeroChunkElements, its
 // moments made non-zero (unpacked): it steps on a zero buffer of one chunk (and 16 elements to
 // align it), in chunks, to the same bits as an optimizer that keeps gradients for every element.
-TEST(DeviceOptimizerFrozenChunks, ALargeFrozenRunStepsInChunksOnASmallZeroBuffer) {
-  constexpr std::size_t kChunk = DeviceOptimizer::kZeroChunkElements;
-  constexpr std::size_t kFrozen = kChunk * 2 + 2003;  // two chunks and a partial one
-  constexpr std::size_t kLast = 4000 + kFrozen;
-  constexpr std::size_t kElements = kLast + 3000;
-  const std::vector<DeviceOptimizer::Group> groups = {
-      {0, 4000, 0, DType::kBF16},
-      {4000, kFrozen, 8000, DType::kBF16},
-      {kLast, 3000, 8000 + kFrozen * 2, DType::kBF16}};
-  const std::vector<OptimizerRange> ranges = {{0, 0},    {1024, 2},  {2048, 1},
-                                              {4000, 2}, {kLast, 0}, {kLast + 1000, 2}};
-  std::vector<bool> frozen_ranges;
-  for (const OptimizerRange& r : ranges) frozen_ranges.push_back(r.group == 2);
-  std::vector<bool> frozen(kElements, false);
-  for (std::size_t r = 0; r < ranges.size(); ++r) {
-    const std::size_t end = r + 1 < ranges.size() ? ranges[r + 1].begin : kElements;
-    for (std::size_t e = ranges[r].begin; e < end; ++e) frozen[e] = frozen_ranges[r];
+class DeviceOptimizerFrozenChunks : public DeviceOptimizerFrozen {
+ protected:
+  static constexpr std::size_t kChunk = DeviceOptimizer::kZeroChunkElements;
+  static constexpr std::size_t kFrozen = kChunk * 2 + 2003;  // two chunks and a partial one
+  static constexpr std::size_t kLast = 4000 + kFrozen;
+  static constexpr std::size_t kElements = kLast + 3000;
+
+  void SetUp() override {
+    partition_.groups = {{0, 4000, 0, DType::kBF16},
+                         {4000, kFrozen, 8000, DType::kBF16},
+                         {kLast, 3000, 8000 + kFrozen * 2, DType::kBF16}};
+    partition_.ranges = {{0, 0}, {1024, 2}, {2048, 1}, {4000, 2}, {kLast, 0}, {kLast + 1000, 2}};
+    partition_.elements = kElements;
+    master_ = seeded(kElements, 8401, -1.0f, 1.0f);
+    DeviceOptimizerFrozen::SetUp();
   }
-  HostDeviceOptions o;
-  o.opaque = true;
-  std::unique_ptr<Device> device = std::move(make_host_device(o)).value();
-  std::unique_ptr<Stream> stream = std::move(device->create_stream("test")).value();
-  const std::vector<float> master = seeded(kElements, 8401, -1.0f, 1.0f);
-  const auto timeout = device_optimizer_test::kTimeout;
-  std::unique_ptr<DeviceOptimizer> packed =
-      std::move(DeviceOptimizer::create(*device, groups, kElements, master.data(), timeout, ranges,
-                                        frozen_ranges, /*pack_grads=*/true))
-          .value();
-  std::unique_ptr<DeviceOptimizer> full =
-      std::move(DeviceOptimizer::create(*device, groups, kElements, master.data(), timeout, ranges))
-          .value();
-  ASSERT_EQ(packed->grad_offsets(), (std::vector<std::size_t>{0, DeviceOptimizer::kNoGrad, 4003}));
-  std::vector<OptimizerParams> params = device_optimizer_test::group_params();
-  auto step_both = [&](std::int64_t step) {
-    std::vector<float> g = seeded(kElements, 8410 + static_cast<std::uint64_t>(step), -0.5f, 0.5f);
-    for (std::size_t e = 0; e < kElements; ++e) {
-      if (frozen[e]) g[e] = 0.0f;
-    }
-    for (DeviceOptimizer* opt : {packed.get(), full.get()}) {
-      for (std::size_t k = 0; k < groups.size(); ++k) {
-        const std::size_t at = opt->grad_offsets()[k];
-        if (at == DeviceOptimizer::kNoGrad) continue;
-        ASSERT_TRUE(device
-                        ->copy_h2d(opt->grads() + at, g.data() + groups[k].offset,
-                                   groups[k].count * 4, *stream)
-                        .is_ok());
-      }
-      ASSERT_TRUE(device->synchronize(*stream, timeout).is_ok());
-      ASSERT_TRUE(opt->step(step, 0.5f, params).is_ok());
-    }
-  };
+};
+
+TEST_F(DeviceOptimizerFrozenChunks, ALargeFrozenRunStepsInChunksOnASmallZeroBuffer) {
+  ASSERT_EQ(packed_->grad_offsets(), (std::vector<std::size_t>{0, DeviceOptimizer::kNoGrad, 4003}));
+  set_grads(8411);
   step_both(1);
   for (int which = 1; which < 3; ++which) {
     const std::vector<float> v =
         seeded(kElements, 8402 + static_cast<std::uint64_t>(which), 0.01f, 0.1f);
-    ASSERT_TRUE(packed->write_state(which, 0, kElements, v.data()).is_ok());
-    ASSERT_TRUE(full->write_state(which, 0, kElements, v.data()).is_ok());
+    ASSERT_TRUE(packed_->write_state(which, 0, kElements, v.data()).is_ok());
+    ASSERT_TRUE(full_->write_state(which, 0, kElements, v.data()).is_ok());
   }
-  ASSERT_FALSE(packed->packed());
+  ASSERT_FALSE(packed_->packed());
   // The gradients without the frozen group (and with a 3-element alignment gap), and zeros for
   // one chunk, not for the frozen run.
-  EXPECT_EQ(packed->device_bytes() + kFrozen * 4, full->device_bytes() + 3 * 4 + (kChunk + 16) * 4);
-  for (std::int64_t step = 2; step <= 3; ++step) step_both(step);
-  for (int which = 0; which < 3; ++which) {
-    std::vector<float> a(kElements), b(kElements);
-    ASSERT_TRUE(packed->read_state(which, 0, kElements, a.data()).is_ok());
-    ASSERT_TRUE(full->read_state(which, 0, kElements, b.data()).is_ok());
-    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "piece " << which;
+  EXPECT_EQ(packed_->device_bytes() + kFrozen * 4,
+            full_->device_bytes() + 3 * 4 + (kChunk + 16) * 4);
+  for (std::int64_t step = 2; step <= 3; ++step) {
+    set_grads(8410 + static_cast<std::uint64_t>(step));
+    step_both(step);
   }
-  for (std::uint32_t k = 0; k < groups.size(); ++k) {
-    std::vector<std::uint16_t> a(groups[k].count), b(groups[k].count);
-    ASSERT_TRUE(device->copy_d2h(a.data(), packed->values(k), a.size() * 2, *stream).is_ok());
-    ASSERT_TRUE(device->copy_d2h(b.data(), full->values(k), b.size() * 2, *stream).is_ok());
-    ASSERT_TRUE(device->synchronize(*stream, timeout).is_ok());
-    EXPECT_EQ(a, b) << "group " << k;
-  }
+  expect_same("two steps after the moments were written");
   // Every chunk of the frozen run stepped: its first moments decayed from those written.
-  std::vector<float> m(kElements);
-  ASSERT_TRUE(packed->read_state(1, 0, kElements, m.data()).is_ok());
+  const std::vector<float> m = read(*packed_, 1);
   const std::vector<float> written = seeded(kElements, 8403, 0.01f, 0.1f);
   std::size_t decayed = 0;
   for (std::size_t e = 4000; e < kLast; ++e) decayed += m[e] != written[e] ? 1 : 0;

@@ -1,7 +1,8 @@
 // The device optimizer's frozen-run tests, shared by tests/engine (an opaque HostDevice) and
 // tests/gpu (CUDA): a partition of four dtype groups with frozen runs, and a fixture holding an
 // optimizer told which runs are frozen (packed moments and gradients) beside one that steps every
-// run, with seeded gradients, steps and bit-for-bit comparisons of their state.
+// run, over that partition or one a test sets, with seeded gradients, steps and bit-for-bit
+// comparisons of their state.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -37,23 +38,33 @@ inline const std::vector<OptimizerRange> kRanges = {{0, 0},    {1024, 2},   {204
                                                     {9003, 2}, {11'003, 1}, {13'006, 2}};
 constexpr std::uint32_t kFrozenGroup = 2;
 
-inline std::size_t range_end(std::size_t r) {
-  return r + 1 < kRanges.size() ? kRanges[r + 1].begin : kPartition;
+// A partition of `elements` elements: its dtype groups and its runs of optimizer groups, those
+// of kFrozenGroup frozen.
+struct Partition {
+  std::vector<DeviceOptimizer::Group> groups;
+  std::vector<OptimizerRange> ranges;
+  std::size_t elements = 0;
+};
+// The four dtype groups above.
+inline const Partition kDefaultPartition = {kGroups, kRanges, kPartition};
+
+inline std::size_t range_end(std::size_t r, const Partition& p = kDefaultPartition) {
+  return r + 1 < p.ranges.size() ? p.ranges[r + 1].begin : p.elements;
 }
 
-inline std::vector<bool> frozen_flags() {
+inline std::vector<bool> frozen_flags(const Partition& p = kDefaultPartition) {
   std::vector<bool> out;
-  for (const OptimizerRange& r : kRanges) out.push_back(r.group == kFrozenGroup);
+  for (const OptimizerRange& r : p.ranges) out.push_back(r.group == kFrozenGroup);
   return out;
 }
 
 // Whether partition element e is in a frozen range.
-inline std::vector<bool> frozen_elements() {
-  std::vector<bool> out(kPartition, false);
-  for (std::size_t r = 0; r < kRanges.size(); ++r) {
-    if (kRanges[r].group != kFrozenGroup) continue;
-    std::fill(out.begin() + static_cast<std::ptrdiff_t>(kRanges[r].begin),
-              out.begin() + static_cast<std::ptrdiff_t>(range_end(r)), true);
+inline std::vector<bool> frozen_elements(const Partition& p = kDefaultPartition) {
+  std::vector<bool> out(p.elements, false);
+  for (std::size_t r = 0; r < p.ranges.size(); ++r) {
+    if (p.ranges[r].group != kFrozenGroup) continue;
+    std::fill(out.begin() + static_cast<std::ptrdiff_t>(p.ranges[r].begin),
+              out.begin() + static_cast<std::ptrdiff_t>(range_end(r, p)), true);
   }
   return out;
 }
@@ -72,6 +83,8 @@ inline std::vector<OptimizerParams> group_params() {
   return {base, second, frozen};
 }
 
+// The fixture's partition is kDefaultPartition unless a subclass sets partition_ (and master_)
+// before SetUp().
 class DeviceOptimizerFrozen : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -81,31 +94,33 @@ class DeviceOptimizerFrozen : public ::testing::Test {
       device_ = std::move(make_host_device(o)).value();
     }
     stream_ = std::move(device_->create_stream("test")).value();
-    if (master_.empty()) master_ = seeded(kPartition, 8101, -1.0f, 1.0f);
-    packed_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
-                                                kTimeout, kRanges, frozen_flags(),
+    const Partition& p = partition_;
+    if (master_.empty()) master_ = seeded(p.elements, 8101, -1.0f, 1.0f);
+    packed_ = std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, master_.data(),
+                                                kTimeout, p.ranges, frozen_flags(p),
                                                 /*pack_grads=*/true))
                   .value();
-    full_ = std::move(DeviceOptimizer::create(*device_, groups_, kPartition, master_.data(),
-                                              kTimeout, kRanges))
+    full_ = std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, master_.data(),
+                                              kTimeout, p.ranges))
                 .value();
   }
 
   // Seeded gradients, zero on the frozen elements (they take none), into both accumulators,
   // each group's where grad_offsets() puts it (none for a group without room).
   void set_grads(std::uint64_t seed) {
-    std::vector<float> g = seeded(kPartition, seed, -0.5f, 0.5f);
-    const std::vector<bool> frozen = frozen_elements();
-    for (std::size_t e = 0; e < kPartition; ++e) {
+    const std::vector<DeviceOptimizer::Group>& groups = partition_.groups;
+    std::vector<float> g = seeded(partition_.elements, seed, -0.5f, 0.5f);
+    const std::vector<bool> frozen = frozen_elements(partition_);
+    for (std::size_t e = 0; e < partition_.elements; ++e) {
       if (frozen[e]) g[e] = 0.0f;
     }
     for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
-      for (std::size_t k = 0; k < groups_.size(); ++k) {
+      for (std::size_t k = 0; k < groups.size(); ++k) {
         const std::size_t at = o->grad_offsets()[k];
         if (at == DeviceOptimizer::kNoGrad) continue;
         ASSERT_TRUE(device_
-                        ->copy_h2d(o->grads() + at, g.data() + groups_[k].offset,
-                                   groups_[k].count * 4, *stream_)
+                        ->copy_h2d(o->grads() + at, g.data() + groups[k].offset,
+                                   groups[k].count * 4, *stream_)
                         .is_ok());
       }
       ASSERT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
@@ -121,27 +136,30 @@ class DeviceOptimizerFrozen : public ::testing::Test {
 
   // Piece `which` read in chunks of 1000 elements (chunks that end inside runs).
   std::vector<float> read(DeviceOptimizer& o, int which) {
-    std::vector<float> out(kPartition);
-    for (std::size_t first = 0; first < kPartition; first += 1000) {
-      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+    const std::size_t elements = partition_.elements;
+    std::vector<float> out(elements);
+    for (std::size_t first = 0; first < elements; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, elements - first);
       EXPECT_TRUE(o.read_state(which, first, count, out.data() + first).is_ok());
     }
     return out;
   }
   void write(DeviceOptimizer& o, int which, const std::vector<float>& in) {
-    for (std::size_t first = 0; first < kPartition; first += 1000) {
-      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+    const std::size_t elements = partition_.elements;
+    for (std::size_t first = 0; first < elements; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, elements - first);
       ASSERT_TRUE(o.write_state(which, first, count, in.data() + first).is_ok());
     }
   }
   std::vector<std::uint16_t> half(DeviceOptimizer& o, std::uint32_t g) {
-    std::vector<std::uint16_t> out(groups_[g].count);
+    std::vector<std::uint16_t> out(partition_.groups[g].count);
     EXPECT_TRUE(device_->copy_d2h(out.data(), o.values(g), out.size() * 2, *stream_).is_ok());
     EXPECT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
     return out;
   }
 
-  // The packed optimizer's master, moments and bf16 copies are the full one's, bit for bit.
+  // The packed optimizer's master, moments and half copies (of every group not f32) are the full
+  // one's, bit for bit.
   void expect_same(const char* what) {
     SCOPED_TRACE(what);
     for (int which = 0; which < 3; ++which) {
@@ -149,21 +167,22 @@ class DeviceOptimizerFrozen : public ::testing::Test {
       const std::vector<float> b = read(*full_, which);
       EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0) << "piece " << which;
     }
-    for (std::uint32_t g : {0u, 1u, 3u}) {
+    for (std::uint32_t g = 0; g < partition_.groups.size(); ++g) {
+      if (partition_.groups[g].dtype == DType::kF32) continue;
       EXPECT_EQ(half(*packed_, g), half(*full_, g)) << "group " << g;
     }
   }
 
-  std::vector<DeviceOptimizer::Group> groups_ = kGroups;
+  Partition partition_ = kDefaultPartition;  // set before SetUp() to replace the default
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
   std::vector<float> master_;  // set before SetUp() to replace the seeded default
   std::unique_ptr<DeviceOptimizer> packed_, full_;
 };
 
-inline std::size_t frozen_count() {
+inline std::size_t frozen_count(const Partition& p = kDefaultPartition) {
   std::size_t n = 0;
-  for (bool f : frozen_elements()) n += f ? 1 : 0;
+  for (bool f : frozen_elements(p)) n += f ? 1 : 0;
   return n;
 }
 
