@@ -147,13 +147,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   } else if (s.optimizer == OffloadDevice::kNone && s.params != OffloadDevice::kNone) {
     out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
   }
-  // The part of the pass that uses the drive: all of it where the optimizer state is on NVMe,
-  // else the new half shards' writes where the params live there.
-  double pass_drive_s = 0.0;
   if (s.params == OffloadDevice::kNvme && s.optimizer != OffloadDevice::kNvme) {
     out.nvme_write_bytes += static_cast<std::uint64_t>(ranks * half_bytes);
-    pass_drive_s = seconds(ranks * half_bytes, profile.nvme_write_gbps);
-    out.param_upload_s = std::max(out.param_upload_s, pass_drive_s);
+    out.param_upload_s =
+        std::max(out.param_upload_s, seconds(ranks * half_bytes, profile.nvme_write_gbps));
   }
   // Collectives move fp32 gradients into their reduce-scatters (the engine fills its buckets with
   // the fp32 gradients and reduce-scatters them as such: lib/zero/grad_reducer.cpp, reduce_group)
@@ -167,14 +164,6 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   const double published = s.stage == 3 ? 0.0 : 2.0 * static_cast<double>(t);
   out.publish_gather_s = seconds(published * link_share, profile.gpu_link_gbps);
   out.optimizer_step_s = std::max({out.pipeline_s, out.param_upload_s, out.publish_gather_s});
-  // The rest of the pass uses no drive: the update in host memory, the upload and the publish.
-  double pass_free_s = 0.0;
-  if (s.optimizer == OffloadDevice::kNvme) {
-    pass_drive_s = out.optimizer_step_s;
-  } else {
-    pass_free_s = std::max({out.pipeline_s, out.publish_gather_s,
-                            s.params == OffloadDevice::kNvme ? 0.0 : out.param_upload_s});
-  }
 
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
@@ -263,10 +252,7 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     // (the micro-batch counts the gradients' link time only), and the pass that meets a spilling
     // micro-batch starts at step() and meets the next forward, which spills nothing.
     // Only parameters on NVMe are fetched from a drive, and then the pass uses it too (it writes
-    // the new half params there): the drive's part of the window is the fetch's. That holds for
-    // the pass's drive work alone (pass_drive_s): with the optimizer in host memory the update
-    // uses no drive and hides behind the whole window, c·mb, while only the writes of the new
-    // half shards wait for the drive's idle time, c·(mb − drive).
+    // the new half params there): the drive's part of the window is the fetch's.
     const double drive_s = fetch_drive_s;
     // One micro-batch's time, not the step's: the pass that updates in the backward does so in
     // the last micro-batch's, and one that starts at step() meets the next step's first
@@ -274,7 +260,6 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     const double micro_batch_s =
         std::max({out.compute_s, out.collectives_s, out.param_fetch_s, offload_link_s});
     double window_s = fraction * std::max(0.0, micro_batch_s - drive_s);
-    double free_window_s = fraction * micro_batch_s;
     if (!updates_in_backward(s)) {
       // The pass starts at step() (stage 1, spilled gradients) or updates only after it (exact
       // clipping, loss scaling): it hides behind the next step's first forward at most, the
@@ -288,12 +273,8 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       const double forward_s =
           std::max({forward_compute_s, forward_gather_s, out.param_fetch_s / 2.0});
       window_s = std::min(window_s, std::max(0.0, forward_s - drive_s / 2.0));
-      free_window_s = std::min(free_window_s, forward_s);
     }
-    // Each part runs past its window by what does not fit; the pass shows the longer overrun.
-    // With only drive work (state on NVMe) that is min(optimizer step, window), as with none.
-    const double exposed_s = std::max({0.0, pass_free_s - free_window_s, pass_drive_s - window_s});
-    out.optimizer_hidden_s = std::max(0.0, out.optimizer_step_s - exposed_s);
+    out.optimizer_hidden_s = std::min(out.optimizer_step_s, window_s);
   }
   out.step_s =
       out.forward_backward_s + out.step_reduce_s + out.optimizer_step_s - out.optimizer_hidden_s;

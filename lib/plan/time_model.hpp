@@ -96,14 +96,9 @@
 // there), the fetch of parameters on NVMe reads that drive and the compute waits for it, so the
 // fetch's NVMe time (drive; 0 where the pass uses no drive) hides nothing. The gradient spill
 // writes the drive too, in the backward, but a spilling pass starts at step() and meets the next
-// forward, which spills nothing. Of that window at most c hides it, c = overlap_compute_fraction.
-// Only the pass's drive work waits for the drive: all of the pass where the optimizer state is on
-// NVMe (D = optimizer_step, E = 0), else the new half shards' writes where the params live there
-// (D = their write, E = the update, upload and publish), which use no drive and hide behind the
-// whole window c·mb. Each part runs past its window by what does not fit in it:
+// forward, which spills nothing. Of that window at most c hides it, c = overlap_compute_fraction:
 //   mb     = max(compute, collectives, param fetch, the gradients' link time)
-//   hidden = optimizer_step − max(0, E − c·mb, D − c·max(0, mb − drive))
-//            (min(optimizer_step, c·max(0, mb − drive)) where E = 0, c·mb where D = 0)
+//   hidden = min(optimizer_step, c·max(0, mb − drive))
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
 // With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
 // backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
@@ -114,9 +109,9 @@
 // and updates there only without exact clipping and fp16 loss scaling (in_backward_;
 // EngineSetup::exact_clipping_or_loss_scaling). Otherwise (stage 1, which waits for step()'s
 // reduction; spilled gradients; exact clipping; loss scaling) the updates start at step() and
-// hide behind the next step's first forward at most, whatever c says: with fwd = max(F_fwd / rate,
-// stage 3's forward all-gather, half the param fetch), the windows become
-//   min(c·mb, fwd) for E and min(c·max(0, mb − drive), max(0, fwd − drive/2)) for D
+// hide behind the next step's first forward at most, whatever c says:
+//   hidden = min(optimizer_step, c·max(0, mb − drive), max(0, max(F_fwd / rate, stage 3's
+//                forward all-gather, half the param fetch) − drive/2))
 // with F_fwd = (2·P + 4·L·h·s)·s·b the forward's FLOPs: a third of a micro-batch's, a quarter
 // with checkpointing, more with frozen parameters.
 //
