@@ -81,31 +81,47 @@ class DeviceState final : public InMemoryState {
     free_buffer_after(st);
     return st;
   }
-  // After update_master_range(): only its groups' values come down, are rounded into the
-  // publisher's buffer and written to their shards.
+  // After update_master_range(): only its changed groups' values come down, are rounded into
+  // the publisher's buffer and written to their shards.
   Status write_loaded() override {
     if (!ranged_) return publish_master(/*gather_persistent=*/false);
     ranged_ = false;
     if (pub_.buffer_bytes() == 0) pub_.allocate_buffer();
-    Status st = read_master(range_.begin, range_.end,
-                            [&](std::size_t first, std::size_t count, const float* src) {
-                              narrow_all(first, count, src);
-                            });
+    // Each run of changed groups read in one go.
+    Status st;
+    for (std::uint32_t g = range_.first_group; g < range_.end_group && st.is_ok();) {
+      if (!chosen_group(changed_, g)) {
+        ++g;
+        continue;
+      }
+      std::uint32_t end_group = g + 1;
+      while (end_group < range_.end_group && chosen_group(changed_, end_group)) ++end_group;
+      const GroupSpan run = group_run(layout_, g, end_group);
+      st = read_master(run.begin, run.end,
+                       [&](std::size_t first, std::size_t count, const float* src) {
+                         narrow_all(first, count, src);
+                       });
+      g = end_group;
+    }
     if (st.is_ok()) {
       st = pub_.write_group_shards(
           [&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); }, range_.first_group,
-          range_.end_group);
+          range_.end_group, changed_);
     }
     if (st.is_ok()) st = pub_.wait_writes();
     free_buffer_after(st);
     return st;
   }
   // The range widened to whole groups, through the host chunk: read, changed, written back.
-  Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) override {
+  Status update_master_range(std::size_t begin, std::size_t end,
+                             std::span<const std::uint8_t> changed, StateFill fill) override {
     end = std::min(end, partition_elements_);
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    ranged_ = widen_to_groups(layout_, &begin, &end, &range_);
+    ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
+    // A whole partition with some groups unchanged is ranged too: over every group.
+    ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
+    changed_.assign(changed.begin(), changed.end());
     std::vector<float> chunk(std::min(end - begin, chunk_elements()));
     for (std::size_t first = begin; first < end; first += chunk.size()) {
       const std::size_t count = std::min(chunk.size(), end - first);
@@ -190,15 +206,16 @@ class DeviceState final : public InMemoryState {
 
   void narrow_all(std::size_t first, std::size_t count, const float* src) {
     pub_.narrow_groups(
-        first, count, src, [](DType) { return true; },
+        first, count, src, [](std::uint32_t) { return true; },
         [&](std::uint32_t g) { return pub_.buffer(g); });
   }
 
   std::unique_ptr<DeviceOptimizer> opt_;
-  // update_master_range() of less than the partition: its groups and their span, until
-  // write_loaded().
+  // update_master_range() of less than the partition, or of some groups unchanged: its groups
+  // and their span, and which of them it changes (empty: all), until write_loaded().
   bool ranged_ = false;
   GroupSpan range_;
+  std::vector<std::uint8_t> changed_;
 };
 
 }  // namespace

@@ -132,12 +132,12 @@ class HostState final : public InMemoryState {
     return write_buffer(/*gather_persistent=*/true, /*frozen_too=*/false);
   }
   Status publish_master(bool gather_persistent) override {
-    narrow([](DType) { return true; });
+    narrow([](std::uint32_t) { return true; });
     return write_buffer(gather_persistent);
   }
   // A checkpoint load rounds the master into the buffer run by run as it arrives, so
-  // write_loaded() only writes the shards; after update_master_range(), the same over its groups
-  // alone, and write_loaded() writes only those groups' shards.
+  // write_loaded() only writes the shards; after update_master_range(), the same over its
+  // changed groups alone, and write_loaded() writes only those groups' shards.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
     if (first == (ranged_ ? range_.begin : 0)) loaded_elements_ = first;
     if (first != loaded_elements_) {
@@ -145,7 +145,8 @@ class HostState final : public InMemoryState {
       return Status::ok();
     }
     pub_.narrow_groups(
-        first, count, values, [](DType) { return true; },
+        first, count, values,
+        [&](std::uint32_t g) { return !ranged_ || chosen_group(changed_, g); },
         [&](std::uint32_t g) { return pub_.buffer(g); });
     loaded_elements_ += count;
     return Status::ok();
@@ -159,20 +160,24 @@ class HostState final : public InMemoryState {
     if (!ranged) return write_buffer(/*gather_persistent=*/false);
     ZINF_RETURN_IF_ERROR(
         pub_.write_group_shards([&](std::uint32_t g) -> const std::byte* { return pub_.buffer(g); },
-                                range_.first_group, range_.end_group));
+                                range_.first_group, range_.end_group, changed_));
     return pub_.wait_writes();
   }
   // The range widened to whole groups, changed in place.
-  Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) override {
+  Status update_master_range(std::size_t begin, std::size_t end,
+                             std::span<const std::uint8_t> changed, StateFill fill) override {
     end = std::min(end, partition_elements_);
     loaded_elements_ = kNotLoaded;
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    ranged_ = widen_to_groups(layout_, &begin, &end, &range_);
+    ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
+    // A whole partition with some groups unchanged is ranged too: over every group.
+    ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
+    changed_.assign(changed.begin(), changed.end());
     return fill(begin, end - begin, master_.as<float>() + begin);
   }
   Status update_master(StateFill fill) override {
-    return update_master_range(0, partition_elements_, fill);
+    return update_master_range(0, partition_elements_, {}, fill);
   }
 
   Status read_master(std::size_t, std::size_t, MasterVisitor fn) override {
@@ -270,7 +275,7 @@ class HostState final : public InMemoryState {
     (void)r;
     return Status::ok();
   }
-  void narrow(FunctionRef<bool(DType)> want) {
+  void narrow(FunctionRef<bool(std::uint32_t)> want) {
     pub_.narrow_groups(0, partition_elements_, master_.as<const float>(), want,
                        [&](std::uint32_t g) { return pub_.buffer(g); });
   }
@@ -289,10 +294,11 @@ class HostState final : public InMemoryState {
   std::size_t reserved_bytes_ = 0;
   DeviceBuffer master_;
   AlignedBuffer exp_avg_, exp_avg_sq_, grads_;
-  // update_master_range() of less than the partition: its groups and their span, until
-  // write_loaded().
+  // update_master_range() of less than the partition, or of some groups unchanged: its groups
+  // and their span, and which of them it changes (empty: all), until write_loaded().
   bool ranged_ = false;
   GroupSpan range_;
+  std::vector<std::uint8_t> changed_;
   // master_loaded(): the element up to which the master was rounded into the buffer, in order,
   // since element 0 (or since range_.begin after update_master_range()).
   static constexpr std::size_t kNotLoaded = SIZE_MAX;

@@ -234,13 +234,17 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   // The groups go to the state in runs: a run of neighbouring named groups is one ranged update
   // (update_master_range, then write_loaded), and two runs are one across the groups between
   // them where the state would read and rewrite one block of the master for both
-  // (shares_rewrite: an NVMe sub-group that holds the end of one and the start of the next),
-  // whose gap then costs no more than that block did. Runs cost no collective: the broadcasts
-  // are one per parameter whatever the runs, and the all-gathers one per named group that stays
-  // gathered, made once after the last run. A rank's runs may thus differ from another's (its
-  // sub-groups are cut at its frozen pieces); the groups all-gathered do not, being the named
-  // ones. The groups a run takes between named ones get their shards written again from their
-  // master as it is, which is what they hold, so their gathered copies stay as they are.
+  // (shares_rewrite: an NVMe sub-group that holds the end of one and the start of the next).
+  // Such a run reads and rewrites every sub-group that holds it, the gap's too (as it would the
+  // one block the two runs share): on NVMe the master is written in whole sub-groups, so with
+  // the default sub_group_size, where a rank's partition is often one sub-group, a batch reads
+  // and rewrites it whole. Only the named groups are changed, rounded and have their shards
+  // written (`named` goes with each run as update_master_range's `changed`): the groups between
+  // them keep their master, their shards and their gathered copies as they are. Runs cost no
+  // collective: the broadcasts are one per parameter whatever the runs, and the all-gathers one
+  // per named group that stays gathered, made once after the last run. A rank's runs may thus
+  // differ from another's (its sub-groups are cut at its frozen pieces); the groups written and
+  // all-gathered do not, being the named ones.
   std::vector<std::uint8_t> named(w.layout->group_count(), 0);
   for (ParamId id : ids) named[part.location(id).group] = 1;
   std::vector<GroupSpan> runs;
@@ -259,15 +263,16 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   std::size_t cursor = 0;  // the first entry whose piece the pass has not finished
   OptimizerState& state = *w.state;
   // Every element of a run is written: update_master_range() hands each piece over as it is,
-  // and the batch's elements in it are patched in. Each piece is then rounded into what the shards
-  // are published from while it is in cache (master_loaded(), as a checkpoint load does; a state
-  // that streams the shards writes them as their groups complete), so the master is not read
-  // back to publish it. The shards of a run are written (write_loaded) and waited for before the
-  // next run, as part of the pass, so that the last agreement tells every rank whether every
-  // rank's shards are written; only then are the persistent groups all-gathered. A rank whose
-  // shard write failed thus fails every rank in this call (the ranks' shards now disagree: the
-  // error is sticky everywhere) instead of leaving them in the all-gather, or returning OK where
-  // no all-gather follows.
+  // and the batch's elements in it are patched in (those of the groups between named ones are
+  // left as they are). Each piece is then rounded into what the shards are published from while
+  // it is in cache (master_loaded(), as a checkpoint load does; a state that streams the shards
+  // writes them as their groups complete), so the master is not read back to publish it. The
+  // shards of a run are written (write_loaded) and waited for before the next run, as part of
+  // the pass, so that the last agreement tells every rank whether every rank's shards are
+  // written; only then are the persistent groups all-gathered. A rank whose shard write failed
+  // thus fails every rank in this call (the ranks' shards now disagree: the error is sticky
+  // everywhere) instead of leaving them in the all-gather, or returning OK where no all-gather
+  // follows.
   auto fill = [&](std::size_t first, std::size_t count, float* out) -> Status {
     const std::size_t end = first + count;
     while (cursor < entries.size()) {
@@ -290,7 +295,7 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   };
   Status st;
   for (const GroupSpan& run : runs) {
-    st = state.update_master_range(run.begin, run.end, fill);
+    st = state.update_master_range(run.begin, run.end, named, fill);
     if (st.is_ok()) {
       st = state.write_loaded();
       if (!st.is_ok()) st = st.with_context(fmt::format("{}: writing the new shards", call));

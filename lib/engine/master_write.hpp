@@ -65,19 +65,20 @@ std::string write_parameters_call(std::span<const std::string_view> names);
 // named groups (two runs joined across the groups between them where the state would rewrite
 // one block for both, OptimizerState::shares_rewrite): an OptimizerState::update_master_range
 // per run, each sub-group holding the run handed over as it is stored and rewritten on whatever
-// tier it lives, so the groups between runs cost nothing. During the pass the parameters are
-// broadcast from the root one at a time in layout order, each preceded by an agreement that every
-// rank is still in the pass (so a rank that fails stops every rank at the same parameter instead
-// of leaving them waiting in the broadcast; a failure after the last broadcast is agreed once the
-// pass is over). Every rank makes the same broadcasts in the same order, whatever its runs: a
-// rank takes the pieces of the parameters it owns as its pass reaches them, which is layout order
-// since its partition lies in group order, and broadcasts those it owns no piece of on the way.
-// Each patched piece goes to OptimizerState::master_loaded() as it is written, and each run's
-// shards are written from them with write_loaded(), so the master is not read back to publish
-// them. The shard writes come before the last agreement and the all-gather of the named groups
-// that stay gathered after it: a rank whose shard write fails (a write to the swap) fails every
-// rank in this call, itself with the error naming the shard's swap extent, file and offset, the
-// others with kAborted naming it, and the engine is then unusable on every rank, since their
+// tier it lives, so the groups between runs cost nothing, and only the named groups of a joined
+// run changed, rounded and written to their shards (its `changed`). During the pass the parameters
+// are broadcast from the root one at a time in layout order, each preceded by an agreement that
+// every rank is still in the pass (so a rank that fails stops every rank at the same parameter
+// instead of leaving them waiting in the broadcast; a failure after the last broadcast is agreed
+// once the pass is over). Every rank makes the same broadcasts in the same order, whatever its
+// runs: a rank takes the pieces of the parameters it owns as its pass reaches them, which is layout
+// order since its partition lies in group order, and broadcasts those it owns no piece of on the
+// way. Each patched piece goes to OptimizerState::master_loaded() as it is written, and each run's
+// named groups' shards are written from them with write_loaded(), so the master is not read back to
+// publish them. The shard writes come before the last agreement and the all-gather of the named
+// groups that stay gathered after it: a rank whose shard write fails (a write to the swap) fails
+// every rank in this call, itself with the error naming the shard's swap extent, file and offset,
+// the others with kAborted naming it, and the engine is then unusable on every rank, since their
 // shards disagree. Errors from the exchange on are recorded in `sticky`. Collective.
 Status write_master_values(const MasterAccess& w, std::span<const std::string_view> names,
                            const ParameterValues& values, int root, Status precondition);

@@ -165,11 +165,11 @@ class OptimizerState {
     return Status::ok();
   }
   // After a checkpoint load or Engine::write_parameters' pass: every shard from the new master
-  // (after update_master_range(): the shards of its span's groups), as publish_master() writes
-  // them, the writes waited for; the persistent groups are not
-  // all-gathered. Local: the ranks agree that every rank's writes succeeded before any of them
-  // all-gathers (Publisher::publish()), so a rank whose write failed fails every rank in the
-  // same call instead of leaving them in the all-gather.
+  // (after update_master_range(): the shards of its span's changed groups), as publish_master()
+  // writes them, the writes waited for; the persistent groups are not all-gathered. Local: the
+  // ranks agree that every rank's writes succeeded before any of them all-gathers
+  // (Publisher::publish()), so a rank whose write failed fails every rank in the same call
+  // instead of leaving them in the all-gather.
   virtual Status write_loaded() { return publish_master(/*gather_persistent=*/false); }
 
   // Calls fn over the fp32 master in partition order, in pieces, covering at least elements
@@ -210,17 +210,24 @@ class OptimizerState {
   // what it is called over is left as it is. A state may widen the range (to whole groups, so
   // that master_loaded() over it lets write_loaded() write those groups' shards alone); when the
   // calls covered the widened range in order, write_loaded() then writes only the shards of the
-  // groups it overlaps. This one updates the whole master, and write_loaded() writes every shard.
-  virtual Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) {
-    (void)begin, (void)end;
+  // groups it overlaps that `changed` chooses (one entry per group, nonzero for a group whose
+  // master fill may change; empty: every group), and master_loaded() rounds only theirs. fill
+  // leaves the other groups' elements as it finds them (a range joined across groups between
+  // two runs of changed ones, shares_rewrite): their shards are neither rounded nor written, so
+  // they stay what they are. This one updates the whole master, and write_loaded() writes every
+  // shard.
+  virtual Status update_master_range(std::size_t begin, std::size_t end,
+                                     std::span<const std::uint8_t> changed, StateFill fill) {
+    (void)begin, (void)end, (void)changed;
     return update_master(fill);
   }
   // Whether an update_master_range() that ends at element `end` and a later one that starts at
   // element `begin` (end <= begin) would both read and rewrite one block of the master (the
   // store's NVMe sub-group holding elements end - 1 and begin), so that one call across the gap
-  // costs less than the two (Engine::write_parameters then makes one). The answer may differ
-  // between ranks (a rank's sub-groups are cut at its frozen pieces). This one: the master is in
-  // memory, where two calls cost no more than their elements.
+  // (its groups left out of `changed`) costs less than the two (Engine::write_parameters then
+  // makes one). The answer may differ between ranks (a rank's sub-groups are cut at its frozen
+  // pieces). This one: the master is in memory, where two calls cost no more than their
+  // elements.
   virtual bool shares_rewrite(std::size_t end, std::size_t begin) const {
     (void)end, (void)begin;
     return false;

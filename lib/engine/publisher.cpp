@@ -41,8 +41,8 @@ GroupSpan group_run(const ParameterLayout& layout, std::uint32_t first_group,
 
 bool widen_to_groups(const ParameterLayout& layout, std::size_t* begin, std::size_t* end,
                      GroupSpan* span) {
-  if (*begin == 0 && *end >= layout.partition_elements()) return false;
   *span = groups_spanning(layout, *begin, *end);
+  if (*begin == 0 && *end >= layout.partition_elements()) return false;
   *begin = span->begin;
   *end = span->end;
   return true;
@@ -53,7 +53,7 @@ void Publisher::allocate_buffer() {
 }
 
 void Publisher::narrow_groups(std::size_t first, std::size_t count, const float* src,
-                              FunctionRef<bool(DType)> want,
+                              FunctionRef<bool(std::uint32_t)> want,
                               FunctionRef<std::byte*(std::uint32_t)> values) {
   const std::size_t end = first + count;
   // Only the groups overlapping [first, end): a caller narrowing run by run does not walk every
@@ -62,7 +62,7 @@ void Publisher::narrow_groups(std::size_t first, std::size_t count, const float*
     const std::size_t group_first = layout_.offset(g);
     if (group_first >= end) break;
     const GroupInfo& info = layout_.group(g);
-    if (!want(info.dtype)) continue;
+    if (!want(g)) continue;
     const std::size_t lo = std::max(first, group_first);
     const std::size_t hi = std::min(end, group_first + info.shard_element_count);
     if (lo >= hi) continue;
@@ -83,9 +83,12 @@ Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> valu
 }
 
 Status Publisher::write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
-                                     std::uint32_t first_group, std::uint32_t end_group) {
+                                     std::uint32_t first_group, std::uint32_t end_group,
+                                     std::span<const std::uint8_t> chosen) {
   ZINF_ASSERT(first_group <= end_group && end_group <= layout_.group_count());
+  ZINF_ASSERT(chosen.empty() || chosen.size() == layout_.group_count());
   for (std::uint32_t g = first_group; g < end_group; ++g) {
+    if (!chosen_group(chosen, g)) continue;
     ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
   }
   return Status::ok();
@@ -160,6 +163,7 @@ void Publisher::allocate_stage() {
 void Publisher::restart_stream(bool descending, bool frozen_too) {
   stream_descending_ = descending;
   stream_frozen_too_ = frozen_too;
+  stream_chosen_.clear();
   stream_next_ = descending ? layout_.partition_elements() : 0;
   stream_group_ = descending ? layout_.group_count() : 0;
   stream_end_group_ = layout_.group_count();
@@ -167,9 +171,12 @@ void Publisher::restart_stream(bool descending, bool frozen_too) {
   stream_filled_ = 0;
 }
 
-void Publisher::restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group) {
+void Publisher::restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group,
+                                      std::span<const std::uint8_t> chosen) {
   ZINF_ASSERT(first_group < end_group && end_group <= layout_.group_count());
+  ZINF_ASSERT(chosen.empty() || chosen.size() == layout_.group_count());
   restart_stream();
+  stream_chosen_.assign(chosen.begin(), chosen.end());
   stream_next_ = layout_.offset(first_group);
   stream_group_ = first_group;
   stream_end_group_ = end_group;
@@ -220,8 +227,9 @@ Status Publisher::stage(std::size_t first, std::size_t count,
     const std::uint32_t g = stream_descending_ ? stream_group_ - 1 : stream_group_;
     const std::size_t group_first = layout_.offset(g);
     const std::size_t group_count = layout_.group(g).shard_element_count;
-    // A frozen group in a step's stream: counted through, never filled or written.
-    const bool skip = !publishes(g, stream_frozen_too_);
+    // A frozen group in a step's stream, or a group a ranged stream does not choose: counted
+    // through, never filled or written.
+    const bool skip = !publishes(g, stream_frozen_too_) || !chosen_group(stream_chosen_, g);
     // After a turn the ascending ranges stop where the descending ones ended: a group straddling
     // that point gets its lower part here.
     const std::size_t group_end = std::min(group_first + group_count, stream_stop_);

@@ -67,10 +67,16 @@ GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std:
 GroupSpan group_run(const ParameterLayout& layout, std::uint32_t first_group,
                     std::uint32_t end_group);
 // What update_master_range() updates: [*begin, *end) widened to whole groups, `*span` those
-// groups, unless it is the whole partition (then left as it is). Returns whether it is a part of
-// the partition (a ranged update). REQUIRES: *begin < *end <= layout.partition_elements().
+// groups, unless it is the whole partition (then left as it is, and `*span` every group).
+// Returns whether it is a part of the partition (a ranged update).
+// REQUIRES: *begin < *end <= layout.partition_elements().
 bool widen_to_groups(const ParameterLayout& layout, std::size_t* begin, std::size_t* end,
                      GroupSpan* span);
+// Whether group g is chosen by `chosen` (one entry per group, nonzero for a chosen one; empty:
+// every group is).
+inline bool chosen_group(std::span<const std::uint8_t> chosen, std::uint32_t g) {
+  return chosen.empty() || chosen[g] != 0;
+}
 
 class Publisher {
  public:
@@ -87,10 +93,11 @@ class Publisher {
   // Group g's new values in the buffer.
   std::byte* buffer(std::uint32_t g) { return buffer_.data() + layout_.byte_offset(g); }
 
-  // For each group overlapping partition elements [first, first + count) for which
-  // want(dtype) holds: src rounded to the group's dtype into values(g) (group g's start).
+  // For each group g overlapping partition elements [first, first + count) for which want(g)
+  // holds: src rounded to the group's dtype into values(g) (group g's start).
   void narrow_groups(std::size_t first, std::size_t count, const float* src,
-                     FunctionRef<bool(DType)> want, FunctionRef<std::byte*(std::uint32_t)> values);
+                     FunctionRef<bool(std::uint32_t)> want,
+                     FunctionRef<std::byte*(std::uint32_t)> values);
 
   // Every group's shard from values(g), then publish() when `gather_persistent` (the
   // overlapped step publishes persistent groups module by module from the rank's thread).
@@ -98,10 +105,12 @@ class Publisher {
   // asked for.
   Status write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                       bool gather_persistent = true, bool frozen_too = true);
-  // Groups [first_group, end_group)'s shards from values(g), not all-gathered (after a write of
-  // those groups' master alone: Engine::write_parameters).
+  // The shards of groups [first_group, end_group) that `chosen` chooses (chosen_group()) from
+  // values(g), not all-gathered (after a write of those groups' master alone:
+  // Engine::write_parameters).
   Status write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
-                            std::uint32_t first_group, std::uint32_t end_group);
+                            std::uint32_t first_group, std::uint32_t end_group,
+                            std::span<const std::uint8_t> chosen = {});
 
   // --- The half-precision stream -----------------------------------------------------------
   // A group is written only when every one of its elements was filled in this pass, so no shard
@@ -117,8 +126,11 @@ class Publisher {
   // elements of frozen groups are neither filled nor written (fill is not called for them).
   void restart_stream(bool descending = false, bool frozen_too = true);
   // An ascending stream of groups [first_group, end_group) only: the ranges start at the first
-  // one's slice and end at the last one's end (a write of those groups' master alone).
-  void restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group);
+  // one's slice and end at the last one's end (a write of those groups' master alone). Of those,
+  // the groups `chosen` does not choose (chosen_group()) are counted through, never filled or
+  // written, as a step's stream passes over the frozen ones.
+  void restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group,
+                             std::span<const std::uint8_t> chosen = {});
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
   // restart_stream()); descending, first + count is where the previous range began (the
@@ -195,6 +207,8 @@ class Publisher {
   AlignedBuffer stage_;  // one group's new shard, the largest group's size
   bool stream_descending_ = false;
   bool stream_frozen_too_ = true;  // restart_stream()'s `frozen_too`
+  // restart_stream_groups()'s `chosen` (empty: every group), copied for the stream's length.
+  std::vector<std::uint8_t> stream_chosen_;
   // Ascending: the partition element the next range starts at, and the group being assembled.
   // Descending: the element the next range ends at, and one past the group being assembled.
   std::size_t stream_next_ = 0;

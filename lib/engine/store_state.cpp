@@ -196,21 +196,22 @@ class StoreState final : public OptimizerState {
     // run of such groups that are not frozen, its master only, all runs in one walk, so that a
     // swap block two runs share is read once.
     std::size_t run = 0;  // the first run not wholly narrowed yet (the reads go up)
-    ZINF_RETURN_IF_ERROR(read_master_spans(copied_runs_, [&](std::size_t first, std::size_t count,
-                                                             const float* src) {
-      // A read may hold more than the runs (on the host tier the whole partition; between two
-      // runs that share a swap block, the frozen elements there): only the runs' are narrowed.
-      const std::size_t end = first + count;
-      while (run < copied_runs_.size() && copied_runs_[run].end <= first) ++run;
-      for (std::size_t r = run; r < copied_runs_.size() && copied_runs_[r].begin < end; ++r) {
-        const std::size_t lo = std::max(first, copied_runs_[r].begin);
-        const std::size_t hi = std::min(end, copied_runs_[r].end);
-        pub_.narrow_groups(
-            lo, hi - lo, src + (lo - first), [&](DType dtype) { return needs_master_copy(dtype); },
-            [&](std::uint32_t h) { return values(h); });
-      }
-      return Status::ok();
-    }));
+    ZINF_RETURN_IF_ERROR(read_master_spans(
+        copied_runs_, [&](std::size_t first, std::size_t count, const float* src) {
+          // A read may hold more than the runs (on the host tier the whole partition; between two
+          // runs that share a swap block, the frozen elements there): only the runs' are narrowed.
+          const std::size_t end = first + count;
+          while (run < copied_runs_.size() && copied_runs_[run].end <= first) ++run;
+          for (std::size_t r = run; r < copied_runs_.size() && copied_runs_[r].begin < end; ++r) {
+            const std::size_t lo = std::max(first, copied_runs_[r].begin);
+            const std::size_t hi = std::min(end, copied_runs_[r].end);
+            pub_.narrow_groups(
+                lo, hi - lo, src + (lo - first),
+                [&](std::uint32_t h) { return needs_master_copy(layout_.group(h).dtype); },
+                [&](std::uint32_t h) { return values(h); });
+          }
+          return Status::ok();
+        }));
     return write_values(gather_persistent, /*frozen_too=*/false);
   }
 
@@ -247,14 +248,15 @@ class StoreState final : public OptimizerState {
   // its group completes (both callers drop the prefetched modules before they write the master),
   // so the master is not read back to publish it. A failed shard write fails the load or the
   // pass, which the ranks agree on.
-  // After update_master_range(), the same over its groups alone: the calls start at the first
-  // group's slice, and write_loaded() writes those groups' shards.
+  // After update_master_range(), the same over its changed groups alone: the calls start at the
+  // first group's slice, and write_loaded() writes the changed groups' shards; the others are
+  // neither rounded nor written.
   Status master_loaded(std::size_t first, std::size_t count, const float* values) override {
     if (first == (ranged_ ? range_.begin : 0)) {
       loaded_elements_ = first;
       if (publish_ == Publish::kStreamed) {
         if (ranged_) {
-          pub_.restart_stream_groups(range_.first_group, range_.end_group);
+          pub_.restart_stream_groups(range_.first_group, range_.end_group, changed_);
         } else {
           pub_.restart_stream();
         }
@@ -271,7 +273,7 @@ class StoreState final : public OptimizerState {
             narrow(values + (lo - first), hi - lo, half, dst);
           }));
     } else {
-      narrow_all(first, count, values);
+      narrow_all(first, count, values, ranged_ ? changed_ : std::span<const std::uint8_t>());
     }
     loaded_elements_ += count;
     return Status::ok();
@@ -285,7 +287,7 @@ class StoreState final : public OptimizerState {
     if (ranged && publish_ != Publish::kStreamed) {
       ZINF_RETURN_IF_ERROR(
           pub_.write_group_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
-                                  range_.first_group, range_.end_group));
+                                  range_.first_group, range_.end_group, changed_));
       return pub_.wait_writes();
     }
     if (publish_ != Publish::kStreamed) return write_values_and_wait(/*gather_persistent=*/false);
@@ -383,14 +385,15 @@ class StoreState final : public OptimizerState {
   // Each sub-group of the master read into a block (the next one read ahead while `fill` changes
   // it), changed in place by `fill`, and written back from the same block.
   Status update_master(StateFill fill) override {
-    return update_master_range(0, layout_.partition_elements(), fill);
+    return update_master_range(0, layout_.partition_elements(), {}, fill);
   }
 
   // The range widened to whole groups; on the host tier those elements in place, on NVMe only
   // the sub-groups that hold them, each read, changed and written back whole (fill is called
-  // over the range's part of it). master_loaded() over the range in order then lets
-  // write_loaded() write only its groups' shards.
-  Status update_master_range(std::size_t begin, std::size_t end, StateFill fill) override {
+  // over the range's part of it, the unchanged groups' elements too). master_loaded() over the
+  // range in order then lets write_loaded() write only its changed groups' shards.
+  Status update_master_range(std::size_t begin, std::size_t end,
+                             std::span<const std::uint8_t> changed, StateFill fill) override {
     StateStore& s = *store_;
     const std::size_t total = layout_.partition_elements();
     end = std::min(end, total);
@@ -398,7 +401,10 @@ class StoreState final : public OptimizerState {
     loaded_elements_ = kNotLoaded;
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    ranged_ = widen_to_groups(layout_, &begin, &end, &range_);
+    ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
+    // A whole partition with some groups unchanged is ranged too: over every group.
+    ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
+    changed_.assign(changed.begin(), changed.end());
     // As write_state(kParams): the settled sub-groups stay settled.
     const std::vector<bool> settled = settled_frozen();
     struct Resettle {
@@ -849,9 +855,12 @@ class StoreState final : public OptimizerState {
     }
     return pub_.buffer(g);
   }
-  void narrow_all(std::size_t first, std::size_t count, const float* src) {
+  // Of the groups `chosen` chooses (chosen_group(): empty, every group).
+  void narrow_all(std::size_t first, std::size_t count, const float* src,
+                  std::span<const std::uint8_t> chosen = {}) {
     pub_.narrow_groups(
-        first, count, src, [](DType) { return true; }, [&](std::uint32_t g) { return values(g); });
+        first, count, src, [&](std::uint32_t g) { return chosen_group(chosen, g); },
+        [&](std::uint32_t g) { return values(g); });
   }
   Status write_values(bool gather_persistent = true, bool frozen_too = true) {
     return pub_.write_shards([&](std::uint32_t g) -> const std::byte* { return values(g); },
@@ -884,10 +893,11 @@ class StoreState final : public OptimizerState {
   // since element 0 (or since range_.begin after update_master_range()).
   static constexpr std::size_t kNotLoaded = SIZE_MAX;
   std::size_t loaded_elements_ = 0;
-  // update_master_range() of less than the partition: its groups and their span, until
-  // write_loaded().
+  // update_master_range() of less than the partition, or of some groups unchanged: its groups
+  // and their span, and which of them it changes (empty: all), until write_loaded().
   bool ranged_ = false;
   GroupSpan range_;
+  std::vector<std::uint8_t> changed_;
 };
 
 // Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not

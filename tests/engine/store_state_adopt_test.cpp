@@ -92,7 +92,7 @@ TEST(StoreStateAdopt, AFailedRangedWriteLeavesNothingForTheAdoptedCheckpointsPub
   const std::vector<float> fresh = seeded(span.end - span.begin, 99, 2.0f, 3.0f);
   faults->set_enabled(true);
   Status failed = state.update_master_range(
-      span.begin, span.end, [&](std::size_t first, std::size_t count, float* out) -> Status {
+      span.begin, span.end, {}, [&](std::size_t first, std::size_t count, float* out) -> Status {
         std::memcpy(out, fresh.data() + (first - span.begin), count * sizeof(float));
         return state.master_loaded(first, count, out);
       });
