@@ -451,28 +451,32 @@ class Engine {
   // Replaces the fp32 master of parameter `name` with rank `root`'s `values` (element_count
   // floats; the other ranks' `values` are ignored and may be null), and republishes the device
   // copies / shards from the master, as load_checkpoint() does; the optimizer moments stay.
-  // Collective: every rank calls it with the same name and root. It reads and rewrites this
-  // rank's whole master partition (each sub-group, on whatever tier it lives): to write many
-  // parameters, use the batch form below, one pass for all of them. kNotFound for an unknown
-  // name; kFailedPrecondition when a module is gathered or gradients were reduced since the last
-  // step; kInvalidArgument for a root outside the world, and for a null `values` on the root
-  // (kAborted naming the root on the other ranks). Errors once the master is being written are
-  // sticky, as for the batch form.
+  // Collective: every rank calls it with the same name and root. It updates this rank's slice
+  // of the parameter's group alone and writes that group's shards alone (all-gathered again
+  // where the group stays gathered); with the master on NVMe, the sub-groups holding that slice
+  // are read and rewritten whole. To write many parameters, use the batch form below, one pass
+  // for all of them. kNotFound for an unknown name; kFailedPrecondition when a module is gathered
+  // or gradients were reduced since the last step; kInvalidArgument for a root outside the
+  // world, and for a null `values` on the root (kAborted naming the root on the other ranks).
+  // Errors once the master is being written are sticky, as for the batch form.
   Status write_parameters(std::string_view name, const float* values, int root = 0);
   // write_parameters() for many parameters at once: the fp32 masters of `names` are replaced
   // with rank `root`'s values, which `values` gives on the root one parameter at a time (each
   // name once, in the order the parameters lie in the layout, not the order of `names`), and the
   // device copies / shards are republished once; the optimizer moments and the other parameters'
-  // masters stay. It reads and rewrites this rank's master partition once, whatever the number
-  // of names, and holds one parameter's values at a time besides the state's own sub-group
-  // buffers. Collective: every rank passes the same names in the same order and the same root;
-  // `values` is only called on the root and may be empty elsewhere. Empty `names`: nothing to
-  // write, OK (still collective: the ranks agree on it). Before anything is written, a rank returns
-  // kNotFound naming an unknown name; kInvalidArgument naming a name given twice, or for a root
-  // outside the world; kFailedPrecondition when a module is gathered or gradients were reduced
-  // since the last step; kInvalidArgument for an empty `values` on the root; the others return
-  // kAborted naming that rank (the outcomes are agreed, so a call refused on one rank does not
-  // leave the others waiting), and every rank kInvalidArgument when the ranks' names or roots
+  // masters stay. It updates this rank's slices of the named parameters' groups only, in runs of
+  // neighbouring groups, writes those groups' shards only and all-gathers those of them that
+  // stay gathered; with the master on NVMe, the sub-groups holding those slices are read and
+  // rewritten whole, each once whatever the number of names (so two parameters far apart in one
+  // sub-group cost it once). It holds one parameter's values at a time besides the state's own
+  // sub-group buffers. Collective: every rank passes the same names in the same order and the
+  // same root; `values` is only called on the root and may be empty elsewhere. Empty `names`:
+  // nothing to write, OK (still collective: the ranks agree on it). Before anything is written, a
+  // rank returns kNotFound naming an unknown name; kInvalidArgument naming a name given twice, or
+  // for a root outside the world; kFailedPrecondition when a module is gathered or gradients were
+  // reduced since the last step; kInvalidArgument for an empty `values` on the root; the others
+  // return kAborted naming that rank (the outcomes are agreed, so a call refused on one rank does
+  // not leave the others waiting), and every rank kInvalidArgument when the ranks' names or roots
   // differ. Once the pass has begun, an error (one `values` returned, which comes back with the
   // parameter's name; an I/O error, a write of the new shards included; a collective's) fails
   // every rank in this call, the others with kAborted naming the rank, and is sticky: some
