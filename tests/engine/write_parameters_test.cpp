@@ -645,55 +645,130 @@ TEST(WriteParametersBatch, TwoParametersFarApartCostTheirGroupsAlone) {
   }
 }
 
-// Two parameters far apart whose groups' slices lie in one sub-group (one per rank here) are
-// one ranged update across the groups between them: the sub-group is read and written once, as
-// for either parameter alone, not once for each; the masters are those written.
-TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
-  const Case c{2, 2, OffloadDevice::kNvme};
-  const Model model = engine_test::make_model(DType::kF32, 90);
-  const std::vector<std::vector<float>> fresh = fresh_values(model, 23);
-  const std::vector<std::string_view> pair = {"embed.w", "head.w"};
-  // Per rank, for a write of embed.w alone [0] and of the two in one batch [1]: pieces read,
-  // pieces written.
-  std::vector<std::array<std::uint64_t, 2>> read(2), written(2);
-  std::vector<std::vector<std::vector<float>>> masters(2);
-  for (const bool reads : {true, false}) {
-    engine_test::ScratchDir dir(fmt::format("write_one_sub_group_{}", reads));
-    engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
-    Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
-    config.zero.sub_group_size = 1 << 20;
-    std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-      const auto r = static_cast<std::size_t>(rank);
-      auto faults = engine_test::io_counter(reads);
-      ZINF_ASSIGN_OR_RETURN(auto engine,
-                            engine_test::open_finalized(ranks, rank, config, model, faults));
-      for (std::size_t k = 0; k < 2; ++k) {
-        const std::uint64_t pieces = faults->counts().latency;
-        if (k == 0) {
-          ZINF_RETURN_IF_ERROR(
-              engine->write_parameters(pair[0], fresh[param_index(model, pair[0])].data(), 0));
-        } else {
-          ZINF_RETURN_IF_ERROR(engine->write_parameters(pair, values_from(model, fresh), 0));
-        }
-        (reads ? read : written)[r][k] = faults->counts().latency - pieces;
-      }
-      if (reads) {
-        ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
-      }
-      return Status::ok();
-    });
-    for (std::size_t r = 0; r < st.size(); ++r) {
-      ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
-    }
+// `values` rounded to bf16 and widened back to f32, as a gathered bf16 parameter shows them
+// (bf16 widens by its bits in the upper half).
+std::vector<float> rounded_to_bf16(const std::vector<float>& values) {
+  const std::vector<std::uint16_t> half = engine_test::narrow_to_half(values, DType::kBF16);
+  std::vector<float> out(values.size());
+  for (std::size_t i = 0; i < half.size(); ++i) {
+    const std::uint32_t bits = std::uint32_t{half[i]} << 16;
+    std::memcpy(&out[i], &bits, 4);
   }
-  for (std::size_t r = 0; r < 2; ++r) {
-    EXPECT_GT(read[r][0], 0u) << "rank " << r;
-    EXPECT_EQ(read[r][1], read[r][0]) << "rank " << r;
-    EXPECT_EQ(written[r][1], written[r][0]) << "rank " << r;
-    for (std::size_t p = 0; p < model.params.size(); ++p) {
-      const bool named = std::find(pair.begin(), pair.end(), model.params[p].name) != pair.end();
-      EXPECT_TRUE(same_bits(masters[r][p], named ? fresh[p] : model.initial[p]))
-          << "rank " << r << " parameter " << model.params[p].name;
+  return out;
+}
+
+// Two parameters far apart whose groups' slices lie in one sub-group (one per rank here, as with
+// the default sub_group_size) are one ranged update across the groups between them: the
+// sub-group is read and written once, as for either parameter alone, not once for each, and only
+// the two named groups are rounded, written to their shards and all-gathered: the batch's shard
+// bytes and all-gathered bytes are those of the two written alone, not the partition's. The
+// masters are those written; the gathered values are the written ones rounded to bf16, and a
+// parameter between the two (block1.w) gathered afterwards shows its initial values rounded.
+// bf16 parameters, so the shards are streamed from the pass (publisher.hpp); stage 2 (shards in
+// device memory, every group gathered) and stage 3 with the shards on NVMe, where the gap
+// module's gather reads its shard back from the drive.
+TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
+  using D = OffloadDevice;
+  for (const Case& c : {Case{2, 2, D::kNvme}, Case{2, 3, D::kNvme, D::kNvme}}) {
+    SCOPED_TRACE(case_name(c));
+    const Model model = engine_test::make_model(DType::kBF16, 90);
+    const std::vector<std::vector<float>> fresh = fresh_values(model, 23);
+    const std::vector<std::vector<float>> fresher = fresh_values(model, 24);
+    const std::vector<std::string_view> pair = {"embed.w", "head.w"};
+    const std::vector<std::string_view> shown = {"embed.w", "head.w", "block1.w"};
+    // Per rank, for a write of embed.w alone [0], of head.w alone [1] and of the two in one batch
+    // [2]: pieces read, pieces written, shard bytes written to NVMe, bytes all-gathered.
+    struct Cost {
+      std::uint64_t reads = 0, writes = 0, shard_bytes = 0, gathered_bytes = 0;
+    };
+    std::vector<std::array<Cost, 3>> cost(2);
+    std::vector<std::vector<std::vector<float>>> masters(2);
+    std::vector<std::vector<std::vector<float>>> gathered(2);
+    for (const bool reads : {true, false}) {
+      engine_test::ScratchDir dir(fmt::format("write_one_sub_group_{}_{}", case_name(c), reads));
+      engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
+      Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
+      config.zero.sub_group_size = 1 << 20;
+      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+        const auto r = static_cast<std::size_t>(rank);
+        auto faults = engine_test::io_counter(reads);
+        ZINF_ASSIGN_OR_RETURN(auto engine,
+                              engine_test::open_finalized(ranks, rank, config, model, faults));
+        for (std::size_t k = 0; k < 3; ++k) {
+          const std::uint64_t pieces = faults->counts().latency;
+          const EngineCounters before = engine->counters();
+          if (k < 2) {
+            ZINF_RETURN_IF_ERROR(
+                engine->write_parameters(pair[k], fresh[param_index(model, pair[k])].data(), 0));
+          } else {
+            ZINF_RETURN_IF_ERROR(engine->write_parameters(pair, values_from(model, fresher), 0));
+          }
+          const EngineCounters& after = engine->counters();
+          Cost& at = cost[r][k];
+          (reads ? at.reads : at.writes) = faults->counts().latency - pieces;
+          at.shard_bytes = after.param_nvme_write_bytes - before.param_nvme_write_bytes;
+          at.gathered_bytes = after.all_gather_bytes - before.all_gather_bytes;
+        }
+        if (reads) {
+          ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
+          for (std::string_view name : shown) {
+            const auto& def = model.params[param_index(model, name)];
+            ZINF_RETURN_IF_ERROR(engine->gather(def.module));
+            ZINF_ASSIGN_OR_RETURN(TensorView view, engine->parameter(def.name));
+            gathered[r].push_back(engine_test::widen_view(view));
+            ZINF_RETURN_IF_ERROR(engine->release(def.module));
+          }
+        }
+        return Status::ok();
+      });
+      for (std::size_t r = 0; r < st.size(); ++r) {
+        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+      }
+    }
+    for (std::size_t r = 0; r < 2; ++r) {
+      const auto& [embed, head, batch] = cost[r];
+      std::printf(
+          "rank %zu: embed.w alone, head.w alone, the two in one batch: pieces read %llu, %llu, "
+          "%llu; written %llu, %llu, %llu; shard bytes %llu, %llu, %llu; gathered %llu, %llu, "
+          "%llu\n",
+          r, static_cast<unsigned long long>(embed.reads),
+          static_cast<unsigned long long>(head.reads), static_cast<unsigned long long>(batch.reads),
+          static_cast<unsigned long long>(embed.writes),
+          static_cast<unsigned long long>(head.writes),
+          static_cast<unsigned long long>(batch.writes),
+          static_cast<unsigned long long>(embed.shard_bytes),
+          static_cast<unsigned long long>(head.shard_bytes),
+          static_cast<unsigned long long>(batch.shard_bytes),
+          static_cast<unsigned long long>(embed.gathered_bytes),
+          static_cast<unsigned long long>(head.gathered_bytes),
+          static_cast<unsigned long long>(batch.gathered_bytes));
+      // The one sub-group is read once whatever is written.
+      EXPECT_GT(embed.reads, 0u) << "rank " << r;
+      EXPECT_EQ(head.reads, embed.reads) << "rank " << r;
+      EXPECT_EQ(batch.reads, embed.reads) << "rank " << r;
+      // Its one write (a piece), and each named group's shard on NVMe once.
+      EXPECT_EQ(batch.writes + 1, embed.writes + head.writes) << "rank " << r;
+      EXPECT_EQ(batch.shard_bytes, embed.shard_bytes + head.shard_bytes) << "rank " << r;
+      if (c.params == D::kNvme) {
+        EXPECT_GT(embed.shard_bytes, 0u) << "rank " << r;
+        EXPECT_GT(head.shard_bytes, 0u) << "rank " << r;
+      } else {
+        EXPECT_EQ(embed.writes, 1u) << "rank " << r;
+        EXPECT_GT(embed.gathered_bytes, 0u) << "rank " << r;
+      }
+      EXPECT_EQ(batch.gathered_bytes, embed.gathered_bytes + head.gathered_bytes) << "rank " << r;
+      for (std::size_t p = 0; p < model.params.size(); ++p) {
+        const bool named = std::find(pair.begin(), pair.end(), model.params[p].name) != pair.end();
+        EXPECT_TRUE(same_bits(masters[r][p], named ? fresher[p] : model.initial[p]))
+            << "rank " << r << " parameter " << model.params[p].name;
+      }
+      for (std::size_t i = 0; i < shown.size(); ++i) {
+        const std::size_t p = param_index(model, shown[i]);
+        const bool named = i < pair.size();
+        EXPECT_TRUE(
+            same_bits(gathered[r][i], rounded_to_bf16(named ? fresher[p] : model.initial[p])))
+            << "rank " << r << " gathered " << shown[i];
+      }
     }
   }
 }
