@@ -52,7 +52,9 @@ class GatheredParameters:
       gathered. Every rank must enter the block (the write is collective); the block's writes
       are one write of the changed parameters' groups, however many parameters it changed,
       and at stages 1 and 2 only the block's own parameters are pointed back at the engine's
-      device copy, which does not move.
+      device copy: the engine never moves that copy, and a parameter outside the block whose
+      .data the script re-pointed keeps the script's tensor until the next step() or
+      load_checkpoint(), which put every view back.
       Every rank takes part in the block's end even when the block raised on it, so that no
       rank is left waiting: when it raised on rank r nothing is written (as with one rank);
       when it raised on another rank only, rank r's changes are written on every rank, and

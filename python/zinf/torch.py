@@ -1788,8 +1788,12 @@ class ZinfEngine(nn.Module):
         engine's full device copy, which lives as long as the engine (gather and release are
         bookkeeping there, so the views outlast the release). The copy never moves: every group
         is allocated once when the engine is finalized and rewritten in place by a step, a
-        write (Engine::write_parameters) or a checkpoint load, so a parameter needs this only
-        where its .data was pointed elsewhere (inside GatheredParameters), or on first use."""
+        write (Engine::write_parameters) or a checkpoint load, so the engine never leaves a view
+        stale; a parameter needs this where the script pointed its .data elsewhere (inside
+        GatheredParameters, or outside it: `p.data = x`, `model.half()`,
+        `load_state_dict(assign=True)`), or on first use. A writing block's end refreshes its
+        own parameters only; step() and load_checkpoint() refresh every parameter, to put back
+        the views the script re-pointed outside any block's list."""
         if self.stage == 3:
             return
         if params is None:
@@ -1844,8 +1848,10 @@ class ZinfEngine(nn.Module):
         """Rank root's values into the masters of the parameters it changed (collective: one
         pass over the groups that hold them), and at stages 1 and 2 the views of the block's
         parameters `block` (this engine's; a rank may have pointed their .data elsewhere)
-        refreshed: the engine's device copy does not move, so no other view can have changed,
-        and the block's end costs its own parameters, not the model's. `writes` holds this
+        refreshed: the engine's device copy does not move, so the write leaves every other view
+        where it was (one the script re-pointed outside the block is put back at the next
+        step() or load_checkpoint()), and the block's end costs its own parameters, not the
+        model's. `writes` holds this
         rank's changed parameters, each with a tensor of its values in any dtype (converted to
         fp32 as the pass reaches it, so that no more than one parameter is held in fp32 besides
         them). With several ranks only root's count, and every rank must call it: root
