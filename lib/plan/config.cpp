@@ -6,14 +6,24 @@
 #include <cerrno>
 #include <fstream>
 
+#include "base/assert.hpp"
+
 namespace zinf::plan {
+
+bool exact_clipping_or_loss_scaling(const PlanConfig& c) {
+  return (c.gradient_clipping > 0 && !c.clip_from_previous_step) || c.fp16;
+}
 
 Config engine_config(const PlanConfig& c) {
   const EngineSetup& s = c.setup;
+  ZINF_ASSERT_MSG(s.exact_clipping_or_loss_scaling == exact_clipping_or_loss_scaling(c),
+                  "engine_config: setup.exact_clipping_or_loss_scaling disagrees with "
+                  "gradient_clipping, clip_from_previous_step and fp16");
   Config e;
   e.train_micro_batch_size_per_gpu = c.micro_batch;
   e.gradient_accumulation_steps = c.grad_accum_steps;
   e.gradient_clipping = c.gradient_clipping;
+  e.clip_from_previous_step = c.clip_from_previous_step;
   e.fp16.enabled = c.fp16;
   e.bf16_enabled = !c.fp16;
   ZeroConfig& z = e.zero;
@@ -74,10 +84,9 @@ Result<PlanConfig> plan_config(const Config& e) {
   s.overlap_step = e.overlap_step;
   c.pinned_pool_bytes = e.pinned_pool_bytes;
   c.gradient_clipping = e.gradient_clipping;
+  c.clip_from_previous_step = e.clip_from_previous_step;
   c.fp16 = e.fp16.enabled;
-  // Clipping each step by its own norm, or checking it for overflow, needs every gradient first.
-  s.exact_clipping_or_loss_scaling =
-      (e.gradient_clipping > 0 && !e.clip_from_previous_step) || e.fp16.enabled;
+  s.exact_clipping_or_loss_scaling = exact_clipping_or_loss_scaling(c);
   // The planner models offloaded checkpoints in the host arena only (none on the activation
   // NVMe tier): a config that offloads them with no arena reads as checkpoints on the device.
   if (e.activations.cpu_checkpointing) c.activation_host_bytes = e.activations.host_bytes;

@@ -28,16 +28,26 @@ struct PlanConfig {
   // cpu_checkpointing true, zinf.activation_host_bytes); 0: the checkpoints stay on the device.
   std::uint64_t activation_host_bytes = 0;
   // The step the plan was timed for, written where DeepSpeed has them: "gradient_clipping" (0:
-  // off; clipped exactly, each step by its own norm) and "fp16" with dynamic loss scaling (in
-  // place of bf16, which DeepSpeed and the engine refuse beside it). Either makes the pass wait
-  // for step() (setup.exact_clipping_or_loss_scaling, which plan_config() derives from them).
+  // off), zinf.clip_from_previous_step (clip by the last applied step's norm, so the pass need not
+  // wait for this step's) and "fp16" with dynamic loss scaling (in place of bf16, which DeepSpeed
+  // and the engine refuse beside it). setup.exact_clipping_or_loss_scaling must agree with them
+  // (exact_clipping_or_loss_scaling(config)): engine_config() asserts it, plan_config() derives it.
   double gradient_clipping = 0.0;
+  bool clip_from_previous_step = false;
   bool fp16 = false;
 };
+
+// Whether the step `config` describes needs every gradient before the optimizer pass: clipping by
+// the step's own norm (gradient_clipping > 0 without clip_from_previous_step) or fp16 loss scaling
+// (the overflow check). The one place the planner reads the three keys as
+// EngineSetup::exact_clipping_or_loss_scaling.
+bool exact_clipping_or_loss_scaling(const PlanConfig& config);
 
 // The engine config of a plan: the plan's knobs set, bf16 on (fp16 instead where config.fp16),
 // every other key at Config's default. pinned_pool_bytes is at least
 // pinned_pool_bytes(config.setup).
+// REQUIRES: config.setup.exact_clipping_or_loss_scaling == exact_clipping_or_loss_scaling(config),
+// so the config written runs the step the plan was timed for.
 Config engine_config(const PlanConfig& config);
 
 // The plan of an engine config. Fails with invalid_argument naming the key when the planner

@@ -94,6 +94,50 @@ TEST(Config, ReadsAHandWrittenDeepSpeedConfig) {
   EXPECT_EQ(c->micro_batch, 4u);
 }
 
+// A config that clips by the last applied step's norm (zinf.clip_from_previous_step) lets the pass
+// open in the backward; read and written back it must still say so, or the engine would run the
+// exact clipping that waits for step(), and the plan read from it would predict that step.
+TEST(Config, ClipFromPreviousStepSurvivesARoundTrip) {
+  const char* text = R"({
+    "gradient_clipping": 1.0,
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    "zinf": {"clip_from_previous_step": true}
+  })";
+  auto a = config_from_json(text);
+  ASSERT_TRUE(a.is_ok()) << a.status().to_string();
+  EXPECT_FALSE(a->setup.exact_clipping_or_loss_scaling);
+  const std::string written = config_to_json(*a);
+  const nlohmann::json j = nlohmann::json::parse(written);
+  EXPECT_EQ(j.at("gradient_clipping").get<double>(), 1.0);
+  EXPECT_EQ(j.at("zinf").at("clip_from_previous_step"), true) << written;
+  auto b = config_from_json(written);
+  ASSERT_TRUE(b.is_ok()) << b.status().to_string();
+  EXPECT_FALSE(b->setup.exact_clipping_or_loss_scaling) << written;
+  EXPECT_EQ(config_to_json(*b), written);
+
+  // Without it the same clipping is exact, and reads back so.
+  auto exact = config_from_json(R"({"gradient_clipping": 1.0})");
+  ASSERT_TRUE(exact.is_ok()) << exact.status().to_string();
+  EXPECT_TRUE(exact->setup.exact_clipping_or_loss_scaling);
+  auto exact_back = config_from_json(config_to_json(*exact));
+  ASSERT_TRUE(exact_back.is_ok()) << exact_back.status().to_string();
+  EXPECT_TRUE(exact_back->setup.exact_clipping_or_loss_scaling);
+}
+
+// engine_config() writes the step from gradient_clipping, clip_from_previous_step and fp16; a
+// setup timed for another step is a caller's error, caught before a config that runs a different
+// step is written.
+TEST(Config, SetupDisagreeingWithTheClippingKeysAsserts) {
+  PlanConfig c = sample();
+  c.setup.exact_clipping_or_loss_scaling = true;
+  EXPECT_DEATH(config_to_json(c), "exact_clipping_or_loss_scaling");
+  c.gradient_clipping = 1.0;
+  c.clip_from_previous_step = true;
+  EXPECT_DEATH(config_to_json(c), "exact_clipping_or_loss_scaling");
+  c.fp16 = true;
+  EXPECT_NE(config_to_json(c).find("\"fp16\""), std::string::npos);
+}
+
 TEST(Config, ErrorsNameTheKey) {
   struct Case {
     const char* text;
