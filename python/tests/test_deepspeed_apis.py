@@ -153,6 +153,27 @@ def test_safe_set_full_fp32_param_trains_on_from_the_new_values():
             engine.destroy()
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_safe_set_full_fp32_param_puts_a_repointed_view_back_on_the_engine(stage):
+    # "The model's copy follows": at stages 1 and 2 the parameter is a view of the engine's full
+    # device copy. One whose .data the script pointed at a tensor of its own is put back on that
+    # copy, which holds the new values.
+    generator = torch.Generator().manual_seed(22)
+    new_weight = torch.randn(16, 6, generator=generator)
+    model = make_mlp()
+    engine, _, _, _ = ds_initialize(model=model, config=mlp_config(stage))
+    try:
+        zinf_run(engine, mlp_batches(1))
+        param = model[0].weight
+        engine_ptr = param.data_ptr()
+        param.data = torch.randn(16, 6, generator=generator).to(param.dtype)
+        compat.safe_set_full_fp32_param(param, new_weight)
+        assert param.data_ptr() == engine_ptr
+        assert torch.equal(param.detach().float(), new_weight.to(param.dtype).float())
+    finally:
+        engine.destroy()
+
+
 def test_gradients_are_refused_and_untrained_tensors_have_no_state():
     model = make_mlp()
     model[3].weight.requires_grad_(False)  # the LayerNorm's weight: frozen

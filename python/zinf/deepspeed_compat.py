@@ -660,7 +660,9 @@ def safe_set_full_fp32_param(param, value):
             "gradients reduced since the last step, against the present values; call it after "
             "engine.step() and before the next engine.backward()")
     values = value.detach().to(device="cpu", dtype=torch.float32).reshape(shape).contiguous()
-    engine._write_parameters([(param, values)], root=0)
+    # The parameter is the block: at stages 1 and 2 its view goes back to the engine's device
+    # copy, which the write rewrote, where the script had pointed its .data elsewhere.
+    engine._write_parameters([(param, values)], root=0, block=[param])
 
 
 def safe_get_full_grad(param):
