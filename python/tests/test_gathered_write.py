@@ -164,6 +164,30 @@ def test_a_write_at_stages_1_and_2_leaves_every_view_on_the_engines_copy(stage):
         engine.destroy()
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_block_that_raises_on_one_rank_puts_a_replaced_view_back(stage):
+    """One rank, stages 1 and 2: a block that raised writes nothing, and a parameter whose .data
+    it replaced is the engine's memory again afterwards, with the engine's values (those it had
+    before the block), as after a block that wrote."""
+    model = make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=mlp_config(stage))
+    try:
+        train_mlp_zinf(engine, mlp_batches(1))
+        views = {name: p.data_ptr() for name, p in model.named_parameters()}
+        before = engine.read_parameter("0.weight")
+        stray = torch.randn(16, 6, generator=torch.Generator().manual_seed(43))
+        with pytest.raises(KeyError, match="raised in the block"):
+            with zinf.torch.GatheredParameters([model[0].weight, model[4].bias],
+                                               modifier_rank=0):
+                model[0].weight.data = stray.to(model[0].weight.dtype)
+                raise KeyError("raised in the block")
+        assert {name: p.data_ptr() for name, p in model.named_parameters()} == views
+        assert torch.equal(engine.read_parameter("0.weight"), before)
+        assert torch.equal(model[0].weight.detach().float(), before)
+    finally:
+        engine.destroy()
+
+
 STAGE2_RANKS = """
 import torch, zinf.torch
 from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss, train_mlp_zinf

@@ -58,7 +58,8 @@ class GatheredParameters:
       Every rank takes part in the block's end even when the block raised on it, so that no
       rank is left waiting: when it raised on rank r nothing is written (as with one rank);
       when it raised on another rank only, rank r's changes are written on every rank, and
-      then the exception propagates there.
+      then the exception propagates there. At stages 1 and 2 the block's parameters are on
+      the engine's copy afterwards whether or not it raised.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
       values are read into them for the block and, with modifier_rank set, written back to the
       staging file, so initialize() takes them. With several ranks and torch.distributed
@@ -188,6 +189,11 @@ class GatheredParameters:
             if writes or engine.world_size > 1:
                 engine._write_parameters(list(writes.values()), self._modifier_rank,
                                          block[engine])
+            elif exc[0] is not None:
+                # One rank and the block raised: nothing is written, but a parameter whose .data
+                # the block replaced goes back on the engine's copy (stages 1 and 2), as the
+                # write would have put it.
+                engine._refresh_views(block[engine])
         if self._group is not None:
             # Rank modifier_rank's values to every rank's staging, as DeepSpeed broadcasts them;
             # every rank takes part even when the block raised on it (when it raised on the
