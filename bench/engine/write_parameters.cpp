@@ -33,7 +33,11 @@
 //   whole     write_parameters(names, values_fn): every parameter in one batch
 // A batch costs its parameters' groups alone, not the groups between them, so pair costs what
 // two does and, with the state on NVMe, a fraction of whole; the end prints the medians of
-// pair / two and pair / whole and checks the masters as above.
+// pair / two and pair / whole and checks the masters as above. Where both lie in one sub-group
+// (--sub-group 1000000000, the default sub_group_size: the partition is one sub-group), pair
+// reads and rewrites it once, and rounds and writes the two parameters' groups alone.
+//
+// --sub-group S: the state's sub_group_size (default 4194304).
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -61,9 +65,9 @@ using namespace zinf::bench;
 
 namespace {
 
-int run(std::size_t params, std::size_t tensors, const std::string& dir, OffloadDevice offload,
-        int rounds) {
-  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, std::size_t{1} << 22);
+int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const std::string& dir,
+        OffloadDevice offload, int rounds) {
+  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, sub_group);
   if (!opened.is_ok()) return fail("open", opened.status());
   Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
@@ -197,13 +201,13 @@ int run(std::size_t params, std::size_t tensors, const std::string& dir, Offload
 }
 
 // --case far (the file's comment).
-int run_far(std::size_t params, std::size_t tensors, const std::string& dir, OffloadDevice offload,
-            int rounds) {
+int run_far(std::size_t params, std::size_t tensors, std::size_t sub_group, const std::string& dir,
+            OffloadDevice offload, int rounds) {
   if (tensors < 2) {
     fmt::print(stderr, "--case far needs --tensors 2 or more\n");
     return 2;
   }
-  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, std::size_t{1} << 22);
+  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, sub_group);
   if (!opened.is_ok()) return fail("open", opened.status());
   Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
@@ -291,18 +295,20 @@ int main(int argc, char** argv) {
   zinf::OffloadDevice offload = zinf::OffloadDevice::kNvme;
   int rounds = 5;
   std::string which = "all";
+  std::size_t sub_group = std::size_t{1} << 22;
   const int parsed = parse_options(argc, argv, "bench_engine_write_parameters",
                                    {{"--params", "N", count_into(&params)},
                                     {"--tensors", "K", count_into(&tensors, 1)},
                                     {"--dir", "DIR", text_into(&dir)},
                                     {"--offload", "cpu|nvme", offload_into(&offload)},
                                     {"--rounds", "R", rounds_into(&rounds)},
-                                    {"--case", "all|far", text_into(&which)}});
+                                    {"--case", "all|far", text_into(&which)},
+                                    {"--sub-group", "S", count_into(&sub_group, 1)}});
   if (parsed != 0) return parsed;
   if (which != "all" && which != "far") {
     fmt::print(stderr, "--case {}: expected all or far\n", which);
     return 2;
   }
-  if (which == "far") return run_far(params, tensors, dir, offload, rounds);
-  return run(params, tensors, dir, offload, rounds);
+  if (which == "far") return run_far(params, tensors, sub_group, dir, offload, rounds);
+  return run(params, tensors, sub_group, dir, offload, rounds);
 }
