@@ -158,10 +158,10 @@ def test_client_collectives_in_one_rank_and_their_refusals():
     engine.broadcast_bytes(odd, 0, "odd")
     assert torch.equal(odd, expected)
     send = torch.randint(0, 256, (16,), dtype=torch.uint8, generator=generator)
-    recv = torch.empty(1, 16, dtype=torch.uint8)
+    recv = torch.full((1, 16), 0xA5, dtype=torch.uint8)
     engine.all_gather_bytes(send, recv, "digest")
     assert torch.equal(recv[0], send)
-    recv = torch.empty(1, 3, dtype=torch.uint8)
+    recv = torch.full((1, 3), 0xA5, dtype=torch.uint8)
     engine.all_gather_bytes(odd, recv, "odd")
     assert torch.equal(recv[0], odd)
     with pytest.raises(zinf.Error, match=r"all_gather_bytes\('short'\).*recv 8 \(must be 16\)"):
