@@ -507,7 +507,11 @@ class PyEngine {
   }
 
   // Every rank's `send` (a contiguous CPU array of any number of bytes, the same on every rank)
-  // into `recv`, rank after rank; collective, between engine calls as broadcast_bytes.
+  // into `recv`, rank after rank; collective, between engine calls as broadcast_bytes. `send`
+  // and `recv` must not overlap: with an odd size the even prefixes land packed at the front of
+  // `recv` before they move up (below), which would overwrite a `send` inside it before it is
+  // read, so an in-place call is refused before the collective (invalid_argument naming the
+  // call, as a wrong size is).
   void all_gather_bytes(const HostArray& send, const HostArray& recv, const std::string& name) {
     const std::size_t bytes = send.nbytes();
     const std::size_t world = static_cast<std::size_t>(engine().world_size());
@@ -519,6 +523,14 @@ class PyEngine {
     }
     const auto* in = static_cast<const std::uint8_t*>(send.data());
     auto* out = static_cast<std::uint8_t*>(recv.data());
+    const auto in_begin = reinterpret_cast<std::uintptr_t>(in);
+    const auto out_begin = reinterpret_cast<std::uintptr_t>(out);
+    if (bytes > 0 && in_begin < out_begin + bytes * world && out_begin < in_begin + bytes) {
+      throw ZinfError(zinf::Status::invalid_argument(
+          "all_gather_bytes('" + name + "'): send and recv overlap (send holds " +
+          std::to_string(bytes) + " bytes, recv " + std::to_string(bytes * world) +
+          "); pass separate buffers"));
+    }
     // As in broadcast_bytes, the bytes move as 2-byte elements. With an odd size the even
     // prefixes land packed at the front of `recv` (rank r's at r * even_bytes, which `recv`
     // holds: even_bytes * world < bytes * world), and each rank's odd last byte in a pair of its

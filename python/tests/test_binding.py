@@ -166,6 +166,18 @@ def test_client_collectives_in_one_rank_and_their_refusals():
     assert torch.equal(recv[0], odd)
     with pytest.raises(zinf.Error, match=r"all_gather_bytes\('short'\).*recv 8 \(must be 16\)"):
         engine.all_gather_bytes(send, torch.empty(8, dtype=torch.uint8), "short")
+    # send inside recv (in place) or overlapping it is refused: with an odd size the packed
+    # prefixes would overwrite the send before it is read. Neighbouring ranges are not.
+    memory = torch.randint(0, 256, (8,), dtype=torch.uint8, generator=generator)
+    before = memory.clone()
+    for send_at, recv_at in ((0, 0), (2, 0), (0, 2)):
+        with pytest.raises(zinf.Error, match=r"invalid_argument: all_gather_bytes\('overlap'\): "
+                           r"send and recv overlap \(send holds 3 bytes, recv 3\)"):
+            engine.all_gather_bytes(memory[send_at:send_at + 3],
+                                    memory[recv_at:recv_at + 3].view(1, 3), "overlap")
+        assert torch.equal(memory, before)
+    engine.all_gather_bytes(memory[3:6], memory[0:3].view(1, 3), "neighbours")
+    assert torch.equal(memory[0:3], before[3:6])
     with pytest.raises(zinf.Error, match="root"):
         engine.broadcast_bytes(values.view(torch.uint8), 1, "values")
     engine.close()
