@@ -152,6 +152,12 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     out.param_upload_s =
         std::max(out.param_upload_s, seconds(ranks * half_bytes, profile.nvme_write_gbps));
   }
+  // With the optimizer on the host and the params' home on NVMe the engine runs the whole update
+  // first (run_optimizer(); the pass only fills the store's half array) and then writes every
+  // trainable shard's new half to the drive (write_step() -> publish_pass()): the writes follow
+  // the update, at or after step(), overlapped or not.
+  const bool writes_follow_update =
+      s.optimizer == OffloadDevice::kHost && s.params == OffloadDevice::kNvme;
   // Collectives move fp32 gradients into their reduce-scatters (the engine fills its buckets with
   // the fp32 gradients and reduce-scatters them as such: lib/zero/grad_reducer.cpp, reduce_group)
   // and half params out of their all-gathers; each moves (N-1)/N of its bytes per rank.
@@ -163,7 +169,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // (the engine's publish after a step leaves the frozen groups, which no step changes), 2·T.
   const double published = s.stage == 3 ? 0.0 : 2.0 * static_cast<double>(t);
   out.publish_gather_s = seconds(published * link_share, profile.gpu_link_gbps);
-  out.optimizer_step_s = std::max({out.pipeline_s, out.param_upload_s, out.publish_gather_s});
+  out.optimizer_step_s = writes_follow_update
+                             ? std::max(out.pipeline_s, out.publish_gather_s) + out.param_upload_s
+                             : std::max({out.pipeline_s, out.param_upload_s, out.publish_gather_s});
 
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
@@ -259,22 +267,32 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
     // micro-batch.
     const double micro_batch_s =
         std::max({out.compute_s, out.collectives_s, out.param_fetch_s, offload_link_s});
-    double window_s = fraction * std::max(0.0, micro_batch_s - drive_s);
-    if (!updates_in_backward(s)) {
-      // The pass starts at step() (stage 1, spilled gradients) or updates only after it (exact
-      // clipping, loss scaling): it hides behind the next step's first forward at most, the
-      // forward's FLOPs (a third of a micro-batch's, a quarter with checkpointing, more with
-      // frozen parameters, which do less of the backward), stage 3's forward all-gather (half of
-      // the micro-batch's gathers) and the forward's half of the parameter fetch, less the
-      // forward's half of the fetch's time on the drive.
-      const double forward_compute_s =
-          profile.gpu_tflops > 0 ? forward_flops / (profile.gpu_tflops * 1e12) : 0.0;
-      const double forward_gather_s = seconds(gathered / 2.0 * link_share, profile.gpu_link_gbps);
-      const double forward_s =
-          std::max({forward_compute_s, forward_gather_s, out.param_fetch_s / 2.0});
-      window_s = std::min(window_s, std::max(0.0, forward_s - drive_s / 2.0));
+    const double window_s = fraction * std::max(0.0, micro_batch_s - drive_s);
+    // A pass that starts at step() (stage 1, spilled gradients) or updates only after it (exact
+    // clipping, loss scaling) hides behind the next step's first forward at most: the forward's
+    // FLOPs (a third of a micro-batch's, a quarter with checkpointing, more with frozen
+    // parameters, which do less of the backward), stage 3's forward all-gather (half of the
+    // micro-batch's gathers) and the forward's half of the parameter fetch, less the forward's
+    // half of the fetch's time on the drive.
+    const double forward_compute_s =
+        profile.gpu_tflops > 0 ? forward_flops / (profile.gpu_tflops * 1e12) : 0.0;
+    const double forward_gather_s = seconds(gathered / 2.0 * link_share, profile.gpu_link_gbps);
+    const double forward_s =
+        std::max({forward_compute_s, forward_gather_s, out.param_fetch_s / 2.0});
+    const double at_step_window_s = std::min(window_s, std::max(0.0, forward_s - drive_s / 2.0));
+    if (writes_follow_update) {
+      // The update uses no drive: it hides behind c of the micro-batch where it runs in the
+      // backward, and behind nothing where it starts at step() (the writes, not the update,
+      // meet the next forward). The writes start after it, at step() at the earliest, and meet
+      // the next forward, whose fetch reads the same drive.
+      const double update_s = out.optimizer_step_s - out.param_upload_s;
+      const double update_window_s = updates_in_backward(s) ? fraction * micro_batch_s : 0.0;
+      out.optimizer_hidden_s =
+          std::min(update_s, update_window_s) + std::min(out.param_upload_s, at_step_window_s);
+    } else {
+      out.optimizer_hidden_s =
+          std::min(out.optimizer_step_s, updates_in_backward(s) ? window_s : at_step_window_s);
     }
-    out.optimizer_hidden_s = std::min(out.optimizer_step_s, window_s);
   }
   out.step_s =
       out.forward_backward_s + out.step_reduce_s + out.optimizer_step_s - out.optimizer_hidden_s;

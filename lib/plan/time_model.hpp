@@ -114,6 +114,13 @@
 //                forward all-gather, half the param fetch) − drive/2))
 // with F_fwd = (2·P + 4·L·h·s)·s·b the forward's FLOPs: a third of a micro-batch's, a quarter
 // with checkpointing, more with frozen parameters.
+// With the optimizer state on the host and the params' home on NVMe the engine runs the whole
+// update U first and then writes the new half shards W to the drive (run_optimizer(), then
+// write_step() -> publish_pass()), so the optimizer step is U + W, and the two hide apart: U
+// behind c·mb where the pass updates in the backward (it uses no drive), else behind nothing;
+// W, which starts at step() at the earliest, behind the next forward as above:
+//   hidden = min(U, updates in the backward ? c·mb : 0)
+//          + min(W, c·max(0, mb − drive), max(0, max(F_fwd / rate, ...) − drive/2))
 //
 // Thread-safety: values and pure functions.
 #pragma once

@@ -789,9 +789,13 @@ void run_plan(const PlanOptions& o) {
       time.add_row(
           {"step reduce", secs(t.step_reduce_s), "accumulated gradients reduced at step()"});
     }
+    // With the optimizer on the host and the params on NVMe the half writes follow the update.
+    const bool writes_follow_update =
+        c.setup.optimizer == OffloadDevice::kHost && c.setup.params == OffloadDevice::kNvme;
     time.add_row({"optimizer step", secs(t.optimizer_step_s),
-                  c.setup.stage == 3 ? "max(pipeline, param upload)"
-                                     : "max(pipeline, param upload, publish)"});
+                  writes_follow_update ? "pipeline, then param upload (the half writes)"
+                  : c.setup.stage == 3 ? "max(pipeline, param upload)"
+                                       : "max(pipeline, param upload, publish)"});
     time.add_row({"  pipeline", secs(t.pipeline_s),
                   c.setup.optimizer == OffloadDevice::kNvme
                       ? fmt::format("{} sub-groups, {} buffers", t.sub_groups, t.buffers)
