@@ -73,7 +73,8 @@ class GatheredParameters:
       raised on another rank only still takes rank modifier_rank's values. Without
       torch.distributed,
       initialize() writes rank modifier_rank's values over every rank's (Engine::write_parameters,
-      one pass over the partition for all of them), and until then another rank reads its own
+      one write for all of them, which costs the named parameters' groups, in runs of
+      neighbouring groups, not the whole partition), and until then another rank reads its own
       (a RuntimeWarning says so: _warn_stale_read).
     Other parameters are left as they are. Changes made without modifier_rank are not kept
     (at stage 3 they are lost at release; at stages 1 and 2 the next step overwrites them)."""

@@ -739,8 +739,9 @@ class ZinfEngine(nn.Module):
             # staged its own values and the engine took each rank's partition from its own file,
             # so rank r's values are written over them (every rank entered those blocks, so every
             # rank writes the same parameters, in the same order): one batch per modifier rank,
-            # each a single pass over the partition, the root reading each parameter's staged
-            # values only when the pass reaches it.
+            # each a single write of the named parameters' groups (in runs of neighbouring
+            # groups, not the whole partition), the root reading each parameter's staged values
+            # only when the write reaches it.
             by_root: dict[int, dict[str, _torch_init.Staged]] = {}
             for param, stage in staged:
                 if stage.modifier_rank is not None:
