@@ -144,8 +144,8 @@ def test_write_parameters_batch_fails_for_bad_values(returned, match):
 
 def test_client_collectives_in_one_rank_and_their_refusals():
     """broadcast_bytes and all_gather_bytes over a one-rank engine: the bytes stay (the root's
-    own, of any size), the gather is the send, of any size; a wrong recv size and a root outside
-    the world are refused naming the call. (Several ranks:
+    own, of any size), the gather is the send, of any size; a wrong recv size, a send that
+    overlaps recv and a root outside the world are refused naming the call. (Several ranks:
     test_client_collectives_on_two_ranks_give_every_rank_the_bytes_sent.)"""
     engine, _ = open_engine()
     generator = torch.Generator().manual_seed(11)
