@@ -119,7 +119,7 @@ class DeviceState final : public InMemoryState {
     ranged_ = false;
     if (begin >= end) return Status::ok();
     ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
-    // A whole partition with some groups unchanged is ranged too: over every group.
+    // With a mask of changed groups the update is ranged, even over the whole partition.
     ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
     changed_.assign(changed.begin(), changed.end());
     std::vector<float> chunk(std::min(end - begin, chunk_elements()));
