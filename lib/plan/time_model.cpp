@@ -253,14 +253,15 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   if (s.overlap_step && s.optimizer != OffloadDevice::kNone) {
     const double fraction = std::clamp(s.overlap_compute_fraction, 0.0, 1.0);
     // The pass uses an NVMe drive where the optimizer state is there, and where the parameters'
-    // home is (it writes the new half params there, param_upload_s). The micro-batch's parameter
-    // fetch reads that drive, and what waits on the fetch waits on the drive: the pass hides in
-    // the micro-batch's time less the drive's, never behind compute that itself waits for the
-    // drive. The gradient spill writes that drive in the backward; it is not part of the window
-    // (the micro-batch counts the gradients' link time only), and the pass that meets a spilling
+    // home is (it writes the new half params there, param_upload_s). Only parameters on NVMe are
+    // fetched from a drive, and then the pass uses it too: the micro-batch's parameter fetch
+    // reads that drive, and what waits on the fetch waits on the drive, so the drive's part of
+    // the window is the fetch's, and what writes the drive hides in the micro-batch's time less
+    // the drive's, never behind compute that itself waits for it. With the optimizer state on
+    // the host only the half writes use the drive: the update hides apart from them (below).
+    // The gradient spill writes that drive in the backward; it is not part of the window (the
+    // micro-batch counts the gradients' link time only), and the pass that meets a spilling
     // micro-batch starts at step() and meets the next forward, which spills nothing.
-    // Only parameters on NVMe are fetched from a drive, and then the pass uses it too (it writes
-    // the new half params there): the drive's part of the window is the fetch's.
     const double drive_s = fetch_drive_s;
     // One micro-batch's time, not the step's: the pass that updates in the backward does so in
     // the last micro-batch's, and one that starts at step() meets the next step's first

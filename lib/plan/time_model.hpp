@@ -23,12 +23,18 @@
 //              pipeline = (n − 1)·T + (r + u + w)     (the first read and last write are
 //                                                      not overlapped)
 //            State on the host: pipeline = U (no I/O).
-//   upload   new half params to the device, 2·Pr at h2d_gbps (overlaps the pipeline)
+//   upload   the new half params to their home, 2·Tr (the trainable shards, below): up to the
+//            device (optimizer on the host, params on the device) or down from it (optimizer on
+//            the device, params offloaded) at h2d_gbps; with the params on NVMe and the optimizer
+//            state not, also R·2·Tr written to the drive at nvme_write_gbps (the slower of the
+//            two). It overlaps the pipeline, except with the optimizer state on the host and the
+//            params on NVMe, where the engine writes the half shards after the whole update.
 //   publish  stages 1-2: the new half params all-gathered, 2·T (the trainable groups: a step
 //            republishes no frozen group), (N−1)/N of it per rank at gpu_link_gbps, once a step
 //            as the step publishes them (stage 3 gathers per module in the forward and backward
 //            instead)
 //   optimizer_step = max(pipeline, upload, publish)
+//            optimizer state on the host, params on NVMe: max(pipeline, publish) + upload
 //   frozen parameters (T trainable of P, Tr and Fr = Pr − Tr a rank's trainable and frozen
 //            shares; docs/ENGINE.md "Frozen parameters"): with the optimizer state offloaded the
 //            pass passes over the frozen sub-groups (no read of their master, moments or
@@ -92,14 +98,15 @@
 // step"): the pass meets one micro-batch, not the step (it updates in the last micro-batch's
 // backward, or starts at step() and meets the next step's first micro-batch), and runs behind
 // its compute and link transfers, not behind the micro-batch's time on the pass's own drive:
-// where the optimizer state is on NVMe, or the params are (the pass writes their new half shards
-// there), the fetch of parameters on NVMe reads that drive and the compute waits for it, so the
-// fetch's NVMe time (drive; 0 where the pass uses no drive) hides nothing. The gradient spill
+// where the params are on NVMe (the pass writes their new half shards there), the fetch of
+// parameters reads that drive and the compute waits for it, so the fetch's NVMe time (drive; 0
+// where no parameter is fetched from a drive) hides nothing. The gradient spill
 // writes the drive too, in the backward, but a spilling pass starts at step() and meets the next
 // forward, which spills nothing. Of that window at most c hides it, c = overlap_compute_fraction:
 //   mb     = max(compute, collectives, param fetch, the gradients' link time)
 //   hidden = min(optimizer_step, c·max(0, mb − drive))
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
+// (the optimizer state on the host with the params on NVMe hides its two parts apart: below).
 // With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
 // backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
 // during the backward where no global norm or loss scale decides the step first, from the last
