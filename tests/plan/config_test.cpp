@@ -128,6 +128,10 @@ TEST(Config, ClipFromPreviousStepSurvivesARoundTrip) {
 // setup timed for another step is a caller's error, caught before a config that runs a different
 // step is written.
 TEST(Config, SetupDisagreeingWithTheClippingKeysAsserts) {
+  // The death tests fork; "threadsafe" re-runs the binary in the child, safe beside any thread
+  // an earlier test left running.
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  // Timed for the exact step, but the keys write a step that overlaps freely.
   PlanConfig c = sample();
   c.setup.exact_clipping_or_loss_scaling = true;
   EXPECT_DEATH(config_to_json(c), "exact_clipping_or_loss_scaling");
@@ -136,6 +140,15 @@ TEST(Config, SetupDisagreeingWithTheClippingKeysAsserts) {
   EXPECT_DEATH(config_to_json(c), "exact_clipping_or_loss_scaling");
   c.fp16 = true;
   EXPECT_NE(config_to_json(c).find("\"fp16\""), std::string::npos);
+
+  // The other way: timed for the free step, but the keys clip by the step's own norm.
+  PlanConfig d = sample();
+  d.setup.exact_clipping_or_loss_scaling = false;
+  d.gradient_clipping = 1.0;
+  d.clip_from_previous_step = false;
+  EXPECT_DEATH(config_to_json(d), "exact_clipping_or_loss_scaling");
+  d.clip_from_previous_step = true;
+  EXPECT_NE(config_to_json(d).find("\"gradient_clipping\""), std::string::npos);
 }
 
 TEST(Config, ErrorsNameTheKey) {
