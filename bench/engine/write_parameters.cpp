@@ -4,8 +4,8 @@
 // host memory (--offload cpu), in --dir. Each of --rounds rounds writes every parameter twice,
 // with new seeded values each time, and with the state on NVMe moves the master's bytes once each
 // way on the raw drive:
-//   singles   write_parameters(name, values) for each parameter in turn (one pass over the
-//             partition and one publish each)
+//   singles   write_parameters(name, values) for each parameter in turn (each a pass over the
+//             sub-groups holding its groups and a publish of its groups alone)
 //   batch     write_parameters(names, values_fn) once (one pass, one publish), values_fn making
 //             each parameter's values when the pass asks for them
 //   values    the batch's values made alone, as values_fn makes them (the caller's share of the
@@ -31,11 +31,12 @@
 //   pair      write_parameters({first, last}, values_fn): one batch of the two
 //   two       write_parameters(first, values), then write_parameters(last, values)
 //   whole     write_parameters(names, values_fn): every parameter in one batch
-// A batch costs its parameters' groups alone, not the groups between them, so pair costs what
-// two does and, with the state on NVMe, a fraction of whole; the end prints the medians of
-// pair / two and pair / whole and checks the masters as above. Where both lie in one sub-group
-// (--sub-group 1000000000, the default sub_group_size: the partition is one sub-group), pair
-// reads and rewrites it once, and rounds and writes the two parameters' groups alone.
+// A batch costs its parameters' groups alone, not the groups between them: with the two in
+// different sub-groups, pair moves what two does and, with the state on NVMe, a fraction of
+// whole; where both lie in one sub-group (--sub-group 1000000000, the default sub_group_size: the
+// partition is one sub-group), pair reads and rewrites it once where two does so twice, and
+// rounds and writes the two parameters' groups alone. The end prints the medians of pair / two
+// and pair / whole and checks the masters as above.
 //
 // --sub-group S: the state's sub_group_size (default 4194304).
 #include <fmt/format.h>
