@@ -10,12 +10,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <functional>
 #include <memory>
 #include <string>
@@ -42,6 +44,17 @@ constexpr std::int64_t kSide = 1024;
 constexpr int kBaseWeights = 12;  // frozen: 12 Mi elements
 constexpr int kAdapters = 8;      // trainable: 8 of 1024 x 32, 256 Ki elements
 constexpr std::int64_t kRank = 32;
+
+// How a child that ended ended: its exit status, or the signal that killed it (a crash, or the
+// kernel's OOM killer), which exit_code() shows only as -1.
+std::string how_it_ended(const test::ChildEnd& end) {
+  if (WIFSIGNALED(end.wstatus)) {
+    const int sig = WTERMSIG(end.wstatus);
+    return fmt::format("killed by signal {} ({})", sig, ::strsignal(sig));
+  }
+  if (WIFEXITED(end.wstatus)) return fmt::format("exited with {}", WEXITSTATUS(end.wstatus));
+  return fmt::format("wait status {:#x}", end.wstatus);
+}
 
 // `count` tensors of `elements` values each, uniform in [-1, 1), tensor k from seed first_seed + k.
 std::vector<std::vector<float>> seeded_tensors(int count, std::size_t elements,
@@ -229,7 +242,8 @@ void expect_resident_is_estimate(int stage, std::int64_t* growth_out, std::int64
       },
       std::chrono::seconds(120));
   ASSERT_TRUE(end.ended) << "the measuring child did not end: " << end.output;
-  ASSERT_EQ(end.exit_code(), 0) << "the measuring child failed: " << end.output;
+  ASSERT_EQ(end.exit_code(), 0) << "the measuring child failed, " << how_it_ended(end) << ": "
+                                << end.output;
   const std::int64_t growth = std::stoll(end.output);
 
   std::printf(
