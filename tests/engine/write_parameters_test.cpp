@@ -408,6 +408,95 @@ TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
   }
 }
 
+// What one write of a cost test cost a rank: NVMe pieces read, pieces written, shard bytes
+// written to NVMe, bytes all-gathered.
+struct Cost {
+  std::uint64_t reads = 0, writes = 0, shard_bytes = 0, gathered_bytes = 0;
+};
+
+// One write of a cost test: the parameters named (one name goes through the single-parameter
+// call) with their rows of `values`, and the label its cost prints under.
+struct CostedWrite {
+  std::string label;
+  std::vector<std::string_view> names;
+  const std::vector<std::vector<float>>* values;
+};
+
+// Per rank: each write's cost [rank][write], the masters after the writes [rank][parameter] and
+// the gathered values of the parameters `shown` [rank][shown].
+struct CostedWrites {
+  std::vector<std::vector<Cost>> cost;
+  std::vector<std::vector<std::vector<float>>> masters;
+  std::vector<std::vector<std::vector<float>>> gathered;
+};
+
+// Opens the engine of case `c` on fresh ranks twice, once counting the NVMe pieces read and once
+// those written (fault injectors that delay every piece by nothing), makes `writes` in order on
+// each rank and records their costs (the engine's counters give the shard and all-gathered
+// bytes); the first run then reads the masters and gathers each parameter of `shown`.
+void measure_writes(const Case& c, const Model& model, std::size_t sub_group_size,
+                    const std::string& dir_name, const std::vector<CostedWrite>& writes,
+                    const std::vector<std::string_view>& shown, CostedWrites& out) {
+  const auto world = static_cast<std::size_t>(c.world);
+  out.cost.assign(world, std::vector<Cost>(writes.size()));
+  out.masters.assign(world, {});
+  out.gathered.assign(world, {});
+  for (const bool reads : {true, false}) {
+    engine_test::ScratchDir dir(fmt::format("{}_{}", dir_name, reads));
+    engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
+    Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
+    config.zero.sub_group_size = sub_group_size;
+    std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+      const auto r = static_cast<std::size_t>(rank);
+      auto faults = engine_test::io_counter(reads);
+      ZINF_ASSIGN_OR_RETURN(auto engine,
+                            engine_test::open_finalized(ranks, rank, config, model, faults));
+      for (std::size_t k = 0; k < writes.size(); ++k) {
+        const CostedWrite& write = writes[k];
+        const std::uint64_t pieces = faults->counts().latency;
+        const EngineCounters before = engine->counters();
+        if (write.names.size() == 1) {
+          const std::string_view name = write.names[0];
+          ZINF_RETURN_IF_ERROR(
+              engine->write_parameters(name, (*write.values)[param_index(model, name)].data(), 0));
+        } else {
+          ZINF_RETURN_IF_ERROR(
+              engine->write_parameters(write.names, values_from(model, *write.values), 0));
+        }
+        const EngineCounters& after = engine->counters();
+        Cost& at = out.cost[r][k];
+        (reads ? at.reads : at.writes) = faults->counts().latency - pieces;
+        at.shard_bytes = after.param_nvme_write_bytes - before.param_nvme_write_bytes;
+        at.gathered_bytes = after.all_gather_bytes - before.all_gather_bytes;
+      }
+      if (reads) {
+        ZINF_ASSIGN_OR_RETURN(out.masters[r], engine_test::read_masters(*engine, model));
+        for (std::string_view name : shown) {
+          const auto& def = model.params[param_index(model, name)];
+          ZINF_RETURN_IF_ERROR(engine->gather(def.module));
+          ZINF_ASSIGN_OR_RETURN(TensorView view, engine->parameter(def.name));
+          out.gathered[r].push_back(engine_test::widen_view(view));
+          ZINF_RETURN_IF_ERROR(engine->release(def.module));
+        }
+      }
+      return Status::ok();
+    });
+    for (std::size_t r = 0; r < st.size(); ++r) {
+      ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+    }
+  }
+  for (std::size_t r = 0; r < world; ++r) {
+    std::string line = fmt::format("rank {}:", r);
+    for (std::size_t k = 0; k < writes.size(); ++k) {
+      const Cost& at = out.cost[r][k];
+      line += fmt::format("{} {}: {} pieces read, {} written, {} shard bytes, {} gathered",
+                          k == 0 ? "" : ";", writes[k].label, at.reads, at.writes, at.shard_bytes,
+                          at.gathered_bytes);
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
 // A write of one small parameter updates only its group's slice of the master: on NVMe it reads
 // and writes back only the sub-groups that hold that slice, writes only that group's shard and
 // all-gathers only that group again, where a write of every parameter goes over the whole
@@ -431,67 +520,14 @@ TEST(WriteParametersBatch, OneParameterCostsItsGroupNotThePartition) {
     const std::string_view target = c.stage == 2 ? "block1.scale" : "block1.b";
     std::vector<std::string_view> all;
     for (const auto& def : model.params) all.push_back(def.name);
-    // Per rank, for the write of every parameter [0] and of the one [1]: pieces read, pieces
-    // written, shard bytes written to NVMe, bytes all-gathered.
-    struct Cost {
-      std::uint64_t reads = 0, writes = 0, shard_bytes = 0, gathered_bytes = 0;
-    };
-    std::vector<std::array<Cost, 2>> cost(2);
-    std::vector<std::vector<std::vector<float>>> masters(2);
-    std::vector<std::vector<float>> gathered(2);
-    for (const bool reads : {true, false}) {
-      engine_test::ScratchDir dir(
-          fmt::format("write_one_cost_{}_{}_{}", case_name(c), dtype_name(dtype), reads));
-      engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
-      Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
-      config.zero.sub_group_size = 128;
-      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-        const auto r = static_cast<std::size_t>(rank);
-        auto faults = engine_test::io_counter(reads);
-        ZINF_ASSIGN_OR_RETURN(auto engine,
-                              engine_test::open_finalized(ranks, rank, config, model, faults));
-        for (int k = 0; k < 2; ++k) {
-          const std::uint64_t pieces = faults->counts().latency;
-          const EngineCounters before = engine->counters();
-          if (k == 0) {
-            ZINF_RETURN_IF_ERROR(engine->write_parameters(all, values_from(model, fresh), 0));
-          } else {
-            ZINF_RETURN_IF_ERROR(
-                engine->write_parameters(target, fresher[param_index(model, target)].data(), 0));
-          }
-          const EngineCounters& after = engine->counters();
-          Cost& at = cost[r][static_cast<std::size_t>(k)];
-          (reads ? at.reads : at.writes) = faults->counts().latency - pieces;
-          at.shard_bytes = after.param_nvme_write_bytes - before.param_nvme_write_bytes;
-          at.gathered_bytes = after.all_gather_bytes - before.all_gather_bytes;
-        }
-        if (reads) {
-          ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
-          const auto& def = model.params[param_index(model, target)];
-          ZINF_RETURN_IF_ERROR(engine->gather(def.module));
-          ZINF_ASSIGN_OR_RETURN(TensorView view, engine->parameter(def.name));
-          gathered[r] = engine_test::widen_view(view);
-          ZINF_RETURN_IF_ERROR(engine->release(def.module));
-        }
-        return Status::ok();
-      });
-      for (std::size_t r = 0; r < st.size(); ++r) {
-        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
-      }
-    }
+    CostedWrites measured;
+    ASSERT_NO_FATAL_FAILURE(measure_writes(
+        c, model, 128, fmt::format("write_one_cost_{}_{}", case_name(c), dtype_name(dtype)),
+        {CostedWrite{"every parameter", all, &fresh}, CostedWrite{"one", {target}, &fresher}},
+        {target}, measured));
     for (std::size_t r = 0; r < 2; ++r) {
-      const Cost& whole = cost[r][0];
-      const Cost& one = cost[r][1];
-      std::printf(
-          "rank %zu: every parameter: %llu pieces read, %llu written, %llu shard bytes, "
-          "%llu gathered; one: %llu, %llu, %llu, %llu\n",
-          r, static_cast<unsigned long long>(whole.reads),
-          static_cast<unsigned long long>(whole.writes),
-          static_cast<unsigned long long>(whole.shard_bytes),
-          static_cast<unsigned long long>(whole.gathered_bytes),
-          static_cast<unsigned long long>(one.reads), static_cast<unsigned long long>(one.writes),
-          static_cast<unsigned long long>(one.shard_bytes),
-          static_cast<unsigned long long>(one.gathered_bytes));
+      const Cost& whole = measured.cost[r][0];
+      const Cost& one = measured.cost[r][1];
       // block1's slice is about 165 elements of the rank's 1350: at most three sub-groups of
       // 128, where the whole partition is at least ten.
       EXPECT_GE(whole.reads, 10u) << "rank " << r;
@@ -508,7 +544,7 @@ TEST(WriteParametersBatch, OneParameterCostsItsGroupNotThePartition) {
       }
       for (std::size_t p = 0; p < model.params.size(); ++p) {
         const std::vector<float>& want = model.params[p].name == target ? fresher[p] : fresh[p];
-        EXPECT_TRUE(same_bits(masters[r][p], want))
+        EXPECT_TRUE(same_bits(measured.masters[r][p], want))
             << "rank " << r << " parameter " << model.params[p].name;
       }
       const std::vector<float>& want = fresher[param_index(model, target)];
@@ -521,7 +557,7 @@ TEST(WriteParametersBatch, OneParameterCostsItsGroupNotThePartition) {
           std::memcpy(&rounded[i], &bits, 4);
         }
       }
-      EXPECT_TRUE(same_bits(gathered[r], rounded)) << "rank " << r;
+      EXPECT_TRUE(same_bits(measured.gathered[r][0], rounded)) << "rank " << r;
     }
   }
 }
@@ -543,79 +579,17 @@ TEST(WriteParametersBatch, TwoParametersFarApartCostTheirGroupsAlone) {
     const std::vector<std::string_view> pair = {"head.w", "embed.w"};  // out of layout order
     std::vector<std::string_view> all;
     for (const auto& def : model.params) all.push_back(def.name);
-    // Per rank, for the write of every parameter [0], of each of the two alone [1], [2], and of
-    // the two in one batch [3]: pieces read, pieces written, shard bytes written to NVMe, bytes
-    // all-gathered.
-    struct Cost {
-      std::uint64_t reads = 0, writes = 0, shard_bytes = 0, gathered_bytes = 0;
-    };
-    std::vector<std::array<Cost, 4>> cost(2);
-    std::vector<std::vector<std::vector<float>>> masters(2);
-    std::vector<std::vector<std::vector<float>>> gathered(2);
-    for (const bool reads : {true, false}) {
-      engine_test::ScratchDir dir(fmt::format("write_far_cost_{}_{}", case_name(c), reads));
-      engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
-      Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
-      config.zero.sub_group_size = 128;
-      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-        const auto r = static_cast<std::size_t>(rank);
-        auto faults = engine_test::io_counter(reads);
-        ZINF_ASSIGN_OR_RETURN(auto engine,
-                              engine_test::open_finalized(ranks, rank, config, model, faults));
-        for (std::size_t k = 0; k < 4; ++k) {
-          const std::uint64_t pieces = faults->counts().latency;
-          const EngineCounters before = engine->counters();
-          if (k == 0) {
-            ZINF_RETURN_IF_ERROR(engine->write_parameters(all, values_from(model, fresh), 0));
-          } else if (k < 3) {
-            const std::string_view name = pair[k - 1];
-            ZINF_RETURN_IF_ERROR(
-                engine->write_parameters(name, fresh[param_index(model, name)].data(), 0));
-          } else {
-            ZINF_RETURN_IF_ERROR(engine->write_parameters(pair, values_from(model, fresher), 0));
-          }
-          const EngineCounters& after = engine->counters();
-          Cost& at = cost[r][k];
-          (reads ? at.reads : at.writes) = faults->counts().latency - pieces;
-          at.shard_bytes = after.param_nvme_write_bytes - before.param_nvme_write_bytes;
-          at.gathered_bytes = after.all_gather_bytes - before.all_gather_bytes;
-        }
-        if (reads) {
-          ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
-          for (std::string_view name : pair) {
-            const auto& def = model.params[param_index(model, name)];
-            ZINF_ASSIGN_OR_RETURN(std::vector<float> values,
-                                  gathered_values(*engine, *ranks.devices[r], def.module, name));
-            gathered[r].push_back(std::move(values));
-          }
-        }
-        return Status::ok();
-      });
-      for (std::size_t r = 0; r < st.size(); ++r) {
-        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
-      }
-    }
+    CostedWrites measured;
+    ASSERT_NO_FATAL_FAILURE(measure_writes(
+        c, model, 128, fmt::format("write_far_cost_{}", case_name(c)),
+        {CostedWrite{"every parameter", all, &fresh}, CostedWrite{"head.w", {pair[0]}, &fresh},
+         CostedWrite{"embed.w", {pair[1]}, &fresh}, CostedWrite{"the two", pair, &fresher}},
+        pair, measured));
     for (std::size_t r = 0; r < 2; ++r) {
-      const auto& [whole, head, embed, batch] = cost[r];
-      std::printf(
-          "rank %zu: every parameter: %llu pieces read, %llu written, %llu shard bytes, "
-          "%llu gathered; the two alone: %llu + %llu, %llu + %llu, %llu + %llu, %llu + %llu; "
-          "the two in one batch: %llu, %llu, %llu, %llu\n",
-          r, static_cast<unsigned long long>(whole.reads),
-          static_cast<unsigned long long>(whole.writes),
-          static_cast<unsigned long long>(whole.shard_bytes),
-          static_cast<unsigned long long>(whole.gathered_bytes),
-          static_cast<unsigned long long>(head.reads), static_cast<unsigned long long>(embed.reads),
-          static_cast<unsigned long long>(head.writes),
-          static_cast<unsigned long long>(embed.writes),
-          static_cast<unsigned long long>(head.shard_bytes),
-          static_cast<unsigned long long>(embed.shard_bytes),
-          static_cast<unsigned long long>(head.gathered_bytes),
-          static_cast<unsigned long long>(embed.gathered_bytes),
-          static_cast<unsigned long long>(batch.reads),
-          static_cast<unsigned long long>(batch.writes),
-          static_cast<unsigned long long>(batch.shard_bytes),
-          static_cast<unsigned long long>(batch.gathered_bytes));
+      const Cost& whole = measured.cost[r][0];
+      const Cost& head = measured.cost[r][1];
+      const Cost& embed = measured.cost[r][2];
+      const Cost& batch = measured.cost[r][3];
       EXPECT_GT(head.reads, 0u) << "rank " << r;
       EXPECT_GT(embed.reads, 0u) << "rank " << r;
       EXPECT_EQ(batch.reads, head.reads + embed.reads) << "rank " << r;
@@ -634,11 +608,11 @@ TEST(WriteParametersBatch, TwoParametersFarApartCostTheirGroupsAlone) {
       EXPECT_LT(batch.gathered_bytes, whole.gathered_bytes) << "rank " << r;
       for (std::size_t p = 0; p < model.params.size(); ++p) {
         const bool named = std::find(pair.begin(), pair.end(), model.params[p].name) != pair.end();
-        EXPECT_TRUE(same_bits(masters[r][p], named ? fresher[p] : fresh[p]))
+        EXPECT_TRUE(same_bits(measured.masters[r][p], named ? fresher[p] : fresh[p]))
             << "rank " << r << " parameter " << model.params[p].name;
       }
       for (std::size_t i = 0; i < pair.size(); ++i) {
-        EXPECT_TRUE(same_bits(gathered[r][i], fresher[param_index(model, pair[i])]))
+        EXPECT_TRUE(same_bits(measured.gathered[r][i], fresher[param_index(model, pair[i])]))
             << "rank " << r << " gathered " << pair[i];
       }
     }
@@ -677,73 +651,17 @@ TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
     const std::vector<std::vector<float>> fresher = fresh_values(model, 24);
     const std::vector<std::string_view> pair = {"embed.w", "head.w"};
     const std::vector<std::string_view> shown = {"embed.w", "head.w", "block1.w"};
-    // Per rank, for a write of embed.w alone [0], of head.w alone [1] and of the two in one batch
-    // [2]: pieces read, pieces written, shard bytes written to NVMe, bytes all-gathered.
-    struct Cost {
-      std::uint64_t reads = 0, writes = 0, shard_bytes = 0, gathered_bytes = 0;
-    };
-    std::vector<std::array<Cost, 3>> cost(2);
-    std::vector<std::vector<std::vector<float>>> masters(2);
-    std::vector<std::vector<std::vector<float>>> gathered(2);
-    for (const bool reads : {true, false}) {
-      engine_test::ScratchDir dir(
-          fmt::format("write_one_sub_group_{}_{}_{}", dtype_name(dtype), case_name(c), reads));
-      engine_test::Ranks ranks = engine_test::make_ranks(c.world, std::chrono::seconds(30));
-      Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir.path());
-      config.zero.sub_group_size = 1 << 20;
-      std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
-        const auto r = static_cast<std::size_t>(rank);
-        auto faults = engine_test::io_counter(reads);
-        ZINF_ASSIGN_OR_RETURN(auto engine,
-                              engine_test::open_finalized(ranks, rank, config, model, faults));
-        for (std::size_t k = 0; k < 3; ++k) {
-          const std::uint64_t pieces = faults->counts().latency;
-          const EngineCounters before = engine->counters();
-          if (k < 2) {
-            ZINF_RETURN_IF_ERROR(
-                engine->write_parameters(pair[k], fresh[param_index(model, pair[k])].data(), 0));
-          } else {
-            ZINF_RETURN_IF_ERROR(engine->write_parameters(pair, values_from(model, fresher), 0));
-          }
-          const EngineCounters& after = engine->counters();
-          Cost& at = cost[r][k];
-          (reads ? at.reads : at.writes) = faults->counts().latency - pieces;
-          at.shard_bytes = after.param_nvme_write_bytes - before.param_nvme_write_bytes;
-          at.gathered_bytes = after.all_gather_bytes - before.all_gather_bytes;
-        }
-        if (reads) {
-          ZINF_ASSIGN_OR_RETURN(masters[r], engine_test::read_masters(*engine, model));
-          for (std::string_view name : shown) {
-            const auto& def = model.params[param_index(model, name)];
-            ZINF_RETURN_IF_ERROR(engine->gather(def.module));
-            ZINF_ASSIGN_OR_RETURN(TensorView view, engine->parameter(def.name));
-            gathered[r].push_back(engine_test::widen_view(view));
-            ZINF_RETURN_IF_ERROR(engine->release(def.module));
-          }
-        }
-        return Status::ok();
-      });
-      for (std::size_t r = 0; r < st.size(); ++r) {
-        ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
-      }
-    }
+    CostedWrites measured;
+    ASSERT_NO_FATAL_FAILURE(measure_writes(
+        c, model, 1 << 20,
+        fmt::format("write_one_sub_group_{}_{}", dtype_name(dtype), case_name(c)),
+        {CostedWrite{"embed.w", {pair[0]}, &fresh}, CostedWrite{"head.w", {pair[1]}, &fresh},
+         CostedWrite{"the two", pair, &fresher}},
+        shown, measured));
     for (std::size_t r = 0; r < 2; ++r) {
-      const auto& [embed, head, batch] = cost[r];
-      std::printf(
-          "rank %zu: embed.w alone, head.w alone, the two in one batch: pieces read %llu, %llu, "
-          "%llu; written %llu, %llu, %llu; shard bytes %llu, %llu, %llu; gathered %llu, %llu, "
-          "%llu\n",
-          r, static_cast<unsigned long long>(embed.reads),
-          static_cast<unsigned long long>(head.reads), static_cast<unsigned long long>(batch.reads),
-          static_cast<unsigned long long>(embed.writes),
-          static_cast<unsigned long long>(head.writes),
-          static_cast<unsigned long long>(batch.writes),
-          static_cast<unsigned long long>(embed.shard_bytes),
-          static_cast<unsigned long long>(head.shard_bytes),
-          static_cast<unsigned long long>(batch.shard_bytes),
-          static_cast<unsigned long long>(embed.gathered_bytes),
-          static_cast<unsigned long long>(head.gathered_bytes),
-          static_cast<unsigned long long>(batch.gathered_bytes));
+      const Cost& embed = measured.cost[r][0];
+      const Cost& head = measured.cost[r][1];
+      const Cost& batch = measured.cost[r][2];
       // The one sub-group is read once whatever is written.
       EXPECT_GT(embed.reads, 0u) << "rank " << r;
       EXPECT_EQ(head.reads, embed.reads) << "rank " << r;
@@ -763,7 +681,7 @@ TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
       EXPECT_EQ(batch.gathered_bytes, embed.gathered_bytes + head.gathered_bytes) << "rank " << r;
       for (std::size_t p = 0; p < model.params.size(); ++p) {
         const bool named = std::find(pair.begin(), pair.end(), model.params[p].name) != pair.end();
-        EXPECT_TRUE(same_bits(masters[r][p], named ? fresher[p] : model.initial[p]))
+        EXPECT_TRUE(same_bits(measured.masters[r][p], named ? fresher[p] : model.initial[p]))
             << "rank " << r << " parameter " << model.params[p].name;
       }
       for (std::size_t i = 0; i < shown.size(); ++i) {
@@ -771,11 +689,12 @@ TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
         const std::vector<float>& want = i < pair.size() ? fresher[p] : model.initial[p];
         if (dtype == DType::kBF16) {
           // A gathered bf16 value widens exactly, so narrowing it again gives its bits.
-          EXPECT_EQ(engine_test::narrow_to_half(gathered[r][i], dtype),
+          EXPECT_EQ(engine_test::narrow_to_half(measured.gathered[r][i], dtype),
                     engine_test::narrow_to_half(want, dtype))
               << "rank " << r << " gathered " << shown[i];
         } else {
-          EXPECT_TRUE(same_bits(gathered[r][i], want)) << "rank " << r << " gathered " << shown[i];
+          EXPECT_TRUE(same_bits(measured.gathered[r][i], want))
+              << "rank " << r << " gathered " << shown[i];
         }
       }
     }
