@@ -139,8 +139,12 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   predict_pipeline(pr, tr, runs, s, profile, &out);
   // The new half params go to their home: uploaded to the device when the optimizer ran on the
   // host; downloaded when it ran on the device but the params live offloaded; written to NVMe
-  // (outside the pipeline) when the optimizer ran on the host and the params live on NVMe. Only
-  // the trainable groups' shards are republished: no step changes a frozen one.
+  // (outside the pipeline) when the optimizer state is not on NVMe and the params live there.
+  // The device optimizer's shards come down and go to the drive group by group, each copy waited
+  // for before its write and each write before the next copy (DeviceState::publish_step ->
+  // ParamCoordinator::write_shard_from_device): the two add up. With the optimizer on the host
+  // the values are in host memory already and only the writes remain. Only the trainable groups'
+  // shards are republished: no step changes a frozen one.
   const double half_bytes = 2.0 * static_cast<double>(tr);
   if (s.optimizer != OffloadDevice::kNone && s.params == OffloadDevice::kNone) {
     out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
@@ -149,15 +153,17 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   }
   if (s.params == OffloadDevice::kNvme && s.optimizer != OffloadDevice::kNvme) {
     out.nvme_write_bytes += static_cast<std::uint64_t>(ranks * half_bytes);
-    out.param_upload_s =
-        std::max(out.param_upload_s, seconds(ranks * half_bytes, profile.nvme_write_gbps));
+    out.param_upload_s += seconds(ranks * half_bytes, profile.nvme_write_gbps);
   }
-  // With the optimizer on the host and the params' home on NVMe the engine runs the whole update
-  // first (run_optimizer(); the pass only fills the store's half array) and then writes every
-  // trainable shard's new half to the drive (write_step() -> publish_pass()): the writes follow
-  // the update, at or after step(), overlapped or not.
-  const bool writes_follow_update =
-      s.optimizer == OffloadDevice::kHost && s.params == OffloadDevice::kNvme;
+  // Where the half output does not stream with the pass (streams_half: only the optimizer state
+  // on NVMe streams it), the engine runs the whole update first and only then hands every
+  // trainable shard's new half to its home: run_optimizer() calls the state's step() and then
+  // write_step() or publish_step(). With the optimizer offloaded the update fills the store's
+  // half array and publish_pass() uploads it, writes it to NVMe or copies it to the host shards;
+  // on the device DeviceOptimizer::step() synchronizes and publish_step() copies each group down
+  // and writes it. Streamed, the pass writes each shard as its sub-group completes, beside the
+  // update.
+  const bool writes_follow_update = !streams_half(s);
   // Collectives move fp32 gradients into their reduce-scatters (the engine fills its buckets with
   // the fp32 gradients and reduce-scatters them as such: lib/zero/grad_reducer.cpp, reduce_group)
   // and half params out of their all-gathers; each moves (N-1)/N of its bytes per rank.
@@ -169,9 +175,12 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // (the engine's publish after a step leaves the frozen groups, which no step changes), 2·T.
   const double published = s.stage == 3 ? 0.0 : 2.0 * static_cast<double>(t);
   out.publish_gather_s = seconds(published * link_share, profile.gpu_link_gbps);
-  out.optimizer_step_s = writes_follow_update
-                             ? std::max(out.pipeline_s, out.publish_gather_s) + out.param_upload_s
-                             : std::max({out.pipeline_s, out.param_upload_s, out.publish_gather_s});
+  // The all-gather follows the writes in every placement: the step's publish() all-gathers the
+  // persistent groups from their new shards once they are written, on the coordinator's stream
+  // behind the uploads (Publisher::write_shards, then publish()).
+  out.optimizer_step_s = (writes_follow_update ? out.pipeline_s + out.param_upload_s
+                                               : std::max(out.pipeline_s, out.param_upload_s)) +
+                         out.publish_gather_s;
 
   // Forward and backward of one micro-batch.
   const double tokens = static_cast<double>(training.seq_len * training.micro_batch);
@@ -282,14 +291,22 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
         std::max({forward_compute_s, forward_gather_s, out.param_fetch_s / 2.0});
     const double at_step_window_s = std::min(window_s, std::max(0.0, forward_s - drive_s / 2.0));
     if (writes_follow_update) {
-      // The update uses no drive: it hides behind c of the micro-batch where it runs in the
-      // backward, and behind nothing where it starts at step() (the writes, not the update,
-      // meet the next forward). The writes start after it, at step() at the earliest, and meet
-      // the next forward, whose fetch reads the same drive.
-      const double update_s = out.optimizer_step_s - out.param_upload_s;
+      // The next forward's gather of a module waits for the pass to have written its groups
+      // (OverlappedStep::await_module, the publisher's written flags), and none is written before
+      // the whole update is over. The update meets no fetch from its own drive (with the params
+      // on NVMe the optimizer state is on the host): it hides behind c of the micro-batch where
+      // it runs in the backward, and behind nothing where it starts at step() (the next
+      // forward's first gather waits for all of it). After it: the NVMe params' shards are
+      // written one group at a time, each flagged once on the drive, so they meet the next
+      // forward module by module, whose fetch reads the same drive. The uploads to the device
+      // are queued on the coordinator's stream at once, ahead of the next forward's first
+      // gather, which waits for all of them: they hide behind nothing (host shards are copied,
+      // not charged). At stages 1-2 the persistent groups are all-gathered module by module in
+      // the next forward (await_module), behind its compute.
       const double update_window_s = updates_in_backward(s) ? fraction * micro_batch_s : 0.0;
-      out.optimizer_hidden_s =
-          std::min(update_s, update_window_s) + std::min(out.param_upload_s, at_step_window_s);
+      const double drive_writes_s = s.params == OffloadDevice::kNvme ? out.param_upload_s : 0.0;
+      out.optimizer_hidden_s = std::min(out.pipeline_s, update_window_s) +
+                               std::min(drive_writes_s + out.publish_gather_s, at_step_window_s);
     } else {
       out.optimizer_hidden_s =
           std::min(out.optimizer_step_s, updates_in_backward(s) ? window_s : at_step_window_s);

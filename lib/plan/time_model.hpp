@@ -26,15 +26,21 @@
 //   upload   the new half params to their home, 2·Tr (the trainable shards, below): up to the
 //            device (optimizer on the host, params on the device) or down from it (optimizer on
 //            the device, params offloaded) at h2d_gbps; with the params on NVMe and the optimizer
-//            state not, also R·2·Tr written to the drive at nvme_write_gbps (the slower of the
-//            two). It overlaps the pipeline, except with the optimizer state on the host and the
-//            params on NVMe, where the engine writes the half shards after the whole update.
+//            state not, also R·2·Tr written to the drive at nvme_write_gbps: the host optimizer's
+//            values are in host memory and only the writes remain; the device optimizer copies
+//            each group down and then writes it, waiting for each, so the two add up.
 //   publish  stages 1-2: the new half params all-gathered, 2·T (the trainable groups: a step
 //            republishes no frozen group), (N−1)/N of it per rank at gpu_link_gbps, once a step
-//            as the step publishes them (stage 3 gathers per module in the forward and backward
-//            instead)
-//   optimizer_step = max(pipeline, upload, publish)
-//            optimizer state on the host, params on NVMe: max(pipeline, publish) + upload
+//            after the step has written the shards (on the coordinator's stream, behind the
+//            uploads; stage 3 gathers per module in the forward and backward instead)
+//   optimizer_step = max(pipeline, upload) + publish   the half output streamed (streams_half:
+//                                                    the optimizer state on NVMe, but not at
+//                                                    stage 3 with the params in host memory): the
+//                                                    pass writes each shard as its sub-group
+//                                                    completes
+//                  = pipeline + upload + publish     elsewhere: the engine runs the whole update
+//                                                    and then writes the shards (run_optimizer():
+//                                                    step(), then write_step() / publish_step())
 //   frozen parameters (T trainable of P, Tr and Fr = Pr − Tr a rank's trainable and frozen
 //            shares; docs/ENGINE.md "Frozen parameters"): with the optimizer state offloaded the
 //            pass passes over the frozen sub-groups (no read of their master, moments or
@@ -106,7 +112,7 @@
 //   mb     = max(compute, collectives, param fetch, the gradients' link time)
 //   hidden = min(optimizer_step, c·max(0, mb − drive))
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
-// (the optimizer state on the host with the params on NVMe hides its two parts apart: below).
+// (where the half output does not stream the parts hide apart: below).
 // With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
 // backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
 // during the backward where no global norm or loss scale decides the step first, from the last
@@ -121,13 +127,21 @@
 //                forward all-gather, half the param fetch) − drive/2))
 // with F_fwd = (2·P + 4·L·h·s)·s·b the forward's FLOPs: a third of a micro-batch's, a quarter
 // with checkpointing, more with frozen parameters.
-// With the optimizer state on the host and the params' home on NVMe the engine runs the whole
-// update U first and then writes the new half shards W to the drive (run_optimizer(), then
-// write_step() -> publish_pass()), so the optimizer step is U + W, and the two hide apart: U
-// behind c·mb where the pass updates in the backward (it uses no drive), else behind nothing;
-// W, which starts at step() at the earliest, behind the next forward as above:
+// Where the half output does not stream (the optimizer state on the host, or on NVMe at stage 3
+// with the params in host memory) the engine runs the whole update U first and then writes the
+// new half shards W (run_optimizer(), then write_step() -> publish_pass()), and the next
+// forward's gather of a module waits until the pass has written its groups
+// (OverlappedStep::await_module): no shard is written before U is over. So the parts hide apart:
+// U behind c·mb where the pass updates in the backward (no fetch reads its drive: with the params
+// on NVMe the state is on the host), else behind nothing; W to NVMe, written group by group and
+// each flagged once on the drive, behind the next forward as above; W up to the device behind
+// nothing (queued on the coordinator's stream at once, ahead of the next forward's first gather,
+// which waits for all of it); W to host shards is a copy, not charged; and stages 1-2's publish
+// G, all-gathered module by module in the next forward, behind it as W to NVMe:
 //   hidden = min(U, updates in the backward ? c·mb : 0)
-//          + min(W, c·max(0, mb − drive), max(0, max(F_fwd / rate, ...) − drive/2))
+//          + min((params on NVMe ? W : 0) + G, c·max(0, mb − drive),
+//                max(0, max(F_fwd / rate, ...) − drive/2))
+// The optimizer on the device does not overlap (above).
 //
 // Thread-safety: values and pure functions.
 #pragma once

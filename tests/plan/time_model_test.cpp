@@ -190,7 +190,11 @@ TEST(TimeModel, ForwardBackwardPartsOverlap) {
 // once, at step() (GradReducer::reduce_accumulated), the reduced shard coming down to the host
 // optimizer as it goes: with 4 micro-batches the forward and backward is 4 computes, nothing
 // reduced behind them, and the step pays one reduction, behind no compute, before the optimizer
-// step; the new params' all-gather is the optimizer step's publish.
+// step; the new params' all-gather is the optimizer step's publish. The half output does not
+// stream with the host optimizer: the engine runs the update U, then queues the uploads W of the
+// new shards on the coordinator's stream and all-gathers them behind the uploads G
+// (run_optimizer(): step(), then publish_step()), so the optimizer step is U + W + G = 5.054 +
+// 0.067 + 0.236 = 5.357 s.
 TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
   const ModelShape m = *find_model_preset("llama-2-7b");
   TrainingShape tr;
@@ -217,15 +221,20 @@ TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
   EXPECT_NEAR(t.step_reduce_s, std::max(4 * params * 7 / 8 / 50e9, 4 * shard / 25e9), 1e-12);
   EXPECT_NEAR(t.step_reduce_s, 4 * params * 7 / 8 / 50e9, 1e-12);
   EXPECT_NEAR(t.publish_gather_s, 2 * params * 7 / 8 / 50e9, 1e-12);
-  EXPECT_NEAR(t.optimizer_step_s, std::max({t.pipeline_s, t.param_upload_s, t.publish_gather_s}),
-              1e-12);
+  EXPECT_NEAR(t.optimizer_step_s, t.pipeline_s + t.param_upload_s + t.publish_gather_s, 1e-12);
+  EXPECT_NEAR(t.optimizer_step_s, 5.357, 1e-3);
   EXPECT_NEAR(t.step_s, t.forward_backward_s + t.step_reduce_s + t.optimizer_step_s, 1e-12);
-  // Overlapped, the pass begins at step(), after the reduction, and hides behind the next
-  // step's first forward at most: a third of one micro-batch's compute (a twelfth of the four),
-  // even where the fraction asks for the backward's two thirds (the default) or all of it.
+  // Overlapped, the pass begins at step(), after the reduction. The next forward's first
+  // gather waits for the whole update and for the uploads queued ahead of it on the
+  // coordinator's stream (OverlappedStep::await_module, publish_wait()): those hide behind
+  // nothing. The all-gathers of the new params then run module by module in that forward,
+  // behind its compute: G = 0.236 s behind the forward's third of one micro-batch's compute
+  // (0.223 s / 3 = 0.074 s, a twelfth of the four), even where the fraction asks for the
+  // backward's two thirds (the default) or all of it.
   ASSERT_GT(t.optimizer_step_s, t.forward_backward_s);
   s.overlap_step = true;
   const double micro_batch = t.forward_backward_s / 4;
+  ASSERT_GT(t.publish_gather_s, micro_batch / 3);
   for (const double fraction : {2.0 / 3.0, 1.0}) {
     s.overlap_compute_fraction = fraction;
     const StepPrediction o = predict_step(m, tr, s, p);
@@ -468,13 +477,22 @@ TEST(TimeModel, PassOnTheDriveHidesBehindNoNvmeTime) {
   ASSERT_GT(host_grads.optimizer_step_s, host_grads.forward_backward_s);
   EXPECT_EQ(host_grads.optimizer_hidden_s, 0.0);
   EXPECT_NEAR(host_grads.step_s, host_grads.forward_backward_s + host_grads.optimizer_step_s, 1e-9);
-  // Parameters in host memory: the fetch (2·2·P at 20 GB/s) is link time. Spilled, the pass
-  // starts at step() and hides behind the forward's half of it.
+  // Parameters in host memory: the fetch (2·2·P at 20 GB/s) is link time, no drive's. The half
+  // output does not stream there (streams_half): the pass copies the new half shards to the host
+  // after its whole update, and the next forward's first gather waits for them
+  // (OverlappedStep::await_module). Spilled, the pass starts at step() and hides behind nothing;
+  // with the gradients in host memory it updates in the backward, behind c of the micro-batch
+  // (the fetch, 4·P at 20 GB/s = 1.348 s, as long as the gradients' way down): 0.898 s.
   s.params = OffloadDevice::kHost;
   s.gradients_on_nvme = true;
   const StepPrediction host_params = predict_step(m, tr, s, p);
   EXPECT_NEAR(host_params.param_fetch_s, 4 * params / 20e9, 1e-9);
-  EXPECT_NEAR(host_params.optimizer_hidden_s, 2 * params / 20e9, 1e-9);
+  EXPECT_EQ(host_params.optimizer_hidden_s, 0.0);
+  s.gradients_on_nvme = false;
+  const StepPrediction in_backward = predict_step(m, tr, s, p);
+  ASSERT_GT(in_backward.optimizer_step_s, 2.0 / 3.0 * 4 * params / 20e9);
+  EXPECT_NEAR(in_backward.optimizer_hidden_s, 2.0 / 3.0 * 4 * params / 20e9, 1e-9);
+  EXPECT_NEAR(in_backward.optimizer_hidden_s, 0.898, 1e-3);
 }
 
 // Compute that outlasts the parameters' fetch from the pass's drive hides the pass only for what
@@ -593,6 +611,64 @@ TEST(TimeModel, HostOptimizerWritesTheHalfShardsAfterTheUpdate) {
     EXPECT_NEAR(t.compute_s, compute, 1e-9);
     EXPECT_NEAR(t.param_fetch_s, fetch, 1e-9);
     EXPECT_NEAR(t.optimizer_step_s, update + writes, 1e-9);
+    EXPECT_NEAR(t.optimizer_step_s - t.optimizer_hidden_s, k.exposed_s, 1e-3);
+    EXPECT_NEAR(t.step_s, t.forward_backward_s + k.exposed_s, 1e-3);
+  }
+}
+
+// With the optimizer state in host memory and the params on the device the half output does not
+// stream either: the engine runs the whole update U, then queues the uploads W of the new shards
+// on the coordinator's stream (run_optimizer(): step(), then write_step() or publish_step()),
+// and at stages 1-2 all-gathers them behind the uploads, G. The next forward's first gather
+// waits for the update and, on the same stream, for every upload queued ahead of it
+// (OverlappedStep::await_module): U hides behind the backward where the pass updates there and
+// behind nothing where it starts at step(); W hides behind nothing; G, all-gathered module by
+// module in the next forward, behind its compute. Worked by hand for llama-2-7b at 10 TFLOP/s
+// (C = 8.940 s a micro-batch, its forward F = 2.980 s), the host link at 20 GB/s:
+//   stage 3, one rank: U = 30·P at 40 GB/s = 5.054 s, W = 2·P at 20 GB/s = 0.674 s;
+//     sequential U + W = 5.728 s shows; in the backward (c = 2/3) U behind c·C = 5.960 s, all of
+//     it, W shows: 0.674 s; exact clipping: all 5.728 s show.
+//   stage 2, 8 ranks on a 50 GB/s link: U = 8·30·P/8 at 40 GB/s = 5.054 s, W = 2·P/8 at 20 GB/s
+//     = 0.084 s, G = 2·P·7/8 at 50 GB/s = 0.236 s; sequential 5.374 s; exact clipping: G behind
+//     F, U + W = 5.138 s show.
+TEST(TimeModel, HostOptimizerUploadsFollowTheUpdateAndHideBehindNothing) {
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  TrainingShape tr;
+  tr.seq_len = 2048;
+  EngineSetup s;
+  s.stage = 3;
+  s.optimizer = OffloadDevice::kHost;
+  s.params = OffloadDevice::kNone;
+  MachineProfile p = profile(40, 0, 0);  // the default 20 GB/s host link
+  p.gpu_tflops = 10;
+  p.gpu_link_gbps = 50;
+  const double params = static_cast<double>(param_count(m));
+  const double update = 30 * params / 40e9;
+  const double upload = 2 * params / 20e9;
+  ASSERT_NEAR(update, 5.054, 1e-3);
+  ASSERT_NEAR(upload, 0.674, 1e-3);
+  struct Case {
+    int stage;
+    bool overlap;
+    bool exact_clipping;
+    double optimizer_step_s;
+    double exposed_s;  // of the optimizer step, what the step shows
+  };
+  const Case cases[] = {
+      {3, false, false, 5.728, 5.728}, {3, true, false, 5.728, 0.674},
+      {3, true, true, 5.728, 5.728},   {2, false, false, 5.374, 5.374},
+      {2, true, true, 5.374, 5.138},
+  };
+  for (const Case& k : cases) {
+    s.stage = k.stage;
+    s.world_size = s.ranks_per_machine = k.stage == 3 ? 1 : 8;
+    s.overlap_step = k.overlap;
+    s.exact_clipping_or_loss_scaling = k.exact_clipping;
+    const StepPrediction t = predict_step(m, tr, s, p);
+    SCOPED_TRACE(testing::Message() << "stage " << k.stage << " overlap " << k.overlap
+                                    << " exact clipping " << k.exact_clipping);
+    EXPECT_NEAR(t.pipeline_s, update, 1e-3);
+    EXPECT_NEAR(t.optimizer_step_s, k.optimizer_step_s, 1e-3);
     EXPECT_NEAR(t.optimizer_step_s - t.optimizer_hidden_s, k.exposed_s, 1e-3);
     EXPECT_NEAR(t.step_s, t.forward_backward_s + k.exposed_s, 1e-3);
   }

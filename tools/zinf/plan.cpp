@@ -789,13 +789,12 @@ void run_plan(const PlanOptions& o) {
       time.add_row(
           {"step reduce", secs(t.step_reduce_s), "accumulated gradients reduced at step()"});
     }
-    // With the optimizer on the host and the params on NVMe the half writes follow the update.
-    const bool writes_follow_update =
-        c.setup.optimizer == OffloadDevice::kHost && c.setup.params == OffloadDevice::kNvme;
+    // Where the half output does not stream with the pass the new half params go to their home
+    // after the whole update; stages 1-2 all-gather them after that, in every placement.
+    const std::string sends =
+        streams_half(c.setup) ? "max(pipeline, param upload)" : "pipeline, then param upload";
     time.add_row({"optimizer step", secs(t.optimizer_step_s),
-                  writes_follow_update ? "pipeline, then param upload (the half writes)"
-                  : c.setup.stage == 3 ? "max(pipeline, param upload)"
-                                       : "max(pipeline, param upload, publish)"});
+                  c.setup.stage == 3 ? sends : sends + ", then publish"});
     time.add_row({"  pipeline", secs(t.pipeline_s),
                   c.setup.optimizer == OffloadDevice::kNvme
                       ? fmt::format("{} sub-groups, {} buffers", t.sub_groups, t.buffers)
