@@ -24,6 +24,7 @@
 #include <thread>
 #include <vector>
 
+#include "base/wait.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 #include "zinf/status.hpp"
@@ -73,7 +74,8 @@ inline constexpr std::chrono::seconds kRankDeadline{480};
 // Runs body(rank) for rank 0 .. world - 1, each on its own thread, and returns the statuses in
 // rank order once every rank has returned. An exception that leaves body becomes that rank's
 // Status (internal, with what() when it is a std::exception). Aborts the process, printing each
-// rank's state, when some rank has not returned within `deadline`.
+// rank's state, when some rank has not returned within `deadline` (a day or more: no
+// deadline).
 inline std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& body,
                                      std::chrono::milliseconds deadline = kRankDeadline) {
   const auto ranks = static_cast<std::size_t>(world);
@@ -103,7 +105,9 @@ inline std::vector<Status> run_ranks(int world, const std::function<Status(int r
   }
   {
     std::unique_lock<std::mutex> lock(mu);
-    if (!returned.wait_for(lock, deadline, [&] { return running == 0; })) {
+    // wait_for_or_forever: a deadline of a day or more (milliseconds::max() among them) waits
+    // without a limit, where wait_for would overflow now() + deadline.
+    if (!wait_for_or_forever(returned, lock, deadline, [&] { return running == 0; })) {
       std::string report;
       for (std::size_t r = 0; r < ranks; ++r) {
         report += "  rank " + std::to_string(r) + ": " +

@@ -67,6 +67,21 @@ TEST(RunRanks, RanksOkNamesEachFailedRank) {
   EXPECT_EQ(message.find("rank 2"), std::string::npos) << message;
 }
 
+// A deadline of milliseconds::max() waits without a limit: adding it to now() would overflow
+// and end the wait at once, aborting while both ranks still sleep.
+TEST(RunRanks, TheLargestDeadlineWaitsForEveryRank) {
+  const std::vector<Status> st = test::run_ranks(
+      2,
+      [](int rank) -> Status {
+        std::this_thread::sleep_for(std::chrono::milliseconds(100));
+        return Status::not_found("rank " + std::to_string(rank) + " slept");
+      },
+      std::chrono::milliseconds::max());
+  ASSERT_EQ(st.size(), 2u);
+  EXPECT_EQ(st[0].message(), "rank 0 slept");
+  EXPECT_EQ(st[1].message(), "rank 1 slept");
+}
+
 // Rank 1 sleeps past a deadline of 2 s: the process aborts (SIGABRT, not just any non-zero
 // exit), naming it as still running and rank 0's error. The deadline leaves rank 0 time to
 // return on busy cores; rank 1's sleep ends only with the child, killed by the abort.
