@@ -21,6 +21,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -73,9 +74,9 @@ inline constexpr std::chrono::seconds kRankDeadline{480};
 
 // Runs body(rank) for rank 0 .. world - 1, each on its own thread, and returns the statuses in
 // rank order once every rank has returned. An exception that leaves body becomes that rank's
-// Status (internal, with what() when it is a std::exception). Aborts the process, printing each
-// rank's state, when some rank has not returned within `deadline` (a day or more: no
-// deadline).
+// Status (internal, with what() when it is a std::exception); a rank whose thread cannot be
+// started, and each after it, gets resource_exhausted. Aborts the process, printing each rank's
+// state, when some rank has not returned within `deadline` (a day or more: no deadline).
 inline std::vector<Status> run_ranks(int world, const std::function<Status(int rank)>& body,
                                      std::chrono::milliseconds deadline = kRankDeadline) {
   const auto ranks = static_cast<std::size_t>(world);
@@ -87,21 +88,34 @@ inline std::vector<Status> run_ranks(int world, const std::function<Status(int r
   std::vector<std::thread> threads;
   threads.reserve(ranks);
   for (int rank = 0; rank < world; ++rank) {
-    threads.emplace_back([&, rank] {
-      Status status;
-      try {
-        status = body(rank);
-      } catch (const std::exception& e) {
-        status = Status::internal("rank " + std::to_string(rank) + " threw: " + e.what());
-      } catch (...) {
-        status = Status::internal("rank " + std::to_string(rank) + " threw a non-std exception");
-      }
+    try {
+      threads.emplace_back([&, rank] {
+        Status status;
+        try {
+          status = body(rank);
+        } catch (const std::exception& e) {
+          status = Status::internal("rank " + std::to_string(rank) + " threw: " + e.what());
+        } catch (...) {
+          status = Status::internal("rank " + std::to_string(rank) + " threw a non-std exception");
+        }
+        const std::lock_guard<std::mutex> lock(mu);
+        statuses[static_cast<std::size_t>(rank)] = std::move(status);
+        done[static_cast<std::size_t>(rank)] = true;
+        --running;
+        returned.notify_all();
+      });
+    } catch (const std::system_error& e) {
+      // The ranks not started fail here; those started still run to the end (one waiting in a
+      // collective for a missing rank comes back at HostRanksOptions::timeout) and are joined.
       const std::lock_guard<std::mutex> lock(mu);
-      statuses[static_cast<std::size_t>(rank)] = std::move(status);
-      done[static_cast<std::size_t>(rank)] = true;
-      --running;
-      returned.notify_all();
-    });
+      for (std::size_t r = static_cast<std::size_t>(rank); r < ranks; ++r) {
+        statuses[r] = Status::resource_exhausted(
+            "rank " + std::to_string(r) + " not started: cannot start a thread: " + e.what());
+        done[r] = true;
+        --running;
+      }
+      break;
+    }
   }
   {
     std::unique_lock<std::mutex> lock(mu);

@@ -4,14 +4,20 @@
 #include "common/run_ranks.hpp"
 
 #include <gtest/gtest.h>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <csignal>
+#include <cstdio>
+#include <cstdlib>
 #include <set>
 #include <stdexcept>
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "common/sanitizer.hpp"
 
 namespace zinf {
 namespace {
@@ -80,6 +86,45 @@ TEST(RunRanks, TheLargestDeadlineWaitsForEveryRank) {
   ASSERT_EQ(st.size(), 2u);
   EXPECT_EQ(st[0].message(), "rank 0 slept");
   EXPECT_EQ(st[1].message(), "rank 1 slept");
+}
+
+// Runs two ranks with no room left for a thread stack (RLIMIT_AS a little above the present
+// size of the address space), prints each rank's Status, and exits 0 when both are
+// resource_exhausted.
+[[noreturn]] void run_ranks_without_room_for_a_thread() {
+  long vm_pages = 0;
+  if (std::FILE* statm = std::fopen("/proc/self/statm", "r")) {
+    if (std::fscanf(statm, "%ld", &vm_pages) != 1) vm_pages = 0;
+    std::fclose(statm);
+  }
+  if (vm_pages <= 0) std::_Exit(2);
+  // Room for small heap allocations, not for a thread stack (8 MiB by default).
+  const rlim_t limit_bytes =
+      static_cast<rlim_t>(vm_pages) * static_cast<rlim_t>(sysconf(_SC_PAGESIZE)) + (1u << 20);
+  const rlimit rl{limit_bytes, limit_bytes};
+  if (setrlimit(RLIMIT_AS, &rl) != 0) std::_Exit(3);
+  const std::vector<Status> st = test::run_ranks(2, [](int) -> Status { return Status::ok(); });
+  for (std::size_t r = 0; r < st.size(); ++r) {
+    std::fprintf(stderr, "rank %zu: code %d: %s\n", r, static_cast<int>(st[r].code()),
+                 std::string(st[r].message()).c_str());
+  }
+  std::_Exit(st.size() == 2 && st[0].code() == Code::kResourceExhausted &&
+                     st[1].code() == Code::kResourceExhausted
+                 ? 0
+                 : 1);
+}
+
+// A rank whose thread cannot start, and each after it, fails with resource_exhausted instead of
+// std::system_error leaving run_ranks. In a child whose address space has no room for another
+// thread stack (RLIMIT_AS a little above its present size), no rank starts.
+TEST(RunRanksDeathTest, ARankWithoutAThreadIsResourceExhausted) {
+  if (test::kAddressSanitizer || test::kThreadSanitizer) {
+    GTEST_SKIP() << "the sanitizer reserves address space beyond RLIMIT_AS";
+  }
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(run_ranks_without_room_for_a_thread(), ::testing::ExitedWithCode(0),
+              "rank 0: code [0-9]+: rank 0 not started: cannot start a thread: .*\n"
+              "rank 1: code [0-9]+: rank 1 not started: cannot start a thread: ");
 }
 
 // Rank 1 sleeps past a deadline of 2 s: the process aborts (SIGABRT, not just any non-zero
