@@ -38,6 +38,17 @@
 // rounds and writes the two parameters' groups alone. The end prints the medians of pair / two
 // and pair / whole and checks the masters as above.
 //
+// --case singles-loop instead times the host-side cost of one single write against the model's
+// size: one engine per count K of 1000, 4000 and 16000 parameters of 64 f32 elements each (every
+// parameter its own module, so its own group; --params and --tensors are not used), each round
+// timing K calls of write_parameters(name, values), one per parameter in order, on each engine in
+// a turning order. A call costs its own parameter's group, so the time per call should not grow
+// with K; the end prints each K's median per-call time and checks the masters as above. No
+// hardware limit applies (64 elements are nothing to move): the comparison is the per-call time
+// across K.
+//
+//   build/bin/bench_engine_write_parameters --case singles-loop --offload cpu --rounds 5
+//
 // --sub-group S: the state's sub_group_size (default 4194304).
 #include <fmt/format.h>
 
@@ -287,6 +298,80 @@ int run_far(std::size_t params, std::size_t tensors, std::size_t sub_group, cons
   return same ? 0 : 1;
 }
 
+// --case singles-loop (the file's comment).
+int run_singles_loop(std::size_t sub_group, const std::string& dir, OffloadDevice offload,
+                     int rounds) {
+  constexpr std::size_t kEach = 64;
+  const std::size_t counts[] = {1000, 4000, 16000};
+  constexpr int kCounts = 3;
+  struct Model {
+    bench::OneRank rank;
+    std::vector<std::string> names;
+    std::uint64_t generation = 0;
+  };
+  std::vector<Model> models(kCounts);
+  for (int c = 0; c < kCounts; ++c) {
+    Result<bench::OneRank> opened =
+        bench::open_one_rank(fmt::format("{}/k{}", dir, counts[c]), offload, sub_group);
+    if (!opened.is_ok()) return fail("open", opened.status());
+    models[c].rank = std::move(*opened);
+    Engine& engine = *models[c].rank.engine;
+    Result<std::vector<std::string>> registered = bench::register_tensors(
+        engine, counts[c], kEach,
+        [](std::size_t i, std::size_t /*first*/, std::size_t count, float* out) {
+          make_values(0, i, std::span<float>(out, count));
+        });
+    if (!registered.is_ok()) return fail("register", registered.status());
+    models[c].names = std::move(*registered);
+    if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
+  }
+  // Every parameter of model c written once, one call each; seconds per call.
+  std::vector<float> one(kEach);
+  auto loop = [&](Model& m) -> Result<double> {
+    ++m.generation;
+    const auto t0 = std::chrono::steady_clock::now();
+    for (std::size_t i = 0; i < m.names.size(); ++i) {
+      make_values(m.generation, i, one);
+      ZINF_RETURN_IF_ERROR(m.rank.engine->write_parameters(m.names[i], one.data()));
+    }
+    return seconds_since(t0) / static_cast<double>(m.names.size());
+  };
+
+  fmt::print("single write_parameters calls, {} f32 elements a parameter, state {}\n", kEach,
+             offload_device_name(offload));
+  fmt::print("| round | K = {} | K = {} | K = {} |\n|---|---|---|---|\n", counts[0], counts[1],
+             counts[2]);
+  std::vector<double> per_call_us[kCounts];
+  for (int round = 1; round <= rounds; ++round) {
+    double us[kCounts] = {0, 0, 0};
+    for (int k = 0; k < kCounts; ++k) {
+      const int c = (round - 1 + k) % kCounts;
+      Result<double> s = loop(models[c]);
+      if (!s.is_ok()) return fail(fmt::format("K = {}", counts[c]), s.status());
+      us[c] = *s * 1e6;
+      per_call_us[c].push_back(us[c]);
+    }
+    fmt::print("| {} | {:.1f} us | {:.1f} us | {:.1f} us |\n", round, us[0], us[1], us[2]);
+  }
+  bool same = true;
+  std::vector<float> out(kEach);
+  for (Model& m : models) {
+    for (std::size_t i = 0; i < m.names.size(); ++i) {
+      if (Status st = m.rank.engine->read_parameters(m.names[i], out.data()); !st.is_ok()) {
+        return fail("read_parameters", st);
+      }
+      make_values(m.generation, i, one);
+      same = same && std::memcmp(out.data(), one.data(), kEach * sizeof(float)) == 0;
+    }
+  }
+  fmt::print(
+      "median per call: K = {} {:.1f} us, K = {} {:.1f} us, K = {} {:.1f} us; masters {} the "
+      "last values written\n",
+      counts[0], median(per_call_us[0]), counts[1], median(per_call_us[1]), counts[2],
+      median(per_call_us[2]), same ? "equal" : "DIFFER FROM");
+  return same ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -303,13 +388,14 @@ int main(int argc, char** argv) {
                                     {"--dir", "DIR", text_into(&dir)},
                                     {"--offload", "cpu|nvme", offload_into(&offload)},
                                     {"--rounds", "R", rounds_into(&rounds)},
-                                    {"--case", "all|far", text_into(&which)},
+                                    {"--case", "all|far|singles-loop", text_into(&which)},
                                     {"--sub-group", "S", count_into(&sub_group, 1)}});
   if (parsed != 0) return parsed;
-  if (which != "all" && which != "far") {
-    fmt::print(stderr, "--case {}: expected all or far\n", which);
+  if (which != "all" && which != "far" && which != "singles-loop") {
+    fmt::print(stderr, "--case {}: expected all, far or singles-loop\n", which);
     return 2;
   }
+  if (which == "singles-loop") return run_singles_loop(sub_group, dir, offload, rounds);
   if (which == "far") return run_far(params, tensors, sub_group, dir, offload, rounds);
   return run(params, tensors, sub_group, dir, offload, rounds);
 }
