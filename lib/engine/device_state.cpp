@@ -114,12 +114,11 @@ class DeviceState final : public InMemoryState {
   }
   // The range widened to whole groups, through the host chunk: read, changed, written back.
   Status update_master_range(std::size_t begin, std::size_t end,
-                             std::span<const std::uint8_t> changed, StateFill fill) override {
+                             std::span<const std::uint32_t> changed, StateFill fill) override {
     end = std::min(end, partition_elements_);
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
-    // With a mask of changed groups the update is ranged, even over the whole partition.
+    // With a list of changed groups the update is ranged, even over the whole partition.
     ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
     changed_.assign(changed.begin(), changed.end());
     std::vector<float> chunk(std::min(end - begin, chunk_elements()));
@@ -215,7 +214,7 @@ class DeviceState final : public InMemoryState {
   // and their span, and which of them it changes (empty: all), until write_loaded().
   bool ranged_ = false;
   GroupSpan range_;
-  std::vector<std::uint8_t> changed_;
+  std::vector<std::uint32_t> changed_;
 };
 
 }  // namespace

@@ -165,13 +165,12 @@ class HostState final : public InMemoryState {
   }
   // The range widened to whole groups, changed in place.
   Status update_master_range(std::size_t begin, std::size_t end,
-                             std::span<const std::uint8_t> changed, StateFill fill) override {
+                             std::span<const std::uint32_t> changed, StateFill fill) override {
     end = std::min(end, partition_elements_);
     loaded_elements_ = kNotLoaded;
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
-    // With a mask of changed groups the update is ranged, even over the whole partition.
+    // With a list of changed groups the update is ranged, even over the whole partition.
     ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
     changed_.assign(changed.begin(), changed.end());
     return fill(begin, end - begin, master_.as<float>() + begin);
@@ -298,7 +297,7 @@ class HostState final : public InMemoryState {
   // and their span, and which of them it changes (empty: all), until write_loaded().
   bool ranged_ = false;
   GroupSpan range_;
-  std::vector<std::uint8_t> changed_;
+  std::vector<std::uint32_t> changed_;
   // master_loaded(): the element up to which the master was rounded into the buffer, in order,
   // since element 0 (or since range_.begin after update_master_range()).
   static constexpr std::size_t kNotLoaded = SIZE_MAX;

@@ -151,22 +151,45 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   // The names' parameters, each once. Every check's outcome is agreed with the other ranks
   // (agree_batch() below) before anything else, so a rank whose call is refused fails the others
   // at once rather than leaving them waiting in the first broadcast.
+  //
+  // The names' checks cost the names, not the model: each name is looked up (a map), and a name
+  // given twice is found by sorting (parameter, position) pairs, the first error in `names`
+  // order reported as a check name by name would (an unknown name, or the second mention of a
+  // parameter, whichever comes first).
   Status local = Status::ok();
-  std::vector<ParamId> ids;
-  ids.reserve(names.size());
-  std::vector<std::size_t> given(part.param_count(), SIZE_MAX);  // its position in `names`
-  for (std::size_t i = 0; i < names.size() && local.is_ok(); ++i) {
+  struct Given {
+    ParamId id;
+    std::size_t position;  // in `names`
+  };
+  std::vector<Given> given;
+  given.reserve(names.size());
+  std::size_t unknown = names.size();  // the first unknown name's position
+  for (std::size_t i = 0; i < names.size(); ++i) {
     const std::optional<std::size_t> found = w.layout->find_param(names[i]);
     if (!found.has_value()) {
-      local = Status::not_found(fmt::format("write_parameters('{}'): unknown parameter", names[i]));
-    } else if (given[*found] != SIZE_MAX) {
-      local = Status::invalid_argument(
-          fmt::format("write_parameters('{}'): the parameter is named twice (at {} and {})",
-                      names[i], given[*found], i));
-    } else {
-      given[*found] = i;
-      ids.push_back(static_cast<ParamId>(*found));
+      unknown = i;
+      break;
     }
+    given.push_back({static_cast<ParamId>(*found), i});
+  }
+  std::sort(given.begin(), given.end(), [](const Given& a, const Given& b) {
+    return a.id != b.id ? a.id < b.id : a.position < b.position;
+  });
+  std::size_t twice = SIZE_MAX, first_mention = 0;  // the earliest second mention, and the first
+  for (std::size_t k = 1; k < given.size(); ++k) {
+    if (given[k].id == given[k - 1].id && given[k].position < twice &&
+        (k < 2 || given[k - 2].id != given[k].id)) {
+      twice = given[k].position;
+      first_mention = given[k - 1].position;
+    }
+  }
+  if (twice < unknown) {
+    local = Status::invalid_argument(
+        fmt::format("write_parameters('{}'): the parameter is named twice (at {} and {})",
+                    names[twice], first_mention, twice));
+  } else if (unknown < names.size()) {
+    local =
+        Status::not_found(fmt::format("write_parameters('{}'): unknown parameter", names[unknown]));
   }
   if (local.is_ok()) local = precondition;
   if (local.is_ok() && (root < 0 || root >= w.comm->world_size())) {
@@ -186,21 +209,21 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   // Layout order: group by group, and within a group by offset, which is the order the pass
   // over this rank's partition reaches the pieces in (the partition lies in group order, each
   // group's slice a contiguous run of the group).
-  std::sort(ids.begin(), ids.end(), [&](ParamId a, ParamId b) {
-    const ParamLocation& la = part.location(a);
-    const ParamLocation& lb = part.location(b);
+  std::sort(given.begin(), given.end(), [&](const Given& a, const Given& b) {
+    const ParamLocation& la = part.location(a.id);
+    const ParamLocation& lb = part.location(b.id);
     return la.group != lb.group ? la.group < lb.group : la.group_offset < lb.group_offset;
   });
-  std::vector<BatchEntry> entries(ids.size());
+  std::vector<BatchEntry> entries(given.size());
   std::size_t largest = 0;
   std::size_t previous_hi = 0;
-  for (std::size_t i = 0; i < ids.size(); ++i) {
-    const ParamLocation& loc = part.location(ids[i]);
+  for (std::size_t i = 0; i < given.size(); ++i) {
+    const ParamLocation& loc = part.location(given[i].id);
     BatchEntry& e = entries[i];
-    e.name = names[given[ids[i]]];
+    e.name = names[given[i].position];
     e.element_count = loc.element_count;
     largest = std::max(largest, loc.element_count);
-    const std::optional<ParamPiece> piece = part.param_piece(ids[i], w.rank);
+    const std::optional<ParamPiece> piece = part.param_piece(given[i].id, w.rank);
     if (piece.has_value() && piece->element_count > 0) {
       e.owned = true;
       e.lo = w.layout->offset(loc.group) + piece->shard_offset;
@@ -239,23 +262,36 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   // one block the two runs share): on NVMe the master is written in whole sub-groups, so with
   // the default sub_group_size, where a rank's partition is often one sub-group, a batch reads
   // and rewrites it whole. Only the named groups are changed, rounded and have their shards
-  // written (`named` goes with each run as update_master_range's `changed`): the groups between
-  // them keep their master, their shards and their gathered copies as they are. Runs cost no
-  // collective: the broadcasts are one per parameter whatever the runs, and the all-gathers one
-  // per named group that stays gathered, made once after the last run. A rank's runs may thus
-  // differ from another's (its sub-groups are cut at its frozen pieces); the groups written and
-  // all-gathered do not, being the named ones.
-  std::vector<std::uint8_t> named(w.layout->group_count(), 0);
-  for (ParamId id : ids) named[part.location(id).group] = 1;
-  std::vector<GroupSpan> runs;
-  for (std::uint32_t g = 0; g < w.layout->group_count(); ++g) {
-    if (named[g] == 0) continue;
+  // written (the run's part of `named` goes with it as update_master_range's `changed`): the
+  // groups between them keep their master, their shards and their gathered copies as they are.
+  // Runs cost no collective: the broadcasts are one per parameter whatever the runs, and the
+  // all-gathers one per named group that stays gathered, made once after the last run. A rank's
+  // runs may thus differ from another's (its sub-groups are cut at its frozen pieces); the groups
+  // written and all-gathered do not, being the named ones.
+  //
+  // `named` lists the groups in increasing order (the entries are in layout order), so the host
+  // work of a call is its own groups', not a walk over every group of the model.
+  std::vector<std::uint32_t> named;
+  named.reserve(entries.size());
+  for (const Given& g : given) {
+    const std::uint32_t group = part.location(g.id).group;
+    if (named.empty() || named.back() != group) named.push_back(group);
+  }
+  struct Run {
+    GroupSpan span;
+    std::size_t first_named = 0, end_named = 0;  // its groups in `named`
+  };
+  std::vector<Run> runs;
+  for (std::size_t i = 0; i < named.size(); ++i) {
+    const std::uint32_t g = named[i];
+    ZINF_ASSERT(i == 0 || named[i - 1] < g);
     const GroupSpan one = group_run(*w.layout, g, g + 1);
-    if (!runs.empty() &&
-        (runs.back().end_group == g || w.state->shares_rewrite(runs.back().end, one.begin))) {
-      runs.back() = group_run(*w.layout, runs.back().first_group, g + 1);
+    if (!runs.empty() && (runs.back().span.end_group == g ||
+                          w.state->shares_rewrite(runs.back().span.end, one.begin))) {
+      runs.back().span = group_run(*w.layout, runs.back().span.first_group, g + 1);
+      runs.back().end_named = i + 1;
     } else {
-      runs.push_back(one);
+      runs.push_back({one, i, i + 1});
     }
   }
 
@@ -294,8 +330,10 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
     return state.master_loaded(first, count, out);
   };
   Status st;
-  for (const GroupSpan& run : runs) {
-    st = state.update_master_range(run.begin, run.end, named, fill);
+  for (const Run& run : runs) {
+    const std::span<const std::uint32_t> changed = std::span<const std::uint32_t>(named).subspan(
+        run.first_named, run.end_named - run.first_named);
+    st = state.update_master_range(run.span.begin, run.span.end, changed, fill);
     if (st.is_ok()) {
       st = state.write_loaded();
       if (!st.is_ok()) st = st.with_context(fmt::format("{}: writing the new shards", call));

@@ -210,14 +210,16 @@ class OptimizerState {
   // what it is called over is left as it is. A state may widen the range (to whole groups, so
   // that master_loaded() over it lets write_loaded() write those groups' shards alone); when the
   // calls covered the widened range in order, write_loaded() then writes only the shards of the
-  // groups it overlaps that `changed` chooses (one entry per group, nonzero for a group whose
-  // master fill may change; empty: every group), and master_loaded() rounds only theirs. fill
+  // groups it overlaps that `changed` chooses (the indices of the groups whose master fill may
+  // change, in increasing order, each once: chosen_group(); empty: every group), and
+  // master_loaded() rounds only theirs. `changed` may list only the range's groups, and is
+  // copied: its cost is the groups it lists, not the model's. fill
   // leaves the other groups' elements as it finds them (a range joined across groups between
   // two runs of changed ones, shares_rewrite): their shards are neither rounded nor written, so
   // they stay what they are. This one updates the whole master, and write_loaded() writes every
   // shard.
   virtual Status update_master_range(std::size_t begin, std::size_t end,
-                                     std::span<const std::uint8_t> changed, StateFill fill) {
+                                     std::span<const std::uint32_t> changed, StateFill fill) {
     (void)begin, (void)end, (void)changed;
     return update_master(fill);
   }

@@ -84,20 +84,32 @@ Status Publisher::write_shards(FunctionRef<const std::byte*(std::uint32_t)> valu
 
 Status Publisher::write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                                      std::uint32_t first_group, std::uint32_t end_group,
-                                     std::span<const std::uint8_t> chosen) {
+                                     std::span<const std::uint32_t> chosen) {
   ZINF_ASSERT(first_group <= end_group && end_group <= layout_.group_count());
-  ZINF_ASSERT(chosen.empty() || chosen.size() == layout_.group_count());
-  for (std::uint32_t g = first_group; g < end_group; ++g) {
-    if (!chosen_group(chosen, g)) continue;
-    ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
+  if (chosen.empty()) {
+    for (std::uint32_t g = first_group; g < end_group; ++g) {
+      ZINF_RETURN_IF_ERROR(write_group(g, values(g), /*wait=*/false));
+    }
+    return Status::ok();
+  }
+  // The chosen groups in [first_group, end_group) alone, not every group of the range.
+  for (auto it = std::lower_bound(chosen.begin(), chosen.end(), first_group);
+       it != chosen.end() && *it < end_group; ++it) {
+    ZINF_RETURN_IF_ERROR(write_group(*it, values(*it), /*wait=*/false));
   }
   return Status::ok();
 }
 
-Status Publisher::publish_groups(std::span<const std::uint8_t> chosen) {
-  ZINF_ASSERT(chosen.size() == layout_.group_count());
+Status Publisher::publish_groups(std::span<const std::uint32_t> chosen) {
   std::lock_guard<std::mutex> lock(mu_);
-  return coord_->publish([&](std::uint32_t g) { return chosen[g] != 0; });
+  // As ParamCoordinator::publish() over the chosen groups, without a walk over every group.
+  const std::vector<bool>& persistent = layout_.persistent();
+  for (std::size_t i = 0; i < chosen.size(); ++i) {
+    const std::uint32_t g = chosen[i];
+    ZINF_ASSERT(g < layout_.group_count() && (i == 0 || chosen[i - 1] < g));
+    if (persistent[g]) ZINF_RETURN_IF_ERROR(coord_->publish_group(g));
+  }
+  return coord_->publish_wait();
 }
 
 Status Publisher::publish(bool frozen_too) {
@@ -172,9 +184,8 @@ void Publisher::restart_stream(bool descending, bool frozen_too) {
 }
 
 void Publisher::restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group,
-                                      std::span<const std::uint8_t> chosen) {
+                                      std::span<const std::uint32_t> chosen) {
   ZINF_ASSERT(first_group < end_group && end_group <= layout_.group_count());
-  ZINF_ASSERT(chosen.empty() || chosen.size() == layout_.group_count());
   restart_stream();
   stream_chosen_.assign(chosen.begin(), chosen.end());
   stream_next_ = layout_.offset(first_group);

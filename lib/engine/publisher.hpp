@@ -33,6 +33,7 @@
 // pass); mutex() and the written count may be used from both.
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -72,10 +73,11 @@ GroupSpan group_run(const ParameterLayout& layout, std::uint32_t first_group,
 // REQUIRES: *begin < *end <= layout.partition_elements().
 bool widen_to_groups(const ParameterLayout& layout, std::size_t* begin, std::size_t* end,
                      GroupSpan* span);
-// Whether group g is chosen by `chosen` (one entry per group, nonzero for a chosen one; empty:
-// every group is).
-inline bool chosen_group(std::span<const std::uint8_t> chosen, std::uint32_t g) {
-  return chosen.empty() || chosen[g] != 0;
+// Whether group g is chosen by `chosen`: the chosen groups' indices in increasing order, each
+// once (empty: every group is). A list rather than a mask over every group, so that a caller
+// choosing a few groups (Engine::write_parameters) costs those groups, not the model's.
+inline bool chosen_group(std::span<const std::uint32_t> chosen, std::uint32_t g) {
+  return chosen.empty() || std::binary_search(chosen.begin(), chosen.end(), g);
 }
 
 class Publisher {
@@ -110,7 +112,7 @@ class Publisher {
   // Engine::write_parameters).
   Status write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                             std::uint32_t first_group, std::uint32_t end_group,
-                            std::span<const std::uint8_t> chosen = {});
+                            std::span<const std::uint32_t> chosen = {});
 
   // --- The half-precision stream -----------------------------------------------------------
   // A group is written only when every one of its elements was filled in this pass, so no shard
@@ -130,7 +132,7 @@ class Publisher {
   // the groups `chosen` does not choose (chosen_group()) are counted through, never filled or
   // written, as a step's stream passes over the frozen ones.
   void restart_stream_groups(std::uint32_t first_group, std::uint32_t end_group,
-                             std::span<const std::uint8_t> chosen = {});
+                             std::span<const std::uint32_t> chosen = {});
   // Partition elements [first, first + count) in half_dtype(): fill(lo, hi, dst) writes
   // elements [lo, hi) at dst. REQUIRES: first is where the previous range ended (0 after
   // restart_stream()); descending, first + count is where the previous range began (the
@@ -152,9 +154,9 @@ class Publisher {
   // All-gathers the groups that stay gathered from the shards just written; `frozen_too` false
   // (after a step), not the frozen ones. Collective.
   Status publish(bool frozen_too = true);
-  // The same for the groups g where chosen[g] is nonzero only (chosen: one entry per group):
-  // every rank passes the same groups. Collective.
-  Status publish_groups(std::span<const std::uint8_t> chosen);
+  // The same for the groups `chosen` lists only (indices in increasing order, each once; not
+  // empty for none): every rank passes the same groups. Collective.
+  Status publish_groups(std::span<const std::uint32_t> chosen);
   // Waits until every shard write so far is done (ParamCoordinator::wait_writes()): a write that
   // failed shows here, before publish(). Local.
   Status wait_writes() {
@@ -208,7 +210,7 @@ class Publisher {
   bool stream_descending_ = false;
   bool stream_frozen_too_ = true;  // restart_stream()'s `frozen_too`
   // restart_stream_groups()'s `chosen` (empty: every group), copied for the stream's length.
-  std::vector<std::uint8_t> stream_chosen_;
+  std::vector<std::uint32_t> stream_chosen_;
   // Ascending: the partition element the next range starts at, and the group being assembled.
   // Descending: the element the next range ends at, and one past the group being assembled.
   std::size_t stream_next_ = 0;

@@ -273,7 +273,7 @@ class StoreState final : public OptimizerState {
             narrow(values + (lo - first), hi - lo, half, dst);
           }));
     } else {
-      narrow_all(first, count, values, ranged_ ? changed_ : std::span<const std::uint8_t>());
+      narrow_all(first, count, values, ranged_ ? changed_ : std::span<const std::uint32_t>());
     }
     loaded_elements_ += count;
     return Status::ok();
@@ -393,7 +393,7 @@ class StoreState final : public OptimizerState {
   // over the range's part of it, the unchanged groups' elements too). master_loaded() over the
   // range in order then lets write_loaded() write only its changed groups' shards.
   Status update_master_range(std::size_t begin, std::size_t end,
-                             std::span<const std::uint8_t> changed, StateFill fill) override {
+                             std::span<const std::uint32_t> changed, StateFill fill) override {
     StateStore& s = *store_;
     const std::size_t total = layout_.partition_elements();
     end = std::min(end, total);
@@ -401,8 +401,7 @@ class StoreState final : public OptimizerState {
     loaded_elements_ = kNotLoaded;
     ranged_ = false;
     if (begin >= end) return Status::ok();
-    ZINF_ASSERT(changed.empty() || changed.size() == layout_.group_count());
-    // With a mask of changed groups the update is ranged, even over the whole partition.
+    // With a list of changed groups the update is ranged, even over the whole partition.
     ranged_ = widen_to_groups(layout_, &begin, &end, &range_) || !changed.empty();
     changed_.assign(changed.begin(), changed.end());
     // As write_state(kParams): the settled sub-groups stay settled.
@@ -857,7 +856,7 @@ class StoreState final : public OptimizerState {
   }
   // Of the groups `chosen` chooses (chosen_group(): empty, every group).
   void narrow_all(std::size_t first, std::size_t count, const float* src,
-                  std::span<const std::uint8_t> chosen = {}) {
+                  std::span<const std::uint32_t> chosen = {}) {
     pub_.narrow_groups(
         first, count, src, [&](std::uint32_t g) { return chosen_group(chosen, g); },
         [&](std::uint32_t g) { return values(g); });
@@ -897,7 +896,7 @@ class StoreState final : public OptimizerState {
   // and their span, and which of them it changes (empty: all), until write_loaded().
   bool ranged_ = false;
   GroupSpan range_;
-  std::vector<std::uint8_t> changed_;
+  std::vector<std::uint32_t> changed_;
 };
 
 // Streamed when the state is on NVMe, every group is of one half dtype, and the shards are not
