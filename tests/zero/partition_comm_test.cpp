@@ -7,10 +7,10 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
-#include <thread>
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/run_ranks.hpp"
 #include "zero/partitioner.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
@@ -52,95 +52,76 @@ TEST_P(PartitionComm, GatherRebuildsParametersAndReduceScatterAveragesSlices) {
     }
   }
 
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < world_size; ++r) {
-    HostDeviceOptions device_options;
-    device_options.ordinal = r;
-    device_options.jitter_max_us = 50;
-    devices.push_back(std::move(make_host_device(device_options)).value());
-    raw.push_back(devices.back().get());
-  }
-  auto comms = std::move(make_local_comm_group(raw)).value();
-
-  std::vector<Status> statuses(static_cast<std::size_t>(world_size));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < world_size; ++rank) {
-    threads.emplace_back([&, rank] {
-      const auto urank = static_cast<std::size_t>(rank);
-      Device& device = *devices[urank];
-      Communicator& comm = *comms[urank];
-      auto body = [&]() -> Status {
-        ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("zero"));
-        ZINF_ASSIGN_OR_RETURN(auto done, device.create_event());
-        std::vector<const void*> value_ptrs, grad_ptrs;
-        for (ParamId id = 0; id < p.param_count(); ++id) {
-          value_ptrs.push_back(values[id].data());
-          grad_ptrs.push_back(grads[urank][id].data());
+  // Stream work delayed at random (seeded by seed + rank), so that a missing wait shows up.
+  test::HostRanksOptions rank_options;
+  rank_options.jitter_max_us = 50;
+  rank_options.jitter_seed = seed;
+  test::HostRanks ranks = test::make_host_ranks(world_size, rank_options);
+  const std::vector<Status> statuses = test::run_ranks(world_size, [&](int rank) -> Status {
+    const auto urank = static_cast<std::size_t>(rank);
+    Device& device = *ranks.devices[urank];
+    Communicator& comm = *ranks.comms[urank];
+    ZINF_ASSIGN_OR_RETURN(auto stream, device.create_stream("zero"));
+    ZINF_ASSIGN_OR_RETURN(auto done, device.create_event());
+    std::vector<const void*> value_ptrs, grad_ptrs;
+    for (ParamId id = 0; id < p.param_count(); ++id) {
+      value_ptrs.push_back(values[id].data());
+      grad_ptrs.push_back(grads[urank][id].data());
+    }
+    for (std::uint32_t g = 0; g < p.group_count(); ++g) {
+      const GroupInfo& info = p.group(g);
+      const std::size_t shard = info.shard_element_count;
+      std::vector<float> host_shard(shard);
+      std::vector<float> host_full(info.padded_element_count);
+      std::vector<float> host_grads(info.padded_element_count);
+      // The full gradient of this rank in the group's layout: its slice from each "rank".
+      for (int owner = 0; owner < world_size; ++owner) {
+        p.fill_shard(g, owner, grad_ptrs, host_grads.data() + p.shard_offset(g, owner));
+      }
+      p.fill_shard(g, rank, value_ptrs, host_shard.data());
+      ZINF_ASSIGN_OR_RETURN(DeviceBuffer full,
+                            DeviceBuffer::allocate(device, info.padded_element_count * 4));
+      ZINF_ASSIGN_OR_RETURN(DeviceBuffer grad,
+                            DeviceBuffer::allocate(device, info.padded_element_count * 4));
+      float* own = full.as<float>() + p.shard_offset(g, rank);
+      ZINF_RETURN_IF_ERROR(device.copy_h2d(own, host_shard.data(), shard * 4, *stream));
+      ZINF_RETURN_IF_ERROR(
+          comm.all_gather(own, full.data(), shard, DType::kF32, *stream, "params"));
+      ZINF_RETURN_IF_ERROR(
+          device.copy_h2d(grad.data(), host_grads.data(), info.padded_element_count * 4, *stream));
+      float* grad_slice = grad.as<float>() + p.shard_offset(g, rank);
+      ZINF_RETURN_IF_ERROR(comm.reduce_scatter(grad.data(), grad_slice, shard, DType::kF32,
+                                               ReduceOp::kAverage, *stream, "grads"));
+      ZINF_RETURN_IF_ERROR(
+          device.copy_d2h(host_full.data(), full.data(), info.padded_element_count * 4, *stream));
+      ZINF_RETURN_IF_ERROR(device.copy_d2h(host_shard.data(), grad_slice, shard * 4, *stream));
+      ZINF_RETURN_IF_ERROR(device.record(*done, *stream));
+      ZINF_RETURN_IF_ERROR(comm.wait(*done, std::chrono::seconds(30)));
+      for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
+        const ParamLocation& loc = p.location(id);
+        if (std::memcmp(host_full.data() + loc.group_offset, values[id].data(),
+                        loc.element_count * 4) != 0) {
+          return Status::internal(fmt::format("gathered parameter {} differs", p.spec(id).name));
         }
-        for (std::uint32_t g = 0; g < p.group_count(); ++g) {
-          const GroupInfo& info = p.group(g);
-          const std::size_t shard = info.shard_element_count;
-          std::vector<float> host_shard(shard);
-          std::vector<float> host_full(info.padded_element_count);
-          std::vector<float> host_grads(info.padded_element_count);
-          // The full gradient of this rank in the group's layout: its slice from each "rank".
-          for (int owner = 0; owner < world_size; ++owner) {
-            p.fill_shard(g, owner, grad_ptrs, host_grads.data() + p.shard_offset(g, owner));
+      }
+      // The mean over ranks, summed in rank order, for every element this rank owns;
+      // padding stays zero.
+      std::vector<float> expected(shard, 0.0f);
+      for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
+        for (std::size_t i = 0; i < piece.element_count; ++i) {
+          float sum = 0.0f;
+          for (int r = 0; r < world_size; ++r) {
+            const float x = grads[static_cast<std::size_t>(r)][piece.param][piece.param_offset + i];
+            sum = r == 0 ? x : sum + x;
           }
-          p.fill_shard(g, rank, value_ptrs, host_shard.data());
-          ZINF_ASSIGN_OR_RETURN(DeviceBuffer full,
-                                DeviceBuffer::allocate(device, info.padded_element_count * 4));
-          ZINF_ASSIGN_OR_RETURN(DeviceBuffer grad,
-                                DeviceBuffer::allocate(device, info.padded_element_count * 4));
-          float* own = full.as<float>() + p.shard_offset(g, rank);
-          ZINF_RETURN_IF_ERROR(device.copy_h2d(own, host_shard.data(), shard * 4, *stream));
-          ZINF_RETURN_IF_ERROR(
-              comm.all_gather(own, full.data(), shard, DType::kF32, *stream, "params"));
-          ZINF_RETURN_IF_ERROR(device.copy_h2d(grad.data(), host_grads.data(),
-                                               info.padded_element_count * 4, *stream));
-          float* grad_slice = grad.as<float>() + p.shard_offset(g, rank);
-          ZINF_RETURN_IF_ERROR(comm.reduce_scatter(grad.data(), grad_slice, shard, DType::kF32,
-                                                   ReduceOp::kAverage, *stream, "grads"));
-          ZINF_RETURN_IF_ERROR(device.copy_d2h(host_full.data(), full.data(),
-                                               info.padded_element_count * 4, *stream));
-          ZINF_RETURN_IF_ERROR(device.copy_d2h(host_shard.data(), grad_slice, shard * 4, *stream));
-          ZINF_RETURN_IF_ERROR(device.record(*done, *stream));
-          ZINF_RETURN_IF_ERROR(comm.wait(*done, std::chrono::seconds(30)));
-          for (ParamId id = info.first_param; id < info.first_param + info.param_count; ++id) {
-            const ParamLocation& loc = p.location(id);
-            if (std::memcmp(host_full.data() + loc.group_offset, values[id].data(),
-                            loc.element_count * 4) != 0) {
-              return Status::internal(
-                  fmt::format("gathered parameter {} differs", p.spec(id).name));
-            }
-          }
-          // The mean over ranks, summed in rank order, for every element this rank owns;
-          // padding stays zero.
-          std::vector<float> expected(shard, 0.0f);
-          for (const ParamPiece& piece : p.shard_pieces(g, rank)) {
-            for (std::size_t i = 0; i < piece.element_count; ++i) {
-              float sum = 0.0f;
-              for (int r = 0; r < world_size; ++r) {
-                const float x =
-                    grads[static_cast<std::size_t>(r)][piece.param][piece.param_offset + i];
-                sum = r == 0 ? x : sum + x;
-              }
-              expected[piece.shard_offset + i] = sum / static_cast<float>(world_size);
-            }
-          }
-          if (host_shard != expected) return Status::internal("averaged gradient slice differs");
+          expected[piece.shard_offset + i] = sum / static_cast<float>(world_size);
         }
-        return Status::ok();
-      };
-      statuses[urank] = body();
-    });
-  }
-  for (auto& thread : threads) thread.join();
-  for (int r = 0; r < world_size; ++r) {
-    EXPECT_TRUE(statuses[static_cast<std::size_t>(r)].is_ok())
-        << "rank " << r << ": " << statuses[static_cast<std::size_t>(r)].to_string();
-  }
+      }
+      if (host_shard != expected) return Status::internal("averaged gradient slice differs");
+    }
+    return Status::ok();
+  });
+  EXPECT_TRUE(test::ranks_ok(statuses));
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, PartitionComm, ::testing::Values(1, 2, 3, 4, 5));
@@ -186,41 +167,21 @@ TEST(PartitionComm, LayoutAgreementNamesTheFirstDifferingParameter) {
   const int world_size = 3;
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
-    std::vector<std::unique_ptr<Device>> devices;
-    std::vector<Device*> raw;
-    for (int r = 0; r < world_size; ++r) {
-      HostDeviceOptions device_options;
-      device_options.ordinal = r;
-      devices.push_back(std::move(make_host_device(device_options)).value());
-      raw.push_back(devices.back().get());
-    }
-    auto comms = std::move(make_local_comm_group(raw)).value();
-    std::vector<Status> statuses(world_size);
-    std::vector<std::thread> threads;
-    for (int rank = 0; rank < world_size; ++rank) {
-      threads.emplace_back([&, rank] {
-        PartitionerOptions options;
-        options.world_size = world_size;
-        std::vector<ParamSpec> specs = {{"m0.p0", "m0", {3, 4}, DType::kF32},
-                                        {"m0.p1", "m0", {5}, DType::kF32},
-                                        {"m1.p2", "m1", {}, DType::kF32},
-                                        {"m1.p3", "m1", {4, 4}, DType::kF32}};
-        c.tweak(rank, options, specs);
-        Result<Partitioner> p = Partitioner::create(options);
-        if (!p.is_ok()) {
-          statuses[static_cast<std::size_t>(rank)] = p.status();
-          return;
-        }
-        for (const ParamSpec& spec : specs) (void)p->add(spec);
-        if (Status s = p->finalize(); !s.is_ok()) {
-          statuses[static_cast<std::size_t>(rank)] = s;
-          return;
-        }
-        statuses[static_cast<std::size_t>(rank)] = check_layout_agreement(
-            *p, *comms[static_cast<std::size_t>(rank)], std::chrono::seconds(30));
-      });
-    }
-    for (auto& thread : threads) thread.join();
+    test::HostRanks ranks = test::make_host_ranks(world_size);
+    const std::vector<Status> statuses = test::run_ranks(world_size, [&](int rank) -> Status {
+      PartitionerOptions options;
+      options.world_size = world_size;
+      std::vector<ParamSpec> specs = {{"m0.p0", "m0", {3, 4}, DType::kF32},
+                                      {"m0.p1", "m0", {5}, DType::kF32},
+                                      {"m1.p2", "m1", {}, DType::kF32},
+                                      {"m1.p3", "m1", {4, 4}, DType::kF32}};
+      c.tweak(rank, options, specs);
+      ZINF_ASSIGN_OR_RETURN(Partitioner p, Partitioner::create(options));
+      for (const ParamSpec& spec : specs) (void)p.add(spec);
+      ZINF_RETURN_IF_ERROR(p.finalize());
+      return check_layout_agreement(p, *ranks.comms[static_cast<std::size_t>(rank)],
+                                    std::chrono::seconds(30));
+    });
     for (int r = 0; r < world_size; ++r) {
       const Status& s = statuses[static_cast<std::size_t>(r)];
       if (std::string_view(c.expected).empty()) {
