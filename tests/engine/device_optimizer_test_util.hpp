@@ -134,21 +134,29 @@ class DeviceOptimizerFrozen : public ::testing::Test {
     }
   }
 
-  // Piece `which` read in chunks of 1000 elements (chunks that end inside runs).
+  // Piece `which` read in pieces of piece_elements_ (pieces that end inside runs); a failed read
+  // is reported once and ends the read.
   std::vector<float> read(DeviceOptimizer& o, int which) {
     const std::size_t elements = partition_.elements;
     std::vector<float> out(elements);
-    for (std::size_t first = 0; first < elements; first += 1000) {
-      const std::size_t count = std::min<std::size_t>(1000, elements - first);
-      EXPECT_TRUE(o.read_state(which, first, count, out.data() + first).is_ok());
+    for (std::size_t first = 0; first < elements; first += piece_elements_) {
+      const std::size_t count = std::min(piece_elements_, elements - first);
+      const Status s = o.read_state(which, first, count, out.data() + first);
+      if (!s.is_ok()) {
+        ADD_FAILURE() << "read_state(" << which << ", " << first << ", " << count
+                      << "): " << s.to_string();
+        return out;
+      }
     }
     return out;
   }
   void write(DeviceOptimizer& o, int which, const std::vector<float>& in) {
     const std::size_t elements = partition_.elements;
-    for (std::size_t first = 0; first < elements; first += 1000) {
-      const std::size_t count = std::min<std::size_t>(1000, elements - first);
-      ASSERT_TRUE(o.write_state(which, first, count, in.data() + first).is_ok());
+    for (std::size_t first = 0; first < elements; first += piece_elements_) {
+      const std::size_t count = std::min(piece_elements_, elements - first);
+      const Status s = o.write_state(which, first, count, in.data() + first);
+      ASSERT_TRUE(s.is_ok()) << "write_state(" << which << ", " << first << ", " << count
+                             << "): " << s.to_string();
     }
   }
   std::vector<std::uint16_t> half(DeviceOptimizer& o, std::uint32_t g) {
@@ -177,6 +185,9 @@ class DeviceOptimizerFrozen : public ::testing::Test {
   std::unique_ptr<Device> device_;
   std::unique_ptr<Stream> stream_;
   std::vector<float> master_;  // set before SetUp() to replace the seeded default
+  // Elements per read_state / write_state call of read() and write(): small, so that the pieces
+  // end inside runs; a test of a large partition sets more, as each call synchronizes.
+  std::size_t piece_elements_ = 1000;
   std::unique_ptr<DeviceOptimizer> packed_, full_;
 };
 
