@@ -296,17 +296,18 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       // the whole update is over. The update meets no fetch from its own drive (with the params
       // on NVMe the optimizer state is on the host): it hides behind c of the micro-batch where
       // it runs in the backward, and behind nothing where it starts at step() (the next
-      // forward's first gather waits for all of it). After it: the NVMe params' shards are
-      // written one group at a time, each flagged once on the drive, so they meet the next
-      // forward module by module, whose fetch reads the same drive. The uploads to the device
-      // are queued on the coordinator's stream at once, ahead of the next forward's first
-      // gather, which waits for all of them: they hide behind nothing (host shards are copied,
-      // not charged). At stages 1-2 the persistent groups are all-gathered module by module in
-      // the next forward (await_module), behind its compute.
+      // forward's first gather waits for all of it). After it the new shards go home group by
+      // group, each flagged written as its copy is queued (Publisher::write_group), so they meet
+      // the next forward module by module: the NVMe params' writes, whose fetch reads the same
+      // drive, and the uploads to the device alike (their source, the store's unpinned host
+      // array, is staged as each copy is issued, so the writes run at the link's rate and the
+      // forward's gathers fall between them). Host shards are copied, not charged. At stages 1-2
+      // the persistent groups are all-gathered module by module in the next forward
+      // (await_module), behind its compute.
       const double update_window_s = updates_in_backward(s) ? fraction * micro_batch_s : 0.0;
-      const double drive_writes_s = s.params == OffloadDevice::kNvme ? out.param_upload_s : 0.0;
-      out.optimizer_hidden_s = std::min(out.pipeline_s, update_window_s) +
-                               std::min(drive_writes_s + out.publish_gather_s, at_step_window_s);
+      out.optimizer_hidden_s =
+          std::min(out.pipeline_s, update_window_s) +
+          std::min(out.param_upload_s + out.publish_gather_s, at_step_window_s);
     } else {
       out.optimizer_hidden_s =
           std::min(out.optimizer_step_s, updates_in_backward(s) ? window_s : at_step_window_s);

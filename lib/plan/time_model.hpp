@@ -134,13 +134,13 @@
 // (OverlappedStep::await_module): no shard is written before U is over. So the parts hide apart:
 // U behind c·mb where the pass updates in the backward (no fetch reads its drive: with the params
 // on NVMe the state is on the host), else behind nothing; W to NVMe, written group by group and
-// each flagged once on the drive, behind the next forward as above; W up to the device behind
-// nothing (queued on the coordinator's stream at once, ahead of the next forward's first gather,
-// which waits for all of it); W to host shards is a copy, not charged; and stages 1-2's publish
-// G, all-gathered module by module in the next forward, behind it as W to NVMe:
+// each flagged once on the drive, behind the next forward as above; W up to the device the same
+// way (each group flagged as its copy is queued, Publisher::write_group, and the store's unpinned
+// host array staged as each copy is issued, so the next forward's gathers fall between the
+// uploads); W to host shards is a copy, not charged; and stages 1-2's publish G, all-gathered
+// module by module in the next forward, behind it as W:
 //   hidden = min(U, updates in the backward ? c·mb : 0)
-//          + min((params on NVMe ? W : 0) + G, c·max(0, mb − drive),
-//                max(0, max(F_fwd / rate, ...) − drive/2))
+//          + min(W + G, c·max(0, mb − drive), max(0, max(F_fwd / rate, ...) − drive/2))
 // The optimizer on the device does not overlap (above).
 //
 // Thread-safety: values and pure functions.
