@@ -308,9 +308,16 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       out.optimizer_hidden_s =
           std::min(out.pipeline_s, update_window_s) +
           std::min(out.param_upload_s + out.publish_gather_s, at_step_window_s);
-    } else {
+    } else if (updates_in_backward(s)) {
+      // Streamed, the pass updates and writes in the backward, but overlapped the engine leaves
+      // the stage 1-2 all-gather to the next forward (write_step() -> publish_pass() gathers
+      // nothing; OverlappedStep::await_module all-gathers each module's persistent groups): the
+      // update and writes hide behind the backward's window, the all-gather behind the forward's.
+      const double update_writes_s = out.optimizer_step_s - out.publish_gather_s;
       out.optimizer_hidden_s =
-          std::min(out.optimizer_step_s, updates_in_backward(s) ? window_s : at_step_window_s);
+          std::min(update_writes_s, window_s) + std::min(out.publish_gather_s, at_step_window_s);
+    } else {
+      out.optimizer_hidden_s = std::min(out.optimizer_step_s, at_step_window_s);
     }
   }
   out.step_s =

@@ -112,7 +112,11 @@
 //   mb     = max(compute, collectives, param fetch, the gradients' link time)
 //   hidden = min(optimizer_step, c·max(0, mb − drive))
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
-// (where the half output does not stream the parts hide apart: below).
+// (where the half output does not stream the parts hide apart: below; where it streams and the
+// pass updates in the backward, the stage 1-2 all-gather G is left to the next forward, which
+// all-gathers each module's persistent groups as it reaches it (write_step() gathers nothing,
+// OverlappedStep::await_module does): hidden = min(optimizer_step − G, c·max(0, mb − drive))
+// + min(G, the forward's window below)).
 // With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
 // backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
 // during the backward where no global norm or loss scale decides the step first, from the last
