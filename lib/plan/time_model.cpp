@@ -164,6 +164,13 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // and writes it. Streamed, the pass writes each shard as its sub-group completes, beside the
   // update.
   const bool writes_follow_update = !streams_half(s);
+  // Not streamed, an offloaded pass's new half values land in the store's half array and
+  // publish_pass() then copies them into the host shards where the params live in host memory:
+  // 2·Tr read and 2·Tr written a rank through the machine's memory, which its R ranks share.
+  if (writes_follow_update && s.optimizer != OffloadDevice::kNone &&
+      s.params == OffloadDevice::kHost) {
+    out.param_upload_s += seconds(ranks * 2.0 * half_bytes, profile.mem_adam_gbps);
+  }
   // Collectives move fp32 gradients into their reduce-scatters (the engine fills its buckets with
   // the fp32 gradients and reduce-scatters them as such: lib/zero/grad_reducer.cpp, reduce_group)
   // and half params out of their all-gathers; each moves (N-1)/N of its bytes per rank.
@@ -301,8 +308,8 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       // the next forward module by module: the NVMe params' writes, whose fetch reads the same
       // drive, and the uploads to the device alike (their source, the store's unpinned host
       // array, is staged as each copy is issued, so the writes run at the link's rate and the
-      // forward's gathers fall between them). Host shards are copied, not charged. At stages 1-2
-      // the persistent groups are all-gathered module by module in the next forward
+      // forward's gathers fall between them). The copies into host shards the same way. At stages
+      // 1-2 the persistent groups are all-gathered module by module in the next forward
       // (await_module), behind its compute.
       const double update_window_s = updates_in_backward(s) ? fraction * micro_batch_s : 0.0;
       out.optimizer_hidden_s =

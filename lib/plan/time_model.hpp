@@ -28,7 +28,10 @@
 //            the device, params offloaded) at h2d_gbps; with the params on NVMe and the optimizer
 //            state not, also R·2·Tr written to the drive at nvme_write_gbps: the host optimizer's
 //            values are in host memory and only the writes remain; the device optimizer copies
-//            each group down and then writes it, waiting for each, so the two add up.
+//            each group down and then writes it, waiting for each, so the two add up; with the
+//            optimizer offloaded, the half output not streamed and the params in host memory,
+//            R·2·2·Tr through memory at mem_adam_gbps (publish_pass() copies the store's half
+//            array into the host shards: 2·Tr read, 2·Tr written a rank).
 //   publish  stages 1-2: the new half params all-gathered, 2·T (the trainable groups: a step
 //            republishes no frozen group), (N−1)/N of it per rank at gpu_link_gbps, once a step
 //            after the step has written the shards (on the coordinator's stream, behind the
@@ -141,8 +144,8 @@
 // each flagged once on the drive, behind the next forward as above; W up to the device the same
 // way (each group flagged as its copy is queued, Publisher::write_group, and the store's unpinned
 // host array staged as each copy is issued, so the next forward's gathers fall between the
-// uploads); W to host shards is a copy, not charged; and stages 1-2's publish G, all-gathered
-// module by module in the next forward, behind it as W:
+// uploads); W into host shards, copied from the store's half array, the same way; and stages
+// 1-2's publish G, all-gathered module by module in the next forward, behind it as W:
 //   hidden = min(U, updates in the backward ? c·mb : 0)
 //          + min(W + G, c·max(0, mb − drive), max(0, max(F_fwd / rate, ...) − drive/2))
 // The optimizer on the device does not overlap (above).
