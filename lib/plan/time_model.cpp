@@ -142,9 +142,9 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   // (outside the pipeline) when the optimizer state is not on NVMe and the params live there.
   // The device optimizer's shards come down and go to the drive group by group, each copy waited
   // for before its write and each write before the next copy (DeviceState::publish_step ->
-  // ParamCoordinator::write_shard_from_device): the two add up. With the optimizer on the host
-  // the values are in host memory already and only the writes remain. Only the trainable groups'
-  // shards are republished: no step changes a frozen one.
+  // ParamCoordinator::write_shard_from_device): the two add up for a rank (below for R ranks).
+  // With the optimizer on the host the values are in host memory already and only the writes
+  // remain. Only the trainable groups' shards are republished: no step changes a frozen one.
   const double half_bytes = 2.0 * static_cast<double>(tr);
   if (s.optimizer != OffloadDevice::kNone && s.params == OffloadDevice::kNone) {
     out.param_upload_s = seconds(half_bytes, profile.h2d_gbps);
@@ -153,7 +153,16 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
   }
   if (s.params == OffloadDevice::kNvme && s.optimizer != OffloadDevice::kNvme) {
     out.nvme_write_bytes += static_cast<std::uint64_t>(ranks * half_bytes);
-    out.param_upload_s += seconds(ranks * half_bytes, profile.nvme_write_gbps);
+    const double drive_s = seconds(ranks * half_bytes, profile.nvme_write_gbps);
+    if (s.optimizer == OffloadDevice::kNone) {
+      // Each rank waits for its own copy down and then its own writes, but the machine's R ranks
+      // share the drive: one rank's download overlaps the others' writes, so the drive's R·W1 or
+      // one rank's D + W1, whichever is longer.
+      const double own_writes_s = seconds(half_bytes, profile.nvme_write_gbps);
+      out.param_upload_s = std::max(drive_s, out.param_upload_s + own_writes_s);
+    } else {
+      out.param_upload_s += drive_s;
+    }
   }
   // Where the half output does not stream with the pass (streams_half: only the optimizer state
   // on NVMe streams it), the engine runs the whole update first and only then hands every

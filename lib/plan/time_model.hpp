@@ -28,7 +28,8 @@
 //            the device, params offloaded) at h2d_gbps; with the params on NVMe and the optimizer
 //            state not, also R·2·Tr written to the drive at nvme_write_gbps: the host optimizer's
 //            values are in host memory and only the writes remain; the device optimizer copies
-//            each group down and then writes it, waiting for each, so the two add up; with the
+//            each group down and then writes it, waiting for each, so the two add up for a rank,
+//            while the machine's R ranks share the drive: max(R·W1, D + W1); with the
 //            optimizer offloaded, the half output not streamed and the params in host memory,
 //            R·2·2·Tr through memory at mem_adam_gbps (publish_pass() copies the store's half
 //            array into the host shards: 2·Tr read, 2·Tr written a rank).

@@ -148,7 +148,8 @@ TEST(FrozenTime, OptimizerPassMovesTheTrainableShare) {
 // offloaded shards, or written to NVMe beside the host optimizer, 2 B a trainable element, where
 // the whole shard (2 B an element) went before. The device optimizer copies each group down and
 // then writes it to the drive, waiting for each (DeviceState::publish_step ->
-// ParamCoordinator::write_shard_from_device): the two add up.
+// ParamCoordinator::write_shard_from_device): the two add up for a rank, while the machine's
+// ranks share the drive.
 TEST(FrozenTime, OnlyTheTrainableShardsAreRepublished) {
   const ModelShape m = lora7b();
   const double p = static_cast<double>(param_count(m));
@@ -170,10 +171,11 @@ TEST(FrozenTime, OnlyTheTrainableShardsAreRepublished) {
       {OffloadDevice::kHost, OffloadDevice::kNone, 2 * tr / 16e9, 0, 0},
       // Device optimizer, params in host memory: 2·Tr down the link.
       {OffloadDevice::kNone, OffloadDevice::kHost, 2 * tr / 16e9, 0, 0},
-      // Device optimizer, params on NVMe: 2·Tr down the link, then the four ranks' 2·Tr on to
-      // the drive; the gathers still fetch every shard, frozen too, twice.
-      {OffloadDevice::kNone, OffloadDevice::kNvme, 2 * tr / 16e9 + 4 * 2 * tr / 4e9, 4 * 2 * tr,
-       4 * 2 * 2 * pr},
+      // Device optimizer, params on NVMe: each rank 2·Tr down the link, then on to the drive,
+      // which the four ranks share: max(4·2·Tr at 4 GB/s, 2·Tr at 16 GB/s + 2·Tr at 4 GB/s), the
+      // drive's 2·Tr/1 GB/s over one rank's 2·Tr/3.2 GB/s; the gathers still fetch every shard,
+      // frozen too, twice.
+      {OffloadDevice::kNone, OffloadDevice::kNvme, 4 * 2 * tr / 4e9, 4 * 2 * tr, 4 * 2 * 2 * pr},
       // Host optimizer, params on NVMe: the four ranks write 2·Tr each to the drive.
       {OffloadDevice::kHost, OffloadDevice::kNvme, 4 * 2 * tr / 4e9, 4 * 2 * tr, 4 * 2 * 2 * pr},
   };
@@ -194,6 +196,15 @@ TEST(FrozenTime, OnlyTheTrainableShardsAreRepublished) {
     // then write_step() or publish_step()), so the step is the sum.
     EXPECT_NEAR(x.optimizer_step_s, x.pipeline_s + c.upload_s, 1e-12) << where;
   }
+  // A link slower than the drive's share (1 GB/s down, 2·Tr/1 GB/s + 2·Tr/4 GB/s = 2·Tr/0.8 GB/s,
+  // over the drive's 2·Tr/1 GB/s for the four): one rank's download and writes are the bound.
+  profile.h2d_gbps = 1;
+  EngineSetup s = one_machine(3, 4);
+  s.optimizer = OffloadDevice::kNone;
+  s.params = OffloadDevice::kNvme;
+  s.param_staging_params = 1 << 22;
+  EXPECT_NEAR(predict_step(m, TrainingShape{}, s, profile).param_upload_s,
+              2 * tr / 1e9 + 2 * tr / 4e9, 1e-12);
 }
 
 // The optimizer on the device skips its frozen runs (lib/engine/device_optimizer.cpp, step():
