@@ -34,6 +34,35 @@ StepOnlySpec state_only(std::uint64_t params, std::uint64_t pool_bytes) {
   return spec;
 }
 
+// The case the tests of the training step below work by hand: llama-2-7b on 2048-token
+// sequences, one micro-batch of one sequence, ZeRO stage 3 on one rank.
+struct Llama7b {
+  ModelShape m;
+  TrainingShape tr;
+  EngineSetup s;
+};
+
+Llama7b llama_7b_stage3() {
+  Llama7b c{*find_model_preset("llama-2-7b"), {}, {}};
+  c.tr.seq_len = 2048;
+  c.s.stage = 3;
+  return c;
+}
+
+// llama-2-7b's attention term L·h·s on 2048-token sequences: 32 layers of hidden size 4096.
+constexpr double kLlamaAttention = 32.0 * 4096 * 2048;
+
+// One 2048-token sequence through llama-2-7b with `params` parameters, every one trained: 6 FLOPs
+// a parameter and token and 12·L·h·s the attention's, of which the forward does 2 and 4·L·h·s.
+double llama_flops(double params) { return (6 * params + 12 * kLlamaAttention) * 2048; }
+double llama_forward_flops(double params) { return (2 * params + 4 * kLlamaAttention) * 2048; }
+
+// Of the optimizer step, what the step shows: `exposed_s`, after the forward and backward.
+void expect_exposed(const StepPrediction& t, double exposed_s) {
+  EXPECT_NEAR(t.optimizer_step_s - t.optimizer_hidden_s, exposed_s, 1e-3);
+  EXPECT_NEAR(t.step_s, t.forward_backward_s + exposed_s, 1e-3);
+}
+
 TEST(TimeModel, StepOnlyLayoutFollowsTheStateStore) {
   // --sub-group 64MiB: floor(64 MiB / (18 B·2048))·2048 = 3,727,360 params a sub-group. With
   // every piece on NVMe a block holds 4 fp32 pieces of 14,909,440 B (whole pages) and the bf16
@@ -144,13 +173,9 @@ TEST(TimeModel, RanksOfAMachineShareTheDriveAndTheMemory) {
 }
 
 TEST(TimeModel, ForwardBackwardPartsOverlap) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
+  auto [m, tr, s] = llama_7b_stage3();
   tr.micro_batch = 4;
   tr.grad_accum_steps = 2;
-  EngineSetup s;
-  s.stage = 3;
   s.world_size = 8;
   s.ranks_per_machine = 8;
   s.optimizer = OffloadDevice::kHost;
@@ -270,12 +295,7 @@ TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
 // a fraction c, forward_backward + optimizer − min(optimizer, c·forward_backward); sequential
 // (overlap off, or the optimizer on the device, which the engine does not overlap) the sum.
 TEST(TimeModel, OverlappedStepIsTheMaxOfComputeAndOptimizer) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  tr.micro_batch = 1;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.optimizer = OffloadDevice::kNvme;
   s.sub_group_params = 1 << 24;
   MachineProfile p = profile(40, 6, 4);
@@ -398,12 +418,7 @@ TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {
 // and its all-gather, not the gradient spill, which writes to the drive the pass reads and
 // writes. With the gradients in host memory the same setup hides c of one micro-batch.
 TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  tr.micro_batch = 1;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.world_size = 4;
   s.ranks_per_machine = 4;
   s.optimizer = OffloadDevice::kNvme;
@@ -413,12 +428,8 @@ TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
   p.gpu_tflops = 400;
   p.gpu_link_gbps = 100;
   const double params = static_cast<double>(param_count(m));
-  // Every parameter trains: 6 FLOPs a parameter and token, 12·L·h·s the attention's, of which
-  // the forward does 2 and 4·L·h·s.
-  const double tokens = 2048;
-  const double attention = 32.0 * 4096 * 2048;
-  const double forward_flops = (2 * params + 4 * attention) * tokens;
-  const double flops = (6 * params + 12 * attention) * tokens;
+  const double forward_flops = llama_forward_flops(params);
+  const double flops = llama_flops(params);
   // Stage 3 all-gathers the half params for the forward (2·P bytes), (N-1)/N of them a rank.
   const double forward_gather = 2 * params * 0.75 / 100e9;
   for (const bool checkpoint : {false, true}) {
@@ -458,11 +469,7 @@ TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
 // write and a parameter fetch from that drive. Parameters in host memory come down over the
 // host link, which the pass does not use: there the forward's half of the fetch hides it.
 TEST(TimeModel, PassOnTheDriveHidesBehindNoNvmeTime) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.optimizer = OffloadDevice::kNvme;
   s.params = OffloadDevice::kNvme;
   s.gradients_on_nvme = true;
@@ -512,19 +519,14 @@ TEST(TimeModel, PassOnTheDriveHidesBehindNoNvmeTime) {
 // the updates meet the next forward, the forward's compute less the forward's half of the fetch
 // hides it.
 TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.params = OffloadDevice::kNvme;
   s.sub_group_params = 1 << 24;
   MachineProfile p = profile(40, 6, 4);  // the default 20 GB/s host link
   p.gpu_tflops = 10;
   const double params = static_cast<double>(param_count(m));
-  const double attention = 32.0 * 4096 * 2048;
-  const double compute = (6 * params + 12 * attention) * 2048 / 10e12;
-  const double forward = (2 * params + 4 * attention) * 2048 / 10e12;
+  const double compute = llama_flops(params) / 10e12;
+  const double forward = llama_forward_flops(params) / 10e12;
   const double fetch = 4 * params / 6e9;  // 2·2·P read from the drive
   ASSERT_GT(compute, fetch);
   ASSERT_GT(forward, fetch / 2);
@@ -577,19 +579,14 @@ TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
 //   c = 0.1, in the backward:   U behind 0.894 s, 4.160 s over; W behind min(0.1·(C − 4.492),
 //                               0.734) = 0.445 s, 2.924 s over: 7.084 s shows.
 TEST(TimeModel, HostOptimizerWritesTheHalfShardsAfterTheUpdate) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.optimizer = OffloadDevice::kHost;
   s.params = OffloadDevice::kNvme;
   MachineProfile p = profile(40, 6, 4);  // the default 20 GB/s host link
   p.gpu_tflops = 10;
   const double params = static_cast<double>(param_count(m));
-  const double attention = 32.0 * 4096 * 2048;
-  const double compute = (6 * params + 12 * attention) * 2048 / 10e12;
-  const double forward = (2 * params + 4 * attention) * 2048 / 10e12;
+  const double compute = llama_flops(params) / 10e12;
+  const double forward = llama_forward_flops(params) / 10e12;
   const double fetch = 4 * params / 6e9;
   const double update = 30 * params / 40e9;
   const double writes = 2 * params / 4e9;
@@ -621,8 +618,7 @@ TEST(TimeModel, HostOptimizerWritesTheHalfShardsAfterTheUpdate) {
     EXPECT_NEAR(t.compute_s, compute, 1e-9);
     EXPECT_NEAR(t.param_fetch_s, fetch, 1e-9);
     EXPECT_NEAR(t.optimizer_step_s, update + writes, 1e-9);
-    EXPECT_NEAR(t.optimizer_step_s - t.optimizer_hidden_s, k.exposed_s, 1e-3);
-    EXPECT_NEAR(t.step_s, t.forward_backward_s + k.exposed_s, 1e-3);
+    expect_exposed(t, k.exposed_s);
   }
 }
 
@@ -643,11 +639,7 @@ TEST(TimeModel, HostOptimizerWritesTheHalfShardsAfterTheUpdate) {
 //     = 0.084 s, G = 2·P·7/8 at 50 GB/s = 0.236 s; sequential 5.374 s; exact clipping: W + G =
 //     0.320 s behind F, U = 5.054 s shows.
 TEST(TimeModel, HostOptimizerUploadsFollowTheUpdateAndHideBehindTheNextForward) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.optimizer = OffloadDevice::kHost;
   s.params = OffloadDevice::kNone;
   MachineProfile p = profile(40, 0, 0);  // the default 20 GB/s host link
@@ -679,8 +671,7 @@ TEST(TimeModel, HostOptimizerUploadsFollowTheUpdateAndHideBehindTheNextForward) 
                                     << " exact clipping " << k.exact_clipping);
     EXPECT_NEAR(t.pipeline_s, update, 1e-3);
     EXPECT_NEAR(t.optimizer_step_s, k.optimizer_step_s, 1e-3);
-    EXPECT_NEAR(t.optimizer_step_s - t.optimizer_hidden_s, k.exposed_s, 1e-3);
-    EXPECT_NEAR(t.step_s, t.forward_backward_s + k.exposed_s, 1e-3);
+    expect_exposed(t, k.exposed_s);
   }
 }
 
@@ -694,10 +685,7 @@ TEST(TimeModel, HostOptimizerUploadsFollowTheUpdateAndHideBehindTheNextForward) 
 // 6.74e9 through a 6/4 GB/s drive, seconds) is longer than the window, so 0.596 + 0.236 =
 // 0.832 s hides, where one window over the sum hid 0.596 s.
 TEST(TimeModel, StreamedPassLeavesTheAllGatherToTheNextForward) {
-  const ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  EngineSetup s;
+  auto [m, tr, s] = llama_7b_stage3();
   s.stage = 2;
   s.world_size = s.ranks_per_machine = 8;
   s.optimizer = OffloadDevice::kNvme;
@@ -726,11 +714,7 @@ TEST(TimeModel, StreamedPassLeavesTheAllGatherToTheNextForward) {
 // trains here) (their backward
 // computes no weight gradients), whatever --overlap-fraction asks above it.
 TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
-  ModelShape m = *find_model_preset("llama-2-7b");
-  TrainingShape tr;
-  tr.seq_len = 2048;
-  EngineSetup s;
-  s.stage = 3;
+  auto [m, tr, s] = llama_7b_stage3();
   s.world_size = 4;
   s.ranks_per_machine = 4;
   s.optimizer = OffloadDevice::kNvme;
@@ -739,7 +723,7 @@ TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
   p.h2d_gbps = 1000;
   p.gpu_tflops = 400;  // no link figure: the compute is the micro-batch
   const double params = static_cast<double>(param_count(m));
-  const double attention = 32.0 * 4096 * 2048;
+  const double attention = kLlamaAttention;
   struct Case {
     bool checkpoint;
     double trainable;
