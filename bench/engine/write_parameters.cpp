@@ -60,6 +60,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -79,19 +80,49 @@ using namespace zinf::bench;
 
 namespace {
 
+// One rank's engine with parameters "w<i>" of f32 elements registered, generation 0 of
+// make_values, and finalized, and their names in order.
+struct Model {
+  bench::OneRank rank;
+  std::vector<std::string> names;
+  std::uint64_t generation = 0;  // --case singles-loop: the values last written to all of them
+};
+
+// Opens an engine in `dir` with `tensors` parameters of `each` elements.
+Result<Model> open_model(const std::string& dir, OffloadDevice offload, std::size_t sub_group,
+                         std::size_t tensors, std::size_t each) {
+  Model model;
+  ZINF_ASSIGN_OR_RETURN(model.rank, bench::open_one_rank(dir, offload, sub_group));
+  ZINF_ASSIGN_OR_RETURN(
+      model.names,
+      bench::register_tensors(*model.rank.engine, tensors, each,
+                              [](std::size_t i, std::size_t /*first*/, std::size_t count,
+                                 float* out) { make_values(0, i, std::span<float>(out, count)); }));
+  ZINF_RETURN_IF_ERROR(model.rank.engine->finalize());
+  return model;
+}
+
+// Whether every master of `engine`'s parameters `names` (of `each` elements) equals the values
+// last written to it, generation generation_of(i) of parameter i, bit for bit.
+Result<bool> masters_equal(Engine& engine, const std::vector<std::string>& names, std::size_t each,
+                           const std::function<std::uint64_t(std::size_t)>& generation_of) {
+  bool same = true;
+  std::vector<float> out(each), expected(each);
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    ZINF_RETURN_IF_ERROR(engine.read_parameters(names[i], out.data()));
+    make_values(generation_of(i), i, expected);
+    same = same && std::memcmp(out.data(), expected.data(), each * sizeof(float)) == 0;
+  }
+  return same;
+}
+
 int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const std::string& dir,
         OffloadDevice offload, int rounds) {
-  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, sub_group);
-  if (!opened.is_ok()) return fail("open", opened.status());
-  Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
-  Result<std::vector<std::string>> registered =
-      bench::register_tensors(engine, tensors, each,
-                              [](std::size_t i, std::size_t /*first*/, std::size_t count,
-                                 float* out) { make_values(0, i, std::span<float>(out, count)); });
-  if (!registered.is_ok()) return fail("register", registered.status());
-  const std::vector<std::string>& names = *registered;
-  if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
+  Result<Model> opened = open_model(dir, offload, sub_group, tensors, each);
+  if (!opened.is_ok()) return fail("open", opened.status());
+  Engine& engine = *opened->rank.engine;
+  const std::vector<std::string>& names = opened->names;
   const std::vector<std::string_view> views(names.begin(), names.end());
 
   std::uint64_t generation = 0;
@@ -191,15 +222,9 @@ int run(std::size_t params, std::size_t tensors, std::size_t sub_group, const st
         round, times[kSingles], times[kBatch], times[kValues], times[kRaw], read_s, write_s,
         ratios.back(), raw_ratios.back());
   }
-  bool same = true;
-  std::vector<float> out(each);
-  for (std::size_t i = 0; i < tensors; ++i) {
-    if (Status st = engine.read_parameters(names[i], out.data()); !st.is_ok()) {
-      return fail("read_parameters", st);
-    }
-    make_values(generation, i, one);
-    same = same && std::memcmp(out.data(), one.data(), each * sizeof(float)) == 0;
-  }
+  Result<bool> equal = masters_equal(engine, names, each, [&](std::size_t) { return generation; });
+  if (!equal.is_ok()) return fail("read_parameters", equal.status());
+  const bool same = *equal;
   if (on_drive) {
     fmt::print(
         "median singles / batch {:.1f}; median batch / raw pass {:.2f}, {:.2f} without its "
@@ -221,17 +246,11 @@ int run_far(std::size_t params, std::size_t tensors, std::size_t sub_group, cons
     fmt::print(stderr, "--case far needs --tensors 2 or more\n");
     return 2;
   }
-  Result<bench::OneRank> opened = bench::open_one_rank(dir, offload, sub_group);
-  if (!opened.is_ok()) return fail("open", opened.status());
-  Engine& engine = *opened->engine;
   const std::size_t each = params / tensors;
-  Result<std::vector<std::string>> registered =
-      bench::register_tensors(engine, tensors, each,
-                              [](std::size_t i, std::size_t /*first*/, std::size_t count,
-                                 float* out) { make_values(0, i, std::span<float>(out, count)); });
-  if (!registered.is_ok()) return fail("register", registered.status());
-  const std::vector<std::string>& names = *registered;
-  if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
+  Result<Model> opened = open_model(dir, offload, sub_group, tensors, each);
+  if (!opened.is_ok()) return fail("open", opened.status());
+  Engine& engine = *opened->rank.engine;
+  const std::vector<std::string>& names = opened->names;
   const std::vector<std::string_view> views(names.begin(), names.end());
   const std::vector<std::string_view> ends = {views.front(), views.back()};
 
@@ -286,15 +305,9 @@ int run_far(std::size_t params, std::size_t tensors, std::size_t sub_group, cons
     fmt::print("| {} | {:.4f} s | {:.4f} s | {:.4f} s | {:.2f} | {:.2f} |\n", round, times[kPair],
                times[kTwo], times[kWhole], to_two.back(), to_whole.back());
   }
-  bool same = true;
-  std::vector<float> out(each);
-  for (std::size_t i = 0; i < tensors; ++i) {
-    if (Status st = engine.read_parameters(names[i], out.data()); !st.is_ok()) {
-      return fail("read_parameters", st);
-    }
-    make_values(last[i], i, one);
-    same = same && std::memcmp(out.data(), one.data(), each * sizeof(float)) == 0;
-  }
+  Result<bool> equal = masters_equal(engine, names, each, [&](std::size_t i) { return last[i]; });
+  if (!equal.is_ok()) return fail("read_parameters", equal.status());
+  const bool same = *equal;
   fmt::print("median pair / two {:.2f}, pair / whole {:.2f}; masters {} the last values written\n",
              median(to_two), median(to_whole), same ? "equal" : "DIFFER FROM");
   return same ? 0 : 1;
@@ -306,26 +319,12 @@ int run_singles_loop(std::size_t sub_group, const std::string& dir, OffloadDevic
   constexpr std::size_t kEach = 64;
   const std::size_t counts[] = {1000, 4000, 16000};
   constexpr int kCounts = 3;
-  struct Model {
-    bench::OneRank rank;
-    std::vector<std::string> names;
-    std::uint64_t generation = 0;
-  };
   std::vector<Model> models(kCounts);
   for (int c = 0; c < kCounts; ++c) {
-    Result<bench::OneRank> opened =
-        bench::open_one_rank(fmt::format("{}/k{}", dir, counts[c]), offload, sub_group);
+    Result<Model> opened =
+        open_model(fmt::format("{}/k{}", dir, counts[c]), offload, sub_group, counts[c], kEach);
     if (!opened.is_ok()) return fail("open", opened.status());
-    models[c].rank = std::move(*opened);
-    Engine& engine = *models[c].rank.engine;
-    Result<std::vector<std::string>> registered = bench::register_tensors(
-        engine, counts[c], kEach,
-        [](std::size_t i, std::size_t /*first*/, std::size_t count, float* out) {
-          make_values(0, i, std::span<float>(out, count));
-        });
-    if (!registered.is_ok()) return fail("register", registered.status());
-    models[c].names = std::move(*registered);
-    if (Status st = engine.finalize(); !st.is_ok()) return fail("finalize", st);
+    models[c] = std::move(*opened);
   }
   // Every parameter of model c written once, one call each: per call, the seconds of wall time
   // and of the calling thread's user CPU time (the host work the call does on the rank's thread,
@@ -373,15 +372,11 @@ int run_singles_loop(std::size_t sub_group, const std::string& dir, OffloadDevic
                us[0], cpu_us[0], us[1], cpu_us[1], us[2], cpu_us[2]);
   }
   bool same = true;
-  std::vector<float> out(kEach);
-  for (Model& m : models) {
-    for (std::size_t i = 0; i < m.names.size(); ++i) {
-      if (Status st = m.rank.engine->read_parameters(m.names[i], out.data()); !st.is_ok()) {
-        return fail("read_parameters", st);
-      }
-      make_values(m.generation, i, one);
-      same = same && std::memcmp(out.data(), one.data(), kEach * sizeof(float)) == 0;
-    }
+  for (const Model& m : models) {
+    Result<bool> equal =
+        masters_equal(*m.rank.engine, m.names, kEach, [&](std::size_t) { return m.generation; });
+    if (!equal.is_ok()) return fail("read_parameters", equal.status());
+    same = same && *equal;
   }
   fmt::print(
       "median per call (wall / thread user CPU): K = {} {:.1f} / {:.1f} us, K = {} {:.1f} / {:.1f} "
