@@ -350,8 +350,8 @@ class PyEngine {
     without_gil([&] { return core.write_parameters(name, data, root); });
   }
 
-  // Rank `root`'s values replace the fp32 masters of `names` on every rank in one pass over the
-  // partition (Engine::write_parameters' batch form; collective, every rank passing the same
+  // Rank `root`'s values replace the fp32 masters of `names` on every rank, their groups only
+  // (Engine::write_parameters' batch form; collective, every rank passing the same
   // names in the same order). values_fn(name) is called on the root only, once for each name, in
   // the engine's layout order, and returns the parameter's values: a contiguous float32 CPU
   // array or tensor of its element count. It may be None on the other ranks. The GIL is released
