@@ -21,7 +21,6 @@
 #include "engine/engine_test_util.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/state_fixture.hpp"
-#include "zero/param_coordinator.hpp"
 
 namespace zinf {
 namespace {
@@ -160,13 +159,8 @@ TEST(HostStateMemory, TheFrozenRangesAreAdvisedOffHugePages) {
 // first step: the second step leaves it so, while the trainable group's is the new master.
 TEST(HostStatePublish, AStepDoesNotNarrowAFrozenGroupAgain) {
   StateFixture f(5'000, 3'000, {.base_frozen = true});
-  Device& device = *f.ranks_.devices[0];
-  ParamCoordinatorOptions co;
-  auto coord = ParamCoordinator::create(f.layout_.partitioner(), 0, device, *f.ranks_.comms[0],
-                                        f.layout_.take_coordinator_modules(),
-                                        f.layout_.persistent(), co, nullptr, nullptr, &f.counters_);
-  ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
-  f.publisher_.set_coordinator(coord->get());
+  const Status attached = f.attach_coordinator();
+  ASSERT_TRUE(attached.is_ok()) << attached.to_string();
   Result<std::unique_ptr<OptimizerState>> opened = open_host_state(f.context(nullptr));
   ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
   OptimizerState& state = **opened;

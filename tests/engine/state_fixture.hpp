@@ -1,6 +1,6 @@
-// The optimizer-state tests' common ground: one rank's LoRA-shaped layout and the StateContext of
-// an OptimizerState over it, and the check of which of its arrays' ranges are advised off
-// transparent huge pages.
+// The optimizer-state tests' common ground: one rank's LoRA-shaped layout, the StateContext of an
+// OptimizerState over it and, for a state that publishes, the rank's ParamCoordinator; and the
+// check of which of its arrays' ranges are advised off transparent huge pages.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -20,6 +20,7 @@
 #include "engine/param_groups.hpp"
 #include "engine/publisher.hpp"
 #include "engine/rank_exchange.hpp"
+#include "zero/param_coordinator.hpp"
 #include "zero/zero_counters.hpp"
 
 namespace zinf::engine_test {
@@ -86,12 +87,26 @@ class StateFixture {
     return ctx;
   }
 
+  // Creates rank 0's ParamCoordinator over the layout's modules, on the layout's rank device, and
+  // hands it to the publisher, as the engine does before it opens the state; the fixture keeps it
+  // in coordinator_. Call once.
+  Status attach_coordinator() {
+    ZINF_ASSIGN_OR_RETURN(
+        coordinator_,
+        ParamCoordinator::create(layout_.partitioner(), 0, *ranks_.devices[0], *ranks_.comms[0],
+                                 layout_.take_coordinator_modules(), layout_.persistent(),
+                                 ParamCoordinatorOptions{}, nullptr, nullptr, &counters_));
+    publisher_.set_coordinator(coordinator_.get());
+    return Status::ok();
+  }
+
   Ranks ranks_;
   Config config_;
   ParameterLayout layout_;
   Publisher publisher_{layout_};
   StickyError sticky_;
   ZeroCounters counters_;
+  std::unique_ptr<ParamCoordinator> coordinator_;  // attach_coordinator()'s
   std::unique_ptr<Stream> stream_;
   std::unique_ptr<Event> event_;
   std::vector<std::vector<float>> values_;

@@ -58,12 +58,8 @@ TEST(StoreStateAdopt, AFailedRangedWriteLeavesNothingForTheAdoptedCheckpointsPub
   Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(**io, swap_options);
   ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
 
-  ParamCoordinatorOptions co;
-  auto coord = ParamCoordinator::create(f.layout_.partitioner(), 0, device, *f.ranks_.comms[0],
-                                        f.layout_.take_coordinator_modules(),
-                                        f.layout_.persistent(), co, nullptr, nullptr, &f.counters_);
-  ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
-  f.publisher_.set_coordinator(coord->get());
+  const Status attached = f.attach_coordinator();
+  ASSERT_TRUE(attached.is_ok()) << attached.to_string();
   StateContext ctx = f.context();
   ctx.io = io->get();
   ctx.swap = swap->get();
@@ -110,7 +106,7 @@ TEST(StoreStateAdopt, AFailedRangedWriteLeavesNothingForTheAdoptedCheckpointsPub
   // Every group gathered holds the checkpoint's values (the registered ones), bit for bit.
   for (std::uint32_t g = 0; g < f.layout_.group_count(); ++g) {
     const std::size_t i = g == lora ? 1 : 0;
-    const auto* gathered = static_cast<const float*>((*coord)->group_data(g));
+    const auto* gathered = static_cast<const float*>(f.coordinator_->group_data(g));
     ASSERT_NE(gathered, nullptr) << "group " << g;
     std::vector<float> got(gathered, gathered + f.values_[i].size());
     EXPECT_EQ(got, f.values_[i]) << "group " << g;
