@@ -102,14 +102,7 @@ Status Publisher::write_group_shards(FunctionRef<const std::byte*(std::uint32_t)
 
 Status Publisher::publish_groups(std::span<const std::uint32_t> chosen) {
   std::lock_guard<std::mutex> lock(mu_);
-  // As ParamCoordinator::publish() over the chosen groups, without a walk over every group.
-  const std::vector<bool>& persistent = layout_.persistent();
-  for (std::size_t i = 0; i < chosen.size(); ++i) {
-    const std::uint32_t g = chosen[i];
-    ZINF_ASSERT(g < layout_.group_count() && (i == 0 || chosen[i - 1] < g));
-    if (persistent[g]) ZINF_RETURN_IF_ERROR(coord_->publish_group(g));
-  }
-  return coord_->publish_wait();
+  return coord_->publish(chosen);
 }
 
 Status Publisher::publish(bool frozen_too) {

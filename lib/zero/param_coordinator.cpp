@@ -261,6 +261,15 @@ Status ParamCoordinator::publish_group(std::uint32_t g) {
   return Status::ok();
 }
 
+Status ParamCoordinator::publish(std::span<const std::uint32_t> groups) {
+  for (std::size_t i = 0; i < groups.size(); ++i) {
+    const std::uint32_t g = groups[i];
+    ZINF_ASSERT(g < partitioner_.group_count() && (i == 0 || groups[i - 1] < g));
+    if (persistent_[g]) ZINF_RETURN_IF_ERROR(publish_group(g));
+  }
+  return publish_wait();
+}
+
 Status ParamCoordinator::publish_wait() {
   ZINF_RETURN_IF_ERROR(error_);
   Status st = device_.record(*done_, *stream_);

@@ -54,6 +54,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -148,6 +149,10 @@ class ParamCoordinator {
     }
     return publish_wait();
   }
+  // The same for the persistent ones of `groups` (ascending, each once): a walk over those groups
+  // alone, not over every group (a write of a few parameters publishes theirs). Collective: every
+  // rank passes the same groups.
+  Status publish(std::span<const std::uint32_t> groups);
   // The same for persistent group g alone, queued on the coordinator's stream (after the
   // write_shard() of g queued there); publish_wait() waits for every one queued. Collective: every
   // rank calls it for the same groups in the same order. The overlapped step publishes each
