@@ -107,9 +107,9 @@ class Publisher {
   // asked for.
   Status write_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                       bool gather_persistent = true, bool frozen_too = true);
-  // The shards of groups [first_group, end_group) that `chosen` chooses (chosen_group()) from
-  // values(g), not all-gathered (after a write of those groups' master alone:
-  // Engine::write_parameters).
+  // The shards of groups [first_group, end_group) that `chosen` chooses (chosen_group(): empty
+  // chooses every group) from values(g), not all-gathered (after a write of those groups' master
+  // alone: Engine::write_parameters). REQUIRES: `chosen` ascending, each group once.
   Status write_group_shards(FunctionRef<const std::byte*(std::uint32_t)> values,
                             std::uint32_t first_group, std::uint32_t end_group,
                             std::span<const std::uint32_t> chosen = {});
@@ -154,8 +154,10 @@ class Publisher {
   // All-gathers the groups that stay gathered from the shards just written; `frozen_too` false
   // (after a step), not the frozen ones. Collective.
   Status publish(bool frozen_too = true);
-  // The same for the groups `chosen` lists only (indices in increasing order, each once; not
-  // empty for none): every rank passes the same groups. Collective.
+  // The same for the persistent groups `chosen` lists only (ParamCoordinator::publish(groups)):
+  // every rank passes the same groups. Collective. Unlike write_group_shards(), an empty list
+  // does not mean every group (publish() is that). REQUIRES: `chosen` not empty, ascending, each
+  // group once.
   Status publish_groups(std::span<const std::uint32_t> chosen);
   // Waits until every shard write so far is done (ParamCoordinator::wait_writes()): a write that
   // failed shows here, before publish(). Local.
