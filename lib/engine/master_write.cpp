@@ -177,8 +177,7 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   });
   std::size_t twice = SIZE_MAX, first_mention = 0;  // the earliest second mention, and the first
   for (std::size_t k = 1; k < given.size(); ++k) {
-    if (given[k].id == given[k - 1].id && given[k].position < twice &&
-        (k < 2 || given[k - 2].id != given[k].id)) {
+    if (given[k].id == given[k - 1].id && given[k].position < twice) {
       twice = given[k].position;
       first_mention = given[k - 1].position;
     }
