@@ -268,8 +268,12 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   // runs may thus differ from another's (its sub-groups are cut at its frozen pieces); the groups
   // written and all-gathered do not, being the named ones.
   //
-  // `named` lists the groups in increasing order (the entries are in layout order), so the host
-  // work of a call is its own groups', not a walk over every group of the model.
+  // `named` lists the groups in increasing order (the entries are in layout order), so the runs,
+  // the states' choice of shards to write and the all-gather go over the call's own groups, not
+  // over every group of the model. Not all of a call's host work is its own yet: the settle()
+  // before it walks every group (OverlappedStep::publish_pending), the precondition every module
+  // (ParamCoordinator::first_in_use), and with the state in a StateStore each run every
+  // sub-group (StoreState::settled_frozen()).
   std::vector<std::uint32_t> named;
   named.reserve(entries.size());
   for (const Given& g : given) {
