@@ -392,14 +392,19 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   if (spec.compute_s > 0 && spec.overlap) {
     const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
     double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
-    // With exact clipping or loss scaling the updates wait for step(): the next forward at most,
-    // its share of a micro-batch's FLOPs counted as predict_step counts it, for a model with
-    // nothing frozen and the attention's FLOPs left out (--step-only has no shape): 1/3, 1/4
-    // with checkpointing.
+    // With exact clipping or loss scaling the updates wait for step(). On tier nvme the pass
+    // streams its writes (predict_step's streamed pass) and hides behind the next forward at
+    // most, its share of a micro-batch's FLOPs counted as predict_step counts it, for a model
+    // with nothing frozen and the attention's FLOPs left out (--step-only has no shape): 1/3, 1/4
+    // with checkpointing. With the optimizer state in host memory the whole update runs before
+    // any write, and the next forward's first gather waits for all of it (predict_step's
+    // writes_follow_update): it hides behind nothing. --step-only counts no writes or
+    // all-gather, which predict_step hides behind that forward.
     if (spec.exact_clipping_or_loss_scaling) {
       const MicroBatchFlops flops =
           micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
-      fraction = std::min(fraction, flops.forward / flops.total);
+      fraction =
+          spec.tier == OffloadDevice::kNvme ? std::min(fraction, flops.forward / flops.total) : 0.0;
     }
     // The pass meets one micro-batch, as in predict_step.
     const double micro_batch_s = spec.compute_s / static_cast<double>(spec.micro_batches);

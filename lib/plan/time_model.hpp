@@ -271,9 +271,11 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 // sum with overlap off, and with overlap on the pass meets one micro-batch, mb = compute / m
 // with m = spec.micro_batches (predict_step's window):
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
-// with c = spec.overlap_fraction (as in predict_step), at most the forward's share of a
-// micro-batch with exact clipping or loss scaling: predict_step's FLOP count with nothing frozen
-// and no attention term, 1/3, or 1/4 with spec.checkpoint_activations; and H the part of the
+// with c = spec.overlap_fraction (as in predict_step). With exact clipping or loss scaling, on
+// tier nvme, whose pass streams its writes, c is at most the forward's share of a micro-batch:
+// predict_step's FLOP count with nothing frozen and no attention term, 1/3, or 1/4 with
+// spec.checkpoint_activations; on tier host, where the optimizer step is the update alone and
+// the next forward waits for all of it (as predict_step's U), 0. H is the part of the
 // pass that cannot hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and
 // c = 1 step = max(compute, optimizer_step); the update U when the compute runs on the host's
 // cores, which the update's threads then share (all of them, at the memory's bandwidth). With
