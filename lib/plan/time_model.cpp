@@ -319,8 +319,14 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       // array, is staged as each copy is issued, so the writes run at the link's rate and the
       // forward's gathers fall between them). The copies into host shards the same way. At stages
       // 1-2 the persistent groups are all-gathered module by module in the next forward
-      // (await_module), behind its compute.
-      const double update_window_s = updates_in_backward(s) ? fraction * micro_batch_s : 0.0;
+      // (await_module), behind its compute. So the update's window ends with the backward: c of
+      // the micro-batch, at most the backward's share of its FLOPs (2/3, 3/4 with checkpointing,
+      // about 1/2 with most parameters frozen); what is left of the update when the backward ends
+      // holds up the next forward, whose window the writes have to themselves. Together they
+      // hide at most one micro-batch: the last backward and the next forward.
+      const double backward_share = flops.total > 0 ? 1.0 - flops.forward / flops.total : 0.0;
+      const double update_window_s =
+          updates_in_backward(s) ? std::min(fraction, backward_share) * micro_batch_s : 0.0;
       out.optimizer_hidden_s =
           std::min(out.pipeline_s, update_window_s) +
           std::min(out.param_upload_s + out.publish_gather_s, at_step_window_s);
@@ -392,19 +398,24 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
   if (spec.compute_s > 0 && spec.overlap) {
     const double unhidden = spec.host_compute ? out.update_alone_s : 0.0;
     double fraction = std::clamp(spec.overlap_fraction, 0.0, 1.0);
-    // With exact clipping or loss scaling the updates wait for step(). On tier nvme the pass
-    // streams its writes (predict_step's streamed pass) and hides behind the next forward at
-    // most, its share of a micro-batch's FLOPs counted as predict_step counts it, for a model
-    // with nothing frozen and the attention's FLOPs left out (--step-only has no shape): 1/3, 1/4
-    // with checkpointing. With the optimizer state in host memory the whole update runs before
-    // any write, and the next forward's first gather waits for all of it (predict_step's
-    // writes_follow_update): it hides behind nothing. --step-only counts no writes or
-    // all-gather, which predict_step hides behind that forward.
-    if (spec.exact_clipping_or_loss_scaling) {
-      const MicroBatchFlops flops =
-          micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
+    // The shares of a micro-batch's FLOPs counted as predict_step counts them, for a model with
+    // nothing frozen and the attention's FLOPs left out (--step-only has no shape): the forward
+    // 1/3, 1/4 with checkpointing.
+    const MicroBatchFlops flops =
+        micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
+    const double forward_share = flops.forward / flops.total;
+    if (spec.tier == OffloadDevice::kNvme) {
+      // The pass streams its writes (predict_step's streamed pass). With exact clipping or loss
+      // scaling the updates wait for step(): the next forward at most.
+      if (spec.exact_clipping_or_loss_scaling) fraction = std::min(fraction, forward_share);
+    } else {
+      // The optimizer state in host memory: the whole update runs before any write, and the next
+      // forward's first gather waits for all of it (predict_step's writes_follow_update). The
+      // update hides in the backward, at most its share, where the pass updates there, and
+      // behind nothing with exact clipping or loss scaling. --step-only counts no writes or
+      // all-gather, which predict_step hides behind the next forward.
       fraction =
-          spec.tier == OffloadDevice::kNvme ? std::min(fraction, flops.forward / flops.total) : 0.0;
+          spec.exact_clipping_or_loss_scaling ? 0.0 : std::min(fraction, 1.0 - forward_share);
     }
     // The pass meets one micro-batch, as in predict_step.
     const double micro_batch_s = spec.compute_s / static_cast<double>(spec.micro_batches);

@@ -140,14 +140,15 @@
 // new half shards W (run_optimizer(), then write_step() -> publish_pass()), and the next
 // forward's gather of a module waits until the pass has written its groups
 // (OverlappedStep::await_module): no shard is written before U is over. So the parts hide apart:
-// U behind c·mb where the pass updates in the backward (no fetch reads its drive: with the params
-// on NVMe the state is on the host), else behind nothing; W to NVMe, written group by group and
-// each flagged once on the drive, behind the next forward as above; W up to the device the same
-// way (each group flagged as its copy is queued, Publisher::write_group, and the store's unpinned
-// host array staged as each copy is issued, so the next forward's gathers fall between the
-// uploads); W into host shards, copied from the store's half array, the same way; and stages
-// 1-2's publish G, all-gathered module by module in the next forward, behind it as W:
-//   hidden = min(U, updates in the backward ? c·mb : 0)
+// U behind the backward where the pass updates there, c·mb but at most the backward's share of
+// the micro-batch's FLOPs (what is left of U then holds up the next forward; no fetch reads its
+// drive: with the params on NVMe the state is on the host), else behind nothing; W to NVMe, written
+// group by group and each flagged once on the drive, behind the next forward as above; W up to the
+// device the same way (each group flagged as its copy is queued, Publisher::write_group, and the
+// store's unpinned host array staged as each copy is issued, so the next forward's gathers fall
+// between the uploads); W into host shards, copied from the store's half array, the same way; and
+// stages 1-2's publish G, all-gathered module by module in the next forward, behind it as W:
+//   hidden = min(U, updates in the backward ? min(c, 1 − F_fwd / F_mb)·mb : 0)
 //          + min(W + G, c·max(0, mb − drive), max(0, max(F_fwd / rate, ...) − drive/2))
 // The optimizer on the device does not overlap (above).
 //
@@ -271,13 +272,14 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 // sum with overlap off, and with overlap on the pass meets one micro-batch, mb = compute / m
 // with m = spec.micro_batches (predict_step's window):
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
-// with c = spec.overlap_fraction (as in predict_step). With exact clipping or loss scaling, on
-// tier nvme, whose pass streams its writes, c is at most the forward's share of a micro-batch:
+// with c = spec.overlap_fraction (as in predict_step). On tier nvme, whose pass streams its
+// writes, c is at most the forward's share of a micro-batch with exact clipping or loss scaling:
 // predict_step's FLOP count with nothing frozen and no attention term, 1/3, or 1/4 with
-// spec.checkpoint_activations; on tier host, where the optimizer step is the update alone and
-// the next forward waits for all of it (as predict_step's U), 0. H is the part of the
-// pass that cannot hide: 0 when the compute runs elsewhere (a GPU), so with one micro-batch and
-// c = 1 step = max(compute, optimizer_step); the update U when the compute runs on the host's
+// spec.checkpoint_activations. On tier host the optimizer step is the update alone, which hides
+// as predict_step's U: c at most the backward's share (2/3, 3/4 with checkpointing), and 0 with
+// exact clipping or loss scaling. H is the part of the pass that cannot hide: 0 when the compute
+// runs elsewhere (a GPU), so on tier nvme with one micro-batch and c = 1
+// step = max(compute, optimizer_step); the update U when the compute runs on the host's
 // cores, which the update's threads then share (all of them, at the memory's bandwidth). With
 // one micro-batch, c = 2/3 (the pass behind the backward) and F = compute/3 the forward:
 // step = F + max(2F + H, optimizer_step).

@@ -39,5 +39,67 @@ TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesNowhereWithExactClipping) {
   }
 }
 
+// --step-only --tier host, 4e9 parameters at 20 GB/s: U = 30·4e9 / 20e9 = 6 s; 6 s of compute in
+// one micro-batch, c = 1. U waits for nothing but hides only in the backward: 2/3 of the
+// micro-batch (1 − 1/3 the forward), 4 s; 3/4 with checkpointing (the forward 2/8), 4.5 s. So
+// step = 6 + 6 − 4 = 8 s, and 7.5 s with checkpointing (where the whole micro-batch would hide
+// all 6 s, step 6 s). On the NVMe tier the pass streams its writes and the engine lets it run on
+// into the next forward: c·mb stays the window there.
+TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesInTheBackwardOnly) {
+  StepOnlySpec spec;
+  spec.params = 4'000'000'000;
+  spec.tier = OffloadDevice::kHost;
+  spec.grads_on_nvme = false;
+  spec.half_on_nvme = false;
+  spec.compute_s = 6.0;
+  spec.overlap_fraction = 1.0;
+  MachineProfile p;
+  p.mem_adam_gbps = 20;
+  spec.checkpoint_activations = false;
+  StepPrediction t = predict_optimizer_step(spec, p);
+  EXPECT_NEAR(t.optimizer_step_s, 6.0, 1e-12);
+  EXPECT_NEAR(t.optimizer_hidden_s, 4.0, 1e-12);
+  EXPECT_NEAR(t.step_s, 8.0, 1e-12);
+  spec.checkpoint_activations = true;
+  t = predict_optimizer_step(spec, p);
+  EXPECT_NEAR(t.optimizer_hidden_s, 4.5, 1e-12);
+  EXPECT_NEAR(t.step_s, 7.5, 1e-12);
+}
+
+// llama-2-7b (P = 6,738,415,616) on one 2048-token sequence at stage 3, one rank, at 10 TFLOP/s:
+// C = (6·P + 12·L·h·s)·2048 / 1e13 = 8.940 s a micro-batch, its forward F = C/3 = 2.980 s, the
+// backward 2C/3 = 5.960 s. The optimizer state in host memory at 20 GB/s: U = 30·P / 20e9 =
+// 10.108 s; the half params on NVMe (read 6 GB/s, write 4 GB/s): the fetch 4·P / 6e9 = 4.492 s
+// on the drive, W = 2·P / 4e9 = 3.369 s. With c = 1 and the pass updating in the backward:
+//   U hides in min(c, 2/3)·C = 5.960 s (the next forward's first gather waits for all of U, so U
+//     hides nowhere past the backward);
+//   W hides in min(c·(C − 4.492), F − 4.492/2) = min(4.448, 0.734) = 0.734 s;
+//   hidden 6.694 s, and U + W − hidden = 13.477 − 6.694 = 6.783 s shows (where U's window of c·C
+//   hid 8.940 + 0.734 = 9.674 s, more than the micro-batch, and 3.803 s showed).
+TEST(TimeModelWindow, UpdateHidesInTheBackwardOnlyWhereWritesFollowIt) {
+  const ModelShape m = *find_model_preset("llama-2-7b");
+  TrainingShape tr;
+  tr.seq_len = 2048;
+  EngineSetup s;
+  s.stage = 3;
+  s.optimizer = OffloadDevice::kHost;
+  s.params = OffloadDevice::kNvme;
+  s.overlap_step = true;
+  s.overlap_compute_fraction = 1.0;
+  MachineProfile p;
+  p.mem_adam_gbps = 20;
+  p.nvme_read_gbps = 6;
+  p.nvme_write_gbps = 4;
+  p.gpu_tflops = 10;
+  const StepPrediction t = predict_step(m, tr, s, p);
+  ASSERT_NEAR(t.compute_s, 8.940, 1e-3);
+  ASSERT_NEAR(t.pipeline_s, 10.108, 1e-3);
+  ASSERT_NEAR(t.optimizer_step_s, 13.477, 1e-3);
+  EXPECT_NEAR(t.optimizer_hidden_s, 6.694, 1e-3);
+  EXPECT_NEAR(t.step_s, t.forward_backward_s + 6.783, 1e-3);
+  // Never more than the micro-batch the pass meets.
+  EXPECT_LE(t.optimizer_hidden_s, t.compute_s);
+}
+
 }  // namespace
 }  // namespace zinf::plan

@@ -388,11 +388,12 @@ void run_step_only(const PlanOptions& o) {
   const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
   if (spec.compute_s > 0) {
     // The max forms hold only where the pass may hide behind the whole compute: one
-    // micro-batch, all of it (c = 1), updates during the backward. Otherwise the figure is
-    // compute + optimizer step less the part hidden (with one micro-batch and c = 2/3,
+    // micro-batch, all of it (c = 1), updates during the backward, on the NVMe tier (on the host
+    // tier the update hides behind the backward only). Otherwise the figure is compute +
+    // optimizer step less the part hidden (with one micro-batch and c = 2/3,
     // S/3 + max(2S/3 + H, optimizer step)).
     const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling ||
-                             spec.overlap_fraction < 1.0;
+                             spec.overlap_fraction < 1.0 || !nvme;
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
                       : behind_part       ? "compute + optimizer step - the part hidden behind one "
                                             "micro-batch's compute: overlapped"
