@@ -2,15 +2,18 @@
 // as a loop of single writes makes them (zinf.torch GatheredParameters blocks that change one
 // parameter each): every call's parameters get the values written, bit for bit, and every other
 // parameter keeps what it held, in its master and its device copy, wherever the optimizer state
-// lives; a batch of parameters far apart, given out of order, writes the same; and the names'
-// checks report the first bad name in the order given (an unknown one, or the second mention of a
-// parameter). A call's host work is its own parameters' (the named groups are a sorted list, not a
-// mask over every group), so these check that what it writes and refuses is unchanged by that.
+// lives (on an opaque device too: DeviceState); a batch of parameters far apart and side by side,
+// given out of order, writes the same, on one rank and on two; each call all-gathers its named
+// groups alone; and the names' checks report the first bad name in the order given (an unknown
+// one, or the second mention of a parameter). The named groups are a sorted list, not a mask over
+// every group, so that the call's checks, runs, shard writes and all-gather go over its own
+// groups; these check that what it writes, gathers and refuses is unchanged by that.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +24,7 @@
 #include <string_view>
 #include <vector>
 
+#include "engine_test_util.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -44,121 +48,171 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
-// One rank, stage 2, AdamW with its state at `offload`; kParams parameters "w<i>" of kEach
-// elements, each in module "m<i>", initial values seeded(i).
-struct OneRank {
-  std::unique_ptr<Device> device;
-  std::vector<std::unique_ptr<Communicator>> comms;
-  std::unique_ptr<Engine> engine;
-  std::vector<std::string> names;
+// Stage 2 (every group stays gathered), AdamW with its state at `offload`; kParams parameters
+// "w<i>" of kEach elements, each in module "m<i>" and its own group, initial values seeded(i).
+struct Case {
+  OffloadDevice offload;
+  bool opaque;  // the devices opaque (a GPU's memory; offload none: DeviceState)
+  int world;
 };
 
-OneRank open_model(OffloadDevice offload, const std::string& dir) {
-  OneRank r;
-  std::filesystem::create_directories(dir);
-  Result<std::unique_ptr<Device>> device = make_host_device({});
-  EXPECT_TRUE(device.is_ok());
-  r.device = std::move(*device);
-  Result<std::vector<std::unique_ptr<Communicator>>> comms =
-      make_local_comm_group({r.device.get()});
-  EXPECT_TRUE(comms.is_ok());
-  r.comms = std::move(*comms);
+// What a group's all-gather receives: kEach elements padded to world * 128 (the partitioner's
+// alignment_elements), f32.
+std::uint64_t gathered_bytes(int world) {
+  return static_cast<std::uint64_t>(world) * 128 * sizeof(float);
+}
+
+Result<std::unique_ptr<Engine>> open_model(const Case& c, const std::string& dir, Device* device,
+                                           Communicator* comm) {
   Config config;
   config.optimizer.kind = OptimizerKind::kAdamW;
   config.zero.stage = 2;
-  config.zero.offload_optimizer.device = offload;
+  config.zero.offload_optimizer.device = c.offload;
   config.zero.offload_optimizer.nvme_path = dir;
-  config.zero.sub_group_size = 1000;  // several sub-groups on NVMe
+  config.zero.sub_group_size = 1000;     // several sub-groups on NVMe
+  config.collective_timeout_ms = 30000;  // as make_ranks()' communicators
+  std::filesystem::create_directories(dir);
   Env env;
-  env.device = r.device.get();
-  env.comm = r.comms[0].get();
-  Result<std::unique_ptr<Engine>> engine = Engine::open(config, env);
-  EXPECT_TRUE(engine.is_ok()) << engine.status().to_string();
-  r.engine = std::move(*engine);
+  env.device = device;
+  env.comm = comm;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
   for (std::size_t i = 0; i < kParams; ++i) {
-    r.names.push_back(fmt::format("w{}", i));
     ParameterSpec spec;
-    spec.name = r.names.back();
+    const std::string name = fmt::format("w{}", i);
+    spec.name = name;
     spec.module = fmt::format("m{}", i);
     spec.shape = {static_cast<std::int64_t>(kEach)};
     const std::vector<float> initial = seeded(i, kEach);
     spec.initial_values = initial.data();  // copied at registration
-    EXPECT_TRUE(r.engine->register_parameter(spec).is_ok());
+    ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
   }
-  EXPECT_TRUE(r.engine->finalize().is_ok());
-  return r;
+  ZINF_RETURN_IF_ERROR(engine->finalize());
+  return engine;
 }
 
-class WriteParametersCost : public ::testing::TestWithParam<OffloadDevice> {};
+// The device copy of parameter i, through the device (an opaque device's memory is not the
+// host's).
+Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size_t i) {
+  const std::string module = fmt::format("m{}", i);
+  ZINF_RETURN_IF_ERROR(engine.gather(module));
+  ZINF_ASSIGN_OR_RETURN(TensorView copy, engine.parameter(fmt::format("w{}", i)));
+  if (copy.dtype != DType::kF32 || copy.element_count != kEach) {
+    return Status::internal(fmt::format("w{}'s device copy is not {} f32 elements", i, kEach));
+  }
+  std::vector<float> out(kEach);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("copy"));
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), copy.data, kEach * sizeof(float), *stream));
+  ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+  ZINF_RETURN_IF_ERROR(engine.release(module));
+  return out;
+}
 
-TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteTheirParametersAlone) {
-  const std::string dir = fmt::format("{}/zinf-wp-cost-{}-{}", ::testing::TempDir(),
-                                      static_cast<int>(GetParam()), ::getpid());
-  OneRank r = open_model(GetParam(), dir);
-  ASSERT_NE(r.engine, nullptr);
+class WriteParametersCost : public ::testing::TestWithParam<Case> {};
+
+TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParametersAlone) {
+  const Case c = GetParam();
+  const std::string dir = fmt::format("{}/zinf-wp-cost-{}-{}-{}-{}", ::testing::TempDir(),
+                                      static_cast<int>(c.offload), c.opaque, c.world, ::getpid());
+  std::filesystem::create_directories(dir);
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
+  std::vector<std::string> names;
+  for (std::size_t i = 0; i < kParams; ++i) names.push_back(fmt::format("w{}", i));
+  // What every rank's parameters hold at the end, the same on each.
   std::vector<std::vector<float>> expect(kParams);
   for (std::size_t i = 0; i < kParams; ++i) expect[i] = seeded(i, kEach);
-
   // Single writes of every other parameter, from the last one down.
+  std::vector<std::size_t> singles;
   for (std::size_t i = kParams; i-- > 0;) {
-    if (i % 2 != 0) continue;
-    expect[i] = seeded(1000 + i, kEach);
-    ASSERT_TRUE(r.engine->write_parameters(r.names[i], expect[i].data()).is_ok()) << i;
+    if (i % 2 == 0) singles.push_back(i);
   }
-  // A batch of every seventh parameter and the last, shuffled: runs of one group with gaps.
-  std::vector<std::size_t> picked;
-  for (std::size_t i = 3; i < kParams; i += 7) picked.push_back(i);
+  for (std::size_t i : singles) expect[i] = seeded(1000 + i, kEach);
+  // A batch, shuffled: the first parameter, every seventh one and the last (runs of one group
+  // with gaps), and three side by side (a run of several groups).
+  std::vector<std::size_t> picked = {0, 150, 151, 152};
+  for (std::size_t i = 3; i < kParams; i += 7) {
+    if (i < 150 || i > 152) picked.push_back(i);
+  }
   picked.push_back(kParams - 1);
   std::shuffle(picked.begin(), picked.end(), std::mt19937_64(7));
   std::vector<std::string_view> batch;
   for (std::size_t i : picked) {
-    batch.push_back(r.names[i]);
+    batch.push_back(names[i]);
     expect[i] = seeded(5000 + i, kEach);
   }
-  Status st = r.engine->write_parameters(batch, [&](std::string_view name, std::span<float> out) {
-    const std::size_t i = std::stoull(std::string(name.substr(1)));
-    std::memcpy(out.data(), expect[i].data(), out.size_bytes());
+
+  std::vector<std::vector<std::uint64_t>> single_gathered(c.world);
+  std::vector<std::uint64_t> batch_gathered(c.world);
+  std::vector<std::vector<std::vector<float>>> masters(c.world), copies(c.world);
+  const std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine,
+                          open_model(c, fmt::format("{}/rank{}", dir, rank), ranks.devices[r].get(),
+                                     ranks.comms[r].get()));
+    for (std::size_t i : singles) {
+      const std::uint64_t before = engine->counters().all_gather_bytes;
+      ZINF_RETURN_IF_ERROR(engine->write_parameters(names[i], expect[i].data()));
+      single_gathered[r].push_back(engine->counters().all_gather_bytes - before);
+    }
+    const std::uint64_t before = engine->counters().all_gather_bytes;
+    ZINF_RETURN_IF_ERROR(
+        engine->write_parameters(batch, [&](std::string_view name, std::span<float> out) {
+          const std::size_t i = std::stoull(std::string(name.substr(1)));
+          std::memcpy(out.data(), expect[i].data(), out.size_bytes());
+          return Status::ok();
+        }));
+    batch_gathered[r] = engine->counters().all_gather_bytes - before;
+    for (std::size_t i = 0; i < kParams; ++i) {
+      std::vector<float> got(kEach);
+      ZINF_RETURN_IF_ERROR(engine->read_parameters(names[i], got.data()));
+      masters[r].push_back(std::move(got));
+      ZINF_ASSIGN_OR_RETURN(std::vector<float> copy, device_copy(*engine, *ranks.devices[r], i));
+      copies[r].push_back(std::move(copy));
+    }
     return Status::ok();
   });
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
-
-  std::vector<float> got(kEach);
-  for (std::size_t i = 0; i < kParams; ++i) {
-    ASSERT_TRUE(r.engine->read_parameters(r.names[i], got.data()).is_ok());
-    EXPECT_TRUE(same_bits(got, expect[i])) << r.names[i];
-    // The device copy (stage 2: kept gathered; host memory on HostDevice) shows them too.
-    const std::string module = fmt::format("m{}", i);
-    ASSERT_TRUE(r.engine->gather(module).is_ok());
-    Result<TensorView> copy = r.engine->parameter(r.names[i]);
-    ASSERT_TRUE(copy.is_ok()) << copy.status().to_string();
-    ASSERT_EQ(copy->dtype, DType::kF32);
-    ASSERT_EQ(copy->element_count, kEach);
-    EXPECT_EQ(std::memcmp(copy->data, expect[i].data(), kEach * sizeof(float)), 0)
-        << r.names[i] << "'s device copy";
-    ASSERT_TRUE(r.engine->release(module).is_ok());
+  for (int rank = 0; rank < c.world; ++rank) {
+    const auto r = static_cast<std::size_t>(rank);
+    ASSERT_TRUE(st[r].is_ok()) << "rank " << rank << ": " << st[r].to_string();
+    // Each call all-gathers its named groups (each one parameter's), every one of them.
+    for (std::size_t k = 0; k < singles.size(); ++k) {
+      EXPECT_EQ(single_gathered[r][k], gathered_bytes(c.world))
+          << "rank " << rank << ", w" << singles[k];
+    }
+    EXPECT_EQ(batch_gathered[r], picked.size() * gathered_bytes(c.world)) << "rank " << rank;
+    for (std::size_t i = 0; i < kParams; ++i) {
+      EXPECT_TRUE(same_bits(masters[r][i], expect[i])) << "rank " << rank << ", " << names[i];
+      // The device copy (stage 2: kept gathered) shows them too.
+      EXPECT_TRUE(same_bits(copies[r][i], expect[i]))
+          << "rank " << rank << ", " << names[i] << "'s device copy";
+    }
   }
-  r.engine.reset();
   std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(Homes, WriteParametersCost,
-                         ::testing::Values(OffloadDevice::kNone, OffloadDevice::kHost,
-                                           OffloadDevice::kNvme),
-                         [](const ::testing::TestParamInfo<OffloadDevice>& info) {
-                           return std::string(offload_device_name(info.param));
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Homes, WriteParametersCost,
+    ::testing::Values(Case{OffloadDevice::kNone, false, 1}, Case{OffloadDevice::kHost, false, 1},
+                      Case{OffloadDevice::kNvme, false, 1}, Case{OffloadDevice::kNone, true, 1},
+                      Case{OffloadDevice::kHost, false, 2}, Case{OffloadDevice::kNvme, true, 2}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      return fmt::format("{}{}_world{}", offload_device_name(info.param.offload),
+                         info.param.opaque ? "_opaque" : "", info.param.world);
+    });
 
 TEST(WriteParametersCheck, ReportsTheFirstBadNameInTheOrderGiven) {
   const std::string dir = fmt::format("{}/zinf-wp-check-{}", ::testing::TempDir(), ::getpid());
-  OneRank r = open_model(OffloadDevice::kHost, dir);
-  ASSERT_NE(r.engine, nullptr);
+  engine_test::Ranks ranks = engine_test::make_ranks(1);
+  Result<std::unique_ptr<Engine>> engine = open_model({OffloadDevice::kHost, false, 1}, dir,
+                                                      ranks.devices[0].get(), ranks.comms[0].get());
+  ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
   const std::vector<float> values(kEach, 1.5f);
   auto give = [&](std::string_view, std::span<float> out) {
     std::memcpy(out.data(), values.data(), out.size_bytes());
     return Status::ok();
   };
   auto call = [&](std::vector<std::string_view> names) {
-    return r.engine->write_parameters(names, give).to_string();
+    return (*engine)->write_parameters(names, give).to_string();
   };
   EXPECT_EQ(call({"w5", "w9", "w5"}),
             "invalid_argument: write_parameters('w5'): the parameter is named twice (at 0 and 2)");
@@ -174,10 +228,10 @@ TEST(WriteParametersCheck, ReportsTheFirstBadNameInTheOrderGiven) {
   // None of those wrote anything.
   std::vector<float> got(kEach);
   for (std::size_t i : {2, 4, 5, 7, 9}) {
-    ASSERT_TRUE(r.engine->read_parameters(r.names[i], got.data()).is_ok());
-    EXPECT_TRUE(same_bits(got, seeded(i, kEach))) << r.names[i];
+    ASSERT_TRUE((*engine)->read_parameters(fmt::format("w{}", i), got.data()).is_ok());
+    EXPECT_TRUE(same_bits(got, seeded(i, kEach))) << "w" << i;
   }
-  r.engine.reset();
+  engine->reset();
   std::filesystem::remove_all(dir);
 }
 
