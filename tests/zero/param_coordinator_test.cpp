@@ -1,6 +1,7 @@
 // ParamCoordinator::wait_writes() after a failed shard write: it returns the first error only once
 // every write queued on the coordinator's stream has run, so the caller may free the memory those
-// writes read from; drain_writes() says the wait itself completed.
+// writes read from; drain_writes() says the wait itself completed. And publish(groups): the
+// persistent groups it lists all-gathered, no other.
 #include "zero/param_coordinator.hpp"
 
 #include <fmt/format.h>
@@ -11,15 +12,18 @@
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <span>
 #include <thread>
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/run_ranks.hpp"
 #include "common/scratch_dir.hpp"
 #include "io/fault.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
 #include "zero/partitioner.hpp"
+#include "zero/zero_counters.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 
@@ -198,6 +202,98 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   // Sticky: every later call returns the same error.
   EXPECT_EQ(c.wait_writes().code(), Code::kIoError);
   EXPECT_EQ(c.write_shard(2, shard(0, 2)).code(), Code::kIoError);
+}
+
+// Two ranks at stage 3, four modules of one group each, groups 0, 2 and 3 kept gathered, shards
+// in host memory. Every rank writes seeded shards of every group, then publish({0, 1, 3}): groups
+// 0 and 3 hold both ranks' shards, group 2 (persistent, not listed) holds only the rank's own,
+// group 1 (listed, partitioned) is not gathered, and the counters show two all-gathers.
+TEST(ParamCoordinatorPublish, AllGathersTheListedPersistentGroupsAlone) {
+  constexpr int kWorld = 2;
+  constexpr std::uint32_t kGroups = 4;
+  constexpr std::uint64_t kSeed = 815;
+  SCOPED_TRACE(testing::Message() << "seed " << kSeed);
+  PartitionerOptions po;
+  po.world_size = kWorld;
+  po.stage = ZeroStage::kStage3;
+  Result<Partitioner> created = Partitioner::create(po);
+  ASSERT_TRUE(created.is_ok()) << created.status().to_string();
+  Partitioner& part = *created;
+  for (std::uint32_t m = 0; m < kGroups; ++m) {
+    ASSERT_TRUE(
+        part.add({fmt::format("m{}.w", m), fmt::format("m{}", m), {8, 32}, DType::kF32}).is_ok());
+  }
+  ASSERT_TRUE(part.finalize().is_ok());
+  ASSERT_EQ(part.group_count(), kGroups);
+  const std::vector<bool> persistent = {true, false, true, true};
+
+  std::vector<std::unique_ptr<Device>> devices;
+  std::vector<Device*> raw;
+  for (int r = 0; r < kWorld; ++r) {
+    HostDeviceOptions options;
+    options.ordinal = r;
+    Result<std::unique_ptr<Device>> device = make_host_device(options);
+    ASSERT_TRUE(device.is_ok()) << device.status().to_string();
+    raw.push_back(device->get());
+    devices.push_back(std::move(*device));
+  }
+  LocalCommOptions comm_options;
+  comm_options.timeout = std::chrono::seconds(20);
+  Result<std::vector<std::unique_ptr<Communicator>>> comms =
+      make_local_comm_group(raw, comm_options);
+  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
+  std::vector<ZeroCounters> counters(kWorld);
+  std::vector<std::unique_ptr<ParamCoordinator>> coords;
+  for (int r = 0; r < kWorld; ++r) {
+    const auto ri = static_cast<std::size_t>(r);
+    std::vector<CoordinatorModule> modules;
+    for (std::uint32_t g = 0; g < kGroups; ++g) modules.push_back({fmt::format("m{}", g), {g}});
+    ParamCoordinatorOptions co;
+    co.shard_tier = OffloadDevice::kHost;
+    co.timeout = std::chrono::seconds(20);
+    Result<std::unique_ptr<ParamCoordinator>> coord =
+        ParamCoordinator::create(part, r, *devices[ri], *(*comms)[ri], std::move(modules),
+                                 persistent, co, nullptr, nullptr, &counters[ri]);
+    ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
+    coords.push_back(std::move(*coord));
+  }
+  const std::size_t shard_elements = part.group(0).shard_element_count;
+  std::vector<std::vector<float>> shards;
+  for (std::size_t k = 0; k < kGroups * kWorld; ++k) {
+    shards.emplace_back(shard_elements);
+    fill_uniform(shards.back().data(), shard_elements, kSeed * 31 + k);
+  }
+  auto shard = [&](int rank, std::uint32_t g) {
+    return shards[kGroups * static_cast<std::size_t>(rank) + g].data();
+  };
+
+  const std::vector<std::uint32_t> listed = {0, 1, 3};
+  const std::vector<Status> st = test::run_ranks(kWorld, [&](int rank) -> Status {
+    ParamCoordinator& c = *coords[static_cast<std::size_t>(rank)];
+    for (std::uint32_t g = 0; g < kGroups; ++g)
+      ZINF_RETURN_IF_ERROR(c.write_shard(g, shard(rank, g)));
+    ZINF_RETURN_IF_ERROR(c.wait_writes());
+    counters[static_cast<std::size_t>(rank)] = ZeroCounters{};
+    return c.publish(std::span<const std::uint32_t>(listed));
+  });
+  for (int r = 0; r < kWorld; ++r) {
+    const auto ri = static_cast<std::size_t>(r);
+    ASSERT_TRUE(st[ri].is_ok()) << "rank " << r << ": " << st[ri].to_string();
+    EXPECT_EQ(counters[ri].all_gather_bytes, 2 * part.group(0).padded_element_count * sizeof(float))
+        << "rank " << r;
+    const ParamCoordinator& c = *coords[ri];
+    for (std::uint32_t g : {0u, 2u, 3u}) {
+      const auto* full = static_cast<const float*>(c.group_data(g));
+      ASSERT_NE(full, nullptr) << "group " << g;
+      for (int q = 0; q < kWorld; ++q) {
+        const bool has = std::memcmp(full + part.shard_offset(g, q), shard(q, g),
+                                     shard_elements * sizeof(float)) == 0;
+        // Its own shard is written in place; another rank's only by the all-gather.
+        EXPECT_EQ(has, q == r || g != 2)
+            << "rank " << r << ", group " << g << ", rank " << q << "'s shard";
+      }
+    }
+  }
 }
 
 }  // namespace
