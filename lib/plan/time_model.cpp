@@ -310,12 +310,12 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       // The next forward's gather of a module waits for the pass to have written its groups
       // (OverlappedStep::await_module, the publisher's written flags), and none is written before
       // the whole update is over. The update meets no fetch from its own drive (with the params
-      // on NVMe the optimizer state is on the host): it hides behind c of the micro-batch where
-      // it runs in the backward, and behind nothing where it starts at step() (the next
-      // forward's first gather waits for all of it). After it the new shards go home group by
-      // group, each flagged written as its copy is queued (Publisher::write_group), so they meet
-      // the next forward module by module: the NVMe params' writes, whose fetch reads the same
-      // drive, and the uploads to the device alike (their source, the store's unpinned host
+      // on NVMe the optimizer state is on the host): it hides behind the backward's part of c of
+      // the micro-batch where it runs there (below), and behind nothing where it starts at step()
+      // (the next forward's first gather waits for all of it). After it the new shards go home
+      // group by group, each flagged written as its copy is queued (Publisher::write_group), so
+      // they meet the next forward module by module: the NVMe params' writes, whose fetch reads the
+      // same drive, and the uploads to the device alike (their source, the store's unpinned host
       // array, is staged as each copy is issued, so the writes run at the link's rate and the
       // forward's gathers fall between them). The copies into host shards the same way. At stages
       // 1-2 the persistent groups are all-gathered module by module in the next forward

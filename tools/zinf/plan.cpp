@@ -890,16 +890,21 @@ void setup_plan(CLI::App& app) {
                 "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
   sub->add_option("--overlap-fraction", o->overlap_fraction,
                   "Part of one micro-batch's forward + backward the overlapped optimizer pass "
-                  "hides behind (the backward, 2/3: updates during the backward; 1: both); where "
-                  "the updates start at step() (stage 1, spilled gradients, --gradient-clipping, "
-                  "--fp16) at most the next forward's share")
+                  "hides behind (the backward, 2/3: updates during the backward; 1: both). With "
+                  "the optimizer state on NVMe, where the updates start at step() (stage 1, "
+                  "spilled gradients, --gradient-clipping, --fp16), at most the next forward's "
+                  "share. With it in host memory the update hides in the backward only, at most "
+                  "its share, and behind nothing where it starts at step(); the writes and "
+                  "all-gather after it hide behind the next forward")
       ->check(CLI::Range(0.0, 1.0))
       ->capture_default_str();
   sub->add_flag("--gradient-clipping", o->gradient_clipping,
                 "The config clips gradients exactly (gradient_clipping > 0, without "
                 "zinf.clip_from_previous_step): the pass waits for the global norm at step() and "
                 "hides behind the next forward only (a third of a micro-batch, a quarter with "
-                "checkpointing); --out writes gradient_clipping 1.0");
+                "checkpointing) with the optimizer state on NVMe; in host memory the update "
+                "hides behind nothing, its writes behind the next forward; --out writes "
+                "gradient_clipping 1.0");
   sub->add_flag("--fp16", o->fp16,
                 "The config trains in fp16 with loss scaling (fp16.enabled): the pass waits for "
                 "the overflow check at step() and hides behind the next forward only, as with "
