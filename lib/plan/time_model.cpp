@@ -312,7 +312,10 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       // the whole update is over. The update meets no fetch from its own drive (with the params
       // on NVMe the optimizer state is on the host): it hides behind the backward's part of c of
       // the micro-batch where it runs there (below), and behind nothing where it starts at step()
-      // (the next forward's first gather waits for all of it). After it the new shards go home
+      // (the next forward's first gather of a module with trained parameters waits for all of
+      // it; Publisher::begin_pass flags frozen groups written, so a frozen prefix of the forward
+      // runs meanwhile, but the planner knows how many parameters train, not where: it counts no
+      // such prefix, a deliberately conservative cap). After it the new shards go home
       // group by group, each flagged written as its copy is queued (Publisher::write_group), so
       // they meet the next forward module by module: the NVMe params' writes, whose fetch reads the
       // same drive, and the uploads to the device alike (their source, the store's unpinned host
@@ -410,7 +413,8 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
       if (spec.exact_clipping_or_loss_scaling) fraction = std::min(fraction, forward_share);
     } else {
       // The optimizer state in host memory: the whole update runs before any write, and the next
-      // forward's first gather waits for all of it (predict_step's writes_follow_update). The
+      // forward's first gather of a module with trained parameters waits for all of it
+      // (predict_step's writes_follow_update; conservative where the forward starts frozen). The
       // update hides in the backward, at most its share, where the pass updates there, and
       // behind nothing with exact clipping or loss scaling. --step-only counts no writes or
       // all-gather, which predict_step hides behind the next forward.

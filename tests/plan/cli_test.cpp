@@ -277,13 +277,14 @@ TEST_F(PlanCli, StepOnlyTableNamesTheMaxOnlyBehindTheWholeCompute) {
 // whose pass writes each new half shard as its sub-group completes, the pass hides behind the
 // forward's share of the compute, a quarter with checkpointing, where without them it hides
 // behind the backward's two thirds. With the optimizer on the host the pass writes no shard
-// before its whole update is over, and the next forward's first gather waits for the update
-// (OverlappedStep::await_module): an update that waits for step() hides behind nothing. The
-// uploads W that follow it are flagged group by group as they are queued, so they meet the next
-// forward module by module and hide behind it: W = 2·P = 13.48 GB at 1000 GB/s = 13.5 ms, under
-// the forward's 0.298 s (a third of C = 0.894 s at 100 TFLOP/s), so the host optimizer hides its
-// share of C plus W, W/C = 0.0151 (0.0113 with checkpointing's 4/3 C). The params stay on the
-// device (--offload-param none): offloaded, the writes and what hides them would differ.
+// before its whole update is over, and the next forward's first gather of a module with trained
+// parameters waits for the update (OverlappedStep::await_module): an update that waits for step()
+// hides behind nothing. The uploads W that follow it are flagged group by group as they are queued,
+// so they meet the next forward module by module and hide behind it: W = 2·P = 13.48 GB at 1000
+// GB/s = 13.5 ms, under the forward's 0.298 s (a third of C = 0.894 s at 100 TFLOP/s), so the host
+// optimizer hides its share of C plus W, W/C = 0.0151 (0.0113 with checkpointing's 4/3 C). The
+// params stay on the device (--offload-param none): offloaded, the writes and what hides them would
+// differ.
 TEST_F(PlanCli, ClippingOrLossScalingHidesThePlansPassBehindTheForward) {
   const std::string plan =
       "plan --model llama-2-7b --gpus 1 --gpu-mem 80GB --host-mem 256GB --nvme-capacity 1TB "

@@ -12,10 +12,10 @@ namespace {
 
 // --step-only --tier host, 1e9 parameters, the update at 20 GB/s: U = 30·1e9 / 20e9 = 1.5 s, the
 // optimizer step. Around it 6 s of compute in one micro-batch, c = 2/3. With exact clipping or
-// loss scaling the pass updates only after step(), and the next forward's first gather waits for
-// the whole update: nothing hides, step = 6 + 1.5 = 7.5 s (where a cap at the forward's share
-// would hide min(1.5, 6/3) = 1.5 s, step 6 s). Without them U hides behind c·6 = 4 s: all of it,
-// step 6 s.
+// loss scaling the pass updates only after step(), and the next forward's first gather of a
+// module with trained parameters waits for the whole update: nothing hides, step = 6 + 1.5 = 7.5 s
+// (where a cap at the forward's share would hide min(1.5, 6/3) = 1.5 s, step 6 s). Without them U
+// hides behind c·6 = 4 s: all of it, step 6 s.
 TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesNowhereWithExactClipping) {
   StepOnlySpec spec;
   spec.params = 1'000'000'000;
@@ -71,8 +71,8 @@ TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesInTheBackwardOnly) {
 // backward 2C/3 = 5.960 s. The optimizer state in host memory at 20 GB/s: U = 30·P / 20e9 =
 // 10.108 s; the half params on NVMe (read 6 GB/s, write 4 GB/s): the fetch 4·P / 6e9 = 4.492 s
 // on the drive, W = 2·P / 4e9 = 3.369 s. With c = 1 and the pass updating in the backward:
-//   U hides in min(c, 2/3)·C = 5.960 s (the next forward's first gather waits for all of U, so U
-//     hides nowhere past the backward);
+//   U hides in min(c, 2/3)·C = 5.960 s (the next forward's first trained gather waits for all of
+//     U, so U hides nowhere past the backward);
 //   W hides in min(c·(C − 4.492), F − 4.492/2) = min(4.448, 0.734) = 0.734 s;
 //   hidden 6.694 s, and U + W − hidden = 13.477 − 6.694 = 6.783 s shows (where U's window of c·C
 //   hid 8.940 + 0.734 = 9.674 s, more than the micro-batch, and 3.803 s showed).
