@@ -44,7 +44,12 @@ TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesNowhereWithExactClipping) {
 // micro-batch (1 − 1/3 the forward), 4 s; 3/4 with checkpointing (the forward 2/8), 4.5 s. So
 // step = 6 + 6 − 4 = 8 s, and 7.5 s with checkpointing (where the whole micro-batch would hide
 // all 6 s, step 6 s). On the NVMe tier the pass streams its writes and the engine lets it run on
-// into the next forward: c·mb stays the window there.
+// into the next forward: c·mb stays the window there. With the default 64 MiB sub-groups of
+// 1820·2048 = 3,727,360 parameters (18 B each), 1074 of them, and a 1 GiB pool of 16 blocks, at
+// 1000 GB/s each way the drive reads 16·4e9 = 64 GB in 0.064 s and writes 14·4e9 = 56 GB in
+// 0.056 s; each sub-group's update, 6/1074 s, is the longest stage, so the pass takes
+// 1073·6/1074 + (6 + 0.12)/1074 = 6.000112 s, of which c·6 = 6 s hides (not the backward's 4 s,
+// 4.5 s with checkpointing): step = 6 + 6.000112 − 6 = 6.000112 s.
 TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesInTheBackwardOnly) {
   StepOnlySpec spec;
   spec.params = 4'000'000'000;
@@ -64,6 +69,21 @@ TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesInTheBackwardOnly) {
   t = predict_optimizer_step(spec, p);
   EXPECT_NEAR(t.optimizer_hidden_s, 4.5, 1e-12);
   EXPECT_NEAR(t.step_s, 7.5, 1e-12);
+
+  spec.tier = OffloadDevice::kNvme;
+  spec.grads_on_nvme = true;
+  spec.half_on_nvme = true;
+  p.nvme_read_gbps = 1000;
+  p.nvme_write_gbps = 1000;
+  const double pass_s = (1073.0 * 6.0 + 6.0 + 0.064 + 0.056) / 1074.0;
+  for (const bool checkpoint : {false, true}) {
+    spec.checkpoint_activations = checkpoint;
+    t = predict_optimizer_step(spec, p);
+    EXPECT_EQ(t.sub_groups, 1074u) << checkpoint;
+    EXPECT_NEAR(t.optimizer_step_s, pass_s, 1e-9) << checkpoint;
+    EXPECT_NEAR(t.optimizer_hidden_s, 6.0, 1e-9) << checkpoint;
+    EXPECT_NEAR(t.step_s, pass_s, 1e-9) << checkpoint;
+  }
 }
 
 // llama-2-7b (P = 6,738,415,616) on one 2048-token sequence at stage 3, one rank, at 10 TFLOP/s:
