@@ -250,7 +250,8 @@ struct StepOnlySpec {
   bool host_compute = false;
   bool overlap = true;
   double overlap_fraction = 2.0 / 3.0;  // c, as EngineSetup::overlap_compute_fraction
-  // As EngineSetup::exact_clipping_or_loss_scaling: the pass hides behind the next forward only.
+  // As EngineSetup::exact_clipping_or_loss_scaling: the pass hides behind the next forward only
+  // on the NVMe tier, and behind nothing in host memory.
   bool exact_clipping_or_loss_scaling = false;
   // As TrainingShape::checkpoint_activations: the forward runs twice, a quarter of the compute.
   bool checkpoint_activations = false;

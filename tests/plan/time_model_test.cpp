@@ -625,8 +625,9 @@ TEST(TimeModel, HostOptimizerWritesTheHalfShardsAfterTheUpdate) {
 // With the optimizer state in host memory and the params on the device the half output does not
 // stream either: the engine runs the whole update U, then queues the uploads W of the new shards
 // on the coordinator's stream (run_optimizer(): step(), then write_step() or publish_step()),
-// and at stages 1-2 all-gathers them, G. The next forward's first gather waits for the update
-// (OverlappedStep::await_module): U hides behind the backward where the pass updates there and
+// and at stages 1-2 all-gathers them, G. The next forward's first gather of a module with
+// trained parameters waits for the update (OverlappedStep::await_module): U hides behind the
+// backward where the pass updates there and
 // behind nothing where it starts at step(). Each group is flagged written as its upload is
 // queued (Publisher::write_group), and the unpinned host source makes each copy return once
 // staged, so the uploads meet the next forward module by module, like NVMe writes: W + G hide
