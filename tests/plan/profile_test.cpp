@@ -13,10 +13,12 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// An empty scratch directory for this test.
+// An empty scratch directory for this test, named after it: ctest runs the tests of this file
+// as processes side by side, and one's directory must not be another's.
 std::string scratch_dir() {
   const char* tmp = std::getenv("ZINF_TEST_TMPDIR");
-  const std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_profile_test";
+  const std::string dir = std::string(tmp != nullptr ? tmp : "/tmp") + "/plan_profile_test_" +
+                          ::testing::UnitTest::GetInstance()->current_test_info()->name();
   std::error_code ignored;
   fs::remove_all(dir, ignored);
   fs::create_directories(dir);
