@@ -64,21 +64,7 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   ASSERT_EQ(part.group_count(), 3u);
   const std::vector<bool> persistent = {true, false, true};
 
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < kWorld; ++r) {
-    HostDeviceOptions options;
-    options.ordinal = r;
-    Result<std::unique_ptr<Device>> device = make_host_device(options);
-    ASSERT_TRUE(device.is_ok()) << device.status().to_string();
-    raw.push_back(device->get());
-    devices.push_back(std::move(*device));
-  }
-  LocalCommOptions comm_options;
-  comm_options.timeout = std::chrono::seconds(20);
-  Result<std::vector<std::unique_ptr<Communicator>>> comms =
-      make_local_comm_group(raw, comm_options);
-  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
+  test::HostRanks ranks = test::make_host_ranks(kWorld, {.timeout = std::chrono::seconds(20)});
 
   // Each rank's NVMe shard in a swap space of its own; rank 0's writes fail once enabled.
   FaultSpec spec;
@@ -111,9 +97,10 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
     co.shard_tier = OffloadDevice::kNvme;
     co.staging_blocks = 2;
     co.timeout = std::chrono::seconds(20);
-    Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
-        part, r, *devices[static_cast<std::size_t>(r)], *(*comms)[static_cast<std::size_t>(r)],
-        std::move(modules), persistent, co, swap->get(), engine->get(), nullptr);
+    Result<std::unique_ptr<ParamCoordinator>> coord =
+        ParamCoordinator::create(part, r, *ranks.devices[static_cast<std::size_t>(r)],
+                                 *ranks.comms[static_cast<std::size_t>(r)], std::move(modules),
+                                 persistent, co, swap->get(), engine->get(), nullptr);
     ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
     engines.push_back(std::move(*engine));
     swaps.push_back(std::move(*swap));
@@ -227,21 +214,7 @@ TEST(ParamCoordinatorPublish, AllGathersTheListedPersistentGroupsAlone) {
   ASSERT_EQ(part.group_count(), kGroups);
   const std::vector<bool> persistent = {true, false, true, true};
 
-  std::vector<std::unique_ptr<Device>> devices;
-  std::vector<Device*> raw;
-  for (int r = 0; r < kWorld; ++r) {
-    HostDeviceOptions options;
-    options.ordinal = r;
-    Result<std::unique_ptr<Device>> device = make_host_device(options);
-    ASSERT_TRUE(device.is_ok()) << device.status().to_string();
-    raw.push_back(device->get());
-    devices.push_back(std::move(*device));
-  }
-  LocalCommOptions comm_options;
-  comm_options.timeout = std::chrono::seconds(20);
-  Result<std::vector<std::unique_ptr<Communicator>>> comms =
-      make_local_comm_group(raw, comm_options);
-  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
+  test::HostRanks ranks = test::make_host_ranks(kWorld, {.timeout = std::chrono::seconds(20)});
   std::vector<ZeroCounters> counters(kWorld);
   std::vector<std::unique_ptr<ParamCoordinator>> coords;
   for (int r = 0; r < kWorld; ++r) {
@@ -252,7 +225,7 @@ TEST(ParamCoordinatorPublish, AllGathersTheListedPersistentGroupsAlone) {
     co.shard_tier = OffloadDevice::kHost;
     co.timeout = std::chrono::seconds(20);
     Result<std::unique_ptr<ParamCoordinator>> coord =
-        ParamCoordinator::create(part, r, *devices[ri], *(*comms)[ri], std::move(modules),
+        ParamCoordinator::create(part, r, *ranks.devices[ri], *ranks.comms[ri], std::move(modules),
                                  persistent, co, nullptr, nullptr, &counters[ri]);
     ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
     coords.push_back(std::move(*coord));
