@@ -68,8 +68,9 @@ struct MpiWorld {
 Result<MpiWorld> mpi_world_of_process();
 
 // After MPI_Finalize stopped `comm` (an MpiComm) while it was open: kAborted naming MPI_Finalize
-// and how many collectives failed from then on (cut short in flight, or issued later), when any
-// did. Ok otherwise: MPI_Finalize has not run, nothing was lost, or `comm` is no MpiComm.
+// and how many of its collectives failed (cut short in flight, or refused later; before this
+// rank's MPI_Finalize too, as when another rank's came first), when any did. Ok otherwise:
+// MPI_Finalize has not run, nothing failed, or `comm` is no MpiComm.
 Status mpi_finalize_losses(const Communicator& comm);
 
 // Rank 0 of MPI_COMM_WORLD sends `blob` (the ncclUniqueId) to every rank; every rank returns it.

@@ -281,8 +281,9 @@ class MpiComm final : public Communicator {
   // thread, with g_open_mu held): fails every collective in flight and to come with kAborted
   // naming MPI_Finalize, tells the other ranks, and makes the communicator's last MPI calls.
   void stop_at_finalize();
-  // After stop_at_finalize: kAborted naming MPI_Finalize and how many collectives failed from then
-  // on, when any did; otherwise ok.
+  // After stop_at_finalize: kAborted naming MPI_Finalize and how many of the communicator's
+  // collectives failed, when any did; otherwise ok. Those that failed before this rank's
+  // MPI_Finalize count too: another rank's MPI_Finalize reaches this one first as its abort notice.
   Status finalize_losses() const;
 
   // Runs on the stream: hands `task` to the progress thread, waits, then computes the result.
@@ -307,9 +308,9 @@ class MpiComm final : public Communicator {
   Status post_notice_receive();
   void check_notice();
   void send_notices(const Status& reason);
-  // `task` fails with the sticky `error` (counted when MPI_Finalize stopped the communicator).
+  // `task` fails with the sticky `error` (counted in failed_).
   void fail_task(Task& task, const Status& error);
-  // A collective or barrier refused for the sticky error: counted after MPI_Finalize.
+  // A collective or barrier refused for the sticky error: counted in failed_.
   void count_refused();
   void close();
   // Stops the progress thread and releases the communicator's MPI requests (and, when healthy,
@@ -347,10 +348,10 @@ class MpiComm final : public Communicator {
   Status error_;               // sticky
   bool notify_peers_ = false;  // the progress thread owes the abort notices
   bool stop_ = false;
-  // Set by stop_at_finalize: the progress thread is gone and MPI with it. From then on every
-  // collective that fails is counted in lost_to_finalize_.
+  // Set by stop_at_finalize: the progress thread is gone and MPI with it.
   bool finalized_ = false;
-  std::uint64_t lost_to_finalize_ = 0;
+  // Collectives and barriers that failed or were refused for the sticky error, whatever set it.
+  std::uint64_t failed_ = 0;
   std::deque<std::shared_ptr<Task>> submitted_;  // waiting for the progress thread
   std::thread progress_;
 
@@ -401,7 +402,7 @@ void MpiComm::fail_task(Task& task, const Status& error) {
 
 void MpiComm::count_refused() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (finalized_) ++lost_to_finalize_;
+  ++failed_;
 }
 
 Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive) {
@@ -737,10 +738,10 @@ void MpiComm::stop_at_finalize() {
 
 Status MpiComm::finalize_losses() const {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!finalized_ || lost_to_finalize_ == 0) return Status::ok();
+  if (!finalized_ || failed_ == 0) return Status::ok();
   return Status::aborted(
-      fmt::format("{}: {} collective(s) failed after MPI_Finalize stopped the communicator: {}",
-                  name_, lost_to_finalize_, error_.to_string()));
+      fmt::format("{}: {} collective(s) failed, and MPI_Finalize stopped the communicator: {}",
+                  name_, failed_, error_.to_string()));
 }
 
 int stop_comms_at_finalize(MPI_Comm, int, void*, void*) {
