@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +21,7 @@
 
 #include "base/random.hpp"
 #include "comm_test_util.hpp"
+#include "common/run_ranks.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
 #include "zinf/dtype.hpp"
@@ -31,49 +33,32 @@ using std::chrono::milliseconds;
 using Clock = std::chrono::steady_clock;
 
 // N HostDevices (with jitter, so that timing differs between ranks and runs) and their LocalComm
-// group; run() drives each rank from its own thread, as a multi-GPU job drives one GPU per
-// process.
+// group (test::make_host_ranks); run() drives each rank from its own thread, as a multi-GPU job
+// drives one GPU per process, against test::run_ranks' deadline: a rank that hangs aborts the
+// test naming the ranks still running, rather than holding it until ctest's timeout.
 class World {
  public:
   explicit World(int world_size, milliseconds timeout = std::chrono::seconds(30),
                  std::uint64_t seed = 1, bool opaque = false) {
-    std::vector<Device*> raw;
-    for (int r = 0; r < world_size; ++r) {
-      HostDeviceOptions options;
-      options.ordinal = r;
-      options.jitter_max_us = 100;
-      options.jitter_seed = seed * 131 + static_cast<std::uint64_t>(r);
-      options.opaque = opaque;
-      Result<std::unique_ptr<Device>> device = make_host_device(options);
-      EXPECT_TRUE(device.is_ok());
-      devices_.push_back(std::move(device).value());
-      raw.push_back(devices_.back().get());
-    }
-    LocalCommOptions options;
+    test::HostRanksOptions options;
     options.timeout = timeout;
-    Result<std::vector<std::unique_ptr<Communicator>>> comms = make_local_comm_group(raw, options);
-    EXPECT_TRUE(comms.is_ok()) << comms.status().to_string();
-    comms_ = std::move(comms).value();
+    options.jitter_max_us = 100;
+    options.jitter_seed = seed * 131;  // rank r's device gets seed * 131 + r
+    options.opaque = opaque;
+    ranks_ = test::make_host_ranks(world_size, options);
   }
 
-  int world_size() const { return static_cast<int>(devices_.size()); }
-  Device& device(int rank) { return *devices_[static_cast<std::size_t>(rank)]; }
-  Communicator& comm(int rank) { return *comms_[static_cast<std::size_t>(rank)]; }
+  int world_size() const { return static_cast<int>(ranks_.devices.size()); }
+  Device& device(int rank) { return *ranks_.devices[static_cast<std::size_t>(rank)]; }
+  Communicator& comm(int rank) { return *ranks_.comms[static_cast<std::size_t>(rank)]; }
 
-  // Runs body(rank) on one thread per rank and returns each rank's Status.
+  // Runs body(rank) on one thread per rank and returns each rank's Status, in rank order.
   std::vector<Status> run(const std::function<Status(int)>& body) {
-    std::vector<Status> statuses(devices_.size());
-    std::vector<std::thread> threads;
-    for (int r = 0; r < world_size(); ++r) {
-      threads.emplace_back([&, r] { statuses[static_cast<std::size_t>(r)] = body(r); });
-    }
-    for (auto& thread : threads) thread.join();
-    return statuses;
+    return test::run_ranks(world_size(), body);
   }
 
  private:
-  std::vector<std::unique_ptr<Device>> devices_;
-  std::vector<std::unique_ptr<Communicator>> comms_;
+  test::HostRanks ranks_;
 };
 
 using comm_test::random_data;

@@ -1,4 +1,4 @@
-// common/run_ranks.hpp, the rank runner of the zero and engine tests: one thread a rank, the
+// common/run_ranks.hpp, the rank runner of the comm, zero and engine tests: one thread a rank, the
 // statuses in rank order, an exception kept as its rank's error, ranks_ok() naming each failed
 // rank, and a rank still running at the deadline named before the process aborts.
 #include "common/run_ranks.hpp"
