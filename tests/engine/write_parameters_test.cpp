@@ -6,7 +6,9 @@
 // over its parameters' groups, and a write updates, writes and all-gathers only the groups it
 // names, not those between them (its NVMe reads are those groups' sub-groups, each once); a
 // failure on one rank during the pass stops every rank, as a failed write of the new shards does,
-// in the same call.
+// in the same call. With the optimizer state in memory (HostState, DeviceState) and half
+// parameters, what the forward gathers after a few writes is each written value rounded by a
+// reference rounding, bit for bit, and the initial values elsewhere.
 // (python/tests/test_gathered_write.py checks that training goes on from the new values as
 // torch does.)
 #include <fmt/format.h>
@@ -16,9 +18,12 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
+#include <ostream>
 #include <random>
 #include <span>
 #include <string>
@@ -845,6 +850,145 @@ TEST(WriteParametersBatch, PublishesTheMastersRounded) {
     }
   }
 }
+
+// `x` rounded to nearest, ties to even, in `dtype` (kBF16: 8 significant bits, normal down to
+// 2^-126; kF16: 11 significant bits, normal down to 2^-14, subnormal below), worked out from
+// the definition rather than by the library's conversions: x's unit in the last place is
+// ulp = 2^(max(e, e_min) - (bits - 1)) for e = floor(log2 |x|), x / ulp is exact in double, and
+// nearbyint() rounds half to even in the default rounding mode. A value that rounds up into the
+// next binade is still exact there. No overflow: |x| < 2 here.
+float reference_round(float x, DType dtype) {
+  const int bits = dtype == DType::kBF16 ? 8 : 11;
+  const int e_min = dtype == DType::kBF16 ? -126 : -14;
+  if (x == 0.0f) return x;
+  const double ulp = std::ldexp(1.0, std::max(std::ilogb(x), e_min) - (bits - 1));
+  return static_cast<float>(std::nearbyint(static_cast<double>(x) / ulp) * ulp);
+}
+
+// A half value's bits widened to f32, decoded from the format rather than by the library: bf16 is
+// the upper half of an f32; f16 is a sign, 5 exponent bits (bias 15) and 10 fraction bits,
+// (1024 + fraction) * 2^(exponent - 25), or fraction * 2^-24 when the exponent is 0.
+float reference_widen(std::uint16_t half, DType dtype) {
+  if (dtype == DType::kBF16) {
+    const std::uint32_t bits = std::uint32_t{half} << 16;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+  const int exponent = (half >> 10) & 0x1f;
+  const int fraction = half & 0x3ff;
+  // Infinity or NaN: no value written here is one, and a NaN matches nothing.
+  if (exponent == 0x1f) return std::numeric_limits<float>::quiet_NaN();
+  const double magnitude =
+      exponent == 0 ? std::ldexp(fraction, -24) : std::ldexp(1024 + fraction, exponent - 25);
+  return static_cast<float>((half & 0x8000) != 0 ? -magnitude : magnitude);
+}
+
+// Parameter `def` as the forward would see it after gathering its module: its device copy's
+// half bits, copied out through the device (an opaque device's memory is not the host's), each
+// widened by reference_widen().
+Result<std::vector<float>> gathered_half(Engine& engine, Device& device,
+                                         const engine_test::ParamDef& def) {
+  ZINF_RETURN_IF_ERROR(engine.gather(def.module));
+  ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(def.name));
+  if (view.dtype != def.dtype || view.element_count != def.element_count()) {
+    return Status::internal(fmt::format("{}: the device copy is not {} {} elements", def.name,
+                                        def.element_count(), dtype_name(def.dtype)));
+  }
+  std::vector<std::uint16_t> half(view.element_count);
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("read shards"));
+  ZINF_RETURN_IF_ERROR(
+      device.copy_d2h(half.data(), view.data, half.size() * sizeof(std::uint16_t), *stream));
+  ZINF_RETURN_IF_ERROR(device.synchronize(*stream, std::chrono::seconds(30)));
+  ZINF_RETURN_IF_ERROR(engine.release(def.module));
+  std::vector<float> out(half.size());
+  for (std::size_t i = 0; i < half.size(); ++i) out[i] = reference_widen(half[i], def.dtype);
+  return out;
+}
+
+// The optimizer state in memory (offload_optimizer "none"): on a host-accessible device
+// (HostState) and on an opaque one (DeviceState). There the shards of a write's named groups are
+// written from the state's own buffer in device memory, not NVMe, so the cost tests' shard bytes
+// (measure_writes()) cannot see a named group whose shard is left unwritten; the values the
+// forward gathers can. Half parameters (bf16, f16), stage 2 (every group stays gathered, the
+// written groups all-gathered again) and stage 3 (each module gathered from its shards, small
+// parameters persistent), one and two ranks. A single write of one parameter (block1's group
+// alone), then a batch that names the embedding, block0's bias, block2's weight and the head's
+// bias, out of order (a run of groups with block1's, unnamed, between them): every parameter's
+// gathered values must be what was written last, or the initial values where nothing was,
+// rounded to the parameter's dtype by reference_round(), bit for bit.
+struct ShardCase {
+  bool opaque;  // DeviceState; else HostState
+  DType dtype;
+  int stage;
+  int world;
+};
+
+void PrintTo(const ShardCase& c, std::ostream* os) {
+  *os << (c.opaque ? "DeviceState " : "HostState ") << dtype_name(c.dtype) << " stage " << c.stage
+      << " world " << c.world;
+}
+
+class WriteParametersShards : public ::testing::TestWithParam<ShardCase> {};
+
+TEST_P(WriteParametersShards, TheNamedGroupsShardsHoldTheWrittenValuesRounded) {
+  const ShardCase c = GetParam();
+  const Model model = engine_test::make_model(c.dtype, 91);
+  const std::vector<std::vector<float>> first = fresh_values(model, 25);
+  const std::vector<std::vector<float>> second = fresh_values(model, 26);
+  const std::string_view single = "block1.w";
+  const std::vector<std::string_view> batch = {"head.b", "block2.w", "embed.w", "block0.b"};
+  // What each parameter holds at the end: its initial values, or what was written last.
+  std::vector<std::vector<float>> expect = model.initial;
+  expect[param_index(model, single)] = first[param_index(model, single)];
+  for (std::string_view name : batch)
+    expect[param_index(model, name)] = second[param_index(model, name)];
+  for (std::vector<float>& values : expect) {
+    for (float& v : values) v = reference_round(v, c.dtype);
+  }
+
+  engine_test::ScratchDir dir(
+      fmt::format("write_shards_{}_{}_s{}_w{}", c.opaque, dtype_name(c.dtype), c.stage, c.world));
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
+  const auto world = static_cast<std::size_t>(c.world);
+  std::vector<std::vector<std::vector<float>>> gathered(world);
+  std::vector<Status> st = engine_test::run_ranks(c.world, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    const Config config =
+        engine_test::small_config(c.stage, OffloadDevice::kNone, OffloadDevice::kNone, dir.path());
+    ZINF_ASSIGN_OR_RETURN(auto engine, engine_test::open_finalized(ranks, rank, config, model));
+    ZINF_RETURN_IF_ERROR(
+        engine->write_parameters(single, first[param_index(model, single)].data(), 0));
+    ZINF_RETURN_IF_ERROR(engine->write_parameters(batch, values_from(model, second), 0));
+    for (const auto& def : model.params) {
+      ZINF_ASSIGN_OR_RETURN(std::vector<float> values,
+                            gathered_half(*engine, *ranks.devices[r], def));
+      gathered[r].push_back(std::move(values));
+    }
+    return Status::ok();
+  });
+  for (std::size_t r = 0; r < world; ++r) {
+    ASSERT_TRUE(st[r].is_ok()) << "rank " << r << ": " << st[r].to_string();
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      EXPECT_TRUE(same_bits(gathered[r][p], expect[p]))
+          << "rank " << r << " parameter " << model.params[p].name;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    InMemoryHomes, WriteParametersShards,
+    ::testing::Values(ShardCase{false, DType::kBF16, 2, 1}, ShardCase{false, DType::kF16, 3, 1},
+                      ShardCase{false, DType::kBF16, 2, 2}, ShardCase{false, DType::kF16, 2, 2},
+                      ShardCase{false, DType::kBF16, 3, 2}, ShardCase{false, DType::kF16, 3, 2},
+                      ShardCase{true, DType::kF16, 2, 1}, ShardCase{true, DType::kBF16, 3, 1},
+                      ShardCase{true, DType::kBF16, 2, 2}, ShardCase{true, DType::kF16, 2, 2},
+                      ShardCase{true, DType::kBF16, 3, 2}, ShardCase{true, DType::kF16, 3, 2}),
+    [](const ::testing::TestParamInfo<ShardCase>& info) {
+      return fmt::format("{}_{}_stage{}_world{}", info.param.opaque ? "device_state" : "host_state",
+                         dtype_name(info.param.dtype), info.param.stage, info.param.world);
+    });
 
 // The batch's errors: those each rank finds alone come before any collective and leave the engine
 // usable; those found together fail every rank at once; a failure of `values` during the pass
