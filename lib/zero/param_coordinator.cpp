@@ -416,9 +416,16 @@ void ParamCoordinator::free_module(std::size_t m, const char* what) {
   }
   caller_pending_ = false;
   if (mod.state != State::kIdle) live_elements_ -= mod.elements;
-  mod.state = State::kIdle;
+  set_state(mod, State::kIdle);
   note_live();
   instant(what, mod.name);
+}
+
+void ParamCoordinator::set_state(Module& mod, State state) {
+  if (mod.state == State::kInUse) --in_use_count_;
+  if (state == State::kInUse) ++in_use_count_;
+  mod.state = state;
+  ZINF_ASSERT(in_use_count_ <= modules_.size());
 }
 
 void ParamCoordinator::prefetch_after(std::size_t position) {
@@ -435,7 +442,7 @@ void ParamCoordinator::prefetch_after(std::size_t position) {
       error_ = st;
       return;
     }
-    mod.state = State::kPrefetched;
+    set_state(mod, State::kPrefetched);
     prefetched_.push_back(p);
     prefetched_elements_ += mod.elements;
   }
@@ -468,7 +475,7 @@ Status ParamCoordinator::gather(std::size_t m) {
     if (counters_ != nullptr) ++counters_->prefetch_hits;
     prefetched_.erase(std::find(prefetched_.begin(), prefetched_.end(), m));
     prefetched_elements_ -= mod.elements;
-    mod.state = State::kInUse;
+    set_state(mod, State::kInUse);
   } else {
     // Room for it: prefetched modules are dropped, the furthest first, while it does not fit.
     // A module in use is never refused (DeepSpeed's limit bounds only what is fetched ahead), so
@@ -488,7 +495,7 @@ Status ParamCoordinator::gather(std::size_t m) {
         return st;
       }
     }
-    mod.state = State::kInUse;
+    set_state(mod, State::kInUse);
   }
   prefetch_after(cursor_);
   if (caller_ != nullptr && !dry_run_) {
@@ -585,9 +592,11 @@ void ParamCoordinator::restore_order(std::vector<std::size_t> order) {
 }
 
 long ParamCoordinator::first_in_use() const {
+  if (in_use_count_ == 0) return -1;
   for (std::size_t m = 0; m < modules_.size(); ++m) {
     if (modules_[m].state == State::kInUse) return static_cast<long>(m);
   }
+  ZINF_ASSERT(false);  // in_use_count_ counts a module that is not in use
   return -1;
 }
 

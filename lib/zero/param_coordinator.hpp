@@ -194,7 +194,9 @@ class ParamCoordinator {
   void restore_order(std::vector<std::size_t> order);
   bool order_frozen() const { return frozen_; }
   const std::vector<std::size_t>& order() const { return order_; }
-  // The first module in use, or -1.
+  // The first module in use, or -1. O(1) when none is in use (a count of them is kept at every
+  // change of a module's state): the engine asks before every write_parameters() and checkpoint
+  // call; a walk over the modules finds the index only when some module is in use.
   long first_in_use() const;
   // The caller's compute stream (null: none, gather() waits on the host). With one, gather()
   // makes it wait for the module's all-gather instead, and release() makes the coordinator's
@@ -246,6 +248,8 @@ class ParamCoordinator {
   Result<DeviceBuffer> take_buffer(std::size_t bytes);
   // Frees a module's gathered buffers; the trace instant is `what` + its name.
   void free_module(std::size_t m, const char* what);
+  // Every change of a module's state goes through here, which keeps in_use_count_.
+  void set_state(Module& mod, State state);
   void prefetch_after(std::size_t position);
   // Replays calls_ without moving data (see the file comment); errors only end it early.
   void warm_up();
@@ -267,6 +271,7 @@ class ParamCoordinator {
   SwapSpace* swap_;
   ZeroCounters* counters_;
   std::vector<Module> modules_;
+  std::size_t in_use_count_ = 0;  // modules in State::kInUse
   std::vector<bool> persistent_;
   std::vector<DeviceBuffer> full_;  // per group: persistent, or gathered
   // Gather buffers freed by release(), kept for the next gather of a group of the same size so

@@ -1,17 +1,21 @@
 // ParamCoordinator::wait_writes() after a failed shard write: it returns the first error only once
 // every write queued on the coordinator's stream has run, so the caller may free the memory those
 // writes read from; drain_writes() says the wait itself completed. And publish(groups): the
-// persistent groups it lists all-gathered, no other.
+// persistent groups it lists all-gathered, no other. And first_in_use(), which keeps a count of
+// the modules in use: the same answer as a walk over the modules after every call of a seeded
+// sequence of gathers, releases, refused calls, prefetches, drops and a failed gather.
 #include "zero/param_coordinator.hpp"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <random>
 #include <span>
 #include <thread>
 #include <vector>
@@ -267,6 +271,150 @@ TEST(ParamCoordinatorPublish, AllGathersTheListedPersistentGroupsAlone) {
       }
     }
   }
+}
+
+// One rank at stage 3, shards in host memory: nine modules, eight of one partitioned group each
+// (256 elements) and one of a persistent group alone (nothing to gather), prefetching within 512
+// elements and keeping at most 1024 live. A seeded sequence records two passes in module order,
+// freezes the order (prefetches from then on, and drops when a module does not fit), then makes
+// 600 calls: gathers and releases of random modules, some refused (a module gathered twice, one
+// released that is not gathered), and now and then drop_prefetched(). After every call the
+// modules the test holds gathered are the ones gathered() reports, and first_in_use() is the
+// first of them, or -1. Last, a gather whose issue fails (the issue hook returns an error) leaves
+// the module idle and the coordinator failed: first_in_use() still names the modules held.
+TEST(ParamCoordinatorInUse, FirstInUseMatchesAWalkOverTheModules) {
+  constexpr std::uint32_t kGroups = 9;
+  constexpr std::uint32_t kPersistent = 5;  // module 5's only group
+  constexpr std::uint64_t kSeed = 20261206;
+  SCOPED_TRACE(testing::Message() << "seed " << kSeed);
+  PartitionerOptions po;
+  po.world_size = 1;
+  po.stage = ZeroStage::kStage3;
+  Result<Partitioner> created = Partitioner::create(po);
+  ASSERT_TRUE(created.is_ok()) << created.status().to_string();
+  Partitioner& part = *created;
+  for (std::uint32_t m = 0; m < kGroups; ++m) {
+    ASSERT_TRUE(
+        part.add({fmt::format("m{}.w", m), fmt::format("m{}", m), {8, 32}, DType::kF32}).is_ok());
+  }
+  ASSERT_TRUE(part.finalize().is_ok());
+  ASSERT_EQ(part.group_count(), kGroups);
+  std::vector<bool> persistent(kGroups, false);
+  persistent[kPersistent] = true;
+
+  test::HostRanks ranks = test::make_host_ranks(1, {.timeout = std::chrono::seconds(20)});
+  ZeroCounters counters;
+  std::vector<CoordinatorModule> modules;
+  for (std::uint32_t g = 0; g < kGroups; ++g) modules.push_back({fmt::format("m{}", g), {g}});
+  ParamCoordinatorOptions co;
+  co.shard_tier = OffloadDevice::kHost;
+  co.prefetch_elements = 512;
+  co.max_live_elements = 1024;
+  co.timeout = std::chrono::seconds(20);
+  Result<std::unique_ptr<ParamCoordinator>> coord =
+      ParamCoordinator::create(part, 0, *ranks.devices[0], *ranks.comms[0], std::move(modules),
+                               persistent, co, nullptr, nullptr, &counters);
+  ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
+  ParamCoordinator& c = **coord;
+  const std::size_t shard_elements = part.group(0).shard_element_count;
+  std::vector<float> shard(shard_elements);
+  for (std::uint32_t g = 0; g < kGroups; ++g) {
+    fill_uniform(shard.data(), shard_elements, kSeed + g);
+    ASSERT_TRUE(c.write_shard(g, shard.data()).is_ok());
+  }
+  ASSERT_TRUE(c.wait_writes().is_ok());
+
+  // The modules this test gathered and has not released.
+  std::vector<bool> held(kGroups, false);
+  std::size_t calls = 0;
+  auto check = [&](const char* what, std::size_t m) {
+    ++calls;
+    long first = -1;
+    for (std::size_t k = 0; k < kGroups; ++k) {
+      ASSERT_EQ(c.gathered(k), held[k])
+          << "module " << k << " after call " << calls << " (" << what << " " << m << ")";
+      if (held[k] && first < 0) first = static_cast<long>(k);
+    }
+    ASSERT_EQ(c.first_in_use(), first) << "after call " << calls << " (" << what << " " << m << ")";
+  };
+  auto gather = [&](std::size_t m) {
+    const Status st = c.gather(m);
+    if (held[m]) {
+      ASSERT_EQ(st.code(), Code::kFailedPrecondition) << st.to_string();
+    } else {
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      held[m] = true;
+    }
+    check("gather", m);
+  };
+  auto release = [&](std::size_t m) {
+    const Status st = c.release(m);
+    if (held[m]) {
+      ASSERT_TRUE(st.is_ok()) << st.to_string();
+      held[m] = false;
+    } else {
+      ASSERT_EQ(st.code(), Code::kFailedPrecondition) << st.to_string();
+    }
+    check("release", m);
+  };
+  check("create", 0);
+  for (int pass = 0; pass < 2; ++pass) {
+    for (std::size_t m = 0; m < kGroups; ++m) {
+      ASSERT_NO_FATAL_FAILURE(gather(m));
+      ASSERT_NO_FATAL_FAILURE(release(m));
+    }
+  }
+  c.freeze_order();
+  check("freeze_order", 0);
+  std::mt19937_64 rng(kSeed);
+  std::uniform_int_distribution<std::size_t> pick(0, kGroups - 1);
+  std::uniform_int_distribution<int> roll(0, 99);
+  for (int k = 0; k < 600; ++k) {
+    const std::size_t m = pick(rng);
+    const int r = roll(rng);
+    if (r < 5) {
+      ASSERT_TRUE(c.drop_prefetched().is_ok());
+      check("drop_prefetched", 0);
+    } else if (r < 15) {
+      // Refused: a module gathered twice or released while not gathered.
+      ASSERT_NO_FATAL_FAILURE(held[m] ? gather(m) : release(m));
+    } else {
+      // Mostly gathers while few are held, so that several modules are in use at times.
+      const std::size_t count =
+          static_cast<std::size_t>(std::count(held.begin(), held.end(), true));
+      const bool want_gather = roll(rng) >= static_cast<int>(count * 20);
+      if (want_gather && !held[m]) {
+        ASSERT_NO_FATAL_FAILURE(gather(m));
+      } else if (held[m]) {
+        ASSERT_NO_FATAL_FAILURE(release(m));
+      }
+    }
+  }
+  EXPECT_GT(counters.prefetch_hits, 0u);
+  EXPECT_GT(counters.prefetches_dropped, 0u);
+
+  // A failed gather: two modules held, then a third whose issue fails.
+  for (std::size_t m = 0; m < kGroups; ++m) {
+    if (held[m]) {
+      ASSERT_NO_FATAL_FAILURE(release(m));
+    }
+  }
+  ASSERT_TRUE(c.drop_prefetched().is_ok());
+  ASSERT_NO_FATAL_FAILURE(gather(6));
+  ASSERT_NO_FATAL_FAILURE(gather(2));
+  ASSERT_TRUE(c.drop_prefetched().is_ok());
+  c.set_issue_hook(
+      [](void*, std::size_t module) {
+        return Status::io_error(fmt::format("issue of module {} refused", module));
+      },
+      nullptr, nullptr);
+  const Status failed = c.gather(4);
+  EXPECT_EQ(failed.code(), Code::kIoError) << failed.to_string();
+  check("failed gather", 4);
+  EXPECT_EQ(c.first_in_use(), 2);
+  // Sticky: nothing changes state after it.
+  EXPECT_EQ(c.release(2).code(), Code::kIoError);
+  check("release after the failure", 2);
 }
 
 }  // namespace
