@@ -270,10 +270,10 @@ Status write_master_values(const MasterAccess& w, std::span<const std::string_vi
   //
   // `named` lists the groups in increasing order (the entries are in layout order), so the runs,
   // the states' choice of shards to write and the all-gather go over the call's own groups, not
-  // over every group of the model. Not all of a call's host work is its own yet: the settle()
-  // before it walks every group (OverlappedStep::publish_pending), the precondition every module
-  // (ParamCoordinator::first_in_use), and with the state in a StateStore each run every
-  // sub-group (StoreState::settled_frozen()).
+  // over every group of the model. The settle() before it walks the groups only when a step left
+  // some to all-gather (OverlappedStep::publish_pending keeps their count), and the precondition
+  // finds none in use from a count (ParamCoordinator::first_in_use). With the state in a
+  // StateStore each run still walks every sub-group (StoreState::settled_frozen()).
   std::vector<std::uint32_t> named;
   named.reserve(entries.size());
   for (const Given& g : given) {

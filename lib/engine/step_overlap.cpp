@@ -99,7 +99,7 @@ Status OverlappedStep::await_module(std::size_t m) {
     // the shard still holds the previous pass's values.
     ZINF_ASSERT(!open_ || final_[g].load(std::memory_order_relaxed) == 0);
     ZINF_RETURN_IF_ERROR(parts_.coord->publish_group(g));
-    persistent_done_[g] = 1;
+    mark_published(g);
     any = true;
   }
   return any ? parts_.coord->publish_wait() : Status::ok();
@@ -158,8 +158,10 @@ void OverlappedStep::begin(std::int64_t step, float grad_scale) {
 void OverlappedStep::arm_next_backward() {
   const ParameterLayout& layout = *parts_.layout;
   // A frozen group is not all-gathered again: no pass changes it (publisher.hpp).
+  pending_count_ = 0;
   for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
     persistent_done_[g] = layout.persistent()[g] && layout.republished(g) ? 0 : 1;
+    pending_count_ += persistent_done_[g] == 0 ? 1 : 0;
   }
   std::fill(grads_zeroed_.begin(), grads_zeroed_.end(), 0);
 }
@@ -333,18 +335,27 @@ Status OverlappedStep::finish(bool collective) {
   return collective ? publish_pending() : Status::ok();
 }
 
+void OverlappedStep::mark_published(std::uint32_t g) {
+  ZINF_ASSERT(persistent_done_[g] == 0 && pending_count_ > 0);
+  persistent_done_[g] = 1;
+  --pending_count_;
+}
+
 Status OverlappedStep::publish_pending() {
+  // Nothing left by the last pass (the gathers published it all, or an earlier call did): no
+  // collective, and no walk over the groups.
+  if (pending_count_ == 0) return Status::ok();
   ParamCoordinator& coord = *parts_.coord;
   std::lock_guard<std::mutex> lock(parts_.publisher->mutex());
-  bool any = false;
-  for (std::uint32_t g = 0; g < parts_.layout->group_count(); ++g) {
+  // In group order, up to the last pending group.
+  for (std::uint32_t g = 0; pending_count_ > 0; ++g) {
+    ZINF_ASSERT(g < parts_.layout->group_count());
     if (persistent_done_[g] != 0) continue;
     // Marked before the call: a failed all-gather is sticky, and no later call retries it.
-    persistent_done_[g] = 1;
+    mark_published(g);
     ZINF_RETURN_IF_ERROR(coord.publish_group(g));
-    any = true;
   }
-  return any ? coord.publish_wait() : Status::ok();
+  return coord.publish_wait();
 }
 
 void OverlappedStep::take_figures(StepReport& rep) {

@@ -167,7 +167,8 @@ class OverlappedStep {
   // All-gathers the persistent groups no gather published since the last pass (in group order),
   // as finish(true) does. Collective. For step() of a pass that reads ahead, so that its
   // collectives are those of a rank whose pass was called off (which finishes at step()).
-  // REQUIRES: no pass updating (none running, or one that reads ahead only).
+  // With none left it returns at once: no walk over the groups, no collective (a count of them is
+  // kept). REQUIRES: no pass updating (none running, or one that reads ahead only).
   Status publish_pending();
   // The last finished pass's figures, and the gathers' waits since the last call, into an
   // overlapped step's report (zero before the first pass).
@@ -192,12 +193,18 @@ class OverlappedStep {
   // Per pass (start() or commit()): the persistent groups to all-gather, the groups whose
   // gradients the next backward must wait for.
   void arm_next_backward();
+  // persistent_done_[g] set, pending_count_ kept: the persistent group g is all-gathered (or its
+  // all-gather was tried) since the pass began.
+  void mark_published(std::uint32_t g);
 
   Parts parts_;
   int track_ = 0;                              // the trace track of the runner's spans
   std::vector<std::uint8_t> persistent_done_;  // per group: all-gathered since the pass began
-  std::vector<std::uint8_t> grads_zeroed_;     // per group: zeroed since a pass read it
-  std::vector<std::uint8_t> reduced_;          // per group: note_reduced() since the pass opened
+  // The groups whose persistent_done_ is 0, so that publish_pending() with none (every settle()
+  // of a write_parameters() loop) costs nothing, not a walk over every group.
+  std::uint32_t pending_count_ = 0;
+  std::vector<std::uint8_t> grads_zeroed_;  // per group: zeroed since a pass read it
+  std::vector<std::uint8_t> reduced_;       // per group: note_reduced() since the pass opened
   std::unique_lock<std::mutex>* gather_lock_ = nullptr;  // gather()'s, for the issue hook
   std::int64_t pass_step_ = 0;
   float pass_scale_ = 1.0f;
