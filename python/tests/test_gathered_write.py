@@ -188,6 +188,61 @@ def test_a_block_that_raises_on_one_rank_puts_a_replaced_view_back(stage):
         engine.destroy()
 
 
+@pytest.mark.parametrize("modifier_rank", [0, None])
+def test_a_block_that_raises_at_stage_3_leaves_a_replaced_parameter_released(modifier_rank):
+    """One rank, stage 3: a block that pointed a parameter's .data at a tensor of the script's
+    and then raised writes nothing, and its release leaves that parameter as it leaves every
+    other, an empty placeholder of the engine's dtype with nothing gathered, not on the script's
+    tensor (which keeps its values); the next forward gathers the engine's values, those it had
+    before the block, and training goes on from them."""
+    model = make_mlp()
+    config = mlp_config(3)
+    # No prefetch: a release would otherwise gather the module the trace expects next, and
+    # live_elements would not say whether the block's modules were given back.
+    config["zero_optimization"]["stage3_prefetch_bucket_size"] = 0
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    try:
+        batches = mlp_batches(3)
+        train_mlp_zinf(engine, batches[:1])
+        names = [name for name, _ in model.named_parameters()]
+        before = {name: engine.read_parameter(name) for name in names}
+        stray = torch.randn(16, 6, generator=torch.Generator().manual_seed(47))
+        replaced = stray.clone()
+        with pytest.raises(KeyError, match="raised in the block"):
+            with zinf.torch.GatheredParameters([model[0].weight, model[4].bias],
+                                               modifier_rank=modifier_rank):
+                assert model[0].weight.numel() == 16 * 6
+                model[0].weight.data = replaced
+                raise KeyError("raised in the block")
+        for name, param in model.named_parameters():
+            assert param.numel() == 0 and param.dtype == engine.dtype, name
+        assert model[0].weight.data_ptr() != replaced.data_ptr()
+        assert torch.equal(replaced, stray)
+        assert engine.counters()["live_elements"] == 0
+        assert not engine._gathered_ptrs
+        for name in names:
+            assert torch.equal(engine.read_parameter(name), before[name]), name
+        # The next forward computes with the engine's values: a torch model holding them gives
+        # the same loss.
+        reference = make_mlp()
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                param.copy_(before[name])
+        with torch.no_grad():
+            assert torch.allclose(mlp_loss(engine, batches[1]), mlp_loss(reference, batches[1]),
+                                  rtol=1e-6)
+        for name, param in model.named_parameters():
+            assert param.numel() == 0, name
+        # A block that reads sees them too, and training goes on from them.
+        with zinf.torch.GatheredParameters(model[0].weight):
+            assert torch.equal(model[0].weight.detach().float(), before["0.weight"])
+        assert model[0].weight.numel() == 0
+        train_mlp_zinf(engine, batches[1:])
+        assert not torch.equal(engine.read_parameter("0.weight"), before["0.weight"])
+    finally:
+        engine.destroy()
+
+
 STAGE2_RANKS = """
 import os, sys, torch, zinf.torch
 from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss, train_mlp_zinf

@@ -59,7 +59,9 @@ class GatheredParameters:
       rank is left waiting: when it raised on rank r nothing is written (as with one rank);
       when it raised on another rank only, rank r's changes are written on every rank, and
       then the exception propagates there. At stages 1 and 2 the block's parameters are on
-      the engine's copy afterwards whether or not it raised.
+      the engine's copy afterwards whether or not it raised; at stage 3 a module the block
+      gathered is released as after any block, its parameters empty placeholders again, not
+      the tensors the block pointed their .data at.
     - Parameters built under zinf.torch.Init and not yet given to initialize(): their staged
       values are read into them for the block and, with modifier_rank set, written back to the
       staging file, so initialize() takes them. With several ranks and torch.distributed
