@@ -120,6 +120,24 @@ bool pass_opens_in_backward(const EngineSetup& s) { return s.stage >= 2 && !s.gr
 bool updates_in_backward(const EngineSetup& s) {
   return pass_opens_in_backward(s) && !s.exact_clipping_or_loss_scaling;
 }
+
+// The part of a streamed pass that shows where it updates in the backward and runs on into the
+// next forward (the header's formula): `pass_s` its update and writes (UW), `gather_s` stage 1-2's
+// all-gather (G), `backward_s` and `forward_s` the backward's and the next forward's windows (A,
+// B). The pass does A of UW in the backward, from the last sub-group down; the rest, R, is the
+// share f = R / UW of the partition from the first sub-group up, which the next forward gathers
+// first, each module waiting for its writes and then its all-gather. So that forward runs its
+// first f of the modules behind the pass (R, then their all-gathers f·G, or its own f·X, X =
+// max(G, B) the forward with its all-gathers, if longer) and the rest, written in the backward,
+// at its own pace, (1 − f)·X; without the pass it takes B.
+double streamed_pass_shown(double pass_s, double gather_s, double backward_s, double forward_s) {
+  const double rest_s = std::max(0.0, pass_s - backward_s);
+  const double rest_share = pass_s > 0 ? rest_s / pass_s : 0.0;
+  const double alone_s = std::max(gather_s, forward_s);
+  const double next_forward_s =
+      std::max(rest_s + rest_share * gather_s, rest_share * alone_s) + (1.0 - rest_share) * alone_s;
+  return std::clamp(next_forward_s - forward_s, 0.0, pass_s + gather_s);
+}
 }  // namespace
 
 StepPrediction predict_step(const ModelShape& model, const TrainingShape& training,
@@ -334,13 +352,21 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
           std::min(out.pipeline_s, update_window_s) +
           std::min(out.param_upload_s + out.publish_gather_s, at_step_window_s);
     } else if (updates_in_backward(s)) {
-      // Streamed, the pass updates and writes in the backward, but overlapped the engine leaves
-      // the stage 1-2 all-gather to the next forward (write_step() -> publish_pass() gathers
-      // nothing; OverlappedStep::await_module all-gathers each module's persistent groups): the
-      // update and writes hide behind the backward's window, the all-gather behind the forward's.
-      const double update_writes_s = out.optimizer_step_s - out.publish_gather_s;
+      // Streamed, the pass updates and writes each sub-group as the backward makes it final, from
+      // the last down, and runs on into the next forward: once the backward is over it turns and
+      // takes what is left from the first sub-group up (OverlappedStep::may_ascend), the order
+      // the next forward gathers in, and that forward's gather of a module waits only for that
+      // module's groups (OverlappedStep::await_module), which then all-gathers the stage 1-2
+      // persistent groups (write_step() gathers nothing). The pass opens in the backward: it has
+      // the backward's share of c, not the forward before it, so together with the next forward
+      // its windows are at most one micro-batch (the last backward and the next forward).
+      const double backward_share = flops.total > 0 ? 1.0 - flops.forward / flops.total : 0.0;
+      const double backward_window_s =
+          std::min(fraction, backward_share) * std::max(0.0, micro_batch_s - drive_s);
       out.optimizer_hidden_s =
-          std::min(update_writes_s, window_s) + std::min(out.publish_gather_s, at_step_window_s);
+          out.optimizer_step_s - streamed_pass_shown(out.optimizer_step_s - out.publish_gather_s,
+                                                     out.publish_gather_s, backward_window_s,
+                                                     at_step_window_s);
     } else {
       out.optimizer_hidden_s = std::min(out.optimizer_step_s, at_step_window_s);
     }

@@ -117,15 +117,26 @@
 //   hidden = min(optimizer_step, c·max(0, mb − drive))
 //   step   = forward_backward + step_reduce + optimizer_step − hidden
 // (where the half output does not stream the parts hide apart: below; where it streams and the
-// pass updates in the backward, the stage 1-2 all-gather G is left to the next forward, which
-// all-gathers each module's persistent groups as it reaches it (write_step() gathers nothing,
-// OverlappedStep::await_module does): hidden = min(optimizer_step − G, c·max(0, mb − drive))
-// + min(G, the forward's window below)).
-// With one micro-batch, nothing on the drive and c = 1 (the pass behind the forward and the
-// backward) step = step_reduce + max(forward_backward, optimizer_step). The engine's pass runs
-// during the backward where no global norm or loss scale decides the step first, from the last
-// sub-group to the first, and the next forward waits for its end (it needs the first sub-group
-// first): c = 2/3, the backward's share of the FLOPs, models it (the default). It opens in the
+// pass updates in the backward, below too).
+// The engine's pass runs during the backward where no global norm or loss scale decides the step
+// first, from the last sub-group down as the backward makes them final; once the backward is
+// over it turns and takes what is left from the first sub-group up (OverlappedStep::may_ascend),
+// the order the next forward gathers in, and that forward's gather of a module waits only for
+// that module's groups (OverlappedStep::await_module), then all-gathers stage 1-2's persistent
+// groups (write_step() gathers nothing). So the streamed pass (UW = max(pipeline, upload), then
+// G) has the backward, A, and runs on into the next forward, B, module by module; the pass opens
+// in the backward, so A is the backward's share of c, and A + B at most about one micro-batch:
+//   A  = min(c, 1 − F_fwd / F_mb)·max(0, mb − drive)
+//   B  = min(c·max(0, mb − drive), max(0, forward − drive/2))       (forward: below)
+//   R  = max(0, UW − A), left when the backward ends; f = R / UW, its share of the partition
+//   X  = max(G, B), the next forward with its all-gathers
+//   next forward = max(R + f·G, f·X) + (1 − f)·X    (its first f of the modules wait for the
+//                  pass and then their all-gathers; the rest were written in the backward)
+//   hidden = UW + G − (next forward − B)
+// With one micro-batch, nothing on the drive, G = 0 and c >= 2/3 (A + B = mb) that is
+// step = step_reduce + max(forward_backward, UW + (A / UW)·B) where UW > A: the compute, or the
+// pass's critical path, the pass and then the forward of the modules it wrote in the backward.
+// c = 2/3, the backward's share of the FLOPs, is the default. The pass opens in the
 // backward only at stages 2-3 with the gradients in host memory (Engine's opens_in_backward_),
 // and updates there only without exact clipping and fp16 loss scaling (in_backward_;
 // EngineSetup::exact_clipping_or_loss_scaling). Otherwise (stage 1, which waits for step()'s

@@ -1,7 +1,8 @@
-// The windows the optimizer pass hides in, where the half output does not stream (the optimizer
+// The windows the optimizer pass hides in. Where the half output does not stream (the optimizer
 // state in host memory): the update U only in the backward of the pass's micro-batch, and only
 // where the pass updates there; the writes W (and stage 1-2's all-gather G) in the next forward.
-// --step-only counts the same as a plan with a model.
+// --step-only counts the same as a plan with a model. Where it streams and the pass updates in
+// the backward: the backward's share of c, then on into the next forward, module by module.
 #include <gtest/gtest.h>
 
 #include "plan/model.hpp"
@@ -119,6 +120,67 @@ TEST(TimeModelWindow, UpdateHidesInTheBackwardOnlyWhereWritesFollowIt) {
   EXPECT_NEAR(t.step_s, t.forward_backward_s + 6.783, 1e-3);
   // Never more than the micro-batch the pass meets.
   EXPECT_LE(t.optimizer_hidden_s, t.compute_s);
+}
+
+// The streamed pass (the optimizer state on NVMe) updating in the backward, at stage 2 on 8 ranks
+// of one machine: a custom model of P = 8e9 parameters (1 layer of hidden 128, 1000-token
+// sequences), whose micro-batch computes (6·P + 12·L·h·s)·s = 4.8001536e13 FLOPs, at 48.001536
+// TFLOP/s exactly C = 1 s, its forward F = (2·P + 4·L·h·s)·s a third, 1/3 s. One sub-group a rank
+// (Sg = 2^30 > Pr = 1e9), so the pass is its read, update and write one after the other, the
+// machine's 8 ranks together: reads 12·P = 96 GB at 240 GB/s, 0.4 s; writes 96 GB at 240 GB/s,
+// 0.4 s; the update 30·P = 240 GB at 2400 GB/s, 0.1 s: UW = 0.9 s (the uploads, 2·Pr at 1000
+// GB/s, 2 ms, run beside it). The all-gather G = 2·P·7/8 at 100 GB/s = 0.14 s (the
+// reduce-scatters, 4·P·7/8 = 0.28 s a micro-batch, hide behind C). The optimizer step is
+// UW + G = 1.04 s.
+//   A = min(c, 2/3)·C = 2/3 s of UW hides in the backward; R = 0.9 − 2/3 = 7/30 s is left, the
+//   share f = R/UW = 7/27 of the partition, which the pass then takes from the first sub-group
+//   up, the order the next forward gathers in; B = min(c·C, F) = 1/3 s; X = max(G, B) = 1/3 s.
+//   The next forward: its first f of the modules wait for the pass, R, and their all-gathers,
+//   f·G = 0.0363 s (f·X = 0.0864 s, shorter): 0.26963 s; the rest, written in the backward, at
+//   its own pace, (1 − f)·X = 20/81 = 0.24691 s: 0.51654 s where alone it takes 1/3 s. So
+//   0.18321 s shows: step = 1 + 0.18321 = 1.18321 s, the pass's critical path from the
+//   backward's start (UW + f·G + (1 − f)·X), longer than the compute's 1 s.
+// With c = 1 the same: the pass opens in the backward, so it has the backward's 2/3 of c and the
+// next forward, one micro-batch (a window c·C = 1 s for UW and the forward's 1/3 s for G again
+// hid all 1.04 s: step 1 s, shorter than the pass's 0.9 s followed by the forward it holds up).
+// The writes at 24 GB/s (UW = 4 + 0.1 + 4 = 8.1 s): R = 8.1 − 2/3 = 7.43333 s, f = R/8.1 =
+// 0.917695, the next forward max(7.43333 + 0.128477, 0.305898) + 0.082305/3 = 7.589246 s,
+// 7.255912 s shows: step 8.255912 s = UW + f·G + (1 − f)·X. And where UW fits the backward (the
+// drive at 2400 GB/s: UW = 0.04 + 0.1 + 0.04 = 0.18 s) nothing of it waits: G behind F, step
+// C = 1 s.
+TEST(TimeModelWindow, StreamedPassRunsOnIntoTheNextForwardModuleByModule) {
+  ModelShape m = custom_model(8'000'000'000, 1, 128);
+  TrainingShape tr;
+  tr.seq_len = 1000;
+  EngineSetup s;
+  s.stage = 2;
+  s.world_size = s.ranks_per_machine = 8;
+  s.optimizer = OffloadDevice::kNvme;
+  s.sub_group_params = std::uint64_t{1} << 30;
+  s.overlap_step = true;
+  MachineProfile p;
+  p.mem_adam_gbps = 2400;
+  p.h2d_gbps = 1000;
+  p.gpu_tflops = 48.001536;
+  p.gpu_link_gbps = 100;
+  struct Case {
+    double fraction, drive_gbps, pass_s, step_s;
+  };
+  for (const Case& k : {Case{2.0 / 3.0, 240, 0.9, 1.18321}, Case{1.0, 240, 0.9, 1.18321},
+                        Case{2.0 / 3.0, 24, 8.1, 8.255912}, Case{2.0 / 3.0, 2400, 0.18, 1.0}}) {
+    SCOPED_TRACE(testing::Message() << "c " << k.fraction << " drive " << k.drive_gbps);
+    s.overlap_compute_fraction = k.fraction;
+    p.nvme_read_gbps = p.nvme_write_gbps = k.drive_gbps;
+    const StepPrediction t = predict_step(m, tr, s, p);
+    ASSERT_NEAR(t.compute_s, 1.0, 1e-12);
+    ASSERT_NEAR(t.forward_backward_s, 1.0, 1e-12);
+    ASSERT_EQ(t.sub_groups, 1u);
+    ASSERT_NEAR(t.pipeline_s, k.pass_s, 1e-12);
+    ASSERT_NEAR(t.publish_gather_s, 0.14, 1e-12);
+    EXPECT_NEAR(t.optimizer_step_s, k.pass_s + 0.14, 1e-12);
+    EXPECT_NEAR(t.step_s, k.step_s, 1e-6);
+    EXPECT_NEAR(t.optimizer_hidden_s, t.forward_backward_s + t.optimizer_step_s - t.step_s, 1e-12);
+  }
 }
 
 }  // namespace
