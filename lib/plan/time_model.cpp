@@ -433,12 +433,15 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
     const MicroBatchFlops flops =
         micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
     const double forward_share = flops.forward / flops.total;
-    if (spec.tier == OffloadDevice::kNvme) {
+    if (spec.tier == OffloadDevice::kNvme && spec.streams_half) {
       // The pass streams its writes (predict_step's streamed pass). With exact clipping or loss
       // scaling the updates wait for step(): the next forward at most.
       if (spec.exact_clipping_or_loss_scaling) fraction = std::min(fraction, forward_share);
     } else {
-      // The optimizer state in host memory: the whole update runs before any write, and the next
+      // The optimizer state in host memory, or on NVMe with the half copy kept in host memory
+      // (stage 3, params in host memory: the pass does not stream, and its whole pipeline, reads
+      // and writes of the state included, is the update here): the whole update runs before any
+      // write, and the next
       // forward's first gather of a module with trained parameters waits for all of it
       // (predict_step's writes_follow_update; conservative where the forward starts frozen). The
       // update hides in the backward, at most its share, where the pass updates there, and

@@ -251,6 +251,12 @@ struct StepOnlySpec {
   std::uint64_t pool_bytes = std::uint64_t{1} << 30;
   bool grads_on_nvme = true;  // StateStore's default puts every piece on NVMe
   bool half_on_nvme = true;
+  // Whether the pass streams its half output, as streams_half() says for the engine's placement
+  // (lib/engine/store_state.cpp, kStreamed): on tier nvme, except at stage 3 with the params in
+  // host memory, where the store keeps a host half array (kFromStore; half_on_nvme false) and
+  // the whole pass runs before the shards are written from it. Not streamed, the pass hides as
+  // tier host's update does (below). Ignored on tier host, which never streams.
+  bool streams_half = true;
   // A training step around the optimizer step (compute_s 0: the optimizer step alone, as bench
   // step runs it): the program's compute of a step, measured (forward + backward + gathers +
   // reductions of every micro-batch), in micro_batches alike micro-batches; host_compute when
@@ -285,10 +291,15 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 // with m = spec.micro_batches (predict_step's window):
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
 // with c = spec.overlap_fraction (as in predict_step). On tier nvme, whose pass streams its
-// writes, c is at most the forward's share of a micro-batch with exact clipping or loss scaling:
-// predict_step's FLOP count with nothing frozen and no attention term, 1/3, or 1/4 with
-// spec.checkpoint_activations. On tier host the optimizer step is the update alone, which hides
-// as predict_step's U: c at most the backward's share (2/3, 3/4 with checkpointing), and 0 with
+// writes (spec.streams_half), c is at most the forward's share of a micro-batch with exact
+// clipping or loss scaling: predict_step's FLOP count with nothing frozen and no attention term,
+// 1/3, or 1/4 with spec.checkpoint_activations; without them the streamed pass hides in c·mb,
+// not module by module as predict_step's streamed pass does (the measured 1B step of train_lm,
+// whose forward shares the host's cores with the pass, is the check of this form:
+// docs/PLAN.md). On tier host, and on tier nvme where the pass does not stream (stage 3, params
+// in host memory), the optimizer step is the update alone (the whole pipeline, with the state on
+// NVMe), which hides as predict_step's U: c at most the backward's share (2/3, 3/4 with
+// checkpointing), and 0 with
 // exact clipping or loss scaling. H is the part of the pass that cannot hide: 0 when the compute
 // runs elsewhere (a GPU), so on tier nvme with one micro-batch and c = 1
 // step = max(compute, optimizer_step); the update U when the compute runs on the host's

@@ -226,6 +226,57 @@ TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   EXPECT_DOUBLE_EQ(hidden(" --checkpoint-activations"), 4.0);
 }
 
+// --step-only takes --stage and --offload-param as a plan does: with the optimizer state on NVMe
+// the engine's pass streams its half output from the pool (lib/engine/store_state.cpp,
+// kStreamed), except at stage 3 with the params in host memory, where the store keeps a host
+// half array (kFromStore): the half copy is not on NVMe (no 2 B a param written), and the whole
+// pass runs before any shard is written from it, so the next forward's first gather of a
+// module waits for all of it. There the pass hides in the backward only, 2/3 of the 6 s, even
+// with --overlap-fraction 1, and behind nothing with exact clipping, where streamed it hides
+// behind the next forward, 1/3.
+TEST_F(PlanCli, StepOnlyPassFollowsTheStageAndParamPlacement) {
+  const std::string step =
+      "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB --compute-s 6 "
+      "--json" +
+      std::string(kRates);
+  struct Case {
+    const char* flags;
+    bool streams;
+    double hidden_s, clipped_hidden_s;
+  };
+  for (const Case& c :
+       {Case{"", true, 6.0, 2.0}, Case{" --stage 3", true, 6.0, 2.0},
+        Case{" --stage 3 --offload-param none", true, 6.0, 2.0},
+        Case{" --stage 3 --offload-param nvme", true, 6.0, 2.0},
+        Case{" --stage 3 --offload-param cpu", false, 4.0, 0.0},
+        Case{" --offload-param cpu", false, 4.0, 0.0}, Case{" --stage 2", true, 6.0, 2.0}}) {
+    SCOPED_TRACE(c.flags);
+    const CliRun r = run_zinf(step + c.flags + " --overlap-fraction 1");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const nlohmann::json j = nlohmann::json::parse(r.out);
+    EXPECT_EQ(j.at("half_on_nvme"), c.streams);
+    // Reads 16 B a param (master, m, v, gradient), writes 12 (+ 2 for a half copy on NVMe).
+    EXPECT_EQ(j.at("nvme_write_bytes"), c.streams ? 14'000'000'000u : 12'000'000'000u);
+    EXPECT_EQ(j.at("nvme_read_bytes"), 16'000'000'000u);
+    EXPECT_NEAR(j.at("optimizer_hidden_s").get<double>(),
+                std::min(c.hidden_s, j.at("optimizer_step_s").get<double>()), 1e-12);
+    const CliRun clipped = run_zinf(step + c.flags + " --gradient-clipping");
+    ASSERT_EQ(clipped.exit_code, 0) << clipped.err;
+    EXPECT_NEAR(nlohmann::json::parse(clipped.out).at("optimizer_hidden_s").get<double>(),
+                c.clipped_hidden_s, 1e-12);
+    EXPECT_EQ(j.value("streams_half", !c.streams), c.streams);
+  }
+  CliRun r = run_zinf(step + " --stage 2 --offload-param cpu");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--offload-param needs --stage 3"), std::string::npos) << r.err;
+  r = run_zinf(step + " --stage 3 --offload-param cpu --half-tier nvme");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--half-tier nvme"), std::string::npos) << r.err;
+  r = run_zinf(step + " --stage 4");
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--stage 4"), std::string::npos) << r.err;
+}
+
 // --compute-s is the compute of a whole step, over --grad-accum micro-batches, and the pass
 // meets one of them: c of 6 s / 3.
 TEST_F(PlanCli, StepOnlyComputeSpansTheMicroBatches) {

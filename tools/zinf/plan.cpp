@@ -98,6 +98,7 @@ struct PlanOptions {
   std::string pool = "1GiB";
   std::string grads_tier = "nvme";
   std::string half_tier = "nvme";
+  bool half_tier_given = false;
   double compute_s = 0;
   bool host_compute = false;
 };
@@ -300,6 +301,37 @@ void run_step_only(const PlanOptions& o) {
     }
     *field = spec.tier == OffloadDevice::kNvme && t == OffloadDevice::kNvme;
   }
+  // --stage and --offload-param say where the engine's pass publishes from, as for a plan
+  // (streams_half; lib/engine/store_state.cpp): with the state on NVMe it streams the half output
+  // from its pool blocks, except at stage 3 with the params in host memory, where the store keeps
+  // a host half array that the whole pass fills before the shards are copied from it.
+  EngineSetup placement;
+  placement.optimizer = spec.tier;
+  if (o.stage != 0) {
+    if (o.stage < 1 || o.stage > 3) {
+      fail(fmt::format("--stage {}: must be 1, 2 or 3", o.stage));
+      return;
+    }
+    placement.stage = o.stage;
+  }
+  if (!o.offload_param.empty() && !parse_offload_device(o.offload_param, &placement.params)) {
+    fail(fmt::format("--offload-param {}: must be none, cpu or nvme", o.offload_param));
+    return;
+  }
+  if (placement.params != OffloadDevice::kNone && placement.stage != 3) {
+    fail("--offload-param needs --stage 3");
+    return;
+  }
+  spec.streams_half = streams_half(placement);
+  if (spec.tier == OffloadDevice::kNvme && !spec.streams_half) {
+    if (o.half_tier_given && spec.half_on_nvme) {
+      fail(
+          "--half-tier nvme: at --stage 3 with --offload-param cpu the engine keeps the half "
+          "copy in host memory (the store's half array the shards are copied from)");
+      return;
+    }
+    spec.half_on_nvme = false;
+  }
   const bool nvme = spec.tier == OffloadDevice::kNvme;
   const StepOnlyLayout layout = step_only_layout(spec);
   if (spec.params == 0 || layout.sub_group_params == 0) {
@@ -353,6 +385,7 @@ void run_step_only(const PlanOptions& o) {
                               {"tier", std::string(memory_tier_name(memory_tier(spec.tier)))},
                               {"grads_on_nvme", spec.grads_on_nvme},
                               {"half_on_nvme", spec.half_on_nvme},
+                              {"streams_half", nvme && spec.streams_half},
                               {"sub_group_params", layout.sub_group_params},
                               {"sub_groups", t.sub_groups},
                               {"block_bytes", layout.block_bytes},
@@ -388,12 +421,13 @@ void run_step_only(const PlanOptions& o) {
   const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
   if (spec.compute_s > 0) {
     // The max forms hold only where the pass may hide behind the whole compute: one
-    // micro-batch, all of it (c = 1), updates during the backward, on the NVMe tier (on the host
-    // tier the update hides behind the backward only). Otherwise the figure is compute +
+    // micro-batch, all of it (c = 1), updates during the backward, on the NVMe tier where the
+    // pass streams (on the host tier, and at stage 3 with the params in host memory, the update
+    // hides behind the backward only). Otherwise the figure is compute +
     // optimizer step less the part hidden (with one micro-batch and c = 2/3,
     // S/3 + max(2S/3 + H, optimizer step)).
     const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling ||
-                             spec.overlap_fraction < 1.0 || !nvme;
+                             spec.overlap_fraction < 1.0 || !(nvme && spec.streams_half);
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
                       : behind_part       ? "compute + optimizer step - the part hidden behind one "
                                             "micro-batch's compute: overlapped"
@@ -986,8 +1020,11 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--pool", o->pool, "--step-only: pinned pool bytes")->capture_default_str();
   sub->add_option("--grads-tier", o->grads_tier, "--step-only: gradients on nvme or host")
       ->capture_default_str();
-  sub->add_option("--half-tier", o->half_tier, "--step-only: half params on nvme or host")
-      ->capture_default_str();
+  CLI::Option* half_tier =
+      sub->add_option("--half-tier", o->half_tier,
+                      "--step-only: half params on nvme or host (host where the engine keeps "
+                      "them there: --stage 3 --offload-param cpu)")
+          ->capture_default_str();
   sub->add_option("--compute-s", o->compute_s,
                   "--step-only: predict a training step around it, whose compute (forward, "
                   "backward, gathers, reductions of all --grad-accum micro-batches) takes this "
@@ -996,7 +1033,8 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--host-compute", o->host_compute,
                 "--step-only with --compute-s: the compute runs on this machine's CPU cores "
                 "(HostDevice), which the optimizer's update then shares");
-  sub->callback([o, lora_rank, lora_targets] {
+  sub->callback([o, lora_rank, lora_targets, half_tier] {
+    o->half_tier_given = half_tier->count() > 0;
     o->lora_rank_given = lora_rank->count() > 0;
     o->lora_targets_given = lora_targets->count() > 0;
     if (o->lora_rank_given) {
