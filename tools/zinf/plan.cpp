@@ -924,7 +924,9 @@ void setup_plan(CLI::App& app) {
                 "Predict the sequential step (zinf.overlap_step false): compute + optimizer");
   sub->add_option("--overlap-fraction", o->overlap_fraction,
                   "Part of one micro-batch's forward + backward the overlapped optimizer pass "
-                  "hides behind (the backward, 2/3: updates during the backward; 1: both). With "
+                  "hides behind (the backward, 2/3: updates during the backward; 1: both). A "
+                  "plan's pass that updates in the backward has at most the backward's share of "
+                  "it, then runs on into the next forward module by module. With "
                   "the optimizer state on NVMe, where the updates start at step() (stage 1, "
                   "spilled gradients, --gradient-clipping, --fp16), at most the next forward's "
                   "share. With it in host memory the update hides in the backward only, at most "
@@ -981,7 +983,9 @@ void setup_plan(CLI::App& app) {
       ->capture_default_str();
   sub->add_option("--stage", o->stage, "Fix the ZeRO stage (1-3) instead of searching");
   sub->add_option("--offload-optimizer", o->offload_optimizer, "Fix it: none, cpu or nvme");
-  sub->add_option("--offload-param", o->offload_param, "Fix it: none, cpu or nvme");
+  sub->add_option("--offload-param", o->offload_param,
+                  "Fix it: none, cpu or nvme (with --step-only and --stage: where the engine's "
+                  "pass publishes from; cpu at stage 3 does not stream it)");
   sub->add_flag("--no-gradient-spill", o->no_gradient_spill,
                 "Keep the fp32 gradients in host memory (no zinf.gradients_on_nvme)");
   sub->add_option("--machine-profile", o->machine_profile,
