@@ -596,7 +596,7 @@ long ParamCoordinator::first_in_use() const {
   for (std::size_t m = 0; m < modules_.size(); ++m) {
     if (modules_[m].state == State::kInUse) return static_cast<long>(m);
   }
-  ZINF_ASSERT(false);  // in_use_count_ counts a module that is not in use
+  ZINF_ASSERT_MSG(false, "in_use_count_ counts a module that is not in use");
   return -1;
 }
 
