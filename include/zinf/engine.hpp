@@ -235,11 +235,14 @@ struct StepReport {
   bool read_ahead = false;
 };
 
-// Bytes of this rank's state on each tier, fixed at finalize().
+// Bytes of this rank's state on each tier, fixed at finalize() (but host_bytes, below).
 struct MemoryReport {
   std::uint64_t device_bytes = 0;  // parameters (full or shard), gradient accumulators, buckets
-  std::uint64_t host_bytes = 0;    // host-tier optimizer state and shards, pinned pools
-  std::uint64_t nvme_bytes = 0;    // swap extents
+  // Host-tier optimizer state and shards, pinned pools. Less the fp32 master of the frozen
+  // sub-groups kept as their half copy alone (docs/ENGINE.md "Frozen parameters"), which grows
+  // back when a write or a load gives one its master.
+  std::uint64_t host_bytes = 0;
+  std::uint64_t nvme_bytes = 0;  // swap extents
   // Activations (save_activation(), set_activation_bytes(); docs/ACTIVATIONS.md), outside the
   // figures above. The most bytes of activations on the device at once since open(): the
   // checkpoints the engine keeps there (cpu_checkpointing false) plus the bytes the caller said

@@ -15,6 +15,20 @@
 //   - narrowed: f32 groups or mixed half dtypes: the new values are narrowed from the master
 //     (read back from NVMe, one sub-group at a time, when it lives there) into the publisher's
 //     buffer.
+//
+// A frozen sub-group's master kept as its half copy alone: from the store (the state on the host
+// tier), a frozen sub-group (settled: no step reads or writes it) whose master the half dtype
+// holds exactly (every element's widen(narrow(x)) is x, bit for bit: a LoRA base weight loaded
+// from bf16) keeps no fp32 master. load() leaves its part of the master array untouched zero
+// pages (advised off transparent huge pages), so it takes 2 bytes an element of host memory
+// instead of 6. Every read of the master (read_master, read_state, read_state_range,
+// publish_master) widens its half copy, a bounded chunk at a time, and hands that over instead;
+// a write of the master (a checkpoint load, write_parameters) fills each chunk of it in a
+// scratch block, from its widened current values, and keeps it half-only while the new values
+// are exact, narrowing them into the half copy; the first value that is not exact, or moments
+// loaded into it that are not zero (the next step would update it), make its master
+// (materialise()): the widened half copy, written into the master array, from then on kept as
+// any other sub-group's.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -30,6 +44,7 @@
 #include "device/pinned_pool.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
+#include "zinf/dtype.hpp"
 #include "zinf/optim.hpp"
 
 namespace zinf {
@@ -95,6 +110,7 @@ class StoreState final : public OptimizerState {
         [&](std::size_t i) { return store_->sub_group_first(i); },
         [&](std::size_t i) { return store_->sub_group_size(i); });
     frozen_ = pipe.frozen_sub_groups;
+    half_only_.assign(store_->sub_group_count(), false);
     advise_frozen_off_huge_pages();
     if (publish_ == Publish::kStreamed) {
       // A step's stream drops the frozen groups' elements (Publisher::restart_stream): a passed
@@ -161,6 +177,7 @@ class StoreState final : public OptimizerState {
   Result<StepStats> step(std::int64_t step, float grad_scale) override {
     // Streamed, the pass writes the shards as it goes (stream_half()), but not the frozen groups'.
     pub_.restart_stream(/*descending=*/false, /*frozen_too=*/false);
+    assert_half_only_settled();
     return pipeline_->step({.step = step, .grad_scale = grad_scale});
   }
 
@@ -168,6 +185,7 @@ class StoreState final : public OptimizerState {
     ZINF_ASSERT(gates() && gate.ready != nullptr);
     gate_ = gate;
     pub_.restart_stream(gate.descending, /*frozen_too=*/false);
+    assert_half_only_settled();
     return pipeline_->step({.step = step,
                             .grad_scale = grad_scale,
                             .late_grad_scale = gate.grad_scale,
@@ -357,7 +375,7 @@ class StoreState final : public OptimizerState {
     Status st;
     if (piece == Piece::kParams) {
       st = s.tier(piece) == StoreMedium::kHost
-               ? fill(0, layout_.partition_elements(), reinterpret_cast<float*>(s.host_data(piece)))
+               ? fill_host_master(0, layout_.partition_elements(), fill)
                : rewrite_pieces(piece, /*read_back=*/false, fill);
     } else if (s.tier(piece) == StoreMedium::kHost) {
       st = write_host_moments(piece, settled, fill, &zero);
@@ -378,6 +396,8 @@ class StoreState final : public OptimizerState {
     s.clear_settled();
     for (std::size_t i = 0; i < settled.size(); ++i) {
       if (settled[i] && (piece == Piece::kParams || zero[i])) s.set_settled(i, true);
+      // Moments that are not zero: the next step updates the sub-group, from its master.
+      if (half_only_[i] && !s.settled(i)) materialise(i);
     }
     return st;
   }
@@ -416,10 +436,7 @@ class StoreState final : public OptimizerState {
         }
       }
     } resettle{s, settled};
-    if (s.tier(Piece::kParams) == StoreMedium::kHost) {
-      return fill(begin, end - begin,
-                  reinterpret_cast<float*>(s.host_data(Piece::kParams)) + begin);
-    }
+    if (s.tier(Piece::kParams) == StoreMedium::kHost) return fill_host_master(begin, end, fill);
     // The sub-groups that hold elements [begin, end).
     const std::size_t first_sub = sub_group_holding(s, begin);
     return rewrite_pieces(
@@ -471,6 +488,10 @@ class StoreState final : public OptimizerState {
       if (store_->has(piece) && store_->tier(piece) == StoreMedium::kHost) {
         report.host_bytes += layout_.partition_elements() * dtype_bytes(store_->dtype(piece));
       }
+    }
+    // A half-only sub-group's master is untouched zero pages.
+    for (std::size_t i = 0; i < half_only_.size(); ++i) {
+      if (half_only_[i]) report.host_bytes -= store_->sub_group_size(i) * sizeof(float);
     }
   }
   std::uint64_t pinned_bytes() const override { return pool_ != nullptr ? pool_->bytes() : 0; }
@@ -543,6 +564,7 @@ class StoreState final : public OptimizerState {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
     if (s.tier(piece) == StoreMedium::kHost) {
+      if (piece == Piece::kParams && half_only_count_ > 0) return read_host_master(spans, fn);
       return fn(0, layout_.partition_elements(),
                 reinterpret_cast<const float*>(s.host_data(piece)));
     }
@@ -736,7 +758,156 @@ class StoreState final : public OptimizerState {
       i = end;
     }
     if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return;
-    for (const auto& [first, count] : runs) store_->advise_cold(first, count);
+    // The master too where load() may leave a frozen sub-group's unwritten (keeps_half_only()).
+    for (const auto& [first, count] : runs) store_->advise_cold(first, count, keeps_half_only());
+  }
+
+  // Whether a frozen sub-group may keep its master as its half copy alone: from the store's
+  // half array, with the master in host memory (the store's header comment).
+  bool keeps_half_only() const {
+    return publish_ == Publish::kFromStore && store_->tier(Piece::kParams) == StoreMedium::kHost;
+  }
+
+  // Half-only sub-groups are settled: no step reads or writes their master.
+  void assert_half_only_settled() const {
+    if (half_only_count_ == 0) return;
+    for (std::size_t i = 0; i < half_only_.size(); ++i) {
+      ZINF_ASSERT_MSG(!half_only_[i] || store_->settled(i), "a half-only sub-group is stepped");
+    }
+  }
+
+  // The half copy of partition elements [first, first + count), widened into `out`.
+  void widen_half(std::size_t first, std::size_t count, float* out) const {
+    const auto* half =
+        reinterpret_cast<const std::uint16_t*>(store_->host_data(Piece::kParamsHalf)) + first;
+    if (layout_.half_dtype() == DType::kBF16) {
+      convert_bf16_to_f32(half, out, count);
+    } else {
+      convert_f16_to_f32(half, out, count);
+    }
+  }
+
+  // The scratch blocks of the half-only sub-groups' reads and writes: kHalfOnlyChunkElements
+  // floats each (and as many halves), made on first use and kept.
+  float* half_only_block(AlignedBuffer* b) {
+    if (b->bytes() == 0) *b = AlignedBuffer(kHalfOnlyChunkElements * sizeof(float));
+    return b->as<float>();
+  }
+
+  // Whether the half copy of partition elements [first, first + count) widens to `master` bit
+  // for bit.
+  bool half_holds(std::size_t first, std::size_t count, const float* master) {
+    float* wide = half_only_block(&round_trip_);
+    for (std::size_t done = 0; done < count; done += kHalfOnlyChunkElements) {
+      const std::size_t chunk = std::min(kHalfOnlyChunkElements, count - done);
+      widen_half(first + done, chunk, wide);
+      if (std::memcmp(wide, master + done, chunk * sizeof(float)) != 0) return false;
+    }
+    return true;
+  }
+
+  // When the half dtype holds `values` (partition elements [first, first + count), at most
+  // kHalfOnlyChunkElements) exactly: narrows them into the half copy and returns true; else
+  // leaves the half copy as it is.
+  bool narrow_exactly(std::size_t first, std::size_t count, const float* values) {
+    ZINF_ASSERT(count <= kHalfOnlyChunkElements);
+    auto* half = reinterpret_cast<std::uint16_t*>(half_only_block(&half_scratch_));
+    float* wide = half_only_block(&round_trip_);
+    narrow(values, count, layout_.half_dtype(), half);
+    if (layout_.half_dtype() == DType::kBF16) {
+      convert_bf16_to_f32(half, wide, count);
+    } else {
+      convert_f16_to_f32(half, wide, count);
+    }
+    if (std::memcmp(wide, values, count * sizeof(float)) != 0) return false;
+    std::memcpy(store_->host_data(Piece::kParamsHalf) + first * sizeof(std::uint16_t), half,
+                count * sizeof(std::uint16_t));
+    return true;
+  }
+
+  // Half-only sub-group i gets its master: its half copy, widened into the master array.
+  void materialise(std::size_t i) {
+    ZINF_ASSERT(half_only_[i]);
+    const std::size_t first = store_->sub_group_first(i);
+    widen_half(first, store_->sub_group_size(i),
+               reinterpret_cast<float*>(store_->host_data(Piece::kParams)) + first);
+    half_only_[i] = false;
+    --half_only_count_;
+  }
+
+  // Master elements [begin, end) on the host tier through `fill`, which finds their current
+  // values in `out`: each run of sub-groups with a master filled in place by one call (the whole
+  // range when no sub-group is half-only); a half-only sub-group's elements a chunk at a time,
+  // each widened into a scratch block, filled there, and narrowed into the half copy when it
+  // holds them exactly (narrow_exactly()), else copied into the sub-group's master, made first
+  // (materialise()), into which the rest of the sub-group is then filled in place. In
+  // partition order, as master_loaded() takes the calls.
+  Status fill_host_master(std::size_t begin, std::size_t end, StateFill fill) {
+    const StateStore& s = *store_;
+    auto* master = reinterpret_cast<float*>(s.host_data(Piece::kParams));
+    if (half_only_count_ == 0 || begin >= end) return fill(begin, end - begin, master + begin);
+    std::size_t at = begin;
+    for (std::size_t i = sub_group_holding(s, begin); at < end; ++i) {
+      const std::size_t stop = std::min(end, s.sub_group_first(i) + s.sub_group_size(i));
+      if (!half_only_[i]) {
+        // The run of sub-groups with a master from here on.
+        std::size_t run_end = stop;
+        while (run_end < end && !half_only_[i + 1]) {
+          ++i;
+          run_end = std::min(end, s.sub_group_first(i) + s.sub_group_size(i));
+        }
+        ZINF_RETURN_IF_ERROR(fill(at, run_end - at, master + at));
+        at = run_end;
+        continue;
+      }
+      float* scratch = half_only_block(&fill_scratch_);
+      while (at < stop && half_only_[i]) {
+        const std::size_t count = std::min(kHalfOnlyChunkElements, stop - at);
+        widen_half(at, count, scratch);
+        ZINF_RETURN_IF_ERROR(fill(at, count, scratch));
+        if (!narrow_exactly(at, count, scratch)) {
+          materialise(i);
+          std::memcpy(master + at, scratch, count * sizeof(float));
+        }
+        at += count;
+      }
+      if (at < stop) {
+        ZINF_RETURN_IF_ERROR(fill(at, stop - at, master + at));
+        at = stop;
+      }
+    }
+    return Status::ok();
+  }
+
+  // read_spans() of the master on the host tier with half-only sub-groups: each run of
+  // sub-groups with a master handed over in place, whole; of a half-only sub-group, only its
+  // elements inside `spans`, widened a chunk at a time into a scratch block.
+  Status read_host_master(std::span<const Span> spans, StateVisitor fn) {
+    const StateStore& s = *store_;
+    const auto* master = reinterpret_cast<const float*>(s.host_data(Piece::kParams));
+    const std::size_t total = layout_.partition_elements();
+    std::size_t run = 0;  // the first element of the run with a master not yet handed over
+    std::size_t k = 0;    // the first span that may reach into the sub-group
+    for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
+      if (!half_only_[i]) continue;
+      const std::size_t a = s.sub_group_first(i);
+      const std::size_t b = a + s.sub_group_size(i);
+      if (run < a) ZINF_RETURN_IF_ERROR(fn(run, a - run, master + run));
+      run = b;
+      while (k < spans.size() && spans[k].end <= a) ++k;
+      for (std::size_t m = k; m < spans.size() && spans[m].begin < b; ++m) {
+        const std::size_t hi = std::min(b, spans[m].end);
+        for (std::size_t at = std::max(a, spans[m].begin); at < hi;) {
+          const std::size_t count = std::min(kHalfOnlyChunkElements, hi - at);
+          float* wide = half_only_block(&read_scratch_);  // none on the step's path (no spans)
+          widen_half(at, count, wide);
+          ZINF_RETURN_IF_ERROR(fn(at, count, wide));
+          at += count;
+        }
+      }
+    }
+    if (run < total) ZINF_RETURN_IF_ERROR(fn(run, total - run, master + run));
+    return Status::ok();
   }
 
   // Every bit zero (a -0.0 moment is not the zero a settled sub-group holds).
@@ -771,6 +942,13 @@ class StoreState final : public OptimizerState {
           ZINF_RETURN_IF_ERROR(ctx_.layout->fill_master(first, size, block.as<float>()));
           // Streamed, there is no partition-wide copy: place_initial() reads the master back.
           if (publish_ != Publish::kStreamed) narrow_all(first, size, block.as<const float>());
+          // A frozen sub-group whose half copy holds its master exactly keeps no master.
+          if (keeps_half_only() && i < frozen_.size() && frozen_[i] &&
+              half_holds(first, size, block.as<const float>())) {
+            half_only_[i] = true;
+            ++half_only_count_;
+            continue;
+          }
         }
         if (s.tier(piece) == StoreMedium::kHost) {
           std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
@@ -878,6 +1056,17 @@ class StoreState final : public OptimizerState {
   const Publish publish_;
   // Per sub-group of the store: frozen parameters (and padding) only (PipelineOptions).
   std::vector<bool> frozen_;
+  // Per sub-group: its master is its half copy alone (the header comment), and how many are.
+  // REQUIRES: a half-only sub-group is frozen and settled.
+  std::vector<bool> half_only_;
+  std::size_t half_only_count_ = 0;
+  // Half-only sub-groups' scratch blocks (half_only_block()): a read's widened values, a
+  // write's filled ones, the narrowed halves and their widened round trip.
+  static constexpr std::size_t kHalfOnlyChunkElements = std::size_t{1} << 18;
+  AlignedBuffer read_scratch_;
+  AlignedBuffer fill_scratch_;
+  AlignedBuffer half_scratch_;
+  AlignedBuffer round_trip_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<PinnedPool> pool_;
   std::unique_ptr<OptimizerPipeline> pipeline_;
