@@ -1,17 +1,19 @@
 // A frozen sub-group's fp32 master kept as its half copy alone (offload_optimizer "cpu", every
-// group bf16: lib/engine/store_state.cpp's header comment). A bf16 model with a frozen module
-// whose values are rounded to bf16 first, so that the half copy holds them exactly: the master
-// takes no host memory (MemoryReport::host_bytes against the same model with values bf16 does
-// not hold), read_parameters gives the registered bits after finalize and after steps, the
-// trainable masters are those of the same run with the optimizer state on NVMe (where every
-// master is kept), checkpoints are the bytes that run writes, and values the half copy does not
-// hold (write_parameters, a checkpoint's) read back bit for bit.
+// group of one half dtype: lib/engine/store_state.cpp's header comment). A bf16 (or f16) model
+// with a frozen module whose values are rounded to that dtype first, so that the half copy holds
+// them exactly: the master takes no host memory (MemoryReport::host_bytes against the same model
+// with values the half dtype does not hold), read_parameters gives the registered bits after
+// finalize and after steps, the trainable masters are those of the same run with the optimizer
+// state on NVMe (where every master is kept), checkpoints are the bytes that run writes, values
+// the half copy does not hold (write_parameters, a checkpoint's) read back bit for bit, and
+// non-zero moments loaded into the frozen module give it its master back.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/random.hpp"
@@ -28,17 +30,18 @@ constexpr const char* kFrozen = "base";
 // The master of a page of elements: frozen_cuts() cuts sub-groups at multiples of 1024 elements.
 constexpr std::size_t kPageElementBytes = 1024 * sizeof(float);
 
-// A bf16 model whose frozen module ("base", 14,788 elements) spans whole 4 KiB pages of each
-// rank's partition at world 1 and 2, so that it has sub-groups of its own (frozen_cuts), between
-// two trainable modules; seeded values in [-1, 1). With `exact`, the frozen values rounded to
-// bf16 (each x then equals widen(narrow(x))), else as drawn (almost none is).
-Model frozen_model(std::uint64_t seed, bool exact) {
+// A model of `dtype` (bf16 or f16) whose frozen module ("base", 14,788 elements) spans whole
+// 4 KiB pages of each rank's partition at world 1 and 2, so that it has sub-groups of its own
+// (frozen_cuts), between two trainable modules; seeded values in [-1, 1). With `exact`, the
+// frozen values rounded to `dtype` (each x then equals widen(narrow(x))), else as drawn (almost
+// none is).
+Model frozen_model(std::uint64_t seed, bool exact, DType dtype = DType::kBF16) {
   Model m;
   m.modules = {"embed", "base", "head"};
   m.params = {
-      {"embed.w", "embed", {37, 41}, DType::kBF16}, {"base.w", "base", {96, 128}, DType::kBF16},
-      {"base.b", "base", {2500}, DType::kBF16},     {"head.w", "head", {29, 43}, DType::kBF16},
-      {"head.b", "head", {29}, DType::kBF16},
+      {"embed.w", "embed", {37, 41}, dtype}, {"base.w", "base", {96, 128}, dtype},
+      {"base.b", "base", {2500}, dtype},     {"head.w", "head", {29, 43}, dtype},
+      {"head.b", "head", {29}, dtype},
   };
   for (std::size_t p = 0; p < m.params.size(); ++p) {
     std::vector<float> v(m.params[p].element_count());
@@ -49,8 +52,12 @@ Model frozen_model(std::uint64_t seed, bool exact) {
   if (!exact) return m;
   for (std::size_t p = 0; p < m.params.size(); ++p) {
     if (m.params[p].module != kFrozen) continue;
-    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(m.initial[p], DType::kBF16);
-    convert_bf16_to_f32(half.data(), m.initial[p].data(), half.size());
+    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(m.initial[p], dtype);
+    if (dtype == DType::kBF16) {
+      convert_bf16_to_f32(half.data(), m.initial[p].data(), half.size());
+    } else {
+      convert_f16_to_f32(half.data(), m.initial[p].data(), half.size());
+    }
   }
   return m;
 }
@@ -136,18 +143,19 @@ TEST(FrozenHalfOnly, AFrozenMasterItsHalfCopyHoldsTakesNoHostMemory) {
 
 // read_parameters of each frozen parameter gives the registered bits after finalize() and after
 // steps; every master, the trainable ones included, is the same bits as with the optimizer state
-// on NVMe, where every sub-group keeps its fp32 master. World 2, stages 2 and 3.
+// on NVMe, where every sub-group keeps its fp32 master. World 2, stages 2 and 3, bf16 and f16.
 TEST(FrozenHalfOnly, ReadsTheRegisteredBitsAndTrainsAsWithTheMasterKept) {
   constexpr int kWorld = 2;
-  const Model model = frozen_model(47, true);
-  for (int stage : {2, 3}) {
+  for (const auto& [stage, dtype] :
+       {std::pair{2, DType::kBF16}, std::pair{3, DType::kBF16}, std::pair{3, DType::kF16}}) {
+    const Model model = frozen_model(47, true, dtype);
     engine_test::ScratchDir dir("frozen_half_only_bits");
     const TrainRun host = train(model, kWorld, stage, OffloadDevice::kHost, "", 4);
     const TrainRun nvme = train(model, kWorld, stage, OffloadDevice::kNvme, dir.path(), 4);
     // The frozen master held by the half copy alone on each rank: fewer host bytes than with
-    // values bf16 does not hold.
+    // values the half dtype does not hold.
     const TrainRun drawn =
-        train(frozen_model(47, false), kWorld, stage, OffloadDevice::kHost, "", 1);
+        train(frozen_model(47, false, dtype), kWorld, stage, OffloadDevice::kHost, "", 1);
     for (int r = 0; r < kWorld; ++r) {
       EXPECT_LT(host.host_bytes[r], drawn.host_bytes[r]) << "rank " << r << " stage " << stage;
     }
