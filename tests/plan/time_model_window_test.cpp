@@ -125,32 +125,34 @@ TEST(TimeModelWindow, UpdateHidesInTheBackwardOnlyWhereWritesFollowIt) {
 // The streamed pass (the optimizer state on NVMe) updating in the backward, at stage 2 on 8 ranks
 // of one machine: a custom model of P = 8e9 parameters (1 layer of hidden 128, 1000-token
 // sequences), whose micro-batch computes (6·P + 12·L·h·s)·s = 4.8001536e13 FLOPs, at 48.001536
-// TFLOP/s exactly C = 1 s, its forward F = (2·P + 4·L·h·s)·s a third, 1/3 s. One sub-group a rank
-// (Sg = 2^30 > Pr = 1e9), so the pass is its read, update and write one after the other, the
-// machine's 8 ranks together: reads 12·P = 96 GB at 240 GB/s, 0.4 s; writes 96 GB at 240 GB/s,
-// 0.4 s; the update 30·P = 240 GB at 2400 GB/s, 0.1 s: UW = 0.9 s (the uploads, 2·Pr at 1000
-// GB/s, 2 ms, run beside it). The all-gather G = 2·P·7/8 at 100 GB/s = 0.14 s (the
-// reduce-scatters, 4·P·7/8 = 0.28 s a micro-batch, hide behind C). The optimizer step is
-// UW + G = 1.04 s.
-//   A = min(c, 2/3)·C = 2/3 s of UW hides in the backward; R = 0.9 − 2/3 = 7/30 s is left, the
-//   share f = R/UW = 7/27 of the partition, which the pass then takes from the first sub-group
-//   up, the order the next forward gathers in; B = min(c·C, F) = 1/3 s; X = max(G, B) = 1/3 s.
-//   The next forward: its first f of the modules wait for the pass, R, and their all-gathers,
-//   f·G = 0.0363 s (f·X = 0.0864 s, shorter): 0.26963 s; the rest, written in the backward, at
-//   its own pace, (1 − f)·X = 20/81 = 0.24691 s: 0.51654 s where alone it takes 1/3 s. So
-//   0.18321 s shows: step = 1 + 0.18321 = 1.18321 s, the pass's critical path from the
-//   backward's start (UW + f·G + (1 − f)·X), longer than the compute's 1 s.
-// With c = 1 the same: the pass opens in the backward, so it has the backward's 2/3 of c and the
-// next forward, one micro-batch (a window c·C = 1 s for UW and the forward's 1/3 s for G again
-// hid all 1.04 s: step 1 s, shorter than the pass's 0.9 s followed by the forward it holds up).
-// The writes at 24 GB/s (UW = 4 + 0.1 + 4 = 8.1 s): R = 8.1 − 2/3 = 7.43333 s, f = R/8.1 =
-// 0.917695, the next forward max(7.43333 + 0.128477, 0.305898) + 0.082305/3 = 7.589246 s,
-// 7.255912 s shows: step 8.255912 s = UW + f·G + (1 − f)·X. And where UW fits the backward (the
-// drive at 2400 GB/s: UW = 0.04 + 0.1 + 0.04 = 0.18 s) nothing of it waits: G behind F, step
-// C = 1 s. With 3 micro-batches a step the pass still meets one micro-batch, the last one's
-// backward and the next step's first forward (the next forward's gathers wait for it; nothing
-// after them does): step 3 + 0.18321 s; the 24 GB/s drive's 8.1 s pass shows 7.255912 s over
-// the 3 s of compute.
+// TFLOP/s exactly C = 1 s, its forward F = (2·P + 4·L·h·s)·s a third, 1/3 s. A rank's shard is
+// Pr = 1e9; Sg = 2.5e8 cuts it into n = 4 sub-groups, which the 8 ranks step together: reads
+// 12·P = 96 GB at 240 GB/s, 0.4 s in all, r = 0.1 s a sub-group; writes the same, w = 0.1 s;
+// the update 30·P = 240 GB at 2400 GB/s, 0.1 s, u = 0.025 s; 4 buffers. The pipeline is
+// (n − 1)·max(r + w, u, (r + u + w)/4) + r + u + w = 3·0.2 + 0.225: UW = 0.825 s (the uploads,
+// 2·Pr at 1000 GB/s, 2 ms, run beside it). The all-gather G = 2·P·7/8 at 100 GB/s = 0.14 s (the
+// reduce-scatters, 4·P·7/8 = 0.28 s a micro-batch, hide behind C).
+//   A = min(c, 2/3)·C = 2/3 s of UW hides in the backward, but the first sub-group, whose groups
+//   the backward makes final last, is updated only after it: S = UW/4 = 0.20625 s is left, more
+//   than UW − A = 0.158333 s, so R = S, f = R/UW = 1/4. B = min(c·C, F) = 1/3 s; X = max(G, B) =
+//   1/3 s. The next forward: nothing before the first sub-group is written, then its first
+//   quarter at its own pace, S + f·X = 0.289583 s (longer than R + f·G = 0.24125 s), and the
+//   rest, written in the backward, (1 − f)·X = 0.25 s: 0.539583 s where alone it takes 1/3 s. So
+//   0.20625 s (S) shows: step = 1.20625 s. With c = 1 the same: the pass opens in the backward,
+//   so it has the backward's 2/3 of c and the next forward, one micro-batch.
+// The drive at 24 GB/s (r = w = 1 s: UW = 3·2 + 2.025 = 8.025 s): R = 8.025 − 2/3 = 7.358333 s,
+// more than S = 2.00625 s, f = R/UW = 0.916926; the next forward max(R + f·G = 7.486703,
+// S + f·X = 2.311892) + (1 − f)·X = 0.027691: 7.514394 s, 7.181061 s shows: step 8.181061 s.
+// At 2400 GB/s (r = w = 0.01 s, u = 0.025 s: UW = 3·0.025 + 0.045 = 0.12 s) UW fits the
+// backward, but S = 0.03 s does not: f = 1/4, the next forward S + f·X + (1 − f)·X = 0.363333 s,
+// step 1.03 s. With one sub-group a rank (Sg = 2^30 > Pr) that sub-group is the whole pass and
+// nothing of it runs before the backward ends: UW = 0.04 + 0.1 + 0.04 = 0.18 s, f = 1, the next
+// forward max(0.18 + 0.14, 0.18 + 1/3) = 0.513333 s: step 1.18 s (at 240 GB/s, UW = 0.9 s:
+// max(1.04, 1.233333), step 1.9 s).
+// With 3 micro-batches a step the pass still meets one micro-batch, the last one's backward and
+// the next step's first forward (the next forward's gathers wait for it; nothing after them
+// does): step 3 + 0.20625 s; the 24 GB/s drive's 8.025 s pass shows 7.181061 s over the 3 s of
+// compute.
 TEST(TimeModelWindow, StreamedPassRunsOnIntoTheNextForwardModuleByModule) {
   ModelShape m = custom_model(8'000'000'000, 1, 128);
   TrainingShape tr;
@@ -159,7 +161,6 @@ TEST(TimeModelWindow, StreamedPassRunsOnIntoTheNextForwardModuleByModule) {
   s.stage = 2;
   s.world_size = s.ranks_per_machine = 8;
   s.optimizer = OffloadDevice::kNvme;
-  s.sub_group_params = std::uint64_t{1} << 30;
   s.overlap_step = true;
   MachineProfile p;
   p.mem_adam_gbps = 2400;
@@ -167,22 +168,25 @@ TEST(TimeModelWindow, StreamedPassRunsOnIntoTheNextForwardModuleByModule) {
   p.gpu_tflops = 48.001536;
   p.gpu_link_gbps = 100;
   struct Case {
-    std::uint64_t micro_batches;
+    std::uint64_t micro_batches, sub_groups;
     double fraction, drive_gbps, pass_s, step_s;
   };
   for (const Case& k :
-       {Case{1, 2.0 / 3.0, 240, 0.9, 1.18321}, Case{1, 1.0, 240, 0.9, 1.18321},
-        Case{1, 2.0 / 3.0, 24, 8.1, 8.255912}, Case{1, 2.0 / 3.0, 2400, 0.18, 1.0},
-        Case{3, 2.0 / 3.0, 240, 0.9, 3.18321}, Case{3, 2.0 / 3.0, 24, 8.1, 10.255912}}) {
-    SCOPED_TRACE(testing::Message() << "c " << k.fraction << " drive " << k.drive_gbps
-                                    << " micro-batches " << k.micro_batches);
+       {Case{1, 4, 2.0 / 3.0, 240, 0.825, 1.20625}, Case{1, 4, 1.0, 240, 0.825, 1.20625},
+        Case{1, 4, 2.0 / 3.0, 24, 8.025, 8.181061}, Case{1, 4, 2.0 / 3.0, 2400, 0.12, 1.03},
+        Case{1, 1, 2.0 / 3.0, 2400, 0.18, 1.18}, Case{1, 1, 2.0 / 3.0, 240, 0.9, 1.9},
+        Case{3, 4, 2.0 / 3.0, 240, 0.825, 3.20625}, Case{3, 4, 2.0 / 3.0, 24, 8.025, 10.181061}}) {
+    SCOPED_TRACE(testing::Message()
+                 << "c " << k.fraction << " drive " << k.drive_gbps << " micro-batches "
+                 << k.micro_batches << " sub-groups " << k.sub_groups);
     s.overlap_compute_fraction = k.fraction;
+    s.sub_group_params = k.sub_groups == 1 ? std::uint64_t{1} << 30 : 250'000'000;
     tr.grad_accum_steps = k.micro_batches;
     p.nvme_read_gbps = p.nvme_write_gbps = k.drive_gbps;
     const StepPrediction t = predict_step(m, tr, s, p);
     ASSERT_NEAR(t.compute_s, 1.0, 1e-12);
     ASSERT_NEAR(t.forward_backward_s, static_cast<double>(k.micro_batches), 1e-12);
-    ASSERT_EQ(t.sub_groups, 1u);
+    ASSERT_EQ(t.sub_groups, k.sub_groups);
     ASSERT_NEAR(t.pipeline_s, k.pass_s, 1e-12);
     ASSERT_NEAR(t.publish_gather_s, 0.14, 1e-12);
     EXPECT_NEAR(t.optimizer_step_s, k.pass_s + 0.14, 1e-12);
