@@ -406,7 +406,7 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
   if (spec.half_on_nvme) l.block_bytes += slot(half_bytes);
   l.blocks = spec.pool_bytes / l.block_bytes;
   l.read_per_param = 12 + (spec.grads_on_nvme ? grads_bytes : 0);
-  l.write_per_param = 12 + (spec.half_on_nvme ? half_bytes : 0);
+  l.write_per_param = 12 + (spec.half_on_nvme && spec.half_written ? half_bytes : 0);
   return l;
 }
 
@@ -440,10 +440,15 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
     const MicroBatchFlops flops =
         micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
     const double forward_share = flops.forward / flops.total;
+    // As predict_step's updates_in_backward: at stage 1 (the reduce-scatter at step()) and with
+    // the gradients spilled (read whole at step()) the pass starts at step(); with exact
+    // clipping or loss scaling its updates wait for step().
+    const bool starts_at_step =
+        spec.stage < 2 || spec.grads_on_nvme || spec.exact_clipping_or_loss_scaling;
     if (spec.tier == OffloadDevice::kNvme && spec.streams_half) {
-      // The pass streams its writes (predict_step's streamed pass). With exact clipping or loss
-      // scaling the updates wait for step(): the next forward at most.
-      if (spec.exact_clipping_or_loss_scaling) fraction = std::min(fraction, forward_share);
+      // The pass streams its writes (predict_step's streamed pass). Where the updates start at
+      // step() they meet the next forward at most.
+      if (starts_at_step) fraction = std::min(fraction, forward_share);
     } else {
       // The optimizer state in host memory, or on NVMe with the half copy kept in host memory
       // (stage 3, params in host memory: the pass does not stream, and its whole pipeline, reads
@@ -452,10 +457,9 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
       // forward's first gather of a module with trained parameters waits for all of it
       // (predict_step's writes_follow_update; conservative where the forward starts frozen). The
       // update hides in the backward, at most its share, where the pass updates there, and
-      // behind nothing with exact clipping or loss scaling. --step-only counts no writes or
-      // all-gather, which predict_step hides behind the next forward.
-      fraction =
-          spec.exact_clipping_or_loss_scaling ? 0.0 : std::min(fraction, 1.0 - forward_share);
+      // behind nothing where it starts at step(). --step-only counts no writes or all-gather,
+      // which predict_step hides behind the next forward.
+      fraction = starts_at_step ? 0.0 : std::min(fraction, 1.0 - forward_share);
     }
     // The pass meets one micro-batch, as in predict_step.
     const double micro_batch_s = spec.compute_s / static_cast<double>(spec.micro_batches);

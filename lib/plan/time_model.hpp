@@ -262,6 +262,14 @@ struct StepOnlySpec {
   // the whole pass runs before the shards are written from it. Not streamed, the pass hides as
   // tier host's update does (below). Ignored on tier host, which never streams.
   bool streams_half = true;
+  // Whether a half copy on NVMe (half_on_nvme) is written to the drive each pass, 2 B a
+  // parameter: the StateStore's own (bench step) writes it, but the engine's streamed pass keeps
+  // it in the pool block (StoreMedium::kBlock) and writes new half shards only to the params'
+  // NVMe home (stage 3, params on NVMe), as predict_step counts them.
+  bool half_written = true;
+  // ZeRO stage: at stage 1, which reduce-scatters at step(), the pass starts there, as it does
+  // with the gradients spilled (grads_on_nvme): predict_step's pass_opens_in_backward.
+  int stage = 3;
   // A training step around the optimizer step (compute_s 0: the optimizer step alone, as bench
   // step runs it): the program's compute of a step, measured (forward + backward + gathers +
   // reductions of every micro-batch), in micro_batches alike micro-batches; host_compute when
@@ -296,17 +304,17 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 // with m = spec.micro_batches (predict_step's window):
 //   hidden = min(optimizer_step − H, c·mb),   step = compute + optimizer_step − hidden
 // with c = spec.overlap_fraction (as in predict_step). On tier nvme, whose pass streams its
-// writes (spec.streams_half), c is at most the forward's share of a micro-batch with exact
-// clipping or loss scaling: predict_step's FLOP count with nothing frozen and no attention term,
-// 1/3, or 1/4 with spec.checkpoint_activations; without them the streamed pass hides in c·mb,
+// writes (spec.streams_half), c is at most the forward's share of a micro-batch where the
+// updates start at step() (exact clipping or loss scaling, stage 1, spilled gradients):
+// predict_step's FLOP count with nothing frozen and no attention term, 1/3, or 1/4 with
+// spec.checkpoint_activations; without them the streamed pass hides in c·mb,
 // not module by module as predict_step's streamed pass does (the measured 1B step of train_lm,
 // whose forward shares the host's cores with the pass, is the check of this form:
 // docs/PLAN.md). On tier host, and on tier nvme where the pass does not stream (stage 3, params
 // in host memory), the optimizer step is the update alone (the whole pipeline, with the state on
 // NVMe), which hides as predict_step's U: c at most the backward's share (2/3, 3/4 with
-// checkpointing), and 0 with
-// exact clipping or loss scaling. H is the part of the pass that cannot hide: 0 when the compute
-// runs elsewhere (a GPU), so on tier nvme with one micro-batch and c = 1
+// checkpointing), and 0 where the updates start at step(). H is the part of the pass that cannot
+// hide: 0 when the compute runs elsewhere (a GPU), so on tier nvme with one micro-batch and c = 1
 // step = max(compute, optimizer_step); the update U when the compute runs on the host's
 // cores, which the update's threads then share (all of them, at the memory's bandwidth). With
 // one micro-batch, c = 2/3 (the pass behind the backward) and F = compute/3 the forward:

@@ -199,18 +199,27 @@ TEST_F(PlanCli, StepOnlyTakesBenchStepFlags) {
 
 // With exact clipping the pass hides behind the next forward only: a third of the compute, a
 // quarter with checkpointing, at most, whatever --overlap-fraction asks. So with fp16 loss scaling,
-// whose overflow check also needs every gradient before the step.
+// whose overflow check also needs every gradient before the step, and with the gradients spilled
+// (--grads-tier nvme, the default), whose sub-groups the pass reads whole from step() on.
 TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
   const std::string step =
       "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB "
       "--compute-s 6 --json" +
-      std::string(kRates);
+      std::string(kRates) + " --grads-tier";
+  const auto spilled = [&](const std::string& flags) {
+    const CliRun r = run_zinf(step + " nvme" + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out).at("optimizer_hidden_s").get<double>();
+  };
+  EXPECT_DOUBLE_EQ(spilled(""), 2.0);
+  EXPECT_DOUBLE_EQ(spilled(" --overlap-fraction 1"), 2.0);
+  EXPECT_DOUBLE_EQ(spilled(" --checkpoint-activations"), 1.5);
   const auto hidden = [&](const std::string& flags) {
-    const CliRun r = run_zinf(step + flags);
+    const CliRun r = run_zinf(step + " host" + flags);
     EXPECT_EQ(r.exit_code, 0) << r.err;
     const nlohmann::json j = nlohmann::json::parse(r.out);
-    // The optimizer step (about 6.2 s here) is longer than any part of the 6 s of compute.
-    EXPECT_GT(j.at("optimizer_step_s").get<double>(), 6.0);
+    // The optimizer step (about 5.5 s here) is longer than any window below (4 s at most).
+    EXPECT_GT(j.at("optimizer_step_s").get<double>(), 4.0);
     return j.at("optimizer_hidden_s").get<double>();
   };
   EXPECT_DOUBLE_EQ(hidden(""), 4.0);                      // 2/3 of 6 s: behind the backward
@@ -228,12 +237,15 @@ TEST_F(PlanCli, GradientClippingHidesThePassBehindAThirdOfTheCompute) {
 
 // --step-only takes --stage and --offload-param as a plan does: with the optimizer state on NVMe
 // the engine's pass streams its half output from the pool (lib/engine/store_state.cpp,
-// kStreamed), except at stage 3 with the params in host memory, where the store keeps a host
-// half array (kFromStore): the half copy is not on NVMe (no 2 B a param written), and the whole
-// pass runs before any shard is written from it, so the next forward's first gather of a
-// module waits for all of it. There the pass hides in the backward only, 2/3 of the 6 s, even
-// with --overlap-fraction 1, and behind nothing with exact clipping, where streamed it hides
-// behind the next forward, 1/3.
+// kStreamed), where the half copy stays in the block (StoreMedium::kBlock) and only the params'
+// NVMe home (--offload-param nvme) gets the new half shards, 2 B a param; without placement
+// flags the StateStore's own layout (bench step) writes its half copy. At stage 3 with the params
+// in host memory the store keeps a host half array (kFromStore): nothing of the half copy goes to
+// the drive, and the whole pass runs before any shard is written from it, so the next forward's
+// first gather of a module waits for all of it. There the pass hides in the backward only, 2/3
+// of the 6 s, even with --overlap-fraction 1, and behind nothing with exact clipping, where
+// streamed it hides behind the next forward, 1/3. At stage 1 (the reduce-scatter at step()) and
+// with the gradients spilled the pass starts at step(): 1/3 streamed, nothing otherwise.
 TEST_F(PlanCli, StepOnlyPassFollowsTheStageAndParamPlacement) {
   const std::string step =
       "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB --compute-s 6 "
@@ -241,23 +253,29 @@ TEST_F(PlanCli, StepOnlyPassFollowsTheStageAndParamPlacement) {
       std::string(kRates);
   struct Case {
     const char* flags;
-    bool streams;
+    bool streams, half_written, grads_spilled;
     double hidden_s, clipped_hidden_s;
   };
   for (const Case& c :
-       {Case{"", true, 6.0, 2.0}, Case{" --stage 3", true, 6.0, 2.0},
-        Case{" --stage 3 --offload-param none", true, 6.0, 2.0},
-        Case{" --stage 3 --offload-param nvme", true, 6.0, 2.0},
-        Case{" --stage 3 --offload-param cpu", false, 4.0, 0.0},
-        Case{" --offload-param cpu", false, 4.0, 0.0}, Case{" --stage 2", true, 6.0, 2.0}}) {
+       {Case{" --grads-tier host", true, true, false, 6.0, 2.0},
+        Case{" --grads-tier host --stage 3", true, false, false, 6.0, 2.0},
+        Case{" --grads-tier host --stage 3 --offload-param none", true, false, false, 6.0, 2.0},
+        Case{" --grads-tier host --stage 3 --offload-param nvme", true, true, false, 6.0, 2.0},
+        Case{" --grads-tier host --stage 3 --offload-param cpu", false, false, false, 4.0, 0.0},
+        Case{" --grads-tier host --offload-param cpu", false, false, false, 4.0, 0.0},
+        Case{" --grads-tier host --stage 2", true, false, false, 6.0, 2.0},
+        Case{" --grads-tier host --stage 1", true, false, false, 2.0, 2.0},
+        Case{" --stage 2", true, false, true, 2.0, 2.0},
+        Case{" --stage 3 --offload-param cpu", false, false, true, 0.0, 0.0}}) {
     SCOPED_TRACE(c.flags);
     const CliRun r = run_zinf(step + c.flags + " --overlap-fraction 1");
     ASSERT_EQ(r.exit_code, 0) << r.err;
     const nlohmann::json j = nlohmann::json::parse(r.out);
     EXPECT_EQ(j.at("half_on_nvme"), c.streams);
-    // Reads 16 B a param (master, m, v, gradient), writes 12 (+ 2 for a half copy on NVMe).
-    EXPECT_EQ(j.at("nvme_write_bytes"), c.streams ? 14'000'000'000u : 12'000'000'000u);
-    EXPECT_EQ(j.at("nvme_read_bytes"), 16'000'000'000u);
+    // Reads 12 B a param (master, m, v; +4 for spilled gradients), writes 12 (+2 for the half
+    // shards where they go to the drive).
+    EXPECT_EQ(j.at("nvme_write_bytes"), c.half_written ? 14'000'000'000u : 12'000'000'000u);
+    EXPECT_EQ(j.at("nvme_read_bytes"), c.grads_spilled ? 16'000'000'000u : 12'000'000'000u);
     EXPECT_NEAR(j.at("optimizer_hidden_s").get<double>(),
                 std::min(c.hidden_s, j.at("optimizer_step_s").get<double>()), 1e-12);
     const CliRun clipped = run_zinf(step + c.flags + " --gradient-clipping");
@@ -282,7 +300,7 @@ TEST_F(PlanCli, StepOnlyPassFollowsTheStageAndParamPlacement) {
 TEST_F(PlanCli, StepOnlyComputeSpansTheMicroBatches) {
   const std::string step =
       "plan --step-only --params 1G --tier nvme --sub-group 64MiB --pool 1GiB "
-      "--compute-s 6 --grad-accum 3 --json" +
+      "--compute-s 6 --grad-accum 3 --grads-tier host --json" +
       std::string(kRates);
   for (const auto& [flags, hidden] :
        {std::pair{"", 4.0 / 3.0}, std::pair{" --gradient-clipping", 2.0 / 3.0},
@@ -305,7 +323,8 @@ TEST_F(PlanCli, StepOnlyComputeSpansTheMicroBatches) {
 // The table names the step's formula: max(compute, optimizer step) only where the pass may hide
 // behind all of the compute (one micro-batch, --overlap-fraction 1, the optimizer state on NVMe);
 // with the default 2/3 of one micro-batch it is the sum less the part hidden (S/3 + max(2S/3,
-// optimizer step)), and on the host tier, whose update hides behind the backward only, too.
+// optimizer step)), and on the host tier, whose update hides behind the backward only, at stage 1
+// and with the gradients spilled, whose pass starts at step(), too.
 TEST_F(PlanCli, StepOnlyTableNamesTheMaxOnlyBehindTheWholeCompute) {
   const std::string step =
       "plan --step-only --params 1G --sub-group 64MiB --pool 1GiB --compute-s 6" +
@@ -313,9 +332,12 @@ TEST_F(PlanCli, StepOnlyTableNamesTheMaxOnlyBehindTheWholeCompute) {
   const std::string max_form = "max(compute, optimizer step): overlapped";
   const std::string part_form = "the part hidden behind one micro-batch's compute";
   for (const auto& [flags, is_max] :
-       {std::pair{" --tier nvme", false}, std::pair{" --tier nvme --overlap-fraction 0.5", false},
-        std::pair{" --tier nvme --overlap-fraction 1", true},
-        std::pair{" --tier nvme --grad-accum 2 --overlap-fraction 1", false},
+       {std::pair{" --tier nvme --grads-tier host", false},
+        std::pair{" --tier nvme --grads-tier host --overlap-fraction 0.5", false},
+        std::pair{" --tier nvme --grads-tier host --overlap-fraction 1", true},
+        std::pair{" --tier nvme --grads-tier host --grad-accum 2 --overlap-fraction 1", false},
+        std::pair{" --tier nvme --grads-tier host --stage 1 --overlap-fraction 1", false},
+        std::pair{" --tier nvme --overlap-fraction 1", false},
         std::pair{" --tier host --overlap-fraction 1", false}}) {
     const CliRun r = run_zinf(step + flags);
     ASSERT_EQ(r.exit_code, 0) << r.err;

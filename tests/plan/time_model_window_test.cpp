@@ -46,11 +46,14 @@ TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesNowhereWithExactClipping) {
 // step = 6 + 6 − 4 = 8 s, and 7.5 s with checkpointing (where the whole micro-batch would hide
 // all 6 s, step 6 s). On the NVMe tier the pass streams its writes and the engine lets it run on
 // into the next forward: c·mb stays the window there. With the default 64 MiB sub-groups of
-// 1820·2048 = 3,727,360 parameters (18 B each), 1074 of them, and a 1 GiB pool of 16 blocks, at
-// 1000 GB/s each way the drive reads 16·4e9 = 64 GB in 0.064 s and writes 14·4e9 = 56 GB in
-// 0.056 s; each sub-group's update, 6/1074 s, is the longest stage, so the pass takes
-// 1073·6/1074 + (6 + 0.12)/1074 = 6.000112 s, of which c·6 = 6 s hides (not the backward's 4 s,
-// 4.5 s with checkpointing): step = 6 + 6.000112 − 6 = 6.000112 s.
+// 1820·2048 = 3,727,360 parameters (18 B each), 1074 of them, and a 1 GiB pool, with the
+// gradients in host memory at 1000 GB/s each way the drive reads 12·4e9 = 48 GB in 0.048 s and
+// writes 14·4e9 = 56 GB in 0.056 s; each sub-group's update, 6/1074 s, is the longest stage, so
+// the pass takes 1073·6/1074 + (6 + 0.104)/1074 = 6.000097 s, of which c·6 = 6 s hides (not the
+// backward's 4 s, 4.5 s with checkpointing): step = 6 + 6.000097 − 6 = 6.000097 s. With the
+// gradients spilled (read 16·4e9 = 64 GB, 0.064 s: 6.000112 s) the engine's pass starts at
+// step(), as a plan's does: it meets the next forward only, 1/3 of 6 s, 2 s (1/4 with
+// checkpointing, 1.5 s).
 TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesInTheBackwardOnly) {
   StepOnlySpec spec;
   spec.params = 4'000'000'000;
@@ -72,18 +75,23 @@ TEST(TimeModelWindow, StepOnlyHostTierUpdateHidesInTheBackwardOnly) {
   EXPECT_NEAR(t.step_s, 7.5, 1e-12);
 
   spec.tier = OffloadDevice::kNvme;
-  spec.grads_on_nvme = true;
   spec.half_on_nvme = true;
   p.nvme_read_gbps = 1000;
   p.nvme_write_gbps = 1000;
-  const double pass_s = (1073.0 * 6.0 + 6.0 + 0.064 + 0.056) / 1074.0;
+  const double pass_s = (1073.0 * 6.0 + 6.0 + 0.048 + 0.056) / 1074.0;
+  ASSERT_NEAR(pass_s, 6.000097, 1e-6);
   for (const bool checkpoint : {false, true}) {
     spec.checkpoint_activations = checkpoint;
+    spec.grads_on_nvme = false;
     t = predict_optimizer_step(spec, p);
     EXPECT_EQ(t.sub_groups, 1074u) << checkpoint;
     EXPECT_NEAR(t.optimizer_step_s, pass_s, 1e-9) << checkpoint;
     EXPECT_NEAR(t.optimizer_hidden_s, 6.0, 1e-9) << checkpoint;
     EXPECT_NEAR(t.step_s, pass_s, 1e-9) << checkpoint;
+    spec.grads_on_nvme = true;
+    t = predict_optimizer_step(spec, p);
+    EXPECT_NEAR(t.optimizer_step_s, 6.000112, 1e-6) << checkpoint;
+    EXPECT_NEAR(t.optimizer_hidden_s, checkpoint ? 1.5 : 2.0, 1e-9) << checkpoint;
   }
 }
 

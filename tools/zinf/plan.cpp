@@ -322,7 +322,13 @@ void run_step_only(const PlanOptions& o) {
     fail("--offload-param needs --stage 3");
     return;
   }
+  spec.stage = placement.stage;
   spec.streams_half = streams_half(placement);
+  // Given a placement, the half copy is the engine's: streamed it stays in the pool block, and
+  // only the params' NVMe home gets the new half shards (a plan's half_write_per_param).
+  if (o.stage != 0 || !o.offload_param.empty()) {
+    spec.half_written = placement.params == OffloadDevice::kNvme;
+  }
   if (spec.tier == OffloadDevice::kNvme && !spec.streams_half) {
     if (o.half_tier_given && spec.half_on_nvme) {
       fail(
@@ -421,13 +427,14 @@ void run_step_only(const PlanOptions& o) {
   const char* pass_formula = nvme ? "(n-1)*max(r+w, u, (r+u+w)/B) + r+u+w" : "the update alone";
   if (spec.compute_s > 0) {
     // The max forms hold only where the pass may hide behind the whole compute: one
-    // micro-batch, all of it (c = 1), updates during the backward, on the NVMe tier where the
-    // pass streams (on the host tier, and at stage 3 with the params in host memory, the update
-    // hides behind the backward only). Otherwise the figure is compute +
-    // optimizer step less the part hidden (with one micro-batch and c = 2/3,
-    // S/3 + max(2S/3 + H, optimizer step)).
+    // micro-batch, all of it (c = 1), updates during the backward (not at stage 1, with spilled
+    // gradients, exact clipping or loss scaling), on the NVMe tier where the pass streams (on
+    // the host tier, and at stage 3 with the params in host memory, the update hides behind the
+    // backward only). Otherwise the figure is compute + optimizer step less the part hidden
+    // (with one micro-batch and c = 2/3, S/3 + max(2S/3 + H, optimizer step)).
     const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling ||
-                             spec.overlap_fraction < 1.0 || !(nvme && spec.streams_half);
+                             spec.stage < 2 || spec.grads_on_nvme || spec.overlap_fraction < 1.0 ||
+                             !(nvme && spec.streams_half);
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
                       : behind_part       ? "compute + optimizer step - the part hidden behind one "
                                             "micro-batch's compute: overlapped"
