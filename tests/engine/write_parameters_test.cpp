@@ -856,7 +856,7 @@ TEST(WriteParametersBatch, PublishesTheMastersRounded) {
 // the definition rather than by the library's conversions: x's unit in the last place is
 // ulp = 2^(max(e, e_min) - (bits - 1)) for e = floor(log2 |x|), x / ulp is exact in double, and
 // nearbyint() rounds half to even in the default rounding mode. A value that rounds up into the
-// next binade is still exact there. No overflow: |x| < 2 here.
+// next binade is still exact there. No overflow: |x| <= 2 here.
 float reference_round(float x, DType dtype) {
   const int bits = dtype == DType::kBF16 ? 8 : 11;
   const int e_min = dtype == DType::kBF16 ? -126 : -14;
@@ -877,7 +877,8 @@ float reference_widen(std::uint16_t half, DType dtype) {
   }
   const int exponent = (half >> 10) & 0x1f;
   const int fraction = half & 0x3ff;
-  // Infinity or NaN: no value written here is one, and a NaN matches nothing.
+  // Infinity or NaN: no value here (written or initial) rounds to one, so any is decoded as a
+  // quiet NaN, whose bits no expected value has.
   if (exponent == 0x1f) return std::numeric_limits<float>::quiet_NaN();
   const double magnitude =
       exponent == 0 ? std::ldexp(fraction, -24) : std::ldexp(1024 + fraction, exponent - 25);
@@ -889,18 +890,19 @@ float reference_widen(std::uint16_t half, DType dtype) {
 // widened by reference_widen().
 Result<std::vector<float>> gathered_half(Engine& engine, Device& device,
                                          const engine_test::ParamDef& def) {
-  ZINF_RETURN_IF_ERROR(engine.gather(def.module));
-  ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(def.name));
-  if (view.dtype != def.dtype || view.element_count != def.element_count()) {
+  ZINF_ASSIGN_OR_RETURN(ScopedGather g, engine.scoped_gather(def.module));
+  ZINF_ASSIGN_OR_RETURN(std::span<const std::uint16_t> view, g.param<std::uint16_t>(def.name));
+  // param<std::uint16_t>() takes bf16 and f16 alike; reference_widen() needs the right one.
+  ZINF_ASSIGN_OR_RETURN(TensorView tensor, engine.parameter(def.name));
+  if (tensor.dtype != def.dtype || view.size() != def.element_count()) {
     return Status::internal(fmt::format("{}: the device copy is not {} {} elements", def.name,
                                         def.element_count(), dtype_name(def.dtype)));
   }
-  std::vector<std::uint16_t> half(view.element_count);
+  std::vector<std::uint16_t> half(view.size());
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("read shards"));
-  ZINF_RETURN_IF_ERROR(
-      device.copy_d2h(half.data(), view.data, half.size() * sizeof(std::uint16_t), *stream));
+  ZINF_RETURN_IF_ERROR(device.copy_d2h(half.data(), view.data(), view.size_bytes(), *stream));
   ZINF_RETURN_IF_ERROR(device.synchronize(*stream, std::chrono::seconds(30)));
-  ZINF_RETURN_IF_ERROR(engine.release(def.module));
+  ZINF_RETURN_IF_ERROR(g.release());
   std::vector<float> out(half.size());
   for (std::size_t i = 0; i < half.size(); ++i) out[i] = reference_widen(half[i], def.dtype);
   return out;
@@ -916,7 +918,8 @@ Result<std::vector<float>> gathered_half(Engine& engine, Device& device,
 // alone), then a batch that names the embedding, block0's bias, block2's weight and the head's
 // bias, out of order (a run of groups with block1's, unnamed, between them): every parameter's
 // gathered values must be what was written last, or the initial values where nothing was,
-// rounded to the parameter's dtype by reference_round(), bit for bit.
+// rounded to the parameter's dtype by reference_round(), bit for bit. Every written parameter
+// holds, besides its seeded values, the ties and f16 subnormals of plant_rounding_cases().
 struct ShardCase {
   bool opaque;  // DeviceState; else HostState
   DType dtype;
@@ -931,13 +934,36 @@ void PrintTo(const ShardCase& c, std::ostream* os) {
 
 class WriteParametersShards : public ::testing::TestWithParam<ShardCase> {};
 
+// Values whose rounding the seeded ones rarely test (an exact tie among uniform random floats is
+// rare), spread over `values` (the first values.size() of them where it is shorter): a library
+// that rounded half away from zero, or flushed f16 subnormals, would differ on some.
+void plant_rounding_cases(std::vector<float>& values) {
+  static const std::array<float, 11> kCases = {
+      1.0f + 0x1p-8f,       // bf16 tie between 1 and 1 + 2^-7: down to the even 1
+      1.0f + 3 * 0x1p-8f,   // bf16 tie between 1 + 2^-7 and 1 + 2^-6: up to the even 1 + 2^-6
+      -(1.0f + 0x1p-8f),    // the first, negative: -1
+      1.0f + 0x1p-11f,      // f16 tie between 1 and 1 + 2^-10: down to 1
+      1.0f + 3 * 0x1p-11f,  // f16 tie: up to 1 + 2^-9
+      0x1p-20f,             // an f16 subnormal (16 * 2^-24), exact
+      0x1p-20f + 0x1p-25f,  // an f16 subnormal tie: down to the even 2^-20
+      -0x1p-26f,            // below half f16's smallest subnormal: -0
+      -0x1p-25f,            // half f16's smallest subnormal, a tie: to the even -0
+      1.99999f,             // rounds up into the next binade: 2
+      -1.99999f,            // and down: -2
+  };
+  const std::size_t count = std::min(values.size(), kCases.size());
+  for (std::size_t k = 0; k < count; ++k) values[k * values.size() / count] = kCases[k];
+}
+
 TEST_P(WriteParametersShards, TheNamedGroupsShardsHoldTheWrittenValuesRounded) {
   const ShardCase c = GetParam();
   const Model model = engine_test::make_model(c.dtype, 91);
-  const std::vector<std::vector<float>> first = fresh_values(model, 25);
-  const std::vector<std::vector<float>> second = fresh_values(model, 26);
+  std::vector<std::vector<float>> first = fresh_values(model, 25);
+  std::vector<std::vector<float>> second = fresh_values(model, 26);
   const std::string_view single = "block1.w";
   const std::vector<std::string_view> batch = {"head.b", "block2.w", "embed.w", "block0.b"};
+  plant_rounding_cases(first[param_index(model, single)]);
+  for (std::string_view name : batch) plant_rounding_cases(second[param_index(model, name)]);
   // What each parameter holds at the end: its initial values, or what was written last.
   std::vector<std::vector<float>> expect = model.initial;
   expect[param_index(model, single)] = first[param_index(model, single)];
