@@ -448,7 +448,15 @@ TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {
 // at step() and hides behind the next step's first forward at most, whatever --overlap-fraction
 // asks: the forward's compute (a third of a micro-batch's FLOPs, a quarter with checkpointing)
 // and its all-gather, not the gradient spill, which writes to the drive the pass reads and
-// writes. With the gradients in host memory the same setup hides c of one micro-batch.
+// writes. With the gradients in host memory the same setup updates in the backward and runs on
+// into the next forward. By hand, without checkpointing and c = 2/3: the micro-batch is the
+// link's, (2·2·P + 4·P)·3/4 at 100 GB/s = 0.404305 s (the compute 0.223497 s), A = (1 − F/C)·mb
+// = 0.269536 s (F/C = 0.333334), B = the forward's all-gather 2·P·3/4 at 100 GB/s = 0.101076 s;
+// the pass reads 12 B and writes 12 B of each of the machine's P params, 13.476831 + 20.215247 s,
+// and updates 30·P at 40 GB/s, 5.053812 s, in n = ceil(P/4 / 2^24) = 101 sub-groups: UW =
+// 33.692078 + 5.053812/101 = 33.742116 s, S = UW/101 = 0.334080 s, R = UW − A = 33.472580 s, f
+// = R/UW = 0.992012, and R outlasts S + f·B: the next forward takes R + (1 − f)·B, so hidden =
+// A + f·B = 0.269536 + 0.100269 = 0.369805 s.
 TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
   auto [m, tr, s] = llama_7b_stage3();
   s.world_size = 4;
@@ -485,6 +493,9 @@ TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
                                   std::min(window, std::max(forward_compute, forward_gather))),
                   1e-9)
           << checkpoint << " " << fraction;
+      if (!checkpoint && fraction < 1.0) {
+        EXPECT_NEAR(host.optimizer_hidden_s, 0.369805, 1e-6);
+      }
       s.gradients_on_nvme = true;
       // One micro-batch and three: the pass meets the next step's first forward, which reads
       // nothing back.
@@ -557,7 +568,12 @@ TEST(TimeModel, PassOnTheDriveHidesBehindNoNvmeTime) {
 // optimizer state is on the drive (the whole pass uses it; with the state in host memory the
 // update and the writes are timed apart: HostOptimizerWritesTheHalfShardsAfterTheUpdate). Where
 // the updates meet the next forward, the forward's compute less the forward's half of the fetch
-// hides it.
+// hides it. By hand, at 10 TFLOP/s: C = 8.939872 s, F = 2.979957 s, the fetch 4·P at 6 GB/s =
+// 4.492277 s; A = 2/3·(C − fetch) = 2.965063 s, B = F − fetch/2 = 0.733819 s. The pass reads 12 B
+// and writes 14 B a param (the half shards too), 13.476831 + 23.584455 s, and updates 5.053812 s
+// in 402 sub-groups: UW = 37.061286 + 5.053812/402 = 37.073858 s, S = 0.092224 s, f = (UW −
+// A)/UW = 0.920023; R outlasts S + f·B, so hidden = A + f·B = 3.640193 s. With c = 0.1: A = B =
+// 0.1·(C − fetch) = 0.444760 s, f = 0.988003, hidden 0.884183 s.
 TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
   auto [m, tr, s] = llama_7b_stage3();
   s.params = OffloadDevice::kNvme;
@@ -583,6 +599,8 @@ TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
                                 2.0 / 3.0 * (compute - fetch), forward - fetch / 2),
                 1e-9)
         << offload_device_name(optimizer);
+    EXPECT_NEAR(backward.optimizer_step_s, 37.073858, 1e-6);
+    EXPECT_NEAR(backward.optimizer_hidden_s, 3.640193, 1e-6);
     s.exact_clipping_or_loss_scaling = true;
     const StepPrediction at_step = predict_step(m, tr, s, p);
     EXPECT_NEAR(at_step.optimizer_hidden_s, forward - fetch / 2, 1e-9)
@@ -599,6 +617,7 @@ TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
                 streamed_hidden(small_backward.optimizer_step_s, small_backward.sub_groups, 0.0,
                                 0.1 * (compute - fetch), 0.1 * (compute - fetch)),
                 1e-9);
+    EXPECT_NEAR(small_backward.optimizer_hidden_s, 0.884183, 1e-6);
     s.exact_clipping_or_loss_scaling = true;
     const StepPrediction small_at_step = predict_step(m, tr, s, p);
     ASSERT_LT(0.1 * (compute - fetch), forward - fetch / 2);
@@ -776,7 +795,12 @@ TEST(TimeModel, StreamedPassLeavesTheAllGatherToTheNextForward) {
 // trains here) (their backward
 // computes no weight gradients), whatever --overlap-fraction asks above it. Without them the
 // pass updates in the backward, the backward's share of c, and runs on into the next forward,
-// whose modules wait for it one by one: more than the backward's window, less than the sum.
+// whose modules wait for it one by one: more than the backward's window, less than the sum. By
+// hand, every parameter trained, no checkpointing, c = 1: C = 0.223497 s, F = 0.074499 s, A = C
+// − F = 0.148998 s, B = F; UW = 33.692078 + 5.053812/101 = 33.742116 s (the machine's 12 B read
+// and 12 B written a param at 6 and 4 GB/s, the update at 40 GB/s in 101 sub-groups), S =
+// 0.334080 s, f = (UW − A)/UW = 0.995584; R outlasts S + f·B, so hidden = A + f·B = 0.223168 s
+// (the backward's window alone 0.148998 s, the sum 0.223497 s).
 TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
   auto [m, tr, s] = llama_7b_stage3();
   s.world_size = 4;
@@ -814,6 +838,10 @@ TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
                   1e-9)
           << c.checkpoint << " " << c.trainable << " " << fraction;
       EXPECT_GT(backward.optimizer_hidden_s, std::min(fraction, 1.0 - share) * backward.compute_s);
+      if (!c.checkpoint && c.trainable == params && fraction == 1.0) {
+        EXPECT_NEAR(backward.optimizer_step_s, 33.742116, 1e-6);
+        EXPECT_NEAR(backward.optimizer_hidden_s, 0.223168, 1e-6);
+      }
       s.exact_clipping_or_loss_scaling = true;
       const StepPrediction at_step = predict_step(m, tr, s, p);
       EXPECT_NEAR(at_step.optimizer_hidden_s, std::min(fraction, share) * at_step.compute_s, 1e-9)
