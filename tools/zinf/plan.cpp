@@ -992,7 +992,8 @@ void setup_plan(CLI::App& app) {
   sub->add_option("--offload-optimizer", o->offload_optimizer, "Fix it: none, cpu or nvme");
   sub->add_option("--offload-param", o->offload_param,
                   "Fix it: none, cpu or nvme (with --step-only and --stage: where the engine's "
-                  "pass publishes from; cpu at stage 3 does not stream it)");
+                  "pass publishes from; cpu at stage 3 does not stream it; only nvme writes the "
+                  "new half shards to the drive)");
   sub->add_flag("--no-gradient-spill", o->no_gradient_spill,
                 "Keep the fp32 gradients in host memory (no zinf.gradients_on_nvme)");
   sub->add_option("--machine-profile", o->machine_profile,
