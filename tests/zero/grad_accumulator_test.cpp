@@ -335,11 +335,15 @@ TEST(SpillAccumulator, BackwardOrderReadsTheNextSubGroupAhead) {
                              rig.store->sub_group_size(i)))
         << "sub-group " << i;
   }
-  // Thirteen sub-groups through six buffers: each later micro-batch reads every one back (the
-  // lowest six left the buffers while the top ones were summed), the top one synchronously.
+  // Thirteen sub-groups through six buffers: each later micro-batch reads back every sub-group
+  // not still in a buffer from the micro-batch before. Which ones stay depends on the drive's
+  // timing (a read ahead takes only a buffer whose write landed; open() takes the oldest clean
+  // one), so at most six are spared a micro-batch, usually none.
   const std::uint64_t later = kMicroBatches - 1;
   const std::uint64_t sub_groups = rig.store->sub_group_count();
-  EXPECT_EQ(counters.grad_spill_read_backs, later * sub_groups);
+  ASSERT_GT(sub_groups, options.buffer_count);
+  EXPECT_LE(counters.grad_spill_read_backs, later * sub_groups);
+  EXPECT_GE(counters.grad_spill_read_backs, later * (sub_groups - options.buffer_count));
   std::printf("read-backs %llu, %llu of them ahead\n",
               static_cast<unsigned long long>(counters.grad_spill_read_backs),
               static_cast<unsigned long long>((*acc)->read_ahead_count()));
