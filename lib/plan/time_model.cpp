@@ -122,21 +122,23 @@ bool updates_in_backward(const EngineSetup& s) {
 }
 
 // The part of a streamed pass that shows where it updates in the backward and runs on into the
-// next forward (the header's formula): `pass_s` its update and writes (UW) over `sub_groups`
-// sub-groups a rank, `gather_s` stage 1-2's all-gather (G), `backward_s` and `forward_s` the
+// next forward (the header's formula): `pass_s` its update and writes (UW), `first_s` the first
+// sub-group's update (S), `gather_s` stage 1-2's all-gather (G), `backward_s` and `forward_s` the
 // backward's and the next forward's windows (A, B). The pass does A of UW in the backward, from
 // the last sub-group down, but a sub-group is updated only once all its groups are final
-// (StoreState::sub_group_ready), and the backward makes the first sub-group's final last: at
-// least that sub-group, S = UW / sub_groups, is left when the backward ends. The rest,
-// R = max(UW − A, S), is the share f = R / UW of the partition from the first sub-group up,
-// which the next forward gathers first, each module waiting for its writes and then its
-// all-gather. So that forward runs its first f of the modules behind the pass: R, then their
-// all-gathers f·G, or, if longer, the first sub-group's wait S and then its own f·X, X = max(G,
-// B) the forward with its all-gathers; and the rest, written in the backward, at its own pace,
-// (1 − f)·X. Without the pass it takes B.
-double streamed_pass_shown(double pass_s, std::uint64_t sub_groups, double gather_s,
-                           double backward_s, double forward_s) {
-  const double first_s = pass_s / static_cast<double>(std::max<std::uint64_t>(1, sub_groups));
+// (StoreState::sub_group_ready), and the backward makes the first sub-group's final last. Only
+// the update waits for that: the pass opens at the backward's first reduction and its reads go
+// on while the update is held back, so the first sub-group's read is done by then; its half
+// output is handed over as soon as its writes are submitted, and the next forward waits for the
+// half shards only, not the state's writes. So at least that sub-group's update, S, is left when
+// the backward ends. The rest, R = max(UW − A, S), is the share f = R / UW of the partition from
+// the first sub-group up, which the next forward gathers first, each module waiting for its
+// writes and then its all-gather. So that forward runs its first f of the modules behind the
+// pass: R, then their all-gathers f·G, or, if longer, the first sub-group's wait S and then its
+// own f·X, X = max(G, B) the forward with its all-gathers; and the rest, written in the
+// backward, at its own pace, (1 − f)·X. Without the pass it takes B.
+double streamed_pass_shown(double pass_s, double first_s, double gather_s, double backward_s,
+                           double forward_s) {
   const double rest_s = std::max(pass_s - backward_s, first_s);
   const double rest_share = pass_s > 0 ? rest_s / pass_s : 0.0;
   const double alone_s = std::max(gather_s, forward_s);
@@ -371,9 +373,11 @@ StepPrediction predict_step(const ModelShape& model, const TrainingShape& traini
       const double backward_window_s =
           std::min(fraction, backward_share) * std::max(0.0, micro_batch_s - drive_s);
       out.optimizer_hidden_s =
-          out.optimizer_step_s - streamed_pass_shown(out.optimizer_step_s - out.publish_gather_s,
-                                                     out.sub_groups, out.publish_gather_s,
-                                                     backward_window_s, at_step_window_s);
+          out.optimizer_step_s -
+          streamed_pass_shown(
+              out.optimizer_step_s - out.publish_gather_s,
+              out.update_alone_s / static_cast<double>(std::max<std::uint64_t>(1, out.sub_groups)),
+              out.publish_gather_s, backward_window_s, at_step_window_s);
     } else {
       out.optimizer_hidden_s = std::min(out.optimizer_step_s, at_step_window_s);
     }

@@ -128,9 +128,12 @@
 // in the backward, so A is the backward's share of c, and A + B at most about one micro-batch:
 //   A  = min(c, 1 − F_fwd / F_mb)·max(0, mb − drive)
 //   B  = min(c·max(0, mb − drive), max(0, forward − drive/2))       (forward: below)
-//   S  = UW / n, the first sub-group's part: a sub-group is updated once all its groups are
-//        final (StoreState::sub_group_ready), and the first sub-group's are final only when the
-//        backward ends, so at least S is left then
+//   S  = U / n, the first sub-group's update (U = update_alone_s, n sub-groups): a sub-group is
+//        updated once all its groups are final (StoreState::sub_group_ready), and the first
+//        sub-group's are final only when the backward ends, so at least its update is left then;
+//        only the update waits (the pass opens at the backward's first reduction and reads on
+//        while the update is held back), its half output is handed over once its writes are
+//        submitted, and the next forward waits for the half shards, not the state's writes
 //   R  = max(UW − A, S), left when the backward ends; f = R / UW, its share of the partition
 //   X  = max(G, B), the next forward with its all-gathers
 //   next forward = max(R + f·G, S + f·X) + (1 − f)·X    (its first f of the modules wait for
@@ -139,7 +142,7 @@
 //   hidden = UW + G − (next forward − B)
 // With one micro-batch, nothing on the drive, G = 0 and c >= 2/3 (A + B = mb) that is
 // step = step_reduce + max(forward_backward + S, UW + (A / UW)·B) where UW > A + S (else
-// forward_backward + S): the compute and then the first sub-group's part, or the pass's
+// forward_backward + S): the compute and then the first sub-group's update, or the pass's
 // critical path, the pass and then the forward of the modules it wrote in the backward.
 // c = 2/3, the backward's share of the FLOPs, is the default. The pass opens in the
 // backward only at stages 2-3 with the gradients in host memory (Engine's opens_in_backward_),

@@ -58,18 +58,22 @@ double llama_flops(double params) { return (6 * params + 12 * kLlamaAttention) *
 double llama_forward_flops(double params) { return (2 * params + 4 * kLlamaAttention) * 2048; }
 
 // docs/PLAN.md's streamed pass that updates in the backward, written out: of its update and
-// writes UW over n sub-groups and stage 1-2's all-gather G, the part the backward's window A and
-// the next forward's window B hide. The pass does A of UW in the backward, but not the first
-// sub-group, S = UW/n, final only when the backward ends; the rest R = max(UW − A, S) is the
-// share f = R/UW of the partition the next forward gathers first, so that forward runs
-// max(R + f·G, S + f·X) on it, X = max(G, B), and (1 − f)·X on the rest: it shows that less B.
-// Each test that uses it checks one case by hand as well.
-double streamed_hidden(double uw, std::uint64_t n, double g, double a, double b) {
-  const double s = uw / static_cast<double>(n);
+// writes UW and stage 1-2's all-gather G, the part the backward's window A and the next forward's
+// window B hide. The pass does A of UW in the backward, but not the first sub-group's update S
+// (its groups final only when the backward ends; its read goes on before); the rest
+// R = max(UW − A, S) is the share f = R/UW of the partition the next forward gathers first, so
+// that forward runs max(R + f·G, S + f·X) on it, X = max(G, B), and (1 − f)·X on the rest: it
+// shows that less B. Each test that uses it checks one case by hand as well.
+double streamed_hidden(double uw, double s, double g, double a, double b) {
   const double r = std::max(uw - a, s);
   const double f = uw > 0 ? r / uw : 0.0;
   const double x = std::max(g, b);
   return uw + g - (std::max(r + f * g, s + f * x) + (1 - f) * x - b);
+}
+
+// S: the update alone over the machine's ranks, of one sub-group of each.
+double first_update(const StepPrediction& t) {
+  return t.update_alone_s / static_cast<double>(t.sub_groups);
 }
 
 // Of the optimizer step, what the step shows: `exposed_s`, after the forward and backward.
@@ -308,9 +312,9 @@ TEST(TimeModel, StageOneReducesOnceAStepBehindNoCompute) {
 // zinf.overlap_step: the optimizer pass of step t runs behind the compute of step t+1. Streamed
 // and updating in the backward (stage 3, one micro-batch, nothing frozen), it has the backward,
 // A = min(c, 2/3)·fb, and runs on into the next forward, B = min(c, 1/3)·fb, whose modules each
-// wait for their own writes, and the first sub-group's, S = opt/n, for the backward's end: with
-// c = 1 the step is max(compute + S, the pass's critical path), the pass and then the forward of
-// the modules it wrote in the backward, opt + (A/opt)·B, where opt is longer than A + S;
+// wait for their own writes, and the first sub-group's update, S = U/n, for the backward's end:
+// with c = 1 the step is max(compute + S, the pass's critical path), the pass and then the forward
+// of the modules it wrote in the backward, opt + (A/opt)·B, where opt is longer than A + S;
 // sequential (overlap off, or the optimizer on the device, which the engine does not overlap)
 // the sum.
 TEST(TimeModel, OverlappedStepIsTheMaxOfComputeAndThePassesCriticalPath) {
@@ -337,11 +341,11 @@ TEST(TimeModel, OverlappedStepIsTheMaxOfComputeAndThePassesCriticalPath) {
       const double backward = std::min(fraction, 2.0 / 3.0) * fb;
       // Without compute the forward has no window: its compute, all-gather and fetch are 0.
       const double forward = tflops > 0 ? std::min(fraction, 1.0 / 3.0) * fb : 0.0;
-      const double hidden = streamed_hidden(opt, ovl.sub_groups, 0.0, backward, forward);
+      const double hidden = streamed_hidden(opt, first_update(ovl), 0.0, backward, forward);
       EXPECT_NEAR(ovl.optimizer_hidden_s, hidden, 1e-9) << tflops << " " << fraction;
       EXPECT_NEAR(ovl.step_s, fb + opt - hidden, 1e-9) << tflops << " " << fraction;
       if (fraction == 1.0 && tflops > 0) {
-        const double first = opt / static_cast<double>(ovl.sub_groups);
+        const double first = first_update(ovl);
         const double pass = opt > backward + first ? opt + backward / opt * forward : 0.0;
         EXPECT_NEAR(ovl.step_s, std::max(fb + first, pass), 1e-9) << tflops;
       }
@@ -353,12 +357,13 @@ TEST(TimeModel, OverlappedStepIsTheMaxOfComputeAndThePassesCriticalPath) {
   // = 33.692078 s of I/O (a sub-group's 0.083811 s, longer than its update, 30·P/402 at 40 GB/s,
   // 0.012572 s): opt = 401·0.083811 + 0.083811 + 0.012572 = 33.704650 s. The compute at 1
   // TFLOP/s, (6·P + 12·32·4096·2048)·2048 = 89.398721 s, hides all of it but the first
-  // sub-group's, S = opt/402 = 0.083842 s, which waits for the backward's end: step 89.482563 s.
+  // sub-group's update, S = 0.012572 s, which waits for the backward's end (its read does not):
+  // step 89.411293 s.
   p.gpu_tflops = 1.0;
   const StepPrediction slow_gpu = predict_step(m, tr, s, p);
   EXPECT_NEAR(slow_gpu.forward_backward_s, 89.398721, 1e-6);
   EXPECT_NEAR(slow_gpu.optimizer_step_s, 33.704650, 1e-6);
-  EXPECT_NEAR(slow_gpu.step_s, 89.482563, 1e-6);
+  EXPECT_NEAR(slow_gpu.step_s, 89.411293, 1e-6);
   p.gpu_tflops = 0.0;
   const StepPrediction no_compute = predict_step(m, tr, s, p);
   EXPECT_LT(no_compute.forward_backward_s, no_compute.optimizer_step_s);
@@ -454,7 +459,8 @@ TEST(TimeModel, SpilledGradientsWriteEveryMicroBatchAndReadBackLaterOnes) {
 // = 0.269536 s (F/C = 0.333334), B = the forward's all-gather 2·P·3/4 at 100 GB/s = 0.101076 s;
 // the pass reads 12 B and writes 12 B of each of the machine's P params, 13.476831 + 20.215247 s,
 // and updates 30·P at 40 GB/s, 5.053812 s, in n = ceil(P/4 / 2^24) = 101 sub-groups: UW =
-// 33.692078 + 5.053812/101 = 33.742116 s, S = UW/101 = 0.334080 s, R = UW − A = 33.472580 s, f
+// 33.692078 + 5.053812/101 = 33.742116 s, S = 5.053812/101 = 0.050038 s (the first sub-group's
+// update), R = UW − A = 33.472580 s, f
 // = R/UW = 0.992012, and R outlasts S + f·B: the next forward takes R + (1 − f)·B, so hidden =
 // A + f·B = 0.269536 + 0.100269 = 0.369805 s.
 TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
@@ -488,7 +494,7 @@ TEST(TimeModel, SpilledGradientsPassStartsAtStepBehindTheNextForward) {
       const double mb = host.forward_backward_s;
       const double window = fraction * mb;
       EXPECT_NEAR(host.optimizer_hidden_s,
-                  streamed_hidden(host.optimizer_step_s, host.sub_groups, 0.0,
+                  streamed_hidden(host.optimizer_step_s, first_update(host), 0.0,
                                   std::min(fraction, 1.0 - forward_share) * mb,
                                   std::min(window, std::max(forward_compute, forward_gather))),
                   1e-9)
@@ -571,7 +577,8 @@ TEST(TimeModel, PassOnTheDriveHidesBehindNoNvmeTime) {
 // hides it. By hand, at 10 TFLOP/s: C = 8.939872 s, F = 2.979957 s, the fetch 4·P at 6 GB/s =
 // 4.492277 s; A = 2/3·(C − fetch) = 2.965063 s, B = F − fetch/2 = 0.733819 s. The pass reads 12 B
 // and writes 14 B a param (the half shards too), 13.476831 + 23.584455 s, and updates 5.053812 s
-// in 402 sub-groups: UW = 37.061286 + 5.053812/402 = 37.073858 s, S = 0.092224 s, f = (UW −
+// in 402 sub-groups: UW = 37.061286 + 5.053812/402 = 37.073858 s, S = 5.053812/402 = 0.012572 s,
+// f = (UW −
 // A)/UW = 0.920023; R outlasts S + f·B, so hidden = A + f·B = 3.640193 s. With c = 0.1: A = B =
 // 0.1·(C − fetch) = 0.444760 s, f = 0.988003, hidden 0.884183 s.
 TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
@@ -595,7 +602,7 @@ TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
     ASSERT_GT(backward.optimizer_step_s, compute - fetch);
     // The backward's window 2/3·(C − fetch), the next forward's F − fetch/2.
     EXPECT_NEAR(backward.optimizer_hidden_s,
-                streamed_hidden(backward.optimizer_step_s, backward.sub_groups, 0.0,
+                streamed_hidden(backward.optimizer_step_s, first_update(backward), 0.0,
                                 2.0 / 3.0 * (compute - fetch), forward - fetch / 2),
                 1e-9)
         << offload_device_name(optimizer);
@@ -614,7 +621,7 @@ TEST(TimeModel, PassHidesBehindComputeLessTheFetchFromItsDrive) {
     s.exact_clipping_or_loss_scaling = false;
     const StepPrediction small_backward = predict_step(m, tr, s, p);
     EXPECT_NEAR(small_backward.optimizer_hidden_s,
-                streamed_hidden(small_backward.optimizer_step_s, small_backward.sub_groups, 0.0,
+                streamed_hidden(small_backward.optimizer_step_s, first_update(small_backward), 0.0,
                                 0.1 * (compute - fetch), 0.1 * (compute - fetch)),
                 1e-9);
     EXPECT_NEAR(small_backward.optimizer_hidden_s, 0.884183, 1e-6);
@@ -752,7 +759,7 @@ TEST(TimeModel, HostOptimizerUploadsFollowTheUpdateAndHideBehindTheNextForward) 
 // 0.596 s, G = 2·P·7/8 at 50 GB/s = 0.236 s; the pipeline (12 B a param read and 12 written
 // through a 6/4 GB/s drive: UW = 33.791 s) is longer than A, so the next forward meets
 // f = (UW − A)/UW = 0.982 of the pass and waits for it module by module: 0.893 s hides,
-// A + f·F + (1 − f)·G (where a window A over UW and G behind F hid 0.832 s).
+// A + f·F + (1 − f)·G.
 TEST(TimeModel, StreamedPassLeavesTheAllGatherToTheNextForward) {
   auto [m, tr, s] = llama_7b_stage3();
   s.stage = 2;
@@ -778,7 +785,7 @@ TEST(TimeModel, StreamedPassLeavesTheAllGatherToTheNextForward) {
               2.0 / 3.0 * t.compute_s + left * t.compute_s / 3 + (1 - left) * t.publish_gather_s,
               1e-9);
   EXPECT_NEAR(t.optimizer_hidden_s,
-              streamed_hidden(uw, t.sub_groups, t.publish_gather_s, 2.0 / 3.0 * t.compute_s,
+              streamed_hidden(uw, first_update(t), t.publish_gather_s, 2.0 / 3.0 * t.compute_s,
                               t.compute_s / 3),
               1e-9);
   EXPECT_NEAR(uw, 33.791, 1e-3);
@@ -799,8 +806,8 @@ TEST(TimeModel, StreamedPassLeavesTheAllGatherToTheNextForward) {
 // hand, every parameter trained, no checkpointing, c = 1: C = 0.223497 s, F = 0.074499 s, A = C
 // − F = 0.148998 s, B = F; UW = 33.692078 + 5.053812/101 = 33.742116 s (the machine's 12 B read
 // and 12 B written a param at 6 and 4 GB/s, the update at 40 GB/s in 101 sub-groups), S =
-// 0.334080 s, f = (UW − A)/UW = 0.995584; R outlasts S + f·B, so hidden = A + f·B = 0.223168 s
-// (the backward's window alone 0.148998 s, the sum 0.223497 s).
+// 5.053812/101 = 0.050038 s, f = (UW − A)/UW = 0.995584; R outlasts S + f·B, so hidden = A + f·B =
+// 0.223168 s (the backward's window alone 0.148998 s, the sum 0.223497 s).
 TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
   auto [m, tr, s] = llama_7b_stage3();
   s.world_size = 4;
@@ -832,7 +839,7 @@ TEST(TimeModel, ExactClippingOrLossScalingHidesThePassBehindTheNextForward) {
       EXPECT_NEAR(backward.compute_s, all * 2048 / 400e12, 1e-9);
       // Updating in the backward: its share of c, then on into the next forward.
       EXPECT_NEAR(backward.optimizer_hidden_s,
-                  streamed_hidden(backward.optimizer_step_s, backward.sub_groups, 0.0,
+                  streamed_hidden(backward.optimizer_step_s, first_update(backward), 0.0,
                                   std::min(fraction, 1.0 - share) * backward.compute_s,
                                   std::min(fraction, share) * backward.compute_s),
                   1e-9)

@@ -141,25 +141,30 @@ TEST(TimeModelWindow, UpdateHidesInTheBackwardOnlyWhereWritesFollowIt) {
 // 2·Pr at 1000 GB/s, 2 ms, run beside it). The all-gather G = 2·P·7/8 at 100 GB/s = 0.14 s (the
 // reduce-scatters, 4·P·7/8 = 0.28 s a micro-batch, hide behind C).
 //   A = min(c, 2/3)·C = 2/3 s of UW hides in the backward, but the first sub-group, whose groups
-//   the backward makes final last, is updated only after it: S = UW/4 = 0.20625 s is left, more
-//   than UW − A = 0.158333 s, so R = S, f = R/UW = 1/4. B = min(c·C, F) = 1/3 s; X = max(G, B) =
-//   1/3 s. The next forward: nothing before the first sub-group is written, then its first
-//   quarter at its own pace, S + f·X = 0.289583 s (longer than R + f·G = 0.24125 s), and the
-//   rest, written in the backward, (1 − f)·X = 0.25 s: 0.539583 s where alone it takes 1/3 s. So
-//   0.20625 s (S) shows: step = 1.20625 s. With c = 1 the same: the pass opens in the backward,
-//   so it has the backward's 2/3 of c and the next forward, one micro-batch.
+//   the backward makes final last, is updated only after it: its update S = u = 0.025 s is left
+//   (only the update waits: its read went on in the backward, its half output is handed over
+//   once its writes are submitted, and the next forward waits for the half shards alone). UW − A
+//   = 0.158333 s is more, so R = 0.158333 s, f = R/UW = 0.191919. B = min(c·C, F) = 1/3 s;
+//   X = max(G, B) = 1/3 s. The next forward: its first f of the modules wait for the pass and
+//   their all-gathers, R + f·G = 0.185202 s (longer than S + f·X = 0.088973 s), and the rest,
+//   written in the backward, (1 − f)·X = 0.269360 s: 0.454562 s where alone it takes 1/3 s. So
+//   0.121229 s shows: step 1.121229 s. With c = 1 the same: the pass opens in the backward, so
+//   it has the backward's 2/3 of c and the next forward, one micro-batch.
 // The drive at 24 GB/s (r = w = 1 s: UW = 3·2 + 2.025 = 8.025 s): R = 8.025 − 2/3 = 7.358333 s,
-// more than S = 2.00625 s, f = R/UW = 0.916926; the next forward max(R + f·G = 7.486703,
-// S + f·X = 2.311892) + (1 − f)·X = 0.027691: 7.514394 s, 7.181061 s shows: step 8.181061 s.
-// At 2400 GB/s (r = w = 0.01 s, u = 0.025 s: UW = 3·0.025 + 0.045 = 0.12 s) UW fits the
-// backward, but S = 0.03 s does not: f = 1/4, the next forward S + f·X + (1 − f)·X = 0.363333 s,
-// step 1.03 s. With one sub-group a rank (Sg = 2^30 > Pr) that sub-group is the whole pass and
-// nothing of it runs before the backward ends: UW = 0.04 + 0.1 + 0.04 = 0.18 s, f = 1, the next
-// forward max(0.18 + 0.14, 0.18 + 1/3) = 0.513333 s: step 1.18 s (at 240 GB/s, UW = 0.9 s:
-// max(1.04, 1.233333), step 1.9 s).
+// more than S, f = R/UW = 0.916926; the next forward max(R + f·G = 7.486703, S + f·X =
+// 0.330642) + (1 − f)·X = 0.027691: 7.514394 s, 7.181061 s shows: step 8.181061 s.
+// Where S matters (UW − A < S, R = S): at 2400 GB/s (r = w = 0.01 s, u = 0.025 s: UW = 3·0.025 +
+// 0.045 = 0.12 s) UW fits the backward, but S = 0.025 s does not: f = S/UW = 0.208333, the next
+// forward max(S + f·G = 0.054167, S + f·X = 0.094444) + (1 − f)·X = 0.263889: 0.358333 s, S
+// shows, step 1.025 s. With one sub-group a rank (Sg = 2^30 > Pr) S is the whole update,
+// u = 0.1 s, but the sub-group's read ran in the backward: UW = 0.04 + 0.1 + 0.04 = 0.18 s,
+// R = S = 0.1 s, f = 0.1/0.18 = 0.555556, the next forward max(0.1 + f·G = 0.177778,
+// 0.1 + f·X = 0.285185) + (1 − f)·X = 0.148148: 0.433333 s, step 1.1 s. At 240 GB/s, UW = 0.9 s:
+// R = max(0.9 − 2/3, 0.1) = 0.233333 s, f = 0.259259, max(R + f·G = 0.269630, S + f·X =
+// 0.186420) + (1 − f)·X = 0.246914: 0.516543 s, step 1.183210 s.
 // With 3 micro-batches a step the pass still meets one micro-batch, the last one's backward and
 // the next step's first forward (the next forward's gathers wait for it; nothing after them
-// does): step 3 + 0.20625 s; the 24 GB/s drive's 8.025 s pass shows 7.181061 s over the 3 s of
+// does): step 3 + 0.121229 s; the 24 GB/s drive's 8.025 s pass shows 7.181061 s over the 3 s of
 // compute.
 TEST(TimeModelWindow, StreamedPassRunsOnIntoTheNextForwardModuleByModule) {
   ModelShape m = custom_model(8'000'000'000, 1, 128);
@@ -180,10 +185,10 @@ TEST(TimeModelWindow, StreamedPassRunsOnIntoTheNextForwardModuleByModule) {
     double fraction, drive_gbps, pass_s, step_s;
   };
   for (const Case& k :
-       {Case{1, 4, 2.0 / 3.0, 240, 0.825, 1.20625}, Case{1, 4, 1.0, 240, 0.825, 1.20625},
-        Case{1, 4, 2.0 / 3.0, 24, 8.025, 8.181061}, Case{1, 4, 2.0 / 3.0, 2400, 0.12, 1.03},
-        Case{1, 1, 2.0 / 3.0, 2400, 0.18, 1.18}, Case{1, 1, 2.0 / 3.0, 240, 0.9, 1.9},
-        Case{3, 4, 2.0 / 3.0, 240, 0.825, 3.20625}, Case{3, 4, 2.0 / 3.0, 24, 8.025, 10.181061}}) {
+       {Case{1, 4, 2.0 / 3.0, 240, 0.825, 1.121229}, Case{1, 4, 1.0, 240, 0.825, 1.121229},
+        Case{1, 4, 2.0 / 3.0, 24, 8.025, 8.181061}, Case{1, 4, 2.0 / 3.0, 2400, 0.12, 1.025},
+        Case{1, 1, 2.0 / 3.0, 2400, 0.18, 1.1}, Case{1, 1, 2.0 / 3.0, 240, 0.9, 1.183210},
+        Case{3, 4, 2.0 / 3.0, 240, 0.825, 3.121229}, Case{3, 4, 2.0 / 3.0, 24, 8.025, 10.181061}}) {
     SCOPED_TRACE(testing::Message()
                  << "c " << k.fraction << " drive " << k.drive_gbps << " micro-batches "
                  << k.micro_batches << " sub-groups " << k.sub_groups);
