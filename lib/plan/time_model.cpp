@@ -414,6 +414,10 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
   return l;
 }
 
+bool step_only_starts_at_step(const StepOnlySpec& spec) {
+  return spec.stage < 2 || spec.grads_on_nvme || spec.exact_clipping_or_loss_scaling;
+}
+
 StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachineProfile& profile) {
   const StepOnlyLayout l = step_only_layout(spec);
   ZINF_ASSERT(l.sub_group_params > 0);
@@ -444,11 +448,7 @@ StepPrediction predict_optimizer_step(const StepOnlySpec& spec, const MachinePro
     const MicroBatchFlops flops =
         micro_batch_flops(1.0, 1.0, 0.0, 1.0, spec.checkpoint_activations);
     const double forward_share = flops.forward / flops.total;
-    // As predict_step's updates_in_backward: at stage 1 (the reduce-scatter at step()) and with
-    // the gradients spilled (read whole at step()) the pass starts at step(); with exact
-    // clipping or loss scaling its updates wait for step().
-    const bool starts_at_step =
-        spec.stage < 2 || spec.grads_on_nvme || spec.exact_clipping_or_loss_scaling;
+    const bool starts_at_step = step_only_starts_at_step(spec);
     if (spec.tier == OffloadDevice::kNvme && spec.streams_half) {
       // The pass streams its writes (predict_step's streamed pass). Where the updates start at
       // step() they meet the next forward at most.

@@ -302,6 +302,12 @@ struct StepOnlyLayout {
 
 StepOnlyLayout step_only_layout(const StepOnlySpec& spec);
 
+// Whether the spec's pass updates only from step(), as predict_step's updates_in_backward says
+// for an engine: at stage 1 (the reduce-scatter at step()) and with the gradients spilled (read
+// whole at step()) the pass starts there; with exact clipping or loss scaling its updates wait
+// for step().
+bool step_only_starts_at_step(const StepOnlySpec& spec);
+
 // With spec.compute_s, forward_backward_s is that compute and step_s the training step: the
 // sum with overlap off, and with overlap on the pass meets one micro-batch, mb = compute / m
 // with m = spec.micro_batches (predict_step's window):

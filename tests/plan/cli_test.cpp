@@ -290,6 +290,23 @@ TEST_F(PlanCli, StepOnlyPassFollowsTheStageAndParamPlacement) {
   r = run_zinf(step + " --stage 3 --offload-param cpu --half-tier nvme");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("--half-tier nvme"), std::string::npos) << r.err;
+  // Where the pass streams, the engine keeps a half slot in each pool block and writes the new
+  // half shards to the params' NVMe home whatever --half-tier says: --half-tier host, which
+  // would count neither (12e9 B written where the engine writes 14e9), is refused with placement
+  // flags, and --half-tier nvme counts the engine's layout.
+  for (const char* flags : {" --grads-tier host --stage 3 --offload-param nvme --half-tier host",
+                            " --grads-tier host --stage 2 --half-tier host",
+                            " --grads-tier host --stage 3 --half-tier cpu"}) {
+    r = run_zinf(step + flags);
+    EXPECT_EQ(r.exit_code, 1) << flags;
+    EXPECT_NE(r.err.find("--half-tier host"), std::string::npos) << flags << r.err;
+  }
+  r = run_zinf(step + " --grads-tier host --stage 3 --offload-param nvme --half-tier nvme");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("nvme_write_bytes"), 14'000'000'000u);
+  r = run_zinf(step + " --grads-tier host --stage 3 --offload-param cpu --half-tier host");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("nvme_write_bytes"), 12'000'000'000u);
   r = run_zinf(step + " --stage 4");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("--stage 4"), std::string::npos) << r.err;

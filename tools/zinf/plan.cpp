@@ -324,10 +324,20 @@ void run_step_only(const PlanOptions& o) {
   }
   spec.stage = placement.stage;
   spec.streams_half = streams_half(placement);
-  // Given a placement, the half copy is the engine's: streamed it stays in the pool block, and
-  // only the params' NVMe home gets the new half shards (a plan's half_write_per_param).
+  // Given a placement, the half copy is the engine's: streamed it stays in the pool block (a slot
+  // in each block, as the StateStore's NVMe half piece has), and only the params' NVMe home gets
+  // the new half shards (a plan's half_write_per_param), wherever --half-tier would put it; so
+  // --half-tier host, which would leave the slot and those writes out, is refused there.
   if (o.stage != 0 || !o.offload_param.empty()) {
     spec.half_written = placement.params == OffloadDevice::kNvme;
+    if (spec.tier == OffloadDevice::kNvme && spec.streams_half && o.half_tier_given &&
+        !spec.half_on_nvme) {
+      fail(
+          "--half-tier host: with --stage or --offload-param the engine's pass streams the half "
+          "copy from its pool blocks (a slot in each) and writes new half shards only to the "
+          "params' NVMe home (--offload-param nvme); leave --half-tier out");
+      return;
+    }
   }
   if (spec.tier == OffloadDevice::kNvme && !spec.streams_half) {
     if (o.half_tier_given && spec.half_on_nvme) {
@@ -432,9 +442,8 @@ void run_step_only(const PlanOptions& o) {
     // the host tier, and at stage 3 with the params in host memory, the update hides behind the
     // backward only). Otherwise the figure is compute + optimizer step less the part hidden
     // (with one micro-batch and c = 2/3, S/3 + max(2S/3 + H, optimizer step)).
-    const bool behind_part = spec.micro_batches > 1 || spec.exact_clipping_or_loss_scaling ||
-                             spec.stage < 2 || spec.grads_on_nvme || spec.overlap_fraction < 1.0 ||
-                             !(nvme && spec.streams_half);
+    const bool behind_part = spec.micro_batches > 1 || step_only_starts_at_step(spec) ||
+                             spec.overlap_fraction < 1.0 || !(nvme && spec.streams_half);
     const char* how = !spec.overlap       ? "compute + optimizer step (sequential)"
                       : behind_part       ? "compute + optimizer step - the part hidden behind one "
                                             "micro-batch's compute: overlapped"
@@ -1035,7 +1044,8 @@ void setup_plan(CLI::App& app) {
   CLI::Option* half_tier =
       sub->add_option("--half-tier", o->half_tier,
                       "--step-only: half params on nvme or host (host where the engine keeps "
-                      "them there: --stage 3 --offload-param cpu)")
+                      "them there: --stage 3 --offload-param cpu; with --stage or "
+                      "--offload-param otherwise nvme, the pool block's slot)")
           ->capture_default_str();
   sub->add_option("--compute-s", o->compute_s,
                   "--step-only: predict a training step around it, whose compute (forward, "
