@@ -42,6 +42,8 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
   c->full_.resize(groups);
   c->device_shard_.resize(groups);
   c->host_shard_.resize(groups);
+  c->shared_.assign(groups, nullptr);
+  ZINF_ASSERT(options.shared_host_shards.empty() || options.shared_host_shards.size() == groups);
   c->extent_.resize(groups);
   std::size_t largest_shard_bytes = 0;
   bool any_nvme = false;
@@ -60,6 +62,10 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
         break;
       }
       case OffloadDevice::kHost: {
+        if (!options.shared_host_shards.empty() && options.shared_host_shards[g] != nullptr) {
+          c->shared_[g] = options.shared_host_shards[g];
+          break;
+        }
         // Registered, so that the gather's host-to-device copy is asynchronous on a GPU.
         ZINF_ASSIGN_OR_RETURN(c->host_shard_[g], RegisteredBuffer::allocate(device, shard_bytes));
         break;
@@ -150,6 +156,7 @@ Status ParamCoordinator::write_shard(std::uint32_t g, const void* shard) {
     case OffloadDevice::kNone:
       return device_.copy_h2d(device_shard_[g].data(), shard, shard_bytes, *stream_);
     case OffloadDevice::kHost:
+      if (shared_[g] != nullptr) return check_shared(g, 0, shard);
       std::memcpy(host_shard_[g].data(), shard, shard_bytes);
       return Status::ok();
     case OffloadDevice::kNvme: {
@@ -188,7 +195,27 @@ Status ParamCoordinator::write_shard_part(std::uint32_t g, std::size_t first, st
     return device_.copy_h2d(device_shard_[g].as<std::byte>() + first * bytes, values, count * bytes,
                             *stream_);
   }
+  if (shared_[g] != nullptr) return check_shared(g, first, values);
   std::memcpy(host_shard_[g].as<std::byte>() + first * bytes, values, count * bytes);
+  return Status::ok();
+}
+
+Status ParamCoordinator::check_shared(std::uint32_t g, std::size_t first, const void* values) {
+  // The lent memory already holds what is written: only a write of those very bytes is expected.
+  const std::byte* expected = shared_[g] + first * dtype_bytes(partitioner_.group(g).dtype);
+  if (values == expected) return Status::ok();
+  return Status::internal(fmt::format(
+      "ParamCoordinator: group {}'s host shard is lent memory, written from other memory", g));
+}
+
+Status ParamCoordinator::unshare_host_shard(std::uint32_t g) {
+  ZINF_RETURN_IF_ERROR(error_);
+  if (shared_[g] == nullptr) return Status::ok();
+  const GroupInfo& info = partitioner_.group(g);
+  const std::size_t shard_bytes = info.shard_element_count * dtype_bytes(info.dtype);
+  ZINF_ASSIGN_OR_RETURN(host_shard_[g], RegisteredBuffer::allocate(device_, shard_bytes));
+  std::memcpy(host_shard_[g].data(), shared_[g], shard_bytes);
+  shared_[g] = nullptr;
   return Status::ok();
 }
 
@@ -222,6 +249,9 @@ Status ParamCoordinator::write_shard_from_device(std::uint32_t g, const void* de
     st = device_.copy_d2d(own, device_shard, shard_bytes, *stream_);
   } else if (options_.shard_tier == OffloadDevice::kNone) {
     st = device_.copy_d2d(device_shard_[g].data(), device_shard, shard_bytes, *stream_);
+  } else if (options_.shard_tier == OffloadDevice::kHost && shared_[g] != nullptr) {
+    st = Status::internal(fmt::format(
+        "ParamCoordinator: group {}'s host shard is lent memory, written from the device", g));
   } else if (options_.shard_tier == OffloadDevice::kHost) {
     // On the stream: a later gather's copy up from the same host shard comes after it.
     st = device_.copy_d2h(host_shard_[g].data(), device_shard, shard_bytes, *stream_);
@@ -302,7 +332,9 @@ Status ParamCoordinator::issue(std::size_t m, bool prefetch) {
         ZINF_RETURN_IF_ERROR(device_.copy_d2d(own, device_shard_[g].data(), shard_bytes, *stream_));
         break;
       case OffloadDevice::kHost:
-        ZINF_RETURN_IF_ERROR(device_.copy_h2d(own, host_shard_[g].data(), shard_bytes, *stream_));
+        ZINF_RETURN_IF_ERROR(
+            device_.copy_h2d(own, shared_[g] != nullptr ? shared_[g] : host_shard_[g].data(),
+                             shard_bytes, *stream_));
         break;
       case OffloadDevice::kNvme: {
         // The read starts now; the stream waits for it, copies the block up and returns it, so

@@ -46,6 +46,9 @@
 // Device memory is touched only by the device's own operations (copies, all-gathers), so any
 // Device works, host-accessible or not: shards in host memory and the NVMe staging blocks are
 // registered with the device (pinned on CUDA) and copied up; write_shard() takes host memory.
+// A host shard may be lent instead (ParamCoordinatorOptions::shared_host_shards): a frozen
+// group's shard is then the optimizer state's half copy of it, which holds the same bytes, so a
+// frozen element takes 2 bytes of host memory fewer.
 //
 // Thread-safety: one thread (the rank's).
 #pragma once
@@ -83,6 +86,14 @@ struct ParamCoordinatorOptions {
   std::chrono::milliseconds timeout = std::chrono::seconds(60);
   Trace* trace = nullptr;
   int trace_track = 0;
+  // Per group (empty: none), shard tier host: host memory that already holds the rank's shard of
+  // partitioned group g as every write_shard() of it would (the optimizer state's half copy,
+  // OptimizerState::share_host_shards), or nullptr. For such a group the coordinator keeps no
+  // host shard of its own (host_bytes() leaves it out): the gather copies up from this memory,
+  // and write_shard() / write_shard_part() of the same bytes do nothing. REQUIRES: the memory is
+  // registered with the device, outlives the coordinator, and nothing writes it while a gather
+  // of its group may be in flight other than through unshare_host_shard() first.
+  std::vector<const std::byte*> shared_host_shards;
 };
 
 struct CoordinatorModule {
@@ -94,7 +105,8 @@ class ParamCoordinator {
  public:
   // `persistent[g]` says which groups stay gathered. `swap` (required when shard_tier is kNvme
   // and some group is partitioned) gets one extent per partitioned group, and `io` the staging
-  // pool's registration. Allocates every persistent buffer and every device/host shard.
+  // pool's registration. Allocates every persistent buffer and every device/host shard but the
+  // lent ones (options.shared_host_shards).
   static Result<std::unique_ptr<ParamCoordinator>> create(const Partitioner& partitioner, int rank,
                                                           Device& device, Communicator& comm,
                                                           std::vector<CoordinatorModule> modules,
@@ -122,6 +134,12 @@ class ParamCoordinator {
   // before publish() returns: device-to-device into device shards and persistent groups, down
   // into host shards, and through a staging block to NVMe.
   Status write_shard_from_device(std::uint32_t g, const void* device_shard);
+  // Whether group g's host shard is the memory options.shared_host_shards[g] lends.
+  bool shares_host_shard(std::uint32_t g) const { return shared_[g] != nullptr; }
+  // Gives group g a host shard of its own again, a copy of the lent memory, which the lender may
+  // then rewrite (a checkpoint load that makes the optimizer step a frozen sub-group again).
+  // Nothing when g shares none. REQUIRES: no gather of g in flight or in use.
+  Status unshare_host_shard(std::uint32_t g);
   // Waits until every write_shard() so far has read its host memory, and returns the wait's own
   // status: ok when it did, so the caller may free or reuse the memory those writes read from,
   // even after an earlier call failed. A failure (kTimeout: the stream is stuck; or the stream
@@ -214,6 +232,9 @@ class ParamCoordinator {
  private:
   // Waits for the work queued on the coordinator's stream so far (see the .cpp).
   Status wait_stream_for_writes();
+  // A write of lent group g's elements from `first` on: ok when `values` is the lent memory
+  // there (nothing to copy), else kInternal.
+  Status check_shared(std::uint32_t g, std::size_t first, const void* values);
   enum class State : std::uint8_t { kIdle, kPrefetched, kInUse };
   struct Module {
     std::string name;
@@ -285,7 +306,10 @@ class ParamCoordinator {
   std::vector<std::string> group_names_;    // per group: "params group <g>", the collectives' name
   std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
   std::vector<RegisteredBuffer> host_shard_;  // per partitioned group, shard tier host
-  std::vector<ExtentId> extent_;              // per partitioned group, shard tier nvme
+  // Per group: the lent host shard (options.shared_host_shards), or nullptr; such a group has no
+  // host_shard_.
+  std::vector<const std::byte*> shared_;
+  std::vector<ExtentId> extent_;  // per partitioned group, shard tier nvme
   std::unique_ptr<PinnedPool> staging_;
   std::vector<ShardRead> reads_;  // per staging block
   std::unique_ptr<Stream> stream_;
