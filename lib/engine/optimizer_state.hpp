@@ -151,6 +151,16 @@ class OptimizerState {
   // waited for, so that a failed one shows here, and the caller all-gathers them
   // (Publisher::publish()).
   virtual Status publish_master(bool gather_persistent) = 0;
+  // Per group (empty: none): host memory registered with the device that holds this rank's
+  // shard of group g as every publish of it writes it and that no step rewrites, for the
+  // coordinator to keep as g's host shard instead of a copy
+  // (ParamCoordinatorOptions::shared_host_shards), or nullptr. Called once, before the
+  // coordinator is made; the memory outlives the coordinator. Before the state rewrites a lent
+  // shard beside a gather (a checkpoint load that makes the optimizer step it again) it takes it
+  // back (ParamCoordinator::unshare_host_shard).
+  virtual Result<std::vector<const std::byte*>> share_host_shards() {
+    return std::vector<const std::byte*>{};
+  }
   // The first placement, at finalize, once the coordinator exists.
   virtual Status place_initial() { return publish_master(/*gather_persistent=*/true); }
   // Loading a checkpoint: master elements [first, first + count) were just written (through

@@ -35,6 +35,7 @@
 #include <array>
 #include <cstring>
 #include <future>
+#include <mutex>
 #include <optional>
 #include <span>
 
@@ -75,6 +76,7 @@ class StoreState final : public OptimizerState {
     spill_.reset();
     pipeline_.reset();
     pool_.reset();
+    unregister_shared_half();
     store_.reset();
   }
 
@@ -399,7 +401,8 @@ class StoreState final : public OptimizerState {
       // Moments that are not zero: the next step updates the sub-group, from its master.
       if (half_only_[i] && !s.settled(i)) materialise(i);
     }
-    return st;
+    Status back = take_back_stepped_shards();
+    return st.is_ok() ? back : st;
   }
 
   // Each sub-group of the master read into a block (the next one read ahead while `fill` changes
@@ -1006,6 +1009,63 @@ class StoreState final : public OptimizerState {
     return runs;
   }
 
+  // OptimizerState::share_host_shards: from the store, with the master on the host tier (as
+  // keeps_half_only()), the frozen groups whose elements lie in frozen sub-groups alone. Those are
+  // settled from open on (their moments zero), so no pass writes their half copy. A frozen group
+  // with elements in a sub-group that also holds trainable ones is left out: every pass rewrites
+  // that sub-group's half copy (the same bits for the frozen elements, but written while an
+  // overlapped step's next forward may be gathering them). The half array is registered with the
+  // device here, once, and unregistered when the state goes (after the coordinator).
+  Result<std::vector<const std::byte*>> share_host_shards() override {
+    std::vector<const std::byte*> out(layout_.group_count(), nullptr);
+    if (publish_ != Publish::kFromStore || !keeps_half_only()) return out;
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      const std::size_t count = layout_.group(g).shard_element_count;
+      if (!layout_.frozen_group(g) || count == 0) continue;
+      if (!in_sub_groups(layout_.offset(g), count, [&](std::size_t i) { return frozen_[i]; })) {
+        continue;
+      }
+      ZINF_ASSERT(settled_over(layout_.offset(g), count));
+      out[g] = values(g);
+      shared_groups_.push_back(g);
+    }
+    if (shared_groups_.empty()) return out;
+    ZINF_RETURN_IF_ERROR(ctx_.device->register_host(store_->host_data(Piece::kParamsHalf),
+                                                    layout_.partition_elements() * 2));
+    half_registered_ = true;
+    return out;
+  }
+  // Whether every sub-group that elements [first, first + count) overlap satisfies `pred`.
+  template <typename Pred>
+  bool in_sub_groups(std::size_t first, std::size_t count, Pred pred) const {
+    const StateStore& s = *store_;
+    for (std::size_t i = sub_group_holding(s, first);
+         i < s.sub_group_count() && s.sub_group_first(i) < first + count; ++i) {
+      if (!pred(i)) return false;
+    }
+    return true;
+  }
+  bool settled_over(std::size_t first, std::size_t count) const {
+    return in_sub_groups(first, count, [&](std::size_t i) { return store_->settled(i); });
+  }
+  // After a load of the moments: a lent group over a sub-group that the next pass steps (moments
+  // loaded that are not zero) gets its own host shard back before that pass rewrites the half
+  // copy beside the next forward's gathers (an overlapped step does not wait for a frozen
+  // group's writes). Nothing is gathered during a load.
+  Status take_back_stepped_shards() {
+    for (std::uint32_t g : shared_groups_) {
+      if (settled_over(layout_.offset(g), layout_.group(g).shard_element_count)) continue;
+      std::lock_guard<std::mutex> lock(pub_.mutex());
+      ZINF_RETURN_IF_ERROR(pub_.coordinator().unshare_host_shard(g));
+    }
+    return Status::ok();
+  }
+  void unregister_shared_half() {
+    if (!half_registered_) return;
+    (void)ctx_.device->unregister_host(store_->host_data(Piece::kParamsHalf));
+    half_registered_ = false;
+  }
+
   // Partition elements [first, first + count) lie in groups that a step does not rewrite (frozen
   // groups) only.
   bool frozen_groups_only(std::size_t first, std::size_t count) const {
@@ -1060,6 +1120,10 @@ class StoreState final : public OptimizerState {
   // REQUIRES: a half-only sub-group is frozen and settled.
   std::vector<bool> half_only_;
   std::size_t half_only_count_ = 0;
+  // The groups share_host_shards() lent the coordinator (ascending), and whether the half array
+  // is registered with the device for them.
+  std::vector<std::uint32_t> shared_groups_;
+  bool half_registered_ = false;
   // Half-only sub-groups' scratch blocks (half_only_block()): a read's widened values, a
   // write's filled ones, the narrowed halves and their widened round trip.
   static constexpr std::size_t kHalfOnlyChunkElements = std::size_t{1} << 18;

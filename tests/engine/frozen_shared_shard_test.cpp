@@ -1,0 +1,262 @@
+// A frozen group's host shard lent by the optimizer state (stage 3, offload_param "cpu",
+// offload_optimizer "cpu", every group bf16): the coordinator keeps no copy of a frozen group
+// whose elements lie in frozen sub-groups alone, and gathers it from the store's half array
+// (ParamCoordinatorOptions::shared_host_shards, OptimizerState::share_host_shards). The model's
+// frozen module is eight 4096-element parameters, each a group of its own
+// (zinf.group_max_elements 4096), so that at world 2 the six in the middle lie in frozen
+// sub-groups on every rank (a trainable module's run is widened to 1024-element boundaries, so
+// the first and the last frozen group share a sub-group with one). The devices delay their
+// stream work at random (jitter), so that a copy the engine does not wait for shows up.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "base/random.hpp"
+#include "engine_test_util.hpp"
+#include "zinf/dtype.hpp"
+
+namespace zinf {
+namespace {
+
+using engine_test::Model;
+using engine_test::TrainOptions;
+
+constexpr int kWorld = 2;
+constexpr int kFrozenParams = 8;
+constexpr std::size_t kFrozenParamElements = 64 * 64;
+// The frozen groups whose shards are lent on each rank: all but the first and the last.
+constexpr std::size_t kLentGroups = kFrozenParams - 2;
+
+// bf16; the frozen module "base" between two trainable ones, seeded values in [-1, 1), the
+// frozen ones rounded to bf16 with `exact` (each x then equals widen(narrow(x))).
+Model lent_model(std::uint64_t seed, bool exact) {
+  Model m;
+  m.modules = {"embed", "base", "head"};
+  m.params.push_back({"embed.w", "embed", {37, 41}, DType::kBF16});
+  for (int l = 0; l < kFrozenParams; ++l) {
+    m.params.push_back({"base.w" + std::to_string(l), "base", {64, 64}, DType::kBF16});
+  }
+  m.params.push_back({"head.w", "head", {29, 43}, DType::kBF16});
+  m.params.push_back({"head.b", "head", {29}, DType::kBF16});
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v(m.params[p].element_count());
+    fill_uniform(v.data(), v.size(), seed * 1000 + p, -1.0f, 1.0f);
+    m.initial.push_back(std::move(v));
+  }
+  m.frozen_module = "base";
+  if (!exact) return m;
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    if (m.params[p].module != "base") continue;
+    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(m.initial[p], DType::kBF16);
+    convert_bf16_to_f32(half.data(), m.initial[p].data(), half.size());
+  }
+  return m;
+}
+
+Config lent_config(OffloadDevice params, bool overlap) {
+  Config c = engine_test::small_config(3, OffloadDevice::kHost, params, "");
+  c.zero.group_max_elements = kFrozenParamElements;
+  c.overlap_step = overlap;
+  return c;
+}
+
+engine_test::Ranks checked_ranks() {
+  test::HostRanksOptions o;
+  o.jitter_max_us = 50;
+  o.jitter_seed = 91;
+  return test::make_host_ranks(kWorld, o);
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// Each rank's MemoryReport::host_bytes after finalize().
+std::vector<std::uint64_t> finalized_host_bytes(const Config& config, const Model& model) {
+  engine_test::Ranks ranks = checked_ranks();
+  std::vector<std::uint64_t> out(kWorld, 0);
+  const std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        ZINF_RETURN_IF_ERROR(engine.finalize());
+        out[rank] = engine.memory().host_bytes;
+        return Status::ok();
+      });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  return out;
+}
+
+// The host bytes the shards take on each rank: offload_param "cpu" less offload_param "none".
+std::vector<std::int64_t> shard_host_bytes(const Model& model) {
+  const std::vector<std::uint64_t> host =
+      finalized_host_bytes(lent_config(OffloadDevice::kHost, false), model);
+  const std::vector<std::uint64_t> device =
+      finalized_host_bytes(lent_config(OffloadDevice::kNone, false), model);
+  std::vector<std::int64_t> out(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    out[r] = static_cast<std::int64_t>(host[r]) - static_cast<std::int64_t>(device[r]);
+  }
+  return out;
+}
+
+// The lent frozen shards take no host memory of the coordinator's: with the module frozen, the
+// shards in host memory take 2 bytes less a lent element (one rank's shard of each of the six
+// middle groups, 2048 bf16 elements, one page) than with the same module trainable, whose shards
+// the optimizer rewrites every step and the coordinator keeps. Values bf16 holds or not alike.
+TEST(FrozenSharedShard, LentShardsTakeNoHostMemory) {
+  for (bool exact : {true, false}) {
+    const Model frozen = lent_model(17, exact);
+    Model trainable = frozen;
+    trainable.frozen_module.clear();
+    const std::vector<std::int64_t> lent = shard_host_bytes(frozen);
+    const std::vector<std::int64_t> kept = shard_host_bytes(trainable);
+    const std::int64_t lent_bytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+    for (int r = 0; r < kWorld; ++r) {
+      std::printf("exact %d rank %d: shards take %lld host bytes frozen, %lld trainable\n",
+                  exact ? 1 : 0, r, static_cast<long long>(lent[r]),
+                  static_cast<long long>(kept[r]));
+      EXPECT_EQ(kept[r] - lent[r], lent_bytes) << "exact " << exact << " rank " << r;
+    }
+  }
+}
+
+// Gathered values (every module, every step: train_rank() compares each with the reference's,
+// bit for bit) and the masters after the steps are those of the reference, with the overlapped
+// step on and off; the frozen parameters read back as registered.
+TEST(FrozenSharedShard, GathersTheRegisteredBitsAndTrainsAsTheReference) {
+  const Model model = lent_model(23, true);
+  for (bool overlap : {false, true}) {
+    const Config config = lent_config(OffloadDevice::kHost, overlap);
+    TrainOptions options;
+    options.steps = 4;
+    const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
+    engine_test::Ranks ranks = checked_ranks();
+    const engine_test::RankRuns runs =
+        engine_test::train_against_reference(config, ranks, model, options, ref);
+    for (int r = 0; r < kWorld; ++r) {
+      ASSERT_TRUE(runs.status[r].is_ok())
+          << "overlap " << overlap << ": " << runs.status[r].to_string();
+      for (std::size_t p = 0; p < model.params.size(); ++p) {
+        EXPECT_LE(engine_test::max_rel_diff(runs.finals[r][p], ref.master[p]), 1e-6)
+            << "overlap " << overlap << " " << model.params[p].name;
+        if (model.params[p].module == "base") {
+          EXPECT_TRUE(same_bits(runs.finals[r][p], model.initial[p])) << model.params[p].name;
+        }
+      }
+    }
+  }
+}
+
+// Save after two steps, load into fresh engines and save again: the rank files are the same
+// bytes, the loaded engine's shards take the host memory they took after finalize() (the lent
+// ones none), and its gathers in two more steps are the reference's, bit for bit.
+TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
+  const Model model = lent_model(41, true);
+  engine_test::ScratchDir dir("frozen_shared_shard_ckpt");
+  const std::string ckpt = dir.path() + "/ckpt";
+  const Config config = lent_config(OffloadDevice::kHost, true);
+  TrainOptions options;
+  options.steps = 4;
+  const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
+  std::vector<std::uint64_t> finalized(kWorld), loaded(kWorld);
+  {
+    engine_test::Ranks ranks = checked_ranks();
+    std::vector<Status> st =
+        engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+          ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+          ZINF_RETURN_IF_ERROR(engine.finalize());
+          finalized[rank] = engine.memory().host_bytes;
+          TrainOptions first = options;
+          first.steps = 2;
+          first.device = ranks.devices[rank].get();
+          ZINF_RETURN_IF_ERROR(
+              engine_test::train_rank(engine, model, rank, first, &ref.device_per_step, nullptr));
+          return engine.save_checkpoint(ckpt, "first");
+        });
+    for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  }
+  engine_test::Ranks ranks = checked_ranks();
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        ZINF_RETURN_IF_ERROR(engine.finalize());
+        ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "first"));
+        loaded[rank] = engine.memory().host_bytes;
+        ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, "again"));
+        TrainOptions rest = options;
+        rest.first_step = 3;
+        rest.device = ranks.devices[rank].get();
+        return engine_test::train_rank(engine, model, rank, rest, &ref.device_per_step, nullptr);
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(loaded[r], finalized[r]) << "rank " << r;
+    const std::string file = "/rank" + std::to_string(r) + ".zinfckpt";
+    const std::string saved = engine_test::read_file(ckpt + "/first" + file);
+    ASSERT_FALSE(saved.empty()) << file;
+    EXPECT_TRUE(saved == engine_test::read_file(ckpt + "/again" + file)) << file;
+  }
+}
+
+// Non-zero moments loaded into the frozen module (saved with it trainable at learning rate 0):
+// every pass now steps its sub-groups and rewrites their half copy while the overlapped step's
+// next forward gathers, so each lent shard is taken back first (host_bytes grows by one page a
+// lent group: values bf16 does not hold, so no master is made besides). The module keeps its
+// values through overlapped steps.
+TEST(FrozenSharedShard, LoadedMomentsTakeTheLentShardsBack) {
+  const Model model = lent_model(59, false);
+  Model thawed = model;
+  thawed.frozen_module.clear();
+  engine_test::ScratchDir dir("frozen_shared_shard_moments");
+  const std::string ckpt = dir.path() + "/ckpt";
+  Config still = lent_config(OffloadDevice::kHost, true);
+  still.optimizer.lr = 0.0;
+  still.optimizer.weight_decay = 0.0;
+  std::vector<Status> st =
+      engine_test::with_engines(still, thawed, kWorld, [&](int rank, Engine& engine) -> Status {
+        TrainOptions options;
+        options.steps = 3;
+        options.check_gathered = false;
+        ZINF_RETURN_IF_ERROR(
+            engine_test::train_rank(engine, thawed, rank, options, nullptr, nullptr));
+        return engine.save_checkpoint(ckpt, "moments");
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+
+  const Config config = lent_config(OffloadDevice::kHost, true);
+  std::vector<std::uint64_t> finalized(kWorld), loaded(kWorld);
+  std::vector<std::vector<float>> stepped;
+  engine_test::Ranks ranks = checked_ranks();
+  st = engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+    ZINF_RETURN_IF_ERROR(engine.finalize());
+    finalized[rank] = engine.memory().host_bytes;
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "moments"));
+    loaded[rank] = engine.memory().host_bytes;
+    TrainOptions options;
+    options.steps = 6;
+    options.first_step = 4;
+    options.check_gathered = false;
+    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+    ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
+    if (rank == 0) stepped = std::move(masters);
+    return Status::ok();
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const std::uint64_t lent_bytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+  for (int r = 0; r < kWorld; ++r) {
+    EXPECT_EQ(loaded[r] - finalized[r], lent_bytes) << "rank " << r;
+  }
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].module != "base") continue;
+    EXPECT_TRUE(same_bits(stepped[p], model.initial[p])) << model.params[p].name;
+  }
+}
+
+}  // namespace
+}  // namespace zinf
