@@ -241,6 +241,8 @@ struct MemoryReport {
   // Host-tier optimizer state and shards, pinned pools. Less the fp32 master of the frozen
   // sub-groups kept as their half copy alone (docs/ENGINE.md "Frozen parameters"), which grows
   // back when a write or a load gives one its master.
+  // A frozen group's shard the state's half copy lends the coordinator (stage 3, shards and
+  // state in host memory) is counted once, as the half copy.
   std::uint64_t host_bytes = 0;
   std::uint64_t nvme_bytes = 0;  // swap extents
   // Activations (save_activation(), set_activation_bytes(); docs/ACTIVATIONS.md), outside the
