@@ -238,9 +238,11 @@ struct StepReport {
 // Bytes of this rank's state on each tier, fixed at finalize() (but host_bytes, below).
 struct MemoryReport {
   std::uint64_t device_bytes = 0;  // parameters (full or shard), gradient accumulators, buckets
-  // Host-tier optimizer state and shards, pinned pools. Less the fp32 master of the frozen
-  // sub-groups kept as their half copy alone (docs/ENGINE.md "Frozen parameters"), which grows
-  // back when a write or a load gives one its master.
+  // Host-tier optimizer state and shards, pinned pools: every host array and block allocated,
+  // its pages written yet or not (a frozen element's zero moments count). But the fp32 master
+  // of the frozen sub-groups kept as their half copy alone (docs/ENGINE.md "Frozen parameters"),
+  // whose pages no write is ever given: it grows back when a write or a load gives one its
+  // master. The scratch blocks of those sub-groups' reads and writes count.
   // A frozen group's shard the state's half copy lends the coordinator (stage 3, shards and
   // state in host memory) is counted once, as the half copy.
   std::uint64_t host_bytes = 0;

@@ -113,6 +113,7 @@ class StoreState final : public OptimizerState {
         [&](std::size_t i) { return store_->sub_group_size(i); });
     frozen_ = pipe.frozen_sub_groups;
     half_only_.assign(store_->sub_group_count(), false);
+    allocate_half_only_scratch();
     advise_frozen_off_huge_pages();
     if (publish_ == Publish::kStreamed) {
       // A step's stream drops the frozen groups' elements (Publisher::restart_stream): a passed
@@ -492,10 +493,15 @@ class StoreState final : public OptimizerState {
         report.host_bytes += layout_.partition_elements() * dtype_bytes(store_->dtype(piece));
       }
     }
-    // A half-only sub-group's master is untouched zero pages.
+    // Every host array and block allocated for the state counts, its pages touched or not (the
+    // frozen moments' and gradients' zero pages too: a load or a step may write them), but a
+    // half-only sub-group's master: no write is ever given those pages, and one that would be
+    // makes the master first (materialise()), which counts it again.
     for (std::size_t i = 0; i < half_only_.size(); ++i) {
       if (half_only_[i]) report.host_bytes -= store_->sub_group_size(i) * sizeof(float);
     }
+    report.host_bytes +=
+        read_scratch_.bytes() + fill_scratch_.bytes() + half_scratch_.bytes() + round_trip_.bytes();
   }
   std::uint64_t pinned_bytes() const override { return pool_ != nullptr ? pool_->bytes() : 0; }
   std::uint64_t master_read_bytes() const override { return master_read_bytes_; }
@@ -761,8 +767,7 @@ class StoreState final : public OptimizerState {
       i = end;
     }
     if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return;
-    // The master too where load() may leave a frozen sub-group's unwritten (keeps_half_only()).
-    for (const auto& [first, count] : runs) store_->advise_cold(first, count, keeps_half_only());
+    for (const auto& [first, count] : runs) store_->advise_cold(first, count);
   }
 
   // Whether a frozen sub-group may keep its master as its half copy alone: from the store's
@@ -790,41 +795,43 @@ class StoreState final : public OptimizerState {
     }
   }
 
-  // The scratch blocks of the half-only sub-groups' reads and writes: kHalfOnlyChunkElements
-  // floats each (and as many halves), made on first use and kept.
-  float* half_only_block(AlignedBuffer* b) {
-    if (b->bytes() == 0) *b = AlignedBuffer(kHalfOnlyChunkElements * sizeof(float));
-    return b->as<float>();
-  }
-
-  // Whether the half copy of partition elements [first, first + count) widens to `master` bit
-  // for bit.
-  bool half_holds(std::size_t first, std::size_t count, const float* master) {
-    float* wide = half_only_block(&round_trip_);
-    for (std::size_t done = 0; done < count; done += kHalfOnlyChunkElements) {
-      const std::size_t chunk = std::min(kHalfOnlyChunkElements, count - done);
-      widen_half(first + done, chunk, wide);
-      if (std::memcmp(wide, master + done, chunk * sizeof(float)) != 0) return false;
+  // The scratch blocks of the half-only sub-groups' reads and writes, made at open where a
+  // frozen sub-group may keep no master, and kept (MemoryReport::host_bytes counts them): a
+  // chunk of floats each, and a chunk of halves; a chunk is at most a sub-group, whose elements
+  // the loops over them never pass.
+  void allocate_half_only_scratch() {
+    if (!keeps_half_only() || std::find(frozen_.begin(), frozen_.end(), true) == frozen_.end()) {
+      return;
     }
-    return true;
+    chunk_elements_ = std::min(kHalfOnlyChunkElements, store_->sub_group_params());
+    read_scratch_ = AlignedBuffer(chunk_elements_ * sizeof(float));
+    fill_scratch_ = AlignedBuffer(chunk_elements_ * sizeof(float));
+    round_trip_ = AlignedBuffer(chunk_elements_ * sizeof(float));
+    half_scratch_ = AlignedBuffer(chunk_elements_ * sizeof(std::uint16_t));
   }
 
-  // When the half dtype holds `values` (partition elements [first, first + count), at most
-  // kHalfOnlyChunkElements) exactly: narrows them into the half copy and returns true; else
-  // leaves the half copy as it is.
-  bool narrow_exactly(std::size_t first, std::size_t count, const float* values) {
-    ZINF_ASSERT(count <= kHalfOnlyChunkElements);
-    auto* half = reinterpret_cast<std::uint16_t*>(half_only_block(&half_scratch_));
-    float* wide = half_only_block(&round_trip_);
+  // Whether the half dtype holds `values` (at most chunk_elements_) exactly: each narrowed into
+  // half_scratch_ and widened back the same bits.
+  bool holds_exactly(const float* values, std::size_t count) {
+    ZINF_ASSERT(count <= chunk_elements_);
+    auto* half = half_scratch_.as<std::uint16_t>();
+    float* wide = round_trip_.as<float>();
     narrow(values, count, layout_.half_dtype(), half);
     if (layout_.half_dtype() == DType::kBF16) {
       convert_bf16_to_f32(half, wide, count);
     } else {
       convert_f16_to_f32(half, wide, count);
     }
-    if (std::memcmp(wide, values, count * sizeof(float)) != 0) return false;
-    std::memcpy(store_->host_data(Piece::kParamsHalf) + first * sizeof(std::uint16_t), half,
-                count * sizeof(std::uint16_t));
+    return std::memcmp(wide, values, count * sizeof(float)) == 0;
+  }
+
+  // When the half dtype holds `values` (partition elements [first, first + count), at most
+  // chunk_elements_) exactly: narrows them into the half copy and returns true; else leaves the
+  // half copy as it is.
+  bool narrow_exactly(std::size_t first, std::size_t count, const float* values) {
+    if (!holds_exactly(values, count)) return false;
+    std::memcpy(store_->host_data(Piece::kParamsHalf) + first * sizeof(std::uint16_t),
+                half_scratch_.data(), count * sizeof(std::uint16_t));
     return true;
   }
 
@@ -863,9 +870,9 @@ class StoreState final : public OptimizerState {
         at = run_end;
         continue;
       }
-      float* scratch = half_only_block(&fill_scratch_);
+      float* scratch = fill_scratch_.as<float>();
       while (at < stop && half_only_[i]) {
-        const std::size_t count = std::min(kHalfOnlyChunkElements, stop - at);
+        const std::size_t count = std::min(chunk_elements_, stop - at);
         widen_half(at, count, scratch);
         ZINF_RETURN_IF_ERROR(fill(at, count, scratch));
         if (!narrow_exactly(at, count, scratch)) {
@@ -901,8 +908,8 @@ class StoreState final : public OptimizerState {
       for (std::size_t m = k; m < spans.size() && spans[m].begin < b; ++m) {
         const std::size_t hi = std::min(b, spans[m].end);
         for (std::size_t at = std::max(a, spans[m].begin); at < hi;) {
-          const std::size_t count = std::min(kHalfOnlyChunkElements, hi - at);
-          float* wide = half_only_block(&read_scratch_);  // none on the step's path (no spans)
+          const std::size_t count = std::min(chunk_elements_, hi - at);
+          float* wide = read_scratch_.as<float>();
           widen_half(at, count, wide);
           ZINF_RETURN_IF_ERROR(fn(at, count, wide));
           at += count;
@@ -918,6 +925,51 @@ class StoreState final : public OptimizerState {
     return all_zero_bytes(values, count * sizeof(float));
   }
 
+  // load()'s first pass, where a frozen sub-group may keep no master (keeps_half_only()): which
+  // frozen sub-groups the half copy holds exactly. Each one's master is filled into `block` a
+  // chunk at a time, up to the first chunk the half dtype does not hold exactly (load() fills
+  // that sub-group again, whole: a base trained in fp32 stops at its first chunk); one held
+  // throughout is narrowed into the half copy and becomes half-only. Decided before any master
+  // is written, so that the half-only sub-groups' masters, which no write touches, are advised
+  // off transparent huge pages (merged into runs, bounded as advise_frozen_off_huge_pages()'s)
+  // before a neighbour's master is written: with THP "always" that write would otherwise fault
+  // 2 MiB pages over them. The masters of the frozen sub-groups not held are left as they are,
+  // since load() writes them in full.
+  Status find_half_only(AlignedBuffer& block) {
+    if (!keeps_half_only()) return Status::ok();
+    const StateStore& s = *store_;
+    float* master = block.as<float>();
+    for (std::size_t i = 0; i < frozen_.size(); ++i) {
+      if (!frozen_[i]) continue;
+      const std::size_t first = s.sub_group_first(i);
+      const std::size_t size = s.sub_group_size(i);
+      bool held = true;
+      for (std::size_t done = 0; done < size && held; done += chunk_elements_) {
+        const std::size_t count = std::min(chunk_elements_, size - done);
+        ZINF_RETURN_IF_ERROR(ctx_.layout->fill_master(first + done, count, master + done));
+        held = holds_exactly(master + done, count);
+      }
+      if (!held) continue;
+      narrow_all(first, size, master);
+      half_only_[i] = true;
+      ++half_only_count_;
+    }
+    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first sub-group, count)
+    for (std::size_t i = 0; i < half_only_.size();) {
+      if (!half_only_[i]) {
+        ++i;
+        continue;
+      }
+      std::size_t end = i;
+      while (end < half_only_.size() && half_only_[end]) ++end;
+      runs.emplace_back(i, end - i);
+      i = end;
+    }
+    if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return Status::ok();
+    for (const auto& [first, count] : runs) store_->advise_master_cold(first, count);
+    return Status::ok();
+  }
+
   // Writes the initial master and zero moments into the store, and rounds the master into the
   // publishing values from the same block, so the registered values are read once. On the host
   // tier the moments are not written: the store's arrays are fresh zero pages
@@ -930,11 +982,13 @@ class StoreState final : public OptimizerState {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(Piece::kParams));  // the master always lives in the store
     AlignedBuffer block(round_page(s.sub_group_params() * sizeof(float)));
+    ZINF_RETURN_IF_ERROR(find_half_only(block));
     for (std::size_t i = 0; i < s.sub_group_count(); ++i) {
       const std::size_t first = s.sub_group_first(i);
       const std::size_t size = s.sub_group_size(i);
       for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq}) {
         if (!s.has(piece)) continue;
+        if (piece == Piece::kParams && half_only_[i]) continue;  // find_half_only() narrowed it
         if (piece != Piece::kParams && s.tier(piece) == StoreMedium::kHost) continue;
         if (piece != Piece::kParams && i < frozen_.size() && frozen_[i] &&
             s.release_piece(piece, i).is_ok()) {
@@ -945,13 +999,6 @@ class StoreState final : public OptimizerState {
           ZINF_RETURN_IF_ERROR(ctx_.layout->fill_master(first, size, block.as<float>()));
           // Streamed, there is no partition-wide copy: place_initial() reads the master back.
           if (publish_ != Publish::kStreamed) narrow_all(first, size, block.as<const float>());
-          // A frozen sub-group whose half copy holds its master exactly keeps no master.
-          if (keeps_half_only() && i < frozen_.size() && frozen_[i] &&
-              half_holds(first, size, block.as<const float>())) {
-            half_only_[i] = true;
-            ++half_only_count_;
-            continue;
-          }
         }
         if (s.tier(piece) == StoreMedium::kHost) {
           std::memcpy(s.host_data(piece, i), block.data(), size * sizeof(float));
@@ -1124,9 +1171,11 @@ class StoreState final : public OptimizerState {
   // is registered with the device for them.
   std::vector<std::uint32_t> shared_groups_;
   bool half_registered_ = false;
-  // Half-only sub-groups' scratch blocks (half_only_block()): a read's widened values, a
-  // write's filled ones, the narrowed halves and their widened round trip.
+  // Half-only sub-groups' scratch blocks (allocate_half_only_scratch()): a read's widened
+  // values, a write's filled ones, the narrowed halves and their widened round trip, of
+  // chunk_elements_ elements each (up to 1 MiB of floats), or none.
   static constexpr std::size_t kHalfOnlyChunkElements = std::size_t{1} << 18;
+  std::size_t chunk_elements_ = 0;
   AlignedBuffer read_scratch_;
   AlignedBuffer fill_scratch_;
   AlignedBuffer half_scratch_;

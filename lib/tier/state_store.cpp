@@ -485,13 +485,21 @@ std::byte* StateStore::host_data(Piece piece, std::size_t i) const {
   return host_data(piece) + sub_group_first(i) * dtype_bytes(dtype(piece));
 }
 
-void StateStore::advise_cold(std::size_t first_sub_group, std::size_t count, bool master) {
+void StateStore::advise_cold(std::size_t first_sub_group, std::size_t count) {
+  advise_off_huge_pages(first_sub_group, count, {Piece::kExpAvg, Piece::kExpAvgSq, Piece::kGrads});
+}
+
+void StateStore::advise_master_cold(std::size_t first_sub_group, std::size_t count) {
+  advise_off_huge_pages(first_sub_group, count, {Piece::kParams});
+}
+
+void StateStore::advise_off_huge_pages(std::size_t first_sub_group, std::size_t count,
+                                       std::initializer_list<Piece> pieces) {
   ZINF_ASSERT(count > 0 && first_sub_group + count <= sub_group_count_);
   const std::size_t last = first_sub_group + count - 1;
   const std::size_t begin = sub_group_first(first_sub_group);
   const std::size_t end = sub_group_first(last) + sub_group_size(last);
-  for (Piece piece : {Piece::kParams, Piece::kExpAvg, Piece::kExpAvgSq, Piece::kGrads}) {
-    if (piece == Piece::kParams && !master) continue;
+  for (Piece piece : pieces) {
     if (!has(piece) || tier(piece) != StoreMedium::kHost) continue;
     const std::size_t element_bytes = dtype_bytes(dtype(piece));
     (void)host_[static_cast<std::size_t>(piece)].advise_no_huge_pages(

@@ -55,6 +55,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <string_view>
@@ -206,15 +207,17 @@ class StateStore {
   // Advises the host arrays of the moments and the gradients over sub-groups [first_sub_group,
   // first_sub_group + count) off transparent huge pages (AlignedBuffer::advise_no_huge_pages):
   // sub-groups that stay zero (frozen ones), so that with THP "always" the first write into a
-  // neighbour does not fault in 2 MiB pages over their zeros. The half copy, written
-  // everywhere, is left alone, and so are pieces not on the host tier; the master too unless
-  // `master` (a caller that may leave those sub-groups' master unwritten: StoreState keeps a
-  // frozen sub-group's master as its half copy alone where that holds it exactly). Advice only:
+  // neighbour does not fault in 2 MiB pages over their zeros. The master and the half copy,
+  // written everywhere, are left alone, and so are pieces not on the host tier. Advice only:
   // nothing fails. Each call splits each advised array's mapping in up to three, so the caller
   // merges neighbouring sub-groups into one call and bounds the calls
   // (AlignedBuffer::kMaxAdvisedStretches). REQUIRES: count > 0, first_sub_group + count <=
   // sub_group_count().
-  void advise_cold(std::size_t first_sub_group, std::size_t count, bool master = false);
+  void advise_cold(std::size_t first_sub_group, std::size_t count);
+  // The same for the master's host array alone: for sub-groups whose master the caller never
+  // writes (StoreState keeps a frozen sub-group's master as its half copy alone where that holds
+  // it exactly), advised before any neighbour's master is written.
+  void advise_master_cold(std::size_t first_sub_group, std::size_t count);
 
   // NVMe tier: the extent of (i, piece). REQUIRES: on_nvme(piece).
   ExtentId extent(Piece piece, std::size_t i) const;
@@ -319,6 +322,10 @@ class StateStore {
   void clear_settled();
 
  private:
+  // advise_cold() and advise_master_cold(): the host arrays of `pieces` over the sub-groups.
+  void advise_off_huge_pages(std::size_t first_sub_group, std::size_t count,
+                             std::initializer_list<Piece> pieces);
+
   struct Record {
     std::int64_t step = 0;
     bool torn = false;

@@ -22,6 +22,7 @@
 #include "engine/rank_exchange.hpp"
 #include "zero/param_coordinator.hpp"
 #include "zero/zero_counters.hpp"
+#include "zinf/dtype.hpp"
 
 namespace zinf::engine_test {
 
@@ -33,11 +34,16 @@ struct StateFixtureOptions {
   bool base_frozen = true;
   // "base"'s initial values are seeded from `seed`, "lora"'s from `seed + 1`.
   std::uint64_t seed = 11;
+  // The dtype both modules compute with (ParameterSpec::dtype).
+  DType dtype = DType::kF32;
+  // With a half `dtype`: "base"'s seeded values rounded to it first, so that its half copy holds
+  // them exactly (widen(narrow(x)) is x).
+  bool base_exact = false;
 };
 
-// One rank's layout (stage 2, AdamW) of f32 modules "base" of `base_elements` elements and
-// "lora" of `lora_elements`, laid out on a single-rank group, and the StateContext of an
-// OptimizerState over it.
+// One rank's layout (stage 2, AdamW) of modules "base" (f32 unless options.dtype) of
+// `base_elements` elements and "lora" of `lora_elements`, laid out on a single-rank group, and the
+// StateContext of an OptimizerState over it.
 class StateFixture {
  public:
   StateFixture(std::size_t base_elements, std::size_t lora_elements, StateFixtureOptions options) {
@@ -49,6 +55,14 @@ class StateFixture {
     config_.zero.offload_optimizer.device = options.offload;
     values_.push_back(seeded(base_elements, options.seed, -1.0f, 1.0f));
     values_.push_back(seeded(lora_elements, options.seed + 1, -1.0f, 1.0f));
+    if (options.base_exact && options.dtype != DType::kF32) {
+      const std::vector<std::uint16_t> half = narrow_to_half(values_[0], options.dtype);
+      if (options.dtype == DType::kBF16) {
+        convert_bf16_to_f32(half.data(), values_[0].data(), half.size());
+      } else {
+        convert_f16_to_f32(half.data(), values_[0].data(), half.size());
+      }
+    }
     const char* names[] = {"base", "lora"};
     for (std::size_t i = 0; i < 2; ++i) {
       ParameterSpec spec;
@@ -57,6 +71,7 @@ class StateFixture {
       spec.shape = {static_cast<std::int64_t>(values_[i].size())};
       spec.initial_values = values_[i].data();
       spec.trainable = !(i == 0 && options.base_frozen);
+      spec.dtype = options.dtype;
       EXPECT_TRUE(layout_.add(spec).is_ok());
     }
     Device& device = *ranks_.devices[0];

@@ -1,12 +1,15 @@
 // The estimate for a LoRA-shaped model (a frozen base, trainable adapters) against what the
-// engine makes resident. The engine's MemoryReport counts what it allocates, and a frozen
-// element's moments and gradient slice are allocated as fresh zero pages that no step writes
-// (docs/ENGINE.md, "What a frozen parameter costs"), so the comparison is with the process's
-// resident set: the planned config (stage 2, optimizer state in host memory) is opened on one
-// HostDevice rank, whose device memory is the process's too, finalized and stepped three times
-// on the adapters' gradients; the growth of the resident anonymous memory is compared with the
-// estimate's engine-owned bytes, device and host together. The device optimizer's bytes are
-// compared with the engine's MemoryReport at stages 1 and 2.
+// engine makes resident. The engine's MemoryReport counts what it allocates, pages written or
+// not, and a frozen element's moments and gradient slice are allocated as fresh zero pages that
+// no step writes (docs/ENGINE.md, "What a frozen parameter costs"), so the comparison is with the
+// process's resident set. The report leaves out only the fp32 master of a frozen sub-group kept
+// as its half copy alone, whose pages no write is ever given (docs/ENGINE.md, "Frozen
+// parameters"); the base values here are drawn, not exact in bf16, so every master is kept. The
+// planned config (stage 2, optimizer state in host memory) is opened on one HostDevice rank,
+// whose device memory is the process's too, finalized and stepped three times on the adapters'
+// gradients; the growth of the resident anonymous memory is compared with the estimate's
+// engine-owned bytes, device and host together. The device optimizer's bytes are compared with
+// the engine's MemoryReport at stages 1 and 2.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
