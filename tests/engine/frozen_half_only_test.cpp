@@ -1,11 +1,12 @@
 // A frozen sub-group's fp32 master kept as its half copy alone (offload_optimizer "cpu", every
 // group of one half dtype: lib/engine/store_state.cpp's header comment). A bf16 (or f16) model
 // with a frozen module whose values are rounded to that dtype first, so that the half copy holds
-// them exactly: the master takes no host memory (MemoryReport::host_bytes against the same model
-// with values the half dtype does not hold), read_parameters gives the registered bits after
+// them exactly: the master is left out of MemoryReport::host_bytes (against the same model with
+// values the half dtype does not hold), read_parameters gives the registered bits after
 // finalize and after steps, the trainable masters are those of the same run with the optimizer
 // state on NVMe (where every master is kept), checkpoints are the bytes that run writes, values
-// the half copy does not hold (write_parameters, a checkpoint's) read back bit for bit, and
+// the half copy does not hold (write_parameters, a checkpoint's) read back bit for bit, also past
+// the first of the 256 Ki-element chunks a half-only sub-group is read and written by, and
 // non-zero moments loaded into the frozen module give it its master back.
 #include <gtest/gtest.h>
 
@@ -111,12 +112,12 @@ TrainRun train(const Model& model, int world, int stage, OffloadDevice optimizer
   return run;
 }
 
-// The frozen master the half copy holds exactly takes no host memory: MemoryReport::host_bytes
+// The frozen master the half copy holds exactly is left out of MemoryReport::host_bytes, which
 // is 4 bytes a frozen element below the same model's with values bf16 does not hold (whose
 // frozen sub-groups keep their master), but for the frozen elements in the trainable modules'
 // sub-groups: those cut at whole 1024-element pages (frozen_cuts), less than a page at each end
 // of the frozen run.
-TEST(FrozenHalfOnly, AFrozenMasterItsHalfCopyHoldsTakesNoHostMemory) {
+TEST(FrozenHalfOnly, AFrozenMasterItsHalfCopyHoldsIsLeftOutOfTheMemoryReport) {
   for (int stage : {2, 3}) {
     const Model exact = frozen_model(31, true);
     const Model drawn = frozen_model(31, false);
@@ -347,6 +348,92 @@ TEST(FrozenHalfOnly, LoadedMomentsGiveTheFrozenSubGroupsTheirMaster) {
     if (model.params[p].module != kFrozen) continue;
     EXPECT_TRUE(same_bits(stepped[p], model.initial[p])) << model.params[p].name;
   }
+}
+
+// Values written into a frozen parameter that spans several of the 256 Ki-element chunks a
+// half-only sub-group is read and written by (one sub-group of its own: sub_group_size 4 Mi),
+// exact up to partway through the second chunk and not from there on: the sub-group stays
+// half-only through a write of exact values (host_bytes as after finalize()), gets its master
+// back at the first value its half copy does not hold (host_bytes grows by its master), and
+// every value reads back bit for bit, the neighbour in its sub-group (base.b) unchanged; saved
+// and loaded into a fresh engine (half-only again after finalize()), the same bits and bytes.
+TEST(FrozenHalfOnly, AWriteThatStopsBeingExactInItsSecondChunkReadsBackExactly) {
+  constexpr std::size_t kChunkElements = std::size_t{1} << 18;
+  Model model = frozen_model(71, true);
+  std::size_t w = 0;  // base.w: 3 chunks and a part of a fourth
+  while (model.params[w].name != "base.w") ++w;
+  model.params[w].shape = {1024, 800};
+  std::vector<float>& base_w = model.initial[w];
+  base_w.resize(model.params[w].element_count());
+  fill_uniform(base_w.data(), base_w.size(), 7100, -1.0f, 1.0f);
+  {
+    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(base_w, DType::kBF16);
+    convert_bf16_to_f32(half.data(), base_w.data(), half.size());
+  }
+  ASSERT_GT(base_w.size(), 3 * kChunkElements);
+  // New values the half copy holds, then the same but drawn (not held) from a point of the
+  // second chunk on.
+  std::vector<float> exact(base_w.size());
+  fill_uniform(exact.data(), exact.size(), 7101, -1.0f, 1.0f);
+  {
+    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(exact, DType::kBF16);
+    convert_bf16_to_f32(half.data(), exact.data(), half.size());
+  }
+  const std::size_t cut = kChunkElements + kChunkElements / 3;
+  std::vector<float> mixed = exact;
+  fill_uniform(mixed.data() + cut, mixed.size() - cut, 7102, -1.0f, 1.0f);
+  ASSERT_FALSE(same_bits(mixed, exact));
+
+  engine_test::ScratchDir dir("frozen_half_only_chunks");
+  const std::string ckpt = dir.path() + "/ckpt";
+  Config config = engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  config.zero.sub_group_size = std::size_t{4} << 20;
+  std::uint64_t finalized = 0, after_exact = 0, after_mixed = 0;
+  std::vector<std::vector<float>> read_exact, read_mixed;
+  std::vector<Status> st =
+      engine_test::with_engines(config, model, 1, [&](int, Engine& engine) -> Status {
+        finalized = engine.memory().host_bytes;
+        ZINF_RETURN_IF_ERROR(engine.write_parameters("base.w", exact.data()));
+        after_exact = engine.memory().host_bytes;
+        ZINF_ASSIGN_OR_RETURN(read_exact, engine_test::read_masters(engine, model));
+        ZINF_RETURN_IF_ERROR(engine.write_parameters("base.w", mixed.data()));
+        after_mixed = engine.memory().host_bytes;
+        ZINF_ASSIGN_OR_RETURN(read_mixed, engine_test::read_masters(engine, model));
+        return engine.save_checkpoint(ckpt, "mixed");
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(same_bits(read_exact[w], exact));
+  EXPECT_TRUE(same_bits(read_mixed[w], mixed));
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    if (model.params[p].module != kFrozen || p == w) continue;
+    EXPECT_TRUE(same_bits(read_exact[p], model.initial[p])) << model.params[p].name;
+    EXPECT_TRUE(same_bits(read_mixed[p], model.initial[p])) << model.params[p].name;
+  }
+  EXPECT_EQ(after_exact, finalized);
+  // The frozen sub-group's master (base's elements but for less than a page at each end, which
+  // the trainable sub-groups beside it hold, and their padding) is allocated again.
+  const std::uint64_t frozen_bytes = frozen_elements(model) * sizeof(float);
+  EXPECT_GT(after_mixed, finalized + frozen_bytes - 2 * kPageElementBytes);
+  EXPECT_LE(after_mixed, finalized + frozen_bytes + 2 * kPageElementBytes);
+
+  std::uint64_t fresh = 0, loaded = 0;
+  std::vector<std::vector<float>> read_loaded;
+  st = engine_test::with_engines(config, model, 1, [&](int, Engine& engine) -> Status {
+    fresh = engine.memory().host_bytes;
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "mixed"));
+    loaded = engine.memory().host_bytes;
+    ZINF_ASSIGN_OR_RETURN(read_loaded, engine_test::read_masters(engine, model));
+    return engine.save_checkpoint(ckpt, "again");
+  });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_EQ(fresh, finalized);
+  EXPECT_EQ(loaded, after_mixed);
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    EXPECT_TRUE(same_bits(read_loaded[p], read_mixed[p])) << model.params[p].name;
+  }
+  const std::string saved = engine_test::read_file(ckpt + "/mixed/rank0.zinfckpt");
+  ASSERT_FALSE(saved.empty());
+  EXPECT_TRUE(saved == engine_test::read_file(ckpt + "/again/rank0.zinfckpt"));
 }
 
 }  // namespace
