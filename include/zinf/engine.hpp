@@ -244,7 +244,8 @@ struct MemoryReport {
   // whose pages no write is ever given: it grows back when a write or a load gives one its
   // master. The scratch blocks of those sub-groups' reads and writes count.
   // A frozen group's shard the state's half copy lends the coordinator (stage 3, shards and
-  // state in host memory) is counted once, as the half copy.
+  // state in host memory) is counted once, as the half copy; it grows back by the shard when a
+  // checkpoint load gives the group its own shard again.
   std::uint64_t host_bytes = 0;
   std::uint64_t nvme_bytes = 0;  // swap extents
   // Activations (save_activation(), set_activation_bytes(); docs/ACTIVATIONS.md), outside the
