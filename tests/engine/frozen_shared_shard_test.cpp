@@ -203,6 +203,98 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
   }
 }
 
+// write_parameters on a parameter of a lent group (base.w3, in the middle), with values bf16
+// holds and then with values it does not: the module then gathers the written values rounded to
+// bf16 (the writes reach the lent half copy), read_parameters gives the written values, and the
+// inexact write costs no more host memory than the master it restores to the written elements.
+TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
+  const Model model = lent_model(67, true);
+  Model thawed = model;
+  thawed.frozen_module.clear();
+  const std::vector<std::int64_t> lent = shard_host_bytes(model);
+  const std::vector<std::int64_t> kept = shard_host_bytes(thawed);
+  const std::int64_t lent_bytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(kept[r] - lent[r], lent_bytes) << "rank " << r;
+
+  std::size_t w = 0;
+  while (model.params[w].name != "base.w3") ++w;
+  std::vector<float> drawn(kFrozenParamElements);
+  fill_uniform(drawn.data(), drawn.size(), 6700, -1.0f, 1.0f);
+  std::vector<float> exact(drawn.size());
+  {
+    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(drawn, DType::kBF16);
+    convert_bf16_to_f32(half.data(), exact.data(), half.size());
+  }
+  ASSERT_FALSE(same_bits(exact, drawn));
+
+  // The gathered values of every parameter of "base", widened to f32.
+  const auto gathered_base = [&](Engine& engine) -> Result<std::vector<std::vector<float>>> {
+    std::vector<std::vector<float>> out(model.params.size());
+    ZINF_RETURN_IF_ERROR(engine.gather("base"));
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      if (model.params[p].module != "base") continue;
+      ZINF_ASSIGN_OR_RETURN(TensorView view, engine.parameter(model.params[p].name));
+      out[p].resize(view.element_count);
+      convert_bf16_to_f32(static_cast<const std::uint16_t*>(view.data), out[p].data(),
+                          view.element_count);
+    }
+    ZINF_RETURN_IF_ERROR(engine.release("base"));
+    return out;
+  };
+
+  const Config config = lent_config(OffloadDevice::kHost, false);
+  std::vector<std::uint64_t> finalized(kWorld), after_exact(kWorld), after_drawn(kWorld);
+  std::vector<std::vector<std::vector<float>>> gathered_exact(kWorld), gathered_drawn(kWorld);
+  std::vector<float> read_exact(drawn.size()), read_drawn(drawn.size());
+  engine_test::Ranks ranks = checked_ranks();
+  const std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        ZINF_RETURN_IF_ERROR(engine.finalize());
+        finalized[rank] = engine.memory().host_bytes;
+        ZINF_RETURN_IF_ERROR(engine.write_parameters("base.w3", exact.data()));
+        after_exact[rank] = engine.memory().host_bytes;
+        ZINF_ASSIGN_OR_RETURN(gathered_exact[rank], gathered_base(engine));
+        std::vector<float> a(drawn.size());
+        ZINF_RETURN_IF_ERROR(engine.read_parameters("base.w3", a.data()));
+        ZINF_RETURN_IF_ERROR(engine.write_parameters("base.w3", drawn.data()));
+        after_drawn[rank] = engine.memory().host_bytes;
+        ZINF_ASSIGN_OR_RETURN(gathered_drawn[rank], gathered_base(engine));
+        std::vector<float> b(drawn.size());
+        ZINF_RETURN_IF_ERROR(engine.read_parameters("base.w3", b.data()));
+        if (rank == 0) {
+          read_exact = std::move(a);
+          read_drawn = std::move(b);
+        }
+        return Status::ok();
+      });
+  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  EXPECT_TRUE(same_bits(read_exact, exact));
+  EXPECT_TRUE(same_bits(read_drawn, drawn));
+  for (int r = 0; r < kWorld; ++r) {
+    for (std::size_t p = 0; p < model.params.size(); ++p) {
+      if (model.params[p].module != "base") continue;
+      const std::vector<float>& want = p == w ? exact : model.initial[p];
+      EXPECT_TRUE(same_bits(gathered_exact[r][p], want)) << "rank " << r << " " << p;
+      EXPECT_TRUE(same_bits(gathered_drawn[r][p], want)) << "rank " << r << " " << p;
+    }
+    std::printf(
+        "rank %d: host bytes %llu finalized, %llu after the exact write, %llu after the "
+        "inexact one\n",
+        r, static_cast<unsigned long long>(finalized[r]),
+        static_cast<unsigned long long>(after_exact[r]),
+        static_cast<unsigned long long>(after_drawn[r]));
+    EXPECT_EQ(after_exact[r], finalized[r]) << "rank " << r;
+    EXPECT_GE(after_drawn[r], finalized[r]) << "rank " << r;
+    // One rank's master of base.w3 (2048 f32 elements) and less than a page of bookkeeping
+    // besides: not the lent shard taken back into a copy of the coordinator's (2048 bf16).
+    const std::uint64_t master = kFrozenParamElements / kWorld * sizeof(float);
+    EXPECT_GE(after_drawn[r] - finalized[r], master) << "rank " << r;
+    EXPECT_LT(after_drawn[r] - finalized[r], master + kFrozenParamElements / kWorld * 2)
+        << "rank " << r;
+  }
+}
+
 // Non-zero moments loaded into the frozen module (saved with it trainable at learning rate 0):
 // every pass now steps its sub-groups and rewrites their half copy while the overlapped step's
 // next forward gathers, so each lent shard is taken back first (host_bytes grows by one page a
