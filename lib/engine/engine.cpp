@@ -209,10 +209,7 @@ class Engine::Impl {
     co.trace_track = track_;
     if (co.shard_tier == OffloadDevice::kHost) {
       // A frozen group's shard the optimizer state already holds as published is not copied.
-      ZINF_ASSIGN_OR_RETURN(co.shared_host_shards, state_->share_host_shards());
-      for (std::uint32_t g = 0; g < co.shared_host_shards.size(); ++g) {
-        if (layout_.persistent()[g]) co.shared_host_shards[g] = nullptr;
-      }
+      ZINF_ASSIGN_OR_RETURN(co.shared_host_shards, state_->share_host_shards(layout_.persistent()));
     }
     ZINF_ASSIGN_OR_RETURN(
         coord_, ParamCoordinator::create(layout_.partitioner(), rank_, device_, comm_,

@@ -154,11 +154,13 @@ class OptimizerState {
   // Per group (empty: none): host memory registered with the device that holds this rank's
   // shard of group g as every publish of it writes it and that no step rewrites, for the
   // coordinator to keep as g's host shard instead of a copy
-  // (ParamCoordinatorOptions::shared_host_shards), or nullptr. Called once, before the
-  // coordinator is made; the memory outlives the coordinator. Before the state rewrites a lent
+  // (ParamCoordinatorOptions::shared_host_shards), or nullptr; nullptr for a persistent group
+  // (`persistent[g]`, gathered once and kept, never read from a host shard). Called once, before
+  // the coordinator is made; the memory outlives the coordinator. Before the state rewrites a lent
   // shard beside a gather (a checkpoint load that makes the optimizer step it again) it takes it
   // back (ParamCoordinator::unshare_host_shard).
-  virtual Result<std::vector<const std::byte*>> share_host_shards() {
+  virtual Result<std::vector<const std::byte*>> share_host_shards(
+      const std::vector<bool>& /*persistent*/) {
     return std::vector<const std::byte*>{};
   }
   // The first placement, at finalize, once the coordinator exists.

@@ -30,6 +30,7 @@
 // (materialise()): the widened half copy, written into the master array, from then on kept as
 // any other sub-group's.
 #include <fmt/format.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
@@ -38,6 +39,8 @@
 #include <mutex>
 #include <optional>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "base/aligned.hpp"
 #include "base/arith.hpp"
@@ -1057,18 +1060,22 @@ class StoreState final : public OptimizerState {
   }
 
   // OptimizerState::share_host_shards: from the store, with the master on the host tier (as
-  // keeps_half_only()), the frozen groups whose elements lie in frozen sub-groups alone. Those are
-  // settled from open on (their moments zero), so no pass writes their half copy. A frozen group
-  // with elements in a sub-group that also holds trainable ones is left out: every pass rewrites
-  // that sub-group's half copy (the same bits for the frozen elements, but written while an
-  // overlapped step's next forward may be gathering them). The half array is registered with the
-  // device here, once, and unregistered when the state goes (after the coordinator).
-  Result<std::vector<const std::byte*>> share_host_shards() override {
+  // keeps_half_only()), the frozen groups but the persistent ones whose elements lie in frozen
+  // sub-groups alone. Those are settled from open on (their moments zero), so no pass writes their
+  // half copy. A frozen group with elements in a sub-group that also holds trainable ones is left
+  // out: every pass rewrites that sub-group's half copy (the same bits for the frozen elements,
+  // but written while an overlapped step's next forward may be gathering them). The lent groups'
+  // half copy is registered with the device here, once, a span of whole pages a run of them
+  // (spans that share or touch a page made one), and unregistered when the state goes (after the
+  // coordinator).
+  Result<std::vector<const std::byte*>> share_host_shards(
+      const std::vector<bool>& persistent) override {
     std::vector<const std::byte*> out(layout_.group_count(), nullptr);
     if (publish_ != Publish::kFromStore || !keeps_half_only()) return out;
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
       const std::size_t count = layout_.group(g).shard_element_count;
       if (!layout_.frozen_group(g) || count == 0) continue;
+      if (g < persistent.size() && persistent[g]) continue;
       if (!in_sub_groups(layout_.offset(g), count, [&](std::size_t i) { return frozen_[i]; })) {
         continue;
       }
@@ -1076,11 +1083,33 @@ class StoreState final : public OptimizerState {
       out[g] = values(g);
       shared_groups_.push_back(g);
     }
-    if (shared_groups_.empty()) return out;
-    ZINF_RETURN_IF_ERROR(ctx_.device->register_host(store_->host_data(Piece::kParamsHalf),
-                                                    layout_.partition_elements() * 2));
-    half_registered_ = true;
+    const std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans = shared_half_spans();
+    for (const auto& [begin, end] : spans) {
+      ZINF_RETURN_IF_ERROR(ctx_.device->register_host(reinterpret_cast<void*>(begin), end - begin));
+      registered_half_.push_back(reinterpret_cast<void*>(begin));
+    }
     return out;
+  }
+  // The spans of the half array that the lent groups lie in, each widened to whole pages (but not
+  // past the array's end), those that overlap or touch merged, ascending.
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> shared_half_spans() const {
+    std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;
+    if (shared_groups_.empty()) return spans;
+    const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
+    const auto base = reinterpret_cast<std::uintptr_t>(store_->host_data(Piece::kParamsHalf));
+    const std::uintptr_t array_end = base + layout_.partition_elements() * 2;
+    for (std::uint32_t g : shared_groups_) {
+      const std::uintptr_t lo = base + layout_.offset(g) * 2;
+      const std::uintptr_t hi = lo + layout_.group(g).shard_element_count * 2;
+      const std::uintptr_t begin = lo / page * page;
+      const std::uintptr_t end = std::min((hi + page - 1) / page * page, array_end);
+      if (!spans.empty() && begin <= spans.back().second) {
+        spans.back().second = std::max(spans.back().second, end);
+      } else {
+        spans.emplace_back(begin, end);
+      }
+    }
+    return spans;
   }
   // Whether every sub-group that elements [first, first + count) overlap satisfies `pred`.
   template <typename Pred>
@@ -1108,9 +1137,8 @@ class StoreState final : public OptimizerState {
     return Status::ok();
   }
   void unregister_shared_half() {
-    if (!half_registered_) return;
-    (void)ctx_.device->unregister_host(store_->host_data(Piece::kParamsHalf));
-    half_registered_ = false;
+    for (void* p : registered_half_) (void)ctx_.device->unregister_host(p);
+    registered_half_.clear();
   }
 
   // Partition elements [first, first + count) lie in groups that a step does not rewrite (frozen
@@ -1167,10 +1195,10 @@ class StoreState final : public OptimizerState {
   // REQUIRES: a half-only sub-group is frozen and settled.
   std::vector<bool> half_only_;
   std::size_t half_only_count_ = 0;
-  // The groups share_host_shards() lent the coordinator (ascending), and whether the half array
-  // is registered with the device for them.
+  // The groups share_host_shards() lent the coordinator (ascending), and the spans of the half
+  // array registered with the device for them (shared_half_spans(): their starts).
   std::vector<std::uint32_t> shared_groups_;
-  bool half_registered_ = false;
+  std::vector<void*> registered_half_;
   // Half-only sub-groups' scratch blocks (allocate_half_only_scratch()): a read's widened
   // values, a write's filled ones, the narrowed halves and their widened round trip, of
   // chunk_elements_ elements each (up to 1 MiB of floats), or none.
