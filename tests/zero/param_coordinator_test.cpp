@@ -317,10 +317,11 @@ TEST(ParamCoordinatorInUse, FirstInUseMatchesAWalkOverTheModules) {
   ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
   ParamCoordinator& c = **coord;
   const std::size_t shard_elements = part.group(0).shard_element_count;
-  std::vector<float> shard(shard_elements);
+  // A buffer per group: a write copies from it on a stream until wait_writes().
+  std::vector<std::vector<float>> shards(kGroups, std::vector<float>(shard_elements));
   for (std::uint32_t g = 0; g < kGroups; ++g) {
-    fill_uniform(shard.data(), shard_elements, kSeed + g);
-    ASSERT_TRUE(c.write_shard(g, shard.data()).is_ok());
+    fill_uniform(shards[g].data(), shard_elements, kSeed + g);
+    ASSERT_TRUE(c.write_shard(g, shards[g].data()).is_ok());
   }
   ASSERT_TRUE(c.wait_writes().is_ok());
 
