@@ -69,6 +69,26 @@ std::size_t sub_group_holding(const StateStore& s, std::size_t element, std::siz
   return lo;
 }
 
+// Calls advise(first, count) for each run of consecutive sub-groups whose flag is set, ascending;
+// for none when there are more than AlignedBuffer::kMaxAdvisedStretches runs, since each advised
+// run splits a mapping (the bound keeps far below the kernel's map count limit).
+template <typename Advise>
+void advise_runs(const std::vector<bool>& flags, Advise advise) {
+  std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first sub-group, count)
+  for (std::size_t i = 0; i < flags.size();) {
+    if (!flags[i]) {
+      ++i;
+      continue;
+    }
+    std::size_t end = i;
+    while (end < flags.size() && flags[end]) ++end;
+    runs.emplace_back(i, end - i);
+    i = end;
+  }
+  if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return;
+  for (const auto& [first, count] : runs) advise(first, count);
+}
+
 class StoreState final : public OptimizerState {
  public:
   StoreState(const StateContext& ctx, Publish publish)
@@ -576,7 +596,7 @@ class StoreState final : public OptimizerState {
     StateStore& s = *store_;
     ZINF_ASSERT(s.has(piece));
     if (s.tier(piece) == StoreMedium::kHost) {
-      if (piece == Piece::kParams && half_only_count_ > 0) return read_host_master(spans, fn);
+      if (piece == Piece::kParams && any_half_only()) return read_host_master(spans, fn);
       return fn(0, layout_.partition_elements(),
                 reinterpret_cast<const float*>(s.host_data(piece)));
     }
@@ -755,22 +775,10 @@ class StoreState final : public OptimizerState {
   // With transparent huge pages "always", the first write into a trainable sub-group would
   // fault in the 2 MiB pages around it, over its frozen neighbours' zeros too: the host arrays
   // of the moments and the gradients are advised off huge pages over each run of consecutive
-  // frozen sub-groups (StateStore::advise_cold). Each advised run splits a mapping, so past
-  // AlignedBuffer::kMaxAdvisedStretches runs (far below the kernel's map count limit) none is.
+  // frozen sub-groups (StateStore::advise_cold), bounded as advise_runs() bounds them.
   void advise_frozen_off_huge_pages() {
-    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first sub-group, count)
-    for (std::size_t i = 0; i < frozen_.size();) {
-      if (!frozen_[i]) {
-        ++i;
-        continue;
-      }
-      std::size_t end = i;
-      while (end < frozen_.size() && frozen_[end]) ++end;
-      runs.emplace_back(i, end - i);
-      i = end;
-    }
-    if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return;
-    for (const auto& [first, count] : runs) store_->advise_cold(first, count);
+    advise_runs(frozen_,
+                [&](std::size_t first, std::size_t count) { store_->advise_cold(first, count); });
   }
 
   // Whether a frozen sub-group may keep its master as its half copy alone: from the store's
@@ -779,9 +787,13 @@ class StoreState final : public OptimizerState {
     return publish_ == Publish::kFromStore && store_->tier(Piece::kParams) == StoreMedium::kHost;
   }
 
+  // Whether some sub-group is half-only: a scan of one bit a sub-group.
+  bool any_half_only() const {
+    return std::find(half_only_.begin(), half_only_.end(), true) != half_only_.end();
+  }
+
   // Half-only sub-groups are settled: no step reads or writes their master.
   void assert_half_only_settled() const {
-    if (half_only_count_ == 0) return;
     for (std::size_t i = 0; i < half_only_.size(); ++i) {
       ZINF_ASSERT_MSG(!half_only_[i] || store_->settled(i), "a half-only sub-group is stepped");
     }
@@ -845,7 +857,6 @@ class StoreState final : public OptimizerState {
     widen_half(first, store_->sub_group_size(i),
                reinterpret_cast<float*>(store_->host_data(Piece::kParams)) + first);
     half_only_[i] = false;
-    --half_only_count_;
   }
 
   // Master elements [begin, end) on the host tier through `fill`, which finds their current
@@ -858,7 +869,7 @@ class StoreState final : public OptimizerState {
   Status fill_host_master(std::size_t begin, std::size_t end, StateFill fill) {
     const StateStore& s = *store_;
     auto* master = reinterpret_cast<float*>(s.host_data(Piece::kParams));
-    if (half_only_count_ == 0 || begin >= end) return fill(begin, end - begin, master + begin);
+    if (begin >= end || !any_half_only()) return fill(begin, end - begin, master + begin);
     std::size_t at = begin;
     for (std::size_t i = sub_group_holding(s, begin); at < end; ++i) {
       const std::size_t stop = std::min(end, s.sub_group_first(i) + s.sub_group_size(i));
@@ -934,7 +945,7 @@ class StoreState final : public OptimizerState {
   // that sub-group again, whole: a base trained in fp32 stops at its first chunk); one held
   // throughout is narrowed into the half copy and becomes half-only. Decided before any master
   // is written, so that the half-only sub-groups' masters, which no write touches, are advised
-  // off transparent huge pages (merged into runs, bounded as advise_frozen_off_huge_pages()'s)
+  // off transparent huge pages (merged into runs, bounded by advise_runs())
   // before a neighbour's master is written: with THP "always" that write would otherwise fault
   // 2 MiB pages over them. The masters of the frozen sub-groups not held are left as they are,
   // since load() writes them in full.
@@ -955,21 +966,10 @@ class StoreState final : public OptimizerState {
       if (!held) continue;
       narrow_all(first, size, master);
       half_only_[i] = true;
-      ++half_only_count_;
     }
-    std::vector<std::pair<std::size_t, std::size_t>> runs;  // (first sub-group, count)
-    for (std::size_t i = 0; i < half_only_.size();) {
-      if (!half_only_[i]) {
-        ++i;
-        continue;
-      }
-      std::size_t end = i;
-      while (end < half_only_.size() && half_only_[end]) ++end;
-      runs.emplace_back(i, end - i);
-      i = end;
-    }
-    if (runs.size() > AlignedBuffer::kMaxAdvisedStretches) return Status::ok();
-    for (const auto& [first, count] : runs) store_->advise_master_cold(first, count);
+    advise_runs(half_only_, [&](std::size_t first, std::size_t count) {
+      store_->advise_master_cold(first, count);
+    });
     return Status::ok();
   }
 
@@ -1081,25 +1081,25 @@ class StoreState final : public OptimizerState {
       }
       ZINF_ASSERT(settled_over(layout_.offset(g), count));
       out[g] = values(g);
-      shared_groups_.push_back(g);
     }
-    const std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans = shared_half_spans();
+    const std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans = shared_half_spans(out);
     for (const auto& [begin, end] : spans) {
       ZINF_RETURN_IF_ERROR(ctx_.device->register_host(reinterpret_cast<void*>(begin), end - begin));
       registered_half_.push_back(reinterpret_cast<void*>(begin));
     }
     return out;
   }
-  // The spans of the half array that the lent groups lie in, each widened to whole pages (but not
-  // past the array's end), those that overlap or touch merged, ascending.
-  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> shared_half_spans() const {
+  // The spans of the half array that the lent groups (`lent[g]` not null) lie in, each widened to
+  // whole pages (but not past the array's end), those that overlap or touch merged, ascending.
+  std::vector<std::pair<std::uintptr_t, std::uintptr_t>> shared_half_spans(
+      const std::vector<const std::byte*>& lent) const {
     std::vector<std::pair<std::uintptr_t, std::uintptr_t>> spans;
-    if (shared_groups_.empty()) return spans;
     const auto page = static_cast<std::uintptr_t>(::sysconf(_SC_PAGESIZE));
     const auto base = reinterpret_cast<std::uintptr_t>(store_->host_data(Piece::kParamsHalf));
     const std::uintptr_t array_end = base + layout_.partition_elements() * 2;
-    for (std::uint32_t g : shared_groups_) {
-      const std::uintptr_t lo = base + layout_.offset(g) * 2;
+    for (std::uint32_t g = 0; g < lent.size(); ++g) {
+      if (lent[g] == nullptr) continue;
+      const std::uintptr_t lo = reinterpret_cast<std::uintptr_t>(lent[g]);
       const std::uintptr_t hi = lo + layout_.group(g).shard_element_count * 2;
       const std::uintptr_t begin = lo / page * page;
       const std::uintptr_t end = std::min((hi + page - 1) / page * page, array_end);
@@ -1127,12 +1127,16 @@ class StoreState final : public OptimizerState {
   // After a load of the moments: a lent group over a sub-group that the next pass steps (moments
   // loaded that are not zero) gets its own host shard back before that pass rewrites the half
   // copy beside the next forward's gathers (an overlapped step does not wait for a frozen
-  // group's writes). Nothing is gathered during a load.
+  // group's writes). Nothing is gathered during a load. The lent groups are the coordinator's to
+  // know (ParamCoordinator::shares_host_shard); none is when no span was registered.
   Status take_back_stepped_shards() {
-    for (std::uint32_t g : shared_groups_) {
+    if (registered_half_.empty()) return Status::ok();
+    ParamCoordinator& coordinator = pub_.coordinator();
+    for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
+      if (!coordinator.shares_host_shard(g)) continue;
       if (settled_over(layout_.offset(g), layout_.group(g).shard_element_count)) continue;
       std::lock_guard<std::mutex> lock(pub_.mutex());
-      ZINF_RETURN_IF_ERROR(pub_.coordinator().unshare_host_shard(g));
+      ZINF_RETURN_IF_ERROR(coordinator.unshare_host_shard(g));
     }
     return Status::ok();
   }
@@ -1191,13 +1195,11 @@ class StoreState final : public OptimizerState {
   const Publish publish_;
   // Per sub-group of the store: frozen parameters (and padding) only (PipelineOptions).
   std::vector<bool> frozen_;
-  // Per sub-group: its master is its half copy alone (the header comment), and how many are.
+  // Per sub-group: its master is its half copy alone (the header comment).
   // REQUIRES: a half-only sub-group is frozen and settled.
   std::vector<bool> half_only_;
-  std::size_t half_only_count_ = 0;
-  // The groups share_host_shards() lent the coordinator (ascending), and the spans of the half
-  // array registered with the device for them (shared_half_spans(): their starts).
-  std::vector<std::uint32_t> shared_groups_;
+  // The spans of the half array registered with the device for the groups share_host_shards()
+  // lent the coordinator (shared_half_spans(): their starts).
   std::vector<void*> registered_half_;
   // Half-only sub-groups' scratch blocks (allocate_half_only_scratch()): a read's widened
   // values, a write's filled ones, the narrowed halves and their widened round trip, of
