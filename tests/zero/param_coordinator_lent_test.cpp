@@ -17,6 +17,7 @@
 #include "base/random.hpp"
 #include "common/run_ranks.hpp"
 #include "zero/param_coordinator.hpp"
+#include "zero/param_coordinator_test_util.hpp"
 #include "zero/partitioner.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/device.hpp"
@@ -29,18 +30,9 @@ constexpr int kWorld = 2;
 TEST(ParamCoordinatorLent, GathersTheLentShardAndKeepsNoCopyUntilUnshared) {
   constexpr std::uint64_t kSeed = 4242;
   SCOPED_TRACE(testing::Message() << "seed " << kSeed);
-  PartitionerOptions po;
-  po.world_size = kWorld;
-  po.stage = ZeroStage::kStage3;
-  Result<Partitioner> created = Partitioner::create(po);
+  Result<Partitioner> created = test::one_group_modules(kWorld, 2, {16, 256});
   ASSERT_TRUE(created.is_ok()) << created.status().to_string();
   Partitioner& part = *created;
-  for (int m = 0; m < 2; ++m) {
-    ASSERT_TRUE(
-        part.add({fmt::format("m{}.w", m), fmt::format("m{}", m), {16, 256}, DType::kF32}).is_ok());
-  }
-  ASSERT_TRUE(part.finalize().is_ok());
-  ASSERT_EQ(part.group_count(), 2u);
   const std::size_t shard_elements = part.group(1).shard_element_count;
   const std::size_t shard_bytes = shard_elements * sizeof(float);
 
@@ -71,9 +63,9 @@ TEST(ParamCoordinatorLent, GathersTheLentShardAndKeepsNoCopyUntilUnshared) {
     co.shard_tier = OffloadDevice::kHost;
     co.timeout = std::chrono::seconds(20);
     co.shared_host_shards = {nullptr, lent[r].data()};
-    Result<std::unique_ptr<ParamCoordinator>> coord =
-        ParamCoordinator::create(part, r, *raw[r], *comms[r], {{"m0", {0}}, {"m1", {1}}},
-                                 {false, false}, co, nullptr, nullptr, nullptr);
+    Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
+        part, r, *raw[r], *comms[r], test::one_group_coordinator_modules(2), {false, false}, co,
+        nullptr, nullptr, nullptr);
     ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
     coords.push_back(std::move(*coord));
     // Group 0's shard alone, one page.
@@ -134,14 +126,9 @@ TEST(ParamCoordinatorLent, GathersTheLentShardAndKeepsNoCopyUntilUnshared) {
 // Lent memory the device does not know is refused by a device that copies only from registered
 // memory: the lender registers it (StoreState registers its half array).
 TEST(ParamCoordinatorLent, AnUnregisteredLentShardFailsTheGather) {
-  PartitionerOptions po;
-  po.world_size = 1;
-  po.stage = ZeroStage::kStage3;
-  Result<Partitioner> created = Partitioner::create(po);
-  ASSERT_TRUE(created.is_ok());
+  Result<Partitioner> created = test::one_group_modules(1, 1, {8, 256});
+  ASSERT_TRUE(created.is_ok()) << created.status().to_string();
   Partitioner& part = *created;
-  ASSERT_TRUE(part.add({"m0.w", "m0", {8, 256}, DType::kF32}).is_ok());
-  ASSERT_TRUE(part.finalize().is_ok());
   HostDeviceOptions o;
   o.require_registered_host = true;
   std::unique_ptr<Device> device = std::move(make_host_device(o)).value();
@@ -153,8 +140,9 @@ TEST(ParamCoordinatorLent, AnUnregisteredLentShardFailsTheGather) {
   ParamCoordinatorOptions co;
   co.shard_tier = OffloadDevice::kHost;
   co.shared_host_shards = {lent.data()};
-  Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
-      part, 0, *device, *comms[0], {{"m0", {0}}}, {false}, co, nullptr, nullptr, nullptr);
+  Result<std::unique_ptr<ParamCoordinator>> coord =
+      ParamCoordinator::create(part, 0, *device, *comms[0], test::one_group_coordinator_modules(1),
+                               {false}, co, nullptr, nullptr, nullptr);
   ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
   EXPECT_EQ((*coord)->gather(0).code(), Code::kFailedPrecondition);
 }

@@ -26,6 +26,7 @@
 #include "io/fault.hpp"
 #include "io/io_engine.hpp"
 #include "io/swap_space.hpp"
+#include "zero/param_coordinator_test_util.hpp"
 #include "zero/partitioner.hpp"
 #include "zero/zero_counters.hpp"
 #include "zinf/comm.hpp"
@@ -54,18 +55,9 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
   SCOPED_TRACE(testing::Message() << "seed " << kSeed);
   test::ScratchDir dir("param_coordinator_wait_writes");
 
-  PartitionerOptions po;
-  po.world_size = kWorld;
-  po.stage = ZeroStage::kStage3;
-  Result<Partitioner> created = Partitioner::create(po);
+  Result<Partitioner> created = test::one_group_modules(kWorld, 3, {16, 32});
   ASSERT_TRUE(created.is_ok()) << created.status().to_string();
   Partitioner& part = *created;
-  for (int m = 0; m < 3; ++m) {
-    const std::string module = fmt::format("m{}", m);
-    ASSERT_TRUE(part.add({fmt::format("m{}.w", m), module, {16, 32}, DType::kF32}).is_ok());
-  }
-  ASSERT_TRUE(part.finalize().is_ok());
-  ASSERT_EQ(part.group_count(), 3u);
   const std::vector<bool> persistent = {true, false, true};
 
   test::HostRanks ranks = test::make_host_ranks(kWorld, {.timeout = std::chrono::seconds(20)});
@@ -95,16 +87,14 @@ TEST(ParamCoordinatorWaitWrites, AFailedWriteIsReturnedOnceTheQueuedWritesHaveRu
     so.max_ops = 16;
     Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(**engine, so);
     ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
-    std::vector<CoordinatorModule> modules;
-    for (std::uint32_t g = 0; g < 3; ++g) modules.push_back({fmt::format("m{}", g), {g}});
     ParamCoordinatorOptions co;
     co.shard_tier = OffloadDevice::kNvme;
     co.staging_blocks = 2;
     co.timeout = std::chrono::seconds(20);
-    Result<std::unique_ptr<ParamCoordinator>> coord =
-        ParamCoordinator::create(part, r, *ranks.devices[static_cast<std::size_t>(r)],
-                                 *ranks.comms[static_cast<std::size_t>(r)], std::move(modules),
-                                 persistent, co, swap->get(), engine->get(), nullptr);
+    Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
+        part, r, *ranks.devices[static_cast<std::size_t>(r)],
+        *ranks.comms[static_cast<std::size_t>(r)], test::one_group_coordinator_modules(3),
+        persistent, co, swap->get(), engine->get(), nullptr);
     ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
     engines.push_back(std::move(*engine));
     swaps.push_back(std::move(*swap));
@@ -204,18 +194,9 @@ TEST(ParamCoordinatorPublish, AllGathersTheListedPersistentGroupsAlone) {
   constexpr std::uint32_t kGroups = 4;
   constexpr std::uint64_t kSeed = 815;
   SCOPED_TRACE(testing::Message() << "seed " << kSeed);
-  PartitionerOptions po;
-  po.world_size = kWorld;
-  po.stage = ZeroStage::kStage3;
-  Result<Partitioner> created = Partitioner::create(po);
+  Result<Partitioner> created = test::one_group_modules(kWorld, kGroups, {8, 32});
   ASSERT_TRUE(created.is_ok()) << created.status().to_string();
   Partitioner& part = *created;
-  for (std::uint32_t m = 0; m < kGroups; ++m) {
-    ASSERT_TRUE(
-        part.add({fmt::format("m{}.w", m), fmt::format("m{}", m), {8, 32}, DType::kF32}).is_ok());
-  }
-  ASSERT_TRUE(part.finalize().is_ok());
-  ASSERT_EQ(part.group_count(), kGroups);
   const std::vector<bool> persistent = {true, false, true, true};
 
   test::HostRanks ranks = test::make_host_ranks(kWorld, {.timeout = std::chrono::seconds(20)});
@@ -223,14 +204,12 @@ TEST(ParamCoordinatorPublish, AllGathersTheListedPersistentGroupsAlone) {
   std::vector<std::unique_ptr<ParamCoordinator>> coords;
   for (int r = 0; r < kWorld; ++r) {
     const auto ri = static_cast<std::size_t>(r);
-    std::vector<CoordinatorModule> modules;
-    for (std::uint32_t g = 0; g < kGroups; ++g) modules.push_back({fmt::format("m{}", g), {g}});
     ParamCoordinatorOptions co;
     co.shard_tier = OffloadDevice::kHost;
     co.timeout = std::chrono::seconds(20);
-    Result<std::unique_ptr<ParamCoordinator>> coord =
-        ParamCoordinator::create(part, r, *ranks.devices[ri], *ranks.comms[ri], std::move(modules),
-                                 persistent, co, nullptr, nullptr, &counters[ri]);
+    Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
+        part, r, *ranks.devices[ri], *ranks.comms[ri], test::one_group_coordinator_modules(kGroups),
+        persistent, co, nullptr, nullptr, &counters[ri]);
     ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
     coords.push_back(std::move(*coord));
   }
@@ -287,33 +266,22 @@ TEST(ParamCoordinatorInUse, FirstInUseMatchesAWalkOverTheModules) {
   constexpr std::uint32_t kPersistent = 5;  // module 5's only group
   constexpr std::uint64_t kSeed = 20261206;
   SCOPED_TRACE(testing::Message() << "seed " << kSeed);
-  PartitionerOptions po;
-  po.world_size = 1;
-  po.stage = ZeroStage::kStage3;
-  Result<Partitioner> created = Partitioner::create(po);
+  Result<Partitioner> created = test::one_group_modules(1, kGroups, {8, 32});
   ASSERT_TRUE(created.is_ok()) << created.status().to_string();
   Partitioner& part = *created;
-  for (std::uint32_t m = 0; m < kGroups; ++m) {
-    ASSERT_TRUE(
-        part.add({fmt::format("m{}.w", m), fmt::format("m{}", m), {8, 32}, DType::kF32}).is_ok());
-  }
-  ASSERT_TRUE(part.finalize().is_ok());
-  ASSERT_EQ(part.group_count(), kGroups);
   std::vector<bool> persistent(kGroups, false);
   persistent[kPersistent] = true;
 
   test::HostRanks ranks = test::make_host_ranks(1, {.timeout = std::chrono::seconds(20)});
   ZeroCounters counters;
-  std::vector<CoordinatorModule> modules;
-  for (std::uint32_t g = 0; g < kGroups; ++g) modules.push_back({fmt::format("m{}", g), {g}});
   ParamCoordinatorOptions co;
   co.shard_tier = OffloadDevice::kHost;
   co.prefetch_elements = 512;
   co.max_live_elements = 1024;
   co.timeout = std::chrono::seconds(20);
-  Result<std::unique_ptr<ParamCoordinator>> coord =
-      ParamCoordinator::create(part, 0, *ranks.devices[0], *ranks.comms[0], std::move(modules),
-                               persistent, co, nullptr, nullptr, &counters);
+  Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
+      part, 0, *ranks.devices[0], *ranks.comms[0], test::one_group_coordinator_modules(kGroups),
+      persistent, co, nullptr, nullptr, &counters);
   ASSERT_TRUE(coord.is_ok()) << coord.status().to_string();
   ParamCoordinator& c = **coord;
   const std::size_t shard_elements = part.group(0).shard_element_count;
