@@ -14,11 +14,11 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "engine_test_util.hpp"
+#include "one_param_modules.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -32,14 +32,6 @@ constexpr std::size_t kParams = 6;
 constexpr std::size_t kEach = 40;  // elements a parameter
 constexpr std::uint64_t kSeed = 6120;
 
-std::vector<float> seeded(std::uint64_t seed, std::size_t count) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
-  std::vector<float> out(count);
-  for (float& v : out) v = dist(rng);
-  return out;
-}
-
 // What a group's all-gather receives: kEach elements padded to kWorld * 128 (the partitioner's
 // alignment_elements), f32.
 constexpr std::uint64_t kGroupBytes = kWorld * 128 * sizeof(float);
@@ -47,11 +39,7 @@ constexpr std::uint64_t kGroupBytes = kWorld * 128 * sizeof(float);
 // The device copy of parameter i, read through the device; the module stays gathered.
 Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size_t i) {
   ZINF_ASSIGN_OR_RETURN(TensorView copy, engine.parameter(fmt::format("w{}", i)));
-  std::vector<float> out(kEach);
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("copy"));
-  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), copy.data, kEach * sizeof(float), *stream));
-  ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
-  return out;
+  return engine_test::copy_to_host(device, copy.data, kEach);
 }
 
 TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOnce) {
@@ -72,20 +60,14 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
     std::vector<std::vector<float>> masters, copies;
   };
   std::vector<Seen> seen(kWorld);
-  const std::vector<float> written = seeded(kSeed + 99, kEach);
+  // Parameter i's initial values are seeded with kSeed + i.
+  const engine_test::Model model =
+      engine_test::one_param_modules(kParams, kEach, kSeed, -1.0f, 1.0f);
+  const std::vector<float> written = engine_test::seeded(kEach, kSeed + 99, -1.0f, 1.0f);
   const std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
         Seen& s = seen[static_cast<std::size_t>(rank)];
-        for (std::size_t i = 0; i < kParams; ++i) {
-          ParameterSpec spec;
-          const std::string name = fmt::format("w{}", i);
-          spec.name = name;
-          spec.module = fmt::format("m{}", i);
-          spec.shape = {static_cast<std::int64_t>(kEach)};
-          const std::vector<float> initial = seeded(kSeed + i, kEach);
-          spec.initial_values = initial.data();  // copied at registration
-          ZINF_RETURN_IF_ERROR(engine.register_parameter(spec));
-        }
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
         ZINF_RETURN_IF_ERROR(engine.finalize());
         // One step: every module gathered and released, its gradients (each rank's own) reduced
         // last module first.
@@ -95,8 +77,8 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
         }
         for (std::size_t i = kParams; i-- > 0;) {
           const std::string name = fmt::format("w{}", i);
-          const std::vector<float> grad =
-              seeded(kSeed * 7 + static_cast<std::uint64_t>(rank) * 100 + i, kEach);
+          const std::vector<float> grad = engine_test::seeded(
+              kEach, kSeed * 7 + static_cast<std::uint64_t>(rank) * 100 + i, -1.0f, 1.0f);
           const GradientRef ref{name, grad.data(), kEach, DType::kF32};
           ZINF_RETURN_IF_ERROR(engine.reduce_gradients(fmt::format("m{}", i), {&ref, 1}));
         }
@@ -152,9 +134,7 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
         << "rank " << rank << ": w1 holds what was written";
     // The step changed the others.
     for (std::size_t i : {0, 2, 3, 4, 5}) {
-      EXPECT_NE(
-          std::memcmp(s.masters[i].data(), seeded(kSeed + i, kEach).data(), kEach * sizeof(float)),
-          0)
+      EXPECT_NE(std::memcmp(s.masters[i].data(), model.initial[i].data(), kEach * sizeof(float)), 0)
           << "rank " << rank << ", w" << i << " unchanged by the step";
     }
   }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "engine_test_util.hpp"
+#include "one_param_modules.hpp"
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
@@ -36,20 +37,16 @@ namespace {
 constexpr std::size_t kParams = 300;
 constexpr std::size_t kEach = 24;  // elements a parameter
 
-std::vector<float> seeded(std::uint64_t seed, std::size_t count) {
-  std::mt19937_64 rng(seed);
-  std::uniform_real_distribution<float> dist(-2.0f, 2.0f);
-  std::vector<float> out(count);
-  for (float& v : out) v = dist(rng);
-  return out;
-}
+// Initial and written values: uniform in [kLo, kHi).
+constexpr float kLo = -2.0f;
+constexpr float kHi = 2.0f;
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 // Stage 2 (every group stays gathered), AdamW with its state at `offload`; kParams parameters
-// "w<i>" of kEach elements, each in module "m<i>" and its own group, initial values seeded(i).
+// "w<i>" of kEach elements, each in module "m<i>" and its own group, initial values seeded with i.
 struct Case {
   OffloadDevice offload;
   bool opaque;  // the devices opaque (a GPU's memory; offload none: DeviceState)
@@ -76,16 +73,8 @@ Result<std::unique_ptr<Engine>> open_model(const Case& c, const std::string& dir
   env.device = device;
   env.comm = comm;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
-  for (std::size_t i = 0; i < kParams; ++i) {
-    ParameterSpec spec;
-    const std::string name = fmt::format("w{}", i);
-    spec.name = name;
-    spec.module = fmt::format("m{}", i);
-    spec.shape = {static_cast<std::int64_t>(kEach)};
-    const std::vector<float> initial = seeded(i, kEach);
-    spec.initial_values = initial.data();  // copied at registration
-    ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
-  }
+  ZINF_RETURN_IF_ERROR(engine_test::register_model(
+      *engine, engine_test::one_param_modules(kParams, kEach, /*seed=*/0, kLo, kHi)));
   ZINF_RETURN_IF_ERROR(engine->finalize());
   return engine;
 }
@@ -99,10 +88,8 @@ Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size
   if (copy.dtype != DType::kF32 || copy.element_count != kEach) {
     return Status::internal(fmt::format("w{}'s device copy is not {} f32 elements", i, kEach));
   }
-  std::vector<float> out(kEach);
-  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("copy"));
-  ZINF_RETURN_IF_ERROR(device.copy_d2h(out.data(), copy.data, kEach * sizeof(float), *stream));
-  ZINF_RETURN_IF_ERROR(device.synchronize(*stream));
+  ZINF_ASSIGN_OR_RETURN(std::vector<float> out,
+                        engine_test::copy_to_host(device, copy.data, kEach));
   ZINF_RETURN_IF_ERROR(engine.release(module));
   return out;
 }
@@ -120,13 +107,13 @@ TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParamete
   for (std::size_t i = 0; i < kParams; ++i) names.push_back(fmt::format("w{}", i));
   // What every rank's parameters hold at the end, the same on each.
   std::vector<std::vector<float>> expect(kParams);
-  for (std::size_t i = 0; i < kParams; ++i) expect[i] = seeded(i, kEach);
+  for (std::size_t i = 0; i < kParams; ++i) expect[i] = engine_test::seeded(kEach, i, kLo, kHi);
   // Single writes of every other parameter, from the last one down.
   std::vector<std::size_t> singles;
   for (std::size_t i = kParams; i-- > 0;) {
     if (i % 2 == 0) singles.push_back(i);
   }
-  for (std::size_t i : singles) expect[i] = seeded(1000 + i, kEach);
+  for (std::size_t i : singles) expect[i] = engine_test::seeded(kEach, 1000 + i, kLo, kHi);
   // A batch, shuffled: the first parameter, every seventh one and the last (runs of one group
   // with gaps), and three side by side (a run of several groups).
   std::vector<std::size_t> picked = {0, 150, 151, 152};
@@ -138,7 +125,7 @@ TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParamete
   std::vector<std::string_view> batch;
   for (std::size_t i : picked) {
     batch.push_back(names[i]);
-    expect[i] = seeded(5000 + i, kEach);
+    expect[i] = engine_test::seeded(kEach, 5000 + i, kLo, kHi);
   }
 
   std::vector<std::vector<std::uint64_t>> single_gathered(c.world);
@@ -229,7 +216,7 @@ TEST(WriteParametersCheck, ReportsTheFirstBadNameInTheOrderGiven) {
   std::vector<float> got(kEach);
   for (std::size_t i : {2, 4, 5, 7, 9}) {
     ASSERT_TRUE((*engine)->read_parameters(fmt::format("w{}", i), got.data()).is_ok());
-    EXPECT_TRUE(same_bits(got, seeded(i, kEach))) << "w" << i;
+    EXPECT_TRUE(same_bits(got, engine_test::seeded(kEach, i, kLo, kHi))) << "w" << i;
   }
   engine->reset();
   std::filesystem::remove_all(dir);
