@@ -167,6 +167,14 @@ std::uint64_t activation_bytes(const ModelShape& m, const TrainingShape& t) {
   return layers + logits;
 }
 
+std::uint64_t persistent_params(const ModelShape& model, const EngineSetup& setup) {
+  return setup.persistence_threshold_params >= model.hidden ? small_tensor_params(model) : 0;
+}
+
+std::uint64_t persistent_shard_params(const ModelShape& model, const EngineSetup& setup) {
+  return ceil_div(persistent_params(model, setup), setup.world_size);
+}
+
 std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t world_size) {
   // trainable_param_count() is at most param_count(): at most a rank's shard Pr.
   return ceil_div(trainable_param_count(model), world_size);
@@ -191,12 +199,28 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   };
   const MemoryTier optimizer_tier = memory_tier(s.optimizer);
 
+  // Frozen values exact in the half dtype, the state in host memory (estimate.hpp): the frozen
+  // shard's masters are kept as the half copy alone, and at stage 3 with the shards in host
+  // memory its groups but the persistent ones are lent that half copy for a shard.
+  const std::uint64_t frozen_shard = pr - tr;
+  const bool half_only =
+      model.frozen_exact_in_half && frozen_shard > 0 && s.optimizer == OffloadDevice::kHost;
+  const bool lent = half_only && s.stage == 3 && s.params == OffloadDevice::kHost;
   if (s.stage == 3) {
-    add(MemoryUse::kHalfParams, memory_tier(s.params), 2 * pr);
+    std::uint64_t shard = 2 * pr;
+    if (lent) shard = 2 * tr + 2 * std::min(frozen_shard, persistent_shard_params(model, s));
+    add(MemoryUse::kHalfParams, memory_tier(s.params), shard);
   } else {
     add(MemoryUse::kHalfParams, MemoryTier::kDevice, 2 * p);
   }
-  add(MemoryUse::kMasterParams, optimizer_tier, 4 * pr);
+  add(MemoryUse::kMasterParams, optimizer_tier, 4 * (half_only ? tr : pr));
+  if (half_only) {
+    // The four scratch blocks a half-only master is read and written through: three of fp32 and
+    // one of halves, a chunk each, up to 256 Ki elements and at most a sub-group.
+    const std::uint64_t chunk =
+        std::min({kHalfOnlyChunkParams, s.sub_group_params, std::max<std::uint64_t>(pr, 1)});
+    add(MemoryUse::kMasterParams, MemoryTier::kHost, (3 * 4 + 2) * chunk);
+  }
   // The frozen elements' moments are never resident, except in the swap file, which is
   // preallocated whole (the header says when).
   add(MemoryUse::kMoments, optimizer_tier, 8 * (optimizer_tier == MemoryTier::kNvme ? pr : tr));
@@ -251,9 +275,8 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
 
   if (s.stage == 3) {
     const std::uint64_t live = std::min(p, s.max_live_params) + s.prefetch_bucket_params;
-    const std::uint64_t persistent =
-        s.persistence_threshold_params >= model.hidden ? small_tensor_params(model) : 0;
-    add(MemoryUse::kGatheredParams, MemoryTier::kDevice, 2 * std::min(p, live) + 2 * persistent);
+    add(MemoryUse::kGatheredParams, MemoryTier::kDevice,
+        2 * std::min(p, live) + 2 * persistent_params(model, s));
   }
   // The gradient reducer's buffers, allocated at open for the engine's life (GradReducer::create):
   // two fp32 buckets of `chunk` elements from each of the N ranks' slices, chunk =

@@ -93,6 +93,33 @@
 //   Frozen and trainable elements meet at sub-group cuts widened to 1024 elements; those
 //   widened edges (at most 2·1024 frozen elements a run of trainable ones) keep moments too,
 //   which the estimate leaves out.
+// Frozen parameters exact in the half dtype (ModelShape::frozen_exact_in_half, zinf plan
+// --frozen-exact: a base loaded from bf16 weights; docs/ENGINE.md "A frozen master its half copy
+// holds exactly is not kept" and "A frozen shard the store's half copy holds is not copied"),
+// with Fr = Pr − Tr a rank's frozen share. Only with offload_optimizer cpu (StoreState keeps the
+// master in host memory and the half copy beside it); with the state on NVMe or on the device
+// nothing changes (the master stays on its tier, the half copy is kept or streamed as above):
+//   fp32 master     4·Tr: a frozen sub-group's master is its half copy alone (the master
+//                   array's zero pages are never written), + the four scratch blocks its reads
+//                   and writes go through, 14·min(256 Ki, Sg, Pr) bytes (three fp32, one half)
+//   half params     stage 3 with offload_param cpu: 2·Tr + 2·min(Fr, Pp), Pp the persistent
+//                   params' shard (persistent_shard_params: a persistent group is never lent and
+//                   is taken as frozen); every other frozen group's shard is lent from the half
+//                   copy. Stages 1-2 and offload_param none or nvme: as above (2·P or 2·Pr on
+//                   the device or NVMe).
+//   half copy       2·Pr in host memory as above: it is what the frozen elements keep.
+//   So a frozen element takes 2 B of host memory at stage 3 with cpu/cpu (8 B counted without
+//   the flag), 2 B at stages 1-2 and at stage 3 with offload_param none or nvme (there besides
+//   its 2 B half param on the device or NVMe; 6 B without the flag).
+//   The engine lends a frozen group only where every sub-group over its shard holds frozen
+//   elements alone; a trainable run's sub-groups are widened to 1024-element boundaries of the
+//   rank's partition, so a frozen group whose shard a run's widened end reaches (its shard and
+//   the run meet off such a boundary) keeps its own shard, 2 B an element, and its elements in
+//   that sub-group their master, 4 B (at most 2·1023 a run). The estimate takes every
+//   non-persistent frozen group as lent and every frozen sub-group as half-only: the engine's
+//   count where each run begins and ends on a 1024-element boundary (every group's shard before
+//   it a multiple of 1024 elements: Llama's tensors on 1 rank, or on N dividing their sizes by
+//   1024), a lower bound otherwise (at most two frozen groups' shards a run more).
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
 // pinned pool (engine_bytes()); activations belong to the training code, gathered params are
 // transient, the reducer's buckets are the engine's but outside its MemoryReport, and the
@@ -236,6 +263,16 @@ std::uint64_t activation_arena_bytes(const ModelShape& model, const TrainingShap
 
 // A rank's trainable share: ceil(T / N), at most its shard ceil(P / N) (T <= P).
 std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t world_size);
+
+// The parameters stage 3 keeps gathered for the whole run (stage3_param_persistence_threshold
+// at least h: the norms and biases, small_tensor_params()), 0 where the threshold is below h;
+// and a rank's shard of them, ceil(that / N).
+std::uint64_t persistent_params(const ModelShape& model, const EngineSetup& setup);
+std::uint64_t persistent_shard_params(const ModelShape& model, const EngineSetup& setup);
+
+// Elements of one scratch block a half-only frozen master is read and written through
+// (lib/engine/store_state.cpp), at most: 256 Ki (1 MiB of fp32).
+inline constexpr std::uint64_t kHalfOnlyChunkParams = std::uint64_t{1} << 18;
 
 // REQUIRES: validate_setup(setup) is OK; no gradients_on_nvme with frozen parameters.
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,

@@ -694,5 +694,58 @@ TEST_F(PlanCli, LoraPlanShowsTheTrainableShare) {
       << r.out;
 }
 
+// The 70B LoRA case of docs/PLAN.md without NVMe: counted as any values the base is short of host
+// memory; with --frozen-exact (a bf16 base) it fits at stage 3 with state and shards in host
+// memory, where a frozen element keeps its half copy alone. By hand, P = 68,976,648,192 +
+// 32,768,000 adapters, T = 32,768,000 on 1 rank: the shard the adapters' and the persistent norms'
+// (80 x 2 x 8192 + 8192 = 1,318,912), 2 x 34,086,912 = 68,173,824 B; the master the adapters'
+// 4 x 32,768,000 and four scratch blocks of 256 Ki elements (three fp32, one bf16), 134,742,016
+// B; the half copy every element's, 2 x P = 138,018,832,384 B.
+TEST_F(PlanCli, FrozenExactCountsTheHalfCopyAlone) {
+  const std::string base =
+      "plan --model llama-2-70b --gpus 1 --gpu-mem 80GB --host-mem 256GB --seq 4096 "
+      "--checkpoint-activations --gpu-tflops 400 --gpu-link-gbps 100 --lora-rank 16" +
+      std::string(kRates);
+  CliRun r = run_zinf(base + " --json");
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  r = run_zinf(base + " --json --frozen-exact");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json plan = nlohmann::json::parse(r.out);
+  EXPECT_EQ(plan.at("model").at("frozen_exact_in_half"), true);
+  EXPECT_EQ(plan.at("placement").at("stage"), 3);
+  EXPECT_EQ(plan.at("placement").at("offload_optimizer"), "cpu");
+  EXPECT_EQ(plan.at("placement").at("offload_param"), "cpu");
+  const nlohmann::json& bytes = plan.at("bytes_per_state_per_rank");
+  EXPECT_EQ(bytes.at("half_params").at("host"), 68'173'824);
+  EXPECT_EQ(bytes.at("fp32_master").at("host"), 134'742'016);
+  EXPECT_EQ(bytes.at("half_copy").at("host"), 138'018'832'384);
+  r = run_zinf(base + " --frozen-exact");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("68.98B frozen: LoRA rank 16 adapters on q,v in each of 80 layers (frozen "
+                       "values exact in the half dtype)"),
+            std::string::npos)
+      << r.out;
+}
+
+// --frozen-exact without anything frozen, or with --step-only (which steps every parameter): exit
+// 1, naming the option. Without it nothing of the output says so (the JSON's key is false).
+TEST_F(PlanCli, FrozenExactNeedsFrozenParameters) {
+  const std::string base =
+      "plan --model llama-2-7b --gpu-mem 80GB --host-mem 256GB" + std::string(kRates);
+  CliRun r = run_zinf(base + " --frozen-exact");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.err.find("--frozen-exact: needs --trainable or --lora-rank"), std::string::npos)
+      << r.err;
+  r = run_zinf("plan --step-only --params 1G --tier host --mem-adam-gbps 50 --frozen-exact");
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.err.find("do not apply to --step-only"), std::string::npos) << r.err;
+  r = run_zinf(base + " --trainable 1% --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("model").at("frozen_exact_in_half"), false);
+  r = run_zinf(base + " --trainable 1%");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out.find("exact in the half dtype"), std::string::npos) << r.out;
+}
+
 }  // namespace
 }  // namespace zinf::plan

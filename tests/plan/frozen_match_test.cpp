@@ -4,12 +4,14 @@
 // no step writes (docs/ENGINE.md, "What a frozen parameter costs"), so the comparison is with the
 // process's resident set. The report leaves out only the fp32 master of a frozen sub-group kept
 // as its half copy alone, whose pages no write is ever given (docs/ENGINE.md, "Frozen
-// parameters"); the base values here are drawn, not exact in bf16, so every master is kept. The
-// planned config (stage 2, optimizer state in host memory) is opened on one HostDevice rank,
-// whose device memory is the process's too, finalized and stepped three times on the adapters'
-// gradients; the growth of the resident anonymous memory is compared with the estimate's
-// engine-owned bytes, device and host together. The device optimizer's bytes are compared with
-// the engine's MemoryReport at stages 1 and 2.
+// parameters"); the base values here are drawn, not exact in bf16, so every master is kept, but
+// in the exact-base case, whose values are rounded to bf16 first and whose estimate is made with
+// ModelShape::frozen_exact_in_half (zinf plan --frozen-exact). The planned config (stage 2,
+// optimizer state in host memory) is opened on one HostDevice rank, whose device memory is the
+// process's too, finalized and stepped three times on the adapters' gradients; the growth of the
+// resident anonymous memory is compared with the estimate's engine-owned bytes, device and host
+// together. The device optimizer's bytes are compared with the engine's MemoryReport at stages 1
+// and 2.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
@@ -59,13 +61,19 @@ std::string how_it_ended(const test::ChildEnd& end) {
   return fmt::format("wait status {:#x}", end.wstatus);
 }
 
-// `count` tensors of `elements` values each, uniform in [-1, 1), tensor k from seed first_seed + k.
+// `count` tensors of `elements` values each, uniform in [-1, 1), tensor k from seed first_seed + k;
+// with `bf16_exact` each value rounded to bf16 and widened back, as a bf16 checkpoint's are.
 std::vector<std::vector<float>> seeded_tensors(int count, std::size_t elements,
-                                               std::uint64_t first_seed) {
+                                               std::uint64_t first_seed, bool bf16_exact = false) {
   std::vector<std::vector<float>> out(static_cast<std::size_t>(count));
+  std::vector<std::uint16_t> half(elements);
   for (std::size_t k = 0; k < out.size(); ++k) {
     out[k].resize(elements);
     fill_uniform(out[k].data(), elements, first_seed + k, -1.0f, 1.0f);
+    if (bf16_exact) {
+      convert_f32_to_bf16(out[k].data(), half.data(), elements);
+      convert_bf16_to_f32(half.data(), out[k].data(), elements);
+    }
   }
   return out;
 }
@@ -83,8 +91,9 @@ ModelShape lora_shape() {
 }
 
 // The planner's best setup for `model` on one GPU, forced to `stage` with the optimizer state on
-// `optimizer`.
-Result<EngineSetup> planned_setup(const ModelShape& model, int stage, OffloadDevice optimizer) {
+// `optimizer` (and at stage 3 the shards on `params`).
+Result<EngineSetup> planned_setup(const ModelShape& model, int stage, OffloadDevice optimizer,
+                                  OffloadDevice params = OffloadDevice::kNone) {
   Budgets budgets;
   budgets.gpus = 1;
   budgets.gpu_mem_bytes = 8'000'000'000;
@@ -94,6 +103,7 @@ Result<EngineSetup> planned_setup(const ModelShape& model, int stage, OffloadDev
   PlanConstraints forced;
   forced.stage = stage;
   forced.optimizer = optimizer;
+  if (stage == 3) forced.params = params;
   ZINF_ASSIGN_OR_RETURN(PlanResult plan,
                         make_plan(model, TrainingShape{}, budgets, profile, forced));
   return plan.best.setup;
@@ -181,17 +191,36 @@ Status resident_growth(const Config& config, const std::vector<std::vector<float
 // adds its gradients into the host accumulator in place and allocates no bucket; at stage 1 it
 // has the two fp32 buckets of the estimate's device tier, which it reads in place (no pinned
 // receive buffers: those are a GPU's, the estimate's host-tier comm buckets).
-// Leaves the growth and the estimate in `growth_out` and `predicted_out`.
-void expect_resident_is_estimate(int stage, std::int64_t* growth_out, std::int64_t* predicted_out) {
-  SCOPED_TRACE(fmt::format("stage {}", stage));
+// With `exact` the base values are exact in bf16 and the estimate is made knowing it; at stage 3
+// the shards are in host memory. Leaves the growth and the estimate in `growth_out` and
+// `predicted_out`.
+void expect_resident_is_estimate(int stage, std::int64_t* growth_out, std::int64_t* predicted_out,
+                                 bool exact = false) {
+  SCOPED_TRACE(fmt::format("stage {}{}", stage, exact ? ", base exact in bf16" : ""));
   const std::uint64_t base = kBaseWeights * kSide * kSide;
-  const ModelShape model = lora_shape();
+  ModelShape model = lora_shape();
   ModelShape all_trainable = model;
   all_trainable.trainable_params = 0;
 
-  Result<EngineSetup> planned = planned_setup(model, stage, OffloadDevice::kHost);
+  Result<EngineSetup> planned =
+      planned_setup(model, stage, OffloadDevice::kHost, OffloadDevice::kHost);
   ASSERT_TRUE(planned.is_ok()) << planned.status().to_string();
   const EngineSetup setup = *planned;
+  if (exact) {
+    // What knowing the base exact takes off the estimate, by hand: each of the `base` frozen
+    // elements' fp32 master (4 B), less the four scratch blocks the engine reads and writes a
+    // half-only master through (three of 256 Ki fp32, one of 256 Ki halves: 3,670,016 B); at
+    // stage 3 with the shards in host memory also each one's own shard (2 B), lent from its half
+    // copy, but the persistent groups' (the planner's 12 x 2 x 1024 + 1024 norm parameters,
+    // taken as frozen).
+    const MemoryEstimate conservative = estimate_memory(model, TrainingShape{}, setup);
+    model.frozen_exact_in_half = true;
+    const MemoryEstimate known = estimate_memory(model, TrainingShape{}, setup);
+    const std::uint64_t saved =
+        stage == 3 ? 6 * base - 2 * 25'600 - 3'670'016 : 4 * base - 3'670'016;
+    ASSERT_EQ(conservative.engine_bytes(MemoryTier::kHost) - known.engine_bytes(MemoryTier::kHost),
+              saved);
+  }
   const MemoryEstimate frozen_estimate = estimate_memory(model, TrainingShape{}, setup);
   const MemoryEstimate trainable_estimate = estimate_memory(all_trainable, TrainingShape{}, setup);
   auto engine_total = [stage](const MemoryEstimate& e) {
@@ -204,14 +233,16 @@ void expect_resident_is_estimate(int stage, std::int64_t* growth_out, std::int64
   // The frozen elements' moments (8 bytes) and gradient slice (4 bytes), which the engine never
   // makes resident with the state in host memory, and at stage 1 their full-size fp32 gradient
   // copy (4 bytes), which a frozen group does not have.
-  ASSERT_EQ(predicted_all_trainable - predicted, (stage == 1 ? 16 : 12) * base);
+  if (!exact) {
+    ASSERT_EQ(predicted_all_trainable - predicted, (stage == 1 ? 16 : 12) * base);
+  }
 
   Result<Config> config = engine_config(setup);
   ASSERT_TRUE(config.is_ok()) << config.status().to_string();
 
   // Seeded values, made before the first measure, as are the adapters' gradients.
   const std::vector<std::vector<float>> base_values =
-      seeded_tensors(kBaseWeights, kSide * kSide, 8100);
+      seeded_tensors(kBaseWeights, kSide * kSide, 8100, exact);
   const std::vector<std::vector<float>> adapter_values =
       seeded_tensors(kAdapters, kSide * kRank, 8200);
   std::vector<std::vector<std::uint16_t>> grads(kAdapters);
@@ -282,6 +313,21 @@ TEST(FrozenMatch, LoraEstimateIsWhatTheEngineMakesResident) {
               static_cast<long long>(added), static_cast<long long>(added_predicted));
   EXPECT_LT(std::abs(added - added_predicted), std::int64_t{1} << 20)
       << "stage 1 over stage 2: resident " << added << " B, estimated " << added_predicted << " B";
+}
+
+// A base exact in bf16, as a bf16 checkpoint's, keeps no fp32 master (its half copy holds it) and
+// at stage 3 with the shards in host memory no shard of its own (lent from that half copy): the
+// estimate that knows it (zinf plan --frozen-exact) is what the engine makes resident, at stage 2
+// and at stage 3 with state and shards in host memory.
+TEST(FrozenMatch, ExactBaseEstimateIsWhatTheEngineMakesResident) {
+  if (test::kThreadSanitizer || test::kAddressSanitizer) {
+    GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
+  }
+  for (int stage : {2, 3}) {
+    std::int64_t growth = 0, predicted = 0;
+    expect_resident_is_estimate(stage, &growth, &predicted, /*exact=*/true);
+    if (HasFatalFailure()) return;
+  }
 }
 
 // The optimizer on the device (offload_optimizer none on a GPU; here an opaque HostDevice, which

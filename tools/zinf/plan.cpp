@@ -59,6 +59,7 @@ struct PlanOptions {
   bool lora_rank_given = false;  // --lora-rank 0 is refused, not taken as absent
   std::string lora_targets = "q,v";
   bool lora_targets_given = false;
+  bool frozen_exact = false;  // the frozen values are exact in the half dtype
   std::string arch = "transformer";
   std::uint64_t context_bytes = 16;
   std::uint64_t embed_dim = 16;
@@ -507,10 +508,10 @@ void run_plan(const PlanOptions& o) {
     return;
   }
   if (o.step_only) {
-    if (!o.trainable.empty() || o.lora_rank_given || o.lora_targets_given) {
+    if (!o.trainable.empty() || o.lora_rank_given || o.lora_targets_given || o.frozen_exact) {
       fail(
-          "--trainable, --lora-rank and --lora-targets do not apply to --step-only (it predicts "
-          "`zinf bench step`, which steps every parameter)");
+          "--trainable, --lora-rank, --lora-targets and --frozen-exact do not apply to "
+          "--step-only (it predicts `zinf bench step`, which steps every parameter)");
       return;
     }
     run_step_only(o);
@@ -569,6 +570,13 @@ void run_plan(const PlanOptions& o) {
     fail(fmt::format("--lora-targets {}: needs --lora-rank (the adapters' rank)", o.lora_targets));
     return;
   }
+  if (o.frozen_exact && o.trainable.empty() && !o.lora_rank_given) {
+    fail(
+        "--frozen-exact: needs --trainable or --lora-rank (it says the frozen parameters' values "
+        "are exact in the half dtype; without them nothing is frozen)");
+    return;
+  }
+  model.frozen_exact_in_half = o.frozen_exact;
   if (o.lora_rank_given) {
     const Status lora = apply_lora(&model, o.lora_rank, o.lora_targets);
     if (!lora.is_ok()) {
@@ -755,6 +763,7 @@ void run_plan(const PlanOptions& o) {
     out["model"]["trainable_params"] = trainable;
     out["model"]["frozen_params"] = frozen_param_count(model);
     out["model"]["trainable_fraction"] = trainable_share;
+    out["model"]["frozen_exact_in_half"] = model.frozen_exact_in_half;
     if (o.lora_rank_given) {
       out["model"]["lora"] = {{"rank", o.lora_rank},
                               {"targets", o.lora_targets},
@@ -768,13 +777,14 @@ void run_plan(const PlanOptions& o) {
     fmt::print("model     {}: {} params, {} layers, hidden {}\n", model.name,
                format_param_count(c.memory.param_count), model.layers, model.hidden);
     if (frozen_asked) {
-      fmt::print("trainable {} params ({:.3g}% of the model), {} frozen{}\n",
+      fmt::print("trainable {} params ({:.3g}% of the model), {} frozen{}{}\n",
                  format_param_count(trainable), 100.0 * trainable_share,
                  format_param_count(frozen_param_count(model)),
                  o.lora_rank_given
                      ? fmt::format(": LoRA rank {} adapters on {} in each of {} layers",
                                    o.lora_rank, o.lora_targets, model.layers)
-                     : std::string());
+                     : std::string(),
+                 model.frozen_exact_in_half ? " (frozen values exact in the half dtype)" : "");
     }
     fmt::print("training  seq {}, micro-batch {}, grad accumulation {}, checkpointing {}\n",
                training.seq_len, training.micro_batch, training.grad_accum_steps,
@@ -974,6 +984,12 @@ void setup_plan(CLI::App& app) {
                       "With --lora-rank: projections adapted, of q,k,v,o,gate,up,down (PEFT's "
                       "default for Llama: q,v; on GPT-2 q,v counts its fused c_attn's adapter)")
           ->capture_default_str();
+  sub->add_flag("--frozen-exact", o->frozen_exact,
+                "With --trainable or --lora-rank: the frozen parameters' values are exact in the "
+                "half dtype (bf16/fp16), as a base loaded from a bf16 checkpoint's are; counts "
+                "what the engine then keeps with offload_optimizer cpu (no fp32 master of them, "
+                "and at stage 3 with offload_param cpu no shard of their own: 2 bytes an element "
+                "of host memory). Without it they are counted as any values (an upper bound)");
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
