@@ -89,7 +89,8 @@
 //                   group_by_module, which the engine never makes, has one.)
 //                   The engine refuses gradients_on_nvme with a frozen parameter.
 //   everything else as for trainable parameters: the fp32 master, the half params and the half
-//                   copy (written from the master at finalize).
+//                   copy (written from the master at finalize), but with frozen_exact_in_half
+//                   (below).
 //   Frozen and trainable elements meet at sub-group cuts widened to 1024 elements; those
 //   widened edges (at most 2·1024 frozen elements a run of trainable ones) keep moments too,
 //   which the estimate leaves out.
