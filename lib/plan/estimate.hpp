@@ -121,6 +121,11 @@
 //   count where each run begins and ends on a 1024-element boundary (every group's shard before
 //   it a multiple of 1024 elements: Llama's tensors on 1 rank, or on N dividing their sizes by
 //   1024), a lower bound otherwise (at most two frozen groups' shards a run more).
+//   The engine lends the frozen shards and allocates the scratch blocks whatever the values (the
+//   half copy is the master narrowed either way; the scratch is made wherever a sub-group is
+//   frozen, before the values are seen): the estimate counts both only with the flag, so that
+//   without it the figure stays the conservative one it was, every frozen shard counted and no
+//   scratch (tests/plan/frozen_match_test.cpp, StageThreeHostBytesAreTheEstimate).
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
 // pinned pool (engine_bytes()); activations belong to the training code, gathered params are
 // transient, the reducer's buckets are the engine's but outside its MemoryReport, and the

@@ -330,6 +330,61 @@ TEST(FrozenMatch, ExactBaseEstimateIsWhatTheEngineMakesResident) {
   }
 }
 
+// MemoryReport::host_bytes at stage 3 with state and shards in host memory, on an opaque
+// HostDevice (a GPU's path), against the estimate's engine-owned host bytes, with the base drawn
+// and with it exact in bf16 (the estimate knowing it). The report counts every host array the
+// state allocates, pages written or not: the frozen elements' moments (8 B) and gradient slice
+// (4 B), zero pages the estimate leaves out as never resident, are in it. It leaves out the
+// half-only masters and the lent shards, as the estimate with the flag does. The engine lends
+// the frozen groups' shards whatever the values (its half copy is the master narrowed either
+// way) and allocates the four scratch blocks of a half-only master wherever a sub-group is frozen
+// (3,670,016 B: three of 256 Ki fp32, one of 256 Ki halves); the estimate without the flag stays
+// the conservative one, which counts every frozen shard (2 B an element) and no scratch. The
+// estimate counts a rank's shard of the persistent parameters (the planner's 12 x 2 x 1024 + 1024
+// norm parameters of this count-given model, 25,600) as frozen and never lent; this engine's
+// persistent groups are the adapters (32 Ki elements each, below the threshold), trainable.
+void expect_host_bytes_are_estimate(bool exact) {
+  SCOPED_TRACE(exact ? "base exact in bf16" : "base drawn");
+  const std::uint64_t base = kBaseWeights * kSide * kSide;
+  ModelShape model = lora_shape();
+  model.frozen_exact_in_half = exact;
+  Result<EngineSetup> planned = planned_setup(model, 3, OffloadDevice::kHost, OffloadDevice::kHost);
+  ASSERT_TRUE(planned.is_ok()) << planned.status().to_string();
+  const MemoryEstimate estimate = estimate_memory(model, TrainingShape{}, *planned);
+  const std::uint64_t predicted = estimate.engine_bytes(MemoryTier::kHost) + 12 * base;
+  Result<Config> config = engine_config(*planned);
+  ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+  const std::vector<std::vector<float>> base_values =
+      seeded_tensors(kBaseWeights, kSide * kSide, 8500, exact);
+  const std::vector<std::vector<float>> adapter_values =
+      seeded_tensors(kAdapters, kSide * kRank, 8500 + kBaseWeights);
+  HostDeviceOptions device_options;
+  device_options.opaque = true;
+  std::unique_ptr<Device> device = std::move(make_host_device(device_options)).value();
+  std::vector<Device*> raw = {device.get()};
+  auto comms = make_local_comm_group(raw);
+  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
+  MemoryReport got;
+  const Status st = with_lora_engine(*config, device.get(), (*comms)[0].get(), base_values,
+                                     adapter_values, [&](Engine& engine) -> Status {
+                                       got = engine.memory();
+                                       return Status::ok();
+                                     });
+  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  std::printf("stage 3, cpu/cpu, %s: host bytes: estimate + frozen zero pages %llu, engine %llu\n",
+              exact ? "exact" : "drawn", static_cast<unsigned long long>(predicted),
+              static_cast<unsigned long long>(got.host_bytes));
+  if (exact) {
+    EXPECT_EQ(got.host_bytes + 2 * 25'600, predicted);
+  } else {
+    EXPECT_EQ(got.host_bytes + 2 * base, predicted + 3'670'016);
+  }
+}
+
+TEST(FrozenMatch, StageThreeHostBytesAreTheEstimate) {
+  for (bool exact : {false, true}) expect_host_bytes_are_estimate(exact);
+}
+
 // The optimizer on the device (offload_optimizer none on a GPU; here an opaque HostDevice, which
 // takes a GPU's path: lib/engine/device_state.cpp) allocates what it holds, so the estimate's
 // device bytes are compared with the engine's MemoryReport: the frozen base's moments take no
