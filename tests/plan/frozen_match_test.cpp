@@ -3,15 +3,17 @@
 // not, and a frozen element's moments and gradient slice are allocated as fresh zero pages that
 // no step writes (docs/ENGINE.md, "What a frozen parameter costs"), so the comparison is with the
 // process's resident set. The report leaves out only the fp32 master of a frozen sub-group kept
-// as its half copy alone, whose pages no write is ever given (docs/ENGINE.md, "Frozen
-// parameters"); the base values here are drawn, not exact in bf16, so every master is kept, but
-// in the exact-base case, whose values are rounded to bf16 first and whose estimate is made with
-// ModelShape::frozen_exact_in_half (zinf plan --frozen-exact). The planned config (stage 2,
-// optimizer state in host memory) is opened on one HostDevice rank, whose device memory is the
-// process's too, finalized and stepped three times on the adapters' gradients; the growth of the
-// resident anonymous memory is compared with the estimate's engine-owned bytes, device and host
-// together. The device optimizer's bytes are compared with the engine's MemoryReport at stages 1
-// and 2.
+// as its half copy alone, whose pages no write is ever given, and the host shard a frozen group
+// is lent from that half copy at stage 3 (docs/ENGINE.md, "Frozen parameters"); the base values
+// here are drawn, not exact in bf16, so every master is kept, but in the exact-base case, whose
+// values are rounded to bf16 first and whose estimate is made with ModelShape::frozen_exact_in_half
+// (zinf plan --frozen-exact). The planned config (stage 2, optimizer state in host memory) is
+// opened on one HostDevice rank, whose device memory is the process's too, finalized and stepped
+// three times on the adapters' gradients; the growth of the resident anonymous memory is compared
+// with the estimate's engine-owned bytes, device and host together (the exact-base case at stage 3
+// too, state and shards in host memory). The device optimizer's bytes are compared with the
+// engine's MemoryReport at stages 1 and 2, and the host bytes at stage 3 with state and shards in
+// host memory.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <malloc.h>
