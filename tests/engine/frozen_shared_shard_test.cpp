@@ -17,6 +17,8 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "device/host_device.hpp"
+#include "engine/state_fixture.hpp"
 #include "engine_test_util.hpp"
 #include "zinf/dtype.hpp"
 
@@ -367,6 +369,63 @@ TEST(FrozenSharedShard, LoadedMomentsTakeTheLentShardsBack) {
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     if (model.params[p].module != "base") continue;
     EXPECT_TRUE(same_bits(stepped[p], model.initial[p])) << model.params[p].name;
+  }
+}
+
+// The lent spans of the store's half array are registered with the state's device, so that a
+// gather copies them asynchronously on a GPU. An engine cannot run on a device that refuses every
+// copy from unregistered memory (its ranks agree on the layout by copies of a few words from the
+// stack), so the state is opened alone, on such a device (require_registered_host), over a
+// frozen "base" of 64 Ki bf16 elements in frozen sub-groups alone and a trainable "lora": each
+// lent shard is then copied to the device and back, whole, and holds base's values; a copy from
+// memory the state did not register fails on the same device. As a persistent group, "base" is
+// not lent and nothing is registered.
+TEST(FrozenSharedShard, LentSpansAreRegisteredWithTheDevice) {
+  engine_test::StateFixture f(
+      std::size_t{1} << 16, std::size_t{1} << 12,
+      {.offload = OffloadDevice::kHost, .seed = 31, .dtype = DType::kBF16, .base_exact = true});
+  HostDeviceOptions o;
+  o.require_registered_host = true;
+  std::unique_ptr<Device> strict = std::move(make_host_device(o)).value();
+  auto& host = dynamic_cast<HostDevice&>(*strict);
+  std::unique_ptr<Stream> stream = std::move(strict->create_stream("test")).value();
+  const ParameterLayout& layout = f.layout_;
+  std::vector<std::uint16_t> unregistered(16, 0);
+  void* probe = std::move(strict->allocate(unregistered.size() * 2)).value();
+  EXPECT_EQ(strict->copy_h2d(probe, unregistered.data(), unregistered.size() * 2, *stream).code(),
+            Code::kFailedPrecondition);
+  ASSERT_TRUE(strict->free(probe).is_ok());
+  for (bool persistent : {false, true}) {
+    SCOPED_TRACE(persistent ? "base persistent" : "base partitioned");
+    Result<std::unique_ptr<OptimizerState>> opened = open_store_state(f.context(strict.get()));
+    ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+    std::vector<bool> persistent_groups(layout.group_count(), false);
+    for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
+      persistent_groups[g] = persistent && layout.frozen_group(g);
+    }
+    Result<std::vector<const std::byte*>> lent = (*opened)->share_host_shards(persistent_groups);
+    ASSERT_TRUE(lent.is_ok()) << lent.status().to_string();
+    std::size_t lent_count = 0;
+    for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
+      const std::byte* shard = (*lent)[g];
+      if (shard == nullptr) continue;
+      ++lent_count;
+      ASSERT_TRUE(layout.frozen_group(g));
+      const std::size_t elements = layout.group(g).shard_element_count;
+      const std::size_t bytes = elements * 2;
+      EXPECT_TRUE(host.registered(shard, bytes)) << "group " << g;
+      void* on_device = std::move(strict->allocate(bytes)).value();
+      std::vector<std::uint16_t> back(elements);
+      ASSERT_TRUE(strict->copy_h2d(on_device, shard, bytes, *stream).is_ok()) << "group " << g;
+      ASSERT_TRUE(strict->synchronize(*stream).is_ok());
+      std::memcpy(back.data(), on_device, bytes);  // a HostDevice's memory, host-accessible
+      ASSERT_TRUE(strict->free(on_device).is_ok());
+      const std::vector<std::uint16_t> want =
+          engine_test::narrow_to_half(f.values_[0], DType::kBF16);
+      EXPECT_EQ(std::memcmp(back.data(), want.data(), std::min(bytes, want.size() * 2)), 0)
+          << "group " << g;
+    }
+    EXPECT_EQ(lent_count, persistent ? 0u : 1u);
   }
 }
 
