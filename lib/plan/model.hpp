@@ -70,11 +70,12 @@ struct ModelShape {
   // follow each adapted projection (PEFT's module order), one run a projection, layers x targets.
   // 0: unknown (--trainable), taken as one.
   std::uint64_t trainable_runs = 0;
-  // The frozen parameters' values are exact in the half dtype (bf16 or fp16: widening the
-  // rounded value gives it back bit for bit), as a base loaded from a bf16 checkpoint's are
-  // (zinf plan --frozen-exact). The engine then keeps less host memory for them with the
-  // optimizer state there (estimate.hpp, "Frozen parameters exact in the half dtype"). false:
-  // not known, so counted as any value's (an upper bound).
+  // The frozen parameters' values are exact in the run's half dtype (widening the rounded value
+  // gives it back bit for bit): a bf16 checkpoint's with bf16, an fp16 one's with fp16 (zinf plan
+  // --frozen-exact). A bf16 checkpoint is not exact in fp16 (values below 2^-17 or above 65504
+  // round), so the engine keeps their masters there. The engine then keeps less host memory for
+  // them with the optimizer state there (estimate.hpp, "Frozen parameters exact in the half
+  // dtype"). false: not known, so counted as any value's (an upper bound).
   bool frozen_exact_in_half = false;
 };
 

@@ -986,10 +986,11 @@ void setup_plan(CLI::App& app) {
           ->capture_default_str();
   sub->add_flag("--frozen-exact", o->frozen_exact,
                 "With --trainable or --lora-rank: the frozen parameters' values are exact in the "
-                "half dtype (bf16/fp16), as a base loaded from a bf16 checkpoint's are; counts "
-                "what the engine then keeps with offload_optimizer cpu (no fp32 master of them, "
-                "and at stage 3 with offload_param cpu no shard of their own: 2 bytes an element "
-                "of host memory). Without it they are counted as any values (an upper bound)");
+                "run's half dtype (a bf16 checkpoint with bf16, an fp16 one with --fp16: a bf16 "
+                "checkpoint is not exact in fp16); counts what the engine then keeps with "
+                "offload_optimizer cpu (no fp32 master of them: 2 bytes an element of host memory "
+                "at stage 3 with offload_param cpu). Without it they are counted as any values (an "
+                "upper bound)");
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
