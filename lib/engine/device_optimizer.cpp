@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -72,7 +73,7 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
       ZINF_ASSERT(r->group < kMaxOptimizerGroups);
       const bool run_frozen =
           !frozen.empty() && frozen[static_cast<std::size_t>(r - ranges.begin())];
-      o->runs_.push_back(Run{g, r->group, b, stop - b, run_frozen, b, b});
+      o->runs_.push_back(Run{g, r->group, b, stop - b, run_frozen, b, b, b});
       b = stop;
     }
   }
@@ -133,9 +134,22 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
     }
     moment_elements = next;
   }
+  // Half-only runs: frozen runs (not stepped while packed) of a half group whose master the half
+  // dtype holds exactly take no master; the others' masters are packed around them.
+  std::size_t half_only = 0;
+  for (Run& r : o->runs_) {
+    const DType dtype = o->groups_[r.group].dtype;
+    if (o->packed_ && r.frozen && dtype != DType::kF32 &&
+        holds_exactly(dtype, master + r.offset, r.count)) {
+      r.master = kNoMaster;
+      half_only = std::max(half_only, r.count);
+    }
+  }
+  const std::size_t master_elements = layout_masters(o->runs_);
+  if (half_only > 0) o->half_chunk_.resize(std::min(half_only, kHalfChunkElements));
   ZINF_ASSIGN_OR_RETURN(o->ops_, make_device_ops(device));
   ZINF_ASSIGN_OR_RETURN(o->stream_, device.create_stream("optimizer"));
-  const std::size_t bytes = std::max<std::size_t>(partition_elements, 1) * sizeof(float);
+  const std::size_t bytes = std::max<std::size_t>(master_elements, 1) * sizeof(float);
   const std::size_t moment_bytes = std::max<std::size_t>(moment_elements, 1) * sizeof(float);
   const std::size_t grad_bytes = std::max<std::size_t>(o->grad_elements_, 1) * sizeof(float);
   ZINF_ASSIGN_OR_RETURN(o->master_, DeviceBuffer::allocate(device, bytes));
@@ -152,13 +166,123 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   ZINF_ASSIGN_OR_RETURN(o->scratch_, DeviceBuffer::allocate(device, kScratchFloats * 4));
   ZINF_ASSIGN_OR_RETURN(o->result_, RegisteredBuffer::allocate(device, sizeof(float)));
   Stream& s = *o->stream_;
-  ZINF_RETURN_IF_ERROR(device.copy_h2d(o->master_.data(), master, partition_elements * 4, s));
+  for (const Run& r : o->runs_) {
+    if (r.master == kNoMaster) continue;
+    ZINF_RETURN_IF_ERROR(
+        device.copy_h2d(o->master_at(r, r.offset), master + r.offset, r.count * 4, s));
+  }
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->grads_.data(), 0, grad_bytes, s));
   ZINF_RETURN_IF_ERROR(o->round_frozen(0, partition_elements));
+  for (const Run& r : o->runs_) {
+    if (r.master == kNoMaster) {
+      ZINF_RETURN_IF_ERROR(o->upload_half(r, r.offset, r.count, master + r.offset));
+    }
+  }
   ZINF_RETURN_IF_ERROR(device.synchronize(s, timeout));
   return o;
+}
+
+std::size_t DeviceOptimizer::layout_masters(std::vector<Run>& runs) {
+  std::size_t next = 0;
+  bool after_gap = true;
+  for (Run& r : runs) {
+    if (r.master == kNoMaster) {
+      after_gap = true;
+      continue;
+    }
+    // Right after the run before (its partition neighbour): congruent to the offset already.
+    r.master = after_gap ? (next + 15) / 16 * 16 + r.offset % 16 : next;
+    next = r.master + r.count;
+    after_gap = false;
+  }
+  return next;
+}
+
+bool DeviceOptimizer::holds_exactly(DType dtype, const float* values, std::size_t count) {
+  ZINF_ASSERT(dtype != DType::kF32);
+  for (std::size_t i = 0; i < count; ++i) {
+    const float back = dtype == DType::kBF16 ? bf16_to_f32(f32_to_bf16(values[i]))
+                                             : f16_to_f32(f32_to_f16(values[i]));
+    if (std::bit_cast<std::uint32_t>(back) != std::bit_cast<std::uint32_t>(values[i])) {
+      return false;
+    }
+  }
+  return true;
+}
+
+float* DeviceOptimizer::master_at(const Run& r, std::size_t first) const {
+  ZINF_ASSERT(r.master != kNoMaster && first >= r.offset && first <= r.offset + r.count);
+  return master_.as<float>() + r.master + (first - r.offset);
+}
+
+Status DeviceOptimizer::upload_half(const Run& r, std::size_t first, std::size_t count,
+                                    const float* in) {
+  const Group& g = groups_[r.group];
+  ZINF_ASSERT(r.master == kNoMaster && !half_chunk_.empty());
+  std::byte* half = half_.as<std::byte>() + g.byte_offset + (first - g.offset) * 2;
+  for (std::size_t done = 0; done < count; done += half_chunk_.size()) {
+    const std::size_t n = std::min(half_chunk_.size(), count - done);
+    if (g.dtype == DType::kBF16) {
+      convert_f32_to_bf16(in + done, half_chunk_.data(), n);
+    } else {
+      convert_f32_to_f16(in + done, half_chunk_.data(), n);
+    }
+    ZINF_RETURN_IF_ERROR(device_.copy_h2d(half + done * 2, half_chunk_.data(), n * 2, *stream_));
+    // The block is reused by the next chunk.
+    ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+  }
+  return Status::ok();
+}
+
+Status DeviceOptimizer::restore_masters(const std::vector<bool>& want) {
+  std::vector<Run> runs = runs_;
+  std::size_t restored = 0;
+  for (std::size_t k = 0; k < runs.size(); ++k) {
+    if (want[k] && runs[k].master == kNoMaster) {
+      runs[k].master = 0;
+      restored += runs[k].count;
+    }
+  }
+  if (restored == 0) return Status::ok();
+  const std::size_t elements = layout_masters(runs);
+  Result<DeviceBuffer> r =
+      DeviceBuffer::allocate(device_, std::max<std::size_t>(elements, 1) * sizeof(float));
+  if (!r.is_ok()) {
+    return r.status().with_context(fmt::format(
+        "a frozen parameter's master held by its half copy alone gets its fp32 master back on the "
+        "device ({} elements more: a value written that the half dtype does not hold, or non-zero "
+        "moments written into a frozen parameter)",
+        restored));
+  }
+  DeviceBuffer master = std::move(r).value();
+  for (std::size_t k = 0; k < runs.size(); ++k) {
+    const Run& was = runs_[k];
+    const Run& now = runs[k];
+    if (now.master == kNoMaster) continue;
+    float* dst = master.as<float>() + now.master;
+    if (was.master != kNoMaster) {
+      ZINF_RETURN_IF_ERROR(
+          device_.copy_d2d(dst, master_at(was, was.offset), was.count * 4, *stream_));
+      continue;
+    }
+    // Widening is exact: the master the half copy held.
+    const Group& g = groups_[was.group];
+    ZINF_RETURN_IF_ERROR(
+        ops_->widen(half_.as<std::byte>() + g.byte_offset + (was.offset - g.offset) * 2, g.dtype,
+                    dst, was.count, /*accumulate=*/false, *stream_));
+  }
+  ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+  master_ = std::move(master);
+  runs_ = std::move(runs);
+  return Status::ok();
+}
+
+std::size_t DeviceOptimizer::half_only_elements() const {
+  std::size_t n = 0;
+  for (const Run& r : runs_) n += r.master == kNoMaster ? r.count : 0;
+  return n;
 }
 
 DeviceOptimizer::~DeviceOptimizer() {
@@ -201,6 +325,8 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
       // (the half copy was rounded from this master).
       if (packed_) continue;
     }
+    // unpack() gave every half-only run its master.
+    ZINF_ASSERT(r.master != kNoMaster);
     // A frozen run without gradients (unpacked) steps on zeros, aligned as its master is, a chunk
     // of at most zero_elements_ at a time; any other run in one launch.
     ZINF_ASSERT(r.grad != kNoGrad || (r.frozen && zero_elements_ > 0));
@@ -213,7 +339,7 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
       const float* grad = r.grad == kNoGrad ? zeros_.as<const float>() + at % 16
                                             : grads_.as<const float>() + r.grad + done;
       ZINF_RETURN_IF_ERROR(
-          ops_->adam_step(master_.as<float>() + at, grad, exp_avg_.as<float>() + r.moment + done,
+          ops_->adam_step(master_at(r, at), grad, exp_avg_.as<float>() + r.moment + done,
                           exp_avg_sq_.as<float>() + r.moment + done, half, g.dtype,
                           std::min(chunk, r.count - done), args[r.param_group], *stream_));
     }
@@ -223,7 +349,13 @@ Status DeviceOptimizer::step(std::int64_t step, float grad_scale,
 
 const void* DeviceOptimizer::values(std::uint32_t g) const {
   const Group& group = groups_[g];
-  if (group.dtype == DType::kF32) return master_.as<float>() + group.offset;
+  if (group.dtype == DType::kF32) {
+    // The group's runs have masters one after another (layout_masters()): its first run's.
+    auto it = std::lower_bound(runs_.begin(), runs_.end(), group.offset,
+                               [](const Run& r, std::size_t e) { return r.offset < e; });
+    ZINF_ASSERT(it != runs_.end() && it->offset == group.offset);
+    return master_at(*it, group.offset);
+  }
   return half_.as<std::byte>() + group.byte_offset;
 }
 
@@ -259,14 +391,17 @@ Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
   // payload here, where the step's arithmetic may have given the device's canonical NaN.)
   return for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
     const Group& g = groups_[r.group];
-    if (!r.frozen || g.dtype == DType::kF32) return Status::ok();
-    return ops_->narrow(master_.as<const float>() + lo, g.dtype,
+    // A half-only run's half copy is its master.
+    if (!r.frozen || g.dtype == DType::kF32 || r.master == kNoMaster) return Status::ok();
+    return ops_->narrow(master_at(r, lo), g.dtype,
                         half_.as<std::byte>() + g.byte_offset + (lo - g.offset) * 2, hi - lo,
                         *stream_);
   });
 }
 
 Status DeviceOptimizer::unpack() {
+  // Every run is stepped from now on, from its master.
+  ZINF_RETURN_IF_ERROR(restore_masters(std::vector<bool>(runs_.size(), true)));
   const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
   // The moments, and zeros for the frozen runs that have no gradients (the largest run's or a
   // chunk's, and room to keep each congruent to its master modulo 16 elements).
@@ -314,7 +449,38 @@ Status DeviceOptimizer::unpack() {
 
 Status DeviceOptimizer::read_state(int which, std::size_t first, std::size_t count, float* out) {
   const DeviceBuffer& buffer = state(which, first, count);
-  if (which == 0 || !packed_) {
+  if (which == 0) {
+    // Each run's master, or a half-only run's half bytes into the second half of its stretch of
+    // `out`, widened there once they are in (below).
+    ZINF_RETURN_IF_ERROR(
+        for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+          float* dst = out + (lo - first);
+          if (r.master != kNoMaster) {
+            return device_.copy_d2h(dst, master_at(r, lo), (hi - lo) * sizeof(float), *stream_);
+          }
+          const Group& g = groups_[r.group];
+          return device_.copy_d2h(reinterpret_cast<std::byte*>(dst) + (hi - lo) * 2,
+                                  half_.as<const std::byte>() + g.byte_offset + (lo - g.offset) * 2,
+                                  (hi - lo) * 2, *stream_);
+        }));
+    ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+    return for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+      if (r.master != kNoMaster) return Status::ok();
+      // In place, front to back: float i (bytes [4i, 4i + 4)) overwrites only halves j with
+      // 2n + 2j < 4i + 4, that is j < 2i + 2 - n <= i + 1 (i < n), each read before.
+      auto* bytes = reinterpret_cast<std::byte*>(out + (lo - first));
+      const std::size_t n = hi - lo;
+      const bool bf16 = groups_[r.group].dtype == DType::kBF16;
+      for (std::size_t i = 0; i < n; ++i) {
+        std::uint16_t h;
+        std::memcpy(&h, bytes + 2 * n + 2 * i, sizeof(h));
+        const float x = bf16 ? bf16_to_f32(h) : f16_to_f32(h);
+        std::memcpy(bytes + 4 * i, &x, sizeof(x));
+      }
+      return Status::ok();
+    });
+  }
+  if (!packed_) {
     ZINF_RETURN_IF_ERROR(
         device_.copy_d2h(out, buffer.as<const float>() + first, count * sizeof(float), *stream_));
     return device_.synchronize(*stream_, timeout_);
@@ -335,7 +501,31 @@ Status DeviceOptimizer::read_state(int which, std::size_t first, std::size_t cou
 Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t count,
                                     const float* in) {
   (void)state(which, first, count);
-  if (which != 0 && packed_) {
+  if (which == 0) {
+    // A half-only run stays so while its half dtype holds the new values exactly; one that does
+    // not hold them gets its master back first.
+    std::vector<bool> want(runs_.size(), false);
+    bool any = false;
+    ZINF_RETURN_IF_ERROR(
+        for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+          if (r.master == kNoMaster &&
+              !holds_exactly(groups_[r.group].dtype, in + (lo - first), hi - lo)) {
+            want[static_cast<std::size_t>(&r - runs_.data())] = true;
+            any = true;
+          }
+          return Status::ok();
+        }));
+    if (any) ZINF_RETURN_IF_ERROR(restore_masters(want));
+    ZINF_RETURN_IF_ERROR(
+        for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
+          if (r.master == kNoMaster) return upload_half(r, lo, hi - lo, in + (lo - first));
+          return device_.copy_h2d(master_at(r, lo), in + (lo - first), (hi - lo) * sizeof(float),
+                                  *stream_);
+        }));
+    ZINF_RETURN_IF_ERROR(round_frozen(first, count));
+    return device_.synchronize(*stream_, timeout_);
+  }
+  if (packed_) {
     // Zeros for a frozen run are what it holds; anything else (moments saved trainable) is kept,
     // in moments for the whole partition.
     bool keep = false;
@@ -349,10 +539,9 @@ Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t co
     if (keep) ZINF_RETURN_IF_ERROR(unpack());
   }
   DeviceBuffer& buffer = state(which, first, count);
-  if (which == 0 || !packed_) {
+  if (!packed_) {
     ZINF_RETURN_IF_ERROR(
         device_.copy_h2d(buffer.as<float>() + first, in, count * sizeof(float), *stream_));
-    if (which == 0) ZINF_RETURN_IF_ERROR(round_frozen(first, count));
     return device_.synchronize(*stream_, timeout_);
   }
   ZINF_RETURN_IF_ERROR(

@@ -33,6 +33,23 @@
 // canonical NaN on CUDA where narrow keeps its payload, and, under plain Adam, an infinity into a
 // NaN (0 * inf in the zero weight decay's term), where a frozen run keeps both.
 //
+// A frozen run's master kept as its half copy alone: a frozen run of a bf16/f16 group whose every
+// master element the half dtype holds exactly (widen(narrow(x)) is x, bit for bit: a LoRA base
+// weight loaded from bf16) keeps no fp32 master on the device ("half-only"): master_ holds the
+// other runs' only, packed as the moments are (each run's at its own master offset, congruent to
+// its partition offset modulo 16 elements; runs one after another in the partition stay one after
+// another, so an f32 group's master, which values() hands out, stays contiguous), and the half
+// copy, the bits narrow would round from that master, holds it. Every read of the master widens
+// the half copy (read_state(0) and read_master() copy its half bytes to the host and widen them
+// there, exactly: no device scratch); a write of the master keeps such a run half-only while the
+// half dtype holds the new values exactly (they are narrowed on the host, in chunks of at most
+// kHalfChunkElements, and uploaded into the half copy); a value it does not hold gives the run its
+// master back first (the master reallocated in the new layout, the run's widened from its half
+// copy on the device: DeviceOps::widen), and non-zero moments written into a frozen run give every
+// half-only run its master back (unpack(): every run is stepped from then on). No step reads a
+// half-only run: it is frozen and, while packed, not stepped. create() finds them with one pass
+// over the frozen runs' host master.
+//
 // The gradient accumulator keeps the whole partition (group g's slice at its partition offset),
 // or, asked to pack the gradients at create(), only the dtype groups that hold a run that is not
 // frozen: a group of frozen runs only (a frozen partitioner group without padding) is never
@@ -121,15 +138,21 @@ class DeviceOptimizer {
   // exp_avg_sq (2), read into or written from host memory; both return when the copy is done.
   // Frozen runs' moments read as zeros; a write of non-zero moments into one allocates the
   // moments of the whole partition first (kResourceExhausted, nothing written, when the device
-  // has no room for them).
+  // has no room for them). A master write that a half-only run's dtype does not hold exactly gives
+  // that run its master first (kResourceExhausted, nothing written, when the device has no room).
   Status read_state(int which, std::size_t first, std::size_t count, float* out);
   Status write_state(int which, std::size_t first, std::size_t count, const float* in);
-  // The device memory the optimizer holds: master, moments, gradients, half copy (and, once
-  // unpacked, the zero gradients of the frozen runs without room).
+  // The device memory the optimizer holds: master (of the runs that keep one), moments,
+  // gradients, half copy (and, once unpacked, the zero gradients of the frozen runs without
+  // room).
   std::uint64_t device_bytes() const;
   // Whether the frozen runs' moments take no memory (there are frozen runs, and no non-zero
   // moment was written into one).
   bool packed() const { return packed_; }
+  // The partition elements whose master the half copy alone holds (half-only runs, above).
+  std::size_t half_only_elements() const;
+  // A half-only run's master is written through a host block of at most this many halves.
+  static constexpr std::size_t kHalfChunkElements = std::size_t{1} << 20;
 
  private:
   DeviceOptimizer(Device& device, std::chrono::milliseconds timeout)
@@ -145,8 +168,26 @@ class DeviceOptimizer {
   // master, as a step writes it (while packed).
   Status round_frozen(std::size_t first, std::size_t count);
   // Moments for the whole partition: the packed ones moved to their partition offsets, the
-  // frozen runs' zero; from now on every run is stepped.
+  // frozen runs' zero; from now on every run is stepped. Every half-only run gets its master
+  // first.
   Status unpack();
+  struct Run;
+  // Sets each run's master offset (Run::master) for the runs that have one (master not
+  // kNoMaster): one after another in partition order, a run after a half-only one (or the first)
+  // at the first offset congruent to its partition offset modulo 16 elements. Returns the
+  // elements the master buffer needs (the partition, when every run has a master).
+  static std::size_t layout_masters(std::vector<Run>& runs);
+  // Gives the half-only runs that `want` names (one flag per run) their master: a new master
+  // buffer in the new layout, the kept runs' masters moved into it, the new ones widened from
+  // their half copies (kResourceExhausted, nothing changed, when the device has no room).
+  Status restore_masters(const std::vector<bool>& want);
+  // Whether `dtype` holds values[0, count) exactly (every element's widen(narrow(x)) is x).
+  static bool holds_exactly(DType dtype, const float* values, std::size_t count);
+  // Narrows `in` (count elements, exact in the run's dtype) on the host and uploads them into the
+  // half copy of half-only run `r` from partition element `first` on; returns when copied.
+  Status upload_half(const Run& r, std::size_t first, std::size_t count, const float* in);
+  // Where partition element `first` of run `r` (which has a master) has its master.
+  float* master_at(const Run& r, std::size_t first) const;
 
   Device& device_;
   std::chrono::milliseconds timeout_;
@@ -159,8 +200,10 @@ class DeviceOptimizer {
     bool frozen = false;     // create()'s frozen ranges
     std::size_t moment = 0;  // first element of its moments (kNoMoment: none, packed)
     std::size_t grad = 0;    // first element of its gradients in grads_ (kNoGrad: none)
+    std::size_t master = 0;  // first element of its master in master_ (kNoMaster: half-only)
   };
   static constexpr std::size_t kNoMoment = SIZE_MAX;
+  static constexpr std::size_t kNoMaster = SIZE_MAX;
   std::vector<Group> groups_;
   std::vector<Run> runs_;  // in partition order
   // The gradient elements step() scales (offset in grads_, count).
@@ -181,6 +224,7 @@ class DeviceOptimizer {
   DeviceBuffer zeros_;    // unpacked: zero gradients for the frozen runs without room
   bool packed_ = false;
   RegisteredBuffer result_;
+  std::vector<std::uint16_t> half_chunk_;  // upload_half()'s host block (half-only runs only)
 };
 
 }  // namespace zinf

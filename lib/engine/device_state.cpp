@@ -3,7 +3,9 @@
 // norm, and the master or moments read back in bounded chunks; the new values go from the device
 // optimizer's buffers straight into the shards. The frozen parameters' runs (the frozen group's,
 // param_groups.hpp) are the device optimizer's frozen runs: their moments take no device memory,
-// nor do the gradients of a frozen group (the reducer is given no room for it).
+// nor do the gradients of a frozen group (the reducer is given no room for it), nor, where their
+// bf16/f16 copy holds it exactly, their fp32 master (device_optimizer.hpp: half-only runs; every
+// read of the master below widens that copy).
 #include <algorithm>
 #include <vector>
 
