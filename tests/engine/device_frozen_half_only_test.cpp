@@ -1,0 +1,339 @@
+// A frozen run's fp32 master kept as its half copy alone in device memory (DeviceOptimizer,
+// offload_optimizer "none" on a device that is not host-accessible: device_optimizer.hpp), on an
+// opaque HostDevice that runs the kernels' scalar references. A partition whose master the half
+// dtype holds exactly (every element rounded to bf16 first, as a base weight loaded from bf16
+// is): the frozen runs of the bf16 groups keep no master (the device bytes drop by 4 an element,
+// less the alignment of the packed master, worked out by hand below), the f32 group's frozen run
+// keeps its own, and the master, moments and half copies read back, through steps, are the bits
+// of an optimizer told of no frozen run (which keeps every master and steps every run). A
+// checkpoint read back and written into a fresh optimizer reads back the same bytes and keeps it
+// half-only; a value the half dtype does not hold, written into a frozen run, and non-zero
+// moments written into one, give the master back, with the values written.
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "engine/device_optimizer.hpp"
+#include "engine/device_optimizer_test_util.hpp"
+#include "engine/engine_test_util.hpp"
+#include "zinf/dtype.hpp"
+
+namespace zinf {
+namespace {
+
+using device_optimizer_test::DeviceOptimizerFrozen;
+using device_optimizer_test::frozen_count;
+using device_optimizer_test::frozen_elements;
+using device_optimizer_test::frozen_flags;
+using device_optimizer_test::kDefaultPartition;
+using device_optimizer_test::kFrozenGroupElements;
+using device_optimizer_test::kPartition;
+using device_optimizer_test::kTimeout;
+using engine_test::seeded;
+
+// kDefaultPartition's frozen runs of its bf16 groups: [1024, 2048), [4000, 6003),
+// [9003, 11'003) and [13'006, 14'011). Its frozen run of the f32 group, [6003, 7603), keeps its
+// master.
+constexpr std::size_t kHalfOnlyElements = 1024 + 2003 + 2000 + 1005;
+// The packed master: [0, 1024) at 0; [2048, 4000) after the gap at 1024 (congruent to 2048
+// modulo 16), ending at 2976; [6003, 9003) (the f32 group's two runs, one after the other) at
+// 2979 (2976 rounded up to 16, plus 6003 mod 16 = 3), ending at 5979; [11'003, 13'006) at 5995
+// (5984 plus 11'003 mod 16 = 11), ending at 7998: 7998 elements, the 7979 kept and 3 + 16 to
+// align them.
+constexpr std::size_t kMasterAlignment = 3 + 16;
+
+// Seeded values in [-1, 1) rounded to bf16 (each x then equals widen(narrow(x))).
+std::vector<float> exact_bf16(std::uint64_t seed) {
+  std::vector<float> v = seeded(kPartition, seed, -1.0f, 1.0f);
+  std::vector<std::uint16_t> half(v.size());
+  convert_f32_to_bf16(v.data(), half.data(), v.size());
+  convert_bf16_to_f32(half.data(), v.data(), v.size());
+  return v;
+}
+
+// The fixture's optimizers over a master bf16 holds exactly: packed_ (told of the frozen runs)
+// keeps the bf16 groups' frozen runs half-only, full_ (told of none) keeps every master.
+class DeviceFrozenHalfOnly : public DeviceOptimizerFrozen {
+ protected:
+  void SetUp() override {
+    master_ = exact_bf16(8301);
+    DeviceOptimizerFrozen::SetUp();
+  }
+  // An optimizer told of the frozen runs over `master`.
+  std::unique_ptr<DeviceOptimizer> make(const std::vector<float>& master) {
+    const device_optimizer_test::Partition& p = partition_;
+    return std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, master.data(),
+                                             kTimeout, p.ranges, frozen_flags(p),
+                                             /*pack_grads=*/true))
+        .value();
+  }
+  void expect_frozen_master(DeviceOptimizer& o, const std::vector<float>& expected) {
+    const std::vector<float> m = read(o, 0);
+    const std::vector<bool> frozen = frozen_elements();
+    for (std::size_t e = 0; e < kPartition; ++e) {
+      if (!frozen[e]) continue;
+      ASSERT_EQ(std::memcmp(&m[e], &expected[e], 4), 0) << "element " << e;
+    }
+  }
+};
+
+// The bf16 frozen runs take no master: 4 bytes an element less than the same partition over a
+// master bf16 does not hold (whose frozen runs keep theirs), but for the packed master's
+// alignment; the f32 frozen run keeps its master. Three steps give the full optimizer's bits.
+TEST_F(DeviceFrozenHalfOnly, HalfOnlyRunsTakeNoMasterAndStepTheSameBits) {
+  const std::unique_ptr<DeviceOptimizer> drawn = make(seeded(kPartition, 8301, -1.0f, 1.0f));
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements);
+  EXPECT_EQ(drawn->half_only_elements(), 0u);
+  EXPECT_EQ(full_->half_only_elements(), 0u);
+  std::printf("device bytes: frozen masters kept %llu, half-only %llu (%zu elements)\n",
+              static_cast<unsigned long long>(drawn->device_bytes()),
+              static_cast<unsigned long long>(packed_->device_bytes()), kHalfOnlyElements);
+  EXPECT_EQ(packed_->device_bytes() + kHalfOnlyElements * 4,
+            drawn->device_bytes() + kMasterAlignment * 4);
+  // Against the full optimizer (every moment, every gradient slot): the frozen moments, the
+  // frozen group's gradients, and the half-only masters are not kept; the moments' alignment
+  // (3 + 16 elements, 8 bytes each), the gradients' (3) and the master's are.
+  EXPECT_EQ(packed_->device_bytes() + frozen_count() * 8 + kFrozenGroupElements * 4 +
+                kHalfOnlyElements * 4,
+            full_->device_bytes() + (3 + 16) * 8 + 3 * 4 + kMasterAlignment * 4);
+  expect_frozen_master(*packed_, master_);
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    set_grads(1300 + static_cast<std::uint64_t>(step));
+    EXPECT_EQ(packed_->sum_of_squares().value(), full_->sum_of_squares().value()) << step;
+    step_both(step);
+  }
+  expect_same("three steps");
+  expect_frozen_master(*packed_, master_);
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements);
+  // The f32 group's values (its master, packed after the half-only run before it) are the full
+  // optimizer's.
+  std::vector<float> a(3000), b(3000);
+  ASSERT_TRUE(device_->copy_d2h(a.data(), packed_->values(2), a.size() * 4, *stream_).is_ok());
+  ASSERT_TRUE(device_->copy_d2h(b.data(), full_->values(2), b.size() * 4, *stream_).is_ok());
+  ASSERT_TRUE(device_->synchronize(*stream_, kTimeout).is_ok());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
+}
+
+// Every group f32: a frozen run whose values bf16 would hold keeps its master all the same: the
+// device bytes are those over a master bf16 does not hold, and the master reads back.
+TEST_F(DeviceFrozenHalfOnly, FrozenRunsOfAnF32GroupKeepTheirMaster) {
+  device_optimizer_test::Partition p = kDefaultPartition;
+  for (DeviceOptimizer::Group& g : p.groups) {
+    g.dtype = DType::kF32;
+    g.byte_offset = 0;
+  }
+  auto o = std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, master_.data(),
+                                             kTimeout, p.ranges, frozen_flags(p),
+                                             /*pack_grads=*/true))
+               .value();
+  const std::vector<float> drawn_master = seeded(kPartition, 8302, -1.0f, 1.0f);
+  auto drawn =
+      std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, drawn_master.data(),
+                                        kTimeout, p.ranges, frozen_flags(p), /*pack_grads=*/true))
+          .value();
+  EXPECT_EQ(o->half_only_elements(), 0u);
+  EXPECT_EQ(o->device_bytes(), drawn->device_bytes());
+  std::vector<float> m(kPartition);
+  ASSERT_TRUE(o->read_master(0, kPartition, m.data()).is_ok());
+  EXPECT_EQ(std::memcmp(m.data(), master_.data(), m.size() * 4), 0);
+}
+
+// A checkpoint (master and moments read back after steps) written into a fresh optimizer over
+// another exact master: it reads back the same bytes, keeps the frozen runs half-only (zero
+// moments there) and the same device bytes, and steps on as the full optimizer does.
+TEST_F(DeviceFrozenHalfOnly, CheckpointRoundTripReadsBackTheSameBytes) {
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    set_grads(1400 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  std::vector<std::vector<float>> saved;
+  for (int which = 0; which < 3; ++which) saved.push_back(read(*packed_, which));
+  std::unique_ptr<DeviceOptimizer> loaded = make(exact_bf16(8303));
+  for (int which = 0; which < 3; ++which) write(*loaded, which, saved[which]);
+  EXPECT_TRUE(loaded->packed());
+  EXPECT_EQ(loaded->half_only_elements(), kHalfOnlyElements);
+  EXPECT_EQ(loaded->device_bytes(), packed_->device_bytes());
+  for (int which = 0; which < 3; ++which) {
+    const std::vector<float> again = read(*loaded, which);
+    EXPECT_EQ(std::memcmp(again.data(), saved[which].data(), again.size() * 4), 0)
+        << "piece " << which;
+  }
+  packed_ = std::move(loaded);
+  for (std::int64_t step = 3; step <= 4; ++step) {
+    set_grads(1400 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("loaded, two steps");
+}
+
+// A value bf16 does not hold, written into the frozen run [9003, 11'003): that run gets its
+// master back (2000 elements, packed after [7603, 9003) with no gap, and [11'003, 13'006) after
+// it with none either: 7998 + 2000 - 16 elements), the others stay half-only through exact
+// writes, and everything reads back and steps as the full optimizer.
+TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunItsMaster) {
+  const std::uint64_t bytes = packed_->device_bytes();
+  std::vector<float> master = exact_bf16(8304);
+  write(*packed_, 0, master);
+  write(*full_, 0, master);
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements);
+  EXPECT_EQ(packed_->device_bytes(), bytes);
+  expect_frozen_master(*packed_, master);
+  master[9500] = std::nextafter(master[9500], 2.0f);  // one bit below bf16's
+  write(*packed_, 0, master);
+  write(*full_, 0, master);
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements - 2000);
+  EXPECT_EQ(packed_->device_bytes(), bytes + (2000 - 16) * 4);
+  const std::vector<float> back = read(*packed_, 0);
+  EXPECT_EQ(std::memcmp(back.data(), master.data(), back.size() * 4), 0);
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    set_grads(1500 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("two steps");
+  expect_frozen_master(*packed_, master);
+}
+
+// Moments saved with every run trainable (non-zero on the frozen runs), written: every run is
+// stepped from then on, so every half-only run gets its master (the master of the whole
+// partition, as the full optimizer's), and the steps give the full optimizer's bits.
+TEST_F(DeviceFrozenHalfOnly, LoadedMomentsGiveEveryRunItsMaster) {
+  set_grads(1600);
+  step_both(1);
+  for (int which = 1; which < 3; ++which) {
+    const std::vector<float> v =
+        seeded(kPartition, 8305 + static_cast<std::uint64_t>(which), 0.01f, 0.1f);
+    write(*packed_, which, v);
+    write(*full_, which, v);
+  }
+  EXPECT_FALSE(packed_->packed());
+  EXPECT_EQ(packed_->half_only_elements(), 0u);
+  // As the full optimizer: every master and moment; the gradients without the second group (and
+  // their 3-element alignment gap), a zero buffer of that group's run (and 16 to align it).
+  EXPECT_EQ(packed_->device_bytes() + kFrozenGroupElements * 4,
+            full_->device_bytes() + 3 * 4 + (kFrozenGroupElements + 16) * 4);
+  expect_same("moments written");
+  expect_frozen_master(*packed_, master_);
+  for (std::int64_t step = 2; step <= 3; ++step) {
+    set_grads(1600 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("two steps");
+}
+
+// The engine (offload_optimizer none on an opaque device, world 1, stage 2) with a bf16 model
+// whose frozen module ("base") is rounded to bf16 (`exact`) or not: each parameter a partitioner
+// group of its own. The base's fp32 master then takes no device memory.
+engine_test::Model lora_like(bool exact) {
+  engine_test::Model m;
+  m.modules = {"embed", "base", "head"};
+  m.params = {{"embed.w", "embed", {32, 48}, DType::kBF16},
+              {"base.w", "base", {96, 128}, DType::kBF16},
+              {"base.b", "base", {2500}, DType::kBF16},
+              {"head.w", "head", {29, 43}, DType::kBF16}};
+  for (std::size_t p = 0; p < m.params.size(); ++p) {
+    std::vector<float> v = seeded(m.params[p].element_count(), 8400 + p, -1.0f, 1.0f);
+    if (exact && m.params[p].module == "base") {
+      std::vector<std::uint16_t> half(v.size());
+      convert_f32_to_bf16(v.data(), half.data(), v.size());
+      convert_bf16_to_f32(half.data(), v.data(), v.size());
+    }
+    m.initial.push_back(std::move(v));
+  }
+  m.frozen_module = "base";
+  return m;
+}
+
+struct EngineRun {
+  std::uint64_t finalized_bytes = 0;  // MemoryReport::device_bytes after finalize (or the load)
+  std::vector<std::vector<float>> finalized, trained;  // every master, then after the steps
+};
+
+// Finalize (then load tag `load` of `ckpt` when given), `steps` steps from step `first`, save
+// tag `save` when given.
+EngineRun run_engine(const engine_test::Model& model, const std::string& ckpt,
+                     const std::string& load, int first, int steps, const std::string& save) {
+  EngineRun out;
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(1, std::chrono::seconds(30), /*jitter_max_us=*/0, /*opaque=*/true);
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+        ZINF_RETURN_IF_ERROR(engine.finalize());
+        if (!load.empty()) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, load));
+        out.finalized_bytes = engine.memory().device_bytes;
+        ZINF_ASSIGN_OR_RETURN(out.finalized, engine_test::read_masters(engine, model));
+        engine_test::TrainOptions options;
+        options.check_gathered = false;
+        options.first_step = first;
+        options.steps = first + steps - 1;
+        options.device = ranks.devices[static_cast<std::size_t>(rank)].get();
+        ZINF_RETURN_IF_ERROR(
+            engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+        ZINF_ASSIGN_OR_RETURN(out.trained, engine_test::read_masters(engine, model));
+        return save.empty() ? Status::ok() : engine.save_checkpoint(ckpt, save);
+      });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  return out;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+// The base the half copy holds takes 4 bytes an element less device memory than the same model's
+// with values bf16 does not hold, but for the packed master's alignment: the base's groups (at
+// 1536 and 13'824, after "embed.w"'s 1536 elements) lie between two groups with masters, and
+// "head.w" after them starts at 16'324 (4 mod 16): 4 elements to align it, right after
+// "embed.w"'s master ending at 1536. The frozen values read back bit for bit after finalize and
+// steps, the trainable ones train to the bits of the run that keeps the base's master (their
+// gradients do not depend on the base), and a checkpoint saved, loaded and saved again is the
+// same bytes, the loaded engine keeping the base half-only.
+TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
+  const engine_test::Model exact = lora_like(true);
+  const engine_test::Model drawn = lora_like(false);
+  engine_test::ScratchDir dir("device_frozen_half_only");
+  const std::string ckpt = dir.path() + "/ckpt";
+  const EngineRun half_only = run_engine(exact, ckpt, "", 1, 3, "three");
+  const EngineRun kept = run_engine(drawn, ckpt, "", 1, 3, "");
+  std::size_t base_elements = 0;
+  for (const engine_test::ParamDef& d : exact.params) {
+    if (d.module == "base") base_elements += d.element_count();
+  }
+  std::printf("device bytes after finalize: base master kept %llu, half-only %llu\n",
+              static_cast<unsigned long long>(kept.finalized_bytes),
+              static_cast<unsigned long long>(half_only.finalized_bytes));
+  EXPECT_EQ(half_only.finalized_bytes + base_elements * 4, kept.finalized_bytes + 4 * 4);
+  ASSERT_EQ(half_only.trained.size(), exact.params.size());
+  ASSERT_EQ(kept.trained.size(), exact.params.size());
+  for (std::size_t p = 0; p < exact.params.size(); ++p) {
+    const std::string& name = exact.params[p].name;
+    if (exact.params[p].module == "base") {
+      EXPECT_TRUE(same_bits(half_only.finalized[p], exact.initial[p])) << name;
+      EXPECT_TRUE(same_bits(half_only.trained[p], exact.initial[p])) << name;
+    } else {
+      EXPECT_FALSE(same_bits(half_only.trained[p], exact.initial[p])) << name << " did not train";
+      EXPECT_TRUE(same_bits(half_only.trained[p], kept.trained[p])) << name;
+    }
+  }
+  // Loaded and saved again with no step between; then two more steps.
+  const EngineRun loaded = run_engine(exact, ckpt, "three", 4, 0, "again");
+  EXPECT_EQ(loaded.finalized_bytes, half_only.finalized_bytes);
+  for (std::size_t p = 0; p < exact.params.size(); ++p) {
+    EXPECT_TRUE(same_bits(loaded.finalized[p], half_only.trained[p])) << exact.params[p].name;
+  }
+  const std::string saved = engine_test::read_file(ckpt + "/three/rank0.zinfckpt");
+  ASSERT_FALSE(saved.empty());
+  EXPECT_TRUE(saved == engine_test::read_file(ckpt + "/again/rank0.zinfckpt"));
+}
+
+}  // namespace
+}  // namespace zinf
