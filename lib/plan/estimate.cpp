@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cctype>
 #include <string>
+#include <vector>
 
 #include "base/arith.hpp"
 #include "base/assert.hpp"
@@ -180,6 +181,52 @@ std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t worl
   return ceil_div(trainable_param_count(model), world_size);
 }
 
+namespace {
+
+// The element counts of the tensors the engine is taken to register for `m` (any of them may be
+// frozen or trainable). A shaped transformer: the embeddings, the head, each layer's projections,
+// norms and biases, and with LoRA every adapter tensor any target could give (r x h, r x the
+// key/value width, r x I). examples/train_lm's model: its embedding, projections and biases. A
+// model given by count: the tensors the estimate assumes for it elsewhere (norms of h, matrices of
+// V x h, h x h and h x I).
+std::vector<std::uint64_t> tensor_params(const ModelShape& m) {
+  const std::uint64_t h = m.hidden;
+  if (m.kind == ModelKind::kTrainLm) {
+    const std::uint64_t f = m.intermediate;
+    return {256 * m.embed_dim, m.context_bytes * m.embed_dim * h, h, h * f, f, h * 256, 256};
+  }
+  const std::uint64_t kv_width =
+      m.heads == 0 ? h : (m.kv_heads == 0 ? m.heads : m.kv_heads) * (h / m.heads);
+  std::vector<std::uint64_t> out = {h, m.vocab * h, h * h, h * m.intermediate};
+  if (m.param_count_override == 0) {
+    out.push_back(h * kv_width);
+    if (m.positions != 0) out.push_back(m.positions * h);
+    if (m.biases) out.insert(out.end(), {kv_width, m.intermediate});
+  }
+  if (m.lora_rank != 0) {
+    out.insert(out.end(), {m.lora_rank * h, m.lora_rank * kv_width, m.lora_rank * m.intermediate});
+  }
+  return out;
+}
+
+}  // namespace
+
+bool trainable_runs_on_cuts(const ModelShape& model, std::uint64_t world_size) {
+  const std::uint64_t multiple = kSubGroupCutParams * world_size;
+  for (std::uint64_t params : tensor_params(model)) {
+    if (params % multiple != 0) return false;
+  }
+  return true;
+}
+
+std::uint64_t largest_frozen_group_shard_params(const ModelShape& model, std::uint64_t world_size) {
+  // A module's bias at least the persistence threshold shares its weight's group.
+  std::uint64_t group_params = largest_tensor_params(model);
+  if (model.biases) group_params += std::max(model.hidden, model.intermediate);
+  const std::uint64_t slice_params = kShardAlignmentParams * world_size;
+  return ceil_div(group_params, slice_params) * kShardAlignmentParams;
+}
+
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,
                                const EngineSetup& s) {
   ZINF_ASSERT_MSG(validate_setup(s).is_ok(), "estimate_memory: invalid setup");
@@ -199,27 +246,47 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   };
   const MemoryTier optimizer_tier = memory_tier(s.optimizer);
 
-  // Frozen values exact in the half dtype, the state in host memory (estimate.hpp): the frozen
-  // shard's masters are kept as the half copy alone, and at stage 3 with the shards in host
-  // memory its groups but the persistent ones are lent that half copy for a shard.
-  const std::uint64_t frozen_shard = pr - tr;
-  const bool half_only =
-      model.frozen_exact_in_half && frozen_shard > 0 && s.optimizer == OffloadDevice::kHost;
-  const bool lent = half_only && s.stage == 3 && s.params == OffloadDevice::kHost;
+  // With the state in host memory a frozen share keeps the scratch blocks of half-only masters,
+  // at stage 3 with the shards there too lends its groups (but the persistent ones) the half copy
+  // for a shard, whatever the values, and with values exact in the half dtype keeps no master
+  // (estimate.hpp, "Frozen parameters and the state in host memory").
+  const std::uint64_t frozen_shard_params = pr - tr;
+  const bool frozen_on_host = frozen_shard_params > 0 && s.optimizer == OffloadDevice::kHost;
+  const bool half_only = frozen_on_host && model.frozen_exact_in_half;
+  const bool lent = frozen_on_host && s.stage == 3 && s.params == OffloadDevice::kHost;
+  // The trainable runs that may meet a frozen neighbour off a 1024-element cut, each widening its
+  // sub-groups over at most 1023 frozen elements at either end.
+  const std::uint64_t runs_off_cuts = trainable_runs_on_cuts(model, s.world_size)
+                                          ? 0
+                                          : std::max<std::uint64_t>(1, model.trainable_runs);
   if (s.stage == 3) {
-    std::uint64_t shard = 2 * pr;
-    if (lent) shard = 2 * tr + 2 * std::min(frozen_shard, persistent_shard_params(model, s));
-    add(MemoryUse::kHalfParams, memory_tier(s.params), shard);
+    std::uint64_t shard_bytes = 2 * pr;
+    if (lent) {
+      // Each run off the cuts keeps the frozen groups its two widened ends reach: at either end
+      // at most the largest frozen group's shard and the 1023 elements of groups inside it.
+      const std::uint64_t kept_params =
+          runs_off_cuts * 2 *
+          (largest_frozen_group_shard_params(model, s.world_size) + kSubGroupCutParams - 1);
+      shard_bytes = std::min(
+          2 * pr, 2 * tr + 2 * std::min(frozen_shard_params, persistent_shard_params(model, s)) +
+                      2 * kept_params);
+    }
+    add(MemoryUse::kHalfParams, memory_tier(s.params), shard_bytes);
   } else {
     add(MemoryUse::kHalfParams, MemoryTier::kDevice, 2 * p);
   }
-  add(MemoryUse::kMasterParams, optimizer_tier, 4 * (half_only ? tr : pr));
-  if (half_only) {
-    // The four scratch blocks a half-only master is read and written through: three of fp32 and
-    // one of halves, a chunk each, up to 256 Ki elements and at most a sub-group.
-    const std::uint64_t chunk =
+  // A run off the cuts keeps the masters of the at most 2 x 1023 frozen elements its sub-groups
+  // were widened over.
+  const std::uint64_t master_params =
+      half_only ? std::min(pr, tr + runs_off_cuts * 2 * (kSubGroupCutParams - 1)) : pr;
+  add(MemoryUse::kMasterParams, optimizer_tier, 4 * master_params);
+  if (frozen_on_host) {
+    // The four scratch blocks a half-only master is read and written through, allocated wherever
+    // a sub-group is frozen: three of fp32 and one of halves, a chunk each, up to 256 Ki elements
+    // and at most a sub-group.
+    const std::uint64_t chunk_params =
         std::min({kHalfOnlyChunkParams, s.sub_group_params, std::max<std::uint64_t>(pr, 1)});
-    add(MemoryUse::kMasterParams, MemoryTier::kHost, (3 * 4 + 2) * chunk);
+    add(MemoryUse::kMasterParams, MemoryTier::kHost, (3 * 4 + 2) * chunk_params);
   }
   // The frozen elements' moments are never resident, except in the swap file, which is
   // preallocated whole (the header says when).
@@ -279,15 +346,16 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
         2 * std::min(p, live) + 2 * persistent_params(model, s));
   }
   // The gradient reducer's buffers, allocated at open for the engine's life (GradReducer::create):
-  // two fp32 buckets of `chunk` elements from each of the N ranks' slices, chunk =
+  // two fp32 buckets of `chunk_params` elements from each of the N ranks' slices, chunk_params =
   // reduce_bucket / N capped at the largest group's shard (param_staging_params, where the setup
   // has it); with more than one rank two receive buffers of a chunk; and, the device not being
   // host memory, two pinned host buffers of a chunk that each reduced chunk comes back through.
-  std::uint64_t chunk = std::max<std::uint64_t>(1, s.reduce_bucket_params / s.world_size);
-  if (s.param_staging_params > 0) chunk = std::min(chunk, s.param_staging_params);
-  const std::uint64_t receive = s.world_size > 1 ? 2 * 4 * chunk : 0;
-  add(MemoryUse::kCommBuckets, MemoryTier::kDevice, 2 * 4 * chunk * s.world_size + receive);
-  add(MemoryUse::kCommBuckets, MemoryTier::kHost, 2 * 4 * chunk);
+  std::uint64_t chunk_params = std::max<std::uint64_t>(1, s.reduce_bucket_params / s.world_size);
+  if (s.param_staging_params > 0) chunk_params = std::min(chunk_params, s.param_staging_params);
+  const std::uint64_t receive_bytes = s.world_size > 1 ? 2 * 4 * chunk_params : 0;
+  add(MemoryUse::kCommBuckets, MemoryTier::kDevice,
+      2 * 4 * chunk_params * s.world_size + receive_bytes);
+  add(MemoryUse::kCommBuckets, MemoryTier::kHost, 2 * 4 * chunk_params);
   add(MemoryUse::kReserved, MemoryTier::kDevice, s.device_reserved_bytes);
   return e;
 }

@@ -89,43 +89,53 @@
 //                   group_by_module, which the engine never makes, has one.)
 //                   The engine refuses gradients_on_nvme with a frozen parameter.
 //   everything else as for trainable parameters: the fp32 master, the half params and the half
-//                   copy (written from the master at finalize), but with frozen_exact_in_half
-//                   (below).
+//                   copy (written from the master at finalize), but with the state in host
+//                   memory (below).
 //   Frozen and trainable elements meet at sub-group cuts widened to 1024 elements; those
-//   widened edges (at most 2·1024 frozen elements a run of trainable ones) keep moments too,
+//   widened edges (at most 2·1023 frozen elements a run of trainable ones) keep moments too,
 //   which the estimate leaves out.
-// Frozen parameters exact in the half dtype (ModelShape::frozen_exact_in_half, zinf plan
-// --frozen-exact: a base loaded from bf16 weights; docs/ENGINE.md "A frozen master its half copy
-// holds exactly is not kept" and "A frozen shard the store's half copy holds is not copied"),
-// with Fr = Pr − Tr a rank's frozen share. Only with offload_optimizer cpu (StoreState keeps the
-// master in host memory and the half copy beside it); with the state on NVMe or on the device
-// nothing changes (the master stays on its tier, the half copy is kept or streamed as above):
-//   fp32 master     4·Tr: a frozen sub-group's master is its half copy alone (the master
-//                   array's zero pages are never written), + the four scratch blocks its reads
-//                   and writes go through, 14·min(256 Ki, Sg, Pr) bytes (three fp32, one half)
-//   half params     stage 3 with offload_param cpu: 2·Tr + 2·min(Fr, Pp), Pp the persistent
-//                   params' shard (persistent_shard_params: a persistent group is never lent and
-//                   is taken as frozen); every other frozen group's shard is lent from the half
-//                   copy. Stages 1-2 and offload_param none or nvme: as above (2·P or 2·Pr on
+// Frozen parameters and the state in host memory (offload_optimizer cpu: StoreState keeps the
+// master in host memory and the half copy beside it; docs/ENGINE.md "A frozen master its half copy
+// holds exactly is not kept" and "A frozen shard the store's half copy holds is not copied"), with
+// Fr = Pr − Tr a rank's frozen share. With the state on NVMe or on the device nothing changes (the
+// master stays on its tier, the half copy is kept or streamed as above). Whatever the values:
+//   scratch         the four blocks a half-only master is read and written through, allocated
+//                   wherever a sub-group holds frozen elements alone, before the values are seen:
+//                   14·min(256 Ki, Sg, Pr) bytes (three fp32, one half), counted with the master
+//   half params     stage 3 with offload_param cpu: every frozen group but the persistent ones is
+//                   lent the half copy for a shard (share_host_shards looks at the layout alone:
+//                   the half copy is the master narrowed either way): 2·Tr + 2·min(Fr, Pp), Pp
+//                   the persistent params' shard (persistent_shard_params: a persistent group is
+//                   never lent and is taken as frozen), + the groups beside runs off the cuts
+//                   (below). Stages 1-2 and offload_param none or nvme: as above (2·P or 2·Pr on
 //                   the device or NVMe).
+// With the values exact in the run's half dtype (ModelShape::frozen_exact_in_half, zinf plan
+// --frozen-exact: a bf16 checkpoint with bf16, an fp16 one with fp16) also:
+//   fp32 master     4·Tr: a frozen sub-group's master is its half copy alone (the master array's
+//                   zero pages are never written), + the runs off the cuts' (below)
 //   half copy       2·Pr in host memory as above: it is what the frozen elements keep.
-//   So a frozen element takes 2 B of host memory at stage 3 with cpu/cpu (8 B counted without
-//   the flag), 2 B at stages 1-2 and at stage 3 with offload_param none or nvme (there besides
-//   its 2 B half param on the device or NVMe; 6 B without the flag).
-//   The engine lends a frozen group only where every sub-group over its shard holds frozen
-//   elements alone; a trainable run's sub-groups are widened to 1024-element boundaries of the
-//   rank's partition, so a frozen group whose shard a run's widened end reaches (its shard and
-//   the run meet off such a boundary) keeps its own shard, 2 B an element, and its elements in
-//   that sub-group their master, 4 B (at most 2·1023 a run). The estimate takes every
-//   non-persistent frozen group as lent and every frozen sub-group as half-only: the engine's
-//   count where each run begins and ends on a 1024-element boundary (every group's shard before
-//   it a multiple of 1024 elements: Llama's tensors on 1 rank, or on N dividing their sizes by
-//   1024), a lower bound otherwise (at most two frozen groups' shards a run more).
-//   The engine lends the frozen shards and allocates the scratch blocks whatever the values (the
-//   half copy is the master narrowed either way; the scratch is made wherever a sub-group is
-//   frozen, before the values are seen): the estimate counts both only with the flag, so that
-//   without it the figure stays the conservative one it was, every frozen shard counted and no
-//   scratch (tests/plan/frozen_match_test.cpp, StageThreeHostBytesAreTheEstimate).
+//   So a frozen element takes 6 B of host memory at stage 3 with cpu/cpu (master 4, half copy 2;
+//   2 B with the flag), 6 B at stages 1-2 and at stage 3 with offload_param none or nvme (2 B
+//   with the flag; there besides its 2 B half param on the device or NVMe).
+//   Where runs meet the cuts: the engine lends a frozen group only where every sub-group over its
+//   shard holds frozen elements alone, and keeps no master only of such sub-groups. A trainable
+//   run's sub-groups are widened to 1024-element boundaries of the rank's partition
+//   (frozen_cuts), and a rank's partition is each group's shard end to end, a shard
+//   ceil(group / (128·N))·128 elements (the Partitioner pads to 128 elements a rank, not 1024), so
+//   a run may begin or end off a cut: then the frozen groups its widened ends reach keep their
+//   own shard, and their elements in the widened sub-groups their master. The rule
+//   (trainable_runs_on_cuts): where every tensor of the model (tensor_params in estimate.cpp) is a
+//   whole number of 1024·N elements, every group's shard is a whole number of 1024 (a group is
+//   whole tensors at 16-element alignment) and so every run begins and ends on a cut: nothing
+//   more is kept. Otherwise each of the trainable runs (ModelShape::trainable_runs, at least one)
+//   is charged at either end the shard of the largest frozen group (its largest tensor and a
+//   bias, in shards of 128·N) and 1023 elements of groups that lie inside the widened edge, 2 B
+//   each, and with the flag the master of the 2·1023 frozen elements the edges hold, 4 B each
+//   (each capped at the whole shard's). An upper bound: an edge holds fewer than 1024 elements,
+//   so it reaches one group past those that lie wholly inside it. A model given by parameter
+//   count is taken as made of the tensors the estimate assumes for it elsewhere (norms of h,
+//   matrices of V·h, h·h and h·I), which the engine's model need not be: there the rule is an
+//   assumption, not a bound.
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
 // pinned pool (engine_bytes()); activations belong to the training code, gathered params are
 // transient, the reducer's buckets are the engine's but outside its MemoryReport, and the
@@ -279,6 +289,19 @@ std::uint64_t persistent_shard_params(const ModelShape& model, const EngineSetup
 // Elements of one scratch block a half-only frozen master is read and written through
 // (lib/engine/store_state.cpp), at most: 256 Ki (1 MiB of fp32).
 inline constexpr std::uint64_t kHalfOnlyChunkParams = std::uint64_t{1} << 18;
+// The quantum a trainable run's sub-groups are widened to (lib/engine/param_groups.cpp,
+// frozen_cuts: a 4 KiB page of fp32), and the elements a rank's slice of a group is padded to
+// (PartitionerOptions::alignment_elements).
+inline constexpr std::uint64_t kSubGroupCutParams = 1024;
+inline constexpr std::uint64_t kShardAlignmentParams = 128;
+
+// Whether every trainable run begins and ends on a 1024-element cut of each rank's partition on
+// `world_size` ranks: every tensor of the model a whole number of 1024·world_size elements (the
+// header's rule; a sufficient condition, so false may be a run that does line up).
+bool trainable_runs_on_cuts(const ModelShape& model, std::uint64_t world_size);
+// A rank's shard of the largest group a frozen tensor can be in: its largest tensor, with a bias
+// where the model has them, padded to 128·world_size elements and split.
+std::uint64_t largest_frozen_group_shard_params(const ModelShape& model, std::uint64_t world_size);
 
 // REQUIRES: validate_setup(setup) is OK; no gradients_on_nvme with frozen parameters.
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,

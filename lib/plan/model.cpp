@@ -254,6 +254,7 @@ Status apply_lora(ModelShape* model, std::uint64_t rank, std::string_view target
   }
   model->adapter_params = adapters;
   model->trainable_params = adapters;
+  model->lora_rank = rank;
   // One run of trainable parameters an adapted projection (PEFT's module order puts each
   // adapter after its projection).
   model->trainable_runs = projections * m.layers;

@@ -70,12 +70,15 @@ struct ModelShape {
   // follow each adapted projection (PEFT's module order), one run a projection, layers x targets.
   // 0: unknown (--trainable), taken as one.
   std::uint64_t trainable_runs = 0;
+  // The adapters' rank (apply_lora); 0 without LoRA. Each adapter is a tensor of r x in and one
+  // of out x r, which the estimate's sub-group cuts look at (estimate.hpp).
+  std::uint64_t lora_rank = 0;
   // The frozen parameters' values are exact in the run's half dtype (widening the rounded value
   // gives it back bit for bit): a bf16 checkpoint's with bf16, an fp16 one's with fp16 (zinf plan
   // --frozen-exact). A bf16 checkpoint is not exact in fp16 (values below 2^-17 or above 65504
   // round), so the engine keeps their masters there. The engine then keeps less host memory for
-  // them with the optimizer state there (estimate.hpp, "Frozen parameters exact in the half
-  // dtype"). false: not known, so counted as any value's (an upper bound).
+  // them with the optimizer state there (estimate.hpp, "Frozen parameters and the state in
+  // host memory"). false: not known, so counted as any value's (an upper bound).
   bool frozen_exact_in_half = false;
 };
 
@@ -115,8 +118,8 @@ Result<std::uint64_t> parse_lora_rank(std::string_view text);
 // a rank above the smallest min(in, out) of the adapted projections (no adapter has a higher
 // rank), an unknown or repeated target, gate without a gated MLP, a count past 64 bits, or a
 // model that is not a transformer (ModelKind::kTrainLm), leaving *model as it was. On success
-// the adapters train alone: adapter_params and trainable_params are their count, and
-// trainable_runs is layers x targets (one run an adapted projection).
+// the adapters train alone: adapter_params and trainable_params are their count, lora_rank is
+// `rank`, and trainable_runs is layers x targets (one run an adapted projection).
 // REQUIRES: model has no adapters and nothing frozen yet (adapter_params and trainable_params 0).
 Status apply_lora(ModelShape* model, std::uint64_t rank, std::string_view targets);
 

@@ -1,14 +1,18 @@
-// The estimate with the frozen parameters' values exact in the half dtype
-// (ModelShape::frozen_exact_in_half, zinf plan --frozen-exact) against figures worked by hand from
-// what docs/ENGINE.md says the engine keeps ("A frozen master its half copy holds exactly is not
-// kept", "A frozen shard the store's half copy holds is not copied"): with offload_optimizer cpu
-// a frozen element keeps its half copy (2 B) and no fp32 master; at stage 3 with offload_param
-// cpu its group is lent that half copy for a shard (persistent groups excepted); anywhere else
-// nothing changes. Without the flag the estimate is the conservative one, to the byte.
+// The estimate of a frozen share with the optimizer state in host memory, with and without the
+// frozen values exact in the half dtype (ModelShape::frozen_exact_in_half, zinf plan
+// --frozen-exact), against figures worked by hand from what docs/ENGINE.md says the engine keeps
+// ("A frozen master its half copy holds exactly is not kept", "A frozen shard the store's half
+// copy holds is not copied"): whatever the values, the frozen sub-groups cost the scratch blocks
+// of a half-only master, and at stage 3 with offload_param cpu the frozen groups (the persistent
+// ones excepted) are lent the half copy for a shard; with the flag a frozen element also keeps no
+// fp32 master; with the state anywhere else nothing changes. Where a trainable run may meet its
+// frozen neighbours off a 1024-element cut, the estimate keeps their shards, and with the flag
+// the masters the widened cut holds.
 //
-// The model throughout: 10,000,000 parameters given by count (4 layers, hidden 256), 1,000,000
-// of them trainable, on 4 ranks of one machine: a rank's shard Pr = 2,500,000, its trainable share
-// Tr = 250,000, its frozen share Fr = 2,250,000.
+// The model of most tests: 10,000,000 parameters given by count (4 layers, hidden 4096: every
+// tensor the estimate assumes, h, V x h, h x h, h x 4h, a whole number of 1024 x 4 elements),
+// 1,000,000 of them trainable, on 4 ranks of one machine: a rank's shard Pr = 2,500,000, its
+// trainable share Tr = 250,000, its frozen share Fr = 2,250,000.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -26,7 +30,7 @@ constexpr MemoryTier kHost = MemoryTier::kHost;
 constexpr MemoryTier kNvme = MemoryTier::kNvme;
 
 ModelShape base_model(bool exact) {
-  ModelShape m = custom_model(10'000'000, 4, 256);
+  ModelShape m = custom_model(10'000'000, 4, 4096);
   m.trainable_params = 1'000'000;
   m.frozen_exact_in_half = exact;
   return m;
@@ -79,59 +83,63 @@ void expect_figures(const EngineSetup& s, std::initializer_list<Expected> rows) 
 // sub-group of 2^20 and the shard), three of fp32 and one of halves: 262,144 x 14 = 3,670,016 B.
 constexpr std::uint64_t kScratch = 3'670'016;
 
-// Stage 3, state and shards in host memory: a frozen element keeps its half copy alone.
-// Conservative: shard 2 x 2,500,000, master 4 x 2,500,000, half copy 2 x 2,500,000 = 8 B an
-// element. Exact: the trainable share's shard 2 x 250,000 and master 4 x 250,000 (+ the
-// scratch), the half copy of the whole shard 2 x 2,500,000.
+// Stage 3, state and shards in host memory: a frozen group is lent the half copy for a shard,
+// with or without the flag, and with it a frozen element keeps its half copy alone. Without:
+// the trainable share's shard 2 x 250,000, the master 4 x 2,500,000 (+ the scratch), the half
+// copy 2 x 2,500,000: 6 B a frozen element. With: the master 4 x 250,000 (+ the scratch).
 TEST(FrozenExact, StageThreeCpuCpuLendsTheHalfCopyAndKeepsNoMaster) {
   expect_figures(setup(3, OffloadDevice::kHost, OffloadDevice::kHost),
-                 {{MemoryUse::kHalfParams, kHost, 5'000'000, 500'000},
-                  {MemoryUse::kMasterParams, kHost, 10'000'000, 1'000'000 + kScratch},
+                 {{MemoryUse::kHalfParams, kHost, 500'000, 500'000},
+                  {MemoryUse::kMasterParams, kHost, 10'000'000 + kScratch, 1'000'000 + kScratch},
                   {MemoryUse::kHalfCopy, kHost, 5'000'000, 5'000'000}});
-  // Host memory of the rank's engine: 20,000,000 + trainable moments 8 x 250,000 and gradients
-  // 4 x 250,000 = 23,000,000 conservative; 6,500,000 + 3,670,016 + 3,000,000 exact: the frozen
-  // elements' 6 B each (13,500,000) less the scratch.
+  // Host memory of the rank's engine: the trainable moments 8 x 250,000 and gradients
+  // 4 x 250,000 besides: 500,000 + 13,670,016 + 5,000,000 + 3,000,000 = 22,170,016 without the
+  // flag, 9,000,000 less with it (the frozen masters, 4 x 2,250,000).
   const EngineSetup s = setup(3, OffloadDevice::kHost, OffloadDevice::kHost);
   EXPECT_EQ(estimate_memory(base_model(false), TrainingShape{}, s).engine_bytes(kHost),
-            23'000'000u);
+            22'170'016u);
   EXPECT_EQ(estimate_memory(base_model(true), TrainingShape{}, s).engine_bytes(kHost), 13'170'016u);
 }
 
-// A persistent group is never lent: the persistent parameters (the norms: 4 layers x 2 x 256 +
-// 256 = 2,304 of this RMSNorm model, taken as frozen), a quarter of them a rank's, 576, keep their
-// shard: 2 x (250,000 + 576) = 501,152 B.
+// A persistent group is never lent: the persistent parameters (the norms: 4 layers x 2 x 4096 +
+// 4096 = 36,864 of this RMSNorm model, taken as frozen), a quarter of them a rank's, 9,216, keep
+// their shard: 2 x (250,000 + 9,216) = 518,432 B, with or without the flag.
 TEST(FrozenExact, PersistentGroupsKeepTheirShard) {
   EngineSetup s = setup(3, OffloadDevice::kHost, OffloadDevice::kHost);
   s.persistence_threshold_params = 100'000;  // DeepSpeed's default, at least the hidden size
-  expect_figures(s, {{MemoryUse::kHalfParams, kHost, 5'000'000, 501'152},
-                     {MemoryUse::kMasterParams, kHost, 10'000'000, 1'000'000 + kScratch}});
+  expect_figures(s,
+                 {{MemoryUse::kHalfParams, kHost, 518'432, 518'432},
+                  {MemoryUse::kMasterParams, kHost, 10'000'000 + kScratch, 1'000'000 + kScratch}});
 }
 
-// Stages 1 and 2 with the state in host memory: no master of the frozen elements; the half params
-// are on the device, every element of the model (2 x 10,000,000), with or without the flag. The
-// sub-group of 100,000 elements makes each scratch block a sub-group: 100,000 x 14 = 1,400,000 B.
+// Stages 1 and 2 with the state in host memory: no master of the frozen elements with the flag;
+// the half params are on the device, every element of the model (2 x 10,000,000), with or without
+// it. The sub-group of 100,000 elements makes each scratch block a sub-group: 100,000 x 14 =
+// 1,400,000 B, with or without the flag.
 TEST(FrozenExact, StagesOneAndTwoKeepNoMasterOfTheFrozenElements) {
   for (int stage : {1, 2}) {
     SCOPED_TRACE(stage);
     EngineSetup s = setup(stage, OffloadDevice::kHost, OffloadDevice::kNone);
     s.sub_group_params = 100'000;
-    expect_figures(s, {{MemoryUse::kHalfParams, kDev, 20'000'000, 20'000'000},
-                       {MemoryUse::kHalfParams, kHost, 0, 0},
-                       {MemoryUse::kMasterParams, kHost, 10'000'000, 1'000'000 + 1'400'000},
-                       {MemoryUse::kHalfCopy, kHost, 5'000'000, 5'000'000}});
+    expect_figures(
+        s, {{MemoryUse::kHalfParams, kDev, 20'000'000, 20'000'000},
+            {MemoryUse::kHalfParams, kHost, 0, 0},
+            {MemoryUse::kMasterParams, kHost, 10'000'000 + 1'400'000, 1'000'000 + 1'400'000},
+            {MemoryUse::kHalfCopy, kHost, 5'000'000, 5'000'000}});
   }
 }
 
 // Stage 3 with the state in host memory and the shards on the device or on NVMe: no master of
-// the frozen elements; their shards are where they were (nothing is lent off the host).
+// the frozen elements with the flag; their shards are where they were (nothing is lent off the
+// host).
 TEST(FrozenExact, StageThreeShardsOffTheHostAreKept) {
   expect_figures(setup(3, OffloadDevice::kHost, OffloadDevice::kNone),
                  {{MemoryUse::kHalfParams, kDev, 5'000'000, 5'000'000},
-                  {MemoryUse::kMasterParams, kHost, 10'000'000, 1'000'000 + kScratch},
+                  {MemoryUse::kMasterParams, kHost, 10'000'000 + kScratch, 1'000'000 + kScratch},
                   {MemoryUse::kHalfCopy, kHost, 5'000'000, 5'000'000}});
   expect_figures(setup(3, OffloadDevice::kHost, OffloadDevice::kNvme),
                  {{MemoryUse::kHalfParams, kNvme, 5'000'000, 5'000'000},
-                  {MemoryUse::kMasterParams, kHost, 10'000'000, 1'000'000 + kScratch},
+                  {MemoryUse::kMasterParams, kHost, 10'000'000 + kScratch, 1'000'000 + kScratch},
                   {MemoryUse::kHalfCopy, kHost, 5'000'000, 5'000'000}});
 }
 
@@ -174,6 +182,84 @@ TEST(FrozenExact, NothingFrozenIsUnchanged) {
             estimate_memory(plain, TrainingShape{}, s).rank_bytes);
   EXPECT_EQ(estimate_memory(all, TrainingShape{}, s).bytes(MemoryUse::kMasterParams, kHost),
             10'000'000u);
+}
+
+// A Llama-shaped model small enough to work by hand: vocab 1024, hidden 1024, MLP 4096 (gated),
+// 2 layers of 8 heads, untied head, LoRA of rank 8 on q: per layer 4 x 1024^2 of attention,
+// 3 x 1024 x 4096 of MLP, 2 x 1024 of norms, 16,779,264; with the embeddings 2 x 1024^2, the final
+// norm 1024 and the adapters 2 x 8 x 2048 = 32,768: 35,689,472 parameters, 2 trainable runs.
+ModelShape small_lora(bool exact) {
+  ModelShape m = *find_model_preset("llama-2-7b");
+  m.vocab = 1024;
+  m.hidden = 1024;
+  m.intermediate = 4096;
+  m.layers = 2;
+  m.heads = 8;
+  m.kv_heads = 8;
+  EXPECT_TRUE(apply_lora(&m, 8, "q").is_ok());
+  m.frozen_exact_in_half = exact;
+  return m;
+}
+
+// On one rank every tensor (1024, 1024^2, 1024 x 4096, the adapters' 8 x 1024 and 8 x 4096) is a
+// whole number of 1024 elements, so every run begins and ends on a cut and every frozen group
+// but the persistent ones (the norms, 2 x 2 x 1024 + 1024 = 5,120) is lent: 2 x (32,768 +
+// 5,120) = 75,776 B of shard; with the flag 4 x 32,768 = 131,072 B of master and the scratch.
+TEST(FrozenExact, RunsOnTheCutsLendEveryFrozenGroup) {
+  EXPECT_TRUE(trainable_runs_on_cuts(small_lora(false), 1));
+  EngineSetup s = setup(3, OffloadDevice::kHost, OffloadDevice::kHost);
+  s.world_size = 1;
+  s.ranks_per_machine = 1;
+  s.sub_group_params = 1'000'000'000;
+  s.persistence_threshold_params = 100'000;
+  for (bool exact : {false, true}) {
+    SCOPED_TRACE(exact ? "exact" : "any values");
+    const MemoryEstimate e = estimate_memory(small_lora(exact), TrainingShape{}, s);
+    EXPECT_EQ(e.bytes(MemoryUse::kHalfParams, kHost), 75'776u);
+    EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kHost),
+              (exact ? 131'072u : 4u * 35'689'472) + kScratch);
+  }
+}
+
+// On 3 ranks a group's shard is padded to 128 elements, not 1024 (1024 is not a whole number of
+// 3 x 1024: a q projection's shard is ceil(1024^2 / 384) x 128 = 349,568, 384 past a cut), so a
+// run may meet its frozen neighbours off a cut: each of the 2 runs keeps, at either end, the
+// largest frozen group's shard (the MLP's 1024 x 4096: ceil(4,194,304 / 384) x 128 = 1,398,144)
+// and 1023 elements: 2 x 2 x 1,399,167 = 5,596,668 elements beside Tr = ceil(32,768 / 3) =
+// 10,923 and the persistent norms' shard ceil(5,120 / 3) = 1,707: 2 x 5,609,298 = 11,218,596 B
+// of shard. With the flag the widened cuts keep their 2 x 1023 frozen masters a run:
+// 4 x (10,923 + 4,092) = 60,060 B; without it the whole shard's, Pr = ceil(35,689,472 / 3) =
+// 11,896,491: 47,585,964 B.
+TEST(FrozenExact, RunsOffTheCutsKeepTheirNeighboursShards) {
+  EXPECT_FALSE(trainable_runs_on_cuts(small_lora(false), 3));
+  EXPECT_EQ(largest_frozen_group_shard_params(small_lora(false), 3), 1'398'144u);
+  EngineSetup s = setup(3, OffloadDevice::kHost, OffloadDevice::kHost);
+  s.world_size = 3;
+  s.ranks_per_machine = 3;
+  s.sub_group_params = 1'000'000'000;
+  s.persistence_threshold_params = 100'000;
+  for (bool exact : {false, true}) {
+    SCOPED_TRACE(exact ? "exact" : "any values");
+    const MemoryEstimate e = estimate_memory(small_lora(exact), TrainingShape{}, s);
+    EXPECT_EQ(e.shard_params, 11'896'491u);
+    EXPECT_EQ(e.bytes(MemoryUse::kHalfParams, kHost), 11'218'596u);
+    EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kHost), (exact ? 60'060u : 47'585'964u) + kScratch);
+  }
+  // The kept shards never pass the whole shard's: with 2,000 runs the estimate is 2 x Pr.
+  ModelShape many = small_lora(false);
+  many.trainable_runs = 2'000;
+  EXPECT_EQ(estimate_memory(many, TrainingShape{}, s).bytes(MemoryUse::kHalfParams, kHost),
+            2u * 11'896'491);
+}
+
+// Llama-2-70B with LoRA of rank 16 on q and v: every tensor a whole number of 1024 elements, so
+// on one rank the runs meet the cuts; on 3 the q projection's shard, ceil(8192^2 / 384) x 128 =
+// 22,369,664 elements, is 384 past one.
+TEST(FrozenExact, Llama70bRunsMeetTheCutsOnOneRankOnly) {
+  ModelShape m = *find_model_preset("llama-2-70b");
+  ASSERT_TRUE(apply_lora(&m, 16, "q,v").is_ok());
+  EXPECT_TRUE(trainable_runs_on_cuts(m, 1));
+  EXPECT_FALSE(trainable_runs_on_cuts(m, 3));
 }
 
 }  // namespace

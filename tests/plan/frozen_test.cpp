@@ -11,6 +11,7 @@
 #include <string>
 #include <string_view>
 
+#include "base/assert.hpp"
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
 #include "plan/planner.hpp"
@@ -46,7 +47,14 @@ EngineSetup one_machine(int stage, int ranks) {
 // device optimizer's packed accumulator. Stage 1 also keeps
 // no full-size fp32 gradient copy of a frozen group: 4 B a frozen element of the model, P − T, on
 // the device. The device optimizer rounds the frozen half copy from the master with no scratch
-// (lib/engine/device_optimizer.cpp, DeviceOps::narrow).
+// (lib/engine/device_optimizer.cpp, DeviceOps::narrow); with the state in host memory the frozen
+// sub-groups cost the four scratch blocks of a half-only master, 14 x 256 Ki = 3,670,016 B, and at
+// stage 3 with the shards in host memory the frozen groups are lent the half copy for a shard
+// (2 B an element), but the persistent ones (the norms, 32 x 2 x 4096 + 4096 = 266,240, an eighth
+// a rank: 33,280) and those beside the one trainable run (--trainable: taken as one), which may
+// meet them off a 1024-element cut (Llama-2-7B's hidden 4096 is not a whole number of 1024 x 8):
+// at either end the largest group's shard (the embedding, 32000 x 4096 over 8 ranks in slices of
+// 128: 16,384,000) and 1023 elements.
 std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const EngineSetup& s) {
   const double p = static_cast<double>(param_count(m));
   const double t = static_cast<double>(m.trainable_params);
@@ -54,9 +62,13 @@ std::array<double, kMemoryTierCount> saved_bytes(const ModelShape& m, const Engi
   const double frozen = std::ceil(p / n) - std::ceil(t / n);
   std::array<double, kMemoryTierCount> saved{};
   if (s.optimizer == OffloadDevice::kNone) saved[0] += 12 * frozen;
-  if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen;
+  if (s.optimizer == OffloadDevice::kHost) saved[1] += 8 * frozen - 3'670'016;
   if (s.optimizer != OffloadDevice::kNone) saved[1] += 4 * frozen;
   if (s.stage == 1) saved[0] += 4 * (p - t);
+  if (s.stage == 3 && s.optimizer == OffloadDevice::kHost && s.params == OffloadDevice::kHost) {
+    ZINF_ASSERT(s.world_size == 8);
+    saved[1] += 2 * (frozen - 33'280 - 2 * (16'384'000 + 1023));
+  }
   return saved;
 }
 
