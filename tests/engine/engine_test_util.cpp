@@ -92,6 +92,46 @@ std::vector<Status> with_engines(const Config& config, const Model& model, int w
   });
 }
 
+Status train_steps(Engine& engine, const Model& model, int rank, int first_step, int last_step) {
+  TrainOptions options;
+  options.first_step = first_step;
+  options.steps = last_step;
+  options.check_gathered = false;
+  return train_rank(engine, model, rank, options, nullptr, nullptr);
+}
+
+Status train_and_save(const Config& config, const Model& model, int world, int steps,
+                      const std::string& dir, const std::string& tag) {
+  const std::vector<Status> st =
+      with_engines(config, model, world, [&](int rank, Engine& engine) -> Status {
+        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 1, steps));
+        return engine.save_checkpoint(dir, tag);
+      });
+  for (const Status& s : st) ZINF_RETURN_IF_ERROR(s);
+  return Status::ok();
+}
+
+LoadedRun load_and_train(const Config& config, Ranks& ranks, const Model& model,
+                         const std::string& dir, const std::string& tag, int first_step,
+                         int last_step) {
+  const std::size_t world = ranks.devices.size();
+  LoadedRun run;
+  run.finalized_host_bytes.resize(world);
+  run.loaded_host_bytes.resize(world);
+  run.status = run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+    ZINF_RETURN_IF_ERROR(register_model(engine, model));
+    ZINF_RETURN_IF_ERROR(engine.finalize());
+    run.finalized_host_bytes[rank] = engine.memory().host_bytes;
+    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(dir, tag));
+    run.loaded_host_bytes[rank] = engine.memory().host_bytes;
+    ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, first_step, last_step));
+    ZINF_ASSIGN_OR_RETURN(auto masters, read_masters(engine, model));
+    if (rank == 0) run.masters = std::move(masters);
+    return Status::ok();
+  });
+  return run;
+}
+
 bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask) {
   std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
   char byte = 0;

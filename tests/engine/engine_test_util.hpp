@@ -86,6 +86,29 @@ bool flip_bits(const std::string& path, std::uint64_t offset, unsigned char mask
 std::vector<Status> with_engines(const Config& config, const Model& model, int world,
                                  const std::function<Status(int rank, Engine& engine)>& fn);
 
+// train_rank() of steps first_step .. last_step, the gathered values not checked.
+Status train_steps(Engine& engine, const Model& model, int rank, int first_step, int last_step);
+
+// Trains `model` with `config` on `world` fresh ranks (with_engines()) for `steps` steps, the
+// gathered values not checked, and saves checkpoint `tag` in `dir`: moments, say, for another run
+// to load.
+Status train_and_save(const Config& config, const Model& model, int world, int steps,
+                      const std::string& dir, const std::string& tag);
+
+// What load_and_train() saw, per rank but `masters`.
+struct LoadedRun {
+  std::vector<Status> status;
+  // MemoryReport::host_bytes after finalize() and after the load.
+  std::vector<std::uint64_t> finalized_host_bytes, loaded_host_bytes;
+  // Rank 0's read_masters() after the steps.
+  std::vector<std::vector<float>> masters;
+};
+// On every rank of `ranks`: registers `model`, finalizes, loads checkpoint `tag` from `dir`, and
+// trains steps first_step .. last_step with the gathered values not checked.
+LoadedRun load_and_train(const Config& config, Ranks& ranks, const Model& model,
+                         const std::string& dir, const std::string& tag, int first_step,
+                         int last_step);
+
 // Every parameter's fp32 master as the engine reads it back (Engine::read_parameters), in the
 // model's order.
 Result<std::vector<std::vector<float>>> read_masters(Engine& engine, const Model& model);

@@ -244,11 +244,7 @@ TEST(FrozenHalfOnly, ValuesTheHalfCopyDoesNotHoldReadBackExactly) {
         ZINF_RETURN_IF_ERROR(engine.write_parameters("base.w", drawn.data()));
         after_drawn[rank] = engine.memory().host_bytes;
         ZINF_ASSIGN_OR_RETURN(auto b, engine_test::read_masters(engine, model));
-        TrainOptions options;
-        options.steps = 3;
-        options.check_gathered = false;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+        ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 1, 3));
         ZINF_ASSIGN_OR_RETURN(auto c, engine_test::read_masters(engine, model));
         if (rank == 0) {
           read_exact = std::move(a);
@@ -279,11 +275,7 @@ TEST(FrozenHalfOnly, ValuesTheHalfCopyDoesNotHoldReadBackExactly) {
   st = engine_test::with_engines(config, model, kWorld, [&](int rank, Engine& engine) -> Status {
     ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "drawn"));
     ZINF_ASSIGN_OR_RETURN(auto loaded, engine_test::read_masters(engine, model));
-    TrainOptions options;
-    options.steps = 5;
-    options.first_step = 4;
-    options.check_gathered = false;
-    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
+    ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 4, 5));
     ZINF_ASSIGN_OR_RETURN(auto stepped, engine_test::read_masters(engine, model));
     if (rank == 0) {
       for (std::size_t p = 0; p < loaded.size(); ++p) {
@@ -310,43 +302,22 @@ TEST(FrozenHalfOnly, LoadedMomentsGiveTheFrozenSubGroupsTheirMaster) {
   Config still = engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
   still.optimizer.lr = 0.0;
   still.optimizer.weight_decay = 0.0;
-  std::vector<Status> st =
-      engine_test::with_engines(still, thawed, kWorld, [&](int rank, Engine& engine) -> Status {
-        TrainOptions options;
-        options.steps = 3;
-        options.check_gathered = false;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, thawed, rank, options, nullptr, nullptr));
-        return engine.save_checkpoint(ckpt, "moments");
-      });
-  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const Status saved = engine_test::train_and_save(still, thawed, kWorld, 3, ckpt, "moments");
+  ASSERT_TRUE(saved.is_ok()) << saved.to_string();
 
   const TrainRun drawn = train(frozen_model(67, false), kWorld, 3, OffloadDevice::kHost, "", 1);
-  const Config config =
-      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, "");
-  std::vector<std::uint64_t> finalized(kWorld), loaded(kWorld);
-  std::vector<std::vector<float>> stepped;
-  st = engine_test::with_engines(config, model, kWorld, [&](int rank, Engine& engine) -> Status {
-    finalized[rank] = engine.memory().host_bytes;
-    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "moments"));
-    loaded[rank] = engine.memory().host_bytes;
-    TrainOptions options;
-    options.steps = 5;
-    options.first_step = 4;
-    options.check_gathered = false;
-    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
-    ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
-    if (rank == 0) stepped = std::move(masters);
-    return Status::ok();
-  });
-  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  engine_test::Ranks ranks = engine_test::make_ranks(kWorld);
+  const engine_test::LoadedRun run = engine_test::load_and_train(
+      engine_test::small_config(3, OffloadDevice::kHost, OffloadDevice::kNone, ""), ranks, model,
+      ckpt, "moments", 4, 5);
+  for (const Status& s : run.status) ASSERT_TRUE(s.is_ok()) << s.to_string();
   for (int r = 0; r < kWorld; ++r) {
-    EXPECT_LT(finalized[r], drawn.host_bytes[r]) << "rank " << r;
-    EXPECT_EQ(loaded[r], drawn.host_bytes[r]) << "rank " << r;
+    EXPECT_LT(run.finalized_host_bytes[r], drawn.host_bytes[r]) << "rank " << r;
+    EXPECT_EQ(run.loaded_host_bytes[r], drawn.host_bytes[r]) << "rank " << r;
   }
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     if (model.params[p].module != kFrozen) continue;
-    EXPECT_TRUE(same_bits(stepped[p], model.initial[p])) << model.params[p].name;
+    EXPECT_TRUE(same_bits(run.masters[p], model.initial[p])) << model.params[p].name;
   }
 }
 

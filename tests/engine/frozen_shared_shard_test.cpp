@@ -26,7 +26,6 @@ namespace zinf {
 namespace {
 
 using engine_test::Model;
-using engine_test::TrainOptions;
 
 constexpr int kWorld = 2;
 constexpr int kFrozenParams = 8;
@@ -106,23 +105,34 @@ std::vector<std::int64_t> shard_host_bytes(const Model& model) {
   return out;
 }
 
+// One rank's shard of each lent group: 2048 bf16 elements, one page.
+constexpr std::int64_t kLentBytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+
+// Per rank, the host bytes the shards of `model` take less those of the same model with "base"
+// trainable (whose shards the coordinator keeps).
+std::vector<std::int64_t> shard_host_bytes_saved(const Model& model) {
+  Model trainable = model;
+  trainable.frozen_module.clear();
+  const std::vector<std::int64_t> lent = shard_host_bytes(model);
+  const std::vector<std::int64_t> kept = shard_host_bytes(trainable);
+  std::vector<std::int64_t> out(kWorld);
+  for (int r = 0; r < kWorld; ++r) {
+    std::printf("rank %d: shards take %lld host bytes with base frozen, %lld trainable\n", r,
+                static_cast<long long>(lent[r]), static_cast<long long>(kept[r]));
+    out[r] = kept[r] - lent[r];
+  }
+  return out;
+}
+
 // The lent frozen shards take no host memory of the coordinator's: with the module frozen, the
 // shards in host memory take 2 bytes less a lent element (one rank's shard of each of the six
 // middle groups, 2048 bf16 elements, one page) than with the same module trainable, whose shards
 // the optimizer rewrites every step and the coordinator keeps. Values bf16 holds or not alike.
 TEST(FrozenSharedShard, LentShardsTakeNoHostMemory) {
   for (bool exact : {true, false}) {
-    const Model frozen = lent_model(17, exact);
-    Model trainable = frozen;
-    trainable.frozen_module.clear();
-    const std::vector<std::int64_t> lent = shard_host_bytes(frozen);
-    const std::vector<std::int64_t> kept = shard_host_bytes(trainable);
-    const std::int64_t lent_bytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+    const std::vector<std::int64_t> saved = shard_host_bytes_saved(lent_model(17, exact));
     for (int r = 0; r < kWorld; ++r) {
-      std::printf("exact %d rank %d: shards take %lld host bytes frozen, %lld trainable\n",
-                  exact ? 1 : 0, r, static_cast<long long>(lent[r]),
-                  static_cast<long long>(kept[r]));
-      EXPECT_EQ(kept[r] - lent[r], lent_bytes) << "exact " << exact << " rank " << r;
+      EXPECT_EQ(saved[r], kLentBytes) << "exact " << exact << " rank " << r;
     }
   }
 }
@@ -134,7 +144,7 @@ TEST(FrozenSharedShard, GathersTheRegisteredBitsAndTrainsAsTheReference) {
   const Model model = lent_model(23, true);
   for (bool overlap : {false, true}) {
     const Config config = lent_config(OffloadDevice::kHost, overlap);
-    TrainOptions options;
+    engine_test::TrainOptions options;
     options.steps = 4;
     const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
     engine_test::Ranks ranks = checked_ranks();
@@ -162,7 +172,7 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
   engine_test::ScratchDir dir("frozen_shared_shard_ckpt");
   const std::string ckpt = dir.path() + "/ckpt";
   const Config config = lent_config(OffloadDevice::kHost, true);
-  TrainOptions options;
+  engine_test::TrainOptions options;
   options.steps = 4;
   const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
   std::vector<std::uint64_t> finalized(kWorld), loaded(kWorld);
@@ -173,7 +183,7 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
           ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
           ZINF_RETURN_IF_ERROR(engine.finalize());
           finalized[rank] = engine.memory().host_bytes;
-          TrainOptions first = options;
+          engine_test::TrainOptions first = options;
           first.steps = 2;
           first.device = ranks.devices[rank].get();
           ZINF_RETURN_IF_ERROR(
@@ -190,7 +200,7 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
         ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "first"));
         loaded[rank] = engine.memory().host_bytes;
         ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, "again"));
-        TrainOptions rest = options;
+        engine_test::TrainOptions rest = options;
         rest.first_step = 3;
         rest.device = ranks.devices[rank].get();
         return engine_test::train_rank(engine, model, rank, rest, &ref.device_per_step, nullptr);
@@ -234,12 +244,8 @@ std::uint64_t restored_master_bytes(const Model& model, std::size_t p, std::size
 // not the lent shard taken back into a copy of the coordinator's.
 TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
   const Model model = lent_model(67, true);
-  Model thawed = model;
-  thawed.frozen_module.clear();
-  const std::vector<std::int64_t> lent = shard_host_bytes(model);
-  const std::vector<std::int64_t> kept = shard_host_bytes(thawed);
-  const std::int64_t lent_bytes = kLentGroups * kFrozenParamElements / kWorld * 2;
-  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(kept[r] - lent[r], lent_bytes) << "rank " << r;
+  const std::vector<std::int64_t> saved = shard_host_bytes_saved(model);
+  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(saved[r], kLentBytes) << "rank " << r;
 
   std::size_t w = 0;
   while (model.params[w].name != "base.w3") ++w;
@@ -331,44 +337,21 @@ TEST(FrozenSharedShard, LoadedMomentsTakeTheLentShardsBack) {
   Config still = lent_config(OffloadDevice::kHost, true);
   still.optimizer.lr = 0.0;
   still.optimizer.weight_decay = 0.0;
-  std::vector<Status> st =
-      engine_test::with_engines(still, thawed, kWorld, [&](int rank, Engine& engine) -> Status {
-        TrainOptions options;
-        options.steps = 3;
-        options.check_gathered = false;
-        ZINF_RETURN_IF_ERROR(
-            engine_test::train_rank(engine, thawed, rank, options, nullptr, nullptr));
-        return engine.save_checkpoint(ckpt, "moments");
-      });
-  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
+  const Status saved = engine_test::train_and_save(still, thawed, kWorld, 3, ckpt, "moments");
+  ASSERT_TRUE(saved.is_ok()) << saved.to_string();
 
-  const Config config = lent_config(OffloadDevice::kHost, true);
-  std::vector<std::uint64_t> finalized(kWorld), loaded(kWorld);
-  std::vector<std::vector<float>> stepped;
   engine_test::Ranks ranks = checked_ranks();
-  st = engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
-    ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
-    ZINF_RETURN_IF_ERROR(engine.finalize());
-    finalized[rank] = engine.memory().host_bytes;
-    ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "moments"));
-    loaded[rank] = engine.memory().host_bytes;
-    TrainOptions options;
-    options.steps = 6;
-    options.first_step = 4;
-    options.check_gathered = false;
-    ZINF_RETURN_IF_ERROR(engine_test::train_rank(engine, model, rank, options, nullptr, nullptr));
-    ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
-    if (rank == 0) stepped = std::move(masters);
-    return Status::ok();
-  });
-  for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
-  const std::uint64_t lent_bytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+  const engine_test::LoadedRun run = engine_test::load_and_train(
+      lent_config(OffloadDevice::kHost, true), ranks, model, ckpt, "moments", 4, 6);
+  for (const Status& s : run.status) ASSERT_TRUE(s.is_ok()) << s.to_string();
   for (int r = 0; r < kWorld; ++r) {
-    EXPECT_EQ(loaded[r] - finalized[r], lent_bytes) << "rank " << r;
+    EXPECT_EQ(static_cast<std::int64_t>(run.loaded_host_bytes[r] - run.finalized_host_bytes[r]),
+              kLentBytes)
+        << "rank " << r;
   }
   for (std::size_t p = 0; p < model.params.size(); ++p) {
     if (model.params[p].module != "base") continue;
-    EXPECT_TRUE(same_bits(stepped[p], model.initial[p])) << model.params[p].name;
+    EXPECT_TRUE(same_bits(run.masters[p], model.initial[p])) << model.params[p].name;
   }
 }
 

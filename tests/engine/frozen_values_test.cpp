@@ -23,7 +23,6 @@ namespace zinf {
 namespace {
 
 using engine_test::Model;
-using engine_test::TrainOptions;
 
 // `values` as the device holds them: rounded to `dtype` and widened back.
 std::vector<float> as_device(const std::vector<float>& values, DType dtype) {
@@ -73,15 +72,6 @@ Status write_frozen(Engine& engine, const Model& model,
     ZINF_RETURN_IF_ERROR(engine.write_parameters(model.params[p].name, values[p].data(), 0));
   }
   return Status::ok();
-}
-
-// Trains `model` on `rank` through steps first_step .. last_step, the gathered values unchecked.
-Status train_steps(Engine& engine, const Model& model, int rank, int first_step, int last_step) {
-  TrainOptions options;
-  options.check_gathered = false;
-  options.first_step = first_step;
-  options.steps = last_step;
-  return engine_test::train_rank(engine, model, rank, options, nullptr, nullptr);
 }
 
 struct ValuesCase {
