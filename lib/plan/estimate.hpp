@@ -135,7 +135,7 @@
 //   so it reaches one group past those that lie wholly inside it. A model given by parameter
 //   count is taken as made of the tensors the estimate assumes for it elsewhere (norms of h,
 //   matrices of V·h, h·h and h·I), which the engine's model need not be: there the rule is an
-//   assumption, not a bound.
+//   assumption, not a bound, as is the one run an unknown count of runs (--trainable) is taken as.
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
 // pinned pool (engine_bytes()); activations belong to the training code, gathered params are
 // transient, the reducer's buckets are the engine's but outside its MemoryReport, and the

@@ -697,10 +697,12 @@ TEST_F(PlanCli, LoraPlanShowsTheTrainableShare) {
 // The 70B LoRA case of docs/PLAN.md without NVMe: counted as any values the base is short of host
 // memory; with --frozen-exact (a bf16 base) it fits at stage 3 with state and shards in host
 // memory, where a frozen element keeps its half copy alone. By hand, P = 68,976,648,192 +
-// 32,768,000 adapters, T = 32,768,000 on 1 rank: the shard the adapters' and the persistent norms'
-// (80 x 2 x 8192 + 8192 = 1,318,912), 2 x 34,086,912 = 68,173,824 B; the master the adapters'
-// 4 x 32,768,000 and four scratch blocks of 256 Ki elements (three fp32, one bf16), 134,742,016
-// B; the half copy every element's, 2 x P = 138,018,832,384 B.
+// 32,768,000 adapters, T = 32,768,000 on 1 rank: the shard, lent from the half copy whatever the
+// values but the adapters' and the persistent norms' (80 x 2 x 8192 + 8192 = 1,318,912),
+// 2 x 34,086,912 = 68,173,824 B with or without the flag; the master, four scratch blocks of
+// 256 Ki elements (three fp32, one bf16: 3,670,016 B) and the adapters' 4 x 32,768,000 with the
+// flag, 134,742,016 B, every element's 4 x P without, 276,041,334,784 B; the half copy every
+// element's, 2 x P = 138,018,832,384 B.
 TEST_F(PlanCli, FrozenExactCountsTheHalfCopyAlone) {
   const std::string base =
       "plan --model llama-2-70b --gpus 1 --gpu-mem 80GB --host-mem 256GB --seq 4096 "
@@ -708,6 +710,9 @@ TEST_F(PlanCli, FrozenExactCountsTheHalfCopyAlone) {
       std::string(kRates);
   CliRun r = run_zinf(base + " --json");
   EXPECT_EQ(r.exit_code, 2) << r.err;
+  const nlohmann::json closest = nlohmann::json::parse(r.out).at("bytes_per_state_per_rank");
+  EXPECT_EQ(closest.at("half_params").at("host"), 68'173'824);
+  EXPECT_EQ(closest.at("fp32_master").at("host"), 276'041'334'784);
   r = run_zinf(base + " --json --frozen-exact");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const nlohmann::json plan = nlohmann::json::parse(r.out);
