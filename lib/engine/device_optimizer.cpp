@@ -8,6 +8,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "base/assert.hpp"
 #include "kernels/sq_norm.h"
@@ -140,7 +141,7 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   for (Run& r : o->runs_) {
     const DType dtype = o->groups_[r.group].dtype;
     if (o->packed_ && r.frozen && dtype != DType::kF32 &&
-        holds_exactly(dtype, master + r.offset, r.count)) {
+        first_inexact(dtype, master + r.offset, r.count) == r.count) {
       r.master = kNoMaster;
       half_only = std::max(half_only, r.count);
     }
@@ -200,16 +201,14 @@ std::size_t DeviceOptimizer::layout_masters(std::vector<Run>& runs) {
   return next;
 }
 
-bool DeviceOptimizer::holds_exactly(DType dtype, const float* values, std::size_t count) {
+std::size_t DeviceOptimizer::first_inexact(DType dtype, const float* values, std::size_t count) {
   ZINF_ASSERT(dtype != DType::kF32);
   for (std::size_t i = 0; i < count; ++i) {
     const float back = dtype == DType::kBF16 ? bf16_to_f32(f32_to_bf16(values[i]))
                                              : f16_to_f32(f32_to_f16(values[i]));
-    if (std::bit_cast<std::uint32_t>(back) != std::bit_cast<std::uint32_t>(values[i])) {
-      return false;
-    }
+    if (std::bit_cast<std::uint32_t>(back) != std::bit_cast<std::uint32_t>(values[i])) return i;
   }
-  return true;
+  return count;
 }
 
 float* DeviceOptimizer::master_at(const Run& r, std::size_t first) const {
@@ -236,13 +235,15 @@ Status DeviceOptimizer::upload_half(const Run& r, std::size_t first, std::size_t
   return Status::ok();
 }
 
-Status DeviceOptimizer::restore_masters(const std::vector<bool>& want) {
+Status DeviceOptimizer::restore_masters(std::string_view why) {
+  // Every half-only run at once: one new buffer beside the old one (the old packed master and the
+  // whole new one at the peak), however many writes or runs call for it.
   std::vector<Run> runs = runs_;
   std::size_t restored = 0;
-  for (std::size_t k = 0; k < runs.size(); ++k) {
-    if (want[k] && runs[k].master == kNoMaster) {
-      runs[k].master = 0;
-      restored += runs[k].count;
+  for (Run& r : runs) {
+    if (r.master == kNoMaster) {
+      r.master = 0;
+      restored += r.count;
     }
   }
   if (restored == 0) return Status::ok();
@@ -251,16 +252,14 @@ Status DeviceOptimizer::restore_masters(const std::vector<bool>& want) {
       DeviceBuffer::allocate(device_, std::max<std::size_t>(elements, 1) * sizeof(float));
   if (!r.is_ok()) {
     return r.status().with_context(fmt::format(
-        "a frozen parameter's master held by its half copy alone gets its fp32 master back on the "
-        "device ({} elements more: a value written that the half dtype does not hold, or non-zero "
-        "moments written into a frozen parameter)",
-        restored));
+        "the frozen parameters whose master their half copy alone holds get their fp32 master back "
+        "on the device ({} elements more) because {}",
+        restored, why));
   }
   DeviceBuffer master = std::move(r).value();
   for (std::size_t k = 0; k < runs.size(); ++k) {
     const Run& was = runs_[k];
     const Run& now = runs[k];
-    if (now.master == kNoMaster) continue;
     float* dst = master.as<float>() + now.master;
     if (was.master != kNoMaster) {
       ZINF_RETURN_IF_ERROR(
@@ -401,7 +400,9 @@ Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
 
 Status DeviceOptimizer::unpack() {
   // Every run is stepped from now on, from its master.
-  ZINF_RETURN_IF_ERROR(restore_masters(std::vector<bool>(runs_.size(), true)));
+  ZINF_RETURN_IF_ERROR(
+      restore_masters("non-zero optimizer moments written into a frozen parameter (saved "
+                      "trainable) step every run"));
   const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
   // The moments, and zeros for the frozen runs that have no gradients (the largest run's or a
   // chunk's, and room to keep each congruent to its master modulo 16 elements).
@@ -502,20 +503,25 @@ Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t co
                                     const float* in) {
   (void)state(which, first, count);
   if (which == 0) {
-    // A half-only run stays so while its half dtype holds the new values exactly; one that does
-    // not hold them gets its master back first.
-    std::vector<bool> want(runs_.size(), false);
-    bool any = false;
+    // A half-only run stays so while its half dtype holds the new values exactly; the first value
+    // one does not hold gives every half-only run its master back (one reallocation, however
+    // many chunks a load writes).
+    std::string inexact;
     ZINF_RETURN_IF_ERROR(
         for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
-          if (r.master == kNoMaster &&
-              !holds_exactly(groups_[r.group].dtype, in + (lo - first), hi - lo)) {
-            want[static_cast<std::size_t>(&r - runs_.data())] = true;
-            any = true;
+          if (r.master != kNoMaster || !inexact.empty()) return Status::ok();
+          const DType dtype = groups_[r.group].dtype;
+          const std::size_t at = first_inexact(dtype, in + (lo - first), hi - lo);
+          if (at < hi - lo) {
+            inexact = fmt::format(
+                "partition element {} (dtype group {}, parameter group {}, frozen run [{}, {})), "
+                "written as {}, is a value {} does not hold",
+                lo + at, r.group, r.param_group, r.offset, r.offset + r.count, in[lo - first + at],
+                dtype_name(dtype));
           }
           return Status::ok();
         }));
-    if (any) ZINF_RETURN_IF_ERROR(restore_masters(want));
+    if (!inexact.empty()) ZINF_RETURN_IF_ERROR(restore_masters(inexact));
     ZINF_RETURN_IF_ERROR(
         for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
           if (r.master == kNoMaster) return upload_half(r, lo, hi - lo, in + (lo - first));

@@ -43,12 +43,13 @@
 // the half copy (read_state(0) and read_master() copy its half bytes to the host and widen them
 // there, exactly: no device scratch); a write of the master keeps such a run half-only while the
 // half dtype holds the new values exactly (they are narrowed on the host, in chunks of at most
-// kHalfChunkElements, and uploaded into the half copy); a value it does not hold gives the run its
-// master back first (the master reallocated in the new layout, the run's widened from its half
-// copy on the device: DeviceOps::widen), and non-zero moments written into a frozen run give every
-// half-only run its master back (unpack(): every run is stepped from then on). No step reads a
-// half-only run: it is frozen and, while packed, not stepped. create() finds them with one pass
-// over the frozen runs' host master.
+// kHalfChunkElements, and uploaded into the half copy); the first value one does not hold gives
+// every half-only run its master back (the master reallocated once in the new layout, each such
+// run's widened from its half copy on the device: DeviceOps::widen; a load that writes in chunks
+// then needs the old packed master and the whole new one at its peak, never more), and so do
+// non-zero moments written into a frozen run (unpack(): every run is stepped from then on). No step
+// reads a half-only run: it is frozen and, while packed, not stepped. create() finds them with one
+// pass over the frozen runs' host master.
 //
 // The gradient accumulator keeps the whole partition (group g's slice at its partition offset),
 // or, asked to pack the gradients at create(), only the dtype groups that hold a run that is not
@@ -73,6 +74,7 @@
 #include <cstdint>
 #include <memory>
 #include <span>
+#include <string_view>
 #include <vector>
 
 #include "device/device_ops.hpp"
@@ -139,7 +141,8 @@ class DeviceOptimizer {
   // Frozen runs' moments read as zeros; a write of non-zero moments into one allocates the
   // moments of the whole partition first (kResourceExhausted, nothing written, when the device
   // has no room for them). A master write that a half-only run's dtype does not hold exactly gives
-  // that run its master first (kResourceExhausted, nothing written, when the device has no room).
+  // every half-only run its master first (kResourceExhausted naming the element, nothing written,
+  // when the device has no room).
   Status read_state(int which, std::size_t first, std::size_t count, float* out);
   Status write_state(int which, std::size_t first, std::size_t count, const float* in);
   // The device memory the optimizer holds: master (of the runs that keep one), moments,
@@ -177,12 +180,14 @@ class DeviceOptimizer {
   // at the first offset congruent to its partition offset modulo 16 elements. Returns the
   // elements the master buffer needs (the partition, when every run has a master).
   static std::size_t layout_masters(std::vector<Run>& runs);
-  // Gives the half-only runs that `want` names (one flag per run) their master: a new master
-  // buffer in the new layout, the kept runs' masters moved into it, the new ones widened from
-  // their half copies (kResourceExhausted, nothing changed, when the device has no room).
-  Status restore_masters(const std::vector<bool>& want);
-  // Whether `dtype` holds values[0, count) exactly (every element's widen(narrow(x)) is x).
-  static bool holds_exactly(DType dtype, const float* values, std::size_t count);
+  // Gives every half-only run its master: a new master buffer in the new layout (one
+  // reallocation: the old buffer and the new one at the peak), the kept runs' masters moved into
+  // it, the others widened from their half copies (kResourceExhausted naming `why`, nothing
+  // changed, when the device has no room).
+  Status restore_masters(std::string_view why);
+  // The first of values[0, count) that `dtype` does not hold exactly (whose widen(narrow(x)) is
+  // not x, bit for bit), or count when it holds them all.
+  static std::size_t first_inexact(DType dtype, const float* values, std::size_t count);
   // Narrows `in` (count elements, exact in the run's dtype) on the host and uploads them into the
   // half copy of half-only run `r` from partition element `first` on; returns when copied.
   Status upload_half(const Run& r, std::size_t first, std::size_t count, const float* in);

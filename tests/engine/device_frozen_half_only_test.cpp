@@ -173,11 +173,10 @@ TEST_F(DeviceFrozenHalfOnly, CheckpointRoundTripReadsBackTheSameBytes) {
   expect_same("loaded, two steps");
 }
 
-// A value bf16 does not hold, written into the frozen run [9003, 11'003): that run gets its
-// master back (2000 elements, packed after [7603, 9003) with no gap, and [11'003, 13'006) after
-// it with none either: 7998 + 2000 - 16 elements), the others stay half-only through exact
-// writes, and everything reads back and steps as the full optimizer.
-TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunItsMaster) {
+// A value bf16 does not hold, written into the frozen run [9003, 11'003): every half-only run
+// gets its master back (the master of the whole partition, 14'011 elements, where the packed one
+// had 7998), the values written read back and everything steps as the full optimizer.
+TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunsTheirMaster) {
   const std::uint64_t bytes = packed_->device_bytes();
   std::vector<float> master = exact_bf16(8304);
   write(*packed_, 0, master);
@@ -188,8 +187,9 @@ TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunItsMaster) {
   master[9500] = std::nextafter(master[9500], 2.0f);  // one bit below bf16's
   write(*packed_, 0, master);
   write(*full_, 0, master);
-  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements - 2000);
-  EXPECT_EQ(packed_->device_bytes(), bytes + (2000 - 16) * 4);
+  EXPECT_EQ(packed_->half_only_elements(), 0u);
+  EXPECT_EQ(packed_->device_bytes(),
+            bytes + (kPartition - (kPartition - kHalfOnlyElements + kMasterAlignment)) * 4);
   const std::vector<float> back = read(*packed_, 0);
   EXPECT_EQ(std::memcmp(back.data(), master.data(), back.size() * 4), 0);
   for (std::int64_t step = 1; step <= 2; ++step) {
@@ -198,6 +198,54 @@ TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunItsMaster) {
   }
   expect_same("two steps");
   expect_frozen_master(*packed_, master);
+}
+
+// The device memory a load of values bf16 does not hold needs, written in pieces of 1000
+// elements as a checkpoint load writes its chunks, on a device whose limit holds the optimizer,
+// the packed master and the whole partition's master at once, and no more: the first piece
+// that meets a value the half copy does not hold gives every half-only run its master in one
+// reallocation, so the load fits (where giving each run its master as a piece meets it would
+// copy the growing master once per run and need more). The error of a device one byte smaller
+// names the element and the run.
+TEST(DeviceFrozenHalfOnlyLimit, ALoadOfInexactValuesFitsTheOldAndTheWholeMaster) {
+  const device_optimizer_test::Partition& p = kDefaultPartition;
+  const std::vector<float> exact = exact_bf16(8311);
+  const std::vector<float> drawn = seeded(kPartition, 8312, -1.0f, 1.0f);
+  auto load = [&](std::size_t limit_bytes, std::uint64_t* used_bytes) -> Status {
+    HostDeviceOptions options;
+    options.opaque = true;
+    options.memory_limit_bytes = limit_bytes;
+    std::unique_ptr<Device> device = std::move(make_host_device(options)).value();
+    Result<std::unique_ptr<DeviceOptimizer>> o =
+        DeviceOptimizer::create(*device, p.groups, p.elements, exact.data(), kTimeout, p.ranges,
+                                frozen_flags(p), /*pack_grads=*/true);
+    if (!o.is_ok()) return o.status();
+    EXPECT_EQ(o.value()->half_only_elements(), kHalfOnlyElements);
+    *used_bytes = device->memory_used_bytes();
+    for (std::size_t first = 0; first < kPartition; first += 1000) {
+      const std::size_t count = std::min<std::size_t>(1000, kPartition - first);
+      ZINF_RETURN_IF_ERROR(o.value()->write_state(0, first, count, drawn.data() + first));
+    }
+    EXPECT_EQ(o.value()->half_only_elements(), 0u);
+    std::vector<float> back(kPartition);
+    ZINF_RETURN_IF_ERROR(o.value()->read_master(0, kPartition, back.data()));
+    EXPECT_EQ(std::memcmp(back.data(), drawn.data(), back.size() * 4), 0);
+    return Status::ok();
+  };
+  std::uint64_t used_bytes = 0;
+  ASSERT_TRUE(load(std::size_t{1} << 30, &used_bytes).is_ok());
+  // At the reallocation: everything the optimizer held, and the whole partition's master.
+  const std::size_t peak_bytes = used_bytes + kPartition * sizeof(float);
+  std::printf("device bytes: optimizer %llu, peak of the load %zu\n",
+              static_cast<unsigned long long>(used_bytes), peak_bytes);
+  const Status fits = load(peak_bytes, &used_bytes);
+  EXPECT_TRUE(fits.is_ok()) << fits.to_string();
+  const Status short_by_one = load(peak_bytes - 1, &used_bytes);
+  EXPECT_EQ(short_by_one.code(), Code::kResourceExhausted) << short_by_one.to_string();
+  EXPECT_NE(short_by_one.message().find("partition element 1024 (dtype group 0, parameter group "
+                                        "2, frozen run [1024, 2048))"),
+            std::string::npos)
+      << short_by_one.to_string();
 }
 
 // Moments saved with every run trainable (non-zero on the frozen runs), written: every run is
