@@ -399,10 +399,6 @@ Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
 }
 
 Status DeviceOptimizer::unpack() {
-  // Every run is stepped from now on, from its master.
-  ZINF_RETURN_IF_ERROR(
-      restore_masters("non-zero optimizer moments written into a frozen parameter (saved "
-                      "trainable) step every run"));
   const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
   // The moments, and zeros for the frozen runs that have no gradients (the largest run's or a
   // chunk's, and room to keep each congruent to its master modulo 16 elements).
@@ -425,6 +421,11 @@ Status DeviceOptimizer::unpack() {
     }
     full[k] = std::move(r).value();
   }
+  // Every run is stepped from now on, from its master: given back once the moments are allocated,
+  // so that a device without room for them fails with nothing changed.
+  ZINF_RETURN_IF_ERROR(
+      restore_masters("non-zero optimizer moments written into a frozen parameter (saved "
+                      "trainable) step every run"));
   if (zero_bytes > 0) {
     ZINF_RETURN_IF_ERROR(device_.memset_async(full[2].data(), 0, zero_bytes, *stream_));
   }

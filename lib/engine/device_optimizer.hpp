@@ -171,8 +171,9 @@ class DeviceOptimizer {
   // master, as a step writes it (while packed).
   Status round_frozen(std::size_t first, std::size_t count);
   // Moments for the whole partition: the packed ones moved to their partition offsets, the
-  // frozen runs' zero; from now on every run is stepped. Every half-only run gets its master
-  // first.
+  // frozen runs' zero; from now on every run is stepped. Every half-only run gets its master once
+  // the moments and zeros are allocated (kResourceExhausted, nothing changed, when the device has
+  // no room for them or for the masters).
   Status unpack();
   struct Run;
   // Sets each run's master offset (Run::master) for the runs that have one (master not

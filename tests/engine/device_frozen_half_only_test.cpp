@@ -23,6 +23,7 @@
 #include "engine/device_optimizer.hpp"
 #include "engine/device_optimizer_test_util.hpp"
 #include "engine/engine_test_util.hpp"
+#include "tier/state_store.hpp"
 #include "zinf/dtype.hpp"
 
 namespace zinf {
@@ -273,6 +274,47 @@ TEST_F(DeviceFrozenHalfOnly, LoadedMomentsGiveEveryRunItsMaster) {
     step_both(step);
   }
   expect_same("two steps");
+}
+
+// Non-zero moments written into a frozen run on a device whose limit holds the half-only runs'
+// masters (given back beside the packed master) but not the moments of the whole partition: the
+// write fails with kResourceExhausted and changes nothing: the runs stay half-only, the device
+// bytes and the state read back are those before it.
+TEST(DeviceFrozenHalfOnlyLimit, MomentsWithoutRoomChangeNothing) {
+  const device_optimizer_test::Partition& p = kDefaultPartition;
+  const std::vector<float> exact = exact_bf16(8313);
+  const std::vector<float> moments = seeded(kPartition, 8314, 0.01f, 0.1f);
+  std::size_t used_bytes = 0;
+  {
+    HostDeviceOptions options;
+    options.opaque = true;
+    std::unique_ptr<Device> probe = std::move(make_host_device(options)).value();
+    auto o = std::move(DeviceOptimizer::create(*probe, p.groups, p.elements, exact.data(), kTimeout,
+                                               p.ranges, frozen_flags(p),
+                                               /*pack_grads=*/true))
+                 .value();
+    used_bytes = probe->memory_used_bytes();
+  }
+  HostDeviceOptions options;
+  options.opaque = true;
+  // The masters given back (the whole partition's beside the packed one) fit; the moments do not.
+  options.memory_limit_bytes = used_bytes + kPartition * sizeof(float);
+  std::unique_ptr<Device> device = std::move(make_host_device(options)).value();
+  auto o = std::move(DeviceOptimizer::create(*device, p.groups, p.elements, exact.data(), kTimeout,
+                                             p.ranges, frozen_flags(p), /*pack_grads=*/true))
+               .value();
+  const std::uint64_t bytes = o->device_bytes();
+  const Status s = o->write_state(1, 0, kPartition, moments.data());
+  EXPECT_EQ(s.code(), Code::kResourceExhausted) << s.to_string();
+  EXPECT_TRUE(o->packed());
+  EXPECT_EQ(o->half_only_elements(), kHalfOnlyElements);
+  EXPECT_EQ(o->device_bytes(), bytes);
+  EXPECT_EQ(device->memory_used_bytes(), used_bytes);
+  std::vector<float> back(kPartition);
+  ASSERT_TRUE(o->read_master(0, kPartition, back.data()).is_ok());
+  EXPECT_EQ(std::memcmp(back.data(), exact.data(), back.size() * 4), 0);
+  ASSERT_TRUE(o->read_state(1, 0, kPartition, back.data()).is_ok());
+  EXPECT_TRUE(all_zero_bytes(back.data(), back.size() * 4));
 }
 
 // The engine (offload_optimizer none on an opaque device, world 1, stage 2) with a bf16 model
