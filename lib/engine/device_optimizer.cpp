@@ -257,22 +257,22 @@ Status DeviceOptimizer::restore_masters(std::string_view why) {
         restored, why));
   }
   DeviceBuffer master = std::move(r).value();
-  for (std::size_t k = 0; k < runs.size(); ++k) {
+  Status s = Status::ok();
+  for (std::size_t k = 0; k < runs.size() && s.is_ok(); ++k) {
     const Run& was = runs_[k];
     const Run& now = runs[k];
     float* dst = master.as<float>() + now.master;
     if (was.master != kNoMaster) {
-      ZINF_RETURN_IF_ERROR(
-          device_.copy_d2d(dst, master_at(was, was.offset), was.count * 4, *stream_));
+      s = device_.copy_d2d(dst, master_at(was, was.offset), was.count * 4, *stream_);
       continue;
     }
     // Widening is exact: the master the half copy held.
     const Group& g = groups_[was.group];
-    ZINF_RETURN_IF_ERROR(
-        ops_->widen(half_.as<std::byte>() + g.byte_offset + (was.offset - g.offset) * 2, g.dtype,
-                    dst, was.count, /*accumulate=*/false, *stream_));
+    s = ops_->widen(half_.as<std::byte>() + g.byte_offset + (was.offset - g.offset) * 2, g.dtype,
+                    dst, was.count, /*accumulate=*/false, *stream_);
   }
-  ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+  if (s.is_ok()) s = device_.synchronize(*stream_, timeout_);
+  if (!s.is_ok()) return drain_then(s);
   master_ = std::move(master);
   runs_ = std::move(runs);
   return Status::ok();
@@ -282,6 +282,14 @@ std::size_t DeviceOptimizer::half_only_elements() const {
   std::size_t n = 0;
   for (const Run& r : runs_) n += r.master == kNoMaster ? r.count : 0;
   return n;
+}
+
+Status DeviceOptimizer::drain_then(Status error) {
+  // Work queued before the error may still write into buffers the caller is about to free (a
+  // HostDevice frees at once, as cudaFree would under work still queued): wait for it, whatever
+  // the wait returns, and return the first error.
+  (void)device_.synchronize(*stream_, timeout_);
+  return error;
 }
 
 DeviceOptimizer::~DeviceOptimizer() {
@@ -426,20 +434,21 @@ Status DeviceOptimizer::unpack() {
   ZINF_RETURN_IF_ERROR(
       restore_masters("non-zero optimizer moments written into a frozen parameter (saved "
                       "trainable) step every run"));
-  if (zero_bytes > 0) {
-    ZINF_RETURN_IF_ERROR(device_.memset_async(full[2].data(), 0, zero_bytes, *stream_));
-  }
+  // The moments and zeros, filled on the stream; a failure waits for the work queued into them
+  // before they are freed.
+  Status s = Status::ok();
+  if (zero_bytes > 0) s = device_.memset_async(full[2].data(), 0, zero_bytes, *stream_);
   std::array<DeviceBuffer*, 2> packed = {&exp_avg_, &exp_avg_sq_};
-  for (std::size_t k = 0; k < packed.size(); ++k) {
-    ZINF_RETURN_IF_ERROR(device_.memset_async(full[k].data(), 0, bytes, *stream_));
+  for (std::size_t k = 0; k < packed.size() && s.is_ok(); ++k) {
+    s = device_.memset_async(full[k].data(), 0, bytes, *stream_);
     for (const Run& r : runs_) {
-      if (r.frozen) continue;
-      ZINF_RETURN_IF_ERROR(device_.copy_d2d(full[k].as<float>() + r.offset,
-                                            packed[k]->as<const float>() + r.moment,
-                                            r.count * sizeof(float), *stream_));
+      if (r.frozen || !s.is_ok()) continue;
+      s = device_.copy_d2d(full[k].as<float>() + r.offset, packed[k]->as<const float>() + r.moment,
+                           r.count * sizeof(float), *stream_);
     }
   }
-  ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
+  if (s.is_ok()) s = device_.synchronize(*stream_, timeout_);
+  if (!s.is_ok()) return drain_then(s);
   exp_avg_ = std::move(full[0]);
   exp_avg_sq_ = std::move(full[1]);
   zeros_ = std::move(full[2]);

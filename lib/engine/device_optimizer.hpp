@@ -192,6 +192,9 @@ class DeviceOptimizer {
   // Narrows `in` (count elements, exact in the run's dtype) on the host and uploads them into the
   // half copy of half-only run `r` from partition element `first` on; returns when copied.
   Status upload_half(const Run& r, std::size_t first, std::size_t count, const float* in);
+  // Waits for the stream's queued work (ignoring the wait's own status) and returns `error`: a
+  // failure path calls it before freeing a buffer that work may still write into.
+  Status drain_then(Status error);
   // Where partition element `first` of run `r` (which has a master) has its master.
   float* master_at(const Run& r, std::size_t first) const;
 
