@@ -249,10 +249,13 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   // With the state in host memory a frozen share keeps the scratch blocks of half-only masters,
   // at stage 3 with the shards there too lends its groups (but the persistent ones) the half copy
   // for a shard, whatever the values, and with values exact in the half dtype keeps no master
-  // (estimate.hpp, "Frozen parameters and the state in host memory").
+  // (estimate.hpp, "Frozen parameters and the state in host memory"). With the state in device
+  // memory, values exact in the half dtype keep no master there either (estimate.hpp, "Frozen
+  // parameters and the state in device memory").
   const std::uint64_t frozen_shard_params = pr - tr;
   const bool frozen_on_host = frozen_shard_params > 0 && s.optimizer == OffloadDevice::kHost;
-  const bool half_only = frozen_on_host && model.frozen_exact_in_half;
+  const bool frozen_on_device = frozen_shard_params > 0 && s.optimizer == OffloadDevice::kNone;
+  const bool half_only = (frozen_on_host || frozen_on_device) && model.frozen_exact_in_half;
   const bool lent = frozen_on_host && s.stage == 3 && s.params == OffloadDevice::kHost;
   // The trainable runs that may meet a frozen neighbour off a 1024-element cut, each widening its
   // sub-groups over at most 1023 frozen elements at either end.
@@ -275,10 +278,13 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   } else {
     add(MemoryUse::kHalfParams, MemoryTier::kDevice, 2 * p);
   }
-  // A run off the cuts keeps the masters of the at most 2 x 1023 frozen elements its sub-groups
-  // were widened over.
-  const std::uint64_t master_params =
-      half_only ? std::min(pr, tr + runs_off_cuts * 2 * (kSubGroupCutParams - 1)) : pr;
+  // In host memory a run off the cuts keeps the masters of the at most 2 x 1023 frozen elements
+  // its sub-groups were widened over. The device optimizer's runs are the parameters' own pieces,
+  // not widened: there a frozen element keeps no master wherever it lies (the packing's alignment
+  // slack, at most 30 elements a stretch of runs that keep one, is left out).
+  const std::uint64_t widened_params =
+      frozen_on_host ? runs_off_cuts * 2 * (kSubGroupCutParams - 1) : 0;
+  const std::uint64_t master_params = half_only ? std::min(pr, tr + widened_params) : pr;
   add(MemoryUse::kMasterParams, optimizer_tier, 4 * master_params);
   if (frozen_on_host) {
     // The four scratch blocks a half-only master is read and written through, allocated wherever

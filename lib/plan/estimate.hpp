@@ -90,15 +90,16 @@
 //                   The engine refuses gradients_on_nvme with a frozen parameter.
 //   everything else as for trainable parameters: the fp32 master, the half params and the half
 //                   copy (written from the master at finalize), but with the state in host
-//                   memory (below).
+//                   memory or on the device (below).
 //   Frozen and trainable elements meet at sub-group cuts widened to 1024 elements; those
 //   widened edges (at most 2·1023 frozen elements a run of trainable ones) keep moments too,
 //   which the estimate leaves out.
 // Frozen parameters and the state in host memory (offload_optimizer cpu: StoreState keeps the
 // master in host memory and the half copy beside it; docs/ENGINE.md "A frozen master its half copy
 // holds exactly is not kept" and "A frozen shard the store's half copy holds is not copied"), with
-// Fr = Pr − Tr a rank's frozen share. With the state on NVMe or on the device nothing changes (the
-// master stays on its tier, the half copy is kept or streamed as above). Whatever the values:
+// Fr = Pr − Tr a rank's frozen share. With the state on NVMe nothing changes (the master stays
+// there, the half copy is kept or streamed as above); on the device, see the next paragraph.
+// Whatever the values:
 //   scratch         the four blocks a half-only master is read and written through, allocated
 //                   wherever a sub-group holds frozen elements alone, before the values are seen:
 //                   14·min(256 Ki, Sg, Pr) bytes (three fp32, one half), counted with the master
@@ -136,6 +137,27 @@
 //   count is taken as made of the tensors the estimate assumes for it elsewhere (norms of h,
 //   matrices of V·h, h·h and h·I), which the engine's model need not be: there the rule is an
 //   assumption, not a bound, as is the one run an unknown count of runs (--trainable) is taken as.
+// Frozen parameters and the state in device memory (offload_optimizer none on a GPU: DeviceState's
+// DeviceOptimizer; docs/ENGINE.md "What a frozen parameter costs"). Whatever the values, nothing
+// more than above (no scratch: a half-only master is read and written through the host). With the
+// values exact in the run's half dtype (--frozen-exact) also:
+//   fp32 master     4·Tr on the device: a frozen run of a bf16/f16 group whose every element its
+//                   half copy holds exactly keeps no master (a "half-only" run), and the others'
+//                   masters are packed around them. The device optimizer's runs are the
+//                   parameters' own pieces of the partition (its group ranges), not the store's
+//                   sub-groups widened to 1024 elements, so no frozen element keeps a master
+//                   beside a trainable run: nothing for runs off the cuts. Left out: each stretch
+//                   of runs that keep a master (a trainable run, or padding between frozen
+//                   parameters) begins at the first offset congruent to its partition offset
+//                   modulo 16 elements, at most 30 elements (120 B) past where packing end to end
+//                   would put it (under 8 KiB for Llama-2-7B's 64 LoRA runs on one GPU, where no
+//                   tensor is padded); and the host block a half-only master is uploaded through
+//                   (2 B an element, at most 1 Mi elements: 2 MiB), which the engine's
+//                   MemoryReport leaves out too.
+//   half copy       2·Pr on the device as above: it is what the frozen elements keep.
+//   So a frozen element takes 6 B of device memory for its state with optimizer none (master 4,
+//   half copy 2), 2 B with the flag, besides its half params (2 B of the shard at stage 3, 2 B an
+//   element of the model at stages 1-2).
 // The engine's MemoryReport counts half params, master, moments, gradients, half copy and
 // pinned pool (engine_bytes()); activations belong to the training code, gathered params are
 // transient, the reducer's buckets are the engine's but outside its MemoryReport, and the

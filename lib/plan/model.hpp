@@ -76,9 +76,10 @@ struct ModelShape {
   // The frozen parameters' values are exact in the run's half dtype (widening the rounded value
   // gives it back bit for bit): a bf16 checkpoint's with bf16, an fp16 one's with fp16 (zinf plan
   // --frozen-exact). A bf16 checkpoint is not exact in fp16 (values below 2^-17 or above 65504
-  // round), so the engine keeps their masters there. The engine then keeps less host memory for
-  // them with the optimizer state there (estimate.hpp, "Frozen parameters and the state in
-  // host memory"). false: not known, so counted as any value's (an upper bound).
+  // round), so the engine keeps their masters there. The engine then keeps no fp32 master of
+  // them with the optimizer state in host memory or on the GPU (estimate.hpp, "Frozen parameters
+  // and the state in host memory" and "... in device memory"). false: not known, so counted as
+  // any value's (an upper bound).
   bool frozen_exact_in_half = false;
 };
 

@@ -732,6 +732,44 @@ TEST_F(PlanCli, FrozenExactCountsTheHalfCopyAlone) {
       << r.out;
 }
 
+// A Llama-2-7B LoRA (rank 16 on q,v) on one 40 GB GPU, 64 GB of host memory: counted as any
+// values the plan is what it was, stage 2 with the state in host memory (the master 4 x P plus the
+// scratch blocks there), and the state cannot go on the device (exit 2 with offload_optimizer
+// none: the device is short). With --frozen-exact the device optimizer keeps no master of a frozen
+// element, and the planner puts the state on the GPU at stage 1. By hand, P = 6,746,804,224, T =
+// 8,388,608: the half params and the half copy 2 x P = 13,493,608,448 each, the master 4 x T =
+// 33,554,432, the moments 8 x T = 67,108,864, the gradients 4 x T packed and stage 1's full-size
+// 4 x T, 67,108,864, the activations 2,430,599,168 (seq 4096, checkpointing: 2.26 GiB), the
+// reducer's buckets 134,217,728 and the reserved 1,073,741,824: 30,793,547,776 B of the 36e9
+// usable; the host holds the reducer's pinned buckets alone.
+TEST_F(PlanCli, FrozenExactPutsTheStateOfA7bLoraOnTheGpu) {
+  const std::string base =
+      "plan --model llama-2-7b --lora-rank 16 --gpus 1 --gpu-mem 40GB --host-mem 64GB --seq 4096 "
+      "--checkpoint-activations --json" +
+      std::string(kRates);
+  CliRun r = run_zinf(base);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  nlohmann::json plan = nlohmann::json::parse(r.out);
+  EXPECT_EQ(plan.at("placement").at("stage"), 2);
+  EXPECT_EQ(plan.at("placement").at("offload_optimizer"), "cpu");
+  EXPECT_EQ(plan.at("bytes_per_state_per_rank").at("fp32_master").at("host"),
+            4 * 6'746'804'224 + 3'670'016);
+  r = run_zinf(base + " --offload-optimizer none");
+  EXPECT_EQ(r.exit_code, 2) << r.out;
+  EXPECT_EQ(nlohmann::json::parse(r.out).at("shortfall").at(0).at("tier"), "device");
+  r = run_zinf(base + " --frozen-exact");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  plan = nlohmann::json::parse(r.out);
+  EXPECT_EQ(plan.at("placement").at("stage"), 1);
+  EXPECT_EQ(plan.at("placement").at("offload_optimizer"), "none");
+  const nlohmann::json& bytes = plan.at("bytes_per_state_per_rank");
+  EXPECT_EQ(bytes.at("fp32_master").at("device"), 33'554'432);
+  EXPECT_EQ(bytes.at("fp32_master").at("host"), 0);
+  EXPECT_EQ(bytes.at("half_copy").at("device"), 13'493'608'448);
+  EXPECT_EQ(plan.at("bytes_per_tier").at("device"), 30'793'547'776);
+  EXPECT_EQ(plan.at("bytes_per_tier").at("host"), 134'217'728);
+}
+
 // --frozen-exact without anything frozen, or with --step-only (which steps every parameter): exit
 // 1, naming the option. Without it nothing of the output says so (the JSON's key is false).
 TEST_F(PlanCli, FrozenExactNeedsFrozenParameters) {

@@ -5,9 +5,11 @@
 // copy holds is not copied"): whatever the values, the frozen sub-groups cost the scratch blocks
 // of a half-only master, and at stage 3 with offload_param cpu the frozen groups (the persistent
 // ones excepted) are lent the half copy for a shard; with the flag a frozen element also keeps no
-// fp32 master; with the state anywhere else nothing changes. Where a trainable run may meet its
-// frozen neighbours off a 1024-element cut, the estimate keeps their shards, and with the flag
-// the masters the widened cut holds.
+// fp32 master. Where a trainable run may meet its frozen neighbours off a 1024-element cut, the
+// estimate keeps their shards, and with the flag the masters the widened cut holds. With the state
+// on the device (offload_optimizer none on a GPU: "What a frozen parameter costs", the device
+// optimizer's half-only runs) the flag takes a frozen element's fp32 master off the device and
+// nothing else, wherever the runs lie; with the state on NVMe nothing changes.
 //
 // The model of most tests: 10,000,000 parameters given by count (4 layers, hidden 4096: every
 // tensor the estimate assumes, h, V x h, h x h, h x 4h, a whole number of 1024 x 4 elements),
@@ -144,21 +146,18 @@ TEST(FrozenExact, StageThreeShardsOffTheHostAreKept) {
 }
 
 // With the state on NVMe the master stays there (the store's half array, where there is one, is
-// the half copy the shards are written from, kept as before), and on the device the device
-// optimizer keeps its own: the flag changes nothing, on any tier.
-TEST(FrozenExact, StateOnNvmeOrOnTheDeviceIsUnchanged) {
-  const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
-  for (OffloadDevice optimizer : {OffloadDevice::kNone, OffloadDevice::kNvme}) {
-    for (int stage = 1; stage <= 3; ++stage) {
-      for (OffloadDevice params : tiers) {
-        if (stage != 3 && params != OffloadDevice::kNone) continue;
-        const EngineSetup s = setup(stage, optimizer, params);
-        const MemoryEstimate without = estimate_memory(base_model(false), TrainingShape{}, s);
-        const MemoryEstimate with = estimate_memory(base_model(true), TrainingShape{}, s);
-        EXPECT_EQ(with.rank_bytes, without.rank_bytes)
-            << "stage " << stage << ", optimizer " << offload_device_name(optimizer) << ", params "
-            << offload_device_name(params);
-      }
+// the half copy the shards are written from, kept as before): the flag changes nothing, on any
+// tier.
+TEST(FrozenExact, StateOnNvmeIsUnchanged) {
+  for (int stage = 1; stage <= 3; ++stage) {
+    for (OffloadDevice params :
+         {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
+      if (stage != 3 && params != OffloadDevice::kNone) continue;
+      const EngineSetup s = setup(stage, OffloadDevice::kNvme, params);
+      const MemoryEstimate without = estimate_memory(base_model(false), TrainingShape{}, s);
+      const MemoryEstimate with = estimate_memory(base_model(true), TrainingShape{}, s);
+      EXPECT_EQ(with.rank_bytes, without.rank_bytes)
+          << "stage " << stage << ", params " << offload_device_name(params);
     }
   }
   // The state on NVMe at stage 3 with the shards in host memory, by hand: the master's
@@ -169,6 +168,47 @@ TEST(FrozenExact, StateOnNvmeOrOnTheDeviceIsUnchanged) {
                   {MemoryUse::kMasterParams, kHost, 0, 0},
                   {MemoryUse::kHalfParams, kHost, 5'000'000, 5'000'000},
                   {MemoryUse::kHalfCopy, kHost, 5'000'000, 5'000'000}});
+}
+
+// The state on the device (offload_optimizer none): without the flag the device optimizer keeps
+// every element's master, 4 x 2,500,000 = 10,000,000 B; with it the trainable share's alone,
+// 4 x 250,000 = 1,000,000 B (a frozen element's half copy is its master). The half copy, the
+// device optimizer's, is 2 x 2,500,000 either way, and the host gains nothing (no scratch blocks:
+// a read widens the half copy in the buffer it is read into; the estimate leaves out, as the
+// engine's MemoryReport does, the host block of at most 2 MiB a write is narrowed through). The
+// half params are where the stage and offload_param put them: every element of the model at stages
+// 1-2 (2 x 10,000,000), the shard at stage 3 (2 x 2,500,000, lent from nothing: the half copy is on
+// the device).
+TEST(FrozenExact, StateOnTheDeviceKeepsNoMasterOfTheFrozenElements) {
+  struct Case {
+    int stage;
+    OffloadDevice params;
+    MemoryTier half_tier;
+    std::uint64_t half_bytes;
+  };
+  for (const Case& c : {Case{1, OffloadDevice::kNone, kDev, 20'000'000},
+                        Case{2, OffloadDevice::kNone, kDev, 20'000'000},
+                        Case{3, OffloadDevice::kNone, kDev, 5'000'000},
+                        Case{3, OffloadDevice::kHost, kHost, 5'000'000},
+                        Case{3, OffloadDevice::kNvme, kNvme, 5'000'000}}) {
+    SCOPED_TRACE(std::to_string(c.stage) + ", params " +
+                 std::string(offload_device_name(c.params)));
+    expect_figures(setup(c.stage, OffloadDevice::kNone, c.params),
+                   {{MemoryUse::kHalfParams, c.half_tier, c.half_bytes, c.half_bytes},
+                    {MemoryUse::kMasterParams, kDev, 10'000'000, 1'000'000},
+                    {MemoryUse::kMasterParams, kHost, 0, 0},
+                    {MemoryUse::kHalfCopy, kDev, 5'000'000, 5'000'000}});
+  }
+  // The device's engine bytes at stage 2: the half params 20,000,000, the master, the trainable
+  // moments 8 x 250,000 and gradients 4 x 250,000, the half copy 5,000,000: 38,000,000 without the
+  // flag, 29,000,000 with it, 9,000,000 = 4 B x the frozen share 2,250,000 less.
+  const EngineSetup s = setup(2, OffloadDevice::kNone, OffloadDevice::kNone);
+  const MemoryEstimate without = estimate_memory(base_model(false), TrainingShape{}, s);
+  const MemoryEstimate with = estimate_memory(base_model(true), TrainingShape{}, s);
+  EXPECT_EQ(without.engine_bytes(kDev), 38'000'000u);
+  EXPECT_EQ(with.engine_bytes(kDev), 29'000'000u);
+  EXPECT_EQ(without.rank_tier_bytes(kDev) - with.rank_tier_bytes(kDev), 9'000'000u);
+  EXPECT_EQ(with.rank_tier_bytes(kHost), without.rank_tier_bytes(kHost));
 }
 
 // Nothing frozen: the flag has nothing to count (no scratch either).
@@ -250,6 +290,66 @@ TEST(FrozenExact, RunsOffTheCutsKeepTheirNeighboursShards) {
   many.trainable_runs = 2'000;
   EXPECT_EQ(estimate_memory(many, TrainingShape{}, s).bytes(MemoryUse::kHalfParams, kHost),
             2u * 11'896'491);
+}
+
+// The device optimizer's runs are the parameters' own pieces, not sub-groups widened to 1024
+// elements: on 3 ranks, where the host estimate keeps the masters of 2 x 1023 frozen elements a
+// run off the cuts (above), the device keeps none of a frozen element. With the flag the
+// trainable share's, 4 x 10,923 = 43,692 B; without it the shard's, 4 x 11,896,491 = 47,585,964
+// B. Nothing is lent: the shard stays whole, 2 x 11,896,491 = 23,792,982 B, beside the half copy
+// as large.
+TEST(FrozenExact, StateOnTheDeviceKeepsNoMasterBesideRunsOffTheCuts) {
+  EngineSetup s = setup(3, OffloadDevice::kNone, OffloadDevice::kNone);
+  s.world_size = 3;
+  s.ranks_per_machine = 3;
+  s.sub_group_params = 1'000'000'000;
+  s.persistence_threshold_params = 100'000;
+  for (bool exact : {false, true}) {
+    SCOPED_TRACE(exact ? "exact" : "any values");
+    const MemoryEstimate e = estimate_memory(small_lora(exact), TrainingShape{}, s);
+    EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kDev), exact ? 43'692u : 47'585'964u);
+    EXPECT_EQ(e.bytes(MemoryUse::kMasterParams, kHost), 0u);
+    EXPECT_EQ(e.bytes(MemoryUse::kHalfParams, kDev), 23'792'982u);
+    EXPECT_EQ(e.bytes(MemoryUse::kHalfCopy, kDev), 23'792'982u);
+  }
+}
+
+// Llama-2-7B with LoRA of rank 16 on q and v (PEFT's default), the state on one 80 GB GPU at
+// stage 2, seq 4096 with checkpointing. By hand: P = 6,738,415,616 + 32 x (16 x 8192 + 16 x 8192)
+// = 6,746,804,224, T = 8,388,608, on one rank Pr = P, Tr = T. The device holds the half params
+// 2 x P = 13,493,608,448, the master, the moments 8 x T = 67,108,864, the gradients 4 x T =
+// 33,554,432, the half copy 2 x P = 13,493,608,448, the activations 32 x 2 x 4096 x 4096 (the
+// checkpoints) + 34 x 4096 x 4096 (one layer) + 6 x 4096 x 32,000 (the logits) = 2,430,599,168,
+// two reducer buckets of 2^24 fp32 = 134,217,728 and the reserved 2^30 = 1,073,741,824:
+// 30,726,438,912 B besides the master. The master is 4 x P = 26,987,216,896 without the flag
+// (57,713,655,808 B, 53.75 GiB), 4 x T = 33,554,432 with it (30,759,993,344 B, 28.65 GiB): 4 B less
+// each of the 6,738,415,616 frozen elements, 26,953,662,464 B. The engine's share (what its
+// MemoryReport counts) is 54,075,097,088 B and 27,121,434,624 B. Both fit the 80 GB less the 10%
+// headroom (72e9 B); on a 40 GB GPU (36e9 B) only the second (PlanCli's FrozenExact tests).
+TEST(FrozenExact, Llama7bLoraOnOneGpuKeepsNoFrozenMaster) {
+  ModelShape m = *find_model_preset("llama-2-7b");
+  ASSERT_TRUE(apply_lora(&m, 16, "q,v").is_ok());
+  ASSERT_EQ(param_count(m), 6'746'804'224u);
+  ASSERT_EQ(trainable_param_count(m), 8'388'608u);
+  TrainingShape t;
+  t.seq_len = 4096;
+  t.checkpoint_activations = true;
+  EngineSetup s;
+  s.stage = 2;
+  s.optimizer = OffloadDevice::kNone;
+  s.param_staging_params = std::uint64_t{1} << 24;
+  const MemoryEstimate without = estimate_memory(m, t, s);
+  m.frozen_exact_in_half = true;
+  const MemoryEstimate with = estimate_memory(m, t, s);
+  EXPECT_EQ(without.bytes(MemoryUse::kMasterParams, kDev), 26'987'216'896u);
+  EXPECT_EQ(with.bytes(MemoryUse::kMasterParams, kDev), 33'554'432u);
+  EXPECT_EQ(without.rank_tier_bytes(kDev), 57'713'655'808u);
+  EXPECT_EQ(with.rank_tier_bytes(kDev), 30'759'993'344u);
+  EXPECT_EQ(without.engine_bytes(kDev), 54'075'097'088u);
+  EXPECT_EQ(with.engine_bytes(kDev), 27'121'434'624u);
+  // The host holds the reducer's pinned buckets alone either way.
+  EXPECT_EQ(with.rank_tier_bytes(kHost), 134'217'728u);
+  EXPECT_EQ(without.rank_tier_bytes(kHost), 134'217'728u);
 }
 
 // Llama-2-70B with LoRA of rank 16 on q and v: every tensor a whole number of 1024 elements, so

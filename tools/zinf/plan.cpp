@@ -987,10 +987,10 @@ void setup_plan(CLI::App& app) {
   sub->add_flag("--frozen-exact", o->frozen_exact,
                 "With --trainable or --lora-rank: the frozen parameters' values are exact in the "
                 "run's half dtype (a bf16 checkpoint with bf16, an fp16 one with --fp16: a bf16 "
-                "checkpoint is not exact in fp16); counts what the engine then keeps with "
-                "offload_optimizer cpu (no fp32 master of them: 2 bytes an element of host memory "
-                "at stage 3 with offload_param cpu). Without it they are counted as any values (an "
-                "upper bound)");
+                "checkpoint is not exact in fp16); counts what the engine then keeps: no fp32 "
+                "master of them with offload_optimizer cpu (2 bytes an element of host memory at "
+                "stage 3 with offload_param cpu) or none on a GPU (4 bytes an element less device "
+                "memory). Without it they are counted as any values (an upper bound)");
   sub->add_option("--arch", o->arch,
                   "transformer, or train_lm (examples/train_lm's MLP blocks: --layers, --hidden, "
                   "--context, --embed)")
