@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "base/aligned.hpp"
+#include "base/assert.hpp"
 #include "engine/function_ref.hpp"
 #include "engine/layout.hpp"
 #include "zero/param_coordinator.hpp"
@@ -86,7 +87,11 @@ class Publisher {
 
   // The coordinator that owns the shards. REQUIRES: before any write.
   void set_coordinator(ParamCoordinator* coord) { coord_ = coord; }
-  ParamCoordinator& coordinator() { return *coord_; }
+  // REQUIRES: set_coordinator() was given one.
+  ParamCoordinator& coordinator() {
+    ZINF_ASSERT(coord_ != nullptr);
+    return *coord_;
+  }
 
   // --- The buffer of new values ------------------------------------------------------------
   void allocate_buffer();

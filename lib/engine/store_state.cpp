@@ -1128,13 +1128,17 @@ class StoreState final : public OptimizerState {
   // loaded that are not zero) gets its own host shard back before that pass rewrites the half
   // copy beside the next forward's gathers (an overlapped step does not wait for a frozen
   // group's writes). Nothing is gathered during a load. The lent groups are the coordinator's to
-  // know (ParamCoordinator::shares_host_shard); none is when no span was registered.
+  // know (ParamCoordinator::shares_host_shard); none is when no span was registered. It is asked
+  // only about a frozen group that the next pass steps (a trainable group is never lent): a
+  // state opened without an engine has no coordinator to ask, and a load of zero moments into
+  // the frozen sub-groups needs none.
   Status take_back_stepped_shards() {
     if (registered_half_.empty()) return Status::ok();
-    ParamCoordinator& coordinator = pub_.coordinator();
     for (std::uint32_t g = 0; g < layout_.group_count(); ++g) {
-      if (!coordinator.shares_host_shard(g)) continue;
+      if (!layout_.frozen_group(g)) continue;
       if (settled_over(layout_.offset(g), layout_.group(g).shard_element_count)) continue;
+      ParamCoordinator& coordinator = pub_.coordinator();
+      if (!coordinator.shares_host_shard(g)) continue;
       std::lock_guard<std::mutex> lock(pub_.mutex());
       ZINF_RETURN_IF_ERROR(coordinator.unshare_host_shard(g));
     }
