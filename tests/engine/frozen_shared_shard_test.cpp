@@ -390,10 +390,12 @@ TEST(FrozenSharedShard, LentSpansAreRegisteredWithTheDevice) {
     Result<std::vector<const std::byte*>> lent = (*opened)->share_host_shards(persistent_groups);
     ASSERT_TRUE(lent.is_ok()) << lent.status().to_string();
     std::size_t lent_count = 0;
+    const std::byte* kept = nullptr;  // a lent shard, for the teardown's check
     for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
       const std::byte* shard = (*lent)[g];
       if (shard == nullptr) continue;
       ++lent_count;
+      kept = shard;
       ASSERT_TRUE(layout.frozen_group(g));
       const std::size_t elements = layout.group(g).shard_element_count;
       const std::size_t bytes = elements * 2;
@@ -435,6 +437,11 @@ TEST(FrozenSharedShard, LentSpansAreRegisteredWithTheDevice) {
       const std::byte* shard = (*lent)[g];
       if (shard == nullptr) continue;
       EXPECT_TRUE(host.registered(shard, layout.group(g).shard_element_count * 2)) << "group " << g;
+    }
+    // The state unregisters what it registered when it goes.
+    opened->reset();
+    if (kept != nullptr) {
+      EXPECT_FALSE(host.registered(kept, 1));
     }
   }
 }
