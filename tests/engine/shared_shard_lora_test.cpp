@@ -9,6 +9,7 @@
 // no run did so before it (frozen_test.cpp's Frozen.LoraFrozenMasterHeldByItsHalfCopy... note).
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <vector>
@@ -51,8 +52,11 @@ TEST(SharedShardLora, FrozenShardsTakeNoHostMemory) {
     config.zero.offload_param.device = on_device ? OffloadDevice::kNone : OffloadDevice::kHost;
     config.cpu_threads = 2;
     config.collective_timeout_ms = 120'000;
+    engine_test::Ranks ranks = engine_test::make_ranks(1, std::chrono::seconds(120));
     const std::vector<Status> st =
-        engine_test::with_engines(config, model, 1, [&](int, Engine& engine) -> Status {
+        engine_test::run_engines(config, ranks, [&](int, Engine& engine) -> Status {
+          ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
+          ZINF_RETURN_IF_ERROR(engine.finalize());
           host_bytes[on_device] = engine.memory().host_bytes;
           return Status::ok();
         });
