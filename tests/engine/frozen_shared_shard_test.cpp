@@ -240,9 +240,10 @@ std::uint64_t restored_master_bytes(const Model& model, std::size_t p, std::size
 // holds and then with values it does not: the module then gathers the written values rounded to
 // bf16 (the writes reach the lent half copy), read_parameters gives the written values, and the
 // inexact write costs the host memory of the masters it restores and nothing else: those of the
-// four 700-element sub-groups base.w3's 2048 elements a rank overlap (11,200 bytes, of which 3,008
-// are for the 288 elements of base.w2 and the 464 of base.w4 that share the first and the last),
-// not the lent shard taken back into a copy of the coordinator's.
+// four sub-groups (zero.sub_group_size elements, 700 in engine_test::small_config()) that base.w3's
+// 2048 elements a rank overlap (11,200 bytes, of which 3,008 are for the 288 elements of base.w2
+// and the 464 of base.w4 that share the first and the last), not the lent shard taken back into a
+// copy of the coordinator's.
 TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
   const Model model = lent_model(67, true);
   const std::vector<std::int64_t> saved = shard_host_bytes_saved(model);
@@ -258,7 +259,9 @@ TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
     convert_bf16_to_f32(half.data(), exact.data(), half.size());
   }
   ASSERT_FALSE(same_bits(exact, drawn));
-  ASSERT_EQ(restored_master_bytes(model, w, 700), 4 * 700 * sizeof(float));
+  const Config config = lent_config(OffloadDevice::kHost, false);
+  const std::size_t sub_group = config.zero.sub_group_size;
+  ASSERT_EQ(restored_master_bytes(model, w, sub_group), 4 * sub_group * sizeof(float));
 
   // The gathered values of every parameter of "base", widened to f32.
   const auto gathered_base = [&](Engine& engine) -> Result<std::vector<std::vector<float>>> {
@@ -275,7 +278,6 @@ TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
     return out;
   };
 
-  const Config config = lent_config(OffloadDevice::kHost, false);
   std::vector<std::uint64_t> finalized(kWorld), after_exact(kWorld), after_drawn(kWorld);
   std::vector<std::vector<std::vector<float>>> gathered_exact(kWorld), gathered_drawn(kWorld);
   std::vector<float> read_exact(drawn.size()), read_drawn(drawn.size());

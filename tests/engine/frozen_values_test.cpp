@@ -103,18 +103,18 @@ TEST_P(FrozenValues, WrittenAndLoadedValuesStayThroughSteps) {
   const std::vector<std::vector<float>> second = new_frozen_values(model, 2000);
   const std::vector<Status> st =
       engine_test::with_engines(config, model, c.world, [&](int rank, Engine& engine) -> Status {
-        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 1, 2));
+        ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 1, 2));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, model.initial, "after steps 1-2"));
         ZINF_RETURN_IF_ERROR(write_frozen(engine, model, first));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, first, "after write_parameters"));
-        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 3, 4));
+        ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 3, 4));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, first, "write_parameters, steps 3-4"));
         ZINF_RETURN_IF_ERROR(engine.save_checkpoint(ckpt, "a"));
         ZINF_RETURN_IF_ERROR(write_frozen(engine, model, second));
-        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 5, 5));
+        ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 5, 5));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, second, "a second write, step 5"));
         ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, "a"));
-        ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 5, 7));
+        ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 5, 7));
         ZINF_RETURN_IF_ERROR(check_gathered(engine, model, first, "the load, steps 5-7"));
         ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
         for (std::size_t p = 0; p < model.params.size(); ++p) {
@@ -176,7 +176,7 @@ TEST(FrozenValues, AZeroEpsLeavesTheFrozenMastersAsTheyAre) {
       model.frozen_module = "block1";
       const std::vector<Status> st =
           engine_test::with_engines(config, model, 1, [&](int rank, Engine& engine) -> Status {
-            ZINF_RETURN_IF_ERROR(train_steps(engine, model, rank, 1, 2));
+            ZINF_RETURN_IF_ERROR(engine_test::train_steps(engine, model, rank, 1, 2));
             ZINF_ASSIGN_OR_RETURN(auto masters, engine_test::read_masters(engine, model));
             for (std::size_t p = 0; p < model.params.size(); ++p) {
               const std::vector<float>& got = masters[p];
