@@ -11,6 +11,7 @@
 // moments written into one, give the master back, with the values written.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -195,6 +196,36 @@ TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunsTheirMaster
   EXPECT_EQ(std::memcmp(back.data(), master.data(), back.size() * 4), 0);
   for (std::int64_t step = 1; step <= 2; ++step) {
     set_grads(1500 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("two steps");
+  expect_frozen_master(*packed_, master);
+}
+
+// Writes that meet part of a run: new exact values for [9003, 10'003) (the first half of the
+// half-only run [9003, 11'003)) go into its half copy, then one element at 10'500 that bf16 does
+// not hold, written alone, gives every half-only run its master, widened from the half copies on
+// the device: every element but the one written reads back the bits it had (the earlier piece's
+// new values among them), and two steps give the full optimizer's bits.
+TEST_F(DeviceFrozenHalfOnly, AnInexactElementKeepsTheOtherElementsBits) {
+  std::vector<float> master = master_;
+  const std::vector<float> other = exact_bf16(8306);
+  std::copy(other.begin() + 9003, other.begin() + 10'003, master.begin() + 9003);
+  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+    ASSERT_TRUE(o->write_state(0, 9003, 1000, master.data() + 9003).is_ok());
+  }
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements);
+  master[10'500] = std::nextafter(master[10'500], 2.0f);  // one bit below bf16's
+  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+    ASSERT_TRUE(o->write_state(0, 10'500, 1, master.data() + 10'500).is_ok());
+  }
+  EXPECT_EQ(packed_->half_only_elements(), 0u);
+  const std::vector<float> back = read(*packed_, 0);
+  for (std::size_t e = 0; e < kPartition; ++e) {
+    ASSERT_EQ(std::memcmp(&back[e], &master[e], 4), 0) << "element " << e;
+  }
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    set_grads(1550 + static_cast<std::uint64_t>(step));
     step_both(step);
   }
   expect_same("two steps");
