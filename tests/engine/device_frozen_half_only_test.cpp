@@ -417,14 +417,15 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 // "embed.w"'s master ending at 1536. The frozen values read back bit for bit after finalize and
 // steps, the trainable ones train to the bits of the run that keeps the base's master (their
 // gradients do not depend on the base), and a checkpoint saved, loaded and saved again is the
-// same bytes, the loaded engine keeping the base half-only.
+// same bytes, the loaded engine keeping the base half-only; two steps after the load train as
+// two steps after loading the run that keeps the master.
 TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
   const engine_test::Model exact = lora_like(true);
   const engine_test::Model drawn = lora_like(false);
   engine_test::ScratchDir dir("device_frozen_half_only");
   const std::string ckpt = dir.path() + "/ckpt";
   const EngineRun half_only = run_engine(exact, ckpt, "", 1, 3, "three");
-  const EngineRun kept = run_engine(drawn, ckpt, "", 1, 3, "");
+  const EngineRun kept = run_engine(drawn, ckpt, "", 1, 3, "kept");
   std::size_t base_elements = 0;
   for (const engine_test::ParamDef& d : exact.params) {
     if (d.module == "base") base_elements += d.element_count();
@@ -445,7 +446,7 @@ TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
       EXPECT_TRUE(same_bits(half_only.trained[p], kept.trained[p])) << name;
     }
   }
-  // Loaded and saved again with no step between; then two more steps.
+  // Loaded and saved again with no step between: the same bytes.
   const EngineRun loaded = run_engine(exact, ckpt, "three", 4, 0, "again");
   EXPECT_EQ(loaded.finalized_bytes, half_only.finalized_bytes);
   for (std::size_t p = 0; p < exact.params.size(); ++p) {
@@ -454,6 +455,22 @@ TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
   const std::string saved = engine_test::read_file(ckpt + "/three/rank0.zinfckpt");
   ASSERT_FALSE(saved.empty());
   EXPECT_TRUE(saved == engine_test::read_file(ckpt + "/again/rank0.zinfckpt"));
+  // Loaded, then two more steps (4 and 5), beside the run that keeps the base's master loaded
+  // and stepped the same: the base reads back its bits, the rest trains to the same bits.
+  const EngineRun resumed = run_engine(exact, ckpt, "three", 4, 2, "");
+  const EngineRun kept_resumed = run_engine(drawn, ckpt, "kept", 4, 2, "");
+  EXPECT_EQ(resumed.finalized_bytes, half_only.finalized_bytes);
+  ASSERT_EQ(resumed.trained.size(), exact.params.size());
+  ASSERT_EQ(kept_resumed.trained.size(), exact.params.size());
+  for (std::size_t p = 0; p < exact.params.size(); ++p) {
+    const std::string& name = exact.params[p].name;
+    if (exact.params[p].module == "base") {
+      EXPECT_TRUE(same_bits(resumed.trained[p], exact.initial[p])) << name;
+    } else {
+      EXPECT_FALSE(same_bits(resumed.trained[p], half_only.trained[p])) << name << " did not train";
+      EXPECT_TRUE(same_bits(resumed.trained[p], kept_resumed.trained[p])) << name;
+    }
+  }
 }
 
 }  // namespace
