@@ -12,11 +12,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -230,6 +232,86 @@ TEST_F(DeviceFrozenHalfOnly, AnInexactElementKeepsTheOtherElementsBits) {
   }
   expect_same("two steps");
   expect_frozen_master(*packed_, master);
+}
+
+float from_bits(std::uint32_t bits) { return std::bit_cast<float>(bits); }
+
+// Special values in a master bf16 holds exactly but for one NaN: -0, both infinities and a quiet
+// NaN whose payload lies in the bits bf16 keeps (0x7fc10000) in the half-only run [1024, 2048);
+// a NaN whose payload bf16 drops (0x7fc00001: narrowed, it widens to 0x7fc00000) in the frozen
+// run [4000, 6003), which then keeps its master. Every element reads back its bits, after steps
+// too.
+TEST_F(DeviceFrozenHalfOnly, SpecialValuesAndANaNPayloadBf16Drops) {
+  std::vector<float> master = master_;
+  master[1030] = -0.0f;
+  master[1031] = std::numeric_limits<float>::infinity();
+  master[1032] = -std::numeric_limits<float>::infinity();
+  master[1033] = from_bits(0x7fc10000u);
+  master[4100] = from_bits(0x7fc00001u);
+  packed_ = make(master);
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements - 2003);
+  expect_frozen_master(*packed_, master);
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    set_grads(1700 + static_cast<std::uint64_t>(step));
+    ASSERT_TRUE(packed_->step(step, 0.5f, device_optimizer_test::group_params()).is_ok());
+  }
+  expect_frozen_master(*packed_, master);
+}
+
+// The f16 groups' frozen runs over a master f16 holds exactly (seeded values rounded to f16,
+// with -0, both infinities, f16's largest finite value and subnormals among them): half-only as
+// bf16's are, their half copy the f16 bits, and the same bits as the full optimizer through
+// steps. 65520 (the smallest float that f16 rounds to infinity) written into one element gives
+// every run its master, and every element reads back what was written.
+class DeviceFrozenHalfOnlyF16 : public DeviceOptimizerFrozen {
+ protected:
+  void SetUp() override {
+    for (DeviceOptimizer::Group& g : partition_.groups) {
+      if (g.dtype == DType::kBF16) g.dtype = DType::kF16;
+    }
+    master_ = seeded(kPartition, 8321, -1.0f, 1.0f);
+    std::vector<std::uint16_t> half(master_.size());
+    convert_f32_to_f16(master_.data(), half.data(), master_.size());
+    convert_f16_to_f32(half.data(), master_.data(), master_.size());
+    master_[1030] = -0.0f;
+    master_[1031] = std::numeric_limits<float>::infinity();
+    master_[1032] = -std::numeric_limits<float>::infinity();
+    master_[1033] = 65504.0f;                   // f16's largest finite value
+    master_[1034] = std::ldexp(1.0f, -24);      // f16's smallest subnormal
+    master_[1035] = -std::ldexp(1023.0f, -24);  // its largest
+    master_[1036] = std::ldexp(3.0f, -20);      // a subnormal between
+    DeviceOptimizerFrozen::SetUp();
+  }
+};
+
+TEST_F(DeviceFrozenHalfOnlyF16, HalfOnlyRunsHoldTheF16BitsAndAnOverflowGivesMastersBack) {
+  EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements);
+  const std::vector<float> back = read(*packed_, 0);
+  EXPECT_EQ(std::memcmp(back.data(), master_.data(), back.size() * 4), 0);
+  const std::vector<std::uint16_t> copy = half(*packed_, 0);
+  for (std::size_t e = 1024; e < 2048; ++e) {
+    ASSERT_EQ(copy[e], f32_to_f16(master_[e])) << "element " << e;
+  }
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    set_grads(1800 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("two steps");
+  std::vector<float> master = read(*full_, 0);
+  master[1040] = 65520.0f;
+  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+    ASSERT_TRUE(o->write_state(0, 1040, 1, master.data() + 1040).is_ok());
+  }
+  EXPECT_EQ(packed_->half_only_elements(), 0u);
+  const std::vector<float> again = read(*packed_, 0);
+  for (std::size_t e = 0; e < kPartition; ++e) {
+    ASSERT_EQ(std::memcmp(&again[e], &master[e], 4), 0) << "element " << e;
+  }
+  for (std::int64_t step = 3; step <= 4; ++step) {
+    set_grads(1800 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("65520 written, two steps");
 }
 
 // The device memory a load of values bf16 does not hold needs, written in pieces of 1000
