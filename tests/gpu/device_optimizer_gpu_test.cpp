@@ -3,15 +3,21 @@
 // frozen runs only, the groups after it packed past an alignment gap, steps the same bits through
 // CUDA's kernels as one that keeps gradients for the whole partition, and its norm over the
 // packed accumulator, whose fp32 block sums fall on other elements than over the whole partition,
-// is the full one's to float rounding (printed, with the difference). Without a CUDA device the
-// test skips with the reason.
+// is the full one's to float rounding (printed, with the difference). Over a master bf16 holds
+// exactly, the bf16 groups' frozen runs keep no fp32 master ("half-only"); one element bf16 does
+// not hold, written alone, gives them their masters back, widened from their half copies by
+// CUDA's widen kernel into the new packed master: every other element reads back its bits, and
+// steps give the full optimizer's. Without a CUDA device the tests skip with the reason.
 #include <gtest/gtest.h>
 
 #if defined(ZINF_HAVE_CUDA)
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <vector>
 
 #include "engine/device_optimizer_test_util.hpp"
 #include "zinf/device.hpp"
@@ -20,6 +26,8 @@ namespace zinf {
 namespace {
 
 using device_optimizer_test::DeviceOptimizerFrozen;
+using device_optimizer_test::kPartition;
+using device_optimizer_test::seeded;
 
 class DeviceOptimizerFrozenCuda : public DeviceOptimizerFrozen {
  protected:
@@ -46,12 +54,54 @@ TEST_F(DeviceOptimizerFrozenCuda, PackedGradientsStepTheSameBits) {
   expect_same("three steps on the GPU");
 }
 
+// The fixture over seeded values rounded to bf16.
+class DeviceOptimizerHalfOnlyCuda : public DeviceOptimizerFrozenCuda {
+ protected:
+  void SetUp() override {
+    master_ = seeded(kPartition, 960, -1.0f, 1.0f);
+    std::vector<std::uint16_t> half(master_.size());
+    convert_f32_to_bf16(master_.data(), half.data(), master_.size());
+    convert_bf16_to_f32(half.data(), master_.data(), master_.size());
+    DeviceOptimizerFrozenCuda::SetUp();
+  }
+};
+
+TEST_F(DeviceOptimizerHalfOnlyCuda, WidenedMastersKeepTheirBits) {
+  // The frozen runs of the bf16 groups: [1024, 2048), [4000, 6003), [9003, 11'003), [13'006,
+  // 14'011).
+  EXPECT_EQ(packed_->half_only_elements(), std::size_t{1024 + 2003 + 2000 + 1005});
+  for (std::int64_t step = 1; step <= 2; ++step) {
+    set_grads(970 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  std::vector<float> master = read(*full_, 0);
+  EXPECT_EQ(std::memcmp(read(*packed_, 0).data(), master.data(), master.size() * 4), 0);
+  master[10'500] = std::nextafter(master[10'500], 2.0f);  // one bit below bf16's
+  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
+    ASSERT_TRUE(o->write_state(0, 10'500, 1, master.data() + 10'500).is_ok());
+  }
+  EXPECT_EQ(packed_->half_only_elements(), 0u);
+  const std::vector<float> back = read(*packed_, 0);
+  for (std::size_t e = 0; e < kPartition; ++e) {
+    ASSERT_EQ(std::memcmp(&back[e], &master[e], 4), 0) << "element " << e;
+  }
+  for (std::int64_t step = 3; step <= 4; ++step) {
+    set_grads(970 + static_cast<std::uint64_t>(step));
+    step_both(step);
+  }
+  expect_same("masters widened on the GPU, two steps");
+}
+
 }  // namespace
 }  // namespace zinf
 
 #else  // !ZINF_HAVE_CUDA
 
 TEST(DeviceOptimizerFrozenCuda, NeedsCuda) {
+  GTEST_SKIP() << "no CUDA device: zinf was built without CUDA";
+}
+
+TEST(DeviceOptimizerHalfOnlyCuda, NeedsCuda) {
   GTEST_SKIP() << "no CUDA device: zinf was built without CUDA";
 }
 
