@@ -222,13 +222,14 @@ Status DeviceOptimizer::upload_half(const Run& r, std::size_t first, std::size_t
   ZINF_ASSERT(r.master == kNoMaster && !half_chunk_.empty());
   std::byte* half = half_.as<std::byte>() + g.byte_offset + (first - g.offset) * 2;
   for (std::size_t done = 0; done < count; done += half_chunk_.size()) {
-    const std::size_t n = std::min(half_chunk_.size(), count - done);
+    const std::size_t chunk_elements = std::min(half_chunk_.size(), count - done);
     if (g.dtype == DType::kBF16) {
-      convert_f32_to_bf16(in + done, half_chunk_.data(), n);
+      convert_f32_to_bf16(in + done, half_chunk_.data(), chunk_elements);
     } else {
-      convert_f32_to_f16(in + done, half_chunk_.data(), n);
+      convert_f32_to_f16(in + done, half_chunk_.data(), chunk_elements);
     }
-    ZINF_RETURN_IF_ERROR(device_.copy_h2d(half + done * 2, half_chunk_.data(), n * 2, *stream_));
+    ZINF_RETURN_IF_ERROR(
+        device_.copy_h2d(half + done * 2, half_chunk_.data(), chunk_elements * 2, *stream_));
     // The block is reused by the next chunk.
     ZINF_RETURN_IF_ERROR(device_.synchronize(*stream_, timeout_));
   }
@@ -279,9 +280,9 @@ Status DeviceOptimizer::restore_masters(std::string_view why) {
 }
 
 std::size_t DeviceOptimizer::half_only_elements() const {
-  std::size_t n = 0;
-  for (const Run& r : runs_) n += r.master == kNoMaster ? r.count : 0;
-  return n;
+  std::size_t elements = 0;
+  for (const Run& r : runs_) elements += r.master == kNoMaster ? r.count : 0;
+  return elements;
 }
 
 Status DeviceOptimizer::drain_then(Status error) {
@@ -406,7 +407,7 @@ Status DeviceOptimizer::round_frozen(std::size_t first, std::size_t count) {
   });
 }
 
-Status DeviceOptimizer::unpack() {
+Status DeviceOptimizer::unpack(std::string_view why) {
   const std::size_t bytes = std::max<std::size_t>(partition_elements_, 1) * sizeof(float);
   // The moments, and zeros for the frozen runs that have no gradients (the largest run's or a
   // chunk's, and room to keep each congruent to its master modulo 16 elements).
@@ -417,23 +418,19 @@ Status DeviceOptimizer::unpack() {
     Result<DeviceBuffer> r = DeviceBuffer::allocate(device_, k < 2 ? bytes : zero_bytes);
     if (!r.is_ok() && k < 2) {
       return r.status().with_context(
-          "non-zero optimizer moments written into a frozen parameter (saved trainable) need "
-          "moments for every element of the partition on the device");
+          fmt::format("{} need moments for every element of the partition on the device", why));
     }
     if (!r.is_ok()) {
       return r.status().with_context(fmt::format(
-          "non-zero optimizer moments written into a frozen parameter (saved trainable) step it, "
-          "and a frozen group without gradient slots steps on a device buffer of zeros: {} bytes "
-          "({} elements, and 16 to align them)",
-          zero_bytes, zero_elements_));
+          "{} step the frozen run, and a frozen group without gradient slots steps on a device "
+          "buffer of zeros: {} bytes ({} elements, and 16 to align them)",
+          why, zero_bytes, zero_elements_));
     }
     full[k] = std::move(r).value();
   }
   // Every run is stepped from now on, from its master: given back once the moments are allocated,
   // so that a device without room for them fails with nothing changed.
-  ZINF_RETURN_IF_ERROR(
-      restore_masters("non-zero optimizer moments written into a frozen parameter (saved "
-                      "trainable) step every run"));
+  ZINF_RETURN_IF_ERROR(restore_masters(fmt::format("{} step every run", why)));
   // The moments and zeros, filled on the stream; a failure waits for the work queued into them
   // before they are freed.
   Status s = Status::ok();
@@ -478,13 +475,14 @@ Status DeviceOptimizer::read_state(int which, std::size_t first, std::size_t cou
     return for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
       if (r.master != kNoMaster) return Status::ok();
       // In place, front to back: float i (bytes [4i, 4i + 4)) overwrites only halves j with
-      // 2n + 2j < 4i + 4, that is j < 2i + 2 - n <= i + 1 (i < n), each read before.
+      // 2e + 2j < 4i + 4 (e the stretch's elements), that is j < 2i + 2 - e <= i + 1 (i < e),
+      // each read before.
       auto* bytes = reinterpret_cast<std::byte*>(out + (lo - first));
-      const std::size_t n = hi - lo;
+      const std::size_t stretch_elements = hi - lo;
       const bool bf16 = groups_[r.group].dtype == DType::kBF16;
-      for (std::size_t i = 0; i < n; ++i) {
+      for (std::size_t i = 0; i < stretch_elements; ++i) {
         std::uint16_t h;
-        std::memcpy(&h, bytes + 2 * n + 2 * i, sizeof(h));
+        std::memcpy(&h, bytes + 2 * stretch_elements + 2 * i, sizeof(h));
         const float x = bf16 ? bf16_to_f32(h) : f16_to_f32(h);
         std::memcpy(bytes + 4 * i, &x, sizeof(x));
       }
@@ -544,15 +542,20 @@ Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t co
   if (packed_) {
     // Zeros for a frozen run are what it holds; anything else (moments saved trainable) is kept,
     // in moments for the whole partition.
-    bool keep = false;
+    std::string kept;
     ZINF_RETURN_IF_ERROR(
         for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
-          if (r.frozen && !all_zero_bytes(in + (lo - first), (hi - lo) * sizeof(float))) {
-            keep = true;
+          if (r.frozen && kept.empty() &&
+              !all_zero_bytes(in + (lo - first), (hi - lo) * sizeof(float))) {
+            kept = fmt::format(
+                "non-zero {} written into partition elements [{}, {}) (dtype group {}, parameter "
+                "group {}, frozen run [{}, {}); saved trainable)",
+                which == 1 ? "exp_avg" : "exp_avg_sq", lo, hi, r.group, r.param_group, r.offset,
+                r.offset + r.count);
           }
           return Status::ok();
         }));
-    if (keep) ZINF_RETURN_IF_ERROR(unpack());
+    if (!kept.empty()) ZINF_RETURN_IF_ERROR(unpack(kept));
   }
   DeviceBuffer& buffer = state(which, first, count);
   if (!packed_) {

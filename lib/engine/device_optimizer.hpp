@@ -173,8 +173,8 @@ class DeviceOptimizer {
   // Moments for the whole partition: the packed ones moved to their partition offsets, the
   // frozen runs' zero; from now on every run is stepped. Every half-only run gets its master once
   // the moments and zeros are allocated (kResourceExhausted, nothing changed, when the device has
-  // no room for them or for the masters).
-  Status unpack();
+  // no room for them or for the masters; the error names `why`, the write that called for it).
+  Status unpack(std::string_view why);
   struct Run;
   // Sets each run's master offset (Run::master) for the runs that have one (master not
   // kNoMaster): one after another in partition order, a run after a half-only one (or the first)
