@@ -24,7 +24,8 @@
 // elements so that every launch keeps the vectorised path), and step() launches neither scale
 // nor adam_step over them. Their bf16/f16 copy (what values() returns) is what the step would
 // write for every finite master element, the master rounded: DeviceOps::narrow, which rounds as
-// adam_step rounds its output, writes it at create() and after each write_state() of the master.
+// adam_step rounds its output, writes it at create() and after each write_state() of the master
+// (for a run that keeps its master; a half-only run's, below, is narrowed on the host).
 // read_state() gives their moments as zeros and write_state() accepts all-zero ones and stores
 // nothing; non-zero moments written there (a checkpoint saved with the parameter trainable) are
 // kept: the moments are then allocated for the whole partition ("unpacked", for the rest of the
