@@ -7,6 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
+#if defined(__GLIBC__)
+#include <malloc.h>
+#endif
 
 #include "base/assert.hpp"
 #include "zero/grad_reducer.hpp"
@@ -353,6 +356,14 @@ void ParameterLayout::drop_initial_values() {
     r.spec.initializer = nullptr;
   }
   std::vector<MasterPiece>().swap(master_pieces_);
+#if defined(__GLIBC__)
+  // The copies are 4 bytes a registered element. glibc maps a large block of its own, and gives
+  // its pages back on free, only below its mmap threshold, which rises (up to 32 MiB) each time
+  // the process frees a larger mapped block; above it the copies came from its heap, whose freed
+  // pages stay resident until trimmed. So the pages are handed back here, whatever the process
+  // allocated before.
+  ::malloc_trim(0);
+#endif
 }
 
 Result<std::size_t> ParameterLayout::find_module(std::string_view call,

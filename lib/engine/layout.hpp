@@ -48,7 +48,8 @@ class ParameterLayout {
   // registered values or initializers; padding is zero. An initializer's error names the
   // parameter and its elements. REQUIRES: lay_out() done, drop_initial_values() not yet.
   Status fill_master(std::size_t first, std::size_t count, float* out) const;
-  // The initial values are placed (or will never be): the copies and initializers go.
+  // The initial values are placed (or will never be): the copies and initializers go, and their
+  // pages go back to the system (glibc: malloc_trim).
   void drop_initial_values();
 
   // --- Lookups -------------------------------------------------------------------------------

@@ -972,11 +972,6 @@ TEST(Frozen, LoraFrozenMasterHeldByItsHalfCopyTakesNoHostMemory) {
   if (test::kThreadSanitizer || test::kAddressSanitizer) {
     GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
   }
-  // A first run in the process grows the resident set about 256 MiB less than later ones:
-  // glibc's dynamic mmap threshold (M_MMAP_THRESHOLD) rises once it frees a large mapped block,
-  // and later large blocks stay in its heap (with MALLOC_MMAP_THRESHOLD_ fixed, every run
-  // measures as the first). Both measured runs come after one.
-  (void)lora_footprint(OffloadDevice::kHost, "");
   const LoraFootprint with_master = lora_footprint(OffloadDevice::kHost, "");
   const LoraFootprint half_only = lora_footprint(OffloadDevice::kHost, "", true);
   std::printf(

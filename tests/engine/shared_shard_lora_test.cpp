@@ -3,13 +3,6 @@
 // (tests/engine/frozen_shared_shard_test.cpp checks the lending itself on a small model). The
 // figures in docs/BENCHMARKS.md ("A frozen shard its half copy holds") come from this test:
 //   build/tests/zinf_engine_test --gtest_filter='SharedShardLora.*'
-// It lives in a file of its own, which the engine test binary links (and runs) after
-// frozen_test.cpp: its engines free blocks large enough to raise glibc's dynamic mmap threshold,
-// and Frozen.LoraFrozenMomentsTakeNoHostMemory measures the resident growth of a process where
-// no run did so before it (the note in frozen_test.cpp's
-// Frozen.LoraFrozenMasterHeldByItsHalfCopyTakesNoHostMemory): after one, the engine's copies of
-// the registered values (4 bytes an element, 260 MiB here), which finalize() frees, come from
-// glibc's heap and stay resident.
 #include <gtest/gtest.h>
 
 #include <chrono>
