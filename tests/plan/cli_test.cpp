@@ -770,9 +770,8 @@ TEST_F(PlanCli, FrozenExactPutsTheStateOfA7bLoraOnTheGpu) {
   EXPECT_EQ(plan.at("bytes_per_tier").at("host"), 134'217'728);
 }
 
-// --frozen-exact without anything frozen, with --step-only (which steps every parameter), or with
-// train_lm's fp32 model (no half copy): exit 1, naming the option. Without it nothing of the output
-// says so (the JSON's key is false).
+// --frozen-exact without anything frozen, or with --step-only (which steps every parameter): exit
+// 1, naming the option. Without it nothing of the output says so (the JSON's key is false).
 TEST_F(PlanCli, FrozenExactNeedsFrozenParameters) {
   const std::string base =
       "plan --model llama-2-7b --gpu-mem 80GB --host-mem 256GB" + std::string(kRates);
@@ -783,14 +782,6 @@ TEST_F(PlanCli, FrozenExactNeedsFrozenParameters) {
   r = run_zinf("plan --step-only --params 1G --tier host --mem-adam-gbps 50 --frozen-exact");
   EXPECT_EQ(r.exit_code, 1) << r.out;
   EXPECT_NE(r.err.find("do not apply to --step-only"), std::string::npos) << r.err;
-  r = run_zinf(
-      "plan --arch train_lm --layers 4 --hidden 48 --context 16 --embed 16 --gpu-mem 80GB "
-      "--host-mem 256GB --trainable 1% --frozen-exact" +
-      std::string(kRates));
-  EXPECT_EQ(r.exit_code, 1) << r.out;
-  EXPECT_NE(r.err.find("--frozen-exact: --arch train_lm's model is fp32 throughout"),
-            std::string::npos)
-      << r.err;
   r = run_zinf(base + " --trainable 1% --json");
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out).at("model").at("frozen_exact_in_half"), false);

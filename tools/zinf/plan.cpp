@@ -576,12 +576,6 @@ void run_plan(const PlanOptions& o) {
         "are exact in the half dtype; without them nothing is frozen)");
     return;
   }
-  if (o.frozen_exact && model.kind == ModelKind::kTrainLm) {
-    fail(
-        "--frozen-exact: --arch train_lm's model is fp32 throughout (no half copy holds its "
-        "values), so the engine keeps every frozen master");
-    return;
-  }
   model.frozen_exact_in_half = o.frozen_exact;
   if (o.lora_rank_given) {
     const Status lora = apply_lora(&model, o.lora_rank, o.lora_targets);
