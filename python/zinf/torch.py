@@ -315,38 +315,41 @@ class _GatherForBackward(torch.autograd.Function):
 def _map_tensors(value, fn):
     """Applies fn to the list of tensors found in value (a tensor, or tuples, lists and dicts of
     them), and returns value with each replaced by fn's result, in the same order."""
+    # Module-level helpers, not nested recursive functions: a nested function that calls itself
+    # is a reference cycle (the function, its closure cell), which would hold the tensors found
+    # (and their autograd graphs, with the gathers those wait for) until the garbage collector
+    # runs, instead of freeing them with the last reference.
     found = []
-
-    def collect(v):
-        if isinstance(v, torch.Tensor):
-            found.append(v)
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                collect(x)
-        elif isinstance(v, dict):
-            for x in v.values():
-                collect(x)
-
-    collect(value)
+    _collect_tensors(value, found)
     if not found:
         return value
-    replaced = iter(fn(found))
+    return _rebuild_tensors(value, iter(fn(found)))
 
-    def rebuild(v):
-        if isinstance(v, torch.Tensor):
-            return next(replaced)
-        if isinstance(v, tuple):
-            items = [rebuild(x) for x in v]
-            return type(v)(*items) if hasattr(v, "_fields") else type(v)(items)
-        if isinstance(v, list):
-            return [rebuild(x) for x in v]
-        if isinstance(v, dict):
-            for k in list(v.keys()):
-                v[k] = rebuild(v[k])
-            return v
-        return v
 
-    return rebuild(value)
+def _collect_tensors(value, found: list):
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _collect_tensors(item, found)
+    elif isinstance(value, dict):
+        for item in value.values():
+            _collect_tensors(item, found)
+
+
+def _rebuild_tensors(value, replaced):
+    if isinstance(value, torch.Tensor):
+        return next(replaced)
+    if isinstance(value, tuple):
+        items = [_rebuild_tensors(item, replaced) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [_rebuild_tensors(item, replaced) for item in value]
+    if isinstance(value, dict):
+        for key in list(value.keys()):
+            value[key] = _rebuild_tensors(value[key], replaced)
+        return value
+    return value
 
 
 _MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
