@@ -357,11 +357,11 @@ void ParameterLayout::drop_initial_values() {
   }
   std::vector<MasterPiece>().swap(master_pieces_);
 #if defined(__GLIBC__)
-  // The copies are 4 bytes a registered element. glibc maps a large block of its own, and gives
-  // its pages back on free, only below its mmap threshold, which rises (up to 32 MiB) each time
-  // the process frees a larger mapped block; above it the copies came from its heap, whose freed
-  // pages stay resident until trimmed. So the pages are handed back here, whatever the process
-  // allocated before.
+  // The copies are 4 bytes a registered element. glibc maps a block of at least its mmap
+  // threshold on its own and unmaps it on free; a smaller one comes from its heap, whose freed
+  // pages stay resident until trimmed. The threshold rises (up to 32 MiB) each time the process
+  // frees a larger mapped block, so which copies came from the heap depends on what the process
+  // did before: the pages are handed back here either way.
   ::malloc_trim(0);
 #endif
 }
