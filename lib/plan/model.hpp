@@ -33,7 +33,9 @@ enum class ModelKind : std::uint8_t {
   // examples/train_lm's byte model: an embedding of the `context_bytes` bytes before each target
   // (embed_dim floats each, concatenated), an input projection to `hidden`, `layers` residual
   // blocks h + W2·relu(W1·rmsnorm(h) + b1) + b2 of width `intermediate` (4h), an output
-  // projection to the 256 byte values; fp32 throughout, biases on every projection.
+  // projection to the 256 byte values, biases on every projection. It computes in fp32 (fp32
+  // activations); the engine's device copy of its parameters is bf16 by default (train_lm's
+  // --param-dtype bf16, which the estimate's half params count), cast to fp32 once gathered.
   kTrainLm = 1,
 };
 
