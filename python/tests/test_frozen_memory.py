@@ -8,10 +8,10 @@ values widened to fp32 (a bf16 tensor's exactly), so the engine's fp32 master of
 its bf16 copy bit for bit and is not kept (docs/ENGINE.md "Frozen parameters"): 4 bytes a frozen
 element fewer than with the fp32 base, whose master is kept, with the shards on the device and
 in host memory (offload_param cpu). In host memory the base's shards are lent from the optimizer
-state's bf16 copy, whatever its values: they take no host bytes. At stage 2 the engine does not
-hold the base at all (it stays a module tensor in bf16): the adapters' state alone. Where a base
-weight shares a sub-group with adapters (sizes off the 1024-element grid), the frozen elements
-there keep their master, and the base's group its own shard. In every case
+state's bf16 copy, whatever its values: they take no host bytes. At stages 1 and 2 the engine
+does not hold the base at all (it stays a module tensor in bf16): the adapters' state alone.
+Where a base weight shares a sub-group with adapters (sizes off the 1024-element grid), the
+frozen elements there keep their master, and the base's group its own shard. In every case
 the adapters train to the same bits with either base, since both compute in bf16 with the same
 values."""
 import functools
@@ -162,13 +162,14 @@ def test_stage_3_frozen_shards_in_host_memory_take_no_host_bytes(exact_base):
     assert in_host - on_device == 2 * TRAINABLE_ELEMENTS
 
 
-def test_stage_2_the_frozen_base_costs_the_engine_nothing():
-    exact_bytes, exact, exact_drawn = run(True, 2, "none")
-    drawn_bytes, drawn, fp32_drawn = run(False, 2, "none")
+@pytest.mark.parametrize("stage", [1, 2])
+def test_stages_1_and_2_the_frozen_base_costs_the_engine_nothing(stage):
+    exact_bytes, exact, exact_drawn = run(True, stage, "none")
+    drawn_bytes, drawn, fp32_drawn = run(False, stage, "none")
     check_same_draw(exact_drawn, fp32_drawn)
-    # Stage 2 does not register a frozen parameter with the engine: what it keeps in host memory
-    # is the adapters' fp32 master, two moments and gradient accumulator (16 bytes an element)
-    # and their bf16 copy (2), whichever the base.
+    # Stages 1 and 2 do not register a frozen parameter with the engine: what they keep in host
+    # memory is the adapters' fp32 master, two moments and gradient accumulator (16 bytes an
+    # element) and their bf16 copy (2), whichever the base.
     assert exact_bytes == drawn_bytes == 18 * TRAINABLE_ELEMENTS
     for name in fp32_drawn:
         # The module's bf16 tensor, the fp32 base rounded once at initialize().
