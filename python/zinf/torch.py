@@ -2043,8 +2043,12 @@ class ZinfEngine(nn.Module):
         keep = self.global_rank == 0
         state = collections.OrderedDict() if keep else None
         first_name: dict[int, str] = {}
-
-        def add_module(module: nn.Module, prefix: str):
+        # A depth-first walk over a stack, in state_dict()'s order, not a nested function calling
+        # itself: that would be a reference cycle holding the returned dict until the garbage
+        # collector runs, past the caller's last reference.
+        pending = [(self.module, "")]
+        while pending:
+            module, prefix = pending.pop()
             direct = [(n, p) for n, p in module.named_parameters(recurse=False)
                       if not (exclude_frozen_parameters and not p.requires_grad)]
             with GatheredParameters([p for _, p in direct]):
@@ -2055,10 +2059,8 @@ class ZinfEngine(nn.Module):
             for name, buffer in module.named_buffers(recurse=False) if keep else ():
                 if name not in module._non_persistent_buffers_set:
                     state[prefix + name] = buffer.detach().clone()
-            for name, child in module.named_children():
-                add_module(child, prefix + name + ".")
-
-        add_module(self.module, "")
+            pending.extend(reversed([(child, prefix + name + ".")
+                                     for name, child in module.named_children()]))
         return state
 
     def load_checkpoint(self, load_dir: str, tag: Any = None, load_module_strict: bool = True,
