@@ -236,13 +236,14 @@ Status DeviceOptimizer::upload_half(const Run& r, std::size_t first, std::size_t
   return Status::ok();
 }
 
-Status DeviceOptimizer::restore_masters(std::string_view why) {
-  // Every half-only run at once: one new buffer beside the old one (the old packed master and the
-  // whole new one at the peak), however many writes or runs call for it.
+Status DeviceOptimizer::restore_masters(std::string_view why, std::size_t begin, std::size_t end) {
+  // Every half-only run that meets [begin, end) at once: one new buffer beside the old one (the
+  // old packed master and the whole new one at the peak), however many of the caller's writes or
+  // runs call for it. The others stay half-only.
   std::vector<Run> runs = runs_;
   std::size_t restored = 0;
   for (Run& r : runs) {
-    if (r.master == kNoMaster) {
+    if (r.master == kNoMaster && r.offset < end && begin < r.offset + r.count) {
       r.master = 0;
       restored += r.count;
     }
@@ -262,6 +263,7 @@ Status DeviceOptimizer::restore_masters(std::string_view why) {
   for (std::size_t k = 0; k < runs.size() && s.is_ok(); ++k) {
     const Run& was = runs_[k];
     const Run& now = runs[k];
+    if (now.master == kNoMaster) continue;  // half-only still
     float* dst = master.as<float>() + now.master;
     if (was.master != kNoMaster) {
       s = device_.copy_d2d(dst, master_at(was, was.offset), was.count * 4, *stream_);
@@ -430,7 +432,8 @@ Status DeviceOptimizer::unpack(std::string_view why) {
   }
   // Every run is stepped from now on, from its master: given back once the moments are allocated,
   // so that a device without room for them fails with nothing changed.
-  ZINF_RETURN_IF_ERROR(restore_masters(fmt::format("{} step every run", why)));
+  ZINF_RETURN_IF_ERROR(
+      restore_masters(fmt::format("{} step every run", why), 0, partition_elements_));
   // The moments and zeros, filled on the stream; a failure waits for the work queued into them
   // before they are freed.
   Status s = Status::ok();
@@ -508,12 +511,14 @@ Status DeviceOptimizer::read_state(int which, std::size_t first, std::size_t cou
 }
 
 Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t count,
-                                    const float* in) {
+                                    const float* in, std::size_t restore_begin,
+                                    std::size_t restore_end) {
   (void)state(which, first, count);
   if (which == 0) {
     // A half-only run stays so while its half dtype holds the new values exactly; the first value
-    // one does not hold gives every half-only run its master back (one reallocation, however
-    // many chunks a load writes).
+    // one does not hold gives every half-only run that meets [restore_begin, restore_end) its
+    // master back (one reallocation, however many chunks of that range the caller writes).
+    ZINF_ASSERT(restore_begin <= first && first + count <= restore_end);
     std::string inexact;
     ZINF_RETURN_IF_ERROR(
         for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
@@ -529,7 +534,9 @@ Status DeviceOptimizer::write_state(int which, std::size_t first, std::size_t co
           }
           return Status::ok();
         }));
-    if (!inexact.empty()) ZINF_RETURN_IF_ERROR(restore_masters(inexact));
+    if (!inexact.empty()) {
+      ZINF_RETURN_IF_ERROR(restore_masters(inexact, restore_begin, restore_end));
+    }
     ZINF_RETURN_IF_ERROR(
         for_each_run(first, count, [&](const Run& r, std::size_t lo, std::size_t hi) -> Status {
           if (r.master == kNoMaster) return upload_half(r, lo, hi - lo, in + (lo - first));

@@ -45,12 +45,14 @@
 // there, exactly: no device scratch); a write of the master keeps such a run half-only while the
 // half dtype holds the new values exactly (they are narrowed on the host, in chunks of at most
 // kHalfChunkElements, and uploaded into the half copy); the first value one does not hold gives
-// every half-only run its master back (the master reallocated once in the new layout, each such
-// run's widened from its half copy on the device: DeviceOps::widen; a load that writes in chunks
-// then needs the old packed master and the whole new one at its peak, never more), and so do
-// non-zero moments written into a frozen run (unpack(): every run is stepped from then on). No step
-// reads a half-only run: it is frozen and, while packed, not stepped. create() finds them with one
-// pass over the frozen runs' host master.
+// the half-only runs of the span the caller writes their master back (the master reallocated
+// once in the new layout, each such run's widened from its half copy on the device:
+// DeviceOps::widen): a checkpoint load, every half-only run (writing in chunks, it then needs the
+// old packed master and the whole new one at its peak, never more), a write of some parameters
+// only the runs of their span, the others staying half-only. Non-zero moments written into a
+// frozen run give every half-only run its master (unpack(): every run is stepped from then on). No
+// step reads a half-only run: it is frozen and, while packed, not stepped. create() finds them with
+// one pass over the frozen runs' host master.
 //
 // The gradient accumulator keeps the whole partition (group g's slice at its partition offset),
 // or, asked to pack the gradients at create(), only the dtype groups that hold a run that is not
@@ -142,10 +144,14 @@ class DeviceOptimizer {
   // Frozen runs' moments read as zeros; a write of non-zero moments into one allocates the
   // moments of the whole partition first (kResourceExhausted, nothing written, when the device
   // has no room for them). A master write that a half-only run's dtype does not hold exactly gives
-  // every half-only run its master first (kResourceExhausted naming the element, nothing written,
-  // when the device has no room).
+  // the half-only runs that meet partition elements [restore_begin, restore_end) their master
+  // first (kResourceExhausted naming the element, nothing written, when the device has no room):
+  // a checkpoint load, which writes the whole partition in chunks, leaves the whole partition
+  // (one reallocation); a write of some parameters passes the span it writes, so that the other
+  // half-only runs keep no master. REQUIRES: [first, first + count) inside that span.
   Status read_state(int which, std::size_t first, std::size_t count, float* out);
-  Status write_state(int which, std::size_t first, std::size_t count, const float* in);
+  Status write_state(int which, std::size_t first, std::size_t count, const float* in,
+                     std::size_t restore_begin = 0, std::size_t restore_end = SIZE_MAX);
   // The device memory the optimizer holds: master (of the runs that keep one), moments,
   // gradients, half copy (and, once unpacked, the zero gradients of the frozen runs without
   // room).
@@ -182,11 +188,12 @@ class DeviceOptimizer {
   // at the first offset congruent to its partition offset modulo 16 elements. Returns the
   // elements the master buffer needs (the partition, when every run has a master).
   static std::size_t layout_masters(std::vector<Run>& runs);
-  // Gives every half-only run its master: a new master buffer in the new layout (one
-  // reallocation: the old buffer and the new one at the peak), the kept runs' masters moved into
-  // it, the others widened from their half copies (kResourceExhausted naming `why`, nothing
-  // changed, when the device has no room).
-  Status restore_masters(std::string_view why);
+  // Gives every half-only run that meets partition elements [begin, end) its master: a new
+  // master buffer in the new layout (one reallocation: the old buffer and the new one at the
+  // peak), the kept runs' masters moved into it, those runs' widened from their half copies
+  // (kResourceExhausted naming `why`, nothing changed, when the device has no room). The half-only
+  // runs outside [begin, end) stay so.
+  Status restore_masters(std::string_view why, std::size_t begin, std::size_t end);
   // The first of values[0, count) that `dtype` does not hold exactly (whose widen(narrow(x)) is
   // not x, bit for bit), or count when it holds them all.
   static std::size_t first_inexact(DType dtype, const float* values, std::size_t count);

@@ -128,8 +128,10 @@ class DeviceState final : public InMemoryState {
       const std::size_t count = std::min(chunk.size(), end - first);
       ZINF_RETURN_IF_ERROR(opt_->read_master(first, count, chunk.data()));
       ZINF_RETURN_IF_ERROR(fill(first, count, chunk.data()));
+      // An inexact value gives a master back to the half-only runs of [begin, end) only: a write
+      // of one frozen tensor leaves the rest of the frozen base half-only.
       ZINF_RETURN_IF_ERROR(
-          opt_->write_state(piece_index(Piece::kParams), first, count, chunk.data()));
+          opt_->write_state(piece_index(Piece::kParams), first, count, chunk.data(), begin, end));
     }
     return Status::ok();
   }
@@ -167,6 +169,8 @@ class DeviceState final : public InMemoryState {
     }
     return Status::ok();
   }
+  // A checkpoint load of the whole partition: an inexact master value gives every half-only run
+  // its master at once (one reallocation, however many chunks).
   Status write_state(Piece piece, StateFill fill) override {
     if (piece == Piece::kParams) ranged_ = false;
     std::vector<float> chunk(chunk_elements());

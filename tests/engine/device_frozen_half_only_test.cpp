@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -462,13 +463,16 @@ struct EngineRun {
   std::vector<std::vector<float>> finalized, trained;  // every master, then after the steps
 };
 
-// Finalize (then load tag `load` of `ckpt` when given), `steps` steps from step `first`, save
-// tag `save` when given.
+// Finalize (then load tag `load` of `ckpt` when given, then `before_steps` when given), `steps`
+// steps from step `first`, save tag `save` when given; `group_max_elements`, when not 0, caps
+// the partitioner's groups (zinf.group_max_elements).
 EngineRun run_engine(const engine_test::Model& model, const std::string& ckpt,
-                     const std::string& load, int first, int steps, const std::string& save) {
+                     const std::string& load, int first, int steps, const std::string& save,
+                     const std::function<Status(Engine&)>& before_steps = nullptr,
+                     std::size_t group_max_elements = 0) {
   EngineRun out;
-  const Config config =
-      engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  Config config = engine_test::small_config(2, OffloadDevice::kNone, OffloadDevice::kNone, "");
+  if (group_max_elements != 0) config.zero.group_max_elements = group_max_elements;
   engine_test::Ranks ranks =
       engine_test::make_ranks(1, std::chrono::seconds(30), /*jitter_max_us=*/0, /*opaque=*/true);
   std::vector<Status> st =
@@ -476,6 +480,7 @@ EngineRun run_engine(const engine_test::Model& model, const std::string& ckpt,
         ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
         ZINF_RETURN_IF_ERROR(engine.finalize());
         if (!load.empty()) ZINF_RETURN_IF_ERROR(engine.load_checkpoint(ckpt, load));
+        if (before_steps) ZINF_RETURN_IF_ERROR(before_steps(engine));
         out.finalized_bytes = engine.memory().device_bytes;
         ZINF_ASSIGN_OR_RETURN(out.finalized, engine_test::read_masters(engine, model));
         engine_test::TrainOptions options;
@@ -556,6 +561,52 @@ TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
       EXPECT_FALSE(same_bits(resumed.trained[p], half_only.trained[p])) << name << " did not train";
       EXPECT_TRUE(same_bits(resumed.trained[p], kept_resumed.trained[p])) << name;
     }
+  }
+}
+
+// A write_parameters of one frozen tensor with values bf16 does not hold ("base.b", a LoRA merge
+// of fp32 values) gives a master back to the runs of that tensor's group only. Groups capped at
+// 4096 elements: "base.w" (12'288) has a group of its own, [1536, 13'824), and "base.b" (2500)
+// the next, [13'824, 16'384) with its 60 padding elements. By hand: the master grows by
+// "base.b"'s 2500 elements (and the padding's 60, where the padding is frozen with it and was
+// half-only too), give or take the up to 15 elements that align a run after a half-only one;
+// restoring "base.w" too would add its 12'288. It is the device memory of the run whose "base.b"
+// started at those values (its master kept from finalize). The written values read back,
+// "base.w" keeps its bits, and three steps train to that run's bits.
+TEST(DeviceFrozenHalfOnlyEngine, AnInexactWriteOfOneFrozenTensorGivesOnlyItsRunsAMaster) {
+  constexpr std::size_t kGroupMax = 4096;
+  const engine_test::Model exact = lora_like(true);
+  std::size_t bias = 0;
+  while (exact.params[bias].name != "base.b") ++bias;
+  const std::vector<float> merged = seeded(exact.params[bias].element_count(), 8477, -1.0f, 1.0f);
+  engine_test::Model written = exact;
+  written.initial[bias] = merged;
+  engine_test::ScratchDir dir("device_frozen_half_only_write");
+  const std::string ckpt = dir.path() + "/ckpt";
+  const EngineRun half_only = run_engine(exact, ckpt, "", 1, 0, "", nullptr, kGroupMax);
+  const EngineRun merged_run = run_engine(
+      exact, ckpt, "", 1, 3, "",
+      [&](Engine& engine) { return engine.write_parameters("base.b", merged.data()); }, kGroupMax);
+  const EngineRun reference = run_engine(written, ckpt, "", 1, 3, "", nullptr, kGroupMax);
+  std::printf("device bytes: half-only base %llu, after the write %llu, reference %llu\n",
+              static_cast<unsigned long long>(half_only.finalized_bytes),
+              static_cast<unsigned long long>(merged_run.finalized_bytes),
+              static_cast<unsigned long long>(reference.finalized_bytes));
+  EXPECT_GE(merged_run.finalized_bytes, half_only.finalized_bytes + (2500 - 15) * 4);
+  EXPECT_LE(merged_run.finalized_bytes, half_only.finalized_bytes + (2560 + 15) * 4);
+  EXPECT_EQ(merged_run.finalized_bytes, reference.finalized_bytes);
+  ASSERT_EQ(merged_run.finalized.size(), exact.params.size());
+  ASSERT_EQ(merged_run.trained.size(), exact.params.size());
+  ASSERT_EQ(reference.trained.size(), exact.params.size());
+  EXPECT_TRUE(same_bits(merged_run.finalized[bias], merged));
+  for (std::size_t p = 0; p < exact.params.size(); ++p) {
+    const std::string& name = exact.params[p].name;
+    if (exact.params[p].module == "base") {
+      EXPECT_TRUE(same_bits(merged_run.trained[p], written.initial[p])) << name;
+    } else {
+      EXPECT_FALSE(same_bits(merged_run.trained[p], exact.initial[p])) << name << " did not train";
+    }
+    EXPECT_TRUE(same_bits(merged_run.trained[p], reference.trained[p])) << name;
   }
 }
 
