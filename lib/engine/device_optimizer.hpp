@@ -56,14 +56,14 @@
 //
 // The gradient accumulator keeps the whole partition (group g's slice at its partition offset),
 // or, asked to pack the gradients at create(), only the dtype groups that hold a run that is not
-// frozen: a group of frozen runs only (a frozen partitioner group without padding) is never
-// written by the reducer (a frozen group takes no gradients) and its gradients are zero, so it
-// gets no room (grad_offsets(): kNoGrad), and the others lie one after another, each congruent to
-// its partition offset modulo 16 elements. The norm is then summed over the packed array: the
-// same sum up to the order in which CUDA's fp32 block sums add up (the HostDevice's reference
-// sums in fp64, in order: the same bits). Once unpacked, a frozen run without room steps on a
-// zero buffer in chunks of at most kZeroChunkElements; the buffer, allocated with the moments, is
-// the largest such run's size or a chunk's, whichever is smaller.
+// frozen: a group of frozen runs only (a frozen partitioner group, its padding included:
+// param_groups.hpp) is never written by the reducer (a frozen group takes no gradients) and its
+// gradients are zero, so it gets no room (grad_offsets(): kNoGrad), and the others lie one after
+// another, each congruent to its partition offset modulo 16 elements. The norm is then summed over
+// the packed array: the same sum up to the order in which CUDA's fp32 block sums add up (the
+// HostDevice's reference sums in fp64, in order: the same bits). Once unpacked, a frozen run
+// without room steps on a zero buffer in chunks of at most kZeroChunkElements; the buffer,
+// allocated with the moments, is the largest such run's size or a chunk's, whichever is smaller.
 //
 // Adam and AdamW only (the kernels/adam step; the CPU optimizer's Adagrad and Lion have no GPU
 // kernel). The kernel rounds every operation (no FMA contraction) where the CPU optimizer fuses

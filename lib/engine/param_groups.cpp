@@ -40,14 +40,19 @@ Result<std::vector<OptimizerRange>> partition_group_ranges(const ParameterLayout
   for (std::uint32_t g = 0; g < layout.group_count(); ++g) {
     const std::size_t base = layout.offset(g);
     const std::size_t end = base + layout.group(g).shard_element_count;
+    // Padding goes with the default group, but with the frozen group in a partitioner group of
+    // frozen parameters (no stage reduces it, so no rank's shard of it, padding included, needs
+    // gradients). A trainable group's padding keeps group 0: the reducer writes every rank's
+    // shard of it, one of padding alone too.
+    const std::uint32_t padding = layout.frozen_group(g) ? frozen_group(groups) : 0;
     std::size_t at = base;
     for (const ParamPiece& piece : part.shard_pieces(g, rank)) {
       const std::size_t begin = base + piece.shard_offset;
-      if (begin > at) run(at, 0);  // padding
+      if (begin > at) run(at, padding);
       run(begin, param_group[piece.param]);
       at = begin + piece.element_count;
     }
-    if (at < end) run(at, 0);
+    if (at < end) run(at, padding);
   }
   if (ranges.empty()) ranges.push_back({0, 0});
   ZINF_ASSERT(ranges[0].begin == 0);

@@ -7,8 +7,10 @@
 // decay 0. Their gradient is zero, so every optimizer's moments stay zero and its update is
 // exactly zero; a learning rate of 0 alone would still let weight decay shrink them (AdamW's
 // p * (1 - lr * wd) is exact at lr 0, but Adam's L2 term adds wd * p to the gradient). Padding in
-// the partition goes with group 0 (its values and gradients are zero, so any group leaves it
-// zero).
+// the partition goes with group 0, but with the frozen group in a partitioner group of frozen
+// parameters (ParameterLayout::frozen_group()), whose shards are then frozen as a whole, padding
+// included, and take no gradients; its values and gradients are zero, so either group leaves it
+// zero.
 //
 // Thread-safety: pure functions.
 #pragma once

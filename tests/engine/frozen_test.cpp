@@ -1059,6 +1059,108 @@ TEST(Frozen, LoraFrozenMomentsTakeNoDeviceMemory) {
   EXPECT_LT(b.stepped_bytes, b.trainable_bytes - frozen_moments / 2);
 }
 
+// A frozen base of `rows` x `cols` bf16 elements (module "base") and trainable 8 x 200 adapters
+// ("lora"), and when `head` > 0 a trainable bias of `head` elements ("head"), each its own
+// partitioner group, registered on `world` ranks with `config` and bf16 (`opaque`: on devices
+// that are not host-accessible): each rank's MemoryReport after finalize(). The base's values
+// are 0.5 (exact in bf16) when `exact`, else seeded values that bf16 does not hold; the adapters'
+// are seeded.
+std::vector<MemoryReport> padded_base_memory(Config config, int world, int rows, bool exact,
+                                             bool opaque, int cols = 200, int head = 0) {
+  config.bf16_enabled = true;
+  std::vector<float> base(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols), 0.5f);
+  if (!exact) fill_uniform(base.data(), base.size(), /*seed=*/71, 0.1f, 0.9f);
+  std::vector<float> adapters(8 * 200);
+  fill_uniform(adapters.data(), adapters.size(), /*seed=*/72, -0.05f, 0.05f);
+  std::vector<MemoryReport> out(static_cast<std::size_t>(world));
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(world, std::chrono::seconds(120), /*jitter_max_us=*/0, opaque);
+  std::vector<Status> st =
+      engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
+        ParameterSpec b{"base.w", "base", {rows, cols}, DType::kBF16, base.data()};
+        b.trainable = false;
+        ZINF_RETURN_IF_ERROR(engine.register_parameter(b));
+        ZINF_RETURN_IF_ERROR(
+            engine.register_parameter({"lora.a", "lora", {8, 200}, DType::kBF16, adapters.data()}));
+        if (head > 0) {
+          ZINF_RETURN_IF_ERROR(
+              engine.register_parameter({"head.b", "head", {head}, DType::kBF16, adapters.data()}));
+        }
+        ZINF_RETURN_IF_ERROR(engine.finalize());
+        out[static_cast<std::size_t>(rank)] = engine.memory();
+        return Status::ok();
+      });
+  for (const Status& s : st) EXPECT_TRUE(s.is_ok()) << s.to_string();
+  return out;
+}
+
+// The optimizer state in device memory (DeviceOptimizer, an opaque device), one rank: a frozen
+// base whose group is padded (200 x 200 = 40,000 elements, padded to 40,064, a multiple of 128)
+// takes what one without padding (256 x 200 = 51,200) takes for the same count, padding included:
+// the padding of a group with no trainable element is frozen with it, so neither it nor the base
+// takes a gradient slot or moments, and it needs no master (zero is exact in bf16). Per element
+// of the partition P (both groups, padded): the coordinator's bf16 copy and the optimizer's half
+// copy, 2 + 2 bytes; the fp32 master, 4 bytes, of the adapters' group (1,600 elements, padded to
+// 1,664) and of the base's unless bf16 holds it exactly; 8 bytes of moments and 4 of gradients
+// an element of the adapters' group. The runs start at multiples of 16 elements, so nothing is
+// added for alignment.
+TEST(Frozen, APaddedFrozenGroupTakesNoGradientsOrMomentsInDeviceMemory) {
+  const Config config = lora_config(OffloadDevice::kNone, "");
+  constexpr std::uint64_t kAdapters = 1664;
+  for (bool exact : {false, true}) {
+    for (int rows : {200, 256}) {
+      const std::uint64_t base = rows == 200 ? 40064 : 51200;
+      const std::uint64_t partition = base + kAdapters;
+      const std::uint64_t expected =
+          partition * 4 + ((exact ? 0 : base) + kAdapters) * 4 + kAdapters * 12;
+      const std::vector<MemoryReport> m =
+          padded_base_memory(config, 1, rows, exact, /*opaque=*/true);
+      EXPECT_EQ(m[0].device_bytes, expected) << rows << " rows, exact " << exact;
+    }
+  }
+}
+
+// Three ranks, the optimizer state in device memory: the base's group (40,000 elements) is
+// padded to 40,320 (a multiple of 3 x 128), so the last rank's shard of it (13,440 elements) ends
+// in 320 elements of padding, and the adapters' (1,600, padded to 1,920) in 320 more; a trainable
+// bias of 100 elements is padded to 384, so the shards of it of ranks 1 and 2 are padding alone.
+// The last rank takes what the first takes (whose base and adapter shards hold no padding): the
+// frozen shard, its padding included, takes no gradient slot or moments; a trainable group's
+// shard of padding alone keeps its gradients and moments (the reducer writes every shard of a
+// trainable group). Each rank: the coordinator's full bf16 copy of the partitioner groups, 2
+// bytes an element of 42,624; its shard (14,208 elements) in the optimizer's half copy and fp32
+// master, 2 + 4 bytes an element; 12 bytes of moments and gradients an element of its adapters'
+// and bias's shards (640 + 128).
+TEST(Frozen, ThePaddingOfTheLastRanksFrozenShardTakesNoGradientsOrMomentsInDeviceMemory) {
+  const Config config = lora_config(OffloadDevice::kNone, "");
+  const std::vector<MemoryReport> m = padded_base_memory(
+      config, 3, 200, /*exact=*/false, /*opaque=*/true, /*cols=*/200, /*head=*/100);
+  const std::uint64_t expected = 42624 * 2 + 14208 * (2 + 4) + (640 + 128) * 12;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(m[static_cast<std::size_t>(rank)].device_bytes, expected) << "rank " << rank;
+  }
+}
+
+// Stage 3, the parameter shards and the optimizer state in host memory (StateStore), one rank: a
+// frozen base of 409 x 100 = 40,900 elements, padded to 40,960, takes the host memory of one of
+// 320 x 128 = 40,960 elements without padding, with bf16 holding its values exactly and without:
+// its sub-group (the adapters' run cut at 40,960) holds frozen elements and padding only, so its
+// master is kept as its half copy alone when bf16 holds it, and its shard is lent from that copy.
+TEST(Frozen, APaddedFrozenGroupTakesTheHostMemoryOfAnUnpaddedOneOfItsSize) {
+  Config config = lora_config(OffloadDevice::kHost, "");
+  config.zero.stage = 3;
+  config.zero.offload_param.device = OffloadDevice::kHost;
+  config.zero.stage3_param_persistence_threshold = 0;
+  for (bool exact : {false, true}) {
+    const std::vector<MemoryReport> padded =
+        padded_base_memory(config, 1, 409, exact, /*opaque=*/false, /*cols=*/100);
+    const std::vector<MemoryReport> unpadded =
+        padded_base_memory(config, 1, 320, exact, /*opaque=*/false, /*cols=*/128);
+    EXPECT_GT(padded[0].host_bytes, 0u);
+    EXPECT_EQ(padded[0].host_bytes, unpadded[0].host_bytes) << "exact " << exact;
+  }
+}
+
 // Stage 1 with lora_model() (bf16) on 2 ranks, the optimizer state in host memory: each rank
 // keeps a full-size fp32 gradient copy of the trainable groups only (MemoryReport::device_bytes
 // with the base frozen is 4 bytes an element of the base less than with it trainable), and each
