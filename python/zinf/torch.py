@@ -2033,8 +2033,11 @@ class ZinfEngine(nn.Module):
         nn.Module.state_dict() does (each module's parameters, then its persistent buffers, then
         its children) and gathers one module's parameters at a time (GatheredParameters), so
         besides the dict on rank 0 at most one module is gathered; a parameter shared by several
-        modules is the same tensor under each name. ValueError below stage 3, as DeepSpeed
-        raises. exclude_frozen_parameters leaves out parameters that do not require grad (at
+        modules is the same tensor under each name. Its names are those named_children() and
+        named_parameters(recurse=False) reach, as DeepSpeed's: a module or parameter registered
+        twice under one parent appears once, and extra state (get_extra_state) and state_dict
+        hooks are left out, where state_dict() at stages 1 and 2 has them. ValueError below
+        stage 3, as DeepSpeed raises. exclude_frozen_parameters leaves out parameters that do not require grad (at
         stage 3 engine parameters registered frozen)."""
         if self.stage < 3:
             raise ValueError(f"_zero3_consolidated_16bit_state_dict: this function requires "
