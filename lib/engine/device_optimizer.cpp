@@ -274,8 +274,12 @@ Status DeviceOptimizer::restore_masters(std::string_view why, std::size_t begin,
     s = ops_->widen(half_.as<std::byte>() + g.byte_offset + (was.offset - g.offset) * 2, g.dtype,
                     dst, was.count, /*accumulate=*/false, *stream_);
   }
-  if (s.is_ok()) s = device_.synchronize(*stream_, timeout_);
-  if (!s.is_ok()) return drain_then(s);
+  bool wait_failed = false;
+  if (s.is_ok()) {
+    s = device_.synchronize(*stream_, timeout_);
+    wait_failed = !s.is_ok();
+  }
+  if (!s.is_ok()) return drain_then(s, wait_failed, std::span<DeviceBuffer>(&master, 1));
   master_ = std::move(master);
   runs_ = std::move(runs);
   return Status::ok();
@@ -287,16 +291,30 @@ std::size_t DeviceOptimizer::half_only_elements() const {
   return elements;
 }
 
-Status DeviceOptimizer::drain_then(Status error) {
-  // Work queued before the error may still write into buffers the caller is about to free (a
-  // HostDevice frees at once, as cudaFree would under work still queued): wait for it, whatever
-  // the wait returns, and return the first error.
-  (void)device_.synchronize(*stream_, timeout_);
+Status DeviceOptimizer::drain_then(Status error, bool wait_failed,
+                                   std::span<DeviceBuffer> buffers) {
+  // Work queued before the error may still write into `buffers` (a HostDevice frees at once, and
+  // its stream's worker runs the queued work whatever the caller does). Where the failed wait was
+  // the error, that work is still running (a timeout: waiting again would take a second timeout_)
+  // or the stream failed; otherwise the wait below says whether it is done. Only then are the
+  // buffers freed; else they are kept until the destructor has waited for the stream.
+  const bool drained = !wait_failed && device_.synchronize(*stream_, timeout_).is_ok();
+  for (DeviceBuffer& b : buffers) {
+    if (b.bytes() == 0) continue;
+    if (drained) {
+      b = DeviceBuffer();
+    } else {
+      kept_.push_back(std::move(b));
+    }
+  }
   return error;
 }
 
 DeviceOptimizer::~DeviceOptimizer() {
-  if (stream_ != nullptr) (void)device_.synchronize(*stream_, timeout_);
+  if (stream_ == nullptr) return;
+  // Where this wait fails too, kept_ is freed after stream_ (members go in reverse order of
+  // declaration), whose destruction on a HostDevice runs the work still queued first.
+  if (device_.synchronize(*stream_, timeout_).is_ok()) kept_.clear();
 }
 
 Result<double> DeviceOptimizer::sum_of_squares() {
@@ -447,8 +465,12 @@ Status DeviceOptimizer::unpack(std::string_view why) {
                            r.count * sizeof(float), *stream_);
     }
   }
-  if (s.is_ok()) s = device_.synchronize(*stream_, timeout_);
-  if (!s.is_ok()) return drain_then(s);
+  bool wait_failed = false;
+  if (s.is_ok()) {
+    s = device_.synchronize(*stream_, timeout_);
+    wait_failed = !s.is_ok();
+  }
+  if (!s.is_ok()) return drain_then(s, wait_failed, full);
   exp_avg_ = std::move(full[0]);
   exp_avg_sq_ = std::move(full[1]);
   zeros_ = std::move(full[2]);

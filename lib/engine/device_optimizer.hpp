@@ -200,14 +200,20 @@ class DeviceOptimizer {
   // Narrows `in` (count elements, exact in the run's dtype) on the host and uploads them into the
   // half copy of half-only run `r` from partition element `first` on; returns when copied.
   Status upload_half(const Run& r, std::size_t first, std::size_t count, const float* in);
-  // Waits for the stream's queued work (ignoring the wait's own status) and returns `error`: a
-  // failure path calls it before freeing a buffer that work may still write into.
-  Status drain_then(Status error);
+  // Returns `error`, the failure of a path that queued work into `buffers` (device buffers of its
+  // own, not yet in use), once that work can no longer write into them: it waits for the stream,
+  // unless the wait was what failed (`wait_failed`: a timeout is not waited for twice), and frees
+  // them when that wait succeeds; otherwise (the work may still run on the stream) they are kept
+  // in kept_, freed by the destructor after its own wait.
+  Status drain_then(Status error, bool wait_failed, std::span<DeviceBuffer> buffers);
   // Where partition element `first` of run `r` (which has a master) has its master.
   float* master_at(const Run& r, std::size_t first) const;
 
   Device& device_;
   std::chrono::milliseconds timeout_;
+  // Buffers a failed restore_masters() or unpack() queued work into that may still run
+  // (drain_then()); declared before stream_, so that they go after it.
+  std::vector<DeviceBuffer> kept_;
   // One adam_step launch: a parameter group's run inside dtype group `group`.
   struct Run {
     std::uint32_t group = 0;        // the dtype group (groups_)

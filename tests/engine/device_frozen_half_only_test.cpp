@@ -19,11 +19,13 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <limits>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "device/device_ops.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/device_optimizer_test_util.hpp"
 #include "engine/engine_test_util.hpp"
@@ -610,6 +612,123 @@ TEST(DeviceFrozenHalfOnlyEngine, AnInexactWriteOfOneFrozenTensorGivesOnlyItsRuns
     }
     EXPECT_TRUE(same_bits(merged_run.trained[p], reference.trained[p])) << name;
   }
+}
+
+// An opaque HostDevice behind a Device that, once closed, puts a gate in front of the next work
+// issued on a stream through it: the stream's later work waits until the test opens it, as work
+// on a GPU stream that outlasts the timeout does. Its device ops are the HostDevice's.
+class GatedDevice final : public Device {
+ public:
+  explicit GatedDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
+  Device& inner() { return *inner_; }
+  void close() { closed_ = true; }
+  void open() { gate_.set_value(); }
+
+  DeviceKind kind() const override { return inner_->kind(); }
+  std::string_view name() const override { return inner_->name(); }
+  bool host_accessible() const override { return inner_->host_accessible(); }
+  Result<void*> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
+  Status free(void* ptr) override { return inner_->free(ptr); }
+  Result<void*> allocate_async(std::size_t bytes, Stream& s) override {
+    return inner_->allocate_async(bytes, s);
+  }
+  Status free_async(void* ptr, Stream& s) override { return inner_->free_async(ptr, s); }
+  std::size_t memory_used_bytes() const override { return inner_->memory_used_bytes(); }
+  std::size_t memory_limit_bytes() const override { return inner_->memory_limit_bytes(); }
+  Status register_host(void* ptr, std::size_t bytes) override {
+    return inner_->register_host(ptr, bytes);
+  }
+  Status unregister_host(void* ptr) override { return inner_->unregister_host(ptr); }
+  Result<std::unique_ptr<Stream>> create_stream(std::string_view name) override {
+    return inner_->create_stream(name);
+  }
+  Result<std::unique_ptr<Event>> create_event() override { return inner_->create_event(); }
+  Status record(Event& e, Stream& s) override { return inner_->record(e, s); }
+  Status wait(Stream& s, Event& e) override { return inner_->wait(s, e); }
+  Result<bool> query(Event& e) override { return inner_->query(e); }
+  Status synchronize(Event& e, std::chrono::milliseconds timeout) override {
+    return inner_->synchronize(e, timeout);
+  }
+  Status synchronize(Stream& s, std::chrono::milliseconds timeout) override {
+    return inner_->synchronize(s, timeout);
+  }
+  Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
+                    Stream& s) override {
+    ZINF_RETURN_IF_ERROR(gate(s));
+    return inner_->copy_async(dst, src, bytes, kind, s);
+  }
+  Status memset_async(void* dst, int value, std::size_t bytes, Stream& s) override {
+    ZINF_RETURN_IF_ERROR(gate(s));
+    return inner_->memset_async(dst, value, bytes, s);
+  }
+  Status launch_host_func(Stream& s, HostFunc func, void* user) override {
+    ZINF_RETURN_IF_ERROR(gate(s));
+    return inner_->launch_host_func(s, func, user);
+  }
+
+ private:
+  Status gate(Stream& s) {
+    if (!closed_) return Status::ok();
+    closed_ = false;
+    return inner_->launch_host_func(
+        s,
+        [](void* user, const Status&) {
+          static_cast<std::shared_future<void>*>(user)->wait();
+          return Status::ok();
+        },
+        &opened_);
+  }
+  std::unique_ptr<Device> inner_;
+  bool closed_ = false;
+  std::promise<void> gate_;
+  std::shared_future<void> opened_ = gate_.get_future().share();
+};
+
+// A write that gives the half-only run its master back whose device work outlasts the timeout:
+// the call returns the timeout after one wait (not a second, which would run out as well), and
+// the new master, which the queued copy and widen still write, stays allocated until the
+// optimizer, gone after the work has run, frees it.
+TEST(DeviceFrozenHalfOnlyTimeout, ARestoreThatTimesOutKeepsItsBufferAndWaitsOnce) {
+  HostDeviceOptions options;
+  options.opaque = true;
+  auto inner = make_host_device(options);
+  ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
+  GatedDevice device(std::move(inner).value());
+  set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
+    auto* gated = dynamic_cast<GatedDevice*>(&d);
+    if (gated == nullptr) return nullptr;
+    auto ops = make_device_ops(gated->inner());
+    return ops.is_ok() ? std::move(ops).value() : nullptr;
+  });
+  constexpr std::size_t kElements = 4096;
+  constexpr auto kWait = std::chrono::milliseconds(400);
+  // A trainable run and a frozen one whose seeded values bf16 holds.
+  std::vector<float> master = seeded(kElements, 8490, -1.0f, 1.0f);
+  std::vector<std::uint16_t> half(kElements);
+  convert_f32_to_bf16(master.data(), half.data(), kElements);
+  convert_bf16_to_f32(half.data(), master.data(), kElements);
+  const std::size_t before = device.memory_used_bytes();
+  {
+    auto made = DeviceOptimizer::create(device, {{0, kElements, 0, DType::kBF16}}, kElements,
+                                        master.data(), kWait, {{0, 0}, {2048, 1}}, {false, true});
+    ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+    std::unique_ptr<DeviceOptimizer> opt = std::move(made).value();
+    ASSERT_EQ(opt->half_only_elements(), kElements - 2048);
+    const std::size_t held = device.memory_used_bytes();
+    device.close();
+    const float inexact = 0.1f;
+    const auto start = std::chrono::steady_clock::now();
+    const Status s = opt->write_state(0, 3000, 1, &inexact);
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+    EXPECT_LT(waited, kWait * 2) << "waited twice";
+    // The new master (the whole partition's, packed as before) is still allocated.
+    EXPECT_EQ(device.memory_used_bytes(), held + kElements * sizeof(float));
+    EXPECT_EQ(opt->half_only_elements(), kElements - 2048);
+    device.open();
+  }
+  EXPECT_EQ(device.memory_used_bytes(), before);
+  set_device_ops_factory(nullptr);
 }
 
 }  // namespace
