@@ -181,6 +181,10 @@ class DeviceOptimizer {
   // frozen runs' zero; from now on every run is stepped. Every half-only run gets its master once
   // the moments and zeros are allocated (kResourceExhausted, nothing changed, when the device has
   // no room for them or for the masters; the error names `why`, the write that called for it).
+  // "Nothing changed" has a cost: while the masters are given back, the old packed master and
+  // packed moments, the new master and the whole partition's moments are held at once, a peak
+  // higher by the smaller of the old packed master and the whole moments than giving the masters
+  // back first and freeing the old master before allocating the moments would need.
   Status unpack(std::string_view why);
   struct Run;
   // Sets each run's master offset (Run::master) for the runs that have one (master not
