@@ -731,5 +731,47 @@ TEST(DeviceFrozenHalfOnlyTimeout, ARestoreThatTimesOutKeepsItsBufferAndWaitsOnce
   set_device_ops_factory(nullptr);
 }
 
+// The same for non-zero moments written into a frozen run (no half-only run: the master is drawn)
+// whose zeroing of the whole partition's moments outlasts the timeout: one wait, and both new
+// moment arrays stay allocated until the optimizer goes.
+TEST(DeviceFrozenHalfOnlyTimeout, AnUnpackThatTimesOutKeepsItsMomentsAndWaitsOnce) {
+  HostDeviceOptions options;
+  options.opaque = true;
+  auto inner = make_host_device(options);
+  ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
+  GatedDevice device(std::move(inner).value());
+  set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
+    auto* gated = dynamic_cast<GatedDevice*>(&d);
+    if (gated == nullptr) return nullptr;
+    auto ops = make_device_ops(gated->inner());
+    return ops.is_ok() ? std::move(ops).value() : nullptr;
+  });
+  constexpr std::size_t kElements = 4096;
+  constexpr auto kWait = std::chrono::milliseconds(400);
+  const std::vector<float> master = seeded(kElements, 8491, -1.0f, 1.0f);
+  const std::size_t before = device.memory_used_bytes();
+  {
+    auto made = DeviceOptimizer::create(device, {{0, kElements, 0, DType::kBF16}}, kElements,
+                                        master.data(), kWait, {{0, 0}, {2048, 1}}, {false, true});
+    ASSERT_TRUE(made.is_ok()) << made.status().to_string();
+    std::unique_ptr<DeviceOptimizer> opt = std::move(made).value();
+    ASSERT_EQ(opt->half_only_elements(), 0u);
+    ASSERT_TRUE(opt->packed());
+    const std::size_t held = device.memory_used_bytes();
+    device.close();
+    const float moment = 0.25f;
+    const auto start = std::chrono::steady_clock::now();
+    const Status s = opt->write_state(1, 3000, 1, &moment);
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+    EXPECT_LT(waited, kWait * 2) << "waited twice";
+    EXPECT_EQ(device.memory_used_bytes(), held + 2 * kElements * sizeof(float));
+    EXPECT_TRUE(opt->packed());
+    device.open();
+  }
+  EXPECT_EQ(device.memory_used_bytes(), before);
+  set_device_ops_factory(nullptr);
+}
+
 }  // namespace
 }  // namespace zinf
