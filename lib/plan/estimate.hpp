@@ -147,8 +147,8 @@
 //                   parameters' own pieces of the partition (its group ranges), not the store's
 //                   sub-groups widened to 1024 elements, so no frozen element keeps a master
 //                   beside a trainable run: nothing for runs off the cuts. Left out: each stretch
-//                   of runs that keep a master (a trainable run, or padding between frozen
-//                   parameters) begins at the first offset congruent to its partition offset
+//                   of runs that keep a master (a trainable run; a frozen group's padding is
+//                   frozen with it) begins at the first offset congruent to its partition offset
 //                   modulo 16 elements, at most 30 elements (120 B) past where packing end to end
 //                   would put it (under 8 KiB for Llama-2-7B's 64 LoRA runs on one GPU, where no
 //                   tensor is padded); and the host block a half-only master is uploaded through

@@ -438,8 +438,8 @@ TEST(DeviceFrozenHalfOnlyLimit, MomentsWithoutRoomChangeNothing) {
 }
 
 // The engine (offload_optimizer none on an opaque device, world 1, stage 2) with a bf16 model
-// whose frozen module ("base") is rounded to bf16 (`exact`) or not: each parameter a partitioner
-// group of its own. The base's fp32 master then takes no device memory.
+// whose frozen module ("base") is rounded to bf16 (`exact`) or not: each module a partitioner
+// group. The base's fp32 master then takes no device memory.
 engine_test::Model lora_like(bool exact) {
   engine_test::Model m;
   m.modules = {"embed", "base", "head"};
@@ -504,8 +504,8 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 }
 
 // The base the half copy holds takes 4 bytes an element less device memory than the same model's
-// with values bf16 does not hold, its groups' padding included: "base.b" (2500 elements, its
-// group at 13'824 after "base.w"'s at 1536) is padded to 2560, and the padding, zero, is frozen
+// with values bf16 does not hold, its group's padding included: the base's group ("base.w" and
+// "base.b", 14,788 elements) at 1536 is padded to 14,848, and the padding, zero, is frozen
 // with it (param_groups.hpp), exact in bf16 and so kept by its half copy alone too. "head.w"
 // after them starts at 16'384 (0 mod 16): its master follows "embed.w"'s, ending at 1536, with
 // nothing to align. The frozen values read back bit for bit after finalize and

@@ -1063,13 +1063,17 @@ TEST(Frozen, LoraFrozenMomentsTakeNoDeviceMemory) {
 // ("lora"), and when `head` > 0 a trainable bias of `head` elements ("head"), each its own
 // partitioner group, registered on `world` ranks with `config` and bf16 (`opaque`: on devices
 // that are not host-accessible): each rank's MemoryReport after finalize(). The base's values
-// are 0.5 (exact in bf16) when `exact`, else seeded values that bf16 does not hold; the adapters'
+// are seeded, rounded to bf16 first when `exact` (else bf16 does not hold them); the adapters'
 // are seeded.
 std::vector<MemoryReport> padded_base_memory(Config config, int world, int rows, bool exact,
                                              bool opaque, int cols = 200, int head = 0) {
   config.bf16_enabled = true;
-  std::vector<float> base(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols), 0.5f);
-  if (!exact) fill_uniform(base.data(), base.size(), /*seed=*/71, 0.1f, 0.9f);
+  std::vector<float> base(static_cast<std::size_t>(rows) * static_cast<std::size_t>(cols));
+  fill_uniform(base.data(), base.size(), /*seed=*/71, 0.1f, 0.9f);
+  if (exact) {
+    const std::vector<std::uint16_t> half = engine_test::narrow_to_half(base, DType::kBF16);
+    convert_bf16_to_f32(half.data(), base.data(), half.size());
+  }
   std::vector<float> adapters(8 * 200);
   fill_uniform(adapters.data(), adapters.size(), /*seed=*/72, -0.05f, 0.05f);
   std::vector<MemoryReport> out(static_cast<std::size_t>(world));
@@ -1141,7 +1145,10 @@ TEST(Frozen, ThePaddingOfTheLastRanksFrozenShardTakesNoGradientsOrMomentsInDevic
   }
 }
 
-// Stage 3, the parameter shards and the optimizer state in host memory (StateStore), one rank: a
+// StoreState's sub-groups come from frozen_runs(), which counted padding as untrained before
+// partition_group_ranges gave a frozen group's padding to the frozen group: this guards that rule,
+// not the group ranges. Stage 3, the parameter shards and the optimizer state in host memory
+// (StateStore), one rank: a
 // frozen base of 409 x 100 = 40,900 elements, padded to 40,960, takes the host memory of one of
 // 320 x 128 = 40,960 elements without padding, with bf16 holding its values exactly and without:
 // its sub-group (the adapters' run cut at 40,960) holds frozen elements and padding only, so its
