@@ -343,6 +343,29 @@ TEST(FrozenMatch, ExactBaseEstimateIsWhatTheEngineMakesResident) {
   }
 }
 
+// The MemoryReport of a finalized engine of `config` on one opaque HostDevice rank (which takes a
+// GPU's path: lib/engine/device_state.cpp), with seeded values: the base weights' from seeds
+// `first_seed` on (with `exact`, rounded to bf16 as a bf16 checkpoint's are), then the adapters'.
+Result<MemoryReport> opaque_engine_memory(const Config& config, std::uint64_t first_seed,
+                                          bool exact) {
+  const std::vector<std::vector<float>> base_values =
+      seeded_tensors(kBaseWeights, kSide * kSide, first_seed, exact);
+  const std::vector<std::vector<float>> adapter_values =
+      seeded_tensors(kAdapters, kSide * kRank, first_seed + kBaseWeights);
+  HostDeviceOptions device_options;
+  device_options.opaque = true;
+  ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, make_host_device(device_options));
+  std::vector<Device*> raw = {device.get()};
+  ZINF_ASSIGN_OR_RETURN(auto comms, make_local_comm_group(raw));
+  MemoryReport got;
+  ZINF_RETURN_IF_ERROR(with_lora_engine(config, device.get(), comms[0].get(), base_values,
+                                        adapter_values, [&](Engine& engine) -> Status {
+                                          got = engine.memory();
+                                          return Status::ok();
+                                        }));
+  return got;
+}
+
 // MemoryReport::host_bytes at stage 3 with state and shards in host memory, on an opaque
 // HostDevice (a GPU's path), against the estimate's engine-owned host bytes, with the base drawn
 // and with it exact in bf16 (the estimate knowing it). The report counts every host array the
@@ -367,23 +390,9 @@ void expect_host_bytes_are_estimate(bool exact) {
   const std::uint64_t predicted = estimate.engine_bytes(MemoryTier::kHost) + 12 * base;
   Result<Config> config = engine_config(*planned);
   ASSERT_TRUE(config.is_ok()) << config.status().to_string();
-  const std::vector<std::vector<float>> base_values =
-      seeded_tensors(kBaseWeights, kSide * kSide, 8500, exact);
-  const std::vector<std::vector<float>> adapter_values =
-      seeded_tensors(kAdapters, kSide * kRank, 8500 + kBaseWeights);
-  HostDeviceOptions device_options;
-  device_options.opaque = true;
-  std::unique_ptr<Device> device = std::move(make_host_device(device_options)).value();
-  std::vector<Device*> raw = {device.get()};
-  auto comms = make_local_comm_group(raw);
-  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
-  MemoryReport got;
-  const Status st = with_lora_engine(*config, device.get(), (*comms)[0].get(), base_values,
-                                     adapter_values, [&](Engine& engine) -> Status {
-                                       got = engine.memory();
-                                       return Status::ok();
-                                     });
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  Result<MemoryReport> report = opaque_engine_memory(*config, 8500, exact);
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  const MemoryReport& got = *report;
   std::printf("stage 3, cpu/cpu, %s: host bytes: estimate + frozen zero pages %llu, engine %llu\n",
               exact ? "exact" : "drawn", static_cast<unsigned long long>(predicted),
               static_cast<unsigned long long>(got.host_bytes));
@@ -416,25 +425,9 @@ void expect_device_bytes_are_estimate(int stage, bool exact) {
   const std::uint64_t predicted = estimate.engine_bytes(MemoryTier::kDevice);
   Result<Config> config = engine_config(setup);
   ASSERT_TRUE(config.is_ok()) << config.status().to_string();
-
-  // Seeded values: the base weights' from seeds 8400 on, then the adapters'.
-  const std::vector<std::vector<float>> base_values =
-      seeded_tensors(kBaseWeights, kSide * kSide, 8400, exact);
-  const std::vector<std::vector<float>> adapter_values =
-      seeded_tensors(kAdapters, kSide * kRank, 8400 + kBaseWeights);
-  HostDeviceOptions device_options;
-  device_options.opaque = true;
-  std::unique_ptr<Device> device = std::move(make_host_device(device_options)).value();
-  std::vector<Device*> raw = {device.get()};
-  auto comms = make_local_comm_group(raw);
-  ASSERT_TRUE(comms.is_ok()) << comms.status().to_string();
-  MemoryReport got;
-  const Status st = with_lora_engine(*config, device.get(), (*comms)[0].get(), base_values,
-                                     adapter_values, [&](Engine& engine) -> Status {
-                                       got = engine.memory();
-                                       return Status::ok();
-                                     });
-  ASSERT_TRUE(st.is_ok()) << st.to_string();
+  Result<MemoryReport> report = opaque_engine_memory(*config, 8400, exact);
+  ASSERT_TRUE(report.is_ok()) << report.status().to_string();
+  const MemoryReport& got = *report;
   std::printf("stage %d, %s: device bytes: estimate %llu, engine %llu\n", stage,
               exact ? "exact" : "drawn", static_cast<unsigned long long>(predicted),
               static_cast<unsigned long long>(got.device_bytes));
