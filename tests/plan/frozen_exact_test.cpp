@@ -241,17 +241,25 @@ ModelShape small_lora(bool exact) {
   return m;
 }
 
+// small_lora's setup: one machine of `ranks` ranks at stage 3 with the optimizer state and the
+// shards on `where`, every group in one sub-group, and the norms (under 100,000 elements)
+// persistent.
+EngineSetup small_lora_setup(std::uint64_t ranks, OffloadDevice where) {
+  EngineSetup s = setup(3, where, where);
+  s.world_size = ranks;
+  s.ranks_per_machine = ranks;
+  s.sub_group_params = 1'000'000'000;
+  s.persistence_threshold_params = 100'000;
+  return s;
+}
+
 // On one rank every tensor (1024, 1024^2, 1024 x 4096, the adapters' 8 x 1024 and 8 x 4096) is a
 // whole number of 1024 elements, so every run begins and ends on a cut and every frozen group
 // but the persistent ones (the norms, 2 x 2 x 1024 + 1024 = 5,120) is lent: 2 x (32,768 +
 // 5,120) = 75,776 B of shard; with the flag 4 x 32,768 = 131,072 B of master and the scratch.
 TEST(FrozenExact, RunsOnTheCutsLendEveryFrozenGroup) {
   EXPECT_TRUE(trainable_runs_on_cuts(small_lora(false), 1));
-  EngineSetup s = setup(3, OffloadDevice::kHost, OffloadDevice::kHost);
-  s.world_size = 1;
-  s.ranks_per_machine = 1;
-  s.sub_group_params = 1'000'000'000;
-  s.persistence_threshold_params = 100'000;
+  const EngineSetup s = small_lora_setup(1, OffloadDevice::kHost);
   for (bool exact : {false, true}) {
     SCOPED_TRACE(exact ? "exact" : "any values");
     const MemoryEstimate e = estimate_memory(small_lora(exact), TrainingShape{}, s);
@@ -273,11 +281,7 @@ TEST(FrozenExact, RunsOnTheCutsLendEveryFrozenGroup) {
 TEST(FrozenExact, RunsOffTheCutsKeepTheirNeighboursShards) {
   EXPECT_FALSE(trainable_runs_on_cuts(small_lora(false), 3));
   EXPECT_EQ(largest_frozen_group_shard_params(small_lora(false), 3), 1'398'144u);
-  EngineSetup s = setup(3, OffloadDevice::kHost, OffloadDevice::kHost);
-  s.world_size = 3;
-  s.ranks_per_machine = 3;
-  s.sub_group_params = 1'000'000'000;
-  s.persistence_threshold_params = 100'000;
+  const EngineSetup s = small_lora_setup(3, OffloadDevice::kHost);
   for (bool exact : {false, true}) {
     SCOPED_TRACE(exact ? "exact" : "any values");
     const MemoryEstimate e = estimate_memory(small_lora(exact), TrainingShape{}, s);
@@ -299,11 +303,7 @@ TEST(FrozenExact, RunsOffTheCutsKeepTheirNeighboursShards) {
 // B. Nothing is lent: the shard stays whole, 2 x 11,896,491 = 23,792,982 B, beside the half copy
 // as large.
 TEST(FrozenExact, StateOnTheDeviceKeepsNoMasterBesideRunsOffTheCuts) {
-  EngineSetup s = setup(3, OffloadDevice::kNone, OffloadDevice::kNone);
-  s.world_size = 3;
-  s.ranks_per_machine = 3;
-  s.sub_group_params = 1'000'000'000;
-  s.persistence_threshold_params = 100'000;
+  const EngineSetup s = small_lora_setup(3, OffloadDevice::kNone);
   for (bool exact : {false, true}) {
     SCOPED_TRACE(exact ? "exact" : "any values");
     const MemoryEstimate e = estimate_memory(small_lora(exact), TrainingShape{}, s);
