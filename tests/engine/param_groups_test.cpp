@@ -5,6 +5,10 @@
 // optimizer state on the device (in host memory on a HostDevice, in device memory through the
 // device Adam on an opaque one), in host memory ("cpu") and on NVMe. And a learning-rate
 // schedule stepped by step(), resumed from a checkpoint mid-warm-up, continues the same curve.
+// And partition_group_ranges() gives the padding of a frozen partitioner group to the frozen
+// group, a trainable group's to the default group, at world 3, against ranges worked by hand.
+#include "engine/param_groups.hpp"
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -13,6 +17,8 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "engine/layout.hpp"
+#include "engine/rank_exchange.hpp"
 #include "engine_test_util.hpp"
 #include "zinf/engine.hpp"
 
@@ -349,6 +355,78 @@ TEST(ParamGroupsSchedule, WarmupStepsAndResumesMidWarmup) {
       }
       EXPECT_LT(worst, 1e-5) << m[p].name << (resume ? " (resumed)" : "");
     }
+  }
+}
+
+// partition_group_ranges at world 3 (stage 2, one partitioner group a module, each padded to a
+// multiple of 3 * 128 elements): "base" (500 elements, frozen) is padded to 768, shards of 256;
+// "full" (768, frozen) has no padding; "lora" (100, trainable, in group "lora", index 1) is padded
+// to 384, shards of 128. Each rank's partition: base's shard at 0, full's at 256, lora's at 512,
+// 640 elements; the frozen group is 2. By hand:
+//   rank 0: base [0, 256) and full [256, 512) frozen; lora [512, 612) group 1, its padding
+//           [612, 640) group 0.
+//   rank 1: base [0, 244) and its padding [244, 256) frozen (the padding of a frozen group goes
+//           with it), full frozen; lora's shard, padding alone, group 0 (the reducer writes it).
+//   rank 2: base's shard, padding alone, frozen; full frozen; lora's, padding alone, group 0.
+TEST(PartitionGroupRanges, AFrozenGroupsPaddingIsFrozenATrainableGroupsStaysInTheDefault) {
+  constexpr int kRanks = 3;
+  const std::vector<ParamGroup> groups = {{"lora", -1.0, 1.0}};
+  const std::vector<float> base(500, 0.25f), full(768, -0.5f), lora(100, 0.75f);
+  engine_test::Ranks ranks = engine_test::make_ranks(kRanks);
+  std::vector<std::vector<OptimizerRange>> got(kRanks);
+  std::vector<Status> st = engine_test::run_ranks(kRanks, [&](int rank) -> Status {
+    const auto r = static_cast<std::size_t>(rank);
+    Config config;
+    config.zero.stage = 2;
+    ParameterLayout layout;
+    struct Def {
+      const char* name;
+      const std::vector<float>* values;
+      bool trainable;
+      const char* group;
+    };
+    for (const Def& d : {Def{"base", &base, false, ""}, Def{"full", &full, false, ""},
+                         Def{"lora", &lora, true, "lora"}}) {
+      ParameterSpec spec;
+      spec.name = std::string(d.name) + ".w";
+      spec.module = d.name;
+      spec.shape = {static_cast<std::int64_t>(d.values->size())};
+      spec.initial_values = d.values->data();
+      spec.trainable = d.trainable;
+      spec.group = d.group;
+      ZINF_RETURN_IF_ERROR(layout.add(spec));
+    }
+    Device& device = *ranks.devices[r];
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Stream> stream, device.create_stream("test"));
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Event> event, device.create_event());
+    StickyError sticky;
+    ZINF_ASSIGN_OR_RETURN(RankExchange exchange,
+                          RankExchange::create(device, *ranks.comms[r], *stream, *event,
+                                               std::chrono::seconds(30), sticky));
+    ZINF_RETURN_IF_ERROR(layout.lay_out(config, rank, kRanks, exchange));
+    EXPECT_EQ(frozen_group(groups), 2u);
+    EXPECT_EQ(layout.partition_elements(), 640u);
+    ZINF_ASSIGN_OR_RETURN(got[r], partition_group_ranges(layout, rank, groups));
+    return Status::ok();
+  });
+  for (int rank = 0; rank < kRanks; ++rank) {
+    ASSERT_TRUE(st[static_cast<std::size_t>(rank)].is_ok())
+        << st[static_cast<std::size_t>(rank)].to_string();
+  }
+  auto print = [](const std::vector<OptimizerRange>& ranges) {
+    std::string s;
+    for (const OptimizerRange& r : ranges) s += fmt::format(" [{}: {}]", r.begin, r.group);
+    return s;
+  };
+  const std::vector<std::vector<std::pair<std::size_t, std::uint32_t>>> want = {
+      {{0, 2}, {512, 1}, {612, 0}},
+      {{0, 2}, {512, 0}},
+      {{0, 2}, {512, 0}},
+  };
+  for (std::size_t rank = 0; rank < kRanks; ++rank) {
+    std::vector<std::pair<std::size_t, std::uint32_t>> ranges;
+    for (const OptimizerRange& r : got[rank]) ranges.emplace_back(r.begin, r.group);
+    EXPECT_EQ(ranges, want[rank]) << "rank " << rank << ":" << print(got[rank]);
   }
 }
 
