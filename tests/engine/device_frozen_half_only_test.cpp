@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "device/device_ops.hpp"
+#include "engine/device_frozen_half_only_test_util.hpp"
 #include "engine/device_optimizer.hpp"
 #include "engine/device_optimizer_test_util.hpp"
 #include "engine/engine_test_util.hpp"
@@ -36,6 +37,7 @@ namespace zinf {
 namespace {
 
 using device_optimizer_test::DeviceOptimizerFrozen;
+using device_optimizer_test::DeviceOptimizerFrozenSteps;
 using device_optimizer_test::frozen_count;
 using device_optimizer_test::frozen_elements;
 using device_optimizer_test::frozen_flags;
@@ -43,6 +45,8 @@ using device_optimizer_test::kDefaultPartition;
 using device_optimizer_test::kFrozenGroupElements;
 using device_optimizer_test::kPartition;
 using device_optimizer_test::kTimeout;
+using device_optimizer_test::make_packed;
+using device_optimizer_test::rounded_to_half;
 using engine_test::seeded;
 
 // kDefaultPartition's frozen runs of its bf16 groups: [1024, 2048), [4000, 6003),
@@ -58,28 +62,20 @@ constexpr std::size_t kMasterAlignment = 3 + 16;
 
 // Seeded values in [-1, 1) rounded to bf16 (each x then equals widen(narrow(x))).
 std::vector<float> exact_bf16(std::uint64_t seed) {
-  std::vector<float> v = seeded(kPartition, seed, -1.0f, 1.0f);
-  std::vector<std::uint16_t> half(v.size());
-  convert_f32_to_bf16(v.data(), half.data(), v.size());
-  convert_bf16_to_f32(half.data(), v.data(), v.size());
-  return v;
+  return rounded_to_half(seeded(kPartition, seed, -1.0f, 1.0f), DType::kBF16);
 }
 
 // The fixture's optimizers over a master bf16 holds exactly: packed_ (told of the frozen runs)
 // keeps the bf16 groups' frozen runs half-only, full_ (told of none) keeps every master.
-class DeviceFrozenHalfOnly : public DeviceOptimizerFrozen {
+class DeviceFrozenHalfOnly : public DeviceOptimizerFrozenSteps {
  protected:
   void SetUp() override {
     master_ = exact_bf16(8301);
-    DeviceOptimizerFrozen::SetUp();
+    DeviceOptimizerFrozenSteps::SetUp();
   }
   // An optimizer told of the frozen runs over `master`.
   std::unique_ptr<DeviceOptimizer> make(const std::vector<float>& master) {
-    const device_optimizer_test::Partition& p = partition_;
-    return std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, master.data(),
-                                             kTimeout, p.ranges, frozen_flags(p),
-                                             /*pack_grads=*/true))
-        .value();
+    return std::move(make_packed(*device_, partition_, master)).value();
   }
   void expect_frozen_master(DeviceOptimizer& o, const std::vector<float>& expected) {
     const std::vector<float> m = read(o, 0);
@@ -136,15 +132,8 @@ TEST_F(DeviceFrozenHalfOnly, FrozenRunsOfAnF32GroupKeepTheirMaster) {
     g.dtype = DType::kF32;
     g.byte_offset = 0;
   }
-  auto o = std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, master_.data(),
-                                             kTimeout, p.ranges, frozen_flags(p),
-                                             /*pack_grads=*/true))
-               .value();
-  const std::vector<float> drawn_master = seeded(kPartition, 8302, -1.0f, 1.0f);
-  auto drawn =
-      std::move(DeviceOptimizer::create(*device_, p.groups, p.elements, drawn_master.data(),
-                                        kTimeout, p.ranges, frozen_flags(p), /*pack_grads=*/true))
-          .value();
+  auto o = std::move(make_packed(*device_, p, master_)).value();
+  auto drawn = std::move(make_packed(*device_, p, seeded(kPartition, 8302, -1.0f, 1.0f))).value();
   EXPECT_EQ(o->half_only_elements(), 0u);
   EXPECT_EQ(o->device_bytes(), drawn->device_bytes());
   std::vector<float> m(kPartition);
@@ -156,10 +145,7 @@ TEST_F(DeviceFrozenHalfOnly, FrozenRunsOfAnF32GroupKeepTheirMaster) {
 // another exact master: it reads back the same bytes, keeps the frozen runs half-only (zero
 // moments there) and the same device bytes, and steps on as the full optimizer does.
 TEST_F(DeviceFrozenHalfOnly, CheckpointRoundTripReadsBackTheSameBytes) {
-  for (std::int64_t step = 1; step <= 2; ++step) {
-    set_grads(1400 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  train_both(1400, 1, 2);
   std::vector<std::vector<float>> saved;
   for (int which = 0; which < 3; ++which) saved.push_back(read(*packed_, which));
   std::unique_ptr<DeviceOptimizer> loaded = make(exact_bf16(8303));
@@ -173,10 +159,7 @@ TEST_F(DeviceFrozenHalfOnly, CheckpointRoundTripReadsBackTheSameBytes) {
         << "piece " << which;
   }
   packed_ = std::move(loaded);
-  for (std::int64_t step = 3; step <= 4; ++step) {
-    set_grads(1400 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  train_both(1400, 3, 4);
   expect_same("loaded, two steps");
 }
 
@@ -199,10 +182,7 @@ TEST_F(DeviceFrozenHalfOnly, AValueTheHalfCopyDoesNotHoldGivesTheRunsTheirMaster
             bytes + (kPartition - (kPartition - kHalfOnlyElements + kMasterAlignment)) * 4);
   const std::vector<float> back = read(*packed_, 0);
   EXPECT_EQ(std::memcmp(back.data(), master.data(), back.size() * 4), 0);
-  for (std::int64_t step = 1; step <= 2; ++step) {
-    set_grads(1500 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  train_both(1500, 1, 2);
   expect_same("two steps");
   expect_frozen_master(*packed_, master);
 }
@@ -216,23 +196,10 @@ TEST_F(DeviceFrozenHalfOnly, AnInexactElementKeepsTheOtherElementsBits) {
   std::vector<float> master = master_;
   const std::vector<float> other = exact_bf16(8306);
   std::copy(other.begin() + 9003, other.begin() + 10'003, master.begin() + 9003);
-  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
-    ASSERT_TRUE(o->write_state(0, 9003, 1000, master.data() + 9003).is_ok());
-  }
+  write_both(master, 9003, 1000);
   EXPECT_EQ(packed_->half_only_elements(), kHalfOnlyElements);
-  master[10'500] = std::nextafter(master[10'500], 2.0f);  // one bit below bf16's
-  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
-    ASSERT_TRUE(o->write_state(0, 10'500, 1, master.data() + 10'500).is_ok());
-  }
-  EXPECT_EQ(packed_->half_only_elements(), 0u);
-  const std::vector<float> back = read(*packed_, 0);
-  for (std::size_t e = 0; e < kPartition; ++e) {
-    ASSERT_EQ(std::memcmp(&back[e], &master[e], 4), 0) << "element " << e;
-  }
-  for (std::int64_t step = 1; step <= 2; ++step) {
-    set_grads(1550 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  write_inexact(master, 10'500, std::nextafter(master[10'500], 2.0f));  // one bit below bf16's
+  train_both(1550, 1, 2);
   expect_same("two steps");
   expect_frozen_master(*packed_, master);
 }
@@ -266,16 +233,13 @@ TEST_F(DeviceFrozenHalfOnly, SpecialValuesAndANaNPayloadBf16Drops) {
 // bf16's are, their half copy the f16 bits, and the same bits as the full optimizer through
 // steps. 65520 (the smallest float that f16 rounds to infinity) written into one element gives
 // every run its master, and every element reads back what was written.
-class DeviceFrozenHalfOnlyF16 : public DeviceOptimizerFrozen {
+class DeviceFrozenHalfOnlyF16 : public DeviceOptimizerFrozenSteps {
  protected:
   void SetUp() override {
     for (DeviceOptimizer::Group& g : partition_.groups) {
       if (g.dtype == DType::kBF16) g.dtype = DType::kF16;
     }
-    master_ = seeded(kPartition, 8321, -1.0f, 1.0f);
-    std::vector<std::uint16_t> half(master_.size());
-    convert_f32_to_f16(master_.data(), half.data(), master_.size());
-    convert_f16_to_f32(half.data(), master_.data(), master_.size());
+    master_ = rounded_to_half(seeded(kPartition, 8321, -1.0f, 1.0f), DType::kF16);
     master_[1030] = -0.0f;
     master_[1031] = std::numeric_limits<float>::infinity();
     master_[1032] = -std::numeric_limits<float>::infinity();
@@ -283,7 +247,7 @@ class DeviceFrozenHalfOnlyF16 : public DeviceOptimizerFrozen {
     master_[1034] = std::ldexp(1.0f, -24);      // f16's smallest subnormal
     master_[1035] = -std::ldexp(1023.0f, -24);  // its largest
     master_[1036] = std::ldexp(3.0f, -20);      // a subnormal between
-    DeviceOptimizerFrozen::SetUp();
+    DeviceOptimizerFrozenSteps::SetUp();
   }
 };
 
@@ -295,26 +259,20 @@ TEST_F(DeviceFrozenHalfOnlyF16, HalfOnlyRunsHoldTheF16BitsAndAnOverflowGivesMast
   for (std::size_t e = 1024; e < 2048; ++e) {
     ASSERT_EQ(copy[e], f32_to_f16(master_[e])) << "element " << e;
   }
-  for (std::int64_t step = 1; step <= 2; ++step) {
-    set_grads(1800 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  train_both(1800, 1, 2);
   expect_same("two steps");
   std::vector<float> master = read(*full_, 0);
-  master[1040] = 65520.0f;
-  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
-    ASSERT_TRUE(o->write_state(0, 1040, 1, master.data() + 1040).is_ok());
-  }
-  EXPECT_EQ(packed_->half_only_elements(), 0u);
-  const std::vector<float> again = read(*packed_, 0);
-  for (std::size_t e = 0; e < kPartition; ++e) {
-    ASSERT_EQ(std::memcmp(&again[e], &master[e], 4), 0) << "element " << e;
-  }
-  for (std::int64_t step = 3; step <= 4; ++step) {
-    set_grads(1800 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  write_inexact(master, 1040, 65520.0f);
+  train_both(1800, 3, 4);
   expect_same("65520 written, two steps");
+}
+
+// An opaque HostDevice of `limit_bytes` (HostDeviceOptions' default when 0).
+std::unique_ptr<Device> opaque_device(std::size_t limit_bytes = 0) {
+  HostDeviceOptions options;
+  options.opaque = true;
+  if (limit_bytes != 0) options.memory_limit_bytes = limit_bytes;
+  return std::move(make_host_device(options)).value();
 }
 
 // The device memory a load of values bf16 does not hold needs, written in pieces of 1000
@@ -329,13 +287,8 @@ TEST(DeviceFrozenHalfOnlyLimit, ALoadOfInexactValuesFitsTheOldAndTheWholeMaster)
   const std::vector<float> exact = exact_bf16(8311);
   const std::vector<float> drawn = seeded(kPartition, 8312, -1.0f, 1.0f);
   auto load = [&](std::size_t limit_bytes, std::uint64_t* used_bytes) -> Status {
-    HostDeviceOptions options;
-    options.opaque = true;
-    options.memory_limit_bytes = limit_bytes;
-    std::unique_ptr<Device> device = std::move(make_host_device(options)).value();
-    Result<std::unique_ptr<DeviceOptimizer>> o =
-        DeviceOptimizer::create(*device, p.groups, p.elements, exact.data(), kTimeout, p.ranges,
-                                frozen_flags(p), /*pack_grads=*/true);
+    std::unique_ptr<Device> device = opaque_device(limit_bytes);
+    Result<std::unique_ptr<DeviceOptimizer>> o = make_packed(*device, p, exact);
     if (!o.is_ok()) return o.status();
     EXPECT_EQ(o.value()->half_only_elements(), kHalfOnlyElements);
     *used_bytes = device->memory_used_bytes();
@@ -385,10 +338,7 @@ TEST_F(DeviceFrozenHalfOnly, LoadedMomentsGiveEveryRunItsMaster) {
             full_->device_bytes() + 3 * 4 + (kFrozenGroupElements + 16) * 4);
   expect_same("moments written");
   expect_frozen_master(*packed_, master_);
-  for (std::int64_t step = 2; step <= 3; ++step) {
-    set_grads(1600 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  train_both(1600, 2, 3);
   expect_same("two steps");
 }
 
@@ -402,23 +352,13 @@ TEST(DeviceFrozenHalfOnlyLimit, MomentsWithoutRoomChangeNothing) {
   const std::vector<float> moments = seeded(kPartition, 8314, 0.01f, 0.1f);
   std::size_t used_bytes = 0;
   {
-    HostDeviceOptions options;
-    options.opaque = true;
-    std::unique_ptr<Device> probe = std::move(make_host_device(options)).value();
-    auto o = std::move(DeviceOptimizer::create(*probe, p.groups, p.elements, exact.data(), kTimeout,
-                                               p.ranges, frozen_flags(p),
-                                               /*pack_grads=*/true))
-                 .value();
+    std::unique_ptr<Device> probe = opaque_device();
+    auto o = std::move(make_packed(*probe, p, exact)).value();
     used_bytes = probe->memory_used_bytes();
   }
-  HostDeviceOptions options;
-  options.opaque = true;
   // The masters given back (the whole partition's beside the packed one) fit; the moments do not.
-  options.memory_limit_bytes = used_bytes + kPartition * sizeof(float);
-  std::unique_ptr<Device> device = std::move(make_host_device(options)).value();
-  auto o = std::move(DeviceOptimizer::create(*device, p.groups, p.elements, exact.data(), kTimeout,
-                                             p.ranges, frozen_flags(p), /*pack_grads=*/true))
-               .value();
+  std::unique_ptr<Device> device = opaque_device(used_bytes + kPartition * sizeof(float));
+  auto o = std::move(make_packed(*device, p, exact)).value();
   const std::uint64_t bytes = o->device_bytes();
   const Status s = o->write_state(1, 0, kPartition, moments.data());
   EXPECT_EQ(s.code(), Code::kResourceExhausted) << s.to_string();
@@ -449,11 +389,7 @@ engine_test::Model lora_like(bool exact) {
               {"head.w", "head", {29, 43}, DType::kBF16}};
   for (std::size_t p = 0; p < m.params.size(); ++p) {
     std::vector<float> v = seeded(m.params[p].element_count(), 8400 + p, -1.0f, 1.0f);
-    if (exact && m.params[p].module == "base") {
-      std::vector<std::uint16_t> half(v.size());
-      convert_f32_to_bf16(v.data(), half.data(), v.size());
-      convert_bf16_to_f32(half.data(), v.data(), v.size());
-    }
+    if (exact && m.params[p].module == "base") v = rounded_to_half(std::move(v), DType::kBF16);
     m.initial.push_back(std::move(v));
   }
   m.frozen_module = "base";
@@ -503,6 +439,25 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// `trained` (a run's masters of `model` after its steps): the base's parameters hold `base`'s
+// bits; every other parameter trained away from `start` to `reference`'s bits.
+void expect_trained(const engine_test::Model& model, const std::vector<std::vector<float>>& trained,
+                    const std::vector<std::vector<float>>& base,
+                    const std::vector<std::vector<float>>& start,
+                    const std::vector<std::vector<float>>& reference) {
+  ASSERT_EQ(trained.size(), model.params.size());
+  ASSERT_EQ(reference.size(), model.params.size());
+  for (std::size_t p = 0; p < model.params.size(); ++p) {
+    const std::string& name = model.params[p].name;
+    if (model.params[p].module == "base") {
+      EXPECT_TRUE(same_bits(trained[p], base[p])) << name;
+    } else {
+      EXPECT_FALSE(same_bits(trained[p], start[p])) << name << " did not train";
+      EXPECT_TRUE(same_bits(trained[p], reference[p])) << name;
+    }
+  }
+}
+
 // The base the half copy holds takes 4 bytes an element less device memory than the same model's
 // with values bf16 does not hold, its group's padding included: the base's group ("base.w" and
 // "base.b", 14,788 elements) at 1536 is padded to 14,848, and the padding, zero, is frozen
@@ -529,18 +484,13 @@ TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
               static_cast<unsigned long long>(half_only.finalized_bytes));
   constexpr std::size_t kBasePadding = 2560 - 2500;  // "base.b"'s group
   EXPECT_EQ(half_only.finalized_bytes + (base_elements + kBasePadding) * 4, kept.finalized_bytes);
-  ASSERT_EQ(half_only.trained.size(), exact.params.size());
-  ASSERT_EQ(kept.trained.size(), exact.params.size());
+  ASSERT_EQ(half_only.finalized.size(), exact.params.size());
   for (std::size_t p = 0; p < exact.params.size(); ++p) {
-    const std::string& name = exact.params[p].name;
-    if (exact.params[p].module == "base") {
-      EXPECT_TRUE(same_bits(half_only.finalized[p], exact.initial[p])) << name;
-      EXPECT_TRUE(same_bits(half_only.trained[p], exact.initial[p])) << name;
-    } else {
-      EXPECT_FALSE(same_bits(half_only.trained[p], exact.initial[p])) << name << " did not train";
-      EXPECT_TRUE(same_bits(half_only.trained[p], kept.trained[p])) << name;
-    }
+    if (exact.params[p].module != "base") continue;
+    EXPECT_TRUE(same_bits(half_only.finalized[p], exact.initial[p])) << exact.params[p].name;
   }
+  ASSERT_NO_FATAL_FAILURE(
+      expect_trained(exact, half_only.trained, exact.initial, exact.initial, kept.trained));
   // Loaded and saved again with no step between: the same bytes.
   const EngineRun loaded = run_engine(exact, ckpt, "three", 4, 0, "again");
   EXPECT_EQ(loaded.finalized_bytes, half_only.finalized_bytes);
@@ -555,17 +505,7 @@ TEST(DeviceFrozenHalfOnlyEngine, TheBaseTakesNoMasterAndTrainsAsWithItKept) {
   const EngineRun resumed = run_engine(exact, ckpt, "three", 4, 2, "");
   const EngineRun kept_resumed = run_engine(drawn, ckpt, "kept", 4, 2, "");
   EXPECT_EQ(resumed.finalized_bytes, half_only.finalized_bytes);
-  ASSERT_EQ(resumed.trained.size(), exact.params.size());
-  ASSERT_EQ(kept_resumed.trained.size(), exact.params.size());
-  for (std::size_t p = 0; p < exact.params.size(); ++p) {
-    const std::string& name = exact.params[p].name;
-    if (exact.params[p].module == "base") {
-      EXPECT_TRUE(same_bits(resumed.trained[p], exact.initial[p])) << name;
-    } else {
-      EXPECT_FALSE(same_bits(resumed.trained[p], half_only.trained[p])) << name << " did not train";
-      EXPECT_TRUE(same_bits(resumed.trained[p], kept_resumed.trained[p])) << name;
-    }
-  }
+  expect_trained(exact, resumed.trained, exact.initial, half_only.trained, kept_resumed.trained);
 }
 
 // A write_parameters of one frozen tensor with values bf16 does not hold ("base.b", a LoRA merge
@@ -600,17 +540,12 @@ TEST(DeviceFrozenHalfOnlyEngine, AnInexactWriteOfOneFrozenTensorGivesOnlyItsRuns
   EXPECT_LE(merged_run.finalized_bytes, half_only.finalized_bytes + (2560 + 15) * 4);
   EXPECT_EQ(merged_run.finalized_bytes, reference.finalized_bytes);
   ASSERT_EQ(merged_run.finalized.size(), exact.params.size());
-  ASSERT_EQ(merged_run.trained.size(), exact.params.size());
-  ASSERT_EQ(reference.trained.size(), exact.params.size());
   EXPECT_TRUE(same_bits(merged_run.finalized[bias], merged));
-  for (std::size_t p = 0; p < exact.params.size(); ++p) {
-    const std::string& name = exact.params[p].name;
-    if (exact.params[p].module == "base") {
-      EXPECT_TRUE(same_bits(merged_run.trained[p], written.initial[p])) << name;
-    } else {
-      EXPECT_FALSE(same_bits(merged_run.trained[p], exact.initial[p])) << name << " did not train";
-    }
-    EXPECT_TRUE(same_bits(merged_run.trained[p], reference.trained[p])) << name;
+  ASSERT_NO_FATAL_FAILURE(
+      expect_trained(exact, merged_run.trained, written.initial, exact.initial, reference.trained));
+  for (std::size_t p = 0; p < exact.params.size(); ++p) {  // the reference's base: the same bits
+    if (exact.params[p].module != "base") continue;
+    EXPECT_TRUE(same_bits(merged_run.trained[p], reference.trained[p])) << exact.params[p].name;
   }
 }
 
@@ -684,93 +619,89 @@ class GatedDevice final : public Device {
   std::shared_future<void> opened_ = gate_.get_future().share();
 };
 
+// GatedDevice's tests: a DeviceOptimizer of one bf16 group of kElements, [0, 2048) trainable and
+// [2048, kElements) frozen, on a GatedDevice whose device ops are its HostDevice's, waiting kWait.
+class DeviceFrozenHalfOnlyTimeout : public ::testing::Test {
+ protected:
+  static constexpr std::size_t kElements = 4096;
+  static constexpr std::chrono::milliseconds kWait{400};
+
+  void SetUp() override {
+    HostDeviceOptions options;
+    options.opaque = true;
+    auto inner = make_host_device(options);
+    ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
+    device_ = std::make_unique<GatedDevice>(std::move(inner).value());
+    set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
+      auto* gated = dynamic_cast<GatedDevice*>(&d);
+      if (gated == nullptr) return nullptr;
+      auto ops = make_device_ops(gated->inner());
+      return ops.is_ok() ? std::move(ops).value() : nullptr;
+    });
+    before_bytes_ = device_->memory_used_bytes();
+  }
+  void TearDown() override { set_device_ops_factory(nullptr); }
+
+  Result<std::unique_ptr<DeviceOptimizer>> make(const std::vector<float>& master) {
+    return DeviceOptimizer::create(*device_, {{0, kElements, 0, DType::kBF16}}, kElements,
+                                   master.data(), kWait, {{0, 0}, {2048, 1}}, {false, true});
+  }
+  // Closes the gate and writes `value` into element 3000 of piece `which` (0 the master, 1
+  // exp_avg): the call returns kTimeout after one wait, not a second.
+  void expect_one_timed_out_wait(DeviceOptimizer& o, int which, float value) {
+    device_->close();
+    const auto start = std::chrono::steady_clock::now();
+    const Status s = o.write_state(which, 3000, 1, &value);
+    const auto waited = std::chrono::steady_clock::now() - start;
+    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
+    EXPECT_LT(waited, kWait * 2) << "waited twice";
+  }
+
+  std::unique_ptr<GatedDevice> device_;
+  std::size_t before_bytes_ = 0;
+};
+
 // A write that gives the half-only run its master back whose device work outlasts the timeout:
 // the call returns the timeout after one wait (not a second, which would run out as well), and
 // the new master, which the queued copy and widen still write, stays allocated until the
 // optimizer, gone after the work has run, frees it.
-TEST(DeviceFrozenHalfOnlyTimeout, ARestoreThatTimesOutKeepsItsBufferAndWaitsOnce) {
-  HostDeviceOptions options;
-  options.opaque = true;
-  auto inner = make_host_device(options);
-  ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
-  GatedDevice device(std::move(inner).value());
-  set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
-    auto* gated = dynamic_cast<GatedDevice*>(&d);
-    if (gated == nullptr) return nullptr;
-    auto ops = make_device_ops(gated->inner());
-    return ops.is_ok() ? std::move(ops).value() : nullptr;
-  });
-  constexpr std::size_t kElements = 4096;
-  constexpr auto kWait = std::chrono::milliseconds(400);
+TEST_F(DeviceFrozenHalfOnlyTimeout, ARestoreThatTimesOutKeepsItsBufferAndWaitsOnce) {
   // A trainable run and a frozen one whose seeded values bf16 holds.
-  std::vector<float> master = seeded(kElements, 8490, -1.0f, 1.0f);
-  std::vector<std::uint16_t> half(kElements);
-  convert_f32_to_bf16(master.data(), half.data(), kElements);
-  convert_bf16_to_f32(half.data(), master.data(), kElements);
-  const std::size_t before = device.memory_used_bytes();
+  const std::vector<float> master =
+      rounded_to_half(seeded(kElements, 8490, -1.0f, 1.0f), DType::kBF16);
   {
-    auto made = DeviceOptimizer::create(device, {{0, kElements, 0, DType::kBF16}}, kElements,
-                                        master.data(), kWait, {{0, 0}, {2048, 1}}, {false, true});
+    auto made = make(master);
     ASSERT_TRUE(made.is_ok()) << made.status().to_string();
     std::unique_ptr<DeviceOptimizer> opt = std::move(made).value();
     ASSERT_EQ(opt->half_only_elements(), kElements - 2048);
-    const std::size_t held = device.memory_used_bytes();
-    device.close();
-    const float inexact = 0.1f;
-    const auto start = std::chrono::steady_clock::now();
-    const Status s = opt->write_state(0, 3000, 1, &inexact);
-    const auto waited = std::chrono::steady_clock::now() - start;
-    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
-    EXPECT_LT(waited, kWait * 2) << "waited twice";
+    const std::size_t held = device_->memory_used_bytes();
+    expect_one_timed_out_wait(*opt, 0, 0.1f);
     // The new master (the whole partition's, packed as before) is still allocated.
-    EXPECT_EQ(device.memory_used_bytes(), held + kElements * sizeof(float));
+    EXPECT_EQ(device_->memory_used_bytes(), held + kElements * sizeof(float));
     EXPECT_EQ(opt->half_only_elements(), kElements - 2048);
-    device.open();
+    device_->open();
   }
-  EXPECT_EQ(device.memory_used_bytes(), before);
-  set_device_ops_factory(nullptr);
+  EXPECT_EQ(device_->memory_used_bytes(), before_bytes_);
 }
 
 // The same for non-zero moments written into a frozen run (no half-only run: the master is drawn)
 // whose zeroing of the whole partition's moments outlasts the timeout: one wait, and both new
 // moment arrays stay allocated until the optimizer goes.
-TEST(DeviceFrozenHalfOnlyTimeout, AnUnpackThatTimesOutKeepsItsMomentsAndWaitsOnce) {
-  HostDeviceOptions options;
-  options.opaque = true;
-  auto inner = make_host_device(options);
-  ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
-  GatedDevice device(std::move(inner).value());
-  set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
-    auto* gated = dynamic_cast<GatedDevice*>(&d);
-    if (gated == nullptr) return nullptr;
-    auto ops = make_device_ops(gated->inner());
-    return ops.is_ok() ? std::move(ops).value() : nullptr;
-  });
-  constexpr std::size_t kElements = 4096;
-  constexpr auto kWait = std::chrono::milliseconds(400);
+TEST_F(DeviceFrozenHalfOnlyTimeout, AnUnpackThatTimesOutKeepsItsMomentsAndWaitsOnce) {
   const std::vector<float> master = seeded(kElements, 8491, -1.0f, 1.0f);
-  const std::size_t before = device.memory_used_bytes();
   {
-    auto made = DeviceOptimizer::create(device, {{0, kElements, 0, DType::kBF16}}, kElements,
-                                        master.data(), kWait, {{0, 0}, {2048, 1}}, {false, true});
+    auto made = make(master);
     ASSERT_TRUE(made.is_ok()) << made.status().to_string();
     std::unique_ptr<DeviceOptimizer> opt = std::move(made).value();
     ASSERT_EQ(opt->half_only_elements(), 0u);
     ASSERT_TRUE(opt->packed());
-    const std::size_t held = device.memory_used_bytes();
-    device.close();
-    const float moment = 0.25f;
-    const auto start = std::chrono::steady_clock::now();
-    const Status s = opt->write_state(1, 3000, 1, &moment);
-    const auto waited = std::chrono::steady_clock::now() - start;
-    EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
-    EXPECT_LT(waited, kWait * 2) << "waited twice";
-    EXPECT_EQ(device.memory_used_bytes(), held + 2 * kElements * sizeof(float));
+    const std::size_t held = device_->memory_used_bytes();
+    expect_one_timed_out_wait(*opt, 1, 0.25f);
+    EXPECT_EQ(device_->memory_used_bytes(), held + 2 * kElements * sizeof(float));
     EXPECT_TRUE(opt->packed());
-    device.open();
+    device_->open();
   }
-  EXPECT_EQ(device.memory_used_bytes(), before);
-  set_device_ops_factory(nullptr);
+  EXPECT_EQ(device_->memory_used_bytes(), before_bytes_);
 }
 
 }  // namespace

@@ -19,23 +19,25 @@
 #include <memory>
 #include <vector>
 
+#include "engine/device_frozen_half_only_test_util.hpp"
 #include "engine/device_optimizer_test_util.hpp"
 #include "zinf/device.hpp"
 
 namespace zinf {
 namespace {
 
-using device_optimizer_test::DeviceOptimizerFrozen;
+using device_optimizer_test::DeviceOptimizerFrozenSteps;
 using device_optimizer_test::kPartition;
+using device_optimizer_test::rounded_to_half;
 using device_optimizer_test::seeded;
 
-class DeviceOptimizerFrozenCuda : public DeviceOptimizerFrozen {
+class DeviceOptimizerFrozenCuda : public DeviceOptimizerFrozenSteps {
  protected:
   void SetUp() override {
     Result<std::unique_ptr<Device>> cuda = make_cuda_device(0);
     if (!cuda.is_ok()) GTEST_SKIP() << "no CUDA device: " << cuda.status().to_string();
     device_ = std::move(cuda).value();
-    DeviceOptimizerFrozen::SetUp();
+    DeviceOptimizerFrozenSteps::SetUp();
   }
 };
 
@@ -58,10 +60,7 @@ TEST_F(DeviceOptimizerFrozenCuda, PackedGradientsStepTheSameBits) {
 class DeviceOptimizerHalfOnlyCuda : public DeviceOptimizerFrozenCuda {
  protected:
   void SetUp() override {
-    master_ = seeded(kPartition, 960, -1.0f, 1.0f);
-    std::vector<std::uint16_t> half(master_.size());
-    convert_f32_to_bf16(master_.data(), half.data(), master_.size());
-    convert_bf16_to_f32(half.data(), master_.data(), master_.size());
+    master_ = rounded_to_half(seeded(kPartition, 960, -1.0f, 1.0f), DType::kBF16);
     DeviceOptimizerFrozenCuda::SetUp();
   }
 };
@@ -70,25 +69,11 @@ TEST_F(DeviceOptimizerHalfOnlyCuda, WidenedMastersKeepTheirBits) {
   // The frozen runs of the bf16 groups: [1024, 2048), [4000, 6003), [9003, 11'003), [13'006,
   // 14'011).
   EXPECT_EQ(packed_->half_only_elements(), std::size_t{1024 + 2003 + 2000 + 1005});
-  for (std::int64_t step = 1; step <= 2; ++step) {
-    set_grads(970 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  train_both(970, 1, 2);
   std::vector<float> master = read(*full_, 0);
   EXPECT_EQ(std::memcmp(read(*packed_, 0).data(), master.data(), master.size() * 4), 0);
-  master[10'500] = std::nextafter(master[10'500], 2.0f);  // one bit below bf16's
-  for (DeviceOptimizer* o : {packed_.get(), full_.get()}) {
-    ASSERT_TRUE(o->write_state(0, 10'500, 1, master.data() + 10'500).is_ok());
-  }
-  EXPECT_EQ(packed_->half_only_elements(), 0u);
-  const std::vector<float> back = read(*packed_, 0);
-  for (std::size_t e = 0; e < kPartition; ++e) {
-    ASSERT_EQ(std::memcmp(&back[e], &master[e], 4), 0) << "element " << e;
-  }
-  for (std::int64_t step = 3; step <= 4; ++step) {
-    set_grads(970 + static_cast<std::uint64_t>(step));
-    step_both(step);
-  }
+  write_inexact(master, 10'500, std::nextafter(master[10'500], 2.0f));  // one bit below bf16's
+  train_both(970, 3, 4);
   expect_same("masters widened on the GPU, two steps");
 }
 
