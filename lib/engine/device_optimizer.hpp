@@ -189,8 +189,9 @@ class DeviceOptimizer {
   struct Run;
   // Sets each run's master offset (Run::master) for the runs that have one (master not
   // kNoMaster): one after another in partition order, a run after a half-only one (or the first)
-  // at the first offset congruent to its partition offset modulo 16 elements. Returns the
-  // elements the master buffer needs (the partition, when every run has a master).
+  // at the next multiple of 16 elements plus its partition offset modulo 16 (so congruent to it,
+  // at most 30 elements past the run before). Returns the elements the master buffer needs (the
+  // partition, when every run has a master).
   static std::size_t layout_masters(std::vector<Run>& runs);
   // Gives every half-only run that meets partition elements [begin, end) its master: a new
   // master buffer in the new layout (one reallocation: the old buffer and the new one at the

@@ -148,11 +148,11 @@
 //                   sub-groups widened to 1024 elements, so no frozen element keeps a master
 //                   beside a trainable run: nothing for runs off the cuts. Left out: each stretch
 //                   of runs that keep a master (a trainable run; a frozen group's padding is
-//                   frozen with it) begins at the first offset congruent to its partition offset
-//                   modulo 16 elements, at most 30 elements (120 B) past where packing end to end
-//                   would put it (under 8 KiB for Llama-2-7B's 64 LoRA runs on one GPU, where no
-//                   tensor is padded); and the host block a half-only master is uploaded through
-//                   (2 B an element, at most 1 Mi elements: 2 MiB), which the engine's
+//                   frozen with it) begins at the next multiple of 16 elements plus its
+//                   partition offset modulo 16, at most 30 elements (120 B) past where packing end
+//                   to end would put it (under 8 KiB for Llama-2-7B's 64 LoRA runs on one GPU,
+//                   where no tensor is padded); and the host block a half-only master is uploaded
+//                   through (2 B an element, at most 1 Mi elements: 2 MiB), which the engine's
 //                   MemoryReport leaves out too.
 //   half copy       2·Pr on the device as above: it is what the frozen elements keep.
 //   So a frozen element takes 6 B of device memory for its state with optimizer none (master 4,

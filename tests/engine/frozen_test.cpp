@@ -990,10 +990,10 @@ TEST(Frozen, LoraFrozenMasterHeldByItsHalfCopyTakesNoHostMemory) {
 // here) and, at stage 2, its share of the gradient accumulator (4 bytes an element) never become
 // resident. What finalize() and the steps add is at most the fp32 master of every element (4
 // bytes), the bf16 values the step writes and the bf16 parameters on the device (2 + 2 bytes;
-// less where the allocator hands the registered values that finalize() frees back to the
-// system), and the trainable elements' moments and gradients (12 bytes); 128 MiB of slack (a
-// quarter of the frozen moments) covers the rest. With the moments and gradients of every element
-// written, the growth is 768 MiB more.
+// less: finalize() hands the registered values' copies back to the system), and the trainable
+// elements' moments and gradients (12 bytes); 128 MiB of slack (a quarter of the frozen moments)
+// covers the rest. With the moments and gradients of every element written, the growth is 768 MiB
+// more.
 TEST(Frozen, LoraFrozenMomentsTakeNoHostMemoryWithTheStateOnTheHostDevice) {
   if (test::kThreadSanitizer || test::kAddressSanitizer) {
     GTEST_SKIP() << "measures resident memory, which a sanitizer's shadow memory inflates";
