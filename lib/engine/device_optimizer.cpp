@@ -167,20 +167,17 @@ Result<std::unique_ptr<DeviceOptimizer>> DeviceOptimizer::create(
   ZINF_ASSIGN_OR_RETURN(o->scratch_, DeviceBuffer::allocate(device, kScratchFloats * 4));
   ZINF_ASSIGN_OR_RETURN(o->result_, RegisteredBuffer::allocate(device, sizeof(float)));
   Stream& s = *o->stream_;
+  // Each run's master, or a half-only run's half copy (round_frozen() below skips those).
   for (const Run& r : o->runs_) {
-    if (r.master == kNoMaster) continue;
     ZINF_RETURN_IF_ERROR(
-        device.copy_h2d(o->master_at(r, r.offset), master + r.offset, r.count * 4, s));
+        r.master == kNoMaster
+            ? o->upload_half(r, r.offset, r.count, master + r.offset)
+            : device.copy_h2d(o->master_at(r, r.offset), master + r.offset, r.count * 4, s));
   }
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->exp_avg_sq_.data(), 0, moment_bytes, s));
   ZINF_RETURN_IF_ERROR(device.memset_async(o->grads_.data(), 0, grad_bytes, s));
   ZINF_RETURN_IF_ERROR(o->round_frozen(0, partition_elements));
-  for (const Run& r : o->runs_) {
-    if (r.master == kNoMaster) {
-      ZINF_RETURN_IF_ERROR(o->upload_half(r, r.offset, r.count, master + r.offset));
-    }
-  }
   ZINF_RETURN_IF_ERROR(device.synchronize(s, timeout));
   return o;
 }
@@ -203,10 +200,26 @@ std::size_t DeviceOptimizer::layout_masters(std::vector<Run>& runs) {
 
 std::size_t DeviceOptimizer::first_inexact(DType dtype, const float* values, std::size_t count) {
   ZINF_ASSERT(dtype != DType::kF32);
-  for (std::size_t i = 0; i < count; ++i) {
-    const float back = dtype == DType::kBF16 ? bf16_to_f32(f32_to_bf16(values[i]))
-                                             : f16_to_f32(f32_to_f16(values[i]));
-    if (std::bit_cast<std::uint32_t>(back) != std::bit_cast<std::uint32_t>(values[i])) return i;
+  // A chunk at a time through the vector converters that upload_half narrows with (a whole
+  // frozen base is checked at create), and the element only in a chunk that differs.
+  constexpr std::size_t kChunkElements = 4096;
+  std::array<std::uint16_t, kChunkElements> half;
+  std::array<float, kChunkElements> back;
+  for (std::size_t done = 0; done < count; done += kChunkElements) {
+    const std::size_t chunk_elements = std::min(kChunkElements, count - done);
+    if (dtype == DType::kBF16) {
+      convert_f32_to_bf16(values + done, half.data(), chunk_elements);
+      convert_bf16_to_f32(half.data(), back.data(), chunk_elements);
+    } else {
+      convert_f32_to_f16(values + done, half.data(), chunk_elements);
+      convert_f16_to_f32(half.data(), back.data(), chunk_elements);
+    }
+    if (std::memcmp(back.data(), values + done, chunk_elements * sizeof(float)) == 0) continue;
+    for (std::size_t i = 0; i < chunk_elements; ++i) {
+      if (std::bit_cast<std::uint32_t>(back[i]) != std::bit_cast<std::uint32_t>(values[done + i])) {
+        return done + i;
+      }
+    }
   }
   return count;
 }
