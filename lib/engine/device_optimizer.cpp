@@ -11,6 +11,7 @@
 #include <string>
 
 #include "base/assert.hpp"
+#include "engine/narrow.hpp"
 #include "kernels/sq_norm.h"
 #include "tier/state_store.hpp"
 
@@ -236,11 +237,7 @@ Status DeviceOptimizer::upload_half(const Run& r, std::size_t first, std::size_t
   std::byte* half = half_.as<std::byte>() + g.byte_offset + (first - g.offset) * 2;
   for (std::size_t done = 0; done < count; done += half_chunk_.size()) {
     const std::size_t chunk_elements = std::min(half_chunk_.size(), count - done);
-    if (g.dtype == DType::kBF16) {
-      convert_f32_to_bf16(in + done, half_chunk_.data(), chunk_elements);
-    } else {
-      convert_f32_to_f16(in + done, half_chunk_.data(), chunk_elements);
-    }
+    narrow(in + done, chunk_elements, g.dtype, half_chunk_.data());
     ZINF_RETURN_IF_ERROR(
         device_.copy_h2d(half + done * 2, half_chunk_.data(), chunk_elements * 2, *stream_));
     // The block is reused by the next chunk.

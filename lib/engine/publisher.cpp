@@ -2,26 +2,11 @@
 #include "engine/publisher.hpp"
 
 #include <algorithm>
-#include <cstring>
 #include <functional>
 
 #include "base/assert.hpp"
 
 namespace zinf {
-
-void narrow(const float* src, std::size_t count, DType dtype, void* dst) {
-  switch (dtype) {
-    case DType::kF32:
-      std::memcpy(dst, src, count * sizeof(float));
-      break;
-    case DType::kBF16:
-      convert_f32_to_bf16(src, static_cast<std::uint16_t*>(dst), count);
-      break;
-    case DType::kF16:
-      convert_f32_to_f16(src, static_cast<std::uint16_t*>(dst), count);
-      break;
-  }
-}
 
 GroupSpan groups_spanning(const ParameterLayout& layout, std::size_t begin, std::size_t end) {
   ZINF_ASSERT(begin < end && end <= layout.partition_elements());

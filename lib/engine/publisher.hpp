@@ -45,14 +45,12 @@
 #include "base/assert.hpp"
 #include "engine/function_ref.hpp"
 #include "engine/layout.hpp"
+#include "engine/narrow.hpp"
 #include "zero/param_coordinator.hpp"
 #include "zinf/dtype.hpp"
 #include "zinf/status.hpp"
 
 namespace zinf {
-
-// dst (count elements of dtype) <- src floats, rounded to nearest even.
-void narrow(const float* src, std::size_t count, DType dtype, void* dst);
 
 // The groups whose slices hold partition elements [begin, end), [first_group, end_group), and
 // their slices' span of the partition, [begin, end) widened to whole groups

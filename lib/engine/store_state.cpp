@@ -46,6 +46,7 @@
 #include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "device/pinned_pool.hpp"
+#include "engine/narrow.hpp"
 #include "engine/optimizer_state.hpp"
 #include "engine/param_groups.hpp"
 #include "zinf/dtype.hpp"
