@@ -172,7 +172,8 @@ struct Config {
   std::size_t train_batch_size = 0;
   // The engine does not size batches (the program does); the value counts through the
   // arithmetic above, and `zinf plan` reads it for activation memory.
-  // train_micro_batch_given: the config reader sets it where the key has a number.
+  // train_micro_batch_given: the config reader sets it where the key has a number (in code, a
+  // value other than 1 counts as given without it).
   std::size_t train_micro_batch_size_per_gpu = 1;
   bool train_micro_batch_given = false;
   // The micro-batches of a step (validate() refuses 0, and a micro-batch of 0, as DeepSpeed's
@@ -298,12 +299,15 @@ Result<Config> load_config(const std::string& path);
 Status validate(const Config& config);
 // DeepSpeed's batch arithmetic (deepspeed/runtime/config.py, _set_batch_related_parameters and
 // _batch_assertion) at `world_size` ranks. Without train_batch_size nothing changes. With it, a
-// missing train_micro_batch_size_per_gpu is train_batch_size / world_size /
-// gradient_accumulation_steps, a missing gradient_accumulation_steps is train_batch_size /
-// train_micro_batch_size_per_gpu / world_size, and with both missing the steps are 1 (divisions
-// rounding down); then the product must equal train_batch_size, else kInvalidArgument naming
-// train_batch_size and all four figures. On success both are marked given. parse_config() calls
-// it when zinf.world_size is set, Engine::open() with the communicator's world size.
+// count is given where its flag is set (the config reader sets it for the key) or its value is
+// not the default 1 (a Config built in code gives a count by setting it). A missing
+// train_micro_batch_size_per_gpu is train_batch_size / world_size / gradient_accumulation_steps,
+// a missing gradient_accumulation_steps is train_batch_size / train_micro_batch_size_per_gpu /
+// world_size, and with both missing the steps are 1 (divisions rounding down); counts that are
+// given are kept. Then the product must equal train_batch_size, else kInvalidArgument naming
+// train_batch_size, train_micro_batch_size_per_gpu and gradient_accumulation_steps with all four
+// figures. On success both are marked given. parse_config() calls it when zinf.world_size is set,
+// Engine::open() with the communicator's world size.
 Status resolve_batch_sizes(int world_size, Config* config);
 // The config as JSON in the same format (2-space indented); parse_config() reads it back equal.
 std::string config_to_json(const Config& config);

@@ -867,17 +867,23 @@ Status resolve_batch_sizes(int world_size, Config* config) {
   // DeepSpeed derives the missing count by floor division and then checks the product, so a
   // train_batch_size that the others do not divide is refused, not rounded.
   auto divide = [](std::size_t a, std::size_t b) { return b == 0 ? 0 : a / b; };
+  // A count counts as given where the reader saw its key, or where it is not the default of 1:
+  // a Config built in code sets the fields without the flags, and its micro-batch and steps are
+  // as much the program's choice as a file's keys. (A count of 1 set in code without its flag is
+  // derived like a missing one; where the three already agree, the derivation gives it back.)
+  const bool micro_given = c.train_micro_batch_given || c.train_micro_batch_size_per_gpu != 1;
+  const bool steps_given = c.gradient_accumulation_given || c.gradient_accumulation_steps != 1;
   // Which count was derived, for the message.
   std::string_view derived;
-  if (c.train_micro_batch_given && !c.gradient_accumulation_given) {
+  if (micro_given && !steps_given) {
     c.gradient_accumulation_steps =
         divide(divide(c.train_batch_size, c.train_micro_batch_size_per_gpu), world);
     derived = "gradient_accumulation_steps";
-  } else if (!c.train_micro_batch_given && c.gradient_accumulation_given) {
+  } else if (!micro_given && steps_given) {
     c.train_micro_batch_size_per_gpu =
         divide(divide(c.train_batch_size, world), c.gradient_accumulation_steps);
     derived = "train_micro_batch_size_per_gpu";
-  } else if (!c.train_micro_batch_given) {
+  } else if (!micro_given) {
     c.gradient_accumulation_steps = 1;
     c.train_micro_batch_size_per_gpu = divide(c.train_batch_size, world);
     derived = "train_micro_batch_size_per_gpu";

@@ -217,13 +217,16 @@ std::string config_to_json(const Config& c) {
     return j;
   };
   Json out;
-  // With train_batch_size, the other two only where given (or derived), so that the file read back
-  // derives what this config would.
+  // With train_batch_size, the other two only where given (by their keys, derived, or set in code
+  // to other than the default of 1, which resolve_batch_sizes() counts as given), so that the file
+  // read back keeps them and derives what this config would.
   if (c.train_batch_size != 0) out["train_batch_size"] = c.train_batch_size;
-  if (c.train_batch_size == 0 || c.train_micro_batch_given) {
+  if (c.train_batch_size == 0 || c.train_micro_batch_given ||
+      c.train_micro_batch_size_per_gpu != 1) {
     out["train_micro_batch_size_per_gpu"] = c.train_micro_batch_size_per_gpu;
   }
-  if (c.train_batch_size == 0 || c.gradient_accumulation_given) {
+  if (c.train_batch_size == 0 || c.gradient_accumulation_given ||
+      c.gradient_accumulation_steps != 1) {
     out["gradient_accumulation_steps"] = c.gradient_accumulation_steps;
   }
   out["gradient_clipping"] = c.gradient_clipping;
