@@ -39,7 +39,10 @@
 // deprecated key given with its replacement; it also refuses a setting given under two other
 // names DeepSpeed has for it (a stage3_ key and its field name, "bf16" and its older name
 // "bfloat16"), of which DeepSpeed reads one. "auto" (the Hugging Face Trainer's
-// placeholder) is refused for a key zinf uses: nothing fills it in. The exceptions are
+// placeholder) is refused for a key whose value zinf reads (one it uses, or one it accepts only
+// at some values, such as aio.use_gds or communication_data_type): nothing fills it in. A key
+// under zero_optimization other than the stage takes its default, as DeepSpeed's ZeRO config
+// drops "auto"; a key accepted with no effect whatever its value takes it. The exceptions are
 // train_batch_size and train_micro_batch_size_per_gpu, where "auto" counts as not given: zinf
 // derives them as DeepSpeed does (resolve_batch_sizes()). That needs a number in one of the two:
 // where each is "auto" or absent (and one is "auto"), the "auto" ones are refused, as DeepSpeed

@@ -228,15 +228,22 @@ void walk_keys(const Json& object, const std::string& path, std::span<const Key>
 void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) {
   if (!k.refused.empty()) return w.refuse(key, std::string(k.refused));
   if (value.is_string() && value.get<std::string>() == "auto") {
-    if (!k.no_effect.empty()) return w.no_effect(key, std::string(k.no_effect));
+    // A key whose every value is accepted with no effect (it has no reader) takes "auto" as any
+    // other value, for the same reason.
+    const bool reads_value = k.read != nullptr || k.walk != nullptr || !k.keys.empty();
+    if (!reads_value && !k.no_effect.empty()) return w.no_effect(key, std::string(k.no_effect));
     // DeepSpeed's ZeRO config models drop "auto" values (config_utils.py,
     // DeepSpeedConfigModel), so a field left "auto" (one the Trainer does not fill, such as
-    // the short stage-3 names) has its default. Not the stage: DeepSpeed's default, 0, is not
-    // zinf's (3), and a config should say which it means.
+    // the short stage-3 names) has its default, readers or not. Not the stage: DeepSpeed's
+    // default, 0, is not zinf's (3), and a config should say which it means.
     if (key.starts_with("zero_optimization.") && key != "zero_optimization.stage") {
       return w.no_effect(key, "\"auto\": the field's default, as DeepSpeed's ZeRO config reads it");
     }
     if (!k.auto_no_effect.empty()) return w.no_effect(key, std::string(k.auto_no_effect));
+    // Elsewhere a key with a reader has values that matter, even where one of them has no
+    // effect in zinf (aio.use_gds true, a 16-bit communication_data_type): DeepSpeed reads
+    // "auto" there as the string itself (a truthy use_gds) or refuses it, and zinf, with no
+    // value to take, refuses it rather than report a value the file does not hold.
     return w.refuse(key, std::string(kAutoWhy));
   }
   if (k.walk != nullptr || !k.keys.empty()) {
