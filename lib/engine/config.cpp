@@ -9,7 +9,9 @@
 // the engine, the planner and `zinf config check` give the same message for the same file. After
 // the walk, walk_text() refuses what DeepSpeed refuses about the file as a whole: a key given twice
 // in one object, one setting under two of its names (kSameSettings), and "auto" batch sizes with
-// no train_batch_size or train_micro_batch_size_per_gpu written (refuse_unfilled_batch_sizes).
+// no train_batch_size or train_micro_batch_size_per_gpu written (refuse_unfilled_batch_sizes); and
+// what depends on another key, named as the file names it: cpu_offload_param below stage 3
+// (refuse_param_offload_switch).
 //
 // To add a section (say "monitor"), give it a table of its keys and a row in kRootKeys that
 // points at it (config_keys.cpp; or a walk function here, as the optimizer has, when one key
@@ -636,6 +638,27 @@ void refuse_unfilled_batch_sizes(const Json& root, std::vector<KeyReport>* repor
   }
 }
 
+// DeepSpeed's deprecated switches for offload_param.device "cpu" (cpu_offload_param, and
+// cpu_offload_params before it) ask, below stage 3, for what offload_param does there: DeepSpeed
+// ignores both, and validate() refuses offload_param.device other than "none" (a config that
+// asks for parameter offload where none happens is refused, not run without it). The switch is
+// refused the same way, naming the key the file holds: validate() would name
+// zero_optimization.offload_param.device, which the file does not contain.
+void refuse_param_offload_switch(const Json& root, const Config& config,
+                                 std::vector<KeyReport>* reports) {
+  const auto zero = root.find("zero_optimization");
+  if (zero == root.end() || !zero->is_object() || config.zero.stage == 3) return;
+  for (const char* name : {"cpu_offload_param", "cpu_offload_params"}) {
+    const auto it = zero->find(name);
+    if (it == zero->end() || *it != true) continue;
+    refuse_report(reports, join("zero_optimization", name),
+                  fmt::format("true (parameters offloaded to the host) needs stage 3 (stage {} "
+                              "keeps every parameter on the device; DeepSpeed ignores it below "
+                              "stage 3, so it asks for nothing there: remove it)",
+                              config.zero.stage));
+  }
+}
+
 // Walks `text` into `config`, reporting every key; fails only when it is not a JSON object.
 Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* reports) {
   const std::string text = strip_config_comments(raw);
@@ -665,6 +688,7 @@ Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* r
   walk_keys(root, "", root_keys(), w);
   refuse_same_settings(root, reports);
   refuse_unfilled_batch_sizes(root, reports);
+  refuse_param_offload_switch(root, *config, reports);
   for (const std::string& key : duplicates.duplicates) {
     refuse_report(reports, key,
                   "given twice in one object, which DeepSpeed refuses; a JSON reader would keep "

@@ -1,5 +1,5 @@
 // Refusals that name the key the file holds and report no value it does not hold: "auto" on a key
-// whose value zinf reads.
+// whose value zinf reads, and DeepSpeed's deprecated parameter-offload switch below stage 3.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -70,6 +70,40 @@ TEST(ConfigRefusalNames, AutoStaysAcceptedWhereNoValueMatters) {
     const KeyReport* r = report_of(*reports, key);
     ASSERT_NE(r, nullptr) << key;
     EXPECT_EQ(r->use, KeyUse::kNoEffect) << key << ": " << r->why;
+  }
+}
+
+// cpu_offload_param (and its older spelling cpu_offload_params) true is offload_param.device
+// "cpu", which needs stage 3: below it DeepSpeed ignores both, and zinf refuses both, as it
+// refuses offload_param.device "cpu" there. The refusal names the switch the file holds, not
+// zero_optimization.offload_param.device, which it does not.
+TEST(ConfigRefusalNames, ParamOffloadSwitchBelowStage3IsRefusedNamingIt) {
+  for (const char* name : {"cpu_offload_param", "cpu_offload_params"}) {
+    for (int stage : {1, 2}) {
+      SCOPED_TRACE(fmt::format("{} at stage {}", name, stage));
+      const std::string json =
+          fmt::format(R"({{"zero_optimization": {{"stage": {}, "{}": true}}}})", stage, name);
+      const std::string message = refusal(json);
+      EXPECT_EQ(message.rfind(fmt::format("zero_optimization.{}: true", name), 0), 0u) << message;
+      EXPECT_NE(message.find(fmt::format("needs stage 3 (stage {}", stage)), std::string::npos)
+          << message;
+      Result<std::vector<KeyReport>> reports = check_config(json);
+      ASSERT_TRUE(reports.is_ok()) << reports.status().to_string();
+      const KeyReport* r = report_of(*reports, fmt::format("zero_optimization.{}", name));
+      ASSERT_NE(r, nullptr);
+      EXPECT_EQ(r->use, KeyUse::kRefused) << r->why;
+      EXPECT_EQ(report_of(*reports, "zero_optimization.offload_param.device"), nullptr);
+
+      // false asks for nothing, at any stage.
+      Result<Config> off = parse_config(
+          fmt::format(R"({{"zero_optimization": {{"stage": {}, "{}": false}}}})", stage, name));
+      EXPECT_TRUE(off.is_ok()) << off.status().to_string();
+    }
+    // At stage 3 (written, or the default) it is read.
+    Result<Config> on =
+        parse_config(fmt::format(R"({{"zero_optimization": {{"stage": 3, "{}": true}}}})", name));
+    ASSERT_TRUE(on.is_ok()) << on.status().to_string();
+    EXPECT_EQ(on->zero.offload_param.device, OffloadDevice::kHost);
   }
 }
 
