@@ -110,8 +110,10 @@ struct ZeroConfig {
   OffloadConfig offload_param{.nvme_path = {}, .buffer_count = 5};
   // Parameters per optimizer sub-group: the unit the optimizer steps and moves at once.
   std::size_t sub_group_size = 1'000'000'000;
-  // Elements per rank in one reduce-scatter bucket: gradients are reduced in buckets of at most
-  // reduce_bucket_size elements of the whole group (each rank receiving 1/world of it).
+  // Elements of one reduce-scatter bucket over all ranks (not per rank): each rank's chunk of a
+  // bucket is reduce_bucket_size / world elements (at least one, at most the largest group's
+  // shard), so a bucket holds at most reduce_bucket_size elements of the whole group once that is
+  // at least the world size (docs/ENGINE.md, "What a step does").
   std::size_t reduce_bucket_size = 500'000'000;
   // Stage 3: elements of parameters the coordinator may have gathered ahead of use.
   std::size_t stage3_prefetch_bucket_size = 50'000'000;
