@@ -45,10 +45,13 @@ double seconds_since(Clock::time_point start) {
 }
 
 // The rate of step `step` (from 1) on the plain path: the schedule's, indexed as the engine
-// indexes it (DeepSpeed's lr_at(last_batch_iteration + step - 1)). parse_options checked it.
+// indexes it (DeepSpeed's lr_at(last_batch_iteration + step - 1)), except the first step of a
+// schedule started at last_batch_iteration >= 0, which runs at the optimizer's own lr (DeepSpeed's
+// schedulers set the rate when built only at -1; docs/OPTIM.md). parse_options checked it.
 double plain_learning_rate(const Options& o, std::int64_t step) {
   const zinf::Result<zinf::LrSchedule> s = zinf::LrSchedule::create(o.schedule, o.lr);
-  return s.is_ok() ? s->lr_at(o.schedule.last_batch_iteration + step - 1) : o.lr;
+  if (!s.is_ok() || (step == 1 && o.schedule.last_batch_iteration >= 0)) return o.lr;
+  return s->lr_at(o.schedule.last_batch_iteration + step - 1);
 }
 
 std::size_t max_module_params(const std::vector<ModuleSpec>& specs) {

@@ -793,16 +793,33 @@ class Engine::Impl {
     return Status::ok();
   }
 
-  // The default group's lr for applied step `step` (from 1): DeepSpeed's, the k-th applied step
-  // runs with the schedule's lr_at(start + k - 1) (start = its last_batch_iteration, -1).
+  // Whether applied step `step` (from 1) runs with the optimizer's own lr and betas, the
+  // schedule's not yet applied. DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle
+  // (deepspeed/runtime/lr_schedules.py) write the group's lr (and OneCycle its betas) when they
+  // are built only where last_batch_iteration is -1; from a start L >= 0 they leave the
+  // optimizer's values, the first step runs with them, and the scheduler's step() after it sets
+  // lr_at(L + 1) for the second. A checkpoint saved after k >= 1 steps holds the optimizer's lr
+  // of the scheduler's last step(), lr_at(L + k), which DeepSpeed's load restores: step k + 1
+  // runs at lr_at(L + k), as below. (One saved before any step holds the optimizer's own lr, so
+  // step 1 after its load is this case too.)
+  bool step_before_schedule(std::int64_t step) const {
+    return step == 1 && schedule_.config().kind != ScheduleKind::kNone &&
+           schedule_.config().last_batch_iteration >= 0;
+  }
+
+  // The default group's lr for applied step `step` (from 1), DeepSpeed's: the k-th applied step
+  // runs with the schedule's lr_at(L + k - 1), L its last_batch_iteration (-1 unless given), except
+  // the first from L >= 0 (step_before_schedule), which runs with the optimizer's lr.
   double lr_for_step(std::int64_t step) const {
-    if (lr_override_) return config_.optimizer.lr;
+    if (lr_override_ || step_before_schedule(step)) return config_.optimizer.lr;
     return schedule_.lr_at(schedule_.config().last_batch_iteration + step - 1);
   }
 
-  // The optimizer's hyper-parameters for applied step `step`, the schedule's betas in them.
+  // The optimizer's hyper-parameters for applied step `step`, the schedule's betas in them (the
+  // optimizer's own where step_before_schedule).
   OptimizerParams params_for_step(std::int64_t step) const {
     OptimizerParams base = config_.optimizer;
+    if (step_before_schedule(step)) return base;
     const ScheduledBetas betas =
         schedule_.betas_at(schedule_.config().last_batch_iteration + step - 1);
     if (betas.set) {

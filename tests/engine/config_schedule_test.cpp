@@ -153,5 +153,70 @@ TEST(ConfigSchedule, FirstStepOfAWarmupFromZeroLeavesTheParameters) {
   }
 }
 
+// A schedule started midway (last_batch_iteration L >= 0, as a job resuming by its config
+// writes it): DeepSpeed's WarmupLR, WarmupDecayLR, WarmupCosineLR and OneCycle set the
+// optimizer's lr (OneCycle also its betas) when they are built only where L is -1
+// (deepspeed/runtime/lr_schedules.py), so the first step runs with the optimizer's own lr and
+// betas, and the scheduler's step() after it sets iteration L + 1 for the second step. The
+// rates below are worked from DeepSpeed's formulas; the first step's update is checked against
+// AdamW's at the optimizer's lr.
+TEST(ConfigSchedule, StartedMidwayTheFirstStepRunsWithTheOptimizersOwnLrAndBetas) {
+  constexpr double kLr = 5e-3, kBeta1 = 0.9, kBeta2 = 0.999, kDecay = 0.01;
+  const struct {
+    const char* scheduler;
+    double lr2, lr3;                   // the rates of steps 2 and 3: iterations L + 1, L + 2
+    double beta1_2, beta1_3, beta2_2;  // their betas (OneCycle's cycled momentum, 0.99)
+  } cases[] = {
+      // OneCycle from L = 5, S1 = S2 = 10: b = n + 1, x = b / 20, rising half while x <= 0.5 with
+      // scale = x / 0.5; at n = 6, scale 0.7: lr = 1e-4 + 9e-4 * 0.7 = 7.3e-4, momentum
+      // 0.95 - 0.1 * 0.7 = 0.88; at n = 7, scale 0.8: lr 8.2e-4, momentum 0.87.
+      {R"({"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-3,
+           "cycle_first_step_size": 10, "cycle_min_mom": 0.85, "cycle_max_mom": 0.95,
+           "last_batch_iteration": 5}})",
+       1e-4 + 9e-4 * 0.7, 1e-4 + 9e-4 * 0.8, 0.95 - 0.1 * 0.7, 0.95 - 0.1 * 0.8, 0.99},
+      // WarmupDecayLR from L = 500, past a warm-up of 100 with T = 1000: gamma =
+      // (T - n) / (T - 100); lr = 1e-3 * 499 / 900 at n = 501, 1e-3 * 498 / 900 at n = 502. Its
+      // betas are the optimizer's throughout.
+      {R"({"type": "WarmupDecayLR", "params": {"total_num_steps": 1000, "warmup_min_lr": 0,
+           "warmup_max_lr": 1e-3, "warmup_num_steps": 100, "warmup_type": "linear",
+           "last_batch_iteration": 500}})",
+       1e-3 * 499.0 / 900.0, 1e-3 * 498.0 / 900.0, kBeta1, kBeta1, kBeta2},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.scheduler);
+    Result<Config> config = parse_config(fmt::format(
+        R"({{"optimizer": {{"type": "AdamW", "params": {{"lr": 5e-3, "betas": [0.9, 0.999],
+                                                      "weight_decay": 0.01}}}},
+            "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                                  "offload_optimizer": {{"device": "cpu"}}}},
+            "scheduler": {}}})",
+        c.scheduler));
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+    OneRank r;
+    ASSERT_TRUE(r.open(*config).is_ok());
+    EXPECT_DOUBLE_EQ(r.engine->learning_rate(), kLr);
+    EXPECT_DOUBLE_EQ(r.engine->betas().first, kBeta1);
+    EXPECT_DOUBLE_EQ(r.engine->betas().second, kBeta2);
+    ASSERT_TRUE(r.step().is_ok());
+    // AdamW's first step (bias-corrected, so the betas drop out): w - lr * (g / (|g| + eps) +
+    // weight_decay * w), at the optimizer's lr; at the schedule's lr_at(L) it would differ by
+    // several times 1e-4 per element.
+    std::vector<float> after(kElements);
+    ASSERT_TRUE(r.engine->read_parameters("w", after.data()).is_ok());
+    for (std::size_t i = 0; i < kElements; ++i) {
+      const double w = r.init[i];
+      const double g = static_cast<double>(r.init[i] + 0.25f);
+      const double want = w - kLr * (g / (std::fabs(g) + 1e-8) + kDecay * w);
+      ASSERT_NEAR(after[i], want, 1e-6) << "element " << i;
+    }
+    EXPECT_NEAR(r.engine->learning_rate(), c.lr2, 1e-15);
+    EXPECT_NEAR(r.engine->betas().first, c.beta1_2, 1e-15);
+    EXPECT_NEAR(r.engine->betas().second, c.beta2_2, 1e-15);
+    ASSERT_TRUE(r.step().is_ok());
+    EXPECT_NEAR(r.engine->learning_rate(), c.lr3, 1e-15);
+    EXPECT_NEAR(r.engine->betas().first, c.beta1_3, 1e-15);
+  }
+}
+
 }  // namespace
 }  // namespace zinf
