@@ -165,9 +165,17 @@ Result<Ticket> EngineCore::submit(const IoRequest& request) {
                                                 io_op_name(request.op), entry.path,
                                                 request.offset));
   }
+  if (request.memory_run_bytes > 0 && request.memory_stride_bytes < request.memory_run_bytes) {
+    return Status::invalid_argument(
+        fmt::format("{} of {} at offset {}: memory runs of {} bytes every {} bytes overlap",
+                    io_op_name(request.op), entry.path, request.offset, request.memory_run_bytes,
+                    request.memory_stride_bytes));
+  }
   if (entry.direct &&
       (request.offset % kDirectAlignment != 0 || request.bytes % kDirectAlignment != 0 ||
-       reinterpret_cast<std::uintptr_t>(request.data) % kDirectAlignment != 0)) {
+       reinterpret_cast<std::uintptr_t>(request.data) % kDirectAlignment != 0 ||
+       request.memory_run_bytes % kDirectAlignment != 0 ||
+       request.memory_stride_bytes % kDirectAlignment != 0)) {
     return Status::invalid_argument(fmt::format(
         "{} of {} at offset {} ({} bytes): O_DIRECT needs offset, length and memory address "
         "aligned to {}",
@@ -278,13 +286,21 @@ bool EngineCore::next_piece(std::uint32_t index, Piece* piece) {
     if (s.pieces_in_flight == 0) complete(s);
     return false;
   }
-  const std::size_t bytes = static_cast<std::size_t>(
-      std::min<std::uint64_t>(options_.block_bytes, s.request.bytes - s.cut_bytes));
+  std::uint64_t bytes =
+      std::min<std::uint64_t>(options_.block_bytes, s.request.bytes - s.cut_bytes);
+  std::byte* data = static_cast<std::byte*>(s.request.data) + s.cut_bytes;
+  if (const std::uint64_t run = s.request.memory_run_bytes; run > 0) {
+    // Memory in runs: the piece ends with its run, and starts where its run lies.
+    const std::uint64_t within = s.cut_bytes % run;
+    bytes = std::min(bytes, run - within);
+    data = static_cast<std::byte*>(s.request.data) +
+           (s.cut_bytes / run) * s.request.memory_stride_bytes + within;
+  }
   piece->slot = index;
   piece->retries = 0;
   piece->file_index = s.request.file.index;
   piece->offset = s.request.offset + s.cut_bytes;
-  piece->data = static_cast<std::byte*>(s.request.data) + s.cut_bytes;
+  piece->data = data;
   piece->bytes = bytes;
   piece->op = s.request.op;
   piece->buf_index = find_region(piece->data, bytes);

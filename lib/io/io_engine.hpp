@@ -121,6 +121,15 @@ struct IoRequest {
   std::uint64_t offset = 0;  // byte offset in the file
   std::size_t bytes = 0;     // > 0
   void* data = nullptr;      // read into / write from; must stay valid until the wait returns
+  // Memory in runs (0: one contiguous range at `data`). With memory_run_bytes > 0 the request's
+  // bytes lie in memory as runs of memory_run_bytes, run k starting at data + k *
+  // memory_stride_bytes (the last run may be shorter), while the file range stays
+  // [offset, offset + bytes): one request moves a striped swap space's blocks of one directory
+  // that lie every D blocks in the caller's memory. Pieces never straddle a run. REQUIRES:
+  // memory_stride_bytes >= memory_run_bytes; on an O_DIRECT file both multiples of
+  // kDirectAlignment.
+  std::size_t memory_run_bytes = 0;
+  std::size_t memory_stride_bytes = 0;
 };
 
 struct IoEngineStats {
@@ -160,9 +169,10 @@ class IoEngine {
   // REQUIRES: no request using this memory is in flight.
   virtual Status unregister_memory(void* base) = 0;
 
-  // Queues a request. Returns a Ticket, or: invalid_argument (bad file, zero bytes, misaligned
-  // for an O_DIRECT file: the message names the file and offset), resource_exhausted (more
-  // than max_requests unredeemed tickets), aborted (the engine is shutting down).
+  // Queues a request. Returns a Ticket, or: invalid_argument (bad file, zero bytes, memory runs
+  // that overlap, misaligned for an O_DIRECT file: the message names the file and offset),
+  // resource_exhausted (more than max_requests unredeemed tickets), aborted (the engine is
+  // shutting down).
   virtual Result<Ticket> submit(const IoRequest& request) = 0;
   Result<Ticket> read(FileHandle file, std::uint64_t offset, std::size_t bytes, void* dst) {
     return submit(IoRequest{IoOp::kRead, file, offset, bytes, dst});
