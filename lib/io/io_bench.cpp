@@ -22,6 +22,21 @@ std::size_t io_bench_pool_blocks(const IoOptions& options, std::size_t request_b
   return requests + std::max<std::size_t>(2, requests / 2);
 }
 
+Result<IoBenchConfig> io_bench_file_config(IoOp op, std::uint64_t bytes, std::uint64_t file_bytes,
+                                           std::uint64_t request_bytes, const std::string& path) {
+  if (file_bytes < request_bytes) {
+    return Status::invalid_argument(
+        fmt::format("{}: the file has {} bytes, less than one request of {} bytes (--request, or "
+                    "--block x --depth / 4 by default)",
+                    path, file_bytes, request_bytes));
+  }
+  IoBenchConfig config;
+  config.op = op;
+  config.bytes = op == IoOp::kRead ? std::min(bytes, file_bytes) : bytes;
+  config.file_bytes = file_bytes;
+  return config;
+}
+
 Result<IoBenchResult> run_io_bench(IoEngine& engine, FileHandle file, BufferPool& pool,
                                    const IoBenchConfig& config) {
   const std::uint64_t block = pool.block_bytes();  // one request

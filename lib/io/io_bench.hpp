@@ -49,6 +49,13 @@ std::size_t io_bench_request_bytes(const IoOptions& options);
 // pieces, plus a margin.
 std::size_t io_bench_pool_blocks(const IoOptions& options, std::size_t request_bytes = 0);
 
+// The run over an existing file of `file_bytes` named `path` (an owned one is made `bytes` long):
+// a read moves at most the file, a write moves `bytes` wrapping within it, so a bench never grows
+// or shrinks the file it is given. Errors: invalid_argument naming `path` and both sizes when the
+// file holds less than one request of `request_bytes`.
+Result<IoBenchConfig> io_bench_file_config(IoOp op, std::uint64_t bytes, std::uint64_t file_bytes,
+                                           std::uint64_t request_bytes, const std::string& path);
+
 // Each pool block is one request. REQUIRES: pool.block_bytes() is a multiple of
 // engine.options().block_bytes; the file is at least file_bytes long for reads. For writes, the
 // blocks' content is written as it is (fill it with random bytes first: never time zeros).

@@ -6,7 +6,8 @@
 //                 [--rings 1,2,4] [--seconds 0.5]
 //
 // A directory gets a file of its own (preallocated, written with random data before a read is
-// timed, removed afterwards); an existing file is used as it is (a write bench overwrites it).
+// timed, removed afterwards); an existing file is used as it is (a write bench overwrites it,
+// wrapping within its size, and refuses a file shorter than one request).
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <sys/stat.h>
@@ -165,14 +166,11 @@ void run_bench(const BenchOptions& o) {
   BenchFile file;
   Status opened = file.open(*setup->engine, o.path, bytes, op == IoOp::kRead, *setup->pool);
   if (!opened.is_ok()) return fail(opened.to_string());
-  IoBenchConfig config;
-  config.op = op;
-  config.bytes = bytes;
-  if (op == IoOp::kRead) {
-    config.bytes = std::min<std::uint64_t>(bytes, file.file_bytes());
-    config.file_bytes = file.file_bytes();
-  }
-  Result<IoBenchResult> result = run_io_bench(*setup->engine, file.handle(), *setup->pool, config);
+  // Within the file as it is: a write wraps rather than growing the caller's file.
+  Result<IoBenchConfig> config =
+      io_bench_file_config(op, bytes, file.file_bytes(), setup->pool->block_bytes(), file.path());
+  if (!config.is_ok()) return fail(config.status().to_string());
+  Result<IoBenchResult> result = run_io_bench(*setup->engine, file.handle(), *setup->pool, *config);
   if (!result.is_ok()) return fail(result.status().to_string());
   const IoEngineStats stats = setup->engine->stats();
 
