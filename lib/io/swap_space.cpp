@@ -101,6 +101,8 @@ struct SwapSpace::Impl {
   std::unique_ptr<Op[]> ops;
   std::vector<Ticket> tickets;  // max_ops * tickets_per_op
   std::uint32_t tickets_per_op = 1;
+  // With several directories: the most units of one directory that one request moves.
+  std::uint64_t chunk_units = 1;
   std::mutex free_mutex;
   std::vector<std::uint32_t> free_ops;
   std::atomic<std::uint32_t> next_generation{1};
@@ -283,12 +285,18 @@ struct SwapSpace::Impl {
     op.tickets_done = 0;
     Status status;
     // The file a unit moves to or from: its block's generation (a write set it to the current one).
+    // With several directories `data` holds the unit and those after it that the request moves,
+    // one every dirs.size() blocks in memory (IoRequest::memory_run_bytes).
     auto issue = [&](const Dir& dir, std::uint64_t unit, std::uint64_t file_offset,
                      std::uint64_t bytes, std::byte* data) {
       const FileHandle file = dir.files[e.generation[unit]].handle;
       ZINF_ASSERT(file.valid());
-      Result<Ticket> ticket =
-          engine.submit(IoRequest{op.op, file, file_offset, static_cast<std::size_t>(bytes), data});
+      IoRequest request{op.op, file, file_offset, static_cast<std::size_t>(bytes), data};
+      if (dirs.size() > 1) {
+        request.memory_run_bytes = options.block_bytes;
+        request.memory_stride_bytes = options.block_bytes * dirs.size();
+      }
+      Result<Ticket> ticket = engine.submit(request);
       if (!ticket.is_ok()) {
         status = ticket.status();
         return false;
@@ -316,12 +324,36 @@ struct SwapSpace::Impl {
         start = end;
       }
     } else {
-      for (std::uint64_t unit = first_unit; unit * options.block_bytes < disk_end; ++unit) {
-        const std::uint64_t start = unit * options.block_bytes;
-        const std::uint64_t bytes = std::min<std::uint64_t>(options.block_bytes, disk_end - start);
-        if (!issue(dirs[unit_dir(e, unit)], unit, unit_file_offset(e, unit), bytes,
-                   op.data + (start - op.offset))) {
-          break;
+      // A directory's units of an extent lie end to end in its region (unit u at
+      // region_offset + (u / D) * block_bytes), and in the caller's memory one every D blocks:
+      // one request moves a run of them that lie in one generation. The op is taken in rounds of
+      // D * chunk_units units, each directory's share of a round one request (or one per
+      // generation run), the directories in turn: the engine issues a request's pieces before
+      // the next request's, and a request of chunk_units units leaves room in its queue for
+      // every directory's.
+      const std::uint64_t dir_count = dirs.size();
+      const std::uint64_t end_unit = (disk_end + options.block_bytes - 1) / options.block_bytes;
+      const std::uint64_t round_units = dir_count * chunk_units;
+      bool failed = false;
+      for (std::uint64_t round = first_unit; round < end_unit && !failed; round += round_units) {
+        const std::uint64_t round_end = std::min(end_unit, round + round_units);
+        for (std::uint64_t k = 0; k < dir_count && !failed; ++k) {
+          std::uint64_t unit = round + k;
+          while (unit < round_end) {
+            const std::uint64_t first = unit;
+            std::uint64_t bytes = 0;
+            // Only the op's last unit may be short, and it is the last of its directory's.
+            do {
+              bytes += std::min<std::uint64_t>(options.block_bytes,
+                                               disk_end - unit * options.block_bytes);
+              unit += dir_count;
+            } while (unit < round_end && e.generation[unit] == e.generation[first]);
+            if (!issue(dirs[unit_dir(e, first)], first, unit_file_offset(e, first), bytes,
+                       op.data + (first * options.block_bytes - op.offset))) {
+              failed = true;
+              break;
+            }
+          }
         }
       }
     }
@@ -649,7 +681,13 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::open(IoEngine& engine, const SwapO
     ZINF_ASSIGN_OR_RETURN(f.handle, engine.adopt_fd(f.fd, d.path, /*direct=*/true));
   }
   impl->extents.reserve(options.max_extents);
-  // One request per stripe unit, or with one directory per run of blocks in one generation.
+  // With several directories, requests of up to chunk_units units each: D of them fill the
+  // engine's queue (queue_depth pieces of its block_bytes; a unit is at least one piece).
+  const std::uint64_t unit_pieces =
+      (options.block_bytes + engine.options().block_bytes - 1) / engine.options().block_bytes;
+  impl->chunk_units =
+      std::max<std::uint64_t>(1, engine.options().queue_depth / (unit_pieces * dir_count));
+  // At most one request per unit (blocks of alternate generations), plus one.
   impl->tickets_per_op = static_cast<std::uint32_t>(
       (options.max_op_bytes + options.block_bytes - 1) / options.block_bytes + 1);
   impl->tickets.resize(static_cast<std::size_t>(options.max_ops) * impl->tickets_per_op);
@@ -1040,6 +1078,21 @@ std::uint64_t SwapSpace::block_checksum(ExtentId id, std::uint32_t block) const 
   ZINF_ASSERT(block < e.info.block_count && e.states[block] == kValid);
   return e.checksums[block];
 }
+
+std::uint32_t SwapSpace::op_requests(std::uint64_t bytes) const {
+  const Impl& m = *impl_;
+  const std::uint64_t dir_count = m.dirs.size();
+  if (bytes == 0) return 0;
+  if (dir_count == 1) return 1;
+  const std::uint64_t units =
+      (round_up(bytes, kPage) + m.options.block_bytes - 1) / m.options.block_bytes;
+  const std::uint64_t round_units = dir_count * m.chunk_units;
+  const std::uint64_t full_rounds = units / round_units;
+  const std::uint64_t rest = units % round_units;
+  return static_cast<std::uint32_t>(full_rounds * dir_count + std::min(rest, dir_count));
+}
+
+IoEngine& SwapSpace::engine() const { return impl_->engine; }
 
 const SwapOptions& SwapSpace::options() const { return impl_->options; }
 

@@ -5,8 +5,11 @@
 // Layout. At open, each directory gets one swap file of capacity_bytes / dirs (rounded up to a
 // block), preallocated with fallocate and opened with O_DIRECT. An extent is cut into units of
 // block_bytes; with several directories the units go round-robin over them (RAID-0 striping,
-// starting at a different directory for each extent so small extents spread too). Offsets and
-// lengths on disk are multiples of 4 KiB.
+// starting at a different directory for each extent so small extents spread too). A
+// directory's units of one extent lie end to end in its file, so an op moves each directory's
+// share in few engine requests (one per round of D * chunk units, see op_requests()), each
+// reading into or writing from every D-th block of the caller's memory. Offsets and lengths on
+// disk are multiples of 4 KiB.
 //
 // Checksums. Every block (block_bytes, the last one of an extent possibly shorter, rounded up
 // to 4 KiB) has an xxh3-64 checksum (libxxhash), computed from the caller's memory when the
@@ -50,8 +53,8 @@ struct SwapOptions {
   std::uint32_t max_extents = 4096;
   // Reads and writes that may be in flight (submitted, not yet waited for) at once.
   std::uint32_t max_ops = 256;
-  // The largest single read or write, which bounds the engine tickets an op needs when
-  // striping (one per unit); with one directory an op is always one engine request.
+  // The largest single read or write, which bounds the engine tickets an op may need (one per
+  // block at worst, when its blocks were last written to alternate generations of the files).
   std::uint64_t max_op_bytes = std::uint64_t{1} << 30;
   // Swap file name inside each directory; "{pid}" is replaced by the process id.
   std::string file_name = "zinf-swap-{pid}.bin";
@@ -212,6 +215,16 @@ class SwapSpace {
   // The xxh3-64 of block `block` (block_bytes, the last one rounded up to 4 KiB) as last written.
   // REQUIRES: the block's last write completed.
   std::uint64_t block_checksum(ExtentId id, std::uint32_t block) const;
+
+  // The engine requests a read or write of `bytes` from an extent's start takes when its blocks
+  // lie in one generation of the files (no link_files() came between their writes): 1 with one
+  // directory; with D directories, one per directory and round of D * chunk blocks (fewer in a
+  // last round of fewer than D blocks), where a chunk is what keeps D requests within the
+  // engine's queue_depth pieces (at least one block). Each request stays
+  // submitted until the op is waited for, so ops in flight times this is what they hold of the
+  // engine's IoOptions::max_requests.
+  std::uint32_t op_requests(std::uint64_t bytes) const;
+  IoEngine& engine() const;
 
   const SwapOptions& options() const;
   // The swap files, one per directory, in options().dirs order.

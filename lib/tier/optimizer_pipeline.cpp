@@ -240,6 +240,27 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
                       "space's max_ops {}",
                       p->block_limit_, ops_needed, store.swap()->options().max_ops));
     }
+    // Each op holds its engine requests until it is waited for: with the swap space striped over
+    // several directories, a few per directory (SwapSpace::op_requests).
+    std::uint32_t op_requests = 0;
+    for (std::size_t k = 0; k < kPieceCount; ++k) {
+      const auto piece = static_cast<Piece>(k);
+      if (!store.on_nvme(piece)) continue;
+      for (std::size_t i = 0; i < store.sub_group_count(); ++i) {
+        op_requests = std::max(op_requests, store.swap()->op_requests(store.piece_bytes(piece, i)));
+      }
+    }
+    const std::uint64_t requests_needed = std::uint64_t{ops_needed} * op_requests;
+    const std::uint32_t max_requests = store.swap()->engine().options().max_requests;
+    if (requests_needed > max_requests) {
+      return Status::invalid_argument(fmt::format(
+          "OptimizerPipeline: {} blocks may have {} swap ops in flight of up to {} I/O requests "
+          "each ({} swap directories), above the I/O engine's max_requests {}; raise "
+          "aio.block_size or lower zero_optimization.sub_group_size or "
+          "zero_optimization.offload_optimizer.buffer_count",
+          p->block_limit_, ops_needed, op_requests, store.swap()->options().dirs.size(),
+          max_requests));
+    }
     p->entries_.resize(p->block_limit_);
     p->quarantine_.reserve(p->block_limit_);
   }

@@ -210,9 +210,10 @@ struct StepStats {
 class OptimizerPipeline {
  public:
   // Checks that the pool fits the store (block_bytes >= store.block_bytes(), at least 2 blocks
-  // when anything is on NVMe, enough swap ops for every block's pieces) and makes the update
-  // arena. The store and pool must outlive the pipeline; the pool should be registered with the
-  // swap space's engine. Errors: invalid_argument naming the mismatch.
+  // when anything is on NVMe, enough swap ops for every block's pieces, and enough engine
+  // requests for those ops: SwapSpace::op_requests against IoOptions::max_requests) and makes the
+  // update arena. The store and pool must outlive the pipeline; the pool should be registered with
+  // the swap space's engine. Errors: invalid_argument naming the mismatch.
   static Result<std::unique_ptr<OptimizerPipeline>> open(StateStore& store, PinnedPool* pool,
                                                          const PipelineOptions& options);
   ~OptimizerPipeline();

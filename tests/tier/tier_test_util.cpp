@@ -32,7 +32,8 @@ Status open_rig(const std::string& name, const RigOptions& options, Rig* s) {
   IoOptions io;
   io.kind = options.engine;
   io.block_bytes = options.io_block_bytes;
-  io.queue_depth = 16;
+  io.queue_depth = options.io_queue_depth;
+  io.max_requests = options.io_max_requests;
   io.faults = options.faults;
   ZINF_ASSIGN_OR_RETURN(s->engine, open_engine(io));
   // Room for every NVMe piece of the partition, each rounded to pages.
@@ -46,9 +47,22 @@ Status open_rig(const std::string& name, const RigOptions& options, Rig* s) {
   if (so.with_half) per_param += 2;
   SwapOptions swap;
   swap.dirs = {options.swap_dir.empty() ? s->dir->path() : options.swap_dir};
+  if (options.swap_dir.empty() && options.swap_dir_count > 1) {
+    swap.dirs.clear();
+    for (std::size_t d = 0; d < options.swap_dir_count; ++d) {
+      swap.dirs.push_back(fmt::format("{}/swap{}", s->dir->path(), d));
+      std::filesystem::create_directories(swap.dirs.back());
+    }
+  }
   swap.block_bytes = options.io_block_bytes;
   swap.capacity_bytes = per_param * so.param_count + (std::uint64_t{8} << 20) +
                         (so.param_count / 64 + 16) * 4096 * kPieceCount;
+  // Striped, each extent's share of each directory is whole blocks: up to a block more per
+  // extent and directory.
+  if (swap.dirs.size() > 1) {
+    ZINF_ASSIGN_OR_RETURN(const StoreLayout layout, StateStore::layout(so));
+    swap.capacity_bytes += (layout.nvme_extents + 4) * options.io_block_bytes * swap.dirs.size();
+  }
   swap.max_ops = 64;
   ZINF_ASSIGN_OR_RETURN(s->swap, SwapSpace::open(*s->engine, swap));
   ZINF_ASSIGN_OR_RETURN(s->store, StateStore::open(so, s->swap.get()));

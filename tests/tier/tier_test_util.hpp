@@ -39,6 +39,12 @@ struct RigOptions {
   PipelineOptions pipeline;
   // The swap directory; "" for a fresh scratch directory.
   std::string swap_dir;
+  // With swap_dir "": how many fresh directories (under the scratch directory) the swap space
+  // stripes over.
+  std::size_t swap_dir_count = 1;
+  // The engine's pieces in flight per ring, and IoOptions::max_requests.
+  std::uint32_t io_queue_depth = 16;
+  std::uint32_t io_max_requests = IoOptions{}.max_requests;
 };
 
 // The frozen-parameter layout the frozen tests share: 8 sub-groups of `sub` AdamW elements on
