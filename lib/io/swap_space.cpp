@@ -584,6 +584,24 @@ Status prepare_file(const std::string& dir, const std::string& path, std::uint64
 
 }  // namespace
 
+bool same_directory(const std::string& a, const std::string& b) {
+  struct stat sa {};
+  struct stat sb {};
+  if (::stat(a.c_str(), &sa) != 0 || ::stat(b.c_str(), &sb) != 0) return a == b;
+  return sa.st_dev == sb.st_dev && sa.st_ino == sb.st_ino;
+}
+
+std::vector<std::string> unique_directories(const std::vector<std::string>& dirs) {
+  std::vector<std::string> out;
+  out.reserve(dirs.size());
+  for (const std::string& dir : dirs) {
+    const bool seen = std::any_of(
+        out.begin(), out.end(), [&](const std::string& kept) { return same_directory(kept, dir); });
+    if (!seen) out.push_back(dir);
+  }
+  return out;
+}
+
 Status SwapSpace::Impl::start_generation() {
   std::uint8_t next = kNoGeneration;
   for (std::size_t g = 0; g < kMaxGenerations; ++g) {
@@ -653,6 +671,21 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::open(IoEngine& engine, const SwapO
         "SwapOptions: block_bytes a positive multiple of 4096, max_op_bytes >= block_bytes, "
         "max_ops and max_extents > 0");
   }
+  // Two entries that name one directory (the same string, or two spellings of it: "/nvme" and
+  // "/nvme/", a symlink) would put two swap files at one path: the second's preparation unlinks
+  // the first's name, and link_files() then names the wrong file.
+  for (std::size_t i = 0; i < options.dirs.size(); ++i) {
+    for (std::size_t j = 0; j < i; ++j) {
+      if (!same_directory(options.dirs[j], options.dirs[i])) continue;
+      if (options.dirs[j] == options.dirs[i]) {
+        return Status::invalid_argument(
+            fmt::format("SwapOptions: directory {} is listed twice", options.dirs[i]));
+      }
+      return Status::invalid_argument(
+          fmt::format("SwapOptions: directories {} and {} are the same directory", options.dirs[j],
+                      options.dirs[i]));
+    }
+  }
   auto impl = std::make_unique<Impl>(engine, options);
   const std::uint64_t dir_count = options.dirs.size();
   const std::uint64_t per_dir =
@@ -666,13 +699,6 @@ Result<std::unique_ptr<SwapSpace>> SwapSpace::open(IoEngine& engine, const SwapO
     Impl::Dir& d = impl->dirs[i];
     d.dir = options.dirs[i];
     d.path = d.dir + "/" + name;
-    for (std::size_t j = 0; j < i; ++j) {
-      if (impl->dirs[j].path == d.path) {
-        impl->dirs.resize(i);  // do not delete the other entry's file twice
-        return Status::invalid_argument(
-            fmt::format("SwapOptions: directory {} is listed twice", d.dir));
-      }
-    }
     Impl::File& f = d.files[0];
     Status status = prepare_file(d.dir, d.path, per_dir, &f.fd);
     if (!status.is_ok()) return status;

@@ -88,9 +88,19 @@ struct SwapTicket {
   bool valid() const { return generation != 0; }
 };
 
+// Whether `a` and `b` name one directory (the same device and inode: "/nvme", "/nvme/" and a
+// symlink to it do); when either cannot be stat'ed, whether the strings are equal.
+bool same_directory(const std::string& a, const std::string& b);
+// `dirs` with every directory that same_directory() finds earlier in the list left out: the
+// first spelling of each stays, in order.
+std::vector<std::string> unique_directories(const std::vector<std::string>& dirs);
+
 class SwapSpace {
  public:
   // Creates and preallocates the swap files through `engine`, which must outlive this object.
+  // Errors: invalid_argument when two entries of options.dirs name one directory (the same
+  // string, or two spellings of it: same_directory()), naming both; the open-time checks' errors
+  // (see the file comment).
   static Result<std::unique_ptr<SwapSpace>> open(IoEngine& engine, const SwapOptions& options);
   // Waits (bounded) for ops still in flight, closes and (remove_files) deletes the files.
   ~SwapSpace();

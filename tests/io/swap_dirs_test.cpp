@@ -1,5 +1,6 @@
 // SwapSpace over several directories: an op takes a few engine requests per directory, not one
-// per block, and its blocks land where the striping puts them.
+// per block, and its blocks land where the striping puts them; a directory listed twice, or
+// spelled two ways, is refused at open naming it.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -152,6 +153,72 @@ TEST_P(SwapDirsTest, AwkwardExtentsRoundTripOverThreeDirectories) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapDirsTest, io_test::kAllEngineKinds, io_test::kind_name);
+
+SwapOptions small_options(std::vector<std::string> dirs) {
+  SwapOptions options;
+  options.dirs = std::move(dirs);
+  options.block_bytes = kBlock;
+  options.capacity_bytes = 1 << 20;
+  return options;
+}
+
+// A directory listed twice is refused, naming it, and leaves no swap file behind.
+TEST(SwapDirsOpen, ADirectoryListedTwiceIsRefusedNamingIt) {
+  ScratchDir root("swap-dirs-twice");
+  const std::string dir = root.path() + "/a-directory-of-a-long-name-past-any-small-string";
+  std::filesystem::create_directories(dir);
+  auto io = must_open(EngineKind::kThread);
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, small_options({dir, dir}));
+  ASSERT_EQ(opened.status().code(), Code::kInvalidArgument) << opened.status().to_string();
+  EXPECT_NE(opened.status().message().find(dir), std::string::npos) << opened.status().to_string();
+  EXPECT_TRUE(std::filesystem::is_empty(dir));
+}
+
+// One directory spelled two ways (a trailing slash, a symlink) is refused naming both
+// spellings: two swap files at one path would unlink each other's name.
+TEST(SwapDirsOpen, OneDirectorySpelledTwoWaysIsRefusedNamingBoth) {
+  ScratchDir root("swap-dirs-spelled");
+  const std::string dir = root.path() + "/nvme";
+  const std::string link = root.path() + "/nvme-link";
+  std::filesystem::create_directories(dir);
+  std::filesystem::create_directory_symlink(dir, link);
+  auto io = must_open(EngineKind::kThread);
+  ASSERT_TRUE(io);
+  for (const std::string& other : {dir + "/", dir + "/.", link}) {
+    Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, small_options({dir, other}));
+    ASSERT_EQ(opened.status().code(), Code::kInvalidArgument)
+        << other << ": " << opened.status().to_string();
+    EXPECT_NE(opened.status().message().find(dir + " "), std::string::npos)
+        << opened.status().to_string();
+    EXPECT_NE(opened.status().message().find(other), std::string::npos)
+        << opened.status().to_string();
+    EXPECT_TRUE(std::filesystem::is_empty(dir)) << other;
+  }
+  // Two directories are two directories.
+  const std::string second = root.path() + "/nvme2";
+  std::filesystem::create_directories(second);
+  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, small_options({dir, second}));
+  EXPECT_TRUE(opened.is_ok()) << opened.status().to_string();
+}
+
+TEST(SwapDirsOpen, UniqueDirectoriesKeepsTheFirstSpellingOfEach) {
+  ScratchDir root("swap-dirs-unique");
+  const std::string a = root.path() + "/a";
+  const std::string b = root.path() + "/b";
+  const std::string link = root.path() + "/to-b";
+  std::filesystem::create_directories(a);
+  std::filesystem::create_directories(b);
+  std::filesystem::create_directory_symlink(b, link);
+  const std::string missing = root.path() + "/missing";
+  EXPECT_TRUE(same_directory(a, a + "/"));
+  EXPECT_TRUE(same_directory(link, b));
+  EXPECT_FALSE(same_directory(a, b));
+  EXPECT_FALSE(same_directory(missing, missing + "/"));  // not there: compared as strings
+  const std::vector<std::string> unique =
+      unique_directories({a, b, a + "/", link, missing, a + "/./", missing, b + "/"});
+  EXPECT_EQ(unique, (std::vector<std::string>{a, b, missing}));
+}
 
 }  // namespace
 }  // namespace zinf
