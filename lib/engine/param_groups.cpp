@@ -100,7 +100,6 @@ std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size
 }
 
 std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank) {
-  constexpr std::size_t kQuantum = 1024;  // f32 elements of a 4 KiB page
   std::vector<std::size_t> cuts;
   if (!has_frozen(layout)) return cuts;
   const std::size_t count = layout.partition_elements();
@@ -114,8 +113,8 @@ std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank) {
     if (run_end < count) cuts.push_back(run_end);
   };
   for_each_trainable_piece(layout, rank, [&](std::size_t piece_begin, std::size_t piece_end) {
-    const std::size_t begin = piece_begin / kQuantum * kQuantum;
-    const std::size_t end = std::min(round_up(piece_end, kQuantum), count);
+    const std::size_t begin = piece_begin / kFrozenCutElements * kFrozenCutElements;
+    const std::size_t end = std::min(round_up(piece_end, kFrozenCutElements), count);
     if (in_run && begin <= run_end) {
       run_end = std::max(run_end, end);
       return;

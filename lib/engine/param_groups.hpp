@@ -47,11 +47,16 @@ std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size
                               FunctionRef<std::size_t(std::size_t)> first,
                               FunctionRef<std::size_t(std::size_t)> size);
 
+// The multiple of elements frozen_cuts() widens a trainable run to: the f32 elements of a 4 KiB
+// page. The planner counts the frozen elements a run is widened over with it
+// (plan::estimate_memory).
+inline constexpr std::size_t kFrozenCutElements = 1024;
+
 // Where the optimizer's sub-groups of rank `rank`'s partition must end so that frozen
 // parameters and trainable ones fall in sub-groups of their own (StateStoreOptions::cuts): both
-// ends of each run of trainable elements, the run widened to multiples of 1024 elements (so that
-// every f32 piece stays whole 4 KiB pages) and runs that then touch merged, the partition's own
-// ends left out. A sub-group then holds trainable elements (with the frozen ones or padding of
+// ends of each run of trainable elements, the run widened to multiples of kFrozenCutElements (so
+// that every f32 piece stays whole 4 KiB pages) and runs that then touch merged, the partition's
+// own ends left out. A sub-group then holds trainable elements (with the frozen ones or padding of
 // gaps the widening closed), or frozen parameters and padding only. Empty when no parameter is
 // frozen.
 std::vector<std::size_t> frozen_cuts(const ParameterLayout& layout, int rank);

@@ -9,6 +9,8 @@
 
 #include "base/arith.hpp"
 #include "base/assert.hpp"
+#include "engine/param_groups.hpp"
+#include "zero/partitioner.hpp"
 
 namespace zinf::plan {
 
@@ -212,7 +214,7 @@ std::vector<std::uint64_t> tensor_params(const ModelShape& m) {
 }  // namespace
 
 bool trainable_runs_on_cuts(const ModelShape& model, std::uint64_t world_size) {
-  const std::uint64_t multiple = kSubGroupCutParams * world_size;
+  const std::uint64_t multiple = kFrozenCutElements * world_size;
   for (std::uint64_t params : tensor_params(model)) {
     if (params % multiple != 0) return false;
   }
@@ -223,8 +225,8 @@ std::uint64_t largest_frozen_group_shard_params(const ModelShape& model, std::ui
   // A module's bias at least the persistence threshold shares its weight's group.
   std::uint64_t group_params = largest_tensor_params(model);
   if (model.biases) group_params += std::max(model.hidden, model.intermediate);
-  const std::uint64_t slice_params = kShardAlignmentParams * world_size;
-  return ceil_div(group_params, slice_params) * kShardAlignmentParams;
+  const std::uint64_t slice_params = kShardAlignmentElements * world_size;
+  return ceil_div(group_params, slice_params) * kShardAlignmentElements;
 }
 
 MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& training,
@@ -269,7 +271,7 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
       // at most the largest frozen group's shard and the 1023 elements of groups inside it.
       const std::uint64_t kept_params =
           runs_off_cuts * 2 *
-          (largest_frozen_group_shard_params(model, s.world_size) + kSubGroupCutParams - 1);
+          (largest_frozen_group_shard_params(model, s.world_size) + kFrozenCutElements - 1);
       shard_bytes = std::min(
           2 * pr, 2 * tr + 2 * std::min(frozen_shard_params, persistent_shard_params(model, s)) +
                       2 * kept_params);
@@ -283,7 +285,7 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
   // not widened: there a frozen element keeps no master wherever it lies (the packing's alignment
   // slack, at most 30 elements a stretch of runs that keep one, is left out).
   const std::uint64_t widened_params =
-      frozen_on_host ? runs_off_cuts * 2 * (kSubGroupCutParams - 1) : 0;
+      frozen_on_host ? runs_off_cuts * 2 * (kFrozenCutElements - 1) : 0;
   const std::uint64_t master_params = half_only ? std::min(pr, tr + widened_params) : pr;
   add(MemoryUse::kMasterParams, optimizer_tier, 4 * master_params);
   if (frozen_on_host) {

@@ -311,11 +311,11 @@ std::uint64_t persistent_shard_params(const ModelShape& model, const EngineSetup
 // Elements of one scratch block a half-only frozen master is read and written through
 // (lib/engine/store_state.cpp), at most: 256 Ki (1 MiB of fp32).
 inline constexpr std::uint64_t kHalfOnlyChunkParams = std::uint64_t{1} << 18;
-// The quantum a trainable run's sub-groups are widened to (lib/engine/param_groups.cpp,
-// frozen_cuts: a 4 KiB page of fp32), and the elements a rank's slice of a group is padded to
-// (PartitionerOptions::alignment_elements).
-inline constexpr std::uint64_t kSubGroupCutParams = 1024;
-inline constexpr std::uint64_t kShardAlignmentParams = 128;
+// The 1024 and 128 of the next two functions (and of the header's notes) are the engine's
+// constants, which estimate.cpp takes from where the engine defines them: kFrozenCutElements
+// (lib/engine/param_groups.hpp), the multiple a trainable run's sub-groups are widened to (a
+// 4 KiB page of fp32), and kShardAlignmentElements (lib/zero/partitioner.hpp), the multiple a
+// rank's slice of a group is.
 
 // Whether every trainable run begins and ends on a 1024-element cut of each rank's partition on
 // `world_size` ranks: every tensor of the model a whole number of 1024·world_size elements (the

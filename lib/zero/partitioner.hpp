@@ -56,12 +56,16 @@ constexpr bool stage_partitions(ZeroStage stage, StateKind kind) {
   return static_cast<int>(stage) > static_cast<int>(kind);
 }
 
+// The default alignment_elements, which the engine keeps (ParameterLayout::lay_out); the planner
+// pads a group's slices with it too (plan::largest_frozen_group_shard_params).
+inline constexpr std::size_t kShardAlignmentElements = 128;
+
 struct PartitionerOptions {
   // Ranks the groups are sharded over. 1 .. 65536.
   int world_size = 1;
   ZeroStage stage = ZeroStage::kStage3;
   // Every rank's slice is a multiple of this many elements (see the file comment). Power of two.
-  std::size_t alignment_elements = 128;
+  std::size_t alignment_elements = kShardAlignmentElements;
   // Every parameter starts at a multiple of this many elements inside its group, so a gathered
   // parameter handed to a kernel is 32-byte aligned in bf16 and 64-byte aligned in f32 (vector
   // loads). The gaps are padding. Power of two, at most alignment_elements.
