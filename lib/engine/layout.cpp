@@ -7,11 +7,9 @@
 
 #include <algorithm>
 #include <cstring>
-#if defined(__GLIBC__)
-#include <malloc.h>
-#endif
 
 #include "base/assert.hpp"
+#include "base/heap.hpp"
 #include "zero/grad_reducer.hpp"
 #include "zinf/log.hpp"
 
@@ -356,14 +354,10 @@ void ParameterLayout::drop_initial_values() {
     r.spec.initializer = nullptr;
   }
   std::vector<MasterPiece>().swap(master_pieces_);
-#if defined(__GLIBC__)
-  // The copies are 4 bytes a registered element. glibc maps a block of at least its mmap
-  // threshold on its own and unmaps it on free; a smaller one comes from its heap, whose freed
-  // pages stay resident until trimmed. The threshold rises (up to 32 MiB) each time the process
-  // frees a larger mapped block, so which copies came from the heap depends on what the process
-  // did before: the pages are handed back here either way.
-  ::malloc_trim(0);
-#endif
+  // The copies are 4 bytes a registered element; which of them came from malloc's heap rather
+  // than a mapping of their own depends on what the process did before (base/heap.hpp), so their
+  // pages are handed back here either way.
+  release_freed_memory();
 }
 
 Result<std::size_t> ParameterLayout::find_module(std::string_view call,

@@ -49,7 +49,7 @@ class ParameterLayout {
   // parameter and its elements. REQUIRES: lay_out() done, drop_initial_values() not yet.
   Status fill_master(std::size_t first, std::size_t count, float* out) const;
   // The initial values are placed (or will never be): the copies and initializers go, and their
-  // pages go back to the system (glibc: malloc_trim).
+  // pages go back to the system (release_freed_memory()).
   void drop_initial_values();
 
   // --- Lookups -------------------------------------------------------------------------------
