@@ -437,6 +437,21 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   // A GPU rank is a process of its own: --device cuda runs as a job of NcclComm processes (of one
   // process when no launcher started it).
   if (o->device == "cuda" && o->comm == "local") o->comm = "nccl";
+  if (o->comm == "local") {
+    // LocalComm's ranks are threads of this one process. A launcher that started several
+    // processes (mpirun -np 4 train_lm) would otherwise get as many separate one-process jobs,
+    // each training the whole model alone and writing the same outputs.
+    for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+      const char* value = std::getenv(name);
+      if (value != nullptr && std::atoi(value) > 1) {
+        *error = std::string("started as one of ") + value + " processes by a launcher (" + name +
+                 "=" + value +
+                 ") with --comm local, whose ranks are threads of one process; pass --comm mpi "
+                 "for one rank per process";
+        return 2;
+      }
+    }
+  }
   if (o->comm != "local") {
     // One process per rank: the world is the launcher's. Its variables are a guess that may be
     // left over from another launch (a batch job's SLURM_NTASKS around a program started without

@@ -373,6 +373,46 @@ TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
   EXPECT_EQ(guessed.world_size_from, "SLURM_NTASKS=4");
 }
 
+// mpirun -np 2 train_lm without --comm mpi would run two separate one-rank jobs: refused, naming
+// the launcher's variable and --comm mpi. Set by hand here, as mpirun sets it.
+TEST(Options, SeveralProcessesOfALauncherWithLocalCommAreRefused) {
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
+    if (std::getenv(name) != nullptr) GTEST_SKIP() << name << " is set: run under a launcher";
+  }
+  auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
+    args.insert(args.begin(), "train_lm");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return parse_options(int(argv.size()), argv.data(), o, error);
+  };
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    SCOPED_TRACE(name);
+    setenv(name, "2", 1);
+    Options local, explicit_local, one_process, mpi;
+    std::string local_error, explicit_error, one_error, mpi_error;
+    const int local_rc = parse({}, &local, &local_error);
+    const int explicit_rc =
+        parse({"--comm", "local", "--world-size", "2"}, &explicit_local, &explicit_error);
+    const int mpi_rc = parse({"--comm", "mpi"}, &mpi, &mpi_error);
+    setenv(name, "1", 1);
+    const int one_rc = parse({}, &one_process, &one_error);
+    unsetenv(name);
+    EXPECT_EQ(local_rc, 2);
+    EXPECT_NE(local_error.find(std::string("started as one of 2 processes by a launcher (") + name +
+                               "=2)"),
+              std::string::npos)
+        << local_error;
+    EXPECT_NE(local_error.find("pass --comm mpi"), std::string::npos) << local_error;
+    EXPECT_EQ(explicit_rc, 2) << explicit_error;
+    EXPECT_EQ(explicit_error, local_error);
+    // One rank per process is what the launcher asked for; a launcher of one process is no job
+    // of several.
+    ASSERT_EQ(mpi_rc, 0) << mpi_error;
+    EXPECT_EQ(mpi.world_size, 2);
+    EXPECT_EQ(one_rc, 0) << one_error;
+  }
+}
+
 // The options every rank of a job must share: those that shape the training are in the text, a
 // rank's own paths and budgets are not, and the first that differs is named with both values.
 TEST(Options, RanksCompareTheOptionsThatShapeTheTraining) {
