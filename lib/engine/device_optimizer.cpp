@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -200,27 +199,15 @@ std::size_t DeviceOptimizer::layout_masters(std::vector<Run>& runs) {
 }
 
 std::size_t DeviceOptimizer::first_inexact(DType dtype, const float* values, std::size_t count) {
-  ZINF_ASSERT(dtype != DType::kF32);
-  // A chunk at a time through the vector converters that upload_half narrows with (a whole
-  // frozen base is checked at create), and the element only in a chunk that differs.
-  constexpr std::size_t kChunkElements = 4096;
-  std::array<std::uint16_t, kChunkElements> half;
-  std::array<float, kChunkElements> back;
-  for (std::size_t done = 0; done < count; done += kChunkElements) {
-    const std::size_t chunk_elements = std::min(kChunkElements, count - done);
-    if (dtype == DType::kBF16) {
-      convert_f32_to_bf16(values + done, half.data(), chunk_elements);
-      convert_bf16_to_f32(half.data(), back.data(), chunk_elements);
-    } else {
-      convert_f32_to_f16(values + done, half.data(), chunk_elements);
-      convert_f16_to_f32(half.data(), back.data(), chunk_elements);
-    }
-    if (std::memcmp(back.data(), values + done, chunk_elements * sizeof(float)) == 0) continue;
-    for (std::size_t i = 0; i < chunk_elements; ++i) {
-      if (std::bit_cast<std::uint32_t>(back[i]) != std::bit_cast<std::uint32_t>(values[done + i])) {
-        return done + i;
-      }
-    }
+  // A block at a time on the stack: a whole frozen base is checked at create().
+  constexpr std::size_t kBlockElements = 4096;
+  std::array<std::uint16_t, kBlockElements> half;
+  std::array<float, kBlockElements> wide;
+  for (std::size_t done = 0; done < count; done += kBlockElements) {
+    const std::size_t block_elements = std::min(kBlockElements, count - done);
+    const std::size_t at =
+        narrow_checked(dtype, values + done, block_elements, half.data(), wide.data());
+    if (at < block_elements) return done + at;
   }
   return count;
 }

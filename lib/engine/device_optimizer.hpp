@@ -200,7 +200,7 @@ class DeviceOptimizer {
   // runs outside [begin, end) stay so.
   Status restore_masters(std::string_view why, std::size_t begin, std::size_t end);
   // The first of values[0, count) that `dtype` does not hold exactly (whose widen(narrow(x)) is
-  // not x, bit for bit), or count when it holds them all.
+  // not x, bit for bit), or count when it holds them all: narrow_checked(), a block at a time.
   static std::size_t first_inexact(DType dtype, const float* values, std::size_t count);
   // Narrows `in` (count elements, exact in the run's dtype) on the host and uploads them into the
   // half copy of half-only run `r` from partition element `first` on; returns when copied.

@@ -802,13 +802,8 @@ class StoreState final : public OptimizerState {
 
   // The half copy of partition elements [first, first + count), widened into `out`.
   void widen_half(std::size_t first, std::size_t count, float* out) const {
-    const auto* half =
-        reinterpret_cast<const std::uint16_t*>(store_->host_data(Piece::kParamsHalf)) + first;
-    if (layout_.half_dtype() == DType::kBF16) {
-      convert_bf16_to_f32(half, out, count);
-    } else {
-      convert_f16_to_f32(half, out, count);
-    }
+    widen(store_->host_data(Piece::kParamsHalf) + first * sizeof(std::uint16_t), count,
+          layout_.half_dtype(), out);
   }
 
   // The scratch blocks of the half-only sub-groups' reads and writes, made at open where a
@@ -826,19 +821,12 @@ class StoreState final : public OptimizerState {
     half_scratch_ = AlignedBuffer(chunk_elements_ * sizeof(std::uint16_t));
   }
 
-  // Whether the half dtype holds `values` (at most chunk_elements_) exactly: each narrowed into
-  // half_scratch_ and widened back the same bits.
+  // Whether the half dtype holds `values` (at most chunk_elements_) exactly (narrow_checked():
+  // narrowed into half_scratch_, widened back into round_trip_ the same bits).
   bool holds_exactly(const float* values, std::size_t count) {
     ZINF_ASSERT(count <= chunk_elements_);
-    auto* half = half_scratch_.as<std::uint16_t>();
-    float* wide = round_trip_.as<float>();
-    narrow(values, count, layout_.half_dtype(), half);
-    if (layout_.half_dtype() == DType::kBF16) {
-      convert_bf16_to_f32(half, wide, count);
-    } else {
-      convert_f16_to_f32(half, wide, count);
-    }
-    return std::memcmp(wide, values, count * sizeof(float)) == 0;
+    return narrow_checked(layout_.half_dtype(), values, count, half_scratch_.as<std::uint16_t>(),
+                          round_trip_.as<float>()) == count;
   }
 
   // When the half dtype holds `values` (partition elements [first, first + count), at most
