@@ -53,6 +53,24 @@ Status GroupDepth::end(std::string_view comm_name) {
   return Status::ok();
 }
 
+std::string describe_call(const Collective& op) {
+  std::string text = fmt::format("{} of {} {}", collective_kind_name(op.kind), op.element_count,
+                                 dtype_name(op.dtype));
+  if (op.kind == CollectiveKind::kReduceScatter || op.kind == CollectiveKind::kAllReduce) {
+    text += fmt::format(" ({})", reduce_op_name(op.op));
+  }
+  if (op.kind == CollectiveKind::kBroadcast) text += fmt::format(" (root {})", op.root);
+  if (!op.name.empty()) text += fmt::format(" '{}'", op.name);
+  return text;
+}
+
+bool collectives_agree(const Collective& a, const Collective& b) {
+  const bool reduces =
+      a.kind == CollectiveKind::kReduceScatter || a.kind == CollectiveKind::kAllReduce;
+  return a.kind == b.kind && a.element_count == b.element_count && a.dtype == b.dtype &&
+         (!reduces || a.op == b.op) && (a.kind != CollectiveKind::kBroadcast || a.root == b.root);
+}
+
 std::string describe_collective(const Collective& op, std::uint64_t sequence) {
   if (op.name.empty()) return fmt::format("{} #{}", collective_kind_name(op.kind), sequence);
   return fmt::format("{} #{} '{}'", collective_kind_name(op.kind), sequence, op.name);

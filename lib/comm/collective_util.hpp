@@ -37,6 +37,14 @@ class GroupDepth {
 // its name, for errors.
 std::string describe_collective(const Collective& op, std::uint64_t sequence);
 
+// "broadcast of 4 f32 (root 1) 'layers.3'": what a rank asked for, for the messages of ranks that
+// disagree. The reduction is named for reduce_scatter and all_reduce, the root for broadcast.
+std::string describe_call(const Collective& op);
+
+// Whether two ranks' calls are the same collective as NCCL requires: the same kind, element count
+// and dtype, the same reduction where it reduces and the same root where it broadcasts.
+bool collectives_agree(const Collective& a, const Collective& b);
+
 // Checks a collective's arguments as every backend must: an element count that overflows, a
 // broadcast root outside [0, world_size), null buffers, or send and recv ranges that overlap
 // other than in NCCL's in-place forms are kInvalidArgument naming the collective (as

@@ -16,18 +16,6 @@
 namespace zinf {
 namespace {
 
-// What a rank asked for, for mismatch messages.
-std::string describe_call(const Collective& op) {
-  std::string text = fmt::format("{} of {} {}", collective_kind_name(op.kind), op.element_count,
-                                 dtype_name(op.dtype));
-  if (op.kind == CollectiveKind::kReduceScatter || op.kind == CollectiveKind::kAllReduce) {
-    text += fmt::format(" ({})", reduce_op_name(op.op));
-  }
-  if (op.kind == CollectiveKind::kBroadcast) text += fmt::format(" (root {})", op.root);
-  if (!op.name.empty()) text += fmt::format(" '{}'", op.name);
-  return text;
-}
-
 std::string rank_list(const std::vector<int>& ranks) {
   std::string text;
   for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
@@ -161,11 +149,7 @@ Status LocalGroup::check_agreement(const Slot& slot, std::uint64_t sequence) con
   const Collective& first = slot.ops[0];
   for (int r = 1; r < world_size_; ++r) {
     const Collective& other = slot.ops[static_cast<std::size_t>(r)];
-    const bool reduces =
-        first.kind == CollectiveKind::kReduceScatter || first.kind == CollectiveKind::kAllReduce;
-    if (other.kind != first.kind || other.element_count != first.element_count ||
-        other.dtype != first.dtype || (reduces && other.op != first.op) ||
-        (first.kind == CollectiveKind::kBroadcast && other.root != first.root)) {
+    if (!collectives_agree(first, other)) {
       return Status::comm_error(
           fmt::format("collective #{}: ranks disagree: rank 0 issued {}, rank {} issued {}",
                       sequence, describe_call(first), r, describe_call(other)));

@@ -8,11 +8,12 @@
 // function, it hands the collective to the communicator's progress thread and waits. The
 // progress thread is the only thread that moves data: it posts each collective's nonblocking
 // point-to-point messages (MPI_Isend / MPI_Irecv on a duplicate of the caller's communicator,
-// tagged with the sequence number and the kind, so collectives on different streams never
-// match each other's messages) and polls every collective in flight with MPI_Testsome, so
-// collectives of several streams progress together and none waits behind another. Once the
-// pieces are in, the stream's thread reduces them in rank order with the same code as LocalComm
-// (lib/comm/collective_util.hpp), so the results are LocalComm's bits:
+// tagged with the sequence number, so collectives on different streams never match each other's
+// messages; to each peer, a 16-byte descriptor of the collective goes ahead of the data) and polls
+// every collective in flight with MPI_Testsome, so collectives of several streams progress together
+// and none waits behind another. Once the pieces are in, the stream's thread reduces them in rank
+// order with the same code as LocalComm (lib/comm/collective_util.hpp), so the results are
+// LocalComm's bits:
 //
 //   all_gather      every rank sends its piece to every other rank
 //   reduce_scatter  rank r receives piece r from every rank, then sums them in rank order
@@ -28,9 +29,11 @@
 // ranks whose data did not arrive, the communicator is aborted, and an abort notice (the error's
 // code and message) goes to every other rank on a control communicator; a rank that receives one
 // fails its collectives in flight and every later call with that error, naming the rank it came
-// from. A size that disagrees with the receiver's (ranks that issued different collectives) is
-// kCommError naming both sizes. After a failure MPI_Finalize is skipped at exit (it could wait
-// for the dead peer).
+// from. Ranks that issued different collectives (another kind, element count, dtype, reduction or
+// root) fail with kCommError on every rank, naming both calls ("ranks disagree: rank 1 issued
+// broadcast of 4 f32 (root 1), this rank issued broadcast of 4 f32 (root 0)"): each compares the
+// descriptor every peer sent ahead of its data with its own before it takes the data. After a
+// failure MPI_Finalize is skipped at exit (it could wait for the dead peer).
 //
 // MPI_Finalize while the communicator is open. The communicator's progress thread calls MPI until
 // it is destroyed, so MPI_Finalize belongs after that; when it comes first (a program's mistake,

@@ -8,6 +8,7 @@
 #include <mpi.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <climits>
 #include <condition_variable>
@@ -44,6 +45,45 @@ constexpr auto kCancelWait = std::chrono::seconds(2);
 constexpr auto kWaitGrace = std::chrono::milliseconds(2000);
 // How long the idle progress thread sleeps between looks at the abort notices.
 constexpr auto kIdlePoll = std::chrono::milliseconds(10);
+
+// --- What each rank asked for ------------------------------------------------------------------
+//
+// Before its data, every rank sends every other rank a descriptor of the collective it issued
+// (kind, dtype, reduction, root, element count), on the same tag: MPI delivers messages between
+// two ranks on one tag in the order they were sent, so the descriptor is the first message of the
+// collective to arrive from each peer, and it is compared before any of that peer's data is let
+// into a buffer. Ranks that issued different collectives (another kind, dtype, reduction or root,
+// even with the same byte count) thus fail on every rank with kCommError naming both calls,
+// instead of returning different answers. It costs one small message to each peer per collective,
+// sent without waiting for an answer (no extra round trip).
+constexpr std::size_t kDescriptorBytes = 16;
+using Descriptor = std::array<std::byte, kDescriptorBytes>;
+
+Descriptor encode_descriptor(const Collective& op) {
+  Descriptor out{};
+  out[0] = static_cast<std::byte>(op.kind);
+  out[1] = static_cast<std::byte>(op.dtype);
+  out[2] = static_cast<std::byte>(op.op);
+  const auto root = static_cast<std::int32_t>(op.root);
+  const auto count = static_cast<std::uint64_t>(op.element_count);
+  std::memcpy(out.data() + 4, &root, sizeof(root));
+  std::memcpy(out.data() + 8, &count, sizeof(count));
+  return out;
+}
+
+Collective decode_descriptor(const Descriptor& in) {
+  Collective op;
+  op.kind = static_cast<CollectiveKind>(in[0]);
+  op.dtype = static_cast<DType>(in[1]);
+  op.op = static_cast<ReduceOp>(in[2]);
+  std::int32_t root = 0;
+  std::uint64_t count = 0;
+  std::memcpy(&root, in.data() + 4, sizeof(root));
+  std::memcpy(&count, in.data() + 8, sizeof(count));
+  op.root = root;
+  op.element_count = static_cast<std::size_t>(count);
+  return op;
+}
 
 // --- MPI's lifetime in this process ------------------------------------------------------------
 
@@ -181,6 +221,10 @@ struct Task {
   RegisteredBuffer send_staging, recv_staging;  // from MpiComm's StagingBuffers
   // reduce_scatter and all_reduce: the other ranks' pieces, rank r's at r * piece bytes.
   std::vector<std::byte> pieces;
+  // What this rank issued, sent to every peer before the data, and what each peer sent (rank r's
+  // at r).
+  Descriptor descriptor_out{};
+  std::vector<Descriptor> descriptors_in;
 
   // Posted by the progress thread.
   // A receive is matched (MPI_Improbe, which tells its size) before its buffer is given
@@ -193,6 +237,7 @@ struct Task {
     bool receive = false;
     bool matched = false;  // receives: MPI_Imrecv posted
     bool done = false;
+    bool descriptor = false;  // the peer's Descriptor, compared on arrival
     std::size_t bytes = 0;
   };
   std::vector<Message> messages;
@@ -244,8 +289,10 @@ class MpiComm final : public Communicator {
     int* tag_ub = nullptr;
     int flag = 0;
     MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &tag_ub, &flag);
-    // Tags are (sequence mod tag_space) * 4 + kind; the standard guarantees at least 32767.
-    tag_space_ = (flag != 0 && tag_ub != nullptr ? *tag_ub : 32767) / 4;
+    // Tags are (sequence mod tag_space) * 2, even, so that they never meet the abort notices' odd
+    // kNoticeTag on the control communicator; the standard guarantees tags up to 32767. The kind
+    // is not in the tag: ranks that issued different kinds must meet to see it (the descriptor).
+    tag_space_ = (flag != 0 && tag_ub != nullptr ? *tag_ub : 32767) / 2;
     notice_in_.resize(kNoticeBytes + 1);
     ZINF_RETURN_IF_ERROR(post_notice_receive());
     progress_ = std::thread([this] { progress_loop(); });
@@ -302,7 +349,11 @@ class MpiComm final : public Communicator {
   void fail(Status reason, bool tell_peers);
   void progress_loop();
   Status post(Task& task);
-  Status post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive);
+  Status post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive,
+                      bool descriptor = false);
+  // Receives the descriptor `matched` from `message.peer` and compares it with `task`'s own:
+  // kCommError naming both calls when they disagree.
+  Status check_descriptor(Task& task, Task::Message& message, MPI_Message matched);
   // Polls `task`'s messages; true when all have completed. Errors and the deadline set `failure`.
   bool poll(Task& task, Status* failure);
   Status post_notice_receive();
@@ -317,8 +368,7 @@ class MpiComm final : public Communicator {
   // its duplicates of the parent communicator).
   void shut_down();
   int tag_of(const Task& task) const {
-    const int kind = task.kind == TaskKind::kBarrier ? 0 : static_cast<int>(task.op.kind);
-    return static_cast<int>(task.sequence % static_cast<std::uint64_t>(tag_space_)) * 4 + kind;
+    return static_cast<int>(task.sequence % static_cast<std::uint64_t>(tag_space_)) * 2;
   }
   MPI_Comm comm_of(const Task& task) const {
     return task.kind == TaskKind::kBarrier ? control_comm_ : data_comm_;
@@ -336,7 +386,7 @@ class MpiComm final : public Communicator {
   std::string name_;
   MPI_Comm data_comm_ = MPI_COMM_NULL;
   MPI_Comm control_comm_ = MPI_COMM_NULL;  // barriers and abort notices
-  int tag_space_ = 8191;
+  int tag_space_ = 16383;
 
   std::mutex issue_mu_;
   std::uint64_t next_sequence_ = 0;  // guarded by issue_mu_
@@ -405,7 +455,8 @@ void MpiComm::count_refused() {
   ++failed_;
 }
 
-Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive) {
+Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive,
+                             bool descriptor) {
   // Long buffers go as several messages of at most kMaxMessageBytes (ordered by MPI).
   std::size_t offset = 0;
   do {
@@ -413,6 +464,7 @@ Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer
     Task::Message message;
     message.peer = peer;
     message.receive = receive;
+    message.descriptor = descriptor;
     message.bytes = piece;
     auto* at = static_cast<std::byte*>(data) + offset;
     message.data = at;
@@ -444,10 +496,15 @@ Status MpiComm::post(Task& task) {
   const std::size_t chunk_bytes = op.element_count * dtype_bytes(op.dtype);
   auto* send = static_cast<std::byte*>(const_cast<void*>(op.send));
   auto* recv = static_cast<std::byte*>(op.recv);
-  // Receives first, so that a peer's message finds its buffer posted.
+  task.descriptor_out = encode_descriptor(op);
+  task.descriptors_in.assign(static_cast<std::size_t>(world_size_), Descriptor{});
+  // Receives first, so that a peer's message finds its buffer posted. From each peer, its
+  // descriptor comes before its data (poll() matches a peer's receives in this order).
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer == rank_) continue;
     const auto upeer = static_cast<std::size_t>(peer);
+    ZINF_RETURN_IF_ERROR(post_message(task, task.descriptors_in[upeer].data(), kDescriptorBytes,
+                                      peer, /*receive=*/true, /*descriptor=*/true));
     switch (op.kind) {
       case CollectiveKind::kAllGather:
         ZINF_RETURN_IF_ERROR(
@@ -464,10 +521,12 @@ Status MpiComm::post(Task& task) {
         break;
     }
   }
-  const auto urank = static_cast<std::size_t>(rank_);
   for (int peer = 0; peer < world_size_; ++peer) {
     if (peer == rank_) continue;
     const auto upeer = static_cast<std::size_t>(peer);
+    // The descriptor first: the peer compares it before it takes any of this rank's data.
+    ZINF_RETURN_IF_ERROR(post_message(task, task.descriptor_out.data(), kDescriptorBytes, peer,
+                                      /*receive=*/false, /*descriptor=*/true));
     switch (op.kind) {
       case CollectiveKind::kAllGather:
         ZINF_RETURN_IF_ERROR(post_message(task, send, chunk_bytes, peer, false));
@@ -485,7 +544,6 @@ Status MpiComm::post(Task& task) {
         break;
     }
   }
-  (void)urank;
   return Status::ok();
 }
 
@@ -508,6 +566,14 @@ bool MpiComm::poll(Task& task, Status* failure) {
     }
     if (flag == 0) {
       blocked[peer] = 1;
+      continue;
+    }
+    if (message.descriptor) {
+      Status agreed = check_descriptor(task, message, matched);
+      if (!agreed.is_ok()) {
+        *failure = std::move(agreed);
+        return false;
+      }
       continue;
     }
     int received = 0;
@@ -581,6 +647,37 @@ bool MpiComm::poll(Task& task, Status* failure) {
     return false;
   }
   return false;
+}
+
+Status MpiComm::check_descriptor(Task& task, Task::Message& message, MPI_Message matched) {
+  // A matched message of kDescriptorBytes: MPI sends one this small eagerly, so it is here already
+  // and the blocking receive returns at once.
+  MPI_Status st;
+  const int err =
+      MPI_Mrecv(message.data, static_cast<int>(kDescriptorBytes), MPI_BYTE, &matched, &st);
+  if (err != MPI_SUCCESS) {
+    return status_from_mpi(
+        fmt::format("{} on {}: receiving rank {}'s descriptor", task.label, name_, message.peer),
+        err);
+  }
+  message.done = true;
+  message.matched = true;
+  --task.open_count;
+  int received = 0;
+  MPI_Get_count(&st, MPI_BYTE, &received);
+  Collective own = task.op;
+  own.name = {};
+  const Collective theirs =
+      decode_descriptor(task.descriptors_in[static_cast<std::size_t>(message.peer)]);
+  if (static_cast<std::size_t>(received) == kDescriptorBytes && collectives_agree(own, theirs)) {
+    return Status::ok();
+  }
+  const std::string their_call = static_cast<std::size_t>(received) == kDescriptorBytes
+                                     ? describe_call(theirs)
+                                     : fmt::format("a message of {} bytes", received);
+  return Status::comm_error(
+      fmt::format("{} on {}: ranks disagree: rank {} issued {}, this rank issued {}", task.label,
+                  name_, message.peer, their_call, describe_call(own)));
 }
 
 void MpiComm::check_notice() {

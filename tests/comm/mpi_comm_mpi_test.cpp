@@ -304,6 +304,66 @@ TEST(MpiCommFailures, RanksThatDisagreeOnTheSizeFailWithCommError) {
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// What one rank issues in RanksThatIssueDifferentCollectivesOfTheSameSizeFailWithCommError.
+struct Call {
+  CollectiveKind kind;
+  std::size_t count;
+  DType dtype;
+  ReduceOp op;
+  int root;
+  std::string text;  // as the error names it
+};
+
+// Rank 0 issues `first`, every other rank `second`: collectives that move the same bytes but
+// differ in root, reduction or dtype. Every rank fails with kCommError naming both calls (its own
+// check or the notice of a rank whose check came first), instead of returning an answer.
+void expect_disagreement(const Call& first, const Call& second) {
+  SCOPED_TRACE(first.text + " vs " + second.text);
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(10));
+  const Call& mine = g_rank == 0 ? first : second;
+  const std::size_t input_count =
+      mine.kind == CollectiveKind::kReduceScatter ? mine.count * g_world : mine.count;
+  const std::vector<std::byte> input = random_data(input_count, mine.dtype, 41 + g_rank);
+  const auto start = Clock::now();
+  Result<std::vector<std::byte>> out = run_collective(
+      *comm, mine.kind, input, mine.count, mine.dtype, mine.op, Form::kOutOfPlace, mine.root);
+  ASSERT_FALSE(out.is_ok()) << "rank " << g_rank << " got an answer";
+  const std::string message(out.status().message());
+  // With more than two ranks, one that issues after another's notice arrived is refused
+  // (kAborted carrying that notice); with two, each rank's own call is in before any check.
+  const Code code = out.status().code();
+  EXPECT_TRUE(code == Code::kCommError || (g_world > 2 && code == Code::kAborted)) << message;
+  EXPECT_NE(message.find("ranks disagree"), std::string::npos) << message;
+  EXPECT_NE(message.find("issued " + first.text), std::string::npos) << message;
+  EXPECT_NE(message.find("issued " + second.text), std::string::npos) << message;
+  // Found when the descriptors arrive, not at the timeout.
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+TEST(MpiCommFailures, RanksThatIssueDifferentCollectivesOfTheSameSizeFailWithCommError) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  const auto f32 = DType::kF32;
+  const auto bf16 = DType::kBF16;
+  const auto sum = ReduceOp::kSum;
+  const auto max = ReduceOp::kMax;
+  // Broadcasts from different roots.
+  expect_disagreement({CollectiveKind::kBroadcast, 4, f32, sum, 0, "broadcast of 4 f32 (root 0)"},
+                      {CollectiveKind::kBroadcast, 4, f32, sum, 1, "broadcast of 4 f32 (root 1)"});
+  // all_reduce with sum on one rank and max on the others.
+  expect_disagreement({CollectiveKind::kAllReduce, 4, f32, sum, 0, "all_reduce of 4 f32 (sum)"},
+                      {CollectiveKind::kAllReduce, 4, f32, max, 0, "all_reduce of 4 f32 (max)"});
+  // 4 f32 against 8 bf16: 16 bytes either way.
+  expect_disagreement({CollectiveKind::kAllReduce, 4, f32, sum, 0, "all_reduce of 4 f32 (sum)"},
+                      {CollectiveKind::kAllReduce, 8, bf16, sum, 0, "all_reduce of 8 bf16 (sum)"});
+  // Another kind of the same size: all_gather of 4 f32 against all_reduce of 4 f32 on two ranks.
+  if (g_world == 2) {
+    expect_disagreement({CollectiveKind::kAllGather, 2, f32, sum, 0, "all_gather of 2 f32"},
+                        {CollectiveKind::kAllReduce, 2, f32, sum, 0, "all_reduce of 2 f32 (sum)"});
+  }
+}
+
 // abort() on rank 0 while the others wait in a collective: theirs fails with kAborted naming
 // rank 0 and the reason, well before the timeout.
 TEST(MpiCommFailures, AnAbortReachesTheOtherRanksCollectives) {
