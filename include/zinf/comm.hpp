@@ -233,7 +233,9 @@ Result<std::unique_ptr<Communicator>> make_nccl_comm(void* nccl_comm, Device& de
 
 // Bootstraps a communicator from the environment the launcher set:
 //   torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): rank 0's ncclUniqueId goes
-//     to every rank over TCP (lib/comm/tcp_bootstrap);
+//     to every rank over TCP (lib/comm/tcp_bootstrap), rank 0 listening on ZINF_BOOTSTRAP_PORT
+//     when set, else under torchrun on MASTER_PORT+1 (MASTER_PORT is torch's own store's), else
+//     on MASTER_PORT;
 //   mpirun or srun (OMPI_COMM_WORLD_SIZE, PMI_SIZE, PMIX_SIZE or SLURM_STEP_NUM_TASKS, and no
 //     RANK; a batch script's SLURM_NTASKS alone is no launch): the id is
 //     broadcast over MPI_COMM_WORLD (needs zinf built with MPI, which is then initialised);

@@ -171,10 +171,13 @@ Result<std::vector<std::byte>> serve(const LaunchEnv& env, std::span<const std::
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_ANY);
-  addr.sin_port = htons(env.master_port);
+  addr.sin_port = htons(bootstrap_port_of(env));
   if (::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {
     return status_from_errno(
-        fmt::format("tcp bootstrap: rank 0 cannot bind port {}", env.master_port), errno);
+        fmt::format("tcp bootstrap: rank 0 cannot bind port {} ({}; set ZINF_BOOTSTRAP_PORT to "
+                    "a free port, the same on every rank)",
+                    bootstrap_port_of(env), env.bootstrap_port_from),
+        errno);
   }
   if (::listen(listener.get(), env.world_size) != 0) {
     return status_from_errno("tcp bootstrap: listen", errno);
@@ -264,7 +267,7 @@ Result<std::vector<std::byte>> serve(const LaunchEnv& env, std::span<const std::
     }
     const std::string message =
         fmt::format("rank(s) {} of {} did not reach rank 0 at port {} within {} ms", missing,
-                    env.world_size, env.master_port, timeout.count());
+                    env.world_size, bootstrap_port_of(env), timeout.count());
     send_failure(peers, kReplyTimeout, message);
     return Status::timeout("tcp bootstrap: " + message);
   }
@@ -315,7 +318,7 @@ Result<std::vector<std::byte>> join(const LaunchEnv& env, std::chrono::milliseco
   sockaddr_in addr{};
   std::memcpy(&addr, found->ai_addr, sizeof(addr));
   ::freeaddrinfo(found);
-  addr.sin_port = htons(env.master_port);
+  addr.sin_port = htons(bootstrap_port_of(env));
 
   // Rank 0 may start later than this rank: retry refused connections until the deadline.
   Fd conn;
@@ -329,8 +332,9 @@ Result<std::vector<std::byte>> join(const LaunchEnv& env, std::chrono::milliseco
     last = attempt.status();
     if (remaining_ms(deadline) == 0) {
       return Status::timeout(fmt::format(
-          "tcp bootstrap: rank {} could not reach rank 0 at {}:{} within {} ms (last: {})",
-          env.rank, env.master_addr, env.master_port, timeout.count(), last.to_string()));
+          "tcp bootstrap: rank {} could not reach rank 0 at {}:{} ({}) within {} ms (last: {})",
+          env.rank, env.master_addr, bootstrap_port_of(env), env.bootstrap_port_from,
+          timeout.count(), last.to_string()));
     }
     std::this_thread::sleep_for(std::min<Clock::duration>(kConnectRetry, deadline - Clock::now()));
   }
@@ -431,7 +435,32 @@ Result<LaunchEnv> parse_launch_env(
   env.master_addr = *addr;
   ZINF_ASSIGN_OR_RETURN(const int port, parse_int("MASTER_PORT", lookup("MASTER_PORT"), 1, 65535));
   env.master_port = static_cast<std::uint16_t>(port);
+  const std::optional<std::string> own = lookup("ZINF_BOOTSTRAP_PORT");
+  if (own.has_value()) {
+    ZINF_ASSIGN_OR_RETURN(const int bootstrap, parse_int("ZINF_BOOTSTRAP_PORT", own, 1, 65535));
+    env.bootstrap_port = static_cast<std::uint16_t>(bootstrap);
+    env.bootstrap_port_from = fmt::format("ZINF_BOOTSTRAP_PORT={}", bootstrap);
+  } else if (lookup("TORCHELASTIC_RUN_ID").has_value() ||
+             lookup("TORCHELASTIC_USE_AGENT_STORE").has_value()) {
+    // torchrun: MASTER_PORT is torch's TCPStore's (the agent's, or rank 0's
+    // init_process_group's), so binding it fails or takes it from torch.
+    if (port == 65535) {
+      return Status::invalid_argument(
+          "tcp bootstrap: under torchrun the bootstrap listens on MASTER_PORT+1, and "
+          "MASTER_PORT=65535 leaves none; set ZINF_BOOTSTRAP_PORT");
+    }
+    env.bootstrap_port = static_cast<std::uint16_t>(port + 1);
+    env.bootstrap_port_from =
+        fmt::format("MASTER_PORT+1 (MASTER_PORT={} is torchrun's store)", port);
+  } else {
+    env.bootstrap_port = env.master_port;
+    env.bootstrap_port_from = "MASTER_PORT";
+  }
   return env;
+}
+
+std::uint16_t bootstrap_port_of(const LaunchEnv& env) {
+  return env.bootstrap_port != 0 ? env.bootstrap_port : env.master_port;
 }
 
 Result<LaunchEnv> launch_env_from_environment() {

@@ -1,8 +1,8 @@
 // TCP bootstrap: hands one small opaque blob (the 128-byte ncclUniqueId) from rank 0 to every
 // rank of a job, using the environment a launcher such as torchrun sets.
 //
-// Rank 0 listens on MASTER_PORT; every other rank connects to MASTER_ADDR:MASTER_PORT (retrying
-// while rank 0 is not up yet) and says hello with its rank and world size. Once all
+// Rank 0 listens on the bootstrap port; every other rank connects to MASTER_ADDR and that port
+// (retrying while rank 0 is not up yet) and says hello with its rank and world size. Once all
 // WORLD_SIZE - 1 ranks have arrived, rank 0 sends the blob to each and waits for each to
 // acknowledge it, so a successful return on rank 0 means every rank holds the blob. Rank 0 reads
 // the hellos of all connections at once, so a connection that never says hello (a port scanner,
@@ -41,11 +41,25 @@ struct LaunchEnv {
   int local_rank = 0;
   std::string master_addr = "127.0.0.1";
   std::uint16_t master_port = 29500;
+  // The port rank 0 listens on for tcp_broadcast_blob; 0: master_port.
+  std::uint16_t bootstrap_port = 0;
+  // Where bootstrap_port came from, for errors: "ZINF_BOOTSTRAP_PORT=29600",
+  // "MASTER_PORT+1 (MASTER_PORT=29500 is torchrun's store)" or "MASTER_PORT".
+  std::string bootstrap_port_from = "MASTER_PORT";
 };
 
+// The port tcp_broadcast_blob uses for `env`: bootstrap_port, or master_port when that is 0.
+std::uint16_t bootstrap_port_of(const LaunchEnv& env);
+
 // Reads RANK, WORLD_SIZE, LOCAL_RANK (defaults to RANK when unset), MASTER_ADDR and MASTER_PORT
-// through `lookup` (nullopt for an unset variable). Returns kInvalidArgument naming the variable
-// that is missing or malformed, or when RANK is not in [0, WORLD_SIZE).
+// through `lookup` (nullopt for an unset variable), and picks the bootstrap port:
+//   ZINF_BOOTSTRAP_PORT when set;
+//   under torchrun (TORCHELASTIC_RUN_ID or TORCHELASTIC_USE_AGENT_STORE set) MASTER_PORT + 1:
+//     MASTER_PORT is torch's own TCPStore's, which torchrun's agent already listens on
+//     (TORCHELASTIC_USE_AGENT_STORE=True) or rank 0's init_process_group will;
+//   otherwise MASTER_PORT.
+// Returns kInvalidArgument naming the variable that is missing or malformed, or when RANK is not
+// in [0, WORLD_SIZE).
 Result<LaunchEnv> parse_launch_env(
     const std::function<std::optional<std::string>(const char* name)>& lookup);
 // parse_launch_env over the process environment (getenv).

@@ -5,18 +5,22 @@
 // hang fails the test instead of stalling it.
 #include "comm/tcp_bootstrap.hpp"
 
+#include <arpa/inet.h>
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
-#include <arpa/inet.h>
 
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -63,9 +67,12 @@ struct RankSpec {
 };
 
 // Runs each spec in its own child process; returns rank -> exit code (kExitKilled if it had to
-// be killed after `bound`).
+// be killed after `bound`). With `launcher_vars`, each rank reads its place from the variables a
+// launcher would set (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT = `port`, and these) through
+// parse_launch_env, as make_nccl_comm does.
 std::map<int, int> run_ranks(const std::vector<RankSpec>& specs, std::uint16_t port,
-                             milliseconds timeout, std::uint64_t seed, milliseconds bound) {
+                             milliseconds timeout, std::uint64_t seed, milliseconds bound,
+                             const std::map<std::string, std::string>& launcher_vars = {}) {
   std::map<pid_t, int> children;
   for (const RankSpec& spec : specs) {
     std::fflush(nullptr);
@@ -78,6 +85,19 @@ std::map<int, int> run_ranks(const std::vector<RankSpec>& specs, std::uint16_t p
       env.local_rank = spec.rank;
       env.master_addr = "127.0.0.1";
       env.master_port = port;
+      if (!launcher_vars.empty()) {
+        std::map<std::string, std::string> vars = launcher_vars;
+        vars["RANK"] = std::to_string(spec.rank);
+        vars["WORLD_SIZE"] = std::to_string(spec.world_size);
+        vars["MASTER_ADDR"] = "127.0.0.1";
+        vars["MASTER_PORT"] = std::to_string(port);
+        Result<LaunchEnv> parsed = parse_launch_env([&](const char* name) {
+          auto it = vars.find(name);
+          return it == vars.end() ? std::nullopt : std::optional<std::string>(it->second);
+        });
+        if (!parsed.is_ok()) ::_exit(kExitInvalid);
+        env = *parsed;
+      }
       const std::vector<std::byte> blob = make_blob(seed);
       const std::vector<std::byte> empty;
       Result<std::vector<std::byte>> got = tcp_broadcast_blob(
@@ -256,6 +276,149 @@ TEST(TcpBootstrap, WorldOfOneNeedsNoNetwork) {
   EXPECT_EQ(*got, blob);
 }
 
+// A socket listening on `port` on every address, as torchrun's agent store listens on
+// MASTER_PORT; -1 when the port is taken.
+int listen_on(std::uint16_t port) {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_ANY);
+  addr.sin_port = htons(port);
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 || ::listen(fd, 8) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// A port held by a listener (as torchrun's store holds MASTER_PORT) whose next port is free.
+struct HeldPort {
+  std::uint16_t port = 0;
+  int fd = -1;
+  HeldPort() {
+    for (int attempt = 0; attempt < 20 && fd < 0; ++attempt) {
+      port = free_port();
+      if (port == 65535) continue;
+      fd = listen_on(port);
+      const int next = listen_on(static_cast<std::uint16_t>(port + 1));
+      if (next < 0 && fd >= 0) {
+        ::close(fd);
+        fd = -1;
+      }
+      if (next >= 0) ::close(next);
+    }
+    EXPECT_GE(fd, 0) << "no port with a free successor";
+  }
+  ~HeldPort() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
+// Under torchrun, torch's store already listens on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE=True:
+// the agent's): the bootstrap takes MASTER_PORT+1, and 2 ranks exchange the blob beside it.
+TEST(TcpBootstrap, UnderTorchrunRankZeroListensBesideTheStoreOnMasterPort) {
+  HeldPort store;
+  const std::map<int, int> codes =
+      run_ranks({{0, 2}, {1, 2}}, store.port, milliseconds(5000), 41, milliseconds(20000),
+                {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"TORCHELASTIC_RUN_ID", "none"}});
+  EXPECT_EQ(codes.at(0), kExitOk);
+  EXPECT_EQ(codes.at(1), kExitOk);
+}
+
+// ZINF_BOOTSTRAP_PORT picks the port, under torchrun or not.
+TEST(TcpBootstrap, ZinfBootstrapPortChoosesThePort) {
+  HeldPort store;
+  // MASTER_PORT+1 taken too: only the chosen port works.
+  const int next = listen_on(static_cast<std::uint16_t>(store.port + 1));
+  ASSERT_GE(next, 0);
+  const std::uint16_t own = free_port();
+  const std::map<int, int> codes = run_ranks(
+      {{0, 2}, {1, 2}}, store.port, milliseconds(5000), 43, milliseconds(20000),
+      {{"TORCHELASTIC_USE_AGENT_STORE", "True"}, {"ZINF_BOOTSTRAP_PORT", std::to_string(own)}});
+  ::close(next);
+  EXPECT_EQ(codes.at(0), kExitOk);
+  EXPECT_EQ(codes.at(1), kExitOk);
+}
+
+// A bootstrap port in use is kIoError naming the port, where it came from and the variable that
+// picks another.
+TEST(TcpBootstrap, APortInUseIsNamedWithTheVariableThatMovesIt) {
+  HeldPort store;
+  const int next = listen_on(static_cast<std::uint16_t>(store.port + 1));
+  ASSERT_GE(next, 0);
+  const std::map<std::string, std::string> vars = {{"RANK", "0"},
+                                                   {"WORLD_SIZE", "2"},
+                                                   {"MASTER_ADDR", "127.0.0.1"},
+                                                   {"MASTER_PORT", std::to_string(store.port)},
+                                                   {"TORCHELASTIC_USE_AGENT_STORE", "True"}};
+  Result<LaunchEnv> env = parse_launch_env([&](const char* name) {
+    auto it = vars.find(name);
+    return it == vars.end() ? std::nullopt : std::optional<std::string>(it->second);
+  });
+  ASSERT_TRUE(env.is_ok()) << env.status().to_string();
+  const std::vector<std::byte> blob = make_blob(5);
+  Result<std::vector<std::byte>> got = tcp_broadcast_blob(*env, blob, milliseconds(2000));
+  ::close(next);
+  ASSERT_FALSE(got.is_ok());
+  const std::string message(got.status().message());
+  EXPECT_EQ(got.status().code(), Code::kIoError) << message;
+  EXPECT_NE(message.find(fmt::format("cannot bind port {} (MASTER_PORT+1 (MASTER_PORT={} is",
+                                     store.port + 1, store.port)),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("set ZINF_BOOTSTRAP_PORT"), std::string::npos) << message;
+}
+
+// Run by RealTorchrunRanksExchangeTheBlob as each of torchrun's ranks (ZINF_TCP_TORCHRUN_RANK
+// set): the environment is torchrun's own; the blob must arrive.
+TEST(TcpBootstrap, TorchrunRank) {
+  if (std::getenv("ZINF_TCP_TORCHRUN_RANK") == nullptr) {
+    GTEST_SKIP() << "a rank of RealTorchrunRanksExchangeTheBlob";
+  }
+  Result<LaunchEnv> env = launch_env_from_environment();
+  ASSERT_TRUE(env.is_ok()) << env.status().to_string();
+  const std::vector<std::byte> blob = make_blob(77);
+  Result<std::vector<std::byte>> got = tcp_broadcast_blob(*env, blob, milliseconds(20000));
+  ASSERT_TRUE(got.is_ok()) << got.status().to_string();
+  EXPECT_EQ(*got, blob);
+}
+
+// Under a real torchrun, whose agent store listens on MASTER_PORT: two ranks (this test program,
+// started by torchrun --no-python) exchange the blob. Needs torchrun: ZINF_TORCHRUN (its path)
+// or `torchrun` on PATH; skipped naming them otherwise.
+TEST(TcpBootstrap, RealTorchrunRanksExchangeTheBlob) {
+  std::string torchrun;
+  if (const char* given = std::getenv("ZINF_TORCHRUN"); given != nullptr) {
+    torchrun = given;
+  } else if (std::system("command -v torchrun > /dev/null 2>&1") == 0) {
+    torchrun = "torchrun";
+  } else {
+    GTEST_SKIP() << "no torchrun: set ZINF_TORCHRUN to its path or put it on PATH";
+  }
+  char self[4096] = {};
+  const ssize_t length = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(length, 0);
+  const std::string command =
+      "ZINF_TCP_TORCHRUN_RANK=1 timeout 120 " + torchrun + " --nproc_per_node 2 --no-python " +
+      std::string(self, static_cast<std::size_t>(length)) +
+      " --gtest_filter=TcpBootstrap.TorchrunRank 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  std::string output;
+  char chunk[4096];
+  while (std::fgets(chunk, sizeof(chunk), pipe) != nullptr) output += chunk;
+  const int status = ::pclose(pipe);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << output;
+  // Both ranks ran the test rather than skipping it.
+  std::size_t passed = 0;
+  for (std::size_t at = output.find("[  PASSED  ] 1 test"); at != std::string::npos;
+       at = output.find("[  PASSED  ] 1 test", at + 1)) {
+    ++passed;
+  }
+  EXPECT_EQ(passed, 2u) << output;
+  EXPECT_EQ(output.find("SKIPPED"), std::string::npos) << output;
+}
+
 TEST(LaunchEnv, ParsesTorchrunVariables) {
   std::map<std::string, std::string> vars = {{"RANK", "3"},
                                              {"WORLD_SIZE", "8"},
@@ -274,6 +437,23 @@ TEST(LaunchEnv, ParsesTorchrunVariables) {
   EXPECT_EQ(env->local_rank, 1);
   EXPECT_EQ(env->master_addr, "10.0.0.7");
   EXPECT_EQ(env->master_port, 29501);
+  // No torchrun variables: the bootstrap listens on MASTER_PORT itself.
+  EXPECT_EQ(bootstrap_port_of(*env), 29501);
+  vars["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  env = parse_launch_env(lookup);
+  ASSERT_TRUE(env.is_ok()) << env.status().to_string();
+  EXPECT_EQ(bootstrap_port_of(*env), 29502);
+  vars["ZINF_BOOTSTRAP_PORT"] = "40000";
+  env = parse_launch_env(lookup);
+  ASSERT_TRUE(env.is_ok()) << env.status().to_string();
+  EXPECT_EQ(bootstrap_port_of(*env), 40000);
+  EXPECT_EQ(env->bootstrap_port_from, "ZINF_BOOTSTRAP_PORT=40000");
+  vars["ZINF_BOOTSTRAP_PORT"] = "0";
+  env = parse_launch_env(lookup);
+  ASSERT_FALSE(env.is_ok());
+  EXPECT_NE(env.status().message().find("ZINF_BOOTSTRAP_PORT"), std::string_view::npos);
+  vars.erase("ZINF_BOOTSTRAP_PORT");
+  vars.erase("TORCHELASTIC_USE_AGENT_STORE");
 
   vars.erase("LOCAL_RANK");
   env = parse_launch_env(lookup);
