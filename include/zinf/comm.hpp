@@ -186,8 +186,9 @@ Result<std::vector<std::unique_ptr<Communicator>>> make_local_comm_group(
 // --- MpiComm: one process per rank -------------------------------------------------------------
 
 struct MpiCommOptions {
-  // How long a collective or a barrier waits for the other ranks' data once this rank has reached
-  // it. Past it the collective fails with kTimeout naming the ranks it still waited for, and the
+  // How long opening (make_mpi_comm: the communicator's duplication, which every rank must join)
+  // and each collective or barrier wait for the other ranks once this rank has reached them. Past
+  // it the collective fails with kTimeout naming the ranks it still waited for, and the
   // communicator is aborted on every rank still alive. This is what turns a rank that died or
   // stalled into an error instead of a hang (MPI itself waits forever for a dead peer). Give it
   // the engine's collective_timeout_ms.
@@ -203,7 +204,9 @@ struct MpiCommOptions {
 // unless a collective failed (MPI_Finalize would wait for a dead peer).
 // Errors: kUnsupported naming ZINF_WITH_MPI when zinf was built without MPI;
 // kFailedPrecondition when the program initialised MPI below MPI_THREAD_MULTIPLE or finalised it;
-// kCommError for an MPI error. Every rank must call it (it duplicates the communicator).
+// kTimeout when not every rank called it within options.timeout (it duplicates the communicator,
+// which every rank must join); kCommError for an MPI error. MPI_Init, when zinf calls it, has no
+// deadline (MPI offers none).
 // REQUIRES: `device` outlives the result.
 Result<std::unique_ptr<Communicator>> make_mpi_comm(Device& device,
                                                     const MpiCommOptions& options = {});

@@ -178,6 +178,20 @@ Status ensure_mpi(std::string_view who) {
   return Status::ok();
 }
 
+// now + `timeout`; a timeout of a day or more (kWaitForever) is no deadline.
+std::chrono::steady_clock::time_point deadline_after(std::chrono::milliseconds timeout) {
+  return timeout >= std::chrono::hours(24) ? std::chrono::steady_clock::time_point::max()
+                                           : std::chrono::steady_clock::now() + timeout;
+}
+
+// Polls `request` (a nonblocking collective every rank of the communicator must join) until it
+// completes or `deadline` passes: kTimeout saying what did not finish, `world_size` ranks and
+// `timeout` long. MPI cannot cancel a collective request: on a timeout it stays with MPI, and
+// whatever it would write must stay alive (the callers leak it), and MPI_Finalize is skipped at
+// exit (it could wait for the missing ranks).
+Status poll_until(MPI_Request* request, std::chrono::steady_clock::time_point deadline,
+                  std::string_view what, int world_size, std::chrono::milliseconds timeout);
+
 std::string rank_list(const std::vector<int>& ranks) {
   std::string text;
   for (int r : ranks) text += (text.empty() ? "" : ", ") + std::to_string(r);
@@ -203,6 +217,25 @@ class Backoff {
  private:
   int spins_ = 0;
 };
+
+Status poll_until(MPI_Request* request, Clock::time_point deadline, std::string_view what,
+                  int world_size, std::chrono::milliseconds timeout) {
+  Backoff backoff;
+  for (;;) {
+    int flag = 0;
+    ZINF_RETURN_IF_ERROR(status_from_mpi(fmt::format("{}: MPI_Test", what),
+                                         MPI_Test(request, &flag, MPI_STATUS_IGNORE)));
+    if (flag != 0) return Status::ok();
+    if (Clock::now() >= deadline) {
+      g_failed.store(true);
+      return Status::timeout(fmt::format(
+          "{}: not every rank of the {} joined within {} ms (a rank that is late, stalled or "
+          "died; every rank must make the call)",
+          what, world_size, timeout.count()));
+    }
+    backoff.pause();
+  }
+}
 
 // --- One collective in flight --------------------------------------------------------------------
 
@@ -280,11 +313,33 @@ class MpiComm final : public Communicator {
     ZINF_RETURN_IF_ERROR(
         status_from_mpi("make_mpi_comm: MPI_Comm_size", MPI_Comm_size(parent, &world_size_)));
     name_ = fmt::format("mpi rank {} of {}", rank_, world_size_);
-    for (MPI_Comm* comm : {&data_comm_, &control_comm_}) {
-      ZINF_RETURN_IF_ERROR(status_from_mpi(fmt::format("make_mpi_comm on {}: MPI_Comm_dup", name_),
-                                           MPI_Comm_dup(parent, comm)));
+    // MPI_Comm_dup is collective and would wait forever for a rank that never calls it: the
+    // nonblocking MPI_Comm_idup is polled against options.timeout instead. The new handles are
+    // written where MPI was told when the duplication completes, which after a timeout may still
+    // happen: they live on the heap, and are leaked then.
+    const auto deadline = deadline_after(options_.timeout);
+    auto* duplicates = new MPI_Comm[2]{MPI_COMM_NULL, MPI_COMM_NULL};
+    MPI_Request requests[2] = {MPI_REQUEST_NULL, MPI_REQUEST_NULL};
+    for (int i = 0; i < 2; ++i) {
+      Status started = status_from_mpi(fmt::format("make_mpi_comm on {}: MPI_Comm_idup", name_),
+                                       MPI_Comm_idup(parent, &duplicates[i], &requests[i]));
+      if (!started.is_ok()) {
+        if (i == 0) delete[] duplicates;
+        return started;
+      }
+    }
+    for (MPI_Request& request : requests) {
+      ZINF_RETURN_IF_ERROR(
+          poll_until(&request, deadline,
+                     fmt::format("make_mpi_comm on {}: duplicating the communicator", name_),
+                     world_size_, options_.timeout));
+    }
+    data_comm_ = duplicates[0];
+    control_comm_ = duplicates[1];
+    delete[] duplicates;
+    for (MPI_Comm comm : {data_comm_, control_comm_}) {
       // Errors come back as codes (and become Statuses) instead of ending the process.
-      MPI_Comm_set_errhandler(*comm, MPI_ERRORS_RETURN);
+      MPI_Comm_set_errhandler(comm, MPI_ERRORS_RETURN);
     }
     int* tag_ub = nullptr;
     int flag = 0;
@@ -482,8 +537,7 @@ Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer
 }
 
 Status MpiComm::post(Task& task) {
-  task.deadline = task.timeout >= std::chrono::hours(24) ? Clock::time_point::max()
-                                                         : Clock::now() + task.timeout;
+  task.deadline = deadline_after(task.timeout);
   if (task.kind == TaskKind::kBarrier) {
     for (int peer = 0; peer < world_size_; ++peer) {
       if (peer == rank_) continue;
@@ -1105,17 +1159,54 @@ Status mpi_finalize_losses(const Communicator& comm) {
   return mpi == nullptr ? Status::ok() : mpi->finalize_losses();
 }
 
-Result<MpiWorld> mpi_world_of_process() {
+Result<MpiWorld> mpi_world_of_process(std::chrono::milliseconds timeout) {
   ZINF_RETURN_IF_ERROR(ensure_mpi("mpi_world_of_process"));
   MpiWorld world;
   MPI_Comm_rank(MPI_COMM_WORLD, &world.rank);
   MPI_Comm_size(MPI_COMM_WORLD, &world.world_size);
-  MPI_Comm node = MPI_COMM_NULL;
-  ZINF_RETURN_IF_ERROR(status_from_mpi(
-      "mpi_world_of_process: MPI_Comm_split_type",
-      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, world.rank, MPI_INFO_NULL, &node)));
-  MPI_Comm_rank(node, &world.local_rank);
-  MPI_Comm_free(&node);
+  // The launcher's own figure when it gives one (Open MPI's mpirun, MPICH's Hydra): no collective
+  // needed, so no rank waits for another here.
+  for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}) {
+    const char* value = std::getenv(name);
+    if (value != nullptr && *value != '\0') {
+      world.local_rank = std::atoi(value);
+      return world;
+    }
+  }
+  // Otherwise the ranks before this one on the same host, from every rank's host name gathered by
+  // a nonblocking MPI_Iallgather polled against `timeout` (MPI_Comm_split_type would wait forever
+  // for a rank that never calls). The buffers are leaked when it times out: MPI may still write
+  // them.
+  const auto deadline = deadline_after(timeout);
+  const auto world_count = static_cast<std::size_t>(world.world_size);
+  auto* names = new char[world_count * (MPI_MAX_PROCESSOR_NAME + 1) + MPI_MAX_PROCESSOR_NAME + 1]();
+  char* mine = names + world_count * (MPI_MAX_PROCESSOR_NAME + 1);
+  int length = 0;
+  Status named = status_from_mpi("mpi_world_of_process: MPI_Get_processor_name",
+                                 MPI_Get_processor_name(mine, &length));
+  if (!named.is_ok()) {
+    delete[] names;
+    return named;
+  }
+  MPI_Request request = MPI_REQUEST_NULL;
+  Status started = status_from_mpi(
+      "mpi_world_of_process: MPI_Iallgather of the host names",
+      MPI_Iallgather(mine, MPI_MAX_PROCESSOR_NAME + 1, MPI_CHAR, names, MPI_MAX_PROCESSOR_NAME + 1,
+                     MPI_CHAR, MPI_COMM_WORLD, &request));
+  if (!started.is_ok()) {
+    delete[] names;
+    return started;
+  }
+  ZINF_RETURN_IF_ERROR(poll_until(
+      &request, deadline,
+      fmt::format("mpi_world_of_process on rank {}: gathering the host names", world.rank),
+      world.world_size, timeout));
+  world.local_rank = 0;
+  for (int r = 0; r < world.rank; ++r) {
+    const char* theirs = names + static_cast<std::size_t>(r) * (MPI_MAX_PROCESSOR_NAME + 1);
+    if (std::strncmp(theirs, mine, MPI_MAX_PROCESSOR_NAME) == 0) ++world.local_rank;
+  }
+  delete[] names;
   return world;
 }
 

@@ -478,7 +478,7 @@ Result<std::unique_ptr<Communicator>> make_nccl_comm(Device& device,
   }
 #if defined(ZINF_HAVE_MPI)
   // mpirun or srun: the unique id goes over MPI_COMM_WORLD.
-  ZINF_ASSIGN_OR_RETURN(const MpiWorld world, mpi_world_of_process());
+  ZINF_ASSIGN_OR_RETURN(const MpiWorld world, mpi_world_of_process(options.init_timeout));
   LaunchEnv env;
   env.rank = world.rank;
   env.world_size = world.world_size;

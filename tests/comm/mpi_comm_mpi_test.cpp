@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "comm/mpi_comm.hpp"
 #include "comm_test_util.hpp"
 #include "device/device_ops.hpp"
 #include "zinf/comm.hpp"
@@ -403,6 +404,72 @@ TEST(MpiCommFailures, ABarrierARankMissesTimesOutNamingIt) {
   } else if (g_rank != g_world - 1) {
     Status st = comm->barrier(std::chrono::seconds(10));
     EXPECT_FALSE(st.is_ok());
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Opening is collective (the communicator is duplicated): a rank that comes late past the
+// timeout makes the others' make_mpi_comm return kTimeout at the timeout, not wait for it. The
+// late rank still opens, so that every rank makes the same collective calls on MPI_COMM_WORLD.
+TEST(MpiCommFailures, OpeningWithALateRankTimesOut) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  const milliseconds timeout(1000);
+  MpiCommOptions options;
+  options.timeout = timeout;
+  if (g_rank == 1) {
+    std::this_thread::sleep_for(timeout * 5 / 2);
+    options.timeout = std::chrono::seconds(10);
+    Result<std::unique_ptr<Communicator>> late = make_mpi_comm(*device, options);
+    (void)late;
+  } else {
+    const auto start = Clock::now();
+    Result<std::unique_ptr<Communicator>> comm = make_mpi_comm(*device, options);
+    const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+    ASSERT_FALSE(comm.is_ok());
+    const std::string message(comm.status().message());
+    EXPECT_EQ(comm.status().code(), Code::kTimeout) << message;
+    EXPECT_NE(message.find(fmt::format("not every rank of the {} joined within 1000 ms", g_world)),
+              std::string::npos)
+        << message;
+    EXPECT_GE(took.count(), timeout.count() - 50);
+    EXPECT_LT(took.count(), timeout.count() + 1000);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Where the launcher gives no local rank, mpi_world_of_process counts the ranks on this host
+// from their host names (all ranks of this test share one host); a rank that comes late past the
+// timeout makes the others' return kTimeout instead of waiting.
+TEST(MpiWorld, LocalRankFromHostNamesWithADeadline) {
+  const char* launcher_value = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const std::string saved = launcher_value == nullptr ? "" : launcher_value;
+  unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  Result<MpiWorld> world = mpi_world_of_process(std::chrono::seconds(20));
+  ASSERT_TRUE(world.is_ok()) << world.status().to_string();
+  EXPECT_EQ(world->rank, g_rank);
+  EXPECT_EQ(world->world_size, g_world);
+  EXPECT_EQ(world->local_rank, g_rank);
+  if (g_world >= 2) {
+    const milliseconds timeout(1000);
+    if (g_rank == 1) std::this_thread::sleep_for(timeout * 5 / 2);
+    const auto start = Clock::now();
+    Result<MpiWorld> late = mpi_world_of_process(g_rank == 1 ? std::chrono::seconds(10) : timeout);
+    const auto took = std::chrono::duration_cast<milliseconds>(Clock::now() - start);
+    if (g_rank != 1) {
+      ASSERT_FALSE(late.is_ok());
+      EXPECT_EQ(late.status().code(), Code::kTimeout) << late.status().to_string();
+      EXPECT_NE(late.status().message().find("gathering the host names"), std::string_view::npos)
+          << late.status().to_string();
+      EXPECT_LT(took.count(), timeout.count() + 1000);
+    }
+  }
+  if (launcher_value != nullptr) {
+    setenv("OMPI_COMM_WORLD_LOCAL_RANK", saved.c_str(), 1);
+    // The launcher's figure, when it gives one, needs no collective: no rank waits.
+    Result<MpiWorld> given = mpi_world_of_process(milliseconds(1));
+    ASSERT_TRUE(given.is_ok()) << given.status().to_string();
+    EXPECT_EQ(given->local_rank, std::atoi(saved.c_str()));
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
