@@ -907,39 +907,76 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
     groups: the section takes lr and weight_decay from the optimizer's defaults and betas and eps
     from its first group; each group keeps its own lr and weight_decay, in the same order (a
     scheduler over the object sets them by position; a group's "initial_lr", which a torch
-    scheduler records, is kept, and its "lr" is the next step's)."""
+    scheduler records, is kept, and its "lr" is the next step's).
+
+    torch's Adam adds weight_decay to the gradient (L2), as DeepSpeedCPUAdam(adamw_mode=False)
+    does: where a group decays, the section is "Adam" with adam_w_mode false (the config's
+    "Adam" is AdamW without it); where none does, the two are the same and it is "AdamW".
+    torch's AdamW, Adam(decoupled_weight_decay=True) and DeepSpeedCPUAdam (adamw_mode=True, its
+    default) decay decoupled: "AdamW". torch's Adagrad (and DeepSpeedCPUAdagrad) is "Adagrad"
+    with its eps and lr_decay; a non-zero initial_accumulator_value, which the engine does not
+    take (its state sum starts at 0), is refused naming it."""
     defaults = optimizer.defaults
+    groups = [g for g in optimizer.param_groups if g["params"]]
+    first = groups[0] if groups else defaults
+
+    def values(key, default, of=None):
+        """The values the groups (those of `of`, default every group) hold for `key`."""
+        return {g.get(key, defaults.get(key, default))
+                for g in ((groups or [defaults]) if of is None else of)}
+
+    for option in ("amsgrad", "maximize", "nesterov", "foreach_only"):
+        if any(values(option, False)):
+            raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): the "
+                                      f"optimizer's {option}=True has no zinf equivalent")
     adagrad = isinstance(optimizer, torch.optim.Adagrad)
     if adagrad:
         kind = "Adagrad"
-    elif isinstance(optimizer, torch.optim.AdamW) or getattr(optimizer, "adamw_mode", False):
-        kind = "AdamW"
-    elif isinstance(optimizer, torch.optim.Adam):
-        # torch's Adam adds weight_decay to the gradient (L2); with none, it is AdamW.
-        kind = "Adam" if defaults.get("weight_decay", 0.0) else "AdamW"
+        initial = [v for v in values("initial_accumulator_value", 0.0) if v]
+        if initial:
+            raise NotImplementedError(
+                "deepspeed.initialize (zinf.deepspeed_compat): the Adagrad optimizer's "
+                f"initial_accumulator_value={initial[0]} has no zinf equivalent (the engine's "
+                "state sum starts at 0); use 0")
+        lr_decays = values("lr_decay", 0.0)
+        if len(lr_decays) > 1:
+            raise NotImplementedError(
+                "deepspeed.initialize (zinf.deepspeed_compat): the Adagrad optimizer's groups "
+                f"have different lr_decay values {sorted(lr_decays)}; the engine takes one")
+    elif isinstance(optimizer, (torch.optim.Adam, DeepSpeedCPUAdam)):
+        decaying = [g for g in groups if g.get("weight_decay", defaults.get("weight_decay", 0))]
+        if isinstance(optimizer, torch.optim.AdamW):
+            decoupled = {True}
+        elif isinstance(optimizer, DeepSpeedCPUAdam):
+            decoupled = {bool(optimizer.adamw_mode)}
+        else:
+            decoupled = {bool(v) for v in values("decoupled_weight_decay", False, decaying)}
+        if len(decoupled) > 1:
+            raise NotImplementedError(
+                "deepspeed.initialize (zinf.deepspeed_compat): the Adam optimizer's groups mix "
+                "decoupled_weight_decay True and False; the engine decays every group one way")
+        kind = "Adam" if decaying and decoupled == {False} else "AdamW"
     else:
         raise NotImplementedError(
             f"deepspeed.initialize (zinf.deepspeed_compat): the optimizer "
             f"{type(optimizer).__name__} has no zinf equivalent (torch's AdamW, Adam and Adagrad "
-            "are mapped); give the config an \"optimizer\" section instead")
-    for option in ("amsgrad", "maximize", "nesterov", "foreach_only"):
-        if defaults.get(option):
-            raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): the "
-                                      f"optimizer's {option}=True has no zinf equivalent")
-    groups = [g for g in optimizer.param_groups if g["params"]]
-    first = groups[0] if groups else defaults
+            "and DeepSpeedCPUAdam are mapped); give the config an \"optimizer\" section instead")
     params = {"lr": float(defaults["lr"]), "weight_decay": float(defaults.get("weight_decay", 0))}
     if not adagrad:
         params["betas"] = [float(b) for b in first.get("betas", (0.9, 0.999))]
-        params["eps"] = float(first.get("eps", 1e-8))
+    params["eps"] = float(first.get("eps", 1e-10 if adagrad else 1e-8))
+    if adagrad and float(next(iter(lr_decays))):
+        params["lr_decay"] = float(next(iter(lr_decays)))
+    if kind == "Adam":
+        params["adam_w_mode"] = False
     # A group's lr is the rate of the next step: a torch scheduler made over the optimizer set
     # it already (to 0 at the start of a warm-up from 0), and keeps the base lr as "initial_lr",
     # which zinf.torch scales the group by.
     zinf_groups = [{"params": list(g["params"]), "lr": float(g["lr"]),
                     **({"initial_lr": float(g["initial_lr"])} if "initial_lr" in g else {}),
                     "weight_decay": float(g.get("weight_decay", params["weight_decay"])),
-                    **({} if adagrad else {"betas": tuple(g.get("betas", params["betas"])),
-                                            "eps": float(g.get("eps", params["eps"]))})}
+                    "eps": float(g.get("eps", params["eps"])),
+                    **({} if adagrad else {"betas": tuple(g.get("betas", params["betas"]))})}
                    for g in groups]
     return {"type": kind, "params": params}, zinf_groups
 

@@ -1,0 +1,119 @@
+"""deepspeed.initialize(optimizer=...) with a torch optimizer object or DeepSpeedCPUAdam: the
+engine trains as the object would. torch's Adam adds weight_decay to the gradient (L2), as
+DeepSpeedCPUAdam(adamw_mode=False) does; AdamW, Adam(decoupled_weight_decay=True) and
+DeepSpeedCPUAdam(adamw_mode=True) decay the weights (deepspeed/ops/adam/cpu_adam.py; DeepSpeed
+steps a client torch optimizer itself). torch's Adagrad takes eps, lr_decay and
+initial_accumulator_value; the engine's state sum starts at 0, so the last is refused unless it
+is 0. Each run is checked against plain torch on the same model and data."""
+import pytest
+import torch
+
+import zinf.deepspeed_compat as compat
+from conftest import make_mlp, mlp_batches, mlp_loss
+
+STEPS = 5
+LR = 1e-2
+
+
+def split_groups(model: torch.nn.Module, decay: float) -> list[dict]:
+    """Two groups, the first with its own weight_decay and the second at the optimizer's."""
+    params = list(model.parameters())
+    return [{"params": params[::2], "weight_decay": decay}, {"params": params[1::2]}]
+
+
+def train_torch(model, optimizer, batches):
+    for batch in batches:
+        optimizer.zero_grad()
+        mlp_loss(model, batch).backward()
+        optimizer.step()
+    return model
+
+
+def train_engine(model, optimizer, batches, stage, offload="none"):
+    config = {"train_micro_batch_size_per_gpu": 4, "zinf": {"cpu_threads": 1},
+              "zero_optimization": {"stage": stage, "offload_optimizer": {"device": offload}}}
+    if stage == 3:
+        config["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    engine, _, _, _ = compat.initialize(model=model, optimizer=optimizer, config=config,
+                                        dist_init_required=False)
+    for batch in batches:
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    return engine
+
+
+def assert_trained_as(engine, reference):
+    for name, expected in reference.named_parameters():
+        torch.testing.assert_close(engine.read_parameter(name), expected.detach(), rtol=0,
+                                   atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+ADAM_CASES = {
+    # (the optimizer given to initialize, the torch optimizer it must train as)
+    "Adam, weight_decay 0.1":
+        (lambda m: torch.optim.Adam(m.parameters(), lr=LR, weight_decay=0.1),
+         lambda m: torch.optim.Adam(m.parameters(), lr=LR, weight_decay=0.1)),
+    "Adam, one group's weight_decay 0.1":
+        (lambda m: torch.optim.Adam(split_groups(m, 0.1), lr=LR),
+         lambda m: torch.optim.Adam(split_groups(m, 0.1), lr=LR)),
+    "Adam, decoupled_weight_decay":
+        (lambda m: torch.optim.Adam(m.parameters(), lr=LR, weight_decay=0.1,
+                                    decoupled_weight_decay=True),
+         lambda m: torch.optim.AdamW(m.parameters(), lr=LR, weight_decay=0.1)),
+}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("case", list(ADAM_CASES))
+def test_a_torch_adam_object_trains_as_torch(stage, case):
+    if case == "Adam, decoupled_weight_decay" and "decoupled_weight_decay" not in \
+            torch.optim.Adam(make_mlp().parameters()).defaults:
+        pytest.skip("this torch's Adam has no decoupled_weight_decay")
+    given, reference = ADAM_CASES[case]
+    batches = mlp_batches(STEPS)
+    want_model = make_mlp()
+    train_torch(want_model, reference(want_model), batches)
+    model = make_mlp()
+    engine = train_engine(model, given(model), batches, stage)
+    assert_trained_as(engine, want_model)
+
+
+@pytest.mark.parametrize("adamw_mode", [False, True])
+def test_deepspeed_cpu_adam_trains_as_torch(adamw_mode):
+    # Accelerate turns the Trainer's torch Adam into DeepSpeedCPUAdam(adamw_mode=False) and its
+    # AdamW into adamw_mode=True under optimizer offload (map_pytorch_optim_to_deepspeed).
+    batches = mlp_batches(STEPS)
+    want_model = make_mlp()
+    torch_class = torch.optim.AdamW if adamw_mode else torch.optim.Adam
+    train_torch(want_model, torch_class(want_model.parameters(), lr=LR, weight_decay=0.1),
+                batches)
+    model = make_mlp()
+    optimizer = compat.DeepSpeedCPUAdam(model.parameters(), lr=LR, weight_decay=0.1,
+                                        adamw_mode=adamw_mode)
+    engine = train_engine(model, optimizer, batches, 2, offload="cpu")
+    assert_trained_as(engine, want_model)
+
+
+@pytest.mark.parametrize("options", [{"eps": 1e-2}, {"lr_decay": 0.5}])
+def test_a_torch_adagrad_object_trains_as_torch(options):
+    batches = mlp_batches(STEPS)
+    want_model = make_mlp()
+    train_torch(want_model, torch.optim.Adagrad(want_model.parameters(), lr=LR,
+                                                weight_decay=0.1, **options), batches)
+    model = make_mlp()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=LR, weight_decay=0.1, **options)
+    engine = train_engine(model, optimizer, batches, 2)
+    assert_trained_as(engine, want_model)
+
+
+def test_an_adagrad_setting_the_engine_lacks_is_refused_naming_it():
+    model = make_mlp()
+    optimizer = torch.optim.Adagrad(model.parameters(), lr=LR, initial_accumulator_value=0.5)
+    with pytest.raises(NotImplementedError, match="initial_accumulator_value=0.5"):
+        train_engine(model, optimizer, [], 2)
+    model = make_mlp()
+    params = list(model.parameters())
+    optimizer = torch.optim.Adagrad([{"params": params[:2], "lr_decay": 0.5},
+                                     {"params": params[2:]}], lr=LR)
+    with pytest.raises(NotImplementedError, match="different lr_decay values"):
+        train_engine(model, optimizer, [], 2)
