@@ -365,9 +365,9 @@ def test_zero_to_fp32_script_in_the_checkpoint_directory(tmp_path, safe):
 def test_zero_to_fp32_excludes_frozen_parameters_at_every_stage(tmp_path, stage, monkeypatch):
     """DeepSpeed's --exclude_frozen_parameters (and the functions' exclude_frozen_parameters=)
     leaves out every parameter with requires_grad False, at every stage: at stages 1 and 2 zinf
-    keeps them in the client state, which is then not read at all, at stage 3 the engine holds
-    them and the manifest marks them. lazy_mode=True gives, as DeepSpeed's, weights that read
-    themselves on .contiguous()."""
+    keeps them in the client state, which is then only mapped (its buffers are read), at stage 3
+    the engine holds them and the manifest marks them. lazy_mode=True gives, as DeepSpeed's,
+    weights that read themselves on .contiguous()."""
     model = make_mlp()
     model[3].weight.requires_grad_(False)
     frozen = model[3].weight.detach().clone()
@@ -397,11 +397,12 @@ def test_zero_to_fp32_excludes_frozen_parameters_at_every_stage(tmp_path, stage,
     from zinf.torch import get_fp32_state_dict_from_zero_checkpoint
     loaded = []
     load = torch.load
-    monkeypatch.setattr(torch, "load", lambda f, *a, **k: loaded.append(str(f)) or load(f, *a, **k))
+    monkeypatch.setattr(torch, "load", lambda f, *a, **k: loaded.append((str(f), k.get("mmap")))
+                        or load(f, *a, **k))
     plain = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), exclude_frozen_parameters=True)
     monkeypatch.undo()
     assert sorted(plain) == trainable
-    assert not any(path.endswith("client_state.bin") for path in loaded), loaded
+    assert all(mmap for path, mmap in loaded if path.endswith("client_state.bin")), loaded
     lazy = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), lazy_mode=True)
     assert sorted(lazy) == sorted(trainable + ["3.weight"])
     assert lazy["3.weight"].shape == frozen.shape and lazy["3.weight"].dtype == torch.float32

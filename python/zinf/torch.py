@@ -2216,27 +2216,28 @@ class _ExportedWeights:
 
 class _LazyWeight:
     """One weight of get_fp32_state_dict_from_zero_checkpoint(lazy_mode=True), as DeepSpeed's
-    lazy-mode GatheredTensor: shape and dtype at once, the fp32 CPU tensor from contiguous(),
-    read then (from the exported file, or converted from the frozen value the checkpoint's
-    client state holds), so that one weight at a time is in memory."""
+    lazy-mode GatheredTensor: shape and dtype at once, the CPU tensor (fp32, or a buffer's
+    integer dtype) from contiguous(), read then (from the exported file, or converted from the
+    frozen parameter or buffer the checkpoint's client state holds), so that one weight at a
+    time is in memory."""
 
-    def __init__(self, name: str, shape, read):
+    def __init__(self, name: str, shape, read, dtype: torch.dtype = torch.float32):
         self.name = name
         self.shape = torch.Size(shape)
-        self.dtype = torch.float32
+        self.dtype = dtype
         self._read = read
 
     def numel(self) -> int:
         return self.shape.numel()
 
     def element_size(self) -> int:
-        return 4
+        return torch.empty((), dtype=self.dtype).element_size()
 
     def contiguous(self) -> torch.Tensor:
         return self._read()
 
     def __repr__(self) -> str:
-        return f"_LazyWeight({self.name!r}, shape={tuple(self.shape)}, dtype=torch.float32)"
+        return f"_LazyWeight({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def _checkpoint_tag(checkpoint_dir: str, tag: Any) -> str:
@@ -2277,16 +2278,21 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
     tensors, named as the model's parameters, and the frozen parameters zinf.torch saved in the
     checkpoint's client state (converted to fp32 from the compute dtype they were saved in), as
     DeepSpeed's adds its frozen parameters. exclude_frozen_parameters=True leaves out every
-    frozen parameter, those the engine holds at stage 3 too (which its manifest marks). A
-    parameter shared by several modules (tied embeddings) appears once, under its first owner's
-    name (DeepSpeed's names it under each: the checkpoint does not record the other names), and
-    there are no buffers (a zinf checkpoint holds neither): load it with
-    load_state_dict_from_zero_checkpoint(model, dir), which fills both in from the model. The
-    weights pass through a safetensors file in the system's temporary directory (the model's
-    fp32 size). lazy_mode=True returns, as DeepSpeed's, a weight per name that reads itself on
-    .contiguous() (shape and dtype at once), so that one weight at a time is in memory; the
-    temporary file stays until the last of them is gone. Without it the file is read whole and
-    removed before this returns."""
+    frozen parameter, those the engine holds at stage 3 too (which its manifest marks); the
+    client state is then mapped, not read, so that those left out take no memory. The model's
+    persistent buffers (BatchNorm's running statistics, say), which save_checkpoint keeps in
+    the client state, are added under their names, as DeepSpeed's adds the buffers of its
+    module state, whether or not frozen parameters are excluded: the floating ones in fp32, the
+    others (num_batches_tracked) in their own dtype, where DeepSpeed's converts every buffer to
+    fp32; a checkpoint written before buffers were saved adds none. A parameter shared by
+    several modules (tied embeddings) appears once, under its first owner's name (DeepSpeed's
+    names it under each: the checkpoint does not record the other names): load it with
+    load_state_dict_from_zero_checkpoint(model, dir), which fills the others in from the model.
+    The weights pass through a safetensors file in the system's temporary directory (the
+    model's fp32 size). lazy_mode=True returns, as DeepSpeed's, a weight per name that reads
+    itself on .contiguous() (shape and dtype at once), so that one weight at a time is in
+    memory; the temporary file stays until the last of them is gone. Without it the file is
+    read whole and removed before this returns."""
     tag = _checkpoint_tag(checkpoint_dir, tag)
     excluded = _engine_frozen_names(checkpoint_dir, tag) if exclude_frozen_parameters else set()
     scratch = tempfile.TemporaryDirectory(prefix="zinf_fp32_")
@@ -2310,13 +2316,21 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
     if not lazy_mode:
         scratch.cleanup()
     client = os.path.join(checkpoint_dir, tag, "client_state.bin")
-    if os.path.isfile(client) and not exclude_frozen_parameters:
-        state = torch.load(client, weights_only=False, mmap=lazy_mode)
-        frozen = state.get("frozen", {}) if isinstance(state, dict) else {}
-        for name, values in frozen.items():
+    if os.path.isfile(client):
+        # Mapped, not read, where the frozen parameters it holds (which may be most of the
+        # model) are left out or read one at a time.
+        mapped = lazy_mode or exclude_frozen_parameters
+        state = torch.load(client, weights_only=False, mmap=mapped)
+        state = state if isinstance(state, dict) else {}
+        extra = dict(state.get("buffers") or {})
+        if not exclude_frozen_parameters:
+            extra.update(state.get("frozen") or {})
+        for name, values in extra.items():
+            dtype = torch.float32 if values.is_floating_point() else values.dtype
             weights[name] = (_LazyWeight(name, values.shape,
-                                         lambda values=values: values.to(torch.float32))
-                             if lazy_mode else values.to(torch.float32))
+                                         lambda values=values, dtype=dtype: values.to(dtype),
+                                         dtype)
+                             if lazy_mode else values.to(dtype, copy=mapped))
     return weights
 
 
@@ -2324,9 +2338,11 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str,
                                          tag: Any = None) -> nn.Module:
     """deepspeed.utils.zero_to_fp32's function: loads the checkpoint's fp32 weights into `model`
     (a plain torch model, not one a zinf engine trains) on the CPU and returns it. A parameter
-    shared by several modules is loaded under each of its names; buffers keep the model's values
-    (a zinf checkpoint does not hold them). A parameter of the model that the checkpoint lacks
-    raises KeyError naming it."""
+    shared by several modules is loaded under each of its names. The persistent buffers the
+    checkpoint holds are loaded too (converted to the model's buffers' dtypes), as DeepSpeed's
+    loads them; a buffer it lacks (a checkpoint written before buffers were saved) keeps the
+    model's value. A parameter of the model that the checkpoint lacks raises KeyError naming
+    it."""
     weights = get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir, tag)
     model = model.cpu()
     first_name: dict[int, str] = {}
@@ -2337,6 +2353,14 @@ def load_state_dict_from_zero_checkpoint(model: nn.Module, checkpoint_dir: str,
             raise KeyError(f"load_state_dict_from_zero_checkpoint: the model's parameter "
                            f"'{source}' is not in the checkpoint {checkpoint_dir}")
         state[name] = weights[source]
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is None or name in module._non_persistent_buffers_set:
+                continue
+            full = f"{module_name}.{name}" if module_name else name
+            source = first_name.setdefault(id(buffer), full)
+            if source in weights:
+                state[full] = weights[source]
     model.load_state_dict(state, strict=False)
     return model
 

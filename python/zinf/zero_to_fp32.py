@@ -13,11 +13,13 @@ pytorch_model.bin.index.json), written one at a time. The command line is DeepSp
 (deepspeed/utils/zero_to_fp32.py): checkpoint_dir, output_dir, --safe_serialization, -t/--tag,
 --exclude_frozen_parameters, --max_shard_size, -d. The weights are
 zinf.torch.get_fp32_state_dict_from_zero_checkpoint()'s: every parameter's fp32 master, gathered
-by name from the ranks' files whatever the world size that saved them, and the frozen parameters
-(left out, at every stage, with --exclude_frozen_parameters), each under its first name (a tied
-weight once: the checkpoint does not record its other names, which DeepSpeed's script adds). It
-needs the zinf package (python -m zinf.zero_to_fp32 runs the same). Files are written under a
-temporary name and renamed, so that an output file is whole or absent.
+by name from the ranks' files whatever the world size that saved them, the frozen parameters
+(left out, at every stage, with --exclude_frozen_parameters) and the model's persistent buffers
+(BatchNorm's running statistics: the floating ones in fp32, a count in its integer dtype, where
+DeepSpeed's script writes every buffer in fp32), each under its first name (a tied weight once:
+the checkpoint does not record its other names, which DeepSpeed's script adds). It needs the
+zinf package (python -m zinf.zero_to_fp32 runs the same). Files are written under a temporary
+name and renamed, so that an output file is whole or absent.
 """
 import argparse
 import json
