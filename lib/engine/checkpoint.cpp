@@ -41,6 +41,8 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <optional>
+#include <set>
 #include <vector>
 
 #include "base/assert.hpp"
@@ -689,9 +691,10 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   bool same_layout = false;
   bool adopt = false;  // same layout, the rank file linked and taken in place
   std::vector<Segment> segments;
-  // Same layout: this rank's own file, front to back. Resharded: every file a segment reads.
+  // Same layout: this rank's own file, front to back. Resharded: every file a segment reads,
+  // each verified before the state is touched, a bounded number of them open at a time.
   std::unique_ptr<CheckpointReader> own;
-  std::map<int, std::unique_ptr<CheckpointReader>> saved;
+  std::optional<RankFileReaders> saved;
   Status local = std::move(precondition);
   if (local.is_ok()) {
     local = [&]() -> Status {
@@ -741,15 +744,16 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
                               &header);
       }
       ZINF_RETURN_IF_ERROR(plan_segments(ctx, m, &segments));
-      for (const Segment& s : segments) {
-        if (saved.count(s.old_rank) != 0) continue;
-        ZINF_RETURN_IF_ERROR(open_rank_file(*io, tag_dir, m, s.old_rank, pieces.size(),
-                                            /*direct=*/false, &saved[s.old_rank], &header));
-      }
-      if (saved.empty()) {
-        // A rank that owns nothing but padding still takes the step and loss scale from a file.
-        ZINF_RETURN_IF_ERROR(
-            open_rank_file(*io, tag_dir, m, 0, pieces.size(), false, &saved[0], &header));
+      saved.emplace(*io, tag_dir, m);
+      std::set<int> old_ranks;
+      for (const Segment& s : segments) old_ranks.insert(s.old_rank);
+      // A rank that owns nothing but padding still takes the step and loss scale from a file.
+      if (old_ranks.empty()) old_ranks.insert(0);
+      for (const int old_rank : old_ranks) {
+        std::unique_ptr<CheckpointReader> r;
+        ZINF_RETURN_IF_ERROR(open_rank_file(*io, tag_dir, m, old_rank, pieces.size(),
+                                            /*direct=*/false, &r, &header));
+        saved->verified(old_rank, std::move(r));
       }
       return Status::ok();
     }()
@@ -799,8 +803,7 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
               const std::uint64_t at = kCheckpointHeaderBytes + pi * piece_bytes +
                                        (it->old_first + (lo - it->first)) * sizeof(float);
               ZINF_RETURN_IF_ERROR(
-                  saved.at(it->old_rank)
-                      ->read_at(at, (hi - lo) * sizeof(float), out + (lo - first)));
+                  saved->read_at(it->old_rank, at, (hi - lo) * sizeof(float), out + (lo - first)));
             }
             return Status::ok();
           }));

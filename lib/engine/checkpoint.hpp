@@ -32,6 +32,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <nlohmann/json_fwd.hpp>
@@ -367,6 +368,10 @@ class CheckpointReader {
   const std::vector<FileBlockSum>& block_sums() const { return block_sums_; }
   std::uint64_t file_bytes() const { return file_bytes_; }
   const std::string& path() const { return path_; }
+  // The file open (fstat of its descriptor): a file opened again by name is the same one when
+  // both match.
+  std::uint64_t file_device() const { return file_device_; }
+  std::uint64_t file_inode() const { return file_inode_; }
 
  private:
   CheckpointReader(IoEngine& io, std::string path) : io_(&io), path_(std::move(path)) {}
@@ -384,6 +389,8 @@ class CheckpointReader {
   FileHandle file_;
   bool direct_ = false;
   std::uint64_t file_bytes_ = 0;
+  std::uint64_t file_device_ = 0;
+  std::uint64_t file_inode_ = 0;
   // The pipeline (while a front-to-back pass runs): block k of the file is in slot k % blocks.
   std::unique_ptr<BufferPool> pool_;
   bool registered_ = false;
@@ -410,6 +417,55 @@ Result<std::unique_ptr<CheckpointReader>> open_rank_reader(IoEngine& io, const s
 // Whether a pass's digest matches `f`: a copied file's xxh3 against the manifest's (kCorruption
 // naming the file). A linked file's pass compared each block already.
 Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::uint64_t digest);
+
+// Each reader holds a descriptor, one of the engine's 64 file slots and a hashing thread; a load or
+// export of a checkpoint saved by more ranks than this reopens files, never runs out of them.
+inline constexpr std::size_t kCheckpointOpenReaders = 32;
+
+// The rank files of one tag, read at any offset (CheckpointReader::read_at) with at most
+// kCheckpointOpenReaders of them open at once, so that a checkpoint of any world size reads
+// through one open_checkpoint_io() engine (64 file slots) within any file descriptor limit. The
+// caller verifies each file it will read (a pass over it: checksum() and check_rank_digest) and
+// hands the reader over (verified()); a file that is not open when read is opened again
+// (open_rank_reader: its size, and a linked file's block checksums, checked against the manifest
+// once more) and must be the file verified, the same device and inode (kCorruption naming it
+// otherwise: the tag was replaced meanwhile); the least recently read file is closed to make
+// room. Thread-safety: one caller thread.
+class RankFileReaders {
+ public:
+  // REQUIRES: `io` and `manifest` outlive this object.
+  RankFileReaders(IoEngine& io, std::string tag_dir, const CheckpointManifest& manifest)
+      : io_(&io), tag_dir_(std::move(tag_dir)), manifest_(&manifest) {}
+  // Rank `rank`'s file, verified through `r` (opened by open_rank_reader without `direct`); kept
+  // open while fewer than kCheckpointOpenReaders are, closed otherwise.
+  void verified(int rank, std::unique_ptr<CheckpointReader> r);
+  // `bytes` bytes from `offset` of rank `rank`'s file. REQUIRES: verified(rank, ...) was called.
+  Status read_at(int rank, std::uint64_t offset, std::size_t bytes, void* out);
+  // Files open now (at most kCheckpointOpenReaders) and opened again so far.
+  std::size_t open_count() const { return open_.size(); }
+  std::uint64_t reopened_count() const { return reopened_count_; }
+
+ private:
+  struct Identity {
+    std::uint64_t device = 0;
+    std::uint64_t inode = 0;
+  };
+  struct Open {
+    int rank = 0;
+    std::uint64_t last_use = 0;
+    std::unique_ptr<CheckpointReader> reader;
+  };
+  // Keeps `r` open, closing the least recently read file when kCheckpointOpenReaders are.
+  void keep(int rank, std::unique_ptr<CheckpointReader> r);
+
+  IoEngine* io_;
+  std::string tag_dir_;
+  const CheckpointManifest* manifest_;
+  std::map<int, Identity> verified_;
+  std::vector<Open> open_;
+  std::uint64_t uses_ = 0;
+  std::uint64_t reopened_count_ = 0;
+};
 
 // Writes `text` to `path` durably through `io`: "<path>.tmp", fsync, rename, fsync of the
 // directory. A crash leaves the old file or the new one, never a mix.
@@ -493,8 +549,10 @@ void set_checkpoint_save_seams(CheckpointSaveSeams seams);
 
 // export_checkpoint_safetensors() is public (include/zinf/engine.hpp), in checkpoint_export.cpp.
 // {"dir", "latest", "tags": [{tag, step, world_size, stage, optimizer, parameters,
-// parameter_elements, bytes, checksums ("ok", "not verified", or the error: the rank files and
-// the client state)}], "problems": [text], "notes": [text]}, tags oldest first. The problems: a
+// parameter_elements, bytes, disk_bytes, dir (the directory holding the tag's files), checksums
+// ("ok", "not verified", or the error: the rank files and the client state)}], "problems":
+// [text], "notes": [text]}, tags oldest first. A tag a replacing save left at .<tag>.old
+// (moved_aside_tag_dir) is listed and verified there, as a load reads it. The problems: a
 // `latest` that does not read or names no complete tag, a tag directory (one with a manifest or
 // rank files) whose manifest does not read. The notes, each saying what the next save or resume
 // does with it: saves in progress or cut short (.<tag>.tmp), tags being replaced (.<tag>.old) or

@@ -18,6 +18,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <vector>
 
 #include "engine/checkpoint.hpp"
@@ -27,33 +28,41 @@ namespace zinf {
 namespace {
 
 struct OpenTag {
-  std::string dir;  // <dir>/<tag>
+  std::string dir;  // <dir>/<tag>, or <dir>/.<tag>.old where a save replacing it was cut short
   CheckpointManifest manifest;
-  std::vector<std::unique_ptr<CheckpointReader>> ranks;
+  std::optional<RankFileReaders> ranks;
 };
 
-// The manifest and every rank file of <dir>/<tag>, each file's size and checksum verified.
+// The manifest and every rank file of <dir>/<tag>, each file's size and checksum verified. As a
+// load does, a tag a replacing save moved aside and did not rename back (moved_aside_tag_dir) is
+// read where it is.
 Status open_tag(IoEngine& io, const std::string& dir, std::string tag, OpenTag* out) {
   if (tag.empty()) {
     ZINF_ASSIGN_OR_RETURN(tag, read_latest_tag(io, dir));
   }
   ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
   out->dir = fmt::format("{}/{}", dir, tag);
+  if (std::string aside = moved_aside_tag_dir(io, dir, tag); !aside.empty()) {
+    out->dir = std::move(aside);
+  }
   const std::string path = fmt::format("{}/{}", out->dir, kCheckpointManifest);
   ZINF_ASSIGN_OR_RETURN(std::string text, read_text_file(io, path));
   ZINF_ASSIGN_OR_RETURN(out->manifest, parse_checkpoint_manifest(text, path));
-  for (const ManifestFile& f : out->manifest.ranks) {
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
+  out->ranks.emplace(io, out->dir, out->manifest);
+  // One file at a time: the readers keep a bounded number of them open.
+  for (std::size_t r = 0; r < out->manifest.ranks.size(); ++r) {
+    const ManifestFile& f = out->manifest.ranks[r];
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> reader,
                           open_rank_reader(io, out->dir, f, /*direct=*/false));
-    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, r->checksum());
-    ZINF_RETURN_IF_ERROR(check_rank_digest(f, *r, sum));
-    out->ranks.push_back(std::move(r));
+    ZINF_ASSIGN_OR_RETURN(std::uint64_t sum, reader->checksum());
+    ZINF_RETURN_IF_ERROR(check_rank_digest(f, *reader, sum));
+    out->ranks->verified(static_cast<int>(r), std::move(reader));
   }
   return Status::ok();
 }
 
 // Parameter `p`'s fp32 master from the rank files that hold its slices.
-Status read_master(const OpenTag& t, const ManifestParam& p, std::vector<float>* out) {
+Status read_master(OpenTag& t, const ManifestParam& p, std::vector<float>* out) {
   std::uint64_t elements = 1;
   for (std::int64_t d : p.shape) elements *= static_cast<std::uint64_t>(d);
   out->resize(elements);
@@ -66,7 +75,8 @@ Status read_master(const OpenTag& t, const ManifestParam& p, std::vector<float>*
     const std::uint64_t take = std::min(elements - done, g.shard_elements - within);
     // Piece 0 of a rank file is the fp32 master.
     const std::uint64_t at = kCheckpointHeaderBytes + (g.partition_offset + within) * sizeof(float);
-    ZINF_RETURN_IF_ERROR(t.ranks[rank]->read_at(at, take * sizeof(float), out->data() + done));
+    ZINF_RETURN_IF_ERROR(
+        t.ranks->read_at(static_cast<int>(rank), at, take * sizeof(float), out->data() + done));
     done += take;
   }
   return Status::ok();
@@ -144,7 +154,26 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   Result<std::string> latest = read_latest_tag(*io, dir);
   out["latest"] = latest.is_ok() ? nlohmann::json(*latest) : nlohmann::json(nullptr);
   RefusedCheckpointTags refused;
-  const std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir, &refused);
+  std::vector<CheckpointManifest> manifests = list_checkpoint_tags(*io, dir, &refused);
+  // A tag a replacing save moved to .<tag>.old and did not rename back is the tag a load reads
+  // (moved_aside_tag_dir): it is listed, and verified, where it is.
+  std::map<std::string, std::string> aside_dirs;  // tag -> its .<tag>.old
+  for (const std::string& old : refused.old_dirs) {
+    const std::string name = std::filesystem::path(old).filename().string();
+    const std::string tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
+    if (!check_checkpoint_tag(tag).is_ok() || moved_aside_tag_dir(*io, dir, tag).empty()) continue;
+    const std::string path = fmt::format("{}/{}", old, kCheckpointManifest);
+    Result<std::string> text = read_text_file(*io, path);
+    Result<CheckpointManifest> m = text.is_ok() ? parse_checkpoint_manifest(*text, path)
+                                                : Result<CheckpointManifest>(text.status());
+    if (!m.is_ok()) continue;  // changed since moved_aside_tag_dir() read it
+    aside_dirs[tag] = old;
+    manifests.push_back(std::move(*m));
+  }
+  std::sort(manifests.begin(), manifests.end(),
+            [](const CheckpointManifest& a, const CheckpointManifest& b) {
+              return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
+            });
   // What a load would refuse: a `latest` that cannot be read or names no complete tag, tag
   // directories whose manifest does not read, and (below) a tag whose files do not match their
   // checksums (problems); and saves in progress or cut short (notes).
@@ -174,7 +203,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
   for (const std::string& old : refused.old_dirs) {
     const std::string name = std::filesystem::path(old).filename().string();
     const std::string tag = name.substr(1, name.size() - 5);  // ".<tag>.old"
-    if (check_checkpoint_tag(tag).is_ok() && !moved_aside_tag_dir(*io, dir, tag).empty()) {
+    if (aside_dirs.count(tag) != 0) {
       notes.push_back(fmt::format(
           "'{}': tag '{}', complete, moved aside by a save that was replacing it when it was cut "
           "short (there is no '{}/{}'): a load of tag '{}' reads it there, and the next save into "
@@ -241,11 +270,13 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     for (const ManifestFile& f : m.ranks) bytes += f.bytes;
     for (const ManifestFile& f : m.client_state) bytes += f.bytes;
     // What the tag's files take on the disk: a rank file saved by link is the whole swap file
-    // it froze, longer than the state the manifest counts.
+    // it froze, the state the manifest counts and whatever else the swap held.
+    const auto aside = aside_dirs.find(m.tag);
+    const std::string tag_dir =
+        aside != aside_dirs.end() ? aside->second : fmt::format("{}/{}", dir, m.tag);
     std::uint64_t disk_bytes = 0;
     std::error_code ec;
-    for (const auto& entry :
-         std::filesystem::directory_iterator(std::filesystem::path(dir) / m.tag, ec)) {
+    for (const auto& entry : std::filesystem::directory_iterator(tag_dir, ec)) {
       struct stat st {};
       if (::lstat(entry.path().c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
         disk_bytes += static_cast<std::uint64_t>(st.st_blocks) * 512;
@@ -258,8 +289,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
       // The client state too, as a load checks it.
       for (const ManifestFile& f : m.client_state) {
         if (!st.is_ok()) break;
-        st = read_checked_file(*io, fmt::format("{}/{}/{}", dir, m.tag, f.file), f.bytes, f.xxh3)
-                 .status();
+        st = read_checked_file(*io, fmt::format("{}/{}", t.dir, f.file), f.bytes, f.xxh3).status();
       }
       checksums = st.is_ok() ? "ok" : std::string(st.message());
       if (!st.is_ok()) problems.push_back(fmt::format("tag {}: {}", m.tag, checksums));
@@ -273,6 +303,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
                     {"parameter_elements", elements},
                     {"bytes", bytes},
                     {"disk_bytes", disk_bytes},
+                    {"dir", tag_dir},
                     {"checksums", checksums}});
   }
   out["tags"] = tags;

@@ -346,6 +346,11 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(IoEngine& io, s
   // through the page cache.
   r->fd_ = open_maybe_direct(r->path_, O_RDONLY, direct && r->file_bytes_ % 4096 == 0, &r->direct_);
   if (r->fd_ < 0) return status_from_errno(fmt::format("checkpoint: open '{}'", r->path_), errno);
+  if (::fstat(r->fd_, &st) != 0) {
+    return status_from_errno(fmt::format("checkpoint: fstat '{}'", r->path_), errno);
+  }
+  r->file_device_ = static_cast<std::uint64_t>(st.st_dev);
+  r->file_inode_ = static_cast<std::uint64_t>(st.st_ino);
   Result<FileHandle> file = io.adopt_fd(r->fd_, r->path_, r->direct_);
   if (!file.is_ok()) return file.status().with_context("checkpoint");
   r->file_ = *file;
@@ -518,6 +523,46 @@ Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::
                     r.path(), digest, f.xxh3));
   }
   return Status::ok();
+}
+
+void RankFileReaders::verified(int rank, std::unique_ptr<CheckpointReader> r) {
+  verified_[rank] = Identity{r->file_device(), r->file_inode()};
+  if (open_.size() < kCheckpointOpenReaders) {
+    keep(rank, std::move(r));
+  }
+}
+
+void RankFileReaders::keep(int rank, std::unique_ptr<CheckpointReader> r) {
+  if (open_.size() == kCheckpointOpenReaders) {
+    const auto lru = std::min_element(open_.begin(), open_.end(), [](const Open& a, const Open& b) {
+      return a.last_use < b.last_use;
+    });
+    *lru = std::move(open_.back());
+    open_.pop_back();
+  }
+  open_.push_back(Open{rank, ++uses_, std::move(r)});
+}
+
+Status RankFileReaders::read_at(int rank, std::uint64_t offset, std::size_t bytes, void* out) {
+  auto it = std::find_if(open_.begin(), open_.end(), [&](const Open& o) { return o.rank == rank; });
+  if (it == open_.end()) {
+    const auto identity = verified_.find(rank);
+    ZINF_ASSERT_MSG(identity != verified_.end(), "RankFileReaders: a file read before verified()");
+    const ManifestFile& f = manifest_->ranks[static_cast<std::size_t>(rank)];
+    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
+                          open_rank_reader(*io_, tag_dir_, f, /*direct=*/false));
+    if (r->file_device() != identity->second.device || r->file_inode() != identity->second.inode) {
+      return Status::corruption(fmt::format(
+          "'{}' is no longer the file whose checksum was verified (the tag was replaced while it "
+          "was read)",
+          r->path()));
+    }
+    ++reopened_count_;
+    keep(rank, std::move(r));
+    it = open_.end() - 1;
+  }
+  it->last_use = ++uses_;
+  return it->reader->read_at(offset, bytes, out);
 }
 
 Result<std::uint64_t> CheckpointReader::checksum() {

@@ -42,7 +42,10 @@ void run_inspect(const InspectOptions& o) {
     std::string checksums = t["checksums"].get<std::string>();
     // The check's message is among the problems, below the table.
     if (checksums != "ok" && !o.no_verify) checksums = "FAILED (below)";
-    table.add_row({t["tag"].get<std::string>(), std::to_string(t["step"].get<std::int64_t>()),
+    // A tag read where a replacing save moved it aside (a note below says so).
+    std::string tag = t["tag"].get<std::string>();
+    if (t["dir"].get<std::string>() != o.dir + "/" + tag) tag += " (." + tag + ".old)";
+    table.add_row({tag, std::to_string(t["step"].get<std::int64_t>()),
                    std::to_string(t["world_size"].get<int>()),
                    std::to_string(t["stage"].get<int>()), t["optimizer"].get<std::string>(),
                    std::to_string(t["parameters"].get<std::size_t>()),
