@@ -271,12 +271,7 @@ Status DeviceOptimizer::restore_masters(std::string_view why, std::size_t begin,
     s = ops_->widen(half_.as<std::byte>() + g.byte_offset + (was.offset - g.offset) * 2, g.dtype,
                     dst, was.count, /*accumulate=*/false, *stream_);
   }
-  bool wait_failed = false;
-  if (s.is_ok()) {
-    s = device_.synchronize(*stream_, timeout_);
-    wait_failed = !s.is_ok();
-  }
-  if (!s.is_ok()) return drain_then(s, wait_failed, std::span<DeviceBuffer>(&master, 1));
+  ZINF_RETURN_IF_ERROR(drain_then(std::move(s), std::span<DeviceBuffer>(&master, 1)));
   master_ = std::move(master);
   runs_ = std::move(runs);
   return Status::ok();
@@ -288,23 +283,24 @@ std::size_t DeviceOptimizer::half_only_elements() const {
   return elements;
 }
 
-Status DeviceOptimizer::drain_then(Status error, bool wait_failed,
-                                   std::span<DeviceBuffer> buffers) {
-  // Work queued before the error may still write into `buffers` (a HostDevice frees at once, and
-  // its stream's worker runs the queued work whatever the caller does). Where the failed wait was
-  // the error, that work is still running (a timeout: waiting again would take a second timeout_)
-  // or the stream failed; otherwise the wait below says whether it is done. Only then are the
-  // buffers freed; else they are kept until the destructor has waited for the stream.
-  const bool drained = !wait_failed && device_.synchronize(*stream_, timeout_).is_ok();
+Status DeviceOptimizer::drain_then(Status queued, std::span<DeviceBuffer> buffers) {
+  // One wait, whatever failed. Work queued before a failure may still write into `buffers` (a
+  // HostDevice frees at once, and its stream's worker runs the queued work whatever the caller
+  // does): only a wait that succeeds says it is done. Where this wait fails (a timeout: waiting
+  // again would take a second timeout_), the buffers are kept until the destructor has waited
+  // for the stream.
+  const bool was_queued = queued.is_ok();
+  Status waited = device_.synchronize(*stream_, timeout_);
+  if (was_queued && waited.is_ok()) return waited;
   for (DeviceBuffer& b : buffers) {
     if (b.bytes() == 0) continue;
-    if (drained) {
+    if (waited.is_ok()) {
       b = DeviceBuffer();
     } else {
       kept_.push_back(std::move(b));
     }
   }
-  return error;
+  return was_queued ? waited : queued;
 }
 
 DeviceOptimizer::~DeviceOptimizer() {
@@ -462,12 +458,7 @@ Status DeviceOptimizer::unpack(std::string_view why) {
                            r.count * sizeof(float), *stream_);
     }
   }
-  bool wait_failed = false;
-  if (s.is_ok()) {
-    s = device_.synchronize(*stream_, timeout_);
-    wait_failed = !s.is_ok();
-  }
-  if (!s.is_ok()) return drain_then(s, wait_failed, full);
+  ZINF_RETURN_IF_ERROR(drain_then(std::move(s), full));
   exp_avg_ = std::move(full[0]);
   exp_avg_sq_ = std::move(full[1]);
   zeros_ = std::move(full[2]);

@@ -205,12 +205,13 @@ class DeviceOptimizer {
   // Narrows `in` (count elements, exact in the run's dtype) on the host and uploads them into the
   // half copy of half-only run `r` from partition element `first` on; returns when copied.
   Status upload_half(const Run& r, std::size_t first, std::size_t count, const float* in);
-  // Returns `error`, the failure of a path that queued work into `buffers` (device buffers of its
-  // own, not yet in use), once that work can no longer write into them: it waits for the stream,
-  // unless the wait was what failed (`wait_failed`: a timeout is not waited for twice), and frees
-  // them when that wait succeeds; otherwise (the work may still run on the stream) they are kept
-  // in kept_, freed by the destructor after its own wait.
-  Status drain_then(Status error, bool wait_failed, std::span<DeviceBuffer> buffers);
+  // The end of a path that queued work into `buffers` (device buffers of its own, not yet in use)
+  // and whose queueing returned `queued`: waits for the stream, once. Both succeeded: returns ok,
+  // the buffers filled and left to the caller. Otherwise returns the first failure (the queueing
+  // or the wait), and frees the buffers when the wait succeeded (the work can no longer write
+  // into them); where it failed (the work may still run on the stream) they are kept in kept_,
+  // freed by the destructor after its own wait.
+  Status drain_then(Status queued, std::span<DeviceBuffer> buffers);
   // Where partition element `first` of run `r` (which has a master) has its master.
   float* master_at(const Run& r, std::size_t first) const;
 
