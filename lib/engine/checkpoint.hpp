@@ -18,10 +18,11 @@
 // saved with the state on NVMe loads into an engine that keeps it in host memory; the manifest
 // lists every parameter's place in the saved partition, so it loads into another world size,
 // stage or sub-group size too (re-sliced by parameter name). With the state on NVMe in the
-// store's checkpoint layout the rank file is the swap file itself, hard-linked (longer than the
-// layout: the swap's other extents follow) with its block checksums in <tag>/rank<r>.blocks
-// (ManifestFile::blocks; docs/ENGINE.md "NVMe state: saved by link"), and a load of the same
-// store layout takes it in place (OptimizerState::adopt_checkpoint).
+// store's checkpoint layout the rank file is the swap file itself, hard-linked (as long as the
+// layout or longer: the swap's other extents follow, and its size is whole aio blocks) with its
+// block checksums in <tag>/rank<r>.blocks (ManifestFile::blocks; docs/ENGINE.md "NVMe state: saved
+// by link"), and a load of the same store layout takes it in place
+// (OptimizerState::adopt_checkpoint).
 //
 // Thread-safety: values and single-owner objects.
 #pragma once
@@ -63,9 +64,9 @@ inline constexpr std::uint64_t kCheckpointMagic = 0x31544B43464E495AULL;  // "ZI
 // The format version a save writes (in the manifest and every rank file's header), and the
 // oldest one a load reads. Version 2: every rank file copied, checked by the whole file's xxh3-64
 // in the manifest. Version 3: a rank file may also be linked from the swap space (ManifestFile::
-// blocks): longer than its layout, its xxh3 in the manifest 0, checked block by block against
-// <tag>/rank<r>.blocks. A build that reads only version 2 would take a linked file for a corrupt
-// one; it refuses version 3 by its number instead.
+// blocks): as long as its layout or longer, its xxh3 in the manifest 0, checked block by block
+// against <tag>/rank<r>.blocks. A build that reads only version 2 would take a linked file for a
+// corrupt one; it refuses version 3 by its number instead.
 inline constexpr std::uint32_t kCheckpointVersion = 3;
 inline constexpr std::uint32_t kCheckpointOldestVersion = 2;
 inline constexpr std::size_t kCheckpointHeaderBytes = 4096;
@@ -133,10 +134,11 @@ struct ManifestFile {
   std::string file;  // relative to the tag directory
   std::uint64_t bytes = 0;
   std::uint64_t xxh3 = 0;
-  // A rank file linked from the swap space (StateStore::link_checkpoint) is longer than `bytes`
-  // (the swap file's other extents follow; a load reads its first `bytes` only), and its
-  // checksums are per block, in the file `blocks` (encode_block_sums) of `blocks_bytes` bytes
-  // whose xxh3-64 is `blocks_xxh3`; `xxh3` is then 0. Empty for a copied file.
+  // A rank file linked from the swap space (StateStore::link_checkpoint) may be longer than
+  // `bytes` (the swap file's other extents follow, and the file is whole aio blocks; a load reads
+  // its first `bytes` only), and its checksums are per block, in the file `blocks`
+  // (encode_block_sums) of `blocks_bytes` bytes whose xxh3-64 is `blocks_xxh3`; `xxh3` is then 0.
+  // Empty for a copied file.
   std::string blocks;
   std::uint64_t blocks_bytes = 0;
   std::uint64_t blocks_xxh3 = 0;

@@ -91,9 +91,16 @@ Result<EngineSwap> open_engine_swap(const Config& config, const Env& env,
   SwapOptions swap;
   swap.dirs = dirs;
   swap.block_bytes = config.aio_block_bytes;
-  // Striping rounds each extent's share of each directory up to a block.
-  swap.capacity_bytes =
-      capacity + std::uint64_t{extents + 4} * config.aio_block_bytes * dirs.size();
+  // In one directory an extent takes its bytes rounded up to a page (SwapSpace::create()), which
+  // `capacity` sums already. Striped over several, each extent's share of each directory is
+  // whole blocks: up to a block more per extent and directory. Only striping gets that slack,
+  // since the swap file is preallocated to its size (fallocate) and a checkpoint saved by link
+  // holds the whole file: a block of slack per extent was gigabytes on disk for megabytes of
+  // state with a small sub_group_size. (At least a block: a space with nothing on NVMe, every
+  // shard persistent, still opens.)
+  swap.capacity_bytes = dirs.size() == 1 ? std::max<std::uint64_t>(capacity, config.aio_block_bytes)
+                                         : capacity + std::uint64_t{extents + 4} *
+                                                          config.aio_block_bytes * dirs.size();
   swap.max_extents = extents + 16;
   swap.file_name = swap_file_name("swap", rank);
   Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*out.io, swap);
