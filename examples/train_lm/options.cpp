@@ -67,9 +67,11 @@ CLI::Option* add_scaled(CLI::App& app, const std::string& name, std::uint64_t* t
       ->default_str(binary ? format_bytes(double(*target)) : format_count(double(*target)));
 }
 
-// Options::schedule: the --config file's scheduler section, or the flags' WarmupCosineLR. The
-// flags' curve starts at last_batch_iteration 1, so that step k runs at DeepSpeed's iteration k:
-// --lr * k / --warmup while warming up, then the cosine, reaching 10% at step --steps.
+// Options::schedule: the --config file's scheduler section, or the flags' WarmupCosineLR, built
+// at last_batch_iteration -1 as DeepSpeed builds it by default, so that step k runs at
+// DeepSpeed's iteration k - 2: steps 1 and 2 at rate 0, then --lr * (k - 2) / --warmup while
+// warming up, then the cosine towards 10% at iteration --steps. (A start at 0 or above would run
+// step 1 at --lr itself: DeepSpeed's schedulers set the rate when built only at -1.)
 int schedule_from(Options* o, std::string* error) {
   zinf::ScheduleConfig& s = o->schedule;
   s = zinf::ScheduleConfig{};
@@ -79,7 +81,7 @@ int schedule_from(Options* o, std::string* error) {
   s.warmup_linear = true;
   s.warmup_min_ratio = 0.0;
   s.cos_min_ratio = 0.1;
-  s.last_batch_iteration = 1;
+  s.last_batch_iteration = -1;
   if (!o->config_path.empty()) {
     zinf::Result<zinf::Config> config = zinf::load_config(o->config_path);
     if (!config.is_ok()) {

@@ -447,8 +447,9 @@ TEST(Options, RanksCompareTheOptionsThatShapeTheTraining) {
             std::string::npos);
 }
 
-// The schedule: --lr/--warmup/--steps as DeepSpeed's WarmupCosineLR (step k at iteration k:
-// linear warm-up, cosine to 10%), or a --config file's scheduler section in its place.
+// The schedule: --lr/--warmup/--steps as DeepSpeed's WarmupCosineLR built at iteration -1 (step k
+// at iteration k - 2: linear warm-up from 0, cosine towards 10%), or a --config file's scheduler
+// section in its place.
 TEST(Options, ScheduleComesFromTheFlagsOrTheConfigsSchedulerSection) {
   auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
     args.insert(args.begin(), "train_lm");
@@ -466,12 +467,14 @@ TEST(Options, ScheduleComesFromTheFlagsOrTheConfigsSchedulerSection) {
   ASSERT_EQ(parse({"--lr", "2e-3", "--warmup", "10", "--steps", "110"}, &flags, &error), 0)
       << error;
   EXPECT_EQ(flags.schedule.kind, zinf::ScheduleKind::kWarmupCosineLR);
-  EXPECT_NEAR(lr_of_step(flags, 1), 2e-3 * 1.0 / 10.0, 1e-18);
-  EXPECT_NEAR(lr_of_step(flags, 5), 2e-3 * 5.0 / 10.0, 1e-18);
-  // The cosine's middle: p = (60 - 10 + 1) / 100 = 0.51.
-  EXPECT_NEAR(lr_of_step(flags, 60),
+  EXPECT_EQ(flags.schedule.last_batch_iteration, -1);
+  EXPECT_EQ(lr_of_step(flags, 1), 0.0);
+  EXPECT_EQ(lr_of_step(flags, 2), 0.0);
+  EXPECT_NEAR(lr_of_step(flags, 7), 2e-3 * 5.0 / 10.0, 1e-18);
+  // The cosine's middle, iteration 60: p = (60 - 10 + 1) / 100 = 0.51.
+  EXPECT_NEAR(lr_of_step(flags, 62),
               2e-3 * (0.1 + 0.9 * (1.0 + std::cos(3.141592653589793 * 0.51)) / 2.0), 1e-17);
-  EXPECT_NEAR(lr_of_step(flags, 110), 2e-3 * 0.1, 1e-18);
+  EXPECT_NEAR(lr_of_step(flags, 112), 2e-3 * 0.1, 1e-18);
 
   const fs::path dir =
       fs::path(std::getenv("ZINF_TEST_TMPDIR") ? std::getenv("ZINF_TEST_TMPDIR") : "/tmp") /
