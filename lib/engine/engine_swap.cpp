@@ -49,6 +49,10 @@ Result<std::vector<std::string>> find_nvme_dirs(const Config& config, const Env&
   for (const std::string& dir : out) {
     ZINF_RETURN_IF_ERROR(prepare_nvme_directory(key, dir, rank));
   }
+  // The config's two paths may spell one directory two ways ("/nvme" and "/nvme/"): one swap
+  // space there (compared by device and inode, so only once the directories exist). A repeat in
+  // Env::nvme_paths stays an error of SwapSpace::open.
+  if (env.nvme_paths.empty()) out = unique_directories(out);
   return out;
 }
 
