@@ -94,6 +94,21 @@ def test_deepspeed_cpu_adam_trains_as_torch(adamw_mode):
     assert_trained_as(engine, want_model)
 
 
+@pytest.mark.parametrize("adam_w_mode", [False, True])
+def test_fused_adam_takes_its_own_adam_w_mode_argument(adam_w_mode):
+    # deepspeed.ops.adam.FusedAdam names the switch adam_w_mode (DeepSpeedCPUAdam: adamw_mode).
+    batches = mlp_batches(STEPS)
+    want_model = make_mlp()
+    torch_class = torch.optim.AdamW if adam_w_mode else torch.optim.Adam
+    train_torch(want_model, torch_class(want_model.parameters(), lr=LR, weight_decay=0.1),
+                batches)
+    model = make_mlp()
+    fused_adam = compat._MODULES["deepspeed.ops.adam"]["FusedAdam"]  # deepspeed.ops.adam's
+    optimizer = fused_adam(model.parameters(), lr=LR, weight_decay=0.1, adam_w_mode=adam_w_mode)
+    engine = train_engine(model, optimizer, batches, 2)
+    assert_trained_as(engine, want_model)
+
+
 @pytest.mark.parametrize("options", [{"eps": 1e-2}, {"lr_decay": 0.5}])
 def test_a_torch_adagrad_object_trains_as_torch(options):
     batches = mlp_batches(STEPS)

@@ -462,6 +462,16 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
                            "optimizer for deepspeed.initialize(); the engine's step() applies it")
 
 
+class FusedAdam(DeepSpeedCPUAdam):
+    """deepspeed.ops.adam.FusedAdam's signature (its decoupled-decay switch is adam_w_mode, where
+    DeepSpeedCPUAdam's is adamw_mode): described for initialize() as DeepSpeedCPUAdam is."""
+
+    def __init__(self, params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
+                 adam_w_mode=True, weight_decay=0.0, amsgrad=False, set_grad_none=True):
+        super().__init__(params, lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                         weight_decay=weight_decay, amsgrad=amsgrad, adamw_mode=adam_w_mode)
+
+
 class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
     """Accelerate's mapping of torch's Adagrad under optimizer offload; initialize() reads its
     hyper-parameters as torch's Adagrad's."""
@@ -1123,7 +1133,7 @@ _MODULES: dict[str, dict] = {
         "zero_wrapper_for_fp_tensor_constructor": zero_wrapper_for_fp_tensor_constructor,
     },
     "deepspeed.ops": {},
-    "deepspeed.ops.adam": {"DeepSpeedCPUAdam": DeepSpeedCPUAdam, "FusedAdam": DeepSpeedCPUAdam},
+    "deepspeed.ops.adam": {"DeepSpeedCPUAdam": DeepSpeedCPUAdam, "FusedAdam": FusedAdam},
     "deepspeed.ops.adagrad": {"DeepSpeedCPUAdagrad": DeepSpeedCPUAdagrad},
     "deepspeed.utils": {
         "logger": logger, "log_dist": log_dist, "is_initialized": _comm_is_initialized,
