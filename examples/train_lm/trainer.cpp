@@ -1549,22 +1549,20 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   if (o.device != "host") host += world * largest * dtype_bytes;
   if (o.offload_optimizer == "cpu") host += 12 * params;
   if (o.offload_param == "cpu") host += params * dtype_bytes;
-  // Each rank's swap file, as the engine sizes it: every extent page-rounded (a 4 KiB page
-  // at most), and one aio block (1 MiB) of slack per extent and four more.
+  // Each rank's swap file, as the engine sizes it in one directory: every extent page-rounded
+  // (a 4 KiB page at most), the file rounded up to an aio block (1 MiB).
   const std::uint64_t page = 4096, block = std::uint64_t{1} << 20;
-  std::uint64_t swap = 0, extents = 0;
+  std::uint64_t swap = 0;
   if (o.offload_optimizer == "nvme") {
     const std::uint64_t sub = sub_group_params(o, params);
     host += world * o.optimizer_buffers * 16 * sub;
     const std::uint64_t groups = (slice + sub - 1) / sub;
     swap += 12 * slice + 3 * groups * page + page;  // master and moments, the header page
-    extents += 3 * groups + 1;
   }
   if (o.stage == 3 && o.offload_param == "nvme") {
     swap += slice * dtype_bytes + specs.size() * page;  // a shard of each module's parameters
-    extents += specs.size();
   }
-  if (swap > 0) f.swap_bytes = world * (swap + (extents + 4) * block);
+  if (swap > 0) f.swap_bytes = world * ((swap + block - 1) / block * block);
   f.nvme_bytes = f.swap_bytes;
   f.checkpoint_bytes = 12 * params + world * page;
   if (o.offload_activations == "nvme") {
