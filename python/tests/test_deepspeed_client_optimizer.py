@@ -78,6 +78,24 @@ def test_a_torch_adam_object_trains_as_torch(stage, case):
     assert_trained_as(engine, want_model)
 
 
+def test_an_adamw_that_is_no_adam_subclass_is_mapped(monkeypatch):
+    # torch before 2.7 (pyproject allows >= 2.1) defines AdamW beside Adam, not under it.
+    class OldAdamW(torch.optim.Optimizer):
+        def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=1e-2):
+            super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                          amsgrad=False, maximize=False))
+
+    batches = mlp_batches(STEPS)
+    want_model = make_mlp()
+    train_torch(want_model, torch.optim.AdamW(want_model.parameters(), lr=LR, weight_decay=0.1),
+                batches)
+    monkeypatch.setattr(torch.optim, "AdamW", OldAdamW)
+    assert not issubclass(torch.optim.AdamW, torch.optim.Adam)
+    model = make_mlp()
+    engine = train_engine(model, OldAdamW(model.parameters(), lr=LR, weight_decay=0.1), batches, 2)
+    assert_trained_as(engine, want_model)
+
+
 @pytest.mark.parametrize("adamw_mode", [False, True])
 def test_deepspeed_cpu_adam_trains_as_torch(adamw_mode):
     # Accelerate turns the Trainer's torch Adam into DeepSpeedCPUAdam(adamw_mode=False) and its

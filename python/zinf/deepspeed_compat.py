@@ -953,7 +953,8 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
             raise NotImplementedError(
                 "deepspeed.initialize (zinf.deepspeed_compat): the Adagrad optimizer's groups "
                 f"have different lr_decay values {sorted(lr_decays)}; the engine takes one")
-    elif isinstance(optimizer, (torch.optim.Adam, DeepSpeedCPUAdam)):
+    # Before torch 2.7 AdamW was no subclass of Adam: name both.
+    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, DeepSpeedCPUAdam)):
         decaying = [g for g in groups if g.get("weight_decay", defaults.get("weight_decay", 0))]
         if isinstance(optimizer, torch.optim.AdamW):
             decoupled = {True}
