@@ -531,10 +531,12 @@ class Engine {
   // changes).
   [[nodiscard]] Status set_learning_rate(double lr);
   // The learning rate the next step runs with (the default group's): the schedule's, or the
-  // last set_learning_rate()'s.
+  // last set_learning_rate()'s (the optimizer's own lr for the first step of a schedule started
+  // at last_batch_iteration >= 0: see set_lr_schedule()).
   double learning_rate() const;
   // The (beta1, beta2) the next step runs with: OneCycle's cycled momentum where the schedule
-  // cycles it (cycle_momentum), else the optimizer's betas.
+  // cycles it (cycle_momentum), else the optimizer's betas (also for the first step of a
+  // schedule started at last_batch_iteration >= 0).
   std::pair<double, double> betas() const;
 
   // Defines a parameter group (see ParamGroup). REQUIRES: before finalize(). kInvalidArgument
@@ -546,8 +548,10 @@ class Engine {
   // the optimizer's lr) and config().scheduler. DeepSpeed's semantics
   // (include/zinf/schedule.hpp): the k-th applied step (a step skipped for overflow does not count)
   // runs with lr_at(last_batch_iteration + k - 1), last_batch_iteration -1 unless the config sets
-  // it, so a checkpoint (which keeps the step count) resumes the same curve. kInvalidArgument
-  // naming the scheduler.params key that is out of range.
+  // it, so a checkpoint (which keeps the step count) resumes the same curve; except that with
+  // last_batch_iteration >= 0 the first step runs with the optimizer's own lr and betas, as
+  // DeepSpeed's schedulers set them when built only at -1. kInvalidArgument naming the
+  // scheduler.params key that is out of range.
   Status set_lr_schedule(const ScheduleConfig& schedule);
 
   int rank() const;

@@ -104,8 +104,9 @@ TEST(ConfigBatchCode, WrittenAndReadBackKeepsTheCounts) {
   EXPECT_EQ(total_json.find("gradient_accumulation_steps"), std::string::npos) << total_json;
 }
 
-// The engine of two ranks opened from that Config runs micro-batches of 4 and steps after every
-// 2 of them: a step of two micro-batches succeeds.
+// The engine of two ranks opened from that Config keeps micro-batches of 4 and 2 accumulation
+// steps (its config() reads them back; the counts are what this checks) and steps after 2
+// micro-batches.
 TEST(ConfigBatchCode, EngineKeepsTheCountsAndStepsAfterThem) {
   Config c = code_config(16);
   c.zero.offload_optimizer.device = OffloadDevice::kHost;
