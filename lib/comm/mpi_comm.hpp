@@ -32,7 +32,8 @@
 // from. Ranks that issued different collectives (another kind, element count, dtype, reduction or
 // root) fail with kCommError on every rank, naming both calls ("ranks disagree: rank 1 issued
 // broadcast of 4 f32 (root 1), this rank issued broadcast of 4 f32 (root 0)"): each compares the
-// descriptor every peer sent ahead of its data with its own before it takes the data. After a
+// descriptor every peer sent ahead of its data with its own before it takes the data (a
+// collective of no elements sends its descriptor too, and a message of no bytes). After a
 // failure MPI_Finalize is skipped at exit (it could wait for the dead peer).
 //
 // MPI_Finalize while the communicator is open. The communicator's progress thread calls MPI until

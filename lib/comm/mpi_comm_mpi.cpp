@@ -512,7 +512,8 @@ void MpiComm::count_refused() {
 
 Status MpiComm::post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive,
                              bool descriptor) {
-  // Long buffers go as several messages of at most kMaxMessageBytes (ordered by MPI).
+  // Long buffers go as several messages of at most kMaxMessageBytes (ordered by MPI); a buffer
+  // of no bytes (a barrier's, a collective of no elements) as one empty message.
   std::size_t offset = 0;
   do {
     const std::size_t piece = std::min(kMaxMessageBytes, bytes - offset);
@@ -974,8 +975,11 @@ Status MpiComm::run(const std::shared_ptr<Task>& task, const Status& upstream) {
          /*tell_peers=*/true);
     return Status::ok();
   }
+  // A collective of no elements still takes part: its descriptor goes to every peer (with one
+  // message of no bytes where data would go), so a rank that issued 0 elements against a peer's 4
+  // fails on both ranks with kCommError instead of returning at once while the peer times out.
+  // Its buffers may be null; nothing below touches them when chunk_bytes is 0.
   const Collective& op = task->op;
-  if (op.element_count == 0) return Status::ok();
   const std::size_t chunk_bytes = op.element_count * dtype_bytes(op.dtype);
   const auto urank = static_cast<std::size_t>(rank_);
   const auto world = static_cast<std::size_t>(world_size_);
@@ -985,15 +989,17 @@ Status MpiComm::run(const std::shared_ptr<Task>& task, const Status& upstream) {
       op.kind == CollectiveKind::kReduceScatter || op.kind == CollectiveKind::kAllReduce;
   if (reduces) task->pieces.resize(chunk_bytes * world);
   // This rank's own part needs no message.
-  if (op.kind == CollectiveKind::kAllGather && recv + urank * chunk_bytes != send) {
+  if (op.kind == CollectiveKind::kAllGather && chunk_bytes != 0 &&
+      recv + urank * chunk_bytes != send) {
     std::memmove(recv + urank * chunk_bytes, send, chunk_bytes);
   }
-  if (op.kind == CollectiveKind::kBroadcast && rank_ == op.root && recv != send) {
+  if (op.kind == CollectiveKind::kBroadcast && chunk_bytes != 0 && rank_ == op.root &&
+      recv != send) {
     std::memmove(recv, send, chunk_bytes);
   }
   submit(task);
   ZINF_RETURN_IF_ERROR(task->wait_done());
-  if (!reduces) return Status::ok();
+  if (!reduces || chunk_bytes == 0) return Status::ok();
   // Rank order, from this rank's own buffer and the pieces the others sent.
   std::vector<const std::byte*> sources(world);
   for (std::size_t r = 0; r < world; ++r) {
@@ -1059,6 +1065,11 @@ Status MpiComm::issue(const Collective& op, Stream& stream) {
       Status copied = device_.copy_d2h(task->send_staging.data(), op.send, send_bytes, stream);
       if (!copied.is_ok()) return enqueue_failed(copied);
     }
+  } else if (staged_) {
+    // No elements: no staging copies, and no device address reaches MPI (its messages carry no
+    // bytes).
+    task->op.send = nullptr;
+    task->op.recv = nullptr;
   } else if (host_device_ != nullptr) {
     task->op.send = op.send == nullptr ? nullptr : host_device_->host_address(op.send);
     task->op.recv = op.recv == nullptr ? nullptr : host_device_->host_address(op.recv);

@@ -365,6 +365,74 @@ TEST(MpiCommFailures, RanksThatIssueDifferentCollectivesOfTheSameSizeFailWithCom
   }
 }
 
+// Issues a collective of no elements with null buffers (legal at count 0) and waits for it.
+Status run_empty_collective(Communicator& comm, CollectiveKind kind, int root) {
+  Device& device = comm.device();
+  Result<std::unique_ptr<Stream>> stream = device.create_stream("empty");
+  Result<std::unique_ptr<Event>> done = device.create_event();
+  ZINF_RETURN_IF_ERROR(stream.status());
+  ZINF_RETURN_IF_ERROR(done.status());
+  Collective c{kind, nullptr, nullptr, 0, DType::kF32, ReduceOp::kSum, root, "empty"};
+  ZINF_RETURN_IF_ERROR(comm.issue(c, *stream.value()));
+  ZINF_RETURN_IF_ERROR(device.record(*done.value(), *stream.value()));
+  return comm.wait(*done.value(), std::chrono::seconds(60));
+}
+
+// A collective of no elements on every rank returns ok at once, on a host device and through the
+// staging path, and the collectives after it still match.
+TEST_P(MpiCommCollectives, ACollectiveOfNoElementsOnEveryRankSucceeds) {
+  std::unique_ptr<Device> device = host_device(g_rank, GetParam());
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(10));
+  const auto start = Clock::now();
+  for (CollectiveKind kind : {CollectiveKind::kAllGather, CollectiveKind::kReduceScatter,
+                              CollectiveKind::kAllReduce, CollectiveKind::kBroadcast}) {
+    Status st = run_empty_collective(*comm, kind, g_world - 1);
+    EXPECT_TRUE(st.is_ok()) << st.to_string();
+  }
+  EXPECT_LT(Clock::now() - start, std::chrono::seconds(5));
+  // Then a collective with data: each rank's value + 1 summed.
+  std::vector<std::byte> input(4);
+  const float mine = static_cast<float>(g_rank + 1);
+  std::memcpy(input.data(), &mine, 4);
+  Result<std::vector<std::byte>> out =
+      run_collective(*comm, CollectiveKind::kAllReduce, input, 1, DType::kF32, ReduceOp::kSum,
+                     Form::kOutOfPlace, 0);
+  ASSERT_TRUE(out.is_ok()) << out.status().to_string();
+  float got = 0;
+  std::memcpy(&got, out.value().data(), 4);
+  EXPECT_EQ(got, static_cast<float>(g_world * (g_world + 1) / 2));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Rank 0 issues an all_reduce of 0 f32, the others of 4 f32: every rank fails with kCommError
+// naming both calls (with more than two ranks, or kAborted carrying a peer's notice), found when
+// the descriptors arrive, not at the timeout.
+TEST(MpiCommFailures, RanksThatDisagreeOnNoElementsAgainstSomeFailWithCommError) {
+  if (g_world < 2) GTEST_SKIP() << "needs 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  const milliseconds timeout(10'000);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, timeout);
+  const auto start = Clock::now();
+  Status st;
+  if (g_rank == 0) {
+    st = run_empty_collective(*comm, CollectiveKind::kAllReduce, 0);
+  } else {
+    const std::vector<std::byte> input = random_data(4, DType::kF32, 17 + g_rank);
+    st = run_collective(*comm, CollectiveKind::kAllReduce, input, 4, DType::kF32, ReduceOp::kSum,
+                        Form::kOutOfPlace, 0)
+             .status();
+  }
+  ASSERT_FALSE(st.is_ok()) << "rank " << g_rank << " got an answer";
+  const std::string message(st.message());
+  EXPECT_TRUE(st.code() == Code::kCommError || (g_world > 2 && st.code() == Code::kAborted))
+      << st.to_string();
+  EXPECT_NE(message.find("ranks disagree"), std::string::npos) << message;
+  EXPECT_NE(message.find("issued all_reduce of 0 f32 (sum)"), std::string::npos) << message;
+  EXPECT_NE(message.find("issued all_reduce of 4 f32 (sum)"), std::string::npos) << message;
+  EXPECT_LT(Clock::now() - start, timeout / 2);
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // abort() on rank 0 while the others wait in a collective: theirs fails with kAborted naming
 // rank 0 and the reason, well before the timeout.
 TEST(MpiCommFailures, AnAbortReachesTheOtherRanksCollectives) {
