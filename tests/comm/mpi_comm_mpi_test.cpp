@@ -18,6 +18,7 @@
 #include <functional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "base/random.hpp"
@@ -508,11 +509,16 @@ TEST(MpiCommFailures, OpeningWithALateRankTimesOut) {
 
 // Where the launcher gives no local rank, mpi_world_of_process counts the ranks on this host
 // from their host names (all ranks of this test share one host); a rank that comes late past the
-// timeout makes the others' return kTimeout instead of waiting.
+// timeout makes the others' return kTimeout instead of waiting. Both launchers' variables are
+// taken away for it (Open MPI's, and MPI_LOCALRANKID of MPICH's Hydra and Intel MPI).
 TEST(MpiWorld, LocalRankFromHostNamesWithADeadline) {
-  const char* launcher_value = std::getenv("OMPI_COMM_WORLD_LOCAL_RANK");
-  const std::string saved = launcher_value == nullptr ? "" : launcher_value;
-  unsetenv("OMPI_COMM_WORLD_LOCAL_RANK");
+  const char* const kLocalRankVariables[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"};
+  std::vector<std::pair<const char*, std::string>> saved;
+  for (const char* name : kLocalRankVariables) {
+    const char* value = std::getenv(name);
+    if (value != nullptr) saved.emplace_back(name, value);
+    unsetenv(name);
+  }
   Result<MpiWorld> world = mpi_world_of_process(std::chrono::seconds(20));
   ASSERT_TRUE(world.is_ok()) << world.status().to_string();
   EXPECT_EQ(world->rank, g_rank);
@@ -532,12 +538,12 @@ TEST(MpiWorld, LocalRankFromHostNamesWithADeadline) {
       EXPECT_LT(took.count(), timeout.count() + 1000);
     }
   }
-  if (launcher_value != nullptr) {
-    setenv("OMPI_COMM_WORLD_LOCAL_RANK", saved.c_str(), 1);
+  for (const auto& [name, value] : saved) setenv(name, value.c_str(), 1);
+  if (!saved.empty()) {
     // The launcher's figure, when it gives one, needs no collective: no rank waits.
     Result<MpiWorld> given = mpi_world_of_process(milliseconds(1));
     ASSERT_TRUE(given.is_ok()) << given.status().to_string();
-    EXPECT_EQ(given->local_rank, std::atoi(saved.c_str()));
+    EXPECT_EQ(given->local_rank, std::atoi(saved.front().second.c_str()));
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }
