@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -171,15 +172,35 @@ Result<Ticket> EngineCore::submit(const IoRequest& request) {
                     io_op_name(request.op), entry.path, request.offset, request.memory_run_bytes,
                     request.memory_stride_bytes));
   }
+  const auto address = reinterpret_cast<std::uintptr_t>(request.data);
   if (entry.direct &&
       (request.offset % kDirectAlignment != 0 || request.bytes % kDirectAlignment != 0 ||
-       reinterpret_cast<std::uintptr_t>(request.data) % kDirectAlignment != 0 ||
-       request.memory_run_bytes % kDirectAlignment != 0 ||
+       address % kDirectAlignment != 0 || request.memory_run_bytes % kDirectAlignment != 0 ||
        request.memory_stride_bytes % kDirectAlignment != 0)) {
+    // Name each value that is off: a misaligned run or stride is refused just as a misaligned
+    // offset is, and a message naming only offset, length and address would send the caller
+    // looking at values that are fine.
+    std::vector<std::string> misaligned;
+    if (request.offset % kDirectAlignment != 0) {
+      misaligned.push_back(fmt::format("offset {}", request.offset));
+    }
+    if (request.bytes % kDirectAlignment != 0) {
+      misaligned.push_back(fmt::format("length {}", request.bytes));
+    }
+    if (address % kDirectAlignment != 0) {
+      misaligned.push_back(fmt::format("memory address {:#x}", address));
+    }
+    if (request.memory_run_bytes % kDirectAlignment != 0) {
+      misaligned.push_back(fmt::format("memory_run_bytes {}", request.memory_run_bytes));
+    }
+    if (request.memory_stride_bytes % kDirectAlignment != 0) {
+      misaligned.push_back(fmt::format("memory_stride_bytes {}", request.memory_stride_bytes));
+    }
     return Status::invalid_argument(fmt::format(
-        "{} of {} at offset {} ({} bytes): O_DIRECT needs offset, length and memory address "
-        "aligned to {}",
-        io_op_name(request.op), entry.path, request.offset, request.bytes, kDirectAlignment));
+        "{} of {} at offset {} ({} bytes): O_DIRECT needs offset, length, memory address, memory "
+        "run and memory stride aligned to {}; not aligned: {}",
+        io_op_name(request.op), entry.path, request.offset, request.bytes, kDirectAlignment,
+        fmt::join(misaligned, ", ")));
   }
   std::uint32_t index = 0;
   {
@@ -268,10 +289,10 @@ Status EngineCore::cancelled_status(const Piece& piece) const {
 }
 
 Status EngineCore::piece_error(const Piece& piece, std::string_view what, int err) const {
-  return status_from_errno(fmt::format("{} of {} at offset {} ({} bytes): {}", io_op_name(piece.op),
-                                       files_[piece.file_index].path, piece.offset, piece.bytes,
-                                       what),
-                           err);
+  return status_from_errno(
+      fmt::format("{} of {} at offset {} ({} bytes): {}", io_op_name(piece.op),
+                  files_[piece.file_index].path, piece.offset, piece.bytes, what),
+      err);
 }
 
 bool EngineCore::hung_cancellable() const {

@@ -170,7 +170,8 @@ class IoEngine {
   virtual Status unregister_memory(void* base) = 0;
 
   // Queues a request. Returns a Ticket, or: invalid_argument (bad file, zero bytes, memory runs
-  // that overlap, misaligned for an O_DIRECT file: the message names the file and offset),
+  // that overlap, misaligned for an O_DIRECT file: the message names the file and offset, and
+  // which of offset, length, address, memory_run_bytes and memory_stride_bytes is off),
   // resource_exhausted (more than max_requests unredeemed tickets), aborted (the engine is
   // shutting down).
   virtual Result<Ticket> submit(const IoRequest& request) = 0;
