@@ -1,6 +1,7 @@
 // SwapSpace over several directories: an op takes a few engine requests per directory, not one
-// per block, and its blocks land where the striping puts them; a directory listed twice, or
-// spelled two ways, is refused at open naming it.
+// per block (a few more where a checkpoint link left its blocks in two generations), and its
+// blocks land where the striping puts them; a directory listed twice, or spelled two ways, is
+// refused at open naming it.
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 #include <cstring>
 #include <filesystem>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/swap_space.hpp"
@@ -150,6 +152,72 @@ TEST_P(SwapDirsTest, AwkwardExtentsRoundTripOverThreeDirectories) {
       EXPECT_EQ(std::memcmp(back.data(), data.data() + kBlock, 3 * kBlock), 0) << "extent " << i;
     }
   }
+}
+
+// After link_files(), rewriting some blocks leaves an extent in two generations of each file,
+// so one directory's share of a round is several requests, each read from the file its blocks
+// were last written to. 13 blocks over 2 directories (the last short), all in one round of the
+// engine's depth: directory 0 holds blocks 0, 2, ..., 12 and directory 1 blocks 1, 3, ..., 11.
+// Rewriting blocks 2, 3, 6 and 9 splits directory 0's share into {0} {2} {4} {6} {8 10 12} and
+// directory 1's into {1} {3} {5 7} {9} {11}: 10 requests, and every byte reads back, the whole
+// extent and a range from inside it.
+TEST_P(SwapDirsTest, ADirectorysShareSplitsByGeneration) {
+  const std::uint64_t seed = 0x5d9;
+  std::printf("striped extent over two generations: seed %llu\n",
+              static_cast<unsigned long long>(seed));
+  ScratchDir root("swap-dirs-generations");
+  SwapOptions options;
+  options.dirs = make_dirs(root, 2);
+  options.block_bytes = kBlock;
+  options.capacity_bytes = 4 << 20;
+  auto io = engine(1024);
+  ASSERT_TRUE(io);
+  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
+  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+  SwapSpace& swap = **opened;
+  constexpr std::uint64_t kExtentBytes = 12 * kBlock + 20000;
+  constexpr std::uint64_t kMemoryBytes = 13 * kBlock;
+  EXPECT_EQ(swap.op_requests(kExtentBytes), 2u);  // one round: one request per directory
+  Result<ExtentId> id = swap.create("rank0/group0/fp32", kExtentBytes);
+  ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+  AlignedBuffer data = random_buffer(kMemoryBytes, seed);
+  ASSERT_TRUE(swap.write_sync(*id, data.data()).is_ok());
+  std::vector<std::string> links;
+  for (std::size_t d = 0; d < 2; ++d) {
+    links.push_back(fmt::format("{}/linked{}.bin", root.path(), d));
+  }
+  Status linked = swap.link_files(links, {"checkpoint file 0", "checkpoint file 1"});
+  ASSERT_TRUE(linked.is_ok()) << linked.to_string();
+
+  // New values for blocks 2 and 3 (one write over both directories), 6 and 9.
+  AlignedBuffer fresh = random_buffer(kMemoryBytes, seed * 7);
+  for (const auto& [first, blocks] :
+       {std::pair<std::uint64_t, std::uint64_t>{2, 2}, {6, 1}, {9, 1}}) {
+    Result<SwapTicket> t =
+        swap.write(*id, first * kBlock, blocks * kBlock, fresh.data() + first * kBlock);
+    ASSERT_TRUE(t.is_ok()) << "block " << first << ": " << t.status().to_string();
+    Status written = swap.wait(*t, std::chrono::seconds(30));
+    ASSERT_TRUE(written.is_ok()) << "block " << first << ": " << written.to_string();
+    std::memcpy(data.data() + first * kBlock, fresh.data() + first * kBlock, blocks * kBlock);
+  }
+  EXPECT_FALSE(swap.in_current_file(*id));
+
+  AlignedBuffer back(kMemoryBytes);
+  std::memset(back.data(), 0, back.bytes());
+  const std::uint64_t requests_before = io->stats().requests;
+  Status read = swap.read_sync(*id, back.data());
+  ASSERT_TRUE(read.is_ok()) << read.to_string();
+  EXPECT_EQ(io->stats().requests - requests_before, 10u);
+  for (std::uint64_t b = 0; b < 13; ++b) {
+    const std::uint64_t bytes = std::min(kBlock, kExtentBytes - b * kBlock);
+    EXPECT_EQ(std::memcmp(back.data() + b * kBlock, data.data() + b * kBlock, bytes), 0)
+        << "block " << b;
+  }
+  // Blocks 1 to 10: a range that starts in directory 1 and crosses every split.
+  std::memset(back.data(), 0, back.bytes());
+  read = swap.read_sync(*id, kBlock, 10 * kBlock, back.data());
+  ASSERT_TRUE(read.is_ok()) << read.to_string();
+  EXPECT_EQ(std::memcmp(back.data(), data.data() + kBlock, 10 * kBlock), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapDirsTest, io_test::kAllEngineKinds, io_test::kind_name);
