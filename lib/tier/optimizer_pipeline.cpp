@@ -253,13 +253,18 @@ Result<std::unique_ptr<OptimizerPipeline>> OptimizerPipeline::open(StateStore& s
     const std::uint64_t requests_needed = std::uint64_t{ops_needed} * op_requests;
     const std::uint32_t max_requests = store.swap()->engine().options().max_requests;
     if (requests_needed > max_requests) {
+      // The training engine leaves max_requests at its default (no config key sets it), so the
+      // message names the keys that lower the requests per op: a deeper aio.queue_depth makes
+      // each request move a longer chunk of a directory's share, a larger aio.block_size or a
+      // smaller sub_group_size leaves fewer blocks per op, and fewer buffers fewer ops.
       return Status::invalid_argument(fmt::format(
           "OptimizerPipeline: {} blocks may have {} swap ops in flight of up to {} I/O requests "
-          "each ({} swap directories), above the I/O engine's max_requests {}; raise "
-          "aio.block_size or lower zero_optimization.sub_group_size or "
-          "zero_optimization.offload_optimizer.buffer_count",
+          "each ({} swap directories, aio.queue_depth {}), above the I/O engine's max_requests "
+          "{} (zinf's training engine fixes IoOptions::max_requests at {}; no config key sets it); "
+          "raise aio.queue_depth (longer requests) or aio.block_size, or lower "
+          "zero_optimization.sub_group_size or zero_optimization.offload_optimizer.buffer_count",
           p->block_limit_, ops_needed, op_requests, store.swap()->options().dirs.size(),
-          max_requests));
+          store.swap()->engine().options().queue_depth, max_requests, IoOptions{}.max_requests));
     }
     p->entries_.resize(p->block_limit_);
     p->quarantine_.reserve(p->block_limit_);

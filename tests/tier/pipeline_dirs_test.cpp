@@ -63,21 +63,33 @@ TEST(PipelineDirs, TwoStepsOverTwoDirectoriesEqualOneDirectoryAndTheInMemoryRun)
 }
 
 // 4 blocks x 4 ops x 8 requests (8 MiB ops over 2 directories, rounds of 16 blocks each) is 128
-// requests, above an engine bound of 100: refused at open, naming the keys, where the step used
-// to fail part-way with resource_exhausted.
+// requests, above an engine bound of 100: refused at open, naming the keys that lower it and
+// saying max_requests is no key of the config, where the step used to fail part-way with
+// resource_exhausted. What the message advises works: at aio.queue_depth 64 a request moves 32
+// blocks of a directory's share, an op takes 4 requests, and 64 fit the same bound.
 TEST(PipelineDirs, MoreRequestsThanTheEngineTakesIsRefusedAtOpen) {
   RigOptions so = striped_step_options(2);
   so.io_max_requests = 100;
   Rig s;
   Status opened = tier_test::open_rig("dirs-bound", so, &s);
   ASSERT_EQ(opened.code(), Code::kInvalidArgument) << opened.to_string();
-  for (const char* key : {"max_requests", "block_size", "sub_group_size", "buffer_count"}) {
+  for (const char* key :
+       {"16 swap ops", "up to 8 I/O requests", "max_requests 100", "max_requests at 1024",
+        "no config key sets it", "aio.queue_depth 32", "raise aio.queue_depth", "aio.block_size",
+        "sub_group_size", "buffer_count"}) {
     EXPECT_NE(opened.message().find(key), std::string::npos) << key << ": " << opened.to_string();
   }
   so.io_max_requests = 128;
   Rig fits;
   opened = tier_test::open_rig("dirs-fits", so, &fits);
   EXPECT_TRUE(opened.is_ok()) << opened.to_string();
+
+  so.io_max_requests = 100;
+  so.io_queue_depth = 64;
+  Rig deeper;
+  opened = tier_test::open_rig("dirs-deeper", so, &deeper);
+  ASSERT_TRUE(opened.is_ok()) << opened.to_string();
+  EXPECT_EQ(deeper.swap->op_requests(8 << 20), 4u);
 }
 
 }  // namespace
