@@ -442,8 +442,11 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   if (o->comm == "local") {
     // LocalComm's ranks are threads of this one process. A launcher that started several
     // processes (mpirun -np 4 train_lm) would otherwise get as many separate one-process jobs,
-    // each training the whole model alone and writing the same outputs.
-    for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE"}) {
+    // each training the whole model alone and writing the same outputs. srun tells its tasks
+    // by SLURM_STEP_NUM_TASKS (SLURM_NTASKS may be a batch allocation's, around a program started
+    // without srun).
+    for (const char* name :
+         {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"}) {
       const char* value = std::getenv(name);
       if (value != nullptr && std::atoi(value) > 1) {
         *error = std::string("started as one of ") + value + " processes by a launcher (" + name +
@@ -452,6 +455,19 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
                  "for one rank per process";
         return 2;
       }
+    }
+    // torchrun sets only WORLD_SIZE and RANK. Its processes are train_lm's GPU ranks (--device
+    // cuda, which runs --comm nccl and never reaches here); CPU ranks are MPI's, started by
+    // mpirun, which torchrun is not.
+    const char* torch_world = std::getenv("WORLD_SIZE");
+    const char* torch_rank = std::getenv("RANK");
+    if (torch_rank != nullptr && torch_world != nullptr && std::atoi(torch_world) > 1) {
+      *error = std::string("started as one of ") + torch_world +
+               " processes by torchrun (WORLD_SIZE=" + torch_world + ", RANK=" + torch_rank +
+               ") with --comm local, whose ranks are threads of one process; under torchrun "
+               "pass --device cuda (--comm nccl, one GPU per process), or for CPU ranks start "
+               "train_lm with mpirun and --comm mpi";
+      return 2;
     }
   }
   if (o->comm != "local") {

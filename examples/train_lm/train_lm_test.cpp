@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
@@ -410,6 +411,99 @@ TEST(Options, SeveralProcessesOfALauncherWithLocalCommAreRefused) {
     ASSERT_EQ(mpi_rc, 0) << mpi_error;
     EXPECT_EQ(mpi.world_size, 2);
     EXPECT_EQ(one_rc, 0) << one_error;
+  }
+}
+
+// Sets (or, given null, unsets) an environment variable for a scope, restoring what was there.
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    if (value != nullptr) {
+      setenv(name, value, 1);
+    } else {
+      unsetenv(name);
+    }
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// srun -n 2 train_lm (SLURM_STEP_NUM_TASKS=2, no MPI variables without an MPI plugin) and
+// torchrun --nproc_per_node 2 train_lm (WORLD_SIZE=2 and RANK only) with --comm local would each
+// run separate one-rank jobs: refused, naming the variables and what to pass instead. torchrun's
+// own mode, --device cuda, runs --comm nccl and is not refused; one process of either is no job
+// of several, and a batch allocation's SLURM_NTASKS alone is no srun.
+TEST(Options, SrunOrTorchrunProcessesWithLocalCommAreRefused) {
+  std::vector<std::unique_ptr<ScopedEnv>> clean;
+  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS",
+                           "SLURM_STEP_NUM_TASKS", "WORLD_SIZE", "RANK"}) {
+    clean.push_back(std::make_unique<ScopedEnv>(name, nullptr));
+  }
+  auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
+    args.insert(args.begin(), "train_lm");
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    return parse_options(int(argv.size()), argv.data(), o, error);
+  };
+  Options o;
+  std::string error;
+  {
+    ScopedEnv tasks("SLURM_STEP_NUM_TASKS", "2");
+    EXPECT_EQ(parse({}, &o, &error), 2);
+    EXPECT_NE(error.find("started as one of 2 processes by a launcher (SLURM_STEP_NUM_TASKS=2) "
+                         "with --comm local"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find("pass --comm mpi"), std::string::npos) << error;
+    EXPECT_EQ(parse({"--comm", "local", "--world-size", "2"}, &o, &error), 2) << error;
+  }
+  {
+    ScopedEnv tasks("SLURM_STEP_NUM_TASKS", "1");
+    ScopedEnv allocation("SLURM_NTASKS", "4");
+    EXPECT_EQ(parse({}, &o, &error), 0) << error;
+  }
+  {
+    ScopedEnv world("WORLD_SIZE", "2");
+    ScopedEnv rank("RANK", "1");
+    EXPECT_EQ(parse({}, &o, &error), 2);
+    EXPECT_NE(error.find("started as one of 2 processes by torchrun (WORLD_SIZE=2, RANK=1) with "
+                         "--comm local"),
+              std::string::npos)
+        << error;
+    EXPECT_NE(error.find("pass --device cuda (--comm nccl"), std::string::npos) << error;
+    EXPECT_NE(error.find("mpirun and --comm mpi"), std::string::npos) << error;
+    EXPECT_EQ(parse({"--comm", "local", "--world-size", "2"}, &o, &error), 2) << error;
+    // The GPU mode torchrun starts: one NCCL rank per process, the world torchrun's.
+    Options gpu;
+    ASSERT_EQ(parse({"--device", "cuda"}, &gpu, &error), 0) << error;
+    EXPECT_EQ(gpu.comm, "nccl");
+    EXPECT_EQ(gpu.world_size, 2);
+    EXPECT_EQ(gpu.world_size_from, "WORLD_SIZE=2");
+  }
+  {
+    ScopedEnv world("WORLD_SIZE", "1");
+    ScopedEnv rank("RANK", "0");
+    EXPECT_EQ(parse({}, &o, &error), 0) << error;
+  }
+  {
+    // WORLD_SIZE without RANK is not torchrun's.
+    ScopedEnv world("WORLD_SIZE", "2");
+    EXPECT_EQ(parse({}, &o, &error), 0) << error;
   }
 }
 
