@@ -45,7 +45,7 @@ std::size_t narrow_checked(DType dtype, const float* values, std::size_t count, 
   // half dtype), and the element only in a block that differs.
   if (std::memcmp(wide, values, count * sizeof(float)) == 0) return count;
   std::size_t i = 0;
-  while (std::memcmp(wide + i, values + i, sizeof(float)) == 0) ++i;
+  while (i < count && std::memcmp(wide + i, values + i, sizeof(float)) == 0) ++i;
   return i;
 }
 

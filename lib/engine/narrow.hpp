@@ -1,7 +1,8 @@
-// fp32 values to and from a parameter dtype on the host: how every optimizer state rounds its
-// master into the values it publishes (Publisher), and the check of whether a half dtype holds
-// fp32 values exactly, with which the states that keep a frozen master as its half copy alone
-// (DeviceOptimizer, StoreState) decide where it may, narrowing it into that copy.
+// fp32 values to and from a parameter dtype on the host: how the host's optimizer states round
+// their master into the values they publish (HostState, StoreState and the Publisher call
+// narrow(); DeviceState rounds on the device, through DeviceOps), and the check of whether a half
+// dtype holds fp32 values exactly, with which the states that keep a frozen master as its half
+// copy alone (DeviceOptimizer, StoreState) decide where it may, narrowing it into that copy.
 //
 // Thread-safety: free functions on caller-owned memory.
 #pragma once
