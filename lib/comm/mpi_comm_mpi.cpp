@@ -261,8 +261,9 @@ struct Task {
 
   // Posted by the progress thread.
   // A receive is matched (MPI_Improbe, which tells its size) before its buffer is given
-  // (MPI_Imrecv): a message of another size (ranks that issued different collectives) is drained
-  // and fails the collective, instead of truncating into the buffer.
+  // (MPI_Imrecv): a message of another size is drained and fails the collective, instead of
+  // truncating into the buffer (a defence: the descriptors, compared first, already catch ranks
+  // that issued different collectives).
   struct Message {
     MPI_Request request = MPI_REQUEST_NULL;
     void* data = nullptr;
@@ -270,7 +271,9 @@ struct Task {
     bool receive = false;
     bool matched = false;  // receives: MPI_Imrecv posted
     bool done = false;
-    bool descriptor = false;  // the peer's Descriptor, compared on arrival
+    // The peer's Descriptor (receives: compared when it completes; until then none of that
+    // peer's data is matched) or this rank's (sends).
+    bool descriptor = false;
     std::size_t bytes = 0;
   };
   std::vector<Message> messages;
@@ -406,9 +409,9 @@ class MpiComm final : public Communicator {
   Status post(Task& task);
   Status post_message(Task& task, void* data, std::size_t bytes, int peer, bool receive,
                       bool descriptor = false);
-  // Receives the descriptor `matched` from `message.peer` and compares it with `task`'s own:
-  // kCommError naming both calls when they disagree.
-  Status check_descriptor(Task& task, Task::Message& message, MPI_Message matched);
+  // Compares the descriptor `message` received from its peer with `task`'s own: kCommError
+  // naming both calls when they disagree.
+  Status compare_descriptor(const Task& task, const Task::Message& message) const;
   // Polls `task`'s messages; true when all have completed. Errors and the deadline set `failure`.
   bool poll(Task& task, Status* failure);
   Status post_notice_receive();
@@ -607,8 +610,14 @@ bool MpiComm::poll(Task& task, Status* failure) {
   // order, so only its first unmatched one is probed).
   std::vector<char> blocked(static_cast<std::size_t>(world_size_), 0);
   for (Task::Message& message : task.messages) {
-    if (!message.receive || message.matched) continue;
+    if (!message.receive) continue;
     const auto peer = static_cast<std::size_t>(message.peer);
+    if (message.matched) {
+      // A peer's descriptor still arriving, or not yet compared, holds back its data: none of it
+      // is let into a buffer before the descriptor agrees.
+      if (message.descriptor && !message.done) blocked[peer] = 1;
+      continue;
+    }
     if (blocked[peer] != 0) continue;
     int flag = 0;
     MPI_Message matched = MPI_MESSAGE_NULL;
@@ -623,18 +632,16 @@ bool MpiComm::poll(Task& task, Status* failure) {
       blocked[peer] = 1;
       continue;
     }
-    if (message.descriptor) {
-      Status agreed = check_descriptor(task, message, matched);
-      if (!agreed.is_ok()) {
-        *failure = std::move(agreed);
-        return false;
-      }
-      continue;
-    }
     int received = 0;
     MPI_Get_count(&st, MPI_BYTE, &received);
     if (static_cast<std::size_t>(received) != message.bytes) {
-      // Drained into a scratch buffer, so that it does not linger in MPI's queues.
+      // Kept as a defence, but not reached while every rank sends its descriptor first on the
+      // collective's tag: the first message from a peer is its 16-byte descriptor, and a peer
+      // whose data sizes differ from this rank's issued another element count or dtype, which its
+      // descriptor shows (compare_descriptor's kCommError) before any of its data is matched.
+      // Drained into a scratch buffer, so that it does not linger in MPI's queues; the blocking
+      // MPI_Mrecv could stall this thread on a peer that dies mid-message, acceptable on a path not
+      // taken.
       std::vector<std::byte> scratch(static_cast<std::size_t>(std::max(received, 1)));
       MPI_Mrecv(scratch.data(), received, MPI_BYTE, &matched, MPI_STATUS_IGNORE);
       *failure = Status::comm_error(fmt::format(
@@ -651,6 +658,8 @@ bool MpiComm::poll(Task& task, Status* failure) {
       return false;
     }
     message.matched = true;
+    // Receiving, not yet compared: the peer's data waits (the next messages of this peer).
+    if (message.descriptor) blocked[peer] = 1;
   }
   if (task.open_count > 0) {
     std::vector<MPI_Request> requests;
@@ -670,18 +679,28 @@ bool MpiComm::poll(Task& task, Status* failure) {
       *failure = status_from_mpi(fmt::format("{} on {}: MPI_Testsome", task.label, name_), err);
       return false;
     }
+    // Every completed request is recorded before a failure returns: MPI has freed them, and the
+    // failure path must not touch their handles again.
+    Status first_failure;
     for (int c = 0; c < completed_count && completed_count != MPI_UNDEFINED; ++c) {
       Task::Message& message = task.messages[index[static_cast<std::size_t>(completed[c])]];
       const MPI_Status& st = statuses[static_cast<std::size_t>(c)];
       message.request = MPI_REQUEST_NULL;
       message.done = true;
       --task.open_count;
+      if (!first_failure.is_ok()) continue;
       if (err == MPI_ERR_IN_STATUS && st.MPI_ERROR != MPI_SUCCESS) {
-        *failure = status_from_mpi(fmt::format("{} on {}: message {} rank {}", task.label, name_,
-                                               message.receive ? "from" : "to", message.peer),
-                                   st.MPI_ERROR);
-        return false;
+        first_failure =
+            status_from_mpi(fmt::format("{} on {}: message {} rank {}", task.label, name_,
+                                        message.receive ? "from" : "to", message.peer),
+                            st.MPI_ERROR);
+      } else if (message.receive && message.descriptor) {
+        first_failure = compare_descriptor(task, message);
       }
+    }
+    if (!first_failure.is_ok()) {
+      *failure = std::move(first_failure);
+      return false;
     }
   }
   if (task.open_count == 0) return true;
@@ -704,35 +723,18 @@ bool MpiComm::poll(Task& task, Status* failure) {
   return false;
 }
 
-Status MpiComm::check_descriptor(Task& task, Task::Message& message, MPI_Message matched) {
-  // A matched message of kDescriptorBytes: MPI sends one this small eagerly, so it is here already
-  // and the blocking receive returns at once.
-  MPI_Status st;
-  const int err =
-      MPI_Mrecv(message.data, static_cast<int>(kDescriptorBytes), MPI_BYTE, &matched, &st);
-  if (err != MPI_SUCCESS) {
-    return status_from_mpi(
-        fmt::format("{} on {}: receiving rank {}'s descriptor", task.label, name_, message.peer),
-        err);
-  }
-  message.done = true;
-  message.matched = true;
-  --task.open_count;
-  int received = 0;
-  MPI_Get_count(&st, MPI_BYTE, &received);
+Status MpiComm::compare_descriptor(const Task& task, const Task::Message& message) const {
+  // Received with MPI_Imrecv after MPI_Improbe found it kDescriptorBytes long (poll), so it is
+  // whole; a peer that dies while it is in flight leaves the receive open until the deadline,
+  // with the progress thread free.
   Collective own = task.op;
   own.name = {};
   const Collective theirs =
       decode_descriptor(task.descriptors_in[static_cast<std::size_t>(message.peer)]);
-  if (static_cast<std::size_t>(received) == kDescriptorBytes && collectives_agree(own, theirs)) {
-    return Status::ok();
-  }
-  const std::string their_call = static_cast<std::size_t>(received) == kDescriptorBytes
-                                     ? describe_call(theirs)
-                                     : fmt::format("a message of {} bytes", received);
+  if (collectives_agree(own, theirs)) return Status::ok();
   return Status::comm_error(
       fmt::format("{} on {}: ranks disagree: rank {} issued {}, this rank issued {}", task.label,
-                  name_, message.peer, their_call, describe_call(own)));
+                  name_, message.peer, describe_call(theirs), describe_call(own)));
 }
 
 void MpiComm::check_notice() {

@@ -434,6 +434,39 @@ TEST(MpiCommFailures, RanksThatDisagreeOnNoElementsAgainstSomeFailWithCommError)
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
+// Rank 0 broadcasts 4 f32 from root 0, rank 1 expects 8 bf16 from root 0: the same 16 bytes.
+// Rank 1 fails with kCommError and its buffer keeps what it held: none of rank 0's data is let in
+// before rank 0's descriptor was received and compared.
+TEST(MpiCommFailures, APeersDataWaitsUntilItsDescriptorAgrees) {
+  if (g_world != 2) GTEST_SKIP() << "needs exactly 2 ranks";
+  std::unique_ptr<Device> device = host_device(g_rank, false);
+  std::unique_ptr<Communicator> comm = mpi_comm(*device, std::chrono::seconds(10));
+  const DType dtype = g_rank == 0 ? DType::kF32 : DType::kBF16;
+  const std::size_t count = g_rank == 0 ? 4 : 8;
+  const std::vector<std::byte> before = random_data(count, dtype, 61 + g_rank);
+  zinf::Run run(*device, 16, 16);
+  std::memcpy(run.send.data(), before.data(), 16);
+  std::memcpy(run.recv.data(), before.data(), 16);
+  Collective c{CollectiveKind::kBroadcast,
+               run.send.data(),
+               run.recv.data(),
+               count,
+               dtype,
+               ReduceOp::kSum,
+               0,
+               "b"};
+  ASSERT_TRUE(comm->issue(c, *run.stream).is_ok());
+  ASSERT_TRUE(device->record(*run.done, *run.stream).is_ok());
+  Status st = comm->wait(*run.done, std::chrono::seconds(10));
+  EXPECT_EQ(st.code(), Code::kCommError) << st.to_string();
+  run.stream.reset();
+  if (g_rank == 1) {
+    EXPECT_EQ(std::memcmp(run.recv.data(), before.data(), 16), 0)
+        << "rank 0's data reached the buffer of a collective that disagreed";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
 // abort() on rank 0 while the others wait in a collective: theirs fails with kAborted naming
 // rank 0 and the reason, well before the timeout.
 TEST(MpiCommFailures, AnAbortReachesTheOtherRanksCollectives) {
