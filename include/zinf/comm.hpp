@@ -207,6 +207,11 @@ struct MpiCommOptions {
 // kTimeout when not every rank called it within options.timeout (it duplicates the communicator,
 // which every rank must join); kCommError for an MPI error. MPI_Init, when zinf calls it, has no
 // deadline (MPI offers none).
+// Opening is thus bounded by the collective timeout (60 s by default), where NcclComm's opening
+// has an init_timeout of its own (5 min): ranks that reach make_mpi_comm further apart than
+// options.timeout (one loading a large checkpoint or data set first) fail with kTimeout instead
+// of waiting for each other; such a program raises options.timeout or meets at its own barrier
+// first.
 // REQUIRES: `device` outlives the result.
 Result<std::unique_ptr<Communicator>> make_mpi_comm(Device& device,
                                                     const MpiCommOptions& options = {});

@@ -30,10 +30,14 @@
 // code and message) goes to every other rank on a control communicator; a rank that receives one
 // fails its collectives in flight and every later call with that error, naming the rank it came
 // from. Ranks that issued different collectives (another kind, element count, dtype, reduction or
-// root) fail with kCommError on every rank, naming both calls ("ranks disagree: rank 1 issued
+// root) fail with kCommError naming both calls ("ranks disagree: rank 1 issued
 // broadcast of 4 f32 (root 1), this rank issued broadcast of 4 f32 (root 0)"): each compares the
 // descriptor every peer sent ahead of its data with its own before it takes the data (a
-// collective of no elements sends its descriptor too, and a message of no bytes). After a
+// collective of no elements sends its descriptor too, and a message of no bytes). With two ranks
+// both fail with that kCommError. With more, not every rank does: a rank that issues the
+// collective after a peer's abort notice arrived is refused with kAborted carrying the peer's
+// message (which names both calls); one whose collective was in flight gets the notice's
+// kCommError, naming the rank it came from. After a
 // failure MPI_Finalize is skipped at exit (it could wait for the dead peer).
 //
 // MPI_Finalize while the communicator is open. The communicator's progress thread calls MPI until
