@@ -235,8 +235,8 @@ inline constexpr std::size_t kCheckpointPipelineBlocks = 6;
 
 // The xxh3-64 of a sequence of blocks, computed on a thread of its own in the order the blocks
 // were pushed, so hashing a checkpoint's bytes overlaps moving them (a core hashes about as fast
-// as a drive moves bytes). The blocks are the caller's until wait() says they were hashed.
-// Thread-safety: one caller thread.
+// as a drive moves bytes); the thread starts with the first push(). The blocks are the caller's
+// until wait() says they were hashed. Thread-safety: one caller thread.
 class BlockHasher {
  public:
   BlockHasher();
@@ -370,10 +370,20 @@ class CheckpointReader {
   const std::vector<FileBlockSum>& block_sums() const { return block_sums_; }
   std::uint64_t file_bytes() const { return file_bytes_; }
   const std::string& path() const { return path_; }
-  // The file open (fstat of its descriptor): a file opened again by name is the same one when
-  // both match.
-  std::uint64_t file_device() const { return file_device_; }
-  std::uint64_t file_inode() const { return file_inode_; }
+  // The file open, as fstat of its descriptor saw it at open(). A file opened again by name is
+  // the same file, not written since, when every field matches: a device and inode alone do not
+  // say so, since a filesystem hands a freed inode number to the next file created (ext4 almost
+  // always at once), so a file unlinked and created again, or written in place, keeps them. The
+  // change time is left out: it moves with the link count too, as when the process that linked a
+  // swap file into a checkpoint starts its next swap generation (unlinking the swap path).
+  struct FileIdentity {
+    std::uint64_t device = 0;
+    std::uint64_t inode = 0;
+    std::uint64_t bytes = 0;    // st_size
+    std::int64_t mtime_ns = 0;  // st_mtim
+    bool operator==(const FileIdentity&) const = default;
+  };
+  const FileIdentity& file_identity() const { return file_identity_; }
 
  private:
   CheckpointReader(IoEngine& io, std::string path) : io_(&io), path_(std::move(path)) {}
@@ -391,8 +401,7 @@ class CheckpointReader {
   FileHandle file_;
   bool direct_ = false;
   std::uint64_t file_bytes_ = 0;
-  std::uint64_t file_device_ = 0;
-  std::uint64_t file_inode_ = 0;
+  FileIdentity file_identity_;
   // The pipeline (while a front-to-back pass runs): block k of the file is in slot k % blocks.
   std::unique_ptr<BufferPool> pool_;
   bool registered_ = false;
@@ -420,19 +429,21 @@ Result<std::unique_ptr<CheckpointReader>> open_rank_reader(IoEngine& io, const s
 // naming the file). A linked file's pass compared each block already.
 Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::uint64_t digest);
 
-// Each reader holds a descriptor, one of the engine's 64 file slots and a hashing thread; a load or
-// export of a checkpoint saved by more ranks than this reopens files, never runs out of them.
+// Each reader holds a descriptor and one of the engine's 64 file slots (and a hashing thread once
+// it made a pass); a load or export of a checkpoint saved by more ranks than this reopens files,
+// never runs out of them.
 inline constexpr std::size_t kCheckpointOpenReaders = 32;
 
 // The rank files of one tag, read at any offset (CheckpointReader::read_at) with at most
 // kCheckpointOpenReaders of them open at once, so that a checkpoint of any world size reads
 // through one open_checkpoint_io() engine (64 file slots) within any file descriptor limit. The
 // caller verifies each file it will read (a pass over it: checksum() and check_rank_digest) and
-// hands the reader over (verified()); a file that is not open when read is opened again
-// (open_rank_reader: its size, and a linked file's block checksums, checked against the manifest
-// once more) and must be the file verified, the same device and inode (kCorruption naming it
-// otherwise: the tag was replaced meanwhile); the least recently read file is closed to make
-// room. Thread-safety: one caller thread.
+// hands the reader over (verified()); a file that is not open when read is opened again and
+// must be the file verified, unchanged (CheckpointReader::FileIdentity: the same device, inode,
+// size and modification time; kCorruption naming it otherwise: the tag was replaced or written
+// meanwhile); the least recently read file is closed to make room. A reopen reads nothing but the
+// file: a linked file's block checksums, decoded when it was verified, are kept.
+// Thread-safety: one caller thread.
 class RankFileReaders {
  public:
   // REQUIRES: `io` and `manifest` outlive this object.
@@ -448,9 +459,10 @@ class RankFileReaders {
   std::uint64_t reopened_count() const { return reopened_count_; }
 
  private:
-  struct Identity {
-    std::uint64_t device = 0;
-    std::uint64_t inode = 0;
+  // A verified file: what it was when verified, and a linked file's block checksums.
+  struct Verified {
+    CheckpointReader::FileIdentity identity;
+    std::vector<FileBlockSum> block_sums;
   };
   struct Open {
     int rank = 0;
@@ -463,7 +475,7 @@ class RankFileReaders {
   IoEngine* io_;
   std::string tag_dir_;
   const CheckpointManifest* manifest_;
-  std::map<int, Identity> verified_;
+  std::map<int, Verified> verified_;
   std::vector<Open> open_;
   std::uint64_t uses_ = 0;
   std::uint64_t reopened_count_ = 0;

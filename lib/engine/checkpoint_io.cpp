@@ -94,7 +94,6 @@ BlockHasher::BlockHasher() : state_(XXH3_createState()), run_state_(XXH3_createS
   ZINF_ASSERT(state_ != nullptr && run_state_ != nullptr);
   XXH3_64bits_reset(run_state_);
   XXH3_64bits_reset(state_);
-  thread_ = std::thread([this] { run(); });
 }
 
 BlockHasher::~BlockHasher() {
@@ -103,12 +102,15 @@ BlockHasher::~BlockHasher() {
     stop_ = true;
   }
   changed_.notify_all();
-  thread_.join();
+  if (thread_.joinable()) thread_.join();
   XXH3_freeState(state_);
   XXH3_freeState(run_state_);
 }
 
 std::uint64_t BlockHasher::push(const std::byte* data, std::size_t bytes) {
+  // The thread starts with the first block: a reader only read at offsets (a rank file reopened
+  // by RankFileReaders, a small file) never starts one.
+  if (!thread_.joinable()) thread_ = std::thread([this] { run(); });
   std::unique_lock lock(mutex_);
   ZINF_ASSERT_MSG(pushed_ - hashed_ < kMaxQueued, "BlockHasher: more blocks queued than it holds");
   queue_[pushed_ % kMaxQueued] = Item{data, bytes};
@@ -349,8 +351,12 @@ Result<std::unique_ptr<CheckpointReader>> CheckpointReader::open(IoEngine& io, s
   if (::fstat(r->fd_, &st) != 0) {
     return status_from_errno(fmt::format("checkpoint: fstat '{}'", r->path_), errno);
   }
-  r->file_device_ = static_cast<std::uint64_t>(st.st_dev);
-  r->file_inode_ = static_cast<std::uint64_t>(st.st_ino);
+  // The size of the file opened (a stat by name may have seen another one).
+  r->file_bytes_ = static_cast<std::uint64_t>(st.st_size);
+  r->file_identity_ = FileIdentity{
+      static_cast<std::uint64_t>(st.st_dev), static_cast<std::uint64_t>(st.st_ino),
+      static_cast<std::uint64_t>(st.st_size),
+      static_cast<std::int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec};
   Result<FileHandle> file = io.adopt_fd(r->fd_, r->path_, r->direct_);
   if (!file.is_ok()) return file.status().with_context("checkpoint");
   r->file_ = *file;
@@ -526,7 +532,7 @@ Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::
 }
 
 void RankFileReaders::verified(int rank, std::unique_ptr<CheckpointReader> r) {
-  verified_[rank] = Identity{r->file_device(), r->file_inode()};
+  verified_[rank] = Verified{r->file_identity(), r->block_sums()};
   if (open_.size() < kCheckpointOpenReaders) {
     keep(rank, std::move(r));
   }
@@ -546,17 +552,21 @@ void RankFileReaders::keep(int rank, std::unique_ptr<CheckpointReader> r) {
 Status RankFileReaders::read_at(int rank, std::uint64_t offset, std::size_t bytes, void* out) {
   auto it = std::find_if(open_.begin(), open_.end(), [&](const Open& o) { return o.rank == rank; });
   if (it == open_.end()) {
-    const auto identity = verified_.find(rank);
-    ZINF_ASSERT_MSG(identity != verified_.end(), "RankFileReaders: a file read before verified()");
+    const auto v = verified_.find(rank);
+    ZINF_ASSERT_MSG(v != verified_.end(), "RankFileReaders: a file read before verified()");
     const ManifestFile& f = manifest_->ranks[static_cast<std::size_t>(rank)];
+    // The file verified, unchanged, had the manifest's size and (linked) block checksums: only
+    // that it is still that file is checked here.
     ZINF_ASSIGN_OR_RETURN(std::unique_ptr<CheckpointReader> r,
-                          open_rank_reader(*io_, tag_dir_, f, /*direct=*/false));
-    if (r->file_device() != identity->second.device || r->file_inode() != identity->second.inode) {
+                          CheckpointReader::open(*io_, fmt::format("{}/{}", tag_dir_, f.file),
+                                                 /*direct=*/false));
+    if (!(r->file_identity() == v->second.identity)) {
       return Status::corruption(fmt::format(
-          "'{}' is no longer the file whose checksum was verified (the tag was replaced while it "
-          "was read)",
+          "'{}' is no longer the file whose checksum was verified (the tag was replaced or "
+          "written while it was read)",
           r->path()));
     }
+    if (!v->second.block_sums.empty()) r->expect_block_sums(v->second.block_sums);
     ++reopened_count_;
     keep(rank, std::move(r));
     it = open_.end() - 1;
