@@ -22,6 +22,34 @@ using io_test::ScratchDir;
 
 class StridedRequestTest : public io_test::EngineKindTest {};
 
+// `on_disk` holds, from `file_offset`, `source`'s runs of `run_bytes` every `stride_bytes` end to
+// end, `bytes` in all (checked a 4 KiB block at a time).
+void expect_file_holds_runs(const std::string& on_disk, std::uint64_t file_offset,
+                            const AlignedBuffer& source, std::size_t bytes, std::size_t run_bytes,
+                            std::size_t stride_bytes) {
+  for (std::size_t at = 0; at < bytes; at += 4096) {
+    const std::size_t memory = (at / run_bytes) * stride_bytes + at % run_bytes;
+    ASSERT_EQ(std::memcmp(on_disk.data() + file_offset + at, source.data() + memory, 4096), 0)
+        << "file offset " << file_offset + at;
+  }
+}
+
+// `back` (filled with 0xee before the read) holds `source`'s runs of `run_bytes` every
+// `stride_bytes`, `bytes` in all (the last run the rest), and its gaps are still 0xee.
+void expect_runs_read_back(const AlignedBuffer& back, const AlignedBuffer& source,
+                           std::size_t bytes, std::size_t run_bytes, std::size_t stride_bytes) {
+  const std::size_t runs = (bytes + run_bytes - 1) / run_bytes;
+  for (std::size_t k = 0; k < runs; ++k) {
+    const std::size_t run = k + 1 < runs ? run_bytes : bytes - k * run_bytes;
+    EXPECT_EQ(std::memcmp(back.data() + k * stride_bytes, source.data() + k * stride_bytes, run), 0)
+        << "run " << k;
+    const std::size_t gap_end = k + 1 < runs ? (k + 1) * stride_bytes : back.bytes();
+    for (std::size_t at = k * stride_bytes + run; at < gap_end; ++at) {
+      ASSERT_EQ(static_cast<unsigned char>(back.data()[at]), 0xee) << "gap byte " << at;
+    }
+  }
+}
+
 // Runs of 24 KiB every 56 KiB, pieces of 16 KiB (so a run is a whole piece and part of one), the
 // last run 12 KiB: the file holds the runs end to end, and a read puts them back in place.
 TEST_P(StridedRequestTest, RunsOfMemoryMoveAContiguousFileRange) {
@@ -45,37 +73,22 @@ TEST_P(StridedRequestTest, RunsOfMemoryMoveAContiguousFileRange) {
   AlignedBuffer source = random_buffer(kRuns * kStride, seed);
   ASSERT_TRUE(engine->write_sync(*file, 0, kFileOffset, source.data()).is_ok());
 
-  IoRequest write{IoOp::kWrite, *file, kFileOffset, kBytes, source.data()};
-  write.memory_run_bytes = kRun;
-  write.memory_stride_bytes = kStride;
+  IoRequest write{IoOp::kWrite, *file, kFileOffset, kBytes, source.data(), kRun, kStride};
   Result<Ticket> t = engine->submit(write);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   ASSERT_TRUE(engine->wait(*t, std::chrono::seconds(30)).is_ok());
   const std::string on_disk = read_file_plain(path);
   ASSERT_EQ(on_disk.size(), kFileOffset + kBytes);
-  for (std::size_t at = 0; at < kBytes; at += 4096) {
-    const std::size_t memory = (at / kRun) * kStride + at % kRun;
-    ASSERT_EQ(std::memcmp(on_disk.data() + kFileOffset + at, source.data() + memory, 4096), 0)
-        << "file offset " << kFileOffset + at;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      expect_file_holds_runs(on_disk, kFileOffset, source, kBytes, kRun, kStride));
 
   AlignedBuffer back(kRuns * kStride);
   std::memset(back.data(), 0xee, back.bytes());
-  IoRequest read{IoOp::kRead, *file, kFileOffset, kBytes, back.data()};
-  read.memory_run_bytes = kRun;
-  read.memory_stride_bytes = kStride;
+  IoRequest read{IoOp::kRead, *file, kFileOffset, kBytes, back.data(), kRun, kStride};
   t = engine->submit(read);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   ASSERT_TRUE(engine->wait(*t, std::chrono::seconds(30)).is_ok());
-  for (std::size_t k = 0; k < kRuns; ++k) {
-    const std::size_t run = k + 1 < kRuns ? kRun : kBytes - k * kRun;
-    EXPECT_EQ(std::memcmp(back.data() + k * kStride, source.data() + k * kStride, run), 0)
-        << "run " << k;
-    const std::size_t gap_end = k + 1 < kRuns ? (k + 1) * kStride : back.bytes();
-    for (std::size_t at = k * kStride + run; at < gap_end; ++at) {
-      ASSERT_EQ(static_cast<unsigned char>(back.data()[at]), 0xee) << "gap byte " << at;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_runs_read_back(back, source, kBytes, kRun, kStride));
 }
 
 // Most pieces come back short (whole 4 KiB blocks, as O_DIRECT does) and the engine resubmits
@@ -109,9 +122,7 @@ TEST_P(StridedRequestTest, ShortTransfersResumeWithinTheirRun) {
   AlignedBuffer source = random_buffer(kRuns * kStride, seed);
   faults->set_enabled(true);
 
-  IoRequest write{IoOp::kWrite, *file, kFileOffset, kBytes, source.data()};
-  write.memory_run_bytes = kRun;
-  write.memory_stride_bytes = kStride;
+  IoRequest write{IoOp::kWrite, *file, kFileOffset, kBytes, source.data(), kRun, kStride};
   Result<Ticket> t = engine->submit(write);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   Status done = engine->wait(*t, std::chrono::seconds(30));
@@ -121,11 +132,8 @@ TEST_P(StridedRequestTest, ShortTransfersResumeWithinTheirRun) {
   const std::string on_disk = read_file_plain(path);
   ASSERT_EQ(on_disk.size(), before.bytes());
   EXPECT_EQ(std::memcmp(on_disk.data(), before.data(), kFileOffset), 0) << "before the range";
-  for (std::size_t at = 0; at < kBytes; at += 4096) {
-    const std::size_t memory = (at / kRun) * kStride + at % kRun;
-    ASSERT_EQ(std::memcmp(on_disk.data() + kFileOffset + at, source.data() + memory, 4096), 0)
-        << "file offset " << kFileOffset + at;
-  }
+  ASSERT_NO_FATAL_FAILURE(
+      expect_file_holds_runs(on_disk, kFileOffset, source, kBytes, kRun, kStride));
   EXPECT_EQ(std::memcmp(on_disk.data() + kFileOffset + kBytes, before.data() + kFileOffset + kBytes,
                         before.bytes() - kFileOffset - kBytes),
             0)
@@ -133,24 +141,14 @@ TEST_P(StridedRequestTest, ShortTransfersResumeWithinTheirRun) {
 
   AlignedBuffer back(kRuns * kStride);
   std::memset(back.data(), 0xee, back.bytes());
-  IoRequest read{IoOp::kRead, *file, kFileOffset, kBytes, back.data()};
-  read.memory_run_bytes = kRun;
-  read.memory_stride_bytes = kStride;
+  IoRequest read{IoOp::kRead, *file, kFileOffset, kBytes, back.data(), kRun, kStride};
   t = engine->submit(read);
   ASSERT_TRUE(t.is_ok()) << t.status().to_string();
   done = engine->wait(*t, std::chrono::seconds(30));
   ASSERT_TRUE(done.is_ok()) << done.to_string();
   EXPECT_GT(faults->counts().short_io, write_shorts);
   EXPECT_GE(engine->stats().short_resubmits, faults->counts().short_io);
-  for (std::size_t k = 0; k < kRuns; ++k) {
-    const std::size_t run = k + 1 < kRuns ? kRun : kBytes - k * kRun;
-    EXPECT_EQ(std::memcmp(back.data() + k * kStride, source.data() + k * kStride, run), 0)
-        << "run " << k;
-    const std::size_t gap_end = k + 1 < kRuns ? (k + 1) * kStride : back.bytes();
-    for (std::size_t at = k * kStride + run; at < gap_end; ++at) {
-      ASSERT_EQ(static_cast<unsigned char>(back.data()[at]), 0xee) << "gap byte " << at;
-    }
-  }
+  ASSERT_NO_FATAL_FAILURE(expect_runs_read_back(back, source, kBytes, kRun, kStride));
 }
 
 TEST_P(StridedRequestTest, OverlappingOrMisalignedRunsAreRefused) {

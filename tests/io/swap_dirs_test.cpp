@@ -47,6 +47,21 @@ class SwapDirsTest : public io_test::EngineKindTest {
     options.max_requests = max_requests;
     return must_open(GetParam(), options);
   }
+
+  // A SwapSpace on `io` striped over `dir_count` fresh directories under `root`, in blocks of
+  // kBlock up to `capacity_bytes`; null, failing the test, where it does not open.
+  static std::unique_ptr<SwapSpace> open_striped(IoEngine& io, const ScratchDir& root,
+                                                 std::size_t dir_count,
+                                                 std::uint64_t capacity_bytes) {
+    SwapOptions options;
+    options.dirs = make_dirs(root, dir_count);
+    options.block_bytes = kBlock;
+    options.capacity_bytes = capacity_bytes;
+    Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(io, options);
+    EXPECT_TRUE(opened.is_ok()) << opened.status().to_string();
+    if (!opened.is_ok()) return nullptr;
+    return std::move(opened).value();
+  }
 };
 
 // Eight 8 MiB ops in flight at once over 2 directories fit an engine of 64 requests: each takes
@@ -126,15 +141,11 @@ TEST_P(SwapDirsTest, AwkwardExtentsRoundTripOverThreeDirectories) {
   const std::uint64_t seed = 0x5d3;
   std::printf("awkward striped extents: seed %llu\n", static_cast<unsigned long long>(seed));
   ScratchDir root("swap-dirs-awkward");
-  SwapOptions options;
-  options.dirs = make_dirs(root, 3);
-  options.block_bytes = kBlock;
-  options.capacity_bytes = 16 << 20;
   auto io = engine(1024);
   ASSERT_TRUE(io);
-  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
-  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
-  SwapSpace& swap = **opened;
+  std::unique_ptr<SwapSpace> opened = open_striped(*io, root, 3, 16 << 20);
+  ASSERT_TRUE(opened);
+  SwapSpace& swap = *opened;
   const std::vector<std::uint64_t> sizes = {1000, 2 * kBlock + 17, 37 * kBlock + 4096 * 3 + 5,
                                             100 * kBlock};
   for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -166,15 +177,11 @@ TEST_P(SwapDirsTest, ADirectorysShareSplitsByGeneration) {
   std::printf("striped extent over two generations: seed %llu\n",
               static_cast<unsigned long long>(seed));
   ScratchDir root("swap-dirs-generations");
-  SwapOptions options;
-  options.dirs = make_dirs(root, 2);
-  options.block_bytes = kBlock;
-  options.capacity_bytes = 4 << 20;
   auto io = engine(1024);
   ASSERT_TRUE(io);
-  Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
-  ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
-  SwapSpace& swap = **opened;
+  std::unique_ptr<SwapSpace> opened = open_striped(*io, root, 2, 4 << 20);
+  ASSERT_TRUE(opened);
+  SwapSpace& swap = *opened;
   constexpr std::uint64_t kExtentBytes = 12 * kBlock + 20000;
   constexpr std::uint64_t kMemoryBytes = 13 * kBlock;
   EXPECT_EQ(swap.op_requests(kExtentBytes), 2u);  // one round: one request per directory
