@@ -38,6 +38,7 @@ namespace {
 
 using device_optimizer_test::DeviceOptimizerFrozen;
 using device_optimizer_test::DeviceOptimizerFrozenSteps;
+using device_optimizer_test::FaultDevice;
 using device_optimizer_test::frozen_count;
 using device_optimizer_test::frozen_elements;
 using device_optimizer_test::frozen_flags;
@@ -46,6 +47,7 @@ using device_optimizer_test::kFrozenGroupElements;
 using device_optimizer_test::kPartition;
 using device_optimizer_test::kTimeout;
 using device_optimizer_test::make_packed;
+using device_optimizer_test::open_fault_device;
 using device_optimizer_test::rounded_to_half;
 using engine_test::seeded;
 
@@ -549,95 +551,16 @@ TEST(DeviceFrozenHalfOnlyEngine, AnInexactWriteOfOneFrozenTensorGivesOnlyItsRuns
   }
 }
 
-// An opaque HostDevice behind a Device that, once closed, puts a gate in front of the next work
-// issued on a stream through it: the stream's later work waits until the test opens it, as work
-// on a GPU stream that outlasts the timeout does. Its device ops are the HostDevice's.
-class GatedDevice final : public Device {
- public:
-  explicit GatedDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
-  Device& inner() { return *inner_; }
-  void close() { closed_ = true; }
-  void open() { gate_.set_value(); }
-
-  DeviceKind kind() const override { return inner_->kind(); }
-  std::string_view name() const override { return inner_->name(); }
-  bool host_accessible() const override { return inner_->host_accessible(); }
-  Result<void*> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
-  Status free(void* ptr) override { return inner_->free(ptr); }
-  Result<void*> allocate_async(std::size_t bytes, Stream& s) override {
-    return inner_->allocate_async(bytes, s);
-  }
-  Status free_async(void* ptr, Stream& s) override { return inner_->free_async(ptr, s); }
-  std::size_t memory_used_bytes() const override { return inner_->memory_used_bytes(); }
-  std::size_t memory_limit_bytes() const override { return inner_->memory_limit_bytes(); }
-  Status register_host(void* ptr, std::size_t bytes) override {
-    return inner_->register_host(ptr, bytes);
-  }
-  Status unregister_host(void* ptr) override { return inner_->unregister_host(ptr); }
-  Result<std::unique_ptr<Stream>> create_stream(std::string_view name) override {
-    return inner_->create_stream(name);
-  }
-  Result<std::unique_ptr<Event>> create_event() override { return inner_->create_event(); }
-  Status record(Event& e, Stream& s) override { return inner_->record(e, s); }
-  Status wait(Stream& s, Event& e) override { return inner_->wait(s, e); }
-  Result<bool> query(Event& e) override { return inner_->query(e); }
-  Status synchronize(Event& e, std::chrono::milliseconds timeout) override {
-    return inner_->synchronize(e, timeout);
-  }
-  Status synchronize(Stream& s, std::chrono::milliseconds timeout) override {
-    return inner_->synchronize(s, timeout);
-  }
-  Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
-                    Stream& s) override {
-    ZINF_RETURN_IF_ERROR(gate(s));
-    return inner_->copy_async(dst, src, bytes, kind, s);
-  }
-  Status memset_async(void* dst, int value, std::size_t bytes, Stream& s) override {
-    ZINF_RETURN_IF_ERROR(gate(s));
-    return inner_->memset_async(dst, value, bytes, s);
-  }
-  Status launch_host_func(Stream& s, HostFunc func, void* user) override {
-    ZINF_RETURN_IF_ERROR(gate(s));
-    return inner_->launch_host_func(s, func, user);
-  }
-
- private:
-  Status gate(Stream& s) {
-    if (!closed_) return Status::ok();
-    closed_ = false;
-    return inner_->launch_host_func(
-        s,
-        [](void* user, const Status&) {
-          static_cast<std::shared_future<void>*>(user)->wait();
-          return Status::ok();
-        },
-        &opened_);
-  }
-  std::unique_ptr<Device> inner_;
-  bool closed_ = false;
-  std::promise<void> gate_;
-  std::shared_future<void> opened_ = gate_.get_future().share();
-};
-
-// GatedDevice's tests: a DeviceOptimizer of one bf16 group of kElements, [0, 2048) trainable and
-// [2048, kElements) frozen, on a GatedDevice whose device ops are its HostDevice's, waiting kWait.
+// Tests of a gated stream: a DeviceOptimizer of one bf16 group of kElements, [0, 2048) trainable
+// and [2048, kElements) frozen, on a FaultDevice (never failing) whose device ops are its
+// HostDevice's, waiting kWait.
 class DeviceFrozenHalfOnlyTimeout : public ::testing::Test {
  protected:
   static constexpr std::size_t kElements = 4096;
   static constexpr std::chrono::milliseconds kWait{400};
 
   void SetUp() override {
-    HostDeviceOptions options;
-    options.opaque = true;
-    auto inner = make_host_device(options);
-    ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
-    device_ = std::make_unique<GatedDevice>(std::move(inner).value());
-    set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
-      auto* gated = dynamic_cast<GatedDevice*>(&d);
-      if (gated == nullptr) return nullptr;
-      auto ops = make_device_ops(gated->inner());
-      return ops.is_ok() ? std::move(ops).value() : nullptr;
-    });
+    ASSERT_NO_FATAL_FAILURE(open_fault_device(device_));
     before_bytes_ = device_->memory_used_bytes();
   }
   void TearDown() override { set_device_ops_factory(nullptr); }
@@ -657,7 +580,7 @@ class DeviceFrozenHalfOnlyTimeout : public ::testing::Test {
     EXPECT_LT(waited, kWait * 2) << "waited twice";
   }
 
-  std::unique_ptr<GatedDevice> device_;
+  std::unique_ptr<FaultDevice> device_;
   std::size_t before_bytes_ = 0;
 };
 

@@ -28,93 +28,10 @@
 namespace zinf {
 namespace {
 
+using device_optimizer_test::FaultDevice;
+using device_optimizer_test::open_fault_device;
 using device_optimizer_test::rounded_to_half;
 using engine_test::seeded;
-
-// An opaque HostDevice behind a Device that can fail the n-th device-to-device copy or memset
-// issued through it from now on (kInternal, nothing queued), and put a gate in front of the next
-// work issued on a stream: that stream's later work waits until the test opens it, as work on a
-// GPU stream that outlasts the timeout does. Its device ops are the HostDevice's, issued on it
-// directly (neither failed nor gated).
-class FaultDevice final : public Device {
- public:
-  explicit FaultDevice(std::unique_ptr<Device> inner) : inner_(std::move(inner)) {}
-  Device& inner() { return *inner_; }
-  // The `nth` (from 1) device-to-device copy from now on fails, or memset with `memsets`.
-  void fail_nth(int nth, bool memsets) {
-    fail_in_ = nth;
-    fail_memsets_ = memsets;
-  }
-  void close() { closed_ = true; }
-  void open() { gate_.set_value(); }
-
-  DeviceKind kind() const override { return inner_->kind(); }
-  std::string_view name() const override { return inner_->name(); }
-  bool host_accessible() const override { return inner_->host_accessible(); }
-  Result<void*> allocate(std::size_t bytes) override { return inner_->allocate(bytes); }
-  Status free(void* ptr) override { return inner_->free(ptr); }
-  Result<void*> allocate_async(std::size_t bytes, Stream& s) override {
-    return inner_->allocate_async(bytes, s);
-  }
-  Status free_async(void* ptr, Stream& s) override { return inner_->free_async(ptr, s); }
-  std::size_t memory_used_bytes() const override { return inner_->memory_used_bytes(); }
-  std::size_t memory_limit_bytes() const override { return inner_->memory_limit_bytes(); }
-  Status register_host(void* ptr, std::size_t bytes) override {
-    return inner_->register_host(ptr, bytes);
-  }
-  Status unregister_host(void* ptr) override { return inner_->unregister_host(ptr); }
-  Result<std::unique_ptr<Stream>> create_stream(std::string_view name) override {
-    return inner_->create_stream(name);
-  }
-  Result<std::unique_ptr<Event>> create_event() override { return inner_->create_event(); }
-  Status record(Event& e, Stream& s) override { return inner_->record(e, s); }
-  Status wait(Stream& s, Event& e) override { return inner_->wait(s, e); }
-  Result<bool> query(Event& e) override { return inner_->query(e); }
-  Status synchronize(Event& e, std::chrono::milliseconds timeout) override {
-    return inner_->synchronize(e, timeout);
-  }
-  Status synchronize(Stream& s, std::chrono::milliseconds timeout) override {
-    return inner_->synchronize(s, timeout);
-  }
-  Status copy_async(void* dst, const void* src, std::size_t bytes, CopyKind kind,
-                    Stream& s) override {
-    if (kind == CopyKind::kDeviceToDevice && !fail_memsets_) ZINF_RETURN_IF_ERROR(count_down());
-    ZINF_RETURN_IF_ERROR(gate(s));
-    return inner_->copy_async(dst, src, bytes, kind, s);
-  }
-  Status memset_async(void* dst, int value, std::size_t bytes, Stream& s) override {
-    if (fail_memsets_) ZINF_RETURN_IF_ERROR(count_down());
-    ZINF_RETURN_IF_ERROR(gate(s));
-    return inner_->memset_async(dst, value, bytes, s);
-  }
-  Status launch_host_func(Stream& s, HostFunc func, void* user) override {
-    ZINF_RETURN_IF_ERROR(gate(s));
-    return inner_->launch_host_func(s, func, user);
-  }
-
- private:
-  Status count_down() {
-    if (fail_in_ == 0 || --fail_in_ > 0) return Status::ok();
-    return Status::internal("injected: this operation fails to queue");
-  }
-  Status gate(Stream& s) {
-    if (!closed_) return Status::ok();
-    closed_ = false;
-    return inner_->launch_host_func(
-        s,
-        [](void* user, const Status&) {
-          static_cast<std::shared_future<void>*>(user)->wait();
-          return Status::ok();
-        },
-        &opened_);
-  }
-  std::unique_ptr<Device> inner_;
-  int fail_in_ = 0;  // the operations of the armed kind left up to the failing one; 0: none
-  bool fail_memsets_ = false;
-  bool closed_ = false;
-  std::promise<void> gate_;
-  std::shared_future<void> opened_ = gate_.get_future().share();
-};
 
 // A DeviceOptimizer of one bf16 group of kElements: [0, 1024) and [2048, kElements) trainable,
 // [1024, 2048) frozen, on a FaultDevice, waiting kWait.
@@ -124,17 +41,7 @@ class DeviceOptimizerDrain : public ::testing::Test {
   static constexpr std::chrono::milliseconds kWait{400};
 
   void SetUp() override {
-    HostDeviceOptions options;
-    options.opaque = true;
-    auto inner = make_host_device(options);
-    ASSERT_TRUE(inner.is_ok()) << inner.status().to_string();
-    device_ = std::make_unique<FaultDevice>(std::move(inner).value());
-    set_device_ops_factory([](Device& d) -> std::unique_ptr<DeviceOps> {
-      auto* faulty = dynamic_cast<FaultDevice*>(&d);
-      if (faulty == nullptr) return nullptr;
-      auto ops = make_device_ops(faulty->inner());
-      return ops.is_ok() ? std::move(ops).value() : nullptr;
-    });
+    ASSERT_NO_FATAL_FAILURE(open_fault_device(device_));
     before_bytes_ = device_->memory_used_bytes();
   }
   void TearDown() override { set_device_ops_factory(nullptr); }
