@@ -38,7 +38,7 @@ namespace {
 
 using device_optimizer_test::DeviceOptimizerFrozen;
 using device_optimizer_test::DeviceOptimizerFrozenSteps;
-using device_optimizer_test::FaultDevice;
+using device_optimizer_test::FaultDeviceTest;
 using device_optimizer_test::frozen_count;
 using device_optimizer_test::frozen_elements;
 using device_optimizer_test::frozen_flags;
@@ -47,7 +47,6 @@ using device_optimizer_test::kFrozenGroupElements;
 using device_optimizer_test::kPartition;
 using device_optimizer_test::kTimeout;
 using device_optimizer_test::make_packed;
-using device_optimizer_test::open_fault_device;
 using device_optimizer_test::rounded_to_half;
 using engine_test::seeded;
 
@@ -554,17 +553,8 @@ TEST(DeviceFrozenHalfOnlyEngine, AnInexactWriteOfOneFrozenTensorGivesOnlyItsRuns
 // Tests of a gated stream: a DeviceOptimizer of one bf16 group of kElements, [0, 2048) trainable
 // and [2048, kElements) frozen, on a FaultDevice (never failing) whose device ops are its
 // HostDevice's, waiting kWait.
-class DeviceFrozenHalfOnlyTimeout : public ::testing::Test {
+class DeviceFrozenHalfOnlyTimeout : public FaultDeviceTest {
  protected:
-  static constexpr std::size_t kElements = 4096;
-  static constexpr std::chrono::milliseconds kWait{400};
-
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(open_fault_device(device_));
-    before_bytes_ = device_->memory_used_bytes();
-  }
-  void TearDown() override { set_device_ops_factory(nullptr); }
-
   Result<std::unique_ptr<DeviceOptimizer>> make(const std::vector<float>& master) {
     return DeviceOptimizer::create(*device_, {{0, kElements, 0, DType::kBF16}}, kElements,
                                    master.data(), kWait, {{0, 0}, {2048, 1}}, {false, true});
@@ -579,9 +569,6 @@ class DeviceFrozenHalfOnlyTimeout : public ::testing::Test {
     EXPECT_EQ(s.code(), Code::kTimeout) << s.to_string();
     EXPECT_LT(waited, kWait * 2) << "waited twice";
   }
-
-  std::unique_ptr<FaultDevice> device_;
-  std::size_t before_bytes_ = 0;
 };
 
 // A write that gives the half-only run its master back whose device work outlasts the timeout:

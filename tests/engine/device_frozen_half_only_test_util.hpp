@@ -188,4 +188,22 @@ inline void open_fault_device(std::unique_ptr<FaultDevice>& device) {
   });
 }
 
+// A test on a FaultDevice opened by open_fault_device (device_, the factory reset after the test),
+// holding before_bytes_ of device memory before the test's own, with optimizers of kElements
+// elements waiting kWait.
+class FaultDeviceTest : public ::testing::Test {
+ protected:
+  static constexpr std::size_t kElements = 4096;
+  static constexpr std::chrono::milliseconds kWait{400};
+
+  void SetUp() override {
+    ASSERT_NO_FATAL_FAILURE(open_fault_device(device_));
+    before_bytes_ = device_->memory_used_bytes();
+  }
+  void TearDown() override { set_device_ops_factory(nullptr); }
+
+  std::unique_ptr<FaultDevice> device_;
+  std::size_t before_bytes_ = 0;
+};
+
 }  // namespace zinf::device_optimizer_test

@@ -28,24 +28,14 @@
 namespace zinf {
 namespace {
 
-using device_optimizer_test::FaultDevice;
-using device_optimizer_test::open_fault_device;
+using device_optimizer_test::FaultDeviceTest;
 using device_optimizer_test::rounded_to_half;
 using engine_test::seeded;
 
 // A DeviceOptimizer of one bf16 group of kElements: [0, 1024) and [2048, kElements) trainable,
 // [1024, 2048) frozen, on a FaultDevice, waiting kWait.
-class DeviceOptimizerDrain : public ::testing::Test {
+class DeviceOptimizerDrain : public FaultDeviceTest {
  protected:
-  static constexpr std::size_t kElements = 4096;
-  static constexpr std::chrono::milliseconds kWait{400};
-
-  void SetUp() override {
-    ASSERT_NO_FATAL_FAILURE(open_fault_device(device_));
-    before_bytes_ = device_->memory_used_bytes();
-  }
-  void TearDown() override { set_device_ops_factory(nullptr); }
-
   std::unique_ptr<DeviceOptimizer> make(const std::vector<float>& master) {
     auto made = DeviceOptimizer::create(*device_, {{0, kElements, 0, DType::kBF16}}, kElements,
                                         master.data(), kWait, {{0, 0}, {1024, 1}, {2048, 0}},
@@ -70,9 +60,6 @@ class DeviceOptimizerDrain : public ::testing::Test {
     EXPECT_NE(s.message().find("injected"), std::string::npos) << s.to_string();
     EXPECT_LT(waited, kWait * 2) << "waited twice";
   }
-
-  std::unique_ptr<FaultDevice> device_;
-  std::size_t before_bytes_ = 0;
 };
 
 // A master write that bf16 does not hold into the half-only run: the copy of the second run with
