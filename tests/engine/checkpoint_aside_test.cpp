@@ -16,6 +16,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 #include "plan/cli_test_util.hpp"
+#include "safetensors_test_util.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf {
@@ -101,14 +102,11 @@ TEST(CheckpointAside, ExportReadsTheMovedAsideTag) {
     const std::string path = scratch.path() + "/model.safetensors";
     const Status st = export_checkpoint_safetensors(dir, tag, path, DType::kF32);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    const std::string file = engine_test::read_file(path);
-    ASSERT_GE(file.size(), 8u);
-    std::uint64_t header_bytes = 0;
-    for (int i = 0; i < 8; ++i) {
-      header_bytes |= static_cast<std::uint64_t>(static_cast<unsigned char>(file[i])) << (8 * i);
-    }
-    ASSERT_LE(8 + header_bytes, file.size());
-    const nlohmann::json header = nlohmann::json::parse(file.substr(8, header_bytes));
+    engine_test::SafetensorsFile exported;
+    ASSERT_NO_FATAL_FAILURE(engine_test::read_safetensors(path, exported));
+    const std::string& file = exported.bytes;
+    const std::uint64_t header_bytes = exported.header_bytes;
+    const nlohmann::json& header = exported.header;
     EXPECT_EQ(header["__metadata__"]["zinf_tag"], "t");
     EXPECT_EQ(header["__metadata__"]["zinf_step"], "3");
     for (const auto& [name, want] : masters) {

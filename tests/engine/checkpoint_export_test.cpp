@@ -22,6 +22,7 @@
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 #include "plan/cli_test_util.hpp"
+#include "safetensors_test_util.hpp"
 #include "zinf/engine.hpp"
 
 namespace zinf {
@@ -69,15 +70,12 @@ TEST(CheckpointExport, SafetensorsBytesEqualReadParameters) {
     const std::string path = scratch.path() + "/model.safetensors";
     const Status st = export_checkpoint_safetensors(dir, "", path, dtype);
     ASSERT_TRUE(st.is_ok()) << st.to_string();
-    const std::string file = engine_test::read_file(path);
-    ASSERT_GE(file.size(), 8u);
-    std::uint64_t header_bytes = 0;
-    for (int i = 0; i < 8; ++i) {
-      header_bytes |= static_cast<std::uint64_t>(static_cast<unsigned char>(file[i])) << (8 * i);
-    }
+    engine_test::SafetensorsFile exported;
+    ASSERT_NO_FATAL_FAILURE(engine_test::read_safetensors(path, exported));
+    const std::string& file = exported.bytes;
+    const std::uint64_t header_bytes = exported.header_bytes;
+    const nlohmann::json& header = exported.header;
     EXPECT_EQ(header_bytes % 8, 0u);
-    ASSERT_LE(8 + header_bytes, file.size());
-    const nlohmann::json header = nlohmann::json::parse(file.substr(8, header_bytes));
     const std::size_t data = 8 + header_bytes;
     EXPECT_EQ(header["__metadata__"]["zinf_tag"], "t");
     EXPECT_EQ(header["__metadata__"]["zinf_step"], "3");
