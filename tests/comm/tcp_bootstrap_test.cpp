@@ -398,10 +398,10 @@ TEST(TcpBootstrap, RealTorchrunRanksExchangeTheBlob) {
   char self[4096] = {};
   const ssize_t length = ::readlink("/proc/self/exe", self, sizeof(self) - 1);
   ASSERT_GT(length, 0);
-  const std::string command =
-      "ZINF_TCP_TORCHRUN_RANK=1 timeout 120 " + torchrun + " --nproc_per_node 2 --no-python " +
-      std::string(self, static_cast<std::size_t>(length)) +
-      " --gtest_filter=TcpBootstrap.TorchrunRank 2>&1";
+  const std::string command = "ZINF_TCP_TORCHRUN_RANK=1 timeout 120 " + torchrun +
+                              " --nproc_per_node 2 --no-python " +
+                              std::string(self, static_cast<std::size_t>(length)) +
+                              " --gtest_filter=TcpBootstrap.TorchrunRank 2>&1";
   FILE* pipe = ::popen(command.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   std::string output;
