@@ -9,7 +9,8 @@
 // did before. A one-time large free (the registered values' copies at finalize) can therefore
 // leave its pages resident for the rest of the run unless they are handed back.
 //
-// Thread-safety: may be called from any thread; glibc locks each arena while it trims it.
+// Thread-safety: may be called from any thread; calls run one at a time (a process-wide mutex),
+// and glibc locks each arena while it trims it.
 #pragma once
 
 namespace zinf {
