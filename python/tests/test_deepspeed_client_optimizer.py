@@ -150,3 +150,14 @@ def test_an_adagrad_setting_the_engine_lacks_is_refused_naming_it():
                                      {"params": params[2:]}], lr=LR)
     with pytest.raises(NotImplementedError, match="different lr_decay values"):
         train_engine(model, optimizer, [], 2)
+
+
+def test_an_optimizer_type_the_engine_lacks_is_refused_by_its_name_before_its_options():
+    # SGD with Nesterov momentum: the refusal names SGD, not nesterov=True (which would suggest
+    # that plain SGD were mapped).
+    model = make_mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    with pytest.raises(NotImplementedError) as refusal:
+        train_engine(model, optimizer, [], 2)
+    assert "the optimizer SGD has no zinf equivalent" in str(refusal.value)
+    assert "nesterov" not in str(refusal.value)

@@ -935,11 +935,21 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
         return {g.get(key, defaults.get(key, default))
                 for g in ((groups or [defaults]) if of is None else of)}
 
+    # The type is checked first, so that an optimizer zinf does not map is refused by its name
+    # and not by one of its options (SGD's nesterov, say), which would suggest the rest maps.
+    adagrad = isinstance(optimizer, torch.optim.Adagrad)
+    # Before torch 2.7 AdamW was no subclass of Adam: name both.
+    adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, DeepSpeedCPUAdam))
+    if not (adagrad or adam):
+        raise NotImplementedError(
+            f"deepspeed.initialize (zinf.deepspeed_compat): the optimizer "
+            f"{type(optimizer).__name__} has no zinf equivalent (torch's AdamW, Adam and "
+            "Adagrad, DeepSpeedCPUAdam, FusedAdam and DeepSpeedCPUAdagrad are mapped); give the "
+            "config an \"optimizer\" section instead")
     for option in ("amsgrad", "maximize", "nesterov", "foreach_only"):
         if any(values(option, False)):
             raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): the "
                                       f"optimizer's {option}=True has no zinf equivalent")
-    adagrad = isinstance(optimizer, torch.optim.Adagrad)
     if adagrad:
         kind = "Adagrad"
         initial = [v for v in values("initial_accumulator_value", 0.0) if v]
@@ -953,8 +963,7 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
             raise NotImplementedError(
                 "deepspeed.initialize (zinf.deepspeed_compat): the Adagrad optimizer's groups "
                 f"have different lr_decay values {sorted(lr_decays)}; the engine takes one")
-    # Before torch 2.7 AdamW was no subclass of Adam: name both.
-    elif isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, DeepSpeedCPUAdam)):
+    else:
         decaying = [g for g in groups if g.get("weight_decay", defaults.get("weight_decay", 0))]
         if isinstance(optimizer, torch.optim.AdamW):
             decoupled = {True}
@@ -967,11 +976,6 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
                 "deepspeed.initialize (zinf.deepspeed_compat): the Adam optimizer's groups mix "
                 "decoupled_weight_decay True and False; the engine decays every group one way")
         kind = "Adam" if decaying and decoupled == {False} else "AdamW"
-    else:
-        raise NotImplementedError(
-            f"deepspeed.initialize (zinf.deepspeed_compat): the optimizer "
-            f"{type(optimizer).__name__} has no zinf equivalent (torch's AdamW, Adam and Adagrad "
-            "and DeepSpeedCPUAdam are mapped); give the config an \"optimizer\" section instead")
     params = {"lr": float(defaults["lr"]), "weight_decay": float(defaults.get("weight_decay", 0))}
     if not adagrad:
         params["betas"] = [float(b) for b in first.get("betas", (0.9, 0.999))]
