@@ -4,7 +4,9 @@ DeepSpeedCPUAdam(adamw_mode=False) does; AdamW, Adam(decoupled_weight_decay=True
 DeepSpeedCPUAdam(adamw_mode=True) decay the weights (deepspeed/ops/adam/cpu_adam.py; DeepSpeed
 steps a client torch optimizer itself). torch's Adagrad takes eps, lr_decay and
 initial_accumulator_value; the engine's state sum starts at 0, so the last is refused unless it
-is 0. Each run is checked against plain torch on the same model and data."""
+is 0. DeepSpeedCPUAdagrad has DeepSpeed's signature (eps third, no lr_decay) and update, which
+reads lr, eps and weight_decay only. Each run is checked against plain torch, or DeepSpeed's
+update written out, on the same model and data."""
 import pytest
 import torch
 
@@ -161,3 +163,71 @@ def test_an_optimizer_type_the_engine_lacks_is_refused_by_its_name_before_its_op
         train_engine(model, optimizer, [], 2)
     assert "the optimizer SGD has no zinf equivalent" in str(refusal.value)
     assert "nesterov" not in str(refusal.value)
+
+
+def train_deepspeed_adagrad(model, batches, lr, eps):
+    """DeepSpeed's CPU Adagrad update (csrc/adagrad/cpu_adagrad.cpp) at weight_decay 0, written
+    out: the sum of squares starts at 0, v += g*g, p -= lr * g / (sqrt(v) + eps); no lr decay."""
+    params = list(model.parameters())
+    sums = [torch.zeros_like(p) for p in params]
+    for batch in batches:
+        model.zero_grad()
+        mlp_loss(model, batch).backward()
+        with torch.no_grad():
+            for p, v in zip(params, sums):
+                v += p.grad * p.grad
+                p -= lr * p.grad / (v.sqrt() + eps)
+    return model
+
+
+def deepspeed_cpu_adagrad():
+    return compat._MODULES["deepspeed.ops.adagrad"]["DeepSpeedCPUAdagrad"]
+
+
+DEEPSPEED_ADAGRAD_CASES = {
+    # DeepSpeed's signature is (model_params, lr, eps, weight_decay, amsgrad,
+    # fp32_optimizer_states): the third positional argument is eps (torch's is lr_decay).
+    "eps third": lambda params: deepspeed_cpu_adagrad()(params, LR, 1e-2),
+    # DeepSpeed's update never reads amsgrad.
+    "amsgrad, fp32_optimizer_states": lambda params: deepspeed_cpu_adagrad()(
+        params, lr=LR, eps=1e-2, amsgrad=True, fp32_optimizer_states=True),
+    # Accelerate's map_pytorch_optim_to_deepspeed under optimizer offload: the torch Adagrad's
+    # groups (with its eps, and an lr_decay and initial_accumulator_value DeepSpeed does not
+    # apply) and its lr and weight_decay.
+    "a torch Adagrad's groups": lambda params: deepspeed_cpu_adagrad()(
+        torch.optim.Adagrad(params, lr=LR, eps=1e-2, lr_decay=0.5,
+                            initial_accumulator_value=0.5).param_groups, lr=LR, weight_decay=0),
+}
+
+
+@pytest.mark.parametrize("case", DEEPSPEED_ADAGRAD_CASES)
+def test_deepspeed_cpu_adagrad_trains_as_deepspeeds_update(case):
+    batches = mlp_batches(STEPS)
+    want_model = train_deepspeed_adagrad(make_mlp(), batches, LR, 1e-2)
+    model = make_mlp()
+    engine = train_engine(model, DEEPSPEED_ADAGRAD_CASES[case](model.parameters()), batches, 2,
+                          offload="cpu")
+    assert_trained_as(engine, want_model)
+
+
+def test_deepspeed_cpu_adagrad_is_read_as_deepspeed_reads_it(caplog):
+    model = make_mlp()
+    section, groups = compat._optimizer_section(
+        deepspeed_cpu_adagrad()(model.parameters(), 0.01, 1e-6))
+    assert section == {"type": "Adagrad",
+                       "params": {"lr": 0.01, "weight_decay": 0.0, "eps": 1e-6}}
+    # As Accelerate makes it: the torch Adagrad's groups (no decay in the first, the optimizer's
+    # 0.1 in the second, as the Trainer's groups) and its lr and weight_decay.
+    torch_adagrad = torch.optim.Adagrad(split_groups(model, 0.0), lr=0.02, eps=1e-3,
+                                        weight_decay=0.1, lr_decay=0.5,
+                                        initial_accumulator_value=0.5)
+    with caplog.at_level("WARNING", logger="DeepSpeed"):
+        section, groups = compat._optimizer_section(
+            deepspeed_cpu_adagrad()(torch_adagrad.param_groups, lr=0.02, weight_decay=0.1))
+    assert section == {"type": "Adagrad",
+                       "params": {"lr": 0.02, "weight_decay": 0.1, "eps": 1e-3}}
+    assert [(g["lr"], g["weight_decay"], g["eps"]) for g in groups] == [(0.02, 0.0, 1e-3),
+                                                                      (0.02, 0.1, 1e-3)]
+    assert "initial_accumulator_value=0.5, lr_decay=0.5" in caplog.text
+    with pytest.raises(NotImplementedError, match="fp32_optimizer_states=False"):
+        deepspeed_cpu_adagrad()(model.parameters(), fp32_optimizer_states=False)

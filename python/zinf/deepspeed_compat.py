@@ -472,9 +472,32 @@ class FusedAdam(DeepSpeedCPUAdam):
                          weight_decay=weight_decay, amsgrad=amsgrad, adamw_mode=adam_w_mode)
 
 
-class DeepSpeedCPUAdagrad(torch.optim.Adagrad):
-    """Accelerate's mapping of torch's Adagrad under optimizer offload; initialize() reads its
-    hyper-parameters as torch's Adagrad's."""
+class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
+    """deepspeed.ops.adagrad.DeepSpeedCPUAdagrad's signature (deepspeed/ops/adagrad/
+    cpu_adagrad.py), which is not torch's Adagrad's: no lr_decay nor initial_accumulator_value
+    (its state sum starts at 0), and eps third. What Accelerate makes of torch's Adagrad under
+    optimizer offload (map_pytorch_optim_to_deepspeed passes the torch optimizer's param_groups
+    and its lr and weight_decay); initialize() turns it into the config's "Adagrad" section, as
+    DeepSpeedCPUAdam. It never steps: zinf's engine runs the optimizer.
+
+    DeepSpeed keeps amsgrad in the groups but its update (csrc/adagrad/cpu_adagrad.cpp) never
+    reads it: amsgrad=True trains as False, here too. fp32_optimizer_states=False (the state in
+    the parameters' dtype) is refused, as it is in a config's "optimizer" section: the engine
+    keeps its state in fp32."""
+
+    def __init__(self, model_params, lr=1e-2, eps=1e-10, weight_decay=0, amsgrad=False,
+                 fp32_optimizer_states=True):
+        if not fp32_optimizer_states:
+            raise NotImplementedError("DeepSpeedCPUAdagrad (zinf.deepspeed_compat): "
+                                      "fp32_optimizer_states=False has no zinf equivalent (the "
+                                      "engine keeps the optimizer state in fp32)")
+        self.fp32_optimizer_states = fp32_optimizer_states
+        super().__init__(model_params, dict(lr=lr, eps=eps, weight_decay=weight_decay,
+                                            amsgrad=amsgrad))
+
+    def step(self, closure=None):
+        raise RuntimeError("DeepSpeedCPUAdagrad (zinf.deepspeed_compat) only describes the "
+                           "optimizer for deepspeed.initialize(); the engine's step() applies it")
 
 
 # ---- deepspeed.utils, deepspeed.checkpoint.utils ------------------------------------------------
@@ -923,9 +946,12 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
     does: where a group decays, the section is "Adam" with adam_w_mode false (the config's
     "Adam" is AdamW without it); where none does, the two are the same and it is "AdamW".
     torch's AdamW, Adam(decoupled_weight_decay=True) and DeepSpeedCPUAdam (adamw_mode=True, its
-    default) decay decoupled: "AdamW". torch's Adagrad (and DeepSpeedCPUAdagrad) is "Adagrad"
-    with its eps and lr_decay; a non-zero initial_accumulator_value, which the engine does not
-    take (its state sum starts at 0), is refused naming it."""
+    default) decay decoupled: "AdamW". torch's Adagrad is "Adagrad" with its eps and lr_decay; a
+    non-zero initial_accumulator_value, which the engine does not take (its state sum starts at
+    0), is refused naming it. DeepSpeedCPUAdagrad is "Adagrad" with the lr, eps and weight_decay
+    its groups hold, as DeepSpeed's update reads them: a torch Adagrad's lr_decay and
+    initial_accumulator_value left in groups Accelerate passed on are not applied (a warning
+    names them), and amsgrad is ignored."""
     defaults = optimizer.defaults
     groups = [g for g in optimizer.param_groups if g["params"]]
     first = groups[0] if groups else defaults
@@ -937,7 +963,11 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
 
     # The type is checked first, so that an optimizer zinf does not map is refused by its name
     # and not by one of its options (SGD's nesterov, say), which would suggest the rest maps.
-    adagrad = isinstance(optimizer, torch.optim.Adagrad)
+    # DeepSpeedCPUAdagrad reads only lr, eps and weight_decay from its groups (and ignores
+    # amsgrad); groups Accelerate passed on from a torch Adagrad still hold torch's lr_decay and
+    # initial_accumulator_value, which DeepSpeed's update does not apply.
+    deepspeed_adagrad = isinstance(optimizer, DeepSpeedCPUAdagrad)
+    adagrad = deepspeed_adagrad or isinstance(optimizer, torch.optim.Adagrad)
     # Before torch 2.7 AdamW was no subclass of Adam: name both.
     adam = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW, DeepSpeedCPUAdam))
     if not (adagrad or adam):
@@ -947,10 +977,21 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
             "Adagrad, DeepSpeedCPUAdam, FusedAdam and DeepSpeedCPUAdagrad are mapped); give the "
             "config an \"optimizer\" section instead")
     for option in ("amsgrad", "maximize", "nesterov", "foreach_only"):
+        if option == "amsgrad" and deepspeed_adagrad:
+            continue
         if any(values(option, False)):
             raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): the "
                                       f"optimizer's {option}=True has no zinf equivalent")
-    if adagrad:
+    lr_decays = {0.0}
+    if deepspeed_adagrad:
+        kind = "Adagrad"
+        unread = sorted({f"{key}={v}" for key in ("lr_decay", "initial_accumulator_value")
+                         for v in values(key, 0.0) if v})
+        if unread:
+            logger.warning("deepspeed.initialize (zinf.deepspeed_compat): DeepSpeedCPUAdagrad's "
+                           f"groups hold {', '.join(unread)}, which its update does not apply "
+                           "(as DeepSpeed's); it trains with lr, eps and weight_decay only")
+    elif adagrad:
         kind = "Adagrad"
         initial = [v for v in values("initial_accumulator_value", 0.0) if v]
         if initial:
