@@ -26,6 +26,7 @@
 #include "options.hpp"
 #include "report.hpp"
 #include "rng.hpp"
+#include "trainer.hpp"
 
 namespace train_lm {
 namespace {
@@ -235,6 +236,37 @@ TEST(Model, ShapeForParamsLandsNearTheTarget) {
     EXPECT_NEAR(ratio, 1.0, 0.1) << target;
     EXPECT_EQ(shape.hidden % 16, 0u);
     EXPECT_EQ(shape.ffn, 4 * shape.hidden);
+  }
+}
+
+// --gradients-on-nvme puts each rank's f32 gradient accumulators in its swap file beside the
+// master and moments, so the disk check asks for their 4 bytes a parameter of the rank's slice
+// too (each sub-group's page-rounded, each file rounded up to an aio block); the activations'
+// files are unchanged.
+// docs/BENCHMARKS.md has the estimate against the file the engine makes.
+TEST(Footprint, GradientsOnNvmeAddTheirBytesToTheSwapFiles) {
+  const ModelShape shape = shape_for_params(10'000'000, ModelShape{});
+  for (const int world : {1, 4}) {
+    SCOPED_TRACE(world);
+    // Stage 3, the optimizer's state on NVMe (the defaults), as train_lm parses them.
+    std::vector<std::string> args = {"train_lm", "--world-size", std::to_string(world)};
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    Options o;
+    std::string error;
+    ASSERT_EQ(parse_options(int(argv.size()), argv.data(), &o, &error), 0) << error;
+    const Footprint without = estimate_footprint(o, shape);
+    o.gradients_on_nvme = true;
+    const Footprint with = estimate_footprint(o, shape);
+    const std::uint64_t ranks = std::uint64_t(world);
+    const std::uint64_t slice = (param_count(shape) + ranks - 1) / ranks;
+    const std::uint64_t block = std::uint64_t{1} << 20;
+    // 12 bytes a parameter without (the master and two moments), 16 with.
+    EXPECT_GE(without.swap_bytes, ranks * 12 * slice);
+    EXPECT_LE(without.swap_bytes, ranks * (12 * slice + 2 * block));
+    EXPECT_GE(with.swap_bytes, ranks * 16 * slice);
+    EXPECT_LE(with.swap_bytes, ranks * (16 * slice + 2 * block));
+    EXPECT_EQ(with.nvme_bytes - with.swap_bytes, without.nvme_bytes - without.swap_bytes);
   }
 }
 

@@ -1558,6 +1558,8 @@ Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
     host += world * o.optimizer_buffers * 16 * sub;
     const std::uint64_t groups = (slice + sub - 1) / sub;
     swap += 12 * slice + 3 * groups * page + page;  // master and moments, the header page
+    // --gradients-on-nvme: the f32 gradient accumulators in the same file.
+    if (o.gradients_on_nvme) swap += 4 * slice + groups * page;
   }
   if (o.stage == 3 && o.offload_param == "nvme") {
     swap += slice * dtype_bytes + specs.size() * page;  // a shard of each module's parameters
