@@ -74,8 +74,10 @@ struct MpiWorld {
 // this process's place in MPI_COMM_WORLD. The local rank is the launcher's
 // (OMPI_COMM_WORLD_LOCAL_RANK, MPI_LOCALRANKID) or else counted from every rank's host name,
 // gathered by a nonblocking collective polled against `timeout`: kTimeout when some rank does not
-// join it in time. kFailedPrecondition when MPI was initialised below MPI_THREAD_MULTIPLE or
-// finalised. MPI_Init itself, when zinf calls it, has no deadline (MPI offers none).
+// join it in time; kInvalidArgument naming the variable when the launcher's figure is not an
+// integer in [0, world size). kFailedPrecondition when MPI was initialised below
+// MPI_THREAD_MULTIPLE or finalised. MPI_Init itself, when zinf calls it, has no deadline (MPI
+// offers none).
 Result<MpiWorld> mpi_world_of_process(std::chrono::milliseconds timeout = std::chrono::minutes(5));
 
 // After MPI_Finalize stopped `comm` (an MpiComm) while it was open: kAborted naming MPI_Finalize

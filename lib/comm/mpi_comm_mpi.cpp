@@ -25,6 +25,7 @@
 #include "base/assert.hpp"
 #include "comm/collective_util.hpp"
 #include "comm/mpi_comm.hpp"
+#include "comm/tcp_bootstrap.hpp"
 #include "device/host_device.hpp"
 #include "device/staging_buffers.hpp"
 
@@ -223,8 +224,12 @@ Status poll_until(MPI_Request* request, Clock::time_point deadline, std::string_
   Backoff backoff;
   for (;;) {
     int flag = 0;
-    ZINF_RETURN_IF_ERROR(status_from_mpi(fmt::format("{}: MPI_Test", what),
-                                         MPI_Test(request, &flag, MPI_STATUS_IGNORE)));
+    const int tested = MPI_Test(request, &flag, MPI_STATUS_IGNORE);
+    if (tested != MPI_SUCCESS) {
+      // The request is left pending, so MPI_Finalize at exit could wait on it (as on a timeout).
+      g_failed.store(true);
+      return status_from_mpi(fmt::format("{}: MPI_Test", what), tested);
+    }
     if (flag != 0) return Status::ok();
     if (Clock::now() >= deadline) {
       g_failed.store(true);
@@ -327,7 +332,12 @@ class MpiComm final : public Communicator {
       Status started = status_from_mpi(fmt::format("make_mpi_comm on {}: MPI_Comm_idup", name_),
                                        MPI_Comm_idup(parent, &duplicates[i], &requests[i]));
       if (!started.is_ok()) {
-        if (i == 0) delete[] duplicates;
+        if (i == 0) {
+          delete[] duplicates;
+        } else {
+          // The first duplication is pending for good: no MPI_Finalize at exit to wait on it.
+          g_failed.store(true);
+        }
         return started;
       }
     }
@@ -1182,7 +1192,8 @@ Result<MpiWorld> mpi_world_of_process(std::chrono::milliseconds timeout) {
   for (const char* name : {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID"}) {
     const char* value = std::getenv(name);
     if (value != nullptr && *value != '\0') {
-      world.local_rank = std::atoi(value);
+      ZINF_ASSIGN_OR_RETURN(world.local_rank,
+                            parse_env_int(name, std::string(value), 0, world.world_size - 1));
       return world;
     }
   }

@@ -371,20 +371,6 @@ Result<std::vector<std::byte>> join(const LaunchEnv& env, std::chrono::milliseco
   return payload;
 }
 
-Result<int> parse_int(const char* name, const std::optional<std::string>& text, int lo, int hi) {
-  if (!text.has_value() || text->empty()) {
-    return Status::invalid_argument(fmt::format("environment variable {} is not set", name));
-  }
-  int value = 0;
-  const char* end = text->data() + text->size();
-  const auto [ptr, ec] = std::from_chars(text->data(), end, value);
-  if (ec != std::errc() || ptr != end || value < lo || value > hi) {
-    return Status::invalid_argument(fmt::format(
-        "environment variable {}='{}' is not an integer in [{}, {}]", name, *text, lo, hi));
-  }
-  return value;
-}
-
 }  // namespace
 
 Result<TcpHello> decode_tcp_hello(std::span<const unsigned char> bytes) {
@@ -417,14 +403,30 @@ Result<TcpReplyHeader> decode_tcp_reply_header(std::span<const unsigned char> by
   return header;
 }
 
+Result<int> parse_env_int(const char* name, const std::optional<std::string>& text, int lo,
+                          int hi) {
+  if (!text.has_value() || text->empty()) {
+    return Status::invalid_argument(fmt::format("environment variable {} is not set", name));
+  }
+  int value = 0;
+  const char* end = text->data() + text->size();
+  const auto [ptr, ec] = std::from_chars(text->data(), end, value);
+  if (ec != std::errc() || ptr != end || value < lo || value > hi) {
+    return Status::invalid_argument(fmt::format(
+        "environment variable {}='{}' is not an integer in [{}, {}]", name, *text, lo, hi));
+  }
+  return value;
+}
+
 Result<LaunchEnv> parse_launch_env(
     const std::function<std::optional<std::string>(const char* name)>& lookup) {
   LaunchEnv env;
-  ZINF_ASSIGN_OR_RETURN(env.world_size, parse_int("WORLD_SIZE", lookup("WORLD_SIZE"), 1, 1 << 20));
-  ZINF_ASSIGN_OR_RETURN(env.rank, parse_int("RANK", lookup("RANK"), 0, env.world_size - 1));
+  ZINF_ASSIGN_OR_RETURN(env.world_size,
+                        parse_env_int("WORLD_SIZE", lookup("WORLD_SIZE"), 1, 1 << 20));
+  ZINF_ASSIGN_OR_RETURN(env.rank, parse_env_int("RANK", lookup("RANK"), 0, env.world_size - 1));
   const std::optional<std::string> local = lookup("LOCAL_RANK");
   if (local.has_value()) {
-    ZINF_ASSIGN_OR_RETURN(env.local_rank, parse_int("LOCAL_RANK", local, 0, 1 << 20));
+    ZINF_ASSIGN_OR_RETURN(env.local_rank, parse_env_int("LOCAL_RANK", local, 0, 1 << 20));
   } else {
     env.local_rank = env.rank;
   }
@@ -433,11 +435,12 @@ Result<LaunchEnv> parse_launch_env(
     return Status::invalid_argument("environment variable MASTER_ADDR is not set");
   }
   env.master_addr = *addr;
-  ZINF_ASSIGN_OR_RETURN(const int port, parse_int("MASTER_PORT", lookup("MASTER_PORT"), 1, 65535));
+  ZINF_ASSIGN_OR_RETURN(const int port,
+                        parse_env_int("MASTER_PORT", lookup("MASTER_PORT"), 1, 65535));
   env.master_port = static_cast<std::uint16_t>(port);
   const std::optional<std::string> own = lookup("ZINF_BOOTSTRAP_PORT");
   if (own.has_value()) {
-    ZINF_ASSIGN_OR_RETURN(const int bootstrap, parse_int("ZINF_BOOTSTRAP_PORT", own, 1, 65535));
+    ZINF_ASSIGN_OR_RETURN(const int bootstrap, parse_env_int("ZINF_BOOTSTRAP_PORT", own, 1, 65535));
     env.bootstrap_port = static_cast<std::uint16_t>(bootstrap);
     env.bootstrap_port_from = fmt::format("ZINF_BOOTSTRAP_PORT={}", bootstrap);
   } else if (lookup("TORCHELASTIC_RUN_ID").has_value() ||

@@ -64,6 +64,9 @@ Result<LaunchEnv> parse_launch_env(
     const std::function<std::optional<std::string>(const char* name)>& lookup);
 // parse_launch_env over the process environment (getenv).
 Result<LaunchEnv> launch_env_from_environment();
+// A launcher variable's integer value: kInvalidArgument naming `name` and its text when it is
+// missing or empty, not a whole decimal integer, or outside [lo, hi].
+Result<int> parse_env_int(const char* name, const std::optional<std::string>& text, int lo, int hi);
 
 // The largest blob tcp_broadcast_blob carries; bounds what a rank allocates for a peer's reply.
 constexpr std::size_t kTcpBootstrapMaxBlobBytes = std::size_t{1} << 20;

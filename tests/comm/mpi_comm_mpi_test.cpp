@@ -578,6 +578,27 @@ TEST(MpiWorld, LocalRankFromHostNamesWithADeadline) {
     ASSERT_TRUE(given.is_ok()) << given.status().to_string();
     EXPECT_EQ(given->local_rank, std::atoi(saved.front().second.c_str()));
   }
+  // A launcher's figure that is no local rank of this world is refused naming the variable (it
+  // was read with atoi: "x" became local rank 0, "-1" a negative one).
+  for (const std::string& bad :
+       {std::string("x"), std::string("-1"), std::string("1x"), std::to_string(g_world)}) {
+    SCOPED_TRACE(bad);
+    const char* name = kLocalRankVariables[0];
+    const char* before = std::getenv(name);
+    const std::string kept = before != nullptr ? before : "";
+    setenv(name, bad.c_str(), 1);
+    Result<MpiWorld> refused = mpi_world_of_process(milliseconds(1));
+    if (before != nullptr) {
+      setenv(name, kept.c_str(), 1);
+    } else {
+      unsetenv(name);
+    }
+    ASSERT_FALSE(refused.is_ok());
+    EXPECT_EQ(refused.status().code(), Code::kInvalidArgument) << refused.status().to_string();
+    EXPECT_NE(refused.status().message().find(std::string(name) + "='" + bad + "'"),
+              std::string_view::npos)
+        << refused.status().to_string();
+  }
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
