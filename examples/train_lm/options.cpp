@@ -449,10 +449,11 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
          {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"}) {
       const char* value = std::getenv(name);
       if (value != nullptr && std::atoi(value) > 1) {
+        // --comm mpi runs on the engine only.
         *error = std::string("started as one of ") + value + " processes by a launcher (" + name +
                  "=" + value +
-                 ") with --comm local, whose ranks are threads of one process; pass --comm mpi "
-                 "for one rank per process";
+                 ") with --comm local, whose ranks are threads of one process; pass --comm mpi" +
+                 (o->use_engine ? "" : " and --engine on") + " for one rank per process";
         return 2;
       }
     }

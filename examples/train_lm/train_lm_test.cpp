@@ -427,6 +427,10 @@ TEST(Options, SeveralProcessesOfALauncherWithLocalCommAreRefused) {
     const int explicit_rc =
         parse({"--comm", "local", "--world-size", "2"}, &explicit_local, &explicit_error);
     const int mpi_rc = parse({"--comm", "mpi"}, &mpi, &mpi_error);
+    // Without the engine the advice names it too (--comm mpi needs --engine on).
+    Options no_engine;
+    std::string no_engine_error;
+    const int no_engine_rc = parse({"--engine", "off"}, &no_engine, &no_engine_error);
     setenv(name, "1", 1);
     const int one_rc = parse({}, &one_process, &one_error);
     unsetenv(name);
@@ -435,7 +439,12 @@ TEST(Options, SeveralProcessesOfALauncherWithLocalCommAreRefused) {
                                "=2)"),
               std::string::npos)
         << local_error;
-    EXPECT_NE(local_error.find("pass --comm mpi"), std::string::npos) << local_error;
+    EXPECT_NE(local_error.find("pass --comm mpi for one rank per process"), std::string::npos)
+        << local_error;
+    EXPECT_EQ(no_engine_rc, 2);
+    EXPECT_NE(no_engine_error.find("pass --comm mpi and --engine on for one rank per process"),
+              std::string::npos)
+        << no_engine_error;
     EXPECT_EQ(explicit_rc, 2) << explicit_error;
     EXPECT_EQ(explicit_error, local_error);
     // One rank per process is what the launcher asked for; a launcher of one process is no job
@@ -583,11 +592,9 @@ TEST(Options, ScheduleComesFromTheFlagsOrTheConfigsSchedulerSection) {
     for (std::string& a : args) argv.push_back(a.data());
     return parse_options(int(argv.size()), argv.data(), o, error);
   };
-  auto lr_of_step = [](const Options& o, std::int64_t k) {
-    zinf::Result<zinf::LrSchedule> s = zinf::LrSchedule::create(o.schedule, o.lr);
-    EXPECT_TRUE(s.is_ok()) << s.status().to_string();
-    return s.is_ok() ? s->lr_at(o.schedule.last_batch_iteration + k - 1) : -1.0;
-  };
+  // The rate train_lm runs step k at (without the engine; the engine's own indexing is tested
+  // in tests/engine/config_schedule_test.cpp).
+  auto lr_of_step = [](const Options& o, std::int64_t k) { return plain_learning_rate(o, k); };
   Options flags;
   std::string error;
   ASSERT_EQ(parse({"--lr", "2e-3", "--warmup", "10", "--steps", "110"}, &flags, &error), 0)
@@ -620,6 +627,17 @@ TEST(Options, ScheduleComesFromTheFlagsOrTheConfigsSchedulerSection) {
   EXPECT_EQ(lr_of_step(from_config, 1), 0.0);
   EXPECT_NEAR(lr_of_step(from_config, 7), 1e-3 * 5.0 / 10.0, 1e-18);
   EXPECT_NEAR(lr_of_step(from_config, 57), 1e-3 * (100.0 - 55.0) / 90.0, 1e-18);
+
+  // A schedule resumed at last_batch_iteration 4: step 1 at the optimizer's own lr (--lr),
+  // step k at lr_at(4 + k - 1), as DeepSpeed's schedulers built at an iteration >= 0 do.
+  const std::string resumed = write("resumed.json", R"({"scheduler": {"type": "WarmupLR",
+      "params": {"warmup_min_lr": 0, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+                 "warmup_type": "linear", "last_batch_iteration": 4}}})");
+  Options from_resumed;
+  ASSERT_EQ(parse({"--config", resumed, "--lr", "2e-3"}, &from_resumed, &error), 0) << error;
+  EXPECT_EQ(lr_of_step(from_resumed, 1), 2e-3);
+  EXPECT_NEAR(lr_of_step(from_resumed, 2), 1e-3 * 5.0 / 10.0, 1e-18);
+  EXPECT_NEAR(lr_of_step(from_resumed, 4), 1e-3 * 7.0 / 10.0, 1e-18);
 
   // A config without a scheduler section keeps the flags' schedule.
   const std::string none = write("none.json", R"({"zero_optimization": {"stage": 3}})");

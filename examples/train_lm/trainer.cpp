@@ -44,16 +44,6 @@ double seconds_since(Clock::time_point start) {
   return std::chrono::duration<double>(Clock::now() - start).count();
 }
 
-// The rate of step `step` (from 1) on the plain path: the schedule's, indexed as the engine
-// indexes it (DeepSpeed's lr_at(last_batch_iteration + step - 1)), except the first step of a
-// schedule started at last_batch_iteration >= 0, which runs at the optimizer's own lr (DeepSpeed's
-// schedulers set the rate when built only at -1; docs/OPTIM.md). parse_options checked it.
-double plain_learning_rate(const Options& o, std::int64_t step) {
-  const zinf::Result<zinf::LrSchedule> s = zinf::LrSchedule::create(o.schedule, o.lr);
-  if (!s.is_ok() || (step == 1 && o.schedule.last_batch_iteration >= 0)) return o.lr;
-  return s->lr_at(o.schedule.last_batch_iteration + step - 1);
-}
-
 std::size_t max_module_params(const std::vector<ModuleSpec>& specs) {
   std::size_t most = 0;
   for (const ModuleSpec& spec : specs) most = std::max(most, spec.param_count());
@@ -1518,6 +1508,13 @@ bool open_ranks(const Options& o, std::uint64_t device_budget, Ranks* ranks, std
 }
 
 }  // namespace
+
+double plain_learning_rate(const Options& o, std::int64_t step) {
+  // parse_options checked the schedule.
+  const zinf::Result<zinf::LrSchedule> s = zinf::LrSchedule::create(o.schedule, o.lr);
+  if (!s.is_ok() || (step == 1 && o.schedule.last_batch_iteration >= 0)) return o.lr;
+  return s->lr_at(o.schedule.last_batch_iteration + step - 1);
+}
 
 Footprint estimate_footprint(const Options& o, const ModelShape& shape) {
   const std::vector<ModuleSpec> specs = module_specs(shape);

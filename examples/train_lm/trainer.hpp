@@ -75,6 +75,12 @@ struct Footprint {
 };
 Footprint estimate_footprint(const Options& options, const ModelShape& shape);
 
+// The rate of step `step` (from 1) without the engine (--engine off): the schedule's, indexed as
+// the engine indexes it (DeepSpeed's lr_at(last_batch_iteration + step - 1)), except the first
+// step of a schedule started at last_batch_iteration >= 0, which runs at the optimizer's own lr
+// (DeepSpeed's schedulers set the rate when built only at -1; docs/OPTIM.md).
+double plain_learning_rate(const Options& options, std::int64_t step);
+
 // Trains, after printing `banner` on stderr once the checks have passed. Returns 0; or 1 with
 // `error` set to one line (nothing created is left behind); or 2 the same way when the ranks of a
 // job (--comm mpi, nccl) were given different options (options_every_rank_shares). A failure once
