@@ -798,6 +798,7 @@ class ZinfEngine(nn.Module):
                                     if pid not in self._no_grad]
         self._stray_accumulated: set[int] = set()
         self._install_hooks()
+        self._install_load_hooks(model)
 
     # ---- registration -------------------------------------------------------------------------
 
@@ -1143,6 +1144,76 @@ class ZinfEngine(nn.Module):
         if self.stage == 3:
             for module in self._uses:
                 self._hook_module(module)
+
+    def _install_load_hooks(self, model: nn.Module):
+        """torch's load_state_dict() on the model or any of its modules copies into the
+        parameters' tensors, which at stages 1 and 2 are views of the engine's device copy: the
+        forward would see the loaded values while the fp32 masters, which the next step updates
+        and writes back over the views, kept the old ones. So with one rank the load is written
+        through to the masters (_load_started / _load_done; with several, only a load inside
+        GatheredParameters(modifier_rank=r) reaches them); at stage 3, where a parameter is an
+        empty placeholder outside its module's forward, it is refused unless the parameters are
+        gathered (inside GatheredParameters)."""
+        # The module whose load_state_dict() call is in progress (torch starts it at prefix "",
+        # its submodules at theirs) and the (parameter, loaded values) to write when it ends.
+        self._load_root: nn.Module | None = None
+        self._load_writes: list[tuple[nn.Parameter, torch.Tensor]] = []
+        for module in model.modules():
+            self._hook_handles.append(module.register_load_state_dict_pre_hook(self._load_started))
+            self._hook_handles.append(module.register_load_state_dict_post_hook(self._load_done))
+
+    def _load_started(self, module, state_dict, prefix, local_metadata, strict, missing_keys,
+                      unexpected_keys, error_msgs):
+        """Before a load_state_dict() call copies anything (the hook of the module it was called
+        on, at prefix ""): the parameters the engine holds that the dict loads, refused at stage
+        3 unless gathered, with assign=True (which would replace the parameters the engine
+        trains), or between a backward and its step; at stages 1 and 2 they are kept, with the
+        dict's values, for _load_done to write."""
+        if prefix != "":
+            return
+        self._load_root, self._load_writes = None, []
+        loaded = []
+        for name, param in module.named_parameters(remove_duplicate=False):
+            value = state_dict.get(name)
+            if id(param) not in self._params or not isinstance(value, torch.Tensor):
+                continue
+            shape = tuple(self._shapes[id(param)])
+            if self.stage == 3 and param.numel() != math.prod(shape):
+                raise NotImplementedError(
+                    f"load_state_dict: parameter '{name}' is partitioned by ZeRO stage 3 (an "
+                    "empty placeholder outside its module's forward), so torch cannot copy into "
+                    "it; load inside zinf.torch.GatheredParameters(list(model.parameters()), "
+                    "modifier_rank=0), whose end writes the loaded values into the engine's fp32 "
+                    "masters, or restore with engine.load_checkpoint()")
+            if local_metadata.get("assign_to_params_buffers"):
+                raise NotImplementedError(
+                    f"load_state_dict(assign=True): parameter '{name}' is trained by the zinf "
+                    "engine, and assign=True would replace it with a tensor the engine does not "
+                    "know; load without assign (the values are written into the engine's fp32 "
+                    "masters)")
+            if self._micro_batches_pending:
+                raise RuntimeError(
+                    f"load_state_dict: parameter '{name}': the engine holds gradients reduced "
+                    "since the last step, against the present values; load after engine.step() "
+                    "and before the next engine.backward()")
+            # torch copies a value of the parameter's shape only (another is an error it
+            # reports); such values are written, as torch copies them. With several ranks the
+            # write would be collective, and a rank may load alone inside
+            # GatheredParameters(modifier_rank=r) (whose end writes rank r's values on every
+            # rank), so only a single rank's engine writes here.
+            if self.stage < 3 and self.world_size == 1 and tuple(value.shape) == shape:
+                loaded.append((param, value.detach()))
+        if loaded:
+            self._load_root, self._load_writes = module, loaded
+
+    def _load_done(self, module, incompatible_keys):
+        """The end of the load_state_dict() call _load_started saw begin: the loaded values go
+        into the engine's fp32 masters (the optimizer moments stay), and the parameters are
+        pointed back at the engine's device copy, which the write republishes."""
+        if module is not self._load_root:
+            return
+        writes, self._load_root, self._load_writes = self._load_writes, None, []
+        self._write_parameters(writes, 0, [param for param, _ in writes])
 
     def _hook_module(self, module: nn.Module):
         """Gathers the engine modules `module` uses for its forward (stage 3)."""
@@ -1794,9 +1865,8 @@ class ZinfEngine(nn.Module):
         is allocated once when the engine is finalized and rewritten in place by a step, a
         write (Engine::write_parameters) or a checkpoint load, so the engine never leaves a view
         stale; a parameter needs this where the script pointed its .data elsewhere (inside
-        GatheredParameters, or outside it: `p.data = x`, `model.half()`,
-        `load_state_dict(assign=True)`), or on first use. A writing block's end refreshes its
-        own parameters only; step() and load_checkpoint() refresh every parameter, to put back
+        GatheredParameters, or outside it: `p.data = x`, `model.half()`), or on first use. A
+        writing block's end refreshes its own parameters only; step() and load_checkpoint() refresh every parameter, to put back
         the views the script re-pointed outside any block's list."""
         if self.stage == 3:
             return

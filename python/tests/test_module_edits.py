@@ -1,0 +1,142 @@
+"""What a script does to engine.module after initialize(): torch's load_state_dict() on it, its
+parameters replaced, a frozen integer parameter. Each is either carried into the engine, as
+plain torch would see it, or refused with a message that names the parameter and the way that
+works."""
+import pytest
+import torch
+
+import zinf.torch
+from conftest import BETAS, EPS, WEIGHT_DECAY
+
+LR = 1e-2
+
+
+class TiedNet(torch.nn.Module):
+    """An embedding whose weight the output layer shares (tied, as GPT-2's), between them a
+    linear layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 8)
+        self.a = torch.nn.Linear(8, 8)
+        self.out = torch.nn.Linear(8, 10, bias=False)
+        self.out.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.out(torch.tanh(self.a(self.emb(ids))))
+
+
+def tied_net():
+    torch.manual_seed(3)
+    return TiedNet()
+
+
+def batches(count, seed=4):
+    generator = torch.Generator().manual_seed(seed)
+    return [(torch.randint(0, 10, (4,), generator=generator),
+             torch.randint(0, 10, (4,), generator=generator)) for _ in range(count)]
+
+
+def loss_of(model, batch):
+    ids, labels = batch
+    return torch.nn.functional.cross_entropy(model(ids), labels)
+
+
+def config(stage):
+    return {"train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": LR, "betas": list(BETAS), "eps": EPS,
+                                                      "weight_decay": WEIGHT_DECAY}},
+            "zero_optimization": {"stage": stage,
+                                  **({"stage3_param_persistence_threshold": 0}
+                                     if stage == 3 else {})},
+            "zinf": {"cpu_threads": 1}}
+
+
+def train(engine, data):
+    losses = []
+    for batch in data:
+        loss = loss_of(engine, batch)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def initial_state():
+    """The weights the models start from, as a state dict of new tensors (both names of the tied
+    weight, as torch's state_dict() has them)."""
+    return {name: value.clone() for name, value in tied_net().state_dict().items()}
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_load_state_dict_reaches_the_masters_and_the_next_step(stage):
+    # Plain torch: two steps, the initial weights loaded back, one more step (AdamW's moments
+    # are kept across the load, as the engine's are).
+    data = batches(3)
+    reference = tied_net()
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    expected = []
+    for index, batch in enumerate(data):
+        if index == 2:
+            reference.load_state_dict(initial_state())
+        loss = loss_of(reference, batch)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        expected.append(loss.item())
+
+    model = tied_net()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(stage),
+                                            model_parameters=model.parameters())
+    losses = train(engine, data[:2])
+    loaded = initial_state()
+    engine.module.load_state_dict(loaded)
+    # The fp32 masters are the loaded values, not only the forward's copy.
+    for name in ("emb.weight", "a.weight", "a.bias"):
+        assert torch.equal(engine.read_parameter(name), loaded[name]), name
+    # One step from the same weights as an engine that starts there: the same loss.
+    fresh_model = tied_net()
+    fresh, _, _, _ = zinf.torch.initialize(model=fresh_model, config=config(stage),
+                                           model_parameters=fresh_model.parameters())
+    losses += train(engine, data[2:])
+    assert train(fresh, data[2:]) == losses[2:]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    # And the step that followed updated the loaded weights, as torch's did (before, the step
+    # wrote the old master plus its update back over them).
+    for name, param in reference.named_parameters():
+        assert torch.allclose(engine.read_parameter(name), param.detach(), rtol=1e-5,
+                              atol=1e-6), name
+
+
+def test_load_state_dict_of_a_submodule_reaches_its_masters():
+    model = tied_net()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(2),
+                                            model_parameters=model.parameters())
+    train(engine, batches(2))
+    generator = torch.Generator().manual_seed(7)
+    values = {"weight": torch.randn(8, 8, generator=generator),
+              "bias": torch.randn(8, generator=generator)}
+    untouched = engine.read_parameter("emb.weight")
+    engine.module.a.load_state_dict(values)
+    assert torch.equal(engine.read_parameter("a.weight"), values["weight"])
+    assert torch.equal(engine.read_parameter("a.bias"), values["bias"])
+    assert torch.equal(engine.read_parameter("emb.weight"), untouched)
+    assert torch.equal(engine.module.a.weight.detach(), values["weight"])
+
+
+def test_load_state_dict_at_stage_3_is_refused_naming_the_way_that_works():
+    model = tied_net()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(3),
+                                            model_parameters=model.parameters())
+    before = engine.read_parameter("a.weight")
+    loaded = initial_state()
+    with pytest.raises(NotImplementedError, match=r"'emb\.weight'.*GatheredParameters"):
+        engine.module.load_state_dict(loaded)
+    assert torch.equal(engine.read_parameter("a.weight"), before)
+    # What the message points to: the load inside GatheredParameters(modifier_rank=0).
+    train(engine, batches(1))
+    with zinf.torch.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        engine.module.load_state_dict(loaded)
+    for name in ("emb.weight", "a.weight", "a.bias"):
+        assert torch.equal(engine.read_parameter(name), loaded[name]), name
