@@ -140,3 +140,22 @@ def test_load_state_dict_at_stage_3_is_refused_naming_the_way_that_works():
         engine.module.load_state_dict(loaded)
     for name in ("emb.weight", "a.weight", "a.bias"):
         assert torch.equal(engine.read_parameter(name), loaded[name]), name
+
+
+def test_the_optimizers_state_dict_is_refused_naming_the_engines_checkpoint():
+    model = tied_net()
+    engine, optimizer, _, _ = zinf.torch.initialize(model=model, config=config(2),
+                                                    model_parameters=model.parameters())
+    train(engine, batches(2))
+    with pytest.raises(NotImplementedError, match=r"engine\.save_checkpoint"):
+        optimizer.state_dict()
+    # A torch AdamW's dict, moments and all, with another lr: refused, nothing taken from it.
+    reference = tied_net()
+    torch_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR)
+    loss_of(reference, batches(1)[0]).backward()
+    torch_optimizer.step()
+    state = torch_optimizer.state_dict()
+    state["param_groups"][0]["lr"] = 0.5
+    with pytest.raises(NotImplementedError, match=r"engine\.load_checkpoint"):
+        optimizer.load_state_dict(state)
+    assert engine.get_lr() == [LR]

@@ -576,6 +576,25 @@ class ZinfOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True):
         """Nothing to do: gradients are handed to the engine and dropped during backward."""
 
+    def state_dict(self):
+        """Refused: torch's would hold the groups only, without the optimizer state (the moments
+        and step counts live in the engine, partitioned over its ranks and tiers), so a checkpoint
+        made from it would resume with the moments lost. engine.save_checkpoint() saves them."""
+        raise NotImplementedError(
+            "zinf optimizer.state_dict(): the optimizer state (its moments and step count) lives "
+            "in the zinf engine, not in this object; save it with engine.save_checkpoint(dir) and "
+            "restore it with engine.load_checkpoint(dir)")
+
+    def load_state_dict(self, state_dict):
+        """Refused: the engine's optimizer state cannot be set from a torch optimizer's dict
+        (torch's would take the groups' hyper-parameters and drop the moments without a word);
+        engine.load_checkpoint() restores what engine.save_checkpoint() saved."""
+        raise NotImplementedError(
+            "zinf optimizer.load_state_dict(): the optimizer state (its moments and step count) "
+            "lives in the zinf engine, which does not take a torch optimizer's state dict; "
+            "restore a checkpoint written by engine.save_checkpoint(dir) with "
+            "engine.load_checkpoint(dir)")
+
     @property
     def loss_scale(self) -> float:
         return self._engine.loss_scale
