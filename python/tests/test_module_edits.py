@@ -159,3 +159,40 @@ def test_the_optimizers_state_dict_is_refused_naming_the_engines_checkpoint():
     with pytest.raises(NotImplementedError, match=r"engine\.load_checkpoint"):
         optimizer.load_state_dict(state)
     assert engine.get_lr() == [LR]
+
+
+class PermutedNet(torch.nn.Module):
+    """A linear layer whose outputs a frozen integer parameter permutes (an index, as a model
+    may keep a token or channel order)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(5)
+        self.w = torch.nn.Linear(4, 4)
+        self.perm = torch.nn.Parameter(torch.tensor([3, 1, 2, 0]), requires_grad=False)
+
+    def forward(self, x):
+        return self.w(x)[:, self.perm]
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_frozen_integer_parameter_keeps_its_dtype(stage):
+    reference = PermutedNet()
+    model = PermutedNet()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(stage),
+                                            model_parameters=model.parameters())
+    assert model.perm.dtype == torch.int64
+    assert model.perm.tolist() == [3, 1, 2, 0]
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(6))
+    out = engine(x)
+    assert torch.allclose(out, reference(x), rtol=1e-6, atol=1e-7)
+    engine.backward(out.pow(2).mean())
+    engine.step()
+    assert model.perm.dtype == torch.int64
+
+
+def test_a_frozen_integer_parameter_is_refused_at_stage_3_naming_it():
+    model = PermutedNet()
+    with pytest.raises(NotImplementedError, match=r"parameter 'perm' has dtype torch\.int64"):
+        zinf.torch.initialize(model=model, config=config(3), model_parameters=model.parameters())
+

@@ -858,6 +858,16 @@ class ZinfEngine(nn.Module):
                 full_name = f"{module_name}.{param_name}" if module_name else param_name
                 if id(param) in self._frozen:
                     continue
+                staged = _torch_init.staged(param)
+                dtype = staged.dtype if staged is not None else param.dtype
+                if self.stage == 3 and not dtype.is_floating_point:
+                    # The engine holds every stage-3 parameter as a master of floats in the
+                    # compute dtype: an index or a mask would come back as floats.
+                    raise NotImplementedError(
+                        f"parameter '{full_name}' has dtype {dtype}: ZeRO stage 3 partitions "
+                        "every parameter as floating-point values, so it would lose its dtype; "
+                        "make it a buffer (module.register_buffer), which the engine leaves "
+                        "as it is")
                 owner = engine_module
                 if id(param) not in self._params and not param.requires_grad:
                     if self.stage < 3:
@@ -1042,17 +1052,23 @@ class ZinfEngine(nn.Module):
     def _place_parameters(self):
         """Points every parameter at the engine's copy (stages 1, 2) or at an empty placeholder
         (stage 3, where a module's parameters exist only while it is gathered). Frozen parameters
-        (stages 1 and 2) become tensors of the compute dtype on the engine's device, owned by the
-        module: a copy where their dtype or device differs, their staged values if they were
-        built under Init."""
+        (stages 1 and 2) become tensors on the engine's device, of the compute dtype where they
+        are floating-point (others keep theirs), owned by the module: a copy where their dtype or
+        device differs, their staged values if they were built under Init."""
         for param in (param for _, param in self._frozen.values()):
+            # Only floating-point values take the compute dtype: an integer or boolean
+            # parameter (an index, a mask) keeps its dtype, as module.half() and bfloat16(),
+            # which DeepSpeed's engine calls, convert only floating-point parameters.
             stage = _torch_init.staged(param)
             if stage is not None:
-                param.data = stage.load().to(self.dtype)
+                values = stage.load()
+                param.data = values.to(self.dtype) if values.is_floating_point() else values
                 stage.done()
                 del param._zinf_staged
-            elif param.dtype != self.dtype or param.device != self.device:
-                param.data = param.data.to(device=self.device, dtype=self.dtype)
+            else:
+                dtype = self.dtype if param.is_floating_point() else param.dtype
+                if param.dtype != dtype or param.device != self.device:
+                    param.data = param.data.to(device=self.device, dtype=dtype)
         if self.stage < 3:
             self._refresh_views()
             return
