@@ -196,3 +196,30 @@ def test_a_frozen_integer_parameter_is_refused_at_stage_3_naming_it():
     with pytest.raises(NotImplementedError, match=r"parameter 'perm' has dtype torch\.int64"):
         zinf.torch.initialize(model=model, config=config(3), model_parameters=model.parameters())
 
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_parameter_replaced_after_initialize_is_refused_at_the_next_backward(stage):
+    model = tied_net()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(stage),
+                                            model_parameters=model.parameters())
+    data = batches(2)
+    train(engine, data[:1])
+    generator = torch.Generator().manual_seed(8)
+    model.a.weight = torch.nn.Parameter(torch.randn(8, 8, generator=generator))
+    loss = loss_of(engine, data[1])
+    with pytest.raises(RuntimeError, match=r"parameter 'a\.weight' was added to the model or "
+                                           r"replaced after initialize\(\)"):
+        engine.backward(loss)
+
+
+def test_a_parameter_added_after_initialize_is_refused_and_a_frozen_one_is_not():
+    model = tied_net()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(2),
+                                            model_parameters=model.parameters())
+    data = batches(3)
+    model.mask = torch.nn.Parameter(torch.ones(10), requires_grad=False)
+    train(engine, data[:1])
+    model.scale = torch.nn.Parameter(torch.ones(10))
+    loss = (engine(data[1][0]) * model.scale).mean()
+    with pytest.raises(RuntimeError, match=r"parameter 'scale' was added"):
+        engine.backward(loss)

@@ -1493,6 +1493,25 @@ class ZinfEngine(nn.Module):
                     "initialize()", stacklevel=4)
                 return
 
+    def _check_no_new_parameters(self):
+        """The engine trains the parameters the model had at initialize(). One added to the
+        model since, or put in place of one of them (`module.weight = nn.Parameter(...)`), is
+        not the engine's: it would get a gradient every backward and never a step. Refused after
+        the backward, naming it, where it requires grad or has a .grad (a frozen one added later
+        is left alone, as the module tensors frozen at initialize() are)."""
+        for name, param in self.module.named_parameters(remove_duplicate=False):
+            pid = id(param)
+            if pid in self._params or pid in self._frozen:
+                continue
+            if param.requires_grad or param.grad is not None:
+                param.grad = None
+                raise RuntimeError(
+                    f"parameter '{name}' was added to the model or replaced after initialize(): "
+                    "the engine trains the parameters registered at initialize() and would never "
+                    "step this one; change the model's parameters before initialize() (new values "
+                    "for a registered parameter go in place: inside "
+                    "GatheredParameters(modifier_rank=0), or engine.module.load_state_dict())")
+
     def _finish_backward(self):
         """Reduces the modules whose parameters autograd did not reach (zeros for those without
         a gradient), and releases what the backward still holds."""
@@ -1508,6 +1527,7 @@ class ZinfEngine(nn.Module):
         self._reduced.clear()
         self._accumulated.clear()
         self._check_frozen_unchanged()
+        self._check_no_new_parameters()
         leaked = [m for m, c in self._gather_count.items() if c]
         assert not leaked, f"modules still gathered after backward: {leaked[:3]}"
 
