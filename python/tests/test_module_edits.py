@@ -223,3 +223,24 @@ def test_a_parameter_added_after_initialize_is_refused_and_a_frozen_one_is_not()
     loss = (engine(data[1][0]) * model.scale).mean()
     with pytest.raises(RuntimeError, match=r"parameter 'scale' was added"):
         engine.backward(loss)
+
+
+def test_a_tensor_in_model_parameters_that_is_not_the_models_is_named_by_index_and_shape():
+    model = tied_net()
+    stranger = torch.nn.Parameter(torch.zeros(3, 5))
+    with pytest.raises(ValueError, match=r"parameter group 0: its parameter 3 \(shape \(3, 5\)\) "
+                                         r"is not one of the model's"):
+        zinf.torch.initialize(model=model, config=config(2),
+                              model_parameters=list(model.parameters()) + [stranger])
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_read_parameter_of_a_tied_alias_returns_the_shared_master(stage):
+    model = tied_net()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(stage),
+                                            model_parameters=model.parameters())
+    train(engine, batches(2))
+    shared = engine.read_parameter("emb.weight")
+    assert torch.equal(engine.read_parameter("out.weight"), shared)
+    with pytest.raises(KeyError, match="no parameter 'out.bias'"):
+        engine.read_parameter("out.bias")

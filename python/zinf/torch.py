@@ -1010,12 +1010,15 @@ class ZinfEngine(nn.Module):
                         f"parameter group {index}: {key} {item[key]} differs from the "
                         f"optimizer's {has}; groups may change lr and weight_decay")
             group = {**defaults, **{k: v for k, v in item.items() if k != "params"}}
+            for position, p in enumerate(params):
+                if id(p) not in self._params and id(p) not in self._frozen:
+                    what = (f"shape {tuple(p.shape)}" if isinstance(p, torch.Tensor)
+                            else f"a {type(p).__name__}")
+                    raise ValueError(f"parameter group {index}: its parameter {position} "
+                                     f"({what}) is not one of the model's")
             params = [p for p in params if id(p) not in self._frozen and id(p) not in self._no_grad]
             group["params"] = params
             for p in params:
-                if id(p) not in self._params:
-                    raise ValueError(f"parameter group {index}: a parameter that is not the "
-                                     "model's")
                 if id(p) in seen:
                     raise ValueError(f"parameter group {index}: parameter "
                                      f"'{self._names[id(p)]}' is in more than one group")
@@ -1921,8 +1924,9 @@ class ZinfEngine(nn.Module):
         write (Engine::write_parameters) or a checkpoint load, so the engine never leaves a view
         stale; a parameter needs this where the script pointed its .data elsewhere (inside
         GatheredParameters, or outside it: `p.data = x`, `model.half()`), or on first use. A
-        writing block's end refreshes its own parameters only; step() and load_checkpoint() refresh every parameter, to put back
-        the views the script re-pointed outside any block's list."""
+        writing block's end refreshes its own parameters only; step() and load_checkpoint()
+        refresh every parameter, to put back the views the script re-pointed outside any block's
+        list."""
         if self.stage == 3:
             return
         if params is None:
@@ -2038,14 +2042,25 @@ class ZinfEngine(nn.Module):
                                               else None, root)
 
     def read_parameter(self, name: str) -> torch.Tensor:
-        """The fp32 master of a parameter (by its qualified name), as a new tensor; for a frozen
-        parameter, which has no master, its values (in the compute dtype) converted to fp32."""
+        """The fp32 master of a parameter (by its qualified name, or any other name the model
+        gives the same parameter: a tied weight's), as a new tensor; for a frozen parameter,
+        which has no master, its values (in the compute dtype) converted to fp32."""
         pid = next((pid for pid, n in self._names.items() if n == name), None)
         if pid is None:
             frozen = next((p for n, p in self._frozen.values() if n == name), None)
+            if frozen is None:
+                # Another name of a parameter the engine knows under its first (the output
+                # layer's weight tied to the embedding's).
+                alias = dict(self.module.named_parameters(remove_duplicate=False)).get(name)
+                if alias is not None and id(alias) in self._params:
+                    pid = id(alias)
+                    name = self._names[pid]
+                elif alias is not None and id(alias) in self._frozen:
+                    frozen = alias
+                else:
+                    raise KeyError(f"no parameter '{name}'")
             if frozen is not None:
                 return frozen.detach().to(dtype=torch.float32, copy=True)
-            raise KeyError(f"no parameter '{name}'")
         out = torch.empty(self._shapes[pid], dtype=torch.float32)
         self._core.read_parameters(name, out)
         return out
