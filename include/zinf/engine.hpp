@@ -510,8 +510,9 @@ class Engine {
   // `data` (its saved size) and frees it; it returns once the values are there. The keys' save
   // order of the first forward pass is recorded, and each load reads ahead from NVMe the
   // checkpoints that follow in reverse order. Not collective, and usable before finalize().
-  // kInvalidArgument (empty key, null pointer, 0 bytes), kFailedPrecondition (a key saved twice
-  // without a load), kNotFound (a load of a key not saved): nothing changes. An I/O error
+  // kInvalidArgument (empty key, null pointer, 0 bytes, a pointer the device refuses to copy as
+  // not its memory), kFailedPrecondition (a key saved twice without a load), kNotFound (a load of
+  // a key not saved): nothing changes (a refused load keeps the checkpoint). An I/O error
   // (kIoError, kCorruption when a block read back does not match its checksum) names the key, is
   // sticky, and aborts the communicator, so every other rank's next collective fails with it.
   Status save_activation(std::string_view key, const void* data, std::size_t bytes);

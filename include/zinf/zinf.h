@@ -549,7 +549,8 @@ ZINF_C_API zinf_code_t zinf_engine_memory(const zinf_engine_t* engine,
  * host memory within zinf.activation_host_bytes, or beyond it NVMe (zinf.activation_nvme_path).
  * Asynchronous: the memory at `data` must keep its values until the engine's next
  * save / load / flush of activations returns. Not collective; usable before finalize.
- * ZINF_INVALID_ARGUMENT for a null or empty key, a null pointer or 0 bytes;
+ * ZINF_INVALID_ARGUMENT for a null or empty key, a null pointer, 0 bytes or a pointer the device
+ * refuses to copy from as not `bytes` of its memory;
  * ZINF_FAILED_PRECONDITION when `key` is saved and not loaded since; ZINF_RESOURCE_EXHAUSTED
  * when it fits neither the host arena nor an NVMe tier. Each message names the key; these
  * change nothing. An I/O error is sticky and aborts the communicator (see zinf_engine_open). */
@@ -557,7 +558,9 @@ ZINF_C_API zinf_code_t zinf_engine_save_activation(zinf_engine_t* engine, const 
                                                    const void* data, size_t bytes);
 /* Copies the checkpoint `key` back into device pointer `data`, which holds `data_bytes` bytes:
  * exactly the bytes saved under the key (else ZINF_INVALID_ARGUMENT naming the key and both
- * sizes, nothing changes), and frees it in the store; returns once the values are there.
+ * sizes, nothing changes), and frees it in the store; returns once the values are there. A
+ * pointer the device refuses to copy to as not its memory is ZINF_INVALID_ARGUMENT naming the
+ * key, and the checkpoint stays saved.
  * ZINF_NOT_FOUND naming the key when it is not saved. ZINF_IO_ERROR (with errno) or
  * ZINF_CORRUPTION (a block read back from NVMe does not match its checksum) name the key; they
  * are sticky and abort the communicator, so every other rank's next collective fails. */

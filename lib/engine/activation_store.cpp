@@ -93,6 +93,11 @@ struct ActivationStore::Impl {
     return st;
   }
 
+  // Whether the device refused a copy for its arguments (a pointer that is not inside memory it
+  // allocated): both devices check that before they issue anything, so nothing was copied and
+  // the call that asked for it can be undone and refused without becoming sticky.
+  static bool refused(const Status& copied) { return copied.code() == Code::kInvalidArgument; }
+
   std::string_view key_of(std::uint32_t e) const { return entries[e].key; }
 
   // The previous save's copies: the caller may reuse that memory once this returns.
@@ -248,11 +253,45 @@ struct ActivationStore::Impl {
       s->chunk = c;
       s->io_bytes = io_bytes(e, c);
       s->writing = true;
-      ZINF_RETURN_IF_ERROR(device.copy_d2h(
-          s->lease.data(), src + std::uint64_t{c} * options.staging_bytes, bytes, *stream));
+      Status copied = device.copy_d2h(
+          s->lease.data(), src + std::uint64_t{c} * options.staging_bytes, bytes, *stream);
+      if (refused(copied)) {
+        // This block goes back unused; the chunks issued before it finish (their blocks would
+        // otherwise be reused under a key that is not saved), and the key keeps its extent, as
+        // after a load. An error of those writes is sticky, as any write's.
+        s->writing = false;
+        s->entry = kNoEntry;
+        s->lease.release();
+        for (Slot& o : slots) {
+          if (o.lease.valid() && o.entry == ei) ZINF_RETURN_IF_ERROR(retire(o));
+        }
+        e.where = Where::kNone;
+        return copied.with_context(fmt::format("save_activation('{}')", e.key));
+      }
+      ZINF_RETURN_IF_ERROR(copied);
       ZINF_RETURN_IF_ERROR(device.launch_host_func(*stream, &Impl::submit_write, s));
     }
     return Status::ok();
+  }
+
+  // Undoes what save() reserved for entry `ei` before it was refused, so that the entry is as it
+  // was before the call: not saved, out of the save order when the call put it there, and
+  // forgotten when the call created it (unless it got an NVMe extent, which stays the key's).
+  void unsave(std::uint32_t ei, bool created, bool ordered) {
+    Entry& e = entries[ei];
+    ZINF_ASSERT(e.device == nullptr);
+    e.bytes = 0;
+    e.where = Where::kNone;
+    if (ordered) {
+      ZINF_ASSERT(!order.empty() && order.back() == ei);
+      order.pop_back();
+      e.order_pos = SIZE_MAX;
+    }
+    if (created && !e.extent.valid()) {
+      ZINF_ASSERT(ei + 1 == entries.size());
+      index.erase(e.key);
+      entries.pop_back();
+    }
   }
 
   Status save(std::string_view key, const void* data, std::size_t bytes) {
@@ -264,8 +303,9 @@ struct ActivationStore::Impl {
           bytes));
     }
     auto it = index.find(key);
+    const bool created = it == index.end();
     std::uint32_t ei = 0;
-    if (it == index.end()) {
+    if (created) {
       ei = static_cast<std::uint32_t>(entries.size());
       entries.push_back({});
       entries.back().key = std::string(key);
@@ -278,9 +318,11 @@ struct ActivationStore::Impl {
       return Status::failed_precondition(
           fmt::format("save_activation('{}'): saved already and not loaded since", key));
     }
+    bool ordered = false;
     if (!recorded && e.order_pos == SIZE_MAX) {
       e.order_pos = order.size();  // provisional: made the reverse position at the first load
       order.push_back(ei);
+      ordered = true;
     }
     e.bytes = bytes;
     e.where = Where::kNone;
@@ -288,33 +330,56 @@ struct ActivationStore::Impl {
     if (!options.offload) {
       Result<void*> copy = device.allocate(bytes);
       if (!copy.is_ok()) {
-        e.bytes = 0;
+        unsave(ei, created, ordered);
         return copy.status().with_context(fmt::format("save_activation('{}') on the device", key));
       }
       e.device = *copy;
       e.where = Where::kDevice;
+      const std::uint64_t peak_before = report.device_bytes_peak;
       report.device_bytes += bytes;
       report.device_bytes_peak = std::max(report.device_bytes_peak, report.device_bytes);
       st = device.copy_d2d(e.device, data, bytes, *stream);
+      if (refused(st)) {
+        const Status freed = device.free(e.device);
+        e.device = nullptr;
+        report.device_bytes -= bytes;
+        report.device_bytes_peak = peak_before;
+        unsave(ei, created, ordered);
+        if (!freed.is_ok()) {
+          return fail(freed.with_context(fmt::format("save_activation('{}')", key)));
+        }
+        return st.with_context(fmt::format("save_activation('{}')", key));
+      }
     } else if (arena != nullptr && arena_top + round_up(bytes, 256) <= arena->bytes()) {
       e.where = Where::kHost;
       e.host_offset = arena_top;
+      const std::uint64_t peak_before = report.host_used_bytes_peak;
       arena_top += round_up(bytes, 256);
       arena_stack.push_back(ei);
       report.host_used_bytes_peak = std::max(report.host_used_bytes_peak, arena_top);
       st = device.copy_d2h(arena->block(0) + e.host_offset, data, bytes, *stream);
+      if (refused(st)) {
+        arena_top = e.host_offset;
+        arena_stack.pop_back();
+        report.host_used_bytes_peak = peak_before;
+        unsave(ei, created, ordered);
+        return st.with_context(fmt::format("save_activation('{}')", key));
+      }
     } else if (!options.nvme_dir.empty()) {
       st = save_nvme(ei, data);
       if (!st.is_ok() && e.where == Where::kNone) {
-        e.bytes = 0;  // refused before any copy (no extent for it): nothing changed
+        // Refused before anything was copied, or the copy was refused and the chunks issued
+        // before it finished: nothing is saved.
+        unsave(ei, created, ordered);
         return st;
       }
     } else {
-      e.bytes = 0;
-      return Status::resource_exhausted(fmt::format(
-          "save_activation('{}'): {} bytes do not fit the {} bytes left of "
-          "zinf.activation_host_bytes ({}), and zinf.activation_nvme_path is not set",
-          key, bytes, arena == nullptr ? 0 : arena->bytes() - arena_top, options.host_bytes));
+      const std::uint64_t left_bytes = arena == nullptr ? 0 : arena->bytes() - arena_top;
+      unsave(ei, created, ordered);
+      return Status::resource_exhausted(
+          fmt::format("save_activation('{}'): {} bytes do not fit the {} bytes left of "
+                      "zinf.activation_host_bytes ({}), and zinf.activation_nvme_path is not set",
+                      key, bytes, left_bytes, options.host_bytes));
     }
     if (st.is_ok()) st = device.record(*saved, *stream);
     if (!st.is_ok()) return fail(st.with_context(fmt::format("save_activation('{}')", key)));
@@ -331,6 +396,15 @@ struct ActivationStore::Impl {
       entries[order[i]].order_pos = order.size() - 1 - i;
     }
     std::reverse(order.begin(), order.end());
+  }
+
+  // Undoes record_order(): the provisional positions of the saves so far, which later saves of
+  // the first forward pass extend.
+  void unrecord_order() {
+    ZINF_ASSERT(recorded);
+    recorded = false;
+    std::reverse(order.begin(), order.end());
+    for (std::size_t i = 0; i < order.size(); ++i) entries[order[i]].order_pos = i;
   }
 
   // Starts reads of the NVMe chunks that follow (entry at reverse position `pos`, chunk
@@ -365,7 +439,9 @@ struct ActivationStore::Impl {
     return Status::ok();
   }
 
-  Status load_nvme(std::uint32_t ei, void* data) {
+  // Sets `copy_refused` when the device refused a chunk's copy into `data`: the chunks stay in
+  // their staging blocks (a later load copies them from there) and the entry stays saved.
+  Status load_nvme(std::uint32_t ei, void* data, bool& copy_refused) {
     Entry& e = entries[ei];
     auto* dst = static_cast<std::byte*>(data);
     for (std::uint32_t c = 0; c < chunk_count(e); ++c) {
@@ -392,8 +468,16 @@ struct ActivationStore::Impl {
         }
         report.nvme_read_bytes += s->io_bytes;
       }
-      ZINF_RETURN_IF_ERROR(device.copy_h2d(dst + std::uint64_t{c} * options.staging_bytes,
-                                           s->lease.data(), chunk_bytes(e, c), *stream));
+      Status copied = device.copy_h2d(dst + std::uint64_t{c} * options.staging_bytes,
+                                      s->lease.data(), chunk_bytes(e, c), *stream);
+      if (refused(copied)) {
+        // The chunks copied before it are in the caller's memory once this returns, so that no
+        // copy into it is left running after the refusal.
+        ZINF_RETURN_IF_ERROR(device.synchronize(*stream, options.timeout));
+        copy_refused = true;
+        return copied;
+      }
+      ZINF_RETURN_IF_ERROR(copied);
       s->consumed = true;
       ZINF_RETURN_IF_ERROR(prefetch(e.order_pos, c + 1));
     }
@@ -415,13 +499,22 @@ struct ActivationStore::Impl {
     if (data == nullptr) {
       return Status::invalid_argument(fmt::format("load_activation('{}'): null pointer", key));
     }
+    const bool recording = !recorded;
     record_order();
     const std::uint32_t ei = it->second;
     Entry& e = entries[ei];
+    // A copy the device refused leaves the checkpoint saved where it is (and the save order
+    // unrecorded when this load would have recorded it).
+    auto refuse = [&](const Status& copied) {
+      if (recording) unrecord_order();
+      return copied.with_context(fmt::format("load_activation('{}')", key));
+    };
     Status st;
+    bool copy_refused = false;
     switch (e.where) {
       case Where::kDevice:
         st = device.copy_d2d(data, e.device, e.bytes, *stream);
+        if (refused(st)) return refuse(st);
         if (st.is_ok()) st = device.synchronize(*stream, options.timeout);
         if (st.is_ok()) st = device.free(e.device);
         e.device = nullptr;
@@ -429,10 +522,12 @@ struct ActivationStore::Impl {
         break;
       case Where::kHost:
         st = device.copy_h2d(data, arena->block(0) + e.host_offset, e.bytes, *stream);
+        if (refused(st)) return refuse(st);
         if (st.is_ok()) st = device.synchronize(*stream, options.timeout);
         break;
       case Where::kNvme:
-        st = load_nvme(ei, data);
+        st = load_nvme(ei, data, copy_refused);
+        if (copy_refused) return refuse(st);
         break;
       case Where::kNone:
         ZINF_ASSERT(false);

@@ -29,7 +29,8 @@
 // zinf.activation_nvme_bytes; nothing else grows with the activations but the device copies.
 //
 // Errors: every Status names the activation key; an I/O or device error is sticky (every later
-// call returns it).
+// call returns it), but a copy the device refuses for its pointer (not inside memory it allocated)
+// is kInvalidArgument and changes nothing.
 //
 // Thread-safety: one thread (the rank's), as the Engine.
 #pragma once
@@ -95,10 +96,13 @@ class ActivationStore {
 
   // Saves `bytes` (> 0) at device pointer `data` under `key`. kInvalidArgument for an empty key,
   // a null pointer or 0 bytes; kFailedPrecondition when `key` is saved and not loaded yet;
-  // kInvalidArgument when the key went to NVMe in an earlier step with fewer bytes.
+  // kInvalidArgument when the key went to NVMe in an earlier step with fewer bytes, or when the
+  // device refuses to copy from `data` (not `bytes` of its memory): nothing is saved, and what
+  // the call reserved (device allocation, arena space) is given back.
   Status save(std::string_view key, const void* data, std::size_t bytes);
   // Copies the checkpoint `key` into device pointer `data` (its saved size) and frees it.
-  // kNotFound when `key` is not saved.
+  // kNotFound when `key` is not saved; kInvalidArgument when the device refuses to copy to `data`
+  // (not the saved size of its memory): the checkpoint stays saved.
   Status load(std::string_view key, void* data);
   // Waits for the last save's copies off the caller's memory.
   Status flush();

@@ -218,6 +218,92 @@ TEST(ActivationStore, MisuseIsRefusedNamingTheKey) {
   EXPECT_TRUE(nvme->load("k", buf.data()).is_ok());
 }
 
+// A pointer the device does not own (host memory, or device memory shorter than the bytes asked
+// for) is refused by the device's copy before anything is copied. On every tier the refusal names
+// the key, gives back what the call reserved (the device allocation, the arena space) and is not
+// sticky; a refused load keeps the checkpoint, which a load into device memory then returns.
+TEST(ActivationStore, RefusedCopiesChangeNothing) {
+  std::printf("seed %llu\n", static_cast<unsigned long long>(kSeed));
+  engine_test::ScratchDir dir("activation_refused");
+  // Three NVMe staging chunks of 128 KiB; the arena holds one checkpoint, not two.
+  const std::size_t bytes = 300'001;
+  const std::size_t short_bytes = 150'000;  // the second chunk's copy is the one refused
+  struct Tier {
+    const char* name;
+    ActivationStoreOptions options;
+  };
+  ActivationStoreOptions on_device;
+  ActivationStoreOptions in_arena;
+  in_arena.offload = true;
+  in_arena.host_bytes = bytes;
+  std::vector<Tier> tiers = {
+      {"device", on_device}, {"arena", in_arena}, {"nvme", nvme_options(dir.path())}};
+  for (const Tier& tier : tiers) {
+    SCOPED_TRACE(tier.name);
+    std::unique_ptr<Device> device = host_device();
+    auto store = std::move(ActivationStore::create(*device, tier.options)).value();
+    DeviceBuffer src = alloc(*device, bytes);
+    DeviceBuffer dst = alloc(*device, bytes);
+    DeviceBuffer short_buf = alloc(*device, short_bytes);
+    std::vector<std::byte> host = pattern(bytes, 9, 0);
+    const std::vector<std::byte> host_before = host;
+    const std::size_t used_before = device->memory_used_bytes();
+
+    // Saves from memory the device refuses to copy from.
+    for (const auto& [key, from] : {std::pair<std::string, const void*>{"from.host", host.data()},
+                                    {"from.short", short_buf.data()}}) {
+      Status st = store->save(key, from, bytes);
+      EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+      EXPECT_NE(st.message().find("'" + key + "'"), std::string_view::npos) << st.to_string();
+      EXPECT_EQ(store->saved_bytes(key), 0u);
+      EXPECT_EQ(device->memory_used_bytes(), used_before);
+    }
+    EXPECT_EQ(store->report().device_bytes, 0u);
+    EXPECT_EQ(store->report().device_bytes_peak, 0u);
+    EXPECT_EQ(store->report().saves, 0u);
+    Status flushed = store->flush();
+    EXPECT_TRUE(flushed.is_ok()) << flushed.to_string();
+
+    // Another key from device memory: saved (in the arena's only place) and loaded back.
+    const std::vector<std::byte> good = pattern(bytes, 9, 1);
+    std::memcpy(src.data(), good.data(), bytes);
+    Status saved = store->save("good", src.data(), bytes);
+    ASSERT_TRUE(saved.is_ok()) << saved.to_string();
+    ASSERT_TRUE(store->flush().is_ok());
+    std::memset(src.data(), 0x5a, bytes);
+    Status loaded = store->load("good", dst.data());
+    ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
+    EXPECT_EQ(std::memcmp(dst.data(), good.data(), bytes), 0);
+
+    // Loads into memory the device refuses to copy to keep the checkpoint.
+    const std::vector<std::byte> kept = pattern(bytes, 9, 2);
+    std::memcpy(src.data(), kept.data(), bytes);
+    ASSERT_TRUE(store->save("kept", src.data(), bytes).is_ok());
+    ASSERT_TRUE(store->flush().is_ok());
+    std::memset(src.data(), 0xa5, bytes);
+    for (void* into : {static_cast<void*>(host.data()), short_buf.data()}) {
+      Status st = store->load("kept", into);
+      EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+      EXPECT_NE(st.message().find("'kept'"), std::string_view::npos) << st.to_string();
+      EXPECT_EQ(store->saved_bytes("kept"), bytes);
+    }
+    EXPECT_EQ(host, host_before);
+    std::memset(dst.data(), 0, bytes);
+    loaded = store->load("kept", dst.data());
+    ASSERT_TRUE(loaded.is_ok()) << loaded.to_string();
+    EXPECT_EQ(std::memcmp(dst.data(), kept.data(), bytes), 0);
+    EXPECT_EQ(store->saved_bytes("kept"), 0u);
+
+    EXPECT_EQ(device->memory_used_bytes(), used_before);
+    const ActivationStoreReport report = store->report();
+    EXPECT_EQ(report.device_bytes, 0u);
+    EXPECT_EQ(report.device_bytes_peak, tier.options.offload ? 0u : bytes);
+    EXPECT_EQ(report.saves, 2u);
+    EXPECT_EQ(report.loads, 2u);
+    EXPECT_TRUE(store->flush().is_ok());
+  }
+}
+
 // Two ranks through the Engine, the checkpoints on NVMe; rank 0's drive fails every read. Rank 0's
 // load fails with io_error naming the activation; rank 1, whose load succeeded, fails at its next
 // collective with rank 0's error, at once (the collective timeout is 30 s).
