@@ -292,11 +292,15 @@ std::string strip_config_comments(std::string_view text);
 // with it. When no key is refused but validate() refuses values, each key it names is reported
 // refused (validate() runs again without each, until it passes). parse_config() fails with
 // "<key>: <why>" of the first key refused in file order, or, when only validate() refuses, of
-// the first of its refusals. Fails only when the text is not a JSON object.
+// the first of its refusals. Fails only when the text is not a JSON object (a NUL byte, where
+// the parser would end the text, is refused naming its offset).
 Result<std::vector<KeyReport>> check_config(std::string_view json_text);
 
 // Parses JSON text. Missing keys keep the defaults above; the result is validate()d.
 Result<Config> parse_config(std::string_view json_text);
+// A config file's text: kIoError naming the path when it cannot be read or is a directory (which
+// opens and reads as nothing). load_config() and `zinf config check` read files through it.
+Result<std::string> read_config_file(const std::string& path);
 // Reads and parses a file; errors name the path.
 Result<Config> load_config(const std::string& path);
 // Checks ranges and combinations (for configs built in code); errors name the key. With

@@ -661,6 +661,11 @@ void refuse_param_offload_switch(const Json& root, const Config& config,
 
 // Walks `text` into `config`, reporting every key; fails only when it is not a JSON object.
 Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* reports) {
+  // The parser takes a NUL byte for the end of the text and would accept what comes before it.
+  if (const std::size_t nul = raw.find('\0'); nul != std::string_view::npos) {
+    return Status::invalid_argument(fmt::format(
+        "config: a NUL byte at offset {} of {} (a config is JSON text)", nul, raw.size()));
+  }
   const std::string text = strip_config_comments(raw);
   DuplicateKeys duplicates;
   Json root;
@@ -939,7 +944,7 @@ Status resolve_batch_sizes(int world_size, Config* config) {
   return Status::ok();
 }
 
-Result<Config> load_config(const std::string& path) {
+Result<std::string> read_config_file(const std::string& path) {
   // A directory opens for reading (open(2) allows it) and then reads as nothing, which the parser
   // would report as JSON that ends too early: say what it is instead.
   std::error_code ec;
@@ -950,7 +955,12 @@ Result<Config> load_config(const std::string& path) {
   if (!file) return status_from_errno(fmt::format("config {}", path), errno);
   std::stringstream text;
   text << file.rdbuf();
-  Result<Config> c = parse_config(text.str());
+  return text.str();
+}
+
+Result<Config> load_config(const std::string& path) {
+  ZINF_ASSIGN_OR_RETURN(const std::string text, read_config_file(path));
+  Result<Config> c = parse_config(text);
   if (!c.is_ok()) return c.status().with_context(path);
   return c;
 }

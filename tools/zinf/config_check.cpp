@@ -10,9 +10,7 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <vector>
 
@@ -79,14 +77,12 @@ struct CheckOptions {
 };
 
 void run_check(const CheckOptions& o) {
-  std::ifstream in(o.file);
-  if (!in) {
-    fail(status_from_errno(fmt::format("config {}", o.file), errno).to_string());
+  Result<std::string> text = read_config_file(o.file);
+  if (!text.is_ok()) {
+    fail(text.status().to_string());
     return;
   }
-  std::stringstream text;
-  text << in.rdbuf();
-  Result<std::vector<KeyReport>> reports = check_config(text.str());
+  Result<std::vector<KeyReport>> reports = check_config(*text);
   if (!reports.is_ok()) {
     fail(fmt::format("{}: {}", o.file, reports.status().message()));
     return;
@@ -95,7 +91,7 @@ void run_check(const CheckOptions& o) {
   for (const KeyReport& r : *reports) refused += r.use == KeyUse::kRefused ? 1 : 0;
   std::vector<std::string> notes = default_notes(*reports);
   if (refused == 0) {
-    for (std::string& note : open_notes(text.str())) notes.push_back(std::move(note));
+    for (std::string& note : open_notes(*text)) notes.push_back(std::move(note));
   }
   if (o.json) {
     nlohmann::json keys = nlohmann::json::array();

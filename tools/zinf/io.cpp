@@ -153,6 +153,10 @@ void run_bench(const BenchOptions& o) {
     return fail(
         fmt::format("--bytes {} / --block {}: not sizes (e.g. 4GiB, 1MiB)", o.bytes, o.block));
   }
+  if (block == 0 || block % 4096 != 0) {
+    return fail(fmt::format("--block {}: not a multiple of 4KiB (O_DIRECT)", o.block));
+  }
+  if (bytes == 0) return fail(fmt::format("--bytes {}: no bytes to move", o.bytes));
   if (o.request != "auto" && !parse_size(o.request, &request)) {
     return fail(fmt::format("--request {}: not a size", o.request));
   }
@@ -239,11 +243,12 @@ void run_tune(const TuneOptions& o) {
     blocks.push_back(b);
   }
   const std::size_t largest = *std::max_element(blocks.begin(), blocks.end());
-  if (file_bytes < largest * 4) file_bytes = largest * 4;
 
-  // One file for the whole sweep, written once with random data by a mid-sized setup.
+  // One file for the whole sweep, written once with random data by a mid-sized setup; it holds
+  // at least four of the largest blocks and one of the filler's requests.
   Result<Setup> filler = make_setup(kind, 1 << 20, 16, 1, HugePages::kAuto, 0x70e);
   if (!filler.is_ok()) return fail(filler.status().to_string());
+  file_bytes = std::max({file_bytes, largest * 4, filler->pool->block_bytes()});
   auto file = std::make_unique<BenchFile>();
   Status opened = file->open(*filler->engine, o.path, file_bytes, true, *filler->pool);
   if (!opened.is_ok()) return fail(opened.to_string());
