@@ -577,7 +577,9 @@ void run_hang(const HangCase& c, std::uint64_t seed) {
   so.pool_blocks = 3;
   so.pipeline.optimizer = adamw();
   so.pipeline.threads = 1;
-  so.pipeline.io_timeout = std::chrono::milliseconds(50);
+  // 250 ms a wait: the wait after the cancel must see a thread engine's worker run, which on a
+  // loaded 2-core machine under a sanitizer took longer than 50 ms.
+  so.pipeline.io_timeout = std::chrono::milliseconds(250);
   so.pipeline.io_timeouts_max = 2;
   Rig s;
   Reference ref;
@@ -596,7 +598,7 @@ void run_hang(const HangCase& c, std::uint64_t seed) {
   EXPECT_EQ(error.code(), Code::kTimeout) << error.to_string();
   const std::string message = error.to_string();
   for (const char* part : {c.reads ? ": reading " : ": writing ", "swap extent rank0/",
-                           c.cancel_works ? "gave up after 2 waits of 50 ms: cancelled"
+                           c.cancel_works ? "gave up after 2 waits of 250 ms: cancelled"
                                           : "its block is quarantined"}) {
     EXPECT_NE(message.find(part), std::string::npos) << "no '" << part << "' in " << message;
   }
