@@ -442,11 +442,24 @@ def zero_wrapper_for_fp_tensor_constructor(fn, target_fp_dtype=None, target_devi
 
 # ---- deepspeed.ops ------------------------------------------------------------------------------
 
-class DeepSpeedCPUAdam(torch.optim.Optimizer):
+class _Description(torch.optim.Optimizer):
+    """A DeepSpeed optimizer class's signature that only describes the optimizer for
+    initialize(): the engine's step() applies it, so its own step() raises, naming `_name`."""
+
+    _name = ""
+
+    def step(self, closure=None):
+        raise RuntimeError(f"{self._name} (zinf.deepspeed_compat) only describes the optimizer "
+                           "for deepspeed.initialize(); the engine's step() applies it")
+
+
+class DeepSpeedCPUAdam(_Description):
     """What Accelerate makes of the Trainer's optimizer when the config offloads the optimizer
     (map_pytorch_optim_to_deepspeed): a description of the groups and hyper-parameters, which
     initialize() turns into the config's "optimizer" section. It never steps: zinf's engine runs
     the optimizer."""
+
+    _name = "DeepSpeedCPUAdam"
 
     def __init__(self, model_params, lr=1e-3, bias_correction=True, betas=(0.9, 0.999), eps=1e-8,
                  weight_decay=0, amsgrad=False, adamw_mode=True, fp32_optimizer_states=True):
@@ -456,10 +469,6 @@ class DeepSpeedCPUAdam(torch.optim.Optimizer):
         self.adamw_mode = adamw_mode
         super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps,
                                             weight_decay=weight_decay))
-
-    def step(self, closure=None):
-        raise RuntimeError("DeepSpeedCPUAdam (zinf.deepspeed_compat) only describes the "
-                           "optimizer for deepspeed.initialize(); the engine's step() applies it")
 
 
 class FusedAdam(DeepSpeedCPUAdam):
@@ -472,7 +481,7 @@ class FusedAdam(DeepSpeedCPUAdam):
                          weight_decay=weight_decay, amsgrad=amsgrad, adamw_mode=adam_w_mode)
 
 
-class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
+class DeepSpeedCPUAdagrad(_Description):
     """deepspeed.ops.adagrad.DeepSpeedCPUAdagrad's signature (deepspeed/ops/adagrad/
     cpu_adagrad.py), which is not torch's Adagrad's: no lr_decay nor initial_accumulator_value
     (its state sum starts at 0), and eps third. What Accelerate makes of torch's Adagrad under
@@ -485,19 +494,16 @@ class DeepSpeedCPUAdagrad(torch.optim.Optimizer):
     the parameters' dtype) is refused, as it is in a config's "optimizer" section: the engine
     keeps its state in fp32."""
 
+    _name = "DeepSpeedCPUAdagrad"
+
     def __init__(self, model_params, lr=1e-2, eps=1e-10, weight_decay=0, amsgrad=False,
                  fp32_optimizer_states=True):
         if not fp32_optimizer_states:
             raise NotImplementedError("DeepSpeedCPUAdagrad (zinf.deepspeed_compat): "
                                       "fp32_optimizer_states=False has no zinf equivalent (the "
                                       "engine keeps the optimizer state in fp32)")
-        self.fp32_optimizer_states = fp32_optimizer_states
         super().__init__(model_params, dict(lr=lr, eps=eps, weight_decay=weight_decay,
                                             amsgrad=amsgrad))
-
-    def step(self, closure=None):
-        raise RuntimeError("DeepSpeedCPUAdagrad (zinf.deepspeed_compat) only describes the "
-                           "optimizer for deepspeed.initialize(); the engine's step() applies it")
 
 
 # ---- deepspeed.utils, deepspeed.checkpoint.utils ------------------------------------------------
