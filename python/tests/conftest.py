@@ -128,10 +128,12 @@ def train_mlp_torch(model, batches):
     return losses
 
 
-def train_mlp_zinf(engine, batches):
+def train_mlp_zinf(engine, batches, loss_of=mlp_loss):
+    """zinf's training loop over `batches` (the loss loss_of(engine, batch)): the per-step
+    losses."""
     losses = []
     for batch in batches:
-        loss = mlp_loss(engine, batch)
+        loss = loss_of(engine, batch)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())

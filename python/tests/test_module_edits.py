@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import zinf.torch
-from conftest import BETAS, EPS, WEIGHT_DECAY
+from conftest import BETAS, EPS, WEIGHT_DECAY, train_mlp_zinf
 
 LR = 1e-2
 
@@ -53,13 +53,7 @@ def config(stage):
 
 
 def train(engine, data):
-    losses = []
-    for batch in data:
-        loss = loss_of(engine, batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
+    return train_mlp_zinf(engine, data, loss_of)
 
 
 def initial_state():
