@@ -100,6 +100,9 @@ class BenchFile {
   bool owned_ = false;
 };
 
+// An aio block: a whole number of O_DIRECT's alignment, and not empty.
+bool aio_block(std::size_t bytes) { return bytes != 0 && bytes % kDirectAlignment == 0; }
+
 struct Setup {
   std::unique_ptr<IoEngine> engine;
   std::unique_ptr<BufferPool> pool;
@@ -153,7 +156,7 @@ void run_bench(const BenchOptions& o) {
     return fail(
         fmt::format("--bytes {} / --block {}: not sizes (e.g. 4GiB, 1MiB)", o.bytes, o.block));
   }
-  if (block == 0 || block % 4096 != 0) {
+  if (!aio_block(block)) {
     return fail(fmt::format("--block {}: not a multiple of 4KiB (O_DIRECT)", o.block));
   }
   if (bytes == 0) return fail(fmt::format("--bytes {}: no bytes to move", o.bytes));
@@ -237,7 +240,7 @@ void run_tune(const TuneOptions& o) {
   std::vector<std::size_t> blocks;
   for (const std::string& text : o.blocks) {
     std::size_t b = 0;
-    if (!parse_size(text, &b) || b % 4096 != 0 || b == 0) {
+    if (!parse_size(text, &b) || !aio_block(b)) {
       return fail(fmt::format("--blocks {}: not a multiple of 4KiB", text));
     }
     blocks.push_back(b);
