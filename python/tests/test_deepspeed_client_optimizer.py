@@ -231,3 +231,19 @@ def test_deepspeed_cpu_adagrad_is_read_as_deepspeed_reads_it(caplog):
     assert "initial_accumulator_value=0.5, lr_decay=0.5" in caplog.text
     with pytest.raises(NotImplementedError, match="fp32_optimizer_states=False"):
         deepspeed_cpu_adagrad()(model.parameters(), fp32_optimizer_states=False)
+
+
+def test_deepspeed_cpu_adam_refuses_fp32_optimizer_states_false():
+    # As DeepSpeedCPUAdagrad: the state in the parameters' dtype has no zinf equivalent, and the
+    # engine would train with fp32 state while the script asked for another.
+    model = make_mlp()
+    cpu_adam = compat._MODULES["deepspeed.ops.adam"]["DeepSpeedCPUAdam"]  # deepspeed.ops.adam's
+    with pytest.raises(NotImplementedError,
+                       match=r"^DeepSpeedCPUAdam \(zinf\.deepspeed_compat\): "
+                             r"fp32_optimizer_states=False has no zinf equivalent"):
+        cpu_adam(model.parameters(), lr=0.01, fp32_optimizer_states=False)
+    # DeepSpeed's default, given by name, is read as if left out.
+    section, _ = compat._optimizer_section(
+        cpu_adam(model.parameters(), lr=0.01, fp32_optimizer_states=True))
+    assert section == compat._optimizer_section(cpu_adam(model.parameters(), lr=0.01))[0]
+    assert section["params"]["lr"] == 0.01

@@ -448,6 +448,14 @@ class _Description(torch.optim.Optimizer):
 
     _name = ""
 
+    def _refuse_half_state(self, fp32_optimizer_states):
+        """DeepSpeed's fp32_optimizer_states=False keeps the optimizer state in the parameters'
+        dtype; the engine keeps it in fp32, so it is refused rather than trained otherwise."""
+        if not fp32_optimizer_states:
+            raise NotImplementedError(f"{self._name} (zinf.deepspeed_compat): "
+                                      "fp32_optimizer_states=False has no zinf equivalent (the "
+                                      "engine keeps the optimizer state in fp32)")
+
     def step(self, closure=None):
         raise RuntimeError(f"{self._name} (zinf.deepspeed_compat) only describes the optimizer "
                            "for deepspeed.initialize(); the engine's step() applies it")
@@ -457,7 +465,7 @@ class DeepSpeedCPUAdam(_Description):
     """What Accelerate makes of the Trainer's optimizer when the config offloads the optimizer
     (map_pytorch_optim_to_deepspeed): a description of the groups and hyper-parameters, which
     initialize() turns into the config's "optimizer" section. It never steps: zinf's engine runs
-    the optimizer."""
+    the optimizer. fp32_optimizer_states=False is refused, as DeepSpeedCPUAdagrad refuses it."""
 
     _name = "DeepSpeedCPUAdam"
 
@@ -466,6 +474,7 @@ class DeepSpeedCPUAdam(_Description):
         if amsgrad or not bias_correction:
             raise NotImplementedError("DeepSpeedCPUAdam (zinf.deepspeed_compat): amsgrad=True "
                                       "or bias_correction=False have no zinf equivalent")
+        self._refuse_half_state(fp32_optimizer_states)
         self.adamw_mode = adamw_mode
         super().__init__(model_params, dict(lr=lr, betas=betas, eps=eps,
                                             weight_decay=weight_decay))
@@ -498,10 +507,7 @@ class DeepSpeedCPUAdagrad(_Description):
 
     def __init__(self, model_params, lr=1e-2, eps=1e-10, weight_decay=0, amsgrad=False,
                  fp32_optimizer_states=True):
-        if not fp32_optimizer_states:
-            raise NotImplementedError("DeepSpeedCPUAdagrad (zinf.deepspeed_compat): "
-                                      "fp32_optimizer_states=False has no zinf equivalent (the "
-                                      "engine keeps the optimizer state in fp32)")
+        self._refuse_half_state(fp32_optimizer_states)
         super().__init__(model_params, dict(lr=lr, eps=eps, weight_decay=weight_decay,
                                             amsgrad=amsgrad))
 
