@@ -150,7 +150,8 @@ class Engine::Impl {
   // initializer, the swap files) aborts the communicator, so that the other ranks, waiting in
   // their next collective, fail at once naming this rank instead of at the timeout.
   Status finalize_impl() {
-    ZINF_RETURN_IF_ERROR(layout_.lay_out(config_, rank_, world_, *exchange_));
+    ZINF_RETURN_IF_ERROR(finalize_context(layout_.lay_out(config_, rank_, world_, *exchange_),
+                                          "laying out the parameters", ""));
     Status st = build_state();
     if (!st.is_ok() && world_ > 1 && st.code() != Code::kTimeout && st.code() != Code::kAborted) {
       comm_.abort(st.with_context(fmt::format("rank {} of {}", rank_, world_)));
@@ -158,10 +159,55 @@ class Engine::Impl {
     return st;
   }
 
+  // `st`, an error of finalize while it built `what`, as "finalize: <what>: <message>"; when the
+  // device or host ran out of memory (kResourceExhausted), `settings` follows: the config keys
+  // that make `what` smaller. The code and the raw error stay those of `st`. A message that
+  // begins "finalize:" already says what failed (the layout's: the ranks disagreeing, an
+  // initializer failing, also when the optimizer state calls it) and is kept as it is.
+  static Status finalize_context(const Status& st, std::string_view what,
+                                 std::string_view settings) {
+    if (st.is_ok() || st.message().starts_with("finalize:")) return st;
+    std::string message = fmt::format("finalize: {}: {}", what, st.message());
+    if (st.code() == Code::kResourceExhausted && !settings.empty()) {
+      message += fmt::format("; to need less memory for it, {}", settings);
+    }
+    return Status(st.code(), st.sys_code(), std::move(message));
+  }
+
+  // What open_optimizer_state() builds, and what makes it smaller, for finalize_context().
+  std::string optimizer_state_what() const {
+    const OffloadDevice tier = config_.zero.offload_optimizer.device;
+    if (tier == OffloadDevice::kNone) {
+      return "the optimizer state in device memory (this rank's partition of the fp32 masters, "
+             "the optimizer moments and the gradients; zero_optimization.offload_optimizer.device "
+             "none)";
+    }
+    return fmt::format(
+        "the optimizer state offloaded to {} (zero_optimization.offload_optimizer.device {}) and "
+        "its pinned blocks",
+        tier == OffloadDevice::kHost ? "host memory" : "NVMe", offload_device_name(tier));
+  }
+  std::string optimizer_state_settings() const {
+    const ZeroConfig& z = config_.zero;
+    if (z.offload_optimizer.device == OffloadDevice::kNone) {
+      return "set zero_optimization.offload_optimizer.device to cpu or nvme, or train on more "
+             "ranks (each holds 1/world of the state)";
+    }
+    if (z.offload_optimizer.device == OffloadDevice::kHost) {
+      return "set zero_optimization.offload_optimizer.device to nvme, or train on more ranks "
+             "(each holds 1/world of the state)";
+    }
+    return fmt::format(
+        "lower zero_optimization.sub_group_size ({} parameters) or "
+        "zero_optimization.offload_optimizer.buffer_count ({})",
+        z.sub_group_size, z.offload_optimizer.buffer_count);
+  }
+
   Status build_state() {
     const ZeroConfig& z = config_.zero;
     const bool stage3 = z.stage == 3;
-    ZINF_RETURN_IF_ERROR(open_swap());
+    ZINF_RETURN_IF_ERROR(
+        finalize_context(open_swap(), "opening the NVMe swap space and its I/O engine", ""));
 
     StateContext sc;
     sc.config = &config_;
@@ -180,7 +226,13 @@ class Engine::Impl {
     set_step_params(t_ + 1);
     sc.group_ranges = group_ranges_;
     sc.groups = group_params_;
-    ZINF_ASSIGN_OR_RETURN(state_, open_optimizer_state(sc));
+    {
+      Result<std::unique_ptr<OptimizerState>> state = open_optimizer_state(sc);
+      if (!state.is_ok()) {
+        return finalize_context(state.status(), optimizer_state_what(), optimizer_state_settings());
+      }
+      state_ = std::move(state).value();
+    }
 
     const GradTarget target = state_->grad_target();
     GradReducerOptions ro;
@@ -196,8 +248,20 @@ class Engine::Impl {
     for (std::size_t id = 0; id < ro.frozen.size(); ++id) {
       ro.frozen[id] = !layout_.param(id).spec.trainable;
     }
-    ZINF_ASSIGN_OR_RETURN(reducer_, GradReducer::create(layout_.partitioner(), rank_, device_,
-                                                        comm_, target.accumulator, ro, &counters_));
+    {
+      Result<std::unique_ptr<GradReducer>> reducer = GradReducer::create(
+          layout_.partitioner(), rank_, device_, comm_, target.accumulator, ro, &counters_);
+      if (!reducer.is_ok()) {
+        return finalize_context(
+            reducer.status(),
+            z.stage >= 2 ? "the gradient reduce buckets"
+                         : "the gradient reduce buckets and the full gradient copy of every group",
+            fmt::format("lower zero_optimization.reduce_bucket_size ({} elements){}",
+                        z.reduce_bucket_size,
+                        z.stage >= 2 ? "" : ", or set zero_optimization.stage to 2 or 3"));
+      }
+      reducer_ = std::move(reducer).value();
+    }
 
     ParamCoordinatorOptions co;
     co.shard_tier = stage3 ? z.offload_param.device : OffloadDevice::kNone;
@@ -211,11 +275,27 @@ class Engine::Impl {
       // A frozen group's shard the optimizer state already holds as published is not copied.
       ZINF_ASSIGN_OR_RETURN(co.shared_host_shards, state_->share_host_shards(layout_.persistent()));
     }
-    ZINF_ASSIGN_OR_RETURN(
-        coord_, ParamCoordinator::create(layout_.partitioner(), rank_, device_, comm_,
-                                         layout_.take_coordinator_modules(), layout_.persistent(),
-                                         co, swap_.get(), io_.get(), &counters_));
-    ZINF_RETURN_IF_ERROR(check_pinned_limit(config_, state_->pinned_bytes(), param_staging_bytes_));
+    {
+      Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
+          layout_.partitioner(), rank_, device_, comm_, layout_.take_coordinator_modules(),
+          layout_.persistent(), co, swap_.get(), io_.get(), &counters_);
+      if (!coord.is_ok()) {
+        return finalize_context(
+            coord.status(),
+            stage3 ? "the parameter shards and the gather buffers"
+                   : "the parameters (whole on every rank below stage 3)",
+            stage3 ? fmt::format("lower zero_optimization.stage3_prefetch_bucket_size ({} "
+                                 "elements) or zero_optimization.stage3_max_live_parameters ({}), "
+                                 "or set zero_optimization.offload_param.device to cpu or nvme",
+                                 z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+                   : "set zero_optimization.stage to 3 (the parameters partitioned)");
+      }
+      coord_ = std::move(coord).value();
+    }
+    // Its message names zinf.pinned_pool_bytes and what to lower already.
+    ZINF_RETURN_IF_ERROR(
+        finalize_context(check_pinned_limit(config_, state_->pinned_bytes(), param_staging_bytes_),
+                         "the pinned pool", ""));
     ZINF_ASSERT(coord_->staging_bytes() == param_staging_bytes_);
     publisher_.set_coordinator(coord_.get());
     attach_caller();
@@ -224,7 +304,8 @@ class Engine::Impl {
       reduce_span_names_.push_back(fmt::format("reduce {}", name));
     }
     // The device copies: every group's shard is the master rounded to the group's dtype.
-    ZINF_RETURN_IF_ERROR(state_->place_initial());
+    ZINF_RETURN_IF_ERROR(
+        finalize_context(state_->place_initial(), "placing the initial parameter values", ""));
     if (config_.overlap_step && state_->overlaps()) {
       // Updates during the backward where nothing global decides the step first: no clipping (or
       // zinf.clip_from_previous_step) and no loss scaling (the step's own norm and overflow

@@ -1124,6 +1124,94 @@ TEST(EngineFailure, ReadParametersFailsEveryRankPromptlyWhenOneCannotAllocate) {
   EXPECT_LT(seconds[1], 10.0);
 }
 
+// A device too small for what finalize() builds fails it with kResourceExhausted, the device's own
+// code, and a message that says the call was finalize, which part of the engine's state it was
+// allocating, the device's limit, and the config key that makes that part smaller. Every limit
+// from just above what Engine::open() allocated to a byte short of what a finalized engine holds
+// is tried (in steps of 256 bytes), at stage 1 (the reducer keeps a full gradient copy of every
+// group and every rank the whole parameters) and stage 3 (parameter shards and gather buffers);
+// the failure stays: finalize() again and register_parameter() return it.
+TEST(EngineFailure, FinalizeOutOfDeviceMemoryNamesTheStateAndTheSetting) {
+  const Model model = engine_test::make_model(DType::kF32, 29);
+  struct Case {
+    int stage;
+    // (state named in the message, a key the message then names): every pair must be seen.
+    std::vector<std::pair<std::string, std::string>> states;
+  };
+  const std::vector<Case> cases = {
+      {1,
+       {{"the optimizer state in device memory", "zero_optimization.offload_optimizer.device"},
+        {"the gradient reduce buckets and the full gradient copy of every group",
+         "zero_optimization.reduce_bucket_size"},
+        {"the parameters (", "zero_optimization.stage"}}},
+      {3,
+       {{"the optimizer state in device memory", "zero_optimization.offload_optimizer.device"},
+        {"the parameter shards and the gather buffers",
+         "zero_optimization.stage3_max_live_parameters"}}},
+  };
+  for (const Case& c : cases) {
+    SCOPED_TRACE(fmt::format("stage {}", c.stage));
+    const Config config =
+        engine_test::small_config(c.stage, OffloadDevice::kNone, OffloadDevice::kNone, "");
+    // What the engine holds once opened and once finalized, on a device without a limit.
+    std::size_t opened_bytes = 0;
+    std::size_t finalized_bytes = 0;
+    {
+      engine_test::Ranks ranks = engine_test::make_ranks(1);
+      Result<std::unique_ptr<Engine>> opened = Engine::open(config, env_for(ranks, 0));
+      ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+      std::unique_ptr<Engine> engine = std::move(opened).value();
+      opened_bytes = ranks.devices[0]->memory_used_bytes();
+      ASSERT_TRUE(engine_test::register_model(*engine, model).is_ok());
+      ASSERT_TRUE(engine->finalize().is_ok());
+      finalized_bytes = ranks.devices[0]->memory_used_bytes();
+    }
+    ASSERT_GT(finalized_bytes, opened_bytes + 4096);
+    std::set<std::size_t> seen;
+    // Above the layout's small exchange buffers, so that each failure is in building the state.
+    for (std::size_t limit = opened_bytes + 64; limit <= finalized_bytes; limit += 256) {
+      HostDeviceOptions o;
+      o.memory_limit_bytes = std::min(limit, finalized_bytes - 1);
+      std::unique_ptr<Device> device = std::move(make_host_device(o)).value();
+      std::vector<Device*> raw{device.get()};
+      LocalCommOptions co;
+      co.timeout = std::chrono::milliseconds(config.collective_timeout_ms);
+      std::vector<std::unique_ptr<Communicator>> comms =
+          std::move(make_local_comm_group(raw, co)).value();
+      Env env;
+      env.device = device.get();
+      env.comm = comms[0].get();
+      Result<std::unique_ptr<Engine>> opened = Engine::open(config, env);
+      ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
+      std::unique_ptr<Engine> engine = std::move(opened).value();
+      ASSERT_TRUE(engine_test::register_model(*engine, model).is_ok());
+      const Status st = engine->finalize();
+      SCOPED_TRACE(fmt::format("limit {} bytes: {}", o.memory_limit_bytes, st.to_string()));
+      ASSERT_EQ(st.code(), Code::kResourceExhausted);
+      EXPECT_TRUE(st.message().starts_with("finalize: "));
+      EXPECT_TRUE(contains(st, "would exceed the device memory limit"));
+      EXPECT_TRUE(contains(st, fmt::format(" of {} bytes in use)", o.memory_limit_bytes)));
+      std::size_t named = c.states.size();
+      for (std::size_t k = 0; k < c.states.size(); ++k) {
+        if (contains(st, "finalize: " + c.states[k].first)) named = k;
+      }
+      ASSERT_LT(named, c.states.size()) << "names none of the states";
+      EXPECT_TRUE(contains(st, "; to need less memory for it, "));
+      EXPECT_TRUE(contains(st, c.states[named].second));
+      seen.insert(named);
+      // Sticky: the same error again, and registration closed naming it.
+      const Status again = engine->finalize();
+      EXPECT_EQ(again.code(), st.code());
+      EXPECT_EQ(again.message(), st.message());
+      const Status reg = engine->register_parameter(
+          ParameterSpec{.name = "late", .module = model.modules[0], .shape = {4}});
+      EXPECT_EQ(reg.code(), Code::kFailedPrecondition);
+      EXPECT_TRUE(contains(reg, st.message())) << reg.to_string();
+    }
+    EXPECT_EQ(seen.size(), c.states.size()) << "not every state's allocation failed at some limit";
+  }
+}
+
 TEST(EngineNvmePath, AMissingDirectoryIsCreatedWithItsParentsAndLogged) {
   engine_test::Ranks ranks = engine_test::make_ranks(1);
   engine_test::ScratchDir dir("nvme-create");
