@@ -7,6 +7,7 @@ import torch
 
 import zinf.torch
 from conftest import BETAS, EPS, WEIGHT_DECAY, train_mlp_zinf
+from _helpers import mpirun, why_mpirun_unavailable
 
 LR = 1e-2
 
@@ -117,6 +118,115 @@ def test_load_state_dict_of_a_submodule_reaches_its_masters():
     assert torch.equal(engine.read_parameter("a.bias"), values["bias"])
     assert torch.equal(engine.read_parameter("emb.weight"), untouched)
     assert torch.equal(engine.module.a.weight.detach(), values["weight"])
+
+
+TWO_RANK_LOADS = """
+import os, sys, torch, zinf.torch
+from test_module_edits import batches, config, initial_state, loss_of, tied_net, train
+torch.set_num_threads(1)
+names = ("emb.weight", "a.weight", "a.bias")
+for stage in (1, 2):
+    model = tied_net()
+    cfg = config(stage)
+    cfg["zinf"]["collective_timeout_ms"] = 20000
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=cfg,
+                                            model_parameters=model.parameters())
+    rank = engine.global_rank
+    data = batches(3)
+    train(engine, data[:2])
+    report = {"masters_before": {n: engine.read_parameter(n) for n in names},
+              "module_before": {n: p.detach().clone() for n, p in model.named_parameters()}}
+    try:
+        engine.module.load_state_dict(initial_state())
+        report["refused"] = None
+    except NotImplementedError as error:
+        report["refused"] = str(error)
+    try:
+        engine.module.a.load_state_dict({"weight": initial_state()["a.weight"],
+                                         "bias": initial_state()["a.bias"]})
+        report["submodule_refused"] = None
+    except NotImplementedError as error:
+        report["submodule_refused"] = str(error)
+    # A block lets through the load of the parameters it was given only: rank 0's load of the
+    # whole model inside a block of a's is refused, and the block's end writes nothing.
+    try:
+        with zinf.torch.GatheredParameters([model.a.weight, model.a.bias], modifier_rank=0):
+            if rank == 0:
+                engine.module.load_state_dict(initial_state())
+        report["outside_the_block_refused"] = None
+    except NotImplementedError as error:
+        report["outside_the_block_refused"] = str(error)
+    report["masters_after_refusal"] = {n: engine.read_parameter(n) for n in names}
+    report["module_after_refusal"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # The way the message names: rank 0 loads inside the block, whose end writes its values on
+    # every rank.
+    with zinf.torch.GatheredParameters(list(model.parameters()), modifier_rank=0):
+        if rank == 0:
+            engine.module.load_state_dict(initial_state())
+    report["masters_after_block"] = {n: engine.read_parameter(n) for n in names}
+    report["module_after_block"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    # The block is over: a load outside one is refused again.
+    try:
+        engine.module.load_state_dict(initial_state())
+        report["refused_after_block"] = None
+    except NotImplementedError as error:
+        report["refused_after_block"] = str(error)
+    report["next_losses"] = train(engine, data[2:])
+    report["masters_after_step"] = {n: engine.read_parameter(n) for n in names}
+    torch.save(report, os.path.join(sys.argv[1], f"stage{stage}.rank{rank}.pt"))
+    engine.destroy()
+"""
+
+
+def test_load_state_dict_on_two_ranks_is_refused_outside_a_modifier_block(tmp_path):
+    """Stages 1 and 2 on two ranks (mpirun): engine.module.load_state_dict() (or a submodule's)
+    outside GatheredParameters(modifier_rank=r), or of a parameter the open block was not
+    given, is refused before anything is copied, naming the parameter, the stage, the world size
+    and the block (it used to change the rank's forward only, and the next step wrote the old
+    masters back over it); inside a block of every parameter, loaded on rank 0 only, it reaches
+    the masters and forward of every rank, and the next step trains from the loaded values."""
+    if why_mpirun_unavailable() is not None:
+        pytest.skip(why_mpirun_unavailable())
+    result = mpirun("-c", [TWO_RANK_LOADS, tmp_path], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    loaded = initial_state()
+    # One step from the loaded weights on the third batch, as plain torch computes its loss (each
+    # rank ran the same batch, so the mean gradient is that batch's).
+    expected_loss = loss_of(tied_net(), batches(3)[2]).item()
+    for stage in (1, 2):
+        reports = [torch.load(tmp_path / f"stage{stage}.rank{rank}.pt") for rank in (0, 1)]
+        for rank, report in enumerate(reports):
+            where = f"stage {stage}, rank {rank}"
+            for key in ("refused", "refused_after_block"):
+                assert report[key] is not None, (where, key)
+                assert (f"parameter 'emb.weight' is trained by the zinf engine at ZeRO stage "
+                        f"{stage} on 2 ranks" in report[key]), (where, report[key])
+                assert ("GatheredParameters(list(model.parameters()), modifier_rank=0)"
+                        in report[key]), (where, report[key])
+            assert report["submodule_refused"] is not None, where
+            assert "parameter 'weight'" in report["submodule_refused"], where
+            if rank == 0:
+                assert "parameter 'emb.weight'" in report["outside_the_block_refused"], where
+            else:
+                assert report["outside_the_block_refused"] is None, where
+            # Refused before torch copied anything: the forward's tensors and the masters are
+            # as they were, and they are not the values offered.
+            for name in report["module_before"]:
+                assert torch.equal(report["module_after_refusal"][name],
+                                   report["module_before"][name]), (where, name)
+            for name in report["masters_before"]:
+                assert torch.equal(report["masters_after_refusal"][name],
+                                   report["masters_before"][name]), (where, name)
+                assert not torch.equal(report["masters_before"][name], loaded[name]), (where, name)
+                # Inside the block, rank 0's load reached every rank's masters and forward.
+                assert torch.equal(report["masters_after_block"][name], loaded[name]), (where,
+                                                                                       name)
+                assert torch.equal(report["module_after_block"][name], loaded[name]), (where,
+                                                                                      name)
+            assert report["next_losses"][0] == pytest.approx(expected_loss, rel=1e-6), where
+            for name, master in report["masters_after_step"].items():
+                assert not torch.equal(master, loaded[name]), (where, name)
+                assert torch.equal(master, reports[0]["masters_after_step"][name]), (where, name)
 
 
 def test_load_state_dict_at_stage_3_is_refused_naming_the_way_that_works():

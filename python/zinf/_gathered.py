@@ -151,6 +151,11 @@ class GatheredParameters:
                     entry = (self._copied[-1][1] if self._copied and self._copied[-1][0] is param
                              else _digest(param))
                 self._watched.append((engine, param, param.data_ptr(), entry))
+        # Marks the block's engine parameters as being modified until the end: with several
+        # ranks, torch's load_state_dict() of them is let through only then (the end writes the
+        # loaded values into the masters; outside a block the engine refuses the load).
+        for engine, param, _, _ in self._watched:
+            engine._modifying[id(param)] = engine._modifying.get(id(param), 0) + 1
         return self
 
     def __exit__(self, *exc):
@@ -164,6 +169,10 @@ class GatheredParameters:
         # (the block's own copy, or a tensor of the script's, is kept as it is).
         changed: dict = {}  # engine -> {id(param): (param, values)}, engines in block order
         block: dict = {}  # engine -> the block's parameters it trains
+        for engine, param, _, _ in self._watched:
+            count = engine._modifying.pop(id(param)) - 1
+            if count > 0:
+                engine._modifying[id(param)] = count
         for engine, param, ptr, entry in self._watched:
             writes = changed.setdefault(engine, {})
             block.setdefault(engine, []).append(param)

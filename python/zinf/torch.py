@@ -1188,14 +1188,19 @@ class ZinfEngine(nn.Module):
         parameters' tensors, which at stages 1 and 2 are views of the engine's device copy: the
         forward would see the loaded values while the fp32 masters, which the next step updates
         and writes back over the views, kept the old ones. So with one rank the load is written
-        through to the masters (_load_started / _load_done; with several, only a load inside
-        GatheredParameters(modifier_rank=r) reaches them); at stage 3, where a parameter is an
-        empty placeholder outside its module's forward, it is refused unless the parameters are
-        gathered (inside GatheredParameters)."""
+        through to the masters (_load_started / _load_done); with several, where the write is
+        collective and only GatheredParameters(modifier_rank=r) makes it, the load of a
+        parameter is refused unless such a block holding it is open; at stage 3, where a
+        parameter is an empty placeholder outside its module's forward, it is refused unless the
+        parameters are gathered (inside GatheredParameters)."""
         # The module whose load_state_dict() call is in progress (torch starts it at prefix "",
         # its submodules at theirs) and the (parameter, loaded values) to write when it ends.
         self._load_root: nn.Module | None = None
         self._load_writes: list[tuple[nn.Parameter, torch.Tensor]] = []
+        # pid -> how many open GatheredParameters(modifier_rank=r) blocks hold the parameter
+        # (kept by _gathered.py): their ends write a load's values into the masters, so with
+        # several ranks a load of the parameter is let through while one is open.
+        self._modifying: dict[int, int] = {}
         for module in model.modules():
             self._hook_handles.append(module.register_load_state_dict_pre_hook(self._load_started))
             self._hook_handles.append(module.register_load_state_dict_post_hook(self._load_done))
@@ -1205,8 +1210,9 @@ class ZinfEngine(nn.Module):
         """Before a load_state_dict() call copies anything (the hook of the module it was called
         on, at prefix ""): the parameters the engine holds that the dict loads, refused at stage
         3 unless gathered, with assign=True (which would replace the parameters the engine
-        trains), or between a backward and its step; at stages 1 and 2 they are kept, with the
-        dict's values, for _load_done to write."""
+        trains), between a backward and its step, or at stages 1 and 2 with several ranks outside
+        a GatheredParameters(modifier_rank=r) block that holds them; at stages 1 and 2 with one
+        rank they are kept, with the dict's values, for _load_done to write."""
         if prefix != "":
             return
         self._load_root, self._load_writes = None, []
@@ -1238,9 +1244,23 @@ class ZinfEngine(nn.Module):
             # reports); such values are written, as torch copies them. With several ranks the
             # write would be collective, and a rank may load alone inside
             # GatheredParameters(modifier_rank=r) (whose end writes rank r's values on every
-            # rank), so only a single rank's engine writes here.
-            if self.stage < 3 and self.world_size == 1 and tuple(value.shape) == shape:
+            # rank), so only a single rank's engine writes here; outside such a block the load
+            # would change this rank's forward only, and the next step would write the old
+            # masters back over it, so it is refused before torch copies anything.
+            if self.stage == 3 or tuple(value.shape) != shape:
+                continue
+            if self.world_size == 1:
                 loaded.append((param, value.detach()))
+            elif id(param) not in self._modifying:
+                raise NotImplementedError(
+                    f"load_state_dict: parameter '{name}' is trained by the zinf engine at ZeRO "
+                    f"stage {self.stage} on {self.world_size} ranks, and a load outside a "
+                    "GatheredParameters(modifier_rank=r) block holding it would change this "
+                    "rank's forward only (the next step writes the fp32 masters back over it); "
+                    "load inside zinf.torch."
+                    "GatheredParameters(list(model.parameters()), modifier_rank=0), whose end "
+                    "writes rank 0's values into the masters on every rank (every rank enters "
+                    "the block), or restore with engine.load_checkpoint()")
         if loaded:
             self._load_root, self._load_writes = module, loaded
 
@@ -1513,7 +1533,8 @@ class ZinfEngine(nn.Module):
                     "the engine trains the parameters registered at initialize() and would never "
                     "step this one; change the model's parameters before initialize() (new values "
                     "for a registered parameter go in place: inside "
-                    "GatheredParameters(modifier_rank=0), or engine.module.load_state_dict())")
+                    "GatheredParameters(modifier_rank=0), or engine.module.load_state_dict(), "
+                    "with several ranks inside that block)")
 
     def _finish_backward(self):
         """Reduces the modules whose parameters autograd did not reach (zeros for those without
