@@ -285,6 +285,11 @@ struct Task {
   std::size_t open_count = 0;
   Clock::time_point deadline;
 
+  // Set by the progress thread before finish() when a matched receive was still open after the
+  // collective failed (MpiComm::abandoned_): MPI may yet write its buffer, so the task keeps its
+  // staging buffers (give_back_staging) and lives on until the receive completes.
+  bool abandoned = false;
+
   // Completion, waited for by the stream's thread.
   std::mutex mu;
   std::condition_variable cv;
@@ -405,7 +410,8 @@ class MpiComm final : public Communicator {
   Status run(const std::shared_ptr<Task>& task, const Status& upstream);
   // Runs on the stream after the upload of the result: the host copies go back for reuse.
   void give_back_staging(Task& task) {
-    if (staging_ == nullptr) return;
+    // An abandoned task's receive may still land in its recv_staging: not reused.
+    if (staging_ == nullptr || task.abandoned) return;
     if (task.send_staging.bytes() != 0) staging_->give_back(std::move(task.send_staging));
     if (task.recv_staging.bytes() != 0) staging_->give_back(std::move(task.recv_staging));
   }
@@ -431,6 +437,8 @@ class MpiComm final : public Communicator {
   void fail_task(Task& task, const Status& error);
   // A collective or barrier refused for the sticky error: counted in failed_.
   void count_refused();
+  // Drops the abandoned tasks whose receives have completed since.
+  void reap_abandoned();
   void close();
   // Stops the progress thread and releases the communicator's MPI requests (and, when healthy,
   // its duplicates of the parent communicator).
@@ -475,6 +483,13 @@ class MpiComm final : public Communicator {
 
   // Owned by the progress thread.
   std::vector<std::shared_ptr<Task>> in_flight_;
+  // Failed collectives with a matched receive (MPI_Imrecv) that did not complete within
+  // kCancelWait. MPI cannot cancel a matched receive, and freeing its request does not stop it:
+  // MPI may still write the message into the task's buffers (its descriptors_in, pieces or
+  // recv_staging) later. So the request is kept and the task with it, until the receive
+  // completes (reap_abandoned) or the communicator is destroyed (shut_down), which leaves what is
+  // still open to the process's end.
+  std::vector<std::shared_ptr<Task>> abandoned_;
   std::vector<std::byte> notice_in_;
   MPI_Request notice_request_ = MPI_REQUEST_NULL;
   std::string notice_out_;
@@ -813,6 +828,7 @@ void MpiComm::progress_loop() {
       }
     }
     check_notice();
+    reap_abandoned();
     {
       std::lock_guard<std::mutex> lock(mu_);
       error = error_;
@@ -820,9 +836,13 @@ void MpiComm::progress_loop() {
     if (!error.is_ok()) {
       // Every collective in flight fails with the sticky error. Its matched receives complete
       // first (their data is on its way), so that nothing lands in a buffer after its collective
-      // returned; one that does not within kCancelWait is left to MPI. Unmatched receives have
-      // no buffer posted. Sends only read their buffers.
+      // returned; a task with one that does not within kCancelWait is abandoned (abandoned_):
+      // the request stays open and the task alive, so that MPI never writes into freed memory.
+      // (A receive straight into the caller's buffer, an unstaged all-gather or broadcast, can
+      // still land there after the call returned: that memory is the caller's.) Unmatched
+      // receives have no buffer posted. Sends only read their buffers.
       for (std::shared_ptr<Task>& task : in_flight_) {
+        bool receiving = false;
         for (Task::Message& message : task->messages) {
           if (message.request == MPI_REQUEST_NULL) continue;
           if (message.receive) {
@@ -832,14 +852,15 @@ void MpiComm::progress_loop() {
               if (MPI_Test(&message.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
               if (flag == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
             }
-            if (flag == 0 && message.request != MPI_REQUEST_NULL) {
-              MPI_Request_free(&message.request);
-            }
+            if (message.request != MPI_REQUEST_NULL) receiving = true;
           } else {
             MPI_Request_free(&message.request);
           }
         }
+        // Before finish(): the stream's thread reads it after wait_done().
+        task->abandoned = receiving;
         fail_task(*task, error);
+        if (receiving) abandoned_.push_back(std::move(task));
       }
       in_flight_.clear();
       backoff.reset();
@@ -868,6 +889,21 @@ void MpiComm::progress_loop() {
       backoff.pause();
     }
   }
+}
+
+void MpiComm::reap_abandoned() {
+  std::erase_if(abandoned_, [](const std::shared_ptr<Task>& task) {
+    bool open = false;
+    for (Task::Message& message : task->messages) {
+      if (message.request == MPI_REQUEST_NULL) continue;
+      int flag = 0;
+      // A failed test leaves the request open: the task stays.
+      if (MPI_Test(&message.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || flag == 0) {
+        open = true;
+      }
+    }
+    return !open;
+  });
 }
 
 void MpiComm::close() {
@@ -952,6 +988,23 @@ void MpiComm::shut_down() {
   }
   notice_request_ = MPI_REQUEST_NULL;
   notice_sends_.clear();
+  // The abandoned tasks' receives had their kCancelWait when their collectives failed; the
+  // requests still open are freed (MPI_Finalize is skipped at exit: a collective failed), but MPI
+  // may still write their buffers, so the tasks are kept to the process's end, reachable, so that
+  // no leak checker reports them.
+  reap_abandoned();
+  if (!abandoned_.empty()) {
+    static std::mutex kept_mu;
+    static auto* kept = new std::vector<std::shared_ptr<Task>>();
+    std::lock_guard<std::mutex> lock(kept_mu);
+    for (std::shared_ptr<Task>& task : abandoned_) {
+      for (Task::Message& message : task->messages) {
+        if (message.request != MPI_REQUEST_NULL) MPI_Request_free(&message.request);
+      }
+      kept->push_back(std::move(task));
+    }
+    abandoned_.clear();
+  }
   // After a failure the duplicates are left to the process's end: freeing them might wait for a
   // peer that is gone.
   if (healthy) {
