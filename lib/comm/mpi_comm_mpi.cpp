@@ -1258,9 +1258,9 @@ Result<MpiWorld> mpi_world_of_process(std::chrono::milliseconds timeout) {
   const auto world_count = static_cast<std::size_t>(world.world_size);
   auto* names = new char[world_count * (MPI_MAX_PROCESSOR_NAME + 1) + MPI_MAX_PROCESSOR_NAME + 1]();
   char* mine = names + world_count * (MPI_MAX_PROCESSOR_NAME + 1);
-  int length = 0;
+  int host_name_char_count = 0;
   Status named = status_from_mpi("mpi_world_of_process: MPI_Get_processor_name",
-                                 MPI_Get_processor_name(mine, &length));
+                                 MPI_Get_processor_name(mine, &host_name_char_count));
   if (!named.is_ok()) {
     delete[] names;
     return named;

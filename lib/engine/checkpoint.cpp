@@ -771,7 +771,7 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   // From here on the state is being replaced. Same layout: this rank's file streams through the
   // reader's pipeline into the state, hashed as it arrives, and its checksum is known once the
   // last block is in; resharded: every file was checked above (one closed to keep at most
-  // kCheckpointOpenReaders open is reopened only if it is still the file checked, kCorruption
+  // kCheckpointOpenReaderCount open is reopened only if it is still the file checked, kCorruption
   // otherwise, sticky like any error here). Either way every rank learns
   // every rank's verdict before the resume state is taken; an error here leaves the partition
   // part old and part new, so it is sticky (the engine refuses to train on it).

@@ -432,10 +432,10 @@ Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::
 // Each reader holds a descriptor and one of the engine's 64 file slots (and a hashing thread once
 // it made a pass); a load or export of a checkpoint saved by more ranks than this reopens files,
 // never runs out of them.
-inline constexpr std::size_t kCheckpointOpenReaders = 32;
+inline constexpr std::size_t kCheckpointOpenReaderCount = 32;
 
 // The rank files of one tag, read at any offset (CheckpointReader::read_at) with at most
-// kCheckpointOpenReaders of them open at once, so that a checkpoint of any world size reads
+// kCheckpointOpenReaderCount of them open at once, so that a checkpoint of any world size reads
 // through one open_checkpoint_io() engine (64 file slots) within any file descriptor limit. The
 // caller verifies each file it will read (a pass over it: checksum() and check_rank_digest) and
 // hands the reader over (verified()); a file that is not open when read is opened again and
@@ -450,11 +450,11 @@ class RankFileReaders {
   RankFileReaders(IoEngine& io, std::string tag_dir, const CheckpointManifest& manifest)
       : io_(&io), tag_dir_(std::move(tag_dir)), manifest_(&manifest) {}
   // Rank `rank`'s file, verified through `r` (opened by open_rank_reader without `direct`); kept
-  // open while fewer than kCheckpointOpenReaders are, closed otherwise.
+  // open while fewer than kCheckpointOpenReaderCount are, closed otherwise.
   void verified(int rank, std::unique_ptr<CheckpointReader> r);
   // `bytes` bytes from `offset` of rank `rank`'s file. REQUIRES: verified(rank, ...) was called.
   Status read_at(int rank, std::uint64_t offset, std::size_t bytes, void* out);
-  // Files open now (at most kCheckpointOpenReaders) and opened again so far.
+  // Files open now (at most kCheckpointOpenReaderCount) and opened again so far.
   std::size_t open_count() const { return open_.size(); }
   std::uint64_t reopened_count() const { return reopened_count_; }
 
@@ -469,7 +469,7 @@ class RankFileReaders {
     std::uint64_t last_use = 0;
     std::unique_ptr<CheckpointReader> reader;
   };
-  // Keeps `r` open, closing the least recently read file when kCheckpointOpenReaders are.
+  // Keeps `r` open, closing the least recently read file when kCheckpointOpenReaderCount are.
   void keep(int rank, std::unique_ptr<CheckpointReader> r);
 
   IoEngine* io_;
@@ -477,7 +477,7 @@ class RankFileReaders {
   const CheckpointManifest* manifest_;
   std::map<int, Verified> verified_;
   std::vector<Open> open_;
-  std::uint64_t uses_ = 0;
+  std::uint64_t use_count_ = 0;
   std::uint64_t reopened_count_ = 0;
 };
 

@@ -533,20 +533,20 @@ Status check_rank_digest(const ManifestFile& f, const CheckpointReader& r, std::
 
 void RankFileReaders::verified(int rank, std::unique_ptr<CheckpointReader> r) {
   verified_[rank] = Verified{r->file_identity(), r->block_sums()};
-  if (open_.size() < kCheckpointOpenReaders) {
+  if (open_.size() < kCheckpointOpenReaderCount) {
     keep(rank, std::move(r));
   }
 }
 
 void RankFileReaders::keep(int rank, std::unique_ptr<CheckpointReader> r) {
-  if (open_.size() == kCheckpointOpenReaders) {
+  if (open_.size() == kCheckpointOpenReaderCount) {
     const auto lru = std::min_element(open_.begin(), open_.end(), [](const Open& a, const Open& b) {
       return a.last_use < b.last_use;
     });
     *lru = std::move(open_.back());
     open_.pop_back();
   }
-  open_.push_back(Open{rank, ++uses_, std::move(r)});
+  open_.push_back(Open{rank, ++use_count_, std::move(r)});
 }
 
 Status RankFileReaders::read_at(int rank, std::uint64_t offset, std::size_t bytes, void* out) {
@@ -571,7 +571,7 @@ Status RankFileReaders::read_at(int rank, std::uint64_t offset, std::size_t byte
     keep(rank, std::move(r));
     it = open_.end() - 1;
   }
-  it->last_use = ++uses_;
+  it->last_use = ++use_count_;
   return it->reader->read_at(offset, bytes, out);
 }
 

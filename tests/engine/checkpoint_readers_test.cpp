@@ -1,10 +1,10 @@
-// RankFileReaders on its own: a tag of more rank files than it keeps open (kCheckpointOpenReaders)
-// is read in an order that closes and reopens them, and every read returns the bytes written; a
-// rank file closed by the limit and then replaced (another file renamed over it, unlinked and
-// created again, written in place), each time with the same size and other bytes, is refused on
-// its reopen with kCorruption naming it, while one only linked and unlinked again still reads.
-// The files are seeded random bytes (the seed printed); every fourth is a linked one (longer than
-// the manifest says, with block checksums in rank<r>.blocks).
+// RankFileReaders on its own: a tag of more rank files than it keeps open
+// (kCheckpointOpenReaderCount) is read in an order that closes and reopens them, and every read
+// returns the bytes written; a rank file closed by the limit and then replaced (another file
+// renamed over it, unlinked and created again, written in place), each time with the same size and
+// other bytes, is refused on its reopen with kCorruption naming it, while one only linked and
+// unlinked again still reads. The files are seeded random bytes (the seed printed); every fourth is
+// a linked one (longer than the manifest says, with block checksums in rank<r>.blocks).
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -31,7 +31,7 @@
 namespace zinf {
 namespace {
 
-constexpr int kRanks = 40;  // more than kCheckpointOpenReaders (32)
+constexpr int kRanks = 40;  // more than kCheckpointOpenReaderCount (32)
 constexpr std::uint64_t kFileBytes = 3 * 4096;
 constexpr std::uint64_t kLinkedTailBytes = 4096;  // a linked file's bytes past the manifest's
 constexpr std::uint64_t kSeed = 0x5eed'7e75;
@@ -116,7 +116,7 @@ TEST(CheckpointReaders, ReopensPastTheOpenLimitAndReadsTheVerifiedBytes) {
   ASSERT_TRUE(io.is_ok()) << io.status().to_string();
   RankFileReaders readers(**io, tag.dir.path(), tag.manifest);
   tag.verify_all(**io, readers);
-  EXPECT_EQ(readers.open_count(), kCheckpointOpenReaders);
+  EXPECT_EQ(readers.open_count(), kCheckpointOpenReaderCount);
   // A reopen reads the rank file alone: a linked file's block checksums were kept at verify.
   for (int r = 3; r < kRanks; r += 4) {
     std::filesystem::remove(tag.dir.file(tag.manifest.ranks[static_cast<std::size_t>(r)].blocks));
@@ -127,7 +127,7 @@ TEST(CheckpointReaders, ReopensPastTheOpenLimitAndReadsTheVerifiedBytes) {
   for (int round = 0; round < 2; ++round) {
     for (int r = 0; r < kRanks; ++r) {
       tag.expect_read(readers, r, round);
-      ASSERT_LE(readers.open_count(), kCheckpointOpenReaders);
+      ASSERT_LE(readers.open_count(), kCheckpointOpenReaderCount);
     }
   }
   EXPECT_EQ(readers.reopened_count(), 8u + kRanks);

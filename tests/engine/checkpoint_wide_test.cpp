@@ -171,7 +171,7 @@ TEST_F(CheckpointWide, InspectVerifiesEveryFile) {
   EXPECT_EQ((*info)["tags"][0]["world_size"], kSavedWorld);
   EXPECT_EQ((*info)["tags"][0]["checksums"], "ok");
   EXPECT_TRUE((*info)["problems"].empty()) << (*info)["problems"].dump();
-  // The last file, read after more than kCheckpointOpenReaders others, is checked too. A copy
+  // The last file, read after more than kCheckpointOpenReaderCount others, is checked too. A copy
   // of the tag keeps the suite's checkpoint intact for the other tests.
   const std::string copy = scratch_->path() + "/flipped";
   std::filesystem::create_directories(copy);
