@@ -7,6 +7,7 @@ under zinf.torch, each rank on its share of every batch, and writes what the tes
     mpirun -np 2 python mp_train.py fail <out_dir> <timeout_ms>
     mpirun -np 2 python mp_train.py loader <out_dir>
     mpirun -np 2 python mp_train.py consolidated <out_dir>
+    mpirun -np 2 python mp_train.py several <out_dir>
 
 oracle: for each case, 20 steps with the config of test_oracle.py; every rank writes its
 per-step losses to <out_dir>/<case>.rank<r>.json, and rank 0 the final fp32 masters (read back
@@ -26,7 +27,10 @@ gave in two passes to <out_dir>/loader.rank<r>.json.
 consolidated: stage 3 (bf16, parameters in host memory), one step on each rank's share, then
 engine._zero3_consolidated_16bit_state_dict() on every rank: rank 0 saves it to
 <out_dir>/consolidated.pt with the masters read back (<out_dir>/masters.pt); rank 1 writes
-whether it got None to <out_dir>/consolidated.rank1.json."""
+whether it got None to <out_dir>/consolidated.rank1.json.
+several: in one job, one after another, write, init_write with root 0 and with root 1, loader
+and consolidated, each into a folder of <out_dir> named after it (write, init_write0,
+init_write1, loader, consolidated)."""
 import json
 import os
 import sys
@@ -196,6 +200,19 @@ def consolidated(out_dir):
             json.dump({"none": state is None}, f)
 
 
+def several(out_dir):
+    def folder(name):
+        path = os.path.join(out_dir, name)
+        os.makedirs(path, exist_ok=True)
+        return path
+
+    write(folder("write"))
+    init_write(folder("init_write0"), 0)
+    init_write(folder("init_write1"), 1)
+    loader(folder("loader"))
+    consolidated(folder("consolidated"))
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
     if sys.argv[1] == "oracle":
@@ -208,5 +225,7 @@ if __name__ == "__main__":
         init_write(sys.argv[2], int(sys.argv[3]))
     elif sys.argv[1] == "consolidated":
         consolidated(sys.argv[2])
+    elif sys.argv[1] == "several":
+        several(sys.argv[2])
     else:
         fail(sys.argv[2], int(sys.argv[3]), sys.argv[4])

@@ -34,26 +34,32 @@ def test_two_ranks_match_torch_on_the_full_batch(case, oracle_runs, torch_refere
     assert_two_ranks_match_torch(oracle_runs, case, torch_reference, "mpirun")
 
 
-def test_a_change_made_on_the_modifier_rank_reaches_every_rank(tmp_path):
-    result = mpirun(["write", str(tmp_path)], timeout=600)
+@pytest.fixture(scope="module")
+def several_runs(tmp_path_factory):
+    """mp_train.py's write, init_write (roots 0 and 1), loader and consolidated modes, one after
+    another in one job: each mode's files in a folder of its own, named after it."""
+    out = tmp_path_factory.mktemp("mp_several")
+    result = mpirun(["several", str(out)], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
+def test_a_change_made_on_the_modifier_rank_reaches_every_rank(several_runs):
     expected = torch.linspace(0.5, 1.5, 64)
     for rank in (0, 1):
-        with open(tmp_path / f"write.rank{rank}.json") as f:
+        with open(several_runs / "write" / f"write.rank{rank}.json") as f:
             report = json.load(f)
         assert torch.equal(torch.tensor(report["master"]), expected), f"rank {rank}"
 
 
 @pytest.mark.parametrize("root", [0, 1])
-def test_a_change_before_initialize_reaches_every_ranks_partition(root, tmp_path):
+def test_a_change_before_initialize_reaches_every_ranks_partition(root, several_runs):
     # Under Init each rank stages its own values; weights loaded on rank `root` only inside
     # GatheredParameters(modifier_rank=root) are in every rank's partition of the masters. (Each
     # rank's partition was filled from its own staging file: root 1 failed, and root 0 with a
     # model whose partition on rank 1 holds more, two Linear(64, 512) layers.)
-    result = mpirun(["init_write", str(tmp_path), str(root)], timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     for rank in (0, 1):
-        with open(tmp_path / f"init_write.rank{rank}.json") as f:
+        with open(several_runs / f"init_write{root}" / f"init_write.rank{rank}.json") as f:
             assert json.load(f)["worst"] == 0.0, f"rank {rank}"
 
 
@@ -71,15 +77,13 @@ def test_a_model_built_with_a_seed_per_rank_is_refused_naming_a_parameter(tmp_pa
             error
 
 
-def test_each_rank_reads_its_own_share_of_the_training_data(tmp_path):
+def test_each_rank_reads_its_own_share_of_the_training_data(several_runs):
     # DeepSpeed's loader under mpirun: a DistributedSampler over the ranks (shuffled, seed 0),
     # its epoch advanced with each pass; the ranks' shares of a pass are disjoint and cover the
     # data.
-    result = mpirun(["loader", str(tmp_path)], timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     seen = []
     for rank in (0, 1):
-        with open(tmp_path / f"loader.rank{rank}.json") as f:
+        with open(several_runs / "loader" / f"loader.rank{rank}.json") as f:
             report = json.load(f)
         assert report["world_size"] == 2
         for epoch, samples in enumerate(report["passes"]):
@@ -90,16 +94,15 @@ def test_each_rank_reads_its_own_share_of_the_training_data(tmp_path):
     assert sorted(seen[0] + seen[1]) == list(range(40))
 
 
-def test_the_consolidated_16bit_state_dict_is_on_rank_0_only(tmp_path):
+def test_the_consolidated_16bit_state_dict_is_on_rank_0_only(several_runs):
     # DeepSpeed's _zero3_consolidated_16bit_state_dict over two processes at stage 3: rank 0
     # holds every parameter (under each of its names) as the master rounded to bf16, and the
     # model's buffers; rank 1 gets None.
-    result = mpirun(["consolidated", str(tmp_path)], timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    with open(tmp_path / "consolidated.rank1.json") as f:
+    out = several_runs / "consolidated"
+    with open(out / "consolidated.rank1.json") as f:
         assert json.load(f) == {"none": True}
-    state = torch.load(tmp_path / "consolidated.pt")
-    masters = torch.load(tmp_path / "masters.pt")
+    state = torch.load(out / "consolidated.pt")
+    masters = torch.load(out / "masters.pt")
     assert list(state) == list(make_model().state_dict())
     for name, master in masters.items():
         assert state[name].dtype == torch.bfloat16
