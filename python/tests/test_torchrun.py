@@ -30,8 +30,10 @@ def torchrun(args, timeout):
 
 @pytest.fixture(scope="module")
 def oracle_runs(tmp_path_factory):
+    """One torchrun job: torchrun_train.py's oracle CASES, then its checkpoint mode (its files in
+    the folder checkpoint)."""
     out = tmp_path_factory.mktemp("torchrun_oracle")
-    result = torchrun(["oracle", str(out), *CASES], timeout=300)
+    result = torchrun(["oracle_checkpoint", str(out), *CASES], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
@@ -42,9 +44,8 @@ def test_two_ranks_under_torchrun_match_torch_on_the_full_batch(case, oracle_run
     assert_two_ranks_match_torch(oracle_runs, case, torch_reference, "torchrun")
 
 
-def test_a_checkpoint_saved_under_torchrun_resumes_in_one_process(tmp_path):
-    result = torchrun(["checkpoint", str(tmp_path)], timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+def test_a_checkpoint_saved_under_torchrun_resumes_in_one_process(oracle_runs):
+    tmp_path = oracle_runs / "checkpoint"
     saved = torch.load(tmp_path / "saved.pt")
     final = torch.load(tmp_path / "final.pt")
     rank_losses = []

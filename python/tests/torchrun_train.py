@@ -5,6 +5,8 @@ communicator): the modes of mp_train.py, which do not depend on the launcher, an
     python -m torch.distributed.run --nproc_per_node 2 torchrun_train.py fail <out_dir> <ms> <where>
     python -m torch.distributed.run --nproc_per_node 2 torchrun_train.py checkpoint <out_dir>
     python -m torch.distributed.run --nproc_per_node 2 torchrun_train.py dist_first <out_dir>
+    python -m torch.distributed.run --nproc_per_node 2 torchrun_train.py oracle_checkpoint \
+        <out_dir> <case>...
 
 oracle, fail: as mp_train.py says.
 checkpoint: stage 3 with the optimizer on the CPU, 5 steps, each rank on its share of every
@@ -13,7 +15,9 @@ writes the fp32 masters to <out_dir>/saved.pt; every rank writes its losses to
 <out_dir>/checkpoint.rank<r>.json, and rank 0 the final masters to <out_dir>/final.pt.
 dist_first: the script initialises torch.distributed itself (gloo), as torchrun scripts do, and
 all-reduces a tensor on the default group between zinf's steps; 2 steps at stage 2, then every
-rank writes the all-reduced value and its losses to <out_dir>/dist_first.rank<r>.json."""
+rank writes the all-reduced value and its losses to <out_dir>/dist_first.rank<r>.json.
+oracle_checkpoint: in one job, oracle's cases, then checkpoint with <out_dir>/checkpoint as its
+<out_dir>."""
 import json
 import os
 import sys
@@ -90,5 +94,9 @@ if __name__ == "__main__":
         checkpoint(out)
     elif mode == "dist_first":
         dist_first(out)
+    elif mode == "oracle_checkpoint":
+        oracle(out, sys.argv[3:])
+        os.makedirs(os.path.join(out, "checkpoint"), exist_ok=True)
+        checkpoint(os.path.join(out, "checkpoint"))
     else:
         raise SystemExit(f"unknown mode {mode}")
