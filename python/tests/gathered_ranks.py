@@ -17,7 +17,11 @@ them):
     mpirun -np 2 python gathered_ranks.py <out_dir>
 
 Writes <out_dir>/gathered_ranks.rank<r>.pt: {scenario: {"before", "after", "set", "error"}}
-(the masters by name, the values rank 0 set, and the message of what the block raised here)."""
+(the masters by name, the values rank 0 set, and the message of what the block raised here).
+
+Before those, in the same job, stage2_views(): at stage 2 (fp32) the views of the parameters
+after blocks on two ranks (see its docstring); every rank asserts what it checks and writes the
+sum of 0.weight after a last step to <out_dir>/stage2.rank<r>."""
 import os
 import sys
 
@@ -25,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import zinf.torch  # noqa: E402
-from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss  # noqa: E402
+from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss, train_mlp_zinf  # noqa: E402
 
 
 def train(engine, count, seed):
@@ -34,9 +38,50 @@ def train(engine, count, seed):
         engine.step()
 
 
+def stage2_views(out_dir):
+    """Stage 2: after a block whose end writes rank 0's change to 0.weight (rank 1 pointing
+    4.bias's .data elsewhere, which is not written), and after one where rank 0 changed nothing
+    (rank 1 pointing 3.weight elsewhere), every parameter is on the memory it had and holds the
+    engine's values; then one step trains."""
+    model = make_mlp()
+    config = mlp_config(2)
+    config["zinf"]["collective_timeout_ms"] = 20000
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    rank = engine.global_rank
+    train_mlp_zinf(engine, mlp_batches(2))
+    views = {name: p.data_ptr() for name, p in model.named_parameters()}
+    weight = torch.randn(16, 6, generator=torch.Generator().manual_seed(41))
+    stray = torch.randn(3, generator=torch.Generator().manual_seed(42 + rank))
+    # Rank 0 writes 0.weight; rank 1 points 4.bias elsewhere, which is not written.
+    bias = engine.read_parameter("4.bias")
+    with zinf.torch.GatheredParameters([model[0].weight, model[4].bias], modifier_rank=0):
+        if rank == 0:
+            model[0].weight.data.copy_(weight)
+        else:
+            model[4].bias.data = stray.clone()
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == views, rank
+    assert torch.equal(model[0].weight.detach(), weight), rank
+    assert torch.equal(engine.read_parameter("0.weight"), weight), rank
+    assert torch.equal(model[4].bias.detach(), bias), rank
+    # Rank 0 changes nothing; rank 1 points 3.weight elsewhere: back on the engine's copy too.
+    norm = engine.read_parameter("3.weight")
+    with zinf.torch.GatheredParameters([model[3].weight], modifier_rank=0):
+        if rank == 1:
+            model[3].weight.data = torch.zeros(16)
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == views, rank
+    assert torch.equal(model[3].weight.detach(), norm), rank
+    train_mlp_zinf(engine, mlp_batches(1, seed=13))
+    # Each rank's outcome in a file of its own: mpirun's forwarded stdout can merge or drop the
+    # ranks' last lines at exit.
+    with open(os.path.join(out_dir, f"stage2.rank{rank}"), "w") as out:
+        out.write(repr(float(model[0].weight.detach().sum())))
+    engine.destroy()
+
+
 def main():
     out_dir = sys.argv[1]
     torch.set_num_threads(1)
+    stage2_views(out_dir)
     model = make_mlp()
     cfg = mlp_config(3, "cpu")
     cfg["bf16"] = {"enabled": True}

@@ -248,56 +248,13 @@ def test_a_block_that_raises_at_stage_3_leaves_a_replaced_parameter_released(mod
         engine.destroy()
 
 
-STAGE2_RANKS = """
-import os, sys, torch, zinf.torch
-from conftest import make_mlp, mlp_batches, mlp_config, mlp_loss, train_mlp_zinf
-torch.set_num_threads(1)
-model = make_mlp()
-config = mlp_config(2)
-config["zinf"]["collective_timeout_ms"] = 20000
-engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
-rank = engine.global_rank
-train_mlp_zinf(engine, mlp_batches(2))
-views = {name: p.data_ptr() for name, p in model.named_parameters()}
-weight = torch.randn(16, 6, generator=torch.Generator().manual_seed(41))
-stray = torch.randn(3, generator=torch.Generator().manual_seed(42 + rank))
-# Rank 0 writes 0.weight; rank 1 points 4.bias elsewhere, which is not written.
-bias = engine.read_parameter("4.bias")
-with zinf.torch.GatheredParameters([model[0].weight, model[4].bias], modifier_rank=0):
-    if rank == 0:
-        model[0].weight.data.copy_(weight)
-    else:
-        model[4].bias.data = stray.clone()
-assert {name: p.data_ptr() for name, p in model.named_parameters()} == views, rank
-assert torch.equal(model[0].weight.detach(), weight), rank
-assert torch.equal(engine.read_parameter("0.weight"), weight), rank
-assert torch.equal(model[4].bias.detach(), bias), rank
-# Rank 0 changes nothing; rank 1 points 3.weight elsewhere: back on the engine's copy too.
-norm = engine.read_parameter("3.weight")
-with zinf.torch.GatheredParameters([model[3].weight], modifier_rank=0):
-    if rank == 1:
-        model[3].weight.data = torch.zeros(16)
-assert {name: p.data_ptr() for name, p in model.named_parameters()} == views, rank
-assert torch.equal(model[3].weight.detach(), norm), rank
-train_mlp_zinf(engine, mlp_batches(1, seed=13))
-# Each rank's outcome in a file of its own: mpirun's forwarded stdout can merge or drop the
-# ranks' last lines at exit.
-with open(os.path.join(sys.argv[1], f"rank{rank}"), "w") as out:
-    out.write(repr(float(model[0].weight.detach().sum())))
-engine.destroy()
-"""
-
-
-def test_a_write_at_stage_2_on_two_ranks_leaves_every_view_on_the_engines_copy(tmp_path):
-    """Stage 2 on two ranks (mpirun): after a block whose end writes rank 0's change, and after
-    one where rank 0 changed nothing, every parameter on both ranks is on the memory it had and
-    holds the engine's values, including those whose .data rank 1 pointed elsewhere in the
-    block (not written: only rank 0's changes count); both ranks then train alike."""
-    if why_mpirun_unavailable() is not None:
-        pytest.skip(why_mpirun_unavailable())
-    result = mpirun("-c", [STAGE2_RANKS, tmp_path], timeout=300)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    sums = [(tmp_path / f"rank{rank}").read_text() for rank in (0, 1)]
+def test_a_write_at_stage_2_on_two_ranks_leaves_every_view_on_the_engines_copy(two_rank_job):
+    """Stage 2 on two ranks (mpirun; gathered_ranks.stage2_views): after a block whose end
+    writes rank 0's change, and after one where rank 0 changed nothing, every parameter on both
+    ranks is on the memory it had and holds the engine's values, including those whose .data
+    rank 1 pointed elsewhere in the block (not written: only rank 0's changes count); both ranks
+    then train alike."""
+    sums = [(two_rank_job / f"stage2.rank{rank}").read_text() for rank in (0, 1)]
     assert sums[0] == sums[1], sums
 
 
@@ -373,14 +330,21 @@ def test_a_whole_model_write_on_two_ranks_holds_the_model_twice_on_the_root(dtyp
 
 
 @pytest.fixture(scope="module")
-def two_rank_blocks(tmp_path_factory):
-    """gathered_ranks.py under mpirun: each rank's report, by rank."""
+def two_rank_job(tmp_path_factory):
+    """gathered_ranks.py under mpirun (its stage-2 checks asserted on every rank, then its
+    stage-3 scenarios): the folder of its files."""
     if why_mpirun_unavailable() is not None:
         pytest.skip(why_mpirun_unavailable())
     out = tmp_path_factory.mktemp("gathered_ranks")
-    result = mpirun("gathered_ranks.py", [out], timeout=300)
+    result = mpirun("gathered_ranks.py", [out], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return [torch.load(out / f"gathered_ranks.rank{rank}.pt") for rank in (0, 1)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_rank_blocks(two_rank_job):
+    """gathered_ranks.py's stage-3 scenarios: each rank's report, by rank."""
+    return [torch.load(two_rank_job / f"gathered_ranks.rank{rank}.pt") for rank in (0, 1)]
 
 
 def assert_bits(got, expected, what):
