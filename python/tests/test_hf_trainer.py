@@ -4,9 +4,11 @@ the same script without DeepSpeed does, at ZeRO-2 and ZeRO-3 with two micro-batc
 the Trainer's own AdamW and schedule; a checkpoint resumes bit-identically; save_model at stage 3
 writes the trained weights. Under mpirun, torchrun and `accelerate launch --multi_gpu` the same
 script in 2 processes, each with half the micro-batch, trains as one process on the whole one.
-Each training runs in fresh processes (the
-Trainer and Accelerate keep process-wide state, and install() must come before transformers is
-imported)."""
+Each job runs in fresh processes (install() must come before transformers is imported, and a
+launcher's environment is its processes'); one job trains the cases of one launcher one after
+another, the script clearing Accelerate's and transformers' process-wide state between them,
+and each test asserts on its case's results."""
+import importlib.util
 import json
 import os
 import shutil
@@ -34,6 +36,7 @@ STEPS, SAVE_STEPS, ACCUMULATION = 6, 3, 2
 # float operations, over 6 steps. Measured: losses within 1e-7 relative, the weights within
 # 6e-7 relative L2 and 3e-6 per element.
 LOSS_REL, WEIGHT_REL, WEIGHT_ABS = 1e-5, 1e-5, 2e-5
+TRAINING = ["--steps", str(STEPS), "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION)]
 
 
 def run_trainer(out, *args, fail=False, env=None, timeout=300):
@@ -41,8 +44,7 @@ def run_trainer(out, *args, fail=False, env=None, timeout=300):
     loss, grad_norm, lr] rows), or with fail=True its stderr after asserting that it failed."""
     env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    done = subprocess.run([sys.executable, SCRIPT, str(out), "--steps", str(STEPS),
-                           "--save-steps", str(SAVE_STEPS), "--ga", str(ACCUMULATION), *args],
+    done = subprocess.run([sys.executable, SCRIPT, str(out), *TRAINING, *args],
                           capture_output=True, text=True, env=env, timeout=timeout)
     if fail:
         assert done.returncode != 0, done.stdout[-2000:]
@@ -50,6 +52,28 @@ def run_trainer(out, *args, fail=False, env=None, timeout=300):
     assert done.returncode == 0, done.stderr[-4000:]
     line = [ln for ln in done.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     return json.loads(line[len("RESULT "):])
+
+
+def read_result(out, rank=0):
+    """The RESULT a case of a --cases job wrote to OUT, or its traceback as the failure."""
+    error = os.path.join(out, "error.txt")
+    if os.path.exists(error):
+        with open(error) as file:
+            pytest.fail(f"the case writing {out} failed:\n{file.read()[-4000:]}")
+    with open(os.path.join(out, f"result.rank{rank}.json")) as file:
+        return json.load(file)
+
+
+def run_cases(out, cases):
+    """Runs hf_trainer_run.py --cases in one fresh process: each case [OUT, ARGS...] trained one
+    after another as run_trainer would train it; read_result(OUT) reads each one's RESULT."""
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "HF_HUB_OFFLINE": "1",
+           "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    cases = [[str(case[0]), *TRAINING, *[str(part) for part in case[1:]]] for case in cases]
+    (out / "cases.json").write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, SCRIPT, "--cases", str(out / "cases.json")],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 0, done.stderr[-4000:]
 
 
 def write_config(path, stage, gather_on_save=True):
@@ -98,64 +122,82 @@ def assert_weights_match(got: dict, expected: dict):
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory):
-    """The script without DeepSpeed: plain torch under the Trainer, evaluated at each save."""
-    out = tmp_path_factory.mktemp("baseline")
-    result = run_trainer(out, "--eval")
-    return result, load_file(str(out / "final" / "model.safetensors"))
+def single(tmp_path_factory):
+    """The one-process trainings, in one job: the script without DeepSpeed (plain torch under the
+    Trainer, evaluated at each save), and the cases the tests below compare with it, each in
+    ROOT/<case>."""
+    root = tmp_path_factory.mktemp("single")
+    ds2, ds3 = write_config(root / "ds2.json", 2), write_config(root / "ds3.json", 3)
+    lora = [[f"lora{stage}", "--ds", config, "--lora"] for stage, config in ((2, ds2), (3, ds3))
+            if importlib.util.find_spec("peft") is not None]
+    run_cases(root, [[root / name, *args] for name, *args in [
+        ["baseline", "--eval"],
+        # The token embedding frozen, without DeepSpeed.
+        ["frozen_plain", "--freeze"],
+        ["zero2", "--ds", ds2],
+        # ZeRO-3 with parameters and optimizer offloaded, the 16-bit weights gathered on save.
+        ["zero3", "--ds", ds3],
+        ["zero3_resumed", "--ds", ds3, "--resume", root / "zero3" / f"checkpoint-{SAVE_STEPS}"],
+        ["zero3_not_gathered", "--ds", write_config(root / "ds3_not_gathered.json", 3, False)],
+        ["zero3_gc", "--ds", ds3, "--gc", "--eval"],
+        ["frozen2", "--ds", ds2, "--freeze"],
+        ["frozen3", "--ds", ds3, "--freeze"],
+        *[case for name, *args in lora for case in (
+            [name, *args],
+            [f"{name}_resumed", *args, "--resume", root / name / f"checkpoint-{SAVE_STEPS}"])],
+    ]])
+    return root
 
 
 @pytest.fixture(scope="module")
-def zero3(tmp_path_factory):
-    """ZeRO-3 with parameters and optimizer offloaded, the 16-bit weights gathered on save."""
-    out = tmp_path_factory.mktemp("zero3")
-    result = run_trainer(out, "--ds", write_config(out / "ds.json", 3))
-    return out, result
+def baseline(single):
+    """The script without DeepSpeed: its RESULT and its saved weights."""
+    return read_result(single / "baseline"), load_file(str(single / "baseline" / "final" /
+                                                           "model.safetensors"))
 
 
-def test_zero2_trains_as_the_trainer_without_deepspeed(baseline, tmp_path):
-    result = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 2))
-    assert_losses_match(result, baseline[0])
-    assert_weights_match(load_file(str(tmp_path / "final" / "model.safetensors")), baseline[1])
+def test_zero2_trains_as_the_trainer_without_deepspeed(baseline, single):
+    assert_losses_match(read_result(single / "zero2"), baseline[0])
+    assert_weights_match(load_file(str(single / "zero2" / "final" / "model.safetensors")),
+                         baseline[1])
 
 
-def test_zero3_trains_and_saves_as_the_trainer_without_deepspeed(baseline, zero3):
-    out, result = zero3
-    assert_losses_match(result, baseline[0])
+def test_zero3_trains_and_saves_as_the_trainer_without_deepspeed(baseline, single):
+    assert_losses_match(read_result(single / "zero3"), baseline[0])
     # save_model at stage 3 gathers the sharded parameters into one state dict.
-    assert_weights_match(load_file(str(out / "final" / "model.safetensors")), baseline[1])
+    assert_weights_match(load_file(str(single / "zero3" / "final" / "model.safetensors")),
+                         baseline[1])
 
 
-def test_zero3_resume_is_bit_identical(zero3, tmp_path):
-    out, uninterrupted = zero3
+def test_zero3_resume_is_bit_identical(single):
+    out = single / "zero3"
+    uninterrupted = read_result(out)
     checkpoint = out / f"checkpoint-{SAVE_STEPS}"
     assert (checkpoint / "latest").read_text().strip() == f"global_step{SAVE_STEPS}"
-    resumed = run_trainer(tmp_path, "--ds", str(out / "ds.json"), "--resume", str(checkpoint))
+    resumed = read_result(single / "zero3_resumed")
     assert resumed["losses"] == uninterrupted["losses"][SAVE_STEPS:]
-    got = load_file(str(tmp_path / "final" / "model.safetensors"))
+    got = load_file(str(single / "zero3_resumed" / "final" / "model.safetensors"))
     expected = load_file(str(out / "final" / "model.safetensors"))
     assert sorted(got) == sorted(expected)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
 
 
-def test_zero3_without_gathering_saves_a_checkpoint(baseline, tmp_path):
+def test_zero3_without_gathering_saves_a_checkpoint(baseline, single):
     """Without stage3_gather_16bit_weights_on_model_save, save_model writes a zinf checkpoint
     (the Trainer calls save_checkpoint twice for each one; the second is skipped), whose fp32
     weights are the trained ones."""
-    result = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 3, False))
-    assert_losses_match(result, baseline[0])
-    final = tmp_path / "final"
+    assert_losses_match(read_result(single / "zero3_not_gathered"), baseline[0])
+    final = single / "zero3_not_gathered" / "final"
     assert (final / "latest").read_text().strip() == f"global_step{STEPS}"
     weights = zinf.torch.get_fp32_state_dict_from_zero_checkpoint(str(final))
     assert_weights_match({k: v for k, v in weights.items() if k in baseline[1]}, baseline[1])
 
 
-def test_zero3_with_gradient_checkpointing_evaluates_as_without_deepspeed(baseline, tmp_path):
+def test_zero3_with_gradient_checkpointing_evaluates_as_without_deepspeed(baseline, single):
     """Gradient checkpointing recomputes the forward in the backward (each recomputed module
     gathered again at stage 3) and changes no value; evaluate() runs the stage-3 model."""
-    result = run_trainer(tmp_path, "--ds", write_config(tmp_path / "ds.json", 3), "--gc",
-                         "--eval")
+    result = read_result(single / "zero3_gc")
     assert_losses_match(result, baseline[0])
     expected = baseline[0]["eval_losses"]
     assert [row[0] for row in result["eval_losses"]] == [row[0] for row in expected] == [
@@ -165,31 +207,27 @@ def test_zero3_with_gradient_checkpointing_evaluates_as_without_deepspeed(baseli
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_frozen_parameters_train_as_without_deepspeed(stage, tmp_path):
+def test_frozen_parameters_train_as_without_deepspeed(stage, single):
     # The token embedding (tied to lm_head) frozen: the run on zinf follows the Trainer's without
     # DeepSpeed, and the frozen weights come out as they went in. At ZeRO-2 the engine does not
     # hold it; at ZeRO-3 it is an engine parameter registered frozen, partitioned and gathered
     # (with lm_head's forward too, which ties it) but never stepped.
-    plain = run_trainer(tmp_path / "plain", "--freeze")
-    zinf_run = run_trainer(tmp_path / "zinf", "--ds", write_config(tmp_path / "ds.json", stage),
-                           "--freeze")
+    plain = read_result(single / "frozen_plain")
+    zinf_run = read_result(single / f"frozen{stage}")
     assert_losses_match(zinf_run, plain)
-    got = load_file(str(tmp_path / "zinf" / "final" / "model.safetensors"))
-    expected = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+    got = load_file(str(single / f"frozen{stage}" / "final" / "model.safetensors"))
+    expected = load_file(str(single / "frozen_plain" / "final" / "model.safetensors"))
     assert_weights_match(got, expected)
     assert torch.equal(got["transformer.wte.weight"], expected["transformer.wte.weight"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])
-def test_a_lora_run_resumes_bit_identically(stage, tmp_path):
+def test_a_lora_run_resumes_bit_identically(stage, single):
     # peft's LoRA through the Trainer: its checkpoints leave the frozen base out
     # (exclude_frozen_parameters) and its resume loads them with load_module_strict=False.
     pytest.importorskip("peft")
-    config = write_config(tmp_path / "ds.json", stage)
-    uninterrupted = run_trainer(tmp_path / "whole", "--ds", config, "--lora")
-    checkpoint = tmp_path / "whole" / f"checkpoint-{SAVE_STEPS}"
-    resumed = run_trainer(tmp_path / "resumed", "--ds", config, "--lora", "--resume",
-                          str(checkpoint))
+    uninterrupted = read_result(single / f"lora{stage}")
+    resumed = read_result(single / f"lora{stage}_resumed")
     assert resumed["losses"] == uninterrupted["losses"][SAVE_STEPS:]
 
 
@@ -275,12 +313,14 @@ LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMI_SIZE"
 LAUNCHER_NAMES = {"mpirun": "the MPI launcher", "torchrun": "torchrun"}
 
 
-def run_trainer_ranks(out, launcher, *args, fail=False):
+def run_trainer_ranks(out, launcher, *args, fail=False, cases=None):
     """Runs hf_trainer_run.py OUT ARGS in RANKS processes under `launcher` ("mpirun",
     "torchrun", or "accelerate": `accelerate launch --multi_gpu`, which starts them through
     torchrun), each with a micro-batch of BATCH / RANKS, meeting on a free port (DeepSpeed's
     default, 29500, may be taken by a job beside this one). Returns each rank's RESULT, by rank,
-    or with fail=True the job's output after asserting that it failed."""
+    or with fail=True the job's output after asserting that it failed. With cases (a list of
+    [OUT, ARGS...]) the job trains each case one after another (hf_trainer_run.py --cases) and
+    the answer is a list of each case's results by rank."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     port = str(free_port())
@@ -300,35 +340,53 @@ def run_trainer_ranks(out, launcher, *args, fail=False):
         else:
             command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
                        str(RANKS), "--master-addr", "127.0.0.1", "--master-port", port]
-    done = subprocess.run(
-        [*command, SCRIPT, str(out), "--steps", str(STEPS), "--save-steps", str(SAVE_STEPS),
-         "--ga", str(ACCUMULATION), "--batch", str(BATCH // RANKS), *args],
-        capture_output=True, text=True, env=env, timeout=300)
+    training = [*TRAINING, "--batch", str(BATCH // RANKS)]
+    if cases is None:
+        script_args, outs = [str(out), *training, *args], [out]
+    else:
+        cases = [[str(case[0]), *training, *[str(part) for part in case[1:]]] for case in cases]
+        (out / "cases.json").write_text(json.dumps(cases))
+        script_args, outs = ["--cases", str(out / "cases.json")], [case[0] for case in cases]
+    done = subprocess.run([*command, SCRIPT, *script_args], capture_output=True, text=True,
+                          env=env, timeout=300 * len(outs))
     if fail:
         assert done.returncode != 0, done.stdout[-2000:]
         return done.stdout + done.stderr
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    results = []
-    for rank in range(RANKS):
-        with open(os.path.join(out, f"result.rank{rank}.json")) as file:
-            results.append(json.load(file))
-    assert [(r["rank"], r["world_size"]) for r in results] == [(r, RANKS) for r in range(RANKS)]
-    # Every rank logs the same loss: the mean over the ranks.
-    assert all(r == results[0] | {"rank": r["rank"]} for r in results), results
-    return results
+    every = []
+    for case_out in outs:
+        results = []
+        for rank in range(RANKS):
+            with open(os.path.join(case_out, f"result.rank{rank}.json")) as file:
+                results.append(json.load(file))
+        assert [(r["rank"], r["world_size"]) for r in results] == [
+            (r, RANKS) for r in range(RANKS)]
+        # Every rank logs the same loss: the mean over the ranks.
+        assert all(r == results[0] | {"rank": r["rank"]} for r in results), results
+        every.append(results)
+    return every[0] if cases is None else every
 
 
 @pytest.fixture(scope="module", params=LAUNCHERS)
-def zero3_ranks(request, tmp_path_factory):
-    """ZeRO-3 in 2 processes under each launcher, parameters and optimizer offloaded, evaluated
-    at each save."""
-    out = tmp_path_factory.mktemp(f"zero3_{request.param}")
-    return request.param, out, run_trainer_ranks(
-        out, request.param, "--ds", write_config(out / "ds.json", 3), "--eval")
+def ranks_job(request, tmp_path_factory):
+    """The 2-process trainings under each launcher, in one job: ZeRO-3, parameters and optimizer
+    offloaded, evaluated at each save (ROOT/zero3); its resume from its checkpoint at step
+    SAVE_STEPS (ROOT/zero3_resumed); ZeRO-2 (ROOT/zero2). Returns the launcher, ROOT and each
+    case's results by rank, by case."""
+    root = tmp_path_factory.mktemp(f"ranks_{request.param}")
+    ds3 = write_config(root / "ds3.json", 3)
+    names = ["zero3", "zero3_resumed", "zero2"]
+    results = run_trainer_ranks(root, request.param, cases=[
+        [root / "zero3", "--ds", ds3, "--eval"],
+        [root / "zero3_resumed", "--ds", ds3, "--resume",
+         root / "zero3" / f"checkpoint-{SAVE_STEPS}"],
+        [root / "zero2", "--ds", write_config(root / "ds2.json", 2)]])
+    return request.param, root, dict(zip(names, results))
 
 
-def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, zero3_ranks):
-    _, out, results = zero3_ranks
+def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, ranks_job):
+    _, root, results = ranks_job
+    out, results = root / "zero3", results["zero3"]
     assert_losses_match(results[0], baseline[0])
     expected = baseline[0]["eval_losses"]
     assert [row[0] for row in results[0]["eval_losses"]] == [SAVE_STEPS, STEPS]
@@ -338,29 +396,29 @@ def test_two_processes_train_as_one_process_on_the_whole_batch(baseline, zero3_r
     assert_weights_match(load_file(str(out / "final" / "model.safetensors")), baseline[1])
 
 
-def test_two_processes_resume_bit_identically(zero3_ranks, tmp_path):
-    launcher, out, uninterrupted = zero3_ranks
+def test_two_processes_resume_bit_identically(ranks_job):
+    _, root, results = ranks_job
+    out, uninterrupted = root / "zero3", results["zero3"]
     checkpoint = out / f"checkpoint-{SAVE_STEPS}"
     # Every rank saved its partition and its random state.
     for rank in range(RANKS):
         assert (checkpoint / f"global_step{SAVE_STEPS}" / f"rank{rank}.zinfckpt").is_file()
         assert (checkpoint / f"rng_state_{rank}.pth").is_file()
-    resumed = run_trainer_ranks(tmp_path, launcher, "--ds", str(out / "ds.json"), "--resume",
-                                str(checkpoint))
+    resumed = results["zero3_resumed"]
     assert resumed[0]["losses"] == uninterrupted[0]["losses"][SAVE_STEPS:]
-    got = load_file(str(tmp_path / "final" / "model.safetensors"))
+    got = load_file(str(root / "zero3_resumed" / "final" / "model.safetensors"))
     expected = load_file(str(out / "final" / "model.safetensors"))
     assert sorted(got) == sorted(expected)
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
 
 
-@pytest.mark.parametrize("launcher", LAUNCHERS)
-def test_two_processes_at_zero2_train_and_save_as_one_process(launcher, baseline, tmp_path):
+def test_two_processes_at_zero2_train_and_save_as_one_process(baseline, ranks_job):
     """ZeRO-2: save_model takes the state dict of the parameters every rank holds whole."""
-    results = run_trainer_ranks(tmp_path, launcher, "--ds", write_config(tmp_path / "ds.json", 2))
-    assert_losses_match(results[0], baseline[0])
-    assert_weights_match(load_file(str(tmp_path / "final" / "model.safetensors")), baseline[1])
+    _, root, results = ranks_job
+    assert_losses_match(results["zero2"][0], baseline[0])
+    assert_weights_match(load_file(str(root / "zero2" / "final" / "model.safetensors")),
+                         baseline[1])
 
 
 @pytest.mark.skipif(not torch.distributed.is_available()
