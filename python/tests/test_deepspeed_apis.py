@@ -10,6 +10,7 @@ torch.distributed's semantics) or the files on disk, with DeepSpeed's behaviour
 zero/stage_1_and_2.py / stage3.py, utils/zero_to_fp32.py) written out in the test."""
 import json
 import os
+import runpy
 import stat
 import subprocess
 import sys
@@ -276,8 +277,20 @@ def test_global_grad_norm_after_an_overflow_is_the_last_applied_steps():
         engine.destroy()
 
 
+def run_script_in_this_process(save_dir, monkeypatch, *argv):
+    """`python zero_to_fp32.py ARGV` in save_dir, the file there run as __main__ in this process
+    (runpy) with that directory as the working directory and ARGV as sys.argv: the command line
+    each test also runs once in a fresh process, without another process's start."""
+    monkeypatch.chdir(save_dir)
+    monkeypatch.setattr(sys, "argv", ["zero_to_fp32.py", *argv])
+    with pytest.raises(SystemExit) as exited:
+        runpy.run_path("zero_to_fp32.py", run_name="__main__")
+    monkeypatch.undo()
+    assert exited.value.code == 0
+
+
 @pytest.mark.parametrize("safe", [False, True])
-def test_zero_to_fp32_script_in_the_checkpoint_directory(tmp_path, safe):
+def test_zero_to_fp32_script_in_the_checkpoint_directory(tmp_path, safe, monkeypatch):
     if safe:
         pytest.importorskip("safetensors", reason="safetensors is not installed")
     batches = mlp_batches(STEPS)
@@ -322,9 +335,7 @@ def test_zero_to_fp32_script_in_the_checkpoint_directory(tmp_path, safe):
 
     assert_weights(read(save_dir / "out" / name), early)
     # Without -t: the tag `latest` names, the last save's.
-    done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", "last", *options],
-                          cwd=save_dir, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-3000:]
+    run_script_in_this_process(save_dir, monkeypatch, ".", "last", *options)
     assert_weights(read(save_dir / "last" / name),
                    {n: p.detach() for n, p in reference.named_parameters()})
     # Weights over --max_shard_size go into shards named as DeepSpeed's script (Hugging Face's
@@ -384,10 +395,13 @@ def test_zero_to_fp32_excludes_frozen_parameters_at_every_stage(tmp_path, stage,
     assert "3.weight" not in trainable
     for exclude in (False, True):
         out = f"out{int(exclude)}"
-        done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", out] +
-                              (["--exclude_frozen_parameters"] if exclude else []),
-                              cwd=save_dir, capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, done.stderr[-3000:]
+        if exclude:  # in a fresh process, as a user runs it
+            done = subprocess.run([sys.executable, "zero_to_fp32.py", ".", out,
+                                   "--exclude_frozen_parameters"],
+                                  cwd=save_dir, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 0, done.stderr[-3000:]
+        else:
+            run_script_in_this_process(save_dir, monkeypatch, ".", out)
         weights = torch.load(save_dir / out / "pytorch_model.bin")
         assert sorted(weights) == (trainable if exclude else sorted(trainable + ["3.weight"]))
         for key, values in masters.items():
