@@ -6,6 +6,9 @@ engine's fp32 master (engine.read_parameter), and what the attributes showed.
 
     python zero3_save_run.py OUT            (one process)
     mpirun -np 2 python zero3_save_run.py OUT
+
+test_zero3_params.py runs it in one process, and calls main() in a job of 2 ranks under mpirun
+that first runs another check (before any initialize() of the process).
 """
 import json
 import os
