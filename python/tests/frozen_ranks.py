@@ -6,6 +6,10 @@ and 2 with each rank on its half of every batch, saved, and resumed into a model
     mpirun -np 2 python frozen_ranks.py <out_dir> <stage> [<stage> ...]
     python -m torch.distributed.run --nproc_per_node 2 frozen_ranks.py <out_dir> <stage> ...
     mpirun -np 2 python frozen_ranks.py <out_dir> layout
+    mpirun -np 2 python frozen_ranks.py <out_dir> buckets
+    mpirun -np 2 python frozen_ranks.py <out_dir> layout <stage> ... buckets
+
+Several modes (stages, layout, buckets) run one after another in one job, in the order given.
 
 For each stage every rank writes <out_dir>/<stage>.rank<r>.pt: the frozen parameters as the rank
 built them ("built") and as initialize() left them ("initialized"), the per-step losses of the
@@ -121,10 +125,15 @@ def buckets(out_dir, rank):
         carried.append([name for name, _ in bucket])
         return broadcast_bucket(engine, bucket, bucket_bytes)
 
+    bucket_bytes = zinf.torch._FROZEN_BUCKET_BYTES
     zinf.torch.ZinfEngine._broadcast_bucket = counted
     zinf.torch._FROZEN_BUCKET_BYTES = BUCKET_BYTES
-    engine, _, _, _ = zinf.torch.initialize(model=model, config=config(2),
-                                            model_parameters=model.parameters())
+    try:
+        engine, _, _, _ = zinf.torch.initialize(model=model, config=config(2),
+                                                model_parameters=model.parameters())
+    finally:
+        zinf.torch.ZinfEngine._broadcast_bucket = broadcast_bucket
+        zinf.torch._FROZEN_BUCKET_BYTES = bucket_bytes
     torch.save({"built": built, "initialized": frozen_of(model), "carried": carried,
                 "contiguous": model.first.base.weight.is_contiguous()},
                os.path.join(out_dir, f"buckets.rank{rank}.pt"))
@@ -134,10 +143,10 @@ def buckets(out_dir, rank):
 if __name__ == "__main__":
     torch.set_num_threads(1)
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", os.environ.get("RANK", "0")))
-    if sys.argv[2] == "layout":
-        layout(sys.argv[1], rank)
-    elif sys.argv[2] == "buckets":
-        buckets(sys.argv[1], rank)
-    else:
-        for stage in sys.argv[2:]:
-            run(sys.argv[1], int(stage), rank)
+    for mode in sys.argv[2:]:
+        if mode == "layout":
+            layout(sys.argv[1], rank)
+        elif mode == "buckets":
+            buckets(sys.argv[1], rank)
+        else:
+            run(sys.argv[1], int(mode), rank)

@@ -735,8 +735,20 @@ def launch_two_ranks(launcher, out, args):
     return torchrun("frozen_ranks.py", [out, *args], timeout=600)
 
 
+@pytest.fixture(scope="module")
+def mpirun_runs(tmp_path_factory):
+    """One mpirun job: frozen_ranks.py's layout mode, its RANK_STAGES, then its buckets mode."""
+    out = tmp_path_factory.mktemp("frozen_mpirun")
+    result = launch_two_ranks("mpirun", out,
+                              ["layout", *[str(stage) for stage in RANK_STAGES], "buckets"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return out
+
+
 @pytest.fixture(scope="module", params=["mpirun", "torchrun"])
 def two_rank_runs(request, tmp_path_factory):
+    if request.param == "mpirun":
+        return request.getfixturevalue("mpirun_runs")
     out = tmp_path_factory.mktemp(f"frozen_{request.param}")
     result = launch_two_ranks(request.param, out, [str(stage) for stage in RANK_STAGES])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -792,28 +804,23 @@ def test_a_checkpoint_loads_its_frozen_weights_on_every_rank(stage, two_rank_run
         assert report["resumed_losses"] == report["losses"][CHECKPOINT_STEP:], f"rank {rank}"
 
 
-def test_ranks_whose_frozen_parameters_differ_in_shape_are_refused_on_every_rank(tmp_path):
+def test_ranks_whose_frozen_parameters_differ_in_shape_are_refused_on_every_rank(mpirun_runs):
     # Rank 1 has one frozen parameter fewer (the trainable ones are the same, so the engine's
-    # finalize does not see it): every rank raises the same error, none waits for the others.
-    # (The ranks' exit is not checked.)
-    result = launch_two_ranks("mpirun", tmp_path, ["layout"])
+    # finalize does not see it): every rank raises the same error, none waits for the others
+    # (the job's stages then run on).
     for rank in (0, 1):
-        report = tmp_path / f"layout.rank{rank}.json"
-        assert report.exists(), result.stdout[-3000:] + result.stderr[-3000:]
-        with open(report) as f:
+        with open(mpirun_runs / f"layout.rank{rank}.json") as f:
             error = json.load(f)["error"]
         assert error is not None and ("the frozen parameters (requires_grad False) of rank 1 "
                                       "differ from rank 0's in their names, shapes or dtypes"
                                       in error), error
 
 
-def test_frozen_parameters_move_in_buckets_of_rank_0s_bytes(tmp_path):
+def test_frozen_parameters_move_in_buckets_of_rank_0s_bytes(mpirun_runs):
     # initialize() broadcasts consecutive frozen parameters together, up to a bucket's bytes
     # (frozen_ranks.BUCKET_BYTES here), one larger than a bucket alone: every rank ends with rank
     # 0's values, a parameter over a non-contiguous layout included.
-    result = launch_two_ranks("mpirun", tmp_path, ["buckets"])
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    reports = [torch.load(tmp_path / f"buckets.rank{rank}.pt") for rank in (0, 1)]
+    reports = [torch.load(mpirun_runs / f"buckets.rank{rank}.pt") for rank in (0, 1)]
     for rank, report in enumerate(reports):
         assert report["carried"] == [["first.base.weight", "first.base.bias"],
                                      ["second.base.weight"], ["second.base.bias"]], rank
