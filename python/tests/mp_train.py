@@ -7,7 +7,7 @@ under zinf.torch, each rank on its share of every batch, and writes what the tes
     mpirun -np 2 python mp_train.py fail <out_dir> <timeout_ms>
     mpirun -np 2 python mp_train.py loader <out_dir>
     mpirun -np 2 python mp_train.py consolidated <out_dir>
-    mpirun -np 2 python mp_train.py several <out_dir>
+    mpirun -np 2 python mp_train.py several <out_dir> [<case> ...]
 
 oracle: for each case, 20 steps with the config of test_oracle.py; every rank writes its
 per-step losses to <out_dir>/<case>.rank<r>.json, and rank 0 the final fp32 masters (read back
@@ -28,9 +28,9 @@ consolidated: stage 3 (bf16, parameters in host memory), one step on each rank's
 engine._zero3_consolidated_16bit_state_dict() on every rank: rank 0 saves it to
 <out_dir>/consolidated.pt with the masters read back (<out_dir>/masters.pt); rank 1 writes
 whether it got None to <out_dir>/consolidated.rank1.json.
-several: in one job, one after another, write, init_write with root 0 and with root 1, loader
-and consolidated, each into a folder of <out_dir> named after it (write, init_write0,
-init_write1, loader, consolidated)."""
+several: in one job, one after another, oracle's cases given (into <out_dir>), then write,
+init_write with root 0 and with root 1, loader and consolidated, each into a folder of <out_dir>
+named after it (write, init_write0, init_write1, loader, consolidated)."""
 import json
 import os
 import sys
@@ -200,7 +200,9 @@ def consolidated(out_dir):
             json.dump({"none": state is None}, f)
 
 
-def several(out_dir):
+def several(out_dir, cases):
+    oracle(out_dir, cases)
+
     def folder(name):
         path = os.path.join(out_dir, name)
         os.makedirs(path, exist_ok=True)
@@ -226,6 +228,6 @@ if __name__ == "__main__":
     elif sys.argv[1] == "consolidated":
         consolidated(sys.argv[2])
     elif sys.argv[1] == "several":
-        several(sys.argv[2])
+        several(sys.argv[2], sys.argv[3:])
     else:
         fail(sys.argv[2], int(sys.argv[3]), sys.argv[4])

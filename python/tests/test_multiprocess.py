@@ -22,26 +22,19 @@ def mpirun(args, timeout, ranks=2):
 
 
 @pytest.fixture(scope="module")
-def oracle_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("mp_oracle")
-    result = mpirun(["oracle", str(out), *CASES], timeout=600)
+def several_runs(tmp_path_factory):
+    """One mpirun job: mp_train.py's oracle CASES, then its write, init_write (roots 0 and 1),
+    loader and consolidated modes one after another, each mode's files in a folder of its own,
+    named after it."""
+    out = tmp_path_factory.mktemp("mp_several")
+    result = mpirun(["several", str(out), *CASES], timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     return out
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_two_ranks_match_torch_on_the_full_batch(case, oracle_runs, torch_reference):
-    assert_two_ranks_match_torch(oracle_runs, case, torch_reference, "mpirun")
-
-
-@pytest.fixture(scope="module")
-def several_runs(tmp_path_factory):
-    """mp_train.py's write, init_write (roots 0 and 1), loader and consolidated modes, one after
-    another in one job: each mode's files in a folder of its own, named after it."""
-    out = tmp_path_factory.mktemp("mp_several")
-    result = mpirun(["several", str(out)], timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return out
+def test_two_ranks_match_torch_on_the_full_batch(case, several_runs, torch_reference):
+    assert_two_ranks_match_torch(several_runs, case, torch_reference, "mpirun")
 
 
 def test_a_change_made_on_the_modifier_rank_reaches_every_rank(several_runs):
