@@ -15,10 +15,10 @@ made by the Trainer, a linear schedule with warm-up, on the CPU (use_cpu=True un
 save_model() to OUT/final; prints one line "RESULT <json>", and writes it to
 OUT/result.rank<r>.json, with the per-step loss, gradient norm and learning rate the Trainer
 logged, with --eval the evaluation loss at each save, and this process's rank and the world
-size as the Trainer sees them. Between cases the process-wide state a fresh process would not
-have is cleared: Accelerate's shared states and transformers' DeepSpeed config reference (as
-transformers' own DeepSpeed tests clear them between Trainers); the torch.distributed group a
-launcher's job made stays, as the launcher's processes do. With --cases in one process, a
+size as the Trainer sees them. Between cases the script clears the process-wide state a Trainer
+leaves behind: Accelerate's shared states and transformers' DeepSpeed config reference
+(unset_hf_deepspeed_config, transformers' function for that); the torch.distributed group, once
+made, stays, as a launcher's processes keep it. With --cases outside a launcher's job, a
 case that raises writes its traceback to OUT/error.txt and the next case runs."""
 import argparse
 import json
@@ -135,6 +135,7 @@ if len(sys.argv) == 3 and sys.argv[1] == "--cases":
         except Exception:
             if "WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
                 raise  # in a launcher's job the other ranks would wait for this one
+            os.makedirs(case[0], exist_ok=True)
             with open(os.path.join(case[0], "error.txt"), "w") as file:
                 file.write(traceback.format_exc())
             print(f"case {case} failed:\n{traceback.format_exc()}", file=sys.stderr)
