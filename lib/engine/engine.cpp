@@ -285,9 +285,12 @@ class Engine::Impl {
             stage3 ? "the parameter shards and the gather buffers"
                    : "the parameters (whole on every rank below stage 3)",
             stage3 ? fmt::format("lower zero_optimization.stage3_prefetch_bucket_size ({} "
-                                 "elements) or zero_optimization.stage3_max_live_parameters ({}), "
-                                 "or set zero_optimization.offload_param.device to cpu or nvme",
-                                 z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters)
+                                 "elements) or zero_optimization.stage3_max_live_parameters ({}){}",
+                                 z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
+                                 z.offload_param.device == OffloadDevice::kNone
+                                     ? ", or set zero_optimization.offload_param.device to cpu "
+                                       "or nvme"
+                                     : "")
                    : "set zero_optimization.stage to 3 (the parameters partitioned)");
       }
       coord_ = std::move(coord).value();

@@ -1135,24 +1135,36 @@ TEST(EngineFailure, FinalizeOutOfDeviceMemoryNamesTheStateAndTheSetting) {
   const Model model = engine_test::make_model(DType::kF32, 29);
   struct Case {
     int stage;
+    OffloadDevice params;  // zero_optimization.offload_param.device
     // (state named in the message, a key the message then names): every pair must be seen.
     std::vector<std::pair<std::string, std::string>> states;
+    // Advice no message may give (a setting that is in place already), or empty.
+    std::string absent;
   };
   const std::vector<Case> cases = {
       {1,
+       OffloadDevice::kNone,
        {{"the optimizer state in device memory", "zero_optimization.offload_optimizer.device"},
         {"the gradient reduce buckets and the full gradient copy of every group",
          "zero_optimization.reduce_bucket_size"},
-        {"the parameters (", "zero_optimization.stage"}}},
+        {"the parameters (", "zero_optimization.stage"}},
+       ""},
       {3,
+       OffloadDevice::kNone,
        {{"the optimizer state in device memory", "zero_optimization.offload_optimizer.device"},
         {"the parameter shards and the gather buffers",
-         "zero_optimization.stage3_max_live_parameters"}}},
+         "zero_optimization.offload_param.device to cpu or nvme"}},
+       ""},
+      {3,
+       OffloadDevice::kHost,
+       {{"the optimizer state in device memory", "zero_optimization.offload_optimizer.device"},
+        {"the parameter shards and the gather buffers",
+         "zero_optimization.stage3_max_live_parameters"}},
+       "offload_param.device to"},
   };
   for (const Case& c : cases) {
-    SCOPED_TRACE(fmt::format("stage {}", c.stage));
-    const Config config =
-        engine_test::small_config(c.stage, OffloadDevice::kNone, OffloadDevice::kNone, "");
+    SCOPED_TRACE(fmt::format("stage {}, offload_param {}", c.stage, offload_device_name(c.params)));
+    const Config config = engine_test::small_config(c.stage, OffloadDevice::kNone, c.params, "");
     // What the engine holds once opened and once finalized, on a device without a limit.
     std::size_t opened_bytes = 0;
     std::size_t finalized_bytes = 0;
@@ -1198,6 +1210,9 @@ TEST(EngineFailure, FinalizeOutOfDeviceMemoryNamesTheStateAndTheSetting) {
       ASSERT_LT(named, c.states.size()) << "names none of the states";
       EXPECT_TRUE(contains(st, "; to need less memory for it, "));
       EXPECT_TRUE(contains(st, c.states[named].second));
+      if (!c.absent.empty()) {
+        EXPECT_FALSE(contains(st, c.absent));
+      }
       seen.insert(named);
       // Sticky: the same error again, and registration closed naming it.
       const Status again = engine->finalize();
