@@ -837,9 +837,10 @@ void MpiComm::progress_loop() {
       // Every collective in flight fails with the sticky error. Its matched receives complete
       // first (their data is on its way), so that nothing lands in a buffer after its collective
       // returned; a task with one that does not within kCancelWait is abandoned (abandoned_):
-      // the request stays open and the task alive, so that MPI never writes into freed memory.
-      // (A receive straight into the caller's buffer, an unstaged all-gather or broadcast, can
-      // still land there after the call returned: that memory is the caller's.) Unmatched
+      // the request stays open and the task alive, so that MPI never writes into memory the
+      // communicator freed. (A receive straight into the caller's buffer, an unstaged all-gather
+      // or broadcast, can still land there after the call returned: on a host device that is the
+      // engine's gather buffer, which the engine may free when it closes.) Unmatched
       // receives have no buffer posted. Sends only read their buffers.
       for (std::shared_ptr<Task>& task : in_flight_) {
         bool receiving = false;
@@ -994,9 +995,10 @@ void MpiComm::shut_down() {
   // no leak checker reports them.
   reap_abandoned();
   if (!abandoned_.empty()) {
-    static std::mutex kept_mu;
+    // Never destroyed, the mutex too: a communicator may shut down during static destruction.
+    static auto* kept_mu = new std::mutex();
     static auto* kept = new std::vector<std::shared_ptr<Task>>();
-    std::lock_guard<std::mutex> lock(kept_mu);
+    std::lock_guard<std::mutex> lock(*kept_mu);
     for (std::shared_ptr<Task>& task : abandoned_) {
       for (Task::Message& message : task->messages) {
         if (message.request != MPI_REQUEST_NULL) MPI_Request_free(&message.request);
