@@ -3,12 +3,11 @@ process): models built under zinf.torch.Init with torch.distributed initialised
 (deepspeed.init_distributed()), changed on one rank inside GatheredParameters(modifier_rank=r)
 and read on every rank before initialize().
 
-    mpirun -np 2 python init_ranks.py <out_dir> <model_dir> [write] [resize] [errors]
+    mpirun -np 2 python init_ranks.py <out_dir> <model_dir> [write] [resize]
     python -m torch.distributed.run --nproc_per_node 2 init_ranks.py <out_dir> <model_dir> ...
     python init_ranks.py <out_dir> <model_dir> resize
     mpirun -np 2 python init_ranks.py <out_dir> - errors
 
-The modes named run one after another, in this order.
 write: init_model's Stack and a bf16 Linear, each rank drawing them with a seed of its own; rank
 0 loads WRITE_SEED's weights into all of them inside GatheredParameters(modifier_rank=0), and
 rank 1 sets the head's bias to 0.25 inside GatheredParameters(modifier_rank=1); then every rank

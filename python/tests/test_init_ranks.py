@@ -2,7 +2,6 @@
 DeepSpeed scripts and the Hugging Face Trainer have it: a GatheredParameters(modifier_rank=r)
 block before initialize() broadcasts rank r's values at its end, so every rank reads them from
 then on, with no warning, and initialize() takes them. The ranks run init_ranks.py."""
-import importlib.util
 import os
 import subprocess
 import sys
@@ -51,23 +50,8 @@ def tiny_gpt2(tmp_path_factory):
     return path
 
 
-@pytest.fixture(scope="module")
-def mpirun_runs(request, tmp_path_factory):
-    """init_ranks.py's write, resize and errors modes in one mpirun job (errors alone where
-    transformers is missing): the folder of its files."""
-    out = tmp_path_factory.mktemp("init_ranks_mpirun")
-    if importlib.util.find_spec("transformers") is None:
-        launch("mpirun", [str(out), "-", "errors"])
-    else:
-        tiny_gpt2 = request.getfixturevalue("tiny_gpt2")
-        launch("mpirun", [str(out), str(tiny_gpt2), "write", "resize", "errors"])
-    return out
-
-
 @pytest.fixture(scope="module", params=["mpirun", "torchrun"])
 def two_rank_runs(request, tmp_path_factory, tiny_gpt2):
-    if request.param == "mpirun":
-        return request.getfixturevalue("mpirun_runs")
     out = tmp_path_factory.mktemp(f"init_ranks_{request.param}")
     launch(request.param, [str(out), str(tiny_gpt2), "write", "resize"])
     return out
@@ -130,14 +114,15 @@ def test_resize_token_embeddings_after_a_zero3_from_pretrained(two_rank_runs, ti
     assert (new_rows - old_mean).abs().max() < 5e-3
 
 
-def test_a_block_that_ends_badly_on_one_rank_ends_on_every_rank_at_once(mpirun_runs):
+def test_a_block_that_ends_badly_on_one_rank_ends_on_every_rank_at_once(tmp_path):
     """Before initialize(), the end of a GatheredParameters(modifier_rank=0) block is collective
     (init_ranks.py errors, torch.distributed's timeout 20 s): when rank 0 left a parameter with
     another shape every rank raises the same error, naming it and both shapes, and keeps its
     values; when the block raised on rank 1 only, rank 0's values still reach every rank; when it
     raised on rank 0, no rank takes any of its changes. No rank waits for the timeout. Rank 0's
     outcome takes one broadcast (not broadcast_object_list's two)."""
-    reports = [torch.load(mpirun_runs / f"errors.rank{rank}.pt") for rank in (0, 1)]
+    launch("mpirun", [str(tmp_path), "-", "errors"], timeout=240)
+    reports = [torch.load(tmp_path / f"errors.rank{rank}.pt") for rank in (0, 1)]
     shape_error = ("GatheredParameters(modifier_rank=0): Linear.weight has shape (2, 2) at the "
                    "end of the block on rank 0, not its shape (4, 16); change its values, not "
                    "its shape")
