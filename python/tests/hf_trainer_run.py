@@ -16,8 +16,9 @@ save_model() to OUT/final; prints one line "RESULT <json>", and writes it to
 OUT/result.rank<r>.json, with the per-step loss, gradient norm and learning rate the Trainer
 logged, with --eval the evaluation loss at each save, and this process's rank and the world
 size as the Trainer sees them. Between cases the script clears the process-wide state a Trainer
-leaves behind: Accelerate's shared states and transformers' DeepSpeed config reference
-(unset_hf_deepspeed_config, transformers' function for that); the torch.distributed group, once
+leaves behind: Accelerate's shared states, transformers' DeepSpeed config reference
+(unset_hf_deepspeed_config, transformers' function for that) and the environment variables a
+case set (Accelerate's ACCELERATE_USE_DEEPSPEED); the torch.distributed group, once
 made, stays, as a launcher's processes keep it. With --cases outside a launcher's job, a
 case that raises writes its traceback to OUT/error.txt and the next case runs."""
 import argparse
@@ -129,10 +130,11 @@ def clear_process_state():
 if len(sys.argv) == 3 and sys.argv[1] == "--cases":
     with open(sys.argv[2]) as file:
         cases = json.load(file)
+    environment = dict(os.environ)
     for case in cases:
         try:
             train([str(part) for part in case])
-        except Exception:
+        except (Exception, SystemExit):
             if "WORLD_SIZE" in os.environ or "OMPI_COMM_WORLD_SIZE" in os.environ:
                 raise  # in a launcher's job the other ranks would wait for this one
             os.makedirs(case[0], exist_ok=True)
@@ -140,5 +142,9 @@ if len(sys.argv) == 3 and sys.argv[1] == "--cases":
                 file.write(traceback.format_exc())
             print(f"case {case} failed:\n{traceback.format_exc()}", file=sys.stderr)
         clear_process_state()
+        # Accelerate sets ACCELERATE_USE_DEEPSPEED for a DeepSpeed run: the next case starts
+        # from the environment the process started with.
+        os.environ.clear()
+        os.environ.update(environment)
 else:
     train(sys.argv[1:])
