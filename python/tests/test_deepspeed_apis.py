@@ -281,11 +281,11 @@ def run_script_in_this_process(save_dir, monkeypatch, *argv):
     """`python zero_to_fp32.py ARGV` in save_dir, the file there run as __main__ in this process
     (runpy) with that directory as the working directory and ARGV as sys.argv: the command line
     each test also runs once in a fresh process, without another process's start."""
-    monkeypatch.chdir(save_dir)
-    monkeypatch.setattr(sys, "argv", ["zero_to_fp32.py", *argv])
-    with pytest.raises(SystemExit) as exited:
-        runpy.run_path("zero_to_fp32.py", run_name="__main__")
-    monkeypatch.undo()
+    with monkeypatch.context() as patched:
+        patched.chdir(save_dir)
+        patched.setattr(sys, "argv", ["zero_to_fp32.py", *argv])
+        with pytest.raises(SystemExit) as exited:
+            runpy.run_path("zero_to_fp32.py", run_name="__main__")
     assert exited.value.code == 0
 
 
