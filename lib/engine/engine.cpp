@@ -167,11 +167,19 @@ class Engine::Impl {
   static Status finalize_context(const Status& st, std::string_view what,
                                  std::string_view settings) {
     if (st.is_ok() || st.message().starts_with("finalize:")) return st;
-    std::string message = fmt::format("finalize: {}: {}", what, st.message());
-    if (st.code() == Code::kResourceExhausted && !settings.empty()) {
-      message += fmt::format("; to need less memory for it, {}", settings);
-    }
-    return Status(st.code(), st.sys_code(), std::move(message));
+    const Status named = st.with_context(fmt::format("finalize: {}", what));
+    if (st.code() != Code::kResourceExhausted || settings.empty()) return named;
+    return Status(st.code(), st.sys_code(),
+                  fmt::format("{}; to need less memory for it, {}", named.message(), settings));
+  }
+
+  // `result`'s value moved into `*out`, or its error with finalize_context()'s.
+  template <typename T>
+  static Status take_or_context(Result<T> result, T* out, std::string_view what,
+                                std::string_view settings) {
+    if (!result.is_ok()) return finalize_context(result.status(), what, settings);
+    *out = std::move(result).value();
+    return Status();
   }
 
   // What open_optimizer_state() builds, and what makes it smaller, for finalize_context().
@@ -226,13 +234,8 @@ class Engine::Impl {
     set_step_params(t_ + 1);
     sc.group_ranges = group_ranges_;
     sc.groups = group_params_;
-    {
-      Result<std::unique_ptr<OptimizerState>> state = open_optimizer_state(sc);
-      if (!state.is_ok()) {
-        return finalize_context(state.status(), optimizer_state_what(), optimizer_state_settings());
-      }
-      state_ = std::move(state).value();
-    }
+    ZINF_RETURN_IF_ERROR(take_or_context(open_optimizer_state(sc), &state_, optimizer_state_what(),
+                                         optimizer_state_settings()));
 
     const GradTarget target = state_->grad_target();
     GradReducerOptions ro;
@@ -248,20 +251,15 @@ class Engine::Impl {
     for (std::size_t id = 0; id < ro.frozen.size(); ++id) {
       ro.frozen[id] = !layout_.param(id).spec.trainable;
     }
-    {
-      Result<std::unique_ptr<GradReducer>> reducer = GradReducer::create(
-          layout_.partitioner(), rank_, device_, comm_, target.accumulator, ro, &counters_);
-      if (!reducer.is_ok()) {
-        return finalize_context(
-            reducer.status(),
-            z.stage >= 2 ? "the gradient reduce buckets"
-                         : "the gradient reduce buckets and the full gradient copy of every group",
-            fmt::format("lower zero_optimization.reduce_bucket_size ({} elements){}",
-                        z.reduce_bucket_size,
-                        z.stage >= 2 ? "" : ", or set zero_optimization.stage to 2 or 3"));
-      }
-      reducer_ = std::move(reducer).value();
-    }
+    ZINF_RETURN_IF_ERROR(take_or_context(
+        GradReducer::create(layout_.partitioner(), rank_, device_, comm_, target.accumulator, ro,
+                            &counters_),
+        &reducer_,
+        z.stage >= 2 ? "the gradient reduce buckets"
+                     : "the gradient reduce buckets and the full gradient copy of every group",
+        fmt::format("lower zero_optimization.reduce_bucket_size ({} elements){}",
+                    z.reduce_bucket_size,
+                    z.stage >= 2 ? "" : ", or set zero_optimization.stage to 2 or 3")));
 
     ParamCoordinatorOptions co;
     co.shard_tier = stage3 ? z.offload_param.device : OffloadDevice::kNone;
@@ -275,26 +273,20 @@ class Engine::Impl {
       // A frozen group's shard the optimizer state already holds as published is not copied.
       ZINF_ASSIGN_OR_RETURN(co.shared_host_shards, state_->share_host_shards(layout_.persistent()));
     }
-    {
-      Result<std::unique_ptr<ParamCoordinator>> coord = ParamCoordinator::create(
-          layout_.partitioner(), rank_, device_, comm_, layout_.take_coordinator_modules(),
-          layout_.persistent(), co, swap_.get(), io_.get(), &counters_);
-      if (!coord.is_ok()) {
-        return finalize_context(
-            coord.status(),
-            stage3 ? "the parameter shards and the gather buffers"
-                   : "the parameters (whole on every rank below stage 3)",
-            stage3 ? fmt::format("lower zero_optimization.stage3_prefetch_bucket_size ({} "
-                                 "elements) or zero_optimization.stage3_max_live_parameters ({}){}",
-                                 z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
-                                 z.offload_param.device == OffloadDevice::kNone
-                                     ? ", or set zero_optimization.offload_param.device to cpu "
-                                       "or nvme"
-                                     : "")
-                   : "set zero_optimization.stage to 3 (the parameters partitioned)");
-      }
-      coord_ = std::move(coord).value();
-    }
+    ZINF_RETURN_IF_ERROR(take_or_context(
+        ParamCoordinator::create(layout_.partitioner(), rank_, device_, comm_,
+                                 layout_.take_coordinator_modules(), layout_.persistent(), co,
+                                 swap_.get(), io_.get(), &counters_),
+        &coord_,
+        stage3 ? "the parameter shards and the gather buffers"
+               : "the parameters (whole on every rank below stage 3)",
+        stage3 ? fmt::format("lower zero_optimization.stage3_prefetch_bucket_size ({} elements) "
+                             "or zero_optimization.stage3_max_live_parameters ({}){}",
+                             z.stage3_prefetch_bucket_size, z.stage3_max_live_parameters,
+                             z.offload_param.device == OffloadDevice::kNone
+                                 ? ", or set zero_optimization.offload_param.device to cpu or nvme"
+                                 : "")
+               : "set zero_optimization.stage to 3 (the parameters partitioned)"));
     // Its message names zinf.pinned_pool_bytes and what to lower already.
     ZINF_RETURN_IF_ERROR(
         finalize_context(check_pinned_limit(config_, state_->pinned_bytes(), param_staging_bytes_),
