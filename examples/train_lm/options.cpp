@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <iterator>
 #include <sstream>
 #include <utility>
 #include <vector>
@@ -15,6 +16,11 @@
 
 namespace train_lm {
 namespace {
+
+// The variables a launcher that started several processes sets to their count, after torchrun's
+// WORLD_SIZE: mpirun's (Open MPI), the PMI ones (MPICH, srun's plugins) and srun's own.
+constexpr const char* kLauncherSizeVariables[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
+                                                  "SLURM_STEP_NUM_TASKS"};
 
 bool parse_scaled(const std::string& text, bool binary, std::uint64_t* value) {
   std::size_t used = 0;
@@ -153,9 +159,10 @@ std::vector<std::pair<std::string, std::string>> option_lines(const std::string&
 }  // namespace
 
 int launcher_world_size(const std::string& comm, std::string* variable) {
-  // torchrun's first for nccl; then mpirun's (Open MPI), the PMI ones (MPICH, srun) and Slurm's.
-  std::vector<const char*> names = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE",
-                                    "SLURM_NTASKS"};
+  // torchrun's first for nccl. Not Slurm's SLURM_NTASKS: a batch allocation sets it around a
+  // program started without srun, which is then one process.
+  std::vector<const char*> names(std::begin(kLauncherSizeVariables),
+                                 std::end(kLauncherSizeVariables));
   if (comm == "nccl") names.insert(names.begin(), "WORLD_SIZE");
   if (variable != nullptr) variable->clear();
   for (const char* name : names) {
@@ -442,11 +449,8 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   if (o->comm == "local") {
     // LocalComm's ranks are threads of this one process. A launcher that started several
     // processes (mpirun -np 4 train_lm) would otherwise get as many separate one-process jobs,
-    // each training the whole model alone and writing the same outputs. srun tells its tasks
-    // by SLURM_STEP_NUM_TASKS (SLURM_NTASKS may be a batch allocation's, around a program started
-    // without srun).
-    for (const char* name :
-         {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"}) {
+    // each training the whole model alone and writing the same outputs.
+    for (const char* name : kLauncherSizeVariables) {
       const char* value = std::getenv(name);
       if (value != nullptr && std::atoi(value) > 1) {
         // --comm mpi runs on the engine only.
@@ -473,8 +477,8 @@ int parse_options(int argc, char** argv, Options* o, std::string* error) {
   }
   if (o->comm != "local") {
     // One process per rank: the world is the launcher's. Its variables are a guess that may be
-    // left over from another launch (a batch job's SLURM_NTASKS around a program started without
-    // srun), so an explicit --world-size wins over them; the communicator, which knows, checks it
+    // left over from another launch (a PMI_SIZE around a program started without a launcher), so
+    // an explicit --world-size wins over them; the communicator, which knows, checks it
     // when it opens. Without any of them no launcher started this process, and it is one rank.
     std::string variable;
     const int launched = launcher_world_size(o->comm, &variable);

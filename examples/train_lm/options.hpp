@@ -113,8 +113,8 @@ bool parse_count(const std::string& text, std::uint64_t* value);
 bool parse_bytes(const std::string& text, std::uint64_t* value);
 
 // With --comm mpi or nccl: the world size and this process's rank as the launcher's environment
-// gives them (torchrun's WORLD_SIZE/RANK for nccl, then Open MPI's, PMI's and Slurm's); 1 and 0
-// when no launcher set them. `variable`, when given, gets the variable read ("SLURM_NTASKS=4"),
+// gives them (torchrun's WORLD_SIZE/RANK for nccl, then Open MPI's, PMI's and srun's); 1 and 0
+// when no launcher set them. `variable`, when given, gets the variable read ("PMI_SIZE=4"),
 // or is cleared when none was set.
 int launcher_world_size(const std::string& comm, std::string* variable = nullptr);
 int launcher_rank(const std::string& comm);

@@ -379,10 +379,13 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
 }
 
 // With --comm mpi the launcher's variables give the world size, but an explicit --world-size wins
-// over them (a batch job's SLURM_NTASKS around a program started without srun is a guess, not the
-// job): the communicator checks the figure when it opens.
+// over them (one left from another launch, PMI_SIZE around a program started without a launcher,
+// is a guess, not the job): the communicator checks the figure when it opens. A batch
+// allocation's SLURM_NTASKS is no launcher's: without srun (SLURM_STEP_NUM_TASKS) the program is
+// one process.
 TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"}) {
     if (std::getenv(name) != nullptr) GTEST_SKIP() << name << " is set: run under a launcher";
   }
   auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
@@ -391,19 +394,31 @@ TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
     for (std::string& a : args) argv.push_back(a.data());
     return parse_options(int(argv.size()), argv.data(), o, error);
   };
+  Options given, guessed, allocation, stepped;
+  std::string error, given_error, allocation_error;
+  int given_rc = 0, guessed_rc = 0, allocation_rc = 0, stepped_rc = 0;
+  setenv("PMI_SIZE", "4", 1);
+  given_rc = parse({"--comm", "mpi", "--world-size", "1"}, &given, &given_error);
+  guessed_rc = parse({"--comm", "mpi"}, &guessed, &error);
+  unsetenv("PMI_SIZE");
   setenv("SLURM_NTASKS", "4", 1);
-  Options given, guessed;
-  std::string error;
-  const int given_rc = parse({"--comm", "mpi", "--world-size", "1"}, &given, &error);
-  const std::string given_error = error;
-  const int guessed_rc = parse({"--comm", "mpi"}, &guessed, &error);
+  allocation_rc = parse({"--comm", "mpi"}, &allocation, &allocation_error);
+  setenv("SLURM_STEP_NUM_TASKS", "4", 1);
+  stepped_rc = parse({"--comm", "mpi"}, &stepped, &allocation_error);
+  unsetenv("SLURM_STEP_NUM_TASKS");
   unsetenv("SLURM_NTASKS");
   ASSERT_EQ(given_rc, 0) << given_error;
   EXPECT_EQ(given.world_size, 1);
   EXPECT_EQ(given.world_size_from, "--world-size");
   ASSERT_EQ(guessed_rc, 0) << error;
   EXPECT_EQ(guessed.world_size, 4);
-  EXPECT_EQ(guessed.world_size_from, "SLURM_NTASKS=4");
+  EXPECT_EQ(guessed.world_size_from, "PMI_SIZE=4");
+  ASSERT_EQ(allocation_rc, 0) << allocation_error;
+  EXPECT_EQ(allocation.world_size, 1);
+  EXPECT_EQ(allocation.world_size_from, "");
+  ASSERT_EQ(stepped_rc, 0) << allocation_error;
+  EXPECT_EQ(stepped.world_size, 4);
+  EXPECT_EQ(stepped.world_size_from, "SLURM_STEP_NUM_TASKS=4");
 }
 
 // mpirun -np 2 train_lm without --comm mpi would run two separate one-rank jobs: refused, naming
@@ -1809,27 +1824,27 @@ TEST(Program, MpiRanksGivenDifferentOptionsFailNamingTheOption) {
   fs::remove_all(dir);
 }
 
-// A launcher variable left in the environment (SLURM_NTASKS=4 around a program started without
-// srun) is named in the error, with the --world-size that overrides it; given, the run trains.
+// A launcher variable left in the environment (PMI_SIZE=4 around a program started without a
+// launcher) is named in the error, with the --world-size that overrides it; given, the run trains.
 TEST(Program, StrayLauncherVariableIsNamedAndWorldSizeOverridesIt) {
 #if !defined(ZINF_HAVE_MPI)
   GTEST_SKIP() << "no MPI in this build";
 #else
-  for (const char* name : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS"}) {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"}) {
     if (std::getenv(name) != nullptr) GTEST_SKIP() << name << " is set: run under a launcher";
   }
   const fs::path dir = scratch_dir("train_lm_stray_ntasks");
   const std::string args =
       kMpiRun + "--out " + (dir / "out").string() + " --nvme-path " + (dir / "nvme").string();
   std::string err, out;
-  EXPECT_EQ(run_command(mpi_environment() + "SLURM_NTASKS=4", args, &err), 1);
+  EXPECT_EQ(run_command(mpi_environment() + "PMI_SIZE=4", args, &err), 1);
   EXPECT_NE(err.find("the communicator has 1 rank but the launcher's environment says 4 "
-                     "(SLURM_NTASKS=4)"),
+                     "(PMI_SIZE=4)"),
             std::string::npos)
       << err;
   EXPECT_NE(err.find("--world-size 1 overrides it"), std::string::npos) << err;
-  EXPECT_EQ(run_command(mpi_environment() + "SLURM_NTASKS=4", args + " --world-size 1", &err, &out),
-            0)
+  EXPECT_EQ(run_command(mpi_environment() + "PMI_SIZE=4", args + " --world-size 1", &err, &out), 0)
       << err;
   EXPECT_GT(final_val_loss(out), 0) << out;
   fs::remove_all(dir);
