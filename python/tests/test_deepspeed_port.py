@@ -525,3 +525,28 @@ def test_an_overflow_at_the_loss_scales_floor_raises_and_training_goes_on():
     engine.step()
     assert engine.was_step_applied()
     assert (engine.global_steps, engine.skipped_steps) == (2, 1)
+
+
+def test_the_bf16_sections_old_name_computes_in_bf16():
+    # DeepSpeed reads the section "bfloat16" as "bf16" where the config has no "bf16"
+    # (deepspeed/runtime/precision_config.py, get_bfloat16_config): the model computes in bf16
+    # and trains as with "bf16". (The model was left in fp32 before, and the engine refused its
+    # parameters: "dtype f32, but bf16.enabled is true".)
+    masters = {}
+    for key in ("bf16", "bfloat16"):
+        config = mlp_config(2)
+        del config["bf16"]
+        config[key] = {"enabled": True}
+        engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+        assert engine.bfloat16_enabled() and not engine.fp16_enabled()
+        assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+        assert all(p.dtype == torch.bfloat16 for p in engine.module.parameters())
+        for x, y in mlp_batches(3):
+            engine.backward(mlp_loss(engine, (x.bfloat16(), y.bfloat16())).float())
+            engine.step()
+        masters[key] = {name: engine.read_parameter(name)
+                        for name, _ in engine.module.named_parameters()}
+        engine.destroy()
+    assert masters["bfloat16"].keys() == masters["bf16"].keys()
+    for name, value in masters["bf16"].items():
+        assert torch.equal(masters["bfloat16"][name], value), name

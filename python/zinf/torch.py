@@ -214,6 +214,8 @@ def _base_lr(group: dict) -> float:
 
 
 def _compute_dtype(config: dict) -> str:
+    """The dtype the model computes in, from the engine's resolved config (where DeepSpeed's old
+    name of the bf16 section, "bfloat16", is already read as "bf16")."""
     if config.get("bf16", {}).get("enabled", False):
         return "bf16"
     if config.get("fp16", {}).get("enabled", False):
@@ -719,7 +721,7 @@ class ZinfEngine(nn.Module):
         self._gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
         self._micro_batch_size = int(resolved["train_micro_batch_size_per_gpu"])
         self.local_rank = _local_rank()
-        self.dtype_name = _compute_dtype(config)
+        self.dtype_name = _compute_dtype(resolved)
         self.dtype = _TORCH_DTYPES[self.dtype_name]
         self._gradient_clipping = float(resolved.get("gradient_clipping", 0.0))
         self._steps_per_print = int(config.get("steps_per_print", 10))
