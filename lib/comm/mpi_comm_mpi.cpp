@@ -838,10 +838,11 @@ void MpiComm::progress_loop() {
       // first (their data is on its way), so that nothing lands in a buffer after its collective
       // returned; a task with one that does not within kCancelWait is abandoned (abandoned_):
       // the request stays open and the task alive, so that MPI never writes into memory the
-      // communicator freed. (A receive straight into the caller's buffer, an unstaged all-gather
-      // or broadcast, can still land there after the call returned: on a host device that is the
-      // engine's gather buffer, which the engine may free when it closes.) Unmatched
-      // receives have no buffer posted. Sends only read their buffers.
+      // communicator freed. A receive straight into the caller's buffer (an unstaged all-gather
+      // or broadcast) can still land there after the call returned: on a HostDevice, whose
+      // allocations the engine's buffers are, the device keeps that memory past its free while
+      // the task lives (HostDevice::keep_while). Unmatched receives have no buffer posted. Sends
+      // only read their buffers.
       for (std::shared_ptr<Task>& task : in_flight_) {
         bool receiving = false;
         for (Task::Message& message : task->messages) {
@@ -853,7 +854,12 @@ void MpiComm::progress_loop() {
               if (MPI_Test(&message.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS) break;
               if (flag == 0) std::this_thread::sleep_for(std::chrono::microseconds(50));
             }
-            if (message.request != MPI_REQUEST_NULL) receiving = true;
+            if (message.request != MPI_REQUEST_NULL) {
+              receiving = true;
+              if (!staged_ && host_device_ != nullptr) {
+                host_device_->keep_while(message.data, message.bytes, task);
+              }
+            }
           } else {
             MPI_Request_free(&message.request);
           }

@@ -166,6 +166,18 @@ HostDevice::~HostDevice() {
   ZINF_ASSERT_MSG(live_streams_ == 0 && live_events_ == 0,
                   "HostDevice destroyed before its streams and events");
   for (const auto& [base, bytes] : allocations_) std::free(reinterpret_cast<void*>(base));
+  std::vector<void*> released;
+  release_kept_locked(&released);
+  for (void* ptr : released) std::free(ptr);
+  if (!kept_.empty()) {
+    // A writer that outlives the device may still write this memory: kept to the process's end,
+    // reachable, so that no leak checker reports it. Never destroyed, the mutex too: a device may
+    // be destroyed during static destruction.
+    static auto* kept_mu = new std::mutex();
+    static auto* kept = new std::vector<void*>();
+    std::lock_guard<std::mutex> kept_lock(*kept_mu);
+    for (const auto& [base, bytes] : kept_) kept->push_back(reinterpret_cast<void*>(base));
+  }
 }
 
 HostStream& HostDevice::host_stream(Stream& stream) const {
@@ -193,6 +205,12 @@ Result<void*> HostDevice::allocate(std::size_t bytes) {
     used_bytes_ += bytes;
   }
   const std::size_t rounded = (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
+  std::vector<void*> released;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!kept_.empty()) release_kept_locked(&released);
+  }
+  for (void* kept : released) std::free(kept);
   void* ptr = std::aligned_alloc(kAllocAlignment, rounded);
   if (ptr == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
@@ -209,6 +227,7 @@ Result<void*> HostDevice::allocate(std::size_t bytes) {
 
 Status HostDevice::free_now(void* device_ptr) {
   void* ptr = host_address(device_ptr);
+  std::vector<void*> released;
   {
     // An opaque device's memory is freed by its device pointer only.
     std::lock_guard<std::mutex> lock(mu_);
@@ -219,12 +238,54 @@ Status HostDevice::free_now(void* device_ptr) {
           fmt::format("{}: free of {} which this device did not allocate (or freed already)", name_,
                       device_ptr));
     }
-    used_bytes_ -= it->second;
+    const std::size_t bytes = it->second;
+    used_bytes_ -= bytes;
     allocations_.erase(it);
     pending_frees_.erase(key);
+    if (!writers_.empty() || !kept_.empty()) {
+      release_kept_locked(&released);
+      if (kept_locked(key, bytes)) {
+        kept_.emplace(key, bytes);
+        ptr = nullptr;
+      }
+    }
   }
+  for (void* kept : released) std::free(kept);
   std::free(ptr);
   return Status::ok();
+}
+
+void HostDevice::keep_while(const void* ptr, std::size_t bytes, std::weak_ptr<const void> writer) {
+  if (bytes == 0) return;
+  const auto begin = reinterpret_cast<std::uintptr_t>(host_address(ptr));
+  std::lock_guard<std::mutex> lock(mu_);
+  writers_.push_back({.begin = begin, .end = begin + bytes, .alive = std::move(writer)});
+}
+
+std::size_t HostDevice::kept_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::size_t total = 0;
+  for (const auto& [base, bytes] : kept_) total += bytes;
+  return total;
+}
+
+bool HostDevice::kept_locked(std::uintptr_t base, std::size_t bytes) const {
+  for (const Writer& writer : writers_) {
+    if (writer.begin < base + bytes && base < writer.end && !writer.alive.expired()) return true;
+  }
+  return false;
+}
+
+void HostDevice::release_kept_locked(std::vector<void*>* released) {
+  std::erase_if(writers_, [](const Writer& writer) { return writer.alive.expired(); });
+  for (auto it = kept_.begin(); it != kept_.end();) {
+    if (kept_locked(it->first, it->second)) {
+      ++it;
+    } else {
+      released->push_back(reinterpret_cast<void*>(it->first));
+      it = kept_.erase(it);
+    }
+  }
 }
 
 Status HostDevice::free(void* ptr) {

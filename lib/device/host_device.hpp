@@ -156,6 +156,15 @@ class HostDevice final : public Device {
   // Streams alive now (each is one thread).
   int live_stream_count() const;
 
+  // Keeps the memory of [ptr, ptr + bytes) while `writer` lives, for a transfer given up on that
+  // may still write it: an MPI receive left open after its collective failed (MpiComm). A free of
+  // an allocation that overlaps the range succeeds (the allocation leaves the table and the used
+  // bytes at once) but its memory is released only once every such writer has expired, by a later
+  // allocate or free; one still kept when the device is destroyed is kept to the process's end.
+  void keep_while(const void* ptr, std::size_t bytes, std::weak_ptr<const void> writer);
+  // The bytes of freed allocations whose memory keep_while() still keeps.
+  std::size_t kept_bytes() const;
+
   // The host address of device pointer `ptr` (`ptr` itself unless the device is opaque; see
   // HostDeviceOptions::opaque). For the code that plays the device's part on the host: LocalComm's
   // collectives and the device ops' scalar implementations.
@@ -175,6 +184,11 @@ class HostDevice final : public Device {
   // True when [ptr, ptr + bytes) lies inside one live allocation.
   bool contains(const void* ptr, std::size_t bytes) const;
   Status free_now(void* ptr);
+  // Whether a live writer of keep_while() overlaps [base, base + bytes). REQUIRES: mu_ held.
+  bool kept_locked(std::uintptr_t base, std::size_t bytes) const;
+  // Drops the expired writers and moves the kept memory no live writer overlaps any more to
+  // `released`, to be freed outside the lock. REQUIRES: mu_ held.
+  void release_kept_locked(std::vector<void*>* released);
 
   HostDeviceOptions options_;
   std::string name_;
@@ -187,6 +201,12 @@ class HostDevice final : public Device {
   std::map<std::uintptr_t, std::size_t> registered_;   // register_host ranges
   std::size_t used_bytes_ = 0;                         // allocations and reservations
   std::size_t reserved_bytes_ = 0;                     // reserve()'s share of used_bytes_
+  struct Writer {
+    std::uintptr_t begin = 0, end = 0;  // host addresses
+    std::weak_ptr<const void> alive;
+  };
+  std::vector<Writer> writers_;                 // keep_while()
+  std::map<std::uintptr_t, std::size_t> kept_;  // freed, memory kept: base -> bytes
   std::uint32_t streams_created_ = 0;
   int live_streams_ = 0;
   int live_events_ = 0;

@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -313,6 +314,55 @@ TEST(HostDevice, StreamOrderedAllocationAndFree) {
   ASSERT_TRUE(device->synchronize(*stream).is_ok());
   EXPECT_EQ(back, host);
   EXPECT_EQ(device->memory_used_bytes(), 0u);
+}
+
+// An MPI receive left open after its collective failed may still write the caller's buffer
+// (MpiComm, unstaged on a host device): freeing it must not give the memory back while that
+// writer lives. The writer here is a thread that writes the block after its owner freed it; under
+// AddressSanitizer a released block would be a use after free.
+TEST(HostDevice, MemoryAWriterMayStillWriteIsKeptPastItsFreeUntilTheWriterEnds) {
+  auto device = make_device();
+  auto* host = static_cast<HostDevice*>(device.get());
+  Result<void*> kept = device->allocate(4096);
+  Result<void*> other = device->allocate(1000);
+  ASSERT_TRUE(kept.is_ok() && other.is_ok());
+  auto writer = std::make_shared<int>(0);
+  // The writer's range is a piece inside the allocation, as one peer's part of an all-gather.
+  host->keep_while(static_cast<std::byte*>(*kept) + 1024, 512, writer);
+
+  ASSERT_TRUE(device->free(*kept).is_ok());
+  ASSERT_TRUE(device->free(*other).is_ok());
+  EXPECT_EQ(device->memory_used_bytes(), 0u);
+  EXPECT_EQ(host->kept_bytes(), 4096u);
+  EXPECT_EQ(device->free(*kept).code(), Code::kInvalidArgument);  // freed once only
+
+  const std::vector<float> late = random_floats(128, 11);
+  std::thread late_writer(
+      [&] { std::memcpy(static_cast<std::byte*>(*kept) + 1024, late.data(), 512); });
+  late_writer.join();
+  std::vector<float> landed(128);
+  std::memcpy(landed.data(), static_cast<std::byte*>(*kept) + 1024, 512);
+  EXPECT_EQ(landed, late);
+
+  // Once the writer is gone the next allocate or free releases the memory.
+  writer.reset();
+  EXPECT_EQ(host->kept_bytes(), 4096u);
+  Result<void*> next = device->allocate(256);
+  ASSERT_TRUE(next.is_ok());
+  EXPECT_EQ(host->kept_bytes(), 0u);
+  ASSERT_TRUE(device->free(*next).is_ok());
+
+  // A writer over memory that is not freed keeps nothing, and one that outlives the device leaves
+  // its memory to the process's end.
+  Result<void*> live = device->allocate(2048);
+  ASSERT_TRUE(live.is_ok());
+  auto outliving = std::make_shared<int>(0);
+  host->keep_while(*live, 2048, outliving);
+  EXPECT_EQ(host->kept_bytes(), 0u);
+  ASSERT_TRUE(device->free(*live).is_ok());
+  EXPECT_EQ(host->kept_bytes(), 2048u);
+  device.reset();
+  std::memcpy(*live, late.data(), 512);
 }
 
 TEST(HostDevice, RegisterHostRejectsOverlapsAndUnknownPointers) {
