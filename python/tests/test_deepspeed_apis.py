@@ -548,3 +548,30 @@ def test_torchrun_under_srun_is_torchruns(monkeypatch):
     with pytest.raises(ValueError, match="RANK=5 in the environment, but the MPI launcher says 1"):
         compat._launcher_environment("deepspeed.init_distributed")
     assert compat._zt._choose_comm(None) == "mpi"
+
+
+@pytest.mark.parametrize("zero", [None, {"offload_optimizer": {"device": "cpu"}}])
+def test_a_config_without_a_zero_stage_keeps_the_module_whole(zero, tmp_path):
+    # DeepSpeed's ZeRO stage where the config names none is 0 (DeepSpeedZeroConfig.stage): no
+    # partitioning, so engine.module's parameters stay whole and a DeepSpeed script may save
+    # torch.save(engine.module.state_dict()) or read model.parameters() outside the forward.
+    # zinf runs it as stage 1. (It ran stage 3 before: the state dict held empty tensors.)
+    config = mlp_config(1)
+    if zero is None:
+        del config["zero_optimization"]
+    else:
+        config["zero_optimization"] = zero
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=config,
+                                    model_parameters=None)
+    assert engine.zero_optimization_stage() < 3
+    reference = make_mlp()
+    torch_run(reference, mlp_batches(STEPS))
+    zinf_run(engine, mlp_batches(STEPS))
+    torch.save(engine.module.state_dict(), tmp_path / "model.pt")
+    saved = torch.load(tmp_path / "model.pt")
+    expected = reference.state_dict()
+    assert saved.keys() == expected.keys()
+    for name, value in expected.items():
+        assert saved[name].shape == value.shape, name
+        assert relative_error(saved[name], value) < 1e-5, name
+    engine.destroy()

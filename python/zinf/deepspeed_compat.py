@@ -936,10 +936,22 @@ def _write_recovery_script(save_dir: str):
 
 def _clean_config(config: dict) -> dict:
     """The config as the Trainer and Accelerate filled it, in the form zinf.torch reads:
-    Accelerate sets steps_per_print to float("inf") (not JSON) to silence DeepSpeed's logging."""
+    Accelerate sets steps_per_print to float("inf") (not JSON) to silence DeepSpeed's logging;
+    and a config without a ZeRO stage gets DeepSpeed's default, 0."""
     steps = config.get("steps_per_print")
     if isinstance(steps, float) and math.isinf(steps):
         config["steps_per_print"] = 2**31 - 1
+    # DeepSpeed's ZeRO stage when the config names none is 0 (no partitioning:
+    # DeepSpeedZeroConfig.stage), where zinf's engine defaults to 3. A script written for
+    # DeepSpeed then expects whole parameters in engine.module outside the forward (its
+    # state_dict() saved with torch.save, an EMA copy, a norm over model.parameters()), which
+    # stage 3 would leave as empty placeholders: the stage is DeepSpeed's 0, which zinf runs as
+    # stage 1 (the same steps, the optimizer state partitioned).
+    zero = config.get("zero_optimization")
+    if zero is None:
+        config["zero_optimization"] = {"stage": 0}
+    elif isinstance(zero, dict) and "stage" not in zero:
+        zero["stage"] = 0
     tensor_parallel = config.get("tensor_parallel") or {}
     if int(tensor_parallel.get("autotp_size", 1) or 1) > 1:
         tp_model_init(None, tensor_parallel["autotp_size"], None)
