@@ -550,3 +550,35 @@ def test_the_bf16_sections_old_name_computes_in_bf16():
     assert masters["bfloat16"].keys() == masters["bf16"].keys()
     for name, value in masters["bf16"].items():
         assert torch.equal(masters["bfloat16"][name], value), name
+
+
+def test_backward_returns_deepspeeds_loss():
+    # DeepSpeed's engine.backward returns the loss it ran the backward on: loss.float() /
+    # gradient_accumulation_steps when that is above 1, else the loss itself; with
+    # scale_wrt_gas=False the loss as given (deepspeed/runtime/engine.py, backward and
+    # _scale_loss_by_gas). It returned the loss as given at every accumulation before.
+    import zinf.deepspeed_compat as compat
+
+    for accumulation in (1, 3):
+        config = mlp_config(2)
+        config["gradient_accumulation_steps"] = accumulation
+        engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+        ds_engine, _, _, _ = compat.initialize(model=make_mlp(), config=config,
+                                               dist_init_required=False)
+        for batch in mlp_batches(accumulation):
+            loss = mlp_loss(engine, batch)
+            returned = engine.backward(loss)
+            if accumulation == 1:
+                assert returned is loss
+            else:
+                assert returned.dtype == torch.float32
+                assert torch.equal(returned, loss.float() / accumulation)
+            engine.step()
+            loss = mlp_loss(ds_engine, batch)
+            returned = ds_engine.backward(loss)
+            assert torch.equal(returned, loss / accumulation if accumulation > 1 else loss)
+            ds_engine.step()
+        loss = mlp_loss(ds_engine, mlp_batches(1)[0])
+        assert ds_engine.backward(loss, scale_wrt_gas=False) is loss
+        engine.destroy()
+        ds_engine.destroy()

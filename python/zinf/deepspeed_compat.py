@@ -824,9 +824,14 @@ class DeepSpeedEngine(_zt.ZinfEngine):
             # completes the accumulation, with the samples of the steps before this one.
             logged = (loss.float() / steps if steps > 1 and scale_wrt_gas else loss)
             logged = logged.mean().detach()
+        given = loss
         if not scale_wrt_gas and steps != 1:
             loss = loss * steps
+        # DeepSpeed returns the loss it ran the backward on: divided by the steps (zinf.torch's
+        # backward returns that), or with scale_wrt_gas=False the loss as given.
         result = super().backward(loss, retain_graph=retain_graph)
+        if not scale_wrt_gas:
+            result = given
         if logged is not None:
             losses = self.__dict__.get("_monitor_losses")
             self._monitor_losses = logged if losses is None else losses + logged

@@ -1606,7 +1606,11 @@ class ZinfEngine(nn.Module):
                     raise
 
     def backward(self, loss: torch.Tensor, retain_graph: bool = False):
-        """Runs autograd on loss times the loss scale; every gradient reaches the engine."""
+        """Runs autograd on loss times the loss scale; every gradient reaches the engine. Returns
+        what DeepSpeed's backward returns: the loss divided by gradient_accumulation_steps (in
+        fp32) when that is above 1, else the loss itself. (zinf's engine averages the
+        micro-batches at the step instead of scaling each loss, so the division is only for the
+        value returned, which a script may log.)"""
         pending, gas = self._micro_batches_pending, self._gradient_accumulation_steps
         if pending >= gas:
             # Refused before autograd runs: the engine keeps the micro-batches it has, and a
@@ -1644,7 +1648,7 @@ class ZinfEngine(nn.Module):
         self.micro_steps += 1
         self._micro_batches_pending += 1
         self._backward_since_step_call = True
-        return loss
+        return loss.float() / gas if gas > 1 else loss
 
     def _refuse_stray_backward(self, call: str):
         """Raises at a step when, since the last step, autograd produced gradients of the model's
