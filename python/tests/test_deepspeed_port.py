@@ -582,3 +582,32 @@ def test_backward_returns_deepspeeds_loss():
         assert ds_engine.backward(loss, scale_wrt_gas=False) is loss
         engine.destroy()
         ds_engine.destroy()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_auto_cast_casts_the_forwards_inputs(stage):
+    # DeepSpeed's forward with fp16.auto_cast casts its positional inputs to fp16
+    # (deepspeed/runtime/engine.py, forward and _cast_inputs_half), so a script may pass fp32
+    # batches to the fp16 model. The key was accepted and ignored before: torch raised "mat1 and
+    # mat2 must have the same dtype".
+    config = mlp_config(stage)
+    config["fp16"] = {"enabled": True, "auto_cast": True, "initial_scale_power": 8}
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    x, y = mlp_batches(1)[0]
+    inputs = [x]
+    out = engine(inputs[0])
+    assert out.dtype == torch.float16
+    assert torch.equal(out, engine(x.half()))
+    assert inputs[0].dtype == torch.float32  # the caller's tensor is not changed
+    engine.backward((out.float() - y).pow(2).mean())
+    engine.step()
+    assert engine.was_step_applied()
+    # An integer input keeps its dtype (DeepSpeed's .half() would cast token ids too).
+    embedding = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 2))
+    engine, _, _, _ = zinf.torch.initialize(model=embedding, config=config)
+    ids = torch.tensor([[1, 2, 3]])
+    assert engine(ids).dtype == torch.float16
+    config["fp16"]["auto_cast"] = False
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    with pytest.raises(RuntimeError, match="dtype"):
+        engine(x)

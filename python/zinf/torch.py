@@ -354,6 +354,23 @@ def _rebuild_tensors(value, replaced):
     return value
 
 
+def _cast_inputs_half(value):
+    """DeepSpeed's engine with fp16.auto_cast casts the forward's positional inputs to fp16
+    (engine.py, _cast_inputs_half): here each floating-point tensor, within tuples, lists and
+    dicts, which are rebuilt, not changed in place. Integer and boolean tensors keep their dtype
+    (DeepSpeed's .half() would turn token ids into floats that no embedding takes)."""
+    if isinstance(value, torch.Tensor):
+        return value.half() if value.is_floating_point() else value
+    if isinstance(value, tuple):
+        items = [_cast_inputs_half(item) for item in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [_cast_inputs_half(item) for item in value]
+    if isinstance(value, dict):
+        return {key: _cast_inputs_half(item) for key, item in value.items()}
+    return value
+
+
 _MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
 
 
@@ -723,6 +740,10 @@ class ZinfEngine(nn.Module):
         self.local_rank = _local_rank()
         self.dtype_name = _compute_dtype(resolved)
         self.dtype = _TORCH_DTYPES[self.dtype_name]
+        # fp16.auto_cast: the forward casts its positional inputs to fp16, as DeepSpeed's does.
+        fp16_section = config.get("fp16")
+        self._auto_cast = self.dtype_name == "f16" and isinstance(fp16_section, dict) and bool(
+            fp16_section.get("auto_cast", False))
         self._gradient_clipping = float(resolved.get("gradient_clipping", 0.0))
         self._steps_per_print = int(config.get("steps_per_print", 10))
         # DeepSpeed's counters: optimizer steps taken (skipped ones included), those skipped for
@@ -1575,6 +1596,8 @@ class ZinfEngine(nn.Module):
             raise
 
     def forward(self, *args, **kwargs):
+        if self._auto_cast:
+            args = _cast_inputs_half(args)
         with self._aborting_on_error("forward"):
             if self.stage < 3:
                 return self.module(*args, **kwargs)
