@@ -611,3 +611,48 @@ def test_fp16_auto_cast_casts_the_forwards_inputs(stage):
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     with pytest.raises(RuntimeError, match="dtype"):
         engine(x)
+
+
+def test_deepspeed_initialize_reads_the_config_as_deepspeed_does(tmp_path):
+    # deepspeed.initialize refuses a config in args.deepspeed_config and in config= (or
+    # config_params=), and one in neither (deepspeed/__init__.py, _parse_args / DeepSpeedConfig).
+    # zinf.deepspeed_compat's took config= silently over args before, and without any config
+    # raised a TypeError about None.
+    import zinf.deepspeed_compat as compat
+
+    path = tmp_path / "ds_config.json"
+    path.write_text(json.dumps(mlp_config(2)))
+    args = argparse.Namespace(deepspeed_config=str(path), local_rank=0)
+    engine, _, _, _ = compat.initialize(args=args, model=make_mlp(), dist_init_required=False)
+    assert engine.zero_optimization_stage() == 2
+    for keyword in ("config", "config_params"):
+        with pytest.raises(ValueError, match="args.deepspeed_config .* and config="):
+            compat.initialize(args=args, model=make_mlp(), dist_init_required=False,
+                              **{keyword: mlp_config(1)})
+    with pytest.raises(ValueError, match="no config.*--deepspeed_config"):
+        compat.initialize(args=argparse.Namespace(deepspeed_config=None), model=make_mlp(),
+                          dist_init_required=False)
+
+
+def test_deepspeed_backward_takes_deepspeeds_arguments_in_their_order(caplog):
+    # DeepSpeed's backward(loss, allreduce_gradients=True, release_loss=False,
+    # retain_graph=False, scale_wrt_gas=True): the first two are accepted and do nothing (a
+    # warning when allreduce_gradients is False). They were refused before, and a second
+    # positional argument was taken as retain_graph.
+    import zinf.deepspeed_compat as compat
+
+    engines = [compat.initialize(model=make_mlp(), config=mlp_config(2),
+                                 dist_init_required=False)[0] for _ in range(2)]
+    for batch in mlp_batches(2):
+        engines[0].backward(mlp_loss(engines[0], batch))
+        loss = mlp_loss(engines[1], batch)
+        with caplog.at_level("WARNING", logger="DeepSpeed"):
+            engines[1].backward(loss, False, True)
+        assert "allreduce_gradients is deprecated" in caplog.text
+        # The graph was freed (retain_graph stayed False).
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            loss.backward()
+        for engine in engines:
+            engine.step()
+    for name, _ in engines[0].module.named_parameters():
+        assert torch.equal(engines[0].read_parameter(name), engines[1].read_parameter(name))

@@ -804,16 +804,22 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         DeepSpeed's engine keeps it."""
         return self.__dict__.get("_compat_training_dataloader")
 
-    def backward(self, loss, retain_graph=False, scale_wrt_gas=True, **kwargs):
-        """DeepSpeed divides the loss by gradient_accumulation_steps, unless scale_wrt_gas is
-        False: the Trainer passes False, having divided the loss itself, so that DeepSpeed's sum
-        of the micro-batches' gradients is the step's. zinf's engine averages the micro-batches
-        (it divides their sum by gradient_accumulation_steps at the step), so with
-        scale_wrt_gas=False the loss is multiplied by that count here, which makes the same
-        sum."""
+    def backward(self, loss, allreduce_gradients=True, release_loss=False, retain_graph=False,
+                 scale_wrt_gas=True, **kwargs):
+        """DeepSpeed's signature, in its order. DeepSpeed divides the loss by
+        gradient_accumulation_steps, unless scale_wrt_gas is False: the Trainer passes False,
+        having divided the loss itself, so that DeepSpeed's sum of the micro-batches' gradients
+        is the step's. zinf's engine averages the micro-batches (it divides their sum by
+        gradient_accumulation_steps at the step), so with scale_wrt_gas=False the loss is
+        multiplied by that count here, which makes the same sum. allreduce_gradients and
+        release_loss do nothing, as in DeepSpeed (which warns that the first is deprecated and
+        ignored when it is False)."""
         if kwargs:
             raise NotImplementedError(f"DeepSpeedEngine.backward (zinf.deepspeed_compat): "
                                       f"options {sorted(kwargs)} are not supported")
+        if not allreduce_gradients:
+            logger.warning("DeepSpeedEngine.backward: the argument allreduce_gradients is "
+                           "deprecated and ignored (as in DeepSpeed): the gradients are reduced")
         steps = self.gradient_accumulation_steps()
         monitor = self.__dict__.get("monitor")
         logged = None
@@ -1093,10 +1099,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                                   "passes one) is not supported")
     # Frozen parameters (PEFT, LoRA and other adapters) go to zinf.torch, which keeps them as
     # module tensors at stages 1 and 2 and refuses them at stage 3, naming the first.
-    if config is None:
-        config = config_params
-    if config is None and getattr(args, "deepspeed_config", None) is not None:
-        config = args.deepspeed_config
+    config = _zt._config_argument(config, config_params, args)
     if dist_init_required is not False:
         init_distributed(distributed_port=distributed_port)
     _refuse_without_launcher("deepspeed.initialize")

@@ -151,6 +151,24 @@ def _load_config_text(text: str, path: str) -> dict:
                          "DeepSpeed refuses") from None
 
 
+def _config_argument(config, config_params, args):
+    """initialize()'s config: config=, or DeepSpeed's other name for it, config_params=, or
+    args.deepspeed_config (add_config_arguments' --deepspeed_config). A config in args and in a
+    keyword is refused, as DeepSpeed refuses it, and so is none at all."""
+    if config is None:
+        config = config_params
+    from_args = getattr(args, "deepspeed_config", None)
+    if from_args is not None:
+        if config is not None:
+            raise ValueError(f"initialize: a config in args.deepspeed_config ({from_args}) and "
+                             "config= were both given (DeepSpeed refuses this too); pass one")
+        config = from_args
+    if config is None:
+        raise ValueError("initialize: no config: pass config= (a dict or a JSON path) or args "
+                         "with --deepspeed_config (zinf.torch.add_config_arguments(parser))")
+    return config
+
+
 def _read_config(config: dict | str | os.PathLike) -> dict:
     """A DeepSpeed-style config from a dict (copied) or the path of a JSON file."""
     if isinstance(config, (str, os.PathLike)):
@@ -2585,17 +2603,7 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
         "mpi" when an MPI launcher started the process, "torch" when torchrun did (WORLD_SIZE >
         1 and RANK set), else "local".
     """
-    if config is None:
-        config = config_params
-    from_args = getattr(kwargs.get("args"), "deepspeed_config", None)
-    if from_args is not None:
-        if config is not None:
-            raise ValueError(f"initialize: a config in args.deepspeed_config ({from_args}) and "
-                             "config= were both given (DeepSpeed refuses this too); pass one")
-        config = from_args
-    if config is None:
-        raise ValueError("initialize: no config: pass config= (a dict or a JSON path) or args "
-                         "with --deepspeed_config (zinf.torch.add_config_arguments(parser))")
+    config = _config_argument(config, config_params, kwargs.get("args"))
     if optimizer is not None:
         raise NotImplementedError("initialize: pass the optimizer in the config's \"optimizer\" "
                                   "section; a client optimizer object is not supported")
