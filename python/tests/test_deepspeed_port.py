@@ -656,3 +656,21 @@ def test_deepspeed_backward_takes_deepspeeds_arguments_in_their_order(caplog):
             engine.step()
     for name, _ in engines[0].module.named_parameters():
         assert torch.equal(engines[0].read_parameter(name), engines[1].read_parameter(name))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_gathered_parameters_leaves_out_a_missing_bias(stage):
+    # DeepSpeed's GatheredParameters keeps only the ZeRO parameters of what it is given, so a
+    # block over [module.weight, module.bias] of a Linear without bias (bias None), or over None
+    # alone, works (deepspeed/runtime/zero/partition_parameters.py). A TypeError before.
+    config = mlp_config(stage)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4, bias=False), torch.nn.Tanh(),
+                                torch.nn.Linear(4, 3))
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    first = engine.module[0]
+    with zinf.torch.GatheredParameters(first.bias, modifier_rank=0):
+        pass
+    value = torch.arange(24, dtype=torch.float32).reshape(4, 6) / 10
+    with zinf.torch.GatheredParameters([first.weight, first.bias], modifier_rank=0):
+        first.weight.data.copy_(value)
+    assert torch.equal(engine.read_parameter("0.weight"), value)

@@ -82,7 +82,10 @@ class GatheredParameters:
     (at stage 3 they are lost at release; at stages 1 and 2 the next step overwrites them)."""
 
     def __init__(self, params, modifier_rank=None, fwd_module=None, enabled: bool = True):
-        self._params = [params] if isinstance(params, torch.Tensor) else list(params)
+        listed = [params] if params is None or isinstance(params, torch.Tensor) else list(params)
+        # None stands for a parameter a module lacks (a Linear's bias=False): DeepSpeed's block
+        # leaves it out (its block over None alone does nothing).
+        self._params = [param for param in listed if param is not None]
         self._modifier_rank = modifier_rank
         self._enabled = enabled
         self._held: list[tuple["ZinfEngine", str]] = []
