@@ -126,6 +126,22 @@ def test_dataloader_drop_last_drops_the_partial_last_batch():
     assert all(len(x) == batch for (x,) in dropped)
 
 
+def test_training_data_without_a_batch_size_is_refused():
+    # DeepSpeed refuses a config with neither train_micro_batch_size_per_gpu nor
+    # train_batch_size (deepspeed/runtime/config.py, _batch_assertion); zinf's engine runs
+    # micro-batches of 1 then, and the loader read batches of 1 silently before.
+    dataset = TensorDataset(torch.arange(12, dtype=torch.float32).unsqueeze(1))
+    config = mlp_config(1)
+    del config["train_micro_batch_size_per_gpu"]
+    with pytest.raises(ValueError, match="neither train_micro_batch_size_per_gpu nor "
+                                         "train_batch_size"):
+        zinf.torch.initialize(model=make_mlp(), config=config, training_data=dataset)
+    config["train_batch_size"] = 3
+    _, _, loader, _ = zinf.torch.initialize(model=make_mlp(), config=config,
+                                            training_data=dataset)
+    assert [len(x) for (x,) in loader] == [3] * 4
+
+
 def test_initialize_reads_the_config_from_args(tmp_path):
     path = tmp_path / "ds_config.json"
     path.write_text(json.dumps(mlp_config(2)))

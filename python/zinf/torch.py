@@ -2611,6 +2611,15 @@ def initialize(model: nn.Module, config: dict | str | os.PathLike | None = None,
     if unknown:
         raise TypeError(f"initialize: unexpected arguments {sorted(unknown)}")
     config = _read_config(config)
+    if training_data is not None and not any(
+            key in config for key in ("train_micro_batch_size_per_gpu", "train_batch_size")):
+        # The engine runs micro-batches of 1 where the config names no batch size; the loader
+        # would read batches of 1 silently, where DeepSpeed refuses the config.
+        raise ValueError(
+            "initialize(training_data=...): the config gives neither "
+            "train_micro_batch_size_per_gpu nor train_batch_size, so the training data loader has "
+            "no batch size (DeepSpeed refuses such a config too); give "
+            "train_micro_batch_size_per_gpu")
     if not (config.get("optimizer") or {}).get("type"):
         warnings.warn(
             "initialize: the config has no \"optimizer\" section (or no type): zinf trains with "
