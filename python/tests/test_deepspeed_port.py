@@ -690,3 +690,33 @@ def test_gathered_parameters_leaves_out_a_missing_bias(stage):
     with zinf.torch.GatheredParameters([first.weight, first.bias], modifier_rank=0):
         first.weight.data.copy_(value)
     assert torch.equal(engine.read_parameter("0.weight"), value)
+
+
+class _ModelWithMethods(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(6, 3)
+        self.label = "the model's"
+        self.stage = "the model's stage"
+
+    def forward(self, x):
+        return self.body(x)
+
+    def predict(self, x):
+        return self.forward(x).argmax(-1)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_engine_passes_the_models_attributes_through(stage):
+    # DeepSpeed's engine hands an attribute it does not define to the model (DeepSpeedEngine.
+    # __getattr__): engine.generate(...), engine.save_pretrained(...), a submodule by name. An
+    # AttributeError naming the engine before.
+    torch.manual_seed(3)
+    engine, _, _, _ = zinf.torch.initialize(model=_ModelWithMethods(), config=mlp_config(stage))
+    x = mlp_batches(1)[0][0]
+    assert engine.label == "the model's"
+    assert engine.body is engine.module.body
+    assert torch.equal(engine.predict(x), engine(x).argmax(-1))
+    assert engine.stage == stage  # the engine's own attribute comes first
+    with pytest.raises(AttributeError, match="'ZinfEngine' object has no attribute 'absent'"):
+        engine.absent

@@ -860,6 +860,23 @@ class ZinfEngine(nn.Module):
         self._install_hooks()
         self._install_load_hooks(model)
 
+    def __getattr__(self, name: str):
+        """DeepSpeed's engine passes an attribute it does not define through to the model
+        (engine.generate(...), engine.save_pretrained(...), engine.gradient_checkpointing_enable(),
+        a submodule by name): so does this one. The engine's own attributes, parameters, buffers
+        and submodules come first."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = (self.__dict__.get("_modules") or {}).get("module")
+            if model is not None:
+                try:
+                    return getattr(model, name)
+                except AttributeError:
+                    pass
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'") \
+                from None
+
     # ---- registration -------------------------------------------------------------------------
 
     def _register(self, model: nn.Module, model_parameters, defaults: dict) -> list[dict]:
