@@ -575,3 +575,34 @@ def test_a_config_without_a_zero_stage_keeps_the_module_whole(zero, tmp_path):
         assert saved[name].shape == value.shape, name
         assert relative_error(saved[name], value) < 1e-5, name
     engine.destroy()
+
+
+def test_a_second_save_of_a_tag_is_skipped_only_when_nothing_changed(tmp_path):
+    # The Trainer saves one checkpoint by two save_checkpoint(output_dir) calls with nothing
+    # between, and the second is skipped. A save of the same tag after a change without a step
+    # (a GatheredParameters write, a checkpoint load) must write it, as DeepSpeed writes every
+    # save: before, it was skipped and the checkpoint kept the old weights.
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=mlp_config(2))
+    zinf_run(engine, mlp_batches(1))
+    other = tmp_path / "other"
+    engine.save_checkpoint(str(other), tag="t")
+    saved = tmp_path / "saved"
+    manifest = saved / "final" / "manifest.json"
+    engine.save_checkpoint(str(saved), tag="final")
+    first = os.stat(manifest).st_ino
+    engine.save_checkpoint(str(saved), tag="final")
+    assert os.stat(manifest).st_ino == first  # nothing changed: skipped
+    weight = engine.module[0].weight
+    value = torch.linspace(-1, 1, weight.numel()).reshape(weight.shape)
+    with compat._zt.GatheredParameters([weight], modifier_rank=0):
+        weight.data.copy_(value)
+    engine.save_checkpoint(str(saved), tag="final")
+    written = compat._zt.get_fp32_state_dict_from_zero_checkpoint(str(saved), tag="final")
+    assert torch.equal(written["0.weight"], value)
+    # A checkpoint load between: its weights are saved.
+    engine.load_checkpoint(str(other), tag="t")
+    engine.save_checkpoint(str(saved), tag="final")
+    written = compat._zt.get_fp32_state_dict_from_zero_checkpoint(str(saved), tag="final")
+    loaded = compat._zt.get_fp32_state_dict_from_zero_checkpoint(str(other), tag="t")
+    assert torch.equal(written["0.weight"], loaded["0.weight"])
+    engine.destroy()

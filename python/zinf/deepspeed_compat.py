@@ -903,11 +903,16 @@ class DeepSpeedEngine(_zt.ZinfEngine):
                         exclude_frozen_parameters=False):
         """At stage 3 without stage3_gather_16bit_weights_on_model_save the Trainer saves a
         checkpoint by calling save_checkpoint(output_dir) twice (from save_model, then for the
-        optimizer). DeepSpeed writes the tag twice; the second call, with no backward or step
-        since the first, would write the same state again (zinf replaces a tag saved again), so
-        it is skipped."""
+        optimizer). DeepSpeed writes the tag twice; the second call, where nothing the checkpoint
+        holds changed since the first (no forward, backward, step, parameter write, checkpoint
+        load, learning rate set, or in-place change of a frozen parameter or buffer:
+        ZinfEngine._saved_state_key), would write the same state again (zinf replaces a tag
+        saved again), so it is skipped."""
         resolved_tag = f"global_step{self.global_steps}" if tag is None else str(tag)
-        key = (os.path.abspath(save_dir), resolved_tag, self.global_steps, self.micro_steps,
+        # Skipped only when nothing the checkpoint holds can have changed since the last save
+        # (before 2026-12-06 a change without a step between, a GatheredParameters write or a
+        # checkpoint load, was left out of the second save).
+        key = (os.path.abspath(save_dir), resolved_tag, self._saved_state_key(),
                bool(save_latest), bool(exclude_frozen_parameters))
         if getattr(self, "_compat_last_save", None) == key and not client_state:
             return True

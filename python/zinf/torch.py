@@ -770,6 +770,10 @@ class ZinfEngine(nn.Module):
         self.skipped_steps = 0
         self.global_samples = 0
         self.micro_steps = 0
+        # Counts the calls that may change what a checkpoint holds beside the step counts
+        # (forward, which moves buffers such as BatchNorm's statistics; backward; parameter
+        # writes; checkpoint loads), for state_changes().
+        self._state_changes = 0
         self.last_step_report: dict | None = None
         # engine.backward() ran since the last engine.step() call (the micro-batch in progress
         # is then the one micro_steps counts), and whether that call applied an update.
@@ -1631,6 +1635,7 @@ class ZinfEngine(nn.Module):
             raise
 
     def forward(self, *args, **kwargs):
+        self._state_changes += 1
         if self._auto_cast:
             args = _cast_inputs_half(args)
         with self._aborting_on_error("forward"):
@@ -1688,6 +1693,7 @@ class ZinfEngine(nn.Module):
                     "engine averages the micro-batches of a step, which can equal DeepSpeed's sum "
                     "only up to that many; raise gradient_accumulation_steps in the config to the "
                     "most micro-batches a step takes")
+        self._state_changes += 1
         scale = self._core.loss_scale
         # Gradients of another backward through this model (dropped) are not this one's concern.
         self._stray_gradient = None
@@ -2120,11 +2126,23 @@ class ZinfEngine(nn.Module):
     def _write_batch(self, names: list[str], values_of, root: int):
         """Engine.write_parameters_batch: values_of(name) gives a parameter's fp32 values on
         the root, asked for as the pass reaches it."""
+        self._state_changes += 1
         what = f"write_parameters('{names[0]}'" + (
             f" and {len(names) - 1} more)" if len(names) > 1 else ")")
         with self._aborting_on_error(what):
             self._core.write_parameters_batch(names, values_of if self.global_rank == root
                                               else None, root)
+
+    def _saved_state_key(self) -> tuple:
+        """What a checkpoint saved now holds besides its directory and options, as cheap marks:
+        equal marks at two saves mean nothing the checkpoint holds changed between them. The step
+        and micro-batch counts, the calls that change the engine or the model's buffers
+        (_state_changes), the learning rates, and torch's version counters of the frozen
+        parameters and buffers (bumped by any in-place change of them)."""
+        versions = tuple(t._version for _, t in self._frozen.values())
+        versions += tuple(t._version for _, t in self._persistent_buffers())
+        return (self.global_steps, self.micro_steps, self._state_changes, tuple(self.get_lr()),
+                versions)
 
     def read_parameter(self, name: str) -> torch.Tensor:
         """The fp32 master of a parameter (by its qualified name, or any other name the model
@@ -2333,6 +2351,7 @@ class ZinfEngine(nn.Module):
                 tag = f.read().strip()
         path = os.path.join(load_dir, str(tag))
         with self._hint_frozen_mismatch():
+            self._state_changes += 1
             self._core.load_checkpoint(load_dir, str(tag))
         state = torch.load(io.BytesIO(self._core.client_state()), weights_only=False)
         self._core.set_client_state(b"")  # read: the engine need not keep the blob
