@@ -227,6 +227,22 @@ std::string unknown_key_why(std::span<const Key> keys, std::string_view name) {
 
 void walk_keys(const Json& object, const std::string& path, std::span<const Key> keys, Walk& w);
 
+// Why a section's value that is not an object is refused. DeepSpeed still reads the form of
+// zero_optimization its first releases documented, a boolean (its Getting Started tutorial's
+// sample config has "zero_optimization": true): true is stage 1, false stage 0
+// (deepspeed/runtime/zero/config.py, read_zero_config_deprecated). zinf reads only the object,
+// so the refusal names the object that means the same.
+std::string not_a_section_why(const std::string& key, const Json& value) {
+  if (key == "zero_optimization" && value.is_boolean()) {
+    const int stage = value.get<bool>() ? 1 : 0;
+    return fmt::format(
+        "{} is DeepSpeed's older form of {{\"stage\": {}}}{}; write the section as an object: "
+        "\"zero_optimization\": {{\"stage\": {}}}",
+        value.dump(), stage, stage == 0 ? " (ZeRO off)" : "", stage);
+  }
+  return not_a(value, "an object").value();
+}
+
 void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) {
   if (!k.refused.empty()) return w.refuse(key, std::string(k.refused));
   if (value.is_string() && value.get<std::string>() == "auto") {
@@ -249,7 +265,7 @@ void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) 
     return w.refuse(key, std::string(kAutoWhy));
   }
   if (k.walk != nullptr || !k.keys.empty()) {
-    if (!value.is_object()) return w.refuse(key, not_a(value, "an object").value());
+    if (!value.is_object()) return w.refuse(key, not_a_section_why(key, value));
     if (k.walk != nullptr) return k.walk(value, key, w);
     return walk_keys(value, key, k.keys, w);
   }

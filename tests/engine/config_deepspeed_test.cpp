@@ -167,6 +167,36 @@ TEST(ConfigDeepSpeed, OffloadParamBelowStage3IsRefusedSayingDeepSpeedIgnoresIt) 
   EXPECT_TRUE(none.is_ok()) << none.status().to_string();
 }
 
+// DeepSpeed still reads zero_optimization written as a boolean, the form of its Getting Started
+// tutorial's sample config (zero/config.py, read_zero_config_deprecated: true is stage 1, false
+// stage 0). zinf refuses it naming the key and the object that means the same, and that object
+// reads as that stage.
+TEST(ConfigDeepSpeed, BooleanZeroOptimizationIsRefusedNamingTheObjectThatMeansTheSame) {
+  const std::string on = refusal(R"({"train_batch_size": 8, "zero_optimization": true})");
+  EXPECT_EQ(on.rfind("zero_optimization: true is DeepSpeed's older form of {\"stage\": 1}", 0), 0u)
+      << on;
+  EXPECT_NE(on.find("write the section as an object: \"zero_optimization\": {\"stage\": 1}"),
+            std::string::npos)
+      << on;
+  const std::string off = refusal(R"({"zero_optimization": false})");
+  EXPECT_EQ(off.rfind("zero_optimization: false is DeepSpeed's older form of {\"stage\": 0} "
+                      "(ZeRO off)",
+                      0),
+            0u)
+      << off;
+  EXPECT_EQ(report_of(R"({"zero_optimization": true})", "zero_optimization").use, KeyUse::kRefused);
+  // What the message says to write: stage 1, and stage 0 (ZeRO off), which runs as stage 1.
+  for (const char* text :
+       {R"({"zero_optimization": {"stage": 1}})", R"({"zero_optimization": {"stage": 0}})"}) {
+    Result<Config> c = parse_config(text);
+    ASSERT_TRUE(c.is_ok()) << c.status().to_string();
+    EXPECT_EQ(c->zero.stage, 1) << text;
+  }
+  // Another section given as a value that is no object keeps the plain refusal.
+  EXPECT_EQ(refusal(R"({"fp16": true})"), "fp16: true is not an object");
+  EXPECT_EQ(refusal(R"({"zero_optimization": 1})"), "zero_optimization: 1 is not an object");
+}
+
 // nvme_path is Optional[Path] in DeepSpeed (zero/offload_config.py): null is "not given", which
 // is what `accelerate config` writes for a cpu offload.
 TEST(ConfigDeepSpeed, NullNvmePathIsNotGiven) {
