@@ -4,7 +4,8 @@
 // Config), accepted with no effect in zinf (and why), or refused (and why). A key that is in no
 // table is refused as unknown; keys are case-sensitive, as DeepSpeed's are, and a key that differs
 // from a known one of its section only in case, or by a slip of a few letters, is refused naming
-// that key. The walk over a JSON object reports every
+// that key, and one that is a key of other sections (written under the wrong parent) naming them.
+// The walk over a JSON object reports every
 // key in file order (check_config); parse_config() fails with the first refused key's report, so
 // the engine, the planner and `zinf config check` give the same message for the same file. After
 // the walk, walk_text() refuses what DeepSpeed refuses about the file as a whole: a key given twice
@@ -216,11 +217,51 @@ const Key* find_key(std::span<const Key> keys, std::string_view name) {
   return nullptr;
 }
 
-std::string unknown_key_why(std::span<const Key> keys, std::string_view name) {
+bool is_optimizer_param(std::string_view name);
+
+// The sections under `path` (dotted) whose tables have a key `name`, each named once (bf16 and
+// its older name bfloat16 share a table: the first is named).
+void sections_with_key(std::span<const Key> keys, const std::string& path, std::string_view name,
+                       std::vector<std::string>* out, std::vector<const Key*>* tables) {
+  for (const Key& k : keys) {
+    if (k.keys.empty()) continue;
+    const std::string section = join(path, k.name);
+    const bool seen = std::find(tables->begin(), tables->end(), k.keys.data()) != tables->end();
+    if (!seen && find_key(k.keys, name) != nullptr) out->push_back(section);
+    tables->push_back(k.keys.data());
+    sections_with_key(k.keys, section, name, out, tables);
+  }
+}
+
+// A key written under the wrong parent ("stage3_max_live_parameters" at the top level, "lr"
+// beside the optimizer's "type", "pin_memory" directly under zero_optimization) is named with
+// the section it belongs to: DeepSpeed ignores such a key at the top level and its sections
+// refuse it, so either way the value never reaches the setting it was written for.
+std::optional<std::string> wrong_parent_hint(std::string_view path, std::string_view name) {
+  std::vector<std::string> sections;
+  std::vector<const Key*> tables;
+  if (!path.empty() && find_key(root_keys(), name) != nullptr) sections.push_back("the top level");
+  sections_with_key(root_keys(), "", name, &sections, &tables);
+  if (is_optimizer_param(name)) sections.push_back("optimizer.params");
+  std::erase(sections, std::string(path));
+  if (sections.empty()) return std::nullopt;
+  std::string where = sections[0];
+  for (std::size_t i = 1; i < sections.size(); ++i) {
+    where += fmt::format("{}{}", i + 1 == sections.size() ? " or " : ", ", sections[i]);
+  }
+  return fmt::format("a key of {}, not of {}: move it there", where,
+                     path.empty() ? "the top level" : path);
+}
+
+std::string unknown_key_why(std::span<const Key> keys, std::string_view path,
+                            std::string_view name) {
   std::vector<std::string_view> known;
   for (const Key& k : keys) known.push_back(k.name);
   if (std::optional<std::string> hint = misspelling_hint(known, name)) {
     return fmt::format("unknown key ({})", *hint);
+  }
+  if (std::optional<std::string> hint = wrong_parent_hint(path, name)) {
+    return fmt::format("unknown key here ({})", *hint);
   }
   return "unknown key (misspelt, or not supported by zinf)";
 }
@@ -284,7 +325,7 @@ void walk_keys(const Json& object, const std::string& path, std::span<const Key>
     const std::string key = join(path, it.key());
     const Key* k = find_key(keys, it.key());
     if (k == nullptr) {
-      w.refuse(key, unknown_key_why(keys, it.key()));
+      w.refuse(key, unknown_key_why(keys, path, it.key()));
       continue;
     }
     walk_key(*k, it.value(), key, w);
@@ -317,6 +358,13 @@ const ParamKey kOptimizerParamKeys[] = {
     {"lr_decay", false, true, false},
     {"initial_accumulator_value", false, true, false},
 };
+
+bool is_optimizer_param(std::string_view name) {
+  for (const ParamKey& k : kOptimizerParamKeys) {
+    if (k.name == name) return true;
+  }
+  return false;
+}
 
 Why read_optimizer_param(std::string_view name, const Json& v, Walk& w) {
   OptimizerInput& in = w.optimizer;
@@ -436,7 +484,7 @@ void walk_optimizer(const Json& section, const std::string& path, Walk& w) {
         }
       }
     } else {
-      w.refuse(key, unknown_key_why(kOptimizerKeys, it.key()));
+      w.refuse(key, unknown_key_why(kOptimizerKeys, path, it.key()));
     }
   }
   // DeepSpeed settles Adam's decay mode before it picks the class, so type "Adam" with

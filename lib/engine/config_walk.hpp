@@ -107,10 +107,12 @@ Why path_of(const Json& v, std::string* out);
 Why only_bool(const Json& v, bool supported, std::string_view why);
 Why device_of(const Json& v, OffloadDevice* out);
 
-// The reason an unknown key is refused: "unknown key (<misspelling_hint>)" against `keys`
-// (misspelling_hint() is in config_names.hpp), or
-// "unknown key (misspelt, or not supported by zinf)" without a hint.
-std::string unknown_key_why(std::span<const Key> keys, std::string_view name);
+// The reason an unknown key `name` of the section at dotted `path` ("" for the top level) is
+// refused: "unknown key (<misspelling_hint>)" against `keys` (misspelling_hint() is in
+// config_names.hpp); else, for a key of other sections, "unknown key here (a key of <sections>,
+// not of <path>: move it there)"; else "unknown key (misspelt, or not supported by zinf)".
+std::string unknown_key_why(std::span<const Key> keys, std::string_view path,
+                            std::string_view name);
 
 inline constexpr std::string_view kAutoWhy =
     "\"auto\" is a placeholder that the Hugging Face Trainer fills in before DeepSpeed reads the "

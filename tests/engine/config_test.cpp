@@ -372,6 +372,42 @@ TEST(Config, UnknownKeysSuggestTheNearestKeyOfTheirSection) {
   EXPECT_EQ((*report)[1].why, "unknown key (did you mean \"gradient_accumulation_steps\"?)");
 }
 
+// A key written under the wrong parent is refused naming the section it belongs to. DeepSpeed
+// reads no such key: it ignores unknown top-level keys, reads the optimizer's settings from
+// "params" only (config.py, get_optimizer_params: an "lr" beside "type" leaves DeepSpeed's
+// default, 1e-3) and its ZeRO sections refuse keys they do not declare; so the value never
+// reaches the setting it was written for.
+TEST(Config, KeysUnderTheWrongParentNameTheSectionTheyBelongTo) {
+  const RefusedConfig cases[] = {
+      {R"({"stage3_max_live_parameters": 1e9, "zero_optimization": {"stage": 3}})",
+       "stage3_max_live_parameters: unknown key here (a key of zero_optimization, not of the top "
+       "level: move it there)"},
+      {R"({"optimizer": {"type": "AdamW", "lr": 1e-4}})",
+       "optimizer.lr: unknown key here (a key of optimizer.params, not of optimizer: move it "
+       "there)"},
+      {R"({"zero_optimization": {"stage": 3, "pin_memory": true}})",
+       "zero_optimization.pin_memory: unknown key here (a key of "
+       "zero_optimization.offload_optimizer or zero_optimization.offload_param, not of "
+       "zero_optimization: move it there)"},
+      {R"({"zero_optimization": {"stage": 3, "gradient_clipping": 1.0}})",
+       "zero_optimization.gradient_clipping: unknown key here (a key of the top level, not of "
+       "zero_optimization: move it there)"},
+      // bf16 and its older name bfloat16 share their keys: the section is named once.
+      {R"({"zero_optimization": {"enabled": true}})",
+       "zero_optimization.enabled: unknown key here (a key of fp16 or bf16, not of "
+       "zero_optimization: move it there)"},
+      {R"({"offload_optimizer": {"device": "cpu"}})",
+       "offload_optimizer: unknown key here (a key of zero_optimization, not of the top level: "
+       "move it there)"},
+      // A key of the parameter offload only, under the optimizer's.
+      {R"({"zero_optimization": {"offload_optimizer": {"max_in_cpu": 1e9}}})",
+       "zero_optimization.offload_optimizer.max_in_cpu: unknown key here (a key of "
+       "zero_optimization.offload_param, not of zero_optimization.offload_optimizer: move it "
+       "there)"},
+  };
+  expect_refused(cases);
+}
+
 // A scheduler parameter that is a slip of one the schedule type takes is refused naming it, by
 // the same rule as the other sections; the suggestion comes from that type's own parameters.
 TEST(Config, UnknownSchedulerParamsSuggestTheNearestParamOfTheirType) {
