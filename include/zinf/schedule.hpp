@@ -116,6 +116,11 @@ class LrSchedule {
   double lr_at(std::int64_t iteration) const;
   // DeepSpeed's get_mom(): OneCycle with cycle_momentum only.
   ScheduledBetas betas_at(std::int64_t iteration) const;
+  // Whether the optimizer can take lr_at() and betas_at() at `iteration`: OneCycle's momentum
+  // after the cycle, cycle_max_mom x (1 + decay_mom_rate x ...), leaves [0, 1) after some
+  // iteration, which create() cannot know the run reaches. kInvalidArgument naming the key, the
+  // iteration and the value.
+  Status check_at(std::int64_t iteration) const;
 
   // The state a checkpoint keeps: the last iteration stepped (DeepSpeed's state_dict()).
   std::int64_t last_batch_iteration() const { return last_batch_iteration_; }

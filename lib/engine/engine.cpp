@@ -572,6 +572,13 @@ class Engine::Impl {
       const bool declared =
           config_.gradient_accumulation_given || config_.gradient_accumulation_steps > 1;
       if (lr_override_ || called_off_ || !(micro_matched_ || declared)) return Status::ok();
+      // Hyper-parameters the optimizer cannot take: step() refuses them, and no pass opens
+      // before the next step(), as after a call-off (a further micro-batch, once a new schedule
+      // is set, would open one with more micro-batches than the pass takes).
+      if (!check_step_params(t_ + 1).is_ok()) {
+        called_off_ = true;
+        return Status::ok();
+      }
       // With zinf.clip_from_previous_step, the first step's scale needs its own norm.
       const std::optional<float> scale =
           in_backward_ && declared
@@ -621,6 +628,8 @@ class Engine::Impl {
       return Status::invalid_argument(fmt::format(
           "step: average_over {} (0, or at least the micro-batches reduced)", average_over));
     }
+    // Before anything of the step changes, so not sticky: a new schedule lets it go on.
+    ZINF_RETURN_IF_ERROR(check_step_params(t_ + 1));
     if (overlap_ != nullptr && overlap_->open()) {
       const int micro = static_cast<int>(config_.gradient_accumulation_steps);
       if (average_over != 0 && average_over != micro) {
@@ -905,6 +914,14 @@ class Engine::Impl {
     return base;
   }
 
+  // Whether the optimizer can take the schedule's hyper-parameters for applied step `step`
+  // (LrSchedule::check_at: OneCycle's momentum after its cycle may leave [0, 1)).
+  Status check_step_params(std::int64_t step) const {
+    if (step_before_schedule(step)) return Status::ok();
+    Status st = schedule_.check_at(schedule_.config().last_batch_iteration + step - 1);
+    return st.is_ok() ? st : st.with_context(fmt::format("step {}", step));
+  }
+
   // group_params_ for applied step `step`. Allocates nothing.
   void set_step_params(std::int64_t step) {
     group_params(params_for_step(step), lr_for_step(step), param_groups_, &group_params_);
@@ -1136,8 +1153,10 @@ class Engine::Impl {
   bool grads_pending_ = false;      // reduce_gradients() was called since the last step
   bool opens_in_backward_ = false;  // the overlapped step's pass may open during the backward
   bool in_backward_ = false;        // ... and update there (else it reads ahead only)
-  bool called_off_ = false;         // a pass reading ahead was called off since step()
-  bool micro_matched_ = false;      // the last step had gradient_accumulation_steps micro-batches
+  // A pass reading ahead was called off since step(), or the step's hyper-parameters were
+  // refused (check_step_params): no pass opens before step().
+  bool called_off_ = false;
+  bool micro_matched_ = false;  // the last step had gradient_accumulation_steps micro-batches
   std::vector<std::uint32_t> pending_final_;  // groups reduced, not yet final for the open pass
   std::size_t pending_module_ = SIZE_MAX;     // the module whose groups are pending_final_
   std::int64_t t_ = 0;

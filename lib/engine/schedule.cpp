@@ -266,6 +266,13 @@ Result<LrSchedule> LrSchedule::create(const ScheduleConfig& config, double base_
         return bad_value("cycle_second_stair_count", "is negative");
       }
       if (c.decay_step_size < 0) return bad_value("decay_step_size", "is negative");
+      if (c.decay_lr_rate < 0) {
+        return bad_value("decay_lr_rate",
+                         fmt::format("{} is negative (the lr after the cycle, cycle_min_lr / (1 + "
+                                     "decay_lr_rate x iterations / decay_step_size), would grow "
+                                     "past any bound)",
+                                     c.decay_lr_rate));
+      }
       if (c.cycle_momentum) {
         for (double mom : {c.cycle_min_mom, c.cycle_max_mom}) {
           if (!(mom >= 0 && mom < 1)) {
@@ -375,6 +382,27 @@ double LrSchedule::lr_at(std::int64_t n) const {
     }
   }
   return base_lr_;
+}
+
+Status LrSchedule::check_at(std::int64_t n) const {
+  const double lr = lr_at(n);
+  if (!(std::isfinite(lr) && lr >= 0)) {
+    return Status::invalid_argument(fmt::format(
+        "scheduler: {}'s lr at iteration {} is {} (the optimizer needs a finite lr >= 0)",
+        schedule_name(config_.kind), n, lr));
+  }
+  const ScheduledBetas b = betas_at(n);
+  if (b.set && !(b.beta1 >= 0 && b.beta1 < 1)) {
+    const ScheduleConfig& c = config_;
+    return bad_value(
+        "decay_mom_rate",
+        fmt::format("OneCycle's momentum at iteration {} is cycle_max_mom {} x (1 + "
+                    "decay_mom_rate {} x iterations past the cycle / decay_step_size {}) = {}, "
+                    "outside [0, 1) (it is Adam's beta1); a schedule whose momentum stays in it "
+                    "for the run (set_lr_schedule) lets the step go on",
+                    n, c.cycle_max_mom, c.decay_mom_rate, c.decay_step_size, b.beta1));
+  }
+  return Status::ok();
 }
 
 ScheduledBetas LrSchedule::betas_at(std::int64_t n) const {

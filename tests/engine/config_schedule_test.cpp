@@ -131,6 +131,56 @@ TEST(ConfigSchedule, EngineFromConfigRunsDeepSpeedsCurve) {
 // The scheduled rate is the one the update uses: WarmupDecayLR from warmup_min_lr 0 runs the
 // first step at lr 0, so the parameters stay exactly where they were (decoupled decay is
 // lr * weight_decay, also 0); without the section the same step moves them.
+// OneCycle's momentum after the cycle grows by decay_mom_rate (DeepSpeed's formula), past 1 after
+// enough iterations, which the config cannot tell: here cycle_max_mom 0.9 x (1 + 0.05 x 3) = 1.035
+// at iteration 6, the 8th step's. That step is refused before anything changes, naming the key, the
+// iteration and the value, not sticky: with a schedule whose momentum stays below 1 it goes on,
+// here with a second micro-batch reduced first (averaged by step(), as any step of two). With the
+// count declared the pass would open in the backward with those betas (overlap on); it opens
+// for neither micro-batch.
+TEST(ConfigSchedule, OneCycleMomentumPastOneRefusesTheStepNamingTheKeyAndANewScheduleGoesOn) {
+  for (const char* overlap : {"true", "false"}) {
+    SCOPED_TRACE(fmt::format("zinf.overlap_step {}", overlap));
+    const std::string cycle =
+        R"("type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+           "cycle_first_step_size": 2, "decay_step_size": 1, "decay_mom_rate": )";
+    auto config_with = [&](const char* decay_mom_rate) {
+      return parse_config(fmt::format(
+          R"({{"optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
+              "gradient_accumulation_steps": 1,
+              "zero_optimization": {{"stage": 3, "stage3_param_persistence_threshold": 0,
+                                    "offload_optimizer": {{"device": "cpu"}}}},
+              "zinf": {{"overlap_step": {}}},
+              "scheduler": {{{}{}}}}}}})",
+          overlap, cycle, decay_mom_rate));
+    };
+    Result<Config> config = config_with("0.05");
+    ASSERT_TRUE(config.is_ok()) << config.status().to_string();
+    OneRank r;
+    ASSERT_TRUE(r.open(*config).is_ok());
+    for (int k = 1; k <= 7; ++k) ASSERT_TRUE(r.step().is_ok()) << "step " << k;
+    std::vector<float> before(kElements), after(kElements);
+    ASSERT_TRUE(r.engine->read_parameters("w", before.data()).is_ok());
+    const Status refused = r.step();
+    EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.to_string();
+    for (const char* part : {"step 8", "scheduler.params.decay_mom_rate", "iteration 6", "1.035"}) {
+      EXPECT_NE(refused.message().find(part), std::string::npos)
+          << part << ": " << refused.message();
+    }
+    ASSERT_TRUE(r.engine->read_parameters("w", after.data()).is_ok());
+    EXPECT_EQ(after, before);
+
+    Result<Config> steady = config_with("0");
+    ASSERT_TRUE(steady.is_ok()) << steady.status().to_string();
+    ASSERT_TRUE(r.engine->set_lr_schedule(steady->scheduler).is_ok());
+    const Status second = r.step();
+    ASSERT_TRUE(second.is_ok()) << second.to_string();
+    EXPECT_EQ(r.engine->betas().first, 0.9);
+    ASSERT_TRUE(r.engine->read_parameters("w", after.data()).is_ok());
+    EXPECT_NE(after, before);
+  }
+}
+
 TEST(ConfigSchedule, FirstStepOfAWarmupFromZeroLeavesTheParameters) {
   for (bool with_scheduler : {true, false}) {
     SCOPED_TRACE(with_scheduler ? "with scheduler" : "without scheduler");

@@ -203,6 +203,23 @@ Status create_only(const char* text) {
   return LrSchedule::create(config, 1e-3).status();
 }
 
+// After its cycle OneCycle's momentum is cycle_max_mom x (1 + decay_mom_rate x d /
+// decay_step_size), d the iterations past the cycle counted from 1: with 0.9 and 0.05, 0.99 at d =
+// 2 and 1.035 at d = 3, which Adam cannot take as beta1.
+TEST(Schedule, OneCycleMomentumPastOneIsRefusedAtItsIterationNamingTheKey) {
+  const LrSchedule s = make(
+      R"({"type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
+          "cycle_first_step_size": 2, "decay_step_size": 1, "decay_mom_rate": 0.05}})",
+      1e-3);
+  for (std::int64_t n = -1; n <= 5; ++n) EXPECT_TRUE(s.check_at(n).is_ok()) << n;
+  EXPECT_NEAR(s.betas_at(5).beta1, 0.9 * 1.1, 1e-15);
+  const Status refused = s.check_at(6);
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument);
+  for (const char* part : {"scheduler.params.decay_mom_rate", "iteration 6", "1.035"}) {
+    EXPECT_NE(refused.message().find(part), std::string::npos) << part << ": " << refused.message();
+  }
+}
+
 TEST(Schedule, RefusesNamingTheKey) {
   Status s = parse_only(R"({"type": "LRRangeTest", "params": {}})");
   EXPECT_EQ(s.code(), Code::kInvalidArgument);
@@ -242,6 +259,11 @@ TEST(Schedule, RefusesNamingTheKey) {
       R"({"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3,
           "cycle_max_mom": 1.5}})");
   EXPECT_NE(s.message().find("scheduler.params.cycle_max_mom"), std::string::npos) << s.message();
+
+  s = create_only(
+      R"({"type": "OneCycle", "params": {"cycle_min_lr": 0, "cycle_max_lr": 1e-3,
+          "decay_lr_rate": -0.5}})");
+  EXPECT_NE(s.message().find("scheduler.params.decay_lr_rate"), std::string::npos) << s.message();
 
   // A float written whole number is read as DeepSpeed configs often write counts.
   EXPECT_TRUE(
