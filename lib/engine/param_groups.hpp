@@ -52,6 +52,11 @@ std::vector<bool> frozen_runs(const ParameterLayout& layout, int rank, std::size
 // (plan::estimate_memory).
 inline constexpr std::size_t kFrozenCutElements = 1024;
 
+// The elements of one scratch block a half-only frozen master (its half copy alone) is read and
+// written through, at most: 256 Ki (1 MiB of f32; lib/engine/store_state.cpp). The planner counts
+// those blocks with it (plan::estimate_memory).
+inline constexpr std::size_t kHalfOnlyChunkElements = std::size_t{1} << 18;
+
 // Where the optimizer's sub-groups of rank `rank`'s partition must end so that frozen
 // parameters and trainable ones fall in sub-groups of their own (StateStoreOptions::cuts): both
 // ends of each run of trainable elements, the run widened to multiples of kFrozenCutElements (so

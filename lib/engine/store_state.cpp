@@ -1196,8 +1196,7 @@ class StoreState final : public OptimizerState {
   std::vector<void*> registered_half_;
   // Half-only sub-groups' scratch blocks (allocate_half_only_scratch()): a read's widened
   // values, a write's filled ones, the narrowed halves and their widened round trip, of
-  // chunk_elements_ elements each (up to 1 MiB of floats), or none.
-  static constexpr std::size_t kHalfOnlyChunkElements = std::size_t{1} << 18;
+  // chunk_elements_ elements each (up to kHalfOnlyChunkElements), or none.
   std::size_t chunk_elements_ = 0;
   AlignedBuffer read_scratch_;
   AlignedBuffer fill_scratch_;

@@ -293,7 +293,8 @@ MemoryEstimate estimate_memory(const ModelShape& model, const TrainingShape& tra
     // a sub-group is frozen: three of fp32 and one of halves, a chunk each, up to 256 Ki elements
     // and at most a sub-group.
     const std::uint64_t chunk_params =
-        std::min({kHalfOnlyChunkParams, s.sub_group_params, std::max<std::uint64_t>(pr, 1)});
+        std::min({std::uint64_t{kHalfOnlyChunkElements}, s.sub_group_params,
+                  std::max<std::uint64_t>(pr, 1)});
     add(MemoryUse::kMasterParams, MemoryTier::kHost, (3 * 4 + 2) * chunk_params);
   }
   // The frozen elements' moments are never resident, except in the swap file, which is

@@ -308,9 +308,6 @@ std::uint64_t trainable_shard_params(const ModelShape& model, std::uint64_t worl
 std::uint64_t persistent_params(const ModelShape& model, const EngineSetup& setup);
 std::uint64_t persistent_shard_params(const ModelShape& model, const EngineSetup& setup);
 
-// Elements of one scratch block a half-only frozen master is read and written through
-// (lib/engine/store_state.cpp), at most: 256 Ki (1 MiB of fp32).
-inline constexpr std::uint64_t kHalfOnlyChunkParams = std::uint64_t{1} << 18;
 // The 1024 and 128 of the next two functions (and of the header's notes) are the engine's
 // constants, which estimate.cpp takes from where the engine defines them: kFrozenCutElements
 // (lib/engine/param_groups.hpp), the multiple a trainable run's sub-groups are widened to (a

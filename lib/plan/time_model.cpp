@@ -4,6 +4,7 @@
 
 #include "base/arith.hpp"
 #include "base/assert.hpp"
+#include "tier/state_store.hpp"
 
 namespace zinf::plan {
 namespace {
@@ -393,9 +394,9 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
   const std::uint64_t grads_bytes = 4;
   const std::uint64_t half_bytes = 2;
   l.bytes_per_param = 12 + grads_bytes + half_bytes;
-  // The StateStore sizes sub-groups in multiples of 2048 parameters (whole 4 KiB pages for
-  // 16-bit pieces), never more than the partition.
-  constexpr std::uint64_t kQuantum = 2048;
+  // The StateStore sizes sub-groups in multiples of kSubGroupParamQuantum parameters, never more
+  // than the partition.
+  constexpr std::uint64_t kQuantum = kSubGroupParamQuantum;
   l.sub_group_params = spec.sub_group_bytes / (kQuantum * l.bytes_per_param) * kQuantum;
   if (l.sub_group_params == 0) return l;
   l.sub_group_params = std::min(l.sub_group_params, spec.params);

@@ -14,10 +14,6 @@ namespace zinf {
 
 namespace {
 
-// Sub-groups sized from sub_group_bytes hold a multiple of this many parameters, so that every
-// piece, f32 or 16-bit, is whole 4 KiB pages.
-constexpr std::size_t kParamQuantum = 2048;
-
 Piece piece_at(std::size_t index) { return static_cast<Piece>(index); }
 
 // Where each sub-group starts, and param_count last: every sub_group_params parameters from the
@@ -188,14 +184,14 @@ Result<StoreLayout> StateStore::layout(const StateStoreOptions& options) {
   if (options.sub_group_params > 0) {
     out.sub_group_params = options.sub_group_params;
   } else {
-    const std::size_t quantum_bytes = kParamQuantum * bytes_per_param;
+    const std::size_t quantum_bytes = kSubGroupParamQuantum * bytes_per_param;
     if (options.sub_group_bytes < quantum_bytes) {
       return Status::invalid_argument(fmt::format(
           "StateStoreOptions: sub_group_bytes {} is below the smallest sub-group ({} parameters, "
           "{} bytes)",
-          options.sub_group_bytes, kParamQuantum, quantum_bytes));
+          options.sub_group_bytes, kSubGroupParamQuantum, quantum_bytes));
     }
-    out.sub_group_params = options.sub_group_bytes / quantum_bytes * kParamQuantum;
+    out.sub_group_params = options.sub_group_bytes / quantum_bytes * kSubGroupParamQuantum;
   }
   out.sub_group_params = std::min(out.sub_group_params, options.param_count);
   const std::vector<std::size_t> firsts =

@@ -81,6 +81,10 @@ enum class Piece : std::uint8_t {
   kParamsHalf = 4,
 };
 inline constexpr std::size_t kPieceCount = 5;
+
+// Sub-groups sized from sub_group_bytes hold a multiple of this many parameters, so that every
+// piece, f32 or 16-bit, is whole 4 KiB pages. The planner sizes them with it (plan::time_model).
+inline constexpr std::size_t kSubGroupParamQuantum = 2048;
 // "params", "exp_avg", "exp_avg_sq", "grads", "params_half": the last part of extent keys.
 std::string_view piece_name(Piece piece);
 
