@@ -85,7 +85,8 @@ struct Collective {
   ReduceOp op = ReduceOp::kSum;  // reduce_scatter and all_reduce only
   int root = 0;                  // broadcast only
   // What the data is (a tensor, a bucket), for errors and traces; may be empty. Only needs to
-  // live until the call returns.
+  // live until the call returns. LocalComm also compares it: ranks whose calls agree in shape but
+  // carry different non-empty names fail with kCommError ("ranks disagree").
   std::string_view name;
 };
 

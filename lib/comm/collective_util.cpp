@@ -67,8 +67,13 @@ std::string describe_call(const Collective& op) {
 bool collectives_agree(const Collective& a, const Collective& b) {
   const bool reduces =
       a.kind == CollectiveKind::kReduceScatter || a.kind == CollectiveKind::kAllReduce;
+  // Two calls of the same shape may still be different collectives: a gather of module 'fc2'
+  // on one rank and of 'fc1' on another move buffers of the same padded size. Their names tell
+  // them apart where both ranks name the call.
+  const bool names_agree = a.name.empty() || b.name.empty() || a.name == b.name;
   return a.kind == b.kind && a.element_count == b.element_count && a.dtype == b.dtype &&
-         (!reduces || a.op == b.op) && (a.kind != CollectiveKind::kBroadcast || a.root == b.root);
+         (!reduces || a.op == b.op) && (a.kind != CollectiveKind::kBroadcast || a.root == b.root) &&
+         names_agree;
 }
 
 std::string describe_collective(const Collective& op, std::uint64_t sequence) {

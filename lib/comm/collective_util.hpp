@@ -42,7 +42,8 @@ std::string describe_collective(const Collective& op, std::uint64_t sequence);
 std::string describe_call(const Collective& op);
 
 // Whether two ranks' calls are the same collective as NCCL requires: the same kind, element count
-// and dtype, the same reduction where it reduces and the same root where it broadcasts.
+// and dtype, the same reduction where it reduces and the same root where it broadcasts; and, where
+// both calls carry a name, the same name (as far as each transport keeps it).
 bool collectives_agree(const Collective& a, const Collective& b);
 
 // Checks a collective's arguments as every backend must: an element count that overflows, a

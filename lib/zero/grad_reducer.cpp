@@ -160,7 +160,7 @@ Result<std::unique_ptr<GradReducer>> GradReducer::create(const Partitioner& part
       options.bucket_elements / static_cast<std::size_t>(r->world_), 1, largest_shard);
   r->counts_.assign(partitioner.param_count(), 0);
   for (std::uint32_t g = 0; g < partitioner.group_count(); ++g) {
-    r->group_names_.push_back(fmt::format("grads group {}", g));
+    r->group_names_.push_back(group_label(partitioner, g, "grads"));
   }
   ZINF_ASSERT(options.frozen.empty() || options.frozen.size() == partitioner.param_count());
   // A custom accumulator (the NVMe spill) counts a sub-group done once every element of it was

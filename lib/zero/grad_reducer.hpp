@@ -209,7 +209,7 @@ class GradReducer {
   std::size_t partition_elements_ = 0;
   std::size_t chunk_elements_ = 1;
   std::vector<std::uint32_t> counts_;     // per parameter: micro-batches reduced
-  std::vector<std::string> group_names_;  // "grads group <g>", the collectives' names
+  std::vector<std::string> group_names_;  // "grads group <g> (module 'm')", the collectives' names
   // A reduced chunk bound for the accumulator, added by a host function on stream_: one record
   // per bucket, reused once the bucket's previous work has run, so a chunk allocates nothing.
   struct AddChunk {

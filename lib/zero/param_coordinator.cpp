@@ -95,7 +95,7 @@ Result<std::unique_ptr<ParamCoordinator>> ParamCoordinator::create(
   std::size_t partitioned_groups = 0;
   for (std::uint32_t g = 0; g < groups; ++g) {
     if (!c->persistent_[g]) ++partitioned_groups;
-    c->group_names_.push_back(fmt::format("params group {}", g));
+    c->group_names_.push_back(group_label(partitioner, g, "params"));
   }
   c->spare_.reserve(partitioned_groups);
   for (CoordinatorModule& m : modules) {

@@ -302,9 +302,10 @@ class ParamCoordinator {
   // is never exceeded.
   std::vector<SpareBuffer> spare_;
   std::size_t spare_bytes_ = 0;
-  std::size_t spare_bytes_max_ = 0;         // see the file comment
-  std::vector<std::string> group_names_;    // per group: "params group <g>", the collectives' name
-  std::vector<DeviceBuffer> device_shard_;  // per partitioned group, shard tier none
+  std::size_t spare_bytes_max_ = 0;  // see the file comment
+  // Per group: "params group <g> (module 'm')", the collectives' name.
+  std::vector<std::string> group_names_;
+  std::vector<DeviceBuffer> device_shard_;    // per partitioned group, shard tier none
   std::vector<RegisteredBuffer> host_shard_;  // per partitioned group, shard tier host
   // Per group: the lent host shard (options.shared_host_shards), or nullptr; such a group has no
   // host_shard_.

@@ -229,6 +229,14 @@ const GroupInfo& Partitioner::group(std::uint32_t index) const {
   return groups_[index];
 }
 
+std::string group_label(const Partitioner& p, std::uint32_t index, std::string_view what) {
+  const GroupInfo& info = p.group(index);
+  const std::string& first = p.spec(info.first_param).module;
+  const std::string& last = p.spec(info.first_param + info.param_count - 1).module;
+  if (first == last) return fmt::format("{} group {} (module '{}')", what, index, first);
+  return fmt::format("{} group {} (modules '{}' to '{}')", what, index, first, last);
+}
+
 Result<std::vector<std::uint32_t>> Partitioner::module_groups(std::string_view module) const {
   ZINF_ASSERT(finalized_);
   auto it = module_groups_.find(module);

@@ -190,6 +190,12 @@ class Partitioner {
   std::vector<std::uint64_t> param_hashes_;
 };
 
+// The name of group `index`'s collectives, for errors and traces: "<what> group 3 (module
+// 'layers.1')", or "(modules 'a' to 'c')" for a group whose parameters span several modules. Ranks
+// whose calls name different groups then say which modules each rank was at.
+// REQUIRES: p.finalized().
+std::string group_label(const Partitioner& p, std::uint32_t index, std::string_view what);
+
 // Checks with collectives over `comm` that every rank finalized the same layout: same options,
 // same parameters (name, module, shape, dtype) in the same order. Returns OK on every rank, or
 // kInvalidArgument on every rank naming the first parameter that differs (or the differing option

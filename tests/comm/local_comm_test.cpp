@@ -347,6 +347,29 @@ TEST(LocalComm, RanksThatDisagreeFailEveryRankNamingTheCollective) {
   EXPECT_EQ(world.comm(0).status().code(), Code::kCommError);
 }
 
+// Same kind, size and dtype, but not the same collective: rank 1 names another tensor (an
+// engine's gather of another module, whose padded shard is as large). Without the names the
+// collective would run and rank 1 would read rank 0's data as its own tensor's.
+TEST(LocalComm, RanksThatNameTheSameShapedCallDifferentlyDisagree) {
+  World world(3);
+  std::vector<Status> statuses = world.run([&](int rank) {
+    return one_all_reduce(world, rank, 100, rank == 1 ? "params group 1" : "params group 0");
+  });
+  for (int r = 0; r < 3; ++r) {
+    const Status& s = statuses[static_cast<std::size_t>(r)];
+    EXPECT_EQ(s.code(), Code::kCommError) << s.to_string();
+    EXPECT_NE(s.message().find("ranks disagree"), std::string_view::npos) << s.to_string();
+    EXPECT_NE(s.message().find("rank 1 issued all_reduce of 100 f32 (sum) 'params group 1'"),
+              std::string_view::npos)
+        << s.to_string();
+  }
+  // A call one rank leaves unnamed is not compared by name.
+  World unnamed(2);
+  std::vector<Status> ok = unnamed.run(
+      [&](int rank) { return one_all_reduce(unnamed, rank, 100, rank == 1 ? "" : "grads"); });
+  for (const Status& s : ok) EXPECT_TRUE(s.is_ok()) << s.to_string();
+}
+
 TEST(LocalComm, ARankThatNeverArrivesTimesOutOnEveryRank) {
   World world(3, milliseconds(200));
   const auto start = Clock::now();

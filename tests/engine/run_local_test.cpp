@@ -143,6 +143,39 @@ TEST(RunLocal, FirstErrorNamesItsRankAndStopsTheOthers) {
   }
 }
 
+// Ranks that gather different modules whose shards pad to the same size issue all-gathers of the
+// same shape. Each must fail naming both groups and their modules instead of handing rank 1 rank
+// 0's values as its module's parameters.
+TEST(RunLocal, RanksThatGatherDifferentModulesFailNamingBoth) {
+  std::vector<float> a(64), b(16);
+  fill_uniform(a.data(), a.size(), 51);
+  fill_uniform(b.data(), b.size(), 52);
+  std::mutex mutex;
+  std::vector<Status> seen(2);
+  const Status status = run_local(2, stage3_config(), [&](Engine& engine, int rank) {
+    const Status s = [&]() -> Status {
+      ZINF_RETURN_IF_ERROR(engine.register_parameter(
+          {.name = "a.w", .module = "a", .shape = {16, 4}, .initial_values = a.data()}));
+      ZINF_RETURN_IF_ERROR(engine.register_parameter(
+          {.name = "b.w", .module = "b", .shape = {1, 16}, .initial_values = b.data()}));
+      ZINF_RETURN_IF_ERROR(engine.finalize());
+      return engine.gather(rank == 0 ? "a" : "b");
+    }();
+    std::lock_guard lock(mutex);
+    seen[static_cast<std::size_t>(rank)] = s;
+    return s;
+  });
+  EXPECT_EQ(status.code(), Code::kCommError) << status.to_string();
+  for (const Status& s : seen) {
+    EXPECT_FALSE(s.is_ok());
+    EXPECT_NE(s.message().find("ranks disagree"), std::string_view::npos) << s.to_string();
+    EXPECT_NE(s.message().find("'params group 0 (module 'a')'"), std::string_view::npos)
+        << s.to_string();
+    EXPECT_NE(s.message().find("'params group 1 (module 'b')'"), std::string_view::npos)
+        << s.to_string();
+  }
+}
+
 TEST(RunLocal, ExceptionsAndOpenErrorsBecomeStatuses) {
   Status thrown = run_local(2, stage3_config(), [](Engine&, int rank) -> Status {
     if (rank == 0) throw std::runtime_error("boom");
