@@ -285,7 +285,19 @@ std::string not_a_section_why(const std::string& key, const Json& value) {
 }
 
 void walk_key(const Key& k, const Json& value, const std::string& key, Walk& w) {
-  if (!k.refused.empty()) return w.refuse(key, std::string(k.refused));
+  if (!k.refused.empty()) {
+    if (k.refused_when_enabled && value.is_object()) {
+      const auto enabled = value.find("enabled");
+      if (enabled == value.end() || *enabled == false) {
+        return w.no_effect(key,
+                           fmt::format("disabled (\"enabled\" is {}): {}, and DeepSpeed "
+                                       "does nothing with it either",
+                                       enabled == value.end() ? "absent" : "false", k.refused));
+      }
+      return w.refuse(key, fmt::format("enabled: {}; \"enabled\": false has no effect", k.refused));
+    }
+    return w.refuse(key, std::string(k.refused));
+  }
   if (value.is_string() && value.get<std::string>() == "auto") {
     // A key whose every value is accepted with no effect (it has no reader) takes "auto" as any
     // other value, for the same reason.

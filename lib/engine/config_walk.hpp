@@ -72,6 +72,10 @@ struct Key {
   WalkFn walk = nullptr;           // a section with its own walk
   std::string_view no_effect = {};
   std::string_view refused = {};
+  // For a refused section that DeepSpeed turns on with its "enabled" (false by default): an
+  // object whose "enabled" is absent or false is accepted with no effect, as DeepSpeed does
+  // nothing with it.
+  bool refused_when_enabled = false;
   // For a used key: "auto" is accepted with no effect, for this reason (train_batch_size, which
   // the Hugging Face Trainer computes from the other batch keys), instead of refused.
   std::string_view auto_no_effect = {};

@@ -180,6 +180,40 @@ TEST(Config, ReadsWhatRealDeepSpeedConfigsCarryWithDeepSpeedsMeaning) {
       << clip.status().to_string();
 }
 
+// Sections of DeepSpeed features zinf does not have, which DeepSpeed turns on with their
+// "enabled" (false by default): written disabled, as configs copied around carry them, they are
+// accepted with no effect; enabled, refused naming the section.
+TEST(Config, DisabledSectionsOfFeaturesZinfLacksAreAcceptedAndEnabledOnesRefused) {
+  for (const char* section :
+       {"amp", "elasticity", "data_efficiency", "curriculum_learning", "autotuning"}) {
+    SCOPED_TRACE(section);
+    for (const char* body : {R"({"enabled": false, "opt_level": "O1"})", R"({"fast": true})"}) {
+      const std::string text = fmt::format(R"({{"{}": {}}})", section, body);
+      Result<Config> c = parse_config(text);
+      ASSERT_TRUE(c.is_ok()) << text << ": " << c.status().to_string();
+      Result<std::vector<KeyReport>> r = check_config(text);
+      ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+      bool reported = false;
+      for (const KeyReport& k : *r) {
+        if (k.key != section) continue;
+        reported = true;
+        EXPECT_EQ(k.use, KeyUse::kNoEffect);
+        EXPECT_NE(k.why.find("disabled"), std::string::npos) << k.why;
+      }
+      EXPECT_TRUE(reported);
+    }
+    const std::string on = fmt::format(R"({{"{}": {{"enabled": true}}}})", section);
+    Result<Config> refused = parse_config(on);
+    ASSERT_FALSE(refused.is_ok());
+    EXPECT_EQ(refused.status().message().rfind(std::string(section) + ": enabled: ", 0), 0u)
+        << refused.status().to_string();
+    EXPECT_NE(refused.status().message().find("not supported"), std::string::npos)
+        << refused.status().to_string();
+  }
+  // Sections with no "enabled" of their own stay refused whatever they hold.
+  EXPECT_FALSE(parse_config(R"({"pipeline": {"enabled": false}})").is_ok());
+}
+
 struct BadCase {
   const char* json;
   const char* key;  // the message must start with this
