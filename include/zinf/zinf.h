@@ -276,7 +276,11 @@ typedef struct zinf_env {
 ZINF_C_API zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
                                         zinf_engine_t** out);
 /* Closes the engine: waits for its background work and frees its memory. Accepts NULL, and does
- * nothing for the engine zinf_run_local lends a rank function (zinf_run_local closes it). */
+ * nothing for the engine zinf_run_local lends a rank function (zinf_run_local closes it). A
+ * handle closed already (closed twice) is left alone with a warning in the log, and every
+ * zinf_engine_* call on it returns ZINF_INVALID_ARGUMENT ("engine 0x... is not open"), as does
+ * one on a lent engine after zinf_run_local returned: until a later zinf_engine_open happens to
+ * return the same address, which then names that new engine. */
 ZINF_C_API void zinf_engine_close(zinf_engine_t* engine);
 
 ZINF_C_API zinf_code_t zinf_engine_rank(const zinf_engine_t* engine, int* rank);

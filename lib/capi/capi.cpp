@@ -15,9 +15,12 @@
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
+#include <shared_mutex>
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "capi/capi_internal.hpp"
@@ -127,6 +130,39 @@ void store(zinf_code_t code, int sys_code, std::string_view message) noexcept {
   }
 }
 
+// The engine handles that may be used now: zinf_engine_open's until zinf_engine_close, and the
+// ones zinf_run_local lends while their rank function runs. A C program (or a binding's
+// finalizer) that uses a handle after closing it, or closes it twice, gets
+// ZINF_INVALID_ARGUMENT or a warning instead of a read of freed memory. Lookups take a shared
+// lock and allocate nothing, so a training loop's calls stay allocation-free; only open and close
+// write. A later open may reuse a closed handle's address, which then names the new engine: the
+// check catches a stale handle until then, not forever.
+class OpenEngines {
+ public:
+  void add(const zinf_engine* engine) {
+    std::unique_lock lock(mu_);
+    engines_.insert(engine);
+  }
+  bool remove(const zinf_engine* engine) {
+    std::unique_lock lock(mu_);
+    return engines_.erase(engine) != 0;
+  }
+  bool contains(const zinf_engine* engine) const {
+    std::shared_lock lock(mu_);
+    return engines_.contains(engine);
+  }
+
+ private:
+  mutable std::shared_mutex mu_;
+  std::unordered_set<const zinf_engine*> engines_;
+};
+
+OpenEngines& open_engines() {
+  // Never destroyed: a handle may be closed from another static object's destructor.
+  static OpenEngines* engines = new OpenEngines;
+  return *engines;
+}
+
 bool valid_dtype(zinf_dtype_t dtype) {
   return dtype == ZINF_DTYPE_F32 || dtype == ZINF_DTYPE_F16 || dtype == ZINF_DTYPE_BF16;
 }
@@ -171,6 +207,16 @@ zinf_code_t record_exception(const char* where, std::exception_ptr error) noexce
   return ZINF_INTERNAL;
 }
 
+Status require_engine(const zinf_engine_t* engine, const char* where) {
+  ZINF_RETURN_IF_ERROR(require(engine, where, "engine"));
+  if (open_engines().contains(engine)) return Status::ok();
+  return Status::invalid_argument(
+      fmt::format("{}: engine {} is not open (zinf_engine_close closed it already, or it never "
+                  "came from zinf_engine_open or zinf_run_local): use a handle only until its "
+                  "close",
+                  where, static_cast<const void*>(engine)));
+}
+
 Engine* engine_of(zinf_engine_t* engine) noexcept {
   return engine == nullptr ? nullptr : engine->engine.get();
 }
@@ -196,6 +242,7 @@ Status set_compute_stream(zinf_engine_t* engine, std::unique_ptr<Stream> stream)
 using zinf::Status;
 using zinf::capi::guard;
 using zinf::capi::require;
+using zinf::capi::require_engine;
 using zinf::capi::valid_dtype;
 
 // ---- Status ------------------------------------------------------------------------------------
@@ -286,7 +333,7 @@ zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t, zinf_device_t** out) 
 zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     if (cuda_stream == nullptr) return zinf::capi::set_compute_stream(engine, nullptr);
     ZINF_ASSIGN_OR_RETURN(zinf::Device * device, zinf::capi::device_of(engine, fn));
     return zinf::wrap_cuda_stream(*device, cuda_stream).status();
@@ -593,13 +640,22 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
     handle->device->users.fetch_add(1);
     handle->group->users.fetch_add(1);
     if (handle->trace != nullptr) handle->trace->users.fetch_add(1);
+    zinf::capi::open_engines().add(handle.get());
     *out = handle.release();
     return Status::ok();
   });
 }
 
 void zinf_engine_close(zinf_engine_t* engine) {
-  if (engine == nullptr || engine->lent()) return;
+  if (engine == nullptr) return;
+  // Looked up before the handle is read: a closed one is freed memory.
+  if (!zinf::capi::open_engines().contains(engine)) {
+    zinf::log_warn("zinf_engine_close: engine {} is not open (closed twice?); nothing done",
+                   static_cast<const void*>(engine));
+    return;
+  }
+  if (engine->lent()) return;
+  zinf::capi::open_engines().remove(engine);
   // The engine's destructor joins its threads and frees device memory; it does not throw.
   engine->engine.reset();
   engine->comm->in_use = false;
@@ -612,7 +668,7 @@ void zinf_engine_close(zinf_engine_t* engine) {
 zinf_code_t zinf_engine_rank(const zinf_engine_t* engine, int* rank) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(rank, fn, "rank"));
     *rank = engine->engine->rank();
     return Status::ok();
@@ -622,7 +678,7 @@ zinf_code_t zinf_engine_rank(const zinf_engine_t* engine, int* rank) {
 zinf_code_t zinf_engine_world_size(const zinf_engine_t* engine, int* world_size) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(world_size, fn, "world_size"));
     *world_size = engine->engine->world_size();
     return Status::ok();
@@ -636,7 +692,7 @@ namespace {
 Status register_spec(zinf_engine_t* engine, const char* fn, const char* name, const char* module,
                      const int64_t* shape, size_t ndim, zinf_dtype_t dtype,
                      zinf::ParameterSpec& spec) {
-  ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+  ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
   ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
   ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
   if (ndim > 0 && shape == nullptr) {
@@ -709,7 +765,7 @@ zinf_code_t zinf_engine_add_param_group(zinf_engine_t* engine, const char* name,
                                         double weight_decay, double lr_scale) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
     return engine->engine->add_param_group({name, weight_decay, lr_scale});
   });
@@ -739,7 +795,7 @@ zinf_code_t zinf_engine_register_parameter_in_group(zinf_engine_t* engine, const
 zinf_code_t zinf_engine_finalize(zinf_engine_t* engine) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     return engine->engine->finalize();
   });
 }
@@ -747,7 +803,7 @@ zinf_code_t zinf_engine_finalize(zinf_engine_t* engine) {
 zinf_code_t zinf_engine_gather(zinf_engine_t* engine, const char* module) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
     return engine->engine->gather(module);
   });
@@ -756,7 +812,7 @@ zinf_code_t zinf_engine_gather(zinf_engine_t* engine, const char* module) {
 zinf_code_t zinf_engine_release(zinf_engine_t* engine, const char* module) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
     return engine->engine->release(module);
   });
@@ -766,7 +822,7 @@ zinf_code_t zinf_engine_parameter(zinf_engine_t* engine, const char* name, void*
                                   zinf_dtype_t* dtype, size_t* element_count) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
     ZINF_ASSIGN_OR_RETURN(zinf::TensorView view, engine->engine->parameter(name));
     if (data != nullptr) *data = view.data;
@@ -780,7 +836,7 @@ zinf_code_t zinf_engine_reduce_gradients(zinf_engine_t* engine, const char* modu
                                          const zinf_gradient_t* gradients, size_t gradient_count) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(module, fn, "module"));
     if (gradient_count > 0) ZINF_RETURN_IF_ERROR(require(gradients, fn, "gradients"));
     std::vector<zinf::GradientRef>& refs = engine->gradient_refs;
@@ -808,7 +864,7 @@ namespace {
 zinf_code_t engine_step(const char* fn, zinf_engine_t* engine, int32_t average_over,
                         zinf_step_report_t* report) {
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     if (report != nullptr && report->struct_size < sizeof(report->struct_size)) {
       return Status::invalid_argument(
           fmt::format("{}: report->struct_size is {}; set it to sizeof(zinf_step_report_t)", fn,
@@ -864,7 +920,7 @@ zinf_code_t zinf_engine_save_checkpoint_tag(zinf_engine_t* engine, const char* d
                                             const char* tag) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(dir, fn, "dir"));
     if (tag == nullptr) return engine->engine->save_checkpoint(dir);
     return engine->engine->save_checkpoint(dir, tag);
@@ -879,7 +935,7 @@ zinf_code_t zinf_engine_load_checkpoint_tag(zinf_engine_t* engine, const char* d
                                             const char* tag) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(dir, fn, "dir"));
     return engine->engine->load_checkpoint(dir, tag == nullptr ? "" : tag);
   });
@@ -892,7 +948,7 @@ zinf_code_t zinf_engine_load_checkpoint(zinf_engine_t* engine, const char* dir) 
 zinf_code_t zinf_engine_applied_steps(const zinf_engine_t* engine, int64_t* applied_steps) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(applied_steps, fn, "applied_steps"));
     *applied_steps = engine->engine->applied_steps();
     return Status::ok();
@@ -902,7 +958,7 @@ zinf_code_t zinf_engine_applied_steps(const zinf_engine_t* engine, int64_t* appl
 zinf_code_t zinf_engine_set_client_state(zinf_engine_t* engine, const void* data, size_t bytes) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     if (bytes > 0) ZINF_RETURN_IF_ERROR(require(data, fn, "data"));
     engine->engine->set_client_state(
         bytes == 0 ? std::string_view() : std::string_view(static_cast<const char*>(data), bytes));
@@ -914,7 +970,7 @@ zinf_code_t zinf_engine_client_state(const zinf_engine_t* engine, const void** d
                                      size_t* bytes) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     const std::string& blob = engine->engine->client_state();
     if (data != nullptr) *data = blob.data();
     if (bytes != nullptr) *bytes = blob.size();
@@ -926,7 +982,7 @@ zinf_code_t zinf_engine_read_parameters(zinf_engine_t* engine, const char* name,
                                         size_t out_count) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(name, fn, "name"));
     ZINF_RETURN_IF_ERROR(require(out, fn, "out"));
     const auto it = engine->element_counts.find(name);
@@ -944,7 +1000,7 @@ zinf_code_t zinf_engine_read_parameters(zinf_engine_t* engine, const char* name,
 zinf_code_t zinf_engine_loss_scale(const zinf_engine_t* engine, double* loss_scale) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(loss_scale, fn, "loss_scale"));
     *loss_scale = engine->engine->loss_scale();
     return Status::ok();
@@ -954,7 +1010,7 @@ zinf_code_t zinf_engine_loss_scale(const zinf_engine_t* engine, double* loss_sca
 zinf_code_t zinf_engine_set_learning_rate(zinf_engine_t* engine, double learning_rate) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     // The engine refuses such a rate too; this message names the C parameter.
     if (!std::isfinite(learning_rate) || learning_rate < 0) {
       return Status::invalid_argument(
@@ -967,7 +1023,7 @@ zinf_code_t zinf_engine_set_learning_rate(zinf_engine_t* engine, double learning
 zinf_code_t zinf_engine_counters(const zinf_engine_t* engine, zinf_engine_counters_t* counters) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(counters, fn, "counters"));
     if (counters->struct_size < sizeof(counters->struct_size)) {
       return Status::invalid_argument(
@@ -1001,7 +1057,7 @@ zinf_code_t zinf_engine_counters(const zinf_engine_t* engine, zinf_engine_counte
 zinf_code_t zinf_engine_memory(const zinf_engine_t* engine, zinf_memory_report_t* report) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(report, fn, "report"));
     if (report->struct_size < sizeof(report->struct_size)) {
       return Status::invalid_argument(
@@ -1034,7 +1090,7 @@ zinf_code_t zinf_engine_save_activation(zinf_engine_t* engine, const char* key, 
                                         size_t bytes) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(key, fn, "key"));
     // The engine refuses a null pointer and 0 bytes naming the key; an entry is made (or
     // reused) first so that a saved key always has one.
@@ -1050,7 +1106,7 @@ zinf_code_t zinf_engine_load_activation(zinf_engine_t* engine, const char* key, 
                                         size_t data_bytes) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     ZINF_RETURN_IF_ERROR(require(key, fn, "key"));
     const auto it = engine->activation_bytes.find(std::string_view(key));
     // A key never saved, or loaded already: the engine's kNotFound names it.
@@ -1067,7 +1123,7 @@ zinf_code_t zinf_engine_load_activation(zinf_engine_t* engine, const char* key, 
 zinf_code_t zinf_engine_flush_activations(zinf_engine_t* engine) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     return engine->engine->flush_activations();
   });
 }
@@ -1075,7 +1131,7 @@ zinf_code_t zinf_engine_flush_activations(zinf_engine_t* engine) {
 zinf_code_t zinf_engine_set_activation_bytes(zinf_engine_t* engine, uint64_t device_bytes) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(require_engine(engine, fn));
     engine->engine->set_activation_bytes(device_bytes);
     return Status::ok();
   });
@@ -1093,9 +1149,13 @@ zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_ran
       // A handle that borrows the rank's engine: run_local owns and destroys it.
       zinf_engine handle;
       handle.engine.reset(&engine);
+      zinf::capi::open_engines().add(&handle);
       struct Unborrow {
         zinf_engine& handle;
-        ~Unborrow() { static_cast<void>(handle.engine.release()); }
+        ~Unborrow() {
+          zinf::capi::open_engines().remove(&handle);
+          static_cast<void>(handle.engine.release());
+        }
       } unborrow{handle};
       const zinf_code_t code = fn(user, &handle, rank);
       if (code == ZINF_OK) return Status::ok();

@@ -29,7 +29,7 @@ zinf_code_t zinf_cuda_device_create(int ordinal, uint64_t memory_limit_bytes, zi
 zinf_code_t zinf_engine_set_cuda_stream(zinf_engine_t* engine, void* cuda_stream) {
   const char* const fn = __func__;
   return guard(fn, [&]() -> Status {
-    ZINF_RETURN_IF_ERROR(zinf::capi::require(engine, fn, "engine"));
+    ZINF_RETURN_IF_ERROR(zinf::capi::require_engine(engine, fn));
     std::unique_ptr<zinf::Stream> stream;
     if (cuda_stream != nullptr) {
       ZINF_ASSIGN_OR_RETURN(zinf::Device * device, zinf::capi::device_of(engine, fn));

@@ -75,6 +75,10 @@ Status make_process_group(zinf_device* device, std::unique_ptr<Communicator> com
 
 // ok, or kInvalidArgument "<where>: <what> is null" for the null pointers C callers can pass.
 Status require(const void* pointer, const char* where, const char* what);
+// ok for an engine handle that is open (zinf_engine_open's until zinf_engine_close, or one
+// zinf_run_local lends while its rank function runs); kInvalidArgument naming `where` for a null
+// or closed one.
+Status require_engine(const zinf_engine_t* engine, const char* where);
 
 // Runs `body` (returning a Status) and records its outcome; `where` is the C function's name.
 template <typename Body>

@@ -798,6 +798,46 @@ TEST(CApi, HandlesRefuseToGoWhileUsed) {
   zinf_engine_close(nullptr);
 }
 
+// Keeps the engine handle zinf_run_local lends, for use after the job.
+zinf_code_t keep_lent_engine(void* user, zinf_engine_t* engine, int /*rank*/) {
+  *static_cast<zinf_engine_t**>(user) = engine;
+  return ZINF_OK;
+}
+
+// A handle used after zinf_engine_close (or closed twice) is refused by its address; nothing of
+// the freed engine is read. So is a lent one after zinf_run_local returned.
+TEST(CApi, AClosedEngineIsRefusedNotRead) {
+  OneRank one(kStage2);
+  ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+  zinf_engine_t* closed = one.engine_;
+  const std::int64_t shape[1] = {8};
+  std::vector<float> values(8);
+  for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.25f * static_cast<float>(i) - 1.0f;
+  ASSERT_EQ(
+      zinf_engine_register_parameter(closed, "m.w", "m", shape, 1, ZINF_DTYPE_F32, values.data()),
+      ZINF_OK);
+  zinf_engine_close(closed);
+  one.engine_ = nullptr;
+  EXPECT_CODE(zinf_engine_gather(closed, "m"), ZINF_INVALID_ARGUMENT,
+              "zinf_engine_gather: engine ");
+  EXPECT_CODE(zinf_engine_gather(closed, "m"), ZINF_INVALID_ARGUMENT, "is not open");
+  zinf_step_report_t report{};
+  report.struct_size = sizeof report;
+  EXPECT_CODE(zinf_engine_step(closed, &report), ZINF_INVALID_ARGUMENT, "is not open");
+  int rank = -1;
+  EXPECT_CODE(zinf_engine_rank(closed, &rank), ZINF_INVALID_ARGUMENT, "is not open");
+  EXPECT_EQ(rank, -1);
+  // A second close does nothing: the group and the device count the engine as gone once, so
+  // OneRank's destructor destroys them.
+  zinf_engine_close(closed);
+
+  zinf_engine_t* lent = nullptr;
+  ASSERT_EQ(zinf_run_local(2, one.config_, &keep_lent_engine, &lent), ZINF_OK)
+      << zinf_last_error_message();
+  ASSERT_NE(lent, nullptr);
+  EXPECT_CODE(zinf_engine_world_size(lent, &rank), ZINF_INVALID_ARGUMENT, "is not open");
+}
+
 TEST(CApi, TraceRecordsTheEngineAndRefusesToGoWhileUsed) {
   zinf_trace_t* trace = nullptr;
   ASSERT_EQ(zinf_trace_create(4, &trace), ZINF_OK);
