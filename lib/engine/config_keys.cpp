@@ -270,7 +270,9 @@ const Key kFp16Keys[] = {
      .read = ZINF_READ(only_bool(v, false,
                                  "zinf refills the hysteresis after loss_scale_window good steps, "
                                  "as DeepSpeed's default does"))},
-    {.name = "auto_cast", .no_effect = "casting the model's inputs is the training program's"},
+    {.name = "auto_cast",
+     .no_effect = "casting the model's inputs is the training program's (zinf.torch's forward "
+                  "casts them with it, docs/PYTHON.md)"},
     {.name = "fp16_master_weights_and_grads",
      .read = ZINF_READ(only_bool(v, false, "zinf keeps an fp32 master and fp32 gradients")),
      .no_effect = "false: fp32 master and gradients, as in zinf"},
