@@ -505,6 +505,12 @@ class Engine::Impl {
         return Status::invalid_argument(
             fmt::format("reduce_gradients('{}'): gradient of '{}' is null", module, g.name));
       }
+      if (g.dtype != DType::kF32 && g.dtype != DType::kF16 && g.dtype != DType::kBF16) {
+        return Status::invalid_argument(
+            fmt::format("reduce_gradients('{}'): gradient of '{}' has dtype {}, not f32, f16 or "
+                        "bf16",
+                        module, g.name, static_cast<int>(g.dtype)));
+      }
       sources[*id] = {g.data, g.dtype};
     }
     for (std::size_t id : layout_.module_params(m)) {
@@ -1332,7 +1338,9 @@ const EngineCounters& Engine::counters() const {
   return impl_->counters_out_;
 }
 MemoryReport Engine::memory() const {
-  ZINF_ASSERT(impl_->finalized_);
+  ZINF_ASSERT_MSG(impl_->finalized_,
+                  "Engine::memory() before finalize(): the buffers are sized at finalize() (or "
+                  "the first gather, reduce_gradients or step); check finalized() first");
   return impl_->memory();
 }
 

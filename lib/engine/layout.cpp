@@ -39,6 +39,12 @@ Status ParameterLayout::add(const ParameterSpec& spec) {
     return Status::invalid_argument(
         fmt::format("{}: module names may not end in '{}'", what, kPersistentSuffix));
   }
+  // DType is an enum of three values, but a caller (a binding, a cast) can pass any byte; the
+  // engine would size and convert such a parameter as some other dtype.
+  if (spec.dtype != DType::kF32 && spec.dtype != DType::kF16 && spec.dtype != DType::kBF16) {
+    return Status::invalid_argument(
+        fmt::format("{}: dtype {} is not f32, f16 or bf16", what, static_cast<int>(spec.dtype)));
+  }
   std::size_t count = 1;
   for (std::int64_t d : spec.shape) {
     if (d <= 0) {

@@ -472,6 +472,13 @@ TEST(EngineBadInput, EachCallFailsClearlyAndTrainingContinuesExactly) {
     std::vector<GradientRef> null = {{"head.w", nullptr, 481, DType::kF32},
                                      {"head.b", gb.data(), 13, DType::kF32}};
     EXPECT_EQ(engine->reduce_gradients("head", null).code(), Code::kInvalidArgument);
+    // A dtype outside the enum's three (a cast from a binding's integer) is refused, not read
+    // as another dtype.
+    std::vector<GradientRef> odd_dtype = {{"head.w", g.data(), 481, static_cast<DType>(7)},
+                                          {"head.b", gb.data(), 13, DType::kF32}};
+    s = engine->reduce_gradients("head", odd_dtype);
+    EXPECT_EQ(s.code(), Code::kInvalidArgument) << s.to_string();
+    EXPECT_TRUE(contains(s, "head.w") && contains(s, "dtype 7")) << s.to_string();
     std::vector<GradientRef> unknown = {{"head.q", g.data(), 481, DType::kF32}};
     EXPECT_EQ(engine->reduce_gradients("head", unknown).code(), Code::kNotFound);
     EXPECT_EQ(engine->reduce_gradients("heads", unknown).code(), Code::kNotFound);
@@ -775,6 +782,9 @@ TEST(EngineBadInput, RegistrationErrorsNameTheParameter) {
   EXPECT_TRUE(contains(s, "a.c") && contains(s, "module")) << s.to_string();
   s = engine.register_parameter({"a.d", "a", {3}, DType::kF32, nullptr});
   EXPECT_TRUE(contains(s, "a.d") && contains(s, "initial_values")) << s.to_string();
+  s = engine.register_parameter({"a.e", "a", {3}, static_cast<DType>(9), v.data()});
+  EXPECT_EQ(s.code(), Code::kInvalidArgument);
+  EXPECT_TRUE(contains(s, "a.e") && contains(s, "dtype 9")) << s.to_string();
   // A step before anything was reduced names the parameter that lacks gradients.
   s = engine.step().status();
   EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
