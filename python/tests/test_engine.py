@@ -2,6 +2,7 @@
 (set directly and by a torch scheduler), the loss scale, checkpoints, gradient accumulation, and
 bf16 mixed precision."""
 import json
+import os
 
 import pytest
 import torch
@@ -283,3 +284,66 @@ def test_load_checkpoint_without_a_checkpoint_warns_naming_the_path(tmp_path):
         path = str(tmp_path / name)
         with pytest.warns(UserWarning, match=f"nothing loaded from '{path}': .*{why}"):
             assert engine.load_checkpoint(path) == (None, None)
+
+
+def truncate_swap_files(swap):
+    """Cuts every swap file under `swap` to 0 bytes: the next read of the optimizer state fails
+    (an I/O error, sticky in the engine)."""
+    files = [path for path in swap.rglob("*") if path.is_file()]
+    assert files, f"no swap file under {swap}"
+    for path in files:
+        os.truncate(path, 0)
+
+
+@pytest.mark.parametrize("failure", ["swap", "schedule", "swap_overlapped"])
+def test_after_a_failed_step_backward_and_step_raise_its_error(failure, tmp_path):
+    """A step that raised leaves its micro-batches in the engine: the next engine.backward()
+    raises the step's error again, chained to it, and not the refusal of a micro-batch past
+    gradient_accumulation_steps that hid it (the caller did call step()); a step() with its
+    micro-batches to apply calls the engine again, which raises the same error. Where the engine
+    failed after the step was counted (its optimizer pass, overlapped with the backward, failed
+    after step() handed it the step), the step() after it, with nothing to apply, raises it too
+    instead of returning as if all were well."""
+    batches = mlp_batches(9)
+    if failure.startswith("swap"):
+        # The optimizer state on NVMe, its swap file cut short under the engine after one step.
+        config = mlp_config(2, "nvme", tmp_path / "swap")
+        config["zinf"]["overlap_step"] = failure == "swap_overlapped"
+        engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+        train_mlp_zinf(engine, batches[:1])
+        truncate_swap_files(tmp_path / "swap")
+        steps_before = 1
+    else:
+        # OneCycle's momentum after the cycle, 0.9 x (1 + 0.05 x iterations past it), reaches
+        # 1 (Adam's beta1 must stay below) at the 8th step.
+        config = mlp_config(1)
+        config["scheduler"] = {"type": "OneCycle", "params": {
+            "cycle_min_lr": 0.001, "cycle_max_lr": 0.01, "cycle_first_step_size": 2,
+            "decay_step_size": 1, "decay_mom_rate": 0.05}}
+        engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+        train_mlp_zinf(engine, batches[:7])
+        steps_before = 7
+    engine.backward(mlp_loss(engine, batches[steps_before]))
+    with pytest.raises(zinf.Error, match="^io_error: " if failure.startswith("swap") else None) \
+            as failed:
+        engine.step()
+    counted = failure == "swap_overlapped"
+    assert engine.global_steps == steps_before + counted
+    with pytest.raises(zinf.Error) as again:
+        engine.backward(mlp_loss(engine, batches[steps_before + 1]))
+    message = str(again.value)
+    assert message.startswith(f"engine.backward(): the last engine.step() raised Error: "
+                              f"{failed.value} -- ")
+    assert ("the step was counted, and the engine failed after it" if counted else
+            "holds that step's 1 micro-batch(es)") in message
+    assert "micro-batch 2" not in message
+    assert again.value.__cause__ is failed.value
+    assert engine.micro_steps == steps_before + 1
+    with pytest.raises(zinf.Error) as stepped:
+        engine.step()
+    if counted:
+        assert str(stepped.value) == message.replace("engine.backward()", "engine.step()", 1)
+        assert stepped.value.__cause__ is failed.value
+    else:
+        assert str(stepped.value) == str(failed.value)
+    assert engine.global_steps == steps_before + counted

@@ -784,6 +784,9 @@ class ZinfEngine(nn.Module):
         # any, GatheredParameters refuses writes and no stray backward is reported).
         self._boundary_override: bool | None = None
         self._micro_batches_pending = 0
+        # The exception the last optimizer step raised (None once a step applies): until then
+        # backward() raises it, as does a step() with nothing to apply (_raise_failed_step).
+        self._failed_step: Exception | None = None
 
         # The optimizer's hyper-parameters as its torch param_groups show them, each only where
         # the optimizer has it, as DeepSpeed's optimizers' groups: Adagrad has no betas, Lion no
@@ -1674,6 +1677,10 @@ class ZinfEngine(nn.Module):
         fp32) when that is above 1, else the loss itself. (zinf's engine averages the
         micro-batches at the step instead of scaling each loss, so the division is only for the
         value returned, which a script may log.)"""
+        if self._failed_step is not None:
+            # Before the micro-batch count: the failed step left it as it was, and a refusal
+            # for "micro-batch N over gradient_accumulation_steps" would hide why.
+            self._raise_failed_step("engine.backward()")
         pending, gas = self._micro_batches_pending, self._gradient_accumulation_steps
         if pending >= gas:
             # Refused before autograd runs: the engine keeps the micro-batches it has, and a
@@ -1713,6 +1720,32 @@ class ZinfEngine(nn.Module):
         self._micro_batches_pending += 1
         self._backward_since_step_call = True
         return loss.float() / gas if gas > 1 else loss
+
+    def _raise_failed_step(self, call: str):
+        """Raises the error of the last optimizer step again, chained to it, from `call`: a
+        failed step leaves its micro-batches in the engine (or, where the engine failed after
+        the step was counted, none), and what the caller can do depends on that error. An
+        operating error (I/O, a collective, a timeout) is the engine's from then on (every later
+        call fails with it); a step refused before anything changed (zinf.Error
+        invalid_argument or failed_precondition, or an lr the engine cannot take) applies at the
+        next engine.step() once its cause is gone."""
+        error = self._failed_step
+        pending = self._micro_batches_pending
+        held = (f"no optimizer step was applied since, and the engine holds that step's "
+                f"{pending} micro-batch(es): an operating error (I/O, a collective, a timeout) "
+                "stays with the engine, so open a new one and load a checkpoint; a step refused "
+                "before anything changed is applied by the next engine.step() once its cause is "
+                "gone" if pending else
+                "the step was counted, and the engine failed after it: open a new engine and "
+                "load a checkpoint")
+        message = (f"{call}: the last engine.step() raised {type(error).__name__}: {error} -- "
+                   f"{held}")
+        try:
+            again = type(error)(message)
+        except Exception:
+            again = RuntimeError(message)
+        with self._aborting_on_error(call):
+            raise again from error
 
     def _refuse_stray_backward(self, call: str):
         """Raises at a step when, since the last step, autograd produced gradients of the model's
@@ -1870,12 +1903,17 @@ class ZinfEngine(nn.Module):
         the last step (else does nothing, as DeepSpeed's engine.step()), then, unless the step
         was skipped for an overflow, steps the lr_scheduler given to initialize() with
         lr_kwargs as keyword arguments (the config's schedule advances inside the engine)."""
+        boundary = (self.micro_steps % self._gradient_accumulation_steps == 0
+                    if self._boundary_override is None else self._boundary_override)
+        if self._failed_step is not None and (not boundary or self._micro_batches_pending == 0):
+            # A step() that would do nothing after a failed step says so (a step() that has
+            # micro-batches to apply calls the engine again: it raises its error again, or, where
+            # the step was refused and the cause is gone, applies them).
+            self._raise_failed_step("engine.step()")
         with self._aborting_on_error("step"):
             self._refuse_stray_backward("step")
         self._step_applied = False
         self._backward_since_step_call = False
-        boundary = (self.micro_steps % self._gradient_accumulation_steps == 0
-                    if self._boundary_override is None else self._boundary_override)
         # Nothing to apply off a boundary, or with no backward since the last step.
         if not boundary or self._micro_batches_pending == 0:
             return
@@ -1957,6 +1995,17 @@ class ZinfEngine(nn.Module):
         with self._aborting_on_error("step"):
             # optimizer.step() called directly reaches here without engine.step()'s check.
             self._refuse_stray_backward("step")
+        try:
+            self._apply_step_unchecked()
+        except Exception as error:
+            # An overflow at the loss scale's floor is reported, not a failure: the step counted
+            # (skipped), and training may go on.
+            floor = isinstance(error, Error) and _FLOOR_OVERFLOW in str(error)
+            self._failed_step = None if floor else error
+            raise
+        self._failed_step = None
+
+    def _apply_step_unchecked(self):
         self._push_lr()
         at_floor = None
         with self._aborting_on_error("step"):
