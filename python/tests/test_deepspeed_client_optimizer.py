@@ -154,6 +154,19 @@ def test_an_adagrad_setting_the_engine_lacks_is_refused_naming_it():
         train_engine(model, optimizer, [], 2)
 
 
+def test_amsgrad_is_refused_naming_the_optimizer_or_the_group():
+    # torch's Adam with amsgrad=True for every group, or in one group only: named where set.
+    model = make_mlp()
+    with pytest.raises(NotImplementedError, match="the optimizer's amsgrad=True"):
+        train_engine(model, torch.optim.Adam(model.parameters(), lr=LR, amsgrad=True), [], 2)
+    model = make_mlp()
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "amsgrad": True}],
+                                 lr=LR)
+    with pytest.raises(NotImplementedError, match="parameter group 1's amsgrad=True"):
+        train_engine(model, optimizer, [], 2)
+
+
 def test_an_optimizer_type_the_engine_lacks_is_refused_by_its_name_before_its_options():
     # SGD with Nesterov momentum: the refusal names SGD, not nesterov=True (which would suggest
     # that plain SGD were mapped).

@@ -80,6 +80,31 @@ def test_groups_that_change_betas_are_refused(tmp_path):
                               model_parameters=groups)
 
 
+@pytest.mark.parametrize("initialize", ["zinf.torch", "deepspeed"])
+def test_a_group_asking_for_amsgrad_is_refused_naming_it(initialize, tmp_path):
+    # The engine's Adam keeps no maximum of the second moments: "amsgrad": True in a group is
+    # refused, as the config's optimizer.params.amsgrad true is, where it was accepted and then
+    # not applied; False is what the engine does.
+    if initialize == "deepspeed":
+        from _helpers import ds_initialize as initialize
+    else:
+        initialize = zinf.torch.initialize
+    for amsgrad in (True, False):
+        model = make_model()
+        groups = grouped(model)
+        groups[1]["amsgrad"] = amsgrad
+        config = zinf_config(1, "none", "none", tmp_path)
+        if amsgrad:
+            with pytest.raises(NotImplementedError,
+                               match="^parameter group 1: amsgrad True has no zinf equivalent"):
+                initialize(model=model, config=config, model_parameters=groups)
+        else:
+            engine, optimizer, _, _ = initialize(model=model, config=config,
+                                                 model_parameters=groups)
+            assert optimizer.param_groups[1]["amsgrad"] is False
+            engine.destroy()
+
+
 def test_a_parameter_left_out_of_the_groups_is_named(tmp_path):
     model = make_model()
     groups = grouped(model)

@@ -1020,8 +1020,12 @@ def _optimizer_section(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
         if option == "amsgrad" and deepspeed_adagrad:
             continue
         if any(values(option, False)):
-            raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): the "
-                                      f"optimizer's {option}=True has no zinf equivalent")
+            # Named where it was set: the optimizer (every group inherits it), or a group.
+            where = ("the optimizer's" if defaults.get(option) else
+                     "parameter group " + next(str(i) for i, g in enumerate(optimizer.param_groups)
+                                               if g["params"] and g.get(option)) + "'s")
+            raise NotImplementedError(f"deepspeed.initialize (zinf.deepspeed_compat): {where} "
+                                      f"{option}=True has no zinf equivalent")
     lr_decays = {0.0}
     if deepspeed_adagrad:
         kind = "Adagrad"

@@ -1074,6 +1074,13 @@ class ZinfEngine(nn.Module):
                     raise NotImplementedError(
                         f"parameter group {index}: {key} {item[key]} differs from the "
                         f"optimizer's {has}; groups may change lr and weight_decay")
+            if item.get("amsgrad"):
+                # The engine's Adam keeps no running maximum of the second moments; the key
+                # would otherwise ride along in the group, shown and never applied.
+                raise NotImplementedError(
+                    f"parameter group {index}: amsgrad {item['amsgrad']} has no zinf "
+                    "equivalent (AMSGrad is not implemented, as the config's "
+                    "optimizer.params.amsgrad true is refused); leave it out or set it False")
             group = {**defaults, **{k: v for k, v in item.items() if k != "params"}}
             for position, p in enumerate(params):
                 if id(p) not in self._params and id(p) not in self._frozen:
