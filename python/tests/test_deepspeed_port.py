@@ -187,6 +187,11 @@ def test_the_engine_reports_where_and_how_it_runs():
     assert engine.steps_per_print() == 25
     assert engine.zero_optimization_stage() == 1 and engine.zero_optimization()
     assert not engine.fp16_enabled() and not engine.bfloat16_enabled()
+    # Stage 0 (no partitioning), which zinf runs as stage 1: the stage reported is the config's.
+    config["zero_optimization"] = {"stage": 0}
+    engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.zero_optimization_stage() == 0 and not engine.zero_optimization()
+    assert engine.stage == 1
 
 
 def test_zero_to_fp32_helpers_give_the_masters_under_every_name(tmp_path):

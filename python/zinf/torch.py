@@ -752,6 +752,10 @@ class ZinfEngine(nn.Module):
         self.world_size = self._core.world_size
         resolved = json.loads(self._core.config_json())
         self.stage = int(resolved["zero_optimization"]["stage"])
+        # The engine runs stage 0 (no partitioning) as stage 1; zero_optimization_stage() says 0.
+        given_zero = config.get("zero_optimization")
+        self._stage_given_zero = (isinstance(given_zero, dict) and self.stage == 1
+                                  and given_zero.get("stage") == 0)
         self._zero_resolved = resolved["zero_optimization"]
         self._gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
         self._micro_batch_size = int(resolved["train_micro_batch_size_per_gpu"])
@@ -1809,11 +1813,14 @@ class ZinfEngine(nn.Module):
         return self._steps_per_print
 
     def zero_optimization_stage(self) -> int:
-        """The config's ZeRO stage (DeepSpeed's engine method)."""
-        return self.stage
+        """The config's ZeRO stage (DeepSpeed's engine method): 0 where the config says 0 (or,
+        through deepspeed.initialize, names no stage: DeepSpeed's default), which the engine runs
+        as stage 1 (engine.stage), so that a script's checks for DeepSpeed's stage 0 hold."""
+        return 0 if self._stage_given_zero else self.stage
 
     def zero_optimization(self) -> bool:
-        return self.stage > 0
+        """Whether the config's ZeRO stage is above 0, as DeepSpeed's."""
+        return self.zero_optimization_stage() > 0
 
     def fp16_enabled(self) -> bool:
         return self.dtype_name == "f16"
