@@ -957,6 +957,25 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
     std::vector<KeyReport> again;
     if (!walk_text(root.dump(), &c, &again).is_ok()) break;
   }
+  // The stage-3 keys read at stages 1-2 change nothing there (nor in DeepSpeed): said so, so
+  // that a user does not take them for a setting of the run.
+  if (c.zero.stage < 3) {
+    for (KeyReport& r : reports) {
+      if (r.use != KeyUse::kUsed) continue;
+      for (std::string_view name :
+           {"stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_max_live_parameters",
+            "max_live_parameters", "stage3_param_persistence_threshold",
+            "param_persistence_threshold"}) {
+        if (r.key == fmt::format("zero_optimization.{}", name)) {
+          r.use = KeyUse::kNoEffect;
+          r.why = fmt::format(
+              "read at stage 3 only (the parameters' gathers); this config runs "
+              "stage {}",
+              c.zero.stage);
+        }
+      }
+    }
+  }
   return reports;
 }
 

@@ -161,7 +161,10 @@ TEST(Config, ReadsWhatRealDeepSpeedConfigsCarryWithDeepSpeedsMeaning) {
   EXPECT_EQ(by_key["zero_optimization.sub_group_size"].use, KeyUse::kUsed);
   EXPECT_NE(why_of("zero_optimization.sub_group_size").find("keeps zinf's default, 1000000000"),
             std::string::npos);
-  EXPECT_TRUE(why_of("zero_optimization.max_live_parameters").empty());
+  // Read (0 would turn prefetching off), but this config runs stage 1, where it changes nothing.
+  EXPECT_EQ(by_key["zero_optimization.max_live_parameters"].use, KeyUse::kNoEffect);
+  EXPECT_NE(why_of("zero_optimization.max_live_parameters").find("read at stage 3 only"),
+            std::string::npos);
   for (const char* key :
        {"zero_optimization.prefetch_bucket_size", "zero_optimization.param_persistence_threshold",
         "zero_optimization.reduce_bucket_size"}) {
@@ -212,6 +215,37 @@ TEST(Config, DisabledSectionsOfFeaturesZinfLacksAreAcceptedAndEnabledOnesRefused
   }
   // Sections with no "enabled" of their own stay refused whatever they hold.
   EXPECT_FALSE(parse_config(R"({"pipeline": {"enabled": false}})").is_ok());
+}
+
+// zinf config check against a stage-2 config carrying stage-3 keys (as configs copied between
+// stages do): they change nothing at stage 2, in zinf as in DeepSpeed, and the report says so;
+// at stage 3 they are used.
+TEST(Config, StageThreeKeysAreReportedWithNoEffectBelowStageThree) {
+  for (int stage : {2, 3}) {
+    SCOPED_TRACE(stage);
+    const std::string text = fmt::format(
+        R"({{"zero_optimization": {{"stage": {}, "stage3_max_live_parameters": 1e9,
+            "prefetch_bucket_size": 5e7, "stage3_param_persistence_threshold": 1e5,
+            "reduce_bucket_size": 5e8}}}})",
+        stage);
+    Result<std::vector<KeyReport>> r = check_config(text);
+    ASSERT_TRUE(r.is_ok()) << r.status().to_string();
+    std::map<std::string, KeyReport> by_key;
+    for (const KeyReport& k : *r) by_key[k.key] = k;
+    for (const char* key :
+         {"zero_optimization.stage3_max_live_parameters", "zero_optimization.prefetch_bucket_size",
+          "zero_optimization.stage3_param_persistence_threshold"}) {
+      ASSERT_TRUE(by_key.contains(key)) << key;
+      if (stage == 2) {
+        EXPECT_EQ(by_key[key].use, KeyUse::kNoEffect) << key;
+        EXPECT_NE(by_key[key].why.find("read at stage 3 only"), std::string::npos) << key;
+        EXPECT_NE(by_key[key].why.find("runs stage 2"), std::string::npos) << key;
+      } else {
+        EXPECT_EQ(by_key[key].use, KeyUse::kUsed) << key;
+      }
+    }
+    EXPECT_EQ(by_key["zero_optimization.reduce_bucket_size"].use, KeyUse::kUsed);
+  }
 }
 
 struct BadCase {
