@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/assert.hpp"
+#include "base/hash.hpp"
 #include "comm/collective_util.hpp"
 #include "comm/mpi_comm.hpp"
 #include "comm/tcp_bootstrap.hpp"
@@ -50,40 +51,68 @@ constexpr auto kIdlePoll = std::chrono::milliseconds(10);
 // --- What each rank asked for ------------------------------------------------------------------
 //
 // Before its data, every rank sends every other rank a descriptor of the collective it issued
-// (kind, dtype, reduction, root, element count), on the same tag: MPI delivers messages between
-// two ranks on one tag in the order they were sent, so the descriptor is the first message of the
-// collective to arrive from each peer, and it is compared before any of that peer's data is let
-// into a buffer. Ranks that issued different collectives (another kind, dtype, reduction or root,
-// even with the same byte count) thus fail on every rank with kCommError naming both calls,
-// instead of returning different answers. It costs one small message to each peer per collective,
-// sent without waiting for an answer (no extra round trip).
-constexpr std::size_t kDescriptorBytes = 16;
+// (kind, dtype, reduction, root, element count, and its name: a hash of it and its first
+// kDescriptorNameBytes), on the same tag: MPI delivers messages between two ranks on one tag in
+// the order they were sent, so the descriptor is the first message of the collective to arrive
+// from each peer, and it is compared before any of that peer's data is let into a buffer. Ranks
+// that issued different collectives (another kind, dtype, reduction or root, even with the same
+// byte count; or the same shape under other names, as gathers of two modules whose shards pad
+// to one size) thus fail on every rank with kCommError naming both calls, instead of returning
+// each other's data. It costs one small message to each peer per collective, sent without
+// waiting for an answer (no extra round trip).
+constexpr std::size_t kDescriptorNameBytes = 40;
+constexpr std::size_t kDescriptorBytes = 24 + kDescriptorNameBytes;
 using Descriptor = std::array<std::byte, kDescriptorBytes>;
+
+// A peer's call as its descriptor tells it: the name is its first kDescriptorNameBytes ("..."
+// after them where it was longer), name_hash the whole name's (0 for a call without a name).
+struct PeerCall {
+  Collective op;
+  std::string name;
+  std::uint64_t name_hash = 0;
+};
+
+std::uint64_t name_hash(std::string_view name) {
+  if (name.empty()) return 0;
+  const std::uint64_t hash = xxh3_64(name.data(), name.size());
+  return hash == 0 ? 1 : hash;
+}
 
 Descriptor encode_descriptor(const Collective& op) {
   Descriptor out{};
   out[0] = static_cast<std::byte>(op.kind);
   out[1] = static_cast<std::byte>(op.dtype);
   out[2] = static_cast<std::byte>(op.op);
+  const std::size_t shown = std::min(op.name.size(), kDescriptorNameBytes);
+  out[3] = static_cast<std::byte>(op.name.size() > kDescriptorNameBytes ? shown + 1 : shown);
   const auto root = static_cast<std::int32_t>(op.root);
   const auto count = static_cast<std::uint64_t>(op.element_count);
+  const std::uint64_t hash = name_hash(op.name);
   std::memcpy(out.data() + 4, &root, sizeof(root));
   std::memcpy(out.data() + 8, &count, sizeof(count));
+  std::memcpy(out.data() + 16, &hash, sizeof(hash));
+  std::memcpy(out.data() + 24, op.name.data(), shown);
   return out;
 }
 
-Collective decode_descriptor(const Descriptor& in) {
-  Collective op;
+PeerCall decode_descriptor(const Descriptor& in) {
+  PeerCall call;
+  Collective& op = call.op;
   op.kind = static_cast<CollectiveKind>(in[0]);
   op.dtype = static_cast<DType>(in[1]);
   op.op = static_cast<ReduceOp>(in[2]);
+  const auto length = static_cast<std::size_t>(in[3]);
   std::int32_t root = 0;
   std::uint64_t count = 0;
   std::memcpy(&root, in.data() + 4, sizeof(root));
   std::memcpy(&count, in.data() + 8, sizeof(count));
+  std::memcpy(&call.name_hash, in.data() + 16, sizeof(call.name_hash));
   op.root = root;
   op.element_count = static_cast<std::size_t>(count);
-  return op;
+  call.name.assign(reinterpret_cast<const char*>(in.data()) + 24,
+                   std::min(length, kDescriptorNameBytes));
+  if (length > kDescriptorNameBytes) call.name += "...";
+  return call;
 }
 
 // --- MPI's lifetime in this process ------------------------------------------------------------
@@ -752,11 +781,16 @@ Status MpiComm::compare_descriptor(const Task& task, const Task::Message& messag
   // Received with MPI_Imrecv after MPI_Improbe found it kDescriptorBytes long (poll), so it is
   // whole; a peer that dies while it is in flight leaves the receive open until the deadline,
   // with the progress thread free.
+  PeerCall peer = decode_descriptor(task.descriptors_in[static_cast<std::size_t>(message.peer)]);
   Collective own = task.op;
+  Collective& theirs = peer.op;
+  // The shapes by collectives_agree(), the names by their hashes (a peer's name may be cut).
   own.name = {};
-  const Collective theirs =
-      decode_descriptor(task.descriptors_in[static_cast<std::size_t>(message.peer)]);
-  if (collectives_agree(own, theirs)) return Status::ok();
+  const std::uint64_t own_hash = name_hash(task.op.name);
+  const bool names_agree = own_hash == 0 || peer.name_hash == 0 || own_hash == peer.name_hash;
+  if (collectives_agree(own, theirs) && names_agree) return Status::ok();
+  own.name = task.op.name;
+  theirs.name = peer.name;
   return Status::comm_error(
       fmt::format("{} on {}: ranks disagree: rank {} issued {}, this rank issued {}", task.label,
                   name_, message.peer, describe_call(theirs), describe_call(own)));

@@ -85,7 +85,8 @@ enum class Form { kOutOfPlace, kInPlace };
 Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind kind,
                                               const std::vector<std::byte>& input,
                                               std::size_t count, DType dtype, ReduceOp op,
-                                              Form form, int root) {
+                                              Form form, int root,
+                                              std::string_view name = "test data") {
   Device& device = comm.device();
   const int rank = comm.rank();
   const auto world = static_cast<std::size_t>(comm.world_size());
@@ -114,7 +115,7 @@ Result<std::vector<std::byte>> run_collective(Communicator& comm, CollectiveKind
   }
   std::memcpy(host_in.value().data(), input.data(), send_bytes);
   ZINF_RETURN_IF_ERROR(device.copy_h2d(send, host_in.value().data(), send_bytes, *run.stream));
-  Collective c{kind, send, recv, count, dtype, op, root, "test data"};
+  Collective c{kind, send, recv, count, dtype, op, root, name};
   ZINF_RETURN_IF_ERROR(comm.issue(c, *run.stream));
   ZINF_RETURN_IF_ERROR(device.copy_d2h(host_out.value().data(), recv, recv_bytes, *run.stream));
   ZINF_RETURN_IF_ERROR(device.record(*run.done, *run.stream));
@@ -314,6 +315,7 @@ struct Call {
   ReduceOp op;
   int root;
   std::string text;  // as the error names it
+  std::string name = "test data";
 };
 
 // Rank 0 issues `first`, every other rank `second`: collectives that move the same bytes but
@@ -328,8 +330,9 @@ void expect_disagreement(const Call& first, const Call& second) {
       mine.kind == CollectiveKind::kReduceScatter ? mine.count * g_world : mine.count;
   const std::vector<std::byte> input = random_data(input_count, mine.dtype, 41 + g_rank);
   const auto start = Clock::now();
-  Result<std::vector<std::byte>> out = run_collective(
-      *comm, mine.kind, input, mine.count, mine.dtype, mine.op, Form::kOutOfPlace, mine.root);
+  Result<std::vector<std::byte>> out =
+      run_collective(*comm, mine.kind, input, mine.count, mine.dtype, mine.op, Form::kOutOfPlace,
+                     mine.root, mine.name);
   ASSERT_FALSE(out.is_ok()) << "rank " << g_rank << " got an answer";
   const std::string message(out.status().message());
   // With more than two ranks, one that issues after another's notice arrived is refused
@@ -359,6 +362,19 @@ TEST(MpiCommFailures, RanksThatIssueDifferentCollectivesOfTheSameSizeFailWithCom
   // 4 f32 against 8 bf16: 16 bytes either way.
   expect_disagreement({CollectiveKind::kAllReduce, 4, f32, sum, 0, "all_reduce of 4 f32 (sum)"},
                       {CollectiveKind::kAllReduce, 8, bf16, sum, 0, "all_reduce of 8 bf16 (sum)"});
+  // The same call under other names: gathers of two modules whose shards pad to one size. A
+  // name is carried whole up to 40 bytes; past them ranks still disagree by the whole name's
+  // hash, and the peer's is shown cut ("...").
+  expect_disagreement(
+      {CollectiveKind::kAllGather, 4, f32, sum, 0,
+       "all_gather of 4 f32 'params group 0 (module 'fc1')'", "params group 0 (module 'fc1')"},
+      {CollectiveKind::kAllGather, 4, f32, sum, 0,
+       "all_gather of 4 f32 'params group 1 (module 'fc2')'", "params group 1 (module 'fc2')"});
+  const std::string stem = "params group 7 (module 'transformer.h.11.mlp.c_";
+  expect_disagreement({CollectiveKind::kAllGather, 4, f32, sum, 0,
+                       "all_gather of 4 f32 '" + stem.substr(0, 40), stem + "fc')"},
+                      {CollectiveKind::kAllGather, 4, f32, sum, 0,
+                       "all_gather of 4 f32 '" + stem.substr(0, 40), stem + "proj')"});
   // Another kind of the same size: all_gather of 4 f32 against all_reduce of 4 f32 on two ranks.
   if (g_world == 2) {
     expect_disagreement({CollectiveKind::kAllGather, 2, f32, sum, 0, "all_gather of 2 f32"},
