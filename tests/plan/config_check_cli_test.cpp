@@ -167,6 +167,16 @@ TEST_F(ConfigCheckCli, WhatTheConfigLeavesToZinfIsNoted) {
       << out;
   EXPECT_NE(line_of(out, "comms_config").find("no effect"), std::string::npos) << out;
   EXPECT_EQ(out.find("note:"), std::string::npos) << out;
+
+  // DeepSpeed's older boolean section is refused with what to write instead; no note then says
+  // the config has no stage.
+  const std::string boolean = scratch.path() + "/boolean.json";
+  std::ofstream(boolean) << R"({"optimizer": {"type": "AdamW"}, "zero_optimization": true})";
+  EXPECT_EQ(run_command(zinf_binary() + " config check " + boolean, &out), 1) << out;
+  EXPECT_NE(line_of(out, "zero_optimization").find("\"zero_optimization\": {\"stage\": 1}"),
+            std::string::npos)
+      << out;
+  EXPECT_EQ(out.find("note: no zero_optimization.stage"), std::string::npos) << out;
 }
 
 TEST_F(ConfigCheckCli, MissingFileExitsOne) {

@@ -63,7 +63,12 @@ std::vector<std::string> default_notes(const std::vector<KeyReport>& reports) {
         "the section to choose",
         o.lr, o.weight_decay));
   }
-  if (!given("zero_optimization.stage")) {
+  // A zero_optimization that is itself reported (refused: `true`, DeepSpeed's older form) has a
+  // verdict of its own that says what to write.
+  const bool section_reported = std::any_of(reports.begin(), reports.end(), [](const KeyReport& r) {
+    return r.key == "zero_optimization";
+  });
+  if (!given("zero_optimization.stage") && !section_reported) {
     notes.push_back(
         "no zero_optimization.stage: zinf runs stage 3 (DeepSpeed's default is 0, ZeRO off; "
         "the numbers are the same)");
