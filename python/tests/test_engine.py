@@ -1,6 +1,7 @@
 """zinf.torch's engine in DeepSpeed's call shape: config from a JSON file, the learning rate
 (set directly and by a torch scheduler), the loss scale, checkpoints, gradient accumulation, and
 bf16 mixed precision."""
+import contextlib
 import json
 import os
 
@@ -295,15 +296,16 @@ def truncate_swap_files(swap):
         os.truncate(path, 0)
 
 
-@pytest.mark.parametrize("failure", ["swap", "schedule", "swap_overlapped"])
-def test_after_a_failed_step_backward_and_step_raise_its_error(failure, tmp_path):
+@pytest.mark.parametrize("failure", ["swap", "schedule", "swap_overlapped", "lr"])
+def test_after_a_failed_step_backward_and_step_raise_its_error(failure, tmp_path, monkeypatch):
     """A step that raised leaves its micro-batches in the engine: the next engine.backward()
-    raises the step's error again, chained to it, and not the refusal of a micro-batch past
-    gradient_accumulation_steps that hid it (the caller did call step()); a step() with its
-    micro-batches to apply calls the engine again, which raises the same error. Where the engine
-    failed after the step was counted (its optimizer pass, overlapped with the backward, failed
-    after step() handed it the step), the step() after it, with nothing to apply, raises it too
-    instead of returning as if all were well."""
+    raises the step's error again, chained to it, its message first, and not the refusal of a
+    micro-batch past gradient_accumulation_steps that hid it (the caller did call step()); a
+    step() with its micro-batches to apply calls the engine again, which raises the same error,
+    or, for a step refused before anything changed (an lr the engine cannot take), applies them
+    once the cause is gone. Where the engine failed after the step was counted (its optimizer
+    pass, overlapped with the backward, failed after step() handed it the step), the step()
+    after it, with nothing to apply, raises it too instead of returning as if all were well."""
     batches = mlp_batches(9)
     if failure.startswith("swap"):
         # The optimizer state on NVMe, its swap file cut short under the engine after one step.
@@ -312,6 +314,10 @@ def test_after_a_failed_step_backward_and_step_raise_its_error(failure, tmp_path
         engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
         train_mlp_zinf(engine, batches[:1])
         truncate_swap_files(tmp_path / "swap")
+        steps_before = 1
+    elif failure == "lr":
+        engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
+        train_mlp_zinf(engine, batches[:1])
         steps_before = 1
     else:
         # OneCycle's momentum after the cycle, 0.9 x (1 + 0.05 x iterations past it), reaches
@@ -324,26 +330,83 @@ def test_after_a_failed_step_backward_and_step_raise_its_error(failure, tmp_path
         train_mlp_zinf(engine, batches[:7])
         steps_before = 7
     engine.backward(mlp_loss(engine, batches[steps_before]))
-    with pytest.raises(zinf.Error, match="^io_error: " if failure.startswith("swap") else None) \
+    if failure == "lr":
+        engine.optimizer.param_groups[0]["lr"] = float("nan")
+    error_type = ValueError if failure == "lr" else zinf.Error
+    with pytest.raises(error_type, match="^io_error: " if failure.startswith("swap") else None) \
             as failed:
         engine.step()
     counted = failure == "swap_overlapped"
     assert engine.global_steps == steps_before + counted
-    with pytest.raises(zinf.Error) as again:
+    # The error raised again passes through no guard that aborts the communicator on an
+    # exception (in a run of several ranks, a backward after a refused step would abort it, and
+    # the step could never apply).
+    guarded = engine._aborting_on_error
+    aborting = []
+
+    @contextlib.contextmanager
+    def recording(what):
+        try:
+            with guarded(what):
+                yield
+        except BaseException:
+            aborting.append(what)
+            raise
+
+    monkeypatch.setattr(engine, "_aborting_on_error", recording)
+    with pytest.raises(error_type) as again:
         engine.backward(mlp_loss(engine, batches[steps_before + 1]))
+    assert aborting == []
+    monkeypatch.undo()
     message = str(again.value)
-    assert message.startswith(f"engine.backward(): the last engine.step() raised Error: "
-                              f"{failed.value} -- ")
+    assert message.startswith(f"{failed.value} -- engine.backward(): raised again, the last "
+                              f"engine.step() having raised this {error_type.__name__}; ")
     assert ("the step was counted, and the engine failed after it" if counted else
             "holds that step's 1 micro-batch(es)") in message
     assert "micro-batch 2" not in message
     assert again.value.__cause__ is failed.value
     assert engine.micro_steps == steps_before + 1
+    if failure == "lr":
+        # The cause gone, the step applies the micro-batch it holds, and training goes on as
+        # if the step had not been refused.
+        engine.optimizer.param_groups[0]["lr"] = LR
+        engine.step()
+        assert engine.was_step_applied() and engine.global_steps == steps_before + 1
+        train_mlp_zinf(engine, batches[steps_before + 1:steps_before + 2])
+        reference = make_mlp()
+        train_mlp_torch(reference, batches[:steps_before + 2])
+        assert_mlp_matches(engine, reference)
+        return
     with pytest.raises(zinf.Error) as stepped:
         engine.step()
     if counted:
-        assert str(stepped.value) == message.replace("engine.backward()", "engine.step()", 1)
+        assert str(stepped.value) == message.replace("-- engine.backward():",
+                                                     "-- engine.step():", 1)
         assert stepped.value.__cause__ is failed.value
     else:
         assert str(stepped.value) == str(failed.value)
     assert engine.global_steps == steps_before + counted
+
+
+@pytest.mark.parametrize("refusal", ["no_gradients", "lr"])
+def test_a_step_refused_with_nothing_to_apply_leaves_training_going(refusal):
+    """optimizer.step() right after engine.step() has nothing to apply: the engine refuses it
+    (no gradients were reduced, or first the lr it cannot take) before anything changed and
+    without counting it. That refusal is the call's alone: the next backward() and step() train
+    on, to the values of a run without the call."""
+    batches = mlp_batches(3)
+    engine, optimizer, _, _ = zinf.torch.initialize(model=make_mlp(), config=mlp_config(1))
+    train_mlp_zinf(engine, batches[:1])
+    if refusal == "lr":
+        optimizer.param_groups[0]["lr"] = float("nan")
+    with pytest.raises(ValueError if refusal == "lr" else zinf.Error,
+                       match="lr nan" if refusal == "lr" else
+                       "^failed_precondition: step: no gradients were reduced"):
+        optimizer.step()
+    optimizer.param_groups[0]["lr"] = LR
+    assert engine.global_steps == 1
+    train_mlp_zinf(engine, batches[1:])
+    assert engine.global_steps == 3
+    reference = make_mlp()
+    train_mlp_torch(reference, batches)
+    assert_mlp_matches(engine, reference)

@@ -776,7 +776,7 @@ class ZinfEngine(nn.Module):
         self.micro_steps = 0
         # Counts the calls that may change what a checkpoint holds beside the step counts
         # (forward, which moves buffers such as BatchNorm's statistics; backward; parameter
-        # writes; checkpoint loads), for state_changes().
+        # writes; checkpoint loads), for _saved_state_key().
         self._state_changes = 0
         self.last_step_report: dict | None = None
         # engine.backward() ran since the last engine.step() call (the micro-batch in progress
@@ -791,6 +791,8 @@ class ZinfEngine(nn.Module):
         # The exception the last optimizer step raised (None once a step applies): until then
         # backward() raises it, as does a step() with nothing to apply (_raise_failed_step).
         self._failed_step: Exception | None = None
+        # Whether that step was counted (global_steps moved) before the engine failed.
+        self._failed_step_counted = False
 
         # The optimizer's hyper-parameters as its torch param_groups show them, each only where
         # the optimizer has it, as DeepSpeed's optimizers' groups: Adagrad has no betas, Lion no
@@ -1742,21 +1744,24 @@ class ZinfEngine(nn.Module):
         next engine.step() once its cause is gone."""
         error = self._failed_step
         pending = self._micro_batches_pending
-        held = (f"no optimizer step was applied since, and the engine holds that step's "
+        held = ("the step was counted, and the engine failed after it: open a new engine and "
+                "load a checkpoint" if self._failed_step_counted else
+                f"no optimizer step was applied since, and the engine holds that step's "
                 f"{pending} micro-batch(es): an operating error (I/O, a collective, a timeout) "
                 "stays with the engine, so open a new one and load a checkpoint; a step refused "
                 "before anything changed is applied by the next engine.step() once its cause is "
-                "gone" if pending else
-                "the step was counted, and the engine failed after it: open a new engine and "
-                "load a checkpoint")
-        message = (f"{call}: the last engine.step() raised {type(error).__name__}: {error} -- "
-                   f"{held}")
+                "gone")
+        # The error's own message first, so that a zinf.Error still starts with its code.
+        message = (f"{error} -- {call}: raised again, the last engine.step() having raised this "
+                   f"{type(error).__name__}; {held}")
         try:
             again = type(error)(message)
         except Exception:
             again = RuntimeError(message)
-        with self._aborting_on_error(call):
-            raise again from error
+        # Not inside _aborting_on_error: the failed step aborted the communicator already where
+        # its error called for that, and a step refused before anything changed (an lr the
+        # engine cannot take) must leave it open, for the step to apply once the cause is gone.
+        raise again from error
 
     def _refuse_stray_backward(self, call: str):
         """Raises at a step when, since the last step, autograd produced gradients of the model's
@@ -2009,13 +2014,20 @@ class ZinfEngine(nn.Module):
         with self._aborting_on_error("step"):
             # optimizer.step() called directly reaches here without engine.step()'s check.
             self._refuse_stray_backward("step")
+        pending, steps = self._micro_batches_pending, self.global_steps
         try:
             self._apply_step_unchecked()
         except Exception as error:
             # An overflow at the loss scale's floor is reported, not a failure: the step counted
-            # (skipped), and training may go on.
+            # (skipped), and training may go on. A step refused with no micro-batches to apply
+            # (optimizer.step() right after engine.step()) and not counted left the engine as it
+            # was: nothing is held for the next call, which goes on as if it had not been made.
             floor = isinstance(error, Error) and _FLOOR_OVERFLOW in str(error)
-            self._failed_step = None if floor else error
+            if floor:
+                self._failed_step = None
+            elif pending or self.global_steps != steps:
+                self._failed_step = error
+                self._failed_step_counted = self.global_steps != steps
             raise
         self._failed_step = None
 
@@ -2434,6 +2446,10 @@ class ZinfEngine(nn.Module):
         self._backward_since_step_call = False
         self._step_applied = False
         self._micro_batches_pending = 0
+        # A failed step is behind the state loaded: its micro-batches are gone with the state
+        # they were reduced into, and the next backward() trains on from the checkpoint.
+        self._failed_step = None
+        self._failed_step_counted = False
         if self._lrs_shown is not None and state.get("lr_from_schedule", False):
             # The engine's step count came back with the checkpoint: the schedule resumes.
             self._show_engine_lr()
