@@ -579,6 +579,25 @@ def test_a_config_without_a_zero_stage_keeps_the_module_whole(zero, tmp_path):
     engine.destroy()
 
 
+@pytest.mark.parametrize("zero, asked", [
+    ({"offload_param": {"device": "cpu"}}, 'offload_param.device "cpu"'),
+    ({"cpu_offload_param": True}, "cpu_offload_param: True")])
+def test_a_parameter_offload_without_a_zero_stage_is_refused_asking_for_stage_3(zero, asked):
+    # A config asking for a parameter offload and naming no stage ran at zinf's stage 3 before
+    # the default became DeepSpeed's 0, where the section asks for nothing; the engine then
+    # refused it naming stage 1, which the config does not hold. It is refused naming the key.
+    config = mlp_config(1)
+    config["zero_optimization"] = zero
+    with pytest.raises(ValueError, match=f"zero_optimization.{asked} asks to offload the "
+                       "parameters, but the config names no ZeRO stage.*add \"stage\": 3"):
+        ds_initialize(model=make_mlp(), config=config, model_parameters=None)
+    # Offloading nothing ("none") is no request: stage 0, as without the section.
+    config["zero_optimization"] = {"offload_param": {"device": "none"}}
+    engine, _, _, _ = ds_initialize(model=make_mlp(), config=config, model_parameters=None)
+    assert engine.zero_optimization_stage() == 0
+    engine.destroy()
+
+
 def test_a_second_save_of_a_tag_is_skipped_only_when_nothing_changed(tmp_path):
     # The Trainer saves one checkpoint by two save_checkpoint(output_dir) calls with nothing
     # between, and the second is skipped. A save of the same tag after a change without a step

@@ -967,6 +967,20 @@ def _clean_config(config: dict) -> dict:
     if zero is None:
         config["zero_optimization"] = {"stage": 0}
     elif isinstance(zero, dict) and "stage" not in zero:
+        # A parameter offload without a stage ran at zinf's stage 3 before the default became
+        # DeepSpeed's; refused here rather than by the engine, whose refusal would name a stage
+        # the config does not hold.
+        section = zero.get("offload_param")
+        device = section.get("device", "none") if isinstance(section, dict) else "none"
+        switch = next((key for key in ("cpu_offload_param", "cpu_offload_params")
+                       if zero.get(key)), None)
+        if device not in (None, "none") or switch is not None:
+            asked = (f'offload_param.device "{device}"' if switch is None else
+                     f"{switch}: {zero[switch]}")
+            raise ValueError(
+                f"deepspeed.initialize (zinf.deepspeed_compat): zero_optimization.{asked} asks "
+                "to offload the parameters, but the config names no ZeRO stage, and DeepSpeed's "
+                "default, 0, ignores that section: add \"stage\": 3 to zero_optimization")
         zero["stage"] = 0
     tensor_parallel = config.get("tensor_parallel") or {}
     if int(tensor_parallel.get("autotp_size", 1) or 1) > 1:
