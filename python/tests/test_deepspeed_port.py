@@ -615,11 +615,10 @@ def test_fp16_auto_cast_casts_the_forwards_inputs(stage):
     config["fp16"] = {"enabled": True, "auto_cast": True, "initial_scale_power": 8}
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     x, y = mlp_batches(1)[0]
-    inputs = [x]
-    out = engine(inputs[0])
+    out = engine(x)
     assert out.dtype == torch.float16
     assert torch.equal(out, engine(x.half()))
-    assert inputs[0].dtype == torch.float32  # the caller's tensor is not changed
+    assert x.dtype == torch.float32  # the caller's tensor is not changed
     engine.backward((out.float() - y).pow(2).mean())
     engine.step()
     assert engine.was_step_applied()
@@ -632,6 +631,28 @@ def test_fp16_auto_cast_casts_the_forwards_inputs(stage):
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     with pytest.raises(RuntimeError, match="dtype"):
         engine(x)
+
+
+def test_fp16_auto_cast_casts_inside_lists_dicts_and_named_tuples():
+    # _cast_inputs_half (fp16.auto_cast's cast of the forward's inputs) rebuilds the containers
+    # it goes through: the floating-point tensors in them come back as fp16, integer ones as
+    # they were, and the caller's containers still hold their own fp32 tensors.
+    from collections import namedtuple
+
+    from zinf.torch import _cast_inputs_half
+
+    Batch = namedtuple("Batch", ["x", "ids"])
+    x, _ = mlp_batches(1)[0]
+    ids = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(5))
+    as_list, as_dict, as_tuple = [x, ids], {"x": x, "ids": ids}, Batch(x, ids)
+    cast = _cast_inputs_half(([as_list], as_dict, as_tuple))
+    (cast_list,), cast_dict, cast_tuple = cast
+    assert type(cast_list) is list and type(cast_dict) is dict and type(cast_tuple) is Batch
+    for half, integer in [cast_list, (cast_dict["x"], cast_dict["ids"]), cast_tuple]:
+        assert half.dtype == torch.float16 and torch.equal(half, x.half())
+        assert integer is ids
+    assert as_list[0] is x and as_dict["x"] is x and as_tuple.x is x
+    assert x.dtype == torch.float32
 
 
 def test_deepspeed_initialize_reads_the_config_as_deepspeed_does(tmp_path):
@@ -647,7 +668,8 @@ def test_deepspeed_initialize_reads_the_config_as_deepspeed_does(tmp_path):
     engine, _, _, _ = compat.initialize(args=args, model=make_mlp(), dist_init_required=False)
     assert engine.zero_optimization_stage() == 2
     for keyword in ("config", "config_params"):
-        with pytest.raises(ValueError, match="args.deepspeed_config .* and config="):
+        # The message names the keyword given.
+        with pytest.raises(ValueError, match=f"args.deepspeed_config .* and {keyword}= were"):
             compat.initialize(args=args, model=make_mlp(), dist_init_required=False,
                               **{keyword: mlp_config(1)})
     with pytest.raises(ValueError, match="no config.*--deepspeed_config"):
@@ -667,6 +689,7 @@ def test_deepspeed_backward_takes_deepspeeds_arguments_in_their_order(caplog):
     for batch in mlp_batches(2):
         engines[0].backward(mlp_loss(engines[0], batch))
         loss = mlp_loss(engines[1], batch)
+        caplog.clear()  # each backward's own warning, not the first one's
         with caplog.at_level("WARNING", logger="DeepSpeed"):
             engines[1].backward(loss, False, True)
         assert "allreduce_gradients is deprecated" in caplog.text

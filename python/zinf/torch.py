@@ -155,13 +155,14 @@ def _config_argument(config, config_params, args):
     """initialize()'s config: config=, or DeepSpeed's other name for it, config_params=, or
     args.deepspeed_config (add_config_arguments' --deepspeed_config). A config in args and in a
     keyword is refused, as DeepSpeed refuses it, and so is none at all."""
+    keyword = "config"
     if config is None:
-        config = config_params
+        config, keyword = config_params, "config_params"
     from_args = getattr(args, "deepspeed_config", None)
     if from_args is not None:
         if config is not None:
             raise ValueError(f"initialize: a config in args.deepspeed_config ({from_args}) and "
-                             "config= were both given (DeepSpeed refuses this too); pass one")
+                             f"{keyword}= were both given (DeepSpeed refuses this too); pass one")
         config = from_args
     if config is None:
         raise ValueError("initialize: no config: pass config= (a dict or a JSON path) or args "
