@@ -50,14 +50,19 @@ struct OneRank {
     return engine->finalize();
   }
 
-  // One step with gradient g[i] = init[i] + 0.25 (not zero, different per element).
-  Status step() {
+  // One micro-batch with gradient g[i] = init[i] + shift (not zero, different per element).
+  Status reduce(float shift) {
     std::vector<float> grad(kElements);
-    for (std::size_t i = 0; i < kElements; ++i) grad[i] = init[i] + 0.25f;
+    for (std::size_t i = 0; i < kElements; ++i) grad[i] = init[i] + shift;
     ZINF_RETURN_IF_ERROR(engine->gather("layer"));
     const GradientRef refs[] = {{"w", grad.data(), kElements, DType::kF32}};
     ZINF_RETURN_IF_ERROR(engine->reduce_gradients("layer", refs));
-    ZINF_RETURN_IF_ERROR(engine->release("layer"));
+    return engine->release("layer");
+  }
+
+  // One step of one micro-batch with shift 0.25.
+  Status step() {
+    ZINF_RETURN_IF_ERROR(reduce(0.25f));
     return engine->step().status();
   }
 };
@@ -128,23 +133,21 @@ TEST(ConfigSchedule, EngineFromConfigRunsDeepSpeedsCurve) {
   }
 }
 
-// The scheduled rate is the one the update uses: WarmupDecayLR from warmup_min_lr 0 runs the
-// first step at lr 0, so the parameters stay exactly where they were (decoupled decay is
-// lr * weight_decay, also 0); without the section the same step moves them.
 // OneCycle's momentum after the cycle grows by decay_mom_rate (DeepSpeed's formula), past 1 after
 // enough iterations, which the config cannot tell: here cycle_max_mom 0.9 x (1 + 0.05 x 3) = 1.035
 // at iteration 6, the 8th step's. That step is refused before anything changes, naming the key, the
 // iteration and the value, not sticky: with a schedule whose momentum stays below 1 it goes on,
-// here with a second micro-batch reduced first (averaged by step(), as any step of two). With the
-// count declared the pass would open in the backward with those betas (overlap on); it opens
-// for neither micro-batch.
+// here with a second micro-batch of another gradient reduced first, and the step is the 8th with
+// both micro-batches averaged: the same bits as a run that reduced the two and stepped once under
+// the new schedule. With the count declared the pass would open in the backward with those betas
+// (overlap on); it opens for neither micro-batch.
 TEST(ConfigSchedule, OneCycleMomentumPastOneRefusesTheStepNamingTheKeyAndANewScheduleGoesOn) {
   for (const char* overlap : {"true", "false"}) {
     SCOPED_TRACE(fmt::format("zinf.overlap_step {}", overlap));
     const std::string cycle =
         R"("type": "OneCycle", "params": {"cycle_min_lr": 1e-3, "cycle_max_lr": 1e-2,
            "cycle_first_step_size": 2, "decay_step_size": 1, "decay_mom_rate": )";
-    auto config_with = [&](const char* decay_mom_rate) {
+    auto config_with = [&](const char* decay_mom_rate, const char* overlap_step) {
       return parse_config(fmt::format(
           R"({{"optimizer": {{"type": "AdamW", "params": {{"lr": 1e-3}}}},
               "gradient_accumulation_steps": 1,
@@ -152,9 +155,9 @@ TEST(ConfigSchedule, OneCycleMomentumPastOneRefusesTheStepNamingTheKeyAndANewSch
                                     "offload_optimizer": {{"device": "cpu"}}}},
               "zinf": {{"overlap_step": {}}},
               "scheduler": {{{}{}}}}}}})",
-          overlap, cycle, decay_mom_rate));
+          overlap_step, cycle, decay_mom_rate));
     };
-    Result<Config> config = config_with("0.05");
+    Result<Config> config = config_with("0.05", overlap);
     ASSERT_TRUE(config.is_ok()) << config.status().to_string();
     OneRank r;
     ASSERT_TRUE(r.open(*config).is_ok());
@@ -170,17 +173,38 @@ TEST(ConfigSchedule, OneCycleMomentumPastOneRefusesTheStepNamingTheKeyAndANewSch
     ASSERT_TRUE(r.engine->read_parameters("w", after.data()).is_ok());
     EXPECT_EQ(after, before);
 
-    Result<Config> steady = config_with("0");
+    Result<Config> steady = config_with("0", overlap);
     ASSERT_TRUE(steady.is_ok()) << steady.status().to_string();
     ASSERT_TRUE(r.engine->set_lr_schedule(steady->scheduler).is_ok());
-    const Status second = r.step();
-    ASSERT_TRUE(second.is_ok()) << second.to_string();
+    ASSERT_TRUE(r.reduce(0.75f).is_ok());
+    Result<StepReport> applied = r.engine->step();
+    ASSERT_TRUE(applied.is_ok()) << applied.status().to_string();
+    EXPECT_EQ(applied->step, 8);
+    EXPECT_EQ(applied->micro_batches, 2);
     EXPECT_EQ(r.engine->betas().first, 0.9);
     ASSERT_TRUE(r.engine->read_parameters("w", after.data()).is_ok());
     EXPECT_NE(after, before);
+
+    // Sequential: with the count declared 1 an overlapped pass would open at the first of the two
+    // micro-batches (the same bits either way).
+    Result<Config> sequential = config_with("0.05", "false");
+    ASSERT_TRUE(sequential.is_ok()) << sequential.status().to_string();
+    OneRank reference;
+    ASSERT_TRUE(reference.open(*sequential).is_ok());
+    for (int k = 1; k <= 7; ++k) ASSERT_TRUE(reference.step().is_ok()) << "step " << k;
+    ASSERT_TRUE(reference.engine->set_lr_schedule(steady->scheduler).is_ok());
+    ASSERT_TRUE(reference.reduce(0.25f).is_ok());
+    ASSERT_TRUE(reference.reduce(0.75f).is_ok());
+    ASSERT_TRUE(reference.engine->step().is_ok());
+    std::vector<float> expected(kElements);
+    ASSERT_TRUE(reference.engine->read_parameters("w", expected.data()).is_ok());
+    EXPECT_EQ(after, expected);
   }
 }
 
+// The scheduled rate is the one the update uses: WarmupDecayLR from warmup_min_lr 0 runs the
+// first step at lr 0, so the parameters stay exactly where they were (decoupled decay is
+// lr * weight_decay, also 0); without the section the same step moves them.
 TEST(ConfigSchedule, FirstStepOfAWarmupFromZeroLeavesTheParameters) {
   for (bool with_scheduler : {true, false}) {
     SCOPED_TRACE(with_scheduler ? "with scheduler" : "without scheduler");
