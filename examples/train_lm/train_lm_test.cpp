@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -385,9 +386,13 @@ TEST(Options, ParsesSizesAndRejectsBadValues) {
 // one process.
 TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
   for (const char* name :
-       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS"}) {
+       {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "SLURM_STEP_NUM_TASKS"}) {
     if (std::getenv(name) != nullptr) GTEST_SKIP() << name << " is set: run under a launcher";
   }
+  // A batch job's own SLURM_NTASKS (sbatch without srun: the case at hand) is set back after.
+  const char* allocation_tasks = std::getenv("SLURM_NTASKS");
+  const std::optional<std::string> saved_tasks =
+      allocation_tasks != nullptr ? std::optional<std::string>(allocation_tasks) : std::nullopt;
   auto parse = [](std::vector<std::string> args, Options* o, std::string* error) {
     args.insert(args.begin(), "train_lm");
     std::vector<char*> argv;
@@ -406,7 +411,11 @@ TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
   setenv("SLURM_STEP_NUM_TASKS", "4", 1);
   stepped_rc = parse({"--comm", "mpi"}, &stepped, &allocation_error);
   unsetenv("SLURM_STEP_NUM_TASKS");
-  unsetenv("SLURM_NTASKS");
+  if (saved_tasks.has_value()) {
+    setenv("SLURM_NTASKS", saved_tasks->c_str(), 1);
+  } else {
+    unsetenv("SLURM_NTASKS");
+  }
   ASSERT_EQ(given_rc, 0) << given_error;
   EXPECT_EQ(given.world_size, 1);
   EXPECT_EQ(given.world_size_from, "--world-size");

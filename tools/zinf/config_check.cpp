@@ -63,8 +63,8 @@ std::vector<std::string> default_notes(const std::vector<KeyReport>& reports) {
         "the section to choose",
         o.lr, o.weight_decay));
   }
-  // A zero_optimization that is itself reported (refused: `true`, DeepSpeed's older form) has a
-  // verdict of its own that says what to write.
+  // A zero_optimization that is itself reported (refused: not an object) has a verdict of its
+  // own; for `true` or `false`, DeepSpeed's older form, it says what to write.
   const bool section_reported = std::any_of(reports.begin(), reports.end(), [](const KeyReport& r) {
     return r.key == "zero_optimization";
   });
