@@ -635,12 +635,13 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
     handle->device = e.device;
     handle->group = e.comm->group;
     handle->comm = e.comm;
-    handle->comm->in_use = true;
     handle->trace = e.trace;
+    // add() may throw (bad_alloc): before the counts below are raised, so a throw leaves none up.
+    zinf::capi::open_engines().add(handle.get());
+    handle->comm->in_use = true;
     handle->device->users.fetch_add(1);
     handle->group->users.fetch_add(1);
     if (handle->trace != nullptr) handle->trace->users.fetch_add(1);
-    zinf::capi::open_engines().add(handle.get());
     *out = handle.release();
     return Status::ok();
   });
@@ -1149,7 +1150,6 @@ zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_ran
       // A handle that borrows the rank's engine: run_local owns and destroys it.
       zinf_engine handle;
       handle.engine.reset(&engine);
-      zinf::capi::open_engines().add(&handle);
       struct Unborrow {
         zinf_engine& handle;
         ~Unborrow() {
@@ -1157,6 +1157,9 @@ zinf_code_t zinf_run_local(int world_size, const zinf_config_t* config, zinf_ran
           static_cast<void>(handle.engine.release());
         }
       } unborrow{handle};
+      // Added once unborrow exists: should add() throw (bad_alloc), the handle still gives the
+      // engine back instead of deleting run_local's.
+      zinf::capi::open_engines().add(&handle);
       const zinf_code_t code = fn(user, &handle, rank);
       if (code == ZINF_OK) return Status::ok();
       if (code < ZINF_OK || code > ZINF_INTERNAL) {
