@@ -147,6 +147,17 @@ class OpenEngines {
     std::unique_lock lock(mu_);
     return engines_.erase(engine) != 0;
   }
+  enum class Take { kTaken, kNotOpen, kLent };
+  // Removes an open, unlent handle and says so; the check and the erase hold one lock, so of two
+  // closes racing on one handle only one gets kTaken (and deletes it). A lent handle stays.
+  Take take(const zinf_engine* engine) {
+    std::unique_lock lock(mu_);
+    const auto it = engines_.find(engine);
+    if (it == engines_.end()) return Take::kNotOpen;
+    if ((*it)->lent()) return Take::kLent;
+    engines_.erase(it);
+    return Take::kTaken;
+  }
   bool contains(const zinf_engine* engine) const {
     std::shared_lock lock(mu_);
     return engines_.contains(engine);
@@ -650,13 +661,13 @@ zinf_code_t zinf_engine_open(const zinf_config_t* config, const zinf_env_t* env,
 void zinf_engine_close(zinf_engine_t* engine) {
   if (engine == nullptr) return;
   // Looked up before the handle is read: a closed one is freed memory.
-  if (!zinf::capi::open_engines().contains(engine)) {
+  const auto taken = zinf::capi::open_engines().take(engine);
+  if (taken == zinf::capi::OpenEngines::Take::kNotOpen) {
     zinf::log_warn("zinf_engine_close: engine {} is not open (closed twice?); nothing done",
                    static_cast<const void*>(engine));
     return;
   }
-  if (engine->lent()) return;
-  zinf::capi::open_engines().remove(engine);
+  if (taken == zinf::capi::OpenEngines::Take::kLent) return;
   // The engine's destructor joins its threads and frees device memory; it does not throw.
   engine->engine.reset();
   engine->comm->in_use = false;

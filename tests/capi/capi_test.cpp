@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cerrno>
 #include <cmath>
 #include <cstddef>
@@ -836,6 +837,35 @@ TEST(CApi, AClosedEngineIsRefusedNotRead) {
       << zinf_last_error_message();
   ASSERT_NE(lent, nullptr);
   EXPECT_CODE(zinf_engine_world_size(lent, &rank), ZINF_INVALID_ARGUMENT, "is not open");
+}
+
+// Two closes of one handle racing on two threads: one closes it, the other finds it gone and
+// does nothing, so the engine is freed once and the device and group count it out once.
+TEST(CApi, RacingClosesOfOneEngineCloseItOnce) {
+  constexpr int kRounds = 40;
+  for (int round = 0; round < kRounds; ++round) {
+    OneRank one(kStage2);
+    const int group_users = one.group_->users.load();
+    const int device_users = one.device_->users.load();  // the group's communicator counts too
+    ASSERT_EQ(one.open(), ZINF_OK) << zinf_last_error_message();
+    ASSERT_EQ(one.group_->users.load(), group_users + 1);
+    zinf_engine_t* engine = one.engine_;
+    std::atomic<int> ready{0};
+    const auto close = [&] {
+      ready.fetch_add(1);
+      while (ready.load() < 2) {
+      }
+      zinf_engine_close(engine);
+    };
+    std::thread first(close);
+    std::thread second(close);
+    first.join();
+    second.join();
+    one.engine_ = nullptr;
+    ASSERT_EQ(one.group_->users.load(), group_users) << "round " << round;
+    ASSERT_EQ(one.device_->users.load(), device_users) << "round " << round;
+    ASSERT_FALSE(one.comm_->in_use) << "round " << round;
+  }
 }
 
 TEST(CApi, TraceRecordsTheEngineAndRefusesToGoWhileUsed) {
