@@ -799,9 +799,10 @@ TEST(CApi, HandlesRefuseToGoWhileUsed) {
   zinf_engine_close(nullptr);
 }
 
-// Keeps the engine handle zinf_run_local lends, for use after the job.
-zinf_code_t keep_lent_engine(void* user, zinf_engine_t* engine, int /*rank*/) {
-  *static_cast<zinf_engine_t**>(user) = engine;
+// Keeps the engine handle zinf_run_local lends to rank 0, for use after the job; only rank 0
+// writes, so the rank threads do not race on *user.
+zinf_code_t keep_lent_engine(void* user, zinf_engine_t* engine, int rank) {
+  if (rank == 0) *static_cast<zinf_engine_t**>(user) = engine;
   return ZINF_OK;
 }
 
