@@ -14,13 +14,6 @@
 #include "zinf/log.hpp"
 
 namespace zinf {
-namespace {
-
-// Stage 3 gives small parameters groups of their own under "<module>#persistent", which stay
-// gathered.
-constexpr std::string_view kPersistentSuffix = "#persistent";
-
-}  // namespace
 
 std::string shape_text(const std::vector<std::int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));

@@ -231,8 +231,14 @@ const GroupInfo& Partitioner::group(std::uint32_t index) const {
 
 std::string group_label(const Partitioner& p, std::uint32_t index, std::string_view what) {
   const GroupInfo& info = p.group(index);
-  const std::string& first = p.spec(info.first_param).module;
-  const std::string& last = p.spec(info.first_param + info.param_count - 1).module;
+  // The user's module names: the layout's persistent suffix is no name the user gave.
+  const auto user_module = [&](std::uint32_t param) {
+    std::string_view module = p.spec(param).module;
+    if (module.ends_with(kPersistentSuffix)) module.remove_suffix(kPersistentSuffix.size());
+    return module;
+  };
+  const std::string_view first = user_module(info.first_param);
+  const std::string_view last = user_module(info.first_param + info.param_count - 1);
   if (first == last) return fmt::format("{} group {} (module '{}')", what, index, first);
   return fmt::format("{} group {} (modules '{}' to '{}')", what, index, first, last);
 }

@@ -190,9 +190,14 @@ class Partitioner {
   std::vector<std::uint64_t> param_hashes_;
 };
 
+// Stage 3 gives small parameters groups of their own under "<module>#persistent" (the engine's
+// ParameterLayout appends it), which stay gathered; user modules may not end in it.
+inline constexpr std::string_view kPersistentSuffix = "#persistent";
+
 // The name of group `index`'s collectives, for errors and traces: "<what> group 3 (module
 // 'layers.1')", or "(modules 'a' to 'c')" for a group whose parameters span several modules. Ranks
-// whose calls name different groups then say which modules each rank was at.
+// whose calls name different groups then say which modules each rank was at. A persistent group
+// names the user's module, without kPersistentSuffix.
 // REQUIRES: p.finalized().
 std::string group_label(const Partitioner& p, std::uint32_t index, std::string_view what);
 

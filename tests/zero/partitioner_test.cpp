@@ -250,6 +250,34 @@ TEST(Partitioner, GroupsSplitAtDtypeModuleAndSizeLimits) {
   EXPECT_NE(missing.status().message().find("'c'"), std::string_view::npos);
 }
 
+// The collectives' names say which module a group belongs to; a stage-3 persistent group (whose
+// module the engine suffixes with kPersistentSuffix) names the module the user registered.
+TEST(Partitioner, GroupLabelsNameTheUsersModule) {
+  PartitionerOptions options;
+  options.world_size = 2;
+  options.stage = ZeroStage::kStage3;
+  Partitioner p = make(options);
+  const std::string persistent = "ln" + std::string(kPersistentSuffix);
+  const std::string last_persistent = "head" + std::string(kPersistentSuffix);
+  ASSERT_TRUE(p.add({"attn.w", "attn", {12, 9}, DType::kF32}).is_ok());
+  ASSERT_TRUE(p.add({"ln.g", persistent, {9}, DType::kF32}).is_ok());
+  ASSERT_TRUE(p.add({"head.b", last_persistent, {5}, DType::kF32}).is_ok());
+  ASSERT_TRUE(p.finalize().is_ok());
+  ASSERT_EQ(p.group_count(), 3u);
+  EXPECT_EQ(group_label(p, 0, "params"), "params group 0 (module 'attn')");
+  EXPECT_EQ(group_label(p, 1, "params"), "params group 1 (module 'ln')");
+  EXPECT_EQ(group_label(p, 2, "grads"), "grads group 2 (module 'head')");
+
+  // Without group_by_module one group spans the modules; both ends drop the suffix.
+  options.group_by_module = false;
+  Partitioner spanning = make(options);
+  ASSERT_TRUE(spanning.add({"ln.g", persistent, {9}, DType::kF32}).is_ok());
+  ASSERT_TRUE(spanning.add({"head.b", last_persistent, {5}, DType::kF32}).is_ok());
+  ASSERT_TRUE(spanning.finalize().is_ok());
+  ASSERT_EQ(spanning.group_count(), 1u);
+  EXPECT_EQ(group_label(spanning, 0, "params"), "params group 0 (modules 'ln' to 'head')");
+}
+
 TEST(Partitioner, StagesPartitionMoreKindsOfState) {
   EXPECT_TRUE(stage_partitions(ZeroStage::kStage1, StateKind::kOptimizerState));
   EXPECT_FALSE(stage_partitions(ZeroStage::kStage1, StateKind::kGradients));
