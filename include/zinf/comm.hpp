@@ -12,9 +12,13 @@
 //   abort                     ncclCommAbort
 //
 // Every rank must issue the same collectives in the same order with the same element_count,
-// dtype, reduction and root (as NCCL requires). A collective is enqueued on `stream`: it starts
-// after the work issued on the stream before it, and work issued after it sees its result. To
-// wait for it on the host, record an event on the stream after it and call wait(event, timeout).
+// dtype, reduction and root (as NCCL requires), and under the same name where both name it.
+// LocalComm and MpiComm check this: ranks whose calls differ fail with kCommError ("ranks
+// disagree", naming both calls); see Collective::name for how each compares names. NcclComm
+// checks nothing: such calls there hang or mix data, as in NCCL. A collective is enqueued on
+// `stream`: it starts after the work issued on the stream before it, and work issued after it sees
+// its result. To wait for it on the host, record an event on the stream after it and call
+// wait(event, timeout).
 //
 // Data: f32, bf16 or f16. Reductions of bf16 and f16 accumulate in f32 and round once
 // (LocalComm; NCCL rounds at its own points). kAverage is the sum divided by world_size().
@@ -85,8 +89,11 @@ struct Collective {
   ReduceOp op = ReduceOp::kSum;  // reduce_scatter and all_reduce only
   int root = 0;                  // broadcast only
   // What the data is (a tensor, a bucket), for errors and traces; may be empty. Only needs to
-  // live until the call returns. LocalComm also compares it: ranks whose calls agree in shape but
-  // carry different non-empty names fail with kCommError ("ranks disagree").
+  // live until the call returns. Ranks whose calls agree in shape but carry different non-empty
+  // names fail with kCommError ("ranks disagree"); an empty name matches any. LocalComm compares
+  // the names' first 95 bytes (it keeps a name cut there), so names that differ only after them
+  // match. MpiComm compares a 64-bit hash of the whole name (its message shows the peer's first
+  // 40 bytes). NcclComm compares nothing.
   std::string_view name;
 };
 
