@@ -690,9 +690,10 @@ bool MpiComm::poll(Task& task, Status* failure) {
     MPI_Get_count(&st, MPI_BYTE, &received);
     if (static_cast<std::size_t>(received) != message.bytes) {
       // Kept as a defence, but not reached while every rank sends its descriptor first on the
-      // collective's tag: the first message from a peer is its 16-byte descriptor, and a peer
-      // whose data sizes differ from this rank's issued another element count or dtype, which its
-      // descriptor shows (compare_descriptor's kCommError) before any of its data is matched.
+      // collective's tag: the first message from a peer is its kDescriptorBytes descriptor, and a
+      // peer whose data sizes differ from this rank's issued another element count or dtype,
+      // which its descriptor shows (compare_descriptor's kCommError) before any of its data is
+      // matched.
       // Drained into a scratch buffer, so that it does not linger in MPI's queues; the blocking
       // MPI_Mrecv could stall this thread on a peer that dies mid-message, acceptable on a path not
       // taken.
