@@ -64,11 +64,12 @@ constexpr std::size_t kDescriptorNameBytes = 40;
 constexpr std::size_t kDescriptorBytes = 24 + kDescriptorNameBytes;
 using Descriptor = std::array<std::byte, kDescriptorBytes>;
 
-// A peer's call as its descriptor tells it: the name is its first kDescriptorNameBytes ("..."
-// after them where it was longer), name_hash the whole name's (0 for a call without a name).
+// A peer's call as its descriptor tells it, read from the raw bytes without allocating (the
+// progress thread compares one per peer per collective): the shape, and name_hash the whole
+// name's (0 for a call without a name). op.name stays empty; descriptor_name() reads the name's
+// shown bytes, for a mismatch's message only.
 struct PeerCall {
   Collective op;
-  std::string name;
   std::uint64_t name_hash = 0;
 };
 
@@ -101,7 +102,6 @@ PeerCall decode_descriptor(const Descriptor& in) {
   op.kind = static_cast<CollectiveKind>(in[0]);
   op.dtype = static_cast<DType>(in[1]);
   op.op = static_cast<ReduceOp>(in[2]);
-  const auto length = static_cast<std::size_t>(in[3]);
   std::int32_t root = 0;
   std::uint64_t count = 0;
   std::memcpy(&root, in.data() + 4, sizeof(root));
@@ -109,10 +109,17 @@ PeerCall decode_descriptor(const Descriptor& in) {
   std::memcpy(&call.name_hash, in.data() + 16, sizeof(call.name_hash));
   op.root = root;
   op.element_count = static_cast<std::size_t>(count);
-  call.name.assign(reinterpret_cast<const char*>(in.data()) + 24,
-                   std::min(length, kDescriptorNameBytes));
-  if (length > kDescriptorNameBytes) call.name += "...";
   return call;
+}
+
+// The name a descriptor shows: its first kDescriptorNameBytes, with "..." after them where the
+// name was longer (byte 3 then holds kDescriptorNameBytes + 1).
+std::string descriptor_name(const Descriptor& in) {
+  const auto name_bytes = static_cast<std::size_t>(in[3]);
+  std::string name(reinterpret_cast<const char*>(in.data()) + 24,
+                   std::min(name_bytes, kDescriptorNameBytes));
+  if (name_bytes > kDescriptorNameBytes) name += "...";
+  return name;
 }
 
 // --- MPI's lifetime in this process ------------------------------------------------------------
@@ -782,7 +789,8 @@ Status MpiComm::compare_descriptor(const Task& task, const Task::Message& messag
   // Received with MPI_Imrecv after MPI_Improbe found it kDescriptorBytes long (poll), so it is
   // whole; a peer that dies while it is in flight leaves the receive open until the deadline,
   // with the progress thread free.
-  PeerCall peer = decode_descriptor(task.descriptors_in[static_cast<std::size_t>(message.peer)]);
+  const Descriptor& in = task.descriptors_in[static_cast<std::size_t>(message.peer)];
+  PeerCall peer = decode_descriptor(in);
   Collective own = task.op;
   Collective& theirs = peer.op;
   // The shapes by collectives_agree(), the names by their hashes (a peer's name may be cut).
@@ -790,8 +798,10 @@ Status MpiComm::compare_descriptor(const Task& task, const Task::Message& messag
   const std::uint64_t own_hash = name_hash(task.op.name);
   const bool names_agree = own_hash == 0 || peer.name_hash == 0 || own_hash == peer.name_hash;
   if (collectives_agree(own, theirs) && names_agree) return Status::ok();
+  // Only a mismatch reads the peer's name, into a string for the message.
+  const std::string peer_name = descriptor_name(in);
   own.name = task.op.name;
-  theirs.name = peer.name;
+  theirs.name = peer_name;
   return Status::comm_error(
       fmt::format("{} on {}: ranks disagree: rank {} issued {}, this rank issued {}", task.label,
                   name_, message.peer, describe_call(theirs), describe_call(own)));
