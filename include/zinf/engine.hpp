@@ -383,7 +383,11 @@ class Engine {
   // REQUIRES: every parameter's gradients were reduced the same number (>= 1) of times since the
   // last step (else kFailedPrecondition naming a parameter). Releases any prefetched modules.
   // An fp16 overflow with the loss scale already at fp16.min_loss_scale is skipped as any other
-  // and returns kAborted naming the key (not sticky: the next step may run).
+  // and returns kAborted naming the key (not sticky: the next step may run). When the schedule's
+  // lr or betas for this step are out of range (OneCycle's momentum past its cycle leaving [0, 1);
+  // LrSchedule::check_at), returns kInvalidArgument naming the step, changing nothing (the step
+  // count, the parameters and the optimizer state stay); not sticky: after a new schedule
+  // (set_lr_schedule) whose values are in range, step() goes on.
   Result<StepReport> step();
   // step() with the accumulated gradients divided by `average_over` micro-batches instead of by
   // the number reduced since the last step (their mean): DeepSpeed divides every micro-batch's

@@ -118,8 +118,9 @@ class LrSchedule {
   ScheduledBetas betas_at(std::int64_t iteration) const;
   // Whether the optimizer can take lr_at() and betas_at() at `iteration`: OneCycle's momentum
   // after the cycle, cycle_max_mom x (1 + decay_mom_rate x ...), leaves [0, 1) after some
-  // iteration, which create() cannot know the run reaches. kInvalidArgument naming the key, the
-  // iteration and the value.
+  // iteration, which create() cannot know the run reaches. kInvalidArgument naming the iteration
+  // and the value, and the key where one is at fault (decay_mom_rate for the momentum; an lr out
+  // of range names the schedule).
   Status check_at(std::int64_t iteration) const;
 
   // The state a checkpoint keeps: the last iteration stepped (DeepSpeed's state_dict()).
