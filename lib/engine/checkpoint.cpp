@@ -48,6 +48,7 @@
 #include "base/assert.hpp"
 #include "engine/layout.hpp"
 #include "zinf/log.hpp"
+#include "zinf/schedule.hpp"
 
 namespace zinf {
 namespace {
@@ -678,6 +679,32 @@ Status load_piece(OptimizerState& state, Piece piece, StateFill fill) {
   });
 }
 
+// The schedule the engine runs after the load (Engine's restore_schedule): the checkpoint's, with
+// its lr, where set_learning_rate() was in force at the save or the engine has no schedule of its
+// own; else the engine's, at the checkpoint's iteration. Checked before the state is touched, so
+// a schedule this build refuses (a checkpoint of a build that took a negative decay_lr_rate)
+// fails the load, naming the manifest and the key, instead of being dropped.
+Status check_resumed_schedule(const Config& config, const ResumeState& resume,
+                              std::string_view manifest_path) {
+  ScheduleConfig schedule = resume.schedule;
+  double lr = resume.lr;
+  const bool own = !resume.lr_override && config.scheduler.kind != ScheduleKind::kNone;
+  if (own) {
+    schedule = config.scheduler;
+    schedule.last_batch_iteration = resume.schedule.last_batch_iteration;
+    lr = config.optimizer.lr;
+  }
+  const Result<LrSchedule> created = LrSchedule::create(schedule, lr);
+  if (created.is_ok()) return Status::ok();
+  return created.status().with_context(
+      own ? fmt::format("checkpoint manifest '{}': the engine's {} schedule at the checkpoint's "
+                        "'lr_schedule.last_batch_iteration' {}",
+                        manifest_path, schedule_name(schedule.kind), schedule.last_batch_iteration)
+          : fmt::format("checkpoint manifest '{}': its 'lr_schedule' ({}), which the engine takes "
+                        "on load, is one this build refuses",
+                        manifest_path, schedule_name(schedule.kind)));
+}
+
 }  // namespace
 
 Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
@@ -726,6 +753,7 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
             "the checkpoint was saved with optimizer.type {}, this engine has optimizer.type {}",
             m.optimizer, optimizer_name(ctx.config->optimizer.kind)));
       }
+      ZINF_RETURN_IF_ERROR(check_resumed_schedule(*ctx.config, m.resume, manifest_path));
       same_layout = m.world_size == ctx.world_size &&
                     m.fingerprint == ctx.layout->partitioner().fingerprint() &&
                     m.partition_elements == ctx.layout->partition_elements();

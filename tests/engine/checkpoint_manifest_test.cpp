@@ -236,5 +236,44 @@ TEST_F(ManifestEdits, OtherVersionsAreRefusedNamingTheFileAndVersion2StillLoads)
   expect_corruption_naming(mixed, rank_file, "its header does not match the manifest");
 }
 
+// A checkpoint whose schedule this build refuses (a negative decay_lr_rate, which an earlier build
+// took) fails the load of an engine that would take it (one without a schedule of its own), naming
+// the manifest and the key, where the engine used to keep its old schedule without a word. An
+// engine with a schedule of its own, which replaces the checkpoint's, loads it.
+TEST_F(ManifestEdits, ASavedScheduleThisBuildRefusesFailsTheLoadNamingTheKey) {
+  nlohmann::json m = original_;
+  nlohmann::json& schedule = m["lr_schedule"];
+  schedule["type"] = "OneCycle";
+  schedule["cycle_min_lr"] = 0.001;
+  schedule["cycle_max_lr"] = 0.01;
+  schedule["cycle_first_step_size"] = 4;
+  schedule["decay_step_size"] = 2;
+  schedule["decay_lr_rate"] = -0.5;
+  std::ofstream(manifest(), std::ios::trunc) << stamp(m);
+  const Status refused = with_engine([&](Engine& e) { return e.load_checkpoint(dir_, "t"); });
+  EXPECT_EQ(refused.code(), Code::kInvalidArgument) << refused.to_string();
+  for (const std::string& part :
+       {manifest(), std::string("'lr_schedule' (OneCycle)"), std::string("decay_lr_rate")}) {
+    EXPECT_NE(refused.message().find(part), std::string::npos)
+        << part << ": " << refused.to_string();
+  }
+  // The same checkpoint with a valid rate loads, so the rate is what was refused.
+  schedule["decay_lr_rate"] = 0.5;
+  std::ofstream(manifest(), std::ios::trunc) << stamp(m);
+  const Status valid = with_engine([&](Engine& e) { return e.load_checkpoint(dir_, "t"); });
+  EXPECT_TRUE(valid.is_ok()) << valid.to_string();
+
+  schedule["decay_lr_rate"] = -0.5;
+  std::ofstream(manifest(), std::ios::trunc) << stamp(m);
+  ScheduleConfig warmup;
+  warmup.kind = ScheduleKind::kWarmupLR;
+  warmup.warmup_num_steps = 3;
+  const Status own = with_engine([&](Engine& e) -> Status {
+    ZINF_RETURN_IF_ERROR(e.set_lr_schedule(warmup));
+    return e.load_checkpoint(dir_, "t");
+  });
+  EXPECT_TRUE(own.is_ok()) << own.to_string();
+}
+
 }  // namespace
 }  // namespace zinf
