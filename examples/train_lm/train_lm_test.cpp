@@ -399,35 +399,43 @@ TEST(Options, WorldSizeGivenWinsOverTheLaunchersVariables) {
     for (std::string& a : args) argv.push_back(a.data());
     return parse_options(int(argv.size()), argv.data(), o, error);
   };
-  Options given, guessed, allocation, stepped;
-  std::string error, given_error, allocation_error;
-  int given_rc = 0, guessed_rc = 0, allocation_rc = 0, stepped_rc = 0;
+  // Parses `args` in the environment as it is now: the world size and where it came from.
+  struct Parsed {
+    int rc = 0;
+    std::string error;
+    Options options;
+  };
+  auto parse_now = [&](std::vector<std::string> args) {
+    Parsed p;
+    p.rc = parse(std::move(args), &p.options, &p.error);
+    return p;
+  };
   setenv("PMI_SIZE", "4", 1);
-  given_rc = parse({"--comm", "mpi", "--world-size", "1"}, &given, &given_error);
-  guessed_rc = parse({"--comm", "mpi"}, &guessed, &error);
+  const Parsed given = parse_now({"--comm", "mpi", "--world-size", "1"});
+  const Parsed guessed = parse_now({"--comm", "mpi"});
   unsetenv("PMI_SIZE");
   setenv("SLURM_NTASKS", "4", 1);
-  allocation_rc = parse({"--comm", "mpi"}, &allocation, &allocation_error);
+  const Parsed allocation = parse_now({"--comm", "mpi"});
   setenv("SLURM_STEP_NUM_TASKS", "4", 1);
-  stepped_rc = parse({"--comm", "mpi"}, &stepped, &allocation_error);
+  const Parsed stepped = parse_now({"--comm", "mpi"});
   unsetenv("SLURM_STEP_NUM_TASKS");
   if (saved_tasks.has_value()) {
     setenv("SLURM_NTASKS", saved_tasks->c_str(), 1);
   } else {
     unsetenv("SLURM_NTASKS");
   }
-  ASSERT_EQ(given_rc, 0) << given_error;
-  EXPECT_EQ(given.world_size, 1);
-  EXPECT_EQ(given.world_size_from, "--world-size");
-  ASSERT_EQ(guessed_rc, 0) << error;
-  EXPECT_EQ(guessed.world_size, 4);
-  EXPECT_EQ(guessed.world_size_from, "PMI_SIZE=4");
-  ASSERT_EQ(allocation_rc, 0) << allocation_error;
-  EXPECT_EQ(allocation.world_size, 1);
-  EXPECT_EQ(allocation.world_size_from, "");
-  ASSERT_EQ(stepped_rc, 0) << allocation_error;
-  EXPECT_EQ(stepped.world_size, 4);
-  EXPECT_EQ(stepped.world_size_from, "SLURM_STEP_NUM_TASKS=4");
+  const std::pair<const Parsed*, std::pair<int, const char*>> expected[] = {
+      {&given, {1, "--world-size"}},
+      {&guessed, {4, "PMI_SIZE=4"}},
+      {&allocation, {1, ""}},
+      {&stepped, {4, "SLURM_STEP_NUM_TASKS=4"}},
+  };
+  for (const auto& [parsed, want] : expected) {
+    SCOPED_TRACE(want.second);
+    ASSERT_EQ(parsed->rc, 0) << parsed->error;
+    EXPECT_EQ(parsed->options.world_size, want.first);
+    EXPECT_EQ(parsed->options.world_size_from, want.second);
+  }
 }
 
 // mpirun -np 2 train_lm without --comm mpi would run two separate one-rank jobs: refused, naming
