@@ -194,6 +194,7 @@ HostEvent& HostDevice::host_event(Event& event) const {
 
 Result<void*> HostDevice::allocate(std::size_t bytes) {
   if (bytes == 0) return Status::invalid_argument(fmt::format("{}: allocate of 0 bytes", name_));
+  std::vector<void*> released;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (bytes > options_.memory_limit_bytes - used_bytes_) {
@@ -203,14 +204,10 @@ Result<void*> HostDevice::allocate(std::size_t bytes) {
                       name_, bytes, used_bytes_, options_.memory_limit_bytes));
     }
     used_bytes_ += bytes;
-  }
-  const std::size_t rounded = (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
-  std::vector<void*> released;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
     if (!kept_.empty()) release_kept_locked(&released);
   }
   for (void* kept : released) std::free(kept);
+  const std::size_t rounded = (bytes + kAllocAlignment - 1) / kAllocAlignment * kAllocAlignment;
   void* ptr = std::aligned_alloc(kAllocAlignment, rounded);
   if (ptr == nullptr) {
     std::lock_guard<std::mutex> lock(mu_);
