@@ -426,17 +426,6 @@ constexpr std::string_view kMonitorWarned =
 constexpr std::string_view kIgnoredByDeepSpeed =
     "DeepSpeed reads no key of this name either (it ignores keys it does not know)";
 
-// hybrid_engine: DeepSpeed-Chat's generation engine for RLHF, off by default
-// (runtime/config.py, HybridEngineConfig.enabled False).
-Why read_hybrid_engine(const Json& v, [[maybe_unused]] Walk& w) {
-  if (!v.is_object()) return not_a(v, "an object");
-  const auto enabled = v.find("enabled");
-  if (enabled == v.end() || *enabled == false) return std::nullopt;
-  return std::string(
-      "enabled: DeepSpeed-Chat's hybrid engine (RLHF generation) is not supported; "
-      "\"enabled\": false has no effect");
-}
-
 constexpr std::string_view kAutoBatch =
     "\"auto\": the Hugging Face Trainer computes it from the other batch keys; zinf derives it "
     "from them as DeepSpeed does";
@@ -490,9 +479,11 @@ const Key kRootKeys[] = {
     {.name = "disable_allgather",
      .no_effect = "DeepSpeed reads it but nothing in its engine uses it; zinf all-gathers the "
                   "updated parameters after every step as DeepSpeed does"},
+    // DeepSpeed-Chat's generation engine for RLHF, off by default (runtime/config.py,
+    // HybridEngineConfig.enabled False).
     {.name = "hybrid_engine",
-     .read = read_hybrid_engine,
-     .no_effect = "disabled: DeepSpeed-Chat's generation engine is off, as in zinf"},
+     .refused = "DeepSpeed-Chat's hybrid engine (RLHF generation) is not supported",
+     .refused_when_enabled = true},
     {.name = "compile",
      .no_effect = "torch.compile (and DeepCompile) is the training program's: compile the model "
                   "before handing it to zinf; the engine runs no compiler"},
