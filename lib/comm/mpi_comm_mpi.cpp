@@ -795,7 +795,8 @@ Status MpiComm::compare_descriptor(const Task& task, const Task::Message& messag
   Collective& theirs = peer.op;
   // The shapes by collectives_agree(), the names by their hashes (a peer's name may be cut).
   own.name = {};
-  const std::uint64_t own_hash = name_hash(task.op.name);
+  // This rank's name hash, as encode_descriptor() wrote it once for every peer.
+  const std::uint64_t own_hash = decode_descriptor(task.descriptor_out).name_hash;
   const bool names_agree = own_hash == 0 || peer.name_hash == 0 || own_hash == peer.name_hash;
   if (collectives_agree(own, theirs) && names_agree) return Status::ok();
   // Only a mismatch reads the peer's name, into a string for the message.
