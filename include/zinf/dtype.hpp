@@ -21,6 +21,10 @@ namespace zinf {
 enum class DType : std::uint8_t { kF32 = 0, kF16 = 1, kBF16 = 2 };
 
 constexpr std::size_t dtype_bytes(DType dtype) { return dtype == DType::kF32 ? 4 : 2; }
+// Whether `dtype` is one of the enumerators (a value cast from an integer may be none).
+constexpr bool dtype_valid(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16;
+}
 // "f32", "f16" or "bf16".
 std::string_view dtype_name(DType dtype);
 // Parses "f32"/"fp32"/"float32", "f16"/"fp16"/"float16"/"half", "bf16"/"bfloat16".

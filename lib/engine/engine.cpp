@@ -505,7 +505,7 @@ class Engine::Impl {
         return Status::invalid_argument(
             fmt::format("reduce_gradients('{}'): gradient of '{}' is null", module, g.name));
       }
-      if (g.dtype != DType::kF32 && g.dtype != DType::kF16 && g.dtype != DType::kBF16) {
+      if (!dtype_valid(g.dtype)) {
         return Status::invalid_argument(
             fmt::format("reduce_gradients('{}'): gradient of '{}' has dtype {}, not f32, f16 or "
                         "bf16",

@@ -34,7 +34,7 @@ Status ParameterLayout::add(const ParameterSpec& spec) {
   }
   // DType is an enum of three values, but a caller (a binding, a cast) can pass any byte; the
   // engine would size and convert such a parameter as some other dtype.
-  if (spec.dtype != DType::kF32 && spec.dtype != DType::kF16 && spec.dtype != DType::kBF16) {
+  if (!dtype_valid(spec.dtype)) {
     return Status::invalid_argument(
         fmt::format("{}: dtype {} is not f32, f16 or bf16", what, static_cast<int>(spec.dtype)));
   }
