@@ -962,11 +962,13 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
   if (c.zero.stage < 3) {
     for (KeyReport& r : reports) {
       if (r.use != KeyUse::kUsed) continue;
-      for (std::string_view name :
-           {"stage3_prefetch_bucket_size", "prefetch_bucket_size", "stage3_max_live_parameters",
-            "max_live_parameters", "stage3_param_persistence_threshold",
-            "param_persistence_threshold"}) {
-        if (r.key == fmt::format("zero_optimization.{}", name)) {
+      for (std::string_view key :
+           {"zero_optimization.stage3_prefetch_bucket_size",
+            "zero_optimization.prefetch_bucket_size",
+            "zero_optimization.stage3_max_live_parameters", "zero_optimization.max_live_parameters",
+            "zero_optimization.stage3_param_persistence_threshold",
+            "zero_optimization.param_persistence_threshold"}) {
+        if (r.key == key) {
           r.use = KeyUse::kNoEffect;
           r.why = fmt::format(
               "read at stage 3 only (the parameters' gathers); this config runs "

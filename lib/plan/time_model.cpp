@@ -396,8 +396,8 @@ StepOnlyLayout step_only_layout(const StepOnlySpec& spec) {
   l.bytes_per_param = 12 + grads_bytes + half_bytes;
   // The StateStore sizes sub-groups in multiples of kSubGroupParamQuantum parameters, never more
   // than the partition.
-  constexpr std::uint64_t kQuantum = kSubGroupParamQuantum;
-  l.sub_group_params = spec.sub_group_bytes / (kQuantum * l.bytes_per_param) * kQuantum;
+  l.sub_group_params =
+      spec.sub_group_bytes / (kSubGroupParamQuantum * l.bytes_per_param) * kSubGroupParamQuantum;
   if (l.sub_group_params == 0) return l;
   l.sub_group_params = std::min(l.sub_group_params, spec.params);
   l.sub_groups = ceil_div(spec.params, l.sub_group_params);
