@@ -679,25 +679,19 @@ Status load_piece(OptimizerState& state, Piece piece, StateFill fill) {
   });
 }
 
-// The schedule the engine runs after the load (Engine's restore_schedule): the checkpoint's, with
-// its lr, where set_learning_rate() was in force at the save or the engine has no schedule of its
-// own; else the engine's, at the checkpoint's iteration. Checked before the state is touched, so
-// a schedule this build refuses (a checkpoint of a build that took a negative decay_lr_rate)
-// fails the load, naming the manifest and the key, instead of being dropped.
+// The schedule the engine runs after the load (resumed_schedule(), as Engine's
+// restore_schedule takes it), checked before the state is touched, so a schedule this build
+// refuses (a checkpoint of a build that took a negative decay_lr_rate) fails the load, naming the
+// manifest and the key, instead of being dropped.
 Status check_resumed_schedule(const Config& config, const ResumeState& resume,
                               std::string_view manifest_path) {
-  ScheduleConfig schedule = resume.schedule;
-  double lr = resume.lr;
-  const bool own = !resume.lr_override && config.scheduler.kind != ScheduleKind::kNone;
-  if (own) {
-    schedule = config.scheduler;
-    schedule.last_batch_iteration = resume.schedule.last_batch_iteration;
-    lr = config.optimizer.lr;
-  }
-  const Result<LrSchedule> created = LrSchedule::create(schedule, lr);
+  const ResumedSchedule resumed = resumed_schedule(config.scheduler, config.optimizer.lr, resume);
+  const ScheduleConfig& schedule = resumed.schedule;
+  const Result<LrSchedule> created = LrSchedule::create(schedule, resumed.lr);
   if (created.is_ok()) return Status::ok();
   return created.status().with_context(
-      own ? fmt::format("checkpoint manifest '{}': the engine's {} schedule at the checkpoint's "
+      resumed.own_kept
+          ? fmt::format("checkpoint manifest '{}': the engine's {} schedule at the checkpoint's "
                         "'lr_schedule.last_batch_iteration' {}",
                         manifest_path, schedule_name(schedule.kind), schedule.last_batch_iteration)
           : fmt::format("checkpoint manifest '{}': its 'lr_schedule' ({}), which the engine takes "
@@ -706,6 +700,21 @@ Status check_resumed_schedule(const Config& config, const ResumeState& resume,
 }
 
 }  // namespace
+
+ResumedSchedule resumed_schedule(const ScheduleConfig& own, double own_lr,
+                                 const ResumeState& saved) {
+  ResumedSchedule r;
+  r.own_kept = !saved.lr_override && own.kind != ScheduleKind::kNone;
+  if (r.own_kept) {
+    r.schedule = own;
+    r.schedule.last_batch_iteration = saved.schedule.last_batch_iteration;
+    r.lr = own_lr;
+  } else {
+    r.schedule = saved.schedule;
+    r.lr = saved.lr;
+  }
+  return r;
+}
 
 Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call,
                              const std::string& dir, const std::string& tag_in, Status precondition,

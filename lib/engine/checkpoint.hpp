@@ -600,6 +600,22 @@ std::vector<std::string> gather_order_names(const ParameterLayout& layout,
 std::vector<std::size_t> gather_order_indices(const ParameterLayout& layout,
                                               const std::vector<std::string>& names);
 
+// The schedule and optimizer lr a resumed run goes on with, from the engine's own (`own`, `own_lr`:
+// its config's "scheduler" section or set_lr_schedule(), and its optimizer lr) and the
+// checkpoint's (`saved`). A rate set by set_learning_rate() before the save (saved.lr_override),
+// or an engine without a schedule of its own, takes the checkpoint's schedule and lr. Otherwise
+// the engine keeps its schedule and lr, at the checkpoint's last_batch_iteration (`own_kept`): as
+// with DeepSpeed, whose checkpoint keeps only the scheduler's last_batch_iteration, the resumed
+// run's config gives the curve. The load checks this schedule before it touches the state, and
+// the engine runs it after the load; both ask here, so they cannot choose differently.
+struct ResumedSchedule {
+  ScheduleConfig schedule;
+  double lr = 0.0;
+  bool own_kept = false;
+};
+ResumedSchedule resumed_schedule(const ScheduleConfig& own, double own_lr,
+                                 const ResumeState& saved);
+
 // Writes <dir>/<tag> (include/zinf/engine.hpp save_checkpoint): every rank's file into
 // <dir>/.<tag>.tmp, then rank 0's client state and manifest, the rename to <dir>/<tag>,
 // <dir>/latest, and the pruning of tags beyond config.keep_last (never a tag of a later step

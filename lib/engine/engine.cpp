@@ -947,31 +947,23 @@ class Engine::Impl {
     return Status::ok();
   }
 
-  // The learning rate after a load. A rate set by set_learning_rate() before the save comes back
-  // with the checkpoint. Otherwise an engine with a schedule of its own (its config's
-  // "scheduler" section, or set_lr_schedule()) keeps it and its optimizer lr, at the
-  // checkpoint's place in it: as with DeepSpeed, whose checkpoint keeps only the scheduler's
-  // last_batch_iteration, the resumed run's config gives the curve (a longer total_num_steps, a
-  // new warmup_max_lr). An engine without one takes the checkpoint's schedule and lr.
+  // The learning rate after a load: resumed_schedule() (checkpoint.hpp) chooses between the
+  // checkpoint's schedule and lr and the engine's own, as the load checked it.
   void restore_schedule(std::string_view call, const ResumeState& r) {
-    ScheduleConfig schedule = r.schedule;
-    if (!r.lr_override && schedule_.config().kind != ScheduleKind::kNone) {
-      schedule = schedule_.config();
-      schedule.last_batch_iteration = r.schedule.last_batch_iteration;
-      if (rank_ == 0 && (schedule != r.schedule || config_.optimizer.lr != r.lr)) {
-        log_info(
-            "{}: the config's {} schedule (and lr {}) replaces the checkpoint's {} (lr {}) from "
-            "step {} on, as DeepSpeed resumes a schedule",
-            call, schedule_name(schedule.kind), config_.optimizer.lr,
-            schedule_name(r.schedule.kind), r.lr, t_);
-      }
-    } else {
-      config_.optimizer.lr = r.lr;
+    const ResumedSchedule resumed = resumed_schedule(schedule_.config(), config_.optimizer.lr, r);
+    if (resumed.own_kept && rank_ == 0 &&
+        (resumed.schedule != r.schedule || config_.optimizer.lr != r.lr)) {
+      log_info(
+          "{}: the config's {} schedule (and lr {}) replaces the checkpoint's {} (lr {}) from "
+          "step {} on, as DeepSpeed resumes a schedule",
+          call, schedule_name(resumed.schedule.kind), config_.optimizer.lr,
+          schedule_name(r.schedule.kind), r.lr, t_);
     }
-    Result<LrSchedule> loaded = LrSchedule::create(schedule, config_.optimizer.lr);
+    config_.optimizer.lr = resumed.lr;
+    Result<LrSchedule> loaded = LrSchedule::create(resumed.schedule, config_.optimizer.lr);
     if (loaded.is_ok()) {
       schedule_ = std::move(*loaded);
-      config_.scheduler = schedule;
+      config_.scheduler = resumed.schedule;
     }
     lr_override_ = r.lr_override;
   }
