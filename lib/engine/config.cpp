@@ -184,9 +184,9 @@ std::optional<std::string> misspelling_hint(std::span<const std::string_view> kn
   }
   // A slip is at most two edits: one in a name of three to five characters, none in a shorter
   // one (every one-letter key is one edit from "x", and it is a slip of none of them), and one in
-  // ten characters of a long name. Not more: whole words differ at a third of a name, and DeepSpeed
-  // keys zinf does not read would be taken for slips (gradient_accumulation_dtype is 3 edits from
-  // gradient_accumulation_steps, offload_optimizer_states 7 from offload_optimizer).
+  // ten characters of a long name. Not more: whole words differ at a third of a name, and one
+  // DeepSpeed key would be taken for a slip of another (gradient_accumulation_dtype is 3 edits
+  // from gradient_accumulation_steps, offload_optimizer_states 7 from offload_optimizer).
   const std::size_t limit = std::max(std::min<std::size_t>(2, name.size() / 3), name.size() / 10);
   std::optional<std::string_view> nearest;
   std::size_t nearest_distance = limit + 1;

@@ -402,10 +402,97 @@ Why read_grad_accum_dtype(const Json& v, [[maybe_unused]] Walk& w) {
   return fmt::format("{} is not supported: zinf accumulates gradients in fp32", v.dump());
 }
 
+// gradient_accumulation_dtype: DeepSpeed reads no key of this name (its accumulation dtype is
+// data_types.grad_accum_dtype, runtime/config.py get_data_types_params), but configs carry it
+// meaning that. fp32 is what zinf accumulates in; another dtype asks for what zinf does not do.
+Why read_top_level_grad_accum_dtype(const Json& v, Walk& w) {
+  if (Why why = read_grad_accum_dtype(v, w)) {
+    return fmt::format(
+        "{} (DeepSpeed reads no key of this name: its accumulation dtype is "
+        "data_types.grad_accum_dtype)",
+        *why);
+  }
+  return std::nullopt;
+}
+
+// The dtype of the gradients' reduction over the sequence-parallel group (DeepSpeed's Ulysses),
+// fp32 by default (runtime/constants.py, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE; config.py reads it
+// with get_communication_data_type, which lowercases it and knows fp16, bf16 and fp32). zinf has
+// no sequence parallelism, so fp32 (and null, "not set") is accepted and a 16-bit dtype, written
+// for a sequence-parallel run, is refused.
+Why read_seq_parallel_dtype(const Json& v, [[maybe_unused]] Walk& w) {
+  if (v.is_null()) return std::nullopt;
+  if (!v.is_string()) return not_a(v, "\"fp16\", \"bf16\" or \"fp32\"");
+  if (is_fp32_name(v.get<std::string>())) return std::nullopt;
+  return fmt::format(
+      "{} is not supported: zinf has no sequence parallelism, so no gradient is reduced over a "
+      "sequence-parallel group; write \"fp32\" (DeepSpeed's default) or remove the key",
+      v.dump());
+}
+
+constexpr std::string_view kNoSequenceParallel =
+    "fp32 (DeepSpeed's default): zinf has no sequence parallelism, and reduces every gradient "
+    "in fp32";
+
 const Key kDataTypesKeys[] = {
     {.name = "grad_accum_dtype",
      .read = read_grad_accum_dtype,
      .no_effect = "zinf accumulates gradients in fp32, whatever the parameters' dtype"},
+};
+
+// DeepSpeed's checkpoint section (runtime/constants.py, CHECKPOINT; runtime/config.py reads
+// tag_validation, load_universal, use_node_local_storage and parallel_write.pipeline_stage;
+// model_checkpointing/config.py the writer).
+
+// tag_validation: before a save DeepSpeed compares the tag every rank passes; "Warn" (its default)
+// logs a mismatch, "Fail" raises, "Ignore" skips the comparison. DeepSpeed uppercases the value
+// and refuses any other (get_checkpoint_tag_validation_mode). zinf does not compare the ranks'
+// tags, so it honours "Ignore" and "Warn" (whose only effect is a log line) and refuses "Fail".
+Why read_tag_validation(const Json& v, [[maybe_unused]] Walk& w) {
+  if (!v.is_string()) return not_a(v, "\"Warn\", \"Ignore\" or \"Fail\"");
+  std::string mode = v.get<std::string>();
+  for (char& ch : mode) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  if (mode == "WARN" || mode == "IGNORE") return std::nullopt;
+  if (mode == "FAIL") {
+    return fmt::format(
+        "{} is not supported: zinf does not compare the tags the ranks pass to save_checkpoint, "
+        "so it would not fail a save whose ranks name different tags; write \"Warn\" (DeepSpeed's "
+        "default) and pass every rank the same tag (the default tag, global_step<N>, is)",
+        v.dump());
+  }
+  return not_a(v, "\"Warn\", \"Ignore\" or \"Fail\"");
+}
+
+const Key kCheckpointParallelWriteKeys[] = {
+    {.name = "pipeline_stage",
+     .read = ZINF_READ(any_bool(v)),
+     .no_effect = "DeepSpeed's pipeline engine alone reads it; zinf has no pipeline parallelism"},
+};
+
+const Key kCheckpointKeys[] = {
+    {.name = "tag_validation",
+     .read = read_tag_validation,
+     .no_effect = "zinf does not compare the tags the ranks save under (the default tag, "
+                  "global_step<N>, is the same on every rank); DeepSpeed's \"Warn\" only logs a "
+                  "mismatch and \"Ignore\" skips the comparison"},
+    {.name = "load_universal",
+     .read = ZINF_READ(only_bool(
+         v, false,
+         "zinf cannot read DeepSpeed's universal checkpoints (ds_to_universal.py's output); its "
+         "own checkpoints load at any world size without a conversion: write false")),
+     .no_effect = "false: zinf loads its own checkpoints, which reshard to any world size"},
+    {.name = "use_node_local_storage",
+     .read = ZINF_READ(only_bool(
+         v, false,
+         "zinf saves one checkpoint directory that every rank reaches (rank 0 creates the tag and "
+         "writes its manifest): give save_checkpoint a directory every machine shares and write "
+         "false")),
+     .no_effect = "false: one checkpoint directory that every rank reaches, as zinf saves"},
+    {.name = "parallel_write", .keys = kCheckpointParallelWriteKeys},
+    {.name = "writer",
+     .no_effect = "how DeepSpeed writes its checkpoint files (its torch, fast and decoupled "
+                  "writers and their buffers); zinf writes its own format through its io_uring "
+                  "engine, every rank its own file in parallel"},
 };
 
 constexpr std::string_view kProgramSide =
@@ -506,6 +593,36 @@ const Key kRootKeys[] = {
      .no_effect = "zinf reduce-scatters and accumulates gradients in fp32, whatever the "
                   "parameters' dtype"},
     {.name = "data_types", .keys = kDataTypesKeys},
+    {.name = "gradient_accumulation_dtype",
+     .read = read_top_level_grad_accum_dtype,
+     .no_effect = "DeepSpeed reads no key of this name (its accumulation dtype is "
+                  "data_types.grad_accum_dtype); fp32 is what zinf accumulates gradients in"},
+    // DeepSpeed reads seq_parallel_comm_data_type (runtime/constants.py); its docstring there
+    // spells the key seq_parallel_communication_data_type, which configs copy and DeepSpeed
+    // ignores. Both read the same here.
+    {.name = "seq_parallel_comm_data_type",
+     .read = read_seq_parallel_dtype,
+     .no_effect = kNoSequenceParallel},
+    {.name = "seq_parallel_communication_data_type",
+     .read = read_seq_parallel_dtype,
+     .no_effect = kNoSequenceParallel},
+    // DeepSpeed's CSR reduction of torch.nn.Embedding gradients (runtime/constants.py,
+    // SPARSE_GRADIENTS, false by default).
+    {.name = "sparse_gradients",
+     .read = ZINF_READ(only_bool(v, false,
+                                 "DeepSpeed then reduces the gradients of the embedding modules "
+                                 "as sparse tensors; zinf reduces every gradient dense: write "
+                                 "false")),
+     .no_effect = "false: every gradient reduced dense, as in zinf"},
+    // DeepSpeed's torch.autocast mode (runtime/config.py, get_torch_autocast_enabled, false by
+    // default): the parameters stay in their dtype and the forward of the lower-precision-safe
+    // modules runs under torch.autocast. zinf's mixed precision keeps 16-bit parameters with an
+    // fp32 master, which is not the same computation.
+    {.name = "torch_autocast",
+     .refused = "DeepSpeed's torch.autocast mode is not supported; zinf's mixed precision is its "
+                "bf16 or fp16 section (16-bit parameters, an fp32 master): enable one of those",
+     .refused_when_enabled = true},
+    {.name = "checkpoint", .keys = kCheckpointKeys},
     {.name = "sparse_attention", .refused = "a model feature zinf does not provide"},
     {.name = "pipeline", .refused = "pipeline parallelism is not supported"},
     {.name = "elasticity",

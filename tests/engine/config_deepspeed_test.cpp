@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <span>
 #include <string>
 #include <vector>
 
@@ -319,6 +320,179 @@ TEST(ConfigDeepSpeed, CommentsAndTrailingCommasReadAsDeepSpeedReadsThem) {
   EXPECT_NE(refusal(R"({"zero_optimization": {"stage": 3, "offload_optimizer": {"device": cpu}}})")
                 .find("not valid JSON"),
             std::string::npos);
+}
+
+// Each case: a config that is accepted with the key reported as having no effect, and why
+// contains `why`.
+struct NoEffectCase {
+  const char* json;
+  const char* key;
+  const char* why;
+};
+
+void expect_no_effect(std::span<const NoEffectCase> cases) {
+  for (const NoEffectCase& c : cases) {
+    SCOPED_TRACE(c.json);
+    Result<Config> config = parse_config(c.json);
+    EXPECT_TRUE(config.is_ok()) << config.status().to_string();
+    const KeyReport r = report_of(c.json, c.key);
+    EXPECT_EQ(r.use, KeyUse::kNoEffect) << r.why;
+    EXPECT_NE(r.why.find(c.why), std::string::npos) << r.why;
+  }
+}
+
+// Each case: a config refused with exactly `message`, which `zinf config check` reports against
+// the key.
+struct RefusedCase {
+  const char* json;
+  const char* key;
+  std::string message;
+};
+
+void expect_refused_exactly(std::span<const RefusedCase> cases) {
+  for (const RefusedCase& c : cases) {
+    SCOPED_TRACE(c.json);
+    EXPECT_EQ(refusal(c.json), c.message);
+    Result<std::vector<KeyReport>> reports = check_config(c.json);
+    ASSERT_TRUE(reports.is_ok()) << reports.status().to_string();
+    bool seen = false;
+    for (const KeyReport& r : *reports) {
+      if (r.key != c.key) continue;
+      seen = true;
+      EXPECT_EQ(r.use, KeyUse::kRefused);
+      EXPECT_EQ(fmt::format("{}: {}", r.key, r.why), c.message);
+    }
+    EXPECT_TRUE(seen) << c.key;
+  }
+}
+
+// DeepSpeed's checkpoint section (runtime/constants.py, CHECKPOINT; runtime/config.py,
+// get_checkpoint_tag_validation_mode uppercases tag_validation and knows WARN, IGNORE and FAIL;
+// model_checkpointing/config.py, the writer). zinf does not compare the ranks' tags, reads no
+// universal checkpoint and saves one shared directory: the values that say so are accepted, and
+// those asking for more are refused naming what to write.
+TEST(ConfigDeepSpeed, CheckpointSectionAtWhatZinfDoesHasNoEffect) {
+  const NoEffectCase accepted[] = {
+      {R"({"checkpoint": {"tag_validation": "Warn"}})", "checkpoint.tag_validation",
+       "zinf does not compare the tags"},
+      {R"({"checkpoint": {"tag_validation": "ignore"}})", "checkpoint.tag_validation",
+       "zinf does not compare the tags"},
+      {R"({"checkpoint": {"tag_validation": "WARN"}})", "checkpoint.tag_validation",
+       "only logs a mismatch"},
+      {R"({"checkpoint": {"load_universal": false}})", "checkpoint.load_universal",
+       "false: zinf loads its own checkpoints"},
+      {R"({"checkpoint": {"use_node_local_storage": false}})", "checkpoint.use_node_local_storage",
+       "false: one checkpoint directory that every rank reaches"},
+      {R"({"checkpoint": {"parallel_write": {"pipeline_stage": true}}})",
+       "checkpoint.parallel_write.pipeline_stage", "no pipeline parallelism"},
+      {R"({"checkpoint": {"parallel_write": {"pipeline_stage": false}}})",
+       "checkpoint.parallel_write.pipeline_stage", "no pipeline parallelism"},
+      {R"({"checkpoint": {"writer": {"type": "fast", "decoupled": true, "io_buffer_size": 1e9}}})",
+       "checkpoint.writer", "how DeepSpeed writes its checkpoint files"},
+  };
+  expect_no_effect(accepted);
+
+  const RefusedCase refused[] = {
+      {R"({"checkpoint": {"tag_validation": "Fail"}})", "checkpoint.tag_validation",
+       "checkpoint.tag_validation: \"Fail\" is not supported: zinf does not compare the tags the "
+       "ranks pass to save_checkpoint, so it would not fail a save whose ranks name different "
+       "tags; write \"Warn\" (DeepSpeed's default) and pass every rank the same tag (the default "
+       "tag, global_step<N>, is)"},
+      {R"({"checkpoint": {"tag_validation": "Strict"}})", "checkpoint.tag_validation",
+       "checkpoint.tag_validation: \"Strict\" is not \"Warn\", \"Ignore\" or \"Fail\""},
+      {R"({"checkpoint": {"tag_validation": true}})", "checkpoint.tag_validation",
+       "checkpoint.tag_validation: true is not \"Warn\", \"Ignore\" or \"Fail\""},
+      {R"({"checkpoint": {"load_universal": true}})", "checkpoint.load_universal",
+       "checkpoint.load_universal: true is not supported: zinf cannot read DeepSpeed's universal "
+       "checkpoints (ds_to_universal.py's output); its own checkpoints load at any world size "
+       "without a conversion: write false"},
+      {R"({"checkpoint": {"use_node_local_storage": true}})", "checkpoint.use_node_local_storage",
+       "checkpoint.use_node_local_storage: true is not supported: zinf saves one checkpoint "
+       "directory that every rank reaches (rank 0 creates the tag and writes its manifest): give "
+       "save_checkpoint a directory every machine shares and write false"},
+      {R"({"checkpoint": {"parallel_write": {"pipeline_stage": "yes"}}})",
+       "checkpoint.parallel_write.pipeline_stage",
+       "checkpoint.parallel_write.pipeline_stage: \"yes\" is not true or false"},
+  };
+  expect_refused_exactly(refused);
+}
+
+// Top-level switches of DeepSpeed's (runtime/constants.py, runtime/config.py): sparse_gradients
+// (false by default) and torch_autocast (enabled false by default) accepted at their defaults;
+// the modes they turn on, which zinf does not run, refused naming what zinf offers.
+TEST(ConfigDeepSpeed, SparseGradientsAndTorchAutocastOffHaveNoEffect) {
+  const NoEffectCase accepted[] = {
+      {R"({"sparse_gradients": false})", "sparse_gradients", "false: every gradient reduced dense"},
+      {R"({"torch_autocast": {"enabled": false, "dtype": "bfloat16",
+           "lower_precision_safe_modules": ["torch.nn.Linear"]}})",
+       "torch_autocast", "disabled (\"enabled\" is false)"},
+      {R"({"torch_autocast": {}})", "torch_autocast", "disabled (\"enabled\" is absent)"},
+  };
+  expect_no_effect(accepted);
+
+  const std::string autocast_why =
+      "DeepSpeed's torch.autocast mode is not supported; zinf's mixed precision is its bf16 or "
+      "fp16 section (16-bit parameters, an fp32 master): enable one of those";
+  const RefusedCase refused[] = {
+      {R"({"sparse_gradients": true})", "sparse_gradients",
+       "sparse_gradients: true is not supported: DeepSpeed then reduces the gradients of the "
+       "embedding modules as sparse tensors; zinf reduces every gradient dense: write false"},
+      {R"({"sparse_gradients": 0})", "sparse_gradients",
+       "sparse_gradients: 0 is not true or false"},
+      {R"({"torch_autocast": {"enabled": true, "dtype": "bfloat16"}})", "torch_autocast",
+       fmt::format("torch_autocast: enabled: {}; \"enabled\": false has no effect", autocast_why)},
+      {R"({"torch_autocast": true})", "torch_autocast",
+       fmt::format("torch_autocast: {}", autocast_why)},
+  };
+  expect_refused_exactly(refused);
+}
+
+// DeepSpeed reads the accumulation dtype as data_types.grad_accum_dtype (runtime/config.py,
+// get_data_types_params) and no key "gradient_accumulation_dtype", which configs write meaning
+// the same; the sequence-parallel reduction's dtype as "seq_parallel_comm_data_type"
+// (runtime/constants.py, SEQ_PARALLEL_COMMUNICATION_DATA_TYPE, fp32 by default), which its
+// docstring spells "seq_parallel_communication_data_type". zinf accumulates and reduces in fp32 and
+// has no sequence parallelism: fp32 (and null, "not set") has no effect, a 16-bit dtype is refused.
+TEST(ConfigDeepSpeed, AccumulationAndSequenceParallelDtypesAtFp32HaveNoEffect) {
+  const NoEffectCase accepted[] = {
+      {R"({"gradient_accumulation_dtype": "fp32"})", "gradient_accumulation_dtype",
+       "DeepSpeed reads no key of this name"},
+      {R"({"gradient_accumulation_dtype": "torch.float32"})", "gradient_accumulation_dtype",
+       "data_types.grad_accum_dtype"},
+      {R"({"gradient_accumulation_dtype": null})", "gradient_accumulation_dtype",
+       "fp32 is what zinf accumulates gradients in"},
+      {R"({"seq_parallel_comm_data_type": "fp32"})", "seq_parallel_comm_data_type",
+       "zinf has no sequence parallelism"},
+      {R"({"seq_parallel_comm_data_type": "FP32"})", "seq_parallel_comm_data_type",
+       "fp32 (DeepSpeed's default)"},
+      {R"({"seq_parallel_comm_data_type": null})", "seq_parallel_comm_data_type",
+       "zinf has no sequence parallelism"},
+      {R"({"seq_parallel_communication_data_type": "fp32"})",
+       "seq_parallel_communication_data_type", "zinf has no sequence parallelism"},
+  };
+  expect_no_effect(accepted);
+
+  const std::string no_sp =
+      "is not supported: zinf has no sequence parallelism, so no gradient is reduced over a "
+      "sequence-parallel group; write \"fp32\" (DeepSpeed's default) or remove the key";
+  const RefusedCase refused[] = {
+      {R"({"gradient_accumulation_dtype": "bf16"})", "gradient_accumulation_dtype",
+       "gradient_accumulation_dtype: \"bf16\" is not supported: zinf accumulates gradients in "
+       "fp32 (DeepSpeed reads no key of this name: its accumulation dtype is "
+       "data_types.grad_accum_dtype)"},
+      {R"({"gradient_accumulation_dtype": "fp16"})", "gradient_accumulation_dtype",
+       "gradient_accumulation_dtype: \"fp16\" is not supported: zinf accumulates gradients in "
+       "fp32 (DeepSpeed reads no key of this name: its accumulation dtype is "
+       "data_types.grad_accum_dtype)"},
+      {R"({"seq_parallel_comm_data_type": "bf16"})", "seq_parallel_comm_data_type",
+       fmt::format("seq_parallel_comm_data_type: \"bf16\" {}", no_sp)},
+      {R"({"seq_parallel_communication_data_type": "fp16"})",
+       "seq_parallel_communication_data_type",
+       fmt::format("seq_parallel_communication_data_type: \"fp16\" {}", no_sp)},
+      {R"({"seq_parallel_comm_data_type": 32})", "seq_parallel_comm_data_type",
+       "seq_parallel_comm_data_type: 32 is not \"fp16\", \"bf16\" or \"fp32\""},
+  };
+  expect_refused_exactly(refused);
 }
 
 }  // namespace
