@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -86,6 +87,25 @@ def test_a_block_entered_again_inside_itself_stages_until_its_outer_exit(tmp_pat
     assert first.weight.numel() == 0 and second.weight.numel() == 0
     assert block.staged_bytes == 2 * 4 * (64 + 8)
     assert nn.Linear(8, 8).weight.numel() == 64
+
+
+def test_init_takes_deepspeeds_arguments_in_their_order(tmp_path):
+    """DeepSpeed's zero.Init(module, data_parallel_group, mem_efficient_linear, remote_device,
+    pin_memory, config_dict_or_path, config, enabled, dtype, mpu, ...): a positional call means
+    the same with zinf's. Before, the second positional argument was taken for the config, and
+    a call that passed the config sixth raised TypeError."""
+    cfg = config(tmp_path / "staging", 16)
+    block = zinf.torch.Init(None, None, True, "cpu", False, cfg)
+    assert block.staging_dir == str(tmp_path / "staging")
+    with block:
+        layer = nn.Linear(8, 8)
+    assert layer.weight.numel() == 0 and block.staged_bytes == 4 * (64 + 8)
+    # enabled is the eighth: False builds modules as usual.
+    with zinf.torch.Init(None, None, True, None, False, cfg, None, False) as disabled:
+        assert nn.Linear(8, 8).weight.numel() == 64
+    assert disabled.staged_bytes == 0
+    # A process group in data_parallel_group's place is not read as a config.
+    assert zinf.torch.Init(None, object()).staging_dir == tempfile.gettempdir()
 
 
 def test_stage3_parameters_carry_deepspeeds_attributes(tmp_path):

@@ -219,10 +219,15 @@ class Init:
             model = MyModel()
         engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
 
-    config (or config_dict_or_path): the run's config, used for where to stage (the nvme_path of
-    offload_param, else of offload_optimizer); staging_dir overrides it. DeepSpeed's other
-    arguments (module, data_parallel_group, remote_device, pin_memory, dtype, mpu, ...) are
-    accepted and ignored. enabled=False makes the block do nothing.
+    The arguments are DeepSpeed's, in its order (deepspeed/runtime/zero/partition_parameters.py,
+    Init.__init__), so a positional call means what it means there; staging_dir, zinf's own, is
+    keyword-only. config_dict_or_path (or config, DeepSpeed's deprecated name, which wins where
+    both are given, as in DeepSpeed): the run's config, a dict or a JSON file's path, used for
+    where to stage (the nvme_path of offload_param, else of offload_optimizer); staging_dir
+    overrides it. enabled=False makes the block do nothing. module (converting a model built
+    beforehand) is refused; DeepSpeed's other arguments (data_parallel_group,
+    mem_efficient_linear, remote_device, pin_memory, dtype, mpu, the ZeRO++ and sequence
+    parallel groups, param_swapper, tensor_overrides) are accepted and ignored.
 
     Blocks nest as DeepSpeed's do (Hugging Face's from_pretrained opens its own inside a
     script's): the outermost enabled block wraps the constructors and owns the staging file, and
@@ -236,8 +241,12 @@ class Init:
     _active: "Init | None" = None
     _open: "list[Init]" = []
 
-    def __init__(self, module=None, config_dict_or_path=None, config=None, enabled: bool = True,
-                 staging_dir: str | None = None, **_deepspeed_args):
+    def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True,
+                 remote_device=None, pin_memory=False, config_dict_or_path=None, config=None,
+                 enabled: bool = True, dtype=None, mpu=None, zero_param_parallel_group=None,
+                 zero_quantized_weights=False, zero_quantized_nontrainable_weights=False,
+                 sequence_data_parallel_group=None, param_swapper=None, tensor_overrides=None,
+                 *, staging_dir: str | None = None, **_deepspeed_args):
         if module is not None:
             raise NotImplementedError("Init(module=...): converting a model built beforehand is "
                                       "not supported; build it inside the block")
