@@ -748,3 +748,92 @@ def test_the_engine_passes_the_models_attributes_through(stage):
     assert engine.stage == stage  # the engine's own attribute comes first
     with pytest.raises(AttributeError, match="'ZinfEngine' object has no attribute 'absent'"):
         engine.absent
+
+
+def test_set_train_batch_size_changes_the_accumulation_and_keeps_the_micro_batch():
+    # DeepSpeed's engine.set_train_batch_size(n) (deepspeed/runtime/engine.py): the steps'
+    # gradient_accumulation_steps becomes n / (micro-batch x data-parallel ranks), the micro-batch
+    # stays, and an n that is not a multiple raises ValueError ("Train batch size must be
+    # divisible by micro-batch data parallelism"). zinf's engine had no such method (the
+    # AttributeError came through the model).
+    config = mlp_config(1)
+    config["gradient_accumulation_steps"] = 4
+    micro = config["train_micro_batch_size_per_gpu"]
+    model, reference = make_mlp(), make_mlp()
+    engine, _, _, _ = zinf.torch.initialize(model=model, config=config)
+    assert engine.train_batch_size() == 4 * micro
+    engine.set_train_batch_size(2 * micro)
+    assert engine.gradient_accumulation_steps() == 2
+    assert engine.train_batch_size() == 2 * micro
+    assert engine.train_micro_batch_size_per_gpu() == micro
+    batches = mlp_batches(4)
+    for calls, batch in enumerate(batches):
+        assert engine.is_gradient_accumulation_boundary() == (calls % 2 == 1)
+        engine.backward(mlp_loss(engine, batch))
+        engine.step()
+    assert engine.global_steps == 2 and engine.global_samples == 4 * micro
+    # torch's: two steps of two micro-batches, each loss counting 1/2, as DeepSpeed divides it.
+    optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, betas=BETAS, eps=EPS,
+                                  weight_decay=WEIGHT_DECAY)
+    for first in (0, 2):
+        for batch in batches[first:first + 2]:
+            (mlp_loss(reference, batch) / 2).backward()
+        torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)
+        optimizer.step()
+        optimizer.zero_grad()
+    for (name, got), expected in zip(model.named_parameters(), reference.parameters()):
+        error = ((got.detach() - expected.detach()).norm() / expected.detach().norm()).item()
+        assert error < 1e-5, f"{name}: relative error {error:.2e}"
+    with pytest.raises(ValueError, match=r"^set_train_batch_size\(6\): train batch size must be "
+                                         r"divisible by micro-batch data parallelism, .* = 4$"):
+        engine.set_train_batch_size(6)
+    # Above the config's count, which the engine fixed at initialize(): refused, naming the key.
+    with pytest.raises(NotImplementedError, match=r"8 micro-batches per step, above the config's "
+                                                  r"gradient_accumulation_steps \(4\)"):
+        engine.set_train_batch_size(8 * micro)
+    engine.set_train_batch_size(4 * micro)
+    assert engine.gradient_accumulation_steps() == 4
+    engine.backward(mlp_loss(engine, batches[0]))
+    with pytest.raises(RuntimeError, match=r"holds 1 micro-batch\(es\) of a step not yet applied"):
+        engine.set_train_batch_size(2 * micro)
+    assert engine.gradient_accumulation_steps() == 4
+    engine.destroy()
+
+
+def test_the_client_lr_scheduler_and_wall_clock_breakdown_are_deepspeeds():
+    # DeepSpeed's engine.client_lr_scheduler is initialize()'s lr_scheduler as given (a callable
+    # stays the callable; engine.lr_scheduler is what it made), None without one.
+    # wall_clock_breakdown() says whether the engine times its forward, backward and step: zinf's
+    # keeps no such timers, so False whatever the config (whose key has no effect).
+    from _helpers import ds_initialize
+
+    config = mlp_config(1)
+    config["wall_clock_breakdown"] = True
+
+    def make(optimizer):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    engine, _, _, scheduler = zinf.torch.initialize(model=make_mlp(), config=config,
+                                                    lr_scheduler=make)
+    assert engine.client_lr_scheduler is make
+    assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
+    assert engine.lr_scheduler is scheduler
+    assert engine.wall_clock_breakdown() is False
+    engine.destroy()
+    # deepspeed.initialize with the script's optimizer and a scheduler made over it.
+    model = make_mlp()
+    client = torch.optim.AdamW(model.parameters(), lr=LR)
+    given = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+    config = mlp_config(1)
+    del config["optimizer"]
+    engine, _, _, scheduler = ds_initialize(model=model, config=config, optimizer=client,
+                                            lr_scheduler=given)
+    assert engine.client_lr_scheduler is given and scheduler is given
+    engine.destroy()
+    config = mlp_config(1)
+    config["scheduler"] = {"type": "WarmupLR", "params": {"warmup_num_steps": 2}}
+    engine, _, _, scheduler = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.client_lr_scheduler is None
+    assert isinstance(scheduler, zinf.torch.ConfigLRScheduler)
+    engine.destroy()
+

@@ -759,6 +759,9 @@ class ZinfEngine(nn.Module):
                                   and given_zero.get("stage") == 0)
         self._zero_resolved = resolved["zero_optimization"]
         self._gradient_accumulation_steps = int(resolved["gradient_accumulation_steps"])
+        # The engine's own count, fixed at initialize(); set_train_batch_size() may lower the
+        # one above (the backward calls per step) below it.
+        self._engine_gradient_accumulation_steps = self._gradient_accumulation_steps
         self._micro_batch_size = int(resolved["train_micro_batch_size_per_gpu"])
         self.local_rank = _local_rank()
         self.dtype_name = _compute_dtype(resolved)
@@ -848,6 +851,9 @@ class ZinfEngine(nn.Module):
         # With the config's `scheduler` section the engine runs the schedule, and the groups'
         # "lr"s show the rate of the next step, as DeepSpeed's do (the lrs last shown, or None).
         self._lrs_shown: list[float] | None = None
+        # DeepSpeed's engine keeps the lr_scheduler argument as given (a scheduler, a callable
+        # that makes one from the optimizer, or None), beside the scheduler it runs.
+        self.client_lr_scheduler = lr_scheduler
         if "scheduler" in resolved:
             if lr_scheduler is not None:
                 raise ValueError(
@@ -1917,6 +1923,52 @@ class ZinfEngine(nn.Module):
         """The samples of one optimizer step over all ranks: micro-batch size x
         gradient_accumulation_steps x world size, as DeepSpeed's."""
         return self._micro_batch_size * self._gradient_accumulation_steps * self.world_size
+
+    def set_train_batch_size(self, train_batch_size: int):
+        """DeepSpeed's: one optimizer step takes train_batch_size samples from now on, by a new
+        gradient_accumulation_steps (train_batch_size / (micro-batch x world size)); the
+        micro-batch stays. ValueError where train_batch_size is not a multiple of micro-batch x
+        world size, as DeepSpeed's, or below it.
+
+        The engine fixed the config's gradient_accumulation_steps at initialize(): with
+        zinf.overlap_step the step's optimizer pass may begin in the backward of that many-th
+        micro-batch ("Updates during the backward" in docs/ENGINE.md), so a count above it is
+        refused (NotImplementedError naming the key: give the config the largest count the run
+        uses, and lower it here). It is refused too while the engine holds micro-batches of a
+        step not yet applied (RuntimeError): their step would end at a count they were not
+        divided by. Like DeepSpeed's, the boundaries that follow are counted from micro_steps,
+        the backward calls so far: a step ends where micro_steps reaches a multiple of the new
+        count."""
+        per_step = self._micro_batch_size * self.world_size
+        what = f"set_train_batch_size({train_batch_size})"
+        if (isinstance(train_batch_size, bool) or int(train_batch_size) != train_batch_size
+                or train_batch_size < per_step or train_batch_size % per_step != 0):
+            raise ValueError(
+                f"{what}: train batch size must be divisible by micro-batch data parallelism, "
+                f"a positive multiple of train_micro_batch_size_per_gpu "
+                f"({self._micro_batch_size}) x {self.world_size} rank(s) = {per_step}")
+        steps = int(train_batch_size) // per_step
+        configured = self._engine_gradient_accumulation_steps
+        if steps > configured:
+            raise NotImplementedError(
+                f"{what}: {steps} micro-batches per step, above the config's "
+                f"gradient_accumulation_steps ({configured}), which the engine fixed at "
+                "initialize(); set gradient_accumulation_steps (or train_batch_size) in the "
+                "config to the largest count the run uses and lower it with this call")
+        if self._micro_batches_pending:
+            raise RuntimeError(
+                f"{what}: the engine holds {self._micro_batches_pending} micro-batch(es) of a "
+                "step not yet applied, divided by the present gradient_accumulation_steps "
+                f"({self._gradient_accumulation_steps}); call it after the engine.step() that "
+                "applies them")
+        self._gradient_accumulation_steps = steps
+
+    def wall_clock_breakdown(self) -> bool:
+        """DeepSpeed's answer to whether the engine times its forward, backward and step and
+        prints the breakdown: False. zinf's engine keeps no such timers (the config's
+        wall_clock_breakdown is accepted with no effect; engine.counters() and the engine's
+        trace give its own figures)."""
+        return False
 
     def step(self, lr_kwargs: dict | None = None):
         """Applies the optimizer when gradient_accumulation_steps micro-batches were reduced since
