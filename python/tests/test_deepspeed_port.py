@@ -837,3 +837,31 @@ def test_the_client_lr_scheduler_and_wall_clock_breakdown_are_deepspeeds():
     assert isinstance(scheduler, zinf.torch.ConfigLRScheduler)
     engine.destroy()
 
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_static_loss_scale_skips_a_step_whose_gradients_are_not_finite(stage):
+    # DeepSpeed checks fp16 gradients for inf and NaN and skips the step whatever the scale: its
+    # engine gives the ZeRO stage 1 and 2 optimizer check_grad_overflow=True whenever fp16 is on
+    # (_configure_zero_optimizer), its stage 3 optimizer checks for an fp16 dtype
+    # (_overflow_check_and_loss_scale_update), and its stage-0 FP16_Optimizer checks too, logging
+    # "Using static loss scale of ..." (fused_optimizer.py, _update_scale). A static scale only
+    # stays where it is.
+    config = mlp_config(stage)
+    config["fp16"] = {"enabled": True, "loss_scale": 128}
+    engine, optimizer, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
+    assert engine.loss_scale == 128
+    batches = [(x.half(), y.half()) for x, y in mlp_batches(2)]
+    before = engine.read_parameter("0.weight")
+    engine.backward(mlp_loss(engine, batches[0]).float() * float("inf"))
+    engine.step()
+    assert not engine.was_step_applied() and optimizer.overflow
+    assert engine.global_steps == 1 and engine.skipped_steps == 1
+    assert engine.loss_scale == 128
+    assert torch.equal(engine.read_parameter("0.weight"), before)
+    engine.backward(mlp_loss(engine, batches[1]).float())
+    engine.step()
+    assert engine.was_step_applied() and not optimizer.overflow
+    assert engine.global_steps == 2 and engine.skipped_steps == 1
+    assert engine.loss_scale == 128
+    assert not torch.equal(engine.read_parameter("0.weight"), before)
+    engine.destroy()
