@@ -182,6 +182,7 @@ def test_the_engine_reports_where_and_how_it_runs():
     config["steps_per_print"] = 25
     engine, _, _, _ = zinf.torch.initialize(model=make_mlp(), config=config)
     x, y = mlp_batches(1)[0]
+    assert engine.device == torch.device("cpu")  # DeepSpeed's on its CPU accelerator
     assert engine(x.to(engine.device)).shape == y.shape
     assert engine.dp_world_size == engine.world_size == 1
     assert engine.steps_per_print() == 25
