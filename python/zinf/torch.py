@@ -358,15 +358,21 @@ def _collect_tensors(value, found: list):
             _collect_tensors(item, found)
 
 
-def _rebuild_tensors(value, replaced):
+def _rebuild_tensors(value, replaced, copy_dicts: bool = False):
+    """value with each tensor replaced by the next of `replaced`, in _collect_tensors' order:
+    tuples (named ones too) and lists are rebuilt; dicts are changed in place (an output such
+    as Hugging Face's ModelOutput keeps its type and attributes), or with copy_dicts rebuilt as
+    new dicts, leaving the caller's as they were."""
     if isinstance(value, torch.Tensor):
         return next(replaced)
     if isinstance(value, tuple):
-        items = [_rebuild_tensors(item, replaced) for item in value]
+        items = [_rebuild_tensors(item, replaced, copy_dicts) for item in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     if isinstance(value, list):
-        return [_rebuild_tensors(item, replaced) for item in value]
+        return [_rebuild_tensors(item, replaced, copy_dicts) for item in value]
     if isinstance(value, dict):
+        if copy_dicts:
+            return {key: _rebuild_tensors(item, replaced, True) for key, item in value.items()}
         for key in list(value.keys()):
             value[key] = _rebuild_tensors(value[key], replaced)
         return value
@@ -376,18 +382,14 @@ def _rebuild_tensors(value, replaced):
 def _cast_inputs_half(value):
     """DeepSpeed's engine with fp16.auto_cast casts the forward's positional inputs to fp16
     (engine.py, _cast_inputs_half): here each floating-point tensor, within tuples, lists and
-    dicts, which are rebuilt, not changed in place. Integer and boolean tensors keep their dtype
-    (DeepSpeed's .half() would turn token ids into floats that no embedding takes)."""
-    if isinstance(value, torch.Tensor):
-        return value.half() if value.is_floating_point() else value
-    if isinstance(value, tuple):
-        items = [_cast_inputs_half(item) for item in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return [_cast_inputs_half(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _cast_inputs_half(item) for key, item in value.items()}
-    return value
+    dicts, which are rebuilt, not changed in place (the walk of _map_tensors, with copy_dicts;
+    every container is new, whether it holds a tensor or not). Integer and boolean tensors keep
+    their dtype (DeepSpeed's .half() would turn token ids into floats that no embedding
+    takes)."""
+    found = []
+    _collect_tensors(value, found)
+    cast = [t.half() if t.is_floating_point() else t for t in found]
+    return _rebuild_tensors(value, iter(cast), copy_dicts=True)
 
 
 _MPI_LAUNCHER_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK")
