@@ -820,25 +820,21 @@ class DeepSpeedEngine(_zt.ZinfEngine):
         if not allreduce_gradients:
             logger.warning("DeepSpeedEngine.backward: the argument allreduce_gradients is "
                            "deprecated and ignored (as in DeepSpeed): the gradients are reduced")
-        steps = self.gradient_accumulation_steps()
+        if scale_wrt_gas:
+            # The loss divided by the steps (zinf.torch's backward returns that).
+            result = super().backward(loss, retain_graph=retain_graph)
+        else:
+            # The loss as given; the engine's average over the steps becomes the sum.
+            self._run_backward(loss, retain_graph, self.gradient_accumulation_steps())
+            result = loss
         monitor = self.__dict__.get("monitor")
-        logged = None
         if monitor is not None and monitor.enabled:
             # DeepSpeed's train_loss: the sum over the step's micro-batches of each loss's mean
             # as its backward takes it (divided by gradient_accumulation_steps unless
-            # scale_wrt_gas is False), so the micro-batches' mean; written at the backward that
-            # completes the accumulation, with the samples of the steps before this one.
-            logged = (loss.float() / steps if steps > 1 and scale_wrt_gas else loss)
-            logged = logged.mean().detach()
-        given = loss
-        if not scale_wrt_gas and steps != 1:
-            loss = loss * steps
-        # DeepSpeed returns the loss it ran the backward on: divided by the steps (zinf.torch's
-        # backward returns that), or with scale_wrt_gas=False the loss as given.
-        result = super().backward(loss, retain_graph=retain_graph)
-        if not scale_wrt_gas:
-            result = given
-        if logged is not None:
+            # scale_wrt_gas is False), which is the value returned: so the micro-batches' mean;
+            # written at the backward that completes the accumulation, with the samples of the
+            # steps before this one.
+            logged = result.detach().mean()
             losses = self.__dict__.get("_monitor_losses")
             self._monitor_losses = logged if losses is None else losses + logged
             # Asked after the backward, which counted this micro-batch: so also where every

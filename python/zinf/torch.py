@@ -1699,6 +1699,14 @@ class ZinfEngine(nn.Module):
         fp32) when that is above 1, else the loss itself. (zinf's engine averages the
         micro-batches at the step instead of scaling each loss, so the division is only for the
         value returned, which a script may log.)"""
+        self._run_backward(loss, retain_graph)
+        gas = self._gradient_accumulation_steps
+        return loss.float() / gas if gas > 1 else loss
+
+    def _run_backward(self, loss: torch.Tensor, retain_graph: bool, loss_factor: int = 1):
+        """backward() without its value: autograd on loss x loss_factor (DeepSpeedEngine's
+        scale_wrt_gas=False gives gradient_accumulation_steps) x the loss scale, after the
+        checks; the micro-batch counts once it succeeded."""
         if self._failed_step is not None:
             # Before the micro-batch count: the failed step left it as it was, and a refusal
             # for "micro-batch N over gradient_accumulation_steps" would hide why.
@@ -1734,14 +1742,15 @@ class ZinfEngine(nn.Module):
             self._push_lr()
             self._in_backward = True
             try:
-                (loss * scale if scale != 1.0 else loss).backward(retain_graph=retain_graph)
+                factored = loss * loss_factor if loss_factor != 1 else loss
+                (factored * scale if scale != 1.0 else factored).backward(
+                    retain_graph=retain_graph)
                 self._finish_backward()
             finally:
                 self._in_backward = False
         self.micro_steps += 1
         self._micro_batches_pending += 1
         self._backward_since_step_call = True
-        return loss.float() / gas if gas > 1 else loss
 
     def _raise_failed_step(self, call: str):
         """Raises the error of the last optimizer step again, chained to it, from `call`: a
