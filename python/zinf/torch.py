@@ -1730,6 +1730,8 @@ class ZinfEngine(nn.Module):
                     "engine averages the micro-batches of a step, which can equal DeepSpeed's sum "
                     "only up to that many; raise gradient_accumulation_steps in the config to the "
                     "most micro-batches a step takes")
+        # Before autograd runs, not with micro_steps after it: a backward that fails partway
+        # changed the engine too (_saved_state_key).
         self._state_changes += 1
         scale = self._core.loss_scale
         # Gradients of another backward through this model (dropped) are not this one's concern.
@@ -2277,11 +2279,14 @@ class ZinfEngine(nn.Module):
         equal marks at two saves mean nothing the checkpoint holds changed between them. The step
         and micro-batch counts, the calls that change the engine or the model's buffers
         (_state_changes), the learning rates, and torch's version counters of the frozen
-        parameters and buffers (bumped by any in-place change of them)."""
+        parameters and buffers (bumped by any in-place change of them). micro_steps, which a
+        checkpoint holds too, is not needed here: it moves only in backward() and
+        load_checkpoint(), which bump _state_changes first (a backward that fails partway counts
+        no micro-batch, but the gradients it reduced, or the pass it opened, changed the
+        engine)."""
         versions = tuple(t._version for _, t in self._frozen.values())
         versions += tuple(t._version for _, t in self._persistent_buffers())
-        return (self.global_steps, self.micro_steps, self._state_changes, tuple(self.get_lr()),
-                versions)
+        return (self.global_steps, self._state_changes, tuple(self.get_lr()), versions)
 
     def read_parameter(self, name: str) -> torch.Tensor:
         """The fp32 master of a parameter (by its qualified name, or any other name the model
