@@ -69,7 +69,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from . import _offload, _torch_init, _zinf
+from . import _offload, _torch_init, _xxh3, _zinf
 from ._gathered import GatheredParameters, engine_of
 from ._offload import checkpoint, offload_saved_tensors
 from ._torch_init import Init
@@ -2632,34 +2632,104 @@ class _LazyWeight:
         return f"_LazyWeight({self.name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
-def _checkpoint_tag(checkpoint_dir: str, tag: Any) -> str:
-    """`tag`, or the tag <checkpoint_dir>/latest names; a missing tag directory is
-    FileNotFoundError naming it (DeepSpeed's ValueError / FileNotFoundError)."""
+def _tag_dir(checkpoint_dir: str, tag: str) -> str:
+    """Where the tag's files are, as the C++ readers find them (moved_aside_tag_dir in
+    lib/engine/checkpoint_io.cpp): <checkpoint_dir>/<tag>, or <checkpoint_dir>/.<tag>.old where
+    a save replacing the tag moved it aside and was cut short before it renamed the new one in
+    (no <tag>; .<tag>.old holds the tag's manifest and every file it lists). "" when neither."""
+    final = os.path.join(checkpoint_dir, tag)
+    if os.path.isdir(final):
+        return final
+    aside = os.path.join(checkpoint_dir, f".{tag}.old")
+    if os.path.lexists(final) or not os.path.isfile(os.path.join(aside, "manifest.json")):
+        return ""
+    try:
+        manifest = _read_manifest(aside)
+    except (OSError, ValueError, Error):
+        return ""
+    files = [entry.get("file") for entry in manifest.get("ranks", [])]
+    files += [(entry.get("blocks") or {}).get("file") for entry in manifest.get("ranks", [])]
+    files += [entry.get("file") for entry in manifest.get("client_state", [])]
+    if manifest.get("tag") != tag or not all(
+            os.path.exists(os.path.join(aside, file)) for file in files if file):
+        return ""
+    return aside
+
+
+def _read_manifest(tag_dir: str) -> dict:
+    """<tag_dir>/manifest.json, its own checksum checked as the C++ reader checks it: the xxh3-64
+    of its text with the checksum's 16 digits as zeros. A mismatch is Error naming the file."""
+    path = os.path.join(tag_dir, "manifest.json")
+    with open(path, "rb") as f:
+        text = f.read()
+    key = b'"checksum": "'
+    at = text.find(key)
+    if at < 0 or len(text) - at - len(key) < 16:
+        raise Error(f"checkpoint manifest '{path}': no checksum")
+    begin = at + len(key)
+    stored = text[begin:begin + 16].decode("ascii", "replace")
+    computed = f"{_xxh3.xxh3_64(text[:begin] + b'0' * 16 + text[begin + 16:]):016x}"
+    if stored != computed:
+        raise Error(f"checkpoint manifest '{path}' does not match its checksum (xxh3 {computed}, "
+                    f"it says {stored}): it changed after the save; restore it from a copy, or "
+                    f"read another tag")
+    return json.loads(text)
+
+
+def _checkpoint_tag(checkpoint_dir: str, tag: Any) -> tuple[str, str]:
+    """(`tag`, or the tag <checkpoint_dir>/latest names; the directory holding its files, see
+    _tag_dir); a missing tag directory is FileNotFoundError naming it (DeepSpeed's ValueError /
+    FileNotFoundError)."""
     if tag is None:
         latest = os.path.join(checkpoint_dir, "latest")
         if not os.path.isfile(latest):
             raise ValueError(f"no file 'latest' at {latest}: pass tag= to name the checkpoint")
         with open(latest) as f:
             tag = f.read().strip()
-    if not os.path.isdir(os.path.join(checkpoint_dir, str(tag))):
+    tag_dir = _tag_dir(checkpoint_dir, str(tag))
+    if not tag_dir:
         path = os.path.join(checkpoint_dir, str(tag))
         raise FileNotFoundError(f"the checkpoint directory '{path}' does not exist")
-    return str(tag)
+    return str(tag), tag_dir
 
 
-def _engine_frozen_names(checkpoint_dir: str, tag: Any = None) -> set[str]:
+def _engine_frozen_names(tag_dir: str) -> set[str]:
     """The names of the frozen parameters (requires_grad False at initialize()) that the engine
-    holds in a checkpoint, and so exports: those of stage 3, which the manifest marks
-    "trainable": false (checkpoints written before that field hold none marked, so none are
-    named). The frozen parameters of stages 1 and 2 are not the engine's: zinf.torch keeps them
-    in the client state, which is read only where they are wanted."""
-    tag = _checkpoint_tag(checkpoint_dir, tag)
-    manifest = os.path.join(checkpoint_dir, tag, "manifest.json")
-    if not os.path.isfile(manifest):
+    holds in the checkpoint at `tag_dir`, and so exports: those of stage 3, which the manifest
+    marks "trainable": false (checkpoints written before that field hold none marked, so none
+    are named). The frozen parameters of stages 1 and 2 are not the engine's: zinf.torch keeps
+    them in the client state, which is read only where they are wanted."""
+    if not os.path.isfile(os.path.join(tag_dir, "manifest.json")):
         return set()
-    with open(manifest) as f:
-        return {p["name"] for p in json.load(f).get("params", [])
-                if p.get("trainable", True) is False}
+    return {p["name"] for p in _read_manifest(tag_dir).get("params", [])
+            if p.get("trainable", True) is False}
+
+
+def _load_client_state(tag_dir: str, mmap: bool) -> dict:
+    """The client state zinf.torch saved in the checkpoint at `tag_dir` (frozen parameters of
+    stages 1 and 2, persistent buffers), {} where the manifest lists none. Its size and xxh3-64
+    are checked against the manifest before torch.load reads it, as load_checkpoint checks them
+    (torch.load does not check the zip's CRCs: a flipped bit in a tensor's bytes would load as a
+    wrong value). A mismatch is Error naming the file; a listed file that is missing,
+    FileNotFoundError naming it."""
+    entries = _read_manifest(tag_dir).get("client_state") or []
+    if not entries:
+        return {}
+    entry = entries[0]
+    path = os.path.join(tag_dir, entry["file"])
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"'{path}', the checkpoint's client state its manifest lists, "
+                                f"does not exist: restore it from a copy, or read another tag")
+    size_bytes = os.path.getsize(path)
+    # The size first: a file of another size is not read to be refused.
+    if (size_bytes != int(entry["bytes"])
+            or _xxh3.xxh3_64_file(path) != (size_bytes, int(entry["xxh3"], 16))):
+        raise Error(f"'{path}' does not match its size and checksum in the manifest "
+                    f"({entry['bytes']} bytes, xxh3 {entry['xxh3']}; the file has {size_bytes} "
+                    f"bytes): it changed after the save; restore it from a copy, or read "
+                    f"another tag")
+    state = torch.load(path, weights_only=False, mmap=mmap)
+    return state if isinstance(state, dict) else {}
 
 
 def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = None,
@@ -2685,8 +2755,8 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
     itself on .contiguous() (shape and dtype at once), so that one weight at a time is in
     memory; the temporary file stays until the last of them is gone. Without it the file is
     read whole and removed before this returns."""
-    tag = _checkpoint_tag(checkpoint_dir, tag)
-    excluded = _engine_frozen_names(checkpoint_dir, tag) if exclude_frozen_parameters else set()
+    tag, tag_dir = _checkpoint_tag(checkpoint_dir, tag)
+    excluded = _engine_frozen_names(tag_dir) if exclude_frozen_parameters else set()
     scratch = tempfile.TemporaryDirectory(prefix="zinf_fp32_")
     try:
         out = os.path.join(scratch.name, "model.safetensors")
@@ -2707,13 +2777,11 @@ def get_fp32_state_dict_from_zero_checkpoint(checkpoint_dir: str, tag: Any = Non
         raise
     if not lazy_mode:
         scratch.cleanup()
-    client = os.path.join(checkpoint_dir, tag, "client_state.bin")
-    if os.path.isfile(client):
-        # Mapped, not read, where the frozen parameters it holds (which may be most of the
-        # model) are left out or read one at a time.
-        mapped = lazy_mode or exclude_frozen_parameters
-        state = torch.load(client, weights_only=False, mmap=mapped)
-        state = state if isinstance(state, dict) else {}
+    # Mapped, not read, where the frozen parameters it holds (which may be most of the model)
+    # are left out or read one at a time.
+    mapped = lazy_mode or exclude_frozen_parameters
+    state = _load_client_state(tag_dir, mapped)
+    if state:
         extra = dict(state.get("buffers") or {})
         if not exclude_frozen_parameters:
             extra.update(state.get("frozen") or {})
