@@ -19,13 +19,16 @@ by name from the ranks' files whatever the world size that saved them, the froze
 DeepSpeed's script writes every buffer in fp32), each under its first name (a tied weight once:
 the checkpoint does not record its other names, which DeepSpeed's script adds). It needs the
 zinf package (python -m zinf.zero_to_fp32 runs the same). Files are written under a temporary
-name and renamed, so that an output file is whole or absent.
+name and renamed, so that an output file is whole or absent. Weight files of an earlier export
+that this one did not write (model.safetensors beside a new pytorch_model.bin, say, which
+transformers' from_pretrained would load first) are left in place with a warning naming them.
 """
 import argparse
 import json
 import os
 import re
 import sys
+import warnings
 
 import torch
 
@@ -78,6 +81,28 @@ def _write_atomically(path: str, write) -> None:
     os.replace(temporary, path)
 
 
+# The weight files transformers' from_pretrained looks for, in the order it prefers them:
+# model.safetensors, its index, pytorch_model.bin, its index (and the shards the indexes name).
+_WEIGHT_FILE = re.compile(r"(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json"
+                          r"|pytorch_model(-\d{5}-of-\d{5})?\.bin|pytorch_model\.bin\.index\.json)")
+
+
+def _warn_of_stale_files(output_dir: str, written: list) -> None:
+    """Warns naming the weight files in output_dir that this export did not write (an earlier
+    export's, of the other format or another number of shards): from_pretrained reads
+    model.safetensors before pytorch_model.bin, so a stale one would be loaded in place of the
+    weights just written. They are left as they are (DeepSpeed's script leaves them too)."""
+    stale = sorted(name for name in os.listdir(output_dir)
+                   if _WEIGHT_FILE.fullmatch(name) and name not in written)
+    if stale:
+        warnings.warn(
+            f"zero_to_fp32: {output_dir} also holds weight files this export did not write: "
+            f"{', '.join(stale)}; transformers' from_pretrained reads model.safetensors (and "
+            f"its index) before pytorch_model.bin (and its index), so it may load those in "
+            f"place of the weights just written ({', '.join(written)}): remove them, or export "
+            f"into an empty directory", stacklevel=3)
+
+
 def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_shard_size="5GB",
                                                safe_serialization=False, tag=None,
                                                exclude_frozen_parameters=False):
@@ -114,6 +139,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
                               lambda path: torch.save(tensors, path))
         del tensors
     if len(files) == 1:
+        _warn_of_stale_files(output_dir, [weights_name])
         return os.path.join(output_dir, weights_name)
     index = {"metadata": {"total_size": sum(sizes.values())},
              "weight_map": {name: file for file, names in files.items() for name in names}}
@@ -124,6 +150,7 @@ def convert_zero_checkpoint_to_fp32_state_dict(checkpoint_dir, output_dir, max_s
             f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     _write_atomically(path, write_index)
+    _warn_of_stale_files(output_dir, [*files, f"{weights_name}.index.json"])
     return path
 
 
