@@ -387,8 +387,22 @@ class _CpuAccelerator:
     def current_device_name(self) -> str:
         return "cpu"
 
+    def device(self, device_index=None):
+        """None, as DeepSpeed's CPU accelerator answers (it has no device object)."""
+        return None
+
     def current_device(self) -> int:
-        return 0
+        """LOCAL_RANK (0 when unset), the variable DeepSpeed's CPU accelerator reads, which
+        the launchers and deepspeed.init_distributed() set: this process's rank on its machine.
+        DeepSpeed's returns the variable's text where it is set; this returns it as an int."""
+        value = os.environ.get("LOCAL_RANK", "")
+        if value == "":
+            return 0
+        if not value.isdigit():
+            raise ValueError(f"get_accelerator().current_device(): LOCAL_RANK is {value!r}, not a "
+                             "process's rank on its machine (0, 1, ...); unset it, or let the "
+                             "launcher set it")
+        return int(value)
 
     def device_count(self) -> int:
         return 1
@@ -891,7 +905,7 @@ class DeepSpeedEngine(_zt.ZinfEngine):
             # The train_loss of the next step starts afresh, as DeepSpeed's _take_model_step
             # resets its sum.
             self._monitor_losses = None
-        client = getattr(self, "_client_optimizer", None)
+        client = getattr(self, "client_optimizer", None)
         if client is not None:
             client._opt_called = True
 
@@ -1168,7 +1182,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # A scheduler the caller made over its own optimizer object then moves the engine's
         # groups (the same groups, in the same order).
         client_optimizer.param_groups = zinf_optimizer.param_groups
-        engine._client_optimizer = client_optimizer
+    # DeepSpeedEngine.client_optimizer: the optimizer object given to initialize(), None when
+    # none was (the config's section made the optimizer), as DeepSpeed's engine keeps it.
+    engine.client_optimizer = client_optimizer
     return engine, zinf_optimizer, loader, scheduler
 
 
