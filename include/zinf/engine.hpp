@@ -423,16 +423,19 @@ class Engine {
   // tag).
   Status save_checkpoint(std::string_view dir);
   // load_checkpoint replaces the state (registered or trained) with the checkpoint's <dir>/<tag>
-  // (`tag` empty: the one <dir>/latest names), restores the step, loss scaler, learning rate and
-  // schedule, gather order and client state, and republishes the parameters from the loaded
-  // master, as a step would. The checkpoint may come from another world size, stage, offload
-  // placement or sub_group_size: the masters and moments are re-sliced by parameter name.
-  // kInvalidArgument naming the parameter when the registered parameters (names, shapes) differ,
-  // or both optimizers when the optimizer differs; kCorruption naming the file when a file's size
-  // or checksum does not match the manifest; kNotFound naming <dir>/latest (or the manifest) when
-  // there is no checkpoint. Those leave the engine as it was (every rank fails, the others with
-  // kAborted naming the rank). An error while the state is being replaced, the republish's shard
-  // writes included, fails every rank in this call the same way and is sticky.
+  // (`tag` empty: the one <dir>/latest names), restores the step, learning rate and schedule,
+  // gather order and client state, and republishes the parameters from the loaded master, as a
+  // step would. The saved loss scaler is restored only when this engine's is dynamic (fp16 on,
+  // fp16.loss_scale 0) and the checkpoint's was too; otherwise loss_scale() is this engine's
+  // initial one (1 without fp16, fp16.loss_scale when static, 2^initial_scale_power). The
+  // checkpoint may come from another world size, stage, offload placement or sub_group_size: the
+  // masters and moments are re-sliced by parameter name. kInvalidArgument naming the parameter when
+  // the registered parameters (names, shapes) differ, or both optimizers when the optimizer
+  // differs; kCorruption naming the file when a file's size or checksum does not match the
+  // manifest; kNotFound naming <dir>/latest (or the manifest) when there is no checkpoint. Those
+  // leave the engine as it was (every rank fails, the others with kAborted naming the rank). An
+  // error while the state is being replaced, the republish's shard writes included, fails every
+  // rank in this call the same way and is sticky.
   Status load_checkpoint(std::string_view dir, std::string_view tag = {});
   // The optimizer steps applied so far (StepReport::step of the last step(); a step skipped for
   // overflow does not count): 0 after open(), and the checkpoint's count after

@@ -109,6 +109,7 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
   m.resume.schedule = resume.schedule;
   m.resume.gather_order = resume.gather_order;
   m.resume.previous_clip_coef = resume.previous_clip_coef;
+  m.loss_scaler = loss_scaler_mode(ctx.config->fp16);
   for (ParamId id = 0; id < part.param_count(); ++id) {
     const ParamLocation& loc = part.location(id);
     m.params.push_back({layout.param(id).spec.name, part.spec(id).shape, part.spec(id).dtype,
@@ -868,6 +869,8 @@ Status load_checkpoint_state(const CheckpointContext& ctx, std::string_view call
   resume->loss_scale = header.loss_scale;
   resume->loss_scale_good_steps = header.loss_scale_good_steps;
   resume->loss_scale_hysteresis_left = header.loss_scale_hysteresis_left;
+  resume->loss_scaler_mode = m.loss_scaler.value_or(
+      header.loss_scale != 1.0 ? LossScalerMode::kDynamic : LossScalerMode::kOff);
   resume->lr = m.resume.lr;
   resume->lr_override = m.resume.lr_override;
   resume->schedule = m.resume.schedule;

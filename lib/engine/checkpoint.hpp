@@ -152,9 +152,24 @@ std::string encode_block_sums(const std::vector<FileBlockSum>& sums);
 Result<std::vector<FileBlockSum>> decode_block_sums(std::string_view bytes, std::string_view path,
                                                     std::uint64_t file_bytes);
 
+// How the saving engine scaled its loss (the manifest's "loss_scaler"): no fp16 ("off", the scale
+// always 1), fp16 with a static fp16.loss_scale ("static"), or fp16 with the dynamic scaler
+// ("dynamic").
+enum class LossScalerMode : std::uint8_t { kOff, kStatic, kDynamic };
+std::string_view loss_scaler_mode_name(LossScalerMode mode);
+// The mode of the scaler StepNumerics makes from `fp16`.
+LossScalerMode loss_scaler_mode(const Fp16Config& fp16);
+// Whether a load restores the saved scaler (scale, good steps, hysteresis left): only when this
+// engine's scaler is dynamic (`dynamic`) and the checkpoint's was dynamic fp16, as DeepSpeed's fp16
+// optimizers restore theirs only from an fp16 checkpoint. Otherwise the engine keeps its own
+// scaler as it started: 1 without fp16, its fp16.loss_scale when static, 2^initial_scale_power
+// when dynamic. A scale carried from another mode would divide every later step's gradients by
+// a factor that is not the one the program scaled its loss by.
+bool restores_loss_scaler(bool dynamic, LossScalerMode saved);
+
 // The state a resume needs beyond the optimizer's partition. A checkpoint keeps it in three
-// places: the step and the learning rate's state in the manifest, the loss scaler in every rank
-// file's header, the client state in client_state.bin.
+// places: the step, the learning rate's state and the loss scaler's mode in the manifest, the
+// loss scaler's state in every rank file's header, the client state in client_state.bin.
 struct ResumeState {
   ResumeState() = default;
   ResumeState(std::int64_t step_in, const LossScaler& scaler, double lr_in, bool lr_override_in,
@@ -171,6 +186,11 @@ struct ResumeState {
   double loss_scale = 1.0;
   std::int64_t loss_scale_good_steps = 0;
   std::int32_t loss_scale_hysteresis_left = 0;
+  // The saved scaler's mode. On load, a manifest without it (written before it existed) reads
+  // as kDynamic when the saved scale is not 1 and kOff when it is: an engine without fp16 always
+  // saved 1, and a dynamic one reaches 1 only at fp16.min_loss_scale 1. An older static fp16
+  // checkpoint (scale not 1) so reads as dynamic.
+  LossScalerMode loss_scaler_mode = LossScalerMode::kOff;
   // The learning rate: the optimizer's (or set_learning_rate()'s, when lr_override) and the
   // schedule's configuration; with the step they give every later step's lr.
   double lr = 0.0;
@@ -202,6 +222,9 @@ struct CheckpointManifest {
   // loss scaler fields and client_state stay empty (the rank files' headers and
   // client_state.bin hold them).
   ResumeState resume;
+  // "loss_scaler": the saving engine's LossScalerMode; absent in manifests written before it
+  // (ResumeState::loss_scaler_mode says how a load reads those).
+  std::optional<LossScalerMode> loss_scaler;
   std::vector<ManifestParam> params;
   std::vector<ManifestGroup> groups;
   std::vector<ManifestFile> ranks;         // world_size entries, rank r's at r

@@ -43,7 +43,32 @@ T get_le(const std::byte* in) {
 
 constexpr std::size_t kHeaderFieldBytes = 80;  // the fields; zeros after them
 
+constexpr LossScalerMode kLossScalerModes[] = {LossScalerMode::kOff, LossScalerMode::kStatic,
+                                               LossScalerMode::kDynamic};
+
 }  // namespace
+
+std::string_view loss_scaler_mode_name(LossScalerMode mode) {
+  switch (mode) {
+    case LossScalerMode::kOff:
+      return "off";
+    case LossScalerMode::kStatic:
+      return "static";
+    case LossScalerMode::kDynamic:
+      return "dynamic";
+  }
+  ZINF_ASSERT(false);
+  return "";
+}
+
+LossScalerMode loss_scaler_mode(const Fp16Config& fp16) {
+  if (!fp16.enabled) return LossScalerMode::kOff;
+  return fp16.loss_scale == 0.0 ? LossScalerMode::kDynamic : LossScalerMode::kStatic;
+}
+
+bool restores_loss_scaler(bool dynamic, LossScalerMode saved) {
+  return dynamic && saved == LossScalerMode::kDynamic;
+}
 
 void encode_checkpoint_header(const CheckpointHeader& h,
                               std::span<std::byte, kCheckpointHeaderBytes> out) {
@@ -301,6 +326,7 @@ std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
   if (m.resume.previous_clip_coef.has_value()) {
     j["previous_clip_coef"] = *m.resume.previous_clip_coef;
   }
+  if (m.loss_scaler.has_value()) j["loss_scaler"] = loss_scaler_mode_name(*m.loss_scaler);
   // The text's own xxh3-64, with the checksum's 16 digits as zeros, then written into them: a
   // flipped bit anywhere in the manifest (a digit of the learning rate, say) is caught, and the
   // file stays plain JSON.
@@ -368,6 +394,16 @@ Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std:
       st = r.bad("previous_clip_coef", "is not in (0, 1]");
     }
     if (st.is_ok()) m.resume.previous_clip_coef = coef;
+  }
+  if (st.is_ok() && j.contains("loss_scaler")) {
+    std::string mode;
+    r.get(j, "loss_scaler", &mode, &st);
+    for (LossScalerMode k : kLossScalerModes) {
+      if (st.is_ok() && loss_scaler_mode_name(k) == mode) m.loss_scaler = k;
+    }
+    if (st.is_ok() && !m.loss_scaler.has_value()) {
+      st = r.bad("loss_scaler", "is not \"off\", \"static\" or \"dynamic\"");
+    }
   }
   const Json* sched = r.find(j, "lr_schedule", &st);
   if (sched != nullptr) {

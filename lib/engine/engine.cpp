@@ -1040,8 +1040,14 @@ class Engine::Impl {
         collective_call(call, load_checkpoint_state(checkpoint_context(), call, std::string(dir),
                                                     std::string(tag), std::move(pre), &r)));
     t_ = r.step;
-    numerics_->scaler().restore(r.loss_scale, r.loss_scale_good_steps,
-                                r.loss_scale_hysteresis_left);
+    // The saved scaler only where both are dynamic (restores_loss_scaler); otherwise this
+    // engine's own, as it started, whatever it did before the load.
+    LossScaler& scaler = numerics_->scaler();
+    if (restores_loss_scaler(scaler.dynamic(), r.loss_scaler_mode)) {
+      scaler.restore(r.loss_scale, r.loss_scale_good_steps, r.loss_scale_hysteresis_left);
+    } else {
+      scaler.reset();
+    }
     restore_schedule(call, r);
     numerics_->set_previous_clip_coef(r.previous_clip_coef);
     // The gather order, when every module in it is one of ours (else the next step records it).

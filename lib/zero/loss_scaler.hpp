@@ -53,6 +53,8 @@ class LossScaler {
   // window.
   std::int64_t good_steps() const { return good_steps_; }
   int hysteresis_left() const { return hysteresis_left_; }
+  // Whether update() moves the scale (LossScalerOptions::dynamic).
+  bool dynamic() const { return options_.dynamic; }
   // Puts back a state read from a checkpoint (the options stay this scaler's). A count saved by
   // an earlier zinf, which restarted it at a raise, differs from the good steps since the last
   // overflow by a multiple of the window, so the next raise still comes where this rule puts it.
@@ -61,6 +63,9 @@ class LossScaler {
     good_steps_ = good_steps;
     hysteresis_left_ = hysteresis_left;
   }
+
+  // Back to the state the options start from (initial_scale, no good steps, full hysteresis).
+  void reset() { *this = LossScaler(options_); }
 
   // Whether an overflow now would lower a scale that is already at min_scale: the training cannot
   // get out of it by scaling, so the engine reports it where DeepSpeed raises an error (the same
