@@ -413,10 +413,12 @@ class Engine {
   // A tag that exists already is replaced, as DeepSpeed's save writes over it: the complete new
   // tag is swapped in for the old one (renameat2 RENAME_EXCHANGE, or two renames where the
   // filesystem has no exchange), so a crash leaves the old tag or the new one, whole.
-  // Creates `dir` if needed. kInvalidArgument for a tag that is not 1-200 characters of
-  // [A-Za-z0-9._-] (or starts with '.', or is "latest"); kFailedPrecondition naming <dir>/<tag>
-  // when it exists and is not a checkpoint (neither a manifest nor rank files), and when
-  // gradients were reduced since the last step or a module is gathered (gradients are not
+  // Creates `dir` if needed. kInvalidArgument, on every rank and before anything is written,
+  // naming each rank's tag when the ranks pass different tags (whatever checkpoint.tag_validation
+  // says: a checkpoint is one tag directory); kInvalidArgument for a tag that is not 1-200
+  // characters of [A-Za-z0-9._-] (or starts with '.', or is "latest"); kFailedPrecondition naming
+  // <dir>/<tag> when it exists and is not a checkpoint (neither a manifest nor rank files), and
+  // when gradients were reduced since the last step or a module is gathered (gradients are not
   // saved). An I/O error names the file.
   Status save_checkpoint(std::string_view dir, std::string_view tag);
   // save_checkpoint(dir, "global_step<N>"), N the optimizer steps applied (DeepSpeed's default

@@ -406,6 +406,72 @@ Status write_small_file(IoEngine& io, const std::string& path, std::string_view 
   return Status::ok();
 }
 
+// "0-3, 5, 7-8": sorted ranks as runs.
+std::string rank_runs(const std::vector<int>& ranks) {
+  std::string out;
+  for (std::size_t i = 0; i < ranks.size();) {
+    std::size_t j = i;
+    while (j + 1 < ranks.size() && ranks[j + 1] == ranks[j] + 1) ++j;
+    if (!out.empty()) out += ", ";
+    out += j == i ? fmt::format("{}", ranks[i]) : fmt::format("{}-{}", ranks[i], ranks[j]);
+    i = j + 1;
+  }
+  return out;
+}
+
+// The bytes of a tag that travel to name it when the ranks' tags differ: a valid tag's 200.
+constexpr std::size_t kTagWords = 25;
+
+// Every rank saves under the same tag, before anything is written. DeepSpeed compares the tags
+// only as checkpoint.tag_validation asks ("Warn" logs a mismatch, "Ignore" skips it); zinf saves
+// one tag directory, which rank 0 creates and names, so ranks naming different tags would write
+// their files into a directory that holds other ranks' tag or none. Differing tags therefore fail
+// the save on every rank, whatever tag_validation says. The ranks all-gather one word, the
+// xxh3-64 of their tag; only when those differ do they all-gather the tags themselves, so that
+// every rank's error names every rank's tag. A failure of the exchange is sticky.
+Status check_same_tag(const CheckpointContext& ctx, std::string_view call, const std::string& tag) {
+  if (ctx.world_size == 1) return Status::ok();
+  RankExchange& ex = *ctx.exchange;
+  const std::uint64_t hash = XXH3_64bits(tag.data(), tag.size());
+  Result<std::vector<std::uint64_t>> hashes = ex.exchange(&hash, 1);
+  if (!hashes.is_ok()) return ctx.sticky->fail(hashes.status().with_context(call));
+  if (std::all_of(hashes->begin(), hashes->end(),
+                  [&](std::uint64_t h) { return h == hashes->front(); })) {
+    return Status::ok();
+  }
+  std::uint64_t words[1 + kTagWords] = {};
+  const std::size_t sent = std::min(tag.size(), kTagWords * sizeof(std::uint64_t));
+  words[0] = tag.size();
+  std::memcpy(&words[1], tag.data(), sent);
+  Result<std::vector<std::uint64_t>> tags = ex.exchange(words, 1 + kTagWords);
+  if (!tags.is_ok()) return ctx.sticky->fail(tags.status().with_context(call));
+  // Each distinct tag, in the order of the first rank that names it, with its ranks.
+  std::vector<std::pair<std::string, std::vector<int>>> named;
+  for (int r = 0; r < ctx.world_size; ++r) {
+    const std::uint64_t* w = tags->data() + static_cast<std::size_t>(r) * (1 + kTagWords);
+    const std::size_t bytes =
+        static_cast<std::size_t>(std::min<std::uint64_t>(w[0], kTagWords * sizeof(std::uint64_t)));
+    std::string t(reinterpret_cast<const char*>(&w[1]), bytes);
+    if (w[0] > bytes) t += "...";
+    auto it = std::find_if(named.begin(), named.end(), [&](const auto& n) { return n.first == t; });
+    if (it == named.end()) {
+      named.push_back({t, {r}});
+    } else {
+      it->second.push_back(r);
+    }
+  }
+  std::string listing;
+  for (const auto& [t, ranks] : named) {
+    if (!listing.empty()) listing += ", ";
+    listing += fmt::format("'{}' on rank{} {}", t, ranks.size() == 1 ? "" : "s", rank_runs(ranks));
+  }
+  return Status::invalid_argument(fmt::format(
+      "{}: the ranks save under different tags ({}): every rank must pass the same tag, since a "
+      "checkpoint is one tag directory (zinf refuses differing tags whatever "
+      "checkpoint.tag_validation says); nothing was written",
+      call, listing));
+}
+
 }  // namespace
 
 void set_checkpoint_save_seams(CheckpointSaveSeams seams) { save_seams() = std::move(seams); }
@@ -452,6 +518,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
   std::uint64_t serial = 0;
   SaveLock lock;         // rank 0's, held to the end of the save
   bool replace = false;  // a tag of this name is there; the new one replaces it once complete
+  ZINF_RETURN_IF_ERROR(check_same_tag(ctx, call, tag));
   Status local = std::move(precondition);
   if (local.is_ok()) {
     local = [&]() -> Status {

@@ -446,20 +446,14 @@ const Key kDataTypesKeys[] = {
 
 // tag_validation: before a save DeepSpeed compares the tag every rank passes; "Warn" (its default)
 // logs a mismatch, "Fail" raises, "Ignore" skips the comparison. DeepSpeed uppercases the value
-// and refuses any other (get_checkpoint_tag_validation_mode). zinf does not compare the ranks'
-// tags, so it honours "Ignore" and "Warn" (whose only effect is a log line) and refuses "Fail".
+// and refuses any other (get_checkpoint_tag_validation_mode). zinf always compares the ranks'
+// tags and fails a save whose ranks name different tags (save_checkpoint: a checkpoint is one tag
+// directory), so every one of the three values is accepted with no effect.
 Why read_tag_validation(const Json& v, [[maybe_unused]] Walk& w) {
   if (!v.is_string()) return not_a(v, "\"Warn\", \"Ignore\" or \"Fail\"");
   std::string mode = v.get<std::string>();
   for (char& ch : mode) ch = static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
-  if (mode == "WARN" || mode == "IGNORE") return std::nullopt;
-  if (mode == "FAIL") {
-    return fmt::format(
-        "{} is not supported: zinf does not compare the tags the ranks pass to save_checkpoint, "
-        "so it would not fail a save whose ranks name different tags; write \"Warn\" (DeepSpeed's "
-        "default) and pass every rank the same tag (the default tag, global_step<N>, is)",
-        v.dump());
-  }
+  if (mode == "WARN" || mode == "IGNORE" || mode == "FAIL") return std::nullopt;
   return not_a(v, "\"Warn\", \"Ignore\" or \"Fail\"");
 }
 
@@ -472,9 +466,9 @@ const Key kCheckpointParallelWriteKeys[] = {
 const Key kCheckpointKeys[] = {
     {.name = "tag_validation",
      .read = read_tag_validation,
-     .no_effect = "zinf does not compare the tags the ranks save under (the default tag, "
-                  "global_step<N>, is the same on every rank); DeepSpeed's \"Warn\" only logs a "
-                  "mismatch and \"Ignore\" skips the comparison"},
+     .no_effect = "zinf always refuses a save whose ranks pass different tags, whatever this "
+                  "says (a checkpoint is one tag directory); DeepSpeed's \"Fail\" does the same, "
+                  "its \"Warn\" only logs a mismatch and \"Ignore\" skips the comparison"},
     {.name = "load_universal",
      .read = ZINF_READ(only_bool(
          v, false,

@@ -368,17 +368,19 @@ void expect_refused_exactly(std::span<const RefusedCase> cases) {
 
 // DeepSpeed's checkpoint section (runtime/constants.py, CHECKPOINT; runtime/config.py,
 // get_checkpoint_tag_validation_mode uppercases tag_validation and knows WARN, IGNORE and FAIL;
-// model_checkpointing/config.py, the writer). zinf does not compare the ranks' tags, reads no
+// model_checkpointing/config.py, the writer). zinf always refuses differing tags, reads no
 // universal checkpoint and saves one shared directory: the values that say so are accepted, and
 // those asking for more are refused naming what to write.
 TEST(ConfigDeepSpeed, CheckpointSectionAtWhatZinfDoesHasNoEffect) {
   const NoEffectCase accepted[] = {
       {R"({"checkpoint": {"tag_validation": "Warn"}})", "checkpoint.tag_validation",
-       "zinf does not compare the tags"},
+       "zinf always refuses a save whose ranks pass different tags"},
       {R"({"checkpoint": {"tag_validation": "ignore"}})", "checkpoint.tag_validation",
-       "zinf does not compare the tags"},
+       "zinf always refuses a save whose ranks pass different tags"},
       {R"({"checkpoint": {"tag_validation": "WARN"}})", "checkpoint.tag_validation",
        "only logs a mismatch"},
+      {R"({"checkpoint": {"tag_validation": "Fail"}})", "checkpoint.tag_validation",
+       "\"Fail\" does the same"},
       {R"({"checkpoint": {"load_universal": false}})", "checkpoint.load_universal",
        "false: zinf loads its own checkpoints"},
       {R"({"checkpoint": {"use_node_local_storage": false}})", "checkpoint.use_node_local_storage",
@@ -393,11 +395,6 @@ TEST(ConfigDeepSpeed, CheckpointSectionAtWhatZinfDoesHasNoEffect) {
   expect_no_effect(accepted);
 
   const RefusedCase refused[] = {
-      {R"({"checkpoint": {"tag_validation": "Fail"}})", "checkpoint.tag_validation",
-       "checkpoint.tag_validation: \"Fail\" is not supported: zinf does not compare the tags the "
-       "ranks pass to save_checkpoint, so it would not fail a save whose ranks name different "
-       "tags; write \"Warn\" (DeepSpeed's default) and pass every rank the same tag (the default "
-       "tag, global_step<N>, is)"},
       {R"({"checkpoint": {"tag_validation": "Strict"}})", "checkpoint.tag_validation",
        "checkpoint.tag_validation: \"Strict\" is not \"Warn\", \"Ignore\" or \"Fail\""},
       {R"({"checkpoint": {"tag_validation": true}})", "checkpoint.tag_validation",
