@@ -416,10 +416,10 @@ class Engine {
   // Creates `dir` if needed. kInvalidArgument, on every rank and before anything is written,
   // naming each rank's tag when the ranks pass different tags (whatever checkpoint.tag_validation
   // says: a checkpoint is one tag directory); kInvalidArgument for a tag that is not 1-200
-  // characters of [A-Za-z0-9._-] (or starts with '.', or is "latest"); kFailedPrecondition naming
-  // <dir>/<tag> when it exists and is not a checkpoint (neither a manifest nor rank files), and
-  // when gradients were reduced since the last step or a module is gathered (gradients are not
-  // saved). An I/O error names the file.
+  // characters of [A-Za-z0-9._-] (or starts with '.', or is "latest" or "latest.tmp");
+  // kFailedPrecondition naming <dir>/<tag> when it exists and is not a checkpoint (neither a
+  // manifest nor rank files), and when gradients were reduced since the last step or a module is
+  // gathered (gradients are not saved). An I/O error names the file.
   Status save_checkpoint(std::string_view dir, std::string_view tag);
   // save_checkpoint(dir, "global_step<N>"), N the optimizer steps applied (DeepSpeed's default
   // tag).

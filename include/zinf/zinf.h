@@ -448,9 +448,9 @@ ZINF_C_API zinf_code_t zinf_engine_step_average(zinf_engine_t* engine, int32_t a
  * naming the previous complete checkpoint. A tag that exists already is replaced (as DeepSpeed
  * writes over it), the complete new tag swapped in for the old one, so a crash leaves the old tag
  * or the new one. Creates `dir` if needed. ZINF_INVALID_ARGUMENT for a tag that is not 1-200
- * characters of [A-Za-z0-9._-] (or starts with '.', or is "latest"); ZINF_FAILED_PRECONDITION
- * when <dir>/<tag> exists and is not a checkpoint (neither a manifest nor rank files), or
- * gradients were reduced since the last step, or a module is gathered. tag NULL:
+ * characters of [A-Za-z0-9._-] (or starts with '.', or is "latest" or "latest.tmp");
+ * ZINF_FAILED_PRECONDITION when <dir>/<tag> exists and is not a checkpoint (neither a manifest nor
+ * rank files), or gradients were reduced since the last step, or a module is gathered. tag NULL:
  * "global_step<N>", N the steps applied. */
 ZINF_C_API zinf_code_t zinf_engine_save_checkpoint_tag(zinf_engine_t* engine, const char* dir,
                                                        const char* tag);

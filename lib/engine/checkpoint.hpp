@@ -72,6 +72,8 @@ inline constexpr std::uint32_t kCheckpointOldestVersion = 2;
 inline constexpr std::size_t kCheckpointHeaderBytes = 4096;
 inline constexpr std::string_view kCheckpointManifest = "manifest.json";
 inline constexpr std::string_view kCheckpointLatest = "latest";
+// What a save writes `latest` through (write_file_atomically: "<path>.tmp").
+inline constexpr std::string_view kCheckpointLatestTemp = "latest.tmp";
 inline constexpr std::string_view kCheckpointClientState = "client_state.bin";
 // The file a save holds an exclusive flock(2) on while it changes the directory (rank 0).
 inline constexpr std::string_view kCheckpointSaveLock = ".zinf-save.lock";
@@ -519,7 +521,8 @@ Result<std::string> read_checked_file(IoEngine& io, const std::string& path,
 Status sync_dir(const std::string& dir);
 
 // A tag names a directory under the checkpoint directory: not empty, at most 200 characters of
-// [A-Za-z0-9._-], not starting with '.', not "latest". kInvalidArgument naming it otherwise.
+// [A-Za-z0-9._-], not starting with '.', not "latest" nor "latest.tmp". kInvalidArgument naming
+// it otherwise.
 Status check_checkpoint_tag(std::string_view tag);
 // The tag <dir>/latest names; kNotFound naming <dir>/latest when there is none.
 Result<std::string> read_latest_tag(IoEngine& io, const std::string& dir);

@@ -633,10 +633,15 @@ Status check_checkpoint_tag(std::string_view tag) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' ||
            c == '_' || c == '-';
   });
-  if (tag.empty() || tag.size() > 200 || !chars_ok || tag[0] == '.' || tag == kCheckpointLatest) {
+  // <dir>/latest names the newest tag, and a save replaces it through <dir>/latest.tmp
+  // (write_file_atomically): a tag of either name would be a directory where the save writes
+  // that file.
+  const bool reserved = tag == kCheckpointLatest || tag == kCheckpointLatestTemp;
+  if (tag.empty() || tag.size() > 200 || !chars_ok || tag[0] == '.' || reserved) {
     return Status::invalid_argument(fmt::format(
         "checkpoint tag '{}': a tag is 1-200 characters of [A-Za-z0-9._-], does not start with "
-        "'.' and is not 'latest'",
+        "'.' and is neither 'latest' nor 'latest.tmp' (the file naming the newest tag, and the "
+        "one a save writes it through)",
         tag));
   }
   return Status::ok();

@@ -77,3 +77,31 @@ TEST(CheckpointTagCheck, RanksPassingDifferentTagsFailEveryRankNamingEachTag) {
 
 }  // namespace
 }  // namespace zinf
+
+namespace zinf {
+namespace {
+
+// "latest.tmp" is the file a save writes `latest` through: a tag of that name would be a
+// directory there, so the save would write the whole tag and then fail. It is refused before
+// anything is written, as "latest" is, and the previous checkpoint stays `latest`.
+TEST(CheckpointTagCheck, TheTagLatestTmpIsRefusedBeforeAnythingIsWritten) {
+  engine_test::ScratchDir tmp("ckpt-tag-latest-tmp");
+  const std::string dir = tmp.path() + "/ckpt";
+  const engine_test::Model model = engine_test::make_model(DType::kF32, 7);
+  const Config config =
+      engine_test::small_config(2, OffloadDevice::kHost, OffloadDevice::kNone, "");
+  ASSERT_TRUE(engine_test::train_and_save(config, model, 2, 2, dir, "first").is_ok());
+  const Status st = engine_test::train_and_save(config, model, 2, 3, dir, "latest.tmp");
+  EXPECT_EQ(st.code(), Code::kInvalidArgument) << st.to_string();
+  EXPECT_NE(st.message().find(
+                "checkpoint tag 'latest.tmp': a tag is 1-200 characters of [A-Za-z0-9._-], does "
+                "not start with '.' and is neither 'latest' nor 'latest.tmp' (the file naming the "
+                "newest tag, and the one a save writes it through)"),
+            std::string::npos)
+      << st.to_string();
+  EXPECT_EQ(entries(dir), (std::vector<std::string>{".zinf-save.lock", "first", "latest"}));
+  EXPECT_EQ(engine_test::read_file(dir + "/latest"), "first");
+}
+
+}  // namespace
+}  // namespace zinf
