@@ -121,17 +121,18 @@ CheckpointManifest manifest_of(const CheckpointContext& ctx, const std::string& 
   return m;
 }
 
-// Removes the tags beyond the newest `keep` (by serial) among those of step `step` or below.
+// Removes the tags beyond the newest `keep` (by serial) among those of step `step` or below,
+// from `tags`: the directory's complete tags (list_checkpoint_tag_summaries(), oldest first), the
+// one just saved, `current`, among them. The save's lock kept the directory as it was listed.
 // A tag of a later step than the one just saved is never removed nor counted: it belongs to a
 // later point of training than this run has reached, so to another run saving into the same
 // directory or to the training this run was rolled back from (a resume from an older tag), and
 // the newest serials would otherwise delete it. Each old tag is first renamed to ".<tag>.pruned",
 // so a crash in the middle of its removal leaves no tag of that name: no load reads it, no save
 // restores it (as it does a complete ".<tag>.old"), and the next save removes it.
-void prune_tags(IoEngine& io, const std::string& dir, std::size_t keep, const std::string& current,
-                std::int64_t step) {
-  std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir);
-  std::erase_if(tags, [&](const CheckpointManifest& m) { return m.resume.step > step; });
+void prune_tags(const std::string& dir, std::size_t keep, const std::string& current,
+                std::int64_t step, std::vector<CheckpointTagSummary> tags) {
+  std::erase_if(tags, [&](const CheckpointTagSummary& m) { return m.step > step; });
   std::error_code ec;
   for (std::size_t i = 0; i + keep < tags.size(); ++i) {
     if (tags[i].tag == current) continue;
@@ -227,11 +228,12 @@ std::string moved_aside_tag(IoEngine& io, const std::string& dir, const std::str
 
 // A save that replaced a tag on a filesystem without RENAME_EXCHANGE and was cut short between
 // its two renames left <dir>/.<tag>.old complete and no <dir>/<tag>: each such tag gets its name
-// back before the save lists the directory, so no complete tag is lost to the removal of what
-// crashed saves left. Where the rename fails (no space, no permission), the tag stays there, still
-// loadable, and the save does not remove it.
+// back before the save removes what crashed saves left, so no complete tag is lost to that
+// removal; each tag renamed back joins `tags` (oldest first). Where the rename fails (no space,
+// no permission), the tag stays there, still loadable, and the save does not remove it.
 void restore_replaced_tags(IoEngine& io, const std::string& dir,
-                           const std::vector<std::string>& old_dirs) {
+                           const std::vector<std::string>& old_dirs,
+                           std::vector<CheckpointTagSummary>* tags) {
   for (const std::string& old : old_dirs) {
     const std::string tag = moved_aside_tag(io, dir, old);
     if (tag.empty()) continue;
@@ -246,15 +248,26 @@ void restore_replaced_tags(IoEngine& io, const std::string& dir,
     }
     log_warn("checkpoint: '{}' renamed back to '{}' (a save replacing that tag was cut short)", old,
              final_dir);
+    const std::string path = fmt::format("{}/{}", final_dir, kCheckpointManifest);
+    Result<std::string> text = read_text_file(io, path);
+    Result<CheckpointTagSummary> m = text.is_ok() ? parse_checkpoint_manifest_summary(*text, path)
+                                                  : Result<CheckpointTagSummary>(text.status());
+    if (m.is_ok() && m->tag == tag) tags->push_back(std::move(*m));
   }
+  std::sort(tags->begin(), tags->end(),
+            [](const CheckpointTagSummary& a, const CheckpointTagSummary& b) {
+              return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
+            });
   (void)sync_dir(dir);
 }
 
 // Rank 0's first phase of a save: the directory, its save lock, whether a tag of this name is
 // there to replace (*replace), a fresh temporary directory, and the serial for the new manifest.
-// The directory is listed under the lock.
+// The directory is listed once, under the lock, one manifest's summary at a time: its complete
+// tags, oldest first, go to *tags (for keep_last).
 Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag,
-                    const std::string& temp, SaveLock* lock, bool* replace, std::uint64_t* serial) {
+                    const std::string& temp, SaveLock* lock, bool* replace, std::uint64_t* serial,
+                    std::vector<CheckpointTagSummary>* tags_out) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) {
@@ -262,9 +275,9 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
   }
   ZINF_RETURN_IF_ERROR(lock->lock(dir));
   RefusedCheckpointTags refused;
-  (void)list_checkpoint_tags(io, dir, &refused);
-  restore_replaced_tags(io, dir, refused.old_dirs);
-  const std::vector<CheckpointManifest> tags = list_checkpoint_tags(io, dir, &refused);
+  std::vector<CheckpointTagSummary>& tags = *tags_out;
+  tags = list_checkpoint_tag_summaries(io, dir, &refused);
+  restore_replaced_tags(io, dir, refused.old_dirs, &tags);
   const std::string final_dir = fmt::format("{}/{}", dir, tag);
   *replace = false;
   if (std::filesystem::exists(final_dir, ec) || std::filesystem::is_symlink(final_dir, ec)) {
@@ -272,7 +285,7 @@ Status prepare_save(IoEngine& io, const std::string& dir, const std::string& tag
     // replaced; anything else there is not the engine's to remove.
     const bool ours =
         std::any_of(tags.begin(), tags.end(),
-                    [&](const CheckpointManifest& m) { return m.tag == tag; }) ||
+                    [&](const CheckpointTagSummary& m) { return m.tag == tag; }) ||
         std::any_of(refused.tags.begin(), refused.tags.end(),
                     [&](const RefusedCheckpointTags::Tag& t) { return t.tag == tag; });
     if (!ours || std::filesystem::is_symlink(final_dir, ec)) {
@@ -518,6 +531,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
   std::uint64_t serial = 0;
   SaveLock lock;         // rank 0's, held to the end of the save
   bool replace = false;  // a tag of this name is there; the new one replaces it once complete
+  std::vector<CheckpointTagSummary> tags;  // rank 0: the directory's complete tags, oldest first
   ZINF_RETURN_IF_ERROR(check_same_tag(ctx, call, tag));
   Status local = std::move(precondition);
   if (local.is_ok()) {
@@ -525,7 +539,7 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
       ZINF_RETURN_IF_ERROR(check_checkpoint_tag(tag));
       ZINF_ASSIGN_OR_RETURN(io, open_checkpoint_io(ctx.io_faults));
       if (ctx.rank == 0) {
-        ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &lock, &replace, &serial));
+        ZINF_RETURN_IF_ERROR(prepare_save(*io, dir, tag, temp, &lock, &replace, &serial, &tags));
       }
       return Status::ok();
     }()
@@ -590,7 +604,11 @@ Status save_checkpoint(const CheckpointContext& ctx, std::string_view call, cons
       }
       save_point("latest");
       if (ctx.config->keep_last > 0) {
-        prune_tags(*io, dir, static_cast<std::size_t>(ctx.config->keep_last), tag, resume.step);
+        // The tag saved, newest, in place of the one it replaced.
+        std::erase_if(tags, [&](const CheckpointTagSummary& t) { return t.tag == tag; });
+        tags.push_back({tag, serial, resume.step});
+        prune_tags(dir, static_cast<std::size_t>(ctx.config->keep_last), tag, resume.step,
+                   std::move(tags));
       }
       return Status::ok();
     }();

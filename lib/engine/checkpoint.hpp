@@ -552,6 +552,24 @@ struct RefusedCheckpointTags {
 std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
                                                      RefusedCheckpointTags* refused = nullptr);
 
+// What a save needs of a complete tag: its name, its serial (the pruning order, and the next
+// save's serial) and its step (keep_last counts only tags of the saved step or an earlier one).
+struct CheckpointTagSummary {
+  std::string tag;
+  std::uint64_t serial = 0;
+  std::int64_t step = 0;
+};
+// parse_checkpoint_manifest()'s checks of the whole text's checksum, its format and version, and
+// of "tag", "serial" and "step", with the same errors, passing over the rest (the parameters,
+// groups and file lists, most of a manifest) without building it.
+Result<CheckpointTagSummary> parse_checkpoint_manifest_summary(std::string_view text,
+                                                               std::string_view path);
+// list_checkpoint_tags() with each tag's summary (parse_checkpoint_manifest_summary): what a save
+// lists, reading each manifest once and holding one at a time, so that a save into a directory of
+// many tags costs a read of each manifest and no more.
+std::vector<CheckpointTagSummary> list_checkpoint_tag_summaries(
+    IoEngine& io, const std::string& dir, RefusedCheckpointTags* refused = nullptr);
+
 // "<dir>/.<tag>.old" when it holds the complete tag `tag` (a manifest that parses and names it,
 // and every file the manifest lists) and "<dir>/<tag>" does not exist: a save that replaced the
 // tag by two renames (a filesystem without RENAME_EXCHANGE) was cut short between them. A load

@@ -338,38 +338,141 @@ std::string encode_checkpoint_manifest(const CheckpointManifest& m) {
   return text;
 }
 
-Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view path) {
-  {
-    const std::size_t at = text.find(kChecksumKey);
-    if (at == std::string_view::npos || text.size() - at - kChecksumKey.size() < 16) {
-      return Status::corruption(fmt::format("checkpoint manifest '{}': no checksum", path));
-    }
-    std::string zeroed(text);
-    const std::string stored = zeroed.substr(at + kChecksumKey.size(), 16);
-    zeroed.replace(at + kChecksumKey.size(), 16, std::string(16, '0'));
-    const std::string computed = fmt::format("{:016x}", XXH3_64bits(zeroed.data(), zeroed.size()));
-    if (stored != computed) {
-      return Status::corruption(
-          fmt::format("checkpoint manifest '{}' does not match its checksum (xxh3 {}, it says {})",
-                      path, computed, stored));
-    }
+namespace {
+
+// The manifest's own checksum: the xxh3-64 of its text with the checksum's 16 digits as zeros.
+Status check_manifest_checksum(std::string_view text, std::string_view path) {
+  const std::size_t at = text.find(kChecksumKey);
+  if (at == std::string_view::npos || text.size() - at - kChecksumKey.size() < 16) {
+    return Status::corruption(fmt::format("checkpoint manifest '{}': no checksum", path));
   }
-  const Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
-  if (j.is_discarded() || !j.is_object()) {
-    return Status::corruption(fmt::format("checkpoint manifest '{}': not a JSON object", path));
+  const std::size_t digits_at = at + kChecksumKey.size();
+  const std::string_view stored = text.substr(digits_at, 16);
+  // The text in three runs, the digits as zeros, with no copy of the whole text.
+  XXH3_state_t* state = XXH3_createState();
+  ZINF_ASSERT(state != nullptr);
+  XXH3_64bits_reset(state);
+  XXH3_64bits_update(state, text.data(), digits_at);
+  constexpr char kZeros[16] = {'0', '0', '0', '0', '0', '0', '0', '0',
+                               '0', '0', '0', '0', '0', '0', '0', '0'};
+  XXH3_64bits_update(state, kZeros, sizeof(kZeros));
+  XXH3_64bits_update(state, text.data() + digits_at + 16, text.size() - digits_at - 16);
+  const std::string computed = fmt::format("{:016x}", XXH3_64bits_digest(state));
+  XXH3_freeState(state);
+  if (stored != computed) {
+    return Status::corruption(
+        fmt::format("checkpoint manifest '{}' does not match its checksum (xxh3 {}, it says {})",
+                    path, computed, stored));
   }
-  const Reader r(path);
+  return Status::ok();
+}
+
+// The version of manifest `j`, once its format is checked; kInvalidArgument naming `path` for a
+// version this build does not read.
+Result<std::uint32_t> manifest_version(const Json& j, const Reader& r, std::string_view path) {
   Status st;
   std::string format;
   std::uint32_t version = 0;
   r.get(j, "format", &format, &st);
   if (st.is_ok() && format != "zinf-checkpoint") st = r.bad("format", "is not \"zinf-checkpoint\"");
   r.get(j, "version", &version, &st);
-  if (st.is_ok() && (version < kCheckpointOldestVersion || version > kCheckpointVersion)) {
+  if (!st.is_ok()) return st;
+  if (version < kCheckpointOldestVersion || version > kCheckpointVersion) {
     return Status::invalid_argument(fmt::format(
         "checkpoint manifest '{}': format version {}; this build reads versions {} to {}", path,
         version, kCheckpointOldestVersion, kCheckpointVersion));
   }
+  return version;
+}
+
+// SAX events of a manifest (nlohmann::json::sax_parse) that keep its top-level values under the
+// keys asked for, in `top`, and pass over every other value without building it: the
+// parameters, groups and file lists, most of a manifest's bytes. A container under a key asked
+// for is kept as an empty one of its kind, so that the Reader names its type.
+class TopLevelValues {
+ public:
+  explicit TopLevelValues(std::initializer_list<std::string_view> keys) : keys_(keys) {}
+
+  Json top = Json::object();
+  bool root_is_object = false;
+
+  bool null() { return put(Json(nullptr)); }
+  bool boolean(bool v) { return put(Json(v)); }
+  bool number_integer(Json::number_integer_t v) { return put(Json(v)); }
+  bool number_unsigned(Json::number_unsigned_t v) { return put(Json(v)); }
+  bool number_float(Json::number_float_t v, const std::string&) { return put(Json(v)); }
+  bool string(std::string& v) { return put(Json(v)); }
+  bool binary(Json::binary_t&) { return put(Json(nullptr)); }
+  bool start_object(std::size_t) {
+    if (depth_ == 0) root_is_object = true;
+    return open(Json::object());
+  }
+  bool end_object() { return close(); }
+  bool start_array(std::size_t) { return open(Json::array()); }
+  bool end_array() { return close(); }
+  bool key(std::string& k) {
+    if (depth_ == 1) {
+      wanted_ = std::find(keys_.begin(), keys_.end(), k) != keys_.end();
+      if (wanted_) key_ = k;
+    }
+    return true;
+  }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) {
+    return false;
+  }
+
+ private:
+  bool put(Json v) {
+    if (depth_ == 1 && wanted_) top[key_] = std::move(v);
+    return true;
+  }
+  bool open(Json empty) {
+    put(std::move(empty));
+    ++depth_;
+    return true;
+  }
+  bool close() {
+    --depth_;
+    return true;
+  }
+
+  std::vector<std::string_view> keys_;
+  std::size_t depth_ = 0;
+  bool wanted_ = false;
+  std::string key_;
+};
+
+}  // namespace
+
+Result<CheckpointTagSummary> parse_checkpoint_manifest_summary(std::string_view text,
+                                                               std::string_view path) {
+  ZINF_RETURN_IF_ERROR(check_manifest_checksum(text, path));
+  TopLevelValues values({"format", "version", "tag", "serial", "step"});
+  if (!Json::sax_parse(text.begin(), text.end(), &values) || !values.root_is_object) {
+    return Status::corruption(fmt::format("checkpoint manifest '{}': not a JSON object", path));
+  }
+  const Json& j = values.top;
+  const Reader r(path);
+  ZINF_RETURN_IF_ERROR(manifest_version(j, r, path).status());
+  Status st;
+  CheckpointTagSummary s;
+  r.get(j, "tag", &s.tag, &st);
+  r.get(j, "serial", &s.serial, &st);
+  r.get(j, "step", &s.step, &st);
+  if (st.is_ok() && s.step < 0) st = r.bad("step", "is negative");
+  if (!st.is_ok()) return st;
+  return s;
+}
+
+Result<CheckpointManifest> parse_checkpoint_manifest(std::string_view text, std::string_view path) {
+  ZINF_RETURN_IF_ERROR(check_manifest_checksum(text, path));
+  const Json j = Json::parse(text.begin(), text.end(), nullptr, /*allow_exceptions=*/false);
+  if (j.is_discarded() || !j.is_object()) {
+    return Status::corruption(fmt::format("checkpoint manifest '{}': not a JSON object", path));
+  }
+  const Reader r(path);
+  Status st;
+  ZINF_ASSIGN_OR_RETURN(const std::uint32_t version, manifest_version(j, r, path));
   CheckpointManifest m;
   m.version = version;
   r.get(j, "tag", &m.tag, &st);

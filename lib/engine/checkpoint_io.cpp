@@ -700,10 +700,15 @@ bool is_leftover_tag(const std::vector<CheckpointManifest>& tags, bool has_lates
   return named != tags.end() && m.resume.step > named->resume.step;
 }
 
-std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
-                                                     RefusedCheckpointTags* refused) {
+namespace {
+
+// The complete tags under `dir`, each read by parse(text, path) (a manifest or its summary), one
+// manifest at a time; list_checkpoint_tags() says which.
+template <typename Entry, typename Parse>
+std::vector<Entry> list_tags(IoEngine& io, const std::string& dir, RefusedCheckpointTags* refused,
+                             Parse parse) {
   if (refused != nullptr) *refused = {};
-  std::vector<CheckpointManifest> out;
+  std::vector<Entry> out;
   std::error_code ec;
   for (const auto& entry : std::filesystem::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
@@ -730,8 +735,7 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
       continue;
     }
     Result<std::string> text = read_text_file(io, path);
-    Result<CheckpointManifest> m = text.is_ok() ? parse_checkpoint_manifest(*text, path)
-                                                : Result<CheckpointManifest>(text.status());
+    Result<Entry> m = text.is_ok() ? parse(*text, path) : Result<Entry>(text.status());
     if (m.is_ok() && m->tag == name) {
       out.push_back(std::move(*m));
     } else if (refused != nullptr) {
@@ -739,10 +743,23 @@ std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::st
                                                : std::string(m.status().message())});
     }
   }
-  std::sort(out.begin(), out.end(), [](const CheckpointManifest& a, const CheckpointManifest& b) {
+  std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) {
     return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
   });
   return out;
+}
+
+}  // namespace
+
+std::vector<CheckpointManifest> list_checkpoint_tags(IoEngine& io, const std::string& dir,
+                                                     RefusedCheckpointTags* refused) {
+  return list_tags<CheckpointManifest>(io, dir, refused, parse_checkpoint_manifest);
+}
+
+std::vector<CheckpointTagSummary> list_checkpoint_tag_summaries(IoEngine& io,
+                                                                const std::string& dir,
+                                                                RefusedCheckpointTags* refused) {
+  return list_tags<CheckpointTagSummary>(io, dir, refused, parse_checkpoint_manifest_summary);
 }
 
 }  // namespace zinf
