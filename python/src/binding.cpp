@@ -12,14 +12,18 @@
 // GIL to finish (torch_comm.hpp), so no call may hold it while it waits for one.
 //
 // Thread-safety: as zinf::Engine, call one Engine from one thread.
+#include <fcntl.h>
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
+#include <unistd.h>
+#include <xxhash.h>
 
 #include <array>
+#include <cerrno>
 #include <chrono>
 #include <cstdint>
 #include <cstring>
@@ -615,6 +619,57 @@ class PyEngine {
   std::unordered_map<std::string, std::size_t> activation_bytes_;
 };
 
+// XXH3-64 (seed 0) of the file at `path` and its size in bytes, read in blocks of kBlockBytes
+// through libxxhash's streaming state, which gives XXH3_64bits of the whole content: the checksum
+// the C++ save writes into a checkpoint's manifest for each file. Runs with the GIL released; a
+// failure to open or read is an OSError (FileNotFoundError, PermissionError, ...) naming the file,
+// and for a read, the offset.
+std::pair<std::uint64_t, std::uint64_t> xxh3_64_file(const std::string& path) {
+  constexpr std::size_t kBlockBytes = std::size_t{1} << 20;
+  int err = 0;
+  std::string operation;
+  std::uint64_t size_bytes = 0;
+  std::uint64_t hash = 0;
+  {
+    nb::gil_scoped_release release;
+    std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                   &XXH3_freeState);
+    std::vector<unsigned char> block(kBlockBytes);
+    const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) {
+      err = errno;
+      operation = "cannot open it to compute its xxh3-64";
+    } else if (state == nullptr || XXH3_64bits_reset(state.get()) != XXH_OK) {
+      err = ENOMEM;
+      operation = "cannot allocate xxHash's state to compute its xxh3-64";
+    } else {
+      for (;;) {
+        const ssize_t got = ::read(fd, block.data(), block.size());
+        if (got < 0) {
+          if (errno == EINTR) continue;
+          err = errno;
+          operation =
+              "cannot read it at offset " + std::to_string(size_bytes) + " to compute its xxh3-64";
+          break;
+        }
+        if (got == 0) break;
+        XXH3_64bits_update(state.get(), block.data(), static_cast<std::size_t>(got));
+        size_bytes += static_cast<std::uint64_t>(got);
+      }
+      hash = XXH3_64bits_digest(state.get());
+    }
+    if (fd >= 0) ::close(fd);
+  }
+  if (err != 0) {
+    // OSError(errno, text, filename) is the subclass errno names (FileNotFoundError for ENOENT).
+    const std::string text = std::string(std::strerror(err)) + ": " + operation;
+    nb::object error = nb::handle(PyExc_OSError)(err, text, path);
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(error.ptr())), error.ptr());
+    throw nb::python_error();
+  }
+  return {size_bytes, hash};
+}
+
 }  // namespace
 
 NB_MODULE(_zinf, m) {
@@ -635,6 +690,22 @@ NB_MODULE(_zinf, m) {
       [](const std::string& json) { return zinf::config_to_json(take(zinf::parse_config(json))); },
       nb::arg("json"),
       "Parses a DeepSpeed-style JSON config and returns it with every default written out.");
+
+  m.def(
+      "xxh3_64",
+      [](nb::bytes data) {
+        const char* bytes = data.c_str();
+        const std::size_t size_bytes = data.size();
+        nb::gil_scoped_release release;
+        return static_cast<std::uint64_t>(XXH3_64bits(bytes, size_bytes));
+      },
+      nb::arg("data"),
+      "XXH3-64 (seed 0) of `data`, libxxhash's XXH3_64bits: the checksum a checkpoint's manifest "
+      "records.");
+  m.def("xxh3_64_file", &xxh3_64_file, nb::arg("path"),
+        "(size in bytes, XXH3-64) of the file at `path`, read in blocks with the GIL released: "
+        "the size and checksum a checkpoint's manifest records for it. OSError naming the file "
+        "where it cannot be opened or read.");
 
   m.def(
       "export_checkpoint",

@@ -3,10 +3,11 @@ load_state_dict_from_zero_checkpoint, zero_to_fp32.py) check the client state as
 client_state.bin (the frozen parameters of stages 1 and 2 and the persistent buffers) is
 compared with its size and xxh3-64 in the manifest before torch.load reads it, so that a flipped
 byte is an error naming the file and not a wrong weight; and they read a tag that a replacing save
-left moved aside as .<tag>.old, where the C++ export and load_checkpoint read it. zinf._xxh3, the
-checksum those checks compute, is compared with libxxhash's XXH3_64bits on every length class."""
-import ctypes
-import ctypes.util
+left moved aside as .<tag>.old, where the C++ export and load_checkpoint read it. The checksum
+those checks compute, libxxhash's XXH3-64 exposed by the extension (zinf._zinf.xxh3_64 and
+xxh3_64_file), is compared with the published value of the empty input and with the checksums the
+C++ save wrote into the manifest."""
+import json
 import os
 import random
 
@@ -17,7 +18,7 @@ from torch import nn
 
 import zinf.torch
 import zinf.zero_to_fp32 as zero_to_fp32
-from zinf import _xxh3
+from zinf import _zinf
 
 SEED = 20261206
 
@@ -161,44 +162,50 @@ def test_a_tag_moved_aside_by_a_replacing_save_is_read_where_it_is(saved, tmp_pa
         zinf.torch.get_fp32_state_dict_from_zero_checkpoint(save_dir, tag="t")
 
 
-def _libxxhash():
-    name = ctypes.util.find_library("xxhash")
-    if name is None:
-        return None
-    try:
-        lib = ctypes.CDLL(name)
-    except OSError:
-        return None
-    lib.XXH3_64bits.restype = ctypes.c_uint64
-    lib.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-    return lib
-
-
-def test_xxh3_matches_libxxhash_on_every_length_class():
-    # The published value of the empty input, then libxxhash's on seeded random bytes of each
-    # length XXH3 treats differently (0, 1-3, 4-8, 9-16, 17-128, 129-240, a stripe, a block, many
-    # blocks with a tail, an exact number of blocks), from aligned and unaligned starts.
-    assert _xxh3.xxh3_64(b"") == 0x2D06800538D394C2
-    lib = _libxxhash()
-    if lib is None:
-        pytest.skip("libxxhash is not installed: the lengths over 0 have no reference here")
-    rng = np.random.default_rng(SEED)
-    data = rng.integers(0, 256, size=(1 << 20) + 64, dtype=np.uint8).tobytes()
-    lengths = [1, 2, 3, 4, 5, 8, 9, 15, 16, 17, 32, 33, 64, 65, 96, 97, 128, 129, 130, 239, 240,
-               241, 256, 1023, 1024, 1025, 1088, 1089, 4096, 65536 + 7, 1 << 20]
-    for start in (0, 1, 37):
-        for length in lengths:
-            piece = data[start:start + length]
-            assert _xxh3.xxh3_64(piece) == lib.XXH3_64bits(piece, length), (start, length)
-    # The long path across _CHUNK_BLOCKS: more blocks than numpy reduces at a time.
-    big = rng.integers(0, 256, size=_xxh3._CHUNK_BLOCKS * 1024 * 2 + 300, dtype=np.uint8)
-    assert _xxh3.xxh3_64(big) == lib.XXH3_64bits(big.tobytes(), big.size)
+def test_xxh3_64_gives_the_published_value_and_the_manifests_own_checksum(saved):
+    # XXH3_64bits of the empty input, as xxHash publishes it.
+    assert _zinf.xxh3_64(b"") == 0x2D06800538D394C2
+    # The manifest's checksum, written by the C++ save: the xxh3-64 of its text with the
+    # checksum's 16 digits as zeros.
+    with open(os.path.join(saved[0], "t", "manifest.json"), "rb") as f:
+        text = f.read()
+    key = b'"checksum": "'
+    begin = text.index(key) + len(key)
+    stored = int(text[begin:begin + 16], 16)
+    assert _zinf.xxh3_64(text[:begin] + b"0" * 16 + text[begin + 16:]) == stored
+    assert _zinf.xxh3_64(text) != stored
 
 
 def test_xxh3_of_a_file_is_the_manifests(saved):
     """The checksum of the saved files, computed here, is the one the C++ side wrote."""
-    import json
     manifest = json.load(open(os.path.join(saved[0], "t", "manifest.json")))
-    for entry in manifest["client_state"] + [r for r in manifest["ranks"] if "blocks" not in r]:
+    entries = manifest["client_state"] + [r for r in manifest["ranks"] if "blocks" not in r]
+    assert entries
+    for entry in entries:
         path = os.path.join(saved[0], "t", entry["file"])
-        assert _xxh3.xxh3_64_file(path) == (entry["bytes"], int(entry["xxh3"], 16)), path
+        assert _zinf.xxh3_64_file(path) == (entry["bytes"], int(entry["xxh3"], 16)), path
+
+
+def test_xxh3_of_a_file_read_in_many_blocks_is_that_of_its_bytes(tmp_path):
+    # Seeded random bytes over several of the 1 MiB blocks the file is read in, with a tail, and
+    # lengths around one block: the streamed hash is the one-shot hash of the same bytes.
+    rng = np.random.default_rng(SEED)
+    data = rng.integers(0, 256, size=(3 << 20) + 300, dtype=np.uint8).tobytes()
+    for length in (0, 1, 240, 241, (1 << 20) - 1, 1 << 20, (1 << 20) + 1, len(data)):
+        path = tmp_path / f"data{length}.bin"
+        path.write_bytes(data[:length])
+        assert _zinf.xxh3_64_file(str(path)) == (length, _zinf.xxh3_64(data[:length])), length
+    assert _zinf.xxh3_64(data[:-1]) != _zinf.xxh3_64(data)
+
+
+def test_xxh3_of_a_file_that_cannot_be_read_is_an_os_error_naming_it(tmp_path):
+    missing = str(tmp_path / "missing.bin")
+    message = "No such file or directory: cannot open it to compute its xxh3-64"
+    with pytest.raises(FileNotFoundError, match=message) as raised:
+        _zinf.xxh3_64_file(missing)
+    assert raised.value.filename == missing
+    assert f"'{missing}'" in str(raised.value)
+    # A directory opens but cannot be read.
+    with pytest.raises(IsADirectoryError, match="cannot read it at offset 0") as raised:
+        _zinf.xxh3_64_file(str(tmp_path))
+    assert raised.value.filename == str(tmp_path)

@@ -69,7 +69,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
-from . import _offload, _torch_init, _xxh3, _zinf
+from . import _offload, _torch_init, _zinf
 from ._gathered import GatheredParameters, engine_of
 from ._offload import checkpoint, offload_saved_tensors
 from ._torch_init import Init
@@ -2668,7 +2668,7 @@ def _read_manifest(tag_dir: str) -> dict:
         raise Error(f"checkpoint manifest '{path}': no checksum")
     begin = at + len(key)
     stored = text[begin:begin + 16].decode("ascii", "replace")
-    computed = f"{_xxh3.xxh3_64(text[:begin] + b'0' * 16 + text[begin + 16:]):016x}"
+    computed = f"{_zinf.xxh3_64(text[:begin] + b'0' * 16 + text[begin + 16:]):016x}"
     if stored != computed:
         raise Error(f"checkpoint manifest '{path}' does not match its checksum (xxh3 {computed}, "
                     f"it says {stored}): it changed after the save; restore it from a copy, or "
@@ -2723,7 +2723,7 @@ def _load_client_state(tag_dir: str, mmap: bool) -> dict:
     size_bytes = os.path.getsize(path)
     # The size first: a file of another size is not read to be refused.
     if (size_bytes != int(entry["bytes"])
-            or _xxh3.xxh3_64_file(path) != (size_bytes, int(entry["xxh3"], 16))):
+            or _zinf.xxh3_64_file(path) != (size_bytes, int(entry["xxh3"], 16))):
         raise Error(f"'{path}' does not match its size and checksum in the manifest "
                     f"({entry['bytes']} bytes, xxh3 {entry['xxh3']}; the file has {size_bytes} "
                     f"bytes): it changed after the save; restore it from a copy, or read "
