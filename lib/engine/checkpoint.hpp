@@ -251,10 +251,11 @@ std::string checkpoint_rank_path(const std::string& dir, int rank);
 Result<std::unique_ptr<IoEngine>> open_checkpoint_io(std::shared_ptr<FaultInjector> faults);
 
 // A writer's or a sequential reader's pipeline: kCheckpointPipelineBlocks blocks of
-// kCheckpointBlockBytes (48 MiB a file), from 2 MiB pages where the kernel gives them, registered
-// with the I/O engine. `zinf io bench` keeps the same bytes in flight by default (6 requests of
-// 8 MiB, cut into 1 MiB pieces, 32 at the drive), so a checkpoint meets the drive as the raw
-// benchmark does.
+// kCheckpointBlockBytes (48 MiB a file at most: a shorter file gets only the blocks it fills, one
+// shorter than a block one block of its size), from 2 MiB pages where the kernel gives them,
+// registered with the I/O engine. `zinf io bench` keeps the same bytes in flight by default (6
+// requests of 8 MiB, cut into 1 MiB pieces, 32 at the drive), so a checkpoint meets the drive as
+// the raw benchmark does.
 inline constexpr std::size_t kCheckpointBlockBytes = std::size_t{8} << 20;
 inline constexpr std::size_t kCheckpointPipelineBlocks = 6;
 
@@ -312,13 +313,14 @@ class BlockHasher {
 };
 
 // Writes one file through `io`, hashing what it appends. Appends are gathered in aligned blocks
-// that are written as soon as they are full, up to kCheckpointPipelineBlocks - 1 writes in flight
-// while the next block fills, so reading the state (from the device, host memory or NVMe)
-// overlaps writing the file, at the drive's queue depth. With `direct` the file is opened
-// O_DIRECT where the filesystem allows it and its end padded with zeros to a multiple of 4096
-// bytes (the padding is hashed and counted; padded also where the filesystem refuses O_DIRECT);
-// without it the file is exactly what was appended (through two 1 MiB blocks: small files).
-// commit() writes the rest and fsyncs the file; destroyed uncommitted, the writer removes it.
+// that are written as soon as they are full, up to one write in flight per block but the one
+// filling (kCheckpointPipelineBlocks - 1 for a file of 48 MiB or more), so reading the state (from
+// the device, host memory or NVMe) overlaps writing the file, at the drive's queue depth. With
+// `direct` the file is opened O_DIRECT where the filesystem allows it and its end padded with zeros
+// to a multiple of 4096 bytes (the padding is hashed and counted; padded also where the filesystem
+// refuses O_DIRECT); without it the file is exactly what was appended (through at most two 1 MiB
+// blocks: small files). commit() writes the rest and fsyncs the file; destroyed uncommitted, the
+// writer removes it.
 class CheckpointWriter {
  public:
   // REQUIRES: `io` outlives the writer. `expected_bytes` > 0: the file's size once committed,
@@ -366,8 +368,8 @@ class CheckpointWriter {
 };
 
 // Reads a file through `io`: front to back (read(), finish(), checksum()) through a read-ahead
-// pipeline of kCheckpointPipelineBlocks aligned blocks (O_DIRECT where the filesystem allows it
-// and the file is a multiple of 4096 bytes), hashing every block as it arrives, so one pass both
+// pipeline of up to kCheckpointPipelineBlocks aligned blocks (O_DIRECT where the filesystem allows
+// it and the file is a multiple of 4096 bytes), hashing every block as it arrives, so one pass both
 // delivers the bytes and checks them; or at any offset (read_at).
 class CheckpointReader {
  public:

@@ -19,6 +19,7 @@
 #include <cstring>
 #include <filesystem>
 
+#include "base/arith.hpp"
 #include "base/assert.hpp"
 #include "engine/checkpoint.hpp"
 #include "io/fault.hpp"
@@ -193,9 +194,18 @@ namespace {
 // `io` where it can be (*registered says so; plain reads and writes work either way). Rank files
 // get 2 MiB pages: O_DIRECT transfers from 4 KiB pages are split by the block layer on the
 // virtual disks measured here (buffer_pool.hpp); small files get plain pages.
+//
+// A pipeline is no larger than the file it moves (`file_bytes`, 0 when unknown): a file shorter
+// than the whole pipeline gets only the blocks it fills, and one shorter than a block one block of
+// its own size. A small model's rank file then costs a few pages, not 48 MiB of locked memory
+// zeroed by the kernel at every save and load (and a reshard keeps many readers open at once).
 Result<std::unique_ptr<BufferPool>> pipeline_pool(IoEngine& io, std::size_t block_bytes,
-                                                  std::size_t blocks, bool large,
-                                                  bool* registered) {
+                                                  std::size_t blocks, std::uint64_t file_bytes,
+                                                  bool large, bool* registered) {
+  if (file_bytes > 0 && file_bytes < std::uint64_t{block_bytes} * blocks) {
+    blocks = static_cast<std::size_t>(ceil_div(file_bytes, block_bytes));
+    if (blocks == 1) block_bytes = static_cast<std::size_t>(round_page(file_bytes));
+  }
   BufferPoolOptions options;
   options.block_bytes = block_bytes;
   options.block_count = blocks;
@@ -243,7 +253,8 @@ Result<std::unique_ptr<CheckpointWriter>> CheckpointWriter::create(IoEngine& io,
   w->file_ = *file;
   ZINF_ASSIGN_OR_RETURN(
       w->pool_, pipeline_pool(io, direct ? kCheckpointBlockBytes : kSmallBlockBytes,
-                              direct ? kCheckpointPipelineBlocks : 2, direct, &w->registered_));
+                              direct ? kCheckpointPipelineBlocks : 2, expected_bytes, direct,
+                              &w->registered_));
   w->tickets_.assign(w->pool_->block_count(), Ticket{});
   w->hashes_.assign(w->pool_->block_count(), 0);
   return w;
@@ -372,7 +383,7 @@ CheckpointReader::~CheckpointReader() {
 Status CheckpointReader::start() {
   ZINF_ASSERT(pool_ == nullptr);
   ZINF_ASSIGN_OR_RETURN(pool_, pipeline_pool(*io_, kCheckpointBlockBytes, kCheckpointPipelineBlocks,
-                                             /*large=*/true, &registered_));
+                                             file_bytes_, /*large=*/true, &registered_));
   tickets_.assign(pool_->block_count(), Ticket{});
   hashes_.assign(pool_->block_count(), 0);
   slot_bytes_.assign(pool_->block_count(), 0);
