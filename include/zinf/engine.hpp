@@ -429,7 +429,9 @@ class Engine {
   // gather order and client state, and republishes the parameters from the loaded master, as a
   // step would. The saved loss scaler is restored only when this engine's is dynamic (fp16 on,
   // fp16.loss_scale 0) and the checkpoint's was too; otherwise loss_scale() is this engine's
-  // initial one (1 without fp16, fp16.loss_scale when static, 2^initial_scale_power). The
+  // initial one (1 without fp16, fp16.loss_scale when static, 2^initial_scale_power). Unlike
+  // DeepSpeed, which takes the saved scaler, mode included, zinf deliberately keeps the scaler
+  // this config asks for unless both are dynamic. The
   // checkpoint may come from another world size, stage, offload placement or sub_group_size: the
   // masters and moments are re-sliced by parameter name. kInvalidArgument naming the parameter when
   // the registered parameters (names, shapes) differ, or both optimizers when the optimizer

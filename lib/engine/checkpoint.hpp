@@ -162,8 +162,10 @@ std::string_view loss_scaler_mode_name(LossScalerMode mode);
 // The mode of the scaler StepNumerics makes from `fp16`.
 LossScalerMode loss_scaler_mode(const Fp16Config& fp16);
 // Whether a load restores the saved scaler (scale, good steps, hysteresis left): only when this
-// engine's scaler is dynamic (`dynamic`) and the checkpoint's was dynamic fp16, as DeepSpeed's fp16
-// optimizers restore theirs only from an fp16 checkpoint. Otherwise the engine keeps its own
+// engine's scaler is dynamic (`dynamic`) and the checkpoint's was dynamic fp16. Unlike DeepSpeed,
+// which takes the saved scaler, mode included (its ZeRO stage 1/2 load replaces loss_scaler and
+// dynamic_loss_scale with the checkpoint's), zinf deliberately keeps the scaler this config asks
+// for unless both are dynamic. Otherwise the engine keeps its own
 // scaler as it started: 1 without fp16, its fp16.loss_scale when static, 2^initial_scale_power
 // when dynamic. A scale carried from another mode would divide every later step's gradients by
 // a factor that is not the one the program scaled its loss by.
