@@ -227,7 +227,8 @@ class Init:
     overrides it. enabled=False makes the block do nothing. module (converting a model built
     beforehand) is refused; DeepSpeed's other arguments (data_parallel_group,
     mem_efficient_linear, remote_device, pin_memory, dtype, mpu, the ZeRO++ and sequence
-    parallel groups, param_swapper, tensor_overrides) are accepted and ignored.
+    parallel groups, param_swapper) are accepted and ignored, as is tensor_overrides, which is
+    zinf's own (DeepSpeed's Init has no such argument) and unused.
 
     Blocks nest as DeepSpeed's do (Hugging Face's from_pretrained opens its own inside a
     script's): the outermost enabled block wraps the constructors and owns the staging file, and
