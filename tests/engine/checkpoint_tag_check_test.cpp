@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <string>
 #include <vector>
@@ -74,12 +75,6 @@ TEST(CheckpointTagCheck, RanksPassingDifferentTagsFailEveryRankNamingEachTag) {
   EXPECT_EQ(entries(dir), (std::vector<std::string>{".zinf-save.lock", "a", "d", "latest"}));
   EXPECT_EQ(engine_test::read_file(dir + "/latest"), "d");
 }
-
-}  // namespace
-}  // namespace zinf
-
-namespace zinf {
-namespace {
 
 // "latest.tmp" is the file a save writes `latest` through: a tag of that name would be a
 // directory there, so the save would write the whole tag and then fail. It is refused before
