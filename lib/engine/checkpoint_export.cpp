@@ -222,7 +222,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
         "next save into this directory removes it",
         pruned));
   }
-  const std::string latest_tmp = fmt::format("{}/{}.tmp", dir, kCheckpointLatest);
+  const std::string latest_tmp = fmt::format("{}/{}", dir, kCheckpointLatestTemp);
   if (std::filesystem::exists(latest_tmp, ec)) {
     Result<std::string> named = read_text_file(*io, latest_tmp);
     notes.push_back(fmt::format(
