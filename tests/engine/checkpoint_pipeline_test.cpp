@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <cstdio>
 #include <fstream>
 #include <iterator>
 #include <memory>
@@ -36,22 +35,8 @@ std::vector<std::byte> file_bytes(const std::string& path) {
   return out;
 }
 
-// This process's huge pages from the hugetlb reserve (HugetlbPages in /proc/self/status, kB),
-// which a pipeline's blocks come from where the machine reserves them, and which RssAnon does
-// not count.
-std::uint64_t hugetlb_bytes() {
-  std::FILE* f = std::fopen("/proc/self/status", "r");
-  if (f == nullptr) return 0;
-  char line[256];
-  unsigned long long kib = 0;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    if (std::sscanf(line, "HugetlbPages: %llu kB", &kib) == 1) break;
-  }
-  std::fclose(f);
-  return kib * 1024;
-}
-
-std::uint64_t resident_bytes() { return test::resident_anon_bytes() + hugetlb_bytes(); }
+// What a pipeline's blocks add to: anonymous pages, or huge pages where the machine reserves them.
+std::uint64_t resident_bytes() { return test::resident_anon_bytes() + test::hugetlb_bytes(); }
 
 // The resident memory the pipeline adds (its blocks are touched when it is made).
 struct Growth {
