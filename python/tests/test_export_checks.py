@@ -28,11 +28,9 @@ def make_model(seed):
     return nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.Linear(8, 1))
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
-    """(checkpoint directory, tag, the weights get_fp32_state_dict_from_zero_checkpoint gives):
-    a stage-2 engine whose first Linear is frozen (so its weights are in the client state),
-    trained 2 steps and saved as tag "t"."""
+def frozen_first_linear_engine():
+    """(model, engine): a stage-2 engine over make_model(0) whose first Linear is frozen, so its
+    weights go to the client state."""
     model = make_model(0)
     for p in model[0].parameters():
         p.requires_grad_(False)
@@ -42,6 +40,15 @@ def saved(tmp_path_factory):
     engine, _, _, _ = zinf.torch.initialize(
         model=model, config=config,
         model_parameters=[p for p in model.parameters() if p.requires_grad])
+    return model, engine
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """(checkpoint directory, tag, the weights get_fp32_state_dict_from_zero_checkpoint gives):
+    a stage-2 engine whose first Linear is frozen (so its weights are in the client state),
+    trained 2 steps and saved as tag "t"."""
+    model, engine = frozen_first_linear_engine()
     generator = torch.Generator().manual_seed(1)
     try:
         for _ in range(2):
@@ -108,15 +115,7 @@ def test_load_checkpoint_refuses_the_same_flipped_byte(saved, tmp_path):
     save_dir = copy_checkpoint(saved[0], tmp_path / "ckpt")
     client = os.path.join(save_dir, "t", "client_state.bin")
     flip_one_byte(client, SEED, saved[2]["0.weight"].numpy().tobytes())
-    model = make_model(0)
-    for p in model[0].parameters():
-        p.requires_grad_(False)
-    config = {"train_micro_batch_size_per_gpu": 16, "zinf": {"cpu_threads": 1},
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}},
-              "zero_optimization": {"stage": 2}}
-    engine, _, _, _ = zinf.torch.initialize(
-        model=model, config=config,
-        model_parameters=[p for p in model.parameters() if p.requires_grad])
+    model, engine = frozen_first_linear_engine()
     try:
         with pytest.raises(zinf.torch.Error,
                            match=f"'{client}' does not match its size and checksum in the "
