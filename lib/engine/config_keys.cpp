@@ -384,14 +384,19 @@ bool is_fp32_name(std::string text) {
 // says otherwise (runtime/engine.py, communication_data_type); zinf always reduces in fp32, so
 // "fp32" and null (not set) are accepted and a 16-bit dtype is refused
 // (config.py, get_communication_data_type, lowercases the value).
-Why read_communication_dtype(const Json& v, [[maybe_unused]] Walk& w) {
+// A communication dtype key zinf honours only as fp32: null (not set) and fp32 are accepted,
+// anything else refused with `why_not` after the value.
+Why fp32_communication_dtype(const Json& v, std::string_view why_not) {
   if (v.is_null()) return std::nullopt;
   if (!v.is_string()) return not_a(v, "\"fp16\", \"bf16\" or \"fp32\"");
   if (is_fp32_name(v.get<std::string>())) return std::nullopt;
-  return fmt::format(
-      "{} is not supported: zinf reduce-scatters gradients in fp32 (widened from the "
-      "parameters' dtype) and accumulates them in fp32",
-      v.dump());
+  return fmt::format("{} is not supported: {}", v.dump(), why_not);
+}
+
+Why read_communication_dtype(const Json& v, [[maybe_unused]] Walk& w) {
+  return fp32_communication_dtype(v,
+                                  "zinf reduce-scatters gradients in fp32 (widened from the "
+                                  "parameters' dtype) and accumulates them in fp32");
 }
 
 // data_types.grad_accum_dtype: the dtype DeepSpeed accumulates gradients in over micro-batches;
@@ -421,13 +426,10 @@ Why read_top_level_grad_accum_dtype(const Json& v, Walk& w) {
 // no sequence parallelism, so fp32 (and null, "not set") is accepted and a 16-bit dtype, written
 // for a sequence-parallel run, is refused.
 Why read_seq_parallel_dtype(const Json& v, [[maybe_unused]] Walk& w) {
-  if (v.is_null()) return std::nullopt;
-  if (!v.is_string()) return not_a(v, "\"fp16\", \"bf16\" or \"fp32\"");
-  if (is_fp32_name(v.get<std::string>())) return std::nullopt;
-  return fmt::format(
-      "{} is not supported: zinf has no sequence parallelism, so no gradient is reduced over a "
-      "sequence-parallel group; write \"fp32\" (DeepSpeed's default) or remove the key",
-      v.dump());
+  return fp32_communication_dtype(
+      v,
+      "zinf has no sequence parallelism, so no gradient is reduced over a sequence-parallel "
+      "group; write \"fp32\" (DeepSpeed's default) or remove the key");
 }
 
 constexpr std::string_view kNoSequenceParallel =
