@@ -6,34 +6,43 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <fstream>
-#include <iterator>
 #include <memory>
 #include <random>
 #include <string>
 #include <vector>
 
 #include "common/resident_memory.hpp"
+#include "common/sanitizer.hpp"
 #include "engine/checkpoint.hpp"
 #include "engine_test_util.hpp"
 
 namespace zinf {
 namespace {
 
+// Eight random bytes a draw (the payloads are multiples of 4096).
 std::vector<std::byte> random_bytes(std::size_t n, std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<std::byte> out(n);
-  for (std::byte& b : out) b = static_cast<std::byte>(rng() & 0xff);
+  for (std::size_t at = 0; at < n; at += sizeof(std::uint64_t)) {
+    const std::uint64_t word = rng();
+    std::memcpy(out.data() + at, &word, std::min(sizeof word, n - at));
+  }
   return out;
 }
 
 std::vector<std::byte> file_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::vector<char> raw((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  std::vector<std::byte> out(raw.size());
-  for (std::size_t i = 0; i < raw.size(); ++i) out[i] = static_cast<std::byte>(raw[i]);
+  std::ifstream in(path, std::ios::binary | std::ios::ate);
+  std::vector<std::byte> out(static_cast<std::size_t>(in.tellg()));
+  in.seekg(0);
+  in.read(reinterpret_cast<char*>(out.data()), static_cast<std::streamsize>(out.size()));
   return out;
 }
+
+// ThreadSanitizer's shadow memory grows with every byte the pipeline touches, so under it the
+// round trips run and the resident growth goes unchecked.
+constexpr const char* kShadowGrowth = "resident growth under ThreadSanitizer is its shadow's";
 
 // What a pipeline's blocks add to: anonymous pages, or huge pages where the machine reserves them.
 std::uint64_t resident_bytes() { return test::resident_anon_bytes() + test::hugetlb_bytes(); }
@@ -87,6 +96,7 @@ TEST(CheckpointPipeline, ASmallRankFileTakesAPipelineOfItsOwnSizeNotTheWholeOne)
   const std::vector<std::byte> payload = random_bytes(3 * 4096, 7);
   std::int64_t writer = 0, reader = 0;
   round_trip(scratch.path() + "/small.zinfckpt", payload, &writer, &reader);
+  if (test::kThreadSanitizer) GTEST_SKIP() << kShadowGrowth;
   // One block of 12 KiB, mapped in one 2 MiB page at most; the whole pipeline is 48 MiB.
   EXPECT_LE(writer, 4 * kMiB);
   EXPECT_LE(reader, 4 * kMiB);
@@ -100,6 +110,7 @@ TEST(CheckpointPipeline, AFileOfAFewBlocksTakesThoseBlocksAndReadsBackTheSame) {
   const std::vector<std::byte> payload = random_bytes(bytes, 11);
   std::int64_t writer = 0, reader = 0;
   round_trip(scratch.path() + "/mid.zinfckpt", payload, &writer, &reader);
+  if (test::kThreadSanitizer) GTEST_SKIP() << kShadowGrowth;
   const std::int64_t three_blocks = 3 * static_cast<std::int64_t>(kCheckpointBlockBytes);
   EXPECT_LE(writer, three_blocks + 4 * kMiB);
   EXPECT_LE(reader, three_blocks + 4 * kMiB);
@@ -112,6 +123,7 @@ TEST(CheckpointPipeline, AFileLargerThanThePipelineTakesAllOfItAndReadsBackTheSa
   const std::vector<std::byte> payload = random_bytes(bytes, 13);
   std::int64_t writer = 0, reader = 0;
   round_trip(scratch.path() + "/large.zinfckpt", payload, &writer, &reader);
+  if (test::kThreadSanitizer) GTEST_SKIP() << kShadowGrowth;
   // Six blocks of 8 MiB, touched when the pipeline is made: no fewer, and no more.
   const std::int64_t whole = kCheckpointPipelineBlocks * kCheckpointBlockBytes;
   EXPECT_GE(writer, whole - 4 * kMiB);
