@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +21,8 @@
 #include <vector>
 
 #include "base/random.hpp"
+#include "common/resident_memory.hpp"
+#include "common/sanitizer.hpp"
 #include "io/fault.hpp"
 #include "io_test_util.hpp"
 
@@ -603,6 +606,50 @@ TEST_P(SwapTest, AReleaseThatFailsPartWayMarksTheBlocksGivenBackLost) {
   AlignedBuffer whole(kUnits * kBlock, 4096);
   ASSERT_TRUE(swap.read_sync(id, whole.data()).is_ok());
   EXPECT_EQ(std::memcmp(whole.data(), next.data(), kUnits * kBlock), 0);
+}
+
+// A ticket per unit an op may move, for every op that can be in flight (max_ops, default 256):
+// bounded by the space's files as well as max_op_bytes (default 1 GiB), so that a small space
+// of small blocks costs kilobytes.
+TEST_P(SwapTest, ASmallSpaceOfSmallBlocksCostsKilobytesNotTheDefaultOpsTickets) {
+  if (test::kThreadSanitizer || test::kAddressSanitizer) {
+    GTEST_SKIP() << "a sanitizer's shadow memory grows with every byte touched";
+  }
+  if (test::resident_anon_bytes() == 0) GTEST_SKIP() << "the kernel reports no RssAnon";
+  ScratchDir root("swap-tickets-small");
+  const SwapOptions options = options_over_dirs(root, 1, 2 << 20);
+  auto io = engine();
+  ASSERT_TRUE(io);
+  const std::uint64_t before = test::resident_anon_bytes();
+  Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(*io, options);
+  ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+  const auto growth =
+      static_cast<std::int64_t>(test::resident_anon_bytes()) - static_cast<std::int64_t>(before);
+  // 256 ops of 2 MiB / 64 KiB + 1 = 33 tickets of 8 bytes: 66 KiB. With tickets for 1 GiB ops
+  // it was 256 * 16385 * 8 bytes = 32 MiB.
+  EXPECT_LE(growth, std::int64_t{2} << 20);
+}
+
+// Ops over the whole of an extent that fills the space, in one directory and striped over three,
+// take every ticket the bound allows and read back what they wrote.
+TEST_P(SwapTest, AnOpOverAWholeSpaceHasATicketForEveryUnit) {
+  for (std::size_t dir_count : {1u, 3u}) {
+    SCOPED_TRACE(fmt::format("{} directories", dir_count));
+    ScratchDir root("swap-tickets-whole");
+    const std::uint64_t bytes = 2 << 20;  // whole blocks: no striping slack needed
+    const SwapOptions options = options_over_dirs(root, dir_count, bytes);
+    auto io = engine();
+    ASSERT_TRUE(io);
+    Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(*io, options);
+    ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
+    Result<ExtentId> id = (*swap)->create("whole", bytes);
+    ASSERT_TRUE(id.is_ok()) << id.status().to_string();
+    AlignedBuffer out = random_buffer(bytes, 41 + dir_count);
+    AlignedBuffer back(bytes);
+    ASSERT_TRUE((*swap)->write_sync(*id, out.data()).is_ok());
+    ASSERT_TRUE((*swap)->read_sync(*id, back.data()).is_ok());
+    EXPECT_EQ(0, std::memcmp(out.data(), back.data(), bytes));
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapTest, io_test::kAllEngineKinds, io_test::kind_name);
