@@ -48,16 +48,24 @@ zinf_configure_and_build() {
 
 # The Python package (docs/PYTHON.md): a virtual environment in $zinf_build/venv with torch,
 # transformers, pytest, safetensors, accelerate (the Trainer's path to zinf.deepspeed_compat,
-# tested by python/tests/test_hf_trainer.py) and peft (LoRA, python/tests/test_frozen.py) from PyPI (what is installed already stays), then the
-# package built from python/ with warnings as errors. ZINF_PYTHON picks the interpreter that makes
-# the environment (default python3); CMAKE_ARGS adds configure arguments (a compiler launcher).
-zinf_python_install() {
+# tested by python/tests/test_hf_trainer.py) and peft (LoRA, python/tests/test_frozen.py) from
+# PyPI (what is installed already stays), then the package built from python/ with warnings as
+# errors. ZINF_PYTHON picks the interpreter that makes the environment (default python3);
+# CMAKE_ARGS adds configure arguments (a compiler launcher). zinf_python_env alone makes the
+# environment (scripts/test runs it beside the C++ build: it is mostly downloads and unpacking, on
+# one core); zinf_python_install makes it where it is missing, then builds the package.
+zinf_python_env() {
   zinf_venv="$zinf_build/venv"
   if [ ! -x "$zinf_venv/bin/python" ]; then
     "${ZINF_PYTHON:-python3}" -m venv "$zinf_venv"
   fi
   "$zinf_venv/bin/pip" install --quiet torch transformers pytest safetensors numpy accelerate \
     peft scikit-build-core nanobind
+}
+
+zinf_python_install() {
+  zinf_venv="$zinf_build/venv"
+  [ "${zinf_python_env_done:-0}" = 1 ] || zinf_python_env
   # The build requirements are installed above, so pip need not make an isolated environment.
   # With ZINF_PYTHON_PREFIX (an installed static zinf), the package links that library instead of
   # compiling it again (python/CMakeLists.txt).

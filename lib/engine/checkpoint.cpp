@@ -254,10 +254,7 @@ void restore_replaced_tags(IoEngine& io, const std::string& dir,
                                                   : Result<CheckpointTagSummary>(text.status());
     if (m.is_ok() && m->tag == tag) tags->push_back(std::move(*m));
   }
-  std::sort(tags->begin(), tags->end(),
-            [](const CheckpointTagSummary& a, const CheckpointTagSummary& b) {
-              return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
-            });
+  sort_tags_oldest_first(*tags);
   (void)sync_dir(dir);
 }
 

@@ -29,6 +29,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -573,6 +574,15 @@ Result<CheckpointTagSummary> parse_checkpoint_manifest_summary(std::string_view 
 // many tags costs a read of each manifest and no more.
 std::vector<CheckpointTagSummary> list_checkpoint_tag_summaries(
     IoEngine& io, const std::string& dir, RefusedCheckpointTags* refused = nullptr);
+
+// The order the lists above are in, for tags gathered from elsewhere too (.<tag>.old directories):
+// oldest first by serial, then by name, so that tags of one serial come in one order everywhere.
+template <class Tag>
+void sort_tags_oldest_first(std::vector<Tag>& tags) {
+  std::sort(tags.begin(), tags.end(), [](const Tag& a, const Tag& b) {
+    return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
+  });
+}
 
 // "<dir>/.<tag>.old" when it holds the complete tag `tag` (a manifest that parses and names it,
 // and every file the manifest lists) and "<dir>/<tag>" does not exist: a save that replaced the

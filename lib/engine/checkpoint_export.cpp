@@ -170,10 +170,7 @@ Result<nlohmann::json> inspect_checkpoints(const std::string& dir, bool verify) 
     aside_dirs[tag] = old;
     manifests.push_back(std::move(*m));
   }
-  std::sort(manifests.begin(), manifests.end(),
-            [](const CheckpointManifest& a, const CheckpointManifest& b) {
-              return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
-            });
+  sort_tags_oldest_first(manifests);
   // What a load would refuse: a `latest` that cannot be read or names no complete tag, tag
   // directories whose manifest does not read, and (below) a tag whose files do not match their
   // checksums (problems); and saves in progress or cut short (notes).

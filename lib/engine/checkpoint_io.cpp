@@ -754,9 +754,7 @@ std::vector<Entry> list_tags(IoEngine& io, const std::string& dir, RefusedCheckp
                                                : std::string(m.status().message())});
     }
   }
-  std::sort(out.begin(), out.end(), [](const Entry& a, const Entry& b) {
-    return a.serial != b.serial ? a.serial < b.serial : a.tag < b.tag;
-  });
+  sort_tags_oldest_first(out);
   return out;
 }
 
