@@ -7,6 +7,7 @@
 #pragma once
 
 #include <fmt/format.h>
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -36,6 +37,7 @@
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
 #include "zinf/comm.hpp"
 #include "zinf/config.hpp"
 #include "zinf/device.hpp"
