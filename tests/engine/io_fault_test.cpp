@@ -35,13 +35,17 @@ struct FaultSetup {
   DType dtype = DType::kF32;
   bool overlap = false;  // zinf.overlap_step: the pass runs behind the next forward
   int last_step = 2;     // faults on from step 2 to this one
+  // zinf.io_timeout_ms: short where a transfer is made to hang; otherwise long enough that no
+  // real transfer reaches it, however loaded the machine (50 ms turned a read of an EIO seed
+  // into kTimeout under asan beside other tests on 2 cores).
+  int io_timeout_ms = 10000;
 };
 FaultRun run_with_faults(const FaultSpec& spec, const std::string& dir_name,
                          const FaultSetup& setup = {}) {
   engine_test::ScratchDir dir(dir_name);
   Config config =
       engine_test::small_config(setup.stage, OffloadDevice::kNvme, setup.params, dir.path());
-  config.io_timeout_ms = 50;
+  config.io_timeout_ms = setup.io_timeout_ms;
   config.io_timeouts_max = 2;
   // The fault's error is asserted at the step() that meets it: the sequential step. (Overlapped,
   // the pass's error comes back from the next call instead, the same Status, sticky.)
@@ -81,7 +85,9 @@ TEST(EngineIoFault, AWriteThatNeverCompletesEndsTheStepWithTimeoutNamingTheExten
   spec.hang_rate = 1.0;
   spec.hang_max = 1;
   spec.reads = false;
-  const FaultRun run = run_with_faults(spec, "io_fault_hang");
+  FaultSetup setup;
+  setup.io_timeout_ms = 50;
+  const FaultRun run = run_with_faults(spec, "io_fault_hang", setup);
   EXPECT_EQ(run.counts.hang, 1u);
   EXPECT_EQ(run.first_step.code(), Code::kTimeout) << run.first_step.to_string();
   EXPECT_NE(run.first_step.message().find("rank0/opt/group"), std::string::npos)
