@@ -95,7 +95,7 @@ struct ReplaceCase {
   bool exchange;
 };
 
-std::string case_name(const ::testing::TestParamInfo<ReplaceCase>& info) {
+std::string replace_case_name(const ::testing::TestParamInfo<ReplaceCase>& info) {
   return fmt::format("World{}{}{}", info.param.world, info.param.nvme ? "Nvme" : "Host",
                      info.param.exchange ? "Exchange" : "TwoRenames");
 }
@@ -198,7 +198,7 @@ INSTANTIATE_TEST_SUITE_P(Cases, CheckpointReplace,
                                            ReplaceCase{1, true, true}, ReplaceCase{2, true, true},
                                            ReplaceCase{1, false, false},
                                            ReplaceCase{2, true, false}),
-                         case_name);
+                         replace_case_name);
 
 struct CrashCase {
   bool exchange;

@@ -11,7 +11,7 @@
 namespace zinf {
 namespace {
 
-std::string refusal(const std::string& json) {
+std::string refusal_of(const std::string& json) {
   Result<Config> c = parse_config(json);
   EXPECT_FALSE(c.is_ok()) << json;
   return c.is_ok() ? std::string() : std::string(c.status().message());
@@ -41,7 +41,7 @@ TEST(ConfigRefusalNames, AutoOnAKeyWhoseValueMattersIsRefused) {
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.json);
-    const std::string message = refusal(c.json);
+    const std::string message = refusal_of(c.json);
     EXPECT_EQ(message.rfind(fmt::format("{}: \"auto\" is a placeholder", c.key), 0), 0u) << message;
     Result<std::vector<KeyReport>> reports = check_config(c.json);
     ASSERT_TRUE(reports.is_ok()) << reports.status().to_string();
@@ -83,7 +83,7 @@ TEST(ConfigRefusalNames, ParamOffloadSwitchBelowStage3IsRefusedNamingIt) {
       SCOPED_TRACE(fmt::format("{} at stage {}", name, stage));
       const std::string json =
           fmt::format(R"({{"zero_optimization": {{"stage": {}, "{}": true}}}})", stage, name);
-      const std::string message = refusal(json);
+      const std::string message = refusal_of(json);
       EXPECT_EQ(message.rfind(fmt::format("zero_optimization.{}: true", name), 0), 0u) << message;
       EXPECT_NE(message.find(fmt::format("needs stage 3 (stage {}", stage)), std::string::npos)
           << message;

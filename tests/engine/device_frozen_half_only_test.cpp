@@ -436,9 +436,7 @@ EngineRun run_engine(const engine_test::Model& model, const std::string& ckpt,
   return out;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using engine_test::same_bits;
 
 // `trained` (a run's masters of `model` after its steps): the base's parameters hold `base`'s
 // bits; every other parameter trained away from `start` to `reference`'s bits.

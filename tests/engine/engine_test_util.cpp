@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -520,6 +521,17 @@ Reference run_reference(const Config& config, const Model& model, int world,
   ref.exp_avg = std::move(m);
   ref.exp_avg_sq = std::move(v);
   return ref;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  // An empty vector's data() may be null, which memcmp must not be given even for 0 bytes.
+  return a.size() == b.size() &&
+         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
 }
 
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor) {

@@ -201,6 +201,12 @@ struct RankRuns {
 RankRuns train_against_reference(const Config& config, Ranks& ranks, const Model& model,
                                  const TrainOptions& options, const Reference& reference);
 
+// Whether a and b hold the same floats bit for bit (NaNs and signed zeros included).
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b);
+
+// The middle value of v (the upper one of the two middles for an even count); v not empty.
+double median(std::vector<double> v);
+
 // max |a - b| / max(|b|, floor) over all elements.
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
 

@@ -72,9 +72,7 @@ std::size_t frozen_elements(const Model& m) {
   return count;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using engine_test::same_bits;
 
 // What train() saw: every master (rank 0's read) after finalize() and after the steps, and each
 // rank's MemoryReport::host_bytes after finalize().

@@ -74,9 +74,7 @@ engine_test::Ranks checked_ranks() {
   return test::make_host_ranks(kWorld, o);
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using engine_test::same_bits;
 
 // Each rank's MemoryReport::host_bytes after finalize().
 std::vector<std::uint64_t> finalized_host_bytes(const Config& config, const Model& model) {

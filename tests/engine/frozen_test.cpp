@@ -34,7 +34,7 @@ using engine_test::Reference;
 using engine_test::TrainOptions;
 using test_common::LoopMount;
 
-struct Case {
+struct FrozenCase {
   int world = 1;
   int stage = 3;
   OffloadDevice optimizer = OffloadDevice::kHost;
@@ -53,7 +53,7 @@ struct Case {
   std::size_t sub_group_size = 0;
 };
 
-std::string case_name(const Case& c) {
+std::string frozen_case_name(const FrozenCase& c) {
   return fmt::format("w{}_s{}_opt_{}_param_{}_{}_{}_{}_mb{}{}{}{}{}{}", c.world, c.stage,
                      offload_device_name(c.optimizer), offload_device_name(c.params), c.frozen,
                      optimizer_name(c.kind), dtype_name(c.dtype), c.micro_batches,
@@ -62,7 +62,7 @@ std::string case_name(const Case& c) {
                      c.sub_group_size > 0 ? fmt::format("_sg{}", c.sub_group_size) : "");
 }
 
-Config case_config(const Case& c, const std::string& dir) {
+Config case_config(const FrozenCase& c, const std::string& dir) {
   Config config = engine_test::small_config(c.stage, c.optimizer, c.params, dir);
   config.optimizer.kind = c.kind;
   config.gradient_clipping = c.clipping;
@@ -77,12 +77,13 @@ Config case_config(const Case& c, const std::string& dir) {
 
 // Trains the case on every rank against the reference (gathered copies compared at every step)
 // and checks the final masters.
-void run_case(const Case& c) {
+void run_frozen_case(const FrozenCase& c) {
   const std::uint64_t seed = 4321 + static_cast<std::uint64_t>(c.world) * 10 +
                              static_cast<std::uint64_t>(c.stage) +
                              static_cast<std::uint64_t>(c.kind) * 100;
-  std::printf("case %s seed %llu\n", case_name(c).c_str(), static_cast<unsigned long long>(seed));
-  engine_test::ScratchDir dir("frozen_" + case_name(c));
+  std::printf("case %s seed %llu\n", frozen_case_name(c).c_str(),
+              static_cast<unsigned long long>(seed));
+  engine_test::ScratchDir dir("frozen_" + frozen_case_name(c));
   const Config config = case_config(c, dir.path());
   Model model = engine_test::make_model(c.dtype, seed);
   model.frozen_module = c.frozen;
@@ -127,18 +128,18 @@ void run_case(const Case& c) {
   EXPECT_EQ(reports[0].back().micro_batches, c.micro_batches);
 }
 
-class FrozenEquivalence : public ::testing::TestWithParam<Case> {};
+class FrozenEquivalence : public ::testing::TestWithParam<FrozenCase> {};
 
 TEST_P(FrozenEquivalence, TrainsTheOthersAsTheReferenceAndKeepsTheFrozenBits) {
-  run_case(GetParam());
+  run_frozen_case(GetParam());
 }
 
-std::vector<Case> equivalence_cases() {
-  std::vector<Case> cases;
+std::vector<FrozenCase> equivalence_cases() {
+  std::vector<FrozenCase> cases;
   for (int world : {1, 2}) {
     for (int stage : {1, 2, 3}) {
       for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
-        Case c;
+        FrozenCase c;
         c.world = world;
         c.stage = stage;
         c.optimizer = opt;
@@ -245,8 +246,8 @@ std::vector<Case> equivalence_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, FrozenEquivalence, ::testing::ValuesIn(equivalence_cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return case_name(info.param);
+                         [](const ::testing::TestParamInfo<FrozenCase>& info) {
+                           return frozen_case_name(info.param);
                          });
 
 // Runs fn on one engine of `config` (world 1), nothing registered.

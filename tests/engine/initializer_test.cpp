@@ -25,7 +25,7 @@ namespace {
 using engine_test::Model;
 using engine_test::ParamDef;
 
-struct Case {
+struct InitCase {
   int world;
   int stage;
   OffloadDevice optimizer;
@@ -34,7 +34,7 @@ struct Case {
   bool opaque = false;
 };
 
-std::string case_name(const Case& c) {
+std::string init_case_name(const InitCase& c) {
   return fmt::format("w{}_s{}_opt_{}_param_{}_{}{}", c.world, c.stage,
                      offload_device_name(c.optimizer), offload_device_name(c.params),
                      dtype_name(c.dtype), c.opaque ? "_opaque" : "");
@@ -146,12 +146,13 @@ Status train_two_steps(Engine& engine, Device& device, const Model& model, int r
   return Status::ok();
 }
 
-void run_case(const Case& c) {
+void run_init_case(const InitCase& c) {
   const std::uint64_t seed =
       4321 + static_cast<std::uint64_t>(c.world) * 10 + static_cast<std::uint64_t>(c.stage);
-  std::printf("case %s seed %llu\n", case_name(c).c_str(), static_cast<unsigned long long>(seed));
-  engine_test::ScratchDir dir_values(case_name(c) + "_values");
-  engine_test::ScratchDir dir_init(case_name(c) + "_init");
+  std::printf("case %s seed %llu\n", init_case_name(c).c_str(),
+              static_cast<unsigned long long>(seed));
+  engine_test::ScratchDir dir_values(init_case_name(c) + "_values");
+  engine_test::ScratchDir dir_init(init_case_name(c) + "_init");
   const Model model = engine_test::make_model(c.dtype, seed);
   const auto world = static_cast<std::size_t>(c.world);
   // Separate ranks (devices and communicators) for the two engines of each rank, so that their
@@ -258,14 +259,14 @@ void run_case(const Case& c) {
 }
 
 // gtest prints a case by its name rather than its bytes.
-void PrintTo(const Case& c, std::ostream* os) { *os << case_name(c); }
+void PrintTo(const InitCase& c, std::ostream* os) { *os << init_case_name(c); }
 
-class InitializerCases : public ::testing::TestWithParam<Case> {};
+class InitializerCases : public ::testing::TestWithParam<InitCase> {};
 
-TEST_P(InitializerCases, SameMastersAndGatheredValuesAsInitialValues) { run_case(GetParam()); }
+TEST_P(InitializerCases, SameMastersAndGatheredValuesAsInitialValues) { run_init_case(GetParam()); }
 
-std::vector<Case> all_cases() {
-  std::vector<Case> cases;
+std::vector<InitCase> all_cases() {
+  std::vector<InitCase> cases;
   for (int world : {1, 2, 4}) {
     for (int stage : {1, 2, 3}) {
       for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
@@ -283,8 +284,8 @@ std::vector<Case> all_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, InitializerCases, ::testing::ValuesIn(all_cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
-                           return case_name(info.param);
+                         [](const ::testing::TestParamInfo<InitCase>& info) {
+                           return init_case_name(info.param);
                          });
 
 // --- Errors

@@ -104,11 +104,7 @@ Status train(Engine& engine, const Model& model, const OverlapCase& c, int rank,
   return Status::ok();
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  // An empty vector's data() may be null, which memcmp must not be given even for 0 bytes.
-  return a.size() == b.size() &&
-         (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0);
-}
+using engine_test::same_bits;
 
 }  // namespace
 

@@ -113,10 +113,7 @@ double sleep_floor_ms(double compute_ms) {
   return (Trace::now_ns() - t0) / 1e6 / kSteps;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using engine_test::median;
 
 TEST(PrefetchOverlap, PrefetchHidesGatherTimeBehindCompute) {
   const double compute_ms = 4.0;

@@ -27,14 +27,14 @@
 namespace zinf {
 namespace {
 
-constexpr int kWorld = 2;
+constexpr int kPublishWorld = 2;
 constexpr std::size_t kParams = 6;
 constexpr std::size_t kEach = 40;  // elements a parameter
 constexpr std::uint64_t kSeed = 6120;
 
-// What a group's all-gather receives: kEach elements padded to kWorld * 128 (the partitioner's
-// alignment_elements), f32.
-constexpr std::uint64_t kGroupBytes = kWorld * 128 * sizeof(float);
+// What a group's all-gather receives: kEach elements padded to kPublishWorld * 128 (the
+// partitioner's alignment_elements), f32.
+constexpr std::uint64_t kGroupBytes = kPublishWorld * 128 * sizeof(float);
 
 // The device copy of parameter i, read through the device; the module stays gathered.
 Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size_t i) {
@@ -44,7 +44,7 @@ Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size
 
 TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOnce) {
   SCOPED_TRACE(testing::Message() << "seed " << kSeed);
-  engine_test::Ranks ranks = engine_test::make_ranks(kWorld);
+  engine_test::Ranks ranks = engine_test::make_ranks(kPublishWorld);
   Config config;
   config.optimizer.kind = OptimizerKind::kAdamW;
   config.optimizer.lr = 1e-2;
@@ -59,7 +59,7 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
     std::uint64_t gathers_bytes = 0;        // gathers of every module after both
     std::vector<std::vector<float>> masters, copies;
   };
-  std::vector<Seen> seen(kWorld);
+  std::vector<Seen> seen(kPublishWorld);
   // Parameter i's initial values are seeded with kSeed + i.
   const engine_test::Model model =
       engine_test::one_param_modules(kParams, kEach, kSeed, -1.0f, 1.0f);
@@ -113,7 +113,7 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
         }
         return Status::ok();
       });
-  for (int rank = 0; rank < kWorld; ++rank) {
+  for (int rank = 0; rank < kPublishWorld; ++rank) {
     const auto r = static_cast<std::size_t>(rank);
     ASSERT_TRUE(st[r].is_ok()) << "rank " << rank << ": " << st[r].to_string();
     const Seen& s = seen[r];

@@ -22,7 +22,7 @@ namespace {
 
 using engine_test::Model;
 
-struct Case {
+struct ReadCase {
   int world;
   int stage;
   OffloadDevice optimizer;
@@ -31,10 +31,10 @@ struct Case {
   bool opaque = false;
 };
 
-class ReadOptimizerState : public ::testing::TestWithParam<Case> {};
+class ReadOptimizerState : public ::testing::TestWithParam<ReadCase> {};
 
 TEST_P(ReadOptimizerState, GivesEveryRankTheReferenceMoments) {
-  const Case c = GetParam();
+  const ReadCase c = GetParam();
   engine_test::ScratchDir dir(
       fmt::format("read_state_w{}_s{}_{}", c.world, c.stage, offload_device_name(c.optimizer)));
   const Model model = engine_test::make_model(DType::kF32, 91);
@@ -88,17 +88,19 @@ TEST_P(ReadOptimizerState, GivesEveryRankTheReferenceMoments) {
     EXPECT_TRUE(st[r].is_ok()) << r << ": " << st[r].to_string();
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Cases, ReadOptimizerState,
-    ::testing::Values(Case{1, 1, OffloadDevice::kHost}, Case{2, 1, OffloadDevice::kNvme},
-                      Case{2, 2, OffloadDevice::kHost}, Case{2, 3, OffloadDevice::kHost},
-                      Case{2, 3, OffloadDevice::kNvme}, Case{1, 2, OffloadDevice::kNone, true},
-                      Case{2, 3, OffloadDevice::kNone, true}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return fmt::format("w{}_s{}_{}{}", info.param.world, info.param.stage,
-                         offload_device_name(info.param.optimizer),
-                         info.param.opaque ? "_device" : "");
-    });
+INSTANTIATE_TEST_SUITE_P(Cases, ReadOptimizerState,
+                         ::testing::Values(ReadCase{1, 1, OffloadDevice::kHost},
+                                           ReadCase{2, 1, OffloadDevice::kNvme},
+                                           ReadCase{2, 2, OffloadDevice::kHost},
+                                           ReadCase{2, 3, OffloadDevice::kHost},
+                                           ReadCase{2, 3, OffloadDevice::kNvme},
+                                           ReadCase{1, 2, OffloadDevice::kNone, true},
+                                           ReadCase{2, 3, OffloadDevice::kNone, true}),
+                         [](const ::testing::TestParamInfo<ReadCase>& info) {
+                           return fmt::format("w{}_s{}_{}{}", info.param.world, info.param.stage,
+                                              offload_device_name(info.param.optimizer),
+                                              info.param.opaque ? "_device" : "");
+                         });
 
 // Three modules, one group each, f32. Two ways to cut the state on NVMe:
 //

@@ -5,9 +5,9 @@
 // (IoOptions::retry_max, 8 in a row); EIO is not retried (docs/RELIABILITY.md): the step fails with
 // a Status naming the extent, the engine's error is sticky, and the run resumes from its last
 // checkpoint (saved every kCheckpointEvery steps) in a new engine, as a training job would. Each
-// round trains kSteps steps that way and must end with exactly the fp32 masters of the same steps
-// run without faults. Prints the counts of every fault and outcome (docs/BENCHMARKS.md has a long
-// run's).
+// round trains kSoakSteps steps that way and must end with exactly the fp32 masters of the same
+// steps run without faults. Prints the counts of every fault and outcome (docs/BENCHMARKS.md has a
+// long run's).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -28,7 +28,7 @@ namespace {
 using engine_test::Model;
 using engine_test::TrainOptions;
 
-constexpr int kSteps = 24;
+constexpr int kSoakSteps = 24;
 constexpr int kCheckpointEvery = 4;
 
 struct Tally {
@@ -76,7 +76,7 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
     Result<std::unique_ptr<Engine>> engine = open_engine(config, model, ranks, nullptr);
     ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
     TrainOptions options;
-    options.steps = kSteps;
+    options.steps = kSoakSteps;
     options.check_gathered = false;
     const Status trained = engine_test::train_rank(**engine, model, 0, options, nullptr, nullptr);
     ASSERT_TRUE(trained.is_ok()) << trained.to_string();
@@ -118,7 +118,7 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
     int saved_step = 0;  // the step of the last checkpoint; 0: none yet
     int step = 1;
     int resumes_this_round = 0;
-    while (step <= kSteps) {
+    while (step <= kSoakSteps) {
       if (engine == nullptr) {
         // A new engine (and injector: its counters are kept per engine), from the checkpoint.
         if (faults) add(&tally.faults, faults->counts());
@@ -214,7 +214,7 @@ TEST(Soak, TrainingUnderRandomNvmeFaultsEndsWithTheFaultFreeMasters) {
       "saved %llu, saves failed with a Status %llu, resumed from a checkpoint %llu (opening or "
       "loading failed with a Status %llu more times)\n"
       "  last error: %s\n",
-      took, static_cast<unsigned long long>(tally.rounds), kSteps,
+      took, static_cast<unsigned long long>(tally.rounds), kSoakSteps,
       static_cast<unsigned long long>(tally.faults.eio),
       static_cast<unsigned long long>(tally.faults.short_io),
       static_cast<unsigned long long>(tally.faults.eintr),

@@ -19,10 +19,7 @@
 namespace zinf {
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
+using engine_test::median;
 
 TEST(StepCost, StepWallBesideTheOptimizerPass) {
   const int world = 2;

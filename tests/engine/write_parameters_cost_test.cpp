@@ -41,13 +41,11 @@ constexpr std::size_t kEach = 24;  // elements a parameter
 constexpr float kLo = -2.0f;
 constexpr float kHi = 2.0f;
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
+using engine_test::same_bits;
 
 // Stage 2 (every group stays gathered), AdamW with its state at `offload`; kParams parameters
 // "w<i>" of kEach elements, each in module "m<i>" and its own group, initial values seeded with i.
-struct Case {
+struct CostCase {
   OffloadDevice offload;
   bool opaque;  // the devices opaque (a GPU's memory; offload none: DeviceState)
   int world;
@@ -59,8 +57,8 @@ std::uint64_t gathered_bytes(int world) {
   return static_cast<std::uint64_t>(world) * 128 * sizeof(float);
 }
 
-Result<std::unique_ptr<Engine>> open_model(const Case& c, const std::string& dir, Device* device,
-                                           Communicator* comm) {
+Result<std::unique_ptr<Engine>> open_model(const CostCase& c, const std::string& dir,
+                                           Device* device, Communicator* comm) {
   Config config;
   config.optimizer.kind = OptimizerKind::kAdamW;
   config.zero.stage = 2;
@@ -94,10 +92,10 @@ Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size
   return out;
 }
 
-class WriteParametersCost : public ::testing::TestWithParam<Case> {};
+class WriteParametersCost : public ::testing::TestWithParam<CostCase> {};
 
 TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParametersAlone) {
-  const Case c = GetParam();
+  const CostCase c = GetParam();
   const std::string dir = fmt::format("{}/zinf-wp-cost-{}-{}-{}-{}", ::testing::TempDir(),
                                       static_cast<int>(c.offload), c.opaque, c.world, ::getpid());
   std::filesystem::create_directories(dir);
@@ -177,15 +175,18 @@ TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParamete
   std::filesystem::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Homes, WriteParametersCost,
-    ::testing::Values(Case{OffloadDevice::kNone, false, 1}, Case{OffloadDevice::kHost, false, 1},
-                      Case{OffloadDevice::kNvme, false, 1}, Case{OffloadDevice::kNone, true, 1},
-                      Case{OffloadDevice::kHost, false, 2}, Case{OffloadDevice::kNvme, true, 2}),
-    [](const ::testing::TestParamInfo<Case>& info) {
-      return fmt::format("{}{}_world{}", offload_device_name(info.param.offload),
-                         info.param.opaque ? "_opaque" : "", info.param.world);
-    });
+INSTANTIATE_TEST_SUITE_P(Homes, WriteParametersCost,
+                         ::testing::Values(CostCase{OffloadDevice::kNone, false, 1},
+                                           CostCase{OffloadDevice::kHost, false, 1},
+                                           CostCase{OffloadDevice::kNvme, false, 1},
+                                           CostCase{OffloadDevice::kNone, true, 1},
+                                           CostCase{OffloadDevice::kHost, false, 2},
+                                           CostCase{OffloadDevice::kNvme, true, 2}),
+                         [](const ::testing::TestParamInfo<CostCase>& info) {
+                           return fmt::format("{}{}_world{}",
+                                              offload_device_name(info.param.offload),
+                                              info.param.opaque ? "_opaque" : "", info.param.world);
+                         });
 
 TEST(WriteParametersCheck, ReportsTheFirstBadNameInTheOrderGiven) {
   const std::string dir = fmt::format("{}/zinf-wp-check-{}", ::testing::TempDir(), ::getpid());

@@ -239,9 +239,7 @@ std::vector<RankOutcome> train_write_step(const Case& c, Writes writes, const Mo
   return out;
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
-}
+using engine_test::same_bits;
 
 TEST_P(WriteParameters, BatchWritesAsOneByOneDoes) {
   const Case c = GetParam();

@@ -25,7 +25,7 @@ using io_test::random_buffer;
 using io_test::read_file_plain;
 using io_test::ScratchDir;
 
-constexpr std::size_t kBlock = 64 << 10;
+constexpr std::size_t kSwapBlock = 64 << 10;
 
 // `dir_count` fresh directories d0, d1, ... under `root`.
 std::vector<std::string> make_dirs(const ScratchDir& root, std::size_t dir_count) {
@@ -42,20 +42,20 @@ class SwapDirsTest : public io_test::EngineKindTest {
   // Pieces of one swap block, 32 deep: the engine of an aio block of 64 KiB at depth 32.
   std::unique_ptr<IoEngine> engine(std::uint32_t max_requests) {
     IoOptions options;
-    options.block_bytes = kBlock;
+    options.block_bytes = kSwapBlock;
     options.queue_depth = 32;
     options.max_requests = max_requests;
     return must_open(GetParam(), options);
   }
 
   // A SwapSpace on `io` striped over `dir_count` fresh directories under `root`, in blocks of
-  // kBlock up to `capacity_bytes`; null, failing the test, where it does not open.
+  // kSwapBlock up to `capacity_bytes`; null, failing the test, where it does not open.
   static std::unique_ptr<SwapSpace> open_striped(IoEngine& io, const ScratchDir& root,
                                                  std::size_t dir_count,
                                                  std::uint64_t capacity_bytes) {
     SwapOptions options;
     options.dirs = make_dirs(root, dir_count);
-    options.block_bytes = kBlock;
+    options.block_bytes = kSwapBlock;
     options.capacity_bytes = capacity_bytes;
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(io, options);
     EXPECT_TRUE(opened.is_ok()) << opened.status().to_string();
@@ -77,8 +77,8 @@ TEST_P(SwapDirsTest, StripedOpsTakeAFewRequestsPerDirectory) {
   constexpr std::uint64_t kExtentBytes = 8 << 20;
   SwapOptions options;
   options.dirs = make_dirs(root, kDirs);
-  options.block_bytes = kBlock;
-  options.capacity_bytes = kOps * kExtentBytes + kDirs * kOps * kBlock;
+  options.block_bytes = kSwapBlock;
+  options.capacity_bytes = kOps * kExtentBytes + kDirs * kOps * kSwapBlock;
   options.max_ops = kOps;
   options.max_op_bytes = kExtentBytes;
   auto io = engine(kOps * 8);
@@ -87,8 +87,8 @@ TEST_P(SwapDirsTest, StripedOpsTakeAFewRequestsPerDirectory) {
   ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
   SwapSpace& swap = **opened;
   EXPECT_EQ(swap.op_requests(kExtentBytes), 8u);
-  EXPECT_EQ(swap.op_requests(kBlock), 1u);
-  EXPECT_EQ(swap.op_requests(3 * kBlock), 2u);
+  EXPECT_EQ(swap.op_requests(kSwapBlock), 1u);
+  EXPECT_EQ(swap.op_requests(3 * kSwapBlock), 2u);
 
   std::vector<ExtentId> ids;
   std::vector<AlignedBuffer> data;
@@ -124,12 +124,12 @@ TEST_P(SwapDirsTest, StripedOpsTakeAFewRequestsPerDirectory) {
   std::vector<std::string> files;
   for (const std::string& path : swap.file_paths()) files.push_back(read_file_plain(path));
   for (std::size_t i = 0; i < kOps; ++i) {
-    const std::uint64_t blocks = kExtentBytes / kBlock;
+    const std::uint64_t blocks = kExtentBytes / kSwapBlock;
     for (std::uint64_t u = 0; u < blocks; ++u) {
       const std::size_t d = (i + u) % kDirs;
-      const std::uint64_t at = i * (blocks / kDirs) * kBlock + (u / kDirs) * kBlock;
-      ASSERT_LE(at + kBlock, files[d].size());
-      ASSERT_EQ(std::memcmp(files[d].data() + at, data[i].data() + u * kBlock, kBlock), 0)
+      const std::uint64_t at = i * (blocks / kDirs) * kSwapBlock + (u / kDirs) * kSwapBlock;
+      ASSERT_LE(at + kSwapBlock, files[d].size());
+      ASSERT_EQ(std::memcmp(files[d].data() + at, data[i].data() + u * kSwapBlock, kSwapBlock), 0)
           << "extent " << i << " block " << u << " in directory " << d;
     }
   }
@@ -146,8 +146,8 @@ TEST_P(SwapDirsTest, AwkwardExtentsRoundTripOverThreeDirectories) {
   std::unique_ptr<SwapSpace> opened = open_striped(*io, root, 3, 16 << 20);
   ASSERT_TRUE(opened);
   SwapSpace& swap = *opened;
-  const std::vector<std::uint64_t> sizes = {1000, 2 * kBlock + 17, 37 * kBlock + 4096 * 3 + 5,
-                                            100 * kBlock};
+  const std::vector<std::uint64_t> sizes = {1000, 2 * kSwapBlock + 17,
+                                            37 * kSwapBlock + 4096 * 3 + 5, 100 * kSwapBlock};
   for (std::size_t i = 0; i < sizes.size(); ++i) {
     Result<ExtentId> id = swap.create(fmt::format("e{}", i), sizes[i]);
     ASSERT_TRUE(id.is_ok()) << id.status().to_string();
@@ -157,10 +157,11 @@ TEST_P(SwapDirsTest, AwkwardExtentsRoundTripOverThreeDirectories) {
     std::memset(back.data(), 0, back.bytes());
     ASSERT_TRUE(swap.read_sync(*id, back.data()).is_ok()) << "extent " << i;
     EXPECT_EQ(std::memcmp(back.data(), data.data(), sizes[i]), 0) << "extent " << i;
-    if (sizes[i] > 4 * kBlock) {
+    if (sizes[i] > 4 * kSwapBlock) {
       std::memset(back.data(), 0, back.bytes());
-      ASSERT_TRUE(swap.read_sync(*id, kBlock, 3 * kBlock, back.data()).is_ok());
-      EXPECT_EQ(std::memcmp(back.data(), data.data() + kBlock, 3 * kBlock), 0) << "extent " << i;
+      ASSERT_TRUE(swap.read_sync(*id, kSwapBlock, 3 * kSwapBlock, back.data()).is_ok());
+      EXPECT_EQ(std::memcmp(back.data(), data.data() + kSwapBlock, 3 * kSwapBlock), 0)
+          << "extent " << i;
     }
   }
 }
@@ -182,8 +183,8 @@ TEST_P(SwapDirsTest, ADirectorysShareSplitsByGeneration) {
   std::unique_ptr<SwapSpace> opened = open_striped(*io, root, 2, 4 << 20);
   ASSERT_TRUE(opened);
   SwapSpace& swap = *opened;
-  constexpr std::uint64_t kExtentBytes = 12 * kBlock + 20000;
-  constexpr std::uint64_t kMemoryBytes = 13 * kBlock;
+  constexpr std::uint64_t kExtentBytes = 12 * kSwapBlock + 20000;
+  constexpr std::uint64_t kMemoryBytes = 13 * kSwapBlock;
   EXPECT_EQ(swap.op_requests(kExtentBytes), 2u);  // one round: one request per directory
   Result<ExtentId> id = swap.create("rank0/group0/fp32", kExtentBytes);
   ASSERT_TRUE(id.is_ok()) << id.status().to_string();
@@ -201,11 +202,12 @@ TEST_P(SwapDirsTest, ADirectorysShareSplitsByGeneration) {
   for (const auto& [first, blocks] :
        {std::pair<std::uint64_t, std::uint64_t>{2, 2}, {6, 1}, {9, 1}}) {
     Result<SwapTicket> t =
-        swap.write(*id, first * kBlock, blocks * kBlock, fresh.data() + first * kBlock);
+        swap.write(*id, first * kSwapBlock, blocks * kSwapBlock, fresh.data() + first * kSwapBlock);
     ASSERT_TRUE(t.is_ok()) << "block " << first << ": " << t.status().to_string();
     Status written = swap.wait(*t, std::chrono::seconds(30));
     ASSERT_TRUE(written.is_ok()) << "block " << first << ": " << written.to_string();
-    std::memcpy(data.data() + first * kBlock, fresh.data() + first * kBlock, blocks * kBlock);
+    std::memcpy(data.data() + first * kSwapBlock, fresh.data() + first * kSwapBlock,
+                blocks * kSwapBlock);
   }
   EXPECT_FALSE(swap.in_current_file(*id));
 
@@ -216,15 +218,15 @@ TEST_P(SwapDirsTest, ADirectorysShareSplitsByGeneration) {
   ASSERT_TRUE(read.is_ok()) << read.to_string();
   EXPECT_EQ(io->stats().requests - requests_before, 10u);
   for (std::uint64_t b = 0; b < 13; ++b) {
-    const std::uint64_t bytes = std::min(kBlock, kExtentBytes - b * kBlock);
-    EXPECT_EQ(std::memcmp(back.data() + b * kBlock, data.data() + b * kBlock, bytes), 0)
+    const std::uint64_t bytes = std::min(kSwapBlock, kExtentBytes - b * kSwapBlock);
+    EXPECT_EQ(std::memcmp(back.data() + b * kSwapBlock, data.data() + b * kSwapBlock, bytes), 0)
         << "block " << b;
   }
   // Blocks 1 to 10: a range that starts in directory 1 and crosses every split.
   std::memset(back.data(), 0, back.bytes());
-  read = swap.read_sync(*id, kBlock, 10 * kBlock, back.data());
+  read = swap.read_sync(*id, kSwapBlock, 10 * kSwapBlock, back.data());
   ASSERT_TRUE(read.is_ok()) << read.to_string();
-  EXPECT_EQ(std::memcmp(back.data(), data.data() + kBlock, 10 * kBlock), 0);
+  EXPECT_EQ(std::memcmp(back.data(), data.data() + kSwapBlock, 10 * kSwapBlock), 0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Kinds, SwapDirsTest, io_test::kAllEngineKinds, io_test::kind_name);
@@ -232,7 +234,7 @@ INSTANTIATE_TEST_SUITE_P(Kinds, SwapDirsTest, io_test::kAllEngineKinds, io_test:
 SwapOptions small_options(std::vector<std::string> dirs) {
   SwapOptions options;
   options.dirs = std::move(dirs);
-  options.block_bytes = kBlock;
+  options.block_bytes = kSwapBlock;
   options.capacity_bytes = 1 << 20;
   return options;
 }

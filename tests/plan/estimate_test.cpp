@@ -9,13 +9,10 @@
 #include <cstdint>
 
 #include "plan/model.hpp"
+#include "plan/tiers.hpp"
 
 namespace zinf::plan {
 namespace {
-
-constexpr MemoryTier kDev = MemoryTier::kDevice;
-constexpr MemoryTier kHost = MemoryTier::kHost;
-constexpr MemoryTier kNvme = MemoryTier::kNvme;
 
 ModelShape llama7b() { return *find_model_preset("llama-2-7b"); }
 

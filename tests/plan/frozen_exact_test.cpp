@@ -23,13 +23,10 @@
 
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
+#include "plan/tiers.hpp"
 
 namespace zinf::plan {
 namespace {
-
-constexpr MemoryTier kDev = MemoryTier::kDevice;
-constexpr MemoryTier kHost = MemoryTier::kHost;
-constexpr MemoryTier kNvme = MemoryTier::kNvme;
 
 ModelShape base_model(bool exact) {
   ModelShape m = custom_model(10'000'000, 4, 4096);

@@ -47,7 +47,7 @@
 namespace zinf::plan {
 namespace {
 
-constexpr std::int64_t kSide = 1024;
+constexpr std::int64_t kFrozenSide = 1024;
 constexpr int kBaseWeights = 12;  // frozen: 12 Mi elements
 constexpr int kAdapters = 8;      // trainable: 8 of 1024 x 32, 256 Ki elements
 constexpr std::int64_t kRank = 32;
@@ -83,11 +83,11 @@ std::vector<std::vector<float>> seeded_tensors(int count, std::size_t elements,
 // The model as the planner sees it: the base by count (layers of one weight each), the adapters
 // trainable.
 ModelShape lora_shape() {
-  const std::uint64_t base = kBaseWeights * kSide * kSide;
-  const std::uint64_t adapters = kAdapters * kSide * kRank;
-  ModelShape model = custom_model(base + adapters, kBaseWeights, kSide);
-  model.vocab = kSide;
-  model.intermediate = kSide;
+  const std::uint64_t base = kBaseWeights * kFrozenSide * kFrozenSide;
+  const std::uint64_t adapters = kAdapters * kFrozenSide * kRank;
+  ModelShape model = custom_model(base + adapters, kBaseWeights, kFrozenSide);
+  model.vocab = kFrozenSide;
+  model.intermediate = kFrozenSide;
   model.trainable_params = adapters;
   return model;
 }
@@ -121,8 +121,9 @@ Result<Config> engine_config(const EngineSetup& setup) {
 }
 
 // Opens an engine of `config` on `device` and `comm` (world 1), registers the base weights
-// ("base.w<l>", kSide x kSide, frozen) from `base_values` and the adapters ("lora.a<a>",
-// kSide x kRank) from `adapter_values`, all bf16, finalizes it and runs fn(engine).
+// ("base.w<l>", kFrozenSide x kFrozenSide, frozen) from `base_values` and the adapters
+// ("lora.a<a>", kFrozenSide x kRank) from `adapter_values`, all bf16, finalizes it and runs
+// fn(engine).
 Status with_lora_engine(const Config& config, Device* device, Communicator* comm,
                         const std::vector<std::vector<float>>& base_values,
                         const std::vector<std::vector<float>>& adapter_values,
@@ -132,15 +133,18 @@ Status with_lora_engine(const Config& config, Device* device, Communicator* comm
   env.comm = comm;
   ZINF_ASSIGN_OR_RETURN(auto engine, Engine::open(config, env));
   for (int l = 0; l < kBaseWeights; ++l) {
-    ParameterSpec spec{
-        fmt::format("base.w{}", l), "base", {kSide, kSide}, DType::kBF16, base_values[l].data()};
+    ParameterSpec spec{fmt::format("base.w{}", l),
+                       "base",
+                       {kFrozenSide, kFrozenSide},
+                       DType::kBF16,
+                       base_values[l].data()};
     spec.trainable = false;
     ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
   }
   for (int a = 0; a < kAdapters; ++a) {
     ZINF_RETURN_IF_ERROR(engine->register_parameter({fmt::format("lora.a{}", a),
                                                      "lora",
-                                                     {kSide, kRank},
+                                                     {kFrozenSide, kRank},
                                                      DType::kBF16,
                                                      adapter_values[a].data()}));
   }
@@ -199,7 +203,7 @@ Status resident_growth(const Config& config, const std::vector<std::vector<float
 void expect_resident_is_estimate(int stage, std::int64_t* growth_out, std::int64_t* predicted_out,
                                  bool exact = false) {
   SCOPED_TRACE(fmt::format("stage {}{}", stage, exact ? ", base exact in bf16" : ""));
-  const std::uint64_t base = kBaseWeights * kSide * kSide;
+  const std::uint64_t base = kBaseWeights * kFrozenSide * kFrozenSide;
   ModelShape model = lora_shape();
   ModelShape all_trainable = model;
   all_trainable.trainable_params = 0;
@@ -255,9 +259,9 @@ void expect_resident_is_estimate(int stage, std::int64_t* growth_out, std::int64
 
   // Seeded values, made before the first measure, as are the adapters' gradients.
   const std::vector<std::vector<float>> base_values =
-      seeded_tensors(kBaseWeights, kSide * kSide, 8100, exact);
+      seeded_tensors(kBaseWeights, kFrozenSide * kFrozenSide, 8100, exact);
   const std::vector<std::vector<float>> adapter_values =
-      seeded_tensors(kAdapters, kSide * kRank, 8200);
+      seeded_tensors(kAdapters, kFrozenSide * kRank, 8200);
   std::vector<std::vector<std::uint16_t>> grads(kAdapters);
   for (int a = 0; a < kAdapters; ++a) {
     std::vector<float> g(adapter_values[a].size());
@@ -349,9 +353,9 @@ TEST(FrozenMatch, ExactBaseEstimateIsWhatTheEngineMakesResident) {
 Result<MemoryReport> opaque_engine_memory(const Config& config, std::uint64_t first_seed,
                                           bool exact) {
   const std::vector<std::vector<float>> base_values =
-      seeded_tensors(kBaseWeights, kSide * kSide, first_seed, exact);
+      seeded_tensors(kBaseWeights, kFrozenSide * kFrozenSide, first_seed, exact);
   const std::vector<std::vector<float>> adapter_values =
-      seeded_tensors(kAdapters, kSide * kRank, first_seed + kBaseWeights);
+      seeded_tensors(kAdapters, kFrozenSide * kRank, first_seed + kBaseWeights);
   HostDeviceOptions device_options;
   device_options.opaque = true;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Device> device, make_host_device(device_options));
@@ -381,7 +385,7 @@ Result<MemoryReport> opaque_engine_memory(const Config& config, std::uint64_t fi
 // threshold of 10 x 1024).
 void expect_host_bytes_are_estimate(bool exact) {
   SCOPED_TRACE(exact ? "base exact in bf16" : "base drawn");
-  const std::uint64_t base = kBaseWeights * kSide * kSide;
+  const std::uint64_t base = kBaseWeights * kFrozenSide * kFrozenSide;
   ModelShape model = lora_shape();
   model.frozen_exact_in_half = exact;
   Result<EngineSetup> planned = planned_setup(model, 3, OffloadDevice::kHost, OffloadDevice::kHost);
@@ -433,7 +437,7 @@ void expect_device_bytes_are_estimate(int stage, bool exact) {
               static_cast<unsigned long long>(got.device_bytes));
   EXPECT_EQ(got.device_bytes, predicted);
   if (exact) {
-    const std::uint64_t base = kBaseWeights * kSide * kSide;
+    const std::uint64_t base = kBaseWeights * kFrozenSide * kFrozenSide;
     model.frozen_exact_in_half = false;
     EXPECT_EQ(estimate_memory(model, TrainingShape{}, setup).engine_bytes(MemoryTier::kDevice) -
                   predicted,

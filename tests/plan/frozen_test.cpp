@@ -14,15 +14,12 @@
 #include "base/assert.hpp"
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
+#include "plan/tiers.hpp"
 #include "plan/planner.hpp"
 #include "plan/time_model.hpp"
 
 namespace zinf::plan {
 namespace {
-
-constexpr MemoryTier kDev = MemoryTier::kDevice;
-constexpr MemoryTier kHost = MemoryTier::kHost;
-constexpr MemoryTier kNvme = MemoryTier::kNvme;
 
 // Llama-2-7B with 12,345,679 trainable parameters (not a multiple of the world).
 ModelShape lora7b() {

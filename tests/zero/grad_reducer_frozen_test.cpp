@@ -19,7 +19,7 @@
 namespace zinf {
 namespace {
 
-struct Case {
+struct FrozenCase {
   int world;
   bool opaque;
 };
@@ -56,10 +56,10 @@ void make_lora_partitioner(int world, ZeroStage stage, std::optional<Partitioner
   ASSERT_TRUE(p->finalize().is_ok());
 }
 
-class GradReducerFrozenStage1 : public ::testing::TestWithParam<Case> {};
+class GradReducerFrozenStage1 : public ::testing::TestWithParam<FrozenCase> {};
 
 TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyOfTheFrozen) {
-  const Case c = GetParam();
+  const FrozenCase c = GetParam();
   const std::uint64_t seed = 9100 + static_cast<std::uint64_t>(c.world) * 2 + (c.opaque ? 1 : 0);
   SCOPED_TRACE(testing::Message() << "seed " << seed);
   std::optional<Partitioner> lora;
@@ -165,9 +165,9 @@ TEST_P(GradReducerFrozenStage1, ReducesTheTrainableGroupsOnlyAndKeepsNoFullCopyO
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, GradReducerFrozenStage1,
-                         ::testing::Values(Case{2, false}, Case{4, false}, Case{2, true},
-                                           Case{4, true}),
-                         [](const ::testing::TestParamInfo<Case>& info) {
+                         ::testing::Values(FrozenCase{2, false}, FrozenCase{4, false},
+                                           FrozenCase{2, true}, FrozenCase{4, true}),
+                         [](const ::testing::TestParamInfo<FrozenCase>& info) {
                            return fmt::format("w{}{}", info.param.world,
                                               info.param.opaque ? "_opaque" : "");
                          });
