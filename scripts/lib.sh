@@ -50,8 +50,9 @@ zinf_configure_and_build() {
 }
 
 # The Python package (docs/PYTHON.md): a virtual environment in $zinf_build/venv with torch,
-# transformers, pytest, safetensors, accelerate (the Trainer's path to zinf.deepspeed_compat,
-# tested by python/tests/test_hf_trainer.py) and peft (LoRA, python/tests/test_frozen.py) from
+# transformers, pytest (and pytest-xdist: scripts/test runs the test files on every core),
+# safetensors, accelerate (the Trainer's path to zinf.deepspeed_compat, tested by
+# python/tests/test_hf_trainer.py) and peft (LoRA, python/tests/test_frozen.py) from
 # PyPI (what is installed already stays), then the package built from python/ with warnings as
 # errors. ZINF_PYTHON picks the interpreter that makes the environment (default python3);
 # CMAKE_ARGS adds configure arguments (a compiler launcher). zinf_python_env alone makes the
@@ -62,8 +63,8 @@ zinf_python_env() {
   if [ ! -x "$zinf_venv/bin/python" ]; then
     "${ZINF_PYTHON:-python3}" -m venv "$zinf_venv"
   fi
-  "$zinf_venv/bin/pip" install --quiet torch transformers pytest safetensors numpy accelerate \
-    peft scikit-build-core nanobind
+  "$zinf_venv/bin/pip" install --quiet torch transformers pytest pytest-xdist safetensors numpy \
+    accelerate peft scikit-build-core nanobind
 }
 
 zinf_python_install() {
