@@ -47,12 +47,6 @@ struct BenchAdamOptions {
   bool json = false;
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Fills `count` 16-bit gradients with random values of magnitude in [0.5, 1) and random sign:
 // random sign and mantissa bits under a fixed exponent, so never zero, never inf or NaN.
 void fill_half_grads(std::uint16_t* data, std::size_t count, DType dtype, std::uint64_t seed) {

@@ -56,12 +56,6 @@ struct BenchStepOptions {
   std::string pages = "auto";
 };
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const std::size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
 // Peak resident set (VmHWM) of this process, in bytes; 0 if unreadable.
 std::uint64_t peak_rss_bytes() {
   std::ifstream in("/proc/self/status");

@@ -58,6 +58,9 @@ void print_json(const nlohmann::json& object);
 using zinf::parse_size;
 std::string format_bytes(double bytes);
 
+// The median of v (the mean of the two middle values for an even count); v not empty.
+double median(std::vector<double> v);
+
 }  // namespace zinf::cli
 
 #define ZINF_COMMAND_CONCAT_INNER_(a, b) a##b
