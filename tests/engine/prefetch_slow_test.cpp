@@ -24,8 +24,8 @@ using engine_test::Model;
 using engine_test::ParamDef;
 
 struct Timing {
-  double pass_ms = 0;    // forward + backward, rank 0, per step
-  double gather_ms = 0;  // inside gather(), rank 0, per step
+  double pass_ms = 0;       // forward + backward, rank 0, per step
+  double gather_ms = 0;     // inside gather(), rank 0, per step
   EngineCounters counters;  // rank 0's, at the end of the run
 };
 

@@ -14,8 +14,8 @@
 #include "base/assert.hpp"
 #include "plan/estimate.hpp"
 #include "plan/model.hpp"
-#include "plan/tiers.hpp"
 #include "plan/planner.hpp"
+#include "plan/tiers.hpp"
 #include "plan/time_model.hpp"
 
 namespace zinf::plan {
