@@ -16,6 +16,9 @@
 
 namespace zinf::io_test {
 
+// The swap-space tests' block: a SwapSpace's unit of striping and allocation.
+inline constexpr std::size_t kSwapBlock = 64 << 10;
+
 using test::ScratchDir;
 
 // A small filesystem (`type`: tmpfs or ramfs, `options` e.g. "size=2m,ro") mounted under a

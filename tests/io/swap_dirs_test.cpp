@@ -20,12 +20,11 @@
 namespace zinf {
 namespace {
 
+using io_test::kSwapBlock;
 using io_test::must_open;
 using io_test::random_buffer;
 using io_test::read_file_plain;
 using io_test::ScratchDir;
-
-constexpr std::size_t kSwapBlock = 64 << 10;
 
 // `dir_count` fresh directories d0, d1, ... under `root`.
 std::vector<std::string> make_dirs(const ScratchDir& root, std::size_t dir_count) {

@@ -29,14 +29,13 @@
 namespace zinf {
 namespace {
 
+using io_test::kSwapBlock;
 using io_test::must_open;
 using io_test::random_buffer;
 using io_test::ScratchDir;
 using io_test::ScratchMount;
 
-constexpr std::size_t kBlock = 64 << 10;
-
-// Swap options over `dir_count` fresh directories d0, d1, ... under `root`, blocks of kBlock.
+// Swap options over `dir_count` fresh directories d0, d1, ... under `root`, blocks of kSwapBlock.
 SwapOptions options_over_dirs(const ScratchDir& root, std::size_t dir_count,
                               std::uint64_t capacity_bytes) {
   SwapOptions options;
@@ -45,7 +44,7 @@ SwapOptions options_over_dirs(const ScratchDir& root, std::size_t dir_count,
     std::filesystem::create_directories(options.dirs.back());
   }
   options.capacity_bytes = capacity_bytes;
-  options.block_bytes = kBlock;
+  options.block_bytes = kSwapBlock;
   return options;
 }
 
@@ -73,8 +72,8 @@ TEST_P(SwapTest, ExtentsRoundTripAcrossDirectories) {
     ASSERT_TRUE(io);
     Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(*io, options);
     ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
-    const std::vector<std::uint64_t> sizes = {1000, kBlock, 3 * kBlock + 4096 * 5 + 17, 5 * kBlock,
-                                              12345678 / 8};
+    const std::vector<std::uint64_t> sizes = {1000, kSwapBlock, 3 * kSwapBlock + 4096 * 5 + 17,
+                                              5 * kSwapBlock, 12345678 / 8};
     std::vector<ExtentId> ids;
     std::vector<AlignedBuffer> data;
     std::vector<SwapTicket> tickets;
@@ -104,17 +103,17 @@ TEST_P(SwapTest, ExtentsRoundTripAcrossDirectories) {
     // A part of an extent: its second and third blocks.
     Result<ExtentId> found = (*swap)->find("rank0/group3/exp_avg");
     ASSERT_TRUE(found.is_ok());
-    AlignedBuffer part(2 * kBlock);
-    Result<SwapTicket> t = (*swap)->read(*found, kBlock, 2 * kBlock, part.data());
+    AlignedBuffer part(2 * kSwapBlock);
+    Result<SwapTicket> t = (*swap)->read(*found, kSwapBlock, 2 * kSwapBlock, part.data());
     ASSERT_TRUE(t.is_ok()) << t.status().to_string();
     ASSERT_TRUE((*swap)->wait(*t, std::chrono::seconds(30)).is_ok());
-    EXPECT_EQ(std::memcmp(part.data(), data[3].data() + kBlock, 2 * kBlock), 0);
+    EXPECT_EQ(std::memcmp(part.data(), data[3].data() + kSwapBlock, 2 * kSwapBlock), 0);
     // Rewrite one block of it and read the whole extent back.
-    AlignedBuffer patch = random_buffer(kBlock, seed * 7);
-    t = (*swap)->write(*found, 4 * kBlock, kBlock, patch.data());
+    AlignedBuffer patch = random_buffer(kSwapBlock, seed * 7);
+    t = (*swap)->write(*found, 4 * kSwapBlock, kSwapBlock, patch.data());
     ASSERT_TRUE(t.is_ok());
     ASSERT_TRUE((*swap)->wait(*t, std::chrono::seconds(30)).is_ok());
-    std::memcpy(data[3].data() + 4 * kBlock, patch.data(), kBlock);
+    std::memcpy(data[3].data() + 4 * kSwapBlock, patch.data(), kSwapBlock);
     ASSERT_TRUE((*swap)->read_sync(*found, back[3].data()).is_ok());
     EXPECT_EQ(std::memcmp(back[3].data(), data[3].data(), sizes[3]), 0);
     // Each directory holds a share of the data when striped.
@@ -129,14 +128,14 @@ TEST_P(SwapTest, RangeAndKeyErrors) {
   auto io = engine();
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
-      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kSwapBlock});
   ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
-  Result<ExtentId> id = (*swap)->create("a", 3 * kBlock);
+  Result<ExtentId> id = (*swap)->create("a", 3 * kSwapBlock);
   ASSERT_TRUE(id.is_ok());
   EXPECT_EQ((*swap)->create("a", 10).status().code(), Code::kInvalidArgument);
   EXPECT_EQ((*swap)->find("b").status().code(), Code::kNotFound);
   EXPECT_NE((*swap)->find("b").status().message().find("b"), std::string::npos);
-  AlignedBuffer buffer(3 * kBlock);
+  AlignedBuffer buffer(3 * kSwapBlock);
   // Never written: reading is an error naming key and offset, not garbage.
   Result<SwapTicket> unwritten = (*swap)->read(*id, buffer.data());
   ASSERT_FALSE(unwritten.is_ok());
@@ -144,17 +143,17 @@ TEST_P(SwapTest, RangeAndKeyErrors) {
   EXPECT_NE(unwritten.status().message().find("a at offset 0"), std::string::npos)
       << unwritten.status().to_string();
   // Ranges must start on a block and cover whole blocks.
-  EXPECT_EQ((*swap)->write(*id, 4096, kBlock, buffer.data()).status().code(),
+  EXPECT_EQ((*swap)->write(*id, 4096, kSwapBlock, buffer.data()).status().code(),
             Code::kInvalidArgument);
-  EXPECT_EQ((*swap)->write(*id, 0, kBlock + 4096, buffer.data()).status().code(),
+  EXPECT_EQ((*swap)->write(*id, 0, kSwapBlock + 4096, buffer.data()).status().code(),
             Code::kInvalidArgument);
   // Capacity: 1 MiB holds 16 blocks of 64 KiB; 3 are used.
-  Result<ExtentId> too_big = (*swap)->create("big", 14 * kBlock);
+  Result<ExtentId> too_big = (*swap)->create("big", 14 * kSwapBlock);
   ASSERT_FALSE(too_big.is_ok());
   EXPECT_EQ(too_big.status().code(), Code::kNoSpace);
   EXPECT_NE(too_big.status().message().find("big"), std::string::npos);
   EXPECT_NE(too_big.status().message().find(root.path()), std::string::npos);
-  EXPECT_TRUE((*swap)->create("fits", 13 * kBlock).is_ok());
+  EXPECT_TRUE((*swap)->create("fits", 13 * kSwapBlock).is_ok());
 }
 
 // Flip bits in the swap file behind the engine's back: the read that covers them reports
@@ -166,10 +165,10 @@ TEST_P(SwapTest, BitFlippedOnDiskIsCaught) {
   auto io = engine();
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
-      *io, {.dirs = {root.path()}, .capacity_bytes = 4 << 20, .block_bytes = kBlock});
+      *io, {.dirs = {root.path()}, .capacity_bytes = 4 << 20, .block_bytes = kSwapBlock});
   ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
-  (void)(*swap)->create("pad", 2 * kBlock);  // so the extent does not start at file offset 0
-  const std::uint64_t bytes = 8 * kBlock;
+  (void)(*swap)->create("pad", 2 * kSwapBlock);  // so the extent does not start at file offset 0
+  const std::uint64_t bytes = 8 * kSwapBlock;
   Result<ExtentId> id = (*swap)->create("rank1/group0/param", bytes);
   ASSERT_TRUE(id.is_ok());
   AlignedBuffer data = random_buffer(bytes, seed);
@@ -182,8 +181,8 @@ TEST_P(SwapTest, BitFlippedOnDiskIsCaught) {
   AlignedBuffer back(bytes);
   for (int trial = 0; trial < 40; ++trial) {
     const std::uint64_t block = random.next() % 8;
-    const std::uint64_t bit = random.next() % (kBlock * 8);
-    const off_t at = static_cast<off_t>(2 * kBlock + block * kBlock + bit / 8);
+    const std::uint64_t bit = random.next() % (kSwapBlock * 8);
+    const off_t at = static_cast<off_t>(2 * kSwapBlock + block * kSwapBlock + bit / 8);
     unsigned char byte;
     ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
     byte ^= static_cast<unsigned char>(1u << (bit % 8));
@@ -192,16 +191,16 @@ TEST_P(SwapTest, BitFlippedOnDiskIsCaught) {
     Status s = (*swap)->read_sync(*id, back.data());
     ASSERT_EQ(s.code(), Code::kCorruption) << "trial " << trial << ": " << s.to_string();
     EXPECT_NE(s.message().find("rank1/group0/param"), std::string::npos) << s.to_string();
-    EXPECT_NE(s.message().find("extent offset " + std::to_string(block * kBlock)),
+    EXPECT_NE(s.message().find("extent offset " + std::to_string(block * kSwapBlock)),
               std::string::npos)
         << s.to_string();
     EXPECT_NE(s.message().find(file), std::string::npos) << s.to_string();
     // The other blocks still read clean.
     const std::uint64_t other = (block + 1) % 8;
-    Result<SwapTicket> t = (*swap)->read(*id, other * kBlock, kBlock, back.data());
+    Result<SwapTicket> t = (*swap)->read(*id, other * kSwapBlock, kSwapBlock, back.data());
     ASSERT_TRUE(t.is_ok());
     EXPECT_TRUE((*swap)->wait(*t, std::chrono::seconds(10)).is_ok());
-    EXPECT_EQ(std::memcmp(back.data(), data.data() + other * kBlock, kBlock), 0);
+    EXPECT_EQ(std::memcmp(back.data(), data.data() + other * kSwapBlock, kSwapBlock), 0);
     // Undo the flip.
     byte ^= static_cast<unsigned char>(1u << (bit % 8));
     ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
@@ -222,10 +221,10 @@ TEST_P(SwapTest, EveryBitFlippedInFlightIsCaught) {
   auto io = engine(faults);
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
-      *io, {.dirs = {root.path()}, .capacity_bytes = 8 << 20, .block_bytes = kBlock});
+      *io, {.dirs = {root.path()}, .capacity_bytes = 8 << 20, .block_bytes = kSwapBlock});
   ASSERT_TRUE(swap.is_ok()) << swap.status().to_string();
   constexpr int kExtents = 32;
-  const std::uint64_t bytes = 2 * kBlock;  // 4 engine pieces of 32 KiB each
+  const std::uint64_t bytes = 2 * kSwapBlock;  // 4 engine pieces of 32 KiB each
   std::vector<ExtentId> ids;
   std::vector<AlignedBuffer> data;
   for (int i = 0; i < kExtents; ++i) {
@@ -268,10 +267,10 @@ TEST_P(SwapTest, FailedWriteMarksBlocksLost) {
   auto io = engine(faults);
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
-      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kSwapBlock});
   ASSERT_TRUE(swap.is_ok());
-  ExtentId id = *(*swap)->create("k", kBlock);
-  AlignedBuffer data = random_buffer(kBlock, seed);
+  ExtentId id = *(*swap)->create("k", kSwapBlock);
+  AlignedBuffer data = random_buffer(kSwapBlock, seed);
   ASSERT_TRUE((*swap)->write_sync(id, data.data()).is_ok());
   faults->set_enabled(true);
   Status failed = (*swap)->write_sync(id, data.data());
@@ -296,15 +295,15 @@ TEST_P(SwapTest, SyncOpsPastTheirTimeoutAreCancelledOrAbandoned) {
     auto io = engine(faults);
     ASSERT_TRUE(io);
     Result<std::unique_ptr<SwapSpace>> swap = SwapSpace::open(
-        *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+        *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kSwapBlock});
     ASSERT_TRUE(swap.is_ok());
-    ExtentId a = *(*swap)->create("a", kBlock);
-    ExtentId b = *(*swap)->create("b", kBlock);
-    AlignedBuffer data = random_buffer(kBlock, seed);
+    ExtentId a = *(*swap)->create("a", kSwapBlock);
+    ExtentId b = *(*swap)->create("b", kSwapBlock);
+    AlignedBuffer data = random_buffer(kSwapBlock, seed);
     ASSERT_TRUE((*swap)->write_sync(a, data.data()).is_ok());
     ASSERT_TRUE((*swap)->write_sync(b, data.data()).is_ok());
     faults->set_enabled(true);
-    AlignedBuffer back(kBlock);
+    AlignedBuffer back(kSwapBlock);
     const Status read = (*swap)->read_sync(a, back.data(), std::chrono::milliseconds(30));
     EXPECT_EQ(read.code(), Code::kTimeout) << read.to_string();
     EXPECT_NE(read.message().find(ignores_cancel ? "abandoned" : "cancelled"), std::string::npos)
@@ -313,9 +312,9 @@ TEST_P(SwapTest, SyncOpsPastTheirTimeoutAreCancelledOrAbandoned) {
     EXPECT_EQ(write.code(), Code::kTimeout) << write.to_string();
     faults->set_enabled(false);
     // The space still works; the hung write's blocks are lost, the other extent intact.
-    AlignedBuffer again(kBlock);
+    AlignedBuffer again(kSwapBlock);
     ASSERT_TRUE((*swap)->read_sync(a, again.data()).is_ok());
-    EXPECT_EQ(std::memcmp(again.data(), data.data(), kBlock), 0);
+    EXPECT_EQ(std::memcmp(again.data(), data.data(), kSwapBlock), 0);
     Result<SwapTicket> lost = (*swap)->read(b, again.data());
     ASSERT_FALSE(lost.is_ok());
     EXPECT_EQ(lost.status().code(), Code::kIoError) << lost.status().to_string();
@@ -359,7 +358,7 @@ TEST_P(SwapTest, LinkedFileNeverChangesAfterwards) {
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
     ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
     SwapSpace& swap = **opened;
-    const std::vector<std::uint64_t> sizes = {3 * kBlock + 5000, 2 * kBlock, kBlock};
+    const std::vector<std::uint64_t> sizes = {3 * kSwapBlock + 5000, 2 * kSwapBlock, kSwapBlock};
     std::vector<ExtentId> ids;
     std::vector<AlignedBuffer> data;
     for (std::size_t i = 0; i < sizes.size(); ++i) {
@@ -381,12 +380,12 @@ TEST_P(SwapTest, LinkedFileNeverChangesAfterwards) {
     // New values for all of extent 0 and the second block of extent 1; extent 2 stays.
     AlignedBuffer new0 = random_buffer(data[0].bytes(), seed * 3);
     ASSERT_TRUE(swap.write_sync(ids[0], new0.data()).is_ok());
-    AlignedBuffer new1 = random_buffer(kBlock, seed * 5);
-    Result<SwapTicket> t = swap.write(ids[1], kBlock, kBlock, new1.data());
+    AlignedBuffer new1 = random_buffer(kSwapBlock, seed * 5);
+    Result<SwapTicket> t = swap.write(ids[1], kSwapBlock, kSwapBlock, new1.data());
     ASSERT_TRUE(t.is_ok()) << t.status().to_string();
     ASSERT_TRUE(swap.wait(*t, std::chrono::seconds(30)).is_ok());
     std::memcpy(data[0].data(), new0.data(), new0.bytes());
-    std::memcpy(data[1].data() + kBlock, new1.data(), kBlock);
+    std::memcpy(data[1].data() + kSwapBlock, new1.data(), kSwapBlock);
     for (std::size_t d = 0; d < dir_count; ++d) {
       EXPECT_NE(inode_of(links[d]), inode_of(swap.file_paths()[d]));
       EXPECT_EQ(file_bytes(links[d]), frozen[d]) << "the linked file changed after the link";
@@ -436,12 +435,12 @@ TEST_P(SwapTest, LinkAcrossFilesystemsIsExdevAndFreezesNothing) {
   auto io = engine();
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(
-      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock});
+      *io, {.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kSwapBlock});
   ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
   SwapSpace& swap = **opened;
-  Result<ExtentId> id = swap.create("e", 2 * kBlock);
+  Result<ExtentId> id = swap.create("e", 2 * kSwapBlock);
   ASSERT_TRUE(id.is_ok());
-  AlignedBuffer data = random_buffer(2 * kBlock, 0xd1f);
+  AlignedBuffer data = random_buffer(2 * kSwapBlock, 0xd1f);
   ASSERT_TRUE(swap.write_sync(*id, data.data()).is_ok());
   const ino_t before = inode_of(swap.file_paths()[0]);
   Status s = swap.link_files({other.path() + "/linked.bin"}, {"elsewhere"});
@@ -460,7 +459,7 @@ TEST_P(SwapTest, LinkAcrossFilesystemsIsExdevAndFreezesNothing) {
 TEST_P(SwapTest, OpenLeavesALinkedFileOfTheSameNameAlone) {
   ScratchDir root("swap-link-reopen");
   const std::string link = root.path() + "/checkpoint.bin";
-  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock};
+  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kSwapBlock};
   options.file_name = "zinf-swap-same-pid.bin";
   options.remove_files = false;
   auto io = engine();
@@ -469,13 +468,13 @@ TEST_P(SwapTest, OpenLeavesALinkedFileOfTheSameNameAlone) {
   {
     Result<std::unique_ptr<SwapSpace>> opened = SwapSpace::open(*io, options);
     ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
-    Result<ExtentId> id = (*opened)->create("e", 3 * kBlock);
+    Result<ExtentId> id = (*opened)->create("e", 3 * kSwapBlock);
     ASSERT_TRUE(id.is_ok());
-    AlignedBuffer data = random_buffer(3 * kBlock, 0x5a5e);
+    AlignedBuffer data = random_buffer(3 * kSwapBlock, 0x5a5e);
     ASSERT_TRUE((*opened)->write_sync(*id, data.data()).is_ok());
     ASSERT_TRUE((*opened)->link_files({link}, {"checkpoint"}).is_ok());
     linked = file_bytes(link);
-    ASSERT_EQ(std::memcmp(linked.data(), data.data(), 3 * kBlock), 0);
+    ASSERT_EQ(std::memcmp(linked.data(), data.data(), 3 * kSwapBlock), 0);
   }
   const std::string swap_path = root.path() + "/" + options.file_name;
   ASSERT_EQ(inode_of(swap_path), inode_of(link));  // the name the next open meets
@@ -484,9 +483,9 @@ TEST_P(SwapTest, OpenLeavesALinkedFileOfTheSameNameAlone) {
   ASSERT_TRUE(again.is_ok()) << again.status().to_string();
   EXPECT_NE(inode_of(swap_path), inode_of(link));
   EXPECT_EQ(file_bytes(link), linked) << "opening the swap space changed the linked file";
-  Result<ExtentId> id = (*again)->create("e", kBlock);
+  Result<ExtentId> id = (*again)->create("e", kSwapBlock);
   ASSERT_TRUE(id.is_ok());
-  AlignedBuffer data = random_buffer(kBlock, 0x5a5f);
+  AlignedBuffer data = random_buffer(kSwapBlock, 0x5a5f);
   ASSERT_TRUE((*again)->write_sync(*id, data.data()).is_ok());
   EXPECT_EQ(file_bytes(link), linked);
 }
@@ -497,26 +496,26 @@ TEST_P(SwapTest, OpenLeavesALinkedFileOfTheSameNameAlone) {
 // nor removes the second's name when it closes.
 TEST_P(SwapTest, ASpaceWhoseNameWasTakenLinksNothingAndLeavesTheNameAlone) {
   ScratchDir root("swap-link-shared-name");
-  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kBlock};
+  SwapOptions options{.dirs = {root.path()}, .capacity_bytes = 1 << 20, .block_bytes = kSwapBlock};
   options.file_name = "zinf-swap-one-name.bin";
   auto io = engine();
   ASSERT_TRUE(io);
   Result<std::unique_ptr<SwapSpace>> first = SwapSpace::open(*io, options);
   ASSERT_TRUE(first.is_ok()) << first.status().to_string();
-  Result<ExtentId> a = (*first)->create("e", 2 * kBlock);
+  Result<ExtentId> a = (*first)->create("e", 2 * kSwapBlock);
   ASSERT_TRUE(a.is_ok());
-  AlignedBuffer data_a = random_buffer(2 * kBlock, 0xa11);
+  AlignedBuffer data_a = random_buffer(2 * kSwapBlock, 0xa11);
   ASSERT_TRUE((*first)->write_sync(*a, data_a.data()).is_ok());
   Result<std::unique_ptr<SwapSpace>> second = SwapSpace::open(*io, options);
   ASSERT_TRUE(second.is_ok()) << second.status().to_string();
-  Result<ExtentId> b = (*second)->create("e", 2 * kBlock);
+  Result<ExtentId> b = (*second)->create("e", 2 * kSwapBlock);
   ASSERT_TRUE(b.is_ok());
-  AlignedBuffer data_b = random_buffer(2 * kBlock, 0xb22);
+  AlignedBuffer data_b = random_buffer(2 * kSwapBlock, 0xb22);
   ASSERT_TRUE((*second)->write_sync(*b, data_b.data()).is_ok());
   // The first still reads its own bytes; it does not link the second's file.
-  AlignedBuffer back(2 * kBlock);
+  AlignedBuffer back(2 * kSwapBlock);
   ASSERT_TRUE((*first)->read_sync(*a, back.data()).is_ok());
-  EXPECT_EQ(std::memcmp(back.data(), data_a.data(), 2 * kBlock), 0);
+  EXPECT_EQ(std::memcmp(back.data(), data_a.data(), 2 * kSwapBlock), 0);
   const std::string from_first = root.path() + "/first.bin";
   Status s = (*first)->link_files({from_first}, {"first"});
   EXPECT_EQ(s.code(), Code::kFailedPrecondition) << s.to_string();
@@ -529,8 +528,8 @@ TEST_P(SwapTest, ASpaceWhoseNameWasTakenLinksNothingAndLeavesTheNameAlone) {
   s = (*second)->link_files({from_second}, {"second"});
   ASSERT_TRUE(s.is_ok()) << s.to_string();
   const std::vector<unsigned char> linked = file_bytes(from_second);
-  ASSERT_GE(linked.size(), 2 * kBlock);
-  EXPECT_EQ(std::memcmp(linked.data(), data_b.data(), 2 * kBlock), 0);
+  ASSERT_GE(linked.size(), 2 * kSwapBlock);
+  EXPECT_EQ(std::memcmp(linked.data(), data_b.data(), 2 * kSwapBlock), 0);
 }
 
 // Sets or clears the append-only attribute of `path` (FS_APPEND_FL), on which the filesystem
@@ -563,8 +562,8 @@ TEST_P(SwapTest, AReleaseThatFailsPartWayMarksTheBlocksGivenBackLost) {
   ASSERT_TRUE(opened.is_ok()) << opened.status().to_string();
   SwapSpace& swap = **opened;
   constexpr std::size_t kUnits = 4;  // two in each directory
-  const ExtentId id = *swap.create("k", kUnits * kBlock);
-  AlignedBuffer data = random_buffer(kUnits * kBlock, seed);
+  const ExtentId id = *swap.create("k", kUnits * kSwapBlock);
+  AlignedBuffer data = random_buffer(kUnits * kSwapBlock, seed);
   ASSERT_TRUE(swap.write_sync(id, data.data()).is_ok());
   const std::string second = swap.file_paths()[1];
   if (!set_append_only(second, true)) GTEST_SKIP() << "cannot make " << second << " append-only";
@@ -584,28 +583,29 @@ TEST_P(SwapTest, AReleaseThatFailsPartWayMarksTheBlocksGivenBackLost) {
   EXPECT_NE(message.find("given back already"), std::string::npos) << message;
   EXPECT_NE(message.find(options.dirs[0] + "/"), std::string::npos) << message;
   // Block by block: those of the first directory lost, those of the second as written.
-  AlignedBuffer back(kBlock, 4096);
+  AlignedBuffer back(kSwapBlock, 4096);
   int lost = 0, kept = 0;
   for (std::size_t u = 0; u < kUnits; ++u) {
-    Result<SwapTicket> t = swap.read(id, u * kBlock, kBlock, back.data());
+    Result<SwapTicket> t = swap.read(id, u * kSwapBlock, kSwapBlock, back.data());
     if (!t.is_ok()) {
       EXPECT_EQ(t.status().code(), Code::kIoError) << t.status().to_string();
       ++lost;
       continue;
     }
     ASSERT_TRUE(swap.wait(*t, std::chrono::seconds(10)).is_ok()) << "block " << u;
-    EXPECT_EQ(std::memcmp(back.data(), data.data() + u * kBlock, kBlock), 0) << "block " << u;
+    EXPECT_EQ(std::memcmp(back.data(), data.data() + u * kSwapBlock, kSwapBlock), 0)
+        << "block " << u;
     ++kept;
   }
   EXPECT_EQ(lost, 2);
   EXPECT_EQ(kept, 2);
   // Written again, the extent reads back whole.
   ASSERT_TRUE(set_append_only(second, false));
-  AlignedBuffer next = random_buffer(kUnits * kBlock, seed + 1);
+  AlignedBuffer next = random_buffer(kUnits * kSwapBlock, seed + 1);
   ASSERT_TRUE(swap.write_sync(id, next.data()).is_ok());
-  AlignedBuffer whole(kUnits * kBlock, 4096);
+  AlignedBuffer whole(kUnits * kSwapBlock, 4096);
   ASSERT_TRUE(swap.read_sync(id, whole.data()).is_ok());
-  EXPECT_EQ(std::memcmp(whole.data(), next.data(), kUnits * kBlock), 0);
+  EXPECT_EQ(std::memcmp(whole.data(), next.data(), kUnits * kSwapBlock), 0);
 }
 
 // A ticket per unit an op may move, for every op that can be in flight (max_ops, default 256):
