@@ -36,15 +36,12 @@ Status open_rig(const std::string& name, const RigOptions& options, Rig* s) {
   io.max_requests = options.io_max_requests;
   io.faults = options.faults;
   ZINF_ASSIGN_OR_RETURN(s->engine, open_engine(io));
-  // Room for every NVMe piece of the partition, each rounded to pages.
+  // Room for every NVMe piece of the partition, each sub-group's rounded to pages (the store's
+  // own count, as the engine sizes its swap space), and 8 MiB more. Every byte of it is
+  // allocated on disk: a bound of a page per 64 parameters took 2 GiB for 6M parameters and
+  // failed on a machine with 2 GB free.
   const StateStoreOptions& so = options.store;
-  std::uint64_t per_param = 0;
-  const DType grad = so.grad_dtype;
-  per_param += 4;
-  if (so.optimizer != OptimizerKind::kAdagrad) per_param += 4;
-  if (so.optimizer != OptimizerKind::kLion) per_param += 4;
-  per_param += dtype_bytes(grad);
-  if (so.with_half) per_param += 2;
+  ZINF_ASSIGN_OR_RETURN(const StoreLayout layout, StateStore::layout(so));
   SwapOptions swap;
   swap.dirs = {options.swap_dir.empty() ? s->dir->path() : options.swap_dir};
   if (options.swap_dir.empty() && options.swap_dir_count > 1) {
@@ -55,12 +52,10 @@ Status open_rig(const std::string& name, const RigOptions& options, Rig* s) {
     }
   }
   swap.block_bytes = options.io_block_bytes;
-  swap.capacity_bytes = per_param * so.param_count + (std::uint64_t{8} << 20) +
-                        (so.param_count / 64 + 16) * 4096 * kPieceCount;
+  swap.capacity_bytes = layout.nvme_bytes + (std::uint64_t{8} << 20);
   // Striped, each extent's share of each directory is whole blocks: up to a block more per
   // extent and directory.
   if (swap.dirs.size() > 1) {
-    ZINF_ASSIGN_OR_RETURN(const StoreLayout layout, StateStore::layout(so));
     swap.capacity_bytes += (layout.nvme_extents + 4) * options.io_block_bytes * swap.dirs.size();
   }
   swap.max_ops = 64;
