@@ -122,6 +122,9 @@ inline constexpr std::string_view kAutoWhy =
     "\"auto\" is a placeholder that the Hugging Face Trainer fills in before DeepSpeed reads the "
     "config; zinf has no trainer to fill it: write the value";
 
+// Status::invalid_argument("<key>: <why>"), the config's refusal of a key (config.cpp).
+Status invalid(std::string_view key, std::string_view why);
+
 // The sections with their own walk (config.cpp).
 void walk_optimizer(const Json& section, const std::string& path, Walk& w);
 void walk_scheduler(const Json& section, const std::string& path, Walk& w);

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "engine/config_names.hpp"
+#include "engine/config_walk.hpp"
 #include "zinf/config.hpp"
 
 namespace zinf {
@@ -13,9 +14,7 @@ namespace {
 
 using Json = nlohmann::ordered_json;
 
-Status invalid(std::string_view key, std::string_view why) {
-  return Status::invalid_argument(fmt::format("{}: {}", key, why));
-}
+using config_detail::invalid;
 
 // The keys the schedule's type takes in DeepSpeed, each written out; a value that means "not
 // given" (a negative warmup_max_lr, cycle_second_*) is left out, so it is not given when read back.
