@@ -8,12 +8,15 @@ checked against plain torch (the same model trained in one process, torch.optim.
 torch.distributed's semantics) or the files on disk, with DeepSpeed's behaviour
 (deepspeed/utils/tensor_fragment.py, runtime/dataloader.py, comm/comm.py, runtime/engine.py and
 zero/stage_1_and_2.py / stage3.py, utils/zero_to_fp32.py) written out in the test."""
+import gc
 import json
 import os
 import runpy
 import stat
 import subprocess
 import sys
+import tempfile
+import warnings
 
 import pytest
 import torch
@@ -419,12 +422,26 @@ def test_zero_to_fp32_excludes_frozen_parameters_at_every_stage(tmp_path, stage,
     # The client state was read, and mapped: an all() over no loads would pass as well.
     client_loads = [mmap for path, mmap in loaded if path.endswith("client_state.bin")]
     assert client_loads and all(client_loads), loaded
+    # The lazy weights' temporary file lies in a directory of this test's own.
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
     lazy = get_fp32_state_dict_from_zero_checkpoint(str(save_dir), lazy_mode=True)
     assert sorted(lazy) == sorted(trainable + ["3.weight"])
     assert lazy["3.weight"].shape == frozen.shape and lazy["3.weight"].dtype == torch.float32
     assert torch.equal(lazy["3.weight"].contiguous(), frozen)
     for key, values in masters.items():
         assert torch.equal(lazy[key].contiguous(), values), key
+    assert len(os.listdir(scratch)) == 1
+    # The last weight gone, the directory is removed, and without the ResourceWarning
+    # ("Implicitly cleaning up") of a TemporaryDirectory left to its own finalizer.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del lazy
+        gc.collect()
+    assert os.listdir(scratch) == []
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)], \
+        [str(w.message) for w in caught]
 
 
 # ---- two ranks under torchrun ------------------------------------------------------------------

@@ -2588,12 +2588,13 @@ def _read_safetensors(path: str) -> dict[str, torch.Tensor]:
 
 class _ExportedWeights:
     """The safetensors file export_safetensors() wrote into a temporary directory, read one
-    tensor at a time. The directory is removed when the last _LazyWeight over it goes (the
-    TemporaryDirectory's own finalizer), or at exit."""
+    tensor at a time. The directory is removed when the last _LazyWeight over it goes (this
+    object's finalizer calls its cleanup(), so that the TemporaryDirectory's own finalizer, which
+    warns ResourceWarning "Implicitly cleaning up", never runs), or at exit."""
 
     def __init__(self, scratch: tempfile.TemporaryDirectory, path: str):
-        self._scratch = scratch
         self._path = path
+        weakref.finalize(self, scratch.cleanup)
         with open(path, "rb") as f:
             self.header, self._data_offset = _safetensors_header(f)
 
