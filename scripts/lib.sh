@@ -24,6 +24,21 @@ zinf_install_deps() {
   fi
 }
 
+# Warns, before any work, when the filesystem that holds build/ has less room than a run needs:
+# zinf_check_disk <MiB the whole run takes under build/> <what takes it>. What build/ already
+# holds counts as taken (a second run needs little more); the tests' files, which a full disk
+# fails with no_space naming the file, are part of the figure.
+zinf_check_disk() {
+  local need_mib=$1 what=$2 dir=$zinf_build have_mib=0 free_mib
+  if [ -d "$dir" ]; then have_mib=$(du -sm "$dir" 2> /dev/null | cut -f1 || true); fi
+  while [ ! -d "$dir" ]; do dir=$(dirname "$dir"); done
+  free_mib=$(df -Pm "$dir" 2> /dev/null | awk 'NR == 2 {print $4}' || true)
+  if [ -n "$free_mib" ] && [ $((free_mib + ${have_mib:-0})) -lt "$need_mib" ]; then
+    echo "zinf: warning: $free_mib MiB free for $zinf_build, which holds $have_mib MiB; this" \
+      "run takes about $need_mib MiB there ($what): it may stop with no_space" >&2
+  fi
+}
+
 # Configures build/ with the given extra arguments, then builds with all cores: every target, or
 # only those named in the array zinf_targets or in ZINF_BUILD_TARGETS (space-separated) when set
 # (scripts/demo builds just train_lm and what it links, not the tests, benchmarks and tools).
