@@ -26,14 +26,16 @@ zinf_install_deps() {
 
 # Warns, before any work, when the filesystem that holds build/ has less room than a run needs:
 # zinf_check_disk <MiB the whole run takes under build/> <what takes it>. What build/ already
-# holds counts as taken (a second run needs little more); the tests' files, which a full disk
-# fails with no_space naming the file, are part of the figure.
+# holds counts towards the run's need (a second run needs little more room); the tests' files,
+# which a full disk fails with no_space naming the file, are part of the figure.
 zinf_check_disk() {
   local need_mib=$1 what=$2 dir=$zinf_build have_mib=0 free_mib
   if [ -d "$dir" ]; then have_mib=$(du -sm "$dir" 2> /dev/null | cut -f1 || true); fi
   while [ ! -d "$dir" ]; do dir=$(dirname "$dir"); done
   free_mib=$(df -Pm "$dir" 2> /dev/null | awk 'NR == 2 {print $4}' || true)
-  if [ -n "$free_mib" ] && [ $((free_mib + ${have_mib:-0})) -lt "$need_mib" ]; then
+  [[ $free_mib =~ ^[0-9]+$ ]] || return 0  # df printed no size: no warning rather than a guess
+  [[ $have_mib =~ ^[0-9]+$ ]] || have_mib=0
+  if [ $((free_mib + have_mib)) -lt "$need_mib" ]; then
     echo "zinf: warning: $free_mib MiB free for $zinf_build, which holds $have_mib MiB; this" \
       "run takes about $need_mib MiB there ($what): it may stop with no_space" >&2
   fi

@@ -780,8 +780,6 @@ Status walk_text(std::string_view raw, Config* config, std::vector<KeyReport>* r
 
 }  // namespace config_detail
 
-using namespace config_detail;
-
 namespace {
 
 // Where the comment that starts at `i` of `s` ends (one past it; a line comment ends before its
@@ -917,8 +915,8 @@ bool parse_offload_device(std::string_view text, OffloadDevice* device) {
 namespace {
 
 // Erases the key at dotted path `key` from `root`; false when there is none.
-bool erase_key(Json& root, const std::string& key) {
-  Json* at = &root;
+bool erase_key(config_detail::Json& root, const std::string& key) {
+  config_detail::Json* at = &root;
   std::size_t begin = 0;
   for (;;) {
     const std::size_t dot = key.find('.', begin);
@@ -935,7 +933,7 @@ bool erase_key(Json& root, const std::string& key) {
 Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
   Config c;
   std::vector<KeyReport> reports;
-  ZINF_RETURN_IF_ERROR(walk_text(json_text, &c, &reports));
+  ZINF_RETURN_IF_ERROR(config_detail::walk_text(json_text, &c, &reports));
   for (const KeyReport& r : reports) {
     if (r.use == KeyUse::kRefused) return reports;  // the first of them is parse_config()'s
   }
@@ -943,7 +941,8 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
   // each against the key it names. validate() stops at the first (parse_config()'s error), so the
   // file is read again without each key refused so far, until it passes: every such refusal
   // shows at once, not one per round of edits.
-  Json root = Json::parse(strip_config_comments(json_text), nullptr, /*allow_exceptions=*/false);
+  config_detail::Json root = config_detail::Json::parse(strip_config_comments(json_text), nullptr,
+                                                        /*allow_exceptions=*/false);
   for (std::size_t round = 0; round <= reports.size(); ++round) {
     const Status s = validate(c);
     if (s.is_ok()) break;
@@ -951,11 +950,11 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
     const std::string key = message.substr(0, message.find(": "));
     const std::string why =
         message.size() > key.size() + 2 ? message.substr(key.size() + 2) : message;
-    refuse_report(&reports, key, why);
+    config_detail::refuse_report(&reports, key, why);
     if (root.is_discarded() || !erase_key(root, key)) break;
     c = Config();
     std::vector<KeyReport> again;
-    if (!walk_text(root.dump(), &c, &again).is_ok()) break;
+    if (!config_detail::walk_text(root.dump(), &c, &again).is_ok()) break;
   }
   // The stage-3 keys read at stages 1-2 change nothing there (nor in DeepSpeed): said so, so
   // that a user does not take them for a setting of the run.
@@ -984,9 +983,9 @@ Result<std::vector<KeyReport>> check_config(std::string_view json_text) {
 Result<Config> parse_config(std::string_view json_text) {
   Config c;
   std::vector<KeyReport> reports;
-  ZINF_RETURN_IF_ERROR(walk_text(json_text, &c, &reports));
+  ZINF_RETURN_IF_ERROR(config_detail::walk_text(json_text, &c, &reports));
   for (const KeyReport& r : reports) {
-    if (r.use == KeyUse::kRefused) return invalid(r.key, r.why);
+    if (r.use == KeyUse::kRefused) return config_detail::invalid(r.key, r.why);
   }
   ZINF_RETURN_IF_ERROR(validate(c));
   if (c.world_size > 0) ZINF_RETURN_IF_ERROR(resolve_batch_sizes(c.world_size, &c));
@@ -1030,11 +1029,11 @@ Status resolve_batch_sizes(int world_size, Config* config) {
                                       "; {} was derived from the others, rounded down as "
                                       "DeepSpeed does: give a train_batch_size they divide",
                                       derived);
-    return invalid("train_batch_size",
-                   fmt::format("{} is not train_micro_batch_size_per_gpu {} x "
-                               "gradient_accumulation_steps {} x {} ranks ({}){}",
-                               c.train_batch_size, c.train_micro_batch_size_per_gpu,
-                               c.gradient_accumulation_steps, world_size, product, how));
+    return config_detail::invalid(
+        "train_batch_size", fmt::format("{} is not train_micro_batch_size_per_gpu {} x "
+                                        "gradient_accumulation_steps {} x {} ranks ({}){}",
+                                        c.train_batch_size, c.train_micro_batch_size_per_gpu,
+                                        c.gradient_accumulation_steps, world_size, product, how));
   }
   c.train_micro_batch_given = true;
   c.gradient_accumulation_given = true;
