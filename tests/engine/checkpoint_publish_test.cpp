@@ -27,7 +27,7 @@ namespace {
 using engine_test::Model;
 
 constexpr int kWorld = 2;
-constexpr auto kTimeout = std::chrono::seconds(6);
+constexpr auto kPublishTimeout = std::chrono::seconds(6);
 
 // What each rank saw of its load_checkpoint() and of the calls after it.
 struct Outcome {
@@ -74,7 +74,7 @@ TEST(CheckpointPublish, AShardWriteErrorOnOneRankFailsEveryRankInTheLoad) {
       engine_test::ScratchDir dir("ckpt_publish_shard_" + label);
       const std::string ckpt = dir.path() + "/ckpt";
       const Model model = engine_test::make_model(DType::kF32, 91);
-      engine_test::Ranks ranks = engine_test::make_ranks(kWorld, kTimeout, 0, c.opaque);
+      engine_test::Ranks ranks = engine_test::make_ranks(kWorld, kPublishTimeout, 0, c.opaque);
       Config config = engine_test::small_config(3, c.optimizer, OffloadDevice::kNvme, dir.path());
       config.collective_timeout_ms = 6000;
       if (none_persistent) config.zero.stage3_param_persistence_threshold = 0;
@@ -120,7 +120,7 @@ TEST(CheckpointPublish, ACorruptLinkedMasterOnOneRankFailsEveryRankInTheLoad) {
   config.zero.sub_group_size = 1024;
   config.collective_timeout_ms = 6000;
   {
-    engine_test::Ranks ranks = engine_test::make_ranks(kWorld, kTimeout);
+    engine_test::Ranks ranks = engine_test::make_ranks(kWorld, kPublishTimeout);
     for (const Status& st : engine_test::run_engines(config, ranks, [&](int, Engine& e) -> Status {
            ZINF_RETURN_IF_ERROR(engine_test::register_model(e, model));
            ZINF_RETURN_IF_ERROR(e.finalize());
@@ -137,7 +137,7 @@ TEST(CheckpointPublish, ACorruptLinkedMasterOnOneRankFailsEveryRankInTheLoad) {
   const std::string victim = ckpt + "/a/rank0.zinfckpt";
   ASSERT_TRUE(engine_test::flip_bits(victim, 4096 + 5, 0x40));  // rank 0's first master block
 
-  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, kTimeout);
+  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, kPublishTimeout);
   Outcome o;
   std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
@@ -179,7 +179,7 @@ TEST(CheckpointPublish, AShardWriteErrorAfterAQueuedPersistentCopyFailsTheLoadOn
     fill_uniform(v.data(), v.size(), 9300 + p, -1.0f, 1.0f);
     model.initial.push_back(std::move(v));
   }
-  engine_test::Ranks ranks = engine_test::make_ranks(1, kTimeout, /*jitter_max_us=*/20'000,
+  engine_test::Ranks ranks = engine_test::make_ranks(1, kPublishTimeout, /*jitter_max_us=*/20'000,
                                                      /*opaque=*/true);
   Config config =
       engine_test::small_config(3, OffloadDevice::kNone, OffloadDevice::kNvme, dir.path());

@@ -34,7 +34,7 @@ namespace {
 constexpr int kRanks = 40;  // more than kCheckpointOpenReaderCount (32)
 constexpr std::uint64_t kFileBytes = 3 * 4096;
 constexpr std::uint64_t kLinkedTailBytes = 4096;  // a linked file's bytes past the manifest's
-constexpr std::uint64_t kSeed = 0x5eed'7e75;
+constexpr std::uint64_t kReadersSeed = 0x5eed'7e75;
 
 std::vector<char> seeded_bytes(std::size_t count, std::uint64_t seed) {
   std::mt19937_64 gen(seed);
@@ -54,13 +54,14 @@ bool is_linked(int rank) { return rank % 4 == 3; }
 // A tag directory of kRanks rank files and the manifest that describes them.
 struct Tag {
   explicit Tag(const std::string& name) : dir(name) {
-    std::printf("checkpoint_readers_test seed %#llx\n", static_cast<unsigned long long>(kSeed));
+    std::printf("checkpoint_readers_test seed %#llx\n",
+                static_cast<unsigned long long>(kReadersSeed));
     for (int r = 0; r < kRanks; ++r) {
       ManifestFile f;
       f.file = fmt::format("rank{}.zinfckpt", r);
       f.bytes = kFileBytes;
       const std::uint64_t on_disk = kFileBytes + (is_linked(r) ? kLinkedTailBytes : 0);
-      bytes.push_back(seeded_bytes(on_disk, kSeed + static_cast<std::uint64_t>(r)));
+      bytes.push_back(seeded_bytes(on_disk, kReadersSeed + static_cast<std::uint64_t>(r)));
       write_file(dir.file(f.file), bytes.back().data(), on_disk);
       if (is_linked(r)) {
         std::vector<FileBlockSum> sums;
@@ -185,7 +186,7 @@ TEST_P(CheckpointReadersChanged, RefusedOnReopenNamingTheFile) {
   for (int r = 0; r < kRanks; ++r) tag.expect_read(readers, r, 1);  // closed again
   // Past the filesystem's timestamp granularity (a clock tick), as a change after a save is.
   std::this_thread::sleep_for(std::chrono::milliseconds(30));
-  const std::vector<char> other = seeded_bytes(kFileBytes, kSeed + 1000);
+  const std::vector<char> other = seeded_bytes(kFileBytes, kReadersSeed + 1000);
   ASSERT_NO_FATAL_FAILURE(change.apply(path, other));
   std::vector<char> got(256);
   const Status st = readers.read_at(rank, 0, got.size(), got.data());

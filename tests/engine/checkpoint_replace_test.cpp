@@ -41,7 +41,7 @@ Config config_for(bool nvme, const std::string& scratch) {
   return c;
 }
 
-Status train(Engine& engine, const Model& model, int rank, int first_step, int last_step) {
+Status replace_train(Engine& engine, const Model& model, int rank, int first_step, int last_step) {
   TrainOptions options;
   options.first_step = first_step;
   options.steps = last_step;
@@ -55,7 +55,7 @@ Masters reference(const Config& config, const Model& model, int world, int steps
   return engine_test::run_reference(config, model, world, options).master;
 }
 
-double worst_diff(const Masters& got, const Masters& want) {
+double replace_worst_diff(const Masters& got, const Masters& want) {
   double worst = 0;
   for (std::size_t p = 0; p < want.size(); ++p) {
     worst = std::max(worst, engine_test::max_rel_diff(got.at(p), want[p]));
@@ -126,13 +126,13 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
   const Masters at2 = reference(config, model, c.world, 2);
   const Masters at4 = reference(config, model, c.world, 4);
   const Masters at5 = reference(config, model, c.world, 5);
-  ASSERT_GT(worst_diff(at4, at2), 1e-3) << "steps 3-4 must move the masters";
+  ASSERT_GT(replace_worst_diff(at4, at2), 1e-3) << "steps 3-4 must move the masters";
 
   Masters trained5;
   for (const Status& st : with_engines(config, model, c.world, [&](int rank, Engine&e) -> Status {
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 2));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 1, 2));
          ZINF_RETURN_IF_ERROR(e.save_checkpoint(dir, "last"));
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 4));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 3, 4));
          ZINF_RETURN_IF_ERROR(e.save_checkpoint(dir, "last"));
          const std::string path = dir + "/last/manifest.json";
          Result<CheckpointManifest> saved =
@@ -144,7 +144,7 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
          // Once more with no step between (as the Trainer's two calls): on NVMe the tag's
          // linked file is the swap file's frozen generation, which the engine still reads.
          ZINF_RETURN_IF_ERROR(e.save_checkpoint(dir, "last"));
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 5, 5));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 5, 5));
          Result<Masters> m = engine_test::read_masters(e, model);
          ZINF_RETURN_IF_ERROR(m.status());
          if (rank == 0) trained5 = std::move(*m);
@@ -152,7 +152,7 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
-  EXPECT_LE(worst_diff(trained5, at5), 1e-6);
+  EXPECT_LE(replace_worst_diff(trained5, at5), 1e-6);
   EXPECT_EQ(engine_test::read_file(dir + "/latest"), "last");
   EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
   {
@@ -168,14 +168,14 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
   for (const std::string tag : {"", "last"}) {
     Result<Masters> loaded = load_masters(config, model, c.world, dir, tag);
     ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-    EXPECT_LE(worst_diff(*loaded, at4), 1e-6) << "tag '" << tag << "'";
+    EXPECT_LE(replace_worst_diff(*loaded, at4), 1e-6) << "tag '" << tag << "'";
   }
 
   Masters again5;
   for (const Status& st : with_engines(config, model, c.world, [&](int rank, Engine&e) -> Status {
          ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "last"));
          ZINF_RETURN_IF_ERROR(e.save_checkpoint(dir, "last"));
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 5, 5));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 5, 5));
          Result<Masters> m = engine_test::read_masters(e, model);
          ZINF_RETURN_IF_ERROR(m.status());
          if (rank == 0) again5 = std::move(*m);
@@ -183,10 +183,10 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
-  EXPECT_LE(worst_diff(again5, at5), 1e-6);
+  EXPECT_LE(replace_worst_diff(again5, at5), 1e-6);
   Result<Masters> loaded = load_masters(config, model, c.world, dir, "last");
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-  EXPECT_LE(worst_diff(*loaded, at4), 1e-6);
+  EXPECT_LE(replace_worst_diff(*loaded, at4), 1e-6);
   EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
   Result<nlohmann::json> info = inspect_checkpoints(dir, true);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
@@ -240,7 +240,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     const Masters at4 = reference(config, model, kWorld, 4);
     const Masters at5 = reference(config, model, kWorld, 5);
     for (const Status& st : with_engines(config, model, kWorld, [&](int rank, Engine&e) {
-           ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 2));
+           ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 1, 2));
            return e.save_checkpoint(dir, "last");
          })) {
       ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -254,7 +254,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
       set_checkpoint_save_seams(seams);
       for (const Status& st : with_engines(config, model, kWorld, [&](int rank, Engine&e) {
              ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "last"));
-             ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 4));
+             ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 3, 4));
              return e.save_checkpoint(dir, "last");
            })) {
         if (!st.is_ok()) {
@@ -280,20 +280,20 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     for (const std::string tag : {"", "last"}) {
       Result<Masters> loaded = load_masters(config, model, kWorld, dir, tag);
       ASSERT_TRUE(loaded.is_ok()) << "tag '" << tag << "': " << loaded.status().to_string();
-      EXPECT_LE(worst_diff(*loaded, want), 1e-6) << "tag '" << tag << "'";
+      EXPECT_LE(replace_worst_diff(*loaded, want), 1e-6) << "tag '" << tag << "'";
     }
     // The next run saves another tag first: the crashed save's tag keeps its state (a save
     // removes what crashed saves left, and gives a tag moved aside its name back first).
     for (const Status& st : with_engines(config, model, kWorld, [&](int rank, Engine&e) {
            ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "last"));
-           ZINF_RETURN_IF_ERROR(train(e, model, rank, c.new_state ? 5 : 3, 5));
+           ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, c.new_state ? 5 : 3, 5));
            return e.save_checkpoint(dir, "next");
          })) {
       ASSERT_TRUE(st.is_ok()) << st.to_string();
     }
     Result<Masters> kept = load_masters(config, model, kWorld, dir, "last");
     ASSERT_TRUE(kept.is_ok()) << kept.status().to_string();
-    EXPECT_LE(worst_diff(*kept, want), 1e-6);
+    EXPECT_LE(replace_worst_diff(*kept, want), 1e-6);
     // Then the tag itself, from step 5.
     for (const Status& st : with_engines(config, model, kWorld, [&](int, Engine& e) {
            ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "next"));
@@ -305,7 +305,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     EXPECT_EQ(engine_test::read_file(dir + "/latest"), "last");
     Result<Masters> loaded = load_masters(config, model, kWorld, dir, "");
     ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-    EXPECT_LE(worst_diff(*loaded, at5), 1e-6);
+    EXPECT_LE(replace_worst_diff(*loaded, at5), 1e-6);
     Result<nlohmann::json> info = inspect_checkpoints(dir, true);
     ASSERT_TRUE(info.is_ok()) << info.status().to_string();
     EXPECT_TRUE((*info)["problems"].empty()) << info->dump();
@@ -324,7 +324,7 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   const Config config = config_for(false, scratch.path());
   const Masters at2 = reference(config, model, 1, 2);
   for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 2));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 1, 2));
          return e.save_checkpoint(dir, "last");
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -336,7 +336,7 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   Status saved = Status::ok();
   for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
          ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "last"));
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 3));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 3, 3));
          return e.save_checkpoint(dir, "next");
        })) {
     if (!st.is_ok()) saved = st;
@@ -346,7 +346,7 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/.last.old/" + std::string(kCheckpointManifest)));
   Result<Masters> kept = load_masters(config, model, 1, dir, "last");
   ASSERT_TRUE(kept.is_ok()) << kept.status().to_string();
-  EXPECT_LE(worst_diff(*kept, at2), 1e-6);
+  EXPECT_LE(replace_worst_diff(*kept, at2), 1e-6);
   // The rename back succeeds now: the tag has its name again, and nothing is left over.
   for (const Status& st : with_engines(config, model, 1, [&](int, Engine& e) {
          ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "next"));
@@ -357,7 +357,7 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
   Result<Masters> restored = load_masters(config, model, 1, dir, "last");
   ASSERT_TRUE(restored.is_ok()) << restored.status().to_string();
-  EXPECT_LE(worst_diff(*restored, at2), 1e-6);
+  EXPECT_LE(replace_worst_diff(*restored, at2), 1e-6);
 }
 
 // A crash while keep_last removes a tag (renamed aside, its manifest not yet removed) leaves no
@@ -370,7 +370,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
   Config config = config_for(false, scratch.path());
   config.keep_last = 1;
   for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 1));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 1, 1));
          return e.save_checkpoint(dir, "a");
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -383,7 +383,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
     set_checkpoint_save_seams(seams);
     for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
            ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "a"));
-           ZINF_RETURN_IF_ERROR(train(e, model, rank, 2, 2));
+           ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 2, 2));
            return e.save_checkpoint(dir, "b");
          })) {
       if (!st.is_ok()) return 2;
@@ -401,7 +401,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
   const Masters at3 = reference(config, model, 1, 3);
   for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
          ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, ""));
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 3, 3));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 3, 3));
          return e.save_checkpoint(dir, "c");
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
@@ -411,7 +411,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/b"));
   Result<Masters> loaded = load_masters(config, model, 1, dir, "");
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-  EXPECT_LE(worst_diff(*loaded, at3), 1e-6);
+  EXPECT_LE(replace_worst_diff(*loaded, at3), 1e-6);
 }
 
 // A directory of the tag's name that is not a checkpoint (neither a manifest nor rank files) is
@@ -424,7 +424,7 @@ TEST(CheckpointReplaceRefused, ADirectoryThatIsNotACheckpointIsLeftAlone) {
   const Model model = page_model(47);
   const Config config = config_for(false, scratch.path());
   for (const Status& st : with_engines(config, model, 1, [&](int rank, Engine&e) {
-         ZINF_RETURN_IF_ERROR(train(e, model, rank, 1, 1));
+         ZINF_RETURN_IF_ERROR(replace_train(e, model, rank, 1, 1));
          return e.save_checkpoint(dir, "last");
        })) {
     EXPECT_EQ(st.code(), Code::kFailedPrecondition) << st.to_string();

@@ -28,7 +28,7 @@ std::string restamp(std::string text) {
 }
 
 // Manifest `j` as save_checkpoint lays it out, with a correct checksum.
-std::string stamp(const nlohmann::json& j) { return restamp(j.dump(1) + "\n"); }
+std::string summary_stamp(const nlohmann::json& j) { return restamp(j.dump(1) + "\n"); }
 
 struct Damaged {
   const char* name;
@@ -60,17 +60,17 @@ TEST(CheckpointSummary, DamagedManifestsGiveTheFullParsersErrors) {
   {
     nlohmann::json j = original;
     j["version"] = 99;
-    cases.push_back({"version 99", stamp(j), Code::kInvalidArgument});
+    cases.push_back({"version 99", summary_stamp(j), Code::kInvalidArgument});
   }
   {
     nlohmann::json j = original;
     j["tag"] = 5;
-    cases.push_back({"tag 5", stamp(j), Code::kCorruption});
+    cases.push_back({"tag 5", summary_stamp(j), Code::kCorruption});
   }
   {
     nlohmann::json j = original;
     j["step"] = -4;
-    cases.push_back({"negative step", stamp(j), Code::kCorruption});
+    cases.push_back({"negative step", summary_stamp(j), Code::kCorruption});
   }
   cases.push_back({"top-level array", restamp("[" + text + "]\n"), Code::kCorruption});
   cases.push_back({"trailing garbage", restamp(text + "}x\n"), Code::kCorruption});
@@ -104,7 +104,7 @@ TEST(CheckpointSummary, NestedKeysBeforeTheTopLevelOnesAreNotTaken) {
   j["params"][0]["tag"] = "nested";
   j["params"][0]["serial"] = 777;
   j["params"][0]["step"] = 888;
-  const std::string text = stamp(j);
+  const std::string text = summary_stamp(j);
   ASSERT_LT(text.find("\"nested\""), text.find("\"tag\": \"top\""));
 
   const Result<CheckpointManifest> full = parse_checkpoint_manifest(text, path);

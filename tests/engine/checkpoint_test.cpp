@@ -178,7 +178,7 @@ TEST_P(CheckpointTest, ResumedRunEqualsUninterruptedRun) {
   }
 }
 
-std::vector<CkptCase> cases() {
+std::vector<CkptCase> ckpt_cases() {
   using D = OffloadDevice;
   return {
       {1, 1, D::kNone},
@@ -192,7 +192,7 @@ std::vector<CkptCase> cases() {
   };
 }
 
-INSTANTIATE_TEST_SUITE_P(Engine, CheckpointTest, ::testing::ValuesIn(cases()),
+INSTANTIATE_TEST_SUITE_P(Engine, CheckpointTest, ::testing::ValuesIn(ckpt_cases()),
                          [](const ::testing::TestParamInfo<CkptCase>& info) {
                            return case_name(info.param);
                          });

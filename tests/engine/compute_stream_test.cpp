@@ -35,7 +35,7 @@ namespace zinf {
 namespace {
 
 constexpr int kSteps = 4;
-constexpr int kWorld = 2;
+constexpr int kStreamWorld = 2;
 
 struct RankResult {
   std::vector<std::vector<float>> master;
@@ -197,9 +197,9 @@ engine_test::Model equal_model(std::uint64_t seed) {
 std::vector<Status> run_on_compute_streams(
     const Config& config, int jitter_max_us,
     const std::function<Status(int, Engine&, Device&, Stream&)>& body) {
-  engine_test::Ranks ranks =
-      engine_test::make_ranks(kWorld, std::chrono::seconds(30), jitter_max_us, /*opaque=*/true);
-  return engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+  engine_test::Ranks ranks = engine_test::make_ranks(kStreamWorld, std::chrono::seconds(30),
+                                                     jitter_max_us, /*opaque=*/true);
+  return engine_test::run_ranks(kStreamWorld, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
     Env env;
     env.device = ranks.devices[r].get();
@@ -220,15 +220,16 @@ bool run_case(const Case& c, std::string* why) {
       c.equal_modules ? equal_model(55) : engine_test::make_model(DType::kF32, 77);
   engine_test::TrainOptions options;
   options.steps = kSteps;
-  const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
-  std::vector<RankResult> results(kWorld);
+  const engine_test::Reference ref =
+      engine_test::run_reference(config, model, kStreamWorld, options);
+  std::vector<RankResult> results(kStreamWorld);
   std::vector<Status> st = run_on_compute_streams(
       config, /*jitter_max_us=*/200,
       [&](int rank, Engine& engine, Device& device, Stream& compute) {
         return train_on_stream(engine, device, &compute, model, rank, ref, c.slow_reads,
                                c.late_gather_ms, &results[static_cast<std::size_t>(rank)]);
       });
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < kStreamWorld; ++r) {
     const auto ur = static_cast<std::size_t>(r);
     if (!st[ur].is_ok()) {
       *why = fmt::format("rank {}: {}", r, st[ur].to_string());
@@ -283,8 +284,9 @@ TEST(ComputeStream, TheEquivalenceLoopOnAComputeStream) {
   const engine_test::Model model = engine_test::make_model(DType::kBF16, 5);
   engine_test::TrainOptions options;
   options.steps = 4;
-  const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
-  std::vector<std::vector<std::vector<float>>> finals(kWorld);
+  const engine_test::Reference ref =
+      engine_test::run_reference(config, model, kStreamWorld, options);
+  std::vector<std::vector<std::vector<float>>> finals(kStreamWorld);
   std::vector<Status> st = run_on_compute_streams(
       config, /*jitter_max_us=*/100,
       [&](int rank, Engine& engine, Device& device, Stream& compute) -> Status {
@@ -300,7 +302,7 @@ TEST(ComputeStream, TheEquivalenceLoopOnAComputeStream) {
         }
         return Status::ok();
       });
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < kStreamWorld; ++r) {
     const auto u = static_cast<std::size_t>(r);
     ASSERT_TRUE(st[u].is_ok()) << "rank " << r << ": " << st[u].to_string();
     for (std::size_t p = 0; p < model.params.size(); ++p) {

@@ -67,7 +67,7 @@ struct OneRank {
   }
 };
 
-struct Case {
+struct ScheduleCase {
   const char* scheduler;
   std::function<double(std::int64_t n)> deepspeed_lr;  // DeepSpeed's get_lr() at iteration n
   // Iterations 0, 1, the end of warm-up, the middle and the end, with their lr worked out by hand.
@@ -77,7 +77,7 @@ struct Case {
 
 TEST(ConfigSchedule, EngineFromConfigRunsDeepSpeedsCurve) {
   const double lo = 1e-4, hi = 2e-3;
-  const Case cases[] = {
+  const ScheduleCase cases[] = {
       // WarmupLR, log warm-up over W = 8: lo + (hi - lo) * log(n + 1) / log(8), then hi.
       {R"({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 2e-3,
            "warmup_num_steps": 8}})",
@@ -104,7 +104,7 @@ TEST(ConfigSchedule, EngineFromConfigRunsDeepSpeedsCurve) {
        {{0, 0.0}, {1, 1e-3 / 6.0}, {6, 1e-3}, {13, 0.5e-3}, {20, 0.0}},
        21},
   };
-  for (const Case& c : cases) {
+  for (const ScheduleCase& c : cases) {
     SCOPED_TRACE(c.scheduler);
     Result<Config> config = parse_config(fmt::format(
         R"({{"optimizer": {{"type": "AdamW", "params": {{"lr": 5e-3, "weight_decay": 0.01}}}},

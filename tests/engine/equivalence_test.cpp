@@ -21,7 +21,7 @@ using engine_test::Model;
 using engine_test::Reference;
 using engine_test::TrainOptions;
 
-struct Case {
+struct EquivalenceCase {
   int world;
   int stage;
   OffloadDevice optimizer;
@@ -33,7 +33,7 @@ struct Case {
   bool opaque = false;
 };
 
-std::string case_name(const Case& c) {
+std::string case_name(const EquivalenceCase& c) {
   return fmt::format("w{}_s{}_opt_{}_param_{}_{}_mb{}{}{}", c.world, c.stage,
                      offload_device_name(c.optimizer), offload_device_name(c.params),
                      dtype_name(c.dtype), c.micro_batches, c.clipping > 0 ? "_clip" : "",
@@ -41,7 +41,7 @@ std::string case_name(const Case& c) {
 }
 
 // Trains on every rank and compares; returns the reports of rank 0.
-void run_case(const Case& c) {
+void run_case(const EquivalenceCase& c) {
   const std::uint64_t seed =
       1234 + static_cast<std::uint64_t>(c.world) * 10 + static_cast<std::uint64_t>(c.stage);
   std::printf("case %s seed %llu\n", case_name(c).c_str(), static_cast<unsigned long long>(seed));
@@ -109,19 +109,19 @@ void run_case(const Case& c) {
   }
 }
 
-class Equivalence : public ::testing::TestWithParam<Case> {};
+class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
 
 TEST_P(Equivalence, MastersEqualSingleProcessAdamW) { run_case(GetParam()); }
 
-std::vector<Case> matrix() {
-  std::vector<Case> cases;
+std::vector<EquivalenceCase> matrix() {
+  std::vector<EquivalenceCase> cases;
   const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
   for (int world = 1; world <= 4; ++world) {
     for (int stage = 1; stage <= 3; ++stage) {
       for (OffloadDevice opt : tiers) {
         for (OffloadDevice param : tiers) {
           if (stage != 3 && param != OffloadDevice::kNone) continue;
-          Case c{world, stage, opt, param};
+          EquivalenceCase c{world, stage, opt, param};
           // Two micro-batches on odd world sizes, so accumulation runs in every stage.
           c.micro_batches = world % 2 == 1 ? 2 : 1;
           cases.push_back(c);
@@ -133,7 +133,7 @@ std::vector<Case> matrix() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Matrix, Equivalence, ::testing::ValuesIn(matrix()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
+                         [](const ::testing::TestParamInfo<EquivalenceCase>& info) {
                            return case_name(info.param);
                          });
 
@@ -141,40 +141,42 @@ INSTANTIATE_TEST_SUITE_P(Matrix, Equivalence, ::testing::ValuesIn(matrix()),
 // global norm.
 INSTANTIATE_TEST_SUITE_P(
     Mixed, Equivalence,
-    ::testing::Values(Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kHost, DType::kBF16, 1},
-                      Case{3, 2, OffloadDevice::kHost, OffloadDevice::kNone, DType::kBF16, 2},
-                      Case{2, 1, OffloadDevice::kNone, OffloadDevice::kNone, DType::kF16, 1},
-                      Case{4, 3, OffloadDevice::kNone, OffloadDevice::kNvme, DType::kF16, 1},
-                      Case{3, 3, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF32, 1, 0.5},
-                      Case{2, 1, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kF32, 2, 0.5}),
-    [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+    ::testing::Values(
+        EquivalenceCase{2, 3, OffloadDevice::kNvme, OffloadDevice::kHost, DType::kBF16, 1},
+        EquivalenceCase{3, 2, OffloadDevice::kHost, OffloadDevice::kNone, DType::kBF16, 2},
+        EquivalenceCase{2, 1, OffloadDevice::kNone, OffloadDevice::kNone, DType::kF16, 1},
+        EquivalenceCase{4, 3, OffloadDevice::kNone, OffloadDevice::kNvme, DType::kF16, 1},
+        EquivalenceCase{3, 3, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF32, 1, 0.5},
+        EquivalenceCase{2, 1, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kF32, 2, 0.5}),
+    [](const ::testing::TestParamInfo<EquivalenceCase>& info) { return case_name(info.param); });
 
 // On opaque HostDevices (not host-accessible; host code that dereferences device memory faults)
 // the engine moves everything by copies, device ops and collectives, as on a GPU. Every stage and
 // placement, 1 to 4 ranks, micro-batches, half dtypes and clipping: with the optimizer state in
 // host memory or on NVMe (the ZeRO-Infinity case) the same bits as the reference; with it on the
 // device (DeviceOptimizer, the kernels' references here) within 1e-6 relative.
-std::vector<Case> opaque_cases() {
-  std::vector<Case> cases;
+std::vector<EquivalenceCase> opaque_cases() {
+  std::vector<EquivalenceCase> cases;
   const OffloadDevice tiers[] = {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme};
   for (int stage = 1; stage <= 3; ++stage) {
     for (OffloadDevice opt : tiers) {
       for (OffloadDevice param : tiers) {
         if (stage != 3 && param != OffloadDevice::kNone) continue;
-        Case c{2, stage, opt, param};
+        EquivalenceCase c{2, stage, opt, param};
         c.opaque = true;
         cases.push_back(c);
       }
     }
   }
-  for (Case c : {Case{1, 1, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF32, 2},
-                 Case{3, 1, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kBF16, 2},
-                 Case{3, 2, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF16, 2},
-                 Case{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme, DType::kBF16, 1},
-                 Case{3, 3, OffloadDevice::kHost, OffloadDevice::kHost, DType::kF32, 2, 0.5},
-                 Case{3, 2, OffloadDevice::kNone, OffloadDevice::kNone, DType::kBF16, 2},
-                 Case{2, 3, OffloadDevice::kNone, OffloadDevice::kNvme, DType::kF16, 1},
-                 Case{3, 1, OffloadDevice::kNone, OffloadDevice::kNone, DType::kF32, 2, 0.5}}) {
+  for (EquivalenceCase c :
+       {EquivalenceCase{1, 1, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF32, 2},
+        EquivalenceCase{3, 1, OffloadDevice::kNvme, OffloadDevice::kNone, DType::kBF16, 2},
+        EquivalenceCase{3, 2, OffloadDevice::kHost, OffloadDevice::kNone, DType::kF16, 2},
+        EquivalenceCase{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme, DType::kBF16, 1},
+        EquivalenceCase{3, 3, OffloadDevice::kHost, OffloadDevice::kHost, DType::kF32, 2, 0.5},
+        EquivalenceCase{3, 2, OffloadDevice::kNone, OffloadDevice::kNone, DType::kBF16, 2},
+        EquivalenceCase{2, 3, OffloadDevice::kNone, OffloadDevice::kNvme, DType::kF16, 1},
+        EquivalenceCase{3, 1, OffloadDevice::kNone, OffloadDevice::kNone, DType::kF32, 2, 0.5}}) {
     c.opaque = true;
     cases.push_back(c);
   }
@@ -182,7 +184,7 @@ std::vector<Case> opaque_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Opaque, Equivalence, ::testing::ValuesIn(opaque_cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
+                         [](const ::testing::TestParamInfo<EquivalenceCase>& info) {
                            return case_name(info.param);
                          });
 

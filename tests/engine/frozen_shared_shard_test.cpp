@@ -28,7 +28,7 @@ namespace {
 
 using engine_test::Model;
 
-constexpr int kWorld = 2;
+constexpr int kSharedWorld = 2;
 constexpr int kFrozenParams = 8;
 constexpr std::size_t kFrozenParamElements = 64 * 64;
 // The frozen groups whose shards are lent on each rank: all but the first and the last.
@@ -71,7 +71,7 @@ engine_test::Ranks checked_ranks() {
   test::HostRanksOptions o;
   o.jitter_max_us = 50;
   o.jitter_seed = 91;
-  return test::make_host_ranks(kWorld, o);
+  return test::make_host_ranks(kSharedWorld, o);
 }
 
 using engine_test::same_bits;
@@ -79,7 +79,7 @@ using engine_test::same_bits;
 // Each rank's MemoryReport::host_bytes after finalize().
 std::vector<std::uint64_t> finalized_host_bytes(const Config& config, const Model& model) {
   engine_test::Ranks ranks = checked_ranks();
-  std::vector<std::uint64_t> out(kWorld, 0);
+  std::vector<std::uint64_t> out(kSharedWorld, 0);
   const std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
         ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
@@ -97,15 +97,15 @@ std::vector<std::int64_t> shard_host_bytes(const Model& model) {
       finalized_host_bytes(lent_config(OffloadDevice::kHost, false), model);
   const std::vector<std::uint64_t> device =
       finalized_host_bytes(lent_config(OffloadDevice::kNone, false), model);
-  std::vector<std::int64_t> out(kWorld);
-  for (int r = 0; r < kWorld; ++r) {
+  std::vector<std::int64_t> out(kSharedWorld);
+  for (int r = 0; r < kSharedWorld; ++r) {
     out[r] = static_cast<std::int64_t>(host[r]) - static_cast<std::int64_t>(device[r]);
   }
   return out;
 }
 
 // One rank's shard of each lent group: 2048 bf16 elements, one page.
-constexpr std::int64_t kLentBytes = kLentGroups * kFrozenParamElements / kWorld * 2;
+constexpr std::int64_t kLentBytes = kLentGroups * kFrozenParamElements / kSharedWorld * 2;
 
 // Per rank, the host bytes the shards of `model` take less those of the same model with "base"
 // trainable (whose shards the coordinator keeps).
@@ -114,8 +114,8 @@ std::vector<std::int64_t> shard_host_bytes_saved(const Model& model) {
   trainable.frozen_module.clear();
   const std::vector<std::int64_t> lent = shard_host_bytes(model);
   const std::vector<std::int64_t> kept = shard_host_bytes(trainable);
-  std::vector<std::int64_t> out(kWorld);
-  for (int r = 0; r < kWorld; ++r) {
+  std::vector<std::int64_t> out(kSharedWorld);
+  for (int r = 0; r < kSharedWorld; ++r) {
     std::printf("rank %d: shards take %lld host bytes with base frozen, %lld trainable\n", r,
                 static_cast<long long>(lent[r]), static_cast<long long>(kept[r]));
     out[r] = kept[r] - lent[r];
@@ -130,7 +130,7 @@ std::vector<std::int64_t> shard_host_bytes_saved(const Model& model) {
 TEST(FrozenSharedShard, LentShardsTakeNoHostMemory) {
   for (bool exact : {true, false}) {
     const std::vector<std::int64_t> saved = shard_host_bytes_saved(lent_model(17, exact));
-    for (int r = 0; r < kWorld; ++r) {
+    for (int r = 0; r < kSharedWorld; ++r) {
       EXPECT_EQ(saved[r], kLentBytes) << "exact " << exact << " rank " << r;
     }
   }
@@ -145,11 +145,12 @@ TEST(FrozenSharedShard, GathersTheRegisteredBitsAndTrainsAsTheReference) {
     const Config config = lent_config(OffloadDevice::kHost, overlap);
     engine_test::TrainOptions options;
     options.steps = 4;
-    const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
+    const engine_test::Reference ref =
+        engine_test::run_reference(config, model, kSharedWorld, options);
     engine_test::Ranks ranks = checked_ranks();
     const engine_test::RankRuns runs =
         engine_test::train_against_reference(config, ranks, model, options, ref);
-    for (int r = 0; r < kWorld; ++r) {
+    for (int r = 0; r < kSharedWorld; ++r) {
       ASSERT_TRUE(runs.status[r].is_ok())
           << "overlap " << overlap << ": " << runs.status[r].to_string();
       for (std::size_t p = 0; p < model.params.size(); ++p) {
@@ -173,8 +174,9 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
   const Config config = lent_config(OffloadDevice::kHost, true);
   engine_test::TrainOptions options;
   options.steps = 4;
-  const engine_test::Reference ref = engine_test::run_reference(config, model, kWorld, options);
-  std::vector<std::uint64_t> finalized(kWorld), loaded(kWorld);
+  const engine_test::Reference ref =
+      engine_test::run_reference(config, model, kSharedWorld, options);
+  std::vector<std::uint64_t> finalized(kSharedWorld), loaded(kSharedWorld);
   {
     engine_test::Ranks ranks = checked_ranks();
     std::vector<Status> st =
@@ -205,7 +207,7 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
         return engine_test::train_rank(engine, model, rank, rest, &ref.device_per_step, nullptr);
       });
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < kSharedWorld; ++r) {
     EXPECT_EQ(loaded[r], finalized[r]) << "rank " << r;
     const std::string file = "/rank" + std::to_string(r) + ".zinfckpt";
     const std::string saved = engine_test::read_file(ckpt + "/first" + file);
@@ -222,8 +224,8 @@ TEST(FrozenSharedShard, CheckpointRoundTripKeepsTheShardsLent) {
 // frozen sub-groups are sub_group_size elements each.
 std::uint64_t restored_master_bytes(const Model& model, std::size_t p, std::size_t sub_group) {
   const auto shard = [](std::size_t elements) {
-    const std::size_t slice = kWorld * 128;
-    return (elements + slice - 1) / slice * slice / kWorld;
+    const std::size_t slice = kSharedWorld * 128;
+    return (elements + slice - 1) / slice * slice / kSharedWorld;
   };
   const std::size_t frozen_first = (shard(model.params[0].element_count()) + 1023) / 1024 * 1024;
   std::size_t begin = shard(model.params[0].element_count());
@@ -245,7 +247,7 @@ std::uint64_t restored_master_bytes(const Model& model, std::size_t p, std::size
 TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
   const Model model = lent_model(67, true);
   const std::vector<std::int64_t> saved = shard_host_bytes_saved(model);
-  for (int r = 0; r < kWorld; ++r) ASSERT_EQ(saved[r], kLentBytes) << "rank " << r;
+  for (int r = 0; r < kSharedWorld; ++r) ASSERT_EQ(saved[r], kLentBytes) << "rank " << r;
 
   std::size_t w = 0;
   while (model.params[w].name != "base.w3") ++w;
@@ -276,8 +278,10 @@ TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
     return out;
   };
 
-  std::vector<std::uint64_t> finalized(kWorld), after_exact(kWorld), after_drawn(kWorld);
-  std::vector<std::vector<std::vector<float>>> gathered_exact(kWorld), gathered_drawn(kWorld);
+  std::vector<std::uint64_t> finalized(kSharedWorld), after_exact(kSharedWorld),
+      after_drawn(kSharedWorld);
+  std::vector<std::vector<std::vector<float>>> gathered_exact(kSharedWorld),
+      gathered_drawn(kSharedWorld);
   std::vector<float> read_exact(drawn.size()), read_drawn(drawn.size());
   engine_test::Ranks ranks = checked_ranks();
   const std::vector<Status> st =
@@ -304,7 +308,7 @@ TEST(FrozenSharedShard, WrittenValuesReachTheLentShards) {
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
   EXPECT_TRUE(same_bits(read_exact, exact));
   EXPECT_TRUE(same_bits(read_drawn, drawn));
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < kSharedWorld; ++r) {
     for (std::size_t p = 0; p < model.params.size(); ++p) {
       if (model.params[p].module != "base") continue;
       const std::vector<float>& want = p == w ? exact : model.initial[p];
@@ -338,14 +342,14 @@ TEST(FrozenSharedShard, LoadedMomentsTakeTheLentShardsBack) {
   Config still = lent_config(OffloadDevice::kHost, true);
   still.optimizer.lr = 0.0;
   still.optimizer.weight_decay = 0.0;
-  const Status saved = engine_test::train_and_save(still, thawed, kWorld, 3, ckpt, "moments");
+  const Status saved = engine_test::train_and_save(still, thawed, kSharedWorld, 3, ckpt, "moments");
   ASSERT_TRUE(saved.is_ok()) << saved.to_string();
 
   engine_test::Ranks ranks = checked_ranks();
   const engine_test::LoadedRun run = engine_test::load_and_train(
       lent_config(OffloadDevice::kHost, true), ranks, model, ckpt, "moments", 4, 6);
   for (const Status& s : run.status) ASSERT_TRUE(s.is_ok()) << s.to_string();
-  for (int r = 0; r < kWorld; ++r) {
+  for (int r = 0; r < kSharedWorld; ++r) {
     EXPECT_EQ(static_cast<std::int64_t>(run.loaded_host_bytes[r] - run.finalized_host_bytes[r]),
               kLentBytes)
         << "rank " << r;

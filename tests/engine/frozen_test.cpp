@@ -798,7 +798,7 @@ void check_lora_pass(int world, DType dtype, bool overlap) {
 }
 
 // This process's resident bytes now (/proc/self/statm: pages).
-std::uint64_t resident_bytes() {
+std::uint64_t frozen_resident_bytes() {
   unsigned long long pages = 0, resident = 0;
   std::FILE* f = std::fopen("/proc/self/statm", "r");
   if (f != nullptr) {
@@ -919,11 +919,11 @@ LoraFootprint lora_footprint(OffloadDevice opt, const std::string& nvme_path,
   std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int, Engine& engine) -> Status {
         ZINF_RETURN_IF_ERROR(engine_test::register_model(engine, model));
-        const std::uint64_t before = resident_bytes();
+        const std::uint64_t before = frozen_resident_bytes();
         const std::uint64_t written_before = storage_written_bytes();
         ZINF_RETURN_IF_ERROR(engine.finalize());
         ZINF_RETURN_IF_ERROR(step_lora(engine, model, grads));
-        const std::uint64_t after = resident_bytes();  // a set that shrank grew by nothing
+        const std::uint64_t after = frozen_resident_bytes();  // a set that shrank grew by nothing
         out.resident_growth_bytes = after > before ? after - before : 0;
         out.written_bytes = storage_written_bytes() - written_before;
         out.host_bytes = engine.memory().host_bytes;

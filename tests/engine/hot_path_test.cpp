@@ -25,7 +25,7 @@ using zinf::test::g_count_allocations;
 namespace zinf {
 namespace {
 
-constexpr int kSteps = 5;
+constexpr int kHotSteps = 5;
 
 // Each module's gradients for one rank, seeded, in the parameters' dtype, made before the loop.
 struct Gradients {
@@ -98,7 +98,7 @@ void steps_allocate_nothing(DType dtype, int world, bool compute_stream = false)
   std::vector<Gradients> grads;
   for (int r = 0; r < world; ++r) grads.push_back(make_gradients(model, r));
   // Allocations of all ranks, per step; the last step number each rank's report gave.
-  std::vector<std::uint64_t> allocations(kSteps + 1, 0);
+  std::vector<std::uint64_t> allocations(kHotSteps + 1, 0);
   std::vector<std::int64_t> last_step(static_cast<std::size_t>(world), 0);
   std::vector<Status> st = engine_test::run_ranks(world, [&](int rank) -> Status {
     const auto r = static_cast<std::size_t>(rank);
@@ -114,7 +114,7 @@ void steps_allocate_nothing(DType dtype, int world, bool compute_stream = false)
     ZINF_RETURN_IF_ERROR(engine->set_compute_stream(compute.get()));
     ZINF_RETURN_IF_ERROR(engine_test::register_model(*engine, model));
     ZINF_RETURN_IF_ERROR(engine->finalize());
-    for (int step = 1; step <= kSteps; ++step) {
+    for (int step = 1; step <= kHotSteps; ++step) {
       const bool counted = step >= 2;
       ZINF_RETURN_IF_ERROR(comm.barrier());
       if (counted && rank == 0) {
@@ -137,9 +137,9 @@ void steps_allocate_nothing(DType dtype, int world, bool compute_stream = false)
   for (int r = 0; r < world; ++r) {
     const auto u = static_cast<std::size_t>(r);
     ASSERT_TRUE(st[u].is_ok()) << "rank " << r << ": " << st[u].to_string();
-    EXPECT_EQ(last_step[u], kSteps) << "rank " << r << ": a step was skipped";
+    EXPECT_EQ(last_step[u], kHotSteps) << "rank " << r << ": a step was skipped";
   }
-  for (int step = 2; step <= kSteps; ++step) {
+  for (int step = 2; step <= kHotSteps; ++step) {
     const auto s = static_cast<std::size_t>(step);
     std::printf(
         "%s, world %d%s, step %d: %llu allocations (gathers, releases, reduce_gradients, "

@@ -20,17 +20,17 @@ namespace {
 
 using engine_test::ScratchDir;
 
-constexpr int kWorld = 2;
-constexpr int kSteps = 6;
+constexpr int kConfigWorld = 2;
+constexpr int kConfigSteps = 6;
 // Sizes that 2 does not divide and sub-groups (sub_group_size 700) that split a parameter.
-const std::vector<std::size_t> kSizes = {1031, 17, 513};
+const std::vector<std::size_t> kConfigSizes = {1031, 17, 513};
 
 // Parameters of magnitude 0.5..1.5 with a random sign, so that a relative error is meaningful.
 std::vector<std::vector<float>> initial_values(std::uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::uniform_real_distribution<float> mag(0.5f, 1.5f);
   std::vector<std::vector<float>> out;
-  for (std::size_t n : kSizes) {
+  for (std::size_t n : kConfigSizes) {
     std::vector<float> v(n);
     for (float& x : v) x = (rng() & 1) ? mag(rng) : -mag(rng);
     out.push_back(std::move(v));
@@ -45,7 +45,7 @@ std::vector<float> gradient(std::size_t p, int step) {
   std::mt19937_64 rng(1000 * static_cast<std::uint64_t>(step) + p);
   std::uniform_real_distribution<float> u(-1.0f, 1.0f);
   const float scale = p == 1 ? 1e-9f : 1.0f;
-  std::vector<float> g(kSizes[p]);
+  std::vector<float> g(kConfigSizes[p]);
   for (float& x : g) x = u(rng) * scale;
   return g;
 }
@@ -68,7 +68,7 @@ std::vector<std::vector<double>> reference(const Hyper& h,
     m[i].assign(init[i].size(), 0.0);
     v[i].assign(init[i].size(), 0.0);
   }
-  for (int t = 1; t <= kSteps; ++t) {
+  for (int t = 1; t <= kConfigSteps; ++t) {
     for (std::size_t i = 0; i < init.size(); ++i) {
       const std::vector<float> g32 = gradient(i, t);
       for (std::size_t k = 0; k < g32.size(); ++k) {
@@ -110,43 +110,44 @@ std::vector<std::vector<float>> train(const std::string& optimizer_json,
   EXPECT_TRUE(config.is_ok()) << config.status().to_string() << "\n" << text;
   if (!config.is_ok()) return {};
   *parsed = config->optimizer;
-  engine_test::Ranks ranks = engine_test::make_ranks(kWorld);
+  engine_test::Ranks ranks = engine_test::make_ranks(kConfigWorld);
   std::vector<std::vector<float>> out(init.size());
-  const std::vector<Status> statuses = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
-    Env env;
-    env.device = ranks.devices[rank].get();
-    env.comm = ranks.comms[rank].get();
-    ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(*config, env));
-    for (std::size_t p = 0; p < init.size(); ++p) {
-      ParameterSpec spec;
-      spec.name = fmt::format("p{}", p);
-      spec.module = fmt::format("m{}", p);
-      spec.shape = {static_cast<std::int64_t>(kSizes[p])};
-      spec.dtype = DType::kF32;
-      spec.initial_values = init[p].data();
-      ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
-    }
-    for (int t = 1; t <= kSteps; ++t) {
-      for (std::size_t p = init.size(); p-- > 0;) {
-        const std::string module = fmt::format("m{}", p);
-        ZINF_RETURN_IF_ERROR(engine->gather(module));
-        const std::vector<float> g = gradient(p, t);
-        const std::string name = fmt::format("p{}", p);
-        const GradientRef ref{name, g.data(), g.size(), DType::kF32};
-        ZINF_RETURN_IF_ERROR(engine->reduce_gradients(module, {&ref, 1}));
-        ZINF_RETURN_IF_ERROR(engine->release(module));
-      }
-      ZINF_ASSIGN_OR_RETURN(StepReport report, engine->step());
-      if (report.skipped) return Status::internal("a step was skipped");
-    }
-    for (std::size_t p = 0; p < init.size(); ++p) {
-      std::vector<float> values(kSizes[p]);
-      ZINF_RETURN_IF_ERROR(engine->read_parameters(fmt::format("p{}", p), values.data()));
-      if (rank == 0) out[p] = std::move(values);
-    }
-    return Status::ok();
-  });
-  for (int r = 0; r < kWorld; ++r) {
+  const std::vector<Status> statuses =
+      engine_test::run_ranks(kConfigWorld, [&](int rank) -> Status {
+        Env env;
+        env.device = ranks.devices[rank].get();
+        env.comm = ranks.comms[rank].get();
+        ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(*config, env));
+        for (std::size_t p = 0; p < init.size(); ++p) {
+          ParameterSpec spec;
+          spec.name = fmt::format("p{}", p);
+          spec.module = fmt::format("m{}", p);
+          spec.shape = {static_cast<std::int64_t>(kConfigSizes[p])};
+          spec.dtype = DType::kF32;
+          spec.initial_values = init[p].data();
+          ZINF_RETURN_IF_ERROR(engine->register_parameter(spec));
+        }
+        for (int t = 1; t <= kConfigSteps; ++t) {
+          for (std::size_t p = init.size(); p-- > 0;) {
+            const std::string module = fmt::format("m{}", p);
+            ZINF_RETURN_IF_ERROR(engine->gather(module));
+            const std::vector<float> g = gradient(p, t);
+            const std::string name = fmt::format("p{}", p);
+            const GradientRef ref{name, g.data(), g.size(), DType::kF32};
+            ZINF_RETURN_IF_ERROR(engine->reduce_gradients(module, {&ref, 1}));
+            ZINF_RETURN_IF_ERROR(engine->release(module));
+          }
+          ZINF_ASSIGN_OR_RETURN(StepReport report, engine->step());
+          if (report.skipped) return Status::internal("a step was skipped");
+        }
+        for (std::size_t p = 0; p < init.size(); ++p) {
+          std::vector<float> values(kConfigSizes[p]);
+          ZINF_RETURN_IF_ERROR(engine->read_parameters(fmt::format("p{}", p), values.data()));
+          if (rank == 0) out[p] = std::move(values);
+        }
+        return Status::ok();
+      });
+  for (int r = 0; r < kConfigWorld; ++r) {
     EXPECT_TRUE(statuses[r].is_ok()) << "rank " << r << ": " << statuses[r].to_string();
   }
   return out;
@@ -166,14 +167,14 @@ double max_rel(const std::vector<std::vector<float>>& got,
   return worst;
 }
 
-struct Case {
+struct ConfigCase {
   const char* name;
   const char* optimizer_json;
   Hyper expected;
 };
 
 TEST(OptimizerConfig, DeepSpeedSectionsTrainAsTorchAtStage3WithNvmeState) {
-  const Case cases[] = {
+  const ConfigCase cases[] = {
       // DeepSpeed: type Adam with adam_w_mode left out is AdamW (decoupled decay).
       {"adam_is_adamw",
        R"({"type": "Adam", "params": {"lr": 1e-3, "weight_decay": 0.01}})",
@@ -190,7 +191,7 @@ TEST(OptimizerConfig, DeepSpeedSectionsTrainAsTorchAtStage3WithNvmeState) {
       {"adagrad_defaults", R"({"type": "Adagrad"})", {Rule::kAdagrad, 1e-2, 0, 0, 1e-10, 0.0}},
   };
   const std::vector<std::vector<float>> init = initial_values(20261201);
-  for (const Case& c : cases) {
+  for (const ConfigCase& c : cases) {
     SCOPED_TRACE(c.name);
     ScratchDir dir(fmt::format("optimizer_config_{}", c.name));
     OptimizerParams parsed;

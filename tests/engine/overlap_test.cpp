@@ -23,7 +23,7 @@ namespace {
 using overlap_test::OverlapCase;
 using overlap_test::OverlapRun;
 
-std::vector<OverlapCase> matrix() {
+std::vector<OverlapCase> overlap_matrix() {
   std::vector<OverlapCase> cases;
   for (int world : {1, 4}) {
     for (int stage : {1, 2, 3}) {
@@ -99,7 +99,7 @@ TEST_P(OVERLAP_SUITE, SameBitsAsTheSequentialStep) {
   EXPECT_EQ(overlap_test::first_difference(*sequential, *overlapped), "");
 }
 
-INSTANTIATE_TEST_SUITE_P(Matrix, OVERLAP_SUITE, ::testing::ValuesIn(matrix()),
+INSTANTIATE_TEST_SUITE_P(Matrix, OVERLAP_SUITE, ::testing::ValuesIn(overlap_matrix()),
                          [](const auto& info) { return overlap_test::case_name(info.param); });
 
 // The backward of step t+1 beside pass t: reduce_gradients() into a group waits only until the

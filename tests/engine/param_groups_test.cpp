@@ -67,7 +67,7 @@ float grad(int rank, int t, std::size_t p, std::size_t i) {
 }
 
 constexpr double kLr = 1e-2, kWd = 0.1, kHeadScale = 0.5;
-constexpr int kWorld = 2;
+constexpr int kGroupsWorld = 2;
 
 // torch.optim.AdamW (weight_decay 0 is plain Adam), in double, on the mean gradient over ranks.
 std::vector<std::vector<double>> reference(const std::vector<Param>& m, int steps,
@@ -81,8 +81,8 @@ std::vector<std::vector<double>> reference(const std::vector<Param>& m, int step
       double x = initial(p, i), mo = 0, v = 0;
       for (int t = 1; t <= steps; ++t) {
         double g = 0;
-        for (int r = 0; r < kWorld; ++r) g += grad(r, t, p, i);
-        g /= kWorld;
+        for (int r = 0; r < kGroupsWorld; ++r) g += grad(r, t, p, i);
+        g /= kGroupsWorld;
         const double lr = lr_per_step[static_cast<std::size_t>(t - 1)] * scale;
         x *= 1.0 - lr * wd;
         mo = 0.9 * mo + 0.1 * g;
@@ -170,23 +170,23 @@ Status train(Engine& e, Device& device, const std::vector<Param>& m, int rank, i
   return Status::ok();
 }
 
-struct Case {
+struct GroupsCase {
   int stage;
   OffloadDevice opt;
   bool opaque;
 };
 
-std::string case_name(const Case& c) {
+std::string case_name(const GroupsCase& c) {
   const char* home = c.opt == OffloadDevice::kNone   ? (c.opaque ? "device" : "none")
                      : c.opt == OffloadDevice::kHost ? "cpu"
                                                      : "nvme";
   return fmt::format("stage{}_{}", c.stage, home);
 }
 
-class ParamGroups : public ::testing::TestWithParam<Case> {};
+class ParamGroups : public ::testing::TestWithParam<GroupsCase> {};
 
 TEST_P(ParamGroups, NoDecayGroupMovesAsAdamOthersAsAdamW) {
-  const Case c = GetParam();
+  const GroupsCase c = GetParam();
   const std::vector<Param> m = model();
   std::vector<std::vector<float>> init(m.size());
   for (std::size_t p = 0; p < m.size(); ++p) {
@@ -197,9 +197,10 @@ TEST_P(ParamGroups, NoDecayGroupMovesAsAdamOthersAsAdamW) {
   Config config = engine_test::small_config(c.stage, c.opt, OffloadDevice::kNone, dir.path());
   config.optimizer.lr = kLr;
   config.optimizer.weight_decay = kWd;
-  engine_test::Ranks ranks = engine_test::make_ranks(kWorld, std::chrono::seconds(30), 0, c.opaque);
+  engine_test::Ranks ranks =
+      engine_test::make_ranks(kGroupsWorld, std::chrono::seconds(30), 0, c.opaque);
   std::vector<std::vector<float>> got(m.size());
-  std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+  std::vector<Status> st = engine_test::run_ranks(kGroupsWorld, [&](int rank) -> Status {
     Env env;
     env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
     env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
@@ -213,7 +214,7 @@ TEST_P(ParamGroups, NoDecayGroupMovesAsAdamOthersAsAdamW) {
     }
     return Status::ok();
   });
-  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+  for (int r = 0; r < kGroupsWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
   const std::vector<double> lrs(kSteps, kLr);
   const std::vector<std::vector<double>> want = reference(m, kSteps, lrs);
   // 1e-6 relative on the size of the update-moved value: the engine is float, the reference
@@ -229,8 +230,8 @@ TEST_P(ParamGroups, NoDecayGroupMovesAsAdamOthersAsAdamW) {
   }
 }
 
-std::vector<Case> cases() {
-  std::vector<Case> out;
+std::vector<GroupsCase> groups_cases() {
+  std::vector<GroupsCase> out;
   for (int stage = 1; stage <= 3; ++stage) {
     for (OffloadDevice opt : {OffloadDevice::kNone, OffloadDevice::kHost, OffloadDevice::kNvme}) {
       out.push_back({stage, opt, false});
@@ -240,8 +241,8 @@ std::vector<Case> cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Homes, ParamGroups, ::testing::ValuesIn(cases()),
-                         [](const ::testing::TestParamInfo<Case>& info) {
+INSTANTIATE_TEST_SUITE_P(Homes, ParamGroups, ::testing::ValuesIn(groups_cases()),
+                         [](const ::testing::TestParamInfo<GroupsCase>& info) {
                            return case_name(info.param);
                          });
 
@@ -303,10 +304,10 @@ TEST(ParamGroupsSchedule, WarmupStepsAndResumesMidWarmup) {
   config.optimizer.weight_decay = kWd;
   const std::string ckpt = dir.path() + "/ckpt";
   for (bool resume : {false, true}) {
-    engine_test::Ranks ranks = engine_test::make_ranks(kWorld);
+    engine_test::Ranks ranks = engine_test::make_ranks(kGroupsWorld);
     std::vector<std::vector<float>> got(m.size());
     std::vector<double> lrs;
-    std::vector<Status> st = engine_test::run_ranks(kWorld, [&](int rank) -> Status {
+    std::vector<Status> st = engine_test::run_ranks(kGroupsWorld, [&](int rank) -> Status {
       Env env;
       env.device = ranks.devices[static_cast<std::size_t>(rank)].get();
       env.comm = ranks.comms[static_cast<std::size_t>(rank)].get();
@@ -341,7 +342,7 @@ TEST(ParamGroupsSchedule, WarmupStepsAndResumesMidWarmup) {
       if (rank == 0) lrs = my_lrs;
       return Status::ok();
     });
-    for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
+    for (int r = 0; r < kGroupsWorld; ++r) ASSERT_TRUE(st[r].is_ok()) << st[r].to_string();
     ASSERT_EQ(lrs.size(), want_lrs.size());
     for (std::size_t k = 0; k < lrs.size(); ++k) {
       EXPECT_NEAR(lrs[k], want_lrs[k], 1e-15) << "step " << k + 1 << (resume ? " (resumed)" : "");

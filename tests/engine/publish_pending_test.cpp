@@ -30,7 +30,7 @@ namespace {
 constexpr int kPublishWorld = 2;
 constexpr std::size_t kParams = 6;
 constexpr std::size_t kEach = 40;  // elements a parameter
-constexpr std::uint64_t kSeed = 6120;
+constexpr std::uint64_t kPendingSeed = 6120;
 
 // What a group's all-gather receives: kEach elements padded to kPublishWorld * 128 (the
 // partitioner's alignment_elements), f32.
@@ -43,7 +43,7 @@ Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size
 }
 
 TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOnce) {
-  SCOPED_TRACE(testing::Message() << "seed " << kSeed);
+  SCOPED_TRACE(testing::Message() << "seed " << kPendingSeed);
   engine_test::Ranks ranks = engine_test::make_ranks(kPublishWorld);
   Config config;
   config.optimizer.kind = OptimizerKind::kAdamW;
@@ -60,10 +60,10 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
     std::vector<std::vector<float>> masters, copies;
   };
   std::vector<Seen> seen(kPublishWorld);
-  // Parameter i's initial values are seeded with kSeed + i.
+  // Parameter i's initial values are seeded with kPendingSeed + i.
   const engine_test::Model model =
-      engine_test::one_param_modules(kParams, kEach, kSeed, -1.0f, 1.0f);
-  const std::vector<float> written = engine_test::seeded(kEach, kSeed + 99, -1.0f, 1.0f);
+      engine_test::one_param_modules(kParams, kEach, kPendingSeed, -1.0f, 1.0f);
+  const std::vector<float> written = engine_test::seeded(kEach, kPendingSeed + 99, -1.0f, 1.0f);
   const std::vector<Status> st =
       engine_test::run_engines(config, ranks, [&](int rank, Engine& engine) -> Status {
         Seen& s = seen[static_cast<std::size_t>(rank)];
@@ -78,7 +78,7 @@ TEST(PublishPending, TheNextCollectiveCallAllGathersTheGroupsNoGatherPublishedOn
         for (std::size_t i = kParams; i-- > 0;) {
           const std::string name = fmt::format("w{}", i);
           const std::vector<float> grad = engine_test::seeded(
-              kEach, kSeed * 7 + static_cast<std::uint64_t>(rank) * 100 + i, -1.0f, 1.0f);
+              kEach, kPendingSeed * 7 + static_cast<std::uint64_t>(rank) * 100 + i, -1.0f, 1.0f);
           const GradientRef ref{name, grad.data(), kEach, DType::kF32};
           ZINF_RETURN_IF_ERROR(engine.reduce_gradients(fmt::format("m{}", i), {&ref, 1}));
         }

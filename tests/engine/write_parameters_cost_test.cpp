@@ -34,8 +34,8 @@
 namespace zinf {
 namespace {
 
-constexpr std::size_t kParams = 300;
-constexpr std::size_t kEach = 24;  // elements a parameter
+constexpr std::size_t kCostParams = 300;
+constexpr std::size_t kCostEach = 24;  // elements a parameter
 
 // Initial and written values: uniform in [kLo, kHi).
 constexpr float kLo = -2.0f;
@@ -43,15 +43,16 @@ constexpr float kHi = 2.0f;
 
 using engine_test::same_bits;
 
-// Stage 2 (every group stays gathered), AdamW with its state at `offload`; kParams parameters
-// "w<i>" of kEach elements, each in module "m<i>" and its own group, initial values seeded with i.
+// Stage 2 (every group stays gathered), AdamW with its state at `offload`; kCostParams parameters
+// "w<i>" of kCostEach elements, each in module "m<i>" and its own group, initial values seeded with
+// i.
 struct CostCase {
   OffloadDevice offload;
   bool opaque;  // the devices opaque (a GPU's memory; offload none: DeviceState)
   int world;
 };
 
-// What a group's all-gather receives: kEach elements padded to world * 128 (the partitioner's
+// What a group's all-gather receives: kCostEach elements padded to world * 128 (the partitioner's
 // alignment_elements), f32.
 std::uint64_t gathered_bytes(int world) {
   return static_cast<std::uint64_t>(world) * 128 * sizeof(float);
@@ -72,22 +73,22 @@ Result<std::unique_ptr<Engine>> open_model(const CostCase& c, const std::string&
   env.comm = comm;
   ZINF_ASSIGN_OR_RETURN(std::unique_ptr<Engine> engine, Engine::open(config, env));
   ZINF_RETURN_IF_ERROR(engine_test::register_model(
-      *engine, engine_test::one_param_modules(kParams, kEach, /*seed=*/0, kLo, kHi)));
+      *engine, engine_test::one_param_modules(kCostParams, kCostEach, /*seed=*/0, kLo, kHi)));
   ZINF_RETURN_IF_ERROR(engine->finalize());
   return engine;
 }
 
 // The device copy of parameter i, through the device (an opaque device's memory is not the
 // host's).
-Result<std::vector<float>> device_copy(Engine& engine, Device& device, std::size_t i) {
+Result<std::vector<float>> cost_device_copy(Engine& engine, Device& device, std::size_t i) {
   const std::string module = fmt::format("m{}", i);
   ZINF_RETURN_IF_ERROR(engine.gather(module));
   ZINF_ASSIGN_OR_RETURN(TensorView copy, engine.parameter(fmt::format("w{}", i)));
-  if (copy.dtype != DType::kF32 || copy.element_count != kEach) {
-    return Status::internal(fmt::format("w{}'s device copy is not {} f32 elements", i, kEach));
+  if (copy.dtype != DType::kF32 || copy.element_count != kCostEach) {
+    return Status::internal(fmt::format("w{}'s device copy is not {} f32 elements", i, kCostEach));
   }
   ZINF_ASSIGN_OR_RETURN(std::vector<float> out,
-                        engine_test::copy_to_host(device, copy.data, kEach));
+                        engine_test::copy_to_host(device, copy.data, kCostEach));
   ZINF_RETURN_IF_ERROR(engine.release(module));
   return out;
 }
@@ -102,28 +103,29 @@ TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParamete
   engine_test::Ranks ranks =
       engine_test::make_ranks(c.world, std::chrono::seconds(30), /*jitter_max_us=*/0, c.opaque);
   std::vector<std::string> names;
-  for (std::size_t i = 0; i < kParams; ++i) names.push_back(fmt::format("w{}", i));
+  for (std::size_t i = 0; i < kCostParams; ++i) names.push_back(fmt::format("w{}", i));
   // What every rank's parameters hold at the end, the same on each.
-  std::vector<std::vector<float>> expect(kParams);
-  for (std::size_t i = 0; i < kParams; ++i) expect[i] = engine_test::seeded(kEach, i, kLo, kHi);
+  std::vector<std::vector<float>> expect(kCostParams);
+  for (std::size_t i = 0; i < kCostParams; ++i)
+    expect[i] = engine_test::seeded(kCostEach, i, kLo, kHi);
   // Single writes of every other parameter, from the last one down.
   std::vector<std::size_t> singles;
-  for (std::size_t i = kParams; i-- > 0;) {
+  for (std::size_t i = kCostParams; i-- > 0;) {
     if (i % 2 == 0) singles.push_back(i);
   }
-  for (std::size_t i : singles) expect[i] = engine_test::seeded(kEach, 1000 + i, kLo, kHi);
+  for (std::size_t i : singles) expect[i] = engine_test::seeded(kCostEach, 1000 + i, kLo, kHi);
   // A batch, shuffled: the first parameter, every seventh one and the last (runs of one group
   // with gaps), and three side by side (a run of several groups).
   std::vector<std::size_t> picked = {0, 150, 151, 152};
-  for (std::size_t i = 3; i < kParams; i += 7) {
+  for (std::size_t i = 3; i < kCostParams; i += 7) {
     if (i < 150 || i > 152) picked.push_back(i);
   }
-  picked.push_back(kParams - 1);
+  picked.push_back(kCostParams - 1);
   std::shuffle(picked.begin(), picked.end(), std::mt19937_64(7));
   std::vector<std::string_view> batch;
   for (std::size_t i : picked) {
     batch.push_back(names[i]);
-    expect[i] = engine_test::seeded(kEach, 5000 + i, kLo, kHi);
+    expect[i] = engine_test::seeded(kCostEach, 5000 + i, kLo, kHi);
   }
 
   std::vector<std::vector<std::uint64_t>> single_gathered(c.world);
@@ -147,11 +149,12 @@ TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParamete
           return Status::ok();
         }));
     batch_gathered[r] = engine->counters().all_gather_bytes - before;
-    for (std::size_t i = 0; i < kParams; ++i) {
-      std::vector<float> got(kEach);
+    for (std::size_t i = 0; i < kCostParams; ++i) {
+      std::vector<float> got(kCostEach);
       ZINF_RETURN_IF_ERROR(engine->read_parameters(names[i], got.data()));
       masters[r].push_back(std::move(got));
-      ZINF_ASSIGN_OR_RETURN(std::vector<float> copy, device_copy(*engine, *ranks.devices[r], i));
+      ZINF_ASSIGN_OR_RETURN(std::vector<float> copy,
+                            cost_device_copy(*engine, *ranks.devices[r], i));
       copies[r].push_back(std::move(copy));
     }
     return Status::ok();
@@ -165,7 +168,7 @@ TEST_P(WriteParametersCost, SinglesAndAScatteredBatchWriteAndGatherTheirParamete
           << "rank " << rank << ", w" << singles[k];
     }
     EXPECT_EQ(batch_gathered[r], picked.size() * gathered_bytes(c.world)) << "rank " << rank;
-    for (std::size_t i = 0; i < kParams; ++i) {
+    for (std::size_t i = 0; i < kCostParams; ++i) {
       EXPECT_TRUE(same_bits(masters[r][i], expect[i])) << "rank " << rank << ", " << names[i];
       // The device copy (stage 2: kept gathered) shows them too.
       EXPECT_TRUE(same_bits(copies[r][i], expect[i]))
@@ -194,7 +197,7 @@ TEST(WriteParametersCheck, ReportsTheFirstBadNameInTheOrderGiven) {
   Result<std::unique_ptr<Engine>> engine = open_model({OffloadDevice::kHost, false, 1}, dir,
                                                       ranks.devices[0].get(), ranks.comms[0].get());
   ASSERT_TRUE(engine.is_ok()) << engine.status().to_string();
-  const std::vector<float> values(kEach, 1.5f);
+  const std::vector<float> values(kCostEach, 1.5f);
   auto give = [&](std::string_view, std::span<float> out) {
     std::memcpy(out.data(), values.data(), out.size_bytes());
     return Status::ok();
@@ -214,10 +217,10 @@ TEST(WriteParametersCheck, ReportsTheFirstBadNameInTheOrderGiven) {
   EXPECT_EQ(call({"w4", "w4", "nope"}),
             "invalid_argument: write_parameters('w4'): the parameter is named twice (at 0 and 1)");
   // None of those wrote anything.
-  std::vector<float> got(kEach);
+  std::vector<float> got(kCostEach);
   for (std::size_t i : {2, 4, 5, 7, 9}) {
     ASSERT_TRUE((*engine)->read_parameters(fmt::format("w{}", i), got.data()).is_ok());
-    EXPECT_TRUE(same_bits(got, engine_test::seeded(kEach, i, kLo, kHi))) << "w" << i;
+    EXPECT_TRUE(same_bits(got, engine_test::seeded(kCostEach, i, kLo, kHi))) << "w" << i;
   }
   engine->reset();
   std::filesystem::remove_all(dir);

@@ -40,7 +40,7 @@ namespace {
 
 using engine_test::Model;
 
-struct Case {
+struct WriteCase {
   int world;
   int stage;
   OffloadDevice optimizer;
@@ -50,7 +50,7 @@ struct Case {
   bool opaque = false;
 };
 
-std::string case_name(const Case& c) {
+std::string case_name(const WriteCase& c) {
   return fmt::format("w{}_s{}_opt_{}_param_{}{}", c.world, c.stage,
                      offload_device_name(c.optimizer), offload_device_name(c.params),
                      c.opaque ? "_opaque" : "");
@@ -73,10 +73,10 @@ Result<std::vector<float>> gathered_values(Engine& engine, Device& device,
   return out;
 }
 
-class WriteParameters : public ::testing::TestWithParam<Case> {};
+class WriteParameters : public ::testing::TestWithParam<WriteCase> {};
 
 TEST_P(WriteParameters, ReplacesOneMasterFromTheRoot) {
-  const Case c = GetParam();
+  const WriteCase c = GetParam();
   engine_test::ScratchDir dir("write_parameters_" + case_name(c));
   const Model model = engine_test::make_model(DType::kF32, 77);
   // The largest parameter, so that it spans several sub-groups and ranks.
@@ -181,7 +181,7 @@ struct RankOutcome {
 
 // Two training steps (the moments are not zero), then kBatch's parameters written from the last
 // rank in the way `writes` says, then one more step.
-std::vector<RankOutcome> train_write_step(const Case& c, Writes writes, const Model& model,
+std::vector<RankOutcome> train_write_step(const WriteCase& c, Writes writes, const Model& model,
                                           const std::vector<std::vector<float>>& fresh) {
   engine_test::ScratchDir dir(
       fmt::format("write_batch_{}_{}", case_name(c), static_cast<int>(writes)));
@@ -242,7 +242,7 @@ std::vector<RankOutcome> train_write_step(const Case& c, Writes writes, const Mo
 using engine_test::same_bits;
 
 TEST_P(WriteParameters, BatchWritesAsOneByOneDoes) {
-  const Case c = GetParam();
+  const WriteCase c = GetParam();
   const Model model = engine_test::make_model(DType::kF32, 78);
   const std::vector<std::vector<float>> fresh = fresh_values(model, 9);
   const std::vector<RankOutcome> batch = train_write_step(c, Writes::kBatch, model, fresh);
@@ -289,14 +289,14 @@ TEST_P(WriteParameters, BatchWritesAsOneByOneDoes) {
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, WriteParameters,
-    ::testing::Values(Case{1, 1, OffloadDevice::kNone}, Case{2, 1, OffloadDevice::kHost},
-                      Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNone},
-                      Case{2, 3, OffloadDevice::kHost, OffloadDevice::kHost},
-                      Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme},
-                      Case{2, 3, OffloadDevice::kNone, OffloadDevice::kNone, /*opaque=*/true},
-                      Case{4, 2, OffloadDevice::kHost},
-                      Case{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}),
-    [](const ::testing::TestParamInfo<Case>& info) { return case_name(info.param); });
+    ::testing::Values(WriteCase{1, 1, OffloadDevice::kNone}, WriteCase{2, 1, OffloadDevice::kHost},
+                      WriteCase{2, 2, OffloadDevice::kNvme}, WriteCase{2, 3, OffloadDevice::kNone},
+                      WriteCase{2, 3, OffloadDevice::kHost, OffloadDevice::kHost},
+                      WriteCase{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme},
+                      WriteCase{2, 3, OffloadDevice::kNone, OffloadDevice::kNone, /*opaque=*/true},
+                      WriteCase{4, 2, OffloadDevice::kHost},
+                      WriteCase{4, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}),
+    [](const ::testing::TestParamInfo<WriteCase>& info) { return case_name(info.param); });
 
 // With a compute stream (Engine::set_compute_stream) on an opaque device, the caller's work
 // queued before write_parameters() still reads the old values: at stage 2 every group stays
@@ -362,8 +362,8 @@ TEST(WriteParametersBatch, WaitsForTheComputeStreamsWorkBeforeItRewritesTheGathe
 // one, which reads each one's sub-groups again. The reads are counted by a fault injector that
 // delays every read piece by nothing.
 TEST(WriteParametersBatch, ReadsTheStateFromNvmeOnce) {
-  for (const Case& c :
-       {Case{2, 2, OffloadDevice::kNvme}, Case{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}}) {
+  for (const WriteCase& c : {WriteCase{2, 2, OffloadDevice::kNvme},
+                             WriteCase{2, 3, OffloadDevice::kNvme, OffloadDevice::kNvme}}) {
     SCOPED_TRACE(case_name(c));
     engine_test::ScratchDir dir("write_batch_reads_" + case_name(c));
     const Model model = engine_test::make_model(DType::kF32, 79);
@@ -437,7 +437,7 @@ struct CostedWrites {
 // those written (fault injectors that delay every piece by nothing), makes `writes` in order on
 // each rank and records their costs (the engine's counters give the shard and all-gathered
 // bytes); the first run then reads the masters and gathers each parameter of `shown`.
-void measure_writes(const Case& c, const Model& model, std::size_t sub_group_size,
+void measure_writes(const WriteCase& c, const Model& model, std::size_t sub_group_size,
                     const std::string& dir_name, const std::vector<CostedWrite>& writes,
                     const std::vector<std::string_view>& shown, CostedWrites& out) {
   const auto world = static_cast<std::size_t>(c.world);
@@ -510,10 +510,10 @@ void measure_writes(const Case& c, const Model& model, std::size_t sub_group_siz
 // and by the engine's counters.
 TEST(WriteParametersBatch, OneParameterCostsItsGroupNotThePartition) {
   using D = OffloadDevice;
-  for (const auto& [c, dtype] : {std::pair{Case{2, 2, D::kNvme}, DType::kF32},
-                                 std::pair{Case{2, 3, D::kNvme, D::kNvme}, DType::kF32},
-                                 std::pair{Case{2, 2, D::kNvme}, DType::kBF16},
-                                 std::pair{Case{2, 3, D::kNvme, D::kNvme}, DType::kBF16}}) {
+  for (const auto& [c, dtype] : {std::pair{WriteCase{2, 2, D::kNvme}, DType::kF32},
+                                 std::pair{WriteCase{2, 3, D::kNvme, D::kNvme}, DType::kF32},
+                                 std::pair{WriteCase{2, 2, D::kNvme}, DType::kBF16},
+                                 std::pair{WriteCase{2, 3, D::kNvme, D::kNvme}, DType::kBF16}}) {
     SCOPED_TRACE(fmt::format("{} {}", case_name(c), dtype_name(dtype)));
     const Model model = engine_test::make_model(dtype, 87);
     const std::vector<std::vector<float>> fresh = fresh_values(model, 17);
@@ -574,7 +574,7 @@ TEST(WriteParametersBatch, OneParameterCostsItsGroupNotThePartition) {
 // elements (about eleven per rank), so the two parameters' sub-groups are apart.
 TEST(WriteParametersBatch, TwoParametersFarApartCostTheirGroupsAlone) {
   using D = OffloadDevice;
-  for (const Case& c : {Case{2, 2, D::kNvme}, Case{2, 3, D::kNvme, D::kNvme}}) {
+  for (const WriteCase& c : {WriteCase{2, 2, D::kNvme}, WriteCase{2, 3, D::kNvme, D::kNvme}}) {
     SCOPED_TRACE(case_name(c));
     const Model model = engine_test::make_model(DType::kF32, 89);
     const std::vector<std::vector<float>> fresh = fresh_values(model, 21);
@@ -640,14 +640,15 @@ TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
   using D = OffloadDevice;
   struct Run {
     DType dtype;
-    Case c;
+    WriteCase c;
   };
-  for (const Run& run :
-       {Run{DType::kBF16, Case{2, 2, D::kNvme}}, Run{DType::kBF16, Case{2, 3, D::kNvme, D::kNvme}},
-        Run{DType::kF32, Case{2, 2, D::kNvme}}, Run{DType::kF32, Case{2, 3, D::kNvme, D::kNvme}},
-        Run{DType::kBF16, Case{2, 3, D::kNvme, D::kHost}}}) {
+  for (const Run& run : {Run{DType::kBF16, WriteCase{2, 2, D::kNvme}},
+                         Run{DType::kBF16, WriteCase{2, 3, D::kNvme, D::kNvme}},
+                         Run{DType::kF32, WriteCase{2, 2, D::kNvme}},
+                         Run{DType::kF32, WriteCase{2, 3, D::kNvme, D::kNvme}},
+                         Run{DType::kBF16, WriteCase{2, 3, D::kNvme, D::kHost}}}) {
     const DType dtype = run.dtype;
-    const Case& c = run.c;
+    const WriteCase& c = run.c;
     SCOPED_TRACE(fmt::format("{}_{}", dtype_name(dtype), case_name(c)));
     const Model model = engine_test::make_model(dtype, 90);
     const std::vector<std::vector<float>> fresh = fresh_values(model, 23);
@@ -710,8 +711,8 @@ TEST(WriteParametersBatch, TwoParametersInOneSubGroupRewriteItOnce) {
 // gathered values after it are those written.
 TEST(WriteParametersBatch, OneParameterGathersItsGroupAlone) {
   using D = OffloadDevice;
-  for (const Case& c : {Case{2, 2, D::kNone, D::kNone, /*opaque=*/true}, Case{2, 2, D::kNone},
-                        Case{2, 2, D::kHost}}) {
+  for (const WriteCase& c : {WriteCase{2, 2, D::kNone, D::kNone, /*opaque=*/true},
+                             WriteCase{2, 2, D::kNone}, WriteCase{2, 2, D::kHost}}) {
     SCOPED_TRACE(case_name(c));
     const Model model = engine_test::make_model(DType::kF32, 88);
     const std::vector<std::vector<float>> fresh = fresh_values(model, 19);
@@ -764,9 +765,9 @@ TEST(WriteParametersBatch, OneParameterGathersItsGroupAlone) {
 // values), bf16 at stage 2 (streamed into the device shards during the pass). Counted by fault
 // injectors that delay every read piece, or every written piece, by nothing.
 TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
-  for (const auto& [c, dtype] : {std::pair{Case{2, 2, OffloadDevice::kNvme}, DType::kF32},
-                                 std::pair{Case{2, 3, OffloadDevice::kNvme}, DType::kF32},
-                                 std::pair{Case{2, 2, OffloadDevice::kNvme}, DType::kBF16}}) {
+  for (const auto& [c, dtype] : {std::pair{WriteCase{2, 2, OffloadDevice::kNvme}, DType::kF32},
+                                 std::pair{WriteCase{2, 3, OffloadDevice::kNvme}, DType::kF32},
+                                 std::pair{WriteCase{2, 2, OffloadDevice::kNvme}, DType::kBF16}}) {
     SCOPED_TRACE(fmt::format("{} {}", case_name(c), dtype_name(dtype)));
     const Model model = engine_test::make_model(dtype, 85);
     const std::vector<std::vector<float>> fresh = fresh_values(model, 15);
@@ -806,8 +807,8 @@ TEST(WriteParametersBatch, ReadsTheMasterOnceToWriteIt) {
 // masters rounded to bf16, bit for bit.
 TEST(WriteParametersBatch, PublishesTheMastersRounded) {
   using D = OffloadDevice;
-  for (const Case& c : {Case{2, 3, D::kNvme, D::kNvme}, Case{2, 2, D::kNvme},
-                        Case{2, 3, D::kNvme, D::kHost}, Case{2, 2, D::kHost}}) {
+  for (const WriteCase& c : {WriteCase{2, 3, D::kNvme, D::kNvme}, WriteCase{2, 2, D::kNvme},
+                             WriteCase{2, 3, D::kNvme, D::kHost}, WriteCase{2, 2, D::kHost}}) {
     SCOPED_TRACE(case_name(c));
     engine_test::ScratchDir dir("write_batch_half_" + case_name(c));
     const Model model = engine_test::make_model(DType::kBF16, 86);
@@ -1237,9 +1238,10 @@ TEST(WriteParametersBatch, AnIoErrorMidwayFailsEveryRankAndStays) {
 // communicator is not aborted.
 TEST(WriteParametersBatch, AShardWriteErrorFailsEveryRankInTheSameCall) {
   using D = OffloadDevice;
-  const Case cases[] = {Case{2, 3, D::kNone, D::kNvme}, Case{2, 3, D::kHost, D::kNvme},
-                        Case{2, 3, D::kNone, D::kNvme, /*opaque=*/true}};
-  for (const Case& c : cases) {
+  const WriteCase cases[] = {WriteCase{2, 3, D::kNone, D::kNvme},
+                             WriteCase{2, 3, D::kHost, D::kNvme},
+                             WriteCase{2, 3, D::kNone, D::kNvme, /*opaque=*/true}};
+  for (const WriteCase& c : cases) {
     for (const bool none_persistent : {false, true}) {
       const std::string label =
           fmt::format("{}{}", case_name(c), none_persistent ? "_none_persistent" : "");
