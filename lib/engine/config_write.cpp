@@ -12,14 +12,14 @@
 namespace zinf {
 namespace {
 
-using Json = nlohmann::ordered_json;
+using OrderedJson = nlohmann::ordered_json;
 
 using config_detail::invalid;
 
 // The keys the schedule's type takes in DeepSpeed, each written out; a value that means "not
 // given" (a negative warmup_max_lr, cycle_second_*) is left out, so it is not given when read back.
-Json scheduler_to_json(const ScheduleConfig& s) {
-  Json p;
+OrderedJson scheduler_to_json(const ScheduleConfig& s) {
+  OrderedJson p;
   switch (s.kind) {
     case ScheduleKind::kNone:
       break;
@@ -207,7 +207,7 @@ Status validate(const Config& c) {
 std::string config_to_json(const Config& c) {
   const ZeroConfig& z = c.zero;
   auto offload = [](const OffloadConfig& o, bool param) {
-    Json j;
+    OrderedJson j;
     j["device"] = std::string(offload_device_name(o.device));
     j["nvme_path"] = o.nvme_path;
     j["pin_memory"] = o.pin_memory;
@@ -215,7 +215,7 @@ std::string config_to_json(const Config& c) {
     if (param) j["buffer_size"] = o.buffer_params;
     return j;
   };
-  Json out;
+  OrderedJson out;
   // With train_batch_size, the other two only where given (by their keys, derived, or set in code
   // to other than the default of 1, which resolve_batch_sizes() counts as given), so that the file
   // read back keeps them and derives what this config would.
@@ -239,7 +239,7 @@ std::string config_to_json(const Config& c) {
   // Every value written out, so the file means the same whatever the type's defaults are; only
   // the keys the type's DeepSpeed optimizer takes.
   const OptimizerParams& o = c.optimizer;
-  Json params;
+  OrderedJson params;
   params["lr"] = o.lr;
   switch (o.kind) {
     case OptimizerKind::kAdam:
@@ -262,7 +262,7 @@ std::string config_to_json(const Config& c) {
   }
   out["optimizer"] = {{"type", std::string(deepspeed_type_name(o.kind))}, {"params", params}};
   if (c.scheduler.kind != ScheduleKind::kNone) out["scheduler"] = scheduler_to_json(c.scheduler);
-  Json zero;
+  OrderedJson zero;
   zero["stage"] = z.stage;
   zero["offload_optimizer"] = offload(z.offload_optimizer, false);
   zero["offload_param"] = offload(z.offload_param, true);

@@ -15,10 +15,6 @@
 
 namespace zinf {
 
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
-
 Status ParameterLayout::add(const ParameterSpec& spec) {
   const std::string what = fmt::format("register_parameter('{}')", spec.name);
   if (spec.name.empty()) return Status::invalid_argument("register_parameter: empty name");

@@ -25,9 +25,6 @@
 
 namespace zinf {
 
-// "[2, 3]".
-std::string shape_text(const std::vector<std::int64_t>& shape);
-
 class ParameterLayout {
  public:
   struct Registered {

@@ -12,6 +12,11 @@
 #include "base/assert.hpp"
 
 namespace zinf {
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  return fmt::format("[{}]", fmt::join(shape, ", "));
+}
+
 namespace {
 
 constexpr bool is_power_of_two(std::size_t value) {
@@ -20,10 +25,6 @@ constexpr bool is_power_of_two(std::size_t value) {
 
 // Element counts stay below 2^62 so that offsets times 4 bytes and sums of groups never overflow.
 constexpr std::size_t kMaxElements = std::size_t{1} << 62;
-
-std::string shape_text(const std::vector<std::int64_t>& shape) {
-  return fmt::format("[{}]", fmt::join(shape, ", "));
-}
 
 void hash_bytes(XXH3_state_t* state, const void* data, std::size_t bytes) {
   XXH3_64bits_update(state, data, bytes);

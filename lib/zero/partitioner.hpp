@@ -79,6 +79,9 @@ struct PartitionerOptions {
   bool group_by_module = true;
 };
 
+// A shape as the library's messages write it: "[2, 3]".
+std::string shape_text(const std::vector<std::int64_t>& shape);
+
 struct ParamSpec {
   std::string name;                 // unique, for example "layers.3.attn.qkv.weight"
   std::string module;               // the module that uses it, for example "layers.3"; may be empty
