@@ -55,14 +55,6 @@ Masters reference(const Config& config, const Model& model, int world, int steps
   return engine_test::run_reference(config, model, world, options).master;
 }
 
-double replace_worst_diff(const Masters& got, const Masters& want) {
-  double worst = 0;
-  for (std::size_t p = 0; p < want.size(); ++p) {
-    worst = std::max(worst, engine_test::max_rel_diff(got.at(p), want[p]));
-  }
-  return worst;
-}
-
 // Fresh engines of `world` ranks load `tag` ("" for `latest`) from `dir`; rank 0's masters.
 Result<Masters> load_masters(const Config& config, const Model& model, int world,
                              const std::string& dir, const std::string& tag) {
@@ -126,7 +118,7 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
   const Masters at2 = reference(config, model, c.world, 2);
   const Masters at4 = reference(config, model, c.world, 4);
   const Masters at5 = reference(config, model, c.world, 5);
-  ASSERT_GT(replace_worst_diff(at4, at2), 1e-3) << "steps 3-4 must move the masters";
+  ASSERT_GT(engine_test::worst_rel_diff(at4, at2), 1e-3) << "steps 3-4 must move the masters";
 
   Masters trained5;
   for (const Status& st : with_engines(config, model, c.world, [&](int rank, Engine&e) -> Status {
@@ -152,7 +144,7 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
-  EXPECT_LE(replace_worst_diff(trained5, at5), 1e-6);
+  EXPECT_LE(engine_test::worst_rel_diff(trained5, at5), 1e-6);
   EXPECT_EQ(engine_test::read_file(dir + "/latest"), "last");
   EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
   {
@@ -168,7 +160,7 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
   for (const std::string tag : {"", "last"}) {
     Result<Masters> loaded = load_masters(config, model, c.world, dir, tag);
     ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-    EXPECT_LE(replace_worst_diff(*loaded, at4), 1e-6) << "tag '" << tag << "'";
+    EXPECT_LE(engine_test::worst_rel_diff(*loaded, at4), 1e-6) << "tag '" << tag << "'";
   }
 
   Masters again5;
@@ -183,10 +175,10 @@ TEST_P(CheckpointReplace, SavingATagAgainLeavesTheSecondSavesState) {
        })) {
     ASSERT_TRUE(st.is_ok()) << st.to_string();
   }
-  EXPECT_LE(replace_worst_diff(again5, at5), 1e-6);
+  EXPECT_LE(engine_test::worst_rel_diff(again5, at5), 1e-6);
   Result<Masters> loaded = load_masters(config, model, c.world, dir, "last");
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-  EXPECT_LE(replace_worst_diff(*loaded, at4), 1e-6);
+  EXPECT_LE(engine_test::worst_rel_diff(*loaded, at4), 1e-6);
   EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
   Result<nlohmann::json> info = inspect_checkpoints(dir, true);
   ASSERT_TRUE(info.is_ok()) << info.status().to_string();
@@ -280,7 +272,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     for (const std::string tag : {"", "last"}) {
       Result<Masters> loaded = load_masters(config, model, kWorld, dir, tag);
       ASSERT_TRUE(loaded.is_ok()) << "tag '" << tag << "': " << loaded.status().to_string();
-      EXPECT_LE(replace_worst_diff(*loaded, want), 1e-6) << "tag '" << tag << "'";
+      EXPECT_LE(engine_test::worst_rel_diff(*loaded, want), 1e-6) << "tag '" << tag << "'";
     }
     // The next run saves another tag first: the crashed save's tag keeps its state (a save
     // removes what crashed saves left, and gives a tag moved aside its name back first).
@@ -293,7 +285,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     }
     Result<Masters> kept = load_masters(config, model, kWorld, dir, "last");
     ASSERT_TRUE(kept.is_ok()) << kept.status().to_string();
-    EXPECT_LE(replace_worst_diff(*kept, want), 1e-6);
+    EXPECT_LE(engine_test::worst_rel_diff(*kept, want), 1e-6);
     // Then the tag itself, from step 5.
     for (const Status& st : with_engines(config, model, kWorld, [&](int, Engine& e) {
            ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "next"));
@@ -305,7 +297,7 @@ TEST(CheckpointReplaceCrash, ACrashAtEachPointLeavesTheOldTagOrTheNewWhole) {
     EXPECT_EQ(engine_test::read_file(dir + "/latest"), "last");
     Result<Masters> loaded = load_masters(config, model, kWorld, dir, "");
     ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-    EXPECT_LE(replace_worst_diff(*loaded, at5), 1e-6);
+    EXPECT_LE(engine_test::worst_rel_diff(*loaded, at5), 1e-6);
     Result<nlohmann::json> info = inspect_checkpoints(dir, true);
     ASSERT_TRUE(info.is_ok()) << info.status().to_string();
     EXPECT_TRUE((*info)["problems"].empty()) << info->dump();
@@ -346,7 +338,7 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   EXPECT_TRUE(std::filesystem::exists(dir + "/.last.old/" + std::string(kCheckpointManifest)));
   Result<Masters> kept = load_masters(config, model, 1, dir, "last");
   ASSERT_TRUE(kept.is_ok()) << kept.status().to_string();
-  EXPECT_LE(replace_worst_diff(*kept, at2), 1e-6);
+  EXPECT_LE(engine_test::worst_rel_diff(*kept, at2), 1e-6);
   // The rename back succeeds now: the tag has its name again, and nothing is left over.
   for (const Status& st : with_engines(config, model, 1, [&](int, Engine& e) {
          ZINF_RETURN_IF_ERROR(e.load_checkpoint(dir, "next"));
@@ -357,7 +349,7 @@ TEST(CheckpointReplaceRestore, AMovedAsideTagThatCannotBeRenamedBackIsKept) {
   EXPECT_TRUE(leftovers(dir).empty()) << fmt::format("{}", fmt::join(leftovers(dir), " "));
   Result<Masters> restored = load_masters(config, model, 1, dir, "last");
   ASSERT_TRUE(restored.is_ok()) << restored.status().to_string();
-  EXPECT_LE(replace_worst_diff(*restored, at2), 1e-6);
+  EXPECT_LE(engine_test::worst_rel_diff(*restored, at2), 1e-6);
 }
 
 // A crash while keep_last removes a tag (renamed aside, its manifest not yet removed) leaves no
@@ -411,7 +403,7 @@ TEST(CheckpointPruneCrash, ATagCutShortInItsPruningStaysPruned) {
   EXPECT_FALSE(std::filesystem::exists(dir + "/b"));
   Result<Masters> loaded = load_masters(config, model, 1, dir, "");
   ASSERT_TRUE(loaded.is_ok()) << loaded.status().to_string();
-  EXPECT_LE(replace_worst_diff(*loaded, at3), 1e-6);
+  EXPECT_LE(engine_test::worst_rel_diff(*loaded, at3), 1e-6);
 }
 
 // A directory of the tag's name that is not a checkpoint (neither a manifest nor rank files) is

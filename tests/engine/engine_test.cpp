@@ -58,15 +58,6 @@ Status read_all(Engine& engine, const Model& model, std::vector<std::vector<floa
   return Status::ok();
 }
 
-double worst_diff(const std::vector<std::vector<float>>& a,
-                  const std::vector<std::vector<float>>& b) {
-  double worst = 0.0;
-  for (std::size_t p = 0; p < a.size(); ++p) {
-    worst = std::max(worst, engine_test::max_rel_diff(a[p], b[p]));
-  }
-  return worst;
-}
-
 // --- Prefetch --------------------------------------------------------------------------------
 
 // Replays rank 0's "issue <module>" and "release <module>" instants from the trace: from the
@@ -194,7 +185,7 @@ TEST(EnginePrefetch, MaxLiveBoundsPrefetchNotTheModuleInUse) {
     if (max_live == 0) {
       EXPECT_EQ(counters[0].prefetches_issued, 0u);
     }
-    EXPECT_EQ(worst_diff(finals[0], ref.master), 0.0);
+    EXPECT_EQ(engine_test::worst_rel_diff(finals[0], ref.master), 0.0);
   }
 }
 
@@ -294,7 +285,7 @@ TEST_P(EngineOverflow, InfOnOneRankSkipsEveryRankHalvesTheScaleAndChangesNothing
     }
     // And no optimizer state either: continuing gives exactly the run that never saw the batch
     // (moments or step counts touched by the skipped step would show here).
-    EXPECT_EQ(worst_diff(finals[u], ref.master), 0.0) << "rank " << r;
+    EXPECT_EQ(engine_test::worst_rel_diff(finals[u], ref.master), 0.0) << "rank " << r;
   }
 }
 
@@ -491,8 +482,8 @@ TEST(EngineBadInput, EachCallFailsClearlyAndTrainingContinuesExactly) {
     return read_all(*engine, model, &finals[static_cast<std::size_t>(rank)]);
   });
   for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();
-  EXPECT_EQ(worst_diff(finals[0], ref.master), 0.0);
-  EXPECT_EQ(worst_diff(finals[1], ref.master), 0.0);
+  EXPECT_EQ(engine_test::worst_rel_diff(finals[0], ref.master), 0.0);
+  EXPECT_EQ(engine_test::worst_rel_diff(finals[1], ref.master), 0.0);
 }
 
 TEST(EngineBadInput, RanksRegisteringDifferentShapesFailOnEveryRankNamingTheParameter) {
@@ -841,7 +832,7 @@ TEST(EngineJitter, RandomStreamDelaysChangeNothing) {
     for (const Status& s : st)
       ASSERT_TRUE(s.is_ok()) << "stage " << run.stage << ": " << s.to_string();
     for (int r = 0; r < world; ++r) {
-      EXPECT_EQ(worst_diff(finals[static_cast<std::size_t>(r)], ref.master), 0.0)
+      EXPECT_EQ(engine_test::worst_rel_diff(finals[static_cast<std::size_t>(r)], ref.master), 0.0)
           << "stage " << run.stage << " rank " << r;
     }
   }
@@ -921,8 +912,8 @@ TEST(EngineLearningRate, SetLearningRateTakesEffectAtTheNextStep) {
       o.steps = 3;
       ZINF_RETURN_IF_ERROR(engine_test::train_rank(*engine, model, rank, o, nullptr, nullptr));
       ZINF_RETURN_IF_ERROR(read_all(*engine, model, &c));
-      EXPECT_EQ(worst_diff(b, a), 0.0) << offload_device_name(opt);
-      EXPECT_GT(worst_diff(c, b), 1e-4) << offload_device_name(opt);
+      EXPECT_EQ(engine_test::worst_rel_diff(b, a), 0.0) << offload_device_name(opt);
+      EXPECT_GT(engine_test::worst_rel_diff(c, b), 1e-4) << offload_device_name(opt);
       return Status::ok();
     });
     for (const Status& s : st) ASSERT_TRUE(s.is_ok()) << s.to_string();

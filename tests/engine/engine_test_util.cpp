@@ -544,6 +544,15 @@ double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, do
   return a.size() == b.size() ? worst : 1e30;
 }
 
+double worst_rel_diff(const std::vector<std::vector<float>>& got,
+                      const std::vector<std::vector<float>>& want) {
+  double worst = 0;
+  for (std::size_t p = 0; p < want.size(); ++p) {
+    worst = std::max(worst, max_rel_diff(got.at(p), want[p]));
+  }
+  return worst;
+}
+
 Config small_config(int stage, OffloadDevice optimizer, OffloadDevice params,
                     const std::string& nvme_path) {
   Config c;

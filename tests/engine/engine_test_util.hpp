@@ -209,6 +209,9 @@ double median(std::vector<double> v);
 
 // max |a - b| / max(|b|, floor) over all elements.
 double max_rel_diff(const std::vector<float>& a, const std::vector<float>& b, double floor = 1e-3);
+// The largest max_rel_diff() over the parameters of `want` (`got` has at least as many).
+double worst_rel_diff(const std::vector<std::vector<float>>& got,
+                      const std::vector<std::vector<float>>& want);
 
 // A config for small test models: tiny buckets, sub-groups and prefetch so that every path runs
 // with several pieces.
